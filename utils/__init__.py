@@ -1,0 +1,1 @@
+"""Utilities shared by every stage (device helper, constants, checkpoints, logging, plots)."""

@@ -1,0 +1,150 @@
+"""The one place that knows about accelerator back ends.
+
+Owns: picking the device and the matching process-group backend, seeding, autocast
+contexts, and CUDA stream/event stand-ins that are no-ops on CPU. Every other module asks
+this one instead of writing a device literal, so the same code runs on CPU + gloo and on
+CUDA + NCCL. It must never set NCCL environment variables or touch a device at import time.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+from typing import Optional
+
+import numpy as np
+import torch
+
+_ACCEL = "cuda"  # the single accelerator literal of the project
+
+
+def accelerator_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def resolve_device(preference: str = "auto", local_rank: int = 0) -> torch.device:
+    """'auto' -> the local accelerator when present, else CPU. Explicit strings pass through."""
+    if preference in ("", "auto"):
+        if accelerator_available():
+            return torch.device(_ACCEL, local_rank % torch.cuda.device_count())
+        return torch.device("cpu")
+    dev = torch.device(preference)
+    if dev.type == _ACCEL and dev.index is None:
+        dev = torch.device(_ACCEL, local_rank % max(1, torch.cuda.device_count()))
+    return dev
+
+
+def is_accelerator(device: torch.device | str) -> bool:
+    return torch.device(device).type == _ACCEL
+
+
+def dist_backend(device: torch.device | str) -> str:
+    """NCCL for the accelerator, gloo for CPU."""
+    return "nccl" if is_accelerator(device) else "gloo"
+
+
+def set_device(device: torch.device) -> None:
+    if is_accelerator(device):
+        torch.cuda.set_device(device)
+
+
+def synchronize(device: torch.device | str) -> None:
+    if is_accelerator(device):
+        torch.cuda.synchronize(torch.device(device))
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+def autocast_context(device: torch.device | str, dtype: torch.dtype):
+    """bf16/fp16 autocast on the device's type; a null context for fp32."""
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=torch.device(device).type, dtype=dtype)
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    table = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+             "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+    if name not in table:
+        raise ValueError(f"unknown dtype {name!r}; expected one of fp32, bf16, fp16")
+    return table[name]
+
+
+def memory_stats(device: torch.device | str) -> dict:
+    """Allocated/peak memory in MiB: accelerator counters, or this process's RSS on CPU."""
+    if is_accelerator(device):
+        dev = torch.device(device)
+        return {"mem_alloc_mib": torch.cuda.memory_allocated(dev) / 2**20,
+                "mem_peak_mib": torch.cuda.max_memory_allocated(dev) / 2**20}
+    try:
+        import psutil
+        return {"rss_mib": psutil.Process(os.getpid()).memory_info().rss / 2**20}
+    except ImportError:  # psutil is in requirements, but keep logging alive without it
+        return {}
+
+
+class _NullStream:
+    """Stand-in for torch.cuda.Stream on CPU: work runs on the caller's 'stream'."""
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _NullEvent:
+    def record(self, stream=None) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+def new_stream(device: torch.device | str):
+    return torch.cuda.Stream(device=torch.device(device)) if is_accelerator(device) else _NullStream()
+
+
+def current_stream(device: torch.device | str):
+    return torch.cuda.current_stream(torch.device(device)) if is_accelerator(device) else _NullStream()
+
+
+def new_event(device: torch.device | str):
+    return torch.cuda.Event() if is_accelerator(device) else _NullEvent()
+
+
+def stream_context(stream):
+    """`with stream_context(s):` runs on s on CUDA, and is a no-op otherwise."""
+    if isinstance(stream, _NullStream):
+        return contextlib.nullcontext()
+    return torch.cuda.stream(stream)
+
+
+def local_rank_from_env() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def optional_import(name: str):
+    """Import an optional accelerator package, or None. Callers log the result once."""
+    try:
+        return __import__(name, fromlist=["_"])
+    except Exception:  # ImportError, or a broken CUDA extension raising at import
+        return None
+
+
+def get_peak_flops_override() -> Optional[float]:
+    v = os.environ.get("PEAK_FLOPS")
+    return float(v) if v else None
