@@ -1,0 +1,195 @@
+"""Command-line and config-file overrides for a dataclass of defaults, nanoGPT style.
+
+Owns: turning `python train_my_ddp.py config/foo.py --lr=3e-4 --compile=false` into a
+type-checked configuration. Config files are plain Python written by the user and are
+executed once, at start-up, as the nanoGPT configurator does; only names that are fields of
+the defaults are taken from them. A value given on the command line always wins over a file.
+
+Must never: exec anything read back from a run directory (the resolved configuration is
+written as JSON by `save_config_json` and only ever read as JSON), or accept a key that is
+not a field, or silently coerce a value of the wrong type.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import json
+import os
+import types
+import typing
+from typing import Any, Sequence, TypeVar
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A configuration problem a user must fix: unknown key, wrong type, unreadable file."""
+
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+    """Optional[X] / X | None -> (X, True)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1 and len(typing.get_args(tp)) == 2:
+            return args[0], True
+    return tp, False
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def coerce_value(key: str, raw: Any, tp: Any, source: str) -> Any:
+    """Convert `raw` (a string from argv, or a Python value from a config file) to `tp`.
+
+    Raises ConfigError naming the key, the expected type, the offending value and its source.
+    """
+    base, optional = _unwrap_optional(tp)
+    if optional and (raw is None or (isinstance(raw, str) and raw.lower() in ("none", "null"))):
+        return None
+
+    def fail() -> ConfigError:
+        return ConfigError(f"{source}: {key}={raw!r} is not a valid {_type_name(tp)}")
+
+    origin = typing.get_origin(base) or base
+    if isinstance(raw, str) and origin is not str:
+        text = raw.strip()
+        if origin is bool:
+            if text.lower() in _TRUE:
+                return True
+            if text.lower() in _FALSE:
+                return False
+            raise fail()
+        if origin is int:
+            try:
+                return int(text)
+            except ValueError:
+                raise fail() from None
+        if origin is float:
+            try:
+                return float(text)
+            except ValueError:
+                raise fail() from None
+        if origin in (dict, list, tuple):
+            try:
+                raw = json.loads(text)
+            except json.JSONDecodeError:
+                try:
+                    raw = ast.literal_eval(text)
+                except (ValueError, SyntaxError):
+                    raise fail() from None
+    # Python values (from a config file, or parsed containers above)
+    if origin is bool:
+        if isinstance(raw, bool):
+            return raw
+        raise fail()
+    if origin is int:
+        if isinstance(raw, int) and not isinstance(raw, bool):
+            return raw
+        raise fail()
+    if origin is float:
+        if isinstance(raw, (int, float)) and not isinstance(raw, bool):
+            return float(raw)
+        raise fail()
+    if origin is str:
+        if isinstance(raw, str):
+            return raw
+        raise fail()
+    if origin in (dict,):
+        if isinstance(raw, dict):
+            return raw
+        raise fail()
+    if origin in (list, tuple):
+        if isinstance(raw, (list, tuple)):
+            return origin(raw)
+        raise fail()
+    if base is Any:
+        return raw
+    raise ConfigError(f"{source}: {key} has an unsupported field type {_type_name(tp)}")
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _unknown_key_error(key: str, known: Sequence[str], source: str) -> ConfigError:
+    close = difflib.get_close_matches(key, list(known), n=3)
+    hint = f"; did you mean {', '.join('--' + c for c in close)}?" if close else ""
+    return ConfigError(f"{source}: unknown config key {key!r}{hint}")
+
+
+def _values_from_file(path: str, fields: dict[str, Any]) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path!r} does not exist")
+    with open(path, encoding="utf-8") as f:
+        code = f.read()
+    scope: dict[str, Any] = {}
+    try:
+        exec(compile(code, path, "exec"), scope)  # user-written config, the nanoGPT way
+    except Exception as e:  # report any error inside the user's file with its name
+        raise ConfigError(f"config file {path}: {type(e).__name__}: {e}") from e
+    values = {}
+    for k, v in scope.items():
+        if k.startswith("_") or isinstance(v, (types.ModuleType, types.FunctionType, type)):
+            continue
+        if k not in fields:
+            raise _unknown_key_error(k, fields, f"config file {path}")
+        values[k] = v
+    return values
+
+
+def parse_config(defaults: T, argv: Sequence[str]) -> T:
+    """Return a copy of the dataclass `defaults` with config files and `--key=value` applied.
+
+    argv items: `path/to/config.py` (applied in order), `--key=value`, or `--flag` (bool True).
+    """
+    fields = _field_types(type(defaults))
+    file_values: dict[str, Any] = {}
+    cli_values: dict[str, Any] = {}
+    for arg in argv:
+        if not arg.startswith("--"):
+            if arg.endswith(".py") or os.path.isfile(arg):
+                for k, v in _values_from_file(arg, fields).items():
+                    file_values[k] = coerce_value(k, v, fields[k], f"config file {arg}")
+                continue
+            raise ConfigError(f"unexpected argument {arg!r}: use --key=value or a config .py file")
+        body = arg[2:]
+        if "=" in body:
+            key, raw = body.split("=", 1)
+        else:
+            key, raw = body, "true"
+        key = key.replace("-", "_")
+        if key not in fields:
+            raise _unknown_key_error(key, fields, "command line")
+        cli_values[key] = coerce_value(key, raw, fields[key], "command line")
+    return dataclasses.replace(defaults, **{**file_values, **cli_values})
+
+
+def config_to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def save_config_json(cfg: Any, path: str) -> None:
+    """Write the resolved configuration as JSON (atomically). It is for reading, never exec."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(config_to_dict(cfg), f, indent=2, ensure_ascii=False, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def help_text(defaults: Any, title: str) -> str:
+    """One line per key with its type, default and the help from field metadata."""
+    fields = _field_types(type(defaults))
+    lines = [title, "", "usage: [config.py ...] [--key=value ...]", ""]
+    for f in dataclasses.fields(defaults):
+        doc = f.metadata.get("help", "")
+        lines.append(f"  --{f.name}={getattr(defaults, f.name)!r}  ({_type_name(fields[f.name])}) {doc}")
+    return "\n".join(lines)
