@@ -1,0 +1,557 @@
+"""Train a Llama2-style model: pretraining, SFT or DPO, on one process or many (torchrun).
+
+    python train_my_ddp.py [config.py ...] --out_dir=out/run --data_dir=... --tokenizer_dir=...
+    torchrun --standalone --nproc_per_node=2 train_my_ddp.py ...        (same flags)
+
+One loop for every task and every world size: the same DDP wrapper, optimizer, clipping, loss
+scaler and precision policy whether or not the run is distributed. Read it top to bottom:
+configuration -> process group -> data -> model -> DDP + optimizer -> resume -> the loop
+(lr, micro-batches, token-normalised loss, step, log, evaluate, checkpoint) -> final evaluation.
+
+Exit codes (utils/constants.py): 0 done, 2 bad configuration, 3 bad data, 4 non-finite loss,
+75 interrupted by SIGTERM/SIGINT after saving a checkpoint.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from configurator import ConfigError, help_text, parse_config, save_config_json
+from utils import checkpoint as ckpt
+from utils.constants import (EXIT_BAD_CONFIG, EXIT_BAD_DATA, EXIT_INTERRUPTED, EXIT_NONFINITE_LOSS,
+                             EXIT_OK, IGNORE_INDEX)
+from utils.device import memory_stats, parse_dtype, seed_everything, synchronize
+from utils.dist import DistInfo, all_reduce_max, all_reduce_sum, barrier, destroy, init_distributed
+from utils.lr_schedule import lr_at
+from utils.metrics import MetricsLogger, format_line
+
+
+def _f(default: Any, help: str) -> Any:
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda: default, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class TrainConfig:
+    # ---- run and data
+    out_dir: str = _f("out/run", "run directory: metrics.jsonl, checkpoints/, config.json")
+    task_type: str = _f("pretrain", "pretrain | sft | dpo")
+    data_dir: str = _f("", "pretrain: directory of token shards + index_L<L>/; sft/dpo: a .jsonl file or a directory of them")
+    data_mix: str = _f("", 'pretrain: JSON {"data_dir": weight, ...} mixing several shard directories')
+    tokenizer_dir: str = _f("", "tokenizer directory (tokenizer_meta.json gives the vocab size and special ids)")
+    val_ratio: float = _f(0.05, "sft/dpo: fraction of records held out for validation")
+    init_from: str = _f("scratch", "scratch | resume | <our run or checkpoint dir> | <Hugging Face model dir>")
+    ref_model: str = _f("", "dpo: weights of the frozen reference model (default: the initial weights)")
+    # ---- model (ignored when initialising from a checkpoint, whose model_config.json wins)
+    dim: int = _f(256, "model width")
+    n_layers: int = _f(4, "transformer blocks")
+    n_heads: int = _f(8, "attention heads")
+    n_kv_heads: int = _f(0, "key/value heads for GQA (0 = n_heads)")
+    hidden_dim: int = _f(0, "SwiGLU width (0 = Llama formula)")
+    multiple_of: int = _f(32, "round the SwiGLU width up to this")
+    max_seq_len: int = _f(256, "tokens per training sample")
+    vocab_size: int = _f(0, "0 = from the tokenizer (padded to a multiple of 64)")
+    rope_theta: float = _f(10000.0, "RoPE base")
+    dropout: float = _f(0.0, "attention and residual dropout")
+    tie_embeddings: bool = _f(False, "share the embedding and LM-head weights")
+    gradient_checkpointing: bool = _f(False, "recompute each layer in backward to save activation memory")
+    fused_kernels: bool = _f(True, "fused RMSNorm/RoPE/SwiGLU/QKV and chunked linear+CE (False = reference paths)")
+    compile: bool = _f(False, "torch.compile the model")
+    # ---- LoRA
+    lora_rank: int = _f(0, "0 = full fine-tuning; >0 = LoRA adapters of this rank, base frozen")
+    lora_alpha: float = _f(16.0, "LoRA scaling numerator")
+    lora_dropout: float = _f(0.0, "dropout on the LoRA input")
+    lora_targets: str = _f("q_proj,v_proj", "comma-separated linear names, or 'all'")
+    lora_train_embeddings: bool = _f(False, "also train the embedding and LM head (continued pretraining)")
+    # ---- optimisation
+    batch_size: int = _f(8, "samples per micro-batch per rank")
+    gradient_accumulation_steps: int = _f(1, "micro-batches per optimizer step")
+    max_iters: int = _f(1000, "optimizer steps")
+    learning_rate: float = _f(6e-4, "peak learning rate")
+    min_lr: float = _f(6e-5, "floor of the decay")
+    warmup_iters: int = _f(100, "linear warmup steps")
+    lr_decay_iters: int = _f(0, "0 = max_iters")
+    lr_schedule: str = _f("cosine", "cosine | linear | wsd | constant")
+    weight_decay: float = _f(0.1, "AdamW weight decay, applied to matrices only")
+    beta1: float = _f(0.9, "AdamW beta1")
+    beta2: float = _f(0.95, "AdamW beta2")
+    eps: float = _f(1e-8, "AdamW epsilon")
+    grad_clip: float = _f(1.0, "clip by the global norm over all ranks (0 = off)")
+    dtype: str = _f("fp32", "fp32 | bf16 | fp16 model precision (fp32 main params in the optimizer)")
+    seed: int = _f(1337, "seed of initialisation and data order")
+    deterministic: bool = _f(False, "torch.use_deterministic_algorithms (bit-exact resume on GPU)")
+    # ---- DPO
+    dpo_beta: float = _f(0.1, "DPO temperature")
+    dpo_loss: str = _f("sigmoid", "sigmoid | ipo | hinge")
+    dpo_label_smoothing: float = _f(0.0, "conservative DPO label smoothing (sigmoid loss)")
+    # ---- parallel engine
+    use_distributed_optimizer: bool = _f(False, "ZeRO: shard optimizer state and fp32 main params")
+    zero_stage: int = _f(1, "1 or 2 (2 also releases gradients of shards a rank does not own)")
+    comm_hook: str = _f("allreduce", "allreduce | reduce_scatter | fp16 | bf16 | powersgd")
+    overlap_grad_reduce: bool = _f(True, "launch a bucket's reduction as soon as its gradients are ready")
+    overlap_param_gather: bool = _f(False, "ZeRO: all-gather parameters during the next forward")
+    overlap_optim_step: bool = _f(False, "step the optimizer per bucket as its reduction ends (see docs/parallel.md)")
+    bucket_size: int = _f(4_000_000, "elements per gradient bucket")
+    grad_reduce_in_fp32: bool = _f(True, "reduce bf16/fp16 gradients in fp32")
+    powersgd_rank: int = _f(4, "PowerSGD rank")
+    powersgd_start_iter: int = _f(10, "plain all-reduce before this step")
+    powersgd_min_compression_rate: float = _f(2.0, "tensors compressing less than this go uncompressed")
+    powersgd_warm_start: bool = _f(True, "reuse Q between steps")
+    # ---- evaluation, logging, checkpoints
+    eval_interval: int = _f(100, "evaluate every N steps (0 = only at the end)")
+    eval_iters: int = _f(20, "validation micro-batches per rank per evaluation")
+    log_interval: int = _f(10, "log a line every N steps")
+    checkpoint_interval: int = _f(100, "checkpoint every N steps (and at the end)")
+    keep_last: int = _f(3, "keep this many newest checkpoints (plus the best by validation loss)")
+    tensorboard: bool = _f(False, "also log to <out_dir>/tensorboard when tensorboard is installed")
+    progress: bool = _f(True, "progress bar with ETA on rank 0")
+    device: str = _f("auto", "auto | cpu | cuda | cuda:N")
+    peak_flops: float = _f(0.0, "peak FLOP/s per device for MFU (0 = measure a matmul once at start)")
+
+
+class TrainingError(Exception):
+    def __init__(self, msg: str, code: int) -> None:
+        super().__init__(msg)
+        self.code = code
+
+
+# ---------------------------------------------------------------------------- fault hooks (tests)
+
+def _fault(kind: str, step: int) -> bool:
+    """MYLLM_FAULT=kind@step fires once per MYLLM_FAULT_ONCE_FILE (used by the supervisor tests)."""
+    spec = os.environ.get("MYLLM_FAULT", "")
+    if not spec or "@" not in spec:
+        return False
+    k, s = spec.split("@", 1)
+    if k != kind or int(s) != step:
+        return False
+    once = os.environ.get("MYLLM_FAULT_ONCE_FILE")
+    if once:
+        if os.path.exists(once):
+            return False
+        with open(once, "w") as f:
+            f.write(spec)
+    return True
+
+
+def _fire_step_faults(step: int) -> None:
+    if _fault("crash", step):
+        print(f"[fault] crash@{step}", flush=True)
+        os._exit(1)
+    if _fault("hang", step):
+        print(f"[fault] hang@{step}", flush=True)
+        while True:
+            time.sleep(3600)
+
+
+# ---------------------------------------------------------------------------- data
+
+def build_data(cfg: TrainConfig, info: DistInfo, tok_meta: dict):
+    """(train_loader, make_val_loader) for the task; loaders yield dicts of tensors."""
+    from dataset.loader import ResumableLoader
+
+    if cfg.task_type == "pretrain":
+        from dataset import PretokDatasetWithIndex
+        if cfg.data_mix:
+            from dataset.mixture import MixtureDataset
+            weights = json.loads(cfg.data_mix)
+            train = MixtureDataset({d: PretokDatasetWithIndex(d, cfg.max_seq_len, split="train") for d in weights},
+                                   weights=weights, seed=cfg.seed)
+            val_dirs = list(weights)
+            val = PretokDatasetWithIndex(val_dirs[0], cfg.max_seq_len, split="val")
+        else:
+            train = PretokDatasetWithIndex(cfg.data_dir, cfg.max_seq_len, split="train")
+            val = PretokDatasetWithIndex(cfg.data_dir, cfg.max_seq_len, split="val")
+        collate = None
+    elif cfg.task_type == "sft":
+        from dataset.dataset_sft import build_sft_splits
+        train, val, collate = build_sft_splits(cfg.data_dir, cfg.tokenizer_dir, cfg.max_seq_len,
+                                               val_ratio=cfg.val_ratio, seed=cfg.seed)
+    elif cfg.task_type == "dpo":
+        from dataset.dataset_dpo import build_dpo_splits
+        train, val, collate = build_dpo_splits(cfg.data_dir, cfg.tokenizer_dir, cfg.max_seq_len,
+                                               val_ratio=cfg.val_ratio, seed=cfg.seed)
+    else:
+        raise TrainingError(f"--task_type={cfg.task_type!r}: expected pretrain, sft or dpo", EXIT_BAD_CONFIG)
+    if len(train) < cfg.batch_size * info.world_size:
+        raise TrainingError(f"{cfg.data_dir}: {len(train)} training samples, fewer than one global batch "
+                            f"({cfg.batch_size} x {info.world_size} ranks)", EXIT_BAD_DATA)
+    train_loader = ResumableLoader(train, cfg.batch_size, cfg.seed, info.rank, info.world_size,
+                                   collate_fn=collate, shuffle=True)
+
+    def make_val_loader():
+        if len(val) < info.world_size:
+            return None
+        bs = max(1, min(cfg.batch_size, len(val) // info.world_size))
+        return ResumableLoader(val, bs, cfg.seed, info.rank, info.world_size, collate_fn=collate, shuffle=False)
+
+    return train_loader, make_val_loader
+
+
+# ---------------------------------------------------------------------------- model
+
+def _is_hf_dir(path: str) -> bool:
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path) or not os.path.isfile(os.path.join(path, "model.safetensors")) and \
+            not any(n.endswith(".safetensors") for n in os.listdir(path)):
+        return False
+    with open(cfg_path, encoding="utf-8") as f:
+        return json.load(f).get("model_type") == "llama"
+
+
+def load_weights_from(path: str, log) -> tuple[Any, dict]:
+    """A model from an HF directory, our run directory, or one of our checkpoint directories."""
+    from model import ModelConfig, Transformer
+    if _is_hf_dir(path):
+        from model.hf_interop import import_hf
+        model = import_hf(path)
+        log(f"[init] imported Hugging Face model from {path}")
+        return model, {"source": path, "kind": "hf"}
+    found = ckpt.resolve_checkpoint_dir(path, log=log)
+    if found is None:
+        raise TrainingError(f"--init_from={path}: no complete checkpoint or HF model there", EXIT_BAD_CONFIG)
+    mcfg = ModelConfig.from_dict(ckpt.read_json(os.path.join(found, "model_config.json")))
+    model = Transformer(mcfg)
+    model.load_state_dict(ckpt.load_model_state(found))
+    log(f"[init] loaded weights from {found}")
+    return model, {"source": found, "kind": "ours"}
+
+
+def new_model_config(cfg: TrainConfig, tok_meta: dict):
+    from model import ModelConfig
+    vocab = cfg.vocab_size or int(tok_meta["vocab_size"])
+    fused = cfg.fused_kernels
+    return ModelConfig(vocab_size=vocab, dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
+                       n_kv_heads=cfg.n_kv_heads or None, hidden_dim=cfg.hidden_dim or None,
+                       multiple_of=cfg.multiple_of, max_seq_len=cfg.max_seq_len, rope_theta=cfg.rope_theta,
+                       attn_dropout=cfg.dropout, resid_dropout=cfg.dropout, tie_embeddings=cfg.tie_embeddings,
+                       gradient_checkpointing=cfg.gradient_checkpointing, fused_rmsnorm=fused,
+                       fused_rope=fused, fused_swiglu=fused, fused_qkv=fused, fused_cross_entropy=fused)
+
+
+# ---------------------------------------------------------------------------- one micro-batch
+
+def micro_batch_loss(cfg: TrainConfig, model, ref_model, batch: dict, device) -> tuple[torch.Tensor, dict]:
+    """(sum of the per-unit losses of this micro-batch, sums of logged statistics).
+
+    A unit is a target token for pretrain/SFT and a preference pair for DPO; the caller divides by
+    the number of units over all micro-batches and ranks, so every token (pair) weighs the same.
+    """
+    if cfg.task_type != "dpo":
+        x = batch["input_ids"].to(device, non_blocking=True)
+        y = batch["labels"].to(device, non_blocking=True)
+        kw = {k: batch[k].to(device) for k in ("attention_mask", "position_ids") if k in batch}
+        return model(x, labels=y, reduction="sum", **kw), {}
+    from utils.dpo_loss import dpo_loss
+
+    def seq_logps(m, prefix: str) -> torch.Tensor:
+        x = batch[f"{prefix}_input_ids"].to(device)
+        y = batch[f"{prefix}_labels"].to(device)
+        kw = {"attention_mask": batch[f"{prefix}_attention_mask"].to(device)} \
+            if f"{prefix}_attention_mask" in batch else {}
+        per_token = m(x, labels=y, reduction="none", **kw)  # -log p, 0 at ignored positions
+        return -per_token.float().sum(dim=-1)
+
+    pc, pr = seq_logps(model, "chosen"), seq_logps(model, "rejected")
+    with torch.no_grad():
+        rc, rr = seq_logps(ref_model, "chosen"), seq_logps(ref_model, "rejected")
+    losses, ch_r, rj_r = dpo_loss(pc, pr, rc, rr, beta=cfg.dpo_beta, loss_type=cfg.dpo_loss,
+                                  label_smoothing=cfg.dpo_label_smoothing)
+    stats = {"chosen_reward": float(ch_r.sum()), "rejected_reward": float(rj_r.sum()),
+             "reward_acc": float((ch_r > rj_r).float().sum())}
+    return losses.sum(), stats
+
+
+def count_units(cfg: TrainConfig, batch: dict) -> int:
+    if cfg.task_type == "dpo":
+        return int(batch["chosen_input_ids"].shape[0])
+    return int((batch["labels"] != IGNORE_INDEX).sum())
+
+
+@torch.no_grad()
+def evaluate(cfg: TrainConfig, model, ref_model, make_val_loader, info: DistInfo) -> Optional[dict]:
+    """Mean validation loss over all ranks: all-reduce of loss sums and unit counts."""
+    loader = make_val_loader()
+    if loader is None:
+        return None
+    model.eval()
+    sums = torch.zeros(5, dtype=torch.float64)  # loss, units, chosen_r, rejected_r, acc
+    it = iter(loader)
+    for _ in range(cfg.eval_iters):
+        batch = next(it)
+        loss_sum, stats = micro_batch_loss(cfg, model, ref_model, batch, info.device)
+        sums += torch.tensor([float(loss_sum), count_units(cfg, batch), stats.get("chosen_reward", 0.0),
+                              stats.get("rejected_reward", 0.0), stats.get("reward_acc", 0.0)],
+                             dtype=torch.float64)
+        if loader.state_dict().get("epoch", 0) > 0:  # one pass over the split is enough
+            break
+    model.train()
+    tot = all_reduce_sum(sums, info.device)
+    out = {"val_loss": float(tot[0] / max(1.0, float(tot[1])))}
+    if cfg.task_type == "dpo":
+        out["val_reward_acc"] = float(tot[4] / max(1.0, float(tot[1])))
+    return out
+
+
+# ---------------------------------------------------------------------------- main
+
+def main(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print(help_text(TrainConfig(), __doc__.strip().splitlines()[0]))
+        return EXIT_OK
+    try:
+        cfg = parse_config(TrainConfig(), argv)
+    except ConfigError as e:
+        print(f"train_my_ddp.py: {e}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    info = init_distributed(cfg.device)
+    try:
+        return train(cfg, info)
+    except TrainingError as e:
+        print(f"[rank {info.rank}] error: {e}", file=sys.stderr, flush=True)
+        return e.code
+    finally:
+        destroy()
+
+
+def validate_config(cfg: TrainConfig) -> None:
+    problems = []
+    if cfg.task_type not in ("pretrain", "sft", "dpo"):
+        problems.append(f"--task_type={cfg.task_type!r} (pretrain | sft | dpo)")
+    if not cfg.data_dir and not cfg.data_mix:
+        problems.append("--data_dir is required")
+    if not cfg.tokenizer_dir:
+        problems.append("--tokenizer_dir is required")
+    if cfg.dtype not in ("fp32", "bf16", "fp16"):
+        problems.append(f"--dtype={cfg.dtype!r} (fp32 | bf16 | fp16)")
+    if cfg.comm_hook not in ("allreduce", "reduce_scatter", "fp16", "bf16", "powersgd"):
+        problems.append(f"--comm_hook={cfg.comm_hook!r}")
+    if cfg.zero_stage not in (1, 2):
+        problems.append(f"--zero_stage={cfg.zero_stage} (1 | 2)")
+    if cfg.task_type in ("sft", "dpo") and cfg.init_from == "scratch":
+        problems.append(f"--task_type={cfg.task_type} starts from pretrained weights: pass --init_from=<run dir>")
+    for name in ("batch_size", "gradient_accumulation_steps", "max_iters", "max_seq_len", "checkpoint_interval"):
+        if getattr(cfg, name) < 1:
+            problems.append(f"--{name} must be >= 1")
+    if problems:
+        raise TrainingError("bad configuration: " + "; ".join(problems), EXIT_BAD_CONFIG)
+
+
+def train(cfg: TrainConfig, info: DistInfo) -> int:
+    log = (lambda msg: print(msg, flush=True)) if info.is_main else (lambda msg: None)
+    validate_config(cfg)
+    if cfg.deterministic:
+        torch.use_deterministic_algorithms(True)
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    from tokenizer import load_tokenizer_meta
+    try:
+        tok_meta = load_tokenizer_meta(cfg.tokenizer_dir)
+    except (OSError, ValueError, KeyError) as e:
+        raise TrainingError(f"--tokenizer_dir={cfg.tokenizer_dir}: {e}", EXIT_BAD_CONFIG) from e
+
+    # ---- where do we start from?
+    resume_dir = None
+    if cfg.init_from == "resume":
+        resume_dir = ckpt.find_latest_valid(cfg.out_dir, log=log)
+        log(f"[resume] {'from ' + resume_dir if resume_dir else 'no complete checkpoint in ' + cfg.out_dir + ', starting from scratch'}")
+    seed_everything(cfg.seed)  # identical initial weights on every rank (and DDP broadcasts anyway)
+
+    from model import ModelConfig, Transformer
+    init_info: dict = {"source": "scratch", "kind": "scratch"}
+    if resume_dir is not None:
+        model = Transformer(ModelConfig.from_dict(ckpt.read_json(os.path.join(resume_dir, "model_config.json"))))
+        saved_state = ckpt.read_json(os.path.join(resume_dir, "trainer_state.json"))
+        init_info = saved_state.get("init_info", init_info)
+    elif cfg.init_from not in ("scratch", "resume"):
+        model, init_info = load_weights_from(cfg.init_from, log)
+    else:
+        model = Transformer(new_model_config(cfg, tok_meta))
+    mcfg = model.config
+    if mcfg.vocab_size < int(tok_meta["vocab_size"]):
+        raise TrainingError(f"model vocab {mcfg.vocab_size} < tokenizer vocab {tok_meta['vocab_size']}", EXIT_BAD_CONFIG)
+
+    if cfg.lora_rank > 0:
+        from model.lora import LoraConfig, apply_lora
+        lcfg = LoraConfig(r=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
+                          target_modules=cfg.lora_targets, train_embeddings=cfg.lora_train_embeddings)
+        counts = apply_lora(model, lcfg)
+        log(f"[lora] {counts}")
+
+    ref_model = None
+    if cfg.task_type == "dpo":
+        ref_src = cfg.ref_model or init_info.get("ref_source") or init_info["source"]
+        ref_model, _ = load_weights_from(ref_src, log)
+        init_info["ref_source"] = ref_src
+        ref_model.requires_grad_(False).eval()
+
+    dtype = parse_dtype(cfg.dtype)
+    model.to(device=info.device, dtype=dtype)
+    if ref_model is not None:
+        ref_model.to(device=info.device, dtype=dtype)
+    n_params = sum(p.numel() for p in model.parameters())
+    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    log(f"[model] {n_params / 1e6:.2f}M parameters ({n_train / 1e6:.2f}M trainable), {mcfg.n_layers} layers, "
+        f"dim {mcfg.dim}, vocab {mcfg.vocab_size}, dtype {cfg.dtype}, device {info.device}, world {info.world_size}")
+
+    from parallel import build_ddp_and_optimizer
+    ddp_model, optimizer = build_ddp_and_optimizer(model, cfg, info)
+    forward_model = torch.compile(ddp_model) if cfg.compile else ddp_model
+
+    try:
+        train_loader, make_val_loader = build_data(cfg, info, tok_meta)
+    except (ValueError, OSError) as e:
+        raise TrainingError(f"data: {e}", EXIT_BAD_DATA) from e
+
+    # ---- resume: weights, optimizer (sharded under ZeRO), comm-hook state, data cursor, RNG
+    iter_num, best_val, tokens_seen = 0, float("inf"), 0
+    rng_to_restore = None
+    if resume_dir is not None:
+        model.load_state_dict(ckpt.load_model_state(resume_dir))
+        optimizer.load_checkpoint(resume_dir, info.rank, info.world_size, saved_state["world_size"])
+        extra = ckpt.load_rank_file(resume_dir, "extra", info.rank)
+        if extra is not None and extra.get("comm_hook"):
+            ddp_model.load_comm_hook_state_dict(extra["comm_hook"])
+        train_loader.load_state_dict(saved_state["data_cursor"])
+        iter_num = int(saved_state["step"])
+        best_val = saved_state.get("best_val_loss") or float("inf")
+        tokens_seen = int(saved_state.get("tokens_seen", 0))
+        if extra is not None and saved_state["world_size"] == info.world_size:
+            rng_to_restore = extra["rng"]
+        log(f"[resume] at step {iter_num}, data cursor {saved_state['data_cursor']}")
+
+    if info.is_main:
+        save_config_json(cfg, os.path.join(cfg.out_dir, "config.json"))
+    metrics = MetricsLogger(cfg.out_dir, enabled=info.is_main, tensorboard=cfg.tensorboard, log=log)
+
+    # ---- graceful stop: finish the step, save, exit 75
+    stop = {"requested": False}
+
+    def on_signal(signum, frame):
+        stop["requested"] = True
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+
+    def save(step: int, val_loss: Optional[float]) -> None:
+        state = {"data_cursor": train_loader.state_dict(), "best_val_loss": None if best_val == float("inf") else best_val,
+                 "val_loss": val_loss, "tokens_seen": tokens_seen, "init_info": init_info,
+                 "lr": lr_at(max(0, step - 1), **lr_kw), "task_type": cfg.task_type}
+        extra_state = {"rng": ckpt.capture_rng_state(info.device)}
+        hook_state = ddp_model.comm_hook_state_dict()
+        if hook_state:
+            extra_state["comm_hook"] = hook_state
+        req = ckpt.SaveRequest(step=step, rank=info.rank, world_size=info.world_size,
+                               model_state=model.state_dict() if info.is_main else None,
+                               model_config=mcfg.to_dict(), optimizer_state=optimizer.checkpoint_state(info.rank),
+                               extra_state=extra_state, trainer_state=state, run_config=dataclasses.asdict(cfg))
+        fault = (lambda: os.kill(os.getpid(), signal.SIGKILL)) if _fault("kill_in_save", step) else None
+        path = ckpt.save_checkpoint(cfg.out_dir, req, barrier=barrier, keep_last=cfg.keep_last, fault_hook=fault)
+        log(f"[checkpoint] step {step} -> {path}")
+
+    from model.flops import flops_per_token, measure_peak_flops
+    fpt = flops_per_token(mcfg, cfg.max_seq_len)
+    peak = cfg.peak_flops or measure_peak_flops(info.device, dtype)
+    lr_kw = dict(max_lr=cfg.learning_rate, min_lr=cfg.min_lr, warmup_iters=cfg.warmup_iters,
+                 decay_iters=cfg.lr_decay_iters or cfg.max_iters, schedule=cfg.lr_schedule)
+    gas = cfg.gradient_accumulation_steps
+    log(f"[train] {cfg.task_type}: {cfg.max_iters} steps x {gas} micro-batches x {cfg.batch_size} samples x "
+        f"{info.world_size} ranks, seq {cfg.max_seq_len}; peak {peak / 1e9:.1f} GFLOP/s for MFU")
+
+    pbar = None
+    if info.is_main and cfg.progress:
+        from tqdm import tqdm
+        pbar = tqdm(total=cfg.max_iters, initial=iter_num, desc="train", dynamic_ncols=True, mininterval=2.0,
+                    file=sys.stdout)
+    if rng_to_restore is not None:  # last thing before the loop: set-up above may draw random numbers
+        ckpt.restore_rng_state(rng_to_restore, info.device)
+    ddp_model.train()
+    last_val: Optional[float] = None
+    t_last = time.time()
+    while iter_num < cfg.max_iters:
+        _fire_step_faults(iter_num + 1)
+        lr = lr_at(iter_num, **lr_kw)
+        optimizer.set_lr(lr)
+        batches = [next(train_loader) for _ in range(gas)]
+        units = all_reduce_sum([float(sum(count_units(cfg, b) for b in batches))], info.device)
+        global_units = max(1.0, float(units[0]))
+        optimizer.zero_grad()
+        loss_acc = torch.zeros(4, dtype=torch.float64)
+        for i, batch in enumerate(batches):
+            sync = contextlib.nullcontext() if i == gas - 1 else ddp_model.no_sync()
+            with sync:
+                loss_sum, stats = micro_batch_loss(cfg, forward_model, ref_model, batch, info.device)
+                # our DDP averages gradients over ranks; * world / global_units makes the result the
+                # gradient of (sum of all ranks' losses) / (all ranks' target units)
+                optimizer.scale_loss(loss_sum * (info.world_size / global_units)).backward()
+            loss_acc += torch.tensor([float(loss_sum.detach()), stats.get("chosen_reward", 0.0),
+                                      stats.get("rejected_reward", 0.0), stats.get("reward_acc", 0.0)],
+                                     dtype=torch.float64)
+        ddp_model.finish_grad_sync()
+        stepped, grad_norm = optimizer.step()
+        tot = all_reduce_sum(loss_acc, info.device)
+        loss = float(tot[0]) / global_units
+        if not math.isfinite(loss) and cfg.dtype != "fp16":
+            raise TrainingError(f"non-finite loss {loss} at step {iter_num + 1}; the last good checkpoint in "
+                                f"{cfg.out_dir}/checkpoints is intact (lower --learning_rate or use --dtype=fp16 "
+                                "with loss scaling)", EXIT_NONFINITE_LOSS)
+        iter_num += 1
+        tokens_seen += int(global_units) if cfg.task_type != "dpo" else 0
+        metrics.heartbeat()
+        if pbar is not None:
+            pbar.update(1)
+
+        # ---- log
+        now = time.time()
+        dt = max(1e-9, now - t_last)
+        t_last = now
+        step_tokens = cfg.batch_size * gas * info.world_size * cfg.max_seq_len
+        rec: dict[str, Any] = {"step": iter_num, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                               "stepped": bool(stepped), "tokens_per_sec": step_tokens / dt,
+                               "mfu": fpt * step_tokens / dt / (peak * info.world_size), "tokens_seen": tokens_seen}
+        if cfg.task_type == "dpo":
+            rec.update(chosen_reward=float(tot[1]) / global_units, rejected_reward=float(tot[2]) / global_units,
+                       reward_acc=float(tot[3]) / global_units)
+        rec.update(memory_stats(info.device))
+        do_eval = (cfg.eval_interval > 0 and iter_num % cfg.eval_interval == 0) or iter_num == cfg.max_iters
+        if do_eval:
+            ev = evaluate(cfg, forward_model, ref_model, make_val_loader, info)
+            if ev is not None:
+                rec.update(ev)
+                last_val = ev["val_loss"]
+                best_val = min(best_val, last_val)
+        metrics.write(rec)
+        if info.is_main and (iter_num % cfg.log_interval == 0 or do_eval or iter_num == 1):
+            line = format_line(rec)
+            (pbar.write(line) if pbar is not None else print(line, flush=True))
+
+        # ---- checkpoint / stop
+        stop_now = all_reduce_max(1.0 if stop["requested"] else 0.0, info.device) > 0
+        if iter_num % cfg.checkpoint_interval == 0 or iter_num == cfg.max_iters or stop_now:
+            save(iter_num, last_val if do_eval else None)
+        if stop_now:
+            log(f"[train] stop requested by signal: saved step {iter_num}, exiting with {EXIT_INTERRUPTED}")
+            if pbar is not None:
+                pbar.close()
+            metrics.close()
+            return EXIT_INTERRUPTED
+    if pbar is not None:
+        pbar.close()
+    synchronize(info.device)
+    metrics.close()
+    log(f"[train] done: {iter_num} steps, final val_loss {last_val if last_val is not None else float('nan'):.4f}, "
+        f"best {best_val:.4f}")
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

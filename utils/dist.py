@@ -1,0 +1,70 @@
+"""Process-group set-up from the torchrun environment, and small collective helpers.
+
+Owns: reading RANK / WORLD_SIZE / LOCAL_RANK (set by torchrun; a plain `python` run is world
+size 1 with no process group), choosing the backend from the device, and scalar reductions.
+Must never: require `--local_rank` on the command line or set NCCL environment variables.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from utils.device import dist_backend, local_rank_from_env, resolve_device, set_device
+
+
+@dataclass
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def init_distributed(device_pref: str = "auto", timeout_s: int = 1800) -> DistInfo:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = local_rank_from_env()
+    device = resolve_device(device_pref, local_rank)
+    set_device(device)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend=dist_backend(device), timeout=datetime.timedelta(seconds=timeout_s),
+                                device_id=device if device.type != "cpu" else None)
+    return DistInfo(rank, world, local_rank, device)
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def all_reduce_sum(values: list[float] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Sum a small vector of floats over ranks (float64 so token counts stay exact)."""
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.float64)
+    t = t.to(device=device, dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.cpu()
+
+
+def all_reduce_max(value: float, device: torch.device) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def destroy() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
