@@ -1,0 +1,100 @@
+"""Model configuration: one dataclass with a JSON round trip.
+
+Owns: every architectural hyper-parameter of the Llama2-style model, the kernel switches and the
+memory/speed knobs (activation checkpointing, loss chunk size). Must never import torch modules of
+the model or touch a device: a config is plain data that is saved next to every checkpoint.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+
+@dataclass
+class ModelConfig:
+    # --- architecture (Llama2 names; HF names in comments for interop) ---
+    vocab_size: int = 32000            # vocab_size (= tokenizer_meta.json "vocab_size")
+    dim: int = 4096                    # hidden_size
+    n_layers: int = 32                 # num_hidden_layers
+    n_heads: int = 32                  # num_attention_heads
+    n_kv_heads: Optional[int] = None   # num_key_value_heads; None = n_heads (no GQA)
+    hidden_dim: Optional[int] = None   # intermediate_size; None = Llama formula from the two below
+    multiple_of: int = 256
+    ffn_dim_multiplier: Optional[float] = None
+    norm_eps: float = 1e-5             # rms_norm_eps
+    max_seq_len: int = 2048            # max_position_embeddings
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[dict] = None  # {"type": "linear"|"dynamic", "factor": float}
+    attn_dropout: float = 0.0          # dropout on attention probabilities (training only)
+    resid_dropout: float = 0.0         # dropout on each residual branch output (training only)
+    tie_embeddings: bool = False       # tie_word_embeddings
+    initializer_range: float = 0.02
+
+    # --- kernel switches: each has a pure-PyTorch reference path (model/kernels.py) ---
+    fused_rmsnorm: bool = True         # hand-written autograd RMSNorm (saves less, recomputes)
+    fused_rope: bool = True            # autograd RoPE whose backward is a rotation by -theta
+    fused_swiglu: bool = True          # hand-written autograd silu(g)*u
+    fused_qkv: bool = True             # one matmul for q,k,v and one for gate,up (parameters stay separate)
+    fused_cross_entropy: bool = True   # chunked linear+CE (model/loss.py); False = full logits + F.cross_entropy
+    flash_attn: bool = True            # use flash-attn functions when installed and on an accelerator
+
+    # --- memory / speed ---
+    gradient_checkpointing: bool = False  # recompute each layer in backward (torch.utils.checkpoint)
+    loss_chunk_size: int = 1024        # tokens per chunk of the linear+CE
+
+    def __post_init__(self) -> None:
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+        if (self.dim // self.n_heads) % 2:
+            raise ValueError("head_dim must be even for RoPE")
+        if self.hidden_dim is None:
+            self.hidden_dim = llama_hidden_dim(self.dim, self.multiple_of, self.ffn_dim_multiplier)
+        if self.rope_scaling is not None:
+            rs = dict(self.rope_scaling)
+            kind = rs.get("type", rs.get("rope_type"))
+            if kind not in ("linear", "dynamic"):
+                raise ValueError(f"rope_scaling type must be 'linear' or 'dynamic', got {kind!r}")
+            factor = float(rs.get("factor", 1.0))
+            if factor < 1.0:
+                raise ValueError(f"rope_scaling factor must be >= 1, got {factor}")
+            self.rope_scaling = {"type": kind, "factor": factor}
+        if self.loss_chunk_size < 1:
+            raise ValueError("loss_chunk_size must be >= 1")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        """Build from a dict; unknown keys are an error (a typo must not be silently ignored)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown ModelConfig keys: {unknown}")
+        return cls(**d)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, s: str) -> "ModelConfig":
+        return cls.from_dict(json.loads(s))
+
+
+def llama_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: Optional[float]) -> int:
+    """The SwiGLU width of Llama2: 2/3 of 4*dim, optionally scaled, rounded up to multiple_of."""
+    hidden = int(2 * 4 * dim / 3)
+    if ffn_dim_multiplier is not None:
+        hidden = int(ffn_dim_multiplier * hidden)
+    return multiple_of * math.ceil(hidden / multiple_of)

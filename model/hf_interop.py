@@ -1,0 +1,191 @@
+"""Hugging Face Llama checkpoints, both ways, with no custom code on the HF side.
+
+Owns: the mapping ModelConfig <-> LlamaConfig (config.json) and our parameter names <-> HF names
+(ours + the `model.` prefix, `lm_head.weight` as is). Both use the half-split RoPE layout, so weights
+are copied unpermuted. `export_hf` writes config.json + model.safetensors (+ tokenizer files) atomically;
+`import_hf` reads such a directory (single or sharded safetensors, or a weights_only torch .bin).
+
+Must never: unpickle arbitrary objects (torch.load only with weights_only=True), write the output
+directory in place (temp dir + os.replace), or download anything.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from typing import Optional
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from model.config import ModelConfig
+from model.llama import Transformer
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
+                   "special_tokens_map.json", "added_tokens.json", "tokenizer_meta.json",
+                   "generation_config.json")
+
+
+def hf_config_dict(cfg: ModelConfig, torch_dtype: str = "float32", special_ids: Optional[dict] = None) -> dict:
+    rope_parameters = {"rope_type": "default", "rope_theta": float(cfg.rope_theta)}
+    if cfg.rope_scaling:
+        rope_parameters = {"rope_type": cfg.rope_scaling["type"], "factor": float(cfg.rope_scaling["factor"]),
+                           "rope_theta": float(cfg.rope_theta)}
+    d = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "intermediate_size": cfg.hidden_dim,
+        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
+        "initializer_range": cfg.initializer_range, "tie_word_embeddings": cfg.tie_embeddings,
+        # both spellings: transformers >= 5 reads rope_parameters, 4.x reads rope_theta/rope_scaling
+        "rope_theta": float(cfg.rope_theta), "rope_parameters": rope_parameters,
+        "rope_scaling": ({"type": cfg.rope_scaling["type"], "rope_type": cfg.rope_scaling["type"],
+                          "factor": float(cfg.rope_scaling["factor"])} if cfg.rope_scaling else None),
+        "attention_bias": False, "mlp_bias": False, "attention_dropout": cfg.attn_dropout,
+        "pretraining_tp": 1, "use_cache": True, "torch_dtype": torch_dtype, "dtype": torch_dtype,
+    }
+    for key, val in (special_ids or {}).items():
+        d[key] = val
+    return d
+
+
+def config_from_hf(d: dict) -> ModelConfig:
+    """A ModelConfig from an HF Llama config.json dict (transformers 4.x or 5.x spelling)."""
+    if d.get("model_type", "llama") != "llama":
+        raise ValueError(f"only Llama checkpoints are supported, got model_type={d.get('model_type')!r}")
+    rp = d.get("rope_parameters") or {}
+    rs = d.get("rope_scaling") or {}
+    theta = rp.get("rope_theta", d.get("rope_theta", 10000.0))
+    kind = rp.get("rope_type", rp.get("type")) or rs.get("rope_type", rs.get("type"))
+    factor = rp.get("factor", rs.get("factor"))
+    scaling = None
+    if kind not in (None, "default"):
+        if kind not in ("linear", "dynamic"):
+            raise ValueError(f"rope scaling {kind!r} is not supported (linear or dynamic only)")
+        scaling = {"type": kind, "factor": float(factor)}
+    n_heads = d["num_attention_heads"]
+    head_dim = d.get("head_dim") or d["hidden_size"] // n_heads
+    if head_dim * n_heads != d["hidden_size"]:
+        raise ValueError("head_dim * num_attention_heads != hidden_size is not supported")
+    if d.get("attention_bias") or d.get("mlp_bias"):
+        raise ValueError("Llama checkpoints with biases are not supported")
+    return ModelConfig(
+        vocab_size=d["vocab_size"], dim=d["hidden_size"], n_layers=d["num_hidden_layers"], n_heads=n_heads,
+        n_kv_heads=d.get("num_key_value_heads") or n_heads, hidden_dim=d["intermediate_size"],
+        norm_eps=d.get("rms_norm_eps", 1e-6), max_seq_len=d.get("max_position_embeddings", 2048),
+        rope_theta=float(theta), rope_scaling=scaling, tie_embeddings=bool(d.get("tie_word_embeddings", False)),
+        initializer_range=d.get("initializer_range", 0.02), attn_dropout=d.get("attention_dropout", 0.0) or 0.0)
+
+
+def to_hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
+    sd = {}
+    for name, t in model.state_dict().items():
+        if name == "lm_head.weight":
+            if model.cfg.tie_embeddings:
+                continue  # HF re-ties it from embed_tokens; safetensors refuses shared storage anyway
+            sd[name] = t
+        else:
+            sd["model." + name] = t
+    return {k: v.detach().contiguous().clone() for k, v in sd.items()}
+
+
+def from_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, t in sd.items():
+        if name.endswith("rotary_emb.inv_freq"):
+            continue  # derived buffer some old checkpoints saved
+        if name.startswith("model."):
+            out[name[len("model."):]] = t
+        elif name == "lm_head.weight":
+            out[name] = t
+        else:
+            raise ValueError(f"unexpected tensor {name!r} in a Llama checkpoint")
+    if cfg.tie_embeddings or "lm_head.weight" not in out:
+        out["lm_head.weight"] = out["embed_tokens.weight"]
+    return out
+
+
+def export_hf(model: Transformer, out_dir: str, tokenizer_dir: Optional[str] = None,
+              special_ids: Optional[dict] = None) -> str:
+    """Write an HF LlamaForCausalLM directory (config.json, model.safetensors, tokenizer files).
+
+    special_ids: optional {"bos_token_id", "eos_token_id", "pad_token_id"}; read from the tokenizer's
+    tokenizer_meta.json when omitted and a tokenizer_dir is given.
+    """
+    sd = to_hf_state_dict(model)
+    dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[
+        next(iter(sd.values())).dtype]
+    if special_ids is None and tokenizer_dir and os.path.exists(os.path.join(tokenizer_dir, "tokenizer_meta.json")):
+        with open(os.path.join(tokenizer_dir, "tokenizer_meta.json")) as f:
+            st = json.load(f).get("special_tokens", {})
+        special_ids = {f"{k}_token_id": st[k]["id"] for k in ("bos", "eos", "pad") if k in st}
+    out_dir = os.path.abspath(out_dir)
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp_export_", dir=parent)
+    try:
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(hf_config_dict(model.cfg, dtype, special_ids), f, indent=2)
+        save_file(sd, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        if tokenizer_dir:
+            for fn in TOKENIZER_FILES:
+                src = os.path.join(tokenizer_dir, fn)
+                if os.path.exists(src):
+                    shutil.copy2(src, os.path.join(tmp, fn))
+        if os.path.exists(out_dir):
+            old = out_dir + ".old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(out_dir, old)
+            os.replace(tmp, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _load_weights(d: str) -> dict[str, torch.Tensor]:
+    single = os.path.join(d, "model.safetensors")
+    index = os.path.join(d, "model.safetensors.index.json")
+    if os.path.exists(single):
+        return load_file(single)
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        sd = {}
+        for fn in files:
+            sd.update(load_file(os.path.join(d, fn)))
+        return sd
+    binf = os.path.join(d, "pytorch_model.bin")
+    if os.path.exists(binf):
+        return torch.load(binf, map_location="cpu", weights_only=True)
+    raise FileNotFoundError(f"no model.safetensors, sharded safetensors index or pytorch_model.bin in {d}")
+
+
+def import_hf(hf_dir: str, **overrides) -> Transformer:
+    """Load an HF Llama directory into our Transformer (fp32 unless the weights say otherwise is kept
+    as loaded). `overrides` set non-architectural ModelConfig fields (kernel switches, checkpointing)."""
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        cfg = config_from_hf(json.load(f))
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    sd = from_hf_state_dict(_load_weights(hf_dir), cfg)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model = model.to_empty(device="cpu")
+    model.rotary.inv_freq = model.rotary._inv_freq(cfg.rope_theta)  # non-persistent buffer: rebuild
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+        sd.pop("lm_head.weight", None)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    missing = [m for m in missing if not (cfg.tie_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(f"checkpoint in {hf_dir} does not match the config: missing={missing} unexpected={unexpected}")
+    dtypes = {t.dtype for t in sd.values()}
+    if len(dtypes) == 1:
+        model = model.to(dtypes.pop())
+    return model

@@ -1,0 +1,204 @@
+"""Fused kernels, each behind one switch, each with a pure-PyTorch reference next to it.
+
+Owns: RMSNorm, RoPE, SwiGLU (reference + hand-written autograd versions), the AdamW factory
+(torch fused AdamW / apex FusedAdam when available), flash-attn detection, and the model-compile helper.
+On CPU "fused" means a custom autograd.Function that saves less for backward and recomputes the cheap
+parts; the references are what the tests compare against. The cross-entropy kernel lives in
+model/loss.py.
+
+Must never: create or rename parameters (checkpoint keys never depend on which kernel ran, trap 11),
+write accelerator literals (ask utils.device), or import a kernel package at module import time
+with a hard failure (optional packages are detected once and logged once).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Iterable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from utils.device import is_accelerator, optional_import
+
+log = logging.getLogger(__name__)
+
+
+# ----------------------------------------------------------------------------------------- RMSNorm
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Reference RMSNorm exactly as HF Llama: normalise in fp32, cast back, then scale."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * y.to(x.dtype)
+
+
+class _RMSNormFn(torch.autograd.Function):
+    """Saves x and the per-row 1/rms only (no fp32 copy of x, no normalised activations)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * (xf * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        xhat = x.float() * rstd
+        gf = g.float()
+        gw = gf * weight.float()
+        # d/dx of x*rstd: rstd * (gw - xhat * mean(gw * xhat))
+        dx = rstd * (gw - xhat * (gw * xhat).mean(-1, keepdim=True))
+        dw = None
+        if ctx.needs_input_grad[1]:
+            # the reference multiplies by the *rounded* xhat; match it for low-precision inputs
+            dw = (gf * xhat.to(x.dtype).float()).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+        return dx.to(x.dtype), dw, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fused: bool = True) -> torch.Tensor:
+    if fused:
+        return _RMSNormFn.apply(x, weight, eps)
+    return rms_norm_ref(x, weight, eps)
+
+
+# -------------------------------------------------------------------------------------------- RoPE
+# Half-split ("rotate_half") layout, the same as HF Llama, so HF weights need no permutation:
+# the pair rotated together is (x[i], x[i + head_dim/2]).
+def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, H, T, D]; cos/sin: [B or 1, 1, T, D/2] (half width). Reference: HF's rotate_half."""
+    cos2 = torch.cat((cos, cos), dim=-1)
+    sin2 = torch.cat((sin, sin), dim=-1)
+    x1, x2 = x.chunk(2, dim=-1)
+    rot = torch.cat((-x2, x1), dim=-1)
+    return x * cos2 + rot * sin2
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class _RoPEFn(torch.autograd.Function):
+    """A rotation is orthogonal: its backward is the rotation by -theta. Saves only cos/sin."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        return _rotate(x, cos.to(x.dtype), sin.to(x.dtype))
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        return _rotate(g, cos.to(g.dtype), -sin.to(g.dtype)), None, None
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool = True) -> torch.Tensor:
+    if fused:
+        return _RoPEFn.apply(x, cos, sin)
+    return rope_ref(x, cos.to(x.dtype), sin.to(x.dtype))
+
+
+# ------------------------------------------------------------------------------------------ SwiGLU
+def swiglu_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+class _SwiGLUFn(torch.autograd.Function):
+    """Saves gate and up only; silu(gate) and its derivative are recomputed in backward."""
+
+    @staticmethod
+    def forward(ctx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        gate, up = ctx.saved_tensors
+        sig = torch.sigmoid(gate)
+        silu = gate * sig
+        d_up = g * silu
+        # silu'(x) = sig * (1 + x * (1 - sig))
+        d_gate = g * up * sig * (1 + gate * (1 - sig))
+        return d_gate, d_up
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, fused: bool = True) -> torch.Tensor:
+    if fused:
+        return _SwiGLUFn.apply(gate, up)
+    return swiglu_ref(gate, up)
+
+
+# ------------------------------------------------------------------------------------- flash-attn
+_FLASH = None
+_FLASH_CHECKED = False
+
+
+def flash_attn_functions(device: torch.device) -> Optional[tuple]:
+    """(flash_attn_func, flash_attn_varlen_func) when flash-attn is installed and device is an
+    accelerator, else None. Detected once and logged once."""
+    global _FLASH, _FLASH_CHECKED
+    if not is_accelerator(device):
+        return None
+    if not _FLASH_CHECKED:
+        _FLASH_CHECKED = True
+        mod = optional_import("flash_attn")
+        if mod is not None and hasattr(mod, "flash_attn_func"):
+            _FLASH = (mod.flash_attn_func, getattr(mod, "flash_attn_varlen_func", None))
+            log.info("flash-attn %s detected: used for attention", getattr(mod, "__version__", "?"))
+        else:
+            log.info("flash-attn not installed: attention uses F.scaled_dot_product_attention")
+    return _FLASH
+
+
+# ------------------------------------------------------------------------------------------ AdamW
+_APEX_LOGGED = False
+
+
+def build_adamw(params: Iterable, lr: float, betas: tuple[float, float] = (0.9, 0.95),
+                eps: float = 1e-8, weight_decay: float = 0.0, fused: bool = True,
+                device: Optional[torch.device] = None) -> torch.optim.Optimizer:
+    """AdamW with the fastest available implementation.
+
+    fused=True: apex FusedAdam on an accelerator when apex is installed, else torch's fused AdamW
+    (CPU and accelerator both supported by torch >= 2.4), else foreach. fused=False: the reference
+    single-tensor torch AdamW. All give the same update up to rounding.
+    """
+    global _APEX_LOGGED
+    params = list(params)
+    if device is None:
+        first = params[0]["params"][0] if isinstance(params[0], dict) else params[0]
+        device = first.device
+    if fused:
+        if is_accelerator(device):
+            apex_opt = optional_import("apex.optimizers")
+            if not _APEX_LOGGED:
+                _APEX_LOGGED = True
+                log.info("apex FusedAdam %s", "available" if apex_opt is not None else "not installed")
+            if apex_opt is not None:
+                return apex_opt.FusedAdam(params, lr=lr, betas=betas, eps=eps,
+                                          weight_decay=weight_decay, adam_w_mode=True)
+        try:
+            return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps,
+                                     weight_decay=weight_decay, fused=True)
+        except (RuntimeError, ValueError, TypeError) as e:  # dtype/device without a fused kernel
+            log.info("fused AdamW unavailable (%s); using foreach", e)
+            return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps,
+                                     weight_decay=weight_decay, foreach=True)
+    return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                             foreach=False, fused=False)
+
+
+# ---------------------------------------------------------------------------------------- compile
+def compile_model(model: torch.nn.Module, per_layer: bool = True, **kwargs) -> torch.nn.Module:
+    """torch.compile the model in place, so state_dict keys are unchanged (no `_orig_mod.` prefix).
+
+    per_layer=True compiles each transformer block (one graph reused by all layers: fast to
+    compile, and the chunked loss stays eager); False compiles the whole forward.
+    """
+    if per_layer and hasattr(model, "layers"):
+        for layer in model.layers:
+            layer.compile(**kwargs)
+    else:
+        model.compile(**kwargs)
+    return model

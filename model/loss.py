@@ -1,0 +1,165 @@
+"""Chunked linear + cross-entropy: the LM head and its loss without full [tokens x vocab] logits.
+
+Owns: `linear_cross_entropy(hidden, weight, labels, reduction, chunk_size)` and its reference
+`linear_cross_entropy_ref`. Tokens are processed `chunk_size` at a time: per chunk the logits are
+computed, reduced to logsumexp and the target logit, and dropped. Peak extra memory is one chunk of
+logits (chunk_size x vocab) plus the fp32 weight-gradient accumulator, instead of the full logits,
+their softmax and their gradient.
+
+Gradients: for "mean"/"sum" the upstream gradient is a scalar, so d hidden and d weight are computed
+in the forward pass while the chunk's logits are live (3 matmuls in total, like the unfused path) and
+only scaled in backward. For "none" the upstream gradient is per token and d weight depends on it, so
+backward recomputes each chunk's logits from the saved hidden states and per-token logsumexp.
+
+Precision: under autocast the matmuls run in the autocast dtype; logsumexp, the loss and the
+weight-gradient accumulation are fp32.
+
+Must never: materialise logits for all tokens at once, or silently turn an all-ignored batch into
+NaN ("mean" of zero target tokens is 0, documented).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from utils.constants import IGNORE_INDEX
+
+
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    dev = t.device.type
+    if torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return t.dtype
+
+
+def _chunk_stats(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor):
+    """logits (fp32), logsumexp, per-token loss (0 where ignored) and the valid mask of one chunk."""
+    logits = (h @ w.t()).float()
+    lse = torch.logsumexp(logits, dim=-1)
+    valid = y != IGNORE_INDEX
+    safe_y = torch.where(valid, y, torch.zeros_like(y))
+    target = logits.gather(1, safe_y[:, None]).squeeze(1)
+    loss = torch.where(valid, lse - target, torch.zeros_like(lse))
+    return logits, lse, loss, valid, safe_y
+
+
+def _dlogits(logits: torch.Tensor, lse: torch.Tensor, valid: torch.Tensor, safe_y: torch.Tensor,
+             scale: torch.Tensor) -> torch.Tensor:
+    """(softmax - onehot) * scale per row, zero for ignored rows; in place on `logits` (fp32)."""
+    p = logits.sub_(lse[:, None]).exp_()
+    p.scatter_add_(1, safe_y[:, None], torch.full_like(lse[:, None], -1.0))
+    return p.mul_((scale * valid)[:, None])
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                reduction: str, chunk_size: int, need_grad: bool, cdtype: torch.dtype):
+        n = hidden.shape[0]
+        h_c = hidden.to(cdtype)
+        w_c = weight.to(cdtype)  # one cast of the weight, not one per chunk
+        losses = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        n_valid = (labels != IGNORE_INDEX).sum()
+        grads_now = need_grad and reduction in ("mean", "sum")
+        if grads_now:
+            d_hidden = torch.empty(n, hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
+            d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+            # "mean" divides by the target count here; backward multiplies by the upstream scalar
+            unit = torch.ones((), dtype=torch.float32, device=hidden.device)
+            if reduction == "mean":
+                unit = unit / n_valid.clamp(min=1)
+        lses = torch.empty(n, dtype=torch.float32, device=hidden.device) if need_grad and not grads_now else None
+        for s in range(0, n, chunk_size):
+            e = min(s + chunk_size, n)
+            logits, lse, loss, valid, safe_y = _chunk_stats(h_c[s:e], w_c, labels[s:e])
+            losses[s:e] = loss
+            if grads_now:
+                dl = _dlogits(logits, lse, valid, safe_y, unit).to(cdtype)
+                d_hidden[s:e] = (dl @ w_c).to(hidden.dtype)
+                d_weight.add_((dl.t() @ h_c[s:e]).float())
+            elif lses is not None:
+                lses[s:e] = lse
+            del logits
+        ctx.reduction, ctx.chunk_size, ctx.cdtype, ctx.grads_now = reduction, chunk_size, cdtype, grads_now
+        ctx.weight_dtype = weight.dtype
+        if grads_now:
+            ctx.save_for_backward(d_hidden, d_weight)
+        elif need_grad:
+            ctx.save_for_backward(hidden, weight, labels, lses)
+        if reduction == "none":
+            return losses
+        total = losses.sum()
+        if reduction == "mean":
+            return total / n_valid.clamp(min=1)
+        return total
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        if ctx.grads_now:
+            d_hidden, d_weight = ctx.saved_tensors
+            return ((d_hidden * g.to(d_hidden.dtype)),
+                    (d_weight * g).to(ctx.weight_dtype), None, None, None, None, None)
+        hidden, weight, labels, lses = ctx.saved_tensors
+        cdtype, cs = ctx.cdtype, ctx.chunk_size
+        h_c, w_c = hidden.to(cdtype), weight.to(cdtype)
+        n = hidden.shape[0]
+        d_hidden = torch.empty_like(hidden)
+        d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        g = g.float()
+        for s in range(0, n, cs):
+            e = min(s + cs, n)
+            y = labels[s:e]
+            valid = y != IGNORE_INDEX
+            safe_y = torch.where(valid, y, torch.zeros_like(y))
+            logits = (h_c[s:e] @ w_c.t()).float()
+            dl = _dlogits(logits, lses[s:e], valid, safe_y, g[s:e]).to(cdtype)
+            d_hidden[s:e] = (dl @ w_c).to(hidden.dtype)
+            d_weight.add_((dl.t() @ h_c[s:e]).float())
+        return d_hidden, d_weight.to(ctx.weight_dtype), None, None, None, None, None
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                         reduction: str = "mean", chunk_size: int = 1024) -> torch.Tensor:
+    """Cross-entropy of `hidden @ weight.T` against `labels` without the full logits.
+
+    hidden [..., D], weight [V, D], labels [...] (already shifted; IGNORE_INDEX = -100 skipped).
+    reduction: "mean" over non-ignored tokens (0 if there are none), "sum", or "none" -> loss with the
+    shape of `labels`, 0 at ignored positions.
+    """
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    shape = labels.shape
+    h = hidden.reshape(-1, hidden.shape[-1])
+    y = labels.reshape(-1)
+    need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    out = _LinearCrossEntropy.apply(h, weight, y, reduction, int(chunk_size), need_grad,
+                                    _compute_dtype(hidden))
+    return out.reshape(shape) if reduction == "none" else out
+
+
+def linear_cross_entropy_ref(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                             reduction: str = "mean") -> torch.Tensor:
+    """Reference: full logits in fp32 + F.cross_entropy (what HF Llama does)."""
+    logits = F.linear(hidden, weight).float()
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                           ignore_index=IGNORE_INDEX, reduction="none")
+    if reduction == "none":
+        return loss.reshape(labels.shape)
+    if reduction == "sum":
+        return loss.sum()
+    n_valid = (labels != IGNORE_INDEX).sum().clamp(min=1)
+    return loss.sum() / n_valid
+
+
+def cross_entropy_from_logits(logits: torch.Tensor, labels: torch.Tensor,
+                              reduction: str = "mean") -> torch.Tensor:
+    """CE for callers that already have logits [..., V] (same reductions as above)."""
+    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                           ignore_index=IGNORE_INDEX, reduction="none")
+    if reduction == "none":
+        return loss.reshape(labels.shape)
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / (labels != IGNORE_INDEX).sum().clamp(min=1)
