@@ -1,0 +1,92 @@
+"""utils/checkpoint.py: atomic layout, verification, skipping damaged checkpoints, pruning, RNG."""
+import os
+import random
+
+import numpy as np
+import torch
+
+from utils import checkpoint as ckpt
+
+
+def _save(out_dir, step, val_loss=None, keep_last=2, fault_hook=None):
+    torch.manual_seed(step)
+    req = ckpt.SaveRequest(step=step, rank=0, world_size=1,
+                           model_state={"w": torch.randn(4, 3), "b": torch.full((3,), float(step))},
+                           model_config={"dim": 3}, optimizer_state={"exp_avg": torch.ones(4), "step": step},
+                           extra_state={"rng": ckpt.capture_rng_state(torch.device("cpu"))},
+                           trainer_state={"data_cursor": {"epoch": 0, "step_in_epoch": step}, "val_loss": val_loss},
+                           run_config={"lr": 0.1})
+    return ckpt.save_checkpoint(str(out_dir), req, keep_last=keep_last, fault_hook=fault_hook)
+
+
+def test_save_load_roundtrip(tmp_path):
+    path = _save(tmp_path, 5)
+    assert os.path.basename(path) == "step_00000005"
+    assert sorted(os.listdir(path)) == sorted(["COMPLETE", "config.json", "extra_rank0.pt", "manifest.json",
+                                               "model.safetensors", "model_config.json", "optimizer_rank0.pt",
+                                               "trainer_state.json"])
+    assert ckpt.find_latest_valid(str(tmp_path)) == path
+    assert torch.equal(ckpt.load_model_state(path)["b"], torch.full((3,), 5.0))
+    opt = ckpt.load_rank_file(path, "optimizer", 0)  # weights_only=True inside
+    assert opt["step"] == 5 and torch.equal(opt["exp_avg"], torch.ones(4))
+    assert ckpt.read_json(os.path.join(path, "trainer_state.json"))["data_cursor"]["step_in_epoch"] == 5
+
+
+def test_damaged_checkpoints_are_skipped_with_a_message(tmp_path):
+    good = _save(tmp_path, 1, keep_last=10)
+    truncated = _save(tmp_path, 2, keep_last=10)
+    missing = _save(tmp_path, 3, keep_last=10)
+    with open(os.path.join(truncated, "model.safetensors"), "r+b") as f:
+        f.truncate(10)
+    os.remove(os.path.join(missing, "optimizer_rank0.pt"))
+    messages = []
+    assert ckpt.find_latest_valid(str(tmp_path), log=messages.append) == good
+    assert any("step_00000003" in m and "missing file optimizer_rank0.pt" in m for m in messages)
+    assert any("step_00000002" in m and "truncated" in m for m in messages)
+    # same size, flipped byte: caught by the hash
+    path4 = _save(tmp_path, 4, keep_last=10)
+    with open(os.path.join(path4, "model.safetensors"), "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0xFF]))
+    assert ckpt.verify_checkpoint(path4) == "model.safetensors does not match its sha256 (corrupted)"
+
+
+def test_interrupted_save_leaves_previous(tmp_path):
+    good = _save(tmp_path, 1)
+
+    class Died(Exception):
+        pass
+
+    def die():
+        raise Died()
+    try:
+        _save(tmp_path, 2, fault_hook=die)
+    except Died:
+        pass
+    assert os.path.isdir(os.path.join(tmp_path, "checkpoints", "step_00000002.tmp"))
+    assert ckpt.find_latest_valid(str(tmp_path)) == good
+    assert _save(tmp_path, 2).endswith("step_00000002")  # a later save cleans the stale temp dir
+    assert not os.path.exists(os.path.join(tmp_path, "checkpoints", "step_00000002.tmp"))
+
+
+def test_keep_last_and_best(tmp_path):
+    for step, val in ((1, 3.0), (2, 1.0), (3, 2.0), (4, 2.5), (5, 2.2)):
+        _save(tmp_path, step, val_loss=val, keep_last=2)
+    steps = [s for s, _ in ckpt.list_checkpoints(str(tmp_path))]
+    assert steps == [5, 4, 2]  # the last two, and the best by validation loss
+
+
+def test_rng_roundtrip(tmp_path):
+    dev = torch.device("cpu")
+    random.seed(1); np.random.seed(2); torch.manual_seed(3)
+    random.gauss(0, 1)
+    state = ckpt.capture_rng_state(dev)
+    a = (random.random(), random.gauss(0, 1), np.random.rand(), torch.rand(2))
+    torch.save(state, tmp_path / "rng.pt")
+    state = torch.load(tmp_path / "rng.pt", weights_only=True)
+    random.seed(9); np.random.seed(9); torch.manual_seed(9)
+    ckpt.restore_rng_state(state, dev)
+    b = (random.random(), random.gauss(0, 1), np.random.rand(), torch.rand(2))
+    assert a[:3] == b[:3] and torch.equal(a[3], b[3])

@@ -1,0 +1,64 @@
+"""configurator.py: overrides, config files, type checking, errors, JSON output."""
+import json
+from dataclasses import dataclass, field
+from typing import Optional
+
+import pytest
+
+from configurator import ConfigError, parse_config, save_config_json
+
+
+@dataclass
+class Cfg:
+    lr: float = 1e-3
+    steps: int = 10
+    name: str = "run"
+    compile: bool = False
+    n_kv: Optional[int] = None
+    mix: dict = field(default_factory=dict)
+
+
+def test_overrides_are_typed():
+    c = parse_config(Cfg(), ["--lr=3e-4", "--steps=7", "--name=a b", "--compile", "--n_kv=2",
+                             '--mix={"zh": 0.7, "en": 0.3}'])
+    assert c.lr == pytest.approx(3e-4) and isinstance(c.lr, float)
+    assert c.steps == 7 and c.name == "a b" and c.compile is True and c.n_kv == 2
+    assert c.mix == {"zh": 0.7, "en": 0.3}
+    assert parse_config(Cfg(), ["--compile=false"]).compile is False
+    assert parse_config(Cfg(), ["--n_kv=none"]).n_kv is None
+    assert parse_config(Cfg(), ["--lr=1"]).lr == 1.0  # an int literal is a fine float
+
+
+@pytest.mark.parametrize("arg, needle", [
+    ("--steps=1.5", "steps='1.5' is not a valid int"),
+    ("--compile=maybe", "compile='maybe' is not a valid bool"),
+    ("--lr=fast", "lr='fast' is not a valid float"),
+    ("--stepz=3", "unknown config key 'stepz'; did you mean --steps"),
+    ("positional", "unexpected argument"),
+])
+def test_bad_values_name_the_key(arg, needle):
+    with pytest.raises(ConfigError) as e:
+        parse_config(Cfg(), [arg])
+    assert needle in str(e.value)
+
+
+def test_config_file_then_cli_wins(tmp_path):
+    f = tmp_path / "c.py"
+    f.write_text("import math\nlr = 0.5\nsteps = 3 * 4\nname = 'from_file'\n")
+    c = parse_config(Cfg(), [str(f), "--name=cli"])
+    assert (c.lr, c.steps, c.name) == (0.5, 12, "cli")
+    bad = tmp_path / "bad.py"
+    bad.write_text("steps = 'ten'\n")
+    with pytest.raises(ConfigError, match="bad.py: steps='ten' is not a valid int"):
+        parse_config(Cfg(), [str(bad)])
+    unknown = tmp_path / "unknown.py"
+    unknown.write_text("lrr = 1.0\n")
+    with pytest.raises(ConfigError, match="unknown config key 'lrr'"):
+        parse_config(Cfg(), [str(unknown)])
+
+
+def test_resolved_config_is_json(tmp_path):
+    c = parse_config(Cfg(), ["--steps=5"])
+    p = tmp_path / "config.json"
+    save_config_json(c, str(p))
+    assert json.loads(p.read_text())["steps"] == 5

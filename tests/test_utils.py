@@ -1,0 +1,70 @@
+"""utils/: LR schedules, DPO losses, metrics reading, resplot."""
+import json
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from utils.dpo_loss import dpo_loss
+from utils.lr_schedule import lr_at
+from utils.metrics import dedupe_by_step, read_metrics
+
+
+def test_lr_schedules():
+    kw = dict(max_lr=1.0, min_lr=0.1, warmup_iters=10, decay_iters=110)
+    assert lr_at(0, **kw) == pytest.approx(0.1)          # warmup starts at max/warmup
+    assert lr_at(9, **kw) == pytest.approx(1.0)
+    assert lr_at(60, **kw) == pytest.approx(0.55)        # cosine half way
+    assert lr_at(60, schedule="linear", **kw) == pytest.approx(0.55)
+    assert lr_at(35, schedule="linear", **kw) == pytest.approx(1.0 - 0.9 * 0.25)
+    assert lr_at(500, **kw) == pytest.approx(0.1)
+    # wsd: constant until the last 20% of decay_iters, then linear to the floor
+    assert lr_at(80, schedule="wsd", **kw) == pytest.approx(1.0)
+    assert lr_at(110, schedule="wsd", **kw) == pytest.approx(0.1)
+    assert 0.1 < lr_at(100, schedule="wsd", **kw) < 1.0
+    with pytest.raises(ValueError, match="unknown lr schedule"):
+        lr_at(0, schedule="step", **kw)
+
+
+def test_dpo_losses_values():
+    pc, pr = torch.tensor([-1.0, -3.0]), torch.tensor([-2.0, -1.0])
+    rc, rr = torch.tensor([-1.5, -2.0]), torch.tensor([-1.5, -2.0])
+    h = (pc - pr) - (rc - rr)  # [1, -2]
+    losses, cr, rj = dpo_loss(pc, pr, rc, rr, beta=0.5, loss_type="sigmoid")
+    assert torch.allclose(losses, -F.logsigmoid(0.5 * h))
+    assert torch.allclose(cr, 0.5 * (pc - rc)) and torch.allclose(rj, 0.5 * (pr - rr))
+    smooth, _, _ = dpo_loss(pc, pr, rc, rr, beta=0.5, label_smoothing=0.1)
+    assert torch.allclose(smooth, -0.9 * F.logsigmoid(0.5 * h) - 0.1 * F.logsigmoid(-0.5 * h))
+    ipo, _, _ = dpo_loss(pc, pr, rc, rr, beta=0.5, loss_type="ipo")
+    assert torch.allclose(ipo, (h - 1.0) ** 2)
+    hinge, _, _ = dpo_loss(pc, pr, rc, rr, beta=0.5, loss_type="hinge")
+    assert torch.allclose(hinge, torch.tensor([0.5, 2.0]))
+    with pytest.raises(ValueError):
+        dpo_loss(pc, pr, rc, rr, loss_type="kto")
+
+
+def test_metrics_reader_tolerates_torn_line_and_dedupes(tmp_path):
+    p = tmp_path / "metrics.jsonl"
+    p.write_text('{"step": 1, "loss": 3.0}\n{"step": 2, "loss": 2.5}\n{"step": 2, "loss": 2.4}\n{"step": 3, "lo')
+    recs = read_metrics(str(p))
+    assert len(recs) == 3
+    assert {s: r["loss"] for s, r in dedupe_by_step(recs).items()} == {1: 3.0, 2: 2.4}
+
+
+def test_resplot_writes_png(tmp_path):
+    from utils.resplot import main
+    for name, scale in (("a", 1.0), ("b", 0.8)):
+        d = tmp_path / name
+        d.mkdir()
+        with open(d / "metrics.jsonl", "w") as f:
+            for s in range(1, 21):
+                rec = {"step": s, "loss": scale * 5 / s, "lr": 1e-3, "tokens_per_sec": 1000.0}
+                if s % 5 == 0:
+                    rec["val_loss"] = scale * 6 / s
+                f.write(json.dumps(rec) + "\n")
+    out = tmp_path / "cmp.png"
+    assert main([str(tmp_path / "a"), str(tmp_path / "b"), "-o", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    assert main([str(tmp_path / "missing")]) == 2
