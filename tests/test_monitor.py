@@ -1,0 +1,194 @@
+"""Fault-injection tests of monitor_process.py against tests/fake_train.py (fast, torch-free child)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import monitor_process as mp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MONITOR = os.path.join(ROOT, "monitor_process.py")
+FAKE = os.path.join(ROOT, "tests", "fake_train.py")
+FAST = ["--backoff_base=0.05", "--backoff_max=0.2", "--poll_interval=0.05", "--kill_grace=0.5",
+        "--hang_timeout=1.0", "--startup_timeout=5"]
+
+
+def fake_cmd(out_dir, *extra: str) -> list[str]:
+    return [sys.executable, FAKE, f"--out_dir={out_dir}", "--max_iters=12", "--checkpoint_interval=5",
+            *extra]
+
+
+def run_monitor(cmd: list[str], monitor_args=(), env_extra=None, timeout=60):
+    env = dict(os.environ, **(env_extra or {}))
+    return subprocess.run([sys.executable, MONITOR, *FAST, *monitor_args, "--", *cmd],
+                          env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def losses(out_dir) -> dict[int, float]:
+    """Loss per step, last occurrence wins (a resumed run logs the redone steps again)."""
+    out = {}
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        for line in f:
+            rec = json.loads(line)
+            out[rec["step"]] = rec["loss"]
+    return out
+
+
+def summary(out_dir) -> dict:
+    with open(os.path.join(out_dir, "monitor_summary.json")) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[int, float]:
+    out = tmp_path_factory.mktemp("ref")
+    subprocess.run(fake_cmd(out), check=True, capture_output=True)
+    return losses(out)
+
+
+def assert_all_dead(out_dir) -> None:
+    """Every process the fake trainer ever started (pid files) is gone: no orphaned ranks."""
+    pids = [int(n.rsplit("_", 1)[1]) for n in os.listdir(out_dir) if n.startswith("pid_rank")]
+    assert pids
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state = f.read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            continue
+        assert state == "Z", f"process {pid} of the training is still alive"
+
+
+# --- pure helpers ------------------------------------------------------------------------------
+
+def test_with_resume_replaces_or_appends_and_keeps_spaces():
+    assert mp.with_resume(["t.py", "--init_from=scratch", "--x=a b"]) == ["t.py", "--init_from=resume", "--x=a b"]
+    assert mp.with_resume(["t.py", "--init_from", "scratch", "y"]) == ["t.py", "--init_from=resume", "y"]
+    assert mp.with_resume(["torchrun", "--nproc_per_node=2", "t.py"]) == \
+        ["torchrun", "--nproc_per_node=2", "t.py", "--init_from=resume"]
+    assert mp.flag_value(["a", "--out_dir=x y", "--out_dir", "z"], "--out_dir") == "z"
+
+
+def test_torchrun_root_cause_is_read_from_its_report():
+    tail = ("torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+            "Failures:\n  <NO_OTHER_FAILURES>\nRoot Cause (first observed failure):\n[0]:\n"
+            "  rank      : 1 (local_rank: 1)\n  exitcode  : 2 (pid: 5031) \n")
+    assert mp.torchrun_root_cause_exit_code(tail) == 2
+    assert mp.torchrun_root_cause_exit_code("exitcode : 2") is None
+
+
+def test_command_must_follow_double_dash():
+    with pytest.raises(SystemExit):
+        mp.parse_args(["--max_restarts=1", "python", "t.py"])
+    cfg, cmd = mp.parse_args(["--max_restarts=1", "--", "python", "t.py", "--out_dir=/o d"])
+    assert cmd == ["python", "t.py", "--out_dir=/o d"] and cfg.out_dir == "/o d"
+    assert cfg.log_file == os.path.join("/o d", "monitor.log")
+
+
+# --- fault injection ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fault, resumed_from, cause", [("crash@7", 5, "crash"),
+                                                        ("kill_in_save@10", 5, "signal")])
+def test_crash_is_restarted_and_resumes_exactly(tmp_path, reference, fault, resumed_from, cause):
+    out = tmp_path / "run"
+    label = "two  spaces 'and' \"quotes\""
+    r = run_monitor(fake_cmd(out, f"--label={label}"),
+                    env_extra={"MYLLM_FAULT": fault, "MYLLM_FAULT_ONCE_FILE": str(tmp_path / "once")})
+    assert r.returncode == 0, r.stderr
+    assert losses(out) == reference
+    s = summary(out)
+    assert (s["final_status"], s["exit_code"], s["restarts"]) == ("completed", 0, 1)
+    first, second = s["attempts"]
+    assert first["cause"] == cause
+    if cause == "signal":
+        assert first["signal"] == "SIGKILL"
+        # the torn step_10 was never marked COMPLETE; the retry rewrote it
+        assert os.path.exists(out / "checkpoints" / "step_00000010" / "COMPLETE")
+    else:
+        assert first["exit_code"] == 1
+    assert second["resumed_from_step"] == resumed_from
+    assert first["steps_lost"] == first["last_step"] - resumed_from
+    assert 0 < first["steps_lost"] <= 5  # at most the checkpoint interval
+    assert second["first_step"] == resumed_from + 1 and s["last_step"] == 12
+    assert second["command"][-1] == "--init_from=resume"
+    # the argument with spaces and quotes reached the restarted trainer as one argument
+    with open(out / "args.json") as f:
+        assert f"--label={label}" in json.load(f)
+    with open(out / "monitor.log") as f:
+        log = f.read()
+    assert "step 12 loss" in log and "restarting in" in log
+
+
+@pytest.mark.parametrize("fault, cause", [("hang@7", "hang"), ("hang@1", "startup_timeout")])
+def test_hang_is_killed_and_restarted(tmp_path, reference, fault, cause):
+    out = tmp_path / "run"
+    r = run_monitor(fake_cmd(out), ["--startup_timeout=1.5"],
+                    env_extra={"MYLLM_FAULT": fault, "MYLLM_FAULT_ONCE_FILE": str(tmp_path / "once")})
+    assert r.returncode == 0, r.stderr
+    s = summary(out)
+    assert s["restarts"] == 1 and s["attempts"][0]["cause"] == cause
+    assert s["attempts"][0]["signal"] in ("SIGTERM", "SIGKILL")
+    assert losses(out) == reference
+    assert_all_dead(out)
+
+
+def test_bad_config_is_not_restarted(tmp_path):
+    out = tmp_path / "run"
+    r = run_monitor(fake_cmd(out, "--no_such_flag=1"))
+    assert r.returncode == 2
+    s = summary(out)
+    assert (s["final_status"], s["restarts"], len(s["attempts"])) == ("non_retryable", 0, 1)
+    assert "exit code 2 is not retryable" in s["reason"]
+    assert "non_retryable" in r.stderr
+
+
+def test_finished_run_is_never_restarted(tmp_path, reference):
+    out = tmp_path / "run"
+    r = run_monitor(fake_cmd(out))
+    assert r.returncode == 0
+    s = summary(out)
+    assert (s["final_status"], s["restarts"], len(s["attempts"])) == ("completed", 0, 1)
+    assert s["attempts"][0]["steps_lost"] == 0 and s["total_steps_lost"] == 0
+    assert losses(out) == reference
+
+
+def test_sigterm_to_monitor_is_forwarded_and_not_restarted(tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, MONITOR, *FAST, "--", *fake_cmd(out, "--max_iters=100000", "--step_time=0.02")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        if os.path.exists(out / "metrics.jsonl") and len(losses(out)) >= 3:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=20)
+    assert proc.returncode == 75, err
+    s = summary(out)
+    assert (s["final_status"], s["restarts"], len(s["attempts"])) == ("stopped", 0, 1)
+    assert s["attempts"][0]["exit_code"] == 75
+    # the trainer saved the step it was on when the signal arrived
+    last = s["last_step"]
+    assert os.path.exists(out / "checkpoints" / f"step_{last:08d}" / "COMPLETE")
+    assert_all_dead(out)
+
+
+@pytest.mark.parametrize("only_stalled, attempts", [(False, 2), (True, 3)])
+def test_max_restarts_is_honoured(tmp_path, only_stalled, attempts):
+    # crash@7 fires on every attempt: attempt 0 makes progress (steps 1..6, checkpoint 5),
+    # later attempts resume at 5, redo step 6 and crash again without progress.
+    out = tmp_path / "run"
+    flags = ["--max_restarts=1"] + (["--count_only_stalled_restarts"] if only_stalled else [])
+    r = run_monitor(fake_cmd(out), flags, env_extra={"MYLLM_FAULT": "crash@7"})
+    assert r.returncode == 1
+    s = summary(out)
+    assert s["final_status"] == "gave_up" and len(s["attempts"]) == attempts
+    assert s["restarts"] == attempts - 1 and s["counted_restarts"] == 1
+    assert [a["made_progress"] for a in s["attempts"]] == [True] + [False] * (attempts - 1)
+    assert all(a["cause"] == "crash" for a in s["attempts"])
