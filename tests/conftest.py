@@ -9,3 +9,59 @@ if ROOT not in sys.path:
 import torch  # noqa: E402
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+import json  # noqa: E402
+import subprocess  # noqa: E402
+
+import pytest  # noqa: E402
+
+PY = sys.executable
+
+
+def run_cmd(args: list[str], cwd: str = ROOT, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run a project command; on failure the assertion shows its output."""
+    proc = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(args)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+@pytest.fixture(scope="session")
+def tiny_pretrain_data(tmp_path_factory) -> dict:
+    """A real tokenizer + token shards + index built from a slice of the bundled corpus.
+
+    Returns {"tokenizer_dir", "data_dir", "max_seq_len"}. Built once per test session (~10 s).
+    """
+    base = tmp_path_factory.mktemp("tiny_pretrain")
+    corpus = base / "corpus"
+    corpus.mkdir()
+    src_dir = os.path.join(ROOT, "data", "pretrain")
+    for name in sorted(os.listdir(src_dir)):
+        if not name.endswith(".jsonl"):
+            continue
+        with open(os.path.join(src_dir, name), encoding="utf-8") as f:
+            docs = [json.loads(line)["text"] for _, line in zip(range(60), f)]
+        with open(corpus / name, "w", encoding="utf-8") as f:
+            for d in docs:
+                f.write(json.dumps({"text": d[:1500]}, ensure_ascii=False) + "\n")
+    tok, shards, seq = base / "tok", base / "shards", 32
+    run_cmd([PY, "-m", "tokenizer.train_tokenizer", f"--data_dir={corpus}", f"--output_dir={tok}",
+             "--vocab_size=384", "--tokenizer_type=hf_bbpe"])
+    run_cmd([PY, "-m", "data_preprocess.pretokenize_pretrain_data", f"--data_dir={corpus}", f"--tokenizer_dir={tok}",
+             f"--output_dir={shards}", "--num_workers=1", "--no_progress"])
+    run_cmd([PY, "-m", "data_preprocess.build_pretrain_sample_index_map", f"--data_dir={shards}",
+             f"--max_seq_len={seq}", "--val_ratio=0.1"])
+    return {"tokenizer_dir": str(tok), "data_dir": str(shards), "max_seq_len": seq}
+
+
+@pytest.fixture(scope="session")
+def tiny_pretrain_run_args(tiny_pretrain_data) -> list[str]:
+    """Flags for a few-second real pretraining run of train_my_ddp.py (add --out_dir and --max_iters).
+
+    Deterministic on CPU in fp32: same flags -> same loss sequence, which the resume tests rely on.
+    """
+    d = tiny_pretrain_data
+    return [f"--data_dir={d['data_dir']}", f"--tokenizer_dir={d['tokenizer_dir']}",
+            f"--max_seq_len={d['max_seq_len']}", "--dim=32", "--n_layers=2", "--n_heads=4", "--multiple_of=16",
+            "--batch_size=4", "--learning_rate=3e-3", "--warmup_iters=2", "--eval_interval=0",
+            "--eval_iters=2", "--log_interval=1", "--checkpoint_interval=3", "--progress=false",
+            "--peak_flops=1e11", "--device=cpu", "--seed=7"]
