@@ -1,0 +1,156 @@
+"""Build the fixed-length sample index over token shards
+(`python -m data_preprocess.build_pretrain_sample_index_map`).
+
+Owns: cutting the concatenation of all shards (in name order) into samples of L+1 tokens with
+stride L (x = s[:-1], y = s[1:], so consecutive samples share one token and no token is ever a
+target twice), the held-out validation split, and `index_meta.json`, which records exactly
+what was indexed (shard names, byte sizes, token counts, tokenizer fingerprint, L) so that an
+index never loads against changed shards or another L.
+
+Layout: `<data_dir>/index_L<L>/{train.npy, val.npy, index_meta.json}`; train/val hold int64
+start offsets into the concatenated stream, sorted (the loader does the shuffling).
+
+Must never: treat shards separately (a shard whose length is a multiple of L must not make the
+next shard disappear -- known trap 4), or put one sample in both splits.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from typing import Optional
+
+import numpy as np
+
+from data_preprocess.shard_format import (DataError, StaleIndexError, ShardInfo, atomic_save_npy,
+                                          atomic_write_json, list_shards, remove_temp_files,
+                                          shards_fingerprint)
+
+log = logging.getLogger("build_index")
+INDEX_FORMAT_VERSION = 1
+
+
+def index_dir_for(data_dir: str, max_seq_len: int) -> str:
+    return os.path.join(data_dir, f"index_L{int(max_seq_len)}")
+
+
+def num_samples_for(total_tokens: int, max_seq_len: int) -> int:
+    """Samples of L+1 tokens at stride L that fit in a stream of total_tokens."""
+    return max(0, (total_tokens - 1) // max_seq_len)
+
+
+def shard_records(shards: list[ShardInfo]) -> list[dict]:
+    return [{"name": s.name, "bytes": s.num_bytes, "tokens": s.num_tokens} for s in shards]
+
+
+def build_index(data_dir: str, max_seq_len: int, val_ratio: float = 0.01,
+                val_samples: Optional[int] = None, seed: int = 1234) -> dict:
+    """Write the index for `data_dir`'s shards; returns index_meta."""
+    if max_seq_len < 1:
+        raise ValueError("max_seq_len must be >= 1")
+    shards = list_shards(data_dir)
+    total = sum(s.num_tokens for s in shards)
+    n = num_samples_for(total, max_seq_len)
+    if n == 0:
+        raise DataError(f"{data_dir}: {total} tokens cannot make one sample of {max_seq_len + 1} tokens")
+    if val_samples is not None:
+        n_val = int(val_samples)
+    else:
+        if not 0.0 <= val_ratio < 1.0:
+            raise ValueError("val_ratio must be in [0, 1)")
+        n_val = int(round(val_ratio * n))
+        if val_ratio > 0 and n_val == 0 and n > 1:
+            n_val = 1  # a requested split is never silently empty
+    if not 0 <= n_val < n:
+        raise ValueError(f"val_samples={n_val} must leave training samples (have {n})")
+    rng = np.random.Generator(np.random.PCG64(seed))
+    # Held-out samples are drawn uniformly (Floyd-style, O(n_val) memory); a boolean mask of n
+    # bytes then splits the ids. Sorting keeps the file readable and the memmap access local.
+    val_ids = np.sort(rng.choice(n, size=n_val, replace=False)) if n_val else np.empty(0, np.int64)
+    is_val = np.zeros(n, dtype=bool)
+    is_val[val_ids] = True
+    starts = np.arange(n, dtype=np.int64) * max_seq_len
+    out = index_dir_for(data_dir, max_seq_len)
+    os.makedirs(out, exist_ok=True)
+    remove_temp_files(out)
+    meta_path = os.path.join(out, "index_meta.json")
+    if os.path.exists(meta_path):
+        os.remove(meta_path)  # the meta is the completeness marker: drop it before rewriting arrays
+    atomic_save_npy(os.path.join(out, "train.npy"), starts[~is_val])
+    atomic_save_npy(os.path.join(out, "val.npy"), starts[is_val])
+    meta = {
+        "format_version": INDEX_FORMAT_VERSION,
+        "max_seq_len": int(max_seq_len), "sample_tokens": int(max_seq_len) + 1, "stride": int(max_seq_len),
+        "num_train": int(n - n_val), "num_val": int(n_val), "num_samples": int(n),
+        "total_tokens": int(total), "seed": int(seed),
+        "val_ratio": None if val_samples is not None else float(val_ratio),
+        "val_samples": None if val_samples is None else int(val_samples),
+        "dtype": shards[0].dtype.str, "vocab_size": shards[0].vocab_size,
+        "tokenizer_fingerprint": shards[0].fingerprint,
+        "shards": shard_records(shards), "shards_fingerprint": shards_fingerprint(shards),
+    }
+    atomic_write_json(meta_path, meta)  # last: present means train/val are complete
+    return meta
+
+
+def load_index_meta(data_dir: str, max_seq_len: int, shards: Optional[list[ShardInfo]] = None) -> dict:
+    """Read index_meta.json and check it against the shards on disk; StaleIndexError otherwise."""
+    out = index_dir_for(data_dir, max_seq_len)
+    meta_path = os.path.join(out, "index_meta.json")
+    if not os.path.exists(meta_path):
+        others = sorted(d for d in os.listdir(data_dir) if d.startswith("index_L")) if os.path.isdir(data_dir) else []
+        raise StaleIndexError(f"{meta_path}: no index for max_seq_len={max_seq_len}"
+                              + (f" (found {others}; build one with build_pretrain_sample_index_map "
+                                 f"--max_seq_len={max_seq_len})" if others else ""))
+    with open(meta_path, "r", encoding="utf-8") as f:
+        meta = json.load(f)
+    if int(meta.get("max_seq_len", -1)) != int(max_seq_len):
+        raise StaleIndexError(f"{meta_path}: built for max_seq_len={meta.get('max_seq_len')}, asked for {max_seq_len}")
+    shards = shards if shards is not None else list_shards(data_dir)
+    now = shard_records(shards)
+    if now != meta["shards"] or shards_fingerprint(shards) != meta.get("shards_fingerprint"):
+        was = {r["name"]: r for r in meta["shards"]}
+        cur = {r["name"]: r for r in now}
+        diff = sorted(set(was) ^ set(cur)) + sorted(k for k in set(was) & set(cur) if was[k] != cur[k])
+        raise StaleIndexError(f"{meta_path}: the shards changed since the index was built "
+                              f"(differing: {diff[:5] or 'tokenizer fingerprint'}); rebuild the index")
+    return meta
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    from utils.constants import EXIT_BAD_CONFIG, EXIT_BAD_DATA, EXIT_OK
+    ap = argparse.ArgumentParser(
+        prog="python -m data_preprocess.build_pretrain_sample_index_map",
+        description="Index fixed-length samples (L+1 tokens, stride L) over all shards of --data_dir "
+                    "as one stream; writes <data_dir>/index_L<L>/{train.npy,val.npy,index_meta.json}.",
+        epilog="bad input: a shard whose sidecar disagrees with its size, shards without sidecars, or "
+               "shards from different tokenizers are errors (exit 3); nothing is skipped.")
+    ap.add_argument("--data_dir", required=True, help="folder of <stem>_<k:05d>.bin/.json shards")
+    ap.add_argument("--max_seq_len", type=int, required=True)
+    g = ap.add_mutually_exclusive_group()
+    g.add_argument("--val_ratio", type=float, default=0.01)
+    g.add_argument("--val_samples", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=1234)
+    try:
+        args = ap.parse_args(argv)
+    except SystemExit as e:
+        return EXIT_OK if e.code == 0 else EXIT_BAD_CONFIG
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        meta = build_index(args.data_dir, args.max_seq_len, args.val_ratio, args.val_samples, args.seed)
+    except ValueError as e:
+        log.error("%s", e)
+        return EXIT_BAD_CONFIG
+    except DataError as e:
+        log.error("%s", e)
+        return EXIT_BAD_DATA
+    log.info("indexed %d tokens from %d shard(s): %d train / %d val samples of %d tokens -> %s",
+             meta["total_tokens"], len(meta["shards"]), meta["num_train"], meta["num_val"],
+             meta["sample_tokens"], index_dir_for(args.data_dir, args.max_seq_len))
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,339 @@
+"""Pretokenize raw pretraining text into token shards (`python -m data_preprocess.pretokenize_pretrain_data`).
+
+Owns: turning .jsonl/.json/.parquet documents into `<stem>_<k:05d>.bin` shards of
+`<s> ids </s>` documents with sidecars (format in `shard_format.py`), tokenizing in worker
+processes, collecting *every* worker exception with the file it came from, and resuming:
+inputs whose shards are complete and consistent are skipped, the rest redone.
+
+Must never: hard-code the id dtype, write a sidecar before its shard is on disk, report success
+when a worker failed, or read the shards it is writing as input.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+import traceback
+from concurrent.futures import Future, ProcessPoolExecutor
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+from data_preprocess.readers import (SkipCounter, extract_text, find_input_files, iter_records,
+                                     parse_text_fields)
+from data_preprocess.shard_format import (SHARD_RE, DataError, dtype_for_vocab, read_sidecar,
+                                          remove_temp_files, write_shard, check_shard)
+
+log = logging.getLogger("pretokenize_pretrain")
+
+DEFAULT_SHARD_TOKENS = 100_000_000  # 200 MB of uint16: large enough for few files, small enough to copy
+BATCH_DOCS = 256                     # documents per worker task: amortizes pickling, keeps latency low
+
+# ----------------------------------------------------------------------------- worker side
+_ENCODE: Optional[Callable[[list[str]], list[list[int]]]] = None
+
+
+def _init_worker(tokenizer_dir: Optional[str], encode_fn: Optional[Callable]) -> None:
+    global _ENCODE
+    # One tokenizer thread per worker process: the pool is the parallelism.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    if encode_fn is not None:
+        _ENCODE = encode_fn
+        return
+    from tokenizer import encode_texts, load_tokenizer
+    tok = load_tokenizer(tokenizer_dir)
+    _ENCODE = lambda texts: encode_texts(tok, texts)  # noqa: E731
+
+
+def _tokenize_batch(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Flat ids + lengths: two arrays pickle far faster than a list of lists."""
+    assert _ENCODE is not None, "worker not initialized"
+    seqs = _ENCODE(texts)
+    lengths = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
+    flat = np.fromiter((t for s in seqs for t in s), dtype=np.int64, count=int(lengths.sum()))
+    return flat, lengths
+
+
+# ----------------------------------------------------------------------------- shard writer
+
+class _ShardWriter:
+    """Packs `<s> ids </s>` documents into fixed-size shards (the last one shorter).
+
+    Documents may continue into the next shard: readers see one concatenated stream, so a
+    shard boundary inside a document costs nothing and keeps shard sizes predictable."""
+
+    def __init__(self, out_dir: str, stem: str, shard_tokens: int, meta: dict):
+        self.out_dir, self.stem, self.shard_tokens, self.meta = out_dir, stem, shard_tokens, meta
+        self.dtype = np.dtype(meta["dtype"])
+        self.buf = np.empty(shard_tokens, dtype=self.dtype)
+        self.fill = 0
+        self.doc_starts: list[int] = []
+        self.k = 0
+        self.tokens = 0
+        self.docs = 0
+
+    def add(self, ids: np.ndarray) -> None:
+        doc = np.empty(ids.size + 2, dtype=self.dtype)
+        doc[0], doc[-1] = self.meta["bos_id"], self.meta["eos_id"]
+        doc[1:-1] = ids
+        if self.fill == self.shard_tokens:
+            self._flush(final=False)  # flushed lazily so the final shard is never an empty one
+        self.doc_starts.append(self.fill)
+        self.docs += 1
+        pos = 0
+        while pos < doc.size:
+            n = min(doc.size - pos, self.shard_tokens - self.fill)
+            self.buf[self.fill:self.fill + n] = doc[pos:pos + n]
+            self.fill += n
+            pos += n
+            if self.fill == self.shard_tokens and pos < doc.size:
+                self._flush(final=False)  # a full shard with more of this document to come
+
+    def _flush(self, final: bool) -> None:
+        offsets = np.asarray(self.doc_starts + [self.fill], dtype=np.int64)
+        write_shard(self.out_dir, self.stem, self.k, self.buf[:self.fill], offsets,
+                    dict(self.meta, final=final))
+        self.tokens += self.fill
+        self.k += 1
+        self.fill = 0
+        self.doc_starts = []
+
+    def close(self) -> None:
+        self._flush(final=True)  # the final shard may be empty (a file of empty docs): still marks completion
+
+
+# ----------------------------------------------------------------------------- resume logic
+
+def _stem_for(path: str, data_dir: str, taken: set[str]) -> str:
+    rel = os.path.relpath(path, data_dir) if os.path.isdir(data_dir) else os.path.basename(path)
+    stem = os.path.splitext(rel)[0].replace(os.sep, "__")
+    if stem in taken:  # a.json and a.jsonl in one folder
+        stem = rel.replace(os.sep, "__").replace(".", "_")
+    taken.add(stem)
+    return stem
+
+
+def _stem_files(out_dir: str, stem: str) -> list[str]:
+    return [n for n in os.listdir(out_dir)
+            if n.startswith(stem + "_") and n[len(stem) + 1:len(stem) + 6].isdigit()
+            and len(n) > len(stem) + 6 and n[len(stem) + 6] == "."]
+
+
+def _is_complete(out_dir: str, stem: str, expect: dict) -> bool:
+    """Complete = sidecars 0..n-1 present, sizes agree, the last marked final, and built from
+    the same source file (size, mtime), tokenizer and text fields as this run."""
+    sidecars = sorted(n for n in _stem_files(out_dir, stem) if SHARD_RE.match(n))
+    if not sidecars:
+        return False
+    try:
+        metas = [read_sidecar(os.path.join(out_dir, n)) for n in sidecars]
+        for n, m in zip(sidecars, metas):
+            check_shard(os.path.join(out_dir, n), m)
+    except DataError:
+        return False
+    if [m.get("shard_index") for m in metas] != list(range(len(metas))) or not metas[-1].get("final"):
+        return False
+    return all(all(m.get(k) == v for k, v in expect.items()) for m in metas)
+
+
+# ----------------------------------------------------------------------------- driver
+
+def pretokenize_pretrain(data_dir: str, tokenizer_dir: Optional[str], output_dir: Optional[str] = None,
+                         num_workers: int = 2, text_fields: str | Sequence[str] = "text",
+                         shard_size_tokens: int = DEFAULT_SHARD_TOKENS, strict: bool = False,
+                         progress: bool = True, encode_fn: Optional[Callable] = None,
+                         tokenizer_meta: Optional[dict] = None) -> dict[str, Any]:
+    """Tokenize every input file into shards; returns a summary dict.
+
+    Raises DataError listing every failed input (worker exceptions included) after processing
+    all the others. `encode_fn`/`tokenizer_meta` replace the tokenizer (tests, custom encoders);
+    `encode_fn` must be picklable (a module-level function)."""
+    data_dir = os.path.abspath(data_dir)
+    output_dir = os.path.abspath(output_dir or data_dir.rstrip(os.sep) + "_tokenized")
+    if tokenizer_meta is None:
+        from tokenizer import load_tokenizer_meta
+        tokenizer_meta = load_tokenizer_meta(tokenizer_dir)
+    sp = tokenizer_meta["special_tokens"]
+    vocab_size = int(tokenizer_meta["vocab_size"])
+    alternatives = parse_text_fields(text_fields)
+    spec = "|".join(",".join(a) for a in alternatives)
+    os.makedirs(output_dir, exist_ok=True)
+    remove_temp_files(output_dir)
+    files = find_input_files(data_dir, exclude_dir=output_dir)
+    if not files:
+        raise DataError(f"{data_dir}: no .jsonl/.json/.parquet inputs")
+    base_meta = {
+        "dtype": dtype_for_vocab(vocab_size).str, "vocab_size": vocab_size,
+        "bos_id": int(sp["bos"]["id"]), "eos_id": int(sp["eos"]["id"]),
+        "tokenizer_fingerprint": str(tokenizer_meta.get("fingerprint", "")),
+        "tokenizer_type": tokenizer_meta.get("tokenizer_type"), "text_fields": spec,
+        "document_layout": "<s> ids </s>",
+    }
+    summary: dict[str, Any] = {"output_dir": output_dir, "files": {}, "skipped_complete": [],
+                               "failed": {}, "tokens": 0, "documents": 0, "skips": {}}
+    t0 = time.time()
+    taken: set[str] = set()
+    jobs = [(p, _stem_for(p, data_dir, taken)) for p in files]
+    from tqdm import tqdm
+    bar = tqdm(total=sum(os.path.getsize(p) for p, _ in jobs), unit="B", unit_scale=True,
+               desc="pretokenize", disable=not progress, file=sys.stderr)
+    with ProcessPoolExecutor(max_workers=max(1, num_workers), initializer=_init_worker,
+                             initargs=(tokenizer_dir, encode_fn)) as pool:
+        for path, stem in jobs:
+            st = os.stat(path)
+            meta = dict(base_meta, source={"path": path, "size": st.st_size, "mtime_ns": st.st_mtime_ns})
+            if _is_complete(output_dir, stem, {k: meta[k] for k in ("source", "tokenizer_fingerprint",
+                                                                      "text_fields", "dtype")}):
+                summary["skipped_complete"].append(path)
+                bar.update(st.st_size)
+                continue
+            for n in _stem_files(output_dir, stem):  # stale or partial: redo from scratch
+                os.remove(os.path.join(output_dir, n))
+            try:
+                stats = _process_file(pool, path, stem, output_dir, meta, alternatives,
+                                      shard_size_tokens, strict, vocab_size, num_workers)
+            except Exception as e:  # noqa: BLE001 - every failure is collected and reported
+                summary["failed"][path] = e.errors if isinstance(e, _FileFailed) else [f"{type(e).__name__}: {e}"]
+                for n in _stem_files(output_dir, stem):
+                    os.remove(os.path.join(output_dir, n))
+            else:
+                summary["files"][path] = stats
+                summary["tokens"] += stats["tokens"]
+                summary["documents"] += stats["documents"]
+                for k, v in stats["skips"].items():
+                    summary["skips"][k] = summary["skips"].get(k, 0) + v
+            bar.update(st.st_size)
+    bar.close()
+    summary["seconds"] = time.time() - t0
+    if summary["failed"]:
+        lines = [f"{len(summary['failed'])} input file(s) failed:"]
+        for p, errs in summary["failed"].items():
+            lines += [f"  {p}:"] + [f"    {e}" for e in errs[:10]]
+        raise DataError("\n".join(lines))
+    return summary
+
+
+class _FileFailed(Exception):
+    def __init__(self, errors: list[str]):
+        super().__init__("; ".join(errors))
+        self.errors = errors
+
+
+def _process_file(pool: ProcessPoolExecutor, path: str, stem: str, out_dir: str, meta: dict,
+                  alternatives: list[list[str]], shard_tokens: int, strict: bool, vocab_size: int,
+                  num_workers: int) -> dict:
+    skips = SkipCounter(strict=strict)
+    writer = _ShardWriter(out_dir, stem, shard_tokens, meta)
+    errors: list[str] = []
+    pending: list[tuple[str, Future]] = []
+    empty = 0
+    max_pending = 2 * max(1, num_workers)  # bounded: memory stays flat on huge files
+
+    def drain(limit: int) -> None:
+        while len(pending) > limit:
+            where, fut = pending.pop(0)
+            try:
+                flat, lengths = fut.result()
+            except Exception as e:  # noqa: BLE001 - the worker's exception, reported with its file
+                tb = "".join(traceback.format_exception_only(type(e), e)).strip()
+                errors.append(f"worker failed on {where}: {tb}")
+                continue
+            if errors:
+                continue  # this file is already lost; keep collecting the other errors
+            if flat.size and (flat.min() < 0 or flat.max() >= vocab_size):
+                errors.append(f"{where}: token id {int(flat.max())} outside vocab_size {vocab_size}")
+                continue
+            pos = 0
+            for n in lengths:
+                writer.add(flat[pos:pos + n])
+                pos += n
+
+    batch: list[str] = []
+    first_where = ""
+    for where, rec in iter_records(path, skips):
+        text = extract_text(rec, alternatives, where, skips)
+        if text is None:
+            continue
+        if not text.strip():
+            empty += 1  # empty documents carry nothing to learn: always a counted skip
+            continue
+        if not batch:
+            first_where = where
+        batch.append(text)
+        if len(batch) >= BATCH_DOCS:
+            pending.append((f"{first_where} .. {where}", pool.submit(_tokenize_batch, batch)))
+            batch = []
+            drain(max_pending)
+    if batch:
+        pending.append((f"{first_where} ..", pool.submit(_tokenize_batch, batch)))
+    drain(0)
+    if errors:
+        raise _FileFailed(errors)
+    writer.close()
+    if skips.total or empty:
+        log.info("%s: skipped %d bad record(s) %s and %d empty document(s)", path, skips.total,
+                 skips.counts, empty)
+    return {"tokens": writer.tokens, "documents": writer.docs, "shards": writer.k,
+            "skips": dict(skips.counts, empty_document=empty) if empty else dict(skips.counts)}
+
+
+HELP_EPILOG = """\
+bad-input policy:
+  malformed JSON lines, invalid UTF-8, records that are not objects, missing or non-string
+  text fields: counted and logged (first 20 per file, with file:line) and skipped; --strict
+  makes the first one an error (exit 3). Empty documents are always skipped and counted.
+  A broken .json array or parquet file, or a worker exception, fails that input: every failed
+  input is reported with its file at the end and the command exits 3; the other inputs are kept.
+re-runs:
+  inputs whose shards are complete (sidecars present, sizes and source/tokenizer consistent)
+  are skipped; everything else is redone.
+"""
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    from utils.constants import EXIT_BAD_CONFIG, EXIT_BAD_DATA, EXIT_OK
+    ap = argparse.ArgumentParser(prog="python -m data_preprocess.pretokenize_pretrain_data",
+                                 description="Tokenize raw text into <stem>_<k:05d>.bin token shards "
+                                             "with JSON sidecars; each document is <s> ids </s>.",
+                                 epilog=HELP_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data_dir", required=True, help="folder (searched recursively) or one file")
+    ap.add_argument("--tokenizer_dir", required=True)
+    ap.add_argument("--output_dir", default=None, help="default: <data_dir>_tokenized")
+    ap.add_argument("--num_workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
+    ap.add_argument("--text_fields", default="text",
+                    help="'|' separates alternatives tried in order, ',' joins fields with a newline; "
+                         "e.g. 'text|title,content'")
+    ap.add_argument("--shard_size_tokens", type=int, default=DEFAULT_SHARD_TOKENS)
+    ap.add_argument("--strict", action="store_true", help="bad records are errors, not counted skips")
+    ap.add_argument("--no_progress", action="store_true")
+    try:
+        args = ap.parse_args([a for a in (argv if argv is not None else sys.argv[1:])])
+    except SystemExit as e:
+        return EXIT_OK if e.code == 0 else EXIT_BAD_CONFIG
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    if args.shard_size_tokens < 2 or args.num_workers < 1:
+        log.error("--shard_size_tokens must be >= 2 and --num_workers >= 1")
+        return EXIT_BAD_CONFIG
+    try:
+        from tokenizer import load_tokenizer_meta
+        tok_meta = load_tokenizer_meta(args.tokenizer_dir)
+    except Exception as e:  # noqa: BLE001 - any failure here means a bad --tokenizer_dir
+        log.error("--tokenizer_dir=%s: cannot load tokenizer meta (%s: %s)", args.tokenizer_dir, type(e).__name__, e)
+        return EXIT_BAD_CONFIG
+    try:
+        s = pretokenize_pretrain(args.data_dir, args.tokenizer_dir, args.output_dir, args.num_workers,
+                                 args.text_fields, args.shard_size_tokens, args.strict, not args.no_progress,
+                                 tokenizer_meta=tok_meta)
+    except DataError as e:
+        log.error("%s", e)
+        return EXIT_BAD_DATA
+    log.info("wrote %d tokens, %d documents from %d file(s) to %s in %.1fs (%d already complete); skips: %s",
+             s["tokens"], s["documents"], len(s["files"]), s["output_dir"], s["seconds"],
+             len(s["skipped_complete"]), s["skips"] or "none")
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

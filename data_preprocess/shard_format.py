@@ -1,0 +1,218 @@
+"""On-disk format of pretraining token shards and their JSON sidecars.
+
+Owns: the shard naming scheme, the id dtype rule (uint16 iff vocab_size <= 65536, else uint32),
+atomic file writes (temp name, fsync, os.replace), writing a shard with its sidecar *last*, and
+reading/validating the set of shards in a directory. Both the preprocessing commands and the
+`dataset/` readers go through this module so the format lives in one place.
+
+Must never: guess a dtype (it is always read from the sidecar), accept a shard whose sidecar
+disagrees with the file size, or list a shard that has no sidecar as if it were complete.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+FORMAT_VERSION = 1
+SHARD_RE = re.compile(r"^(?P<stem>.+)_(?P<k>\d{5})\.json$")
+
+
+class DataError(Exception):
+    """Bad or stale input data. Commands turn it into exit code 3 (EXIT_BAD_DATA)."""
+
+
+class StaleIndexError(DataError):
+    """An index was built for other shards or another sequence length."""
+
+
+def dtype_for_vocab(vocab_size: int) -> np.dtype:
+    """Smallest unsigned dtype that holds every id (ids are < vocab_size)."""
+    if vocab_size <= 0:
+        raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+    if vocab_size <= 2 ** 16:
+        return np.dtype("<u2")
+    if vocab_size <= 2 ** 32:
+        return np.dtype("<u4")
+    raise ValueError(f"vocab_size {vocab_size} does not fit in uint32")
+
+
+def shard_base(stem: str, k: int) -> str:
+    return f"{stem}_{k:05d}"
+
+
+# ----------------------------------------------------------------------------- atomic writes
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems refuse fsync on a directory; the rename is still atomic
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: str, data: bytes | memoryview) -> None:
+    """Write to `<path>.tmp`, fsync, then os.replace: a crash leaves the old file or none."""
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def atomic_write_json(path: str, obj: Any) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode("utf-8"))
+
+
+def atomic_save_npy(path: str, arr: np.ndarray) -> None:
+    # np.save appends ".npy" to names without it, so the temp name must keep the suffix.
+    assert path.endswith(".npy")
+    tmp = path[:-4] + ".tmp.npy"
+    with open(tmp, "wb") as f:
+        np.save(f, arr)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def remove_temp_files(directory: str) -> int:
+    """Delete leftovers of an interrupted run (`*.tmp`, `*.tmp.npy`)."""
+    n = 0
+    if not os.path.isdir(directory):
+        return 0
+    for name in os.listdir(directory):
+        if name.endswith(".tmp") or name.endswith(".tmp.npy"):
+            os.remove(os.path.join(directory, name))
+            n += 1
+    return n
+
+
+# ----------------------------------------------------------------------------- writing
+
+def write_shard(out_dir: str, stem: str, k: int, ids: np.ndarray, doc_offsets: np.ndarray,
+                meta: dict) -> dict:
+    """Write `<stem>_<k>.bin`, `<stem>_<k>.idx.npy` (document start offsets, n_docs+1 int64),
+    then the sidecar `<stem>_<k>.json` last: a sidecar present means the shard is complete."""
+    base = os.path.join(out_dir, shard_base(stem, k))
+    dtype = np.dtype(meta["dtype"])
+    ids = np.ascontiguousarray(ids, dtype=dtype)
+    atomic_write_bytes(base + ".bin", memoryview(ids).cast("B"))
+    atomic_save_npy(base + ".idx.npy", np.asarray(doc_offsets, dtype=np.int64))
+    sidecar = dict(meta)
+    sidecar.update({
+        "format_version": FORMAT_VERSION,
+        "shard_index": k,
+        "num_tokens": int(ids.size),
+        "num_bytes": int(ids.nbytes),
+        "num_documents": int(len(doc_offsets) - 1),
+        "doc_index_file": shard_base(stem, k) + ".idx.npy",
+    })
+    atomic_write_json(base + ".json", sidecar)
+    _fsync_dir(out_dir)
+    return sidecar
+
+
+# ----------------------------------------------------------------------------- reading
+
+@dataclass(frozen=True)
+class ShardInfo:
+    name: str        # file name of the .bin
+    path: str        # absolute path of the .bin
+    num_tokens: int
+    num_bytes: int
+    dtype: np.dtype
+    vocab_size: int
+    fingerprint: str
+    sidecar: dict
+
+
+def read_sidecar(json_path: str) -> dict:
+    try:
+        with open(json_path, "r", encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise DataError(f"{json_path}: unreadable shard sidecar ({e})") from e
+    for key in ("dtype", "num_tokens", "vocab_size", "bos_id", "eos_id"):
+        if key not in meta:
+            raise DataError(f"{json_path}: shard sidecar lacks '{key}'")
+    return meta
+
+
+def check_shard(json_path: str, meta: Optional[dict] = None) -> ShardInfo:
+    """Validate one shard against its sidecar (dtype, size, vocab) and describe it."""
+    meta = meta if meta is not None else read_sidecar(json_path)
+    bin_path = json_path[:-len(".json")] + ".bin"
+    dtype = np.dtype(meta["dtype"])
+    if dtype != dtype_for_vocab(int(meta["vocab_size"])):
+        raise DataError(f"{json_path}: dtype {dtype} does not match vocab_size {meta['vocab_size']}")
+    if not os.path.exists(bin_path):
+        raise DataError(f"{bin_path}: missing although its sidecar exists")
+    size = os.path.getsize(bin_path)
+    want = int(meta["num_tokens"]) * dtype.itemsize
+    if size != want:
+        raise DataError(f"{bin_path}: file has {size} bytes but its sidecar says "
+                        f"{meta['num_tokens']} tokens x {dtype.itemsize} B = {want} bytes")
+    return ShardInfo(name=os.path.basename(bin_path), path=os.path.abspath(bin_path),
+                     num_tokens=int(meta["num_tokens"]), num_bytes=size, dtype=dtype,
+                     vocab_size=int(meta["vocab_size"]),
+                     fingerprint=str(meta.get("tokenizer_fingerprint", "")), sidecar=meta)
+
+
+def list_shards(shard_dir: str) -> list[ShardInfo]:
+    """All complete shards of a directory in name order, validated and mutually consistent.
+
+    A `.bin` without a sidecar is an interrupted write: that is an error here (re-run the
+    pretokenizer, which redoes it), never a silently shorter corpus."""
+    if not os.path.isdir(shard_dir):
+        raise DataError(f"{shard_dir}: not a directory of token shards")
+    names = sorted(os.listdir(shard_dir))
+    shards: list[ShardInfo] = []
+    for name in names:
+        if SHARD_RE.match(name):
+            shards.append(check_shard(os.path.join(shard_dir, name)))
+    with_sidecar = {s.name for s in shards}
+    orphans = [n for n in names if n.endswith(".bin") and n not in with_sidecar]
+    if orphans:
+        raise DataError(f"{shard_dir}: shard(s) without sidecar (interrupted run? re-run the "
+                        f"pretokenizer): {orphans[:5]}")
+    if not shards:
+        raise DataError(f"{shard_dir}: no token shards (<stem>_<k:05d>.bin + .json) found")
+    first = shards[0]
+    for s in shards[1:]:
+        if (s.dtype, s.vocab_size, s.fingerprint) != (first.dtype, first.vocab_size, first.fingerprint):
+            raise DataError(f"{shard_dir}: shards disagree: {first.name} has dtype={first.dtype} "
+                            f"vocab={first.vocab_size} tokenizer={first.fingerprint[:12]} but {s.name} has "
+                            f"dtype={s.dtype} vocab={s.vocab_size} tokenizer={s.fingerprint[:12]}")
+    _check_sources_complete(shard_dir, shards)
+    return shards
+
+
+def _check_sources_complete(shard_dir: str, shards: list[ShardInfo]) -> None:
+    by_stem: dict[str, list[ShardInfo]] = {}
+    for s in shards:
+        by_stem.setdefault(s.name.rsplit("_", 1)[0], []).append(s)
+    for stem, group in by_stem.items():
+        ks = sorted(int(g.sidecar.get("shard_index", -1)) for g in group)
+        finals = [g for g in group if g.sidecar.get("final")]
+        if ks != list(range(len(group))) or len(finals) != 1 or int(finals[0].sidecar["shard_index"]) != ks[-1]:
+            raise DataError(f"{shard_dir}: shards of '{stem}' are incomplete (indices {ks[:10]}, "
+                            f"final shard {'present' if finals else 'missing'}); re-run the pretokenizer")
+
+
+def shards_fingerprint(shards: list[ShardInfo]) -> str:
+    """Hash of the names, sizes and token counts: what an index depends on."""
+    h = hashlib.sha256()
+    for s in shards:
+        h.update(f"{s.name}\0{s.num_bytes}\0{s.num_tokens}\0{s.fingerprint}\n".encode())
+    return h.hexdigest()
