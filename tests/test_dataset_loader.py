@@ -1,0 +1,118 @@
+"""ResumableLoader (rank-disjoint coverage, resume) and MixtureDataset (weights, determinism)."""
+import json
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from dataset.loader import FeistelPermutation, ResumableLoader
+from dataset.mixture import MixtureDataset, build_pretrain_mixture, parse_data_mix
+
+
+class Ids:
+    """Item i is {"input_ids": [i, i], "labels": [i, -i]}: batches reveal which samples were read."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return {"input_ids": torch.tensor([i, i]), "labels": torch.tensor([i, -i])}
+
+
+def _ids(batch):
+    return batch["input_ids"][:, 0].tolist()
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 64, 1000, 4097])
+def test_feistel_is_a_permutation(n):
+    assert sorted(FeistelPermutation(n, 123)(np.arange(n)).tolist()) == list(range(n))
+
+
+def test_two_ranks_two_epochs_disjoint_and_covering():
+    n, B, W = 103, 5, 2
+    loaders = [ResumableLoader(Ids(n), B, seed=7, rank=r, world_size=W) for r in range(W)]
+    steps = n // (B * W)
+    assert len(loaders[0]) == steps == 10
+    epochs = []
+    for _ in range(2):
+        per_rank = [[i for _ in range(steps) for i in _ids(next(ld))] for ld in loaders]
+        a, b = per_rank
+        assert len(a) == len(set(a)) == steps * B and not set(a) & set(b)
+        seen = set(a) | set(b)
+        assert len(seen) == steps * B * W == n - n % (B * W)  # drop_last drops < B*W samples per epoch
+        epochs.append((a, b))
+    assert epochs[0][0] != epochs[1][0]  # a fresh permutation each epoch
+    assert [ld.state_dict()["epoch"] for ld in loaders] == [2, 2]
+    batch = next(loaders[0])
+    assert batch["labels"].shape == (B, 2) and batch["labels"].dtype == torch.long
+
+
+def test_drop_last_false_covers_everything_and_rank_is_constructor_arg():
+    n, B, W = 23, 4, 2
+    loaders = [ResumableLoader(Ids(n), B, seed=1, rank=r, world_size=W, drop_last=False) for r in range(W)]
+    assert len(loaders[0]) == 3
+    seen = [i for _ in range(3) for ld in loaders for i in _ids(next(ld))]
+    assert set(seen) == set(range(n)) and len(seen) == 24  # one sample wraps around
+    with pytest.raises(ValueError):
+        ResumableLoader(Ids(n), B, seed=1, rank=2, world_size=2)
+
+
+def test_pure_function_and_resume_yields_same_batches():
+    ds = Ids(200)
+    ref = ResumableLoader(ds, 6, seed=3, rank=1, world_size=3)
+    for _ in range(14):  # crosses the epoch boundary (11 steps per epoch)
+        next(ref)
+    sd = ref.state_dict()
+    assert sd["epoch"] == 1 and sd["step_in_epoch"] == 3 and all(isinstance(v, int) for v in sd.values())
+    expected = [next(ref) for _ in range(12)]
+    fresh = ResumableLoader(ds, 6, seed=3, rank=1, world_size=3)
+    fresh.load_state_dict(json.loads(json.dumps(sd)))
+    got = [next(fresh) for _ in range(12)]
+    assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(expected, got))
+    assert np.array_equal(fresh.batch_indices(1, 3), ResumableLoader(ds, 6, 3, 1, 3).batch_indices(1, 3))
+    with pytest.raises(ValueError, match="num_samples"):
+        ResumableLoader(Ids(201), 6, seed=3, rank=1, world_size=3).load_state_dict(sd)
+    unshuffled = ResumableLoader(ds, 4, seed=0, rank=1, world_size=2, shuffle=False)
+    assert _ids(next(unshuffled)) == [4, 5, 6, 7]
+
+
+def test_mixture_follows_weights_regardless_of_sizes():
+    small, big = Ids(10), Ids(5000)
+    mix = MixtureDataset({"small": small, "big": big}, {"small": 0.7, "big": 0.3}, seed=11, num_samples=4000)
+    names = Counter(mix.locate(i)[0] for i in range(len(mix)))
+    assert names == {"small": 2800, "big": 1200}  # exact per block of 1000
+    locs = [mix.locate(i) for i in range(4000)]
+    assert Counter(j for n, j in locs if n == "small") == {j: 280 for j in range(10)}  # small corpus cycles evenly
+    big_j = [j for n, j in locs if n == "big"]
+    assert len(set(big_j)) == 1200  # the big one is sub-sampled without repeats
+    again = MixtureDataset({"small": small, "big": big}, {"small": 0.7, "big": 0.3}, seed=11, num_samples=4000)
+    assert [again.locate(i) for i in range(0, 4000, 37)] == locs[::37]
+    other = MixtureDataset({"small": small, "big": big}, {"small": 0.7, "big": 0.3}, seed=12, num_samples=4000)
+    assert [other.locate(i) for i in range(50)] != locs[:50]
+    assert torch.equal(mix[5]["input_ids"], {"small": small, "big": big}[locs[5][0]][locs[5][1]]["input_ids"])
+    # through the loader: resumable like any dataset
+    ld = ResumableLoader(mix, 8, seed=2)
+    [next(ld) for _ in range(3)]
+    sd, nxt = ld.state_dict(), next(ld)
+    ld2 = ResumableLoader(mix, 8, seed=2)
+    ld2.load_state_dict(sd)
+    assert torch.equal(next(ld2)["input_ids"], nxt["input_ids"])
+
+
+def test_data_mix_spec(tmp_path):
+    from tests.test_data_pretrain import _fake_shards
+    from data_preprocess.build_pretrain_sample_index_map import build_index
+    for name, n in (("zh", 400), ("code", 900)):
+        _fake_shards(tmp_path / name, [n])
+        build_index(str(tmp_path / name), 8, val_ratio=0.0)
+    assert parse_data_mix('{"zh": 0.3, "code": {"path": "/x", "weight": 0.7}}', str(tmp_path)) == \
+        {"zh": (str(tmp_path / "zh"), 0.3), "code": ("/x", 0.7)}
+    mix = build_pretrain_mixture(json.dumps({"zh": 0.5, "code": 0.5}), 8, data_root=str(tmp_path))
+    assert len(mix) == (399 // 8) + (899 // 8)
+    assert mix[0]["input_ids"].shape == (8,)
+    with pytest.raises(ValueError):
+        parse_data_mix('{"zh": "lots"}')
