@@ -1,0 +1,181 @@
+"""LoRA: low-rank adapters on chosen linear layers, saved in the PEFT layout.
+
+Owns: `apply_lora` (wrap linears by name suffix, freeze the rest, optionally keep the embedding and
+the LM head trainable), `trainable_parameters` (the report), `merge_lora` (fold adapters into the
+weights and unwrap), `lora_state_dict` / `save_lora` (adapter_config.json + adapter_model.safetensors
+with PEFT key names, loadable by `peft.PeftModel.from_pretrained` on the model written by
+model.hf_interop.export_hf) and `load_lora`.
+
+A wrapped layer keeps its base parameter as `<name>.weight` (so the base checkpoint keys are unchanged)
+and adds `<name>.lora_A.weight` [r, in] and `<name>.lora_B.weight` [out, r], as in PEFT.
+
+Must never: change the base weights before merge_lora, or save base weights into the adapter file
+(except the explicitly trained embedding / LM head, as PEFT's modules_to_save).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Iterable, Optional, Union
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoRALinear(nn.Linear):
+    """y = x W^T + (alpha / r) * dropout(x) A^T B^T, with W frozen and B initialised to zero."""
+
+    def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float = 0.0):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight
+        self.bias = base.bias
+        self.weight.requires_grad_(False)
+        self.r, self.alpha, self.scaling = r, alpha, alpha / r
+        dev, dt = base.weight.device, base.weight.dtype
+        self.lora_A = nn.Linear(self.in_features, r, bias=False, device=dev, dtype=dt)
+        self.lora_B = nn.Linear(r, self.out_features, bias=False, device=dev, dtype=dt)
+        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))  # PEFT's default init
+        nn.init.zeros_(self.lora_B.weight)
+        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+
+    def merged_linear(self) -> nn.Linear:
+        lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
+                        device=self.weight.device, dtype=self.weight.dtype)
+        with torch.no_grad():
+            delta = (self.lora_B.weight.float() @ self.lora_A.weight.float()) * self.scaling
+            lin.weight.copy_(self.weight.float() + delta)
+            if self.bias is not None:
+                lin.bias.copy_(self.bias)
+        return lin
+
+
+def _targets(target_modules: Union[str, Iterable[str]]) -> tuple[str, ...]:
+    if target_modules == "all":
+        return ALL_LINEAR
+    if isinstance(target_modules, str):
+        return tuple(t.strip() for t in target_modules.split(",") if t.strip())
+    return tuple(target_modules)
+
+
+def apply_lora(model: nn.Module, r: int = 8, alpha: float = 16.0, dropout: float = 0.0,
+               target_modules: Union[str, Iterable[str]] = ("q_proj", "v_proj"),
+               train_embeddings: bool = False, train_lm_head: bool = False) -> nn.Module:
+    """Wrap the linears whose name ends with one of `target_modules` ("all" = every projection of the
+    layers), freeze every other parameter, and record the setup on `model.lora_config`."""
+    targets = _targets(target_modules)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    wrapped = []
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            full = f"{name}.{child_name}" if name else child_name
+            if type(child) is nn.Linear and child_name in targets and full != "lm_head":
+                setattr(module, child_name, LoRALinear(child, r, alpha, dropout))
+                wrapped.append(full)
+    if not wrapped:
+        raise ValueError(f"no linear layer matches target_modules={targets}")
+    modules_to_save = []
+    if train_embeddings:
+        model.embed_tokens.weight.requires_grad_(True)
+        modules_to_save.append("embed_tokens")
+    if train_lm_head:
+        model.lm_head.weight.requires_grad_(True)
+        modules_to_save.append("lm_head")
+    if modules_to_save and getattr(getattr(model, "cfg", None), "tie_embeddings", False) \
+            and len(modules_to_save) == 1:
+        raise ValueError("with tied embeddings, train the embedding and the LM head together or neither")
+    model.lora_config = {"r": r, "lora_alpha": alpha, "lora_dropout": dropout,
+                         "target_modules": sorted(set(targets)), "modules_to_save": modules_to_save or None}
+    return model
+
+
+def trainable_parameters(model: nn.Module) -> dict:
+    """{'trainable': n, 'total': n, 'percent': p} counting shared tensors once."""
+    seen, trainable, total = set(), 0, 0
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += p.numel()
+        trainable += p.numel() if p.requires_grad else 0
+    return {"trainable": trainable, "total": total, "percent": 100.0 * trainable / max(total, 1)}
+
+
+def merge_lora(model: nn.Module) -> nn.Module:
+    """Fold every adapter into its base weight and put plain nn.Linear layers back (keys unchanged)."""
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if isinstance(child, LoRALinear):
+                setattr(module, child_name, child.merged_linear())
+    for p in model.parameters():
+        p.requires_grad_(True)
+    if hasattr(model, "lora_config"):
+        del model.lora_config
+    return model
+
+
+def _peft_prefix(name: str) -> str:
+    # our `layers.0...` is HF's `model.layers.0...`; PEFT wraps the HF model as base_model.model
+    return "base_model.model." + (name if name.startswith("lm_head") else "model." + name)
+
+
+def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Adapter tensors (and modules_to_save weights) under PEFT's saved key names."""
+    cfg = getattr(model, "lora_config", None)
+    if cfg is None:
+        raise ValueError("model has no LoRA adapters (call apply_lora first)")
+    out = {}
+    for name, t in model.state_dict().items():
+        if ".lora_A." in name or ".lora_B." in name:
+            out[_peft_prefix(name)] = t
+    for mod in cfg["modules_to_save"] or []:
+        out[_peft_prefix(f"{mod}.weight")] = model.state_dict()[f"{mod}.weight"]
+    return {k: v.detach().contiguous().clone() for k, v in out.items()}
+
+
+def save_lora(model: nn.Module, out_dir: str, base_model_name_or_path: Optional[str] = None) -> None:
+    """adapter_config.json + adapter_model.safetensors in the PEFT layout."""
+    cfg = model.lora_config
+    os.makedirs(out_dir, exist_ok=True)
+    adapter_cfg = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg["r"], "lora_alpha": cfg["lora_alpha"],
+        "lora_dropout": cfg["lora_dropout"], "target_modules": cfg["target_modules"], "bias": "none",
+        "modules_to_save": cfg["modules_to_save"], "fan_in_fan_out": False, "inference_mode": True,
+        "init_lora_weights": True, "use_rslora": False, "use_dora": False,
+        "base_model_name_or_path": base_model_name_or_path,
+    }
+    tmp = os.path.join(out_dir, ".adapter_model.safetensors.tmp")
+    save_file(lora_state_dict(model), tmp, metadata={"format": "pt"})
+    os.replace(tmp, os.path.join(out_dir, "adapter_model.safetensors"))
+    with open(os.path.join(out_dir, "adapter_config.json.tmp"), "w") as f:
+        json.dump(adapter_cfg, f, indent=2)
+    os.replace(os.path.join(out_dir, "adapter_config.json.tmp"), os.path.join(out_dir, "adapter_config.json"))
+
+
+def load_lora(model: nn.Module, adapter_dir: str) -> nn.Module:
+    """Apply adapters saved by save_lora (or by PEFT for a Llama model) onto our model."""
+    with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
+        c = json.load(f)
+    mts = c.get("modules_to_save") or []
+    apply_lora(model, r=c["r"], alpha=c["lora_alpha"], dropout=c.get("lora_dropout", 0.0),
+               target_modules=c["target_modules"], train_embeddings="embed_tokens" in mts,
+               train_lm_head="lm_head" in mts)
+    sd = load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
+    ours = {}
+    for k, v in sd.items():
+        name = k[len("base_model.model."):] if k.startswith("base_model.model.") else k
+        name = name[len("model."):] if name.startswith("model.") else name
+        ours[name.replace(".default.", ".")] = v
+    missing, unexpected = model.load_state_dict(ours, strict=False)
+    if unexpected:
+        raise ValueError(f"adapter tensors that match no module: {unexpected}")
+    return model
