@@ -1,0 +1,71 @@
+"""Load a saved tokenizer directory and encode user text safely.
+
+Owns: ``load_tokenizer``, ``load_tokenizer_meta`` and ``encode_texts``, the only sanctioned way for the
+pipeline to turn user text into ids.
+Must never: add special tokens to user text, or map the literal text of a special token
+(``<|im_end|>``, ``</s>`` ...) in user text to a special id (prompt injection into the chat format).
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Sequence
+
+from tokenizer.contract import META_FILENAME, check_meta, fingerprint_dir
+
+_SAFE_BACKEND_ATTR = "_injection_safe_backend"
+
+
+def load_tokenizer_meta(tok_dir: str, verify_fingerprint: bool = False) -> dict[str, Any]:
+    """Read tokenizer_meta.json; optionally recompute the fingerprint and refuse a changed directory."""
+    path = os.path.join(tok_dir, META_FILENAME)
+    with open(path, encoding="utf-8") as f:
+        meta = json.load(f)
+    check_meta(meta)
+    if verify_fingerprint and fingerprint_dir(tok_dir) != meta["fingerprint"]:
+        raise ValueError(f"{tok_dir}: tokenizer files changed since {META_FILENAME} was written (fingerprint mismatch)")
+    return meta
+
+
+def load_tokenizer(tok_dir: str):  # -> transformers.PreTrainedTokenizerFast
+    """AutoTokenizer without remote code; checks len(tokenizer) against the meta when present."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tok_dir, trust_remote_code=False)
+    if os.path.exists(os.path.join(tok_dir, META_FILENAME)):
+        meta = load_tokenizer_meta(tok_dir)
+        if len(tok) != meta["vocab_size"]:
+            raise ValueError(f"{tok_dir}: len(tokenizer)={len(tok)} != meta vocab_size={meta['vocab_size']}")
+    return tok
+
+
+def safe_backend(tok: Any):
+    """A private copy of the fast backend that never matches added/special tokens in the input text.
+
+    A copy (cached on the tokenizer object) rather than flipping the shared backend: the shared one must
+    keep matching the markers for ``apply_chat_template(tokenize=True)``.
+    """
+    backend = getattr(tok, _SAFE_BACKEND_ATTR, None)
+    if backend is None:
+        from tokenizers import Tokenizer
+
+        src = tok.backend_tokenizer if hasattr(tok, "backend_tokenizer") else tok
+        backend = Tokenizer.from_str(src.to_str())
+        backend.encode_special_tokens = True
+        backend.no_truncation()
+        backend.no_padding()
+        try:
+            setattr(tok, _SAFE_BACKEND_ATTR, backend)
+        except AttributeError:
+            pass
+    return backend
+
+
+def encode_texts(tok: Any, texts: Sequence[str]) -> list[list[int]]:
+    """Encode user texts: no special tokens added, special-token text encoded as ordinary text."""
+    if isinstance(texts, str):
+        raise TypeError("encode_texts takes a list of strings, not a string")
+    if not texts:
+        return []
+    encs = safe_backend(tok).encode_batch(list(texts), add_special_tokens=False)
+    return [e.ids for e in encs]

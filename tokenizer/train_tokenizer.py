@@ -1,0 +1,269 @@
+"""Train a tokenizer on the user's corpus and save it as a Hugging Face tokenizer directory.
+
+Owns: the ``python -m tokenizer.train_tokenizer`` command and the ``train_tokenizer(...)`` API, vocabulary
+sizing, appending the special/reserved tokens after the learned pieces, and the atomic save of
+tokenizer.json, tokenizer_config.json (with the ChatML template), special_tokens_map.json and
+tokenizer_meta.json.
+Must never: read a whole corpus file into memory, leave a half-written output directory behind, or
+write files that need ``trust_remote_code`` to load.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from typing import Any, Sequence
+
+from tokenizer.contract import (
+    CHATML_TEMPLATE, META_FILENAME, NUM_SPECIAL, SPECIAL_TOKENS, TOKENIZER_TYPES, VOCAB_MULTIPLE, added_tokens,
+    build_meta, check_meta, fingerprint_dir, write_json,
+)
+from tokenizer.corpus import (
+    CorpusConfigError, CorpusError, SkipStats, count_documents, find_files, iter_documents, sample_documents,
+)
+
+log = logging.getLogger("tokenizer.train_tokenizer")
+
+EXIT_BAD_CONFIG, EXIT_BAD_DATA = 2, 3  # same values as utils/constants.py (tokenizer/ stays import-light)
+MIN_LEARNED = {"hf_bbpe": 256 + 1, "sp_bbpe": 256 + 2}  # 256 byte pieces + at least one more piece
+
+POLICY = """\
+bad-input policy:
+  .txt is one document per line (a trailing \\r\\n or \\n is removed; empty lines are ignored).
+  .jsonl is one JSON value per line; .json is a top-level array of objects (streamed) or, when it does
+  not start with '[', JSON Lines; .parquet is read in record batches of the text columns only.
+  A line/record that is invalid UTF-8, malformed JSON, not an object, missing a text field (or null),
+  or has a non-string text field is SKIPPED and COUNTED; the first 5 locations (file:line, or
+  file row N for parquet) are logged and all counts are saved in tokenizer_meta.json["training"].
+  With --strict the first such record is an error naming file and line (exit code 3).
+  A malformed element inside a .json array skips the rest of that file (it cannot be resynchronised).
+  A missing/unreadable file, no documents left, or an unsupported explicit file is always an error
+  (exit 3); an impossible option such as a vocab_size too small for 256 bytes + the 6 special tokens
+  is exit 2.
+"""
+
+
+def _learned_target(vocab_size: int, tokenizer_type: str) -> int:
+    learned = vocab_size - NUM_SPECIAL
+    if learned < MIN_LEARNED[tokenizer_type]:
+        raise ValueError(f"vocab_size={vocab_size} is too small: {tokenizer_type} needs at least "
+                         f"{MIN_LEARNED[tokenizer_type]} learned pieces (256 bytes + merges) plus "
+                         f"{NUM_SPECIAL} special tokens = {MIN_LEARNED[tokenizer_type] + NUM_SPECIAL}")
+    return learned
+
+
+def _tokenizer_config() -> dict[str, Any]:
+    names = dict(SPECIAL_TOKENS)
+    return {
+        # The generic fast class loads tokenizer.json as is, on transformers 4.x and 5.x, without remote code.
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "unk_token": names["unk"], "bos_token": names["bos"], "eos_token": names["eos"], "pad_token": names["pad"],
+        "additional_special_tokens": [names["im_start"], names["im_end"]],
+        "add_bos_token": False, "add_eos_token": False,  # <s>/</s> are added by data_preprocess, not here
+        "clean_up_tokenization_spaces": False,  # would break decode(encode(x)) == x
+        "split_special_tokens": False,  # apply_chat_template must see the ChatML markers; see encode_texts
+        "model_max_length": 1_000_000_000,
+        "chat_template": CHATML_TEMPLATE,
+    }
+
+
+def save_tokenizer_dir(tk: Any, output_dir: str, tokenizer_type: str, training: dict[str, Any] | None = None,
+                       overwrite: bool = False) -> dict[str, Any]:
+    """Append special + reserved tokens to a trained ``tokenizers.Tokenizer`` and save atomically."""
+    from tokenizers import AddedToken
+
+    learned = tk.get_vocab_size(with_added_tokens=True)
+    extra = added_tokens(learned)
+    # special=True: skip_special_tokens drops them; normalized=False: matched on the raw text only.
+    tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in extra])
+    for i, t in enumerate(extra):
+        if tk.token_to_id(t) != learned + i:  # a learned piece spelled like a special token
+            raise RuntimeError(f"special token {t!r} got id {tk.token_to_id(t)}, expected {learned + i}")
+    if os.path.exists(output_dir) and os.listdir(output_dir) and not overwrite:
+        raise FileExistsError(f"{output_dir} exists and is not empty (pass --overwrite to replace it)")
+    parent = os.path.dirname(os.path.abspath(output_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp_tokenizer_", dir=parent)
+    try:
+        tk.save(os.path.join(tmp, "tokenizer.json"))
+        write_json(os.path.join(tmp, "tokenizer_config.json"), _tokenizer_config())
+        names = dict(SPECIAL_TOKENS)
+        write_json(os.path.join(tmp, "special_tokens_map.json"), {
+            "unk_token": names["unk"], "bos_token": names["bos"], "eos_token": names["eos"],
+            "pad_token": names["pad"], "additional_special_tokens": [names["im_start"], names["im_end"]]})
+        meta = build_meta(tokenizer_type, learned, {t: tk.token_to_id(t) for _, t in SPECIAL_TOKENS},
+                          fingerprint_dir(tmp), training)
+        check_meta(meta)
+        write_json(os.path.join(tmp, META_FILENAME), meta)
+        for name in os.listdir(tmp):
+            with open(os.path.join(tmp, name), "rb") as f:
+                os.fsync(f.fileno())
+        if os.path.exists(output_dir):
+            old = output_dir.rstrip("/") + f".old_{os.getpid()}"
+            os.replace(output_dir, old)
+            os.replace(tmp, output_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, output_dir)
+    finally:
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+    return meta
+
+
+def train_tokenizer(data_dir_or_files: str | os.PathLike | Sequence[str | os.PathLike], output_dir: str,
+                    vocab_size: int, tokenizer_type: str = "hf_bbpe", text_fields: Sequence[str] = ("text",),
+                    max_train_bytes: int | None = None, seed: int = 0, min_frequency: int = 2,
+                    num_threads: int | None = None, file_glob: str = "**/*", recursive: bool = True,
+                    strict: bool = False, overwrite: bool = True, progress: bool = False,
+                    character_coverage: float = 0.9995) -> dict[str, Any]:
+    """Train and save a tokenizer; return its meta (the content of tokenizer_meta.json).
+
+    ``vocab_size`` is the target including the 6 special tokens; the saved vocabulary is the learned
+    size + 6 rounded up to a multiple of 64 with ``<|reserved_k|>`` (so it may end below vocab_size
+    when the corpus supports fewer merges, and above it when vocab_size is not a multiple of 64).
+    """
+    if tokenizer_type not in TOKENIZER_TYPES:
+        raise ValueError(f"tokenizer_type must be one of {TOKENIZER_TYPES}, got {tokenizer_type!r}")
+    if isinstance(text_fields, str):
+        text_fields = tuple(f.strip() for f in text_fields.split(",") if f.strip())
+    if not text_fields:
+        raise ValueError("text_fields is empty")
+    if max_train_bytes is not None and max_train_bytes <= 0:
+        raise ValueError("max_train_bytes must be positive")
+    learned_target = _learned_target(vocab_size, tokenizer_type)
+    threads = num_threads or os.cpu_count() or 1
+    # Rayon reads this when its pool starts (the first parallel call in the process); later it has no effect.
+    os.environ.setdefault("RAYON_NUM_THREADS", str(threads))
+
+    t0 = time.time()
+    files = find_files(data_dir_or_files, file_glob, recursive)
+    stats = SkipStats(strict=strict)
+    if max_train_bytes is not None:
+        count = count_documents(files, text_fields, stats, progress)
+        if count.documents == 0:
+            _raise_empty(files, stats)
+        docs = sample_documents(files, text_fields, max_train_bytes, seed, count, progress)
+    else:
+        count = None
+        docs = iter_documents(files, text_fields, stats, progress)
+
+    used = {"documents": 0, "bytes": 0}
+    failure: list[BaseException] = []
+
+    def counted(it):
+        # Exceptions raised inside a Python iterator are mangled by the Rust/C++ trainers, so a corpus
+        # error (e.g. under --strict) is stored, the stream ends, and it is re-raised after training.
+        try:
+            for d in it:
+                used["documents"] += 1
+                used["bytes"] += len(d)  # characters; cheap, and only informational
+                yield d
+        except Exception as e:  # noqa: BLE001
+            failure.append(e)
+
+    try:
+        if tokenizer_type == "hf_bbpe":
+            from tokenizer.build_hf import train_hf_bbpe
+            tk = train_hf_bbpe(counted(docs), learned_target, min_frequency, progress)
+        else:
+            from tokenizer.build_sp import train_sp_bbpe
+            tk = train_sp_bbpe(counted(docs), learned_target, seed, threads, character_coverage, progress)
+    except Exception:
+        if failure:
+            raise failure[0] from None
+        if used["documents"] == 0:
+            _raise_empty(files, stats)
+        raise
+    if failure:
+        raise failure[0]
+    if used["documents"] == 0:
+        _raise_empty(files, stats)
+
+    training = {
+        "files": [os.path.abspath(f) for f in files],
+        "text_fields": list(text_fields),
+        "requested_vocab_size": vocab_size,
+        "max_train_bytes": max_train_bytes,
+        "seed": seed,
+        "min_frequency": min_frequency,
+        "corpus_documents": count.documents if count else used["documents"],
+        "corpus_bytes": count.bytes if count else None,
+        "train_documents": used["documents"],
+        "train_characters": used["bytes"],
+        "seconds": round(time.time() - t0, 2),
+        **stats.summary(),
+    }
+    meta = save_tokenizer_dir(tk, output_dir, tokenizer_type, training, overwrite)
+    if stats.total:
+        log.warning("skipped %d bad records: %s (first: %s)", stats.total, dict(stats.counts),
+                    "; ".join(stats.first_locations))
+    return meta
+
+
+def _raise_empty(files: Sequence[str], stats: SkipStats) -> None:
+    detail = f"; {stats.total} records were skipped: {dict(stats.counts)}, first: {stats.first_locations}" \
+        if stats.total else ""
+    raise CorpusError(f"no usable documents in {len(files)} file(s) ({', '.join(files[:3])}"
+                      f"{', ...' if len(files) > 3 else ''}){detail}")
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m tokenizer.train_tokenizer",
+        description="Train a byte-level BPE tokenizer (hf_bbpe: HF tokenizers; sp_bbpe: sentencepiece BPE with "
+                    "byte_fallback) and save a transformers-loadable directory with the ChatML template and "
+                    "tokenizer_meta.json. Special tokens <unk> <s> </s> <pad> <|im_start|> <|im_end|> get ids "
+                    f"right after the learned pieces; <|reserved_k|> pad the vocabulary to a multiple of {VOCAB_MULTIPLE}.",
+        epilog=POLICY, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data_dir", required=True, nargs="+",
+                   help="directories, files or glob patterns (.txt, .json, .jsonl, .parquet)")
+    p.add_argument("--output_dir", required=True)
+    p.add_argument("--vocab_size", type=int, required=True, help="target size including the 6 special tokens")
+    p.add_argument("--tokenizer_type", choices=TOKENIZER_TYPES, default="hf_bbpe")
+    p.add_argument("--text_fields", default="text",
+                   help="comma-separated JSON/parquet fields, joined with a newline (e.g. title,content)")
+    p.add_argument("--max_train_bytes", type=int, default=None,
+                   help="train on a uniform random sample of documents of about this many UTF-8 bytes "
+                        "(two streaming passes; memory stays bounded). Default: all documents")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--min_frequency", type=int, default=2, help="hf_bbpe: minimum pair count for a merge")
+    p.add_argument("--character_coverage", type=float, default=0.9995, help="sp_bbpe: rarer characters use byte pieces")
+    p.add_argument("--num_threads", type=int, default=None, help="default: all cores")
+    p.add_argument("--file_glob", default="**/*", help="pattern inside each directory (default **/*)")
+    p.add_argument("--no_recursive", action="store_true", help="do not descend into subdirectories")
+    p.add_argument("--strict", action="store_true", help="bad records are errors instead of counted skips")
+    p.add_argument("--no_overwrite", action="store_true", help="fail if output_dir exists and is not empty")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = build_arg_parser().parse_args(argv)
+    if args.num_threads:
+        os.environ["RAYON_NUM_THREADS"] = str(args.num_threads)  # before any tokenizers call starts the pool
+    try:
+        meta = train_tokenizer(
+            args.data_dir, args.output_dir, args.vocab_size, args.tokenizer_type, args.text_fields,
+            args.max_train_bytes, args.seed, args.min_frequency, args.num_threads, args.file_glob,
+            not args.no_recursive, args.strict, not args.no_overwrite, not args.quiet, args.character_coverage)
+    except CorpusError as e:
+        log.error("bad data: %s", e)
+        return EXIT_BAD_DATA
+    except (ValueError, CorpusConfigError, FileExistsError) as e:
+        log.error("bad configuration: %s", e)
+        return EXIT_BAD_CONFIG
+    t = meta["training"]
+    log.info("saved %s: vocab_size=%d (learned %d), trained on %d of %d documents, skipped %d, %.1fs",
+             args.output_dir, meta["vocab_size"], meta["learned_vocab_size"], t["train_documents"],
+             t["corpus_documents"], t["skipped"], t["seconds"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
