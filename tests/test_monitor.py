@@ -192,3 +192,30 @@ def test_max_restarts_is_honoured(tmp_path, only_stalled, attempts):
     assert s["restarts"] == attempts - 1 and s["counted_restarts"] == 1
     assert [a["made_progress"] for a in s["attempts"]] == [True] + [False] * (attempts - 1)
     assert all(a["cause"] == "crash" for a in s["attempts"])
+
+
+# --- under torchrun: workers live in their own sessions, the agent hides their exit codes -------
+
+def torchrun_cmd(out_dir, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+            *fake_cmd(out_dir, *extra)[1:]]
+
+
+def test_torchrun_hang_kills_every_rank_and_restarts(tmp_path, reference):
+    out = tmp_path / "run"
+    r = run_monitor(torchrun_cmd(out), ["--startup_timeout=20"],
+                    env_extra={"MYLLM_FAULT": "hang@7", "MYLLM_FAULT_ONCE_FILE": str(tmp_path / "once")})
+    assert r.returncode == 0, r.stderr
+    s = summary(out)
+    assert s["restarts"] == 1 and s["attempts"][0]["cause"] == "hang"
+    assert losses(out) == reference
+    assert_all_dead(out)  # the hung worker was in its own session, not in torchrun's group
+
+
+def test_torchrun_worker_bad_config_is_not_restarted(tmp_path):
+    out = tmp_path / "run"
+    r = run_monitor(torchrun_cmd(out, "--no_such_flag=1"))
+    assert r.returncode == 2, r.stderr
+    s = summary(out)
+    assert s["final_status"] == "non_retryable" and s["restarts"] == 0
+    assert (s["attempts"][0]["exit_code"], s["attempts"][0]["root_exit_code"]) == (1, 2)
