@@ -220,8 +220,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
                     "tokenizer_meta.json. Special tokens <unk> <s> </s> <pad> <|im_start|> <|im_end|> get ids "
                     f"right after the learned pieces; <|reserved_k|> pad the vocabulary to a multiple of {VOCAB_MULTIPLE}.",
         epilog=POLICY, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data_dir", required=True, nargs="+",
-                   help="directories, files or glob patterns (.txt, .json, .jsonl, .parquet)")
+    p.add_argument("--data_dir", required=True, nargs="+", action="extend",
+                   help="directories, files or glob patterns (.txt, .json, .jsonl, .parquet); repeatable")
     p.add_argument("--output_dir", required=True)
     p.add_argument("--vocab_size", type=int, required=True, help="target size including the 6 special tokens")
     p.add_argument("--tokenizer_type", choices=TOKENIZER_TYPES, default="hf_bbpe")
