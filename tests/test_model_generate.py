@@ -1,0 +1,58 @@
+"""Generation: KV-cache result equals the no-cache result (greedy and sampled), stop tokens, sampling filters."""
+import pytest
+import torch
+
+from model import ModelConfig, Transformer
+from model.generate import generate, sample_next
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=128, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64,
+                      hidden_dim=96, initializer_range=0.2)  # wide init: peaked, varied predictions
+    return Transformer(cfg)
+
+
+def test_greedy_cache_equals_no_cache(model):
+    x = torch.randint(0, 128, (3, 5))
+    a = generate(model, x, 12, temperature=0.0, use_cache=True)
+    b = generate(model, x, 12, temperature=0.0, use_cache=False)
+    assert a.shape == (3, 17) and torch.equal(a, b) and torch.equal(a[:, :5], x)
+    assert model.training  # mode restored
+
+
+def test_sampled_cache_equals_no_cache_under_seed(model):
+    x = torch.randint(0, 128, (2, 4))
+    outs = []
+    for use_cache in (True, False):
+        gen = torch.Generator().manual_seed(123)
+        outs.append(generate(model, x, 10, temperature=0.8, top_k=20, top_p=0.9, use_cache=use_cache, generator=gen))
+    assert torch.equal(outs[0], outs[1])
+    gen = torch.Generator().manual_seed(124)
+    other = generate(model, x, 10, temperature=1.5, generator=gen)
+    assert not torch.equal(other, outs[0])
+
+
+def test_stop_tokens(model):
+    x = torch.randint(0, 128, (2, 4))
+    free = generate(model, x, 8, temperature=0.0)
+    stop = int(free[0, 6])  # the 3rd generated token of row 0
+    out = generate(model, x, 8, temperature=0.0, stop_ids=[stop])
+    first = (out[0, 4:] == stop).nonzero()[0, 0].item()
+    assert (out[0, 4 + first:] == stop).all()
+    assert torch.equal(out[0, :4 + first + 1], free[0, :4 + first + 1])
+    # all rows stopping at once ends generation early
+    both = generate(model, x, 8, temperature=0.0, stop_ids=free[:, 4].tolist())
+    assert both.shape[1] == 5
+
+
+def test_sample_next_filters():
+    logits = torch.tensor([[5.0, 4.0, 1.0, 0.0, -1.0]])
+    assert sample_next(logits, temperature=0).item() == 0
+    g = torch.Generator().manual_seed(0)
+    draws = {sample_next(logits, 1.0, top_k=2, generator=g).item() for _ in range(200)}
+    assert draws <= {0, 1} and len(draws) == 2
+    # top_p: token 0 alone holds ~0.71 of the mass, so top_p=0.5 keeps only it
+    draws = {sample_next(logits, 1.0, top_p=0.5, generator=g).item() for _ in range(50)}
+    assert draws == {0}
