@@ -252,7 +252,7 @@ def _process_file(pool: ProcessPoolExecutor, path: str, stem: str, out_dir: str,
 
     batch: list[str] = []
     first_where = ""
-    for where, rec in iter_records(path, skips):
+    for where, _, rec in iter_records(path, skips):
         text = extract_text(rec, alternatives, where, skips)
         if text is None:
             continue

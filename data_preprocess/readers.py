@@ -67,8 +67,9 @@ def find_input_files(data_dir_or_files: str | Sequence[str], exclude_dir: Option
     return files
 
 
-def iter_records(path: str, skips: SkipCounter) -> Iterator[tuple[str, Any]]:
-    """Yield (location, record) for every decodable record of a file.
+def iter_records(path: str, skips: SkipCounter) -> Iterator[tuple[str, int, Any]]:
+    """Yield (location, position, record) for every decodable record of a file; position is the
+    1-based line of a .jsonl, the 0-based record/row index of a .json array or .parquet.
 
     Undecodable lines (invalid UTF-8, malformed JSON) go through `skips` (error if strict).
     An empty file yields nothing and is logged; the caller counts documents."""
@@ -87,7 +88,7 @@ def iter_records(path: str, skips: SkipCounter) -> Iterator[tuple[str, Any]]:
                 if not line.strip():
                     continue  # blank lines are not records
                 try:
-                    yield where, json.loads(line)
+                    yield where, lineno, json.loads(line)
                 except json.JSONDecodeError as e:
                     skips.skip("malformed JSON", where, str(e))
     elif path.endswith(".json"):
@@ -103,7 +104,7 @@ def iter_records(path: str, skips: SkipCounter) -> Iterator[tuple[str, Any]]:
         if not isinstance(data, list):
             raise DataError(f"{path}: a .json input must hold an array of records")
         for i, rec in enumerate(data):
-            yield f"{path}:record {i}", rec
+            yield f"{path}:record {i}", i, rec
     elif path.endswith(".parquet"):
         import pyarrow.parquet as pq
         try:
@@ -113,7 +114,7 @@ def iter_records(path: str, skips: SkipCounter) -> Iterator[tuple[str, Any]]:
         row = 0
         for batch in pf.iter_batches(batch_size=4096):
             for rec in batch.to_pylist():
-                yield f"{path}:row {row}", rec
+                yield f"{path}:row {row}", row, rec
                 row += 1
     else:
         raise DataError(f"{path}: unsupported input type")

@@ -1,0 +1,163 @@
+"""Pretokenize SFT conversations (`python -m data_preprocess.pretokenize_sft_data`).
+
+Owns: the pretokenized SFT format and writing it atomically:
+  <out>/input_ids.bin   token ids, dtype uint16 if vocab_size <= 65536 else uint32
+  <out>/labels.bin      int32, = id on assistant content and its <|im_end|>, -100 elsewhere
+  <out>/samples.npy     int64 [n, 4]: token offset, length, file id, position in that file (1-based
+                        line of a .jsonl, 0-based record index of a .json array / .parquet)
+  <out>/sft_meta.json   written last: dtype, vocab/pad ids, max_seq_len, overlong policy, counts,
+                        tokenizer fingerprint, files [{path, file_id, first_sample, num_samples, ...}]
+Labels are stored unshifted (aligned with the ids); `dataset.dataset_sft` shifts them.
+
+Must never: store labels unsigned (trap 2), record a count where a file id belongs (trap 3), or
+drop a sample without counting it.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+from data_preprocess.readers import SkipCounter, find_input_files, iter_records
+from data_preprocess.sft_format import (RecordError, apply_overlong, labels_from_mask,
+                                        make_chat_encoder, sft_messages)
+from data_preprocess.shard_format import (DataError, atomic_save_npy, atomic_write_bytes,
+                                          atomic_write_json, dtype_for_vocab, remove_temp_files)
+
+log = logging.getLogger("pretokenize_sft")
+SFT_FORMAT_VERSION = 1
+
+
+def tokenize_sft_files(files: Sequence[str], encode: Callable[[list[dict]], tuple[Any, Any]],
+                       max_seq_len: int, overlong: str = "truncate", strict: bool = False
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[dict]]:
+    """(ids int64, labels int32, samples int64 [n, 4], per-file stats) for SFT records."""
+    id_chunks: list[np.ndarray] = []
+    lab_chunks: list[np.ndarray] = []
+    rows: list[tuple[int, int, int, int]] = []
+    stats: list[dict] = []
+    offset = 0
+    for file_id, path in enumerate(files):
+        skips = SkipCounter(strict=strict)
+        st = {"path": path, "file_id": file_id, "first_sample": len(rows), "num_samples": 0,
+              "truncated": 0, "dropped_overlong": 0, "dropped_no_target": 0}
+        for where, recno, rec in iter_records(path, skips):
+            try:
+                msgs = sft_messages(rec)
+            except RecordError as e:
+                skips.skip(str(e), where)
+                continue
+            ids, mask = encode(msgs)
+            ids = np.asarray(ids, dtype=np.int64)
+            labels = labels_from_mask(ids, mask)
+            kept = apply_overlong(ids, labels, max_seq_len, overlong)
+            if kept is None:
+                st["dropped_overlong" if ids.size > max_seq_len + 1 else "dropped_no_target"] += 1
+                continue
+            if kept[0].size < ids.size:
+                st["truncated"] += 1
+            ids, labels = kept
+            rows.append((offset, ids.size, file_id, recno))
+            id_chunks.append(ids)
+            lab_chunks.append(labels)
+            offset += ids.size
+            st["num_samples"] += 1
+        st["skipped"] = dict(skips.counts)
+        if skips.total:
+            log.info("%s: skipped %d record(s): %s", path, skips.total, skips.counts)
+        stats.append(st)
+    samples = np.asarray(rows, dtype=np.int64).reshape(-1, 4)
+    ids = np.concatenate(id_chunks) if id_chunks else np.empty(0, np.int64)
+    labels = np.concatenate(lab_chunks) if lab_chunks else np.empty(0, np.int32)
+    return ids, labels, samples, stats
+
+
+def pretokenize_sft(data_dir: str, tokenizer_dir: str, max_seq_len: int, output_dir: Optional[str] = None,
+                    overlong: str = "truncate", strict: bool = False) -> dict:
+    """Write the pretokenized SFT files for every input under `data_dir`; returns sft_meta."""
+    data_dir = os.path.abspath(data_dir)
+    out = os.path.abspath(output_dir or data_dir.rstrip(os.sep) + "_sft_tokenized")
+    files = find_input_files(data_dir, exclude_dir=out)
+    if not files:
+        raise DataError(f"{data_dir}: no .jsonl/.json/.parquet inputs")
+    encode, tmeta = make_chat_encoder(tokenizer_dir)
+    ids, labels, samples, stats = tokenize_sft_files(files, encode, max_seq_len, overlong, strict)
+    if len(samples) == 0:
+        raise DataError(f"{data_dir}: no usable SFT sample (see the skip counts in the log)")
+    vocab = int(tmeta["vocab_size"])
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+        raise DataError(f"token id {int(ids.max())} outside vocab_size {vocab}")
+    dtype = dtype_for_vocab(vocab)
+    os.makedirs(out, exist_ok=True)
+    remove_temp_files(out)
+    meta_path = os.path.join(out, "sft_meta.json")
+    if os.path.exists(meta_path):
+        os.remove(meta_path)  # the meta marks completeness: remove it before replacing the arrays
+    atomic_write_bytes(os.path.join(out, "input_ids.bin"), memoryview(ids.astype(dtype)).cast("B"))
+    atomic_write_bytes(os.path.join(out, "labels.bin"), memoryview(labels.astype("<i4")).cast("B"))
+    atomic_save_npy(os.path.join(out, "samples.npy"), samples)
+    sp = tmeta["special_tokens"]
+    meta = {
+        "format_version": SFT_FORMAT_VERSION, "kind": "sft", "dtype": dtype.str, "labels_dtype": "<i4",
+        "vocab_size": vocab, "pad_id": int(sp["pad"]["id"]), "bos_id": int(sp["bos"]["id"]),
+        "eos_id": int(sp["eos"]["id"]), "tokenizer_fingerprint": tmeta.get("fingerprint", ""),
+        "max_seq_len": int(max_seq_len), "overlong": overlong, "num_samples": int(len(samples)),
+        "num_tokens": int(ids.size), "num_target_tokens": int((labels != -100).sum()), "files": stats,
+    }
+    atomic_write_json(meta_path, meta)
+    return meta
+
+
+HELP_EPILOG = """\
+records: {"instruction","input"?,"output","system"?} or {"conversations"|"messages": [{"role"|"from",
+  "content"|"value"}], "system"?}; human->user, gpt->assistant. Labels are the ids of assistant
+  content and its <|im_end|>; everything else is -100.
+over-long policy (--overlong): a sample may hold max_seq_len+1 tokens (the model sees len-1 after the
+  shift). truncate (default) keeps the first max_seq_len+1 tokens; drop drops the sample. Samples with
+  no target token left are dropped. All are counted per file in sft_meta.json and the log.
+bad-input policy: malformed JSON, invalid UTF-8, wrong record shapes, missing or non-string fields,
+  conversations without an assistant turn: counted, logged (file:line) and skipped; --strict makes the
+  first one an error (exit 3).
+"""
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    from utils.constants import EXIT_BAD_CONFIG, EXIT_BAD_DATA, EXIT_OK
+    ap = argparse.ArgumentParser(prog="python -m data_preprocess.pretokenize_sft_data",
+                                 description="Render SFT records with the chat template and store ids + "
+                                             "masked labels (int32).", epilog=HELP_EPILOG,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data_dir", required=True, help="folder (searched recursively) or one file")
+    ap.add_argument("--tokenizer_dir", required=True)
+    ap.add_argument("--max_seq_len", type=int, required=True)
+    ap.add_argument("--output_dir", default=None, help="default: <data_dir>_sft_tokenized")
+    ap.add_argument("--overlong", choices=("truncate", "drop"), default="truncate")
+    ap.add_argument("--strict", action="store_true")
+    try:
+        args = ap.parse_args(argv)
+    except SystemExit as e:
+        return EXIT_OK if e.code == 0 else EXIT_BAD_CONFIG
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        meta = pretokenize_sft(args.data_dir, args.tokenizer_dir, args.max_seq_len, args.output_dir,
+                               args.overlong, args.strict)
+    except DataError as e:
+        log.error("%s", e)
+        return EXIT_BAD_DATA
+    except (OSError, ImportError, KeyError) as e:
+        log.error("%s: %s", type(e).__name__, e)
+        return EXIT_BAD_CONFIG
+    for f in meta["files"]:
+        log.info("%s: %d samples, %d truncated, %d dropped over-long, %d without target, skipped %s",
+                 f["path"], f["num_samples"], f["truncated"], f["dropped_overlong"], f["dropped_no_target"],
+                 f["skipped"] or "none")
+    log.info("%d samples, %d tokens (%d targets)", meta["num_samples"], meta["num_tokens"], meta["num_target_tokens"])
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())
