@@ -449,8 +449,14 @@ class Monitor:
                 attempt.first_step, attempt.last_step = steps[0], steps[-1]
             attempt.made_progress = max(steps, default=0) > best_step_before
         attempt.made_progress |= newest_checkpoint_step(cfg.out_dir) > ckpt_before
-        # A stop requested by the operator wins over everything: never restart after it.
-        attempt.cause = "stopped" if self.stop_signal is not None else (hang_cause or self.classify(attempt))
+        # A finished run is finished whatever else happened (trap 15); after that, a stop
+        # requested by the operator wins over everything: never restart after it.
+        if attempt.exit_code == EXIT_OK:
+            attempt.cause = "completed"
+        elif self.stop_signal is not None:
+            attempt.cause = "stopped"
+        else:
+            attempt.cause = hang_cause or self.classify(attempt)
 
     def classify(self, a: Attempt) -> str:
         code = a.root_exit_code if a.root_exit_code is not None else a.exit_code
