@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MONITOR = os.path.join(ROOT, "monitor_process.py")
 FAKE = os.path.join(ROOT, "tests", "fake_train.py")
 FAST = ["--backoff_base=0.05", "--backoff_max=0.2", "--poll_interval=0.05", "--kill_grace=0.5",
-        "--hang_timeout=1.0", "--startup_timeout=5"]
+        "--hang_timeout=1.5", "--startup_timeout=10"]
 
 
 def fake_cmd(out_dir, *extra: str) -> list[str]:
@@ -128,7 +128,7 @@ def test_crash_is_restarted_and_resumes_exactly(tmp_path, reference, fault, resu
 @pytest.mark.parametrize("fault, cause", [("hang@7", "hang"), ("hang@1", "startup_timeout")])
 def test_hang_is_killed_and_restarted(tmp_path, reference, fault, cause):
     out = tmp_path / "run"
-    r = run_monitor(fake_cmd(out), ["--startup_timeout=1.5"],
+    r = run_monitor(fake_cmd(out), ["--startup_timeout=3"],
                     env_extra={"MYLLM_FAULT": fault, "MYLLM_FAULT_ONCE_FILE": str(tmp_path / "once")})
     assert r.returncode == 0, r.stderr
     s = summary(out)
