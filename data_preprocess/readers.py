@@ -123,9 +123,10 @@ def iter_records(path: str, skips: SkipCounter) -> Iterator[tuple[str, int, Any]
 def parse_text_fields(spec: str | Sequence[str]) -> list[list[str]]:
     """`"text|title,content"` -> [["text"], ["title", "content"]].
 
-    `|` separates alternatives tried in order; `,` joins several fields with a newline."""
+    `|` separates alternatives tried in order; `,` joins several fields with a newline.
+    A sequence is a list of alternatives: ("text", "title,content") == "text|title,content"."""
     if not isinstance(spec, str):
-        spec = "|".join(spec) if all("," not in s for s in spec) else "|".join(spec)
+        spec = "|".join(spec)
     alts = [[f.strip() for f in alt.split(",") if f.strip()] for alt in spec.split("|")]
     alts = [a for a in alts if a]
     if not alts:

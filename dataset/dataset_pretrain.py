@@ -1,10 +1,11 @@
 """Pretraining datasets over token shards: `PretokDataset` and `PretokDatasetWithIndex`.
 
 Owns: reading fixed-length samples (L+1 tokens -> input_ids = s[:-1], labels = s[1:]) from the
-concatenation of all shards of a directory through lazily opened np.memmaps, so memory stays
-flat whatever the corpus size and a sample may span several shards.
+concatenation of all shards of a directory (positioned reads through lazily opened file
+descriptors; the index arrays are np.memmaps), so memory stays flat whatever the corpus size
+and a sample may span several shards.
 
-Must never: keep a Python list of all samples, hold open memmaps across pickling (each
+Must never: keep a Python list of all samples, hold open file descriptors across pickling (each
 DataLoader worker opens its own), guess the id dtype (it comes from the sidecars), or read
 through an index that was built for other shards or another L.
 """
@@ -35,38 +36,54 @@ class TokenStream:
         self.ends = np.cumsum(sizes)
         self.starts = self.ends - sizes
         self.total_tokens = int(self.ends[-1]) if len(sizes) else 0
-        self._maps: dict[int, np.memmap] = {}
+        self._fds: dict[int, int] = {}
 
-    def _map(self, i: int) -> np.ndarray:
-        m = self._maps.get(i)
-        if m is None:
-            s = self.shards[i]
-            if s.num_tokens == 0:
-                m = np.empty(0, dtype=self.dtype)
-            else:
-                m = np.memmap(s.path, dtype=self.dtype, mode="r", shape=(s.num_tokens,))
-            self._maps[i] = m
-        return m
+    def _fd(self, i: int) -> int:
+        fd = self._fds.get(i)
+        if fd is None:
+            fd = self._fds[i] = os.open(self.shards[i].path, os.O_RDONLY)
+        return fd
 
     def read(self, start: int, length: int) -> np.ndarray:
-        """Tokens [start, start+length) of the stream as int64, crossing shard boundaries."""
+        """Tokens [start, start+length) of the stream as int64, crossing shard boundaries.
+
+        Reads with os.preadv into a small buffer rather than slicing an np.memmap: mapped file
+        pages count toward the process RSS (and readahead maps far more than a sample), so
+        random reads over a memmapped corpus grow RSS towards the corpus size; pread keeps it
+        flat and leaves caching to the OS page cache."""
         if start < 0 or start + length > self.total_tokens:
             raise IndexError(f"tokens [{start}, {start + length}) outside stream of {self.total_tokens}")
-        out = np.empty(length, dtype=np.int64)
+        buf = np.empty(length, dtype=self.dtype)
         i = int(np.searchsorted(self.ends, start, side="right"))
         filled = 0
+        isz = self.dtype.itemsize
         while filled < length:
             off = start + filled - int(self.starts[i])
             take = min(length - filled, int(self.ends[i]) - (start + filled))
             if take > 0:
-                out[filled:filled + take] = self._map(i)[off:off + take]
+                view = memoryview(buf[filled:filled + take]).cast("B")
+                got = os.preadv(self._fd(i), [view], off * isz)
+                if got != take * isz:
+                    raise DataError(f"{self.shards[i].path}: short read ({got} of {take * isz} bytes at "
+                                    f"{off * isz}); the shard changed under the reader")
                 filled += take
             i += 1
-        return out
+        return buf.astype(np.int64)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
 
     def __getstate__(self) -> dict:
         d = dict(self.__dict__)
-        d["_maps"] = {}  # memmaps are reopened in the receiving process
+        d["_fds"] = {}  # file descriptors are reopened in the receiving process
         return d
 
 

@@ -55,6 +55,7 @@ class FeistelPermutation:
         self.mask = np.uint64((1 << h) - 1)
         base = _mix64(np.array([key & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64))[0]
         self.round_keys = _mix64(np.arange(1, self.ROUNDS + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15) ^ base)
+        self._int_keys = [int(k) for k in self.round_keys]
 
     def _once(self, x: np.ndarray) -> np.ndarray:
         h = np.uint64(self.half_bits)
@@ -65,10 +66,30 @@ class FeistelPermutation:
             left, right = right, left ^ f
         return (left << h) | right
 
+    def _once_int(self, x: int) -> int:
+        # Same function as _once on Python ints: for a batch of a few indices, numpy's per-call
+        # overhead (x ~60 ops per round trip, x cycle-walks) costs more than the arithmetic.
+        h, m = self.half_bits, (1 << self.half_bits) - 1
+        left, right = x >> h, x & m
+        for k in self._int_keys:
+            z = right ^ k
+            z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+            z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+            left, right = right, left ^ ((z ^ (z >> 31)) & m)
+        return (left << h) | right
+
     def __call__(self, idx: np.ndarray | int) -> np.ndarray:
         x = np.atleast_1d(np.asarray(idx, dtype=np.int64))
         if x.size and (x.min() < 0 or x.max() >= self.n):
             raise IndexError("permutation index out of range")
+        if x.size <= 64:
+            out = []
+            for v in x.tolist():
+                v = self._once_int(v)
+                while v >= self.n:
+                    v = self._once_int(v)
+                out.append(v)
+            return np.asarray(out, dtype=np.int64)
         y = self._once(x.astype(np.uint64))
         todo = y >= np.uint64(self.n)
         while todo.any():  # cycle-walk: stays a bijection on [0, n)
