@@ -88,10 +88,14 @@ def write_random_shards(d: str, total_tokens: int, shard_tokens: int, vocab: int
 
 
 READER = r"""
-import os, sys, time, resource, json
+import os, sys, time, json
 sys.path.insert(0, {root!r})
 import numpy as np, psutil, torch
 proc = psutil.Process()
+def hwm():  # VmHWM: peak RSS of this process image (ru_maxrss survives exec and shows the parent's)
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
 mode, d, L, steps, B = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 base = proc.memory_info().rss
 peak = base
@@ -123,7 +127,7 @@ else:
 dt = time.perf_counter() - t0
 peak = max(peak, proc.memory_info().rss)
 print(json.dumps({{"samples_per_s": steps * B / dt, "base_rss_mb": base / 2**20, "peak_rss_mb": peak / 2**20,
-                  "ru_maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}}))
+                  "vmhwm_mb": hwm()}}))
 """
 
 
@@ -144,7 +148,7 @@ def bench_reading(work: str, shard_gb: float, L: int = 1024, steps: int = 2000, 
     for mode, name in (("ours", "PretokDatasetWithIndex + ResumableLoader"), ("bare", "bare np.memmap slicing")):
         r = res[mode]
         print(f"  {name}: {r['samples_per_s']:,.0f} samples/s, RSS {r['base_rss_mb']:.0f} MB after imports "
-              f"-> peak {r['peak_rss_mb']:.0f} MB (ru_maxrss {r['ru_maxrss_mb']:.0f} MB)")
+              f"-> peak {r['peak_rss_mb']:.0f} MB (VmHWM {r['vmhwm_mb']:.0f} MB)")
     print(f"  ratio samples/s ours/bare = {res['ours']['samples_per_s'] / res['bare']['samples_per_s']:.2f}; "
           f"peak RSS growth ours = {res['ours']['peak_rss_mb'] - res['ours']['base_rss_mb']:.0f} MB "
           f"for {total * 2 / 2**20:.0f} MB of shards")

@@ -176,6 +176,10 @@ def pretokenize_pretrain(data_dir: str, tokenizer_dir: Optional[str], output_dir
     t0 = time.time()
     taken: set[str] = set()
     jobs = [(p, _stem_for(p, data_dir, taken)) for p in files]
+    foreign = sorted({m.group("stem") for n in os.listdir(output_dir) if (m := SHARD_RE.match(n))} - taken)
+    if foreign:  # readers take every shard of the folder: say so rather than mix corpora silently
+        log.warning("%s holds shards of inputs not in %s (%s); readers will include them",
+                    output_dir, data_dir, ", ".join(foreign[:5]))
     from tqdm import tqdm
     bar = tqdm(total=sum(os.path.getsize(p) for p, _ in jobs), unit="B", unit_scale=True,
                desc="pretokenize", disable=not progress, file=sys.stderr)
