@@ -1,0 +1,339 @@
+"""AdamW over DDP's gradient buffers, with fp32 master params, loss scaling and global clipping.
+
+Owns: the "pieces" the optimizer updates (one per parameter, or per parameter-shard for ZeRO),
+their fp32 master copies when the model is bf16/fp16, one torch AdamW per bucket (so buckets
+can be stepped independently for overlap_optim_step), loss scaling, the non-finite check across
+ranks, the global-norm clip, and the (re-shardable) state dict.
+It must never change the model's dtype (trap 10), never read `param.grad` (DDP leaves gradients
+in `param.main_grad`), and never clip with a norm that is not global across ranks (trap 8).
+
+The sharded subclass (parallel/distributed_optimizer) only changes which bucket range a rank
+owns, adds the norm all-reduce and the parameter all-gather.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+from optimizer.grad_scaler import ConstantScaler, DynamicGradScaler
+from optimizer.optimizer_config import OptimizerConfig
+from parallel import comm
+
+STATE_FORMAT = 1
+
+
+@dataclass
+class Piece:
+    """A contiguous element range [lo, hi) of one model parameter that this rank updates."""
+    name: str
+    param: torch.nn.Parameter  # the model parameter (its .data is a view into DDP's param buffer)
+    bucket_index: int
+    lo: int
+    hi: int
+    main: torch.Tensor  # fp32 master: the param itself, a view of it, or a copy
+    main_is_copy: bool
+    grad_store: Optional[torch.Tensor]  # persistent fp32 grad when main_grad can't be used in place
+    decay: bool
+
+    def model_grad(self) -> torch.Tensor:
+        return self.param.main_grad.view(-1)[self.lo:self.hi]
+
+
+class MixedPrecisionOptimizer:
+    sharded = False
+
+    def __init__(self, ddp, config: OptimizerConfig):
+        self.ddp, self.config = ddp, config
+        self.group, self.rank, self.world_size = ddp.process_group, ddp.rank, ddp.world_size
+        if config.use_distributed_optimizer != self.sharded:
+            raise ValueError("use build_optimizer(): use_distributed_optimizer picks the optimizer class")
+        if ddp.config.use_distributed_optimizer and not self.sharded:
+            # DDP reduce-scatters, so only a shard of each bucket is valid: an unsharded step
+            # would use wrong gradients. (The reverse, trap 7, is prevented by build_optimizer.)
+            raise ValueError("DDPConfig.use_distributed_optimizer=True requires "
+                             "OptimizerConfig.use_distributed_optimizer=True")
+        for p in ddp.param_to_bucket:
+            if p.dtype == torch.float16 and config.precision != "fp16":
+                raise ValueError("fp16 parameters need precision='fp16' (loss scaling)")
+        self.scaler = (DynamicGradScaler(config.initial_loss_scale, config.min_loss_scale,
+                                         config.loss_scale_growth_interval, config.hysteresis)
+                       if config.precision == "fp16" else ConstantScaler())
+        self.lr = config.lr
+        self.prev_grad_norm: Optional[float] = None
+        self.pieces: list[Piece] = self._build_pieces()
+        self.pieces_by_bucket: dict[int, list[Piece]] = {}
+        for pc in self.pieces:
+            self.pieces_by_bucket.setdefault(pc.bucket_index, []).append(pc)
+        self.optimizers: dict[int, torch.optim.AdamW] = {
+            b: self._make_adamw(ps) for b, ps in self.pieces_by_bucket.items()}
+
+    # ------------------------------------------------------------------ construction
+    def owned_range(self, bucket) -> tuple[int, int]:
+        """Bucket-local range this rank updates: all of it when unsharded."""
+        return 0, bucket.numel
+
+    def _keep_grad_store(self, param: torch.Tensor) -> bool:
+        return param.main_grad.dtype != torch.float32
+
+    def _build_pieces(self) -> list[Piece]:
+        pieces = []
+        for bucket in self.ddp.buckets:
+            olo, ohi = self.owned_range(bucket)
+            for slot in bucket.slots:
+                s, e = max(slot.start, olo), min(slot.end, ohi)
+                if s >= e:
+                    continue
+                p = slot.param
+                lo, hi = s - slot.start, e - slot.start
+                copy = p.dtype != torch.float32
+                if not self.sharded:
+                    main = p.detach().float().clone() if copy else p  # fp32 path: no copy at all
+                else:
+                    flat = p.detach().view(-1)[lo:hi]
+                    main = flat.float().clone() if copy else flat  # fp32: a view of the buffer
+                store = torch.zeros(hi - lo, dtype=torch.float32, device=p.device) \
+                    if self._keep_grad_store(p) else None
+                pieces.append(Piece(slot.name, p, bucket.index, lo, hi, main, copy, store, p.ndim >= 2))
+        return pieces
+
+    def _make_adamw(self, pieces: list[Piece]) -> torch.optim.AdamW:
+        c = self.config
+        groups = [{"params": [pc.main for pc in pieces if pc.decay], "weight_decay": c.weight_decay},
+                  {"params": [pc.main for pc in pieces if not pc.decay], "weight_decay": 0.0}]
+        groups = [g for g in groups if g["params"]]
+        kw = dict(lr=self.lr, betas=c.betas, eps=c.eps)
+        if c.fused:
+            try:
+                return torch.optim.AdamW(groups, fused=True, **kw)
+            except (RuntimeError, ValueError):
+                pass  # device/dtype without a fused kernel: the foreach path below is equivalent
+        return torch.optim.AdamW(groups, foreach=True, **kw)
+
+    # ------------------------------------------------------------------ per step API
+    def zero_grad(self) -> None:
+        self.ddp.zero_grad_buffer()
+        for pc in self.pieces:
+            pc.main.grad = None
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scaler.scale if isinstance(self.scaler, DynamicGradScaler) else loss
+
+    @property
+    def loss_scale(self) -> float:
+        return float(self.scaler.scale)
+
+    def set_lr(self, lr: float) -> None:
+        self.lr = float(lr)
+        for opt in self.optimizers.values():
+            for g in opt.param_groups:
+                g["lr"] = self.lr
+
+    def step(self) -> tuple[bool, float]:
+        """Finish grad sync, unscale, skip on inf/nan (any rank), clip by the global norm,
+        AdamW step, write masters back to the model. Returns (stepped, grad_norm)."""
+        self.finish_param_sync()
+        if self.config.overlap_optim_step:
+            return self._step_overlapped()
+        self.ddp.finish_grad_sync()
+        self._load_grads(self.pieces)
+        self._after_grads_loaded()
+        found_inf = self._unscale_and_check(self.pieces)
+        self.scaler.update(found_inf)
+        if found_inf:
+            self._drop_grads()
+            return False, float("inf")
+        norm = self._global_norm(self.pieces)
+        if self.config.grad_clip > 0:
+            coef = min(1.0, self.config.grad_clip / (norm + 1e-6))
+            if coef < 1.0:
+                torch._foreach_mul_([pc.main.grad for pc in self.pieces], coef)
+        for b, opt in self.optimizers.items():
+            opt.step()
+        self._copy_main_to_model(self.pieces)
+        self._after_step(list(range(len(self.ddp.buckets))))  # every bucket: collectives match
+        self._drop_grads()
+        return True, norm
+
+    def _step_overlapped(self) -> tuple[bool, float]:
+        """Step each bucket right after its communication finished. Clipping uses the PREVIOUS
+        step's global norm (the current one needs every bucket); the first step is unclipped."""
+        coef = 1.0
+        if self.config.grad_clip > 0 and self.prev_grad_norm is not None and math.isfinite(self.prev_grad_norm):
+            coef = min(1.0, self.config.grad_clip / (self.prev_grad_norm + 1e-6))
+        sumsq = torch.zeros((), dtype=torch.float32, device=self._device())
+        skipped = []
+
+        def on_bucket(bucket) -> None:
+            pieces = self.pieces_by_bucket.get(bucket.index, [])
+            if pieces:
+                self._load_grads(pieces)
+                grads = [pc.main.grad for pc in pieces]
+                sq = torch.stack([n * n for n in torch._foreach_norm(grads, 2)]).sum()
+                sumsq.add_(sq)
+                if not torch.isfinite(sq):  # local decision: this bucket is not stepped
+                    skipped.append(bucket.index)
+                else:
+                    if coef < 1.0:
+                        torch._foreach_mul_(grads, coef)
+                    self.optimizers[bucket.index].step()
+                    self._copy_main_to_model(pieces)
+            self._after_step([bucket.index])  # always: the all-gather is a collective
+
+        self.ddp.finish_grad_sync(on_bucket_done=on_bucket)
+        self._after_grads_loaded()
+        norm = math.sqrt(self._reduce_sumsq(sumsq))
+        self.prev_grad_norm = norm
+        self._drop_grads()
+        return not skipped, norm
+
+    # ------------------------------------------------------------------ helpers
+    def _device(self) -> torch.device:
+        return self.pieces[0].main.device if self.pieces else torch.device("cpu")
+
+    def _load_grads(self, pieces: list[Piece]) -> None:
+        for pc in pieces:
+            g = pc.model_grad()
+            if pc.grad_store is not None:
+                pc.grad_store.copy_(g)
+                g = pc.grad_store
+            pc.main.grad = g.view(pc.main.shape)
+
+    def _after_grads_loaded(self) -> None:
+        """Hook for ZeRO-2: gradient memory can be released once the owned grads are copied."""
+
+    def _after_step(self, bucket_indices: list[int]) -> None:
+        """Hook for ZeRO: all-gather updated shards."""
+
+    def finish_param_sync(self) -> None:
+        """Wait for any in-flight parameter all-gather (no-op when unsharded)."""
+
+    def _unscale_and_check(self, pieces: list[Piece]) -> bool:
+        grads = [pc.main.grad for pc in pieces]
+        flag = torch.zeros(1, dtype=torch.float32, device=self._device())
+        if grads:
+            if isinstance(self.scaler, DynamicGradScaler):
+                torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
+            flag += (~torch.isfinite(torch.stack(torch._foreach_norm(grads, 2)))).any().float()
+        comm.all_reduce_max_flag(flag, self.group, self.world_size)
+        return bool(flag.item() > 0)
+
+    def _local_sumsq(self, pieces: list[Piece]) -> torch.Tensor:
+        grads = [pc.main.grad for pc in pieces]
+        if not grads:
+            return torch.zeros((), dtype=torch.float32, device=self._device())
+        return torch.stack([n * n for n in torch._foreach_norm(grads, 2)]).sum()
+
+    def _reduce_sumsq(self, sumsq: torch.Tensor) -> float:
+        """Unsharded: every rank holds the full reduced gradient, so the local sum IS global."""
+        return float(sumsq.item())
+
+    def _global_norm(self, pieces: list[Piece]) -> float:
+        return math.sqrt(self._reduce_sumsq(self._local_sumsq(pieces)))
+
+    def _copy_main_to_model(self, pieces: list[Piece]) -> None:
+        for pc in pieces:
+            if pc.main_is_copy:
+                pc.param.data.view(-1)[pc.lo:pc.hi].copy_(pc.main.view(-1))
+
+    def _drop_grads(self) -> None:
+        for pc in self.pieces:
+            pc.main.grad = None  # main may BE the model param: never leave a .grad autograd adds to
+
+    # ------------------------------------------------------------------ state
+    def state_bytes(self) -> int:
+        """Bytes of optimizer-owned tensors: Adam moments + fp32 masters that are real copies."""
+        total = 0
+        for opt in self.optimizers.values():
+            for st in opt.state.values():
+                total += sum(v.numel() * v.element_size() for k, v in st.items()
+                             if torch.is_tensor(v) and k != "step")
+        total += sum(pc.main.numel() * 4 for pc in self.pieces if pc.main_is_copy)
+        return total
+
+    def state_dict(self) -> dict:
+        """Tensors + ints/floats/strings only (torch.load(weights_only=True)). For a sharded
+        optimizer this is this rank's shard; every entry is flat with its [lo, hi) range."""
+        self.finish_param_sync()
+        params = {}
+        for pc in self.pieces:
+            opt = self.optimizers[pc.bucket_index]
+            st = opt.state.get(pc.main, {})
+            n = pc.hi - pc.lo
+            zeros = torch.zeros(n, dtype=torch.float32)
+            params[pc.name] = {
+                "shape": list(pc.param.shape), "numel": pc.param.numel(), "lo": pc.lo, "hi": pc.hi,
+                "main": pc.main.detach().reshape(-1).float().cpu().clone(),
+                "exp_avg": st["exp_avg"].reshape(-1).cpu().clone() if st else zeros,
+                "exp_avg_sq": st["exp_avg_sq"].reshape(-1).cpu().clone() if st else zeros.clone(),
+                "step": float(st["step"]) if st else 0.0,
+            }
+        return {"format": STATE_FORMAT, "sharded": int(self.sharded), "world_size": self.world_size,
+                "rank": self.rank, "lr": self.lr, "scaler": self.scaler.state_dict(),
+                "prev_grad_norm": -1.0 if self.prev_grad_norm is None else float(self.prev_grad_norm),
+                "params": params}
+
+    def sharded_state_dict(self) -> dict:
+        return self.state_dict()
+
+    def load_state_dict(self, state: Union[dict, list[dict]]) -> None:
+        """Load this rank's own state dict, or a list of ALL ranks' state dicts of a run with any
+        world size (re-sharding: each piece is assembled from whichever saved ranges cover it)."""
+        sds = [state] if isinstance(state, dict) else list(state)
+        if not sds:
+            raise ValueError("empty optimizer state")
+        for sd in sds:
+            if sd.get("format") != STATE_FORMAT:
+                raise ValueError(f"unknown optimizer state format {sd.get('format')!r}")
+        if len(sds) == 1 and sds[0]["sharded"] and sds[0]["world_size"] != self.world_size:
+            raise ValueError(
+                f"this sharded optimizer state is one rank of a world of {sds[0]['world_size']} ranks, "
+                f"but the current world has {self.world_size}; pass the list of all "
+                f"{sds[0]['world_size']} ranks' state dicts to re-shard")
+        saved: dict[str, list[dict]] = {}
+        for sd in sds:
+            for name, e in sd["params"].items():
+                saved.setdefault(name, []).append(e)
+        for pc in self.pieces:
+            entries = saved.get(pc.name)
+            if not entries:
+                raise KeyError(f"optimizer state has no entry for parameter {pc.name!r}")
+            if list(entries[0]["shape"]) != list(pc.param.shape):
+                raise ValueError(f"{pc.name}: saved shape {entries[0]['shape']} != {list(pc.param.shape)}")
+            parts = {k: self._assemble(pc, entries, k) for k in ("main", "exp_avg", "exp_avg_sq")}
+            step = max(float(e["step"]) for e in entries)
+            with torch.no_grad():
+                pc.main.view(-1).copy_(parts["main"])
+            opt = self.optimizers[pc.bucket_index]
+            opt.state.pop(pc.main, None)
+            if step > 0:
+                fused = bool(opt.defaults.get("fused"))
+                opt.state[pc.main] = {
+                    "step": torch.tensor(step, dtype=torch.float32,
+                                         device=pc.main.device if fused else "cpu"),
+                    "exp_avg": parts["exp_avg"].view(pc.main.shape).clone(),
+                    "exp_avg_sq": parts["exp_avg_sq"].view(pc.main.shape).clone()}
+        self._copy_main_to_model(self.pieces)
+        self._after_load()
+        self.scaler.load_state_dict(sds[0]["scaler"])
+        self.set_lr(sds[0]["lr"])
+        pg = float(sds[0]["prev_grad_norm"])
+        self.prev_grad_norm = None if pg < 0 else pg
+
+    def _assemble(self, pc: Piece, entries: list[dict], key: str) -> torch.Tensor:
+        out = torch.empty(pc.hi - pc.lo, dtype=torch.float32, device=pc.main.device)
+        covered = 0
+        for e in entries:
+            s, t = max(pc.lo, e["lo"]), min(pc.hi, e["hi"])
+            if s < t:
+                out[s - pc.lo:t - pc.lo].copy_(e[key][s - e["lo"]:t - e["lo"]])
+                covered += t - s
+        if covered != pc.hi - pc.lo:
+            raise ValueError(f"{pc.name}: saved state covers {covered} of the {pc.hi - pc.lo} elements "
+                             f"[{pc.lo}, {pc.hi}) this rank needs; pass every rank's state dict")
+        return out
+
+    def _after_load(self) -> None:
+        """Hook for ZeRO: re-gather parameters after loading masters."""

@@ -1,0 +1,42 @@
+"""Optimizer configuration (plain values, filled by configurator.py / the trainer)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 3e-4
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1  # applied only to parameters with ndim >= 2
+    grad_clip: float = 1.0  # max global L2 norm; 0 disables clipping
+    # Compute precision of the run: "fp16" turns on dynamic loss scaling. fp32 master params are
+    # kept automatically for every parameter whose dtype is not fp32; the model dtype itself is
+    # the caller's choice and is never changed here (trap 10).
+    precision: str = "fp32"
+    initial_loss_scale: float = 2.0 ** 16
+    min_loss_scale: float = 1.0
+    loss_scale_growth_interval: int = 1000  # overflow-free steps before the scale doubles
+    hysteresis: int = 2  # consecutive overflows before the scale halves
+    fused: bool = False  # torch fused AdamW where the device supports it, else foreach
+    use_distributed_optimizer: bool = False  # ZeRO: shard main params + Adam state across ranks
+    zero_stage: int = 1  # 1: shard optimizer state; 2: also free non-owned gradient memory
+    overlap_param_gather: bool = False  # ZeRO: all-gather params async, wait in forward pre-hooks
+    overlap_optim_step: bool = False  # step each bucket as soon as its grads arrived (see docs)
+
+    def __post_init__(self) -> None:
+        if self.precision not in ("fp32", "bf16", "fp16"):
+            raise ValueError(f"precision must be fp32, bf16 or fp16, got {self.precision!r}")
+        if self.zero_stage not in (1, 2):
+            raise ValueError(f"zero_stage must be 1 or 2, got {self.zero_stage}")
+        if self.zero_stage == 2 and not self.use_distributed_optimizer:
+            raise ValueError("zero_stage=2 needs use_distributed_optimizer=True")
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise ValueError("overlap_param_gather needs use_distributed_optimizer=True")
+        if self.overlap_optim_step and self.precision == "fp16":
+            raise ValueError("overlap_optim_step is not supported with fp16: the overflow check "
+                             "must see every bucket before any is stepped")
+        if self.grad_clip < 0:
+            raise ValueError("grad_clip must be >= 0")
+        self.betas = (float(self.betas[0]), float(self.betas[1]))

@@ -1,0 +1,34 @@
+"""Launch helpers for the 2-process gloo tests: free ports, spawn with an initialised group."""
+from __future__ import annotations
+
+import gc
+import os
+import socket
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, fn: Callable, world_size: int, port: int, args: tuple) -> None:
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size)
+    fn(rank, world_size, *args)
+    gc.collect()  # drop models/optimizers (hook cycles) while the process group still exists
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def spawn(fn: Callable, world_size: int, *args) -> None:
+    """Run fn(rank, world_size, *args) in `world_size` processes with gloo initialised."""
+    mp.start_processes(_entry, args=(fn, world_size, free_port(), args), nprocs=world_size,
+                       join=True, start_method="spawn")
