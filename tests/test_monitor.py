@@ -219,3 +219,58 @@ def test_torchrun_worker_bad_config_is_not_restarted(tmp_path):
     s = summary(out)
     assert s["final_status"] == "non_retryable" and s["restarts"] == 0
     assert (s["attempts"][0]["exit_code"], s["attempts"][0]["root_exit_code"]) == (1, 2)
+
+
+# --- stop paths --------------------------------------------------------------------------------
+
+def start_monitor(cmd: list[str], monitor_args=(), env_extra=None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, MONITOR, *FAST, *monitor_args, "--", *cmd],
+                            env=dict(os.environ, **(env_extra or {})),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(predicate, timeout: float = 20) -> None:
+    deadline = time.time() + timeout
+    while not predicate():
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_sigterm_during_backoff_stops_without_restart(tmp_path):
+    out = tmp_path / "run"
+    proc = start_monitor(fake_cmd(out), ["--backoff_base=30", "--backoff_max=30"], {"MYLLM_FAULT": "crash@2"})
+    wait_for(lambda: os.path.exists(out / "monitor.log") and "restarting in 30s" in open(out / "monitor.log").read())
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=10)
+    assert proc.returncode == 75
+    s = summary(out)
+    assert (s["final_status"], s["restarts"], len(s["attempts"])) == ("stopped", 0, 1)
+
+
+def test_second_signal_kills_a_stuck_run(tmp_path):
+    # parked in hang@3, the trainer only sets a flag on SIGTERM; the second SIGINT kills the tree
+    out = tmp_path / "run"
+    proc = start_monitor(fake_cmd(out), ["--hang_timeout=0"], {"MYLLM_FAULT": "hang@3"})
+    wait_for(lambda: os.path.exists(out / "metrics.jsonl") and len(losses(out)) == 2)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.5)
+    assert proc.poll() is None  # still waiting for the save that never comes
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=10)
+    assert proc.returncode == 128 + signal.SIGKILL
+    s = summary(out)
+    assert (s["final_status"], s["restarts"]) == ("stopped", 0)
+    assert s["attempts"][0]["signal"] == "SIGKILL"
+    assert_all_dead(out)
+
+
+def test_trainer_interrupted_by_someone_else_is_not_restarted(tmp_path):
+    out = tmp_path / "run"
+    proc = start_monitor(fake_cmd(out, "--max_iters=100000", "--step_time=0.02"))
+    wait_for(lambda: os.path.exists(out / "metrics.jsonl") and len(losses(out)) >= 2)
+    trainer_pid = next(int(n.rsplit("_", 1)[1]) for n in os.listdir(out) if n.startswith("pid_rank0"))
+    os.kill(trainer_pid, signal.SIGTERM)  # e.g. an operator or a scheduler signalled the trainer only
+    proc.communicate(timeout=20)
+    assert proc.returncode == 75
+    s = summary(out)
+    assert (s["final_status"], s["restarts"], s["attempts"][0]["exit_code"]) == ("interrupted", 0, 75)
