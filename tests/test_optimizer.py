@@ -1,0 +1,129 @@
+"""Optimizer behaviour on one process (the same code path as N ranks)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from optimizer import DynamicGradScaler, OptimizerConfig, build_optimizer
+from parallel import DDPConfig, DistributedDataParallel
+from parallel.distributed_optimizer import DistributedOptimizer
+
+
+def _net(dtype=torch.float32):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).to(dtype)
+
+
+def _step(ddp, opt, x, y, mult=1.0):
+    opt.zero_grad()
+    loss = ((ddp(x.to(next(ddp.parameters()).dtype)).float() - y) ** 2).mean() * mult
+    opt.scale_loss(loss).backward()
+    return opt.step()
+
+
+def test_dynamic_scaler_halves_after_hysteresis_and_grows():
+    s = DynamicGradScaler(initial_scale=8.0, min_scale=1.0, growth_interval=2, hysteresis=2)
+    s.update(True)
+    assert s.scale == 8.0  # first overflow absorbed by hysteresis
+    s.update(True)
+    assert s.scale == 4.0
+    s.update(False), s.update(False)
+    assert s.scale == 8.0
+    for _ in range(10):
+        s.update(True)
+    assert s.scale == 1.0  # never below min_scale
+
+
+def test_fp16_model_keeps_dtype_skips_overflow_and_recovers():
+    m = _net(torch.float16)
+    ddp = DistributedDataParallel(m, DDPConfig())
+    opt = build_optimizer(ddp, OptimizerConfig(precision="fp16", initial_loss_scale=64.0, hysteresis=1,
+                                               loss_scale_growth_interval=2, lr=1e-2))
+    assert all(p.dtype == torch.float16 for p in m.parameters())  # trap 10: dtype is the caller's
+    assert all(pc.main.dtype == torch.float32 and pc.main_is_copy for pc in opt.pieces)
+    x, y = torch.randn(4, 6), torch.randn(4, 3)
+    assert _step(ddp, opt, x, y)[0]
+    before = [p.detach().clone() for p in m.parameters()]
+    stepped, norm = _step(ddp, opt, x, y, mult=float("inf"))
+    assert not stepped and math.isinf(norm) and opt.loss_scale == 32.0
+    assert all(torch.equal(a, b) for a, b in zip(before, m.parameters()))
+    assert _step(ddp, opt, x, y)[0] and _step(ddp, opt, x, y)[0]
+    assert opt.loss_scale == 64.0
+
+
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16])
+def test_precision_never_changes_model_dtype(model_dtype):
+    m = _net(model_dtype)
+    ddp = DistributedDataParallel(m, DDPConfig(grad_reduce_in_fp32=True))
+    opt = build_optimizer(ddp, OptimizerConfig(precision="bf16"))
+    _step(ddp, opt, torch.randn(4, 6), torch.randn(4, 3))
+    assert all(p.dtype == model_dtype for p in m.parameters())
+    assert all(p.main_grad.dtype == torch.float32 for p in m.parameters())
+    # fp32 model: the masters ARE the params (no copies); bf16: fp32 copies
+    assert all(pc.main_is_copy == (model_dtype != torch.float32) for pc in opt.pieces)
+
+
+def test_flag_mismatch_is_an_error():
+    ddp = DistributedDataParallel(_net(), DDPConfig(use_distributed_optimizer=True))
+    with pytest.raises(ValueError, match="use_distributed_optimizer"):
+        build_optimizer(ddp, OptimizerConfig())
+    ddp = DistributedDataParallel(_net(), DDPConfig())
+    with pytest.raises(ValueError, match="use_distributed_optimizer"):
+        build_optimizer(ddp, OptimizerConfig(use_distributed_optimizer=True))
+    with pytest.raises(ValueError):
+        OptimizerConfig(precision="fp16", overlap_optim_step=True)
+    ddp = DistributedDataParallel(_net(), DDPConfig(use_distributed_optimizer=True))
+    assert isinstance(build_optimizer(ddp, OptimizerConfig(use_distributed_optimizer=True)),
+                      DistributedOptimizer)  # trap 7: the flag builds the sharded optimizer
+
+
+def test_overlap_optim_step_clips_with_previous_step_norm():
+    """overlap_optim_step can't know this step's global norm before stepping bucket 0, so it
+    clips with the previous step's norm (first step unclipped) and returns the current norm."""
+    clip, lr = 0.05, 1e-2
+    m, ref = _net(), _net()
+    ddp = DistributedDataParallel(m, DDPConfig(bucket_size=20))
+    opt = build_optimizer(ddp, OptimizerConfig(lr=lr, weight_decay=0.0, grad_clip=clip,
+                                               overlap_optim_step=True))
+    ropt = torch.optim.AdamW(ref.parameters(), lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    prev = None
+    torch.manual_seed(3)
+    for _ in range(4):
+        x, y = torch.randn(4, 6), torch.randn(4, 3)
+        _, norm = _step(ddp, opt, x, y)
+        ropt.zero_grad()
+        ((ref(x) - y) ** 2).mean().backward()
+        ref_norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e30))
+        if prev is not None:
+            coef = min(1.0, clip / (prev + 1e-6))
+            for p in ref.parameters():
+                p.grad.mul_(coef)
+        ropt.step()
+        prev = ref_norm
+        assert norm == pytest.approx(ref_norm, rel=1e-5)
+    for p, q in zip(m.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert prev > clip  # the clip was active
+
+
+def test_state_dict_roundtrip_weights_only(tmp_path):
+    m = _net(torch.bfloat16)
+    ddp = DistributedDataParallel(m, DDPConfig(use_distributed_optimizer=True))
+    opt = build_optimizer(ddp, OptimizerConfig(precision="bf16", use_distributed_optimizer=True))
+    _step(ddp, opt, torch.randn(4, 6), torch.randn(4, 3))
+    torch.save(opt.state_dict(), tmp_path / "o.pt")
+    sd = torch.load(tmp_path / "o.pt", weights_only=True)
+    m2 = _net(torch.bfloat16)
+    ddp2 = DistributedDataParallel(m2, DDPConfig(use_distributed_optimizer=True))
+    opt2 = build_optimizer(ddp2, OptimizerConfig(precision="bf16", use_distributed_optimizer=True))
+    opt2.load_state_dict(sd)
+    for a, b in zip(opt.pieces, opt2.pieces):
+        assert torch.equal(a.main, b.main)
+        sa, sb = opt.optimizers[a.bucket_index].state[a.main], opt2.optimizers[b.bucket_index].state[b.main]
+        assert torch.equal(sa["exp_avg_sq"], sb["exp_avg_sq"]) and float(sa["step"]) == float(sb["step"])
+    x, y = torch.randn(4, 6), torch.randn(4, 3)
+    _step(ddp, opt, x, y), _step(ddp2, opt2, x, y)
+    assert all(torch.equal(p, q) for p, q in zip(m.parameters(), m2.parameters()))

@@ -1,0 +1,130 @@
+"""World-size-1 checks of the buffer layout and PowerSGD (same code path as N ranks)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from parallel import DDPConfig, DistributedDataParallel, PowerSGDState, powersgd_hook
+from parallel.distributed_data_parallel.param_and_grad_buffer import ParamAndGradBuffer
+
+
+def _net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3), nn.Linear(3, 3))
+
+
+def test_buffer_layout_reverse_order_padding_and_views():
+    m = _net()
+    before = {n: p.detach().clone() for n, p in m.named_parameters()}
+    ddp = DistributedDataParallel(m, DDPConfig(bucket_size=30, pad_alignment=8, param_alignment=4))
+    names = [s.name for b in ddp.buckets for s in b.slots]
+    assert names == [n for n, _ in m.named_parameters()][::-1]  # reverse registration order
+    buf = ddp.buffers_[0]
+    for b in ddp.buckets:
+        assert b.numel % 8 == 0 and b.start % 8 == 0  # every bucket splits evenly (world 1 * 8)
+        assert b.numel >= 1
+    assert buf.numel % 8 == 0
+    for n, p in m.named_parameters():
+        assert torch.equal(p, before[n])  # values kept...
+        assert p.untyped_storage().data_ptr() == buf.param_data.untyped_storage().data_ptr()  # ...in the buffer
+        assert p.main_grad.untyped_storage().data_ptr() == buf.grad_data.untyped_storage().data_ptr()
+    # a bucket is closed once it reaches bucket_size elements
+    assert len(ddp.buckets) >= 2
+
+
+def test_buckets_pad_for_world_size():
+    params = [("a", nn.Parameter(torch.randn(10))), ("b", nn.Parameter(torch.randn(3, 5)))]
+    buf = ParamAndGradBuffer(params, torch.float32, bucket_size=None, world_size=4, pad_alignment=16,
+                             param_alignment=1, first_bucket_index=0)
+    assert buf.numel == 64 and buf.buckets[0].shard_range(3, 4) == (48, 64)
+
+
+def test_no_sync_accumulates_and_last_microbatch_syncs():
+    m, ref = _net(), _net()
+    ddp = DistributedDataParallel(m, DDPConfig(bucket_size=16))
+    x = torch.randn(6, 5)
+    with ddp.no_sync():
+        ddp(x[:3]).sum().backward()
+    ddp(x[3:]).sum().backward()
+    ddp.finish_grad_sync()
+    ref(x).sum().backward()
+    for p, q in zip(m.parameters(), ref.parameters()):
+        assert p.grad is None  # gradients live in main_grad only
+        torch.testing.assert_close(p.main_grad, q.grad, rtol=1e-6, atol=1e-7)
+    assert ddp.last_step_comm_bytes == 0  # world size 1: nothing sent
+
+
+class _Linear(nn.Module):
+    def __init__(self, w):
+        super().__init__()
+        self.w = nn.Parameter(w.clone())
+
+    def forward(self, g):
+        return (self.w * g).sum()  # d/dw = g: a constant gradient
+
+
+def _compressed_grads(target: torch.Tensor, steps: int, error_feedback: bool) -> list[torch.Tensor]:
+    mod = _Linear(torch.zeros_like(target))
+    ddp = DistributedDataParallel(mod, DDPConfig())
+    ddp.register_comm_hook(PowerSGDState(matrix_approximation_rank=1, start_powerSGD_iter=0,
+                                         use_error_feedback=error_feedback, seed=1), powersgd_hook)
+    out = []
+    for _ in range(steps):
+        ddp.zero_grad_buffer()
+        ddp(target).backward()
+        ddp.finish_grad_sync()
+        out.append(mod.w.main_grad.clone())
+    return out
+
+
+def test_powersgd_error_feedback_accumulated_update_converges():
+    torch.manual_seed(0)
+    g = torch.randn(24, 16)  # full rank: rank-1 compression alone can't represent it
+    with_ef = _compressed_grads(g, 200, True)
+    no_ef = _compressed_grads(g, 200, False)
+    err = lambda gs, t: float((torch.stack(gs[:t]).mean(0) - g).norm() / g.norm())  # noqa: E731
+    assert err(with_ef, 200) < 0.05
+    assert err(with_ef, 200) < err(with_ef, 20)  # keeps shrinking (~1/T)
+    assert err(no_ef, 200) > 0.5  # without feedback the lost directions are never sent
+
+
+def test_powersgd_quadratic_reaches_optimum_with_error_feedback():
+    torch.manual_seed(1)
+    target = torch.randn(16, 12)
+    mod = _Linear(torch.zeros(16, 12))
+    mod.forward = lambda t: 0.5 * ((mod.w - t) ** 2).sum()
+    ddp = DistributedDataParallel(mod, DDPConfig())
+    ddp.register_comm_hook(PowerSGDState(matrix_approximation_rank=2, start_powerSGD_iter=0, seed=3),
+                           powersgd_hook)
+    for _ in range(300):
+        ddp.zero_grad_buffer()
+        ddp(target).backward()
+        ddp.finish_grad_sync()
+        with torch.no_grad():
+            mod.w -= 0.2 * mod.w.main_grad
+    assert float((mod.w.detach() - target).norm() / target.norm()) < 1e-2
+
+
+def test_powersgd_skips_tensors_below_min_compression_rate():
+    from parallel.powersgd import compression_plan
+    st = PowerSGDState(matrix_approximation_rank=4, min_compression_rate=2.0)
+    assert compression_plan(st, torch.Size([64, 64]))[0]  # 4096 / (4*128) = 8
+    assert not compression_plan(st, torch.Size([64, 4]))[0]  # 256 / (4*68) < 2
+    assert not compression_plan(st, torch.Size([64]))[0]  # vectors are never compressed
+
+
+def test_powersgd_state_dict_is_tensors_and_ints(tmp_path):
+    g = torch.randn(8, 8)
+    mod = _Linear(torch.zeros(8, 8))
+    ddp = DistributedDataParallel(mod, DDPConfig())
+    st = PowerSGDState(start_powerSGD_iter=0)
+    ddp.register_comm_hook(st, powersgd_hook)
+    ddp(g).backward()
+    ddp.finish_grad_sync()
+    torch.save(ddp.comm_hook_state_dict(), tmp_path / "h.pt")
+    sd = torch.load(tmp_path / "h.pt", weights_only=True)
+    assert sd["iteration"] == 1 and "q.0.0" in sd and "error.0.0" in sd
+    other = PowerSGDState(start_powerSGD_iter=0, matrix_approximation_rank=2)
+    with pytest.raises(ValueError):
+        other.load_state_dict(sd)
