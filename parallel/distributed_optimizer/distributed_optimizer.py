@@ -35,6 +35,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             raise ValueError("use_distributed_optimizer=True needs DDPConfig(use_distributed_optimizer=True)")
         self.zero_stage = config.zero_stage
         self._gather_handles: dict[int, comm.CommHandle] = {}
+        self._orphan_buckets: list[int] = []
+        self.param_gather_bytes = 0  # payload bytes of parameter all-gathers (cumulative)
         super().__init__(ddp, config)
         self._pre_hooks = []
         if config.overlap_param_gather:
@@ -57,11 +59,16 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 buf.release_grad_storage()
 
     def _after_step(self, bucket_indices: list[int]) -> None:
-        # Gather in forward order (the last bucket holds the first layers).
-        for idx in sorted(bucket_indices, reverse=True):
+        for idx in self._ordered(bucket_indices):
             self._gather_bucket(idx)
         if not self.config.overlap_param_gather:
             self.finish_param_sync()
+
+    def _ordered(self, bucket_indices: list[int]) -> list[int]:
+        """Forward order: buckets of directly-used ("orphan") params first, then the last bucket
+        (first layers) down to bucket 0 (last layers). Same order on every rank."""
+        first = [i for i in self._orphan_buckets if i in bucket_indices]
+        return first + [i for i in sorted(bucket_indices, reverse=True) if i not in first]
 
     def _gather_bucket(self, idx: int) -> None:
         b = self.ddp.buckets[idx]
@@ -69,7 +76,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         data = b.param_data
         work = comm.all_gather(data, data[lo:hi], self.group, self.world_size)
         if self.world_size > 1:
-            self.param_gather_bytes = getattr(self, "param_gather_bytes", 0) + data.numel() * data.element_size()
+            self.param_gather_bytes += data.numel() * data.element_size()
         self._gather_handles[idx] = comm.CommHandle([work])
 
     def finish_param_sync(self) -> None:
@@ -82,15 +89,54 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             self._gather_bucket(idx)
         self.finish_param_sync()
 
+    # ---------------------------------------------------------------- overlap_param_gather
+    # Each called module waits, in its forward pre-hook, for the buckets of every parameter in its
+    # subtree, so later layers' gathers keep running while earlier layers compute. A parameter
+    # used WITHOUT calling a module that contains it (e.g. `F.linear(h, self.lm_head.weight)`, or
+    # k/v weights concatenated inside the attention module's forward are fine: their ancestor is
+    # called) is an "orphan": the root's pre-hook waits for it, and its bucket is gathered first.
+    # Orphans are found on the first forward (nothing is in flight then: no step has run yet),
+    # and any module later seen NOT called in a forward turns its params into orphans.
     def _register_forward_pre_hooks(self) -> None:
-        """Each module waits only for the buckets of its own parameters, so the gather of later
-        layers keeps running while earlier layers compute."""
         p2b = self.ddp.param_to_bucket
-        for module in self.ddp.module.modules():
-            idxs = sorted({p2b[p].index for p in module.parameters(recurse=False) if p in p2b})
-            if idxs:
-                self._pre_hooks.append(module.register_forward_pre_hook(
-                    lambda _m, _a, idxs=idxs: self._wait_buckets(idxs)))
+        root = self.ddp.module
+        self._calibrated = False
+        self._called: set[int] = set()
+        self._covering: set[int] = set()  # ids of non-root modules seen called in every forward
+        self._orphan_buckets: list[int] = []
+        self._subtree_buckets: dict[int, list[int]] = {}
+        self._modules = {id(m): m for m in root.modules()}
+        for m in root.modules():
+            idxs = sorted({p2b[p].index for p in m.parameters() if p in p2b})
+            self._subtree_buckets[id(m)] = idxs
+            if m is not root and idxs:
+                self._pre_hooks.append(m.register_forward_pre_hook(
+                    lambda mod, _a: self._module_pre_forward(mod)))
+        self._pre_hooks.append(root.register_forward_pre_hook(lambda _m, _a: self._root_pre_forward()))
+        self._pre_hooks.append(root.register_forward_hook(lambda _m, _a, _o: self._root_post_forward()))
+
+    def _module_pre_forward(self, module) -> None:
+        self._called.add(id(module))
+        self._wait_buckets(self._subtree_buckets[id(module)])
+
+    def _root_pre_forward(self) -> None:
+        self._called = set()
+        if not self._calibrated:
+            self.finish_param_sync()
+            return
+        root = self.ddp.module
+        p2b = self.ddp.param_to_bucket
+        direct = sorted({p2b[p].index for p in root.parameters(recurse=False) if p in p2b})
+        self._wait_buckets(direct + self._orphan_buckets)
+
+    def _root_post_forward(self) -> None:
+        covering = self._called if not self._calibrated else (self._covering & self._called)
+        if not self._calibrated or covering != self._covering:
+            self._covering = covering
+            covered = {id(p) for mid in covering for p in self._modules[mid].parameters()}
+            orphans = {b.index for p, b in self.ddp.param_to_bucket.items() if id(p) not in covered}
+            self._orphan_buckets = sorted(orphans, reverse=True)
+            self._calibrated = True
 
     def _wait_buckets(self, idxs: list[int]) -> None:
         for i in idxs:
