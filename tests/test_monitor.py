@@ -274,3 +274,13 @@ def test_trainer_interrupted_by_someone_else_is_not_restarted(tmp_path):
     assert proc.returncode == 75
     s = summary(out)
     assert (s["final_status"], s["restarts"], s["attempts"][0]["exit_code"]) == ("interrupted", 0, 75)
+
+
+def test_missing_executable_is_reported_not_retried(tmp_path):
+    r = run_monitor([str(tmp_path / "no such python"), "train.py"],
+                    [f"--summary_file={tmp_path / 's.json'}", f"--log_file={tmp_path / 'm.log'}"])
+    assert r.returncode == 127
+    with open(tmp_path / "s.json") as f:
+        s = json.load(f)
+    assert (s["final_status"], s["restarts"], len(s["attempts"])) == ("failed_to_start", 0, 1)
+    assert "no such python" in s["reason"]
