@@ -153,11 +153,12 @@ class Attention(nn.Module):
                 Tk = k.shape[2]
                 k = k[:, :, None].expand(B, self.n_kv_heads, rep, Tk, self.head_dim).reshape(B, self.n_heads, Tk, self.head_dim)
                 v = v[:, :, None].expand(B, self.n_kv_heads, rep, Tk, self.head_dim).reshape(B, self.n_heads, Tk, self.head_dim)
-            if v.dtype != q.dtype:  # under autocast the projections are already in the autocast dtype
-                k, v = k.to(q.dtype), v.to(q.dtype)
+            out_dtype = q.dtype
+            adt = kernels.sdpa_dtype(q.device, q.dtype)
+            q, k, v = q.to(adt), k.to(adt), v.to(adt)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=spec.mask, dropout_p=dropout,
                                                is_causal=spec.is_causal and spec.mask is None)
-            y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
+            y = y.to(out_dtype).transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
         return self.resid_dropout(self.o_proj(y))
 
 

@@ -34,23 +34,40 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     return t.dtype
 
 
-def _chunk_stats(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor):
-    """logits (fp32), logsumexp, per-token loss (0 where ignored) and the valid mask of one chunk."""
+def _chunk_forward(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, want_probs: bool):
+    """One chunk: per-token loss (0 where ignored), logsumexp, and optionally softmax in place.
+
+    One exp pass over the chunk's [c, V] logits serves both the logsumexp and the softmax.
+    """
     logits = (h @ w.t()).float()
-    lse = torch.logsumexp(logits, dim=-1)
     valid = y != IGNORE_INDEX
     safe_y = torch.where(valid, y, torch.zeros_like(y))
     target = logits.gather(1, safe_y[:, None]).squeeze(1)
+    m = logits.amax(dim=-1, keepdim=True)
+    e = logits.sub_(m).exp_()
+    s = e.sum(dim=-1, keepdim=True)
+    lse = (m + s.log()).squeeze(1)
     loss = torch.where(valid, lse - target, torch.zeros_like(lse))
-    return logits, lse, loss, valid, safe_y
+    probs = e.div_(s) if want_probs else None
+    return probs, lse, loss, valid, safe_y
 
 
-def _dlogits(logits: torch.Tensor, lse: torch.Tensor, valid: torch.Tensor, safe_y: torch.Tensor,
-             scale: torch.Tensor) -> torch.Tensor:
-    """(softmax - onehot) * scale per row, zero for ignored rows; in place on `logits` (fp32)."""
-    p = logits.sub_(lse[:, None]).exp_()
-    p.scatter_add_(1, safe_y[:, None], torch.full_like(lse[:, None], -1.0))
-    return p.mul_((scale * valid)[:, None])
+def _dlogits(probs: torch.Tensor, valid: torch.Tensor, safe_y: torch.Tensor, scale: torch.Tensor,
+             out_dtype: torch.dtype) -> torch.Tensor:
+    """(softmax - onehot) * scale per row, zero for ignored rows, written in `out_dtype` (fp32 math)."""
+    probs.scatter_add_(1, safe_y[:, None], torch.full_like(probs[:, :1], -1.0))
+    row_scale = (scale * valid)[:, None]
+    if out_dtype == probs.dtype:
+        return probs.mul_(row_scale)
+    return torch.mul(probs, row_scale, out=torch.empty(probs.shape, dtype=out_dtype, device=probs.device))
+
+
+def _acc_weight_grad(acc: torch.Tensor, dl: torch.Tensor, h: torch.Tensor) -> None:
+    """acc (fp32) += dl^T @ h; a fused addmm when the chunk is fp32 already."""
+    if dl.dtype == acc.dtype and h.dtype == acc.dtype:
+        acc.addmm_(dl.t(), h)
+    else:
+        acc.add_(dl.t() @ h)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -73,15 +90,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
         lses = torch.empty(n, dtype=torch.float32, device=hidden.device) if need_grad and not grads_now else None
         for s in range(0, n, chunk_size):
             e = min(s + chunk_size, n)
-            logits, lse, loss, valid, safe_y = _chunk_stats(h_c[s:e], w_c, labels[s:e])
+            probs, lse, loss, valid, safe_y = _chunk_forward(h_c[s:e], w_c, labels[s:e], grads_now)
             losses[s:e] = loss
             if grads_now:
-                dl = _dlogits(logits, lse, valid, safe_y, unit).to(cdtype)
+                dl = _dlogits(probs, valid, safe_y, unit, cdtype)
                 d_hidden[s:e] = (dl @ w_c).to(hidden.dtype)
-                d_weight.add_((dl.t() @ h_c[s:e]).float())
+                _acc_weight_grad(d_weight, dl, h_c[s:e])
             elif lses is not None:
                 lses[s:e] = lse
-            del logits
+            del probs
         ctx.reduction, ctx.chunk_size, ctx.cdtype, ctx.grads_now = reduction, chunk_size, cdtype, grads_now
         ctx.weight_dtype = weight.dtype
         if grads_now:
@@ -113,10 +130,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
             y = labels[s:e]
             valid = y != IGNORE_INDEX
             safe_y = torch.where(valid, y, torch.zeros_like(y))
-            logits = (h_c[s:e] @ w_c.t()).float()
-            dl = _dlogits(logits, lses[s:e], valid, safe_y, g[s:e]).to(cdtype)
+            probs = (h_c[s:e] @ w_c.t()).float().sub_(lses[s:e, None]).exp_()
+            dl = _dlogits(probs, valid, safe_y, g[s:e], cdtype)
             d_hidden[s:e] = (dl @ w_c).to(hidden.dtype)
-            d_weight.add_((dl.t() @ h_c[s:e]).float())
+            _acc_weight_grad(d_weight, dl, h_c[s:e])
         return d_hidden, d_weight.to(ctx.weight_dtype), None, None, None, None, None
 
 
