@@ -23,7 +23,7 @@ import monitor_process as mp
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MONITOR = os.path.join(ROOT, "monitor_process.py")
 TRAIN = os.path.join(ROOT, "train_my_ddp.py")
-MAX_ITERS = 9
+MAX_ITERS = 6
 CKPT_INTERVAL = 3  # set by the tiny_pretrain_run_args fixture
 SEED = int(os.environ.get("MYLLM_MONITOR_TEST_SEED", "20261121"))
 MONITOR_FLAGS = ["--backoff_base=0.1", "--poll_interval=0.1", "--kill_grace=2", "--hang_timeout=120",
