@@ -200,7 +200,7 @@ def build_adamw(params: Iterable, lr: float, betas: tuple[float, float] = (0.9, 
 
 
 # ---------------------------------------------------------------------------------------- compile
-def compile_model(model: torch.nn.Module, per_layer: bool = True, **kwargs) -> torch.nn.Module:
+def compile_model(model: torch.nn.Module, per_layer: bool = False, **kwargs) -> torch.nn.Module:
     """torch.compile the model in place, so state_dict keys are unchanged (no `_orig_mod.` prefix).
 
     per_layer=True compiles each transformer block (one graph reused by all layers: fast to

@@ -73,7 +73,7 @@ def _acc_weight_grad(acc: torch.Tensor, dl: torch.Tensor, h: torch.Tensor) -> No
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                reduction: str, chunk_size: int, need_grad: bool, cdtype: torch.dtype):
+                reduction: str, chunk_size: int, need_grad: bool, cdtype: torch.dtype, need_w: bool):
         n = hidden.shape[0]
         h_c = hidden.to(cdtype)
         w_c = weight.to(cdtype)  # one cast of the weight, not one per chunk
@@ -82,7 +82,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grads_now = need_grad and reduction in ("mean", "sum")
         if grads_now:
             d_hidden = torch.empty(n, hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
-            d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+            # a frozen LM head (e.g. LoRA) skips a third of the head's matmuls
+            d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
             # "mean" divides by the target count here; backward multiplies by the upstream scalar
             unit = torch.ones((), dtype=torch.float32, device=hidden.device)
             if reduction == "mean":
@@ -95,14 +96,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if grads_now:
                 dl = _dlogits(probs, valid, safe_y, unit, cdtype)
                 d_hidden[s:e] = (dl @ w_c).to(hidden.dtype)
-                _acc_weight_grad(d_weight, dl, h_c[s:e])
+                if need_w:
+                    _acc_weight_grad(d_weight, dl, h_c[s:e])
             elif lses is not None:
                 lses[s:e] = lse
             del probs
         ctx.reduction, ctx.chunk_size, ctx.cdtype, ctx.grads_now = reduction, chunk_size, cdtype, grads_now
-        ctx.weight_dtype = weight.dtype
+        ctx.weight_dtype, ctx.need_w = weight.dtype, need_w
         if grads_now:
-            ctx.save_for_backward(d_hidden, d_weight)
+            ctx.save_for_backward(d_hidden, d_weight if need_w else None)
         elif need_grad:
             ctx.save_for_backward(hidden, weight, labels, lses)
         if reduction == "none":
@@ -116,14 +118,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, g: torch.Tensor):
         if ctx.grads_now:
             d_hidden, d_weight = ctx.saved_tensors
-            return ((d_hidden * g.to(d_hidden.dtype)),
-                    (d_weight * g).to(ctx.weight_dtype), None, None, None, None, None)
+            d_w = (d_weight * g).to(ctx.weight_dtype) if d_weight is not None else None
+            return d_hidden * g.to(d_hidden.dtype), d_w, None, None, None, None, None, None
         hidden, weight, labels, lses = ctx.saved_tensors
         cdtype, cs = ctx.cdtype, ctx.chunk_size
         h_c, w_c = hidden.to(cdtype), weight.to(cdtype)
         n = hidden.shape[0]
         d_hidden = torch.empty_like(hidden)
-        d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.need_w else None
         g = g.float()
         for s in range(0, n, cs):
             e = min(s + cs, n)
@@ -133,12 +135,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
             probs = (h_c[s:e] @ w_c.t()).float().sub_(lses[s:e, None]).exp_()
             dl = _dlogits(probs, valid, safe_y, g[s:e], cdtype)
             d_hidden[s:e] = (dl @ w_c).to(hidden.dtype)
-            _acc_weight_grad(d_weight, dl, h_c[s:e])
-        return d_hidden, d_weight.to(ctx.weight_dtype), None, None, None, None, None
+            if d_weight is not None:
+                _acc_weight_grad(d_weight, dl, h_c[s:e])
+        d_w = d_weight.to(ctx.weight_dtype) if d_weight is not None else None
+        return d_hidden, d_w, None, None, None, None, None, None
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                         reduction: str = "mean", chunk_size: int = 1024) -> torch.Tensor:
+                         reduction: str = "mean", chunk_size: int = 512) -> torch.Tensor:
     """Cross-entropy of `hidden @ weight.T` against `labels` without the full logits.
 
     hidden [..., D], weight [V, D], labels [...] (already shifted; IGNORE_INDEX = -100 skipped).
@@ -152,7 +156,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     y = labels.reshape(-1)
     need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     out = _LinearCrossEntropy.apply(h, weight, y, reduction, int(chunk_size), need_grad,
-                                    _compute_dtype(hidden))
+                                    _compute_dtype(hidden), bool(weight.requires_grad))
     return out.reshape(shape) if reduction == "none" else out
 
 

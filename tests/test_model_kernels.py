@@ -102,3 +102,16 @@ def test_adamw_fused_matches_reference():
         o2.step()
     for a, b in zip(p1, p2):
         assert torch.allclose(a, b, atol=1e-6)
+
+
+@pytest.mark.parametrize("reduction", ["sum", "none"])
+def test_chunked_ce_frozen_head_gives_only_hidden_grad(reduction):
+    torch.manual_seed(0)
+    h = torch.randn(10, 16, requires_grad=True)
+    w = torch.randn(30, 16)  # frozen, as under LoRA
+    y = torch.randint(0, 30, (10,))
+    linear_cross_entropy(h, w, y, reduction, 4).sum().backward()
+    ga = h.grad.clone()
+    h.grad = None
+    linear_cross_entropy_ref(h, w, y, reduction).sum().backward()
+    assert w.grad is None and torch.allclose(ga, h.grad, atol=1e-5)
