@@ -146,3 +146,39 @@ def test_bf16_autocast_loss_close_to_fp32():
     assert l16.dtype == torch.float32 and abs(l16.item() - l32.item()) < 2e-2
     l16.backward()
     assert all(p.grad.dtype == torch.float32 for p in m.parameters())
+
+
+def _fake_flash():
+    """Stand-ins with flash-attn's signatures and [B, T, H, D] / [N, H, D] layouts, built on SDPA."""
+    def expand(k, h):
+        return k.repeat_interleave(h // k.shape[-2], dim=-2)
+
+    def func(q, k, v, dropout_p=0.0, causal=True):
+        q, k, v = q.transpose(1, 2).float(), expand(k, q.shape[2]).transpose(1, 2).float(), expand(v, q.shape[2]).transpose(1, 2).float()
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal).transpose(1, 2)
+
+    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, causal=True):
+        outs = []
+        for s, e in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
+            outs.append(func(q[None, s:e], k[None, s:e], v[None, s:e], causal=causal)[0])
+        return torch.cat(outs)
+    return func, varlen
+
+
+def test_flash_attn_plumbing_with_stand_ins(monkeypatch):
+    import model.kernels as K
+    torch.manual_seed(0)
+    ref = Transformer(tiny(flash_attn=False)).eval()
+    fl = Transformer(tiny()).eval()
+    fl.load_state_dict(ref.state_dict())
+    calls = []
+    func, varlen = _fake_flash()
+    monkeypatch.setattr(K, "flash_attn_functions", lambda device: (
+        lambda *a, **k: calls.append("dense") or func(*a, **k),
+        lambda *a, **k: calls.append("varlen") or varlen(*a, **k)))
+    x = torch.randint(0, 128, (2, 16))
+    pos = torch.cat((torch.arange(5), torch.arange(11)))[None].expand(2, 16)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.allclose(fl(x).float(), ref(x).float(), atol=2e-2)
+        assert torch.allclose(fl(x, position_ids=pos).float(), ref(x, position_ids=pos).float(), atol=2e-2)
+    assert calls == ["dense"] * 2 + ["varlen"] * 2  # 2 layers each
