@@ -120,6 +120,8 @@ def check_resumed_run(out, reference: dict, monitor: subprocess.Popen, msg: str)
 
 @pytest.fixture(scope="module")
 def single_reference(tiny_pretrain_run_args, tmp_path_factory) -> dict:
+    # the kill steps and the steps-lost bound below assume the fixture's checkpoint interval
+    assert mp.flag_value(tiny_pretrain_run_args, "--checkpoint_interval") == str(CKPT_INTERVAL)
     out = tmp_path_factory.mktemp("ref_single")
     run_cmd(single(tiny_pretrain_run_args, out))
     return losses(out)
