@@ -151,6 +151,7 @@ def test_sigkill_during_checkpoint_save_resumes_from_previous(tiny_pretrain_run_
 
 
 def test_sigkill_the_ranks_under_torchrun(tiny_pretrain_run_args, tmp_path):
+    assert mp.flag_value(tiny_pretrain_run_args, "--checkpoint_interval") == str(CKPT_INTERVAL)
     rng = random.Random(SEED + 1)
     step = rng.randrange(2, MAX_ITERS)
     msg = f"seed={SEED + 1} step={step}"
