@@ -31,6 +31,7 @@ from optimizer import OptimizerConfig, build_optimizer  # noqa: E402
 from parallel import DDPConfig, DistributedDataParallel, PowerSGDState, powersgd_hook  # noqa: E402
 
 TORCH_BUCKET_MB = 25
+QUALITY_VARIANTS = ["torch_ddp_powersgd_r4", "allreduce", "powersgd_r4"]
 BUCKET_ELEMS = TORCH_BUCKET_MB * 2**20 // 4  # the same 25 MiB buckets as torch DDP (fp32)
 
 
@@ -49,31 +50,68 @@ def _time_steps(step_fn, steps: int) -> list[float]:
     return times
 
 
-def perf_part(rank: int, ws: int, a) -> dict:
-    g = torch.Generator().manual_seed(rank)
-    ids = torch.randint(0, 32000, (a.batch, a.seq), generator=g)
-    out = {}
-
-    # ---- reference: torch DDP + torch AdamW (foreach) + clip_grad_norm_
-    m = big_model(a.seq)
+def _torch_setup(seq: int, ids: torch.Tensor):
+    m = big_model(seq)
     tddp = torch.nn.parallel.DistributedDataParallel(m, bucket_cap_mb=TORCH_BUCKET_MB)
     topt = torch.optim.AdamW(m.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
 
-    def torch_step():
+    def step():
         topt.zero_grad(set_to_none=True)
         tddp(ids, labels=ids).backward()
         torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
         topt.step()
 
-    torch_step()  # warm-up (allocates Adam state)
-    t = _time_steps(torch_step, a.steps)
-    nbytes = sum(p.numel() * p.element_size() for p in m.parameters())
-    state = sum(v.numel() * v.element_size() for s in topt.state.values() for k, v in s.items() if k != "step")
-    out["torch_ddp"] = {"time": statistics.median(t), "bytes": nbytes, "state_bytes": state}
-    del tddp, topt, m
+    def stats() -> dict:
+        state = sum(v.numel() * v.element_size() for s in topt.state.values() for k, v in s.items()
+                    if k != "step")
+        return {"bytes": sum(p.numel() * p.element_size() for p in m.parameters()), "grad_bytes": 0,
+                "gather_bytes": 0, "state_bytes": state}
+
+    return step, stats
+
+
+def _our_setup(seq: int, ids: torch.Tensor, dcfg: DDPConfig, ocfg: OptimizerConfig, psgd):
+    m = big_model(seq)
+    ddp = DistributedDataParallel(m, dcfg)
+    if psgd is not None:
+        ddp.register_comm_hook(psgd, powersgd_hook)
+    opt = build_optimizer(ddp, ocfg)
+    gather_start = [0]
+
+    def step():
+        gather_start[0] = getattr(opt, "param_gather_bytes", 0)
+        opt.zero_grad()
+        opt.scale_loss(ddp(ids, labels=ids)).backward()
+        opt.step()
+
+    def stats() -> dict:
+        opt.finish_param_sync()
+        gather = getattr(opt, "param_gather_bytes", 0) - gather_start[0]
+        return {"bytes": ddp.last_step_comm_bytes + gather, "grad_bytes": ddp.last_step_comm_bytes,
+                "gather_bytes": gather, "state_bytes": opt.state_bytes()}
+
+    return step, stats
+
+
+def perf_part(rank: int, ws: int, a) -> dict:
+    g = torch.Generator().manual_seed(rank)
+    ids = torch.randint(0, 32000, (a.batch, a.seq), generator=g)
+    out = {}
+    # Head to head, interleaved step by step so drift of the shared machine hits both equally.
+    pair = {"torch_ddp": _torch_setup(a.seq, ids),
+            "ours_allreduce": _our_setup(a.seq, ids, DDPConfig(bucket_size=BUCKET_ELEMS),
+                                         OptimizerConfig(lr=1e-4), None)}
+    times: dict[str, list[float]] = {k: [] for k in pair}
+    for step, _ in pair.values():
+        step()  # warm-up (allocates Adam state)
+    for _ in range(a.steps):
+        for name, (step, _) in pair.items():
+            times[name] += _time_steps(step, 1)
+    for name, (_, stats) in pair.items():
+        out[name] = {"time": statistics.median(times[name]), **stats()}
+    del pair
 
     configs = {
-        "ours_allreduce": (DDPConfig(bucket_size=BUCKET_ELEMS), OptimizerConfig(lr=1e-4), None),
         "ours_zero1": (DDPConfig(bucket_size=BUCKET_ELEMS, use_distributed_optimizer=True),
                        OptimizerConfig(lr=1e-4, use_distributed_optimizer=True), None),
         "ours_zero2_overlap_gather": (DDPConfig(bucket_size=BUCKET_ELEMS, use_distributed_optimizer=True),
@@ -84,26 +122,11 @@ def perf_part(rank: int, ws: int, a) -> dict:
         configs[f"ours_powersgd_r{r}"] = (DDPConfig(bucket_size=BUCKET_ELEMS), OptimizerConfig(lr=1e-4),
                                           PowerSGDState(matrix_approximation_rank=r, start_powerSGD_iter=1))
     for name, (dcfg, ocfg, psgd) in configs.items():
-        m = big_model(a.seq)
-        ddp = DistributedDataParallel(m, dcfg)
-        if psgd is not None:
-            ddp.register_comm_hook(psgd, powersgd_hook)
-        opt = build_optimizer(ddp, ocfg)
-
-        def our_step():
-            opt.zero_grad()
-            opt.scale_loss(ddp(ids, labels=ids)).backward()
-            opt.step()
-
-        our_step()  # warm-up (and PowerSGD's uncompressed iteration 0)
-        gather0 = getattr(opt, "param_gather_bytes", 0)
-        t = _time_steps(our_step, a.steps)
-        opt.finish_param_sync()
-        gather = (getattr(opt, "param_gather_bytes", 0) - gather0) // a.steps
-        out[name] = {"time": statistics.median(t), "bytes": ddp.last_step_comm_bytes + gather,
-                     "grad_bytes": ddp.last_step_comm_bytes, "gather_bytes": gather,
-                     "state_bytes": opt.state_bytes()}
-        del ddp, opt, m
+        step, stats = _our_setup(a.seq, ids, dcfg, ocfg, psgd)
+        step()  # warm-up (and PowerSGD's uncompressed iteration 0)
+        t = _time_steps(step, a.steps)
+        out[name] = {"time": statistics.median(t), **stats()}
+        del step, stats
     return out
 
 
@@ -117,31 +140,57 @@ def _byte_corpus(n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quality_part(rank: int, ws: int, a) -> dict:
-    """Byte-level LM on the bundled corpus: all-reduce vs PowerSGD rank 4 (same data order)."""
-    seq, batch = 128, 4
+    """Byte-level LM on the bundled corpus, same data order and init for every variant:
+    our all-reduce, our PowerSGD rank 4, and torch DDP's own PowerSGD hook (reference)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_psgd
+    seq, batch, rank4_start = 128, 4, 10
     train, val = _byte_corpus(400_000)
+    n = (len(val) - 1) // seq * seq
+    vx, vy = val[:n].view(-1, seq)[:64], val[1:n + 1].view(-1, seq)[:64]
     out = {}
-    for name, psgd in (("allreduce", None), ("powersgd_r4", PowerSGDState(matrix_approximation_rank=4,
-                                                                          start_powerSGD_iter=10))):
+    for name in QUALITY_VARIANTS:
+        dist.barrier()
         torch.manual_seed(0)
         m = Transformer(ModelConfig(vocab_size=256, dim=128, n_layers=2, n_heads=4, max_seq_len=seq))
-        ddp = DistributedDataParallel(m, DDPConfig())
-        if psgd is not None:
-            ddp.register_comm_hook(psgd, powersgd_hook)
-        opt = build_optimizer(ddp, OptimizerConfig(lr=3e-3, weight_decay=0.0))
+        if name.startswith("torch"):
+            # One bucket (an explicit cap also sets the first-bucket cap): torch's PowerSGD issues
+            # its P/Q all-reduces from future callbacks, which race with the next bucket's
+            # collectives on gloo (collective mismatch). Ours issues everything in bucket order.
+            net = torch.nn.parallel.DistributedDataParallel(m, bucket_cap_mb=100)
+            net.register_comm_hook(torch_psgd.PowerSGDState(
+                process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=rank4_start,
+                min_compression_rate=2.0), torch_psgd.powerSGD_hook)
+            topt = torch.optim.AdamW(m.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.0)
+
+            def step(x, y):
+                topt.zero_grad(set_to_none=True)
+                loss = net(x, labels=y)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+                topt.step()
+                return loss
+        else:
+            net = DistributedDataParallel(m, DDPConfig())
+            if name == "powersgd_r4":
+                net.register_comm_hook(PowerSGDState(matrix_approximation_rank=4,
+                                                     start_powerSGD_iter=rank4_start), powersgd_hook)
+            opt = build_optimizer(net, OptimizerConfig(lr=3e-3, weight_decay=0.0))
+
+            def step(x, y):
+                opt.zero_grad()
+                loss = net(x, labels=y)
+                opt.scale_loss(loss).backward()
+                opt.step()
+                return loss
         g = torch.Generator().manual_seed(1)
         losses = []
         for _ in range(a.quality_steps):
             starts = torch.randint(0, len(train) - seq - 1, (ws * batch,), generator=g)[rank * batch:(rank + 1) * batch]
             x = torch.stack([train[s:s + seq] for s in starts])
-            opt.zero_grad()
-            loss = ddp(x, labels=x)  # the model shifts labels internally
-            opt.scale_loss(loss).backward()
-            opt.step()
-            losses.append(float(loss.detach()))
+            y = torch.stack([train[s + 1:s + seq + 1] for s in starts])  # labels are pre-shifted
+            losses.append(float(step(x, y).detach()))
         with torch.no_grad():
-            vx = val[: (len(val) // seq) * seq].view(-1, seq)[:64]
-            vloss = float(ddp(vx, labels=vx))
+            vloss = float(m(vx, labels=vy))
         out[name] = {"train_last10": statistics.mean(losses[-10:]), "val": vloss}
     return out
 
@@ -161,7 +210,7 @@ def _worker(rank: int, ws: int, port: int, a, result_path: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=3, help="timed steps per configuration (after 1 warm-up)")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per configuration (after 1 warm-up)")
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--batch", type=int, default=1, help="sequences per rank per step")
     ap.add_argument("--powersgd-ranks", type=int, nargs="*", default=[1, 4, 8])
@@ -196,8 +245,9 @@ def main() -> None:
     if "quality" in res:
         q = res["quality"]
         for name, r in q.items():
-            print(f"quality {name:14s} train loss (last 10) {r['train_last10']:.4f}  val loss {r['val']:.4f}")
-        print(f"PowerSGD r4 - all-reduce: val loss {q['powersgd_r4']['val'] - q['allreduce']['val']:+.4f}")
+            print(f"quality {name:22s} train loss (last 10) {r['train_last10']:.4f}  val loss {r['val']:.4f}")
+        print(f"ours PowerSGD r4 - all-reduce: val loss {q['powersgd_r4']['val'] - q['allreduce']['val']:+.4f}; "
+              f"torch's PowerSGD r4 - all-reduce: {q['torch_ddp_powersgd_r4']['val'] - q['allreduce']['val']:+.4f}")
     print(f"total {time.time() - t0:.0f} s")
 
 

@@ -20,7 +20,6 @@ import torch
 
 from optimizer.grad_scaler import ConstantScaler, DynamicGradScaler
 from optimizer.optimizer_config import OptimizerConfig
-from parallel import comm
 
 STATE_FORMAT = 1
 
@@ -140,12 +139,16 @@ class MixedPrecisionOptimizer:
         self.ddp.finish_grad_sync()
         self._load_grads(self.pieces)
         self._after_grads_loaded()
-        found_inf = self._unscale_and_check(self.pieces)
+        if isinstance(self.scaler, DynamicGradScaler):
+            torch._foreach_mul_([pc.main.grad for pc in self.pieces], 1.0 / self.scaler.scale)
+        # One pass over the grads gives both the global norm and the inf/nan check: the global
+        # sum of squares is non-finite iff some rank's shard holds an inf/nan (or overflows fp32).
+        norm = self._global_norm(self.pieces)
+        found_inf = not math.isfinite(norm)
         self.scaler.update(found_inf)
         if found_inf:
             self._drop_grads()
             return False, float("inf")
-        norm = self._global_norm(self.pieces)
         if self.config.grad_clip > 0:
             coef = min(1.0, self.config.grad_clip / (norm + 1e-6))
             if coef < 1.0:
@@ -210,16 +213,6 @@ class MixedPrecisionOptimizer:
     def finish_param_sync(self) -> None:
         """Wait for any in-flight parameter all-gather (no-op when unsharded)."""
 
-    def _unscale_and_check(self, pieces: list[Piece]) -> bool:
-        grads = [pc.main.grad for pc in pieces]
-        flag = torch.zeros(1, dtype=torch.float32, device=self._device())
-        if grads:
-            if isinstance(self.scaler, DynamicGradScaler):
-                torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
-            flag += (~torch.isfinite(torch.stack(torch._foreach_norm(grads, 2)))).any().float()
-        comm.all_reduce_max_flag(flag, self.group, self.world_size)
-        return bool(flag.item() > 0)
-
     def _local_sumsq(self, pieces: list[Piece]) -> torch.Tensor:
         grads = [pc.main.grad for pc in pieces]
         if not grads:
@@ -227,7 +220,8 @@ class MixedPrecisionOptimizer:
         return torch.stack([n * n for n in torch._foreach_norm(grads, 2)]).sum()
 
     def _reduce_sumsq(self, sumsq: torch.Tensor) -> float:
-        """Unsharded: every rank holds the full reduced gradient, so the local sum IS global."""
+        """Unsharded: every rank holds the same fully reduced gradient, so the local sum IS the
+        global one (and a non-finite value is seen by every rank): no collective needed."""
         return float(sumsq.item())
 
     def _global_norm(self, pieces: list[Piece]) -> float:

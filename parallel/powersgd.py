@@ -8,7 +8,8 @@ identical decisions on every rank (shapes, ranks and random Q come only from sha
 Per parameter of a bucket (gradients arrive divided by world size, so SUM == mean):
   ndim >= 2 and n*m / (r*(n+m)) >= min_compression_rate  ->  compressed:
       M = grad + error;  P = M Q;  allreduce(P);  P = orth(P);  Q = M^T P;  allreduce(Q)
-      approx = P Q^T;  error = M - approx;  grad = approx
+      approx = P Q^T;  error = M - approx / world_size;  grad = approx
+  (M is this rank's share of the sum; the ranks' errors add up to the residual sum - approx)
   otherwise (biases, norms, tiny or skinny matrices)  ->  plain all-reduce.
 Before `start_powerSGD_iter` every bucket is plainly all-reduced (compression early in training
 hurts; Vogels et al. and torch both warm up this way). All maths is in fp32.
@@ -117,13 +118,15 @@ def powersgd_hook(state: PowerSGDState, bucket: "GradBucket") -> comm.CommHandle
 
     ms, qs = [], []
     for key, view, n, m, r in mats:
+        # fp32 buffers are used in place as M (no 'M = grad + error' copy of big matrices).
         mat = view.view(n, m).float()
-        if state.use_error_feedback:
-            err = state.error.get(key)
-            mat = mat + err if err is not None else mat.clone()
+        if state.use_error_feedback and key in state.error:
+            mat.add_(state.error[key])
         q = state.q.get(key) if state.warm_start else None
-        if q is None:
-            q = _init_q(state, key, m, r, dev)
+        q = _init_q(state, key, m, r, dev) if q is None else q.clone()
+        # Orthogonalise Q too (as torch does): a reused Q = M^T P drifts towards the top singular
+        # vector in every column, and P = M Q would then lose rank numerically for r > 1.
+        _orthogonalize(q, state.orthogonalization_epsilon)
         ms.append(mat)
         qs.append(q)
     p_flat = torch.cat([(mat @ q).reshape(-1) for mat, q in zip(ms, qs)]) if mats else None
@@ -155,9 +158,16 @@ def powersgd_hook(state: PowerSGDState, bucket: "GradBucket") -> comm.CommHandle
                 off += m * r
                 approx = p @ q.t()
                 if state.use_error_feedback:
-                    state.error[key] = mat - approx
+                    # mat is this rank's share of the SUM (grads were divided by world size),
+                    # approx approximates the whole sum: this rank's share of it is approx/ws,
+                    # so the errors of all ranks add up to (sum - approx), the true residual.
+                    err = state.error.get(key)
+                    if err is None:
+                        state.error[key] = mat - approx / ws
+                    else:
+                        torch.sub(mat, approx, alpha=1.0 / ws, out=err)
                 if state.warm_start:
-                    state.q[key] = q.clone()
+                    state.q[key] = q.clone()  # the all-reduced Q, re-orthogonalised at next use
                 view.copy_(approx.view(-1))
         for w in works[:1] if flat_plain is not None else []:
             if w is not None:
