@@ -48,9 +48,10 @@ class TrainConfig:
     out_dir: str = _f("out/run", "run directory: metrics.jsonl, checkpoints/, config.json")
     task_type: str = _f("pretrain", "pretrain | sft | dpo")
     data_dir: str = _f("", "pretrain: directory of token shards + index_L<L>/; sft/dpo: a .jsonl file or a directory of them")
-    data_mix: str = _f("", 'pretrain: JSON {"data_dir": weight, ...} mixing several shard directories')
+    data_mix: str = _f("", 'pretrain: JSON {"name": weight} (shard dirs under --data_dir) or {"name": {"path": dir, "weight": w}}')
     tokenizer_dir: str = _f("", "tokenizer directory (tokenizer_meta.json gives the vocab size and special ids)")
     val_ratio: float = _f(0.05, "sft/dpo: fraction of records held out for validation")
+    sft_packing: bool = _f(False, "sft: pack several samples per row (attention restricted to each sample)")
     init_from: str = _f("scratch", "scratch | resume | <our run or checkpoint dir> | <Hugging Face model dir>")
     ref_model: str = _f("", "dpo: weights of the frozen reference model (default: the initial weights)")
     # ---- model (ignored when initialising from a checkpoint, whose model_config.json wins)
@@ -163,13 +164,11 @@ def build_data(cfg: TrainConfig, info: DistInfo, tok_meta: dict):
 
     if cfg.task_type == "pretrain":
         from dataset import PretokDatasetWithIndex
-        if cfg.data_mix:
-            from dataset.mixture import MixtureDataset
-            weights = json.loads(cfg.data_mix)
-            train = MixtureDataset({d: PretokDatasetWithIndex(d, cfg.max_seq_len, split="train") for d in weights},
-                                   weights=weights, seed=cfg.seed)
-            val_dirs = list(weights)
-            val = PretokDatasetWithIndex(val_dirs[0], cfg.max_seq_len, split="val")
+        if cfg.data_mix:  # several corpora, sampled by weight; validation mixes their val splits alike
+            from dataset.mixture import build_pretrain_mixture
+            root = cfg.data_dir or None
+            train = build_pretrain_mixture(cfg.data_mix, cfg.max_seq_len, "train", seed=cfg.seed, data_root=root)
+            val = build_pretrain_mixture(cfg.data_mix, cfg.max_seq_len, "val", seed=cfg.seed, data_root=root)
         else:
             train = PretokDatasetWithIndex(cfg.data_dir, cfg.max_seq_len, split="train")
             val = PretokDatasetWithIndex(cfg.data_dir, cfg.max_seq_len, split="val")
@@ -177,7 +176,7 @@ def build_data(cfg: TrainConfig, info: DistInfo, tok_meta: dict):
     elif cfg.task_type == "sft":
         from dataset.dataset_sft import build_sft_splits
         train, val, collate = build_sft_splits(cfg.data_dir, cfg.tokenizer_dir, cfg.max_seq_len,
-                                               val_ratio=cfg.val_ratio, seed=cfg.seed)
+                                               val_ratio=cfg.val_ratio, seed=cfg.seed, pack=cfg.sft_packing)
     elif cfg.task_type == "dpo":
         from dataset.dataset_dpo import build_dpo_splits
         train, val, collate = build_dpo_splits(cfg.data_dir, cfg.tokenizer_dir, cfg.max_seq_len,
@@ -238,6 +237,51 @@ def new_model_config(cfg: TrainConfig, tok_meta: dict):
                        attn_dropout=cfg.dropout, resid_dropout=cfg.dropout, tie_embeddings=cfg.tie_embeddings,
                        gradient_checkpointing=cfg.gradient_checkpointing, fused_rmsnorm=fused,
                        fused_rope=fused, fused_swiglu=fused, fused_qkv=fused, fused_cross_entropy=fused)
+
+
+# ---------------------------------------------------------------------------- parallel engine
+
+def build_engine(model, cfg: TrainConfig):
+    """Our DDP wrapper (+ comm hook) and the optimizer: the same objects for world size 1 and N."""
+    from optimizer import OptimizerConfig, build_optimizer
+    from parallel import (DDPConfig, DistributedDataParallel, PowerSGDState, allreduce_hook,
+                          bf16_compress_wrapper, fp16_compress_wrapper, powersgd_hook, reduce_scatter_hook)
+    zero = cfg.use_distributed_optimizer
+    ddp = DistributedDataParallel(model, DDPConfig(bucket_size=cfg.bucket_size,
+                                                   overlap_grad_reduce=cfg.overlap_grad_reduce,
+                                                   grad_reduce_in_fp32=cfg.grad_reduce_in_fp32,
+                                                   use_distributed_optimizer=zero))
+    ddp.broadcast_params()
+    if cfg.comm_hook == "powersgd":
+        if zero:
+            raise TrainingError("--comm_hook=powersgd needs the all-reduce path; it cannot be combined with "
+                                "--use_distributed_optimizer (which reduce-scatters)", EXIT_BAD_CONFIG)
+        ddp.register_comm_hook(PowerSGDState(matrix_approximation_rank=cfg.powersgd_rank,
+                                             start_powerSGD_iter=cfg.powersgd_start_iter,
+                                             min_compression_rate=cfg.powersgd_min_compression_rate,
+                                             warm_start=cfg.powersgd_warm_start, seed=cfg.seed), powersgd_hook)
+    elif cfg.comm_hook in ("fp16", "bf16"):
+        wrap = fp16_compress_wrapper if cfg.comm_hook == "fp16" else bf16_compress_wrapper
+        ddp.register_comm_hook(None, wrap(reduce_scatter_hook if zero else allreduce_hook))
+    elif cfg.comm_hook == "reduce_scatter" and not zero:
+        ddp.register_comm_hook(None, reduce_scatter_hook)
+    opt = build_optimizer(ddp, OptimizerConfig(
+        lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay,
+        grad_clip=cfg.grad_clip, precision=cfg.dtype, use_distributed_optimizer=zero, zero_stage=cfg.zero_stage,
+        overlap_param_gather=cfg.overlap_param_gather, overlap_optim_step=cfg.overlap_optim_step,
+        fused=cfg.device != "cpu"))
+    return ddp, opt
+
+
+def load_optimizer_state(opt, resume_dir: str, cfg: TrainConfig, info: DistInfo, saved_world: int) -> None:
+    """Sharded (ZeRO): this rank's file, or every rank's files to re-shard at a new world size."""
+    if cfg.use_distributed_optimizer:
+        if saved_world == info.world_size:
+            opt.load_state_dict(ckpt.load_rank_file(resume_dir, "optimizer", info.rank))
+        else:
+            opt.load_state_dict([ckpt.load_rank_file(resume_dir, "optimizer", r) for r in range(saved_world)])
+    else:
+        opt.load_state_dict(ckpt.load_rank_file(resume_dir, "optimizer", 0))
 
 
 # ---------------------------------------------------------------------------- one micro-batch
@@ -377,16 +421,18 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
         model, init_info = load_weights_from(cfg.init_from, log)
     else:
         model = Transformer(new_model_config(cfg, tok_meta))
-    mcfg = model.config
+    mcfg = model.cfg
     if mcfg.vocab_size < int(tok_meta["vocab_size"]):
         raise TrainingError(f"model vocab {mcfg.vocab_size} < tokenizer vocab {tok_meta['vocab_size']}", EXIT_BAD_CONFIG)
 
     if cfg.lora_rank > 0:
-        from model.lora import LoraConfig, apply_lora
-        lcfg = LoraConfig(r=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
-                          target_modules=cfg.lora_targets, train_embeddings=cfg.lora_train_embeddings)
-        counts = apply_lora(model, lcfg)
-        log(f"[lora] {counts}")
+        from model.lora import apply_lora, trainable_parameters
+        apply_lora(model, r=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
+                   target_modules=cfg.lora_targets, train_embeddings=cfg.lora_train_embeddings,
+                   train_lm_head=cfg.lora_train_embeddings)
+        c = trainable_parameters(model)
+        log(f"[lora] rank {cfg.lora_rank} on {cfg.lora_targets}: {c['trainable']:,} trainable of "
+            f"{c['total']:,} parameters ({c['percent']:.2f}%)")
 
     ref_model = None
     if cfg.task_type == "dpo":
@@ -404,8 +450,7 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
     log(f"[model] {n_params / 1e6:.2f}M parameters ({n_train / 1e6:.2f}M trainable), {mcfg.n_layers} layers, "
         f"dim {mcfg.dim}, vocab {mcfg.vocab_size}, dtype {cfg.dtype}, device {info.device}, world {info.world_size}")
 
-    from parallel import build_ddp_and_optimizer
-    ddp_model, optimizer = build_ddp_and_optimizer(model, cfg, info)
+    ddp_model, optimizer = build_engine(model, cfg)
     forward_model = torch.compile(ddp_model) if cfg.compile else ddp_model
 
     try:
@@ -418,7 +463,7 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
     rng_to_restore = None
     if resume_dir is not None:
         model.load_state_dict(ckpt.load_model_state(resume_dir))
-        optimizer.load_checkpoint(resume_dir, info.rank, info.world_size, saved_state["world_size"])
+        load_optimizer_state(optimizer, resume_dir, cfg, info, int(saved_state["world_size"]))
         extra = ckpt.load_rank_file(resume_dir, "extra", info.rank)
         if extra is not None and extra.get("comm_hook"):
             ddp_model.load_comm_hook_state_dict(extra["comm_hook"])
@@ -446,13 +491,16 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
         state = {"data_cursor": train_loader.state_dict(), "best_val_loss": None if best_val == float("inf") else best_val,
                  "val_loss": val_loss, "tokens_seen": tokens_seen, "init_info": init_info,
                  "lr": lr_at(max(0, step - 1), **lr_kw), "task_type": cfg.task_type}
+        optimizer.finish_param_sync()  # ZeRO + overlapped gather: parameters complete before reading them
+        sharded = cfg.use_distributed_optimizer
         extra_state = {"rng": ckpt.capture_rng_state(info.device)}
         hook_state = ddp_model.comm_hook_state_dict()
         if hook_state:
             extra_state["comm_hook"] = hook_state
         req = ckpt.SaveRequest(step=step, rank=info.rank, world_size=info.world_size,
                                model_state=model.state_dict() if info.is_main else None,
-                               model_config=mcfg.to_dict(), optimizer_state=optimizer.checkpoint_state(info.rank),
+                               model_config=mcfg.to_dict(),
+                               optimizer_state=optimizer.state_dict() if sharded or info.is_main else None,
                                extra_state=extra_state, trainer_state=state, run_config=dataclasses.asdict(cfg))
         fault = (lambda: os.kill(os.getpid(), signal.SIGKILL)) if _fault("kill_in_save", step) else None
         path = ckpt.save_checkpoint(cfg.out_dir, req, barrier=barrier, keep_last=cfg.keep_last, fault_hook=fault)
@@ -496,8 +544,7 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
             loss_acc += torch.tensor([float(loss_sum.detach()), stats.get("chosen_reward", 0.0),
                                       stats.get("rejected_reward", 0.0), stats.get("reward_acc", 0.0)],
                                      dtype=torch.float64)
-        ddp_model.finish_grad_sync()
-        stepped, grad_norm = optimizer.step()
+        stepped, grad_norm = optimizer.step()  # waits for the gradient reductions, clips, steps
         tot = all_reduce_sum(loss_acc, info.device)
         loss = float(tot[0]) / global_units
         if not math.isfinite(loss) and cfg.dtype != "fp16":
@@ -546,7 +593,9 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
             return EXIT_INTERRUPTED
     if pbar is not None:
         pbar.close()
+    optimizer.finish_param_sync()
     synchronize(info.device)
+    barrier()  # let the last asynchronous collectives drain before the process group goes away
     metrics.close()
     log(f"[train] done: {iter_num} steps, final val_loss {last_val if last_val is not None else float('nan'):.4f}, "
         f"best {best_val:.4f}")
