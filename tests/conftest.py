@@ -62,6 +62,6 @@ def tiny_pretrain_run_args(tiny_pretrain_data) -> list[str]:
     d = tiny_pretrain_data
     return [f"--data_dir={d['data_dir']}", f"--tokenizer_dir={d['tokenizer_dir']}",
             f"--max_seq_len={d['max_seq_len']}", "--dim=32", "--n_layers=2", "--n_heads=4", "--multiple_of=16",
-            "--batch_size=4", "--learning_rate=3e-3", "--warmup_iters=2", "--eval_interval=0",
+            "--batch_size=4", "--learning_rate=1e-2", "--warmup_iters=2", "--eval_interval=0",
             "--eval_iters=2", "--log_interval=1", "--checkpoint_interval=3", "--progress=false",
             "--peak_flops=1e11", "--device=cpu", "--seed=7"]
