@@ -222,7 +222,15 @@ def load_weights_from(path: str, log) -> tuple[Any, dict]:
         raise TrainingError(f"--init_from={path}: no complete checkpoint or HF model there", EXIT_BAD_CONFIG)
     mcfg = ModelConfig.from_dict(ckpt.read_json(os.path.join(found, "model_config.json")))
     model = Transformer(mcfg)
-    model.load_state_dict(ckpt.load_model_state(found))
+    run_cfg = ckpt.read_json(os.path.join(found, "config.json"))
+    if run_cfg.get("lora_rank", 0) > 0:  # adapters were trained: rebuild them, load, fold into the weights
+        from model.lora import apply_lora, merge_lora
+        apply_lora(model, r=run_cfg["lora_rank"], alpha=run_cfg["lora_alpha"], dropout=0.0,
+                   target_modules=run_cfg["lora_targets"])
+        model.load_state_dict(ckpt.load_model_state(found))
+        merge_lora(model)
+    else:
+        model.load_state_dict(ckpt.load_model_state(found))
     log(f"[init] loaded weights from {found}")
     return model, {"source": found, "kind": "ours"}
 

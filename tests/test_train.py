@@ -185,3 +185,35 @@ def test_bad_configuration_exits_2(tiny_pretrain_run_args, tmp_path):
         proc = subprocess.run(train_cmd([*tiny_pretrain_run_args, f"--out_dir={tmp_path / 'bad'}", *bad]),
                               cwd=ROOT, capture_output=True, text=True, env=_env())
         assert proc.returncode == EXIT_BAD_CONFIG, (bad, proc.stderr[-1500:])
+
+
+def test_lora_run_exports_to_hf_and_peft(pretrained, tiny_pretrain_data, tmp_path):
+    """Continue pretraining with LoRA (+ embeddings/LM head), then export merged and as PEFT adapters:
+    transformers and peft reproduce our logits."""
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    import train_my_ddp as T
+    out = tmp_path / "lora"
+    run_cmd(train_cmd([*pretrained["args"], f"--out_dir={out}", f"--init_from={pretrained['out']}", "--max_iters=3",
+                       "--lora_rank=4", "--lora_targets=all", "--lora_train_embeddings=true"]), env=_env())
+    log = run_cmd(train_cmd([*pretrained["args"], f"--out_dir={tmp_path / 'lora2'}", f"--init_from={pretrained['out']}",
+                             "--max_iters=1", "--lora_rank=4"]), env=_env()).stdout
+    assert "[lora] rank 4 on q_proj,v_proj:" in log and "trainable of" in log
+    ours, _ = T.load_weights_from(str(out), log=lambda m: None)  # adapters merged on load
+    ours.eval()
+    x = torch.randint(0, 300, (2, 16))
+    with torch.no_grad():
+        want = ours(x)
+    run_cmd([sys.executable, "export_hf.py", f"--ckpt={out}", f"--output_dir={tmp_path / 'hf_merged'}"])
+    hf = LlamaForCausalLM.from_pretrained(str(tmp_path / "hf_merged")).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, want, rtol=1e-4, atol=1e-4)
+    run_cmd([sys.executable, "export_hf.py", f"--ckpt={out}", f"--output_dir={tmp_path / 'hf_base'}",
+             f"--adapters_output_dir={tmp_path / 'adapters'}"])
+    base = LlamaForCausalLM.from_pretrained(str(tmp_path / "hf_base")).eval()
+    with torch.no_grad():
+        base_logits = base(x).logits
+        peft_logits = PeftModel.from_pretrained(base, str(tmp_path / "adapters")).eval()(x).logits
+    torch.testing.assert_close(peft_logits, want, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(base_logits, want, atol=1e-3)  # the adapters really changed the model
