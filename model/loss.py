@@ -34,12 +34,56 @@ def _compute_dtype(t: torch.Tensor) -> torch.dtype:
     return t.dtype
 
 
-def _chunk_forward(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, want_probs: bool):
-    """One chunk: per-token loss (0 where ignored), logsumexp, and optionally softmax in place.
+class _Workspace:
+    """Buffers reused by every chunk of one call.
+
+    Why: on CPU a fresh multi-MB tensor costs page faults (a new [c, V] fp32 tensor per chunk measured
+    several times slower than copying into an existing one), so logits, their low-precision twin and the
+    weight-gradient staging buffers are allocated once per call, not once per chunk.
+    """
+
+    def __init__(self, c: int, vocab: int, dim: int, cdtype: torch.dtype, device, need_w: bool):
+        f32 = torch.float32
+        self.low_precision = cdtype != f32
+        self.logits = torch.empty(c, vocab, dtype=f32, device=device)
+        self.low = torch.empty(c, vocab, dtype=cdtype, device=device) if self.low_precision else None
+        self.w_low = torch.empty(vocab, dim, dtype=cdtype, device=device) if need_w and self.low_precision else None
+        self.w_f32 = torch.empty(vocab, dim, dtype=f32, device=device) if need_w and self.low_precision else None
+
+    def logits_fp32(self, h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """fp32 logits h @ w.T of one chunk (matmul in the compute dtype)."""
+        out = self.logits[: h.shape[0]]
+        if self.low_precision:
+            low = self.low[: h.shape[0]]
+            torch.mm(h, w.t(), out=low)
+            return out.copy_(low)
+        return torch.mm(h, w.t(), out=out)
+
+    def to_compute(self, dl: torch.Tensor) -> torch.Tensor:
+        if not self.low_precision:
+            return dl
+        return self.low[: dl.shape[0]].copy_(dl)
+
+    def acc_weight_grad(self, acc: torch.Tensor, dl: torch.Tensor, h: torch.Tensor, first: bool) -> None:
+        """acc (fp32) (+)= dl^T @ h."""
+        if not self.low_precision:
+            if first:
+                torch.mm(dl.t(), h, out=acc)
+            else:
+                acc.addmm_(dl.t(), h)
+            return
+        torch.mm(dl.t(), h, out=self.w_low)
+        if first:
+            acc.copy_(self.w_low)
+        else:
+            acc.add_(self.w_f32.copy_(self.w_low))  # a same-dtype add is ~10x faster than a mixed one
+
+
+def _softmax_stats(logits: torch.Tensor, y: torch.Tensor, want_probs: bool):
+    """Per-token loss (0 where ignored) and logsumexp of one chunk; softmax in place if wanted.
 
     One exp pass over the chunk's [c, V] logits serves both the logsumexp and the softmax.
     """
-    logits = (h @ w.t()).float()
     valid = y != IGNORE_INDEX
     safe_y = torch.where(valid, y, torch.zeros_like(y))
     target = logits.gather(1, safe_y[:, None]).squeeze(1)
@@ -52,22 +96,10 @@ def _chunk_forward(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, want_probs
     return probs, lse, loss, valid, safe_y
 
 
-def _dlogits(probs: torch.Tensor, valid: torch.Tensor, safe_y: torch.Tensor, scale: torch.Tensor,
-             out_dtype: torch.dtype) -> torch.Tensor:
-    """(softmax - onehot) * scale per row, zero for ignored rows, written in `out_dtype` (fp32 math)."""
+def _dlogits_(probs: torch.Tensor, valid: torch.Tensor, safe_y: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """In place: (softmax - onehot) * scale per row, zero for ignored rows (fp32)."""
     probs.scatter_add_(1, safe_y[:, None], torch.full_like(probs[:, :1], -1.0))
-    row_scale = (scale * valid)[:, None]
-    if out_dtype == probs.dtype:
-        return probs.mul_(row_scale)
-    return torch.mul(probs, row_scale, out=torch.empty(probs.shape, dtype=out_dtype, device=probs.device))
-
-
-def _acc_weight_grad(acc: torch.Tensor, dl: torch.Tensor, h: torch.Tensor) -> None:
-    """acc (fp32) += dl^T @ h; a fused addmm when the chunk is fp32 already."""
-    if dl.dtype == acc.dtype and h.dtype == acc.dtype:
-        acc.addmm_(dl.t(), h)
-    else:
-        acc.add_(dl.t() @ h)
+    return probs.mul_((scale * valid)[:, None])
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -75,34 +107,39 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                 reduction: str, chunk_size: int, need_grad: bool, cdtype: torch.dtype, need_w: bool):
         n = hidden.shape[0]
+        dev = hidden.device
         h_c = hidden.to(cdtype)
         w_c = weight.to(cdtype)  # one cast of the weight, not one per chunk
-        losses = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        losses = torch.empty(n, dtype=torch.float32, device=dev)
         n_valid = (labels != IGNORE_INDEX).sum()
         grads_now = need_grad and reduction in ("mean", "sum")
+        need_w = need_w and grads_now
+        ws = _Workspace(min(chunk_size, n), weight.shape[0], weight.shape[1], cdtype, dev, need_w)
         if grads_now:
-            d_hidden = torch.empty(n, hidden.shape[1], dtype=hidden.dtype, device=hidden.device)
+            d_hidden = torch.empty(n, hidden.shape[1], dtype=hidden.dtype, device=dev)
             # a frozen LM head (e.g. LoRA) skips a third of the head's matmuls
-            d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+            d_weight = torch.empty(weight.shape, dtype=torch.float32, device=dev) if need_w else None
             # "mean" divides by the target count here; backward multiplies by the upstream scalar
-            unit = torch.ones((), dtype=torch.float32, device=hidden.device)
+            unit = torch.ones((), dtype=torch.float32, device=dev)
             if reduction == "mean":
                 unit = unit / n_valid.clamp(min=1)
-        lses = torch.empty(n, dtype=torch.float32, device=hidden.device) if need_grad and not grads_now else None
+        lses = torch.empty(n, dtype=torch.float32, device=dev) if need_grad and not grads_now else None
         for s in range(0, n, chunk_size):
             e = min(s + chunk_size, n)
-            probs, lse, loss, valid, safe_y = _chunk_forward(h_c[s:e], w_c, labels[s:e], grads_now)
+            logits = ws.logits_fp32(h_c[s:e], w_c)
+            probs, lse, loss, valid, safe_y = _softmax_stats(logits, labels[s:e], grads_now)
             losses[s:e] = loss
             if grads_now:
-                dl = _dlogits(probs, valid, safe_y, unit, cdtype)
-                d_hidden[s:e] = (dl @ w_c).to(hidden.dtype)
+                dl = ws.to_compute(_dlogits_(probs, valid, safe_y, unit))
+                d_hidden[s:e] = dl @ w_c
                 if need_w:
-                    _acc_weight_grad(d_weight, dl, h_c[s:e])
+                    ws.acc_weight_grad(d_weight, dl, h_c[s:e], first=(s == 0))
             elif lses is not None:
                 lses[s:e] = lse
-            del probs
+        del ws
         ctx.reduction, ctx.chunk_size, ctx.cdtype, ctx.grads_now = reduction, chunk_size, cdtype, grads_now
-        ctx.weight_dtype, ctx.need_w = weight.dtype, need_w
+        ctx.weight_dtype = weight.dtype
+        ctx.need_w = need_w if grads_now else bool(weight.requires_grad)
         if grads_now:
             ctx.save_for_backward(d_hidden, d_weight if need_w else None)
         elif need_grad:
@@ -117,26 +154,32 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         if ctx.grads_now:
+            # the saved gradients are scaled in place (no second [V, D] buffer), so only once
+            if getattr(ctx, "used", False):
+                raise RuntimeError("linear_cross_entropy: backward twice (retain_graph) is not supported "
+                                   "for 'mean'/'sum'; use reduction='none' and reduce outside")
+            ctx.used = True
             d_hidden, d_weight = ctx.saved_tensors
-            d_w = (d_weight * g).to(ctx.weight_dtype) if d_weight is not None else None
-            return d_hidden * g.to(d_hidden.dtype), d_w, None, None, None, None, None, None
+            d_w = d_weight.mul_(g).to(ctx.weight_dtype) if d_weight is not None else None  # in place: no new [V, D]
+            return d_hidden.mul_(g.to(d_hidden.dtype)), d_w, None, None, None, None, None, None
         hidden, weight, labels, lses = ctx.saved_tensors
         cdtype, cs = ctx.cdtype, ctx.chunk_size
         h_c, w_c = hidden.to(cdtype), weight.to(cdtype)
         n = hidden.shape[0]
+        ws = _Workspace(min(cs, n), weight.shape[0], weight.shape[1], cdtype, hidden.device, ctx.need_w)
         d_hidden = torch.empty_like(hidden)
-        d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.need_w else None
+        d_weight = torch.empty(weight.shape, dtype=torch.float32, device=weight.device) if ctx.need_w else None
         g = g.float()
         for s in range(0, n, cs):
             e = min(s + cs, n)
             y = labels[s:e]
             valid = y != IGNORE_INDEX
             safe_y = torch.where(valid, y, torch.zeros_like(y))
-            probs = (h_c[s:e] @ w_c.t()).float().sub_(lses[s:e, None]).exp_()
-            dl = _dlogits(probs, valid, safe_y, g[s:e], cdtype)
-            d_hidden[s:e] = (dl @ w_c).to(hidden.dtype)
+            probs = ws.logits_fp32(h_c[s:e], w_c).sub_(lses[s:e, None]).exp_()
+            dl = ws.to_compute(_dlogits_(probs, valid, safe_y, g[s:e]))
+            d_hidden[s:e] = dl @ w_c
             if d_weight is not None:
-                _acc_weight_grad(d_weight, dl, h_c[s:e])
+                ws.acc_weight_grad(d_weight, dl, h_c[s:e], first=(s == 0))
         d_w = d_weight.to(ctx.weight_dtype) if d_weight is not None else None
         return d_hidden, d_w, None, None, None, None, None, None
 
