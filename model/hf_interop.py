@@ -166,12 +166,17 @@ def _load_weights(d: str) -> dict[str, torch.Tensor]:
     raise FileNotFoundError(f"no model.safetensors, sharded safetensors index or pytorch_model.bin in {d}")
 
 
-def import_hf(hf_dir: str, **overrides) -> Transformer:
-    """Load an HF Llama directory into our Transformer (fp32 unless the weights say otherwise is kept
-    as loaded). `overrides` set non-architectural ModelConfig fields (kernel switches, checkpointing)."""
+def import_hf(hf_dir: str, dtype: Optional[torch.dtype] = torch.float32, **overrides) -> Transformer:
+    """Load an HF Llama directory into our Transformer.
+
+    dtype: parameter dtype of the result (fp32 by default, the usual master-weight precision; None keeps
+    the checkpoint's dtype). `overrides` set non-architectural ModelConfig fields (kernel switches,
+    gradient_checkpointing, loss_chunk_size)."""
     with open(os.path.join(hf_dir, "config.json")) as f:
         cfg = config_from_hf(json.load(f))
     for k, v in overrides.items():
+        if k not in cfg.to_dict():
+            raise ValueError(f"unknown ModelConfig field {k!r}")
         setattr(cfg, k, v)
     sd = from_hf_state_dict(_load_weights(hf_dir), cfg)
     with torch.device("meta"):
@@ -181,11 +186,11 @@ def import_hf(hf_dir: str, **overrides) -> Transformer:
     if cfg.tie_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
         sd.pop("lm_head.weight", None)
-    missing, unexpected = model.load_state_dict(sd, strict=False)
+    missing, unexpected = model.load_state_dict(sd, strict=False)  # copies into the fp32 parameters
     missing = [m for m in missing if not (cfg.tie_embeddings and m == "lm_head.weight")]
     if missing or unexpected:
         raise ValueError(f"checkpoint in {hf_dir} does not match the config: missing={missing} unexpected={unexpected}")
-    dtypes = {t.dtype for t in sd.values()}
-    if len(dtypes) == 1:
-        model = model.to(dtypes.pop())
-    return model
+    if dtype is None:
+        dtypes = {t.dtype for t in sd.values()}
+        dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+    return model.to(dtype)

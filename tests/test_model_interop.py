@@ -26,7 +26,9 @@ def _hf_model(tie: bool, rope_scaling=None) -> LlamaForCausalLM:
 def test_import_hf_then_export_round_trip(tmp_path, tie, rope_scaling):
     hf = _hf_model(tie, rope_scaling)
     hf.save_pretrained(tmp_path / "hf")
-    ours = import_hf(str(tmp_path / "hf")).eval()
+    ours = import_hf(str(tmp_path / "hf"), gradient_checkpointing=True).eval()
+    assert ours.cfg.gradient_checkpointing and ours.embed_tokens.weight.dtype == torch.float32
+    assert (ours.lm_head.weight is ours.embed_tokens.weight) == tie
     assert ours.cfg.n_kv_heads == 2 and ours.cfg.rope_theta == 5000.0 and ours.cfg.tie_embeddings == tie
     x = torch.randint(0, 128, (2, 24))  # longer than max_position_embeddings: dynamic NTK kicks in
     with torch.no_grad():
