@@ -56,3 +56,19 @@ def test_sample_next_filters():
     # top_p: token 0 alone holds ~0.71 of the mass, so top_p=0.5 keeps only it
     draws = {sample_next(logits, 1.0, top_p=0.5, generator=g).item() for _ in range(50)}
     assert draws == {0}
+
+
+def test_kv_cache_chunked_prefill_matches_full_forward(model):
+    from model import KVCache
+    model.eval()
+    x = torch.randint(0, 128, (2, 11))
+    with torch.no_grad():
+        full = model(x)
+        cache = KVCache(model.cfg, 2, 16, x.device, torch.float32)
+        a = model(x[:, :4], cache=cache)       # prefill
+        b = model(x[:, 4:9], cache=cache)      # several new tokens against a non-empty cache (mask path)
+        c = model(x[:, 9:10], cache=cache)     # single token (no mask)
+        d = model(x[:, 10:], cache=cache, logits_to_keep=1)
+    model.train()
+    got = torch.cat((a, b, c, d), dim=1)
+    assert cache.pos == 11 and torch.allclose(got, full, atol=1e-5)
