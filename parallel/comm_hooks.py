@@ -58,6 +58,11 @@ def reduce_scatter_hook(state: CommHookState, bucket: "GradBucket") -> comm.Comm
     return comm.CommHandle([comm.reduce_scatter(bucket.shard(), buf, bucket.group, bucket.world_size)])
 
 
+# Hooks that leave only the rank's shard reduced say so; DDP refuses them without the
+# distributed optimizer (an unsharded optimizer would step on unreduced gradients).
+reduce_scatter_hook.shard_only = True  # type: ignore[attr-defined]
+
+
 def _compress_wrapper(dtype: torch.dtype, hook: CommHook) -> CommHook:
     def wrapped(state: Any, bucket: "GradBucket") -> comm.CommHandle:
         full = bucket.buffer()
@@ -73,6 +78,7 @@ def _compress_wrapper(dtype: torch.dtype, hook: CommHook) -> CommHook:
         return comm.CommHandle([], then=copy_back)
 
     wrapped.__name__ = f"{str(dtype).split('.')[-1]}_compress_{getattr(hook, '__name__', 'hook')}"
+    wrapped.shard_only = getattr(hook, "shard_only", False)  # type: ignore[attr-defined]
     return wrapped
 
 

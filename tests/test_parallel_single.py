@@ -128,3 +128,13 @@ def test_powersgd_state_dict_is_tensors_and_ints(tmp_path):
     other = PowerSGDState(start_powerSGD_iter=0, matrix_approximation_rank=2)
     with pytest.raises(ValueError):
         other.load_state_dict(sd)
+
+
+def test_shard_only_hooks_need_the_distributed_optimizer():
+    from parallel import bf16_compress_wrapper, reduce_scatter_hook
+    ddp = DistributedDataParallel(_net(), DDPConfig())
+    for hook in (reduce_scatter_hook, bf16_compress_wrapper(reduce_scatter_hook)):
+        with pytest.raises(ValueError, match="use_distributed_optimizer"):
+            ddp.register_comm_hook(None, hook)
+    DistributedDataParallel(_net(), DDPConfig(use_distributed_optimizer=True)).register_comm_hook(
+        None, reduce_scatter_hook)

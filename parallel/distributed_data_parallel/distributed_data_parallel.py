@@ -83,6 +83,10 @@ class DistributedDataParallel(nn.Module):
         at least the rank's shard reduced (reduce-scatter or anything stronger)."""
         if self._handles:
             raise RuntimeError("register_comm_hook while communication is in flight")
+        if getattr(hook, "shard_only", False) and not self.config.use_distributed_optimizer:
+            raise ValueError(f"{getattr(hook, '__name__', 'this hook')} leaves only each rank's shard "
+                             "reduced; it needs DDPConfig(use_distributed_optimizer=True) and the "
+                             "distributed optimizer (an unsharded optimizer would use unreduced grads)")
         self._hook, self._hook_state = hook, (state if state is not None else CommHookState())
 
     @property
