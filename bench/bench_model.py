@@ -26,6 +26,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 from model import ModelConfig, Transformer  # noqa: E402
+import model.flops as flops_mod  # noqa: E402
 from model.flops import flops_per_token, measure_peak_flops  # noqa: E402
 from model.hf_interop import hf_config_dict, to_hf_state_dict  # noqa: E402
 from model.kernels import build_adamw, compile_model  # noqa: E402
@@ -66,6 +67,19 @@ def make_step(model, kind: str, x, y_ours, dtype):
     return step
 
 
+_PEAKS: dict = {}
+
+
+def best_peak(dtype: torch.dtype) -> float:
+    """Max of repeated matmul-peak measurements: under load from other processes a single
+    measurement can come out low, which would inflate MFU."""
+    flops_mod._PEAK_CACHE.clear()
+    for n in (1024, 2048):
+        _PEAKS[dtype] = max(_PEAKS.get(dtype, 0.0), measure_peak_flops("cpu", dtype, n=n, seconds=1.5))
+        flops_mod._PEAK_CACHE.clear()
+    return _PEAKS[dtype]
+
+
 def bench_throughput(args) -> list[dict]:
     rows = []
     for cname in args.configs:
@@ -73,7 +87,7 @@ def bench_throughput(args) -> list[dict]:
         B, T = args.batch or spec["batch"], spec["seq"]
         for prec in args.precisions:
             dtype = torch.bfloat16 if prec == "bf16" else torch.float32
-            peak = measure_peak_flops("cpu", dtype, n=2048, seconds=2.0)
+            peak = best_peak(dtype)
             g = torch.Generator().manual_seed(1)
             x = torch.randint(0, spec["model"]["vocab_size"], (B, T), generator=g)
             y = torch.cat((x[:, 1:], torch.full((B, 1), -100)), dim=1)  # same targets as HF's shift
@@ -176,7 +190,23 @@ def main() -> None:
     if not args.skip_loss_memory:
         bench_loss_memory(args)
     if not args.only_loss_memory:
-        bench_throughput(args)
+        rows = bench_throughput(args)
+        # final table: MFU against the best peak seen during the whole run (re-measured now too)
+        print("\n| config | precision | mode | HF tokens/s | ours tokens/s | ours/HF | HF MFU | ours MFU | loss HF / ours |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        by = {(r["config"], r["precision"], r["mode"], r["impl"]): r for r in rows if "impl" in r}
+        for (c, p_, m, impl), r in by.items():
+            if impl != "ours":
+                continue
+            h = by[(c, p_, m, "hf")]
+            dtype = torch.bfloat16 if p_ == "bf16" else torch.float32
+            peak = best_peak(dtype)
+            fpt = flops_per_token(ModelConfig(**CONFIGS[c]["model"]), CONFIGS[c]["seq"])
+            print(f"| {c} | {p_} | {m} | {h['tokens_per_s']} | {r['tokens_per_s']} | "
+                  f"{r['tokens_per_s'] / h['tokens_per_s']:.2f}x | {h['tokens_per_s'] * fpt / peak:.2f} | "
+                  f"{r['tokens_per_s'] * fpt / peak:.2f} | {h['first_loss']} / {r['first_loss']} |")
+        for dt, pk in _PEAKS.items():
+            print(f"peak matmul {dt}: {pk / 1e9:.0f} GFLOP/s")
 
 
 if __name__ == "__main__":

@@ -184,6 +184,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return d_hidden, d_w, None, None, None, None, None, None
 
 
+@torch.compiler.disable  # stays eager inside a compiled model: its buffer reuse is the point
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                          reduction: str = "mean", chunk_size: int = 512) -> torch.Tensor:
     """Cross-entropy of `hidden @ weight.T` against `labels` without the full logits.
