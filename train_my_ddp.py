@@ -261,9 +261,6 @@ def build_engine(model, cfg: TrainConfig):
                                                    use_distributed_optimizer=zero))
     ddp.broadcast_params()
     if cfg.comm_hook == "powersgd":
-        if zero:
-            raise TrainingError("--comm_hook=powersgd needs the all-reduce path; it cannot be combined with "
-                                "--use_distributed_optimizer (which reduce-scatters)", EXIT_BAD_CONFIG)
         ddp.register_comm_hook(PowerSGDState(matrix_approximation_rank=cfg.powersgd_rank,
                                              start_powerSGD_iter=cfg.powersgd_start_iter,
                                              min_compression_rate=cfg.powersgd_min_compression_rate,
@@ -271,8 +268,7 @@ def build_engine(model, cfg: TrainConfig):
     elif cfg.comm_hook in ("fp16", "bf16"):
         wrap = fp16_compress_wrapper if cfg.comm_hook == "fp16" else bf16_compress_wrapper
         ddp.register_comm_hook(None, wrap(reduce_scatter_hook if zero else allreduce_hook))
-    elif cfg.comm_hook == "reduce_scatter" and not zero:
-        ddp.register_comm_hook(None, reduce_scatter_hook)
+    # "reduce_scatter" is what the distributed optimizer registers itself (validate_config insists on it)
     opt = build_optimizer(ddp, OptimizerConfig(
         lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay,
         grad_clip=cfg.grad_clip, precision=cfg.dtype, use_distributed_optimizer=zero, zero_stage=cfg.zero_stage,
@@ -389,6 +385,9 @@ def validate_config(cfg: TrainConfig) -> None:
         problems.append(f"--dtype={cfg.dtype!r} (fp32 | bf16 | fp16)")
     if cfg.comm_hook not in ("allreduce", "reduce_scatter", "fp16", "bf16", "powersgd"):
         problems.append(f"--comm_hook={cfg.comm_hook!r}")
+    if cfg.comm_hook == "reduce_scatter" and not cfg.use_distributed_optimizer:
+        problems.append("--comm_hook=reduce_scatter leaves each rank only its shard of the gradients: it needs "
+                        "--use_distributed_optimizer=true (ZeRO), which steps exactly that shard")
     if cfg.zero_stage not in (1, 2):
         problems.append(f"--zero_stage={cfg.zero_stage} (1 | 2)")
     if cfg.task_type in ("sft", "dpo") and cfg.init_from == "scratch":
