@@ -37,7 +37,7 @@ def main() -> int:
     tok, pretok, run_dir = (os.path.join(OUT, d) for d in ("tokenizer", "pretok", "run"))
     run("1/5 train a byte-level BPE tokenizer",
         [PY, "-m", "tokenizer.train_tokenizer", "--data_dir=data/pretrain", f"--output_dir={tok}",
-         "--vocab_size=4096", "--tokenizer_type=hf_bbpe"])
+         "--vocab_size=2048", "--tokenizer_type=hf_bbpe"])
     run("2/5 pretokenize the corpus into token shards",
         [PY, "-m", "data_preprocess.pretokenize_pretrain_data", "--data_dir=data/pretrain",
          f"--tokenizer_dir={tok}", f"--output_dir={pretok}", "--num_workers=2"])
@@ -46,9 +46,9 @@ def main() -> int:
          f"--max_seq_len={SEQ}", "--val_ratio=0.05"])
     run("4/5 pretrain a tiny Llama2 on CPU",
         [PY, "train_my_ddp.py", f"--out_dir={run_dir}", f"--data_dir={pretok}", f"--tokenizer_dir={tok}",
-         f"--max_seq_len={SEQ}", "--dim=192", "--n_layers=4", "--n_heads=6", "--batch_size=16",
-         "--max_iters=400", "--eval_interval=50", "--eval_iters=10", "--log_interval=25",
-         "--checkpoint_interval=200", "--learning_rate=2e-3", "--min_lr=2e-4", "--warmup_iters=30",
+         f"--max_seq_len={SEQ}", "--dim=256", "--n_layers=4", "--n_heads=8", "--batch_size=16",
+         "--max_iters=800", "--eval_interval=100", "--eval_iters=10", "--log_interval=50",
+         "--checkpoint_interval=200", "--learning_rate=3e-3", "--min_lr=3e-4", "--warmup_iters=30",
          "--weight_decay=0.1", "--progress=false"])
     # the falling validation loss, read back from the run's metrics
     import json
