@@ -327,6 +327,11 @@ def count_units(cfg: TrainConfig, batch: dict) -> int:
     return int((batch["labels"] != IGNORE_INDEX).sum())
 
 
+def count_tokens(batch: dict) -> int:
+    """Tokens the policy model processes for this micro-batch (padding included), for tokens/s and MFU."""
+    return sum(int(v.numel()) for k, v in batch.items() if k.endswith("input_ids"))
+
+
 @torch.no_grad()
 def evaluate(cfg: TrainConfig, model, ref_model, make_val_loader, info: DistInfo) -> Optional[dict]:
     """Mean validation loss over all ranks: all-reduce of loss sums and unit counts."""
@@ -416,6 +421,14 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
     if cfg.init_from == "resume":
         resume_dir = ckpt.find_latest_valid(cfg.out_dir, log=log)
         log(f"[resume] {'from ' + resume_dir if resume_dir else 'no complete checkpoint in ' + cfg.out_dir + ', starting from scratch'}")
+    elif ckpt.list_checkpoints(cfg.out_dir):
+        raise TrainingError(f"--out_dir={cfg.out_dir} already holds checkpoints of a run; continue it with "
+                            "--init_from=resume, or start a new run in another --out_dir", EXIT_BAD_CONFIG)
+    elif info.is_main and os.path.exists(os.path.join(cfg.out_dir, "metrics.jsonl")):
+        # a run that died before its first checkpoint: keep its log, but do not mix it into this one
+        aside = os.path.join(cfg.out_dir, f"metrics.jsonl.{int(time.time())}.old")
+        os.replace(os.path.join(cfg.out_dir, "metrics.jsonl"), aside)
+        log(f"[init] previous metrics.jsonl (no checkpoint) moved to {aside}")
     seed_everything(cfg.seed)  # identical initial weights on every rank (and DDP broadcasts anyway)
 
     from model import ModelConfig, Transformer
@@ -537,8 +550,9 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
         lr = lr_at(iter_num, **lr_kw)
         optimizer.set_lr(lr)
         batches = [next(train_loader) for _ in range(gas)]
-        units = all_reduce_sum([float(sum(count_units(cfg, b) for b in batches))], info.device)
-        global_units = max(1.0, float(units[0]))
+        counts = all_reduce_sum([float(sum(count_units(cfg, b) for b in batches)),
+                                 float(sum(count_tokens(b) for b in batches))], info.device)
+        global_units, step_tokens = max(1.0, float(counts[0])), float(counts[1])
         optimizer.zero_grad()
         loss_acc = torch.zeros(4, dtype=torch.float64)
         for i, batch in enumerate(batches):
@@ -568,7 +582,6 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
         now = time.time()
         dt = max(1e-9, now - t_last)
         t_last = now
-        step_tokens = cfg.batch_size * gas * info.world_size * cfg.max_seq_len
         rec: dict[str, Any] = {"step": iter_num, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                                "stepped": bool(stepped), "tokens_per_sec": step_tokens / dt,
                                "mfu": fpt * step_tokens / dt / (peak * info.world_size), "tokens_seen": tokens_seen}
@@ -592,6 +605,7 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
         stop_now = all_reduce_max(1.0 if stop["requested"] else 0.0, info.device) > 0
         if iter_num % cfg.checkpoint_interval == 0 or iter_num == cfg.max_iters or stop_now:
             save(iter_num, last_val if do_eval else None)
+        t_last = time.time()  # evaluation and checkpoint time is not charged to the next step's tokens/s
         if stop_now:
             log(f"[train] stop requested by signal: saved step {iter_num}, exiting with {EXIT_INTERRUPTED}")
             if pbar is not None:

@@ -302,7 +302,7 @@ def _worker(rank, ws, out_dir):
 def dist_results(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("dist"))
     spawn(_worker, 2, out)
-    return out, [torch.load(os.path.join(out, f"results_rank{r}.pt"), weights_only=False) for r in range(2)]
+    return out, [torch.load(os.path.join(out, f"results_rank{r}.pt"), weights_only=True) for r in range(2)]
 
 
 @pytest.mark.parametrize("case", list(equivalence_cases()))

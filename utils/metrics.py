@@ -81,7 +81,7 @@ def dedupe_by_step(records: list[dict[str, Any]], key: str = "loss") -> dict[int
 def format_line(rec: dict[str, Any]) -> str:
     parts = [f"step {rec['step']}"]
     for key, fmt in (("loss", "{:.4f}"), ("val_loss", "{:.4f}"), ("lr", "{:.2e}"), ("grad_norm", "{:.3f}"),
-                     ("tokens_per_sec", "{:.0f}"), ("mfu", "{:.2%}"), ("reward_acc", "{:.3f}"),
+                     ("tokens_per_sec", "{:.0f}"), ("mfu", "{:.2%}"), ("reward_acc", "{:.3f}"), ("val_reward_acc", "{:.3f}"),
                      ("mem_peak_mib", "{:.0f}MiB"), ("rss_mib", "{:.0f}MiB")):
         v = rec.get(key)
         if isinstance(v, (int, float)):
