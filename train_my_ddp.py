@@ -487,7 +487,12 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
         extra = ckpt.load_rank_file(resume_dir, "extra", info.rank)
         if extra is not None and extra.get("comm_hook"):
             ddp_model.load_comm_hook_state_dict(extra["comm_hook"])
-        train_loader.load_state_dict(saved_state["data_cursor"])
+        try:
+            train_loader.load_state_dict(saved_state["data_cursor"])
+        except ValueError as e:
+            raise TrainingError(f"cannot resume the data order from {resume_dir}: {e}. When changing the number "
+                                "of processes keep --batch_size x world size (the global batch) the same",
+                                EXIT_BAD_CONFIG) from e
         iter_num = int(saved_state["step"])
         best_val = saved_state.get("best_val_loss") or float("inf")
         tokens_seen = int(saved_state.get("tokens_seen", 0))

@@ -243,3 +243,24 @@ def test_powersgd_loss_stays_within_margin_of_allreduce(tiny_pretrain_run_args, 
     first = losses(tmp_path / "powersgd")[1]
     assert finals["powersgd"] < first - 0.3  # it learns
     assert abs(finals["powersgd"] - finals["allreduce"]) < 0.15, finals
+
+
+def test_zero_checkpoint_resumes_at_another_world_size(tiny_pretrain_run_args, tmp_path):
+    """2 ranks x batch 2 with ZeRO-1 saved at step 3, resumed on 1 process x batch 4 (same global batch):
+    the sharded optimizer state is re-sharded and the run continues close to the 2-rank reference; a
+    different global batch is refused with a clear message."""
+    base = [*tiny_pretrain_run_args, "--use_distributed_optimizer=true", "--max_iters=6", "--bucket_size=20000"]
+    ref, moved = tmp_path / "ref", tmp_path / "moved"
+    run_cmd(train_cmd([*base, "--batch_size=2", f"--out_dir={ref}"], nproc=2), env=_env())
+    proc = subprocess.run(train_cmd([*base, "--batch_size=2", f"--out_dir={moved}"], nproc=2), cwd=ROOT,
+                          capture_output=True, text=True,
+                          env=_env(MYLLM_FAULT="crash@5", MYLLM_FAULT_ONCE_FILE=str(tmp_path / "fired")))
+    assert proc.returncode != 0
+    bad = subprocess.run(train_cmd([*base, "--batch_size=2", f"--out_dir={moved}", "--init_from=resume"]),
+                         cwd=ROOT, capture_output=True, text=True, env=_env())
+    assert bad.returncode == EXIT_BAD_CONFIG and "global batch" in bad.stderr
+    run_cmd(train_cmd([*base, "--batch_size=4", f"--out_dir={moved}", "--init_from=resume"]), env=_env())
+    a, b = losses(ref), losses(moved)
+    assert a.keys() == b.keys() and all(a[s] == b[s] for s in (1, 2, 3))
+    # steps 4-6 ran on one process: same samples and optimizer state, only the summation order differs
+    assert all(abs(a[s] - b[s]) < 1e-4 for s in (4, 5, 6)), (a, b)
