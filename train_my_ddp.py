@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import math
 import os
 import signal
@@ -406,6 +407,8 @@ def validate_config(cfg: TrainConfig) -> None:
 
 def train(cfg: TrainConfig, info: DistInfo) -> int:
     log = (lambda msg: print(msg, flush=True)) if info.is_main else (lambda msg: None)
+    if info.is_main:  # library modules report optional-accelerator detection through logging
+        logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
     validate_config(cfg)
     if cfg.deterministic:
         torch.use_deterministic_algorithms(True)
@@ -465,6 +468,10 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
     model.to(device=info.device, dtype=dtype)
     if ref_model is not None:
         ref_model.to(device=info.device, dtype=dtype)
+    from model.kernels import flash_attn_functions
+    flash = mcfg.flash_attn and flash_attn_functions(info.device) is not None  # detected (and logged) once
+    log(f"[kernels] attention: {'flash-attn' if flash else 'F.scaled_dot_product_attention'}; fused RMSNorm/RoPE/"
+        f"SwiGLU/QKV and chunked linear+CE: {'on' if cfg.fused_kernels else 'off (reference paths)'}")
     n_params = sum(p.numel() for p in model.parameters())
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log(f"[model] {n_params / 1e6:.2f}M parameters ({n_train / 1e6:.2f}M trainable), {mcfg.n_layers} layers, "
