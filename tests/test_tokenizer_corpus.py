@@ -220,3 +220,14 @@ def test_cli_help_policy_and_exit_codes(tmp_path):
     assert r.returncode == 2 and "too small" in r.stderr
     r = _cli(f"--data_dir={tmp_path / 'nope'}", f"--output_dir={out}", "--vocab_size=300", "--quiet")
     assert r.returncode == 3 and "no such file" in r.stderr
+
+
+def test_max_train_bytes_accepts_human_sizes():
+    import argparse
+
+    from tokenizer.train_tokenizer import parse_byte_size
+    assert [parse_byte_size(s) for s in ("2000000000", "2e9", "2G", "500M", "64kB")] == \
+        [2_000_000_000, 2_000_000_000, 2_000_000_000, 500_000_000, 64_000]
+    for bad in ("abc", "-5", "0", "1.5"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_byte_size(bad)

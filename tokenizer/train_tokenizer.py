@@ -227,8 +227,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer_type", choices=TOKENIZER_TYPES, default="hf_bbpe")
     p.add_argument("--text_fields", default="text",
                    help="comma-separated JSON/parquet fields, joined with a newline (e.g. title,content)")
-    p.add_argument("--max_train_bytes", type=int, default=None,
+    p.add_argument("--max_train_bytes", type=parse_byte_size, default=None,
                    help="train on a uniform random sample of documents of about this many UTF-8 bytes "
+                        "(e.g. 2000000000, 2e9, 2G, 500M) "
                         "(two streaming passes; memory stays bounded). Default: all documents")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--min_frequency", type=int, default=2, help="hf_bbpe: minimum pair count for a merge")
@@ -240,6 +241,21 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--no_overwrite", action="store_true", help="fail if output_dir exists and is not empty")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     return p
+
+
+def parse_byte_size(text: str) -> int:
+    """'2000000000', '2e9', '2G', '500M', '64k' -> bytes (decimal units, as a user types sizes)."""
+    t = text.strip().upper().rstrip("B")
+    scale = {"K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}.get(t[-1:], 1)
+    if scale != 1:
+        t = t[:-1]
+    try:
+        value = float(t) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 2e9, 2G, 500M)") from None
+    if value <= 0 or value != int(value):
+        raise argparse.ArgumentTypeError(f"not a positive whole number of bytes: {text!r}")
+    return int(value)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
