@@ -117,7 +117,7 @@ class TrainConfig:
     checkpoint_interval: int = _f(100, "checkpoint every N steps (and at the end)")
     keep_last: int = _f(3, "keep this many newest checkpoints (plus the best by validation loss)")
     tensorboard: bool = _f(False, "also log to <out_dir>/tensorboard when tensorboard is installed")
-    progress: bool = _f(True, "progress bar with ETA on rank 0")
+    progress: bool = _f(True, "progress bar with ETA on rank 0 (when stdout is a terminal)")
     device: str = _f("auto", "auto | cpu | cuda | cuda:N")
     peak_flops: float = _f(0.0, "peak FLOP/s per device for MFU (0 = measure a matmul once at start)")
 
@@ -406,7 +406,11 @@ def validate_config(cfg: TrainConfig) -> None:
 
 
 def train(cfg: TrainConfig, info: DistInfo) -> int:
-    log = (lambda msg: print(msg, flush=True)) if info.is_main else (lambda msg: None)
+    def log(msg: str) -> None:
+        if info.is_main:
+            from tqdm import tqdm
+            tqdm.write(msg, file=sys.stdout)  # keeps the progress bar (if any) below the log lines
+            sys.stdout.flush()
     if info.is_main:  # library modules report optional-accelerator detection through logging
         logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
     validate_config(cfg)
@@ -548,7 +552,7 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
         f"{info.world_size} ranks, seq {cfg.max_seq_len}; peak {peak / 1e9:.1f} GFLOP/s for MFU")
 
     pbar = None
-    if info.is_main and cfg.progress:
+    if info.is_main and cfg.progress and sys.stdout.isatty():  # a bar in a terminal; plain lines in log files
         from tqdm import tqdm
         pbar = tqdm(total=cfg.max_iters, initial=iter_num, desc="train", dynamic_ncols=True, mininterval=2.0,
                     file=sys.stdout)
@@ -610,8 +614,7 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
                 best_val = min(best_val, last_val)
         metrics.write(rec)
         if info.is_main and (iter_num % cfg.log_interval == 0 or do_eval or iter_num == 1):
-            line = format_line(rec)
-            (pbar.write(line) if pbar is not None else print(line, flush=True))
+            log(format_line(rec))
 
         # ---- checkpoint / stop
         stop_now = all_reduce_max(1.0 if stop["requested"] else 0.0, info.device) > 0

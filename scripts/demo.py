@@ -49,7 +49,7 @@ def main() -> int:
          f"--max_seq_len={SEQ}", "--dim=256", "--n_layers=4", "--n_heads=8", "--batch_size=16",
          "--max_iters=800", "--eval_interval=100", "--eval_iters=10", "--log_interval=50",
          "--checkpoint_interval=200", "--learning_rate=3e-3", "--min_lr=3e-4", "--warmup_iters=30",
-         "--weight_decay=0.1", "--progress=false"])
+         "--weight_decay=0.1"])
     # the falling validation loss, read back from the run's metrics
     import json
     vals = []
