@@ -127,14 +127,16 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, fused: bool = True) -> torch.Te
 
 
 # ------------------------------------------------------------------------------------ attention
-def sdpa_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+def sdpa_dtype(device: torch.device, dtype: torch.dtype, head_dim: int = 0) -> torch.dtype:
     """The dtype F.scaled_dot_product_attention runs in for inputs of `dtype`.
 
-    On CPU the bf16 flash-attention kernel measured slower than the fp32 one (B8 H8 T256 D32:
-    ~30 ms vs ~20 ms fwd+bwd; D64 about equal), and fp32 is the more accurate, so bf16 attention on CPU
-    is computed in fp32 (the casts are cheap next to the T x T work). Accelerators keep the dtype.
+    On CPU the bf16 flash-attention kernel is slower than the fp32 one at small head_dim and faster at
+    64 and above (fwd+bwd, causal, 2 threads: B8 H8 T256 D32 ~21 ms bf16 vs ~15 ms fp32; B2 H8 T512 D64
+    ~17 ms bf16 vs ~22 ms fp32 plus the casts). So on CPU bf16 attention with head_dim < 64 is computed
+    in fp32 (the casts are cheap next to the T x T work; fp32 is also more accurate), and in bf16 from
+    64 up, as HF does. Accelerators keep the dtype.
     """
-    if dtype == torch.bfloat16 and not is_accelerator(device):
+    if dtype == torch.bfloat16 and not is_accelerator(device) and head_dim < 64:
         return torch.float32
     return dtype
 

@@ -3,7 +3,8 @@
 Owns: the module tree and its parameter names (HF Llama names without the `model.` prefix, e.g.
 `layers.0.self_attn.q_proj.weight`, `embed_tokens.weight`, `norm.weight`, `lm_head.weight`), rotary
 embeddings (half-split layout as HF, linear and dynamic-NTK scaling), attention masking for padding and
-packed samples, the KV cache used by model/generate.py, and activation checkpointing.
+packed samples (a right-padded-only batch needs no mask: SDPA's is_causal is exact at real positions), the
+KV cache used by model/generate.py, and activation checkpointing.
 
 Must never: register a full causal-mask buffer (trap 12: masks are built per batch only when padding or
 packing needs one, otherwise SDPA's is_causal), let parameter names depend on which kernel ran (trap 11),
@@ -154,7 +155,7 @@ class Attention(nn.Module):
                 k = k[:, :, None].expand(B, self.n_kv_heads, rep, Tk, self.head_dim).reshape(B, self.n_heads, Tk, self.head_dim)
                 v = v[:, :, None].expand(B, self.n_kv_heads, rep, Tk, self.head_dim).reshape(B, self.n_heads, Tk, self.head_dim)
             out_dtype = q.dtype
-            adt = kernels.sdpa_dtype(q.device, q.dtype)
+            adt = kernels.sdpa_dtype(q.device, q.dtype, self.head_dim)
             q, k, v = q.to(adt), k.to(adt), v.to(adt)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=spec.mask, dropout_p=dropout,
                                                is_causal=spec.is_causal and spec.mask is None)
@@ -201,6 +202,12 @@ def _segments(position_ids: torch.Tensor) -> torch.Tensor:
     start = torch.ones_like(position_ids, dtype=torch.bool)
     start[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
     return start.cumsum(dim=1)
+
+
+def _right_padded(attention_mask: torch.Tensor) -> bool:
+    """True if no row of the [B, T] mask has a real token (non-zero) after a pad (zero)."""
+    am = attention_mask.to(torch.bool)
+    return not bool((am[:, 1:] & ~am[:, :-1]).any())
 
 
 class Transformer(nn.Module):
@@ -254,6 +261,14 @@ class Transformer(nn.Module):
                 need_mask = True
             else:
                 seg = None
+        if attention_mask is not None and attention_mask.shape[-1] != Tk:
+            raise ValueError(f"attention_mask has {attention_mask.shape[-1]} columns, expected {Tk}")
+        if need_mask and seg is None and cache is None and _right_padded(attention_mask):
+            # Right padding only (each row: 1s then 0s): a real token never sees a later pad under the
+            # causal mask, so is_causal gives identical outputs at every real position and the
+            # [B, 1, T, T] mask (and SDPA's slower masked path) is skipped. Outputs at pad positions
+            # differ (they also see earlier pads): they are unspecified, as is their loss (labels -100).
+            need_mask = False
         if not need_mask:
             if cache is not None and past > 0:  # one new query sees every cached key
                 return AttnSpec(is_causal=False)
@@ -265,8 +280,6 @@ class Transformer(nn.Module):
             mask = mask & (seg[:, None, :, None] == seg[:, None, None, :])
         if attention_mask is not None:
             am = attention_mask.to(torch.bool)
-            if am.shape[1] != Tk:
-                raise ValueError(f"attention_mask has {am.shape[1]} columns, expected {Tk}")
             mask = mask & am[:, None, None, :]
             # a padded query row with no visible key would give NaN (and NaN gradients): let it see itself
             mask = mask | (k_idx[None, :] == q_idx[:, None])[None, None]
