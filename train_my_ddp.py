@@ -595,9 +595,7 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
             pbar.update(1)
 
         # ---- log
-        now = time.time()
-        dt = max(1e-9, now - t_last)
-        t_last = now
+        dt = max(1e-9, time.time() - t_last)
         rec: dict[str, Any] = {"step": iter_num, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                                "stepped": bool(stepped), "tokens_per_sec": step_tokens / dt,
                                "mfu": fpt * step_tokens / dt / (peak * info.world_size), "tokens_seen": tokens_seen}
