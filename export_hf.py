@@ -23,32 +23,26 @@ def main(argv: list[str] | None = None) -> int:
                    help="LoRA runs: export base weights + PEFT adapters here instead of merging")
     args = p.parse_args(argv)
 
-    from model import ModelConfig, Transformer
+    from model import Transformer
     from model.hf_interop import export_hf
+    from model.lora import merge_lora, save_lora
+    from train_my_ddp import model_from_checkpoint
     from utils import checkpoint as ckpt
 
     found = ckpt.resolve_checkpoint_dir(args.ckpt)
     if found is None:
         print(f"export_hf: no complete checkpoint under {args.ckpt}", file=sys.stderr)
         return 2
-    run_cfg = ckpt.read_json(os.path.join(found, "config.json"))
+    model, run_cfg = model_from_checkpoint(found)
     tok_dir = args.tokenizer_dir or run_cfg.get("tokenizer_dir")
-    model = Transformer(ModelConfig.from_dict(ckpt.read_json(os.path.join(found, "model_config.json"))))
     lora = run_cfg.get("lora_rank", 0) > 0
-    if lora:
-        from model.lora import apply_lora, merge_lora, save_lora
-        apply_lora(model, r=run_cfg["lora_rank"], alpha=run_cfg["lora_alpha"], dropout=run_cfg["lora_dropout"],
-                   target_modules=run_cfg["lora_targets"], train_embeddings=run_cfg["lora_train_embeddings"],
-                   train_lm_head=run_cfg["lora_train_embeddings"])
-    elif args.adapters_output_dir:
+    if args.adapters_output_dir and not lora:
         print("export_hf: --adapters_output_dir given but the run did not train LoRA adapters", file=sys.stderr)
         return 2
-    model.load_state_dict(ckpt.load_model_state(found))
     if lora and args.adapters_output_dir:
         save_lora(model, args.adapters_output_dir, base_model_name_or_path=os.path.abspath(args.output_dir))
         base = Transformer(model.cfg)  # the frozen base weights, without the adapters
-        base_sd = {k.replace(".base_layer", ""): v for k, v in model.state_dict().items() if "lora_" not in k}
-        base.load_state_dict(base_sd)
+        base.load_state_dict({k: v for k, v in model.state_dict().items() if "lora_" not in k})
         model = base
         print(f"export_hf: adapters (PEFT layout) -> {args.adapters_output_dir}")
     elif lora:

@@ -210,9 +210,25 @@ def _is_hf_dir(path: str) -> bool:
         return json.load(f).get("model_type") == "llama"
 
 
+def model_from_checkpoint(found: str) -> tuple[Any, dict]:
+    """(model with the checkpoint's weights, the run's config) from one of our checkpoint directories.
+
+    For a LoRA run the adapters are rebuilt as the run configured them and loaded, not merged.
+    """
+    from model import ModelConfig, Transformer
+    model = Transformer(ModelConfig.from_dict(ckpt.read_json(os.path.join(found, "model_config.json"))))
+    run_cfg = ckpt.read_json(os.path.join(found, "config.json"))
+    if run_cfg.get("lora_rank", 0) > 0:
+        from model.lora import apply_lora
+        apply_lora(model, r=run_cfg["lora_rank"], alpha=run_cfg["lora_alpha"], dropout=run_cfg["lora_dropout"],
+                   target_modules=run_cfg["lora_targets"], train_embeddings=run_cfg["lora_train_embeddings"],
+                   train_lm_head=run_cfg["lora_train_embeddings"])
+    model.load_state_dict(ckpt.load_model_state(found))
+    return model, run_cfg
+
+
 def load_weights_from(path: str, log) -> tuple[Any, dict]:
     """A model from an HF directory, our run directory, or one of our checkpoint directories."""
-    from model import ModelConfig, Transformer
     if _is_hf_dir(path):
         from model.hf_interop import import_hf
         model = import_hf(path)
@@ -221,17 +237,10 @@ def load_weights_from(path: str, log) -> tuple[Any, dict]:
     found = ckpt.resolve_checkpoint_dir(path, log=log)
     if found is None:
         raise TrainingError(f"--init_from={path}: no complete checkpoint or HF model there", EXIT_BAD_CONFIG)
-    mcfg = ModelConfig.from_dict(ckpt.read_json(os.path.join(found, "model_config.json")))
-    model = Transformer(mcfg)
-    run_cfg = ckpt.read_json(os.path.join(found, "config.json"))
-    if run_cfg.get("lora_rank", 0) > 0:  # adapters were trained: rebuild them, load, fold into the weights
-        from model.lora import apply_lora, merge_lora
-        apply_lora(model, r=run_cfg["lora_rank"], alpha=run_cfg["lora_alpha"], dropout=0.0,
-                   target_modules=run_cfg["lora_targets"])
-        model.load_state_dict(ckpt.load_model_state(found))
+    model, run_cfg = model_from_checkpoint(found)
+    if run_cfg.get("lora_rank", 0) > 0:  # adapters were trained: fold them into the weights
+        from model.lora import merge_lora
         merge_lora(model)
-    else:
-        model.load_state_dict(ckpt.load_model_state(found))
     log(f"[init] loaded weights from {found}")
     return model, {"source": found, "kind": "ours"}
 

@@ -284,10 +284,3 @@ def load_rank_file(ckpt_dir: str, kind: str, rank: int) -> Optional[dict]:
         return None
     return torch.load(path, map_location="cpu", weights_only=True)
 
-
-def available_ranks(ckpt_dir: str, kind: str) -> list[int]:
-    out = []
-    for name in os.listdir(ckpt_dir):
-        if name.startswith(kind + "_rank") and name.endswith(".pt"):
-            out.append(int(name[len(kind) + 5:-3]))
-    return sorted(out)

@@ -9,7 +9,7 @@ import json
 import math
 import os
 import time
-from typing import Any, Optional
+from typing import Any
 
 
 class MetricsLogger:
@@ -88,6 +88,3 @@ def format_line(rec: dict[str, Any]) -> str:
             parts.append(f"{key} " + fmt.format(v))
     return " | ".join(parts)
 
-
-def optional_float(x: Optional[float]) -> Optional[float]:
-    return None if x is None else float(x)
