@@ -343,12 +343,6 @@ def test_powersgd_bytes_and_consistency(dist_results):
         assert p["ranks_equal"]
 
 
-def test_powersgd_error_feedback_across_ranks(dist_results):
-    for res in dist_results[1]:
-        e = res["powersgd_ef"]
-        assert e[200] < 0.05 and e[200] < e[20], e
-
-
 def test_fp16_overflow_on_one_rank_skips_everywhere(dist_results):
     for res in dist_results[1]:
         f = res["fp16"]
