@@ -90,3 +90,33 @@ def test_rng_roundtrip(tmp_path):
     ckpt.restore_rng_state(state, dev)
     b = (random.random(), random.gauss(0, 1), np.random.rand(), torch.rand(2))
     assert a[:3] == b[:3] and torch.equal(a[3], b[3])
+
+
+def _damage(path):
+    with open(os.path.join(path, "model.safetensors"), "r+b") as f:
+        f.truncate(10)
+
+
+def test_pruning_keeps_the_newest_valid_checkpoint_over_a_damaged_newer_one(tmp_path):
+    """Issue 11 / 3.3: resumed from step 50 after a damaged step_60, saving step 56 with keep_last=1
+    must keep step 56 (the newest valid one), not the damaged step 60 alone."""
+    s50 = _save(tmp_path, 50, keep_last=5)
+    s60 = _save(tmp_path, 60, keep_last=5)
+    _damage(s60)
+    assert ckpt.find_latest_valid(str(tmp_path), log=lambda m: None) == s50
+    s56 = _save(tmp_path, 56, keep_last=1)
+    assert ckpt.find_latest_valid(str(tmp_path), log=lambda m: None) == s56
+    assert ckpt.verify_checkpoint(s56) is None
+    valid = [p for _, p in ckpt.list_checkpoints(str(tmp_path)) if ckpt.verify_checkpoint(p) is None]
+    assert valid == [s56]
+
+
+def test_damaged_checkpoints_count_neither_as_last_nor_as_best(tmp_path):
+    for step, val in ((1, 1.0), (2, 2.0), (3, 3.0)):
+        _save(tmp_path, step, val_loss=val, keep_last=10)
+    _damage(os.path.join(tmp_path, "checkpoints", "step_00000001"))  # the best by val_loss, now unusable
+    s4 = _save(tmp_path, 4, val_loss=2.5, keep_last=2)
+    _damage(s4)  # damaged after the save: the next prune must not count it among the last two
+    _save(tmp_path, 5, val_loss=4.0, keep_last=2)
+    kept = [s for s, p in ckpt.list_checkpoints(str(tmp_path)) if ckpt.verify_checkpoint(p) is None]
+    assert kept == [5, 3, 2]  # the two newest valid ones, and the best valid one (step 2, val 2.0)

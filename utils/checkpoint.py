@@ -145,7 +145,8 @@ def _barrier(barrier: Optional[Callable[[], None]]) -> None:
 
 def save_checkpoint(out_dir: str, req: SaveRequest, barrier: Optional[Callable[[], None]] = None,
                     keep_last: int = 3, keep_best: bool = True,
-                    fault_hook: Optional[Callable[[], None]] = None) -> str:
+                    fault_hook: Optional[Callable[[], None]] = None,
+                    log: Callable[[str], None] = print) -> str:
     """Collective: every rank calls this with its own SaveRequest. Returns the final directory."""
     root = checkpoint_root(out_dir)
     final = os.path.join(root, step_dir_name(req.step))
@@ -195,7 +196,10 @@ def save_checkpoint(out_dir: str, req: SaveRequest, barrier: Optional[Callable[[
         else:
             os.replace(tmp, final)
         _fsync_dir(root)
-        prune_checkpoints(out_dir, keep_last=keep_last, keep_best=keep_best)
+        sig = _signature(final)
+        if sig is not None:  # the manifest's hashes were computed from exactly these files
+            _verified[final] = sig
+        prune_checkpoints(out_dir, keep_last=keep_last, keep_best=keep_best, log=log)
     _barrier(barrier)
     return final
 
@@ -212,12 +216,23 @@ def list_checkpoints(out_dir: str) -> list[tuple[int, str]]:
     return sorted(found, reverse=True)
 
 
-def prune_checkpoints(out_dir: str, keep_last: int, keep_best: bool) -> None:
+def prune_checkpoints(out_dir: str, keep_last: int, keep_best: bool,
+                      log: Callable[[str], None] = print) -> None:
+    """Keep the `keep_last` newest *valid* checkpoints and the valid one with the best val_loss.
+
+    Only checkpoints that pass `verify_checkpoint` count: a damaged directory (torn, truncated,
+    corrupted) can never be loaded, so it is removed and never takes the place of a good one. The
+    newest valid checkpoint is therefore always kept, whatever keep_last says.
+    """
     ckpts = list_checkpoints(out_dir)
-    keep = {p for _, p in ckpts[:max(1, keep_last)]}
+    valid, damaged = [], []
+    for _, p in ckpts:
+        problem = verify_checkpoint(p, trust_cache=True)
+        (valid if problem is None else damaged).append((p, problem))
+    keep = {p for p, _ in valid[:max(1, keep_last)]}
     if keep_best:
         best, best_path = float("inf"), None
-        for _, p in ckpts:
+        for p, _ in valid:
             try:
                 v = read_json(os.path.join(p, "trainer_state.json")).get("val_loss")
             except (OSError, ValueError):
@@ -226,15 +241,39 @@ def prune_checkpoints(out_dir: str, keep_last: int, keep_best: bool) -> None:
                 best, best_path = v, p
         if best_path:
             keep.add(best_path)
-    for _, p in ckpts:
+    for p, problem in damaged:
+        log(f"[checkpoint] removing damaged {p}: {problem}")
+        shutil.rmtree(p, ignore_errors=True)
+    for p, _ in valid:
         if p not in keep:
             shutil.rmtree(p, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- loading
 
-def verify_checkpoint(path: str, check_hashes: bool = True) -> Optional[str]:
-    """None when the directory is complete and matches its manifest, else the reason."""
+# Checkpoints this process has verified (or written), by path, with the (name, size, mtime_ns) of
+# their files at that moment: pruning verifies every checkpoint at every save, and re-hashing
+# gigabytes of unchanged files each time would cost more than the save itself.
+_verified: dict[str, tuple] = {}
+
+
+def _signature(path: str) -> Optional[tuple]:
+    try:
+        return tuple(sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(path)))
+    except OSError:
+        return None
+
+
+def verify_checkpoint(path: str, check_hashes: bool = True, trust_cache: bool = False) -> Optional[str]:
+    """None when the directory is complete and matches its manifest, else the reason.
+
+    trust_cache: accept a directory this process already hashed (or wrote) whose files still have
+    the same names, sizes and mtimes, without hashing it again (pruning does; loading never does).
+    """
+    sig = _signature(path)
+    if trust_cache and sig is not None and _verified.get(path) == sig:
+        return None
+    _verified.pop(path, None)
     if not os.path.isfile(os.path.join(path, COMPLETE_MARKER)):
         return "no COMPLETE marker (save was interrupted)"
     try:
@@ -250,6 +289,8 @@ def verify_checkpoint(path: str, check_hashes: bool = True) -> Optional[str]:
             return f"{name} has {size} bytes, manifest says {info['bytes']} (truncated?)"
         if check_hashes and _sha256(fp) != info["sha256"]:
             return f"{name} does not match its sha256 (corrupted)"
+    if check_hashes and sig is not None and sig == _signature(path):
+        _verified[path] = sig
     return None
 
 
