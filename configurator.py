@@ -1,9 +1,12 @@
 """Command-line and config-file overrides for a dataclass of defaults, nanoGPT style.
 
 Owns: turning `python train_my_ddp.py config/foo.py --lr=3e-4 --compile=false` into a
-type-checked configuration. Config files are plain Python written by the user and are
-executed once, at start-up, as the nanoGPT configurator does; only names that are fields of
-the defaults are taken from them. A value given on the command line always wins over a file.
+type-checked configuration. A positional argument is a config file, read by its extension:
+`.py` files are plain Python written by the user and are *executed* once, at start-up, as the
+nanoGPT configurator does (so they can run any code: use only files you trust); `.json`,
+`.yaml` and `.yml` files are read as data (YAML needs PyYAML). Any other file is refused, never
+executed. Only names that are fields of the defaults are taken from a file. A value given on
+the command line always wins over a file.
 
 Must never: exec anything read back from a run directory (the resolved configuration is
 written as JSON by `save_config_json` and only ever read as JSON), or accept a key that is
@@ -16,6 +19,7 @@ import dataclasses
 import difflib
 import json
 import os
+import textwrap
 import types
 import typing
 from typing import Any, Sequence, TypeVar
@@ -125,22 +129,67 @@ def _unknown_key_error(key: str, known: Sequence[str], source: str) -> ConfigErr
     return ConfigError(f"{source}: unknown config key {key!r}{hint}")
 
 
-def _values_from_file(path: str, fields: dict[str, Any]) -> dict[str, Any]:
-    if not os.path.isfile(path):
-        raise ConfigError(f"config file {path!r} does not exist")
-    with open(path, encoding="utf-8") as f:
-        code = f.read()
+PY_CONFIG_EXT = (".py",)
+DATA_CONFIG_EXT = (".json", ".yaml", ".yml")
+CONFIG_FILES_HELP = ("config files (positional, applied in order, --key=value wins): a .py file is executed "
+                     "as Python code (it can do anything: use only files you trust); .json, .yaml and .yml "
+                     "files are read as data (YAML needs PyYAML); any other file is refused")
+
+
+def _is_config_file_name(arg: str) -> bool:
+    return arg.lower().endswith(PY_CONFIG_EXT + DATA_CONFIG_EXT)
+
+
+def _values_from_py(path: str, code: str) -> dict[str, Any]:
     scope: dict[str, Any] = {}
     try:
         exec(compile(code, path, "exec"), scope)  # user-written config, the nanoGPT way
     except Exception as e:  # report any error inside the user's file with its name
         raise ConfigError(f"config file {path}: {type(e).__name__}: {e}") from e
+    return {k: v for k, v in scope.items()
+            if not (k.startswith("_") or isinstance(v, (types.ModuleType, types.FunctionType, type)))}
+
+
+def _values_from_data(path: str, text: str) -> dict[str, Any]:
+    if path.lower().endswith(".json"):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"config file {path}: not valid JSON ({e})") from None
+    else:
+        try:
+            import yaml
+        except ImportError:
+            raise ConfigError(f"config file {path}: YAML config files need PyYAML (pip install pyyaml), "
+                              "or write the config as .json") from None
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path}: not valid YAML ({' '.join(str(e).split())})") from None
+        if data is None:  # an empty YAML file
+            data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: must hold a mapping of config keys to values, "
+                          f"not a {type(data).__name__}")
+    return data
+
+
+def _values_from_file(path: str, fields: dict[str, Any]) -> dict[str, Any]:
+    if not _is_config_file_name(path):
+        raise ConfigError(f"config file {path}: not a config file; expected a .py (executed as Python), "
+                          ".json, .yaml or .yml file")
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path!r} does not exist")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {path}: unreadable ({e})") from None
+    raw = _values_from_py(path, text) if path.lower().endswith(PY_CONFIG_EXT) else _values_from_data(path, text)
     values = {}
-    for k, v in scope.items():
-        if k.startswith("_") or isinstance(v, (types.ModuleType, types.FunctionType, type)):
-            continue
+    for k, v in raw.items():
         if k not in fields:
-            raise _unknown_key_error(k, fields, f"config file {path}")
+            raise _unknown_key_error(str(k), fields, f"config file {path}")
         values[k] = v
     return values
 
@@ -148,18 +197,20 @@ def _values_from_file(path: str, fields: dict[str, Any]) -> dict[str, Any]:
 def parse_config(defaults: T, argv: Sequence[str]) -> T:
     """Return a copy of the dataclass `defaults` with config files and `--key=value` applied.
 
-    argv items: `path/to/config.py` (applied in order), `--key=value`, or `--flag` (bool True).
+    argv items: a config file `path/to/config.{py,json,yaml,yml}` (applied in order; `.py` is
+    executed, the others are read as data), `--key=value`, or `--flag` (bool True).
     """
     fields = _field_types(type(defaults))
     file_values: dict[str, Any] = {}
     cli_values: dict[str, Any] = {}
     for arg in argv:
         if not arg.startswith("--"):
-            if arg.endswith(".py") or os.path.isfile(arg):
+            if _is_config_file_name(arg) or os.path.isfile(arg):
                 for k, v in _values_from_file(arg, fields).items():
                     file_values[k] = coerce_value(k, v, fields[k], f"config file {arg}")
                 continue
-            raise ConfigError(f"unexpected argument {arg!r}: use --key=value or a config .py file")
+            raise ConfigError(f"unexpected argument {arg!r}: use --key=value or a config file "
+                              "(.py, .json, .yaml, .yml)")
         body = arg[2:]
         if "=" in body:
             key, raw = body.split("=", 1)
@@ -188,7 +239,8 @@ def save_config_json(cfg: Any, path: str) -> None:
 def help_text(defaults: Any, title: str) -> str:
     """One line per key with its type, default and the help from field metadata."""
     fields = _field_types(type(defaults))
-    lines = [title, "", "usage: [config.py ...] [--key=value ...]", ""]
+    lines = [title, "", "usage: [config.py|config.json|config.yaml ...] [--key=value ...]", "",
+             textwrap.fill(CONFIG_FILES_HELP, width=100), ""]
     for f in dataclasses.fields(defaults):
         doc = f.metadata.get("help", "")
         lines.append(f"  --{f.name}={getattr(defaults, f.name)!r}  ({_type_name(fields[f.name])}) {doc}")

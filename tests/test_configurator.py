@@ -62,3 +62,56 @@ def test_resolved_config_is_json(tmp_path):
     p = tmp_path / "config.json"
     save_config_json(c, str(p))
     assert json.loads(p.read_text())["steps"] == 5
+
+
+def test_only_py_json_yaml_files_are_config_files(tmp_path):
+    """Issue 11 / 3.5: a positional file is read by its extension; anything else is refused, never executed."""
+    notes = tmp_path / "notes.txt"
+    marker = tmp_path / "executed"
+    notes.write_text(f"open({str(marker)!r}, 'w').write('x')\nsteps = 3\n")
+    with pytest.raises(ConfigError) as e:
+        parse_config(Cfg(), [str(notes)])
+    assert str(notes) in str(e.value) and ".py" in str(e.value) and ".json" in str(e.value)
+    assert not marker.exists()  # the file was never executed
+    j = tmp_path / "c.json"
+    j.write_text('{"lr": 0.25, "steps": 4, "n_kv": null, "mix": {"a": 1}}')
+    c = parse_config(Cfg(), [str(j), "--steps=5"])
+    assert (c.lr, c.steps, c.n_kv, c.mix) == (0.25, 5, None, {"a": 1})
+    y = tmp_path / "c.yaml"
+    y.write_text("lr: 0.5\nname: from yaml\ncompile: true\n")
+    c = parse_config(Cfg(), [str(y)])
+    assert (c.lr, c.name, c.compile) == (0.5, "from yaml", True)
+    yml = tmp_path / "c.yml"
+    yml.write_text("steps: 7\n")
+    assert parse_config(Cfg(), [str(yml)]).steps == 7
+
+
+@pytest.mark.parametrize("name, text, needle", [
+    ("bad.json", '{"steps": "ten"}', "bad.json: steps='ten' is not a valid int"),
+    ("unknown.json", '{"lrr": 1}', "unknown config key 'lrr'"),
+    ("list.json", "[1, 2]", "must hold a mapping of config keys"),
+    ("broken.json", "{lr: ", "broken.json: not valid JSON"),
+    ("broken.yaml", "lr: [1,", "broken.yaml: not valid YAML"),
+    ("config.toml", "lr = 1", "config.toml: not a config file"),
+])
+def test_bad_data_config_files_name_the_file(tmp_path, name, text, needle):
+    f = tmp_path / name
+    f.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        parse_config(Cfg(), [str(f)])
+    assert needle in str(e.value)
+
+
+def test_yaml_without_pyyaml_is_a_clear_error(tmp_path, monkeypatch):
+    import sys
+    monkeypatch.setitem(sys.modules, "yaml", None)  # `import yaml` now raises ImportError
+    f = tmp_path / "c.yaml"
+    f.write_text("lr: 0.5\n")
+    with pytest.raises(ConfigError, match=r"c.yaml: YAML config files need PyYAML \(pip install pyyaml\)"):
+        parse_config(Cfg(), [str(f)])
+
+
+def test_help_says_py_configs_are_code():
+    from configurator import help_text
+    text = help_text(Cfg(), "title")
+    assert "executed as Python code" in text and ".json" in text and ".yaml" in text
