@@ -131,7 +131,11 @@ class TrainingError(Exception):
 # ---------------------------------------------------------------------------- fault hooks (tests)
 
 def _fault(kind: str, step: int) -> bool:
-    """MYLLM_FAULT=kind@step fires once per MYLLM_FAULT_ONCE_FILE (used by the supervisor tests)."""
+    """MYLLM_FAULT=kind@step fires once per MYLLM_FAULT_ONCE_FILE (used by the supervisor tests).
+
+    Kinds: crash (exit 1 at the start of the step), hang (park forever there), kill_in_save (SIGKILL
+    in the middle of that step's checkpoint save), nan_loss (that step's loss is NaN).
+    """
     spec = os.environ.get("MYLLM_FAULT", "")
     if not spec or "@" not in spec:
         return False
@@ -580,10 +584,13 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
         global_units, step_tokens = max(1.0, float(counts[0])), float(counts[1])
         optimizer.zero_grad()
         loss_acc = torch.zeros(4, dtype=torch.float64)
+        poison = _fault("nan_loss", iter_num + 1)  # test hook: this step's loss (and gradients) become NaN
         for i, batch in enumerate(batches):
             sync = contextlib.nullcontext() if i == gas - 1 else ddp_model.no_sync()
             with sync:
                 loss_sum, stats = micro_batch_loss(cfg, forward_model, ref_model, batch, info.device)
+                if poison:
+                    loss_sum = loss_sum * float("nan")
                 # our DDP averages gradients over ranks; * world / global_units makes the result the
                 # gradient of (sum of all ranks' losses) / (all ranks' target units)
                 optimizer.scale_loss(loss_sum * (info.world_size / global_units)).backward()

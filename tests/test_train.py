@@ -151,16 +151,18 @@ def test_sft_then_dpo(pretrained, tiny_pretrain_data, tmp_path):
 
 
 def test_nonfinite_loss_stops_with_checkpoint_intact(tiny_pretrain_run_args, tmp_path):
+    """A NaN loss at step 5 (injected: a huge learning rate need not diverge on every CPU) stops the
+    run with exit 4 and one line; the step-3 checkpoint is the newest, intact and finite."""
     out = tmp_path / "nan"
-    proc = subprocess.run(train_cmd([*tiny_pretrain_run_args, f"--out_dir={out}", "--max_iters=40",
-                                     "--learning_rate=1e4", "--grad_clip=0", "--warmup_iters=0",
-                                     "--lr_schedule=constant"]),
-                          cwd=ROOT, capture_output=True, text=True, env=_env())
+    proc = subprocess.run(train_cmd([*tiny_pretrain_run_args, f"--out_dir={out}", "--max_iters=8"]),
+                          cwd=ROOT, capture_output=True, text=True, env=_env(MYLLM_FAULT="nan_loss@5"))
     assert proc.returncode == EXIT_NONFINITE_LOSS, proc.stderr[-2000:]
-    assert "non-finite loss" in proc.stderr
+    assert "non-finite loss nan at step 5" in proc.stderr and "Traceback" not in proc.stderr
+    assert max(losses(out)) == 4  # the NaN step was not logged
     path = find_latest_valid(str(out))
-    assert path is not None
-    assert all(torch.isfinite(t).all() for t in load_model_state(path).values())
+    assert path is not None and path.endswith("step_00000003")
+    state = load_model_state(path)
+    assert state and all(torch.isfinite(t).all() for t in state.values())
 
 
 def test_sigterm_saves_and_exits_75(tiny_pretrain_run_args, tmp_path):
