@@ -1,8 +1,10 @@
 """Training FLOPs per token and model FLOPs utilisation (MFU).
 
-Owns: the FLOPs formula, the peak-FLOPs measurement (a short matmul benchmark, cached per
-(device, dtype)) and the MFU helper. The peak comes from, in order: the `peak_flops` argument, the
-PEAK_FLOPS environment variable, the measured matmul peak.
+Owns: the FLOPs formula, the table of dense peak FLOP/s of common accelerators, the CPU peak
+measurement (best of several matmul rounds, cached per run directory) and the MFU helper.
+The peak comes from, in order: the `--peak_flops` flag, the PEAK_FLOPS environment variable, the
+table (accelerators, by device name and dtype), a measurement (CPU, or an accelerator the table
+does not know). Only a measured peak is an *estimate*: its MFU is clamped at 100% and labelled so.
 
 Formula (training = forward + backward, backward = 2x forward):
     flops_per_token = 6 * N  +  12 * n_layers * dim * seq_len
@@ -17,7 +19,10 @@ Must never: assert speed, or run the benchmark at import time.
 """
 from __future__ import annotations
 
+import json
+import os
 import time
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -26,6 +31,54 @@ from model.config import ModelConfig
 from utils.device import get_peak_flops_override, synchronize
 
 _PEAK_CACHE: dict[tuple[str, torch.dtype], float] = {}
+
+# Dense (no 2:4 sparsity) peak FLOP/s from the vendors' data sheets: (name fragments, bf16/fp16, fp32).
+# fp32 is the plain (non-tensor-core) figure; checked in order, so the more specific names come first.
+_PEAK_TABLE: list[tuple[tuple[str, ...], float, float]] = [
+    (("h100", "nvl"), 835e12, 60e12),
+    (("h100", "pcie"), 756e12, 51e12),
+    (("h100",), 989e12, 67e12),          # SXM / HBM3
+    (("h200",), 989e12, 67e12),
+    (("gh200",), 989e12, 67e12),
+    (("b200",), 2250e12, 80e12),
+    (("a100",), 312e12, 19.5e12),
+    (("a800",), 312e12, 19.5e12),
+    (("l40s",), 362e12, 91.6e12),
+    (("l40",), 181e12, 90.5e12),
+    (("l4",), 121e12, 30.3e12),
+    (("a10g",), 70e12, 31.2e12),
+    (("a10",), 125e12, 31.2e12),
+    (("v100",), 125e12, 15.7e12),        # fp16 tensor cores (no bf16 on Volta)
+    (("4090",), 165e12, 82.6e12),
+    (("3090",), 71e12, 35.6e12),
+    (("mi300x",), 1307e12, 163.4e12),
+    (("mi250",), 383e12, 47.9e12),
+]
+
+
+@dataclass(frozen=True)
+class PeakFlops:
+    flops: float   # FLOP/s of one device
+    source: str    # "flag" | "env" | "table" | "measured"
+    detail: str = ""
+
+    @property
+    def is_estimate(self) -> bool:
+        return self.source == "measured"
+
+    def describe(self) -> str:
+        what = {"flag": "--peak_flops", "env": "PEAK_FLOPS", "table": f"table: {self.detail}",
+                "measured": f"measured matmul, an estimate: {self.detail}"}[self.source]
+        return f"{self.flops / 1e12:.3g} TFLOP/s ({what})"
+
+
+def table_peak_flops(device_name: str, dtype: torch.dtype) -> Optional[float]:
+    """Dense peak FLOP/s of a known accelerator in `dtype`, or None."""
+    name = device_name.lower()
+    for fragments, half, single in _PEAK_TABLE:
+        if all(f in name for f in fragments):
+            return single if dtype == torch.float32 else half
+    return None
 
 
 def matmul_params(cfg: ModelConfig) -> int:
@@ -42,9 +95,11 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
 
 
 def measure_peak_flops(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                       n: Optional[int] = None, seconds: float = 1.0) -> float:
-    """Best observed FLOP/s of a square matmul of size n in `dtype` on `device` (cached).
+                       n: Optional[int] = None, seconds: float = 1.0, rounds: int = 5) -> float:
+    """Best observed FLOP/s of a square matmul of size n in `dtype` on `device` (cached per process).
 
+    Best of `rounds` rounds of `seconds / rounds` each, after a warm-up: one short measurement on a
+    busy CPU varied 10x between runs; the best of several is stable to a few percent.
     PEAK_FLOPS in the environment overrides the measurement.
     """
     override = get_peak_flops_override()
@@ -58,23 +113,78 @@ def measure_peak_flops(device: torch.device | str = "cpu", dtype: torch.dtype = 
         n = 1024 if device.type == "cpu" else 8192
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
-    for _ in range(2):  # warm-up: thread pools, kernel selection
+    for _ in range(3):  # warm-up: thread pools, kernel selection, CPU frequency
         a @ b
     synchronize(device)
     best = 0.0
-    t_end = time.perf_counter() + seconds
-    while time.perf_counter() < t_end:
-        t0 = time.perf_counter()
-        a @ b
-        synchronize(device)
-        dt = time.perf_counter() - t0
-        best = max(best, 2.0 * n ** 3 / dt)
+    for _ in range(max(1, rounds)):
+        t_end = time.perf_counter() + seconds / max(1, rounds)
+        while True:
+            t0 = time.perf_counter()
+            a @ b
+            synchronize(device)
+            dt = time.perf_counter() - t0
+            best = max(best, 2.0 * n ** 3 / dt)
+            if time.perf_counter() >= t_end:
+                break
     _PEAK_CACHE[key] = best
     return best
 
 
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(device)
+    return device.type
+
+
+def resolve_peak_flops(device: torch.device | str, dtype: torch.dtype, override: float = 0.0,
+                       cache_dir: Optional[str] = None) -> PeakFlops:
+    """Where MFU's denominator comes from (see the module docstring for the order).
+
+    A measured peak is cached in `<cache_dir>/peak_flops.json` (per device, dtype and thread
+    count), so a resumed run divides by the same number and its MFU curve stays continuous.
+    """
+    device = torch.device(device)
+    if override and override > 0:
+        return PeakFlops(float(override), "flag")
+    env = get_peak_flops_override()
+    if env:
+        return PeakFlops(env, "env")
+    name = _device_name(device)
+    table = table_peak_flops(name, dtype) if device.type != "cpu" else None
+    if table is not None:
+        return PeakFlops(table, "table", f"{name} {str(dtype).replace('torch.', '')}")
+    key = f"{name}|{str(dtype).replace('torch.', '')}|threads={torch.get_num_threads()}"
+    path = os.path.join(cache_dir, "peak_flops.json") if cache_dir else None
+    cached: dict = {}
+    if path and os.path.exists(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                cached = json.load(f)
+        except (OSError, ValueError):
+            cached = {}  # a torn cache is re-measured, never trusted
+        if isinstance(cached, dict) and isinstance(cached.get(key), (int, float)) and cached[key] > 0:
+            return PeakFlops(float(cached[key]), "measured", f"{key}, cached")
+    value = measure_peak_flops(device, dtype, seconds=2.0 if device.type == "cpu" else 1.0)
+    if path:
+        cached = cached if isinstance(cached, dict) else {}
+        cached[key] = value
+        tmp = path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(cached, f, indent=1)
+        os.replace(tmp, path)
+    return PeakFlops(value, "measured", key)
+
+
+def mfu_from(achieved_flops_per_s: float, peak: PeakFlops) -> float:
+    """Achieved / peak; an estimated (measured) peak is clamped at 100%: a busy or turbo-boosting CPU
+    can beat its own short measurement, and a figure above 100% says nothing true."""
+    value = achieved_flops_per_s / peak.flops
+    return min(value, 1.0) if peak.is_estimate else value
+
+
 def mfu(tokens_per_second: float, cfg: ModelConfig, seq_len: int, peak_flops: Optional[float] = None,
         device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> float:
-    """Achieved training FLOP/s as a fraction of the peak (argument > PEAK_FLOPS env > measured)."""
-    peak = peak_flops or measure_peak_flops(device, dtype)
-    return tokens_per_second * flops_per_token(cfg, seq_len) / peak
+    """Achieved training FLOP/s as a fraction of the peak (argument > PEAK_FLOPS env > table > measured)."""
+    peak = resolve_peak_flops(device, dtype, override=peak_flops or 0.0)
+    return mfu_from(tokens_per_second * flops_per_token(cfg, seq_len), peak)

@@ -22,3 +22,47 @@ def test_peak_flops_measured_cached_and_overridable(monkeypatch):
     assert flops.measure_peak_flops("cpu", torch.float32) == 1e12
     cfg = ModelConfig(vocab_size=100, dim=32, n_layers=2, n_heads=4, hidden_dim=64)
     assert abs(flops.mfu(1000.0, cfg, 16) - 1000.0 * flops.flops_per_token(cfg, 16) / 1e12) < 1e-12
+
+
+def test_peak_table_by_device_name_and_dtype():
+    assert flops.table_peak_flops("NVIDIA H100 80GB HBM3", torch.bfloat16) == 989e12
+    assert flops.table_peak_flops("NVIDIA H100 PCIe", torch.bfloat16) == 756e12
+    assert flops.table_peak_flops("NVIDIA H100 NVL", torch.float16) == 835e12
+    assert flops.table_peak_flops("NVIDIA A100-SXM4-80GB", torch.bfloat16) == 312e12
+    assert flops.table_peak_flops("NVIDIA A100-SXM4-80GB", torch.float32) == 19.5e12
+    assert flops.table_peak_flops("NVIDIA A10G", torch.bfloat16) == 70e12  # not A10's figure
+    assert flops.table_peak_flops("Some Future GPU", torch.bfloat16) is None
+
+
+def test_peak_resolution_order_and_cpu_cache(monkeypatch, tmp_path):
+    monkeypatch.delenv("PEAK_FLOPS", raising=False)
+    p = flops.resolve_peak_flops("cpu", torch.float32, override=5e11)
+    assert (p.flops, p.source, p.is_estimate) == (5e11, "flag", False)
+    monkeypatch.setenv("PEAK_FLOPS", "2e11")
+    assert flops.resolve_peak_flops("cpu", torch.float32).source == "env"
+    monkeypatch.delenv("PEAK_FLOPS")
+    # A measured CPU peak is cached in the run directory: a resumed run reuses the same number.
+    monkeypatch.setattr(flops, "measure_peak_flops", lambda *a, **k: 3.5e10)
+    m = flops.resolve_peak_flops("cpu", torch.float32, cache_dir=str(tmp_path))
+    assert (m.flops, m.source, m.is_estimate) == (3.5e10, "measured", True)
+    monkeypatch.setattr(flops, "measure_peak_flops", lambda *a, **k: 9.9e10)
+    again = flops.resolve_peak_flops("cpu", torch.float32, cache_dir=str(tmp_path))
+    assert again.flops == 3.5e10 and "cached" in again.detail
+    (tmp_path / "peak_flops.json").write_text("{torn")  # a damaged cache is re-measured
+    assert flops.resolve_peak_flops("cpu", torch.float32, cache_dir=str(tmp_path)).flops == 9.9e10
+
+
+def test_mfu_is_clamped_only_for_an_estimated_peak():
+    measured = flops.PeakFlops(1e10, "measured", "cpu")
+    assert flops.mfu_from(4e10, measured) == 1.0          # 400% on a measured CPU peak -> 100%
+    assert flops.mfu_from(5e9, measured) == 0.5
+    table = flops.PeakFlops(1e10, "table", "x")
+    assert flops.mfu_from(4e10, table) == 4.0             # a table peak is exact: never hidden
+    assert "estimate" in measured.describe() and "estimate" not in table.describe()
+
+
+def test_measured_peak_is_best_of_rounds(monkeypatch):
+    monkeypatch.delenv("PEAK_FLOPS", raising=False)
+    flops._PEAK_CACHE.clear()
+    p = flops.measure_peak_flops("cpu", torch.float32, n=64, seconds=0.05, rounds=3)
+    assert p > 0 and flops._PEAK_CACHE[("cpu", torch.float32)] == p

@@ -1,25 +1,102 @@
-"""Run observability: metrics.jsonl, optional TensorBoard, the console line, the heartbeat.
+"""Run observability: metrics.jsonl, optional TensorBoard and Weights & Biases, the console line,
+the heartbeat, and a windowed throughput meter.
 
 Owns: everything a run writes for humans and supervisors while it trains. Only rank 0 writes.
-Must never: influence training, or fail the run because an optional sink (TensorBoard) is absent.
+metrics.jsonl keeps flat keys (`loss`, `val_loss`, ...); TensorBoard and W&B get them grouped
+(`train/loss`, `eval/loss`, `dpo/reward_acc`, `perf/tokens_per_sec`, see `metric_tag`).
+Must never: influence training, or fail the run because an optional sink (TensorBoard, wandb) is absent.
 """
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
 import time
-from typing import Any
+import uuid
+from typing import Any, Optional
+
+_DPO_KEYS = {"chosen_reward", "rejected_reward", "reward_acc", "reward_margin"}
+_PERF_KEYS = {"tokens_per_sec", "tokens_per_sec_avg", "mfu", "tokens_seen", "step_time",
+              "mem_alloc_mib", "mem_peak_mib", "rss_mib"}
+
+
+def metric_tag(key: str) -> str:
+    """Grouped name of a flat metrics.jsonl key for TensorBoard / W&B dashboards."""
+    if key.startswith("val_"):
+        rest = key[len("val_"):]
+        return f"eval/{'dpo_' if rest in _DPO_KEYS else ''}{rest}"
+    if key in _DPO_KEYS:
+        return f"dpo/{key}"
+    if key in _PERF_KEYS or key.startswith("mem_"):
+        return f"perf/{key}"
+    return f"train/{key}"
+
+
+class Throughput:
+    """Tokens/s over the last `window` steps (total tokens / total time, not a mean of rates):
+    one step's rate swings 10x with evaluation, checkpoints and a busy machine; the window does not."""
+
+    def __init__(self, window: int = 20) -> None:
+        self._steps: collections.deque[tuple[float, float]] = collections.deque(maxlen=max(1, window))
+
+    def update(self, tokens: float, seconds: float) -> float:
+        self._steps.append((float(tokens), max(1e-9, float(seconds))))
+        return sum(t for t, _ in self._steps) / sum(s for _, s in self._steps)
+
+
+class WandbSink:
+    """Weights & Biases, optional. The run id is kept in `<out_dir>/wandb_run.json`, so a resumed
+    run (also after a crash, under the supervisor) continues the same W&B run; steps already
+    logged before the crash are not sent again, so the W&B step stays monotonic.
+    `WANDB_MODE=offline` works without network (`wandb sync` uploads later)."""
+
+    def __init__(self, out_dir: str, project: str, run_name: str, config: Optional[dict], log: Any) -> None:
+        import wandb  # ImportError is handled by the caller
+
+        self.state_path = os.path.join(out_dir, "wandb_run.json")
+        state = {}
+        if os.path.exists(self.state_path):
+            with open(self.state_path, encoding="utf-8") as f:
+                state = json.load(f)
+        run_id = state.get("id") or uuid.uuid4().hex[:12]
+        self.last_step = int(state.get("last_step", -1))
+        self.skipped = 0
+        self.run = wandb.init(project=project or None, name=run_name or None, id=run_id, resume="allow",
+                              dir=out_dir, config=config, reinit=True)
+        self._save_state(run_id)
+        log(f"[metrics] wandb run {run_id} ({'resumed' if state else 'new'}; mode "
+            f"{os.environ.get('WANDB_MODE', 'online')}) in {out_dir}/wandb")
+
+    def _save_state(self, run_id: Optional[str] = None) -> None:
+        rid = run_id or self.run.id
+        tmp = self.state_path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump({"id": rid, "last_step": self.last_step}, f)
+        os.replace(tmp, self.state_path)
+
+    def write(self, step: int, scalars: dict[str, float]) -> None:
+        if step <= self.last_step:  # re-done after a resume: W&B already has this step
+            self.skipped += 1
+            return
+        self.run.log({metric_tag(k): v for k, v in scalars.items()}, step=step)
+        self.last_step = step
+        self._save_state()
+
+    def close(self) -> None:
+        self.run.finish()
 
 
 class MetricsLogger:
     def __init__(self, out_dir: str, enabled: bool = True, tensorboard: bool = False,
-                 log: Any = print) -> None:
+                 log: Any = print, wandb: bool = False, wandb_project: str = "", wandb_run_name: str = "",
+                 run_config: Optional[dict] = None) -> None:
         self.enabled = enabled
         self.path = os.path.join(out_dir, "metrics.jsonl")
         self.heartbeat_path = os.path.join(out_dir, "heartbeat")
         self.log = log
         self.tb = None
+        self.wandb: Optional[WandbSink] = None
         if enabled and tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -27,6 +104,11 @@ class MetricsLogger:
             except ImportError:
                 log("[metrics] tensorboard not installed; metrics go to metrics.jsonl only "
                     "(pip install tensorboard to enable)")
+        if enabled and wandb:
+            try:
+                self.wandb = WandbSink(out_dir, wandb_project, wandb_run_name, run_config, log)
+            except ImportError:
+                log("[metrics] wandb not installed; metrics go to metrics.jsonl only (pip install wandb)")
 
     def heartbeat(self) -> None:
         """Touched every step; monitor_process.py treats a stale mtime as a hang."""
@@ -43,15 +125,20 @@ class MetricsLogger:
         clean.setdefault("time", time.time())
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(clean, ensure_ascii=False) + "\n")
+        scalars = {k: float(v) for k, v in clean.items()
+                   if k not in ("step", "time") and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        step = int(record.get("step", 0))
         if self.tb is not None:
-            step = int(record.get("step", 0))
-            for k, v in record.items():
-                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
-                    self.tb.add_scalar(k, v, step)
+            for k, v in scalars.items():
+                self.tb.add_scalar(metric_tag(k), v, step)
+        if self.wandb is not None:
+            self.wandb.write(step, scalars)
 
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.close()
 
 
 def read_metrics(path: str) -> list[dict[str, Any]]:
@@ -79,12 +166,18 @@ def dedupe_by_step(records: list[dict[str, Any]], key: str = "loss") -> dict[int
 
 
 def format_line(rec: dict[str, Any]) -> str:
+    """The console line. Throughput is the windowed average when present; an MFU over an estimated
+    (measured) peak is printed as `mfu~`."""
     parts = [f"step {rec['step']}"]
+    tps = "tokens_per_sec_avg" if isinstance(rec.get("tokens_per_sec_avg"), (int, float)) else "tokens_per_sec"
     for key, fmt in (("loss", "{:.4f}"), ("val_loss", "{:.4f}"), ("lr", "{:.2e}"), ("grad_norm", "{:.3f}"),
-                     ("tokens_per_sec", "{:.0f}"), ("mfu", "{:.2%}"), ("reward_acc", "{:.3f}"), ("val_reward_acc", "{:.3f}"),
+                     (tps, "{:.0f}"), ("mfu", "{:.2%}"), ("reward_acc", "{:.3f}"), ("val_reward_acc", "{:.3f}"),
                      ("mem_peak_mib", "{:.0f}MiB"), ("rss_mib", "{:.0f}MiB")):
         v = rec.get(key)
         if isinstance(v, (int, float)):
-            parts.append(f"{key} " + fmt.format(v))
+            name = {"tokens_per_sec_avg": "tokens/s", "tokens_per_sec": "tokens/s"}.get(key, key)
+            if key == "mfu" and rec.get("mfu_is_estimate"):
+                name = "mfu~"
+            parts.append(f"{name} " + fmt.format(v))
     return " | ".join(parts)
 

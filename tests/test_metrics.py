@@ -1,0 +1,88 @@
+"""utils.metrics: grouped dashboard tags, windowed throughput, the W&B sink (offline) and resplot's
+smoothed throughput and DPO panels."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+from utils.metrics import MetricsLogger, Throughput, format_line, metric_tag
+
+
+def test_metric_tags_are_grouped():
+    assert metric_tag("loss") == "train/loss"
+    assert metric_tag("lr") == "train/lr"
+    assert metric_tag("grad_norm") == "train/grad_norm"
+    assert metric_tag("val_loss") == "eval/loss"
+    assert metric_tag("reward_acc") == "dpo/reward_acc"
+    assert metric_tag("val_reward_acc") == "eval/dpo_reward_acc"
+    assert metric_tag("tokens_per_sec_avg") == "perf/tokens_per_sec_avg"
+    assert metric_tag("mem_peak_mib") == "perf/mem_peak_mib"
+
+
+def test_throughput_window_is_total_tokens_over_total_time():
+    t = Throughput(window=3)
+    assert t.update(1000, 1.0) == 1000.0
+    # a slow step (an evaluation, a busy core) moves the average, not 10x
+    assert t.update(1000, 10.0) == pytest.approx(2000 / 11.0)
+    t.update(1000, 1.0)
+    assert t.update(1000, 1.0) == pytest.approx(3000 / 12.0)  # the first step left the window
+    assert t.update(1000, 1.0) == pytest.approx(1000.0)
+
+
+def test_console_line_marks_estimated_mfu():
+    line = format_line({"step": 3, "loss": 1.0, "tokens_per_sec": 50.0, "tokens_per_sec_avg": 40.0,
+                        "mfu": 0.5, "mfu_is_estimate": True})
+    assert "tokens/s 40" in line and "mfu~ 50.00%" in line
+    assert "mfu 50.00%" in format_line({"step": 3, "mfu": 0.5})
+
+
+def test_wandb_offline_resume_continues_the_run_with_monotonic_steps(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = str(tmp_path)
+    m = MetricsLogger(out, wandb=True, wandb_project="p", wandb_run_name="r", log=lambda s: None)
+    for s in (1, 2, 3):
+        m.write({"step": s, "loss": 1.0 / s, "val_loss": 2.0})
+    run_id = m.wandb.run.id
+    m.close()
+    state = json.loads((tmp_path / "wandb_run.json").read_text())
+    assert state == {"id": run_id, "last_step": 3}
+    # the trainer crashed after step 3 but resumed from a checkpoint at step 2: steps 3.. are re-done
+    m2 = MetricsLogger(out, wandb=True, wandb_project="p", wandb_run_name="r", log=lambda s: None)
+    assert m2.wandb.run.id == run_id
+    for s in (3, 4):
+        m2.write({"step": s, "loss": 0.1})
+    assert m2.wandb.skipped == 1 and m2.wandb.last_step == 4
+    m2.close()
+    runs = [d for d in os.listdir(tmp_path / "wandb") if d.startswith("offline-run-")]
+    assert runs and all(run_id in d for d in runs)  # offline run files, one W&B run id
+    assert any(f.endswith(".wandb") for d in runs for f in os.listdir(tmp_path / "wandb" / d))
+
+
+def test_wandb_missing_is_logged_not_fatal(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
+    said = []
+    m = MetricsLogger(str(tmp_path), wandb=True, log=said.append)
+    m.write({"step": 1, "loss": 1.0})
+    assert m.wandb is None and any("wandb not installed" in s for s in said)
+    assert json.loads((tmp_path / "metrics.jsonl").read_text())["loss"] == 1.0
+
+
+def test_resplot_dpo_panels_and_smoothed_throughput(tmp_path):
+    from utils.resplot import _series, moving_average, plot_runs
+    assert moving_average([1.0, 3.0, 5.0, 7.0], window=2) == [1.0, 2.0, 4.0, 6.0]
+    d = tmp_path / "dpo"
+    d.mkdir()
+    with open(d / "metrics.jsonl", "w") as f:
+        for s in range(1, 11):
+            f.write(json.dumps({"step": s, "loss": 0.7, "tokens_per_sec": 100.0 * (s % 3 + 1),
+                                "chosen_reward": 0.1 * s, "rejected_reward": -0.1 * s, "reward_acc": 0.5}) + "\n")
+    recs = [json.loads(line) for line in open(d / "metrics.jsonl")]
+    steps, margin = _series(recs, "reward_margin")
+    assert steps == list(range(1, 11)) and margin[4] == pytest.approx(1.0)
+    out = plot_runs([str(d)], str(tmp_path / "c.png"))
+    assert open(out, "rb").read(4) == b"\x89PNG"
