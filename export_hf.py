@@ -1,25 +1,27 @@
-"""Export a checkpoint of ours to a Hugging Face directory: `python export_hf.py --ckpt=out/run --output_dir=hf`.
+"""Export a checkpoint of ours to a Hugging Face directory: `python export_hf.py --ckpt=out/run --out_dir=hf [--checkpoint=best]`.
 
 Owns: the command-line bridge from our checkpoints to `transformers.LlamaForCausalLM.from_pretrained`
 (config.json + model.safetensors + the tokenizer files). For a run trained with LoRA, the adapters are
-merged into the weights by default; with `--adapters_output_dir` the base weights are exported
+merged into the weights by default; with `--adapters_out_dir` the base weights are exported
 unmerged and the adapters are written in the PEFT layout next to them instead, for
 `peft.PeftModel.from_pretrained(base, adapters_dir)`. Importing goes the other way with
 `--init_from=<HF dir>` in train_my_ddp.py. Must never modify the checkpoint.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--ckpt", required=True, help="run directory (newest complete checkpoint) or a checkpoint dir")
-    p.add_argument("--output_dir", required=True)
+    from utils.cli import Parser, add_out_dir
+    p = Parser(description=__doc__.splitlines()[0])
+    p.add_argument("--ckpt", required=True, help="run directory, or one checkpoint directory")
+    p.add_argument("--checkpoint", default="latest",
+                   help="which checkpoint of the run: latest (newest valid), best (lowest validation loss) or step_N")
+    add_out_dir(p, "the Hugging Face model directory to write", required=True)
     p.add_argument("--tokenizer_dir", default=None, help="default: the run's --tokenizer_dir")
-    p.add_argument("--adapters_output_dir", default=None,
+    p.add_argument("--adapters_out_dir", "--adapters_output_dir", dest="adapters_out_dir", default=None,
                    help="LoRA runs: export base weights + PEFT adapters here instead of merging")
     args = p.parse_args(argv)
 
@@ -28,27 +30,29 @@ def main(argv: list[str] | None = None) -> int:
     from model.lora import merge_lora, save_lora
     from train_my_ddp import model_from_checkpoint
     from utils import checkpoint as ckpt
+    from utils.run_config import select_checkpoint
 
-    found = ckpt.resolve_checkpoint_dir(args.ckpt)
-    if found is None:
-        print(f"export_hf: no complete checkpoint under {args.ckpt}", file=sys.stderr)
+    try:
+        found = select_checkpoint(args.ckpt, args.checkpoint)
+    except ckpt.CheckpointError as e:
+        print(f"export_hf: {e}", file=sys.stderr)
         return 2
     model, run_cfg = model_from_checkpoint(found)
     tok_dir = args.tokenizer_dir or run_cfg.get("tokenizer_dir")
     lora = run_cfg.get("lora_rank", 0) > 0
-    if args.adapters_output_dir and not lora:
-        print("export_hf: --adapters_output_dir given but the run did not train LoRA adapters", file=sys.stderr)
+    if args.adapters_out_dir and not lora:
+        print("export_hf: --adapters_out_dir given but the run did not train LoRA adapters", file=sys.stderr)
         return 2
-    if lora and args.adapters_output_dir:
-        save_lora(model, args.adapters_output_dir, base_model_name_or_path=os.path.abspath(args.output_dir))
+    if lora and args.adapters_out_dir:
+        save_lora(model, args.adapters_out_dir, base_model_name_or_path=os.path.abspath(args.out_dir))
         base = Transformer(model.cfg)  # the frozen base weights, without the adapters
         base.load_state_dict({k: v for k, v in model.state_dict().items() if "lora_" not in k})
         model = base
-        print(f"export_hf: adapters (PEFT layout) -> {args.adapters_output_dir}")
+        print(f"export_hf: adapters (PEFT layout) -> {args.adapters_out_dir}")
     elif lora:
         merge_lora(model)
-    out = export_hf(model, args.output_dir, tokenizer_dir=tok_dir)
-    print(f"export_hf: {found} -> {out} (LlamaForCausalLM{', LoRA merged' if lora and not args.adapters_output_dir else ''})")
+    out = export_hf(model, args.out_dir, tokenizer_dir=tok_dir)
+    print(f"export_hf: {found} -> {out} (LlamaForCausalLM{', LoRA merged' if lora and not args.adapters_out_dir else ''})")
     return 0
 
 

@@ -125,6 +125,9 @@ def export_hf(model: Transformer, out_dir: str, tokenizer_dir: Optional[str] = N
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp_export_", dir=parent)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; the export is an ordinary directory
     try:
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(hf_config_dict(model.cfg, dtype, special_ids), f, indent=2)
