@@ -1,12 +1,14 @@
 """Pretokenize raw pretraining text into token shards (`python -m data_preprocess.pretokenize_pretrain_data`).
 
-Owns: turning .jsonl/.json/.parquet documents into `<stem>_<k:05d>.bin` shards of
-`<s> ids </s>` documents with sidecars (format in `shard_format.py`), tokenizing in worker
-processes, collecting *every* worker exception with the file it came from, and resuming:
-inputs whose shards are complete and consistent are skipped, the rest redone.
+Owns: turning .txt/.jsonl/.json/.parquet documents (the tokenizer trainer's file set) into
+`<stem>_<k:05d>.bin` shards of `<s> ids </s>` documents with sidecars (format in `shard_format.py`),
+tokenizing in worker processes with a bounded number of characters per call (documents longer than
+`max_doc_chars` are tokenized in consecutive pieces and concatenated into the same document),
+collecting *every* worker exception with the file it came from, and resuming: inputs whose shards are
+complete and consistent are skipped, the rest redone.
 
 Must never: hard-code the id dtype, write a sidecar before its shard is on disk, report success
-when a worker failed, or read the shards it is writing as input.
+when a worker failed or when no token was produced, or read the shards it is writing as input.
 """
 from __future__ import annotations
 
@@ -17,12 +19,13 @@ import sys
 import time
 import traceback
 from concurrent.futures import Future, ProcessPoolExecutor
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
-from data_preprocess.readers import (SkipCounter, extract_text, find_input_files, iter_records,
-                                     parse_text_fields)
+from data_preprocess.readers import (SkipCounter, collect_inputs, extract_text, iter_records,
+                                     parse_text_fields, split_long_text)
+from tokenizer.corpus import input_kind
 from data_preprocess.shard_format import (SHARD_RE, DataError, dtype_for_vocab, read_sidecar,
                                           remove_temp_files, write_shard, check_shard)
 
@@ -30,6 +33,8 @@ log = logging.getLogger("pretokenize_pretrain")
 
 DEFAULT_SHARD_TOKENS = 100_000_000  # 200 MB of uint16: large enough for few files, small enough to copy
 BATCH_DOCS = 256                     # documents per worker task: amortizes pickling, keeps latency low
+DEFAULT_MAX_DOC_CHARS = 1_000_000    # characters per tokenizer call: a few hundred MB of encoder state at most
+MAX_LOGGED_SPLITS = 5                # per file
 
 # ----------------------------------------------------------------------------- worker side
 _ENCODE: Optional[Callable[[list[str]], list[list[int]]]] = None
@@ -75,21 +80,31 @@ class _ShardWriter:
         self.docs = 0
 
     def add(self, ids: np.ndarray) -> None:
-        doc = np.empty(ids.size + 2, dtype=self.dtype)
-        doc[0], doc[-1] = self.meta["bos_id"], self.meta["eos_id"]
-        doc[1:-1] = ids
+        """One whole document."""
+        self.begin_doc()
+        self.extend(ids)
+        self.end_doc()
+
+    def begin_doc(self) -> None:
         if self.fill == self.shard_tokens:
             self._flush(final=False)  # flushed lazily so the final shard is never an empty one
         self.doc_starts.append(self.fill)
         self.docs += 1
+        self.extend(np.asarray([self.meta["bos_id"]]))
+
+    def end_doc(self) -> None:
+        self.extend(np.asarray([self.meta["eos_id"]]))
+
+    def extend(self, ids: np.ndarray) -> None:
+        """Append ids to the open document (one document may be added in several pieces)."""
         pos = 0
-        while pos < doc.size:
-            n = min(doc.size - pos, self.shard_tokens - self.fill)
-            self.buf[self.fill:self.fill + n] = doc[pos:pos + n]
+        while pos < ids.size:
+            if self.fill == self.shard_tokens:
+                self._flush(final=False)  # a full shard with more of this document to come
+            n = min(ids.size - pos, self.shard_tokens - self.fill)
+            self.buf[self.fill:self.fill + n] = ids[pos:pos + n]
             self.fill += n
             pos += n
-            if self.fill == self.shard_tokens and pos < doc.size:
-                self._flush(final=False)  # a full shard with more of this document to come
 
     def _flush(self, final: bool) -> None:
         offsets = np.asarray(self.doc_starts + [self.fill], dtype=np.int64)
@@ -121,21 +136,25 @@ def _stem_files(out_dir: str, stem: str) -> list[str]:
             and len(n) > len(stem) + 6 and n[len(stem) + 6] == "."]
 
 
-def _is_complete(out_dir: str, stem: str, expect: dict) -> bool:
-    """Complete = sidecars 0..n-1 present, sizes agree, the last marked final, and built from
-    the same source file (size, mtime), tokenizer and text fields as this run."""
+def _complete_tokens(out_dir: str, stem: str, expect: dict) -> Optional[int]:
+    """The token count of an input's complete shards, or None when they are not complete.
+
+    Complete = sidecars 0..n-1 present, sizes agree, the last marked final, and built from the
+    same source file (size, mtime), tokenizer, text fields and max_doc_chars as this run."""
     sidecars = sorted(n for n in _stem_files(out_dir, stem) if SHARD_RE.match(n))
     if not sidecars:
-        return False
+        return None
     try:
         metas = [read_sidecar(os.path.join(out_dir, n)) for n in sidecars]
         for n, m in zip(sidecars, metas):
             check_shard(os.path.join(out_dir, n), m)
     except DataError:
-        return False
+        return None
     if [m.get("shard_index") for m in metas] != list(range(len(metas))) or not metas[-1].get("final"):
-        return False
-    return all(all(m.get(k) == v for k, v in expect.items()) for m in metas)
+        return None
+    if not all(all(m.get(k) == v for k, v in expect.items()) for m in metas):
+        return None
+    return sum(int(m.get("num_tokens", 0)) for m in metas)
 
 
 # ----------------------------------------------------------------------------- driver
@@ -144,12 +163,18 @@ def pretokenize_pretrain(data_dir: str, tokenizer_dir: Optional[str], output_dir
                          num_workers: int = 2, text_fields: str | Sequence[str] = "text",
                          shard_size_tokens: int = DEFAULT_SHARD_TOKENS, strict: bool = False,
                          progress: bool = True, encode_fn: Optional[Callable] = None,
-                         tokenizer_meta: Optional[dict] = None) -> dict[str, Any]:
+                         tokenizer_meta: Optional[dict] = None,
+                         max_doc_chars: int = DEFAULT_MAX_DOC_CHARS) -> dict[str, Any]:
     """Tokenize every input file into shards; returns a summary dict.
 
     Raises DataError listing every failed input (worker exceptions included) after processing
-    all the others. `encode_fn`/`tokenizer_meta` replace the tokenizer (tests, custom encoders);
+    all the others, and DataError when the inputs hold no usable document at all (0 tokens).
+    A document longer than `max_doc_chars` characters (0: no limit) is tokenized in consecutive
+    pieces (`readers.split_long_text`) written as one document; counted in "split_documents".
+    `encode_fn`/`tokenizer_meta` replace the tokenizer (tests, custom encoders);
     `encode_fn` must be picklable (a module-level function)."""
+    if max_doc_chars < 0:
+        raise ValueError(f"max_doc_chars must be >= 0 (0 = no limit), got {max_doc_chars}")
     data_dir = os.path.abspath(data_dir)
     output_dir = os.path.abspath(output_dir or data_dir.rstrip(os.sep) + "_tokenized")
     if tokenizer_meta is None:
@@ -161,18 +186,22 @@ def pretokenize_pretrain(data_dir: str, tokenizer_dir: Optional[str], output_dir
     spec = "|".join(",".join(a) for a in alternatives)
     os.makedirs(output_dir, exist_ok=True)
     remove_temp_files(output_dir)
-    files = find_input_files(data_dir, exclude_dir=output_dir)
+    inputs = collect_inputs(data_dir, exclude_dir=output_dir)
+    files = inputs.files
     if not files:
-        raise DataError(f"{data_dir}: no .jsonl/.json/.parquet inputs")
+        raise DataError(f"{data_dir}: no .txt/.jsonl/.json/.parquet inputs (any case)"
+                        + (f"; ignored {len(inputs.ignored)} other file(s)" if inputs.ignored else ""))
     base_meta = {
         "dtype": dtype_for_vocab(vocab_size).str, "vocab_size": vocab_size,
         "bos_id": int(sp["bos"]["id"]), "eos_id": int(sp["eos"]["id"]),
         "tokenizer_fingerprint": str(tokenizer_meta.get("fingerprint", "")),
         "tokenizer_type": tokenizer_meta.get("tokenizer_type"), "text_fields": spec,
-        "document_layout": "<s> ids </s>",
+        "document_layout": "<s> ids </s>", "max_doc_chars": int(max_doc_chars),
     }
     summary: dict[str, Any] = {"output_dir": output_dir, "files": {}, "skipped_complete": [],
-                               "failed": {}, "tokens": 0, "documents": 0, "skips": {}}
+                               "ignored_files": list(inputs.ignored), "failed": {}, "tokens": 0,
+                               "documents": 0, "split_documents": 0, "skips": {}}
+    complete_tokens = 0
     t0 = time.time()
     taken: set[str] = set()
     jobs = [(p, _stem_for(p, data_dir, taken)) for p in files]
@@ -188,16 +217,18 @@ def pretokenize_pretrain(data_dir: str, tokenizer_dir: Optional[str], output_dir
         for path, stem in jobs:
             st = os.stat(path)
             meta = dict(base_meta, source={"path": path, "size": st.st_size, "mtime_ns": st.st_mtime_ns})
-            if _is_complete(output_dir, stem, {k: meta[k] for k in ("source", "tokenizer_fingerprint",
-                                                                      "text_fields", "dtype")}):
+            done = _complete_tokens(output_dir, stem, {k: meta[k] for k in (
+                "source", "tokenizer_fingerprint", "text_fields", "dtype", "max_doc_chars")})
+            if done is not None:
                 summary["skipped_complete"].append(path)
+                complete_tokens += done
                 bar.update(st.st_size)
                 continue
             for n in _stem_files(output_dir, stem):  # stale or partial: redo from scratch
                 os.remove(os.path.join(output_dir, n))
             try:
                 stats = _process_file(pool, path, stem, output_dir, meta, alternatives,
-                                      shard_size_tokens, strict, vocab_size, num_workers)
+                                      shard_size_tokens, strict, vocab_size, num_workers, max_doc_chars)
             except Exception as e:  # noqa: BLE001 - every failure is collected and reported
                 summary["failed"][path] = e.errors if isinstance(e, _FileFailed) else [f"{type(e).__name__}: {e}"]
                 for n in _stem_files(output_dir, stem):
@@ -206,6 +237,7 @@ def pretokenize_pretrain(data_dir: str, tokenizer_dir: Optional[str], output_dir
                 summary["files"][path] = stats
                 summary["tokens"] += stats["tokens"]
                 summary["documents"] += stats["documents"]
+                summary["split_documents"] += stats["split_documents"]
                 for k, v in stats["skips"].items():
                     summary["skips"][k] = summary["skips"].get(k, 0) + v
             bar.update(st.st_size)
@@ -216,6 +248,9 @@ def pretokenize_pretrain(data_dir: str, tokenizer_dir: Optional[str], output_dir
         for p, errs in summary["failed"].items():
             lines += [f"  {p}:"] + [f"    {e}" for e in errs[:10]]
         raise DataError("\n".join(lines))
+    if summary["tokens"] + complete_tokens == 0:
+        raise DataError(f"{data_dir}: no tokens: none of the {len(files)} input file(s) holds a usable document "
+                        f"(skips: {summary['skips'] or 'none'}; see the warnings above for file:line)")
     return summary
 
 
@@ -225,19 +260,33 @@ class _FileFailed(Exception):
         self.errors = errors
 
 
+def _pieces(text: str, max_chars: int) -> Iterator[tuple[str, bool, bool]]:
+    """(piece, first, last) for the pieces of one document."""
+    it = split_long_text(text, max_chars)
+    prev, first = next(it), True
+    for piece in it:
+        yield prev, first, False
+        prev, first = piece, False
+    yield prev, first, True
+
+
 def _process_file(pool: ProcessPoolExecutor, path: str, stem: str, out_dir: str, meta: dict,
                   alternatives: list[list[str]], shard_tokens: int, strict: bool, vocab_size: int,
-                  num_workers: int) -> dict:
+                  num_workers: int, max_doc_chars: int = DEFAULT_MAX_DOC_CHARS) -> dict:
     skips = SkipCounter(strict=strict)
     writer = _ShardWriter(out_dir, stem, shard_tokens, meta)
     errors: list[str] = []
-    pending: list[tuple[str, Future]] = []
-    empty = 0
+    pending: list[tuple[str, list[tuple[bool, bool]], Future]] = []
+    empty = split = 0
     max_pending = 2 * max(1, num_workers)  # bounded: memory stays flat on huge files
+    # Characters per worker task: with max_doc_chars set, one encoder call never sees more than
+    # max(max_doc_chars, one piece) characters, which is what bounds the tokenizer's memory.
+    batch_chars_limit = max_doc_chars or None
+    is_txt = input_kind(path) == "txt"
 
     def drain(limit: int) -> None:
         while len(pending) > limit:
-            where, fut = pending.pop(0)
+            where, flags, fut = pending.pop(0)
             try:
                 flat, lengths = fut.result()
             except Exception as e:  # noqa: BLE001 - the worker's exception, reported with its file
@@ -250,28 +299,50 @@ def _process_file(pool: ProcessPoolExecutor, path: str, stem: str, out_dir: str,
                 errors.append(f"{where}: token id {int(flat.max())} outside vocab_size {vocab_size}")
                 continue
             pos = 0
-            for n in lengths:
-                writer.add(flat[pos:pos + n])
+            for n, (first, last) in zip(lengths, flags):
+                if first:
+                    writer.begin_doc()
+                writer.extend(flat[pos:pos + n])
+                if last:
+                    writer.end_doc()
                 pos += n
 
     batch: list[str] = []
-    first_where = ""
+    flags: list[tuple[bool, bool]] = []
+    batch_chars = 0
+    first_where = last_where = ""
+
+    def submit() -> None:
+        nonlocal batch, flags, batch_chars
+        where = first_where if first_where == last_where else f"{first_where} .. {last_where}"
+        pending.append((where, flags, pool.submit(_tokenize_batch, batch)))
+        batch, flags, batch_chars = [], [], 0
+        drain(max_pending)
+
     for where, _, rec in iter_records(path, skips):
-        text = extract_text(rec, alternatives, where, skips)
+        text = rec if is_txt else extract_text(rec, alternatives, where, skips)
         if text is None:
             continue
-        if not text.strip():
+        if not text or text.isspace():  # not text.strip(): no copy of a huge document
             empty += 1  # empty documents carry nothing to learn: always a counted skip
             continue
-        if not batch:
-            first_where = where
-        batch.append(text)
-        if len(batch) >= BATCH_DOCS:
-            pending.append((f"{first_where} .. {where}", pool.submit(_tokenize_batch, batch)))
-            batch = []
-            drain(max_pending)
+        if max_doc_chars and len(text) > max_doc_chars:
+            split += 1
+            if split <= MAX_LOGGED_SPLITS:
+                log.info("%s: document of %d characters tokenized in pieces of at most %d (--max_doc_chars)",
+                         where, len(text), max_doc_chars)
+        for piece, first, last in _pieces(text, max_doc_chars):
+            if batch and (len(batch) >= BATCH_DOCS
+                          or (batch_chars_limit and batch_chars + len(piece) > batch_chars_limit)):
+                submit()
+            if not batch:
+                first_where = where
+            last_where = where
+            batch.append(piece)
+            flags.append((first, last))
+            batch_chars += len(piece)
     if batch:
-        pending.append((f"{first_where} ..", pool.submit(_tokenize_batch, batch)))
+        submit()
     drain(0)
     if errors:
         raise _FileFailed(errors)
@@ -279,17 +350,34 @@ def _process_file(pool: ProcessPoolExecutor, path: str, stem: str, out_dir: str,
     if skips.total or empty:
         log.info("%s: skipped %d bad record(s) %s and %d empty document(s)", path, skips.total,
                  skips.counts, empty)
-    return {"tokens": writer.tokens, "documents": writer.docs, "shards": writer.k,
+    if split:
+        log.info("%s: %d document(s) longer than --max_doc_chars=%d were tokenized in pieces", path, split,
+                 max_doc_chars)
+    if writer.docs == 0:
+        log.warning("%s: no usable document: %d bad record(s) skipped %s, %d empty document(s)", path,
+                    skips.total, dict(skips.counts), empty)
+    return {"tokens": writer.tokens, "documents": writer.docs, "shards": writer.k, "split_documents": split,
             "skips": dict(skips.counts, empty_document=empty) if empty else dict(skips.counts)}
 
 
 HELP_EPILOG = """\
+inputs:
+  .txt (one document per line), .jsonl, .json (an array), .parquet, extensions in any case: the
+  same file set the tokenizer trainer reads. Other files in the folder are ignored and named in
+  a warning; hidden entries and the output folder are left out.
 bad-input policy:
   malformed JSON lines, invalid UTF-8, records that are not objects, missing or non-string
-  text fields: counted and logged (first 20 per file, with file:line) and skipped; --strict
-  makes the first one an error (exit 3). Empty documents are always skipped and counted.
+  text fields, text holding a lone surrogate (a JSON "\\ud800" escape): counted and logged
+  (first 20 per file, with file:line) and skipped; --strict makes the first one an error (exit 3).
+  Empty documents are always skipped and counted. A file without any usable document is named
+  in a warning; a run that produces no tokens at all exits 3.
   A broken .json array or parquet file, or a worker exception, fails that input: every failed
   input is reported with its file at the end and the command exits 3; the other inputs are kept.
+long documents:
+  a document longer than --max_doc_chars characters is tokenized in consecutive pieces (cut before
+  whitespace near the limit when there is some, never inside a character) and written as one
+  <s> ... </s> document, so memory per tokenizer call stays bounded; the token stream differs from
+  an unsplit run only at the cuts. Counted and logged (file:line). 0 = no limit.
 re-runs:
   inputs whose shards are complete (sidecars present, sizes and source/tokenizer consistent)
   are skipped; everything else is redone.
@@ -310,6 +398,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="'|' separates alternatives tried in order, ',' joins fields with a newline; "
                          "e.g. 'text|title,content'")
     ap.add_argument("--shard_size_tokens", type=int, default=DEFAULT_SHARD_TOKENS)
+    ap.add_argument("--max_doc_chars", type=int, default=DEFAULT_MAX_DOC_CHARS,
+                    help="tokenize longer documents in pieces of at most this many characters "
+                         f"(bounded memory; 0 = no limit; default {DEFAULT_MAX_DOC_CHARS:,})")
     ap.add_argument("--strict", action="store_true", help="bad records are errors, not counted skips")
     ap.add_argument("--no_progress", action="store_true")
     try:
@@ -317,8 +408,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     except SystemExit as e:
         return EXIT_OK if e.code == 0 else EXIT_BAD_CONFIG
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    if args.shard_size_tokens < 2 or args.num_workers < 1:
-        log.error("--shard_size_tokens must be >= 2 and --num_workers >= 1")
+    if args.shard_size_tokens < 2 or args.num_workers < 1 or args.max_doc_chars < 0:
+        log.error("--shard_size_tokens must be >= 2, --num_workers >= 1 and --max_doc_chars >= 0")
         return EXIT_BAD_CONFIG
     try:
         from tokenizer import load_tokenizer_meta
@@ -329,13 +420,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         s = pretokenize_pretrain(args.data_dir, args.tokenizer_dir, args.output_dir, args.num_workers,
                                  args.text_fields, args.shard_size_tokens, args.strict, not args.no_progress,
-                                 tokenizer_meta=tok_meta)
+                                 tokenizer_meta=tok_meta, max_doc_chars=args.max_doc_chars)
     except DataError as e:
         log.error("%s", e)
         return EXIT_BAD_DATA
-    log.info("wrote %d tokens, %d documents from %d file(s) to %s in %.1fs (%d already complete); skips: %s",
-             s["tokens"], s["documents"], len(s["files"]), s["output_dir"], s["seconds"],
-             len(s["skipped_complete"]), s["skips"] or "none")
+    log.info("wrote %d tokens, %d documents from %d file(s) to %s in %.1fs (%d already complete); skips: %s; "
+             "split documents: %d; ignored files: %d", s["tokens"], s["documents"], len(s["files"]), s["output_dir"],
+             s["seconds"], len(s["skipped_complete"]), s["skips"] or "none", s["split_documents"],
+             len(s["ignored_files"]))
     return EXIT_OK
 
 

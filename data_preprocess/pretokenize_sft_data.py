@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from data_preprocess.readers import SkipCounter, find_input_files, iter_records
+from data_preprocess.readers import RECORD_KINDS, SkipCounter, find_input_files, iter_records
 from data_preprocess.sft_format import (RecordError, apply_overlong, labels_from_mask,
                                         make_chat_encoder, sft_messages)
 from data_preprocess.shard_format import (DataError, atomic_save_npy, atomic_write_bytes,
@@ -69,6 +69,9 @@ def tokenize_sft_files(files: Sequence[str], encode: Callable[[list[dict]], tupl
         st["skipped"] = dict(skips.counts)
         if skips.total:
             log.info("%s: skipped %d record(s): %s", path, skips.total, skips.counts)
+        if st["num_samples"] == 0:
+            log.warning("%s: no usable SFT sample: skipped %s, dropped %d over-long, %d without a target",
+                        path, dict(skips.counts) or "none", st["dropped_overlong"], st["dropped_no_target"])
         stats.append(st)
     samples = np.asarray(rows, dtype=np.int64).reshape(-1, 4)
     ids = np.concatenate(id_chunks) if id_chunks else np.empty(0, np.int64)
@@ -81,9 +84,9 @@ def pretokenize_sft(data_dir: str, tokenizer_dir: str, max_seq_len: int, output_
     """Write the pretokenized SFT files for every input under `data_dir`; returns sft_meta."""
     data_dir = os.path.abspath(data_dir)
     out = os.path.abspath(output_dir or data_dir.rstrip(os.sep) + "_sft_tokenized")
-    files = find_input_files(data_dir, exclude_dir=out)
+    files = find_input_files(data_dir, exclude_dir=out, kinds=RECORD_KINDS, what="SFT")
     if not files:
-        raise DataError(f"{data_dir}: no .jsonl/.json/.parquet inputs")
+        raise DataError(f"{data_dir}: no .jsonl/.json/.parquet inputs (any case)")
     encode, tmeta = make_chat_encoder(tokenizer_dir)
     ids, labels, samples, stats = tokenize_sft_files(files, encode, max_seq_len, overlong, strict)
     if len(samples) == 0:
@@ -119,9 +122,12 @@ records: {"instruction","input"?,"output","system"?} or {"conversations"|"messag
 over-long policy (--overlong): a sample may hold max_seq_len+1 tokens (the model sees len-1 after the
   shift). truncate (default) keeps the first max_seq_len+1 tokens; drop drops the sample. Samples with
   no target token left are dropped. All are counted per file in sft_meta.json and the log.
+inputs: .jsonl, .json (an array), .parquet, extensions in any case; other files in the folder (.txt
+  included) are ignored and named in a warning.
 bad-input policy: malformed JSON, invalid UTF-8, wrong record shapes, missing or non-string fields,
-  conversations without an assistant turn: counted, logged (file:line) and skipped; --strict makes the
-  first one an error (exit 3).
+  text holding a lone surrogate (a JSON "\\ud800" escape), conversations without an assistant turn:
+  counted, logged (file:line) and skipped; --strict makes the first one an error (exit 3). A file
+  without any usable sample is named in a warning; no usable sample at all is an error (exit 3).
 """
 
 

@@ -1,27 +1,36 @@
-"""Reading raw records from .jsonl, .json (a top-level array) and .parquet files.
+"""Reading raw records from .txt (one document per line), .jsonl, .json (a top-level array) and .parquet.
 
-Owns: finding input files, decoding them record by record with a location ("file:line" for
-jsonl, "file:record N" for json arrays / parquet), the bad-record policy (counted, logged skip
-by default; an error naming file and line under strict=True), and extracting the text of a
-pretraining document from configurable fields.
+Owns: finding input files (through `tokenizer.corpus.collect_input_files`, so the tokenizer trainer and
+the pretokenizer read the same file set: extensions in any case, every other file named in a warning),
+decoding them record by record with a location ("file:line" for .txt/.jsonl, "file:record N" for json
+arrays, "file:row N" for parquet), the bad-record policy (counted, logged skip by default; an error
+naming file and line under strict=True), extracting the text of a pretraining document from
+configurable fields (lone surrogates are a counted skip: they cannot be encoded), and splitting very
+long documents into pieces for the tokenizer (`split_long_text`).
 
-Must never: tokenize, silently drop a record without counting it, or guess at a text from a
-non-string field.
+Must never: tokenize, silently drop a record or a file without counting or naming it, or guess at a
+text from a non-string field.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
+import re
+import unicodedata
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence
 
 from data_preprocess.shard_format import DataError
+from tokenizer.corpus import (SUPPORTED_EXTENSIONS, CorpusConfigError, CorpusError, InputFiles,
+                              collect_input_files, input_kind)
 
 log = logging.getLogger(__name__)
 
-INPUT_EXTENSIONS = (".jsonl", ".json", ".parquet")
+INPUT_EXTENSIONS = SUPPORTED_EXTENSIONS  # matched case-insensitively (tokenizer.corpus.input_kind)
+RECORD_KINDS = ("jsonl", "json", "parquet")  # inputs that hold JSON-like records (SFT, DPO)
 MAX_LOGGED_SKIPS = 20  # per file: enough to diagnose, not enough to flood the log
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @dataclass
@@ -44,39 +53,59 @@ class SkipCounter:
         return sum(self.counts.values())
 
 
-def find_input_files(data_dir_or_files: str | Sequence[str], exclude_dir: Optional[str] = None) -> list[str]:
-    """Sorted input files under a directory (recursively) or an explicit list."""
-    if isinstance(data_dir_or_files, (list, tuple)):
-        files = [os.path.abspath(p) for p in data_dir_or_files]
-    elif os.path.isfile(data_dir_or_files):
-        files = [os.path.abspath(data_dir_or_files)]
-    elif os.path.isdir(data_dir_or_files):
-        files = []
-        excl = os.path.abspath(exclude_dir) if exclude_dir else None
-        for root, dirs, names in os.walk(data_dir_or_files):
-            dirs[:] = sorted(d for d in dirs if not d.startswith(".")
-                             and (excl is None or os.path.abspath(os.path.join(root, d)) != excl))
-            files += [os.path.abspath(os.path.join(root, n)) for n in names
-                      if n.endswith(INPUT_EXTENSIONS) and not n.startswith(".")]
-    else:
-        raise DataError(f"{data_dir_or_files}: no such file or directory")
-    files = sorted(files)
-    for p in files:
-        if not p.endswith(INPUT_EXTENSIONS):
-            raise DataError(f"{p}: unsupported input type (want {', '.join(INPUT_EXTENSIONS)})")
-    return files
+def collect_inputs(data_dir_or_files: str | Sequence[str], exclude_dir: Optional[str] = None,
+                   kinds: Sequence[str] = ("txt",) + RECORD_KINDS, what: str = "pretraining") -> InputFiles:
+    """Absolute, sorted input files and the ignored ones (named in a warning).
+
+    The file set is `tokenizer.corpus.collect_input_files`'s (hidden entries and `exclude_dir` left
+    out); a file of a known type outside `kinds` (e.g. .txt for SFT) is ignored and named too."""
+    try:
+        found = collect_input_files(data_dir_or_files, exclude_dir=exclude_dir)
+    except (CorpusError, CorpusConfigError) as e:
+        raise DataError(str(e)) from None
+    files = sorted(os.path.abspath(p) for p in found.files if input_kind(p) in kinds)
+    wrong = [p for p in found.files if input_kind(p) not in kinds]
+    given = [data_dir_or_files] if isinstance(data_dir_or_files, str) else list(data_dir_or_files)
+    given_files = {os.path.abspath(p) for p in given if os.path.isfile(p)}
+    for p in wrong:
+        if os.path.abspath(p) in given_files:
+            raise DataError(f"{p}: not a {what} input (want {', '.join('.' + k for k in kinds)}, any case)")
+    if wrong:
+        log.warning("ignoring %d file(s) that are not %s inputs (want %s): %s%s", len(wrong), what,
+                    ", ".join("." + k for k in kinds), ", ".join(wrong[:20]),
+                    f" and {len(wrong) - 20} more" if len(wrong) > 20 else "")
+    return InputFiles(files, sorted(os.path.abspath(p) for p in found.ignored + wrong))
+
+
+def find_input_files(data_dir_or_files: str | Sequence[str], exclude_dir: Optional[str] = None,
+                     kinds: Sequence[str] = ("txt",) + RECORD_KINDS, what: str = "pretraining") -> list[str]:
+    """Sorted absolute input files under a directory (recursively) or an explicit list."""
+    return collect_inputs(data_dir_or_files, exclude_dir, kinds, what).files
 
 
 def iter_records(path: str, skips: SkipCounter) -> Iterator[tuple[str, int, Any]]:
     """Yield (location, position, record) for every decodable record of a file; position is the
-    1-based line of a .jsonl, the 0-based record/row index of a .json array or .parquet.
+    1-based line of a .txt/.jsonl, the 0-based record/row index of a .json array or .parquet.
+    A .txt record is the line itself (a str, trailing newline removed; blank lines are not records).
 
     Undecodable lines (invalid UTF-8, malformed JSON) go through `skips` (error if strict).
     An empty file yields nothing and is logged; the caller counts documents."""
     if os.path.getsize(path) == 0:
         log.warning("%s: empty file", path)
         return
-    if path.endswith(".jsonl"):
+    kind = input_kind(path)
+    if kind == "txt":
+        with open(path, "rb") as f:
+            for lineno, raw in enumerate(f, start=1):
+                where = f"{path}:{lineno}"
+                try:
+                    line = raw.rstrip(b"\n").rstrip(b"\r").decode("utf-8")
+                except UnicodeDecodeError as e:
+                    skips.skip("invalid UTF-8", where, str(e))
+                    continue
+                if line:
+                    yield where, lineno, line
+    elif kind == "jsonl":
         with open(path, "rb") as f:
             for lineno, raw in enumerate(f, start=1):
                 where = f"{path}:{lineno}"
@@ -91,7 +120,7 @@ def iter_records(path: str, skips: SkipCounter) -> Iterator[tuple[str, int, Any]
                     yield where, lineno, json.loads(line)
                 except json.JSONDecodeError as e:
                     skips.skip("malformed JSON", where, str(e))
-    elif path.endswith(".json"):
+    elif kind == "json":
         try:
             with open(path, "rb") as f:
                 data = json.loads(f.read().decode("utf-8"))
@@ -105,7 +134,7 @@ def iter_records(path: str, skips: SkipCounter) -> Iterator[tuple[str, int, Any]
             raise DataError(f"{path}: a .json input must hold an array of records")
         for i, rec in enumerate(data):
             yield f"{path}:record {i}", i, rec
-    elif path.endswith(".parquet"):
+    elif kind == "parquet":
         import pyarrow.parquet as pq
         try:
             pf = pq.ParquetFile(path)
@@ -146,6 +175,65 @@ def extract_text(rec: Any, alternatives: list[list[str]], where: str, skips: Ski
             if bad:
                 skips.skip("non-string text field", where, ", ".join(f"{b}={type(rec[b]).__name__}" for b in bad))
                 return None
-            return "\n".join(vals)
+            text = "\n".join(vals)
+            pos = lone_surrogate(text)
+            if pos is not None:
+                skips.skip("invalid Unicode", where, surrogate_detail(text, pos))
+                return None
+            return text
     skips.skip("missing text field", where, "want " + " | ".join(",".join(a) for a in alternatives))
     return None
+
+
+def lone_surrogate(text: str) -> Optional[int]:
+    """Index of the first surrogate code point (U+D800..U+DFFF) in `text`, or None.
+
+    Only a JSON escape such as "\\ud800" can put one into a str here (UTF-8 input is decoded
+    strictly); it cannot be encoded to UTF-8, so no tokenizer can take it."""
+    if text.isascii():  # O(1) for the common case
+        return None
+    m = _SURROGATE.search(text)
+    return m.start() if m else None
+
+
+def surrogate_detail(text: str, pos: int) -> str:
+    return f"lone surrogate U+{ord(text[pos]):04X} at character {pos}"
+
+
+def _cut_ok(text: str, p: int) -> bool:
+    """True when a cut before text[p] separates whole characters: not inside a surrogate pair held as
+    two code units, not before a combining mark or zero-width joiner that belongs to text[p-1]."""
+    c = text[p]
+    if "\udc00" <= c <= "\udfff" and "\ud800" <= text[p - 1] <= "\udbff":
+        return False
+    return not (c == "\u200d" or text[p - 1] == "\u200d" or unicodedata.combining(c))
+
+
+def split_long_text(text: str, max_chars: int) -> Iterator[str]:
+    """Consecutive pieces of `text`, each at most `max_chars` characters, that concatenate to `text`.
+
+    Bounds the tokenizer's memory per call for very long documents (`--max_doc_chars`). A cut goes
+    before the whitespace run that holds the last newline (else the last whitespace) in the second
+    half of the window, so the pieces tokenize like the whole text except near a few cuts; without
+    whitespace it is a hard cut that still never splits a character. max_chars <= 0: no splitting."""
+    n = len(text)
+    if max_chars <= 0 or n <= max_chars:
+        yield text
+        return
+    start = 0
+    while n - start > max_chars:
+        hi = start + max_chars            # the piece is text[start:p] with start < p <= hi
+        lo = start + max(1, max_chars // 2)
+        p = text.rfind("\n", lo, hi + 1)
+        if p < 0:
+            p = max(text.rfind(ws, lo, hi + 1) for ws in (" ", "\t", "\r", "\u3000"))
+        if p >= lo:
+            while p > lo and text[p - 1].isspace():  # keep the whole whitespace run together
+                p -= 1
+        else:
+            p = hi
+            while p > lo and not _cut_ok(text, p):
+                p -= 1
+        yield text[start:p]
+        start = p
+    yield text[start:]

@@ -11,6 +11,9 @@ Record shapes:
       roles human->user, gpt->assistant (user/assistant/system kept)
   DPO:         {"prompt": str | "conversations": [...], "chosen": str|message, "rejected": str|message, "system"?}
 
+Text holding a lone surrogate (a JSON "\\ud800" escape; it cannot be encoded) is a RecordError,
+so it is a counted skip with file:line like any other bad record.
+
 Must never: store labels in an unsigned dtype (-100 must survive; known trap 2), or label a
 token that is not assistant content / its <|im_end|>.
 """
@@ -20,6 +23,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from data_preprocess.readers import lone_surrogate
 from utils.constants import IGNORE_INDEX
 
 ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
@@ -30,6 +34,12 @@ class RecordError(ValueError):
     """A record that does not fit the documented shapes; the message is the skip reason."""
 
 
+def _encodable(text: str, what: str) -> str:
+    if lone_surrogate(text) is not None:
+        raise RecordError(f"invalid Unicode: lone surrogate in {what}")
+    return text
+
+
 def _str(rec: dict, key: str, required: bool = True) -> Optional[str]:
     v = rec.get(key)
     if v is None:
@@ -38,7 +48,7 @@ def _str(rec: dict, key: str, required: bool = True) -> Optional[str]:
         return None
     if not isinstance(v, str):
         raise RecordError(f"field '{key}' is {type(v).__name__}, not a string")
-    return v
+    return _encodable(v, f"'{key}'")
 
 
 def _messages_from_list(turns: Any) -> list[dict[str, str]]:
@@ -54,6 +64,7 @@ def _messages_from_list(turns: Any) -> list[dict[str, str]]:
             raise RecordError(f"unknown role {role!r}")
         if not isinstance(content, str):
             raise RecordError(f"turn content is {type(content).__name__}, not a string")
+        _encodable(content, "a conversation turn")
         out.append({"role": ROLE_MAP[role.lower()], "content": content})
     return out
 
@@ -102,7 +113,7 @@ def dpo_messages(rec: Any) -> tuple[list[dict[str, str]], str, str]:
             v = v.get("content", v.get("value"))
         if not isinstance(v, str) or not v:
             raise RecordError(f"'{key}' must be a non-empty string (or assistant message)")
-        return v
+        return _encodable(v, f"'{key}'")
 
     return prompt, reply("chosen"), reply("rejected")
 

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from data_preprocess.readers import SkipCounter, find_input_files, iter_records
+from data_preprocess.readers import RECORD_KINDS, SkipCounter, find_input_files, iter_records
 from data_preprocess.sft_format import (RecordError, apply_overlong, dpo_messages, labels_from_mask,
                                         last_run_only, make_chat_encoder)
 from data_preprocess.shard_format import DataError
@@ -40,8 +40,9 @@ class DPODataset(Dataset):
         self.pairs: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
         self.sources: list[tuple[str, int]] = []
         self.stats = {"dropped_overlong": 0, "truncated": 0, "skipped": {}}
-        for path_i in find_input_files(path):
+        for path_i in find_input_files(path, kinds=RECORD_KINDS, what="DPO"):
             skips = SkipCounter(strict=strict)
+            kept_before, dropped_before = len(self.pairs), self.stats["dropped_overlong"]
             for where, recno, rec in iter_records(path_i, skips):
                 try:
                     prompt, chosen, rejected = dpo_messages(rec)
@@ -64,6 +65,9 @@ class DPODataset(Dataset):
                 self.sources.append((path_i, recno))
             for k, v in skips.counts.items():
                 self.stats["skipped"][k] = self.stats["skipped"].get(k, 0) + v
+            if len(self.pairs) == kept_before:
+                log.warning("%s: no usable DPO pair: skipped %s, dropped %d over-long", path_i,
+                            dict(skips.counts) or "none", self.stats["dropped_overlong"] - dropped_before)
         if self.stats["dropped_overlong"] or self.stats["skipped"]:
             log.info("%s: DPO pairs kept %d, %s", path, len(self.pairs), self.stats)
         if not self.pairs:

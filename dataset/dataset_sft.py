@@ -58,10 +58,10 @@ class SFTDataset(Dataset):
             if tokenizer_dir is None or max_seq_len is None:
                 raise DataError(f"{path}: no sft_meta.json; raw records need tokenizer_dir and max_seq_len")
             from data_preprocess.pretokenize_sft_data import tokenize_sft_files
-            from data_preprocess.readers import find_input_files
+            from data_preprocess.readers import RECORD_KINDS, find_input_files
             from data_preprocess.sft_format import make_chat_encoder
             encode, tmeta = make_chat_encoder(tokenizer_dir)
-            files = find_input_files(path)
+            files = find_input_files(path, kinds=RECORD_KINDS, what="SFT")
             ids, labels, self.samples, stats = tokenize_sft_files(files, encode, int(max_seq_len), overlong, strict)
             self.meta = {"pad_id": int(tmeta["special_tokens"]["pad"]["id"]), "files": stats,
                          "num_samples": len(self.samples), "max_seq_len": int(max_seq_len)}

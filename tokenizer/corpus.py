@@ -63,37 +63,82 @@ class SkipStats:
                 "first_skipped": list(self.first_locations), "empty_documents": self.empty_documents}
 
 
-def find_files(data_dir_or_files: str | os.PathLike | Sequence[str | os.PathLike],
-               file_glob: str = "**/*", recursive: bool = True) -> list[str]:
-    """Expand directories (with ``file_glob``) and explicit files into a sorted, de-duplicated list.
+def input_kind(path: str | os.PathLike) -> str | None:
+    """The input format of a file from its extension, case-insensitive: "txt", "jsonl", "json",
+    "parquet", or None for any other file. The one rule, shared with data_preprocess, for what is an input."""
+    ext = os.path.splitext(os.fspath(path))[1].lower()
+    return ext[1:] if ext in SUPPORTED_EXTENSIONS else None
 
-    Inside a directory only supported extensions are taken; an explicit file of another type is an error.
+
+@dataclass
+class InputFiles:
+    files: list[str]    # inputs, sorted within each given item, de-duplicated
+    ignored: list[str]  # files found in a directory / by a pattern whose extension is not an input type
+
+
+MAX_NAMED_IGNORED = 20
+
+
+def collect_input_files(data_dir_or_files: str | os.PathLike | Sequence[str | os.PathLike],
+                        file_glob: str = "**/*", recursive: bool = True,
+                        exclude_dir: str | None = None) -> InputFiles:
+    """Which files are inputs, for the tokenizer trainer and the pretokenizer alike.
+
+    Directories are expanded with ``file_glob`` (hidden entries are never matched), glob patterns are
+    expanded, explicit files are taken as given. A found file is an input when ``input_kind`` knows its
+    extension (any case); every other found file is returned in ``ignored`` and named in a warning.
+    An explicit file of another type is an error (CorpusConfigError), a missing path too (CorpusError).
+    Files under ``exclude_dir`` (an output folder inside the input folder) are left out silently.
     """
     items = [data_dir_or_files] if isinstance(data_dir_or_files, (str, os.PathLike)) else list(data_dir_or_files)
+    excl = os.path.abspath(exclude_dir) + os.sep if exclude_dir else None
     out: list[str] = []
+    ignored: list[str] = []
+
+    def take(found: Iterable[str]) -> None:
+        for f in sorted(found):
+            if not os.path.isfile(f) or (excl and os.path.abspath(f).startswith(excl)):
+                continue
+            (out if input_kind(f) else ignored).append(f)
+
     for item in items:
         p = os.fspath(item)
         if os.path.isdir(p):
             pattern = os.path.join(glob.escape(p), file_glob if recursive else file_glob.replace("**/", ""))
-            found = [f for f in glob.glob(pattern, recursive=recursive)
-                     if os.path.isfile(f) and f.lower().endswith(SUPPORTED_EXTENSIONS)]
-            out.extend(sorted(found))
+            take(glob.glob(pattern, recursive=recursive))
         elif os.path.isfile(p):
-            if not p.lower().endswith(SUPPORTED_EXTENSIONS):
-                raise CorpusConfigError(f"{p}: unsupported file type (supported: {', '.join(SUPPORTED_EXTENSIONS)})")
+            if input_kind(p) is None:
+                raise CorpusConfigError(f"{p}: unsupported file type (supported: {', '.join(SUPPORTED_EXTENSIONS)},"
+                                        f" any case)")
             out.append(p)
         elif any(ch in p for ch in "*?["):
-            out.extend(sorted(f for f in glob.glob(p, recursive=True)
-                              if os.path.isfile(f) and f.lower().endswith(SUPPORTED_EXTENSIONS)))
+            take(glob.glob(p, recursive=True))
         else:
             raise CorpusError(f"{p}: no such file or directory")
     files = list(dict.fromkeys(out))
+    ignored = list(dict.fromkeys(ignored))
     for f in files:
         if not os.access(f, os.R_OK):
             raise CorpusError(f"{f}: file is not readable (permission denied)")
+    if ignored:
+        named = ", ".join(ignored[:MAX_NAMED_IGNORED])
+        more = f" and {len(ignored) - MAX_NAMED_IGNORED} more" if len(ignored) > MAX_NAMED_IGNORED else ""
+        log.warning("ignoring %d file(s) with an unsupported extension (inputs are %s, any case): %s%s",
+                    len(ignored), "/".join(SUPPORTED_EXTENSIONS), named, more)
+    return InputFiles(files, ignored)
+
+
+def find_files(data_dir_or_files: str | os.PathLike | Sequence[str | os.PathLike],
+               file_glob: str = "**/*", recursive: bool = True) -> list[str]:
+    """The input files (``collect_input_files``); an error when there are none."""
+    files = collect_input_files(data_dir_or_files, file_glob, recursive).files
     if not files:
-        raise CorpusError(f"no {'/'.join(SUPPORTED_EXTENSIONS)} files found in {items} (glob {file_glob!r})")
+        raise no_input_files_error(data_dir_or_files, file_glob)
     return files
+
+
+def no_input_files_error(data_dir_or_files: Any, file_glob: str = "**/*") -> CorpusError:
+    return CorpusError(f"no {'/'.join(SUPPORTED_EXTENSIONS)} files found in {data_dir_or_files} (glob {file_glob!r})")
 
 
 # ---------------------------------------------------------------- per-format readers
@@ -239,19 +284,19 @@ def record_text(record: Any, fields: Sequence[str]) -> tuple[str | None, str | N
 
 def iter_file_documents(path: str, text_fields: Sequence[str], stats: SkipStats) -> Iterator[tuple[str, int]]:
     """Yield (document, utf8_byte_length) for one file, skipping or raising per the policy."""
-    low = path.lower()
-    what = "row" if low.endswith(".parquet") else "line"
-    if low.endswith(".txt"):
+    kind = input_kind(path)
+    what = "row" if kind == "parquet" else "line"
+    if kind == "txt":
         records: Iterable[tuple[int, Any]] = _iter_txt(path, stats)
-    elif low.endswith(".jsonl"):
+    elif kind == "jsonl":
         records = _iter_jsonl(path, stats)
-    elif low.endswith(".json"):
+    elif kind == "json":
         records = _iter_json_array(path, stats)
-    elif low.endswith(".parquet"):
+    elif kind == "parquet":
         records = _iter_parquet(path, text_fields, stats)
     else:
         raise CorpusConfigError(f"{path}: unsupported file type")
-    is_txt = low.endswith(".txt")
+    is_txt = kind == "txt"
     try:
         for lineno, rec in records:
             if is_txt:

@@ -23,7 +23,8 @@ from tokenizer.contract import (
     build_meta, check_meta, fingerprint_dir, write_json,
 )
 from tokenizer.corpus import (
-    CorpusConfigError, CorpusError, SkipStats, count_documents, find_files, iter_documents, sample_documents,
+    CorpusConfigError, CorpusError, SkipStats, collect_input_files, count_documents, iter_documents,
+    no_input_files_error, sample_documents,
 )
 
 log = logging.getLogger("tokenizer.train_tokenizer")
@@ -141,7 +142,10 @@ def train_tokenizer(data_dir_or_files: str | os.PathLike | Sequence[str | os.Pat
     os.environ.setdefault("RAYON_NUM_THREADS", str(threads))
 
     t0 = time.time()
-    files = find_files(data_dir_or_files, file_glob, recursive)
+    found = collect_input_files(data_dir_or_files, file_glob, recursive)
+    files = found.files
+    if not files:
+        raise no_input_files_error(data_dir_or_files, file_glob)
     stats = SkipStats(strict=strict)
     if max_train_bytes is not None:
         count = count_documents(files, text_fields, stats, progress)
@@ -186,6 +190,7 @@ def train_tokenizer(data_dir_or_files: str | os.PathLike | Sequence[str | os.Pat
 
     training = {
         "files": [os.path.abspath(f) for f in files],
+        "ignored_files": [os.path.abspath(f) for f in found.ignored],
         "text_fields": list(text_fields),
         "requested_vocab_size": vocab_size,
         "max_train_bytes": max_train_bytes,
