@@ -1,13 +1,16 @@
 """Generate text from a trained checkpoint: `python sample.py --ckpt=out/run --prompt="..."`.
 
 Owns: the command-line wrapper around model.generate (KV cache, temperature / top-k / top-p
-sampling, stop at </s> or <|im_end|>). `--chat` wraps the prompt in the tokenizer's chat template
-(for SFT/DPO models). Must never modify the checkpoint.
+sampling, stop at </s> or <|im_end|>) and `build_prompt_ids`. `--chat` wraps the prompt in the ChatML
+template as a user turn (for SFT/DPO models). Must never modify the checkpoint, or turn text the user
+typed (`<|im_end|>`, `</s>`, ...) into special ids: only the template's own markers are special.
 """
 from __future__ import annotations
 
 import argparse
 import sys
+
+from typing import Any
 
 import torch
 
@@ -16,6 +19,23 @@ def load_for_inference(ckpt_path: str, device: torch.device):
     from train_my_ddp import load_weights_from
     model, info = load_weights_from(ckpt_path, log=lambda m: print(m, file=sys.stderr))
     return model.to(device).eval(), info
+
+
+def build_prompt_ids(tok: Any, tokenizer_meta: dict, prompt: str, chat: bool) -> list[int]:
+    """Model input ids for a prompt, encoded injection-safe.
+
+    chat: `<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n` via `encode_chat`, which inserts
+    the marker ids itself; else `<s>` + the prompt's ids (`encode_texts`). Either way special-token text
+    in the prompt stays ordinary text. ValueError for a prompt that cannot be encoded (lone surrogate)."""
+    from tokenizer import encode_chat, encode_texts
+    bad = next((i for i, c in enumerate(prompt) if "\ud800" <= c <= "\udfff"), None)
+    if bad is not None:  # e.g. undecodable bytes on the command line (surrogateescape)
+        raise ValueError(f"the prompt is not valid Unicode: lone surrogate U+{ord(prompt[bad]):04X} "
+                         f"at character {bad}")
+    if chat:
+        ids, _ = encode_chat(tok, [{"role": "user", "content": prompt}], add_generation_prompt=True)
+        return list(ids)
+    return [int(tokenizer_meta["special_tokens"]["bos"]["id"])] + encode_texts(tok, [prompt])[0]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,19 +54,18 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from model.generate import generate
-    from tokenizer import encode_texts, load_tokenizer, load_tokenizer_meta
+    from tokenizer import load_tokenizer, load_tokenizer_meta
     from utils.device import resolve_device
 
     device = resolve_device(args.device)
     tok = load_tokenizer(args.tokenizer_dir)
     meta = load_tokenizer_meta(args.tokenizer_dir)
     special = meta["special_tokens"]
-    if args.chat:
-        ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=True,
-                                      add_generation_prompt=True)
-        ids = list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-    else:
-        ids = [special["bos"]["id"]] + encode_texts(tok, [args.prompt])[0]
+    try:
+        ids = build_prompt_ids(tok, meta, args.prompt, args.chat)
+    except ValueError as e:
+        print(f"sample.py: --prompt: {e}", file=sys.stderr)
+        return 2  # bad configuration (utils.constants.EXIT_BAD_CONFIG)
     model, _ = load_for_inference(args.ckpt, device)
     torch.manual_seed(args.seed)
     x = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=device)
