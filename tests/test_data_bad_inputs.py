@@ -150,6 +150,10 @@ def test_pretokenizer_and_tokenizer_read_the_same_files(tmp_path, caplog):
         s = _pretok(src, tmp_path / "out")
     assert "notes.md" in caplog.text and s["ignored_files"] == [str(src / "notes.md")]
     assert s["documents"] == 5
+    with pytest.raises(DataError, match=r"notes\.md: unsupported file type"):
+        find_input_files(str(src / "notes.md"))  # given explicitly: an error, not a silent skip
+    with pytest.raises(DataError, match="missing: no such file or directory"):
+        find_input_files(str(src / "missing"))
     assert _stream(tmp_path / "out") == sum(([BOS] + ids + [EOS] for ids in fake_encode(
         ["upper case", "line one", "line two", "json array", "nested"])), [])
 
@@ -208,6 +212,11 @@ def test_long_document_is_split_counted_and_round_trips(tmp_path, monkeypatch, c
         docs.append(fake_decode(piece[1:-1].tolist()))
     assert docs == ["short one", long_text, "short two"]
     assert list_shards(str(tmp_path / "out"))[0].sidecar["max_doc_chars"] == 200
+
+
+def test_max_doc_chars_negative_is_a_config_error(tmp_path):
+    assert pretrain_main(["--data_dir", str(tmp_path), "--tokenizer_dir", str(tmp_path), "--max_doc_chars=-1",
+                          "--no_progress"]) == 2
 
 
 def test_long_document_without_limit_reaches_encoder_whole(tmp_path, monkeypatch):
