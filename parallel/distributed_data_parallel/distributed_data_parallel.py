@@ -3,7 +3,10 @@
 Owns: grouping parameters into one ParamAndGradBuffer per (param dtype, grad dtype); the
 post-accumulate-grad hooks that move each `.grad` into `param.main_grad` and, once every
 parameter of a bucket is ready, launch that bucket's comm hook; `no_sync()`; waiting for all
-communication in `finish_grad_sync()`; broadcasting parameters at start.
+communication in `finish_grad_sync()` (once per step: calling it again is a no-op); refusing
+gradients that would be added to a bucket already handed to communication; broadcasting every
+parameter and buffer at start; running the optimizer's pre-forward callbacks outside any
+torch.compile graph.
 It must never change the model's dtype, step an optimizer, or scale a loss.
 
 Gradient convention: autograd still writes `param.grad`; our hook adds it into `param.main_grad`
@@ -68,7 +71,14 @@ class DistributedDataParallel(nn.Module):
         self._ready: list[set[int]] = [set() for _ in self.buckets]
         self._handles: dict[int, comm.CommHandle] = {}
         self._launch_order: list[int] = []
+        self._last_launch_order: list[int] = []
         self._next_launch = 0  # buckets are launched in index order, see _grad_ready
+        self._finished: set[int] = set()  # launched buckets already waited (callbacks ran)
+        # True from the end of finish_grad_sync() until the next gradient or zero_grad_buffer():
+        # the buffers hold this step's reduced gradients and must not be reduced again.
+        self._synced = False
+        self._bucket_synced_callbacks: list[Callable[[Bucket], None]] = []
+        self._pre_forward_callbacks: list[Callable[[bool], None]] = []
         self._bytes_at_sync_start = 0
         self.last_step_comm_bytes = 0
         self._hook_removers = [p.register_post_accumulate_grad_hook(self._grad_ready)
@@ -76,7 +86,27 @@ class DistributedDataParallel(nn.Module):
 
     # ------------------------------------------------------------------ public API
     def forward(self, *args, **kwargs):
+        if self._pre_forward_callbacks:
+            # Outside any compiled graph (torch.compiler.disable): a collective's wait must run
+            # on every call, with THIS instance's handles, never be traced away or reused from
+            # another instance's graph. `compiled` is a constant True inside a traced forward.
+            _PRE_FORWARD_RUNNER(self, torch.compiler.is_compiling())
         return self.module(*args, **kwargs)
+
+    def register_pre_forward_callback(self, fn: Callable[[bool], None]) -> None:
+        """`fn(compiled)` runs eagerly at the start of every forward (the ZeRO optimizer waits
+        for in-flight parameter all-gathers there); `compiled` is True when this forward is
+        being run by torch.compile."""
+        global _PRE_FORWARD_RUNNER
+        if _PRE_FORWARD_RUNNER is None:
+            _PRE_FORWARD_RUNNER = torch.compiler.disable(_run_pre_forward_callbacks)
+        self._pre_forward_callbacks.append(fn)
+
+    def register_bucket_synced_callback(self, fn: Callable[[Bucket], None]) -> None:
+        """`fn(bucket)` runs once per step right after the bucket's communication was waited:
+        in finish_grad_sync(), or earlier in backward when the default hooks report the
+        collective complete (ZeRO-2 frees the bucket's gradient memory there)."""
+        self._bucket_synced_callbacks.append(fn)
 
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         """Replace the bucket communication. With use_distributed_optimizer the hook must leave
@@ -119,12 +149,10 @@ class DistributedDataParallel(nn.Module):
         if self._handles:
             raise RuntimeError("zero_grad_buffer() before finish_grad_sync()")
         for buf in self.buffers_:
-            if buf.grad_storage_allocated():
-                buf.grad_data.zero_()
-            else:
-                buf.ensure_grad_storage()
+            buf.zero_grad()
         for p in self.param_to_bucket:
             p.grad = None
+        self._synced = False
 
     def start_grad_sync(self) -> None:
         """Launch every bucket not launched yet (all of them when overlap_grad_reduce is off;
@@ -134,34 +162,50 @@ class DistributedDataParallel(nn.Module):
 
     def finish_grad_sync(self, on_bucket_done: Optional[Callable[[Bucket], None]] = None) -> None:
         """Wait for every bucket's communication, in launch order. `on_bucket_done(bucket)` runs
-        right after each bucket's data arrived (overlap_optim_step uses it)."""
+        right after each bucket's data arrived (overlap_optim_step uses it).
+        Called again with no new gradient in between, it reduces nothing (a second reduction
+        would be wrong for reduce-scatter, and ZeRO-2 has freed the buffers) and only replays
+        `on_bucket_done` in the last launch order."""
+        if self._synced:
+            if on_bucket_done is not None:
+                for idx in self._last_launch_order:
+                    on_bucket_done(self.buckets[idx])
+            return
         self.start_grad_sync()
         for idx in list(self._launch_order):
-            self._handles[idx].wait()
+            self._finish_bucket(idx)
             if on_bucket_done is not None:
                 on_bucket_done(self.buckets[idx])
+        self._last_launch_order = list(self._launch_order)
         self._handles.clear()
         self._launch_order.clear()
+        self._finished.clear()
         self._next_launch = 0
         for r in self._ready:
             r.clear()
+        self._synced = True
         end = getattr(self._hook_state, "on_sync_end", None)
         if end is not None:
             end()
         self.last_step_comm_bytes = getattr(self._hook_state, "bytes_sent", 0) - self._bytes_at_sync_start
 
-    def broadcast_params(self) -> None:
-        """Make every rank start from rank 0's parameters (buffers are broadcast flat)."""
+    def broadcast_params(self, coalesce_bytes: int = 64 * 2**20) -> None:
+        """Make every rank start from rank 0's parameters AND buffers: the trainable parameters
+        flat (one broadcast per buffer), then every other tensor (frozen parameters such as a
+        LoRA base, module buffers such as running stats or rope caches) in registration order,
+        packed per dtype into chunks of at most `coalesce_bytes`."""
         if self.world_size == 1:
             return
         src = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
         for buf in self.buffers_:
             dist.broadcast(buf.param_data, src=src, group=self.process_group)
-        for t in self.module.buffers():  # e.g. running stats / rope caches
-            dist.broadcast(t, src=src, group=self.process_group)
+        rest = [p for p in self.module.parameters() if p not in self.param_to_bucket]
+        rest += list(self.module.buffers())
+        _broadcast_coalesced([t.data for t in rest], src, self.process_group, coalesce_bytes)
 
     def grad_buffer_bytes(self) -> int:
-        """Bytes currently held by the gradient buffers (0 for a buffer freed by ZeRO-2)."""
+        """Bytes currently held by the gradient buffers (ZeRO-2 frees each bucket after its
+        reduce-scatter; the optimizer's own copies are `opt.grad_store_bytes()`)."""
         return sum(b.grad_bytes_allocated() for b in self.buffers_)
 
     # ------------------------------------------------------------------ internals
@@ -169,7 +213,9 @@ class DistributedDataParallel(nn.Module):
         if param.grad is None:
             return
         bucket = self.param_to_bucket[param]
-        bucket.buffer.ensure_grad_storage()  # a lazily re-allocated ZeRO-2 buffer
+        self._check_can_accumulate(param, bucket)
+        self._synced = False
+        bucket.ensure_grad_storage()  # a lazily re-allocated ZeRO-2 bucket
         param.main_grad.add_(param.grad)
         param.grad = None  # the gradient now lives only in the contiguous buffer
         if not self._sync_enabled:
@@ -182,10 +228,47 @@ class DistributedDataParallel(nn.Module):
             while (self._next_launch < len(self.buckets)
                    and len(self._ready[self._next_launch]) == len(self.buckets[self._next_launch].slots)):
                 self._launch(self.buckets[self._next_launch])
+            if self._bucket_synced_callbacks and self._hook in (allreduce_hook, reduce_scatter_hook):
+                # Their handles are plain Works, so is_completed() is exact and wait() does not
+                # block: finish (and let ZeRO-2 free) every bucket already reduced, in order.
+                for idx in self._launch_order:
+                    if idx in self._finished:
+                        continue
+                    if not self._handles[idx].is_completed():
+                        break
+                    self._finish_bucket(idx)
+
+    def _check_can_accumulate(self, param: torch.Tensor, bucket: Bucket) -> None:
+        """A gradient may not be added to a bucket whose communication already started (its
+        buffer is being, or has been, reduced): that silently mixes reduced and local values."""
+        if bucket.index in self._handles:
+            raise RuntimeError(
+                f"backward() produced a gradient for {self.param_names[param]!r} after its bucket's "
+                "gradient communication had already started in this step (a second backward() "
+                "without no_sync() while overlap_grad_reduce=True); the result would be wrong. To "
+                "accumulate gradients over several backward() calls, run every one but the last "
+                "inside `with ddp.no_sync():`, or finish the step (opt.step(), or "
+                "ddp.finish_grad_sync() with an unsharded optimizer) before the next backward().")
+        if self._synced and self.config.use_distributed_optimizer:
+            raise RuntimeError(
+                f"backward() produced a gradient for {self.param_names[param]!r} after this step's "
+                "gradients were already reduced (finish_grad_sync() or opt.step() ran) and not "
+                "zeroed: with the distributed optimizer only each rank's shard was reduced (and "
+                "ZeRO-2 freed the rest), so nothing can be accumulated on top. Call opt.zero_grad() "
+                "before the next step's backward(); accumulate micro-batches with `with ddp.no_sync():`.")
+
+    def _finish_bucket(self, idx: int) -> None:
+        if idx in self._finished:
+            return
+        self._handles[idx].wait()
+        self._finished.add(idx)
+        for fn in self._bucket_synced_callbacks:
+            fn(self.buckets[idx])
 
     def _launch(self, bucket: Bucket) -> None:
         if not self._launch_order:
             self._bytes_at_sync_start = getattr(self._hook_state, "bytes_sent", 0)
+        bucket.ensure_grad_storage()  # a ZeRO-2 bucket no gradient reached this step
         if self.world_size > 1:
             # Average like torch DDP: divide first, then every hook SUMs.
             bucket.grad_data.mul_(1.0 / self.world_size)
@@ -193,3 +276,38 @@ class DistributedDataParallel(nn.Module):
         self._handles[bucket.index] = self._hook(self._hook_state, gb)
         self._launch_order.append(bucket.index)
         self._next_launch = bucket.index + 1
+
+
+def _run_pre_forward_callbacks(ddp: DistributedDataParallel, compiled: bool) -> None:
+    for fn in ddp._pre_forward_callbacks:
+        fn(compiled)
+
+
+# torch.compiler.disable(_run_pre_forward_callbacks), made on the first registration (importing
+# dynamo costs ~1.5 s, paid only by runs that need it). Never traced: dynamo calls it as is on
+# every run of a compiled forward (a graph break before the module) with the runtime `ddp`, so
+# waits can neither be traced away nor taken from another instance whose graph this one reuses.
+_PRE_FORWARD_RUNNER: Optional[Callable[[DistributedDataParallel, bool], None]] = None
+
+
+def _broadcast_coalesced(tensors: list[torch.Tensor], src: int, group: Optional[dist.ProcessGroup],
+                         chunk_bytes: int) -> None:
+    """Broadcast `tensors` (any layout) from `src`, packed per (dtype, device) into flat chunks."""
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.numel():
+            groups.setdefault((t.dtype, t.device), []).append(t)
+    for ts in groups.values():
+        chunk: list[torch.Tensor] = []
+        size = 0
+        for i, t in enumerate(ts):
+            chunk.append(t)
+            size += t.numel() * t.element_size()
+            if size >= chunk_bytes or i == len(ts) - 1:
+                flat = torch.cat([c.reshape(-1) for c in chunk])
+                dist.broadcast(flat, src=src, group=group)
+                off = 0
+                for c in chunk:
+                    c.copy_(flat[off:off + c.numel()].view(c.shape))
+                    off += c.numel()
+                chunk, size = [], 0

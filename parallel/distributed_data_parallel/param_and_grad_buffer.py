@@ -3,7 +3,8 @@
 Owns: one flat parameter tensor and one flat gradient tensor per (param dtype, grad dtype);
 re-pointing every parameter's `.data` at its slice of the parameter buffer and `param.main_grad`
 at its slice of the gradient buffer; the split into buckets (reverse backward order, padded so
-every bucket divides evenly across ranks); freeing/re-allocating gradient storage for ZeRO-2.
+every bucket divides evenly across ranks); freeing/re-allocating gradient storage for ZeRO-2
+(per bucket, after `split_grad_storage()` gave every bucket its own storage).
 It must never launch communication or know which optimizer runs (DDP and the hooks do that).
 """
 from __future__ import annotations
@@ -40,6 +41,9 @@ class Bucket:
     start: int
     end: int
     slots: list[ParamSlot] = field(default_factory=list)
+    # The bucket's own gradient storage once the buffer was split (ZeRO-2), else None (a slice
+    # of the buffer's flat gradient tensor).
+    own_grad: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
 
     @property
     def numel(self) -> int:
@@ -47,7 +51,31 @@ class Bucket:
 
     @property
     def grad_data(self) -> torch.Tensor:
+        if self.own_grad is not None:
+            return self.own_grad
         return self.buffer.grad_data[self.start:self.end]
+
+    # ---- gradient storage of this bucket (freeable on its own only after split_grad_storage) ----
+    def grad_storage_allocated(self) -> bool:
+        return self.grad_data.untyped_storage().nbytes() > 0
+
+    def release_grad_storage(self) -> None:
+        """Free this bucket's gradient memory; its main_grad views stay valid (empty storage)."""
+        if self.own_grad is None:
+            raise RuntimeError("release_grad_storage() on a bucket without its own storage: "
+                               "call buffer.split_grad_storage() first")
+        self.own_grad.untyped_storage().resize_(0)
+
+    def ensure_grad_storage(self) -> None:
+        """Re-allocate (zeroed) a released gradient storage; no-op when allocated."""
+        if self.own_grad is None:
+            self.buffer.ensure_grad_storage()
+        elif not self.grad_storage_allocated():
+            self.own_grad.untyped_storage().resize_(self.numel * self.own_grad.element_size())
+            self.own_grad.zero_()
+
+    def grad_bytes_allocated(self) -> int:
+        return self.grad_data.untyped_storage().nbytes()
 
     @property
     def param_data(self) -> torch.Tensor:
@@ -141,17 +169,57 @@ class ParamAndGradBuffer:
                 s.param.main_grad = self.grad_data[lo:hi].view(s.param.shape)
 
     # ---- ZeRO-2 support: the storage can be dropped and brought back; the views stay valid ----
+    @property
+    def split(self) -> bool:
+        return self.grad_data is None
+
+    def split_grad_storage(self) -> None:
+        """Give every bucket its own gradient storage (same values, main_grad re-pointed), so
+        ZeRO-2 can free each bucket as soon as its reduce-scatter finished. Afterwards the
+        buffer has no flat gradient tensor (`grad_data` is None); use the buckets'."""
+        if self.split:
+            return
+        for b in self.buckets:
+            b.own_grad = self.grad_data[b.start:b.end].clone()
+            for s in b.slots:
+                s.param.main_grad = b.own_grad[s.start:s.end].view(s.param.shape)
+        self.grad_data = None
+
     def grad_storage_allocated(self) -> bool:
+        if self.split:
+            return all(b.grad_storage_allocated() for b in self.buckets)
         return self.grad_data.untyped_storage().nbytes() > 0
 
     def release_grad_storage(self) -> None:
         """Free the gradient memory (every main_grad view now points at an empty storage)."""
-        self.grad_data.untyped_storage().resize_(0)
+        if self.split:
+            for b in self.buckets:
+                b.release_grad_storage()
+        else:
+            self.grad_data.untyped_storage().resize_(0)
 
     def ensure_grad_storage(self) -> None:
-        if not self.grad_storage_allocated():
+        if self.split:
+            for b in self.buckets:
+                b.ensure_grad_storage()
+        elif not self.grad_storage_allocated():
             self.grad_data.untyped_storage().resize_(self._grad_nbytes)
             self.grad_data.zero_()
 
+    def zero_grad(self) -> None:
+        """Zero the allocated gradient storage; released (ZeRO-2) buckets stay released and are
+        re-allocated zeroed by the first gradient that reaches them."""
+        if not self.split:
+            if self.grad_storage_allocated():
+                self.grad_data.zero_()
+            else:
+                self.ensure_grad_storage()
+            return
+        for b in self.buckets:
+            if b.grad_storage_allocated():
+                b.own_grad.zero_()
+
     def grad_bytes_allocated(self) -> int:
+        if self.split:
+            return sum(b.grad_bytes_allocated() for b in self.buckets)
         return self.grad_data.untyped_storage().nbytes()
