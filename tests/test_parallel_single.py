@@ -90,20 +90,30 @@ def test_powersgd_error_feedback_accumulated_update_converges():
 
 
 def test_powersgd_quadratic_reaches_optimum_with_error_feedback():
+    """...and STAYS there: once w is at the optimum the gradient is ~0 and of rank < r, and
+    PowerSGD must not blow rounding noise up (it reached 2e-8, then diverged to 4e17 at ~step 250).
+    Reference: plain gradient descent (all-reduce hook) on the same problem."""
     torch.manual_seed(1)
     target = torch.randn(16, 12)
-    mod = _Linear(torch.zeros(16, 12))
-    mod.forward = lambda t: 0.5 * ((mod.w - t) ** 2).sum()
-    ddp = DistributedDataParallel(mod, DDPConfig())
-    ddp.register_comm_hook(PowerSGDState(matrix_approximation_rank=2, start_powerSGD_iter=0, seed=3),
-                           powersgd_hook)
-    for _ in range(300):
-        ddp.zero_grad_buffer()
-        ddp(target).backward()
-        ddp.finish_grad_sync()
-        with torch.no_grad():
-            mod.w -= 0.2 * mod.w.main_grad
-    assert float((mod.w.detach() - target).norm() / target.norm()) < 1e-2
+    errs = {}
+    for name, hook in (("powersgd", (PowerSGDState(matrix_approximation_rank=2, start_powerSGD_iter=0,
+                                                    seed=3), powersgd_hook)), ("plain", None)):
+        mod = _Linear(torch.zeros(16, 12))
+        mod.forward = lambda t, mod=mod: 0.5 * ((mod.w - t) ** 2).sum()
+        ddp = DistributedDataParallel(mod, DDPConfig())
+        if hook is not None:
+            ddp.register_comm_hook(*hook)
+        errs[name] = []
+        for _ in range(1500):
+            ddp.zero_grad_buffer()
+            ddp(target).backward()
+            ddp.finish_grad_sync()
+            with torch.no_grad():
+                mod.w -= 0.2 * mod.w.main_grad
+            errs[name].append(float((mod.w.detach() - target).norm() / target.norm()))
+    assert max(errs["plain"][100:]) < 1e-6  # the reference sits at the optimum (fp32 rounding)
+    assert max(errs["powersgd"][300:]) < 1e-2, max(errs["powersgd"][300:])  # reached, and stays
+    assert errs["powersgd"][-1] < 1e-4, errs["powersgd"][-1]
 
 
 def test_powersgd_skips_tensors_below_min_compression_rate():
