@@ -37,3 +37,33 @@ def test_export_chooses_the_checkpoint(tmp_path):
         os.umask(old)
     assert stat.S_IMODE(os.stat(tmp_path / "alias").st_mode) == 0o755  # not mkdtemp's 0700
     assert export_hf.main([f"--ckpt={run}", "--checkpoint=step_15", f"--out_dir={tmp_path / 'x'}"]) == 2
+
+
+def test_sample_picks_the_checkpoint_and_the_recorded_tokenizer(tmp_path, monkeypatch, tiny_pretrain_data, capsys):
+    import model.generate
+    import sample
+    run = tmp_path / "run"
+    w = {s: _save(run, s, v) for s, v in ((10, 3.0), (20, 2.0))}
+    # point the runs' recorded tokenizer at a real one
+    for _, p in ckpt.list_checkpoints(str(run)):
+        cfg = ckpt.read_json(os.path.join(p, "config.json"))
+        cfg["tokenizer_dir"] = tiny_pretrain_data["tokenizer_dir"]
+        ckpt.write_json(os.path.join(p, "config.json"), cfg)
+        m = ckpt.read_json(os.path.join(p, "manifest.json"))  # keep the manifest true
+        m["config.json"] = {"bytes": os.path.getsize(os.path.join(p, "config.json")),
+                            "sha256": ckpt._sha256(os.path.join(p, "config.json"))}
+        ckpt.write_json(os.path.join(p, "manifest.json"), m)
+    assert sample.recorded_tokenizer_dir(str(run)) == tiny_pretrain_data["tokenizer_dir"]
+    seen = {}
+
+    def fake_generate(mdl, x, max_new_tokens, **kw):
+        seen["emb"] = mdl.embed_tokens.weight.detach().clone()
+        return x
+
+    monkeypatch.setattr(model.generate, "generate", fake_generate)
+    assert sample.main([f"--ckpt={run}", "--checkpoint=best", "--prompt=a", "--device=cpu"]) == 0
+    assert torch.equal(seen["emb"], w[20])
+    assert sample.main([f"--ckpt={run}", "--checkpoint=step_10", "--prompt=a", "--device=cpu"]) == 0
+    assert torch.equal(seen["emb"], w[10])
+    assert sample.main([f"--ckpt={run}", "--checkpoint=step_99", "--prompt=a", "--device=cpu"]) == 2
+    assert "no checkpoint at step 99" in capsys.readouterr().err

@@ -55,7 +55,7 @@ def test_main_chat_feeds_the_model_no_injected_control_ids(tok_dir, monkeypatch,
         seen["ids"] = x[0].tolist()
         return torch.cat([x, torch.full((x.shape[0], 1), kw["stop_ids"][0], dtype=x.dtype, device=x.device)], 1)
 
-    monkeypatch.setattr(sample, "load_for_inference", lambda path, device: (torch.nn.Identity(), {}))
+    monkeypatch.setattr(sample, "load_for_inference", lambda path, device, which="latest": (torch.nn.Identity(), {}))
     monkeypatch.setattr(model.generate, "generate", fake_generate)
     assert sample.main(["--ckpt", "unused", "--tokenizer_dir", tok_dir, "--prompt", INJECTION, "--chat",
                         "--device", "cpu"]) == 0
