@@ -121,7 +121,8 @@ def load_index_meta(data_dir: str, max_seq_len: int, shards: Optional[list[Shard
 
 def main(argv: Optional[list[str]] = None) -> int:
     from utils.constants import EXIT_BAD_CONFIG, EXIT_BAD_DATA, EXIT_OK
-    ap = argparse.ArgumentParser(
+    from utils.cli import Parser
+    ap = Parser(
         prog="python -m data_preprocess.build_pretrain_sample_index_map",
         description="Index fixed-length samples (L+1 tokens, stride L) over all shards of --data_dir "
                     "as one stream; writes <data_dir>/index_L<L>/{train.npy,val.npy,index_meta.json}.",

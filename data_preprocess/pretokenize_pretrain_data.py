@@ -386,13 +386,14 @@ re-runs:
 
 def main(argv: Optional[list[str]] = None) -> int:
     from utils.constants import EXIT_BAD_CONFIG, EXIT_BAD_DATA, EXIT_OK
-    ap = argparse.ArgumentParser(prog="python -m data_preprocess.pretokenize_pretrain_data",
+    from utils.cli import Parser, add_bool, add_out_dir
+    ap = Parser(prog="python -m data_preprocess.pretokenize_pretrain_data",
                                  description="Tokenize raw text into <stem>_<k:05d>.bin token shards "
                                              "with JSON sidecars; each document is <s> ids </s>.",
                                  epilog=HELP_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data_dir", required=True, help="folder (searched recursively) or one file")
     ap.add_argument("--tokenizer_dir", required=True)
-    ap.add_argument("--output_dir", default=None, help="default: <data_dir>_tokenized")
+    add_out_dir(ap, "where the shards go (default: <data_dir>_tokenized)")
     ap.add_argument("--num_workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     ap.add_argument("--text_fields", default="text",
                     help="'|' separates alternatives tried in order, ',' joins fields with a newline; "
@@ -401,8 +402,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--max_doc_chars", type=int, default=DEFAULT_MAX_DOC_CHARS,
                     help="tokenize longer documents in pieces of at most this many characters "
                          f"(bounded memory; 0 = no limit; default {DEFAULT_MAX_DOC_CHARS:,})")
-    ap.add_argument("--strict", action="store_true", help="bad records are errors, not counted skips")
-    ap.add_argument("--no_progress", action="store_true")
+    add_bool(ap, "strict", False, "bad records are errors, not counted skips")
+    add_bool(ap, "progress", True, "progress bar", false_aliases=("quiet",))
     try:
         args = ap.parse_args([a for a in (argv if argv is not None else sys.argv[1:])])
     except SystemExit as e:
@@ -418,8 +419,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         log.error("--tokenizer_dir=%s: cannot load tokenizer meta (%s: %s)", args.tokenizer_dir, type(e).__name__, e)
         return EXIT_BAD_CONFIG
     try:
-        s = pretokenize_pretrain(args.data_dir, args.tokenizer_dir, args.output_dir, args.num_workers,
-                                 args.text_fields, args.shard_size_tokens, args.strict, not args.no_progress,
+        s = pretokenize_pretrain(args.data_dir, args.tokenizer_dir, args.out_dir, args.num_workers,
+                                 args.text_fields, args.shard_size_tokens, args.strict, args.progress,
                                  tokenizer_meta=tok_meta, max_doc_chars=args.max_doc_chars)
     except DataError as e:
         log.error("%s", e)

@@ -79,11 +79,18 @@ def tokenize_sft_files(files: Sequence[str], encode: Callable[[list[dict]], tupl
     return ids, labels, samples, stats
 
 
+def default_sft_out_dir(data_dir: str, max_seq_len: int) -> str:
+    """`out/sft_tokenized/<name of the input>_L<max_seq_len>` under the working directory: a folder
+    named for what it holds, not a sibling dropped next to the user's raw data."""
+    name = os.path.splitext(os.path.basename(os.path.abspath(data_dir).rstrip(os.sep)))[0] or "sft"
+    return os.path.join("out", "sft_tokenized", f"{name}_L{max_seq_len}")
+
+
 def pretokenize_sft(data_dir: str, tokenizer_dir: str, max_seq_len: int, output_dir: Optional[str] = None,
                     overlong: str = "truncate", strict: bool = False) -> dict:
     """Write the pretokenized SFT files for every input under `data_dir`; returns sft_meta."""
     data_dir = os.path.abspath(data_dir)
-    out = os.path.abspath(output_dir or data_dir.rstrip(os.sep) + "_sft_tokenized")
+    out = os.path.abspath(output_dir or default_sft_out_dir(data_dir, max_seq_len))
     files = find_input_files(data_dir, exclude_dir=out, kinds=RECORD_KINDS, what="SFT")
     if not files:
         raise DataError(f"{data_dir}: no .jsonl/.json/.parquet inputs (any case)")
@@ -112,7 +119,7 @@ def pretokenize_sft(data_dir: str, tokenizer_dir: str, max_seq_len: int, output_
         "num_tokens": int(ids.size), "num_target_tokens": int((labels != -100).sum()), "files": stats,
     }
     atomic_write_json(meta_path, meta)
-    return meta
+    return dict(meta, out_dir=out)
 
 
 HELP_EPILOG = """\
@@ -133,23 +140,24 @@ bad-input policy: malformed JSON, invalid UTF-8, wrong record shapes, missing or
 
 def main(argv: Optional[list[str]] = None) -> int:
     from utils.constants import EXIT_BAD_CONFIG, EXIT_BAD_DATA, EXIT_OK
-    ap = argparse.ArgumentParser(prog="python -m data_preprocess.pretokenize_sft_data",
+    from utils.cli import Parser, add_bool, add_out_dir
+    ap = Parser(prog="python -m data_preprocess.pretokenize_sft_data",
                                  description="Render SFT records with the chat template and store ids + "
                                              "masked labels (int32).", epilog=HELP_EPILOG,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data_dir", required=True, help="folder (searched recursively) or one file")
     ap.add_argument("--tokenizer_dir", required=True)
     ap.add_argument("--max_seq_len", type=int, required=True)
-    ap.add_argument("--output_dir", default=None, help="default: <data_dir>_sft_tokenized")
+    add_out_dir(ap, "where the tokenized samples go (default: out/sft_tokenized/<input name>_L<max_seq_len>)")
     ap.add_argument("--overlong", choices=("truncate", "drop"), default="truncate")
-    ap.add_argument("--strict", action="store_true")
+    add_bool(ap, "strict", False, "bad records are errors, not counted skips")
     try:
         args = ap.parse_args(argv)
     except SystemExit as e:
         return EXIT_OK if e.code == 0 else EXIT_BAD_CONFIG
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:
-        meta = pretokenize_sft(args.data_dir, args.tokenizer_dir, args.max_seq_len, args.output_dir,
+        meta = pretokenize_sft(args.data_dir, args.tokenizer_dir, args.max_seq_len, args.out_dir,
                                args.overlong, args.strict)
     except DataError as e:
         log.error("%s", e)
@@ -161,7 +169,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         log.info("%s: %d samples, %d truncated, %d dropped over-long, %d without target, skipped %s",
                  f["path"], f["num_samples"], f["truncated"], f["dropped_overlong"], f["dropped_no_target"],
                  f["skipped"] or "none")
-    log.info("%d samples, %d tokens (%d targets)", meta["num_samples"], meta["num_tokens"], meta["num_target_tokens"])
+    log.info("%d samples, %d tokens (%d targets) -> %s (train with --data_dir=%s)", meta["num_samples"],
+             meta["num_tokens"], meta["num_target_tokens"], meta["out_dir"], meta["out_dir"])
     return EXIT_OK
 
 

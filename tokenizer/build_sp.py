@@ -59,8 +59,9 @@ def _chunks(docs: Iterable[str]) -> Iterator[str]:
 
 
 def train_sentencepiece(docs: Iterable[str], learned_vocab_size: int, seed: int = 0, num_threads: int = 2,
-                        character_coverage: float = 0.9995, progress: bool = False) -> bytes:
-    """Train and return the serialized sentencepiece model (sentencepiece keeps all input in memory)."""
+                        character_coverage: float = 0.9995, verbose: bool = False) -> bytes:
+    """Train and return the serialized sentencepiece model (sentencepiece keeps all input in memory).
+    Its C++ log (hundreds of lines) is shown only when `verbose`."""
     import sentencepiece as spm
 
     spm.set_random_generator_seed(seed)
@@ -79,7 +80,7 @@ def train_sentencepiece(docs: Iterable[str], learned_vocab_size: int, seed: int 
             max_sentence_length=_SP_MAX_SENTENCE_BYTES,
             input_sentence_size=0, shuffle_input_sentence=False,  # the sample was already drawn upstream
             num_threads=max(1, num_threads),
-            minloglevel=0 if progress else 2,
+            minloglevel=0 if verbose else 2,
         )
     except RuntimeError as e:
         raise ValueError(f"sentencepiece training failed (vocab_size too small for the corpus' characters "
@@ -142,6 +143,6 @@ def sp_to_hf(model_proto: bytes) -> Tokenizer:
 
 
 def train_sp_bbpe(docs: Iterable[str], learned_vocab_size: int, seed: int = 0, num_threads: int = 2,
-                  character_coverage: float = 0.9995, progress: bool = False) -> Tokenizer:
-    proto = train_sentencepiece(docs, learned_vocab_size, seed, num_threads, character_coverage, progress)
+                  character_coverage: float = 0.9995, verbose: bool = False) -> Tokenizer:
+    proto = train_sentencepiece(docs, learned_vocab_size, seed, num_threads, character_coverage, verbose)
     return sp_to_hf(proto)

@@ -121,7 +121,7 @@ def train_tokenizer(data_dir_or_files: str | os.PathLike | Sequence[str | os.Pat
                     max_train_bytes: int | None = None, seed: int = 0, min_frequency: int = 2,
                     num_threads: int | None = None, file_glob: str = "**/*", recursive: bool = True,
                     strict: bool = False, overwrite: bool = True, progress: bool = False,
-                    character_coverage: float = 0.9995) -> dict[str, Any]:
+                    character_coverage: float = 0.9995, verbose: bool = False) -> dict[str, Any]:
     """Train and save a tokenizer; return its meta (the content of tokenizer_meta.json).
 
     ``vocab_size`` is the target including the 6 special tokens; the saved vocabulary is the learned
@@ -176,7 +176,7 @@ def train_tokenizer(data_dir_or_files: str | os.PathLike | Sequence[str | os.Pat
             tk = train_hf_bbpe(counted(docs), learned_target, min_frequency, progress)
         else:
             from tokenizer.build_sp import train_sp_bbpe
-            tk = train_sp_bbpe(counted(docs), learned_target, seed, threads, character_coverage, progress)
+            tk = train_sp_bbpe(counted(docs), learned_target, seed, threads, character_coverage, verbose)
     except Exception:
         if failure:
             raise failure[0] from None
@@ -218,7 +218,8 @@ def _raise_empty(files: Sequence[str], stats: SkipStats) -> None:
 
 
 def build_arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    from utils.cli import Parser, add_bool, add_out_dir
+    p = Parser(
         prog="python -m tokenizer.train_tokenizer",
         description="Train a byte-level BPE tokenizer (hf_bbpe: HF tokenizers; sp_bbpe: sentencepiece BPE with "
                     "byte_fallback) and save a transformers-loadable directory with the ChatML template and "
@@ -227,7 +228,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
         epilog=POLICY, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--data_dir", required=True, nargs="+", action="extend",
                    help="directories, files or glob patterns (.txt, .json, .jsonl, .parquet); repeatable")
-    p.add_argument("--output_dir", required=True)
+    add_out_dir(p, "the tokenizer directory to write", required=True)
     p.add_argument("--vocab_size", type=int, required=True, help="target size including the 6 special tokens")
     p.add_argument("--tokenizer_type", choices=TOKENIZER_TYPES, default="hf_bbpe")
     p.add_argument("--text_fields", default="text",
@@ -241,10 +242,11 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--character_coverage", type=float, default=0.9995, help="sp_bbpe: rarer characters use byte pieces")
     p.add_argument("--num_threads", type=int, default=None, help="default: all cores")
     p.add_argument("--file_glob", default="**/*", help="pattern inside each directory (default **/*)")
-    p.add_argument("--no_recursive", action="store_true", help="do not descend into subdirectories")
-    p.add_argument("--strict", action="store_true", help="bad records are errors instead of counted skips")
-    p.add_argument("--no_overwrite", action="store_true", help="fail if output_dir exists and is not empty")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_bool(p, "recursive", True, "descend into subdirectories")
+    add_bool(p, "strict", False, "bad records are errors instead of counted skips")
+    add_bool(p, "overwrite", True, "replace a non-empty --out_dir (false: fail instead)")
+    add_bool(p, "progress", True, "progress bars", false_aliases=("quiet",))
+    add_bool(p, "verbose", False, "sentencepiece's own training log (hundreds of lines)")
     return p
 
 
@@ -270,9 +272,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ["RAYON_NUM_THREADS"] = str(args.num_threads)  # before any tokenizers call starts the pool
     try:
         meta = train_tokenizer(
-            args.data_dir, args.output_dir, args.vocab_size, args.tokenizer_type, args.text_fields,
+            args.data_dir, args.out_dir, args.vocab_size, args.tokenizer_type, args.text_fields,
             args.max_train_bytes, args.seed, args.min_frequency, args.num_threads, args.file_glob,
-            not args.no_recursive, args.strict, not args.no_overwrite, not args.quiet, args.character_coverage)
+            args.recursive, args.strict, args.overwrite, args.progress, args.character_coverage,
+            verbose=args.verbose)
     except CorpusError as e:
         log.error("bad data: %s", e)
         return EXIT_BAD_DATA
@@ -281,7 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BAD_CONFIG
     t = meta["training"]
     log.info("saved %s: vocab_size=%d (learned %d), trained on %d of %d documents, skipped %d, %.1fs",
-             args.output_dir, meta["vocab_size"], meta["learned_vocab_size"], t["train_documents"],
+             args.out_dir, meta["vocab_size"], meta["learned_vocab_size"], t["train_documents"],
              t["corpus_documents"], t["skipped"], t["seconds"])
     return 0
 
