@@ -1,0 +1,403 @@
+"""FSDP2 engine (parallel/fsdp.py) and DCP sharded checkpoints (parallel/dcp_checkpoint.py), CPU + gloo.
+
+One 4-process spawn does all the distributed work (a world of 4, a sub-group of ranks {0, 1} as a
+world of 2, a sub-group {0} as a world of 1; each FSDP mesh is built from its group) and rank 0
+writes the measured numbers to a JSON file that the tests below assert on:
+  (a) FSDP at world 2 (offload on/off, reshard_after_forward on/off, tied embeddings, activation
+      checkpointing) vs one process training the same model with torch AdamW + clip_grad_norm_ on
+      the same global batch: parameters after 4 steps (accumulation 2, clipping active) to 1e-5;
+  (b) DCP save at world 2 -> fresh objects -> load -> 2 more steps: bit-identical to the
+      uninterrupted run; re-shard 4 -> 2, 2 -> 1, 4 -> 1, 2 -> 4: next-step loss and the loss after
+      one more step (which needs the re-sharded Adam moments) equal to 1e-5;
+  (c) bad combinations raise a clear ValueError;
+  (d) per-rank bytes of fp32 parameter + gradient + Adam-moment shards = 16 B/param / world (10 %).
+The model is the project's Transformer with a tiny ModelConfig; dims are multiples of 4 so every
+dim-0 shard is even.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pickle
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from model import ModelConfig, Transformer
+from optimizer import OptimizerConfig
+from tests.dist_helpers import spawn
+
+VOCAB, SEQ, GLOBAL_B, GAS = 64, 8, 4, 2
+OPT = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, grad_clip=0.3)
+
+
+def _cfg(tied: bool = False, ckpt: bool = False) -> ModelConfig:
+    return ModelConfig(vocab_size=VOCAB, dim=16, n_layers=2, n_heads=2, multiple_of=16, max_seq_len=16,
+                       tie_embeddings=tied, gradient_checkpointing=ckpt)
+
+
+def _new_model(seed: int = 0, **kw) -> Transformer:
+    torch.manual_seed(seed)
+    return Transformer(_cfg(**kw))
+
+
+def _global_batches(step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The global micro-batches of a step (same for every world size): ids and labels, ~25 % ignored."""
+    g = torch.Generator().manual_seed(1000 + step)
+    out = []
+    for _ in range(GAS):
+        x = torch.randint(0, VOCAB, (GLOBAL_B, SEQ), generator=g)
+        y = torch.randint(0, VOCAB, (GLOBAL_B, SEQ), generator=g)
+        y[torch.rand(GLOBAL_B, SEQ, generator=g) < 0.25] = -100
+        out.append((x, y))
+    return out
+
+
+def _units(batches) -> float:
+    return float(sum(int((y != -100).sum()) for _, y in batches))
+
+
+def _rows(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    n = GLOBAL_B // world
+    return t[rank * n:(rank + 1) * n]
+
+
+# ------------------------------------------------------------------------------ reference (1 process)
+
+def _reference_params(steps: int, tied: bool) -> dict[str, torch.Tensor]:
+    model = _new_model(0, tied=tied)
+    params = [p for p in model.parameters()]
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": OPT["weight_decay"]},
+                             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
+                            lr=OPT["lr"], betas=OPT["betas"], eps=OPT["eps"], foreach=False)
+    for step in range(1, steps + 1):
+        batches = _global_batches(step)
+        units = _units(batches)
+        opt.zero_grad(set_to_none=True)
+        for x, y in batches:
+            (model(x, labels=y, reduction="sum") / units).backward()
+        torch.nn.utils.clip_grad_norm_(params, OPT["grad_clip"])
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+# ------------------------------------------------------------------------------ FSDP helpers (in workers)
+
+def _build(group, seed: int = 0, tied: bool = False, ckpt: bool = False, **kw):
+    from parallel.fsdp import build_fsdp_engine
+    opt_kw = {k: kw.pop(k) for k in list(kw) if k in ("precision", "initial_loss_scale", "hysteresis")}
+    return build_fsdp_engine(_new_model(seed, tied=tied, ckpt=ckpt), OptimizerConfig(**OPT, **opt_kw),
+                             mesh_or_group=group, **kw)
+
+
+def _train_step(eng, opt, step: int, group, poison_rank: int = -1, on_last_backward=None):
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    batches = _global_batches(step)
+    units = _units(batches)
+    opt.zero_grad()
+    for i, (x, y) in enumerate(batches):
+        with (eng.no_sync() if i < GAS - 1 else contextlib.nullcontext()):
+            loss = eng(_rows(x, rank, world), labels=_rows(y, rank, world), reduction="sum") * (world / units)
+            if rank == poison_rank:
+                loss = loss * float("nan")
+            opt.scale_loss(loss).backward()
+    if on_last_backward is not None:
+        on_last_backward()
+    return opt.step()
+
+
+@torch.no_grad()
+def _global_loss(eng, step: int, group) -> float:
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    batches = _global_batches(step)
+    s = torch.zeros((), dtype=torch.float64)
+    for x, y in batches:
+        s += float(eng(_rows(x, rank, world), labels=_rows(y, rank, world), reduction="sum"))
+    dist.all_reduce(s, group=group)
+    return float(s) / _units(batches)
+
+
+def _full_params(eng) -> dict[str, torch.Tensor]:
+    return {n: p.full_tensor().detach().clone() for n, p in eng.module.named_parameters()}
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def _losses_after_load(group, ckpt_dir: str, resume_step: int) -> list[float]:
+    """Fresh objects (different init), load, then [loss of the next step, loss after stepping it]."""
+    from parallel.dcp_checkpoint import load_dcp_checkpoint
+    eng, opt = _build(group, seed=77)
+    meta = load_dcp_checkpoint(ckpt_dir, eng, opt)
+    assert meta["step"] == resume_step
+    before = _global_loss(eng, resume_step + 1, group)
+    _train_step(eng, opt, resume_step + 1, group)
+    return [before, _global_loss(eng, resume_step + 2, group)]
+
+
+def _trained_then_saved(group, root: str, out: str) -> tuple[list[float], dict, int]:
+    """2 steps (bytes measured after the last backward of step 2), DCP save at step 2, then
+    ([next-step loss, loss after one more step], bytes, parameter count)."""
+    from parallel.dcp_checkpoint import save_dcp_checkpoint
+    from parallel.fsdp import sharded_bytes
+    eng, opt = _build(group)
+    nbytes = []
+    _train_step(eng, opt, 1, group)
+    _train_step(eng, opt, 2, group, on_last_backward=lambda: nbytes.append(sharded_bytes(eng, opt)))
+    save_dcp_checkpoint(root, 2, eng, opt, json_files={"trainer_state.json": {"step": 2, "val_loss": None}},
+                        rank_state={"rank": torch.tensor([dist.get_rank(group)])})
+    full = _full_params(eng)
+    if dist.get_rank(group) == 0:
+        torch.save(full, out)
+    before = _global_loss(eng, 3, group)
+    _train_step(eng, opt, 3, group)
+    return [before, _global_loss(eng, 4, group)], nbytes[0], sum(p.numel() for p in eng.module.parameters())
+
+
+# ------------------------------------------------------------------------------ the worker
+
+def _worker(rank: int, world: int, tmp: str) -> None:
+    from parallel.dcp_checkpoint import load_dcp_checkpoint, save_dcp_checkpoint
+    from parallel.fsdp import FSDPOptimizer, sharded_bytes
+    assert world == 4
+    res: dict = {}
+    g4 = dist.group.WORLD
+    g2 = dist.new_group([0, 1])
+    g1 = dist.new_group([0])
+    root4, root2 = os.path.join(tmp, "run4", "checkpoints"), os.path.join(tmp, "run2", "checkpoints")
+
+    # ---- world 4: train, save at step 2 (+ bytes per rank)
+    res["w4_losses"], res["bytes_w4"], res["n_params"] = _trained_then_saved(g4, root4, os.path.join(tmp, "full4.pt"))
+
+    if rank < 2:  # ---- world 2
+        # (a) vs one process
+        configs = {"offload=F raf=T": dict(cpu_offload=False, reshard_after_forward=True),
+                   "offload=F raf=F tied": dict(cpu_offload=False, reshard_after_forward=False, tied=True),
+                   "offload=T raf=T tied ckpt": dict(cpu_offload=True, reshard_after_forward=True, tied=True,
+                                                     ckpt=True),
+                   "offload=T raf=F": dict(cpu_offload=True, reshard_after_forward=False)}
+        res["match"], res["grad_norms"] = {}, {}
+        for name, kw in configs.items():
+            eng, opt = _build(g2, **kw)
+            norms = [_train_step(eng, opt, s, g2)[1] for s in range(1, 5)]
+            full = _full_params(eng)
+            if rank == 0:
+                ref = _reference_params(4, tied=kw.get("tied", False))
+                res["match"][name] = _max_diff(full, ref)
+                res["grad_norms"][name] = norms
+                if kw.get("tied"):
+                    res.setdefault("tied_shared", []).append(
+                        eng.module.lm_head.weight is eng.module.embed_tokens.weight)
+
+        # (b) exact resume at world 2: uninterrupted run A saves at step 2; run B loads and redoes 3..4
+        eng, opt = _build(g2)
+        nbytes = []
+        _train_step(eng, opt, 1, g2)
+        _train_step(eng, opt, 2, g2, on_last_backward=lambda: nbytes.append(sharded_bytes(eng, opt)))
+        res["bytes_w2"] = nbytes[0]
+        save_dcp_checkpoint(root2, 2, eng, opt, json_files={"trainer_state.json": {"step": 2, "val_loss": 1.0}})
+        full2 = _full_params(eng)
+        if rank == 0:
+            torch.save(full2, os.path.join(tmp, "full2.pt"))
+        res["w2_losses"] = [_global_loss(eng, 3, g2)]
+        _train_step(eng, opt, 3, g2)
+        res["w2_losses"].append(_global_loss(eng, 4, g2))
+        _train_step(eng, opt, 4, g2)
+        run_a = _full_params(eng)
+        eng, opt = _build(g2, seed=123)
+        load_dcp_checkpoint(os.path.join(root2, "step_00000002"), eng, opt)
+        _train_step(eng, opt, 3, g2)
+        _train_step(eng, opt, 4, g2)
+        run_b = _full_params(eng)
+        res["resume_exact"] = all(torch.equal(run_a[k], run_b[k]) for k in run_a)
+        res["resume_diff"] = _max_diff(run_a, run_b)
+
+        # re-shard 4 -> 2
+        res["load_4_to_2"] = _losses_after_load(g2, os.path.join(root4, "step_00000002"), 2)
+
+        # fp16 loss scaling: a NaN on rank 1 only skips the step on both ranks; the scale halves
+        eng, opt = _build(g2, precision="fp16", initial_loss_scale=1024.0, hysteresis=1)
+        before = _full_params(eng)
+        skipped = _train_step(eng, opt, 1, g2, poison_rank=1)
+        unchanged = _max_diff(before, _full_params(eng))
+        scale_after_skip = opt.loss_scale
+        ok = _train_step(eng, opt, 1, g2)
+        res["fp16"] = {"skipped": list(skipped), "unchanged": unchanged, "scale": scale_after_skip,
+                       "then": [bool(ok[0]), ok[1]]}
+
+        # frozen parameters (LoRA) are not optimised and stay put
+        from model.lora import apply_lora
+        from parallel.fsdp import FSDPDataParallel
+        m = _new_model(0)
+        apply_lora(m, r=2, alpha=4.0, target_modules=("q_proj", "v_proj"))
+        n_train = sum(1 for p in m.parameters() if p.requires_grad)
+        eng = FSDPDataParallel(m, mesh_or_group=g2)
+        opt = FSDPOptimizer(eng, OptimizerConfig(**OPT))
+        before = _full_params(eng)
+        _train_step(eng, opt, 1, g2)
+        after = _full_params(eng)
+        res["lora"] = {"opt_params": len(opt.params), "trainable": n_train,
+                       "base_moved": max(float((after[k] - before[k]).abs().max()) for k in before
+                                         if "lora_" not in k),
+                       "lora_b_moved": max(float((after[k] - before[k]).abs().max()) for k in before
+                                           if "lora_B" in k)}
+
+        # (c) a comm hook on the FSDP wrapper
+        try:
+            eng.register_comm_hook(None, None)
+            res["hook_error"] = None
+        except ValueError as e:
+            res["hook_error"] = str(e)
+        del eng, opt
+    dist.barrier()
+
+    if rank == 0:  # ---- world 1 (a one-rank group)
+        res["load_2_to_1"] = _losses_after_load(g1, os.path.join(root2, "step_00000002"), 2)
+        res["load_4_to_1"] = _losses_after_load(g1, os.path.join(root4, "step_00000002"), 2)
+    dist.barrier()
+
+    res["load_2_to_4"] = _losses_after_load(g4, os.path.join(root2, "step_00000002"), 2)  # ---- world 4 again
+    if rank == 0:
+        with open(os.path.join(tmp, "results.json"), "w") as f:
+            json.dump(res, f)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> tuple[dict, str]:
+    tmp = str(tmp_path_factory.mktemp("fsdp"))
+    spawn(_worker, 4, tmp)
+    with open(os.path.join(tmp, "results.json")) as f:
+        return json.load(f), tmp
+
+
+# ------------------------------------------------------------------------------ (a) numerics
+
+def test_fsdp_matches_one_process(results):
+    res, _ = results
+    assert set(res["match"]) == {"offload=F raf=T", "offload=F raf=F tied", "offload=T raf=T tied ckpt",
+                                 "offload=T raf=F"}
+    for name, diff in res["match"].items():
+        assert diff < 1e-5, (name, diff)
+    for name, norms in res["grad_norms"].items():
+        assert max(norms) > OPT["grad_clip"], (name, norms)  # clipping was active
+    assert res["tied_shared"] == [True, True]  # the tied weight is still one Parameter after sharding
+
+
+# ------------------------------------------------------------------------------ (b) DCP checkpoints
+
+def test_dcp_resume_is_bit_exact_at_same_world(results):
+    res, _ = results
+    assert res["resume_exact"], res["resume_diff"]
+
+
+@pytest.mark.parametrize("key,ref", [("load_4_to_2", "w4_losses"), ("load_4_to_1", "w4_losses"),
+                                     ("load_2_to_1", "w2_losses"), ("load_2_to_4", "w2_losses")])
+def test_dcp_reshard_gives_equal_losses(results, key, ref):
+    res, _ = results
+    for got, want in zip(res[key], res[ref]):
+        assert abs(got - want) <= 1e-5 * max(1.0, abs(want)), (key, res[key], res[ref])
+
+
+def test_dcp_layout_manifest_and_compat(results):
+    from parallel.dcp_checkpoint import (check_dcp_checkpoint, latest_dcp_checkpoint,
+                                         load_full_model_state_dict, read_dcp_metadata)
+    from utils import checkpoint as ckpt
+    _, tmp = results
+    for run, world in (("run2", 2), ("run4", 4)):
+        root = os.path.join(tmp, run, "checkpoints")
+        path = os.path.join(root, "step_00000002")
+        assert sorted(os.listdir(root)) == ["step_00000002"]  # no temporary directory left
+        meta = json.load(open(os.path.join(path, "dcp_manifest.json")))
+        assert meta["step"] == 2 and meta["world_size"] == world
+        assert {f"__{r}_0.distcp" for r in range(world)} <= set(meta["files"])
+        for name, size in meta["files"].items():
+            assert os.path.getsize(os.path.join(path, name)) == size
+        assert check_dcp_checkpoint(path, check_hashes=True) is None
+        # utils/checkpoint.py accepts the directory as a complete checkpoint (pruning keeps it)
+        assert ckpt.verify_checkpoint(path) is None
+        assert ckpt.find_latest_valid(os.path.join(tmp, run), log=lambda m: None) == path
+        # tensors only: nothing in the checkpoint is read through pickle except the allow-listed metadata
+        md = read_dcp_metadata(path)
+        assert all(k.startswith(("model.", "optim.state.")) for k in md.state_dict_metadata)
+        # one process, no process group: the full weights equal those gathered at save time
+        full = load_full_model_state_dict(path)
+        saved = torch.load(os.path.join(tmp, f"full{world}.pt"), weights_only=True)
+        assert full.keys() == saved.keys()
+        assert all(torch.equal(full[k], saved[k]) for k in saved)
+    extra = torch.load(os.path.join(tmp, "run4", "checkpoints", "step_00000002", "extra_rank3.pt"), weights_only=True)
+    assert int(extra["rank"]) == 3
+    # an interrupted save (a temporary dir, or a step dir without COMPLETE) is never picked
+    root = os.path.join(tmp, "run2", "checkpoints")
+    os.makedirs(os.path.join(root, ".tmp_step_00000009"))
+    torn = os.path.join(root, "step_00000007")
+    os.makedirs(torn)
+    open(os.path.join(torn, "dcp_manifest.json"), "w").write("{}")
+    assert "COMPLETE" in check_dcp_checkpoint(torn)
+    assert latest_dcp_checkpoint(root) == os.path.join(root, "step_00000002")
+
+
+def test_dcp_metadata_reader_refuses_foreign_pickles(tmp_path):
+    from parallel.dcp_checkpoint import SafeFileSystemReader
+
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(pickle.UnpicklingError, match="allow-list"):
+        SafeFileSystemReader(str(tmp_path)).read_metadata()
+    assert not marker.exists()
+
+
+# ------------------------------------------------------------------------------ (c) bad combinations
+
+def test_bad_combinations_raise(results):
+    from parallel.fsdp import FSDPOptimizer, build_fsdp_engine, validate_fsdp_options, wrap_fsdp
+    res, _ = results
+    with pytest.raises(ValueError, match="powersgd"):
+        validate_fsdp_options(comm_hook="powersgd")
+    with pytest.raises(ValueError, match="use_distributed_optimizer"):
+        build_fsdp_engine(_new_model(), OptimizerConfig(use_distributed_optimizer=True))
+    with pytest.raises(ValueError, match="overlap_optim_step"):
+        FSDPOptimizer(_new_model(), OptimizerConfig(overlap_optim_step=True))
+    with pytest.raises(ValueError, match="comm_hook=fp16"):
+        build_fsdp_engine(_new_model(), OptimizerConfig(), comm_hook="fp16")
+    with pytest.raises(ValueError, match="wrapped by wrap_fsdp"):
+        FSDPOptimizer(_new_model(), OptimizerConfig())
+    with pytest.raises(ValueError, match="fp32"):
+        wrap_fsdp(_new_model().to(torch.bfloat16), param_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="process group"):
+        wrap_fsdp(_new_model(), param_dtype=torch.float32)  # no dist.init_process_group in this process
+    with pytest.raises(ValueError, match="precision='fp16'"):
+        build_fsdp_engine(_new_model(), OptimizerConfig(), param_dtype=torch.float16)
+    assert res["hook_error"] and "ddp" in res["hook_error"]
+
+
+# ------------------------------------------------------------------------------ (d) memory, fp16, LoRA
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_sharded_bytes_are_16_per_param_over_world(results, world):
+    res, _ = results
+    b = res[f"bytes_w{world}"]
+    expected = 16 * res["n_params"] / world  # fp32 param + grad + exp_avg + exp_avg_sq, each sharded
+    total = b["params"] + b["grads"] + b["optimizer"]
+    assert abs(total - expected) <= 0.10 * expected, (b, expected)
+    assert b["params"] == b["grads"] and b["optimizer"] == 2 * b["params"]
+
+
+def test_fp16_nonfinite_on_one_rank_skips_everywhere(results):
+    fp = results[0]["fp16"]
+    assert fp["skipped"][0] is False and fp["skipped"][1] == float("inf")
+    assert fp["unchanged"] == 0.0 and fp["scale"] == 512.0
+    assert fp["then"][0] is True and fp["then"][1] < float("inf")
+
+
+def test_lora_frozen_params_excluded(results):
+    lo = results[0]["lora"]
+    assert lo["opt_params"] == lo["trainable"] > 0
+    assert lo["base_moved"] == 0.0 and lo["lora_b_moved"] > 0.0
