@@ -5,7 +5,7 @@
 What it owns:
 - Starting the training command (an argument list, never a string split on spaces) in its own
   process group, teeing its stdout/stderr to the terminal and to a log file.
-- Deciding what an exit means (utils/constants.py): 0 is done and is NEVER restarted; 2/3/4 are
+- Deciding what an exit means (utils/constants.py): 0 is done and is NEVER restarted; 2/3/4/5 are
   non-retryable and are reported; 75 means the run was interrupted after saving; anything else,
   including death by a signal, is a crash that is restarted with `--init_from=resume` after an
   exponential backoff, up to --max_restarts.
@@ -73,8 +73,8 @@ def parse_args(argv: list[str]) -> tuple[MonitorConfig, list[str]]:
     p = argparse.ArgumentParser(
         prog="monitor_process.py",
         description="Run a training command, restart it on crashes and hangs, report what happened. "
-                    "Exit 0 and exit codes 2 (bad config), 3 (bad data), 4 (non-finite loss) are never "
-                    "restarted; 75 (interrupted after saving) stops the monitor too.")
+                    "Exit 0 and exit codes 2 (bad config), 3 (bad data), 4 (non-finite loss), "
+                    "5 (unusable checkpoint) are never restarted; 75 (interrupted after saving) stops the monitor too.")
     p.add_argument("--out_dir", help="the run's out_dir (default: the command's --out_dir=)")
     p.add_argument("--log_file", help="tee file for the output (default: <out_dir>/monitor.log)")
     p.add_argument("--summary_file", help="default: <out_dir>/monitor_summary.json")
@@ -534,7 +534,8 @@ class Monitor:
             return "completed", "the training exited 0", EXIT_OK
         if a.cause == "non_retryable":
             code = a.root_exit_code if a.root_exit_code is not None else a.exit_code
-            return "non_retryable", f"exit code {code} is not retryable (2 config, 3 data, 4 non-finite loss)", code
+            return ("non_retryable", f"exit code {code} is not retryable "
+                    "(2 config, 3 data, 4 non-finite loss, 5 checkpoint)", code)
         if a.cause == "interrupted":
             return ("interrupted", "the training was interrupted by someone else and saved (exit 75); "
                     "not restarting over an operator's decision", EXIT_INTERRUPTED)

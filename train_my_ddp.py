@@ -8,8 +8,15 @@ scaler and precision policy whether or not the run is distributed. Read it top t
 configuration -> process group -> data -> model -> DDP + optimizer -> resume -> the loop
 (lr, micro-batches, token-normalised loss, step, log, evaluate, checkpoint) -> final evaluation.
 
-Exit codes (utils/constants.py): 0 done, 2 bad configuration, 3 bad data, 4 non-finite loss,
-75 interrupted by SIGTERM/SIGINT after saving a checkpoint.
+Exit codes (utils/constants.py): 0 done, 2 bad configuration, 3 bad data (also shards made with
+another tokenizer), 4 non-finite loss, 5 a checkpoint or weights directory that cannot be loaded,
+75 interrupted by SIGTERM/SIGINT after saving a checkpoint. 2, 3, 4 and 5 print one line
+"[rank R] error: ..." on stderr and are never retried by monitor_process.py; any other failure is a
+crash (exit 1, traceback) that the supervisor restarts.
+
+A run records how it started (--init_from, task) in <out_dir>/run_start.json before its first step;
+`--init_from=resume` with no checkpoint yet starts the run that way again (a crash before the first
+checkpoint must not restart from random weights), or exits 2 when nothing was recorded.
 """
 from __future__ import annotations
 
@@ -19,6 +26,7 @@ import json
 import logging
 import math
 import os
+import pickle
 import signal
 import sys
 import time
@@ -29,10 +37,11 @@ import torch
 
 from configurator import ConfigError, help_text, parse_config, save_config_json
 from utils import checkpoint as ckpt
-from utils.constants import (EXIT_BAD_CONFIG, EXIT_BAD_DATA, EXIT_INTERRUPTED, EXIT_NONFINITE_LOSS,
-                             EXIT_OK, IGNORE_INDEX)
+from utils.constants import (EXIT_BAD_CHECKPOINT, EXIT_BAD_CONFIG, EXIT_BAD_DATA, EXIT_INTERRUPTED,
+                             EXIT_NONFINITE_LOSS, EXIT_OK, IGNORE_INDEX)
 from utils.device import memory_stats, parse_dtype, seed_everything, synchronize
-from utils.dist import DistInfo, all_reduce_max, all_reduce_sum, barrier, destroy, init_distributed
+from utils.dist import (DistInfo, all_reduce_max, all_reduce_sum, barrier, destroy, device_problem,
+                        init_distributed)
 from utils.lr_schedule import lr_at
 from utils.metrics import MetricsLogger, format_line
 
@@ -53,7 +62,10 @@ class TrainConfig:
     tokenizer_dir: str = _f("", "tokenizer directory (tokenizer_meta.json gives the vocab size and special ids)")
     val_ratio: float = _f(0.05, "sft/dpo: fraction of records held out for validation")
     sft_packing: bool = _f(False, "sft: pack several samples per row (attention restricted to each sample)")
-    init_from: str = _f("scratch", "scratch | resume | <our run or checkpoint dir> | <Hugging Face model dir>")
+    init_from: str = _f("scratch", "scratch | resume | <our run or checkpoint dir> | <Hugging Face model dir>; resume "
+                        "with no checkpoint yet starts as recorded in <out_dir>/run_start.json, else --resume_fallback")
+    resume_fallback: str = _f("", "--init_from=resume with no checkpoint and no run_start.json: start from this "
+                              "(scratch | <weights dir>) instead of exiting 2, e.g. under torchrun --max-restarts")
     ref_model: str = _f("", "dpo: weights of the frozen reference model (default: the initial weights)")
     # ---- model (ignored when initialising from a checkpoint, whose model_config.json wins)
     dim: int = _f(256, "model width")
@@ -112,7 +124,7 @@ class TrainConfig:
     powersgd_warm_start: bool = _f(True, "reuse Q between steps")
     # ---- evaluation, logging, checkpoints
     eval_interval: int = _f(100, "evaluate every N steps (0 = only at the end)")
-    eval_iters: int = _f(20, "validation micro-batches per rank per evaluation")
+    eval_iters: int = _f(20, "validation micro-batches per rank per evaluation (>= 1)")
     log_interval: int = _f(10, "log a line every N steps")
     checkpoint_interval: int = _f(100, "checkpoint every N steps (and at the end)")
     keep_last: int = _f(3, "keep this many newest checkpoints (plus the best by validation loss)")
@@ -163,6 +175,18 @@ def _fire_step_faults(step: int) -> None:
 
 # ---------------------------------------------------------------------------- data
 
+def check_data_tokenizer(data_dir: str, fingerprint: str, vocab_size: int, tokenizer_dir: str, tok_meta: dict) -> None:
+    """Token files must come from the tokenizer the run uses: same fingerprint (when the files
+    record one) and same vocabulary size. Anything else trains on ids that mean other words."""
+    from data_preprocess.shard_format import DataError
+    want_fp, want_vocab = str(tok_meta.get("fingerprint", "")), int(tok_meta["vocab_size"])
+    if (fingerprint and want_fp and fingerprint != want_fp) or int(vocab_size) != want_vocab:
+        raise DataError(f"{data_dir} were tokenized with another tokenizer (fingerprint {fingerprint[:12] or '?'}, "
+                        f"vocab {vocab_size}) than --tokenizer_dir={tokenizer_dir} (fingerprint {want_fp[:12]}, "
+                        f"vocab {want_vocab}); re-tokenize the data with this tokenizer, or pass the one it was "
+                        "made with")
+
+
 def build_data(cfg: TrainConfig, info: DistInfo, tok_meta: dict):
     """(train_loader, make_val_loader) for the task; loaders yield dicts of tensors."""
     from dataset.loader import ResumableLoader
@@ -177,9 +201,17 @@ def build_data(cfg: TrainConfig, info: DistInfo, tok_meta: dict):
         else:
             train = PretokDatasetWithIndex(cfg.data_dir, cfg.max_seq_len, split="train")
             val = PretokDatasetWithIndex(cfg.data_dir, cfg.max_seq_len, split="val")
+        for ds in (train.datasets if cfg.data_mix else [train]):
+            shard = ds.stream.shards[0]  # list_shards made sure every shard of a directory agrees
+            check_data_tokenizer(ds.data_dir, shard.fingerprint, shard.vocab_size, cfg.tokenizer_dir, tok_meta)
         collate = None
     elif cfg.task_type == "sft":
         from dataset.dataset_sft import build_sft_splits
+        sft_meta = os.path.join(cfg.data_dir, "sft_meta.json")
+        if os.path.isfile(sft_meta):  # pretokenized: made with which tokenizer?
+            meta = ckpt.read_json(sft_meta)
+            check_data_tokenizer(cfg.data_dir, str(meta.get("tokenizer_fingerprint", "")),
+                                 int(meta.get("vocab_size", tok_meta["vocab_size"])), cfg.tokenizer_dir, tok_meta)
         train, val, collate = build_sft_splits(cfg.data_dir, cfg.tokenizer_dir, cfg.max_seq_len,
                                                val_ratio=cfg.val_ratio, seed=cfg.seed, pack=cfg.sft_packing)
     elif cfg.task_type == "dpo":
@@ -231,17 +263,27 @@ def model_from_checkpoint(found: str) -> tuple[Any, dict]:
     return model, run_cfg
 
 
-def load_weights_from(path: str, log) -> tuple[Any, dict]:
-    """A model from an HF directory, our run directory, or one of our checkpoint directories."""
-    if _is_hf_dir(path):
+def load_weights_from(path: str, log, flag: str = "--init_from") -> tuple[Any, dict]:
+    """A model from an HF directory, our run directory, or one of our checkpoint directories.
+
+    `flag` names where the path came from in error messages (exit 2 when nothing is there, exit 5
+    when what is there cannot be loaded)."""
+    where = f"{flag}={path}" if flag.startswith("--") else f"{flag} {path}"
+    if os.path.isdir(path) and _is_hf_dir(path):
         from model.hf_interop import import_hf
-        model = import_hf(path)
+        try:
+            model = import_hf(path)
+        except (ValueError, OSError, KeyError) as e:
+            raise TrainingError(f"{where}: cannot import the Hugging Face model ({e})", EXIT_BAD_CHECKPOINT) from e
         log(f"[init] imported Hugging Face model from {path}")
         return model, {"source": path, "kind": "hf"}
-    found = ckpt.resolve_checkpoint_dir(path, log=log)
+    found = ckpt.resolve_checkpoint_dir(path, log=log) if os.path.isdir(path) else None
     if found is None:
-        raise TrainingError(f"--init_from={path}: no complete checkpoint or HF model there", EXIT_BAD_CONFIG)
-    model, run_cfg = model_from_checkpoint(found)
+        raise TrainingError(f"{where}: no complete checkpoint or Hugging Face model there", EXIT_BAD_CONFIG)
+    try:
+        model, run_cfg = model_from_checkpoint(found)
+    except (ValueError, KeyError, OSError) as e:
+        raise TrainingError(f"checkpoint {found}: {e}", EXIT_BAD_CHECKPOINT) from e
     if run_cfg.get("lora_rank", 0) > 0:  # adapters were trained: fold them into the weights
         from model.lora import merge_lora
         merge_lora(model)
@@ -373,6 +415,27 @@ def evaluate(cfg: TrainConfig, model, ref_model, make_val_loader, info: DistInfo
 
 # ---------------------------------------------------------------------------- main
 
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def named_error(e: BaseException) -> Optional[tuple[int, str]]:
+    """(exit code, message) for every error the trainer can name; None for a crash (exit 1, retried)."""
+    from data_preprocess.sft_format import RecordError
+    from data_preprocess.shard_format import DataError
+    from safetensors import SafetensorError
+    from utils.dist import DeviceError
+    if isinstance(e, TrainingError):
+        return e.code, _one_line(e)
+    if isinstance(e, (ConfigError, DeviceError)):
+        return EXIT_BAD_CONFIG, _one_line(e)
+    if isinstance(e, (DataError, RecordError)):  # StaleIndexError is a DataError
+        return EXIT_BAD_DATA, "data: " + _one_line(e)
+    if isinstance(e, (ckpt.CheckpointError, pickle.UnpicklingError, SafetensorError)):
+        return EXIT_BAD_CHECKPOINT, "checkpoint: " + _one_line(e)
+    return None
+
+
 def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(help_text(TrainConfig(), __doc__.strip().splitlines()[0]))
@@ -380,30 +443,57 @@ def main(argv: list[str]) -> int:
     try:
         cfg = parse_config(TrainConfig(), argv)
     except ConfigError as e:
-        print(f"train_my_ddp.py: {e}", file=sys.stderr)
+        print(f"train_my_ddp.py: {_one_line(e)}", file=sys.stderr)
         return EXIT_BAD_CONFIG
-    info = init_distributed(cfg.device)
+    rank = int(os.environ.get("RANK", "0"))
     try:
+        info = init_distributed(cfg.device)
         return train(cfg, info)
-    except TrainingError as e:
-        print(f"[rank {info.rank}] error: {e}", file=sys.stderr, flush=True)
-        return e.code
+    except Exception as e:  # noqa: BLE001 - named errors become one line and an exit code; others re-raise
+        named = named_error(e)
+        if named is None:
+            raise
+        code, msg = named
+        print(f"[rank {rank}] error: {msg}", file=sys.stderr, flush=True)
+        return code
     finally:
         destroy()
 
 
 def validate_config(cfg: TrainConfig) -> None:
+    """Every value the run cannot work with, as one exit-2 error listing all of them."""
     problems = []
-    if cfg.task_type not in ("pretrain", "sft", "dpo"):
-        problems.append(f"--task_type={cfg.task_type!r} (pretrain | sft | dpo)")
+
+    def choice(name: str, allowed: tuple[str, ...]) -> None:
+        if getattr(cfg, name) not in allowed:
+            problems.append(f"--{name}={getattr(cfg, name)!r} ({' | '.join(allowed)})")
+
+    def at_least(name: str, low: int) -> None:
+        if getattr(cfg, name) < low:
+            problems.append(f"--{name}={getattr(cfg, name)}: must be >= {low}")
+
+    def number(name: str, low: float, high: float = math.inf, low_open: bool = False, high_open: bool = True,
+               what: str = "") -> None:
+        v = getattr(cfg, name)
+        ok = math.isfinite(v) and (v > low if low_open else v >= low) and (v < high if high_open else v <= high)
+        if not ok:
+            if what:
+                rule = what
+            elif high == math.inf:
+                rule = f"must be a finite number {'>' if low_open else '>='} {low:g}"
+            else:
+                rule = f"must be in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+            problems.append(f"--{name}={v}: {rule}")
+
+    choice("task_type", ("pretrain", "sft", "dpo"))
     if not cfg.data_dir and not cfg.data_mix:
         problems.append("--data_dir is required")
     if not cfg.tokenizer_dir:
         problems.append("--tokenizer_dir is required")
-    if cfg.dtype not in ("fp32", "bf16", "fp16"):
-        problems.append(f"--dtype={cfg.dtype!r} (fp32 | bf16 | fp16)")
-    if cfg.comm_hook not in ("allreduce", "reduce_scatter", "fp16", "bf16", "powersgd"):
-        problems.append(f"--comm_hook={cfg.comm_hook!r}")
+    choice("dtype", ("fp32", "bf16", "fp16"))
+    choice("comm_hook", ("allreduce", "reduce_scatter", "fp16", "bf16", "powersgd"))
+    choice("lr_schedule", ("cosine", "linear", "wsd", "constant"))
+    choice("dpo_loss", ("sigmoid", "ipo", "hinge"))
     if cfg.comm_hook == "reduce_scatter" and not cfg.use_distributed_optimizer:
         problems.append("--comm_hook=reduce_scatter leaves each rank only its shard of the gradients: it needs "
                         "--use_distributed_optimizer=true (ZeRO), which steps exactly that shard")
@@ -411,11 +501,66 @@ def validate_config(cfg: TrainConfig) -> None:
         problems.append(f"--zero_stage={cfg.zero_stage} (1 | 2)")
     if cfg.task_type in ("sft", "dpo") and cfg.init_from == "scratch":
         problems.append(f"--task_type={cfg.task_type} starts from pretrained weights: pass --init_from=<run dir>")
-    for name in ("batch_size", "gradient_accumulation_steps", "max_iters", "max_seq_len", "checkpoint_interval"):
-        if getattr(cfg, name) < 1:
-            problems.append(f"--{name} must be >= 1")
+    if cfg.task_type in ("sft", "dpo") and cfg.init_from == "resume" and cfg.resume_fallback == "scratch":
+        problems.append(f"--task_type={cfg.task_type} starts from pretrained weights: --resume_fallback=scratch "
+                        "cannot be used")
+    for name in ("batch_size", "gradient_accumulation_steps", "max_iters", "max_seq_len", "checkpoint_interval",
+                 "log_interval", "eval_iters", "keep_last", "dim", "n_layers", "n_heads", "multiple_of",
+                 "bucket_size", "powersgd_rank"):
+        at_least(name, 1)
+    for name in ("eval_interval", "warmup_iters", "lr_decay_iters", "n_kv_heads", "hidden_dim", "vocab_size",
+                 "lora_rank", "powersgd_start_iter"):
+        at_least(name, 0)
+    number("learning_rate", 0.0, low_open=True)
+    number("min_lr", 0.0)
+    number("weight_decay", 0.0)
+    number("eps", 0.0, low_open=True)
+    number("grad_clip", 0.0, what="must be a finite number >= 0 (0 = no clipping)")
+    for name in ("beta1", "beta2", "dropout", "lora_dropout", "val_ratio"):
+        number(name, 0.0, 1.0)
+    number("rope_theta", 0.0, low_open=True)
+    number("lora_alpha", 0.0, low_open=True)
+    number("dpo_beta", 0.0, low_open=True)
+    number("dpo_label_smoothing", 0.0, 0.5)
+    number("powersgd_min_compression_rate", 0.0)
+    number("peak_flops", 0.0, what="must be a finite number >= 0 (0 = measure)")
+    if cfg.lora_rank > 0:
+        from model.lora import ALL_LINEAR
+        targets = [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]
+        unknown = [t for t in targets if t not in ALL_LINEAR]
+        if cfg.lora_targets != "all" and (unknown or not targets):
+            problems.append(f"--lora_targets={cfg.lora_targets}: unknown module name(s) {','.join(unknown) or '(none)'}; "
+                            f"use a comma-separated subset of {','.join(ALL_LINEAR)}, or all")
     if problems:
         raise TrainingError("bad configuration: " + "; ".join(problems), EXIT_BAD_CONFIG)
+
+
+def start_without_checkpoint(cfg: TrainConfig, log) -> str:
+    """--init_from=resume and no complete checkpoint in out_dir: what the run starts from instead.
+
+    The start recorded in <out_dir>/run_start.json (a crash before the first checkpoint restarts the
+    run exactly as it began, not from random weights), else --resume_fallback, else exit 2. When
+    checkpoints exist but every one is damaged, exit 5: starting over would hide lost work.
+    """
+    found = ckpt.list_checkpoints(cfg.out_dir)
+    if found:
+        raise TrainingError(f"--init_from=resume: none of the {len(found)} checkpoint(s) in "
+                            f"{ckpt.checkpoint_root(cfg.out_dir)} is complete and undamaged (see the messages "
+                            "above); restore one, or start a new run in another --out_dir", EXIT_BAD_CHECKPOINT)
+    record = ckpt.read_run_start(cfg.out_dir)
+    if record is not None:
+        if record.get("task_type", cfg.task_type) != cfg.task_type:
+            raise TrainingError(f"--init_from=resume: {os.path.join(cfg.out_dir, ckpt.RUN_START)} records a "
+                                f"{record['task_type']} run, not --task_type={cfg.task_type}", EXIT_BAD_CONFIG)
+        log(f"[resume] no checkpoint in {cfg.out_dir} yet: starting as the run did, from {record['init_from']} "
+            f"(recorded in {ckpt.RUN_START})")
+        return record["init_from"]
+    if cfg.resume_fallback:
+        log(f"[resume] no checkpoint in {cfg.out_dir} yet: starting from --resume_fallback={cfg.resume_fallback}")
+        return cfg.resume_fallback
+    raise TrainingError(f"--init_from=resume: no complete checkpoint in {ckpt.checkpoint_root(cfg.out_dir)} and no "
+                        f"record of how the run started ({ckpt.RUN_START}); start it with --init_from=scratch or "
+                        "--init_from=<weights dir>, or pass --resume_fallback", EXIT_BAD_CONFIG)
 
 
 def train(cfg: TrainConfig, info: DistInfo) -> int:
@@ -438,9 +583,13 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
 
     # ---- where do we start from?
     resume_dir = None
+    init_from = cfg.init_from  # what a run that does not resume from a checkpoint starts from
     if cfg.init_from == "resume":
         resume_dir = ckpt.find_latest_valid(cfg.out_dir, log=log)
-        log(f"[resume] {'from ' + resume_dir if resume_dir else 'no complete checkpoint in ' + cfg.out_dir + ', starting from scratch'}")
+        if resume_dir is not None:
+            log(f"[resume] from {resume_dir}")
+        else:
+            init_from = start_without_checkpoint(cfg, log)
     elif ckpt.list_checkpoints(cfg.out_dir):
         raise TrainingError(f"--out_dir={cfg.out_dir} already holds checkpoints of a run; continue it with "
                             "--init_from=resume, or start a new run in another --out_dir", EXIT_BAD_CONFIG)
@@ -454,22 +603,36 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
     from model import ModelConfig, Transformer
     init_info: dict = {"source": "scratch", "kind": "scratch"}
     if resume_dir is not None:
-        model = Transformer(ModelConfig.from_dict(ckpt.read_json(os.path.join(resume_dir, "model_config.json"))))
+        try:
+            model = Transformer(ModelConfig.from_dict(ckpt.read_json(os.path.join(resume_dir, "model_config.json"))))
+        except ValueError as e:
+            raise TrainingError(f"checkpoint {resume_dir}: {e}", EXIT_BAD_CHECKPOINT) from e
         saved_state = ckpt.read_json(os.path.join(resume_dir, "trainer_state.json"))
         init_info = saved_state.get("init_info", init_info)
-    elif cfg.init_from not in ("scratch", "resume"):
-        model, init_info = load_weights_from(cfg.init_from, log)
+    elif init_from != "scratch":
+        model, init_info = load_weights_from(init_from, log)
     else:
-        model = Transformer(new_model_config(cfg, tok_meta))
+        try:
+            model_cfg = new_model_config(cfg, tok_meta)
+        except ValueError as e:
+            raise TrainingError(f"bad model configuration: {e}", EXIT_BAD_CONFIG) from e
+        model = Transformer(model_cfg)
+    if resume_dir is None and info.is_main:  # before the first step: a restart with resume starts the same way
+        ckpt.write_run_start(cfg.out_dir, {"init_from": init_info["source"], "requested_init_from": init_from,
+                                           "kind": init_info["kind"], "task_type": cfg.task_type,
+                                           "started_at": time.time()})
     mcfg = model.cfg
     if mcfg.vocab_size < int(tok_meta["vocab_size"]):
         raise TrainingError(f"model vocab {mcfg.vocab_size} < tokenizer vocab {tok_meta['vocab_size']}", EXIT_BAD_CONFIG)
 
     if cfg.lora_rank > 0:
         from model.lora import apply_lora, trainable_parameters
-        apply_lora(model, r=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
-                   target_modules=cfg.lora_targets, train_embeddings=cfg.lora_train_embeddings,
-                   train_lm_head=cfg.lora_train_embeddings)
+        try:
+            apply_lora(model, r=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
+                       target_modules=cfg.lora_targets, train_embeddings=cfg.lora_train_embeddings,
+                       train_lm_head=cfg.lora_train_embeddings)
+        except ValueError as e:
+            raise TrainingError(f"--lora_*: {e}", EXIT_BAD_CONFIG) from e
         c = trainable_parameters(model)
         log(f"[lora] rank {cfg.lora_rank} on {cfg.lora_targets}: {c['trainable']:,} trainable of "
             f"{c['total']:,} parameters ({c['percent']:.2f}%)")
@@ -477,7 +640,10 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
     ref_model = None
     if cfg.task_type == "dpo":
         ref_src = cfg.ref_model or init_info.get("ref_source") or init_info["source"]
-        ref_model, _ = load_weights_from(ref_src, log)
+        if ref_src == "scratch":
+            raise TrainingError("--task_type=dpo needs a frozen reference model, and this run started from scratch: "
+                                "pass --ref_model=<run, checkpoint or Hugging Face dir>", EXIT_BAD_CONFIG)
+        ref_model, _ = load_weights_from(ref_src, log, flag="--ref_model" if cfg.ref_model else "reference model")
         init_info["ref_source"] = ref_src
         ref_model.requires_grad_(False).eval()
 
@@ -497,16 +663,25 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
     ddp_model, optimizer = build_engine(model, cfg)
     forward_model = torch.compile(ddp_model) if cfg.compile else ddp_model
 
+    from data_preprocess.shard_format import DataError
     try:
         train_loader, make_val_loader = build_data(cfg, info, tok_meta)
-    except (ValueError, OSError) as e:
-        raise TrainingError(f"data: {e}", EXIT_BAD_DATA) from e
+    except (DataError, ValueError, OSError) as e:  # DataError includes StaleIndexError
+        raise TrainingError(f"data: {' '.join(str(e).split())}", EXIT_BAD_DATA) from e
 
     # ---- resume: weights, optimizer (sharded under ZeRO), comm-hook state, data cursor, RNG
     iter_num, best_val, tokens_seen = 0, float("inf"), 0
     rng_to_restore = None
     if resume_dir is not None:
-        model.load_state_dict(ckpt.load_model_state(resume_dir))
+        try:
+            model.load_state_dict(ckpt.load_model_state(resume_dir))
+        except RuntimeError as e:
+            if isinstance(e, ckpt.CheckpointError):
+                raise
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise TrainingError(f"the weights in {resume_dir} do not fit the model this configuration builds "
+                                f"(were --lora_* flags changed since the run started?): {first}",
+                                EXIT_BAD_CONFIG) from e
         load_optimizer_state(optimizer, resume_dir, cfg, info, int(saved_state["world_size"]))
         extra = ckpt.load_rank_file(resume_dir, "extra", info.rank)
         if extra is not None and extra.get("comm_hook"):

@@ -5,6 +5,7 @@ and must never import torch (start-up time matters: tests restart it many times)
 
 Contract kept (see docs/monitor.md):
 - `--key=value` flags only; an unknown flag or a bad value exits 2 (bad configuration).
+- `--exit_at_start=N` exits N before the first step, as the trainer does for a named error.
 - Steps are numbered 1..max_iters. Each step appends {"step", "loss", "attempt_pid"} to
   <out_dir>/metrics.jsonl and touches <out_dir>/heartbeat (rank 0 only, RANK from the environment).
 - Every checkpoint_interval steps the state is saved atomically as
@@ -35,7 +36,7 @@ DEFAULTS = {
     "checkpoint_interval": 5,
     "step_time": 0.01,
     "label": "",          # free text; recorded in args.json so tests can check quoting survived
-    "fail_config_at_start": 0,
+    "exit_at_start": 0,   # exit with this code before the first step (a trainer's named error)
 }
 
 _stop_signal: int | None = None
@@ -113,6 +114,9 @@ def save(ckpt_root: str, step: int, state: dict) -> None:
 
 def main(argv: list[str]) -> int:
     cfg = parse(argv)
+    if cfg["exit_at_start"]:
+        print(f"[rank 0] error: fake_train: exiting {cfg['exit_at_start']} at start", file=sys.stderr, flush=True)
+        return cfg["exit_at_start"]
     rank = int(os.environ.get("RANK", "0"))
     out_dir = cfg["out_dir"]
     ckpt_root = os.path.join(out_dir, "checkpoints")

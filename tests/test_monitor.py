@@ -148,6 +148,17 @@ def test_bad_config_is_not_restarted(tmp_path):
     assert "non_retryable" in r.stderr
 
 
+@pytest.mark.parametrize("code", [3, 4, 5])
+def test_named_errors_are_not_restarted(tmp_path, code):
+    """3 bad data, 4 non-finite loss, 5 unusable checkpoint (utils/constants.py) end the run like 2."""
+    out = tmp_path / "run"
+    r = run_monitor(fake_cmd(out, f"--exit_at_start={code}"))
+    assert r.returncode == code, r.stderr
+    s = summary(out)
+    assert (s["final_status"], s["restarts"], len(s["attempts"])) == ("non_retryable", 0, 1)
+    assert f"exit code {code} is not retryable" in s["reason"]
+
+
 def test_finished_run_is_never_restarted(tmp_path, reference):
     out = tmp_path / "run"
     r = run_monitor(fake_cmd(out))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -148,6 +149,50 @@ def test_sft_then_dpo(pretrained, tiny_pretrain_data, tmp_path):
     assert recs[16]["loss"] < recs[1]["loss"]
     state = json.loads(open(os.path.join(find_latest_valid(str(dpo)), "trainer_state.json")).read())
     assert state["init_info"]["ref_source"].startswith(str(sft))  # frozen reference = initial weights
+
+
+def _raw_losses(out_dir) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in read_metrics(os.path.join(out_dir, "metrics.jsonl"))]
+
+
+@pytest.mark.parametrize("task", ["sft", "dpo"])
+def test_crash_before_first_checkpoint_restarts_from_the_recorded_start(pretrained, tiny_pretrain_data, tmp_path,
+                                                                         task):
+    """Issue 11 / 3.1: a fine-tuning run that crashes before its first checkpoint, restarted with
+    --init_from=resume (what the supervisor does), starts again from the pretrained weights it began
+    with (recorded in run_start.json), not from random weights of the default size; without the
+    record it refuses (exit 2) instead of guessing."""
+    if task == "sft":
+        data = os.path.join(ROOT, "data", "sft")
+    else:
+        data = tmp_path / "toy_prefs.jsonl"
+        with open(os.path.join(ROOT, "data", "dpo", "dpo_pairs.jsonl"), encoding="utf-8") as f:
+            data.write_text("".join(line for _, line in zip(range(24), f)), encoding="utf-8")
+    args = [f"--tokenizer_dir={tiny_pretrain_data['tokenizer_dir']}", "--max_seq_len=96", "--device=cpu",
+            "--progress=false", "--peak_flops=1e11", "--log_interval=1", "--eval_interval=0", "--eval_iters=2",
+            "--warmup_iters=2", "--seed=3", "--val_ratio=0.1", f"--task_type={task}", f"--data_dir={data}",
+            "--max_iters=3", "--batch_size=4", "--learning_rate=3e-3", "--checkpoint_interval=100"]
+    out = tmp_path / "run"
+    crashed = subprocess.run(train_cmd([*args, f"--init_from={pretrained['out']}", f"--out_dir={out}"]), cwd=ROOT,
+                             capture_output=True, text=True, env=_env(MYLLM_FAULT="crash@3"))
+    assert crashed.returncode == 1 and find_latest_valid(str(out)) is None, crashed.stderr[-2000:]
+    no_record = tmp_path / "no_record"
+    shutil.copytree(out, no_record)
+    os.remove(no_record / "run_start.json")
+    run_cmd(train_cmd([*args, "--init_from=resume", f"--out_dir={out}"]), env=_env())
+    raw = _raw_losses(out)
+    assert [s for s, _ in raw] == [1, 2, 1, 2, 3]
+    assert raw[0] == raw[2] and raw[1] == raw[3]  # the same start: the same weights, data order and losses
+    final = find_latest_valid(str(out))
+    assert json.loads(open(os.path.join(final, "model_config.json")).read())["dim"] == 32  # not the default 256
+    init_info = json.loads(open(os.path.join(final, "trainer_state.json")).read())["init_info"]
+    assert init_info["source"].startswith(str(pretrained["out"]))
+    if task == "dpo":
+        assert init_info["ref_source"].startswith(str(pretrained["out"]))
+    refused = subprocess.run(train_cmd([*args, "--init_from=resume", f"--out_dir={no_record}"]), cwd=ROOT,
+                             capture_output=True, text=True, env=_env())
+    assert refused.returncode == EXIT_BAD_CONFIG, refused.stderr[-2000:]
+    assert "no record of how the run started" in refused.stderr and "Traceback" not in refused.stderr
 
 
 def test_nonfinite_loss_stops_with_checkpoint_intact(tiny_pretrain_run_args, tmp_path):

@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import random
 import shutil
 import time
@@ -34,15 +35,17 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 CKPT_SUBDIR = "checkpoints"
 COMPLETE_MARKER = "COMPLETE"
+RUN_START = "run_start.json"  # how the run started (written before its first step; read on resume)
 _PREFIX = "step_"
 
 
 class CheckpointError(RuntimeError):
-    pass
+    """A checkpoint (or the record of a run) that cannot be used; the trainer exits 5 on it."""
 
 
 def _fsync_file(path: str) -> None:
@@ -316,12 +319,52 @@ def resolve_checkpoint_dir(path: str, log: Callable[[str], None] = print) -> Opt
 
 
 def load_model_state(ckpt_dir: str) -> dict[str, torch.Tensor]:
-    return load_file(os.path.join(ckpt_dir, "model.safetensors"))
+    path = os.path.join(ckpt_dir, "model.safetensors")
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{path}: cannot be read ({' '.join(str(e).split())})") from e
+
+
+def _unpickling_detail(e: BaseException) -> str:
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    for line in lines:
+        if "Unsupported global" in line or "Unsupported operand" in line:
+            return line
+    return lines[0] if lines else type(e).__name__
 
 
 def load_rank_file(ckpt_dir: str, kind: str, rank: int) -> Optional[dict]:
     path = os.path.join(ckpt_dir, f"{kind}_rank{rank}.pt")
     if not os.path.isfile(path):
         return None
-    return torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"{path}: not loadable as plain tensors (torch.load weights_only=True): "
+                              f"{_unpickling_detail(e)}") from e
 
+
+# ---------------------------------------------------------------- the record of how a run started
+
+def write_run_start(out_dir: str, record: dict) -> None:
+    """Atomically write <out_dir>/run_start.json (temp file, fsync, os.replace)."""
+    path = os.path.join(out_dir, RUN_START)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    write_json(tmp, record)
+    os.replace(tmp, path)
+    _fsync_dir(out_dir)
+
+
+def read_run_start(out_dir: str) -> Optional[dict]:
+    """The record written by `write_run_start`, or None when the run never recorded its start."""
+    path = os.path.join(out_dir, RUN_START)
+    if not os.path.isfile(path):
+        return None
+    try:
+        record = read_json(path)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: unreadable ({e})") from e
+    if not isinstance(record, dict) or not isinstance(record.get("init_from"), str):
+        raise CheckpointError(f"{path}: no 'init_from' in it")
+    return record

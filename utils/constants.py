@@ -5,7 +5,8 @@ IGNORE_INDEX = -100
 # Exit codes of train_my_ddp.py and the preprocessing commands; monitor_process.py reads them.
 EXIT_OK = 0
 EXIT_BAD_CONFIG = 2      # unknown flag, wrong type, impossible combination: never retried
-EXIT_BAD_DATA = 3        # malformed or stale input files: never retried
+EXIT_BAD_DATA = 3        # malformed or stale input files, shards of another tokenizer: never retried
 EXIT_NONFINITE_LOSS = 4  # NaN/inf loss without fp16 loss scaling: never retried
+EXIT_BAD_CHECKPOINT = 5  # a checkpoint or weights directory that cannot be loaded: never retried
 EXIT_INTERRUPTED = 75    # SIGTERM/SIGINT: finished the step, saved a checkpoint, exited
-NON_RETRYABLE_EXIT_CODES = frozenset({EXIT_BAD_CONFIG, EXIT_BAD_DATA, EXIT_NONFINITE_LOSS})
+NON_RETRYABLE_EXIT_CODES = frozenset({EXIT_BAD_CONFIG, EXIT_BAD_DATA, EXIT_NONFINITE_LOSS, EXIT_BAD_CHECKPOINT})

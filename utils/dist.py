@@ -9,11 +9,13 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from utils.device import dist_backend, local_rank_from_env, resolve_device, set_device
+from utils.device import (accelerator_available, dist_backend, is_accelerator, local_rank_from_env,
+                          resolve_device, set_device)
 
 
 @dataclass
@@ -32,12 +34,40 @@ class DistInfo:
         return self.world_size > 1
 
 
+class DeviceError(ValueError):
+    """--device names a device this machine does not have (a configuration error)."""
+
+
+def device_problem(device_pref: str) -> Optional[str]:
+    """Why `device_pref` cannot be used here, or None. Checked before any process group exists."""
+    if device_pref in ("", "auto"):
+        return None
+    try:
+        dev = torch.device(device_pref)
+    except (RuntimeError, ValueError) as e:
+        return f"--device={device_pref}: not a device ({' '.join(str(e).split())}); use auto, cpu, cuda or cuda:N"
+    if dev.type == "cpu":
+        return None
+    if not is_accelerator(dev):
+        return f"--device={device_pref}: device type {dev.type!r} is not supported; use auto, cpu, cuda or cuda:N"
+    if not accelerator_available():
+        return f"--device={device_pref}: no {dev.type} device is available on this machine; use --device=cpu or auto"
+    return None
+
+
 def init_distributed(device_pref: str = "auto", timeout_s: int = 1800) -> DistInfo:
+    """Raises DeviceError when the device cannot be used (no such index, no accelerator)."""
+    problem = device_problem(device_pref)
+    if problem:
+        raise DeviceError(problem)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = local_rank_from_env()
     device = resolve_device(device_pref, local_rank)
-    set_device(device)
+    try:
+        set_device(device)
+    except (RuntimeError, AssertionError, ValueError) as e:  # e.g. an index past the last device
+        raise DeviceError(f"--device={device_pref}: cannot use {device} ({' '.join(str(e).split())})") from e
     if world > 1 and not dist.is_initialized():
         dist.init_process_group(backend=dist_backend(device), timeout=datetime.timedelta(seconds=timeout_s),
                                 device_id=device if device.type != "cpu" else None)

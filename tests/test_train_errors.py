@@ -1,0 +1,207 @@
+"""Every error train_my_ddp.py can name exits with its documented code and one clear line on stderr,
+never a traceback: 2 bad configuration, 3 bad data, 5 unusable checkpoint (utils/constants.py).
+The supervisor retries none of them.
+
+Most cases call `train_my_ddp.main()` in this process (its return value is the exit code, an
+uncaught exception fails the test like a traceback would); `test_cli_prints_one_line` runs two of
+them as real processes.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import train_my_ddp as T
+from tests.conftest import ROOT, run_cmd
+from utils.constants import EXIT_BAD_CHECKPOINT, EXIT_BAD_CONFIG, EXIT_BAD_DATA, NON_RETRYABLE_EXIT_CODES
+
+TRAIN = os.path.join(ROOT, "train_my_ddp.py")
+
+
+def _env() -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+
+
+def run_main(argv: list[str], capsys) -> tuple[int, str]:
+    code = T.main(argv)
+    _, err = capsys.readouterr()
+    return code, err
+
+
+def assert_one_error_line(err: str, needle: str) -> None:
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert len(lines) == 1, err
+    assert needle in lines[0], lines[0]
+
+
+def test_checkpoint_errors_are_not_retried():
+    assert {EXIT_BAD_CONFIG, EXIT_BAD_DATA, EXIT_BAD_CHECKPOINT} <= NON_RETRYABLE_EXIT_CODES
+
+
+CASES = [
+    ("log_interval_0", ["--log_interval=0"], EXIT_BAD_CONFIG, "--log_interval=0: must be >= 1"),
+    ("eval_iters_0", ["--eval_iters=0"], EXIT_BAD_CONFIG, "--eval_iters=0: must be >= 1"),
+    ("keep_last_0", ["--keep_last=0"], EXIT_BAD_CONFIG, "--keep_last=0: must be >= 1"),
+    ("n_heads_3_dim_64", ["--dim=64", "--n_heads=3"], EXIT_BAD_CONFIG,
+     "bad model configuration: dim=64 is not divisible by n_heads=3"),
+    ("lora_targets", ["--lora_rank=4", "--lora_targets=q_proj,qq_proj"], EXIT_BAD_CONFIG,
+     "--lora_targets=q_proj,qq_proj: unknown module name(s) qq_proj"),
+    ("learning_rate_nan", ["--learning_rate=nan"], EXIT_BAD_CONFIG, "--learning_rate=nan: must be a finite number > 0"),
+    ("learning_rate_negative", ["--learning_rate=-0.1"], EXIT_BAD_CONFIG,
+     "--learning_rate=-0.1: must be a finite number > 0"),
+    ("min_lr_inf", ["--min_lr=inf"], EXIT_BAD_CONFIG, "--min_lr=inf: must be a finite number >= 0"),
+    ("beta2_1.5", ["--beta2=1.5"], EXIT_BAD_CONFIG, "--beta2=1.5: must be in [0, 1)"),
+    ("dropout_1", ["--dropout=1"], EXIT_BAD_CONFIG, "--dropout=1.0: must be in [0, 1)"),
+    ("lr_schedule", ["--lr_schedule=exp"], EXIT_BAD_CONFIG, "--lr_schedule='exp' (cosine | linear | wsd | constant)"),
+    ("device_cuda_99", ["--device=cuda:99"], EXIT_BAD_CONFIG, "--device=cuda:99:"),
+    ("device_unknown", ["--device=tpu"], EXIT_BAD_CONFIG, "--device=tpu:"),
+    ("tokenizer_dir_missing", ["--tokenizer_dir=/nonexistent/tok"], EXIT_BAD_CONFIG, "--tokenizer_dir=/nonexistent/tok:"),
+    ("init_from_missing", ["--init_from=/nonexistent/run"], EXIT_BAD_CONFIG,
+     "--init_from=/nonexistent/run: no complete checkpoint or Hugging Face model there"),
+    ("resume_without_record", ["--init_from=resume"], EXIT_BAD_CONFIG,
+     "--init_from=resume: no complete checkpoint in"),
+    ("data_dir_missing", ["--data_dir=/nonexistent/shards"], EXIT_BAD_DATA,
+     "/nonexistent/shards: not a directory of token shards"),
+    ("stale_index", ["--max_seq_len=16"], EXIT_BAD_DATA, "no index for max_seq_len=16"),
+]
+
+
+@pytest.mark.parametrize("extra, code, needle", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_value_exits_with_its_code_and_one_line(tiny_pretrain_run_args, tmp_path, capsys, extra, code, needle):
+    got, err = run_main([*tiny_pretrain_run_args, f"--out_dir={tmp_path / 'run'}", "--max_iters=2", *extra], capsys)
+    assert got == code, err
+    assert_one_error_line(err, needle)
+
+
+def test_device_cuda_without_cuda(tiny_pretrain_run_args, tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: --device=cuda is valid here")
+    got, err = run_main([*tiny_pretrain_run_args, f"--out_dir={tmp_path / 'run'}", "--max_iters=2",
+                         "--device=cuda"], capsys)
+    assert got == EXIT_BAD_CONFIG
+    assert_one_error_line(err, "--device=cuda: no cuda device is available on this machine")
+
+
+def test_cli_prints_one_line(tiny_pretrain_run_args, tmp_path):
+    """The real process: exit code and a single error line on stderr, no traceback."""
+    for extra, code, needle in ((["--log_interval=0"], EXIT_BAD_CONFIG, "--log_interval=0: must be >= 1"),
+                                (["--max_seq_len=16"], EXIT_BAD_DATA, "no index for max_seq_len=16")):
+        proc = subprocess.run([sys.executable, TRAIN, *tiny_pretrain_run_args, f"--out_dir={tmp_path / 'run'}",
+                               "--max_iters=2", *extra], cwd=ROOT, capture_output=True, text=True, env=_env())
+        assert proc.returncode == code, proc.stderr[-3000:]
+        assert_one_error_line(proc.stderr, needle)
+
+
+# ---------------------------------------------------------------------------- tokenizer mismatch
+
+@pytest.fixture(scope="module")
+def other_tokenizer(tmp_path_factory) -> str:
+    """A second real tokenizer with a smaller vocabulary (320 instead of 448)."""
+    base = tmp_path_factory.mktemp("tok2")
+    corpus = base / "corpus.jsonl"
+    with open(os.path.join(ROOT, "data", "pretrain", "en_python_docs.jsonl"), encoding="utf-8") as f:
+        corpus.write_text("".join(line for _, line in zip(range(40), f)), encoding="utf-8")
+    run_cmd([sys.executable, "-m", "tokenizer.train_tokenizer", f"--data_dir={corpus}", f"--output_dir={base / 'tok'}",
+             "--vocab_size=300", "--tokenizer_type=hf_bbpe", "--quiet"])
+    return str(base / "tok")
+
+
+def test_shards_of_another_tokenizer_are_a_data_error(tiny_pretrain_run_args, tiny_pretrain_data, other_tokenizer,
+                                                      tmp_path, capsys):
+    meta2 = json.loads(open(os.path.join(other_tokenizer, "tokenizer_meta.json")).read())
+    meta1 = json.loads(open(os.path.join(tiny_pretrain_data["tokenizer_dir"], "tokenizer_meta.json")).read())
+    assert meta2["vocab_size"] < meta1["vocab_size"]  # the ids of the shards do not fit this tokenizer
+    got, err = run_main([*tiny_pretrain_run_args, f"--out_dir={tmp_path / 'run'}", "--max_iters=2",
+                         f"--tokenizer_dir={other_tokenizer}"], capsys)
+    assert got == EXIT_BAD_DATA, err
+    assert_one_error_line(err, "were tokenized with another tokenizer")
+    line = next(line for line in err.splitlines() if "error:" in line)
+    for s in (meta1["fingerprint"][:12], meta2["fingerprint"][:12], f"vocab {meta1['vocab_size']}",
+              f"vocab {meta2['vocab_size']}", other_tokenizer, tiny_pretrain_data["data_dir"]):
+        assert s in line, (s, line)
+
+
+def test_same_vocab_other_fingerprint_is_a_data_error(tiny_pretrain_run_args, tiny_pretrain_data, tmp_path, capsys):
+    tok = tmp_path / "tok"
+    shutil.copytree(tiny_pretrain_data["tokenizer_dir"], tok)
+    meta = json.loads((tok / "tokenizer_meta.json").read_text())
+    meta["fingerprint"] = "0" * 64
+    (tok / "tokenizer_meta.json").write_text(json.dumps(meta))
+    got, err = run_main([*tiny_pretrain_run_args, f"--out_dir={tmp_path / 'run'}", "--max_iters=2",
+                         f"--tokenizer_dir={tok}"], capsys)
+    assert got == EXIT_BAD_DATA, err
+    assert_one_error_line(err, "were tokenized with another tokenizer")
+    assert "000000000000" in err
+
+
+# ---------------------------------------------------------------------------- unusable checkpoints
+
+@pytest.fixture(scope="module")
+def small_run(tiny_pretrain_run_args, tmp_path_factory):
+    out = tmp_path_factory.mktemp("small") / "run"
+    run_cmd([sys.executable, TRAIN, *tiny_pretrain_run_args, f"--out_dir={out}", "--max_iters=3"], env=_env())
+    return out
+
+
+def _copy_run(small_run, tmp_path):
+    dst = tmp_path / "run"
+    shutil.copytree(small_run, dst)
+    step = dst / "checkpoints" / "step_00000003"
+    return dst, step
+
+
+def _rewrite(step_dir, name: str, data: bytes) -> None:
+    """Replace a file and update the manifest, so that only loading it can tell it is bad."""
+    (step_dir / name).write_bytes(data)
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    manifest[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (step_dir / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_init_from_a_damaged_checkpoint_exits_5(tiny_pretrain_run_args, small_run, tmp_path, capsys):
+    _, step = _copy_run(small_run, tmp_path)
+    with open(step / "model.safetensors", "r+b") as f:
+        f.truncate(10)
+    got, err = run_main([*tiny_pretrain_run_args, f"--out_dir={tmp_path / 'new'}", "--max_iters=2",
+                         f"--init_from={step}"], capsys)
+    assert got == EXIT_BAD_CHECKPOINT, err
+    assert_one_error_line(err, f"checkpoint {step} is not usable: model.safetensors has 10 bytes")
+
+
+def test_checkpoint_with_a_bad_model_config_exits_5(tiny_pretrain_run_args, small_run, tmp_path, capsys):
+    _, step = _copy_run(small_run, tmp_path)
+    cfg = json.loads((step / "model_config.json").read_text())
+    cfg["n_layerz"] = 2
+    _rewrite(step, "model_config.json", json.dumps(cfg).encode())
+    got, err = run_main([*tiny_pretrain_run_args, f"--out_dir={tmp_path / 'new'}", "--max_iters=2",
+                         f"--init_from={step}"], capsys)
+    assert got == EXIT_BAD_CHECKPOINT, err
+    assert_one_error_line(err, "unknown ModelConfig keys: ['n_layerz']")
+
+
+def test_resume_from_an_unpicklable_checkpoint_file_exits_5(tiny_pretrain_run_args, small_run, tmp_path, capsys):
+    import argparse
+    import io
+    run, step = _copy_run(small_run, tmp_path)
+    buf = io.BytesIO()
+    torch.save({"rng": argparse.Namespace(a=1)}, buf)  # not loadable with weights_only=True
+    _rewrite(step, "extra_rank0.pt", buf.getvalue())
+    got, err = run_main([*tiny_pretrain_run_args, f"--out_dir={run}", "--max_iters=4", "--init_from=resume"], capsys)
+    assert got == EXIT_BAD_CHECKPOINT, err
+    assert_one_error_line(err, "extra_rank0.pt")
+
+
+def test_resume_with_other_lora_flags_exits_2(tiny_pretrain_run_args, small_run, tmp_path, capsys):
+    run, _ = _copy_run(small_run, tmp_path)
+    got, err = run_main([*tiny_pretrain_run_args, f"--out_dir={run}", "--max_iters=4", "--init_from=resume",
+                         "--lora_rank=4"], capsys)
+    assert got == EXIT_BAD_CONFIG, err
+    assert_one_error_line(err, "do not fit the model this configuration builds")
