@@ -3,7 +3,9 @@
 Owns: the "pieces" the optimizer updates (one per parameter, or per parameter-shard for ZeRO),
 their fp32 master copies when the model is bf16/fp16, one torch AdamW per bucket (so buckets
 can be stepped independently for overlap_optim_step), loss scaling, the non-finite check across
-ranks, the global-norm clip, and the (re-shardable) state dict.
+ranks (a MAX all-reduce of a flag: every rank takes the same skip decision), the global-norm
+clip, telling a stateful comm hook (PowerSGD) whether the step was applied, and the
+(re-shardable) state dict.
 It must never change the model's dtype (trap 10), never read `param.grad` (DDP leaves gradients
 in `param.main_grad`), and never clip with a norm that is not global across ranks (trap 8).
 
@@ -20,6 +22,7 @@ import torch
 
 from optimizer.grad_scaler import ConstantScaler, DynamicGradScaler
 from optimizer.optimizer_config import OptimizerConfig
+from parallel import comm
 
 STATE_FORMAT = 1
 
@@ -141,11 +144,15 @@ class MixedPrecisionOptimizer:
         self._after_grads_loaded()
         if isinstance(self.scaler, DynamicGradScaler):
             torch._foreach_mul_([pc.main.grad for pc in self.pieces], 1.0 / self.scaler.scale)
-        # One pass over the grads gives both the global norm and the inf/nan check: the global
-        # sum of squares is non-finite iff some rank's shard holds an inf/nan (or overflows fp32).
-        norm = self._global_norm(self.pieces)
-        found_inf = not math.isfinite(norm)
+        # One pass over the grads gives the local sum of squares: non-finite iff this rank's
+        # grads hold an inf/nan. The overflow decision is a MAX all-reduce of that flag, so it is
+        # global and identical on every rank (in ZeRO a rank sees only its own shard).
+        sumsq = self._local_sumsq(self.pieces)
+        found_inf = self._non_finite_anywhere(sumsq)
+        norm = float("inf") if found_inf else math.sqrt(self._reduce_sumsq(sumsq))
+        found_inf = found_inf or not math.isfinite(norm)  # global sum of squares overflowed fp32
         self.scaler.update(found_inf)
+        self._report_to_comm_hook(not found_inf)
         if found_inf:
             self._drop_grads()
             return False, float("inf")
@@ -162,31 +169,36 @@ class MixedPrecisionOptimizer:
 
     def _step_overlapped(self) -> tuple[bool, float]:
         """Step each bucket right after its communication finished. Clipping uses the PREVIOUS
-        step's global norm (the current one needs every bucket); the first step is unclipped."""
+        step's global norm (the current one needs every bucket); the first step is unclipped.
+        A bucket whose gradients hold an inf/nan on ANY rank is skipped on every rank (a MAX
+        all-reduce of the flag per bucket); the other buckets are stepped."""
         coef = 1.0
         if self.config.grad_clip > 0 and self.prev_grad_norm is not None and math.isfinite(self.prev_grad_norm):
             coef = min(1.0, self.config.grad_clip / (self.prev_grad_norm + 1e-6))
         sumsq = torch.zeros((), dtype=torch.float32, device=self._device())
-        skipped = []
+        skipped: list[int] = []
 
         def on_bucket(bucket) -> None:
             pieces = self.pieces_by_bucket.get(bucket.index, [])
+            sq = torch.zeros((), dtype=torch.float32, device=self._device())
             if pieces:
                 self._load_grads(pieces)
-                grads = [pc.main.grad for pc in pieces]
-                sq = torch.stack([n * n for n in torch._foreach_norm(grads, 2)]).sum()
+                sq = self._local_sumsq(pieces)
                 sumsq.add_(sq)
-                if not torch.isfinite(sq):  # local decision: this bucket is not stepped
-                    skipped.append(bucket.index)
-                else:
-                    if coef < 1.0:
-                        torch._foreach_mul_(grads, coef)
-                    self.optimizers[bucket.index].step()
-                    self._copy_main_to_model(pieces)
+            # every rank calls this for every bucket, in launch order (a collective)
+            if self._non_finite_anywhere(sq):
+                skipped.append(bucket.index)
+            elif pieces:
+                if coef < 1.0:
+                    torch._foreach_mul_([pc.main.grad for pc in pieces], coef)
+                self.optimizers[bucket.index].step()
+                self._copy_main_to_model(pieces)
             self._after_step([bucket.index])  # always: the all-gather is a collective
 
         self.ddp.finish_grad_sync(on_bucket_done=on_bucket)
         self._after_grads_loaded()
+        self._report_to_comm_hook(True if not skipped else
+                                  [b.index for b in self.ddp.buckets if b.index not in skipped])
         norm = math.sqrt(self._reduce_sumsq(sumsq))
         self.prev_grad_norm = norm
         self._drop_grads()
@@ -224,8 +236,19 @@ class MixedPrecisionOptimizer:
         global one (and a non-finite value is seen by every rank): no collective needed."""
         return float(sumsq.item())
 
-    def _global_norm(self, pieces: list[Piece]) -> float:
-        return math.sqrt(self._reduce_sumsq(self._local_sumsq(pieces)))
+    def _non_finite_anywhere(self, local_sumsq: torch.Tensor) -> bool:
+        """True on every rank iff some rank's `local_sumsq` is inf/nan: a blocking MAX all-reduce
+        of a 0/1 flag (a collective: every rank calls it at the same point)."""
+        flag = (~torch.isfinite(local_sumsq.detach())).to(torch.float32).reshape(1)
+        comm.all_reduce_max_flag(flag, self.group, self.world_size)
+        return bool(flag.item() > 0)
+
+    def _report_to_comm_hook(self, stepped: Union[bool, list[int]]) -> None:
+        """Tell a stateful comm hook (PowerSGD) whether this step's gradients were applied, so a
+        skipped step leaves its error feedback untouched; the verdict is identical on every rank."""
+        report = getattr(getattr(self.ddp, "comm_hook_state", None), "on_optimizer_step", None)
+        if report is not None:
+            report(stepped)
 
     def _copy_main_to_model(self, pieces: list[Piece]) -> None:
         for pc in pieces:
