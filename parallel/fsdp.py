@@ -89,8 +89,9 @@ def wrap_fsdp(model: nn.Module, *, mesh_or_group: Union[DeviceMesh, dist.Process
     reduce_dtype: dtype of the gradient reduce-scatter (fp32 unless you know why not).
     reshard_after_forward: True frees each block's gathered parameters after its forward (ZeRO-3,
       gathered again in backward); False keeps them until backward (ZeRO-2-like: more memory, one
-      all-gather per step instead of two). The root is never resharded after forward (its
-      parameters, embedding and LM head, are the first needed by backward).
+      all-gather per step instead of two). The root is not resharded after forward (its
+      parameters, embedding and LM head, are the first needed by backward), except in a model
+      without trainable parameters (a DPO reference model).
     cpu_offload: shards, gradients and hence the optimizer step live in CPU memory (CPUOffloadPolicy).
     sync_module_states: broadcast rank 0's parameters and buffers before sharding (like our DDP's
       broadcast_params), so the ranks need not have initialised identically.
@@ -125,7 +126,10 @@ def wrap_fsdp(model: nn.Module, *, mesh_or_group: Union[DeviceMesh, dist.Process
         fully_shard(block, reshard_after_forward=reshard_after_forward, **kw)
     # The root unit holds everything outside the blocks: embedding, final norm, LM head; a tied
     # embedding/head weight is one Parameter there, so it is sharded and reduced exactly once.
-    fully_shard(model, reshard_after_forward=False, **kw)
+    # A model with nothing to train (DPO's reference model) never runs a backward that would free
+    # the root's gathered parameters, so its root reshards after forward like the blocks.
+    frozen = not any(p.requires_grad for p in model.parameters())
+    fully_shard(model, reshard_after_forward=frozen, **kw)
     setattr(model, _CONFIG_ATTR, {"param_dtype": param_dtype, "reduce_dtype": reduce_dtype,
                                   "reshard_after_forward": reshard_after_forward, "cpu_offload": cpu_offload})
     return model
@@ -316,14 +320,19 @@ class FSDPOptimizer:
 
     def state_dict(self) -> dict:
         """Sharded, DCP-ready: {"adamw": flat {"state.<fqn>.exp_avg": DTensor, ..., "param_groups.<fqn>.lr":
-        float, ...}, "scaler": {...}, "lr", "prev_grad_norm", "format", "world_size"}. A fresh optimizer
-        gets zero-initialised moments first (torch's get_optimizer_state_dict does a step with lr=0), so
-        a template built before loading has every tensor DCP must fill."""
+        float, ...}, "scaler": {...}, "lr", "prev_grad_norm", "format", "world_size"}. For a never-stepped
+        optimizer the dict holds zero moments with step=1 (torch's get_optimizer_state_dict makes them
+        with an lr=0 step), so a template built before loading has every tensor DCP must fill; the
+        optimizer itself stays fresh (a save before the first step would resume with step=1)."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+        fresh = not self.adamw.state
+        adamw = get_optimizer_state_dict(self.model, self.adamw, options=self._sd_options())
+        if fresh:  # the zero moments (with step=1) were only made for the returned template: stay fresh
+            self.adamw.state.clear()
         return {"format": STATE_FORMAT, "engine": "fsdp", "world_size": self.world_size, "lr": self.lr,
                 "scaler": self.scaler.state_dict(),
                 "prev_grad_norm": -1.0 if self.prev_grad_norm is None else float(self.prev_grad_norm),
-                "adamw": get_optimizer_state_dict(self.model, self.adamw, options=self._sd_options())}
+                "adamw": adamw}
 
     def sharded_state_dict(self) -> dict:
         return self.state_dict()
