@@ -271,7 +271,9 @@ def results(tmp_path_factory) -> tuple[dict, str]:
     tmp = str(tmp_path_factory.mktemp("fsdp"))
     spawn(_worker, 4, tmp)
     with open(os.path.join(tmp, "results.json")) as f:
-        return json.load(f), tmp
+        res = json.load(f)
+    print("fsdp results:", json.dumps(res))  # the measured numbers (pytest -s shows them)
+    return res, tmp
 
 
 # ------------------------------------------------------------------------------ (a) numerics
