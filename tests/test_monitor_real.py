@@ -26,14 +26,17 @@ TRAIN = os.path.join(ROOT, "train_my_ddp.py")
 MAX_ITERS = 6
 CKPT_INTERVAL = 3  # set by the tiny_pretrain_run_args fixture
 SEED = int(os.environ.get("MYLLM_MONITOR_TEST_SEED", "20261121"))
-MONITOR_FLAGS = ["--backoff_base=0.1", "--poll_interval=0.1", "--kill_grace=2", "--hang_timeout=120",
-                 "--startup_timeout=120"]
+# The test kills the parked trainer itself: the monitor's hang detection must never fire first, even
+# on a slow, busy machine (torch import and set-up can take minutes there), so its timeouts are huge.
+WAIT = 600  # deadline of every wait; a passing test never reaches it
+MONITOR_FLAGS = ["--backoff_base=0.1", "--poll_interval=0.1", "--kill_grace=2", f"--hang_timeout={WAIT}",
+                 f"--startup_timeout={WAIT}"]
 
 pytestmark = pytest.mark.slow
 
 
 def run_cmd(args: list[str]) -> None:
-    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=WAIT)
     assert proc.returncode == 0, f"reference run exited {proc.returncode}:\n{proc.stderr[-4000:]}"
 
 
@@ -91,7 +94,7 @@ def sigkill_when_parked(monitor: subprocess.Popen, once_file: str, want: int) ->
     """Wait until the hang hook fired (it writes once_file), then SIGKILL every training rank, as
     the OOM killer or a lost node would. (Killing only the other rank of two would leave torchrun
     waiting 30 s for the parked one, which ignores SIGTERM while parked.)"""
-    deadline = time.time() + 120
+    deadline = time.time() + WAIT
     while time.time() < deadline:
         assert monitor.poll() is None, monitor.stderr.read()
         pids = training_processes(monitor.pid)
@@ -104,7 +107,7 @@ def sigkill_when_parked(monitor: subprocess.Popen, once_file: str, want: int) ->
 
 
 def check_resumed_run(out, reference: dict, monitor: subprocess.Popen, msg: str) -> dict:
-    _, err = monitor.communicate(timeout=180)
+    _, err = monitor.communicate(timeout=WAIT)
     assert monitor.returncode == 0, f"{msg}\n{err[-4000:]}"
     s = summary(out)
     assert s["final_status"] == "completed" and s["restarts"] == 1, msg
