@@ -535,12 +535,13 @@ def validate_config(cfg: TrainConfig) -> None:
         raise TrainingError("bad configuration: " + "; ".join(problems), EXIT_BAD_CONFIG)
 
 
-def start_without_checkpoint(cfg: TrainConfig, log) -> str:
+def start_without_checkpoint(cfg: TrainConfig, log) -> tuple[str, str]:
     """--init_from=resume and no complete checkpoint in out_dir: what the run starts from instead.
 
     The start recorded in <out_dir>/run_start.json (a crash before the first checkpoint restarts the
     run exactly as it began, not from random weights), else --resume_fallback, else exit 2. When
     checkpoints exist but every one is damaged, exit 5: starting over would hide lost work.
+    Returns (what to start from, where that came from, for messages).
     """
     found = ckpt.list_checkpoints(cfg.out_dir)
     if found:
@@ -554,10 +555,10 @@ def start_without_checkpoint(cfg: TrainConfig, log) -> str:
                                 f"{record['task_type']} run, not --task_type={cfg.task_type}", EXIT_BAD_CONFIG)
         log(f"[resume] no checkpoint in {cfg.out_dir} yet: starting as the run did, from {record['init_from']} "
             f"(recorded in {ckpt.RUN_START})")
-        return record["init_from"]
+        return record["init_from"], f"the start recorded in {os.path.join(cfg.out_dir, ckpt.RUN_START)}:"
     if cfg.resume_fallback:
         log(f"[resume] no checkpoint in {cfg.out_dir} yet: starting from --resume_fallback={cfg.resume_fallback}")
-        return cfg.resume_fallback
+        return cfg.resume_fallback, "--resume_fallback"
     raise TrainingError(f"--init_from=resume: no complete checkpoint in {ckpt.checkpoint_root(cfg.out_dir)} and no "
                         f"record of how the run started ({ckpt.RUN_START}); start it with --init_from=scratch or "
                         "--init_from=<weights dir>, or pass --resume_fallback", EXIT_BAD_CONFIG)
@@ -583,13 +584,13 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
 
     # ---- where do we start from?
     resume_dir = None
-    init_from = cfg.init_from  # what a run that does not resume from a checkpoint starts from
+    init_from, init_flag = cfg.init_from, "--init_from"  # what a run that does not resume starts from
     if cfg.init_from == "resume":
         resume_dir = ckpt.find_latest_valid(cfg.out_dir, log=log)
         if resume_dir is not None:
             log(f"[resume] from {resume_dir}")
         else:
-            init_from = start_without_checkpoint(cfg, log)
+            init_from, init_flag = start_without_checkpoint(cfg, log)
     elif ckpt.list_checkpoints(cfg.out_dir):
         raise TrainingError(f"--out_dir={cfg.out_dir} already holds checkpoints of a run; continue it with "
                             "--init_from=resume, or start a new run in another --out_dir", EXIT_BAD_CONFIG)
@@ -610,7 +611,7 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
         saved_state = ckpt.read_json(os.path.join(resume_dir, "trainer_state.json"))
         init_info = saved_state.get("init_info", init_info)
     elif init_from != "scratch":
-        model, init_info = load_weights_from(init_from, log)
+        model, init_info = load_weights_from(init_from, log, flag=init_flag)
     else:
         try:
             model_cfg = new_model_config(cfg, tok_meta)

@@ -195,6 +195,22 @@ def test_crash_before_first_checkpoint_restarts_from_the_recorded_start(pretrain
     assert "no record of how the run started" in refused.stderr and "Traceback" not in refused.stderr
 
 
+def test_resume_fallback_starts_a_run_that_has_no_checkpoint(tiny_pretrain_run_args, tmp_path):
+    """--init_from=resume --resume_fallback=...: the first start of a run relaunched with the same
+    arguments (torchrun --max-restarts) starts from the fallback and records it; a bad fallback is
+    named as such."""
+    out = tmp_path / "fb"
+    run_cmd(train_cmd([*tiny_pretrain_run_args, f"--out_dir={out}", "--max_iters=1", "--init_from=resume",
+                       "--resume_fallback=scratch"]), env=_env())
+    record = json.loads((out / "run_start.json").read_text())
+    assert (record["init_from"], record["task_type"]) == ("scratch", "pretrain")
+    proc = subprocess.run(train_cmd([*tiny_pretrain_run_args, f"--out_dir={tmp_path / 'bad'}", "--max_iters=1",
+                                     "--init_from=resume", f"--resume_fallback={tmp_path / 'nothing'}"]),
+                          cwd=ROOT, capture_output=True, text=True, env=_env())
+    assert proc.returncode == EXIT_BAD_CONFIG
+    assert f"--resume_fallback={tmp_path / 'nothing'}: no complete checkpoint" in proc.stderr
+
+
 def test_nonfinite_loss_stops_with_checkpoint_intact(tiny_pretrain_run_args, tmp_path):
     """A NaN loss at step 5 (injected: a huge learning rate need not diverge on every CPU) stops the
     run with exit 4 and one line; the step-3 checkpoint is the newest, intact and finite."""
