@@ -529,8 +529,9 @@ def validate_config(cfg: TrainConfig) -> None:
         targets = [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]
         unknown = [t for t in targets if t not in ALL_LINEAR]
         if cfg.lora_targets != "all" and (unknown or not targets):
-            problems.append(f"--lora_targets={cfg.lora_targets}: unknown module name(s) {','.join(unknown) or '(none)'}; "
-                            f"use a comma-separated subset of {','.join(ALL_LINEAR)}, or all")
+            problems.append(f"--lora_targets={cfg.lora_targets}: unknown module name(s) "
+                            f"{','.join(unknown) or '(none)'}; use a comma-separated subset of "
+                            f"{','.join(ALL_LINEAR)}, or all")
     if problems:
         raise TrainingError("bad configuration: " + "; ".join(problems), EXIT_BAD_CONFIG)
 
@@ -728,7 +729,8 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
                                optimizer_state=optimizer.state_dict() if sharded or info.is_main else None,
                                extra_state=extra_state, trainer_state=state, run_config=dataclasses.asdict(cfg))
         fault = (lambda: os.kill(os.getpid(), signal.SIGKILL)) if _fault("kill_in_save", step) else None
-        path = ckpt.save_checkpoint(cfg.out_dir, req, barrier=barrier, keep_last=cfg.keep_last, fault_hook=fault)
+        path = ckpt.save_checkpoint(cfg.out_dir, req, barrier=barrier, keep_last=cfg.keep_last, fault_hook=fault,
+                                    log=log)
         log(f"[checkpoint] step {step} -> {path}")
 
     from model.flops import flops_per_token, measure_peak_flops
