@@ -432,7 +432,8 @@ def named_error(e: BaseException) -> Optional[tuple[int, str]]:
     if isinstance(e, (DataError, RecordError)):  # StaleIndexError is a DataError
         return EXIT_BAD_DATA, "data: " + _one_line(e)
     if isinstance(e, (ckpt.CheckpointError, pickle.UnpicklingError, SafetensorError)):
-        return EXIT_BAD_CHECKPOINT, "checkpoint: " + _one_line(e)
+        msg = _one_line(e)
+        return EXIT_BAD_CHECKPOINT, msg if msg.startswith("checkpoint ") else "checkpoint: " + msg
     return None
 
 

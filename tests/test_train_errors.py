@@ -174,7 +174,7 @@ def test_init_from_a_damaged_checkpoint_exits_5(tiny_pretrain_run_args, small_ru
     got, err = run_main([*tiny_pretrain_run_args, f"--out_dir={tmp_path / 'new'}", "--max_iters=2",
                          f"--init_from={step}"], capsys)
     assert got == EXIT_BAD_CHECKPOINT, err
-    assert_one_error_line(err, f"checkpoint {step} is not usable: model.safetensors has 10 bytes")
+    assert_one_error_line(err, f"error: checkpoint {step} is not usable: model.safetensors has 10 bytes")
 
 
 def test_checkpoint_with_a_bad_model_config_exits_5(tiny_pretrain_run_args, small_run, tmp_path, capsys):
@@ -206,3 +206,15 @@ def test_resume_with_other_lora_flags_exits_2(tiny_pretrain_run_args, small_run,
                          "--lora_rank=4"], capsys)
     assert got == EXIT_BAD_CONFIG, err
     assert_one_error_line(err, "do not fit the model this configuration builds")
+
+
+def test_resume_when_every_checkpoint_is_damaged_exits_5(tiny_pretrain_run_args, small_run, tmp_path, capsys):
+    """Starting over (from the recorded start) would hide the lost work and let pruning delete the
+    damaged checkpoints: refuse instead."""
+    run, step = _copy_run(small_run, tmp_path)
+    with open(step / "model.safetensors", "r+b") as f:
+        f.truncate(10)
+    got, err = run_main([*tiny_pretrain_run_args, f"--out_dir={run}", "--max_iters=4", "--init_from=resume"], capsys)
+    assert got == EXIT_BAD_CHECKPOINT, err
+    assert_one_error_line(err, "--init_from=resume: none of the 1 checkpoint(s) in")
+    assert os.path.isdir(step)  # nothing was deleted
