@@ -296,15 +296,32 @@ class MixedPrecisionOptimizer:
         return self.state_dict()
 
     def load_state_dict(self, state: Union[dict, list[dict]]) -> None:
-        """Load this rank's own state dict, or a list of ALL ranks' state dicts of a run with any
-        world size (re-sharding: each piece is assembled from whichever saved ranges cover it)."""
-        sds = [state] if isinstance(state, dict) else list(state)
+        """Load this rank's own state dict, a complete one (unsharded, or of a 1-rank run), or a
+        list of ALL ranks' state dicts of a run with any world size (re-sharding: each piece is
+        assembled from whichever saved ranges cover it)."""
+        sds = [state] if isinstance(state, dict) or state is None else list(state)
         if not sds:
             raise ValueError("empty optimizer state")
         for sd in sds:
+            if sd is None:
+                raise ValueError("an optimizer state dict is missing (None): was a rank's optimizer file "
+                                 "not found? A ZeRO run saves one per rank")
             if sd.get("format") != STATE_FORMAT:
                 raise ValueError(f"unknown optimizer state format {sd.get('format')!r}")
-        if len(sds) == 1 and sds[0]["sharded"] and sds[0]["world_size"] != self.world_size:
+        if len(sds) > 1:
+            shard_runs = {int(sd["world_size"]) for sd in sds if sd["sharded"]}
+            if len(shard_runs) > 1:
+                raise ValueError(f"the optimizer state dicts come from ZeRO runs of {sorted(shard_runs)} ranks; "
+                                 "pass the dicts of one run")
+            for n in shard_runs:
+                ranks = {int(sd["rank"]) for sd in sds if sd["sharded"]}
+                missing = sorted(set(range(n)) - ranks)
+                if missing:
+                    raise ValueError(f"rank {missing[0]} of {n} is missing from the optimizer state dicts "
+                                     f"(got ranks {sorted(ranks)}); pass every rank's state dict to re-shard")
+        # One shard of a multi-rank ZeRO run can't fill another world's shards; a 1-rank run's
+        # state (sharded or not) is complete and loads at any world size (1 -> N).
+        if len(sds) == 1 and sds[0]["sharded"] and int(sds[0]["world_size"]) not in (1, self.world_size):
             raise ValueError(
                 f"this sharded optimizer state is one rank of a world of {sds[0]['world_size']} ranks, "
                 f"but the current world has {self.world_size}; pass the list of all "

@@ -14,12 +14,12 @@ Per parameter of a bucket (gradients arrive divided by world size, so SUM == mea
 Before `start_powerSGD_iter` every bucket is plainly all-reduced (compression early in training
 hurts; Vogels et al. and torch both warm up this way). All maths is in fp32.
 
-Overflow: a step's new errors and Qs are committed only once every bucket was reduced
-(`on_sync_end`), and not at all if any all-reduced P, Q or uncompressed gradient of the step is
-non-finite (all-reduced values: the same verdict on every rank, no extra collective). The
-optimizer then reports its own (globally reduced) verdict with `on_optimizer_step`; a skipped
-step restores the errors, Qs and iteration of before it. So an overflow step leaves the state
-exactly as it was, on every rank.
+Overflow: a step's new errors and Qs are committed once every bucket was reduced
+(`on_sync_end`), except for a bucket whose all-reduced P, Q or uncompressed gradients hold an
+inf/nan (all-reduced values: the same verdict on every rank, no extra collective). The optimizer
+then reports its own, globally reduced verdict (`on_optimizer_step`); a skipped step (or, with
+overlap_optim_step, a skipped bucket) gets back the errors, Qs and iteration of before it. So an
+overflow step leaves the state exactly as it was, on every rank.
 """
 from __future__ import annotations
 
@@ -52,24 +52,28 @@ class PowerSGDState:
     # ---- the step in flight (never saved) ----
     _pending_error: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     _pending_q: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
-    _pending_bad: Optional[torch.Tensor] = field(default=None, repr=False)  # bool, on the device
+    _pending_bad: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)  # bucket -> bool
     _undo: Optional[dict] = field(default=None, repr=False)  # what the last commit replaced
     _fallback_q: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def on_sync_end(self) -> None:
-        """Called by DDP once all buckets of a step were reduced. Commits the step's new errors
-        and Qs and counts the iteration, unless a non-finite all-reduced value was seen (the same
-        on every rank), in which case the previous state is kept. What the commit replaced is
-        kept until the optimizer's verdict (`on_optimizer_step`) or the next step, so an overflow
-        found by the optimizer can still be undone."""
-        bad = self._pending_bad is not None and bool(self._pending_bad)
-        self._undo = None
-        if not bad:
-            self._undo = {"error": {k: self.error.get(k) for k in self._pending_error},
-                          "q": {k: self.q.get(k) for k in self._pending_q}, "iteration": self.iteration}
-            self.error.update(self._pending_error)
-            self.q.update(self._pending_q)
+        """Called by DDP once all buckets of a step were reduced. Commits each bucket's new errors
+        and Qs unless a non-finite all-reduced value was seen in that bucket (the same on every
+        rank), and counts the iteration unless every bucket was non-finite. What the commit
+        replaced is kept until the optimizer's verdict (`on_optimizer_step`) or the next step, so
+        an overflow found by the optimizer (anywhere in the step) can still be undone."""
+        buckets = sorted(self._pending_bad)
+        flags = torch.stack([self._pending_bad[b] for b in buckets]).tolist() if buckets else []
+        bad = {b for b, f in zip(buckets, flags) if f}
+        undo: dict = {"error": {}, "q": {}, "iteration": self.iteration}
+        for name, pending, store in (("error", self._pending_error, self.error), ("q", self._pending_q, self.q)):
+            for key, new in pending.items():
+                if _bucket_of(key) not in bad:
+                    undo[name][key] = store.get(key)
+                    store[key] = new
+        if not buckets or len(bad) < len(buckets):
             self.iteration += 1
+        self._undo = undo
         self._clear_pending()
 
     def on_optimizer_step(self, stepped: Union[bool, Collection[int]]) -> None:
@@ -83,7 +87,7 @@ class PowerSGDState:
         done = set() if stepped is False else {int(i) for i in stepped}
         for name, store in (("error", self.error), ("q", self.q)):
             for key, old in undo[name].items():
-                if int(key.split(".", 1)[0]) in done:
+                if _bucket_of(key) in done:
                     continue
                 if old is None:
                     store.pop(key, None)
@@ -93,11 +97,12 @@ class PowerSGDState:
             self.iteration = undo["iteration"]
 
     def _clear_pending(self) -> None:
-        self._pending_error, self._pending_q, self._pending_bad = {}, {}, None
+        self._pending_error, self._pending_q, self._pending_bad = {}, {}, {}
 
-    def _flag_non_finite(self, t: torch.Tensor) -> None:
+    def _flag_non_finite(self, bucket_index: int, t: torch.Tensor) -> None:
         bad = ~torch.isfinite(t).all()  # stays on the device until on_sync_end
-        self._pending_bad = bad if self._pending_bad is None else self._pending_bad | bad
+        prev = self._pending_bad.get(bucket_index)
+        self._pending_bad[bucket_index] = bad if prev is None else prev | bad
 
     def state_dict(self) -> dict:
         sd: dict = {"iteration": int(self.iteration), "bytes_sent": int(self.bytes_sent),
@@ -116,6 +121,10 @@ class PowerSGDState:
         self.iteration, self.bytes_sent = int(sd["iteration"]), int(sd["bytes_sent"])
         self.error = {k[len("error."):]: v.clone() for k, v in sd.items() if k.startswith("error.")}
         self.q = {k[len("q."):]: v.clone() for k, v in sd.items() if k.startswith("q.")}
+
+
+def _bucket_of(key: str) -> int:
+    return int(key.split(".", 1)[0])  # keys are "<bucket index>.<slot index>"
 
 
 def _project_out(col: torch.Tensor, prev: torch.Tensor) -> None:
@@ -235,7 +244,7 @@ def powersgd_hook(state: PowerSGDState, bucket: "GradBucket") -> comm.CommHandle
         if p_work is not None:
             p_work.wait()
         if mats:
-            state._flag_non_finite(p_flat)  # all-reduced: the same verdict on every rank
+            state._flag_non_finite(bucket.index, p_flat)  # all-reduced: the same verdict on every rank
             ps, off = [], 0
             for (_, _, n, _, r) in mats:
                 p = p_flat[off:off + n * r].view(n, r)
@@ -248,7 +257,7 @@ def powersgd_hook(state: PowerSGDState, bucket: "GradBucket") -> comm.CommHandle
                 state.bytes_sent += q_flat.numel() * 4
             if w is not None:
                 w.wait()
-            state._flag_non_finite(q_flat)
+            state._flag_non_finite(bucket.index, q_flat)
             off = 0
             for (key, view, n, m, r), mat, p in zip(mats, ms, ps):
                 q = q_flat[off:off + m * r].view(m, r)
@@ -267,7 +276,7 @@ def powersgd_hook(state: PowerSGDState, bucket: "GradBucket") -> comm.CommHandle
             if w is not None:
                 w.wait()
         if flat_plain is not None:
-            state._flag_non_finite(flat_plain)
+            state._flag_non_finite(bucket.index, flat_plain)
             off = 0
             for v in plain:
                 v.copy_(flat_plain[off:off + v.numel()])
