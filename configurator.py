@@ -124,9 +124,18 @@ def _field_types(cls: type) -> dict[str, Any]:
 
 
 def _unknown_key_error(key: str, known: Sequence[str], source: str) -> ConfigError:
+    from utils.cli import TRAIN_HINTS
+    if key in TRAIN_HINTS:  # a name from the HF Trainer / torchtitan with no one-to-one flag here
+        return ConfigError(f"{source}: unknown config key {key!r}: {TRAIN_HINTS[key]}")
     close = difflib.get_close_matches(key, list(known), n=3)
     hint = f"; did you mean {', '.join('--' + c for c in close)}?" if close else ""
     return ConfigError(f"{source}: unknown config key {key!r}{hint}")
+
+
+def _aliases_for(fields: dict[str, Any]) -> dict[str, str]:
+    """HF Trainer / torchtitan / nanoGPT spellings (utils.cli.TRAIN_ALIASES) of fields that exist here."""
+    from utils.cli import TRAIN_ALIASES
+    return {a: t for a, t in TRAIN_ALIASES.items() if t in fields and a not in fields}
 
 
 PY_CONFIG_EXT = (".py",)
@@ -201,6 +210,7 @@ def parse_config(defaults: T, argv: Sequence[str]) -> T:
     executed, the others are read as data), `--key=value`, or `--flag` (bool True).
     """
     fields = _field_types(type(defaults))
+    aliases = _aliases_for(fields)
     file_values: dict[str, Any] = {}
     cli_values: dict[str, Any] = {}
     for arg in argv:
@@ -217,6 +227,7 @@ def parse_config(defaults: T, argv: Sequence[str]) -> T:
         else:
             key, raw = body, "true"
         key = key.replace("-", "_")
+        key = aliases.get(key, key)
         if key not in fields:
             raise _unknown_key_error(key, fields, "command line")
         cli_values[key] = coerce_value(key, raw, fields[key], "command line")
@@ -244,4 +255,9 @@ def help_text(defaults: Any, title: str) -> str:
     for f in dataclasses.fields(defaults):
         doc = f.metadata.get("help", "")
         lines.append(f"  --{f.name}={getattr(defaults, f.name)!r}  ({_type_name(fields[f.name])}) {doc}")
+    aliases = _aliases_for(fields)
+    if aliases:
+        lines += ["", "aliases (Hugging Face Trainer / torchtitan / nanoGPT names): " +
+                  ", ".join(f"--{a} = --{t}" for a, t in sorted(aliases.items())),
+                  "booleans: --name=true|false (yes/no, on/off, 1/0); a bare --name means true"]
     return "\n".join(lines)

@@ -30,114 +30,20 @@ import pickle
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 
 from configurator import ConfigError, help_text, parse_config, save_config_json
+from train_config import TrainConfig, TrainingError, validate_config
 from utils import checkpoint as ckpt
 from utils.constants import (EXIT_BAD_CHECKPOINT, EXIT_BAD_CONFIG, EXIT_BAD_DATA, EXIT_INTERRUPTED,
                              EXIT_NONFINITE_LOSS, EXIT_OK, IGNORE_INDEX)
 from utils.device import memory_stats, parse_dtype, seed_everything, synchronize
-from utils.dist import (DistInfo, all_reduce_max, all_reduce_sum, barrier, destroy, device_problem,
-                        init_distributed)
+from utils.dist import DistInfo, all_reduce_max, all_reduce_sum, barrier, destroy, init_distributed
 from utils.lr_schedule import lr_at
-from utils.metrics import MetricsLogger, format_line
-
-
-def _f(default: Any, help: str) -> Any:
-    if isinstance(default, (dict, list)):
-        return field(default_factory=lambda: default, metadata={"help": help})
-    return field(default=default, metadata={"help": help})
-
-
-@dataclass
-class TrainConfig:
-    # ---- run and data
-    out_dir: str = _f("out/run", "run directory: metrics.jsonl, checkpoints/, config.json")
-    task_type: str = _f("pretrain", "pretrain | sft | dpo")
-    data_dir: str = _f("", "pretrain: directory of token shards + index_L<L>/; sft/dpo: a .jsonl file or a directory of them")
-    data_mix: str = _f("", 'pretrain: JSON {"name": weight} (shard dirs under --data_dir) or {"name": {"path": dir, "weight": w}}')
-    tokenizer_dir: str = _f("", "tokenizer directory (tokenizer_meta.json gives the vocab size and special ids)")
-    val_ratio: float = _f(0.05, "sft/dpo: fraction of records held out for validation")
-    sft_packing: bool = _f(False, "sft: pack several samples per row (attention restricted to each sample)")
-    init_from: str = _f("scratch", "scratch | resume | <our run or checkpoint dir> | <Hugging Face model dir>; resume "
-                        "with no checkpoint yet starts as recorded in <out_dir>/run_start.json, else --resume_fallback")
-    resume_fallback: str = _f("", "--init_from=resume with no checkpoint and no run_start.json: start from this "
-                              "(scratch | <weights dir>) instead of exiting 2, e.g. under torchrun --max-restarts")
-    ref_model: str = _f("", "dpo: weights of the frozen reference model (default: the initial weights)")
-    # ---- model (ignored when initialising from a checkpoint, whose model_config.json wins)
-    dim: int = _f(256, "model width")
-    n_layers: int = _f(4, "transformer blocks")
-    n_heads: int = _f(8, "attention heads")
-    n_kv_heads: int = _f(0, "key/value heads for GQA (0 = n_heads)")
-    hidden_dim: int = _f(0, "SwiGLU width (0 = Llama formula)")
-    multiple_of: int = _f(32, "round the SwiGLU width up to this")
-    max_seq_len: int = _f(256, "tokens per training sample")
-    vocab_size: int = _f(0, "0 = from the tokenizer (padded to a multiple of 64)")
-    rope_theta: float = _f(10000.0, "RoPE base")
-    dropout: float = _f(0.0, "attention and residual dropout")
-    tie_embeddings: bool = _f(False, "share the embedding and LM-head weights")
-    gradient_checkpointing: bool = _f(False, "recompute each layer in backward to save activation memory")
-    fused_kernels: bool = _f(True, "fused RMSNorm/RoPE/SwiGLU/QKV and chunked linear+CE (False = reference paths)")
-    compile: bool = _f(False, "torch.compile the model")
-    # ---- LoRA
-    lora_rank: int = _f(0, "0 = full fine-tuning; >0 = LoRA adapters of this rank, base frozen")
-    lora_alpha: float = _f(16.0, "LoRA scaling numerator")
-    lora_dropout: float = _f(0.0, "dropout on the LoRA input")
-    lora_targets: str = _f("q_proj,v_proj", "comma-separated linear names, or 'all'")
-    lora_train_embeddings: bool = _f(False, "also train the embedding and LM head (continued pretraining)")
-    # ---- optimisation
-    batch_size: int = _f(8, "samples per micro-batch per rank")
-    gradient_accumulation_steps: int = _f(1, "micro-batches per optimizer step")
-    max_iters: int = _f(1000, "optimizer steps")
-    learning_rate: float = _f(6e-4, "peak learning rate")
-    min_lr: float = _f(6e-5, "floor of the decay")
-    warmup_iters: int = _f(100, "linear warmup steps")
-    lr_decay_iters: int = _f(0, "0 = max_iters")
-    lr_schedule: str = _f("cosine", "cosine | linear | wsd | constant")
-    weight_decay: float = _f(0.1, "AdamW weight decay, applied to matrices only")
-    beta1: float = _f(0.9, "AdamW beta1")
-    beta2: float = _f(0.95, "AdamW beta2")
-    eps: float = _f(1e-8, "AdamW epsilon")
-    grad_clip: float = _f(1.0, "clip by the global norm over all ranks (0 = off)")
-    dtype: str = _f("fp32", "fp32 | bf16 | fp16 model precision (fp32 main params in the optimizer)")
-    seed: int = _f(1337, "seed of initialisation and data order")
-    deterministic: bool = _f(False, "torch.use_deterministic_algorithms (bit-exact resume on GPU)")
-    # ---- DPO
-    dpo_beta: float = _f(0.1, "DPO temperature")
-    dpo_loss: str = _f("sigmoid", "sigmoid | ipo | hinge")
-    dpo_label_smoothing: float = _f(0.0, "conservative DPO label smoothing (sigmoid loss)")
-    # ---- parallel engine
-    use_distributed_optimizer: bool = _f(False, "ZeRO: shard optimizer state and fp32 main params")
-    zero_stage: int = _f(1, "1 or 2 (2 also releases gradients of shards a rank does not own)")
-    comm_hook: str = _f("allreduce", "allreduce | reduce_scatter | fp16 | bf16 | powersgd")
-    overlap_grad_reduce: bool = _f(True, "launch a bucket's reduction as soon as its gradients are ready")
-    overlap_param_gather: bool = _f(False, "ZeRO: all-gather parameters during the next forward")
-    overlap_optim_step: bool = _f(False, "step the optimizer per bucket as its reduction ends (see docs/parallel.md)")
-    bucket_size: int = _f(4_000_000, "elements per gradient bucket")
-    grad_reduce_in_fp32: bool = _f(True, "reduce bf16/fp16 gradients in fp32")
-    powersgd_rank: int = _f(4, "PowerSGD rank")
-    powersgd_start_iter: int = _f(10, "plain all-reduce before this step")
-    powersgd_min_compression_rate: float = _f(2.0, "tensors compressing less than this go uncompressed")
-    powersgd_warm_start: bool = _f(True, "reuse Q between steps")
-    # ---- evaluation, logging, checkpoints
-    eval_interval: int = _f(100, "evaluate every N steps (0 = only at the end)")
-    eval_iters: int = _f(20, "validation micro-batches per rank per evaluation (>= 1)")
-    log_interval: int = _f(10, "log a line every N steps")
-    checkpoint_interval: int = _f(100, "checkpoint every N steps (and at the end)")
-    keep_last: int = _f(3, "keep this many newest checkpoints (plus the best by validation loss)")
-    tensorboard: bool = _f(False, "also log to <out_dir>/tensorboard when tensorboard is installed")
-    progress: bool = _f(True, "progress bar with ETA on rank 0 (when stdout is a terminal)")
-    device: str = _f("auto", "auto | cpu | cuda | cuda:N")
-    peak_flops: float = _f(0.0, "peak FLOP/s per device for MFU (0 = measure a matmul once at start)")
-
-
-class TrainingError(Exception):
-    def __init__(self, msg: str, code: int) -> None:
-        super().__init__(msg)
-        self.code = code
+from utils.metrics import MetricsLogger, Throughput, format_line
+from utils.run_config import DATA_KEYS, global_batch_problem, resolve_resume_config
 
 
 # ---------------------------------------------------------------------------- fault hooks (tests)
@@ -252,15 +158,30 @@ def model_from_checkpoint(found: str) -> tuple[Any, dict]:
     For a LoRA run the adapters are rebuilt as the run configured them and loaded, not merged.
     """
     from model import ModelConfig, Transformer
-    model = Transformer(ModelConfig.from_dict(ckpt.read_json(os.path.join(found, "model_config.json"))))
+    from parallel.engine import checkpoint_model_state, load_weights
     run_cfg = ckpt.read_json(os.path.join(found, "config.json"))
+    lora_base = ckpt.read_json(os.path.join(found, "trainer_state.json")).get("lora_base")
+    if lora_base:  # a light LoRA checkpoint: the frozen base comes from where the run took it
+        model, _ = load_weights_from(lora_base["source"], log=lambda m: None, flag="the LoRA base of " + found)
+    else:
+        model = Transformer(ModelConfig.from_dict(ckpt.read_json(os.path.join(found, "model_config.json"))))
     if run_cfg.get("lora_rank", 0) > 0:
         from model.lora import apply_lora
         apply_lora(model, r=run_cfg["lora_rank"], alpha=run_cfg["lora_alpha"], dropout=run_cfg["lora_dropout"],
                    target_modules=run_cfg["lora_targets"], train_embeddings=run_cfg["lora_train_embeddings"],
                    train_lm_head=run_cfg["lora_train_embeddings"])
-    model.load_state_dict(ckpt.load_model_state(found))
+    if lora_base:
+        check_lora_base(model, lora_base, found)
+    load_weights(model, checkpoint_model_state(found), partial=bool(lora_base), source=found)
     return model, run_cfg
+
+
+def check_lora_base(model, lora_base: dict, where: str) -> None:
+    """The frozen base under the adapters must be the one the run trained on (same tensors, bit for bit)."""
+    from parallel.engine import base_fingerprint
+    if base_fingerprint(model) != lora_base["fingerprint"]:
+        raise ckpt.CheckpointError(f"checkpoint {where}: the LoRA base at {lora_base['source']} is not the one the run "
+                                   "trained on (its fingerprint changed); restore that base, or re-train the adapters")
 
 
 def load_weights_from(path: str, log, flag: str = "--init_from") -> tuple[Any, dict]:
@@ -301,47 +222,6 @@ def new_model_config(cfg: TrainConfig, tok_meta: dict):
                        attn_dropout=cfg.dropout, resid_dropout=cfg.dropout, tie_embeddings=cfg.tie_embeddings,
                        gradient_checkpointing=cfg.gradient_checkpointing, fused_rmsnorm=fused,
                        fused_rope=fused, fused_swiglu=fused, fused_qkv=fused, fused_cross_entropy=fused)
-
-
-# ---------------------------------------------------------------------------- parallel engine
-
-def build_engine(model, cfg: TrainConfig):
-    """Our DDP wrapper (+ comm hook) and the optimizer: the same objects for world size 1 and N."""
-    from optimizer import OptimizerConfig, build_optimizer
-    from parallel import (DDPConfig, DistributedDataParallel, PowerSGDState, allreduce_hook,
-                          bf16_compress_wrapper, fp16_compress_wrapper, powersgd_hook, reduce_scatter_hook)
-    zero = cfg.use_distributed_optimizer
-    ddp = DistributedDataParallel(model, DDPConfig(bucket_size=cfg.bucket_size,
-                                                   overlap_grad_reduce=cfg.overlap_grad_reduce,
-                                                   grad_reduce_in_fp32=cfg.grad_reduce_in_fp32,
-                                                   use_distributed_optimizer=zero))
-    ddp.broadcast_params()
-    if cfg.comm_hook == "powersgd":
-        ddp.register_comm_hook(PowerSGDState(matrix_approximation_rank=cfg.powersgd_rank,
-                                             start_powerSGD_iter=cfg.powersgd_start_iter,
-                                             min_compression_rate=cfg.powersgd_min_compression_rate,
-                                             warm_start=cfg.powersgd_warm_start, seed=cfg.seed), powersgd_hook)
-    elif cfg.comm_hook in ("fp16", "bf16"):
-        wrap = fp16_compress_wrapper if cfg.comm_hook == "fp16" else bf16_compress_wrapper
-        ddp.register_comm_hook(None, wrap(reduce_scatter_hook if zero else allreduce_hook))
-    # "reduce_scatter" is what the distributed optimizer registers itself (validate_config insists on it)
-    opt = build_optimizer(ddp, OptimizerConfig(
-        lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay,
-        grad_clip=cfg.grad_clip, precision=cfg.dtype, use_distributed_optimizer=zero, zero_stage=cfg.zero_stage,
-        overlap_param_gather=cfg.overlap_param_gather, overlap_optim_step=cfg.overlap_optim_step,
-        fused=cfg.device != "cpu"))
-    return ddp, opt
-
-
-def load_optimizer_state(opt, resume_dir: str, cfg: TrainConfig, info: DistInfo, saved_world: int) -> None:
-    """Sharded (ZeRO): this rank's file, or every rank's files to re-shard at a new world size."""
-    if cfg.use_distributed_optimizer:
-        if saved_world == info.world_size:
-            opt.load_state_dict(ckpt.load_rank_file(resume_dir, "optimizer", info.rank))
-        else:
-            opt.load_state_dict([ckpt.load_rank_file(resume_dir, "optimizer", r) for r in range(saved_world)])
-    else:
-        opt.load_state_dict(ckpt.load_rank_file(resume_dir, "optimizer", 0))
 
 
 # ---------------------------------------------------------------------------- one micro-batch
@@ -441,14 +321,17 @@ def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(help_text(TrainConfig(), __doc__.strip().splitlines()[0]))
         return EXIT_OK
-    try:
-        cfg = parse_config(TrainConfig(), argv)
-    except ConfigError as e:
-        print(f"train_my_ddp.py: {_one_line(e)}", file=sys.stderr)
-        return EXIT_BAD_CONFIG
     rank = int(os.environ.get("RANK", "0"))
     try:
-        info = init_distributed(cfg.device)
+        cfg = parse_config(TrainConfig(), argv)
+        if cfg.init_from == "resume":  # the run's saved configuration, with the command line over it
+            cfg, _ = resolve_resume_config(TrainConfig(), argv, cfg.out_dir,
+                                           log=(lambda m: print(m, flush=True)) if rank == 0 else (lambda m: None))
+    except ConfigError as e:
+        print(f"train_my_ddp.py: error: {_one_line(e)}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    try:
+        info = init_distributed(cfg.device, need_group=cfg.parallel == "fsdp")
         return train(cfg, info)
     except Exception as e:  # noqa: BLE001 - named errors become one line and an exit code; others re-raise
         named = named_error(e)
@@ -459,82 +342,6 @@ def main(argv: list[str]) -> int:
         return code
     finally:
         destroy()
-
-
-def validate_config(cfg: TrainConfig) -> None:
-    """Every value the run cannot work with, as one exit-2 error listing all of them."""
-    problems = []
-
-    def choice(name: str, allowed: tuple[str, ...]) -> None:
-        if getattr(cfg, name) not in allowed:
-            problems.append(f"--{name}={getattr(cfg, name)!r} ({' | '.join(allowed)})")
-
-    def at_least(name: str, low: int) -> None:
-        if getattr(cfg, name) < low:
-            problems.append(f"--{name}={getattr(cfg, name)}: must be >= {low}")
-
-    def number(name: str, low: float, high: float = math.inf, low_open: bool = False, high_open: bool = True,
-               what: str = "") -> None:
-        v = getattr(cfg, name)
-        ok = math.isfinite(v) and (v > low if low_open else v >= low) and (v < high if high_open else v <= high)
-        if not ok:
-            if what:
-                rule = what
-            elif high == math.inf:
-                rule = f"must be a finite number {'>' if low_open else '>='} {low:g}"
-            else:
-                rule = f"must be in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
-            problems.append(f"--{name}={v}: {rule}")
-
-    choice("task_type", ("pretrain", "sft", "dpo"))
-    if not cfg.data_dir and not cfg.data_mix:
-        problems.append("--data_dir is required")
-    if not cfg.tokenizer_dir:
-        problems.append("--tokenizer_dir is required")
-    choice("dtype", ("fp32", "bf16", "fp16"))
-    choice("comm_hook", ("allreduce", "reduce_scatter", "fp16", "bf16", "powersgd"))
-    choice("lr_schedule", ("cosine", "linear", "wsd", "constant"))
-    choice("dpo_loss", ("sigmoid", "ipo", "hinge"))
-    if cfg.comm_hook == "reduce_scatter" and not cfg.use_distributed_optimizer:
-        problems.append("--comm_hook=reduce_scatter leaves each rank only its shard of the gradients: it needs "
-                        "--use_distributed_optimizer=true (ZeRO), which steps exactly that shard")
-    if cfg.zero_stage not in (1, 2):
-        problems.append(f"--zero_stage={cfg.zero_stage} (1 | 2)")
-    if cfg.task_type in ("sft", "dpo") and cfg.init_from == "scratch":
-        problems.append(f"--task_type={cfg.task_type} starts from pretrained weights: pass --init_from=<run dir>")
-    if cfg.task_type in ("sft", "dpo") and cfg.init_from == "resume" and cfg.resume_fallback == "scratch":
-        problems.append(f"--task_type={cfg.task_type} starts from pretrained weights: --resume_fallback=scratch "
-                        "cannot be used")
-    for name in ("batch_size", "gradient_accumulation_steps", "max_iters", "max_seq_len", "checkpoint_interval",
-                 "log_interval", "eval_iters", "keep_last", "dim", "n_layers", "n_heads", "multiple_of",
-                 "bucket_size", "powersgd_rank"):
-        at_least(name, 1)
-    for name in ("eval_interval", "warmup_iters", "lr_decay_iters", "n_kv_heads", "hidden_dim", "vocab_size",
-                 "lora_rank", "powersgd_start_iter"):
-        at_least(name, 0)
-    number("learning_rate", 0.0, low_open=True)
-    number("min_lr", 0.0)
-    number("weight_decay", 0.0)
-    number("eps", 0.0, low_open=True)
-    number("grad_clip", 0.0, what="must be a finite number >= 0 (0 = no clipping)")
-    for name in ("beta1", "beta2", "dropout", "lora_dropout", "val_ratio"):
-        number(name, 0.0, 1.0)
-    number("rope_theta", 0.0, low_open=True)
-    number("lora_alpha", 0.0, low_open=True)
-    number("dpo_beta", 0.0, low_open=True)
-    number("dpo_label_smoothing", 0.0, 0.5)
-    number("powersgd_min_compression_rate", 0.0)
-    number("peak_flops", 0.0, what="must be a finite number >= 0 (0 = measure)")
-    if cfg.lora_rank > 0:
-        from model.lora import ALL_LINEAR
-        targets = [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]
-        unknown = [t for t in targets if t not in ALL_LINEAR]
-        if cfg.lora_targets != "all" and (unknown or not targets):
-            problems.append(f"--lora_targets={cfg.lora_targets}: unknown module name(s) "
-                            f"{','.join(unknown) or '(none)'}; use a comma-separated subset of "
-                            f"{','.join(ALL_LINEAR)}, or all")
-    if problems:
-        raise TrainingError("bad configuration: " + "; ".join(problems), EXIT_BAD_CONFIG)
 
 
 def start_without_checkpoint(cfg: TrainConfig, log) -> tuple[str, str]:
@@ -606,12 +413,15 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
     from model import ModelConfig, Transformer
     init_info: dict = {"source": "scratch", "kind": "scratch"}
     if resume_dir is not None:
-        try:
-            model = Transformer(ModelConfig.from_dict(ckpt.read_json(os.path.join(resume_dir, "model_config.json"))))
-        except ValueError as e:
-            raise TrainingError(f"checkpoint {resume_dir}: {e}", EXIT_BAD_CHECKPOINT) from e
         saved_state = ckpt.read_json(os.path.join(resume_dir, "trainer_state.json"))
         init_info = saved_state.get("init_info", init_info)
+        if saved_state.get("lora_base"):  # a light LoRA checkpoint: rebuild the frozen base first
+            model, _ = load_weights_from(saved_state["lora_base"]["source"], log, flag="the LoRA base of " + resume_dir)
+        else:
+            try:
+                model = Transformer(ModelConfig.from_dict(ckpt.read_json(os.path.join(resume_dir, "model_config.json"))))
+            except ValueError as e:
+                raise TrainingError(f"checkpoint {resume_dir}: {e}", EXIT_BAD_CHECKPOINT) from e
     elif init_from != "scratch":
         model, init_info = load_weights_from(init_from, log, flag=init_flag)
     else:
@@ -639,6 +449,19 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
         c = trainable_parameters(model)
         log(f"[lora] rank {cfg.lora_rank} on {cfg.lora_targets}: {c['trainable']:,} trainable of "
             f"{c['total']:,} parameters ({c['percent']:.2f}%)")
+    # Light LoRA checkpoints: only the trainable tensors + a reference to the frozen base (path and
+    # fingerprint), when the base is a file the checkpoint can point at (not random weights; not fsdp,
+    # whose sharded checkpoints are written without gathering anyway).
+    lora_base = None
+    if cfg.lora_rank > 0 and cfg.parallel == "ddp" and init_info["kind"] in ("ours", "hf"):
+        from parallel.engine import base_fingerprint
+        if resume_dir is not None and saved_state.get("lora_base"):
+            lora_base = saved_state["lora_base"]
+            check_lora_base(model, lora_base, resume_dir)
+        elif resume_dir is None:
+            lora_base = {"source": os.path.abspath(init_info["source"]), "fingerprint": base_fingerprint(model)}
+            log(f"[lora] checkpoints hold the trainable tensors only; the frozen base is {lora_base['source']} "
+                f"(sha256 {lora_base['fingerprint'][:12]})")
 
     ref_model = None
     if cfg.task_type == "dpo":
@@ -651,7 +474,9 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
         ref_model.requires_grad_(False).eval()
 
     dtype = parse_dtype(cfg.dtype)
-    model.to(device=info.device, dtype=dtype)
+    # fsdp keeps fp32 sharded parameters (the optimizer's masters) and computes in `dtype` through its
+    # mixed-precision policy; ddp runs the model in `dtype` with fp32 masters in the optimizer.
+    model.to(device=info.device, dtype=torch.float32 if cfg.parallel == "fsdp" else dtype)
     if ref_model is not None:
         ref_model.to(device=info.device, dtype=dtype)
     from model.kernels import flash_attn_functions
@@ -663,7 +488,10 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
     log(f"[model] {n_params / 1e6:.2f}M parameters ({n_train / 1e6:.2f}M trainable), {mcfg.n_layers} layers, "
         f"dim {mcfg.dim}, vocab {mcfg.vocab_size}, dtype {cfg.dtype}, device {info.device}, world {info.world_size}")
 
-    ddp_model, optimizer = build_engine(model, cfg)
+    from parallel.engine import build_engine
+    engine = build_engine(model, cfg)
+    engine.lora_base = lora_base
+    ddp_model, optimizer = engine.model, engine.optimizer
     forward_model = torch.compile(ddp_model) if cfg.compile else ddp_model
 
     from data_preprocess.shard_format import DataError
@@ -676,8 +504,13 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
     iter_num, best_val, tokens_seen = 0, float("inf"), 0
     rng_to_restore = None
     if resume_dir is not None:
+        saved_cfg = ckpt.read_json(os.path.join(resume_dir, "config.json"))
+        problem = global_batch_problem(dict(saved_cfg, world_size=saved_state["world_size"]), cfg.batch_size,
+                                       cfg.gradient_accumulation_steps, info.world_size)
+        if problem:
+            raise TrainingError(f"cannot resume {resume_dir}: {problem}", EXIT_BAD_CONFIG)
         try:
-            model.load_state_dict(ckpt.load_model_state(resume_dir))
+            extra = engine.load(resume_dir, int(saved_state["world_size"]), info.rank, info.world_size)
         except RuntimeError as e:
             if isinstance(e, ckpt.CheckpointError):
                 raise
@@ -685,26 +518,28 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
             raise TrainingError(f"the weights in {resume_dir} do not fit the model this configuration builds "
                                 f"(were --lora_* flags changed since the run started?): {first}",
                                 EXIT_BAD_CONFIG) from e
-        load_optimizer_state(optimizer, resume_dir, cfg, info, int(saved_state["world_size"]))
-        extra = ckpt.load_rank_file(resume_dir, "extra", info.rank)
-        if extra is not None and extra.get("comm_hook"):
-            ddp_model.load_comm_hook_state_dict(extra["comm_hook"])
-        try:
-            train_loader.load_state_dict(saved_state["data_cursor"])
-        except ValueError as e:
-            raise TrainingError(f"cannot resume the data order from {resume_dir}: {e}. When changing the number "
-                                "of processes keep --batch_size x world size (the global batch) the same",
-                                EXIT_BAD_CONFIG) from e
+        new_data = [k for k in DATA_KEYS if k in saved_cfg and saved_cfg[k] != getattr(cfg, k)]
+        if new_data:  # only reachable with --allow_data_change=true (main() refuses it otherwise)
+            log(f"[resume] data changed ({', '.join(new_data)}): reading the new data from its start")
+        else:
+            try:
+                train_loader.load_state_dict(saved_state["data_cursor"])
+            except ValueError as e:
+                raise TrainingError(f"cannot resume the data order from {resume_dir}: {e}. When changing the number "
+                                    "of processes keep --batch_size x world size (the global batch) the same",
+                                    EXIT_BAD_CONFIG) from e
         iter_num = int(saved_state["step"])
         best_val = saved_state.get("best_val_loss") or float("inf")
         tokens_seen = int(saved_state.get("tokens_seen", 0))
-        if extra is not None and saved_state["world_size"] == info.world_size:
+        if extra is not None:
             rng_to_restore = extra["rng"]
         log(f"[resume] at step {iter_num}, data cursor {saved_state['data_cursor']}")
 
     if info.is_main:
         save_config_json(cfg, os.path.join(cfg.out_dir, "config.json"))
-    metrics = MetricsLogger(cfg.out_dir, enabled=info.is_main, tensorboard=cfg.tensorboard, log=log)
+    metrics = MetricsLogger(cfg.out_dir, enabled=info.is_main, tensorboard=cfg.tensorboard, log=log,
+                            wandb=cfg.wandb, wandb_project=cfg.wandb_project, wandb_run_name=cfg.wandb_run_name,
+                            run_config=dataclasses.asdict(cfg))
 
     # ---- graceful stop: finish the step, save, exit 75
     stop = {"requested": False}
@@ -718,30 +553,23 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
         state = {"data_cursor": train_loader.state_dict(), "best_val_loss": None if best_val == float("inf") else best_val,
                  "val_loss": val_loss, "tokens_seen": tokens_seen, "init_info": init_info,
                  "lr": lr_at(max(0, step - 1), **lr_kw), "task_type": cfg.task_type}
-        optimizer.finish_param_sync()  # ZeRO + overlapped gather: parameters complete before reading them
-        sharded = cfg.use_distributed_optimizer
-        extra_state = {"rng": ckpt.capture_rng_state(info.device)}
-        hook_state = ddp_model.comm_hook_state_dict()
-        if hook_state:
-            extra_state["comm_hook"] = hook_state
-        req = ckpt.SaveRequest(step=step, rank=info.rank, world_size=info.world_size,
-                               model_state=model.state_dict() if info.is_main else None,
-                               model_config=mcfg.to_dict(),
-                               optimizer_state=optimizer.state_dict() if sharded or info.is_main else None,
-                               extra_state=extra_state, trainer_state=state, run_config=dataclasses.asdict(cfg))
         fault = (lambda: os.kill(os.getpid(), signal.SIGKILL)) if _fault("kill_in_save", step) else None
-        path = ckpt.save_checkpoint(cfg.out_dir, req, barrier=barrier, keep_last=cfg.keep_last, fault_hook=fault,
-                                    log=log)
+        path = engine.save(cfg.out_dir, step, rank=info.rank, world_size=info.world_size, model_config=mcfg.to_dict(),
+                           trainer_state=state, run_config=dataclasses.asdict(cfg),
+                           extra_state={"rng": ckpt.capture_rng_state(info.device)}, keep_last=cfg.keep_last,
+                           barrier=barrier, fault_hook=fault, log=log)
         log(f"[checkpoint] step {step} -> {path}")
 
-    from model.flops import flops_per_token, measure_peak_flops
+    from model.flops import flops_per_token, mfu_from, resolve_peak_flops
     fpt = flops_per_token(mcfg, cfg.max_seq_len)
-    peak = cfg.peak_flops or measure_peak_flops(info.device, dtype)
+    peak = resolve_peak_flops(info.device, dtype, override=cfg.peak_flops,
+                              cache_dir=cfg.out_dir if info.is_main else None)
+    throughput = Throughput(window=20)
     lr_kw = dict(max_lr=cfg.learning_rate, min_lr=cfg.min_lr, warmup_iters=cfg.warmup_iters,
                  decay_iters=cfg.lr_decay_iters or cfg.max_iters, schedule=cfg.lr_schedule)
     gas = cfg.gradient_accumulation_steps
     log(f"[train] {cfg.task_type}: {cfg.max_iters} steps x {gas} micro-batches x {cfg.batch_size} samples x "
-        f"{info.world_size} ranks, seq {cfg.max_seq_len}; peak {peak / 1e9:.1f} GFLOP/s for MFU")
+        f"{info.world_size} ranks, seq {cfg.max_seq_len}; MFU against {peak.describe()} per device")
 
     pbar = None
     if info.is_main and cfg.progress and sys.stdout.isatty():  # a bar in a terminal; plain lines in log files
@@ -791,9 +619,11 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
 
         # ---- log
         dt = max(1e-9, time.time() - t_last)
+        tps_avg = throughput.update(step_tokens, dt)  # tokens/s over the last 20 steps: readable, not per-step noise
         rec: dict[str, Any] = {"step": iter_num, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                                "stepped": bool(stepped), "tokens_per_sec": step_tokens / dt,
-                               "mfu": fpt * step_tokens / dt / (peak * info.world_size), "tokens_seen": tokens_seen}
+                               "tokens_per_sec_avg": tps_avg, "mfu": mfu_from(fpt * tps_avg / info.world_size, peak),
+                               "mfu_is_estimate": peak.is_estimate, "tokens_seen": tokens_seen}
         if cfg.task_type == "dpo":
             rec.update(chosen_reward=float(tot[1]) / global_units, rejected_reward=float(tot[2]) / global_units,
                        reward_acc=float(tot[3]) / global_units)

@@ -195,35 +195,6 @@ def _powersgd(rank, ws, res):
                        "ranks_equal": bool(torch.equal(gathered[0], gathered[1]))}
 
 
-class _ConstGrad(nn.Module):
-    def __init__(self, shape):
-        super().__init__()
-        self.w = nn.Parameter(torch.zeros(shape))
-
-    def forward(self, g):
-        return (self.w * g).sum()  # d/dw = g
-
-
-def _powersgd_error_feedback(rank, ws, res):
-    """Different constant gradients per rank: the time-average of PowerSGD's output must tend to
-    the all-reduced mean (error feedback must count each rank's share of the sum correctly)."""
-    gs = [torch.randn(24, 16, generator=torch.Generator().manual_seed(10 + r)) for r in range(ws)]
-    mean = sum(gs) / ws
-    mod = _ConstGrad(mean.shape)
-    ddp = DistributedDataParallel(mod, DDPConfig())
-    ddp.register_comm_hook(PowerSGDState(matrix_approximation_rank=1, start_powerSGD_iter=0, seed=5),
-                           powersgd_hook)
-    total, errs = torch.zeros_like(mean), {}
-    for t in range(1, 201):
-        ddp.zero_grad_buffer()
-        ddp(gs[rank]).backward()
-        ddp.finish_grad_sync()
-        total += mod.w.main_grad
-        if t in (20, 200):
-            errs[t] = float((total / t - mean).norm() / mean.norm())
-    res["powersgd_ef"] = errs
-
-
 def _fp16_skip(rank, ws, res):
     cfg = opt_cfg(precision="fp16", initial_loss_scale=1024.0, hysteresis=1, loss_scale_growth_interval=2)
     m, ddp, opt = build(DDPConfig(bucket_size=100, use_distributed_optimizer=True),
@@ -292,7 +263,6 @@ def _worker(rank, ws, out_dir):
     res: dict = {}
     _equivalence(rank, ws, res)
     _powersgd(rank, ws, res)
-    _powersgd_error_feedback(rank, ws, res)
     _fp16_skip(rank, ws, res)
     _resume(rank, ws, res, out_dir)
     torch.save(res, os.path.join(out_dir, f"results_rank{rank}.pt"))

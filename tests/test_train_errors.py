@@ -205,7 +205,7 @@ def test_resume_with_other_lora_flags_exits_2(tiny_pretrain_run_args, small_run,
     got, err = run_main([*tiny_pretrain_run_args, f"--out_dir={run}", "--max_iters=4", "--init_from=resume",
                          "--lora_rank=4"], capsys)
     assert got == EXIT_BAD_CONFIG, err
-    assert_one_error_line(err, "do not fit the model this configuration builds")
+    assert_one_error_line(err, "--lora_rank=4 (the run used 0): the model's shape is fixed by its checkpoint")
 
 
 def test_resume_when_every_checkpoint_is_damaged_exits_5(tiny_pretrain_run_args, small_run, tmp_path, capsys):

@@ -55,8 +55,9 @@ def device_problem(device_pref: str) -> Optional[str]:
     return None
 
 
-def init_distributed(device_pref: str = "auto", timeout_s: int = 1800) -> DistInfo:
-    """Raises DeviceError when the device cannot be used (no such index, no accelerator)."""
+def init_distributed(device_pref: str = "auto", timeout_s: int = 1800, need_group: bool = False) -> DistInfo:
+    """Raises DeviceError when the device cannot be used (no such index, no accelerator).
+    need_group: start a one-process group when not launched by torchrun (FSDP needs one)."""
     problem = device_problem(device_pref)
     if problem:
         raise DeviceError(problem)
@@ -71,6 +72,10 @@ def init_distributed(device_pref: str = "auto", timeout_s: int = 1800) -> DistIn
     if world > 1 and not dist.is_initialized():
         dist.init_process_group(backend=dist_backend(device), timeout=datetime.timedelta(seconds=timeout_s),
                                 device_id=device if device.type != "cpu" else None)
+    elif need_group and not dist.is_initialized():
+        # FSDP shards over a process group even in one process: a group of one, on an in-memory store.
+        dist.init_process_group(backend=dist_backend(device), store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=datetime.timedelta(seconds=timeout_s))
     return DistInfo(rank, world, local_rank, device)
 
 

@@ -1,0 +1,208 @@
+"""The trainer's configuration: every flag of train_my_ddp.py with its default and help, and the
+validation that turns impossible values into one exit-2 error listing all of them.
+
+Owns: `TrainConfig` (plain values, overridden by config files and `--key=value` through
+configurator.py; HF Trainer / torchtitan spellings such as `--lr` or `--max_steps` are aliases, see
+utils/cli.py), `validate_config`, and `TrainingError` (an error with its exit code).
+Must never: read files, touch devices or start processes.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from utils.constants import EXIT_BAD_CONFIG
+
+
+def _f(default: Any, help: str) -> Any:
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda: default, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class TrainConfig:
+    # ---- run and data
+    out_dir: str = _f("out/run", "run directory: metrics.jsonl, checkpoints/, config.json")
+    task_type: str = _f("pretrain", "pretrain | sft | dpo")
+    data_dir: str = _f("", "pretrain: directory of token shards + index_L<L>/; sft/dpo: a .jsonl file or a directory of them")
+    data_mix: str = _f("", 'pretrain: JSON {"name": weight} (shard dirs under --data_dir) or {"name": {"path": dir, "weight": w}}')
+    tokenizer_dir: str = _f("", "tokenizer directory (tokenizer_meta.json gives the vocab size and special ids)")
+    val_ratio: float = _f(0.05, "sft/dpo: fraction of records held out for validation")
+    sft_packing: bool = _f(False, "sft: pack several samples per row (attention restricted to each sample)")
+    init_from: str = _f("scratch", "scratch | resume | <our run or checkpoint dir> | <Hugging Face model dir>; resume "
+                        "with no checkpoint yet starts as recorded in <out_dir>/run_start.json, else --resume_fallback")
+    resume_fallback: str = _f("", "--init_from=resume with no checkpoint and no run_start.json: start from this "
+                              "(scratch | <weights dir>) instead of exiting 2, e.g. under torchrun --max-restarts")
+    ref_model: str = _f("", "dpo: weights of the frozen reference model (default: the initial weights)")
+    allow_data_change: bool = _f(False, "--init_from=resume: accept data flags (data_dir, data_mix, seed, ...) that "
+                                 "differ from the saved run; the new data is read from its start")
+    # ---- model (ignored when initialising from a checkpoint, whose model_config.json wins)
+    dim: int = _f(256, "model width")
+    n_layers: int = _f(4, "transformer blocks")
+    n_heads: int = _f(8, "attention heads")
+    n_kv_heads: int = _f(0, "key/value heads for GQA (0 = n_heads)")
+    hidden_dim: int = _f(0, "SwiGLU width (0 = Llama formula)")
+    multiple_of: int = _f(32, "round the SwiGLU width up to this")
+    max_seq_len: int = _f(256, "tokens per training sample")
+    vocab_size: int = _f(0, "0 = from the tokenizer (padded to a multiple of 64)")
+    rope_theta: float = _f(10000.0, "RoPE base")
+    dropout: float = _f(0.0, "attention and residual dropout")
+    tie_embeddings: bool = _f(False, "share the embedding and LM-head weights")
+    gradient_checkpointing: bool = _f(False, "recompute each layer in backward to save activation memory")
+    fused_kernels: bool = _f(True, "fused RMSNorm/RoPE/SwiGLU/QKV and chunked linear+CE (False = reference paths)")
+    compile: bool = _f(False, "torch.compile the model")
+    # ---- LoRA
+    lora_rank: int = _f(0, "0 = full fine-tuning; >0 = LoRA adapters of this rank, base frozen")
+    lora_alpha: float = _f(16.0, "LoRA scaling numerator")
+    lora_dropout: float = _f(0.0, "dropout on the LoRA input")
+    lora_targets: str = _f("q_proj,v_proj", "comma-separated linear names, or 'all'")
+    lora_train_embeddings: bool = _f(False, "also train the embedding and LM head (continued pretraining)")
+    # ---- optimisation
+    batch_size: int = _f(8, "samples per micro-batch per rank")
+    gradient_accumulation_steps: int = _f(1, "micro-batches per optimizer step")
+    max_iters: int = _f(1000, "optimizer steps")
+    learning_rate: float = _f(6e-4, "peak learning rate")
+    min_lr: float = _f(6e-5, "floor of the decay")
+    warmup_iters: int = _f(100, "linear warmup steps")
+    lr_decay_iters: int = _f(0, "0 = max_iters")
+    lr_schedule: str = _f("cosine", "cosine | linear | wsd | constant")
+    weight_decay: float = _f(0.1, "AdamW weight decay, applied to matrices only")
+    beta1: float = _f(0.9, "AdamW beta1")
+    beta2: float = _f(0.95, "AdamW beta2")
+    eps: float = _f(1e-8, "AdamW epsilon")
+    grad_clip: float = _f(1.0, "clip by the global norm over all ranks (0 = off)")
+    dtype: str = _f("fp32", "fp32 | bf16 | fp16 model precision (fp32 main params in the optimizer)")
+    seed: int = _f(1337, "seed of initialisation and data order")
+    deterministic: bool = _f(False, "torch.use_deterministic_algorithms (bit-exact resume on GPU)")
+    # ---- DPO
+    dpo_beta: float = _f(0.1, "DPO temperature")
+    dpo_loss: str = _f("sigmoid", "sigmoid | ipo | hinge")
+    dpo_label_smoothing: float = _f(0.0, "conservative DPO label smoothing (sigmoid loss)")
+    # ---- parallel engine
+    parallel: str = _f("ddp", "ddp (our DDP, + ZeRO-1/2 with --use_distributed_optimizer) | fsdp (torch FSDP2: "
+                       "parameters, gradients and optimizer state sharded)")
+    reshard_after_forward: bool = _f(True, "fsdp: free gathered parameters after forward (ZeRO-3); false keeps "
+                                     "them until backward (ZeRO-2-like, more memory, less communication)")
+    cpu_offload: bool = _f(False, "fsdp: keep sharded parameters, gradients and optimizer state on the CPU")
+    use_distributed_optimizer: bool = _f(False, "ZeRO: shard optimizer state and fp32 main params")
+    zero_stage: int = _f(1, "1 or 2 (2 also releases gradients of shards a rank does not own)")
+    comm_hook: str = _f("allreduce", "allreduce | reduce_scatter | fp16 | bf16 | powersgd")
+    overlap_grad_reduce: bool = _f(True, "launch a bucket's reduction as soon as its gradients are ready")
+    overlap_param_gather: bool = _f(False, "ZeRO: all-gather parameters during the next forward")
+    overlap_optim_step: bool = _f(False, "step the optimizer per bucket as its reduction ends (see docs/parallel.md)")
+    bucket_size: int = _f(4_000_000, "elements per gradient bucket")
+    grad_reduce_in_fp32: bool = _f(True, "reduce bf16/fp16 gradients in fp32")
+    powersgd_rank: int = _f(4, "PowerSGD rank")
+    powersgd_start_iter: int = _f(10, "plain all-reduce before this step")
+    powersgd_min_compression_rate: float = _f(2.0, "tensors compressing less than this go uncompressed")
+    powersgd_warm_start: bool = _f(True, "reuse Q between steps")
+    # ---- evaluation, logging, checkpoints
+    eval_interval: int = _f(100, "evaluate every N steps (0 = only at the end)")
+    eval_iters: int = _f(20, "validation micro-batches per rank per evaluation (>= 1)")
+    log_interval: int = _f(10, "log a line every N steps")
+    checkpoint_interval: int = _f(100, "checkpoint every N steps (and at the end)")
+    keep_last: int = _f(3, "keep this many newest checkpoints (plus the best by validation loss)")
+    tensorboard: bool = _f(False, "also log to <out_dir>/tensorboard when tensorboard is installed")
+    wandb: bool = _f(False, "also log to Weights & Biases (WANDB_MODE=offline works without network); a resumed "
+                     "run continues the same W&B run")
+    wandb_project: str = _f("myllm", "W&B project")
+    wandb_run_name: str = _f("", "W&B run name (default: W&B's own)")
+    progress: bool = _f(True, "progress bar with ETA on rank 0 (when stdout is a terminal)")
+    device: str = _f("auto", "auto | cpu | cuda | cuda:N")
+    peak_flops: float = _f(0.0, "peak FLOP/s per device for MFU (0 = the data-sheet table for known GPUs, else a "
+                           "measured matmul peak cached in <out_dir>/peak_flops.json: an estimate, MFU shown as mfu~)")
+
+
+class TrainingError(Exception):
+    def __init__(self, msg: str, code: int) -> None:
+        super().__init__(msg)
+        self.code = code
+
+
+def validate_config(cfg: TrainConfig) -> None:
+    """Every value the run cannot work with, as one exit-2 error listing all of them."""
+    problems = []
+
+    def choice(name: str, allowed: tuple[str, ...]) -> None:
+        if getattr(cfg, name) not in allowed:
+            problems.append(f"--{name}={getattr(cfg, name)!r} ({' | '.join(allowed)})")
+
+    def at_least(name: str, low: int) -> None:
+        if getattr(cfg, name) < low:
+            problems.append(f"--{name}={getattr(cfg, name)}: must be >= {low}")
+
+    def number(name: str, low: float, high: float = math.inf, low_open: bool = False, high_open: bool = True,
+               what: str = "") -> None:
+        v = getattr(cfg, name)
+        ok = math.isfinite(v) and (v > low if low_open else v >= low) and (v < high if high_open else v <= high)
+        if not ok:
+            if what:
+                rule = what
+            elif high == math.inf:
+                rule = f"must be a finite number {'>' if low_open else '>='} {low:g}"
+            else:
+                rule = f"must be in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+            problems.append(f"--{name}={v}: {rule}")
+
+    choice("task_type", ("pretrain", "sft", "dpo"))
+    if not cfg.data_dir and not cfg.data_mix:
+        problems.append("--data_dir is required")
+    if not cfg.tokenizer_dir:
+        problems.append("--tokenizer_dir is required")
+    choice("dtype", ("fp32", "bf16", "fp16"))
+    choice("comm_hook", ("allreduce", "reduce_scatter", "fp16", "bf16", "powersgd"))
+    choice("lr_schedule", ("cosine", "linear", "wsd", "constant"))
+    choice("dpo_loss", ("sigmoid", "ipo", "hinge"))
+    choice("parallel", ("ddp", "fsdp"))
+    if cfg.parallel == "fsdp":
+        from parallel.fsdp import validate_fsdp_options
+        try:
+            validate_fsdp_options(comm_hook=cfg.comm_hook, use_distributed_optimizer=cfg.use_distributed_optimizer,
+                                  overlap_optim_step=cfg.overlap_optim_step,
+                                  overlap_param_gather=cfg.overlap_param_gather, zero_stage=cfg.zero_stage)
+        except ValueError as e:
+            problems.append(f"--parallel=fsdp: {e}")
+    elif cfg.cpu_offload:
+        problems.append("--cpu_offload=true needs --parallel=fsdp")
+    if cfg.comm_hook == "reduce_scatter" and not cfg.use_distributed_optimizer:
+        problems.append("--comm_hook=reduce_scatter leaves each rank only its shard of the gradients: it needs "
+                        "--use_distributed_optimizer=true (ZeRO), which steps exactly that shard")
+    if cfg.zero_stage not in (1, 2):
+        problems.append(f"--zero_stage={cfg.zero_stage} (1 | 2)")
+    if cfg.task_type in ("sft", "dpo") and cfg.init_from == "scratch":
+        problems.append(f"--task_type={cfg.task_type} starts from pretrained weights: pass --init_from=<run dir>")
+    if cfg.task_type in ("sft", "dpo") and cfg.init_from == "resume" and cfg.resume_fallback == "scratch":
+        problems.append(f"--task_type={cfg.task_type} starts from pretrained weights: --resume_fallback=scratch "
+                        "cannot be used")
+    for name in ("batch_size", "gradient_accumulation_steps", "max_iters", "max_seq_len", "checkpoint_interval",
+                 "log_interval", "eval_iters", "keep_last", "dim", "n_layers", "n_heads", "multiple_of",
+                 "bucket_size", "powersgd_rank"):
+        at_least(name, 1)
+    for name in ("eval_interval", "warmup_iters", "lr_decay_iters", "n_kv_heads", "hidden_dim", "vocab_size",
+                 "lora_rank", "powersgd_start_iter"):
+        at_least(name, 0)
+    number("learning_rate", 0.0, low_open=True)
+    number("min_lr", 0.0)
+    number("weight_decay", 0.0)
+    number("eps", 0.0, low_open=True)
+    number("grad_clip", 0.0, what="must be a finite number >= 0 (0 = no clipping)")
+    for name in ("beta1", "beta2", "dropout", "lora_dropout", "val_ratio"):
+        number(name, 0.0, 1.0)
+    number("rope_theta", 0.0, low_open=True)
+    number("lora_alpha", 0.0, low_open=True)
+    number("dpo_beta", 0.0, low_open=True)
+    number("dpo_label_smoothing", 0.0, 0.5)
+    number("powersgd_min_compression_rate", 0.0)
+    number("peak_flops", 0.0, what="must be a finite number >= 0 (0 = measure)")
+    if cfg.lora_rank > 0:
+        from model.lora import ALL_LINEAR
+        targets = [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]
+        unknown = [t for t in targets if t not in ALL_LINEAR]
+        if cfg.lora_targets != "all" and (unknown or not targets):
+            problems.append(f"--lora_targets={cfg.lora_targets}: unknown module name(s) "
+                            f"{','.join(unknown) or '(none)'}; use a comma-separated subset of "
+                            f"{','.join(ALL_LINEAR)}, or all")
+    if problems:
+        raise TrainingError("bad configuration: " + "; ".join(problems), EXIT_BAD_CONFIG)
