@@ -66,12 +66,10 @@ class MonitorConfig:
 
 def parse_args(argv: list[str]) -> tuple[MonitorConfig, list[str]]:
     """Split argv at the first `--`: monitor options before it, the command (kept verbatim) after."""
-    if "--" not in argv:
-        raise SystemExit("usage: monitor_process.py [options] -- <training command ...>  (the `--` is required)")
-    cut = argv.index("--")
-    own, command = argv[:cut], argv[cut + 1:]
     p = argparse.ArgumentParser(
-        prog="monitor_process.py",
+        prog="monitor_process.py", usage="%(prog)s [options] -- <training command ...>",
+        epilog="example: python monitor_process.py --max_restarts=20 --hang_timeout=900 -- "
+               "torchrun --standalone --nproc_per_node=8 train_my_ddp.py --out_dir=out/pre ...",
         description="Run a training command, restart it on crashes and hangs, report what happened. "
                     "Exit 0 and exit codes 2 (bad config), 3 (bad data), 4 (non-finite loss), "
                     "5 (unusable checkpoint) are never restarted; 75 (interrupted after saving) stops the monitor too.")
@@ -90,10 +88,16 @@ def parse_args(argv: list[str]) -> tuple[MonitorConfig, list[str]]:
                    help="grace before the first heartbeat of each attempt (imports, data, compile)")
     p.add_argument("--kill_grace", type=float, default=30.0, help="seconds between SIGTERM and SIGKILL")
     p.add_argument("--poll_interval", type=float, default=1.0)
+    if "--" not in argv:
+        if any(x in ("-h", "--help") for x in argv):
+            p.parse_args(["--help"])  # prints the help and exits 0
+        p.error("the training command must follow `--` (see --help)")
+    cut = argv.index("--")
+    own, command = argv[:cut], argv[cut + 1:]
     a = p.parse_args(own)
     if not command:
         p.error("no training command after `--`")
-    out_dir = a.out_dir or flag_value(command, "--out_dir")
+    out_dir = a.out_dir or flag_value(command, "--out_dir") or flag_value(command, "--output_dir")
     log_file = a.log_file or (os.path.join(out_dir, "monitor.log") if out_dir else None)
     summary = a.summary_file or (os.path.join(out_dir, "monitor_summary.json") if out_dir else None)
     cfg = MonitorConfig(out_dir, log_file, summary, a.max_restarts, a.count_only_stalled_restarts,

@@ -306,3 +306,19 @@ def test_missing_executable_is_reported_not_retried(tmp_path):
         s = json.load(f)
     assert (s["final_status"], s["restarts"], len(s["attempts"])) == ("failed_to_start", 0, 1)
     assert "no such python" in s["reason"]
+
+
+def test_help_works_alone_and_exits_0():
+    """`monitor_process.py --help` prints the real help (not one usage line and exit 1)."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "monitor_process.py"), "--help"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "--max_restarts" in r.stdout and "--hang_timeout" in r.stdout and "never restarted" in r.stdout
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "monitor_process.py"), "--max_restarts=2"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "must follow `--`" in r.stderr
+
+
+def test_out_dir_is_found_under_its_alias():
+    cfg, _ = mp.parse_args(["--", "python", "train_my_ddp.py", "--output_dir=/runs/a"])
+    assert cfg.out_dir == "/runs/a"
