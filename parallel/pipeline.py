@@ -1,0 +1,465 @@
+"""Pipeline parallelism (pp x dp) on `torch.distributed.pipelining`, with our DDP on the dp dimension.
+
+Owns: splitting the Transformer's layers into P stages (`split_layers`, `pipeline_stage_module`: the
+first stage holds `embed_tokens`, the last `norm` + `lm_head` and computes the chunked linear+CE loss
+itself), the `PipelineStage` + schedule (`ScheduleGPipe` / `Schedule1F1B`, by name) of this rank,
+the 2-D DeviceMesh ("pp", "dp"), wrapping each stage in our DistributedDataParallel over the dp
+sub-group, an optimizer whose global-norm clip and overflow decision span ALL stages (the squared
+norm is all-reduced over the pp group too), per-stage checkpoints, and merging them into one full
+state dict with the model's own key names (for export).
+
+    engine = build_pipeline_engine(model, opt_cfg, pp_size=2, n_microbatches=gas, schedule="1f1b")
+    engine.optimizer.set_lr(lr); engine.optimizer.zero_grad()
+    out = engine.forward_backward(micro_batches)   # list of {"input_ids", "labels", ...}, len == gas
+    stepped, grad_norm = engine.optimizer.step()
+    engine.save(ckpt_dir); engine.load(ckpt_dir); full_sd = merge_stage_checkpoints(ckpt_dir)
+
+Must never: normalise the loss other than by the global target-token count (sum over micro-batches
+and dp replicas; ranks of one pp group hold the same data and are counted once), clip with a norm
+that misses another stage's parameters (trap 8), or silently accept a layout it cannot run (tied
+embeddings across stages, a layer count that does not split, fewer micro-batches than 1F1B needs,
+FSDP on the dp dimension, DPO batches).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from model.llama import Transformer
+from model.loss import linear_cross_entropy, linear_cross_entropy_ref
+from optimizer.optimizer_config import OptimizerConfig
+from utils.constants import IGNORE_INDEX
+
+SCHEDULES = ("gpipe", "1f1b")
+FORMAT = 1
+META_FILE = "pipeline.json"
+
+
+# ---------------------------------------------------------------------------- splitting
+
+def split_layers(n_layers: int, num_stages: int, allow_uneven: bool = False) -> list[tuple[int, int]]:
+    """[lo, hi) layer ranges per stage. A count that does not divide is a ValueError unless
+    `allow_uneven`, then the first `n_layers % num_stages` stages get one layer more."""
+    if num_stages < 1:
+        raise ValueError(f"pipeline_parallel_size must be >= 1, got {num_stages}")
+    if n_layers < num_stages:
+        raise ValueError(f"cannot split {n_layers} layer(s) into {num_stages} pipeline stages: every stage needs "
+                         f"at least one transformer layer")
+    if n_layers % num_stages and not allow_uneven:
+        raise ValueError(f"n_layers={n_layers} does not divide into pipeline_parallel_size={num_stages} equal "
+                         f"stages; choose a divisor of {n_layers} (or pass allow_uneven_split=True to give the "
+                         f"first {n_layers % num_stages} stage(s) one layer more)")
+    base, extra = divmod(n_layers, num_stages)
+    out, lo = [], 0
+    for s in range(num_stages):
+        hi = lo + base + (1 if s < extra else 0)
+        out.append((lo, hi))
+        lo = hi
+    return out
+
+
+class PipelineStageModule(nn.Module):
+    """One stage of the Transformer. It holds the model's own submodules under the model's own
+    attribute names (`layers` is a ModuleDict keyed by the global layer index), so its state_dict
+    keys are exactly the full model's (`layers.5.mlp.up_proj.weight`, `lm_head.weight`): merging
+    the stages' state dicts is a plain union.
+
+    forward(x, labels=None, attention_mask=None, position_ids=None): x is token ids on the first
+    stage and the hidden state [B, T, D] elsewhere. Non-last stages return the hidden state; the
+    last returns the micro-batch's SUM of per-token losses as a shape-[1] tensor (the chunked
+    linear+CE of model/loss.py, as Transformer.forward(..., reduction="sum"))."""
+
+    _attn_spec = Transformer._attn_spec  # the model's masking logic (padding, packed samples), reused
+
+    def __init__(self, model: Transformer, stage_index: int, num_stages: int, layer_range: tuple[int, int]):
+        super().__init__()
+        self.cfg = model.cfg
+        self.stage_index, self.num_stages = stage_index, num_stages
+        self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
+        self.layer_range = layer_range
+        if self.is_first:
+            self.embed_tokens = model.embed_tokens
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in range(*layer_range)})
+        if self.is_last:
+            self.norm = model.norm
+            self.lm_head = model.lm_head
+        self.rotary = model.rotary  # non-persistent buffer only: not in the state dict
+
+    def _compute_dtype(self, device: torch.device) -> torch.dtype:
+        if torch.is_autocast_enabled(device.type):
+            return torch.get_autocast_dtype(device.type)
+        return next(self.parameters()).dtype
+
+    def forward(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None,
+                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        B, T = x.shape[0], x.shape[1]
+        if position_ids is None:
+            positions = torch.arange(T, device=x.device)[None].expand(B, T)
+        else:
+            positions = position_ids.expand(B, T) if position_ids.shape[0] == 1 else position_ids
+        spec = self._attn_spec(B, T, positions, attention_mask, position_ids is not None, None)
+        cos, sin = self.rotary(positions)
+        h = self.embed_tokens(x) if self.is_first else x
+        ckpt = self.cfg.gradient_checkpointing and self.training and torch.is_grad_enabled()
+        for layer in self.layers.values():
+            h = checkpoint(layer, h, cos, sin, spec, None, use_reentrant=False) if ckpt else layer(h, cos, sin, spec)
+        if not self.is_last:
+            return h
+        if labels is None:
+            raise ValueError("the last pipeline stage computes the loss: it needs labels")
+        h = self.norm(h)
+        if self.cfg.fused_cross_entropy:
+            loss = linear_cross_entropy(h, self.lm_head.weight, labels, "sum", self.cfg.loss_chunk_size)
+        else:
+            loss = linear_cross_entropy_ref(h, self.lm_head.weight, labels, "sum")
+        return loss.float().reshape(1)  # [1], so the schedule can merge the micro-batches' sums along dim 0
+
+
+def pipeline_stage_module(model: Transformer, stage_index: int, num_stages: int,
+                          allow_uneven_split: bool = False) -> PipelineStageModule:
+    """Stage `stage_index` of `num_stages` of `model` (sharing its parameters, not copying them)."""
+    if not 0 <= stage_index < num_stages:
+        raise ValueError(f"stage_index {stage_index} is not in [0, {num_stages})")
+    if num_stages > 1 and model.cfg.tie_embeddings:
+        raise ValueError("tie_embeddings=True cannot be pipelined: the embedding (first stage) and the LM head "
+                         "(last stage) would be one weight on two ranks; train untied or without pipeline "
+                         "parallelism")
+    ranges = split_layers(model.cfg.n_layers, num_stages, allow_uneven_split)
+    return PipelineStageModule(model, stage_index, num_stages, ranges[stage_index])
+
+
+# ---------------------------------------------------------------------------- optimizer across stages
+
+class _AcrossStagesMixin:
+    """Makes our optimizers' global quantities global over the pipeline too: every stage owns
+    different parameters, so the squared gradient norm is summed over the pp group (after the
+    optimizer's own dp reduction, which ZeRO needs and the unsharded optimizer does not), and the
+    non-finite flag (fp16 skip) is MAX-reduced over it, so all stages skip or step together."""
+    pp_group: Any = None
+    pp_size: int = 1
+
+    def _reduce_sumsq(self, sumsq: torch.Tensor) -> float:
+        s = super()._reduce_sumsq(sumsq)  # type: ignore[misc]
+        if self.pp_size == 1:
+            return s
+        t = torch.tensor([s], dtype=torch.float64, device=self._device())  # type: ignore[attr-defined]
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.pp_group)
+        return float(t.item())
+
+    def _non_finite_anywhere(self, local_sumsq: torch.Tensor) -> bool:
+        bad = super()._non_finite_anywhere(local_sumsq)  # type: ignore[misc]
+        if self.pp_size == 1:
+            return bad
+        flag = torch.tensor([1.0 if bad else 0.0], dtype=torch.float32, device=self._device())  # type: ignore[attr-defined]
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.pp_group)
+        return bool(flag.item() > 0)
+
+
+def _pipeline_optimizer(ddp, config: OptimizerConfig, pp_group, pp_size: int):
+    if config.use_distributed_optimizer:
+        from parallel.distributed_optimizer import DistributedOptimizer as base
+    else:
+        from optimizer.mixed_precision_optimizer import MixedPrecisionOptimizer as base
+    cls = type(f"Pipeline{base.__name__}", (_AcrossStagesMixin, base), {})
+    opt = cls.__new__(cls)
+    opt.pp_group, opt.pp_size = pp_group, pp_size
+    opt.__init__(ddp, config)
+    return opt
+
+
+# ---------------------------------------------------------------------------- validation + mesh
+
+def validate_pipeline_options(*, pp_size: int, n_microbatches: int, schedule: str, dp_engine: str = "ddp",
+                              world_size: Optional[int] = None, overlap_optim_step: bool = False,
+                              comm_hook: str = "allreduce", task_type: str = "pretrain") -> None:
+    """Raise ValueError for a pipeline configuration that cannot run (all problems at once)."""
+    problems = []
+    if pp_size < 1:
+        problems.append(f"pipeline_parallel_size must be >= 1, got {pp_size}")
+    if schedule.lower() not in SCHEDULES:
+        problems.append(f"pipeline_schedule={schedule!r}: choose one of {', '.join(SCHEDULES)}")
+    if n_microbatches < 1:
+        problems.append(f"the number of micro-batches (gradient_accumulation_steps) must be >= 1, got {n_microbatches}")
+    elif schedule.lower() == "1f1b" and n_microbatches < pp_size:
+        problems.append(f"the 1F1B schedule needs at least as many micro-batches as stages: "
+                        f"gradient_accumulation_steps={n_microbatches} < pipeline_parallel_size={pp_size} "
+                        f"(raise gradient_accumulation_steps or use --pipeline_schedule=gpipe)")
+    if world_size is not None and pp_size >= 1 and world_size % pp_size:
+        problems.append(f"world size {world_size} is not a multiple of pipeline_parallel_size={pp_size} "
+                        f"(the mesh is pp x dp)")
+    if dp_engine == "fsdp":
+        problems.append("pipeline parallelism with --parallel=fsdp on the dp dimension is not implemented; "
+                        "use --parallel=ddp (our DDP per stage over the dp sub-group)")
+    elif dp_engine != "ddp":
+        problems.append(f"unknown dp engine {dp_engine!r} (ddp)")
+    if overlap_optim_step:
+        problems.append("overlap_optim_step=true is not supported with pipeline parallelism (its per-bucket "
+                        "collectives differ between stages, and clipping must see every stage's gradients)")
+    if comm_hook not in ("allreduce", None, ""):
+        problems.append(f"comm_hook={comm_hook}: only the default all-reduce is tested with pipeline parallelism")
+    if task_type == "dpo":
+        problems.append("DPO is not supported with pipeline parallelism (its loss needs whole-sequence "
+                        "log-probs of two models on every stage); use --pipeline_parallel_size=1")
+    if problems:
+        raise ValueError("bad options for pipeline parallelism: " + "; ".join(problems))
+
+
+def build_pp_dp_mesh(pp_size: int, device_type: str = "cpu"):
+    """The 2-D mesh ("pp", "dp") over the whole world: rank = pp_index * dp + dp_index, so the
+    ranks of one stage are contiguous (the dp all-reduce stays inside a node when dp <= gpus/node)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    world = dist.get_world_size()
+    if world % pp_size:
+        raise ValueError(f"world size {world} is not a multiple of pipeline_parallel_size={pp_size}")
+    return init_device_mesh(device_type, (pp_size, world // pp_size), mesh_dim_names=("pp", "dp"))
+
+
+# ---------------------------------------------------------------------------- engine
+
+@dataclass
+class PipelineStepOutput:
+    loss_sum: float        # sum of per-token losses of this dp replica's micro-batches (same on its pp ranks)
+    units: int             # target tokens of this dp replica's micro-batches
+    global_units: float    # target tokens over all micro-batches and dp replicas (the normaliser)
+
+
+class PipelineEngine:
+    """This rank's stage (DDP-wrapped over the dp group), its schedule and its optimizer."""
+
+    def __init__(self, stage_module: PipelineStageModule, ddp, optimizer, schedule, stage, *, mesh,
+                 schedule_name: str, n_microbatches: int, layer_ranges: list[tuple[int, int]],
+                 n_layers: int):
+        self.module, self.model, self.optimizer = stage_module, ddp, optimizer
+        self.schedule, self.stage, self.mesh = schedule, stage, mesh
+        self.schedule_name, self.n_microbatches = schedule_name, n_microbatches
+        self.layer_ranges, self.n_layers = layer_ranges, n_layers
+        self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
+        self.pp_size, self.dp_size = mesh.size(0), mesh.size(1)
+        self.stage_index = dist.get_rank(self.pp_group)
+        self.dp_rank = dist.get_rank(self.dp_group)
+        self.is_first, self.is_last = stage_module.is_first, stage_module.is_last
+        self._loss_mult = 1.0
+        self._mb_shape: Optional[tuple] = None
+
+    # ------------------------------------------------------------------ per step
+    def _loss_fn(self, output: torch.Tensor, target: Any) -> torch.Tensor:
+        # output: this micro-batch's loss sum ([1]); the backward sees sum * dp / global_units (our DDP
+        # averages over dp, so gradients are those of (all replicas' loss sums) / global_units), with
+        # the fp16 loss scale on top.
+        return self.optimizer.scale_loss(output.sum() * self._loss_mult)
+
+    def forward_backward(self, micro_batches: Sequence[dict], global_units: Optional[float] = None) -> PipelineStepOutput:
+        """Run the schedule over this dp replica's micro-batches (every rank of a pp group passes the
+        same ones; the first stage reads input_ids, the last labels, all of them attention_mask /
+        position_ids). Gradients accumulate (DDP no_sync) and are reduced over dp in optimizer.step().
+        `global_units`: target tokens over all micro-batches and dp replicas; computed here (one
+        all-reduce over dp) when None. Collective over the whole mesh."""
+        mbs = list(micro_batches)
+        if len(mbs) != self.n_microbatches:
+            raise ValueError(f"the pipeline schedule was built for {self.n_microbatches} micro-batches "
+                             f"(gradient_accumulation_steps), got {len(mbs)}")
+        for mb in mbs:
+            if "input_ids" not in mb or "labels" not in mb:
+                raise ValueError("pipeline micro-batches need input_ids and labels (DPO batches are not supported; "
+                                 f"got keys {sorted(mb)})")
+        shapes = {tuple(mb["input_ids"].shape) for mb in mbs}
+        if len(shapes) != 1 or (self._mb_shape is not None and shapes != {self._mb_shape}):
+            want = self._mb_shape or "one shape"
+            raise ValueError(f"pipeline stages exchange fixed-shape activations: every micro-batch must be "
+                             f"[batch, seq] = {want}, got {sorted(shapes)} (pad SFT batches to max_seq_len)")
+        self._mb_shape = shapes.pop()
+        units = int(sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in mbs))
+        if global_units is None:
+            t = torch.tensor([float(units)], dtype=torch.float64)
+            if self.dp_size > 1:
+                dist.all_reduce(t, group=self.dp_group)
+            global_units = float(t.item())
+        global_units = max(1.0, float(global_units))
+        self._loss_mult = self.dp_size / global_units
+
+        device = self.stage.device
+        cat = {k: torch.cat([mb[k] for mb in mbs]).to(device) for k in mbs[0]
+               if k in ("input_ids", "labels", "attention_mask", "position_ids")}
+        kwargs = {k: cat[k] for k in ("attention_mask", "position_ids") if k in cat}
+        if self.is_last:
+            kwargs["labels"] = cat["labels"]
+        args = (cat["input_ids"],) if self.is_first else ()
+        target = cat["labels"] if self.is_last else None
+        self.module.train()
+        with self.model.no_sync():  # one dp reduction per step, in optimizer.step()
+            out = self.schedule.step(*args, target=target, **kwargs)
+        loss = torch.zeros(1, dtype=torch.float64)
+        if self.is_last:
+            loss[0] = float(out.detach().double().sum())
+        if self.pp_size > 1:  # every stage reports the loss (the trainer logs on its rank 0)
+            dist.broadcast(loss, src=dist.get_global_rank(self.pp_group, self.pp_size - 1), group=self.pp_group)
+        return PipelineStepOutput(float(loss.item()), units, global_units)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        """{"model": this stage's weights (full-model key names), "optimizer": its optimizer state}."""
+        self.optimizer.finish_param_sync()
+        return {"model": {k: v.detach() for k, v in self.module.state_dict().items()},
+                "optimizer": self.optimizer.state_dict()}
+
+    def _meta(self) -> dict:
+        return {"format": FORMAT, "pp_size": self.pp_size, "dp_size": self.dp_size, "n_layers": self.n_layers,
+                "layer_ranges": [list(r) for r in self.layer_ranges], "schedule": self.schedule_name,
+                "n_microbatches": self.n_microbatches,
+                "sharded_optimizer": bool(getattr(self.optimizer, "sharded", False))}
+
+    def save(self, ckpt_dir: str) -> str:
+        """Collective over the mesh. Writes `ckpt_dir` atomically: a `<ckpt_dir>.tmp` directory filled by
+        every stage (dp rank 0 writes the stage's weights `stage{s}_model.safetensors` and, unless ZeRO
+        shards it, `stage{s}_optimizer_dp0.pt`; ZeRO: every dp rank its own), then `pipeline.json` and
+        `COMPLETE` by global rank 0 and one os.replace. A shared filesystem is assumed."""
+        from safetensors.torch import save_file
+        from utils.checkpoint import _fsync_dir, _fsync_file, write_json
+        tmp = ckpt_dir.rstrip("/") + ".tmp"
+        rank = dist.get_rank()
+        if rank == 0:
+            if os.path.exists(tmp):
+                shutil.rmtree(tmp)
+            os.makedirs(tmp)
+        dist.barrier()
+        sd = self.state_dict()
+        s = self.stage_index
+        if self.dp_rank == 0:
+            path = os.path.join(tmp, f"stage{s}_model.safetensors")
+            save_file({k: v.to("cpu").contiguous().clone() for k, v in sd["model"].items()}, path,
+                      metadata={"format": "pt", "stage": str(s)})
+            _fsync_file(path)
+        if self.dp_rank == 0 or getattr(self.optimizer, "sharded", False):
+            path = os.path.join(tmp, f"stage{s}_optimizer_dp{self.dp_rank}.pt")
+            torch.save(sd["optimizer"], path)
+            _fsync_file(path)
+        dist.barrier()
+        if rank == 0:
+            write_json(os.path.join(tmp, META_FILE), self._meta())
+            open(os.path.join(tmp, "COMPLETE"), "w").close()
+            _fsync_dir(tmp)
+            if os.path.exists(ckpt_dir):
+                shutil.rmtree(ckpt_dir)
+            os.replace(tmp, ckpt_dir)
+            _fsync_dir(os.path.dirname(os.path.abspath(ckpt_dir)))
+        dist.barrier()
+        return ckpt_dir
+
+    def load(self, ckpt_dir: str) -> None:
+        """This stage's weights and optimizer state from a checkpoint of the SAME mesh and split
+        (pp size, layer ranges; dp size too when the optimizer is ZeRO-sharded)."""
+        from safetensors.torch import load_file
+        meta = read_pipeline_meta(ckpt_dir)
+        if meta["pp_size"] != self.pp_size or [tuple(r) for r in meta["layer_ranges"]] != list(self.layer_ranges):
+            raise ValueError(f"checkpoint {ckpt_dir} has {meta['pp_size']} stage(s) with layers "
+                             f"{meta['layer_ranges']}; this run has {self.pp_size} with {self.layer_ranges}: resume "
+                             f"at the same pipeline_parallel_size (or merge_stage_checkpoints() it to one model "
+                             f"and start from that)")
+        sharded = bool(getattr(self.optimizer, "sharded", False))
+        if sharded != bool(meta["sharded_optimizer"]) or (sharded and meta["dp_size"] != self.dp_size):
+            raise ValueError(f"checkpoint {ckpt_dir}: optimizer layout (sharded={meta['sharded_optimizer']}, "
+                             f"dp={meta['dp_size']}) differs from this run's (sharded={sharded}, dp={self.dp_size})")
+        s = self.stage_index
+        self.module.load_state_dict(load_file(os.path.join(ckpt_dir, f"stage{s}_model.safetensors")))
+        opt_file = os.path.join(ckpt_dir, f"stage{s}_optimizer_dp{self.dp_rank if sharded else 0}.pt")
+        self.optimizer.load_state_dict(torch.load(opt_file, map_location="cpu", weights_only=True))
+
+
+def read_pipeline_meta(ckpt_dir: str) -> dict:
+    path = os.path.join(ckpt_dir, META_FILE)
+    if not os.path.isfile(os.path.join(ckpt_dir, "COMPLETE")) or not os.path.isfile(path):
+        raise ValueError(f"{ckpt_dir} is not a complete pipeline checkpoint (no COMPLETE / {META_FILE})")
+    with open(path) as f:
+        meta = json.load(f)
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path}: unknown pipeline checkpoint format {meta.get('format')}")
+    return meta
+
+
+def merge_stage_state_dicts(stage_states: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The stages' state dicts (keys are already the full model's) as one dict; a key held by two
+    stages is an error (it would mean a weight shared across stages)."""
+    full: dict[str, torch.Tensor] = {}
+    for s, sd in enumerate(stage_states):
+        for k, v in sd.items():
+            if k in full:
+                raise ValueError(f"tensor {k} is held by two pipeline stages (stage {s} and an earlier one)")
+            full[k] = v
+    return full
+
+
+def merge_stage_checkpoints(ckpt_dir: str) -> dict[str, torch.Tensor]:
+    """One process, no process group: the full model state dict of a pipeline checkpoint, with the
+    Transformer's key names (load it with Transformer.load_state_dict, or export it to HF)."""
+    from safetensors.torch import load_file
+    meta = read_pipeline_meta(ckpt_dir)
+    full = merge_stage_state_dicts([load_file(os.path.join(ckpt_dir, f"stage{s}_model.safetensors"))
+                                    for s in range(meta["pp_size"])])
+    layers = {int(k.split(".")[1]) for k in full if k.startswith("layers.")}
+    if layers != set(range(meta["n_layers"])):
+        raise ValueError(f"{ckpt_dir}: the stages hold layers {sorted(layers)}, expected 0..{meta['n_layers'] - 1}")
+    return full
+
+
+# ---------------------------------------------------------------------------- build
+
+def build_pipeline_engine(model: Transformer, config: OptimizerConfig, *, pp_size: int, n_microbatches: int,
+                          schedule: str = "1f1b", mesh=None, dp_engine: str = "ddp",
+                          allow_uneven_split: bool = False, ddp_config=None,
+                          device: Optional[torch.device] = None) -> PipelineEngine:
+    """This rank's pipeline engine. Collective over the world (mesh + broadcast of dp rank 0's weights).
+
+    model: the full Transformer, built identically on every rank (same seed) or loaded; only this
+      rank's stage is kept (the other layers can be freed by the caller: nothing references them).
+    mesh: a 2-D DeviceMesh with dims ("pp", "dp"), or None for build_pp_dp_mesh(pp_size).
+    n_microbatches: the trainer's gradient_accumulation_steps (one micro-batch per accumulation step).
+    schedule: "gpipe" (all forwards, then all backwards) or "1f1b" (less activation memory; needs
+      n_microbatches >= pp_size).
+    """
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from parallel import DDPConfig, DistributedDataParallel
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("pipeline parallelism needs an initialised process group")
+    validate_pipeline_options(pp_size=pp_size, n_microbatches=n_microbatches, schedule=schedule,
+                              dp_engine=dp_engine, world_size=dist.get_world_size(),
+                              overlap_optim_step=config.overlap_optim_step)
+    if device is None:
+        device = next(model.parameters()).device
+    if mesh is None:
+        mesh = build_pp_dp_mesh(pp_size, device.type)
+    if mesh.ndim != 2 or tuple(mesh.mesh_dim_names or ()) != ("pp", "dp") or mesh.size(0) != pp_size:
+        raise ValueError(f"expected a 2-D DeviceMesh with dims ('pp', 'dp') and pp={pp_size}, got {mesh}")
+    ranges = split_layers(model.cfg.n_layers, pp_size, allow_uneven_split)
+    pp_group, dp_group = mesh.get_group("pp"), mesh.get_group("dp")
+    stage_index = dist.get_rank(pp_group)
+    stage_module = pipeline_stage_module(model, stage_index, pp_size, allow_uneven_split)
+    dcfg = ddp_config or DDPConfig(use_distributed_optimizer=config.use_distributed_optimizer)
+    if dcfg.use_distributed_optimizer != config.use_distributed_optimizer:
+        raise ValueError("DDPConfig.use_distributed_optimizer must equal OptimizerConfig.use_distributed_optimizer")
+    ddp = DistributedDataParallel(stage_module, dcfg, process_group=dp_group)
+    ddp.broadcast_params()  # the dp replicas of a stage start from dp rank 0's weights
+    opt = _pipeline_optimizer(ddp, config, pp_group, pp_size)
+    name = schedule.lower()
+    engine_box: list[PipelineEngine] = []
+
+    def loss_fn(output, target):
+        return engine_box[0]._loss_fn(output, target)
+
+    stage = PipelineStage(ddp, stage_index, pp_size, device, group=pp_group)
+    sched_cls = ScheduleGPipe if name == "gpipe" else Schedule1F1B
+    # scale_grads=False: the loss is already normalised by the global token count
+    sched = sched_cls(stage, n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    engine = PipelineEngine(stage_module, ddp, opt, sched, stage, mesh=mesh, schedule_name=name,
+                            n_microbatches=n_microbatches, layer_ranges=ranges, n_layers=model.cfg.n_layers)
+    engine_box.append(engine)
+    return engine

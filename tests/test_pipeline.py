@@ -1,0 +1,274 @@
+"""Pipeline parallelism (parallel/pipeline.py) on CPU + gloo: torch.distributed.pipelining stages
++ our DDP on the dp dimension, against one process training the same model on the same global batch.
+
+Two spawns write what they measured to files that the tests below check:
+  - 2 processes, pp=2 x dp=1: GPipe and 1F1B, 3 steps each (accumulation 2 = 2 micro-batches,
+    clipping active); 1F1B saves per stage after step 2 and a freshly built engine (another init)
+    loads it and redoes step 3, which must be bit-identical;
+  - 4 processes, pp=2 x dp=2 (GPipe, unsharded optimizer; and 1F1B with ZeRO-1): 3 steps.
+Parameters are compared with one process (torch AdamW + clip_grad_norm_, loss = sum / target
+tokens) to 1e-5, and so are the per-step losses and global gradient norms (the norm must include
+BOTH stages' parameters).
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from model import ModelConfig, Transformer
+from optimizer import OptimizerConfig
+from tests.dist_helpers import spawn
+
+VOCAB, SEQ, GLOBAL_B, GAS, STEPS = 64, 8, 4, 2, 3
+OPT = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, grad_clip=0.3)
+
+
+def _cfg(n_layers: int = 4, tied: bool = False) -> ModelConfig:
+    return ModelConfig(vocab_size=VOCAB, dim=16, n_layers=n_layers, n_heads=2, multiple_of=16, max_seq_len=16,
+                       tie_embeddings=tied)
+
+
+def _new_model(seed: int = 0) -> Transformer:
+    torch.manual_seed(seed)
+    return Transformer(_cfg())
+
+
+def _global_batches(step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1000 + step)
+    out = []
+    for _ in range(GAS):
+        x = torch.randint(0, VOCAB, (GLOBAL_B, SEQ), generator=g)
+        y = torch.randint(0, VOCAB, (GLOBAL_B, SEQ), generator=g)
+        y[torch.rand(GLOBAL_B, SEQ, generator=g) < 0.25] = -100
+        out.append((x, y))
+    return out
+
+
+def _rows(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    n = GLOBAL_B // world
+    return t[rank * n:(rank + 1) * n]
+
+
+# ------------------------------------------------------------------------------ reference (1 process)
+
+def _reference(steps: int) -> tuple[dict[str, torch.Tensor], list[float], list[float], dict]:
+    """(params after `steps`, loss per step, grad norm per step, params after 2 steps)."""
+    model = _new_model(0)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": OPT["weight_decay"]},
+                             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
+                            lr=OPT["lr"], betas=OPT["betas"], eps=OPT["eps"], foreach=False)
+    losses, norms, at2 = [], [], {}
+    for step in range(1, steps + 1):
+        batches = _global_batches(step)
+        units = float(sum(int((y != -100).sum()) for _, y in batches))
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for x, y in batches:
+            loss = model(x, labels=y, reduction="sum")
+            total += float(loss.detach())
+            (loss / units).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(params, OPT["grad_clip"])))
+        opt.step()
+        losses.append(total / units)
+        if step == 2:
+            at2 = {n: p.detach().clone() for n, p in model.state_dict().items()}
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, losses, norms, at2
+
+
+@pytest.fixture(scope="module")
+def reference():
+    torch.manual_seed(0)
+    return _reference(STEPS)
+
+
+# ------------------------------------------------------------------------------ workers
+
+def _build(schedule: str, seed: int = 0, zero: bool = False):
+    from parallel.pipeline import build_pipeline_engine
+    return build_pipeline_engine(_new_model(seed), OptimizerConfig(**OPT, use_distributed_optimizer=zero),
+                                 pp_size=2, n_microbatches=GAS, schedule=schedule)
+
+
+def _step(eng, step: int) -> tuple[float, float]:
+    """One optimizer step on this dp replica's rows of the global batch: (global loss, grad norm)."""
+    mbs = [{"input_ids": _rows(x, eng.dp_rank, eng.dp_size), "labels": _rows(y, eng.dp_rank, eng.dp_size)}
+           for x, y in _global_batches(step)]
+    eng.optimizer.zero_grad()
+    out = eng.forward_backward(mbs)
+    stepped, norm = eng.optimizer.step()
+    assert stepped
+    loss = torch.tensor([out.loss_sum], dtype=torch.float64)
+    dist.all_reduce(loss, group=eng.dp_group)  # the replicas' sums
+    return float(loss) / out.global_units, norm
+
+
+def _stage_params(eng) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in eng.module.named_parameters()}
+
+
+def _record(tmp: str, name: str, eng, losses, norms) -> None:
+    torch.save(_stage_params(eng), os.path.join(tmp, f"{name}_stage{eng.stage_index}_dp{eng.dp_rank}.pt"))
+    with open(os.path.join(tmp, f"{name}_stage{eng.stage_index}_dp{eng.dp_rank}.json"), "w") as f:
+        json.dump({"losses": losses, "norms": norms, "layers": list(eng.module.layer_range)}, f)
+
+
+def _worker_pp2(rank: int, world: int, tmp: str) -> None:
+    assert world == 2
+    # GPipe, 3 steps
+    eng = _build("gpipe")
+    res = [_step(eng, s) for s in range(1, STEPS + 1)]
+    _record(tmp, "gpipe", eng, [r[0] for r in res], [r[1] for r in res])
+    # bad calls on a built engine
+    errors = {}
+    mbs = [{"input_ids": x, "labels": y} for x, y in _global_batches(1)]
+    for key, bad in (("count", mbs[:1]), ("shape", [{k: v[:, :4] for k, v in mb.items()} for mb in mbs])):
+        try:
+            eng.forward_backward(bad)
+            errors[key] = None
+        except ValueError as e:
+            errors[key] = str(e)
+    with open(os.path.join(tmp, f"errors_rank{rank}.json"), "w") as f:
+        json.dump(errors, f)
+    del eng
+
+    # 1F1B: 2 steps, save per stage, 3rd step; then a fresh engine (another init) loads and redoes step 3
+    eng = _build("1f1b")
+    res = [_step(eng, s) for s in (1, 2)]
+    eng.save(os.path.join(tmp, "ckpt_1f1b"))
+    res.append(_step(eng, 3))
+    _record(tmp, "1f1b", eng, [r[0] for r in res], [r[1] for r in res])
+    del eng
+    eng = _build("1f1b", seed=123)
+    eng.load(os.path.join(tmp, "ckpt_1f1b"))
+    res = [_step(eng, 3)]
+    _record(tmp, "1f1b_resumed", eng, [r[0] for r in res], [r[1] for r in res])
+
+
+def _worker_pp2_dp2(rank: int, world: int, tmp: str) -> None:
+    assert world == 4
+    for name, schedule, zero in (("pp2dp2_gpipe", "gpipe", False), ("pp2dp2_1f1b_zero", "1f1b", True)):
+        eng = _build(schedule, zero=zero)
+        assert (eng.pp_size, eng.dp_size) == (2, 2)
+        res = [_step(eng, s) for s in range(1, STEPS + 1)]
+        eng.optimizer.finish_param_sync()
+        _record(tmp, name, eng, [r[0] for r in res], [r[1] for r in res])
+        del eng
+
+
+@pytest.fixture(scope="module")
+def pp2(tmp_path_factory) -> str:
+    tmp = str(tmp_path_factory.mktemp("pp2"))
+    spawn(_worker_pp2, 2, tmp)
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def pp2dp2(tmp_path_factory) -> str:
+    tmp = str(tmp_path_factory.mktemp("pp2dp2"))
+    spawn(_worker_pp2_dp2, 4, tmp)
+    return tmp
+
+
+def _load(tmp: str, name: str, dp: int = 0) -> tuple[dict, list[dict]]:
+    params, infos = {}, []
+    for s in range(2):
+        params.update(torch.load(os.path.join(tmp, f"{name}_stage{s}_dp{dp}.pt"), weights_only=True))
+        with open(os.path.join(tmp, f"{name}_stage{s}_dp{dp}.json")) as f:
+            infos.append(json.load(f))
+    return params, infos
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys(), (sorted(set(a) ^ set(b)))
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def _check_against_reference(params, infos, reference, steps=STEPS):
+    ref_params, ref_losses, ref_norms, _ = reference
+    diff = _max_diff(params, ref_params)
+    print(f"max |param - reference| = {diff:.2e}")
+    assert diff < 1e-5
+    for info in infos:  # every stage reports the same global loss and global norm as one process
+        for got, want in zip(info["losses"], ref_losses[:steps]):
+            assert abs(got - want) <= 1e-5 * max(1.0, abs(want)), (info["losses"], ref_losses)
+        for got, want in zip(info["norms"], ref_norms[:steps]):
+            assert abs(got - want) <= 1e-5 * max(1.0, abs(want)), (info["norms"], ref_norms)
+    assert max(ref_norms) > OPT["grad_clip"]  # clipping was active
+
+
+# ------------------------------------------------------------------------------ tests
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pp2_matches_one_process(pp2, reference, schedule):
+    params, infos = _load(pp2, schedule)
+    assert [i["layers"] for i in infos] == [[0, 2], [2, 4]]
+    _check_against_reference(params, infos, reference)
+
+
+def test_pp2_resume_is_bit_exact(pp2):
+    a, _ = _load(pp2, "1f1b")
+    b, _ = _load(pp2, "1f1b_resumed")
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), _max_diff(a, b)
+
+
+def test_merged_checkpoint_is_the_full_model(pp2, reference):
+    from parallel.pipeline import merge_stage_checkpoints, read_pipeline_meta
+    ckpt = os.path.join(pp2, "ckpt_1f1b")
+    assert not os.path.exists(ckpt + ".tmp")
+    meta = read_pipeline_meta(ckpt)
+    assert meta["pp_size"] == 2 and meta["layer_ranges"] == [[0, 2], [2, 4]]
+    full = merge_stage_checkpoints(ckpt)
+    want = Transformer(_cfg()).state_dict()
+    assert {k: tuple(v.shape) for k, v in full.items()} == {k: tuple(v.shape) for k, v in want.items()}
+    assert _max_diff(full, reference[3]) < 1e-5  # the weights after step 2 of one process
+    m = Transformer(_cfg())
+    m.load_state_dict(full)  # strict
+
+
+@pytest.mark.parametrize("name", ["pp2dp2_gpipe", "pp2dp2_1f1b_zero"])
+def test_pp2_dp2_matches_one_process(pp2dp2, reference, name):
+    params, infos = _load(pp2dp2, name, dp=0)
+    _check_against_reference(params, infos, reference)
+    replica, _ = _load(pp2dp2, name, dp=1)
+    assert all(torch.equal(params[k], replica[k]) for k in params)  # dp replicas identical
+
+
+def test_bad_calls_on_engine(pp2):
+    for rank in range(2):
+        errors = json.load(open(os.path.join(pp2, f"errors_rank{rank}.json")))
+        assert errors["count"] and "2 micro-batches" in errors["count"]
+        assert errors["shape"] and "fixed-shape" in errors["shape"]
+
+
+def test_bad_combinations_raise():
+    from parallel.pipeline import (build_pipeline_engine, pipeline_stage_module, split_layers,
+                                   validate_pipeline_options)
+    with pytest.raises(ValueError, match="does not divide"):
+        split_layers(5, 2)
+    assert split_layers(5, 2, allow_uneven=True) == [(0, 3), (3, 5)]
+    with pytest.raises(ValueError, match="at least one transformer layer"):
+        split_layers(2, 3, allow_uneven=True)
+    with pytest.raises(ValueError, match="tie_embeddings"):
+        torch.manual_seed(0)
+        pipeline_stage_module(Transformer(_cfg(tied=True)), 0, 2)
+    with pytest.raises(ValueError, match="1F1B schedule needs at least as many micro-batches"):
+        validate_pipeline_options(pp_size=4, n_microbatches=2, schedule="1f1b")
+    validate_pipeline_options(pp_size=4, n_microbatches=2, schedule="gpipe")  # GPipe has no such limit
+    with pytest.raises(ValueError, match="pipeline_schedule='interleaved'"):
+        validate_pipeline_options(pp_size=2, n_microbatches=2, schedule="interleaved")
+    with pytest.raises(ValueError, match="fsdp"):
+        validate_pipeline_options(pp_size=2, n_microbatches=2, schedule="gpipe", dp_engine="fsdp")
+    with pytest.raises(ValueError, match="not a multiple"):
+        validate_pipeline_options(pp_size=2, n_microbatches=2, schedule="gpipe", world_size=3)
+    with pytest.raises(ValueError, match="DPO"):
+        validate_pipeline_options(pp_size=2, n_microbatches=2, schedule="gpipe", task_type="dpo")
+    with pytest.raises(ValueError, match="overlap_optim_step"):
+        validate_pipeline_options(pp_size=2, n_microbatches=2, schedule="gpipe", overlap_optim_step=True)
+    with pytest.raises(ValueError, match="initialised process group"):
+        build_pipeline_engine(_new_model(), OptimizerConfig(), pp_size=2, n_microbatches=2)
