@@ -268,6 +268,47 @@ class PipelineEngine:
         if len(mbs) != self.n_microbatches:
             raise ValueError(f"the pipeline schedule was built for {self.n_microbatches} micro-batches "
                              f"(gradient_accumulation_steps), got {len(mbs)}")
+        self._check_shapes(mbs)
+        units = int(sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in mbs))
+        if global_units is None:
+            t = torch.tensor([float(units)], dtype=torch.float64)
+            if self.dp_size > 1:
+                dist.all_reduce(t, group=self.dp_group)
+            global_units = float(t.item())
+        global_units = max(1.0, float(global_units))
+        self._loss_mult = self.dp_size / global_units
+
+        args, target, kwargs = self._inputs(mbs)
+        self.module.train()
+        with self.model.no_sync():  # one dp reduction per step, in optimizer.step()
+            out = self.schedule.step(*args, target=target, **kwargs)
+        return PipelineStepOutput(self._broadcast_loss(out), units, global_units)
+
+    @torch.no_grad()
+    def eval_loss_sum(self, micro_batches: Sequence[dict]) -> tuple[float, int]:
+        """(sum of per-token losses, target tokens) of this dp replica's batches, forward only
+        (validation). len(micro_batches) must be a multiple of n_microbatches, each batch of the
+        training shape. Switching the schedule between eval and train re-runs its shape inference
+        (one extra forward; no effect on the numbers)."""
+        mbs = list(micro_batches)
+        if not mbs or len(mbs) % self.n_microbatches:
+            raise ValueError(f"eval needs a multiple of {self.n_microbatches} micro-batches, got {len(mbs)}")
+        self._check_shapes(mbs)
+        self.module.eval()
+        total, units = 0.0, 0
+        try:
+            for i in range(0, len(mbs), self.n_microbatches):
+                group = mbs[i:i + self.n_microbatches]
+                units += int(sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in group))
+                args, target, kwargs = self._inputs(group)
+                out = self.schedule.eval(*args, target=target, **kwargs)
+                total += self._broadcast_loss(out)
+        finally:
+            self.module.train()
+        return total, units
+
+    # ------------------------------------------------------------------ helpers
+    def _check_shapes(self, mbs: list) -> None:
         for mb in mbs:
             if "input_ids" not in mb or "labels" not in mb:
                 raise ValueError("pipeline micro-batches need input_ids and labels (DPO batches are not supported; "
@@ -278,15 +319,8 @@ class PipelineEngine:
             raise ValueError(f"pipeline stages exchange fixed-shape activations: every micro-batch must be "
                              f"[batch, seq] = {want}, got {sorted(shapes)} (pad SFT batches to max_seq_len)")
         self._mb_shape = shapes.pop()
-        units = int(sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in mbs))
-        if global_units is None:
-            t = torch.tensor([float(units)], dtype=torch.float64)
-            if self.dp_size > 1:
-                dist.all_reduce(t, group=self.dp_group)
-            global_units = float(t.item())
-        global_units = max(1.0, float(global_units))
-        self._loss_mult = self.dp_size / global_units
 
+    def _inputs(self, mbs: list) -> tuple[tuple, Any, dict]:
         device = self.stage.device
         cat = {k: torch.cat([mb[k] for mb in mbs]).to(device) for k in mbs[0]
                if k in ("input_ids", "labels", "attention_mask", "position_ids")}
@@ -294,16 +328,16 @@ class PipelineEngine:
         if self.is_last:
             kwargs["labels"] = cat["labels"]
         args = (cat["input_ids"],) if self.is_first else ()
-        target = cat["labels"] if self.is_last else None
-        self.module.train()
-        with self.model.no_sync():  # one dp reduction per step, in optimizer.step()
-            out = self.schedule.step(*args, target=target, **kwargs)
+        return args, (cat["labels"] if self.is_last else None), kwargs
+
+    def _broadcast_loss(self, out: Optional[torch.Tensor]) -> float:
+        """The last stage's merged per-micro-batch loss sums, summed, on every stage of the pp group."""
         loss = torch.zeros(1, dtype=torch.float64)
         if self.is_last:
             loss[0] = float(out.detach().double().sum())
-        if self.pp_size > 1:  # every stage reports the loss (the trainer logs on its rank 0)
+        if self.pp_size > 1:
             dist.broadcast(loss, src=dist.get_global_rank(self.pp_group, self.pp_size - 1), group=self.pp_group)
-        return PipelineStepOutput(float(loss.item()), units, global_units)
+        return float(loss.item())
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:

@@ -55,14 +55,14 @@ def _rows(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------ reference (1 process)
 
-def _reference(steps: int) -> tuple[dict[str, torch.Tensor], list[float], list[float], dict]:
-    """(params after `steps`, loss per step, grad norm per step, params after 2 steps)."""
+def _reference(steps: int) -> tuple[list[dict[str, torch.Tensor]], list[float], list[float], dict]:
+    """(params after each step, loss per step (before its update), grad norm per step, state dict after step 2)."""
     model = _new_model(0)
     params = list(model.parameters())
     opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": OPT["weight_decay"]},
                              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
                             lr=OPT["lr"], betas=OPT["betas"], eps=OPT["eps"], foreach=False)
-    losses, norms, at2 = [], [], {}
+    losses, norms, at2, per_step = [], [], {}, []
     for step in range(1, steps + 1):
         batches = _global_batches(step)
         units = float(sum(int((y != -100).sum()) for _, y in batches))
@@ -77,13 +77,14 @@ def _reference(steps: int) -> tuple[dict[str, torch.Tensor], list[float], list[f
         losses.append(total / units)
         if step == 2:
             at2 = {n: p.detach().clone() for n, p in model.state_dict().items()}
-    return {n: p.detach().clone() for n, p in model.named_parameters()}, losses, norms, at2
+        per_step.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return per_step, losses, norms, at2
 
 
 @pytest.fixture(scope="module")
 def reference():
     torch.manual_seed(0)
-    return _reference(STEPS)
+    return _reference(STEPS + 1)
 
 
 # ------------------------------------------------------------------------------ workers
@@ -119,10 +120,16 @@ def _record(tmp: str, name: str, eng, losses, norms) -> None:
 
 def _worker_pp2(rank: int, world: int, tmp: str) -> None:
     assert world == 2
-    # GPipe, 3 steps
+    # GPipe, 3 steps; then a validation pass (forward only) on step 4's batches and a 4th step after it
     eng = _build("gpipe")
     res = [_step(eng, s) for s in range(1, STEPS + 1)]
     _record(tmp, "gpipe", eng, [r[0] for r in res], [r[1] for r in res])
+    mbs = [{"input_ids": x, "labels": y} for x, y in _global_batches(STEPS + 1)]
+    eval_sum, eval_units = eng.eval_loss_sum(mbs + mbs)  # 2 rounds of the schedule
+    res = [_step(eng, STEPS + 1)]
+    _record(tmp, "gpipe_after_eval", eng, [r[0] for r in res], [r[1] for r in res])
+    with open(os.path.join(tmp, f"eval_rank{rank}.json"), "w") as f:
+        json.dump({"loss": eval_sum / eval_units, "units": eval_units}, f)
     # bad calls on a built engine
     errors = {}
     mbs = [{"input_ids": x, "labels": y} for x, y in _global_batches(1)]
@@ -188,8 +195,8 @@ def _max_diff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-def _check_against_reference(params, infos, reference, steps=STEPS):
-    ref_params, ref_losses, ref_norms, _ = reference
+def _check_against_reference(params, infos, reference, steps=STEPS, first=1):
+    ref_params, ref_losses, ref_norms = reference[0][steps - 1], reference[1][first - 1:], reference[2][first - 1:]
     diff = _max_diff(params, ref_params)
     print(f"max |param - reference| = {diff:.2e}")
     assert diff < 1e-5
@@ -208,6 +215,16 @@ def test_pp2_matches_one_process(pp2, reference, schedule):
     params, infos = _load(pp2, schedule)
     assert [i["layers"] for i in infos] == [[0, 2], [2, 4]]
     _check_against_reference(params, infos, reference)
+
+
+def test_pp2_eval_then_train(pp2, reference):
+    """A forward-only pass (the schedule switches to eval and back) gives the one-process loss and
+    leaves training exact: the step after it still matches."""
+    for rank in range(2):
+        ev = json.load(open(os.path.join(pp2, f"eval_rank{rank}.json")))
+        assert abs(ev["loss"] - reference[1][STEPS]) <= 1e-5 * abs(reference[1][STEPS]), (ev, reference[1])
+    params, infos = _load(pp2, "gpipe_after_eval")
+    _check_against_reference(params, infos, reference, steps=STEPS + 1, first=STEPS + 1)
 
 
 def test_pp2_resume_is_bit_exact(pp2):
