@@ -122,6 +122,11 @@ def build_data(cfg: TrainConfig, info: DistInfo, tok_meta: dict):
                                                val_ratio=cfg.val_ratio, seed=cfg.seed, pack=cfg.sft_packing)
     elif cfg.task_type == "dpo":
         from dataset.dataset_dpo import build_dpo_splits
+        dpo_meta = os.path.join(cfg.data_dir, "dpo_meta.json")
+        if os.path.isfile(dpo_meta):  # pretokenized (data_preprocess.pretokenize_dpo_data): which tokenizer?
+            meta = ckpt.read_json(dpo_meta)
+            check_data_tokenizer(cfg.data_dir, str(meta.get("tokenizer_fingerprint", "")),
+                                 int(meta.get("vocab_size", tok_meta["vocab_size"])), cfg.tokenizer_dir, tok_meta)
         train, val, collate = build_dpo_splits(cfg.data_dir, cfg.tokenizer_dir, cfg.max_seq_len,
                                                val_ratio=cfg.val_ratio, seed=cfg.seed)
     else:

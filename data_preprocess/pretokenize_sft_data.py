@@ -18,13 +18,14 @@ import argparse
 import logging
 import os
 import sys
-from typing import Any, Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
 from data_preprocess.readers import RECORD_KINDS, SkipCounter, find_input_files, iter_records
-from data_preprocess.sft_format import (RecordError, apply_overlong, labels_from_mask,
-                                        make_chat_encoder, sft_messages)
+from data_preprocess.sft_format import (ChatRenderer, Encode, FileFailed, apply_overlong,
+                                        encode_file_records, labels_from_mask, make_chat_encoder,
+                                        sft_messages)
 from data_preprocess.shard_format import (DataError, atomic_save_npy, atomic_write_bytes,
                                           atomic_write_json, dtype_for_vocab, remove_temp_files)
 
@@ -32,51 +33,93 @@ log = logging.getLogger("pretokenize_sft")
 SFT_FORMAT_VERSION = 1
 
 
-def tokenize_sft_files(files: Sequence[str], encode: Callable[[list[dict]], tuple[Any, Any]],
+def as_renderer(encode: "Encode | ChatRenderer") -> ChatRenderer:
+    return encode if isinstance(encode, ChatRenderer) else ChatRenderer(encode=encode)
+
+
+def raise_failed(failed: dict[str, list[str]]) -> None:
+    """One DataError listing every failed input with its errors (worker exceptions, broken files)."""
+    if failed:
+        lines = [f"{len(failed)} input file(s) failed:"]
+        for p, errs in failed.items():
+            lines += [f"  {p}:"] + [f"    {e}" for e in errs[:10]]
+        raise DataError("\n".join(lines))
+
+
+def tokenize_sft_files(files: Sequence[str], encode: "Encode | ChatRenderer",
                        max_seq_len: int, overlong: str = "truncate", strict: bool = False
                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[dict]]:
-    """(ids int64, labels int32, samples int64 [n, 4], per-file stats) for SFT records."""
+    """(ids int64, labels int32, samples int64 [n, 4], per-file stats) for SFT records.
+
+    `encode` is an in-process encode(messages) -> (ids, mask) or a ChatRenderer (worker pool);
+    either way the result is the same. A file whose rendering failed (worker exception) or that
+    cannot be read (broken .json/.parquet) is collected; after every file was tried, one
+    DataError lists them all (under strict a bad record stops the run at once)."""
+    renderer = as_renderer(encode)
     id_chunks: list[np.ndarray] = []
     lab_chunks: list[np.ndarray] = []
     rows: list[tuple[int, int, int, int]] = []
     stats: list[dict] = []
+    failed: dict[str, list[str]] = {}
     offset = 0
     for file_id, path in enumerate(files):
         skips = SkipCounter(strict=strict)
         st = {"path": path, "file_id": file_id, "first_sample": len(rows), "num_samples": 0,
               "truncated": 0, "dropped_overlong": 0, "dropped_no_target": 0}
-        for where, recno, rec in iter_records(path, skips):
-            try:
-                msgs = sft_messages(rec)
-            except RecordError as e:
-                skips.skip(str(e), where)
-                continue
-            ids, mask = encode(msgs)
-            ids = np.asarray(ids, dtype=np.int64)
-            labels = labels_from_mask(ids, mask)
-            kept = apply_overlong(ids, labels, max_seq_len, overlong)
-            if kept is None:
-                st["dropped_overlong" if ids.size > max_seq_len + 1 else "dropped_no_target"] += 1
-                continue
-            if kept[0].size < ids.size:
-                st["truncated"] += 1
-            ids, labels = kept
-            rows.append((offset, ids.size, file_id, recno))
-            id_chunks.append(ids)
-            lab_chunks.append(labels)
-            offset += ids.size
-            st["num_samples"] += 1
+        try:
+            for where, recno, [(ids, mask)] in encode_file_records(path, skips, lambda r: [sft_messages(r)],
+                                                                   renderer):
+                labels = labels_from_mask(ids, mask)
+                kept = apply_overlong(ids, labels, max_seq_len, overlong)
+                if kept is None:
+                    st["dropped_overlong" if ids.size > max_seq_len + 1 else "dropped_no_target"] += 1
+                    continue
+                if kept[0].size < ids.size:
+                    st["truncated"] += 1
+                ids, labels = kept
+                rows.append((offset, ids.size, file_id, recno))
+                id_chunks.append(ids)
+                lab_chunks.append(labels)
+                offset += ids.size
+                st["num_samples"] += 1
+        except FileFailed as e:
+            failed[path] = e.errors
+        except DataError as e:
+            if strict:
+                raise
+            failed[path] = [str(e)]
         st["skipped"] = dict(skips.counts)
         if skips.total:
             log.info("%s: skipped %d record(s): %s", path, skips.total, skips.counts)
-        if st["num_samples"] == 0:
+        if st["num_samples"] == 0 and path not in failed:
             log.warning("%s: no usable SFT sample: skipped %s, dropped %d over-long, %d without a target",
                         path, dict(skips.counts) or "none", st["dropped_overlong"], st["dropped_no_target"])
         stats.append(st)
+    raise_failed(failed)
     samples = np.asarray(rows, dtype=np.int64).reshape(-1, 4)
     ids = np.concatenate(id_chunks) if id_chunks else np.empty(0, np.int64)
     labels = np.concatenate(lab_chunks) if lab_chunks else np.empty(0, np.int32)
     return ids, labels, samples, stats
+
+
+def write_tokenized(out: str, meta_name: str, ids: np.ndarray, labels: np.ndarray, dtype: np.dtype,
+                    index_name: str, index: np.ndarray, meta: dict) -> None:
+    """ids (dtype), labels (int32), the int64 index and the meta JSON, each atomically, meta last:
+    its presence marks a complete folder, so it is removed first when the arrays are replaced."""
+    os.makedirs(out, exist_ok=True)
+    remove_temp_files(out)
+    meta_path = os.path.join(out, meta_name)
+    if os.path.exists(meta_path):
+        os.remove(meta_path)
+    atomic_write_bytes(os.path.join(out, "input_ids.bin"), memoryview(ids.astype(dtype)).cast("B"))
+    atomic_write_bytes(os.path.join(out, "labels.bin"), memoryview(labels.astype("<i4")).cast("B"))
+    atomic_save_npy(os.path.join(out, index_name), index)
+    atomic_write_json(meta_path, meta)
+
+
+def check_vocab(ids: np.ndarray, vocab: int) -> None:
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+        raise DataError(f"token id {int(ids.max())} outside vocab_size {vocab}")
 
 
 def default_sft_out_dir(data_dir: str, max_seq_len: int) -> str:
@@ -87,29 +130,26 @@ def default_sft_out_dir(data_dir: str, max_seq_len: int) -> str:
 
 
 def pretokenize_sft(data_dir: str, tokenizer_dir: str, max_seq_len: int, output_dir: Optional[str] = None,
-                    overlong: str = "truncate", strict: bool = False) -> dict:
-    """Write the pretokenized SFT files for every input under `data_dir`; returns sft_meta."""
+                    overlong: str = "truncate", strict: bool = False, num_workers: int = 1,
+                    encode_fn: Optional[Encode] = None) -> dict:
+    """Write the pretokenized SFT files for every input under `data_dir`; returns sft_meta.
+
+    `num_workers` > 1 renders and tokenizes in worker processes; the files are the same byte for
+    byte whatever the number. `encode_fn` (picklable) replaces the tokenizer's encoder (tests)."""
     data_dir = os.path.abspath(data_dir)
     out = os.path.abspath(output_dir or default_sft_out_dir(data_dir, max_seq_len))
     files = find_input_files(data_dir, exclude_dir=out, kinds=RECORD_KINDS, what="SFT")
     if not files:
         raise DataError(f"{data_dir}: no .jsonl/.json/.parquet inputs (any case)")
-    encode, tmeta = make_chat_encoder(tokenizer_dir)
-    ids, labels, samples, stats = tokenize_sft_files(files, encode, max_seq_len, overlong, strict)
+    encode, tmeta = make_chat_encoder(tokenizer_dir)  # loads here first: a bad tokenizer dir fails early
+    with ChatRenderer(tokenizer_dir, num_workers, encode=encode if num_workers <= 1 and encode_fn is None else None,
+                      encode_fn=encode_fn) as renderer:
+        ids, labels, samples, stats = tokenize_sft_files(files, renderer, max_seq_len, overlong, strict)
     if len(samples) == 0:
         raise DataError(f"{data_dir}: no usable SFT sample (see the skip counts in the log)")
     vocab = int(tmeta["vocab_size"])
-    if ids.size and (ids.min() < 0 or ids.max() >= vocab):
-        raise DataError(f"token id {int(ids.max())} outside vocab_size {vocab}")
+    check_vocab(ids, vocab)
     dtype = dtype_for_vocab(vocab)
-    os.makedirs(out, exist_ok=True)
-    remove_temp_files(out)
-    meta_path = os.path.join(out, "sft_meta.json")
-    if os.path.exists(meta_path):
-        os.remove(meta_path)  # the meta marks completeness: remove it before replacing the arrays
-    atomic_write_bytes(os.path.join(out, "input_ids.bin"), memoryview(ids.astype(dtype)).cast("B"))
-    atomic_write_bytes(os.path.join(out, "labels.bin"), memoryview(labels.astype("<i4")).cast("B"))
-    atomic_save_npy(os.path.join(out, "samples.npy"), samples)
     sp = tmeta["special_tokens"]
     meta = {
         "format_version": SFT_FORMAT_VERSION, "kind": "sft", "dtype": dtype.str, "labels_dtype": "<i4",
@@ -118,7 +158,7 @@ def pretokenize_sft(data_dir: str, tokenizer_dir: str, max_seq_len: int, output_
         "max_seq_len": int(max_seq_len), "overlong": overlong, "num_samples": int(len(samples)),
         "num_tokens": int(ids.size), "num_target_tokens": int((labels != -100).sum()), "files": stats,
     }
-    atomic_write_json(meta_path, meta)
+    write_tokenized(out, "sft_meta.json", ids, labels, dtype, "samples.npy", samples, meta)
     return dict(meta, out_dir=out)
 
 
@@ -135,6 +175,11 @@ bad-input policy: malformed JSON, invalid UTF-8, wrong record shapes, missing or
   text holding a lone surrogate (a JSON "\\ud800" escape), conversations without an assistant turn:
   counted, logged (file:line) and skipped; --strict makes the first one an error (exit 3). A file
   without any usable sample is named in a warning; no usable sample at all is an error (exit 3).
+  A broken .json array or parquet file, or a worker exception (tokenizer error), fails that input:
+  every other input is still read, then every failed input is listed with its file and lines (exit 3).
+workers (--num_workers): records are read and checked in the main process and rendered +
+  tokenized in worker processes in batches, consumed in input order: the output files are the
+  same byte for byte for any number of workers.
 """
 
 
@@ -150,15 +195,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--max_seq_len", type=int, required=True)
     add_out_dir(ap, "where the tokenized samples go (default: out/sft_tokenized/<input name>_L<max_seq_len>)")
     ap.add_argument("--overlong", choices=("truncate", "drop"), default="truncate")
+    ap.add_argument("--num_workers", type=int, default=max(1, (os.cpu_count() or 2) - 1),
+                    help="processes that render and tokenize (1 = in this process); same output for any value")
     add_bool(ap, "strict", False, "bad records are errors, not counted skips")
     try:
         args = ap.parse_args(argv)
     except SystemExit as e:
         return EXIT_OK if e.code == 0 else EXIT_BAD_CONFIG
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    if args.num_workers < 1 or args.max_seq_len < 1:
+        log.error("--num_workers and --max_seq_len must be >= 1")
+        return EXIT_BAD_CONFIG
     try:
         meta = pretokenize_sft(args.data_dir, args.tokenizer_dir, args.max_seq_len, args.out_dir,
-                               args.overlong, args.strict)
+                               args.overlong, args.strict, args.num_workers)
     except DataError as e:
         log.error("%s", e)
         return EXIT_BAD_DATA

@@ -14,16 +14,26 @@ Record shapes:
 Text holding a lone surrogate (a JSON "\\ud800" escape; it cannot be encoded) is a RecordError,
 so it is a counted skip with file:line like any other bad record.
 
+Also owns rendering conversations in order, in this process or in a pool of worker processes
+(`ChatRenderer`, `encode_file_records`): records are read and checked here (skips keep their
+file:line), rendered + tokenized in batches by the workers, and handed back in input order, so
+the output does not depend on the number of workers. A worker exception is collected with the
+file and lines it came from (`FileFailed`), never lost.
+
 Must never: store labels in an unsigned dtype (-100 must survive; known trap 2), or label a
 token that is not assistant content / its <|im_end|>.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+import os
+import traceback
+from collections import deque
+from concurrent.futures import Future, ProcessPoolExecutor
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
-from data_preprocess.readers import lone_surrogate
+from data_preprocess.readers import SkipCounter, iter_records, lone_surrogate
 from utils.constants import IGNORE_INDEX
 
 ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
@@ -164,3 +174,133 @@ def make_chat_encoder(tokenizer_dir: str) -> tuple[Callable[[list[dict]], tuple[
     tok = load_tokenizer(tokenizer_dir)
     meta = load_tokenizer_meta(tokenizer_dir)
     return (lambda msgs: encode_chat(tok, msgs)), meta
+
+
+# ----------------------------------------------------------------------------- rendering in order, in workers
+
+BATCH_CONVERSATIONS = 64  # conversations per worker task: amortizes pickling, keeps memory per task small
+Encode = Callable[[list[dict]], tuple[Any, Any]]
+_WORKER_ENCODE: Optional[Encode] = None
+
+
+class FileFailed(Exception):
+    """Rendering failed for part of one input file; `errors` name the lines of each failed batch."""
+
+    def __init__(self, errors: list[str]):
+        super().__init__("; ".join(errors))
+        self.errors = errors
+
+
+def _init_chat_worker(tokenizer_dir: Optional[str], encode_fn: Optional[Encode]) -> None:
+    global _WORKER_ENCODE
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the pool is the parallelism
+    _WORKER_ENCODE = encode_fn if encode_fn is not None else make_chat_encoder(tokenizer_dir)[0]
+
+
+def _encode_batch(convs: list[list[dict]], encode: Optional[Encode] = None
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(flat ids int64, flat assistant mask bool, lengths int64): three arrays pickle fast."""
+    enc = encode or _WORKER_ENCODE
+    assert enc is not None, "worker not initialized"
+    ids_parts, mask_parts, lengths = [], [], []
+    for msgs in convs:
+        ids, mask = enc(msgs)
+        ids, mask = np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=bool)
+        if ids.shape != mask.shape:
+            raise ValueError(f"encode_chat returned {ids.size} ids but a mask of {mask.size}")
+        ids_parts.append(ids)
+        mask_parts.append(mask)
+        lengths.append(ids.size)
+    cat = lambda parts, dt: np.concatenate(parts) if parts else np.empty(0, dt)  # noqa: E731
+    return cat(ids_parts, np.int64), cat(mask_parts, bool), np.asarray(lengths, dtype=np.int64)
+
+
+class ChatRenderer:
+    """Renders + tokenizes batches of conversations: in this process (num_workers <= 1, or an
+    `encode` callable given) or in `num_workers` worker processes. `submit` returns a Future;
+    callers consume futures in submission order, so results never depend on the worker count.
+    `encode_fn` (a picklable module-level function) replaces the tokenizer in the workers (tests)."""
+
+    def __init__(self, tokenizer_dir: Optional[str] = None, num_workers: int = 1,
+                 encode: Optional[Encode] = None, encode_fn: Optional[Encode] = None):
+        self.num_workers = max(1, int(num_workers))
+        self.max_pending = 2 * self.num_workers  # bounded: memory stays flat on huge files
+        self._pool: Optional[ProcessPoolExecutor] = None
+        self._encode: Optional[Encode] = None
+        if encode is not None or self.num_workers == 1:
+            self._encode = encode or encode_fn or make_chat_encoder(tokenizer_dir)[0]
+        else:
+            self._pool = ProcessPoolExecutor(max_workers=self.num_workers, initializer=_init_chat_worker,
+                                             initargs=(tokenizer_dir, encode_fn))
+
+    def submit(self, convs: list[list[dict]]) -> Future:
+        if self._pool is not None:
+            return self._pool.submit(_encode_batch, convs)
+        fut: Future = Future()
+        try:
+            fut.set_result(_encode_batch(convs, self._encode))
+        except Exception as e:  # noqa: BLE001 - reported like a worker's exception
+            fut.set_exception(e)
+        return fut
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None
+
+    def __enter__(self) -> "ChatRenderer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def encode_file_records(path: str, skips: SkipCounter, to_convs: Callable[[Any], list[list[dict]]],
+                        renderer: ChatRenderer) -> Iterator[tuple[str, int, list[tuple[np.ndarray, np.ndarray]]]]:
+    """Yield (location, position, [(ids, assistant mask) per conversation]) for every record of
+    `path` that `to_convs` accepts, in file order. `to_convs` raises RecordError for a bad record:
+    a counted skip (error under strict). A failed batch (worker exception) is collected; once one
+    failed, nothing more of the file is yielded and FileFailed lists every failure at the end."""
+    errors: list[str] = []
+    pending: deque = deque()
+    convs: list[list[dict]] = []
+    where_n: list[tuple[str, int, int]] = []
+
+    def span(items: list[tuple[str, int, int]]) -> str:
+        return items[0][0] if len(items) == 1 else f"{items[0][0]} .. {items[-1][0].rsplit(':', 1)[-1]}"
+
+    def results(limit: int) -> Iterator[tuple[str, int, list[tuple[np.ndarray, np.ndarray]]]]:
+        while len(pending) > limit:
+            items, fut = pending.popleft()
+            try:
+                flat_ids, flat_mask, lengths = fut.result()
+            except Exception as e:  # noqa: BLE001 - the worker's exception, reported with its lines
+                tb = "".join(traceback.format_exception_only(type(e), e)).strip()
+                errors.append(f"worker failed on {span(items)}: {tb}")
+                continue
+            if errors:
+                continue  # this file is lost already; keep collecting the other errors
+            bounds = np.concatenate([[0], np.cumsum(lengths)])
+            k = 0
+            for where, recno, n in items:
+                yield where, recno, [(flat_ids[bounds[j]:bounds[j + 1]], flat_mask[bounds[j]:bounds[j + 1]])
+                                     for j in range(k, k + n)]
+                k += n
+
+    for where, recno, rec in iter_records(path, skips):
+        try:
+            rec_convs = to_convs(rec)
+        except RecordError as e:
+            skips.skip(str(e), where)
+            continue
+        convs.extend(rec_convs)
+        where_n.append((where, recno, len(rec_convs)))
+        if len(convs) >= BATCH_CONVERSATIONS:
+            pending.append((where_n, renderer.submit(convs)))
+            convs, where_n = [], []
+            yield from results(renderer.max_pending)
+    if convs:
+        pending.append((where_n, renderer.submit(convs)))
+    yield from results(0)
+    if errors:
+        raise FileFailed(errors)

@@ -1,9 +1,11 @@
 """DPO preference pairs: `DPODataset`, `dpo_collate`, `build_dpo_splits`.
 
-Owns: rendering {"prompt" | "conversations", "chosen", "rejected"} records (shapes in
-`data_preprocess.sft_format`) into two chat branches, prompt + assistant reply each, with labels
-only on the final reply (its content and <|im_end|>; -100 on every prompt token, including
-earlier assistant turns of a multi-turn prompt), shifted like the SFT items.
+Owns: reading DPO pairs, pretokenized (`data_preprocess.pretokenize_dpo_data`, through memmaps) or
+raw {"prompt" | "conversations", "chosen", "rejected"} records (shapes in
+`data_preprocess.sft_format`) rendered by the same `tokenize_dpo_files` into two chat branches,
+prompt + assistant reply each, with labels only on the final reply (its content and <|im_end|>;
+-100 on every prompt token, including earlier assistant turns of a multi-turn prompt), shifted
+like the SFT items.
 
 Over-long pairs (either branch > max_seq_len+1 tokens): "truncate" cuts the reply's tail and
 keeps the pair if both replies keep at least one target token; "drop" drops it. Counted in
@@ -13,16 +15,15 @@ Must never: label prompt tokens, or pad with an id that is not the tokenizer's p
 """
 from __future__ import annotations
 
+import json
 import logging
-from typing import Callable
+import os
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from data_preprocess.readers import RECORD_KINDS, SkipCounter, find_input_files, iter_records
-from data_preprocess.sft_format import (RecordError, apply_overlong, dpo_messages, labels_from_mask,
-                                        last_run_only, make_chat_encoder)
 from data_preprocess.shard_format import DataError
 from utils.constants import IGNORE_INDEX
 
@@ -30,57 +31,92 @@ log = logging.getLogger(__name__)
 
 
 class DPODataset(Dataset):
-    """Pairs tokenized in memory at construction (preference sets are small)."""
+    """`path`: a pretokenized DPO folder (has dpo_meta.json, from `pretokenize_dpo_data`), read
+    through memmaps; or raw records (file or folder) with `tokenizer_dir` and `max_seq_len`,
+    tokenized in memory at construction by the same function, so both give the same items."""
 
-    def __init__(self, path: str, tokenizer_dir: str, max_seq_len: int, overlong: str = "truncate",
-                 strict: bool = False):
-        encode, tmeta = make_chat_encoder(tokenizer_dir)
-        self.pad_id = int(tmeta["special_tokens"]["pad"]["id"])
-        self.max_seq_len = int(max_seq_len)
-        self.pairs: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
-        self.sources: list[tuple[str, int]] = []
-        self.stats = {"dropped_overlong": 0, "truncated": 0, "skipped": {}}
-        for path_i in find_input_files(path, kinds=RECORD_KINDS, what="DPO"):
-            skips = SkipCounter(strict=strict)
-            kept_before, dropped_before = len(self.pairs), self.stats["dropped_overlong"]
-            for where, recno, rec in iter_records(path_i, skips):
-                try:
-                    prompt, chosen, rejected = dpo_messages(rec)
-                except RecordError as e:
-                    skips.skip(str(e), where)
-                    continue
-                branches = []
-                for reply in (chosen, rejected):
-                    ids, mask = encode(prompt + [{"role": "assistant", "content": reply}])
-                    ids = np.asarray(ids, dtype=np.int64)
-                    labels = labels_from_mask(ids, last_run_only(np.asarray(mask, dtype=bool)))
-                    branches.append((ids, labels, apply_overlong(ids, labels, self.max_seq_len, overlong)))
-                if any(b[2] is None for b in branches):
-                    self.stats["dropped_overlong"] += 1
-                    continue
-                if any(b[2][0].size < b[0].size for b in branches):
-                    self.stats["truncated"] += 1
-                (ci, cl), (ri, rl) = branches[0][2], branches[1][2]
-                self.pairs.append((ci, cl, ri, rl))
-                self.sources.append((path_i, recno))
-            for k, v in skips.counts.items():
-                self.stats["skipped"][k] = self.stats["skipped"].get(k, 0) + v
-            if len(self.pairs) == kept_before:
-                log.warning("%s: no usable DPO pair: skipped %s, dropped %d over-long", path_i,
-                            dict(skips.counts) or "none", self.stats["dropped_overlong"] - dropped_before)
+    def __init__(self, path: str, tokenizer_dir: Optional[str] = None, max_seq_len: Optional[int] = None,
+                 overlong: str = "truncate", strict: bool = False):
+        from data_preprocess.pretokenize_dpo_data import DPO_META, dpo_stats
+        self.path = path
+        meta_path = os.path.join(path, DPO_META)
+        if os.path.isdir(path) and os.path.exists(meta_path):
+            with open(meta_path, "r", encoding="utf-8") as f:
+                self.meta = json.load(f)
+            if self.meta.get("kind") != "dpo":
+                raise DataError(f"{meta_path}: kind {self.meta.get('kind')!r}, not 'dpo'")
+            if max_seq_len is not None and int(max_seq_len) < int(self.meta["max_seq_len"]):
+                raise DataError(f"{path}: pretokenized for max_seq_len={self.meta['max_seq_len']}, "
+                                f"longer than the requested {max_seq_len}; re-run pretokenize_dpo_data")
+            self.index = np.load(os.path.join(path, "pairs.npy"), mmap_mode="r")
+            n_tok = int(self.meta["num_tokens"])
+            self._files = {"ids": (os.path.join(path, "input_ids.bin"), np.dtype(self.meta["dtype"])),
+                           "labels": (os.path.join(path, "labels.bin"), np.dtype("<i4"))}
+            for fpath, dt in self._files.values():
+                if os.path.getsize(fpath) != n_tok * dt.itemsize:
+                    raise DataError(f"{fpath}: {os.path.getsize(fpath)} bytes, {DPO_META} says "
+                                    f"{n_tok} tokens of {dt.itemsize} B")
+            if self.index.shape != (int(self.meta["num_pairs"]), 6):
+                raise DataError(f"{path}/pairs.npy: shape {self.index.shape}, {DPO_META} says "
+                                f"{self.meta['num_pairs']} pairs")
+            self._ids: Any = None
+            self._labels: Any = None
+        else:
+            if os.path.isdir(path) and os.path.exists(os.path.join(path, "sft_meta.json")):
+                raise DataError(f"{path} holds pretokenized SFT samples, not DPO pairs (--task_type=sft, or "
+                                "pretokenize the pairs with data_preprocess.pretokenize_dpo_data)")
+            if tokenizer_dir is None or max_seq_len is None:
+                raise DataError(f"{path}: no {DPO_META}; raw records need tokenizer_dir and max_seq_len")
+            from data_preprocess.pretokenize_dpo_data import tokenize_dpo_files
+            from data_preprocess.readers import RECORD_KINDS, find_input_files
+            from data_preprocess.sft_format import make_chat_encoder
+            encode, tmeta = make_chat_encoder(tokenizer_dir)
+            files = find_input_files(path, kinds=RECORD_KINDS, what="DPO")
+            ids, labels, self.index, stats = tokenize_dpo_files(files, encode, int(max_seq_len), overlong, strict)
+            self.meta = {"pad_id": int(tmeta["special_tokens"]["pad"]["id"]), "files": stats,
+                         "num_pairs": len(self.index), "max_seq_len": int(max_seq_len)}
+            self._ids, self._labels = ids, labels
+        self.pad_id = int(self.meta["pad_id"])
+        self.max_seq_len = int(self.meta["max_seq_len"])
+        self.stats = dpo_stats(self.meta["files"])
         if self.stats["dropped_overlong"] or self.stats["skipped"]:
-            log.info("%s: DPO pairs kept %d, %s", path, len(self.pairs), self.stats)
-        if not self.pairs:
+            log.info("%s: DPO pairs kept %d, %s", path, len(self.index), self.stats)
+        if len(self.index) == 0:
             raise DataError(f"{path}: no usable DPO pair ({self.stats})")
 
+    def _arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        if self._ids is None:  # opened lazily: each DataLoader worker maps its own
+            n = int(self.meta["num_tokens"])
+            self._ids = np.memmap(self._files["ids"][0], dtype=self._files["ids"][1], mode="r", shape=(n,))
+            self._labels = np.memmap(self._files["labels"][0], dtype="<i4", mode="r", shape=(n,))
+        return self._ids, self._labels
+
+    def __getstate__(self) -> dict:
+        d = dict(self.__dict__)
+        if "_files" in d:
+            d["_ids"] = d["_labels"] = None
+        return d
+
     def __len__(self) -> int:
-        return len(self.pairs)
+        return len(self.index)
+
+    def source(self, i: int) -> tuple[str, int]:
+        """(input file, record number) pair i came from."""
+        return self.meta["files"][int(self.index[i, 4])]["path"], int(self.index[i, 5])
+
+    @property
+    def sources(self) -> list[tuple[str, int]]:
+        return [self.source(i) for i in range(len(self))]
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        ci, cl, ri, rl = self.pairs[i]
-        t = lambda a: torch.from_numpy(a.astype(np.int64))  # noqa: E731
-        return {"chosen_input_ids": t(ci[:-1]), "chosen_labels": t(cl[1:]),
-                "rejected_input_ids": t(ri[:-1]), "rejected_labels": t(rl[1:])}
+        row = [int(v) for v in self.index[i]]
+        ids, labels = self._arrays()
+        out: dict[str, torch.Tensor] = {}
+        for side, (off, n) in (("chosen", row[0:2]), ("rejected", row[2:4])):
+            x = torch.from_numpy(np.asarray(ids[off:off + n], dtype=np.int64))
+            y = torch.from_numpy(np.asarray(labels[off:off + n], dtype=np.int64))
+            out[f"{side}_input_ids"], out[f"{side}_labels"] = x[:-1], y[1:]
+        return out
 
 
 def dpo_collate(pad_id: int) -> Callable[[list[dict]], dict[str, torch.Tensor]]:
@@ -101,9 +137,9 @@ def dpo_collate(pad_id: int) -> Callable[[list[dict]], dict[str, torch.Tensor]]:
     return collate
 
 
-def build_dpo_splits(data_dir: str, tokenizer_dir: str, max_seq_len: int, val_ratio: float = 0.01,
+def build_dpo_splits(data_dir: str, tokenizer_dir: Optional[str], max_seq_len: int, val_ratio: float = 0.01,
                      seed: int = 0) -> tuple[Dataset, Dataset, Callable]:
-    """(train, val, collate_fn) for the trainer."""
+    """(train, val, collate_fn) for the trainer; pretokenized or raw `data_dir`."""
     from dataset.dataset_sft import IndexedSubset, split_indices
     ds = DPODataset(data_dir, tokenizer_dir, max_seq_len)
     tr, va = split_indices(len(ds), val_ratio, seed)
