@@ -29,6 +29,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections import Counter
 from typing import Any, Iterator, Sequence
 
 from tokenizer.contract import META_FILENAME, SPECIAL_TOKENS, VOCAB_MULTIPLE, fingerprint_dir, write_json
@@ -206,9 +207,9 @@ def _train_bpe_candidates(tj: dict[str, Any], docs: Iterator[str], vocab_size: i
         vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=[], show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet() if byte_level else [])
 
-    def batches() -> Iterator[list[str]]:
+    def batches_of(it: Iterator[str]) -> Iterator[list[str]]:
         batch: list[str] = []
-        for d in docs:
+        for d in it:
             batch.append(d)
             if len(batch) == 1000:
                 yield batch
@@ -216,11 +217,20 @@ def _train_bpe_candidates(tj: dict[str, Any], docs: Iterator[str], vocab_size: i
         if batch:
             yield batch
 
-    tk.train_from_iterator(batches(), trainer=trainer)
+    chars: Counter = Counter()
+
+    def counted(it: Iterator[str]) -> Iterator[str]:
+        for d in it:
+            if not byte_level:
+                chars.update(d)  # distinct characters only: bounded by the script, not the corpus
+            yield d
+
+    tk.train_from_iterator(batches_of(counted(docs)), trainer=trainer)
     m = json.loads(tk.to_str())["model"]
     merges = [tuple(x) if isinstance(x, list) else tuple(x.split(" ", 1)) for x in m["merges"]]
     merged = {a + b for a, b in merges}
-    alphabet = [t for t, _ in sorted(m["vocab"].items(), key=lambda kv: kv[1]) if t not in merged]
+    # The trainer lists its alphabet in character order; the most frequent characters should come first.
+    alphabet = sorted((t for t in m["vocab"] if t not in merged), key=lambda t: (-chars[t], t))
     return alphabet, merges  # type: ignore[return-value]
 
 
@@ -476,7 +486,8 @@ def extend_tokenizer(base_tokenizer_dir: str, data_dir_or_files: str | Sequence[
             learned = len(pieces)
         else:
             alphabet, merges = _train_bpe_candidates(tj, corpus.training_documents(), request, min_frequency)
-            cands = [(a, None) for a in alphabet] + [(a + b, (a, b)) for a, b in merges]
+            # merges in learned order (each pulls in the characters it needs), then characters by frequency
+            cands = [(a + b, (a, b)) for a, b in merges] + [(a, None) for a in alphabet]
             learned = len(alphabet) + len(merges)
         new_tokens = select_new_tokens(cands, base_ids, forbidden, num_new_tokens)
         if len(new_tokens) >= num_new_tokens or learned < request * 0.95:
