@@ -8,6 +8,9 @@ Owns: the pretokenized SFT format and writing it atomically:
   <out>/sft_meta.json   written last: dtype, vocab/pad ids, max_seq_len, overlong policy, counts,
                         tokenizer fingerprint, files [{path, file_id, first_sample, num_samples, ...}]
 Labels are stored unshifted (aligned with the ids); `dataset.dataset_sft` shifts them.
+With --num_workers > 1 records are rendered + tokenized in worker processes (`sft_format.ChatRenderer`)
+and consumed in input order, so the files are the same byte for byte for any number of workers; a
+worker exception fails its input file, and every failed file is reported at the end.
 
 Must never: store labels unsigned (trap 2), record a count where a file id belongs (trap 3), or
 drop a sample without counting it.
