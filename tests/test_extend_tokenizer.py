@@ -330,3 +330,47 @@ def test_cli_bad_input(bases, zh_corpus, tmp_path, caplog):
     assert run(f"--base_tokenizer_dir={base}", f"--data_dir={bad}", "--num_new_tokens=10") == 3
     assert "no .txt/.json/.jsonl/.parquet files found" in _err(caplog)
     assert not (tmp_path / "o").exists()
+
+
+def test_gpt2_style_byte_level_base_with_string_merges(tmp_path, zh_corpus):
+    """A byte-level BPE tokenizer.json of another origin: merges written as "a b" strings, one special token
+    (<|endoftext|>) that is also a model piece, no reserved tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoTokenizer
+
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.train_from_iterator(_read("en_python_docs.jsonl", 30), trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    tj = json.loads(tk.to_str())
+    tj["model"]["merges"] = [" ".join(m) for m in tj["model"]["merges"]]
+    base = tmp_path / "gpt2"
+    base.mkdir()
+    (base / "tokenizer.json").write_text(json.dumps(tj, ensure_ascii=False), encoding="utf-8")
+    (base / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>"}))
+    meta = extend_tokenizer(str(base), zh_corpus, 150, str(tmp_path / "ext"))
+    tok, b = AutoTokenizer.from_pretrained(str(tmp_path / "ext")), AutoTokenizer.from_pretrained(str(base))
+    assert meta["extension"]["new_token_ids"] == [400, 550] and len(tok) == 576
+    assert tok.convert_ids_to_tokens(list(range(400))) == b.convert_ids_to_tokens(list(range(400)))
+    assert tok.eos_token_id == b.eos_token_id == 0
+    with open(tmp_path / "ext" / "tokenizer.json", encoding="utf-8") as f:
+        merges = json.load(f)["model"]["merges"]
+    assert all(isinstance(m, str) and len(m.split(" ")) == 2 for m in merges)  # the base's format is kept
+    for text in TRICKY:
+        assert tok.decode(encode_texts(tok, [text])[0]) == text
+    assert 0 not in encode_texts(tok, ["<|endoftext|>"])[0]
+    h = meta["extension"]["heldout"]
+    assert h["tokens_per_char_after"] < 0.8 * h["tokens_per_char_before"]
+
+
+def test_help_states_the_policy(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--base_tokenizer_dir", "--num_new_tokens", "--output_dir", "--max_train_bytes", "--text_fields",
+                 "--heldout_every", "Exit 2", "Exit 3"):
+        assert flag in out
