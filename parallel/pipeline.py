@@ -22,6 +22,7 @@ FSDP on the dp dimension, DPO batches).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -122,7 +123,7 @@ class PipelineStageModule(nn.Module):
             loss = linear_cross_entropy(h, self.lm_head.weight, labels, "sum", self.cfg.loss_chunk_size)
         else:
             loss = linear_cross_entropy_ref(h, self.lm_head.weight, labels, "sum")
-        return loss.float().reshape(1)  # [1], so the schedule can merge the micro-batches' sums along dim 0
+        return torch.stack([loss.float()])  # [1] (not a view), so the schedule can merge the micro-batches' sums along dim 0
 
 
 def pipeline_stage_module(model: Transformer, stage_index: int, num_stages: int,
@@ -177,6 +178,74 @@ def _pipeline_optimizer(ddp, config: OptimizerConfig, pp_group, pp_size: int):
     return opt
 
 
+def _pipeline_fsdp_optimizer(stage_module: nn.Module, config: OptimizerConfig, pp_group, pp_size: int):
+    from parallel.fsdp import FSDPOptimizer
+
+    class PipelineFSDPOptimizer(FSDPOptimizer):
+        """FSDPOptimizer whose global norm also sums over the pp group (every stage's shards)."""
+
+        def global_grad_norm(self) -> float:
+            grads = self._local_grads()
+            if grads:
+                sumsq = torch.stack([n.float() ** 2 for n in torch._foreach_norm(grads, 2)]).sum()
+            else:
+                sumsq = torch.zeros((), dtype=torch.float32)
+            sumsq = sumsq.to(self._comm_device)
+            if self.world_size > 1:
+                dist.all_reduce(sumsq, group=self.group)
+            if pp_size > 1:
+                dist.all_reduce(sumsq, group=pp_group)
+            return math.sqrt(float(sumsq.item()))
+
+    return PipelineFSDPOptimizer(stage_module, config)
+
+
+def _wrap_stage_fsdp(stage_module: PipelineStageModule, dp_mesh, *, param_dtype: torch.dtype,
+                     reshard_after_forward: bool, cpu_offload: bool) -> PipelineStageModule:
+    """fully_shard each block of the stage, then the stage (its root unit: embedding / norm + LM head),
+    over the dp sub-mesh, after broadcasting dp rank 0's weights (as wrap_fsdp does for a whole model).
+    torch's PipelineStage recognises the FSDPModule: no gradient sync per micro-batch, one
+    reduce-scatter after the last backward."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from parallel.fsdp import _CONFIG_ATTR
+    if any(p.dtype != torch.float32 for p in stage_module.parameters()):
+        raise ValueError("FSDP keeps fp32 sharded parameters (the masters): build the model in fp32 and choose "
+                         "the compute precision with param_dtype")
+    if dp_mesh.size() > 1:
+        group, src = dp_mesh.get_group(), dist.get_global_rank(dp_mesh.get_group(), 0)
+        with torch.no_grad():
+            for t in list(stage_module.parameters()) + list(stage_module.buffers()):
+                dist.broadcast(t.data, src=src, group=group)
+    device = next(stage_module.parameters()).device
+    kw: dict[str, Any] = dict(mesh=dp_mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype,
+                                                                           reduce_dtype=torch.float32))
+    if cpu_offload:
+        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type != "cpu")
+    for block in stage_module.layers.values():
+        fully_shard(block, reshard_after_forward=reshard_after_forward, **kw)
+    fully_shard(stage_module, reshard_after_forward=False, **kw)
+    setattr(stage_module, _CONFIG_ATTR, {"param_dtype": param_dtype, "reduce_dtype": torch.float32,
+                                         "reshard_after_forward": reshard_after_forward, "cpu_offload": cpu_offload})
+    return stage_module
+
+
+def _full(t: Any) -> Any:
+    """A DTensor gathered to a plain tensor (collective over its mesh); anything else unchanged."""
+    from torch.distributed.tensor import DTensor
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _like(full: Any, template: Any) -> Any:
+    """`full` sharded like the DTensor `template` (every rank holds `full`: no communication)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    if isinstance(template, DTensor):
+        return distribute_tensor(full.to(template.device, template.dtype), template.device_mesh,
+                                 template.placements, src_data_rank=None)
+    if torch.is_tensor(template) and torch.is_tensor(full):
+        return full.to(template.device)
+    return full
+
+
 # ---------------------------------------------------------------------------- validation + mesh
 
 def validate_pipeline_options(*, pp_size: int, n_microbatches: int, schedule: str, dp_engine: str = "ddp",
@@ -197,11 +266,8 @@ def validate_pipeline_options(*, pp_size: int, n_microbatches: int, schedule: st
     if world_size is not None and pp_size >= 1 and world_size % pp_size:
         problems.append(f"world size {world_size} is not a multiple of pipeline_parallel_size={pp_size} "
                         f"(the mesh is pp x dp)")
-    if dp_engine == "fsdp":
-        problems.append("pipeline parallelism with --parallel=fsdp on the dp dimension is not implemented; "
-                        "use --parallel=ddp (our DDP per stage over the dp sub-group)")
-    elif dp_engine != "ddp":
-        problems.append(f"unknown dp engine {dp_engine!r} (ddp)")
+    if dp_engine not in ("ddp", "fsdp"):
+        problems.append(f"unknown dp engine {dp_engine!r}: ddp or fsdp")
     if overlap_optim_step:
         problems.append("overlap_optim_step=true is not supported with pipeline parallelism (its per-bucket "
                         "collectives differ between stages, and clipping must see every stage's gradients)")
@@ -238,7 +304,8 @@ class PipelineEngine:
 
     def __init__(self, stage_module: PipelineStageModule, ddp, optimizer, schedule, stage, *, mesh,
                  schedule_name: str, n_microbatches: int, layer_ranges: list[tuple[int, int]],
-                 n_layers: int):
+                 n_layers: int, dp_engine: str = "ddp"):
+        self.dp_engine = dp_engine
         self.module, self.model, self.optimizer = stage_module, ddp, optimizer
         self.schedule, self.stage, self.mesh = schedule, stage, mesh
         self.schedule_name, self.n_microbatches = schedule_name, n_microbatches
@@ -280,7 +347,10 @@ class PipelineEngine:
 
         args, target, kwargs = self._inputs(mbs)
         self.module.train()
-        with self.model.no_sync():  # one dp reduction per step, in optimizer.step()
+        # one dp reduction per step: our DDP's in optimizer.step(); FSDP's reduce-scatter is run by the
+        # schedule after the last backward (PipelineStage turns FSDP's per-backward sync off itself)
+        sync_ctx = self.model.no_sync() if self.dp_engine == "ddp" else contextlib.nullcontext()
+        with sync_ctx:
             out = self.schedule.step(*args, target=target, **kwargs)
         return PipelineStepOutput(self._broadcast_loss(out), units, global_units)
 
@@ -341,16 +411,38 @@ class PipelineEngine:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
-        """{"model": this stage's weights (full-model key names), "optimizer": its optimizer state}."""
+        """{"model": this stage's weights (full-model key names), "optimizer": its optimizer state}.
+        Under FSDP both are gathered to full tensors (collective over dp), so the files have one
+        layout whatever the dp engine's sharding."""
         self.optimizer.finish_param_sync()
-        return {"model": {k: v.detach() for k, v in self.module.state_dict().items()},
-                "optimizer": self.optimizer.state_dict()}
+        model = {k: _full(v).detach() for k, v in self.module.state_dict().items()}
+        opt = self.optimizer.state_dict()
+        if self.dp_engine == "fsdp":
+            opt = dict(opt, adamw={k: _full(v) for k, v in opt["adamw"].items()})
+        return {"model": model, "optimizer": opt}
+
+    def load_state_dict(self, sd: dict) -> None:
+        """The inverse of state_dict() (full tensors; re-sharded here under FSDP)."""
+        if self.dp_engine == "fsdp":
+            current = self.module.state_dict()
+            self.module.load_state_dict({k: _like(v, current[k]) for k, v in sd["model"].items()})
+            template = self.optimizer.state_dict()["adamw"]
+            opt = dict(sd["optimizer"])
+            opt["adamw"] = {k: _like(v, template.get(k)) for k, v in opt["adamw"].items()}
+            self.optimizer.load_state_dict(opt)
+            return
+        self.module.load_state_dict(sd["model"])
+        self.optimizer.load_state_dict(sd["optimizer"])
 
     def _meta(self) -> dict:
         return {"format": FORMAT, "pp_size": self.pp_size, "dp_size": self.dp_size, "n_layers": self.n_layers,
                 "layer_ranges": [list(r) for r in self.layer_ranges], "schedule": self.schedule_name,
                 "n_microbatches": self.n_microbatches,
-                "sharded_optimizer": bool(getattr(self.optimizer, "sharded", False))}
+                "dp_engine": self.dp_engine, "sharded_optimizer": self._sharded_files()}
+
+    def _sharded_files(self) -> bool:
+        """One optimizer file per dp rank (ZeRO's flat shards); FSDP state is gathered to one file."""
+        return self.dp_engine == "ddp" and bool(getattr(self.optimizer, "sharded", False))
 
     def save(self, ckpt_dir: str) -> str:
         """Collective over the mesh. Writes `ckpt_dir` atomically: a `<ckpt_dir>.tmp` directory filled by
@@ -373,7 +465,7 @@ class PipelineEngine:
             save_file({k: v.to("cpu").contiguous().clone() for k, v in sd["model"].items()}, path,
                       metadata={"format": "pt", "stage": str(s)})
             _fsync_file(path)
-        if self.dp_rank == 0 or getattr(self.optimizer, "sharded", False):
+        if self.dp_rank == 0 or self._sharded_files():
             path = os.path.join(tmp, f"stage{s}_optimizer_dp{self.dp_rank}.pt")
             torch.save(sd["optimizer"], path)
             _fsync_file(path)
@@ -399,14 +491,18 @@ class PipelineEngine:
                              f"{meta['layer_ranges']}; this run has {self.pp_size} with {self.layer_ranges}: resume "
                              f"at the same pipeline_parallel_size (or merge_stage_checkpoints() it to one model "
                              f"and start from that)")
-        sharded = bool(getattr(self.optimizer, "sharded", False))
+        if meta.get("dp_engine", "ddp") != self.dp_engine:
+            raise ValueError(f"checkpoint {ckpt_dir} was written with dp engine {meta.get('dp_engine')!r}; this run "
+                             f"uses {self.dp_engine!r} (the optimizer states differ; the weights can be taken with "
+                             f"merge_stage_checkpoints())")
+        sharded = self._sharded_files()
         if sharded != bool(meta["sharded_optimizer"]) or (sharded and meta["dp_size"] != self.dp_size):
             raise ValueError(f"checkpoint {ckpt_dir}: optimizer layout (sharded={meta['sharded_optimizer']}, "
                              f"dp={meta['dp_size']}) differs from this run's (sharded={sharded}, dp={self.dp_size})")
         s = self.stage_index
-        self.module.load_state_dict(load_file(os.path.join(ckpt_dir, f"stage{s}_model.safetensors")))
         opt_file = os.path.join(ckpt_dir, f"stage{s}_optimizer_dp{self.dp_rank if sharded else 0}.pt")
-        self.optimizer.load_state_dict(torch.load(opt_file, map_location="cpu", weights_only=True))
+        self.load_state_dict({"model": load_file(os.path.join(ckpt_dir, f"stage{s}_model.safetensors")),
+                              "optimizer": torch.load(opt_file, map_location="cpu", weights_only=True)})
 
 
 def read_pipeline_meta(ckpt_dir: str) -> dict:
@@ -450,7 +546,8 @@ def merge_stage_checkpoints(ckpt_dir: str) -> dict[str, torch.Tensor]:
 def build_pipeline_engine(model: Transformer, config: OptimizerConfig, *, pp_size: int, n_microbatches: int,
                           schedule: str = "1f1b", mesh=None, dp_engine: str = "ddp",
                           allow_uneven_split: bool = False, ddp_config=None,
-                          device: Optional[torch.device] = None) -> PipelineEngine:
+                          device: Optional[torch.device] = None, param_dtype: torch.dtype = torch.float32,
+                          reshard_after_forward: bool = True, cpu_offload: bool = False) -> PipelineEngine:
     """This rank's pipeline engine. Collective over the world (mesh + broadcast of dp rank 0's weights).
 
     model: the full Transformer, built identically on every rank (same seed) or loaded; only this
@@ -459,6 +556,9 @@ def build_pipeline_engine(model: Transformer, config: OptimizerConfig, *, pp_siz
     n_microbatches: the trainer's gradient_accumulation_steps (one micro-batch per accumulation step).
     schedule: "gpipe" (all forwards, then all backwards) or "1f1b" (less activation memory; needs
       n_microbatches >= pp_size).
+    dp_engine: "ddp" (our DDP per stage over the dp group; ZeRO-1/2 with config.use_distributed_optimizer;
+      ddp_config for buckets) or "fsdp" (fully_shard per block + the stage over the dp sub-mesh;
+      param_dtype / reshard_after_forward / cpu_offload as in parallel/fsdp.py).
     """
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
     from parallel import DDPConfig, DistributedDataParallel
@@ -477,12 +577,20 @@ def build_pipeline_engine(model: Transformer, config: OptimizerConfig, *, pp_siz
     pp_group, dp_group = mesh.get_group("pp"), mesh.get_group("dp")
     stage_index = dist.get_rank(pp_group)
     stage_module = pipeline_stage_module(model, stage_index, pp_size, allow_uneven_split)
-    dcfg = ddp_config or DDPConfig(use_distributed_optimizer=config.use_distributed_optimizer)
-    if dcfg.use_distributed_optimizer != config.use_distributed_optimizer:
-        raise ValueError("DDPConfig.use_distributed_optimizer must equal OptimizerConfig.use_distributed_optimizer")
-    ddp = DistributedDataParallel(stage_module, dcfg, process_group=dp_group)
-    ddp.broadcast_params()  # the dp replicas of a stage start from dp rank 0's weights
-    opt = _pipeline_optimizer(ddp, config, pp_group, pp_size)
+    if dp_engine == "fsdp":
+        from parallel.fsdp import validate_fsdp_options
+        validate_fsdp_options(use_distributed_optimizer=config.use_distributed_optimizer,
+                              overlap_param_gather=config.overlap_param_gather, zero_stage=config.zero_stage)
+        ddp = _wrap_stage_fsdp(stage_module, mesh["dp"], param_dtype=param_dtype,
+                               reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload)
+        opt = _pipeline_fsdp_optimizer(stage_module, config, pp_group, pp_size)
+    else:
+        dcfg = ddp_config or DDPConfig(use_distributed_optimizer=config.use_distributed_optimizer)
+        if dcfg.use_distributed_optimizer != config.use_distributed_optimizer:
+            raise ValueError("DDPConfig.use_distributed_optimizer must equal OptimizerConfig.use_distributed_optimizer")
+        ddp = DistributedDataParallel(stage_module, dcfg, process_group=dp_group)
+        ddp.broadcast_params()  # the dp replicas of a stage start from dp rank 0's weights
+        opt = _pipeline_optimizer(ddp, config, pp_group, pp_size)
     name = schedule.lower()
     engine_box: list[PipelineEngine] = []
 
@@ -494,6 +602,7 @@ def build_pipeline_engine(model: Transformer, config: OptimizerConfig, *, pp_siz
     # scale_grads=False: the loss is already normalised by the global token count
     sched = sched_cls(stage, n_microbatches, loss_fn=loss_fn, scale_grads=False)
     engine = PipelineEngine(stage_module, ddp, opt, sched, stage, mesh=mesh, schedule_name=name,
-                            n_microbatches=n_microbatches, layer_ranges=ranges, n_layers=model.cfg.n_layers)
+                            n_microbatches=n_microbatches, layer_ranges=ranges, n_layers=model.cfg.n_layers,
+                            dp_engine=dp_engine)
     engine_box.append(engine)
     return engine

@@ -89,10 +89,10 @@ def reference():
 
 # ------------------------------------------------------------------------------ workers
 
-def _build(schedule: str, seed: int = 0, zero: bool = False):
+def _build(schedule: str, seed: int = 0, zero: bool = False, dp_engine: str = "ddp", **kw):
     from parallel.pipeline import build_pipeline_engine
     return build_pipeline_engine(_new_model(seed), OptimizerConfig(**OPT, use_distributed_optimizer=zero),
-                                 pp_size=2, n_microbatches=GAS, schedule=schedule)
+                                 pp_size=2, n_microbatches=GAS, schedule=schedule, dp_engine=dp_engine, **kw)
 
 
 def _step(eng, step: int) -> tuple[float, float]:
@@ -109,7 +109,8 @@ def _step(eng, step: int) -> tuple[float, float]:
 
 
 def _stage_params(eng) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in eng.module.named_parameters()}
+    from parallel.pipeline import _full
+    return {n: _full(p).detach().clone() for n, p in eng.module.named_parameters()}  # FSDP: gathered over dp
 
 
 def _record(tmp: str, name: str, eng, losses, norms) -> None:
@@ -158,13 +159,23 @@ def _worker_pp2(rank: int, world: int, tmp: str) -> None:
 
 def _worker_pp2_dp2(rank: int, world: int, tmp: str) -> None:
     assert world == 4
-    for name, schedule, zero in (("pp2dp2_gpipe", "gpipe", False), ("pp2dp2_1f1b_zero", "1f1b", True)):
-        eng = _build(schedule, zero=zero)
+    for name, schedule, zero, dp_engine in (("pp2dp2_gpipe", "gpipe", False, "ddp"),
+                                            ("pp2dp2_1f1b_zero", "1f1b", True, "ddp"),
+                                            ("pp2dp2_1f1b_fsdp", "1f1b", False, "fsdp")):
+        eng = _build(schedule, zero=zero, dp_engine=dp_engine)
         assert (eng.pp_size, eng.dp_size) == (2, 2)
-        res = [_step(eng, s) for s in range(1, STEPS + 1)]
+        res = [_step(eng, s) for s in (1, 2)]
+        if dp_engine == "fsdp":
+            eng.save(os.path.join(tmp, "ckpt_fsdp"))
+        res.append(_step(eng, 3))
         eng.optimizer.finish_param_sync()
         _record(tmp, name, eng, [r[0] for r in res], [r[1] for r in res])
         del eng
+    # FSDP resume: a fresh engine (another init) loads the per-stage checkpoint and redoes step 3
+    eng = _build("1f1b", seed=123, dp_engine="fsdp")
+    eng.load(os.path.join(tmp, "ckpt_fsdp"))
+    res = [_step(eng, 3)]
+    _record(tmp, "pp2dp2_1f1b_fsdp_resumed", eng, [r[0] for r in res], [r[1] for r in res])
 
 
 @pytest.fixture(scope="module")
@@ -248,12 +259,22 @@ def test_merged_checkpoint_is_the_full_model(pp2, reference):
     m.load_state_dict(full)  # strict
 
 
-@pytest.mark.parametrize("name", ["pp2dp2_gpipe", "pp2dp2_1f1b_zero"])
+@pytest.mark.parametrize("name", ["pp2dp2_gpipe", "pp2dp2_1f1b_zero", "pp2dp2_1f1b_fsdp"])
 def test_pp2_dp2_matches_one_process(pp2dp2, reference, name):
     params, infos = _load(pp2dp2, name, dp=0)
     _check_against_reference(params, infos, reference)
     replica, _ = _load(pp2dp2, name, dp=1)
     assert all(torch.equal(params[k], replica[k]) for k in params)  # dp replicas identical
+
+
+def test_pp2_dp2_fsdp_resume_is_bit_exact(pp2dp2):
+    from parallel.pipeline import merge_stage_checkpoints
+    for dp in (0, 1):
+        a, _ = _load(pp2dp2, "pp2dp2_1f1b_fsdp", dp)
+        b, _ = _load(pp2dp2, "pp2dp2_1f1b_fsdp_resumed", dp)
+        assert all(torch.equal(a[k], b[k]) for k in a), _max_diff(a, b)
+    full = merge_stage_checkpoints(os.path.join(pp2dp2, "ckpt_fsdp"))  # gathered over dp at save time
+    assert set(full) == set(Transformer(_cfg()).state_dict())
 
 
 def test_bad_calls_on_engine(pp2):
@@ -279,8 +300,8 @@ def test_bad_combinations_raise():
     validate_pipeline_options(pp_size=4, n_microbatches=2, schedule="gpipe")  # GPipe has no such limit
     with pytest.raises(ValueError, match="pipeline_schedule='interleaved'"):
         validate_pipeline_options(pp_size=2, n_microbatches=2, schedule="interleaved")
-    with pytest.raises(ValueError, match="fsdp"):
-        validate_pipeline_options(pp_size=2, n_microbatches=2, schedule="gpipe", dp_engine="fsdp")
+    with pytest.raises(ValueError, match="unknown dp engine"):
+        validate_pipeline_options(pp_size=2, n_microbatches=2, schedule="gpipe", dp_engine="zero3")
     with pytest.raises(ValueError, match="not a multiple"):
         validate_pipeline_options(pp_size=2, n_microbatches=2, schedule="gpipe", world_size=3)
     with pytest.raises(ValueError, match="DPO"):
