@@ -374,3 +374,21 @@ def test_help_states_the_policy(capsys):
     for flag in ("--base_tokenizer_dir", "--num_new_tokens", "--output_dir", "--max_train_bytes", "--text_fields",
                  "--heldout_every", "Exit 2", "Exit 3"):
         assert flag in out
+
+
+def test_module_runs_as_a_command(bases, zh_corpus, tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "ext"
+    proc = subprocess.run([sys.executable, "-m", "tokenizer.extend_tokenizer",
+                           f"--base_tokenizer_dir={bases['llama_sp']}", f"--data_dir={zh_corpus}",
+                           "--num_new_tokens=32", f"--output_dir={out}", "--num_threads=1"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "held-out tokens/char: before" in proc.stdout and "32 new tokens (ids 600..631)" in proc.stdout
+    proc = subprocess.run([sys.executable, "-m", "tokenizer.extend_tokenizer",
+                           f"--base_tokenizer_dir={out}", f"--data_dir={zh_corpus}", "--num_new_tokens=8",
+                           f"--out_dir={out}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "is the base tokenizer directory" in proc.stderr
+    assert (out / "tokenizer.model").exists()  # the base was not replaced

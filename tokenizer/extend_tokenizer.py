@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from typing import Any, Iterator, Sequence
+from typing import Any, Container, Iterator, Sequence
 
 from tokenizer.contract import META_FILENAME, SPECIAL_TOKENS, VOCAB_MULTIPLE, fingerprint_dir, write_json
 from tokenizer.corpus import (
@@ -279,7 +279,7 @@ def _train_sp_candidates(proto: Any, docs: Iterator[str], vocab_size: int, seed:
     return [p for _, _, p in pieces]
 
 
-def _splits(token: str, known: dict[str, int]) -> list[tuple[str, str]]:
+def _splits(token: str, known: Container[str]) -> list[tuple[str, str]]:
     return [(token[:k], token[k:]) for k in range(1, len(token)) if token[:k] in known and token[k:] in known]
 
 
@@ -336,9 +336,11 @@ def build_extended_json(tj: dict[str, Any], new_tokens: list[str],
     # Base added tokens (our specials/reserved after the learned pieces) also go into the model vocab at their
     # ids: tokenizers ignores an added token's id when it falls inside the model's id range, so a hole
     # there would move them. No merge ever builds them, so user text still cannot produce them.
+    used = set(vocab.values())
     for t in tj.get("added_tokens", []):
-        if t["content"] not in vocab and t["id"] not in set(vocab.values()):
+        if t["content"] not in vocab and t["id"] not in used:
             vocab[t["content"]] = t["id"]
+            used.add(t["id"])
     for k, t in enumerate(new_tokens):
         vocab[t] = start + k
     known = set(vocab)
@@ -454,11 +456,13 @@ def extend_tokenizer(base_tokenizer_dir: str, data_dir_or_files: str | Sequence[
         raise ValueError("--heldout_every=1 would hold out every document (0 disables the held-out slice)")
     if os.path.exists(output_dir) and os.listdir(output_dir) and not overwrite:
         raise FileExistsError(f"{output_dir} exists and is not empty (pass --overwrite to replace it)")
+    if os.path.abspath(output_dir) == os.path.abspath(base_tokenizer_dir):
+        raise ValueError(f"--out_dir {output_dir} is the base tokenizer directory; write the extension elsewhere")
     kind, tj, proto = load_base(base_tokenizer_dir)
     threads = num_threads or os.cpu_count() or 1
     os.environ.setdefault("RAYON_NUM_THREADS", str(threads))
 
-    found = collect_input_files(data_dir_or_files, file_glob, recursive)
+    found = collect_input_files(data_dir_or_files, file_glob, recursive, exclude_dir=output_dir)
     if not found.files:
         raise no_input_files_error(data_dir_or_files, file_glob)
     corpus = Corpus(found.files, text_fields, strict, heldout_every, heldout_chars, max_train_bytes, seed)
@@ -480,7 +484,7 @@ def extend_tokenizer(base_tokenizer_dir: str, data_dir_or_files: str | Sequence[
             cands: list[tuple[str, tuple[str, str] | None]] = []
             known_so_far = set(base_ids)
             for p in pieces:
-                split = _splits(p, {x: 0 for x in known_so_far}) if len(p) > 1 else []
+                split = _splits(p, known_so_far) if len(p) > 1 else []
                 cands.append((p, split[0] if split else (p[0], p[1:]) if len(p) > 1 else None))
                 known_so_far.add(p)
             learned = len(pieces)
