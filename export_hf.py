@@ -4,7 +4,10 @@ Owns: the command-line bridge from our checkpoints to `transformers.LlamaForCaus
 (config.json + model.safetensors + the tokenizer files). For a run trained with LoRA, the adapters are
 merged into the weights by default; with `--adapters_out_dir` the base weights are exported
 unmerged and the adapters are written in the PEFT layout next to them instead, for
-`peft.PeftModel.from_pretrained(base, adapters_dir)`. Importing goes the other way with
+`peft.PeftModel.from_pretrained(base, adapters_dir)`; a trained embedding / LM head goes into the
+adapters as PEFT `modules_to_save`, and the base is the run's frozen base (for a run that grew the
+vocabulary of a Hugging Face model, that model grown to the run's tokenizer: same vocabulary size,
+new rows as initialised, model/resize.py). Importing goes the other way with
 `--init_from=<HF dir>` in train_my_ddp.py. Must never modify the checkpoint.
 """
 from __future__ import annotations
@@ -28,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     from model import Transformer
     from model.hf_interop import export_hf
     from model.lora import merge_lora, save_lora
-    from train_my_ddp import model_from_checkpoint
+    from train_my_ddp import load_lora_base, model_from_checkpoint
     from utils import checkpoint as ckpt
     from utils.run_config import select_checkpoint
 
@@ -45,8 +48,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if lora and args.adapters_out_dir:
         save_lora(model, args.adapters_out_dir, base_model_name_or_path=os.path.abspath(args.out_dir))
-        base = Transformer(model.cfg)  # the frozen base weights, without the adapters
-        base.load_state_dict({k: v for k, v in model.state_dict().items() if "lora_" not in k})
+        lora_base = ckpt.read_json(os.path.join(found, "trainer_state.json")).get("lora_base")
+        if lora_base:  # the frozen base as the run started (grown to the run's tokenizer when it was)
+            base = load_lora_base(lora_base, found, log=lambda m: None)
+        else:  # the frozen base weights, without the adapters (trained embedding / LM head rows included)
+            base = Transformer(model.cfg)
+            base.load_state_dict({k: v for k, v in model.state_dict().items() if "lora_" not in k})
         model = base
         print(f"export_hf: adapters (PEFT layout) -> {args.adapters_out_dir}")
     elif lora:

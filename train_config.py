@@ -53,6 +53,9 @@ class TrainConfig:
     gradient_checkpointing: bool = _f(False, "recompute each layer in backward to save activation memory")
     fused_kernels: bool = _f(True, "fused RMSNorm/RoPE/SwiGLU/QKV and chunked linear+CE (False = reference paths)")
     compile: bool = _f(False, "torch.compile the model")
+    # ---- what trains
+    trainable: str = _f("all", "all (full fine-tuning; with --lora_rank>0 the adapters) | embeddings (only the "
+                        "embedding and LM head; with --lora_rank>0 those plus the adapters)")
     # ---- LoRA
     lora_rank: int = _f(0, "0 = full fine-tuning; >0 = LoRA adapters of this rank, base frozen")
     lora_alpha: float = _f(16.0, "LoRA scaling numerator")
@@ -115,6 +118,13 @@ class TrainConfig:
                            "measured matmul peak cached in <out_dir>/peak_flops.json: an estimate, MFU shown as mfu~)")
 
 
+def trains_embeddings(run: Any) -> bool:
+    """Whether a run (TrainConfig or its saved config dict) trains the embedding and LM head while
+    freezing the rest: --trainable=embeddings, or LoRA with --lora_train_embeddings=true."""
+    get = run.get if isinstance(run, dict) else lambda k, d=None: getattr(run, k, d)
+    return get("trainable", "all") == "embeddings" or (get("lora_rank", 0) > 0 and bool(get("lora_train_embeddings")))
+
+
 class TrainingError(Exception):
     def __init__(self, msg: str, code: int) -> None:
         super().__init__(msg)
@@ -156,6 +166,7 @@ def validate_config(cfg: TrainConfig) -> None:
     choice("lr_schedule", ("cosine", "linear", "wsd", "constant"))
     choice("dpo_loss", ("sigmoid", "ipo", "hinge"))
     choice("parallel", ("ddp", "fsdp"))
+    choice("trainable", ("all", "embeddings"))
     if cfg.parallel == "fsdp":
         from parallel.fsdp import validate_fsdp_options
         try:
@@ -196,6 +207,9 @@ def validate_config(cfg: TrainConfig) -> None:
     number("dpo_label_smoothing", 0.0, 0.5)
     number("powersgd_min_compression_rate", 0.0)
     number("peak_flops", 0.0, what="must be a finite number >= 0 (0 = measure)")
+    if cfg.lora_train_embeddings and cfg.lora_rank == 0:
+        problems.append("--lora_train_embeddings=true needs --lora_rank>0 (to train only the embedding and LM head, "
+                        "use --trainable=embeddings)")
     if cfg.lora_rank > 0:
         from model.lora import ALL_LINEAR
         targets = [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]

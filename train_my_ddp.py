@@ -166,19 +166,32 @@ def model_from_checkpoint(found: str) -> tuple[Any, dict]:
     from parallel.engine import checkpoint_model_state, load_weights
     run_cfg = ckpt.read_json(os.path.join(found, "config.json"))
     lora_base = ckpt.read_json(os.path.join(found, "trainer_state.json")).get("lora_base")
-    if lora_base:  # a light LoRA checkpoint: the frozen base comes from where the run took it
-        model, _ = load_weights_from(lora_base["source"], log=lambda m: None, flag="the LoRA base of " + found)
+    if lora_base:  # a light checkpoint: the frozen base comes from where the run took it
+        model = load_lora_base(lora_base, found, log=lambda m: None)
     else:
         model = Transformer(ModelConfig.from_dict(ckpt.read_json(os.path.join(found, "model_config.json"))))
-    if run_cfg.get("lora_rank", 0) > 0:
-        from model.lora import apply_lora
-        apply_lora(model, r=run_cfg["lora_rank"], alpha=run_cfg["lora_alpha"], dropout=run_cfg["lora_dropout"],
-                   target_modules=run_cfg["lora_targets"], train_embeddings=run_cfg["lora_train_embeddings"],
-                   train_lm_head=run_cfg["lora_train_embeddings"])
+    select_trainable_for(model, run_cfg)
     if lora_base:
         check_lora_base(model, lora_base, found)
     load_weights(model, checkpoint_model_state(found), partial=bool(lora_base), source=found)
     return model, run_cfg
+
+
+def select_trainable_for(model, run: dict) -> str:
+    """Which parameters a run (its config as a dict) trains; returns the log line's prefix."""
+    from model.lora import select_trainable
+    from train_config import trains_embeddings
+    return select_trainable(model, lora_rank=run.get("lora_rank", 0), lora_alpha=run.get("lora_alpha", 16.0),
+                            lora_dropout=run.get("lora_dropout", 0.0),
+                            lora_targets=run.get("lora_targets", "q_proj,v_proj"),
+                            train_embeddings=trains_embeddings(run))
+
+
+def load_lora_base(lora_base: dict, where: str, log) -> Any:
+    """The frozen base of a light checkpoint, grown to the run's tokenizer when the run grew it."""
+    model, _ = load_weights_from(lora_base["source"], log, flag="the LoRA base of " + where,
+                                 tokenizer_dir=lora_base.get("tokenizer_dir"))
+    return model
 
 
 def check_lora_base(model, lora_base: dict, where: str) -> None:
@@ -189,11 +202,14 @@ def check_lora_base(model, lora_base: dict, where: str) -> None:
                                    "trained on (its fingerprint changed); restore that base, or re-train the adapters")
 
 
-def load_weights_from(path: str, log, flag: str = "--init_from") -> tuple[Any, dict]:
+def load_weights_from(path: str, log, flag: str = "--init_from",
+                      tokenizer_dir: Optional[str] = None) -> tuple[Any, dict]:
     """A model from an HF directory, our run directory, or one of our checkpoint directories.
 
     `flag` names where the path came from in error messages (exit 2 when nothing is there, exit 5
-    when what is there cannot be loaded)."""
+    when what is there cannot be loaded). With `tokenizer_dir`, an HF model is checked against that
+    tokenizer and grown to it when it extends the model's own tokenizer (model/resize.py; exit 2 when
+    it is not an extension)."""
     where = f"{flag}={path}" if flag.startswith("--") else f"{flag} {path}"
     if os.path.isdir(path) and _is_hf_dir(path):
         from model.hf_interop import import_hf
@@ -202,7 +218,19 @@ def load_weights_from(path: str, log, flag: str = "--init_from") -> tuple[Any, d
         except (ValueError, OSError, KeyError) as e:
             raise TrainingError(f"{where}: cannot import the Hugging Face model ({e})", EXIT_BAD_CHECKPOINT) from e
         log(f"[init] imported Hugging Face model from {path}")
-        return model, {"source": path, "kind": "hf"}
+        info = {"source": path, "kind": "hf"}
+        if tokenizer_dir:
+            from model.resize import VocabMismatch, resize_to_tokenizer
+            try:
+                grown = resize_to_tokenizer(model, path, tokenizer_dir)
+            except VocabMismatch as e:
+                raise TrainingError(f"{where} with --tokenizer_dir={tokenizer_dir}: {e}", EXIT_BAD_CONFIG) from e
+            if grown["new_vocab"] > grown["old_vocab"]:
+                info["resized"] = dict(grown, tokenizer_dir=os.path.abspath(tokenizer_dir))
+                log(f"[init] vocabulary {grown['old_vocab']} -> {grown['new_vocab']} for {tokenizer_dir}: "
+                    f"{grown['from_pieces']} new rows from the mean of their base pieces, {grown['mean_of_all']} "
+                    "(specials, reserved) from the mean of all rows; old rows unchanged")
+        return model, info
     found = ckpt.resolve_checkpoint_dir(path, log=log) if os.path.isdir(path) else None
     if found is None:
         raise TrainingError(f"{where}: no complete checkpoint or Hugging Face model there", EXIT_BAD_CONFIG)
@@ -420,15 +448,15 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
     if resume_dir is not None:
         saved_state = ckpt.read_json(os.path.join(resume_dir, "trainer_state.json"))
         init_info = saved_state.get("init_info", init_info)
-        if saved_state.get("lora_base"):  # a light LoRA checkpoint: rebuild the frozen base first
-            model, _ = load_weights_from(saved_state["lora_base"]["source"], log, flag="the LoRA base of " + resume_dir)
+        if saved_state.get("lora_base"):  # a light checkpoint: rebuild the frozen base first
+            model = load_lora_base(saved_state["lora_base"], resume_dir, log)
         else:
             try:
                 model = Transformer(ModelConfig.from_dict(ckpt.read_json(os.path.join(resume_dir, "model_config.json"))))
             except ValueError as e:
                 raise TrainingError(f"checkpoint {resume_dir}: {e}", EXIT_BAD_CHECKPOINT) from e
     elif init_from != "scratch":
-        model, init_info = load_weights_from(init_from, log, flag=init_flag)
+        model, init_info = load_weights_from(init_from, log, flag=init_flag, tokenizer_dir=cfg.tokenizer_dir)
     else:
         try:
             model_cfg = new_model_config(cfg, tok_meta)
@@ -441,30 +469,34 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
                                            "started_at": time.time()})
     mcfg = model.cfg
     if mcfg.vocab_size < int(tok_meta["vocab_size"]):
-        raise TrainingError(f"model vocab {mcfg.vocab_size} < tokenizer vocab {tok_meta['vocab_size']}", EXIT_BAD_CONFIG)
+        hint = ("; to grow the vocabulary to an extended tokenizer, start from a Hugging Face directory holding the "
+                "model's own tokenizer (export this one with export_hf.py)" if init_info["kind"] == "ours" else "")
+        raise TrainingError(f"model vocab {mcfg.vocab_size} < tokenizer vocab {tok_meta['vocab_size']}{hint}",
+                            EXIT_BAD_CONFIG)
 
-    if cfg.lora_rank > 0:
-        from model.lora import apply_lora, trainable_parameters
-        try:
-            apply_lora(model, r=cfg.lora_rank, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
-                       target_modules=cfg.lora_targets, train_embeddings=cfg.lora_train_embeddings,
-                       train_lm_head=cfg.lora_train_embeddings)
-        except ValueError as e:
-            raise TrainingError(f"--lora_*: {e}", EXIT_BAD_CONFIG) from e
-        c = trainable_parameters(model)
-        log(f"[lora] rank {cfg.lora_rank} on {cfg.lora_targets}: {c['trainable']:,} trainable of "
-            f"{c['total']:,} parameters ({c['percent']:.2f}%)")
-    # Light LoRA checkpoints: only the trainable tensors + a reference to the frozen base (path and
-    # fingerprint), when the base is a file the checkpoint can point at (not random weights; not fsdp,
-    # whose sharded checkpoints are written without gathering anyway).
+    from model.lora import trainable_parameters
+    try:
+        what = select_trainable_for(model, dataclasses.asdict(cfg))
+    except ValueError as e:
+        raise TrainingError(f"--lora_*: {e}", EXIT_BAD_CONFIG) from e
+    c = trainable_parameters(model)
+    log(f"{what}: {c['trainable']:,} trainable of {c['total']:,} parameters ({c['percent']:.2f}%)")
+    # Light checkpoints (LoRA or --trainable=embeddings): only the trainable tensors + a reference to the
+    # frozen base (path, fingerprint, and the tokenizer it was grown to), when the base is a file the
+    # checkpoint can point at (not random weights; not fsdp, whose sharded checkpoints are written
+    # without gathering anyway). A grown base is re-derived deterministically (model/resize.py); the
+    # fingerprint covers its frozen rows.
     lora_base = None
-    if cfg.lora_rank > 0 and cfg.parallel == "ddp" and init_info["kind"] in ("ours", "hf"):
+    frozen_base = cfg.lora_rank > 0 or cfg.trainable == "embeddings"
+    if frozen_base and cfg.parallel == "ddp" and init_info["kind"] in ("ours", "hf"):
         from parallel.engine import base_fingerprint
         if resume_dir is not None and saved_state.get("lora_base"):
             lora_base = saved_state["lora_base"]
             check_lora_base(model, lora_base, resume_dir)
         elif resume_dir is None:
             lora_base = {"source": os.path.abspath(init_info["source"]), "fingerprint": base_fingerprint(model)}
+            if init_info.get("resized"):
+                lora_base["tokenizer_dir"] = init_info["resized"]["tokenizer_dir"]
             log(f"[lora] checkpoints hold the trainable tensors only; the frozen base is {lora_base['source']} "
                 f"(sha256 {lora_base['fingerprint'][:12]})")
 
@@ -474,7 +506,8 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
         if ref_src == "scratch":
             raise TrainingError("--task_type=dpo needs a frozen reference model, and this run started from scratch: "
                                 "pass --ref_model=<run, checkpoint or Hugging Face dir>", EXIT_BAD_CONFIG)
-        ref_model, _ = load_weights_from(ref_src, log, flag="--ref_model" if cfg.ref_model else "reference model")
+        ref_model, _ = load_weights_from(ref_src, log, flag="--ref_model" if cfg.ref_model else "reference model",
+                                         tokenizer_dir=cfg.tokenizer_dir)
         init_info["ref_source"] = ref_src
         ref_model.requires_grad_(False).eval()
 

@@ -1,7 +1,8 @@
 """LoRA: low-rank adapters on chosen linear layers, saved in the PEFT layout.
 
 Owns: `apply_lora` (wrap linears by name suffix, freeze the rest, optionally keep the embedding and
-the LM head trainable), `trainable_parameters` (the report), `merge_lora` (fold adapters into the
+the LM head trainable), `train_only_embeddings`, `select_trainable` (the trainer's choice among full
+fine-tuning, embeddings only, LoRA, LoRA + embeddings), `trainable_parameters` (the report), `merge_lora` (fold adapters into the
 weights and unwrap), `lora_state_dict` / `save_lora` (adapter_config.json + adapter_model.safetensors
 with PEFT key names, loadable by `peft.PeftModel.from_pretrained` on the model written by
 model.hf_interop.export_hf) and `load_lora`.
@@ -96,6 +97,34 @@ def apply_lora(model: nn.Module, r: int = 8, alpha: float = 16.0, dropout: float
     model.lora_config = {"r": r, "lora_alpha": alpha, "lora_dropout": dropout,
                          "target_modules": sorted(set(targets)), "modules_to_save": modules_to_save or None}
     return model
+
+
+def train_only_embeddings(model: nn.Module) -> nn.Module:
+    """Freeze everything but the embedding and the LM head (continued pretraining on a new vocabulary,
+    first stage), with no adapters."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.embed_tokens.weight.requires_grad_(True)
+    model.lm_head.weight.requires_grad_(True)
+    return model
+
+
+def select_trainable(model: nn.Module, lora_rank: int = 0, lora_alpha: float = 16.0, lora_dropout: float = 0.0,
+                     lora_targets: Union[str, Iterable[str]] = ("q_proj", "v_proj"),
+                     train_embeddings: bool = False) -> str:
+    """Set which parameters train, and say so: full fine-tuning (everything), the embedding + LM head
+    only, LoRA adapters, or adapters + embedding + LM head. Returns a description for the log line."""
+    if lora_rank > 0:
+        apply_lora(model, r=lora_rank, alpha=lora_alpha, dropout=lora_dropout, target_modules=lora_targets,
+                   train_embeddings=train_embeddings, train_lm_head=train_embeddings)
+        names = lora_targets if isinstance(lora_targets, str) else ",".join(lora_targets)
+        return f"[lora] rank {lora_rank} on {names}{' + embedding and LM head' if train_embeddings else ''}"
+    if train_embeddings:
+        train_only_embeddings(model)
+        return "[trainable] embedding and LM head only"
+    for p in model.parameters():
+        p.requires_grad_(True)
+    return "[trainable] full fine-tuning"
 
 
 def trainable_parameters(model: nn.Module) -> dict:
