@@ -55,6 +55,9 @@ class SFTDataset(Dataset):
             self._ids: Any = None
             self._labels: Any = None
         else:
+            if os.path.isdir(path) and os.path.exists(os.path.join(path, "dpo_meta.json")):
+                raise DataError(f"{path} holds pretokenized DPO pairs, not SFT samples (--task_type=dpo, or "
+                                "pretokenize the records with data_preprocess.pretokenize_sft_data)")
             if tokenizer_dir is None or max_seq_len is None:
                 raise DataError(f"{path}: no sft_meta.json; raw records need tokenizer_dir and max_seq_len")
             from data_preprocess.pretokenize_sft_data import tokenize_sft_files

@@ -138,8 +138,8 @@ def test_dpo_bad_records_counted_and_strict(tmp_path, tiny_pretrain_data):
 
     cmd = [PY, "-m", "data_preprocess.pretokenize_dpo_data", f"--data_dir={src}", f"--tokenizer_dir={tok}",
            "--max_seq_len=48", "--num_workers=1"]
-    strict = subprocess.run([*cmd, "--strict", f"--out_dir={tmp_path / 's'}"], capture_output=True, text=True,
-                            cwd=ROOT, env=_env())
+    strict = subprocess.run([*cmd, "--strict", "--num_workers=2", f"--out_dir={tmp_path / 's'}"],
+                            capture_output=True, text=True, cwd=ROOT, env=_env())
     assert strict.returncode == EXIT_BAD_DATA and "p.jsonl:2: malformed JSON" in strict.stderr, strict.stderr
     only_bad = tmp_path / "only_bad.jsonl"
     _jsonl(only_bad, [{"prompt": "x"}, b"nope"])
@@ -160,6 +160,9 @@ def test_dpo_bad_records_counted_and_strict(tmp_path, tiny_pretrain_data):
     (tmp_path / "sftlike" / "sft_meta.json").write_text("{}")
     with pytest.raises(DataError, match="pretokenized SFT"):
         DPODataset(str(tmp_path / "sftlike"), tok, 48)
+    from dataset.dataset_sft import SFTDataset
+    with pytest.raises(DataError, match="pretokenized DPO"):  # and the other way round
+        SFTDataset(str(tmp_path / "out"), tok, 48)
 
 
 def test_one_and_two_workers_write_identical_files(tmp_path, tiny_pretrain_data):
