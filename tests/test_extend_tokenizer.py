@@ -122,6 +122,9 @@ def test_loads_plainly_and_keeps_specials_and_chat_template(extended, name):
             assert getattr(tok, f"{attr}_id") == getattr(base, f"{attr}_id")
     assert set(base.all_special_tokens) <= set(tok.all_special_tokens)
     assert tok.chat_template == base.chat_template and tok.chat_template
+    text = "光合作用 photosynthesis"
+    added = tok(text).input_ids[:len(tok(text).input_ids) - len(encode_texts(tok, [text])[0])]
+    assert added == base(text).input_ids[:len(base(text).input_ids) - len(encode_texts(base, [text])[0])]
     msgs = [{"role": "user", "content": "光合作用是什么？"}, {"role": "assistant", "content": "植物利用光能。"}]
     assert tok.apply_chat_template(msgs, tokenize=False) == base.apply_chat_template(msgs, tokenize=False)
 
