@@ -150,3 +150,17 @@ def test_export_grown_model_and_tokenizer_to_hf_and_peft(cpt, lora_run, tmp_path
         pm = PeftModel.from_pretrained(base, str(ad_dir)).eval()
         torch.testing.assert_close(pm(input_ids=x).logits, want, rtol=1e-4, atol=1e-4)
     assert not torch.allclose(base_logits, want, atol=1e-3)  # the adapters (and trained rows) matter
+
+
+def test_a_tokenizer_that_does_not_extend_the_model_is_a_clear_error(cpt, tiny_pretrain_data, tmp_path):
+    """exit 2, one line, before any training: never a silent resize."""
+    from model.hf_interop import export_hf
+    bare = export_hf(tiny_model(BASE_VOCAB), str(tmp_path / "no_tok"))  # no tokenizer files
+    cases = [([f"--tokenizer_dir={tiny_pretrain_data['tokenizer_dir']}"], "in the tokenizer but"),
+             ([f"--init_from={bare}"], "holds no tokenizer files")]
+    for i, (flags, msg) in enumerate(cases):
+        proc = subprocess.run(train_cmd([*cpt["args"], *flags, "--max_iters=1", f"--out_dir={tmp_path / str(i)}"]),
+                              cwd=ROOT, capture_output=True, text=True, env=_env())
+        err = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(err) == 1 and msg in err[0], proc.stderr[-2000:]
+        assert err[0].startswith("[rank 0] error: --init_from=")
