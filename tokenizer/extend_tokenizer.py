@@ -285,12 +285,12 @@ def _splits(token: str, known: Container[str]) -> list[tuple[str, str]]:
 
 def select_new_tokens(candidates: list[tuple[str, tuple[str, str] | None]], vocab: dict[str, int],
                       forbidden: set[str], n: int) -> list[str]:
-    """Up to n candidates the base lacks, in order, each reachable: its characters/parts already known.
+    """Up to n candidates the base lacks, in order, each reachable from its characters.
 
-    ``candidates`` are (token, primary merge or None) in learned order. A multi-character token is taken
-    only when some split of it into two known tokens exists (its primary merge's parts, which were
-    learned before it, or any other split); a part missing from the base is taken first when it is a
-    single character (then it costs one of the n)."""
+    ``candidates`` are (token, primary merge or None) in learned order. Characters of a token that are not
+    known yet are taken first (each costs one of the n; the token is skipped if they do not fit); then a
+    multi-character token is taken only when some split of it into two known tokens exists (its learned
+    merge's parts came before it). Tokens spelled like a base added token or a byte piece are never taken."""
     known = dict(vocab)
     chosen: list[str] = []
 
