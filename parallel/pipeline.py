@@ -338,7 +338,7 @@ class PipelineEngine:
         self._check_shapes(mbs)
         units = int(sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in mbs))
         if global_units is None:
-            t = torch.tensor([float(units)], dtype=torch.float64)
+            t = torch.tensor([float(units)], dtype=torch.float64, device=self.stage.device)  # nccl: on the device
             if self.dp_size > 1:
                 dist.all_reduce(t, group=self.dp_group)
             global_units = float(t.item())
@@ -402,7 +402,7 @@ class PipelineEngine:
 
     def _broadcast_loss(self, out: Optional[torch.Tensor]) -> float:
         """The last stage's merged per-micro-batch loss sums, summed, on every stage of the pp group."""
-        loss = torch.zeros(1, dtype=torch.float64)
+        loss = torch.zeros(1, dtype=torch.float64, device=self.stage.device)
         if self.is_last:
             loss[0] = float(out.detach().double().sum())
         if self.pp_size > 1:
@@ -569,6 +569,7 @@ def build_pipeline_engine(model: Transformer, config: OptimizerConfig, *, pp_siz
                               overlap_optim_step=config.overlap_optim_step)
     if device is None:
         device = next(model.parameters()).device
+    device = torch.device(device)
     if mesh is None:
         mesh = build_pp_dp_mesh(pp_size, device.type)
     if mesh.ndim != 2 or tuple(mesh.mesh_dim_names or ()) != ("pp", "dp") or mesh.size(0) != pp_size:
@@ -577,6 +578,7 @@ def build_pipeline_engine(model: Transformer, config: OptimizerConfig, *, pp_siz
     pp_group, dp_group = mesh.get_group("pp"), mesh.get_group("dp")
     stage_index = dist.get_rank(pp_group)
     stage_module = pipeline_stage_module(model, stage_index, pp_size, allow_uneven_split)
+    stage_module.to(device)  # only this stage: the full model may be built (or loaded) on the CPU
     if dp_engine == "fsdp":
         from parallel.fsdp import validate_fsdp_options
         validate_fsdp_options(use_distributed_optimizer=config.use_distributed_optimizer,

@@ -2,7 +2,7 @@
 + our DDP on the dp dimension, against one process training the same model on the same global batch.
 
 Two spawns write what they measured to files that the tests below check:
-  - 2 processes, pp=2 x dp=1: GPipe and 1F1B, 3 steps each (accumulation 2 = 2 micro-batches,
+  - 2 processes, pp=2 x dp=1: GPipe and 1F1B (with activation checkpointing), 3 steps each (accumulation 2 = 2 micro-batches,
     clipping active); 1F1B saves per stage after step 2 and a freshly built engine (another init)
     loads it and redoes step 3, which must be bit-identical;
   - 4 processes, pp=2 x dp=2 (GPipe, unsharded optimizer; and 1F1B with ZeRO-1): 3 steps.
@@ -27,14 +27,14 @@ VOCAB, SEQ, GLOBAL_B, GAS, STEPS = 64, 8, 4, 2, 3
 OPT = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, grad_clip=0.3)
 
 
-def _cfg(n_layers: int = 4, tied: bool = False) -> ModelConfig:
+def _cfg(n_layers: int = 4, tied: bool = False, ckpt: bool = False) -> ModelConfig:
     return ModelConfig(vocab_size=VOCAB, dim=16, n_layers=n_layers, n_heads=2, multiple_of=16, max_seq_len=16,
-                       tie_embeddings=tied)
+                       tie_embeddings=tied, gradient_checkpointing=ckpt)
 
 
-def _new_model(seed: int = 0) -> Transformer:
+def _new_model(seed: int = 0, ckpt: bool = False) -> Transformer:
     torch.manual_seed(seed)
-    return Transformer(_cfg())
+    return Transformer(_cfg(ckpt=ckpt))
 
 
 def _global_batches(step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -89,9 +89,9 @@ def reference():
 
 # ------------------------------------------------------------------------------ workers
 
-def _build(schedule: str, seed: int = 0, zero: bool = False, dp_engine: str = "ddp", **kw):
+def _build(schedule: str, seed: int = 0, zero: bool = False, dp_engine: str = "ddp", ckpt: bool = False, **kw):
     from parallel.pipeline import build_pipeline_engine
-    return build_pipeline_engine(_new_model(seed), OptimizerConfig(**OPT, use_distributed_optimizer=zero),
+    return build_pipeline_engine(_new_model(seed, ckpt), OptimizerConfig(**OPT, use_distributed_optimizer=zero),
                                  pp_size=2, n_microbatches=GAS, schedule=schedule, dp_engine=dp_engine, **kw)
 
 
@@ -144,14 +144,15 @@ def _worker_pp2(rank: int, world: int, tmp: str) -> None:
         json.dump(errors, f)
     del eng
 
-    # 1F1B: 2 steps, save per stage, 3rd step; then a fresh engine (another init) loads and redoes step 3
-    eng = _build("1f1b")
+    # 1F1B with activation checkpointing: 2 steps, save per stage, 3rd step; then a fresh engine
+    # (another init) loads and redoes step 3
+    eng = _build("1f1b", ckpt=True)
     res = [_step(eng, s) for s in (1, 2)]
     eng.save(os.path.join(tmp, "ckpt_1f1b"))
     res.append(_step(eng, 3))
     _record(tmp, "1f1b", eng, [r[0] for r in res], [r[1] for r in res])
     del eng
-    eng = _build("1f1b", seed=123)
+    eng = _build("1f1b", seed=123, ckpt=True)
     eng.load(os.path.join(tmp, "ckpt_1f1b"))
     res = [_step(eng, 3)]
     _record(tmp, "1f1b_resumed", eng, [r[0] for r in res], [r[1] for r in res])
