@@ -284,7 +284,7 @@ def test_heldout_documents_are_never_trained_on(tmp_path):
 def test_cli_success_with_output_dir_alias(bases, zh_corpus, tmp_path, capsys):
     out = tmp_path / "ext"
     rc = main([f"--base_tokenizer_dir={bases['ours_hf_bbpe']}", f"--data_dir={zh_corpus}",
-               "--num_new_tokens=64", f"--output_dir={out}", "--text_fields=text", "--max_train_bytes=200k"])
+               "--num_new_tokens=64", f"--output_dir={out}", "--text_fields=text", "--max_train_bytes=60k"])
     assert rc == 0
     printed = capsys.readouterr().out
     line = next(ln for ln in printed.splitlines() if ln.startswith("held-out tokens/char"))
@@ -293,7 +293,9 @@ def test_cli_success_with_output_dir_alias(bases, zh_corpus, tmp_path, capsys):
     with open(out / META_FILENAME) as f:
         meta = json.load(f)
     assert meta["extension"]["num_new_tokens"] == 64 and meta["vocab_size"] % 64 == 0
-    assert meta["training"]["max_train_bytes"] == 200_000
+    t = meta["training"]
+    assert t["max_train_bytes"] == 60_000 and t["train_documents"] == 72 and t["heldout_documents"] == 8
+    assert 0 < t["sampled_documents"] < 72 and t["sampled_characters"] < 60_000  # a bounded sample was trained on
 
 
 def _err(caplog):

@@ -149,6 +149,7 @@ class Corpus:
         self.stats = SkipStats(strict=strict)
         self.heldout: list[str] = []
         self.train_docs = self.train_bytes = self.heldout_docs = 0
+        self.sampled_docs = self.sampled_chars = 0  # of the last training pass
         held_chars = 0
         for i, (text, nbytes) in enumerate(self._docs(self.stats)):  # pass 1: count, collect held-out text
             if self._held(i):
@@ -178,11 +179,14 @@ class Corpus:
             k = max(1, min(n, round(n * self.max_train_bytes / self.train_bytes)))
         rng = random.Random(self.seed)
         taken = seen = 0
+        self.sampled_docs = self.sampled_chars = 0
         for i, (text, _) in enumerate(self._docs(quiet)):
             if self._held(i):
                 continue
             if k == n or (n - seen) * rng.random() < (k - taken):
                 taken += 1
+                self.sampled_docs += 1
+                self.sampled_chars += len(text)
                 yield text
             seen += 1
             if taken >= k:
@@ -510,6 +514,7 @@ def extend_tokenizer(base_tokenizer_dir: str, data_dir_or_files: str | Sequence[
         "files": [os.path.abspath(f) for f in found.files], "text_fields": list(text_fields),
         "max_train_bytes": max_train_bytes, "seed": seed, "min_frequency": min_frequency,
         "train_documents": corpus.train_docs, "heldout_documents": corpus.heldout_docs,
+        "sampled_documents": corpus.sampled_docs, "sampled_characters": corpus.sampled_chars,
         "heldout_every": heldout_every, "seconds": round(time.time() - t0, 2), **corpus.stats.summary(),
     }
     meta = _save(base_tokenizer_dir, output_dir, kind, tj, proto, ext, ext_str, new_tokens, reserved,
