@@ -34,8 +34,6 @@ has written, write into a live checkpoint directory, or read a checkpoint with p
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import pickle
 import shutil
@@ -49,6 +47,8 @@ import torch.nn as nn
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
+
+from utils.checkpoint import _fsync_dir, _sha256, read_json, write_json
 
 DCP_FORMAT = 1
 COMPLETE_MARKER = "COMPLETE"
@@ -68,39 +68,10 @@ def step_dir_name(step: int) -> str:
 
 
 # ---------------------------------------------------------------------------- small file helpers
+# (the same fsync / JSON / hash conventions as utils/checkpoint.py, whose manifests these directories share)
 
 def _fsync_path(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems refuse fsync on directories; the rename is still atomic
-        pass
-    finally:
-        os.close(fd)
-
-
-def _write_json(path: str, obj: Any) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, ensure_ascii=False, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _read_json(path: str) -> Any:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    _fsync_dir(path)  # tolerates filesystems that refuse fsync on directories
 
 
 # ---------------------------------------------------------------------------- restricted metadata reader
@@ -243,16 +214,16 @@ def save_dcp_checkpoint(ckpt_root: str, step: int, model: nn.Module, optimizer=N
         for name, obj in (json_files or {}).items():
             if os.sep in name or name in (MANIFEST, DCP_MANIFEST, COMPLETE_MARKER) or not name.endswith(".json"):
                 raise ValueError(f"json_files: {name!r} must be a plain *.json file name")
-            _write_json(os.path.join(tmp, name), obj)
+            write_json(os.path.join(tmp, name), obj)
         files = {n: os.path.getsize(os.path.join(tmp, n)) for n in sorted(os.listdir(tmp))}
-        _write_json(os.path.join(tmp, DCP_MANIFEST), {
+        write_json(os.path.join(tmp, DCP_MANIFEST), {
             "format": DCP_FORMAT, "engine": "fsdp", "step": int(step), "world_size": world,
             "saved_at": time.time(), "files": files, "optimizer": scalars,
             "model_keys": sum(1 for k in flat if k.startswith(_MODEL))})
         manifest = {n: {"bytes": os.path.getsize(os.path.join(tmp, n)), "sha256": _sha256(os.path.join(tmp, n))}
                     for n in sorted(os.listdir(tmp))}
-        _write_json(os.path.join(tmp, MANIFEST), manifest)
-        _write_json(os.path.join(tmp, COMPLETE_MARKER), {"step": int(step)})
+        write_json(os.path.join(tmp, MANIFEST), manifest)
+        write_json(os.path.join(tmp, COMPLETE_MARKER), {"step": int(step)})
         _fsync_path(tmp)
         if os.path.exists(final):  # re-saving a step (after a resume): move the old one aside first
             trash = final + f".old.{os.getpid()}"
@@ -275,8 +246,8 @@ def check_dcp_checkpoint(ckpt_dir: str, check_hashes: bool = False) -> Optional[
     if not os.path.isfile(os.path.join(ckpt_dir, COMPLETE_MARKER)):
         return "no COMPLETE marker (save was interrupted)"
     try:
-        manifest = _read_json(os.path.join(ckpt_dir, MANIFEST))
-        meta = _read_json(os.path.join(ckpt_dir, DCP_MANIFEST))
+        manifest = read_json(os.path.join(ckpt_dir, MANIFEST))
+        meta = read_json(os.path.join(ckpt_dir, DCP_MANIFEST))
     except (OSError, ValueError) as e:
         return f"unreadable manifest ({e})"
     if meta.get("format") != DCP_FORMAT:
@@ -322,7 +293,7 @@ def load_dcp_checkpoint(ckpt_dir: str, model: nn.Module, optimizer=None) -> dict
     problem = check_dcp_checkpoint(ckpt_dir)
     if problem is not None:
         raise DCPCheckpointError(f"checkpoint {ckpt_dir} is not usable: {problem}")
-    meta = _read_json(os.path.join(ckpt_dir, DCP_MANIFEST))
+    meta = read_json(os.path.join(ckpt_dir, DCP_MANIFEST))
     model = _unwrap(model)
     group = _mesh_group(model)
     md = read_dcp_metadata(ckpt_dir)

@@ -397,3 +397,22 @@ def test_module_runs_as_a_command(bases, zh_corpus, tmp_path):
                            f"--out_dir={out}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and "is the base tokenizer directory" in proc.stderr
     assert (out / "tokenizer.model").exists()  # the base was not replaced
+
+
+@pytest.mark.parametrize("name", BASES)
+def test_extended_dir_loads_through_the_project_loader(extended, name):
+    """load_tokenizer_meta (used by the trainer and sample.py) accepts an extended directory."""
+    from tokenizer import load_tokenizer_meta
+    meta = load_tokenizer_meta(extended[name]["dir"])
+    assert meta["vocab_size"] == extended[name]["meta"]["vocab_size"]
+
+
+def test_extended_meta_contract_rules():
+    from tokenizer.contract import check_meta
+    meta = {"vocab_size": 640, "special_tokens": {"bos": {"token": "<s>", "id": 1}},
+            "extension": {"base_vocab_size": 600, "new_token_ids": [600, 630]}}
+    check_meta(meta)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        check_meta(dict(meta, vocab_size=630))
+    with pytest.raises(ValueError, match="do not follow"):
+        check_meta(dict(meta, extension={"base_vocab_size": 600, "new_token_ids": [500, 630]}))

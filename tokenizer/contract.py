@@ -84,7 +84,23 @@ def build_meta(tokenizer_type: str, learned_vocab_size: int, token_to_id: dict[s
 
 
 def check_meta(meta: dict[str, Any]) -> None:
-    """Raise ValueError if a meta dict breaks the contract (ids right after the learned vocabulary)."""
+    """Raise ValueError if a meta dict breaks the contract (ids right after the learned vocabulary).
+
+    An extended tokenizer (tokenizer/extend_tokenizer.py, meta with an "extension" section) keeps the
+    base's ids wherever the base put its specials, so for it the rule is: vocab_size a multiple of 64,
+    every special it lists inside the vocabulary, and the new ids after the base's."""
+    if "extension" in meta:
+        vocab = int(meta["vocab_size"])
+        if vocab % VOCAB_MULTIPLE:
+            raise ValueError(f"vocab_size {vocab} is not a multiple of {VOCAB_MULTIPLE}")
+        for key, entry in meta["special_tokens"].items():
+            if not 0 <= int(entry["id"]) < vocab:
+                raise ValueError(f"special token {key}: id {entry['id']} outside the vocabulary of {vocab}")
+        lo, hi = meta["extension"]["new_token_ids"]
+        if not int(meta["extension"]["base_vocab_size"]) <= lo <= hi <= vocab:
+            raise ValueError(f"extension: new ids [{lo}, {hi}) do not follow the base's "
+                             f"{meta['extension']['base_vocab_size']} ids inside the vocabulary of {vocab}")
+        return
     learned = int(meta["learned_vocab_size"])
     if meta["vocab_size"] != padded_vocab_size(learned):
         raise ValueError(f"vocab_size {meta['vocab_size']} != padded({learned})")
