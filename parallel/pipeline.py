@@ -1,10 +1,10 @@
-"""Pipeline parallelism (pp x dp) on `torch.distributed.pipelining`, with our DDP on the dp dimension.
+"""Pipeline parallelism (pp x dp) on `torch.distributed.pipelining`; our DDP (or ZeRO) or FSDP2 on dp.
 
 Owns: splitting the Transformer's layers into P stages (`split_layers`, `pipeline_stage_module`: the
 first stage holds `embed_tokens`, the last `norm` + `lm_head` and computes the chunked linear+CE loss
 itself), the `PipelineStage` + schedule (`ScheduleGPipe` / `Schedule1F1B`, by name) of this rank,
 the 2-D DeviceMesh ("pp", "dp"), wrapping each stage in our DistributedDataParallel over the dp
-sub-group, an optimizer whose global-norm clip and overflow decision span ALL stages (the squared
+sub-group (or fully_shard over the dp sub-mesh), an optimizer whose global-norm clip and overflow decision span ALL stages (the squared
 norm is all-reduced over the pp group too), per-stage checkpoints, and merging them into one full
 state dict with the model's own key names (for export).
 
@@ -18,7 +18,7 @@ Must never: normalise the loss other than by the global target-token count (sum 
 and dp replicas; ranks of one pp group hold the same data and are counted once), clip with a norm
 that misses another stage's parameters (trap 8), or silently accept a layout it cannot run (tied
 embeddings across stages, a layer count that does not split, fewer micro-batches than 1F1B needs,
-FSDP on the dp dimension, DPO batches).
+micro-batch shapes that change, DPO batches).
 """
 from __future__ import annotations
 
@@ -123,7 +123,8 @@ class PipelineStageModule(nn.Module):
             loss = linear_cross_entropy(h, self.lm_head.weight, labels, "sum", self.cfg.loss_chunk_size)
         else:
             loss = linear_cross_entropy_ref(h, self.lm_head.weight, labels, "sum")
-        return torch.stack([loss.float()])  # [1] (not a view), so the schedule can merge the micro-batches' sums along dim 0
+        # [1] (and not a view of the 0-d loss): the schedule merges the micro-batches' sums along dim 0
+        return torch.stack([loss.float()])
 
 
 def pipeline_stage_module(model: Transformer, stage_index: int, num_stages: int,
@@ -161,7 +162,8 @@ class _AcrossStagesMixin:
         bad = super()._non_finite_anywhere(local_sumsq)  # type: ignore[misc]
         if self.pp_size == 1:
             return bad
-        flag = torch.tensor([1.0 if bad else 0.0], dtype=torch.float32, device=self._device())  # type: ignore[attr-defined]
+        dev = self._device()  # type: ignore[attr-defined]
+        flag = torch.tensor([1.0 if bad else 0.0], dtype=torch.float32, device=dev)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.pp_group)
         return bool(flag.item() > 0)
 
@@ -325,7 +327,8 @@ class PipelineEngine:
         # the fp16 loss scale on top.
         return self.optimizer.scale_loss(output.sum() * self._loss_mult)
 
-    def forward_backward(self, micro_batches: Sequence[dict], global_units: Optional[float] = None) -> PipelineStepOutput:
+    def forward_backward(self, micro_batches: Sequence[dict],
+                         global_units: Optional[float] = None) -> PipelineStepOutput:
         """Run the schedule over this dp replica's micro-batches (every rank of a pp group passes the
         same ones; the first stage reads input_ids, the last labels, all of them attention_mask /
         position_ids). Gradients accumulate (DDP no_sync) and are reduced over dp in optimizer.step().

@@ -2,10 +2,12 @@
 + our DDP on the dp dimension, against one process training the same model on the same global batch.
 
 Two spawns write what they measured to files that the tests below check:
-  - 2 processes, pp=2 x dp=1: GPipe and 1F1B (with activation checkpointing), 3 steps each (accumulation 2 = 2 micro-batches,
-    clipping active); 1F1B saves per stage after step 2 and a freshly built engine (another init)
-    loads it and redoes step 3, which must be bit-identical;
-  - 4 processes, pp=2 x dp=2 (GPipe, unsharded optimizer; and 1F1B with ZeRO-1): 3 steps.
+  - 2 processes, pp=2 x dp=1: GPipe and 1F1B (with activation checkpointing), 3 steps each
+    (accumulation 2 = 2 micro-batches, clipping active); GPipe then runs a forward-only pass and a
+    4th step; 1F1B saves per stage after step 2 and a freshly built engine (another init) loads it
+    and redoes step 3, which must be bit-identical;
+  - 4 processes, pp=2 x dp=2: our DDP + GPipe, ZeRO-1 + 1F1B, FSDP + 1F1B (with the same
+    save -> fresh engine -> load -> step 3 resume check): 3 steps.
 Parameters are compared with one process (torch AdamW + clip_grad_norm_, loss = sum / target
 tokens) to 1e-5, and so are the per-step losses and global gradient norms (the norm must include
 BOTH stages' parameters).
