@@ -120,7 +120,10 @@ def resize_to_tokenizer(model: nn.Module, base_tokenizer_dir: str, tokenizer_dir
     and `base_tokenizer_dir` holds no tokenizer to split the new tokens with.
     """
     model_vocab = int(model.cfg.vocab_size)
-    new_tok = load_any_tokenizer(tokenizer_dir)
+    try:
+        new_tok = load_any_tokenizer(tokenizer_dir)
+    except (OSError, ValueError, ImportError) as e:
+        raise VocabMismatch(f"cannot load the tokenizer in {tokenizer_dir} ({' '.join(str(e).split())})") from e
     if not has_tokenizer(base_tokenizer_dir):
         if len(new_tok) > model_vocab:
             raise VocabMismatch(f"the tokenizer has {len(new_tok)} tokens, more than the model's {model_vocab}, and "
@@ -128,7 +131,14 @@ def resize_to_tokenizer(model: nn.Module, base_tokenizer_dir: str, tokenizer_dir
                                 "to check the base ids and split the new tokens with")
         return {"old_vocab": model_vocab, "new_vocab": model_vocab, "from_pieces": 0, "mean_of_all": 0,
                 "checked": 0}
-    base_tok = load_any_tokenizer(base_tokenizer_dir)
+    try:
+        base_tok = load_any_tokenizer(base_tokenizer_dir)
+    except (OSError, ValueError, ImportError) as e:
+        if len(new_tok) > model_vocab:
+            raise VocabMismatch(f"cannot load the model's own tokenizer in {base_tokenizer_dir} to check the base "
+                                f"ids and split the new tokens with ({' '.join(str(e).split())})") from e
+        return {"old_vocab": model_vocab, "new_vocab": model_vocab, "from_pieces": 0, "mean_of_all": 0,
+                "checked": 0}  # nothing to grow: an unreadable base tokenizer is not this run's problem
     checked = check_base_ids(base_tok, new_tok, model_vocab)
     pieces = new_token_pieces(base_tok, new_tok, model_vocab) if len(new_tok) > model_vocab else []
     resize_token_embeddings(model, pieces)

@@ -151,4 +151,10 @@ def test_a_tokenizer_that_is_not_an_extension_is_refused(tokenizers, tmp_path):
     bare.mkdir()
     with pytest.raises(VocabMismatch, match="holds no tokenizer files"):
         resize_to_tokenizer(m, str(bare), tokenizers["ext"])
+    # a model tokenizer that cannot be read
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "tokenizer.json").write_text("{not json")
+    with pytest.raises(VocabMismatch, match="cannot load the model's own tokenizer"):
+        resize_to_tokenizer(m, str(broken), tokenizers["ext"])
     assert m.cfg.vocab_size == BASE_VOCAB and m.embed_tokens.weight.shape[0] == BASE_VOCAB
