@@ -5,7 +5,8 @@ clear error for a tokenizer that is not an extension of the model's.
 Fixtures, no downloads: an "extended" tokenizer E is one of ours trained on a few KB of the bundled
 corpus; the model's own ("base") tokenizer B is E's first K ids (vocab and merges cut at K, no added
 tokens), so every base id keeps its string in E and E's later ids are the new ones, exactly the
-relationship tokenizer.extend_tokenizer produces.
+relationship tokenizer.extend_tokenizer produces. The last test also runs tokenizer.extend_tokenizer
+itself on both kinds of base (skipped where that module is absent).
 """
 from __future__ import annotations
 
@@ -158,3 +159,44 @@ def test_a_tokenizer_that_is_not_an_extension_is_refused(tokenizers, tmp_path):
     with pytest.raises(VocabMismatch, match="cannot load the model's own tokenizer"):
         resize_to_tokenizer(m, str(broken), tokenizers["ext"])
     assert m.cfg.vocab_size == BASE_VOCAB and m.embed_tokens.weight.shape[0] == BASE_VOCAB
+
+
+@pytest.mark.parametrize("kind", ["hf_bbpe", "sp_bbpe"])
+def test_grows_to_a_tokenizer_made_by_extend_tokenizer(tmp_path, kind):
+    """Both kinds of base (byte-level BPE; sentencepiece-style BPE with byte fallback), extended by
+    tokenizer.extend_tokenizer with Chinese pieces: old rows kept, new rows from the base pieces."""
+    pytest.importorskip("tokenizer.extend_tokenizer")
+    from model.hf_interop import export_hf, import_hf
+    from model.resize import new_token_pieces, resize_to_tokenizer
+    from tokenizer import load_tokenizer, load_tokenizer_meta
+    corpus = write_corpus(tmp_path / "corpus")
+    english = tmp_path / "en"
+    english.mkdir()
+    shutil.copy(os.path.join(corpus, "en_python_docs.jsonl"), english)
+    run_cmd([PY, "-m", "tokenizer.train_tokenizer", f"--data_dir={english}", f"--output_dir={tmp_path / 'tok'}",
+             "--vocab_size=400", f"--tokenizer_type={kind}"])
+    v = load_tokenizer_meta(str(tmp_path / "tok"))["vocab_size"]
+    hf = export_hf(tiny_model(v), str(tmp_path / "released"), tokenizer_dir=str(tmp_path / "tok"))
+    ext = str(tmp_path / "ext")
+    run_cmd([PY, "-m", "tokenizer.extend_tokenizer", f"--base_tokenizer_dir={hf}", f"--data_dir={corpus}",
+             "--num_new_tokens=100", f"--out_dir={ext}"])
+    m = import_hf(hf)
+    emb0 = m.embed_tokens.weight.detach().clone()
+    info = resize_to_tokenizer(m, hf, ext)
+    n = load_tokenizer_meta(ext)["vocab_size"]
+    assert info["old_vocab"] == v and info["new_vocab"] == n == m.embed_tokens.weight.shape[0]
+    assert info["from_pieces"] == 100 and info["mean_of_all"] == n - v - 100
+    emb = m.embed_tokens.weight.detach()
+    assert torch.equal(emb[:v], emb0)
+    base_tok, ext_tok = load_tokenizer(hf), load_tokenizer(ext)
+    pieces = new_token_pieces(base_tok, ext_tok, v)
+    zh = 0
+    for i in range(v, v + 100):
+        p = pieces[i - v]
+        assert p and all(j < v for j in p)
+        torch.testing.assert_close(emb[i], emb0[p].mean(0), rtol=0, atol=1e-6)
+        text = ext_tok.decode([i])
+        if any("\u4e00" <= ch <= "\u9fff" for ch in text):  # a Chinese piece: its base pieces spell its text
+            zh += 1
+            assert base_tok.decode(p).strip() == text.strip(), (i, text, base_tok.convert_ids_to_tokens(p))
+    assert zh >= 20, zh
