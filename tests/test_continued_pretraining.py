@@ -164,3 +164,17 @@ def test_a_tokenizer_that_does_not_extend_the_model_is_a_clear_error(cpt, tiny_p
         err = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(err) == 1 and msg in err[0], proc.stderr[-2000:]
         assert err[0].startswith("[rank 0] error: --init_from=")
+
+
+def test_trainable_flags_are_validated():
+    from train_config import TrainConfig, TrainingError, trains_embeddings, validate_config
+    base = dict(data_dir="d", tokenizer_dir="t")
+    for bad, msg in ((dict(trainable="head"), "--trainable='head' (all | embeddings)"),
+                     (dict(lora_train_embeddings=True), "--lora_train_embeddings=true needs --lora_rank>0")):
+        with pytest.raises(TrainingError, match=msg.replace("(", r"\(").replace(")", r"\)").replace("|", r"\|")) as e:
+            validate_config(TrainConfig(**base, **bad))
+        assert e.value.code == 2
+    validate_config(TrainConfig(**base, trainable="embeddings", lora_rank=4))
+    assert trains_embeddings(TrainConfig(trainable="embeddings"))
+    assert trains_embeddings({"lora_rank": 2, "lora_train_embeddings": True})
+    assert not trains_embeddings({"lora_rank": 0, "lora_train_embeddings": True}) and not trains_embeddings({})
