@@ -40,8 +40,20 @@ def main(argv: list[str] | None = None) -> int:
     except ckpt.CheckpointError as e:
         print(f"export_hf: {e}", file=sys.stderr)
         return 2
-    model, run_cfg = model_from_checkpoint(found)
+    from train_config import TrainingError
+    try:
+        model, run_cfg = model_from_checkpoint(found)
+    except (TrainingError, ckpt.CheckpointError) as e:  # e.g. the LoRA base or its tokenizer moved
+        print(f"export_hf: {' '.join(str(e).split())}", file=sys.stderr)
+        return getattr(e, "code", 5)
     tok_dir = args.tokenizer_dir or run_cfg.get("tokenizer_dir")
+    meta_path = os.path.join(tok_dir, "tokenizer_meta.json") if tok_dir else ""
+    if meta_path and os.path.isfile(meta_path):
+        n_tok = int(ckpt.read_json(meta_path)["vocab_size"])
+        if n_tok > model.cfg.vocab_size:
+            print(f"export_hf: --tokenizer_dir={tok_dir} has {n_tok} tokens, more than the model's vocabulary "
+                  f"({model.cfg.vocab_size}); export with the tokenizer the run trained with", file=sys.stderr)
+            return 2
     lora = run_cfg.get("lora_rank", 0) > 0
     if args.adapters_out_dir and not lora:
         print("export_hf: --adapters_out_dir given but the run did not train LoRA adapters", file=sys.stderr)

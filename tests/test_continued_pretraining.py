@@ -178,3 +178,15 @@ def test_trainable_flags_are_validated():
     assert trains_embeddings(TrainConfig(trainable="embeddings"))
     assert trains_embeddings({"lora_rank": 2, "lora_train_embeddings": True})
     assert not trains_embeddings({"lora_rank": 0, "lora_train_embeddings": True}) and not trains_embeddings({})
+
+
+def test_export_refuses_a_tokenizer_larger_than_the_model(cpt, tiny_pretrain_run_args, tmp_path):
+    """A model exported with a tokenizer whose ids go past its embedding: exit 2, one line."""
+    out = tmp_path / "run"
+    run_cmd(train_cmd([*tiny_pretrain_run_args, "--max_iters=1", f"--out_dir={out}"]), env=_env())
+    proc = subprocess.run([sys.executable, "export_hf.py", f"--ckpt={out}", f"--output_dir={tmp_path / 'hf'}",
+                           f"--tokenizer_dir={cpt['ext']}"], cwd=ROOT, capture_output=True, text=True)
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(err) == 1 and f"has {NEW_VOCAB} tokens, more than the model's" in err[0], \
+        proc.stderr[-2000:]
+    assert not (tmp_path / "hf").exists()
