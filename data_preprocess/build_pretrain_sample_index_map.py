@@ -15,7 +15,6 @@ next shard disappear -- known trap 4), or put one sample in both splits.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os

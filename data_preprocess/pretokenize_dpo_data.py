@@ -20,7 +20,6 @@ or drop a pair without counting it.
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import sys
@@ -179,44 +178,21 @@ output: train with --task_type=dpo --data_dir=<out>; the trainer checks that --t
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from utils.constants import EXIT_BAD_CONFIG, EXIT_BAD_DATA, EXIT_OK
-    from utils.cli import Parser, add_bool, add_out_dir
-    ap = Parser(prog="python -m data_preprocess.pretokenize_dpo_data",
-                description="Render DPO preference pairs with the chat template and store chosen/rejected "
-                            "ids + labels (int32, -100 outside the final reply).", epilog=HELP_EPILOG,
-                formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data_dir", required=True, help="folder (searched recursively) or one file")
-    ap.add_argument("--tokenizer_dir", required=True)
-    ap.add_argument("--max_seq_len", type=int, required=True)
-    add_out_dir(ap, "where the tokenized pairs go (default: out/dpo_tokenized/<input name>_L<max_seq_len>)")
-    ap.add_argument("--overlong", choices=("truncate", "drop"), default="truncate")
-    ap.add_argument("--num_workers", type=int, default=max(1, (os.cpu_count() or 2) - 1),
-                    help="processes that render and tokenize (1 = in this process); same output for any value")
-    add_bool(ap, "strict", False, "bad records are errors, not counted skips")
-    try:
-        args = ap.parse_args(argv)
-    except SystemExit as e:
-        return EXIT_OK if e.code == 0 else EXIT_BAD_CONFIG
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    if args.num_workers < 1 or args.max_seq_len < 1:
-        log.error("--num_workers and --max_seq_len must be >= 1")
-        return EXIT_BAD_CONFIG
-    try:
-        meta = pretokenize_dpo(args.data_dir, args.tokenizer_dir, args.max_seq_len, args.out_dir,
-                               args.overlong, args.strict, args.num_workers)
-    except DataError as e:
-        log.error("%s", e)
-        return EXIT_BAD_DATA
-    except (OSError, ImportError, KeyError) as e:
-        log.error("%s: %s", type(e).__name__, e)
-        return EXIT_BAD_CONFIG
+    from data_preprocess.pretokenize_sft_data import chat_pretokenize_cli
+    code, meta = chat_pretokenize_cli(
+        "python -m data_preprocess.pretokenize_dpo_data",
+        "Render DPO preference pairs with the chat template and store chosen/rejected ids + labels (int32, "
+        "-100 outside the final reply).", HELP_EPILOG, "pairs", "out/dpo_tokenized/<input name>_L<max_seq_len>",
+        pretokenize_dpo, argv)
+    if meta is None:
+        return code
     for f in meta["files"]:
         log.info("%s: %d pairs, %d truncated, %d dropped over-long, skipped %s", f["path"], f["num_pairs"],
                  f["truncated"], f["dropped_overlong"], f["skipped"] or "none")
     log.info("%d pairs, %d tokens (%d targets)", meta["num_pairs"], meta["num_tokens"], meta["num_target_tokens"])
     print(f"wrote {meta['num_pairs']} DPO pairs to {meta['out_dir']} "
           f"(train with --task_type=dpo --data_dir={meta['out_dir']})")
-    return EXIT_OK
+    return code
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from data_preprocess.readers import RECORD_KINDS, SkipCounter, find_input_files, iter_records
+from data_preprocess.readers import RECORD_KINDS, SkipCounter, find_input_files
 from data_preprocess.sft_format import (ChatRenderer, Encode, FileFailed, apply_overlong,
                                         encode_file_records, labels_from_mask, make_chat_encoder,
                                         sft_messages)
@@ -186,17 +186,18 @@ workers (--num_workers): records are read and checked in the main process and re
 """
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    from utils.constants import EXIT_BAD_CONFIG, EXIT_BAD_DATA, EXIT_OK
+def chat_pretokenize_cli(prog: str, description: str, epilog: str, what: str, default_out: str,
+                         pretokenize, argv: Optional[list[str]]) -> tuple[int, Optional[dict]]:
+    """The command line shared by the SFT and DPO pretokenizers: parse, validate, run
+    `pretokenize(data_dir, tokenizer_dir, max_seq_len, out_dir, overlong, strict, num_workers)`.
+    Returns (exit code, meta or None)."""
     from utils.cli import Parser, add_bool, add_out_dir
-    ap = Parser(prog="python -m data_preprocess.pretokenize_sft_data",
-                                 description="Render SFT records with the chat template and store ids + "
-                                             "masked labels (int32).", epilog=HELP_EPILOG,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    from utils.constants import EXIT_BAD_CONFIG, EXIT_BAD_DATA, EXIT_OK
+    ap = Parser(prog=prog, description=description, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data_dir", required=True, help="folder (searched recursively) or one file")
     ap.add_argument("--tokenizer_dir", required=True)
     ap.add_argument("--max_seq_len", type=int, required=True)
-    add_out_dir(ap, "where the tokenized samples go (default: out/sft_tokenized/<input name>_L<max_seq_len>)")
+    add_out_dir(ap, f"where the tokenized {what} go (default: {default_out})")
     ap.add_argument("--overlong", choices=("truncate", "drop"), default="truncate")
     ap.add_argument("--num_workers", type=int, default=max(1, (os.cpu_count() or 2) - 1),
                     help="processes that render and tokenize (1 = in this process); same output for any value")
@@ -204,27 +205,36 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         args = ap.parse_args(argv)
     except SystemExit as e:
-        return EXIT_OK if e.code == 0 else EXIT_BAD_CONFIG
+        return (EXIT_OK if e.code == 0 else EXIT_BAD_CONFIG), None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     if args.num_workers < 1 or args.max_seq_len < 1:
         log.error("--num_workers and --max_seq_len must be >= 1")
-        return EXIT_BAD_CONFIG
+        return EXIT_BAD_CONFIG, None
     try:
-        meta = pretokenize_sft(args.data_dir, args.tokenizer_dir, args.max_seq_len, args.out_dir,
-                               args.overlong, args.strict, args.num_workers)
+        return EXIT_OK, pretokenize(args.data_dir, args.tokenizer_dir, args.max_seq_len, args.out_dir,
+                                    args.overlong, args.strict, args.num_workers)
     except DataError as e:
         log.error("%s", e)
-        return EXIT_BAD_DATA
+        return EXIT_BAD_DATA, None
     except (OSError, ImportError, KeyError) as e:
         log.error("%s: %s", type(e).__name__, e)
-        return EXIT_BAD_CONFIG
+        return EXIT_BAD_CONFIG, None
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    code, meta = chat_pretokenize_cli(
+        "python -m data_preprocess.pretokenize_sft_data",
+        "Render SFT records with the chat template and store ids + masked labels (int32).", HELP_EPILOG,
+        "samples", "out/sft_tokenized/<input name>_L<max_seq_len>", pretokenize_sft, argv)
+    if meta is None:
+        return code
     for f in meta["files"]:
         log.info("%s: %d samples, %d truncated, %d dropped over-long, %d without target, skipped %s",
                  f["path"], f["num_samples"], f["truncated"], f["dropped_overlong"], f["dropped_no_target"],
                  f["skipped"] or "none")
     log.info("%d samples, %d tokens (%d targets) -> %s (train with --data_dir=%s)", meta["num_samples"],
              meta["num_tokens"], meta["num_target_tokens"], meta["out_dir"], meta["out_dir"])
-    return EXIT_OK
+    return code
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ T = TypeVar("T")
 # Changing these on resume gives another model or another data stream: the checkpoint would not
 # continue the run it came from. Each maps to why.
 MODEL_SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim", "multiple_of", "vocab_size",
-                    "rope_theta", "tie_embeddings", "lora_rank", "lora_targets", "lora_train_embeddings")
+                    "rope_theta", "tie_embeddings", "lora_rank", "lora_targets", "lora_train_embeddings", "trainable")
 SEQ_KEYS = ("max_seq_len",)
 DATA_KEYS = ("task_type", "data_dir", "data_mix", "tokenizer_dir", "seed", "val_ratio", "sft_packing")
 # Where the run came from is history, not a setting to re-apply: a resume keeps --init_from=resume.
