@@ -40,7 +40,7 @@ from train_config import TrainConfig  # noqa: E402
 LORA_RANK = 8
 # (name, vocab, dim, layers, heads): measured on this machine
 MEASURED = [
-    ("demo model grown to 4096 (vocab 4096, dim 256, 4 layers)", 4096, 256, 4, 8),  # scripts/continued_pretraining.sh
+    ("demo-sized (vocab 4096, dim 256, 4 layers)", 4096, 256, 4, 8),  # ~ the continued_pretraining.sh model
     ("llama-60M (vocab 32000, dim 512, 8 layers)", 32000, 512, 8, 8),
     ("llama-94M (vocab 8064, dim 1024, 6 layers)", 8064, 1024, 6, 16),
 ]
