@@ -221,6 +221,7 @@ class FSDPOptimizer:
         self.params = [p for _, p in self.named_params]
         self.mesh: DeviceMesh = self.params[0].device_mesh
         self.group = self.mesh.get_group()
+        self.extra_norm_groups: list = []  # more groups the squared norm is summed over (pipeline stages)
         self.rank, self.world_size = self.mesh.get_local_rank(), self.mesh.size()
         self.scaler = (DynamicGradScaler(config.initial_loss_scale, config.min_loss_scale,
                                          config.loss_scale_growth_interval, config.hysteresis)
@@ -278,6 +279,8 @@ class FSDPOptimizer:
         sumsq = sumsq.to(self._comm_device)
         if self.world_size > 1:
             dist.all_reduce(sumsq, group=self.group)
+        for group in self.extra_norm_groups:  # e.g. the pipeline group: the norm spans every stage
+            dist.all_reduce(sumsq, group=group)
         return math.sqrt(float(sumsq.item()))
 
     @torch.no_grad()

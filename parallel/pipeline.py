@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import shutil
 from dataclasses import dataclass
@@ -181,25 +180,12 @@ def _pipeline_optimizer(ddp, config: OptimizerConfig, pp_group, pp_size: int):
 
 
 def _pipeline_fsdp_optimizer(stage_module: nn.Module, config: OptimizerConfig, pp_group, pp_size: int):
+    """FSDPOptimizer whose global norm also sums over the pp group (every stage's shards)."""
     from parallel.fsdp import FSDPOptimizer
-
-    class PipelineFSDPOptimizer(FSDPOptimizer):
-        """FSDPOptimizer whose global norm also sums over the pp group (every stage's shards)."""
-
-        def global_grad_norm(self) -> float:
-            grads = self._local_grads()
-            if grads:
-                sumsq = torch.stack([n.float() ** 2 for n in torch._foreach_norm(grads, 2)]).sum()
-            else:
-                sumsq = torch.zeros((), dtype=torch.float32)
-            sumsq = sumsq.to(self._comm_device)
-            if self.world_size > 1:
-                dist.all_reduce(sumsq, group=self.group)
-            if pp_size > 1:
-                dist.all_reduce(sumsq, group=pp_group)
-            return math.sqrt(float(sumsq.item()))
-
-    return PipelineFSDPOptimizer(stage_module, config)
+    opt = FSDPOptimizer(stage_module, config)
+    if pp_size > 1:
+        opt.extra_norm_groups = [pp_group]
+    return opt
 
 
 def _wrap_stage_fsdp(stage_module: PipelineStageModule, dp_mesh, *, param_dtype: torch.dtype,
