@@ -49,13 +49,8 @@ class DPODataset(Dataset):
                 raise DataError(f"{path}: pretokenized for max_seq_len={self.meta['max_seq_len']}, "
                                 f"longer than the requested {max_seq_len}; re-run pretokenize_dpo_data")
             self.index = np.load(os.path.join(path, "pairs.npy"), mmap_mode="r")
-            n_tok = int(self.meta["num_tokens"])
-            self._files = {"ids": (os.path.join(path, "input_ids.bin"), np.dtype(self.meta["dtype"])),
-                           "labels": (os.path.join(path, "labels.bin"), np.dtype("<i4"))}
-            for fpath, dt in self._files.values():
-                if os.path.getsize(fpath) != n_tok * dt.itemsize:
-                    raise DataError(f"{fpath}: {os.path.getsize(fpath)} bytes, {DPO_META} says "
-                                    f"{n_tok} tokens of {dt.itemsize} B")
+            from dataset.dataset_sft import token_files
+            self._files = token_files(path, self.meta, DPO_META)
             if self.index.shape != (int(self.meta["num_pairs"]), 6):
                 raise DataError(f"{path}/pairs.npy: shape {self.index.shape}, {DPO_META} says "
                                 f"{self.meta['num_pairs']} pairs")

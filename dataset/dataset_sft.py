@@ -30,6 +30,17 @@ from data_preprocess.shard_format import DataError
 from utils.constants import IGNORE_INDEX
 
 
+def token_files(path: str, meta: dict, meta_name: str) -> dict[str, tuple[str, np.dtype]]:
+    """The ids / labels files of a pretokenized SFT or DPO folder, checked against its meta's token count."""
+    n_tok = int(meta["num_tokens"])
+    files = {"ids": (os.path.join(path, "input_ids.bin"), np.dtype(meta["dtype"])),
+             "labels": (os.path.join(path, "labels.bin"), np.dtype("<i4"))}
+    for fpath, dt in files.values():
+        if os.path.getsize(fpath) != n_tok * dt.itemsize:
+            raise DataError(f"{fpath}: {os.path.getsize(fpath)} bytes, {meta_name} says {n_tok} tokens of {dt.itemsize} B")
+    return files
+
+
 class SFTDataset(Dataset):
     """`path`: a pretokenized SFT dir (has sft_meta.json), or raw records (file or folder) with
     `tokenizer_dir` and `max_seq_len` (tokenized in memory at construction)."""
@@ -45,13 +56,7 @@ class SFTDataset(Dataset):
                 raise DataError(f"{path}: pretokenized for max_seq_len={self.meta['max_seq_len']}, "
                                 f"longer than the requested {max_seq_len}; re-run pretokenize_sft_data")
             self.samples = np.load(os.path.join(path, "samples.npy"), mmap_mode="r")
-            n_tok = int(self.meta["num_tokens"])
-            self._files = {"ids": (os.path.join(path, "input_ids.bin"), np.dtype(self.meta["dtype"])),
-                           "labels": (os.path.join(path, "labels.bin"), np.dtype("<i4"))}
-            for fpath, dt in self._files.values():
-                if os.path.getsize(fpath) != n_tok * dt.itemsize:
-                    raise DataError(f"{fpath}: {os.path.getsize(fpath)} bytes, sft_meta.json says "
-                                    f"{n_tok} tokens of {dt.itemsize} B")
+            self._files = token_files(path, self.meta, "sft_meta.json")
             self._ids: Any = None
             self._labels: Any = None
         else:
