@@ -48,7 +48,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystem
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from utils.checkpoint import _fsync_dir, _sha256, read_json, write_json
+from utils.checkpoint import _fsync_dir, _sha256, publish_checkpoint_dir, read_json, write_json
 
 DCP_FORMAT = 1
 COMPLETE_MARKER = "COMPLETE"
@@ -220,19 +220,7 @@ def save_dcp_checkpoint(ckpt_root: str, step: int, model: nn.Module, optimizer=N
             "format": DCP_FORMAT, "engine": "fsdp", "step": int(step), "world_size": world,
             "saved_at": time.time(), "files": files, "optimizer": scalars,
             "model_keys": sum(1 for k in flat if k.startswith(_MODEL))})
-        manifest = {n: {"bytes": os.path.getsize(os.path.join(tmp, n)), "sha256": _sha256(os.path.join(tmp, n))}
-                    for n in sorted(os.listdir(tmp))}
-        write_json(os.path.join(tmp, MANIFEST), manifest)
-        write_json(os.path.join(tmp, COMPLETE_MARKER), {"step": int(step)})
-        _fsync_path(tmp)
-        if os.path.exists(final):  # re-saving a step (after a resume): move the old one aside first
-            trash = final + f".old.{os.getpid()}"
-            os.replace(final, trash)
-            os.replace(tmp, final)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        _fsync_path(ckpt_root)
+        publish_checkpoint_dir(tmp, final, step)  # manifest, COMPLETE, fsync, atomic rename
     _barrier(group)
     return final
 

@@ -146,6 +146,25 @@ def _barrier(barrier: Optional[Callable[[], None]]) -> None:
         barrier()
 
 
+def publish_checkpoint_dir(tmp: str, final: str, step: int) -> None:
+    """Rank 0, after every rank wrote into `tmp`: manifest (size + sha256 of every file), COMPLETE,
+    fsync, then an atomic rename to `final` (an older directory of the same step is moved aside first).
+    Shared by our checkpoints and the sharded DCP ones (parallel/dcp_checkpoint.py)."""
+    manifest = {name: {"bytes": os.path.getsize(os.path.join(tmp, name)), "sha256": _sha256(os.path.join(tmp, name))}
+                for name in sorted(os.listdir(tmp))}
+    write_json(os.path.join(tmp, "manifest.json"), manifest)
+    write_json(os.path.join(tmp, COMPLETE_MARKER), {"step": int(step)})
+    _fsync_dir(tmp)
+    if os.path.exists(final):  # re-saving a step (e.g. after resume): move the old one aside
+        trash = final + f".old.{os.getpid()}"
+        os.replace(final, trash)
+        os.replace(tmp, final)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    _fsync_dir(os.path.dirname(final))
+
+
 def save_checkpoint(out_dir: str, req: SaveRequest, barrier: Optional[Callable[[], None]] = None,
                     keep_last: int = 3, keep_best: bool = True,
                     fault_hook: Optional[Callable[[], None]] = None,
@@ -185,20 +204,7 @@ def save_checkpoint(out_dir: str, req: SaveRequest, barrier: Optional[Callable[[
         trainer_state = dict(req.trainer_state, step=req.step, world_size=req.world_size,
                              saved_at=time.time())
         write_json(os.path.join(tmp, "trainer_state.json"), trainer_state)
-        manifest = {name: {"bytes": os.path.getsize(os.path.join(tmp, name)),
-                           "sha256": _sha256(os.path.join(tmp, name))}
-                    for name in sorted(os.listdir(tmp))}
-        write_json(os.path.join(tmp, "manifest.json"), manifest)
-        write_json(os.path.join(tmp, COMPLETE_MARKER), {"step": req.step})
-        _fsync_dir(tmp)
-        if os.path.exists(final):  # re-saving a step (e.g. after resume): move the old one aside
-            trash = final + f".old.{os.getpid()}"
-            os.replace(final, trash)
-            os.replace(tmp, final)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        _fsync_dir(root)
+        publish_checkpoint_dir(tmp, final, req.step)
         sig = _signature(final)
         if sig is not None:  # the manifest's hashes were computed from exactly these files
             _verified[final] = sig
