@@ -4,7 +4,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test venv bench clean
+.PHONY: demo test test-gpu venv bench clean
 
 venv: $(STAMP)
 
@@ -19,6 +19,10 @@ demo: venv
 
 test: venv
 	$(VPY) -m pytest -q tests
+
+# on a CUDA machine: kernel numerics at real sizes, bf16 steps per kernel, compile with zero graph breaks, the trainer
+test-gpu: venv
+	$(VPY) -m pytest -q -m gpu tests
 
 clean:
 	rm -rf demo_out .pytest_cache

@@ -65,3 +65,13 @@ def tiny_pretrain_run_args(tiny_pretrain_data) -> list[str]:
             "--batch_size=4", "--learning_rate=1e-2", "--warmup_iters=2", "--eval_interval=0",
             "--eval_iters=2", "--log_interval=1", "--checkpoint_interval=3", "--progress=false",
             "--peak_flops=1e11", "--device=cpu", "--seed=7"]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` need CUDA: skipped without it (`make test-gpu` selects only them)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (run `make test-gpu` on a GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
