@@ -1,0 +1,412 @@
+"""Triton kernels (forward and backward) for RMSNorm, add+RMSNorm, RoPE and SwiGLU, as torch.library ops.
+
+Owns: the Triton kernels, their `myllm::*` custom ops (each forward and each backward is an op, with
+autograd registered on the forward), and thin public wrappers: `rms_norm`, `add_rms_norm`,
+`apply_rope`, `swiglu`. The math follows the references in model/kernels.py (rms_norm_ref, rope_ref,
+swiglu_ref); every kernel loads and stores in the tensors' dtype and computes in fp32.
+
+Ops are `torch.library.triton_op`s on a GPU, so torch.compile (Inductor) sees the Triton kernels
+themselves. Under the Triton CPU interpreter (TRITON_INTERPRET=1, used by the tests) `wrap_triton`
+cannot be traced, so the same bodies are registered as opaque `torch.library.custom_op`s with
+explicit fake (shape) functions instead; the choice is made once, at import.
+
+Must never: import triton with a hard failure (TRITON_AVAILABLE says whether it is there), decide
+whether a kernel is worth using (model/kernels.py dispatches), or create parameters.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+try:  # optional accelerator: the module must import without it
+    import triton
+    import triton.language as tl
+
+    TRITON_AVAILABLE = True
+except Exception:  # ImportError, or a broken install
+    triton = None
+    tl = None
+    TRITON_AVAILABLE = False
+
+# The interpreter mode is fixed when triton is imported, so read it once here too.
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def supported(t: torch.Tensor) -> bool:
+    """True when the Triton kernels can run on t's device (a GPU, or the CPU under TRITON_INTERPRET=1)."""
+    if not TRITON_AVAILABLE:
+        return False
+    return bool(t.is_cuda or (t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"))
+
+
+def _require_triton() -> None:
+    if not TRITON_AVAILABLE:
+        raise RuntimeError("model.triton_kernels: triton is not installed (pip install triton); "
+                           "use the pure-PyTorch kernels in model/kernels.py instead")
+
+
+def _num_warps(block: int) -> int:
+    return 4 if block <= 1024 else (8 if block <= 4096 else 16)
+
+
+def _num_sms(device: torch.device) -> int:
+    """How many programs the reduction kernels (RMSNorm backward) use: enough to fill the GPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the CPU interpreter runs programs one after the other: few programs, long loops
+
+
+if TRITON_AVAILABLE:
+    # ------------------------------------------------------------------------------------ kernels
+    @triton.jit
+    def _rms_norm_fwd_kernel(X, R, W, Y, H, RSTD, x_stride, r_stride, y_stride, h_stride, D, eps,
+                             HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+        """One row per program. With HAS_RESIDUAL: h = x + r (rounded to x's dtype, stored to H),
+        then y = w * (h * rstd).to(h dtype); RSTD gets 1/rms in fp32 for the backward."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < D
+        x = tl.load(X + row * x_stride + cols, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(R + row * r_stride + cols, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
+            tl.store(H + row * h_stride + cols, x, mask=mask)
+        xf = x.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / D + eps)
+        tl.store(RSTD + row, rstd)
+        xhat = (xf * rstd).to(X.dtype.element_ty)  # the reference rounds before scaling
+        w = tl.load(W + cols, mask=mask, other=0.0)
+        y = w.to(tl.float32) * xhat.to(tl.float32)
+        tl.store(Y + row * y_stride + cols, y.to(Y.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _rms_norm_bwd_kernel(G, GH, X, W, RSTD, DX, DW, g_stride, gh_stride, x_stride, dx_stride,
+                             n_rows, D, rows_per_program,
+                             HAS_GH: tl.constexpr, BLOCK: tl.constexpr):
+        """Program p handles rows [p*rows_per_program, (p+1)*rows_per_program): dx of each row, and its
+        partial sum of dw (fp32) written to DW[p]. With HAS_GH, GH (the gradient of h = x + residual)
+        is added to dx."""
+        pid = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < D
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        dw = tl.zeros([BLOCK], dtype=tl.float32)
+        start = pid.to(tl.int64) * rows_per_program  # int64 row indices: no overflow of row * stride
+        end = tl.minimum(start + rows_per_program, n_rows)
+        for row64 in range(start, end):
+            x = tl.load(X + row64 * x_stride + cols, mask=mask, other=0.0)
+            g = tl.load(G + row64 * g_stride + cols, mask=mask, other=0.0).to(tl.float32)
+            rstd = tl.load(RSTD + row64)
+            xhat = x.to(tl.float32) * rstd
+            gw = g * w
+            # d/dx of x * rstd(x): rstd * (gw - xhat * mean(gw * xhat))
+            dx = rstd * (gw - xhat * (tl.sum(gw * xhat, axis=0) / D))
+            if HAS_GH:
+                dx += tl.load(GH + row64 * gh_stride + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(DX + row64 * dx_stride + cols, dx.to(DX.dtype.element_ty), mask=mask)
+            # the reference multiplies g by the xhat rounded to x's dtype
+            dw += g * xhat.to(X.dtype.element_ty).to(tl.float32)
+        tl.store(DW + pid * D + cols, dw, mask=mask)
+
+    @triton.jit
+    def _rope_kernel(Q, K, COS, SIN, QO, KO, T, H, HKV,
+                     q_sb, q_st, q_sh, k_sb, k_st, k_sh, c_sb, c_st,
+                     qo_sb, qo_st, qo_sh, ko_sb, ko_st, ko_sh, HALF,
+                     INVERSE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HKV: tl.constexpr,
+                     BLOCK_HALF: tl.constexpr):
+        """One program per (b, t): all q heads and all k heads of that token, rotated by the same
+        cos/sin row (loaded once). Half-split layout: the pair is (x[i], x[i + HALF]).
+        INVERSE rotates by -theta (the backward of a rotation)."""
+        pid = tl.program_id(0).to(tl.int64)
+        b = pid // T
+        t = pid % T
+        cols = tl.arange(0, BLOCK_HALF)
+        cmask = cols < HALF
+        c = tl.load(COS + b * c_sb + t * c_st + cols, mask=cmask, other=0.0).to(tl.float32)
+        s = tl.load(SIN + b * c_sb + t * c_st + cols, mask=cmask, other=0.0).to(tl.float32)
+        if INVERSE:
+            s = -s
+        c = c[None, :]
+        s = s[None, :]
+
+        heads = tl.arange(0, BLOCK_H)
+        m = (heads[:, None] < H) & cmask[None, :]
+        src = Q + b * q_sb + t * q_st + heads[:, None] * q_sh + cols[None, :]
+        x1 = tl.load(src, mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF, mask=m, other=0.0).to(tl.float32)
+        dst = QO + b * qo_sb + t * qo_st + heads[:, None] * qo_sh + cols[None, :]
+        tl.store(dst, (x1 * c - x2 * s).to(QO.dtype.element_ty), mask=m)
+        tl.store(dst + HALF, (x2 * c + x1 * s).to(QO.dtype.element_ty), mask=m)
+
+        kheads = tl.arange(0, BLOCK_HKV)
+        km = (kheads[:, None] < HKV) & cmask[None, :]
+        ksrc = K + b * k_sb + t * k_st + kheads[:, None] * k_sh + cols[None, :]
+        y1 = tl.load(ksrc, mask=km, other=0.0).to(tl.float32)
+        y2 = tl.load(ksrc + HALF, mask=km, other=0.0).to(tl.float32)
+        kdst = KO + b * ko_sb + t * ko_st + kheads[:, None] * ko_sh + cols[None, :]
+        tl.store(kdst, (y1 * c - y2 * s).to(KO.dtype.element_ty), mask=km)
+        tl.store(kdst + HALF, (y2 * c + y1 * s).to(KO.dtype.element_ty), mask=km)
+
+    @triton.jit
+    def _swiglu_fwd_kernel(GATE, UP, Y, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        g = tl.load(GATE + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(UP + offs, mask=mask, other=0.0).to(tl.float32)
+        silu = g * tl.sigmoid(g)
+        tl.store(Y + offs, (silu * u).to(Y.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _swiglu_bwd_kernel(DY, GATE, UP, DGATE, DUP, n, BLOCK: tl.constexpr):
+        """silu is recomputed from gate: d gate = dy * up * sig * (1 + g * (1 - sig)), d up = dy * silu."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(GATE + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(UP + offs, mask=mask, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(g)
+        silu = g * sig
+        tl.store(DGATE + offs, (dy * u * sig * (1.0 + g * (1.0 - sig))).to(DGATE.dtype.element_ty), mask=mask)
+        tl.store(DUP + offs, (dy * silu).to(DUP.dtype.element_ty), mask=mask)
+
+    # ------------------------------------------------------------------------------------- op helpers
+    def _launch(kernel):
+        """`kernel[grid](...)`, through wrap_triton so that triton_op bodies trace on a GPU."""
+        return torch.library.wrap_triton(kernel) if not _INTERPRET else kernel
+
+    def _define(name: str, fake=None):
+        """Register fn as op `myllm::<name>`: a triton_op on a GPU; under the interpreter (where
+        wrap_triton cannot be traced) a custom_op with an explicit fake function."""
+        def deco(fn):
+            if _INTERPRET:
+                op = torch.library.custom_op(f"myllm::{name}", mutates_args=())(fn)
+                op.register_fake(fake)
+            else:
+                op = torch.library.triton_op(f"myllm::{name}", mutates_args=())(fn)
+            return op
+        return deco
+
+    def _rows(x: torch.Tensor) -> torch.Tensor:
+        """x as a [rows, D] matrix with unit column stride (a copy only when x is not row-major)."""
+        x2 = x.reshape(-1, x.shape[-1])
+        return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+    # ------------------------------------------------------------------------------------ RMSNorm
+    def _rms_norm_fake(x, residual, weight, eps):
+        y = x.new_empty(x.shape, dtype=torch.result_type(x, weight))
+        rstd = x.new_empty(x.shape[:-1].numel(), dtype=torch.float32)
+        return y, rstd
+
+    def _rms_norm_fwd(x, residual, weight, eps):
+        D = x.shape[-1]
+        x2 = _rows(x)
+        n = x2.shape[0]
+        y = torch.empty((n, D), dtype=torch.result_type(x, weight), device=x.device)
+        rstd = torch.empty((n,), dtype=torch.float32, device=x.device)
+        h = torch.empty((n, D), dtype=x.dtype, device=x.device) if residual is not None else x2
+        r2 = _rows(residual) if residual is not None else x2
+        BLOCK = triton.next_power_of_2(D)
+        _launch(_rms_norm_fwd_kernel)[(n,)](
+            x2, r2, weight.contiguous(), y, h, rstd, x2.stride(0), r2.stride(0), y.stride(0), h.stride(0),
+            D, eps, HAS_RESIDUAL=residual is not None, BLOCK=BLOCK, num_warps=_num_warps(BLOCK))
+        return y.view(x.shape), h.view(x.shape), rstd
+
+    @_define("rms_norm", fake=lambda x, weight, eps: _rms_norm_fake(x, None, weight, eps))
+    def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(y, rstd): y = rms_norm_ref(x, weight, eps); rstd [rows] fp32 is kept for the backward."""
+        y, _, rstd = _rms_norm_fwd(x, None, weight, eps)
+        return y, rstd
+
+    def _add_rms_norm_fake(x, residual, weight, eps):
+        y, rstd = _rms_norm_fake(x, residual, weight, eps)
+        return y, x.new_empty(x.shape), rstd
+
+    @_define("add_rms_norm", fake=_add_rms_norm_fake)
+    def _add_rms_norm_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                         eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(y, h, rstd) with h = x + residual (in x's dtype) and y = rms_norm_ref(h, weight, eps)."""
+        return _rms_norm_fwd(x, residual, weight, eps)
+
+    def _rms_norm_bwd_fake(g, gh, x, weight, rstd):
+        return x.new_empty(x.shape), weight.new_empty(weight.shape)
+
+    @_define("rms_norm_backward", fake=_rms_norm_bwd_fake)
+    def _rms_norm_bwd_op(g: torch.Tensor, gh: Optional[torch.Tensor], x: torch.Tensor, weight: torch.Tensor,
+                         rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(dx, dweight) of y = rms_norm(x); gh, when given, is a gradient arriving at x directly
+        (the h output of add_rms_norm) and is added to dx. dx has x's dtype, dweight weight's."""
+        D = x.shape[-1]
+        x2, g2 = _rows(x), _rows(g)
+        n = x2.shape[0]
+        gh2 = _rows(gh) if gh is not None else g2
+        dx = torch.empty((n, D), dtype=x.dtype, device=x.device)
+        programs = max(1, min(n, _num_sms(x.device)))
+        rows_per_program = triton.cdiv(n, programs)
+        programs = max(1, triton.cdiv(n, rows_per_program))
+        dw_partial = torch.empty((programs, D), dtype=torch.float32, device=x.device)
+        BLOCK = triton.next_power_of_2(D)
+        _launch(_rms_norm_bwd_kernel)[(programs,)](
+            g2, gh2, x2, weight.contiguous(), rstd, dx, dw_partial, g2.stride(0), gh2.stride(0),
+            x2.stride(0), dx.stride(0), n, D, rows_per_program,
+            HAS_GH=gh is not None, BLOCK=BLOCK, num_warps=_num_warps(BLOCK))
+        return dx.view(x.shape), dw_partial.sum(0).to(weight.dtype)
+
+    def _rms_norm_setup(ctx, inputs, output):
+        x, weight, _ = inputs
+        ctx.save_for_backward(x, weight, output[1])
+
+    def _rms_norm_backward(ctx, g, _g_rstd):
+        x, weight, rstd = ctx.saved_tensors
+        dx, dw = torch.ops.myllm.rms_norm_backward(g, None, x, weight, rstd)
+        return dx, dw, None
+
+    _rms_norm_op.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup)
+
+    def _add_rms_norm_setup(ctx, inputs, output):
+        _, residual, weight, _ = inputs
+        ctx.residual_dtype = residual.dtype
+        ctx.save_for_backward(output[1], weight, output[2])
+
+    def _add_rms_norm_backward(ctx, g, gh, _g_rstd):
+        h, weight, rstd = ctx.saved_tensors
+        if g is None:
+            g = torch.zeros_like(h, dtype=torch.result_type(h, weight))
+        dh, dw = torch.ops.myllm.rms_norm_backward(g, gh, h, weight, rstd)
+        return dh, dh.to(ctx.residual_dtype), dw, None
+
+    _add_rms_norm_op.register_autograd(_add_rms_norm_backward, setup_context=_add_rms_norm_setup)
+
+    # --------------------------------------------------------------------------------------- RoPE
+    def _rope_fake(q, k, cos, sin, inverse=False):
+        return q.new_empty(q.shape), k.new_empty(k.shape)
+
+    @_define("rope", fake=_rope_fake)
+    def _rope_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 inverse: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rope(q), rope(k)) in one launch; inverse=True rotates by -theta (the backward).
+        q [B, T, H, D] and k [B, T, Hkv, D] may be strided views (unit stride on D); cos/sin
+        [B or 1, T, 1, D/2]. Outputs are new contiguous tensors of q's and k's dtype."""
+        B, T, H, D = q.shape
+        Hkv = k.shape[2]
+        half = D // 2
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        if k.stride(-1) != 1:
+            k = k.contiguous()
+        cos = cos.reshape(cos.shape[0], T, half)
+        sin = sin.reshape(sin.shape[0], T, half)
+        if cos.stride(-1) != 1 or sin.stride() != cos.stride():
+            cos, sin = cos.contiguous(), sin.contiguous()
+        c_sb = 0 if cos.shape[0] == 1 else cos.stride(0)  # one table broadcast over the batch
+        qo = torch.empty((B, T, H, D), dtype=q.dtype, device=q.device)
+        ko = torch.empty((B, T, Hkv, D), dtype=k.dtype, device=k.device)
+        BLOCK_H, BLOCK_HKV = triton.next_power_of_2(H), triton.next_power_of_2(Hkv)
+        BLOCK_HALF = triton.next_power_of_2(half)
+        _launch(_rope_kernel)[(B * T,)](
+            q, k, cos, sin, qo, ko, T, H, Hkv,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), c_sb, cos.stride(1),
+            qo.stride(0), qo.stride(1), qo.stride(2), ko.stride(0), ko.stride(1), ko.stride(2), half,
+            INVERSE=inverse, BLOCK_H=BLOCK_H, BLOCK_HKV=BLOCK_HKV, BLOCK_HALF=BLOCK_HALF,
+            num_warps=_num_warps(BLOCK_H * BLOCK_HALF))
+        return qo, ko
+
+    def _rope_setup(ctx, inputs, output):
+        q, k, cos, sin, inverse = inputs
+        ctx.inverse = inverse
+        ctx.q_shape, ctx.q_dtype, ctx.k_shape, ctx.k_dtype = q.shape, q.dtype, k.shape, k.dtype
+        ctx.save_for_backward(cos, sin)
+
+    def _rope_backward(ctx, gq, gk):
+        cos, sin = ctx.saved_tensors
+        # a gradient is None only when that output was not used; the kernel needs a tensor
+        gq = torch.zeros(ctx.q_shape, dtype=ctx.q_dtype, device=cos.device) if gq is None else gq
+        gk = torch.zeros(ctx.k_shape, dtype=ctx.k_dtype, device=cos.device) if gk is None else gk
+        dq, dk = torch.ops.myllm.rope(gq, gk, cos, sin, not ctx.inverse)  # a rotation's adjoint is its inverse
+        return dq, dk, None, None, None
+
+    _rope_op.register_autograd(_rope_backward, setup_context=_rope_setup)
+
+    # ------------------------------------------------------------------------------------- SwiGLU
+    _SWIGLU_BLOCK = 1024
+
+    @_define("swiglu", fake=lambda gate, up: gate.new_empty(gate.shape))
+    def _swiglu_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up, computed in fp32, stored in gate's dtype."""
+        gate, up = gate.contiguous(), up.contiguous()
+        y = torch.empty_like(gate)
+        n = gate.numel()
+        _launch(_swiglu_fwd_kernel)[(triton.cdiv(n, _SWIGLU_BLOCK),)](gate, up, y, n, BLOCK=_SWIGLU_BLOCK)
+        return y
+
+    @_define("swiglu_backward", fake=lambda dy, gate, up: (gate.new_empty(gate.shape), up.new_empty(up.shape)))
+    def _swiglu_bwd_op(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(d gate, d up) of silu(gate) * up, silu recomputed."""
+        dy, gate, up = dy.contiguous(), gate.contiguous(), up.contiguous()
+        dgate, dup = torch.empty_like(gate), torch.empty_like(up)
+        n = gate.numel()
+        _launch(_swiglu_bwd_kernel)[(triton.cdiv(n, _SWIGLU_BLOCK),)](dy, gate, up, dgate, dup, n,
+                                                                      BLOCK=_SWIGLU_BLOCK)
+        return dgate, dup
+
+    def _swiglu_setup(ctx, inputs, output):
+        ctx.save_for_backward(*inputs)  # gate and up only; silu is recomputed
+
+    def _swiglu_backward(ctx, dy):
+        gate, up = ctx.saved_tensors
+        return torch.ops.myllm.swiglu_backward(dy, gate, up)
+
+    _swiglu_op.register_autograd(_swiglu_backward, setup_context=_swiglu_setup)
+
+
+# ------------------------------------------------------------------------------------ public API
+def _check_rows(name: str, x: torch.Tensor, weight: torch.Tensor) -> None:
+    if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"{name}: weight shape {tuple(weight.shape)} does not match x's last dim {x.shape[-1]}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Triton RMSNorm with rms_norm_ref's math: normalise in fp32, round to x's dtype, scale by weight.
+    Output dtype = torch.result_type(x, weight)."""
+    _require_triton()
+    _check_rows("rms_norm", x, weight)
+    return torch.ops.myllm.rms_norm(x, weight, float(eps))[0]
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(h), h) with h = x + residual rounded to x's dtype; one launch forward, one backward."""
+    _require_triton()
+    _check_rows("add_rms_norm", x, weight)
+    if residual.shape != x.shape:
+        raise ValueError(f"add_rms_norm: residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+    y, h, _ = torch.ops.myllm.add_rms_norm(x, residual, weight, float(eps))
+    return y, h
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE of q [B, T, H, D] and k [B, T, Hkv, D] (half-split layout, as rope_ref) in one launch.
+    cos/sin: [B or 1, T, 1, D/2] (fp32). Returns new contiguous tensors in q's / k's dtype."""
+    _require_triton()
+    if q.dim() != 4 or k.dim() != 4 or q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"apply_rope: q {tuple(q.shape)} and k {tuple(k.shape)} must be [B, T, heads, D] "
+                         "with the same B, T and D")
+    B, T, _, D = q.shape
+    if D % 2:
+        raise ValueError(f"apply_rope: head_dim {D} must be even")
+    for name, c in (("cos", cos), ("sin", sin)):
+        if c.numel() != c.shape[0] * T * (D // 2) or c.shape[0] not in (1, B) or c.shape[-1] != D // 2:
+            raise ValueError(f"apply_rope: {name} shape {tuple(c.shape)} is not [B or 1, T, 1, D/2] "
+                             f"for B={B}, T={T}, D={D}")
+    return torch.ops.myllm.rope(q, k, cos, sin)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up (fp32 math, gate's dtype out); the backward recomputes silu from gate and up."""
+    _require_triton()
+    if gate.shape != up.shape or gate.dtype != up.dtype:
+        raise ValueError(f"swiglu: gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} "
+                         "must have the same shape and dtype")
+    return torch.ops.myllm.swiglu(gate, up)
