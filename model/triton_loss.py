@@ -1,0 +1,382 @@
+"""Fused linear + cross-entropy as a torch.library custom op with a Triton softmax kernel.
+
+Owns: `linear_cross_entropy_triton(hidden, weight, labels, reduction, chunk_size, z_loss)`, the ops
+`myllm::linear_cross_entropy` / `myllm::linear_cross_entropy_backward` behind it, and the Triton
+kernel `_ce_chunk_kernel`. The pure-PyTorch reference it must agree with is
+`model.loss.linear_cross_entropy_ref`.
+
+How (the design of Liger-Kernel's fused linear cross-entropy, our own code): tokens are processed
+`chunk_size` at a time. Per chunk the logits come from one plain matmul (cuBLAS on a GPU) into a
+reused [c, V] buffer in the compute dtype; the Triton kernel, one program per token row, runs an
+online softmax over the row in BLOCK_V tiles (running max and sum, in fp32), writes the loss and the
+logsumexp, then overwrites the row with its gradient (softmax * (1 + 2 z lse) - onehot) * scale.
+The next two matmuls turn that buffer into d hidden (grad @ W) and d weight (+= grad^T @ h, fp32
+accumulator). The [tokens x vocab] logits never exist at once.
+
+Gradients: for "mean"/"sum" the upstream gradient is a scalar, so both gradients are computed in the
+forward pass while each chunk's logits are live and returned as extra (non-differentiable) outputs
+of the op; backward only multiplies them by the upstream scalar. For "none" the upstream gradient is
+per token: forward saves hidden and the per-token logsumexp, and backward (the second op) recomputes
+each chunk's logits; the kernel then writes (softmax - onehot) * g_token in place.
+
+Why a custom op: `torch.compile(fullgraph=True)` sees one opaque node (with a fake implementation
+for shapes and a registered autograd formula) instead of a graph break, so the rest of the model
+stays compiled. The autocast dtype is read outside the op (autocast state is not reliably visible
+inside a custom op) and passed in as a string; inside, autocast is switched off and every matmul
+runs explicitly in that dtype.
+
+Must never: materialise the logits of all tokens at once, import triton with a hard failure (the
+module imports without it; `supported()` says whether the op can run), or turn an all-ignored batch
+into NaN ("mean" over zero target tokens is 0). A label outside [0, V) that is not IGNORE_INDEX gives
+a NaN loss (and NaN gradients) instead of reading out of bounds or being silently skipped.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional
+
+import torch
+
+from utils.constants import IGNORE_INDEX
+
+try:  # optional accelerator: the module must import without it
+    import triton
+    import triton.language as tl
+
+    TRITON_AVAILABLE = True
+except Exception:  # ImportError, or a broken install failing at import
+    triton = None
+    tl = None
+    TRITON_AVAILABLE = False
+
+__all__ = ["TRITON_AVAILABLE", "supported", "linear_cross_entropy_triton", "MAX_BLOCK_V"]
+
+# Largest vocab tile one kernel program holds at a time. Tests lower it to exercise several tiles
+# with a masked tail on a small vocab.
+MAX_BLOCK_V = 16384
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_REDUCTIONS = ("mean", "sum", "none")
+
+
+def supported(t: torch.Tensor) -> bool:
+    """Can the Triton op run on tensors living where `t` lives?"""
+    if not TRITON_AVAILABLE:
+        return False
+    return bool(t.is_cuda or (t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"))
+
+
+# ------------------------------------------------------------------------------------------ kernel
+if TRITON_AVAILABLE:
+
+    @triton.jit
+    def _ce_chunk_kernel(logits_ptr, logits_stride, labels_ptr, scale_ptr, scale_stride,
+                         loss_ptr, lse_ptr, n_cols, ignore_index, z_loss,
+                         LSE_IN: tl.constexpr, WRITE_LOSS: tl.constexpr, WRITE_GRAD: tl.constexpr,
+                         BLOCK_V: tl.constexpr):
+        """One program per token row of a chunk of logits [rows, n_cols].
+
+        LSE_IN: read the row's logsumexp from lse_ptr (backward of "none"); else compute it with an
+        online softmax and store it. WRITE_LOSS: store lse - x[y] + z_loss * lse^2 (0 if ignored).
+        WRITE_GRAD: overwrite the row with (softmax * (1 + 2 z_loss lse) - onehot) * scale, scale read
+        at scale_ptr + row * scale_stride (stride 0: one scalar for all rows), 0 for ignored rows.
+        """
+        row = tl.program_id(0).to(tl.int64)
+        row_ptr = logits_ptr + row * logits_stride
+        y = tl.load(labels_ptr + row).to(tl.int64)
+        valid = y != ignore_index
+        in_range = (y >= 0) & (y < n_cols)
+        bad = valid & (in_range == 0)  # a label that is neither a class nor ignored: NaN, not OOB
+        safe_y = tl.where(in_range, y, 0)
+
+        if LSE_IN:
+            lse = tl.load(lse_ptr + row).to(tl.float32)
+        else:
+            m = float("-inf")
+            s = 0.0
+            for off in range(0, n_cols, BLOCK_V):
+                cols = off + tl.arange(0, BLOCK_V)
+                x = tl.load(row_ptr + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+                m_new = tl.maximum(m, tl.max(x, axis=0))
+                s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+                m = m_new
+            lse = m + tl.log(s)
+            tl.store(lse_ptr + row, lse)
+
+        if WRITE_LOSS:
+            # read the target logit before the row is overwritten with its gradient
+            x_y = tl.load(row_ptr + safe_y).to(tl.float32)
+            loss = lse - x_y + z_loss * lse * lse
+            loss = tl.where(valid, loss, 0.0)
+            loss = tl.where(bad, float("nan"), loss)
+            tl.store(loss_ptr + row, loss)
+
+        if WRITE_GRAD:
+            scale = tl.load(scale_ptr + row * scale_stride).to(tl.float32)
+            scale = tl.where(valid, scale, 0.0)  # also kills a non-finite upstream grad at ignored rows
+            scale = tl.where(bad, float("nan"), scale)
+            coef = scale * (1.0 + 2.0 * z_loss * lse)  # d(z lse^2)/dx = 2 z lse softmax
+            for off in range(0, n_cols, BLOCK_V):
+                cols = off + tl.arange(0, BLOCK_V)
+                mask = cols < n_cols
+                x = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                g = tl.exp(x - lse) * coef - tl.where(cols == safe_y, scale, 0.0)
+                tl.store(row_ptr + cols, g.to(logits_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch(logits: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor, scale_stride: int,
+            loss: torch.Tensor, lse: torch.Tensor, z_loss: float, *, lse_in: bool, write_loss: bool,
+            write_grad: bool) -> None:
+    rows, n_cols = logits.shape
+    if rows == 0:
+        return
+    block = min(MAX_BLOCK_V, triton.next_power_of_2(n_cols))
+    num_warps = 16 if block >= 8192 else (8 if block >= 2048 else 4)
+    _ce_chunk_kernel[(rows,)](
+        logits, logits.stride(0), labels, scale, scale_stride, loss, lse, n_cols, IGNORE_INDEX,
+        float(z_loss), LSE_IN=lse_in, WRITE_LOSS=write_loss, WRITE_GRAD=write_grad, BLOCK_V=block,
+        num_warps=num_warps)
+
+
+# ----------------------------------------------------------------------------------- chunk helpers
+def _chunk_grads(g: torch.Tensor, h: torch.Tensor, w: torch.Tensor, d_hidden: Optional[torch.Tensor],
+                 d_weight: Optional[torch.Tensor], tmp_w: Optional[torch.Tensor], first: bool) -> None:
+    """d_hidden = g @ w (written into the given slice) and d_weight (+)= g^T @ h for one chunk.
+
+    g [c, V], h [c, D], w [V, D] all in the compute dtype; d_weight is fp32. In low precision the
+    product is formed in the compute dtype (into tmp_w, reused) and added to the fp32 accumulator:
+    addmm cannot mix a bf16 product with an fp32 accumulator.
+    """
+    if d_hidden is not None:
+        if d_hidden.dtype == g.dtype:
+            torch.mm(g, w, out=d_hidden)
+        else:
+            d_hidden.copy_(torch.mm(g, w))
+    if d_weight is not None:
+        if tmp_w is None:  # fp32 compute: accumulate directly
+            if first:
+                torch.mm(g.t(), h, out=d_weight)
+            else:
+                d_weight.addmm_(g.t(), h)
+        else:
+            torch.mm(g.t(), h, out=tmp_w)
+            if first:
+                d_weight.copy_(tmp_w)
+            else:
+                d_weight.add_(tmp_w)
+
+
+def _empty(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(0, dtype=dtype, device=like.device)
+
+
+# --------------------------------------------------------------------------------------- the ops
+@torch.library.custom_op("myllm::linear_cross_entropy", mutates_args=())
+def _lce_op(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, reduction: str,
+            chunk_size: int, z_loss: float, compute_dtype: str, need_d_hidden: bool,
+            need_d_weight: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """hidden [N, D], weight [V, D], labels [N] -> (loss, lse [N] fp32, d_hidden, d_weight).
+
+    loss: fp32 scalar ("mean"/"sum") or [N] ("none"). For "mean"/"sum" d_hidden [N, D]
+    (hidden.dtype) and d_weight [V, D] (weight.dtype, accumulated in fp32) are the gradients for an
+    upstream gradient of 1, each empty ([0]) when not asked for; for "none" both are empty.
+    """
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    cdtype = _DTYPES[compute_dtype]
+    n, d = hidden.shape
+    v = weight.shape[0]
+    dev = hidden.device
+    f32 = torch.float32
+    grads_now = reduction != "none" and (need_d_hidden or need_d_weight)
+    with torch.autocast(dev.type, enabled=False):
+        labels = labels.contiguous()
+        h_c = hidden.to(cdtype).contiguous()
+        w_c = weight.to(cdtype).contiguous()  # one cast per call, not one per chunk
+        losses = torch.empty(n, dtype=f32, device=dev)
+        lse = torch.empty(n, dtype=f32, device=dev)
+        n_valid = (labels != IGNORE_INDEX).sum()
+        # the per-token gradient factor stays on the device: no sync on the target count
+        if reduction == "mean":
+            scale = (1.0 / n_valid.clamp(min=1).to(f32)).reshape(1)
+        else:
+            scale = torch.ones(1, dtype=f32, device=dev)
+        d_hidden = torch.empty(n, d, dtype=hidden.dtype, device=dev) if grads_now and need_d_hidden else None
+        d_weight = torch.empty(v, d, dtype=f32, device=dev) if grads_now and need_d_weight else None
+        tmp_w = torch.empty(v, d, dtype=cdtype, device=dev) if d_weight is not None and cdtype != f32 else None
+        c = max(1, min(int(chunk_size), n))
+        buf = torch.empty(c, v, dtype=cdtype, device=dev)  # the only logits that ever exist
+        for s in range(0, n, c):
+            e = min(s + c, n)
+            logits = buf[: e - s]
+            torch.mm(h_c[s:e], w_c.t(), out=logits)
+            _launch(logits, labels[s:e], scale, 0, losses[s:e], lse[s:e], z_loss,
+                    lse_in=False, write_loss=True, write_grad=grads_now)
+            if grads_now:
+                _chunk_grads(logits, h_c[s:e], w_c, d_hidden[s:e] if d_hidden is not None else None,
+                             d_weight, tmp_w, first=s == 0)
+        del buf, tmp_w
+        if reduction == "none":
+            loss = losses
+        elif reduction == "sum":
+            loss = losses.sum()
+        else:
+            loss = losses.sum() / n_valid.clamp(min=1)
+        if d_weight is not None and n == 0:
+            d_weight.zero_()
+        d_hidden = d_hidden if d_hidden is not None else _empty(hidden, hidden.dtype)
+        d_weight = d_weight.to(weight.dtype) if d_weight is not None else _empty(weight, weight.dtype)
+    return loss, lse, d_hidden, d_weight
+
+
+@_lce_op.register_fake
+def _lce_fake(hidden, weight, labels, reduction, chunk_size, z_loss, compute_dtype, need_d_hidden,
+              need_d_weight):
+    n = hidden.shape[0]
+    f32 = torch.float32
+    loss = hidden.new_empty((n,) if reduction == "none" else (), dtype=f32)
+    lse = hidden.new_empty((n,), dtype=f32)
+    grads_now = reduction != "none" and (need_d_hidden or need_d_weight)
+    d_hidden = hidden.new_empty(hidden.shape if grads_now and need_d_hidden else (0,))
+    d_weight = weight.new_empty(weight.shape if grads_now and need_d_weight else (0,))
+    return loss, lse, d_hidden, d_weight
+
+
+@torch.library.custom_op("myllm::linear_cross_entropy_backward", mutates_args=())
+def _lce_backward_op(grad: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
+                     labels: torch.Tensor, lse: torch.Tensor, chunk_size: int, z_loss: float,
+                     compute_dtype: str, need_d_hidden: bool,
+                     need_d_weight: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Backward of reduction "none": per-token upstream grad [N] -> (d_hidden, d_weight), each empty
+    ([0]) when not asked for. Recomputes each chunk's logits from hidden and the saved lse."""
+    cdtype = _DTYPES[compute_dtype]
+    n, d = hidden.shape
+    v = weight.shape[0]
+    dev = hidden.device
+    f32 = torch.float32
+    with torch.autocast(dev.type, enabled=False):
+        g = grad.to(f32).contiguous()
+        labels = labels.contiguous()
+        lse = lse.to(f32).contiguous()
+        h_c = hidden.to(cdtype).contiguous()
+        w_c = weight.to(cdtype).contiguous()
+        d_hidden = torch.empty(n, d, dtype=hidden.dtype, device=dev) if need_d_hidden else None
+        d_weight = torch.empty(v, d, dtype=f32, device=dev) if need_d_weight else None
+        tmp_w = torch.empty(v, d, dtype=cdtype, device=dev) if d_weight is not None and cdtype != f32 else None
+        if need_d_hidden or need_d_weight:
+            c = max(1, min(int(chunk_size), n))
+            buf = torch.empty(c, v, dtype=cdtype, device=dev)
+            for s in range(0, n, c):
+                e = min(s + c, n)
+                logits = buf[: e - s]
+                torch.mm(h_c[s:e], w_c.t(), out=logits)
+                _launch(logits, labels[s:e], g[s:e], 1, lse[s:e], lse[s:e], z_loss,
+                        lse_in=True, write_loss=False, write_grad=True)
+                _chunk_grads(logits, h_c[s:e], w_c, d_hidden[s:e] if d_hidden is not None else None,
+                             d_weight, tmp_w, first=s == 0)
+            del buf
+        if d_weight is not None and n == 0:
+            d_weight.zero_()
+        d_hidden = d_hidden if d_hidden is not None else _empty(hidden, hidden.dtype)
+        d_weight = d_weight.to(weight.dtype) if d_weight is not None else _empty(weight, weight.dtype)
+    return d_hidden, d_weight
+
+
+@_lce_backward_op.register_fake
+def _lce_backward_fake(grad, hidden, weight, labels, lse, chunk_size, z_loss, compute_dtype,
+                       need_d_hidden, need_d_weight):
+    d_hidden = hidden.new_empty(hidden.shape if need_d_hidden else (0,))
+    d_weight = weight.new_empty(weight.shape if need_d_weight else (0,))
+    return d_hidden, d_weight
+
+
+def _lce_setup_context(ctx, inputs, output):
+    hidden, weight, labels, reduction, chunk_size, z_loss, compute_dtype, need_dh, need_dw = inputs
+    loss, lse, d_hidden, d_weight = output
+    # lse and the precomputed gradients are side outputs: no gradient flows into them, and with
+    # materialisation off autograd does not build [N, D] / [V, D] zero tensors for them in backward
+    ctx.mark_non_differentiable(lse, d_hidden, d_weight)
+    ctx.set_materialize_grads(False)
+    ctx.reduction, ctx.chunk_size, ctx.z_loss = reduction, chunk_size, z_loss
+    ctx.compute_dtype, ctx.need_dh, ctx.need_dw = compute_dtype, need_dh, need_dw
+    if reduction == "none":
+        ctx.save_for_backward(hidden, weight, labels, lse)
+    else:
+        ctx.save_for_backward(d_hidden, d_weight)
+
+
+def _lce_backward(ctx, grad_loss, grad_lse, grad_dh, grad_dw):
+    n_inputs = 9
+    if grad_loss is None:
+        return (None,) * n_inputs
+    # a gradient is returned only where the forward was told it is needed (need_* decided outside
+    # the op from requires_grad and grad mode)
+    if ctx.reduction == "none":
+        hidden, weight, labels, lse = ctx.saved_tensors
+        d_h, d_w = torch.ops.myllm.linear_cross_entropy_backward(
+            grad_loss, hidden, weight, labels, lse, ctx.chunk_size, ctx.z_loss, ctx.compute_dtype,
+            ctx.need_dh, ctx.need_dw)
+    else:
+        d_hidden, d_weight = ctx.saved_tensors
+        # out of place: the saved gradients stay valid for a second backward (retain_graph)
+        d_h = d_hidden * grad_loss.to(d_hidden.dtype) if ctx.need_dh else None
+        d_w = d_weight * grad_loss.to(d_weight.dtype) if ctx.need_dw else None
+    return (d_h if ctx.need_dh else None, d_w if ctx.need_dw else None) + (None,) * (n_inputs - 2)
+
+
+_lce_op.register_autograd(_lce_backward, setup_context=_lce_setup_context)
+
+
+# ------------------------------------------------------------------------------------- public API
+def _compute_dtype_name(hidden: torch.Tensor, weight: torch.Tensor) -> str:
+    dev = hidden.device.type
+    if torch.is_autocast_enabled(dev):
+        dtype = torch.get_autocast_dtype(dev)
+    else:
+        dtype = torch.promote_types(hidden.dtype, weight.dtype)
+    for name, dt in _DTYPES.items():
+        if dt == dtype:
+            return name
+    raise TypeError(f"linear_cross_entropy_triton: unsupported compute dtype {dtype}")
+
+
+def auto_chunk_size(n_tokens: int, vocab: int, dim: int) -> int:
+    """Tokens per chunk so that a chunk's logits stay near the size of the hidden states (Liger's
+    rule: N / ceil(V / D)), rounded to a power of two and clamped to [1024, 8192]."""
+    c = math.ceil(max(1, n_tokens) / max(1, math.ceil(vocab / max(1, dim))))
+    return int(min(8192, max(1024, 1 << (c - 1).bit_length())))
+
+
+def linear_cross_entropy_triton(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                                reduction: str = "mean", chunk_size: Optional[int] = 4096,
+                                z_loss: float = 0.0) -> torch.Tensor:
+    """Cross-entropy of `hidden @ weight.T` against `labels` without the full logits.
+
+    hidden [..., D], weight [V, D], labels [...] (already shifted; IGNORE_INDEX = -100 skipped).
+    reduction: "mean" over non-ignored tokens (0 if there are none), "sum", or "none" -> fp32 loss
+    with the shape of `labels`, 0 at ignored positions. z_loss > 0 adds z_loss * logsumexp^2 per
+    non-ignored token (PaLM's z-loss), gradient included. chunk_size: tokens per chunk of logits
+    (None: `auto_chunk_size`). Under autocast the matmuls run in the autocast dtype, else in the
+    inputs' dtype; softmax statistics, the loss and the weight-gradient accumulation are fp32.
+    """
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    if not TRITON_AVAILABLE:
+        raise RuntimeError("linear_cross_entropy_triton needs triton; use model.loss.linear_cross_entropy")
+    shape = labels.shape
+    h = hidden.reshape(-1, hidden.shape[-1])
+    y = labels.reshape(-1)
+    if h.shape[0] != y.shape[0]:
+        raise ValueError(f"hidden has {h.shape[0]} tokens but labels has {y.shape[0]}")
+    if weight.dim() != 2 or weight.shape[1] != h.shape[1]:
+        raise ValueError(f"weight must be [V, {h.shape[1]}], got {tuple(weight.shape)}")
+    grad_on = torch.is_grad_enabled()
+    need_dh = bool(grad_on and hidden.requires_grad)
+    need_dw = bool(grad_on and weight.requires_grad)
+    if chunk_size is None:
+        chunk_size = auto_chunk_size(h.shape[0], weight.shape[0], weight.shape[1])
+    loss, _, _, _ = torch.ops.myllm.linear_cross_entropy(
+        h, weight, y, reduction, int(chunk_size), float(z_loss), _compute_dtype_name(hidden, weight),
+        need_dh, need_dw)
+    return loss.reshape(shape) if reduction == "none" else loss
