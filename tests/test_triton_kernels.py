@@ -1,0 +1,357 @@
+"""Triton kernels (model/triton_kernels.py) against the references in model/kernels.py.
+
+On CPU the kernels run in the Triton interpreter (TRITON_INTERPRET=1, set before triton is imported),
+at tiny odd sizes; the `gpu` tests run them at real sizes on CUDA.
+
+Tolerances are derived, not tuned: each result is compared with the same math in fp64, and the
+Triton error must be at most twice the error of the reference run in the same dtype, plus one unit
+in the last place of the output's dtype at the output's scale (the Triton kernels round once, when
+they store). In fp32 the allowance is 1e-5 of the scale.
+"""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from model import kernels  # noqa: E402
+from model import triton_kernels as tk  # noqa: E402
+
+CPU = torch.device("cpu")
+LOW = (torch.float16, torch.bfloat16)
+DTYPES = (torch.float32,) + LOW
+
+needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                       reason="CPU tests need TRITON_INTERPRET=1 before triton is imported")
+
+
+# ----------------------------------------------------------------------------------------- helpers
+def assert_derived_close(name: str, out: torch.Tensor, ref: torch.Tensor, truth: torch.Tensor) -> None:
+    """out (Triton) and ref (the reference in the same dtype) against truth (fp64): the Triton error is
+    at most 2x the reference's own error + one ulp of out's dtype at the scale (1e-5 of it in fp32)."""
+    assert out.shape == truth.shape, f"{name}: shape {tuple(out.shape)} != {tuple(truth.shape)}"
+    assert out.dtype == ref.dtype, f"{name}: dtype {out.dtype} != reference dtype {ref.dtype}"
+    truth = truth.double()
+    scale = truth.abs().max().item()
+    err = (out.double() - truth).abs().max().item()
+    ref_err = (ref.double() - truth).abs().max().item()
+    ulp = 1e-5 if out.dtype == torch.float32 else torch.finfo(out.dtype).eps
+    bound = 2 * ref_err + ulp * scale
+    assert err <= bound, f"{name} ({out.dtype}): error {err:.3e} > bound {bound:.3e} (reference error {ref_err:.3e}, scale {scale:.3e})"
+
+
+def leaf(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    return t.detach().to(dtype or t.dtype).requires_grad_(True)
+
+
+def run_and_grad(fn, inputs: list[torch.Tensor], grads_out: list[torch.Tensor]):
+    """fn(*inputs) -> tensor or tuple; backprop grads_out; returns (outputs, input grads)."""
+    outs = fn(*inputs)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    torch.autograd.backward(outs, [g.to(o.dtype) for o, g in zip(outs, grads_out)])
+    return [o.detach() for o in outs], [i.grad for i in inputs]
+
+
+def check_against_reference(name, triton_fn, ref_fn, inputs, grads_out, dtypes):
+    """Forward and every input gradient of triton_fn vs ref_fn, in the inputs' dtypes (dtypes[i] per
+    input) and in fp64 (the truth)."""
+    ins = [leaf(x, d) for x, d in zip(inputs, dtypes)]
+    outs, grads = run_and_grad(triton_fn, ins, grads_out)
+    ref_ins = [leaf(x, d) for x, d in zip(inputs, dtypes)]
+    ref_outs, ref_grads = run_and_grad(ref_fn, ref_ins, grads_out)
+    t_ins = [leaf(x, torch.float64) for x in inputs]
+    t_outs, t_grads = run_and_grad(ref_fn, t_ins, grads_out)
+    for i, (o, r, t) in enumerate(zip(outs, ref_outs, t_outs)):
+        assert_derived_close(f"{name} output {i}", o, r, t)
+    for i, (g, r, t) in enumerate(zip(grads, ref_grads, t_grads)):
+        assert g is not None, f"{name}: no gradient for input {i}"
+        assert_derived_close(f"{name} grad of input {i}", g, r, t)
+
+
+def rope_tables(positions: torch.Tensor, head_dim: int, theta: float = 10000.0):
+    """cos/sin [B, T, 1, D/2] fp32 as model.llama.RotaryEmbedding builds them."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim))
+    ang = positions.float()[..., None] * inv_freq
+    return ang.cos()[:, :, None, :], ang.sin()[:, :, None, :]
+
+
+def rope_pair_ref(q, k, cos, sin):
+    return kernels.rope_ref(q, cos.to(q.dtype), sin.to(q.dtype)), kernels.rope_ref(k, cos.to(k.dtype), sin.to(k.dtype))
+
+
+def add_rms_norm_ref(x, residual, weight, eps):
+    h = x + residual
+    return kernels.rms_norm_ref(h, weight, eps), h
+
+
+# ------------------------------------------------------------------------------------------ basics
+def test_supported_and_missing_triton(monkeypatch):
+    assert tk.TRITON_AVAILABLE
+    assert tk.supported(torch.empty(1, device=CPU)) == (os.environ.get("TRITON_INTERPRET") == "1")
+    assert not tk.supported(torch.empty(1, device="meta"))
+    monkeypatch.setattr(tk, "TRITON_AVAILABLE", False)
+    assert not tk.supported(torch.empty(1, device=CPU))
+    with pytest.raises(RuntimeError, match="triton is not installed"):
+        tk.rms_norm(torch.ones(2, 4), torch.ones(4), 1e-6)
+
+
+@needs_interpreter
+def test_bad_shapes_are_refused():
+    with pytest.raises(ValueError, match="weight shape"):
+        tk.rms_norm(torch.ones(2, 4), torch.ones(5), 1e-6)
+    with pytest.raises(ValueError, match="must be even"):
+        tk.apply_rope(torch.ones(1, 2, 2, 5), torch.ones(1, 2, 1, 5), torch.ones(1, 2, 1, 2), torch.ones(1, 2, 1, 2))
+    with pytest.raises(ValueError, match="same shape"):
+        tk.swiglu(torch.ones(2, 4), torch.ones(2, 3))
+
+
+# ----------------------------------------------------------------------------------------- RMSNorm
+@needs_interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(3, 5, 40), (7, 48)])  # D not a power of two, odd row counts
+def test_rms_norm(dtype, shape):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=g) * 3 + 0.5
+    w = 1 + 0.2 * torch.randn(shape[-1], generator=g)
+    gy = torch.randn(shape, generator=g)
+    check_against_reference("rms_norm", lambda x, w: tk.rms_norm(x, w, 1e-6),
+                            lambda x, w: kernels.rms_norm_ref(x, w, 1e-6), [x, w], [gy], [dtype, dtype])
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", LOW)
+def test_rms_norm_low_precision_input_fp32_weight(dtype):
+    """A low-precision activation with an fp32 weight gives an fp32 output, as the reference does."""
+    g = torch.Generator().manual_seed(1)
+    x, w, gy = torch.randn(5, 40, generator=g), 1 + 0.2 * torch.randn(40, generator=g), torch.randn(5, 40, generator=g)
+    y = tk.rms_norm(x.to(dtype), w, 1e-6)
+    assert y.dtype == torch.float32
+    check_against_reference("rms_norm mixed", lambda x, w: tk.rms_norm(x, w, 1e-6),
+                            lambda x, w: kernels.rms_norm_ref(x, w, 1e-6), [x, w], [gy], [dtype, torch.float32])
+
+
+@needs_interpreter
+def test_rms_norm_strided_rows():
+    """A row-strided view (a slice of a wider matrix) is read in place, with the right result."""
+    g = torch.Generator().manual_seed(2)
+    base = torch.randn(6, 64, generator=g)
+    x = base[:, 8:48]  # row stride 64, D = 40
+    w, gy = torch.randn(40, generator=g), torch.randn(6, 40, generator=g)
+    check_against_reference("rms_norm strided", lambda x, w: tk.rms_norm(x, w, 1e-5),
+                            lambda x, w: kernels.rms_norm_ref(x, w, 1e-5), [x, w], [gy], [None, None])
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm(dtype):
+    g = torch.Generator().manual_seed(3)
+    shape = (3, 5, 40)
+    x, r = torch.randn(shape, generator=g), 2 * torch.randn(shape, generator=g)
+    w = 1 + 0.2 * torch.randn(40, generator=g)
+    gy, gh = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    check_against_reference("add_rms_norm", lambda x, r, w: tk.add_rms_norm(x, r, w, 1e-6),
+                            lambda x, r, w: add_rms_norm_ref(x, r, w, 1e-6), [x, r, w], [gy, gh], [dtype] * 3)
+
+
+@needs_interpreter
+def test_add_rms_norm_only_normed_output_used():
+    """When h gets no gradient, the backward still gives the norm's gradients (x and residual alike)."""
+    g = torch.Generator().manual_seed(4)
+    x, r, w = leaf(torch.randn(5, 48, generator=g)), leaf(torch.randn(5, 48, generator=g)), leaf(torch.randn(48, generator=g))
+    gy = torch.randn(5, 48, generator=g)
+    y, _ = tk.add_rms_norm(x, r, w, 1e-6)
+    y.backward(gy)
+    x2, r2, w2 = leaf(x), leaf(r), leaf(w)
+    kernels.rms_norm_ref(x2 + r2, w2, 1e-6).backward(gy)
+    for a, b in ((x.grad, x2.grad), (r.grad, r2.grad), (w.grad, w2.grad)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
+
+
+# -------------------------------------------------------------------------------------------- RoPE
+def _rope_inputs(B, T, H, Hkv, D, per_sample: bool, device=CPU, seed=5):
+    g = torch.Generator(device=device).manual_seed(seed)
+    # q and k as views of one fused qkv matmul output: non-contiguous, row stride (H + 2 Hkv) * D
+    qkv = torch.randn(B, T, (H + 2 * Hkv) * D, generator=g, device=device)
+    if per_sample:  # packed samples: positions restart inside a row, differently per sample
+        positions = torch.stack([torch.arange(T, device=device) % (3 + b) for b in range(B)])
+    else:
+        positions = torch.arange(T, device=device)[None] + 7
+    cos, sin = rope_tables(positions, D)
+    gq = torch.randn(B, T, H, D, generator=g, device=device)
+    gk = torch.randn(B, T, Hkv, D, generator=g, device=device)
+    return qkv, cos, sin, gq, gk
+
+
+def _rope_check(name, B, T, H, Hkv, D, per_sample, dtype, device=CPU):
+    qkv, cos, sin, gq, gk = _rope_inputs(B, T, H, Hkv, D, per_sample, device)
+
+    def split(qkv):
+        q, k, _ = qkv.split((H * D, Hkv * D, Hkv * D), dim=-1)
+        return q.view(B, T, H, D), k.view(B, T, Hkv, D)
+
+    q0, k0 = split(qkv)
+    assert not q0.is_contiguous() and not k0.is_contiguous()
+    check_against_reference(name, lambda qkv: tk.apply_rope(*split(qkv), cos, sin),
+                            lambda qkv: rope_pair_ref(*split(qkv), cos, sin), [qkv], [gq, gk], [dtype])
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("per_sample", [False, True], ids=["broadcast_cos", "per_sample_cos"])
+def test_rope_gqa_strided(dtype, per_sample):
+    _rope_check("rope", B=2, T=5, H=4, Hkv=2, D=12, per_sample=per_sample, dtype=dtype)  # D/2 = 6: masked
+
+
+@needs_interpreter
+def test_rope_contiguous_inputs_and_strided_grads():
+    """Contiguous leaf q/k, H = Hkv, and gradients arriving through a transpose (non-contiguous)."""
+    g = torch.Generator().manual_seed(6)
+    B, T, H, D = 1, 3, 3, 16
+    q, k = torch.randn(B, T, H, D, generator=g), torch.randn(B, T, H, D, generator=g)
+    cos, sin = rope_tables(torch.arange(T)[None], D)
+    gq = torch.randn(B, H, T, D, generator=g)
+
+    def use(fn):
+        def f(q, k):
+            qo, ko = fn(q, k, cos, sin)
+            return qo.transpose(1, 2), ko.transpose(1, 2)  # as attention consumes them
+        return f
+
+    check_against_reference("rope transposed", use(tk.apply_rope), use(rope_pair_ref), [q, k], [gq, gq.flip(0)],
+                            [None, None])
+
+
+@needs_interpreter
+def test_rope_is_a_rotation():
+    """Forward then inverse (the backward op) gives the input back; norms of pairs are kept."""
+    qkv, cos, sin, _, _ = _rope_inputs(2, 4, 2, 1, 8, per_sample=True)
+    q, k = qkv[..., :16].reshape(2, 4, 2, 8), qkv[..., 16:24].reshape(2, 4, 1, 8)
+    qo, ko = torch.ops.myllm.rope(q, k, cos, sin, False)
+    qb, kb = torch.ops.myllm.rope(qo, ko, cos, sin, True)
+    torch.testing.assert_close(qb, q, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kb, k, rtol=1e-5, atol=1e-5)
+    pair_norm = lambda x: x[..., :4] ** 2 + x[..., 4:] ** 2  # noqa: E731
+    torch.testing.assert_close(pair_norm(qo), pair_norm(q), rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ SwiGLU
+@needs_interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(3, 5, 40), (2, 700)])  # 2 x 700: two blocks, the second masked
+def test_swiglu(dtype, shape):
+    g = torch.Generator().manual_seed(7)
+    gate, up, gy = 3 * torch.randn(shape, generator=g), torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    check_against_reference("swiglu", tk.swiglu, kernels.swiglu_ref, [gate, up], [gy], [dtype, dtype])
+
+
+# ----------------------------------------------------------------------------- torch.library checks
+def _opcheck_cases(device=CPU):
+    g = torch.Generator(device=device).manual_seed(8)
+    r = lambda *s: torch.randn(*s, generator=g, device=device)  # noqa: E731
+    x, res, w = r(3, 40), r(3, 40), r(40)
+    _, rstd = torch.ops.myllm.rms_norm(x, w, 1e-6)
+    q, k = r(2, 3, 4, 8), r(2, 3, 2, 8)
+    cos, sin = rope_tables(torch.arange(3, device=device)[None].expand(2, 3), 8)
+    return [
+        (torch.ops.myllm.rms_norm.default, (leaf(x), leaf(w), 1e-6)),
+        (torch.ops.myllm.add_rms_norm.default, (leaf(x), leaf(res), leaf(w), 1e-6)),
+        (torch.ops.myllm.rms_norm_backward.default, (r(3, 40), None, x, w, rstd)),
+        (torch.ops.myllm.rms_norm_backward.default, (r(3, 40), r(3, 40), x, w, rstd)),
+        (torch.ops.myllm.rope.default, (leaf(q), leaf(k), cos, sin, False)),
+        (torch.ops.myllm.rope.default, (leaf(q), leaf(k), cos[:1], sin[:1], True)),
+        (torch.ops.myllm.swiglu.default, (leaf(r(3, 40)), leaf(r(3, 40)))),
+        (torch.ops.myllm.swiglu_backward.default, (r(3, 40), r(3, 40), r(3, 40))),
+    ]
+
+
+@needs_interpreter
+def test_opcheck_every_op():
+    cases = _opcheck_cases()
+    assert {op._schema.name for op, _ in cases} == {
+        "myllm::rms_norm", "myllm::add_rms_norm", "myllm::rms_norm_backward", "myllm::rope",
+        "myllm::swiglu", "myllm::swiglu_backward"}
+    for op, args in cases:
+        torch.library.opcheck(op, args)
+
+
+def _all_ops(x, res, w, q, k, cos, sin, gate, up):
+    y = tk.rms_norm(x, w, 1e-6)
+    y2, h = tk.add_rms_norm(y, res, w, 1e-6)
+    qo, ko = tk.apply_rope(q, k, cos, sin)
+    s = tk.swiglu(gate, up)
+    return y2.sum() + h.pow(2).sum() + (qo * qo.detach().sin()).sum() + ko.pow(2).sum() + s.pow(2).sum()
+
+
+def _compile_matches_eager(backend: str, device=CPU):
+    g = torch.Generator(device=device).manual_seed(9)
+    r = lambda *s: torch.randn(*s, generator=g, device=device)  # noqa: E731
+    B, T, H, Hkv, D = 2, 3, 4, 2, 8
+    cos, sin = rope_tables(torch.arange(T, device=device)[None], D)
+    inputs = [r(B, T, 24), r(B, T, 24), r(24), r(B, T, H, D), r(B, T, Hkv, D), cos, sin, r(B, T, 40), r(B, T, 40)]
+    differentiable = [0, 1, 2, 3, 4, 7, 8]
+    eager_in = [leaf(t) if i in differentiable else t for i, t in enumerate(inputs)]
+    loss = _all_ops(*eager_in)
+    loss.backward()
+    comp_in = [leaf(t) if i in differentiable else t for i, t in enumerate(inputs)]
+    torch._dynamo.reset()
+    compiled = torch.compile(_all_ops, fullgraph=True, backend=backend)  # fullgraph: a graph break raises
+    closs = compiled(*comp_in)
+    closs.backward()
+    torch.testing.assert_close(closs, loss)
+    for i in differentiable:
+        torch.testing.assert_close(comp_in[i].grad, eager_in[i].grad)
+
+
+@needs_interpreter
+def test_torch_compile_fullgraph_matches_eager():
+    _compile_matches_eager("aot_eager")
+
+
+# --------------------------------------------------------------------------------------------- GPU
+GPU = torch.device("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gpu_rms_norm_and_add(dtype):
+    g = torch.Generator(device=GPU).manual_seed(10)
+    shape = (8 * 1024, 2048)
+    x, r = torch.randn(shape, generator=g, device=GPU), torch.randn(shape, generator=g, device=GPU)
+    w = 1 + 0.2 * torch.randn(shape[-1], generator=g, device=GPU)
+    gy, gh = torch.randn(shape, generator=g, device=GPU), torch.randn(shape, generator=g, device=GPU)
+    check_against_reference("rms_norm", lambda x, w: tk.rms_norm(x, w, 1e-6),
+                            lambda x, w: kernels.rms_norm_ref(x, w, 1e-6), [x, w], [gy], [dtype, dtype])
+    check_against_reference("add_rms_norm", lambda x, r, w: tk.add_rms_norm(x, r, w, 1e-6),
+                            lambda x, r, w: add_rms_norm_ref(x, r, w, 1e-6), [x, r, w], [gy, gh], [dtype] * 3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("per_sample", [False, True], ids=["broadcast_cos", "per_sample_cos"])
+def test_gpu_rope(dtype, per_sample):
+    _rope_check("rope", B=4, T=1024, H=16, Hkv=8, D=128, per_sample=per_sample, dtype=dtype, device=GPU)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gpu_swiglu(dtype):
+    g = torch.Generator(device=GPU).manual_seed(11)
+    shape = (4, 1024, 5504)
+    gate, up, gy = (3 * torch.randn(shape, generator=g, device=GPU), torch.randn(shape, generator=g, device=GPU),
+                    torch.randn(shape, generator=g, device=GPU))
+    check_against_reference("swiglu", tk.swiglu, kernels.swiglu_ref, [gate, up], [gy], [dtype, dtype])
+
+
+@pytest.mark.gpu
+def test_gpu_opcheck_every_op():
+    for op, args in _opcheck_cases(GPU):
+        torch.library.opcheck(op, args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_gpu_torch_compile_fullgraph_matches_eager(backend):
+    _compile_matches_eager(backend, GPU)
