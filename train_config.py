@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 from utils.constants import EXIT_BAD_CONFIG
 
@@ -101,6 +101,11 @@ class TrainConfig:
     powersgd_start_iter: int = _f(10, "plain all-reduce before this step")
     powersgd_min_compression_rate: float = _f(2.0, "tensors compressing less than this go uncompressed")
     powersgd_warm_start: bool = _f(True, "reuse Q between steps")
+    pipeline_parallel_size: int = _f(1, "pipeline stages P (1 = off): the layers split into P stages on a pp x dp mesh "
+                                     "(WORLD_SIZE = P x dp; dp uses --parallel); the micro-batches are "
+                                     "--gradient_accumulation_steps; pretrain and sft only (see docs/parallel.md)")
+    pipeline_schedule: str = _f("1f1b", "gpipe (all forwards, then all backwards) | 1f1b (less activation memory; "
+                                "needs --gradient_accumulation_steps >= --pipeline_parallel_size)")
     # ---- evaluation, logging, checkpoints
     eval_interval: int = _f(100, "evaluate every N steps (0 = only at the end)")
     eval_iters: int = _f(20, "validation micro-batches per rank per evaluation (>= 1)")
@@ -131,9 +136,44 @@ class TrainingError(Exception):
         self.code = code
 
 
-def validate_config(cfg: TrainConfig) -> None:
-    """Every value the run cannot work with, as one exit-2 error listing all of them."""
-    problems = []
+def pipeline_problems(cfg: TrainConfig, world_size: Optional[int] = None) -> list[str]:
+    """What --pipeline_parallel_size > 1 cannot be combined with (none when it is 1)."""
+    pp = cfg.pipeline_parallel_size
+    if pp < 1:
+        return [f"--pipeline_parallel_size={pp}: must be >= 1"]
+    out = []
+    if cfg.pipeline_schedule not in ("gpipe", "1f1b"):
+        out.append(f"--pipeline_schedule={cfg.pipeline_schedule!r} (gpipe | 1f1b)")
+    if pp == 1:
+        return out
+    from parallel.pipeline import validate_pipeline_options
+    try:
+        validate_pipeline_options(pp_size=pp, n_microbatches=cfg.gradient_accumulation_steps,
+                                  schedule=cfg.pipeline_schedule if cfg.pipeline_schedule in ("gpipe", "1f1b") else "gpipe",
+                                  dp_engine=cfg.parallel if cfg.parallel in ("ddp", "fsdp") else "ddp",
+                                  world_size=world_size, overlap_optim_step=cfg.overlap_optim_step,
+                                  comm_hook=cfg.comm_hook, task_type=cfg.task_type)
+    except ValueError as e:
+        out.append(f"--pipeline_parallel_size={pp}: {e}")
+    pre = f"--pipeline_parallel_size={pp} cannot be combined with"
+    if cfg.init_from in ("scratch", "resume") and cfg.n_layers % pp:
+        out.append(f"--pipeline_parallel_size={pp}: --n_layers={cfg.n_layers} does not split into {pp} equal stages "
+                   "(choose a divisor of n_layers)")
+    if cfg.tie_embeddings:
+        out.append(f"{pre} --tie_embeddings=true (the embedding on the first stage and the LM head on the last "
+                   "would be one weight on two ranks)")
+    if cfg.lora_rank > 0 or cfg.trainable != "all":
+        out.append(f"{pre} LoRA or --trainable=embeddings (frozen stages and light checkpoints are not supported; "
+                   "train those with --pipeline_parallel_size=1)")
+    if cfg.compile:
+        out.append(f"{pre} --compile=true (not supported yet)")
+    return out
+
+
+def validate_config(cfg: TrainConfig, world_size: Optional[int] = None) -> None:
+    """Every value the run cannot work with, as one exit-2 error listing all of them.
+    world_size (when known) also checks that the processes form a pp x dp mesh."""
+    problems = pipeline_problems(cfg, world_size)
 
     def choice(name: str, allowed: tuple[str, ...]) -> None:
         if getattr(cfg, name) not in allowed:

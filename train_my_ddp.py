@@ -3,10 +3,14 @@
     python train_my_ddp.py [config.py ...] --out_dir=out/run --data_dir=... --tokenizer_dir=...
     torchrun --standalone --nproc_per_node=2 train_my_ddp.py ...        (same flags)
 
-One loop for every task and every world size: the same DDP wrapper, optimizer, clipping, loss
-scaler and precision policy whether or not the run is distributed. Read it top to bottom:
-configuration -> process group -> data -> model -> DDP + optimizer -> resume -> the loop
-(lr, micro-batches, token-normalised loss, step, log, evaluate, checkpoint) -> final evaluation.
+    torchrun --standalone --nproc_per_node=4 train_my_ddp.py ... --pipeline_parallel_size=2   (2 stages x 2 dp)
+
+One loop for every task, world size and engine: the same wrapper, optimizer, clipping, loss scaler and
+precision policy whether or not the run is distributed; our DDP, FSDP2 (--parallel=fsdp) and pipeline
+stages (--pipeline_parallel_size) sit behind parallel/engine.py (`engine.forward_backward`, `evaluate`,
+`save`, `load`). Read it top to bottom: configuration -> process group -> model -> engine + optimizer
+-> data -> resume -> the loop (lr, micro-batches, token-normalised loss, step, log, evaluate,
+checkpoint) -> final evaluation.
 
 Exit codes (utils/constants.py): 0 done, 2 bad configuration, 3 bad data (also shards made with
 another tokenizer), 4 non-finite loss, 5 a checkpoint or weights directory that cannot be loaded,
@@ -20,7 +24,6 @@ checkpoint must not restart from random weights), or exits 2 when nothing was re
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
@@ -40,7 +43,7 @@ from utils import checkpoint as ckpt
 from utils.constants import (EXIT_BAD_CHECKPOINT, EXIT_BAD_CONFIG, EXIT_BAD_DATA, EXIT_INTERRUPTED,
                              EXIT_NONFINITE_LOSS, EXIT_OK, IGNORE_INDEX)
 from utils.device import memory_stats, parse_dtype, seed_everything, synchronize
-from utils.dist import DistInfo, all_reduce_max, all_reduce_sum, barrier, destroy, init_distributed
+from utils.dist import DistInfo, all_reduce_max, barrier, destroy, init_distributed
 from utils.lr_schedule import lr_at
 from utils.metrics import MetricsLogger, Throughput, format_line
 from utils.run_config import DATA_KEYS, global_batch_problem, resolve_resume_config
@@ -93,8 +96,13 @@ def check_data_tokenizer(data_dir: str, fingerprint: str, vocab_size: int, token
                         "made with")
 
 
-def build_data(cfg: TrainConfig, info: DistInfo, tok_meta: dict):
-    """(train_loader, make_val_loader) for the task; loaders yield dicts of tensors."""
+def build_data(cfg: TrainConfig, dp_rank: int, dp_size: int, tok_meta: dict, fixed_shape: bool = False):
+    """(train_loader, make_val_loader) for the task; loaders yield dicts of tensors.
+
+    dp_rank / dp_size: this rank's data-parallel coordinates (the engine's: the ranks of one pipeline
+    read the same batches). fixed_shape: every batch is [batch_size, max_seq_len] (pipeline stages
+    exchange fixed-shape activations): SFT rows are padded to max_seq_len, validation batches are
+    batch_size rows."""
     from dataset.loader import ResumableLoader
 
     if cfg.task_type == "pretrain":
@@ -120,6 +128,9 @@ def build_data(cfg: TrainConfig, info: DistInfo, tok_meta: dict):
                                  int(meta.get("vocab_size", tok_meta["vocab_size"])), cfg.tokenizer_dir, tok_meta)
         train, val, collate = build_sft_splits(cfg.data_dir, cfg.tokenizer_dir, cfg.max_seq_len,
                                                val_ratio=cfg.val_ratio, seed=cfg.seed, pack=cfg.sft_packing)
+        if fixed_shape and not cfg.sft_packing:  # packed rows are max_seq_len already
+            from dataset.dataset_sft import pad_collate
+            collate = pad_collate(int(tok_meta["special_tokens"]["pad"]["id"]), pad_to=cfg.max_seq_len)
     elif cfg.task_type == "dpo":
         from dataset.dataset_dpo import build_dpo_splits
         dpo_meta = os.path.join(cfg.data_dir, "dpo_meta.json")
@@ -131,17 +142,17 @@ def build_data(cfg: TrainConfig, info: DistInfo, tok_meta: dict):
                                                val_ratio=cfg.val_ratio, seed=cfg.seed)
     else:
         raise TrainingError(f"--task_type={cfg.task_type!r}: expected pretrain, sft or dpo", EXIT_BAD_CONFIG)
-    if len(train) < cfg.batch_size * info.world_size:
+    if len(train) < cfg.batch_size * dp_size:
         raise TrainingError(f"{cfg.data_dir}: {len(train)} training samples, fewer than one global batch "
-                            f"({cfg.batch_size} x {info.world_size} ranks)", EXIT_BAD_DATA)
-    train_loader = ResumableLoader(train, cfg.batch_size, cfg.seed, info.rank, info.world_size,
+                            f"({cfg.batch_size} x {dp_size} data-parallel ranks)", EXIT_BAD_DATA)
+    train_loader = ResumableLoader(train, cfg.batch_size, cfg.seed, dp_rank, dp_size,
                                    collate_fn=collate, shuffle=True)
 
     def make_val_loader():
-        if len(val) < info.world_size:
+        if len(val) < (cfg.batch_size if fixed_shape else 1) * dp_size:
             return None
-        bs = max(1, min(cfg.batch_size, len(val) // info.world_size))
-        return ResumableLoader(val, bs, cfg.seed, info.rank, info.world_size, collate_fn=collate, shuffle=False)
+        bs = cfg.batch_size if fixed_shape else max(1, min(cfg.batch_size, len(val) // dp_size))
+        return ResumableLoader(val, bs, cfg.seed, dp_rank, dp_size, collate_fn=collate, shuffle=False)
 
     return train_loader, make_val_loader
 
@@ -302,24 +313,23 @@ def count_tokens(batch: dict) -> int:
 
 
 @torch.no_grad()
-def evaluate(cfg: TrainConfig, model, ref_model, make_val_loader, info: DistInfo) -> Optional[dict]:
-    """Mean validation loss over all ranks: all-reduce of loss sums and unit counts."""
+def evaluate(cfg: TrainConfig, engine, ref_model, make_val_loader, info: DistInfo) -> Optional[dict]:
+    """Mean validation loss over all data-parallel ranks: all-reduce of loss sums and unit counts.
+    Reads --eval_iters batches (rounded up to whole groups when the engine runs them in groups: a
+    pipeline's micro-batches), or one pass over the split when that is shorter."""
     loader = make_val_loader()
     if loader is None:
         return None
-    model.eval()
-    sums = torch.zeros(5, dtype=torch.float64)  # loss, units, chosen_r, rejected_r, acc
+    group = engine.micro_batches_per_call
+    batches: list = []
     it = iter(loader)
-    for _ in range(cfg.eval_iters):
-        batch = next(it)
-        loss_sum, stats = micro_batch_loss(cfg, model, ref_model, batch, info.device)
-        sums += torch.tensor([float(loss_sum), count_units(cfg, batch), stats.get("chosen_reward", 0.0),
-                              stats.get("rejected_reward", 0.0), stats.get("reward_acc", 0.0)],
-                             dtype=torch.float64)
-        if loader.state_dict().get("epoch", 0) > 0:  # one pass over the split is enough
+    while len(batches) < -(-cfg.eval_iters // group) * group:
+        batches.append(next(it))
+        if loader.state_dict().get("epoch", 0) > 0 and len(batches) % group == 0:  # one pass is enough
             break
-    model.train()
-    tot = all_reduce_sum(sums, info.device)
+    sums = engine.evaluate(batches, lambda model, batch: micro_batch_loss(cfg, model, ref_model, batch, info.device),
+                           lambda batch: count_units(cfg, batch))  # loss, units, chosen_r, rejected_r, acc
+    tot = engine.sum_over_data(sums, info.device)
     out = {"val_loss": float(tot[0] / max(1.0, float(tot[1])))}
     if cfg.task_type == "dpo":
         out["val_reward_acc"] = float(tot[4] / max(1.0, float(tot[1])))
@@ -364,7 +374,7 @@ def main(argv: list[str]) -> int:
         print(f"train_my_ddp.py: error: {_one_line(e)}", file=sys.stderr)
         return EXIT_BAD_CONFIG
     try:
-        info = init_distributed(cfg.device, need_group=cfg.parallel == "fsdp")
+        info = init_distributed(cfg.device, need_group=cfg.parallel == "fsdp" or cfg.pipeline_parallel_size > 1)
         return train(cfg, info)
     except Exception as e:  # noqa: BLE001 - named errors become one line and an exit code; others re-raise
         named = named_error(e)
@@ -414,7 +424,7 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
             sys.stdout.flush()
     if info.is_main:  # library modules report optional-accelerator detection through logging
         logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
-    validate_config(cfg)
+    validate_config(cfg, world_size=info.world_size)
     if cfg.deterministic:
         torch.use_deterministic_algorithms(True)
     os.makedirs(cfg.out_dir, exist_ok=True)
@@ -527,14 +537,17 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
         f"dim {mcfg.dim}, vocab {mcfg.vocab_size}, dtype {cfg.dtype}, device {info.device}, world {info.world_size}")
 
     from parallel.engine import build_engine
-    engine = build_engine(model, cfg)
+    try:  # our DDP / FSDP / pipeline stages: the loop below talks to all of them the same way
+        engine = build_engine(model, cfg)
+    except ValueError as e:  # a layout that cannot run (e.g. a checkpoint's layers do not split into stages)
+        raise TrainingError(f"bad parallel configuration: {_one_line(e)}", EXIT_BAD_CONFIG) from e
     engine.lora_base = lora_base
-    ddp_model, optimizer = engine.model, engine.optimizer
-    forward_model = torch.compile(ddp_model) if cfg.compile else ddp_model
+    optimizer = engine.optimizer
 
     from data_preprocess.shard_format import DataError
     try:
-        train_loader, make_val_loader = build_data(cfg, info, tok_meta)
+        train_loader, make_val_loader = build_data(cfg, engine.dp_rank, engine.dp_size, tok_meta,
+                                                   fixed_shape=engine.fixed_batch_shape)
     except (DataError, ValueError, OSError) as e:  # DataError includes StaleIndexError
         raise TrainingError(f"data: {' '.join(str(e).split())}", EXIT_BAD_DATA) from e
 
@@ -544,7 +557,8 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
     if resume_dir is not None:
         saved_cfg = ckpt.read_json(os.path.join(resume_dir, "config.json"))
         problem = global_batch_problem(dict(saved_cfg, world_size=saved_state["world_size"]), cfg.batch_size,
-                                       cfg.gradient_accumulation_steps, info.world_size)
+                                       cfg.gradient_accumulation_steps, info.world_size, cfg.pipeline_parallel_size) \
+            or engine.resume_problem(resume_dir, int(saved_state["world_size"]), info.world_size)
         if problem:
             raise TrainingError(f"cannot resume {resume_dir}: {problem}", EXIT_BAD_CONFIG)
         try:
@@ -606,8 +620,10 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
     lr_kw = dict(max_lr=cfg.learning_rate, min_lr=cfg.min_lr, warmup_iters=cfg.warmup_iters,
                  decay_iters=cfg.lr_decay_iters or cfg.max_iters, schedule=cfg.lr_schedule)
     gas = cfg.gradient_accumulation_steps
+    layout = (f"{engine.dp_size} data-parallel ranks x {cfg.pipeline_parallel_size} pipeline stages "
+              f"({cfg.pipeline_schedule})" if cfg.pipeline_parallel_size > 1 else f"{info.world_size} ranks")
     log(f"[train] {cfg.task_type}: {cfg.max_iters} steps x {gas} micro-batches x {cfg.batch_size} samples x "
-        f"{info.world_size} ranks, seq {cfg.max_seq_len}; MFU against {peak.describe()} per device")
+        f"{layout}, seq {cfg.max_seq_len}; MFU against {peak.describe()} per device")
 
     pbar = None
     if info.is_main and cfg.progress and sys.stdout.isatty():  # a bar in a terminal; plain lines in log files
@@ -616,34 +632,26 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
                     file=sys.stdout)
     if rng_to_restore is not None:  # last thing before the loop: set-up above may draw random numbers
         ckpt.restore_rng_state(rng_to_restore, info.device)
-    ddp_model.train()
+    engine.model.train()
     last_val: Optional[float] = None
     t_last = time.time()
     while iter_num < cfg.max_iters:
         _fire_step_faults(iter_num + 1)
         lr = lr_at(iter_num, **lr_kw)
         optimizer.set_lr(lr)
-        batches = [next(train_loader) for _ in range(gas)]
-        counts = all_reduce_sum([float(sum(count_units(cfg, b) for b in batches)),
-                                 float(sum(count_tokens(b) for b in batches))], info.device)
+        batches = [next(train_loader) for _ in range(gas)]  # this data-parallel rank's micro-batches
+        counts = engine.sum_over_data([float(sum(count_units(cfg, b) for b in batches)),
+                                       float(sum(count_tokens(b) for b in batches))], info.device)
         global_units, step_tokens = max(1.0, float(counts[0])), float(counts[1])
         optimizer.zero_grad()
-        loss_acc = torch.zeros(4, dtype=torch.float64)
         poison = _fault("nan_loss", iter_num + 1)  # test hook: this step's loss (and gradients) become NaN
-        for i, batch in enumerate(batches):
-            sync = contextlib.nullcontext() if i == gas - 1 else ddp_model.no_sync()
-            with sync:
-                loss_sum, stats = micro_batch_loss(cfg, forward_model, ref_model, batch, info.device)
-                if poison:
-                    loss_sum = loss_sum * float("nan")
-                # our DDP averages gradients over ranks; * world / global_units makes the result the
-                # gradient of (sum of all ranks' losses) / (all ranks' target units)
-                optimizer.scale_loss(loss_sum * (info.world_size / global_units)).backward()
-            loss_acc += torch.tensor([float(loss_sum.detach()), stats.get("chosen_reward", 0.0),
-                                      stats.get("rejected_reward", 0.0), stats.get("reward_acc", 0.0)],
-                                     dtype=torch.float64)
+        # forward + backward of every micro-batch (gradient accumulation, or the pipeline schedule); the
+        # gradients are those of (all ranks' loss sums) / global_units
+        loss_acc = engine.forward_backward(
+            batches, lambda model, batch: micro_batch_loss(cfg, model, ref_model, batch, info.device),
+            global_units, poison=poison)
         stepped, grad_norm = optimizer.step()  # waits for the gradient reductions, clips, steps
-        tot = all_reduce_sum(loss_acc, info.device)
+        tot = engine.sum_over_data(loss_acc, info.device)
         loss = float(tot[0]) / global_units
         if not math.isfinite(loss) and cfg.dtype != "fp16":
             raise TrainingError(f"non-finite loss {loss} at step {iter_num + 1}; the last good checkpoint in "
@@ -668,7 +676,7 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
         rec.update(memory_stats(info.device))
         do_eval = (cfg.eval_interval > 0 and iter_num % cfg.eval_interval == 0) or iter_num == cfg.max_iters
         if do_eval:
-            ev = evaluate(cfg, forward_model, ref_model, make_val_loader, info)
+            ev = evaluate(cfg, engine, ref_model, make_val_loader, info)
             if ev is not None:
                 rec.update(ev)
                 last_val = ev["val_loss"]

@@ -1,11 +1,20 @@
-"""The trainer's one interface to the parallel engines: a wrapped model, an optimizer, and a
-checkpoint adapter, whatever engine runs underneath.
+"""The trainer's one interface to the parallel engines: a wrapped model, an optimizer, one
+training step's forward + backward, evaluation, and a checkpoint adapter, whatever engine runs underneath.
 
-    engine = build_engine(model, cfg)          # cfg.parallel: "ddp" (default) or "fsdp"
-    out = engine.model(x, ...)                 # forward; `with engine.model.no_sync():` to accumulate
-    engine.optimizer.scale_loss(loss).backward(); engine.optimizer.step()
+    engine = build_engine(model, cfg)          # cfg.parallel: "ddp" (default) or "fsdp";
+                                               # cfg.pipeline_parallel_size > 1: pipeline stages, dp over either
+    engine.optimizer.zero_grad()
+    sums = engine.forward_backward(batches, loss_fn, global_units)   # this replica's micro-batches
+    engine.optimizer.step()
+    sums = engine.evaluate(batches, loss_fn)   # no gradients
+    totals = engine.sum_over_data(values, device)  # each data-parallel replica counted once
     engine.save(out_dir, step, ...)            # collective: every rank calls it
     extra = engine.load(ckpt_dir, saved_world) # collective: weights, optimizer, comm-hook state
+
+loss_fn(model, batch) -> (sum of the micro-batch's per-unit losses, {stat: sum}) is the task's loss
+(token CE, DPO); the engine decides how micro-batches run and how gradients are normalised (by
+`global_units`, the target units of all micro-batches of all data-parallel replicas).
+`engine.dp_rank` / `engine.dp_size` are the data-parallel coordinates the data loader must use.
 
 - ddp: our DistributedDataParallel (buckets, comm hooks, PowerSGD) + MixedPrecisionOptimizer, or the
   ZeRO-1/2 DistributedOptimizer with --use_distributed_optimizer. Checkpoints: utils/checkpoint.py
@@ -14,31 +23,101 @@ checkpoint adapter, whatever engine runs underneath.
 - fsdp: torch FSDP2 (`fully_shard` per block + root) + FSDPOptimizer (parallel/fsdp.py). Checkpoints:
   torch.distributed.checkpoint, sharded, no gather, loadable at any world size
   (parallel/dcp_checkpoint.py), in the same step_N/ layout, so listing, verification and pruning are shared.
+- pipeline (`PipelineParallelEngine`, cfg.pipeline_parallel_size = P > 1): parallel/pipeline.py's
+  stages + GPipe/1F1B schedule on a pp x dp mesh, our DDP or FSDP per stage over dp. The task's
+  loss_fn is not used: the last stage computes the token loss (pretrain, SFT; no DPO). Checkpoints:
+  per-stage files (stage{s}_model.safetensors, stage{s}_optimizer_dp{r}.pt, pipeline.json) in the same
+  step_N/ layout with the same manifest / COMPLETE / atomic rename; resumable at the same mesh only;
+  `checkpoint_model_state` merges the stages into one model (export, --init_from).
 
-Owns: engine choice and wrapping, and how each engine saves and loads its state.
+Owns: engine choice and wrapping, how each engine runs a step's micro-batches, and how it saves and loads its state.
 Must never: run the training loop, or decide what the trainer's state holds.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
 
 from utils import checkpoint as ckpt
 
+# loss_fn(model, batch) -> (sum of the per-unit losses of the micro-batch, {"chosen_reward": sum, ...})
+LossFn = Callable[[nn.Module, dict], tuple[torch.Tensor, dict]]
+STAT_KEYS = ("chosen_reward", "rejected_reward", "reward_acc")
+
 
 @dataclass
 class Engine:
-    kind: str                       # "ddp" | "fsdp"
+    kind: str                       # "ddp" | "fsdp" | "pipeline"
     model: nn.Module                # DistributedDataParallel or FSDPDataParallel: forward, no_sync()
     optimizer: Any                  # MixedPrecisionOptimizer / DistributedOptimizer / FSDPOptimizer API
     module: nn.Module               # the unwrapped model (state-dict keys without a prefix)
     sharded_optimizer: bool = False
     # LoRA runs whose frozen base is a file: {"source", "fingerprint"}; then only trainable tensors are saved
     lora_base: Optional[dict] = field(default=None)
+    dp_rank: int = 0                # data-parallel coordinates: which slice of the global batch this rank reads
+    dp_size: int = 1
+    forward_model: Optional[nn.Module] = None  # what runs the forward (torch.compile(model) with --compile)
+    fixed_batch_shape: bool = False  # every micro-batch must have one [batch, seq] shape (pipeline stages)
+    micro_batches_per_call: int = 1  # evaluate() takes a multiple of this many batches
+
+    def __post_init__(self) -> None:
+        if self.forward_model is None:
+            self.forward_model = self.model
+
+    # ------------------------------------------------------------------ one step
+    def forward_backward(self, batches: Sequence[dict], loss_fn: LossFn, global_units: float,
+                         poison: bool = False) -> torch.Tensor:
+        """Forward + backward of this rank's micro-batches; gradients accumulate (no_sync on all but
+        the last) and are those of (all replicas' loss sums) / global_units. Returns float64
+        [loss sum, chosen_reward, rejected_reward, reward_acc] sums of this rank's micro-batches.
+        poison (a test hook): the step's loss and gradients become NaN."""
+        acc = torch.zeros(4, dtype=torch.float64)
+        n = len(batches)
+        for i, batch in enumerate(batches):
+            sync = contextlib.nullcontext() if i == n - 1 else self.model.no_sync()
+            with sync:
+                loss_sum, stats = loss_fn(self.forward_model, batch)
+                if poison:
+                    loss_sum = loss_sum * float("nan")
+                # our DDP averages gradients over ranks; * world / global_units makes the result the
+                # gradient of (sum of all ranks' losses) / (all ranks' target units)
+                self.optimizer.scale_loss(loss_sum * (self.dp_size / global_units)).backward()
+            acc += torch.tensor([float(loss_sum.detach())] + [stats.get(k, 0.0) for k in STAT_KEYS],
+                                dtype=torch.float64)
+        return acc
+
+    @torch.no_grad()
+    def evaluate(self, batches: Sequence[dict], loss_fn: LossFn, count_units: Callable[[dict], int]) -> torch.Tensor:
+        """float64 [loss sum, units, chosen_reward, rejected_reward, reward_acc] over this rank's
+        validation batches (forward only; the model is back in train mode afterwards)."""
+        self.forward_model.eval()
+        sums = torch.zeros(5, dtype=torch.float64)
+        for batch in batches:
+            loss_sum, stats = loss_fn(self.forward_model, batch)
+            sums += torch.tensor([float(loss_sum), count_units(batch)] + [stats.get(k, 0.0) for k in STAT_KEYS],
+                                 dtype=torch.float64)
+        self.forward_model.train()
+        return sums
+
+    def sum_over_data(self, values: "list[float] | torch.Tensor", device: torch.device) -> torch.Tensor:
+        """Sum a small float64 vector over the data-parallel replicas (every rank gets the result)."""
+        from utils.dist import all_reduce_sum
+        return all_reduce_sum(values, device)
+
+    def resume_problem(self, ckpt_dir: str, saved_world: int, world_size: int) -> Optional[str]:
+        """Why this engine cannot resume `ckpt_dir` (saved by `saved_world` processes), or None."""
+        if is_pipeline_checkpoint(ckpt_dir):
+            meta = read_pipeline_meta_safe(ckpt_dir)
+            return (f"{ckpt_dir} was written with --pipeline_parallel_size={meta.get('pp_size')}; resume it with "
+                    "that pipeline layout (or start a new run from it with --init_from=<that checkpoint>)")
+        return None
 
     # ------------------------------------------------------------------ save
     def save(self, out_dir: str, step: int, *, rank: int, world_size: int, model_config: dict,
@@ -75,6 +154,9 @@ class Engine:
     def load(self, ckpt_dir: str, saved_world: int, rank: int, world_size: int) -> Optional[dict]:
         """Weights, optimizer and comm-hook state of `ckpt_dir` into this engine; returns this rank's
         extra state (RNG) or None. The model must already hold the LoRA base when the checkpoint is light."""
+        problem = self.resume_problem(ckpt_dir, saved_world, world_size)
+        if problem:
+            raise ckpt.CheckpointError(problem)
         if is_sharded_checkpoint(ckpt_dir):
             if self.kind != "fsdp":
                 raise ckpt.CheckpointError(f"checkpoint {ckpt_dir} was written by --parallel=fsdp (sharded, DCP); "
@@ -164,7 +246,22 @@ def base_fingerprint(module: nn.Module) -> str:
 # ---------------------------------------------------------------------------- build
 
 def build_engine(model: nn.Module, cfg: Any, group: Any = None) -> Engine:
-    """Wrap `model` for `cfg.parallel` and build its optimizer: the same objects for world size 1 and N."""
+    """Wrap `model` for `cfg.parallel` (and `cfg.pipeline_parallel_size`) and build its optimizer: the
+    same objects for world size 1 and N. Raises ValueError for a layout that cannot run."""
+    engine = _build_engine(model, cfg, group)
+    if getattr(cfg, "compile", False):
+        engine.forward_model = torch.compile(engine.model)
+    return engine
+
+
+def _dp_coordinates(group: Any) -> tuple[int, int]:
+    import torch.distributed as dist
+    if not dist.is_available() or not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _build_engine(model: nn.Module, cfg: Any, group: Any) -> Engine:
     from optimizer import OptimizerConfig
     from utils.device import parse_dtype
     zero = cfg.use_distributed_optimizer
@@ -173,12 +270,25 @@ def build_engine(model: nn.Module, cfg: Any, group: Any = None) -> Engine:
         grad_clip=cfg.grad_clip, precision=cfg.dtype, use_distributed_optimizer=zero, zero_stage=cfg.zero_stage,
         overlap_param_gather=cfg.overlap_param_gather, overlap_optim_step=cfg.overlap_optim_step,
         fused=cfg.device != "cpu")
+    pp = int(getattr(cfg, "pipeline_parallel_size", 1))
+    if pp > 1:
+        from parallel import DDPConfig
+        from parallel.pipeline import build_pipeline_engine
+        pipe = build_pipeline_engine(
+            model, opt_cfg, pp_size=pp, n_microbatches=cfg.gradient_accumulation_steps,
+            schedule=cfg.pipeline_schedule, dp_engine=cfg.parallel,
+            ddp_config=DDPConfig(bucket_size=cfg.bucket_size, overlap_grad_reduce=cfg.overlap_grad_reduce,
+                                 grad_reduce_in_fp32=cfg.grad_reduce_in_fp32, use_distributed_optimizer=zero),
+            param_dtype=parse_dtype(cfg.dtype), reshard_after_forward=cfg.reshard_after_forward,
+            cpu_offload=cfg.cpu_offload)
+        return PipelineParallelEngine(pipe)
     if cfg.parallel == "fsdp":
         from parallel.fsdp import build_fsdp_engine, unwrap
         wrapped, opt = build_fsdp_engine(model, opt_cfg, mesh_or_group=group, param_dtype=parse_dtype(cfg.dtype),
                                          reshard_after_forward=cfg.reshard_after_forward,
                                          cpu_offload=cfg.cpu_offload)
-        return Engine("fsdp", wrapped, opt, unwrap(wrapped), sharded_optimizer=True)
+        rank, world = _dp_coordinates(group)
+        return Engine("fsdp", wrapped, opt, unwrap(wrapped), sharded_optimizer=True, dp_rank=rank, dp_size=world)
     from optimizer import build_optimizer
     from parallel import (DDPConfig, DistributedDataParallel, PowerSGDState, allreduce_hook,
                           bf16_compress_wrapper, fp16_compress_wrapper, powersgd_hook, reduce_scatter_hook)
@@ -196,11 +306,20 @@ def build_engine(model: nn.Module, cfg: Any, group: Any = None) -> Engine:
         wrap = fp16_compress_wrapper if cfg.comm_hook == "fp16" else bf16_compress_wrapper
         ddp.register_comm_hook(None, wrap(reduce_scatter_hook if zero else allreduce_hook))
     # "reduce_scatter" is what the distributed optimizer registers itself (validate_config insists on it)
-    return Engine("ddp", ddp, build_optimizer(ddp, opt_cfg), model, sharded_optimizer=zero)
+    rank, world = _dp_coordinates(group)
+    return Engine("ddp", ddp, build_optimizer(ddp, opt_cfg), model, sharded_optimizer=zero, dp_rank=rank,
+                  dp_size=world)
 
 
 def checkpoint_model_state(ckpt_dir: str) -> dict[str, torch.Tensor]:
-    """The weights stored in a checkpoint of either engine, in one process (export, sampling, init)."""
+    """The weights stored in a checkpoint of any engine, in one process (export, sampling, init);
+    a pipeline checkpoint's stages are merged into one model's state dict."""
+    if is_pipeline_checkpoint(ckpt_dir):
+        from parallel.pipeline import merge_stage_checkpoints
+        try:
+            return merge_stage_checkpoints(ckpt_dir)
+        except ValueError as e:
+            raise ckpt.CheckpointError(f"checkpoint {ckpt_dir}: {e}") from e
     if is_sharded_checkpoint(ckpt_dir):
         from parallel.dcp_checkpoint import load_full_model_state_dict
         return load_full_model_state_dict(ckpt_dir)
@@ -209,3 +328,100 @@ def checkpoint_model_state(ckpt_dir: str) -> dict[str, torch.Tensor]:
 
 def checkpoint_world_size(ckpt_dir: str) -> int:
     return int(ckpt.read_json(os.path.join(ckpt_dir, "trainer_state.json"))["world_size"])
+
+
+# ---------------------------------------------------------------------------- pipeline
+
+def is_pipeline_checkpoint(ckpt_dir: str) -> bool:
+    from parallel.pipeline import META_FILE
+    return os.path.isfile(os.path.join(ckpt_dir, META_FILE))
+
+
+def read_pipeline_meta_safe(ckpt_dir: str) -> dict:
+    from parallel.pipeline import META_FILE
+    try:
+        return ckpt.read_json(os.path.join(ckpt_dir, META_FILE))
+    except (OSError, ValueError):
+        return {}
+
+
+class PipelineParallelEngine(Engine):
+    """The trainer's view of a parallel.pipeline.PipelineEngine (this rank's stage on the pp x dp mesh)."""
+
+    def __init__(self, pipe: Any) -> None:
+        super().__init__("pipeline", pipe.model, pipe.optimizer, pipe.module, dp_rank=pipe.dp_rank,
+                         dp_size=pipe.dp_size, fixed_batch_shape=True, micro_batches_per_call=pipe.n_microbatches)
+        self.pipe = pipe
+
+    def forward_backward(self, batches: Sequence[dict], loss_fn: LossFn, global_units: float,
+                         poison: bool = False) -> torch.Tensor:
+        out = self.pipe.forward_backward(batches, global_units, poison=poison)
+        return torch.tensor([out.loss_sum, 0.0, 0.0, 0.0], dtype=torch.float64)
+
+    def evaluate(self, batches: Sequence[dict], loss_fn: LossFn, count_units: Callable[[dict], int]) -> torch.Tensor:
+        total, units = self.pipe.eval_loss_sum(batches)
+        return torch.tensor([total, float(units), 0.0, 0.0, 0.0], dtype=torch.float64)
+
+    def sum_over_data(self, values: "list[float] | torch.Tensor", device: torch.device) -> torch.Tensor:
+        # the P ranks of a pipeline hold the same batch (and the same broadcast loss): only stage 0 contributes
+        from utils.dist import all_reduce_sum
+        t = values.clone() if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.float64)
+        if self.pipe.stage_index != 0:
+            t.zero_()
+        return all_reduce_sum(t, device)
+
+    def resume_problem(self, ckpt_dir: str, saved_world: int, world_size: int) -> Optional[str]:
+        if not is_pipeline_checkpoint(ckpt_dir):
+            return (f"{ckpt_dir} was written without pipeline parallelism; resume it with --pipeline_parallel_size=1 "
+                    "(or start a new pipeline run from its weights with --init_from=<that checkpoint>)")
+        meta = read_pipeline_meta_safe(ckpt_dir)
+        saved = (meta.get("pp_size"), meta.get("dp_size"), meta.get("dp_engine", "ddp"))
+        here = (self.pipe.pp_size, self.pipe.dp_size, self.pipe.dp_engine)
+        if saved != here or saved_world != world_size:
+            return (f"{ckpt_dir} was written on a pipeline mesh of pp={saved[0]} x dp={saved[1]} ({saved[2]}), this "
+                    f"run is pp={here[0]} x dp={here[1]} ({here[2]}): a pipeline checkpoint resumes exactly only at "
+                    "the mesh it was saved with (to change it, start a new run with --init_from=<that checkpoint>)")
+        return None
+
+    def save(self, out_dir: str, step: int, *, rank: int, world_size: int, model_config: dict,
+             trainer_state: dict, run_config: dict, extra_state: dict, keep_last: int,
+             barrier: Callable[[], None], fault_hook: Optional[Callable[[], None]] = None,
+             log: Callable[[str], None] = print) -> str:
+        """Collective. The stages' files + per-rank RNG into step_N.tmp/, then rank 0 publishes it
+        (manifest, COMPLETE, fsync, atomic rename: utils/checkpoint.publish_checkpoint_dir) and prunes."""
+        root = ckpt.checkpoint_root(out_dir)
+        final = os.path.join(root, ckpt.step_dir_name(step))
+        tmp = final + ".tmp"
+        if rank == 0:
+            os.makedirs(root, exist_ok=True)
+            if os.path.exists(tmp):  # left by a crash: never complete, safe to drop
+                shutil.rmtree(tmp)
+            os.makedirs(tmp)
+        barrier()
+        self.pipe.write_stage_files(tmp)  # collective over the mesh (FSDP gathers the stage's tensors)
+        path = os.path.join(tmp, f"extra_rank{rank}.pt")
+        torch.save(extra_state, path)
+        ckpt._fsync_file(path)
+        if rank == 0:
+            ckpt.write_json(os.path.join(tmp, "model_config.json"), model_config)
+            ckpt.write_json(os.path.join(tmp, "config.json"), run_config)
+            if fault_hook is not None:
+                fault_hook()  # test hook: die with a half-written checkpoint
+        barrier()  # every rank has written and fsynced its files
+        if rank == 0:
+            ckpt.write_json(os.path.join(tmp, "trainer_state.json"),
+                            dict(trainer_state, step=step, world_size=world_size, saved_at=time.time()))
+            ckpt.publish_checkpoint_dir(tmp, final, step)
+            ckpt.prune_checkpoints(out_dir, keep_last=keep_last, keep_best=True, log=log)
+        barrier()
+        return final
+
+    def load(self, ckpt_dir: str, saved_world: int, rank: int, world_size: int) -> Optional[dict]:
+        problem = self.resume_problem(ckpt_dir, saved_world, world_size)
+        if problem:
+            raise ckpt.CheckpointError(problem)
+        try:
+            self.pipe.load(ckpt_dir)
+        except ValueError as e:
+            raise ckpt.CheckpointError(f"checkpoint {ckpt_dir}: {e}") from e
+        return ckpt.load_rank_file(ckpt_dir, "extra", rank)

@@ -313,13 +313,14 @@ class PipelineEngine:
         # the fp16 loss scale on top.
         return self.optimizer.scale_loss(output.sum() * self._loss_mult)
 
-    def forward_backward(self, micro_batches: Sequence[dict],
-                         global_units: Optional[float] = None) -> PipelineStepOutput:
+    def forward_backward(self, micro_batches: Sequence[dict], global_units: Optional[float] = None,
+                         poison: bool = False) -> PipelineStepOutput:
         """Run the schedule over this dp replica's micro-batches (every rank of a pp group passes the
         same ones; the first stage reads input_ids, the last labels, all of them attention_mask /
         position_ids). Gradients accumulate (DDP no_sync) and are reduced over dp in optimizer.step().
         `global_units`: target tokens over all micro-batches and dp replicas; computed here (one
-        all-reduce over dp) when None. Collective over the whole mesh."""
+        all-reduce over dp) when None. poison (a test hook): the step's loss and gradients become NaN.
+        Collective over the whole mesh."""
         mbs = list(micro_batches)
         if len(mbs) != self.n_microbatches:
             raise ValueError(f"the pipeline schedule was built for {self.n_microbatches} micro-batches "
@@ -332,7 +333,7 @@ class PipelineEngine:
                 dist.all_reduce(t, group=self.dp_group)
             global_units = float(t.item())
         global_units = max(1.0, float(global_units))
-        self._loss_mult = self.dp_size / global_units
+        self._loss_mult = self.dp_size / global_units * (float("nan") if poison else 1.0)
 
         args, target, kwargs = self._inputs(mbs)
         self.module.train()
@@ -341,7 +342,8 @@ class PipelineEngine:
         sync_ctx = self.model.no_sync() if self.dp_engine == "ddp" else contextlib.nullcontext()
         with sync_ctx:
             out = self.schedule.step(*args, target=target, **kwargs)
-        return PipelineStepOutput(self._broadcast_loss(out), units, global_units)
+        loss_sum = self._broadcast_loss(out)
+        return PipelineStepOutput(loss_sum * float("nan") if poison else loss_sum, units, global_units)
 
     @torch.no_grad()
     def eval_loss_sum(self, micro_batches: Sequence[dict]) -> tuple[float, int]:
@@ -433,13 +435,34 @@ class PipelineEngine:
         """One optimizer file per dp rank (ZeRO's flat shards); FSDP state is gathered to one file."""
         return self.dp_engine == "ddp" and bool(getattr(self.optimizer, "sharded", False))
 
+    def write_stage_files(self, dir_path: str) -> None:
+        """Collective over the mesh: this stage's files into the existing directory `dir_path` (dp rank 0
+        writes the stage's weights `stage{s}_model.safetensors` and, unless ZeRO shards it,
+        `stage{s}_optimizer_dp0.pt`; ZeRO: every dp rank its own), fsynced; global rank 0 also writes
+        `pipeline.json`. Returns after every rank has written (a barrier). Publishing the directory
+        (COMPLETE, rename) is the caller's: `save` below, or the trainer's step_N checkpoints."""
+        from safetensors.torch import save_file
+        from utils.checkpoint import _fsync_file, write_json
+        sd = self.state_dict()
+        s = self.stage_index
+        if self.dp_rank == 0:
+            path = os.path.join(dir_path, f"stage{s}_model.safetensors")
+            save_file({k: v.to("cpu").contiguous().clone() for k, v in sd["model"].items()}, path,
+                      metadata={"format": "pt", "stage": str(s)})
+            _fsync_file(path)
+        if self.dp_rank == 0 or self._sharded_files():
+            path = os.path.join(dir_path, f"stage{s}_optimizer_dp{self.dp_rank}.pt")
+            torch.save(sd["optimizer"], path)
+            _fsync_file(path)
+        if dist.get_rank() == 0:
+            write_json(os.path.join(dir_path, META_FILE), self._meta())
+        dist.barrier()
+
     def save(self, ckpt_dir: str) -> str:
         """Collective over the mesh. Writes `ckpt_dir` atomically: a `<ckpt_dir>.tmp` directory filled by
-        every stage (dp rank 0 writes the stage's weights `stage{s}_model.safetensors` and, unless ZeRO
-        shards it, `stage{s}_optimizer_dp0.pt`; ZeRO: every dp rank its own), then `pipeline.json` and
-        `COMPLETE` by global rank 0 and one os.replace. A shared filesystem is assumed."""
-        from safetensors.torch import save_file
-        from utils.checkpoint import _fsync_dir, _fsync_file, write_json
+        every stage (`write_stage_files`), then `COMPLETE` by global rank 0 and one os.replace.
+        A shared filesystem is assumed."""
+        from utils.checkpoint import _fsync_dir
         tmp = ckpt_dir.rstrip("/") + ".tmp"
         rank = dist.get_rank()
         if rank == 0:
@@ -447,20 +470,8 @@ class PipelineEngine:
                 shutil.rmtree(tmp)
             os.makedirs(tmp)
         dist.barrier()
-        sd = self.state_dict()
-        s = self.stage_index
-        if self.dp_rank == 0:
-            path = os.path.join(tmp, f"stage{s}_model.safetensors")
-            save_file({k: v.to("cpu").contiguous().clone() for k, v in sd["model"].items()}, path,
-                      metadata={"format": "pt", "stage": str(s)})
-            _fsync_file(path)
-        if self.dp_rank == 0 or self._sharded_files():
-            path = os.path.join(tmp, f"stage{s}_optimizer_dp{self.dp_rank}.pt")
-            torch.save(sd["optimizer"], path)
-            _fsync_file(path)
-        dist.barrier()
+        self.write_stage_files(tmp)
         if rank == 0:
-            write_json(os.path.join(tmp, META_FILE), self._meta())
             open(os.path.join(tmp, "COMPLETE"), "w").close()
             _fsync_dir(tmp)
             if os.path.exists(ckpt_dir):

@@ -25,6 +25,8 @@ T = TypeVar("T")
 MODEL_SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim", "multiple_of", "vocab_size",
                     "rope_theta", "tie_embeddings", "lora_rank", "lora_targets", "lora_train_embeddings", "trainable")
 SEQ_KEYS = ("max_seq_len",)
+# The pipeline split fixes which stage file holds which layer, and its optimizer state: resume at the same P.
+MESH_KEYS = ("pipeline_parallel_size",)
 DATA_KEYS = ("task_type", "data_dir", "data_mix", "tokenizer_dir", "seed", "val_ratio", "sft_packing")
 # Where the run came from is history, not a setting to re-apply: a resume keeps --init_from=resume.
 NOT_RESTORED = ("init_from",)
@@ -81,6 +83,9 @@ def resume_problems(changes: dict[str, tuple[Any, Any]], allow_data_change: bool
     for k, (a, b) in changes.items():
         if k in MODEL_SHAPE_KEYS:
             out.append(f"--{k}={b!r} (the run used {a!r}): the model's shape is fixed by its checkpoint")
+        elif k in MESH_KEYS:
+            out.append(f"--{k}={b!r} (the run used {a!r}): a pipeline checkpoint resumes only at the pipeline "
+                       "layout it was saved with (to change it, start a new run with --init_from=<this run>)")
         elif k in SEQ_KEYS:
             out.append(f"--{k}={b!r} (the run used {a!r}): the data index and the position of every sample "
                        "depend on it")
@@ -90,15 +95,19 @@ def resume_problems(changes: dict[str, tuple[Any, Any]], allow_data_change: bool
     return out
 
 
-def global_batch_problem(saved: dict, new_batch: int, new_accum: int, new_world: int) -> Optional[str]:
-    """The samples per optimizer step must stay equal for the data cursor and schedule to continue."""
-    old = int(saved.get("batch_size", 0)) * int(saved.get("gradient_accumulation_steps", 1)) * int(saved.get("world_size", 1))
-    new = new_batch * new_accum * new_world
+def global_batch_problem(saved: dict, new_batch: int, new_accum: int, new_world: int,
+                         new_pp: int = 1) -> Optional[str]:
+    """The samples per optimizer step must stay equal for the data cursor and schedule to continue.
+    Data-parallel replicas count, not processes: the P ranks of a pipeline read the same batch."""
+    old_pp, new_pp = max(1, int(saved.get("pipeline_parallel_size", 1))), max(1, int(new_pp))
+    old_dp, new_dp = int(saved.get("world_size", 1)) // old_pp, new_world // new_pp
+    old = int(saved.get("batch_size", 0)) * int(saved.get("gradient_accumulation_steps", 1)) * old_dp
+    new = new_batch * new_accum * new_dp
     if old and old != new:
         return (f"the global batch changed: the run used --batch_size={saved.get('batch_size')} x "
                 f"--gradient_accumulation_steps={saved.get('gradient_accumulation_steps', 1)} x "
-                f"{saved.get('world_size', 1)} ranks = {old} samples per step, this resume has {new_batch} x "
-                f"{new_accum} x {new_world} = {new}; keep the product equal (e.g. halve --batch_size when "
+                f"{old_dp} data-parallel ranks = {old} samples per step, this resume has {new_batch} x "
+                f"{new_accum} x {new_dp} = {new}; keep the product equal (e.g. halve --batch_size when "
                 "doubling the processes)")
     return None
 
