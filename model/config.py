@@ -40,6 +40,7 @@ class ModelConfig:
     fused_qkv: bool = True             # one matmul for q,k,v and one for gate,up (parameters stay separate)
     fused_cross_entropy: bool = True   # chunked linear+CE (model/loss.py); False = full logits + F.cross_entropy
     flash_attn: bool = True            # use flash-attn functions when installed and on an accelerator
+    kernel_backend: str = "auto"       # auto | triton | torch: which implementation of the fused ops (model/kernels.py)
 
     # --- memory / speed ---
     gradient_checkpointing: bool = False  # recompute each layer in backward (torch.utils.checkpoint)
@@ -65,6 +66,8 @@ class ModelConfig:
             if factor < 1.0:
                 raise ValueError(f"rope_scaling factor must be >= 1, got {factor}")
             self.rope_scaling = {"type": kind, "factor": factor}
+        if self.kernel_backend not in ("auto", "triton", "torch"):
+            raise ValueError(f"kernel_backend must be auto, triton or torch, got {self.kernel_backend!r}")
         if self.loss_chunk_size < 1:
             raise ValueError("loss_chunk_size must be >= 1")
 

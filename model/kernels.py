@@ -6,6 +6,21 @@ On CPU "fused" means a custom autograd.Function that saves less for backward and
 parts; the references are what the tests compare against. The cross-entropy kernel lives in
 model/loss.py.
 
+Which implementation runs (`choose`): every op has up to three, picked per call from the tensor's
+device, whether torch.compile is tracing, and the model's `kernel_backend`:
+- "reference": plain PyTorch (`*_ref`), what HF does; Inductor fuses it under torch.compile.
+- "torch": the hand-written autograd Functions below (save less, recompute the cheap parts); CPU's path.
+- "triton": model/triton_kernels.py and model/triton_loss.py, torch.library custom ops with Triton
+  forward and backward kernels, so torch.compile(fullgraph=True) traces through them without a break.
+kernel_backend "auto" (default): on CUDA with Triton installed, Triton in eager mode; under
+torch.compile the references for RMSNorm/RoPE/SwiGLU (Inductor's fusion of them is as good as a
+hand-written kernel, torchtitan's finding) and the Triton linear+CE (no graph break, no full logits).
+On CPU and other devices: the autograd Functions (measured faster on CPU, bench/bench_model.py).
+"triton" forces Triton wherever it can run (CUDA, or CPU tensors under TRITON_INTERPRET=1: tests);
+"torch" forces the autograd Functions. A switch `fused_*=False` selects the reference whatever the backend.
+The auto choice on CUDA is set from published measurements (torchtitan, Liger-Kernel) until
+bench/bench_model_gpu.py has been run on the target GPU; AUTO_UNDER_COMPILE is the table to change.
+
 Must never: create or rename parameters (checkpoint keys never depend on which kernel ran, trap 11),
 write accelerator literals (ask utils.device), or import a kernel package at module import time
 with a hard failure (optional packages are detected once and logged once).
@@ -13,6 +28,7 @@ with a hard failure (optional packages are detected once and logged once).
 from __future__ import annotations
 
 import logging
+import os
 from typing import Iterable, Optional
 
 import torch
@@ -56,10 +72,25 @@ class _RMSNormFn(torch.autograd.Function):
         return dx.to(x.dtype), dw, None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fused: bool = True) -> torch.Tensor:
-    if fused:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fused: bool = True,
+             backend: str = "auto") -> torch.Tensor:
+    impl = choose("rms_norm", x, backend) if fused else "reference"
+    if impl == "triton":
+        return _triton_ops().rms_norm(x, weight, eps)
+    if impl == "torch":
         return _RMSNormFn.apply(x, weight, eps)
     return rms_norm_ref(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 fused: bool = True, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual): the residual add and the next norm in one Triton kernel
+    where Triton runs; elsewhere the add and `rms_norm`."""
+    impl = choose("add_rms_norm", x, backend) if fused else "reference"
+    if impl == "triton":
+        return _triton_ops().add_rms_norm(x, residual, weight, eps)
+    h = x + residual
+    return rms_norm(h, weight, eps, fused=fused, backend=backend), h
 
 
 # -------------------------------------------------------------------------------------------- RoPE
@@ -94,9 +125,21 @@ class _RoPEFn(torch.autograd.Function):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool = True) -> torch.Tensor:
+    """One tensor, autograd Function or reference (the Triton kernel rotates q and k together: apply_rope_qk)."""
     if fused:
         return _RoPEFn.apply(x, cos, sin)
     return rope_ref(x, cos.to(x.dtype), sin.to(x.dtype))
+
+
+def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool = True,
+                  backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, T, H, D] and k [B, T, Hkv, D] rotated by cos/sin [B or 1, T, 1, D/2] (fp32): one Triton launch
+    for both where Triton runs (cos/sin read in fp32, no casts), else two calls of `apply_rope`."""
+    impl = choose("rope", q, backend) if fused else "reference"
+    if impl == "triton":
+        return _triton_ops().apply_rope(q, k, cos, sin)
+    f = impl == "torch"
+    return apply_rope(q, cos, sin, fused=f), apply_rope(k, cos, sin, fused=f)
 
 
 # ------------------------------------------------------------------------------------------ SwiGLU
@@ -120,10 +163,79 @@ class _SwiGLUFn(torch.autograd.Function):
         return d_gate, d_up
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor, fused: bool = True) -> torch.Tensor:
-    if fused:
+def swiglu(gate: torch.Tensor, up: torch.Tensor, fused: bool = True, backend: str = "auto") -> torch.Tensor:
+    impl = choose("swiglu", gate, backend) if fused else "reference"
+    if impl == "triton":
+        return _triton_ops().swiglu(gate, up)
+    if impl == "torch":
         return _SwiGLUFn.apply(gate, up)
     return swiglu_ref(gate, up)
+
+
+# ------------------------------------------------------------------------------ implementation choice
+BACKENDS = ("auto", "triton", "torch")
+# kernel_backend="auto" on CUDA under torch.compile: which ops use the reference (Inductor fuses it)
+# instead of the Triton custom op. The linear+CE keeps Triton: Inductor cannot avoid the full logits.
+AUTO_UNDER_COMPILE = {"rms_norm": "reference", "add_rms_norm": "reference", "rope": "reference",
+                      "swiglu": "reference", "cross_entropy": "triton"}
+_TRITON: dict = {}
+
+
+def _load_triton(name: str):
+    """model.triton_kernels / model.triton_loss when Triton imports, else None (checked and logged once)."""
+    if name not in _TRITON:
+        try:
+            import importlib
+            mod = importlib.import_module(f"model.{name}")
+            _TRITON[name] = mod if mod.TRITON_AVAILABLE else None
+        except Exception as e:  # a broken Triton install must not break the model: fall back, say so once
+            log.warning("Triton kernels unavailable (%s): %s", name, e)
+            _TRITON[name] = None
+        if name == "triton_kernels":
+            log.info("Triton %s", "available: GPU kernels for RMSNorm/RoPE/SwiGLU/linear+CE"
+                     if _TRITON[name] is not None else "not installed: GPU uses the PyTorch kernels")
+    return _TRITON[name]
+
+
+def _triton_ops():
+    return _load_triton("triton_kernels")
+
+
+def _triton_runs_on(t: torch.Tensor) -> bool:
+    if t.is_cuda:
+        return True
+    return t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def choose(op: str, t: torch.Tensor, backend: str = "auto") -> str:
+    """"triton", "torch" or "reference" for fused op `op` on tensor `t` (see the module docstring)."""
+    if backend == "torch":
+        return "torch"
+    if backend not in BACKENDS:
+        raise ValueError(f"kernel_backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto" and not t.is_cuda:
+        return "torch"
+    if not _triton_runs_on(t) or _load_triton("triton_loss" if op == "cross_entropy" else "triton_kernels") is None:
+        return "torch"
+    if backend == "auto" and torch.compiler.is_compiling():
+        return AUTO_UNDER_COMPILE[op]
+    return "triton"
+
+
+def describe_choice(device: torch.device, backend: str, compiled: bool, fused: bool = True) -> str:
+    """One line for the start-up log: which implementation each op runs on `device`."""
+    if not fused:
+        return "reference PyTorch paths (fused kernels off)"
+    t = torch.empty(0, device=device)
+    parts = []
+    for op in ("rms_norm", "rope", "swiglu", "cross_entropy"):
+        impl = choose(op, t, backend)
+        if impl == "triton" and compiled and backend == "auto":
+            impl = AUTO_UNDER_COMPILE[op]
+        name = {"triton": "Triton", "torch": "autograd Function" if op != "cross_entropy" else "chunked (eager)",
+                "reference": "reference (Inductor-fused)"}[impl]
+        parts.append(f"{op} {name}")
+    return ", ".join(parts) + f" [kernel_backend={backend}{', compiled' if compiled else ''}]"
 
 
 # ------------------------------------------------------------------------------------ attention

@@ -23,18 +23,22 @@ from torch.utils.checkpoint import checkpoint
 
 from model import kernels
 from model.config import ModelConfig
-from model.loss import linear_cross_entropy, linear_cross_entropy_ref
+from model.loss import lm_head_loss
 
 
 # -------------------------------------------------------------------------------------- RMSNorm
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, fused: bool = True):
+    def __init__(self, dim: int, eps: float, fused: bool = True, backend: str = "auto"):
         super().__init__()
-        self.eps, self.fused = eps, fused
+        self.eps, self.fused, self.backend = eps, fused, backend
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.rms_norm(x, self.weight, self.eps, fused=self.fused)
+        return kernels.rms_norm(x, self.weight, self.eps, fused=self.fused, backend=self.backend)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual), fused into one kernel where Triton runs."""
+        return kernels.add_rms_norm(x, residual, self.weight, self.eps, fused=self.fused, backend=self.backend)
 
 
 # ----------------------------------------------------------------------------------------- RoPE
@@ -111,7 +115,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         self.attn_dropout = cfg.attn_dropout
         self.resid_dropout = nn.Dropout(cfg.resid_dropout)
-        self.fused_rope, self.fused_qkv = cfg.fused_rope, cfg.fused_qkv
+        self.fused_rope, self.fused_qkv, self.backend = cfg.fused_rope, cfg.fused_qkv, cfg.kernel_backend
 
     def _qkv(self, x: torch.Tensor):
         # One matmul instead of three when the projections are plain Linear layers (not LoRA-wrapped).
@@ -129,8 +133,7 @@ class Attention(nn.Module):
         q = q.view(B, T, self.n_heads, self.head_dim)
         k = k.view(B, T, self.n_kv_heads, self.head_dim)
         v = v.view(B, T, self.n_kv_heads, self.head_dim)
-        q = kernels.apply_rope(q, cos, sin, fused=self.fused_rope)
-        k = kernels.apply_rope(k, cos, sin, fused=self.fused_rope)
+        q, k = kernels.apply_rope_qk(q, k, cos, sin, fused=self.fused_rope, backend=self.backend)
         dropout = self.attn_dropout if self.training else 0.0
 
         if spec.flash is not None and cache is None and spec.mask is None:
@@ -171,28 +174,29 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)
         self.down_proj = nn.Linear(cfg.hidden_dim, cfg.dim, bias=False)
         self.resid_dropout = nn.Dropout(cfg.resid_dropout)
-        self.fused_swiglu, self.fused_qkv = cfg.fused_swiglu, cfg.fused_qkv
+        self.fused_swiglu, self.fused_qkv, self.backend = cfg.fused_swiglu, cfg.fused_qkv, cfg.kernel_backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused_qkv and type(self.gate_proj) is nn.Linear and type(self.up_proj) is nn.Linear:
             gate, up = F.linear(x, torch.cat((self.gate_proj.weight, self.up_proj.weight))).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.resid_dropout(self.down_proj(kernels.swiglu(gate, up, fused=self.fused_swiglu)))
+        return self.resid_dropout(self.down_proj(kernels.swiglu(gate, up, fused=self.fused_swiglu, backend=self.backend)))
 
 
 # ---------------------------------------------------------------------------------------- block
 class TransformerBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.fused_rmsnorm)
+        self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.fused_rmsnorm, cfg.kernel_backend)
         self.self_attn = Attention(cfg, layer_idx)
-        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.fused_rmsnorm)
+        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.fused_rmsnorm, cfg.kernel_backend)
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, spec: AttnSpec, cache: Optional[KVCache] = None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, spec, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, spec, cache)
+        y, x = self.post_attention_layernorm.add_forward(attn, x)  # x + attn, and its norm (one kernel on GPU)
+        return x + self.mlp(y)
 
 
 # ---------------------------------------------------------------------------------- transformer
@@ -216,7 +220,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.fused_rmsnorm)
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.fused_rmsnorm, cfg.kernel_backend)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg)
         self.apply(self._init_weights)
@@ -320,6 +324,4 @@ class Transformer(nn.Module):
             if logits_to_keep:
                 h = h[:, -logits_to_keep:]
             return self.lm_head(h)
-        if self.cfg.fused_cross_entropy:
-            return linear_cross_entropy(h, self.lm_head.weight, labels, reduction, self.cfg.loss_chunk_size)
-        return linear_cross_entropy_ref(h, self.lm_head.weight, labels, reduction)
+        return lm_head_loss(h, self.lm_head.weight, labels, reduction, self.cfg)

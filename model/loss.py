@@ -255,6 +255,20 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     return out.reshape(shape) if reduction == "none" else out
 
 
+def lm_head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, reduction: str,
+                 cfg) -> torch.Tensor:
+    """The model's loss head: the implementation `cfg` (a ModelConfig) and the device select
+    (model/kernels.py `choose`): the Triton linear+CE custom op, the chunked autograd Function, or the
+    full-logits reference."""
+    if not cfg.fused_cross_entropy:
+        return linear_cross_entropy_ref(hidden, weight, labels, reduction)
+    from model.kernels import _load_triton, choose
+    if choose("cross_entropy", hidden, cfg.kernel_backend) == "triton":
+        return _load_triton("triton_loss").linear_cross_entropy_triton(
+            hidden, weight, labels, reduction, cfg.loss_chunk_size)
+    return linear_cross_entropy(hidden, weight, labels, reduction, cfg.loss_chunk_size)
+
+
 def linear_cross_entropy_ref(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                              reduction: str = "mean") -> torch.Tensor:
     """Reference: full logits in fp32 + F.cross_entropy (what HF Llama does)."""
