@@ -32,6 +32,7 @@ a NaN loss (and NaN gradients) instead of reading out of bounds or being silentl
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from typing import Optional
@@ -133,10 +134,13 @@ def _launch(logits: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor, sca
         return
     block = min(MAX_BLOCK_V, triton.next_power_of_2(n_cols))
     num_warps = 16 if block >= 8192 else (8 if block >= 2048 else 4)
-    _ce_chunk_kernel[(rows,)](
-        logits, logits.stride(0), labels, scale, scale_stride, loss, lse, n_cols, IGNORE_INDEX,
-        float(z_loss), LSE_IN=lse_in, WRITE_LOSS=write_loss, WRITE_GRAD=write_grad, BLOCK_V=block,
-        num_warps=num_warps)
+    # Triton launches on the current CUDA device: make it the tensors' one (a rank's second GPU)
+    guard = torch.cuda.device(logits.device) if logits.is_cuda else contextlib.nullcontext()
+    with guard:
+        _ce_chunk_kernel[(rows,)](
+            logits, logits.stride(0), labels, scale, scale_stride, loss, lse, n_cols, IGNORE_INDEX,
+            float(z_loss), LSE_IN=lse_in, WRITE_LOSS=write_loss, WRITE_GRAD=write_grad, BLOCK_V=block,
+            num_warps=num_warps)
 
 
 # ----------------------------------------------------------------------------------- chunk helpers

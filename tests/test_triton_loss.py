@@ -233,16 +233,17 @@ def test_bf16_autocast_derived_tolerance():
 
 # ------------------------------------------------------------------------------ torch.library, compile
 def test_opcheck():
-    h = torch.randn(7, D, requires_grad=True)
-    w = torch.randn(V, D, requires_grad=True)
-    y = torch.randint(0, V, (7,))
+    n, v, d = 5, 37, 8  # opcheck runs each op a dozen times: the smallest shapes with two chunks
+    h = torch.randn(n, d, requires_grad=True)
+    w = torch.randn(v, d, requires_grad=True)
+    y = torch.randint(0, v, (n,))
     y[1] = IGNORE_INDEX
     for reduction, need_dh, need_dw in (("mean", True, True), ("sum", True, False), ("none", True, True)):
         torch.library.opcheck(torch.ops.myllm.linear_cross_entropy.default,
                               (h, w, y, reduction, 3, 0.01, "float32", need_dh, need_dw))
     lse = torch.logsumexp(h.detach() @ w.detach().t(), dim=-1)
     torch.library.opcheck(torch.ops.myllm.linear_cross_entropy_backward.default,
-                          (torch.randn(7), h.detach(), w.detach(), y, lse, 3, 0.0, "float32", True, False))
+                          (torch.randn(n), h.detach(), w.detach(), y, lse, 3, 0.0, "float32", True, False))
 
 
 def test_compile_fullgraph_no_graph_break_matches_eager():
