@@ -30,15 +30,20 @@ except Exception:  # ImportError, or a broken install
     tl = None
     TRITON_AVAILABLE = False
 
-# The interpreter mode is fixed when triton is imported, so read it once here too.
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# Whether the kernels below run in Triton's CPU interpreter. triton.jit decides that when it decorates
+# a kernel (TRITON_INTERPRET=1 in the environment at that moment, i.e. when this module is imported),
+# so it is read from the kernels themselves, after they are defined (end of the `if` below).
+_INTERPRET = False
 
 
 def supported(t: torch.Tensor) -> bool:
-    """True when the Triton kernels can run on t's device (a GPU, or the CPU under TRITON_INTERPRET=1)."""
+    """True when the Triton kernels can run on t's device: a GPU, or the CPU when TRITON_INTERPRET=1
+    (and was already set when this module was imported, so that the kernels are interpreted)."""
     if not TRITON_AVAILABLE:
         return False
-    return bool(t.is_cuda or (t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"))
+    if t.is_cuda:
+        return True
+    return t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1" and _INTERPRET
 
 
 def _require_triton() -> None:
@@ -172,6 +177,8 @@ if TRITON_AVAILABLE:
         tl.store(DUP + offs, (dy * silu).to(DUP.dtype.element_ty), mask=mask)
 
     # ------------------------------------------------------------------------------------- op helpers
+    _INTERPRET = not isinstance(_rms_norm_fwd_kernel, triton.runtime.jit.JITFunction)
+
     def _launch(kernel):
         """`kernel[grid](...)`, through wrap_triton so that triton_op bodies trace on a GPU."""
         return torch.library.wrap_triton(kernel) if not _INTERPRET else kernel
