@@ -88,7 +88,7 @@ if TRITON_AVAILABLE:
         y = tl.load(labels_ptr + row).to(tl.int64)
         valid = y != ignore_index
         in_range = (y >= 0) & (y < n_cols)
-        bad = valid & (in_range == 0)  # a label that is neither a class nor ignored: NaN, not OOB
+        bad = valid & ((y < 0) | (y >= n_cols))  # neither a class nor ignored: NaN, not an OOB read
         safe_y = tl.where(in_range, y, 0)
 
         if LSE_IN:
