@@ -1,0 +1,395 @@
+"""Benchmark: per-rank memory (parameters, gradients, optimizer state) and step time of every engine
+(our DDP, ZeRO-1, ZeRO-2, FSDP2, FSDP2 + CPU offload, pipeline pp=2) on CPU gloo processes, each row
+beside its bytes-per-parameter formula, step times as ratios to our DDP.
+
+    .venv/bin/python bench/bench_parallel_memory.py --small   # ~37M params, worlds 2 and 4, < 1 min on 2 idle cores
+    .venv/bin/python bench/bench_parallel_memory.py           # ~271M params (dim 1024, 16 layers, vocab 32000)
+
+Memory: bytes are MEASURED by walking the tensors each engine holds (model parameters, local shards
+of FSDP's DTensors, DDP's flat buffers, main_grad / FSDP's sharded .grad / ZeRO-2's gradient shards /
+the optimizer's fp32 grad copies, AdamW's exp_avg / exp_avg_sq / step, fp32 master copies), every
+storage counted once (deduplicated by its data pointer; a storage counts in the first of params,
+grads, optimizer that holds it; padding of flat buffers included, freed storages count 0).
+Gradients are taken after the gradient sync and before optimizer.step() (the point where params,
+grads and optimizer state all exist; ZeRO-2 has already dropped the unowned part), optimizer state
+right after the step. Transient memory (activations, FSDP's all-gathered compute copies, ZeRO-2's
+full bucket during backward, communication buffers) is not counted.
+
+Precision of the memory table (--mem-precision bf16, default): bf16 model parameters with fp32
+gradients (DDPConfig.grad_reduce_in_fp32) and fp32 masters + Adam moments for ddp / ZeRO / pp (the
+"bf16 params, fp32 grads" row of Megatron's distributed-optimizer table); FSDP keeps fp32 sharded
+parameters (they ARE the masters), bf16 compute copies (param_dtype) and fp32 gradient shards. The
+memory step uses --mem-seq tokens only: bf16 matmuls are ~50x slower than fp32 on a CPU without
+AVX512-BF16, and the bytes do not depend on the sequence length.
+
+Step time (--time-worlds, --time-engines): a separate fp32 pass (fp32 parameters everywhere, FSDP
+param_dtype fp32), batch 1 x --seq per dp rank (pp: 2 micro-batches of 1 x --seq per dp replica = the
+same global batch). The timed engines are held in memory at once and stepped in rounds, each engine
+once per round, the order rotated every round, so each engine/ddp ratio compares steps taken seconds
+apart on this shared box; printed: median step time, median / min / max over rounds of engine/ddp (a
+step's time is the slowest rank's; one warm-up step each, which is also the fp32 memory walk: second
+memory table, fp32 formulas). Default model: only ddp and fsdp are timed (all six would not fit in RAM).
+
+Nothing is asserted. CPU offload on a CPU-only run: the compute device IS the host, so "device" vs
+"host" is decided by the placement policy (every FSDPParam reports offload_to_cpu), not by
+tensor.device: with offload, sharded params, grads and optimizer state count as host/offloaded.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from model import ModelConfig, Transformer  # noqa: E402
+from optimizer import OptimizerConfig, build_optimizer  # noqa: E402
+from parallel import DDPConfig, DistributedDataParallel  # noqa: E402
+
+ENGINES = ["ddp", "zero1", "zero2", "fsdp", "fsdp_offload", "pp2"]
+BUCKET = 40_000_000
+
+
+def model_config(a) -> ModelConfig:
+    if a.small:
+        return ModelConfig(vocab_size=32000, dim=384, n_layers=6, n_heads=6, max_seq_len=max(a.seq, a.mem_seq))
+    return ModelConfig(vocab_size=32000, dim=a.dim, n_layers=a.layers, n_heads=a.dim // 64,
+                       max_seq_len=max(a.seq, a.mem_seq))
+
+
+def build_model(a, dtype: torch.dtype) -> Transformer:
+    torch.manual_seed(0)
+    m = Transformer(model_config(a))
+    return m.to(dtype) if dtype != torch.float32 else m
+
+
+# ---------------------------------------------------------------------------- formulas (B / param of the whole model)
+
+def formula(engine: str, prec: str, d: int, stage_frac: float = 1.0) -> tuple[str, float]:
+    """(text, bytes per parameter of the WHOLE model on one rank). d = data-parallel size."""
+    if prec == "bf16":
+        table = {"ddp": ("18 = 2+4+12", 18.0), "zero1": (f"6+12/d (Megatron)", 6 + 12 / d),
+                 "zero2": ("2+16/d", 2 + 16 / d), "fsdp": ("16/d", 16 / d), "fsdp_offload": ("16/d host", 16 / d),
+                 "pp2": (f"18 x N_stage/N", 18.0 * stage_frac)}
+    else:
+        table = {"ddp": ("16 = 4+4+8", 16.0), "zero1": ("8+8/d", 8 + 8 / d), "zero2": ("4+12/d", 4 + 12 / d),
+                 "fsdp": ("16/d", 16 / d), "fsdp_offload": ("16/d host", 16 / d),
+                 "pp2": ("16 x N_stage/N", 16.0 * stage_frac)}
+    return table[engine]
+
+
+# ---------------------------------------------------------------------------- tensor walking
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class Ledger:
+    """Storages by category, each storage counted once (first category wins)."""
+
+    def __init__(self):
+        self.seen: dict[int, str] = {}
+        self.bytes = {"params": 0, "grads": 0, "optimizer": 0}
+        self.keep: list = []  # hold storages until the ledger is done, so a freed pointer is never reused
+
+    def add(self, cat: str, t) -> None:
+        if t is None or not torch.is_tensor(t):
+            return
+        st = _local(t).untyped_storage()
+        ptr = st.data_ptr()
+        if st.nbytes() == 0 or ptr in self.seen:
+            return
+        self.seen[ptr] = cat
+        self.bytes[cat] += st.nbytes()
+        self.keep.append(st)
+
+
+def grad_tensors(kind: str, eng) -> list:
+    out = []
+    if kind == "fsdp":
+        for p in eng["module"].parameters():
+            out.append(p.grad)
+        return out
+    ddp, opt = eng["ddp"], eng["opt"]
+    for p in ddp.module.parameters():
+        out.append(getattr(p, "main_grad", None))
+    for pc in opt.pieces:
+        out += [pc.grad_store, pc.main.grad]
+    out += list(getattr(opt, "_grad_shards", {}).values())
+    return out
+
+
+def param_tensors(eng) -> list:
+    return list(eng["module"].parameters())
+
+
+def optim_tensors(kind: str, eng) -> list:
+    opt = eng["opt"]
+    adamws = [opt.adamw] if kind == "fsdp" else list(opt.optimizers.values())
+    out = []
+    for aw in adamws:
+        for g in aw.param_groups:
+            out += list(g["params"])  # fp32 masters (deduplicated against the params when they ARE the params)
+        for st in aw.state.values():
+            out += [v for v in st.values() if torch.is_tensor(v)]
+    return out
+
+
+# ---------------------------------------------------------------------------- engines
+
+def build_engine(name: str, a, prec: str, world: int) -> dict:
+    dtype = torch.bfloat16 if prec == "bf16" else torch.float32
+    ocfg = dict(lr=1e-4, precision=prec, fused=False)
+    if name in ("ddp", "zero1", "zero2"):
+        zero = name != "ddp"
+        m = build_model(a, dtype)
+        ddp = DistributedDataParallel(m, DDPConfig(bucket_size=BUCKET, grad_reduce_in_fp32=prec == "bf16",
+                                                   use_distributed_optimizer=zero))
+        ddp.broadcast_params()
+        opt = build_optimizer(ddp, OptimizerConfig(use_distributed_optimizer=zero, zero_stage=2 if name == "zero2" else 1,
+                                                   **ocfg))
+        return {"kind": "ddp", "ddp": ddp, "opt": opt, "module": m, "fwd": lambda ids: ddp(ids, labels=ids),
+                "dp": world, "stage": None, "host": False}
+    if name in ("fsdp", "fsdp_offload"):
+        from parallel.fsdp import build_fsdp_engine, unwrap
+        m = build_model(a, torch.float32)  # FSDP: fp32 shards are the masters; dtype only for compute
+        wrapped, opt = build_fsdp_engine(m, OptimizerConfig(**ocfg), param_dtype=dtype, reshard_after_forward=True,
+                                         cpu_offload=name == "fsdp_offload")
+        mod = unwrap(wrapped)
+        # placement by policy: every FSDPParam of every unit must report offload_to_cpu
+        flags = [fp.offload_to_cpu for sub in mod.modules() if hasattr(sub, "_get_fsdp_state")
+                 for g in sub._get_fsdp_state()._fsdp_param_groups for fp in g.fsdp_params]
+        host = bool(flags) and all(flags)
+        return {"kind": "fsdp", "wrapped": wrapped, "opt": opt, "module": mod,
+                "fwd": lambda ids: wrapped(ids, labels=ids), "dp": world, "stage": None, "host": host}
+    if name == "pp2":
+        from parallel.pipeline import build_pipeline_engine
+        m = build_model(a, dtype)
+        n_total = sum(p.numel() for p in m.parameters())
+        eng = build_pipeline_engine(m, OptimizerConfig(**ocfg), pp_size=2, n_microbatches=2, schedule="gpipe",
+                                    dp_engine="ddp", device=torch.device("cpu"),
+                                    ddp_config=DDPConfig(bucket_size=BUCKET, grad_reduce_in_fp32=prec == "bf16"))
+        del m
+        n_stage = sum(p.numel() for p in eng.module.parameters())
+        return {"kind": "ddp", "ddp": eng.model, "opt": eng.optimizer, "module": eng.module, "pp": eng,
+                "dp": eng.dp_size, "stage": eng.stage_index, "stage_frac": n_stage / n_total, "host": False}
+    raise ValueError(name)
+
+
+def fwd_bwd(eng: dict, ids: torch.Tensor) -> None:
+    eng["opt"].zero_grad()
+    if "pp" in eng:
+        eng["pp"].forward_backward([{"input_ids": ids, "labels": ids}] * 2)
+    else:
+        eng["opt"].scale_loss(eng["fwd"](ids)).backward()
+
+
+def measured_step(eng: dict, ids: torch.Tensor) -> dict:
+    """One full step; bytes of grads after the grad sync (before the optimizer), params and optimizer
+    state after it."""
+    fwd_bwd(eng, ids)
+    if eng["kind"] == "ddp":
+        eng["ddp"].finish_grad_sync()  # what step() does first; a second call reduces nothing
+    led = Ledger()
+    grads = grad_tensors(eng["kind"], eng)
+    for t in param_tensors(eng):  # params first: a grad view of a param storage never counts twice
+        led.add("params", t)
+    for t in grads:
+        led.add("grads", t)
+    del grads
+    eng["opt"].step()
+    for t in param_tensors(eng):
+        led.add("params", t)
+    for t in optim_tensors(eng["kind"], eng):
+        led.add("optimizer", t)
+    out = dict(led.bytes)
+    led.keep.clear()
+    return out
+
+
+def timed_steps(eng: dict, ids: torch.Tensor, steps: int) -> list[float]:
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        t = time.perf_counter()
+        fwd_bwd(eng, ids)
+        eng["opt"].step()
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def _worker(rank: int, world: int, port: int, a, plan: dict, path: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    g = torch.Generator().manual_seed(rank)
+    res: dict = {"mem": {}, "time": {}, "fp32_mem": {}}
+    for name in plan["mem"]:
+        ids = torch.randint(0, 32000, (1, a.mem_seq), generator=g)
+        eng = build_engine(name, a, a.mem_precision, world)
+        b = measured_step(eng, ids)
+        res["mem"][name] = {**b, "host": eng["host"], "dp": eng["dp"], "stage": eng["stage"],
+                            "stage_frac": eng.get("stage_frac", 1.0)}
+        del eng
+        gc.collect()
+        dist.barrier()
+    if plan["time"]:
+        # all timed engines are held at once and stepped in rounds (order rotated every round), so a
+        # ratio compares steps taken seconds apart: the box is shared and its load drifts
+        ids = torch.randint(0, 32000, (1, a.seq), generator=g)
+        engs = {}
+        for name in plan["time"]:
+            engs[name] = build_engine(name, a, "fp32", world)
+            b = measured_step(engs[name], ids)  # also the warm-up step
+            res["fp32_mem"][name] = {**b, "host": engs[name]["host"], "dp": engs[name]["dp"],
+                                     "stage": engs[name]["stage"], "stage_frac": engs[name].get("stage_frac", 1.0)}
+        names = list(engs)
+        res["time"] = {k: [] for k in names}
+        for r in range(a.steps):
+            for k in names[r % len(names):] + names[:r % len(names)]:
+                res["time"][k] += timed_steps(engs[k], ids, 1)
+        del engs
+        gc.collect()
+    everyone = [None] * world
+    dist.all_gather_object(everyone, res)
+    if rank == 0:
+        with open(path, "w") as f:
+            json.dump(everyone, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------- driver + tables
+
+def mem_available() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def fits_bytes(name: str, prec: str, world: int, n: int) -> float:
+    """Rough box-wide estimate: formula bytes + one fp32 copy of the full model per rank (construction)."""
+    per_rank = formula(name, prec, world if name != "pp2" else max(1, world // 2), 0.5)[1] * n + 4 * n
+    return world * per_rank * 1.15
+
+
+def fits(name: str, prec: str, world: int, n: int, budget: float) -> bool:
+    return fits_bytes(name, prec, world, n) < budget
+
+
+def print_mem_table(title: str, ranks: list, key: str, prec: str, n: int, world: int) -> None:
+    print(f"\n{title}")
+    print(f"{'engine':14s} {'rank':>4s} {'params MB':>10s} {'grads MB':>9s} {'optim MB':>9s} {'where':>14s} "
+          f"{'B/param':>8s} {'formula':>18s} {'B/param':>8s} {'ratio':>6s}")
+    names = [e for e in ENGINES if e in ranks[0][key]]
+    for name in names:
+        rows = [(r, ranks[r][key][name]) for r in range(world)]
+        if name == "pp2":  # one row per stage (dp rank 0 of each stage)
+            stages: dict = {}
+            for r, m in rows:
+                stages.setdefault(m["stage"], (r, m))
+            show = [stages[s] for s in sorted(stages)]
+        else:  # the rank holding the most (ranks differ by padding only)
+            show = [max(rows, key=lambda x: x[1]["params"] + x[1]["grads"] + x[1]["optimizer"])]
+        for r, m in show:
+            tot = m["params"] + m["grads"] + m["optimizer"]
+            ftxt, fb = formula(name, prec, m["dp"], m["stage_frac"])
+            where = "host/offloaded" if m["host"] else "device"
+            label = name if m["stage"] is None else f"pp2 stage{m['stage']}"
+            print(f"{label:14s} {r:4d} {m['params'] / 1e6:10.1f} {m['grads'] / 1e6:9.1f} {m['optimizer'] / 1e6:9.1f} "
+                  f"{where:>14s} {tot / n:8.3f} {ftxt:>18s} {fb:8.3f} {tot / n / fb:6.3f}")
+            if m["host"]:
+                print(f"{'':14s} {'':4s} {'':>10s} {'':>9s} {'':>9s} {'device':>14s} {0.0:8.3f} "
+                      f"{'0 (persistent)':>18s}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--small", action="store_true", help="~37M params (dim 384, 6 layers): under a minute")
+    ap.add_argument("--dim", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--time-worlds", type=int, nargs="*", default=None,
+                    help="worlds with the fp32 timing pass (default: 2 and 4 with --small, 2 otherwise)")
+    ap.add_argument("--engines", nargs="+", default=ENGINES, choices=ENGINES, help="engines of the memory table")
+    ap.add_argument("--time-engines", nargs="+", default=None, choices=ENGINES,
+                    help="engines of the timing pass, held in memory at once (default: all with --small, "
+                         "ddp fsdp otherwise)")
+    ap.add_argument("--seq", type=int, default=None, help="tokens per sequence of the timed steps (64; --small 128)")
+    ap.add_argument("--mem-seq", type=int, default=8, help="tokens of the memory step")
+    ap.add_argument("--mem-precision", choices=["bf16", "fp32"], default="bf16")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per engine after 1 warm-up")
+    a = ap.parse_args()
+    if a.seq is None:
+        a.seq = 128 if a.small else 64
+    if a.time_engines is None:
+        a.time_engines = list(ENGINES) if a.small else ["ddp", "fsdp"]
+    if "ddp" not in a.time_engines:
+        a.time_engines.insert(0, "ddp")
+    a.time_engines = ["ddp"] + [e for e in a.time_engines if e != "ddp"]
+    if a.time_worlds is None:
+        a.time_worlds = [2, 4] if a.small else [2]
+    n = sum(p.numel() for p in Transformer(model_config(a)).parameters())
+    cfg = model_config(a)
+    print(f"model: dim {cfg.dim}, {cfg.n_layers} layers, vocab {cfg.vocab_size}, hidden {cfg.hidden_dim}: "
+          f"N = {n / 1e6:.1f}M params; memory step {a.mem_precision}, {a.mem_seq} tokens/rank; "
+          f"timing fp32, batch 1 x {a.seq} per dp rank, {a.steps} steps after 1 warm-up; gloo on CPU, 1 thread/rank")
+    t0 = time.time()
+    for world in a.worlds:
+        budget = 0.8 * mem_available()
+        mem_plan = [e for e in a.engines if fits(e, a.mem_precision, world, n, budget)]
+        time_plan = []
+        if world in a.time_worlds:  # held at once: drop engines (not ddp, fsdp) until the sum fits
+            time_plan = [e for e in a.time_engines]
+            while len(time_plan) > 2 and sum(fits_bytes(e, "fp32", world, n) for e in time_plan) > budget:
+                time_plan.pop()
+        dropped = [e for e in a.time_engines if e not in time_plan] if world in a.time_worlds else []
+        if dropped:
+            print(f"\n[world {world}] not timed (all timed engines are held at once; RAM): {dropped}")
+        skipped = sorted(set(a.engines) - set(mem_plan))
+        if skipped:
+            print(f"\n[world {world}] skipped (estimated RAM above 80% of MemAvailable "
+                  f"{budget / 0.8 / 2**30:.1f} GiB): {skipped}")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        path = os.path.join("/tmp", f"bench_parallel_memory_{os.getpid()}_{world}.json")
+        tw = time.time()
+        mp.start_processes(_worker, args=(world, port, a, {"mem": mem_plan, "time": time_plan}, path),
+                           nprocs=world, start_method="spawn")
+        with open(path) as f:
+            ranks = json.load(f)
+        os.remove(path)
+        print(f"\n=== world {world} ({time.time() - tw:.0f} s) ===")
+        if mem_plan:
+            print_mem_table(f"memory per rank, {a.mem_precision} params"
+                            + (" + fp32 grads + fp32 masters/m/v (FSDP: fp32 sharded params, bf16 compute)"
+                               if a.mem_precision == "bf16" else " (all fp32)")
+                            + "; B/param = rank bytes / N (whole model)", ranks, "mem", a.mem_precision, n, world)
+        if time_plan:
+            print_mem_table("memory per rank, fp32 pass (the timed engines)", ranks, "fp32_mem", "fp32", n, world)
+            times = {k: [max(ranks[r]["time"][k][i] for r in range(world)) for i in range(a.steps)]
+                     for k in ranks[0]["time"]}
+            print(f"\nstep time, fp32, world {world}: median of {a.steps} rounds (each engine once per round, "
+                  f"order rotated; a step's time = the slowest rank's); vs ddp = median over rounds of engine / ddp")
+            print(f"{'engine':14s} {'step s':>8s} {'vs ddp':>7s} {'min':>6s} {'max':>6s}")
+            for k, v in times.items():
+                rat = [x / y for x, y in zip(v, times["ddp"])]
+                print(f"{k:14s} {statistics.median(v):8.3f} {statistics.median(rat):7.3f} {min(rat):6.3f} {max(rat):6.3f}")
+    print(f"\ntotal {time.time() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
