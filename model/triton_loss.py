@@ -65,7 +65,11 @@ def supported(t: torch.Tensor) -> bool:
     """Can the Triton op run on tensors living where `t` lives?"""
     if not TRITON_AVAILABLE:
         return False
-    return bool(t.is_cuda or (t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"))
+    if t.is_cuda:
+        return True
+    # triton.jit picks the interpreter when it decorates the kernel (at this module's import): the
+    # variable must have been set then, not only now
+    return t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1" and _INTERPRETED
 
 
 # ------------------------------------------------------------------------------------------ kernel
@@ -124,6 +128,9 @@ if TRITON_AVAILABLE:
                 x = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
                 g = tl.exp(x - lse) * coef - tl.where(cols == safe_y, scale, 0.0)
                 tl.store(row_ptr + cols, g.to(logits_ptr.dtype.element_ty), mask=mask)
+
+
+_INTERPRETED = TRITON_AVAILABLE and not isinstance(_ce_chunk_kernel, triton.runtime.jit.JITFunction)
 
 
 def _launch(logits: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor, scale_stride: int,
