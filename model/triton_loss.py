@@ -51,7 +51,7 @@ except Exception:  # ImportError, or a broken install failing at import
     tl = None
     TRITON_AVAILABLE = False
 
-__all__ = ["TRITON_AVAILABLE", "supported", "linear_cross_entropy_triton", "MAX_BLOCK_V"]
+__all__ = ["TRITON_AVAILABLE", "supported", "linear_cross_entropy_triton", "auto_chunk_size", "MAX_BLOCK_V"]
 
 # Largest vocab tile one kernel program holds at a time. Tests lower it to exercise several tiles
 # with a masked tail on a small vocab.
