@@ -7,7 +7,9 @@ unmerged and the adapters are written in the PEFT layout next to them instead, f
 `peft.PeftModel.from_pretrained(base, adapters_dir)`; a trained embedding / LM head goes into the
 adapters as PEFT `modules_to_save`, and the base is the run's frozen base (for a run that grew the
 vocabulary of a Hugging Face model, that model grown to the run's tokenizer: same vocabulary size,
-new rows as initialised, model/resize.py). Importing goes the other way with
+new rows as initialised, model/resize.py). Checkpoints of every engine export the same way: a
+pipeline-parallel run's stage files are merged into one model (parallel.engine.checkpoint_model_state),
+a sharded FSDP one is read whole. Importing goes the other way with
 `--init_from=<HF dir>` in train_my_ddp.py. Must never modify the checkpoint.
 """
 from __future__ import annotations

@@ -142,14 +142,14 @@ def pipeline_problems(cfg: TrainConfig, world_size: Optional[int] = None) -> lis
     if pp < 1:
         return [f"--pipeline_parallel_size={pp}: must be >= 1"]
     out = []
-    if cfg.pipeline_schedule not in ("gpipe", "1f1b"):
+    if cfg.pipeline_schedule.lower() not in ("gpipe", "1f1b"):
         out.append(f"--pipeline_schedule={cfg.pipeline_schedule!r} (gpipe | 1f1b)")
     if pp == 1:
         return out
     from parallel.pipeline import validate_pipeline_options
     try:
         validate_pipeline_options(pp_size=pp, n_microbatches=cfg.gradient_accumulation_steps,
-                                  schedule=cfg.pipeline_schedule if cfg.pipeline_schedule in ("gpipe", "1f1b") else "gpipe",
+                                  schedule=cfg.pipeline_schedule if cfg.pipeline_schedule.lower() in ("gpipe", "1f1b") else "gpipe",
                                   dp_engine=cfg.parallel if cfg.parallel in ("ddp", "fsdp") else "ddp",
                                   world_size=world_size, overlap_optim_step=cfg.overlap_optim_step,
                                   comm_hook=cfg.comm_hook, task_type=cfg.task_type)

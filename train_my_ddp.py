@@ -524,7 +524,8 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
     dtype = parse_dtype(cfg.dtype)
     # fsdp keeps fp32 sharded parameters (the optimizer's masters) and computes in `dtype` through its
     # mixed-precision policy; ddp runs the model in `dtype` with fp32 masters in the optimizer.
-    model.to(device=info.device, dtype=torch.float32 if cfg.parallel == "fsdp" else dtype)
+    # the engine moves to the device what this rank runs (the whole model, or its pipeline stage)
+    model.to(dtype=torch.float32 if cfg.parallel == "fsdp" else dtype)
     if ref_model is not None:
         ref_model.to(device=info.device, dtype=dtype)
     from model.kernels import flash_attn_functions
@@ -538,9 +539,10 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
 
     from parallel.engine import build_engine
     try:  # our DDP / FSDP / pipeline stages: the loop below talks to all of them the same way
-        engine = build_engine(model, cfg)
+        engine = build_engine(model, cfg, device=info.device)
     except ValueError as e:  # a layout that cannot run (e.g. a checkpoint's layers do not split into stages)
         raise TrainingError(f"bad parallel configuration: {_one_line(e)}", EXIT_BAD_CONFIG) from e
+    del model  # the engine holds what this rank runs (under pp the other stages' layers are freed)
     engine.lora_base = lora_base
     optimizer = engine.optimizer
 

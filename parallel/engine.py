@@ -245,10 +245,14 @@ def base_fingerprint(module: nn.Module) -> str:
 
 # ---------------------------------------------------------------------------- build
 
-def build_engine(model: nn.Module, cfg: Any, group: Any = None) -> Engine:
+def build_engine(model: nn.Module, cfg: Any, group: Any = None, device: Optional[torch.device] = None) -> Engine:
     """Wrap `model` for `cfg.parallel` (and `cfg.pipeline_parallel_size`) and build its optimizer: the
-    same objects for world size 1 and N. Raises ValueError for a layout that cannot run."""
-    engine = _build_engine(model, cfg, group)
+    same objects for world size 1 and N. `device`: where to run (default: where the model is); only
+    this rank's pipeline stage is moved there, so the full model may be built on the CPU.
+    Raises ValueError for a layout that cannot run."""
+    if device is None:
+        device = next(model.parameters()).device
+    engine = _build_engine(model, cfg, group, torch.device(device))
     if getattr(cfg, "compile", False):
         engine.forward_model = torch.compile(engine.model)
     return engine
@@ -261,7 +265,7 @@ def _dp_coordinates(group: Any) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def _build_engine(model: nn.Module, cfg: Any, group: Any) -> Engine:
+def _build_engine(model: nn.Module, cfg: Any, group: Any, device: torch.device) -> Engine:
     from optimizer import OptimizerConfig
     from utils.device import parse_dtype
     zero = cfg.use_distributed_optimizer
@@ -279,9 +283,10 @@ def _build_engine(model: nn.Module, cfg: Any, group: Any) -> Engine:
             schedule=cfg.pipeline_schedule, dp_engine=cfg.parallel,
             ddp_config=DDPConfig(bucket_size=cfg.bucket_size, overlap_grad_reduce=cfg.overlap_grad_reduce,
                                  grad_reduce_in_fp32=cfg.grad_reduce_in_fp32, use_distributed_optimizer=zero),
-            param_dtype=parse_dtype(cfg.dtype), reshard_after_forward=cfg.reshard_after_forward,
+            device=device, param_dtype=parse_dtype(cfg.dtype), reshard_after_forward=cfg.reshard_after_forward,
             cpu_offload=cfg.cpu_offload)
         return PipelineParallelEngine(pipe)
+    model.to(device)
     if cfg.parallel == "fsdp":
         from parallel.fsdp import build_fsdp_engine, unwrap
         wrapped, opt = build_fsdp_engine(model, opt_cfg, mesh_or_group=group, param_dtype=parse_dtype(cfg.dtype),

@@ -45,6 +45,9 @@ TRAIN_ALIASES: dict[str, str] = {
     "lr_scheduler_type": "lr_schedule",
     "gradient_checkpointing_enable": "gradient_checkpointing",
     "torch_compile": "compile",
+    "pipeline_parallel_degree": "pipeline_parallel_size",      # torchtitan parallelism.pipeline_parallel_degree
+    "pipeline_model_parallel_size": "pipeline_parallel_size",  # Megatron-LM
+    "pipeline_parallel_schedule": "pipeline_schedule",         # torchtitan parallelism.pipeline_parallel_schedule
 }
 
 # Names that have no one-to-one flag: say what to write instead.
