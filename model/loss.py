@@ -264,8 +264,10 @@ def lm_head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tenso
         return linear_cross_entropy_ref(hidden, weight, labels, reduction)
     from model.kernels import _load_triton, choose
     if choose("cross_entropy", hidden, cfg.kernel_backend) == "triton":
-        return _load_triton("triton_loss").linear_cross_entropy_triton(
-            hidden, weight, labels, reduction, cfg.loss_chunk_size)
+        # on a GPU the op sizes its chunks from (tokens, vocab, dim) (auto_chunk_size); loss_chunk_size is
+        # the CPU path's knob (and the interpreter's, where small chunks keep the tests fast)
+        chunk = None if hidden.is_cuda else cfg.loss_chunk_size
+        return _load_triton("triton_loss").linear_cross_entropy_triton(hidden, weight, labels, reduction, chunk)
     return linear_cross_entropy(hidden, weight, labels, reduction, cfg.loss_chunk_size)
 
 
