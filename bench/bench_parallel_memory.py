@@ -292,7 +292,7 @@ def fits(name: str, prec: str, world: int, n: int, budget: float) -> bool:
 def print_mem_table(title: str, ranks: list, key: str, prec: str, n: int, world: int) -> None:
     print(f"\n{title}")
     print(f"{'engine':14s} {'rank':>4s} {'params MB':>10s} {'grads MB':>9s} {'optim MB':>9s} {'where':>14s} "
-          f"{'B/param':>8s} {'formula':>18s} {'B/param':>8s} {'ratio':>6s}")
+          f"{'B/param':>8s} {'formula':>18s} {'B/param':>8s} {'ratio':>7s}")
     names = [e for e in ENGINES if e in ranks[0][key]]
     for name in names:
         rows = [(r, ranks[r][key][name]) for r in range(world)]
@@ -309,7 +309,7 @@ def print_mem_table(title: str, ranks: list, key: str, prec: str, n: int, world:
             where = "host/offloaded" if m["host"] else "device"
             label = name if m["stage"] is None else f"pp2 stage{m['stage']}"
             print(f"{label:14s} {r:4d} {m['params'] / 1e6:10.1f} {m['grads'] / 1e6:9.1f} {m['optimizer'] / 1e6:9.1f} "
-                  f"{where:>14s} {tot / n:8.3f} {ftxt:>18s} {fb:8.3f} {tot / n / fb:6.3f}")
+                  f"{where:>14s} {tot / n:8.3f} {ftxt:>18s} {fb:8.3f} {tot / n / fb:7.4f}")
             if m["host"]:
                 print(f"{'':14s} {'':4s} {'':>10s} {'':>9s} {'':>9s} {'device':>14s} {0.0:8.3f} "
                       f"{'0 (persistent)':>18s}")
