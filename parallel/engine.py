@@ -55,9 +55,10 @@ STAT_KEYS = ("chosen_reward", "rejected_reward", "reward_acc")
 @dataclass
 class Engine:
     kind: str                       # "ddp" | "fsdp" | "pipeline"
-    model: nn.Module                # DistributedDataParallel or FSDPDataParallel: forward, no_sync()
+    model: nn.Module                # DistributedDataParallel or FSDPDataParallel: forward, no_sync(), train()
+                                    # (pipeline: this rank's stage, wrapped over the dp group)
     optimizer: Any                  # MixedPrecisionOptimizer / DistributedOptimizer / FSDPOptimizer API
-    module: nn.Module               # the unwrapped model (state-dict keys without a prefix)
+    module: nn.Module               # the unwrapped model or stage (state-dict keys without a prefix)
     sharded_optimizer: bool = False
     # LoRA runs whose frozen base is a file: {"source", "fingerprint"}; then only trainable tensors are saved
     lora_base: Optional[dict] = field(default=None)
