@@ -45,7 +45,8 @@ def assert_derived_close(name: str, out: torch.Tensor, ref: torch.Tensor, truth:
     ref_err = (ref.double() - truth).abs().max().item()
     ulp = 1e-5 if out.dtype == torch.float32 else torch.finfo(out.dtype).eps
     bound = 2 * ref_err + ulp * scale
-    assert err <= bound, f"{name} ({out.dtype}): error {err:.3e} > bound {bound:.3e} (reference error {ref_err:.3e}, scale {scale:.3e})"
+    assert err <= bound, (f"{name} ({out.dtype}): error {err:.3e} > bound {bound:.3e} "
+                          f"(reference error {ref_err:.3e}, scale {scale:.3e})")
 
 
 def leaf(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -175,7 +176,8 @@ def assert_h_is_exact_add(x, r, w):
 def test_add_rms_norm_only_normed_output_used():
     """When h gets no gradient, the backward still gives the norm's gradients (x and residual alike)."""
     g = torch.Generator().manual_seed(4)
-    x, r, w = leaf(torch.randn(5, 48, generator=g)), leaf(torch.randn(5, 48, generator=g)), leaf(torch.randn(48, generator=g))
+    x, r = leaf(torch.randn(5, 48, generator=g)), leaf(torch.randn(5, 48, generator=g))
+    w = leaf(torch.randn(48, generator=g))
     gy = torch.randn(5, 48, generator=g)
     y, _ = tk.add_rms_norm(x, r, w, 1e-6)
     y.backward(gy)
