@@ -2,8 +2,13 @@
 (our DDP, ZeRO-1, ZeRO-2, FSDP2, FSDP2 + CPU offload, pipeline pp=2) on CPU gloo processes, each row
 beside its bytes-per-parameter formula, step times as ratios to our DDP.
 
-    .venv/bin/python bench/bench_parallel_memory.py --small   # ~37M params, worlds 2 and 4, < 1 min on 2 idle cores
-    .venv/bin/python bench/bench_parallel_memory.py           # ~271M params (dim 1024, 16 layers, vocab 32000)
+    .venv/bin/python bench/bench_parallel_memory.py --small   # 35.2M params (dim 384, 6 layers, vocab 32000)
+    .venv/bin/python bench/bench_parallel_memory.py           # 271.1M params (dim 1024, 16 layers, vocab 32000)
+
+Run time is dominated by CPU contention: --small took 8 min on the shared 2-core box at load 8-10
+(its world-2 memory pass alone 35 s at load ~4); the default model needs ~13 GiB of RAM at world 2.
+Each engine of the memory pass runs in its own spawn (an engine dropped inside a process does not
+return all its memory); at world 4 the default model's ddp row is skipped by the RAM estimate.
 
 Memory: bytes are MEASURED by walking the tensors each engine holds (model parameters, local shards
 of FSDP's DTensors, DDP's flat buffers, main_grad / FSDP's sharded .grad / ZeRO-2's gradient shards /
@@ -28,7 +33,7 @@ same global batch). The timed engines are held in memory at once and stepped in 
 once per round, the order rotated every round, so each engine/ddp ratio compares steps taken seconds
 apart on this shared box; printed: median step time, median / min / max over rounds of engine/ddp (a
 step's time is the slowest rank's; one warm-up step each, which is also the fp32 memory walk: second
-memory table, fp32 formulas). Default model: only ddp and fsdp are timed (all six would not fit in RAM).
+memory table, fp32 formulas). Default model: only ddp and fsdp are timed (all six at once would not fit in RAM).
 
 Nothing is asserted. CPU offload on a CPU-only run: the compute device IS the host, so "device" vs
 "host" is decided by the placement policy (every FSDPParam reports offload_to_cpu), not by
@@ -229,6 +234,24 @@ def timed_steps(eng: dict, ids: torch.Tensor, steps: int) -> list[float]:
     return times
 
 
+def rss_gb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 2**20
+    return 0.0
+
+
+def release() -> None:
+    """Free what a dropped engine held: cycles (grad hooks reference the wrapper), then glibc's heap."""
+    gc.collect()
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _worker(rank: int, world: int, port: int, a, plan: dict, path: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -240,8 +263,11 @@ def _worker(rank: int, world: int, port: int, a, plan: dict, path: str) -> None:
         b = measured_step(eng, ids)
         res["mem"][name] = {**b, "host": eng["host"], "dp": eng["dp"], "stage": eng["stage"],
                             "stage_frac": eng.get("stage_frac", 1.0)}
+        peak = rss_gb()
         del eng
-        gc.collect()
+        release()
+        if a.verbose:
+            print(f"[rank {rank}] {name}: RSS {peak:.2f} GiB after its step, {rss_gb():.2f} after release", flush=True)
         dist.barrier()
     if plan["time"]:
         # all timed engines are held at once and stepped in rounds (order rotated every round), so a
@@ -258,8 +284,10 @@ def _worker(rank: int, world: int, port: int, a, plan: dict, path: str) -> None:
         for r in range(a.steps):
             for k in names[r % len(names):] + names[:r % len(names)]:
                 res["time"][k] += timed_steps(engs[k], ids, 1)
+        if a.verbose:
+            print(f"[rank {rank}] timing pass: RSS {rss_gb():.2f} GiB", flush=True)
         del engs
-        gc.collect()
+        release()
     everyone = [None] * world
     dist.all_gather_object(everyone, res)
     if rank == 0:
@@ -291,7 +319,7 @@ def fits(name: str, prec: str, world: int, n: int, budget: float) -> bool:
 
 def print_mem_table(title: str, ranks: list, key: str, prec: str, n: int, world: int) -> None:
     print(f"\n{title}")
-    print(f"{'engine':14s} {'rank':>4s} {'params MB':>10s} {'grads MB':>9s} {'optim MB':>9s} {'where':>14s} "
+    print(f"{'engine':14s} {'rank':>4s} {'params MB':>10s} {'grads MB':>9s} {'optim MB':>9s} {'total bytes':>13s} {'where':>14s} "
           f"{'B/param':>8s} {'formula':>18s} {'B/param':>8s} {'ratio':>7s}")
     names = [e for e in ENGINES if e in ranks[0][key]]
     for name in names:
@@ -309,10 +337,22 @@ def print_mem_table(title: str, ranks: list, key: str, prec: str, n: int, world:
             where = "host/offloaded" if m["host"] else "device"
             label = name if m["stage"] is None else f"pp2 stage{m['stage']}"
             print(f"{label:14s} {r:4d} {m['params'] / 1e6:10.1f} {m['grads'] / 1e6:9.1f} {m['optimizer'] / 1e6:9.1f} "
-                  f"{where:>14s} {tot / n:8.3f} {ftxt:>18s} {fb:8.3f} {tot / n / fb:7.4f}")
+                  f"{tot:13d} {where:>14s} {tot / n:8.3f} {ftxt:>18s} {fb:8.3f} {tot / n / fb:7.4f}")
             if m["host"]:
-                print(f"{'':14s} {'':4s} {'':>10s} {'':>9s} {'':>9s} {'device':>14s} {0.0:8.3f} "
+                print(f"{'':14s} {'':4s} {'':>10s} {'':>9s} {'':>9s} {0:13d} {'device':>14s} {0.0:8.3f} "
                       f"{'0 (persistent)':>18s}")
+
+
+def spawn_world(world: int, a, plan: dict) -> list:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    path = os.path.join("/tmp", f"bench_parallel_memory_{os.getpid()}_{world}.json")
+    mp.start_processes(_worker, args=(world, port, a, plan, path), nprocs=world, start_method="spawn")
+    with open(path) as f:
+        ranks = json.load(f)
+    os.remove(path)
+    return ranks
 
 
 def main() -> None:
@@ -330,6 +370,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=None, help="tokens per sequence of the timed steps (64; --small 128)")
     ap.add_argument("--mem-seq", type=int, default=8, help="tokens of the memory step")
     ap.add_argument("--mem-precision", choices=["bf16", "fp32"], default="bf16")
+    ap.add_argument("--verbose", action="store_true", help="print each rank's RSS after each engine")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per engine after 1 warm-up")
     a = ap.parse_args()
     if a.seq is None:
@@ -347,6 +388,9 @@ def main() -> None:
           f"N = {n / 1e6:.1f}M params; memory step {a.mem_precision}, {a.mem_seq} tokens/rank; "
           f"timing fp32, batch 1 x {a.seq} per dp rank, {a.steps} steps after 1 warm-up; gloo on CPU, 1 thread/rank")
     t0 = time.time()
+    # a fixed mmap threshold: glibc's adaptive one grows after the first large free, after which the
+    # model's 1-12 MB tensors land on the heap and a dropped engine's memory is never returned
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
     for world in a.worlds:
         budget = 0.8 * mem_available()
         mem_plan = [e for e in a.engines if fits(e, a.mem_precision, world, n, budget)]
@@ -362,16 +406,14 @@ def main() -> None:
         if skipped:
             print(f"\n[world {world}] skipped (estimated RAM above 80% of MemAvailable "
                   f"{budget / 0.8 / 2**30:.1f} GiB): {skipped}")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        path = os.path.join("/tmp", f"bench_parallel_memory_{os.getpid()}_{world}.json")
         tw = time.time()
-        mp.start_processes(_worker, args=(world, port, a, {"mem": mem_plan, "time": time_plan}, path),
-                           nprocs=world, start_method="spawn")
-        with open(path) as f:
-            ranks = json.load(f)
-        os.remove(path)
+        # one spawn per engine of the memory pass (an engine dropped inside a process does not give all
+        # its memory back, and the default model leaves no room for that), one for the timing pass
+        ranks = [{"mem": {}, "time": {}, "fp32_mem": {}} for _ in range(world)]
+        for plan in [{"mem": [e], "time": []} for e in mem_plan] + ([{"mem": [], "time": time_plan}] if time_plan else []):
+            for r, part in enumerate(spawn_world(world, a, plan)):
+                for k in ranks[r]:
+                    ranks[r][k].update(part[k])
         print(f"\n=== world {world} ({time.time() - tw:.0f} s) ===")
         if mem_plan:
             print_mem_table(f"memory per rank, {a.mem_precision} params"
