@@ -5,8 +5,8 @@ beside its bytes-per-parameter formula, step times as ratios to our DDP.
     .venv/bin/python bench/bench_parallel_memory.py --small   # 35.2M params (dim 384, 6 layers, vocab 32000)
     .venv/bin/python bench/bench_parallel_memory.py           # 271.1M params (dim 1024, 16 layers, vocab 32000)
 
-Run time is dominated by CPU contention: --small took 8 min on the shared 2-core box at load 8-10
-(its world-2 memory pass alone 35 s at load ~4); the default model needs ~13 GiB of RAM at world 2.
+Run time is dominated by CPU contention: --small took 271 s on the shared 2-core box at load ~3
+(8 min at load 8-10), the default 668 s at load 2-8; the default model needs ~13 GiB of RAM at world 2.
 Each engine of the memory pass runs in its own spawn (an engine dropped inside a process does not
 return all its memory); at world 4 the default model's ddp row is skipped by the RAM estimate.
 
