@@ -49,6 +49,9 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
+_WAS_BOOL = {"fused_kernels"}  # str fields that used to be bool: True/False still read as "true"/"false"
+
+
 def coerce_value(key: str, raw: Any, tp: Any, source: str) -> Any:
     """Convert `raw` (a string from argv, or a Python value from a config file) to `tp`.
 
@@ -104,6 +107,8 @@ def coerce_value(key: str, raw: Any, tp: Any, source: str) -> Any:
     if origin is str:
         if isinstance(raw, str):
             return raw
+        if isinstance(raw, bool) and key in _WAS_BOOL:  # saved runs and config files of the bool days
+            return "true" if raw else "false"
         raise fail()
     if origin in (dict,):
         if isinstance(raw, dict):

@@ -51,7 +51,9 @@ class TrainConfig:
     dropout: float = _f(0.0, "attention and residual dropout")
     tie_embeddings: bool = _f(False, "share the embedding and LM-head weights")
     gradient_checkpointing: bool = _f(False, "recompute each layer in backward to save activation memory")
-    fused_kernels: bool = _f(True, "fused RMSNorm/RoPE/SwiGLU/QKV and chunked linear+CE (False = reference paths)")
+    fused_kernels: str = _f("auto", "auto|true (per device: Triton kernels on CUDA, Inductor-fused references for the "
+                            "norms/RoPE/SwiGLU under --compile; hand-written autograd kernels on CPU) | triton | torch "
+                            "(force one implementation) | false (plain PyTorch references, as HF)")
     compile: bool = _f(False, "torch.compile the model")
     # ---- what trains
     trainable: str = _f("all", "all (full fine-tuning; with --lora_rank>0 the adapters) | embeddings (only the "
@@ -170,6 +172,11 @@ def pipeline_problems(cfg: TrainConfig, world_size: Optional[int] = None) -> lis
     return out
 
 
+# --fused_kernels value -> (fused switches on, ModelConfig.kernel_backend); model/kernels.py picks per op
+KERNEL_CHOICES = {"auto": (True, "auto"), "true": (True, "auto"), "triton": (True, "triton"),
+                  "torch": (True, "torch"), "false": (False, "auto")}
+
+
 def validate_config(cfg: TrainConfig, world_size: Optional[int] = None) -> None:
     """Every value the run cannot work with, as one exit-2 error listing all of them.
     world_size (when known) also checks that the processes form a pp x dp mesh."""
@@ -207,6 +214,8 @@ def validate_config(cfg: TrainConfig, world_size: Optional[int] = None) -> None:
     choice("dpo_loss", ("sigmoid", "ipo", "hinge"))
     choice("parallel", ("ddp", "fsdp"))
     choice("trainable", ("all", "embeddings"))
+    cfg.fused_kernels = str(cfg.fused_kernels).lower()
+    choice("fused_kernels", tuple(KERNEL_CHOICES))
     if cfg.parallel == "fsdp":
         from parallel.fsdp import validate_fsdp_options
         try:

@@ -259,13 +259,15 @@ def load_weights_from(path: str, log, flag: str = "--init_from",
 def new_model_config(cfg: TrainConfig, tok_meta: dict):
     from model import ModelConfig
     vocab = cfg.vocab_size or int(tok_meta["vocab_size"])
-    fused = cfg.fused_kernels
+    from train_config import KERNEL_CHOICES
+    fused, backend = KERNEL_CHOICES[str(cfg.fused_kernels).lower()]
     return ModelConfig(vocab_size=vocab, dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
                        n_kv_heads=cfg.n_kv_heads or None, hidden_dim=cfg.hidden_dim or None,
                        multiple_of=cfg.multiple_of, max_seq_len=cfg.max_seq_len, rope_theta=cfg.rope_theta,
                        attn_dropout=cfg.dropout, resid_dropout=cfg.dropout, tie_embeddings=cfg.tie_embeddings,
                        gradient_checkpointing=cfg.gradient_checkpointing, fused_rmsnorm=fused,
-                       fused_rope=fused, fused_swiglu=fused, fused_qkv=fused, fused_cross_entropy=fused)
+                       fused_rope=fused, fused_swiglu=fused, fused_qkv=fused, fused_cross_entropy=fused,
+                       kernel_backend=backend)
 
 
 # ---------------------------------------------------------------------------- one micro-batch
@@ -530,8 +532,9 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
         ref_model.to(device=info.device, dtype=dtype)
     from model.kernels import flash_attn_functions
     flash = mcfg.flash_attn and flash_attn_functions(info.device) is not None  # detected (and logged) once
-    log(f"[kernels] attention: {'flash-attn' if flash else 'F.scaled_dot_product_attention'}; fused RMSNorm/RoPE/"
-        f"SwiGLU/QKV and chunked linear+CE: {'on' if cfg.fused_kernels else 'off (reference paths)'}")
+    from model.kernels import describe_choice
+    log(f"[kernels] attention: {'flash-attn' if flash else 'F.scaled_dot_product_attention'}; "
+        f"{describe_choice(info.device, mcfg.kernel_backend, cfg.compile, fused=mcfg.fused_rmsnorm)}")
     n_params = sum(p.numel() for p in model.parameters())
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log(f"[model] {n_params / 1e6:.2f}M parameters ({n_train / 1e6:.2f}M trainable), {mcfg.n_layers} layers, "

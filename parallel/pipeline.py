@@ -35,7 +35,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from model.llama import Transformer
-from model.loss import linear_cross_entropy, linear_cross_entropy_ref
+from model.loss import lm_head_loss
 from optimizer.optimizer_config import OptimizerConfig
 from utils.constants import IGNORE_INDEX
 
@@ -118,10 +118,7 @@ class PipelineStageModule(nn.Module):
         if labels is None:
             raise ValueError("the last pipeline stage computes the loss: it needs labels")
         h = self.norm(h)
-        if self.cfg.fused_cross_entropy:
-            loss = linear_cross_entropy(h, self.lm_head.weight, labels, "sum", self.cfg.loss_chunk_size)
-        else:
-            loss = linear_cross_entropy_ref(h, self.lm_head.weight, labels, "sum")
+        loss = lm_head_loss(h, self.lm_head.weight, labels, "sum", self.cfg)  # the model's own loss choice
         # [1] (and not a view of the 0-d loss): the schedule merges the micro-batches' sums along dim 0
         return torch.stack([loss.float()])
 

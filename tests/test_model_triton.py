@@ -91,3 +91,30 @@ def test_auto_choice_per_device():
 def test_model_config_rejects_unknown_backend():
     with pytest.raises(ValueError, match="kernel_backend"):
         ModelConfig(**KW, kernel_backend="fast")
+
+
+@needs_interpreter
+def test_trainer_triton_kernels_follow_reference_run(tmp_path, tiny_pretrain_run_args):
+    """--fused_kernels=triton through the whole trainer (the Triton kernels in the interpreter here) gives
+    the losses of --fused_kernels=false (plain PyTorch) to fp32 summation-order noise, and logs its choice."""
+    from tests.conftest import PY, run_cmd
+    from utils.metrics import read_metrics
+    losses, logs = {}, {}
+    for mode in ("false", "triton"):
+        out = tmp_path / mode
+        proc = run_cmd([PY, "train_my_ddp.py", *tiny_pretrain_run_args, f"--out_dir={out}", "--max_iters=3",
+                        f"--fused_kernels={mode}"])
+        logs[mode] = proc.stdout + proc.stderr
+        losses[mode] = [r["loss"] for r in read_metrics(str(out / "metrics.jsonl")) if "loss" in r]
+    assert len(losses["triton"]) == 3
+    # 3 steps at lr 1e-2: fp32 rounding differences stay far below 1e-4 of the loss
+    assert losses["triton"] == pytest.approx(losses["false"], rel=1e-4)
+    assert "rms_norm Triton" in logs["triton"] and "reference PyTorch paths" in logs["false"]
+
+
+def test_trainer_rejects_unknown_kernel_choice(tmp_path, tiny_pretrain_run_args):
+    import subprocess
+    from tests.conftest import PY, ROOT
+    proc = subprocess.run([PY, "train_my_ddp.py", *tiny_pretrain_run_args, f"--out_dir={tmp_path / 'x'}",
+                           "--max_iters=1", "--fused_kernels=fastest"], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 2 and "--fused_kernels='fastest'" in proc.stderr + proc.stdout
