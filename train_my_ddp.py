@@ -528,8 +528,6 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
     # mixed-precision policy; ddp runs the model in `dtype` with fp32 masters in the optimizer.
     # the engine moves to the device what this rank runs (the whole model, or its pipeline stage)
     model.to(dtype=torch.float32 if cfg.parallel == "fsdp" else dtype)
-    if ref_model is not None:
-        ref_model.to(device=info.device, dtype=dtype)
     from model.kernels import flash_attn_functions
     flash = mcfg.flash_attn and flash_attn_functions(info.device) is not None  # detected (and logged) once
     from model.kernels import describe_choice
@@ -546,6 +544,10 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
     except ValueError as e:  # a layout that cannot run (e.g. a checkpoint's layers do not split into stages)
         raise TrainingError(f"bad parallel configuration: {_one_line(e)}", EXIT_BAD_CONFIG) from e
     del model  # the engine holds what this rank runs (under pp the other stages' layers are freed)
+    if ref_model is not None:  # DPO: the frozen reference, sharded like the policy under fsdp
+        ref_model = engine.place_reference(ref_model, info.device, dtype)
+        log(f"[dpo] reference model: {'sharded by FSDP2' if engine.kind == 'fsdp' else 'a full copy'} on each of "
+            f"{engine.dp_size} rank(s), {cfg.dtype}, frozen")
     engine.lora_base = lora_base
     optimizer = engine.optimizer
 

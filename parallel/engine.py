@@ -72,6 +72,18 @@ class Engine:
         if self.forward_model is None:
             self.forward_model = self.model
 
+    # ------------------------------------------------------------------ DPO's reference model
+    def place_reference(self, ref: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
+        """DPO's frozen reference model, laid out like the trained one: ddp keeps a full copy in `dtype`
+        on every rank; fsdp shards it over the same mesh (fp32 shards, each block gathered in `dtype` for
+        its forward and freed after it), so the reference costs 1/world of its bytes per rank."""
+        if self.kind != "fsdp":
+            return ref.to(device=device, dtype=dtype)
+        from parallel.fsdp import wrap_fsdp
+        mesh = next(self.module.parameters()).device_mesh
+        return wrap_fsdp(ref.to(device=device, dtype=torch.float32), mesh_or_group=mesh, param_dtype=dtype,
+                         reshard_after_forward=True)
+
     # ------------------------------------------------------------------ one step
     def forward_backward(self, batches: Sequence[dict], loss_fn: LossFn, global_units: float,
                          poison: bool = False) -> torch.Tensor:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.conftest import ROOT, run_cmd
-from tests.test_train import _env, final_weights, losses, train_cmd
+from tests.test_train import _env, final_weights, losses, pretrained, train_cmd  # noqa: F401 (fixture)
 from utils.checkpoint import find_latest_valid, list_checkpoints
 from utils.constants import EXIT_BAD_CHECKPOINT
 from utils.metrics import dedupe_by_step, read_metrics
@@ -139,3 +139,40 @@ def test_optimizer_state_resumes_across_layouts(tiny_pretrain_run_args, tmp_path
     a, b = losses(ref), losses(run)
     for s in (4, 5):
         assert abs(a[s] - b[s]) <= 1e-4 * abs(a[s]), (s, a[s], b[s])
+
+
+@pytest.mark.slow
+def test_fsdp_with_compile_follows_eager_fsdp(tiny_pretrain_run_args, tmp_path):
+    """--parallel=fsdp --compile=true: torch.compile over the FSDP2-wrapped model trains like the eager
+    FSDP run (Inductor's fused kernels round differently: summation-order noise, not a different model)."""
+    args = [*tiny_pretrain_run_args, "--max_iters=3", "--parallel=fsdp"]
+    eager, compiled = tmp_path / "eager", tmp_path / "compiled"
+    run_cmd(train_cmd([*args, f"--out_dir={eager}"]), env=_env())
+    run_cmd(train_cmd([*args, f"--out_dir={compiled}", "--compile=true"]), env=_env())
+    le, lc = losses(eager), losses(compiled)
+    assert sorted(le) == sorted(lc) == [1, 2, 3]
+    for s in le:
+        assert abs(le[s] - lc[s]) <= 1e-4 * abs(le[s]), (s, le[s], lc[s])
+
+
+def test_dpo_under_fsdp_shards_the_reference_and_follows_ddp(pretrained, tiny_pretrain_data, tmp_path):
+    """DPO on 2 processes with --parallel=fsdp (policy and frozen reference both sharded by FSDP2) gives
+    the losses and rewards of --parallel=ddp (a full reference copy per rank) to fp32 summation noise."""
+    toy = tmp_path / "toy_prefs.jsonl"
+    with open(os.path.join(ROOT, "data", "dpo", "dpo_pairs.jsonl"), encoding="utf-8") as f:
+        toy.write_text("".join(line for _, line in zip(range(16), f)), encoding="utf-8")
+    common = [f"--tokenizer_dir={tiny_pretrain_data['tokenizer_dir']}", "--max_seq_len=96", "--device=cpu",
+              "--progress=false", "--peak_flops=1e11", "--log_interval=1", "--eval_interval=0", "--seed=3",
+              "--val_ratio=0.1", "--task_type=dpo", f"--data_dir={toy}", f"--init_from={pretrained['out']}",
+              "--max_iters=3", "--batch_size=2", "--learning_rate=3e-3", "--dpo_beta=0.5", "--checkpoint_interval=3"]
+    recs = {}
+    for engine in ("ddp", "fsdp"):
+        out = tmp_path / engine
+        log = run_cmd(train_cmd([*common, f"--out_dir={out}", f"--parallel={engine}"], 2), env=_env()).stdout
+        recs[engine] = _records(out)
+        assert ("[dpo] reference model: sharded" in log) == (engine == "fsdp"), log[-2000:]
+    assert sorted(recs["ddp"]) == sorted(recs["fsdp"]) == [1, 2, 3]
+    for s in (1, 2, 3):
+        for key in ("loss", "chosen_reward", "rejected_reward"):
+            a, b = recs["ddp"][s][key], recs["fsdp"][s][key]
+            assert abs(a - b) <= 1e-4 * max(1.0, abs(a)), (s, key, a, b)
