@@ -19,24 +19,12 @@ import pytest
 import torch
 
 from tests.conftest import ROOT, run_cmd
+from tests.test_train import _env, train_cmd
 from utils.checkpoint import find_latest_valid
 from utils.constants import EXIT_BAD_CONFIG
 from utils.metrics import dedupe_by_step, read_metrics
 
-TRAIN = os.path.join(ROOT, "train_my_ddp.py")
 TOL = 1e-5
-
-
-def _env(**extra) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.update(extra)
-    return env
-
-
-def train_cmd(args: list[str], nproc: int = 1) -> list[str]:
-    if nproc == 1:
-        return [sys.executable, TRAIN, *args]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", TRAIN, *args]
 
 
 def records(out_dir) -> dict[int, dict]:
