@@ -34,6 +34,62 @@ STATE_FORMAT = 1
 _CONFIG_ATTR = "_fsdp_engine_config"  # set on the wrapped root: what wrap_fsdp was asked for
 
 
+# ---------------------------------------------------------------------------- gloo collectives
+try:  # FSDP2's pluggable collectives (torch >= 2.8)
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as _AllGatherAPI
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _ReduceScatterAPI
+except ImportError:  # pragma: no cover - older torch: FSDP's own gloo collectives are used
+    _AllGatherAPI = _ReduceScatterAPI = object
+
+
+class _AllocMixin:
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+
+class GlooAllReduceAllGather(_AllocMixin, _AllGatherAPI):
+    """FSDP's all-gather as one all-reduce, for gloo only.
+
+    gloo's all_gather_into_tensor measured ~2x slower than its all_reduce of the same total bytes
+    (128 MB fp32, 2 processes: 0.38 s vs 0.14-0.20 s; docs/parallel.md). FSDP copies this rank's
+    shard into its slot of the output buffer before the collective, so zeroing the other slots and
+    summing gives every rank the gathered tensor exactly (x + 0 == x)."""
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 async_op: bool = False):
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        slots = output_tensor.view(world, -1)
+        if input_tensor.data_ptr() != slots[rank].data_ptr():  # FSDP normally copies in place already
+            slots[rank].copy_(input_tensor.reshape(-1))
+        for r in range(world):
+            if r != rank:
+                slots[r].zero_()
+        return dist.all_reduce(output_tensor, group=group, async_op=async_op)
+
+
+class GlooAllReduceReduceScatter(_AllocMixin, _ReduceScatterAPI):
+    """FSDP's reduce-scatter as an all-reduce followed by keeping this rank's slot, for gloo only
+    (gloo's reduce_scatter_tensor measured 0.47 s against 0.14-0.20 s for all_reduce, same bytes).
+    The sum is the same sum; every rank keeps its own shard of it."""
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op: Any = dist.ReduceOp.SUM, async_op: bool = False):
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        dist.all_reduce(input_tensor, op=op, group=group)
+        output_tensor.copy_(input_tensor.view(world, -1)[rank].view_as(output_tensor))
+        return None
+
+
+def _use_gloo_collectives(units: list, mesh: DeviceMesh) -> bool:
+    """Route FSDP's collectives through all-reduce on a gloo mesh (see the classes above)."""
+    if _AllGatherAPI is object or mesh.size() < 2 or dist.get_backend(mesh.get_group()) != "gloo":
+        return False
+    for unit in units:
+        unit.set_custom_all_gather(GlooAllReduceAllGather())
+        unit.set_custom_reduce_scatter(GlooAllReduceReduceScatter())
+    return True
+
+
 # ---------------------------------------------------------------------------- validation
 
 def validate_fsdp_options(*, comm_hook: str = "allreduce", use_distributed_optimizer: bool = False,
@@ -130,6 +186,7 @@ def wrap_fsdp(model: nn.Module, *, mesh_or_group: Union[DeviceMesh, dist.Process
     # the root's gathered parameters, so its root reshards after forward like the blocks.
     frozen = not any(p.requires_grad for p in model.parameters())
     fully_shard(model, reshard_after_forward=frozen, **kw)
+    _use_gloo_collectives([*model.layers, model], mesh)
     setattr(model, _CONFIG_ATTR, {"param_dtype": param_dtype, "reduce_dtype": reduce_dtype,
                                   "reshard_after_forward": reshard_after_forward, "cpu_offload": cpu_offload})
     return model
