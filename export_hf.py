@@ -9,7 +9,8 @@ adapters as PEFT `modules_to_save`, and the base is the run's frozen base (for a
 vocabulary of a Hugging Face model, that model grown to the run's tokenizer: same vocabulary size,
 new rows as initialised, model/resize.py). Checkpoints of every engine export the same way: a
 pipeline-parallel run's stage files are merged into one model (parallel.engine.checkpoint_model_state),
-a sharded FSDP one is read whole. Importing goes the other way with
+a sharded FSDP (DCP) one without LoRA is streamed: read and written one safetensors shard at a time
+(`--max_shard_gb`, HF's sharded layout with model.safetensors.index.json), never the whole model in memory. Importing goes the other way with
 `--init_from=<HF dir>` in train_my_ddp.py. Must never modify the checkpoint.
 """
 from __future__ import annotations
@@ -28,6 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokenizer_dir", default=None, help="default: the run's --tokenizer_dir")
     p.add_argument("--adapters_out_dir", "--adapters_output_dir", dest="adapters_out_dir", default=None,
                    help="LoRA runs: export base weights + PEFT adapters here instead of merging")
+    p.add_argument("--max_shard_gb", type=float, default=2.0,
+                   help="sharded (--parallel=fsdp) checkpoints: safetensors shards of at most this many GiB, "
+                        "read and written one at a time (the whole model is never in memory)")
     args = p.parse_args(argv)
 
     from model import Transformer
@@ -43,19 +47,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"export_hf: {e}", file=sys.stderr)
         return 2
     from train_config import TrainingError
+    streamed = _export_sharded_streaming(found, args)
+    if streamed is not None:
+        return streamed
     try:
         model, run_cfg = model_from_checkpoint(found)
     except (TrainingError, ckpt.CheckpointError) as e:  # e.g. the LoRA base or its tokenizer moved
         print(f"export_hf: {' '.join(str(e).split())}", file=sys.stderr)
         return getattr(e, "code", 5)
     tok_dir = args.tokenizer_dir or run_cfg.get("tokenizer_dir")
-    meta_path = os.path.join(tok_dir, "tokenizer_meta.json") if tok_dir else ""
-    if meta_path and os.path.isfile(meta_path):
-        n_tok = int(ckpt.read_json(meta_path)["vocab_size"])
-        if n_tok > model.cfg.vocab_size:
-            print(f"export_hf: --tokenizer_dir={tok_dir} has {n_tok} tokens, more than the model's vocabulary "
-                  f"({model.cfg.vocab_size}); export with the tokenizer the run trained with", file=sys.stderr)
-            return 2
+    problem = _vocab_problem(tok_dir, model.cfg.vocab_size)
+    if problem:
+        print(f"export_hf: {problem}", file=sys.stderr)
+        return 2
     lora = run_cfg.get("lora_rank", 0) > 0
     if args.adapters_out_dir and not lora:
         print("export_hf: --adapters_out_dir given but the run did not train LoRA adapters", file=sys.stderr)
@@ -74,6 +78,48 @@ def main(argv: list[str] | None = None) -> int:
         merge_lora(model)
     out = export_hf(model, args.out_dir, tokenizer_dir=tok_dir)
     print(f"export_hf: {found} -> {out} (LlamaForCausalLM{', LoRA merged' if lora and not args.adapters_out_dir else ''})")
+    return 0
+
+
+def _vocab_problem(tok_dir: str | None, vocab_size: int) -> str | None:
+    from utils import checkpoint as ckpt
+    meta_path = os.path.join(tok_dir, "tokenizer_meta.json") if tok_dir else ""
+    if meta_path and os.path.isfile(meta_path):
+        n_tok = int(ckpt.read_json(meta_path)["vocab_size"])
+        if n_tok > vocab_size:
+            return (f"--tokenizer_dir={tok_dir} has {n_tok} tokens, more than the model's vocabulary ({vocab_size}); "
+                    "export with the tokenizer the run trained with")
+    return None
+
+
+def _export_sharded_streaming(found: str, args) -> int | None:
+    """A DCP (--parallel=fsdp) checkpoint without LoRA: stream it shard by shard into a sharded HF
+    directory, never holding the whole model. None when the checkpoint is not of that kind."""
+    from model import ModelConfig
+    from model.hf_interop import export_hf_streaming
+    from parallel.engine import is_sharded_checkpoint
+    from utils import checkpoint as ckpt
+    if not is_sharded_checkpoint(found):
+        return None
+    run_cfg = ckpt.read_json(os.path.join(found, "config.json"))
+    if run_cfg.get("lora_rank", 0) > 0 or args.adapters_out_dir:
+        return None  # adapters are merged or split in memory: the general path below
+    from parallel.dcp_checkpoint import DCPCheckpointError, load_model_tensors, model_tensor_specs
+    cfg = ModelConfig.from_dict(ckpt.read_json(os.path.join(found, "model_config.json")))
+    tok_dir = args.tokenizer_dir or run_cfg.get("tokenizer_dir")
+    problem = _vocab_problem(tok_dir, cfg.vocab_size)
+    if problem:
+        print(f"export_hf: {problem}", file=sys.stderr)
+        return 2
+    try:
+        specs = model_tensor_specs(found)
+        out, n = export_hf_streaming(cfg, specs, lambda names: load_model_tensors(found, names), args.out_dir,
+                                     tokenizer_dir=tok_dir, max_shard_bytes=int(args.max_shard_gb * 2**30))
+    except DCPCheckpointError as e:
+        print(f"export_hf: {' '.join(str(e).split())}", file=sys.stderr)
+        return 5
+    print(f"export_hf: {found} -> {out} (LlamaForCausalLM, streamed from the sharded checkpoint: {n} safetensors "
+          f"shard(s) of <= {args.max_shard_gb:g} GiB, one in memory at a time)")
     return 0
 
 

@@ -117,38 +117,106 @@ def export_hf(model: Transformer, out_dir: str, tokenizer_dir: Optional[str] = N
     sd = to_hf_state_dict(model)
     dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[
         next(iter(sd.values())).dtype]
-    if special_ids is None and tokenizer_dir and os.path.exists(os.path.join(tokenizer_dir, "tokenizer_meta.json")):
+    if special_ids is None:
+        special_ids = _special_ids(tokenizer_dir)
+    out_dir = os.path.abspath(out_dir)
+    tmp = _new_export_dir(out_dir)
+    try:
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(hf_config_dict(model.cfg, dtype, special_ids), f, indent=2)
+        save_file(sd, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        _copy_tokenizer(tokenizer_dir, tmp)
+        _publish_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _publish_dir(tmp: str, out_dir: str) -> None:
+    """Move a finished export from its temporary directory into place (replacing an old one)."""
+    if os.path.exists(out_dir):
+        old = out_dir + ".old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(out_dir, old)
+        os.replace(tmp, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, out_dir)
+
+
+def _special_ids(tokenizer_dir: Optional[str]) -> Optional[dict]:
+    if tokenizer_dir and os.path.exists(os.path.join(tokenizer_dir, "tokenizer_meta.json")):
         with open(os.path.join(tokenizer_dir, "tokenizer_meta.json")) as f:
             st = json.load(f).get("special_tokens", {})
-        special_ids = {f"{k}_token_id": st[k]["id"] for k in ("bos", "eos", "pad") if k in st}
-    out_dir = os.path.abspath(out_dir)
+        return {f"{k}_token_id": st[k]["id"] for k in ("bos", "eos", "pad") if k in st}
+    return None
+
+
+def _new_export_dir(out_dir: str) -> str:
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp_export_", dir=parent)
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; the export is an ordinary directory
+    return tmp
+
+
+def _copy_tokenizer(tokenizer_dir: Optional[str], dst: str) -> None:
+    if tokenizer_dir:
+        for fn in TOKENIZER_FILES:
+            src = os.path.join(tokenizer_dir, fn)
+            if os.path.exists(src):
+                shutil.copy2(src, os.path.join(dst, fn))
+
+
+def export_hf_streaming(cfg: ModelConfig, specs: dict[str, tuple[tuple[int, ...], torch.dtype]], load_group,
+                        out_dir: str, tokenizer_dir: Optional[str] = None,
+                        max_shard_bytes: int = 2 * 2**30) -> tuple[str, int]:
+    """Write an HF directory as sharded safetensors (model-0000i-of-0000N.safetensors + index.json),
+    reading the weights one shard's worth at a time: `load_group(names) -> {name: tensor}` of our
+    names, `specs` {name: (shape, dtype)}. Peak memory is one shard (<= max_shard_bytes, or one
+    tensor larger than that), never the whole model. Returns (out_dir, number of shards)."""
+    names = [n for n in specs if not (cfg.tie_embeddings and n == "lm_head.weight")]
+    dtypes = {specs[n][1] for n in names}
+    if len(dtypes) != 1:
+        raise ValueError(f"mixed weight dtypes {sorted(map(str, dtypes))}: export needs one")
+    dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtypes.pop()]
+    groups, cur, cur_bytes = [], [], 0
+    for n in names:
+        shape, dt = specs[n]
+        nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dt).element_size()
+        if cur and cur_bytes + nbytes > max_shard_bytes:
+            groups.append(cur)
+            cur, cur_bytes = [], 0
+        cur.append(n)
+        cur_bytes += nbytes
+    if cur:
+        groups.append(cur)
+    hf_name = {n: n if n == "lm_head.weight" else "model." + n for n in names}
+    out_dir = os.path.abspath(out_dir)
+    tmp = _new_export_dir(out_dir)
     try:
         with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(hf_config_dict(model.cfg, dtype, special_ids), f, indent=2)
-        save_file(sd, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-        if tokenizer_dir:
-            for fn in TOKENIZER_FILES:
-                src = os.path.join(tokenizer_dir, fn)
-                if os.path.exists(src):
-                    shutil.copy2(src, os.path.join(tmp, fn))
-        if os.path.exists(out_dir):
-            old = out_dir + ".old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(out_dir, old)
-            os.replace(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out_dir)
+            json.dump(hf_config_dict(cfg, dtype, _special_ids(tokenizer_dir)), f, indent=2)
+        weight_map, total = {}, 0
+        for i, group in enumerate(groups):
+            fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+            tensors = load_group(group)
+            sd = {hf_name[n]: tensors[n].contiguous() for n in group}
+            total += sum(t.numel() * t.element_size() for t in sd.values())
+            save_file(sd, os.path.join(tmp, fname), metadata={"format": "pt"})
+            weight_map.update({k: fname for k in sd})
+            del tensors, sd
+        with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        _copy_tokenizer(tokenizer_dir, tmp)
+        _publish_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out_dir
+    return out_dir, len(groups)
 
 
 def _load_weights(d: str) -> dict[str, torch.Tensor]:

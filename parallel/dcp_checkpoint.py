@@ -336,3 +336,25 @@ def load_full_model_state_dict(ckpt_dir: str) -> dict[str, torch.Tensor]:
            for k, v in md.state_dict_metadata.items() if k.startswith(_MODEL)}
     dcp.load(out, storage_reader=SafeFileSystemReader(ckpt_dir), no_dist=True)
     return {k[len(_MODEL):]: v for k, v in out.items()}
+
+
+def model_tensor_specs(ckpt_dir: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """{name: (shape, dtype)} of the model weights in a DCP checkpoint, from its metadata only."""
+    problem = check_dcp_checkpoint(ckpt_dir)
+    if problem is not None:
+        raise DCPCheckpointError(f"checkpoint {ckpt_dir} is not usable: {problem}")
+    md = read_dcp_metadata(ckpt_dir)
+    return {k[len(_MODEL):]: (tuple(v.size), v.properties.dtype)
+            for k, v in md.state_dict_metadata.items() if k.startswith(_MODEL)}
+
+
+def load_model_tensors(ckpt_dir: str, names: list[str]) -> dict[str, torch.Tensor]:
+    """Only the named model weights of a DCP checkpoint, whole, in this process (no process group):
+    what a streaming export reads one group at a time, so memory holds one group, not the model."""
+    specs = model_tensor_specs(ckpt_dir)
+    missing = [n for n in names if n not in specs]
+    if missing:
+        raise DCPCheckpointError(f"checkpoint {ckpt_dir} has no model tensor(s) {missing[:3]}")
+    out = {_MODEL + n: torch.empty(specs[n][0], dtype=specs[n][1]) for n in names}
+    dcp.load(out, storage_reader=SafeFileSystemReader(ckpt_dir), no_dist=True)
+    return {k[len(_MODEL):]: v for k, v in out.items()}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -176,3 +177,33 @@ def test_dpo_under_fsdp_shards_the_reference_and_follows_ddp(pretrained, tiny_pr
         for key in ("loss", "chosen_reward", "rejected_reward"):
             a, b = recs["ddp"][s][key], recs["fsdp"][s][key]
             assert abs(a - b) <= 1e-4 * max(1.0, abs(a)), (s, key, a, b)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_sharded_checkpoint_exports_to_hf_streaming(tiny_pretrain_run_args, tmp_path, tied):
+    """export_hf.py on an fsdp (DCP) checkpoint streams it into HF's sharded layout, a few tensors per
+    safetensors file: transformers loads it, with exactly the checkpoint's weights."""
+    from transformers import LlamaForCausalLM
+
+    from parallel.dcp_checkpoint import load_full_model_state_dict
+    run = tmp_path / "run"
+    run_cmd(train_cmd([*tiny_pretrain_run_args, f"--out_dir={run}", "--max_iters=2", "--parallel=fsdp",
+                       f"--tie_embeddings={str(tied).lower()}"]), env=_env())
+    found = find_latest_valid(str(run))
+    hf_dir = tmp_path / "hf"
+    out = run_cmd([sys.executable, os.path.join(ROOT, "export_hf.py"), f"--ckpt={run}", f"--out_dir={hf_dir}",
+                   "--max_shard_gb=0.00002"], env=_env()).stdout  # ~21 KB shards: several files
+    assert "streamed from the sharded checkpoint" in out
+    shards = sorted(p.name for p in hf_dir.glob("model-*.safetensors"))
+    index = json.loads((hf_dir / "model.safetensors.index.json").read_text())
+    assert len(shards) > 2 and sorted(set(index["weight_map"].values())) == shards
+    assert not (hf_dir / "model.safetensors").exists()
+    want = load_full_model_state_dict(found)
+    hf = LlamaForCausalLM.from_pretrained(str(hf_dir))
+    got = hf.state_dict()
+    for k, v in want.items():
+        hf_key = k if k == "lm_head.weight" else "model." + k
+        assert torch.equal(got[hf_key], v), k
+    if tied:
+        assert "lm_head.weight" not in index["weight_map"] and torch.equal(got["lm_head.weight"],
+                                                                             want["embed_tokens.weight"])
