@@ -201,12 +201,6 @@ def _triton_ops():
     return _load_triton("triton_kernels")
 
 
-def _triton_runs_on(t: torch.Tensor) -> bool:
-    if t.is_cuda:
-        return True
-    return t.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def choose(op: str, t: torch.Tensor, backend: str = "auto") -> str:
     """"triton", "torch" or "reference" for fused op `op` on tensor `t` (see the module docstring)."""
     if backend == "torch":
@@ -215,7 +209,10 @@ def choose(op: str, t: torch.Tensor, backend: str = "auto") -> str:
         raise ValueError(f"kernel_backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto" and not t.is_cuda:
         return "torch"
-    if not _triton_runs_on(t) or _load_triton("triton_loss" if op == "cross_entropy" else "triton_kernels") is None:
+    if not t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        return "torch"  # Triton runs on CUDA, or on CPU tensors in its interpreter (tests)
+    mod = _load_triton("triton_loss" if op == "cross_entropy" else "triton_kernels")
+    if mod is None or not mod.supported(t):  # e.g. the interpreter was asked for after triton was imported
         return "torch"
     if backend == "auto" and torch.compiler.is_compiling():
         return AUTO_UNDER_COMPILE[op]
