@@ -72,11 +72,22 @@ class _RMSNormFn(torch.autograd.Function):
         return dx.to(x.dtype), dw, None
 
 
+def _autocast_out_dtype(x: torch.Tensor) -> Optional[torch.dtype]:
+    """Under autocast, the dtype a norm's output is stored in by the Triton kernels: the autocast dtype.
+
+    Every consumer of a norm's output (the q/k/v and gate/up matmuls, the lm head and the Triton loss)
+    casts it to that dtype first, so storing it directly gives those ops the same values as the
+    reference's fp32 output (the fp32 product w * xhat, rounded once) without an fp32 write, a read
+    and a cast kernel, and its gradient arrives in that dtype. None outside autocast."""
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fused: bool = True,
              backend: str = "auto") -> torch.Tensor:
     impl = choose("rms_norm", x, backend) if fused else "reference"
     if impl == "triton":
-        return _triton_ops().rms_norm(x, weight, eps)
+        return _triton_ops().rms_norm(x, weight, eps, _autocast_out_dtype(x))
     if impl == "torch":
         return _RMSNormFn.apply(x, weight, eps)
     return rms_norm_ref(x, weight, eps)
@@ -88,7 +99,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     where Triton runs; elsewhere the add and `rms_norm`."""
     impl = choose("add_rms_norm", x, backend) if fused else "reference"
     if impl == "triton":
-        return _triton_ops().add_rms_norm(x, residual, weight, eps)
+        return _triton_ops().add_rms_norm(x, residual, weight, eps, _autocast_out_dtype(x))
     h = x + residual
     return rms_norm(h, weight, eps, fused=fused, backend=backend), h
 

@@ -68,20 +68,22 @@ if TRITON_AVAILABLE:
     @triton.jit
     def _rms_norm_fwd_kernel(X, R, W, Y, H, RSTD, x_stride, r_stride, y_stride, h_stride, D, eps,
                              HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
-        """One row per program. With HAS_RESIDUAL: h = x + r (rounded to x's dtype, stored to H),
-        then y = w * (h * rstd).to(h dtype); RSTD gets 1/rms in fp32 for the backward."""
+        """One row per program. With HAS_RESIDUAL: h = x + r (one fp32 add rounded to H's dtype, the
+        promotion of x's and r's, stored to H); without, h = x (H is X). Then y = w * (h * rstd) with
+        h * rstd rounded to h's dtype first (as the reference), stored in Y's dtype; RSTD gets 1/rms
+        in fp32 for the backward."""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < D
         x = tl.load(X + row * x_stride + cols, mask=mask, other=0.0)
         if HAS_RESIDUAL:
             r = tl.load(R + row * r_stride + cols, mask=mask, other=0.0)
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(H.dtype.element_ty)
             tl.store(H + row * h_stride + cols, x, mask=mask)
         xf = x.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / D + eps)
         tl.store(RSTD + row, rstd)
-        xhat = (xf * rstd).to(X.dtype.element_ty)  # the reference rounds before scaling
+        xhat = (xf * rstd).to(H.dtype.element_ty)  # the reference rounds before scaling
         w = tl.load(W + cols, mask=mask, other=0.0)
         y = w.to(tl.float32) * xhat.to(tl.float32)
         tl.store(Y + row * y_stride + cols, y.to(Y.dtype.element_ty), mask=mask)
@@ -201,18 +203,26 @@ if TRITON_AVAILABLE:
         return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
     # ------------------------------------------------------------------------------------ RMSNorm
-    def _rms_norm_fake(x, residual, weight, eps):
-        y = x.new_empty(x.shape, dtype=torch.result_type(x, weight))
+    def _h_dtype(x, residual) -> torch.dtype:
+        """The dtype of h = x + residual: torch's promotion (an fp32 residual stream stays fp32)."""
+        return x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+
+    def _y_dtype(x, residual, weight, out_dtype) -> torch.dtype:
+        """The norm's output dtype: out_dtype when given, else the reference's weight * h promotion."""
+        return out_dtype if out_dtype is not None else torch.promote_types(_h_dtype(x, residual), weight.dtype)
+
+    def _rms_norm_fake(x, residual, weight, eps, out_dtype=None):
+        y = x.new_empty(x.shape, dtype=_y_dtype(x, residual, weight, out_dtype))
         rstd = x.new_empty(x.shape[:-1].numel(), dtype=torch.float32)
         return y, rstd
 
-    def _rms_norm_fwd(x, residual, weight, eps):
+    def _rms_norm_fwd(x, residual, weight, eps, out_dtype):
         D = x.shape[-1]
         x2 = _rows(x)
         n = x2.shape[0]
-        y = torch.empty((n, D), dtype=torch.result_type(x, weight), device=x.device)
+        y = torch.empty((n, D), dtype=_y_dtype(x, residual, weight, out_dtype), device=x.device)
         rstd = torch.empty((n,), dtype=torch.float32, device=x.device)
-        h = torch.empty((n, D), dtype=x.dtype, device=x.device) if residual is not None else x2
+        h = torch.empty((n, D), dtype=_h_dtype(x, residual), device=x.device) if residual is not None else x2
         r2 = _rows(residual) if residual is not None else x2
         BLOCK = triton.next_power_of_2(D)
         _launch(_rms_norm_fwd_kernel)[(n,)](
@@ -220,21 +230,23 @@ if TRITON_AVAILABLE:
             D, eps, HAS_RESIDUAL=residual is not None, BLOCK=BLOCK, num_warps=_num_warps(BLOCK))
         return y.view(x.shape), h.view(x.shape), rstd
 
-    @_define("rms_norm", fake=lambda x, weight, eps: _rms_norm_fake(x, None, weight, eps))
-    def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """(y, rstd): y = rms_norm_ref(x, weight, eps); rstd [rows] fp32 is kept for the backward."""
-        y, _, rstd = _rms_norm_fwd(x, None, weight, eps)
+    @_define("rms_norm", fake=lambda x, weight, eps, out_dtype=None: _rms_norm_fake(x, None, weight, eps, out_dtype))
+    def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                     out_dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(y, rstd): y = rms_norm_ref(x, weight, eps) (stored in out_dtype when given); rstd [rows]
+        fp32 is kept for the backward."""
+        y, _, rstd = _rms_norm_fwd(x, None, weight, eps, out_dtype)
         return y, rstd
 
-    def _add_rms_norm_fake(x, residual, weight, eps):
-        y, rstd = _rms_norm_fake(x, residual, weight, eps)
-        return y, x.new_empty(x.shape), rstd
+    def _add_rms_norm_fake(x, residual, weight, eps, out_dtype=None):
+        y, rstd = _rms_norm_fake(x, residual, weight, eps, out_dtype)
+        return y, x.new_empty(x.shape, dtype=_h_dtype(x, residual)), rstd
 
     @_define("add_rms_norm", fake=_add_rms_norm_fake)
-    def _add_rms_norm_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                         eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(y, h, rstd) with h = x + residual (in x's dtype) and y = rms_norm_ref(h, weight, eps)."""
-        return _rms_norm_fwd(x, residual, weight, eps)
+    def _add_rms_norm_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                         out_dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(y, h, rstd) with h = x + residual (torch's dtype promotion) and y = rms_norm_ref(h, weight, eps)."""
+        return _rms_norm_fwd(x, residual, weight, eps, out_dtype)
 
     def _rms_norm_bwd_fake(g, gh, x, weight, rstd):
         return x.new_empty(x.shape), weight.new_empty(weight.shape)
@@ -261,27 +273,27 @@ if TRITON_AVAILABLE:
         return dx.view(x.shape), dw_partial.sum(0).to(weight.dtype)
 
     def _rms_norm_setup(ctx, inputs, output):
-        x, weight, _ = inputs
+        x, weight = inputs[:2]
         ctx.save_for_backward(x, weight, output[1])
 
     def _rms_norm_backward(ctx, g, _g_rstd):
         x, weight, rstd = ctx.saved_tensors
         dx, dw = torch.ops.myllm.rms_norm_backward(g, None, x, weight, rstd)
-        return dx, dw, None
+        return dx, dw, None, None
 
     _rms_norm_op.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup)
 
     def _add_rms_norm_setup(ctx, inputs, output):
-        _, residual, weight, _ = inputs
-        ctx.residual_dtype = residual.dtype
+        x, residual, weight = inputs[:3]
+        ctx.x_dtype, ctx.residual_dtype = x.dtype, residual.dtype
         ctx.save_for_backward(output[1], weight, output[2])
 
     def _add_rms_norm_backward(ctx, g, gh, _g_rstd):
         h, weight, rstd = ctx.saved_tensors
         if g is None:
-            g = torch.zeros_like(h, dtype=torch.result_type(h, weight))
-        dh, dw = torch.ops.myllm.rms_norm_backward(g, gh, h, weight, rstd)
-        return dh, dh.to(ctx.residual_dtype), dw, None
+            g = torch.zeros_like(h)
+        dh, dw = torch.ops.myllm.rms_norm_backward(g, gh, h, weight, rstd)  # dh in h's dtype
+        return dh.to(ctx.x_dtype), dh.to(ctx.residual_dtype), dw, None, None
 
     _add_rms_norm_op.register_autograd(_add_rms_norm_backward, setup_context=_add_rms_norm_setup)
 
@@ -373,22 +385,26 @@ def _check_rows(name: str, x: torch.Tensor, weight: torch.Tensor) -> None:
         raise ValueError(f"{name}: weight shape {tuple(weight.shape)} does not match x's last dim {x.shape[-1]}")
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Triton RMSNorm with rms_norm_ref's math: normalise in fp32, round to x's dtype, scale by weight.
-    Output dtype = torch.result_type(x, weight)."""
+    Output dtype: torch.result_type(x, weight) as the reference, or `out_dtype` when given: the
+    reference's output cast to out_dtype, rounded once (under autocast the next matmul would cast the
+    fp32 output to the autocast dtype anyway; storing that dtype directly saves the round trip)."""
     _require_triton()
     _check_rows("rms_norm", x, weight)
-    return torch.ops.myllm.rms_norm(x, weight, float(eps))[0]
+    return torch.ops.myllm.rms_norm(x, weight, float(eps), out_dtype)[0]
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(h), h) with h = x + residual rounded to x's dtype; one launch forward, one backward."""
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 out_dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(h), h) with h = x + residual in torch's promoted dtype (a bf16 branch output added to
+    an fp32 residual stream stays fp32), one launch forward, one backward. out_dtype: as `rms_norm`."""
     _require_triton()
     _check_rows("add_rms_norm", x, weight)
     if residual.shape != x.shape:
         raise ValueError(f"add_rms_norm: residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
-    y, h, _ = torch.ops.myllm.add_rms_norm(x, residual, weight, float(eps))
+    y, h, _ = torch.ops.myllm.add_rms_norm(x, residual, weight, float(eps), out_dtype)
     return y, h
 
 

@@ -133,6 +133,11 @@ if TRITON_AVAILABLE:
 _INTERPRETED = TRITON_AVAILABLE and not isinstance(_ce_chunk_kernel, triton.runtime.jit.JITFunction)
 
 
+def _num_warps_for(block_v: int) -> int:
+    """Warps per program for a vocab tile of block_v elements (at most 32 fp32 values per thread)."""
+    return 16 if block_v >= 8192 else (8 if block_v >= 2048 else 4)
+
+
 def _launch(logits: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor, scale_stride: int,
             loss: torch.Tensor, lse: torch.Tensor, z_loss: float, *, lse_in: bool, write_loss: bool,
             write_grad: bool) -> None:
@@ -140,7 +145,7 @@ def _launch(logits: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor, sca
     if rows == 0:
         return
     block = min(MAX_BLOCK_V, triton.next_power_of_2(n_cols))
-    num_warps = 16 if block >= 8192 else (8 if block >= 2048 else 4)
+    num_warps = _num_warps_for(block)
     # Triton launches on the current CUDA device: make it the tensors' one (a rank's second GPU)
     guard = torch.cuda.device(logits.device) if logits.is_cuda else contextlib.nullcontext()
     with guard:

@@ -64,6 +64,25 @@ def test_triton_model_packed_positions_match_reference():
 
 
 @needs_interpreter
+def test_triton_model_under_half_autocast_matches_reference_model():
+    """fp16 autocast over fp32 parameters (fp16, not bf16: the interpreter truncates fp32 -> bf16): the
+    norms store their output in fp16 for the next matmul and the residual stream stays fp32. The Triton
+    model's error against the fp32 reference may be at most 2x the reference model's own fp16 error
+    (+ a floor of a few fp16 ulps of the value's scale)."""
+    ref, tri, x, y = _pair()
+    l32, g32 = _loss_and_grads(ref, x, y)
+    with torch.autocast("cpu", dtype=torch.float16):
+        l_ref, g_ref = _loss_and_grads(ref, x, y)
+        l_tri, g_tri = _loss_and_grads(tri, x, y)
+    floor = 4 * 2.0 ** -10
+    assert abs(l_tri - l32) <= 2 * abs(l_ref - l32) + floor * abs(l32)
+    for n in g32:
+        scale = g32[n].abs().max().item()
+        err_ref, err_tri = (g_ref[n] - g32[n]).abs().max().item(), (g_tri[n] - g32[n]).abs().max().item()
+        assert err_tri <= 2 * err_ref + floor * scale, (n, err_tri, err_ref)
+
+
+@needs_interpreter
 def test_triton_model_compiles_fullgraph_and_matches_eager():
     """fullgraph=True raises on any graph break: the whole forward + loss is one graph."""
     _, tri, x, y = _pair()

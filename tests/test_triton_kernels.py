@@ -173,6 +173,59 @@ def assert_h_is_exact_add(x, r, w):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("dtype", LOW)
+def test_add_rms_norm_low_precision_branch_fp32_residual(dtype):
+    """Under autocast the branch output (x) is low precision and the residual stream fp32: h is the
+    promoted fp32 sum, exactly torch's x + residual (the stream is never rounded to the branch's dtype),
+    and each input's gradient comes back in that input's dtype."""
+    g = torch.Generator().manual_seed(9)
+    shape = (3, 5, 40)
+    x, r = torch.randn(shape, generator=g), 2 * torch.randn(shape, generator=g)
+    w = 1 + 0.2 * torch.randn(40, generator=g)
+    gy, gh = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    xl, rf, wf = leaf(x, dtype), leaf(r), leaf(w)
+    y, h = tk.add_rms_norm(xl, rf, wf, 1e-6)
+    assert h.dtype == y.dtype == torch.float32
+    assert torch.equal(h, xl.detach() + r)
+    torch.autograd.backward((y, h), (gy, gh))
+    assert xl.grad.dtype == dtype and rf.grad.dtype == torch.float32
+    check_against_reference("add_rms_norm mixed", lambda x, r, w: tk.add_rms_norm(x, r, w, 1e-6),
+                            lambda x, r, w: add_rms_norm_ref(x, r, w, 1e-6), [x, r, w], [gy, gh],
+                            [dtype, torch.float32, torch.float32])
+
+
+@needs_interpreter
+@pytest.mark.parametrize("residual", [False, True])
+def test_norm_out_dtype_is_the_reference_cast_once(residual):
+    """out_dtype stores the reference's fp32 output in fp16 directly (what an autocast matmul would
+    cast it to); the gradient arrives in fp16 and the input gradients match the reference's."""
+    g = torch.Generator().manual_seed(10)
+    x, r = torch.randn(6, 40, generator=g), torch.randn(6, 40, generator=g)
+    w = 1 + 0.2 * torch.randn(40, generator=g)
+    gy = torch.randn(6, 40, generator=g).half()
+    if residual:
+        fn = lambda x, r, w: tk.add_rms_norm(x, r, w, 1e-6, out_dtype=torch.float16)[0]  # noqa: E731
+        ref = lambda x, r, w: add_rms_norm_ref(x, r, w, 1e-6)[0].half()  # noqa: E731
+        inputs = [x, r, w]
+    else:
+        fn = lambda x, w: tk.rms_norm(x, w, 1e-6, out_dtype=torch.float16)  # noqa: E731
+        ref = lambda x, w: kernels.rms_norm_ref(x, w, 1e-6).half()  # noqa: E731
+        inputs = [x, w]
+    ins = [leaf(t) for t in inputs]
+    out = fn(*ins)
+    assert out.dtype == torch.float16
+    ref_ins = [leaf(t) for t in inputs]
+    ref_out = ref(*ref_ins)
+    # the same fp32 values rounded once to fp16: at most one fp16 ulp apart (rstd may differ by an fp32 ulp)
+    torch.testing.assert_close(out, ref_out, rtol=2 ** -10, atol=0)
+    out.backward(gy)
+    ref_out.backward(gy)
+    for a, b in zip(ins, ref_ins):
+        assert a.grad.dtype == b.grad.dtype
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-5 * b.grad.abs().max().item())
+
+
+@needs_interpreter
 def test_add_rms_norm_only_normed_output_used():
     """When h gets no gradient, the backward still gives the norm's gradients (x and residual alike)."""
     g = torch.Generator().manual_seed(4)
@@ -275,6 +328,9 @@ def _opcheck_cases(device=CPU):
     return [
         (torch.ops.myllm.rms_norm.default, (leaf(x), leaf(w), 1e-6)),
         (torch.ops.myllm.add_rms_norm.default, (leaf(x), leaf(res), leaf(w), 1e-6)),
+        # autocast's layout: a half branch output on an fp32 residual stream, the norm stored in half
+        (torch.ops.myllm.rms_norm.default, (leaf(x.half()), leaf(w), 1e-6, torch.float16)),
+        (torch.ops.myllm.add_rms_norm.default, (leaf(x.half()), leaf(res), leaf(w), 1e-6, torch.float16)),
         (torch.ops.myllm.rms_norm_backward.default, (r(3, 40), None, x, w, rstd)),
         (torch.ops.myllm.rms_norm_backward.default, (r(3, 40), r(3, 40), x, w, rstd)),
         (torch.ops.myllm.rope.default, (leaf(q), leaf(k), cos, sin, False)),
