@@ -1,0 +1,172 @@
+"""Compile every Triton kernel of the model for real NVIDIA GPUs, without a GPU.
+
+The CPU tests run the kernels in Triton's interpreter, which accepts code that the GPU compiler
+rejects (loop-carried values whose type changes, unsupported casts, block shapes over the limits) and
+says nothing about registers, spills or shared memory. This script compiles each kernel, in every
+specialisation the model launches at real sizes (dtypes, constexpr flags, block sizes and warp
+counts computed by the launchers' own rules), through Triton's full pipeline: TTIR -> TTGIR -> LLVM
+-> PTX -> cubin with the ptxas bundled in the triton wheel, for the chosen architectures (default
+sm_90 = H100, sm_80 = A100). It prints one row per kernel variant: registers per thread, spill
+bytes and static shared memory from `ptxas -v`. Exit status 1 if any variant fails to compile.
+
+    python scripts/check_triton_cuda.py                    # sm_90 and sm_80, all variants
+    python scripts/check_triton_cuda.py --archs 90 --json  # machine-readable rows
+    python scripts/check_triton_cuda.py --quick            # the largest specialisation of each kernel and mode
+
+Must be run without TRITON_INTERPRET=1 (it re-executes itself without it): interpreted kernels
+cannot be compiled.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+_TY = {"bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}
+
+
+def _variants():
+    """(name, kernel, signature, constexprs, num_warps) for every specialisation used at real sizes."""
+    import triton
+
+    import model.triton_kernels as tk
+    import model.triton_loss as tlo
+
+    out = []
+    # activations in bf16/fp16/fp32; weights fp32 (autocast over fp32 params) or the activations' dtype
+    act_w = [("bf16", "fp32"), ("bf16", "bf16"), ("fp16", "fp32"), ("fp32", "fp32")]
+    for dim in (768, 2048, 4096, 8192):
+        block = triton.next_power_of_2(dim)
+        warps = tk._num_warps(block)
+        for a, w in act_w:
+            y = "fp32" if "fp32" in (a, w) else a  # torch.result_type(x, weight)
+            for res in (False, True):
+                sig = dict(X=f"*{a}", R=f"*{a}", W=f"*{w}", Y=f"*{y}", H=f"*{a}", RSTD="*fp32", x_stride="i32",
+                           r_stride="i32", y_stride="i32", h_stride="i32", D="i32", eps="fp32",
+                           HAS_RESIDUAL="constexpr", BLOCK="constexpr")
+                out.append((f"rms_norm_fwd D={dim} x={a} w={w} residual={res}", tk._rms_norm_fwd_kernel, sig,
+                            dict(HAS_RESIDUAL=res, BLOCK=block), warps))
+                sig = dict(G=f"*{y}", GH=f"*{a}", X=f"*{a}", W=f"*{w}", RSTD="*fp32", DX=f"*{a}", DW="*fp32",
+                           g_stride="i32", gh_stride="i32", x_stride="i32", dx_stride="i32", n_rows="i32", D="i32",
+                           rows_per_program="i32", HAS_GH="constexpr", BLOCK="constexpr")
+                out.append((f"rms_norm_bwd D={dim} x={a} w={w} gh={res}", tk._rms_norm_bwd_kernel, sig,
+                            dict(HAS_GH=res, BLOCK=block), warps))
+    # RoPE: (heads, kv heads, head_dim) of the 124M, 1B, Llama-2-7B and Llama-3-8B/70B shapes
+    for h, hkv, hd in ((12, 12, 64), (16, 8, 128), (32, 32, 128), (32, 8, 128), (64, 8, 128)):
+        bh, bkv, bhalf = (triton.next_power_of_2(v) for v in (h, hkv, hd // 2))
+        for a in ("bf16", "fp16", "fp32"):
+            for inverse in (False, True):
+                sig = dict(Q=f"*{a}", K=f"*{a}", COS="*fp32", SIN="*fp32", QO=f"*{a}", KO=f"*{a}", T="i32", H="i32",
+                           HKV="i32", q_sb="i32", q_st="i32", q_sh="i32", k_sb="i32", k_st="i32", k_sh="i32",
+                           c_sb="i32", c_st="i32", qo_sb="i32", qo_st="i32", qo_sh="i32", ko_sb="i32", ko_st="i32",
+                           ko_sh="i32", HALF="i32", INVERSE="constexpr", BLOCK_H="constexpr",
+                           BLOCK_HKV="constexpr", BLOCK_HALF="constexpr")
+                out.append((f"rope H={h} Hkv={hkv} D={hd} {a} inverse={inverse}", tk._rope_kernel, sig,
+                            dict(INVERSE=inverse, BLOCK_H=bh, BLOCK_HKV=bkv, BLOCK_HALF=bhalf),
+                            tk._num_warps(bh * bhalf)))
+    for a in ("bf16", "fp16", "fp32"):
+        sig = dict(GATE=f"*{a}", UP=f"*{a}", Y=f"*{a}", n="i64", BLOCK="constexpr")
+        out.append((f"swiglu_fwd {a}", tk._swiglu_fwd_kernel, sig, dict(BLOCK=tk._SWIGLU_BLOCK), 4))
+        sig = dict(DY=f"*{a}", GATE=f"*{a}", UP=f"*{a}", DGATE=f"*{a}", DUP=f"*{a}", n="i64", BLOCK="constexpr")
+        out.append((f"swiglu_bwd {a}", tk._swiglu_bwd_kernel, sig, dict(BLOCK=tk._SWIGLU_BLOCK), 4))
+    # linear + CE: the three modes the op launches (forward with and without gradients, backward of "none")
+    for vocab in (32000, 128256):
+        block = min(tlo.MAX_BLOCK_V, triton.next_power_of_2(vocab))
+        warps = tlo._num_warps_for(block)
+        for a in ("bf16", "fp16", "fp32"):
+            for lse_in, write_loss, write_grad in ((False, True, True), (False, True, False), (True, False, True)):
+                sig = dict(logits_ptr=f"*{a}", logits_stride="i32", labels_ptr="*i64", scale_ptr="*fp32",
+                           scale_stride="i32", loss_ptr="*fp32", lse_ptr="*fp32", n_cols="i32", ignore_index="i32",
+                           z_loss="fp32", LSE_IN="constexpr", WRITE_LOSS="constexpr", WRITE_GRAD="constexpr",
+                           BLOCK_V="constexpr")
+                out.append((f"ce V={vocab} {a} lse_in={lse_in} loss={write_loss} grad={write_grad}",
+                            tlo._ce_chunk_kernel, sig,
+                            dict(LSE_IN=lse_in, WRITE_LOSS=write_loss, WRITE_GRAD=write_grad, BLOCK_V=block), warps))
+    return out
+
+
+_QUICK = ("D=8192 x=bf16 w=fp32", "H=64 Hkv=8 D=128 bf16", "swiglu_fwd bf16", "swiglu_bwd bf16", "V=128256 bf16")
+_PTXAS_LINE = re.compile(r"Used (\d+) registers")
+_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+_SMEM = re.compile(r"(\d+) bytes smem")
+
+
+def compile_variant(kernel, signature: dict, constexprs: dict, num_warps: int, arch: int) -> dict:
+    """Compile one specialisation to a cubin for sm_<arch>; registers/spills/smem from ptxas -v."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.compiler import ASTSource
+
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
+    ptx = k.asm["ptx"]
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        r = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name=sm_{arch}{'a' if arch >= 90 else ''}", path,
+                            "-o", os.path.join(tmp, "k.o")], capture_output=True, text=True, check=True)
+    log = r.stderr + r.stdout
+    regs = int(_PTXAS_LINE.search(log).group(1))
+    spill = _SPILL.search(log)
+    smem = _SMEM.search(log)
+    return dict(registers=regs, spill_bytes=int(spill.group(1)) + int(spill.group(2)) if spill else 0,
+                smem_bytes=int(smem.group(1)) if smem else 0, cubin_bytes=len(k.asm["cubin"]),
+                shared_launch=int(getattr(k.metadata, "shared", 0)))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--archs", default="90,80", help="comma list of compute capabilities (90 = H100, 80 = A100)")
+    p.add_argument("--only", default="", help="compile only variants whose name contains this text")
+    p.add_argument("--json", action="store_true", help="one JSON object per variant instead of a table")
+    p.add_argument("--quick", action="store_true",
+                   help="only the largest specialisation of each kernel and mode (bf16 activations, fp32 weights, "
+                        "D=8192, 64 heads, vocab 128256): the ones with the most registers")
+    args = p.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":  # kernels must be JITFunctions: start again without it
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        return subprocess.call([sys.executable, *sys.argv], env=env)
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        print("triton is not installed: nothing to compile", file=sys.stderr)
+        return 1
+    failures = 0
+    if not args.json:
+        print("| arch | kernel variant | warps | registers | spill bytes | shared memory |")
+        print("| --- | --- | --- | --- | --- | --- |")
+    for arch in (int(a) for a in args.archs.split(",")):
+        for name, kernel, sig, constexprs, warps in _variants():
+            if args.only and args.only not in name:
+                continue
+            if args.quick and not any(q in name for q in _QUICK):
+                continue
+            try:
+                row = dict(arch=arch, variant=name, warps=warps, **compile_variant(kernel, sig, constexprs, warps, arch))
+            except Exception as e:  # a compile error is the finding: report it and go on
+                failures += 1
+                msg = str(e).strip().splitlines()
+                row = dict(arch=arch, variant=name, warps=warps, error=(msg[0] if msg else type(e).__name__)[:300])
+            if args.json:
+                print(json.dumps(row), flush=True)
+            elif "error" in row:
+                print(f"| sm_{arch} | {name} | {warps} | FAILED: {row['error']} | | |", flush=True)
+            else:
+                print(f"| sm_{arch} | {name} | {warps} | {row['registers']} | {row['spill_bytes']} | "
+                      f"{max(row['smem_bytes'], row['shared_launch'])} |", flush=True)
+    if failures:
+        print(f"{failures} kernel variant(s) failed to compile", file=sys.stderr)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
