@@ -42,7 +42,7 @@ from train_config import TrainConfig, TrainingError, validate_config
 from utils import checkpoint as ckpt
 from utils.constants import (EXIT_BAD_CHECKPOINT, EXIT_BAD_CONFIG, EXIT_BAD_DATA, EXIT_INTERRUPTED,
                              EXIT_NONFINITE_LOSS, EXIT_OK, IGNORE_INDEX)
-from utils.device import memory_stats, parse_dtype, seed_everything, synchronize
+from utils.device import low_precision_cpu_warning, memory_stats, parse_dtype, seed_everything, synchronize
 from utils.dist import DistInfo, all_reduce_max, barrier, destroy, init_distributed
 from utils.lr_schedule import lr_at
 from utils.metrics import MetricsLogger, Throughput, format_line
@@ -524,6 +524,9 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
         ref_model.requires_grad_(False).eval()
 
     dtype = parse_dtype(cfg.dtype)
+    slow_dtype = low_precision_cpu_warning(info.device, dtype)
+    if slow_dtype:
+        log(f"[warning] {slow_dtype}")
     # fsdp keeps fp32 sharded parameters (the optimizer's masters) and computes in `dtype` through its
     # mixed-precision policy; ddp runs the model in `dtype` with fp32 masters in the optimizer.
     # the engine moves to the device what this rank runs (the whole model, or its pipeline stage)

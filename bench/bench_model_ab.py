@@ -114,8 +114,9 @@ def main() -> None:
                         for s in steps.values():
                             s()
                     times = {k: [] for k in steps}
-                    for _ in range(args.steps):
-                        for k, s in steps.items():
+                    for i in range(args.steps):
+                        order = list(steps.items())
+                        for k, s in (order if i % 2 == 0 else order[::-1]):  # alternate who goes first
                             t0 = time.perf_counter()
                             s()
                             times[k].append(time.perf_counter() - t0)

@@ -66,3 +66,16 @@ def test_measured_peak_is_best_of_rounds(monkeypatch):
     flops._PEAK_CACHE.clear()
     p = flops.measure_peak_flops("cpu", torch.float32, n=64, seconds=0.05, rounds=3)
     assert p > 0 and flops._PEAK_CACHE[("cpu", torch.float32)] == p
+
+
+def test_low_precision_warning_only_where_the_cpu_emulates_it(monkeypatch):
+    import utils.device as ud
+    monkeypatch.setattr(ud, "cpu_has_native_low_precision", lambda dtype: False)
+    msg = ud.low_precision_cpu_warning("cpu", torch.bfloat16)
+    assert msg is not None and "bf16" in msg and "--dtype=fp32" in msg
+    assert ud.low_precision_cpu_warning("cpu", torch.float32) is None  # fp32 is always native
+    monkeypatch.setattr(ud, "is_accelerator", lambda device: True)
+    assert ud.low_precision_cpu_warning("cuda", torch.bfloat16) is None  # GPUs: no warning
+    monkeypatch.undo()
+    monkeypatch.setattr(ud, "cpu_has_native_low_precision", lambda dtype: True)
+    assert ud.low_precision_cpu_warning("cpu", torch.float16) is None
