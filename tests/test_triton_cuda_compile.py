@@ -41,3 +41,27 @@ def test_every_kernel_compiles_for_h100_and_a100_without_spills():
         # a kernel that spills at these sizes would run from local memory: a performance bug
         assert row["spill_bytes"] == 0, row
         assert 0 < row["registers"] <= 255, row
+
+
+@pytest.mark.skipif(not _ptxas_available(), reason="triton with its NVIDIA backend is not installed")
+@pytest.mark.parametrize("mode", ["fp32", "fp16-autocast"])
+def test_gpu_registration_of_the_whole_model_traces_and_partitions(mode):
+    """The triton_op + wrap_triton path (what a GPU runs, never executed by the interpreter tests)
+    traced through AOTAutograd with Inductor's min-cut partitioner, kernels analysed for an sm_90
+    target: every fused op of a 2-layer model is a Triton kernel node in the graphs (none fell back)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "trace_gpu_path.py"), mode],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    layers = 2
+    # forward: input_layernorm per layer (rms_norm), post-attention add+norm per layer, the final norm
+    assert out["forward"] == {"_rms_norm_fwd_kernel": 2 * layers + 1, "_rope_kernel": layers,
+                              "_swiglu_fwd_kernel": layers, "myllm.linear_cross_entropy.default": 1}, out
+    # backward: one norm backward per norm, RoPE's inverse rotation, SwiGLU's backward; the loss's
+    # gradients were computed in its forward (reduction "mean"): no loss op in backward
+    assert out["backward"] == {"_rms_norm_bwd_kernel": 2 * layers + 1, "_rope_kernel": layers,
+                               "_swiglu_bwd_kernel": layers}, out
+    assert out["grads"] == out["params"]
+    assert out["loss_dtype"] == "torch.float32"
