@@ -7,8 +7,9 @@ beside its bytes-per-parameter formula, step times as ratios to our DDP.
 
 Run time is dominated by CPU contention: --small took 271 s on the shared 2-core box at load ~3
 (8 min at load 8-10), the default 668 s at load 2-8; the default model needs ~13 GiB of RAM at world 2.
-Each engine of the memory pass runs in its own spawn (an engine dropped inside a process does not
-return all its memory); at world 4 the default model's ddp row is skipped by the RAM estimate.
+Each engine of the memory pass runs in its own spawn (glibc does not hand a dropped engine's heap back
+to the OS at once; the uncollectable hook cycle that used to keep dropped ddp/ZeRO engines alive is
+fixed, tests/test_optimizer.py::test_dropped_engine_is_freed); at world 4 the default model's ddp row is skipped by the RAM estimate.
 
 Memory: bytes are MEASURED by walking the tensors each engine holds (model parameters, local shards
 of FSDP's DTensors, DDP's flat buffers, main_grad / FSDP's sharded .grad / ZeRO-2's gradient shards /
@@ -243,7 +244,7 @@ def rss_gb() -> float:
 
 
 def release() -> None:
-    """Free what a dropped engine held: cycles (grad hooks reference the wrapper), then glibc's heap."""
+    """Free what a dropped engine held: reference cycles (engine <-> optimizer), then glibc's heap."""
     gc.collect()
     try:
         import ctypes

@@ -225,3 +225,26 @@ def test_optimizer_state_reshards_between_world_1_and_2(tmp_path):
             opt.load_state_dict([sds[0], sds[0]])
         with pytest.raises(ValueError, match="missing"):
             opt.load_state_dict([sds[0], None])  # e.g. a rank's file was not found
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1, 2])
+def test_dropped_engine_is_freed(zero_stage):
+    """A wrapper and its optimizer that nobody references any more are garbage: the gradient hooks on
+    the parameters hold the wrapper weakly (a bound method made an uncollectable cycle through
+    autograd, keeping every dropped ZeRO-2 engine's buffers alive), and are removed with it. The
+    user's model is still usable afterwards: a plain backward fills .grad again."""
+    import gc
+    import weakref
+    m = _net()
+    zero = zero_stage > 0
+    ddp = DistributedDataParallel(m, DDPConfig(bucket_size=20, use_distributed_optimizer=zero))
+    opt = build_optimizer(ddp, OptimizerConfig(use_distributed_optimizer=zero, zero_stage=max(zero_stage, 1)))
+    _step(ddp, opt, torch.randn(4, 6), torch.randn(4, 3))
+    refs = [weakref.ref(ddp), weakref.ref(opt), weakref.ref(ddp.buffers_[0])]
+    del ddp, opt
+    gc.collect()
+    assert [r() is None for r in refs] == [True, True, True]
+    assert not any(hasattr(p, "main_grad") for p in m.parameters())  # no view keeps the grad buffer alive
+    m.zero_grad(set_to_none=True)
+    m(torch.randn(2, 6)).sum().backward()
+    assert all(p.grad is not None for p in m.parameters())  # no dead hook swallows the gradient

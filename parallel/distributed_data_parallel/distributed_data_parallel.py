@@ -16,6 +16,7 @@ gradients live ONLY in `main_grad`; the optimizers in optimizer/ read them from 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -81,8 +82,15 @@ class DistributedDataParallel(nn.Module):
         self._pre_forward_callbacks: list[Callable[[bool], None]] = []
         self._bytes_at_sync_start = 0
         self.last_step_comm_bytes = 0
-        self._hook_removers = [p.register_post_accumulate_grad_hook(self._grad_ready)
-                               for p in self.param_to_bucket]
+        # The hooks live on the parameters and reach this wrapper only through a weak reference: a
+        # strong one (the bound method) would make param -> hook -> wrapper -> module -> param a cycle
+        # that the garbage collector cannot break (autograd holds the parameters from C++), so a
+        # dropped wrapper, its buffers and its optimizer would stay in memory for the process's life.
+        # When the wrapper is collected its hooks are removed, and so are the parameters' main_grad
+        # views, which would otherwise keep the gradient buffers alive with the model.
+        hook = _weak_grad_ready(weakref.ref(self))
+        self._hook_removers = [p.register_post_accumulate_grad_hook(hook) for p in self.param_to_bucket]
+        weakref.finalize(self, _detach_from_params, self._hook_removers, list(self.param_to_bucket))
 
     # ------------------------------------------------------------------ public API
     def forward(self, *args, **kwargs):
@@ -276,6 +284,22 @@ class DistributedDataParallel(nn.Module):
         self._handles[bucket.index] = self._hook(self._hook_state, gb)
         self._launch_order.append(bucket.index)
         self._next_launch = bucket.index + 1
+
+
+def _weak_grad_ready(ref: "weakref.ReferenceType[DistributedDataParallel]") -> Callable[[torch.Tensor], None]:
+    def hook(param: torch.Tensor) -> None:
+        ddp = ref()
+        if ddp is not None:
+            ddp._grad_ready(param)
+    return hook
+
+
+def _detach_from_params(removers: list, params: list) -> None:
+    for r in removers:
+        r.remove()
+    for p in params:
+        if hasattr(p, "main_grad"):
+            del p.main_grad
 
 
 def _run_pre_forward_callbacks(ddp: DistributedDataParallel, compiled: bool) -> None:
