@@ -32,10 +32,9 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from bench.bench_model import CONFIGS  # noqa: E402
+from bench.bench_model import CONFIGS, make_step  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
-from model.kernels import build_adamw, compile_model  # noqa: E402
-from utils.device import autocast_context  # noqa: E402
+from model.kernels import compile_model  # noqa: E402
 
 _IMPORT = re.compile(r"^(\s*)(from|import) model(?=[.\s])", re.M)
 
@@ -56,20 +55,6 @@ def import_base(rev: str, workdir: str):
     os.rename(src, os.path.join(workdir, "model_base"))
     sys.path.insert(0, workdir)
     return importlib.import_module("model_base")
-
-
-def make_step(model, x, y, dtype):
-    model.train()
-    opt = build_adamw(model.parameters(), lr=1e-4, fused=True)
-
-    def step() -> float:
-        opt.zero_grad(set_to_none=True)
-        with autocast_context("cpu", dtype):
-            loss = model(x, labels=y)
-        loss.backward()
-        opt.step()
-        return loss.item()
-    return step
 
 
 def main() -> None:
@@ -108,7 +93,7 @@ def main() -> None:
                     if mode == "compile":
                         compile_model(new)
                         compile_model(base)
-                    steps = {"base": make_step(base, x, y, dtype), "new": make_step(new, x, y, dtype)}
+                    steps = {"base": make_step(base, "ours", x, y, dtype), "new": make_step(new, "ours", x, y, dtype)}
                     first = {k: s() for k, s in steps.items()}
                     for _ in range(args.warmup):
                         for s in steps.values():

@@ -17,6 +17,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICK_VARIANTS = 11  # rms fwd x2, rms bwd x2, rope x2, swiglu x2, linear+CE x3 (per architecture)
 
 
+def _run_without_interpreter(script: str, *args: str, timeout: int) -> subprocess.CompletedProcess:
+    """Run a script of the repo with the kernels compiled for real (TRITON_INTERPRET unset)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    return subprocess.run([sys.executable, os.path.join(ROOT, script), *args], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=timeout)
+
+
 def _ptxas_available() -> bool:
     try:
         from triton.backends.nvidia.compiler import get_ptxas
@@ -27,10 +35,7 @@ def _ptxas_available() -> bool:
 
 @pytest.mark.skipif(not _ptxas_available(), reason="triton with its NVIDIA backend (bundled ptxas) is not installed")
 def test_every_kernel_compiles_for_h100_and_a100_without_spills():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "check_triton_cuda.py"), "--quick", "--json",
-                        "--archs", "90,80"], capture_output=True, text=True, env=env, cwd=ROOT, timeout=1200)
+    r = _run_without_interpreter("scripts/check_triton_cuda.py", "--quick", "--json", "--archs", "90,80", timeout=1200)
     rows = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     failed = [row for row in rows if "error" in row]
     assert not failed, failed
@@ -49,10 +54,7 @@ def test_gpu_registration_of_the_whole_model_traces_and_partitions(mode):
     """The triton_op + wrap_triton path (what a GPU runs, never executed by the interpreter tests)
     traced through AOTAutograd with Inductor's min-cut partitioner, kernels analysed for an sm_90
     target: every fused op of a 2-layer model is a Triton kernel node in the graphs (none fell back)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "trace_gpu_path.py"), mode],
-                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    r = _run_without_interpreter("tests/trace_gpu_path.py", mode, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     layers = 2
