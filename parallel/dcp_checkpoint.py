@@ -3,7 +3,8 @@
 Owns: the sharded checkpoint directory (DCP's `.metadata` + `__<rank>_<k>.distcp` files, per-rank
 extras, JSON sidecars, `dcp_manifest.json`, `manifest.json`, `COMPLETE`), its atomic save protocol,
 loading into a model/optimizer of ANY world size (DCP re-shards), a single-process reader of the
-full model weights (for export), and a restricted reader for DCP's pickled `.metadata`.
+full model weights (for export). The restricted reader of DCP's pickled `.metadata` and the check
+that every rank's shard is present live in utils/dcp_files.py (verification of any checkpoint uses them).
 
 Layout (compatible with utils/checkpoint.py, so its find_latest_valid / verify_checkpoint /
 prune_checkpoints(keep_last, keep_best) work on these directories unchanged):
@@ -35,7 +36,6 @@ has written, write into a live checkpoint directory, or read a checkpoint with p
 from __future__ import annotations
 
 import os
-import pickle
 import shutil
 import time
 from typing import Any, Callable, Optional
@@ -44,11 +44,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 from utils.checkpoint import _fsync_dir, _sha256, publish_checkpoint_dir, read_json, write_json
+from utils.dcp_files import (DCPCheckpointError, SafeFileSystemReader, dcp_dir_problem,  # noqa: F401 (re-exported)
+                             dcp_layout_problem, read_dcp_metadata)
 
 DCP_FORMAT = 1
 COMPLETE_MARKER = "COMPLETE"
@@ -59,8 +61,6 @@ _TMP_PREFIX = ".tmp_"
 _MODEL, _OPTIM = "model.", "optim."
 
 
-class DCPCheckpointError(RuntimeError):
-    pass
 
 
 def step_dir_name(step: int) -> str:
@@ -74,62 +74,24 @@ def _fsync_path(path: str) -> None:
     _fsync_dir(path)  # tolerates filesystems that refuse fsync on directories
 
 
-# ---------------------------------------------------------------------------- restricted metadata reader
-
-_ALLOWED_GLOBALS = {
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),  # maps "torch.strided" to the layout object
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("collections", "OrderedDict"),
-    ("builtins", "set"), ("builtins", "frozenset"),
-} | {("torch.distributed.checkpoint.metadata", n) for n in (
-    "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-    "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")
-} | {("pathlib", n) for n in ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath")}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        if (module, name) in _ALLOWED_GLOBALS:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"DCP metadata refers to {module}.{name}, which is not on the allow-list of "
-                                     "checkpoint metadata types: refusing to load it")
-
-
-class SafeFileSystemReader(FileSystemReader):
-    """torch's FileSystemReader, except that `.metadata` is unpickled with an allow-list."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = self._get_metadata_path(kwargs.get("rank"))
-        with open(path, "rb") as f:
-            md = _MetadataUnpickler(f).load()
-        if not isinstance(md, Metadata):
-            raise DCPCheckpointError(f"{path} does not hold DCP metadata")
-        from torch.distributed.checkpoint.metadata import StorageMeta
-        if getattr(md, "storage_meta", None) is None:
-            md.storage_meta = StorageMeta()
-        md.storage_meta.load_id = self.load_id
-        return md
-
-
-def read_dcp_metadata(ckpt_dir: str) -> Metadata:
-    """DCP metadata of a checkpoint through the restricted unpickler; refuses non-tensor items."""
-    md = SafeFileSystemReader(ckpt_dir).read_metadata()
-    pickled = [k for k, v in md.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)]
-    if pickled:
-        raise DCPCheckpointError(f"{ckpt_dir} stores non-tensor items ({', '.join(sorted(pickled)[:5])}) that DCP "
-                                 "would unpickle; this loader accepts tensor-only checkpoints")
-    return md
-
-
 # ---------------------------------------------------------------------------- state <-> flat dict
 
 def _mesh_group(model: nn.Module) -> Optional[dist.ProcessGroup]:
+    """The process group of the mesh the model was sharded over, as recorded when it was wrapped.
+
+    Not read from the parameters: after a forward-only pass, units built with
+    reshard_after_forward=False hold plain tensors, and a group inferred from them would be None,
+    making every rank save as a world of one into the same directory."""
+    from parallel.fsdp import fsdp_mesh
+    mesh = fsdp_mesh(model)
+    if mesh is not None:
+        return mesh.get_group()
     for p in model.parameters():
         if isinstance(p, DTensor):
             return p.device_mesh.get_group()
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise DCPCheckpointError("the model records no FSDP mesh and has no sharded parameter: cannot tell which "
+                                 "ranks save it together (wrap it with parallel.fsdp.wrap_fsdp)")
     return None
 
 
@@ -187,9 +149,11 @@ def save_dcp_checkpoint(ckpt_root: str, step: int, model: nn.Module, optimizer=N
     fault_hook: called on rank 0 after every shard was written, before the manifest (tests: die
       in the middle of a save).
     """
+    from parallel.fsdp import reshard
     model = _unwrap(model)
     group = _mesh_group(model)
     rank, world = _group_rank_world(group)
+    reshard(model)  # gathered parameters (left by a forward-only pass) are freed before the state is read
     final = os.path.join(ckpt_root, step_dir_name(step))
     tmp = os.path.join(ckpt_root, _TMP_PREFIX + step_dir_name(step))
     if rank == 0:
@@ -215,6 +179,9 @@ def save_dcp_checkpoint(ckpt_root: str, step: int, model: nn.Module, optimizer=N
             if os.sep in name or name in (MANIFEST, DCP_MANIFEST, COMPLETE_MARKER) or not name.endswith(".json"):
                 raise ValueError(f"json_files: {name!r} must be a plain *.json file name")
             write_json(os.path.join(tmp, name), obj)
+        problem = dcp_layout_problem(tmp, world, with_extras=rank_state is not None)
+        if problem is not None:  # never publish a checkpoint some rank did not write
+            raise DCPCheckpointError(f"refusing to publish {final}: {problem}")
         files = {n: os.path.getsize(os.path.join(tmp, n)) for n in sorted(os.listdir(tmp))}
         write_json(os.path.join(tmp, DCP_MANIFEST), {
             "format": DCP_FORMAT, "engine": "fsdp", "step": int(step), "world_size": world,
@@ -248,7 +215,7 @@ def check_dcp_checkpoint(ckpt_dir: str, check_hashes: bool = False) -> Optional[
             return f"{name} has {os.path.getsize(fp)} bytes, manifest says {info['bytes']} (truncated?)"
         if check_hashes and _sha256(fp) != info["sha256"]:
             return f"{name} does not match its sha256 (corrupted)"
-    return None
+    return dcp_dir_problem(ckpt_dir)
 
 
 def is_dcp_checkpoint(ckpt_dir: str) -> bool:

@@ -112,11 +112,16 @@ class Engine:
         validation batches (forward only; the model is back in train mode afterwards)."""
         self.forward_model.eval()
         sums = torch.zeros(5, dtype=torch.float64)
-        for batch in batches:
-            loss_sum, stats = loss_fn(self.forward_model, batch)
-            sums += torch.tensor([float(loss_sum), count_units(batch)] + [stats.get(k, 0.0) for k in STAT_KEYS],
-                                 dtype=torch.float64)
-        self.forward_model.train()
+        try:
+            for batch in batches:
+                loss_sum, stats = loss_fn(self.forward_model, batch)
+                sums += torch.tensor([float(loss_sum), count_units(batch)] + [stats.get(k, 0.0) for k in STAT_KEYS],
+                                     dtype=torch.float64)
+        finally:
+            self.forward_model.train()
+            if self.kind == "fsdp":  # no backward follows to free what the forward gathered: free it now
+                from parallel.fsdp import reshard
+                reshard(self.model)
         return sums
 
     def sum_over_data(self, values: "list[float] | torch.Tensor", device: torch.device) -> torch.Tensor:

@@ -32,6 +32,7 @@ from optimizer.optimizer_config import OptimizerConfig
 
 STATE_FORMAT = 1
 _CONFIG_ATTR = "_fsdp_engine_config"  # set on the wrapped root: what wrap_fsdp was asked for
+_MESH_ATTR = "_fsdp_engine_mesh"  # set on the wrapped root: the mesh its parameters are sharded over
 
 
 # ---------------------------------------------------------------------------- gloo collectives
@@ -189,7 +190,27 @@ def wrap_fsdp(model: nn.Module, *, mesh_or_group: Union[DeviceMesh, dist.Process
     _use_gloo_collectives([*model.layers, model], mesh)
     setattr(model, _CONFIG_ATTR, {"param_dtype": param_dtype, "reduce_dtype": reduce_dtype,
                                   "reshard_after_forward": reshard_after_forward, "cpu_offload": cpu_offload})
+    setattr(model, _MESH_ATTR, mesh)
     return model
+
+
+def fsdp_mesh(model: nn.Module) -> Optional[DeviceMesh]:
+    """The mesh `model` was sharded over, as recorded by wrap_fsdp (None for a model it did not wrap).
+
+    Never inferred from the parameters: between a forward-only pass and the next backward, units
+    built with reshard_after_forward=False hold plain (unsharded) tensors, not DTensors."""
+    return getattr(unwrap(model), _MESH_ATTR, None)
+
+
+def reshard(model: nn.Module) -> int:
+    """Free the gathered (unsharded) parameters of every FSDP unit in `model`; returns the number of
+    units. Needed after a forward-only pass (evaluation): FSDP frees a unit's gathered parameters
+    after its backward, or after its forward only when reshard_after_forward=True (and never for
+    the root), so without this every rank keeps the whole model until the next backward."""
+    units = [m for m in unwrap(model).modules() if isinstance(m, FSDPModule)]
+    for m in units:
+        m.reshard()
+    return len(units)
 
 
 @contextlib.contextmanager

@@ -192,7 +192,7 @@ def _wrap_stage_fsdp(stage_module: PipelineStageModule, dp_mesh, *, param_dtype:
     torch's PipelineStage recognises the FSDPModule: no gradient sync per micro-batch, one
     reduce-scatter after the last backward."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-    from parallel.fsdp import _CONFIG_ATTR
+    from parallel.fsdp import _CONFIG_ATTR, _MESH_ATTR
     if any(p.dtype != torch.float32 for p in stage_module.parameters()):
         raise ValueError("FSDP keeps fp32 sharded parameters (the masters): build the model in fp32 and choose "
                          "the compute precision with param_dtype")
@@ -211,6 +211,7 @@ def _wrap_stage_fsdp(stage_module: PipelineStageModule, dp_mesh, *, param_dtype:
     fully_shard(stage_module, reshard_after_forward=False, **kw)
     setattr(stage_module, _CONFIG_ATTR, {"param_dtype": param_dtype, "reduce_dtype": torch.float32,
                                          "reshard_after_forward": reshard_after_forward, "cpu_offload": cpu_offload})
+    setattr(stage_module, _MESH_ATTR, dp_mesh)
     return stage_module
 
 
@@ -363,6 +364,9 @@ class PipelineEngine:
                 total += self._broadcast_loss(out)
         finally:
             self.module.train()
+            if self.dp_engine == "fsdp":  # forward-only: free the gathered parameters (no backward will)
+                from parallel.fsdp import reshard
+                reshard(self.module)
         return total, units
 
     # ------------------------------------------------------------------ helpers

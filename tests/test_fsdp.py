@@ -158,6 +158,46 @@ def _trained_then_saved(group, root: str, out: str) -> tuple[list[float], dict, 
     return [before, _global_loss(eng, 4, group)], nbytes[0], sum(p.numel() for p in eng.module.parameters())
 
 
+def _held_param_bytes(eng) -> int:
+    """Bytes of parameter storage this rank holds: the local shard of a DTensor, all of a gathered one."""
+    from torch.distributed.tensor import DTensor
+    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size()
+               for p in eng.module.parameters())
+
+
+def _evaluate_then_save(group, root: str) -> dict:
+    from parallel.dcp_checkpoint import load_dcp_checkpoint, save_dcp_checkpoint
+    from parallel.engine import Engine
+    from parallel.fsdp import unwrap
+    from torch.distributed.tensor import DTensor
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    eng, opt = _build(group, reshard_after_forward=False)
+    engine = Engine("fsdp", eng, opt, unwrap(eng), sharded_optimizer=True, dp_rank=rank, dp_size=world)
+    _train_step(eng, opt, 1, group)
+    out = {"after_step": _held_param_bytes(eng)}
+    x, y = _global_batches(2)[0]
+    with torch.no_grad():  # what a bare forward-only pass leaves behind: every unit gathered
+        eng(_rows(x, rank, world))
+    out["after_bare_forward"] = _held_param_bytes(eng)
+    out["sharded_after_bare_forward"] = sum(isinstance(p, DTensor) for p in eng.module.parameters())
+    batch = {"input_ids": _rows(x, rank, world), "labels": _rows(y, rank, world)}
+    engine.evaluate([batch], lambda m, b: (m(b["input_ids"], labels=b["labels"], reduction="sum"), {}),
+                    lambda b: int((b["labels"] != -100).sum()))
+    out["after_evaluate"] = _held_param_bytes(eng)
+    out["sharded_after_evaluate"] = sum(isinstance(p, DTensor) for p in eng.module.parameters())
+    out["n_params"] = len(list(eng.module.parameters()))
+    with torch.no_grad():  # the save must cope with gathered units too (the trainer's eval-then-save)
+        eng(_rows(x, rank, world))
+    path = save_dcp_checkpoint(root, 1, eng, opt, json_files={"trainer_state.json": {"step": 1}},
+                               rank_state={"rank": torch.tensor([rank])})
+    saved = _full_params(eng)
+    eng2, opt2 = _build(group, seed=5, reshard_after_forward=False)
+    load_dcp_checkpoint(path, eng2, opt2)
+    out["reload_diff"] = _max_diff(saved, _full_params(eng2))
+    out["path"] = path
+    return out
+
+
 # ------------------------------------------------------------------------------ the worker
 
 def _worker(rank: int, world: int, tmp: str) -> None:
@@ -215,6 +255,10 @@ def _worker(rank: int, world: int, tmp: str) -> None:
         run_b = _full_params(eng)
         res["resume_exact"] = all(torch.equal(run_a[k], run_b[k]) for k in run_a)
         res["resume_diff"] = _max_diff(run_a, run_b)
+
+        # reshard_after_forward=False: an evaluation (forward only) leaves every unit gathered; the
+        # engine frees it, and a save right after an evaluation is still one world-2 checkpoint
+        res["raf_false"] = _evaluate_then_save(g2, os.path.join(tmp, "raf_false", "checkpoints"))
 
         # re-shard 4 -> 2
         res["load_4_to_2"] = _losses_after_load(g2, os.path.join(root4, "step_00000002"), 2)
@@ -340,6 +384,68 @@ def test_dcp_layout_manifest_and_compat(results):
     open(os.path.join(torn, "dcp_manifest.json"), "w").write("{}")
     assert "COMPLETE" in check_dcp_checkpoint(torn)
     assert latest_dcp_checkpoint(root) == os.path.join(root, "step_00000002")
+
+
+def test_evaluation_reshards_and_save_after_it_is_one_checkpoint(results):
+    """fsdp with reshard_after_forward=False used to keep every rank's whole model after an evaluation
+    and then publish a 'complete' checkpoint written by each rank as a world of one (no .metadata)."""
+    from parallel.dcp_checkpoint import check_dcp_checkpoint
+    from utils import checkpoint as ckpt
+    res, _ = results
+    r = res["raf_false"]
+    # measured: a bare forward leaves the whole model on the rank (2x the shard at world 2) ...
+    assert r["sharded_after_bare_forward"] == 0
+    assert r["after_bare_forward"] == 2 * r["after_step"]
+    # ... the engine's evaluate frees it again
+    assert r["sharded_after_evaluate"] == r["n_params"] and r["after_evaluate"] == r["after_step"]
+    path = r["path"]
+    files = sorted(os.listdir(path))
+    assert {".metadata", "__0_0.distcp", "__1_0.distcp", "extra_rank0.pt", "extra_rank1.pt"} <= set(files), files
+    assert json.load(open(os.path.join(path, "dcp_manifest.json")))["world_size"] == 2
+    assert check_dcp_checkpoint(path, check_hashes=True) is None and ckpt.verify_checkpoint(path) is None
+    assert r["reload_diff"] == 0.0
+
+
+def _republish(path: str, drop: list[str], world: int) -> None:
+    """Damage a published DCP checkpoint the way a torn save would, then recompute its manifests."""
+    from utils.checkpoint import publish_checkpoint_dir
+    for name in drop:
+        os.remove(os.path.join(path, name))
+    for name in ("manifest.json", "COMPLETE"):
+        os.remove(os.path.join(path, name))
+    meta = json.load(open(os.path.join(path, "dcp_manifest.json")))
+    meta["world_size"] = world
+    meta["files"] = {n: os.path.getsize(os.path.join(path, n)) for n in os.listdir(path) if n != "dcp_manifest.json"}
+    json.dump(meta, open(os.path.join(path, "dcp_manifest.json"), "w"))
+    tmp = path + ".re"
+    os.replace(path, tmp)
+    publish_checkpoint_dir(tmp, path, int(meta["step"]))
+
+
+@pytest.mark.parametrize("drop,world,reason", [
+    ([".metadata", "__1_0.distcp", "extra_rank1.pt"], 1, "no .metadata"),  # what the fsdp bug published
+    (["__1_0.distcp"], 2, "missing shard file __1_0.distcp"),
+    (["extra_rank1.pt"], 2, "missing extra_rank1.pt"),
+])
+def test_torn_dcp_checkpoint_is_skipped_for_the_older_one(results, tmp_path, drop, world, reason):
+    import shutil
+    from parallel.dcp_checkpoint import check_dcp_checkpoint
+    from utils import checkpoint as ckpt
+    _, tmp = results
+    src = os.path.join(tmp, "raf_false", "checkpoints", "step_00000001")
+    root = tmp_path / "run" / "checkpoints"
+    shutil.copytree(src, root / "step_00000001")
+    shutil.copytree(src, root / "step_00000002")
+    newer = str(root / "step_00000002")
+    dm = json.load(open(os.path.join(newer, "dcp_manifest.json")))
+    dm["step"] = 2
+    json.dump(dm, open(os.path.join(newer, "dcp_manifest.json"), "w"))
+    _republish(newer, drop, world)
+    assert reason in check_dcp_checkpoint(newer, check_hashes=True)
+    assert reason in ckpt.verify_checkpoint(newer)
+    logged: list[str] = []
+    assert ckpt.find_latest_valid(str(tmp_path / "run"), log=logged.append) == str(root / "step_00000001")
+    assert any(reason in m for m in logged), logged
 
 
 def test_dcp_metadata_reader_refuses_foreign_pickles(tmp_path):

@@ -118,11 +118,18 @@ def test_fsdp_trains_like_ddp_and_resumes_exactly(tiny_pretrain_run_args, tmp_pa
     for s in ld:
         assert abs(ld[s] - lf[s]) <= 1e-4 * abs(ld[s]), (s, ld[s], lf[s])
     once = tmp_path / "fired"
-    proc = subprocess.run(train_cmd([*args, f"--out_dir={crashed}", "--parallel=fsdp"], nproc), cwd=ROOT,
+    # at 2 processes the crashed run keeps gathered parameters until backward and evaluates when it
+    # saves (step 3): the layout that once published a checkpoint written by each rank as a world of one
+    variant = ["--reshard_after_forward=false", "--eval_interval=3"] if nproc == 2 else []
+    proc = subprocess.run(train_cmd([*args, f"--out_dir={crashed}", "--parallel=fsdp", *variant], nproc), cwd=ROOT,
                           capture_output=True, text=True, env=_env(MYLLM_FAULT="crash@5", MYLLM_FAULT_ONCE_FILE=str(once)))
-    assert proc.returncode != 0 and once.exists()
+    assert proc.returncode != 0 and once.exists(), proc.stderr[-2000:]
     run_cmd(train_cmd([f"--out_dir={crashed}", "--init_from=resume"], nproc), env=_env())
     assert losses(crashed) == lf
+    from utils import checkpoint as ckpt
+    for step, path in ckpt.list_checkpoints(str(crashed)):  # steps 3 (after an evaluation) and 5 (final)
+        assert ckpt.verify_checkpoint(path) is None, path
+        assert {f"__{r}_0.distcp" for r in range(nproc)} <= set(os.listdir(path)), os.listdir(path)
 
 
 @pytest.mark.parametrize("first, then", [

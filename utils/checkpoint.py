@@ -298,6 +298,11 @@ def verify_checkpoint(path: str, check_hashes: bool = True, trust_cache: bool = 
             return f"{name} has {size} bytes, manifest says {info['bytes']} (truncated?)"
         if check_hashes and _sha256(fp) != info["sha256"]:
             return f"{name} does not match its sha256 (corrupted)"
+    if "dcp_manifest.json" in manifest:  # sharded (DCP): every rank's shard and DCP's index must be there
+        from utils.dcp_files import dcp_dir_problem
+        problem = dcp_dir_problem(path)
+        if problem is not None:
+            return problem
     if check_hashes and sig is not None and sig == _signature(path):
         _verified[path] = sig
     return None
