@@ -1,18 +1,24 @@
 """`ResumableLoader`: deterministic, resumable, rank-disjoint batching.
 
 Owns: which samples each rank reads at each step. That is a pure function of
-(seed, epoch, step, rank, world_size): epoch e uses a permutation P_e of [0, N) derived from
-(seed, e); global step s of the epoch covers P_e[s*B*W : (s+1)*B*W] and rank r takes the r-th
-slice of B. Ranks therefore never share a sample within an epoch and together cover it.
+(seed, epoch, position in the epoch, rank, world_size): epoch e uses a permutation P_e of [0, N)
+derived from (seed, e); the c-th call of the epoch covers P_e[c*B*W : (c+1)*B*W] and rank r takes
+the r-th slice of B. Ranks therefore never share a sample within an epoch and together cover it.
+
+An optimizer step reads G = B * W * A samples (A micro-batches per step, `samples_per_step`):
+the window P_e[s*G : (s+1)*G] for step s of the epoch, whatever (B, W, A) make up G. The cursor
+counts samples (`sample_in_epoch`), so a checkpoint saved at 2 ranks x batch 4 x accumulation 2
+resumes at 1 rank x batch 4 x accumulation 4 (same G = 16) and reads the same samples in each
+optimizer step; only which rank and micro-batch reads which of them changes.
 
 The permutation is a keyed Feistel network with cycle-walking (`FeistelPermutation`): O(1)
 memory and O(B) work per batch whatever N is, so the loader is flat in memory for any corpus
-and resuming is O(1) -- `load_state_dict` just sets (epoch, step_in_epoch).
+and resuming is O(1) -- `load_state_dict` just sets (epoch, sample_in_epoch).
 
-drop_last=True (default): steps_per_epoch = N // (B*W); the < B*W left-over positions of each
-epoch's permutation are not read that epoch (they differ from epoch to epoch).
-drop_last=False: steps_per_epoch = ceil(N / (B*W)); the last step wraps around to the start of
-the epoch's permutation, so those few samples are read twice in that epoch.
+drop_last=True (default): an epoch is N // G optimizer steps; the < G left-over positions of
+each epoch's permutation are not read that epoch (they differ from epoch to epoch).
+drop_last=False: ceil(N / G) steps; the last one wraps around to the start of the epoch's
+permutation, so those few samples are read twice in that epoch.
 
 Must never: take rank/world from mutable flags or the environment (known trap 1; they are
 constructor arguments), or depend on iteration history (no hidden RNG state).
@@ -102,12 +108,15 @@ def default_collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Ten
     return {k: torch.stack([it[k] for it in items]) for k in items[0]}
 
 
+CURSOR_FORMAT = 2  # 1: {epoch, step_in_epoch} counted in calls of B*W samples; 2: counted in samples
+
+
 class ResumableLoader:
     """Infinite iterator over batches for one rank; see the module docstring for the order."""
 
     def __init__(self, dataset: Any, batch_size: int, seed: int, rank: int = 0, world_size: int = 1,
                  collate_fn: Optional[Callable[[list], Any]] = None, shuffle: bool = True,
-                 drop_last: bool = True):
+                 drop_last: bool = True, samples_per_step: Optional[int] = None):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} not in [0, {world_size})")
         if batch_size < 1:
@@ -117,11 +126,18 @@ class ResumableLoader:
         self.collate_fn = collate_fn or default_collate
         self.shuffle, self.drop_last = bool(shuffle), bool(drop_last)
         self.num_samples = len(dataset)
-        gb = self.batch_size * self.world_size
-        self.steps_per_epoch = self.num_samples // gb if drop_last else -(-self.num_samples // gb)
-        if self.steps_per_epoch == 0:
-            raise ValueError(f"dataset of {self.num_samples} samples has no full global batch of "
-                             f"{gb} (batch_size {batch_size} x world_size {world_size}); use drop_last=False")
+        self.call_samples = self.batch_size * self.world_size  # samples one call reads over all ranks
+        self.samples_per_step = int(samples_per_step or self.call_samples)
+        if self.samples_per_step % self.call_samples:
+            raise ValueError(f"samples_per_step {self.samples_per_step} is not a multiple of batch_size {batch_size} "
+                             f"x world_size {world_size}")
+        g = self.samples_per_step
+        opt_steps = self.num_samples // g if drop_last else -(-self.num_samples // g)
+        if opt_steps == 0:
+            raise ValueError(f"dataset of {self.num_samples} samples has no full global batch of {g} samples "
+                             f"(batch_size {batch_size} x world_size {world_size} x accumulation "
+                             f"{g // self.call_samples}); use drop_last=False")
+        self.steps_per_epoch = opt_steps * (g // self.call_samples)  # calls (micro-batches) per epoch
         self.epoch = 0
         self.step_in_epoch = 0
         self._perm: Optional[FeistelPermutation] = None
@@ -136,8 +152,8 @@ class ResumableLoader:
         return self._perm
 
     def batch_indices(self, epoch: int, step: int) -> np.ndarray:
-        """Dataset indices this rank reads at (epoch, step): a pure function of its arguments
-        and (seed, rank, world_size, batch_size, N)."""
+        """Dataset indices this rank reads at (epoch, call `step` of the epoch): a pure function of
+        its arguments and (seed, rank, world_size, batch_size, N)."""
         if not 0 <= step < self.steps_per_epoch:
             raise IndexError(f"step {step} outside epoch of {self.steps_per_epoch} steps")
         first = (step * self.world_size + self.rank) * self.batch_size
@@ -159,20 +175,35 @@ class ResumableLoader:
         return self.steps_per_epoch
 
     def state_dict(self) -> dict[str, int]:
-        """The cursor (next batch to produce) plus what it is only valid for."""
-        return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "seed": self.seed,
-                "num_samples": self.num_samples, "global_batch_size": self.batch_size * self.world_size,
-                "shuffle": int(self.shuffle), "drop_last": int(self.drop_last)}
+        """The cursor (next sample position of the epoch) plus what it is only valid for.
+        `step_in_epoch` is informative (this layout's call count); loading reads `sample_in_epoch`."""
+        return {"format": CURSOR_FORMAT, "epoch": self.epoch, "sample_in_epoch": self.step_in_epoch * self.call_samples,
+                "step_in_epoch": self.step_in_epoch, "seed": self.seed, "num_samples": self.num_samples,
+                "global_batch_size": self.samples_per_step, "shuffle": int(self.shuffle),
+                "drop_last": int(self.drop_last)}
 
     def load_state_dict(self, sd: dict[str, int]) -> None:
-        """O(1) reposition. Refuses a cursor from another dataset size, seed or global batch,
-        where the same (epoch, step) would mean other samples."""
-        for key, mine in (("seed", self.seed), ("num_samples", self.num_samples),
-                          ("global_batch_size", self.batch_size * self.world_size),
+        """O(1) reposition. Refuses a cursor from another dataset size, seed or global batch (samples
+        per optimizer step), where the same position would mean other samples; accepts any split of
+        that global batch into ranks, micro-batch size and accumulation steps."""
+        if "sample_in_epoch" in sd:
+            gb_key, gb = "global_batch_size", self.samples_per_step
+            sample = int(sd["sample_in_epoch"])
+        else:  # format 1 (older checkpoints): calls of B*W samples, the same B*W required
+            gb_key, gb = "global_batch_size", self.call_samples
+            sample = int(sd["step_in_epoch"]) * self.call_samples
+        for key, mine in (("seed", self.seed), ("num_samples", self.num_samples), (gb_key, gb),
                           ("shuffle", int(self.shuffle)), ("drop_last", int(self.drop_last))):
             if key in sd and int(sd[key]) != mine:
                 raise ValueError(f"loader state has {key}={sd[key]} but this loader has {mine}")
-        epoch, step = int(sd["epoch"]), int(sd["step_in_epoch"])
+        epoch = int(sd["epoch"])
+        if sample % self.call_samples:
+            raise ValueError(f"loader state is at sample {sample} of its epoch, not a multiple of this loader's "
+                             f"{self.call_samples} samples per call (batch_size x world_size)")
+        step = sample // self.call_samples
+        if "sample_in_epoch" not in sd and step >= self.steps_per_epoch:
+            epoch, step = epoch + 1, 0  # a format-1 epoch (dropping < B*W) outlasts one dropping < G: it ended
         if epoch < 0 or not 0 <= step < self.steps_per_epoch:
-            raise ValueError(f"loader state (epoch {epoch}, step {step}) outside {self.steps_per_epoch} steps/epoch")
+            raise ValueError(f"loader state (epoch {epoch}, sample {sample}) outside the {self.steps_per_epoch} "
+                             f"calls of {self.call_samples} samples per epoch")
         self.epoch, self.step_in_epoch = epoch, step

@@ -483,8 +483,8 @@ class PipelineEngine:
         return ckpt_dir
 
     def load(self, ckpt_dir: str) -> None:
-        """This stage's weights and optimizer state from a checkpoint of the SAME mesh and split
-        (pp size, layer ranges; dp size too when the optimizer is ZeRO-sharded)."""
+        """This stage's weights and optimizer state from a checkpoint of the same pipeline split (pp size,
+        layer ranges) and dp engine, at any dp size (ZeRO shards are re-sharded)."""
         from safetensors.torch import load_file
         meta = read_pipeline_meta(ckpt_dir)
         if meta["pp_size"] != self.pp_size or [tuple(r) for r in meta["layer_ranges"]] != list(self.layer_ranges):
@@ -497,13 +497,22 @@ class PipelineEngine:
                              f"uses {self.dp_engine!r} (the optimizer states differ; the weights can be taken with "
                              f"merge_stage_checkpoints())")
         sharded = self._sharded_files()
-        if sharded != bool(meta["sharded_optimizer"]) or (sharded and meta["dp_size"] != self.dp_size):
-            raise ValueError(f"checkpoint {ckpt_dir}: optimizer layout (sharded={meta['sharded_optimizer']}, "
-                             f"dp={meta['dp_size']}) differs from this run's (sharded={sharded}, dp={self.dp_size})")
+        if sharded != bool(meta["sharded_optimizer"]):
+            raise ValueError(f"checkpoint {ckpt_dir}: optimizer layout (sharded={meta['sharded_optimizer']}) differs "
+                             f"from this run's (sharded={sharded}): resume with the same --use_distributed_optimizer")
         s = self.stage_index
-        opt_file = os.path.join(ckpt_dir, f"stage{s}_optimizer_dp{self.dp_rank if sharded else 0}.pt")
+
+        def opt_file(r: int) -> dict:
+            return torch.load(os.path.join(ckpt_dir, f"stage{s}_optimizer_dp{r}.pt"), map_location="cpu",
+                              weights_only=True)
+        if not sharded:  # one file per stage whatever the dp size (FSDP's state is gathered to it)
+            opt = opt_file(0)
+        elif int(meta["dp_size"]) == self.dp_size:
+            opt = opt_file(self.dp_rank)
+        else:  # ZeRO shards of another dp size: every saved shard, re-sharded by the optimizer
+            opt = [opt_file(r) for r in range(int(meta["dp_size"]))]
         self.load_state_dict({"model": load_file(os.path.join(ckpt_dir, f"stage{s}_model.safetensors")),
-                              "optimizer": torch.load(opt_file, map_location="cpu", weights_only=True)})
+                              "optimizer": opt})
 
 
 def read_pipeline_meta(ckpt_dir: str) -> dict:

@@ -84,6 +84,54 @@ def test_pure_function_and_resume_yields_same_batches():
     assert _ids(next(unshuffled)) == [4, 5, 6, 7]
 
 
+def _step_samples(layout, n_steps, n=203, start=None):
+    """{optimizer step: sorted samples read by all ranks' micro-batches} for a (W, B, A) layout."""
+    W, B, A = layout
+    loaders = [ResumableLoader(Ids(n), B, seed=5, rank=r, world_size=W, samples_per_step=W * B * A)
+               for r in range(W)]
+    if start is not None:
+        for ld in loaders:
+            ld.load_state_dict(json.loads(json.dumps(start)))
+    out = [sorted(i for ld in loaders for _ in range(A) for i in _ids(next(ld))) for _ in range(n_steps)]
+    return out, loaders[0].state_dict()
+
+
+def test_same_global_batch_reads_the_same_samples_per_step_in_any_layout():
+    """G = 16 samples per optimizer step as 2 ranks x 4 x 2 micro-batches, 1 x 4 x 4, 4 x 2 x 2, 1 x 16 x 1:
+    each step reads the same 16 samples, across the epoch boundary (203 // 16 = 12 steps per epoch),
+    and a cursor saved in one layout continues in any other."""
+    layouts = [(2, 4, 2), (1, 4, 4), (4, 2, 2), (1, 16, 1)]
+    ref, _ = _step_samples(layouts[0], 30)
+    assert all(len(s) == len(set(s)) == 16 for s in ref)
+    assert len({i for s in ref[:12] for i in s}) == 12 * 16  # no sample twice within an epoch
+    for lay in layouts[1:]:
+        assert _step_samples(lay, 30)[0] == ref, lay
+    for a in layouts:
+        head, cursor = _step_samples(a, 7)
+        assert cursor["sample_in_epoch"] == 7 * 16 and cursor["global_batch_size"] == 16
+        for b in layouts:
+            tail, _ = _step_samples(b, 23, start=cursor)
+            assert head + tail == ref, (a, b)
+    with pytest.raises(ValueError, match="global_batch_size=16 but this loader has 8"):
+        _step_samples((1, 4, 2), 1, start=cursor)
+    with pytest.raises(ValueError, match="not a multiple"):  # a cursor in the middle of a step of 3 x 8
+        ResumableLoader(Ids(203), 16, seed=5, samples_per_step=16).load_state_dict(dict(cursor, sample_in_epoch=24))
+    with pytest.raises(ValueError, match="multiple of batch_size"):
+        ResumableLoader(Ids(203), 3, seed=5, world_size=2, samples_per_step=16)
+
+
+def test_format_1_cursor_still_loads_at_the_same_layout():
+    """Checkpoints written before the cursor counted samples hold {epoch, step_in_epoch} in calls of B*W."""
+    ds = Ids(200)
+    old = {"epoch": 1, "step_in_epoch": 3, "seed": 3, "num_samples": 200, "global_batch_size": 12,
+           "shuffle": 1, "drop_last": 1}
+    ld = ResumableLoader(ds, 6, seed=3, rank=1, world_size=2)
+    ld.load_state_dict(old)
+    assert (ld.epoch, ld.step_in_epoch) == (1, 3)
+    with pytest.raises(ValueError, match="global_batch_size=12 but this loader has 6"):
+        ResumableLoader(ds, 6, seed=3, rank=0, world_size=1).load_state_dict(old)
+
+
 def test_mixture_follows_weights_regardless_of_sizes():
     small, big = Ids(10), Ids(5000)
     mix = MixtureDataset({"small": small, "big": big}, {"small": 0.7, "big": 0.3}, seed=11, num_samples=4000)
