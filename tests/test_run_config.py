@@ -35,12 +35,28 @@ def test_resume_takes_the_saved_run_and_lists_overrides(tmp_path):
     assert len(said) == 1 and "max_iters 1000 -> 50" in said[0] and "learning_rate" not in said[0]
 
 
-@pytest.mark.parametrize("flag", ["--dim=64", "--max_seq_len=128", "--data_dir=other", "--seed=1", "--n_layers=3"])
+@pytest.mark.parametrize("flag", ["--dim=64", "--max_seq_len=128", "--data_dir=other", "--seed=1", "--n_layers=3",
+                                  "--lora_alpha=32"])
 def test_resume_refuses_changes_that_break_exactness(tmp_path, flag):
     _run_dir(tmp_path)
     with pytest.raises(ConfigError) as e:
         resolve_resume_config(T.TrainConfig(), ["--init_from=resume", flag], str(tmp_path), log=lambda s: None)
     assert flag.split("=")[0] in str(e.value)
+
+
+def test_same_directory_spelled_otherwise_is_not_a_data_change(tmp_path, monkeypatch):
+    """`--data_dir=d/`, `d`, `./d` and its absolute path name the same data (resolved in the working directory)."""
+    monkeypatch.chdir(tmp_path)
+    _run_dir(tmp_path)
+    for spelling in ("d/", "./d", str(tmp_path / "d"), str(tmp_path / "d") + "/"):
+        said = []
+        cfg, _ = resolve_resume_config(T.TrainConfig(), ["--init_from=resume", f"--data_dir={spelling}",
+                                                         "--tokenizer_dir=./t/"], str(tmp_path), log=said.append)
+        assert "nothing changed" in said[0], (spelling, said)
+        from utils.run_config import same_value
+        assert same_value("data_dir", "d", cfg.data_dir)
+    with pytest.raises(ConfigError, match="--data_dir"):
+        resolve_resume_config(T.TrainConfig(), ["--init_from=resume", "--data_dir=d2"], str(tmp_path), log=print)
 
 
 def test_resume_allows_data_change_when_asked(tmp_path):

@@ -252,6 +252,15 @@ def test_fresh_run_refuses_an_out_dir_with_checkpoints(pretrained):
     assert (pretrained["out"] / "metrics.jsonl").read_text() == before  # nothing of the old run touched
 
 
+def test_resuming_a_finished_run_reports_its_final_validation_loss(pretrained, tmp_path):
+    """Nothing left to train: the run says so with the validation loss it ended with (was: nan)."""
+    run = tmp_path / "run"
+    shutil.copytree(pretrained["out"], run)
+    final = [r for r in read_metrics(str(run / "metrics.jsonl")) if r["step"] == 12][-1]["val_loss"]
+    proc = run_cmd(train_cmd([f"--out_dir={run}", "--init_from=resume"]), env=_env())
+    assert f"done: 12 steps, final val_loss {final:.4f}," in proc.stdout, proc.stdout[-1500:]
+
+
 def test_bad_configuration_exits_2(tiny_pretrain_run_args, tmp_path):
     for bad in (["--max_iterz=3"], ["--batch_size=two"], ["--task_type=rlhf"], ["--task_type=sft"]):
         proc = subprocess.run(train_cmd([*tiny_pretrain_run_args, f"--out_dir={tmp_path / 'bad'}", *bad]),

@@ -28,6 +28,10 @@ SEQ_KEYS = ("max_seq_len",)
 # The pipeline split fixes which stage file holds which layer, and its optimizer state: resume at the same P.
 MESH_KEYS = ("pipeline_parallel_size",)
 DATA_KEYS = ("task_type", "data_dir", "data_mix", "tokenizer_dir", "seed", "val_ratio", "sft_packing")
+# LoRA's scale alpha / r multiplies what the adapters learned: another alpha is another model.
+LORA_SCALE_KEYS = ("lora_alpha",)
+# Directories: `shards/`, `shards` and its absolute path name the same data.
+PATH_KEYS = ("data_dir", "tokenizer_dir", "out_dir", "ref_model")
 # Where the run came from is history, not a setting to re-apply: a resume keeps --init_from=resume.
 NOT_RESTORED = ("init_from",)
 
@@ -67,12 +71,20 @@ def config_from_saved(defaults: T, saved: dict, source: str, log: Callable[[str]
     return dataclasses.replace(defaults, **values)
 
 
+def same_value(key: str, a: Any, b: Any) -> bool:
+    """Equal settings; directory flags compare as normalised absolute paths (a trailing slash, `./`
+    or an absolute spelling of the same directory is not a change)."""
+    if key in PATH_KEYS and isinstance(a, str) and isinstance(b, str) and a and b:
+        return os.path.normpath(os.path.abspath(a)) == os.path.normpath(os.path.abspath(b))
+    return a == b
+
+
 def changed_values(old: Any, new: Any) -> dict[str, tuple[Any, Any]]:
     """field -> (old, new) for every field that differs."""
     out = {}
     for f in dataclasses.fields(old):
         a, b = getattr(old, f.name), getattr(new, f.name)
-        if a != b:
+        if not same_value(f.name, a, b):
             out[f.name] = (a, b)
     return out
 
@@ -83,6 +95,9 @@ def resume_problems(changes: dict[str, tuple[Any, Any]], allow_data_change: bool
     for k, (a, b) in changes.items():
         if k in MODEL_SHAPE_KEYS:
             out.append(f"--{k}={b!r} (the run used {a!r}): the model's shape is fixed by its checkpoint")
+        elif k in LORA_SCALE_KEYS:
+            out.append(f"--{k}={b!r} (the run used {a!r}): it scales what the adapters were trained to; the "
+                       "resumed model would not be the saved one")
         elif k in MESH_KEYS:
             out.append(f"--{k}={b!r} (the run used {a!r}): a pipeline checkpoint resumes only at the pipeline "
                        "layout it was saved with (to change it, start a new run with --init_from=<this run>)")
