@@ -1,0 +1,184 @@
+"""Kill-and-resume trials: SIGKILL supervised training runs at random instants, compare with an uninterrupted run.
+
+    python scripts/kill_trials.py [--kills=5] [--seed=0] [--configs=ddp,zero2,...] [--work=/tmp/kill_trials]
+
+For every configuration: one uninterrupted reference run, then the same command under
+`monitor_process.py`, whose training process tree (torchrun and every rank) this script kills with
+SIGKILL `--kills` times, at instants drawn from a seeded random generator over the reference's
+wall time (some land in start-up, before anything is recorded; some inside an evaluation or a
+checkpoint save, which the intervals make frequent). The monitor restarts the run each time and it
+resumes. A trial matches when its per-step losses (the last row of each step) and its final
+weights are bit-identical to the reference's. Prints one line per configuration and the totals;
+exit 1 on any mismatch or any run that did not finish.
+
+Not a test (minutes of wall time, real random kills): its figures go into the README. The tiny
+tokenizer and shards are built from the bundled corpus as tests/conftest.py does.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+PY = sys.executable
+
+# name -> (processes, flags); every run: fp32, CPU, 16 steps, evaluation and checkpoint every 2 steps
+CONFIGS: dict[str, tuple[int, list[str]]] = {
+    "ddp": (1, []),
+    "ddp2-zero1": (2, ["--batch_size=2", "--use_distributed_optimizer=true", "--zero_stage=1"]),
+    "ddp2-zero2": (2, ["--batch_size=2", "--use_distributed_optimizer=true", "--zero_stage=2"]),
+    "fsdp2-raf-false": (2, ["--batch_size=2", "--parallel=fsdp", "--reshard_after_forward=false"]),
+    "fsdp1": (1, ["--parallel=fsdp"]),
+    "pipeline2": (2, ["--pipeline_parallel_size=2", "--gradient_accumulation_steps=2"]),
+    "lora": (1, ["--lora_rank=4", "@base"]),  # @base: --init_from=<the ddp reference run>
+}
+
+
+def build_data(base: str) -> dict:
+    corpus = os.path.join(base, "corpus")
+    os.makedirs(corpus, exist_ok=True)
+    src = os.path.join(ROOT, "data", "pretrain")
+    for name in sorted(os.listdir(src)):
+        if name.endswith(".jsonl"):
+            with open(os.path.join(src, name), encoding="utf-8") as f:
+                docs = [json.loads(line)["text"] for _, line in zip(range(60), f)]
+            with open(os.path.join(corpus, name), "w", encoding="utf-8") as f:
+                f.writelines(json.dumps({"text": d[:1500]}, ensure_ascii=False) + "\n" for d in docs)
+    tok, shards = os.path.join(base, "tok"), os.path.join(base, "shards")
+    for cmd in ([PY, "-m", "tokenizer.train_tokenizer", f"--data_dir={corpus}", f"--output_dir={tok}",
+                 "--vocab_size=384", "--tokenizer_type=hf_bbpe"],
+                [PY, "-m", "data_preprocess.pretokenize_pretrain_data", f"--data_dir={corpus}",
+                 f"--tokenizer_dir={tok}", f"--output_dir={shards}", "--num_workers=1", "--no_progress"],
+                [PY, "-m", "data_preprocess.build_pretrain_sample_index_map", f"--data_dir={shards}",
+                 "--max_seq_len=32", "--val_ratio=0.1"]):
+        subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)
+    return {"tok": tok, "shards": shards}
+
+
+def train_cmd(nproc: int, args: list[str]) -> list[str]:
+    if nproc == 1:
+        return [PY, os.path.join(ROOT, "train_my_ddp.py"), *args]
+    return [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            os.path.join(ROOT, "train_my_ddp.py"), *args]
+
+
+def common_args(data: dict) -> list[str]:
+    return [f"--data_dir={data['shards']}", f"--tokenizer_dir={data['tok']}", "--max_seq_len=32", "--dim=32",
+            "--n_layers=2", "--n_heads=4", "--multiple_of=16", "--batch_size=4", "--learning_rate=1e-2",
+            "--warmup_iters=2", "--max_iters=16", "--eval_interval=2", "--eval_iters=2", "--checkpoint_interval=2",
+            "--keep_last=2", "--log_interval=1", "--progress=false", "--peak_flops=1e11", "--device=cpu",
+            "--seed=7"]
+
+
+def results(out_dir: str) -> tuple[dict[int, float], dict]:
+    from parallel.engine import checkpoint_model_state
+    from utils.checkpoint import find_latest_valid
+    from utils.metrics import dedupe_by_step, read_metrics
+    losses = {s: r["loss"] for s, r in dedupe_by_step(read_metrics(os.path.join(out_dir, "metrics.jsonl"))).items()}
+    return losses, checkpoint_model_state(find_latest_valid(out_dir, log=lambda m: None))
+
+
+def descendants(pid: int) -> list[int]:
+    import psutil
+    try:
+        return [p.pid for p in psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def kill_tree_of_child(monitor_pid: int) -> bool:
+    """SIGKILL every process under the monitor (the training, all ranks); the monitor survives."""
+    pids = descendants(monitor_pid)
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return bool(pids)
+
+
+def trial(name: str, nproc: int, args: list[str], work: str, kills: int, rng: random.Random,
+          ref_seconds: float) -> dict:
+    out = os.path.join(work, f"{name}-killed")
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [PY, os.path.join(ROOT, "monitor_process.py"), "--backoff_base=0", "--max_restarts=50",
+           "--hang_timeout=300", "--", *train_cmd(nproc, [*args, f"--out_dir={out}"])]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    os.makedirs(out, exist_ok=True)
+    mon_out = open(os.path.join(work, f"{name}-monitor.out"), "w")  # the monitor's own output (its log is in out)
+    mon = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=mon_out, stderr=subprocess.STDOUT)
+    done_kills, instants = 0, []
+    while done_kills < kills and mon.poll() is None:
+        wait = rng.uniform(0.2, 1.2 * ref_seconds)  # from the (re)start: start-up, steps, evals, saves
+        deadline = time.time() + wait
+        while time.time() < deadline and mon.poll() is None:
+            time.sleep(0.05)
+        if mon.poll() is None and kill_tree_of_child(mon.pid):
+            done_kills += 1
+            instants.append(round(wait, 2))
+            time.sleep(0.3)  # let the monitor notice and restart (backoff 0)
+    rc = mon.wait(timeout=1800)
+    mon_out.close()
+    summary = {}
+    try:
+        summary = json.load(open(os.path.join(out, "monitor_summary.json")))
+    except (OSError, ValueError):
+        pass
+    return {"out": out, "rc": rc, "kills": done_kills, "instants": instants, "status": summary.get("final_status"),
+            "restarts": summary.get("restarts")}
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--kills", type=int, default=5, help="SIGKILLs per configuration")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--work", default="/tmp/kill_trials")
+    a = p.parse_args(argv)
+    rng = random.Random(a.seed)
+    os.makedirs(a.work, exist_ok=True)
+    data = build_data(os.path.join(a.work, "data"))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    total_kills = mismatches = failures = 0
+    base_ref = os.path.join(a.work, "ddp-ref")
+    for name in a.configs.split(","):
+        nproc, flags = CONFIGS[name]
+        flags = [f"--init_from={base_ref}" if f == "@base" else f for f in flags]
+        args = [*common_args(data), *flags]
+        ref = os.path.join(a.work, f"{name}-ref")
+        shutil.rmtree(ref, ignore_errors=True)
+        t0 = time.time()
+        proc = subprocess.run(train_cmd(nproc, [*args, f"--out_dir={ref}"]), cwd=ROOT, env=env, capture_output=True,
+                              text=True)
+        if proc.returncode != 0:
+            print(f"{name}: the reference run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+            return 1
+        ref_seconds = time.time() - t0
+        t = trial(name, nproc, args, a.work, a.kills, rng, ref_seconds)
+        total_kills += t["kills"]
+        ok_run = t["rc"] == 0 and t["status"] == "completed"
+        same = False
+        if ok_run:
+            (lr, wr), (lk, wk) = results(ref), results(t["out"])
+            same = lr == lk and wr.keys() == wk.keys() and all(bool((wr[k] == wk[k]).all()) for k in wr)
+        failures += not ok_run
+        mismatches += ok_run and not same
+        print(f"{name:16s} kills {t['kills']} at {t['instants']} s after each start -> monitor {t['status']} "
+              f"after {t['restarts']} restarts "
+              f"(rc {t['rc']}); losses and weights {'identical' if same else 'DIFFER' if ok_run else 'n/a'} "
+              f"(reference {ref_seconds:.0f} s)", flush=True)
+    print(f"total: {total_kills} kills over {len(a.configs.split(','))} configurations, {mismatches} mismatches, "
+          f"{failures} runs that did not complete")
+    return 1 if mismatches or failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
