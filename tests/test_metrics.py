@@ -86,3 +86,24 @@ def test_resplot_dpo_panels_and_smoothed_throughput(tmp_path):
     assert steps == list(range(1, 11)) and margin[4] == pytest.approx(1.0)
     out = plot_runs([str(d)], str(tmp_path / "c.png"))
     assert open(out, "rb").read(4) == b"\x89PNG"
+
+
+def test_resume_keeps_each_step_once_and_the_crashed_rows_aside(tmp_path):
+    """A resume at step 3 after an attempt that logged steps 1-5 and died mid-line: metrics.jsonl keeps
+    1-3, the rows of 4-5 and the torn line go to metrics.jsonl.after_step3.<time>.old."""
+    from utils.metrics import MetricsLogger, read_metrics
+    path = tmp_path / "metrics.jsonl"
+    rows = [json.dumps({"step": s, "loss": 10.0 - s}) + "\n" for s in range(1, 6)]
+    path.write_text("".join(rows) + '{"step": 6, "lo')
+    said = []
+    m = MetricsLogger(str(tmp_path), resume_step=3, log=said.append)
+    m.write({"step": 4, "loss": 1.5})
+    m.close()
+    assert [(r["step"], r["loss"]) for r in read_metrics(str(path))] == [(1, 9.0), (2, 8.0), (3, 7.0), (4, 1.5)]
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("metrics.jsonl.after_step3.")]
+    assert len(aside) == 1
+    assert aside[0].read_text().splitlines() == [rows[3].strip(), rows[4].strip(), '{"step": 6, "lo']
+    assert "3 row(s)" in said[0]
+    # nothing after the resumed step: the file is left as it is, nothing set aside
+    MetricsLogger(str(tmp_path), resume_step=4, log=said.append).close()
+    assert len([p for p in tmp_path.iterdir() if p.name.startswith("metrics.jsonl.after")]) == 1

@@ -84,6 +84,10 @@ def test_resume_is_exact(tiny_pretrain_run_args, tmp_path, nproc, extra):
     assert max(losses(crashed)) == 4
     run_cmd(train_cmd([*args, f"--out_dir={crashed}", "--init_from=resume"], nproc), env=_env())
     assert losses(crashed) == losses(ref)  # bit-identical floats, steps 1..6
+    # each step once in metrics.jsonl; the crashed attempt's step 4 (after the step-3 checkpoint) kept aside
+    assert [s for s, _ in _raw_losses(crashed)] == [1, 2, 3, 4, 5, 6]
+    aside = [f for f in os.listdir(crashed) if f.startswith("metrics.jsonl.after_step3.")]
+    assert len(aside) == 1 and [s for s, _ in _raw_losses(crashed, aside[0])] == [4]
     a, b = final_weights(ref), final_weights(crashed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -151,8 +155,8 @@ def test_sft_then_dpo(pretrained, tiny_pretrain_data, tmp_path):
     assert state["init_info"]["ref_source"].startswith(str(sft))  # frozen reference = initial weights
 
 
-def _raw_losses(out_dir) -> list[tuple[int, float]]:
-    return [(r["step"], r["loss"]) for r in read_metrics(os.path.join(out_dir, "metrics.jsonl"))]
+def _raw_losses(out_dir, name: str = "metrics.jsonl") -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in read_metrics(os.path.join(out_dir, name))]
 
 
 @pytest.mark.parametrize("task", ["sft", "dpo"])
@@ -181,8 +185,10 @@ def test_crash_before_first_checkpoint_restarts_from_the_recorded_start(pretrain
     os.remove(no_record / "run_start.json")
     run_cmd(train_cmd([*args, "--init_from=resume", f"--out_dir={out}"]), env=_env())
     raw = _raw_losses(out)
-    assert [s for s, _ in raw] == [1, 2, 1, 2, 3]
-    assert raw[0] == raw[2] and raw[1] == raw[3]  # the same start: the same weights, data order and losses
+    assert [s for s, _ in raw] == [1, 2, 3]  # each step once: the crashed attempt's rows are kept aside
+    aside = [f for f in os.listdir(out) if f.startswith("metrics.jsonl.after_step0.")]
+    assert len(aside) == 1
+    assert _raw_losses(out, aside[0]) == raw[:2]  # the same start: the same weights, data order and losses
     final = find_latest_valid(str(out))
     assert json.loads(open(os.path.join(final, "model_config.json")).read())["dim"] == 32  # not the default 256
     init_info = json.loads(open(os.path.join(final, "trainer_state.json")).read())["init_info"]

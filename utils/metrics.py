@@ -87,20 +87,59 @@ class WandbSink:
         self.run.finish()
 
 
+def truncate_metrics_after(path: str, step: int, log: Any = print) -> int:
+    """Keep the rows of metrics.jsonl up to `step` (where a resumed run continues) and move the rows
+    after it, written by the attempt that crashed and now to be re-done, to
+    `metrics.jsonl.after_step<step>.<time>.old` beside it: the file then holds each step once.
+    A torn last line goes with them. Returns the number of rows moved aside."""
+    if not os.path.isfile(path):
+        return 0
+    keep, aside = [], []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                later = isinstance(rec, dict) and int(rec.get("step", 0)) > step
+            except (json.JSONDecodeError, TypeError, ValueError):
+                later = True  # torn or foreign: not a row of the resumed run
+            (aside if later else keep).append(line if line.endswith("\n") else line + "\n")
+    if not aside:
+        return 0
+    old = f"{path}.after_step{step}.{int(time.time())}.old"
+    with open(old, "w", encoding="utf-8") as f:
+        f.writelines(aside)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(keep)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    log(f"[metrics] resumed at step {step}: {len(aside)} row(s) of the interrupted attempt moved to {old}")
+    return len(aside)
+
+
 class MetricsLogger:
     def __init__(self, out_dir: str, enabled: bool = True, tensorboard: bool = False,
                  log: Any = print, wandb: bool = False, wandb_project: str = "", wandb_run_name: str = "",
-                 run_config: Optional[dict] = None) -> None:
+                 run_config: Optional[dict] = None, resume_step: Optional[int] = None) -> None:
+        """resume_step: the step a resumed run continues after; rows logged past it by the attempt
+        that crashed leave metrics.jsonl (kept aside) and TensorBoard (purge_step), so each step is
+        logged once. W&B keeps its own last step (WandbSink)."""
         self.enabled = enabled
         self.path = os.path.join(out_dir, "metrics.jsonl")
         self.heartbeat_path = os.path.join(out_dir, "heartbeat")
         self.log = log
         self.tb = None
         self.wandb: Optional[WandbSink] = None
+        if enabled and resume_step is not None:
+            truncate_metrics_after(self.path, int(resume_step), log)
         if enabled and tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
-                self.tb = SummaryWriter(os.path.join(out_dir, "tensorboard"))
+                purge = None if resume_step is None else int(resume_step) + 1
+                self.tb = SummaryWriter(os.path.join(out_dir, "tensorboard"), purge_step=purge)
             except ImportError:
                 log("[metrics] tensorboard not installed; metrics go to metrics.jsonl only "
                     "(pip install tensorboard to enable)")
