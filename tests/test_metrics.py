@@ -88,6 +88,42 @@ def test_resplot_dpo_panels_and_smoothed_throughput(tmp_path):
     assert open(out, "rb").read(4) == b"\x89PNG"
 
 
+def test_resplot_axes_linear_dpo_apart_validation_accuracy_and_restarts(tmp_path, monkeypatch):
+    """An LM run and a DPO run in one figure: linear loss axes, the DPO loss on its own panel (never on the
+    LM loss's), the validation reward accuracy drawn, and each restart a vertical line at its step."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from utils.resplot import plot_runs, restart_steps
+    lm, dpo = tmp_path / "lm", tmp_path / "dpo"
+    for d in (lm, dpo):
+        d.mkdir()
+    (lm / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 7.0 - 0.1 * s, "lr": 1e-3,
+                                                          "tokens_per_sec": 10.0}) + "\n" for s in range(1, 9)))
+    (lm / "metrics.jsonl.after_step4.123.old").write_text("")
+    (lm / "monitor_summary.json").write_text(json.dumps({"attempts": [{"resumed_from_step": 0},
+                                                                     {"resumed_from_step": 6}]}))
+    (dpo / "metrics.jsonl").write_text("".join(json.dumps(
+        {"step": s, "loss": 0.69, "reward_acc": 0.6, "chosen_reward": 0.1, "rejected_reward": 0.0,
+         **({"val_loss": 0.68, "val_reward_acc": 0.7} if s % 2 == 0 else {})}) + "\n" for s in range(1, 7)))
+    assert restart_steps(str(lm)) == [4, 6] and restart_steps(str(dpo)) == []
+    saved = {}
+    monkeypatch.setattr(plt.Figure, "savefig", lambda self, *a, **k: saved.setdefault("fig", self))
+    plot_runs([str(lm), str(dpo)], str(tmp_path / "c.png"))
+    axes = {ax.get_title(): ax for ax in saved["fig"].axes if ax.get_visible()}
+    assert all(ax.get_yscale() == "linear" for ax in axes.values())
+    lm_loss = axes["train loss"]
+    assert [ln.get_label() for ln in lm_loss.get_lines() if not ln.get_label().startswith("_")] == ["lm"]
+    dpo_loss = axes["DPO loss (train line, validation dots)"]
+    assert {ln.get_label() for ln in dpo_loss.get_lines()} >= {"dpo", "dpo (validation)"}
+    acc = axes["DPO reward accuracy (train line, validation dots)"]
+    val = [ln for ln in acc.get_lines() if ln.get_label() == "dpo (validation)"][0]
+    assert list(val.get_xdata()) == [2, 4, 6] and list(val.get_ydata()) == [0.7, 0.7, 0.7]
+    vlines = sorted({float(ln.get_xdata()[0]) for ln in lm_loss.get_lines() if ln.get_label().startswith("_")
+                     and len(set(ln.get_xdata())) == 1})
+    assert vlines == [4.0, 6.0]
+
+
 def test_resume_keeps_each_step_once_and_the_crashed_rows_aside(tmp_path):
     """A resume at step 3 after an attempt that logged steps 1-5 and died mid-line: metrics.jsonl keeps
     1-3, the rows of 4-5 and the torn line go to metrics.jsonl.after_step3.<time>.old."""
