@@ -36,6 +36,7 @@ def test_peak_table_by_device_name_and_dtype():
 
 def test_peak_resolution_order_and_cpu_cache(monkeypatch, tmp_path):
     monkeypatch.delenv("PEAK_FLOPS", raising=False)
+    monkeypatch.setenv("MYLLM_CACHE_DIR", str(tmp_path / "machine"))
     p = flops.resolve_peak_flops("cpu", torch.float32, override=5e11)
     assert (p.flops, p.source, p.is_estimate) == (5e11, "flag", False)
     monkeypatch.setenv("PEAK_FLOPS", "2e11")
@@ -79,3 +80,20 @@ def test_low_precision_warning_only_where_the_cpu_emulates_it(monkeypatch):
     monkeypatch.undo()
     monkeypatch.setattr(ud, "cpu_has_native_low_precision", lambda dtype: True)
     assert ud.low_precision_cpu_warning("cpu", torch.float16) is None
+
+
+def test_cpu_peak_is_the_best_seen_on_the_machine_so_load_cannot_halve_it(monkeypatch, tmp_path):
+    """Runs started on a busy machine measure less; they divide by the best rate this CPU has shown."""
+    monkeypatch.delenv("PEAK_FLOPS", raising=False)
+    monkeypatch.setenv("MYLLM_CACHE_DIR", str(tmp_path / "machine"))
+    seq = iter([1.2e10, 2.1e9, 4.0e9, 1.5e10])
+    monkeypatch.setattr(flops, "measure_peak_flops", lambda *a, **k: next(seq))
+    got = [flops.resolve_peak_flops("cpu", torch.float32, cache_dir=str(tmp_path / f"run{i}")) for i in range(4)]
+    assert [p.flops for p in got] == [1.2e10, 1.2e10, 1.2e10, 1.5e10]
+    assert "this start 2.1 GFLOP/s, best seen on this machine 12" in got[1].detail
+    # each run keeps the figure it started with (a resume continues the same MFU curve)
+    assert flops.resolve_peak_flops("cpu", torch.float32, cache_dir=str(tmp_path / "run1")).flops == 1.2e10
+    # another dtype or thread count is another entry
+    seq2 = iter([3.0e9])
+    monkeypatch.setattr(flops, "measure_peak_flops", lambda *a, **k: next(seq2))
+    assert flops.resolve_peak_flops("cpu", torch.bfloat16).flops == 3.0e9
