@@ -3,6 +3,7 @@ PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+STEPS ?= 800
 
 .PHONY: demo test test-gpu venv bench clean
 
@@ -14,8 +15,9 @@ $(STAMP): requirements.txt
 	$(VPY) -m pip install --quiet -r requirements.txt
 	touch $(STAMP)
 
+# `make demo STEPS=50`: a short version (default 800 training steps)
 demo: venv
-	$(VPY) scripts/demo.py
+	STEPS=$(STEPS) $(VPY) scripts/demo.py
 
 test: venv
 	$(VPY) -m pytest -q tests

@@ -1,5 +1,5 @@
 # The `make demo` run: a 4.3M-parameter Llama2 on the bundled corpus, CPU, a few minutes.
-#   python train_my_ddp.py config/demo.py --data_dir=demo_out/pretok --tokenizer_dir=demo_out/tok
+#   python train_my_ddp.py config/demo.py --data_dir=demo_out/pretok --tokenizer_dir=demo_out/tokenizer
 # A .py config is executed as Python (nanoGPT style): only use config files you trust.
 out_dir = "demo_out/run"
 max_seq_len = 128

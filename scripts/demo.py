@@ -18,6 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, "demo_out")
 PY = sys.executable
 SEQ = 128
+STEPS = int(os.environ.get("STEPS") or 800)  # `make demo STEPS=50` for a short version
 
 
 def run(title: str, args: list[str]) -> None:
@@ -47,8 +48,9 @@ def main() -> int:
     run("4/5 pretrain a tiny Llama2 on CPU",
         [PY, "train_my_ddp.py", f"--out_dir={run_dir}", f"--data_dir={pretok}", f"--tokenizer_dir={tok}",
          f"--max_seq_len={SEQ}", "--dim=256", "--n_layers=4", "--n_heads=8", "--batch_size=16",
-         "--max_iters=800", "--eval_interval=100", "--eval_iters=10", "--log_interval=50",
-         "--checkpoint_interval=200", "--learning_rate=3e-3", "--min_lr=3e-4", "--warmup_iters=30",
+         f"--max_iters={STEPS}", f"--eval_interval={max(1, STEPS // 8)}", "--eval_iters=10",
+         f"--log_interval={max(1, STEPS // 16)}", f"--checkpoint_interval={max(1, STEPS // 4)}",
+         "--learning_rate=3e-3", "--min_lr=3e-4", f"--warmup_iters={min(30, max(1, STEPS // 10))}",
          "--weight_decay=0.1"])
     # the falling validation loss, read back from the run's metrics
     import json

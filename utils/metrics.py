@@ -45,6 +45,16 @@ class Throughput:
         return sum(t for t, _ in self._steps) / sum(s for _, s in self._steps)
 
 
+def _reinit_value(wandb: Any) -> Any:
+    """`reinit="finish_previous"` where wandb knows it (>= 0.19.10, which warns about the old boolean on
+    every start), else the boolean that meant the same."""
+    try:
+        parts = [int(p) for p in str(wandb.__version__).split(".")[:3]]
+    except ValueError:
+        return True
+    return "finish_previous" if tuple(parts + [0, 0])[:3] >= (0, 19, 10) else True
+
+
 class WandbSink:
     """Weights & Biases, optional. The run id is kept in `<out_dir>/wandb_run.json`, so a resumed
     run (also after a crash, under the supervisor) continues the same W&B run; steps already
@@ -63,7 +73,7 @@ class WandbSink:
         self.last_step = int(state.get("last_step", -1))
         self.skipped = 0
         self.run = wandb.init(project=project or None, name=run_name or None, id=run_id, resume="allow",
-                              dir=out_dir, config=config, reinit=True)
+                              dir=out_dir, config=config, reinit=_reinit_value(wandb))
         self._save_state(run_id)
         log(f"[metrics] wandb run {run_id} ({'resumed' if state else 'new'}; mode "
             f"{os.environ.get('WANDB_MODE', 'online')}) in {out_dir}/wandb")
