@@ -7,6 +7,8 @@ text (the byte-level round trip must stay exact), or read files itself.
 """
 from __future__ import annotations
 
+import sys
+
 from typing import Iterable, Iterator
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -50,7 +52,8 @@ def train_hf_bbpe(docs: Iterable[str], learned_vocab_size: int, min_frequency: i
         min_frequency=min_frequency,
         special_tokens=[],  # appended later, after the learned pieces
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # all 256 bytes: nothing is ever unknown
-        show_progress=progress,
+        # the Rust trainer's bars print only blank lines when stderr is not a terminal (logs, CI)
+        show_progress=progress and sys.stderr.isatty(),
     )
     tk.train_from_iterator(_batches(docs), trainer=trainer)
     return tk
