@@ -164,10 +164,46 @@ def _values_from_py(path: str, code: str) -> dict[str, Any]:
             if not (k.startswith("_") or isinstance(v, (types.ModuleType, types.FunctionType, type)))}
 
 
+def _json_object_without_duplicates(path: str):
+    """object_pairs_hook for json.loads: a key given twice in one object is an error, not "last one wins"."""
+    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in pairs:
+            if k in out:
+                raise ConfigError(f"config file {path}: key {k!r} is given twice (which value was meant?)")
+            out[k] = v
+        return out
+    return hook
+
+
+def _yaml_loader_without_duplicates(yaml: Any, path: str) -> Any:
+    """yaml.SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last one silently)."""
+    class Loader(yaml.SafeLoader):
+        pass
+
+    def construct_mapping(loader: Any, node: Any, deep: bool = False) -> Any:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = loader.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                first = seen.get(key)
+            except TypeError:  # an unhashable key: let PyYAML report it
+                continue
+            if first is not None:
+                raise ConfigError(f"config file {path}: key {key!r} is given twice (lines {first} and {line}; "
+                                  "which value was meant?)")
+            seen[key] = line
+        return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+    Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, construct_mapping)
+    return Loader
+
+
 def _values_from_data(path: str, text: str) -> dict[str, Any]:
     if path.lower().endswith(".json"):
         try:
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_json_object_without_duplicates(path))
         except json.JSONDecodeError as e:
             raise ConfigError(f"config file {path}: not valid JSON ({e})") from None
     else:
@@ -177,7 +213,7 @@ def _values_from_data(path: str, text: str) -> dict[str, Any]:
             raise ConfigError(f"config file {path}: YAML config files need PyYAML (pip install pyyaml), "
                               "or write the config as .json") from None
         try:
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=_yaml_loader_without_duplicates(yaml, path))  # noqa: S506 - a SafeLoader
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {path}: not valid YAML ({' '.join(str(e).split())})") from None
         if data is None:  # an empty YAML file

@@ -11,12 +11,16 @@ new rows as initialised, model/resize.py). Checkpoints of every engine export th
 pipeline-parallel run's stage files are merged into one model (parallel.engine.checkpoint_model_state),
 a sharded FSDP (DCP) one without LoRA is streamed: read and written one safetensors shard at a time
 (`--max_shard_gb`, HF's sharded layout with model.safetensors.index.json), never the whole model in memory. Importing goes the other way with
-`--init_from=<HF dir>` in train_my_ddp.py. Must never modify the checkpoint.
+`--init_from=<HF dir>` in train_my_ddp.py. Exit 2 for a bad flag or a --checkpoint that names nothing,
+5 for a damaged checkpoint (one line naming the file; docs/errors.md). Must never modify the checkpoint.
 """
 from __future__ import annotations
 
 import os
+import pickle
 import sys
+
+from utils.constants import EXIT_BAD_CHECKPOINT
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,19 +47,23 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         found = select_checkpoint(args.ckpt, args.checkpoint)
-    except ckpt.CheckpointError as e:
-        print(f"export_hf: {e}", file=sys.stderr)
-        return 2
+    except ckpt.CheckpointError as e:  # 5: the checkpoint asked for is damaged; 2: it names nothing
+        print(f"export_hf: {ckpt.one_line(e)}", file=sys.stderr)
+        return ckpt.selection_exit_code(e, args.ckpt, args.checkpoint)
+    from safetensors import SafetensorError
+
     from train_config import TrainingError
-    streamed = _export_sharded_streaming(found, args)
-    if streamed is not None:
-        return streamed
     try:
+        streamed = _export_sharded_streaming(found, args)
+        if streamed is not None:
+            return streamed
         model, run_cfg = model_from_checkpoint(found)
-    except (TrainingError, ckpt.CheckpointError) as e:  # e.g. the LoRA base or its tokenizer moved
-        print(f"export_hf: {' '.join(str(e).split())}", file=sys.stderr)
-        return getattr(e, "code", 5)
+    except (TrainingError, ckpt.CheckpointError, SafetensorError, pickle.UnpicklingError) as e:
+        # a damaged file (named), or e.g. the LoRA base or its tokenizer moved
+        print(f"export_hf: {ckpt.one_line(e)}", file=sys.stderr)
+        return getattr(e, "code", EXIT_BAD_CHECKPOINT)
     tok_dir = args.tokenizer_dir or run_cfg.get("tokenizer_dir")
+    tok_dir = tok_dir if isinstance(tok_dir, str) else None
     problem = _vocab_problem(tok_dir, model.cfg.vocab_size)
     if problem:
         print(f"export_hf: {problem}", file=sys.stderr)
@@ -66,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if lora and args.adapters_out_dir:
         save_lora(model, args.adapters_out_dir, base_model_name_or_path=os.path.abspath(args.out_dir))
-        lora_base = ckpt.read_json(os.path.join(found, "trainer_state.json")).get("lora_base")
+        lora_base = ckpt.read_trainer_state(found).get("lora_base")
         if lora_base:  # the frozen base as the run started (grown to the run's tokenizer when it was)
             base = load_lora_base(lora_base, found, log=lambda m: None)
         else:  # the frozen base weights, without the adapters (trained embedding / LM head rows included)
@@ -95,29 +103,26 @@ def _vocab_problem(tok_dir: str | None, vocab_size: int) -> str | None:
 def _export_sharded_streaming(found: str, args) -> int | None:
     """A DCP (--parallel=fsdp) checkpoint without LoRA: stream it shard by shard into a sharded HF
     directory, never holding the whole model. None when the checkpoint is not of that kind."""
-    from model import ModelConfig
     from model.hf_interop import export_hf_streaming
     from parallel.engine import is_sharded_checkpoint
     from utils import checkpoint as ckpt
     if not is_sharded_checkpoint(found):
         return None
-    run_cfg = ckpt.read_json(os.path.join(found, "config.json"))
-    if run_cfg.get("lora_rank", 0) > 0 or args.adapters_out_dir:
-        return None  # adapters are merged or split in memory: the general path below
-    from parallel.dcp_checkpoint import DCPCheckpointError, load_model_tensors, model_tensor_specs
-    cfg = ModelConfig.from_dict(ckpt.read_json(os.path.join(found, "model_config.json")))
+    run_cfg = ckpt.read_checkpoint_json(found, "config.json")
+    lora_rank = run_cfg.get("lora_rank", 0)
+    if not isinstance(lora_rank, int) or lora_rank > 0 or args.adapters_out_dir:
+        return None  # adapters are merged or split in memory: the general path below (it names a bad config.json)
+    from parallel.dcp_checkpoint import load_model_tensors, model_tensor_specs
+    cfg = ckpt.read_model_config(found)  # CheckpointError naming model_config.json: exit 5
     tok_dir = args.tokenizer_dir or run_cfg.get("tokenizer_dir")
+    tok_dir = tok_dir if isinstance(tok_dir, str) else None
     problem = _vocab_problem(tok_dir, cfg.vocab_size)
     if problem:
         print(f"export_hf: {problem}", file=sys.stderr)
         return 2
-    try:
-        specs = model_tensor_specs(found)
-        out, n = export_hf_streaming(cfg, specs, lambda names: load_model_tensors(found, names), args.out_dir,
-                                     tokenizer_dir=tok_dir, max_shard_bytes=int(args.max_shard_gb * 2**30))
-    except DCPCheckpointError as e:
-        print(f"export_hf: {' '.join(str(e).split())}", file=sys.stderr)
-        return 5
+    specs = model_tensor_specs(found)  # a damaged file raises DCPCheckpointError naming it (caught by main: 5)
+    out, n = export_hf_streaming(cfg, specs, lambda names: load_model_tensors(found, names), args.out_dir,
+                                 tokenizer_dir=tok_dir, max_shard_bytes=int(args.max_shard_gb * 2**30))
     print(f"export_hf: {found} -> {out} (LlamaForCausalLM, streamed from the sharded checkpoint: {n} safetensors "
           f"shard(s) of <= {args.max_shard_gb:g} GiB, one in memory at a time)")
     return 0

@@ -6,9 +6,14 @@ What it owns:
 - Starting the training command (an argument list, never a string split on spaces) in its own
   process group, teeing its stdout/stderr to the terminal and to a log file.
 - Deciding what an exit means (utils/constants.py): 0 is done and is NEVER restarted; 2/3/4/5 are
-  non-retryable and are reported; 75 means the run was interrupted after saving; anything else,
-  including death by a signal, is a crash that is restarted with `--init_from=resume` after an
-  exponential backoff, up to --max_restarts.
+  non-retryable and are reported; 75 means the run was interrupted after saving; 76 is a loss spike
+  (--spike_guard, below); anything else, including death by a signal, is a crash that is restarted
+  with `--init_from=resume` after an exponential backoff, up to --max_restarts. A run that died before
+  it recorded how it started (no run_start.json, no checkpoint) is restarted with the original command.
+- Loss spikes (exit 76, the step in <out_dir>/spike.json): move the checkpoints at or after the spike
+  aside, replay from the newest one before it; a spike that comes back at the same step is the data's
+  fault and its data window is skipped (`--skip_data_steps=` on every later restart), one that does
+  not is the machine's and is only logged.
 - Hang detection from the mtime of <out_dir>/heartbeat and <out_dir>/metrics.jsonl, killing the
   whole process tree it started (all ranks, also torchrun workers that live in their own sessions).
 - Forwarding SIGINT/SIGTERM to the training's process group and then stopping without a restart.
@@ -18,7 +23,9 @@ What it must never do:
 - Restart a run that exited 0 or with a non-retryable code (trap 15), or split the command on
   spaces (trap 16).
 - Import torch or anything of the training stack: it must keep working when those are broken.
-- Write anything in out_dir besides its log and summary; checkpoints belong to the trainer.
+- Write anything in out_dir besides its log and summary; checkpoints belong to the trainer. The one
+  exception: after a loss spike it MOVES checkpoints it must not resume into checkpoints_after_spike/
+  (never deletes them).
 - Signal processes it did not start.
 """
 from __future__ import annotations
@@ -38,10 +45,14 @@ from typing import BinaryIO, Optional
 
 # The monitor lives next to utils/, so this import works from any working directory when the
 # script is run by path (sys.path[0] is the script's directory).
-from utils.constants import EXIT_INTERRUPTED, EXIT_OK, NON_RETRYABLE_EXIT_CODES
+from utils.constants import EXIT_INTERRUPTED, EXIT_LOSS_SPIKE, EXIT_OK, NON_RETRYABLE_EXIT_CODES
+from utils.spike_guard import AFTER_SPIKE_DIR, SPIKE_FILE, format_data_steps, parse_data_steps, read_spike_record
 
 RESUME_FLAG = "--init_from"
 RESUME_VALUE = "resume"
+SKIP_FLAG = "--skip_data_steps"
+RUN_START = "run_start.json"  # the trainer's record of how the run started (utils/checkpoint.py)
+SPIKE_SKIP_CHOICES = ("since_checkpoint", "step")
 TAIL_BYTES = 64 * 1024  # enough of the output to find torchrun's "Root Cause" block
 
 
@@ -62,6 +73,8 @@ class MonitorConfig:
     startup_timeout: float
     kill_grace: float
     poll_interval: float
+    spike_skip: str = "since_checkpoint"
+    max_spike_events: int = 10
 
 
 def parse_args(argv: list[str]) -> tuple[MonitorConfig, list[str]]:
@@ -72,7 +85,9 @@ def parse_args(argv: list[str]) -> tuple[MonitorConfig, list[str]]:
                "torchrun --standalone --nproc_per_node=8 train_my_ddp.py --out_dir=out/pre ...",
         description="Run a training command, restart it on crashes and hangs, report what happened. "
                     "Exit 0 and exit codes 2 (bad config), 3 (bad data), 4 (non-finite loss), "
-                    "5 (unusable checkpoint) are never restarted; 75 (interrupted after saving) stops the monitor too.")
+                    "5 (unusable checkpoint) are never restarted; 75 (interrupted after saving) stops the monitor too; "
+                    "76 (a loss spike, train_my_ddp.py --spike_guard=true) rolls back to the checkpoint before it, "
+                    "replays once, and skips the data if the spike comes back (docs/monitor.md).")
     p.add_argument("--out_dir", help="the run's out_dir (default: the command's --out_dir=)")
     p.add_argument("--log_file", help="tee file for the output (default: <out_dir>/monitor.log)")
     p.add_argument("--summary_file", help="default: <out_dir>/monitor_summary.json")
@@ -88,6 +103,13 @@ def parse_args(argv: list[str]) -> tuple[MonitorConfig, list[str]]:
                    help="grace before the first heartbeat of each attempt (imports, data, compile)")
     p.add_argument("--kill_grace", type=float, default=30.0, help="seconds between SIGTERM and SIGKILL")
     p.add_argument("--poll_interval", type=float, default=1.0)
+    p.add_argument("--spike_skip", choices=SPIKE_SKIP_CHOICES, default="since_checkpoint",
+                   help="data skipped after a loss spike that reproduced: since_checkpoint (default: every data "
+                        "step from the checkpoint the replay resumed from up to the spike, as PaLM did) or step "
+                        "(only the spike step's data)")
+    p.add_argument("--max_spike_events", type=int, default=10,
+                   help="loss spikes handled (rollback + replay) before giving up; these restarts do not count "
+                        "against --max_restarts")
     if "--" not in argv:
         if any(x in ("-h", "--help") for x in argv):
             p.parse_args(["--help"])  # prints the help and exits 0
@@ -102,7 +124,7 @@ def parse_args(argv: list[str]) -> tuple[MonitorConfig, list[str]]:
     summary = a.summary_file or (os.path.join(out_dir, "monitor_summary.json") if out_dir else None)
     cfg = MonitorConfig(out_dir, log_file, summary, a.max_restarts, a.count_only_stalled_restarts,
                         a.backoff_base, a.backoff_max, a.hang_timeout, a.startup_timeout,
-                        a.kill_grace, a.poll_interval)
+                        a.kill_grace, a.poll_interval, a.spike_skip, a.max_spike_events)
     return cfg, command
 
 
@@ -117,8 +139,8 @@ def flag_value(command: list[str], key: str) -> Optional[str]:
     return value
 
 
-def with_resume(command: list[str]) -> list[str]:
-    """The command with every --init_from replaced by --init_from=resume (appended if absent).
+def with_flag(command: list[str], key: str, value: str) -> list[str]:
+    """The command with every `key=v` / `key v` replaced by `key=value` (appended if absent).
 
     Appending at the end is right under torchrun too: everything after the script goes to it.
     """
@@ -129,17 +151,22 @@ def with_resume(command: list[str]) -> list[str]:
         if skip_next:
             skip_next = False
             continue
-        if arg.startswith(RESUME_FLAG + "="):
-            out.append(f"{RESUME_FLAG}={RESUME_VALUE}")
+        if arg.startswith(key + "="):
+            out.append(f"{key}={value}")
             found = True
-        elif arg == RESUME_FLAG and i + 1 < len(command):
-            out.append(f"{RESUME_FLAG}={RESUME_VALUE}")
+        elif arg == key and i + 1 < len(command):
+            out.append(f"{key}={value}")
             found = skip_next = True
         else:
             out.append(arg)
     if not found:
-        out.append(f"{RESUME_FLAG}={RESUME_VALUE}")
+        out.append(f"{key}={value}")
     return out
+
+
+def with_resume(command: list[str]) -> list[str]:
+    """The command with every --init_from replaced by --init_from=resume (appended if absent)."""
+    return with_flag(command, RESUME_FLAG, RESUME_VALUE)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -170,6 +197,15 @@ def read_steps(metrics_path: str, offset: int) -> tuple[list[int], int]:
     return steps, offset + end
 
 
+def file_identity(path: Optional[str]) -> Optional[tuple[int, int]]:
+    """(device, inode) of a file, None when it does not exist: tells an append from a replacement."""
+    try:
+        st = os.stat(path) if path else None
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino) if st else None
+
+
 def newest_checkpoint_step(out_dir: Optional[str]) -> int:
     """Step of the newest checkpoints/step_XXXXXXXX/ holding COMPLETE — what a resume loads (0: none)."""
     if not out_dir:
@@ -185,6 +221,60 @@ def newest_checkpoint_step(out_dir: Optional[str]) -> int:
         if m and os.path.exists(os.path.join(root, name, "COMPLETE")):
             best = max(best, int(m.group(1)))
     return best
+
+
+def checkpoint_dirs(out_dir: str) -> list[tuple[int, str]]:
+    """(step, name) of every checkpoints/step_XXXXXXXX/ directory, complete or not, oldest first."""
+    try:
+        names = os.listdir(os.path.join(out_dir, "checkpoints"))
+    except OSError:
+        return []
+    found = [(int(m.group(1)), n) for n in names if (m := re.fullmatch(r"step_(\d+)", n))]
+    return sorted(found)
+
+
+def run_has_started(out_dir: str) -> bool:
+    """Whether the trainer recorded this run yet: run_start.json (written before the first step) or any
+    checkpoints/step_* directory. Without either, `--init_from=resume` has nothing to resume."""
+    return os.path.exists(os.path.join(out_dir, RUN_START)) or bool(checkpoint_dirs(out_dir))
+
+
+def move_checkpoints_aside(out_dir: str, first_step: int) -> list[str]:
+    """Move every checkpoints/step_N with N >= first_step into checkpoints_after_spike/ (never deleted;
+    a name already there gets a .1, .2, ... suffix). Returns the new paths, relative to out_dir."""
+    moved = []
+    for step, name in checkpoint_dirs(out_dir):
+        if step < first_step:
+            continue
+        aside = os.path.join(out_dir, AFTER_SPIKE_DIR)
+        os.makedirs(aside, exist_ok=True)
+        dest, n = os.path.join(aside, name), 0
+        while os.path.exists(dest):
+            n += 1
+            dest = os.path.join(aside, f"{name}.{n}")
+        try:
+            os.rename(os.path.join(out_dir, "checkpoints", name), dest)
+        except FileNotFoundError:  # another node's monitor moved it first
+            continue
+        moved.append(os.path.relpath(dest, out_dir))
+    return moved
+
+
+def loss_at_step(metrics_path: str, step: int) -> Optional[float]:
+    """The last loss metrics.jsonl logged for `step` (None when it has none)."""
+    loss = None
+    try:
+        with open(metrics_path, "rb") as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(rec, dict) and rec.get("step") == step and isinstance(rec.get("loss"), (int, float)):
+                    loss = float(rec["loss"])
+    except OSError:
+        pass
+    return loss
 
 
 def liveness_mtime(out_dir: Optional[str]) -> Optional[float]:
@@ -366,6 +456,9 @@ class Summary:
     last_step: Optional[int] = None
     total_time_s: float = 0.0
     attempts: list[Attempt] = field(default_factory=list)
+    # loss spikes (exit 76): {"skip_policy", "skip_data_steps", "events": [{"step", "data_step", "loss",
+    # "median", "reason", "attempt", "rolled_back_to_step", "moved_aside", "reproduced", "verdict", ...}]}
+    spike_guard: dict = field(default_factory=dict)
 
 
 class Monitor:
@@ -378,6 +471,13 @@ class Monitor:
         self.stop_announced = False
         self.child: Optional[Child] = None
         self.metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl") if cfg.out_dir else None
+        try:  # data steps the command already skips; spikes that reproduce add to them
+            self.skip_steps: set[int] = set(parse_data_steps(flag_value(command, SKIP_FLAG) or ""))
+        except ValueError:
+            self.skip_steps = set()  # the trainer names the bad value itself (exit 2)
+        self.pending_spike: Optional[dict] = None  # the event being replayed
+        self.summary.spike_guard = {"skip_policy": cfg.spike_skip, "skip_data_steps": sorted(self.skip_steps),
+                                    "events": []}
         self.log_lock = threading.Lock()
         if cfg.log_file:
             os.makedirs(os.path.dirname(os.path.abspath(cfg.log_file)), exist_ok=True)
@@ -414,6 +514,7 @@ class Monitor:
     def run_attempt(self, attempt: Attempt) -> None:
         cfg = self.cfg
         steps_before, offset = read_steps(self.metrics_path, 0) if self.metrics_path else ([], 0)
+        metrics_file = file_identity(self.metrics_path)
         best_step_before = max(steps_before, default=0)
         ckpt_before = newest_checkpoint_step(cfg.out_dir)
         alive_at_start = liveness_mtime(cfg.out_dir)
@@ -448,7 +549,12 @@ class Monitor:
         attempt.signal = signal.Signals(-rc).name if rc < 0 else None
         attempt.root_exit_code = torchrun_root_cause_exit_code(child.output_tail()) if rc == 1 else None
         if self.metrics_path:
-            steps, _ = read_steps(self.metrics_path, offset)
+            if file_identity(self.metrics_path) != metrics_file:
+                # Replaced: a resume moves the rows after its step aside (utils/metrics.py), so the offset
+                # means nothing; this attempt's rows are those after the step it resumed from.
+                steps = [x for x in read_steps(self.metrics_path, 0)[0] if x > attempt.resumed_from_step]
+            else:
+                steps, _ = read_steps(self.metrics_path, offset)
             if steps:
                 attempt.first_step, attempt.last_step = steps[0], steps[-1]
             attempt.made_progress = max(steps, default=0) > best_step_before
@@ -470,6 +576,8 @@ class Monitor:
             return "non_retryable"
         if code == EXIT_INTERRUPTED:
             return "interrupted"
+        if code == EXIT_LOSS_SPIKE:
+            return "loss_spike"
         return "signal" if a.signal else "crash"
 
     # -- the loop -------------------------------------------------------------------------------
@@ -499,19 +607,30 @@ class Monitor:
             self.say(f"attempt {attempt.index} ended: {self.describe(attempt)}")
             if attempt.last_step is not None:
                 s.last_step = attempt.last_step
+            if attempt.cause != "loss_spike":
+                self.settle_replay(attempt)
             stop = self.stop_reason(attempt)
             if stop:
                 self.finish(*stop)
                 break
-            # A crash or a hang: restart in resume mode, unless the budget is spent.
-            stalled_in_a_row = 0 if attempt.made_progress else stalled_in_a_row + 1
-            attempt.counted = not (self.cfg.count_only_stalled_restarts and attempt.made_progress)
-            if attempt.counted and s.counted_restarts >= self.cfg.max_restarts:
-                self.finish("gave_up", f"{attempt.cause} after {s.counted_restarts} counted restarts "
-                            f"(--max_restarts={self.cfg.max_restarts})", self.exit_code_of(attempt))
-                break
-            delay = min(self.cfg.backoff_max, self.cfg.backoff_base * 2 ** max(0, stalled_in_a_row - 1))
-            self.say(f"restarting in {delay:g}s with {RESUME_FLAG}={RESUME_VALUE}")
+            if attempt.cause == "loss_spike":
+                # Roll back and replay, or skip the data: bounded by --max_spike_events, not --max_restarts.
+                stop = self.on_spike(attempt)
+                if stop:
+                    self.finish(*stop)
+                    break
+                attempt.counted, delay = False, 0.0  # a deterministic replay gains nothing by waiting
+            else:
+                # A crash or a hang: restart in resume mode, unless the budget is spent.
+                stalled_in_a_row = 0 if attempt.made_progress else stalled_in_a_row + 1
+                attempt.counted = not (self.cfg.count_only_stalled_restarts and attempt.made_progress)
+                if attempt.counted and s.counted_restarts >= self.cfg.max_restarts:
+                    self.finish("gave_up", f"{attempt.cause} after {s.counted_restarts} counted restarts "
+                                f"(--max_restarts={self.cfg.max_restarts})", self.exit_code_of(attempt))
+                    break
+                delay = min(self.cfg.backoff_max, self.cfg.backoff_base * 2 ** max(0, stalled_in_a_row - 1))
+            command, how = self.restart_command()
+            self.say(f"restarting in {delay:g}s with {how}")
             if not self.sleep_unless_stopped(delay):
                 self.finish("stopped", "stop signal during the restart backoff", EXIT_INTERRUPTED)
                 break
@@ -520,7 +639,6 @@ class Monitor:
                 attempt.steps_lost = max(0, attempt.last_step - resume_step)
             s.restarts += 1
             s.counted_restarts += int(attempt.counted)
-            command = with_resume(self.command)
         s.total_steps_lost = sum(a.steps_lost for a in s.attempts)
         s.total_time_s = round(time.time() - t0, 3)
         self.report()
@@ -543,6 +661,85 @@ class Monitor:
         if a.cause == "interrupted":
             return ("interrupted", "the training was interrupted by someone else and saved (exit 75); "
                     "not restarting over an operator's decision", EXIT_INTERRUPTED)
+        return None
+
+    def restart_command(self) -> tuple[list[str], str]:
+        """(the command of the next attempt, how it was made, for the log)."""
+        if self.cfg.out_dir and not run_has_started(self.cfg.out_dir):
+            # It died in start-up, before the trainer recorded how the run starts: resuming would find
+            # nothing (exit 2). Start it again the way the user did.
+            command = list(self.command)
+            how = (f"the original command, unchanged (no {RUN_START} and no checkpoint in the out_dir: the run "
+                   "stopped before it recorded how it started)")
+        else:
+            command, how = with_resume(self.command), f"{RESUME_FLAG}={RESUME_VALUE}"
+        if self.skip_steps:
+            value = format_data_steps(self.skip_steps)
+            command = with_flag(command, SKIP_FLAG, value)
+            how += f" and {SKIP_FLAG}={value}"
+        return command, f"{how}: {subprocess.list2cmdline(command)}"
+
+    # -- loss spikes ----------------------------------------------------------------------------
+    def settle_replay(self, a: Attempt) -> None:
+        """An attempt that logged the replayed spike step with no spike: the machine's fault."""
+        p = self.pending_spike
+        if p is None or a.last_step is None or a.last_step < p["step"]:
+            return
+        p.update(reproduced=False, verdict="machine", replay_attempt=a.index,
+                 replay_loss=loss_at_step(self.metrics_path, p["step"]) if self.metrics_path else None)
+        self.pending_spike = None
+        self.say(f"the loss spike at step {p['step']} did NOT reproduce on the replay (loss {p['replay_loss']}): "
+                 "blamed on the machine (a transient hardware or software fault); no data skipped")
+
+    def on_spike(self, a: Attempt) -> Optional[tuple[str, str, int]]:
+        """Exit 76: roll back before the spike and replay it, or, when the replay spiked at the same
+        step, skip its data window. Returns (status, reason, code) when the run must stop instead."""
+        g, out_dir = self.summary.spike_guard, self.cfg.out_dir
+        rec = read_spike_record(out_dir) if out_dir else None
+        if rec is None:
+            return ("non_retryable", f"exit code {EXIT_LOSS_SPIKE} (loss spike) but no readable {SPIKE_FILE} in the "
+                    "out_dir: the monitor cannot tell which checkpoints come after the spike", EXIT_LOSS_SPIKE)
+        step, data_step = rec["step"], rec["data_step"]
+        p = self.pending_spike
+        if p is not None and p["step"] == step:
+            # Reproduced: training is deterministic, so the data (with the weights it met) is to blame.
+            resumed = rec.get("resumed_from") or {}
+            from_step, from_data = int(resumed.get("step", 0)), int(resumed.get("data_step", 0))
+            window = [data_step] if self.cfg.spike_skip == "step" else list(range(from_data + 1, data_step + 1))
+            # since_checkpoint: the window starts at the checkpoint the replay resumed from, so resume
+            # exactly there: a later checkpoint would already have trained on part of the window
+            moved = move_checkpoints_aside(out_dir, step if self.cfg.spike_skip == "step" else from_step + 1)
+            self.skip_steps |= set(window)
+            g["skip_data_steps"] = sorted(self.skip_steps)
+            p.update(reproduced=True, verdict="data", replay_attempt=a.index, replay_loss=rec.get("loss"),
+                     skipped_data_steps=window, continued_from_step=newest_checkpoint_step(out_dir))
+            p["moved_aside"] += moved
+            self.pending_spike = None
+            self.say(f"the loss spike at step {step} reproduced on the replay (loss {rec.get('loss')}): the data is to "
+                     f"blame; skipping data steps {format_data_steps(window)} (--spike_skip={self.cfg.spike_skip}) "
+                     f"and continuing from checkpoint step {p['continued_from_step']}"
+                     + (f" (moved aside: {', '.join(moved)})" if moved else ""))
+            return None
+        if p is not None:  # the replay spiked elsewhere: the first one did not come back
+            p.update(reproduced=False, verdict="machine", replay_attempt=a.index,
+                     note=f"the replay spiked at step {step} instead")
+            self.pending_spike = None
+            self.say(f"the loss spike at step {p['step']} did NOT reproduce on the replay (it spiked at step {step} "
+                     "instead): blamed on the machine; handling the new spike")
+        if len(g["events"]) >= self.cfg.max_spike_events:
+            return ("gave_up", f"loss spike at step {step} after {len(g['events'])} handled spikes "
+                    f"(--max_spike_events={self.cfg.max_spike_events})", EXIT_LOSS_SPIKE)
+        moved = move_checkpoints_aside(out_dir, step)
+        back_to = newest_checkpoint_step(out_dir)
+        event = {"step": step, "data_step": data_step, "loss": rec.get("loss"), "median": rec.get("median"),
+                 "reason": rec.get("reason"), "attempt": a.index, "rolled_back_to_step": back_to,
+                 "moved_aside": moved, "reproduced": None, "verdict": "replaying", "skipped_data_steps": []}
+        g["events"].append(event)
+        self.pending_spike = event
+        self.say(f"loss spike at step {step} (data step {data_step}; {rec.get('reason')}: loss {rec.get('loss')}, "
+                 f"running median {rec.get('median')}): rolled back to checkpoint step {back_to}"
+                 + (f" (moved aside: {', '.join(moved)})" if moved else "")
+                 + f"; replaying steps {back_to + 1}..{step} once to see whether it reproduces")
         return None
 
     @staticmethod
@@ -588,6 +785,11 @@ class Monitor:
             lines.append(f"  restart after attempt {a.index}: {a.cause} "
                          f"(exit {a.exit_code}, signal {a.signal}), last step {a.last_step}, "
                          f"steps lost {a.steps_lost}")
+        for e in s.spike_guard.get("events", []):
+            outcome = {"data": f"reproduced: data steps {format_data_steps(e['skipped_data_steps'])} skipped",
+                       "machine": "did not reproduce: machine fault, nothing skipped"}.get(e["verdict"], e["verdict"])
+            lines.append(f"  loss spike at step {e['step']} (data step {e['data_step']}): rolled back to step "
+                         f"{e['rolled_back_to_step']}, {outcome}")
         for line in lines:
             self.say(line)
         if self.cfg.summary_file:

@@ -5,25 +5,42 @@ recorded (its --tokenizer_dir), unless `--tokenizer_dir` is given (required for 
 
 Owns: the command-line wrapper around model.generate (KV cache, temperature / top-k / top-p
 sampling, stop at </s> or <|im_end|>) and `build_prompt_ids`. `--chat` wraps the prompt in the ChatML
-template as a user turn (for SFT/DPO models). Must never modify the checkpoint, or turn text the user
-typed (`<|im_end|>`, `</s>`, ...) into special ids: only the template's own markers are special.
+template as a user turn (for SFT/DPO models). Exit 2 for a bad flag or a --checkpoint that names
+nothing, 5 for a damaged checkpoint (one line naming the file; docs/errors.md). Must never modify the
+checkpoint, or turn text the user typed (`<|im_end|>`, `</s>`, ...) into special ids: only the
+template's own markers are special.
 """
 from __future__ import annotations
 
 import os
+import pickle
 import sys
 from typing import Any, Optional
 
 import torch
 
 
-def load_for_inference(ckpt_path: str, device: torch.device, which: str = "latest"):
-    """(model in eval mode on `device`, info) from a HF directory, or a run's `which` checkpoint."""
-    from train_my_ddp import _is_hf_dir, load_weights_from
+def _select(ckpt_path: str, which: str, log) -> str:
+    """A HF directory as it is, or the run's `which` checkpoint (verified). TrainingError with exit 5
+    when what was asked for is damaged, 2 when it names nothing."""
+    from train_config import TrainingError
+    from train_my_ddp import _is_hf_dir
+    from utils import checkpoint as ckpt
     from utils.run_config import select_checkpoint
+    if os.path.isdir(ckpt_path) and _is_hf_dir(ckpt_path):
+        return ckpt_path
+    try:
+        return select_checkpoint(ckpt_path, which, log=log)
+    except ckpt.CheckpointError as e:
+        raise TrainingError(ckpt.one_line(e), ckpt.selection_exit_code(e, ckpt_path, which)) from e
+
+
+def load_for_inference(ckpt_path: str, device: torch.device, which: str = "latest"):
+    """(model in eval mode on `device`, info) from a HF directory, or a run's `which` checkpoint.
+    TrainingError (with its exit code) or CheckpointError (exit 5, naming the file) when it cannot."""
+    from train_my_ddp import load_weights_from
     log = lambda m: print(m, file=sys.stderr)  # noqa: E731
-    path = ckpt_path if _is_hf_dir(ckpt_path) else select_checkpoint(ckpt_path, which, log=log)
-    model, info = load_weights_from(path, log=log)
+    model, info = load_weights_from(_select(ckpt_path, which, log), log=log)
     return model.to(device).eval(), info
 
 
@@ -31,13 +48,13 @@ def recorded_tokenizer_dir(ckpt_path: str, which: str = "latest") -> Optional[st
     """The --tokenizer_dir the run trained with (from the checkpoint's config.json), or a HF dir's own."""
     from train_my_ddp import _is_hf_dir
     from utils import checkpoint as ckpt
-    from utils.run_config import select_checkpoint
-    if _is_hf_dir(ckpt_path):
-        return ckpt_path if os.path.exists(os.path.join(ckpt_path, "tokenizer_meta.json")) else None
-    found = select_checkpoint(ckpt_path, which, log=lambda m: None)
-    cfg_path = os.path.join(found, "config.json")
-    tok = ckpt.read_json(cfg_path).get("tokenizer_dir") if os.path.exists(cfg_path) else None
-    return tok or None
+    found = _select(ckpt_path, which, log=lambda m: None)
+    if _is_hf_dir(found):
+        return found if os.path.exists(os.path.join(found, "tokenizer_meta.json")) else None
+    if not os.path.exists(os.path.join(found, "config.json")):
+        return None
+    tok = ckpt.read_checkpoint_json(found, "config.json").get("tokenizer_dir")
+    return tok if isinstance(tok, str) and tok else None
 
 
 def build_prompt_ids(tok: Any, tokenizer_meta: dict, prompt: str, chat: bool) -> list[int]:
@@ -75,16 +92,25 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from model.generate import generate
+    from safetensors import SafetensorError
+
     from tokenizer import load_tokenizer, load_tokenizer_meta
-    from utils.checkpoint import CheckpointError
+    from train_config import TrainingError
+    from utils.checkpoint import CheckpointError, one_line
+    from utils.constants import EXIT_BAD_CHECKPOINT
     from utils.device import resolve_device
+
+    def fail(e: BaseException, code: int) -> int:
+        print(f"sample.py: {one_line(e)}", file=sys.stderr)
+        return code
 
     device = resolve_device(args.device)
     try:
         tok_dir = args.tokenizer_dir or recorded_tokenizer_dir(args.ckpt, args.checkpoint)
+    except TrainingError as e:  # 5: the checkpoint asked for is damaged; 2: it names nothing
+        return fail(e, e.code)
     except CheckpointError as e:
-        print(f"sample.py: {e}", file=sys.stderr)
-        return 2
+        return fail(e, EXIT_BAD_CHECKPOINT)
     if not tok_dir or not os.path.isdir(tok_dir):
         print(f"sample.py: no tokenizer: the run recorded {tok_dir!r}; pass --tokenizer_dir", file=sys.stderr)
         return 2
@@ -96,7 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"sample.py: --prompt: {e}", file=sys.stderr)
         return 2  # bad configuration (utils.constants.EXIT_BAD_CONFIG)
-    model, _ = load_for_inference(args.ckpt, device, args.checkpoint)
+    try:
+        model, _ = load_for_inference(args.ckpt, device, args.checkpoint)
+    except TrainingError as e:
+        return fail(e, e.code)
+    except (CheckpointError, SafetensorError, pickle.UnpicklingError) as e:  # each names the file at fault
+        return fail(e, EXIT_BAD_CHECKPOINT)
     torch.manual_seed(args.seed)
     x = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=device)
     stop_ids = [special["eos"]["id"], special["im_end"]["id"]]

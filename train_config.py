@@ -114,6 +114,16 @@ class TrainConfig:
     log_interval: int = _f(10, "log a line every N steps")
     checkpoint_interval: int = _f(100, "checkpoint every N steps (and at the end)")
     keep_last: int = _f(3, "keep this many newest checkpoints (plus the best by validation loss)")
+    # ---- stability guard (docs/monitor.md, "Loss spikes")
+    spike_guard: bool = _f(False, "stop with exit 76 and record the step in <out_dir>/spike.json when a step's loss "
+                           "is non-finite or above --spike_factor x the median of the previous --spike_window steps "
+                           "(judged once that many were seen); monitor_process.py then rolls back, replays the steps "
+                           "once, and skips their data if the spike comes back")
+    spike_factor: float = _f(3.0, "--spike_guard: a loss above this multiple of the running median is a spike (> 1)")
+    spike_window: int = _f(50, "--spike_guard: steps in the running median, and the warm-up before the first check")
+    skip_data_steps: str = _f("", "data steps never trained on, e.g. 12,13 or 10-13 (data step N = the global batch "
+                              "step N reads when nothing is skipped): drawn from the loader and discarded, the step "
+                              "trains on the next data. Kept in checkpoints: a resume skips them without the flag")
     tensorboard: bool = _f(False, "also log to <out_dir>/tensorboard when tensorboard is installed")
     wandb: bool = _f(False, "also log to Weights & Biases (WANDB_MODE=offline works without network); a resumed "
                      "run continues the same W&B run")
@@ -204,6 +214,10 @@ def validate_config(cfg: TrainConfig, world_size: Optional[int] = None) -> None:
             problems.append(f"--{name}={v}: {rule}")
 
     choice("task_type", ("pretrain", "sft", "dpo"))
+    if not str(cfg.out_dir).strip():
+        problems.append(f"--out_dir={cfg.out_dir!r}: must name the run directory (it holds the checkpoints)")
+    if not 0 <= cfg.seed < 2**32:  # numpy's and the data order's generators take a 32-bit unsigned seed
+        problems.append(f"--seed={cfg.seed}: must be in [0, {2**32 - 1}]")
     if not cfg.data_dir and not cfg.data_mix:
         problems.append("--data_dir is required")
     if not cfg.tokenizer_dir:
@@ -256,6 +270,13 @@ def validate_config(cfg: TrainConfig, world_size: Optional[int] = None) -> None:
     number("dpo_label_smoothing", 0.0, 0.5)
     number("powersgd_min_compression_rate", 0.0)
     number("peak_flops", 0.0, what="must be a finite number >= 0 (0 = measure)")
+    number("spike_factor", 1.0, low_open=True)
+    at_least("spike_window", 1)
+    from utils.spike_guard import parse_data_steps
+    try:
+        parse_data_steps(cfg.skip_data_steps)
+    except ValueError as e:
+        problems.append(f"--skip_data_steps={cfg.skip_data_steps!r}: {e}")
     if cfg.lora_train_embeddings and cfg.lora_rank == 0:
         problems.append("--lora_train_embeddings=true needs --lora_rank>0 (to train only the embedding and LM head, "
                         "use --trainable=embeddings)")

@@ -14,7 +14,8 @@ checkpoint) -> final evaluation.
 
 Exit codes (utils/constants.py): 0 done, 2 bad configuration, 3 bad data (also shards made with
 another tokenizer), 4 non-finite loss, 5 a checkpoint or weights directory that cannot be loaded,
-75 interrupted by SIGTERM/SIGINT after saving a checkpoint. 2, 3, 4 and 5 print one line
+75 interrupted by SIGTERM/SIGINT after saving a checkpoint, 76 a loss spike stopped the run (--spike_guard:
+the step is in <out_dir>/spike.json; the supervisor rolls back, replays, skips data). 2, 3, 4 and 5 print one line
 "[rank R] error: ..." on stderr and are never retried by monitor_process.py; any other failure is a
 crash (exit 1, traceback) that the supervisor restarts.
 
@@ -46,7 +47,7 @@ from utils.device import low_precision_cpu_warning, memory_stats, parse_dtype, s
 from utils.dist import DistInfo, all_reduce_max, barrier, destroy, init_distributed
 from utils.lr_schedule import lr_at
 from utils.metrics import MetricsLogger, Throughput, format_line
-from utils.run_config import DATA_KEYS, global_batch_problem, resolve_resume_config
+from utils.run_config import DATA_KEYS, global_batch_problem, resolve_resume_config, same_value
 
 
 # ---------------------------------------------------------------------------- fault hooks (tests)
@@ -55,7 +56,10 @@ def _fault(kind: str, step: int) -> bool:
     """MYLLM_FAULT=kind@step fires once per MYLLM_FAULT_ONCE_FILE (used by the supervisor tests).
 
     Kinds: crash (exit 1 at the start of the step), hang (park forever there), kill_in_save (SIGKILL
-    in the middle of that step's checkpoint save), nan_loss (that step's loss is NaN).
+    in the middle of that step's checkpoint save), nan_loss (that step's loss is NaN), and two loss
+    spikes keyed on the DATA, not the step (so skipping the data makes them go away; see
+    `_spike_fault`): spike_data@D (the step that trains on data step D) and spike_token@T (the
+    micro-batches holding token id T: a corrupt sample in real shards).
     """
     spec = os.environ.get("MYLLM_FAULT", "")
     if not spec or "@" not in spec:
@@ -80,6 +84,37 @@ def _fire_step_faults(step: int) -> None:
         print(f"[fault] hang@{step}", flush=True)
         while True:
             time.sleep(3600)
+
+
+def _has_token(batch: dict, token: int) -> bool:
+    return any(bool((v == token).any()) for k, v in batch.items() if k.endswith("input_ids"))
+
+
+def _spike_fault(data_step: int, batches: list) -> Optional[tuple[float, Optional[int]]]:
+    """(factor, token or None) when an injected loss spike hits this step's data, else None.
+
+    spike_data@D fires on the step that trains on data step D, spike_token@T on the micro-batches
+    holding token id T; both fire every time that data is read again (a replay from a checkpoint
+    reproduces them), or once with MYLLM_FAULT_ONCE_FILE (a one-off fault of the machine). The loss
+    and the gradients of the hit micro-batches are multiplied by MYLLM_FAULT_SPIKE_FACTOR (default 100).
+    Pipeline stages compute their loss inside the schedule and ignore these hooks."""
+    spec = os.environ.get("MYLLM_FAULT", "")
+    factor = float(os.environ.get("MYLLM_FAULT_SPIKE_FACTOR", "100"))
+    if spec.startswith("spike_data@") and _fault("spike_data", data_step):
+        return factor, None
+    if spec.startswith("spike_token@"):
+        token = int(spec.split("@", 1)[1])
+        if any(_has_token(b, token) for b in batches) and _fault("spike_token", token):
+            return factor, token
+    return None
+
+
+def _spiked(loss_fn, factor: float, token: Optional[int]):
+    """loss_fn with its loss sum (hence its gradients) multiplied by `factor` on the hit micro-batches."""
+    def fn(model, batch):
+        loss_sum, stats = loss_fn(model, batch)
+        return (loss_sum * factor if token is None or _has_token(batch, token) else loss_sum), stats
+    return fn
 
 
 # ---------------------------------------------------------------------------- data
@@ -142,11 +177,14 @@ def build_data(cfg: TrainConfig, dp_rank: int, dp_size: int, tok_meta: dict, fix
                                                val_ratio=cfg.val_ratio, seed=cfg.seed)
     else:
         raise TrainingError(f"--task_type={cfg.task_type!r}: expected pretrain, sft or dpo", EXIT_BAD_CONFIG)
-    if len(train) < cfg.batch_size * dp_size:
+    per_step = cfg.batch_size * dp_size * cfg.gradient_accumulation_steps  # samples per optimizer step
+    if len(train) < per_step:
         raise TrainingError(f"{cfg.data_dir}: {len(train)} training samples, fewer than one global batch "
-                            f"({cfg.batch_size} x {dp_size} data-parallel ranks)", EXIT_BAD_DATA)
+                            f"({cfg.batch_size} x {dp_size} data-parallel ranks x {cfg.gradient_accumulation_steps} "
+                            "accumulation steps)", EXIT_BAD_DATA)
+    # the cursor counts samples of G = per_step: any (ranks, batch, accumulation) with the same G resumes it
     train_loader = ResumableLoader(train, cfg.batch_size, cfg.seed, dp_rank, dp_size,
-                                   collate_fn=collate, shuffle=True)
+                                   collate_fn=collate, shuffle=True, samples_per_step=per_step)
 
     def make_val_loader():
         if len(val) < (cfg.batch_size if fixed_shape else 1) * dp_size:
@@ -164,24 +202,33 @@ def _is_hf_dir(path: str) -> bool:
     if not os.path.isfile(cfg_path) or not os.path.isfile(os.path.join(path, "model.safetensors")) and \
             not any(n.endswith(".safetensors") for n in os.listdir(path)):
         return False
-    with open(cfg_path, encoding="utf-8") as f:
-        return json.load(f).get("model_type") == "llama"
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):  # not an HF config; a checkpoint of ours names its damaged file on verification
+        return False
+    return isinstance(cfg, dict) and cfg.get("model_type") == "llama"
 
 
 def model_from_checkpoint(found: str) -> tuple[Any, dict]:
     """(model with the checkpoint's weights, the run's config) from one of our checkpoint directories.
 
     For a LoRA run the adapters are rebuilt as the run configured them and loaded, not merged.
+    Every file that cannot be used raises CheckpointError naming it (exit 5).
     """
-    from model import ModelConfig, Transformer
+    from model import Transformer
     from parallel.engine import checkpoint_model_state, load_weights
-    run_cfg = ckpt.read_json(os.path.join(found, "config.json"))
-    lora_base = ckpt.read_json(os.path.join(found, "trainer_state.json")).get("lora_base")
+    run_cfg = ckpt.read_checkpoint_json(found, "config.json")
+    lora_base = ckpt.read_trainer_state(found).get("lora_base")
     if lora_base:  # a light checkpoint: the frozen base comes from where the run took it
         model = load_lora_base(lora_base, found, log=lambda m: None)
     else:
-        model = Transformer(ModelConfig.from_dict(ckpt.read_json(os.path.join(found, "model_config.json"))))
-    select_trainable_for(model, run_cfg)
+        model = Transformer(ckpt.read_model_config(found))
+    try:
+        select_trainable_for(model, run_cfg)
+    except (ValueError, TypeError, AttributeError) as e:
+        raise ckpt.CheckpointError(f"checkpoint {found}: config.json: its LoRA / trainable settings do not apply "
+                                   f"({_one_line(e)})") from e
     if lora_base:
         check_lora_base(model, lora_base, found)
     load_weights(model, checkpoint_model_state(found), partial=bool(lora_base), source=found)
@@ -247,8 +294,8 @@ def load_weights_from(path: str, log, flag: str = "--init_from",
         raise TrainingError(f"{where}: no complete checkpoint or Hugging Face model there", EXIT_BAD_CONFIG)
     try:
         model, run_cfg = model_from_checkpoint(found)
-    except (ValueError, KeyError, OSError) as e:
-        raise TrainingError(f"checkpoint {found}: {e}", EXIT_BAD_CHECKPOINT) from e
+    except (ValueError, KeyError, OSError) as e:  # CheckpointError (naming the file) passes: exit 5 as well
+        raise TrainingError(f"checkpoint {found}: {_one_line(e)}", EXIT_BAD_CHECKPOINT) from e
     if run_cfg.get("lora_rank", 0) > 0:  # adapters were trained: fold them into the weights
         from model.lora import merge_lora
         merge_lora(model)
@@ -356,9 +403,11 @@ def named_error(e: BaseException) -> Optional[tuple[int, str]]:
         return EXIT_BAD_CONFIG, _one_line(e)
     if isinstance(e, (DataError, RecordError)):  # StaleIndexError is a DataError
         return EXIT_BAD_DATA, "data: " + _one_line(e)
-    if isinstance(e, (ckpt.CheckpointError, pickle.UnpicklingError, SafetensorError)):
-        msg = _one_line(e)
+    if isinstance(e, (ckpt.CheckpointError, pickle.UnpicklingError, SafetensorError)):  # names the file
+        msg = ckpt.one_line(e)
         return EXIT_BAD_CHECKPOINT, msg if msg.startswith("checkpoint ") else "checkpoint: " + msg
+    if isinstance(e, ckpt.CheckpointMismatchError):  # an intact checkpoint of another model
+        return EXIT_BAD_CONFIG, ckpt.one_line(e)
     return None
 
 
@@ -455,18 +504,15 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
         log(f"[init] previous metrics.jsonl (no checkpoint) moved to {aside}")
     seed_everything(cfg.seed)  # identical initial weights on every rank (and DDP broadcasts anyway)
 
-    from model import ModelConfig, Transformer
+    from model import Transformer
     init_info: dict = {"source": "scratch", "kind": "scratch"}
     if resume_dir is not None:
-        saved_state = ckpt.read_json(os.path.join(resume_dir, "trainer_state.json"))
+        saved_state = ckpt.read_trainer_state(resume_dir, required=("step", "world_size"))  # else exit 5 naming it
         init_info = saved_state.get("init_info", init_info)
         if saved_state.get("lora_base"):  # a light checkpoint: rebuild the frozen base first
             model = load_lora_base(saved_state["lora_base"], resume_dir, log)
         else:
-            try:
-                model = Transformer(ModelConfig.from_dict(ckpt.read_json(os.path.join(resume_dir, "model_config.json"))))
-            except ValueError as e:
-                raise TrainingError(f"checkpoint {resume_dir}: {e}", EXIT_BAD_CHECKPOINT) from e
+            model = Transformer(ckpt.read_model_config(resume_dir))  # CheckpointError naming the file: exit 5
     elif init_from != "scratch":
         model, init_info = load_weights_from(init_from, log, flag=init_flag, tokenizer_dir=cfg.tokenizer_dir)
     else:
@@ -564,6 +610,7 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
     # ---- resume: weights, optimizer (sharded under ZeRO), comm-hook state, data cursor, RNG
     iter_num, best_val, tokens_seen = 0, float("inf"), 0
     rng_to_restore = None
+    data_step, saved_skips, saved_guard = 0, [], None  # data steps drawn so far (trained or skipped); spike guard
     if resume_dir is not None:
         saved_cfg = ckpt.read_json(os.path.join(resume_dir, "config.json"))
         problem = global_batch_problem(dict(saved_cfg, world_size=saved_state["world_size"]), cfg.batch_size,
@@ -571,16 +618,19 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
             or engine.resume_problem(resume_dir, int(saved_state["world_size"]), info.world_size)
         if problem:
             raise TrainingError(f"cannot resume {resume_dir}: {problem}", EXIT_BAD_CONFIG)
-        try:
-            extra = engine.load(resume_dir, int(saved_state["world_size"]), info.rank, info.world_size)
-        except RuntimeError as e:
-            if isinstance(e, ckpt.CheckpointError):
-                raise
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        try:  # a damaged file raises CheckpointError naming it (exit 5); a missing extra_rank{r}.pt is logged
+            extra = engine.load(resume_dir, int(saved_state["world_size"]), info.rank, info.world_size,
+                                log=lambda m: print(m if info.is_main else f"[rank {info.rank}] {m}", flush=True))
+        except ckpt.CheckpointMismatchError as e:  # other tensor names or shapes than this model's
+            changed = [f"--{k}" for k in ("lora_rank", "lora_targets", "lora_train_embeddings", "trainable")
+                       if k in saved_cfg and saved_cfg[k] != getattr(cfg, k)]
+            if not changed:  # the run's own configuration builds this model: the file, not the flags, is wrong
+                raise ckpt.CheckpointError(f"{ckpt.one_line(e)} (the model is built from the checkpoint's own "
+                                           "model_config.json and config.json: the file is damaged)") from e
             raise TrainingError(f"the weights in {resume_dir} do not fit the model this configuration builds "
-                                f"(were --lora_* flags changed since the run started?): {first}",
+                                f"({', '.join(changed)} changed since the run started): {ckpt.one_line(e)}",
                                 EXIT_BAD_CONFIG) from e
-        new_data = [k for k in DATA_KEYS if k in saved_cfg and saved_cfg[k] != getattr(cfg, k)]
+        new_data = [k for k in DATA_KEYS if k in saved_cfg and not same_value(k, saved_cfg[k], getattr(cfg, k))]
         if new_data:  # only reachable with --allow_data_change=true (main() refuses it otherwise)
             log(f"[resume] data changed ({', '.join(new_data)}): reading the new data from its start")
         else:
@@ -588,11 +638,20 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
                 train_loader.load_state_dict(saved_state["data_cursor"])
             except ValueError as e:
                 raise TrainingError(f"cannot resume the data order from {resume_dir}: {e}. When changing the number "
-                                    "of processes keep --batch_size x world size (the global batch) the same",
-                                    EXIT_BAD_CONFIG) from e
+                                    "of processes keep --batch_size x --gradient_accumulation_steps x data-parallel "
+                                    "ranks (the global batch) the same", EXIT_BAD_CONFIG) from e
         iter_num = int(saved_state["step"])
         best_val = saved_state.get("best_val_loss") or float("inf")
         tokens_seen = int(saved_state.get("tokens_seen", 0))
+        if not new_data:  # the skip list names data steps of this data stream: a new stream starts afresh
+            try:
+                data_step = int(saved_state.get("data_step", iter_num))
+                saved_skips = [int(d) for d in saved_state.get("skip_data_steps", [])]
+                saved_guard = saved_state.get("spike_guard")
+                saved_guard = {"recent": [float(v) for v in saved_guard["recent"]]} if saved_guard else None
+            except (TypeError, ValueError, KeyError) as e:
+                raise TrainingError(f"checkpoint {resume_dir}: trainer_state.json: unreadable data_step, "
+                                    f"skip_data_steps or spike_guard ({e})", EXIT_BAD_CHECKPOINT) from e
         if extra is not None:
             rng_to_restore = extra["rng"]
         log(f"[resume] at step {iter_num}, data cursor {saved_state['data_cursor']}")
@@ -601,7 +660,8 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
         save_config_json(cfg, os.path.join(cfg.out_dir, "config.json"))
     metrics = MetricsLogger(cfg.out_dir, enabled=info.is_main, tensorboard=cfg.tensorboard, log=log,
                             wandb=cfg.wandb, wandb_project=cfg.wandb_project, wandb_run_name=cfg.wandb_run_name,
-                            run_config=dataclasses.asdict(cfg))
+                            run_config=dataclasses.asdict(cfg),
+                            resume_step=iter_num if cfg.init_from == "resume" else None)
 
     # ---- graceful stop: finish the step, save, exit 75
     stop = {"requested": False}
@@ -615,6 +675,9 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
         state = {"data_cursor": train_loader.state_dict(), "best_val_loss": None if best_val == float("inf") else best_val,
                  "val_loss": val_loss, "tokens_seen": tokens_seen, "init_info": init_info,
                  "lr": lr_at(max(0, step - 1), **lr_kw), "task_type": cfg.task_type}
+        state.update(data_step=data_step, skip_data_steps=sorted(skip_steps))  # a resume skips them too
+        if guard is not None:  # the running window: a resumed run judges its steps as an uninterrupted one
+            state["spike_guard"] = guard.state_dict()
         fault = (lambda: os.kill(os.getpid(), signal.SIGKILL)) if _fault("kill_in_save", step) else None
         path = engine.save(cfg.out_dir, step, rank=info.rank, world_size=info.world_size, model_config=mcfg.to_dict(),
                            trainer_state=state, run_config=dataclasses.asdict(cfg),
@@ -644,12 +707,36 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
         ckpt.restore_rng_state(rng_to_restore, info.device)
     engine.model.train()
     last_val: Optional[float] = None
+    if resume_dir is not None and isinstance(saved_state.get("val_loss"), (int, float)):
+        last_val = float(saved_state["val_loss"])  # resuming a finished run reports its real final loss
+    # ---- spike guard and skipped data (docs/monitor.md, "Loss spikes")
+    from utils.constants import EXIT_LOSS_SPIKE
+    from utils.spike_guard import SPIKE_FILE, SpikeDetector, format_data_steps, parse_data_steps, write_spike_record
+    skip_steps = set(saved_skips) | set(parse_data_steps(cfg.skip_data_steps))
+    if skip_steps:
+        log(f"[data] data steps never trained on: {format_data_steps(skip_steps)} (drawn and discarded; "
+            f"{sum(d > data_step for d in skip_steps)} of them still ahead, at data step {data_step})")
+    guard = None
+    if cfg.spike_guard:
+        guard = SpikeDetector(cfg.spike_factor, cfg.spike_window)
+        if saved_guard:
+            guard.load_state_dict(saved_guard)
+        log(f"[spike_guard] exit {EXIT_LOSS_SPIKE} when a loss is non-finite or above {cfg.spike_factor:g} x the "
+            f"median of the previous {cfg.spike_window} steps ({len(guard.recent)} known)")
+    resumed_from = {"step": iter_num, "data_step": data_step}
     t_last = time.time()
     while iter_num < cfg.max_iters:
         _fire_step_faults(iter_num + 1)
         lr = lr_at(iter_num, **lr_kw)
         optimizer.set_lr(lr)
+        skipped = []
+        while data_step + 1 in skip_steps:  # --skip_data_steps: the cursor moves past that data, untrained
+            for _ in range(gas):
+                next(train_loader)
+            data_step += 1
+            skipped.append(data_step)
         batches = [next(train_loader) for _ in range(gas)]  # this data-parallel rank's micro-batches
+        data_step += 1
         counts = engine.sum_over_data([float(sum(count_units(cfg, b) for b in batches)),
                                        float(sum(count_tokens(b) for b in batches))], info.device)
         global_units, step_tokens = max(1.0, float(counts[0])), float(counts[1])
@@ -657,12 +744,26 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
         poison = _fault("nan_loss", iter_num + 1)  # test hook: this step's loss (and gradients) become NaN
         # forward + backward of every micro-batch (gradient accumulation, or the pipeline schedule); the
         # gradients are those of (all ranks' loss sums) / global_units
-        loss_acc = engine.forward_backward(
-            batches, lambda model, batch: micro_batch_loss(cfg, model, ref_model, batch, info.device),
-            global_units, poison=poison)
+        spike_fault = _spike_fault(data_step, batches)  # test hook: a loss spike on this step's data
+        loss_fn = lambda model, batch: micro_batch_loss(cfg, model, ref_model, batch, info.device)  # noqa: E731
+        loss_acc = engine.forward_backward(batches, _spiked(loss_fn, *spike_fault) if spike_fault else loss_fn,
+                                           global_units, poison=poison)
         stepped, grad_norm = optimizer.step()  # waits for the gradient reductions, clips, steps
         tot = engine.sum_over_data(loss_acc, info.device)
         loss = float(tot[0]) / global_units
+        spike = guard.check(loss, nonfinite_is_spike=cfg.dtype != "fp16") if guard is not None else None
+        if spike is not None:  # the rollback is the supervisor's: record the step, save nothing, exit 76
+            if info.is_main:
+                write_spike_record(cfg.out_dir, dict(spike, step=iter_num + 1, data_step=data_step, loss=loss,
+                                                     factor=cfg.spike_factor, window=cfg.spike_window,
+                                                     resumed_from=resumed_from, skip_data_steps=sorted(skip_steps),
+                                                     time=time.time()))
+            barrier()  # no rank exits before the record is on disk
+            why = "is non-finite" if spike["reason"] == "non_finite" else \
+                f"> {cfg.spike_factor:g} x the running median {spike['median']:.4g}"
+            raise TrainingError(f"loss spike at step {iter_num + 1} (data step {data_step}): loss {loss:.4g} {why}; "
+                                f"recorded in {os.path.join(cfg.out_dir, SPIKE_FILE)}, nothing saved after it",
+                                EXIT_LOSS_SPIKE)
         if not math.isfinite(loss) and cfg.dtype != "fp16":
             raise TrainingError(f"non-finite loss {loss} at step {iter_num + 1}; the last good checkpoint in "
                                 f"{cfg.out_dir}/checkpoints is intact (lower --learning_rate or use --dtype=fp16 "
@@ -683,6 +784,10 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
         if cfg.task_type == "dpo":
             rec.update(chosen_reward=float(tot[1]) / global_units, rejected_reward=float(tot[2]) / global_units,
                        reward_acc=float(tot[3]) / global_units)
+        if skip_steps or guard is not None:
+            rec["data_step"] = data_step  # the data this step trained on
+        if skipped:
+            rec["skipped_data_steps"] = skipped  # drawn and discarded before it
         rec.update(memory_stats(info.device))
         do_eval = (cfg.eval_interval > 0 and iter_num % cfg.eval_interval == 0) or iter_num == cfg.max_iters
         if do_eval:

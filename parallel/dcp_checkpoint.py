@@ -30,6 +30,11 @@ reads it with an unpickler that can only construct an allow-list of DCP metadata
 `torch.Size`, dtypes/layouts and paths, and refuses any other global (so a crafted file cannot call
 arbitrary code).
 
+Loading: every reader starts with `check_dcp_checkpoint` (the checks of utils/checkpoint.verify_checkpoint,
+.metadata's paths confined to the directory) and reads through SafeFileSystemReader; a file that does
+not load raises DCPCheckpointError (a CheckpointError: exit 5) naming it, never DCP's CheckpointException;
+an intact checkpoint of another model raises CheckpointMismatchError.
+
 Must never: gather the full model on one rank to save, mark a checkpoint complete before every rank
 has written, write into a live checkpoint directory, or read a checkpoint with plain `pickle.load`.
 """
@@ -38,6 +43,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+import warnings
 from typing import Any, Callable, Optional
 
 import torch
@@ -48,7 +54,8 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from utils.checkpoint import _fsync_dir, _sha256, publish_checkpoint_dir, read_json, write_json
+from utils.checkpoint import (CheckpointError, CheckpointMismatchError, _fsync_dir, one_line,
+                              publish_checkpoint_dir, read_json, verify_checkpoint, write_json)
 from utils.dcp_files import (DCPCheckpointError, SafeFileSystemReader, dcp_dir_problem,  # noqa: F401 (re-exported)
                              dcp_layout_problem, read_dcp_metadata)
 
@@ -194,28 +201,32 @@ def save_dcp_checkpoint(ckpt_root: str, step: int, model: nn.Module, optimizer=N
 
 # ---------------------------------------------------------------------------- verify / find
 
+def _read_dcp_manifest(ckpt_dir: str) -> dict:
+    path = os.path.join(ckpt_dir, DCP_MANIFEST)
+    try:
+        meta = read_json(path)
+    except (OSError, ValueError) as e:
+        raise DCPCheckpointError(f"{path}: unreadable ({one_line(e)[:200]})") from e
+    if not isinstance(meta, dict):
+        raise DCPCheckpointError(f"{path}: holds a {type(meta).__name__}, not a JSON object")
+    return meta
+
+
 def check_dcp_checkpoint(ckpt_dir: str, check_hashes: bool = False) -> Optional[str]:
     """None if the directory is a complete DCP checkpoint matching its manifest, else the reason.
-    Sizes only by default (cheap, done on every rank at load); check_hashes=True also compares sha256
-    (utils.checkpoint.verify_checkpoint does the same on these directories)."""
-    if not os.path.isfile(os.path.join(ckpt_dir, COMPLETE_MARKER)):
-        return "no COMPLETE marker (save was interrupted)"
+    Sizes only by default (cheap, done on every rank at load); check_hashes=True also compares sha256.
+    The same checks as utils.checkpoint.verify_checkpoint (manifest shape, JSON sidecars, .metadata
+    readable and confined to the directory, every rank's shard) plus the DCP format."""
+    problem = verify_checkpoint(ckpt_dir, check_hashes=check_hashes)
+    if problem is not None:
+        return problem
     try:
-        manifest = read_json(os.path.join(ckpt_dir, MANIFEST))
-        meta = read_json(os.path.join(ckpt_dir, DCP_MANIFEST))
-    except (OSError, ValueError) as e:
-        return f"unreadable manifest ({e})"
+        meta = _read_dcp_manifest(ckpt_dir)
+    except DCPCheckpointError as e:
+        return one_line(e)
     if meta.get("format") != DCP_FORMAT:
         return f"unknown DCP checkpoint format {meta.get('format')!r}"
-    for name, info in manifest.items():
-        fp = os.path.join(ckpt_dir, name)
-        if not os.path.isfile(fp):
-            return f"missing file {name}"
-        if os.path.getsize(fp) != info["bytes"]:
-            return f"{name} has {os.path.getsize(fp)} bytes, manifest says {info['bytes']} (truncated?)"
-        if check_hashes and _sha256(fp) != info["sha256"]:
-            return f"{name} does not match its sha256 (corrupted)"
-    return dcp_dir_problem(ckpt_dir)
+    return None
 
 
 def is_dcp_checkpoint(ckpt_dir: str) -> bool:
@@ -237,21 +248,52 @@ def latest_dcp_checkpoint(ckpt_root: str, check_hashes: bool = False) -> Optiona
 
 # ---------------------------------------------------------------------------- load
 
+def _usable(ckpt_dir: str) -> tuple[dict, Any]:
+    """(dcp_manifest.json, DCP metadata) of a checkpoint that passes check_dcp_checkpoint; every
+    loading path starts here, so no file is opened before the paths .metadata names are confined."""
+    problem = check_dcp_checkpoint(ckpt_dir)
+    if problem is not None:
+        raise DCPCheckpointError(f"checkpoint {ckpt_dir} is not usable: {problem}")
+    return _read_dcp_manifest(ckpt_dir), read_dcp_metadata(ckpt_dir)
+
+
+def _dcp_load(state: dict, ckpt_dir: str, group: Optional[dist.ProcessGroup]) -> None:
+    """dcp.load through SafeFileSystemReader; a data file that does not load (on any rank) becomes a
+    DCPCheckpointError naming it, not DCP's CheckpointException (a BaseException holding tracebacks)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    try:
+        with warnings.catch_warnings():  # no_dist is meant: one process reads the whole checkpoint
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=SafeFileSystemReader(ckpt_dir), process_group=group,
+                     no_dist=group is None)
+    except CheckpointException as e:
+        causes = [f[0] if isinstance(f, tuple) else f for _, f in sorted(e.failures.items())]
+        named = next((c for c in causes if isinstance(c, CheckpointError)), None)
+        if named is not None:
+            raise DCPCheckpointError(one_line(named)) from None
+        cause = causes[0] if causes else e
+        if isinstance(cause, (torch.OutOfMemoryError, MemoryError)) or not isinstance(cause, Exception):
+            raise
+        raise DCPCheckpointError(f"checkpoint {ckpt_dir}: DCP cannot load it as .metadata describes (damaged?): "
+                                 f"{type(cause).__name__}: {one_line(cause)[:200]}") from None
+
+
+_OPTIM_SCALARS = ("format", "lr", "scaler", "prev_grad_norm")
+
+
 def load_dcp_checkpoint(ckpt_dir: str, model: nn.Module, optimizer=None) -> dict:
     """Collective over the model's FSDP mesh. Loads the model (and the optimizer, when given) from a
     checkpoint saved at any world size; DCP reads, on every rank, just the pieces of each saved
     shard that overlap this rank's new shard. Returns dcp_manifest.json (step, world_size, ...).
 
     Build model and optimizer exactly as for a fresh run (wrap_fsdp + FSDPOptimizer), then call this.
+    Raises CheckpointMismatchError when the (intact) checkpoint holds other tensor names or shapes
+    than this model and optimizer, DCPCheckpointError (naming the file) when a file is damaged.
     """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-    problem = check_dcp_checkpoint(ckpt_dir)
-    if problem is not None:
-        raise DCPCheckpointError(f"checkpoint {ckpt_dir} is not usable: {problem}")
-    meta = read_json(os.path.join(ckpt_dir, DCP_MANIFEST))
+    meta, md = _usable(ckpt_dir)
     model = _unwrap(model)
     group = _mesh_group(model)
-    md = read_dcp_metadata(ckpt_dir)
     saved = set(md.state_dict_metadata)
 
     model_sd = get_model_state_dict(model)
@@ -259,60 +301,79 @@ def load_dcp_checkpoint(ckpt_dir: str, model: nn.Module, optimizer=None) -> dict
     missing = sorted(k for k in want if k not in saved)
     unexpected = sorted(k for k in saved if k.startswith(_MODEL) and k not in want)
     if missing or unexpected:
-        raise DCPCheckpointError(f"{ckpt_dir}: model does not match the checkpoint (missing {missing[:5]}, "
-                                 f"unexpected {unexpected[:5]})")
+        raise CheckpointMismatchError(f"{os.path.join(ckpt_dir, '.metadata')}: the model does not match the checkpoint "
+                                      f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
     opt_sd = opt_tensors = None
     if optimizer is not None:
-        if meta.get("optimizer") is None:
-            raise DCPCheckpointError(f"{ckpt_dir} holds no optimizer state")
+        manifest_path = os.path.join(ckpt_dir, DCP_MANIFEST)
+        scalars = meta.get("optimizer")
+        if scalars is None:
+            raise DCPCheckpointError(f"{manifest_path}: records no optimizer state (\"optimizer\": null), "
+                                     "so this checkpoint cannot resume training")
+        if not isinstance(scalars, dict) or any(k not in scalars for k in _OPTIM_SCALARS):
+            raise DCPCheckpointError(f"{manifest_path}: the optimizer's scalars lack "
+                                     f"{[k for k in _OPTIM_SCALARS if not isinstance(scalars, dict) or k not in scalars]}")
         opt_sd = optimizer.state_dict()  # template: zero moments created for a fresh optimizer
         opt_tensors, _ = _split_optimizer_state(opt_sd)
         absent = sorted(k for k in opt_tensors if _OPTIM + k not in saved)
         if absent:
-            raise DCPCheckpointError(f"{ckpt_dir}: no saved optimizer state for {absent[:5]} (a parameter that "
-                                     "had no gradient before the save, or a different set of trainable parameters)")
+            raise CheckpointMismatchError(f"{os.path.join(ckpt_dir, '.metadata')}: no saved optimizer state for "
+                                          f"{absent[:5]} (a parameter that "
+                                          "had no gradient before the save, or a different set of trainable "
+                                          "parameters)")
         want.update({_OPTIM + k: v for k, v in opt_tensors.items()})
     for k, v in want.items():
         tm = md.state_dict_metadata[k]
         if not isinstance(tm, TensorStorageMetadata) or list(tm.size) != list(v.shape):
-            raise DCPCheckpointError(f"{ckpt_dir}: {k} has shape {list(getattr(tm, 'size', []))} in the checkpoint, "
-                                     f"{list(v.shape)} here")
+            raise CheckpointMismatchError(f"{os.path.join(ckpt_dir, '.metadata')}: {k} has shape "
+                                          f"{list(getattr(tm, 'size', []))} in the checkpoint, {list(v.shape)} here")
 
-    dcp.load(want, storage_reader=SafeFileSystemReader(ckpt_dir), process_group=group, no_dist=group is None)
+    _dcp_load(want, ckpt_dir, group)
 
     set_model_state_dict(model, {k[len(_MODEL):]: v for k, v in want.items() if k.startswith(_MODEL)})
     if optimizer is not None:
         saved_scalars = meta["optimizer"]
         adamw = dict(opt_sd["adamw"])
         adamw.update({k[len(_OPTIM):]: v for k, v in want.items() if k.startswith(_OPTIM)})
-        optimizer.load_state_dict({"format": saved_scalars["format"], "lr": saved_scalars["lr"],
-                                   "scaler": saved_scalars["scaler"],
-                                   "prev_grad_norm": saved_scalars["prev_grad_norm"], "adamw": adamw})
+        try:
+            optimizer.load_state_dict({"format": saved_scalars["format"], "lr": saved_scalars["lr"],
+                                       "scaler": saved_scalars["scaler"],
+                                       "prev_grad_norm": saved_scalars["prev_grad_norm"], "adamw": adamw})
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
+            raise DCPCheckpointError(f"{os.path.join(ckpt_dir, DCP_MANIFEST)}: the optimizer's saved scalars do "
+                                     f"not load ({type(e).__name__}: {one_line(e)[:200]})") from e
     _barrier(group)
     return meta
+
+
+def _model_specs(ckpt_dir: str, md: Any) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    specs = {}
+    for k, v in md.state_dict_metadata.items():
+        if not k.startswith(_MODEL):
+            continue
+        dtype = getattr(getattr(v, "properties", None), "dtype", None)
+        size = getattr(v, "size", None)
+        if not isinstance(v, TensorStorageMetadata) or not isinstance(dtype, torch.dtype) or size is None or \
+                not all(isinstance(n, int) and n >= 0 for n in size):
+            raise DCPCheckpointError(f"{os.path.join(ckpt_dir, '.metadata')}: {k} is not described as a tensor "
+                                     "(size, dtype)")
+        specs[k[len(_MODEL):]] = (tuple(size), dtype)
+    return specs
 
 
 def load_full_model_state_dict(ckpt_dir: str) -> dict[str, torch.Tensor]:
     """Full (unsharded) model weights of a DCP checkpoint in ONE process, without a process group
     (export, inspection). It materialises the whole model in this process's memory: not streamed."""
-    problem = check_dcp_checkpoint(ckpt_dir)
-    if problem is not None:
-        raise DCPCheckpointError(f"checkpoint {ckpt_dir} is not usable: {problem}")
-    md = read_dcp_metadata(ckpt_dir)
-    out = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype)
-           for k, v in md.state_dict_metadata.items() if k.startswith(_MODEL)}
-    dcp.load(out, storage_reader=SafeFileSystemReader(ckpt_dir), no_dist=True)
+    _, md = _usable(ckpt_dir)
+    out = {_MODEL + k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in _model_specs(ckpt_dir, md).items()}
+    _dcp_load(out, ckpt_dir, None)
     return {k[len(_MODEL):]: v for k, v in out.items()}
 
 
 def model_tensor_specs(ckpt_dir: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """{name: (shape, dtype)} of the model weights in a DCP checkpoint, from its metadata only."""
-    problem = check_dcp_checkpoint(ckpt_dir)
-    if problem is not None:
-        raise DCPCheckpointError(f"checkpoint {ckpt_dir} is not usable: {problem}")
-    md = read_dcp_metadata(ckpt_dir)
-    return {k[len(_MODEL):]: (tuple(v.size), v.properties.dtype)
-            for k, v in md.state_dict_metadata.items() if k.startswith(_MODEL)}
+    _, md = _usable(ckpt_dir)
+    return _model_specs(ckpt_dir, md)
 
 
 def load_model_tensors(ckpt_dir: str, names: list[str]) -> dict[str, torch.Tensor]:
@@ -323,5 +384,5 @@ def load_model_tensors(ckpt_dir: str, names: list[str]) -> dict[str, torch.Tenso
     if missing:
         raise DCPCheckpointError(f"checkpoint {ckpt_dir} has no model tensor(s) {missing[:3]}")
     out = {_MODEL + n: torch.empty(specs[n][0], dtype=specs[n][1]) for n in names}
-    dcp.load(out, storage_reader=SafeFileSystemReader(ckpt_dir), no_dist=True)
+    _dcp_load(out, ckpt_dir, None)
     return {k[len(_MODEL):]: v for k, v in out.items()}

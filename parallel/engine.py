@@ -169,9 +169,13 @@ class Engine:
         return ckpt.save_checkpoint(out_dir, req, barrier=barrier, keep_last=keep_last, fault_hook=fault_hook, log=log)
 
     # ------------------------------------------------------------------ load
-    def load(self, ckpt_dir: str, saved_world: int, rank: int, world_size: int) -> Optional[dict]:
+    def load(self, ckpt_dir: str, saved_world: int, rank: int, world_size: int,
+             log: Callable[[str], None] = print) -> Optional[dict]:
         """Weights, optimizer and comm-hook state of `ckpt_dir` into this engine; returns this rank's
-        extra state (RNG) or None. The model must already hold the LoRA base when the checkpoint is light."""
+        extra state (RNG) or None. The model must already hold the LoRA base when the checkpoint is light.
+        Raises CheckpointError naming the file when a file is damaged, CheckpointMismatchError when an
+        intact checkpoint holds other tensor names or shapes than this model. A missing
+        extra_rank{r}.pt at the same world size is logged (through `log`, on every rank) and returns None."""
         problem = self.resume_problem(ckpt_dir, saved_world, world_size)
         if problem:
             raise ckpt.CheckpointError(problem)
@@ -181,16 +185,49 @@ class Engine:
                                            "resume it with --parallel=fsdp")
             from parallel.dcp_checkpoint import load_dcp_checkpoint
             load_dcp_checkpoint(ckpt_dir, self.model, self.optimizer)
-            return ckpt.load_rank_file(ckpt_dir, "extra", rank) if saved_world == world_size else None
+            return load_extra_state(ckpt_dir, rank, saved_world, world_size, log)
         if self.kind == "fsdp":
             raise ckpt.CheckpointError(f"checkpoint {ckpt_dir} was written by --parallel=ddp; resume it with "
                                        "--parallel=ddp (or start a new fsdp run with --init_from=<that checkpoint>)")
-        load_weights(self.module, ckpt.load_model_state(ckpt_dir), partial=self.lora_base is not None, source=ckpt_dir)
+        load_weights(self.module, ckpt.load_model_state(ckpt_dir), partial=self.lora_base is not None, source=ckpt_dir,
+                     mismatch=ckpt.CheckpointMismatchError)
         load_optimizer_state(self.optimizer, ckpt_dir, self.sharded_optimizer, rank, world_size, saved_world)
-        extra = ckpt.load_rank_file(ckpt_dir, "extra", rank)
+        extra = load_extra_state(ckpt_dir, rank, saved_world, world_size, log, same_world_only=False)
         if extra is not None and extra.get("comm_hook"):
-            self.model.load_comm_hook_state_dict(extra["comm_hook"])
+            try:
+                self.model.load_comm_hook_state_dict(extra["comm_hook"])
+            except (ValueError, KeyError, TypeError, IndexError, AttributeError, RuntimeError) as e:
+                if isinstance(e, torch.OutOfMemoryError):
+                    raise
+                raise ckpt.CheckpointError(f"{os.path.join(ckpt_dir, f'extra_rank{rank}.pt')}: its comm-hook "
+                                           f"(PowerSGD) state does not load ({type(e).__name__}: "
+                                           f"{ckpt.one_line(e)[:200]})") from e
         return extra if saved_world == world_size else None
+
+
+def load_extra_state(ckpt_dir: str, rank: int, saved_world: int, world_size: int,
+                     log: Callable[[str], None] = print, same_world_only: bool = True) -> Optional[dict]:
+    """This rank's extra_rank{r}.pt (RNG states, comm-hook state), checked: its RNG state must restore.
+    None at another world size (same_world_only: not even read), or when the file is missing, which at
+    the same world size is logged: the run goes on with this process's own RNG state (seeded by --seed),
+    so dropout and sampling after the resume do not repeat the uninterrupted run's."""
+    if same_world_only and saved_world != world_size:
+        return None
+    path = os.path.join(ckpt_dir, f"extra_rank{rank}.pt")
+    extra = ckpt.load_rank_file(ckpt_dir, "extra", rank)
+    if extra is None:
+        if saved_world == world_size:
+            log(f"[resume] warning: rank {rank}: {path} is missing: continuing with fresh RNG state (this process's "
+                "own, seeded by --seed) and a fresh comm-hook state, so random draws after the resume (dropout, "
+                "PowerSGD) differ from the uninterrupted run's")
+        return None
+    if "rng" in extra:
+        problem = ckpt.rng_state_problem(extra["rng"])
+        if problem:
+            raise ckpt.CheckpointError(f"{path}: {problem}")
+    elif saved_world == world_size:
+        raise ckpt.CheckpointError(f"{path}: holds no RNG state (keys {sorted(map(str, extra))[:5]})")
+    return extra
 
 
 def is_sharded_checkpoint(ckpt_dir: str) -> bool:
@@ -201,8 +238,12 @@ def is_sharded_checkpoint(ckpt_dir: str) -> bool:
 def load_optimizer_state(opt, ckpt_dir: str, sharded: bool, rank: int, world_size: int, saved_world: int) -> None:
     """Any saved layout into this optimizer: a ZeRO rank at the same world size reads its own shard;
     otherwise rank 0's file when it holds everything (an unsharded run, or a ZeRO run of one rank),
-    else every saved rank's file, which the optimizer re-shards to this world size."""
+    else every saved rank's file, which the optimizer re-shards to this world size.
+    CheckpointError naming the file when one is missing, damaged, or does not load into this optimizer."""
+    reading = {"name": f"optimizer_rank{rank}.pt"}
+
     def read(r: int) -> dict:
+        reading["name"] = f"optimizer_rank{r}.pt"
         sd = ckpt.load_rank_file(ckpt_dir, "optimizer", r)
         if sd is None:
             raise ckpt.CheckpointError(f"checkpoint {ckpt_dir}: optimizer_rank{r}.pt is missing "
@@ -215,12 +256,20 @@ def load_optimizer_state(opt, ckpt_dir: str, sharded: bool, rank: int, world_siz
                 opt.load_state_dict(own)
                 return
         first = read(0)
-        if not first.get("sharded") or int(first.get("world_size", 1)) == 1:
+        n = first.get("world_size", 1)
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"world_size={n!r} is not an integer >= 1")
+        if not first.get("sharded") or n == 1:
             opt.load_state_dict(first)
         else:
-            opt.load_state_dict([first] + [read(r) for r in range(1, int(first["world_size"]))])
-    except (ValueError, KeyError) as e:
-        raise ckpt.CheckpointError(f"checkpoint {ckpt_dir}: optimizer state does not load ({e})") from e
+            states = [first] + [read(r) for r in range(1, n)]
+            reading["name"] = f"optimizer_rank0.pt .. optimizer_rank{n - 1}.pt"
+            opt.load_state_dict(states)
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError, RuntimeError) as e:
+        if isinstance(e, (ckpt.CheckpointError, torch.OutOfMemoryError)):
+            raise
+        raise ckpt.CheckpointError(f"checkpoint {ckpt_dir}: {reading['name']} does not load into this optimizer "
+                                   f"({type(e).__name__}: {ckpt.one_line(e)[:200]})") from e
 
 
 # ---------------------------------------------------------------------------- light LoRA checkpoints
@@ -232,19 +281,44 @@ def trainable_state(module: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v for k, v in module.state_dict(keep_vars=True).items() if id(v) in trainable}
 
 
-def load_weights(module: nn.Module, state: dict[str, torch.Tensor], partial: bool, source: str) -> None:
+def load_weights(module: nn.Module, state: dict[str, torch.Tensor], partial: bool, source: str,
+                 mismatch: Optional[type] = None) -> None:
     """Full checkpoints must match the model exactly; a light (LoRA) one must cover exactly the
-    trainable parameters, and the rest must be the base the checkpoint references (checked by the caller)."""
+    trainable parameters, and the rest must be the base the checkpoint references (checked by the caller).
+    Names or shapes that do not fit raise `mismatch` (default CheckpointError: the checkpoint's tensors
+    disagree with the model its own model_config.json builds); the trainer's resume passes
+    CheckpointMismatchError (a configuration that builds another model)."""
+    mismatch = mismatch or ckpt.CheckpointError
+    where = weights_file_name(source)
     if not partial:
-        module.load_state_dict(state)
+        try:
+            module.load_state_dict(state)
+        except RuntimeError as e:  # missing / unexpected keys, size mismatch
+            if isinstance(e, torch.OutOfMemoryError):
+                raise
+            raise mismatch(f"checkpoint {source}: {where} does not fit the model ({ckpt.one_line(e)[:300]})") from e
         return
     want = set(trainable_state(module))
     have = set(state)
     if want != have:
-        raise ckpt.CheckpointError(f"checkpoint {source}: its tensors are not this run's trainable parameters "
-                                   f"(missing {sorted(want - have)[:4]}, unexpected {sorted(have - want)[:4]}); "
-                                   "were the --lora_* flags changed?")
-    module.load_state_dict(state, strict=False)
+        raise mismatch(f"checkpoint {source}: its tensors are not this run's trainable parameters "
+                       f"(missing {sorted(want - have)[:4]}, unexpected {sorted(have - want)[:4]}); "
+                       "were the --lora_* flags changed?")
+    try:
+        module.load_state_dict(state, strict=False)
+    except RuntimeError as e:
+        if isinstance(e, torch.OutOfMemoryError):
+            raise
+        raise mismatch(f"checkpoint {source}: {where} does not fit the model ({ckpt.one_line(e)[:300]})") from e
+
+
+def weights_file_name(ckpt_dir: str) -> str:
+    """Which file(s) of a checkpoint hold its weights, for messages."""
+    if is_pipeline_checkpoint(ckpt_dir):
+        return "stage*_model.safetensors"
+    if os.path.isfile(os.path.join(ckpt_dir, "dcp_manifest.json")):
+        return ".metadata / __*.distcp"
+    return "model.safetensors"
 
 
 def base_fingerprint(module: nn.Module) -> str:
@@ -338,11 +412,15 @@ def checkpoint_model_state(ckpt_dir: str) -> dict[str, torch.Tensor]:
     """The weights stored in a checkpoint of any engine, in one process (export, sampling, init);
     a pipeline checkpoint's stages are merged into one model's state dict."""
     if is_pipeline_checkpoint(ckpt_dir):
+        from safetensors import SafetensorError
+
         from parallel.pipeline import merge_stage_checkpoints
         try:
             return merge_stage_checkpoints(ckpt_dir)
-        except ValueError as e:
-            raise ckpt.CheckpointError(f"checkpoint {ckpt_dir}: {e}") from e
+        except (ValueError, KeyError, TypeError, OSError, RuntimeError, SafetensorError) as e:
+            if isinstance(e, torch.OutOfMemoryError):
+                raise
+            raise ckpt.CheckpointError(f"checkpoint {ckpt_dir}: {damaged_file_hint(ckpt_dir, e)}") from e
     if is_sharded_checkpoint(ckpt_dir):
         from parallel.dcp_checkpoint import load_full_model_state_dict
         return load_full_model_state_dict(ckpt_dir)
@@ -350,7 +428,7 @@ def checkpoint_model_state(ckpt_dir: str) -> dict[str, torch.Tensor]:
 
 
 def checkpoint_world_size(ckpt_dir: str) -> int:
-    return int(ckpt.read_json(os.path.join(ckpt_dir, "trainer_state.json"))["world_size"])
+    return int(ckpt.read_trainer_state(ckpt_dir, required=("world_size",))["world_size"])
 
 
 # ---------------------------------------------------------------------------- pipeline
@@ -400,10 +478,11 @@ class PipelineParallelEngine(Engine):
         meta = read_pipeline_meta_safe(ckpt_dir)
         saved = (meta.get("pp_size"), meta.get("dp_size"), meta.get("dp_engine", "ddp"))
         here = (self.pipe.pp_size, self.pipe.dp_size, self.pipe.dp_engine)
-        if saved != here or saved_world != world_size:
+        if (saved[0], saved[2]) != (here[0], here[2]):
             return (f"{ckpt_dir} was written on a pipeline mesh of pp={saved[0]} x dp={saved[1]} ({saved[2]}), this "
-                    f"run is pp={here[0]} x dp={here[1]} ({here[2]}): a pipeline checkpoint resumes exactly only at "
-                    "the mesh it was saved with (to change it, start a new run with --init_from=<that checkpoint>)")
+                    f"run is pp={here[0]} x dp={here[1]} ({here[2]}): a pipeline checkpoint resumes with the same "
+                    "number of stages and dp engine, at any dp size (to change the stages, start a new run with "
+                    "--init_from=<that checkpoint>)")
         return None
 
     def save(self, out_dir: str, step: int, *, rank: int, world_size: int, model_config: dict,
@@ -439,12 +518,33 @@ class PipelineParallelEngine(Engine):
         barrier()
         return final
 
-    def load(self, ckpt_dir: str, saved_world: int, rank: int, world_size: int) -> Optional[dict]:
+    def load(self, ckpt_dir: str, saved_world: int, rank: int, world_size: int,
+             log: Callable[[str], None] = print) -> Optional[dict]:
         problem = self.resume_problem(ckpt_dir, saved_world, world_size)
         if problem:
             raise ckpt.CheckpointError(problem)
+        from safetensors import SafetensorError
         try:
             self.pipe.load(ckpt_dir)
-        except ValueError as e:
-            raise ckpt.CheckpointError(f"checkpoint {ckpt_dir}: {e}") from e
-        return ckpt.load_rank_file(ckpt_dir, "extra", rank)
+        except (ValueError, KeyError, TypeError, OSError, EOFError, RuntimeError, SafetensorError) as e:
+            if isinstance(e, torch.OutOfMemoryError):
+                raise
+            raise ckpt.CheckpointError(f"checkpoint {ckpt_dir}: {damaged_file_hint(ckpt_dir, e)}") from e
+        return load_extra_state(ckpt_dir, rank, saved_world, world_size, log)
+
+
+def damaged_file_hint(ckpt_dir: str, e: BaseException) -> str:
+    """The error of a load that failed inside a library that does not say which file it read: the
+    first tensor file of the directory that does not load on its own, else the error itself."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    for name in sorted(os.listdir(ckpt_dir)):
+        path = os.path.join(ckpt_dir, name)
+        try:
+            if name.endswith(".safetensors"):
+                load_file(path)
+            elif name.endswith(".pt"):
+                ckpt.load_tensor_file(path)
+        except (SafetensorError, OSError, ckpt.CheckpointError) as bad:
+            return f"{name} cannot be read ({ckpt.one_line(bad)[:200]})"
+    return f"{type(e).__name__}: {ckpt.one_line(e)[:300]}"

@@ -322,3 +322,100 @@ def test_help_works_alone_and_exits_0():
 def test_out_dir_is_found_under_its_alias():
     cfg, _ = mp.parse_args(["--", "python", "train_my_ddp.py", "--output_dir=/runs/a"])
     assert cfg.out_dir == "/runs/a"
+
+
+# --- killed during start-up, before the trainer recorded how the run starts --------------------
+
+# A stand-in for the trainer's start-up contract (train_my_ddp.py `start_without_checkpoint`): it
+# writes <out_dir>/run_start.json before its first step, and `--init_from=resume` with neither that
+# record nor a checkpoint exits 2. KILL_WHERE says where the first start is SIGKILLed (as an OOM
+# killer or an operator would), once per KILL_ONCE_FILE.
+STARTUP_CHILD = r'''
+import json, os, signal, sys
+args = dict(a[2:].split("=", 1) for a in sys.argv[1:])
+out, init = args["out_dir"], args.get("init_from", "scratch")
+os.makedirs(out, exist_ok=True)
+record = os.path.join(out, "run_start.json")
+with open(os.path.join(out, "starts.jsonl"), "a") as f:
+    f.write(json.dumps(sys.argv[1:]) + "\n")
+if init == "resume" and not os.path.exists(record) and not os.path.isdir(os.path.join(out, "checkpoints")):
+    print("[rank 0] error: --init_from=resume: no complete checkpoint and no record of how the run started",
+          file=sys.stderr)
+    sys.exit(2)
+
+def killed_at(point):
+    once = os.environ["KILL_ONCE_FILE"]
+    if os.environ["KILL_WHERE"] == point and not os.path.exists(once):
+        open(once, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+killed_at("before_record")
+if not os.path.exists(record):
+    with open(record, "w") as f:
+        json.dump({"init_from": init}, f)
+killed_at("after_record")
+with open(os.path.join(out, "metrics.jsonl"), "a") as f:
+    f.write(json.dumps({"step": 1, "loss": 1.0}) + "\n")
+'''
+
+
+@pytest.mark.parametrize("where, restart_flags", [("before_record", ["--init_from=scratch"]),
+                                                  ("after_record", ["--init_from=resume"])])
+def test_kill_during_startup_restarts_the_way_the_run_would_start(tmp_path, where, restart_flags):
+    """Killed before run_start.json exists (and with no checkpoint), the restart is the user's own
+    command, unchanged: `--init_from=resume` would exit 2 and end the run as non-retryable. Once the
+    record exists, the restart resumes as usual."""
+    child = tmp_path / "child.py"
+    child.write_text(STARTUP_CHILD)
+    out = tmp_path / "run"
+    cmd = [sys.executable, str(child), f"--out_dir={out}", "--init_from=scratch"]
+    r = run_monitor(cmd, env_extra={"KILL_WHERE": where, "KILL_ONCE_FILE": str(tmp_path / "killed")})
+    assert r.returncode == 0, r.stderr
+    s = summary(out)
+    assert (s["final_status"], s["restarts"]) == ("completed", 1), s["reason"]
+    first, second = s["attempts"]
+    assert first["signal"] == "SIGKILL" and first["cause"] == "signal"
+    assert second["command"] == cmd[:-1] + restart_flags
+    with open(out / "starts.jsonl") as f:
+        assert [json.loads(line)[1:] for line in f] == [["--init_from=scratch"], restart_flags]
+    log = (out / "monitor.log").read_text()
+    expected = "the original command, unchanged" if where == "before_record" else "with --init_from=resume"
+    assert expected in log and subprocess.list2cmdline(second["command"]) in log
+
+
+def test_unknown_out_dir_keeps_resuming(tmp_path):
+    """Without an out_dir the monitor cannot look for the record: restarts resume, as before."""
+    m = mp.Monitor(mp.parse_args(["--", "python", "t.py", "--init_from=scratch"])[0],
+                   ["python", "t.py", "--init_from=scratch"])
+    command, how = m.restart_command()
+    assert command == ["python", "t.py", "--init_from=resume"] and how.startswith("--init_from=resume")
+    m.log.close()
+
+
+SITECUSTOMIZE = r'''
+import os, signal, sys
+once = os.environ.get("MYLLM_TEST_KILL_AT_START_ONCE")
+if once and sys.argv and sys.argv[0].endswith("train_my_ddp.py") and not os.path.exists(once):
+    open(once, "w").close()
+    os.kill(os.getpid(), signal.SIGKILL)  # in interpreter start-up: long before run_start.json
+'''
+
+
+def test_real_trainer_killed_before_it_recorded_its_start_completes(tmp_path, tiny_pretrain_run_args):
+    """The real train_my_ddp.py, SIGKILLed as its interpreter starts (a sitecustomize.py on PYTHONPATH,
+    once): the monitor restarts the original command and the run completes (it used to resume, which
+    exits 2 with "no record of how the run started", and stop as non-retryable)."""
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    out = tmp_path / "run"
+    cmd = [sys.executable, os.path.join(ROOT, "train_my_ddp.py"), *tiny_pretrain_run_args, f"--out_dir={out}",
+           "--max_iters=2", "--init_from=scratch"]
+    env = {"PYTHONPATH": os.pathsep.join([str(inject)] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
+           "MYLLM_TEST_KILL_AT_START_ONCE": str(tmp_path / "killed"), "OMP_NUM_THREADS": "1"}
+    r = run_monitor(cmd, env_extra=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = summary(out)
+    assert (s["final_status"], s["restarts"]) == ("completed", 1), s["reason"]
+    assert s["attempts"][0]["signal"] == "SIGKILL" and s["attempts"][1]["command"] == cmd
+    assert sorted(losses(out)) == [1, 2] and (out / "run_start.json").exists()

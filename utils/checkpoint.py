@@ -18,6 +18,12 @@ Protocol: all ranks write into `step_X.tmp/`; barrier; rank 0 writes the manifes
 fsyncs, then `os.replace`s the directory into place. A crash at any instant leaves either the
 previous checkpoints untouched or a `.tmp` directory that loading ignores.
 
+Verification (`verify_checkpoint`) also checks that manifest.json names only files of the directory
+and that the JSON sidecars parse with the shape every reader relies on; the readers here
+(`read_trainer_state`, `read_model_config`, `load_tensor_file`, ...) raise CheckpointError naming the
+file for anything else that does not load. Every damaged case and what each command does with it:
+docs/errors.md, "Damaged checkpoints".
+
 Must never: unpickle arbitrary objects (tensors use safetensors or `torch.load(weights_only=True)`),
 write into a live checkpoint directory, or mark a checkpoint complete before every rank wrote.
 """
@@ -45,7 +51,30 @@ _PREFIX = "step_"
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint (or the record of a run) that cannot be used; the trainer exits 5 on it."""
+    """A checkpoint (or the record of a run) that cannot be used; the trainer exits 5 on it.
+    The message names the file (or the directory) at fault, on one line."""
+
+
+class DamagedCheckpointError(CheckpointError):
+    """A checkpoint directory that fails verification (incomplete, truncated, corrupted, malformed).
+    Raised where a command was pointed at that one checkpoint; a search for the newest one skips it."""
+
+
+class CheckpointMismatchError(Exception):
+    """An intact checkpoint whose tensors do not fit the model this configuration builds (other names
+    or shapes): a configuration problem (the trainer exits 2), not a damaged file."""
+
+
+def one_line(e: BaseException) -> str:
+    """An exception's message on one line (never a traceback: DCP's CheckpointException embeds one)."""
+    text = " ".join(str(e).split()) or type(e).__name__
+    return text.split(" Traceback (most recent call last)")[0][:500]
+
+
+def plain_file_name(name: Any) -> bool:
+    """A file directly inside a checkpoint directory: no separator, not '.', '..' or empty."""
+    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name \
+        and os.sep not in name and "\0" not in name
 
 
 def _fsync_file(path: str) -> None:
@@ -273,8 +302,101 @@ def _signature(path: str) -> Optional[tuple]:
         return None
 
 
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _json_problem(path: str) -> tuple[Any, Optional[str]]:
+    """(the parsed JSON of `path`, None) or (None, why it cannot be read), naming the file."""
+    name = os.path.basename(path)
+    try:
+        return read_json(path), None
+    except UnicodeDecodeError:
+        return None, f"{name} is not UTF-8 text"
+    except ValueError as e:
+        return None, f"{name} is not valid JSON ({one_line(e)[:160]})"
+    except OSError as e:
+        return None, f"{name} cannot be read ({one_line(e)[:160]})"
+
+
+def _manifest_problem(path: str, check_hashes: bool) -> Optional[str]:
+    """None when manifest.json is a JSON object {file: {"bytes": int, "sha256": str}} naming only files
+    of this directory, each present with that size (and hash), else the reason."""
+    manifest, problem = _json_problem(os.path.join(path, "manifest.json"))
+    if problem:
+        return problem
+    if not isinstance(manifest, dict):
+        return (f"manifest.json holds a {type(manifest).__name__}, not a JSON object of "
+                "file -> {bytes, sha256}")
+    if not manifest:
+        return "manifest.json lists no file"
+    for name, info in manifest.items():
+        if not plain_file_name(name):
+            return f"manifest.json names {name!r}, which is not a file of the checkpoint directory"
+        if not isinstance(info, dict) or not _is_int(info.get("bytes")) or not isinstance(info.get("sha256"), str):
+            return f"manifest.json: the entry of {name} is not {{\"bytes\": int, \"sha256\": str}}"
+    for name, info in manifest.items():
+        fp = os.path.join(path, name)
+        if not os.path.isfile(fp):
+            return f"missing file {name}"
+        size = os.path.getsize(fp)
+        if size != info["bytes"]:
+            return f"{name} has {size} bytes, manifest says {info['bytes']} (truncated?)"
+        if check_hashes and _sha256(fp) != info["sha256"]:
+            return f"{name} does not match its sha256 (corrupted)"
+    return None
+
+
+# JSON sidecars every reader parses: each must be a JSON object; trainer_state.json also records the
+# step and the world size of the save (the checkpoint protocol; the rest is checked where it is read).
+SIDECARS = ("trainer_state.json", "model_config.json", "config.json")
+
+
+def trainer_state_problem(state: Any, required: tuple[str, ...] = ()) -> Optional[str]:
+    """None when a parsed trainer_state.json has the shape every reader relies on, else the reason.
+    The step and world size are checked when present (a library caller of save_dcp_checkpoint may
+    write its own sidecar), and must be there when named in `required` (the trainer's resume)."""
+    if not isinstance(state, dict):
+        return f"trainer_state.json holds a {type(state).__name__}, not a JSON object"
+    for key, low in (("step", 0), ("world_size", 1)):
+        v = state.get(key)
+        if (key in state or key in required) and (not _is_int(v) or v < low):
+            return f"trainer_state.json: {key}={v!r} is not an integer >= {low}"
+    for key, types_ in (("init_info", dict), ("lora_base", dict), ("data_cursor", dict),
+                        ("val_loss", (int, float)), ("best_val_loss", (int, float)), ("tokens_seen", (int, float))):
+        v = state.get(key)
+        if v is not None and (not isinstance(v, types_) or isinstance(v, bool)):
+            return f"trainer_state.json: {key}={v!r} is not a {getattr(types_, '__name__', 'number')}"
+    for key in ("init_info", "lora_base"):
+        sub = state.get(key)
+        if isinstance(sub, dict) and not isinstance(sub.get("source"), str):
+            return f"trainer_state.json: {key} records no source path"
+    if isinstance(state.get("lora_base"), dict) and not isinstance(state["lora_base"].get("fingerprint"), str):
+        return "trainer_state.json: lora_base records no fingerprint"
+    return None
+
+
+def _sidecar_problem(path: str) -> Optional[str]:
+    for name in SIDECARS:
+        fp = os.path.join(path, name)
+        if not os.path.isfile(fp):
+            continue
+        data, problem = _json_problem(fp)
+        if problem:
+            return problem
+        if name == "trainer_state.json":
+            problem = trainer_state_problem(data)
+            if problem:
+                return problem
+        elif not isinstance(data, dict):
+            return f"{name} holds a {type(data).__name__}, not a JSON object"
+    return None
+
+
 def verify_checkpoint(path: str, check_hashes: bool = True, trust_cache: bool = False) -> Optional[str]:
-    """None when the directory is complete and matches its manifest, else the reason.
+    """None when the directory is complete, matches its manifest and its JSON files have the shape
+    every reader relies on (and, for a sharded checkpoint, DCP's index and every rank's shard are
+    there, confined to the directory), else the reason, naming the file.
 
     trust_cache: accept a directory this process already hashed (or wrote) whose files still have
     the same names, sizes and mtimes, without hashing it again (pruning does; loading never does).
@@ -285,20 +407,10 @@ def verify_checkpoint(path: str, check_hashes: bool = True, trust_cache: bool = 
     _verified.pop(path, None)
     if not os.path.isfile(os.path.join(path, COMPLETE_MARKER)):
         return "no COMPLETE marker (save was interrupted)"
-    try:
-        manifest = read_json(os.path.join(path, "manifest.json"))
-    except (OSError, ValueError) as e:
-        return f"unreadable manifest.json ({e})"
-    for name, info in manifest.items():
-        fp = os.path.join(path, name)
-        if not os.path.isfile(fp):
-            return f"missing file {name}"
-        size = os.path.getsize(fp)
-        if size != info["bytes"]:
-            return f"{name} has {size} bytes, manifest says {info['bytes']} (truncated?)"
-        if check_hashes and _sha256(fp) != info["sha256"]:
-            return f"{name} does not match its sha256 (corrupted)"
-    if "dcp_manifest.json" in manifest:  # sharded (DCP): every rank's shard and DCP's index must be there
+    problem = _manifest_problem(path, check_hashes) or _sidecar_problem(path)
+    if problem is not None:
+        return problem
+    if os.path.isfile(os.path.join(path, "dcp_manifest.json")):  # sharded (DCP): DCP's index and every rank's shard
         from utils.dcp_files import dcp_dir_problem
         problem = dcp_dir_problem(path)
         if problem is not None:
@@ -320,21 +432,88 @@ def find_latest_valid(out_dir: str, log: Callable[[str], None] = print,
 
 
 def resolve_checkpoint_dir(path: str, log: Callable[[str], None] = print) -> Optional[str]:
-    """Accept a checkpoint directory itself or a run directory holding checkpoints/."""
+    """Accept a checkpoint directory itself or a run directory holding checkpoints/.
+    A checkpoint directory that fails verification raises DamagedCheckpointError (exit 5)."""
     if os.path.isfile(os.path.join(path, "manifest.json")) or os.path.isfile(os.path.join(path, COMPLETE_MARKER)):
         problem = verify_checkpoint(path)
         if problem:
-            raise CheckpointError(f"checkpoint {path} is not usable: {problem}")
+            raise DamagedCheckpointError(f"checkpoint {path} is not usable: {problem}")
         return path
     return find_latest_valid(path, log=log)
+
+
+def selection_exit_code(e: CheckpointError, path: str, which: str = "latest") -> int:
+    """Exit code of a failed choice of checkpoint (`--ckpt=path --checkpoint=which`): 5 when what was
+    asked for exists but is damaged (a checkpoint directory failing verification; step_N, latest or
+    best when every checkpoint there fails it), 2 when it names nothing (no such step, no run)."""
+    from utils.constants import EXIT_BAD_CHECKPOINT, EXIT_BAD_CONFIG
+    if isinstance(e, DamagedCheckpointError):
+        return EXIT_BAD_CHECKPOINT
+    which = (which or "latest").strip()
+    found = list_checkpoints(path) if os.path.isdir(path) else []
+    digits = which[len(_PREFIX):] if which.startswith(_PREFIX) else which.removeprefix("step")
+    if digits.isdigit():
+        found = [(s, p) for s, p in found if s == int(digits)]
+    elif which not in ("latest", "best"):
+        return EXIT_BAD_CONFIG
+    damaged = bool(found) and all(verify_checkpoint(p) is not None for _, p in found)
+    return EXIT_BAD_CHECKPOINT if damaged else EXIT_BAD_CONFIG
+
+
+def read_checkpoint_json(ckpt_dir: str, name: str) -> dict:
+    """A JSON object sidecar of a checkpoint (config.json, model_config.json, trainer_state.json);
+    CheckpointError naming the file when it is missing, not JSON or not an object."""
+    data, problem = _json_problem(os.path.join(ckpt_dir, name))
+    if problem is None and not isinstance(data, dict):
+        problem = f"{name} holds a {type(data).__name__}, not a JSON object"
+    if problem is None and name == "trainer_state.json":
+        problem = trainer_state_problem(data)
+    if problem:
+        raise CheckpointError(f"checkpoint {ckpt_dir}: {problem}")
+    return data
+
+
+def read_trainer_state(ckpt_dir: str, required: tuple[str, ...] = ()) -> dict:
+    """trainer_state.json of a checkpoint, its shape checked; `required`: keys that must be there
+    (the trainer's resume needs step and world_size). CheckpointError naming the file otherwise."""
+    state = read_checkpoint_json(ckpt_dir, "trainer_state.json")
+    problem = trainer_state_problem(state, required)
+    if problem:
+        raise CheckpointError(f"checkpoint {ckpt_dir}: {problem}")
+    return state
+
+
+def read_model_config(ckpt_dir: str):
+    """The ModelConfig recorded in model_config.json, every value type-checked against the field it
+    sets (CheckpointError naming the file and the key: never a TypeError from the config's own checks)."""
+    import typing
+
+    from configurator import ConfigError, coerce_value
+    from model.config import ModelConfig
+    raw = read_checkpoint_json(ckpt_dir, "model_config.json")
+    where = f"checkpoint {ckpt_dir}: model_config.json"
+    hints = typing.get_type_hints(ModelConfig)
+    values = {}
+    for k, v in raw.items():
+        if k in hints:
+            try:
+                values[k] = coerce_value(k, v, hints[k], where)
+            except ConfigError as e:
+                raise CheckpointError(one_line(e)) from e
+        else:
+            values[k] = v  # from_dict names unknown keys
+    try:
+        return ModelConfig.from_dict(values)
+    except (ValueError, TypeError, ZeroDivisionError) as e:
+        raise CheckpointError(f"{where}: {one_line(e)}") from e
 
 
 def load_model_state(ckpt_dir: str) -> dict[str, torch.Tensor]:
     path = os.path.join(ckpt_dir, "model.safetensors")
     try:
         return load_file(path)
-    except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"{path}: cannot be read ({' '.join(str(e).split())})") from e
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: cannot be read ({one_line(e)})") from e
 
 
 def _unpickling_detail(e: BaseException) -> str:
@@ -342,18 +521,53 @@ def _unpickling_detail(e: BaseException) -> str:
     for line in lines:
         if "Unsupported global" in line or "Unsupported operand" in line:
             return line
-    return lines[0] if lines else type(e).__name__
+    first = lines[0] if lines else type(e).__name__
+    return first.split(". This is an internal miniz error")[0]  # torch's advice that follows is a paragraph
 
 
-def load_rank_file(ckpt_dir: str, kind: str, rank: int) -> Optional[dict]:
-    path = os.path.join(ckpt_dir, f"{kind}_rank{rank}.pt")
-    if not os.path.isfile(path):
-        return None
+def load_tensor_file(path: str) -> dict:
+    """A `.pt` file of plain tensors (torch.load weights_only=True) holding a dict; CheckpointError naming
+    the file when it is truncated, corrupted, would need unpickling, or holds something else."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        data = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         raise CheckpointError(f"{path}: not loadable as plain tensors (torch.load weights_only=True): "
                               f"{_unpickling_detail(e)}") from e
+    except (RuntimeError, EOFError, ValueError, OSError, KeyError, IndexError, TypeError,
+            AttributeError, UnicodeDecodeError) as e:
+        if isinstance(e, torch.OutOfMemoryError):
+            raise
+        raise CheckpointError(f"{path}: cannot be read (truncated or corrupted?): "
+                              f"{_unpickling_detail(e)[:200]}") from e
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: holds a {type(data).__name__}, not a dict of tensors")
+    return data
+
+
+def load_rank_file(ckpt_dir: str, kind: str, rank: int) -> Optional[dict]:
+    """`{kind}_rank{rank}.pt` of a checkpoint, or None when the file is not there."""
+    path = os.path.join(ckpt_dir, f"{kind}_rank{rank}.pt")
+    if not os.path.isfile(path):
+        return None
+    return load_tensor_file(path)
+
+
+def rng_state_problem(state: Any) -> Optional[str]:
+    """None when `state` (from capture_rng_state) can be restored, else why. Tried on this process's
+    generators and put back, so that a damaged file is named at load, not when the loop starts."""
+    if not isinstance(state, dict):
+        return f"the RNG state is a {type(state).__name__}, not a dict of tensors"
+    if "device" in state and not torch.is_tensor(state["device"]):
+        return "the device RNG state is not a tensor"
+    cpu = torch.device("cpu")
+    before = capture_rng_state(cpu)
+    try:
+        restore_rng_state(state, cpu)
+    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError, IndexError, OverflowError) as e:
+        return f"the RNG state does not restore ({type(e).__name__}: {one_line(e)[:160]})"
+    finally:
+        restore_rng_state(before, cpu)
+    return None
 
 
 # ---------------------------------------------------------------- the record of how a run started

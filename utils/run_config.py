@@ -196,6 +196,6 @@ def select_checkpoint(path: str, which: str = "latest", log: Callable[[str], Non
         if s == step:
             problem = ckpt.verify_checkpoint(p)
             if problem:
-                raise ckpt.CheckpointError(f"checkpoint {p} is not usable: {problem}")
+                raise ckpt.DamagedCheckpointError(f"checkpoint {p} is not usable: {problem}")
             return p
     raise ckpt.CheckpointError(f"{path}: no checkpoint at step {step} (found: {names})")
