@@ -692,6 +692,11 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
     throughput = Throughput(window=20)
     lr_kw = dict(max_lr=cfg.learning_rate, min_lr=cfg.min_lr, warmup_iters=cfg.warmup_iters,
                  decay_iters=cfg.lr_decay_iters or cfg.max_iters, schedule=cfg.lr_schedule)
+    from utils.lr_schedule import schedule_warnings
+    for warning in schedule_warnings(max_iters=cfg.max_iters, warmup_iters=cfg.warmup_iters,
+                                     lr_decay_iters=cfg.lr_decay_iters, schedule=cfg.lr_schedule, resumed_at=iter_num,
+                                     saved_max_iters=int(saved_cfg.get("max_iters") or 0) if resume_dir else 0):
+        log(f"[warning] schedule: {warning}")
     gas = cfg.gradient_accumulation_steps
     layout = (f"{engine.dp_size} data-parallel ranks x {cfg.pipeline_parallel_size} pipeline stages "
               f"({cfg.pipeline_schedule})" if cfg.pipeline_parallel_size > 1 else f"{info.world_size} ranks")

@@ -350,6 +350,35 @@ def build_engine(model: nn.Module, cfg: Any, group: Any = None, device: Optional
     return engine
 
 
+def describe_layout(cfg: Any, engine: Engine, world_size: int) -> str:
+    """One start-up line with the whole layout: engine, mesh sizes, communication, compile,
+    activation checkpointing and the global batch (samples and tokens per optimizer step)."""
+    pp = int(getattr(cfg, "pipeline_parallel_size", 1))
+    dp_engine = cfg.parallel
+    if dp_engine == "ddp" and cfg.use_distributed_optimizer:
+        dp_engine = f"ddp + ZeRO-{cfg.zero_stage}"
+    elif dp_engine == "fsdp":
+        dp_engine = (f"fsdp (FSDP2, {'ZeRO-3' if cfg.reshard_after_forward else 'ZeRO-2-like'}"
+                     f"{', CPU offload' if cfg.cpu_offload else ''})")
+    kind = f"pipeline ({pp} stages, {cfg.pipeline_schedule}) over {dp_engine}" if pp > 1 else dp_engine
+    parts = [f"engine {kind}", f"world {world_size} = data-parallel {engine.dp_size} x pipeline {pp} x tensor 1"]
+    if cfg.parallel == "ddp":
+        hook = cfg.comm_hook
+        if hook == "powersgd":
+            hook = f"powersgd (rank {cfg.powersgd_rank}, from step {cfg.powersgd_start_iter})"
+        overlap = [name for name, on in (("grad reduce", cfg.overlap_grad_reduce),
+                                         ("param gather", cfg.overlap_param_gather),
+                                         ("optimizer step", cfg.overlap_optim_step)) if on]
+        parts.append(f"gradients {hook}, buckets of {cfg.bucket_size:,} elements, overlap "
+                     f"{', '.join(overlap) if overlap else 'off'}")
+    parts.append(f"compile {'on' if cfg.compile else 'off'}")
+    parts.append(f"activation checkpointing {'on' if cfg.gradient_checkpointing else 'off'}")
+    samples = cfg.batch_size * cfg.gradient_accumulation_steps * engine.dp_size
+    parts.append(f"global batch {cfg.batch_size} x {cfg.gradient_accumulation_steps} x {engine.dp_size} = "
+                 f"{samples:,} samples = {samples * cfg.max_seq_len:,} tokens per step")
+    return "[layout] " + "; ".join(parts)
+
+
 def _dp_coordinates(group: Any) -> tuple[int, int]:
     import torch.distributed as dist
     if not dist.is_available() or not dist.is_initialized():

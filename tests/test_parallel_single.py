@@ -148,3 +148,26 @@ def test_shard_only_hooks_need_the_distributed_optimizer():
             ddp.register_comm_hook(None, hook)
     DistributedDataParallel(_net(), DDPConfig(use_distributed_optimizer=True)).register_comm_hook(
         None, reduce_scatter_hook)
+
+
+def test_startup_layout_line_names_engine_mesh_communication_and_global_batch():
+    """One line says what a run is: a 1B ZeRO-1 run under torchrun used to print only `world 2`."""
+    import dataclasses
+    from types import SimpleNamespace
+    from parallel.engine import describe_layout
+    from train_config import TrainConfig
+    base = TrainConfig(batch_size=4, gradient_accumulation_steps=8, max_seq_len=2048)
+    line = describe_layout(dataclasses.replace(base, use_distributed_optimizer=True, comm_hook="powersgd",
+                                               powersgd_rank=4, compile=True),
+                           SimpleNamespace(dp_size=2), world_size=2)
+    assert line.startswith("[layout] engine ddp + ZeRO-1;")
+    assert "world 2 = data-parallel 2 x pipeline 1 x tensor 1" in line
+    assert "powersgd (rank 4, from step" in line and "overlap grad reduce" in line
+    assert "compile on" in line and "activation checkpointing off" in line
+    assert "global batch 4 x 8 x 2 = 64 samples = 131,072 tokens per step" in line
+    line = describe_layout(dataclasses.replace(base, parallel="fsdp", reshard_after_forward=False,
+                                               pipeline_parallel_size=2, gradient_checkpointing=True),
+                           SimpleNamespace(dp_size=2), world_size=4)
+    assert "engine pipeline (2 stages, " in line and "over fsdp (FSDP2, ZeRO-2-like)" in line
+    assert "data-parallel 2 x pipeline 2" in line and "gradients" not in line
+    assert "activation checkpointing on" in line

@@ -68,3 +68,33 @@ def test_resplot_writes_png(tmp_path):
     assert main([str(tmp_path / "a"), str(tmp_path / "b"), "-o", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
     assert main([str(tmp_path / "missing")]) == 2
+
+
+def test_schedule_warnings_name_what_no_longer_makes_sense():
+    from utils.lr_schedule import lr_at, schedule_warnings
+    ok = schedule_warnings(max_iters=1000, warmup_iters=100, lr_decay_iters=0, schedule="cosine")
+    assert ok == []
+    w = schedule_warnings(max_iters=50, warmup_iters=100, lr_decay_iters=0, schedule="cosine")
+    assert len(w) == 1 and "never trains at the peak" in w[0]
+    assert lr_at(49, max_lr=1.0, min_lr=0.1, warmup_iters=100, decay_iters=50) < 1.0  # what the warning says
+    w = schedule_warnings(max_iters=1000, warmup_iters=100, lr_decay_iters=80, schedule="cosine")
+    assert any("drops to --min_lr right after the warmup" in s for s in w)
+    # a deliberate decay shorter or longer than the run is not second-guessed at the start ...
+    assert schedule_warnings(max_iters=1000, warmup_iters=10, lr_decay_iters=600, schedule="cosine") == []
+    # ... but a resume that cuts the run short of its decay is
+    w = schedule_warnings(max_iters=800, warmup_iters=10, lr_decay_iters=1000, schedule="cosine", resumed_at=500,
+                          saved_max_iters=1000)
+    assert any("stops before the learning rate has decayed" in s for s in w)
+    # a resume that extends max_iters: with the decay tied to max_iters the curve jumps ...
+    w = schedule_warnings(max_iters=2000, warmup_iters=10, lr_decay_iters=0, schedule="cosine", resumed_at=900,
+                          saved_max_iters=1000)
+    assert any("jumps from the old curve" in s for s in w)
+    a = lr_at(900, max_lr=1.0, min_lr=0.1, warmup_iters=10, decay_iters=1000)
+    b = lr_at(900, max_lr=1.0, min_lr=0.1, warmup_iters=10, decay_iters=2000)
+    assert b - a > 0.3  # the jump is real
+    # ... and past a pinned decay it sits at the floor
+    w = schedule_warnings(max_iters=2000, warmup_iters=10, lr_decay_iters=1000, schedule="cosine", resumed_at=900,
+                          saved_max_iters=1000)
+    assert any("steps 1001-2000 run at --min_lr" in s for s in w)
+    assert schedule_warnings(max_iters=2000, warmup_iters=10, lr_decay_iters=0, schedule="constant",
+                             resumed_at=900, saved_max_iters=1000) == []
