@@ -19,14 +19,18 @@ the step is in <out_dir>/spike.json; the supervisor rolls back, replays, skips d
 "[rank R] error: ..." on stderr and are never retried by monitor_process.py; any other failure is a
 crash (exit 1, traceback) that the supervisor restarts.
 
-A run records how it started (--init_from, task) in <out_dir>/run_start.json before its first step;
-`--init_from=resume` with no checkpoint yet starts the run that way again (a crash before the first
-checkpoint must not restart from random weights), or exits 2 when nothing was recorded.
+Running the same command again continues the run (--resume=auto, the default): from the newest valid
+checkpoint in --out_dir, or, before the first one, the way <out_dir>/run_start.json records the run
+started (a crash before the first checkpoint must not restart from random weights); an --out_dir holding
+neither starts a new run from --init_from. --resume=always (alias --init_from=resume) must continue
+(exit 2 when there is nothing), --resume=never must not (exit 2 when --out_dir holds checkpoints).
+
+--help, a typo, a bad value and a path that is not there are answered before torch is imported
+(train_config.precheck), with the same line and exit code as below.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -36,10 +40,16 @@ import sys
 import time
 from typing import Any, Optional
 
-import torch
+PROG = "train_my_ddp.py"
+if __name__ == "__main__":  # answered in a second: --help, typos, bad values, missing paths (no torch yet)
+    from train_config import precheck
+    precheck(sys.argv[1:], title=__doc__.strip().splitlines()[0], prog=PROG)
+
+import torch  # after the pre-check, which must not wait for it
 
 from configurator import ConfigError, help_text, parse_config, save_config_json
-from train_config import TrainConfig, TrainingError, validate_config
+from train_config import (TrainConfig, TrainingError, continues_run, existing_run_error,
+                          nothing_to_continue_error, one_line, resume_flag, validate_config)
 from utils import checkpoint as ckpt
 from utils.constants import (EXIT_BAD_CHECKPOINT, EXIT_BAD_CONFIG, EXIT_BAD_DATA, EXIT_INTERRUPTED,
                              EXIT_NONFINITE_LOSS, EXIT_OK, IGNORE_INDEX)
@@ -198,16 +208,8 @@ def build_data(cfg: TrainConfig, dp_rank: int, dp_size: int, tok_meta: dict, fix
 # ---------------------------------------------------------------------------- model
 
 def _is_hf_dir(path: str) -> bool:
-    cfg_path = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_path) or not os.path.isfile(os.path.join(path, "model.safetensors")) and \
-            not any(n.endswith(".safetensors") for n in os.listdir(path)):
-        return False
-    try:
-        with open(cfg_path, encoding="utf-8") as f:
-            cfg = json.load(f)
-    except (OSError, ValueError):  # not an HF config; a checkpoint of ours names its damaged file on verification
-        return False
-    return isinstance(cfg, dict) and cfg.get("model_type") == "llama"
+    from utils.run_dir import is_hf_dir  # torch-free: sample.py's pre-check asks it too
+    return is_hf_dir(path)
 
 
 def model_from_checkpoint(found: str) -> tuple[Any, dict]:
@@ -387,8 +389,7 @@ def evaluate(cfg: TrainConfig, engine, ref_model, make_val_loader, info: DistInf
 
 # ---------------------------------------------------------------------------- main
 
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split()) or type(e).__name__
+_one_line = one_line  # the pre-check (train_config.precheck) prints its messages the same way
 
 
 def named_error(e: BaseException) -> Optional[tuple[int, str]]:
@@ -411,22 +412,41 @@ def named_error(e: BaseException) -> Optional[tuple[int, str]]:
     return None
 
 
+QUIET_LINE_EVERY_S = 10.0  # stdout not a terminal: a step line at least this often (seconds)
+_last_line_at = [0.0]
+
+
+def _line_due(scheduled: bool, now: Optional[float] = None) -> bool:
+    """Whether the loop prints this step's line: when `scheduled` (every --log_interval steps, evaluations,
+    step 1), and, when stdout is not a terminal (a pipe or a log file: no progress bar there), also when
+    no line came for QUIET_LINE_EVERY_S seconds, so that a piped run is never silent for minutes."""
+    now = time.time() if now is None else now
+    if scheduled or (not sys.stdout.isatty() and now - _last_line_at[0] >= QUIET_LINE_EVERY_S):
+        _last_line_at[0] = now
+        return True
+    return False
+
+
 def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
-        print(help_text(TrainConfig(), __doc__.strip().splitlines()[0]))
+        print(help_text(TrainConfig(), __doc__.strip().splitlines()[0], prog=PROG))
         return EXIT_OK
     rank = int(os.environ.get("RANK", "0"))
     try:
         cfg = parse_config(TrainConfig(), argv)
-        if cfg.init_from == "resume":  # the run's saved configuration, with the command line over it
+        # Decided on every rank before init_distributed: no rank can have written to out_dir yet.
+        continues = continues_run(cfg)
+        if continues:  # the run's saved configuration, with the command line over it
+            asked = cfg.resume
             cfg, _ = resolve_resume_config(TrainConfig(), argv, cfg.out_dir,
                                            log=(lambda m: print(m, flush=True)) if rank == 0 else (lambda m: None))
+            cfg.resume = asked  # how to start is this command's choice, never the saved run's
     except ConfigError as e:
-        print(f"train_my_ddp.py: error: {_one_line(e)}", file=sys.stderr)
+        print(f"{PROG}: error: {_one_line(e)}", file=sys.stderr)
         return EXIT_BAD_CONFIG
     try:
         info = init_distributed(cfg.device, need_group=cfg.parallel == "fsdp" or cfg.pipeline_parallel_size > 1)
-        return train(cfg, info)
+        return train(cfg, info, continues=continues)
     except Exception as e:  # noqa: BLE001 - named errors become one line and an exit code; others re-raise
         named = named_error(e)
         if named is None:
@@ -439,35 +459,39 @@ def main(argv: list[str]) -> int:
 
 
 def start_without_checkpoint(cfg: TrainConfig, log) -> tuple[str, str]:
-    """--init_from=resume and no complete checkpoint in out_dir: what the run starts from instead.
+    """A run that continues (--resume) with no complete checkpoint in out_dir: what it starts from instead.
 
     The start recorded in <out_dir>/run_start.json (a crash before the first checkpoint restarts the
     run exactly as it began, not from random weights), else --resume_fallback, else exit 2. When
     checkpoints exist but every one is damaged, exit 5: starting over would hide lost work.
     Returns (what to start from, where that came from, for messages).
     """
+    flag = resume_flag(cfg)
     found = ckpt.list_checkpoints(cfg.out_dir)
     if found:
-        raise TrainingError(f"--init_from=resume: none of the {len(found)} checkpoint(s) in "
+        raise TrainingError(f"{flag}: none of the {len(found)} checkpoint(s) in "
                             f"{ckpt.checkpoint_root(cfg.out_dir)} is complete and undamaged (see the messages "
                             "above); restore one, or start a new run in another --out_dir", EXIT_BAD_CHECKPOINT)
     record = ckpt.read_run_start(cfg.out_dir)
     if record is not None:
         if record.get("task_type", cfg.task_type) != cfg.task_type:
-            raise TrainingError(f"--init_from=resume: {os.path.join(cfg.out_dir, ckpt.RUN_START)} records a "
+            raise TrainingError(f"{flag}: {os.path.join(cfg.out_dir, ckpt.RUN_START)} records a "
                                 f"{record['task_type']} run, not --task_type={cfg.task_type}", EXIT_BAD_CONFIG)
         log(f"[resume] no checkpoint in {cfg.out_dir} yet: starting as the run did, from {record['init_from']} "
-            f"(recorded in {ckpt.RUN_START})")
+            f"(recorded in {ckpt.RUN_START}; {flag})")
+        asked = record.get("requested_init_from")
+        same = isinstance(asked, str) and os.path.abspath(asked) == os.path.abspath(cfg.init_from)
+        if cfg.init_from != "resume" and isinstance(asked, str) and not same:
+            log(f"[resume] note: this command says --init_from={cfg.init_from}, the recorded run started from "
+                f"{asked}; to start over from {cfg.init_from}, pass --resume=never or use another --out_dir")
         return record["init_from"], f"the start recorded in {os.path.join(cfg.out_dir, ckpt.RUN_START)}:"
     if cfg.resume_fallback:
         log(f"[resume] no checkpoint in {cfg.out_dir} yet: starting from --resume_fallback={cfg.resume_fallback}")
         return cfg.resume_fallback, "--resume_fallback"
-    raise TrainingError(f"--init_from=resume: no complete checkpoint in {ckpt.checkpoint_root(cfg.out_dir)} and no "
-                        f"record of how the run started ({ckpt.RUN_START}); start it with --init_from=scratch or "
-                        "--init_from=<weights dir>, or pass --resume_fallback", EXIT_BAD_CONFIG)
+    raise nothing_to_continue_error(cfg, ckpt.checkpoint_root(cfg.out_dir))
 
 
-def train(cfg: TrainConfig, info: DistInfo) -> int:
+def train(cfg: TrainConfig, info: DistInfo, continues: Optional[bool] = None) -> int:
     def log(msg: str) -> None:
         if info.is_main:
             from tqdm import tqdm
@@ -485,23 +509,28 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
     except (OSError, ValueError, KeyError) as e:
         raise TrainingError(f"--tokenizer_dir={cfg.tokenizer_dir}: {e}", EXIT_BAD_CONFIG) from e
 
-    # ---- where do we start from?
+    # ---- where do we start from? (--resume: continue the run in out_dir, or a new one from --init_from)
+    if continues is None:  # not given by main(): decide now, before this rank writes anything there
+        continues = continues_run(cfg)
+    barrier()  # every rank has decided before rank 0 records this start (run_start.json, below)
     resume_dir = None
-    init_from, init_flag = cfg.init_from, "--init_from"  # what a run that does not resume starts from
-    if cfg.init_from == "resume":
+    init_from, init_flag = cfg.init_from, "--init_from"  # what a run that does not continue starts from
+    if continues:
         resume_dir = ckpt.find_latest_valid(cfg.out_dir, log=log)
         if resume_dir is not None:
-            log(f"[resume] from {resume_dir}")
-        else:
+            log(f"[resume] continuing {cfg.out_dir} from step {int(os.path.basename(resume_dir)[5:])} "
+                f"({resume_flag(cfg)})")
+        else:  # as run_start.json records (or --resume_fallback), else exit 2 / 5
             init_from, init_flag = start_without_checkpoint(cfg, log)
-    elif ckpt.list_checkpoints(cfg.out_dir):
-        raise TrainingError(f"--out_dir={cfg.out_dir} already holds checkpoints of a run; continue it with "
-                            "--init_from=resume, or start a new run in another --out_dir", EXIT_BAD_CONFIG)
-    elif info.is_main and os.path.exists(os.path.join(cfg.out_dir, "metrics.jsonl")):
-        # a run that died before its first checkpoint: keep its log, but do not mix it into this one
-        aside = os.path.join(cfg.out_dir, f"metrics.jsonl.{int(time.time())}.old")
-        os.replace(os.path.join(cfg.out_dir, "metrics.jsonl"), aside)
-        log(f"[init] previous metrics.jsonl (no checkpoint) moved to {aside}")
+    elif ckpt.list_checkpoints(cfg.out_dir):  # --resume=never
+        raise existing_run_error(cfg)
+    else:
+        if info.is_main and os.path.exists(os.path.join(cfg.out_dir, "metrics.jsonl")):
+            # a run that died before it recorded its start: keep its log, but do not mix it into this one
+            aside = os.path.join(cfg.out_dir, f"metrics.jsonl.{int(time.time())}.old")
+            os.replace(os.path.join(cfg.out_dir, "metrics.jsonl"), aside)
+            log(f"[init] previous metrics.jsonl (no checkpoint) moved to {aside}")
+        log(f"[init] new run from {cfg.init_from} in {cfg.out_dir} ({resume_flag(cfg)})")
     seed_everything(cfg.seed)  # identical initial weights on every rank (and DDP broadcasts anyway)
 
     from model import Transformer
@@ -580,18 +609,20 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
     from model.kernels import flash_attn_functions
     flash = mcfg.flash_attn and flash_attn_functions(info.device) is not None  # detected (and logged) once
     from model.kernels import describe_choice
-    log(f"[kernels] attention: {'flash-attn' if flash else 'F.scaled_dot_product_attention'}; "
+    from model.attention import describe_attention
+    log(f"[kernels] attention: {describe_attention(info.device, mcfg, dtype, cfg.compile)}; "
         f"{describe_choice(info.device, mcfg.kernel_backend, cfg.compile, fused=mcfg.fused_rmsnorm)}")
     n_params = sum(p.numel() for p in model.parameters())
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     log(f"[model] {n_params / 1e6:.2f}M parameters ({n_train / 1e6:.2f}M trainable), {mcfg.n_layers} layers, "
         f"dim {mcfg.dim}, vocab {mcfg.vocab_size}, dtype {cfg.dtype}, device {info.device}, world {info.world_size}")
 
-    from parallel.engine import build_engine
+    from parallel.engine import build_engine, describe_layout
     try:  # our DDP / FSDP / pipeline stages: the loop below talks to all of them the same way
         engine = build_engine(model, cfg, device=info.device)
     except ValueError as e:  # a layout that cannot run (e.g. a checkpoint's layers do not split into stages)
         raise TrainingError(f"bad parallel configuration: {_one_line(e)}", EXIT_BAD_CONFIG) from e
+    log(describe_layout(cfg, engine, info.world_size))
     del model  # the engine holds what this rank runs (under pp the other stages' layers are freed)
     if ref_model is not None:  # DPO: the frozen reference, sharded like the policy under fsdp
         ref_model = engine.place_reference(ref_model, info.device, dtype)
@@ -661,7 +692,7 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
     metrics = MetricsLogger(cfg.out_dir, enabled=info.is_main, tensorboard=cfg.tensorboard, log=log,
                             wandb=cfg.wandb, wandb_project=cfg.wandb_project, wandb_run_name=cfg.wandb_run_name,
                             run_config=dataclasses.asdict(cfg),
-                            resume_step=iter_num if cfg.init_from == "resume" else None)
+                            resume_step=iter_num if continues else None)
 
     # ---- graceful stop: finish the step, save, exit 75
     stop = {"requested": False}
@@ -802,7 +833,7 @@ def train(cfg: TrainConfig, info: DistInfo) -> int:
                 last_val = ev["val_loss"]
                 best_val = min(best_val, last_val)
         metrics.write(rec)
-        if info.is_main and (iter_num % cfg.log_interval == 0 or do_eval or iter_num == 1):
+        if info.is_main and _line_due(iter_num % cfg.log_interval == 0 or do_eval or iter_num == 1):
             log(format_line(rec))
 
         # ---- checkpoint / stop

@@ -2,18 +2,19 @@
 
 Owns: the module tree and its parameter names (HF Llama names without the `model.` prefix, e.g.
 `layers.0.self_attn.q_proj.weight`, `embed_tokens.weight`, `norm.weight`, `lm_head.weight`), rotary
-embeddings (half-split layout as HF, linear and dynamic-NTK scaling), attention masking for padding and
-packed samples (a right-padded-only batch needs no mask: SDPA's is_causal is exact at real positions), the
-KV cache used by model/generate.py, and activation checkpointing.
+embeddings (half-split layout as HF, linear and dynamic-NTK scaling), the KV cache used by
+model/generate.py, and activation checkpointing. Which attention kernel runs, and how padding and packed
+documents are masked, is model/attention.py's (`AttnSpec`, built once per forward from which inputs are
+present, never from their values: no host sync, no graph break).
 
 Must never: register a full causal-mask buffer (trap 12: masks are built per batch only when padding or
 packing needs one, otherwise SDPA's is_causal), let parameter names depend on which kernel ran (trap 11),
-cast itself to a precision (the trainer owns precision, trap 10), or write accelerator literals.
+cast itself to a precision (the trainer owns precision, trap 10), write accelerator literals, or branch
+on a tensor's value in the forward (DESIGN.md, host syncs).
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -21,7 +22,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from model import kernels
+from model import attention, kernels
+from model.attention import AttnSpec, documents_from_positions
 from model.config import ModelConfig
 from model.loss import lm_head_loss
 
@@ -75,16 +77,6 @@ class RotaryEmbedding(nn.Module):
 
 
 # ------------------------------------------------------------------------------------ attention
-@dataclass
-class AttnSpec:
-    """How this batch attends: built once per forward, shared by all layers."""
-    is_causal: bool = True
-    mask: Optional[torch.Tensor] = None        # bool [B or 1, 1, Tq, Tk], True = attend
-    cu_seqlens: Optional[torch.Tensor] = None  # packed samples, for flash_attn_varlen_func
-    max_seqlen: int = 0
-    flash: Optional[tuple] = None              # (flash_attn_func, flash_attn_varlen_func) or None
-
-
 class KVCache:
     """Preallocated keys/values per layer ([B, n_kv_heads, max_len, head_dim]) for generation."""
 
@@ -135,34 +127,19 @@ class Attention(nn.Module):
         v = v.view(B, T, self.n_kv_heads, self.head_dim)
         q, k = kernels.apply_rope_qk(q, k, cos, sin, fused=self.fused_rope, backend=self.backend)
         dropout = self.attn_dropout if self.training else 0.0
-
-        if spec.flash is not None and cache is None and spec.mask is None:
-            flash_func, flash_varlen = spec.flash
-            if spec.cu_seqlens is not None:  # packed samples: attend within each sample only
-                y = flash_varlen(q.reshape(B * T, self.n_heads, self.head_dim),
-                                 k.reshape(B * T, self.n_kv_heads, self.head_dim),
-                                 v.reshape(B * T, self.n_kv_heads, self.head_dim),
-                                 spec.cu_seqlens, spec.cu_seqlens, spec.max_seqlen, spec.max_seqlen,
-                                 dropout_p=dropout, causal=True)
-            else:
-                y = flash_func(q, k, v, dropout_p=dropout, causal=True)  # GQA handled natively
-            y = y.reshape(B, T, self.n_heads * self.head_dim)
+        if spec.kind in ("flash", "flash_varlen"):  # flash-attn's [B, T, H, D] layout, GQA native
+            y = attention.flash_attention(q, k, v, spec, dropout)
         else:
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, D]
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H(kv), T, D]
             if cache is not None:
                 k, v = cache.update(self.layer_idx, k, v)
-            if self.n_kv_heads != self.n_heads:
-                # expand shared kv heads (a view, materialised by SDPA); avoids enable_gqa fallbacks
-                rep = self.n_heads // self.n_kv_heads
-                Tk = k.shape[2]
-                k = k[:, :, None].expand(B, self.n_kv_heads, rep, Tk, self.head_dim).reshape(B, self.n_heads, Tk, self.head_dim)
-                v = v[:, :, None].expand(B, self.n_kv_heads, rep, Tk, self.head_dim).reshape(B, self.n_heads, Tk, self.head_dim)
-            out_dtype = q.dtype
-            adt = kernels.sdpa_dtype(q.device, q.dtype, self.head_dim)
-            q, k, v = q.to(adt), k.to(adt), v.to(adt)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=spec.mask, dropout_p=dropout,
-                                               is_causal=spec.is_causal and spec.mask is None)
-            y = y.to(out_dtype).transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)
+            # k/v keep n_kv_heads: SDPA's and FlexAttention's enable_gqa share them inside the kernel
+            if spec.kind == "flex":
+                y = attention.flex_attention_(q, k, v, spec)
+            else:
+                y = attention.sdpa_attention(q, k, v, spec, dropout)
+            y = y.transpose(1, 2)
+        y = y.reshape(B, T, self.n_heads * self.head_dim)
         return self.resid_dropout(self.o_proj(y))
 
 
@@ -200,18 +177,7 @@ class TransformerBlock(nn.Module):
 
 
 # ---------------------------------------------------------------------------------- transformer
-def _segments(position_ids: torch.Tensor) -> torch.Tensor:
-    """Sample id per token of packed rows: a new sample starts wherever the position does not
-    continue the previous one (e.g. resets to 0)."""
-    start = torch.ones_like(position_ids, dtype=torch.bool)
-    start[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
-    return start.cumsum(dim=1)
-
-
-def _right_padded(attention_mask: torch.Tensor) -> bool:
-    """True if no row of the [B, T] mask has a real token (non-zero) after a pad (zero)."""
-    am = attention_mask.to(torch.bool)
-    return not bool((am[:, 1:] & ~am[:, :-1]).any())
+_segments = documents_from_positions  # the old name
 
 
 class Transformer(nn.Module):
@@ -223,6 +189,9 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.fused_rmsnorm, cfg.kernel_backend)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg)
+        # attention backend: "auto" (model/attention.py picks per batch), or "sdpa" | "flex" | "flash" to
+        # force one (tests, benchmarks). A plain attribute: never in the config or a checkpoint.
+        self.attn_backend = "auto"
         self.apply(self._init_weights)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -243,61 +212,36 @@ class Transformer(nn.Module):
         return self.embed_tokens.weight.dtype
 
     def _attn_spec(self, B: int, T: int, positions: torch.Tensor, attention_mask: Optional[torch.Tensor],
-                   position_ids_given: bool, cache: Optional[KVCache]) -> AttnSpec:
+                   position_ids_given: bool, cache: Optional[KVCache], doc_ids: Optional[torch.Tensor] = None,
+                   cu_seqlens: Optional[torch.Tensor] = None, max_seqlen=None) -> AttnSpec:
+        """This batch's AttnSpec (model/attention.py), decided from which inputs are present and static
+        facts (device, compute dtype, training, cache), never from tensor values. Also used by the
+        pipeline stages (parallel/pipeline.py), which have cfg, training and _compute_dtype too."""
         device = positions.device
-        past = cache.pos if cache is not None else 0
-        Tk = past + T
         flash = kernels.flash_attn_functions(device) if self.cfg.flash_attn else None
-        if flash is not None and self._compute_dtype(device) not in (torch.float16, torch.bfloat16):
+        if flash is not None and self._compute_dtype(device) not in attention.HALF:
             flash = None  # flash-attn kernels exist for half precisions only
-        if flash is not None and attention_mask is None and cache is None and position_ids_given:
-            seg = _segments(positions)
-            if bool((seg[:, -1] > 1).any()) and flash[1] is not None:
-                # cumulative sample lengths over the flattened batch for flash_attn_varlen_func
-                counts = torch.cat([torch.unique_consecutive(s, return_counts=True)[1] for s in seg])
-                cu = F.pad(counts.cumsum(0), (1, 0)).to(torch.int32)
-                return AttnSpec(is_causal=True, cu_seqlens=cu, max_seqlen=int(counts.max()), flash=flash)
-        need_mask = attention_mask is not None or (cache is not None and past > 0 and T > 1)
-        seg = None
-        if position_ids_given and cache is None:
-            seg = _segments(positions)
-            if bool((seg[:, -1] > 1).any()):
-                need_mask = True
-            else:
-                seg = None
-        if attention_mask is not None and attention_mask.shape[-1] != Tk:
-            raise ValueError(f"attention_mask has {attention_mask.shape[-1]} columns, expected {Tk}")
-        if need_mask and seg is None and cache is None and _right_padded(attention_mask):
-            # Right padding only (each row: 1s then 0s): a real token never sees a later pad under the
-            # causal mask, so is_causal gives identical outputs at every real position and the
-            # [B, 1, T, T] mask (and SDPA's slower masked path) is skipped. Outputs at pad positions
-            # differ (they also see earlier pads): they are unspecified, as is their loss (labels -100).
-            need_mask = False
-        if not need_mask:
-            if cache is not None and past > 0:  # one new query sees every cached key
-                return AttnSpec(is_causal=False)
-            return AttnSpec(is_causal=True, flash=flash if cache is None else None)
-        q_idx = torch.arange(past, Tk, device=device)
-        k_idx = torch.arange(Tk, device=device)
-        mask = (k_idx[None, :] <= q_idx[:, None])[None, None]  # [1, 1, T, Tk] causal
-        if seg is not None:
-            mask = mask & (seg[:, None, :, None] == seg[:, None, None, :])
-        if attention_mask is not None:
-            am = attention_mask.to(torch.bool)
-            mask = mask & am[:, None, None, :]
-            # a padded query row with no visible key would give NaN (and NaN gradients): let it see itself
-            mask = mask | (k_idx[None, :] == q_idx[:, None])[None, None]
-        return AttnSpec(is_causal=False, mask=mask)
+        return attention.build_spec(
+            B, T, positions, attention_mask=attention_mask, position_ids_given=position_ids_given,
+            doc_ids=doc_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+            past=cache.pos if cache is not None else None, flash=flash,
+            dropout=self.training and self.cfg.attn_dropout > 0, head_dim=self.cfg.head_dim,
+            backend=getattr(self, "attn_backend", "auto"))
 
     def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 reduction: str = "mean", attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None, *, cache: Optional[KVCache] = None,
-                logits_to_keep: int = 0) -> torch.Tensor:
+                logits_to_keep: int = 0, doc_ids: Optional[torch.Tensor] = None,
+                cu_seqlens: Optional[torch.Tensor] = None, max_seqlen=None) -> torch.Tensor:
         """Logits [B, T, V] without labels; the loss of the chunked linear+CE with labels.
 
         labels are already shifted (labels[t] is the token after input_ids[t]), -100 = ignored.
         attention_mask [B, T(+cached)] marks real tokens (1) vs padding (0). position_ids [B, T] of
-        packed samples restart at each sample, which also restricts attention to the sample.
+        packed samples restart at each sample, which also restricts attention to the sample; doc_ids
+        [B, T] (document number per token) says the same explicitly, and cu_seqlens (int32 boundaries
+        over the flattened batch) with max_seqlen (a Python int) select flash-attn varlen where it runs
+        (dataset/dataset_sft.py's packed_collate makes all three). Which attention runs is decided from
+        which of these are present, never from their values (model/attention.py).
         cache / logits_to_keep are for generation (logits of the last `logits_to_keep` positions).
         """
         B, T = input_ids.shape
@@ -306,7 +250,8 @@ class Transformer(nn.Module):
             positions = torch.arange(past, past + T, device=input_ids.device)[None].expand(B, T)
         else:
             positions = position_ids.expand(B, T) if position_ids.shape[0] == 1 else position_ids
-        spec = self._attn_spec(B, T, positions, attention_mask, position_ids is not None, cache)
+        spec = self._attn_spec(B, T, positions, attention_mask, position_ids is not None, cache,
+                               doc_ids=doc_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
         cos, sin = self.rotary(positions)
 
         h = self.embed_tokens(input_ids)

@@ -1,0 +1,272 @@
+"""Attention: which kernel computes softmax(q k^T / sqrt(d)) v for a batch, and the masking rule they share.
+
+Owns: `AttnSpec` (how one batch attends: built once per forward from *which inputs are present*, shared
+by every layer), the masking rule `allowed` (causal AND same document AND key is a real token; a padded
+query always sees itself so no row is empty), and one function per backend beside its reference:
+
+| kind          | function          | when `auto` picks it                                                     |
+| ------------- | ----------------- | ------------------------------------------------------------------------ |
+| `flash`       | `flash_attention` | flash-attn installed, accelerator, fp16/bf16, no padding or documents    |
+| `flash_varlen`| `flash_attention` | as above, and the batch carries `cu_seqlens` (+ `max_seqlen`) from the data pipeline |
+| `sdpa`        | `sdpa_attention`  | no padding or documents (is_causal), and every KV-cache (generation) step |
+| `flex`        | `flex_attention_` | padding or documents on an accelerator: FlexAttention with a BlockMask  |
+| `sdpa_masked` | `sdpa_attention`  | padding or documents elsewhere (CPU: FlexAttention has no CPU backward); |
+|               |                   | the dense [B, 1, T, Tk] boolean mask is also the reference for `flex`    |
+
+`attention_ref` (materialised GQA, explicit softmax) is what the tests compare every backend against.
+Documents come from `doc_ids`, else from `position_ids` (a document starts wherever the position does not
+continue the previous one), else from `cu_seqlens`; padding from `attention_mask`. All of it is computed
+on the device with tensor ops (cumsum, comparisons, searchsorted): no value is read back to the host.
+flash-attn varlen is used only with `cu_seqlens`/`max_seqlen` from the caller: their length and the int
+`max_seqlen` depend on the data, so deriving them on the device would be a sync. Its padding is the
+collate's own segment (real tokens never see it), so `attention_mask` is not needed there.
+
+GQA: keys/values keep their n_kv_heads; SDPA (`enable_gqa`), FlexAttention (`enable_gqa`) and flash-attn
+share each kv head across its query heads inside the kernel. No backend materialises [B, H, T, D] copies.
+
+FlexAttention outside torch.compile is an unfused reference that materialises the [B, H, T, T] scores,
+and `create_block_mask` outside torch.compile builds a dense [B, 1, T, T] mask first. So on an
+accelerator, when the model itself is not being compiled, both are called through `torch.compile`d
+wrappers made once per process (lazily, at the first packed/padded batch), as torchtitan does; under
+torch.compile of the model the plain functions are traced into the model's graph. On CPU the plain
+functions are used (only tests force `flex` there, forward only, and compiling it costs ~1 min).
+
+Must never: decide anything from a tensor's value (`bool(t)`, `.item()`, `.nonzero()`, `unique`: each is
+a device-to-host sync and a graph break under torch.compile), register or cache a mask across batches,
+repeat/expand keys and values for GQA, or create parameters (checkpoints never depend on the backend).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from model import kernels
+from utils.device import is_accelerator
+
+try:  # torch >= 2.5; optional like every accelerator path (importing it does not import Dynamo)
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    FLEX_AVAILABLE = True
+except ImportError:  # pragma: no cover - older torch
+    create_block_mask = flex_attention = None  # type: ignore[assignment]
+    FLEX_AVAILABLE = False
+
+BACKENDS = ("auto", "sdpa", "flex", "flash")
+HALF = (torch.float16, torch.bfloat16)
+
+
+@dataclass
+class AttnSpec:
+    """How this batch attends: built once per forward, shared by all layers."""
+    kind: str = "sdpa"                          # flash | flash_varlen | sdpa | sdpa_masked | flex
+    is_causal: bool = True                      # sdpa without a mask: causal or (one query over a cache) full
+    mask: Optional[torch.Tensor] = None         # sdpa_masked: bool [B or 1, 1, Tq, Tk], True = attend
+    block_mask: Optional[Any] = None            # flex: BlockMask of `allowed`
+    cu_seqlens: Optional[torch.Tensor] = None   # flash_varlen: int32 boundaries over the flattened batch
+    max_seqlen: int = 0                         # flash_varlen
+    flash: Optional[tuple] = None               # (flash_attn_func, flash_attn_varlen_func)
+
+
+# ------------------------------------------------------------------------------------ the rule
+def allowed(q_idx: torch.Tensor, kv_idx: torch.Tensor, same_doc: Optional[torch.Tensor] = None,
+            kv_real: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """May query q attend to key kv? Causal, within one document, and only to real (non-pad) keys; a
+    query always sees itself, so a padded query row is never empty (no NaN, no NaN gradients).
+    Written once for broadcast index tensors (the dense mask) and scalar ones (FlexAttention's mask_mod)."""
+    ok = kv_idx <= q_idx
+    if same_doc is not None:
+        ok = ok & same_doc
+    if kv_real is not None:
+        ok = (ok & kv_real) | (kv_idx == q_idx)
+    return ok
+
+
+def documents_from_positions(positions: torch.Tensor) -> torch.Tensor:
+    """Document number per token of packed rows [B, T]: a document starts wherever the position does
+    not continue the previous one (e.g. resets to 0). Padding with position 0 gets one document per token."""
+    cont = positions[:, 1:] == positions[:, :-1] + 1
+    start = torch.cat((torch.ones_like(positions[:, :1], dtype=torch.bool), ~cont), dim=1)
+    return start.cumsum(dim=1)
+
+
+def documents_from_cu_seqlens(cu_seqlens: torch.Tensor, B: int, T: int) -> torch.Tensor:
+    """Document number per token [B, T] from flash-attn's cumulative boundaries over the flattened batch."""
+    idx = torch.arange(B * T, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    return torch.searchsorted(cu_seqlens, idx, right=True).view(B, T)
+
+
+def dense_mask(T: int, past: int, device: torch.device, docs: Optional[torch.Tensor] = None,
+               real: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The rule as a bool [B or 1, 1, T, past + T] tensor (queries are positions past..past+T-1)."""
+    q = torch.arange(past, past + T, device=device)[None, None, :, None]
+    k = torch.arange(past + T, device=device)[None, None, None, :]
+    same = None if docs is None else docs[:, None, :, None] == docs[:, None, None, :]
+    kv_real = None if real is None else real[:, None, None, :]
+    return allowed(q, k, same, kv_real)
+
+
+# ------------------------------------------------------------------------------ FlexAttention
+_COMPILED: dict = {}
+
+
+def _flex_functions(device: torch.device):
+    """(create_block_mask, flex_attention) to call here (see the module docstring)."""
+    if torch.compiler.is_compiling() or not is_accelerator(device):
+        return create_block_mask, flex_attention
+    if not _COMPILED:
+        _COMPILED["cbm"] = torch.compile(create_block_mask)
+        _COMPILED["flex"] = torch.compile(flex_attention)
+    return _COMPILED["cbm"], _COMPILED["flex"]
+
+
+def block_mask(B: int, T: int, device: torch.device, docs: Optional[torch.Tensor],
+               attention_mask: Optional[torch.Tensor]):
+    """FlexAttention BlockMask of `allowed` for a [B, T] batch (heads broadcast). The mask_mod captures the
+    caller's attention_mask itself (compared with 0 inside) rather than a converted copy: Inductor's CPU
+    lowering of FlexAttention (torch 2.13) fails on a captured tensor that is an unrealised pointwise
+    result (`NotImplementedError: Pointwise`); graph inputs and cumsum results are fine."""
+    def mask_mod(b, h, q_idx, kv_idx):
+        same = None if docs is None else docs[b, q_idx] == docs[b, kv_idx]
+        return allowed(q_idx, kv_idx, same, None if attention_mask is None else attention_mask[b, kv_idx] != 0)
+    cbm, _ = _flex_functions(device)
+    return cbm(mask_mod, B, None, T, T, device=device)
+
+
+def flex_usable(device: torch.device, head_dim: int = 64) -> bool:
+    """FlexAttention trains (forward and backward) here: torch has it, the device is an accelerator
+    (torch's FlexAttention refuses backward on CPU and MPS) and head_dim >= 16 (its Triton kernel's minimum)."""
+    return FLEX_AVAILABLE and is_accelerator(device) and head_dim >= 16
+
+
+def flex_attention_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec) -> torch.Tensor:
+    """q [B, H, T, D], k/v [B, Hkv, T, D] -> [B, H, T, D]; GQA inside the kernel.
+
+    Each input is given the layout torchtitan feeds FlexAttention, a contiguous [B, T, heads, D] tensor
+    viewed as [B, heads, T, D] (a no-op for q and k, fresh from RoPE). v, a slice of the fused q/k/v
+    projection, is not: Inductor's CPU FlexAttention kernel (torch 2.13) read it wrongly (max error 0.6
+    on the tiny model, exact once contiguous), and stride-dependent FlexAttention bugs have been reported
+    on CUDA too (pytorch#146377), so the one [B, T, n_kv_heads, D] copy is paid on every device."""
+    q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    _, flex = _flex_functions(q.device)
+    return flex(q, k, v, block_mask=spec.block_mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+# --------------------------------------------------------------------------------------- SDPA
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec,
+                   dropout_p: float = 0.0) -> torch.Tensor:
+    """q [B, H, Tq, D], k/v [B, Hkv, Tk, D] -> [B, H, Tq, D] in q's dtype; `enable_gqa` shares each kv head
+    across its query heads inside the kernel (CPU's flash kernel and CUDA's flash backend do it natively)."""
+    out_dtype = q.dtype
+    adt = kernels.sdpa_dtype(q.device, q.dtype, q.shape[-1])
+    y = F.scaled_dot_product_attention(q.to(adt), k.to(adt), v.to(adt), attn_mask=spec.mask, dropout_p=dropout_p,
+                                       is_causal=spec.is_causal and spec.mask is None,
+                                       enable_gqa=q.shape[1] != k.shape[1])
+    return y.to(out_dtype)
+
+
+# ---------------------------------------------------------------------------------- flash-attn
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec,
+                    dropout_p: float = 0.0) -> torch.Tensor:
+    """q [B, T, H, D], k/v [B, T, Hkv, D] (flash-attn's layout) -> [B, T, H, D]; GQA native."""
+    flash_func, flash_varlen = spec.flash
+    if spec.kind == "flash_varlen":
+        B, T, H, D = q.shape
+        y = flash_varlen(q.reshape(B * T, H, D), k.reshape(B * T, k.shape[2], D), v.reshape(B * T, v.shape[2], D),
+                         spec.cu_seqlens, spec.cu_seqlens, spec.max_seqlen, spec.max_seqlen,
+                         dropout_p=dropout_p, causal=True)
+        return y.view(B, T, H, D)
+    return flash_func(q, k, v, dropout_p=dropout_p, causal=True)
+
+
+# ---------------------------------------------------------------------------------- reference
+def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """The textbook computation in fp32 with GQA materialised (repeat_interleave) and an explicit mask:
+    what every backend is tested against. q [B, H, Tq, D], k/v [B, Hkv, Tk, D], mask bool broadcastable
+    to [B, H, Tq, Tk] (None = causal)."""
+    rep = q.shape[1] // k.shape[1]
+    qf, kf, vf = q.float(), k.float().repeat_interleave(rep, dim=1), v.float().repeat_interleave(rep, dim=1)
+    s = qf @ kf.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if mask is None:
+        mask = dense_mask(q.shape[2], k.shape[2] - q.shape[2], q.device)
+    s = s.masked_fill(~mask, float("-inf"))
+    return (s.softmax(-1) @ vf).to(q.dtype)
+
+
+# ------------------------------------------------------------------------------------- choice
+def build_spec(B: int, T: int, positions: torch.Tensor, *, attention_mask: Optional[torch.Tensor] = None,
+               position_ids_given: bool = False, doc_ids: Optional[torch.Tensor] = None,
+               cu_seqlens: Optional[torch.Tensor] = None, max_seqlen: Any = None,
+               past: Optional[int] = None, flash: Optional[tuple] = None, dropout: bool = False,
+               head_dim: int = 64, backend: str = "auto") -> AttnSpec:
+    """The AttnSpec of one batch, from which inputs are present (never their values).
+
+    past: None without a KV cache, else the number of cached positions (generation: always SDPA).
+    flash: flash-attn's functions when usable for this batch (installed, accelerator, half precision).
+    dropout: attention dropout is active (FlexAttention has none: the masked path then uses SDPA).
+    head_dim: FlexAttention's GPU kernel needs >= 16 (smaller: the masked path uses SDPA).
+    backend: "auto", or force "sdpa" | "flex" | "flash" for tests and benchmarks.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {BACKENDS}, got {backend!r}")
+    device = positions.device
+    Tk = T + (past or 0)
+    if attention_mask is not None and attention_mask.shape[-1] != Tk:
+        raise ValueError(f"attention_mask has {attention_mask.shape[-1]} columns, expected {Tk}")
+    real = None if attention_mask is None else attention_mask.to(torch.bool)
+    if past is not None:  # KV-cache generation; packed documents do not apply
+        if real is None and not (past > 0 and T > 1):
+            return AttnSpec("sdpa", is_causal=past == 0)  # prefill: causal; one new token: sees the cache
+        return AttnSpec("sdpa_masked", is_causal=False, mask=dense_mask(T, past, device, None, real))
+    if backend == "flash" and flash is None:
+        raise ValueError("attention backend 'flash' forced, but flash-attn is not usable here "
+                         "(not installed, not an accelerator, or not fp16/bf16)")
+    use_flash = flash is not None and backend in ("auto", "flash")
+    if use_flash and cu_seqlens is not None and flash[1] is not None:
+        if max_seqlen is None:
+            raise ValueError("cu_seqlens needs max_seqlen (a Python int from the collate function)")
+        # a 0-d tensor from the collate is read on the host, before it is moved: no device sync then
+        return AttnSpec("flash_varlen", cu_seqlens=cu_seqlens.to(device=device, dtype=torch.int32),
+                        max_seqlen=int(max_seqlen), flash=flash)
+    if doc_ids is not None:
+        docs = doc_ids
+    elif position_ids_given:
+        docs = documents_from_positions(positions)
+    elif cu_seqlens is not None:
+        docs = documents_from_cu_seqlens(cu_seqlens.to(device), B, T)
+    else:
+        docs = None
+    if docs is None and real is None:
+        if use_flash:
+            return AttnSpec("flash", flash=flash)
+        if backend == "flex":  # forced: plain causal through FlexAttention
+            return AttnSpec("flex", block_mask=block_mask(B, T, device, None, None))
+        return AttnSpec("sdpa", is_causal=True)
+    if backend == "flash":
+        raise ValueError("attention backend 'flash' cannot mask padding or packed documents without cu_seqlens")
+    kind = backend if backend in ("sdpa", "flex") else ("flex" if flex_usable(device, head_dim) and not dropout else "sdpa")
+    if kind == "flex":
+        if not FLEX_AVAILABLE:
+            raise ValueError("attention backend 'flex' forced, but this torch has no FlexAttention")
+        if dropout:
+            raise ValueError("FlexAttention has no attention dropout: use attn_dropout=0 or the sdpa backend")
+        return AttnSpec("flex", block_mask=block_mask(B, T, device, docs, attention_mask))
+    return AttnSpec("sdpa_masked", is_causal=False, mask=dense_mask(T, 0, device, docs, real))
+
+
+def describe_attention(device: torch.device, cfg: Any, dtype: torch.dtype, compiled: bool = False) -> str:
+    """One line for the start-up log: which attention each kind of batch gets on `device`."""
+    flash = (cfg.flash_attn and dtype in HALF and kernels.flash_attn_functions(device) is not None)
+    plain = "flash-attn" if flash else "SDPA (is_causal, enable_gqa)"
+    if flex_usable(device, cfg.head_dim) and not cfg.attn_dropout:
+        how = "torch.compile'd with the model" if compiled else "compiled once per process"
+        masked = f"FlexAttention ({how}; block mask: causal & same document & real key)"
+    else:
+        why = ("no FlexAttention in this torch" if not FLEX_AVAILABLE else
+               "no FlexAttention backward here" if not is_accelerator(device) else
+               "attention dropout" if cfg.attn_dropout else "head_dim < 16")
+        masked = f"SDPA with a dense [B,1,T,T] mask ({why})"
+    varlen = "; packed batches with cu_seqlens: flash-attn varlen" if flash else ""
+    return f"unmasked {plain}; packed/padded {masked}{varlen}"
