@@ -288,10 +288,13 @@ def save_config_json(cfg: Any, path: str) -> None:
     os.replace(tmp, path)
 
 
-def help_text(defaults: Any, title: str) -> str:
-    """One line per key with its type, default and the help from field metadata."""
+def help_text(defaults: Any, title: str, prog: str | None = None) -> str:
+    """One line per key with its type, default and the help from field metadata.
+    prog: the command's name in the usage line (default: the running script's file name)."""
+    import sys
     fields = _field_types(type(defaults))
-    lines = [title, "", "usage: [config.py|config.json|config.yaml ...] [--key=value ...]", "",
+    prog = prog or os.path.basename(sys.argv[0] if sys.argv and sys.argv[0] else "") or "python"
+    lines = [title, "", f"usage: {prog} [config.py|config.json|config.yaml ...] [--key=value ...]", "",
              textwrap.fill(CONFIG_FILES_HELP, width=100), ""]
     for f in dataclasses.fields(defaults):
         doc = f.metadata.get("help", "")

@@ -11,8 +11,9 @@ new rows as initialised, model/resize.py). Checkpoints of every engine export th
 pipeline-parallel run's stage files are merged into one model (parallel.engine.checkpoint_model_state),
 a sharded FSDP (DCP) one without LoRA is streamed: read and written one safetensors shard at a time
 (`--max_shard_gb`, HF's sharded layout with model.safetensors.index.json), never the whole model in memory. Importing goes the other way with
-`--init_from=<HF dir>` in train_my_ddp.py. Exit 2 for a bad flag or a --checkpoint that names nothing,
-5 for a damaged checkpoint (one line naming the file; docs/errors.md). Must never modify the checkpoint.
+`--init_from=<HF dir>` in train_my_ddp.py. Exit 2 for a bad flag or a --checkpoint that names nothing
+(both answered before torch is imported), 5 for a damaged checkpoint (one line naming the file;
+docs/errors.md). Must never modify the checkpoint.
 """
 from __future__ import annotations
 
@@ -37,6 +38,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="sharded (--parallel=fsdp) checkpoints: safetensors shards of at most this many GiB, "
                         "read and written one at a time (the whole model is never in memory)")
     args = p.parse_args(argv)
+    from utils.run_dir import checkpoint_choice_problem, one_line
+    problem = checkpoint_choice_problem(args.ckpt, args.checkpoint)  # names nothing: told before the torch import
+    if problem:
+        print(f"export_hf: {one_line(problem)}", file=sys.stderr)
+        return 2  # utils.checkpoint.selection_exit_code of the same choice
 
     from model import Transformer
     from model.hf_interop import export_hf

@@ -8,8 +8,10 @@ What it owns:
 - Deciding what an exit means (utils/constants.py): 0 is done and is NEVER restarted; 2/3/4/5 are
   non-retryable and are reported; 75 means the run was interrupted after saving; 76 is a loss spike
   (--spike_guard, below); anything else, including death by a signal, is a crash that is restarted
-  with `--init_from=resume` after an exponential backoff, up to --max_restarts. A run that died before
-  it recorded how it started (no run_start.json, no checkpoint) is restarted with the original command.
+  after an exponential backoff, up to --max_restarts, with the original command: the trainer continues
+  the run in its out_dir by itself (`--resume=auto`, its default). Only a command that says
+  `--resume=never` is changed, to `--resume=always`, once the run recorded its start (run_start.json or
+  a checkpoint); before that it too is restarted unchanged.
 - Loss spikes (exit 76, the step in <out_dir>/spike.json): move the checkpoints at or after the spike
   aside, replay from the newest one before it; a spike that comes back at the same step is the data's
   fault and its data window is skipped (`--skip_data_steps=` on every later restart), one that does
@@ -48,8 +50,8 @@ from typing import BinaryIO, Optional
 from utils.constants import EXIT_INTERRUPTED, EXIT_LOSS_SPIKE, EXIT_OK, NON_RETRYABLE_EXIT_CODES
 from utils.spike_guard import AFTER_SPIKE_DIR, SPIKE_FILE, format_data_steps, parse_data_steps, read_spike_record
 
-RESUME_FLAG = "--init_from"
-RESUME_VALUE = "resume"
+RESUME_FLAG = "--resume"      # the trainer's: auto (default) | always | never
+RESUME_VALUE = "always"
 SKIP_FLAG = "--skip_data_steps"
 RUN_START = "run_start.json"  # the trainer's record of how the run started (utils/checkpoint.py)
 SPIKE_SKIP_CHOICES = ("since_checkpoint", "step")
@@ -165,8 +167,12 @@ def with_flag(command: list[str], key: str, value: str) -> list[str]:
 
 
 def with_resume(command: list[str]) -> list[str]:
-    """The command with every --init_from replaced by --init_from=resume (appended if absent)."""
-    return with_flag(command, RESUME_FLAG, RESUME_VALUE)
+    """The command that continues the run: the command itself, since the trainer continues the run in
+    its out_dir unless told `--resume=never` (its default is auto; always and --init_from=resume
+    continue too); a command that says `--resume=never` gets `--resume=always` in its place."""
+    if flag_value(command, RESUME_FLAG) == "never":
+        return with_flag(command, RESUME_FLAG, RESUME_VALUE)
+    return list(command)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -235,7 +241,7 @@ def checkpoint_dirs(out_dir: str) -> list[tuple[int, str]]:
 
 def run_has_started(out_dir: str) -> bool:
     """Whether the trainer recorded this run yet: run_start.json (written before the first step) or any
-    checkpoints/step_* directory. Without either, `--init_from=resume` has nothing to resume."""
+    checkpoints/step_* directory. Without either, `--resume=always` has nothing to continue."""
     return os.path.exists(os.path.join(out_dir, RUN_START)) or bool(checkpoint_dirs(out_dir))
 
 
@@ -665,14 +671,17 @@ class Monitor:
 
     def restart_command(self) -> tuple[list[str], str]:
         """(the command of the next attempt, how it was made, for the log)."""
-        if self.cfg.out_dir and not run_has_started(self.cfg.out_dir):
-            # It died in start-up, before the trainer recorded how the run starts: resuming would find
-            # nothing (exit 2). Start it again the way the user did.
+        command = with_resume(self.command)
+        if command == self.command:
+            how = "the original command, unchanged (the trainer continues the run in its out_dir by itself)"
+        elif self.cfg.out_dir and not run_has_started(self.cfg.out_dir):
+            # --resume=never, and it died in start-up before the trainer recorded how the run starts:
+            # --resume=always would find nothing (exit 2). Start it again the way the user did.
             command = list(self.command)
             how = (f"the original command, unchanged (no {RUN_START} and no checkpoint in the out_dir: the run "
                    "stopped before it recorded how it started)")
         else:
-            command, how = with_resume(self.command), f"{RESUME_FLAG}={RESUME_VALUE}"
+            how = f"{RESUME_FLAG}={RESUME_VALUE} in place of the command's {RESUME_FLAG}=never"
         if self.skip_steps:
             value = format_data_steps(self.skip_steps)
             command = with_flag(command, SKIP_FLAG, value)

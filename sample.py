@@ -6,7 +6,8 @@ recorded (its --tokenizer_dir), unless `--tokenizer_dir` is given (required for 
 Owns: the command-line wrapper around model.generate (KV cache, temperature / top-k / top-p
 sampling, stop at </s> or <|im_end|>) and `build_prompt_ids`. `--chat` wraps the prompt in the ChatML
 template as a user turn (for SFT/DPO models). Exit 2 for a bad flag or a --checkpoint that names
-nothing, 5 for a damaged checkpoint (one line naming the file; docs/errors.md). Must never modify the
+nothing, 5 for a damaged checkpoint (one line naming the file; docs/errors.md). Flags, a --ckpt that
+is not there and a --checkpoint that names nothing are answered before torch is imported. Must never modify the
 checkpoint, or turn text the user typed (`<|im_end|>`, `</s>`, ...) into special ids: only the
 template's own markers are special.
 """
@@ -15,9 +16,10 @@ from __future__ import annotations
 import os
 import pickle
 import sys
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-import torch
+if TYPE_CHECKING:
+    import torch  # imported in main, after the flags were checked
 
 
 def _select(ckpt_path: str, which: str, log) -> str:
@@ -74,6 +76,25 @@ def build_prompt_ids(tok: Any, tokenizer_meta: dict, prompt: str, chat: bool) ->
     return [int(tokenizer_meta["special_tokens"]["bos"]["id"])] + encode_texts(tok, [prompt])[0]
 
 
+def no_tokenizer_message(tok_dir: Optional[str], given: Optional[str]) -> str:
+    if given:
+        return f"--tokenizer_dir={given}: not a directory"
+    return f"no tokenizer: the run recorded {tok_dir!r}; pass --tokenizer_dir"
+
+
+def precheck(args: Any) -> Optional[str]:
+    """What is wrong with the command that needs no torch to tell (the line main prints, exit 2), or None:
+    a --tokenizer_dir that is not there, a --ckpt that is no Hugging Face directory and where
+    --checkpoint names nothing (utils.run_dir.checkpoint_choice_problem: the full path's message)."""
+    from utils.run_dir import checkpoint_choice_problem, is_hf_dir, one_line
+    if args.tokenizer_dir and not os.path.isdir(args.tokenizer_dir):
+        return no_tokenizer_message(args.tokenizer_dir, args.tokenizer_dir)
+    if os.path.isdir(args.ckpt) and is_hf_dir(args.ckpt):
+        return None
+    problem = checkpoint_choice_problem(args.ckpt, args.checkpoint)
+    return one_line(problem) if problem else None
+
+
 def main(argv: list[str] | None = None) -> int:
     from utils.cli import Parser, add_bool
     p = Parser(description=__doc__.splitlines()[0])
@@ -90,6 +111,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
     args = p.parse_args(argv)
+    problem = precheck(args)
+    if problem:
+        print(f"sample.py: {problem}", file=sys.stderr)
+        return 2  # bad configuration (utils.constants.EXIT_BAD_CONFIG)
+
+    import torch
 
     from model.generate import generate
     from safetensors import SafetensorError
@@ -112,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as e:
         return fail(e, EXIT_BAD_CHECKPOINT)
     if not tok_dir or not os.path.isdir(tok_dir):
-        print(f"sample.py: no tokenizer: the run recorded {tok_dir!r}; pass --tokenizer_dir", file=sys.stderr)
+        print(f"sample.py: {no_tokenizer_message(tok_dir, args.tokenizer_dir)}", file=sys.stderr)
         return 2
     tok = load_tokenizer(tok_dir)
     meta = load_tokenizer_meta(tok_dir)

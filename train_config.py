@@ -3,12 +3,17 @@ validation that turns impossible values into one exit-2 error listing all of the
 
 Owns: `TrainConfig` (plain values, overridden by config files and `--key=value` through
 configurator.py; HF Trainer / torchtitan spellings such as `--lr` or `--max_steps` are aliases, see
-utils/cli.py), `validate_config`, and `TrainingError` (an error with its exit code).
-Must never: read files, touch devices or start processes.
+utils/cli.py), `validate_config`, `TrainingError` (an error with its exit code), whether a start
+continues the run in --out_dir (`--resume`, `continues_run`), and `precheck`: the answers
+train_my_ddp.py gives before it imports torch.
+Must never: import torch, touch devices or start processes; read anything but the config files and
+tokenizer_meta.json named on the command line and --out_dir's listing and JSON (never a checkpoint's
+tensors).
 """
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -31,12 +36,16 @@ class TrainConfig:
     tokenizer_dir: str = _f("", "tokenizer directory (tokenizer_meta.json gives the vocab size and special ids)")
     val_ratio: float = _f(0.05, "sft/dpo: fraction of records held out for validation")
     sft_packing: bool = _f(False, "sft: pack several samples per row (attention restricted to each sample)")
-    init_from: str = _f("scratch", "scratch | resume | <our run or checkpoint dir> | <Hugging Face model dir>; resume "
-                        "with no checkpoint yet starts as recorded in <out_dir>/run_start.json, else --resume_fallback")
-    resume_fallback: str = _f("", "--init_from=resume with no checkpoint and no run_start.json: start from this "
-                              "(scratch | <weights dir>) instead of exiting 2, e.g. under torchrun --max-restarts")
+    init_from: str = _f("scratch", "what a new run starts from: scratch | <our run or checkpoint dir> | <Hugging Face "
+                        "model dir> (a run that continues, see --resume, ignores it); resume = --resume=always")
+    resume: str = _f("auto", "auto: continue the run in --out_dir from its newest valid checkpoint, or, with none yet, "
+                     "as its run_start.json records it started; a new run from --init_from when --out_dir holds "
+                     "neither | always: continue, exit 2 when there is nothing to continue (unless "
+                     "--resume_fallback) | never: a new run, exit 2 when --out_dir holds checkpoints")
+    resume_fallback: str = _f("", "--resume=always (--init_from=resume) with no checkpoint and no run_start.json: start "
+                              "from this (scratch | <weights dir>) instead of exiting 2")
     ref_model: str = _f("", "dpo: weights of the frozen reference model (default: the initial weights)")
-    allow_data_change: bool = _f(False, "--init_from=resume: accept data flags (data_dir, data_mix, seed, ...) that "
+    allow_data_change: bool = _f(False, "a run that continues: accept data flags (data_dir, data_mix, seed, ...) that "
                                  "differ from the saved run; the new data is read from its start")
     # ---- model (ignored when initialising from a checkpoint, whose model_config.json wins)
     dim: int = _f(256, "model width")
@@ -148,8 +157,158 @@ class TrainingError(Exception):
         self.code = code
 
 
-def pipeline_problems(cfg: TrainConfig, world_size: Optional[int] = None) -> list[str]:
-    """What --pipeline_parallel_size > 1 cannot be combined with (none when it is 1)."""
+def one_line(e: BaseException) -> str:
+    """An error's message as the trainer prints it: one line."""
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+# ---------------------------------------------------------------------------- how a run starts (--resume)
+
+RESUME_CHOICES = ("auto", "always", "never")
+
+
+def resume_policy(cfg: TrainConfig) -> str:
+    """--resume, with --init_from=resume read as its alias --resume=always."""
+    return "always" if cfg.init_from == "resume" else cfg.resume
+
+
+def resume_flag(cfg: TrainConfig) -> str:
+    """The flag that chose the policy, as messages name it."""
+    return "--init_from=resume" if cfg.init_from == "resume" else f"--resume={cfg.resume}"
+
+
+def continues_run(cfg: TrainConfig) -> bool:
+    """Whether this start continues the run in --out_dir (from its newest valid checkpoint or, with none
+    yet, as its run_start.json records it started) rather than starting a new run from --init_from.
+
+    Told from the directory's listing alone (no torch, nothing verified: a continuing run whose every
+    checkpoint is damaged exits 5 later), so the pre-check and every rank decide alike; the trainer
+    decides on every rank before any of them can write there (train_my_ddp.main)."""
+    from utils.run_dir import has_run_start, listed_checkpoints
+    policy = resume_policy(cfg)
+    return policy == "always" or (policy == "auto" and (bool(listed_checkpoints(cfg.out_dir))
+                                                        or has_run_start(cfg.out_dir)))
+
+
+def existing_run_error(cfg: TrainConfig) -> TrainingError:
+    """--resume=never on an --out_dir that holds checkpoints."""
+    return TrainingError(f"--out_dir={cfg.out_dir} already holds checkpoints of a run and --resume=never does not "
+                         "continue it; continue it with --resume=auto (the default), or start a new run in another "
+                         "--out_dir", EXIT_BAD_CONFIG)
+
+
+def nothing_to_continue_error(cfg: TrainConfig, ckpt_root: str) -> TrainingError:
+    """--resume=always with no checkpoint, no run_start.json and no --resume_fallback."""
+    return TrainingError(f"{resume_flag(cfg)}: no complete checkpoint in {ckpt_root} and no record of how the run "
+                         "started (run_start.json); start it with --init_from=scratch or --init_from=<weights dir> "
+                         "(and --resume=auto), or pass --resume_fallback", EXIT_BAD_CONFIG)
+
+
+def no_weights_message(flag: str, path: str) -> str:
+    """A weights path (--init_from, --ref_model, --resume_fallback) with nothing loadable there."""
+    return f"{flag}={path}: no complete checkpoint or Hugging Face model there"
+
+
+# ---------------------------------------------------------------------------- the pre-check (no torch)
+
+def precheck(argv: list[str], title: str, prog: str) -> None:
+    """train_my_ddp.py's answers that need no torch, given before it imports torch (a second, not a
+    minute on a busy machine): --help (exit 0); a flag, value or config file that does not parse, a value
+    validate_config refuses, a --tokenizer_dir without tokenizer_meta.json, --resume=never on an
+    --out_dir with checkpoints, --resume=always with nothing to continue, and an --init_from,
+    --resume_fallback or (DPO) --ref_model path that is not there (exit 2). Each is printed as the
+    full path prints that mistake, with its exit code; with several mistakes the full path may name
+    another one first. Returns when it finds none: the full path checks the rest (devices, what the
+    checkpoints hold, the data, the FSDP / pipeline / LoRA-target options, changes a resume refuses);
+    a bad value in a configuration that uses those options is left to it too, so that its one message
+    lists every problem.
+    Reads only --out_dir's listing and JSON, and the config files and tokenizer_meta.json named."""
+    import sys
+
+    from configurator import ConfigError, help_text, parse_config
+    from utils.constants import EXIT_OK
+    from utils.run_dir import CKPT_SUBDIR, has_run_start, listed_checkpoints
+
+    def fail(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+        sys.exit(EXIT_BAD_CONFIG)
+
+    if any(a in ("-h", "--help") for a in argv):
+        print(help_text(TrainConfig(), title, prog=prog))
+        sys.exit(EXIT_OK)
+    try:
+        cfg = parse_config(TrainConfig(), argv)
+    except ConfigError as e:
+        fail(f"{prog}: error: {one_line(e)}")
+    error = f"[rank {int(os.environ.get('RANK', '0'))}] error: "
+    continues = continues_run(cfg)
+    if continues:  # the run's saved configuration with the command line over it, as the full path builds it
+        cfg = _saved_config_under(cfg, argv)
+        if cfg is None:
+            return
+    try:
+        validate_config(cfg, torch_free=True)
+    except TrainingError as e:
+        if validated_with_torch(cfg):  # the full path's one message lists those problems too: let it
+            return
+        fail(error + one_line(e))
+    from tokenizer import load_tokenizer_meta
+    try:
+        load_tokenizer_meta(cfg.tokenizer_dir)
+    except (OSError, ValueError, KeyError) as e:
+        fail(error + one_line(TrainingError(f"--tokenizer_dir={cfg.tokenizer_dir}: {e}", EXIT_BAD_CONFIG)))
+    checkpoints = listed_checkpoints(cfg.out_dir)
+    if continues and not checkpoints and not has_run_start(cfg.out_dir):  # --resume=always, nothing to continue
+        if not cfg.resume_fallback:
+            fail(error + one_line(nothing_to_continue_error(cfg, os.path.join(cfg.out_dir, CKPT_SUBDIR))))
+        if cfg.resume_fallback != "scratch" and not os.path.isdir(cfg.resume_fallback):
+            fail(error + no_weights_message("--resume_fallback", cfg.resume_fallback))
+    if not continues:
+        if checkpoints:
+            fail(error + one_line(existing_run_error(cfg)))
+        if cfg.init_from != "scratch" and not os.path.isdir(cfg.init_from):
+            fail(error + no_weights_message("--init_from", cfg.init_from))
+    if cfg.task_type == "dpo" and cfg.ref_model and not os.path.isdir(cfg.ref_model):
+        fail(error + no_weights_message("--ref_model", cfg.ref_model))
+
+
+def validated_with_torch(cfg: TrainConfig) -> bool:
+    """Whether validate_config also checks options that need torch to tell (FSDP, pipeline stages, LoRA
+    target names), which the pre-check cannot list with the others."""
+    return cfg.parallel == "fsdp" or cfg.pipeline_parallel_size > 1 or (cfg.lora_rank > 0 and cfg.lora_targets != "all")
+
+
+def _saved_config_under(asked: TrainConfig, argv: list[str]) -> Optional[TrainConfig]:
+    """The configuration a continuing run resolves (utils.run_config.resolve_resume_config): the saved
+    one with argv over it, --resume as asked. None when a saved value does not read back: the full
+    path names that."""
+    import dataclasses
+    import typing
+
+    from configurator import ConfigError, coerce_value, parse_config
+    from utils.run_dir import saved_config
+    try:
+        saved = saved_config(asked.out_dir)
+    except ValueError:
+        return None
+    if saved is None:
+        return asked
+    hints = typing.get_type_hints(TrainConfig)
+    values = {}
+    try:
+        for k, v in saved.items():
+            if k in hints and k != "init_from":  # utils.run_config.NOT_RESTORED
+                values[k] = coerce_value(k, v, hints[k], "saved configuration")
+        cfg = parse_config(dataclasses.replace(TrainConfig(), **values), argv)
+    except ConfigError:
+        return None
+    cfg.resume = asked.resume  # how to start is this command's choice, never the saved run's
+    return cfg
+
+
+def pipeline_problems(cfg: TrainConfig, world_size: Optional[int] = None, torch_free: bool = False) -> list[str]:
+    """What --pipeline_parallel_size > 1 cannot be combined with (none when it is 1).
+    torch_free: leave out parallel.pipeline's own checks (they import torch)."""
     pp = cfg.pipeline_parallel_size
     if pp < 1:
         return [f"--pipeline_parallel_size={pp}: must be >= 1"]
@@ -158,15 +317,16 @@ def pipeline_problems(cfg: TrainConfig, world_size: Optional[int] = None) -> lis
         out.append(f"--pipeline_schedule={cfg.pipeline_schedule!r} (gpipe | 1f1b)")
     if pp == 1:
         return out
-    from parallel.pipeline import validate_pipeline_options
-    try:
-        validate_pipeline_options(pp_size=pp, n_microbatches=cfg.gradient_accumulation_steps,
-                                  schedule=cfg.pipeline_schedule if cfg.pipeline_schedule.lower() in ("gpipe", "1f1b") else "gpipe",
-                                  dp_engine=cfg.parallel if cfg.parallel in ("ddp", "fsdp") else "ddp",
-                                  world_size=world_size, overlap_optim_step=cfg.overlap_optim_step,
-                                  comm_hook=cfg.comm_hook, task_type=cfg.task_type)
-    except ValueError as e:
-        out.append(f"--pipeline_parallel_size={pp}: {e}")
+    if not torch_free:
+        from parallel.pipeline import validate_pipeline_options
+        try:
+            validate_pipeline_options(pp_size=pp, n_microbatches=cfg.gradient_accumulation_steps,
+                                      schedule=cfg.pipeline_schedule if cfg.pipeline_schedule.lower() in ("gpipe", "1f1b") else "gpipe",
+                                      dp_engine=cfg.parallel if cfg.parallel in ("ddp", "fsdp") else "ddp",
+                                      world_size=world_size, overlap_optim_step=cfg.overlap_optim_step,
+                                      comm_hook=cfg.comm_hook, task_type=cfg.task_type)
+        except ValueError as e:
+            out.append(f"--pipeline_parallel_size={pp}: {e}")
     pre = f"--pipeline_parallel_size={pp} cannot be combined with"
     if cfg.init_from in ("scratch", "resume") and cfg.n_layers % pp:
         out.append(f"--pipeline_parallel_size={pp}: --n_layers={cfg.n_layers} does not split into {pp} equal stages "
@@ -187,10 +347,11 @@ KERNEL_CHOICES = {"auto": (True, "auto"), "true": (True, "auto"), "triton": (Tru
                   "torch": (True, "torch"), "false": (False, "auto")}
 
 
-def validate_config(cfg: TrainConfig, world_size: Optional[int] = None) -> None:
+def validate_config(cfg: TrainConfig, world_size: Optional[int] = None, torch_free: bool = False) -> None:
     """Every value the run cannot work with, as one exit-2 error listing all of them.
-    world_size (when known) also checks that the processes form a pp x dp mesh."""
-    problems = pipeline_problems(cfg, world_size)
+    world_size (when known) also checks that the processes form a pp x dp mesh. torch_free: only the
+    checks that need no torch (the pre-check's): not the FSDP, pipeline and LoRA-target ones."""
+    problems = pipeline_problems(cfg, world_size, torch_free=torch_free)
 
     def choice(name: str, allowed: tuple[str, ...]) -> None:
         if getattr(cfg, name) not in allowed:
@@ -230,7 +391,7 @@ def validate_config(cfg: TrainConfig, world_size: Optional[int] = None) -> None:
     choice("trainable", ("all", "embeddings"))
     cfg.fused_kernels = str(cfg.fused_kernels).lower()
     choice("fused_kernels", tuple(KERNEL_CHOICES))
-    if cfg.parallel == "fsdp":
+    if cfg.parallel == "fsdp" and not torch_free:
         from parallel.fsdp import validate_fsdp_options
         try:
             validate_fsdp_options(comm_hook=cfg.comm_hook, use_distributed_optimizer=cfg.use_distributed_optimizer,
@@ -245,9 +406,12 @@ def validate_config(cfg: TrainConfig, world_size: Optional[int] = None) -> None:
                         "--use_distributed_optimizer=true (ZeRO), which steps exactly that shard")
     if cfg.zero_stage not in (1, 2):
         problems.append(f"--zero_stage={cfg.zero_stage} (1 | 2)")
-    if cfg.task_type in ("sft", "dpo") and cfg.init_from == "scratch":
+    choice("resume", RESUME_CHOICES)
+    if cfg.init_from == "resume" and cfg.resume == "never":
+        problems.append("--init_from=resume (= --resume=always) contradicts --resume=never")
+    if cfg.task_type in ("sft", "dpo") and cfg.init_from == "scratch" and resume_policy(cfg) != "always":
         problems.append(f"--task_type={cfg.task_type} starts from pretrained weights: pass --init_from=<run dir>")
-    if cfg.task_type in ("sft", "dpo") and cfg.init_from == "resume" and cfg.resume_fallback == "scratch":
+    if cfg.task_type in ("sft", "dpo") and resume_policy(cfg) == "always" and cfg.resume_fallback == "scratch":
         problems.append(f"--task_type={cfg.task_type} starts from pretrained weights: --resume_fallback=scratch "
                         "cannot be used")
     for name in ("batch_size", "gradient_accumulation_steps", "max_iters", "max_seq_len", "checkpoint_interval",
@@ -280,7 +444,7 @@ def validate_config(cfg: TrainConfig, world_size: Optional[int] = None) -> None:
     if cfg.lora_train_embeddings and cfg.lora_rank == 0:
         problems.append("--lora_train_embeddings=true needs --lora_rank>0 (to train only the embedding and LM head, "
                         "use --trainable=embeddings)")
-    if cfg.lora_rank > 0:
+    if cfg.lora_rank > 0 and not torch_free:
         from model.lora import ALL_LINEAR
         targets = [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]
         unknown = [t for t in targets if t not in ALL_LINEAR]

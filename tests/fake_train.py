@@ -10,7 +10,9 @@ Contract kept (see docs/monitor.md):
   <out_dir>/metrics.jsonl and touches <out_dir>/heartbeat (rank 0 only, RANK from the environment).
 - Every checkpoint_interval steps the state is saved atomically as
   <out_dir>/checkpoints/step_XXXXXXXX/{state.json,COMPLETE} (temporary directory, then os.replace).
-- `--init_from=resume` loads the newest checkpoint holding COMPLETE (scratch when there is none).
+- It continues from the newest checkpoint holding COMPLETE (`--resume=auto`, the default, and
+  `--resume=always` / `--init_from=resume`; scratch when there is none); `--resume=never` starts from
+  scratch and exits 2 when a checkpoint exists.
 - The "loss" depends on a state carried from step to step, so a resume from a wrong or partial
   state gives a different loss sequence than an uninterrupted run.
 - SIGTERM/SIGINT: finish the current step, save a checkpoint, exit 75.
@@ -32,6 +34,7 @@ EXIT_INTERRUPTED = 75
 DEFAULTS = {
     "out_dir": "",
     "init_from": "scratch",
+    "resume": "auto",
     "max_iters": 20,
     "checkpoint_interval": 5,
     "step_time": 0.01,
@@ -62,8 +65,10 @@ def parse(argv: list[str]) -> dict:
         except ValueError:
             print(f"fake_train: bad value for --{key}: {value!r}", file=sys.stderr)
             sys.exit(EXIT_BAD_CONFIG)
-    if not cfg["out_dir"] or cfg["init_from"] not in ("scratch", "resume"):
-        print("fake_train: --out_dir is required and --init_from must be scratch|resume", file=sys.stderr)
+    if not cfg["out_dir"] or cfg["init_from"] not in ("scratch", "resume") or \
+            cfg["resume"] not in ("auto", "always", "never"):
+        print("fake_train: --out_dir is required, --init_from must be scratch|resume, --resume auto|always|never",
+              file=sys.stderr)
         sys.exit(EXIT_BAD_CONFIG)
     return cfg
 
@@ -130,8 +135,11 @@ def main(argv: list[str]) -> int:
         f.write(str(os.getpid()))
 
     step, state = 0, {"w": 1.0}
-    if cfg["init_from"] == "resume":
-        path = newest_checkpoint(ckpt_root)
+    path = newest_checkpoint(ckpt_root)
+    if path and cfg["resume"] == "never" and cfg["init_from"] != "resume":
+        print("[rank 0] error: fake_train: --out_dir holds checkpoints and --resume=never", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    if cfg["init_from"] == "resume" or cfg["resume"] != "never":
         if path:
             with open(os.path.join(path, "state.json")) as f:
                 saved = json.load(f)

@@ -223,12 +223,12 @@ def test_damaged_checkpoint(runs, tmp_path, capsys, kind, damage, again, what, n
     if what == "fallback":  # the damaged checkpoint is skipped, named; the run trains on from the older one
         skipped = [line for line in out.splitlines() if line.startswith(f"[checkpoint] skipping {step}:")]
         assert len(skipped) == 1 and needle in skipped[0], out[-3000:]
-        assert f"[resume] from {run / 'checkpoints' / OLDER}" in out
+        assert f"[resume] continuing {run} from step 1 (--init_from=resume)" in out  # OLDER
         assert ckpt.verify_checkpoint(str(step)) is None  # step 2 was trained again and saved over the damage
     elif what == "warn":
         warned = [line for line in out.splitlines() if "warning" in line and needle in line]
         assert len(warned) == 1 and "fresh RNG state" in warned[0], out[-3000:]
-        assert f"[resume] from {step}" in out
+        assert f"[resume] continuing {run} from step 2 (--init_from=resume)" in out  # STEP
 
 
 def test_intact_checkpoint_of_other_lora_flags_is_exit_2(runs, tmp_path, capsys, monkeypatch):

@@ -77,11 +77,14 @@ def assert_all_dead(out_dir) -> None:
 
 # --- pure helpers ------------------------------------------------------------------------------
 
-def test_with_resume_replaces_or_appends_and_keeps_spaces():
-    assert mp.with_resume(["t.py", "--init_from=scratch", "--x=a b"]) == ["t.py", "--init_from=resume", "--x=a b"]
-    assert mp.with_resume(["t.py", "--init_from", "scratch", "y"]) == ["t.py", "--init_from=resume", "y"]
-    assert mp.with_resume(["torchrun", "--nproc_per_node=2", "t.py"]) == \
-        ["torchrun", "--nproc_per_node=2", "t.py", "--init_from=resume"]
+def test_with_resume_leaves_the_command_unless_it_says_never_and_keeps_spaces():
+    """The trainer continues its run by itself (--resume=auto): a restart is the command as given; only
+    --resume=never becomes --resume=always (in place, in either spelling)."""
+    for cmd in (["t.py", "--init_from=scratch", "--x=a b"], ["t.py", "--init_from=resume"],
+                ["t.py", "--resume=auto"], ["t.py", "--resume=always"], ["torchrun", "--nproc_per_node=2", "t.py"]):
+        assert mp.with_resume(cmd) == cmd
+    assert mp.with_resume(["t.py", "--resume=never", "--x=a b"]) == ["t.py", "--resume=always", "--x=a b"]
+    assert mp.with_resume(["t.py", "--resume", "never", "y"]) == ["t.py", "--resume=always", "y"]
     assert mp.flag_value(["a", "--out_dir=x y", "--out_dir", "z"], "--out_dir") == "z"
 
 
@@ -126,7 +129,7 @@ def test_crash_is_restarted_and_resumes_exactly(tmp_path, reference, fault, resu
     assert first["steps_lost"] == first["last_step"] - resumed_from
     assert 0 < first["steps_lost"] <= 5  # at most the checkpoint interval
     assert second["first_step"] == resumed_from + 1 and s["last_step"] == 12
-    assert second["command"][-1] == "--init_from=resume"
+    assert second["command"] == first["command"]  # unchanged: the trainer continues its run by itself
     # the argument with spaces and quotes reached the restarted trainer as one argument
     with open(out / "args.json") as f:
         assert f"--label={label}" in json.load(f)
@@ -327,19 +330,20 @@ def test_out_dir_is_found_under_its_alias():
 # --- killed during start-up, before the trainer recorded how the run starts --------------------
 
 # A stand-in for the trainer's start-up contract (train_my_ddp.py `start_without_checkpoint`): it
-# writes <out_dir>/run_start.json before its first step, and `--init_from=resume` with neither that
-# record nor a checkpoint exits 2. KILL_WHERE says where the first start is SIGKILLed (as an OOM
-# killer or an operator would), once per KILL_ONCE_FILE.
+# writes <out_dir>/run_start.json before its first step, and `--resume=always` (`--init_from=resume`)
+# with neither that record nor a checkpoint exits 2. KILL_WHERE says where the first start is SIGKILLed
+# (as an OOM killer or an operator would), once per KILL_ONCE_FILE.
 STARTUP_CHILD = r'''
 import json, os, signal, sys
 args = dict(a[2:].split("=", 1) for a in sys.argv[1:])
 out, init = args["out_dir"], args.get("init_from", "scratch")
+policy = "always" if init == "resume" else args.get("resume", "auto")
 os.makedirs(out, exist_ok=True)
 record = os.path.join(out, "run_start.json")
 with open(os.path.join(out, "starts.jsonl"), "a") as f:
     f.write(json.dumps(sys.argv[1:]) + "\n")
-if init == "resume" and not os.path.exists(record) and not os.path.isdir(os.path.join(out, "checkpoints")):
-    print("[rank 0] error: --init_from=resume: no complete checkpoint and no record of how the run started",
+if policy == "always" and not os.path.exists(record) and not os.path.isdir(os.path.join(out, "checkpoints")):
+    print("[rank 0] error: --resume=always: no complete checkpoint and no record of how the run started",
           file=sys.stderr)
     sys.exit(2)
 
@@ -359,37 +363,42 @@ with open(os.path.join(out, "metrics.jsonl"), "a") as f:
 '''
 
 
-@pytest.mark.parametrize("where, restart_flags", [("before_record", ["--init_from=scratch"]),
-                                                  ("after_record", ["--init_from=resume"])])
-def test_kill_during_startup_restarts_the_way_the_run_would_start(tmp_path, where, restart_flags):
-    """Killed before run_start.json exists (and with no checkpoint), the restart is the user's own
-    command, unchanged: `--init_from=resume` would exit 2 and end the run as non-retryable. Once the
-    record exists, the restart resumes as usual."""
+@pytest.mark.parametrize("where, resume, restart_resume", [
+    ("before_record", "--resume=auto", "--resume=auto"), ("after_record", "--resume=auto", "--resume=auto"),
+    ("before_record", "--resume=never", "--resume=never"), ("after_record", "--resume=never", "--resume=always")])
+def test_kill_during_startup_restarts_the_way_the_run_would_start(tmp_path, where, resume, restart_resume):
+    """The trainer continues its run by itself (--resume=auto): every restart is the user's command,
+    unchanged. A command that says --resume=never is restarted with --resume=always once the run
+    recorded its start (run_start.json); killed before that, unchanged: --resume=always would exit 2
+    and end the run as non-retryable."""
     child = tmp_path / "child.py"
     child.write_text(STARTUP_CHILD)
     out = tmp_path / "run"
-    cmd = [sys.executable, str(child), f"--out_dir={out}", "--init_from=scratch"]
+    cmd = [sys.executable, str(child), f"--out_dir={out}", "--init_from=scratch", resume]
     r = run_monitor(cmd, env_extra={"KILL_WHERE": where, "KILL_ONCE_FILE": str(tmp_path / "killed")})
     assert r.returncode == 0, r.stderr
     s = summary(out)
     assert (s["final_status"], s["restarts"]) == ("completed", 1), s["reason"]
     first, second = s["attempts"]
     assert first["signal"] == "SIGKILL" and first["cause"] == "signal"
-    assert second["command"] == cmd[:-1] + restart_flags
+    assert second["command"] == cmd[:-1] + [restart_resume]
     with open(out / "starts.jsonl") as f:
-        assert [json.loads(line)[1:] for line in f] == [["--init_from=scratch"], restart_flags]
+        assert [json.loads(line)[1:] for line in f] == [["--init_from=scratch", resume],
+                                                         ["--init_from=scratch", restart_resume]]
     log = (out / "monitor.log").read_text()
-    expected = "the original command, unchanged" if where == "before_record" else "with --init_from=resume"
+    expected = "--resume=always in place of" if restart_resume != resume else "the original command, unchanged"
     assert expected in log and subprocess.list2cmdline(second["command"]) in log
 
 
-def test_unknown_out_dir_keeps_resuming(tmp_path):
-    """Without an out_dir the monitor cannot look for the record: restarts resume, as before."""
-    m = mp.Monitor(mp.parse_args(["--", "python", "t.py", "--init_from=scratch"])[0],
-                   ["python", "t.py", "--init_from=scratch"])
-    command, how = m.restart_command()
-    assert command == ["python", "t.py", "--init_from=resume"] and how.startswith("--init_from=resume")
-    m.log.close()
+def test_unknown_out_dir_restarts(tmp_path):
+    """Without an out_dir the monitor cannot look for the record: the command is restarted as it is
+    (the trainer continues its run), and --resume=never becomes --resume=always."""
+    for cmd, want in ((["python", "t.py", "--init_from=scratch"], ["python", "t.py", "--init_from=scratch"]),
+                      (["python", "t.py", "--resume=never"], ["python", "t.py", "--resume=always"])):
+        m = mp.Monitor(mp.parse_args(["--", *cmd])[0], cmd)
+        command, how = m.restart_command()
+        assert command == want and ("unchanged" in how) == (cmd == want), how
+        m.log.close()
 
 
 SITECUSTOMIZE = r'''

@@ -1,0 +1,111 @@
+"""What a run directory holds, read without torch: its checkpoint directories by name, its record of
+how the run started, its saved configuration, and whether a directory is a Hugging Face model.
+
+Owns: the torch-free look at `<out_dir>/checkpoints/step_N/`, `run_start.json` and `config.json` that
+lets the commands answer a mistake before they import torch (train_my_ddp.py's pre-check in
+train_config.py, sample.py and export_hf.py): a `--checkpoint=` that names nothing, a `--ckpt` that is
+not there, whether `--resume=auto` continues a run. The names are utils/checkpoint.py's.
+Must never: import torch, verify, load or modify a checkpoint (utils/checkpoint.py does: what exists
+but may be damaged is left to it), or decide anything a checkpoint's contents would decide.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Optional
+
+CKPT_SUBDIR = "checkpoints"     # utils/checkpoint.py: CKPT_SUBDIR, step_dir_name, COMPLETE_MARKER, RUN_START
+STEP_PREFIX = "step_"
+COMPLETE_MARKER = "COMPLETE"
+RUN_START = "run_start.json"
+
+_STEP = re.compile(r"^step_?(\d+)$")  # `--checkpoint=step_N`, `stepN` or `N` (utils/run_config.select_checkpoint)
+
+
+def one_line(text: str) -> str:
+    """A message on one line, as utils.checkpoint.one_line prints it."""
+    return (" ".join(str(text).split()) or "error").split(" Traceback (most recent call last)")[0][:500]
+
+
+def listed_checkpoints(out_dir: str) -> list[tuple[int, str]]:
+    """(step, path) of every checkpoints/step_N directory, newest first, unverified
+    (utils.checkpoint.list_checkpoints)."""
+    root = os.path.join(out_dir, CKPT_SUBDIR)
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    found = [(int(n[len(STEP_PREFIX):]), os.path.join(root, n)) for n in names
+             if n.startswith(STEP_PREFIX) and n[len(STEP_PREFIX):].isdigit()]
+    return sorted(found, reverse=True)
+
+
+def has_run_start(out_dir: str) -> bool:
+    """Whether the trainer recorded how the run started (it does before the first step)."""
+    return os.path.isfile(os.path.join(out_dir, RUN_START))
+
+
+def is_checkpoint_dir(path: str) -> bool:
+    """One checkpoint directory (not a run directory): it has a manifest or a COMPLETE marker."""
+    return os.path.isfile(os.path.join(path, "manifest.json")) or os.path.isfile(os.path.join(path, COMPLETE_MARKER))
+
+
+def is_hf_dir(path: str) -> bool:
+    """A Hugging Face Llama directory: config.json with model_type llama and safetensors weights."""
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path) or not os.path.isfile(os.path.join(path, "model.safetensors")) and \
+            not any(n.endswith(".safetensors") for n in os.listdir(path)):
+        return False
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):  # not an HF config; a checkpoint of ours names its damaged file on verification
+        return False
+    return isinstance(cfg, dict) and cfg.get("model_type") == "llama"
+
+
+def saved_config(out_dir: str) -> Optional[dict]:
+    """The configuration a resume of `out_dir` would start from, as far as a look without hashing can
+    tell: config.json of the newest checkpoint marked COMPLETE, else the run directory's config.json.
+    None when there is none; ValueError when it does not read as a JSON object (the full resume path
+    names the file)."""
+    done = [p for _, p in listed_checkpoints(out_dir) if os.path.isfile(os.path.join(p, COMPLETE_MARKER))]
+    for path in [os.path.join(p, "config.json") for p in done[:1]] + [os.path.join(out_dir, "config.json")]:
+        if os.path.isfile(path):
+            try:
+                with open(path, encoding="utf-8") as f:
+                    data = json.load(f)
+            except (OSError, ValueError) as e:
+                raise ValueError(f"{path}: unreadable ({e})") from e
+            if not isinstance(data, dict):
+                raise ValueError(f"{path}: not a JSON object")
+            return data
+    return None
+
+
+def checkpoint_choice_problem(path: str, which: str) -> Optional[str]:
+    """The message of utils.run_config.select_checkpoint(path, which) when it can be told without
+    opening a checkpoint that the choice names nothing (those are exit 2: utils.checkpoint.
+    selection_exit_code): a malformed `which`; `latest`, `best` or `step_N` of a run (or a path) with
+    no such checkpoint; anything but `latest` of one checkpoint directory. None when the full path must decide (it verifies
+    what exists: a damaged checkpoint is exit 5 there)."""
+    which = (which or "latest").strip()
+    if is_checkpoint_dir(path):
+        if which != "latest":
+            return f"{path} is one checkpoint; --checkpoint={which} needs the run directory"
+        return None
+    found = listed_checkpoints(path)
+    names = ", ".join(os.path.basename(p) for _, p in found) or "none"
+    if which == "latest":
+        return None if found else f"{path}: no complete checkpoint (found: {names})"
+    if which == "best":
+        return None if found else (f"{path}: no valid checkpoint has a validation loss (found: {names}); "
+                                   "use --checkpoint=latest")
+    m = _STEP.match(which) or re.match(r"^(\d+)$", which)
+    if not m:
+        return f"--checkpoint={which!r}: expected latest, best or step_N"
+    step = int(m.group(1))
+    if any(s == step for s, _ in found):
+        return None
+    return f"{path}: no checkpoint at step {step} (found: {names})"
