@@ -518,8 +518,8 @@ def train(cfg: TrainConfig, info: DistInfo, continues: Optional[bool] = None) ->
     if continues:
         resume_dir = ckpt.find_latest_valid(cfg.out_dir, log=log)
         if resume_dir is not None:
-            log(f"[resume] continuing {cfg.out_dir} from step {int(os.path.basename(resume_dir)[5:])} "
-                f"({resume_flag(cfg)})")
+            step = int(os.path.basename(resume_dir).removeprefix("step_"))
+            log(f"[resume] continuing {cfg.out_dir} from step {step} ({resume_flag(cfg)})")
         else:  # as run_start.json records (or --resume_fallback), else exit 2 / 5
             init_from, init_flag = start_without_checkpoint(cfg, log)
     elif ckpt.list_checkpoints(cfg.out_dir):  # --resume=never
