@@ -56,7 +56,8 @@ TRAIN_HINTS: dict[str, str] = {
                         "len(dataset) / (batch_size x gradient_accumulation_steps x world size) steps",
     "bf16": "use --dtype=bf16",
     "fp16": "use --dtype=fp16 (dynamic loss scaling is on with it)",
-    "resume_from_checkpoint": "use --init_from=resume (the run in --out_dir) or --init_from=<checkpoint dir>",
+    "resume_from_checkpoint": "not needed: the same command continues the run in --out_dir (--resume=auto); "
+                              "--resume=always insists on it, --init_from=<checkpoint dir> starts a new run from one",
     "report_to": "use --wandb=true and/or --tensorboard=true",
     "model_name_or_path": "use --init_from=<Hugging Face model dir>",
     "local_rank": "not needed: rank and world size come from torchrun's environment",
