@@ -55,6 +55,7 @@ def test_main_chat_feeds_the_model_no_injected_control_ids(tok_dir, monkeypatch,
         seen["ids"] = x[0].tolist()
         return torch.cat([x, torch.full((x.shape[0], 1), kw["stop_ids"][0], dtype=x.dtype, device=x.device)], 1)
 
+    monkeypatch.setattr(sample, "precheck", lambda args: None)  # no checkpoint here: the prompt is the point
     monkeypatch.setattr(sample, "load_for_inference", lambda path, device, which="latest": (torch.nn.Identity(), {}))
     monkeypatch.setattr(model.generate, "generate", fake_generate)
     assert sample.main(["--ckpt", "unused", "--tokenizer_dir", tok_dir, "--prompt", INJECTION, "--chat",
@@ -63,8 +64,9 @@ def test_main_chat_feeds_the_model_no_injected_control_ids(tok_dir, monkeypatch,
     assert [t for t in seen["ids"] if t in set(sp.values())] == [sp["im_start"], sp["im_end"], sp["im_start"]]
 
 
-def test_undecodable_prompt_is_a_clear_error(tok_dir, capsys):
+def test_undecodable_prompt_is_a_clear_error(tok_dir, capsys, monkeypatch):
     import sample
+    monkeypatch.setattr(sample, "precheck", lambda args: None)  # no checkpoint here: the prompt is the point
     assert sample.main(["--ckpt", "unused", "--tokenizer_dir", tok_dir, "--prompt", "bad \udcff byte",
                         "--device", "cpu"]) == 2
     assert "lone surrogate U+DCFF" in capsys.readouterr().err

@@ -251,10 +251,11 @@ def test_sigterm_saves_and_exits_75(tiny_pretrain_run_args, tmp_path):
 
 
 def test_fresh_run_refuses_an_out_dir_with_checkpoints(pretrained):
+    """--resume=never: a new run must not write into a run directory (the default, auto, continues it)."""
     before = (pretrained["out"] / "metrics.jsonl").read_text()
-    proc = subprocess.run(train_cmd([*pretrained["args"], f"--out_dir={pretrained['out']}", "--max_iters=2"]),
-                          cwd=ROOT, capture_output=True, text=True, env=_env())
-    assert proc.returncode == EXIT_BAD_CONFIG and "--init_from=resume" in proc.stderr
+    proc = subprocess.run(train_cmd([*pretrained["args"], f"--out_dir={pretrained['out']}", "--max_iters=2",
+                                     "--resume=never"]), cwd=ROOT, capture_output=True, text=True, env=_env())
+    assert proc.returncode == EXIT_BAD_CONFIG and "--resume" in proc.stderr, proc.stderr[-1000:]
     assert (pretrained["out"] / "metrics.jsonl").read_text() == before  # nothing of the old run touched
 
 
