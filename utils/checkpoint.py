@@ -44,10 +44,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-CKPT_SUBDIR = "checkpoints"
-COMPLETE_MARKER = "COMPLETE"
-RUN_START = "run_start.json"  # how the run started (written before its first step; read on resume)
-_PREFIX = "step_"
+# The directory naming is utils/run_dir.py's (torch-free, so the CLIs' pre-checks read it too).
+from utils.run_dir import CKPT_SUBDIR, COMPLETE_MARKER, RUN_START, listed_checkpoints  # noqa: E402,F401
+from utils.run_dir import STEP_PREFIX as _PREFIX  # noqa: E402
 
 
 class CheckpointError(RuntimeError):
@@ -244,14 +243,7 @@ def save_checkpoint(out_dir: str, req: SaveRequest, barrier: Optional[Callable[[
 
 def list_checkpoints(out_dir: str) -> list[tuple[int, str]]:
     """(step, path) of every finished-looking directory, newest first (not yet verified)."""
-    root = checkpoint_root(out_dir)
-    if not os.path.isdir(root):
-        return []
-    found = []
-    for name in os.listdir(root):
-        if name.startswith(_PREFIX) and name[len(_PREFIX):].isdigit():
-            found.append((int(name[len(_PREFIX):]), os.path.join(root, name)))
-    return sorted(found, reverse=True)
+    return listed_checkpoints(out_dir)
 
 
 def prune_checkpoints(out_dir: str, keep_last: int, keep_best: bool,
