@@ -20,6 +20,8 @@ On CPU and other devices: the autograd Functions (measured faster on CPU, bench/
 "torch" forces the autograd Functions. A switch `fused_*=False` selects the reference whatever the backend.
 The auto choice on CUDA is set from published measurements (torchtitan, Liger-Kernel) until
 bench/bench_model_gpu.py has been run on the target GPU; AUTO_UNDER_COMPILE is the table to change.
+The Triton modules are imported when this module is, wherever Triton can run (`load_kernel_modules`):
+never during a forward, where a compiled first call would meet the import while Dynamo traces.
 
 Must never: create or rename parameters (checkpoint keys never depend on which kernel ran, trap 11),
 write accelerator literals (ask utils.device), or import a kernel package at module import time
@@ -34,7 +36,7 @@ from typing import Iterable, Optional
 import torch
 import torch.nn.functional as F
 
-from utils.device import is_accelerator, optional_import
+from utils.device import accelerator_available, is_accelerator, optional_import
 
 log = logging.getLogger(__name__)
 
@@ -190,11 +192,19 @@ BACKENDS = ("auto", "triton", "torch")
 AUTO_UNDER_COMPILE = {"rms_norm": "reference", "add_rms_norm": "reference", "rope": "reference",
                       "swiglu": "reference", "cross_entropy": "triton"}
 _TRITON: dict = {}
+_TRITON_MODULES = ("triton_kernels", "triton_loss")
 
 
 def _load_triton(name: str):
-    """model.triton_kernels / model.triton_loss when Triton imports, else None (checked and logged once)."""
+    """model.triton_kernels / model.triton_loss when Triton imports, else None (checked and logged once).
+
+    Under torch.compile nothing is imported: Dynamo cannot trace an import and would give up on the
+    whole calling frame (the model split into fragments, or `fullgraph=True` raising). `load_kernel_modules`
+    imports both modules when model/kernels.py is imported wherever Triton can run; a module that is
+    still missing while tracing counts as unavailable (its op falls back to the autograd Functions)."""
     if name not in _TRITON:
+        if torch.compiler.is_compiling():
+            return None
         try:
             import importlib
             mod = importlib.import_module(f"model.{name}")
@@ -202,10 +212,31 @@ def _load_triton(name: str):
         except Exception as e:  # a broken Triton install must not break the model: fall back, say so once
             log.warning("Triton kernels unavailable (%s): %s", name, e)
             _TRITON[name] = None
-        if name == "triton_kernels":
-            log.info("Triton %s", "available: GPU kernels for RMSNorm/RoPE/SwiGLU/linear+CE"
-                     if _TRITON[name] is not None else "not installed: GPU uses the PyTorch kernels")
+        if name == "triton_kernels":  # debug: the trainer's start-up [kernels] line says what runs
+            log.debug("Triton %s", "available: GPU kernels for RMSNorm/RoPE/SwiGLU/linear+CE"
+                      if _TRITON[name] is not None else "not installed: GPU uses the PyTorch kernels")
     return _TRITON[name]
+
+
+def triton_can_run() -> bool:
+    """Could a Triton kernel run in this process: Triton installed, and an accelerator or the CPU
+    interpreter (TRITON_INTERPRET=1, tests). Cheap: imports nothing."""
+    import importlib.util
+    try:
+        if importlib.util.find_spec("triton") is None:
+            return False
+    except (ImportError, ValueError, AttributeError):  # e.g. sys.modules["triton"] = None (blocked)
+        return False
+    return os.environ.get("TRITON_INTERPRET") == "1" or accelerator_available()
+
+
+def load_kernel_modules() -> None:
+    """Import the Triton kernel modules now (once) where Triton can run, so that the first call of a
+    model, compiled or not, never imports: a compiled first call would otherwise meet the import while
+    tracing. Called when this module is imported; calling it again is free."""
+    if triton_can_run():
+        for name in _TRITON_MODULES:
+            _load_triton(name)
 
 
 def _triton_ops():
@@ -240,7 +271,7 @@ def describe_choice(device: torch.device, backend: str, compiled: bool, fused: b
         impl = choose(op, t, backend)
         if impl == "triton" and compiled and backend == "auto":
             impl = AUTO_UNDER_COMPILE[op]
-        name = {"triton": "Triton", "torch": "autograd Function" if op != "cross_entropy" else "chunked (eager)",
+        name = {"triton": "Triton", "torch": "autograd Function" if op != "cross_entropy" else "chunked",
                 "reference": "reference (Inductor-fused)"}[impl]
         parts.append(f"{op} {name}")
     return ", ".join(parts) + f" [kernel_backend={backend}{', compiled' if compiled else ''}]"
@@ -334,3 +365,7 @@ def compile_model(model: torch.nn.Module, per_layer: bool = False, **kwargs) -> 
     else:
         model.compile(**kwargs)
     return model
+
+
+# Import-time loading, at the end so that everything above exists if a kernel module imports this one.
+load_kernel_modules()

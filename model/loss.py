@@ -12,19 +12,31 @@ only scaled in backward. For "none" the upstream gradient is per token and d wei
 backward recomputes each chunk's logits from the saved hidden states and per-token logsumexp.
 
 Precision: under autocast the matmuls run in the autocast dtype; logsumexp, the loss and the
-weight-gradient accumulation are fp32.
+weight-gradient accumulation are fp32: each chunk's d weight product is summed in fp32 and the
+accumulator is rounded once, at the end (`accumulate_fp32_`; on CPU the product is an fp32 matmul of
+the fp32 softmax gradient, also the fast one on CPUs without native bf16 matmuls). In fp16 the
+gradients formed in the forward are scaled by FP16_GRAD_SCALE, not by 1/n_valid ("mean"), and
+unscaled in backward after the upstream (loss-scaled) gradient: at 1/n_valid they underflowed fp16.
+
+Under torch.compile the same code runs as one opaque custom op (`myllm::chunked_linear_cross_entropy`,
+with a fake implementation and a registered autograd formula), so `fullgraph=True` holds and the
+chunking and buffer reuse stay as they are; eagerly it is a plain autograd.Function.
 
 Must never: materialise logits for all tokens at once, or silently turn an all-ignored batch into
 NaN ("mean" of zero target tokens is 0, documented).
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
+from model.kernels import _load_triton, choose
 from utils.constants import IGNORE_INDEX
+
+log = logging.getLogger(__name__)
 
 
 def _compute_dtype(t: torch.Tensor) -> torch.dtype:
@@ -46,24 +58,22 @@ class _Workspace:
     allocator already does this.
     """
 
-    def __init__(self, c: int, vocab: int, dim: int, cdtype: torch.dtype, device, need_w: bool):
+    def __init__(self, c: int, vocab: int, dim: int, cdtype: torch.dtype, device):
         f32 = torch.float32
         self.vocab = vocab
         self.low_precision = cdtype != f32
         self.logits = torch.empty(vocab * c, dtype=f32, device=device)
         self.low = torch.empty(vocab * c, dtype=cdtype, device=device) if self.low_precision else None
         self.w_c = torch.empty(vocab, dim, dtype=cdtype, device=device) if self.low_precision else None
-        self.w_low = torch.empty(vocab, dim, dtype=cdtype, device=device) if need_w and self.low_precision else None
-        self.w_f32 = torch.empty(vocab, dim, dtype=f32, device=device) if need_w and self.low_precision else None
 
     @staticmethod
-    def get(c: int, vocab: int, dim: int, cdtype: torch.dtype, device, need_w: bool) -> "_Workspace":
+    def get(c: int, vocab: int, dim: int, cdtype: torch.dtype, device) -> "_Workspace":
         if torch.device(device).type != "cpu":
-            return _Workspace(c, vocab, dim, cdtype, device, need_w)
-        key = (c, vocab, dim, cdtype, need_w)
+            return _Workspace(c, vocab, dim, cdtype, device)
+        key = (c, vocab, dim, cdtype)
         if _CPU_CACHE.get("key") != key:
             _CPU_CACHE.clear()  # free the old buffers before allocating the new ones
-            _CPU_CACHE["ws"], _CPU_CACHE["key"] = _Workspace(c, vocab, dim, cdtype, device, need_w), key
+            _CPU_CACHE["ws"], _CPU_CACHE["key"] = _Workspace(c, vocab, dim, cdtype, device), key
         return _CPU_CACHE["ws"]
 
     def weight(self, w: torch.Tensor, cdtype: torch.dtype) -> torch.Tensor:
@@ -89,22 +99,91 @@ class _Workspace:
             return g
         return self.low[: g.numel()].view(g.shape).copy_(g)
 
-    def acc_weight_grad(self, acc: torch.Tensor, g_t: torch.Tensor, h: torch.Tensor, first: bool) -> None:
-        """acc (fp32) (+)= g_t @ h, g_t [V, c]."""
-        if not self.low_precision:
-            if first:
-                torch.mm(g_t, h, out=acc)
-            else:
-                acc.addmm_(g_t, h)
-            return
-        torch.mm(g_t, h, out=self.w_low)
-        if first:
-            acc.copy_(self.w_low)
-        else:
-            acc.add_(self.w_f32.copy_(self.w_low))  # a same-dtype add is ~10x faster than a mixed one
-
 
 _CPU_CACHE: dict = {}
+_MIXED_ADDMM: dict = {}
+
+
+def _mixed_addmm_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Does `torch.addmm(acc_fp32, a, b, out_dtype=float32, out=acc_fp32)` with a, b in `dtype` work on
+    `device` (cuBLAS with an fp32 output: the `out_dtype` overload of recent torch on CUDA)? Probed once
+    per (device type, dtype) on small integer matrices (exact in every dtype): beta=0 over a NaN-filled
+    accumulator, then beta=1."""
+    key = (device.type, dtype)
+    if key not in _MIXED_ADDMM:
+        ok = False
+        if device.type != "cpu":
+            try:
+                a = (torch.arange(48 * 32, device=device).reshape(48, 32) % 7 - 3).to(dtype)
+                b = (torch.arange(32 * 16, device=device).reshape(32, 16) % 5 - 2).to(dtype)
+                want = a.double() @ b.double()
+                acc = torch.full((48, 16), float("nan"), device=device)
+                torch.addmm(acc, a, b, out_dtype=torch.float32, beta=0, out=acc)
+                ok = torch.equal(acc.double(), want)
+                torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+                ok = ok and torch.equal(acc.double(), 2 * want)
+            except (RuntimeError, TypeError, NotImplementedError):
+                ok = False
+            if not ok:
+                log.warning("addmm with an fp32 output from %s inputs is unavailable on %s: the linear+CE weight "
+                            "gradient adds each chunk's %s product to its fp32 accumulator", dtype, device.type, dtype)
+        _MIXED_ADDMM[key] = ok
+    return _MIXED_ADDMM[key]
+
+
+def accumulate_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
+    """acc (fp32) = a @ b (first) or acc += a @ b, with a and b in one dtype.
+
+    Low-precision a, b: the products are summed in fp32 and never rounded to the low precision (per chunk,
+    that rounding and a [V, D] temporary written, read and added were the cost of a plain `mm`): on an
+    accelerator one GEMM with an fp32 output accumulating in place (Liger's addmm into an fp32 buffer);
+    on CPU, where no such kernel exists, an fp32 GEMM of the widened operands (exact: every bf16/fp16
+    value is an fp32 value). Where the accelerator's mixed GEMM is missing, the old way, logged once."""
+    if a.dtype == torch.float32 or a.device.type == "cpu":
+        a, b = a.float(), b.float()
+        if first:
+            torch.mm(a, b, out=acc)
+        else:
+            acc.addmm_(a, b)
+        return
+    if _mixed_addmm_works(a.device, a.dtype):
+        torch.addmm(acc, a, b, out_dtype=torch.float32, beta=0 if first else 1, out=acc)
+        return
+    prod = torch.mm(a, b)
+    if first:
+        acc.copy_(prod)
+    else:
+        acc.add_(prod)
+
+
+FP16_GRAD_SCALE = 256.0  # a power of two: scaling and unscaling are exact
+
+
+def _fp16_grads(reduction: str, cdtype: torch.dtype) -> bool:
+    """fp16 "mean"/"sum": the gradients formed in the forward are scaled by FP16_GRAD_SCALE (not by
+    1/n_valid, not 1) and unscaled in backward, in fp32, together with the upstream (loss-scaled)
+    gradient (`_fp16_grad_factor`). Formed at 1/n_valid they underflowed fp16 (softmax ~1/V times 1/n,
+    before any loss scale could help); at 1, the gradients of confident predictions (p - 1 ~ 1e-5) are
+    fp16 subnormals. The scaled d hidden stays finite unless a head weight exceeds 65504 / (2 * 256).
+    bf16 and fp32 have fp32's exponent range: no scaling there."""
+    return cdtype == torch.float16 and reduction in ("mean", "sum")
+
+
+def _fp16_grad_factor(g: torch.Tensor, reduction: str, n_valid: torch.Tensor) -> torch.Tensor:
+    """The fp32 factor that turns the fp16 path's saved gradients into the gradients for upstream g."""
+    f = g.float() / FP16_GRAD_SCALE
+    return f / n_valid.clamp(min=1) if reduction == "mean" else f
+
+
+def _scale_(t: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+    """t *= f (an fp32 scalar tensor) in place, the product formed in fp32: in fp16 the factor itself
+    may not exist (a loss scale of 65536 is inf in fp16, 1/n_valid a subnormal)."""
+    return t.mul_(f) if t.dtype == torch.float32 else t.copy_(t.float().mul_(f))
+
+
+def _scaled(t: torch.Tensor, f: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(t * f).to(dtype) out of place, the product formed in fp32 (see `_scale_`)."""
+    return (t * f if t.dtype == torch.float32 else t.float() * f).to(dtype)
 
 
 def _softmax_stats_t(logits_t: torch.Tensor, y: torch.Tensor, want_grad: bool):
@@ -130,90 +209,6 @@ def _softmax_stats_t(logits_t: torch.Tensor, y: torch.Tensor, want_grad: bool):
     return e, s, lse, loss, valid
 
 
-class _LinearCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                reduction: str, chunk_size: int, need_grad: bool, cdtype: torch.dtype, need_w: bool):
-        n = hidden.shape[0]
-        dev = hidden.device
-        grads_now = need_grad and reduction in ("mean", "sum")
-        need_w = need_w and grads_now
-        ws = _Workspace.get(min(chunk_size, n), weight.shape[0], weight.shape[1], cdtype, dev, need_w)
-        h_c = hidden.to(cdtype)
-        w_c = ws.weight(weight, cdtype)  # one cast of the weight, not one per chunk
-        losses = torch.empty(n, dtype=torch.float32, device=dev)
-        n_valid = (labels != IGNORE_INDEX).sum()
-        if grads_now:
-            d_hidden = torch.empty(n, hidden.shape[1], dtype=hidden.dtype, device=dev)
-            # a frozen LM head (e.g. LoRA) skips a third of the head's matmuls
-            d_weight = torch.empty(weight.shape, dtype=torch.float32, device=dev) if need_w else None
-            # "mean" divides by the target count here; backward multiplies by the upstream scalar
-            unit = torch.ones((), dtype=torch.float32, device=dev)
-            if reduction == "mean":
-                unit = unit / n_valid.clamp(min=1)
-        lses = torch.empty(n, dtype=torch.float32, device=dev) if need_grad and not grads_now else None
-        for s in range(0, n, chunk_size):
-            e = min(s + chunk_size, n)
-            g_t, sums, lse, loss, valid = _softmax_stats_t(ws.logits_t(h_c[s:e], w_c), labels[s:e], grads_now)
-            losses[s:e] = loss
-            if grads_now:
-                _chunk_grads(ws, g_t, (unit * valid) / sums, h_c[s:e], w_c, d_hidden[s:e], d_weight, s == 0)
-            elif lses is not None:
-                lses[s:e] = lse
-        del ws
-        ctx.reduction, ctx.chunk_size, ctx.cdtype, ctx.grads_now = reduction, chunk_size, cdtype, grads_now
-        ctx.weight_dtype = weight.dtype
-        ctx.need_w = need_w if grads_now else bool(weight.requires_grad)
-        if grads_now:
-            ctx.save_for_backward(d_hidden, d_weight if need_w else None)
-        elif need_grad:
-            ctx.save_for_backward(hidden, weight, labels, lses)
-        if reduction == "none":
-            return losses
-        total = losses.sum()
-        if reduction == "mean":
-            return total / n_valid.clamp(min=1)
-        return total
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        if ctx.grads_now:
-            # the saved gradients are scaled in place (no second [V, D] buffer), so only once
-            if getattr(ctx, "used", False):
-                raise RuntimeError("linear_cross_entropy: backward twice (retain_graph) is not supported "
-                                   "for 'mean'/'sum'; use reduction='none' and reduce outside")
-            ctx.used = True
-            d_hidden, d_weight = ctx.saved_tensors
-            # the usual upstream gradient is exactly 1 (loss.backward()): skip a pass over [V, D] then
-            # (checked only on CPU, where reading the scalar costs no device sync)
-            unit = g.device.type == "cpu" and g.item() == 1.0
-            if d_weight is not None:
-                d_w = (d_weight if unit else d_weight.mul_(g)).to(ctx.weight_dtype)  # in place: no new [V, D]
-            else:
-                d_w = None
-            return (d_hidden if unit else d_hidden.mul_(g.to(d_hidden.dtype))), d_w, None, None, None, None, None, None
-        hidden, weight, labels, lses = ctx.saved_tensors
-        cdtype, cs = ctx.cdtype, ctx.chunk_size
-        n = hidden.shape[0]
-        ws = _Workspace.get(min(cs, n), weight.shape[0], weight.shape[1], cdtype, hidden.device, ctx.need_w)
-        h_c, w_c = hidden.to(cdtype), ws.weight(weight, cdtype)
-        d_hidden = torch.empty_like(hidden)
-        d_weight = torch.empty(weight.shape, dtype=torch.float32, device=weight.device) if ctx.need_w else None
-        g = g.float()
-        for s in range(0, n, cs):
-            e = min(s + cs, n)
-            y = labels[s:e]
-            valid = y != IGNORE_INDEX
-            safe_y = torch.where(valid, y, torch.zeros_like(y))
-            cols = torch.arange(e - s, device=y.device)
-            p_t = ws.logits_t(h_c[s:e], w_c).sub_(lses[s:e]).exp_()  # softmax^T (s = 1)
-            p_t[safe_y, cols] = p_t[safe_y, cols] - 1.0
-            _chunk_grads(ws, p_t, g[s:e] * valid, h_c[s:e], w_c, d_hidden[s:e], d_weight, s == 0)
-        del ws
-        d_w = d_weight.to(ctx.weight_dtype) if d_weight is not None else None
-        return d_hidden, d_w, None, None, None, None, None, None
-
-
 def _chunk_grads(ws: _Workspace, g_t: torch.Tensor, row_scale: torch.Tensor, h_c: torch.Tensor,
                  w_c: torch.Tensor, d_hidden_out: torch.Tensor, d_weight: Optional[torch.Tensor],
                  first: bool) -> None:
@@ -226,23 +221,227 @@ def _chunk_grads(ws: _Workspace, g_t: torch.Tensor, row_scale: torch.Tensor, h_c
         gc = ws.to_compute(g_t.mul_(row_scale))
         torch.mm(gc.t(), w_c, out=d_hidden_out) if d_hidden_out.dtype == gc.dtype else d_hidden_out.copy_(gc.t() @ w_c)
         if d_weight is not None:
-            ws.acc_weight_grad(d_weight, gc, h_c, first)
+            # on CPU from the fp32 G itself (no widening pass over [V, c]); elsewhere the rounded G in one
+            # GEMM with an fp32 output. Either way the chunk's product is never rounded to cdtype.
+            accumulate_fp32_(d_weight, g_t if g_t.device.type == "cpu" else gc, h_c, first)
         return
     r = row_scale[:, None]
     torch.mm(g_t.t(), w_c, out=d_hidden_out)
     d_hidden_out.mul_(r)
     if d_weight is not None:
-        ws.acc_weight_grad(d_weight, g_t, h_c * r, first)
+        accumulate_fp32_(d_weight, g_t, h_c * r, first)
 
 
-@torch.compiler.disable  # stays eager inside a compiled model: its buffer reuse is the point
+def _forward_chunks(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, reduction: str,
+                    chunk_size: int, need_grad: bool, cdtype: torch.dtype, need_w: bool):
+    """The forward of the chunked linear+CE, shared by the autograd Function (eager) and the custom op
+    (compiled). hidden [N, D], weight [V, D], labels [N].
+
+    Returns (loss, lses, d_hidden, d_weight, n_valid). For "mean"/"sum" with gradients: d_hidden [N, D]
+    (hidden's dtype) and d_weight [V, D] fp32 (None for a frozen head) are the gradients for an upstream
+    gradient of 1 (in fp16: of the sum, times FP16_GRAD_SCALE, see `_fp16_grads`), lses None. For "none"
+    with gradients: lses [N] fp32 (backward recomputes each chunk), d_* None. Without gradients all
+    three are None."""
+    n = hidden.shape[0]
+    dev = hidden.device
+    grads_now = need_grad and reduction in ("mean", "sum")
+    need_w = need_w and grads_now
+    d_hidden = d_weight = lses = None
+    with torch.autocast(dev.type, enabled=False):  # every matmul runs in cdtype, chosen by the caller
+        ws = _Workspace.get(min(chunk_size, n), weight.shape[0], weight.shape[1], cdtype, dev)
+        h_c = hidden.to(cdtype)
+        w_c = ws.weight(weight, cdtype)  # one cast of the weight, not one per chunk
+        losses = torch.empty(n, dtype=torch.float32, device=dev)
+        n_valid = (labels != IGNORE_INDEX).sum()
+        if grads_now:
+            d_hidden = torch.empty(n, hidden.shape[1], dtype=hidden.dtype, device=dev)
+            # a frozen LM head (e.g. LoRA) skips a third of the head's matmuls
+            d_weight = torch.empty(weight.shape, dtype=torch.float32, device=dev) if need_w else None
+            # "mean" divides by the target count here (fp16: in backward); backward multiplies by the
+            # upstream scalar
+            unit = torch.ones((), dtype=torch.float32, device=dev)
+            if _fp16_grads(reduction, cdtype):
+                unit = unit * FP16_GRAD_SCALE
+            elif reduction == "mean":
+                unit = unit / n_valid.clamp(min=1)
+        elif need_grad:
+            lses = torch.empty(n, dtype=torch.float32, device=dev)
+        for s in range(0, n, chunk_size):
+            e = min(s + chunk_size, n)
+            g_t, sums, lse, loss, valid = _softmax_stats_t(ws.logits_t(h_c[s:e], w_c), labels[s:e], grads_now)
+            losses[s:e] = loss
+            if grads_now:
+                _chunk_grads(ws, g_t, (unit * valid) / sums, h_c[s:e], w_c, d_hidden[s:e], d_weight, s == 0)
+            elif lses is not None:
+                lses[s:e] = lse
+        if d_weight is not None and n == 0:
+            d_weight.zero_()
+        del ws
+        if reduction == "none":
+            out = losses
+        elif reduction == "mean":
+            out = losses.sum() / n_valid.clamp(min=1)
+        else:
+            out = losses.sum()
+    return out, lses, d_hidden, d_weight, n_valid
+
+
+def _backward_chunks(g: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                     lses: torch.Tensor, chunk_size: int, cdtype: torch.dtype, need_w: bool):
+    """Backward of "none": per-token upstream gradient g [N] -> (d_hidden [N, D] in hidden's dtype,
+    d_weight [V, D] fp32 or None), each chunk's logits recomputed from hidden and the saved lses."""
+    n = hidden.shape[0]
+    with torch.autocast(hidden.device.type, enabled=False):
+        ws = _Workspace.get(min(chunk_size, n), weight.shape[0], weight.shape[1], cdtype, hidden.device)
+        h_c, w_c = hidden.to(cdtype), ws.weight(weight, cdtype)
+        d_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
+        d_weight = torch.empty(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        g = g.float()
+        for s in range(0, n, chunk_size):
+            e = min(s + chunk_size, n)
+            y = labels[s:e]
+            valid = y != IGNORE_INDEX
+            safe_y = torch.where(valid, y, torch.zeros_like(y))
+            cols = torch.arange(e - s, device=y.device)
+            p_t = ws.logits_t(h_c[s:e], w_c).sub_(lses[s:e]).exp_()  # softmax^T (s = 1)
+            p_t[safe_y, cols] = p_t[safe_y, cols] - 1.0
+            _chunk_grads(ws, p_t, g[s:e] * valid, h_c[s:e], w_c, d_hidden[s:e], d_weight, s == 0)
+        if d_weight is not None and n == 0:
+            d_weight.zero_()
+        del ws
+    return d_hidden, d_weight
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """The eager path: in backward the saved gradients are scaled in place (no new [V, D] tensor)."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                reduction: str, chunk_size: int, need_grad: bool, cdtype: torch.dtype, need_w: bool):
+        out, lses, d_hidden, d_weight, n_valid = _forward_chunks(hidden, weight, labels, reduction, chunk_size,
+                                                                 need_grad, cdtype, need_w)
+        grads_now = d_hidden is not None
+        ctx.reduction, ctx.chunk_size, ctx.cdtype, ctx.grads_now = reduction, chunk_size, cdtype, grads_now
+        ctx.weight_dtype = weight.dtype
+        ctx.fp16 = _fp16_grads(reduction, cdtype)
+        ctx.need_w = d_weight is not None if grads_now else bool(weight.requires_grad)
+        if grads_now:
+            ctx.save_for_backward(d_hidden, d_weight, n_valid)
+        elif need_grad:
+            ctx.save_for_backward(hidden, weight, labels, lses)
+        return out
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        none6 = (None,) * 6
+        if ctx.grads_now:
+            # the saved gradients are scaled in place (no second [V, D] buffer), so only once
+            if getattr(ctx, "used", False):
+                raise RuntimeError("linear_cross_entropy: backward twice (retain_graph) is not supported "
+                                   "for 'mean'/'sum'; use reduction='none' and reduce outside")
+            ctx.used = True
+            d_hidden, d_weight, n_valid = ctx.saved_tensors
+            if ctx.fp16:  # unscaled after the upstream (loss) scale, in fp32
+                f = _fp16_grad_factor(g, ctx.reduction, n_valid)
+            else:
+                # the usual upstream gradient is exactly 1 (loss.backward()): skip a pass over [V, D] then
+                # (checked only on CPU, where reading the scalar costs no device sync)
+                if g.device.type == "cpu" and g.item() == 1.0:
+                    return d_hidden, d_weight.to(ctx.weight_dtype) if d_weight is not None else None, *none6
+                f = g.float()
+            d_w = _scale_(d_weight, f).to(ctx.weight_dtype) if d_weight is not None else None  # in place
+            return _scale_(d_hidden, f), d_w, *none6
+        hidden, weight, labels, lses = ctx.saved_tensors
+        d_hidden, d_weight = _backward_chunks(g, hidden, weight, labels, lses, ctx.chunk_size, ctx.cdtype, ctx.need_w)
+        d_w = d_weight.to(ctx.weight_dtype) if d_weight is not None else None
+        return d_hidden, d_w, *none6
+
+
+# ------------------------------------------------------------------------------ the compiled path
+# The same forward and backward as opaque custom ops: torch.compile(fullgraph=True) sees one node with a
+# fake implementation and an autograd formula, and the chunk loop, its out= matmuls and the CPU buffer
+# reuse run eagerly inside it (Dynamo could trace none of them without a graph break).
+@torch.library.custom_op("myllm::chunked_linear_cross_entropy", mutates_args=())
+def _chunked_lce_op(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, reduction: str,
+                    chunk_size: int, compute_dtype: torch.dtype, need_grad: bool,
+                    need_w: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss, lses, d_hidden, d_weight) of `_forward_chunks`, each absent one as an empty ([0]) tensor;
+    d_weight fp32."""
+    out, lses, d_hidden, d_weight, _ = _forward_chunks(hidden, weight, labels, reduction, chunk_size, need_grad,
+                                                       compute_dtype, need_w)
+    f32 = torch.float32
+    return (out, lses if lses is not None else hidden.new_empty(0, dtype=f32),
+            d_hidden if d_hidden is not None else hidden.new_empty(0),
+            d_weight if d_weight is not None else weight.new_empty(0, dtype=f32))
+
+
+@_chunked_lce_op.register_fake
+def _chunked_lce_fake(hidden, weight, labels, reduction, chunk_size, compute_dtype, need_grad, need_w):
+    n = hidden.shape[0]
+    f32 = torch.float32
+    grads_now = need_grad and reduction != "none"
+    return (hidden.new_empty((n,) if reduction == "none" else (), dtype=f32),
+            hidden.new_empty((n,) if need_grad and reduction == "none" else (0,), dtype=f32),
+            hidden.new_empty(hidden.shape if grads_now else (0,)),
+            weight.new_empty(weight.shape if grads_now and need_w else (0,), dtype=f32))
+
+
+@torch.library.custom_op("myllm::chunked_linear_cross_entropy_backward", mutates_args=())
+def _chunked_lce_backward_op(grad: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                             lses: torch.Tensor, chunk_size: int, compute_dtype: torch.dtype,
+                             need_w: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d_hidden, d_weight fp32 or empty) of `_backward_chunks` (reduction "none")."""
+    d_hidden, d_weight = _backward_chunks(grad, hidden, weight, labels, lses, chunk_size, compute_dtype, need_w)
+    return d_hidden, d_weight if d_weight is not None else weight.new_empty(0, dtype=torch.float32)
+
+
+@_chunked_lce_backward_op.register_fake
+def _chunked_lce_backward_fake(grad, hidden, weight, labels, lses, chunk_size, compute_dtype, need_w):
+    return (hidden.new_empty(hidden.shape),
+            weight.new_empty(weight.shape if need_w else (0,), dtype=torch.float32))
+
+
+def _chunked_lce_setup(ctx, inputs, output):
+    hidden, weight, labels, reduction, chunk_size, cdtype, need_grad, need_w = inputs
+    _, lses, d_hidden, d_weight = output
+    ctx.mark_non_differentiable(lses, d_hidden, d_weight)
+    ctx.set_materialize_grads(False)
+    ctx.reduction, ctx.chunk_size, ctx.cdtype = reduction, chunk_size, cdtype
+    ctx.need_w, ctx.weight_dtype, ctx.fp16 = need_w, weight.dtype, _fp16_grads(reduction, cdtype)
+    if reduction == "none":
+        ctx.save_for_backward(hidden, weight, labels, lses)
+    else:
+        ctx.save_for_backward(d_hidden, d_weight, labels)
+
+
+def _chunked_lce_backward(ctx, g, _g_lses, _g_dh, _g_dw):
+    none6 = (None,) * 6
+    if g is None:
+        return None, None, *none6
+    if ctx.reduction == "none":
+        hidden, weight, labels, lses = ctx.saved_tensors
+        d_h, d_w = torch.ops.myllm.chunked_linear_cross_entropy_backward(g, hidden, weight, labels, lses,
+                                                                         ctx.chunk_size, ctx.cdtype, ctx.need_w)
+    else:  # out of place: the saved gradients stay valid for a second backward (retain_graph)
+        d_hidden, d_w, labels = ctx.saved_tensors
+        f = _fp16_grad_factor(g, ctx.reduction, (labels != IGNORE_INDEX).sum()) if ctx.fp16 else g.float()
+        d_h = _scaled(d_hidden, f, d_hidden.dtype)
+        d_w = d_w * f
+    d_w = d_w.to(ctx.weight_dtype) if ctx.need_w else None
+    return (d_h if ctx.needs_input_grad[0] else None), (d_w if ctx.needs_input_grad[1] else None), *none6
+
+
+_chunked_lce_op.register_autograd(_chunked_lce_backward, setup_context=_chunked_lce_setup)
+
+
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                          reduction: str = "mean", chunk_size: int = 512) -> torch.Tensor:
     """Cross-entropy of `hidden @ weight.T` against `labels` without the full logits.
 
     hidden [..., D], weight [V, D], labels [...] (already shifted; IGNORE_INDEX = -100 skipped).
     reduction: "mean" over non-ignored tokens (0 if there are none), "sum", or "none" -> loss with the
-    shape of `labels`, 0 at ignored positions.
+    shape of `labels`, 0 at ignored positions. Eagerly an autograd.Function; under torch.compile the
+    custom op `myllm::chunked_linear_cross_entropy` (no graph break, the same numbers).
     """
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
@@ -250,8 +449,13 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     h = hidden.reshape(-1, hidden.shape[-1])
     y = labels.reshape(-1)
     need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    out = _LinearCrossEntropy.apply(h, weight, y, reduction, int(chunk_size), need_grad,
-                                    _compute_dtype(hidden), bool(weight.requires_grad))
+    cdtype = _compute_dtype(hidden)
+    if torch.compiler.is_compiling():
+        out = torch.ops.myllm.chunked_linear_cross_entropy(h, weight, y, reduction, int(chunk_size), cdtype,
+                                                           need_grad, bool(weight.requires_grad))[0]
+    else:
+        out = _LinearCrossEntropy.apply(h, weight, y, reduction, int(chunk_size), need_grad, cdtype,
+                                        bool(weight.requires_grad))
     return out.reshape(shape) if reduction == "none" else out
 
 
@@ -262,7 +466,6 @@ def lm_head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tenso
     full-logits reference."""
     if not cfg.fused_cross_entropy:
         return linear_cross_entropy_ref(hidden, weight, labels, reduction)
-    from model.kernels import _load_triton, choose
     if choose("cross_entropy", hidden, cfg.kernel_backend) == "triton":
         # on a GPU the op sizes its chunks from (tokens, vocab, dim) (auto_chunk_size); loss_chunk_size is
         # the CPU path's knob (and the interpreter's, where small chunks keep the tests fast)

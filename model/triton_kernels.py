@@ -157,26 +157,33 @@ if TRITON_AVAILABLE:
         tl.store(kdst + HALF, (y2 * c + y1 * s).to(KO.dtype.element_ty), mask=km)
 
     @triton.jit
-    def _swiglu_fwd_kernel(GATE, UP, Y, n, BLOCK: tl.constexpr):
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        g = tl.load(GATE + offs, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(UP + offs, mask=mask, other=0.0).to(tl.float32)
+    def _swiglu_fwd_kernel(GATE, UP, Y, n_cols, g_stride, u_stride, y_stride, BLOCK: tl.constexpr):
+        """Program (row, column block). Rows are read through their strides: gate and up are usually
+        the two halves of one [rows, 2 * hidden] matmul output (row stride 2 * hidden), read in place."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        g = tl.load(GATE + row * g_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(UP + row * u_stride + cols, mask=mask, other=0.0).to(tl.float32)
         silu = g * tl.sigmoid(g)
-        tl.store(Y + offs, (silu * u).to(Y.dtype.element_ty), mask=mask)
+        tl.store(Y + row * y_stride + cols, (silu * u).to(Y.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _swiglu_bwd_kernel(DY, GATE, UP, DGATE, DUP, n, BLOCK: tl.constexpr):
-        """silu is recomputed from gate: d gate = dy * up * sig * (1 + g * (1 - sig)), d up = dy * silu."""
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(GATE + offs, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(UP + offs, mask=mask, other=0.0).to(tl.float32)
+    def _swiglu_bwd_kernel(DY, GATE, UP, DGATE, DUP, n_cols, dy_stride, g_stride, u_stride, dg_stride, du_stride,
+                           BLOCK: tl.constexpr):
+        """silu is recomputed from gate: d gate = dy * up * sig * (1 + g * (1 - sig)), d up = dy * silu.
+        Every operand is read or written through its row stride (no copy of a strided gate/up)."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        dy = tl.load(DY + row * dy_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(GATE + row * g_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(UP + row * u_stride + cols, mask=mask, other=0.0).to(tl.float32)
         sig = tl.sigmoid(g)
         silu = g * sig
-        tl.store(DGATE + offs, (dy * u * sig * (1.0 + g * (1.0 - sig))).to(DGATE.dtype.element_ty), mask=mask)
-        tl.store(DUP + offs, (dy * silu).to(DUP.dtype.element_ty), mask=mask)
+        tl.store(DGATE + row * dg_stride + cols, (dy * u * sig * (1.0 + g * (1.0 - sig))).to(DGATE.dtype.element_ty),
+                 mask=mask)
+        tl.store(DUP + row * du_stride + cols, (dy * silu).to(DUP.dtype.element_ty), mask=mask)
 
     # ------------------------------------------------------------------------------------- op helpers
     _INTERPRET = not isinstance(_rms_norm_fwd_kernel, triton.runtime.jit.JITFunction)
@@ -348,25 +355,38 @@ if TRITON_AVAILABLE:
     _rope_op.register_autograd(_rope_backward, setup_context=_rope_setup)
 
     # ------------------------------------------------------------------------------------- SwiGLU
-    _SWIGLU_BLOCK = 1024
+    _SWIGLU_BLOCK = 1024  # columns per program (a row of the 124M/1B MLP is 2048/5632 wide)
+
+    def _swiglu_block(n_cols: int) -> int:
+        return min(_SWIGLU_BLOCK, triton.next_power_of_2(max(1, n_cols)))
 
     @_define("swiglu", fake=lambda gate, up: gate.new_empty(gate.shape))
     def _swiglu_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up, computed in fp32, stored in gate's dtype."""
-        gate, up = gate.contiguous(), up.contiguous()
-        y = torch.empty_like(gate)
-        n = gate.numel()
-        _launch(_swiglu_fwd_kernel)[(triton.cdiv(n, _SWIGLU_BLOCK),)](gate, up, y, n, BLOCK=_SWIGLU_BLOCK)
+        """silu(gate) * up, computed in fp32, stored in gate's dtype (a new contiguous tensor). gate and up
+        may be strided views (the halves of one matmul output): the kernel reads them in place."""
+        H = gate.shape[-1]
+        g2, u2 = _rows(gate), _rows(up)
+        rows = g2.shape[0]
+        y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+        if rows and H:
+            block = _swiglu_block(H)
+            _launch(_swiglu_fwd_kernel)[(rows, triton.cdiv(H, block))](
+                g2, u2, y, H, g2.stride(0), u2.stride(0), H, BLOCK=block)
         return y
 
     @_define("swiglu_backward", fake=lambda dy, gate, up: (gate.new_empty(gate.shape), up.new_empty(up.shape)))
     def _swiglu_bwd_op(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(d gate, d up) of silu(gate) * up, silu recomputed."""
-        dy, gate, up = dy.contiguous(), gate.contiguous(), up.contiguous()
-        dgate, dup = torch.empty_like(gate), torch.empty_like(up)
-        n = gate.numel()
-        _launch(_swiglu_bwd_kernel)[(triton.cdiv(n, _SWIGLU_BLOCK),)](dy, gate, up, dgate, dup, n,
-                                                                      BLOCK=_SWIGLU_BLOCK)
+        """(d gate, d up) of silu(gate) * up, silu recomputed; inputs read in place through their strides,
+        outputs new contiguous tensors."""
+        H = gate.shape[-1]
+        dy2, g2, u2 = _rows(dy), _rows(gate), _rows(up)
+        rows = g2.shape[0]
+        dgate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+        dup = torch.empty(up.shape, dtype=up.dtype, device=up.device)
+        if rows and H:
+            block = _swiglu_block(H)
+            _launch(_swiglu_bwd_kernel)[(rows, triton.cdiv(H, block))](
+                dy2, g2, u2, dgate, dup, H, dy2.stride(0), g2.stride(0), u2.stride(0), H, H, BLOCK=block)
         return dgate, dup
 
     def _swiglu_setup(ctx, inputs, output):

@@ -15,7 +15,9 @@ accumulator). The [tokens x vocab] logits never exist at once.
 
 Gradients: for "mean"/"sum" the upstream gradient is a scalar, so both gradients are computed in the
 forward pass while each chunk's logits are live and returned as extra (non-differentiable) outputs
-of the op; backward only multiplies them by the upstream scalar. For "none" the upstream gradient is
+of the op; backward only multiplies them by the upstream scalar (in fp16 they are formed at a fixed
+scale, not at 1/n_valid, which underflowed fp16, and unscaled there, after the loss scale). d weight
+accumulates over the chunks in fp32 and is rounded once. For "none" the upstream gradient is
 per token: forward saves hidden and the per-token logsumexp, and backward (the second op) recomputes
 each chunk's logits; the kernel then writes (softmax - onehot) * g_token in place.
 
@@ -39,6 +41,7 @@ from typing import Optional
 
 import torch
 
+from model.loss import FP16_GRAD_SCALE, _fp16_grad_factor, _fp16_grads, _scaled, accumulate_fp32_
 from utils.constants import IGNORE_INDEX
 
 try:  # optional accelerator: the module must import without it
@@ -95,8 +98,13 @@ if TRITON_AVAILABLE:
         bad = valid & ((y < 0) | (y >= n_cols))  # neither a class nor ignored: NaN, not an OOB read
         safe_y = tl.where(in_range, y, 0)
 
+        # softmax = exp((x - shift) - log_s) with shift = max and log_s = log(sum exp(x - max)) kept apart:
+        # lse = shift + log_s rounds at the logits' magnitude (an fp32 ulp at 16 is 2e-6): for confident
+        # tokens (p - 1 ~ 1e-6) that was 4x the reference's error in the gradient
         if LSE_IN:
             lse = tl.load(lse_ptr + row).to(tl.float32)
+            shift = lse
+            log_s = 0.0
         else:
             m = float("-inf")
             s = 0.0
@@ -106,13 +114,15 @@ if TRITON_AVAILABLE:
                 m_new = tl.maximum(m, tl.max(x, axis=0))
                 s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
                 m = m_new
-            lse = m + tl.log(s)
+            shift = m
+            log_s = tl.log(s)
+            lse = m + log_s
             tl.store(lse_ptr + row, lse)
 
         if WRITE_LOSS:
             # read the target logit before the row is overwritten with its gradient
             x_y = tl.load(row_ptr + safe_y).to(tl.float32)
-            loss = lse - x_y + z_loss * lse * lse
+            loss = (shift - x_y) + log_s + z_loss * lse * lse
             loss = tl.where(valid, loss, 0.0)
             loss = tl.where(bad, float("nan"), loss)
             tl.store(loss_ptr + row, loss)
@@ -126,7 +136,7 @@ if TRITON_AVAILABLE:
                 cols = off + tl.arange(0, BLOCK_V)
                 mask = cols < n_cols
                 x = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-                g = tl.exp(x - lse) * coef - tl.where(cols == safe_y, scale, 0.0)
+                g = tl.exp((x - shift) - log_s) * coef - tl.where(cols == safe_y, scale, 0.0)
                 tl.store(row_ptr + cols, g.to(logits_ptr.dtype.element_ty), mask=mask)
 
 
@@ -157,30 +167,19 @@ def _launch(logits: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor, sca
 
 # ----------------------------------------------------------------------------------- chunk helpers
 def _chunk_grads(g: torch.Tensor, h: torch.Tensor, w: torch.Tensor, d_hidden: Optional[torch.Tensor],
-                 d_weight: Optional[torch.Tensor], tmp_w: Optional[torch.Tensor], first: bool) -> None:
+                 d_weight: Optional[torch.Tensor], first: bool) -> None:
     """d_hidden = g @ w (written into the given slice) and d_weight (+)= g^T @ h for one chunk.
 
-    g [c, V], h [c, D], w [V, D] all in the compute dtype; d_weight is fp32. In low precision the
-    product is formed in the compute dtype (into tmp_w, reused) and added to the fp32 accumulator:
-    addmm cannot mix a bf16 product with an fp32 accumulator.
-    """
+    g [c, V], h [c, D], w [V, D] all in the compute dtype; d_weight is fp32 and accumulates in fp32
+    (`accumulate_fp32_`: one GEMM with an fp32 output on a GPU; no per-chunk product rounded to the
+    compute dtype, no [V, D] temporary)."""
     if d_hidden is not None:
         if d_hidden.dtype == g.dtype:
             torch.mm(g, w, out=d_hidden)
         else:
             d_hidden.copy_(torch.mm(g, w))
     if d_weight is not None:
-        if tmp_w is None:  # fp32 compute: accumulate directly
-            if first:
-                torch.mm(g.t(), h, out=d_weight)
-            else:
-                d_weight.addmm_(g.t(), h)
-        else:
-            torch.mm(g.t(), h, out=tmp_w)
-            if first:
-                d_weight.copy_(tmp_w)
-            else:
-                d_weight.add_(tmp_w)
+        accumulate_fp32_(d_weight, g.t(), h, first)
 
 
 def _empty(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -196,7 +195,10 @@ def _lce_op(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, re
 
     loss: fp32 scalar ("mean"/"sum") or [N] ("none"). For "mean"/"sum" d_hidden [N, D]
     (hidden.dtype) and d_weight [V, D] (weight.dtype, accumulated in fp32) are the gradients for an
-    upstream gradient of 1, each empty ([0]) when not asked for; for "none" both are empty.
+    upstream gradient of 1, each empty ([0]) when not asked for; for "none" both are empty. In fp16
+    they are the gradients of the sum times FP16_GRAD_SCALE instead (d_weight in fp32; see
+    `model.loss._fp16_grads`): formed at 1/n_valid they underflowed fp16 before the loss scale reached
+    them. The autograd formula unscales them.
     """
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
@@ -213,14 +215,16 @@ def _lce_op(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, re
         losses = torch.empty(n, dtype=f32, device=dev)
         lse = torch.empty(n, dtype=f32, device=dev)
         n_valid = (labels != IGNORE_INDEX).sum()
-        # the per-token gradient factor stays on the device: no sync on the target count
-        if reduction == "mean":
+        # the per-token gradient factor stays on the device: no sync on the target count. fp16 forms the
+        # gradients at FP16_GRAD_SCALE, not at 1/n_valid (which underflowed fp16): backward unscales
+        if _fp16_grads(reduction, cdtype):
+            scale = torch.full((1,), FP16_GRAD_SCALE, dtype=f32, device=dev)
+        elif reduction == "mean":
             scale = (1.0 / n_valid.clamp(min=1).to(f32)).reshape(1)
         else:
             scale = torch.ones(1, dtype=f32, device=dev)
         d_hidden = torch.empty(n, d, dtype=hidden.dtype, device=dev) if grads_now and need_d_hidden else None
         d_weight = torch.empty(v, d, dtype=f32, device=dev) if grads_now and need_d_weight else None
-        tmp_w = torch.empty(v, d, dtype=cdtype, device=dev) if d_weight is not None and cdtype != f32 else None
         c = max(1, min(int(chunk_size), n))
         buf = torch.empty(c, v, dtype=cdtype, device=dev)  # the only logits that ever exist
         for s in range(0, n, c):
@@ -231,8 +235,8 @@ def _lce_op(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, re
                     lse_in=False, write_loss=True, write_grad=grads_now)
             if grads_now:
                 _chunk_grads(logits, h_c[s:e], w_c, d_hidden[s:e] if d_hidden is not None else None,
-                             d_weight, tmp_w, first=s == 0)
-        del buf, tmp_w
+                             d_weight, first=s == 0)
+        del buf
         if reduction == "none":
             loss = losses
         elif reduction == "sum":
@@ -242,8 +246,16 @@ def _lce_op(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, re
         if d_weight is not None and n == 0:
             d_weight.zero_()
         d_hidden = d_hidden if d_hidden is not None else _empty(hidden, hidden.dtype)
-        d_weight = d_weight.to(weight.dtype) if d_weight is not None else _empty(weight, weight.dtype)
+        dw_dtype = _d_weight_dtype(reduction, cdtype, weight.dtype)
+        d_weight = d_weight.to(dw_dtype) if d_weight is not None else _empty(weight, dw_dtype)
     return loss, lse, d_hidden, d_weight
+
+
+def _d_weight_dtype(reduction: str, cdtype: torch.dtype, weight_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the op's d_weight output: the weight's, except in fp16 where it is scaled
+    (`model.loss._fp16_grads`: of the sum, times FP16_GRAD_SCALE, could overflow an fp16 weight) and kept
+    in fp32 until backward has unscaled it."""
+    return torch.float32 if _fp16_grads(reduction, cdtype) else weight_dtype
 
 
 @_lce_op.register_fake
@@ -255,7 +267,8 @@ def _lce_fake(hidden, weight, labels, reduction, chunk_size, z_loss, compute_dty
     lse = hidden.new_empty((n,), dtype=f32)
     grads_now = reduction != "none" and (need_d_hidden or need_d_weight)
     d_hidden = hidden.new_empty(hidden.shape if grads_now and need_d_hidden else (0,))
-    d_weight = weight.new_empty(weight.shape if grads_now and need_d_weight else (0,))
+    dw_dtype = _d_weight_dtype(reduction, _DTYPES[compute_dtype], weight.dtype)
+    d_weight = weight.new_empty(weight.shape if grads_now and need_d_weight else (0,), dtype=dw_dtype)
     return loss, lse, d_hidden, d_weight
 
 
@@ -279,7 +292,6 @@ def _lce_backward_op(grad: torch.Tensor, hidden: torch.Tensor, weight: torch.Ten
         w_c = weight.to(cdtype).contiguous()
         d_hidden = torch.empty(n, d, dtype=hidden.dtype, device=dev) if need_d_hidden else None
         d_weight = torch.empty(v, d, dtype=f32, device=dev) if need_d_weight else None
-        tmp_w = torch.empty(v, d, dtype=cdtype, device=dev) if d_weight is not None and cdtype != f32 else None
         if need_d_hidden or need_d_weight:
             c = max(1, min(int(chunk_size), n))
             buf = torch.empty(c, v, dtype=cdtype, device=dev)
@@ -290,7 +302,7 @@ def _lce_backward_op(grad: torch.Tensor, hidden: torch.Tensor, weight: torch.Ten
                 _launch(logits, labels[s:e], g[s:e], 1, lse[s:e], lse[s:e], z_loss,
                         lse_in=True, write_loss=False, write_grad=True)
                 _chunk_grads(logits, h_c[s:e], w_c, d_hidden[s:e] if d_hidden is not None else None,
-                             d_weight, tmp_w, first=s == 0)
+                             d_weight, first=s == 0)
             del buf
         if d_weight is not None and n == 0:
             d_weight.zero_()
@@ -316,10 +328,11 @@ def _lce_setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
     ctx.reduction, ctx.chunk_size, ctx.z_loss = reduction, chunk_size, z_loss
     ctx.compute_dtype, ctx.need_dh, ctx.need_dw = compute_dtype, need_dh, need_dw
+    ctx.fp16, ctx.weight_dtype = _fp16_grads(reduction, _DTYPES[compute_dtype]), weight.dtype
     if reduction == "none":
         ctx.save_for_backward(hidden, weight, labels, lse)
     else:
-        ctx.save_for_backward(d_hidden, d_weight)
+        ctx.save_for_backward(d_hidden, d_weight, labels)
 
 
 def _lce_backward(ctx, grad_loss, grad_lse, grad_dh, grad_dw):
@@ -334,10 +347,14 @@ def _lce_backward(ctx, grad_loss, grad_lse, grad_dh, grad_dw):
             grad_loss, hidden, weight, labels, lse, ctx.chunk_size, ctx.z_loss, ctx.compute_dtype,
             ctx.need_dh, ctx.need_dw)
     else:
-        d_hidden, d_weight = ctx.saved_tensors
-        # out of place: the saved gradients stay valid for a second backward (retain_graph)
-        d_h = d_hidden * grad_loss.to(d_hidden.dtype) if ctx.need_dh else None
-        d_w = d_weight * grad_loss.to(d_weight.dtype) if ctx.need_dw else None
+        d_hidden, d_weight, labels = ctx.saved_tensors
+        # fp16: the saved gradients are scaled (`model.loss._fp16_grads`); unscaled after the upstream
+        # (loss) scale. Products in fp32: in fp16 a loss scale of 65536 is inf. Out of place: the saved
+        # gradients stay valid for a second backward (retain_graph)
+        f = (_fp16_grad_factor(grad_loss, ctx.reduction, (labels != IGNORE_INDEX).sum()) if ctx.fp16
+             else grad_loss.float())
+        d_h = _scaled(d_hidden, f, d_hidden.dtype) if ctx.need_dh else None
+        d_w = _scaled(d_weight, f, ctx.weight_dtype) if ctx.need_dw else None
     return (d_h if ctx.need_dh else None, d_w if ctx.need_dw else None) + (None,) * (n_inputs - 2)
 
 

@@ -72,9 +72,13 @@ def _variants():
                             dict(INVERSE=inverse, BLOCK_H=bh, BLOCK_HKV=bkv, BLOCK_HALF=bhalf),
                             tk._num_warps(bh * bhalf)))
     for a in ("bf16", "fp16", "fp32"):
-        sig = dict(GATE=f"*{a}", UP=f"*{a}", Y=f"*{a}", n="i64", BLOCK="constexpr")
+        # gate/up read in place from the fused gate+up matmul output: row strides are arguments
+        sig = dict(GATE=f"*{a}", UP=f"*{a}", Y=f"*{a}", n_cols="i32", g_stride="i32", u_stride="i32",
+                   y_stride="i32", BLOCK="constexpr")
         out.append((f"swiglu_fwd {a}", tk._swiglu_fwd_kernel, sig, dict(BLOCK=tk._SWIGLU_BLOCK), 4))
-        sig = dict(DY=f"*{a}", GATE=f"*{a}", UP=f"*{a}", DGATE=f"*{a}", DUP=f"*{a}", n="i64", BLOCK="constexpr")
+        sig = dict(DY=f"*{a}", GATE=f"*{a}", UP=f"*{a}", DGATE=f"*{a}", DUP=f"*{a}", n_cols="i32",
+                   dy_stride="i32", g_stride="i32", u_stride="i32", dg_stride="i32", du_stride="i32",
+                   BLOCK="constexpr")
         out.append((f"swiglu_bwd {a}", tk._swiglu_bwd_kernel, sig, dict(BLOCK=tk._SWIGLU_BLOCK), 4))
     # linear + CE: the three modes the op launches (forward with and without gradients, backward of "none")
     for vocab in (32000, 128256):

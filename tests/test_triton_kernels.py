@@ -317,6 +317,87 @@ def test_swiglu(dtype, shape):
     check_against_reference("swiglu", tk.swiglu, kernels.swiglu_ref, [gate, up], [gy], [dtype, dtype])
 
 
+class _LaunchSpy:
+    """Stands in for a Triton kernel (`kernel[grid](*args)`): records each launch's tensor arguments
+    (data_ptr, strides) and integer arguments, then launches the real kernel."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            self.launches.append([(a.data_ptr(), a.stride()) if isinstance(a, torch.Tensor) else a for a in args])
+            return launch(*args, **kwargs)
+        return run
+
+
+def _copies_of(fn) -> int:
+    """How many aten::contiguous / aten::clone calls fn() makes (the interpreter's own argument copies
+    are aten::copy_ calls, not counted)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(e.name in ("aten::contiguous", "aten::clone") for e in prof.events())
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_swiglu_reads_strided_gate_and_up_in_place(monkeypatch, dtype):
+    """gate and up are the halves of one [B, T, 2H] matmul output (row stride 2H): the kernels read them
+    where they are, forward and backward, with no copy (the launcher made 4 per layer with .contiguous())."""
+    fwd, bwd = _LaunchSpy(tk._swiglu_fwd_kernel), _LaunchSpy(tk._swiglu_bwd_kernel)
+    monkeypatch.setattr(tk, "_swiglu_fwd_kernel", fwd)
+    monkeypatch.setattr(tk, "_swiglu_bwd_kernel", bwd)
+    g = torch.Generator().manual_seed(12)
+    B, T, H = 2, 3, 40
+    fused, gy = 3 * torch.randn(B, T, 2 * H, generator=g), torch.randn(B, T, H, generator=g)
+    x = leaf(fused, dtype)
+    gate, up = x.chunk(2, dim=-1)
+    assert not gate.is_contiguous()
+    out = {}
+
+    def step():
+        out["y"] = tk.swiglu(gate, up)
+        out["y"].backward(gy.to(dtype))
+    assert _copies_of(step) == 0
+    (g_arg, g_stride), (u_arg, u_stride) = fwd.launches[0][0], fwd.launches[0][1]
+    assert (g_arg, u_arg) == (gate.data_ptr(), up.data_ptr()) and g_stride[0] == u_stride[0] == 2 * H
+    (bg_arg, _), (bu_arg, _) = bwd.launches[0][1], bwd.launches[0][2]
+    assert (bg_arg, bu_arg) == (gate.data_ptr(), up.data_ptr())
+    # numerics: the output and the gradient of the fused tensor, against the reference and fp64
+    ref_x = leaf(fused, dtype)
+    ref_y = kernels.swiglu_ref(*ref_x.chunk(2, dim=-1))
+    ref_y.backward(gy.to(dtype))
+    t_x = leaf(fused, torch.float64)
+    t_y = kernels.swiglu_ref(*t_x.chunk(2, dim=-1))
+    t_y.backward(gy.double())
+    assert_derived_close("swiglu strided output", out["y"], ref_y.detach(), t_y.detach())
+    assert_derived_close("swiglu strided grad", x.grad, ref_x.grad, t_x.grad)
+
+
+@needs_interpreter
+def test_model_swiglu_gets_the_fused_gate_up_matmul_output_in_place(monkeypatch):
+    """In the model (fused_qkv: one matmul for gate and up), every SwiGLU launch reads the matmul's
+    output through its row stride 2 * hidden_dim: no copy of gate or up anywhere, forward or backward."""
+    from model import ModelConfig, Transformer
+    fwd, bwd = _LaunchSpy(tk._swiglu_fwd_kernel), _LaunchSpy(tk._swiglu_bwd_kernel)
+    monkeypatch.setattr(tk, "_swiglu_fwd_kernel", fwd)
+    monkeypatch.setattr(tk, "_swiglu_bwd_kernel", bwd)
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=8, multiple_of=16,
+                      kernel_backend="triton", loss_chunk_size=8)
+    model = Transformer(cfg)
+    x = torch.randint(0, cfg.vocab_size, (2, 8))
+    model(x, labels=x).backward()
+    assert len(fwd.launches) == len(bwd.launches) == cfg.n_layers
+    for launch in fwd.launches:  # GATE, UP, Y, n_cols, g_stride, u_stride, y_stride
+        assert launch[4] == launch[5] == 2 * cfg.hidden_dim and launch[1][0] - launch[0][0] == cfg.hidden_dim * 4
+    for launch in bwd.launches:  # DY, GATE, UP, DGATE, DUP, n_cols, dy_stride, g_stride, u_stride, ...
+        assert launch[7] == launch[8] == 2 * cfg.hidden_dim
+
+
 # ----------------------------------------------------------------------------- torch.library checks
 def _opcheck_cases(device=CPU):
     g = torch.Generator(device=device).manual_seed(8)
@@ -336,7 +417,9 @@ def _opcheck_cases(device=CPU):
         (torch.ops.myllm.rope.default, (leaf(q), leaf(k), cos, sin, False)),
         (torch.ops.myllm.rope.default, (leaf(q), leaf(k), cos[:1], sin[:1], True)),
         (torch.ops.myllm.swiglu.default, (leaf(r(3, 40)), leaf(r(3, 40)))),
+        (torch.ops.myllm.swiglu.default, tuple(leaf(r(3, 80)).chunk(2, dim=-1))),  # strided: the model's layout
         (torch.ops.myllm.swiglu_backward.default, (r(3, 40), r(3, 40), r(3, 40))),
+        (torch.ops.myllm.swiglu_backward.default, (r(3, 40), *r(3, 80).chunk(2, dim=-1))),
     ]
 
 

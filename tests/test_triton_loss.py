@@ -254,6 +254,77 @@ def test_bf16_autocast_derived_tolerance():
     _check_derived_tolerance(ours, ref, truth, "bf16 autocast")
 
 
+def _rel(got, truth):
+    return ((got.double() - truth).norm() / truth.norm()).item()
+
+
+def _confident(n=64, v=64, alpha=14.0, seed=3):
+    """A confident model: logits = h (weight = identity), each target `alpha` above the rest, so the
+    softmax of every other class and p - 1 at the target are ~1e-6 (late training, small loss)."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, v, (n,), generator=g)
+    y[: n // 8] = IGNORE_INDEX
+    h = 0.1 * torch.randn(n, v, generator=g)
+    h[torch.arange(n), y.clamp(min=0)] += alpha
+    return h, torch.eye(v), y
+
+
+@pytest.mark.parametrize("reduction,scale", [("mean", 65536.0), ("mean", 1024.0), ("sum", 65536.0)])
+def test_fp16_gradients_do_not_underflow(reduction, scale):
+    """fp16 with a loss scale: the gradients were formed in the forward at 1/n_valid ("mean"), below
+    fp16's smallest subnormal for a confident model, before the scale could help (relative error 1e-1
+    against the fp16 reference's 2e-3), and the upstream scale itself was cast to fp16 (65536 = inf:
+    NaN gradients). Ours may be at most 1.5x the fp16 reference's error (both against fp64)."""
+    h, w, y = _confident()
+    g = torch.tensor(scale)
+    ours = _run(_ours(16), h.half(), w.half(), y, reduction, g)
+    ref = _run(linear_cross_entropy_ref, h.half(), w.half(), y, reduction, g)
+    truth = _run(_truth, h.double(), w.double(), y, reduction, g.double())
+    assert ours[1].dtype == ours[2].dtype == torch.float16
+    for i, name in ((1, "d_hidden"), (2, "d_weight")):
+        e_ours, e_ref = _rel(ours[i], truth[i]), _rel(ref[i], truth[i])
+        assert e_ours <= 1.5 * e_ref, f"{name}: ours {e_ours:.3g} vs fp16 reference {e_ref:.3g}"
+
+
+def test_confident_tokens_fp32_gradients_as_accurate_as_reference():
+    """The softmax is exp((x - max) - log(sum)), not exp(x - lse): lse rounds at the logits' magnitude
+    (an fp32 ulp at 16 is 2e-6), which made the gradients of confident tokens (p - 1 ~ 1e-6) 4x less
+    accurate than the reference's."""
+    h, w, y = _confident(n=32, alpha=16.0)
+    g = _upstream("sum", y)
+    ours = _run(_ours(8), h, w, y, "sum", g)
+    ref = _run(linear_cross_entropy_ref, h, w, y, "sum", g)
+    truth = _run(_truth, h.double(), w.double(), y, "sum", g.double())
+    for i, name in ((1, "d_hidden"), (2, "d_weight")):
+        e_ours, e_ref = _rel(ours[i], truth[i]), _rel(ref[i], truth[i])
+        assert e_ours <= 1.5 * e_ref, f"{name}: ours {e_ours:.3g} vs reference {e_ref:.3g}"
+
+
+def test_weight_grad_accumulates_in_fp32_across_chunks():
+    """d weight sums the chunks' products in fp32 (one GEMM with an fp32 output on a GPU), rounded at
+    most once. To see the accumulation alone, every other step is exact here: integer hidden states and
+    an all-ones weight give each token equal logits, so the softmax gradient (1/V - onehot, V a power of
+    two) is exact in fp16 and so are the products; the exact gradient is then what an fp32 accumulation
+    returns. Before, each of the 16 chunks' products was rounded to fp16. fp16 autocast: the
+    interpreter truncates to bf16 instead of rounding."""
+    n, v, d = 256, 128, 8
+    g = torch.Generator().manual_seed(21)
+    h = torch.randint(-100, 101, (n, d), generator=g).float()  # logits |sum| <= 800: integers, exact in fp16
+    w = torch.ones(v, d)
+    y = torch.randint(0, v, (n,), generator=g)
+    up = _upstream("sum", y)
+
+    def ours(*a):
+        with torch.autocast(DEV, dtype=torch.float16):
+            return _ours(16)(*a)
+
+    got = _run(ours, h, w, y, "sum", up)[2]
+    truth = _run(_truth, h.double(), w.double(), y, "sum", up.double())[2]
+    assert got.dtype == torch.float32
+    once = _rel(truth.half(), truth)  # one rounding of the exact gradient to the compute dtype
+    assert _rel(got, truth) <= 1e-3 * once, (_rel(got, truth), once)
+
+
 # ------------------------------------------------------------------------------ torch.library, compile
 def test_opcheck():
     n, v, d = 5, 37, 8  # opcheck runs each op a dozen times: the smallest shapes with two chunks
