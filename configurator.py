@@ -22,7 +22,7 @@ import os
 import textwrap
 import types
 import typing
-from typing import Any, Sequence, TypeVar
+from typing import Any, Optional, Sequence, TypeVar
 
 T = TypeVar("T")
 
@@ -244,11 +244,13 @@ def _values_from_file(path: str, fields: dict[str, Any]) -> dict[str, Any]:
     return values
 
 
-def parse_config(defaults: T, argv: Sequence[str]) -> T:
+def parse_config(defaults: T, argv: Sequence[str], given: Optional[set[str]] = None) -> T:
     """Return a copy of the dataclass `defaults` with config files and `--key=value` applied.
 
     argv items: a config file `path/to/config.{py,json,yaml,yml}` (applied in order; `.py` is
     executed, the others are read as data), `--key=value`, or `--flag` (bool True).
+    given: when a set, the field names argv set (on the command line, aliases resolved, or in a config
+    file) are added to it: what was asked for explicitly, not left at its default.
     """
     fields = _field_types(type(defaults))
     aliases = _aliases_for(fields)
@@ -272,6 +274,8 @@ def parse_config(defaults: T, argv: Sequence[str]) -> T:
         if key not in fields:
             raise _unknown_key_error(key, fields, "command line")
         cli_values[key] = coerce_value(key, raw, fields[key], "command line")
+    if given is not None:
+        given.update(file_values, cli_values)
     return dataclasses.replace(defaults, **{**file_values, **cli_values})
 
 

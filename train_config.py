@@ -77,6 +77,9 @@ class TrainConfig:
     batch_size: int = _f(8, "samples per micro-batch per rank")
     gradient_accumulation_steps: int = _f(1, "micro-batches per optimizer step")
     max_iters: int = _f(1000, "optimizer steps")
+    num_train_epochs: float = _f(0.0, "passes over the training set (0 = off; fractions allowed): sets --max_iters to "
+                                 "ceil(epochs x (training samples // global batch)), logged at start; the LR decay "
+                                 "follows. A --max_iters given explicitly (command line or config file) wins")
     learning_rate: float = _f(6e-4, "peak learning rate")
     min_lr: float = _f(6e-5, "floor of the decay")
     warmup_iters: int = _f(100, "linear warmup steps")
@@ -133,6 +136,17 @@ class TrainConfig:
     skip_data_steps: str = _f("", "data steps never trained on, e.g. 12,13 or 10-13 (data step N = the global batch "
                               "step N reads when nothing is skipped): drawn from the loader and discarded, the step "
                               "trains on the next data. Kept in checkpoints: a resume skips them without the flag")
+    sample_every: int = _f(0, "every N optimizer steps (0 = off), after that step's evaluation, rank 0 generates a "
+                           "continuation of each --sample_prompts prompt with the run's tokenizer: console, "
+                           "<out_dir>/samples.jsonl, TensorBoard text, a W&B table. Training is unchanged (RNG "
+                           "states restored). Not with --parallel=fsdp or --pipeline_parallel_size > 1")
+    sample_prompts: str = _f("", "--sample_every: prompts separated by |, or a text file with one prompt per line "
+                             "(default: 'Once upon a time'); sft/dpo runs wrap each in the chat template as a "
+                             "user turn")
+    sample_max_new_tokens: int = _f(32, "--sample_every: tokens generated per prompt (fewer when </s> or <|im_end|> "
+                                    "comes first)")
+    sample_temperature: float = _f(0.0, "--sample_every: 0 = greedy; > 0 samples with a private generator seeded by "
+                                   "(--seed, step), never the training's random numbers")
     tensorboard: bool = _f(False, "also log to <out_dir>/tensorboard when tensorboard is installed")
     wandb: bool = _f(False, "also log to Weights & Biases (WANDB_MODE=offline works without network); a resumed "
                      "run continues the same W&B run")
@@ -342,6 +356,42 @@ def pipeline_problems(cfg: TrainConfig, world_size: Optional[int] = None, torch_
     return out
 
 
+def sample_problems(cfg: TrainConfig) -> list[str]:
+    """What --sample_every > 0 cannot work with: the engines where rank 0 does not hold the whole model
+    (FSDP shards every weight, pipeline stages hold some layers), and prompts that name nothing. Reads no
+    file (the prompt file is read when the run starts)."""
+    from utils.train_samples import prompts_problem
+    flag = f"--sample_every={cfg.sample_every}"
+    out = []
+    if cfg.parallel == "fsdp":
+        out.append(f"{flag} cannot be combined with --parallel=fsdp (no rank holds the whole model; sample a "
+                   "checkpoint with sample.py instead)")
+    if cfg.pipeline_parallel_size > 1:
+        out.append(f"{flag} cannot be combined with --pipeline_parallel_size={cfg.pipeline_parallel_size} (each rank "
+                   "holds only its stage's layers; sample a checkpoint with sample.py instead)")
+    problem = prompts_problem(cfg.sample_prompts)
+    if problem:
+        out.append(f"--sample_prompts={cfg.sample_prompts!r}: {problem}")
+    return out
+
+
+def max_iters_for_epochs(num_train_epochs: float, num_samples: int, samples_per_step: int, max_iters: int,
+                         max_iters_given: bool) -> tuple[int, str]:
+    """--num_train_epochs: (the run's max_iters, the start-up line that says how it was set).
+
+    An epoch is num_samples // samples_per_step optimizer steps (dataset/loader.py drops the < one global
+    batch left over), samples_per_step = batch_size x gradient_accumulation_steps x data-parallel ranks: a
+    resume at another split of the same global batch (a resume must keep it) gets the same number. A
+    fractional last step counts as a step (ceil). A --max_iters given explicitly wins (and the line says so)."""
+    per_epoch = max(1, num_samples // samples_per_step)
+    steps = max(1, math.ceil(round(num_train_epochs * per_epoch, 6)))  # round: 0.1 x 30 is 3, not 4
+    head = (f"[schedule] --num_train_epochs={num_train_epochs:g}: 1 epoch = {per_epoch} steps of {samples_per_step} "
+            f"samples ({num_samples} training samples)")
+    if max_iters_given:
+        return max_iters, f"{head} -> {steps} steps, but --max_iters={max_iters} was given and wins"
+    return steps, f"{head} -> max_iters={steps}"
+
+
 # --fused_kernels value -> (fused switches on, ModelConfig.kernel_backend); model/kernels.py picks per op
 KERNEL_CHOICES = {"auto": (True, "auto"), "true": (True, "auto"), "triton": (True, "triton"),
                   "torch": (True, "torch"), "false": (False, "auto")}
@@ -435,6 +485,12 @@ def validate_config(cfg: TrainConfig, world_size: Optional[int] = None, torch_fr
     number("powersgd_min_compression_rate", 0.0)
     number("peak_flops", 0.0, what="must be a finite number >= 0 (0 = measure)")
     number("spike_factor", 1.0, low_open=True)
+    number("num_train_epochs", 0.0, what="must be a finite number >= 0 (0 = off: --max_iters sets the length)")
+    at_least("sample_every", 0)
+    at_least("sample_max_new_tokens", 1)
+    number("sample_temperature", 0.0, what="must be a finite number >= 0 (0 = greedy)")
+    if cfg.sample_every > 0:
+        problems.extend(sample_problems(cfg))
     at_least("spike_window", 1)
     from utils.spike_guard import parse_data_steps
     try:

@@ -9,7 +9,7 @@ One loop for every task, world size and engine: the same wrapper, optimizer, cli
 precision policy whether or not the run is distributed; our DDP, FSDP2 (--parallel=fsdp) and pipeline
 stages (--pipeline_parallel_size) sit behind parallel/engine.py (`engine.forward_backward`, `evaluate`,
 `save`, `load`). Read it top to bottom: configuration -> process group -> model -> engine + optimizer
--> data -> resume -> the loop (lr, micro-batches, token-normalised loss, step, log, evaluate,
+-> data -> resume -> the loop (lr, micro-batches, token-normalised loss, step, log, evaluate, samples,
 checkpoint) -> final evaluation.
 
 Exit codes (utils/constants.py): 0 done, 2 bad configuration, 3 bad data (also shards made with
@@ -48,12 +48,12 @@ if __name__ == "__main__":  # answered in a second: --help, typos, bad values, m
 import torch  # after the pre-check, which must not wait for it
 
 from configurator import ConfigError, help_text, parse_config, save_config_json
-from train_config import (TrainConfig, TrainingError, continues_run, existing_run_error,
+from train_config import (TrainConfig, TrainingError, continues_run, existing_run_error, max_iters_for_epochs,
                           nothing_to_continue_error, one_line, resume_flag, validate_config)
 from utils import checkpoint as ckpt
 from utils.constants import (EXIT_BAD_CHECKPOINT, EXIT_BAD_CONFIG, EXIT_BAD_DATA, EXIT_INTERRUPTED,
                              EXIT_NONFINITE_LOSS, EXIT_OK, IGNORE_INDEX)
-from utils.device import low_precision_cpu_warning, memory_stats, parse_dtype, seed_everything, synchronize
+from utils.device import HostCopy, low_precision_cpu_warning, memory_stats, parse_dtype, seed_everything, synchronize
 from utils.dist import DistInfo, all_reduce_max, barrier, destroy, init_distributed
 from utils.lr_schedule import lr_at
 from utils.metrics import MetricsLogger, Throughput, format_line
@@ -347,8 +347,8 @@ def micro_batch_loss(cfg: TrainConfig, model, ref_model, batch: dict, device) ->
         rc, rr = seq_logps(ref_model, "chosen"), seq_logps(ref_model, "rejected")
     losses, ch_r, rj_r = dpo_loss(pc, pr, rc, rr, beta=cfg.dpo_beta, loss_type=cfg.dpo_loss,
                                   label_smoothing=cfg.dpo_label_smoothing)
-    stats = {"chosen_reward": float(ch_r.sum()), "rejected_reward": float(rj_r.sum()),
-             "reward_acc": float((ch_r > rj_r).float().sum())}
+    stats = {"chosen_reward": ch_r.detach().sum(), "rejected_reward": rj_r.detach().sum(),  # stay on the device
+             "reward_acc": (ch_r > rj_r).float().sum()}
     return losses.sum(), stats
 
 
@@ -385,6 +385,24 @@ def evaluate(cfg: TrainConfig, engine, ref_model, make_val_loader, info: DistInf
     if cfg.task_type == "dpo":
         out["val_reward_acc"] = float(tot[4] / max(1.0, float(tot[1])))
     return out
+
+
+def build_sampler(cfg: TrainConfig):
+    """--sample_every > 0: the run's prompts encoded with its tokenizer (utils/train_samples.py), else None.
+    A prompt file or tokenizer that cannot be read is a bad configuration (exit 2)."""
+    if cfg.sample_every <= 0:
+        return None
+    from utils.train_samples import TrainSampler, read_prompts
+    try:
+        prompts = read_prompts(cfg.sample_prompts)
+    except ValueError as e:
+        raise TrainingError(f"--sample_prompts={cfg.sample_prompts!r}: {e}", EXIT_BAD_CONFIG) from e
+    try:
+        return TrainSampler(prompts, cfg.tokenizer_dir, cfg.task_type, cfg.sample_every, cfg.sample_max_new_tokens,
+                            cfg.sample_temperature, cfg.seed)
+    except (OSError, ValueError, KeyError) as e:
+        raise TrainingError(f"--sample_every={cfg.sample_every}: cannot load the tokenizer of --tokenizer_dir="
+                            f"{cfg.tokenizer_dir} to encode the prompts ({_one_line(e)})", EXIT_BAD_CONFIG) from e
 
 
 # ---------------------------------------------------------------------------- main
@@ -433,7 +451,8 @@ def main(argv: list[str]) -> int:
         return EXIT_OK
     rank = int(os.environ.get("RANK", "0"))
     try:
-        cfg = parse_config(TrainConfig(), argv)
+        given: set[str] = set()  # the flags this command sets (command line or config file), not defaults
+        cfg = parse_config(TrainConfig(), argv, given=given)
         # Decided on every rank before init_distributed: no rank can have written to out_dir yet.
         continues = continues_run(cfg)
         if continues:  # the run's saved configuration, with the command line over it
@@ -446,7 +465,7 @@ def main(argv: list[str]) -> int:
         return EXIT_BAD_CONFIG
     try:
         info = init_distributed(cfg.device, need_group=cfg.parallel == "fsdp" or cfg.pipeline_parallel_size > 1)
-        return train(cfg, info, continues=continues)
+        return train(cfg, info, continues=continues, max_iters_given="max_iters" in given)
     except Exception as e:  # noqa: BLE001 - named errors become one line and an exit code; others re-raise
         named = named_error(e)
         if named is None:
@@ -491,7 +510,9 @@ def start_without_checkpoint(cfg: TrainConfig, log) -> tuple[str, str]:
     raise nothing_to_continue_error(cfg, ckpt.checkpoint_root(cfg.out_dir))
 
 
-def train(cfg: TrainConfig, info: DistInfo, continues: Optional[bool] = None) -> int:
+def train(cfg: TrainConfig, info: DistInfo, continues: Optional[bool] = None, max_iters_given: bool = False) -> int:
+    """One run (main() has parsed and resolved `cfg`). max_iters_given: --max_iters was set explicitly
+    (command line or config file), so it wins over --num_train_epochs."""
     def log(msg: str) -> None:
         if info.is_main:
             from tqdm import tqdm
@@ -687,6 +708,12 @@ def train(cfg: TrainConfig, info: DistInfo, continues: Optional[bool] = None) ->
             rng_to_restore = extra["rng"]
         log(f"[resume] at step {iter_num}, data cursor {saved_state['data_cursor']}")
 
+    if cfg.num_train_epochs > 0:  # max_iters from the epochs, unless --max_iters was given (now or when the run began)
+        given = max_iters_given or (resume_dir is not None and saved_state.get("max_iters_from") == "max_iters")
+        cfg.max_iters, line = max_iters_for_epochs(cfg.num_train_epochs, train_loader.num_samples,
+                                                   train_loader.samples_per_step, cfg.max_iters, given)
+        max_iters_from = "max_iters" if given else "num_train_epochs"
+        log(line)
     if info.is_main:
         save_config_json(cfg, os.path.join(cfg.out_dir, "config.json"))
     metrics = MetricsLogger(cfg.out_dir, enabled=info.is_main, tensorboard=cfg.tensorboard, log=log,
@@ -707,6 +734,8 @@ def train(cfg: TrainConfig, info: DistInfo, continues: Optional[bool] = None) ->
                  "val_loss": val_loss, "tokens_seen": tokens_seen, "init_info": init_info,
                  "lr": lr_at(max(0, step - 1), **lr_kw), "task_type": cfg.task_type}
         state.update(data_step=data_step, skip_data_steps=sorted(skip_steps))  # a resume skips them too
+        if cfg.num_train_epochs > 0:  # which flag set max_iters: a resume decides the same way
+            state["max_iters_from"] = max_iters_from
         if guard is not None:  # the running window: a resumed run judges its steps as an uninterrupted one
             state["spike_guard"] = guard.state_dict()
         fault = (lambda: os.kill(os.getpid(), signal.SIGKILL)) if _fault("kill_in_save", step) else None
@@ -759,6 +788,7 @@ def train(cfg: TrainConfig, info: DistInfo, continues: Optional[bool] = None) ->
             guard.load_state_dict(saved_guard)
         log(f"[spike_guard] exit {EXIT_LOSS_SPIKE} when a loss is non-finite or above {cfg.spike_factor:g} x the "
             f"median of the previous {cfg.spike_window} steps ({len(guard.recent)} known)")
+    sampler = build_sampler(cfg)  # --sample_every: prompts and tokenizer checked on every rank, sampled on rank 0
     resumed_from = {"step": iter_num, "data_step": data_step}
     t_last = time.time()
     while iter_num < cfg.max_iters:
@@ -784,8 +814,11 @@ def train(cfg: TrainConfig, info: DistInfo, continues: Optional[bool] = None) ->
         loss_fn = lambda model, batch: micro_batch_loss(cfg, model, ref_model, batch, info.device)  # noqa: E731
         loss_acc = engine.forward_backward(batches, _spiked(loss_fn, *spike_fault) if spike_fault else loss_fn,
                                            global_units, poison=poison)
+        # the step's sums, reduced and copied to the host behind the backward: the optimizer's one host
+        # sync (reading the gradient norm) comes after that copy, so reading it then waits for nothing
+        tot_copy = HostCopy(engine.sum_over_data(loss_acc, info.device, to_host=False))
         stepped, grad_norm = optimizer.step()  # waits for the gradient reductions, clips, steps
-        tot = engine.sum_over_data(loss_acc, info.device)
+        tot = tot_copy.get()
         loss = float(tot[0]) / global_units
         spike = guard.check(loss, nonfinite_is_spike=cfg.dtype != "fp16") if guard is not None else None
         if spike is not None:  # the rollback is the supervisor's: record the step, save nothing, exit 76
@@ -835,6 +868,9 @@ def train(cfg: TrainConfig, info: DistInfo, continues: Optional[bool] = None) ->
         metrics.write(rec)
         if info.is_main and _line_due(iter_num % cfg.log_interval == 0 or do_eval or iter_num == 1):
             log(format_line(rec))
+        if info.is_main and sampler is not None and sampler.due(iter_num):  # after the evaluation, RNG untouched
+            optimizer.finish_param_sync()  # ZeRO's all-gather of the updated weights has landed
+            metrics.write_samples(sampler.sample(engine.module, iter_num, info.device))
 
         # ---- checkpoint / stop
         stop_now = all_reduce_max(1.0 if stop["requested"] else 0.0, info.device) > 0

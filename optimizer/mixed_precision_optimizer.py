@@ -144,13 +144,14 @@ class MixedPrecisionOptimizer:
         self._after_grads_loaded()
         if isinstance(self.scaler, DynamicGradScaler):
             torch._foreach_mul_([pc.main.grad for pc in self.pieces], 1.0 / self.scaler.scale)
-        # One pass over the grads gives the local sum of squares: non-finite iff this rank's
-        # grads hold an inf/nan. The overflow decision is a MAX all-reduce of that flag, so it is
-        # global and identical on every rank (in ZeRO a rank sees only its own shard).
-        sumsq = self._local_sumsq(self.pieces)
-        found_inf = self._non_finite_anywhere(sumsq)
-        norm = float("inf") if found_inf else math.sqrt(self._reduce_sumsq(sumsq))
-        found_inf = found_inf or not math.isfinite(norm)  # global sum of squares overflowed fp32
+        # One pass over the grads gives the local sum of squares, non-finite iff this rank's grads
+        # hold an inf/nan. Its global value (the local one when every rank holds the same reduced
+        # gradients; one SUM all-reduce in ZeRO, where a rank sees only its shard) is non-finite iff
+        # some rank's is, so reading it is the overflow decision too, identical on every rank: the
+        # step's one host sync, and no separate flag collective.
+        global_sumsq = float(self._reduce_sumsq(self._local_sumsq(self.pieces)).item())
+        found_inf = not math.isfinite(global_sumsq)  # an inf/nan anywhere, or the fp32 sum overflowed
+        norm = float("inf") if found_inf else math.sqrt(global_sumsq)
         self.scaler.update(found_inf)
         self._report_to_comm_hook(not found_inf)
         if found_inf:
@@ -199,7 +200,7 @@ class MixedPrecisionOptimizer:
         self._after_grads_loaded()
         self._report_to_comm_hook(True if not skipped else
                                   [b.index for b in self.ddp.buckets if b.index not in skipped])
-        norm = math.sqrt(self._reduce_sumsq(sumsq))
+        norm = math.sqrt(float(self._reduce_sumsq(sumsq).item()))
         self.prev_grad_norm = norm
         self._drop_grads()
         return not skipped, norm
@@ -231,10 +232,11 @@ class MixedPrecisionOptimizer:
             return torch.zeros((), dtype=torch.float32, device=self._device())
         return torch.stack([n * n for n in torch._foreach_norm(grads, 2)]).sum()
 
-    def _reduce_sumsq(self, sumsq: torch.Tensor) -> float:
-        """Unsharded: every rank holds the same fully reduced gradient, so the local sum IS the
+    def _reduce_sumsq(self, sumsq: torch.Tensor) -> torch.Tensor:
+        """The global squared gradient norm, left on the device (the caller reads it once).
+        Unsharded: every rank holds the same fully reduced gradient, so the local sum IS the
         global one (and a non-finite value is seen by every rank): no collective needed."""
-        return float(sumsq.item())
+        return sumsq
 
     def _non_finite_anywhere(self, local_sumsq: torch.Tensor) -> bool:
         """True on every rank iff some rank's `local_sumsq` is inf/nan: a blocking MAX all-reduce

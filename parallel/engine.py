@@ -52,6 +52,16 @@ LossFn = Callable[[nn.Module, dict], tuple[torch.Tensor, dict]]
 STAT_KEYS = ("chosen_reward", "rejected_reward", "reward_acc")
 
 
+def _stat_row(loss_sum: torch.Tensor, stats: dict) -> torch.Tensor:
+    """float64 [loss sum, *STAT_KEYS] of one micro-batch, on the loss's device, without a host read:
+    tensor statistics are detached and cast there, host numbers enter by a fill (`new_full`)."""
+    def one(v: Any) -> torch.Tensor:
+        if isinstance(v, torch.Tensor):
+            return v.detach().to(dtype=torch.float64).reshape(1)
+        return loss_sum.new_full((1,), float(v), dtype=torch.float64)
+    return torch.cat([one(loss_sum)] + [one(stats.get(k, 0.0)) for k in STAT_KEYS])
+
+
 @dataclass
 class Engine:
     kind: str                       # "ddp" | "fsdp" | "pipeline"
@@ -89,9 +99,11 @@ class Engine:
                          poison: bool = False) -> torch.Tensor:
         """Forward + backward of this rank's micro-batches; gradients accumulate (no_sync on all but
         the last) and are those of (all replicas' loss sums) / global_units. Returns float64
-        [loss sum, chosen_reward, rejected_reward, reward_acc] sums of this rank's micro-batches.
+        [loss sum, chosen_reward, rejected_reward, reward_acc] sums of this rank's micro-batches, on the
+        device that computed them: nothing here reads a value back to the host (no sync per micro-batch;
+        the trainer reads the step's sums once, after the optimizer step).
         poison (a test hook): the step's loss and gradients become NaN."""
-        acc = torch.zeros(4, dtype=torch.float64)
+        acc = None
         n = len(batches)
         for i, batch in enumerate(batches):
             sync = contextlib.nullcontext() if i == n - 1 else self.model.no_sync()
@@ -102,32 +114,38 @@ class Engine:
                 # our DDP averages gradients over ranks; * world / global_units makes the result the
                 # gradient of (sum of all ranks' losses) / (all ranks' target units)
                 self.optimizer.scale_loss(loss_sum * (self.dp_size / global_units)).backward()
-            acc += torch.tensor([float(loss_sum.detach())] + [stats.get(k, 0.0) for k in STAT_KEYS],
-                                dtype=torch.float64)
-        return acc
+            row = _stat_row(loss_sum, stats)
+            acc = row if acc is None else acc + row
+        return acc if acc is not None else torch.zeros(1 + len(STAT_KEYS), dtype=torch.float64)
 
     @torch.no_grad()
     def evaluate(self, batches: Sequence[dict], loss_fn: LossFn, count_units: Callable[[dict], int]) -> torch.Tensor:
         """float64 [loss sum, units, chosen_reward, rejected_reward, reward_acc] over this rank's
         validation batches (forward only; the model is back in train mode afterwards)."""
         self.forward_model.eval()
-        sums = torch.zeros(5, dtype=torch.float64)
+        sums, units = None, 0.0
         try:
             for batch in batches:
                 loss_sum, stats = loss_fn(self.forward_model, batch)
-                sums += torch.tensor([float(loss_sum), count_units(batch)] + [stats.get(k, 0.0) for k in STAT_KEYS],
-                                     dtype=torch.float64)
+                row = _stat_row(loss_sum, stats)
+                sums = row if sums is None else sums + row
+                units += count_units(batch)  # counted on the host batch: no device read
         finally:
             self.forward_model.train()
             if self.kind == "fsdp":  # no backward follows to free what the forward gathered: free it now
                 from parallel.fsdp import reshard
                 reshard(self.model)
-        return sums
+        if sums is None:
+            sums = torch.zeros(1 + len(STAT_KEYS), dtype=torch.float64)
+        # [loss, units, chosen, rejected, acc]: units joins on the device by a fill (no host-to-device copy)
+        return torch.cat([sums[:1], sums.new_full((1,), float(units)), sums[1:]])
 
-    def sum_over_data(self, values: "list[float] | torch.Tensor", device: torch.device) -> torch.Tensor:
-        """Sum a small float64 vector over the data-parallel replicas (every rank gets the result)."""
+    def sum_over_data(self, values: "list[float] | torch.Tensor", device: torch.device,
+                      to_host: bool = True) -> torch.Tensor:
+        """Sum a small float64 vector over the data-parallel replicas (every rank gets the result);
+        to_host=False: left on the device for a later HostCopy (utils.dist.all_reduce_sum)."""
         from utils.dist import all_reduce_sum
-        return all_reduce_sum(values, device)
+        return all_reduce_sum(values, device, to_host=to_host)
 
     def resume_problem(self, ckpt_dir: str, saved_world: int, world_size: int) -> Optional[str]:
         """Why this engine cannot resume `ckpt_dir` (saved by `saved_world` processes), or None."""
@@ -492,13 +510,14 @@ class PipelineParallelEngine(Engine):
         total, units = self.pipe.eval_loss_sum(batches)
         return torch.tensor([total, float(units), 0.0, 0.0, 0.0], dtype=torch.float64)
 
-    def sum_over_data(self, values: "list[float] | torch.Tensor", device: torch.device) -> torch.Tensor:
+    def sum_over_data(self, values: "list[float] | torch.Tensor", device: torch.device,
+                      to_host: bool = True) -> torch.Tensor:
         # the P ranks of a pipeline hold the same batch (and the same broadcast loss): only stage 0 contributes
         from utils.dist import all_reduce_sum
         t = values.clone() if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.float64)
         if self.pipe.stage_index != 0:
             t.zero_()
-        return all_reduce_sum(t, device)
+        return all_reduce_sum(t, device, to_host=to_host)
 
     def resume_problem(self, ckpt_dir: str, saved_world: int, world_size: int) -> Optional[str]:
         if not is_pipeline_checkpoint(ckpt_dir):

@@ -146,13 +146,13 @@ class _AcrossStagesMixin:
     pp_group: Any = None
     pp_size: int = 1
 
-    def _reduce_sumsq(self, sumsq: torch.Tensor) -> float:
+    def _reduce_sumsq(self, sumsq: torch.Tensor) -> torch.Tensor:
         s = super()._reduce_sumsq(sumsq)  # type: ignore[misc]
         if self.pp_size == 1:
             return s
-        t = torch.tensor([s], dtype=torch.float64, device=self._device())  # type: ignore[attr-defined]
+        t = s.detach().to(dtype=torch.float64).reshape(1).clone()  # on the device: no host read here
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.pp_group)
-        return float(t.item())
+        return t
 
     def _non_finite_anywhere(self, local_sumsq: torch.Tensor) -> bool:
         bad = super()._non_finite_anywhere(local_sumsq)  # type: ignore[misc]

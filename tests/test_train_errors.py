@@ -65,7 +65,16 @@ CASES = [
     ("fsdp_powersgd", ["--parallel=fsdp", "--comm_hook=powersgd"], EXIT_BAD_CONFIG,
      "--parallel=fsdp: bad options for --parallel=fsdp: --comm_hook=powersgd"),
     ("parallel_unknown", ["--parallel=tp"], EXIT_BAD_CONFIG, "--parallel='tp' (ddp | fsdp)"),
-    ("hf_epochs_hint", ["--num_train_epochs=3"], EXIT_BAD_CONFIG, "training length is --max_iters"),
+    ("num_train_epochs_negative", ["--num_train_epochs=-1"], EXIT_BAD_CONFIG,
+     "--num_train_epochs=-1.0: must be a finite number >= 0 (0 = off"),
+    ("num_train_epochs_nan", ["--num_train_epochs=nan"], EXIT_BAD_CONFIG, "--num_train_epochs=nan: must be a finite"),
+    ("sample_every_fsdp", ["--sample_every=2", "--parallel=fsdp"], EXIT_BAD_CONFIG,
+     "--sample_every=2 cannot be combined with --parallel=fsdp"),
+    ("sample_every_negative", ["--sample_every=-1"], EXIT_BAD_CONFIG, "--sample_every=-1: must be >= 0"),
+    ("sample_prompts_empty_file", ["--sample_every=1", "--sample_prompts={empty}"], EXIT_BAD_CONFIG,
+     "empty.txt': the file holds no prompt (one per line)"),
+    ("sample_tokenizer_unloadable", ["--sample_every=1", "--tokenizer_dir={meta_only}"], EXIT_BAD_CONFIG,
+     "--sample_every=1: cannot load the tokenizer of --tokenizer_dir="),
     ("device_cuda_99", ["--device=cuda:99"], EXIT_BAD_CONFIG, "--device=cuda:99:"),
     ("device_unknown", ["--device=tpu"], EXIT_BAD_CONFIG, "--device=tpu:"),
     ("tokenizer_dir_missing", ["--tokenizer_dir=/nonexistent/tok"], EXIT_BAD_CONFIG,
@@ -82,6 +91,12 @@ CASES = [
 
 @pytest.mark.parametrize("extra, code, needle", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_bad_value_exits_with_its_code_and_one_line(tiny_pretrain_run_args, tmp_path, capsys, extra, code, needle):
+    (tmp_path / "empty.txt").write_text("\n  \n", encoding="utf-8")  # a prompt file with no prompt in it
+    tok = next(a.split("=", 1)[1] for a in tiny_pretrain_run_args if a.startswith("--tokenizer_dir="))
+    (tmp_path / "meta_only").mkdir()  # tokenizer_meta.json (the data check passes) without the tokenizer files
+    shutil.copy(os.path.join(tok, "tokenizer_meta.json"), tmp_path / "meta_only")
+    extra = [a.replace("{empty}", str(tmp_path / "empty.txt")).replace("{meta_only}", str(tmp_path / "meta_only"))
+             for a in extra]
     got, err = run_main([*tiny_pretrain_run_args, f"--out_dir={tmp_path / 'run'}", "--max_iters=2", *extra], capsys)
     assert got == code, err
     assert_one_error_line(err, needle)

@@ -52,8 +52,6 @@ TRAIN_ALIASES: dict[str, str] = {
 
 # Names that have no one-to-one flag: say what to write instead.
 TRAIN_HINTS: dict[str, str] = {
-    "num_train_epochs": "training length is --max_iters (optimizer steps); one epoch is "
-                        "len(dataset) / (batch_size x gradient_accumulation_steps x world size) steps",
     "bf16": "use --dtype=bf16",
     "fp16": "use --dtype=fp16 (dynamic loss scaling is on with it)",
     "resume_from_checkpoint": "not needed: the same command continues the run in --out_dir (--resume=auto); "

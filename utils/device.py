@@ -149,6 +149,29 @@ def new_event(device: torch.device | str):
     return torch.cuda.Event() if is_accelerator(device) else _NullEvent()
 
 
+class HostCopy:
+    """A small device tensor's value, copied to the host without waiting for it now.
+
+    `HostCopy(t)` queues a non-blocking device-to-host copy behind the work that produces `t` and
+    records an event; `.get()` waits for that event only (free when a later sync, e.g. the optimizer
+    reading the gradient norm, already passed it). On CPU the copy is the tensor itself."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self._event = None
+        if is_accelerator(t.device):
+            self._host = t.detach().to("cpu", non_blocking=True)
+            self._event = new_event(t.device)
+            self._event.record()
+        else:
+            self._host = t.detach()
+
+    def get(self) -> torch.Tensor:
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        return self._host
+
+
 def stream_context(stream):
     """`with stream_context(s):` runs on s on CUDA, and is a no-op otherwise."""
     if isinstance(stream, _NullStream):

@@ -84,19 +84,27 @@ def barrier() -> None:
         dist.barrier()
 
 
-def all_reduce_sum(values: list[float] | torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Sum a small vector of floats over ranks (float64 so token counts stay exact)."""
+def all_reduce_sum(values: list[float] | torch.Tensor, device: torch.device, to_host: bool = True) -> torch.Tensor:
+    """Sum a small vector of floats over ranks (float64 so token counts stay exact).
+
+    to_host=True returns it on the host: a device tensor read back is a host sync, so one process
+    (no process group) never moves it to the device and back. to_host=False leaves the result where
+    the reduction ran (the device under a process group, else where `values` were), for the caller to
+    read later without a sync of its own (utils.device.HostCopy)."""
     t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.float64)
-    t = t.to(device=device, dtype=torch.float64)
+    t = t.to(dtype=torch.float64)
     if dist.is_initialized():
+        t = t.to(device=device)
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return t.cpu()
+    return t.cpu() if to_host else t
 
 
 def all_reduce_max(value: float, device: torch.device) -> float:
+    """MAX of a host float over ranks; one process returns it untouched (no device round trip)."""
+    if not dist.is_initialized():
+        return float(value)
     t = torch.tensor([value], dtype=torch.float64, device=device)
-    if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
 
 

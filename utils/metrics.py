@@ -2,8 +2,10 @@
 the heartbeat, and a windowed throughput meter.
 
 Owns: everything a run writes for humans and supervisors while it trains. Only rank 0 writes.
-metrics.jsonl keeps flat keys (`loss`, `val_loss`, ...); TensorBoard and W&B get them grouped
-(`train/loss`, `eval/loss`, `dpo/reward_acc`, `perf/tokens_per_sec`, see `metric_tag`).
+metrics.jsonl keeps flat keys (`loss`, `val_loss`, ...), one object per step; TensorBoard and W&B get
+them grouped (`train/loss`, `eval/loss`, `dpo/reward_acc`, `perf/tokens_per_sec`, see `metric_tag`).
+Samples generated during training (--sample_every, utils/train_samples.py) go to samples.jsonl, one
+object per (step, prompt), TensorBoard text `samples/<i>` and a W&B table `samples` (`write_samples`).
 Must never: influence training, or fail the run because an optional sink (TensorBoard, wandb) is absent.
 """
 from __future__ import annotations
@@ -16,6 +18,7 @@ import time
 import uuid
 from typing import Any, Optional
 
+SAMPLES_FILE = "samples.jsonl"
 _DPO_KEYS = {"chosen_reward", "rejected_reward", "reward_acc", "reward_margin"}
 _PERF_KEYS = {"tokens_per_sec", "tokens_per_sec_avg", "mfu", "tokens_seen", "step_time",
               "mem_alloc_mib", "mem_peak_mib", "rss_mib"}
@@ -71,6 +74,7 @@ class WandbSink:
                 state = json.load(f)
         run_id = state.get("id") or uuid.uuid4().hex[:12]
         self.last_step = int(state.get("last_step", -1))
+        self.resumed_after = self.last_step  # steps up to here were logged by an earlier attempt
         self.skipped = 0
         self.run = wandb.init(project=project or None, name=run_name or None, id=run_id, resume="allow",
                               dir=out_dir, config=config, reinit=_reinit_value(wandb))
@@ -92,6 +96,13 @@ class WandbSink:
         self.run.log({metric_tag(k): v for k, v in scalars.items()}, step=step)
         self.last_step = step
         self._save_state()
+
+    def write_table(self, step: int, key: str, columns: list[str], rows: list[list[Any]]) -> None:
+        """A wandb.Table at `step` (after that step's scalars); not again for a step an earlier attempt logged."""
+        if step <= self.resumed_after:
+            return
+        import wandb
+        self.run.log({key: wandb.Table(columns=columns, data=rows)}, step=step)
 
     def close(self) -> None:
         self.run.finish()
@@ -139,12 +150,14 @@ class MetricsLogger:
         logged once. W&B keeps its own last step (WandbSink)."""
         self.enabled = enabled
         self.path = os.path.join(out_dir, "metrics.jsonl")
+        self.samples_path = os.path.join(out_dir, SAMPLES_FILE)
         self.heartbeat_path = os.path.join(out_dir, "heartbeat")
         self.log = log
         self.tb = None
         self.wandb: Optional[WandbSink] = None
         if enabled and resume_step is not None:
             truncate_metrics_after(self.path, int(resume_step), log)
+            truncate_metrics_after(self.samples_path, int(resume_step), log)
         if enabled and tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -182,6 +195,24 @@ class MetricsLogger:
                 self.tb.add_scalar(metric_tag(k), v, step)
         if self.wandb is not None:
             self.wandb.write(step, scalars)
+
+    def write_samples(self, records: list[dict[str, Any]]) -> None:
+        """Samples of one step (utils/train_samples.py: {"step", "prompt", "completion", ...}): a console line
+        each, one samples.jsonl object each, TensorBoard text `samples/<i>` (prompt i), a W&B table `samples`."""
+        if not self.enabled or not records:
+            return
+        from utils.train_samples import format_sample
+        now = time.time()
+        with open(self.samples_path, "a", encoding="utf-8") as f:
+            for r in records:
+                f.write(json.dumps(dict(r, time=now), ensure_ascii=False) + "\n")
+        for i, r in enumerate(records):
+            self.log(format_sample(r))
+            if self.tb is not None:
+                self.tb.add_text(f"samples/{i}", f"**{r['prompt']}** {r['completion']}", int(r["step"]))
+        if self.wandb is not None:
+            self.wandb.write_table(int(records[0]["step"]), "samples", ["prompt", "completion"],
+                                   [[r["prompt"], r["completion"]] for r in records])
 
     def close(self) -> None:
         if self.tb is not None:

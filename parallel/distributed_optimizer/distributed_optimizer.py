@@ -100,10 +100,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         super()._drop_grads()
         self._grad_shards.clear()  # ZeRO-2 holds no gradient memory between steps
 
-    def _reduce_sumsq(self, sumsq: torch.Tensor) -> float:
+    def _reduce_sumsq(self, sumsq: torch.Tensor) -> torch.Tensor:
         sumsq = sumsq.detach().clone().reshape(1)
         comm.all_reduce_sum_blocking(sumsq, self.group, self.world_size)
-        return float(sumsq.item())
+        return sumsq
 
     def _after_grads_loaded(self) -> None:
         if self.zero_stage == 2:
