@@ -26,7 +26,7 @@ def _select(ckpt_path: str, which: str, log) -> str:
     """A HF directory as it is, or the run's `which` checkpoint (verified). TrainingError with exit 5
     when what was asked for is damaged, 2 when it names nothing."""
     from train_config import TrainingError
-    from train_my_ddp import _is_hf_dir
+    from run_weights import is_hf_dir as _is_hf_dir
     from utils import checkpoint as ckpt
     from utils.run_config import select_checkpoint
     if os.path.isdir(ckpt_path) and _is_hf_dir(ckpt_path):
@@ -40,7 +40,7 @@ def _select(ckpt_path: str, which: str, log) -> str:
 def load_for_inference(ckpt_path: str, device: torch.device, which: str = "latest"):
     """(model in eval mode on `device`, info) from a HF directory, or a run's `which` checkpoint.
     TrainingError (with its exit code) or CheckpointError (exit 5, naming the file) when it cannot."""
-    from train_my_ddp import load_weights_from
+    from run_weights import load_weights_from
     log = lambda m: print(m, file=sys.stderr)  # noqa: E731
     model, info = load_weights_from(_select(ckpt_path, which, log), log=log)
     return model.to(device).eval(), info
@@ -48,7 +48,7 @@ def load_for_inference(ckpt_path: str, device: torch.device, which: str = "lates
 
 def recorded_tokenizer_dir(ckpt_path: str, which: str = "latest") -> Optional[str]:
     """The --tokenizer_dir the run trained with (from the checkpoint's config.json), or a HF dir's own."""
-    from train_my_ddp import _is_hf_dir
+    from run_weights import is_hf_dir as _is_hf_dir
     from utils import checkpoint as ckpt
     found = _select(ckpt_path, which, log=lambda m: None)
     if _is_hf_dir(found):

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from utils.constants import EXIT_BAD_CONFIG
+from utils.errors import TrainingError, one_line  # noqa: F401  (re-exported: the trainer and tests use them)
 
 
 def _f(default: Any, help: str) -> Any:
@@ -165,15 +166,6 @@ def trains_embeddings(run: Any) -> bool:
     return get("trainable", "all") == "embeddings" or (get("lora_rank", 0) > 0 and bool(get("lora_train_embeddings")))
 
 
-class TrainingError(Exception):
-    def __init__(self, msg: str, code: int) -> None:
-        super().__init__(msg)
-        self.code = code
-
-
-def one_line(e: BaseException) -> str:
-    """An error's message as the trainer prints it: one line."""
-    return " ".join(str(e).split()) or type(e).__name__
 
 
 # ---------------------------------------------------------------------------- how a run starts (--resume)

@@ -50,16 +50,43 @@ from utils import checkpoint as ckpt
 # loss_fn(model, batch) -> (sum of the per-unit losses of the micro-batch, {"chosen_reward": sum, ...})
 LossFn = Callable[[nn.Module, dict], tuple[torch.Tensor, dict]]
 STAT_KEYS = ("chosen_reward", "rejected_reward", "reward_acc")
+STEP_FIELDS = ("loss_sum", *STAT_KEYS, "units")  # the layout of every engine's step / evaluation sums
 
 
-def _stat_row(loss_sum: torch.Tensor, stats: dict) -> torch.Tensor:
-    """float64 [loss sum, *STAT_KEYS] of one micro-batch, on the loss's device, without a host read:
-    tensor statistics are detached and cast there, host numbers enter by a fill (`new_full`)."""
+@dataclass
+class StepStats:
+    """Sums over micro-batches (and, once reduced, over data-parallel replicas) with names: what
+    `forward_backward` and `evaluate` return as one float64 vector in STEP_FIELDS order (a vector so
+    that one all-reduce carries it). `units`: target tokens (pretrain/SFT) or pairs (DPO); the
+    forward_backward vector leaves it 0 (the trainer counted the step's units before the step)."""
+    loss_sum: float = 0.0
+    chosen_reward: float = 0.0
+    rejected_reward: float = 0.0
+    reward_acc: float = 0.0
+    units: float = 0.0
+
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor) -> "StepStats":
+        return cls(*(float(v) for v in t.detach().to("cpu", torch.float64).reshape(-1).tolist()))
+
+    def per_unit(self, units: Optional[float] = None) -> dict[str, float]:
+        """Each sum divided by `units` (default: its own count, at least 1)."""
+        n = max(1.0, self.units if units is None else units)
+        return {"loss": self.loss_sum / n, **{k: getattr(self, k) / n for k in STAT_KEYS}}
+
+
+def _stat_row(loss_sum: torch.Tensor, stats: dict, units: float = 0.0) -> torch.Tensor:
+    """float64 STEP_FIELDS of one micro-batch, on the loss's device, without a host read: tensor
+    statistics are detached and cast there, host numbers enter by a fill (`new_full`)."""
     def one(v: Any) -> torch.Tensor:
         if isinstance(v, torch.Tensor):
             return v.detach().to(dtype=torch.float64).reshape(1)
         return loss_sum.new_full((1,), float(v), dtype=torch.float64)
-    return torch.cat([one(loss_sum)] + [one(stats.get(k, 0.0)) for k in STAT_KEYS])
+    return torch.cat([one(loss_sum)] + [one(stats.get(k, 0.0)) for k in STAT_KEYS] + [one(units)])
+
+
+def _zero_stats() -> torch.Tensor:
+    return torch.zeros(len(STEP_FIELDS), dtype=torch.float64)
 
 
 @dataclass
@@ -94,12 +121,16 @@ class Engine:
         return wrap_fsdp(ref.to(device=device, dtype=torch.float32), mesh_or_group=mesh, param_dtype=dtype,
                          reshard_after_forward=True)
 
+    def reference_layout(self) -> str:
+        """How place_reference lays out DPO's reference model, for the start-up log."""
+        return "sharded by FSDP2" if self.kind == "fsdp" else "a full copy"
+
     # ------------------------------------------------------------------ one step
     def forward_backward(self, batches: Sequence[dict], loss_fn: LossFn, global_units: float,
                          poison: bool = False) -> torch.Tensor:
         """Forward + backward of this rank's micro-batches; gradients accumulate (no_sync on all but
-        the last) and are those of (all replicas' loss sums) / global_units. Returns float64
-        [loss sum, chosen_reward, rejected_reward, reward_acc] sums of this rank's micro-batches, on the
+        the last) and are those of (all replicas' loss sums) / global_units. Returns the float64
+        STEP_FIELDS sums of this rank's micro-batches (StepStats.from_tensor names them), on the
         device that computed them: nothing here reads a value back to the host (no sync per micro-batch;
         the trainer reads the step's sums once, after the optimizer step).
         poison (a test hook): the step's loss and gradients become NaN."""
@@ -116,29 +147,25 @@ class Engine:
                 self.optimizer.scale_loss(loss_sum * (self.dp_size / global_units)).backward()
             row = _stat_row(loss_sum, stats)
             acc = row if acc is None else acc + row
-        return acc if acc is not None else torch.zeros(1 + len(STAT_KEYS), dtype=torch.float64)
+        return acc if acc is not None else _zero_stats()
 
     @torch.no_grad()
     def evaluate(self, batches: Sequence[dict], loss_fn: LossFn, count_units: Callable[[dict], int]) -> torch.Tensor:
-        """float64 [loss sum, units, chosen_reward, rejected_reward, reward_acc] over this rank's
-        validation batches (forward only; the model is back in train mode afterwards)."""
+        """float64 STEP_FIELDS sums over this rank's validation batches, units counted (forward only;
+        the model is back in train mode afterwards)."""
         self.forward_model.eval()
-        sums, units = None, 0.0
+        sums = None
         try:
             for batch in batches:
                 loss_sum, stats = loss_fn(self.forward_model, batch)
-                row = _stat_row(loss_sum, stats)
+                row = _stat_row(loss_sum, stats, units=count_units(batch))  # counted on the host batch
                 sums = row if sums is None else sums + row
-                units += count_units(batch)  # counted on the host batch: no device read
         finally:
             self.forward_model.train()
             if self.kind == "fsdp":  # no backward follows to free what the forward gathered: free it now
                 from parallel.fsdp import reshard
                 reshard(self.model)
-        if sums is None:
-            sums = torch.zeros(1 + len(STAT_KEYS), dtype=torch.float64)
-        # [loss, units, chosen, rejected, acc]: units joins on the device by a fill (no host-to-device copy)
-        return torch.cat([sums[:1], sums.new_full((1,), float(units)), sums[1:]])
+        return sums if sums is not None else _zero_stats()
 
     def sum_over_data(self, values: "list[float] | torch.Tensor", device: torch.device,
                       to_host: bool = True) -> torch.Tensor:
@@ -474,10 +501,6 @@ def checkpoint_model_state(ckpt_dir: str) -> dict[str, torch.Tensor]:
     return ckpt.load_model_state(ckpt_dir)
 
 
-def checkpoint_world_size(ckpt_dir: str) -> int:
-    return int(ckpt.read_trainer_state(ckpt_dir, required=("world_size",))["world_size"])
-
-
 # ---------------------------------------------------------------------------- pipeline
 
 def is_pipeline_checkpoint(ckpt_dir: str) -> bool:
@@ -504,11 +527,11 @@ class PipelineParallelEngine(Engine):
     def forward_backward(self, batches: Sequence[dict], loss_fn: LossFn, global_units: float,
                          poison: bool = False) -> torch.Tensor:
         out = self.pipe.forward_backward(batches, global_units, poison=poison)
-        return torch.tensor([out.loss_sum, 0.0, 0.0, 0.0], dtype=torch.float64)
+        return torch.tensor([float(out.loss_sum), 0.0, 0.0, 0.0, 0.0], dtype=torch.float64)
 
     def evaluate(self, batches: Sequence[dict], loss_fn: LossFn, count_units: Callable[[dict], int]) -> torch.Tensor:
         total, units = self.pipe.eval_loss_sum(batches)
-        return torch.tensor([total, float(units), 0.0, 0.0, 0.0], dtype=torch.float64)
+        return torch.tensor([total, 0.0, 0.0, 0.0, float(units)], dtype=torch.float64)
 
     def sum_over_data(self, values: "list[float] | torch.Tensor", device: torch.device,
                       to_host: bool = True) -> torch.Tensor:

@@ -17,6 +17,7 @@ import sys
 import pytest
 import torch
 
+from run_weights import load_weights_from
 from tests.conftest import PY, ROOT, run_cmd
 from tests.test_resize import BASE_VOCAB, prefix_tokenizer, tiny_model, write_corpus
 from tests.test_train import _env, final_weights, losses, train_cmd
@@ -111,8 +112,7 @@ def test_export_grown_model_and_tokenizer_to_hf_and_peft(cpt, lora_run, tmp_path
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import train_my_ddp as T
-    ours, _ = T.load_weights_from(lora_run["out"], log=lambda m: None)  # adapters merged
+    ours, _ = load_weights_from(lora_run["out"], log=lambda m: None)  # adapters merged
     ours.eval()
     text = "def main(): 中文的文本, the model"
     hf_dir = tmp_path / "hf"

@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import train_my_ddp as T
 from model import ModelConfig, Transformer
-from parallel.engine import build_engine
+from parallel.engine import STEP_FIELDS, StepStats, build_engine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -113,7 +113,7 @@ def test_a_step_reads_one_number_back(flags):
     n_fb, n_opt, acc, stepped, norm = _one_step(cfg, engine, batches, device)
     assert (n_fb, n_opt) == (0, 1)
     assert stepped and 0 < norm < float("inf")
-    assert acc.dtype == torch.float64 and acc.shape == (4,)
+    assert acc.dtype == torch.float64 and acc.shape == (len(STEP_FIELDS),)
     assert float(acc[0]) == pytest.approx(expect, rel=1e-5)
 
 
@@ -152,7 +152,9 @@ def test_evaluate_reads_nothing_back():
         sums = engine.evaluate(batches, lambda m, b: T.micro_batch_loss(cfg, m, None, b, device),
                                lambda b: units[id(b)])
     assert c.n == 0
-    assert float(sums[1]) == sum(units.values())
+    named = StepStats.from_tensor(sums)
+    assert named.units == sum(units.values()) and named.loss_sum > 0
+    assert named.per_unit()["loss"] == pytest.approx(named.loss_sum / named.units)
 
 
 @pytest.mark.gpu

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from run_weights import load_weights_from
 from tests.conftest import ROOT, run_cmd
 from utils.checkpoint import find_latest_valid, load_model_state
 from utils.constants import EXIT_BAD_CONFIG, EXIT_INTERRUPTED, EXIT_NONFINITE_LOSS, IGNORE_INDEX
@@ -281,14 +282,13 @@ def test_lora_run_exports_to_hf_and_peft(pretrained, tiny_pretrain_data, tmp_pat
     from peft import PeftModel
     from transformers import LlamaForCausalLM
 
-    import train_my_ddp as T
     out = tmp_path / "lora"
     run_cmd(train_cmd([*pretrained["args"], f"--out_dir={out}", f"--init_from={pretrained['out']}", "--max_iters=3",
                        "--lora_rank=4", "--lora_targets=all", "--lora_train_embeddings=true"]), env=_env())
     log = run_cmd(train_cmd([*pretrained["args"], f"--out_dir={tmp_path / 'lora2'}", f"--init_from={pretrained['out']}",
                              "--max_iters=1", "--lora_rank=4"]), env=_env()).stdout
     assert "[lora] rank 4 on q_proj,v_proj:" in log and "trainable of" in log
-    ours, _ = T.load_weights_from(str(out), log=lambda m: None)  # adapters merged on load
+    ours, _ = load_weights_from(str(out), log=lambda m: None)  # adapters merged on load
     ours.eval()
     x = torch.randint(0, 300, (2, 16))
     with torch.no_grad():

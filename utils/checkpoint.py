@@ -47,6 +47,7 @@ from safetensors.torch import load_file, save_file
 # The directory naming is utils/run_dir.py's (torch-free, so the CLIs' pre-checks read it too).
 from utils.run_dir import CKPT_SUBDIR, COMPLETE_MARKER, RUN_START, listed_checkpoints  # noqa: E402,F401
 from utils.run_dir import STEP_PREFIX as _PREFIX  # noqa: E402
+from utils.errors import one_line  # noqa: F401  (re-exported: callers use ckpt.one_line)
 
 
 class CheckpointError(RuntimeError):
@@ -64,10 +65,6 @@ class CheckpointMismatchError(Exception):
     or shapes): a configuration problem (the trainer exits 2), not a damaged file."""
 
 
-def one_line(e: BaseException) -> str:
-    """An exception's message on one line (never a traceback: DCP's CheckpointException embeds one)."""
-    text = " ".join(str(e).split()) or type(e).__name__
-    return text.split(" Traceback (most recent call last)")[0][:500]
 
 
 def plain_file_name(name: Any) -> bool:

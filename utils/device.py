@@ -110,43 +110,9 @@ def memory_stats(device: torch.device | str) -> dict:
         return {}
 
 
-class _NullStream:
-    """Stand-in for torch.cuda.Stream on CPU: work runs on the caller's 'stream'."""
-
-    def wait_stream(self, other) -> None:
-        pass
-
-    def wait_event(self, event) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-
-class _NullEvent:
-    def record(self, stream=None) -> None:
-        pass
-
-    def wait(self, stream=None) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-
-def new_stream(device: torch.device | str):
-    return torch.cuda.Stream(device=torch.device(device)) if is_accelerator(device) else _NullStream()
-
-
-def current_stream(device: torch.device | str):
-    return torch.cuda.current_stream(torch.device(device)) if is_accelerator(device) else _NullStream()
-
-
 def new_event(device: torch.device | str):
-    return torch.cuda.Event() if is_accelerator(device) else _NullEvent()
+    """An accelerator event (HostCopy's); None on CPU, where work is done when it returns."""
+    return torch.cuda.Event() if is_accelerator(device) else None
 
 
 class HostCopy:
@@ -170,13 +136,6 @@ class HostCopy:
             self._event.synchronize()
             self._event = None
         return self._host
-
-
-def stream_context(stream):
-    """`with stream_context(s):` runs on s on CUDA, and is a no-op otherwise."""
-    if isinstance(stream, _NullStream):
-        return contextlib.nullcontext()
-    return torch.cuda.stream(stream)
 
 
 def local_rank_from_env() -> int:

@@ -15,6 +15,8 @@ import os
 import re
 from typing import Optional
 
+from utils.errors import one_line  # noqa: F401  (re-exported for the pre-checks)
+
 CKPT_SUBDIR = "checkpoints"     # utils/checkpoint.py: CKPT_SUBDIR, step_dir_name, COMPLETE_MARKER, RUN_START
 STEP_PREFIX = "step_"
 COMPLETE_MARKER = "COMPLETE"
@@ -23,9 +25,6 @@ RUN_START = "run_start.json"
 _STEP = re.compile(r"^step_?(\d+)$")  # `--checkpoint=step_N`, `stepN` or `N` (utils/run_config.select_checkpoint)
 
 
-def one_line(text: str) -> str:
-    """A message on one line, as utils.checkpoint.one_line prints it."""
-    return (" ".join(str(text).split()) or "error").split(" Traceback (most recent call last)")[0][:500]
 
 
 def listed_checkpoints(out_dir: str) -> list[tuple[int, str]]:

@@ -1,0 +1,117 @@
+"""Where a run's weights come from: a Hugging Face directory, one of our runs or checkpoints (any
+engine's layout), a LoRA run's frozen base; shared by the trainer, sample.py and export_hf.py.
+
+Owns: `load_weights_from` (a model from any of those, checked against a tokenizer and grown to it when
+it extends the model's own), `model_from_checkpoint` (a checkpoint of any engine, LoRA adapters rebuilt
+as the run configured them), the LoRA base of a light checkpoint and its fingerprint check, and which
+parameters a run trains (`select_trainable_for`).
+Layer: beside the three commands, above `parallel/` (a checkpoint's weights are read through the
+engine that wrote them: parallel.engine.checkpoint_model_state), so it is not in `model/`.
+Must never: import the trainer, write anything, or start a process group.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+from utils import checkpoint as ckpt
+from utils.constants import EXIT_BAD_CHECKPOINT, EXIT_BAD_CONFIG
+from utils.errors import TrainingError, one_line
+
+
+def is_hf_dir(path: str) -> bool:
+    from utils.run_dir import is_hf_dir as torch_free  # torch-free: sample.py's pre-check asks it too
+    return torch_free(path)
+
+
+def model_from_checkpoint(found: str) -> tuple[Any, dict]:
+    """(model with the checkpoint's weights, the run's config) from one of our checkpoint directories.
+
+    For a LoRA run the adapters are rebuilt as the run configured them and loaded, not merged.
+    Every file that cannot be used raises CheckpointError naming it (exit 5).
+    """
+    from model import Transformer
+    from parallel.engine import checkpoint_model_state, load_weights
+    run_cfg = ckpt.read_checkpoint_json(found, "config.json")
+    lora_base = ckpt.read_trainer_state(found).get("lora_base")
+    if lora_base:  # a light checkpoint: the frozen base comes from where the run took it
+        model = load_lora_base(lora_base, found, log=lambda m: None)
+    else:
+        model = Transformer(ckpt.read_model_config(found))
+    try:
+        select_trainable_for(model, run_cfg)
+    except (ValueError, TypeError, AttributeError) as e:
+        raise ckpt.CheckpointError(f"checkpoint {found}: config.json: its LoRA / trainable settings do not apply "
+                                   f"({one_line(e)})") from e
+    if lora_base:
+        check_lora_base(model, lora_base, found)
+    load_weights(model, checkpoint_model_state(found), partial=bool(lora_base), source=found)
+    return model, run_cfg
+
+
+def select_trainable_for(model, run: dict) -> str:
+    """Which parameters a run (its config as a dict) trains; returns the log line's prefix."""
+    from model.lora import select_trainable
+    from train_config import trains_embeddings
+    return select_trainable(model, lora_rank=run.get("lora_rank", 0), lora_alpha=run.get("lora_alpha", 16.0),
+                            lora_dropout=run.get("lora_dropout", 0.0),
+                            lora_targets=run.get("lora_targets", "q_proj,v_proj"),
+                            train_embeddings=trains_embeddings(run))
+
+
+def load_lora_base(lora_base: dict, where: str, log) -> Any:
+    """The frozen base of a light checkpoint, grown to the run's tokenizer when the run grew it."""
+    model, _ = load_weights_from(lora_base["source"], log, flag="the LoRA base of " + where,
+                                 tokenizer_dir=lora_base.get("tokenizer_dir"))
+    return model
+
+
+def check_lora_base(model, lora_base: dict, where: str) -> None:
+    """The frozen base under the adapters must be the one the run trained on (same tensors, bit for bit)."""
+    from parallel.engine import base_fingerprint
+    if base_fingerprint(model) != lora_base["fingerprint"]:
+        raise ckpt.CheckpointError(f"checkpoint {where}: the LoRA base at {lora_base['source']} is not the one the run "
+                                   "trained on (its fingerprint changed); restore that base, or re-train the adapters")
+
+
+def load_weights_from(path: str, log, flag: str = "--init_from",
+                      tokenizer_dir: Optional[str] = None) -> tuple[Any, dict]:
+    """A model from an HF directory, our run directory, or one of our checkpoint directories.
+
+    `flag` names where the path came from in error messages (exit 2 when nothing is there, exit 5
+    when what is there cannot be loaded). With `tokenizer_dir`, an HF model is checked against that
+    tokenizer and grown to it when it extends the model's own tokenizer (model/resize.py; exit 2 when
+    it is not an extension)."""
+    where = f"{flag}={path}" if flag.startswith("--") else f"{flag} {path}"
+    if os.path.isdir(path) and is_hf_dir(path):
+        from model.hf_interop import import_hf
+        try:
+            model = import_hf(path)
+        except (ValueError, OSError, KeyError) as e:
+            raise TrainingError(f"{where}: cannot import the Hugging Face model ({e})", EXIT_BAD_CHECKPOINT) from e
+        log(f"[init] imported Hugging Face model from {path}")
+        info = {"source": path, "kind": "hf"}
+        if tokenizer_dir:
+            from model.resize import VocabMismatch, resize_to_tokenizer
+            try:
+                grown = resize_to_tokenizer(model, path, tokenizer_dir)
+            except VocabMismatch as e:
+                raise TrainingError(f"{where} with --tokenizer_dir={tokenizer_dir}: {e}", EXIT_BAD_CONFIG) from e
+            if grown["new_vocab"] > grown["old_vocab"]:
+                info["resized"] = dict(grown, tokenizer_dir=os.path.abspath(tokenizer_dir))
+                log(f"[init] vocabulary {grown['old_vocab']} -> {grown['new_vocab']} for {tokenizer_dir}: "
+                    f"{grown['from_pieces']} new rows from the mean of their base pieces, {grown['mean_of_all']} "
+                    "(specials, reserved) from the mean of all rows; old rows unchanged")
+        return model, info
+    found = ckpt.resolve_checkpoint_dir(path, log=log) if os.path.isdir(path) else None
+    if found is None:
+        raise TrainingError(f"{where}: no complete checkpoint or Hugging Face model there", EXIT_BAD_CONFIG)
+    try:
+        model, run_cfg = model_from_checkpoint(found)
+    except (ValueError, KeyError, OSError) as e:  # CheckpointError (naming the file) passes: exit 5 as well
+        raise TrainingError(f"checkpoint {found}: {one_line(e)}", EXIT_BAD_CHECKPOINT) from e
+    if run_cfg.get("lora_rank", 0) > 0:  # adapters were trained: fold them into the weights
+        from model.lora import merge_lora
+        merge_lora(model)
+    log(f"[init] loaded weights from {found}")
+    return model, {"source": found, "kind": "ours"}
