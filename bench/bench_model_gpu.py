@@ -1,31 +1,62 @@
 """GPU benchmark: our model (Triton kernels and references, eager and torch.compile) against
-transformers.LlamaForCausalLM (SDPA, eager and compiled) and HF + Liger-Kernel when it is installed.
+transformers.LlamaForCausalLM (SDPA, eager and compiled) and HF + Liger-Kernel when it is installed,
+in the two precision setups that matter:
 
-Every model gets the same config, the same weights, the same batch, bf16 autocast over fp32 parameters
-and torch's fused AdamW; a step is forward + backward + optimizer step. Each (config, model, mode) runs in
-its own subprocess, so a compile failure or an out-of-memory is a row that says so, and peak memory
-is that of one model alone. Median of --steps timed steps after --warmup. Ratios are printed, never
-asserted.
+- `trainer` = "bf16 params + fp32 master (trainer)": what `train_my_ddp.py --dtype=bf16` runs. The model's
+  parameters are bf16 (no autocast), wrapped by `parallel.engine.build_engine` with the trainer's own
+  TrainConfig defaults: our DDP (world size 1, contiguous fp32 gradient buffer) + MixedPrecisionOptimizer
+  (torch fused AdamW over fp32 master copies, global-norm clipping at 1.0), the token-summed loss
+  divided by the target count as the trainer does, and `--compile` as the trainer compiles
+  (`torch.compile` of the wrapped model). HF models run inside the same engine, so their
+  "trainer" rows are bf16 parameters with torch AdamW on fp32 master copies, the same optimizer as ours.
+- `autocast` = "autocast (fp32 params)": fp32 parameters, bf16 autocast, torch fused AdamW on the fp32
+  parameters. This is what Hugging Face's Trainer does with `--bf16` (autocast over fp32 weights), so the
+  HF autocast rows are the fair "HF as its users run it" baseline.
 
-    python bench/bench_model_gpu.py                                 # 124m and 1b, all models, eager+compile
-    python bench/bench_model_gpu.py --configs 124m --modes eager
+Every model gets the same config, the same weights and the same batch; a step is forward + backward +
+optimizer step. Each (config, model, precision, mode) runs in its own subprocess, so a compile failure or
+an out-of-memory is a row that says so, and peak memory is that of one model alone. A row's time is the
+median of --steps timed steps, after the first step (timed alone: the compile, or eagerly the Triton
+JIT / cuBLAS start-up) and --warmup untimed steps; the first-step time minus one steady step is reported
+apart as "compile s" (eager rows: first-call overhead). Ratios are printed, never asserted.
+
+    python bench/bench_model_gpu.py                                 # 124m and 1b, all rows (eager first)
+    python bench/bench_model_gpu.py --configs 124m --modes eager --precisions trainer
+    python bench/bench_model_gpu.py --configs 124m --rows ours:trainer:compile,hf:autocast:compile
+    python bench/bench_model_gpu.py --configs 124m --budget-s 400 --json-out rows.json   # stop starting rows at 400 s
+    python bench/bench_model_gpu.py --profile 124m --json-out prof.json   # torch.profiler: one eager trainer step
     python bench/bench_model_gpu.py --device cpu --configs tiny --steps 2 --warmup 1   # smoke test without a GPU
 
 Models: ours (kernel_backend=auto: Triton kernels on CUDA), ours-ref (every fused_* switch off: the
-plain-PyTorch references), hf (LlamaForCausalLM, attn_implementation="sdpa"), hf-liger (the same with
-Liger-Kernel's RMSNorm/RoPE/SwiGLU/fused linear-CE patched in; skipped when liger-kernel is absent).
-MFU uses model/flops.py's formula against 989 TFLOP/s (H100 dense bf16, --peak-tflops) and against the
-matmul peak measured in the same run.
+plain-PyTorch references, = --fused_kernels=false), hf (LlamaForCausalLM, attn_implementation="sdpa"),
+hf-liger (the same with Liger-Kernel's RMSNorm/RoPE/SwiGLU/fused linear-CE patched in; a row saying
+"not installed" when liger-kernel is absent). Rows run in priority order, all eager rows of a config
+before its compile rows, so a --budget-s that runs out drops the least informative rows ("not run").
+MFU uses model/flops.py's formula against the dense bf16 peak of the GPU (model/flops.py's table; H100
+SXM 989 TFLOP/s; --peak-tflops overrides) and against the bf16 matmul peak measured in the same run.
+
+Settings (the same in every row, printed at start): TF32 for fp32 matmuls and cuDNN on CUDA
+(`torch.set_float32_matmul_precision("high")`, `torch.backends.cudnn.allow_tf32`: it touches only fp32
+matmuls, e.g. the autocast rows' fp32 ops and the loss's fp32 weight-gradient accumulation). And
+TRITON_DEFAULT_FP_FUSION=1 unless set: Triton 3.9 warns when it is unset and its default (mul+add fused
+into FMA in kernels that do not choose; ours do not) flips to off in Triton 3.10, so the value is pinned
+to what the trainer runs under Triton 3.9 and what scripts/check_triton_cuda.py compiles. Inductor's
+kernels pass their own choice and are unaffected.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import time
+
+# before anything imports triton (the row subprocesses inherit it); see the docstring
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -38,166 +69,444 @@ CONFIGS = {
                  batch=2, seq=64),
 }
 MODELS = ("ours", "ours-ref", "hf", "hf-liger")
+PRECISIONS = {"trainer": "bf16 params + fp32 master (trainer)", "autocast": "autocast (fp32 params)"}
+MODES = ("eager", "compile")
+# (model, precision) in the order rows run within a mode: the trainer's own setup and HF's default first
+PRIORITY = (("ours", "trainer"), ("hf", "autocast"), ("ours", "autocast"), ("ours-ref", "trainer"),
+            ("hf", "trainer"), ("hf-liger", "autocast"), ("ours-ref", "autocast"), ("hf-liger", "trainer"))
+LR = 1e-4
+
+
+def fast_fp32_matmuls(device) -> None:
+    """TF32 for fp32 matmuls and convolutions on CUDA (legacy API only: mixing it with the new
+    `fp32_precision` attributes makes torch.get_float32_matmul_precision raise)."""
+    import torch
+    if torch.device(device).type == "cuda":
+        torch.set_float32_matmul_precision("high")
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
 
 
 def _build(model_name: str, mcfg: dict, device):
-    """The model of `model_name` with the weights of our Transformer built from seed 0."""
+    """The model of `model_name` with the weights of our Transformer built from seed 0, built on `device`."""
     import torch
     from model import ModelConfig, Transformer
     from model.hf_interop import hf_config_dict, to_hf_state_dict
     torch.manual_seed(0)
-    cfg = ModelConfig(**mcfg)
-    ours = Transformer(cfg)
-    if model_name == "ours":
-        return ours.to(device)
-    if model_name == "ours-ref":
-        ref = Transformer(ModelConfig(**mcfg, fused_rmsnorm=False, fused_rope=False, fused_swiglu=False,
-                                      fused_qkv=False, fused_cross_entropy=False))
-        ref.load_state_dict(ours.state_dict())
-        return ref.to(device)
-    from transformers import LlamaConfig, LlamaForCausalLM
-    hf_cfg = hf_config_dict(ours.cfg)
-    for k in ("dtype", "torch_dtype", "architectures"):
-        hf_cfg.pop(k, None)
-    if model_name == "hf-liger":
-        from liger_kernel.transformers import apply_liger_kernel_to_llama  # ImportError: row says "not installed"
-        apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-                                    fused_linear_cross_entropy=True)
-    hf = LlamaForCausalLM(LlamaConfig(**hf_cfg, attn_implementation="sdpa"))
-    hf.load_state_dict(to_hf_state_dict(ours), strict=True)
-    return hf.to(device)
+    with torch.device(device):  # initialise on the GPU: a 1B model's CPU init takes tens of seconds
+        cfg = ModelConfig(**mcfg)
+        ours = Transformer(cfg)
+        if model_name == "ours":
+            return ours
+        if model_name == "ours-ref":
+            ref = Transformer(ModelConfig(**mcfg, fused_rmsnorm=False, fused_rope=False, fused_swiglu=False,
+                                          fused_qkv=False, fused_cross_entropy=False))
+            ref.load_state_dict(ours.state_dict())
+            return ref
+        from transformers import LlamaConfig, LlamaForCausalLM
+        hf_cfg = hf_config_dict(ours.cfg)
+        for k in ("dtype", "torch_dtype", "architectures"):
+            hf_cfg.pop(k, None)
+        if model_name == "hf-liger":
+            from liger_kernel.transformers import apply_liger_kernel_to_llama  # ImportError: "not installed"
+            apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                        fused_linear_cross_entropy=True)
+        hf = LlamaForCausalLM(LlamaConfig(**hf_cfg, attn_implementation="sdpa"))
+        hf.load_state_dict(to_hf_state_dict(ours), strict=True)
+        del ours
+        return hf
 
 
-def run_one(config: str, model_name: str, mode: str, device_name: str, steps: int, warmup: int) -> dict:
-    """One (config, model, mode) in this process: tokens/s, peak memory, first loss."""
+def make_step(config: str, model_name: str, mode: str, precision: str, device):
+    """(step() -> loss tensor, model) for one row: the model built, wrapped and compiled as the row says."""
     import torch
-    from model.flops import flops_per_token
-    from model.kernels import build_adamw, compile_model
-    from utils.device import autocast_context, synchronize
-    device = torch.device(device_name)
     spec = CONFIGS[config]
     B, T = spec["batch"], spec["seq"]
     model = _build(model_name, spec["model"], device)
     model.train()
-    if mode == "compile":
-        if model_name.startswith("ours"):
-            compile_model(model, per_layer=False)
-        else:
-            model.compile()
-    opt = build_adamw(model.parameters(), lr=1e-4, fused=True)
+    ours = model_name.startswith("ours")
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, spec["model"]["vocab_size"], (B, T), generator=g).to(device)
     y = torch.cat((x[:, 1:], torch.full((B, 1), -100, device=device)), dim=1)  # = HF's own shift
-    ours = model_name.startswith("ours")
+    if precision == "autocast":
+        from model.kernels import build_adamw, compile_model
+        from utils.device import autocast_context
+        if mode == "compile":
+            if ours:
+                compile_model(model, per_layer=False)
+            else:
+                model.compile()
+        opt = build_adamw(model.parameters(), lr=LR, fused=True)
+
+        def step() -> torch.Tensor:
+            opt.zero_grad(set_to_none=True)
+            with autocast_context(device, torch.bfloat16):
+                loss = model(x, labels=y) if ours else model(input_ids=x, labels=x).loss
+            loss.backward()
+            opt.step()
+            return loss.detach()
+        return step, model
+
+    # precision == "trainer": the objects train_my_ddp.py builds for --dtype=bf16 (parallel/engine.py)
+    from parallel.engine import build_engine
+    from train_config import TrainConfig
+    model.to(dtype=torch.bfloat16)
+    cfg = TrainConfig(dtype="bf16", device=torch.device(device).type, compile=mode == "compile",
+                      learning_rate=LR, batch_size=B, max_seq_len=T)
+    engine = build_engine(model, cfg, device=torch.device(device))
+    engine.optimizer.set_lr(LR)
+    units = float((y != -100).sum())
+    batch = {"input_ids": x, "labels": y}
+
+    def loss_fn(m, b):  # train_my_ddp.micro_batch_loss: the sum of the token losses
+        if ours:
+            return m(b["input_ids"], labels=b["labels"], reduction="sum"), {}
+        return m(input_ids=b["input_ids"], labels=b["input_ids"]).loss * units, {}  # HF: mean over the same tokens
 
     def step() -> torch.Tensor:
-        opt.zero_grad(set_to_none=True)
-        with autocast_context(device, torch.bfloat16):
-            loss = model(x, labels=y) if ours else model(input_ids=x, labels=x).loss
-        loss.backward()
-        opt.step()
-        return loss.detach()
+        engine.optimizer.zero_grad()
+        sums = engine.forward_backward([batch], loss_fn, units)
+        engine.optimizer.step()
+        return sums[0] / units
+    return step, engine.module
 
+
+def _dynamo_counts() -> dict:
+    try:
+        from torch._dynamo.utils import counters
+        return {"graphs": int(counters["stats"].get("unique_graphs", 0)),
+                "graph_breaks": int(sum(counters["graph_break"].values()))}
+    except Exception:  # noqa: BLE001 - a private API: its absence must not fail a row
+        return {}
+
+
+def run_one(config: str, model_name: str, mode: str, precision: str, device_name: str, steps: int,
+            warmup: int) -> dict:
+    """One row in this process: median step time, tokens/s, compile (first-step) seconds, peak memory."""
+    import torch
+    from model import ModelConfig
+    from model.flops import flops_per_token
+    from utils.device import synchronize
+    device = torch.device(device_name)
+    fast_fp32_matmuls(device)
+    spec = CONFIGS[config]
+    B, T = spec["batch"], spec["seq"]
+    t_build = time.perf_counter()
+    step, _ = make_step(config, model_name, mode, precision, device)
+    synchronize(device)
+    build_s = time.perf_counter() - t_build
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
     first = float(step())
+    synchronize(device)
+    first_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
     for _ in range(warmup):
         step()
     synchronize(device)
     warm_s = time.perf_counter() - t0
     times = []
+    last = first
     for _ in range(steps):
         t0 = time.perf_counter()
-        step()
+        loss = step()
         synchronize(device)
         times.append(time.perf_counter() - t0)
-    tps = B * T / statistics.median(times)
+    last = float(loss) if steps else first
+    med = statistics.median(times) if times else first_s
     peak_mem = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
-    from model import ModelConfig
-    return dict(config=config, model=model_name, mode=mode, tokens_per_s=round(tps), first_loss=round(first, 4),
-                warmup_s=round(warm_s, 1), peak_mem_gib=round(peak_mem / 2**30, 2),
-                flops_per_token=flops_per_token(ModelConfig(**spec["model"]), T))
+    row = dict(config=config, model=model_name, mode=mode, precision=precision,
+               tokens_per_s=round(B * T / med), step_ms=round(med * 1e3, 2),
+               step_ms_min=round(min(times) * 1e3, 2) if times else None,
+               compile_s=round(max(0.0, first_s - med), 2), first_step_s=round(first_s, 2),
+               warmup_s=round(warm_s, 2), build_s=round(build_s, 2), first_loss=round(first, 4),
+               last_loss=round(last, 4), peak_mem_gib=round(peak_mem / 2**30, 2),
+               flops_per_token=flops_per_token(ModelConfig(**spec["model"]), T), steps=steps, warmup=warmup)
+    if mode == "compile":
+        row.update(_dynamo_counts())
+    return row
+
+
+# ------------------------------------------------------------------------------------------ profile
+def _our_triton_kernel_names() -> set[str]:
+    import re
+    names = set()
+    for f in ("triton_kernels.py", "triton_loss.py"):
+        try:
+            with open(os.path.join(ROOT, "model", f), encoding="utf-8") as fh:
+                names |= set(re.findall(r"@triton\.jit[^\n]*\n\s*def (\w+)", fh.read()))
+        except OSError:
+            pass
+    return names
+
+
+def _category(name: str, ours: set[str]) -> str:
+    n = name.lower()
+    if any(k == name or name.startswith(k) for k in ours):
+        return "our Triton kernels"
+    if any(k in n for k in ("gemm", "cutlass", "sm90_xmma", "sm80_xmma", "cublas", "matmul", "wgmma", "nvjet",
+                            "aten::mm", "aten::addmm", "aten::bmm")):
+        return "matmul (cuBLAS / CUTLASS)"
+    if any(k in n for k in ("flash", "fmha", "attention", "sdpa", "efficient_attention")):
+        return "attention (SDPA)"
+    if "adam" in n or "multi_tensor_apply" in n or "foreach" in n:
+        return "optimizer, foreach (AdamW, clip norms)"
+    if "triton" in n:
+        return "other Triton (Inductor)"
+    if any(k in n for k in ("copy", "memcpy", "memset", "catarray", "fill")):
+        return "copies / fills"
+    return "other"
+
+
+def profile_step(config: str, device_name: str, precision: str = "trainer", warmup: int = 3,
+                 row_limit: int = 15) -> dict:
+    """torch.profiler over one eager step of `ours` after `warmup` steps (Triton JIT and cuBLAS set-up
+    excluded): the top `row_limit` ops/kernels by self device time (self CPU time on a CPU)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from utils.device import synchronize
+    device = torch.device(device_name)
+    fast_fp32_matmuls(device)
+    step, _ = make_step(config, "ours", "eager", precision, device)
+    for _ in range(warmup):
+        step()
+    synchronize(device)
+    cuda = device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        step()
+        synchronize(device)
+    wall = time.perf_counter() - t0
+    avg = prof.key_averages()
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    sort_by = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    events = [e for e in avg if getattr(e, key, 0) > 0]
+    if cuda:  # the kernels themselves: an op's self CUDA time repeats its kernels' (counted twice otherwise)
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        events = kernels or events
+    total = sum(getattr(e, key) for e in events) or 1.0
+    events.sort(key=lambda e: getattr(e, key), reverse=True)
+    ours = _our_triton_kernel_names()
+    top = [dict(name=e.key, self_ms=round(getattr(e, key) / 1e3, 3), pct=round(100 * getattr(e, key) / total, 1),
+                calls=int(e.count), category=_category(e.key, ours)) for e in events[:row_limit]]
+    cats: dict[str, float] = {}
+    for e in events:
+        c = _category(e.key, ours)
+        cats[c] = cats.get(c, 0.0) + getattr(e, key)
+    cat_total = sum(cats.values()) or 1.0
+    return dict(config=config, precision=precision, device=str(device), time_kind="CUDA" if cuda else "CPU",
+                what="kernels" if cuda else "ops",
+                step_wall_ms=round(wall * 1e3, 2), total_self_ms=round(total / 1e3, 3), top=top,
+                categories=[dict(category=c, ms=round(v / 1e3, 3), pct=round(100 * v / cat_total, 1))
+                            for c, v in sorted(cats.items(), key=lambda kv: -kv[1])],
+                table=avg.table(sort_by=sort_by, row_limit=row_limit, max_name_column_width=60))
+
+
+# ------------------------------------------------------------------------------------------ parent
+def run_capture(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int, str, str, bool]:
+    """(returncode, stdout, stderr, timed_out); the child runs in its own process group, which is killed
+    whole on timeout (Inductor's compile workers included)."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env,
+                         start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=max(1.0, timeout))
+        return p.returncode, out, err, False
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        out, err = p.communicate()
+        return -9, out or "", err or "", True
+
+
+def planned_rows(args) -> list[tuple[str, str, str, str]]:
+    """(config, model, precision, mode) in the order they run: per config, eager rows then compile rows,
+    each in PRIORITY order; --rows (model:precision:mode,...) replaces the matrix."""
+    rows = []
+    for config in args.configs:
+        if args.rows:
+            for r in args.rows:
+                m, prec, mode = r.split(":")
+                rows.append((config, m, prec, mode))
+            continue
+        for mode in MODES:
+            if mode not in args.modes:
+                continue
+            for m, prec in PRIORITY:
+                if m in args.models and prec in args.precisions:
+                    rows.append((config, m, prec, mode))
+    return rows
 
 
 def child_rows(args) -> list[dict]:
     rows = []
-    for config in args.configs:
-        for mode in args.modes:
-            for model_name in args.models:
-                cmd = [sys.executable, os.path.abspath(__file__), "--one", f"{config},{model_name},{mode}",
-                       "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup)]
-                r = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-                lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
-                if r.returncode == 0 and lines:
-                    row = json.loads(lines[-1])
-                else:
-                    err = (r.stderr.strip().splitlines() or ["?"])[-1]
-                    if "liger_kernel" in r.stderr and "No module named" in r.stderr:
-                        err = "liger-kernel not installed"
-                    row = dict(config=config, model=model_name, mode=mode, error=err[:160])
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+    t_start = time.perf_counter()
+    plan = planned_rows(args)
+    liger = importlib.util.find_spec("liger_kernel") is not None
+    for i, (config, model_name, precision, mode) in enumerate(plan):
+        key = dict(config=config, model=model_name, mode=mode, precision=precision)
+        left = args.budget_s - (time.perf_counter() - t_start) if args.budget_s else None
+        if left is not None and left < 5:
+            row = dict(key, skipped=f"not run: the {args.budget_s:.0f} s budget was spent")
+        elif model_name == "hf-liger" and not liger:
+            row = dict(key, skipped="liger-kernel not installed")
+        else:
+            cmd = [sys.executable, os.path.abspath(__file__), "--one", f"{config},{model_name},{mode},{precision}",
+                   "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup)]
+            timeout = min(args.timeout, left) if left is not None else args.timeout
+            t0 = time.perf_counter()
+            rc, out, err, timed_out = run_capture(cmd, timeout)
+            lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+            if rc == 0 and lines:
+                row = json.loads(lines[-1])
+            else:
+                tail = [ln for ln in err.strip().splitlines() if ln.strip()][-8:] or ["(no output)"]
+                last = tail[-1]
+                if timed_out:
+                    last = f"timed out after {timeout:.0f} s"
+                elif "out of memory" in err.lower():
+                    last = "out of memory: " + last
+                row = dict(key, error=last[:200], error_tail=tail, returncode=rc)
+            row["wall_s"] = round(time.perf_counter() - t0, 1)
+        row["precision_label"] = PRECISIONS.get(precision, precision)
+        rows.append(row)
+        print(f"[bench {i + 1}/{len(plan)}] " + json.dumps(row), flush=True)
+        if args.json_out:
+            _write_json(args.json_out, dict(meta=args.meta, rows=rows, done=False))
     return rows
+
+
+def _write_json(path: str, obj: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
 
 
 def _ratio(a, b) -> str:
     return f"{a / b:.2f}x" if a and b else "-"
 
 
-def report(rows: list[dict], peak_table: float, peak_measured: float) -> None:
-    by = {(r["config"], r["model"], r["mode"]): r for r in rows}
-    tps = {k: r.get("tokens_per_s", 0) for k, r in by.items()}
-    print("\n| config | model | mode | tokens/s | MFU (table peak) | MFU (measured matmul peak) | peak GiB | first loss |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for (c, m, mode), r in by.items():
-        if "error" in r:
-            print(f"| {c} | {m} | {mode} | failed: {r['error']} | | | | |")
+def markdown_tables(rows: list[dict], peak_table: float, peak_measured: float) -> str:
+    """The rows table and the ratios the issue's goals are stated in, as markdown."""
+    out = ["| config | model | precision | mode | tokens/s | step ms | MFU (table peak) | MFU (measured peak) | "
+           "compile s (eager: first call) | peak GiB | first loss |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        head = f"| {r['config']} | {r['model']} | {PRECISIONS.get(r['precision'], r['precision'])} | {r['mode']} |"
+        if "tokens_per_s" not in r:
+            why = r.get("skipped") or f"failed: {r.get('error', '?')}"
+            out.append(f"{head} {why} | | | | | | |")
             continue
         f = r["flops_per_token"] * r["tokens_per_s"]
-        print(f"| {c} | {m} | {mode} | {r['tokens_per_s']} | {f / peak_table:.1%} | "
-              f"{(f / peak_measured) if peak_measured else 0:.1%} | {r['peak_mem_gib']} | {r['first_loss']} |")
-    print("\n| config | ratio | value |")
-    print("| --- | --- | --- |")
+        mfu_m = f"{f / peak_measured:.1%}" if peak_measured else "-"
+        graphs = f" ({r['graphs']} graph(s), {r['graph_breaks']} break(s))" if "graphs" in r else ""
+        out.append(f"{head} {r['tokens_per_s']:,} | {r['step_ms']} | {f / peak_table:.1%} | {mfu_m} | "
+                   f"{r['compile_s']}{graphs} | {r['peak_mem_gib']} | {r['first_loss']} |")
+    tps = {(r["config"], r["model"], r["precision"], r["mode"]): r.get("tokens_per_s", 0) for r in rows}
+    mem = {(r["config"], r["model"], r["precision"], r["mode"]): r.get("peak_mem_gib", 0) for r in rows}
+    ratios = []
     for c in dict.fromkeys(r["config"] for r in rows):
-        get = lambda m, mode: tps.get((c, m, mode), 0)  # noqa: E731
-        best_ours = max(get("ours", md) for md in ("eager", "compile"))
-        best_peer = max(get(m, md) for m in ("hf", "hf-liger") for md in ("eager", "compile"))
-        print(f"| {c} | best ours / best of HF and HF+Liger | {_ratio(best_ours, best_peer)} |")
-        for md in ("eager", "compile"):
-            print(f"| {c} | ours / HF ({md}) | {_ratio(get('ours', md), get('hf', md))} |")
-            print(f"| {c} | ours kernels / ours references ({md}) | {_ratio(get('ours', md), get('ours-ref', md))} |")
-        print(f"| {c} | ours eager / HF+Liger eager | {_ratio(get('ours', 'eager'), get('hf-liger', 'eager'))} |")
-        mem = lambda m, md: by.get((c, m, md), {}).get("peak_mem_gib", 0)  # noqa: E731
-        for md in ("eager", "compile"):
-            print(f"| {c} | peak memory ours / HF ({md}) | {_ratio(mem('ours', md), mem('hf', md))} |")
+        get = lambda m, p, md: tps.get((c, m, p, md), 0)  # noqa: E731
+        for md in MODES:
+            ratios.append(f"| {c} | ours trainer / HF autocast = HF Trainer's bf16 ({md}) | "
+                       f"{_ratio(get('ours', 'trainer', md), get('hf', 'autocast', md))} |")
+        for p in PRECISIONS:
+            best_ours = max(get("ours", p, md) for md in MODES)
+            best_peer = max(get(m, p, md) for m in ("hf", "hf-liger") for md in MODES)
+            ratios.append(f"| {c} | best ours / best of HF and HF+Liger ({p}) | {_ratio(best_ours, best_peer)} |")
+            for md in MODES:
+                ratios.append(f"| {c} | ours / HF ({p}, {md}) | {_ratio(get('ours', p, md), get('hf', p, md))} |")
+                ratios.append(f"| {c} | ours kernels / ours references ({p}, {md}) | "
+                           f"{_ratio(get('ours', p, md), get('ours-ref', p, md))} |")
+            ratios.append(f"| {c} | ours eager / HF+Liger eager ({p}) | "
+                       f"{_ratio(get('ours', p, 'eager'), get('hf-liger', p, 'eager'))} |")
+            for md in MODES:
+                ratios.append(f"| {c} | peak memory ours / HF ({p}, {md}) | "
+                           f"{_ratio(mem.get((c, 'ours', p, md), 0), mem.get((c, 'hf', p, md), 0))} |")
+        for md in MODES:
+            ratios.append(f"| {c} | ours trainer / ours autocast ({md}) | "
+                          f"{_ratio(get('ours', 'trainer', md), get('ours', 'autocast', md))} |")
+    ratios = [r for r in ratios if not r.endswith("| - |")]  # only the ratios both of whose rows ran
+    out += [""] + (["| config | ratio (tokens/s unless memory) | value |", "| --- | --- | --- |"] + ratios
+                   if ratios else ["(no ratio: none of the row pairs it compares ran)"])
+    return "\n".join(out)
 
 
-def main() -> None:
+def resolve_peak(device: str, override_tflops) -> tuple[float, str]:
+    """(dense bf16 peak FLOP/s, where it came from): --peak-tflops, model/flops.py's table, else 989 (H100 SXM)."""
+    import torch
+    if override_tflops:
+        return override_tflops * 1e12, "--peak-tflops"
+    if torch.device(device).type == "cuda":
+        from model.flops import table_peak_flops
+        name = torch.cuda.get_device_name(torch.device(device))
+        peak = table_peak_flops(name, torch.bfloat16)
+        if peak:
+            return peak, f"table: {name}"
+    return 989e12, "H100 SXM dense bf16 (not this device's)"
+
+
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", default="124m,1b", help="comma list of: " + ",".join(CONFIGS))
     p.add_argument("--models", default=",".join(MODELS), help="comma list of: " + ",".join(MODELS))
-    p.add_argument("--modes", default="eager,compile", help="comma list of eager,compile")
+    p.add_argument("--modes", default=",".join(MODES), help="comma list of eager,compile")
+    p.add_argument("--precisions", default=",".join(PRECISIONS), help="comma list of: " + ",".join(PRECISIONS))
+    p.add_argument("--rows", default="", help="model:precision:mode,... run exactly these rows (per config)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU (H100 SXM: 989)")
-    p.add_argument("--timeout", type=float, default=1800, help="seconds per (config, model, mode) subprocess")
-    p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: config,model,mode in this process
-    args = p.parse_args()
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="dense bf16 peak of the GPU (default: model/flops.py's table for this GPU, else 989)")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per row subprocess")
+    p.add_argument("--budget-s", type=float, default=0, help="start no row after this many seconds (0 = no limit); "
+                   "the rows left are reported as not run")
+    p.add_argument("--json-out", default="", help="write {meta, rows, tables} here (rewritten after every row)")
+    p.add_argument("--profile", default="", help="CONFIG: profile one eager trainer-precision step of ours instead")
+    p.add_argument("--profile-rows", type=int, default=15)
+    p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: config,model,mode,precision
+    args = p.parse_args(argv)
     if args.one:
-        config, model_name, mode = args.one.split(",")
-        print(json.dumps(run_one(config, model_name, mode, args.device, args.steps, args.warmup)), flush=True)
+        config, model_name, mode, precision = args.one.split(",")
+        print(json.dumps(run_one(config, model_name, mode, precision, args.device, args.steps, args.warmup)),
+              flush=True)
         return
-    args.configs, args.models, args.modes = (s.split(",") for s in (args.configs, args.models, args.modes))
+    if args.profile:
+        res = profile_step(args.profile, args.device, row_limit=args.profile_rows)
+        print(res["table"], flush=True)
+        print(json.dumps({k: v for k, v in res.items() if k != "table"}), flush=True)
+        if args.json_out:
+            _write_json(args.json_out, res)
+        return
+    args.configs, args.models, args.modes, args.precisions = (
+        [s for s in v.split(",") if s] for v in (args.configs, args.models, args.modes, args.precisions))
+    args.rows = [r for r in args.rows.split(",") if r]
+    for c in args.configs:
+        if c not in CONFIGS:
+            p.error(f"unknown config {c!r}")
     import torch
     from model.flops import measure_peak_flops
-    peak_measured = measure_peak_flops(args.device, torch.bfloat16, seconds=2.0)
-    name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
-    print(f"torch {torch.__version__}, device {name}, measured bf16 matmul peak {peak_measured / 1e12:.1f} TFLOP/s",
-          flush=True)
+    fast_fp32_matmuls(args.device)
+    cuda = torch.device(args.device).type == "cuda"
+    peak_measured = measure_peak_flops(args.device, torch.bfloat16, seconds=2.0 if cuda else 0.5)
+    peak_table, peak_src = resolve_peak(args.device, args.peak_tflops)
+    name = torch.cuda.get_device_name(torch.device(args.device)) if cuda else "cpu"
+    args.meta = dict(torch=torch.__version__, device=name, peak_measured_flops=peak_measured,
+                     peak_table_flops=peak_table, peak_table_source=peak_src,
+                     steps=args.steps, warmup=args.warmup,
+                     tf32=bool(cuda), triton_default_fp_fusion=os.environ.get("TRITON_DEFAULT_FP_FUSION"))
+    print(f"torch {torch.__version__}, device {name}, measured bf16 matmul peak {peak_measured / 1e12:.3g} TFLOP/s, "
+          f"table peak {peak_table / 1e12:.0f} TFLOP/s ({peak_src}); TF32 {'on' if cuda else 'n/a (CPU)'}, "
+          f"TRITON_DEFAULT_FP_FUSION={os.environ.get('TRITON_DEFAULT_FP_FUSION')}", flush=True)
     rows = child_rows(args)
-    report(rows, args.peak_tflops * 1e12, peak_measured)
+    tables = markdown_tables(rows, peak_table, peak_measured)
+    print("\n" + tables, flush=True)
+    if args.json_out:
+        _write_json(args.json_out, dict(meta=args.meta, rows=rows, done=True, tables=tables))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,860 @@
+r"""`make gpu-report`: everything the project measures on one CUDA GPU, in one markdown report.
+
+Stages (each in its own subprocesses, each with its own timeout; a stage that fails or times out is
+recorded with the last lines of its error and the next stage runs):
+  tests       `pytest -q -m gpu tests`: the recipe of `make test-gpu`, run directly (that target first
+              pip-installs requirements.txt, which a machine without network cannot)
+  bench-124m  bench/bench_model_gpu.py --configs 124m: ours / ours-ref / HF / HF+Liger, autocast and
+  bench-1b    trainer precision, eager and compile, every row in its own process, in priority order;
+              rows the stage's time does not reach are listed as "not run"
+  train       train_my_ddp.py, 30 steps of a 124M-shaped model (dim 768, 12 layers, vocab 32000, seq 1024,
+              batch 16, bf16) on the bundled corpus (tokenizer + token shards prepared once under the work
+              dir, or demo_out/ reused), --fused_kernels=auto and =false, eager and --compile=true;
+              tokens/s and MFU read from each run's metrics.jsonl
+  profile     torch.profiler over one eager trainer step of the 124m model (after 3 warm-up steps):
+              the top 15 ops/kernels by self CUDA time, and CUDA time by kind of kernel
+
+Output (--out-dir, default out/gpu_report): report.md, report.json (raw: every row, run, test) and
+log.txt (every stage's output). Work files (data, runs, checkpoints) go to --work-dir (default
+out/gpu_report_work), never to --out-dir. Running a part again merges into the report already in
+--out-dir (bench rows by (config, model, precision, mode); other stages replaced);
+`--merge A/report.json B/report.json` merges reports written by separate calls (no GPU needed).
+
+    make gpu-report                       # all stages, <= 24 min on one H100 (timeouts: 280+380+330+360+90 s)
+    make gpu-report PART=tests            # one part: tests | bench | bench-124m | bench-1b | train | profile
+    python scripts/gpu_report.py --only tests,profile --deadline-s 570
+    python scripts/gpu_report.py --dry-run-cpu                 # every stage at tiny size on CPU (plumbing)
+    python scripts/gpu_report.py --dry-run-cpu --dry-compile=off   # the same without Inductor (faster)
+
+Without CUDA (and without --dry-run-cpu / --merge) it prints one line saying so and exits 0.
+
+Splitting it over device calls of at most 10 minutes (each call may start from a bare machine and an empty
+$OUT, so each writes its own report into $OUT and the reports are merged afterwards, here). About 24 min of
+device time in all, plus a machine start per call:
+    call 1 (<= 6.5 min): python3 scripts/gpu_report.py --only tests,profile \
+                             --out-dir $OUT --deadline-s 570 --git-rev REV
+    call 2 (<= 9.5 min): python3 scripts/gpu_report.py --only bench-124m --timeouts bench-124m=540 \
+                             --out-dir $OUT --deadline-s 570 --git-rev REV
+    call 3 (<= 9.5 min): python3 scripts/gpu_report.py --only bench-1b,train --timeouts bench-1b=220,train=330 \
+                             --out-dir $OUT --deadline-s 570 --git-rev REV
+    here:  python scripts/gpu_report.py --merge <call 1>/report.json <call 2>/report.json <call 3>/report.json
+(REV: `git rev-parse --short HEAD` here: the device's copy of the tree may have no .git. Prefix the
+device commands with PYTHONUNBUFFERED=1 to see progress as it happens.) --deadline-s ends the call's
+last stage in time to write the report before the call's limit. Bench rows run eager first, in priority
+order, so a short budget drops compile rows of the less important setups first; the rows left can be run
+in a later call with `--only bench-124m --bench-rows model:precision:mode,...` (merged by row).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import xml.etree.ElementTree as ET
+from typing import Any, Callable, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STAGES = ("tests", "bench-124m", "bench-1b", "train", "profile")
+PARTS = {"tests": ["tests"], "bench": ["bench-124m", "bench-1b"], "bench-124m": ["bench-124m"],
+         "bench-1b": ["bench-1b"], "train": ["train"], "profile": ["profile"], "all": list(STAGES)}
+TIMEOUTS = {"tests": 280, "bench-124m": 380, "bench-1b": 330, "train": 360, "profile": 90}  # 1440 s = 24 min
+DRY_TIMEOUTS = {"tests": 240, "bench-124m": 300, "bench-1b": 400, "train": 600, "profile": 240}
+REPORT_FORMAT = 1
+
+# the trainer runs: (name, --fused_kernels, --compile)
+TRAIN_RUNS = (("auto-eager", "auto", False), ("false-eager", "false", False),
+              ("auto-compile", "auto", True), ("false-compile", "false", True))
+TRAIN_MODEL = dict(dim=768, n_layers=12, n_heads=12, vocab_size=32000, max_seq_len=1024, batch_size=16)
+TRAIN_STEPS = 30
+DRY_TRAIN_MODEL = dict(dim=64, n_layers=2, n_heads=4, vocab_size=512, max_seq_len=64, batch_size=4)
+DRY_TRAIN_STEPS = 4
+# dry run: the bench stages run the CPU "tiny" config with a few rows each (one with compile)
+DRY_BENCH = {"bench-124m": "ours:trainer:eager,hf:autocast:eager,hf-liger:autocast:eager",
+             "bench-1b": "ours:trainer:compile"}
+
+
+# ------------------------------------------------------------------------------------------ helpers
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+class Log:
+    """Progress on stdout; every stage's output appended to log.txt."""
+
+    def __init__(self, path: Optional[str]):
+        self.path = path
+
+    def __call__(self, msg: str, echo: bool = True) -> None:
+        if echo:
+            print(msg, flush=True)
+        if self.path:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(msg + "\n")
+
+
+def stream_cmd(cmd: list[str], timeout: float, log: Log, prefix: str, env: Optional[dict] = None,
+               cwd: str = ROOT) -> dict:
+    """Run `cmd` in its own process group, echoing its output (prefixed) and keeping it; on timeout the
+    whole group is killed. Returns {rc, output, timed_out, seconds}."""
+    t0 = time.perf_counter()
+    log(f"{prefix}$ {' '.join(cmd)}  (timeout {timeout:.0f} s)")
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd, env=env,
+                         start_new_session=True, bufsize=1, errors="replace")
+    lines: list[str] = []
+
+    def pump() -> None:
+        for line in p.stdout:  # type: ignore[union-attr]
+            line = line.rstrip("\n")
+            lines.append(line)
+            log(f"{prefix}{line}")
+    th = threading.Thread(target=pump, daemon=True)
+    th.start()
+    timed_out = False
+    try:
+        p.wait(timeout=max(1.0, timeout))
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait()
+        th.join(timeout=10)
+        lines.append(f"killed after {timeout:.0f} s (timeout)")
+        log(f"{prefix}{lines[-1]}")
+    th.join(timeout=10)
+    return {"rc": p.returncode, "output": "\n".join(lines), "timed_out": timed_out,
+            "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def tail(text: str, n: int = 15) -> list[str]:
+    return [ln for ln in text.splitlines() if ln.strip()][-n:]
+
+
+def child_env(dry_compile: str = "inductor") -> dict:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # see bench/bench_model_gpu.py's docstring
+    if dry_compile == "off":
+        env["TORCH_COMPILE_DISABLE"] = "1"
+    return env
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+        return bool(torch.cuda.is_available())
+    except Exception:  # noqa: BLE001 - no torch or a broken CUDA install: no GPU to report on
+        return False
+
+
+_META_SNIPPET = r"""
+import json, platform, importlib.metadata as md
+out = {"python": platform.python_version()}
+def ver(name):
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return "not installed"
+for name in ("torch", "triton", "transformers", "liger-kernel"):
+    out[name] = ver(name)
+import torch
+out["cuda_runtime"] = torch.version.cuda
+out["cuda_available"] = torch.cuda.is_available()
+if out["cuda_available"]:
+    p = torch.cuda.get_device_properties(0)
+    out["gpu"] = p.name
+    out["gpu_memory_gib"] = round(p.total_memory / 2**30, 1)
+    out["capability"] = "sm_%d%d" % (p.major, p.minor)
+    out["gpu_count"] = torch.cuda.device_count()
+print(json.dumps(out))
+"""
+
+
+def collect_meta(args, env: dict) -> dict:
+    """Versions, GPU, driver, git revision, date: in a subprocess, so this process never holds a CUDA context."""
+    meta: dict[str, Any] = {"date": now(), "host": platform.node(), "argv": sys.argv[1:],
+                            "dry_run_cpu": bool(args.dry_run_cpu)}
+    try:
+        r = subprocess.run([sys.executable, "-c", _META_SNIPPET], capture_output=True, text=True, timeout=120,
+                           env=env, cwd=ROOT)
+        meta.update(json.loads(r.stdout.strip().splitlines()[-1]))
+    except Exception as e:  # noqa: BLE001
+        meta["meta_error"] = str(e)[:200]
+    if shutil.which("nvidia-smi"):
+        try:
+            r = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                                "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
+            meta["nvidia_smi"] = r.stdout.strip().splitlines()[0] if r.stdout.strip() else r.stderr.strip()[:200]
+            m = re.search(r"CUDA Version:\s*([\d.]+)", subprocess.run(["nvidia-smi"], capture_output=True,
+                                                                      text=True, timeout=30).stdout)
+            if m:
+                meta["cuda_driver"] = m.group(1)
+            meta["driver"] = meta["nvidia_smi"].split(",")[1].strip() if "," in meta["nvidia_smi"] else "?"
+        except Exception as e:  # noqa: BLE001
+            meta["nvidia_smi"] = f"failed: {e}"[:200]
+    meta["git"] = args.git_rev or git_revision()
+    meta["triton_default_fp_fusion"] = env.get("TRITON_DEFAULT_FP_FUSION")
+    meta["tf32"] = "on in the bench and profile (torch.set_float32_matmul_precision('high'), cudnn.allow_tf32)"
+    if args.dry_run_cpu:
+        meta["gpu"] = "none (CPU dry run)"
+        meta["dry_compile"] = args.dry_compile
+    return meta
+
+
+def git_revision() -> str:
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT,
+                             timeout=20).stdout.strip()
+        if not rev:
+            return "unknown (no git repository here: pass --git-rev)"
+        dirty = subprocess.run(["git", "--no-optional-locks", "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, cwd=ROOT, timeout=60).stdout.strip()
+        return rev + (f" + {len(dirty.splitlines())} modified files" if dirty else "")
+    except Exception:  # noqa: BLE001
+        return "unknown (pass --git-rev)"
+
+
+# ------------------------------------------------------------------------------------------ stages
+class Ctx:
+    def __init__(self, args, log: Log, env: dict):
+        self.args, self.log, self.env = args, log, env
+        self.py = sys.executable
+        self.dry = bool(args.dry_run_cpu)
+        self.device = "cpu" if self.dry else "cuda"
+        self.work = args.work_dir
+        self.timeout = 0.0  # of the stage being run
+        self.deadline = 0.0  # perf_counter() by which the stage must end
+
+
+def stage_tests(ctx: Ctx) -> dict:
+    """pytest -m gpu; per-test outcomes from the -v lines (kept even when the stage is killed) and the
+    junit XML when pytest finishes."""
+    junit = os.path.join(ctx.work, "tests_junit.xml")
+    if os.path.exists(junit):
+        os.remove(junit)
+    target = ["tests/test_gpu.py"] if ctx.dry else ["tests"]
+    cmd = [ctx.py, "-m", "pytest", "-v", "-m", "gpu", *target, f"--junitxml={junit}", "-rfE", "--durations=10",
+           "-p", "no:cacheprovider"]
+    r = stream_cmd(cmd, ctx.timeout, ctx.log, "[tests] ", env=ctx.env)
+    tests: dict[str, dict] = {}
+    for m in re.finditer(r"^(tests/\S+::\S+)\s+(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)", r["output"], re.M):
+        tests[m.group(1)] = {"outcome": m.group(2).lower()}
+    if os.path.exists(junit):
+        for tc in ET.parse(junit).getroot().iter("testcase"):
+            cls = tc.get("classname", "").replace(".", "/")
+            name = f"{cls}.py::{tc.get('name')}"
+            t = tests.setdefault(name, {})
+            t["seconds"] = round(float(tc.get("time") or 0), 2)
+            for kind in ("failure", "error", "skipped"):
+                el = tc.find(kind)
+                if el is not None:
+                    t["outcome"] = {"failure": "failed", "error": "error", "skipped": "skipped"}[kind]
+                    t["message"] = (el.get("message") or el.text or "").strip().splitlines()[0][:300] \
+                        if (el.get("message") or el.text) else ""
+                    break
+            else:
+                t.setdefault("outcome", "passed")
+    for m in re.finditer(r"^(FAILED|ERROR) (tests/\S+::\S+)(?: - (.*))?$", r["output"], re.M):
+        t = tests.setdefault(m.group(2), {"outcome": m.group(1).lower()})
+        if m.group(3) and not t.get("message"):
+            t["message"] = m.group(3)[:300]
+    counts: dict[str, int] = {}
+    for t in tests.values():
+        o = {"failure": "failed"}.get(t.get("outcome", "?"), t.get("outcome", "?"))
+        counts[o] = counts.get(o, 0) + 1
+    summary = next((ln for ln in reversed(r["output"].splitlines())
+                    if re.search(r"\d+ (passed|failed|skipped|error)", ln)), "")
+    ok = r["rc"] == 0 and not r["timed_out"]
+    return {"status": "ok" if ok else ("timed out" if r["timed_out"] else "failed"), "rc": r["rc"],
+            "cmd": " ".join(cmd), "data": {"counts": counts, "tests": tests, "summary": summary.strip("= ")},
+            "error_tail": [] if ok else tail(r["output"], 25)}
+
+
+def _bench_stage(ctx: Ctx, name: str) -> dict:
+    config = "tiny" if ctx.dry else name.split("-", 1)[1]
+    out_json = os.path.join(ctx.work, f"{name}.json")
+    if os.path.exists(out_json):
+        os.remove(out_json)
+    cmd = [ctx.py, "bench/bench_model_gpu.py", "--configs", config, "--device", ctx.device,
+           "--json-out", out_json, "--budget-s", str(max(10, int(ctx.timeout - 40))),
+           "--timeout", str(int(ctx.args.bench_row_timeout))]
+    rows = ctx.args.bench_rows or (DRY_BENCH[name] if ctx.dry else "")
+    if rows:
+        cmd += ["--rows", rows]
+    if ctx.dry:
+        cmd += ["--steps", "2", "--warmup", "1"]
+    r = stream_cmd(cmd, ctx.timeout, ctx.log, f"[{name}] ", env=ctx.env)
+    data: dict[str, Any] = {"meta": {}, "rows": []}
+    if os.path.exists(out_json):
+        with open(out_json, encoding="utf-8") as f:
+            data = json.load(f)
+    data.pop("tables", None)  # re-rendered from the merged rows
+    measured = [x for x in data.get("rows", []) if "tokens_per_s" in x]
+    failed_rows = [x for x in data.get("rows", []) if "error" in x]
+    ok = r["rc"] == 0 and not r["timed_out"] and data.get("done")
+    status = "ok" if ok and not failed_rows else ("timed out" if r["timed_out"] else
+                                                  "partial" if measured else "failed")
+    return {"status": status, "rc": r["rc"], "cmd": " ".join(cmd), "data": data,
+            "error_tail": [] if ok else tail(r["output"], 25)}
+
+
+def stage_bench_124m(ctx: Ctx) -> dict:
+    return _bench_stage(ctx, "bench-124m")
+
+
+def stage_bench_1b(ctx: Ctx) -> dict:
+    return _bench_stage(ctx, "bench-1b")
+
+
+def prepare_data(ctx: Ctx, seq: int) -> dict:
+    """{tokenizer_dir, data_dir}: demo_out/'s tokenizer and shards when `make demo` made them (an index for
+    `seq` is added), else a tokenizer + shards of the bundled corpus built once under the work dir (the
+    dry run: a slice of it, like tests/conftest.py)."""
+    demo_tok, demo_shards = os.path.join(ROOT, "demo_out", "tokenizer"), os.path.join(ROOT, "demo_out", "pretok")
+    if not ctx.dry and os.path.isfile(os.path.join(demo_tok, "tokenizer_meta.json")) and os.path.isdir(demo_shards):
+        tok, shards = demo_tok, demo_shards
+        source = "demo_out/ (make demo)"
+    else:
+        base = os.path.join(ctx.work, "data_dry" if ctx.dry else "data")
+        tok, shards = os.path.join(base, "tokenizer"), os.path.join(base, "shards")
+        source = f"the bundled corpus{' (a slice)' if ctx.dry else ''}, prepared in {base}"
+        if not os.path.isfile(os.path.join(base, "ready")):
+            shutil.rmtree(base, ignore_errors=True)
+            corpus = os.path.join(ROOT, "data", "pretrain")
+            if ctx.dry:
+                corpus = os.path.join(base, "corpus")
+                os.makedirs(corpus)
+                src = os.path.join(ROOT, "data", "pretrain")
+                for fn in sorted(os.listdir(src)):
+                    if fn.endswith(".jsonl"):
+                        with open(os.path.join(src, fn), encoding="utf-8") as f:
+                            docs = [json.loads(line)["text"] for _, line in zip(range(60), f)]
+                        with open(os.path.join(corpus, fn), "w", encoding="utf-8") as f:
+                            for d in docs:
+                                f.write(json.dumps({"text": d[:1500]}, ensure_ascii=False) + "\n")
+            vocab = 384 if ctx.dry else 2048
+            for cmd in ([ctx.py, "-m", "tokenizer.train_tokenizer", f"--data_dir={corpus}", f"--output_dir={tok}",
+                         f"--vocab_size={vocab}", "--tokenizer_type=hf_bbpe"],
+                        [ctx.py, "-m", "data_preprocess.pretokenize_pretrain_data", f"--data_dir={corpus}",
+                         f"--tokenizer_dir={tok}", f"--output_dir={shards}", "--num_workers=2", "--no_progress"]):
+                r = stream_cmd(cmd, max(30.0, ctx.deadline - time.perf_counter()), ctx.log, "[train/data] ",
+                               env=ctx.env)
+                if r["rc"] != 0:
+                    raise RuntimeError(f"data preparation failed: {' '.join(cmd[:3])}: "
+                                       + " | ".join(tail(r["output"], 5)))
+            with open(os.path.join(base, "ready"), "w") as f:
+                f.write(now())
+    if not os.path.isfile(os.path.join(shards, f"index_L{seq}", "index_meta.json")):
+        cmd = [ctx.py, "-m", "data_preprocess.build_pretrain_sample_index_map", f"--data_dir={shards}",
+               f"--max_seq_len={seq}", "--val_ratio=0.05"]
+        r = stream_cmd(cmd, max(30.0, ctx.deadline - time.perf_counter()), ctx.log, "[train/data] ", env=ctx.env)
+        if r["rc"] != 0:
+            raise RuntimeError("building the sample index failed: " + " | ".join(tail(r["output"], 5)))
+    return {"tokenizer_dir": tok, "data_dir": shards, "source": source}
+
+
+def summarize_metrics(path: str, tokens_per_step: int) -> dict:
+    """tokens/s and MFU of a trainer run from its metrics.jsonl: the median per-step rate over the steps
+    after the first third (compile and warm-up excluded), the trainer's own 20-step window at the last
+    step, and the first step's seconds (for --compile: the compile)."""
+    recs = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if "loss" in r and "tokens_per_sec" in r:
+                recs.append(r)
+    if not recs:
+        return {}
+    n = len(recs)
+    steady = [r["tokens_per_sec"] for r in recs[n // 3:]] or [recs[-1]["tokens_per_sec"]]
+    med = statistics.median(steady)
+    last = recs[-1]
+    out = {"steps": n, "tokens_per_s_median": round(med),
+           "tokens_per_s_window": round(last.get("tokens_per_sec_avg", 0)),
+           "mfu_window": last.get("mfu"), "mfu_is_estimate": last.get("mfu_is_estimate"),
+           "first_step_s": round(tokens_per_step / recs[0]["tokens_per_sec"], 2) if recs[0]["tokens_per_sec"] else None,
+           "loss_first": round(recs[0]["loss"], 4), "loss_last": round(last["loss"], 4),
+           "steady_from_step": recs[n // 3]["step"] if n > 1 else 1}
+    win = last.get("tokens_per_sec_avg") or 0
+    if out["mfu_window"] is not None and win:
+        out["mfu_median"] = out["mfu_window"] * med / win  # the window's MFU rescaled to the median rate
+    for k in ("mem_peak_mib", "rss_mib"):
+        peaks = [r[k] for r in recs if k in r]
+        if peaks:
+            out[k] = round(max(peaks), 1)
+    return out
+
+
+def stage_train(ctx: Ctx) -> dict:
+    model = DRY_TRAIN_MODEL if ctx.dry else TRAIN_MODEL
+    steps = DRY_TRAIN_STEPS if ctx.dry else TRAIN_STEPS
+    seq = model["max_seq_len"]
+    data = prepare_data(ctx, seq)
+    runs: list[dict] = []
+    failed: list[str] = []
+    for i, (name, fused, compile_) in enumerate(TRAIN_RUNS):
+        out_dir = os.path.join(ctx.work, "train", name)
+        shutil.rmtree(out_dir, ignore_errors=True)
+        left = ctx.deadline - time.perf_counter()
+        later = len(TRAIN_RUNS) - i - 1
+        timeout = left - 20 * later  # leave each later run a chance to start and fail fast
+        run: dict[str, Any] = {"name": name, "fused_kernels": fused, "compile": compile_}
+        if timeout < 15:
+            run["skipped"] = "not run: the stage's time was spent"
+            runs.append(run)
+            continue
+        cmd = [ctx.py, "train_my_ddp.py", f"--out_dir={out_dir}", f"--data_dir={data['data_dir']}",
+               f"--tokenizer_dir={data['tokenizer_dir']}", *[f"--{k}={v}" for k, v in model.items()],
+               f"--max_iters={steps}", "--dtype=bf16", f"--device={ctx.device}", f"--fused_kernels={fused}",
+               f"--compile={str(compile_).lower()}", "--eval_interval=0", "--eval_iters=1",
+               f"--log_interval={max(1, steps // 6)}", "--checkpoint_interval=100000", "--keep_last=1",
+               "--warmup_iters=2", "--learning_rate=6e-4", "--progress=false", "--resume=never", "--seed=1337"]
+        if ctx.dry:
+            cmd.append("--peak_flops=1e11")  # no CPU peak measurement per run; MFU against a stated figure
+        r = stream_cmd(cmd, timeout, ctx.log, f"[train {name}] ", env=ctx.env)
+        run.update(rc=r["rc"], wall_s=r["seconds"], cmd=" ".join(cmd))
+        for prefix in ("[kernels]", "[model]"):
+            line = next((ln for ln in r["output"].splitlines() if prefix in ln), "")
+            run[prefix.strip("[]")] = line[line.find(prefix):][:400] if line else ""
+        metrics = os.path.join(out_dir, "metrics.jsonl")
+        if os.path.exists(metrics):
+            run.update(summarize_metrics(metrics, model["batch_size"] * seq))
+        if r["rc"] != 0 or r["timed_out"]:
+            run["error"] = f"timed out after {timeout:.0f} s" if r["timed_out"] else f"exit code {r['rc']}"
+            run["error_tail"] = tail(r["output"], 15)
+            failed.append(name)
+        runs.append(run)
+        shutil.rmtree(os.path.join(out_dir, "checkpoints"), ignore_errors=True)  # GBs at 124M; metrics stay
+    measured = [r for r in runs if "tokens_per_s_median" in r and "error" not in r]
+    status = "ok" if len(measured) == len(TRAIN_RUNS) else "partial" if measured else "failed"
+    return {"status": status, "data": {"runs": runs, "data": data, "model": model, "steps": steps},
+            "error_tail": [f"{r['name']}: {r.get('error')}: " + " | ".join(r.get("error_tail", [])[-3:])
+                           for r in runs if "error" in r]}
+
+
+def stage_profile(ctx: Ctx) -> dict:
+    out_json = os.path.join(ctx.work, "profile.json")
+    if os.path.exists(out_json):
+        os.remove(out_json)
+    cmd = [ctx.py, "bench/bench_model_gpu.py", "--profile", "tiny" if ctx.dry else "124m", "--device", ctx.device,
+           "--json-out", out_json, "--profile-rows", "15"]
+    r = stream_cmd(cmd, ctx.timeout, ctx.log, "[profile] ", env=ctx.env)
+    data = {}
+    if os.path.exists(out_json):
+        with open(out_json, encoding="utf-8") as f:
+            data = json.load(f)
+    ok = r["rc"] == 0 and bool(data)
+    return {"status": "ok" if ok else ("timed out" if r["timed_out"] else "failed"), "rc": r["rc"],
+            "cmd": " ".join(cmd), "data": data, "error_tail": [] if ok else tail(r["output"], 25)}
+
+
+STAGE_FUNCS: dict[str, Callable[[Ctx], dict]] = {
+    "tests": stage_tests, "bench-124m": stage_bench_124m, "bench-1b": stage_bench_1b,
+    "train": stage_train, "profile": stage_profile}
+
+
+def run_stages(names: list[str], ctx: Ctx, timeouts: dict, deadline_s: float, run_index: int,
+               on_done: Optional[Callable[[str, dict], None]] = None) -> dict:
+    """Run the stages in order; each one's failure (or exception here) is recorded and the next runs.
+    on_done(name, result) after each stage (main writes the report then: a killed call keeps what ran)."""
+    results = {}
+    t_start = time.perf_counter()
+    for k, name in enumerate(names):
+        left = deadline_s - (time.perf_counter() - t_start) - 10 if deadline_s else None
+        timeout = float(timeouts[name]) if left is None else min(float(timeouts[name]), left)
+        started = now()
+        if left is not None and left < 20:
+            results[name] = {"status": "not run", "error_tail": [f"not run: --deadline-s {deadline_s:.0f} reached"],
+                             "seconds": 0, "started": started, "run": run_index}
+            ctx.log(f"[gpu-report] stage {k + 1}/{len(names)} {name}: not run (deadline)")
+            if on_done:
+                on_done(name, results[name])
+            continue
+        ctx.log(f"[gpu-report] stage {k + 1}/{len(names)} {name} (timeout {timeout:.0f} s) started {started}")
+        ctx.timeout = timeout
+        ctx.deadline = time.perf_counter() + timeout
+        t0 = time.perf_counter()
+        try:
+            res = STAGE_FUNCS[name](ctx)
+        except Exception as e:  # noqa: BLE001 - the report's own code failing must not stop the other stages
+            res = {"status": "failed", "data": {}, "error_tail": tail(traceback.format_exc(), 12) or [repr(e)]}
+        res.update(seconds=round(time.perf_counter() - t0, 1), timeout_s=round(timeout), started=started,
+                   run=run_index)
+        if res.get("status") != "ok" and not res.get("error_tail"):
+            res["error_tail"] = [f"{res.get('status')}, with no output"]
+        results[name] = res
+        ctx.log(f"[gpu-report] stage {name}: {res['status']} in {res['seconds']:.0f} s")
+        if on_done:
+            on_done(name, res)
+    return results
+
+
+# ------------------------------------------------------------------------------------------ merge
+def _row_key(r: dict) -> tuple:
+    return (r.get("config"), r.get("model"), r.get("precision"), r.get("mode"))
+
+
+def merge_stage(old: Optional[dict], new: dict, name: str) -> dict:
+    """A re-run stage replaces the old one; bench rows merge by key (a measured row is never replaced
+    by one that was not run)."""
+    if not old or not name.startswith("bench") or new.get("status") == "not run":
+        return new if new.get("status") != "not run" or not old else old
+    rows = {_row_key(r): r for r in old.get("data", {}).get("rows", [])}
+    for r in new.get("data", {}).get("rows", []):
+        k = _row_key(r)
+        if k in rows and "tokens_per_s" in rows[k] and "tokens_per_s" not in r:
+            continue
+        rows[k] = r
+    merged = dict(new)
+    merged["data"] = dict(new.get("data", {}), rows=list(rows.values()))
+    if not merged["data"].get("meta"):
+        merged["data"]["meta"] = old.get("data", {}).get("meta", {})
+    return merged
+
+
+def merge_reports(base: dict, other: dict) -> dict:
+    """Merge `other` (a report.json) into `base`: its runs are appended, its stages merged."""
+    out = {"format": REPORT_FORMAT, "runs": list(base.get("runs", [])), "stages": dict(base.get("stages", {}))}
+    offset = len(out["runs"])
+    out["runs"] += other.get("runs", [])
+    for name, st in other.get("stages", {}).items():
+        st = dict(st, run=st.get("run", 0) + offset)
+        out["stages"][name] = merge_stage(out["stages"].get(name), st, name)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ render
+def _bench_module():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench_model_gpu", os.path.join(ROOT, "bench", "bench_model_gpu.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return mod
+
+
+def _fmt(v: Any, spec: str = "") -> str:
+    if v is None or v == "":
+        return "-"
+    try:
+        return format(v, spec) if spec else str(v)
+    except (TypeError, ValueError):
+        return str(v)
+
+
+def _ratio(a, b) -> str:
+    return f"{a / b:.2f}x" if a and b else "-"
+
+
+def render(report: dict) -> str:
+    runs, stages = report.get("runs", []), report.get("stages", {})
+    dry = any(r.get("dry_run_cpu") for r in runs)
+    L = ["# GPU report", ""]
+    if dry:
+        L += ["**CPU DRY RUN**: every stage ran at tiny size on the CPU to check the report's plumbing. "
+              "These numbers are not GPU measurements.", ""]
+    L += [f"Written {now()} by `scripts/gpu_report.py`. Stages ran in {len(runs)} invocation(s):", ""]
+    keys = [("date", "date"), ("gpu", "GPU"), ("capability", "compute capability"),
+            ("gpu_memory_gib", "GPU memory GiB"), ("driver", "driver"), ("cuda_driver", "CUDA (driver)"),
+            ("cuda_runtime", "CUDA (torch build)"), ("torch", "torch"), ("triton", "triton"),
+            ("transformers", "transformers"), ("liger-kernel", "liger-kernel"), ("python", "python"),
+            ("git", "git revision"), ("host", "host"), ("triton_default_fp_fusion", "TRITON_DEFAULT_FP_FUSION"),
+            ("tf32", "TF32"), ("dry_compile", "dry run: compile"), ("seconds", "invocation wall s"),
+            ("argv", "arguments")]
+    L += ["| | " + " | ".join(f"invocation {i}" for i in range(len(runs))) + " |",
+          "| --- |" + " --- |" * len(runs)]
+    for k, label in keys:
+        vals = [r.get(k) for r in runs]
+        if all(v in (None, "") for v in vals):
+            continue
+        L.append(f"| {label} | " + " | ".join(_fmt(" ".join(v) if isinstance(v, list) else v) for v in vals) + " |")
+    L += ["", "## Stages", "", "| stage | status | wall s | timeout s | invocation | started |",
+          "| --- | --- | --- | --- | --- | --- |"]
+    for name in STAGES:
+        st = stages.get(name)
+        if st is None:
+            L.append(f"| {name} | not run yet | | | | |")
+        else:
+            L.append(f"| {name} | {st.get('status')} | {_fmt(st.get('seconds'))} | {_fmt(st.get('timeout_s'))} | "
+                     f"{_fmt(st.get('run'))} | {_fmt(st.get('started'))} |")
+    total = sum(st.get("seconds", 0) or 0 for st in stages.values())
+    L += ["", f"Sum of the stages' wall times: {total:.0f} s ({total / 60:.1f} min).", ""]
+    L += render_tests(stages.get("tests"))
+    L += render_bench(stages.get("bench-124m"), stages.get("bench-1b"))
+    L += render_train(stages.get("train"))
+    L += render_profile(stages.get("profile"))
+    L += render_failures(stages)
+    return "\n".join(L) + "\n"
+
+
+def _not_run(st: Optional[dict]) -> list[str]:
+    if st is None:
+        return ["Not run yet.", ""]
+    return []
+
+
+def render_tests(st: Optional[dict]) -> list[str]:
+    L = ["## 1. GPU tests (`pytest -m gpu tests`, = `make test-gpu`)", ""] + _not_run(st)
+    if st is None:
+        return L
+    d = st.get("data", {})
+    counts = d.get("counts", {})
+    L += [f"Status: {st.get('status')}, {st.get('seconds')} s. pytest: {d.get('summary') or '-'}", "",
+          "| outcome | tests |", "| --- | --- |"]
+    for k in ("passed", "failed", "error", "skipped", "xfail", "xpass"):
+        if k in counts or k in ("passed", "failed", "skipped"):
+            L.append(f"| {k} | {counts.get(k, 0)} |")
+    bad = [(n, t) for n, t in d.get("tests", {}).items() if t.get("outcome") in ("failed", "error")]
+    if bad:
+        L += ["", "| failed test | message |", "| --- | --- |"]
+        L += [f"| `{n}` | {t.get('message', '').replace('|', '/')[:300]} |" for n, t in bad]
+    slow = sorted(((n, t["seconds"]) for n, t in d.get("tests", {}).items() if t.get("seconds")),
+                  key=lambda x: -x[1])[:10]
+    if slow:
+        L += ["", "| slowest tests | s |", "| --- | --- |"] + [f"| `{n}` | {s} |" for n, s in slow]
+    return L + [""]
+
+
+def render_bench(a: Optional[dict], b: Optional[dict]) -> list[str]:
+    L = ["## 2. Benchmark (`bench/bench_model_gpu.py`, every row in its own process)", ""]
+    if a is None and b is None:
+        return L + ["Not run yet.", ""]
+    rows, meta = [], {}
+    for name, st in (("bench-124m", a), ("bench-1b", b)):
+        if st is None:
+            L.append(f"- {name}: not run yet")
+            continue
+        L.append(f"- {name}: {st.get('status')}, {st.get('seconds')} s")
+        rows += st.get("data", {}).get("rows", [])
+        meta = meta or st.get("data", {}).get("meta", {})
+    L.append("")
+    if meta:
+        L += [f"Device {meta.get('device')}, torch {meta.get('torch')}; MFU against "
+              f"{(meta.get('peak_table_flops') or 0) / 1e12:.4g} TFLOP/s ({meta.get('peak_table_source')}) and against "
+              f"the measured bf16 matmul peak {(meta.get('peak_measured_flops') or 0) / 1e12:.4g} TFLOP/s; "
+              f"median of {meta.get('steps')} steps after the first step "
+              f"and {meta.get('warmup')} warm-up steps; TF32 {'on' if meta.get('tf32') else 'n/a (CPU)'}; "
+              f"TRITON_DEFAULT_FP_FUSION={meta.get('triton_default_fp_fusion')}. Precision "
+              "\"bf16 params + fp32 master (trainer)\" is train_my_ddp.py --dtype=bf16's engine and optimizer "
+              "(HF models inside the same engine); \"autocast (fp32 params)\" is HF Trainer's --bf16.", ""]
+    if rows:
+        bench = _bench_module()
+        peak_t = meta.get("peak_table_flops") or 989e12
+        peak_m = meta.get("peak_measured_flops") or 0
+        L += bench.markdown_tables(rows, peak_t, peak_m).splitlines()
+        walls = [r.get("wall_s") for r in rows if r.get("wall_s")]
+        L += ["", f"Row wall times (process start, build, compile, steps): {', '.join(f'{w:.0f}' for w in walls)} s."]
+    return L + [""]
+
+
+def render_train(st: Optional[dict]) -> list[str]:
+    L = ["## 3. Trainer (`train_my_ddp.py`, bf16, tokens/s and MFU from metrics.jsonl)", ""] + _not_run(st)
+    if st is None:
+        return L
+    d = st.get("data", {})
+    m, data = d.get("model", {}), d.get("data", {})
+    L += [f"Status: {st.get('status')}, {st.get('seconds')} s. {d.get('steps')} steps of "
+          f"{', '.join(f'{k} {v}' for k, v in m.items())}; data: {data.get('source', '-')}. tokens/s: the median "
+          "step over the steps after the first third (compile excluded) and the trainer's own 20-step window at "
+          "the last step (with fewer than 21 steps it includes the first, compiling, step); MFU at that median "
+          "rate and the window's, against the trainer's peak (model/flops.py).", "",
+          "| run | --fused_kernels | --compile | tokens/s (median) | tokens/s (window) | MFU (median) | MFU (window) | "
+          "first step s (compile) | peak MiB | loss first -> last | wall s |",
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    by = {}
+    for r in d.get("runs", []):
+        by[r["name"]] = r
+        if "tokens_per_s_median" not in r:
+            why = r.get("skipped") or f"failed: {r.get('error', '?')}"
+            L.append(f"| {r['name']} | {r['fused_kernels']} | {r['compile']} | {why} | | | | | | | "
+                     f"{_fmt(r.get('wall_s'))} |")
+            continue
+        est = " (estimate)" if r.get("mfu_is_estimate") else ""
+        mfu_m, mfu_w = (f"{v:.1%}{est}" if isinstance(v, (int, float)) else "-"
+                        for v in (r.get("mfu_median"), r.get("mfu_window")))
+        mem = r.get("mem_peak_mib", r.get("rss_mib"))
+        err = f" (then failed: {r['error']})" if "error" in r else ""
+        L.append(f"| {r['name']} | {r['fused_kernels']} | {r['compile']} | {r['tokens_per_s_median']:,}{err} | "
+                 f"{r['tokens_per_s_window']:,} | {mfu_m} | {mfu_w} | {_fmt(r.get('first_step_s'))} | {_fmt(mem)} | "
+                 f"{r.get('loss_first')} -> {r.get('loss_last')} | {_fmt(r.get('wall_s'))} |")
+    tps = {n: r.get("tokens_per_s_median", 0) for n, r in by.items()}
+    L += ["", "| ratio (median tokens/s) | value |", "| --- | --- |",
+          f"| fused auto / false, eager | {_ratio(tps.get('auto-eager'), tps.get('false-eager'))} |",
+          f"| fused auto / false, compile | {_ratio(tps.get('auto-compile'), tps.get('false-compile'))} |",
+          f"| compile / eager, auto | {_ratio(tps.get('auto-compile'), tps.get('auto-eager'))} |",
+          f"| compile / eager, false | {_ratio(tps.get('false-compile'), tps.get('false-eager'))} |", ""]
+    kern = [(n, r.get("kernels")) for n, r in by.items() if r.get("kernels")]
+    if kern:
+        L += ["What each run chose (its `[kernels]` line):", ""] + [f"- {n}: `{k}`" for n, k in kern] + [""]
+    return L
+
+
+def render_profile(st: Optional[dict]) -> list[str]:
+    L = ["## 4. Profile (`torch.profiler`, one eager trainer step of ours, after 3 warm-up steps)", ""] + _not_run(st)
+    if st is None:
+        return L
+    d = st.get("data", {})
+    if not d:
+        return L + [f"Status: {st.get('status')}: no profile (see Failures).", ""]
+    kind = d.get("time_kind", "CUDA")
+    L += [f"Status: {st.get('status')}, {st.get('seconds')} s. Config {d.get('config')}, "
+          f"precision {d.get('precision')}, "
+          f"device {d.get('device')}; the profiled step took {d.get('step_wall_ms')} ms of wall time, "
+          f"{d.get('total_self_ms')} ms of self {kind} time in all.", "",
+          f"| kind of kernel | self {kind} ms | % |", "| --- | --- | --- |"]
+    L += [f"| {c['category']} | {c['ms']} | {c['pct']} |" for c in d.get("categories", [])]
+    L += ["", f"| top {d.get('what', 'ops')} by self {kind} time | self ms | % | calls | kind |",
+          "| --- | --- | --- | --- | --- |"]
+    L += [f"| `{t['name'][:90]}` | {t['self_ms']} | {t['pct']} | {t['calls']} | {t['category']} |"
+          for t in d.get("top", [])]
+    if d.get("table"):
+        L += ["", "<details><summary>torch.profiler key_averages() table</summary>", "", "```", d["table"].rstrip(),
+              "```", "", "</details>"]
+    return L + [""]
+
+
+def render_failures(stages: dict) -> list[str]:
+    L = ["## Failures", ""]
+    any_ = False
+    for name in STAGES:
+        st = stages.get(name)
+        if not st:
+            continue
+        if st.get("status") not in ("ok",) and st.get("error_tail"):
+            any_ = True
+            L += [f"### {name}: {st.get('status')}", "", "```"] + [ln[:300] for ln in st["error_tail"]] + ["```", ""]
+        for r in st.get("data", {}).get("rows", []) if name.startswith("bench") else []:
+            if "error" in r:
+                any_ = True
+                L += [f"### {name} row {r['model']} / {r['precision']} / {r['mode']}: {r['error'][:200]}", "", "```"]
+                L += [ln[:300] for ln in r.get("error_tail", [])] + ["```", ""]
+    if not any_:
+        L += ["None.", ""]
+    return L
+
+
+# ------------------------------------------------------------------------------------------ main
+def load_json(path: str) -> dict:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def write_report(report: dict, out_dir: str) -> str:
+    os.makedirs(out_dir, exist_ok=True)
+    for name, text in (("report.json", json.dumps(report, indent=1)), ("report.md", render(report))):
+        tmp = os.path.join(out_dir, name + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, os.path.join(out_dir, name))
+    return os.path.join(out_dir, "report.md")
+
+
+def parse_timeouts(spec: str, base: dict) -> dict:
+    out = dict(base)
+    for item in filter(None, spec.split(",")):
+        k, _, v = item.partition("=")
+        if k not in out:
+            raise SystemExit(f"gpu_report: --timeouts: unknown stage {k!r} (stages: {', '.join(STAGES)})")
+        out[k] = float(v)
+    return out
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", default="", help="comma list of parts: " + ", ".join(PARTS) + " (default: all)")
+    p.add_argument("--out-dir", default="", help="report.md, report.json, log.txt (default out/gpu_report; "
+                   "dry run: out/gpu_report_cpu_dry_run)")
+    p.add_argument("--work-dir", default="", help="data, runs, raw stage files (default out/gpu_report_work)")
+    p.add_argument("--fresh", action="store_true", help="ignore a report.json already in --out-dir")
+    p.add_argument("--merge", nargs="+", default=None, metavar="REPORT_JSON",
+                   help="merge these report.json files into --out-dir's report and render it; runs nothing")
+    p.add_argument("--dry-run-cpu", action="store_true", help="every stage at tiny size on the CPU (plumbing check)")
+    p.add_argument("--dry-compile", choices=("inductor", "off"), default="inductor",
+                   help="dry run: compile rows/runs with Inductor (C++ on CPU, minutes) or with torch.compile disabled")
+    p.add_argument("--timeouts", default="", help="stage=seconds,... overriding the per-stage timeouts "
+                   + str(TIMEOUTS))
+    p.add_argument("--deadline-s", type=float, default=0, help="end this invocation's stages within this many seconds "
+                   "(a stage gets min(its timeout, what is left)); for 10-minute device calls use 570")
+    p.add_argument("--bench-rows", default="", help="bench stages: run only these rows (model:precision:mode,...)")
+    p.add_argument("--bench-row-timeout", type=float, default=300, help="seconds per bench row")
+    p.add_argument("--git-rev", default="", help="the revision to print when this tree has no .git")
+    args = p.parse_args(argv)
+
+    default_out = "gpu_report_cpu_dry_run" if args.dry_run_cpu else "gpu_report"
+    args.out_dir = os.path.abspath(args.out_dir or os.path.join(ROOT, "out", default_out))
+    args.work_dir = os.path.abspath(args.work_dir or os.path.join(ROOT, "out", default_out + "_work"))
+    report_path = os.path.join(args.out_dir, "report.json")
+
+    if args.merge is not None:
+        report: dict = {"format": REPORT_FORMAT, "runs": [], "stages": {}}
+        if os.path.exists(report_path) and not args.fresh:
+            report = load_json(report_path)
+        for path in args.merge:
+            report = merge_reports(report, load_json(path))
+        print(f"gpu-report: merged {len(args.merge)} report(s) -> {write_report(report, args.out_dir)}")
+        return 0
+
+    if not args.dry_run_cpu and not cuda_available():
+        print("gpu-report: no CUDA device here (torch.cuda.is_available() is False): nothing measured; "
+              "`python scripts/gpu_report.py --dry-run-cpu` checks the report's plumbing on CPU")
+        return 0
+
+    names: list[str] = []
+    for part in filter(None, (args.only or "all").split(",")):
+        if part not in PARTS:
+            p.error(f"unknown part {part!r}; choose from {', '.join(PARTS)}")
+        names += [n for n in PARTS[part] if n not in names]
+    names = [n for n in STAGES if n in names]
+    timeouts = parse_timeouts(args.timeouts, DRY_TIMEOUTS if args.dry_run_cpu else TIMEOUTS)
+    os.makedirs(args.out_dir, exist_ok=True)
+    os.makedirs(args.work_dir, exist_ok=True)
+    log = Log(os.path.join(args.out_dir, "log.txt"))
+    env = child_env(args.dry_compile if args.dry_run_cpu else "inductor")
+    t0 = time.perf_counter()
+    log(f"[gpu-report] {now()}: stages {', '.join(names)} (timeouts "
+        f"{', '.join(f'{n} {timeouts[n]:.0f} s' for n in names)}; "
+        f"at most {sum(timeouts[n] for n in names) / 60:.1f} min"
+        f"{f', deadline {args.deadline_s:.0f} s' if args.deadline_s else ''}); report in {args.out_dir}")
+    meta = collect_meta(args, env)
+    log(f"[gpu-report] {meta.get('gpu', '?')}, driver {meta.get('driver', '-')}, torch {meta.get('torch')} "
+        f"(CUDA {meta.get('cuda_runtime')}), triton {meta.get('triton')}, transformers {meta.get('transformers')}, "
+        f"liger-kernel {meta.get('liger-kernel')}, git {meta.get('git')}")
+
+    report = {"format": REPORT_FORMAT, "runs": [], "stages": {}}
+    if os.path.exists(report_path) and not args.fresh:
+        try:
+            report = load_json(report_path)
+        except (OSError, json.JSONDecodeError) as e:
+            log(f"[gpu-report] {report_path} unreadable ({e}): starting a new report")
+    run_index = len(report.get("runs", []))
+    report.setdefault("runs", []).append(meta)
+    ctx = Ctx(args, log, env)
+    deadline = args.deadline_s - (time.perf_counter() - t0) if args.deadline_s else 0
+    old_stages = dict(report.get("stages", {}))
+
+    def on_done(name: str, st: dict) -> None:
+        report["stages"][name] = merge_stage(old_stages.get(name), st, name)
+        meta["seconds"] = round(time.perf_counter() - t0, 1)
+        write_report(report, args.out_dir)
+    results = run_stages(names, ctx, timeouts, deadline, run_index, on_done)
+    meta["seconds"] = round(time.perf_counter() - t0, 1)
+    path = write_report(report, args.out_dir)
+    log(f"[gpu-report] done in {meta['seconds']:.0f} s: " +
+        ", ".join(f"{n} {results[n]['status']}" for n in names) + f"\n[gpu-report] report: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,174 @@
+"""`make gpu-report` (scripts/gpu_report.py) without a GPU: the no-CUDA path is one line and exit 0; a stage
+that fails is reported with its error and the later stages still run; parts merge into one report; the
+metrics summary and the bench's row order; and (slow) the CPU dry run writes every section with numbers.
+What only a GPU can show (real timings, CUDA kernels in the profile) is not tested here."""
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from tests.conftest import PY, ROOT
+
+SCRIPT = os.path.join(ROOT, "scripts", "gpu_report.py")
+
+
+def _load(name: str, path: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture
+def gr(monkeypatch):
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")  # the bench module sets it on import; restored after
+    return _load("gpu_report_under_test", SCRIPT)
+
+
+def _no_cuda_env() -> dict:
+    return dict(os.environ, CUDA_VISIBLE_DEVICES="")
+
+
+def test_without_cuda_it_prints_one_line_and_exits_0():
+    r = subprocess.run([PY, SCRIPT], capture_output=True, text=True, env=_no_cuda_env(), cwd=ROOT, timeout=120)
+    assert r.returncode == 0
+    lines = (r.stdout + r.stderr).strip().splitlines()
+    assert len(lines) == 1 and "no CUDA" in lines[0], lines
+    if shutil.which("make"):
+        r = subprocess.run(["make", "-s", "gpu-report", "PART=tests"], capture_output=True, text=True,
+                           env=_no_cuda_env(), cwd=ROOT, timeout=120)
+        assert r.returncode == 0
+        lines = (r.stdout + r.stderr).strip().splitlines()
+        assert len(lines) == 1 and "no CUDA" in lines[0], lines
+
+
+def test_a_failing_stage_is_reported_and_the_next_stage_still_runs(gr, tmp_path, monkeypatch):
+    def broken(ctx):
+        raise RuntimeError("boom: the tests stage broke")
+
+    def fake_profile(ctx):
+        return {"status": "ok", "data": {"config": "tiny", "precision": "trainer", "device": "cpu", "time_kind": "CPU",
+                                         "what": "ops", "step_wall_ms": 12.5, "total_self_ms": 10.0,
+                                         "top": [{"name": "aten::mm", "self_ms": 6.0, "pct": 60.0, "calls": 4,
+                                                  "category": "matmul (cuBLAS / CUTLASS)"}],
+                                         "categories": [{"category": "matmul (cuBLAS / CUTLASS)", "ms": 6.0,
+                                                         "pct": 60.0}]}}
+    monkeypatch.setitem(gr.STAGE_FUNCS, "tests", broken)
+    monkeypatch.setitem(gr.STAGE_FUNCS, "profile", fake_profile)
+    monkeypatch.setattr(gr, "collect_meta", lambda args, env: {"date": "d", "gpu": "test", "dry_run_cpu": True})
+    out = tmp_path / "report"
+    assert gr.main(["--dry-run-cpu", "--only", "tests,profile", "--out-dir", str(out),
+                    "--work-dir", str(tmp_path / "work")]) == 0
+    md = (out / "report.md").read_text()
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["stages"]["tests"]["status"] == "failed"
+    assert rep["stages"]["profile"]["status"] == "ok"
+    assert "### tests: failed" in md and "boom: the tests stage broke" in md
+    assert "| `aten::mm` | 6.0 | 60.0 | 4 |" in md
+    assert "| bench-124m | not run yet |" in md and "| train | not run yet |" in md
+    assert (out / "log.txt").exists()
+
+    # a second part merges into the same report; the failed stage stays until it is run again
+    monkeypatch.setitem(gr.STAGE_FUNCS, "train", lambda ctx: {"status": "ok", "data": {"runs": [], "model": {},
+                                                                                        "steps": 30}})
+    assert gr.main(["--dry-run-cpu", "--only", "train", "--out-dir", str(out), "--work-dir", str(tmp_path / "w")]) == 0
+    rep = json.loads((out / "report.json").read_text())
+    assert [rep["stages"][s]["status"] for s in ("tests", "train", "profile")] == ["failed", "ok", "ok"]
+    assert len(rep["runs"]) == 2 and rep["stages"]["train"]["run"] == 1
+
+
+def test_bench_rows_merge_by_key_and_reports_merge(gr, tmp_path):
+    row = lambda model, **kw: dict(config="124m", model=model, precision="trainer", mode="eager", **kw)  # noqa: E731
+    measured = row("ours", tokens_per_s=1000, step_ms=1.0, compile_s=0.1, peak_mem_gib=1.0, first_loss=10.0,
+                   flops_per_token=1e9)
+    a = {"runs": [{"date": "a"}], "stages": {"bench-124m": {"status": "partial", "run": 0, "data": {
+        "meta": {}, "rows": [measured, row("hf", skipped="not run: budget")]}}}}
+    b = {"runs": [{"date": "b"}], "stages": {"bench-124m": {"status": "ok", "run": 0, "data": {
+        "meta": {}, "rows": [row("ours", skipped="not run: budget"), dict(measured, model="hf", tokens_per_s=500)]}}}}
+    merged = gr.merge_reports(gr.merge_reports({}, a), b)
+    rows = {r["model"]: r for r in merged["stages"]["bench-124m"]["data"]["rows"]}
+    assert rows["ours"]["tokens_per_s"] == 1000  # a measured row is not replaced by a row that did not run
+    assert rows["hf"]["tokens_per_s"] == 500
+    assert merged["stages"]["bench-124m"]["run"] == 1 and len(merged["runs"]) == 2
+    for i, rep in enumerate((a, b)):
+        (tmp_path / f"r{i}.json").write_text(json.dumps(rep))
+    assert gr.main(["--merge", str(tmp_path / "r0.json"), str(tmp_path / "r1.json"), "--out-dir",
+                    str(tmp_path / "m")]) == 0
+    md = (tmp_path / "m" / "report.md").read_text()
+    assert "| 124m | ours trainer / HF autocast" not in md  # no HF autocast row: that ratio is left out
+    assert "| 124m | ours / HF (trainer, eager) | 2.00x |" in md
+
+
+def test_metrics_summary_skips_the_compile_steps(gr, tmp_path):
+    recs = [{"step": 1, "loss": 10.0, "tokens_per_sec": 100.0, "tokens_per_sec_avg": 100.0, "mfu": 0.01}]
+    recs += [{"step": s, "loss": 10.0 - s / 10, "tokens_per_sec": 1000.0 + s, "tokens_per_sec_avg": 900.0,
+              "mfu": 0.45, "mem_peak_mib": 100.0 + s} for s in range(2, 31)]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in recs) + "\n{torn")
+    s = gr.summarize_metrics(str(path), tokens_per_step=1000)
+    assert s["steps"] == 30 and s["steady_from_step"] == 11
+    assert s["tokens_per_s_median"] == 1020  # median of steps 11..30 = 1020.5, rounded to even
+    assert s["first_step_s"] == 10.0 and s["tokens_per_s_window"] == 900 and s["mfu_window"] == 0.45
+    assert s["mem_peak_mib"] == 130.0 and s["loss_last"] == 7.0
+
+
+def test_bench_runs_eager_rows_first_and_the_trainer_setup_first(monkeypatch):
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    bench = _load("bench_model_gpu_under_test", os.path.join(ROOT, "bench", "bench_model_gpu.py"))
+
+    class A:
+        configs, models, modes, precisions, rows = ["124m"], list(bench.MODELS), ["compile", "eager"], \
+            list(bench.PRECISIONS), []
+    plan = bench.planned_rows(A)
+    assert len(plan) == 16 and plan[0] == ("124m", "ours", "trainer", "eager")
+    assert plan[1] == ("124m", "hf", "autocast", "eager")
+    assert [p[3] for p in plan] == ["eager"] * 8 + ["compile"] * 8
+    A.rows = ["hf:trainer:compile"]
+    assert bench.planned_rows(A) == [("124m", "hf", "trainer", "compile")]
+
+
+def _numbers_in(section: str) -> bool:
+    return any(re.search(r"\|\s*[\d,]+(\.\d+)?\s*\|", ln) for ln in section.splitlines() if ln.startswith("|"))
+
+
+@pytest.mark.slow
+def test_cpu_dry_run_writes_every_section_with_numbers(tmp_path):
+    """Every stage for real at tiny size on the CPU (~2-4 min on 2 cores): pytest -m gpu (all skip here), bench
+    rows in their own processes (one compile row, torch.compile disabled to keep it short), four trainer runs
+    reading metrics.jsonl, the profiler table."""
+    out, work = tmp_path / "report", tmp_path / "work"
+    r = subprocess.run([PY, SCRIPT, "--dry-run-cpu", "--dry-compile=off", "--out-dir", str(out), "--work-dir",
+                        str(work)], capture_output=True, text=True, cwd=ROOT, timeout=1500)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    md = (out / "report.md").read_text()
+    rep = json.loads((out / "report.json").read_text())
+    failures = md[md.find("## Failures"):]
+    stages = ("tests", "bench-124m", "bench-1b", "train", "profile")
+    assert {n: s["status"] for n, s in rep["stages"].items()} == {n: "ok" for n in stages}, failures
+    sections = re.split(r"^## ", md, flags=re.M)
+    titles = [s.splitlines()[0] for s in sections[1:]]
+    assert [t.split(" ")[0] for t in titles] == ["Stages", "1.", "2.", "3.", "4.", "Failures"], titles
+    for s in sections[1:-1]:
+        assert _numbers_in(s), s[:500]
+    assert "CPU DRY RUN" in md and "torch" in md and "git revision" in md
+    tests = rep["stages"]["tests"]["data"]["counts"]
+    assert tests.get("skipped", 0) > 0  # the gpu tests are collected and skipped without CUDA
+    rows = {(x["model"], x["precision"], x["mode"]): x for x in rep["stages"]["bench-124m"]["data"]["rows"]
+            + rep["stages"]["bench-1b"]["data"]["rows"]}
+    ours, hf = rows[("ours", "trainer", "eager")], rows[("hf", "autocast", "eager")]
+    assert ours["tokens_per_s"] > 0 and hf["tokens_per_s"] > 0
+    assert rows[("ours", "trainer", "compile")]["tokens_per_s"] > 0
+    assert rows[("hf-liger", "autocast", "eager")]["skipped"] == "liger-kernel not installed"
+    # ours and HF start from the same weights and batch: the same first loss (bf16 rounding apart)
+    assert abs(ours["first_loss"] - hf["first_loss"]) < 0.02
+    runs = rep["stages"]["train"]["data"]["runs"]
+    assert [x["name"] for x in runs] == ["auto-eager", "false-eager", "auto-compile", "false-compile"]
+    assert all(x["tokens_per_s_median"] > 0 and x["mfu_window"] > 0 and x["steps"] == 4 for x in runs)
+    assert "cross_entropy chunked" in runs[0]["kernels"] and "reference PyTorch paths" in runs[1]["kernels"]
+    prof = rep["stages"]["profile"]["data"]
+    assert prof["top"] and prof["top"][0]["self_ms"] > 0 and "Self CPU time total" in prof["table"]
+    assert "## Failures\n\nNone." in md
