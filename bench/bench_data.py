@@ -1,12 +1,24 @@
 """Data-stage benchmark: prints figures and ratios, asserts nothing.
 
-1. Pretokenize throughput (tokens/s) of `pretokenize_pretrain` with N worker processes against
-   the bare tokenizer's `encode_batch` (Rust, all cores) on the same text, in this process.
+1. Pretokenize (`pretokenize_pretrain`) on generated jsonl corpora of each `--text_mb` size:
+   a. start-up costs, each in fresh subprocesses (best of `--repeats`): interpreter start, importing
+      the pretokenizer, importing transformers (which imports torch), `load_tokenizer`, and what one
+      worker process does before its first batch (rebuild the backend from JSON + first encode);
+   b. the whole CLI (`python -m data_preprocess.pretokenize_pretrain_data`) in a fresh process per
+      worker count: what a user waits for, start-up included;
+   c. steady state: `pretokenize_pretrain` called in this process once the imports are done, with
+      tokenizing forced in-process and forced onto a pool of N workers (the size threshold
+      `SMALL_INPUT_BYTES` picks between them), against the bare tokenizer's `encode_batch` (Rust,
+      all cores) on the same texts.
 2. Random-sample reading from ~1 GB of uint16 shards (random ids written straight into shards):
    samples/s and peak RSS of `PretokDatasetWithIndex` + `ResumableLoader` in a fresh subprocess,
    against bare np.memmap slicing of the same offsets in another fresh subprocess.
 
-Usage: .venv/bin/python bench/bench_data.py [--work_dir=/tmp/bench_data] [--text_mb=20] [--shard_gb=1.0]
+Tokens/s count content tokens (without the <s> </s> each document gets), as `encode_batch` does.
+Times are best of `--repeats` runs: on a shared machine the best run is the least disturbed one.
+
+Usage: .venv/bin/python bench/bench_data.py [--work_dir=/tmp/bench_data] [--text_mb=1,20] [--workers=1,2]
+       [--repeats=3] [--shard_gb=1.0] [--skip_pretokenize] [--skip_reading]
 """
 from __future__ import annotations
 
@@ -39,30 +51,133 @@ def make_corpus(path: str, mb: float, seed: int = 0) -> list[str]:
     return texts
 
 
-def bench_pretokenize(work: str, text_mb: float, workers: int) -> None:
-    from data_preprocess.pretokenize_pretrain_data import pretokenize_pretrain
+STARTUP = r"""
+import json, os, sys, time
+t0 = time.perf_counter()
+sys.path.insert(0, {root!r})
+what, tok_dir = sys.argv[1], sys.argv[2]
+r = {{}}
+if what == "python":
+    pass
+elif what == "import_pretokenizer":
+    import data_preprocess.pretokenize_pretrain_data
+elif what == "load_tokenizer":
+    from transformers import AutoTokenizer  # imports torch
+    t1 = time.perf_counter(); r["import_transformers"] = t1 - t0
+    from tokenizer import load_tokenizer
+    load_tokenizer(tok_dir)
+    r["load_tokenizer"] = time.perf_counter() - t1
+elif what == "worker_init":
+    from data_preprocess import pretokenize_pretrain_data as M
+    backend_json = open(sys.argv[3]).read()
+    t1 = time.perf_counter()
+    M._init_worker(backend_json, None)
+    M._tokenize_batch(["warm up the encoder"])
+    r["worker_init"] = time.perf_counter() - t1
+    r["torch_imported"] = "torch" in sys.modules or "transformers" in sys.modules
+r[what] = r.get(what, time.perf_counter() - t0)
+print(json.dumps(r))
+"""
+
+
+def _startup_costs(work: str, tok_dir: str, repeats: int) -> dict:
+    """Seconds, best of `repeats` fresh processes each; 'python' is the interpreter alone."""
+    from tokenizer import load_tokenizer
+    backend = os.path.join(work, "backend.json")
+    with open(backend, "w", encoding="utf-8") as f:
+        f.write(load_tokenizer(tok_dir).backend_tokenizer.to_str())
+    code = STARTUP.format(root=ROOT)
+    best: dict = {}
+    for what in ("python", "import_pretokenizer", "load_tokenizer", "worker_init"):
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            out = subprocess.run([sys.executable, "-c", code, what, tok_dir, backend], capture_output=True,
+                                 text=True, check=True).stdout
+            r = json.loads(out.strip().splitlines()[-1])
+            r["wall_" + what] = time.perf_counter() - t0
+            for k, v in r.items():
+                best[k] = v if isinstance(v, bool) else min(best.get(k, v), v)
+    return best
+
+
+def _content_tokens(out: str) -> int:
+    tokens = docs = 0
+    for n in os.listdir(out):
+        if n.endswith(".json"):
+            with open(os.path.join(out, n), encoding="utf-8") as f:
+                m = json.load(f)
+            tokens += m["num_tokens"]
+            docs += m["num_documents"]
+    return tokens - 2 * docs
+
+
+def _best(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def bench_pretokenize(work: str, sizes_mb: list[float], workers: list[int], repeats: int) -> None:
+    import shutil
+    from data_preprocess import pretokenize_pretrain_data as M
     from tokenizer import load_tokenizer
     from tokenizer.loading import safe_backend
     from tokenizer.train_tokenizer import train_tokenizer
-    raw = os.path.join(work, "raw")
-    os.makedirs(raw, exist_ok=True)
-    texts = make_corpus(os.path.join(raw, "corpus.jsonl"), text_mb)
+    corpora = {}
+    for mb in sizes_mb:
+        raw = os.path.join(work, f"raw_{mb:g}MB")
+        os.makedirs(raw, exist_ok=True)
+        corpora[mb] = (raw, make_corpus(os.path.join(raw, "corpus.jsonl"), mb))
     tok_dir = os.path.join(work, "tok")
-    train_tokenizer(os.path.join(raw, "corpus.jsonl"), tok_dir, vocab_size=2048, max_train_bytes=2_000_000)
-    backend = safe_backend(load_tokenizer(tok_dir))
-    t0 = time.perf_counter()
-    n_ref = sum(len(e.ids) for e in backend.encode_batch(texts, add_special_tokens=False))
-    t_ref = time.perf_counter() - t0
+    train_tokenizer(os.path.join(corpora[max(sizes_mb)][0], "corpus.jsonl"), tok_dir, vocab_size=2048,
+                    max_train_bytes=2_000_000)
+    st = _startup_costs(work, tok_dir, repeats)
+    print(f"[pretokenize start-up] best of {repeats} fresh processes, seconds")
+    print(f"  python interpreter start (python -c pass, wall): {st['wall_python']:.2f}")
+    print(f"  import data_preprocess.pretokenize_pretrain_data: {st['import_pretokenizer']:.2f}")
+    print(f"  import transformers.AutoTokenizer (pulls in torch): {st['import_transformers']:.2f}")
+    print(f"  load_tokenizer after that import: {st['load_tokenizer']:.2f}")
+    print(f"  one worker before its first batch now (backend from JSON + first encode; "
+          f"transformers/torch imported: {st['torch_imported']}): {st['worker_init']:.3f}")
+    load = st['import_transformers'] + st['load_tokenizer']
+    print(f"  -> loading the tokenizer costs {load:.2f} once per run, in the parent (before the backend-as-JSON "
+          f"workers, every worker paid it too, all at once)")
     out = os.path.join(work, "shards_text")
-    t0 = time.perf_counter()
-    s = pretokenize_pretrain(raw, tok_dir, out, num_workers=workers, progress=False)
-    t_ours = time.perf_counter() - t0
-    ours_tps = (s["tokens"] - 2 * s["documents"]) / t_ours  # content tokens, same count as the reference
-    print(f"[pretokenize] {text_mb:.0f} MB jsonl, {len(texts)} docs, {n_ref} tokens")
-    print(f"  bare encode_batch (rayon, all cores): {n_ref / t_ref:,.0f} tok/s ({t_ref:.2f}s)")
-    print(f"  pretokenize_pretrain, {workers} workers (read+tokenize+write shards): {ours_tps:,.0f} tok/s "
-          f"({t_ours:.2f}s)")
-    print(f"  ratio ours/bare = {ours_tps / (n_ref / t_ref):.2f}")
+    for mb in sizes_mb:
+        raw, texts = corpora[mb]
+        backend = safe_backend(load_tokenizer(tok_dir))
+        t_ref = _best(lambda: backend.encode_batch(texts, add_special_tokens=False), repeats)
+        n_ref = sum(len(e.ids) for e in backend.encode_batch(texts, add_special_tokens=False))
+        print(f"[pretokenize] {mb:g} MB jsonl, {len(texts)} docs, {n_ref} tokens "
+              f"(in-process below {M.SMALL_INPUT_BYTES / 1e6:g} MB of input or with 1 worker)")
+        print(f"  bare encode_batch (rayon, all cores), in this process: {n_ref / t_ref:,.0f} tok/s ({t_ref:.2f}s)")
+        for w in workers:
+            def cli() -> None:
+                shutil.rmtree(out, ignore_errors=True)
+                subprocess.run([sys.executable, "-m", "data_preprocess.pretokenize_pretrain_data",
+                                f"--data_dir={raw}", f"--tokenizer_dir={tok_dir}", f"--output_dir={out}",
+                                f"--num_workers={w}", "--quiet"], cwd=ROOT, check=True, capture_output=True)
+            t = _best(cli, repeats)
+            n = _content_tokens(out)
+            assert n == n_ref, (n, n_ref)
+            print(f"  CLI, --num_workers={w}, fresh process (start-up included): {n / t:,.0f} tok/s ({t:.2f}s)")
+        modes = [("in-process", 1, 1 << 62)] + [(f"{w} workers", w, 0) for w in workers]
+        thr = M.SMALL_INPUT_BYTES
+        try:
+            for name, w, threshold in modes:
+                M.SMALL_INPUT_BYTES = threshold
+
+                def call() -> None:
+                    shutil.rmtree(out, ignore_errors=True)
+                    M.pretokenize_pretrain(raw, tok_dir, out, num_workers=w, progress=False)
+                t = _best(call, repeats)
+                print(f"  pretokenize_pretrain, {name}, imports done (read+tokenize+write shards): "
+                      f"{n_ref / t:,.0f} tok/s ({t:.2f}s), ratio to bare = {t_ref / t:.2f}")
+        finally:
+            M.SMALL_INPUT_BYTES = thr
 
 
 def write_random_shards(d: str, total_tokens: int, shard_tokens: int, vocab: int = 32000) -> None:
@@ -157,15 +272,21 @@ def bench_reading(work: str, shard_gb: float, L: int = 1024, steps: int = 2000, 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--work_dir", default="/tmp/bench_data")
-    ap.add_argument("--text_mb", type=float, default=20)
+    ap.add_argument("--text_mb", default="1,20", help="comma-separated corpus sizes in MB")
     ap.add_argument("--shard_gb", type=float, default=1.0)
-    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--workers", default="1,2", help="comma-separated worker counts")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per figure; the best is reported")
     ap.add_argument("--skip_pretokenize", action="store_true")
+    ap.add_argument("--skip_reading", action="store_true")
     a = ap.parse_args()
     os.makedirs(a.work_dir, exist_ok=True)
+    print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start")
     if not a.skip_pretokenize:
-        bench_pretokenize(a.work_dir, a.text_mb, a.workers)
-    bench_reading(a.work_dir, a.shard_gb)
+        bench_pretokenize(a.work_dir, [float(x) for x in a.text_mb.split(",")],
+                          [int(x) for x in a.workers.split(",")], a.repeats)
+    if not a.skip_reading:
+        bench_reading(a.work_dir, a.shard_gb)
+    print(f"load average {os.getloadavg()[0]:.1f} at the end")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
 Owns: turning .txt/.jsonl/.json/.parquet documents (the tokenizer trainer's file set) into
 `<stem>_<k:05d>.bin` shards of `<s> ids </s>` documents with sidecars (format in `shard_format.py`),
-tokenizing in worker processes with a bounded number of characters per call (documents longer than
+tokenizing in worker processes (in this process for one worker or less than `SMALL_INPUT_BYTES` of
+input to do; the tokenizer is loaded once, in this process, and workers get its backend as JSON: the
+shards are the same bytes either way) with a bounded number of characters per call (documents longer than
 `max_doc_chars` are tokenized in consecutive pieces and concatenated into the same document),
 collecting *every* worker exception with the file it came from, and resuming: inputs whose shards are
 complete and consistent are skipped, the rest redone.
@@ -13,6 +15,7 @@ when a worker failed or when no token was produced, or read the shards it is wri
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import os
 import sys
@@ -28,6 +31,7 @@ from data_preprocess.readers import (SkipCounter, collect_inputs, extract_text, 
 from tokenizer.corpus import input_kind
 from data_preprocess.shard_format import (SHARD_RE, DataError, dtype_for_vocab, read_sidecar,
                                           remove_temp_files, write_shard, check_shard)
+from data_preprocess.worker_tokenizer import WorkerTokenizer, backend_json
 
 log = logging.getLogger("pretokenize_pretrain")
 
@@ -35,30 +39,87 @@ DEFAULT_SHARD_TOKENS = 100_000_000  # 200 MB of uint16: large enough for few fil
 BATCH_DOCS = 256                     # documents per worker task: amortizes pickling, keeps latency low
 DEFAULT_MAX_DOC_CHARS = 1_000_000    # characters per tokenizer call: a few hundred MB of encoder state at most
 MAX_LOGGED_SPLITS = 5                # per file
+# Inputs to (re)do smaller than this are tokenized in this process: starting workers costs more
+# than they save there (measured with bench/bench_data.py; see docs/data.md).
+SMALL_INPUT_BYTES = 4_000_000
 
 # ----------------------------------------------------------------------------- worker side
 _ENCODE: Optional[Callable[[list[str]], list[list[int]]]] = None
 
 
-def _init_worker(tokenizer_dir: Optional[str], encode_fn: Optional[Callable]) -> None:
+def _init_worker(backend: Optional[str], encode_fn: Optional[Callable]) -> None:
+    """Worker start-up: no transformers/torch import and no tokenizer directory read. The parent
+    loaded the tokenizer once (`load_tokenizer`) and sends its backend as JSON (`backend`);
+    `encode_texts` on it encodes exactly as on the parent's tokenizer (worker_tokenizer.py)."""
     global _ENCODE
     # One tokenizer thread per worker process: the pool is the parallelism.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     if encode_fn is not None:
         _ENCODE = encode_fn
         return
-    from tokenizer import encode_texts, load_tokenizer
-    tok = load_tokenizer(tokenizer_dir)
+    from tokenizer import encode_texts
+    tok = WorkerTokenizer(backend)
     _ENCODE = lambda texts: encode_texts(tok, texts)  # noqa: E731
 
 
-def _tokenize_batch(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+def _to_arrays(seqs: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     """Flat ids + lengths: two arrays pickle far faster than a list of lists."""
-    assert _ENCODE is not None, "worker not initialized"
-    seqs = _ENCODE(texts)
-    lengths = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
-    flat = np.fromiter((t for s in seqs for t in s), dtype=np.int64, count=int(lengths.sum()))
+    lengths = np.fromiter(map(len, seqs), dtype=np.int64, count=len(seqs))
+    flat = np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int64, count=int(lengths.sum()))
     return flat, lengths
+
+
+def _tokenize_batch(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    assert _ENCODE is not None, "worker not initialized"
+    return _to_arrays(_ENCODE(texts))
+
+
+class _InProcess:
+    """The executor interface, tokenizing in this process: `submit(_tokenize_batch, texts)` does
+    that work at once with this process's encoder and returns a finished Future (an exception is
+    kept in it and reported like a worker's)."""
+
+    def __init__(self, encode: Optional[Callable[[list[str]], list[list[int]]]]):
+        self.encode = encode
+
+    def submit(self, fn: Callable, texts: list[str]) -> Future:
+        assert fn is _tokenize_batch, fn
+        fut: Future = Future()
+        try:
+            assert self.encode is not None, "no tokenizer loaded"
+            fut.set_result(_to_arrays(self.encode(texts)))
+        except Exception as e:  # noqa: BLE001 - reported with its file like a worker's exception
+            fut.set_exception(e)
+        return fut
+
+    def __enter__(self) -> "_InProcess":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+
+def _open_executor(todo_bytes: int, num_workers: int, tokenizer_dir: Optional[str],
+                   encode_fn: Optional[Callable]) -> "_InProcess | ProcessPoolExecutor":
+    """Worker processes when there is enough input for them to pay off, else this process.
+
+    The tokenizer is loaded once, here, and only when some input is (re)done: a worker only
+    rebuilds its backend from JSON (tens of ms) instead of importing transformers + torch
+    (seconds per process, all at once on a busy machine)."""
+    if todo_bytes == 0:
+        return _InProcess(None)  # everything complete: nothing to tokenize, nothing to load
+    in_process = num_workers <= 1 or todo_bytes < SMALL_INPUT_BYTES
+    tok = None
+    if encode_fn is None:
+        from tokenizer import encode_texts, load_tokenizer
+        try:
+            tok = load_tokenizer(tokenizer_dir)
+        except Exception as e:  # noqa: BLE001 - a broken tokenizer directory fails the run, named
+            raise DataError(f"{tokenizer_dir}: cannot load the tokenizer ({type(e).__name__}: {e})") from e
+    if in_process:
+        return _InProcess(encode_fn or (lambda texts: encode_texts(tok, texts)))
+    return ProcessPoolExecutor(max_workers=num_workers, initializer=_init_worker,
+                               initargs=(None if tok is None else backend_json(tok), encode_fn))
 
 
 # ----------------------------------------------------------------------------- shard writer
@@ -212,17 +273,19 @@ def pretokenize_pretrain(data_dir: str, tokenizer_dir: Optional[str], output_dir
     from tqdm import tqdm
     bar = tqdm(total=sum(os.path.getsize(p) for p, _ in jobs), unit="B", unit_scale=True,
                desc="pretokenize", disable=not progress, file=sys.stderr)
-    with ProcessPoolExecutor(max_workers=max(1, num_workers), initializer=_init_worker,
-                             initargs=(tokenizer_dir, encode_fn)) as pool:
-        for path, stem in jobs:
-            st = os.stat(path)
-            meta = dict(base_meta, source={"path": path, "size": st.st_size, "mtime_ns": st.st_mtime_ns})
-            done = _complete_tokens(output_dir, stem, {k: meta[k] for k in (
-                "source", "tokenizer_fingerprint", "text_fields", "dtype", "max_doc_chars")})
+    plan = []  # (path, stem, meta, tokens of its complete shards or None)
+    for path, stem in jobs:
+        st = os.stat(path)
+        meta = dict(base_meta, source={"path": path, "size": st.st_size, "mtime_ns": st.st_mtime_ns})
+        plan.append((path, stem, meta, _complete_tokens(output_dir, stem, {k: meta[k] for k in (
+            "source", "tokenizer_fingerprint", "text_fields", "dtype", "max_doc_chars")})))
+    todo_bytes = sum(meta["source"]["size"] for _, _, meta, done in plan if done is None)
+    with _open_executor(todo_bytes, num_workers, tokenizer_dir, encode_fn) as pool:
+        for path, stem, meta, done in plan:
             if done is not None:
                 summary["skipped_complete"].append(path)
                 complete_tokens += done
-                bar.update(st.st_size)
+                bar.update(meta["source"]["size"])
                 continue
             for n in _stem_files(output_dir, stem):  # stale or partial: redo from scratch
                 os.remove(os.path.join(output_dir, n))
@@ -240,7 +303,7 @@ def pretokenize_pretrain(data_dir: str, tokenizer_dir: Optional[str], output_dir
                 summary["split_documents"] += stats["split_documents"]
                 for k, v in stats["skips"].items():
                     summary["skips"][k] = summary["skips"].get(k, 0) + v
-            bar.update(st.st_size)
+            bar.update(meta["source"]["size"])
     bar.close()
     summary["seconds"] = time.time() - t0
     if summary["failed"]:
@@ -270,7 +333,7 @@ def _pieces(text: str, max_chars: int) -> Iterator[tuple[str, bool, bool]]:
     yield prev, first, True
 
 
-def _process_file(pool: ProcessPoolExecutor, path: str, stem: str, out_dir: str, meta: dict,
+def _process_file(pool: "_InProcess | ProcessPoolExecutor", path: str, stem: str, out_dir: str, meta: dict,
                   alternatives: list[list[str]], shard_tokens: int, strict: bool, vocab_size: int,
                   num_workers: int, max_doc_chars: int = DEFAULT_MAX_DOC_CHARS) -> dict:
     skips = SkipCounter(strict=strict)

@@ -34,6 +34,7 @@ from typing import Any, Callable, Iterator, Optional
 import numpy as np
 
 from data_preprocess.readers import SkipCounter, iter_records, lone_surrogate
+from data_preprocess.worker_tokenizer import WorkerTokenizer, backend_json
 from utils.constants import IGNORE_INDEX
 
 ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
@@ -191,10 +192,17 @@ class FileFailed(Exception):
         self.errors = errors
 
 
-def _init_chat_worker(tokenizer_dir: Optional[str], encode_fn: Optional[Encode]) -> None:
+def _init_chat_worker(backend: Optional[str], encode_fn: Optional[Encode]) -> None:
+    """The parent's tokenizer backend as JSON (`backend`): no transformers/torch import here
+    (seconds per worker), and `encode_chat` encodes exactly as on the parent's tokenizer."""
     global _WORKER_ENCODE
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the pool is the parallelism
-    _WORKER_ENCODE = encode_fn if encode_fn is not None else make_chat_encoder(tokenizer_dir)[0]
+    if encode_fn is not None:
+        _WORKER_ENCODE = encode_fn
+        return
+    from tokenizer.chat import encode_chat
+    tok = WorkerTokenizer(backend)
+    _WORKER_ENCODE = lambda msgs: encode_chat(tok, msgs)  # noqa: E731
 
 
 def _encode_batch(convs: list[list[dict]], encode: Optional[Encode] = None
@@ -230,8 +238,12 @@ class ChatRenderer:
         if encode is not None or self.num_workers == 1:
             self._encode = encode or encode_fn or make_chat_encoder(tokenizer_dir)[0]
         else:
+            backend = None
+            if encode_fn is None:  # loaded once here; workers rebuild the backend from its JSON
+                from tokenizer import load_tokenizer
+                backend = backend_json(load_tokenizer(tokenizer_dir))
             self._pool = ProcessPoolExecutor(max_workers=self.num_workers, initializer=_init_chat_worker,
-                                             initargs=(tokenizer_dir, encode_fn))
+                                             initargs=(backend, encode_fn))
 
     def submit(self, convs: list[list[dict]]) -> Future:
         if self._pool is not None:

@@ -92,7 +92,16 @@ def test_bad_records_skipped_counted_or_strict(tmp_path):
         _pretok(src, tmp_path / "out2", strict=True)
 
 
-def test_worker_exception_surfaced_with_file(tmp_path):
+@pytest.fixture(params=["in-process", "workers"])
+def tokenize_where(request, monkeypatch):
+    """Small inputs are tokenized in this process; SMALL_INPUT_BYTES=0 puts them on the worker pool."""
+    from data_preprocess import pretokenize_pretrain_data as mod
+    if request.param == "workers":
+        monkeypatch.setattr(mod, "SMALL_INPUT_BYTES", 0)
+    return request.param
+
+
+def test_worker_exception_surfaced_with_file(tmp_path, tokenize_where):
     src = tmp_path / "raw"
     src.mkdir()
     _write_jsonl(src / "ok.jsonl", [{"text": "fine"}] * 5)
@@ -128,6 +137,78 @@ def test_rerun_skips_complete_and_redoes_partial(tmp_path):
     after = TokenStream(str(out))
     assert after.read(0, after.total_tokens).tolist() == before
     assert not any(n.endswith(".tmp") for n in os.listdir(out))
+
+
+@pytest.fixture(scope="module")
+def real_tok_dir(tmp_path_factory):
+    from tokenizer.train_tokenizer import train_tokenizer
+    d = tmp_path_factory.mktemp("tok")
+    _write_jsonl(d / "c.jsonl", [{"text": f"hello world {i} the quick brown fox 你好 世界"} for i in range(200)])
+    train_tokenizer(str(d / "c.jsonl"), str(d / "tok"), vocab_size=300)
+    return str(d / "tok")
+
+
+def _files(d):
+    return {n: (d / n).read_bytes() for n in sorted(os.listdir(d))}
+
+
+def test_same_bytes_in_process_and_in_workers_with_real_tokenizer(tmp_path, real_tok_dir, monkeypatch):
+    """One worker, two workers on a small input (both in this process) and two worker processes
+    (forced) write the same files byte for byte, equal to <s> encode_texts(load_tokenizer) </s>:
+    what every worker wrote when each loaded the tokenizer itself."""
+    from data_preprocess import pretokenize_pretrain_data as mod
+    from tokenizer import encode_texts, load_tokenizer, load_tokenizer_meta
+    src = tmp_path / "raw"
+    src.mkdir()
+    texts = [f"doc {i}: the quick brown fox 你好 <s> </s> <|im_end|> " + "世界 " * (i % 7) for i in range(600)]
+    _write_jsonl(src / "a.jsonl", [{"text": t} for t in texts[:300]] + [{"text": ""}, "{bad"])
+    (src / "b.txt").write_text("\n".join(texts[300:]) + "\n", encoding="utf-8")
+    long_doc = "hello world " * 200 + "你好" * 300  # split in pieces by max_doc_chars=500
+    _write_jsonl(src / "c.jsonl", [{"text": long_doc}])
+    runs = {}
+    for name, workers, small in (("one", 1, mod.SMALL_INPUT_BYTES), ("two_small", 2, mod.SMALL_INPUT_BYTES),
+                                 ("two_pool", 2, 0)):
+        monkeypatch.setattr(mod, "SMALL_INPUT_BYTES", small)
+        s = pretokenize_pretrain(str(src), real_tok_dir, str(tmp_path / name), num_workers=workers, progress=False,
+                                 shard_size_tokens=500, max_doc_chars=500)
+        assert s["documents"] == 601 and s["split_documents"] == 1 and s["skips"]["malformed JSON"] == 1
+        runs[name] = _files(tmp_path / name)
+    assert len(runs["one"]) > 3 * 3  # several shards per input: boundaries inside documents too
+    assert runs["one"] == runs["two_small"] == runs["two_pool"]
+    meta = load_tokenizer_meta(real_tok_dir)
+    bos, eos = meta["special_tokens"]["bos"]["id"], meta["special_tokens"]["eos"]["id"]
+    want = []
+    for ids in encode_texts(load_tokenizer(real_tok_dir), texts):
+        want += [bos] + ids + [eos]
+    stream = TokenStream(str(tmp_path / "one"))
+    got = stream.read(0, stream.total_tokens).tolist()
+    assert got[:len(want)] == want and got[len(want)] == bos and got[-1] == eos
+
+
+def test_worker_start_up_imports_neither_transformers_nor_torch(real_tok_dir):
+    """A worker rebuilds the parent's backend from JSON: starting one costs tens of milliseconds, not
+    the seconds of importing transformers + torch (what made small inputs slow with --num_workers>1)."""
+    import subprocess
+    import sys
+    from data_preprocess.worker_tokenizer import backend_json
+    from tokenizer import encode_texts, load_tokenizer
+    tok = load_tokenizer(real_tok_dir)
+    code = ("import sys, json\n"
+            "from data_preprocess import pretokenize_pretrain_data as m, sft_format as f\n"
+            "backend = sys.stdin.read()\n"
+            "m._init_worker(backend, None)\n"
+            "flat, lengths = m._tokenize_batch(['the quick <s> fox', '你好 <|im_end|>'])\n"
+            "f._init_chat_worker(backend, None)\n"
+            "ids, mask = f._WORKER_ENCODE([{'role': 'user', 'content': 'hi'}])\n"
+            "print(json.dumps([flat.tolist(), lengths.tolist(), sorted(k for k in ('torch', 'transformers') "
+            "if k in sys.modules)]))\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", code], input=backend_json(tok), cwd=root, capture_output=True,
+                       text=True, timeout=120, env=dict(os.environ, PYTHONPATH=root))
+    assert r.returncode == 0, r.stderr
+    flat, lengths, imported = json.loads(r.stdout.strip().splitlines()[-1])
+    assert imported == []
+    assert flat == sum(encode_texts(tok, ["the quick <s> fox", "你好 <|im_end|>"]), []) and len(lengths) == 2
 
 
 def _fake_shards(d, lengths, vocab=320, seed=0):
