@@ -227,7 +227,8 @@ def main(argv: list[str]) -> int:
         print(f"{PROG}: error: {_one_line(e)}", file=sys.stderr)
         return EXIT_BAD_CONFIG
     try:
-        info = init_distributed(cfg.device, need_group=cfg.parallel == "fsdp" or cfg.pipeline_parallel_size > 1)
+        from parallel.engine import needs_process_group
+        info = init_distributed(cfg.device, need_group=needs_process_group(cfg))
         return train(cfg, info, continues=continues, max_iters_given="max_iters" in given)
     except Exception as e:  # noqa: BLE001 - named errors become one line and an exit code; others re-raise
         named = named_error(e)
@@ -371,8 +372,9 @@ def choose_trainable(cfg: TrainConfig, model, init_info: dict, start: Start, log
         raise TrainingError(f"--lora_*: {e}", EXIT_BAD_CONFIG) from e
     c = trainable_parameters(model)
     log(f"{what}: {c['trainable']:,} trainable of {c['total']:,} parameters ({c['percent']:.2f}%)")
+    from parallel.engine import light_checkpoints_supported
     frozen_base = cfg.lora_rank > 0 or cfg.trainable == "embeddings"
-    if not (frozen_base and cfg.parallel == "ddp" and init_info["kind"] in ("ours", "hf")):
+    if not (frozen_base and light_checkpoints_supported(cfg) and init_info["kind"] in ("ours", "hf")):
         return None
     if start.resume_dir is not None:
         lora_base = start.saved_state.get("lora_base")
@@ -409,10 +411,6 @@ def place_on_engine(cfg: TrainConfig, info: DistInfo, model, ref_model, log) -> 
     slow_dtype = low_precision_cpu_warning(info.device, dtype)
     if slow_dtype:
         log(f"[warning] {slow_dtype}")
-    # fsdp keeps fp32 sharded parameters (the optimizer's masters) and computes in `dtype` through its
-    # mixed-precision policy; ddp runs the model in `dtype` with fp32 masters in the optimizer.
-    # the engine moves to the device what this rank runs (the whole model, or its pipeline stage)
-    model.to(dtype=torch.float32 if cfg.parallel == "fsdp" else dtype)
     mcfg = model.cfg
     from model.attention import describe_attention
     from model.kernels import describe_choice, flash_attn_functions
@@ -425,7 +423,7 @@ def place_on_engine(cfg: TrainConfig, info: DistInfo, model, ref_model, log) -> 
     log(f"[model] {n_params / 1e6:.2f}M parameters ({n_train / 1e6:.2f}M trainable), {mcfg.n_layers} layers, "
         f"dim {mcfg.dim}, vocab {mcfg.vocab_size}, dtype {cfg.dtype}, device {info.device}, world {info.world_size}")
     from parallel.engine import build_engine, describe_layout
-    try:
+    try:  # the engine casts the model to its precision policy and moves what this rank runs to the device
         engine = build_engine(model, cfg, device=info.device)
     except ValueError as e:  # a layout that cannot run (e.g. a checkpoint's layers do not split into stages)
         raise TrainingError(f"bad parallel configuration: {_one_line(e)}", EXIT_BAD_CONFIG) from e

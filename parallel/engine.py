@@ -1,5 +1,8 @@
-"""The trainer's one interface to the parallel engines: a wrapped model, an optimizer, one
-training step's forward + backward, evaluation, and a checkpoint adapter, whatever engine runs underneath.
+"""The trainer's one interface to the parallel engines (`TrainingEngine`): a wrapped model, an optimizer,
+one training step's forward + backward, evaluation, and the engine's own checkpoint format, whatever engine
+runs underneath. One class per engine: DDPEngine (our DDP / ZeRO), FSDPEngine (FSDP2),
+PipelineParallelEngine (stages over either); `build_engine` picks it from the flags, and the trainer
+never branches on which one it got.
 
     engine = build_engine(model, cfg)          # cfg.parallel: "ddp" (default) or "fsdp";
                                                # cfg.pipeline_parallel_size > 1: pipeline stages, dp over either
@@ -16,11 +19,11 @@ loss_fn(model, batch) -> (sum of the micro-batch's per-unit losses, {stat: sum})
 `global_units`, the target units of all micro-batches of all data-parallel replicas).
 `engine.dp_rank` / `engine.dp_size` are the data-parallel coordinates the data loader must use.
 
-- ddp: our DistributedDataParallel (buckets, comm hooks, PowerSGD) + MixedPrecisionOptimizer, or the
+- ddp (DDPEngine): our DistributedDataParallel (buckets, comm hooks, PowerSGD) + MixedPrecisionOptimizer, or the
   ZeRO-1/2 DistributedOptimizer with --use_distributed_optimizer. Checkpoints: utils/checkpoint.py
   (full weights in model.safetensors from rank 0, optimizer state per rank when sharded; it re-shards
   to another world size). LoRA runs store only the trainable tensors (see `trainable_state`).
-- fsdp: torch FSDP2 (`fully_shard` per block + root) + FSDPOptimizer (parallel/fsdp.py). Checkpoints:
+- fsdp (FSDPEngine): torch FSDP2 (`fully_shard` per block + root) + FSDPOptimizer (parallel/fsdp.py). Checkpoints:
   torch.distributed.checkpoint, sharded, no gather, loadable at any world size
   (parallel/dcp_checkpoint.py), in the same step_N/ layout, so listing, verification and pruning are shared.
 - pipeline (`PipelineParallelEngine`, cfg.pipeline_parallel_size = P > 1): parallel/pipeline.py's
@@ -40,7 +43,7 @@ import os
 import shutil
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, ClassVar, Optional, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -89,9 +92,36 @@ def _zero_stats() -> torch.Tensor:
     return torch.zeros(len(STEP_FIELDS), dtype=torch.float64)
 
 
+class TrainingEngine(Protocol):
+    """What the trainer asks of an engine (one class per engine below; `build_engine` picks it)."""
+    kind: str
+    optimizer: Any
+    module: nn.Module
+    dp_rank: int
+    dp_size: int
+    fixed_batch_shape: bool
+    micro_batches_per_call: int
+    lora_base: Optional[dict]
+
+    def place_reference(self, ref: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module: ...
+    def reference_layout(self) -> str: ...
+    def forward_backward(self, batches: Sequence[dict], loss_fn: LossFn, global_units: float,
+                         poison: bool = False) -> torch.Tensor: ...
+    def evaluate(self, batches: Sequence[dict], loss_fn: LossFn, count_units: Callable[[dict], int]) -> torch.Tensor: ...
+    def sum_over_data(self, values: "list[float] | torch.Tensor", device: torch.device,
+                      to_host: bool = True) -> torch.Tensor: ...
+    def resume_problem(self, ckpt_dir: str, saved_world: int, world_size: int) -> Optional[str]: ...
+    def save(self, out_dir: str, step: int, **kw: Any) -> str: ...
+    def load(self, ckpt_dir: str, saved_world: int, rank: int, world_size: int,
+             log: Callable[[str], None] = print) -> Optional[dict]: ...
+
+
 @dataclass
 class Engine:
-    kind: str                       # "ddp" | "fsdp" | "pipeline"
+    """What every engine shares: micro-batches with gradient accumulation through a DDP-like wrapper
+    (`no_sync`), forward-only evaluation, sums over the data-parallel replicas. Subclasses own the
+    reference-model layout and the checkpoint format: DDPEngine, FSDPEngine, PipelineParallelEngine."""
+    kind: ClassVar[str] = "engine"
     model: nn.Module                # DistributedDataParallel or FSDPDataParallel: forward, no_sync(), train()
                                     # (pipeline: this rank's stage, wrapped over the dp group)
     optimizer: Any                  # MixedPrecisionOptimizer / DistributedOptimizer / FSDPOptimizer API
@@ -111,19 +141,13 @@ class Engine:
 
     # ------------------------------------------------------------------ DPO's reference model
     def place_reference(self, ref: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
-        """DPO's frozen reference model, laid out like the trained one: ddp keeps a full copy in `dtype`
-        on every rank; fsdp shards it over the same mesh (fp32 shards, each block gathered in `dtype` for
-        its forward and freed after it), so the reference costs 1/world of its bytes per rank."""
-        if self.kind != "fsdp":
-            return ref.to(device=device, dtype=dtype)
-        from parallel.fsdp import wrap_fsdp
-        mesh = next(self.module.parameters()).device_mesh
-        return wrap_fsdp(ref.to(device=device, dtype=torch.float32), mesh_or_group=mesh, param_dtype=dtype,
-                         reshard_after_forward=True)
+        """DPO's frozen reference model, laid out like the trained one: here a full copy in `dtype` on
+        every rank (FSDPEngine shards it)."""
+        return ref.to(device=device, dtype=dtype)
 
     def reference_layout(self) -> str:
         """How place_reference lays out DPO's reference model, for the start-up log."""
-        return "sharded by FSDP2" if self.kind == "fsdp" else "a full copy"
+        return "a full copy"
 
     # ------------------------------------------------------------------ one step
     def forward_backward(self, batches: Sequence[dict], loss_fn: LossFn, global_units: float,
@@ -162,10 +186,11 @@ class Engine:
                 sums = row if sums is None else sums + row
         finally:
             self.forward_model.train()
-            if self.kind == "fsdp":  # no backward follows to free what the forward gathered: free it now
-                from parallel.fsdp import reshard
-                reshard(self.model)
+            self._after_forward_only()
         return sums if sums is not None else _zero_stats()
+
+    def _after_forward_only(self) -> None:
+        """Hook after a forward with no backward (FSDPEngine frees the gathered parameters)."""
 
     def sum_over_data(self, values: "list[float] | torch.Tensor", device: torch.device,
                       to_host: bool = True) -> torch.Tensor:
@@ -182,7 +207,31 @@ class Engine:
                     "that pipeline layout (or start a new run from it with --init_from=<that checkpoint>)")
         return None
 
-    # ------------------------------------------------------------------ save
+    # ------------------------------------------------------------------ checkpoints (each engine's own format)
+    def save(self, out_dir: str, step: int, *, rank: int, world_size: int, model_config: dict,
+             trainer_state: dict, run_config: dict, extra_state: dict, keep_last: int,
+             barrier: Callable[[], None], fault_hook: Optional[Callable[[], None]] = None,
+             log: Callable[[str], None] = print) -> str:
+        """Collective: this step's checkpoint under out_dir/checkpoints, published atomically; its path."""
+        raise NotImplementedError
+
+    def load(self, ckpt_dir: str, saved_world: int, rank: int, world_size: int,
+             log: Callable[[str], None] = print) -> Optional[dict]:
+        """Weights, optimizer and comm-hook state of `ckpt_dir` into this engine; returns this rank's
+        extra state (RNG) or None. The model must already hold the LoRA base when the checkpoint is light.
+        Raises CheckpointError naming the file when a file is damaged, CheckpointMismatchError when an
+        intact checkpoint holds other tensor names or shapes than this model. A missing
+        extra_rank{r}.pt at the same world size is logged (through `log`, on every rank) and returns None."""
+        raise NotImplementedError
+
+
+@dataclass
+class DDPEngine(Engine):
+    """Our DistributedDataParallel + MixedPrecisionOptimizer, or ZeRO-1/2 (DistributedOptimizer).
+    Checkpoints: utils/checkpoint.py (full weights from rank 0, or only the trainable tensors of a LoRA
+    run whose base is a file; optimizer state per rank when sharded, re-sharded at another world size)."""
+    kind: ClassVar[str] = "ddp"
+
     def save(self, out_dir: str, step: int, *, rank: int, world_size: int, model_config: dict,
              trainer_state: dict, run_config: dict, extra_state: dict, keep_last: int,
              barrier: Callable[[], None], fault_hook: Optional[Callable[[], None]] = None,
@@ -191,17 +240,6 @@ class Engine:
         hook_state = self.model.comm_hook_state_dict()
         if hook_state:
             extra_state = dict(extra_state, comm_hook=hook_state)
-        if self.kind == "fsdp":
-            from parallel.dcp_checkpoint import save_dcp_checkpoint
-            state = dict(trainer_state, step=step, world_size=world_size)
-            path = save_dcp_checkpoint(ckpt.checkpoint_root(out_dir), step, self.model, self.optimizer,
-                                       json_files={"trainer_state.json": state, "model_config.json": model_config,
-                                                   "config.json": run_config},
-                                       rank_state=extra_state, fault_hook=fault_hook)
-            if rank == 0:
-                ckpt.prune_checkpoints(out_dir, keep_last=keep_last, keep_best=True, log=log)
-            barrier()
-            return path
         if self.lora_base is not None:
             trainer_state = dict(trainer_state, lora_base=self.lora_base)
         model_state = None
@@ -213,27 +251,14 @@ class Engine:
                                extra_state=extra_state, trainer_state=trainer_state, run_config=run_config)
         return ckpt.save_checkpoint(out_dir, req, barrier=barrier, keep_last=keep_last, fault_hook=fault_hook, log=log)
 
-    # ------------------------------------------------------------------ load
     def load(self, ckpt_dir: str, saved_world: int, rank: int, world_size: int,
              log: Callable[[str], None] = print) -> Optional[dict]:
-        """Weights, optimizer and comm-hook state of `ckpt_dir` into this engine; returns this rank's
-        extra state (RNG) or None. The model must already hold the LoRA base when the checkpoint is light.
-        Raises CheckpointError naming the file when a file is damaged, CheckpointMismatchError when an
-        intact checkpoint holds other tensor names or shapes than this model. A missing
-        extra_rank{r}.pt at the same world size is logged (through `log`, on every rank) and returns None."""
         problem = self.resume_problem(ckpt_dir, saved_world, world_size)
         if problem:
             raise ckpt.CheckpointError(problem)
         if is_sharded_checkpoint(ckpt_dir):
-            if self.kind != "fsdp":
-                raise ckpt.CheckpointError(f"checkpoint {ckpt_dir} was written by --parallel=fsdp (sharded, DCP); "
-                                           "resume it with --parallel=fsdp")
-            from parallel.dcp_checkpoint import load_dcp_checkpoint
-            load_dcp_checkpoint(ckpt_dir, self.model, self.optimizer)
-            return load_extra_state(ckpt_dir, rank, saved_world, world_size, log)
-        if self.kind == "fsdp":
-            raise ckpt.CheckpointError(f"checkpoint {ckpt_dir} was written by --parallel=ddp; resume it with "
-                                       "--parallel=ddp (or start a new fsdp run with --init_from=<that checkpoint>)")
+            raise ckpt.CheckpointError(f"checkpoint {ckpt_dir} was written by --parallel=fsdp (sharded, DCP); "
+                                       "resume it with --parallel=fsdp")
         load_weights(self.module, ckpt.load_model_state(ckpt_dir), partial=self.lora_base is not None, source=ckpt_dir,
                      mismatch=ckpt.CheckpointMismatchError)
         load_optimizer_state(self.optimizer, ckpt_dir, self.sharded_optimizer, rank, world_size, saved_world)
@@ -248,6 +273,55 @@ class Engine:
                                            f"(PowerSGD) state does not load ({type(e).__name__}: "
                                            f"{ckpt.one_line(e)[:200]})") from e
         return extra if saved_world == world_size else None
+
+
+@dataclass
+class FSDPEngine(Engine):
+    """torch FSDP2 (`fully_shard` per block + root) + FSDPOptimizer (parallel/fsdp.py). Checkpoints:
+    torch.distributed.checkpoint, sharded, no gather, loadable at any world size (parallel/dcp_checkpoint.py)."""
+    kind: ClassVar[str] = "fsdp"
+
+    def place_reference(self, ref: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
+        """DPO's reference sharded over the same mesh (fp32 shards, each block gathered in `dtype` for its
+        forward and freed after it), so it costs 1/world of its bytes per rank."""
+        from parallel.fsdp import wrap_fsdp
+        mesh = next(self.module.parameters()).device_mesh
+        return wrap_fsdp(ref.to(device=device, dtype=torch.float32), mesh_or_group=mesh, param_dtype=dtype,
+                         reshard_after_forward=True)
+
+    def reference_layout(self) -> str:
+        return "sharded by FSDP2"
+
+    def _after_forward_only(self) -> None:
+        from parallel.fsdp import reshard  # no backward follows to free what the forward gathered: free it now
+        reshard(self.model)
+
+    def save(self, out_dir: str, step: int, *, rank: int, world_size: int, model_config: dict,
+             trainer_state: dict, run_config: dict, extra_state: dict, keep_last: int,
+             barrier: Callable[[], None], fault_hook: Optional[Callable[[], None]] = None,
+             log: Callable[[str], None] = print) -> str:
+        from parallel.dcp_checkpoint import save_dcp_checkpoint
+        state = dict(trainer_state, step=step, world_size=world_size)
+        path = save_dcp_checkpoint(ckpt.checkpoint_root(out_dir), step, self.model, self.optimizer,
+                                   json_files={"trainer_state.json": state, "model_config.json": model_config,
+                                               "config.json": run_config},
+                                   rank_state=extra_state, fault_hook=fault_hook)
+        if rank == 0:
+            ckpt.prune_checkpoints(out_dir, keep_last=keep_last, keep_best=True, log=log)
+        barrier()
+        return path
+
+    def load(self, ckpt_dir: str, saved_world: int, rank: int, world_size: int,
+             log: Callable[[str], None] = print) -> Optional[dict]:
+        problem = self.resume_problem(ckpt_dir, saved_world, world_size)
+        if problem:
+            raise ckpt.CheckpointError(problem)
+        if not is_sharded_checkpoint(ckpt_dir):
+            raise ckpt.CheckpointError(f"checkpoint {ckpt_dir} was written by --parallel=ddp; resume it with "
+                                       "--parallel=ddp (or start a new fsdp run with --init_from=<that checkpoint>)")
+        from parallel.dcp_checkpoint import load_dcp_checkpoint
+        load_dcp_checkpoint(ckpt_dir, self.model, self.optimizer)
+        return load_extra_state(ckpt_dir, rank, saved_world, world_size, log)
 
 
 def load_extra_state(ckpt_dir: str, rank: int, saved_world: int, world_size: int,
@@ -382,7 +456,7 @@ def base_fingerprint(module: nn.Module) -> str:
 
 # ---------------------------------------------------------------------------- build
 
-def build_engine(model: nn.Module, cfg: Any, group: Any = None, device: Optional[torch.device] = None) -> Engine:
+def build_engine(model: nn.Module, cfg: Any, group: Any = None, device: Optional[torch.device] = None) -> TrainingEngine:
     """Wrap `model` for `cfg.parallel` (and `cfg.pipeline_parallel_size`) and build its optimizer: the
     same objects for world size 1 and N. `device`: where to run (default: where the model is); only
     this rank's pipeline stage is moved there, so the full model may be built on the CPU.
@@ -431,9 +505,24 @@ def _dp_coordinates(group: Any) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def _build_engine(model: nn.Module, cfg: Any, group: Any, device: torch.device) -> Engine:
+def needs_process_group(cfg: Any) -> bool:
+    """FSDP2 and pipeline stages run on a device mesh: a process group even for one process."""
+    return cfg.parallel == "fsdp" or int(getattr(cfg, "pipeline_parallel_size", 1)) > 1
+
+
+def light_checkpoints_supported(cfg: Any) -> bool:
+    """Whether this engine can save only the trainable tensors of a LoRA / embeddings-only run (plus a
+    reference to the frozen base): our DDP's format can; fsdp writes its shards without gathering anyway."""
+    return cfg.parallel == "ddp"
+
+
+def _build_engine(model: nn.Module, cfg: Any, group: Any, device: torch.device) -> TrainingEngine:
     from optimizer import OptimizerConfig
     from utils.device import parse_dtype
+    # the precision policy: fsdp keeps fp32 sharded parameters (the optimizer's masters) and computes in
+    # --dtype through its mixed-precision policy; ddp (and its pipeline stages) run the model in --dtype
+    # with fp32 masters in the optimizer
+    model.to(dtype=torch.float32 if cfg.parallel == "fsdp" else parse_dtype(cfg.dtype))
     zero = cfg.use_distributed_optimizer
     opt_cfg = OptimizerConfig(
         lr=cfg.learning_rate, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, weight_decay=cfg.weight_decay,
@@ -459,7 +548,7 @@ def _build_engine(model: nn.Module, cfg: Any, group: Any, device: torch.device) 
                                          reshard_after_forward=cfg.reshard_after_forward,
                                          cpu_offload=cfg.cpu_offload)
         rank, world = _dp_coordinates(group)
-        return Engine("fsdp", wrapped, opt, unwrap(wrapped), sharded_optimizer=True, dp_rank=rank, dp_size=world)
+        return FSDPEngine(wrapped, opt, unwrap(wrapped), sharded_optimizer=True, dp_rank=rank, dp_size=world)
     from optimizer import build_optimizer
     from parallel import (DDPConfig, DistributedDataParallel, PowerSGDState, allreduce_hook,
                           bf16_compress_wrapper, fp16_compress_wrapper, powersgd_hook, reduce_scatter_hook)
@@ -478,8 +567,8 @@ def _build_engine(model: nn.Module, cfg: Any, group: Any, device: torch.device) 
         ddp.register_comm_hook(None, wrap(reduce_scatter_hook if zero else allreduce_hook))
     # "reduce_scatter" is what the distributed optimizer registers itself (validate_config insists on it)
     rank, world = _dp_coordinates(group)
-    return Engine("ddp", ddp, build_optimizer(ddp, opt_cfg), model, sharded_optimizer=zero, dp_rank=rank,
-                  dp_size=world)
+    return DDPEngine(ddp, build_optimizer(ddp, opt_cfg), model, sharded_optimizer=zero, dp_rank=rank,
+                     dp_size=world)
 
 
 def checkpoint_model_state(ckpt_dir: str) -> dict[str, torch.Tensor]:
@@ -518,9 +607,10 @@ def read_pipeline_meta_safe(ckpt_dir: str) -> dict:
 
 class PipelineParallelEngine(Engine):
     """The trainer's view of a parallel.pipeline.PipelineEngine (this rank's stage on the pp x dp mesh)."""
+    kind: ClassVar[str] = "pipeline"
 
     def __init__(self, pipe: Any) -> None:
-        super().__init__("pipeline", pipe.model, pipe.optimizer, pipe.module, dp_rank=pipe.dp_rank,
+        super().__init__(pipe.model, pipe.optimizer, pipe.module, dp_rank=pipe.dp_rank,
                          dp_size=pipe.dp_size, fixed_batch_shape=True, micro_batches_per_call=pipe.n_microbatches)
         self.pipe = pipe
 

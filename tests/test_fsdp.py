@@ -167,12 +167,12 @@ def _held_param_bytes(eng) -> int:
 
 def _evaluate_then_save(group, root: str) -> dict:
     from parallel.dcp_checkpoint import load_dcp_checkpoint, save_dcp_checkpoint
-    from parallel.engine import Engine
+    from parallel.engine import FSDPEngine
     from parallel.fsdp import unwrap
     from torch.distributed.tensor import DTensor
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     eng, opt = _build(group, reshard_after_forward=False)
-    engine = Engine("fsdp", eng, opt, unwrap(eng), sharded_optimizer=True, dp_rank=rank, dp_size=world)
+    engine = FSDPEngine(eng, opt, unwrap(eng), sharded_optimizer=True, dp_rank=rank, dp_size=world)
     _train_step(eng, opt, 1, group)
     out = {"after_step": _held_param_bytes(eng)}
     x, y = _global_batches(2)[0]
