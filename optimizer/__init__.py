@@ -9,12 +9,14 @@ from optimizer.mixed_precision_optimizer import MixedPrecisionOptimizer
 from optimizer.optimizer_config import OptimizerConfig
 
 
-def build_optimizer(ddp_model, config: OptimizerConfig) -> MixedPrecisionOptimizer:
+def build_optimizer(ddp_model, config: OptimizerConfig, norm_groups=()) -> MixedPrecisionOptimizer:
+    """norm_groups: process groups of ranks holding other parameters of the model (pipeline stages),
+    over which the gradient norm and the skip decision are global too."""
     if config.use_distributed_optimizer:
         # Imported here: parallel.distributed_optimizer builds on this package.
         from parallel.distributed_optimizer import DistributedOptimizer
-        return DistributedOptimizer(ddp_model, config)
-    return MixedPrecisionOptimizer(ddp_model, config)
+        return DistributedOptimizer(ddp_model, config, norm_groups)
+    return MixedPrecisionOptimizer(ddp_model, config, norm_groups)
 
 
 __all__ = ["build_optimizer", "OptimizerConfig", "MixedPrecisionOptimizer", "DynamicGradScaler",

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import torch
+import torch.distributed as dist
 
 from optimizer.grad_scaler import ConstantScaler, DynamicGradScaler
 from optimizer.optimizer_config import OptimizerConfig
@@ -47,9 +48,12 @@ class Piece:
 class MixedPrecisionOptimizer:
     sharded = False
 
-    def __init__(self, ddp, config: OptimizerConfig):
+    def __init__(self, ddp, config: OptimizerConfig, norm_groups: Sequence = ()):
+        """norm_groups: more process groups whose ranks hold OTHER parameters of the same model (a
+        pipeline's stages): the squared gradient norm is summed, and the skip decided, over them too."""
         self.ddp, self.config = ddp, config
         self.group, self.rank, self.world_size = ddp.process_group, ddp.rank, ddp.world_size
+        self.norm_groups = list(norm_groups)
         if config.use_distributed_optimizer != self.sharded:
             raise ValueError("use build_optimizer(): use_distributed_optimizer picks the optimizer class")
         if ddp.config.use_distributed_optimizer and not self.sharded:
@@ -149,7 +153,7 @@ class MixedPrecisionOptimizer:
         # gradients; one SUM all-reduce in ZeRO, where a rank sees only its shard) is non-finite iff
         # some rank's is, so reading it is the overflow decision too, identical on every rank: the
         # step's one host sync, and no separate flag collective.
-        global_sumsq = float(self._reduce_sumsq(self._local_sumsq(self.pieces)).item())
+        global_sumsq = float(self._global_sumsq(self._local_sumsq(self.pieces)).item())
         found_inf = not math.isfinite(global_sumsq)  # an inf/nan anywhere, or the fp32 sum overflowed
         norm = float("inf") if found_inf else math.sqrt(global_sumsq)
         self.scaler.update(found_inf)
@@ -200,7 +204,7 @@ class MixedPrecisionOptimizer:
         self._after_grads_loaded()
         self._report_to_comm_hook(True if not skipped else
                                   [b.index for b in self.ddp.buckets if b.index not in skipped])
-        norm = math.sqrt(float(self._reduce_sumsq(sumsq).item()))
+        norm = math.sqrt(float(self._global_sumsq(sumsq).item()))
         self.prev_grad_norm = norm
         self._drop_grads()
         return not skipped, norm
@@ -232,6 +236,16 @@ class MixedPrecisionOptimizer:
             return torch.zeros((), dtype=torch.float32, device=self._device())
         return torch.stack([n * n for n in torch._foreach_norm(grads, 2)]).sum()
 
+    def _global_sumsq(self, sumsq: torch.Tensor) -> torch.Tensor:
+        """The squared norm over every parameter of the model: this optimizer's own reduction, then a SUM
+        over each norm group (in float64, on the device: no host read here)."""
+        total = self._reduce_sumsq(sumsq)
+        if self.norm_groups:
+            total = total.detach().to(dtype=torch.float64).reshape(1).clone()
+            for group in self.norm_groups:
+                dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        return total
+
     def _reduce_sumsq(self, sumsq: torch.Tensor) -> torch.Tensor:
         """The global squared gradient norm, left on the device (the caller reads it once).
         Unsharded: every rank holds the same fully reduced gradient, so the local sum IS the
@@ -243,6 +257,8 @@ class MixedPrecisionOptimizer:
         of a 0/1 flag (a collective: every rank calls it at the same point)."""
         flag = (~torch.isfinite(local_sumsq.detach())).to(torch.float32).reshape(1)
         comm.all_reduce_max_flag(flag, self.group, self.world_size)
+        for group in self.norm_groups:  # every stage skips or steps together
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         return bool(flag.item() > 0)
 
     def _report_to_comm_hook(self, stepped: Union[bool, list[int]]) -> None:

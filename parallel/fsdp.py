@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -277,7 +277,7 @@ class FSDPOptimizer:
     """
     sharded = True
 
-    def __init__(self, model: nn.Module, config: OptimizerConfig):
+    def __init__(self, model: nn.Module, config: OptimizerConfig, norm_groups: Sequence = ()):
         validate_fsdp_options(use_distributed_optimizer=config.use_distributed_optimizer,
                               overlap_optim_step=config.overlap_optim_step,
                               overlap_param_gather=config.overlap_param_gather, zero_stage=config.zero_stage)
@@ -299,7 +299,7 @@ class FSDPOptimizer:
         self.params = [p for _, p in self.named_params]
         self.mesh: DeviceMesh = self.params[0].device_mesh
         self.group = self.mesh.get_group()
-        self.extra_norm_groups: list = []  # more groups the squared norm is summed over (pipeline stages)
+        self.norm_groups = list(norm_groups)  # more groups the squared norm is summed over (pipeline stages)
         self.rank, self.world_size = self.mesh.get_local_rank(), self.mesh.size()
         self.scaler = (DynamicGradScaler(config.initial_loss_scale, config.min_loss_scale,
                                          config.loss_scale_growth_interval, config.hysteresis)
@@ -357,7 +357,7 @@ class FSDPOptimizer:
         sumsq = sumsq.to(self._comm_device)
         if self.world_size > 1:
             dist.all_reduce(sumsq, group=self.group)
-        for group in self.extra_norm_groups:  # e.g. the pipeline group: the norm spans every stage
+        for group in self.norm_groups:  # e.g. the pipeline group: the norm spans every stage
             dist.all_reduce(sumsq, group=group)
         return math.sqrt(float(sumsq.item()))
 

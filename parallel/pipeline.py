@@ -138,51 +138,16 @@ def pipeline_stage_module(model: Transformer, stage_index: int, num_stages: int,
 
 # ---------------------------------------------------------------------------- optimizer across stages
 
-class _AcrossStagesMixin:
-    """Makes our optimizers' global quantities global over the pipeline too: every stage owns
-    different parameters, so the squared gradient norm is summed over the pp group (after the
-    optimizer's own dp reduction, which ZeRO needs and the unsharded optimizer does not), and the
-    non-finite flag (fp16 skip) is MAX-reduced over it, so all stages skip or step together."""
-    pp_group: Any = None
-    pp_size: int = 1
-
-    def _reduce_sumsq(self, sumsq: torch.Tensor) -> torch.Tensor:
-        s = super()._reduce_sumsq(sumsq)  # type: ignore[misc]
-        if self.pp_size == 1:
-            return s
-        t = s.detach().to(dtype=torch.float64).reshape(1).clone()  # on the device: no host read here
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.pp_group)
-        return t
-
-    def _non_finite_anywhere(self, local_sumsq: torch.Tensor) -> bool:
-        bad = super()._non_finite_anywhere(local_sumsq)  # type: ignore[misc]
-        if self.pp_size == 1:
-            return bad
-        dev = self._device()  # type: ignore[attr-defined]
-        flag = torch.tensor([1.0 if bad else 0.0], dtype=torch.float32, device=dev)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.pp_group)
-        return bool(flag.item() > 0)
-
-
 def _pipeline_optimizer(ddp, config: OptimizerConfig, pp_group, pp_size: int):
-    if config.use_distributed_optimizer:
-        from parallel.distributed_optimizer import DistributedOptimizer as base
-    else:
-        from optimizer.mixed_precision_optimizer import MixedPrecisionOptimizer as base
-    cls = type(f"Pipeline{base.__name__}", (_AcrossStagesMixin, base), {})
-    opt = cls.__new__(cls)
-    opt.pp_group, opt.pp_size = pp_group, pp_size
-    opt.__init__(ddp, config)
-    return opt
+    """Our (ZeRO or not) optimizer whose global norm and fp16 skip also span the other stages."""
+    from optimizer import build_optimizer
+    return build_optimizer(ddp, config, norm_groups=[pp_group] if pp_size > 1 else [])
 
 
 def _pipeline_fsdp_optimizer(stage_module: nn.Module, config: OptimizerConfig, pp_group, pp_size: int):
     """FSDPOptimizer whose global norm also sums over the pp group (every stage's shards)."""
     from parallel.fsdp import FSDPOptimizer
-    opt = FSDPOptimizer(stage_module, config)
-    if pp_size > 1:
-        opt.extra_norm_groups = [pp_group]
-    return opt
+    return FSDPOptimizer(stage_module, config, norm_groups=[pp_group] if pp_size > 1 else [])
 
 
 def _wrap_stage_fsdp(stage_module: PipelineStageModule, dp_mesh, *, param_dtype: torch.dtype,

@@ -25,7 +25,7 @@ gradient buffer (every bucket, padded) and W the world size:
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
@@ -38,7 +38,7 @@ from parallel import comm
 class DistributedOptimizer(MixedPrecisionOptimizer):
     sharded = True
 
-    def __init__(self, ddp, config: OptimizerConfig):
+    def __init__(self, ddp, config: OptimizerConfig, norm_groups: Sequence = ()):
         if not ddp.config.use_distributed_optimizer:
             # Trap 7 in reverse: a sharded optimizer needs DDP's buckets sharded too (padding,
             # reduce-scatter). Fail loudly instead of silently all-reducing.
@@ -48,7 +48,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         self._orphan_buckets: list[int] = []
         self._grad_shards: dict[int, torch.Tensor] = {}  # ZeRO-2: bucket index -> owned fp32 grads
         self.param_gather_bytes = 0  # payload bytes of parameter all-gathers (cumulative)
-        super().__init__(ddp, config)
+        super().__init__(ddp, config, norm_groups)
         self._gather_order = self._static_gather_order()
         if self.zero_stage == 2:
             self._slot_start = {(b.index, id(s.param)): s.start for b in ddp.buckets for s in b.slots}
