@@ -389,23 +389,24 @@ KERNEL_CHOICES = {"auto": (True, "auto"), "true": (True, "auto"), "triton": (Tru
                   "torch": (True, "torch"), "false": (False, "auto")}
 
 
-def validate_config(cfg: TrainConfig, world_size: Optional[int] = None, torch_free: bool = False) -> None:
-    """Every value the run cannot work with, as one exit-2 error listing all of them.
-    world_size (when known) also checks that the processes form a pp x dp mesh. torch_free: only the
-    checks that need no torch (the pre-check's): not the FSDP, pipeline and LoRA-target ones."""
-    problems = pipeline_problems(cfg, world_size, torch_free=torch_free)
+class _Problems(list):
+    """The problems validate_config collects, with the three shapes of check most flags need."""
 
-    def choice(name: str, allowed: tuple[str, ...]) -> None:
-        if getattr(cfg, name) not in allowed:
-            problems.append(f"--{name}={getattr(cfg, name)!r} ({' | '.join(allowed)})")
+    def __init__(self, cfg: TrainConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
 
-    def at_least(name: str, low: int) -> None:
-        if getattr(cfg, name) < low:
-            problems.append(f"--{name}={getattr(cfg, name)}: must be >= {low}")
+    def choice(self, name: str, allowed: tuple[str, ...]) -> None:
+        if getattr(self.cfg, name) not in allowed:
+            self.append(f"--{name}={getattr(self.cfg, name)!r} ({' | '.join(allowed)})")
 
-    def number(name: str, low: float, high: float = math.inf, low_open: bool = False, high_open: bool = True,
+    def at_least(self, name: str, low: int) -> None:
+        if getattr(self.cfg, name) < low:
+            self.append(f"--{name}={getattr(self.cfg, name)}: must be >= {low}")
+
+    def number(self, name: str, low: float, high: float = math.inf, low_open: bool = False, high_open: bool = True,
                what: str = "") -> None:
-        v = getattr(cfg, name)
+        v = getattr(self.cfg, name)
         ok = math.isfinite(v) and (v > low if low_open else v >= low) and (v < high if high_open else v <= high)
         if not ok:
             if what:
@@ -414,25 +415,40 @@ def validate_config(cfg: TrainConfig, world_size: Optional[int] = None, torch_fr
                 rule = f"must be a finite number {'>' if low_open else '>='} {low:g}"
             else:
                 rule = f"must be in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
-            problems.append(f"--{name}={v}: {rule}")
+            self.append(f"--{name}={v}: {rule}")
 
-    choice("task_type", ("pretrain", "sft", "dpo"))
+
+def validate_config(cfg: TrainConfig, world_size: Optional[int] = None, torch_free: bool = False) -> None:
+    """Every value the run cannot work with, as one exit-2 error listing all of them.
+    world_size (when known) also checks that the processes form a pp x dp mesh. torch_free: only the
+    checks that need no torch (the pre-check's): not the FSDP, pipeline and LoRA-target ones."""
+    problems = _Problems(cfg)
+    problems.extend(pipeline_problems(cfg, world_size, torch_free=torch_free))
+    _choices_and_combinations(cfg, problems, torch_free)
+    _numbers_and_extras(cfg, problems, torch_free)
+    if problems:
+        raise TrainingError("bad configuration: " + "; ".join(problems), EXIT_BAD_CONFIG)
+
+
+def _choices_and_combinations(cfg: TrainConfig, p: _Problems, torch_free: bool) -> None:
+    """Choices, required paths, and flags that cannot be combined."""
+    p.choice("task_type", ("pretrain", "sft", "dpo"))
     if not str(cfg.out_dir).strip():
-        problems.append(f"--out_dir={cfg.out_dir!r}: must name the run directory (it holds the checkpoints)")
+        p.append(f"--out_dir={cfg.out_dir!r}: must name the run directory (it holds the checkpoints)")
     if not 0 <= cfg.seed < 2**32:  # numpy's and the data order's generators take a 32-bit unsigned seed
-        problems.append(f"--seed={cfg.seed}: must be in [0, {2**32 - 1}]")
+        p.append(f"--seed={cfg.seed}: must be in [0, {2**32 - 1}]")
     if not cfg.data_dir and not cfg.data_mix:
-        problems.append("--data_dir is required")
+        p.append("--data_dir is required")
     if not cfg.tokenizer_dir:
-        problems.append("--tokenizer_dir is required")
-    choice("dtype", ("fp32", "bf16", "fp16"))
-    choice("comm_hook", ("allreduce", "reduce_scatter", "fp16", "bf16", "powersgd"))
-    choice("lr_schedule", ("cosine", "linear", "wsd", "constant"))
-    choice("dpo_loss", ("sigmoid", "ipo", "hinge"))
-    choice("parallel", ("ddp", "fsdp"))
-    choice("trainable", ("all", "embeddings"))
+        p.append("--tokenizer_dir is required")
+    p.choice("dtype", ("fp32", "bf16", "fp16"))
+    p.choice("comm_hook", ("allreduce", "reduce_scatter", "fp16", "bf16", "powersgd"))
+    p.choice("lr_schedule", ("cosine", "linear", "wsd", "constant"))
+    p.choice("dpo_loss", ("sigmoid", "ipo", "hinge"))
+    p.choice("parallel", ("ddp", "fsdp"))
+    p.choice("trainable", ("all", "embeddings"))
     cfg.fused_kernels = str(cfg.fused_kernels).lower()
-    choice("fused_kernels", tuple(KERNEL_CHOICES))
+    p.choice("fused_kernels", tuple(KERNEL_CHOICES))
     if cfg.parallel == "fsdp" and not torch_free:
         from parallel.fsdp import validate_fsdp_options
         try:
@@ -440,65 +456,68 @@ def validate_config(cfg: TrainConfig, world_size: Optional[int] = None, torch_fr
                                   overlap_optim_step=cfg.overlap_optim_step,
                                   overlap_param_gather=cfg.overlap_param_gather, zero_stage=cfg.zero_stage)
         except ValueError as e:
-            problems.append(f"--parallel=fsdp: {e}")
+            p.append(f"--parallel=fsdp: {e}")
     elif cfg.cpu_offload:
-        problems.append("--cpu_offload=true needs --parallel=fsdp")
+        p.append("--cpu_offload=true needs --parallel=fsdp")
     if cfg.comm_hook == "reduce_scatter" and not cfg.use_distributed_optimizer:
-        problems.append("--comm_hook=reduce_scatter leaves each rank only its shard of the gradients: it needs "
-                        "--use_distributed_optimizer=true (ZeRO), which steps exactly that shard")
+        p.append("--comm_hook=reduce_scatter leaves each rank only its shard of the gradients: it needs "
+                 "--use_distributed_optimizer=true (ZeRO), which steps exactly that shard")
     if cfg.zero_stage not in (1, 2):
-        problems.append(f"--zero_stage={cfg.zero_stage} (1 | 2)")
-    choice("resume", RESUME_CHOICES)
+        p.append(f"--zero_stage={cfg.zero_stage} (1 | 2)")
+    p.choice("resume", RESUME_CHOICES)
     if cfg.init_from == "resume" and cfg.resume == "never":
-        problems.append("--init_from=resume (= --resume=always) contradicts --resume=never")
+        p.append("--init_from=resume (= --resume=always) contradicts --resume=never")
     if cfg.task_type in ("sft", "dpo") and cfg.init_from == "scratch" and resume_policy(cfg) != "always":
-        problems.append(f"--task_type={cfg.task_type} starts from pretrained weights: pass --init_from=<run dir>")
+        p.append(f"--task_type={cfg.task_type} starts from pretrained weights: pass --init_from=<run dir>")
     if cfg.task_type in ("sft", "dpo") and resume_policy(cfg) == "always" and cfg.resume_fallback == "scratch":
-        problems.append(f"--task_type={cfg.task_type} starts from pretrained weights: --resume_fallback=scratch "
-                        "cannot be used")
+        p.append(f"--task_type={cfg.task_type} starts from pretrained weights: --resume_fallback=scratch "
+                 "cannot be used")
+
+
+def _numbers_and_extras(cfg: TrainConfig, p: _Problems, torch_free: bool) -> None:
+    """Ranges of the numeric flags, and the checks of samples, skipped data steps and LoRA targets."""
     for name in ("batch_size", "gradient_accumulation_steps", "max_iters", "max_seq_len", "checkpoint_interval",
                  "log_interval", "eval_iters", "keep_last", "dim", "n_layers", "n_heads", "multiple_of",
                  "bucket_size", "powersgd_rank"):
-        at_least(name, 1)
+        p.at_least(name, 1)
     for name in ("eval_interval", "warmup_iters", "lr_decay_iters", "n_kv_heads", "hidden_dim", "vocab_size",
                  "lora_rank", "powersgd_start_iter"):
-        at_least(name, 0)
-    number("learning_rate", 0.0, low_open=True)
-    number("min_lr", 0.0)
-    number("weight_decay", 0.0)
-    number("eps", 0.0, low_open=True)
-    number("grad_clip", 0.0, what="must be a finite number >= 0 (0 = no clipping)")
+        p.at_least(name, 0)
+    p.number("learning_rate", 0.0, low_open=True)
+    p.number("min_lr", 0.0)
+    p.number("weight_decay", 0.0)
+    p.number("eps", 0.0, low_open=True)
+    p.number("grad_clip", 0.0, what="must be a finite number >= 0 (0 = no clipping)")
     for name in ("beta1", "beta2", "dropout", "lora_dropout", "val_ratio"):
-        number(name, 0.0, 1.0)
-    number("rope_theta", 0.0, low_open=True)
-    number("lora_alpha", 0.0, low_open=True)
-    number("dpo_beta", 0.0, low_open=True)
-    number("dpo_label_smoothing", 0.0, 0.5)
-    number("powersgd_min_compression_rate", 0.0)
-    number("peak_flops", 0.0, what="must be a finite number >= 0 (0 = measure)")
-    number("spike_factor", 1.0, low_open=True)
-    number("num_train_epochs", 0.0, what="must be a finite number >= 0 (0 = off: --max_iters sets the length)")
-    at_least("sample_every", 0)
-    at_least("sample_max_new_tokens", 1)
-    number("sample_temperature", 0.0, what="must be a finite number >= 0 (0 = greedy)")
+        p.number(name, 0.0, 1.0)
+    p.number("rope_theta", 0.0, low_open=True)
+    p.number("lora_alpha", 0.0, low_open=True)
+    p.number("dpo_beta", 0.0, low_open=True)
+    p.number("dpo_label_smoothing", 0.0, 0.5)
+    p.number("powersgd_min_compression_rate", 0.0)
+    p.number("peak_flops", 0.0, what="must be a finite number >= 0 (0 = measure)")
+    p.number("spike_factor", 1.0, low_open=True)
+    p.number("num_train_epochs", 0.0, what="must be a finite number >= 0 (0 = off: --max_iters sets the length)")
+    p.at_least("sample_every", 0)
+    p.at_least("sample_max_new_tokens", 1)
+    p.number("sample_temperature", 0.0, what="must be a finite number >= 0 (0 = greedy)")
     if cfg.sample_every > 0:
-        problems.extend(sample_problems(cfg))
-    at_least("spike_window", 1)
+        p.extend(sample_problems(cfg))
+    p.at_least("spike_window", 1)
     from utils.spike_guard import parse_data_steps
     try:
         parse_data_steps(cfg.skip_data_steps)
     except ValueError as e:
-        problems.append(f"--skip_data_steps={cfg.skip_data_steps!r}: {e}")
+        p.append(f"--skip_data_steps={cfg.skip_data_steps!r}: {e}")
     if cfg.lora_train_embeddings and cfg.lora_rank == 0:
-        problems.append("--lora_train_embeddings=true needs --lora_rank>0 (to train only the embedding and LM head, "
-                        "use --trainable=embeddings)")
+        p.append("--lora_train_embeddings=true needs --lora_rank>0 (to train only the embedding and LM head, "
+                 "use --trainable=embeddings)")
     if cfg.lora_rank > 0 and not torch_free:
         from model.lora import ALL_LINEAR
         targets = [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]
         unknown = [t for t in targets if t not in ALL_LINEAR]
         if cfg.lora_targets != "all" and (unknown or not targets):
-            problems.append(f"--lora_targets={cfg.lora_targets}: unknown module name(s) "
-                            f"{','.join(unknown) or '(none)'}; use a comma-separated subset of "
-                            f"{','.join(ALL_LINEAR)}, or all")
-    if problems:
-        raise TrainingError("bad configuration: " + "; ".join(problems), EXIT_BAD_CONFIG)
+            p.append(f"--lora_targets={cfg.lora_targets}: unknown module name(s) "
+                     f"{','.join(unknown) or '(none)'}; use a comma-separated subset of "
+                     f"{','.join(ALL_LINEAR)}, or all")
+
