@@ -64,6 +64,8 @@ import xml.etree.ElementTree as ET
 from typing import Any, Callable, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from scripts.corpus_slice import write_corpus_slice  # noqa: E402
 STAGES = ("tests", "bench-124m", "bench-1b", "train", "profile")
 PARTS = {"tests": ["tests"], "bench": ["bench-124m", "bench-1b"], "bench-124m": ["bench-124m"],
          "bench-1b": ["bench-1b"], "train": ["train"], "profile": ["profile"], "all": list(STAGES)}
@@ -332,16 +334,7 @@ def prepare_data(ctx: Ctx, seq: int) -> dict:
             shutil.rmtree(base, ignore_errors=True)
             corpus = os.path.join(ROOT, "data", "pretrain")
             if ctx.dry:
-                corpus = os.path.join(base, "corpus")
-                os.makedirs(corpus)
-                src = os.path.join(ROOT, "data", "pretrain")
-                for fn in sorted(os.listdir(src)):
-                    if fn.endswith(".jsonl"):
-                        with open(os.path.join(src, fn), encoding="utf-8") as f:
-                            docs = [json.loads(line)["text"] for _, line in zip(range(60), f)]
-                        with open(os.path.join(corpus, fn), "w", encoding="utf-8") as f:
-                            for d in docs:
-                                f.write(json.dumps({"text": d[:1500]}, ensure_ascii=False) + "\n")
+                corpus = write_corpus_slice(os.path.join(base, "corpus"))
             vocab = 384 if ctx.dry else 2048
             for cmd in ([ctx.py, "-m", "tokenizer.train_tokenizer", f"--data_dir={corpus}", f"--output_dir={tok}",
                          f"--vocab_size={vocab}", "--tokenizer_type=hf_bbpe"],

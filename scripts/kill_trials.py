@@ -43,15 +43,8 @@ CONFIGS: dict[str, tuple[int, list[str]]] = {
 
 
 def build_data(base: str) -> dict:
-    corpus = os.path.join(base, "corpus")
-    os.makedirs(corpus, exist_ok=True)
-    src = os.path.join(ROOT, "data", "pretrain")
-    for name in sorted(os.listdir(src)):
-        if name.endswith(".jsonl"):
-            with open(os.path.join(src, name), encoding="utf-8") as f:
-                docs = [json.loads(line)["text"] for _, line in zip(range(60), f)]
-            with open(os.path.join(corpus, name), "w", encoding="utf-8") as f:
-                f.writelines(json.dumps({"text": d[:1500]}, ensure_ascii=False) + "\n" for d in docs)
+    from scripts.corpus_slice import write_corpus_slice
+    corpus = write_corpus_slice(os.path.join(base, "corpus"))
     tok, shards = os.path.join(base, "tok"), os.path.join(base, "shards")
     for cmd in ([PY, "-m", "tokenizer.train_tokenizer", f"--data_dir={corpus}", f"--output_dir={tok}",
                  "--vocab_size=384", "--tokenizer_type=hf_bbpe"],
