@@ -3,9 +3,11 @@
 Owns: the module tree and its parameter names (HF Llama names without the `model.` prefix, e.g.
 `layers.0.self_attn.q_proj.weight`, `embed_tokens.weight`, `norm.weight`, `lm_head.weight`), rotary
 embeddings (half-split layout as HF, linear and dynamic-NTK scaling), the KV cache used by
-model/generate.py, and activation checkpointing. Which attention kernel runs, and how padding and packed
-documents are masked, is model/attention.py's (`AttnSpec`, built once per forward from which inputs are
-present, never from their values: no host sync, no graph break).
+model/generate.py, activation checkpointing, and pruning (`Transformer.pruned`: a Transformer holding
+some of a model's own submodules, which parallel/pipeline.py's stages are; one forward serves both).
+Which attention kernel runs, and how padding and packed documents are masked, is model/attention.py's
+(`AttnSpec`, built once per forward from which inputs are present, never from their values: no host
+sync, no graph break).
 
 Must never: register a full causal-mask buffer (trap 12: masks are built per batch only when padding or
 packing needs one, otherwise SDPA's is_causal), let parameter names depend on which kernel ran (trap 11),
@@ -14,8 +16,7 @@ on a tensor's value in the forward (DESIGN.md, host syncs).
 """
 from __future__ import annotations
 
-import math
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 import torch.nn as nn
@@ -181,6 +182,11 @@ _segments = documents_from_positions  # the old name
 
 
 class Transformer(nn.Module):
+    """The full model (`layers` an nn.ModuleList), or a pruned part of one (`pruned`): `embed_tokens`
+    None (the input is the hidden state [B, T, D] of the layers before), `layers` an nn.ModuleDict keyed
+    by the global layer index (state_dict keys stay the full model's: `layers.5.mlp.up_proj.weight`),
+    `norm` and `lm_head` None (forward returns the hidden state after the blocks, before the norm)."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -196,27 +202,48 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
+    @classmethod
+    def pruned(cls, model: "Transformer", layer_ids: Iterable[int], *, embedding: bool,
+               head: bool) -> "Transformer":
+        """A `cls` holding only some of `model`'s submodules - the same objects, not copies (parameters,
+        LoRA wrappers and hooks are shared): the layers `layer_ids` (global indices), the embedding if
+        `embedding`, the final norm and the LM head if `head`; the rotary tables (a non-persistent
+        buffer) always. Its state_dict keys are a subset of `model`'s."""
+        if model.embed_tokens is None or not isinstance(model.layers, nn.ModuleList) or model.lm_head is None:
+            raise ValueError("prune the full model, not an already pruned one")
+        part = cls.__new__(cls)
+        nn.Module.__init__(part)
+        # the plain attributes (cfg, attn_backend, training), then the kept submodules
+        part.__dict__.update({k: v for k, v in vars(model).items() if not k.startswith("_")})
+        part.embed_tokens = model.embed_tokens if embedding else None
+        part.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
+        part.norm = model.norm if head else None
+        part.lm_head = model.lm_head if head else None
+        part.rotary = model.rotary
+        return part
+
     def _init_weights(self, m: nn.Module) -> None:
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, mean=0.0, std=self.cfg.initializer_range)
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())  # shared (tied) tensors counted once
-        if exclude_embeddings:
+        if exclude_embeddings and self.embed_tokens is not None:
             n -= self.embed_tokens.weight.numel()
         return n
 
     def _compute_dtype(self, device: torch.device) -> torch.dtype:
         if torch.is_autocast_enabled(device.type):
             return torch.get_autocast_dtype(device.type)
+        if self.embed_tokens is None:  # a pruned model without the embedding
+            return next(self.parameters()).dtype
         return self.embed_tokens.weight.dtype
 
     def _attn_spec(self, B: int, T: int, positions: torch.Tensor, attention_mask: Optional[torch.Tensor],
                    position_ids_given: bool, cache: Optional[KVCache], doc_ids: Optional[torch.Tensor] = None,
                    cu_seqlens: Optional[torch.Tensor] = None, max_seqlen=None) -> AttnSpec:
         """This batch's AttnSpec (model/attention.py), decided from which inputs are present and static
-        facts (device, compute dtype, training, cache), never from tensor values. Also used by the
-        pipeline stages (parallel/pipeline.py), which have cfg, training and _compute_dtype too."""
+        facts (device, compute dtype, training, cache), never from tensor values."""
         device = positions.device
         flash = kernels.flash_attn_functions(device) if self.cfg.flash_attn else None
         if flash is not None and self._compute_dtype(device) not in attention.HALF:
@@ -234,6 +261,8 @@ class Transformer(nn.Module):
                 logits_to_keep: int = 0, doc_ids: Optional[torch.Tensor] = None,
                 cu_seqlens: Optional[torch.Tensor] = None, max_seqlen=None) -> torch.Tensor:
         """Logits [B, T, V] without labels; the loss of the chunked linear+CE with labels.
+        Pruned (`pruned`): input_ids is the hidden state [B, T, D] when there is no embedding, and the
+        hidden state after the blocks (before the norm) is returned when there is no LM head.
 
         labels are already shifted (labels[t] is the token after input_ids[t]), -100 = ignored.
         attention_mask [B, T(+cached)] marks real tokens (1) vs padding (0). position_ids [B, T] of
@@ -244,7 +273,7 @@ class Transformer(nn.Module):
         which of these are present, never from their values (model/attention.py).
         cache / logits_to_keep are for generation (logits of the last `logits_to_keep` positions).
         """
-        B, T = input_ids.shape
+        B, T = input_ids.shape[0], input_ids.shape[1]
         past = cache.pos if cache is not None else 0
         if position_ids is None:
             positions = torch.arange(past, past + T, device=input_ids.device)[None].expand(B, T)
@@ -254,15 +283,17 @@ class Transformer(nn.Module):
                                doc_ids=doc_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
         cos, sin = self.rotary(positions)
 
-        h = self.embed_tokens(input_ids)
+        h = input_ids if self.embed_tokens is None else self.embed_tokens(input_ids)
         ckpt = self.cfg.gradient_checkpointing and self.training and torch.is_grad_enabled()
-        for layer in self.layers:
+        for layer in (self.layers.values() if isinstance(self.layers, nn.ModuleDict) else self.layers):
             if ckpt:
                 h = checkpoint(layer, h, cos, sin, spec, cache, use_reentrant=False)
             else:
                 h = layer(h, cos, sin, spec, cache)
         if cache is not None:
             cache.pos += T
+        if self.lm_head is None:  # a pruned model without the head: the next part's input
+            return h
         h = self.norm(h)
 
         if labels is None:

@@ -1,9 +1,10 @@
 """Pipeline parallelism (pp x dp) on `torch.distributed.pipelining`; our DDP (or ZeRO) or FSDP2 on dp.
 
-Owns: splitting the Transformer's layers into P stages (`split_layers`, `pipeline_stage_module`: the
-first stage holds `embed_tokens`, the last `norm` + `lm_head` and computes the chunked linear+CE loss
-itself), the `PipelineStage` + schedule (`ScheduleGPipe` / `Schedule1F1B`, by name) of this rank,
-the 2-D DeviceMesh ("pp", "dp"), wrapping each stage in our DistributedDataParallel over the dp
+Owns: splitting the Transformer's layers into P stages (`split_layers`, `pipeline_stage_module`: a
+stage is the Transformer pruned as torchtitan does, run by Transformer.forward itself; the first stage
+holds `embed_tokens`, the last `norm` + `lm_head` and computes the model's own loss), the
+`PipelineStage` + schedule (`ScheduleGPipe` / `Schedule1F1B`, by name) of this rank, the 2-D
+DeviceMesh ("pp", "dp"), wrapping each stage in our DistributedDataParallel over the dp
 sub-group (or fully_shard over the dp sub-mesh), an optimizer whose global-norm clip and overflow decision span ALL stages (the squared
 norm is all-reduced over the pp group too), per-stage checkpoints, and merging them into one full
 state dict with the model's own key names (for export).
@@ -32,10 +33,8 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
 
 from model.llama import Transformer
-from model.loss import lm_head_loss
 from optimizer.optimizer_config import OptimizerConfig
 from utils.constants import IGNORE_INDEX
 
@@ -67,58 +66,41 @@ def split_layers(n_layers: int, num_stages: int, allow_uneven: bool = False) -> 
     return out
 
 
-class PipelineStageModule(nn.Module):
-    """One stage of the Transformer. It holds the model's own submodules under the model's own
-    attribute names (`layers` is a ModuleDict keyed by the global layer index), so its state_dict
-    keys are exactly the full model's (`layers.5.mlp.up_proj.weight`, `lm_head.weight`): merging
-    the stages' state dicts is a plain union.
+class PipelineStageModule(Transformer):
+    """One stage: the Transformer pruned (`Transformer.pruned`) to the model's own submodules of this
+    stage (`layers` a ModuleDict keyed by the global layer index, the embedding on the first stage, norm
+    + LM head on the last), so its state_dict keys are exactly the full model's and merging the stages'
+    state dicts is a plain union. Its forward IS Transformer.forward, with the schedule's signature:
 
-    forward(x, labels=None, attention_mask=None, position_ids=None): x is token ids on the first
-    stage and the hidden state [B, T, D] elsewhere. Non-last stages return the hidden state; the
-    last returns the micro-batch's SUM of per-token losses as a shape-[1] tensor (the chunked
-    linear+CE of model/loss.py, as Transformer.forward(..., reduction="sum"))."""
+    forward(x, labels=None, attention_mask=None, position_ids=None): x is token ids on the first stage
+    and the hidden state [B, T, D] elsewhere. Non-last stages return the hidden state; the last returns
+    the micro-batch's SUM of per-token losses as a shape-[1] fp32 tensor (Transformer.forward(...,
+    reduction="sum"): the model's loss choice per its cfg), which the schedule merges along dim 0."""
 
-    _attn_spec = Transformer._attn_spec  # the model's masking logic (padding, packed samples), reused
+    stage_index: int
+    num_stages: int
 
-    def __init__(self, model: Transformer, stage_index: int, num_stages: int, layer_range: tuple[int, int]):
-        super().__init__()
-        self.cfg = model.cfg
-        self.stage_index, self.num_stages = stage_index, num_stages
-        self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
-        self.layer_range = layer_range
-        if self.is_first:
-            self.embed_tokens = model.embed_tokens
-        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in range(*layer_range)})
-        if self.is_last:
-            self.norm = model.norm
-            self.lm_head = model.lm_head
-        self.rotary = model.rotary  # non-persistent buffer only: not in the state dict
+    @property
+    def is_first(self) -> bool:
+        return self.embed_tokens is not None
 
-    def _compute_dtype(self, device: torch.device) -> torch.dtype:
-        if torch.is_autocast_enabled(device.type):
-            return torch.get_autocast_dtype(device.type)
-        return next(self.parameters()).dtype
+    @property
+    def is_last(self) -> bool:
+        return self.lm_head is not None
+
+    @property
+    def layer_range(self) -> tuple[int, int]:
+        ids = [int(k) for k in self.layers]
+        return ids[0], ids[-1] + 1
 
     def forward(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        B, T = x.shape[0], x.shape[1]
-        if position_ids is None:
-            positions = torch.arange(T, device=x.device)[None].expand(B, T)
-        else:
-            positions = position_ids.expand(B, T) if position_ids.shape[0] == 1 else position_ids
-        spec = self._attn_spec(B, T, positions, attention_mask, position_ids is not None, None)
-        cos, sin = self.rotary(positions)
-        h = self.embed_tokens(x) if self.is_first else x
-        ckpt = self.cfg.gradient_checkpointing and self.training and torch.is_grad_enabled()
-        for layer in self.layers.values():
-            h = checkpoint(layer, h, cos, sin, spec, None, use_reentrant=False) if ckpt else layer(h, cos, sin, spec)
-        if not self.is_last:
-            return h
+        if self.lm_head is None:
+            return super().forward(x, attention_mask=attention_mask, position_ids=position_ids)
         if labels is None:
             raise ValueError("the last pipeline stage computes the loss: it needs labels")
-        h = self.norm(h)
-        loss = lm_head_loss(h, self.lm_head.weight, labels, "sum", self.cfg)  # the model's own loss choice
+        loss = super().forward(x, labels, "sum", attention_mask, position_ids)
         # [1] (and not a view of the 0-d loss): the schedule merges the micro-batches' sums along dim 0
         return torch.stack([loss.float()])
 
@@ -132,8 +114,11 @@ def pipeline_stage_module(model: Transformer, stage_index: int, num_stages: int,
         raise ValueError("tie_embeddings=True cannot be pipelined: the embedding (first stage) and the LM head "
                          "(last stage) would be one weight on two ranks; train untied or without pipeline "
                          "parallelism")
-    ranges = split_layers(model.cfg.n_layers, num_stages, allow_uneven_split)
-    return PipelineStageModule(model, stage_index, num_stages, ranges[stage_index])
+    lo, hi = split_layers(model.cfg.n_layers, num_stages, allow_uneven_split)[stage_index]
+    stage = PipelineStageModule.pruned(model, range(lo, hi), embedding=stage_index == 0,
+                                       head=stage_index == num_stages - 1)
+    stage.stage_index, stage.num_stages = stage_index, num_stages
+    return stage
 
 
 # ---------------------------------------------------------------------------- optimizer across stages

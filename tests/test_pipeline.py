@@ -11,6 +11,9 @@ Two spawns write what they measured to files that the tests below check:
 Parameters are compared with one process (torch AdamW + clip_grad_norm_, loss = sum / target
 tokens) to 1e-5, and so are the per-step losses and global gradient norms (the norm must include
 BOTH stages' parameters).
+In one process (no process group): the stages (the Transformer pruned) run one after the other give
+the full model's loss sum and gradients (2/3 stages, uneven, packed, padded, checkpointing), and share
+the model's parameters under its own key names.
 """
 from __future__ import annotations
 
@@ -313,3 +316,136 @@ def test_bad_combinations_raise():
         validate_pipeline_options(pp_size=2, n_microbatches=2, schedule="gpipe", overlap_optim_step=True)
     with pytest.raises(ValueError, match="initialised process group"):
         build_pipeline_engine(_new_model(), OptimizerConfig(), pp_size=2, n_microbatches=2)
+
+
+# ------------------------------------------------------------------------------ stages = pruned Transformer (1 process)
+
+def _stage_cfg(n_layers: int, ckpt: bool = False, **kw) -> ModelConfig:
+    return ModelConfig(vocab_size=VOCAB, dim=16, n_layers=n_layers, n_heads=2, n_kv_heads=1, multiple_of=16,
+                       max_seq_len=16, gradient_checkpointing=ckpt, loss_chunk_size=5, **kw)
+
+
+def _stage_batch(inputs: str) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    g = torch.Generator().manual_seed(7)
+    x = torch.randint(0, VOCAB, (3, SEQ), generator=g)
+    y = torch.randint(0, VOCAB, (3, SEQ), generator=g)
+    y[0, :2] = -100
+    kw: dict = {}
+    if inputs == "packed":  # packed samples: positions restart at each sample (attention stays inside it)
+        kw["position_ids"] = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4], list(range(SEQ)), [0, 1, 0, 1, 2, 3, 0, 1]])
+    elif inputs == "padded":
+        mask = torch.ones(3, SEQ, dtype=torch.long)
+        mask[0, -3:] = 0
+        mask[2, -1:] = 0
+        y[mask == 0] = -100
+        kw["attention_mask"] = mask
+    return x, y, kw
+
+
+@pytest.mark.parametrize("inputs", ["plain", "packed", "padded"])
+@pytest.mark.parametrize("ckpt", [False, True], ids=["nockpt", "ckpt"])
+@pytest.mark.parametrize("n_layers,n_stages,uneven", [(4, 2, False), (6, 3, False), (5, 2, True)])
+def test_stages_in_sequence_equal_the_full_model(n_layers, n_stages, uneven, ckpt, inputs):
+    """The stages run one after the other (the activations cut between stages as the schedule does, the
+    backward fed stage by stage) give the full model's loss sum and gradients."""
+    from parallel.pipeline import pipeline_stage_module
+    torch.manual_seed(0)
+    model = Transformer(_stage_cfg(n_layers, ckpt)).train()
+    x, y, kw = _stage_batch(inputs)
+    want = model(x, labels=y, reduction="sum", **kw)
+    want.backward()
+    want_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+
+    stages = [pipeline_stage_module(model, s, n_stages, allow_uneven_split=uneven) for s in range(n_stages)]
+    calls = [0]
+    hook = model.layers[n_layers - 1].register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    ins, outs, h = [], [], x
+    for s, stage in enumerate(stages):
+        if s:
+            h = h.detach().requires_grad_(True)  # what the next rank receives
+        ins.append(h)
+        h = stage(h, labels=y if stage.is_last else None, **kw)
+        outs.append(h)
+        if not stage.is_last:
+            assert h.shape == (3, SEQ, 16)
+    assert h.shape == (1,) and h.dtype == torch.float32
+    assert torch.allclose(h[0], want.detach(), rtol=1e-6, atol=1e-6), (float(h), float(want))
+    h.sum().backward()
+    for s in range(n_stages - 2, -1, -1):
+        outs[s].backward(ins[s + 1].grad)
+    hook.remove()
+    assert calls[0] == (2 if ckpt else 1)  # checkpointing recomputes the block in the backward
+    for n, p in model.named_parameters():
+        assert torch.allclose(p.grad, want_grads[n], rtol=1e-5, atol=1e-6), n
+
+    # forward only (eval, no grad): the same loss sum
+    model.eval()
+    with torch.no_grad():
+        h = x
+        for stage in stages:
+            h = stage(h, labels=y if stage.is_last else None, **kw)
+        assert torch.allclose(h[0], model(x, labels=y, reduction="sum", **kw), rtol=1e-6, atol=1e-6)
+
+
+def test_stages_are_the_model_pruned():
+    """A stage is a Transformer sharing the model's own submodules (no copy), with the model's key names;
+    the stages' keys are disjoint and together exactly the full model's."""
+    from parallel.pipeline import merge_stage_state_dicts, pipeline_stage_module
+    torch.manual_seed(0)
+    model = Transformer(_stage_cfg(6))
+    full = model.state_dict()
+    full_params = dict(model.named_parameters())
+    stages = [pipeline_stage_module(model, s, 3) for s in range(3)]
+    for s, stage in enumerate(stages):
+        assert isinstance(stage, Transformer) and stage.cfg is model.cfg
+        assert (stage.stage_index, stage.num_stages) == (s, 3)
+        assert stage.layer_range == (2 * s, 2 * s + 2)
+        assert (stage.is_first, stage.is_last) == (s == 0, s == 2)
+        assert (stage.embed_tokens is model.embed_tokens) if s == 0 else stage.embed_tokens is None
+        assert (stage.lm_head is model.lm_head and stage.norm is model.norm) if s == 2 else \
+            (stage.lm_head is None and stage.norm is None)
+        assert all(stage.layers[str(i)] is model.layers[i] for i in range(*stage.layer_range))
+        assert stage.rotary is model.rotary
+        sd = stage.state_dict()
+        assert set(sd) <= set(full)
+        for n, p in stage.named_parameters():
+            assert p is full_params[n] and p.data_ptr() == full_params[n].data_ptr()
+        for k, v in sd.items():
+            assert v.data_ptr() == full[k].data_ptr()
+    assert {f"layers.{i}.mlp.up_proj.weight" for i in (2, 3)} <= set(stages[1].state_dict())
+    assert "embed_tokens.weight" in stages[0].state_dict() and "lm_head.weight" in stages[2].state_dict()
+    assert sum(len(st.state_dict()) for st in stages) == len(full)
+    merged = merge_stage_state_dicts([st.state_dict() for st in stages])
+    assert list(merged) == list(full) and all(merged[k] is not None for k in full)
+    # loading a stage's weights goes into the model's own tensors
+    with torch.no_grad():
+        stages[1].load_state_dict({k: torch.zeros_like(v) for k, v in stages[1].state_dict().items()})
+    assert float(model.layers[2].mlp.up_proj.weight.detach().abs().sum()) == 0.0
+    # the full model stays a ModuleList model (generation, indexing)
+    assert isinstance(model.layers, torch.nn.ModuleList) and model.layers[5] is stages[2].layers["5"]
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_last_stage_uses_the_model_loss_and_needs_labels(monkeypatch, fused):
+    """The last stage's loss is the model's cfg-chosen loss head (chunked linear+CE, or the full-logits
+    reference with fused_cross_entropy=False), with reduction "sum"; without labels it refuses."""
+    import model.loss as loss_mod
+    from parallel.pipeline import pipeline_stage_module
+    torch.manual_seed(0)
+    model = Transformer(_stage_cfg(2, fused_cross_entropy=fused))
+    x, y, _ = _stage_batch("plain")
+    first, last = pipeline_stage_module(model, 0, 2), pipeline_stage_module(model, 1, 2)
+    seen = []
+    name = "linear_cross_entropy" if fused else "linear_cross_entropy_ref"
+    real = getattr(loss_mod, name)
+
+    def spy(hidden, weight, labels, reduction, *rest):
+        seen.append((name, reduction, weight is model.lm_head.weight))
+        return real(hidden, weight, labels, reduction, *rest)
+    monkeypatch.setattr(loss_mod, name, spy)
+    out = last(first(x), labels=y)
+    assert seen == [(name, "sum", True)] and out.shape == (1,)
+    assert torch.equal(out[0], model(x, labels=y, reduction="sum"))
+    with pytest.raises(ValueError, match="needs labels"):
+        last(first(x))
