@@ -151,11 +151,11 @@ def new_model_config(cfg: TrainConfig, tok_meta: dict):
 
 
 def build_sampler(cfg: TrainConfig):
-    """--sample_every > 0: the run's prompts encoded with its tokenizer (utils/train_samples.py), else None.
+    """--sample_every > 0: the run's prompts encoded with its tokenizer (train_samples.py), else None.
     A prompt file or tokenizer that cannot be read is a bad configuration (exit 2)."""
     if cfg.sample_every <= 0:
         return None
-    from utils.train_samples import TrainSampler, read_prompts
+    from train_samples import TrainSampler, read_prompts
     try:
         prompts = read_prompts(cfg.sample_prompts)
     except ValueError as e:

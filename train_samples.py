@@ -5,7 +5,7 @@ them as the run's data is encoded (`<s>` + the text for pretraining, a user turn
 for SFT and DPO, as `sample.py --chat` does), and generating with model.generate (the project's one
 generator, KV cache, greedy or temperature) on the whole model. The trainer calls `TrainSampler.sample`
 on rank 0 and hands the records to utils/metrics.py (`MetricsLogger.write_samples`: console,
-samples.jsonl, TensorBoard text, a W&B table).
+samples.jsonl, TensorBoard text, a W&B table; `format_sample` there is the console line).
 Must never: change training. model.generate puts the model back in the mode it found it in and tracks no
 gradients; temperature sampling draws from a private generator seeded by (seed, step); and every global
 random number generator the training uses (torch CPU and device, python, numpy) is saved before and
@@ -14,7 +14,6 @@ it samples (the trainer's pre-check asks `prompts_problem` without torch).
 """
 from __future__ import annotations
 
-import json
 import os
 from typing import Any, Optional
 
@@ -104,10 +103,3 @@ class TrainSampler:
         finally:
             restore_rng_state(saved, device)
         return out
-
-
-def format_sample(record: dict[str, Any]) -> str:
-    """The console line of one sample: `[sample step N] "prompt" -> "continuation"` (JSON-quoted: one line,
-    and a leading space of the continuation stays visible)."""
-    q = lambda s: json.dumps(s, ensure_ascii=False)  # noqa: E731
-    return f"[sample step {record['step']}] {q(record['prompt'])} -> {q(record['completion'])}"

@@ -1,4 +1,4 @@
-"""--sample_every: samples during training (utils/train_samples.py, MetricsLogger.write_samples) never change
+"""--sample_every: samples during training (train_samples.py, MetricsLogger.write_samples) never change
 training (every global RNG restored, the model back in train mode): a run with samples, crashed and resumed,
 has the losses and weights of a run without them, bit for bit; samples.jsonl holds each (step, prompt) once;
 the prompt rules, the chat encoding of SFT/DPO runs, and the TensorBoard / W&B sinks."""
@@ -14,8 +14,8 @@ import torch
 
 import train_my_ddp as T
 from tests.test_train import final_weights
-from utils.metrics import MetricsLogger, WandbSink, dedupe_by_step, read_metrics
-from utils.train_samples import DEFAULT_PROMPT, TrainSampler, format_sample, prompts_problem, read_prompts
+from train_samples import DEFAULT_PROMPT, TrainSampler, prompts_problem, read_prompts
+from utils.metrics import MetricsLogger, WandbSink, dedupe_by_step, format_sample, read_metrics
 
 
 def test_prompt_rules(tmp_path):
