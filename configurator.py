@@ -24,11 +24,14 @@ import types
 import typing
 from typing import Any, Optional, Sequence, TypeVar
 
+from utils.publish import atomic_write_json
+
 T = TypeVar("T")
 
 
 class ConfigError(ValueError):
     """A configuration problem a user must fix: unknown key, wrong type, unreadable file."""
+    exit_code = 2  # EXIT_BAD_CONFIG (utils/constants.py), read by utils.errors.exit_code_for
 
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -285,11 +288,7 @@ def config_to_dict(cfg: Any) -> dict[str, Any]:
 
 def save_config_json(cfg: Any, path: str) -> None:
     """Write the resolved configuration as JSON (atomically). It is for reading, never exec."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(config_to_dict(cfg), f, indent=2, ensure_ascii=False, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, path)
+    atomic_write_json(path, config_to_dict(cfg), indent=2, ensure_ascii=False, sort_keys=True)
 
 
 def help_text(defaults: Any, title: str, prog: str | None = None) -> str:

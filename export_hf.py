@@ -18,10 +18,7 @@ docs/errors.md). Must never modify the checkpoint.
 from __future__ import annotations
 
 import os
-import pickle
 import sys
-
-from utils.constants import EXIT_BAD_CHECKPOINT
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,18 +53,19 @@ def main(argv: list[str] | None = None) -> int:
     except ckpt.CheckpointError as e:  # 5: the checkpoint asked for is damaged; 2: it names nothing
         print(f"export_hf: {ckpt.one_line(e)}", file=sys.stderr)
         return ckpt.selection_exit_code(e, args.ckpt, args.checkpoint)
-    from safetensors import SafetensorError
-
-    from train_config import TrainingError
+    from utils.errors import exit_code_for
     try:
         streamed = _export_sharded_streaming(found, args)
         if streamed is not None:
             return streamed
         model, run_cfg = model_from_checkpoint(found)
-    except (TrainingError, ckpt.CheckpointError, SafetensorError, pickle.UnpicklingError) as e:
-        # a damaged file (named), or e.g. the LoRA base or its tokenizer moved
-        print(f"export_hf: {ckpt.one_line(e)}", file=sys.stderr)
-        return getattr(e, "code", EXIT_BAD_CHECKPOINT)
+    except Exception as e:  # noqa: BLE001 - named errors end the command with their code; others re-raise
+        # a damaged file (named, 5), or e.g. the LoRA base or its tokenizer moved (TrainingError's code)
+        named = exit_code_for(e, prefixed=False)
+        if named is None:
+            raise
+        print(f"export_hf: {named[1]}", file=sys.stderr)
+        return named[0]
     tok_dir = args.tokenizer_dir or run_cfg.get("tokenizer_dir")
     tok_dir = tok_dir if isinstance(tok_dir, str) else None
     problem = _vocab_problem(tok_dir, model.cfg.vocab_size)

@@ -48,6 +48,7 @@ from typing import BinaryIO, Optional
 # The monitor lives next to utils/, so this import works from any working directory when the
 # script is run by path (sys.path[0] is the script's directory).
 from utils.constants import EXIT_INTERRUPTED, EXIT_LOSS_SPIKE, EXIT_OK, NON_RETRYABLE_EXIT_CODES
+from utils.publish import atomic_write_text
 from utils.spike_guard import AFTER_SPIKE_DIR, SPIKE_FILE, format_data_steps, parse_data_steps, read_spike_record
 
 RESUME_FLAG = "--resume"      # the trainer's: auto (default) | always | never
@@ -805,10 +806,8 @@ class Monitor:
             data = asdict(s)
             for a in data["attempts"]:
                 a["started_at"], a["ended_at"] = round(a["started_at"], 3), round(a["ended_at"], 3)
-            tmp = self.cfg.summary_file + ".tmp"
-            with open(tmp, "w") as f:
-                json.dump(data, f, indent=2)
-            os.replace(tmp, self.cfg.summary_file)  # readers never see half a summary
+            # readers never see half a summary (`<summary_file>.tmp`, fsync, os.replace)
+            atomic_write_text(self.cfg.summary_file, json.dumps(data, indent=2))
         self.log.close()
 
 

@@ -14,7 +14,6 @@ template's own markers are special.
 from __future__ import annotations
 
 import os
-import pickle
 import sys
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -119,25 +118,27 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from model.generate import generate
-    from safetensors import SafetensorError
 
     from tokenizer import load_tokenizer, load_tokenizer_meta
-    from train_config import TrainingError
-    from utils.checkpoint import CheckpointError, one_line
-    from utils.constants import EXIT_BAD_CHECKPOINT
     from utils.device import resolve_device
+    from utils.errors import exit_code_for
 
-    def fail(e: BaseException, code: int) -> int:
-        print(f"sample.py: {one_line(e)}", file=sys.stderr)
-        return code
+    def fail(e: BaseException) -> Optional[int]:
+        """A named error's exit code, its line printed (utils.errors.exit_code_for: e.g. 5 for a damaged
+        checkpoint file, which the message names, 2 for a choice that names nothing); None: a crash."""
+        named = exit_code_for(e, prefixed=False)
+        if named is not None:
+            print(f"sample.py: {named[1]}", file=sys.stderr)
+        return named[0] if named else None
 
     device = resolve_device(args.device)
     try:
         tok_dir = args.tokenizer_dir or recorded_tokenizer_dir(args.ckpt, args.checkpoint)
-    except TrainingError as e:  # 5: the checkpoint asked for is damaged; 2: it names nothing
-        return fail(e, e.code)
-    except CheckpointError as e:
-        return fail(e, EXIT_BAD_CHECKPOINT)
+    except Exception as e:  # noqa: BLE001 - named errors end the command with their code; others re-raise
+        code = fail(e)
+        if code is None:
+            raise
+        return code
     if not tok_dir or not os.path.isdir(tok_dir):
         print(f"sample.py: {no_tokenizer_message(tok_dir, args.tokenizer_dir)}", file=sys.stderr)
         return 2
@@ -151,10 +152,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2  # bad configuration (utils.constants.EXIT_BAD_CONFIG)
     try:
         model, _ = load_for_inference(args.ckpt, device, args.checkpoint)
-    except TrainingError as e:
-        return fail(e, e.code)
-    except (CheckpointError, SafetensorError, pickle.UnpicklingError) as e:  # each names the file at fault
-        return fail(e, EXIT_BAD_CHECKPOINT)
+    except Exception as e:  # noqa: BLE001 - named errors end the command with their code; others re-raise
+        code = fail(e)
+        if code is None:
+            raise
+        return code
     torch.manual_seed(args.seed)
     x = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=device)
     stop_ids = [special["eos"]["id"], special["im_end"]["id"]]

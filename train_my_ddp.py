@@ -37,7 +37,6 @@ import dataclasses
 import logging
 import math
 import os
-import pickle
 import signal
 import sys
 import time
@@ -62,6 +61,7 @@ from utils.constants import (EXIT_BAD_CHECKPOINT, EXIT_BAD_CONFIG, EXIT_BAD_DATA
                              EXIT_NONFINITE_LOSS, EXIT_OK)
 from utils.device import HostCopy, low_precision_cpu_warning, memory_stats, parse_dtype, seed_everything, synchronize
 from utils.dist import DistInfo, all_reduce_max, barrier, destroy, init_distributed
+from utils.errors import exit_code_for
 from utils.lr_schedule import lr_at
 from utils.metrics import MetricsLogger, Throughput, format_line
 from utils.run_config import DATA_KEYS, global_batch_problem, resolve_resume_config, same_value
@@ -173,26 +173,6 @@ def build_sampler(cfg: TrainConfig):
 _one_line = one_line  # the pre-check (train_config.precheck) prints its messages the same way
 
 
-def named_error(e: BaseException) -> Optional[tuple[int, str]]:
-    """(exit code, message) for every error the trainer can name; None for a crash (exit 1, retried)."""
-    from data_preprocess.sft_format import RecordError
-    from data_preprocess.shard_format import DataError
-    from safetensors import SafetensorError
-    from utils.dist import DeviceError
-    if isinstance(e, TrainingError):
-        return e.code, _one_line(e)
-    if isinstance(e, (ConfigError, DeviceError)):
-        return EXIT_BAD_CONFIG, _one_line(e)
-    if isinstance(e, (DataError, RecordError)):  # StaleIndexError is a DataError
-        return EXIT_BAD_DATA, "data: " + _one_line(e)
-    if isinstance(e, (ckpt.CheckpointError, pickle.UnpicklingError, SafetensorError)):  # names the file
-        msg = ckpt.one_line(e)
-        return EXIT_BAD_CHECKPOINT, msg if msg.startswith("checkpoint ") else "checkpoint: " + msg
-    if isinstance(e, ckpt.CheckpointMismatchError):  # an intact checkpoint of another model
-        return EXIT_BAD_CONFIG, ckpt.one_line(e)
-    return None
-
-
 QUIET_LINE_EVERY_S = 10.0  # stdout not a terminal: a step line at least this often (seconds)
 _last_line_at = [0.0]
 
@@ -231,7 +211,7 @@ def main(argv: list[str]) -> int:
         info = init_distributed(cfg.device, need_group=needs_process_group(cfg))
         return train(cfg, info, continues=continues, max_iters_given="max_iters" in given)
     except Exception as e:  # noqa: BLE001 - named errors become one line and an exit code; others re-raise
-        named = named_error(e)
+        named = exit_code_for(e)  # utils/errors.py: the one exception -> exit code mapping
         if named is None:
             raise
         code, msg = named

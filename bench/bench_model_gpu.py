@@ -380,10 +380,8 @@ def child_rows(args) -> list[dict]:
 
 
 def _write_json(path: str, obj: dict) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(tmp, path)
+    from utils.publish import atomic_write_text
+    atomic_write_text(path, json.dumps(obj, indent=1))
 
 
 def _ratio(a, b) -> str:

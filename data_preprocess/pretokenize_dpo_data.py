@@ -28,7 +28,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from data_preprocess.pretokenize_sft_data import as_renderer, check_vocab, raise_failed, write_tokenized
-from data_preprocess.readers import RECORD_KINDS, SkipCounter, find_input_files
+from data_preprocess.readers import RECORD_KINDS, find_input_files, skip_counter
 from data_preprocess.sft_format import (ChatRenderer, Encode, FileFailed, apply_overlong, dpo_messages,
                                         encode_file_records, labels_from_mask, last_run_only,
                                         make_chat_encoder)
@@ -62,7 +62,7 @@ def tokenize_dpo_files(files: Sequence[str], encode: "Encode | ChatRenderer", ma
     failed: dict[str, list[str]] = {}
     offset = 0
     for file_id, path in enumerate(files):
-        skips = SkipCounter(strict=strict)
+        skips = skip_counter(strict)
         st = {"path": path, "file_id": file_id, "first_pair": len(rows), "num_pairs": 0,
               "truncated": 0, "dropped_overlong": 0}
         try:

@@ -26,8 +26,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
-from data_preprocess.readers import (SkipCounter, collect_inputs, extract_text, iter_records,
-                                     parse_text_fields, split_long_text)
+from data_preprocess.readers import (collect_inputs, extract_text, iter_records, parse_text_fields, skip_counter,
+                                     split_long_text)
 from tokenizer.corpus import input_kind
 from data_preprocess.shard_format import (SHARD_RE, DataError, dtype_for_vocab, read_sidecar,
                                           remove_temp_files, write_shard, check_shard)
@@ -336,7 +336,7 @@ def _pieces(text: str, max_chars: int) -> Iterator[tuple[str, bool, bool]]:
 def _process_file(pool: "_InProcess | ProcessPoolExecutor", path: str, stem: str, out_dir: str, meta: dict,
                   alternatives: list[list[str]], shard_tokens: int, strict: bool, vocab_size: int,
                   num_workers: int, max_doc_chars: int = DEFAULT_MAX_DOC_CHARS) -> dict:
-    skips = SkipCounter(strict=strict)
+    skips = skip_counter(strict)
     writer = _ShardWriter(out_dir, stem, shard_tokens, meta)
     errors: list[str] = []
     pending: list[tuple[str, list[tuple[bool, bool]], Future]] = []
@@ -448,8 +448,9 @@ re-runs:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from utils.constants import EXIT_BAD_CONFIG, EXIT_BAD_DATA, EXIT_OK
+    from utils.constants import EXIT_BAD_CONFIG, EXIT_OK
     from utils.cli import Parser, add_bool, add_out_dir
+    from utils.errors import exit_code_for
     ap = Parser(prog="python -m data_preprocess.pretokenize_pretrain_data",
                                  description="Tokenize raw text into <stem>_<k:05d>.bin token shards "
                                              "with JSON sidecars; each document is <s> ids </s>.",
@@ -485,9 +486,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         s = pretokenize_pretrain(args.data_dir, args.tokenizer_dir, args.out_dir, args.num_workers,
                                  args.text_fields, args.shard_size_tokens, args.strict, args.progress,
                                  tokenizer_meta=tok_meta, max_doc_chars=args.max_doc_chars)
-    except DataError as e:
+    except Exception as e:  # noqa: BLE001 - a named error (DataError: 3) ends with its code; others re-raise
+        named = exit_code_for(e)
+        if named is None:
+            raise
         log.error("%s", e)
-        return EXIT_BAD_DATA
+        return named[0]
     log.info("wrote %d tokens, %d documents from %d file(s) to %s in %.1fs (%d already complete); skips: %s; "
              "split documents: %d; ignored files: %d", s["tokens"], s["documents"], len(s["files"]), s["output_dir"],
              s["seconds"], len(s["skipped_complete"]), s["skips"] or "none", s["split_documents"],

@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from data_preprocess.readers import RECORD_KINDS, SkipCounter, find_input_files
+from data_preprocess.readers import RECORD_KINDS, find_input_files, skip_counter
 from data_preprocess.sft_format import (ChatRenderer, Encode, FileFailed, apply_overlong,
                                         encode_file_records, labels_from_mask, make_chat_encoder,
                                         sft_messages)
@@ -66,7 +66,7 @@ def tokenize_sft_files(files: Sequence[str], encode: "Encode | ChatRenderer",
     failed: dict[str, list[str]] = {}
     offset = 0
     for file_id, path in enumerate(files):
-        skips = SkipCounter(strict=strict)
+        skips = skip_counter(strict)
         st = {"path": path, "file_id": file_id, "first_sample": len(rows), "num_samples": 0,
               "truncated": 0, "dropped_overlong": 0, "dropped_no_target": 0}
         try:
@@ -192,7 +192,8 @@ def chat_pretokenize_cli(prog: str, description: str, epilog: str, what: str, de
     `pretokenize(data_dir, tokenizer_dir, max_seq_len, out_dir, overlong, strict, num_workers)`.
     Returns (exit code, meta or None)."""
     from utils.cli import Parser, add_bool, add_out_dir
-    from utils.constants import EXIT_BAD_CONFIG, EXIT_BAD_DATA, EXIT_OK
+    from utils.constants import EXIT_BAD_CONFIG, EXIT_OK
+    from utils.errors import exit_code_for
     ap = Parser(prog=prog, description=description, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data_dir", required=True, help="folder (searched recursively) or one file")
     ap.add_argument("--tokenizer_dir", required=True)
@@ -213,11 +214,14 @@ def chat_pretokenize_cli(prog: str, description: str, epilog: str, what: str, de
     try:
         return EXIT_OK, pretokenize(args.data_dir, args.tokenizer_dir, args.max_seq_len, args.out_dir,
                                     args.overlong, args.strict, args.num_workers)
-    except DataError as e:
-        log.error("%s", e)
-        return EXIT_BAD_DATA, None
-    except (OSError, ImportError, KeyError) as e:
-        log.error("%s: %s", type(e).__name__, e)
+    except Exception as e:  # noqa: BLE001 - a named error (DataError: 3) ends with its code
+        named = exit_code_for(e)
+        if named is not None:
+            log.error("%s", e)
+            return named[0], None
+        if not isinstance(e, (OSError, ImportError, KeyError)):
+            raise
+        log.error("%s: %s", type(e).__name__, e)  # e.g. a --tokenizer_dir that cannot be loaded
         return EXIT_BAD_CONFIG, None
 
 

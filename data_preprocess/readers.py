@@ -1,29 +1,29 @@
-"""Reading raw records from .txt (one document per line), .jsonl, .json (a top-level array) and .parquet.
+"""Reading raw records for the pretokenizers: .txt (one document per line), .jsonl, .json (a top-level
+array) and .parquet, through the one reader in `tokenizer.corpus`.
 
-Owns: finding input files (through `tokenizer.corpus.collect_input_files`, so the tokenizer trainer and
-the pretokenizer read the same file set: extensions in any case, every other file named in a warning),
-decoding them record by record with a location ("file:line" for .txt/.jsonl, "file:record N" for json
-arrays, "file:row N" for parquet), the bad-record policy (counted, logged skip by default; an error
-naming file and line under strict=True), extracting the text of a pretraining document from
-configurable fields (lone surrogates are a counted skip: they cannot be encoded), and splitting very
-long documents into pieces for the tokenizer (`split_long_text`).
+Owns: the pretokenizers' view of that reader: the input file set (`tokenizer.corpus.collect_input_files`,
+so the tokenizer trainer and the pretokenizer read the same files: extensions in any case, every other
+file named in a warning) narrowed to the kinds a command takes, records with a location ("file:line" for
+.txt/.jsonl, "file:record N" for json arrays, "file:row N" for parquet), the pretokenizers' wording of the
+bad-record policy (`skip_counter`: a counted, logged skip by default; an error naming file and line
+under strict=True), extracting the text of a pretraining document from configurable fields (lone
+surrogates are a counted skip: they cannot be encoded), and splitting very long documents into pieces
+for the tokenizer (`split_long_text`).
 
 Must never: tokenize, silently drop a record or a file without counting or naming it, or guess at a
 text from a non-string field.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import re
 import unicodedata
-from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence
 
 from data_preprocess.shard_format import DataError
-from tokenizer.corpus import (SUPPORTED_EXTENSIONS, CorpusConfigError, CorpusError, InputFiles,
-                              collect_input_files, input_kind)
+from tokenizer.corpus import (SUPPORTED_EXTENSIONS, CorpusConfigError, CorpusError, InputFiles, SkipCounter,
+                              UnreadableFile, collect_input_files, input_kind, iter_raw_records)
 
 log = logging.getLogger(__name__)
 
@@ -33,24 +33,12 @@ MAX_LOGGED_SKIPS = 20  # per file: enough to diagnose, not enough to flood the l
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-@dataclass
-class SkipCounter:
-    """Counts skipped records per reason; logs the first few with their location."""
-    strict: bool = False
-    counts: dict[str, int] = field(default_factory=dict)
-    logged: int = 0
-
-    def skip(self, reason: str, where: str, detail: str = "") -> None:
-        if self.strict:
-            raise DataError(f"{where}: {reason}{': ' + detail if detail else ''}")
-        self.counts[reason] = self.counts.get(reason, 0) + 1
-        if self.logged < MAX_LOGGED_SKIPS:
-            log.warning("skipping %s: %s%s", where, reason, f" ({detail})" if detail else "")
-            self.logged += 1
-
-    @property
-    def total(self) -> int:
-        return sum(self.counts.values())
+def skip_counter(strict: bool = False) -> SkipCounter:
+    """A file's skip counter in the pretokenizers' wording: strict raises DataError "file:line: reason:
+    detail"; the first 20 skips are logged as "skipping file:line: reason (detail)"; invalid UTF-8 carries
+    the codec's message. Counts are per reason."""
+    return SkipCounter(strict=strict, error=DataError, strict_hint="", max_logged=MAX_LOGGED_SKIPS,
+                       detail_in_parens=True, codec_messages=True, logger=log)
 
 
 def collect_inputs(data_dir_or_files: str | Sequence[str], exclude_dir: Optional[str] = None,
@@ -88,65 +76,30 @@ def iter_records(path: str, skips: SkipCounter) -> Iterator[tuple[str, int, Any]
     1-based line of a .txt/.jsonl, the 0-based record/row index of a .json array or .parquet.
     A .txt record is the line itself (a str, trailing newline removed; blank lines are not records).
 
-    Undecodable lines (invalid UTF-8, malformed JSON) go through `skips` (error if strict).
-    An empty file yields nothing and is logged; the caller counts documents."""
+    Undecodable lines (invalid UTF-8, malformed JSON) go through `skips` (error if strict). A .json file
+    is an array (streamed) or one object; one the json module refuses, like an unreadable parquet file,
+    is a DataError. An empty file yields nothing and is logged; the caller counts documents."""
     if os.path.getsize(path) == 0:
         log.warning("%s: empty file", path)
         return
     kind = input_kind(path)
-    if kind == "txt":
-        with open(path, "rb") as f:
-            for lineno, raw in enumerate(f, start=1):
-                where = f"{path}:{lineno}"
-                try:
-                    line = raw.rstrip(b"\n").rstrip(b"\r").decode("utf-8")
-                except UnicodeDecodeError as e:
-                    skips.skip("invalid UTF-8", where, str(e))
-                    continue
-                if line:
-                    yield where, lineno, line
-    elif kind == "jsonl":
-        with open(path, "rb") as f:
-            for lineno, raw in enumerate(f, start=1):
-                where = f"{path}:{lineno}"
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    skips.skip("invalid UTF-8", where, str(e))
-                    continue
-                if not line.strip():
-                    continue  # blank lines are not records
-                try:
-                    yield where, lineno, json.loads(line)
-                except json.JSONDecodeError as e:
-                    skips.skip("malformed JSON", where, str(e))
-    elif kind == "json":
-        try:
-            with open(path, "rb") as f:
-                data = json.loads(f.read().decode("utf-8"))
-        except UnicodeDecodeError as e:
-            raise DataError(f"{path}: invalid UTF-8 ({e})") from e
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{e.lineno}: malformed JSON ({e.msg})") from e
-        if isinstance(data, dict):
-            data = [data]
-        if not isinstance(data, list):
-            raise DataError(f"{path}: a .json input must hold an array of records")
-        for i, rec in enumerate(data):
-            yield f"{path}:record {i}", i, rec
-    elif kind == "parquet":
-        import pyarrow.parquet as pq
-        try:
-            pf = pq.ParquetFile(path)
-        except Exception as e:  # pyarrow raises several types for a corrupt file
-            raise DataError(f"{path}: unreadable parquet ({e})") from e
-        row = 0
-        for batch in pf.iter_batches(batch_size=4096):
-            for rec in batch.to_pylist():
-                yield f"{path}:row {row}", row, rec
-                row += 1
-    else:
+    if kind is None:
         raise DataError(f"{path}: unsupported input type")
+    try:
+        for line, index, rec in iter_raw_records(path, skips, json_file="array_or_object",
+                                                 unicode_blank_lines=True):
+            if kind == "txt":
+                if rec:
+                    yield f"{path}:{line}", line, rec
+            elif kind == "jsonl":
+                yield f"{path}:{line}", line, rec
+            elif kind == "json":
+                yield f"{path}:record {index}", index, rec
+            else:
+                yield f"{path}:row {index}", index, rec
+    except UnreadableFile as e:
+        msg = f"{path}: unreadable parquet ({e.cause})" if kind == "parquet" else str(e)
+        raise DataError(msg) from e.cause
 
 
 def parse_text_fields(spec: str | Sequence[str]) -> list[list[str]]:
@@ -166,22 +119,22 @@ def parse_text_fields(spec: str | Sequence[str]) -> list[list[str]]:
 def extract_text(rec: Any, alternatives: list[list[str]], where: str, skips: SkipCounter) -> Optional[str]:
     """The document text of a record, or None (counted skip) when no alternative applies."""
     if not isinstance(rec, dict):
-        skips.skip("record is not an object", where, type(rec).__name__)
+        skips.skip(where, "record is not an object", type(rec).__name__)
         return None
     for fields in alternatives:
         if all(f in rec and rec[f] is not None for f in fields):
             vals = [rec[f] for f in fields]
             bad = [f for f, v in zip(fields, vals) if not isinstance(v, str)]
             if bad:
-                skips.skip("non-string text field", where, ", ".join(f"{b}={type(rec[b]).__name__}" for b in bad))
+                skips.skip(where, "non-string text field", ", ".join(f"{b}={type(rec[b]).__name__}" for b in bad))
                 return None
             text = "\n".join(vals)
             pos = lone_surrogate(text)
             if pos is not None:
-                skips.skip("invalid Unicode", where, surrogate_detail(text, pos))
+                skips.skip(where, "invalid Unicode", surrogate_detail(text, pos))
                 return None
             return text
-    skips.skip("missing text field", where, "want " + " | ".join(",".join(a) for a in alternatives))
+    skips.skip(where, "missing text field", "want " + " | ".join(",".join(a) for a in alternatives))
     return None
 
 

@@ -35,7 +35,7 @@ import numpy as np
 
 from data_preprocess.readers import SkipCounter, iter_records, lone_surrogate
 from data_preprocess.worker_tokenizer import WorkerTokenizer, backend_json
-from utils.constants import IGNORE_INDEX
+from utils.constants import EXIT_BAD_DATA, IGNORE_INDEX
 
 ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
             "system": "system", "bot": "assistant"}
@@ -43,6 +43,7 @@ ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "a
 
 class RecordError(ValueError):
     """A record that does not fit the documented shapes; the message is the skip reason."""
+    exit_code, exit_prefix = EXIT_BAD_DATA, "data: "  # as DataError (utils.errors.exit_code_for)
 
 
 def _encodable(text: str, what: str) -> str:
@@ -303,7 +304,7 @@ def encode_file_records(path: str, skips: SkipCounter, to_convs: Callable[[Any],
         try:
             rec_convs = to_convs(rec)
         except RecordError as e:
-            skips.skip(str(e), where)
+            skips.skip(where, str(e))
             continue
         convs.extend(rec_convs)
         where_n.append((where, recno, len(rec_convs)))

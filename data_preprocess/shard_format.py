@@ -1,8 +1,9 @@
 """On-disk format of pretraining token shards and their JSON sidecars.
 
 Owns: the shard naming scheme, the id dtype rule (uint16 iff vocab_size <= 65536, else uint32),
-atomic file writes (temp name, fsync, os.replace), writing a shard with its sidecar *last*, and
-reading/validating the set of shards in a directory. Both the preprocessing commands and the
+the sidecar's JSON layout, writing a shard with its sidecar *last* (each file atomically through
+utils/publish.py: temp name, fsync, os.replace; `remove_temp_files` drops what an interrupted run
+left), and reading/validating the set of shards in a directory. Both the preprocessing commands and the
 `dataset/` readers go through this module so the format lives in one place.
 
 Must never: guess a dtype (it is always read from the sidecar), accept a shard whose sidecar
@@ -19,12 +20,16 @@ from typing import Any, Optional
 
 import numpy as np
 
+import utils.publish as _publish
+from utils.publish import atomic_write_bytes, is_temp_name  # noqa: F401  (atomic_write_bytes: re-exported)
+
 FORMAT_VERSION = 1
 SHARD_RE = re.compile(r"^(?P<stem>.+)_(?P<k>\d{5})\.json$")
 
 
 class DataError(Exception):
     """Bad or stale input data. Commands turn it into exit code 3 (EXIT_BAD_DATA)."""
+    exit_code, exit_prefix = 3, "data: "  # EXIT_BAD_DATA and the trainer's line: utils.errors.exit_code_for
 
 
 class StaleIndexError(DataError):
@@ -47,52 +52,27 @@ def shard_base(stem: str, k: int) -> str:
 
 
 # ----------------------------------------------------------------------------- atomic writes
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some filesystems refuse fsync on a directory; the rename is still atomic
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path: str, data: bytes | memoryview) -> None:
-    """Write to `<path>.tmp`, fsync, then os.replace: a crash leaves the old file or none."""
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
+# utils/publish.py's protocol: `<path>.tmp` (`<stem>.tmp.npy` for a .npy), fsync, os.replace.
 
 def atomic_write_json(path: str, obj: Any) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode("utf-8"))
+    _publish.atomic_write_json(path, obj, indent=1, sort_keys=True, ensure_ascii=True)
 
 
 def atomic_save_npy(path: str, arr: np.ndarray) -> None:
-    # np.save appends ".npy" to names without it, so the temp name must keep the suffix.
+    # np.save appends ".npy" to names without it: the temp name keeps the suffix (`<stem>.tmp.npy`).
     assert path.endswith(".npy")
-    tmp = path[:-4] + ".tmp.npy"
-    with open(tmp, "wb") as f:
-        np.save(f, arr)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with _publish.atomic_path(path) as tmp:
+        with open(tmp, "wb") as f:
+            np.save(f, arr)
 
 
 def remove_temp_files(directory: str) -> int:
-    """Delete leftovers of an interrupted run (`*.tmp`, `*.tmp.npy`)."""
+    """Delete leftovers of an interrupted run (`*.tmp`, `*.tmp.npy`: utils.publish.is_temp_name)."""
     n = 0
     if not os.path.isdir(directory):
         return 0
     for name in os.listdir(directory):
-        if name.endswith(".tmp") or name.endswith(".tmp.npy"):
+        if is_temp_name(name) and os.path.isfile(os.path.join(directory, name)):
             os.remove(os.path.join(directory, name))
             n += 1
     return n
@@ -118,8 +98,7 @@ def write_shard(out_dir: str, stem: str, k: int, ids: np.ndarray, doc_offsets: n
         "num_documents": int(len(doc_offsets) - 1),
         "doc_index_file": shard_base(stem, k) + ".idx.npy",
     })
-    atomic_write_json(base + ".json", sidecar)
-    _fsync_dir(out_dir)
+    atomic_write_json(base + ".json", sidecar)  # fsyncs out_dir after the rename
     return sidecar
 
 

@@ -30,6 +30,7 @@ import torch
 
 from model.config import ModelConfig
 from utils.device import get_peak_flops_override, synchronize
+from utils.publish import atomic_write_text
 
 _PEAK_CACHE: dict[tuple[str, torch.dtype], float] = {}
 
@@ -171,10 +172,8 @@ def _read_json_dict(path: Optional[str]) -> dict:
 def _write_json_dict(path: str, data: dict) -> None:
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=1)
-        os.replace(tmp, path)
+        # unique: several processes on the machine may write the machine cache at once
+        atomic_write_text(path, json.dumps(data, indent=1), unique=True)
     except OSError:
         pass  # a read-only home: the figure is still used for this run
 

@@ -6,14 +6,13 @@ are copied unpermuted. `export_hf` writes config.json + model.safetensors (+ tok
 `import_hf` reads such a directory (single or sharded safetensors, or a weights_only torch .bin).
 
 Must never: unpickle arbitrary objects (torch.load only with weights_only=True), write the output
-directory in place (temp dir + os.replace), or download anything.
+directory in place (a `<out_dir>.tmp` directory published by utils/publish.py), or download anything.
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
-import tempfile
 from typing import Optional
 
 import torch
@@ -21,6 +20,7 @@ from safetensors.torch import load_file, save_file
 
 from model.config import ModelConfig
 from model.llama import Transformer
+from utils.publish import staged_dir
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
                    "special_tokens_map.json", "added_tokens.json", "tokenizer_meta.json",
@@ -120,29 +120,12 @@ def export_hf(model: Transformer, out_dir: str, tokenizer_dir: Optional[str] = N
     if special_ids is None:
         special_ids = _special_ids(tokenizer_dir)
     out_dir = os.path.abspath(out_dir)
-    tmp = _new_export_dir(out_dir)
-    try:
+    with staged_dir(out_dir, replace=True) as tmp:  # `<out_dir>.tmp/`, renamed over an old export
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(hf_config_dict(model.cfg, dtype, special_ids), f, indent=2)
         save_file(sd, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         _copy_tokenizer(tokenizer_dir, tmp)
-        _publish_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir
-
-
-def _publish_dir(tmp: str, out_dir: str) -> None:
-    """Move a finished export from its temporary directory into place (replacing an old one)."""
-    if os.path.exists(out_dir):
-        old = out_dir + ".old"
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(out_dir, old)
-        os.replace(tmp, out_dir)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, out_dir)
 
 
 def _special_ids(tokenizer_dir: Optional[str]) -> Optional[dict]:
@@ -151,16 +134,6 @@ def _special_ids(tokenizer_dir: Optional[str]) -> Optional[dict]:
             st = json.load(f).get("special_tokens", {})
         return {f"{k}_token_id": st[k]["id"] for k in ("bos", "eos", "pad") if k in st}
     return None
-
-
-def _new_export_dir(out_dir: str) -> str:
-    parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp_export_", dir=parent)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; the export is an ordinary directory
-    return tmp
 
 
 def _copy_tokenizer(tokenizer_dir: Optional[str], dst: str) -> None:
@@ -196,8 +169,7 @@ def export_hf_streaming(cfg: ModelConfig, specs: dict[str, tuple[tuple[int, ...]
         groups.append(cur)
     hf_name = {n: n if n == "lm_head.weight" else "model." + n for n in names}
     out_dir = os.path.abspath(out_dir)
-    tmp = _new_export_dir(out_dir)
-    try:
+    with staged_dir(out_dir, replace=True) as tmp:  # `<out_dir>.tmp/`, renamed over an old export
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(hf_config_dict(cfg, dtype, _special_ids(tokenizer_dir)), f, indent=2)
         weight_map, total = {}, 0
@@ -212,10 +184,6 @@ def export_hf_streaming(cfg: ModelConfig, specs: dict[str, tuple[tuple[int, ...]
         with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
         _copy_tokenizer(tokenizer_dir, tmp)
-        _publish_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out_dir, len(groups)
 
 

@@ -25,6 +25,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from utils.publish import atomic_path, atomic_write_text
+
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -182,12 +184,10 @@ def save_lora(model: nn.Module, out_dir: str, base_model_name_or_path: Optional[
         "init_lora_weights": True, "use_rslora": False, "use_dora": False,
         "base_model_name_or_path": base_model_name_or_path,
     }
-    tmp = os.path.join(out_dir, ".adapter_model.safetensors.tmp")
-    save_file(lora_state_dict(model), tmp, metadata={"format": "pt"})
-    os.replace(tmp, os.path.join(out_dir, "adapter_model.safetensors"))
-    with open(os.path.join(out_dir, "adapter_config.json.tmp"), "w") as f:
-        json.dump(adapter_cfg, f, indent=2)
-    os.replace(os.path.join(out_dir, "adapter_config.json.tmp"), os.path.join(out_dir, "adapter_config.json"))
+    # each file atomically (utils/publish.py): the weights first, the config that names them last
+    with atomic_path(os.path.join(out_dir, "adapter_model.safetensors")) as tmp:
+        save_file(lora_state_dict(model), tmp, metadata={"format": "pt"})
+    atomic_write_text(os.path.join(out_dir, "adapter_config.json"), json.dumps(adapter_cfg, indent=2))
 
 
 def load_lora(model: nn.Module, adapter_dir: str) -> nn.Module:

@@ -16,11 +16,12 @@ prune_checkpoints(keep_last, keep_best) work on these directories unchanged):
     manifest.json               {file: {"bytes", "sha256"}} of every file above (utils/checkpoint format)
     COMPLETE                    {"step": N}, written last
 
-Protocol: rank 0 creates `<ckpt_root>/.tmp_step_XXXXXXXX/`; barrier; every rank writes its DCP
-shard (fsynced); barrier; rank 0 writes the JSON files, the manifests and COMPLETE, fsyncs and
-`os.replace`s the directory to `step_XXXXXXXX`; barrier. A crash at any instant leaves the older
-checkpoints untouched and at most a `.tmp_step_*` directory that nothing loads (and the next save
-of that step removes).
+Protocol: rank 0 creates `<ckpt_root>/step_XXXXXXXX.tmp/` (utils/publish.py's temp-dir name, the
+one utils/checkpoint.py uses); barrier; every rank writes its DCP shard (fsynced); barrier; rank 0
+writes the JSON files, the manifests and COMPLETE, fsyncs and `os.replace`s the directory to
+`step_XXXXXXXX` (utils/checkpoint.publish_checkpoint_dir); barrier. A crash at any instant leaves the
+older checkpoints untouched and at most a `step_*.tmp` directory that nothing loads (and the next
+save of that step removes).
 
 No pickle on load: only tensors go through DCP (so no `BytesStorageMetadata` item, which DCP would
 read with `torch.load(weights_only=False)`); tensor files are read by DCP with
@@ -41,7 +42,6 @@ has written, write into a live checkpoint directory, or read a checkpoint with p
 from __future__ import annotations
 
 import os
-import shutil
 import time
 import warnings
 from typing import Any, Callable, Optional
@@ -54,17 +54,17 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from utils.checkpoint import (CheckpointError, CheckpointMismatchError, _fsync_dir, one_line,
-                              publish_checkpoint_dir, read_json, verify_checkpoint, write_json)
+from utils.checkpoint import (CheckpointError, CheckpointMismatchError, one_line, publish_checkpoint_dir,
+                              read_json, verify_checkpoint, write_json)
 from utils.dcp_files import (DCPCheckpointError, SafeFileSystemReader, dcp_dir_problem,  # noqa: F401 (re-exported)
                              dcp_layout_problem, read_dcp_metadata)
+from utils.publish import fsync_file, make_temp_dir, temp_dir_for
 
 DCP_FORMAT = 1
 COMPLETE_MARKER = "COMPLETE"
 MANIFEST = "manifest.json"
 DCP_MANIFEST = "dcp_manifest.json"
 _PREFIX = "step_"
-_TMP_PREFIX = ".tmp_"
 _MODEL, _OPTIM = "model.", "optim."
 
 
@@ -72,13 +72,6 @@ _MODEL, _OPTIM = "model.", "optim."
 
 def step_dir_name(step: int) -> str:
     return f"{_PREFIX}{step:08d}"  # the utils/checkpoint.py convention
-
-
-# ---------------------------------------------------------------------------- small file helpers
-# (the same fsync / JSON / hash conventions as utils/checkpoint.py, whose manifests these directories share)
-
-def _fsync_path(path: str) -> None:
-    _fsync_dir(path)  # tolerates filesystems that refuse fsync on directories
 
 
 # ---------------------------------------------------------------------------- state <-> flat dict
@@ -162,12 +155,9 @@ def save_dcp_checkpoint(ckpt_root: str, step: int, model: nn.Module, optimizer=N
     rank, world = _group_rank_world(group)
     reshard(model)  # gathered parameters (left by a forward-only pass) are freed before the state is read
     final = os.path.join(ckpt_root, step_dir_name(step))
-    tmp = os.path.join(ckpt_root, _TMP_PREFIX + step_dir_name(step))
+    tmp = temp_dir_for(final)
     if rank == 0:
-        os.makedirs(ckpt_root, exist_ok=True)
-        if os.path.exists(tmp):  # left by a crashed save: never complete, safe to drop
-            shutil.rmtree(tmp)
-        os.makedirs(tmp)
+        make_temp_dir(final)  # one left by a crashed save was never complete: dropped
     _barrier(group)
 
     flat, scalars = _state_to_save(model, optimizer)
@@ -176,7 +166,7 @@ def save_dcp_checkpoint(ckpt_root: str, step: int, model: nn.Module, optimizer=N
     if rank_state is not None:
         path = os.path.join(tmp, f"extra_rank{rank}.pt")
         torch.save(rank_state, path)
-        _fsync_path(path)
+        fsync_file(path)
     _barrier(group)  # every shard and every extra file is on disk
 
     if rank == 0:

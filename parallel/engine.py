@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Optional, Protocol, Sequence
@@ -49,6 +48,7 @@ import torch
 from torch import nn
 
 from utils import checkpoint as ckpt
+from utils.publish import fsync_file, make_temp_dir, temp_dir_for
 
 # loss_fn(model, batch) -> (sum of the per-unit losses of the micro-batch, {"chosen_reward": sum, ...})
 LossFn = Callable[[nn.Module, dict], tuple[torch.Tensor, dict]]
@@ -654,17 +654,14 @@ class PipelineParallelEngine(Engine):
         (manifest, COMPLETE, fsync, atomic rename: utils/checkpoint.publish_checkpoint_dir) and prunes."""
         root = ckpt.checkpoint_root(out_dir)
         final = os.path.join(root, ckpt.step_dir_name(step))
-        tmp = final + ".tmp"
+        tmp = temp_dir_for(final)
         if rank == 0:
-            os.makedirs(root, exist_ok=True)
-            if os.path.exists(tmp):  # left by a crash: never complete, safe to drop
-                shutil.rmtree(tmp)
-            os.makedirs(tmp)
+            make_temp_dir(final)  # one left by a crash was never complete: dropped
         barrier()
         self.pipe.write_stage_files(tmp)  # collective over the mesh (FSDP gathers the stage's tensors)
         path = os.path.join(tmp, f"extra_rank{rank}.pt")
         torch.save(extra_state, path)
-        ckpt._fsync_file(path)
+        fsync_file(path)
         if rank == 0:
             ckpt.write_json(os.path.join(tmp, "model_config.json"), model_config)
             ckpt.write_json(os.path.join(tmp, "config.json"), run_config)

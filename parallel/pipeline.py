@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -393,42 +392,37 @@ class PipelineEngine:
         `pipeline.json`. Returns after every rank has written (a barrier). Publishing the directory
         (COMPLETE, rename) is the caller's: `save` below, or the trainer's step_N checkpoints."""
         from safetensors.torch import save_file
-        from utils.checkpoint import _fsync_file, write_json
+        from utils.checkpoint import write_json
+        from utils.publish import fsync_file
         sd = self.state_dict()
         s = self.stage_index
         if self.dp_rank == 0:
             path = os.path.join(dir_path, f"stage{s}_model.safetensors")
             save_file({k: v.to("cpu").contiguous().clone() for k, v in sd["model"].items()}, path,
                       metadata={"format": "pt", "stage": str(s)})
-            _fsync_file(path)
+            fsync_file(path)
         if self.dp_rank == 0 or self._sharded_files():
             path = os.path.join(dir_path, f"stage{s}_optimizer_dp{self.dp_rank}.pt")
             torch.save(sd["optimizer"], path)
-            _fsync_file(path)
+            fsync_file(path)
         if dist.get_rank() == 0:
             write_json(os.path.join(dir_path, META_FILE), self._meta())
         dist.barrier()
 
     def save(self, ckpt_dir: str) -> str:
-        """Collective over the mesh. Writes `ckpt_dir` atomically: a `<ckpt_dir>.tmp` directory filled by
-        every stage (`write_stage_files`), then `COMPLETE` by global rank 0 and one os.replace.
-        A shared filesystem is assumed."""
-        from utils.checkpoint import _fsync_dir
-        tmp = ckpt_dir.rstrip("/") + ".tmp"
+        """Collective over the mesh. Writes `ckpt_dir` atomically (utils/publish.py): `<ckpt_dir>.tmp`
+        filled by every stage (`write_stage_files`), then `COMPLETE` and the publish by global rank 0
+        (fsync, an older `ckpt_dir` set aside until the rename is done). A shared filesystem is assumed."""
+        from utils.publish import make_temp_dir, publish_dir, temp_dir_for
+        tmp = temp_dir_for(ckpt_dir)
         rank = dist.get_rank()
         if rank == 0:
-            if os.path.exists(tmp):
-                shutil.rmtree(tmp)
-            os.makedirs(tmp)
+            make_temp_dir(ckpt_dir)  # a crash's leftover is dropped, the directory made fresh
         dist.barrier()
         self.write_stage_files(tmp)
         if rank == 0:
             open(os.path.join(tmp, "COMPLETE"), "w").close()
-            _fsync_dir(tmp)
-            if os.path.exists(ckpt_dir):
-                shutil.rmtree(ckpt_dir)
-            os.replace(tmp, ckpt_dir)
-            _fsync_dir(os.path.dirname(os.path.abspath(ckpt_dir)))
+            publish_dir(tmp, ckpt_dir, replace=True)
         dist.barrier()
         return ckpt_dir
 

@@ -66,6 +66,7 @@ from typing import Any, Callable, Optional
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from scripts.corpus_slice import write_corpus_slice  # noqa: E402
+from utils.publish import atomic_write_text  # noqa: E402
 STAGES = ("tests", "bench-124m", "bench-1b", "train", "profile")
 PARTS = {"tests": ["tests"], "bench": ["bench-124m", "bench-1b"], "bench-124m": ["bench-124m"],
          "bench-1b": ["bench-1b"], "train": ["train"], "profile": ["profile"], "all": list(STAGES)}
@@ -747,10 +748,7 @@ def load_json(path: str) -> dict:
 def write_report(report: dict, out_dir: str) -> str:
     os.makedirs(out_dir, exist_ok=True)
     for name, text in (("report.json", json.dumps(report, indent=1)), ("report.md", render(report))):
-        tmp = os.path.join(out_dir, name + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, os.path.join(out_dir, name))
+        atomic_write_text(os.path.join(out_dir, name), text)
     return os.path.join(out_dir, "report.md")
 
 

@@ -378,7 +378,7 @@ def test_dcp_layout_manifest_and_compat(results):
     assert int(extra["rank"]) == 3
     # an interrupted save (a temporary dir, or a step dir without COMPLETE) is never picked
     root = os.path.join(tmp, "run2", "checkpoints")
-    os.makedirs(os.path.join(root, ".tmp_step_00000009"))
+    os.makedirs(os.path.join(root, "step_00000009.tmp"))
     torn = os.path.join(root, "step_00000007")
     os.makedirs(torn)
     open(os.path.join(torn, "dcp_manifest.json"), "w").write("{}")

@@ -70,7 +70,7 @@ def test_export_ours_loads_in_hf_with_tokenizer(tmp_path):
     x = torch.randint(0, 128, (2, 20))
     with torch.no_grad():
         assert torch.allclose(hf(x).logits, ours(x), atol=1e-5)
-    assert not any(p.name.startswith(".tmp") for p in tmp_path.iterdir())  # atomic write cleaned up
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "tok"]  # no hf.tmp / hf.old left by the atomic write
 
 
 def test_lora_peft_layout_loads_in_peft_with_equal_outputs(tmp_path):

@@ -1,10 +1,15 @@
-"""Streaming corpus reader for tokenizer training: find files, yield documents, sample to a byte budget.
+"""The one raw-input reader (tokenizer trainer/extender and the pretokenizers), and documents + sampling
+for tokenizer training.
 
-Owns: which files are read (.txt one document per line, .json array of objects, .jsonl, .parquet),
-how text fields become one document, the bad-input policy (count and log a skip, or raise under
-strict), and the uniform random document sample behind ``--max_train_bytes``.
-Must never: read a whole file into memory, hold more than one document (or one parquet batch, or one
-JSON array element) at a time, or silently drop input without counting it.
+Owns: which files are inputs (.txt one document per line, .json array of objects, .jsonl, .parquet;
+`collect_input_files`), reading a file record by record with its line or row (`iter_raw_records`), the
+bad-input policy (`SkipCounter`: count and log a skip, or raise under strict), how text fields become
+one document, and the uniform random document sample behind ``--max_train_bytes``.
+data_preprocess/readers.py reads through here: where the two tools used to differ (message wording,
+blank JSON Lines, a .json file that is not an array), a parameter keeps each tool's behaviour.
+Must never: read a whole file into memory (except, under the pretokenizers' rules, a .json file that is
+not an array, or a broken one to word its error), hold more than one document (or one parquet batch, or
+one JSON array element) at a time, or silently drop input without counting it.
 """
 from __future__ import annotations
 
@@ -13,46 +18,81 @@ import json
 import logging
 import os
 import random
-from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Iterable, Iterator, NamedTuple, Optional, Sequence
 
 from tqdm import tqdm
+
+from utils.constants import EXIT_BAD_CONFIG, EXIT_BAD_DATA
 
 log = logging.getLogger(__name__)
 
 SUPPORTED_EXTENSIONS = (".txt", ".json", ".jsonl", ".parquet")
 MAX_LOGGED_SKIPS = 5
+STRICT_HINT = " (run without --strict to skip and count such records)"
+PARQUET_BATCH_ROWS = 1024
 _JSON_CHUNK = 1 << 20
+JSON_FILE_RULES = ("array_or_lines", "array_or_object")
 
 
 class CorpusError(Exception):
     """Bad or unreadable training data (exit code 3). The message names the file and line."""
+    exit_code, exit_prefix = EXIT_BAD_DATA, "data: "  # utils.errors.exit_code_for
 
 
 class CorpusConfigError(ValueError):
     """Impossible request about the corpus, e.g. an unsupported file type (exit code 2)."""
+    exit_code = EXIT_BAD_CONFIG  # utils.errors.exit_code_for
+
+
+class UnreadableFile(CorpusError):
+    """A whole input file that cannot be read: a parquet file pyarrow refuses, or (pretokenizers' rules)
+    a .json file the json module refuses. `cause` is the underlying exception."""
+
+    def __init__(self, message: str, cause: Optional[BaseException] = None) -> None:
+        super().__init__(message)
+        self.cause = cause
 
 
 @dataclass
-class SkipStats:
-    """Counts skipped records by reason; remembers the first few locations; raises if strict."""
+class SkipCounter:
+    """Counts skipped records per reason, remembers the first `max_logged` locations (logged unless
+    quiet), raises `error` at the first one under strict.
+
+    The defaults are the tokenizer trainer's wording ("file:line: reason: detail (run without --strict
+    ...)", 5 logged, "invalid UTF-8: byte N of the line"); data_preprocess.readers.skip_counter() makes the
+    pretokenizers' (DataError without the hint, 20 logged, "reason (detail)" in the log, the codec's own
+    message for invalid UTF-8)."""
 
     strict: bool = False
-    quiet: bool = False
-    counts: Counter = field(default_factory=Counter)
+    quiet: bool = False  # count and remember, log nothing
+    error: type = CorpusError  # what strict raises
+    strict_hint: str = STRICT_HINT  # appended to the strict error
+    max_logged: int = MAX_LOGGED_SKIPS
+    detail_in_parens: bool = False  # log "reason (detail)" instead of "reason: detail"
+    codec_messages: bool = False  # invalid UTF-8: the codec's message instead of "byte N of the line"
+    logger: logging.Logger = field(default=log, repr=False)
+    counts: dict[str, int] = field(default_factory=dict)
     first_locations: list[str] = field(default_factory=list)
     empty_documents: int = 0
 
-    def skip(self, path: str, line: int, reason: str, what: str = "line") -> None:
-        where = f"{path}:{line}" if what == "line" else f"{path} {what} {line}"
+    def skip(self, where: str, reason: str, detail: str = "") -> None:
+        """One skipped record at `where` ("file:line", "file row N", ...), counted under `reason`."""
+        message = f"{reason}: {detail}" if detail else reason
         if self.strict:
-            raise CorpusError(f"{where}: {reason} (run without --strict to skip and count such records)")
-        self.counts[reason.split(":")[0]] += 1
-        if len(self.first_locations) < MAX_LOGGED_SKIPS:
-            self.first_locations.append(f"{where}: {reason}")
-            if not self.quiet:
-                log.warning("skipping %s: %s", where, reason)
+            raise self.error(f"{where}: {message}{self.strict_hint}")
+        self.counts[reason] = self.counts.get(reason, 0) + 1
+        if len(self.first_locations) < self.max_logged:
+            self.first_locations.append(f"{where}: {message}")
+            if self.quiet:
+                pass
+            elif self.detail_in_parens:
+                self.logger.warning("skipping %s: %s%s", where, reason, f" ({detail})" if detail else "")
+            else:
+                self.logger.warning("skipping %s: %s", where, message)
+
+    def skip_undecodable(self, where: str, e: UnicodeDecodeError) -> None:
+        self.skip(where, "invalid UTF-8", str(e) if self.codec_messages else f"byte {e.start} of the line")
 
     @property
     def total(self) -> int:
@@ -61,6 +101,9 @@ class SkipStats:
     def summary(self) -> dict[str, Any]:
         return {"skipped": self.total, "skipped_by_reason": dict(self.counts),
                 "first_skipped": list(self.first_locations), "empty_documents": self.empty_documents}
+
+
+SkipStats = SkipCounter  # the tokenizer's former name
 
 
 def input_kind(path: str | os.PathLike) -> str | None:
@@ -141,46 +184,103 @@ def no_input_files_error(data_dir_or_files: Any, file_glob: str = "**/*") -> Cor
     return CorpusError(f"no {'/'.join(SUPPORTED_EXTENSIONS)} files found in {data_dir_or_files} (glob {file_glob!r})")
 
 
-# ---------------------------------------------------------------- per-format readers
-# Each yields (line_or_row_number, record); a record is a str (.txt) or a parsed JSON value / row dict.
+# ---------------------------------------------------------------- raw records (both tools)
 
-def _iter_txt(path: str, stats: SkipStats) -> Iterator[tuple[int, Any]]:
+class Record(NamedTuple):
+    line: Optional[int]  # 1-based line the record starts on; None for a parquet row or a .json read whole
+    index: int           # 0-based: the line of a .txt/.jsonl, the element of a .json array, the parquet row
+    value: Any           # a .txt line (str); otherwise the parsed JSON value or the row dict
+
+
+def iter_raw_records(path: str, skips: SkipCounter, columns: Optional[Sequence[str]] = None,
+                     json_file: str = "array_or_lines", unicode_blank_lines: bool = False) -> Iterator[Record]:
+    """Every decodable record of one input file, in file order; undecodable lines go through `skips`.
+
+    A .txt record is the line without its "\\n"/"\\r\\n" (blank lines included); blank .jsonl lines are not
+    records (`unicode_blank_lines`: also a line of Unicode whitespace only, the pretokenizers' rule; else
+    it is malformed JSON). `columns`: the parquet columns to read (those present; None: all).
+    `json_file` is how a .json file is read (`_iter_json`). A file that cannot be read at all raises
+    UnreadableFile; an unknown extension CorpusConfigError."""
+    kind = input_kind(path)
+    if kind == "txt":
+        return _iter_txt(path, skips)
+    if kind == "jsonl":
+        return _iter_jsonl(path, skips, unicode_blank_lines)
+    if kind == "json":
+        return _iter_json(path, skips, json_file)
+    if kind == "parquet":
+        return _iter_parquet(path, columns)
+    raise CorpusConfigError(f"{path}: unsupported file type")
+
+
+def _iter_txt(path: str, skips: SkipCounter) -> Iterator[Record]:
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
-            raw = raw.rstrip(b"\n").rstrip(b"\r")
             try:
-                yield lineno, raw.decode("utf-8")
+                text = raw.rstrip(b"\n").rstrip(b"\r").decode("utf-8")
             except UnicodeDecodeError as e:
-                stats.skip(path, lineno, f"invalid UTF-8: byte {e.start} of the line")
+                skips.skip_undecodable(f"{path}:{lineno}", e)
+                continue
+            yield Record(lineno, lineno - 1, text)
 
 
-def _iter_jsonl(path: str, stats: SkipStats) -> Iterator[tuple[int, Any]]:
+def _iter_jsonl(path: str, skips: SkipCounter, unicode_blank_lines: bool = False) -> Iterator[Record]:
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             if not raw.strip():
                 continue
+            where = f"{path}:{lineno}"
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                stats.skip(path, lineno, f"invalid UTF-8: byte {e.start} of the line")
+                skips.skip_undecodable(where, e)
+                continue
+            if unicode_blank_lines and not line.strip():
                 continue
             try:
-                yield lineno, json.loads(line)
+                value = json.loads(line)
             except ValueError as e:
-                stats.skip(path, lineno, f"malformed JSON: {e}")
+                skips.skip(where, "malformed JSON", str(e))
+                continue
+            yield Record(lineno, lineno - 1, value)
 
 
-def _iter_json_array(path: str, stats: SkipStats) -> Iterator[tuple[int, Any]]:
+def _iter_json(path: str, skips: SkipCounter, json_file: str = "array_or_lines") -> Iterator[Record]:
     """Stream the elements of a top-level JSON array with bounded memory (one element at a time).
 
-    A file whose first character is not '[' is read as JSON Lines. A syntax error inside an array
-    cannot be resynchronised, so the rest of that file is skipped (one counted skip) or raised under strict.
+    json_file="array_or_lines" (the tokenizer's rules): a file whose first character is not '[' is read
+    as JSON Lines; a syntax error inside the array cannot be resynchronised, so the rest of the file is
+    skipped (one counted skip) or raised under strict.
+    json_file="array_or_object" (the pretokenizers' rules): a file that does not start with '[' is parsed
+    whole, one object being one record; whatever the json module refuses for the whole file (a syntax
+    error, invalid UTF-8, data after the array) raises UnreadableFile with the json module's message for
+    the whole file, before any record is yielded (a first streaming pass checks the array: memory stays
+    one element, the parsing is done twice).
     """
+    if json_file not in JSON_FILE_RULES:
+        raise ValueError(f"json_file={json_file!r}: one of {JSON_FILE_RULES}")
+    whole_file_errors = json_file == "array_or_object"
     with open(path, "rb") as fb:
-        head = fb.read(4096).lstrip(b"\xef\xbb\xbf").lstrip()
-    if not head.startswith(b"["):
-        yield from _iter_jsonl(path, stats)
+        head = fb.read(4096)
+    if not whole_file_errors and not head.lstrip(b"\xef\xbb\xbf").lstrip().startswith(b"["):
+        yield from _iter_jsonl(path, skips)
         return
+    if whole_file_errors and not head.lstrip(b" \t\r\n").startswith(b"["):
+        data = _load_json(path)
+        if isinstance(data, dict):
+            data = [data]
+        if not isinstance(data, list):
+            raise UnreadableFile(f"{path}: a .json input must hold an array of records")
+        for i, rec in enumerate(data):
+            yield Record(None, i, rec)
+        return
+    if whole_file_errors:  # a first pass, so that a broken file fails before any of its records is read
+        for _ in _stream_json_array(path, skips, whole_file_errors):
+            pass
+    yield from _stream_json_array(path, skips, whole_file_errors)
+
+
+def _stream_json_array(path: str, skips: SkipCounter, whole_file_errors: bool) -> Iterator[Record]:
     dec = json.JSONDecoder()
     with open(path, "r", encoding="utf-8-sig", errors="strict", newline="") as f:
         buf, pos, line, eof, chunk = "", 0, 1, False, _JSON_CHUNK
@@ -209,102 +309,130 @@ def _iter_json_array(path: str, stats: SkipStats) -> Iterator[tuple[int, Any]]:
                 if pos < n or not more():
                     return
 
+        index = 0
         try:
             skip_ws()
             pos += 1  # the '['
             skip_ws()
             if pos < len(buf) and buf[pos] == "]":
-                return
-            while True:
-                skip_ws()
-                while True:
-                    try:
-                        obj, end = dec.raw_decode(buf, pos)
-                        if end < len(buf) or eof:
-                            break  # a value ending at the buffer end may be a truncated number: read more
-                    except json.JSONDecodeError as e:
-                        if eof:
-                            raise _ArrayBroken(f"malformed JSON: {e.msg}") from None
-                    more()  # at EOF this sets eof=True and the next attempt is final
-                start_line = line
-                line += buf.count("\n", pos, end)
-                pos = end
-                yield start_line, obj
-                skip_ws()
-                if pos >= len(buf):
-                    raise _ArrayBroken("malformed JSON: unterminated array")
-                if buf[pos] == "]":
-                    return
-                if buf[pos] != ",":
-                    raise _ArrayBroken(f"malformed JSON: expected ',' or ']' but found {buf[pos]!r}")
                 pos += 1
+            else:
+                while True:
+                    skip_ws()
+                    while True:
+                        try:
+                            obj, end = dec.raw_decode(buf, pos)
+                            if end < len(buf) or eof:
+                                break  # a value ending at the buffer end may be a truncated number: read more
+                        except json.JSONDecodeError as e:
+                            if eof:
+                                raise _ArrayBroken("malformed JSON", e.msg) from None
+                        more()  # at EOF this sets eof=True and the next attempt is final
+                    start_line = line
+                    line += buf.count("\n", pos, end)
+                    pos = end
+                    yield Record(start_line, index, obj)
+                    index += 1
+                    skip_ws()
+                    if pos >= len(buf):
+                        raise _ArrayBroken("malformed JSON", "unterminated array")
+                    if buf[pos] == "]":
+                        pos += 1
+                        break
+                    if buf[pos] != ",":
+                        raise _ArrayBroken("malformed JSON", f"expected ',' or ']' but found {buf[pos]!r}")
+                    pos += 1
+            if whole_file_errors:
+                skip_ws()
+                if pos < len(buf):
+                    raise _ArrayBroken("malformed JSON", f"{buf[pos]!r} after the array")
         except _ArrayBroken as e:
-            stats.skip(path, line, f"{e} (rest of the file skipped)")
+            reason, detail = e.args[0], (e.args[1] if len(e.args) > 1 else "")
+            if whole_file_errors:
+                raise UnreadableFile(_json_file_error(path) or f"{path}:{line}: {reason} ({detail})") from None
+            if detail:
+                skips.skip(f"{path}:{line}", reason, f"{detail} (rest of the file skipped)")
+            else:
+                skips.skip(f"{path}:{line}", f"{reason} (rest of the file skipped)")
 
 
 class _ArrayBroken(Exception):
     pass
 
 
-def _iter_parquet(path: str, fields: Sequence[str], stats: SkipStats) -> Iterator[tuple[int, Any]]:
+def _load_json(path: str) -> Any:
+    """A whole .json file parsed at once (the pretokenizers' rules), or UnreadableFile in their wording."""
+    try:
+        with open(path, "rb") as f:
+            return json.loads(f.read().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise UnreadableFile(f"{path}: invalid UTF-8 ({e})", e) from e
+    except json.JSONDecodeError as e:
+        raise UnreadableFile(f"{path}:{e.lineno}: malformed JSON ({e.msg})", e) from e
+
+
+def _json_file_error(path: str) -> Optional[str]:
+    """What `_load_json` says about a file the streaming reader found broken (None if it parses)."""
+    try:
+        _load_json(path)
+    except UnreadableFile as e:
+        return str(e)
+    return None
+
+
+def _iter_parquet(path: str, columns: Optional[Sequence[str]] = None) -> Iterator[Record]:
     import pyarrow.parquet as pq
 
     try:
         pf = pq.ParquetFile(path)
     except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a corrupt file
-        raise CorpusError(f"{path}: cannot read parquet file: {e}") from e
-    present = [c for c in fields if c in pf.schema_arrow.names]
+        raise UnreadableFile(f"{path}: cannot read parquet file: {e}", e) from e
+    present = None if columns is None else [c for c in columns if c in pf.schema_arrow.names]
     row = 0
     # Only the needed columns, one record batch at a time, so memory is one batch whatever the file size.
-    for batch in pf.iter_batches(batch_size=1024, columns=present or None):
-        cols = {c: batch.column(c).to_pylist() for c in present}
-        for i in range(batch.num_rows):
+    for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=present or None):
+        if present is None:
+            rows = batch.to_pylist()
+        else:
+            cols = {c: batch.column(c).to_pylist() for c in present}
+            rows = [{c: cols[c][i] for c in present} for i in range(batch.num_rows)]
+        for rec in rows:
+            yield Record(None, row, rec)
             row += 1
-            yield row, {c: cols[c][i] for c in present}
 
 
 # ---------------------------------------------------------------- documents
 
-def record_text(record: Any, fields: Sequence[str]) -> tuple[str | None, str | None]:
-    """(text, None) or (None, reason). Several fields are joined with a newline."""
+def record_text(record: Any, fields: Sequence[str]) -> tuple[str | None, tuple[str, str] | None]:
+    """(text, None) or (None, (reason, detail)). Several fields are joined with a newline."""
     if isinstance(record, str) and tuple(fields) == ("text",):
         return record, None
     if not isinstance(record, dict):
-        return None, f"record is a {type(record).__name__}, not an object"
+        return None, (f"record is a {type(record).__name__}, not an object", "")
     parts = []
     for name in fields:
         value = record.get(name)
         if value is None:
-            return None, f"missing field: {name!r}"
+            return None, ("missing field", repr(name))
         if not isinstance(value, str):
-            return None, f"non-string field: {name!r} is {type(value).__name__}"
+            return None, ("non-string field", f"{name!r} is {type(value).__name__}")
         parts.append(value)
     return "\n".join(parts), None
 
 
-def iter_file_documents(path: str, text_fields: Sequence[str], stats: SkipStats) -> Iterator[tuple[str, int]]:
+def iter_file_documents(path: str, text_fields: Sequence[str], stats: SkipCounter) -> Iterator[tuple[str, int]]:
     """Yield (document, utf8_byte_length) for one file, skipping or raising per the policy."""
     kind = input_kind(path)
-    what = "row" if kind == "parquet" else "line"
-    if kind == "txt":
-        records: Iterable[tuple[int, Any]] = _iter_txt(path, stats)
-    elif kind == "jsonl":
-        records = _iter_jsonl(path, stats)
-    elif kind == "json":
-        records = _iter_json_array(path, stats)
-    elif kind == "parquet":
-        records = _iter_parquet(path, text_fields, stats)
-    else:
-        raise CorpusConfigError(f"{path}: unsupported file type")
-    is_txt = kind == "txt"
+    records = iter_raw_records(path, stats, columns=text_fields)
     try:
-        for lineno, rec in records:
-            if is_txt:
+        for line, index, rec in records:
+            where = f"{path} row {index + 1}" if kind == "parquet" else f"{path}:{line}"
+            if kind == "txt":
                 text, reason = rec, None
             else:
                 text, reason = record_text(rec, text_fields)
             if reason is not None:
-                stats.skip(path, lineno, reason, what)
+                stats.skip(where, *reason)
                 continue
             if not text:
                 stats.empty_documents += 1
@@ -312,14 +440,14 @@ def iter_file_documents(path: str, text_fields: Sequence[str], stats: SkipStats)
             try:
                 nbytes = len(text.encode("utf-8"))
             except UnicodeEncodeError:  # lone surrogate from a JSON "\ud800" escape
-                stats.skip(path, lineno, "invalid Unicode: lone surrogate", what)
+                stats.skip(where, "invalid Unicode", "lone surrogate")
                 continue
             yield text, nbytes
     except OSError as e:
         raise CorpusError(f"{path}: cannot read: {e}") from e
 
 
-def iter_documents(files: Sequence[str], text_fields: Sequence[str], stats: SkipStats,
+def iter_documents(files: Sequence[str], text_fields: Sequence[str], stats: SkipCounter,
                    progress: bool = False, desc: str = "reading") -> Iterator[str]:
     """All documents of all files in order, with a tqdm bar over document bytes."""
     total = sum(os.path.getsize(f) for f in files)
@@ -336,7 +464,7 @@ class CorpusCount:
     bytes: int = 0
 
 
-def count_documents(files: Sequence[str], text_fields: Sequence[str], stats: SkipStats,
+def count_documents(files: Sequence[str], text_fields: Sequence[str], stats: SkipCounter,
                     progress: bool = False) -> CorpusCount:
     c = CorpusCount()
     total = sum(os.path.getsize(f) for f in files)
@@ -358,7 +486,7 @@ def sample_documents(files: Sequence[str], text_fields: Sequence[str], max_bytes
     (k - taken) / (N - seen)), which picks every k-subset with equal probability while streaming.
     Nothing is buffered, so memory does not depend on the corpus or sample size.
     """
-    quiet = SkipStats(strict=False, quiet=True)  # skips were already counted and logged in the first pass
+    quiet = SkipCounter(strict=False, quiet=True)  # skips were already counted and logged in the first pass
     if count.bytes <= max_bytes:
         yield from iter_documents(files, text_fields, quiet, progress, desc="reading")
         return

@@ -27,15 +27,15 @@ import random
 import re
 import shutil
 import sys
-import tempfile
 import time
 from collections import Counter
 from typing import Any, Container, Iterator, Sequence
 
 from tokenizer.contract import META_FILENAME, SPECIAL_TOKENS, VOCAB_MULTIPLE, fingerprint_dir, write_json
 from tokenizer.corpus import (
-    CorpusConfigError, CorpusError, SkipStats, collect_input_files, iter_file_documents, no_input_files_error,
+    CorpusError, SkipCounter, collect_input_files, iter_file_documents, no_input_files_error,
 )
+from utils.publish import staged_dir
 
 log = logging.getLogger("tokenizer.extend_tokenizer")
 
@@ -146,7 +146,7 @@ class Corpus:
                  heldout_chars: int, max_train_bytes: int | None, seed: int):
         self.files, self.text_fields, self.every = files, tuple(text_fields), heldout_every
         self.max_train_bytes, self.seed = max_train_bytes, seed
-        self.stats = SkipStats(strict=strict)
+        self.stats = SkipCounter(strict=strict)
         self.heldout: list[str] = []
         self.train_docs = self.train_bytes = self.heldout_docs = 0
         self.sampled_docs = self.sampled_chars = 0  # of the last training pass
@@ -164,14 +164,14 @@ class Corpus:
     def _held(self, i: int) -> bool:
         return self.every > 0 and i % self.every == self.every - 1
 
-    def _docs(self, stats: SkipStats) -> Iterator[tuple[str, int]]:
+    def _docs(self, stats: SkipCounter) -> Iterator[tuple[str, int]]:
         for path in self.files:
             yield from iter_file_documents(path, self.text_fields, stats)
 
     def training_documents(self) -> Iterator[str]:
         """The non-held-out documents, or a uniform sample of them of about max_train_bytes (Algorithm S).
         The same sample on every call (fixed seed), streamed: memory does not grow with the corpus."""
-        quiet = SkipStats(strict=False, quiet=True)
+        quiet = SkipCounter(strict=False, quiet=True)
         n = self.train_docs
         if self.max_train_bytes is None or self.train_bytes <= self.max_train_bytes:
             k = n
@@ -529,10 +529,9 @@ def extend_tokenizer(base_tokenizer_dir: str, data_dir_or_files: str | Sequence[
 def _save(base_dir: str, output_dir: str, kind: str, tj: dict[str, Any], proto: Any, ext: dict[str, Any],
           ext_str: str, new_tokens: list[str], reserved: list[str], start: int, total: int,
           training: dict[str, Any], heldout: dict[str, Any]) -> dict[str, Any]:
-    parent = os.path.dirname(os.path.abspath(output_dir))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp_extend_", dir=parent)
-    try:
+    # `<output_dir>.tmp/`, fsynced and renamed into place (an old output_dir is swapped aside, then
+    # deleted): utils/publish.py. A failure leaves output_dir as it was.
+    with staged_dir(os.path.abspath(output_dir), replace=True) as tmp:
         for name in _base_files(base_dir):
             if name not in ("tokenizer.json", "tokenizer.model"):
                 shutil.copyfile(os.path.join(base_dir, name), os.path.join(tmp, name))
@@ -575,19 +574,6 @@ def _save(base_dir: str, output_dir: str, kind: str, tj: dict[str, Any], proto: 
             "training": training,
         }
         write_json(os.path.join(tmp, META_FILENAME), meta)
-        for name in os.listdir(tmp):
-            with open(os.path.join(tmp, name), "rb") as f:
-                os.fsync(f.fileno())
-        if os.path.exists(output_dir):
-            old = output_dir.rstrip("/") + f".old_{os.getpid()}"
-            os.replace(output_dir, old)
-            os.replace(tmp, output_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, output_dir)
-    finally:
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
     return meta
 
 
@@ -634,12 +620,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 args.text_fields, args.max_train_bytes, args.seed, args.min_frequency,
                                 args.heldout_every, args.heldout_chars, args.num_threads, args.file_glob,
                                 args.recursive, args.strict, args.overwrite)
-    except CorpusError as e:
-        log.error("bad data: %s", e)
-        return EXIT_BAD_DATA
-    except (ValueError, CorpusConfigError, FileExistsError) as e:
-        log.error("bad configuration: %s", e)
-        return EXIT_BAD_CONFIG
+    except Exception as e:  # noqa: BLE001 - a named error's code (utils.errors.exit_code_for); a bad value: 2
+        from utils.errors import exit_code_for
+        named = exit_code_for(e)
+        if named is None and not isinstance(e, (ValueError, FileExistsError)):
+            raise
+        code = named[0] if named else EXIT_BAD_CONFIG
+        log.error("%s: %s", "bad data" if code == EXIT_BAD_DATA else "bad configuration", e)
+        return code
     x = meta["extension"]
     h = x["heldout"]
 

@@ -12,9 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import shutil
 import sys
-import tempfile
 import time
 from typing import Any, Sequence
 
@@ -23,9 +21,10 @@ from tokenizer.contract import (
     build_meta, check_meta, fingerprint_dir, write_json,
 )
 from tokenizer.corpus import (
-    CorpusConfigError, CorpusError, SkipStats, collect_input_files, count_documents, iter_documents,
+    CorpusError, SkipCounter, collect_input_files, count_documents, iter_documents,
     no_input_files_error, sample_documents,
 )
+from utils.publish import staged_dir
 
 log = logging.getLogger("tokenizer.train_tokenizer")
 
@@ -86,10 +85,9 @@ def save_tokenizer_dir(tk: Any, output_dir: str, tokenizer_type: str, training: 
             raise RuntimeError(f"special token {t!r} got id {tk.token_to_id(t)}, expected {learned + i}")
     if os.path.exists(output_dir) and os.listdir(output_dir) and not overwrite:
         raise FileExistsError(f"{output_dir} exists and is not empty (pass --overwrite to replace it)")
-    parent = os.path.dirname(os.path.abspath(output_dir))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp_tokenizer_", dir=parent)
-    try:
+    # `<output_dir>.tmp/`, fsynced and renamed into place (an old output_dir is swapped aside, then
+    # deleted): utils/publish.py. A failure leaves output_dir as it was.
+    with staged_dir(os.path.abspath(output_dir), replace=True) as tmp:
         tk.save(os.path.join(tmp, "tokenizer.json"))
         write_json(os.path.join(tmp, "tokenizer_config.json"), _tokenizer_config())
         names = dict(SPECIAL_TOKENS)
@@ -100,19 +98,6 @@ def save_tokenizer_dir(tk: Any, output_dir: str, tokenizer_type: str, training: 
                           fingerprint_dir(tmp), training)
         check_meta(meta)
         write_json(os.path.join(tmp, META_FILENAME), meta)
-        for name in os.listdir(tmp):
-            with open(os.path.join(tmp, name), "rb") as f:
-                os.fsync(f.fileno())
-        if os.path.exists(output_dir):
-            old = output_dir.rstrip("/") + f".old_{os.getpid()}"
-            os.replace(output_dir, old)
-            os.replace(tmp, output_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, output_dir)
-    finally:
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
     return meta
 
 
@@ -146,7 +131,7 @@ def train_tokenizer(data_dir_or_files: str | os.PathLike | Sequence[str | os.Pat
     files = found.files
     if not files:
         raise no_input_files_error(data_dir_or_files, file_glob)
-    stats = SkipStats(strict=strict)
+    stats = SkipCounter(strict=strict)
     if max_train_bytes is not None:
         count = count_documents(files, text_fields, stats, progress)
         if count.documents == 0:
@@ -210,7 +195,7 @@ def train_tokenizer(data_dir_or_files: str | os.PathLike | Sequence[str | os.Pat
     return meta
 
 
-def _raise_empty(files: Sequence[str], stats: SkipStats) -> None:
+def _raise_empty(files: Sequence[str], stats: SkipCounter) -> None:
     detail = f"; {stats.total} records were skipped: {dict(stats.counts)}, first: {stats.first_locations}" \
         if stats.total else ""
     raise CorpusError(f"no usable documents in {len(files)} file(s) ({', '.join(files[:3])}"
@@ -276,12 +261,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.max_train_bytes, args.seed, args.min_frequency, args.num_threads, args.file_glob,
             args.recursive, args.strict, args.overwrite, args.progress, args.character_coverage,
             verbose=args.verbose)
-    except CorpusError as e:
-        log.error("bad data: %s", e)
-        return EXIT_BAD_DATA
-    except (ValueError, CorpusConfigError, FileExistsError) as e:
-        log.error("bad configuration: %s", e)
-        return EXIT_BAD_CONFIG
+    except Exception as e:  # noqa: BLE001 - a named error's code (utils.errors.exit_code_for); a bad value: 2
+        from utils.errors import exit_code_for
+        named = exit_code_for(e)
+        if named is None and not isinstance(e, (ValueError, FileExistsError)):
+            raise
+        code = named[0] if named else EXIT_BAD_CONFIG
+        log.error("%s: %s", "bad data" if code == EXIT_BAD_DATA else "bad configuration", e)
+        return code
     t = meta["training"]
     log.info("saved %s: vocab_size=%d (learned %d), trained on %d of %d documents, skipped %d, %.1fs",
              args.out_dir, meta["vocab_size"], meta["learned_vocab_size"], t["train_documents"],

@@ -15,8 +15,9 @@ Layout of one checkpoint directory:
   COMPLETE                    written last, after every rank has finished, inside the temp dir
 
 Protocol: all ranks write into `step_X.tmp/`; barrier; rank 0 writes the manifest and COMPLETE,
-fsyncs, then `os.replace`s the directory into place. A crash at any instant leaves either the
-previous checkpoints untouched or a `.tmp` directory that loading ignores.
+fsyncs, then `os.replace`s the directory into place (utils/publish.py's temp names, fsync and
+publish_dir; a re-saved step swaps the old directory aside to `step_X.old` first). A crash at any
+instant leaves either the previous checkpoints untouched or a `.tmp` directory that loading ignores.
 
 Verification (`verify_checkpoint`) also checks that manifest.json names only files of the directory
 and that the JSON sidecars parse with the shape every reader relies on; the readers here
@@ -48,11 +49,13 @@ from safetensors.torch import load_file, save_file
 from utils.run_dir import CKPT_SUBDIR, COMPLETE_MARKER, RUN_START, listed_checkpoints  # noqa: E402,F401
 from utils.run_dir import STEP_PREFIX as _PREFIX  # noqa: E402
 from utils.errors import one_line  # noqa: F401  (re-exported: callers use ckpt.one_line)
+from utils.publish import atomic_write_json, fsync_file, make_temp_dir, publish_dir, temp_dir_for
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint (or the record of a run) that cannot be used; the trainer exits 5 on it.
     The message names the file (or the directory) at fault, on one line."""
+    exit_code, exit_prefix, exit_prefix_unless = 5, "checkpoint: ", "checkpoint "  # utils.errors.exit_code_for
 
 
 class DamagedCheckpointError(CheckpointError):
@@ -63,6 +66,7 @@ class DamagedCheckpointError(CheckpointError):
 class CheckpointMismatchError(Exception):
     """An intact checkpoint whose tensors do not fit the model this configuration builds (other names
     or shapes): a configuration problem (the trainer exits 2), not a damaged file."""
+    exit_code = 2  # EXIT_BAD_CONFIG, read by utils.errors.exit_code_for
 
 
 
@@ -73,19 +77,6 @@ def plain_file_name(name: Any) -> bool:
         and os.sep not in name and "\0" not in name
 
 
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        _fsync_file(path)
-    except OSError:  # some filesystems refuse fsync on directories; the rename is still atomic
-        pass
 
 
 def _sha256(path: str) -> str:
@@ -97,11 +88,8 @@ def _sha256(path: str) -> str:
 
 
 def write_json(path: str, obj: Any) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, ensure_ascii=False, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
+    """The checkpoint JSON files (indent 2, sorted keys, UTF-8, final newline), written atomically."""
+    atomic_write_json(path, obj)
 
 
 def read_json(path: str) -> Any:
@@ -179,15 +167,8 @@ def publish_checkpoint_dir(tmp: str, final: str, step: int) -> None:
                 for name in sorted(os.listdir(tmp))}
     write_json(os.path.join(tmp, "manifest.json"), manifest)
     write_json(os.path.join(tmp, COMPLETE_MARKER), {"step": int(step)})
-    _fsync_dir(tmp)
-    if os.path.exists(final):  # re-saving a step (e.g. after resume): move the old one aside
-        trash = final + f".old.{os.getpid()}"
-        os.replace(final, trash)
-        os.replace(tmp, final)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
-    _fsync_dir(os.path.dirname(final))
+    # fsync, rename; re-saving a step (e.g. after resume) swaps the old directory aside first
+    publish_dir(tmp, final, replace=True)
 
 
 def save_checkpoint(out_dir: str, req: SaveRequest, barrier: Optional[Callable[[], None]] = None,
@@ -197,12 +178,9 @@ def save_checkpoint(out_dir: str, req: SaveRequest, barrier: Optional[Callable[[
     """Collective: every rank calls this with its own SaveRequest. Returns the final directory."""
     root = checkpoint_root(out_dir)
     final = os.path.join(root, step_dir_name(req.step))
-    tmp = final + ".tmp"
+    tmp = temp_dir_for(final)
     if req.rank == 0:
-        os.makedirs(root, exist_ok=True)
-        if os.path.exists(tmp):  # left by a crash: never complete, safe to drop
-            shutil.rmtree(tmp)
-        os.makedirs(tmp)
+        make_temp_dir(final)  # one left by a crash was never complete: dropped
     _barrier(barrier)
 
     if req.rank == 0:
@@ -211,7 +189,7 @@ def save_checkpoint(out_dir: str, req: SaveRequest, barrier: Optional[Callable[[
         tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in req.model_state.items()}
         path = os.path.join(tmp, "model.safetensors")
         save_file(tensors, path, metadata={"format": "pt", "step": str(req.step)})
-        _fsync_file(path)
+        fsync_file(path)
         write_json(os.path.join(tmp, "model_config.json"), req.model_config)
         write_json(os.path.join(tmp, "config.json"), req.run_config)
         if fault_hook is not None:
@@ -219,10 +197,10 @@ def save_checkpoint(out_dir: str, req: SaveRequest, barrier: Optional[Callable[[
     if req.optimizer_state is not None:
         path = os.path.join(tmp, f"optimizer_rank{req.rank}.pt")
         torch.save(req.optimizer_state, path)
-        _fsync_file(path)
+        fsync_file(path)
     path = os.path.join(tmp, f"extra_rank{req.rank}.pt")
     torch.save(req.extra_state, path)
-    _fsync_file(path)
+    fsync_file(path)
     _barrier(barrier)  # every rank has written and fsynced its files
 
     if req.rank == 0:
@@ -563,11 +541,7 @@ def rng_state_problem(state: Any) -> Optional[str]:
 
 def write_run_start(out_dir: str, record: dict) -> None:
     """Atomically write <out_dir>/run_start.json (temp file, fsync, os.replace)."""
-    path = os.path.join(out_dir, RUN_START)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    write_json(tmp, record)
-    os.replace(tmp, path)
-    _fsync_dir(out_dir)
+    write_json(os.path.join(out_dir, RUN_START), record)
 
 
 def read_run_start(out_dir: str) -> Optional[dict]:

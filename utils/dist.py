@@ -36,6 +36,7 @@ class DistInfo:
 
 class DeviceError(ValueError):
     """--device names a device this machine does not have (a configuration error)."""
+    exit_code = 2  # EXIT_BAD_CONFIG (utils/constants.py), read by utils.errors.exit_code_for
 
 
 def device_problem(device_pref: str) -> Optional[str]:

@@ -18,6 +18,8 @@ import time
 import uuid
 from typing import Any, Optional
 
+from utils.publish import atomic_write_json, atomic_write_text
+
 SAMPLES_FILE = "samples.jsonl"
 _DPO_KEYS = {"chosen_reward", "rejected_reward", "reward_acc", "reward_margin"}
 _PERF_KEYS = {"tokens_per_sec", "tokens_per_sec_avg", "mfu", "tokens_seen", "step_time",
@@ -84,10 +86,8 @@ class WandbSink:
 
     def _save_state(self, run_id: Optional[str] = None) -> None:
         rid = run_id or self.run.id
-        tmp = self.state_path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({"id": rid, "last_step": self.last_step}, f)
-        os.replace(tmp, self.state_path)
+        atomic_write_json(self.state_path, {"id": rid, "last_step": self.last_step}, indent=None,
+                          sort_keys=False, newline=False)
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
         if step <= self.last_step:  # re-done after a resume: W&B already has this step
@@ -131,12 +131,7 @@ def truncate_metrics_after(path: str, step: int, log: Any = print) -> int:
     old = f"{path}.after_step{step}.{int(time.time())}.old"
     with open(old, "w", encoding="utf-8") as f:
         f.writelines(aside)
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.writelines(keep)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write_text(path, "".join(keep))
     log(f"[metrics] resumed at step {step}: {len(aside)} row(s) of the interrupted attempt moved to {old}")
     return len(aside)
 

@@ -23,6 +23,8 @@ import os
 import statistics
 from typing import Iterable, Optional
 
+from utils.publish import atomic_write_text
+
 SPIKE_FILE = "spike.json"                  # written by the trainer when the guard stops the run
 AFTER_SPIKE_DIR = "checkpoints_after_spike"  # where the supervisor moves checkpoints it must not resume
 
@@ -112,12 +114,7 @@ def write_spike_record(out_dir: str, record: dict) -> str:
     """Atomically write <out_dir>/spike.json (non-finite numbers as strings: strict JSON)."""
     clean = {k: (repr(v) if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
     path = os.path.join(out_dir, SPIKE_FILE)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(clean, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(clean, indent=1))
     return path
 
 
