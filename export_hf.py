@@ -107,6 +107,7 @@ def _vocab_problem(tok_dir: str | None, vocab_size: int) -> str | None:
 def _export_sharded_streaming(found: str, args) -> int | None:
     """A DCP (--parallel=fsdp) checkpoint without LoRA: stream it shard by shard into a sharded HF
     directory, never holding the whole model. None when the checkpoint is not of that kind."""
+    from model.config import read_model_config
     from model.hf_interop import export_hf_streaming
     from parallel.engine import is_sharded_checkpoint
     from utils import checkpoint as ckpt
@@ -117,7 +118,7 @@ def _export_sharded_streaming(found: str, args) -> int | None:
     if not isinstance(lora_rank, int) or lora_rank > 0 or args.adapters_out_dir:
         return None  # adapters are merged or split in memory: the general path below (it names a bad config.json)
     from parallel.dcp_checkpoint import load_model_tensors, model_tensor_specs
-    cfg = ckpt.read_model_config(found)  # CheckpointError naming model_config.json: exit 5
+    cfg = read_model_config(found)  # CheckpointError naming model_config.json: exit 5
     tok_dir = args.tokenizer_dir or run_cfg.get("tokenizer_dir")
     tok_dir = tok_dir if isinstance(tok_dir, str) else None
     problem = _vocab_problem(tok_dir, cfg.vocab_size)

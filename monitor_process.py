@@ -132,7 +132,7 @@ def parse_args(argv: list[str]) -> tuple[MonitorConfig, list[str]]:
 
 
 def flag_value(command: list[str], key: str) -> Optional[str]:
-    """Value of `key=v` or `key v` in the command; the last one wins, as in configurator.py."""
+    """Value of `key=v` or `key v` in the command; the last one wins, as in utils/configurator.py."""
     value = None
     for i, arg in enumerate(command):
         if arg.startswith(key + "="):

@@ -31,13 +31,14 @@ def model_from_checkpoint(found: str) -> tuple[Any, dict]:
     Every file that cannot be used raises CheckpointError naming it (exit 5).
     """
     from model import Transformer
+    from model.config import read_model_config
     from parallel.engine import checkpoint_model_state, load_weights
     run_cfg = ckpt.read_checkpoint_json(found, "config.json")
     lora_base = ckpt.read_trainer_state(found).get("lora_base")
     if lora_base:  # a light checkpoint: the frozen base comes from where the run took it
         model = load_lora_base(lora_base, found, log=lambda m: None)
     else:
-        model = Transformer(ckpt.read_model_config(found))
+        model = Transformer(read_model_config(found))
     try:
         select_trainable_for(model, run_cfg)
     except (ValueError, TypeError, AttributeError) as e:

@@ -2,7 +2,7 @@
 validation that turns impossible values into one exit-2 error listing all of them.
 
 Owns: `TrainConfig` (plain values, overridden by config files and `--key=value` through
-configurator.py; HF Trainer / torchtitan spellings such as `--lr` or `--max_steps` are aliases, see
+utils/configurator.py; HF Trainer / torchtitan spellings such as `--lr` or `--max_steps` are aliases, see
 utils/cli.py), `validate_config`, `TrainingError` (an error with its exit code), whether a start
 continues the run in --out_dir (`--resume`, `continues_run`), and `precheck`: the answers
 train_my_ddp.py gives before it imports torch.
@@ -231,7 +231,7 @@ def precheck(argv: list[str], title: str, prog: str) -> None:
     Reads only --out_dir's listing and JSON, and the config files and tokenizer_meta.json named."""
     import sys
 
-    from configurator import ConfigError, help_text, parse_config
+    from utils.configurator import ConfigError, help_text, parse_config
     from utils.constants import EXIT_OK
     from utils.run_dir import CKPT_SUBDIR, has_run_start, listed_checkpoints
 
@@ -291,7 +291,7 @@ def _saved_config_under(asked: TrainConfig, argv: list[str]) -> Optional[TrainCo
     import dataclasses
     import typing
 
-    from configurator import ConfigError, coerce_value, parse_config
+    from utils.configurator import ConfigError, coerce_value, parse_config
     from utils.run_dir import saved_config
     try:
         saved = saved_config(asked.out_dir)

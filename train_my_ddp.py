@@ -49,7 +49,7 @@ if __name__ == "__main__":  # answered in a second: --help, typos, bad values, m
 
 import torch  # after the pre-check, which must not wait for it
 
-from configurator import ConfigError, help_text, parse_config, save_config_json
+from utils.configurator import ConfigError, help_text, parse_config, save_config_json
 from model.flops import mfu_from
 from parallel.engine import StepStats
 from run_weights import check_lora_base, load_lora_base, load_weights_from, select_trainable_for
@@ -310,13 +310,14 @@ def build_model(cfg: TrainConfig, info: DistInfo, start: Start, tok_meta: dict, 
     """(model, init_info): the continued checkpoint's architecture (its weights load with the engine),
     a Hugging Face or our model (run_weights), or a new one from the flags; checked against the tokenizer."""
     from model import Transformer
+    from model.config import read_model_config
     init_info: dict = {"source": "scratch", "kind": "scratch"}
     if start.resume_dir is not None:
         init_info = start.saved_state.get("init_info", init_info)
         if start.saved_state.get("lora_base"):  # a light checkpoint: rebuild the frozen base first
             model = load_lora_base(start.saved_state["lora_base"], start.resume_dir, log)
         else:
-            model = Transformer(ckpt.read_model_config(start.resume_dir))  # CheckpointError naming the file: exit 5
+            model = Transformer(read_model_config(start.resume_dir))  # CheckpointError naming the file: exit 5
     elif start.init_from != "scratch":
         model, init_info = load_weights_from(start.init_from, log, flag=start.init_flag,
                                              tokenizer_dir=cfg.tokenizer_dir)

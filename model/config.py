@@ -101,3 +101,30 @@ def llama_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: Optional[fl
     if ffn_dim_multiplier is not None:
         hidden = int(ffn_dim_multiplier * hidden)
     return multiple_of * math.ceil(hidden / multiple_of)
+
+
+def read_model_config(ckpt_dir: str) -> ModelConfig:
+    """The ModelConfig recorded in a checkpoint's model_config.json, every value type-checked against the
+    field it sets (utils.checkpoint.CheckpointError naming the file and the key: never a TypeError from
+    the config's own checks)."""
+    import typing
+
+    from utils.checkpoint import CheckpointError, read_checkpoint_json
+    from utils.configurator import ConfigError, coerce_value
+    from utils.errors import one_line
+    raw = read_checkpoint_json(ckpt_dir, "model_config.json")
+    where = f"checkpoint {ckpt_dir}: model_config.json"
+    hints = typing.get_type_hints(ModelConfig)
+    values = {}
+    for k, v in raw.items():
+        if k in hints:
+            try:
+                values[k] = coerce_value(k, v, hints[k], where)
+            except ConfigError as e:
+                raise CheckpointError(one_line(e)) from e
+        else:
+            values[k] = v  # from_dict names unknown keys
+    try:
+        return ModelConfig.from_dict(values)
+    except (ValueError, TypeError, ZeroDivisionError) as e:
+        raise CheckpointError(f"{where}: {one_line(e)}") from e

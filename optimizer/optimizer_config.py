@@ -1,4 +1,4 @@
-"""Optimizer configuration (plain values, filled by configurator.py / the trainer)."""
+"""Optimizer configuration (plain values, filled by utils/configurator.py / the trainer)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

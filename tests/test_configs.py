@@ -7,7 +7,7 @@ import os
 import pytest
 
 import train_my_ddp as T
-from configurator import parse_config
+from utils.configurator import parse_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(f for f in os.listdir(os.path.join(ROOT, "config")) if f.endswith(".py"))

@@ -1,11 +1,11 @@
-"""configurator.py: overrides, config files, type checking, errors, JSON output."""
+"""utils/configurator.py: overrides, config files, type checking, errors, JSON output."""
 import json
 from dataclasses import dataclass, field
 from typing import Optional
 
 import pytest
 
-from configurator import ConfigError, parse_config, save_config_json
+from utils.configurator import ConfigError, parse_config, save_config_json
 
 
 @dataclass
@@ -112,6 +112,6 @@ def test_yaml_without_pyyaml_is_a_clear_error(tmp_path, monkeypatch):
 
 
 def test_help_says_py_configs_are_code():
-    from configurator import help_text
+    from utils.configurator import help_text
     text = help_text(Cfg(), "title")
     assert "executed as Python code" in text and ".json" in text and ".yaml" in text

@@ -343,7 +343,7 @@ def test_crashing_cli_values_are_exit_2(runs, tmp_path, capsys, flag, needle):
     ("dup.json", '{"batch_size": 4, "batch_size": 8}', "'batch_size'"),
 ])
 def test_config_file_with_a_duplicated_key_is_an_error(tmp_path, name, text, where):
-    from configurator import ConfigError, parse_config
+    from utils.configurator import ConfigError, parse_config
     from train_config import TrainConfig
     path = tmp_path / name
     path.write_text(text)

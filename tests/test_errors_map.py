@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from configurator import ConfigError
+from utils.configurator import ConfigError
 from data_preprocess.sft_format import RecordError
 from data_preprocess.shard_format import DataError, StaleIndexError
 from tokenizer.corpus import CorpusConfigError, CorpusError, UnreadableFile
@@ -85,7 +85,7 @@ def test_errors_module_stays_at_the_bottom_and_light():
     assert mods <= {"__future__", "pickle", "sys", "typing", "utils.constants"}, mods
     r = subprocess.run([sys.executable, "-c", "import sys, utils.errors as E; "
                         "E.exit_code_for(ValueError()); print(sorted(m for m in ('torch', 'safetensors', "
-                        "'data_preprocess', 'tokenizer', 'configurator') if m in sys.modules))"],
+                        "'data_preprocess', 'tokenizer', 'utils.configurator') if m in sys.modules))"],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stderr
 

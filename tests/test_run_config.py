@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import train_my_ddp as T
-from configurator import ConfigError
+from utils.configurator import ConfigError
 from utils import checkpoint as ckpt
 from utils.run_config import global_batch_problem, resolve_resume_config, select_checkpoint
 

@@ -71,7 +71,7 @@ def supervise(cmd: list[str], env: dict, *monitor_flags: str) -> subprocess.Comp
 
 def data_step_tokens(run_args: list[str], n: int) -> list[set[int]]:
     """The token ids of data steps 1..n, read through the trainer's own loader (build_data)."""
-    from configurator import parse_config
+    from utils.configurator import parse_config
     from tokenizer import load_tokenizer_meta
     from train_config import TrainConfig
     from train_my_ddp import build_data

@@ -10,7 +10,7 @@ import os
 import pytest
 
 import train_my_ddp as T
-from configurator import parse_config
+from utils.configurator import parse_config
 from train_config import TrainConfig, max_iters_for_epochs
 from utils.lr_schedule import lr_at
 from utils.metrics import dedupe_by_step, read_metrics

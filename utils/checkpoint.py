@@ -21,7 +21,7 @@ instant leaves either the previous checkpoints untouched or a `.tmp` directory t
 
 Verification (`verify_checkpoint`) also checks that manifest.json names only files of the directory
 and that the JSON sidecars parse with the shape every reader relies on; the readers here
-(`read_trainer_state`, `read_model_config`, `load_tensor_file`, ...) raise CheckpointError naming the
+(`read_trainer_state`, `read_checkpoint_json`, `load_tensor_file`, ...; model/config.py's `read_model_config`) raise CheckpointError naming the
 file for anything else that does not load. Every damaged case and what each command does with it:
 docs/errors.md, "Damaged checkpoints".
 
@@ -448,31 +448,6 @@ def read_trainer_state(ckpt_dir: str, required: tuple[str, ...] = ()) -> dict:
     if problem:
         raise CheckpointError(f"checkpoint {ckpt_dir}: {problem}")
     return state
-
-
-def read_model_config(ckpt_dir: str):
-    """The ModelConfig recorded in model_config.json, every value type-checked against the field it
-    sets (CheckpointError naming the file and the key: never a TypeError from the config's own checks)."""
-    import typing
-
-    from configurator import ConfigError, coerce_value
-    from model.config import ModelConfig
-    raw = read_checkpoint_json(ckpt_dir, "model_config.json")
-    where = f"checkpoint {ckpt_dir}: model_config.json"
-    hints = typing.get_type_hints(ModelConfig)
-    values = {}
-    for k, v in raw.items():
-        if k in hints:
-            try:
-                values[k] = coerce_value(k, v, hints[k], where)
-            except ConfigError as e:
-                raise CheckpointError(one_line(e)) from e
-        else:
-            values[k] = v  # from_dict names unknown keys
-    try:
-        return ModelConfig.from_dict(values)
-    except (ValueError, TypeError, ZeroDivisionError) as e:
-        raise CheckpointError(f"{where}: {one_line(e)}") from e
 
 
 def load_model_state(ckpt_dir: str) -> dict[str, torch.Tensor]:

@@ -9,7 +9,7 @@
   (`--lr`, `--max_steps`, `--output_dir`, ...) or is answered with a hint naming our flag.
 
 Owns: the argparse helpers the commands share (the trainer's `--key=value` parser is
-configurator.py, which takes the same aliases and hints from here).
+utils/configurator.py, which takes the same aliases and hints from here).
 Must never: change what a flag means between commands.
 """
 from __future__ import annotations

@@ -15,7 +15,7 @@ import re
 import typing
 from typing import Any, Callable, Optional, Sequence, TypeVar
 
-from configurator import ConfigError, coerce_value, parse_config
+from utils.configurator import ConfigError, coerce_value, parse_config
 from utils import checkpoint as ckpt
 
 T = TypeVar("T")

@@ -1,4 +1,4 @@
-"""Configuration of the data-parallel wrapper. Plain values only, so configurator.py can fill it."""
+"""Configuration of the data-parallel wrapper. Plain values only, so utils/configurator.py can fill it."""
 from __future__ import annotations
 
 from dataclasses import dataclass

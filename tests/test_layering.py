@@ -1,0 +1,87 @@
+"""Imports run one way between the project's packages (README "Layout"): a module imports only
+packages of a lower layer, never one of its own layer or above, except the pairs listed in ALLOWED
+with the reason each is there. Every import counts, including the lazy ones inside functions."""
+from __future__ import annotations
+
+import ast
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# package (folder) or top-level module -> layer; lower layers never import higher ones
+LAYERS = {
+    "utils": 0,
+    "tokenizer": 1, "model": 1,
+    "data_preprocess": 2, "optimizer": 2, "parallel": 2,
+    "dataset": 3, "train_samples": 3,
+    "train_config": 4,
+    "run_weights": 5, "train_task": 5,
+    "train_my_ddp": 6, "sample": 6, "export_hf": 6, "monitor_process": 6,
+}
+ALLOWED = {
+    # the optimizer steps over our DDP's buffers with its collectives (parallel/comm.py) and the ZeRO
+    # optimizer in parallel/ extends it: one layer, two folders
+    ("optimizer", "parallel"): "one layer",
+    ("parallel", "optimizer"): "one layer",
+    # growing a vocabulary (model/resize.py) reads the tokenizer that was grown; nothing else in model/
+    ("model/resize.py", "tokenizer"): "model/resize.py's header",
+}
+SKIP_DIRS = {".venv", "tests", "bench", "scripts", "docs", "config", "data", "out", "__pycache__", ".git"}
+
+
+def _unit(rel: str) -> str:
+    """The layered unit a file belongs to: its top folder, or the module name of a top-level file."""
+    return rel.split(os.sep)[0] if os.sep in rel else rel[:-3]
+
+
+def _imports(path: str):
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), filename=path)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            yield node.module.split(".")[0], node.lineno
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name.split(".")[0], node.lineno
+
+
+def _project_files(root: str):
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in SKIP_DIRS and not d.startswith(".")]
+        for name in filenames:
+            if name.endswith(".py"):
+                yield os.path.relpath(os.path.join(dirpath, name), root)
+
+
+def layer_violations(root: str = ROOT) -> list[str]:
+    problems = []
+    for rel in _project_files(root):
+        unit = _unit(rel)
+        if unit not in LAYERS:
+            problems.append(f"{rel}: {unit} has no layer in tests/test_layering.py LAYERS")
+            continue
+        for target, line in _imports(os.path.join(root, rel)):
+            if target == unit or target not in LAYERS:
+                continue  # itself, or the standard library / a third-party package
+            if (unit, target) in ALLOWED or (rel, target) in ALLOWED:
+                continue
+            if LAYERS[target] >= LAYERS[unit]:
+                problems.append(f"{rel}:{line}: {unit} (layer {LAYERS[unit]}) imports {target} "
+                                f"(layer {LAYERS[target]})")
+    return problems
+
+
+def test_every_project_module_has_a_layer_and_imports_run_one_way():
+    assert layer_violations() == []
+
+
+def test_the_checker_sees_an_upward_import(tmp_path):
+    """The check itself: a lazy import of model/ (one layer up) inside utils/ is reported with its line;
+    model/ importing utils/ (down) and a module without a layer are told apart."""
+    (tmp_path / "utils").mkdir()
+    (tmp_path / "model").mkdir()
+    (tmp_path / "utils" / "bad.py").write_text("import os\n\ndef f():\n    from model.llama import Transformer\n")
+    (tmp_path / "model" / "ok.py").write_text("from utils.bad import f\n")
+    assert layer_violations(str(tmp_path)) == [f"{os.path.join('utils', 'bad.py')}:4: utils (layer 0) imports model (layer 1)"]
+    (tmp_path / "stray.py").write_text("import utils\n")
+    assert "stray.py: stray has no layer in tests/test_layering.py LAYERS" in layer_violations(str(tmp_path))
