@@ -9,7 +9,7 @@ Run time is dominated by CPU contention: --small took 271 s on the shared 2-core
 (8 min at load 8-10), the default 668 s at load 2-8; the default model needs ~13 GiB of RAM at world 2.
 Each engine of the memory pass runs in its own spawn (glibc does not hand a dropped engine's heap back
 to the OS at once; the uncollectable hook cycle that used to keep dropped ddp/ZeRO engines alive is
-fixed, tests/test_optimizer.py::test_dropped_engine_is_freed); at world 4 the default model's ddp row is skipped by the RAM estimate.
+fixed, tests/optimizer/test_optimizer.py::test_dropped_engine_is_freed); at world 4 the default model's ddp row is skipped by the RAM estimate.
 
 Memory: bytes are MEASURED by walking the tensors each engine holds (model parameters, local shards
 of FSDP's DTensors, DDP's flat buffers, main_grad / FSDP's sharded .grad / ZeRO-2's gradient shards /

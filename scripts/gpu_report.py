@@ -245,7 +245,7 @@ def stage_tests(ctx: Ctx) -> dict:
     junit = os.path.join(ctx.work, "tests_junit.xml")
     if os.path.exists(junit):
         os.remove(junit)
-    target = ["tests/test_gpu.py"] if ctx.dry else ["tests"]
+    target = ["tests/model/test_gpu.py"] if ctx.dry else ["tests"]
     cmd = [ctx.py, "-m", "pytest", "-v", "-m", "gpu", *target, f"--junitxml={junit}", "-rfE", "--durations=10",
            "-p", "no:cacheprovider"]
     r = stream_cmd(cmd, ctx.timeout, ctx.log, "[tests] ", env=ctx.env)

@@ -1,4 +1,8 @@
-"""Shared pytest setup: repo root on sys.path, few threads so parallel tests stay fair on 2 cores."""
+"""Shared pytest setup: repo root on sys.path, few threads so parallel tests stay fair on 2 cores.
+
+Tests mirror the packages (tests/model/ for model/, tests/trainer/ for train_my_ddp.py and its modules, ...).
+`make test` runs them on every core with pytest-xdist (`-n auto`); each worker then computes on one
+thread, so two workers on two cores do not fight over them."""
 import os
 import sys
 
@@ -8,7 +12,8 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 if not torch.cuda.is_available():
     # Triton kernels are tested on CPU tensors in Triton's interpreter; it must be chosen before triton is
     # imported. On a GPU machine the kernels compile for real (and the CPU-interpreter tests skip).

@@ -1,4 +1,4 @@
-"""Trace the model's GPU kernel path on a machine without a GPU (run by tests/test_triton_cuda_compile.py).
+"""Trace the model's GPU kernel path on a machine without a GPU (run by tests/model/test_triton_cuda_compile.py).
 
 On a GPU, model/triton_kernels.py registers its ops as `torch.library.triton_op`s whose bodies launch
 the kernels through `wrap_triton`; under torch.compile, AOTAutograd traces those bodies into

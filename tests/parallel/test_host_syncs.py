@@ -1,0 +1,184 @@
+"""Host syncs per training step: the engine's forward+backward reads nothing back, the optimizer
+reads exactly one number (the global squared gradient norm: the skip and clip decisions), and the
+trainer's step statistics ride behind it (utils.device.HostCopy).
+
+On CPU a "sync" is counted as a call of aten::_local_scalar_dense (what `.item()`, `float(t)`,
+`int(t)` and `bool(t)` of a tensor run): on a GPU each one of those on a device tensor waits for the
+device. The GPU test at the end counts the real ones with torch.cuda.set_sync_debug_mode.
+"""
+from __future__ import annotations
+
+import os
+import traceback
+import warnings
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import train_my_ddp as T
+from model import ModelConfig, Transformer
+from parallel.engine import STEP_FIELDS, StepStats, build_engine
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _cpu_only_read() -> bool:
+    """Whether the read comes from a line of this repository that is guarded by `device.type == "cpu"`:
+    a branch a GPU never takes (e.g. the linear+CE's check for an upstream gradient of exactly 1)."""
+    for frame in reversed(traceback.extract_stack()):
+        if frame.filename.startswith(ROOT) and "/tests/" not in frame.filename and ".venv" not in frame.filename:
+            return 'device.type == "cpu"' in (frame.line or "")
+    return False
+
+
+class CountItems(TorchDispatchMode):
+    """Counts tensor-to-Python reads (aten::_local_scalar_dense), except those in CPU-only branches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default and not _cpu_only_read():
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_counter_counts_what_a_gpu_would_wait_for():
+    t = torch.ones(3)
+    with CountItems() as c:
+        float(t.sum()), int(t[0]), bool(t.any()), t.sum().item()
+        t * 2, t.sum(dim=0), t.new_full((1,), 3.0)
+    assert c.n == 4
+
+
+@pytest.fixture(autouse=True)
+def fused_adamw_as_on_a_gpu(monkeypatch):
+    """The engine asks for torch's fused AdamW on an accelerator (its step counters live on the device);
+    on CPU it takes the foreach one, whose CPU step counters are read as numbers (no sync on any device).
+    Build the GPU's optimizer here so that the count is the GPU's (fused AdamW runs on CPU too)."""
+    import optimizer
+    real = optimizer.OptimizerConfig
+    monkeypatch.setattr(optimizer, "OptimizerConfig", lambda **kw: real(**{**kw, "fused": True}))
+
+
+def _engine(device: torch.device, **flags):
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=16,
+                                    max_seq_len=16))
+    cfg = T.TrainConfig(device=device.type, learning_rate=1e-3, grad_clip=1.0, **flags)
+    return cfg, build_engine(model.to(device), cfg, device=device)
+
+
+def _batches(device_free_seed: int, n: int, task: str = "pretrain"):
+    g = torch.Generator().manual_seed(device_free_seed)
+    if task == "dpo":
+        def side():
+            x = torch.randint(0, 64, (2, 16), generator=g)
+            y = x.clone()
+            y[:, :5] = -100
+            return x, y
+        out = []
+        for _ in range(n):
+            (cx, cy), (rx, ry) = side(), side()
+            out.append({"chosen_input_ids": cx, "chosen_labels": cy, "rejected_input_ids": rx, "rejected_labels": ry})
+        return out
+    return [{"input_ids": (x := torch.randint(0, 64, (2, 16), generator=g)), "labels": x.clone()} for _ in range(n)]
+
+
+def _one_step(cfg, engine, batches, device, ref=None):
+    loss_fn = lambda model, batch: T.micro_batch_loss(cfg, model, ref, batch, device)  # noqa: E731
+    units = float(sum(T.count_units(cfg, b) for b in batches))
+    engine.optimizer.zero_grad()
+    with CountItems() as fb:
+        acc = engine.forward_backward(batches, loss_fn, units)
+    with CountItems() as opt:
+        stepped, norm = engine.optimizer.step()
+    return fb.n, opt.n, acc, stepped, norm
+
+
+@pytest.mark.parametrize("flags", [{}, {"use_distributed_optimizer": True},
+                                   {"use_distributed_optimizer": True, "zero_stage": 2},
+                                   {"dtype": "bf16"}],
+                         ids=["ddp", "zero1", "zero2", "ddp-bf16"])
+def test_a_step_reads_one_number_back(flags):
+    """0 reads in forward+backward of 3 micro-batches (the old code read each loss: 3), 1 in the optimizer
+    step (the old code all-reduced an overflow flag and read it, then read the norm: 2)."""
+    device = torch.device("cpu")
+    cfg, engine = _engine(device, gradient_accumulation_steps=3, **flags)
+    batches = _batches(0, 3)
+    with torch.no_grad():  # the step's loss sum, evaluated before it
+        expect = sum(float(T.micro_batch_loss(cfg, engine.forward_model, None, b, device)[0]) for b in batches)
+    n_fb, n_opt, acc, stepped, norm = _one_step(cfg, engine, batches, device)
+    assert (n_fb, n_opt) == (0, 1)
+    assert stepped and 0 < norm < float("inf")
+    assert acc.dtype == torch.float64 and acc.shape == (len(STEP_FIELDS),)
+    assert float(acc[0]) == pytest.approx(expect, rel=1e-5)
+
+
+def test_forward_backward_sums_equal_the_per_batch_losses():
+    device = torch.device("cpu")
+    cfg, engine = _engine(device, gradient_accumulation_steps=2)
+    batches = _batches(1, 2)
+    with torch.no_grad():
+        expect = [float(T.micro_batch_loss(cfg, engine.forward_model, None, b, device)[0]) for b in batches]
+    acc = engine.forward_backward(batches, lambda m, b: T.micro_batch_loss(cfg, m, None, b, device), 64.0)
+    assert float(acc[0]) == pytest.approx(sum(expect), rel=1e-6)
+    assert acc[1:].abs().sum() == 0
+
+
+def test_dpo_statistics_stay_on_the_device_and_sum_right():
+    device = torch.device("cpu")
+    cfg, engine = _engine(device, task_type="dpo", gradient_accumulation_steps=2)
+    torch.manual_seed(1)
+    ref = Transformer(ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=16,
+                                  max_seq_len=16))
+    batches = _batches(2, 2, task="dpo")
+    with torch.no_grad():
+        per = [T.micro_batch_loss(cfg, engine.forward_model, ref, b, device) for b in batches]
+    n_fb, n_opt, acc, stepped, _ = _one_step(cfg, engine, batches, device, ref=ref)
+    assert (n_fb, n_opt) == (0, 1) and stepped
+    for i, key in enumerate(("chosen_reward", "rejected_reward", "reward_acc"), start=1):
+        assert float(acc[i]) == pytest.approx(sum(float(s[key]) for _, s in per), rel=1e-5, abs=1e-6)
+
+
+def test_evaluate_reads_nothing_back():
+    device = torch.device("cpu")
+    cfg, engine = _engine(device)
+    batches = _batches(3, 2)
+    units = {id(b): T.count_units(cfg, b) for b in batches}  # read from the host batch (no device involved)
+    with CountItems() as c:
+        sums = engine.evaluate(batches, lambda m, b: T.micro_batch_loss(cfg, m, None, b, device),
+                               lambda b: units[id(b)])
+    assert c.n == 0
+    named = StepStats.from_tensor(sums)
+    assert named.units == sum(units.values()) and named.loss_sum > 0
+    assert named.per_unit()["loss"] == pytest.approx(named.loss_sum / named.units)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_step_syncs_once():
+    """The real count on a GPU: set_sync_debug_mode warns on every synchronising call."""
+    device = torch.device("cuda")
+    cfg, engine = _engine(device, gradient_accumulation_steps=3, dtype="bf16")
+    batches = _batches(0, 3)
+    _one_step(cfg, engine, batches, device)  # warm-up: lazy allocations and first-call set-up
+    loss_fn = lambda model, batch: T.micro_batch_loss(cfg, model, None, batch, device)  # noqa: E731
+    engine.optimizer.zero_grad()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as fb:
+            warnings.simplefilter("always")
+            acc = engine.forward_backward(batches, loss_fn, 96.0)
+        with warnings.catch_warnings(record=True) as opt:
+            warnings.simplefilter("always")
+            engine.optimizer.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = lambda ws: [str(w.message) for w in ws if "synchroniz" in str(w.message).lower()]  # noqa: E731
+    assert syncs(fb) == [], syncs(fb)
+    assert len(syncs(opt)) == 1, syncs(opt)
+    assert acc.is_cuda

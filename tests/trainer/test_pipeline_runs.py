@@ -1,0 +1,218 @@
+"""train_my_ddp.py with --pipeline_parallel_size (pipeline stages x data parallel), end to end on tiny
+real data, in real trainer subprocesses (torch.distributed.run, gloo, CPU):
+
+- pp=2 (GPipe and 1F1B) with 4 micro-batches follows one process on the same global batch: losses,
+  validation loss, and the weights of the saved (merged) stage checkpoints within 1e-5;
+- a crash mid-run + --init_from=resume is bit-exact (losses and weights);
+- pp=2 x dp=2 (4 processes; our DDP, and FSDP on dp) follows one process;
+- SFT under pp=2 follows one process;
+- bad combinations exit 2 with one clear line; resuming at another pipeline layout is refused;
+- export_hf.py of a pipeline checkpoint writes the merged weights.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import ROOT, run_cmd
+from tests.trainer.test_end_to_end import _env, train_cmd
+from utils.checkpoint import find_latest_valid
+from utils.constants import EXIT_BAD_CONFIG
+from utils.metrics import dedupe_by_step, read_metrics
+
+TOL = 1e-5
+
+
+def records(out_dir) -> dict[int, dict]:
+    return dedupe_by_step(read_metrics(os.path.join(out_dir, "metrics.jsonl")))
+
+
+def losses(out_dir) -> dict[int, float]:
+    return {s: r["loss"] for s, r in records(out_dir).items()}
+
+
+def final_weights(out_dir) -> dict[str, torch.Tensor]:
+    from parallel.engine import checkpoint_model_state
+    return checkpoint_model_state(find_latest_valid(str(out_dir)))
+
+
+def assert_weights_close(a: dict, b: dict, tol: float = TOL) -> float:
+    assert a.keys() == b.keys()
+    worst = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+    assert worst <= tol, worst
+    return worst
+
+
+@pytest.fixture(scope="module")
+def base_args(tiny_pretrain_run_args) -> list[str]:
+    """n_layers=2 -> one layer per stage; 4 micro-batches of 2 samples per step; validation at steps 3 and 6
+    over 4 batches (a multiple of the micro-batches, so the pipeline reads the same validation batches)."""
+    drop = ("--batch_size", "--eval_interval", "--eval_iters")
+    return [a for a in tiny_pretrain_run_args if not a.startswith(drop)] + [
+        "--batch_size=2", "--gradient_accumulation_steps=4", "--max_iters=6", "--eval_interval=3",
+        "--eval_iters=4", "--grad_clip=0.5"]
+
+
+@pytest.fixture(scope="module")
+def runs(base_args, tmp_path_factory) -> dict:
+    """The one-process reference and the pp=2 runs (GPipe, 1F1B), shared by the tests below."""
+    root = tmp_path_factory.mktemp("pp_runs")
+    out = {"root": root, "ref": root / "ref", "gpipe": root / "gpipe", "1f1b": root / "1f1b"}
+    run_cmd(train_cmd([*base_args, f"--out_dir={out['ref']}"]), env=_env())
+    for sched in ("gpipe", "1f1b"):
+        run_cmd(train_cmd([*base_args, f"--out_dir={out[sched]}", "--pipeline_parallel_size=2",
+                           f"--pipeline_schedule={sched}"], nproc=2), env=_env())
+    return out
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pp2_matches_one_process(runs, schedule):
+    ref, pp = records(runs["ref"]), records(runs[schedule])
+    assert sorted(ref) == sorted(pp) == [1, 2, 3, 4, 5, 6]
+    for s in ref:
+        assert abs(ref[s]["loss"] - pp[s]["loss"]) <= TOL, (s, ref[s]["loss"], pp[s]["loss"])
+        assert abs(ref[s]["grad_norm"] - pp[s]["grad_norm"]) <= 1e-4 * ref[s]["grad_norm"]
+        assert ref[s]["tokens_seen"] == pp[s]["tokens_seen"]  # ranks of one pipeline counted once
+    for s in (3, 6):  # evaluation runs through the pipeline too
+        assert abs(ref[s]["val_loss"] - pp[s]["val_loss"]) <= TOL, (s, ref[s]["val_loss"], pp[s]["val_loss"])
+    assert ref[6]["loss"] < ref[1]["loss"] - 0.1  # it learns (so the comparison is not of two idle runs)
+    assert_weights_close(final_weights(runs["ref"]), final_weights(runs[schedule]))
+
+
+def test_pipeline_checkpoint_layout(runs):
+    """step_N/ holds one weights file per stage + one optimizer file per stage, the usual manifest,
+    COMPLETE, RNG per rank; keep_last pruning applies; the run config records the pipeline."""
+    import json
+    from utils.checkpoint import list_checkpoints, verify_checkpoint
+    found = find_latest_valid(str(runs["1f1b"]))
+    names = set(os.listdir(found))
+    assert {"stage0_model.safetensors", "stage1_model.safetensors", "stage0_optimizer_dp0.pt",
+            "stage1_optimizer_dp0.pt", "pipeline.json", "extra_rank0.pt", "extra_rank1.pt", "manifest.json",
+            "COMPLETE", "trainer_state.json", "config.json", "model_config.json"} <= names
+    assert "model.safetensors" not in names and verify_checkpoint(found) is None
+    assert [s for s, _ in list_checkpoints(str(runs["1f1b"]))] == [6, 3]
+    cfg = json.loads(open(os.path.join(found, "config.json")).read())
+    assert cfg["pipeline_parallel_size"] == 2 and cfg["pipeline_schedule"] == "1f1b"
+    meta = json.loads(open(os.path.join(found, "pipeline.json")).read())
+    assert meta["pp_size"] == 2 and meta["layer_ranges"] == [[0, 1], [1, 2]]
+
+
+def test_crash_and_resume_is_bit_exact(runs, base_args, tmp_path):
+    """Crash at the start of step 5 (checkpoint at 3), resume: the same losses and weights as the
+    uninterrupted 1F1B run, bit for bit."""
+    crashed, once = tmp_path / "crashed", tmp_path / "fired"
+    args = [*base_args, f"--out_dir={crashed}", "--pipeline_parallel_size=2", "--pipeline_schedule=1f1b"]
+    proc = subprocess.run(train_cmd(args, nproc=2), cwd=ROOT, capture_output=True, text=True,
+                          env=_env(MYLLM_FAULT="crash@5", MYLLM_FAULT_ONCE_FILE=str(once)))
+    assert proc.returncode != 0 and once.exists()
+    assert max(losses(crashed)) == 4
+    run_cmd(train_cmd([f"--out_dir={crashed}", "--init_from=resume"], nproc=2), env=_env())
+    assert losses(crashed) == losses(runs["1f1b"])
+    a, b = final_weights(runs["1f1b"]), final_weights(crashed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_at_another_pipeline_layout_is_refused(runs, tmp_path):
+    import shutil
+    moved = tmp_path / "moved"
+    shutil.copytree(runs["gpipe"], moved)
+    proc = subprocess.run(train_cmd([f"--out_dir={moved}", "--init_from=resume", "--pipeline_parallel_size=1",
+                                     "--max_iters=8"]), cwd=ROOT, capture_output=True, text=True, env=_env())
+    assert proc.returncode == EXIT_BAD_CONFIG, proc.stderr[-2000:]
+    assert "--pipeline_parallel_size=1 (the run used 2)" in proc.stderr
+
+
+def test_export_hf_of_a_pipeline_checkpoint(runs, tmp_path):
+    from safetensors.torch import load_file
+    from model.hf_interop import export_hf  # noqa: F401  (the exporter export_hf.py uses)
+    from parallel.pipeline import merge_stage_checkpoints
+    hf = tmp_path / "hf"
+    run_cmd([sys.executable, os.path.join(ROOT, "export_hf.py"), f"--ckpt={runs['1f1b']}", f"--out_dir={hf}"],
+            env=_env())
+    merged = merge_stage_checkpoints(find_latest_valid(str(runs["1f1b"])))
+    exported = load_file(str(hf / "model.safetensors"))
+    # HF names: model.embed_tokens.weight, model.layers.N..., lm_head.weight; q/k are permuted for HF's RoPE
+    assert torch.equal(exported["model.embed_tokens.weight"], merged["embed_tokens.weight"])
+    assert torch.equal(exported["lm_head.weight"], merged["lm_head.weight"])
+    assert torch.equal(exported["model.layers.1.mlp.down_proj.weight"], merged["layers.1.mlp.down_proj.weight"])
+    from model.hf_interop import import_hf
+    back = import_hf(str(hf)).state_dict()
+    assert back.keys() == merged.keys() and all(torch.equal(back[k], merged[k]) for k in back)
+
+
+def test_sft_pp2_matches_one_process(runs, tiny_pretrain_data, tmp_path):
+    """SFT (padded rows, attention mask, masked labels) through the pipeline follows one process; both
+    start from the pipeline run's checkpoint (--init_from merges its stages)."""
+    common = [f"--tokenizer_dir={tiny_pretrain_data['tokenizer_dir']}", "--max_seq_len=64", "--device=cpu",
+              "--progress=false", "--peak_flops=1e11", "--log_interval=1", "--eval_interval=0", "--eval_iters=2",
+              "--warmup_iters=1", "--seed=3", "--val_ratio=0.05", "--task_type=sft",
+              f"--data_dir={os.path.join(ROOT, 'data', 'sft')}", f"--init_from={runs['1f1b']}", "--max_iters=2",
+              "--batch_size=2", "--gradient_accumulation_steps=2", "--learning_rate=3e-3", "--checkpoint_interval=2"]
+    ref, pp = tmp_path / "sft_ref", tmp_path / "sft_pp"
+    run_cmd(train_cmd([*common, f"--out_dir={ref}"]), env=_env())
+    run_cmd(train_cmd([*common, f"--out_dir={pp}", "--pipeline_parallel_size=2"], nproc=2), env=_env())
+    lr, lp = losses(ref), losses(pp)
+    assert sorted(lr) == sorted(lp) == [1, 2]
+    assert all(abs(lr[s] - lp[s]) <= TOL for s in lr), (lr, lp)
+    assert_weights_close(final_weights(ref), final_weights(pp))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dp_engine", ["ddp", "fsdp"])
+def test_pp2_x_dp2_matches_one_process(runs, base_args, tmp_path, dp_engine):
+    """4 processes: 2 stages x 2 data-parallel replicas of 1 sample x 4 micro-batches = the reference's
+    global batch of 8 samples per step."""
+    out = tmp_path / dp_engine
+    args = [a if not a.startswith("--batch_size") else "--batch_size=1" for a in base_args]
+    run_cmd(train_cmd([*args, f"--out_dir={out}", "--pipeline_parallel_size=2", f"--parallel={dp_engine}"],
+                      nproc=4), env=_env())
+    ref, pp = records(runs["ref"]), records(out)
+    assert sorted(ref) == sorted(pp)
+    for s in ref:
+        assert abs(ref[s]["loss"] - pp[s]["loss"]) <= TOL, (s, ref[s]["loss"], pp[s]["loss"])
+    assert_weights_close(final_weights(runs["ref"]), final_weights(out))
+
+
+@pytest.mark.parametrize("flags, world, expect", [
+    ({}, 1, "world size 1 is not a multiple of pipeline_parallel_size=2"),
+    ({"n_layers": 3}, 2, "--n_layers=3 does not split into 2 equal stages"),
+    ({"tie_embeddings": True}, 2, "cannot be combined with --tie_embeddings=true"),
+    ({"task_type": "dpo", "init_from": "somewhere"}, 2, "DPO is not supported with pipeline parallelism"),
+    ({"lora_rank": 4}, 2, "cannot be combined with LoRA"),
+    ({"trainable": "embeddings"}, 2, "cannot be combined with LoRA or --trainable=embeddings"),
+    ({"comm_hook": "powersgd"}, 2, "comm_hook=powersgd: only the default all-reduce"),
+    ({"overlap_optim_step": True}, 2, "overlap_optim_step=true is not supported with pipeline parallelism"),
+    ({"compile": True}, 2, "cannot be combined with --compile=true"),
+    ({"gradient_accumulation_steps": 1}, 2, "the 1F1B schedule needs at least as many micro-batches as stages"),
+    ({"pipeline_schedule": "zigzag"}, 2, "--pipeline_schedule='zigzag' (gpipe | 1f1b)"),
+    ({"pipeline_parallel_size": 0}, 2, "--pipeline_parallel_size=0: must be >= 1"),
+])
+def test_bad_combinations_are_named(flags, world, expect):
+    import train_config as T
+    cfg = T.TrainConfig(data_dir="d", tokenizer_dir="t", n_layers=4, gradient_accumulation_steps=2,
+                        pipeline_parallel_size=2)
+    for k, v in flags.items():
+        setattr(cfg, k, v)
+    with pytest.raises(T.TrainingError) as e:
+        T.validate_config(cfg, world_size=world)
+    assert e.value.code == EXIT_BAD_CONFIG and expect in str(e.value), str(e.value)
+    T.validate_config(T.TrainConfig(data_dir="d", tokenizer_dir="t", n_layers=4, gradient_accumulation_steps=2,
+                                    pipeline_parallel_size=2), world_size=4)  # and the good layout passes
+
+
+def test_bad_combination_exits_2_with_one_line(tiny_pretrain_run_args, tmp_path):
+    """The trainer: exit 2, one "[rank 0] error: ..." line naming every problem, nothing written."""
+    proc = subprocess.run(train_cmd([*tiny_pretrain_run_args, f"--out_dir={tmp_path / 'bad'}",
+                                     "--pipeline_parallel_size=2", "--gradient_accumulation_steps=2",
+                                     "--tie_embeddings=true"]),
+                          cwd=ROOT, capture_output=True, text=True, env=_env())
+    assert proc.returncode == EXIT_BAD_CONFIG, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("[rank 0] error: bad configuration:"), proc.stderr[-2000:]
+    assert "world size 1 is not a multiple of pipeline_parallel_size=2" in lines[0]
+    assert "--tie_embeddings=true" in lines[0]
+    assert not os.path.isdir(tmp_path / "bad" / "checkpoints")
