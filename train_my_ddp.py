@@ -392,17 +392,18 @@ def place_on_engine(cfg: TrainConfig, info: DistInfo, model, ref_model, log) -> 
     slow_dtype = low_precision_cpu_warning(info.device, dtype)
     if slow_dtype:
         log(f"[warning] {slow_dtype}")
-    mcfg = model.cfg
+    model_cfg = model.cfg
     from model.attention import describe_attention
     from model.kernels import describe_choice, flash_attn_functions
-    if mcfg.flash_attn:
+    if model_cfg.flash_attn:
         flash_attn_functions(info.device)  # detected (and logged) once
-    log(f"[kernels] attention: {describe_attention(info.device, mcfg, dtype, cfg.compile)}; "
-        f"{describe_choice(info.device, mcfg.kernel_backend, cfg.compile, fused=mcfg.fused_rmsnorm)}")
+    log(f"[kernels] attention: {describe_attention(info.device, model_cfg, dtype, cfg.compile)}; "
+        f"{describe_choice(info.device, model_cfg.kernel_backend, cfg.compile, fused=model_cfg.fused_rmsnorm)}")
     n_params = sum(p.numel() for p in model.parameters())
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    log(f"[model] {n_params / 1e6:.2f}M parameters ({n_train / 1e6:.2f}M trainable), {mcfg.n_layers} layers, "
-        f"dim {mcfg.dim}, vocab {mcfg.vocab_size}, dtype {cfg.dtype}, device {info.device}, world {info.world_size}")
+    log(f"[model] {n_params / 1e6:.2f}M parameters ({n_train / 1e6:.2f}M trainable), {model_cfg.n_layers} layers, "
+        f"dim {model_cfg.dim}, vocab {model_cfg.vocab_size}, dtype {cfg.dtype}, device {info.device}, "
+        f"world {info.world_size}")
     from parallel.engine import build_engine, describe_layout
     try:  # the engine casts the model to its precision policy and moves what this rank runs to the device
         engine = build_engine(model, cfg, device=info.device)
@@ -508,7 +509,7 @@ def train(cfg: TrainConfig, info: DistInfo, continues: Optional[bool] = None, ma
     start = decide_start(cfg, info, continues, log)
     seed_everything(cfg.seed)  # identical initial weights on every rank (and DDP broadcasts anyway)
     model, init_info = build_model(cfg, info, start, tok_meta, log)
-    mcfg = model.cfg
+    model_cfg = model.cfg
     lora_base = choose_trainable(cfg, model, init_info, start, log)
     engine, ref_model = place_on_engine(cfg, info, model, dpo_reference(cfg, init_info, log), log)
     del model  # the engine holds what this rank runs (under pp the other stages' layers are freed)
@@ -533,7 +534,8 @@ def train(cfg: TrainConfig, info: DistInfo, continues: Optional[bool] = None, ma
                             wandb=cfg.wandb, wandb_project=cfg.wandb_project, wandb_run_name=cfg.wandb_run_name,
                             run_config=dataclasses.asdict(cfg),
                             resume_step=progress.step if start.continues else None)
-    loop = Loop(cfg, info, engine, ref_model, mcfg, train_loader, make_val_loader, metrics, progress, init_info, log)
+    loop = Loop(cfg, info, engine, ref_model, model_cfg, train_loader, make_val_loader, metrics, progress, init_info,
+                log)
     loop.announce(saved_max_iters=int(start.saved_cfg.get("max_iters") or 0))
 
     # ---- graceful stop: finish the step, save, exit 75
@@ -573,14 +575,14 @@ class Loop:
     through the engine, the optimizer step, the spike guard, the log line, evaluation, samples and
     checkpoints. The same for every task and engine (parallel/engine.py hides which one runs)."""
 
-    def __init__(self, cfg: TrainConfig, info: DistInfo, engine, ref_model, mcfg, train_loader, make_val_loader,
+    def __init__(self, cfg: TrainConfig, info: DistInfo, engine, ref_model, model_cfg, train_loader, make_val_loader,
                  metrics: MetricsLogger, progress: Progress, init_info: dict, log) -> None:
         from model.flops import flops_per_token, resolve_peak_flops
         from utils.spike_guard import SpikeDetector
-        self.cfg, self.info, self.engine, self.ref_model, self.mcfg = cfg, info, engine, ref_model, mcfg
+        self.cfg, self.info, self.engine, self.ref_model, self.model_cfg = cfg, info, engine, ref_model, model_cfg
         self.train_loader, self.make_val_loader, self.metrics = train_loader, make_val_loader, metrics
         self.progress, self.init_info, self.log = progress, init_info, log
-        self.flops_per_token = flops_per_token(mcfg, cfg.max_seq_len)
+        self.flops_per_token = flops_per_token(model_cfg, cfg.max_seq_len)
         self.peak = resolve_peak_flops(info.device, parse_dtype(cfg.dtype), override=cfg.peak_flops,
                                        cache_dir=cfg.out_dir if info.is_main else None)
         self.throughput = Throughput(window=20)
@@ -731,7 +733,8 @@ class Loop:
             state["spike_guard"] = self.guard.state_dict()
         fault = (lambda: os.kill(os.getpid(), signal.SIGKILL)) if _fault("kill_in_save", p.step) else None
         path = self.engine.save(cfg.out_dir, p.step, rank=info.rank, world_size=info.world_size,
-                                model_config=self.mcfg.to_dict(), trainer_state=state, run_config=dataclasses.asdict(cfg),
+                                model_config=self.model_cfg.to_dict(), trainer_state=state,
+                                run_config=dataclasses.asdict(cfg),
                                 extra_state={"rng": ckpt.capture_rng_state(info.device)}, keep_last=cfg.keep_last,
                                 barrier=barrier, fault_hook=fault, log=self.log)
         self.log(f"[checkpoint] step {p.step} -> {path}")

@@ -168,11 +168,11 @@ def build_engine(name: str, a, prec: str, world: int) -> dict:
         return {"kind": "ddp", "ddp": ddp, "opt": opt, "module": m, "fwd": lambda ids: ddp(ids, labels=ids),
                 "dp": world, "stage": None, "host": False}
     if name in ("fsdp", "fsdp_offload"):
-        from parallel.fsdp import build_fsdp_engine, unwrap
+        from parallel.fsdp import build_fsdp_engine
         m = build_model(a, torch.float32)  # FSDP: fp32 shards are the masters; dtype only for compute
         wrapped, opt = build_fsdp_engine(m, OptimizerConfig(**ocfg), param_dtype=dtype, reshard_after_forward=True,
                                          cpu_offload=name == "fsdp_offload")
-        mod = unwrap(wrapped)
+        mod = wrapped
         # placement by policy: every FSDPParam of every unit must report offload_to_cpu
         flags = [fp.offload_to_cpu for sub in mod.modules() if hasattr(sub, "_get_fsdp_state")
                  for g in sub._get_fsdp_state()._fsdp_param_groups for fp in g.fsdp_params]

@@ -1,4 +1,11 @@
-"""parallel: data-parallel engine (buffers, buckets, comm hooks, PowerSGD, ZeRO). See docs/parallel.md."""
+"""parallel: how a model is spread over processes, behind one interface (engine.py: `build_engine` ->
+DDPEngine | FSDPEngine | PipelineParallelEngine, the `TrainingEngine` protocol the trainer uses).
+
+- distributed_data_parallel/: our DDP (contiguous parameter/gradient buffers, buckets, comm hooks);
+  comm_hooks.py and powersgd.py its hooks; distributed_optimizer/: ZeRO-1/2 over those buffers.
+- fsdp.py + dcp_checkpoint.py: torch FSDP2 (`fully_shard`) with our optimizer API, sharded DCP checkpoints.
+- pipeline.py: pipeline stages (the Transformer pruned) on torch.distributed.pipelining, x data parallel.
+This module re-exports the DDP pieces. See docs/parallel.md."""
 from parallel.distributed_data_parallel import DDPConfig, DistributedDataParallel, GradBucket
 from parallel.comm import CommHandle
 from parallel.comm_hooks import (CommHookState, allreduce_hook, bf16_compress_wrapper,

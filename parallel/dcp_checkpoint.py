@@ -106,11 +106,6 @@ def _barrier(group: Optional[dist.ProcessGroup]) -> None:
         dist.barrier(group=group)
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
-    from parallel.fsdp import unwrap
-    return unwrap(model)
-
-
 def _split_optimizer_state(sd: dict) -> tuple[dict[str, torch.Tensor], dict]:
     """FSDPOptimizer.state_dict() -> (tensors for DCP, JSON-able rest)."""
     tensors = {k: v for k, v in sd["adamw"].items() if torch.is_tensor(v)}
@@ -150,7 +145,6 @@ def save_dcp_checkpoint(ckpt_root: str, step: int, model: nn.Module, optimizer=N
       in the middle of a save).
     """
     from parallel.fsdp import reshard
-    model = _unwrap(model)
     group = _mesh_group(model)
     rank, world = _group_rank_world(group)
     reshard(model)  # gathered parameters (left by a forward-only pass) are freed before the state is read
@@ -282,7 +276,6 @@ def load_dcp_checkpoint(ckpt_dir: str, model: nn.Module, optimizer=None) -> dict
     """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
     meta, md = _usable(ckpt_dir)
-    model = _unwrap(model)
     group = _mesh_group(model)
     saved = set(md.state_dict_metadata)
 

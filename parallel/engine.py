@@ -122,7 +122,7 @@ class Engine:
     (`no_sync`), forward-only evaluation, sums over the data-parallel replicas. Subclasses own the
     reference-model layout and the checkpoint format: DDPEngine, FSDPEngine, PipelineParallelEngine."""
     kind: ClassVar[str] = "engine"
-    model: nn.Module                # DistributedDataParallel or FSDPDataParallel: forward, no_sync(), train()
+    model: nn.Module                # our DistributedDataParallel (forward, no_sync(), train()) or the fully_shard-ed model
                                     # (pipeline: this rank's stage, wrapped over the dp group)
     optimizer: Any                  # MixedPrecisionOptimizer / DistributedOptimizer / FSDPOptimizer API
     module: nn.Module               # the unwrapped model or stage (state-dict keys without a prefix)
@@ -138,6 +138,10 @@ class Engine:
     def __post_init__(self) -> None:
         if self.forward_model is None:
             self.forward_model = self.model
+
+    def _no_sync(self) -> contextlib.AbstractContextManager:
+        """Backward inside it accumulates gradients without communicating (all but the last micro-batch)."""
+        return self.model.no_sync()
 
     # ------------------------------------------------------------------ DPO's reference model
     def place_reference(self, ref: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
@@ -161,7 +165,7 @@ class Engine:
         acc = None
         n = len(batches)
         for i, batch in enumerate(batches):
-            sync = contextlib.nullcontext() if i == n - 1 else self.model.no_sync()
+            sync = contextlib.nullcontext() if i == n - 1 else self._no_sync()
             with sync:
                 loss_sum, stats = loss_fn(self.forward_model, batch)
                 if poison:
@@ -291,6 +295,10 @@ class FSDPEngine(Engine):
 
     def reference_layout(self) -> str:
         return "sharded by FSDP2"
+
+    def _no_sync(self) -> contextlib.AbstractContextManager:
+        from parallel.fsdp import no_sync  # the model is the fully_shard-ed module itself: no wrapper
+        return no_sync(self.model)
 
     def _after_forward_only(self) -> None:
         from parallel.fsdp import reshard  # no backward follows to free what the forward gathered: free it now
@@ -543,12 +551,12 @@ def _build_engine(model: nn.Module, cfg: Any, group: Any, device: torch.device) 
         return PipelineParallelEngine(pipe)
     model.to(device)
     if cfg.parallel == "fsdp":
-        from parallel.fsdp import build_fsdp_engine, unwrap
+        from parallel.fsdp import build_fsdp_engine
         wrapped, opt = build_fsdp_engine(model, opt_cfg, mesh_or_group=group, param_dtype=parse_dtype(cfg.dtype),
                                          reshard_after_forward=cfg.reshard_after_forward,
                                          cpu_offload=cfg.cpu_offload)
         rank, world = _dp_coordinates(group)
-        return FSDPEngine(wrapped, opt, unwrap(wrapped), sharded_optimizer=True, dp_rank=rank, dp_size=world)
+        return FSDPEngine(wrapped, opt, wrapped, sharded_optimizer=True, dp_rank=rank, dp_size=world)
     from optimizer import build_optimizer
     from parallel import (DDPConfig, DistributedDataParallel, PowerSGDState, allreduce_hook,
                           bf16_compress_wrapper, fp16_compress_wrapper, powersgd_hook, reduce_scatter_hook)

@@ -199,7 +199,7 @@ def fsdp_mesh(model: nn.Module) -> Optional[DeviceMesh]:
 
     Never inferred from the parameters: between a forward-only pass and the next backward, units
     built with reshard_after_forward=False hold plain (unsharded) tensors, not DTensors."""
-    return getattr(unwrap(model), _MESH_ATTR, None)
+    return getattr(model, _MESH_ATTR, None)
 
 
 def reshard(model: nn.Module) -> int:
@@ -207,7 +207,7 @@ def reshard(model: nn.Module) -> int:
     units. Needed after a forward-only pass (evaluation): FSDP frees a unit's gathered parameters
     after its backward, or after its forward only when reshard_after_forward=True (and never for
     the root), so without this every rank keeps the whole model until the next backward."""
-    units = [m for m in unwrap(model).modules() if isinstance(m, FSDPModule)]
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     for m in units:
         m.reshard()
     return len(units)
@@ -226,45 +226,6 @@ def no_sync(model: nn.Module) -> Iterator[None]:
         model.set_requires_gradient_sync(True)
 
 
-class FSDPDataParallel(nn.Module):
-    """What the trainer holds in place of our DistributedDataParallel: forward, `no_sync()`, the
-    comm-hook calls (no hooks exist under FSDP), and `.module` (the fully_shard-ed model, whose
-    state_dict keys have no prefix)."""
-
-    def __init__(self, module: nn.Module, *, mesh_or_group: Union[DeviceMesh, dist.ProcessGroup, None] = None,
-                 param_dtype: torch.dtype = torch.float32, reduce_dtype: torch.dtype = torch.float32,
-                 reshard_after_forward: bool = True, cpu_offload: bool = False):
-        super().__init__()
-        self.module = wrap_fsdp(module, mesh_or_group=mesh_or_group, param_dtype=param_dtype,
-                                reduce_dtype=reduce_dtype, reshard_after_forward=reshard_after_forward,
-                                cpu_offload=cpu_offload)
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-    def no_sync(self) -> contextlib.AbstractContextManager:
-        return no_sync(self.module)
-
-    def broadcast_params(self) -> None:
-        """No-op: wrap_fsdp already broadcast rank 0's weights before sharding."""
-
-    def register_comm_hook(self, state: Any, hook: Any) -> None:
-        raise ValueError("comm hooks (powersgd, fp16/bf16 compression) exist only for --parallel=ddp; FSDP "
-                         "reduce-scatters gradients itself")
-
-    def comm_hook_state_dict(self) -> dict:
-        return {}
-
-    def load_comm_hook_state_dict(self, sd: dict) -> None:
-        if sd:
-            raise ValueError("this checkpoint carries comm-hook (PowerSGD) state, which FSDP cannot use")
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The fully_shard-ed model inside an FSDPDataParallel (or the model itself)."""
-    return model.module if isinstance(model, FSDPDataParallel) else model
-
-
 # ---------------------------------------------------------------------------- optimizer
 
 class FSDPOptimizer:
@@ -281,9 +242,8 @@ class FSDPOptimizer:
         validate_fsdp_options(use_distributed_optimizer=config.use_distributed_optimizer,
                               overlap_optim_step=config.overlap_optim_step,
                               overlap_param_gather=config.overlap_param_gather, zero_stage=config.zero_stage)
-        model = unwrap(model)
         if not isinstance(model, FSDPModule):
-            raise ValueError("FSDPOptimizer needs a model wrapped by wrap_fsdp / FSDPDataParallel")
+            raise ValueError("FSDPOptimizer needs a model wrapped by wrap_fsdp")
         self.model, self.config = model, config
         wcfg = getattr(model, _CONFIG_ATTR, {})
         if wcfg.get("param_dtype") == torch.float16 and config.precision != "fp16":
@@ -452,7 +412,6 @@ def sharded_bytes(model: nn.Module, optimizer: Optional[FSDPOptimizer] = None) -
     """This rank's bytes of parameter shards, gradient shards (present between backward and step) and
     Adam moments: the '16 B/param / world' accounting of docs/parallel.md (fp32 params + grads +
     exp_avg + exp_avg_sq). Frozen parameters count as params only."""
-    model = unwrap(model)
     out = {"params": 0, "grads": 0, "optimizer": 0}
     for p in model.parameters():
         loc = p.to_local() if isinstance(p, DTensor) else p
@@ -469,14 +428,15 @@ def build_fsdp_engine(model: nn.Module, config: OptimizerConfig, *,
                       mesh_or_group: Union[DeviceMesh, dist.ProcessGroup, None] = None,
                       param_dtype: torch.dtype = torch.float32, reshard_after_forward: bool = True,
                       cpu_offload: bool = False, comm_hook: str = "allreduce",
-                      grad_reduce_in_fp32: bool = False) -> tuple[FSDPDataParallel, FSDPOptimizer]:
-    """(wrapped model, optimizer), validated together: the FSDP counterpart of the trainer's build_engine."""
+                      grad_reduce_in_fp32: bool = False) -> tuple[nn.Module, FSDPOptimizer]:
+    """(the model, fully_shard-ed in place by wrap_fsdp, and its optimizer), validated together: what
+    parallel/engine.py's FSDPEngine holds (gradient accumulation: `no_sync(model)`)."""
     validate_fsdp_options(comm_hook=comm_hook, use_distributed_optimizer=config.use_distributed_optimizer,
                           overlap_optim_step=config.overlap_optim_step,
                           overlap_param_gather=config.overlap_param_gather, zero_stage=config.zero_stage,
                           grad_reduce_in_fp32=grad_reduce_in_fp32)
     if param_dtype == torch.float16 and config.precision != "fp16":
         raise ValueError("param_dtype=float16 needs precision='fp16' (loss scaling)")
-    engine = FSDPDataParallel(model, mesh_or_group=mesh_or_group, param_dtype=param_dtype,
-                              reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload)
-    return engine, FSDPOptimizer(engine, config)
+    wrapped = wrap_fsdp(model, mesh_or_group=mesh_or_group, param_dtype=param_dtype,
+                        reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload)
+    return wrapped, FSDPOptimizer(wrapped, config)
