@@ -504,3 +504,16 @@ def sample_documents(files: Sequence[str], text_fields: Sequence[str], max_bytes
                 seen += 1
                 if taken >= k:
                     return
+
+
+def command_exit_code(e: BaseException, log: logging.Logger) -> Optional[int]:
+    """How a tokenizer command (train_tokenizer, extend_tokenizer) ends after `e`: a named error
+    (utils.errors.exit_code_for) or a bad value (ValueError, an existing output dir) is logged in one
+    line and gives its code (bad value: 2); None for anything else, which the caller re-raises."""
+    from utils.errors import exit_code_for
+    named = exit_code_for(e)
+    if named is None and not isinstance(e, (ValueError, FileExistsError)):
+        return None
+    code = named[0] if named else EXIT_BAD_CONFIG
+    log.error("%s: %s", "bad data" if code == EXIT_BAD_DATA else "bad configuration", e)
+    return code

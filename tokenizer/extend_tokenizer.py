@@ -33,13 +33,12 @@ from typing import Any, Container, Iterator, Sequence
 
 from tokenizer.contract import META_FILENAME, SPECIAL_TOKENS, VOCAB_MULTIPLE, fingerprint_dir, write_json
 from tokenizer.corpus import (
-    CorpusError, SkipCounter, collect_input_files, iter_file_documents, no_input_files_error,
+    CorpusError, SkipCounter, collect_input_files, command_exit_code, iter_file_documents, no_input_files_error,
 )
 from utils.publish import staged_dir
 
 log = logging.getLogger("tokenizer.extend_tokenizer")
 
-EXIT_BAD_CONFIG, EXIT_BAD_DATA = 2, 3
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
                    "added_tokens.json", "chat_template.jinja", "chat_template.json")
 _RESERVED = re.compile(r"^<\|reserved_(\d+)\|>$")
@@ -620,13 +619,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 args.text_fields, args.max_train_bytes, args.seed, args.min_frequency,
                                 args.heldout_every, args.heldout_chars, args.num_threads, args.file_glob,
                                 args.recursive, args.strict, args.overwrite)
-    except Exception as e:  # noqa: BLE001 - a named error's code (utils.errors.exit_code_for); a bad value: 2
-        from utils.errors import exit_code_for
-        named = exit_code_for(e)
-        if named is None and not isinstance(e, (ValueError, FileExistsError)):
+    except Exception as e:  # noqa: BLE001 - a named error's code or a bad value's (2); anything else re-raised
+        code = command_exit_code(e, log)
+        if code is None:
             raise
-        code = named[0] if named else EXIT_BAD_CONFIG
-        log.error("%s: %s", "bad data" if code == EXIT_BAD_DATA else "bad configuration", e)
         return code
     x = meta["extension"]
     h = x["heldout"]

@@ -21,14 +21,13 @@ from tokenizer.contract import (
     build_meta, check_meta, fingerprint_dir, write_json,
 )
 from tokenizer.corpus import (
-    CorpusError, SkipCounter, collect_input_files, count_documents, iter_documents,
+    CorpusError, SkipCounter, collect_input_files, command_exit_code, count_documents, iter_documents,
     no_input_files_error, sample_documents,
 )
 from utils.publish import staged_dir
 
 log = logging.getLogger("tokenizer.train_tokenizer")
 
-EXIT_BAD_CONFIG, EXIT_BAD_DATA = 2, 3  # same values as utils/constants.py (tokenizer/ stays import-light)
 MIN_LEARNED = {"hf_bbpe": 256 + 1, "sp_bbpe": 256 + 2}  # 256 byte pieces + at least one more piece
 
 POLICY = """\
@@ -261,13 +260,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.max_train_bytes, args.seed, args.min_frequency, args.num_threads, args.file_glob,
             args.recursive, args.strict, args.overwrite, args.progress, args.character_coverage,
             verbose=args.verbose)
-    except Exception as e:  # noqa: BLE001 - a named error's code (utils.errors.exit_code_for); a bad value: 2
-        from utils.errors import exit_code_for
-        named = exit_code_for(e)
-        if named is None and not isinstance(e, (ValueError, FileExistsError)):
+    except Exception as e:  # noqa: BLE001 - a named error's code or a bad value's (2); anything else re-raised
+        code = command_exit_code(e, log)
+        if code is None:
             raise
-        code = named[0] if named else EXIT_BAD_CONFIG
-        log.error("%s: %s", "bad data" if code == EXIT_BAD_DATA else "bad configuration", e)
         return code
     t = meta["training"]
     log.info("saved %s: vocab_size=%d (learned %d), trained on %d of %d documents, skipped %d, %.1fs",
