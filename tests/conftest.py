@@ -27,9 +27,84 @@ import pytest  # noqa: E402
 PY = sys.executable
 
 
+TRAIN = os.path.join(ROOT, "train_my_ddp.py")
+
+
+class TrainCommand(list):
+    """The command line of a train_my_ddp.py run (a plain list: subprocess takes it as is), which also
+    remembers its flags and process count so that `run_cmd` can run a one-process run in this process."""
+
+    def __init__(self, args: list[str], nproc: int = 1):
+        cmd = [PY, TRAIN, *args] if nproc == 1 else \
+            [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", TRAIN, *args]
+        super().__init__(cmd)
+        self.args, self.nproc = list(args), nproc
+
+
+def train_cmd(args: list[str], nproc: int = 1) -> TrainCommand:
+    return TrainCommand(args, nproc)
+
+
+# Faults that end the process itself (os._exit, a hang, SIGKILL in a save) need a real process.
+_PROCESS_FAULTS = ("crash@", "hang@", "kill_in_save@")
+
+
+def _in_process_ok(cmd, env: dict | None) -> bool:
+    if not isinstance(cmd, TrainCommand) or cmd.nproc != 1 or any(a.startswith("--compile=t") for a in cmd.args):
+        return False  # several processes, or torch.compile (its caches would outlive the run in this process)
+    fault = (env or {}).get("MYLLM_FAULT", "")
+    return not fault.startswith(_PROCESS_FAULTS)
+
+
+def _run_trainer_here(cmd: TrainCommand, env: dict | None) -> subprocess.CompletedProcess:
+    """train_my_ddp.main(args) in this process, as the subprocess would run it: the command's environment,
+    one compute thread (the subprocesses get OMP_NUM_THREADS=1, so results are bit-identical), stdout /
+    stderr and the library's log lines captured; every global it touches is put back afterwards."""
+    import contextlib
+    import io
+    import logging
+    import signal
+
+    import train_my_ddp
+    out, err = io.StringIO(), io.StringIO()
+    saved_env, saved_threads = dict(os.environ), torch.get_num_threads()
+    saved_signals = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    saved_det = torch.are_deterministic_algorithms_enabled()
+    root = logging.getLogger()
+    handler, saved_level = logging.StreamHandler(err), root.level
+    handler.setFormatter(logging.Formatter("[%(name)s] %(message)s"))
+    try:
+        if env is not None:
+            os.environ.clear()
+            os.environ.update(env)
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        root.addHandler(handler)
+        root.setLevel(logging.INFO)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = train_my_ddp.main(cmd.args)
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 1
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(saved_level)
+        os.environ.clear()
+        os.environ.update(saved_env)
+        torch.set_num_threads(saved_threads)
+        torch.use_deterministic_algorithms(saved_det)
+        for s, h in saved_signals.items():
+            signal.signal(s, h)
+    return subprocess.CompletedProcess(list(cmd), code, out.getvalue(), err.getvalue())
+
+
 def run_cmd(args: list[str], cwd: str = ROOT, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run a project command; on failure the assertion shows its output."""
-    proc = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    """Run a project command; on failure the assertion shows its output. A one-process trainer run
+    (`train_cmd(flags)`) that needs no real process runs in this process: same flags, environment and
+    thread count, about 4 s of interpreter and import start-up saved per run."""
+    if cwd == ROOT and _in_process_ok(args, env):
+        proc = _run_trainer_here(args, env)
+    else:
+        proc = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(args)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
 

@@ -17,24 +17,15 @@ import torch
 import torch.nn.functional as F
 
 from run_weights import load_weights_from
-from tests.conftest import ROOT, run_cmd
+from tests.conftest import ROOT, run_cmd, train_cmd
 from utils.checkpoint import find_latest_valid, load_model_state
 from utils.constants import EXIT_BAD_CONFIG, EXIT_INTERRUPTED, EXIT_NONFINITE_LOSS, IGNORE_INDEX
 from utils.metrics import dedupe_by_step, read_metrics
-
-TRAIN = os.path.join(ROOT, "train_my_ddp.py")
-
 
 def _env(**extra) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.update(extra)
     return env
-
-
-def train_cmd(args: list[str], nproc: int = 1) -> list[str]:
-    if nproc == 1:
-        return [sys.executable, TRAIN, *args]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", TRAIN, *args]
 
 
 def losses(out_dir) -> dict[int, float]:
