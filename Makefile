@@ -19,8 +19,9 @@ $(STAMP): requirements.txt
 demo: venv
 	STEPS=$(STEPS) $(VPY) scripts/demo.py
 
+# the suite on every core (pytest-xdist; at most 8 workers), each test file's tests shared out as workers free up
 test: venv
-	$(VPY) -m pytest -q tests
+	$(VPY) -m pytest -q -n auto --maxprocesses=8 --dist worksteal tests
 
 # on a CUDA machine: kernel numerics at real sizes, bf16 steps per kernel, compile with zero graph breaks, the trainer
 test-gpu: venv

@@ -91,11 +91,15 @@ def test_errors_module_stays_at_the_bottom_and_light():
 
 
 def test_the_commands_use_the_one_mapping():
-    """No command keeps its own exception -> code chain: each calls exit_code_for."""
-    for rel in ("train_my_ddp.py", "sample.py", "export_hf.py", "tokenizer/train_tokenizer.py",
-                "tokenizer/extend_tokenizer.py", "data_preprocess/pretokenize_pretrain_data.py",
-                "data_preprocess/pretokenize_sft_data.py"):
+    """No command keeps its own exception -> code chain: each calls exit_code_for (the two tokenizer
+    commands through tokenizer/corpus.py's command_exit_code, which does)."""
+    for rel, call in (("train_my_ddp.py", "exit_code_for("), ("sample.py", "exit_code_for("),
+                      ("export_hf.py", "exit_code_for("), ("tokenizer/corpus.py", "exit_code_for("),
+                      ("tokenizer/train_tokenizer.py", "command_exit_code("),
+                      ("tokenizer/extend_tokenizer.py", "command_exit_code("),
+                      ("data_preprocess/pretokenize_pretrain_data.py", "exit_code_for("),
+                      ("data_preprocess/pretokenize_sft_data.py", "exit_code_for(")):
         with open(os.path.join(ROOT, rel), encoding="utf-8") as f:
             src = f.read()
-        assert "exit_code_for(" in src, rel
+        assert call in src, rel
         assert "def named_error" not in src and "SafetensorError" not in src, rel
