@@ -29,8 +29,9 @@ from data_preprocess.readers import RECORD_KINDS, find_input_files, skip_counter
 from data_preprocess.sft_format import (ChatRenderer, Encode, FileFailed, apply_overlong,
                                         encode_file_records, labels_from_mask, make_chat_encoder,
                                         sft_messages)
-from data_preprocess.shard_format import (DataError, atomic_save_npy, atomic_write_bytes,
-                                          atomic_write_json, dtype_for_vocab, remove_temp_files)
+from data_preprocess.shard_format import (DataError, atomic_save_npy, atomic_write_json, dtype_for_vocab,
+                                          remove_temp_files)
+from utils.publish import atomic_write_bytes
 
 log = logging.getLogger("pretokenize_sft")
 SFT_FORMAT_VERSION = 1

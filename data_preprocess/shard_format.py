@@ -21,7 +21,7 @@ from typing import Any, Optional
 import numpy as np
 
 import utils.publish as _publish
-from utils.publish import atomic_write_bytes, is_temp_name  # noqa: F401  (atomic_write_bytes: re-exported)
+from utils.publish import atomic_write_bytes, is_temp_name
 
 FORMAT_VERSION = 1
 SHARD_RE = re.compile(r"^(?P<stem>.+)_(?P<k>\d{5})\.json$")

@@ -103,7 +103,6 @@ class SkipCounter:
                 "first_skipped": list(self.first_locations), "empty_documents": self.empty_documents}
 
 
-SkipStats = SkipCounter  # the tokenizer's former name
 
 
 def input_kind(path: str | os.PathLike) -> str | None:

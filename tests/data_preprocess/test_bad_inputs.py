@@ -120,7 +120,7 @@ def test_lone_surrogate_is_a_counted_skip_in_sft_and_dpo(tmp_path, tok_dir):
 def test_lone_surrogate_is_a_counted_skip_in_tokenizer_corpus(tmp_path, caplog):
     (tmp_path / "a.json").write_bytes(b'[{"title": "t", "content": "c"},\n {"title": "\\ud800", "content": "c"}]')
     (tmp_path / "b.JSONL").write_bytes(b'{"title": "t", "content": "x\\udc00"}\n{"title": "u", "content": "v"}\n')
-    stats = C.SkipStats()
+    stats = C.SkipCounter()
     with caplog.at_level(logging.WARNING):
         docs = list(C.iter_documents(C.find_files(str(tmp_path)), ("title", "content"), stats))
     assert docs == ["t\nc", "u\nv"] and stats.counts == {"invalid Unicode": 2}

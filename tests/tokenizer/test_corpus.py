@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _docs(path, fields=("text",), strict=False):
-    stats = C.SkipStats(strict=strict, quiet=True)
+    stats = C.SkipCounter(strict=strict, quiet=True)
     return [d for d, _ in C.iter_file_documents(str(path), fields, stats)], stats
 
 
@@ -139,7 +139,7 @@ def _equal_docs_corpus(tmp_path, n_files=3, per_file=400):
             for i in range(per_file):
                 f.write(json.dumps({"text": f"{k:02d}-{i:05d}" + "x" * 92}) + "\n")  # 100 bytes each
     files = C.find_files(str(tmp_path))
-    stats = C.SkipStats(quiet=True)
+    stats = C.SkipCounter(quiet=True)
     return files, C.count_documents(files, ("text",), stats)
 
 
