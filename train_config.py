@@ -121,6 +121,11 @@ class TrainConfig:
                                      "--gradient_accumulation_steps; pretrain and sft only (see docs/parallel.md)")
     pipeline_schedule: str = _f("1f1b", "gpipe (all forwards, then all backwards) | 1f1b (less activation memory; "
                                 "needs --gradient_accumulation_steps >= --pipeline_parallel_size)")
+    tensor_parallel_size: int = _f(1, "tensor-parallel ranks T (1 = off): each block's matmuls, the embedding and the "
+                                   "LM head split over T neighbouring ranks (Megatron layout on DTensor); needs "
+                                   "--parallel=fsdp, which shards over the rest (WORLD_SIZE = dp x T); see docs/parallel.md")
+    dp_replicate_size: int = _f(1, "HSDP: data-parallel replicas R (1 = off): FSDP2 shards within each of R groups "
+                                "and all-reduces gradients across them (WORLD_SIZE = R x shard x T); needs --parallel=fsdp")
     # ---- evaluation, logging, checkpoints
     eval_interval: int = _f(100, "evaluate every N steps (0 = only at the end)")
     eval_iters: int = _f(20, "validation micro-batches per rank per evaluation (>= 1)")
@@ -279,9 +284,10 @@ def precheck(argv: list[str], title: str, prog: str) -> None:
 
 
 def validated_with_torch(cfg: TrainConfig) -> bool:
-    """Whether validate_config also checks options that need torch to tell (FSDP, pipeline stages, LoRA
-    target names), which the pre-check cannot list with the others."""
-    return cfg.parallel == "fsdp" or cfg.pipeline_parallel_size > 1 or (cfg.lora_rank > 0 and cfg.lora_targets != "all")
+    """Whether validate_config also checks options that need torch to tell (FSDP, pipeline stages, the
+    device mesh, LoRA target names), which the pre-check cannot list with the others."""
+    return (cfg.parallel == "fsdp" or cfg.pipeline_parallel_size > 1 or cfg.tensor_parallel_size > 1
+            or cfg.dp_replicate_size > 1 or (cfg.lora_rank > 0 and cfg.lora_targets != "all"))
 
 
 def _saved_config_under(asked: TrainConfig, argv: list[str]) -> Optional[TrainConfig]:
@@ -345,6 +351,45 @@ def pipeline_problems(cfg: TrainConfig, world_size: Optional[int] = None, torch_
                    "train those with --pipeline_parallel_size=1)")
     if cfg.compile:
         out.append(f"{pre} --compile=true (not supported yet)")
+    return out
+
+
+def mesh_problems(cfg: TrainConfig, world_size: Optional[int] = None, torch_free: bool = False) -> list[str]:
+    """What the tensor-parallel / HSDP sizes cannot be combined with, and (world_size known) whether the
+    processes lay out as pp x dp_replicate x dp_shard x tp (parallel/mesh.py)."""
+    tp, rep = cfg.tensor_parallel_size, cfg.dp_replicate_size
+    out = []
+    for name, v in (("tensor_parallel_size", tp), ("dp_replicate_size", rep)):
+        if v < 1:
+            out.append(f"--{name}={v}: must be >= 1")
+    if out:
+        return out
+    if world_size is not None and not torch_free and (tp > 1 or rep > 1):  # pp alone: pipeline_problems says it
+        from parallel.mesh import layout_problem
+        problem = layout_problem(world_size, pp=max(1, cfg.pipeline_parallel_size), dp_replicate=rep, tp=tp)
+        if problem:
+            out.append(problem)
+    if tp == 1 and rep == 1:
+        return out
+    flags = " ".join(f"--{n}={v}" for n, v in (("tensor_parallel_size", tp), ("dp_replicate_size", rep)) if v > 1)
+    if cfg.parallel != "fsdp":
+        out.append(f"{flags} runs on FSDP2's 2-D mesh: it needs --parallel=fsdp")
+    if cfg.pipeline_parallel_size > 1:
+        out.append(f"{flags} cannot be combined with --pipeline_parallel_size={cfg.pipeline_parallel_size} yet")
+    if tp > 1:
+        if cfg.dropout > 0:
+            out.append(f"--tensor_parallel_size={tp} cannot be combined with --dropout={cfg.dropout} yet (the "
+                       "replicated activations would need one RNG stream per tensor group)")
+        if cfg.lora_rank > 0:
+            out.append(f"--tensor_parallel_size={tp} cannot be combined with LoRA yet (adapters are not sharded)")
+        if cfg.compile:
+            out.append(f"--tensor_parallel_size={tp} cannot be combined with --compile=true yet")
+        if cfg.init_from in ("scratch", "resume"):
+            kv = cfg.n_kv_heads or cfg.n_heads
+            for name, v in (("n_heads", cfg.n_heads), ("n_kv_heads", kv)):
+                if v % tp:
+                    out.append(f"--{name}={v} is not divisible by --tensor_parallel_size={tp} (each rank computes "
+                               f"{name}/{tp} heads)")
     return out
 
 
@@ -424,6 +469,7 @@ def validate_config(cfg: TrainConfig, world_size: Optional[int] = None, torch_fr
     checks that need no torch (the pre-check's): not the FSDP, pipeline and LoRA-target ones."""
     problems = _Problems(cfg)
     problems.extend(pipeline_problems(cfg, world_size, torch_free=torch_free))
+    problems.extend(mesh_problems(cfg, world_size, torch_free=torch_free))
     _choices_and_combinations(cfg, problems, torch_free)
     _numbers_and_extras(cfg, problems, torch_free)
     if problems:

@@ -426,7 +426,8 @@ def restore(cfg: TrainConfig, info: DistInfo, engine, train_loader, start: Start
         resume_dir, saved = start.resume_dir, start.saved_state
         saved_cfg = start.saved_cfg = ckpt.read_json(os.path.join(resume_dir, "config.json"))
         problem = global_batch_problem(dict(saved_cfg, world_size=saved["world_size"]), cfg.batch_size,
-                                       cfg.gradient_accumulation_steps, info.world_size, cfg.pipeline_parallel_size) \
+                                       cfg.gradient_accumulation_steps, info.world_size, cfg.pipeline_parallel_size,
+                                       cfg.tensor_parallel_size) \
             or engine.resume_problem(resume_dir, int(saved["world_size"]), info.world_size)
         if problem:
             raise TrainingError(f"cannot resume {resume_dir}: {problem}", EXIT_BAD_CONFIG)
@@ -607,8 +608,11 @@ class Loop:
                                          lr_decay_iters=cfg.lr_decay_iters, schedule=cfg.lr_schedule,
                                          resumed_at=p.step, saved_max_iters=saved_max_iters):
             log(f"[warning] schedule: {warning}")
-        layout = (f"{self.engine.dp_size} data-parallel ranks x {cfg.pipeline_parallel_size} pipeline stages "
-                  f"({cfg.pipeline_schedule})" if cfg.pipeline_parallel_size > 1 else f"{self.info.world_size} ranks")
+        layout = f"{self.engine.dp_size} data-parallel ranks"
+        if cfg.pipeline_parallel_size > 1:
+            layout += f" x {cfg.pipeline_parallel_size} pipeline stages ({cfg.pipeline_schedule})"
+        if cfg.tensor_parallel_size > 1:
+            layout += f" x {cfg.tensor_parallel_size} tensor-parallel ranks"
         log(f"[train] {cfg.task_type}: {cfg.max_iters} steps x {cfg.gradient_accumulation_steps} micro-batches x "
             f"{cfg.batch_size} samples x {layout}, seq {cfg.max_seq_len}; MFU against {self.peak.describe()} per device")
         if p.skip_steps:

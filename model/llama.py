@@ -123,9 +123,11 @@ class Attention(nn.Module):
                 cache: Optional[KVCache] = None) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = self._qkv(x)
-        q = q.view(B, T, self.n_heads, self.head_dim)
-        k = k.view(B, T, self.n_kv_heads, self.head_dim)
-        v = v.view(B, T, self.n_kv_heads, self.head_dim)
+        # heads from the shapes: under tensor parallelism (parallel/tensor_parallel.py) q/k/v hold this
+        # rank's heads only (n_heads / tp and n_kv_heads / tp, contiguous, so GQA's grouping stays local)
+        q = q.view(B, T, -1, self.head_dim)
+        k = k.view(B, T, -1, self.head_dim)
+        v = v.view(B, T, -1, self.head_dim)
         q, k = kernels.apply_rope_qk(q, k, cos, sin, fused=self.fused_rope, backend=self.backend)
         dropout = self.attn_dropout if self.training else 0.0
         if spec.kind in ("flash", "flash_varlen"):  # flash-attn's [B, T, H, D] layout, GQA native
@@ -140,7 +142,7 @@ class Attention(nn.Module):
             else:
                 y = attention.sdpa_attention(q, k, v, spec, dropout)
             y = y.transpose(1, 2)
-        y = y.reshape(B, T, self.n_heads * self.head_dim)
+        y = y.reshape(B, T, -1)
         return self.resid_dropout(self.o_proj(y))
 
 

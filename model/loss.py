@@ -459,11 +459,20 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     return out.reshape(shape) if reduction == "none" else out
 
 
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+    return isinstance(t, DTensor)
+
+
 def lm_head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, reduction: str,
                  cfg) -> torch.Tensor:
     """The model's loss head: the implementation `cfg` (a ModelConfig) and the device select
     (model/kernels.py `choose`): the Triton linear+CE custom op, the chunked autograd Function, or the
-    full-logits reference."""
+    full-logits reference; a weight sharded on the vocabulary (a DTensor: tensor parallelism) takes the
+    vocabulary-parallel chunked loss (model/vocab_parallel_loss.py), which never gathers the logits."""
+    if _is_dtensor(weight):
+        from model.vocab_parallel_loss import vocab_parallel_lm_head_loss
+        return vocab_parallel_lm_head_loss(hidden, weight, labels, reduction, cfg.loss_chunk_size)
     if not cfg.fused_cross_entropy:
         return linear_cross_entropy_ref(hidden, weight, labels, reduction)
     if choose("cross_entropy", hidden, cfg.kernel_backend) == "triton":

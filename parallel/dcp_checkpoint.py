@@ -82,10 +82,10 @@ def _mesh_group(model: nn.Module) -> Optional[dist.ProcessGroup]:
     Not read from the parameters: after a forward-only pass, units built with
     reshard_after_forward=False hold plain tensors, and a group inferred from them would be None,
     making every rank save as a world of one into the same directory."""
-    from parallel.fsdp import fsdp_mesh
-    mesh = fsdp_mesh(model)
-    if mesh is not None:
-        return mesh.get_group()
+    from parallel.fsdp import fsdp_state_group
+    group = fsdp_state_group(model)
+    if group is not None:
+        return group
     for p in model.parameters():
         if isinstance(p, DTensor):
             return p.device_mesh.get_group()

@@ -134,6 +134,10 @@ class Engine:
     forward_model: Optional[nn.Module] = None  # what runs the forward (torch.compile(model) with --compile)
     fixed_batch_shape: bool = False  # every micro-batch must have one [batch, seq] shape (pipeline stages)
     micro_batches_per_call: int = 1  # evaluate() takes a multiple of this many batches
+    # False on ranks whose sums repeat another rank's (pipeline stages after the first, tensor-parallel
+    # ranks after the first hold the same batch): they add zeros in sum_over_data
+    counts_in_sums: bool = True
+    mesh: Any = None                 # the run's DeviceMesh (parallel/mesh.py), where the engine built one
 
     def __post_init__(self) -> None:
         if self.forward_model is None:
@@ -198,9 +202,13 @@ class Engine:
 
     def sum_over_data(self, values: "list[float] | torch.Tensor", device: torch.device,
                       to_host: bool = True) -> torch.Tensor:
-        """Sum a small float64 vector over the data-parallel replicas (every rank gets the result);
-        to_host=False: left on the device for a later HostCopy (utils.dist.all_reduce_sum)."""
+        """Sum a small float64 vector over the data-parallel replicas (every rank gets the result; ranks
+        that repeat another's batch add zeros); to_host=False: left on the device for a later HostCopy
+        (utils.dist.all_reduce_sum)."""
         from utils.dist import all_reduce_sum
+        if not self.counts_in_sums:
+            t = values.clone() if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.float64)
+            values = t.zero_()
         return all_reduce_sum(values, device, to_host=to_host)
 
     def resume_problem(self, ckpt_dir: str, saved_world: int, world_size: int) -> Optional[str]:
@@ -286,15 +294,15 @@ class FSDPEngine(Engine):
     kind: ClassVar[str] = "fsdp"
 
     def place_reference(self, ref: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
-        """DPO's reference sharded over the same mesh (fp32 shards, each block gathered in `dtype` for its
-        forward and freed after it), so it costs 1/world of its bytes per rank."""
-        from parallel.fsdp import wrap_fsdp
-        mesh = next(self.module.parameters()).device_mesh
-        return wrap_fsdp(ref.to(device=device, dtype=torch.float32), mesh_or_group=mesh, param_dtype=dtype,
-                         reshard_after_forward=True)
+        """DPO's reference laid out on the same mesh (tensor-parallel like the policy, fp32 shards, each
+        block gathered in `dtype` for its forward and freed after it), so it costs 1/world of its bytes."""
+        from parallel.fsdp import shard_on_mesh
+        return shard_on_mesh(ref.to(device=device, dtype=torch.float32), self.mesh, param_dtype=dtype,
+                             reshard_after_forward=True)
 
     def reference_layout(self) -> str:
-        return "sharded by FSDP2"
+        tp = self.mesh["tp"].size() if self.mesh is not None else 1
+        return "sharded by FSDP2" + (f" and split over {tp} tensor-parallel ranks" if tp > 1 else "")
 
     def _no_sync(self) -> contextlib.AbstractContextManager:
         from parallel.fsdp import no_sync  # the model is the fully_shard-ed module itself: no wrapper
@@ -488,7 +496,13 @@ def describe_layout(cfg: Any, engine: Engine, world_size: int) -> str:
         dp_engine = (f"fsdp (FSDP2, {'ZeRO-3' if cfg.reshard_after_forward else 'ZeRO-2-like'}"
                      f"{', CPU offload' if cfg.cpu_offload else ''})")
     kind = f"pipeline ({pp} stages, {cfg.pipeline_schedule}) over {dp_engine}" if pp > 1 else dp_engine
-    parts = [f"engine {kind}", f"world {world_size} = data-parallel {engine.dp_size} x pipeline {pp} x tensor 1"]
+    from parallel.mesh import MeshLayout
+    tp, rep = int(getattr(cfg, "tensor_parallel_size", 1)), int(getattr(cfg, "dp_replicate_size", 1))
+    if tp > 1:
+        kind += f" + tensor parallel {tp} (DTensor)"
+    if rep > 1:
+        kind += f", HSDP over {rep} replicas"
+    parts = [f"engine {kind}", MeshLayout.from_sizes(world_size, pp=pp, dp_replicate=rep, tp=tp).describe()]
     if cfg.parallel == "ddp":
         hook = cfg.comm_hook
         if hook == "powersgd":
@@ -511,6 +525,14 @@ def _dp_coordinates(group: Any) -> tuple[int, int]:
     if not dist.is_available() or not dist.is_initialized():
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
+
+
+def mesh_layout(cfg: Any, world_size: int):
+    """The run's MeshLayout (parallel/mesh.py) from the flags; ValueError when the world does not fit."""
+    from parallel.mesh import MeshLayout
+    return MeshLayout.from_sizes(world_size, pp=int(getattr(cfg, "pipeline_parallel_size", 1)),
+                                 dp_replicate=int(getattr(cfg, "dp_replicate_size", 1)),
+                                 tp=int(getattr(cfg, "tensor_parallel_size", 1)))
 
 
 def needs_process_group(cfg: Any) -> bool:
@@ -550,13 +572,19 @@ def _build_engine(model: nn.Module, cfg: Any, group: Any, device: torch.device) 
             cpu_offload=cfg.cpu_offload)
         return PipelineParallelEngine(pipe)
     model.to(device)
-    if cfg.parallel == "fsdp":
+    if cfg.parallel == "fsdp":  # FSDP2 over the mesh's data-parallel dims (HSDP with replicas), tensor parallel inside
+        import torch.distributed as dist
+
         from parallel.fsdp import build_fsdp_engine
-        wrapped, opt = build_fsdp_engine(model, opt_cfg, mesh_or_group=group, param_dtype=parse_dtype(cfg.dtype),
+        from parallel.mesh import build_device_mesh
+        layout = mesh_layout(cfg, dist.get_world_size())
+        mesh = build_device_mesh(layout, device.type)
+        wrapped, opt = build_fsdp_engine(model, opt_cfg, mesh_or_group=mesh, param_dtype=parse_dtype(cfg.dtype),
                                          reshard_after_forward=cfg.reshard_after_forward,
                                          cpu_offload=cfg.cpu_offload)
-        rank, world = _dp_coordinates(group)
-        return FSDPEngine(wrapped, opt, wrapped, sharded_optimizer=True, dp_rank=rank, dp_size=world)
+        rank, world = layout.dp_coordinates(dist.get_rank())
+        return FSDPEngine(wrapped, opt, wrapped, sharded_optimizer=True, dp_rank=rank, dp_size=world, mesh=mesh,
+                          counts_in_sums=layout.coordinates(dist.get_rank())["tp"] == 0)
     from optimizer import build_optimizer
     from parallel import (DDPConfig, DistributedDataParallel, PowerSGDState, allreduce_hook,
                           bf16_compress_wrapper, fp16_compress_wrapper, powersgd_hook, reduce_scatter_hook)
@@ -618,8 +646,10 @@ class PipelineParallelEngine(Engine):
     kind: ClassVar[str] = "pipeline"
 
     def __init__(self, pipe: Any) -> None:
+        # the P ranks of a pipeline hold the same batch (and the same broadcast loss): only stage 0 counts
         super().__init__(pipe.model, pipe.optimizer, pipe.module, dp_rank=pipe.dp_rank,
-                         dp_size=pipe.dp_size, fixed_batch_shape=True, micro_batches_per_call=pipe.n_microbatches)
+                         dp_size=pipe.dp_size, fixed_batch_shape=True, micro_batches_per_call=pipe.n_microbatches,
+                         counts_in_sums=pipe.stage_index == 0, mesh=pipe.mesh)
         self.pipe = pipe
 
     def forward_backward(self, batches: Sequence[dict], loss_fn: LossFn, global_units: float,
@@ -630,15 +660,6 @@ class PipelineParallelEngine(Engine):
     def evaluate(self, batches: Sequence[dict], loss_fn: LossFn, count_units: Callable[[dict], int]) -> torch.Tensor:
         total, units = self.pipe.eval_loss_sum(batches)
         return torch.tensor([total, 0.0, 0.0, 0.0, float(units)], dtype=torch.float64)
-
-    def sum_over_data(self, values: "list[float] | torch.Tensor", device: torch.device,
-                      to_host: bool = True) -> torch.Tensor:
-        # the P ranks of a pipeline hold the same batch (and the same broadcast loss): only stage 0 contributes
-        from utils.dist import all_reduce_sum
-        t = values.clone() if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.float64)
-        if self.pipe.stage_index != 0:
-            t.zero_()
-        return all_reduce_sum(t, device, to_host=to_host)
 
     def resume_problem(self, ckpt_dir: str, saved_world: int, world_size: int) -> Optional[str]:
         if not is_pipeline_checkpoint(ckpt_dir):

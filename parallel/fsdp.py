@@ -33,6 +33,7 @@ from optimizer.optimizer_config import OptimizerConfig
 STATE_FORMAT = 1
 _CONFIG_ATTR = "_fsdp_engine_config"  # set on the wrapped root: what wrap_fsdp was asked for
 _MESH_ATTR = "_fsdp_engine_mesh"  # set on the wrapped root: the mesh its parameters are sharded over
+_GROUP_ATTR = "_fsdp_engine_state_group"  # set on the wrapped root: every rank holding a part of its state
 
 
 # ---------------------------------------------------------------------------- gloo collectives
@@ -83,7 +84,7 @@ class GlooAllReduceReduceScatter(_AllocMixin, _ReduceScatterAPI):
 
 def _use_gloo_collectives(units: list, mesh: DeviceMesh) -> bool:
     """Route FSDP's collectives through all-reduce on a gloo mesh (see the classes above)."""
-    if _AllGatherAPI is object or mesh.size() < 2 or dist.get_backend(mesh.get_group()) != "gloo":
+    if _AllGatherAPI is object or mesh.ndim != 1 or mesh.size() < 2 or dist.get_backend(mesh.get_group()) != "gloo":
         return False
     for unit in units:
         unit.set_custom_all_gather(GlooAllReduceAllGather())
@@ -122,8 +123,9 @@ def validate_fsdp_options(*, comm_hook: str = "allreduce", use_distributed_optim
 
 def _resolve_mesh(mesh_or_group: Union[DeviceMesh, dist.ProcessGroup, None], device_type: str) -> DeviceMesh:
     if isinstance(mesh_or_group, DeviceMesh):
-        if mesh_or_group.ndim != 1:
-            raise ValueError("wrap_fsdp shards over a 1-D mesh; pass the data-parallel sub-mesh (mesh['dp'])")
+        if mesh_or_group.ndim not in (1, 2):
+            raise ValueError("wrap_fsdp shards over a 1-D data-parallel mesh, or a 2-D (replicate, shard) one for "
+                             "HSDP (parallel/mesh.py's dp_mesh)")
         return mesh_or_group
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("FSDP needs an initialised process group, also at world size 1 (e.g. "
@@ -138,9 +140,19 @@ def _resolve_mesh(mesh_or_group: Union[DeviceMesh, dist.ProcessGroup, None], dev
 def wrap_fsdp(model: nn.Module, *, mesh_or_group: Union[DeviceMesh, dist.ProcessGroup, None] = None,
               param_dtype: torch.dtype, reduce_dtype: torch.dtype = torch.float32,
               reshard_after_forward: bool = True, cpu_offload: bool = False,
-              sync_module_states: bool = True) -> nn.Module:
-    """fully_shard every block of `model.layers`, then the root; returns `model` (same object, its
-    class now also an FSDPModule). Parameters become fp32 DTensors sharded on dim 0.
+              sync_module_states: bool = True, state_group: Optional[dist.ProcessGroup] = None,
+              gloo_collectives: bool = True) -> nn.Module:
+    """fully_shard every block of `model.layers` (a ModuleList, or a pipeline stage's ModuleDict), then
+    the root; returns `model` (same object, its class now also an FSDPModule). Parameters become fp32
+    DTensors sharded on dim 0 over the mesh (2-D with tensor parallelism: already tensor-parallel
+    DTensors, parallel/tensor_parallel.py, gain the data-parallel dimension).
+
+    mesh_or_group: a 1-D data-parallel DeviceMesh or process group (None: the world), or a 2-D
+      (replicate, shard) mesh: HSDP, sharded within a replica and all-reduced across replicas.
+    state_group: every rank holding a part of the model's state, what a checkpoint is collective over
+      (default: the mesh's group; tensor parallel runs pass the world).
+    gloo_collectives: route FSDP's all-gather / reduce-scatter through all-reduce on gloo (faster
+      there; see GlooAllReduceAllGather).
 
     param_dtype: compute dtype of the all-gathered parameters (torch.float32 / bfloat16 / float16).
     reduce_dtype: dtype of the gradient reduce-scatter (fp32 unless you know why not).
@@ -155,8 +167,10 @@ def wrap_fsdp(model: nn.Module, *, mesh_or_group: Union[DeviceMesh, dist.Process
     """
     if isinstance(model, FSDPModule):
         raise ValueError("model is already wrapped with fully_shard")
-    if not isinstance(getattr(model, "layers", None), nn.ModuleList):
-        raise ValueError("wrap_fsdp expects a model with a `layers` ModuleList of transformer blocks")
+    layers = getattr(model, "layers", None)
+    if not isinstance(layers, (nn.ModuleList, nn.ModuleDict)):
+        raise ValueError("wrap_fsdp expects a model with a `layers` ModuleList (or ModuleDict) of transformer blocks")
+    blocks = list(layers.values() if isinstance(layers, nn.ModuleDict) else layers)
     if param_dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"param_dtype must be float32, bfloat16 or float16, got {param_dtype}")
     bad = sorted({str(p.dtype) for p in model.parameters() if p.dtype != torch.float32})
@@ -170,16 +184,16 @@ def wrap_fsdp(model: nn.Module, *, mesh_or_group: Union[DeviceMesh, dist.Process
     device = devices.pop()
     mesh = _resolve_mesh(mesh_or_group, device.type)
     if sync_module_states and mesh.size() > 1:
-        group, src = mesh.get_group(), dist.get_global_rank(mesh.get_group(), 0)
-        with torch.no_grad():
-            for t in list(model.parameters()) + list(model.buffers()):  # parameters() de-duplicates tied ones
-                dist.broadcast(t.data, src=src, group=group)
+        if any(isinstance(p, DTensor) for p in model.parameters()):
+            raise ValueError("sync_module_states broadcasts plain tensors: broadcast before applying tensor "
+                             "parallelism and pass sync_module_states=False")
+        broadcast_from_first(list(model.parameters()) + list(model.buffers()), mesh)
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     offload = CPUOffloadPolicy(pin_memory=device.type != "cpu") if cpu_offload else None
     kw: dict[str, Any] = dict(mesh=mesh, mp_policy=mp)
     if offload is not None:
         kw["offload_policy"] = offload
-    for block in model.layers:
+    for block in blocks:
         fully_shard(block, reshard_after_forward=reshard_after_forward, **kw)
     # The root unit holds everything outside the blocks: embedding, final norm, LM head; a tied
     # embedding/head weight is one Parameter there, so it is sharded and reduced exactly once.
@@ -187,11 +201,39 @@ def wrap_fsdp(model: nn.Module, *, mesh_or_group: Union[DeviceMesh, dist.Process
     # the root's gathered parameters, so its root reshards after forward like the blocks.
     frozen = not any(p.requires_grad for p in model.parameters())
     fully_shard(model, reshard_after_forward=frozen, **kw)
-    _use_gloo_collectives([*model.layers, model], mesh)
+    if gloo_collectives:
+        _use_gloo_collectives([*blocks, model], mesh)
     setattr(model, _CONFIG_ATTR, {"param_dtype": param_dtype, "reduce_dtype": reduce_dtype,
                                   "reshard_after_forward": reshard_after_forward, "cpu_offload": cpu_offload})
     setattr(model, _MESH_ATTR, mesh)
+    setattr(model, _GROUP_ATTR, state_group if state_group is not None else _mesh_process_group(mesh))
     return model
+
+
+def _mesh_process_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    """The process group of all ranks of `mesh` (1-D: its own; 2-D: the world's, which it spans in the
+    trainer's layouts)."""
+    if mesh.ndim == 1:
+        return mesh.get_group()
+    return dist.group.WORLD
+
+
+def broadcast_from_first(tensors: list, mesh: DeviceMesh) -> None:
+    """Every rank of `mesh` gets the tensors of its first rank (coordinates 0, ..., 0): a broadcast
+    along each dimension, the innermost first."""
+    with torch.no_grad():
+        for dim in reversed(range(mesh.ndim)):
+            if mesh.size(dim) < 2:
+                continue
+            group = mesh.get_group(dim)
+            src = dist.get_global_rank(group, 0)
+            for t in tensors:
+                dist.broadcast(t.data, src=src, group=group)
+
+
+def fsdp_state_group(model: nn.Module) -> Optional[dist.ProcessGroup]:
+    """The group a checkpoint of `model` is collective over, as recorded by wrap_fsdp (None if unwrapped)."""
+    return getattr(model, _GROUP_ATTR, None)
 
 
 def fsdp_mesh(model: nn.Module) -> Optional[DeviceMesh]:
@@ -257,10 +299,10 @@ class FSDPOptimizer:
             if p.dtype != torch.float32:
                 raise ValueError(f"parameter {n} is {p.dtype}; FSDP masters must be fp32")
         self.params = [p for _, p in self.named_params]
-        self.mesh: DeviceMesh = self.params[0].device_mesh
-        self.group = self.mesh.get_group()
+        self.mesh: DeviceMesh = fsdp_mesh(model) or self.params[0].device_mesh
         self.norm_groups = list(norm_groups)  # more groups the squared norm is summed over (pipeline stages)
-        self.rank, self.world_size = self.mesh.get_local_rank(), self.mesh.size()
+        # the data-parallel shard dimension: what "world_size" in the optimizer state means
+        self.world_size = self.mesh.size(self.mesh.ndim - 1)
         self.scaler = (DynamicGradScaler(config.initial_loss_scale, config.min_loss_scale,
                                          config.loss_scale_growth_interval, config.hysteresis)
                        if config.precision == "fp16" else ConstantScaler())
@@ -308,15 +350,25 @@ class FSDPOptimizer:
         return [p.grad.to_local() for p in self.params if p.grad is not None]
 
     def global_grad_norm(self) -> float:
-        """sqrt(sum over every rank's shard of grad^2): one all-reduce of a scalar, identical on all ranks."""
-        grads = self._local_grads()
-        if grads:
-            sumsq = torch.stack([n.float() ** 2 for n in torch._foreach_norm(grads, 2)]).sum()
-        else:
-            sumsq = torch.zeros((), dtype=torch.float32)
-        sumsq = sumsq.to(self._comm_device)
-        if self.world_size > 1:
-            dist.all_reduce(sumsq, group=self.group)
+        """sqrt(sum of grad^2 over every element of every parameter, each counted once), identical on all
+        ranks. A local shard's sum of squares is summed over the mesh dimensions its gradient is sharded
+        on, never over those it is replicated on (HSDP replicas; norms under tensor parallelism): the
+        parameters are grouped by (mesh, sharded dimensions), one all-reduce of a scalar per group and
+        dimension (one in all for plain FSDP)."""
+        buckets: dict[tuple, list] = {}
+        for p in self.params:
+            if p.grad is None:
+                continue
+            g = p.grad
+            # sharded = not replicated (FSDP's _StridedShard on a 2-D mesh is not a Shard subclass)
+            dims = tuple(i for i, pl in enumerate(g.placements) if not pl.is_replicate() and g.device_mesh.size(i) > 1)
+            buckets.setdefault((id(g.device_mesh), dims), [g.device_mesh, dims, []])[2].append(g.to_local())
+        sumsq = torch.zeros((), dtype=torch.float32, device=self._comm_device)
+        for mesh, dims, grads in buckets.values():
+            part = torch.stack([n.float() ** 2 for n in torch._foreach_norm(grads, 2)]).sum().to(self._comm_device)
+            for dim in dims:
+                dist.all_reduce(part, group=mesh.get_group(dim))
+            sumsq = sumsq + part
         for group in self.norm_groups:  # e.g. the pipeline group: the norm spans every stage
             dist.all_reduce(sumsq, group=group)
         return math.sqrt(float(sumsq.item()))
@@ -437,6 +489,32 @@ def build_fsdp_engine(model: nn.Module, config: OptimizerConfig, *,
                           grad_reduce_in_fp32=grad_reduce_in_fp32)
     if param_dtype == torch.float16 and config.precision != "fp16":
         raise ValueError("param_dtype=float16 needs precision='fp16' (loss scaling)")
-    wrapped = wrap_fsdp(model, mesh_or_group=mesh_or_group, param_dtype=param_dtype,
-                        reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload)
+    from parallel.mesh import MESH_DIMS
+    if isinstance(mesh_or_group, DeviceMesh) and tuple(mesh_or_group.mesh_dim_names or ()) == MESH_DIMS:
+        wrapped = shard_on_mesh(model, mesh_or_group, param_dtype=param_dtype,
+                                reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload)
+    else:
+        wrapped = wrap_fsdp(model, mesh_or_group=mesh_or_group, param_dtype=param_dtype,
+                            reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload)
     return wrapped, FSDPOptimizer(wrapped, config)
+
+
+def shard_on_mesh(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype,
+                  reshard_after_forward: bool = True, cpu_offload: bool = False) -> nn.Module:
+    """The whole layout of parallel/mesh.py's mesh (pp = 1) on `model`, in place: the first rank's weights
+    broadcast to every rank, tensor parallelism over mesh["tp"] when it has > 1 rank
+    (parallel/tensor_parallel.py), then FSDP2 over the data-parallel dims (HSDP when there are replicas).
+    A checkpoint of the result is collective over the world."""
+    from parallel.mesh import dp_mesh
+    from parallel.tensor_parallel import apply_tensor_parallel
+    if mesh["pp"].size() != 1:
+        raise ValueError("shard_on_mesh lays out one model without pipeline stages (mesh['pp'] must be 1)")
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        raise ValueError("the model is already sharded")
+    if mesh.size() > 1:
+        broadcast_from_first(list(model.parameters()) + list(model.buffers()), mesh)
+    if mesh["tp"].size() > 1:
+        apply_tensor_parallel(model, mesh["tp"])
+    return wrap_fsdp(model, mesh_or_group=dp_mesh(mesh), param_dtype=param_dtype,
+                     reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload,
+                     sync_module_states=False, state_group=dist.group.WORLD)

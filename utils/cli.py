@@ -48,6 +48,9 @@ TRAIN_ALIASES: dict[str, str] = {
     "pipeline_parallel_degree": "pipeline_parallel_size",      # torchtitan parallelism.pipeline_parallel_degree
     "pipeline_model_parallel_size": "pipeline_parallel_size",  # Megatron-LM
     "pipeline_parallel_schedule": "pipeline_schedule",         # torchtitan parallelism.pipeline_parallel_schedule
+    "tensor_parallel_degree": "tensor_parallel_size",          # torchtitan parallelism.tensor_parallel_degree
+    "tensor_model_parallel_size": "tensor_parallel_size",      # Megatron-LM
+    "data_parallel_replicate_degree": "dp_replicate_size",     # torchtitan parallelism.data_parallel_replicate_degree
 }
 
 # Names that have no one-to-one flag: say what to write instead.

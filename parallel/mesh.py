@@ -1,0 +1,108 @@
+"""One device mesh for every engine: the world's ranks laid out on named dimensions, built from the flags.
+
+    layout = MeshLayout.from_sizes(world_size, pp=1, dp_replicate=2, tp=2)   # dp_shard: the rest (2 at 8)
+    mesh = build_device_mesh(layout, "cuda")       # dims ("pp", "dp_replicate", "dp_shard", "tp")
+    mesh["tp"], dp_mesh(mesh), mesh["pp"]          # the sub-meshes the engines take
+
+Dimensions, outermost first (rank = ((pp * R + r) * S + s) * T + t): pipeline stages, data-parallel
+replicas (HSDP: whole copies, gradients all-reduced between them), data-parallel shards (FSDP2 shards
+parameters, gradients and optimizer state within a replica), tensor parallel (the model's matmuls split
+over these ranks). Tensor parallel is innermost, so its ranks are neighbours (one node, NVLink), as in
+Megatron-LM and torchtitan. Every dimension is present, size 1 when unused, so `mesh["tp"]` always works.
+
+Owns: the layout arithmetic and its one-line error (`layout_problem`), the mesh, the data-parallel
+coordinates of a rank (which slice of the global batch it reads: ranks that differ only in pp or tp read
+the same one), and the start-up description.
+Must never: start a process group (utils/dist.py does), or hold engine logic (engines take sub-meshes).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+@dataclass(frozen=True)
+class MeshLayout:
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp_replicate * self.dp_shard * self.tp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: how many slices the global batch is split into."""
+        return self.dp_replicate * self.dp_shard
+
+    def sizes(self) -> tuple[int, int, int, int]:
+        return (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+
+    @classmethod
+    def from_sizes(cls, world_size: int, *, pp: int = 1, dp_replicate: int = 1, tp: int = 1) -> "MeshLayout":
+        """The layout with dp_shard = world / (pp x dp_replicate x tp); ValueError (one line) when that
+        is not a whole number >= 1."""
+        problem = layout_problem(world_size, pp=pp, dp_replicate=dp_replicate, tp=tp)
+        if problem:
+            raise ValueError(problem)
+        return cls(pp, dp_replicate, world_size // (pp * dp_replicate * tp), tp)
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """This rank's index on every dimension (the layout `build_device_mesh` gives torch)."""
+        out = {}
+        for name, size in reversed(list(zip(MESH_DIMS, self.sizes()))):
+            out[name] = rank % size
+            rank //= size
+        return {name: out[name] for name in MESH_DIMS}
+
+    def dp_coordinates(self, rank: int) -> tuple[int, int]:
+        """(data-parallel rank, data-parallel size) of a global rank: which slice of the global batch it reads."""
+        c = self.coordinates(rank)
+        return c["dp_replicate"] * self.dp_shard + c["dp_shard"], self.dp
+
+    def describe(self) -> str:
+        dp = f"data-parallel {self.dp}"
+        if self.dp_replicate > 1:
+            dp += f" (replicate {self.dp_replicate} x shard {self.dp_shard})"
+        return f"world {self.world_size} = pipeline {self.pp} x {dp} x tensor {self.tp}"
+
+
+def layout_problem(world_size: int, *, pp: int = 1, dp_replicate: int = 1, tp: int = 1) -> Optional[str]:
+    """Why these sizes do not lay out `world_size` ranks (one line naming the product), or None."""
+    for name, v in (("pipeline_parallel_size", pp), ("dp_replicate_size", dp_replicate),
+                    ("tensor_parallel_size", tp)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            return f"--{name}={v!r}: must be an integer >= 1"
+    fixed = pp * dp_replicate * tp
+    if world_size % fixed:
+        return (f"world size {world_size} is not a multiple of pipeline {pp} x dp_replicate {dp_replicate} x "
+                f"tensor {tp} = {fixed} (the data-parallel shard dimension is world / {fixed}; launch a multiple "
+                f"of {fixed} processes)")
+    return None
+
+
+def build_device_mesh(layout: MeshLayout, device_type: str) -> Any:
+    """The torch DeviceMesh over the whole world with the four named dimensions (collective: every rank
+    calls it). The world size must equal the layout's."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    world = dist.get_world_size()
+    if world != layout.world_size:
+        raise ValueError(f"the mesh {layout.describe()} needs {layout.world_size} processes, the world has {world}")
+    return init_device_mesh(device_type, layout.sizes(), mesh_dim_names=MESH_DIMS)
+
+
+def dp_mesh(mesh: Any) -> Any:
+    """The data-parallel sub-mesh FSDP2 shards over: ("dp_replicate", "dp_shard") when replicas exist
+    (HSDP: sharded within a replica, replicated across), else the 1-D ("dp_shard")."""
+    if mesh["dp_replicate"].size() > 1:
+        return mesh["dp_replicate", "dp_shard"]
+    return mesh["dp_shard"]
+
+
+def layout_of(mesh: Any) -> MeshLayout:
+    return MeshLayout(*(mesh[name].size() for name in MESH_DIMS))

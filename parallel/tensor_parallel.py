@@ -1,0 +1,81 @@
+"""Tensor parallelism (Megatron-LM's layout) on torch's own DTensor: `apply_tensor_parallel(model, tp_mesh)`.
+
+Per block: q/k/v and gate/up are column-parallel (each rank computes n_heads/tp query heads,
+n_kv_heads/tp key/value heads - contiguous, so GQA's grouping stays on the rank - and hidden_dim/tp of
+the MLP), o and down are row-parallel (partial sums all-reduced over the tensor group). RoPE, attention
+and SwiGLU run on the local heads / columns with the usual kernels (model/kernels.py: the fused CPU
+and Triton RMSNorm, RoPE and SwiGLU see plain local tensors). The embedding is vocabulary-parallel
+(rows of the table per rank, torch's masked lookup + all-reduce), the LM head is sharded on the
+vocabulary, and its loss (model/vocab_parallel_loss.py) all-reduces the softmax's max and sum over
+the tensor group instead of gathering logits; without labels (evaluation of logits, generation) the
+logits are all-gathered. The norms and the residual stream are replicated on the tensor ranks.
+
+Built on `torch.distributed.tensor.parallel.parallelize_module` (ColwiseParallel / RowwiseParallel):
+the collectives are torch's (NCCL on CUDA, gloo on CPU). FSDP2 then shards the result over the
+data-parallel mesh (parallel/fsdp.py), which gives 2-D parameters (dp x tp) that DCP checkpoints
+reshard to any other layout.
+
+Owns: the plan, and what a model must satisfy to be split (`tensor_parallel_problems`).
+Must never: change parameter names (checkpoints, HF export and LoRA names stay the model's).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+
+def tensor_parallel_problems(model_cfg: Any, tp: int) -> list[str]:
+    """What stops `model_cfg` from being split over `tp` ranks (none when tp == 1)."""
+    if tp <= 1:
+        return []
+    out = []
+    if model_cfg.n_heads % tp:
+        out.append(f"n_heads={model_cfg.n_heads} is not divisible by tensor_parallel_size={tp}")
+    n_kv = model_cfg.n_kv_heads or model_cfg.n_heads
+    if n_kv % tp:
+        out.append(f"n_kv_heads={n_kv} is not divisible by tensor_parallel_size={tp} (each rank needs whole "
+                   "key/value heads for its query heads)")
+    hidden = model_cfg.hidden_dim
+    if hidden is not None and hidden % tp:
+        out.append(f"the MLP's hidden_dim={hidden} is not divisible by tensor_parallel_size={tp}")
+    if model_cfg.attn_dropout > 0 or model_cfg.resid_dropout > 0:
+        out.append("dropout > 0 is not supported with tensor parallelism yet (the replicated activations would "
+                   "need one RNG stream per tensor group); set --dropout=0")
+    return out
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: Any) -> nn.Module:
+    """Shard `model` (a full Transformer, plain parameters, identical on every rank of `tp_mesh`) over
+    the 1-D `tp_mesh` in place; returns it. Parameters become DTensors (Shard(0) for column-parallel
+    weights, the embedding and the LM head; Shard(1) for row-parallel weights); norms stay plain."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    tp = tp_mesh.size()
+    problems = tensor_parallel_problems(model.cfg, tp)
+    if problems:
+        raise ValueError("cannot split the model for tensor parallelism: " + "; ".join(problems))
+    linear = (nn.Linear,)
+    for block in model.layers:
+        wrapped = [n for n, m in block.named_modules() if n.endswith("_proj") and type(m) not in linear]
+        if wrapped:
+            raise ValueError(f"tensor parallelism splits plain nn.Linear projections; {wrapped[:3]} are wrapped "
+                             "(LoRA with tensor parallelism is not supported yet)")
+    tied = model.cfg.tie_embeddings
+    for block in model.layers:
+        parallelize_module(block, tp_mesh, {
+            "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(),
+        })
+        # the fused q/k/v and gate/up matmul concatenates full weights: on shards each projection runs alone
+        block.self_attn.fused_qkv = False
+        block.mlp.fused_qkv = False
+    parallelize_module(model, tp_mesh, {
+        "embed_tokens": RowwiseParallel(input_layouts=Replicate()),  # vocabulary-parallel lookup
+        "lm_head": ColwiseParallel(output_layouts=Replicate()),      # logits gathered only when asked for
+    })
+    if tied:  # one weight, sharded the same way (on the vocabulary) for both uses
+        model.lm_head.weight = model.embed_tokens.weight
+    return model

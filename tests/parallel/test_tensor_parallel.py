@@ -1,0 +1,306 @@
+"""Tensor parallelism, HSDP and the one device mesh (parallel/mesh.py, parallel/tensor_parallel.py,
+model/vocab_parallel_loss.py) on CPU + gloo, through the trainer's engine (`build_engine` with the flags).
+
+Two spawns do the distributed work and write what they measured to JSON; the tests assert on it:
+  world 2: tp=2 (plain, tied embeddings, activation checkpointing), the vocabulary-parallel loss
+           against the full-vocabulary one (every reduction, values and gradients), a DCP save at tp=2,
+           and its resume at tp=1 x dp=2;
+  world 4: tp=2 x fsdp=2 (saved, resumed at the same layout), HSDP 2 x 2, and the tp=2 checkpoint
+           resumed at tp=1 x dp=4 and at tp=2 x dp=2.
+Every run trains the same model on the same global batch as a one-process reference (torch AdamW +
+clip_grad_norm_). The tolerance is the reference's own fp32 rounding: the same reference run in fp64
+gives |fp32 - fp64|, and a parallel run may differ from the fp32 reference by 10x that.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from model import ModelConfig, Transformer
+from tests.dist_helpers import spawn
+
+VOCAB, SEQ, GLOBAL_B, GAS, STEPS = 64, 8, 4, 2, 3
+OPT = dict(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_clip=0.3)
+
+
+def _cfg(tied: bool = False, ckpt: bool = False) -> ModelConfig:
+    # 4 query heads over 2 key/value heads (GQA), so each tensor rank holds 2 query heads and 1 kv head
+    return ModelConfig(vocab_size=VOCAB, dim=16, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=16,
+                       max_seq_len=16, tie_embeddings=tied, gradient_checkpointing=ckpt)
+
+
+def _new_model(tied: bool = False, ckpt: bool = False) -> Transformer:
+    torch.manual_seed(0)
+    return Transformer(_cfg(tied, ckpt))
+
+
+def _global_batches(step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1000 + step)
+    out = []
+    for _ in range(GAS):
+        x = torch.randint(0, VOCAB, (GLOBAL_B, SEQ), generator=g)
+        y = torch.randint(0, VOCAB, (GLOBAL_B, SEQ), generator=g)
+        y[torch.rand(GLOBAL_B, SEQ, generator=g) < 0.25] = -100
+        out.append((x, y))
+    return out
+
+
+def _units(batches) -> float:
+    return float(sum(int((y != -100).sum()) for _, y in batches))
+
+
+# ------------------------------------------------------------------------------ reference (1 process)
+
+def _reference(steps: int, dtype: torch.dtype, tied: bool = False) -> tuple[dict, list[float]]:
+    model = _new_model(tied).to(dtype)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": OPT["weight_decay"]},
+                             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
+                            lr=OPT["learning_rate"], betas=(OPT["beta1"], OPT["beta2"]), eps=OPT["eps"],
+                            foreach=False)
+    losses = []
+    for step in range(1, steps + 1):
+        batches = _global_batches(step)
+        units = _units(batches)
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for x, y in batches:
+            loss = model(x, labels=y, reduction="sum")
+            total += float(loss)
+            (loss / units).backward()
+        torch.nn.utils.clip_grad_norm_(params, OPT["grad_clip"])
+        opt.step()
+        losses.append(total / units)
+    return {n: p.detach().double().clone() for n, p in model.named_parameters()}, losses
+
+
+# ------------------------------------------------------------------------------ in the workers
+
+def _engine(tp: int = 1, rep: int = 1, tied: bool = False, ckpt: bool = False):
+    from parallel.engine import build_engine
+    from train_config import TrainConfig
+    cfg = dataclasses.replace(TrainConfig(), parallel="fsdp", dtype="fp32", device="cpu",
+                              tensor_parallel_size=tp, dp_replicate_size=rep, **OPT)
+    return build_engine(_new_model(tied, ckpt), cfg, device=torch.device("cpu"))
+
+
+def _loss_fn(model, batch):
+    return model(batch["x"], labels=batch["y"], reduction="sum"), {}
+
+
+def _step(engine, step: int) -> tuple[float, float]:
+    """One optimizer step on this rank's slice of the global batch: (global mean loss, grad norm)."""
+    batches = _global_batches(step)
+    units = _units(batches)
+    n = GLOBAL_B // engine.dp_size
+    rows = slice(engine.dp_rank * n, (engine.dp_rank + 1) * n)
+    local = [{"x": x[rows], "y": y[rows]} for x, y in batches]
+    engine.optimizer.zero_grad()
+    sums = engine.forward_backward(local, _loss_fn, units)
+    total = engine.sum_over_data(sums, torch.device("cpu"))
+    stepped, norm = engine.optimizer.step()
+    assert stepped
+    return float(total[0]) / units, float(norm)
+
+
+def _full_params(engine) -> dict[str, list]:
+    from torch.distributed.tensor import DTensor
+    out = {}
+    for n, p in engine.module.named_parameters():
+        t = p.full_tensor() if isinstance(p, DTensor) else p
+        out[n] = t.detach().double().reshape(-1).tolist()
+    return out
+
+
+def _save(engine, root: str, step: int) -> str:
+    from utils.checkpoint import capture_rng_state
+    return engine.save(root, step, rank=dist.get_rank(), world_size=dist.get_world_size(), model_config={},
+                       trainer_state={}, run_config={}, extra_state={"rng": capture_rng_state(torch.device("cpu"))},
+                       keep_last=5, barrier=dist.barrier, log=lambda m: None)
+
+
+def _load(engine, ckpt_dir: str, saved_world: int) -> None:
+    engine.load(ckpt_dir, saved_world, dist.get_rank(), dist.get_world_size(), log=lambda m: None)
+
+
+def _train(out: dict, name: str, steps: int, **kw):
+    engine = _engine(**kw)
+    rec = {"losses": [], "norms": [], "dp": [engine.dp_rank, engine.dp_size]}
+    for step in range(1, steps + 1):
+        loss, norm = _step(engine, step)
+        rec["losses"].append(loss)
+        rec["norms"].append(norm)
+    rec["params"] = _full_params(engine)
+    out[name] = rec
+    return engine
+
+
+def _ce_fp64(h, w, y, reduction: str):
+    """Full logits and F.cross_entropy, all in fp64 (model/loss.py's reference computes its logits in fp32)."""
+    per_token = torch.nn.functional.cross_entropy((h @ w.t()).reshape(-1, VOCAB), y.reshape(-1),
+                                                  ignore_index=-100, reduction="none").reshape(y.shape)
+    if reduction == "none":
+        return per_token
+    return per_token.sum() / ((y != -100).sum() if reduction == "mean" else 1)
+
+
+def _vocab_parallel_loss_check(out: dict) -> None:
+    """The vocabulary-parallel loss on shards vs the full-vocabulary reference on the whole weight."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from model.vocab_parallel_loss import vocab_parallel_lm_head_loss
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(3, 7, 16, generator=g, dtype=torch.float64)
+    w = torch.randn(VOCAB, 16, generator=g, dtype=torch.float64)
+    y = torch.randint(0, VOCAB, (3, 7), generator=g)
+    y[0, :3] = -100
+    up = torch.randn(3, 7, generator=g, dtype=torch.float64)
+    res = {}
+    for reduction in ("mean", "sum", "none"):
+        h1, w1 = h.clone().requires_grad_(), w.clone().requires_grad_()
+        ref = _ce_fp64(h1, w1, y, reduction)
+        (ref * up if reduction == "none" else ref).sum().backward()
+        h2 = h.clone().requires_grad_()
+        w2 = distribute_tensor(w.clone(), mesh, [Shard(0)]).requires_grad_()  # each rank: its rows
+        got = vocab_parallel_lm_head_loss(h2, w2, y, reduction, chunk_size=5)  # chunks cut across rows
+        (got * up if reduction == "none" else got).sum().backward()
+        res[reduction] = {"loss": float((got - ref).detach().abs().max()),
+                          "d_hidden": float((h2.grad - h1.grad).abs().max()),
+                          "d_weight": float((w2.grad.full_tensor() - w1.grad).abs().max())}
+    out["vocab_parallel_loss"] = res
+
+
+def _world2(rank: int, world: int, out_path: str, root: str) -> None:
+    out: dict = {}
+    _vocab_parallel_loss_check(out)
+    engine = _train(out, "tp2", STEPS, tp=2)
+    out["tp2"]["layout"] = [engine.mesh[n].size() for n in ("pp", "dp_replicate", "dp_shard", "tp")]
+    out["tp2"]["embed_local_rows"] = engine.module.embed_tokens.weight.to_local().shape[0]
+    path = _save(engine, os.path.join(root, "tp2"), STEPS)
+    del engine
+    _train(out, "tp2_tied", STEPS, tp=2, tied=True)
+    _train(out, "tp2_ckpt", STEPS, tp=2, ckpt=True)
+    resumed = _engine(tp=1)
+    _load(resumed, path, 2)
+    out["tp2_to_dp2"] = {"dp": [resumed.dp_rank, resumed.dp_size], "loss": _step(resumed, STEPS + 1)[0],
+                         "params": _full_params(resumed)}
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(out, f)
+
+
+def _world4(rank: int, world: int, out_path: str, root: str, tp2_ckpt: str) -> None:
+    out: dict = {}
+    engine = _train(out, "tp2_fsdp2", STEPS, tp=2)
+    path = _save(engine, os.path.join(root, "tp2_fsdp2"), STEPS)
+    out["tp2_fsdp2"]["next_loss"] = _step(engine, STEPS + 1)[0]
+    out["tp2_fsdp2"]["next_params"] = _full_params(engine)
+    del engine
+    same = _engine(tp=2)
+    _load(same, path, 4)
+    out["tp2_fsdp2_resumed"] = {"loss": _step(same, STEPS + 1)[0], "params": _full_params(same)}
+    del same
+    _train(out, "hsdp", STEPS, rep=2)
+    for name, tp in (("tp2_to_dp4", 1), ("tp2_to_tp2_dp2", 2)):
+        e = _engine(tp=tp)
+        _load(e, tp2_ckpt, 2)
+        out[name] = {"dp": [e.dp_rank, e.dp_size], "loss": _step(e, STEPS + 1)[0], "params": _full_params(e)}
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(out, f)
+
+
+# ------------------------------------------------------------------------------ fixtures
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    d = tmp_path_factory.mktemp("tp")
+    spawn(_world2, 2, str(d / "w2.json"), str(d))
+    with open(d / "w2.json") as f:
+        out = json.load(f)
+    from utils.checkpoint import step_dir_name
+    tp2_ckpt = os.path.join(str(d), "tp2", "checkpoints", step_dir_name(STEPS))
+    assert os.path.isdir(tp2_ckpt), os.listdir(os.path.join(str(d), "tp2", "checkpoints"))
+    spawn(_world4, 4, str(d / "w4.json"), str(d), tp2_ckpt)
+    with open(d / "w4.json") as f:
+        out.update(json.load(f))
+    out["tp2_ckpt_dir"] = tp2_ckpt
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    """fp32 and fp64 references for STEPS and STEPS + 1 steps, and the tolerance between them."""
+    out = {}
+    for tied in (False, True):
+        for steps in (STEPS, STEPS + 1):
+            p32, l32 = _reference(steps, torch.float32, tied)
+            p64, l64 = _reference(steps, torch.float64, tied)
+            noise = max(float((p32[n] - p64[n]).abs().max()) for n in p32)
+            # the loss: a mean of ~100 fp32 token losses, whose own rounding is ~1e-6 relative at worst
+            out[(tied, steps)] = {"params": p32, "losses": l32, "tol": 10 * noise + 1e-7,
+                                  "loss_tol": 10 * max(abs(a - b) for a, b in zip(l32, l64)) + 1e-6 * max(l32)}
+    return out
+
+
+def _max_param_diff(got: dict, ref: dict) -> float:
+    assert set(got) == set(ref)
+    return max(float((torch.tensor(got[n], dtype=torch.float64) - ref[n].reshape(-1)).abs().max()) for n in ref)
+
+
+# ------------------------------------------------------------------------------ tests
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_vocab_parallel_loss_matches_full_vocabulary(results, reduction):
+    # fp64 on both sides: any difference beyond rounding is a wrong max / sum / target / gradient
+    diffs = results["vocab_parallel_loss"][reduction]
+    assert diffs["loss"] < 1e-10 and diffs["d_hidden"] < 1e-10 and diffs["d_weight"] < 1e-10, diffs
+
+
+@pytest.mark.parametrize("name,tied", [("tp2", False), ("tp2_tied", True), ("tp2_ckpt", False),
+                                       ("tp2_fsdp2", False), ("hsdp", False)])
+def test_parallel_layouts_match_one_process(results, reference, name, tied):
+    ref = reference[(tied, STEPS)]
+    rec = results[name]
+    assert max(abs(a - b) for a, b in zip(rec["losses"], ref["losses"])) <= ref["loss_tol"], (rec["losses"], ref["losses"])
+    assert _max_param_diff(rec["params"], ref["params"]) <= ref["tol"], name
+
+
+def test_mesh_layout_and_data_coordinates(results):
+    # world 2, tp 2: one data-parallel rank (both tensor ranks read the whole global batch)
+    assert results["tp2"]["layout"] == [1, 1, 1, 2]
+    assert results["tp2"]["dp"] == [0, 1]
+    assert results["tp2"]["embed_local_rows"] == VOCAB // 2  # the embedding is split on the vocabulary
+    assert results["hsdp"]["dp"][1] == 4 and results["tp2_fsdp2"]["dp"][1] == 2
+    assert results["tp2_to_dp2"]["dp"][1] == 2 and results["tp2_to_dp4"]["dp"][1] == 4
+
+
+def test_resume_at_the_same_layout_is_bit_exact(results):
+    a, b = results["tp2_fsdp2"], results["tp2_fsdp2_resumed"]
+    assert a["next_loss"] == b["loss"]
+    assert a["next_params"] == b["params"]
+
+
+@pytest.mark.parametrize("name", ["tp2_to_dp2", "tp2_to_dp4", "tp2_to_tp2_dp2"])
+def test_resume_across_layouts_continues_the_run(results, reference, name):
+    """The tp=2 checkpoint of step 3, resumed at another tensor / data-parallel split, takes step 4 as
+    the one-process reference does (weights and Adam moments resharded by DCP)."""
+    ref = reference[(False, STEPS + 1)]
+    assert abs(results[name]["loss"] - ref["losses"][-1]) <= ref["loss_tol"]
+    assert _max_param_diff(results[name]["params"], ref["params"]) <= ref["tol"]
+
+
+def test_tp_checkpoint_holds_the_full_model(results, reference):
+    """tp=1 x dp=1 (export, sample, --init_from): the checkpoint's weights gathered in one process are
+    the tp=2 run's weights, element for element."""
+    from parallel.engine import checkpoint_model_state
+    state = checkpoint_model_state(results["tp2_ckpt_dir"])
+    got = {n: t.double().reshape(-1).tolist() for n, t in state.items()}
+    assert got == results["tp2"]["params"]

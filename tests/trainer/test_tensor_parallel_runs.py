@@ -1,0 +1,47 @@
+"""The trainer with --tensor_parallel_size / --dp_replicate_size (parallel/mesh.py): real runs under
+torchrun, a resume at another tensor / data-parallel split, and the one-line errors of layouts that
+cannot run. The engine-level numerics (every layout against one process) are tests/parallel/test_tensor_parallel.py's."""
+from __future__ import annotations
+
+import subprocess
+
+from tests.conftest import ROOT, run_cmd
+from tests.trainer.test_end_to_end import _env, losses, train_cmd
+from utils.constants import EXIT_BAD_CONFIG
+
+
+def test_tp2_trains_like_one_process_and_resumes_at_tp1_dp2(tiny_pretrain_run_args, tmp_path):
+    """fp32: 2 tensor-parallel ranks (one data-parallel rank reading the whole batch) follow the one-process
+    run step for step (only summation order differs), and its checkpoint resumes at tp=1 x dp=2 (DCP
+    reshards weights and Adam moments): the next steps follow the uninterrupted run."""
+    args = [*tiny_pretrain_run_args, "--max_iters=4", "--gradient_accumulation_steps=2"]
+    ref, run = tmp_path / "ref", tmp_path / "tp"
+    run_cmd(train_cmd([*args, f"--out_dir={ref}"], 1), env=_env())
+    proc = run_cmd(train_cmd([*args, f"--out_dir={run}", "--parallel=fsdp", "--tensor_parallel_size=2",
+                              "--max_iters=2", "--checkpoint_interval=2"], 2), env=_env())
+    assert "tensor parallel 2" in proc.stdout and "world 2 = pipeline 1 x data-parallel 1 x tensor 2" in proc.stdout, \
+        proc.stdout[-2000:]
+    run_cmd(train_cmd([f"--out_dir={run}", "--init_from=resume", "--max_iters=4", "--tensor_parallel_size=1",
+                       "--batch_size=2"], 2), env=_env())
+    a, b = losses(ref), losses(run)
+    assert sorted(b) == [1, 2, 3, 4], b
+    for s in (1, 2, 3, 4):
+        assert abs(a[s] - b[s]) <= 1e-4 * abs(a[s]), (s, a[s], b[s])
+
+
+def _one_line_error(args: list[str]) -> str:
+    proc = subprocess.run(train_cmd(args, 1), cwd=ROOT, capture_output=True, text=True, env=_env())
+    assert proc.returncode == EXIT_BAD_CONFIG, (proc.returncode, proc.stderr[-2000:])
+    lines = [ln for ln in proc.stderr.splitlines() if "error" in ln]
+    assert len(lines) == 1, proc.stderr[-2000:]
+    return lines[0]
+
+
+def test_layouts_that_cannot_run_exit_2_with_one_line(tiny_pretrain_run_args, tmp_path):
+    base = [*tiny_pretrain_run_args, "--max_iters=1", f"--out_dir={tmp_path / 'x'}"]
+    line = _one_line_error([*base, "--tensor_parallel_size=2"])  # ddp, and a world of 1 for 2 tensor ranks
+    assert "needs --parallel=fsdp" in line and "world size 1 is not a multiple of" in line and "= 2" in line, line
+    line = _one_line_error([*base, "--parallel=fsdp", "--tensor_parallel_size=3"])
+    assert "--n_heads=4 is not divisible by --tensor_parallel_size=3" in line, line
+    line = _one_line_error([*base, "--parallel=fsdp", "--tensor_parallel_size=2", "--dropout=0.1"])
+    assert "--dropout=0.1" in line, line
