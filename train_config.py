@@ -124,6 +124,9 @@ class TrainConfig:
     tensor_parallel_size: int = _f(1, "tensor-parallel ranks T (1 = off): each block's matmuls, the embedding and the "
                                    "LM head split over T neighbouring ranks (Megatron layout on DTensor); needs "
                                    "--parallel=fsdp, which shards over the rest (WORLD_SIZE = dp x T); see docs/parallel.md")
+    sequence_parallel: bool = _f(False, "with --tensor_parallel_size > 1: split the norms' activations and the residual "
+                                 "stream on the sequence between the tensor-parallel regions (all-gather / "
+                                 "reduce-scatter instead of all-reduce); batch lengths must be multiples of T")
     dp_replicate_size: int = _f(1, "HSDP: data-parallel replicas R (1 = off): FSDP2 shards within each of R groups "
                                 "and all-reduces gradients across them (WORLD_SIZE = R x shard x T); needs --parallel=fsdp")
     # ---- evaluation, logging, checkpoints
@@ -369,6 +372,12 @@ def mesh_problems(cfg: TrainConfig, world_size: Optional[int] = None, torch_free
         problem = layout_problem(world_size, pp=max(1, cfg.pipeline_parallel_size), dp_replicate=rep, tp=tp)
         if problem:
             out.append(problem)
+    if cfg.sequence_parallel and tp == 1:
+        out.append("--sequence_parallel=true splits the sequence over tensor-parallel ranks: it needs "
+                   "--tensor_parallel_size > 1")
+    if cfg.sequence_parallel and tp > 1 and cfg.max_seq_len % tp:
+        out.append(f"--sequence_parallel=true: --max_seq_len={cfg.max_seq_len} is not a multiple of "
+                   f"--tensor_parallel_size={tp}")
     if tp == 1 and rep == 1:
         return out
     flags = " ".join(f"--{n}={v}" for n, v in (("tensor_parallel_size", tp), ("dp_replicate_size", rep)) if v > 1)

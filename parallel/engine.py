@@ -499,7 +499,7 @@ def describe_layout(cfg: Any, engine: Engine, world_size: int) -> str:
     from parallel.mesh import MeshLayout
     tp, rep = int(getattr(cfg, "tensor_parallel_size", 1)), int(getattr(cfg, "dp_replicate_size", 1))
     if tp > 1:
-        kind += f" + tensor parallel {tp} (DTensor)"
+        kind += f" + tensor parallel {tp} (DTensor{', sequence parallel' if getattr(cfg, 'sequence_parallel', False) else ''})"
     if rep > 1:
         kind += f", HSDP over {rep} replicas"
     parts = [f"engine {kind}", MeshLayout.from_sizes(world_size, pp=pp, dp_replicate=rep, tp=tp).describe()]
@@ -581,7 +581,8 @@ def _build_engine(model: nn.Module, cfg: Any, group: Any, device: torch.device) 
         mesh = build_device_mesh(layout, device.type)
         wrapped, opt = build_fsdp_engine(model, opt_cfg, mesh_or_group=mesh, param_dtype=parse_dtype(cfg.dtype),
                                          reshard_after_forward=cfg.reshard_after_forward,
-                                         cpu_offload=cfg.cpu_offload)
+                                         cpu_offload=cfg.cpu_offload,
+                                         sequence_parallel=bool(getattr(cfg, "sequence_parallel", False)))
         rank, world = layout.dp_coordinates(dist.get_rank())
         return FSDPEngine(wrapped, opt, wrapped, sharded_optimizer=True, dp_rank=rank, dp_size=world, mesh=mesh,
                           counts_in_sums=layout.coordinates(dist.get_rank())["tp"] == 0)

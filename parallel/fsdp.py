@@ -34,6 +34,7 @@ STATE_FORMAT = 1
 _CONFIG_ATTR = "_fsdp_engine_config"  # set on the wrapped root: what wrap_fsdp was asked for
 _MESH_ATTR = "_fsdp_engine_mesh"  # set on the wrapped root: the mesh its parameters are sharded over
 _GROUP_ATTR = "_fsdp_engine_state_group"  # set on the wrapped root: every rank holding a part of its state
+_TP_PARTIAL_ATTR = "_tp_partial_grads"  # set by shard_on_mesh: (parameter names, tensor group) to all-reduce
 
 
 # ---------------------------------------------------------------------------- gloo collectives
@@ -299,6 +300,9 @@ class FSDPOptimizer:
             if p.dtype != torch.float32:
                 raise ValueError(f"parameter {n} is {p.dtype}; FSDP masters must be fp32")
         self.params = [p for _, p in self.named_params]
+        # sequence parallelism: the norms' gradients are partial sums over the tensor ranks
+        names, self.tp_group = getattr(model, _TP_PARTIAL_ATTR, ((), None))
+        self.tp_partial = [p for n, p in self.named_params if n in set(names)]
         self.mesh: DeviceMesh = fsdp_mesh(model) or self.params[0].device_mesh
         self.norm_groups = list(norm_groups)  # more groups the squared norm is summed over (pipeline stages)
         # the data-parallel shard dimension: what "world_size" in the optimizer state means
@@ -346,6 +350,16 @@ class FSDPOptimizer:
     def finish_param_sync(self) -> None:
         """No-op: FSDP gathers parameters in its own forward hooks."""
 
+    def _sum_tp_partial_grads(self) -> None:
+        """One all-reduce over the tensor group of the gradients that are partial sums there."""
+        grads = [p.grad.to_local() for p in self.tp_partial if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.tp_group)
+        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(part.view_as(g))
+
     def _local_grads(self) -> list[torch.Tensor]:
         return [p.grad.to_local() for p in self.params if p.grad is not None]
 
@@ -377,6 +391,7 @@ class FSDPOptimizer:
     def step(self) -> tuple[bool, float]:
         """Unscale, skip on inf/nan (decided from the all-reduced norm, so every rank agrees), clip by
         the global norm, AdamW on the shards. Returns (stepped, grad_norm); (False, inf) when skipped."""
+        self._sum_tp_partial_grads()
         grads = self._local_grads()
         if isinstance(self.scaler, DynamicGradScaler) and grads:
             torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
@@ -480,7 +495,7 @@ def build_fsdp_engine(model: nn.Module, config: OptimizerConfig, *,
                       mesh_or_group: Union[DeviceMesh, dist.ProcessGroup, None] = None,
                       param_dtype: torch.dtype = torch.float32, reshard_after_forward: bool = True,
                       cpu_offload: bool = False, comm_hook: str = "allreduce",
-                      grad_reduce_in_fp32: bool = False) -> tuple[nn.Module, FSDPOptimizer]:
+                      grad_reduce_in_fp32: bool = False, sequence_parallel: bool = False) -> tuple[nn.Module, FSDPOptimizer]:
     """(the model, fully_shard-ed in place by wrap_fsdp, and its optimizer), validated together: what
     parallel/engine.py's FSDPEngine holds (gradient accumulation: `no_sync(model)`)."""
     validate_fsdp_options(comm_hook=comm_hook, use_distributed_optimizer=config.use_distributed_optimizer,
@@ -492,7 +507,8 @@ def build_fsdp_engine(model: nn.Module, config: OptimizerConfig, *,
     from parallel.mesh import MESH_DIMS
     if isinstance(mesh_or_group, DeviceMesh) and tuple(mesh_or_group.mesh_dim_names or ()) == MESH_DIMS:
         wrapped = shard_on_mesh(model, mesh_or_group, param_dtype=param_dtype,
-                                reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload)
+                                reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload,
+                                sequence_parallel=sequence_parallel)
     else:
         wrapped = wrap_fsdp(model, mesh_or_group=mesh_or_group, param_dtype=param_dtype,
                             reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload)
@@ -500,7 +516,8 @@ def build_fsdp_engine(model: nn.Module, config: OptimizerConfig, *,
 
 
 def shard_on_mesh(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype,
-                  reshard_after_forward: bool = True, cpu_offload: bool = False) -> nn.Module:
+                  reshard_after_forward: bool = True, cpu_offload: bool = False,
+                  sequence_parallel: bool = False) -> nn.Module:
     """The whole layout of parallel/mesh.py's mesh (pp = 1) on `model`, in place: the first rank's weights
     broadcast to every rank, tensor parallelism over mesh["tp"] when it has > 1 rank
     (parallel/tensor_parallel.py), then FSDP2 over the data-parallel dims (HSDP when there are replicas).
@@ -513,8 +530,13 @@ def shard_on_mesh(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtyp
         raise ValueError("the model is already sharded")
     if mesh.size() > 1:
         broadcast_from_first(list(model.parameters()) + list(model.buffers()), mesh)
+    partial: list[str] = []
     if mesh["tp"].size() > 1:
-        apply_tensor_parallel(model, mesh["tp"])
-    return wrap_fsdp(model, mesh_or_group=dp_mesh(mesh), param_dtype=param_dtype,
-                     reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload,
-                     sync_module_states=False, state_group=dist.group.WORLD)
+        partial = apply_tensor_parallel(model, mesh["tp"], sequence_parallel=sequence_parallel)
+    elif sequence_parallel:
+        raise ValueError("sequence parallelism needs tensor parallelism (mesh['tp'] > 1)")
+    wrapped = wrap_fsdp(model, mesh_or_group=dp_mesh(mesh), param_dtype=param_dtype,
+                        reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload,
+                        sync_module_states=False, state_group=dist.group.WORLD)
+    setattr(wrapped, _TP_PARTIAL_ATTR, (tuple(partial), mesh["tp"].get_group()))
+    return wrapped

@@ -45,12 +45,32 @@ def tensor_parallel_problems(model_cfg: Any, tp: int) -> list[str]:
     return out
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: Any) -> nn.Module:
+def _sequence_length_check(tp: int):
+    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        ids = args[0] if args else kwargs.get("input_ids")
+        if ids is not None and ids.shape[1] % tp:
+            raise ValueError(f"sequence parallelism splits every batch's {ids.shape[1]} positions over "
+                             f"{tp} tensor-parallel ranks: the length must be a multiple of {tp} (pretraining: "
+                             f"--max_seq_len; SFT: packed samples)")
+    return hook
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: bool = False) -> list[str]:
     """Shard `model` (a full Transformer, plain parameters, identical on every rank of `tp_mesh`) over
-    the 1-D `tp_mesh` in place; returns it. Parameters become DTensors (Shard(0) for column-parallel
-    weights, the embedding and the LM head; Shard(1) for row-parallel weights); norms stay plain."""
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    the 1-D `tp_mesh` in place. Parameters become DTensors (Shard(0) for column-parallel weights, the
+    embedding and the LM head; Shard(1) for row-parallel weights); norms stay plain.
+
+    sequence_parallel: the residual stream between the parallel regions is split on the sequence
+    (each rank holds T/tp positions: the norms' activations and the residual adds cost 1/tp), entered
+    by an all-gather before attention / MLP and left by a reduce-scatter after o / down (Megatron's
+    sequence parallelism; the row-parallel all-reduce becomes that reduce-scatter). The final norm's
+    output is all-gathered for the LM head. Every batch's length must be a multiple of tp.
+    Returns the names of the parameters whose gradients are partial sums over the tensor ranks (the
+    norms under sequence parallelism: each rank saw T/tp positions): the optimizer all-reduces those
+    over the tensor group (FSDPOptimizer's `tp_partial`)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                                                   RowwiseParallel, parallelize_module)
     tp = tp_mesh.size()
     problems = tensor_parallel_problems(model.cfg, tp)
     if problems:
@@ -62,20 +82,34 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any) -> nn.Module:
             raise ValueError(f"tensor parallelism splits plain nn.Linear projections; {wrapped[:3]} are wrapped "
                              "(LoRA with tensor parallelism is not supported yet)")
     tied = model.cfg.tie_embeddings
+    seq = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout between regions
     for block in model.layers:
-        parallelize_module(block, tp_mesh, {
+        plan = {
             "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(output_layouts=seq),
             "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel(),
-        })
+            "mlp.down_proj": RowwiseParallel(output_layouts=seq),
+        }
+        if sequence_parallel:
+            # one all-gather of the normed input per region, kept a DTensor so that the q/k/v (gate/up)
+            # input gradients add up as one partial sum, reduce-scattered once in backward
+            plan["self_attn"] = PrepareModuleInput(input_layouts=(Shard(1), None, None, None, None),
+                                                   desired_input_layouts=(Replicate(), None, None, None, None))
+            plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        parallelize_module(block, tp_mesh, plan)
         # the fused q/k/v and gate/up matmul concatenates full weights: on shards each projection runs alone
         block.self_attn.fused_qkv = False
         block.mlp.fused_qkv = False
-    parallelize_module(model, tp_mesh, {
-        "embed_tokens": RowwiseParallel(input_layouts=Replicate()),  # vocabulary-parallel lookup
-        "lm_head": ColwiseParallel(output_layouts=Replicate()),      # logits gathered only when asked for
-    })
+    root = {
+        "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),  # vocabulary-parallel lookup
+        "lm_head": ColwiseParallel(output_layouts=Replicate()),  # logits gathered only when asked for
+    }
+    if sequence_parallel:  # the LM head (and its vocabulary-parallel loss) reads the whole sequence
+        root["norm"] = PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate())
+    parallelize_module(model, tp_mesh, root)
     if tied:  # one weight, sharded the same way (on the vocabulary) for both uses
         model.lm_head.weight = model.embed_tokens.weight
-    return model
+    if not sequence_parallel:
+        return []
+    model.register_forward_pre_hook(_sequence_length_check(tp), with_kwargs=True)
+    return [n for n, p in model.named_parameters() if "norm" in n.rsplit(".", 2)[-2]]

@@ -1,11 +1,13 @@
-"""Tensor parallelism, HSDP and the one device mesh (parallel/mesh.py, parallel/tensor_parallel.py,
+"""Tensor (and sequence) parallelism, HSDP and the one device mesh (parallel/mesh.py, parallel/tensor_parallel.py,
 model/vocab_parallel_loss.py) on CPU + gloo, through the trainer's engine (`build_engine` with the flags).
 
 Two spawns do the distributed work and write what they measured to JSON; the tests assert on it:
-  world 2: tp=2 (plain, tied embeddings, activation checkpointing), the vocabulary-parallel loss
+  world 2: tp=2 (plain, tied embeddings, activation checkpointing, sequence parallel with and without
+           tied embeddings), the vocabulary-parallel loss
            against the full-vocabulary one (every reduction, values and gradients), a DCP save at tp=2,
            and its resume at tp=1 x dp=2;
-  world 4: tp=2 x fsdp=2 (saved, resumed at the same layout), HSDP 2 x 2, and the tp=2 checkpoint
+  world 4: tp=2 x fsdp=2 (saved, resumed at the same layout), the same with sequence parallelism and
+           activation checkpointing, HSDP 2 x 2, and the tp=2 checkpoint
            resumed at tp=1 x dp=4 and at tp=2 x dp=2.
 Every run trains the same model on the same global batch as a one-process reference (torch AdamW +
 clip_grad_norm_). The tolerance is the reference's own fp32 rounding: the same reference run in fp64
@@ -81,11 +83,11 @@ def _reference(steps: int, dtype: torch.dtype, tied: bool = False) -> tuple[dict
 
 # ------------------------------------------------------------------------------ in the workers
 
-def _engine(tp: int = 1, rep: int = 1, tied: bool = False, ckpt: bool = False):
+def _engine(tp: int = 1, rep: int = 1, tied: bool = False, ckpt: bool = False, sp: bool = False):
     from parallel.engine import build_engine
     from train_config import TrainConfig
     cfg = dataclasses.replace(TrainConfig(), parallel="fsdp", dtype="fp32", device="cpu",
-                              tensor_parallel_size=tp, dp_replicate_size=rep, **OPT)
+                              tensor_parallel_size=tp, dp_replicate_size=rep, sequence_parallel=sp, **OPT)
     return build_engine(_new_model(tied, ckpt), cfg, device=torch.device("cpu"))
 
 
@@ -187,6 +189,8 @@ def _world2(rank: int, world: int, out_path: str, root: str) -> None:
     del engine
     _train(out, "tp2_tied", STEPS, tp=2, tied=True)
     _train(out, "tp2_ckpt", STEPS, tp=2, ckpt=True)
+    _train(out, "tp2_sp", STEPS, tp=2, sp=True)
+    _train(out, "tp2_sp_tied", STEPS, tp=2, sp=True, tied=True)
     resumed = _engine(tp=1)
     _load(resumed, path, 2)
     out["tp2_to_dp2"] = {"dp": [resumed.dp_rank, resumed.dp_size], "loss": _step(resumed, STEPS + 1)[0],
@@ -208,6 +212,7 @@ def _world4(rank: int, world: int, out_path: str, root: str, tp2_ckpt: str) -> N
     out["tp2_fsdp2_resumed"] = {"loss": _step(same, STEPS + 1)[0], "params": _full_params(same)}
     del same
     _train(out, "hsdp", STEPS, rep=2)
+    _train(out, "tp2_sp_fsdp2", STEPS, tp=2, sp=True, ckpt=True)
     for name, tp in (("tp2_to_dp4", 1), ("tp2_to_tp2_dp2", 2)):
         e = _engine(tp=tp)
         _load(e, tp2_ckpt, 2)
@@ -265,7 +270,8 @@ def test_vocab_parallel_loss_matches_full_vocabulary(results, reduction):
 
 
 @pytest.mark.parametrize("name,tied", [("tp2", False), ("tp2_tied", True), ("tp2_ckpt", False),
-                                       ("tp2_fsdp2", False), ("hsdp", False)])
+                                       ("tp2_sp", False), ("tp2_sp_tied", True), ("tp2_fsdp2", False),
+                                       ("tp2_sp_fsdp2", False), ("hsdp", False)])
 def test_parallel_layouts_match_one_process(results, reference, name, tied):
     ref = reference[(tied, STEPS)]
     rec = results[name]
