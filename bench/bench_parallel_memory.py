@@ -62,7 +62,7 @@ from model import ModelConfig, Transformer  # noqa: E402
 from optimizer import OptimizerConfig, build_optimizer  # noqa: E402
 from parallel import DDPConfig, DistributedDataParallel  # noqa: E402
 
-ENGINES = ["ddp", "zero1", "zero2", "fsdp", "fsdp_offload", "pp2"]
+ENGINES = ["ddp", "zero1", "zero2", "fsdp", "fsdp_offload", "pp2", "tp2", "hsdp2"]
 BUCKET = 40_000_000
 
 
@@ -83,14 +83,18 @@ def build_model(a, dtype: torch.dtype) -> Transformer:
 
 def formula(engine: str, prec: str, d: int, stage_frac: float = 1.0) -> tuple[str, float]:
     """(text, bytes per parameter of the WHOLE model on one rank). d = data-parallel size."""
+    # tp2: FSDP2 over d = world/2 data-parallel ranks x 2 tensor ranks: every matrix is split over all
+    # d x 2 ranks (the norms, ~0.01% of N, only over d); hsdp2: FSDP2 sharded over d/2 ranks, 2 replicas
     if prec == "bf16":
-        table = {"ddp": ("18 = 2+4+12", 18.0), "zero1": (f"6+12/d (Megatron)", 6 + 12 / d),
+        table = {"ddp": ("18 = 2+4+12", 18.0), "zero1": ("6+12/d (Megatron)", 6 + 12 / d),
                  "zero2": ("2+16/d", 2 + 16 / d), "fsdp": ("16/d", 16 / d), "fsdp_offload": ("16/d host", 16 / d),
-                 "pp2": (f"18 x N_stage/N", 18.0 * stage_frac)}
+                 "pp2": ("18 x N_stage/N", 18.0 * stage_frac), "tp2": ("16/(2d)", 16 / (2 * d)),
+                 "hsdp2": ("16/(d/2)", 32 / d)}
     else:
         table = {"ddp": ("16 = 4+4+8", 16.0), "zero1": ("8+8/d", 8 + 8 / d), "zero2": ("4+12/d", 4 + 12 / d),
                  "fsdp": ("16/d", 16 / d), "fsdp_offload": ("16/d host", 16 / d),
-                 "pp2": ("16 x N_stage/N", 16.0 * stage_frac)}
+                 "pp2": ("16 x N_stage/N", 16.0 * stage_frac), "tp2": ("16/(2d)", 16 / (2 * d)),
+                 "hsdp2": ("16/(d/2)", 32 / d)}
     return table[engine]
 
 
@@ -167,18 +171,22 @@ def build_engine(name: str, a, prec: str, world: int) -> dict:
                                                    **ocfg))
         return {"kind": "ddp", "ddp": ddp, "opt": opt, "module": m, "fwd": lambda ids: ddp(ids, labels=ids),
                 "dp": world, "stage": None, "host": False}
-    if name in ("fsdp", "fsdp_offload"):
+    if name in ("fsdp", "fsdp_offload", "tp2", "hsdp2"):
         from parallel.fsdp import build_fsdp_engine
+        from parallel.mesh import MeshLayout, build_device_mesh
         m = build_model(a, torch.float32)  # FSDP: fp32 shards are the masters; dtype only for compute
-        wrapped, opt = build_fsdp_engine(m, OptimizerConfig(**ocfg), param_dtype=dtype, reshard_after_forward=True,
-                                         cpu_offload=name == "fsdp_offload")
+        mesh = build_device_mesh(MeshLayout.from_sizes(world, tp=2 if name == "tp2" else 1,
+                                                       dp_replicate=2 if name == "hsdp2" else 1), "cpu")
+        wrapped, opt = build_fsdp_engine(m, OptimizerConfig(**ocfg), mesh_or_group=mesh, param_dtype=dtype,
+                                         reshard_after_forward=True, cpu_offload=name == "fsdp_offload")
         mod = wrapped
         # placement by policy: every FSDPParam of every unit must report offload_to_cpu
         flags = [fp.offload_to_cpu for sub in mod.modules() if hasattr(sub, "_get_fsdp_state")
                  for g in sub._get_fsdp_state()._fsdp_param_groups for fp in g.fsdp_params]
         host = bool(flags) and all(flags)
         return {"kind": "fsdp", "wrapped": wrapped, "opt": opt, "module": mod,
-                "fwd": lambda ids: wrapped(ids, labels=ids), "dp": world, "stage": None, "host": host}
+                "fwd": lambda ids: wrapped(ids, labels=ids), "dp": world // 2 if name == "tp2" else world,
+                "stage": None, "host": host}
     if name == "pp2":
         from parallel.pipeline import build_pipeline_engine
         m = build_model(a, dtype)
@@ -310,7 +318,8 @@ def mem_available() -> int:
 
 def fits_bytes(name: str, prec: str, world: int, n: int) -> float:
     """Rough box-wide estimate: formula bytes + one fp32 copy of the full model per rank (construction)."""
-    per_rank = formula(name, prec, world if name != "pp2" else max(1, world // 2), 0.5)[1] * n + 4 * n
+    dp = max(1, world // 2) if name in ("pp2", "tp2") else world
+    per_rank = formula(name, prec, dp, 0.5)[1] * n + 4 * n
     return world * per_rank * 1.15
 
 

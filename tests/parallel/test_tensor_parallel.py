@@ -25,8 +25,10 @@ import torch.distributed as dist
 
 from model import ModelConfig, Transformer
 from tests.dist_helpers import spawn
+# the same global batches as the FSDP tests: GAS micro-batches of GLOBAL_B x SEQ, ~25 % of labels ignored
+from tests.parallel.test_fsdp import GLOBAL_B, VOCAB, _global_batches, _units
 
-VOCAB, SEQ, GLOBAL_B, GAS, STEPS = 64, 8, 4, 2, 3
+STEPS = 3
 OPT = dict(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_clip=0.3)
 
 
@@ -39,21 +41,6 @@ def _cfg(tied: bool = False, ckpt: bool = False) -> ModelConfig:
 def _new_model(tied: bool = False, ckpt: bool = False) -> Transformer:
     torch.manual_seed(0)
     return Transformer(_cfg(tied, ckpt))
-
-
-def _global_batches(step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(1000 + step)
-    out = []
-    for _ in range(GAS):
-        x = torch.randint(0, VOCAB, (GLOBAL_B, SEQ), generator=g)
-        y = torch.randint(0, VOCAB, (GLOBAL_B, SEQ), generator=g)
-        y[torch.rand(GLOBAL_B, SEQ, generator=g) < 0.25] = -100
-        out.append((x, y))
-    return out
-
-
-def _units(batches) -> float:
-    return float(sum(int((y != -100).sum()) for _, y in batches))
 
 
 # ------------------------------------------------------------------------------ reference (1 process)
