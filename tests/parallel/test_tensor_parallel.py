@@ -70,10 +70,11 @@ def _reference(steps: int, dtype: torch.dtype, tied: bool = False) -> tuple[dict
 
 # ------------------------------------------------------------------------------ in the workers
 
-def _engine(tp: int = 1, rep: int = 1, tied: bool = False, ckpt: bool = False, sp: bool = False):
+def _engine(tp: int = 1, rep: int = 1, tied: bool = False, ckpt: bool = False, sp: bool = False,
+            dtype: str = "fp32"):
     from parallel.engine import build_engine
     from train_config import TrainConfig
-    cfg = dataclasses.replace(TrainConfig(), parallel="fsdp", dtype="fp32", device="cpu",
+    cfg = dataclasses.replace(TrainConfig(), parallel="fsdp", dtype=dtype, device="cpu",
                               tensor_parallel_size=tp, dp_replicate_size=rep, sequence_parallel=sp, **OPT)
     return build_engine(_new_model(tied, ckpt), cfg, device=torch.device("cpu"))
 
@@ -178,6 +179,9 @@ def _world2(rank: int, world: int, out_path: str, root: str) -> None:
     _train(out, "tp2_ckpt", STEPS, tp=2, ckpt=True)
     _train(out, "tp2_sp", STEPS, tp=2, sp=True)
     _train(out, "tp2_sp_tied", STEPS, tp=2, sp=True, tied=True)
+    for dtype in ("bf16", "fp16"):  # each against plain FSDP at the same precision (tp=1 x dp=2)
+        _train(out, f"tp2_sp_{dtype}", STEPS, tp=2, sp=True, dtype=dtype)
+        _train(out, f"fsdp2_{dtype}", STEPS, tp=1, dtype=dtype)
     resumed = _engine(tp=1)
     _load(resumed, path, 2)
     out["tp2_to_dp2"] = {"dp": [resumed.dp_rank, resumed.dp_size], "loss": _step(resumed, STEPS + 1)[0],
@@ -264,6 +268,18 @@ def test_parallel_layouts_match_one_process(results, reference, name, tied):
     rec = results[name]
     assert max(abs(a - b) for a, b in zip(rec["losses"], ref["losses"])) <= ref["loss_tol"], (rec["losses"], ref["losses"])
     assert _max_param_diff(rec["params"], ref["params"]) <= ref["tol"], name
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_low_precision_tp_is_as_close_to_fp32_as_plain_fsdp(results, reference, dtype):
+    """bf16 (and fp16 with dynamic loss scaling): tp=2 + sp computes in low precision as FSDP does (fp32
+    masters, low-precision compute copies); its distance from the fp32 reference may be at most 4x plain
+    FSDP's at the same precision (tp=1 x dp=2, the same global batch)."""
+    ref = reference[(False, STEPS)]
+    plain = _max_param_diff(results[f"fsdp2_{dtype}"]["params"], ref["params"])
+    got = _max_param_diff(results[f"tp2_sp_{dtype}"]["params"], ref["params"])
+    assert 0 < plain and got <= 4 * plain, (got, plain)
+    assert all(n == n and n < float("inf") for n in results[f"tp2_sp_{dtype}"]["norms"])
 
 
 def test_mesh_layout_and_data_coordinates(results):
