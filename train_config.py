@@ -383,8 +383,9 @@ def mesh_problems(cfg: TrainConfig, world_size: Optional[int] = None, torch_free
     flags = " ".join(f"--{n}={v}" for n, v in (("tensor_parallel_size", tp), ("dp_replicate_size", rep)) if v > 1)
     if cfg.parallel != "fsdp":
         out.append(f"{flags} runs on FSDP2's 2-D mesh: it needs --parallel=fsdp")
-    if cfg.pipeline_parallel_size > 1:
-        out.append(f"{flags} cannot be combined with --pipeline_parallel_size={cfg.pipeline_parallel_size} yet")
+    if cfg.pipeline_parallel_size > 1 and (rep > 1 or cfg.sequence_parallel):
+        out.append(f"--pipeline_parallel_size={cfg.pipeline_parallel_size} combines with --tensor_parallel_size, "
+                   "not yet with --dp_replicate_size or --sequence_parallel=true")
     if tp > 1:
         if cfg.dropout > 0:
             out.append(f"--tensor_parallel_size={tp} cannot be combined with --dropout={cfg.dropout} yet (the "

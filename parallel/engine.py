@@ -569,7 +569,7 @@ def _build_engine(model: nn.Module, cfg: Any, group: Any, device: torch.device) 
             ddp_config=DDPConfig(bucket_size=cfg.bucket_size, overlap_grad_reduce=cfg.overlap_grad_reduce,
                                  grad_reduce_in_fp32=cfg.grad_reduce_in_fp32, use_distributed_optimizer=zero),
             device=device, param_dtype=parse_dtype(cfg.dtype), reshard_after_forward=cfg.reshard_after_forward,
-            cpu_offload=cfg.cpu_offload)
+            cpu_offload=cfg.cpu_offload, tp_size=int(getattr(cfg, "tensor_parallel_size", 1)))
         return PipelineParallelEngine(pipe)
     model.to(device)
     if cfg.parallel == "fsdp":  # FSDP2 over the mesh's data-parallel dims (HSDP with replicas), tensor parallel inside
@@ -647,10 +647,11 @@ class PipelineParallelEngine(Engine):
     kind: ClassVar[str] = "pipeline"
 
     def __init__(self, pipe: Any) -> None:
-        # the P ranks of a pipeline hold the same batch (and the same broadcast loss): only stage 0 counts
+        # the P ranks of a pipeline (and the T ranks of a stage's tensor group) hold the same batch and the
+        # same broadcast loss: only stage 0's tensor rank 0 counts
         super().__init__(pipe.model, pipe.optimizer, pipe.module, dp_rank=pipe.dp_rank,
                          dp_size=pipe.dp_size, fixed_batch_shape=True, micro_batches_per_call=pipe.n_microbatches,
-                         counts_in_sums=pipe.stage_index == 0, mesh=pipe.mesh)
+                         counts_in_sums=pipe.stage_index == 0 and pipe.tp_rank == 0, mesh=pipe.mesh)
         self.pipe = pipe
 
     def forward_backward(self, batches: Sequence[dict], loss_fn: LossFn, global_units: float,

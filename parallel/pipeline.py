@@ -134,36 +134,6 @@ def _pipeline_fsdp_optimizer(stage_module: nn.Module, config: OptimizerConfig, p
     return FSDPOptimizer(stage_module, config, norm_groups=[pp_group] if pp_size > 1 else [])
 
 
-def _wrap_stage_fsdp(stage_module: PipelineStageModule, dp_mesh, *, param_dtype: torch.dtype,
-                     reshard_after_forward: bool, cpu_offload: bool) -> PipelineStageModule:
-    """fully_shard each block of the stage, then the stage (its root unit: embedding / norm + LM head),
-    over the dp sub-mesh, after broadcasting dp rank 0's weights (as wrap_fsdp does for a whole model).
-    torch's PipelineStage recognises the FSDPModule: no gradient sync per micro-batch, one
-    reduce-scatter after the last backward."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-    from parallel.fsdp import _CONFIG_ATTR, _MESH_ATTR
-    if any(p.dtype != torch.float32 for p in stage_module.parameters()):
-        raise ValueError("FSDP keeps fp32 sharded parameters (the masters): build the model in fp32 and choose "
-                         "the compute precision with param_dtype")
-    if dp_mesh.size() > 1:
-        group, src = dp_mesh.get_group(), dist.get_global_rank(dp_mesh.get_group(), 0)
-        with torch.no_grad():
-            for t in list(stage_module.parameters()) + list(stage_module.buffers()):
-                dist.broadcast(t.data, src=src, group=group)
-    device = next(stage_module.parameters()).device
-    kw: dict[str, Any] = dict(mesh=dp_mesh, mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype,
-                                                                           reduce_dtype=torch.float32))
-    if cpu_offload:
-        kw["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type != "cpu")
-    for block in stage_module.layers.values():
-        fully_shard(block, reshard_after_forward=reshard_after_forward, **kw)
-    fully_shard(stage_module, reshard_after_forward=False, **kw)
-    setattr(stage_module, _CONFIG_ATTR, {"param_dtype": param_dtype, "reduce_dtype": torch.float32,
-                                         "reshard_after_forward": reshard_after_forward, "cpu_offload": cpu_offload})
-    setattr(stage_module, _MESH_ATTR, dp_mesh)
-    return stage_module
-
-
 def _full(t: Any) -> Any:
     """A DTensor gathered to a plain tensor (collective over its mesh); anything else unchanged."""
     from torch.distributed.tensor import DTensor
@@ -215,14 +185,19 @@ def validate_pipeline_options(*, pp_size: int, n_microbatches: int, schedule: st
         raise ValueError("bad options for pipeline parallelism: " + "; ".join(problems))
 
 
-def build_pp_dp_mesh(pp_size: int, device_type: str = "cpu"):
+def build_pp_dp_mesh(pp_size: int, device_type: str = "cpu", tp_size: int = 1):
     """The 2-D mesh ("pp", "dp") over the whole world: rank = pp_index * dp + dp_index, so the
-    ranks of one stage are contiguous (the dp all-reduce stays inside a node when dp <= gpus/node)."""
+    ranks of one stage are contiguous (the dp all-reduce stays inside a node when dp <= gpus/node);
+    with tp_size > 1 the 3-D ("pp", "dp", "tp"), tensor ranks innermost (parallel/mesh.py's order)."""
     from torch.distributed.device_mesh import init_device_mesh
     world = dist.get_world_size()
-    if world % pp_size:
-        raise ValueError(f"world size {world} is not a multiple of pipeline_parallel_size={pp_size}")
-    return init_device_mesh(device_type, (pp_size, world // pp_size), mesh_dim_names=("pp", "dp"))
+    if world % (pp_size * tp_size):
+        raise ValueError(f"world size {world} is not a multiple of pipeline_parallel_size={pp_size} x "
+                         f"tensor_parallel_size={tp_size}")
+    if tp_size == 1:
+        return init_device_mesh(device_type, (pp_size, world // pp_size), mesh_dim_names=("pp", "dp"))
+    return init_device_mesh(device_type, (pp_size, world // (pp_size * tp_size), tp_size),
+                            mesh_dim_names=("pp", "dp", "tp"))
 
 
 # ---------------------------------------------------------------------------- engine
@@ -247,6 +222,8 @@ class PipelineEngine:
         self.layer_ranges, self.n_layers = layer_ranges, n_layers
         self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
         self.pp_size, self.dp_size = mesh.size(0), mesh.size(1)
+        self.tp_size = mesh.size(2) if mesh.ndim == 3 else 1
+        self.tp_rank = mesh.get_local_rank("tp") if mesh.ndim == 3 else 0
         self.stage_index = dist.get_rank(self.pp_group)
         self.dp_rank = dist.get_rank(self.dp_group)
         self.is_first, self.is_last = stage_module.is_first, stage_module.is_last
@@ -376,7 +353,8 @@ class PipelineEngine:
         self.optimizer.load_state_dict(sd["optimizer"])
 
     def _meta(self) -> dict:
-        return {"format": FORMAT, "pp_size": self.pp_size, "dp_size": self.dp_size, "n_layers": self.n_layers,
+        return {"format": FORMAT, "pp_size": self.pp_size, "dp_size": self.dp_size, "tp_size": self.tp_size,
+                "n_layers": self.n_layers,
                 "layer_ranges": [list(r) for r in self.layer_ranges], "schedule": self.schedule_name,
                 "n_microbatches": self.n_microbatches,
                 "dp_engine": self.dp_engine, "sharded_optimizer": self._sharded_files()}
@@ -396,12 +374,13 @@ class PipelineEngine:
         from utils.publish import fsync_file
         sd = self.state_dict()
         s = self.stage_index
-        if self.dp_rank == 0:
+        first = self.dp_rank == 0 and self.tp_rank == 0  # one writer per stage (the tensors are gathered)
+        if first:
             path = os.path.join(dir_path, f"stage{s}_model.safetensors")
             save_file({k: v.to("cpu").contiguous().clone() for k, v in sd["model"].items()}, path,
                       metadata={"format": "pt", "stage": str(s)})
             fsync_file(path)
-        if self.dp_rank == 0 or self._sharded_files():
+        if first or self._sharded_files():
             path = os.path.join(dir_path, f"stage{s}_optimizer_dp{self.dp_rank}.pt")
             torch.save(sd["optimizer"], path)
             fsync_file(path)
@@ -501,18 +480,21 @@ def build_pipeline_engine(model: Transformer, config: OptimizerConfig, *, pp_siz
                           schedule: str = "1f1b", mesh=None, dp_engine: str = "ddp",
                           allow_uneven_split: bool = False, ddp_config=None,
                           device: Optional[torch.device] = None, param_dtype: torch.dtype = torch.float32,
-                          reshard_after_forward: bool = True, cpu_offload: bool = False) -> PipelineEngine:
+                          reshard_after_forward: bool = True, cpu_offload: bool = False,
+                          tp_size: int = 1) -> PipelineEngine:
     """This rank's pipeline engine. Collective over the world (mesh + broadcast of dp rank 0's weights).
 
     model: the full Transformer, built identically on every rank (same seed) or loaded; only this
       rank's stage is kept (the other layers can be freed by the caller: nothing references them).
-    mesh: a 2-D DeviceMesh with dims ("pp", "dp"), or None for build_pp_dp_mesh(pp_size).
+    mesh: a 2-D DeviceMesh with dims ("pp", "dp") (3-D ("pp", "dp", "tp") with tp_size > 1), or None to build it.
     n_microbatches: the trainer's gradient_accumulation_steps (one micro-batch per accumulation step).
     schedule: "gpipe" (all forwards, then all backwards) or "1f1b" (less activation memory; needs
       n_microbatches >= pp_size).
     dp_engine: "ddp" (our DDP per stage over the dp group; ZeRO-1/2 with config.use_distributed_optimizer;
       ddp_config for buckets) or "fsdp" (fully_shard per block + the stage over the dp sub-mesh;
       param_dtype / reshard_after_forward / cpu_offload as in parallel/fsdp.py).
+    tp_size: tensor-parallel ranks per stage (parallel/tensor_parallel.py; needs dp_engine="fsdp"): the
+      world is pp x dp x tp, tp innermost (parallel/mesh.py's order).
     """
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
     from parallel import DDPConfig, DistributedDataParallel
@@ -524,10 +506,13 @@ def build_pipeline_engine(model: Transformer, config: OptimizerConfig, *, pp_siz
     if device is None:
         device = next(model.parameters()).device
     device = torch.device(device)
+    if tp_size > 1 and dp_engine != "fsdp":
+        raise ValueError("tensor parallelism under pipeline stages runs on FSDP2 per stage: dp_engine='fsdp'")
     if mesh is None:
-        mesh = build_pp_dp_mesh(pp_size, device.type)
-    if mesh.ndim != 2 or tuple(mesh.mesh_dim_names or ()) != ("pp", "dp") or mesh.size(0) != pp_size:
-        raise ValueError(f"expected a 2-D DeviceMesh with dims ('pp', 'dp') and pp={pp_size}, got {mesh}")
+        mesh = build_pp_dp_mesh(pp_size, device.type, tp_size)
+    names = ("pp", "dp") if tp_size == 1 else ("pp", "dp", "tp")
+    if tuple(mesh.mesh_dim_names or ()) != names or mesh.size(0) != pp_size or (tp_size > 1 and mesh.size(2) != tp_size):
+        raise ValueError(f"expected a DeviceMesh with dims {names}, pp={pp_size}, tp={tp_size}, got {mesh}")
     ranges = split_layers(model.cfg.n_layers, pp_size, allow_uneven_split)
     pp_group, dp_group = mesh.get_group("pp"), mesh.get_group("dp")
     stage_index = dist.get_rank(pp_group)
@@ -537,8 +522,16 @@ def build_pipeline_engine(model: Transformer, config: OptimizerConfig, *, pp_siz
         from parallel.fsdp import validate_fsdp_options
         validate_fsdp_options(use_distributed_optimizer=config.use_distributed_optimizer,
                               overlap_param_gather=config.overlap_param_gather, zero_stage=config.zero_stage)
-        ddp = _wrap_stage_fsdp(stage_module, mesh["dp"], param_dtype=param_dtype,
-                               reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload)
+        from parallel.fsdp import broadcast_from_first, wrap_fsdp
+        if tp_size > 1:  # dp rank 0's (tp rank 0's) weights everywhere, then the stage split over the tensor ranks
+            from parallel.tensor_parallel import apply_tensor_parallel
+            broadcast_from_first(list(stage_module.parameters()) + list(stage_module.buffers()), mesh["dp", "tp"])
+            apply_tensor_parallel(stage_module, mesh["tp"])
+        # torch's PipelineStage recognises the FSDPModule: no gradient sync per micro-batch, one
+        # reduce-scatter after the last backward
+        ddp = wrap_fsdp(stage_module, mesh_or_group=mesh["dp"], param_dtype=param_dtype,
+                        reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload,
+                        sync_module_states=tp_size == 1, gloo_collectives=False)
         opt = _pipeline_fsdp_optimizer(stage_module, config, pp_group, pp_size)
     else:
         dcfg = ddp_config or DDPConfig(use_distributed_optimizer=config.use_distributed_optimizer)

@@ -76,14 +76,16 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: boo
     if problems:
         raise ValueError("cannot split the model for tensor parallelism: " + "; ".join(problems))
     linear = (nn.Linear,)
-    for block in model.layers:
+    # a full model's ModuleList, or a pipeline stage's ModuleDict (Transformer.pruned)
+    blocks = list(model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers)
+    for block in blocks:
         wrapped = [n for n, m in block.named_modules() if n.endswith("_proj") and type(m) not in linear]
         if wrapped:
             raise ValueError(f"tensor parallelism splits plain nn.Linear projections; {wrapped[:3]} are wrapped "
                              "(LoRA with tensor parallelism is not supported yet)")
     tied = model.cfg.tie_embeddings
     seq = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout between regions
-    for block in model.layers:
+    for block in blocks:
         plan = {
             "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
             "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(output_layouts=seq),
@@ -106,7 +108,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: boo
     }
     if sequence_parallel:  # the LM head (and its vocabulary-parallel loss) reads the whole sequence
         root["norm"] = PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate())
-    parallelize_module(model, tp_mesh, root)
+    # a pipeline stage holds the embedding only on the first stage, norm + head only on the last
+    root = {name: style for name, style in root.items() if getattr(model, name, None) is not None}
+    if root:
+        parallelize_module(model, tp_mesh, root)
     if tied:  # one weight, sharded the same way (on the vocabulary) for both uses
         model.lm_head.weight = model.embed_tokens.weight
     if not sequence_parallel:

@@ -7,7 +7,8 @@ Two spawns do the distributed work and write what they measured to JSON; the tes
            against the full-vocabulary one (every reduction, values and gradients), a DCP save at tp=2,
            and its resume at tp=1 x dp=2;
   world 4: tp=2 x fsdp=2 (saved, resumed at the same layout), the same with sequence parallelism and
-           activation checkpointing, HSDP 2 x 2, and the tp=2 checkpoint
+           activation checkpointing, HSDP 2 x 2, pp=2 x tp=2 (saved, resumed at the same layout and
+           at pp=2 x dp=2), and the tp=2 checkpoint
            resumed at tp=1 x dp=4 and at tp=2 x dp=2.
 Every run trains the same model on the same global batch as a one-process reference (torch AdamW +
 clip_grad_norm_). The tolerance is the reference's own fp32 rounding: the same reference run in fp64
@@ -26,7 +27,7 @@ import torch.distributed as dist
 from model import ModelConfig, Transformer
 from tests.dist_helpers import spawn
 # the same global batches as the FSDP tests: GAS micro-batches of GLOBAL_B x SEQ, ~25 % of labels ignored
-from tests.parallel.test_fsdp import GLOBAL_B, VOCAB, _global_batches, _units
+from tests.parallel.test_fsdp import GAS, GLOBAL_B, VOCAB, _global_batches, _units
 
 STEPS = 3
 OPT = dict(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_clip=0.3)
@@ -71,16 +72,17 @@ def _reference(steps: int, dtype: torch.dtype, tied: bool = False) -> tuple[dict
 # ------------------------------------------------------------------------------ in the workers
 
 def _engine(tp: int = 1, rep: int = 1, tied: bool = False, ckpt: bool = False, sp: bool = False,
-            dtype: str = "fp32"):
+            dtype: str = "fp32", pp: int = 1):
     from parallel.engine import build_engine
     from train_config import TrainConfig
     cfg = dataclasses.replace(TrainConfig(), parallel="fsdp", dtype=dtype, device="cpu",
-                              tensor_parallel_size=tp, dp_replicate_size=rep, sequence_parallel=sp, **OPT)
+                              tensor_parallel_size=tp, dp_replicate_size=rep, sequence_parallel=sp,
+                              pipeline_parallel_size=pp, gradient_accumulation_steps=GAS, **OPT)
     return build_engine(_new_model(tied, ckpt), cfg, device=torch.device("cpu"))
 
 
 def _loss_fn(model, batch):
-    return model(batch["x"], labels=batch["y"], reduction="sum"), {}
+    return model(batch["input_ids"], labels=batch["labels"], reduction="sum"), {}
 
 
 def _step(engine, step: int) -> tuple[float, float]:
@@ -89,7 +91,7 @@ def _step(engine, step: int) -> tuple[float, float]:
     units = _units(batches)
     n = GLOBAL_B // engine.dp_size
     rows = slice(engine.dp_rank * n, (engine.dp_rank + 1) * n)
-    local = [{"x": x[rows], "y": y[rows]} for x, y in batches]
+    local = [{"input_ids": x[rows], "labels": y[rows]} for x, y in batches]
     engine.optimizer.zero_grad()
     sums = engine.forward_backward(local, _loss_fn, units)
     total = engine.sum_over_data(sums, torch.device("cpu"))
@@ -99,12 +101,15 @@ def _step(engine, step: int) -> tuple[float, float]:
 
 
 def _full_params(engine) -> dict[str, list]:
+    """The whole model's parameters, gathered (collective): a pipeline rank holds only its stage's."""
     from torch.distributed.tensor import DTensor
     out = {}
     for n, p in engine.module.named_parameters():
         t = p.full_tensor() if isinstance(p, DTensor) else p
         out[n] = t.detach().double().reshape(-1).tolist()
-    return out
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, out)
+    return {k: v for part in every for k, v in part.items()}
 
 
 def _save(engine, root: str, step: int) -> str:
@@ -208,6 +213,17 @@ def _world4(rank: int, world: int, out_path: str, root: str, tp2_ckpt: str) -> N
         e = _engine(tp=tp)
         _load(e, tp2_ckpt, 2)
         out[name] = {"dp": [e.dp_rank, e.dp_size], "loss": _step(e, STEPS + 1)[0], "params": _full_params(e)}
+    # 3-D: pipeline stages x tensor parallel (FSDP per stage over dp = 1), saved and resumed at the same
+    # layout and at pp=2 x dp=2 (the stage files hold whole tensors: any tp / dp split loads them)
+    engine = _train(out, "pp2_tp2", STEPS, pp=2, tp=2)
+    path = _save(engine, os.path.join(root, "pp2_tp2"), STEPS)
+    out["pp2_tp2"]["next_loss"] = _step(engine, STEPS + 1)[0]
+    out["pp2_tp2"]["next_params"] = _full_params(engine)
+    del engine
+    for name, tp in (("pp2_tp2_resumed", 2), ("pp2_tp2_to_pp2_dp2", 1)):
+        e = _engine(pp=2, tp=tp)
+        _load(e, path, 4)
+        out[name] = {"loss": _step(e, STEPS + 1)[0], "params": _full_params(e)}
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(out, f)
@@ -262,7 +278,7 @@ def test_vocab_parallel_loss_matches_full_vocabulary(results, reduction):
 
 @pytest.mark.parametrize("name,tied", [("tp2", False), ("tp2_tied", True), ("tp2_ckpt", False),
                                        ("tp2_sp", False), ("tp2_sp_tied", True), ("tp2_fsdp2", False),
-                                       ("tp2_sp_fsdp2", False), ("hsdp", False)])
+                                       ("tp2_sp_fsdp2", False), ("hsdp", False), ("pp2_tp2", False)])
 def test_parallel_layouts_match_one_process(results, reference, name, tied):
     ref = reference[(tied, STEPS)]
     rec = results[name]
@@ -291,13 +307,14 @@ def test_mesh_layout_and_data_coordinates(results):
     assert results["tp2_to_dp2"]["dp"][1] == 2 and results["tp2_to_dp4"]["dp"][1] == 4
 
 
-def test_resume_at_the_same_layout_is_bit_exact(results):
-    a, b = results["tp2_fsdp2"], results["tp2_fsdp2_resumed"]
+@pytest.mark.parametrize("run", ["tp2_fsdp2", "pp2_tp2"])
+def test_resume_at_the_same_layout_is_bit_exact(results, run):
+    a, b = results[run], results[f"{run}_resumed"]
     assert a["next_loss"] == b["loss"]
     assert a["next_params"] == b["params"]
 
 
-@pytest.mark.parametrize("name", ["tp2_to_dp2", "tp2_to_dp4", "tp2_to_tp2_dp2"])
+@pytest.mark.parametrize("name", ["tp2_to_dp2", "tp2_to_dp4", "tp2_to_tp2_dp2", "pp2_tp2_to_pp2_dp2"])
 def test_resume_across_layouts_continues_the_run(results, reference, name):
     """The tp=2 checkpoint of step 3, resumed at another tensor / data-parallel split, takes step 4 as
     the one-process reference does (weights and Adam moments resharded by DCP)."""
