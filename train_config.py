@@ -387,9 +387,9 @@ def mesh_problems(cfg: TrainConfig, world_size: Optional[int] = None, torch_free
         out.append(f"--pipeline_parallel_size={cfg.pipeline_parallel_size} combines with --tensor_parallel_size, "
                    "not yet with --dp_replicate_size or --sequence_parallel=true")
     if tp > 1:
-        if cfg.dropout > 0:
-            out.append(f"--tensor_parallel_size={tp} cannot be combined with --dropout={cfg.dropout} yet (the "
-                       "replicated activations would need one RNG stream per tensor group)")
+        if cfg.dropout > 0 and cfg.sequence_parallel:
+            out.append(f"--sequence_parallel=true cannot be combined with --dropout={cfg.dropout} yet (each rank's "
+                       "positions would need their own random stream)")
         if cfg.lora_rank > 0:
             out.append(f"--tensor_parallel_size={tp} cannot be combined with LoRA yet (adapters are not sharded)")
         if cfg.compile:

@@ -25,8 +25,14 @@ from typing import Any
 from torch import nn
 
 
-def tensor_parallel_problems(model_cfg: Any, tp: int) -> list[str]:
-    """What stops `model_cfg` from being split over `tp` ranks (none when tp == 1)."""
+def tensor_parallel_problems(model_cfg: Any, tp: int, sequence_parallel: bool = False) -> list[str]:
+    """What stops `model_cfg` from being split over `tp` ranks (none when tp == 1).
+
+    Dropout: the ranks of a tensor group start from the same seed and draw the same number of random
+    numbers, so the residual dropout on the replicated hidden state draws the same mask on every rank
+    (as it must; attention dropout on each rank's heads draws the same pattern per head slot). Under
+    sequence parallelism each rank's residual dropout covers other positions, where one shared stream
+    would repeat one mask along the sequence: refused."""
     if tp <= 1:
         return []
     out = []
@@ -39,9 +45,9 @@ def tensor_parallel_problems(model_cfg: Any, tp: int) -> list[str]:
     hidden = model_cfg.hidden_dim
     if hidden is not None and hidden % tp:
         out.append(f"the MLP's hidden_dim={hidden} is not divisible by tensor_parallel_size={tp}")
-    if model_cfg.attn_dropout > 0 or model_cfg.resid_dropout > 0:
-        out.append("dropout > 0 is not supported with tensor parallelism yet (the replicated activations would "
-                   "need one RNG stream per tensor group); set --dropout=0")
+    if sequence_parallel and (model_cfg.attn_dropout > 0 or model_cfg.resid_dropout > 0):
+        out.append("dropout > 0 is not supported with sequence parallelism yet (each rank's positions would need "
+                   "their own random stream); set --dropout=0 or --sequence_parallel=false")
     return out
 
 
@@ -72,7 +78,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: boo
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
                                                    RowwiseParallel, parallelize_module)
     tp = tp_mesh.size()
-    problems = tensor_parallel_problems(model.cfg, tp)
+    problems = tensor_parallel_problems(model.cfg, tp, sequence_parallel)
     if problems:
         raise ValueError("cannot split the model for tensor parallelism: " + "; ".join(problems))
     linear = (nn.Linear,)

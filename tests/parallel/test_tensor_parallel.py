@@ -33,15 +33,16 @@ STEPS = 3
 OPT = dict(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_clip=0.3)
 
 
-def _cfg(tied: bool = False, ckpt: bool = False) -> ModelConfig:
+def _cfg(tied: bool = False, ckpt: bool = False, dropout: float = 0.0) -> ModelConfig:
     # 4 query heads over 2 key/value heads (GQA), so each tensor rank holds 2 query heads and 1 kv head
     return ModelConfig(vocab_size=VOCAB, dim=16, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=16,
-                       max_seq_len=16, tie_embeddings=tied, gradient_checkpointing=ckpt)
+                       max_seq_len=16, tie_embeddings=tied, gradient_checkpointing=ckpt, attn_dropout=dropout,
+                       resid_dropout=dropout)
 
 
-def _new_model(tied: bool = False, ckpt: bool = False) -> Transformer:
+def _new_model(tied: bool = False, ckpt: bool = False, dropout: float = 0.0) -> Transformer:
     torch.manual_seed(0)
-    return Transformer(_cfg(tied, ckpt))
+    return Transformer(_cfg(tied, ckpt, dropout))
 
 
 # ------------------------------------------------------------------------------ reference (1 process)
@@ -72,13 +73,13 @@ def _reference(steps: int, dtype: torch.dtype, tied: bool = False) -> tuple[dict
 # ------------------------------------------------------------------------------ in the workers
 
 def _engine(tp: int = 1, rep: int = 1, tied: bool = False, ckpt: bool = False, sp: bool = False,
-            dtype: str = "fp32", pp: int = 1):
+            dtype: str = "fp32", pp: int = 1, dropout: float = 0.0):
     from parallel.engine import build_engine
     from train_config import TrainConfig
     cfg = dataclasses.replace(TrainConfig(), parallel="fsdp", dtype=dtype, device="cpu",
                               tensor_parallel_size=tp, dp_replicate_size=rep, sequence_parallel=sp,
                               pipeline_parallel_size=pp, gradient_accumulation_steps=GAS, **OPT)
-    return build_engine(_new_model(tied, ckpt), cfg, device=torch.device("cpu"))
+    return build_engine(_new_model(tied, ckpt, dropout), cfg, device=torch.device("cpu"))
 
 
 def _loss_fn(model, batch):
@@ -184,6 +185,13 @@ def _world2(rank: int, world: int, out_path: str, root: str) -> None:
     _train(out, "tp2_ckpt", STEPS, tp=2, ckpt=True)
     _train(out, "tp2_sp", STEPS, tp=2, sp=True)
     _train(out, "tp2_sp_tied", STEPS, tp=2, sp=True, tied=True)
+    engine = _train(out, "tp2_dropout", STEPS, tp=2, dropout=0.2)
+    # the norms are replicated on the tensor ranks: equal on both only if both drew the same masks
+    norms = {n: p.to_local().tolist() for n, p in engine.module.named_parameters() if "norm" in n}
+    every = [None] * world
+    dist.all_gather_object(every, norms)
+    out["tp2_dropout"]["norms_equal_across_tp"] = every[0] == every[1]
+    del engine
     for dtype in ("bf16", "fp16"):  # each against plain FSDP at the same precision (tp=1 x dp=2)
         _train(out, f"tp2_sp_{dtype}", STEPS, tp=2, sp=True, dtype=dtype)
         _train(out, f"fsdp2_{dtype}", STEPS, tp=1, dtype=dtype)
@@ -296,6 +304,15 @@ def test_low_precision_tp_is_as_close_to_fp32_as_plain_fsdp(results, reference, 
     got = _max_param_diff(results[f"tp2_sp_{dtype}"]["params"], ref["params"])
     assert 0 < plain and got <= 4 * plain, (got, plain)
     assert all(n == n and n < float("inf") for n in results[f"tp2_sp_{dtype}"]["norms"])
+
+
+def test_dropout_draws_the_same_masks_on_the_tensor_ranks(results):
+    """With dropout the replicated norms stay identical on both tensor ranks (a rank drawing its own
+    residual mask would train its copy on other activations), and dropout is active (other losses)."""
+    rec = results["tp2_dropout"]
+    assert rec["norms_equal_across_tp"]
+    assert rec["losses"][0] != results["tp2"]["losses"][0]
+    assert all(abs(a - b) < 0.5 for a, b in zip(rec["losses"], results["tp2"]["losses"]))
 
 
 def test_mesh_layout_and_data_coordinates(results):

@@ -44,8 +44,9 @@ def test_layouts_that_cannot_run_exit_2_with_one_line(tiny_pretrain_run_args, tm
     assert "needs --parallel=fsdp" in line and "world size 1 is not a multiple of" in line and "= 2" in line, line
     line = _one_line_error([*base, "--parallel=fsdp", "--tensor_parallel_size=3"])
     assert "--n_heads=4 is not divisible by --tensor_parallel_size=3" in line, line
-    line = _one_line_error([*base, "--parallel=fsdp", "--tensor_parallel_size=2", "--dropout=0.1"])
-    assert "--dropout=0.1" in line, line
+    line = _one_line_error([*base, "--parallel=fsdp", "--tensor_parallel_size=2", "--sequence_parallel=true",
+                            "--dropout=0.1"])
+    assert "--sequence_parallel=true cannot be combined with --dropout=0.1" in line, line
 
 
 def test_dpo_under_tp2_shards_the_reference_and_follows_one_process(tiny_pretrain_run_args, tiny_pretrain_data,
