@@ -135,9 +135,21 @@ def _pipeline_fsdp_optimizer(stage_module: nn.Module, config: OptimizerConfig, p
 
 
 def _full(t: Any) -> Any:
-    """A DTensor gathered to a plain tensor (collective over its mesh); anything else unchanged."""
+    """A DTensor gathered to a plain tensor (collective over its mesh); anything else unchanged.
+    torch logs a warning per tensor when a dp x tp DTensor (FSDP's _StridedShard over Shard) needs two
+    all-gathers; at checkpoint time that is expected, so it is not printed for every tensor of every save."""
+    import logging
+
     from torch.distributed.tensor import DTensor
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    if not isinstance(t, DTensor):
+        return t
+    logger = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        return t.full_tensor()
+    finally:
+        logger.setLevel(level)
 
 
 def _like(full: Any, template: Any) -> Any:
