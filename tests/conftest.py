@@ -151,8 +151,119 @@ def tiny_pretrain_run_args(tiny_pretrain_data) -> list[str]:
             "--peak_flops=1e11", "--device=cpu", "--seed=7"]
 
 
+@pytest.fixture(scope="session")
+def pretrained(tiny_pretrain_run_args, tmp_path_factory) -> dict:
+    """A 12-step pretraining run (its checkpoint seeds SFT and DPO runs), shared by tests/trainer/test_end_to_end.py
+    and test_day_to_day.py: built once per test session (per xdist worker). Tests only read it."""
+    out = tmp_path_factory.mktemp("pretrain") / "run"
+    run_cmd(train_cmd([*tiny_pretrain_run_args, f"--out_dir={out}", "--max_iters=12", "--eval_interval=6"]),
+            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"))
+    return {"out": out, "args": tiny_pretrain_run_args}
+
+
+# Seconds the longest tests took in one `make test` (2 xdist workers on 2 busy cores): by node id prefix, or
+# for a whole module (the key ends with "::"; its tests share module fixtures and are handed out as one
+# block). Only the order the tests are handed out in depends on these figures (_heavy_first), no result.
+_HEAVY_S = {
+    "tests/commands/test_gpu_report.py::test_cpu_dry_run": 85,
+    "tests/model/test_compile_cold.py::test_inductor": 84,
+    "tests/model/test_compile_cold.py::test_every": 82,
+    "tests/model/test_attention.py::test_compiled_fullgraph_from_fresh": 72,
+    "tests/model/test_model_on_triton.py::test_trainer_triton": 68,
+    "tests/model/test_hf_interop_and_lora.py::test_compiled_model": 28,
+    "tests/monitor/test_real_trainer.py::test_sigkill_the_ranks": 77,
+    "tests/monitor/test_real_trainer.py::test_sigkill_during": 73,
+    "tests/monitor/test_real_trainer.py::test_sigkill_at_random": 60,
+    "tests/monitor/test_fault_injection.py::test_torchrun_hang": 30,
+    "tests/trainer/test_spike_guard.py::test_reproducible": 69,
+    "tests/trainer/test_spike_guard.py::test_one_off": 49,
+    "tests/trainer/test_resume_topology.py::test_resume_at_another_layout_follows_the_uninterrupted_run[zero2": 69,
+    "tests/trainer/test_resume_topology.py::test_resume_at_another_layout_follows_the_uninterrupted_run[pipeline": 66,
+    "tests/trainer/test_resume_topology.py::test_resume_at_another_layout_follows_the_uninterrupted_run[fsdp": 59,
+    "tests/trainer/test_resume_topology.py::test_resume_at_another_layout_follows_the_uninterrupted_run[ddp": 27,
+    "tests/trainer/test_day_to_day.py::test_optimizer_state_resumes_across_layouts[unsharded": 68,
+    "tests/trainer/test_day_to_day.py::test_dpo_under_fsdp": 51,
+    "tests/trainer/test_day_to_day.py::test_fsdp_trains_like_ddp_and_resumes_exactly[2]": 48,
+    "tests/trainer/test_day_to_day.py::test_fsdp_with_compile": 39,
+    "tests/trainer/test_end_to_end.py::test_resume_is_exact[2proc-powersgd]": 67,
+    "tests/trainer/test_end_to_end.py::test_resume_is_exact[2proc-zero1]": 43,
+    "tests/trainer/test_end_to_end.py::test_zero_checkpoint_resumes": 44,
+    "tests/trainer/test_end_to_end.py::test_powersgd_loss": 39,
+    "tests/trainer/test_samples.py::test_two_ranks": 57,
+    "tests/trainer/test_continued_pretraining.py::test_export_grown": 50,
+    "tests/trainer/test_tensor_parallel_runs.py::test_tp2": 79,
+    "tests/trainer/test_tensor_parallel_runs.py::test_layouts": 31,
+    "tests/data_preprocess/test_dpo_pretokenized.py::test_trainer_reads": 54,
+    "tests/parallel/test_ddp_compile.py::test_compiled_forward_waits": 28,
+    "tests/parallel/test_fsdp_multinode.py::test_two_node": 40,
+    "tests/parallel/test_tensor_parallel.py::": 262,
+    "tests/trainer/test_pipeline_runs.py::": 189,
+    "tests/parallel/test_pipeline.py::": 59,
+    "tests/parallel/test_fsdp.py::": 52,
+}
+
+
+def _heavy_first(config, items: list) -> None:
+    """Under pytest-xdist, hand the long tests out first, spread over the workers (`--dist worksteal` gives
+    each worker a contiguous share of the list, then idle workers steal from the ends of the others'):
+    a long test that starts last would otherwise end the run late. Tests that share a module-scoped
+    fixture stay together (split over two workers, the fixture would be built twice); the other tests
+    keep their order. Each worker computes the same order (xdist checks that they collected the same)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers < 2 or len(items) < 2 * workers:
+        return
+    module_of = [it.nodeid.split("::")[0] for it in items]
+    # blocks of item indices with their estimated seconds: a whole module for a "module::" entry; else a
+    # heavy test with every test of its module that shares one of its module fixtures
+    taken: set[int] = set()
+    blocks: list[tuple[float, list[int]]] = []
+    for key, secs in _HEAVY_S.items():
+        if key.endswith("::"):
+            members = [i for i, m in enumerate(module_of) if m + "::" == key and i not in taken]
+            if members:
+                taken.update(members)
+                blocks.append((secs, members))
+    for i, it in enumerate(items):
+        if i in taken:
+            continue
+        secs = max((s for k, s in _HEAVY_S.items() if not k.endswith("::") and it.nodeid.startswith(k)), default=0)
+        if not secs:
+            continue
+        defs = getattr(getattr(it, "_fixtureinfo", None), "name2fixturedefs", {}) or {}
+        mod_fix = {n for n, d in defs.items() if d and d[-1].scope == "module"}
+        members = [i] + [j for j, other in enumerate(items) if j != i and j not in taken and module_of[j] ==
+                         module_of[i] and mod_fix & set(getattr(other, "fixturenames", ()))]
+        taken.update(members)
+        blocks.append((secs, sorted(members)))
+    if not blocks:
+        return
+    # the shares xdist's worksteal scheduler hands out: len(pending) // workers_left, in turn
+    sizes, left = [], len(items)
+    for w in range(workers):
+        sizes.append(left // (workers - w))
+        left -= sizes[-1]
+    heads: list[list[int]] = [[] for _ in range(workers)]
+    load = [0.0] * workers
+    for secs, b in sorted(blocks, key=lambda sb: -sb[0]):  # longest first, each to the least loaded share
+        fits = [k for k in range(workers) if len(heads[k]) + len(b) <= sizes[k]]
+        if not fits:
+            return  # cannot place: leave the order as it is
+        w = min(fits, key=lambda k: load[k])
+        heads[w] += b
+        load[w] += secs
+    rest = iter(i for i in range(len(items)) if i not in taken)
+    order: list[int] = []
+    for w in range(workers):
+        order += heads[w]
+        order += [next(rest) for _ in range(sizes[w] - len(heads[w]))]
+    items[:] = [items[i] for i in order]
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `gpu` need CUDA: skipped without it (`make test-gpu` selects only them)."""
+    """Tests marked `gpu` need CUDA: skipped without it (`make test-gpu` selects only them). Under
+    pytest-xdist the long tests are handed out first (_heavy_first)."""
+    if not (config.pluginmanager.hasplugin("randomly") and config.getoption("randomly_reorganize", default=False)):
+        _heavy_first(config, items)  # not when pytest-randomly shuffles the order (`-p randomly`)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (run `make test-gpu` on a GPU machine)")

@@ -161,7 +161,7 @@ def test_startup_layout_line_names_engine_mesh_communication_and_global_batch():
                                                powersgd_rank=4, compile=True),
                            SimpleNamespace(dp_size=2), world_size=2)
     assert line.startswith("[layout] engine ddp + ZeRO-1;")
-    assert "world 2 = data-parallel 2 x pipeline 1 x tensor 1" in line
+    assert "world 2 = pipeline 1 x data-parallel 2 x tensor 1" in line
     assert "powersgd (rank 4, from step" in line and "overlap grad reduce" in line
     assert "compile on" in line and "activation checkpointing off" in line
     assert "global batch 4 x 8 x 2 = 64 samples = 131,072 tokens per step" in line
@@ -169,5 +169,11 @@ def test_startup_layout_line_names_engine_mesh_communication_and_global_batch():
                                                pipeline_parallel_size=2, gradient_checkpointing=True),
                            SimpleNamespace(dp_size=2), world_size=4)
     assert "engine pipeline (2 stages, " in line and "over fsdp (FSDP2, ZeRO-2-like)" in line
-    assert "data-parallel 2 x pipeline 2" in line and "gradients" not in line
+    assert "world 4 = pipeline 2 x data-parallel 2 x tensor 1" in line and "gradients" not in line
     assert "activation checkpointing on" in line
+    # the whole mesh (parallel/mesh.py): tensor parallel with sequence parallel, HSDP replicas
+    line = describe_layout(dataclasses.replace(base, parallel="fsdp", tensor_parallel_size=2, sequence_parallel=True,
+                                               dp_replicate_size=2), SimpleNamespace(dp_size=4), world_size=8)
+    assert "tensor parallel 2 (DTensor, sequence parallel), HSDP over 2 replicas" in line, line
+    assert "world 8 = pipeline 1 x data-parallel 4 (replicate 2 x shard 2) x tensor 2" in line, line
+    assert "global batch 4 x 8 x 4 = 128 samples" in line

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.conftest import ROOT, run_cmd
-from tests.trainer.test_end_to_end import _env, final_weights, losses, pretrained, train_cmd  # noqa: F401 (fixture)
+from tests.trainer.test_end_to_end import _env, final_weights, losses, train_cmd
 from utils.checkpoint import find_latest_valid, list_checkpoints
 from utils.constants import EXIT_BAD_CHECKPOINT
 from utils.metrics import dedupe_by_step, read_metrics
@@ -163,16 +163,22 @@ def test_fsdp_with_compile_follows_eager_fsdp(tiny_pretrain_run_args, tmp_path):
         assert abs(le[s] - lc[s]) <= 1e-4 * abs(le[s]), (s, le[s], lc[s])
 
 
-def test_dpo_under_fsdp_shards_the_reference_and_follows_ddp(pretrained, tiny_pretrain_data, tmp_path):
-    """DPO on 2 processes with --parallel=fsdp (policy and frozen reference both sharded by FSDP2) gives
-    the losses and rewards of --parallel=ddp (a full reference copy per rank) to fp32 summation noise."""
+def toy_dpo_args(tiny_pretrain_data, tmp_path, init_from, batch_size: int) -> list[str]:
+    """Flags of a 3-step DPO run on 16 of the bundled preference pairs, from the checkpoint `init_from`."""
     toy = tmp_path / "toy_prefs.jsonl"
     with open(os.path.join(ROOT, "data", "dpo", "dpo_pairs.jsonl"), encoding="utf-8") as f:
         toy.write_text("".join(line for _, line in zip(range(16), f)), encoding="utf-8")
-    common = [f"--tokenizer_dir={tiny_pretrain_data['tokenizer_dir']}", "--max_seq_len=96", "--device=cpu",
-              "--progress=false", "--peak_flops=1e11", "--log_interval=1", "--eval_interval=0", "--seed=3",
-              "--val_ratio=0.1", "--task_type=dpo", f"--data_dir={toy}", f"--init_from={pretrained['out']}",
-              "--max_iters=3", "--batch_size=2", "--learning_rate=3e-3", "--dpo_beta=0.5", "--checkpoint_interval=3"]
+    return [f"--tokenizer_dir={tiny_pretrain_data['tokenizer_dir']}", "--max_seq_len=96", "--device=cpu",
+            "--progress=false", "--peak_flops=1e11", "--log_interval=1", "--eval_interval=0", "--seed=3",
+            "--val_ratio=0.1", "--task_type=dpo", f"--data_dir={toy}", f"--init_from={init_from}",
+            "--max_iters=3", f"--batch_size={batch_size}", "--learning_rate=3e-3", "--dpo_beta=0.5",
+            "--checkpoint_interval=3"]
+
+
+def test_dpo_under_fsdp_shards_the_reference_and_follows_ddp(pretrained, tiny_pretrain_data, tmp_path):
+    """DPO on 2 processes with --parallel=fsdp (policy and frozen reference both sharded by FSDP2) gives
+    the losses and rewards of --parallel=ddp (a full reference copy per rank) to fp32 summation noise."""
+    common = toy_dpo_args(tiny_pretrain_data, tmp_path, pretrained["out"], batch_size=2)
     recs = {}
     for engine in ("ddp", "fsdp"):
         out = tmp_path / engine

@@ -36,13 +36,8 @@ def final_weights(out_dir) -> dict[str, torch.Tensor]:
     return load_model_state(find_latest_valid(str(out_dir)))
 
 
-@pytest.fixture(scope="module")
-def pretrained(tiny_pretrain_run_args, tmp_path_factory) -> dict:
-    """A 12-step pretraining run shared by the tests below (its checkpoint seeds SFT and DPO)."""
-    out = tmp_path_factory.mktemp("pretrain") / "run"
-    run_cmd(train_cmd([*tiny_pretrain_run_args, f"--out_dir={out}", "--max_iters=12", "--eval_interval=6"]),
-            env=_env())
-    return {"out": out, "args": tiny_pretrain_run_args}
+# `pretrained` (a 12-step pretraining run whose checkpoint seeds SFT and DPO) is a session fixture in
+# tests/conftest.py: test_day_to_day.py uses the same run.
 
 
 def test_pretrain_reduces_loss_and_logs(pretrained):

@@ -3,7 +3,6 @@ torchrun, a resume at another tensor / data-parallel split, and the one-line err
 cannot run. The engine-level numerics (every layout against one process) are tests/parallel/test_tensor_parallel.py's."""
 from __future__ import annotations
 
-import os
 import subprocess
 
 from tests.conftest import ROOT, run_cmd
@@ -54,17 +53,11 @@ def test_dpo_under_tp2_shards_the_reference_and_follows_one_process(tiny_pretrai
     """DPO with --tensor_parallel_size=2 (policy and frozen reference both split over the tensor ranks,
     per-token log-probs from the vocabulary-parallel loss) gives one process's losses and rewards to fp32
     summation noise."""
-    from tests.trainer.test_day_to_day import _records
+    from tests.trainer.test_day_to_day import _records, toy_dpo_args
     base = tmp_path / "base"
     run_cmd(train_cmd([*tiny_pretrain_run_args, f"--out_dir={base}", "--max_iters=2", "--checkpoint_interval=2"], 1),
             env=_env())
-    toy = tmp_path / "toy_prefs.jsonl"
-    with open(os.path.join(ROOT, "data", "dpo", "dpo_pairs.jsonl"), encoding="utf-8") as f:
-        toy.write_text("".join(line for _, line in zip(range(16), f)), encoding="utf-8")
-    common = [f"--tokenizer_dir={tiny_pretrain_data['tokenizer_dir']}", "--max_seq_len=96", "--device=cpu",
-              "--progress=false", "--peak_flops=1e11", "--log_interval=1", "--eval_interval=0", "--seed=3",
-              "--val_ratio=0.1", "--task_type=dpo", f"--data_dir={toy}", f"--init_from={base}",
-              "--max_iters=3", "--batch_size=4", "--learning_rate=3e-3", "--dpo_beta=0.5", "--checkpoint_interval=3"]
+    common = toy_dpo_args(tiny_pretrain_data, tmp_path, base, batch_size=4)
     run_cmd(train_cmd([*common, f"--out_dir={tmp_path / 'one'}"], 1), env=_env())
     log = run_cmd(train_cmd([*common, f"--out_dir={tmp_path / 'tp'}", "--parallel=fsdp", "--tensor_parallel_size=2"],
                             2), env=_env()).stdout
