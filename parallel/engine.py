@@ -23,11 +23,15 @@ loss_fn(model, batch) -> (sum of the micro-batch's per-unit losses, {stat: sum})
   ZeRO-1/2 DistributedOptimizer with --use_distributed_optimizer. Checkpoints: utils/checkpoint.py
   (full weights in model.safetensors from rank 0, optimizer state per rank when sharded; it re-shards
   to another world size). LoRA runs store only the trainable tensors (see `trainable_state`).
-- fsdp (FSDPEngine): torch FSDP2 (`fully_shard` per block + root) + FSDPOptimizer (parallel/fsdp.py). Checkpoints:
+- fsdp (FSDPEngine): torch FSDP2 (`fully_shard` per block + root) + FSDPOptimizer (parallel/fsdp.py), built on
+  the run's device mesh (parallel/mesh.py): tensor (+ sequence) parallel over its "tp" dim with
+  --tensor_parallel_size (parallel/tensor_parallel.py), HSDP over ("dp_replicate", "dp_shard") with
+  --dp_replicate_size. Checkpoints:
   torch.distributed.checkpoint, sharded, no gather, loadable at any world size
   (parallel/dcp_checkpoint.py), in the same step_N/ layout, so listing, verification and pruning are shared.
 - pipeline (`PipelineParallelEngine`, cfg.pipeline_parallel_size = P > 1): parallel/pipeline.py's
-  stages + GPipe/1F1B schedule on a pp x dp mesh, our DDP or FSDP per stage over dp. The task's
+  stages + GPipe/1F1B schedule on a pp x dp mesh (pp x dp x tp with --tensor_parallel_size, FSDP only),
+  our DDP or FSDP per stage over dp. The task's
   loss_fn is not used: the last stage computes the token loss (pretrain, SFT; no DPO). Checkpoints:
   per-stage files (stage{s}_model.safetensors, stage{s}_optimizer_dp{r}.pt, pipeline.json) in the same
   step_N/ layout with the same manifest / COMPLETE / atomic rename; resumable at the same mesh only;
