@@ -183,6 +183,12 @@ class TransformerBlock(nn.Module):
 _segments = documents_from_positions  # the old name
 
 
+def blocks_of(layers: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of a `layers` container in order: a full model's nn.ModuleList, or a pruned
+    model's (a pipeline stage's) nn.ModuleDict keyed by global layer index."""
+    return list(layers.values() if isinstance(layers, nn.ModuleDict) else layers)
+
+
 class Transformer(nn.Module):
     """The full model (`layers` an nn.ModuleList), or a pruned part of one (`pruned`): `embed_tokens`
     None (the input is the hidden state [B, T, D] of the layers before), `layers` an nn.ModuleDict keyed
@@ -287,7 +293,7 @@ class Transformer(nn.Module):
 
         h = input_ids if self.embed_tokens is None else self.embed_tokens(input_ids)
         ckpt = self.cfg.gradient_checkpointing and self.training and torch.is_grad_enabled()
-        for layer in (self.layers.values() if isinstance(self.layers, nn.ModuleDict) else self.layers):
+        for layer in blocks_of(self.layers):
             if ckpt:
                 h = checkpoint(layer, h, cos, sin, spec, cache, use_reentrant=False)
             else:

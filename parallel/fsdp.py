@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from model.llama import blocks_of
 from optimizer.grad_scaler import ConstantScaler, DynamicGradScaler
 from optimizer.optimizer_config import OptimizerConfig
 
@@ -171,7 +172,7 @@ def wrap_fsdp(model: nn.Module, *, mesh_or_group: Union[DeviceMesh, dist.Process
     layers = getattr(model, "layers", None)
     if not isinstance(layers, (nn.ModuleList, nn.ModuleDict)):
         raise ValueError("wrap_fsdp expects a model with a `layers` ModuleList (or ModuleDict) of transformer blocks")
-    blocks = list(layers.values() if isinstance(layers, nn.ModuleDict) else layers)
+    blocks = blocks_of(layers)
     if param_dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"param_dtype must be float32, bfloat16 or float16, got {param_dtype}")
     bad = sorted({str(p.dtype) for p in model.parameters() if p.dtype != torch.float32})

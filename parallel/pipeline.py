@@ -202,10 +202,12 @@ def build_pp_dp_mesh(pp_size: int, device_type: str = "cpu", tp_size: int = 1):
     ranks of one stage are contiguous (the dp all-reduce stays inside a node when dp <= gpus/node);
     with tp_size > 1 the 3-D ("pp", "dp", "tp"), tensor ranks innermost (parallel/mesh.py's order)."""
     from torch.distributed.device_mesh import init_device_mesh
+
+    from parallel.mesh import layout_problem
     world = dist.get_world_size()
-    if world % (pp_size * tp_size):
-        raise ValueError(f"world size {world} is not a multiple of pipeline_parallel_size={pp_size} x "
-                         f"tensor_parallel_size={tp_size}")
+    problem = layout_problem(world, pp=pp_size, tp=tp_size)
+    if problem:
+        raise ValueError(problem)
     if tp_size == 1:
         return init_device_mesh(device_type, (pp_size, world // pp_size), mesh_dim_names=("pp", "dp"))
     return init_device_mesh(device_type, (pp_size, world // (pp_size * tp_size), tp_size),

@@ -24,6 +24,8 @@ from typing import Any
 
 from torch import nn
 
+from model.llama import blocks_of
+
 
 def tensor_parallel_problems(model_cfg: Any, tp: int, sequence_parallel: bool = False) -> list[str]:
     """What stops `model_cfg` from being split over `tp` ranks (none when tp == 1).
@@ -83,7 +85,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: boo
         raise ValueError("cannot split the model for tensor parallelism: " + "; ".join(problems))
     linear = (nn.Linear,)
     # a full model's ModuleList, or a pipeline stage's ModuleDict (Transformer.pruned)
-    blocks = list(model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers)
+    blocks = blocks_of(model.layers)
     for block in blocks:
         wrapped = [n for n, m in block.named_modules() if n.endswith("_proj") and type(m) not in linear]
         if wrapped:
