@@ -390,10 +390,6 @@ def mesh_problems(cfg: TrainConfig, world_size: Optional[int] = None, torch_free
         if cfg.dropout > 0 and cfg.sequence_parallel:
             out.append(f"--sequence_parallel=true cannot be combined with --dropout={cfg.dropout} yet (each rank's "
                        "positions would need their own random stream)")
-        if cfg.lora_rank > 0:
-            out.append(f"--tensor_parallel_size={tp} cannot be combined with LoRA yet (adapters are not sharded)")
-        if cfg.compile:
-            out.append(f"--tensor_parallel_size={tp} cannot be combined with --compile=true yet")
         if cfg.init_from in ("scratch", "resume"):
             kv = cfg.n_kv_heads or cfg.n_heads
             for name, v in (("n_heads", cfg.n_heads), ("n_kv_heads", kv)):

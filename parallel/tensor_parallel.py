@@ -25,6 +25,7 @@ from typing import Any
 from torch import nn
 
 from model.llama import blocks_of
+from model.lora import LoRALinear
 
 
 def tensor_parallel_problems(model_cfg: Any, tp: int, sequence_parallel: bool = False) -> list[str]:
@@ -83,22 +84,22 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: boo
     problems = tensor_parallel_problems(model.cfg, tp, sequence_parallel)
     if problems:
         raise ValueError("cannot split the model for tensor parallelism: " + "; ".join(problems))
-    linear = (nn.Linear,)
     # a full model's ModuleList, or a pipeline stage's ModuleDict (Transformer.pruned)
     blocks = blocks_of(model.layers)
     for block in blocks:
-        wrapped = [n for n, m in block.named_modules() if n.endswith("_proj") and type(m) not in linear]
+        wrapped = [n for n, m in block.named_modules() if n.endswith("_proj") and type(m) not in (nn.Linear, LoRALinear)]
         if wrapped:
-            raise ValueError(f"tensor parallelism splits plain nn.Linear projections; {wrapped[:3]} are wrapped "
-                             "(LoRA with tensor parallelism is not supported yet)")
+            raise ValueError(f"tensor parallelism splits nn.Linear projections (plain or LoRA); {wrapped[:3]} are "
+                             "wrapped in something else")
     tied = model.cfg.tie_embeddings
     seq = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout between regions
+    colwise, rowwise = _styles()
     for block in blocks:
         plan = {
-            "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
-            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(output_layouts=seq),
-            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel(output_layouts=seq),
+            "self_attn.q_proj": colwise(), "self_attn.k_proj": colwise(),
+            "self_attn.v_proj": colwise(), "self_attn.o_proj": rowwise(output_layouts=seq),
+            "mlp.gate_proj": colwise(), "mlp.up_proj": colwise(),
+            "mlp.down_proj": rowwise(output_layouts=seq),
         }
         if sequence_parallel:
             # one all-gather of the normed input per region, kept a DTensor so that the q/k/v (gate/up)
@@ -126,3 +127,42 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: boo
         return []
     model.register_forward_pre_hook(_sequence_length_check(tp), with_kwargs=True)
     return [n for n, p in model.named_parameters() if "norm" in n.rsplit(".", 2)[-2]]
+
+
+def _styles():
+    """torch's ColwiseParallel / RowwiseParallel, taught LoRA (model/lora.py's LoRALinear, an nn.Linear with
+    two child linears): the adapter is split like its base so that the low-rank path needs no collective
+    of its own. Column-parallel base W [out/T, in]: lora_B [out/T, r] is split on its rows too and
+    lora_A [r, in] is replicated (every rank computes the same x A^T, r columns). Row-parallel base
+    W [out, in/T]: lora_A [r, in/T] is split on its columns (each rank's x A^T is a partial sum, like
+    x W^T) and lora_B [out, r] is replicated; the two partial sums are added before the one all-reduce
+    (or reduce-scatter) of the base layer. Plain nn.Linear layers are split as torch does."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    def place(module: nn.Module, mesh, placements: dict) -> None:
+        for pname, param in list(module.named_parameters(recurse=False)):
+            dist_param = nn.Parameter(distribute_tensor(param, mesh, [placements[pname]]),
+                                      requires_grad=param.requires_grad)
+            module.register_parameter(pname, dist_param)
+
+    def adapter_fn(torch_fn, base: dict, a, b):
+        # distribute_module calls this for the wrapped layer (name "") and then for each submodule by name
+        def partition(self, name: str, module: nn.Module, mesh) -> None:
+            if name == "" and not isinstance(module, LoRALinear):
+                torch_fn(self, name, module, mesh)
+            elif name == "":
+                place(module, mesh, base)  # the frozen base weight only (recurse=False)
+            elif name in ("lora_A", "lora_B"):
+                place(module, mesh, {"weight": a if name == "lora_A" else b})
+        return partition
+
+    class LoRAColwise(ColwiseParallel):
+        _partition_linear_fn = adapter_fn(ColwiseParallel._partition_linear_fn,
+                                          {"weight": Shard(0), "bias": Shard(0)}, Replicate(), Shard(0))
+
+    class LoRARowwise(RowwiseParallel):
+        _partition_linear_fn = adapter_fn(RowwiseParallel._partition_linear_fn,
+                                          {"weight": Shard(1), "bias": Replicate()}, Shard(1), Replicate())
+
+    return LoRAColwise, LoRARowwise

@@ -3,13 +3,13 @@ model/vocab_parallel_loss.py) on CPU + gloo, through the trainer's engine (`buil
 
 Two spawns do the distributed work and write what they measured to JSON; the tests assert on it:
   world 2: tp=2 (plain, tied embeddings, activation checkpointing, sequence parallel with and without
-           tied embeddings), the vocabulary-parallel loss
-           against the full-vocabulary one (every reduction, values and gradients), a DCP save at tp=2,
-           and its resume at tp=1 x dp=2;
+           tied embeddings, sequence parallel with every block compiled, LoRA adapters on every
+           projection), the vocabulary-parallel loss against the full-vocabulary one (every reduction,
+           values and gradients), a DCP save at tp=2, and its resume at tp=1 x dp=2;
   world 4: tp=2 x fsdp=2 (saved, resumed at the same layout), the same with sequence parallelism and
-           activation checkpointing, HSDP 2 x 2, pp=2 x tp=2 (saved, resumed at the same layout and
-           at pp=2 x dp=2), and the tp=2 checkpoint
-           resumed at tp=1 x dp=4 and at tp=2 x dp=2.
+           activation checkpointing, the same with sequence parallelism and LoRA, HSDP 2 x 2, pp=2 x tp=2
+           (saved, resumed at the same layout and at pp=2 x dp=2), and the tp=2 checkpoint resumed at
+           tp=1 x dp=4 and at tp=2 x dp=2.
 Every run trains the same model on the same global batch as a one-process reference (torch AdamW +
 clip_grad_norm_). The tolerance is the reference's own fp32 rounding: the same reference run in fp64
 gives |fp32 - fp64|, and a parallel run may differ from the fp32 reference by 10x that.
@@ -40,16 +40,20 @@ def _cfg(tied: bool = False, ckpt: bool = False, dropout: float = 0.0) -> ModelC
                        resid_dropout=dropout)
 
 
-def _new_model(tied: bool = False, ckpt: bool = False, dropout: float = 0.0) -> Transformer:
+def _new_model(tied: bool = False, ckpt: bool = False, dropout: float = 0.0, lora: bool = False) -> Transformer:
     torch.manual_seed(0)
-    return Transformer(_cfg(tied, ckpt, dropout))
+    model = Transformer(_cfg(tied, ckpt, dropout))
+    if lora:  # rank-2 adapters on every projection (A drawn from the same seed on every rank), the rest frozen
+        from model.lora import apply_lora
+        apply_lora(model, r=2, alpha=4.0, target_modules="all")
+    return model
 
 
 # ------------------------------------------------------------------------------ reference (1 process)
 
-def _reference(steps: int, dtype: torch.dtype, tied: bool = False) -> tuple[dict, list[float]]:
-    model = _new_model(tied).to(dtype)
-    params = list(model.parameters())
+def _reference(steps: int, dtype: torch.dtype, tied: bool = False, lora: bool = False) -> tuple[dict, list[float]]:
+    model = _new_model(tied, lora=lora).to(dtype)
+    params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": OPT["weight_decay"]},
                              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
                             lr=OPT["learning_rate"], betas=(OPT["beta1"], OPT["beta2"]), eps=OPT["eps"],
@@ -73,13 +77,13 @@ def _reference(steps: int, dtype: torch.dtype, tied: bool = False) -> tuple[dict
 # ------------------------------------------------------------------------------ in the workers
 
 def _engine(tp: int = 1, rep: int = 1, tied: bool = False, ckpt: bool = False, sp: bool = False,
-            dtype: str = "fp32", pp: int = 1, dropout: float = 0.0):
+            dtype: str = "fp32", pp: int = 1, dropout: float = 0.0, lora: bool = False, compile: bool = False):
     from parallel.engine import build_engine
     from train_config import TrainConfig
     cfg = dataclasses.replace(TrainConfig(), parallel="fsdp", dtype=dtype, device="cpu",
                               tensor_parallel_size=tp, dp_replicate_size=rep, sequence_parallel=sp,
-                              pipeline_parallel_size=pp, gradient_accumulation_steps=GAS, **OPT)
-    return build_engine(_new_model(tied, ckpt, dropout), cfg, device=torch.device("cpu"))
+                              pipeline_parallel_size=pp, gradient_accumulation_steps=GAS, compile=compile, **OPT)
+    return build_engine(_new_model(tied, ckpt, dropout, lora), cfg, device=torch.device("cpu"))
 
 
 def _loss_fn(model, batch):
@@ -185,6 +189,12 @@ def _world2(rank: int, world: int, out_path: str, root: str) -> None:
     _train(out, "tp2_ckpt", STEPS, tp=2, ckpt=True)
     _train(out, "tp2_sp", STEPS, tp=2, sp=True)
     _train(out, "tp2_sp_tied", STEPS, tp=2, sp=True, tied=True)
+    _train(out, "tp2_sp_compile", STEPS, tp=2, sp=True, compile=True)  # each block torch.compile-d (inductor)
+    engine = _train(out, "tp2_lora", STEPS, tp=2, lora=True)
+    # the tensor dim's placement of each projection's tensors: S(0), S(1) or R
+    out["tp2_lora"]["placements"] = {n: str(p.placements[-1]) for n, p in engine.module.named_parameters()
+                                     if "layers.0." in n and "_proj" in n}
+    del engine
     engine = _train(out, "tp2_dropout", STEPS, tp=2, dropout=0.2)
     # the norms are replicated on the tensor ranks: equal on both only if both drew the same masks
     norms = {n: p.to_local().tolist() for n, p in engine.module.named_parameters() if "norm" in n}
@@ -217,6 +227,7 @@ def _world4(rank: int, world: int, out_path: str, root: str, tp2_ckpt: str) -> N
     del same
     _train(out, "hsdp", STEPS, rep=2)
     _train(out, "tp2_sp_fsdp2", STEPS, tp=2, sp=True, ckpt=True)
+    _train(out, "tp2_sp_fsdp2_lora", STEPS, tp=2, sp=True, lora=True)
     for name, tp in (("tp2_to_dp4", 1), ("tp2_to_tp2_dp2", 2)):
         e = _engine(tp=tp)
         _load(e, tp2_ckpt, 2)
@@ -259,13 +270,13 @@ def results(tmp_path_factory) -> dict:
 def reference() -> dict:
     """fp32 and fp64 references for STEPS and STEPS + 1 steps, and the tolerance between them."""
     out = {}
-    for tied in (False, True):
-        for steps in (STEPS, STEPS + 1):
-            p32, l32 = _reference(steps, torch.float32, tied)
-            p64, l64 = _reference(steps, torch.float64, tied)
+    for tied, lora in ((False, False), (True, False), (False, True)):
+        for steps in (STEPS, STEPS + 1) if not lora else (STEPS,):
+            p32, l32 = _reference(steps, torch.float32, tied, lora)
+            p64, l64 = _reference(steps, torch.float64, tied, lora)
             noise = max(float((p32[n] - p64[n]).abs().max()) for n in p32)
             # the loss: a mean of ~100 fp32 token losses, whose own rounding is ~1e-6 relative at worst
-            out[(tied, steps)] = {"params": p32, "losses": l32, "tol": 10 * noise + 1e-7,
+            out[(tied, steps) if not lora else ("lora", steps)] = {"params": p32, "losses": l32, "tol": 10 * noise + 1e-7,
                                   "loss_tol": 10 * max(abs(a - b) for a, b in zip(l32, l64)) + 1e-6 * max(l32)}
     return out
 
@@ -286,7 +297,9 @@ def test_vocab_parallel_loss_matches_full_vocabulary(results, reduction):
 
 @pytest.mark.parametrize("name,tied", [("tp2", False), ("tp2_tied", True), ("tp2_ckpt", False),
                                        ("tp2_sp", False), ("tp2_sp_tied", True), ("tp2_fsdp2", False),
-                                       ("tp2_sp_fsdp2", False), ("hsdp", False), ("pp2_tp2", False)])
+                                       ("tp2_sp_fsdp2", False), ("hsdp", False), ("pp2_tp2", False),
+                                       ("tp2_lora", "lora"), ("tp2_sp_fsdp2_lora", "lora"),
+                                       ("tp2_sp_compile", False)])
 def test_parallel_layouts_match_one_process(results, reference, name, tied):
     ref = reference[(tied, STEPS)]
     rec = results[name]
@@ -347,3 +360,22 @@ def test_tp_checkpoint_holds_the_full_model(results, reference):
     state = checkpoint_model_state(results["tp2_ckpt_dir"])
     got = {n: t.double().reshape(-1).tolist() for n, t in state.items()}
     assert got == results["tp2"]["params"]
+
+
+def test_lora_adapters_are_split_like_their_base(results, reference):
+    """Column-parallel q/k/v, gate/up: base and lora_B split on the output rows, lora_A whole; row-parallel
+    o/down: base and lora_A split on the input columns, lora_B whole. The frozen base does not move."""
+    got = results["tp2_lora"]["placements"]
+    for proj in ("self_attn.q_proj", "self_attn.v_proj", "mlp.up_proj"):
+        p = f"layers.0.{proj}"
+        assert (got[f"{p}.weight"], got[f"{p}.lora_A.weight"], got[f"{p}.lora_B.weight"]) == \
+            ("S(0)", "R", "S(0)"), proj
+    for proj in ("self_attn.o_proj", "mlp.down_proj"):
+        p = f"layers.0.{proj}"
+        assert (got[f"{p}.weight"], got[f"{p}.lora_A.weight"], got[f"{p}.lora_B.weight"]) == \
+            ("S(1)", "S(1)", "R"), proj
+    base = reference[(False, STEPS)]["params"]  # a full run moves every base weight; LoRA moves none
+    start = {n: p.detach().double() for n, p in _new_model().named_parameters()}
+    frozen = results["tp2_sp_fsdp2_lora"]["params"]
+    assert all(torch.equal(torch.tensor(frozen[n], dtype=torch.float64), start[n].reshape(-1)) for n in start)
+    assert any(not torch.equal(base[n], start[n]) for n in start)

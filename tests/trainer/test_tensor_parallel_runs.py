@@ -48,22 +48,22 @@ def test_layouts_that_cannot_run_exit_2_with_one_line(tiny_pretrain_run_args, tm
     assert "--sequence_parallel=true cannot be combined with --dropout=0.1" in line, line
 
 
-def test_dpo_under_tp2_shards_the_reference_and_follows_one_process(tiny_pretrain_run_args, tiny_pretrain_data,
-                                                                    tmp_path):
-    """DPO with --tensor_parallel_size=2 (policy and frozen reference both split over the tensor ranks,
-    per-token log-probs from the vocabulary-parallel loss) gives one process's losses and rewards to fp32
-    summation noise."""
+def test_dpo_with_lora_under_tp2_shards_reference_and_adapters_and_follows_one_process(pretrained, tiny_pretrain_data,
+                                                                                      tmp_path):
+    """DPO with LoRA adapters on every projection at --tensor_parallel_size=2 (policy, adapters and frozen
+    reference all split over the tensor ranks, per-token log-probs from the vocabulary-parallel loss)
+    gives one process's losses and rewards to fp32 summation noise."""
     from tests.trainer.test_day_to_day import _records, toy_dpo_args
-    base = tmp_path / "base"
-    run_cmd(train_cmd([*tiny_pretrain_run_args, f"--out_dir={base}", "--max_iters=2", "--checkpoint_interval=2"], 1),
-            env=_env())
-    common = toy_dpo_args(tiny_pretrain_data, tmp_path, base, batch_size=4)
+    common = [*toy_dpo_args(tiny_pretrain_data, tmp_path, pretrained["out"], batch_size=4), "--lora_rank=4",
+              "--lora_targets=all", "--learning_rate=3e-2"]
     run_cmd(train_cmd([*common, f"--out_dir={tmp_path / 'one'}"], 1), env=_env())
     log = run_cmd(train_cmd([*common, f"--out_dir={tmp_path / 'tp'}", "--parallel=fsdp", "--tensor_parallel_size=2"],
                             2), env=_env()).stdout
     assert "[dpo] reference model: sharded by FSDP2 and split over 2 tensor-parallel ranks" in log, log[-2000:]
+    assert "[lora] rank 4 on all" in log, log[-2000:]
     one, tp = _records(tmp_path / "one"), _records(tmp_path / "tp")
     assert sorted(one) == sorted(tp) == [1, 2, 3]
+    assert one[3]["chosen_reward"] != 0.0  # the adapters moved the policy away from the reference
     for s in (1, 2, 3):
         for key in ("loss", "chosen_reward", "rejected_reward"):
             a, b = one[s][key], tp[s][key]
