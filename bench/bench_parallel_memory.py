@@ -4,6 +4,7 @@ beside its bytes-per-parameter formula, step times as ratios to our DDP.
 
     .venv/bin/python bench/bench_parallel_memory.py --small   # 35.2M params (dim 384, 6 layers, vocab 32000)
     .venv/bin/python bench/bench_parallel_memory.py           # 271.1M params (dim 1024, 16 layers, vocab 32000)
+    .venv/bin/python bench/bench_parallel_memory.py --activations   # only the activation pass (~1 min, below)
 
 Run time is dominated by CPU contention: --small took 271 s on the shared 2-core box at load ~3
 (8 min at load 8-10), the default 668 s at load 2-8; the default model needs ~13 GiB of RAM at world 2.
@@ -35,6 +36,16 @@ once per round, the order rotated every round, so each engine/ddp ratio compares
 apart on this shared box; printed: median step time, median / min / max over rounds of engine/ddp (a
 step's time is the slowest rank's; one warm-up step each, which is also the fp32 memory walk: second
 memory table, fp32 formulas). Default model: only ddp and fsdp are timed (all six at once would not fit in RAM).
+
+Activations (--activations, nothing else runs): the bytes autograd saves for backward during one forward,
+per token per transformer block, per rank, for tp1 / tp2 / tp2+sp at world 2 and also tp4 / tp4+sp at
+world 4 (--act-worlds), each engine built by parallel.engine.build_engine (FSDP2 + DTensor tensor
+parallelism, fp32). A saved_tensors_hooks sums every saved tensor's storage once (a DTensor counts its
+local shard), attributed by forward hooks to the block running when it was first saved; the forward runs
+at B and 2B sequences and the difference is the per-token part (weights saved by the matmuls cancel).
+Each row is printed beside act_formula (what our block saves, term by term, in h, hk, H, f, t) and
+beside Korthikanti et al. 2022's formula. Model: dim 256, 3 layers, 8 heads over 4 kv heads, vocab
+4096, B 2, S 256 (--act-dim/--act-layers/--act-seq/--act-batch); --verbose lists every saved tensor.
 
 Nothing is asserted. CPU offload on a CPU-only run: the compute device IS the host, so "device" vs
 "host" is decided by the placement policy (every FSDPParam reports offload_to_cpu), not by
@@ -306,6 +317,215 @@ def _worker(rank: int, world: int, port: int, a, plan: dict, path: str) -> None:
     dist.destroy_process_group()
 
 
+# ---------------------------------------------------------------------------- activation pass (--activations)
+# Bytes autograd saves for backward in one forward, per token per transformer block, for tensor
+# parallelism with and without sequence parallelism, beside the formula of OUR block (see act_formula).
+
+ACT_LAYOUTS = {2: [("tp1", 1, False), ("tp2", 2, False), ("tp2+sp", 2, True)],
+               4: [("tp1", 1, False), ("tp2", 2, False), ("tp2+sp", 2, True), ("tp4", 4, False), ("tp4+sp", 4, True)]}
+
+
+def act_model_config(a) -> ModelConfig:
+    # GQA (8 query heads over 4 key/value heads) so that k/v terms differ from q's; hidden_dim 768 (multiple_of 256)
+    return ModelConfig(vocab_size=4096, dim=a.act_dim, n_layers=a.act_layers, n_heads=8, n_kv_heads=4,
+                       max_seq_len=a.act_seq)
+
+
+def act_formula(cfg: ModelConfig, t: int, sp: bool, fused_qkv: bool) -> tuple[float, dict]:
+    """Bytes per token per block that our block saves for backward, fp32, no dropout, SDPA (CPU flash kernel:
+    no [B, heads, S, S] matrix, a logsumexp per head). h = dim, hk = n_kv_heads * head_dim, H = n_heads,
+    f = hidden_dim, t = tensor-parallel size. Returns (total, {term: bytes}).
+      norms      RMSNorm (_RMSNormFn) x 2: input x [h] and 1/rms [1]          -> replicated; / t with sp
+      gathered   input of q/k/v and of gate/up (the normed x) [h] x 2         -> never / t: without sp the
+                 input is replicated, with sp torch's PrepareModuleInput all-gathers it and the matmul
+                 saves the gathered copy (Megatron saves the shard and all-gathers again in backward)
+      attention  q after RoPE [h], k after RoPE [hk], v [hk], SDPA output [h] (= o_proj's input, same
+                 storage), logsumexp [H]                                      -> / t (local heads)
+      mlp        gate [f], up [f] (_SwiGLUFn), silu(gate)*up [f] (down_proj's input) -> / t
+      fused qkv  t = 1 with fused_qkv only: v is a view of the one [h + 2hk] q/k/v output, so saving v
+                 keeps the pre-RoPE q and k alive too: + [h + hk]
+    Korthikanti et al. 2022 (fp16, bytes): sbh(34 + 5as/h), TP sbh(10 + 24/t + 5as/(ht)), TP+SP sbh/t(34 + 5as/h)."""
+    h, H, f = cfg.dim, cfg.n_heads, cfg.hidden_dim
+    hk = cfg.n_kv_heads * cfg.head_dim
+    terms = {"norms": 4 * 2 * (h + 1) / (t if sp else 1), "gathered": 4 * 2 * h,
+             "attention": 4 * (2 * h + 2 * hk + H) / t, "mlp": 4 * 3 * f / t,
+             "fused qkv": 4 * (h + hk) if (t == 1 and fused_qkv) else 0.0}
+    return sum(terms.values()), terms
+
+
+def act_rest_formula(cfg: ModelConfig, t: int, sp: bool) -> float:
+    """Bytes per token saved outside the blocks: the input ids (int64, the embedding's lookup), the final
+    RMSNorm's input and 1/rms (/ t with sp), and the loss: t = 1, the chunked linear+CE computes d hidden
+    in forward and saves it [h]; t > 1, the vocabulary-parallel loss saves the gathered normed hidden [h],
+    the labels (int64) and a logsumexp per token. (Block 0 also holds RoPE's cos/sin, 4 * head_dim.)"""
+    h = cfg.dim
+    return 8 + 4 * (h + 1) / (t if sp else 1) + 4 * h + (8 + 4 if t > 1 else 0)
+
+
+def korthikanti(cfg: ModelConfig, t: int, sp: bool, s: int) -> float:
+    """Korthikanti et al. 2022, bytes per token per layer (fp16, dropout, attention matrix kept; a = heads):
+    34h + 5as, TP 10h + 24h/t + 5as/t, TP+SP (34h + 5as)/t."""
+    h, a = cfg.dim, cfg.n_heads
+    if t == 1 or sp:
+        return (34 * h + 5 * a * s) / t
+    return 10 * h + 24 * h / t + 5 * a * s / t
+
+
+def _plain(t):
+    """The tensor whose storage is held: a DTensor's local shard, an AsyncCollectiveTensor's buffer."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.distributed.tensor import DTensor
+    while True:
+        if isinstance(t, DTensor):
+            t = t._local_tensor
+        elif isinstance(t, AsyncCollectiveTensor):
+            t = t.elem
+        else:
+            return t
+
+
+def saved_bytes_by_region(module, forward) -> tuple[dict, list, torch.Tensor]:
+    """Run `forward()` with a saved_tensors_hooks that sums the bytes of every tensor autograd saves,
+    each storage once (a saved view counts its whole storage, which it keeps alive; identified by its
+    StorageImpl, not by its data pointer: FSDP2 frees a gathered weight's storage with resize_(0) after each
+    block, and the next block's activations are then allocated at that address),
+    attributed to the region running when it was first saved: "pre" (embedding), "L<i>" (block i),
+    "post" (final norm, LM head, loss). Returns ({region: bytes}, [(region, shape, dtype, bytes)], output)."""
+    from model.llama import blocks_of
+    region = ["pre"]
+    handles = []
+    for i, blk in enumerate(blocks_of(module.layers)):
+        handles.append(blk.register_forward_pre_hook(lambda m, args, i=i: region.__setitem__(0, f"L{i}")))
+        handles.append(blk.register_forward_hook(lambda m, args, out: region.__setitem__(0, "post")))
+    seen: dict = {}
+    by_region: dict = {}
+    log: list = []
+
+    def pack(x):
+        p = _plain(x)
+        try:
+            st = p.untyped_storage()
+            key, nb = st._cdata, st.nbytes()
+        except (RuntimeError, NotImplementedError):  # a wrapper subclass without a storage of its own
+            st, key, nb = p, ("id", id(p)), p.numel() * p.element_size()
+        if key not in seen:
+            seen[key] = st  # held until the end, so that no other storage gets its StorageImpl address
+            by_region[region[0]] = by_region.get(region[0], 0) + nb
+            log.append((region[0], tuple(p.shape), str(p.dtype).replace("torch.", ""), nb))
+        return x
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            out = forward()
+    finally:
+        for hd in handles:
+            hd.remove()
+    return by_region, log, out
+
+
+def _act_worker(rank: int, world: int, port: int, a, path: str) -> None:
+    import dataclasses
+
+    from parallel.engine import build_engine
+    from train_config import TrainConfig
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    res = {}
+    for name, tp, sp in ACT_LAYOUTS[world]:
+        torch.manual_seed(0)
+        model = Transformer(act_model_config(a))
+        cfg = dataclasses.replace(TrainConfig(), parallel="fsdp", device="cpu", dtype="fp32", tensor_parallel_size=tp,
+                                  sequence_parallel=sp, max_seq_len=a.act_seq, batch_size=a.act_batch)
+        eng = build_engine(model, cfg, device=torch.device("cpu"))
+        fwd = eng.forward_model
+        fused = model.cfg.fused_qkv and all(blk.self_attn.fused_qkv for blk in eng.module.layers)
+        runs = {}
+        # B and 2B sequences: the difference is what grows with the tokens (activations); what does not
+        # (weights saved by the matmuls: FSDP's gathered parameters, the fused q/k/v and gate/up weight
+        # concatenations, the loss's weight gradient computed in forward) cancels and is reported apart
+        for b in (a.act_batch, 2 * a.act_batch):
+            # the same batch on every rank; labels a tensor of their own, as in training
+            ids = torch.randint(0, 4096, (b, a.act_seq + 1), generator=torch.Generator().manual_seed(b))
+            x, y = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+            eng.optimizer.zero_grad()
+            by_region, log, loss = saved_bytes_by_region(eng.module, lambda: fwd(x, labels=y))
+            eng.optimizer.scale_loss(loss).backward()
+            runs[b] = (by_region, log)
+        eng.optimizer.zero_grad()
+        res[name] = {"tp": tp, "sp": sp, "fused_qkv": fused, "runs": {str(b): r for b, r in runs.items()}}
+        eng = model = fwd = None
+        release()
+    everyone = [None] * world
+    dist.all_gather_object(everyone, res)
+    if rank == 0:
+        with open(path, "w") as f:
+            json.dump(everyone, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_activations(a) -> None:
+    cfg = act_model_config(a)
+    B, S, L = a.act_batch, a.act_seq, cfg.n_layers
+    hk = cfg.n_kv_heads * cfg.head_dim
+    print(f"\nactivation bytes saved for backward, one forward (fp32, no dropout, SDPA): dim h={cfg.dim}, {L} layers, "
+          f"n_heads H={cfg.n_heads}, n_kv_heads {cfg.n_kv_heads} (hk={hk}), head_dim {cfg.head_dim}, hidden_dim "
+          f"f={cfg.hidden_dim}, vocab {cfg.vocab_size}; measured at {B} and {2 * B} sequences of S={S} tokens, "
+          f"per token = (bytes at {2 * B} - bytes at {B}) / ({B} x {S}); engine: parallel.engine.build_engine "
+          f"(FSDP2 + DTensor TP), gloo, 1 thread/rank")
+    tp1_meas = tp1_form = tp1_k22 = 1.0
+    for world in a.act_worlds:
+        tw = time.time()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        path = os.path.join("/tmp", f"bench_parallel_memory_act_{os.getpid()}_{world}.json")
+        mp.start_processes(_act_worker, args=(world, port, a, path), nprocs=world, start_method="spawn")
+        with open(path) as f:
+            ranks = json.load(f)
+        os.remove(path)
+        print(f"\n=== activations, world {world} ({time.time() - tw:.0f} s) ===")
+        print(f"{'layout':8s} {'B/tok/layer':>11s} {'formula':>9s} {'meas/form':>9s} {'vs tp1':>7s} {'formula':>7s} "
+              f"{'K22 fp16':>8s} {'K22':>6s} {'L0-L':>5s} {'rest B/tok':>10s} {'formula':>8s} {'ranks':>5s}")
+        ss = []
+        for name, tp, sp in ACT_LAYOUTS[world]:
+            per_rank = []
+            for r in range(world):
+                m = ranks[r][name]
+                lo, hi = m["runs"][str(B)][0], m["runs"][str(2 * B)][0]
+                act = {k: hi.get(k, 0) - lo.get(k, 0) for k in set(lo) | set(hi)}
+                blocks = [act.get(f"L{i}", 0) / (B * S) for i in range(L)]
+                rest = (act.get("pre", 0) + act.get("post", 0)) / (B * S)
+                per_rank.append((blocks, rest))
+                ss += [(name, r, shape) for _, shape, _, _ in m["runs"][str(B)][1] if len(shape) == 4 and list(shape[-2:]) == [S, S]]
+            blocks, rest = per_rank[0]
+            layer = blocks[-1]  # block 0 also holds RoPE's cos/sin, shared by all blocks (first saved there)
+            form, _ = act_formula(cfg, tp, sp, ranks[0][name]["fused_qkv"])
+            k22 = korthikanti(cfg, tp, sp, S)
+            if name == "tp1":
+                tp1_meas, tp1_form, tp1_k22 = layer, form, k22
+            same = all(p == per_rank[0] for p in per_rank[1:])
+            print(f"{name:8s} {layer:11.1f} {form:9.1f} {layer / form:9.4f} {layer / tp1_meas:7.3f} {form / tp1_form:7.3f} "
+                  f"{k22:8.0f} {k22 / tp1_k22:6.3f} {blocks[0] - layer:5.0f} {rest:10.1f} "
+                  f"{act_rest_formula(cfg, tp, sp):8.1f} {'same' if same else 'DIFF':>5s}")
+        print(f"columns: measured bytes/token/layer on rank 0 (the last block) | our formula (act_formula) | measured / "
+              f"formula | measured vs tp1 | formula vs tp1 | Korthikanti et al. 2022 for these shapes (fp16, dropout, "
+              f"attention matrix, a={cfg.n_heads}, s={S}) and its ratio vs t=1 | block 0 minus the last block (RoPE "
+              f"cos/sin: 4 x head_dim = {4 * cfg.head_dim}) | bytes/token outside the blocks, measured and "
+              f"act_rest_formula | all ranks measured the same")
+        print(f"SDPA on CPU saved a [.., S, S] tensor: {'yes ' + str(ss[:3]) if ss else 'no'} (it saves q, k, v, "
+              f"its output and a logsumexp [B, heads, S]: the CPU flash kernel)")
+        print("formula terms, bytes/token/layer (act_formula):")
+        for name, tp, sp in ACT_LAYOUTS[world]:
+            _, terms = act_formula(cfg, tp, sp, ranks[0][name]["fused_qkv"])
+            print(f"  {name:8s} " + ", ".join(f"{k} {v:.1f}" for k, v in terms.items()))
+        if a.verbose:
+            for name, _, _ in ACT_LAYOUTS[world]:
+                print(f"\n[{name}] rank 0, saved tensors at {B} sequences (region, local shape, dtype, storage bytes):")
+                for reg, shape, dt, nb in ranks[0][name]["runs"][str(B)][1]:
+                    print(f"  {reg:5s} {str(shape):24s} {dt:8s} {nb:10d}")
+
+
 # ---------------------------------------------------------------------------- driver + tables
 
 def mem_available() -> int:
@@ -382,7 +602,20 @@ def main() -> None:
     ap.add_argument("--mem-precision", choices=["bf16", "fp32"], default="bf16")
     ap.add_argument("--verbose", action="store_true", help="print each rank's RSS after each engine")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per engine after 1 warm-up")
+    ap.add_argument("--activations", action="store_true",
+                    help="run only the activation pass: bytes saved for backward per token per layer, tp1 / tp / tp+sp")
+    ap.add_argument("--act-worlds", type=int, nargs="+", default=[2, 4], choices=sorted(ACT_LAYOUTS),
+                    help="worlds of the activation pass (2: tp1 tp2 tp2+sp; 4: also tp4 tp4+sp)")
+    ap.add_argument("--act-dim", type=int, default=256)
+    ap.add_argument("--act-layers", type=int, default=3)
+    ap.add_argument("--act-seq", type=int, default=256)
+    ap.add_argument("--act-batch", type=int, default=2, help="B: measured at B and 2B sequences")
     a = ap.parse_args()
+    if a.activations:
+        t0 = time.time()
+        run_activations(a)
+        print(f"\ntotal {time.time() - t0:.0f} s")
+        return
     if a.seq is None:
         a.seq = 128 if a.small else 64
     if a.time_engines is None:

@@ -97,12 +97,38 @@ def _run_trainer_here(cmd: TrainCommand, env: dict | None) -> subprocess.Complet
     return subprocess.CompletedProcess(list(cmd), code, out.getvalue(), err.getvalue())
 
 
+def _forked_ok(cmd, env: dict | None) -> bool:
+    """A run whose process(es) can be forked from a server that has imported torch and the trainer
+    (tests/forked_ranks.py): no hang to wait out (the monitor tests run those under torchrun) and the
+    same import-time environment."""
+    from tests.forked_ranks import can_fork_with
+    if not isinstance(cmd, TrainCommand):
+        return False
+    return not (env or {}).get("MYLLM_FAULT", "").startswith("hang@") and can_fork_with(env)
+
+
+def run_trainer(cmd: TrainCommand, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """A train_my_ddp.py run (`train_cmd(flags, nproc)`) in real processes, reported as
+    `subprocess.run(cmd, capture_output=True, text=True)` would: each rank is forked from a server that
+    has imported torch and the trainer (tests/forked_ranks.py: the torchrun environment without torchrun,
+    ~7 s of CPU saved per 2-rank run, ~2 s per one-process run); crashes (os._exit, SIGKILL in a save)
+    end that rank's process as they would. A run that hangs on purpose, or one with another import-time
+    environment, runs the real command (torchrun for several ranks)."""
+    if _forked_ok(cmd, env):
+        from tests.forked_ranks import run_ranks
+        return run_ranks(cmd.args, cmd.nproc, env=env, timeout=timeout, cmd=list(cmd))
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
 def run_cmd(args: list[str], cwd: str = ROOT, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run a project command; on failure the assertion shows its output. A one-process trainer run
-    (`train_cmd(flags)`) that needs no real process runs in this process: same flags, environment and
-    thread count, about 4 s of interpreter and import start-up saved per run."""
+    """Run a project command and require exit 0; on failure the assertion shows its output. A one-process
+    trainer run that needs no real process (no fault that ends the process, no torch.compile) runs in this
+    process (same flags, environment and thread count; ~4 s of start-up saved); other trainer runs go
+    through `run_trainer`."""
     if cwd == ROOT and _in_process_ok(args, env):
         proc = _run_trainer_here(args, env)
+    elif cwd == ROOT and isinstance(args, TrainCommand):
+        proc = run_trainer(args, env, timeout)
     else:
         proc = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(args)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"

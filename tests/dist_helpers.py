@@ -29,6 +29,11 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, args: tuple) -> 
 
 
 def spawn(fn: Callable, world_size: int, *args) -> None:
-    """Run fn(rank, world_size, *args) in `world_size` processes with gloo initialised."""
+    """Run fn(rank, world_size, *args) in `world_size` processes with gloo initialised. The processes are
+    forked from the server of tests/forked_ranks.py, which has imported torch and the trainer once per
+    pytest worker (a fresh "spawn" interpreter pays ~2 s of imports per rank); `fn` must be importable
+    (a module-level function), as with spawn."""
+    from tests.forked_ranks import forkserver_context
+    forkserver_context()  # the server's preload list, whoever starts it first
     mp.start_processes(_entry, args=(fn, world_size, free_port(), args), nprocs=world_size,
-                       join=True, start_method="spawn")
+                       join=True, start_method="forkserver")

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from run_weights import load_weights_from
-from tests.conftest import PY, ROOT, run_cmd
+from tests.conftest import PY, ROOT, run_cmd, run_trainer
 from tests.model.test_resize import BASE_VOCAB, prefix_tokenizer, tiny_model, write_corpus
 from tests.trainer.test_end_to_end import _env, final_weights, losses, train_cmd
 from utils.checkpoint import find_latest_valid, read_json
@@ -89,8 +89,8 @@ def test_lora_with_embeddings_on_grown_vocab_resumes_exactly(cpt, lora_run, tmp_
     assert all("lora_" in k for k in w if k not in ("embed_tokens.weight", "lm_head.weight"))
     assert w["embed_tokens.weight"].shape == (NEW_VOCAB, 32)
     crashed, once = tmp_path / "crashed", tmp_path / "fired"
-    proc = subprocess.run(train_cmd([*cpt["args"], *LORA, f"--out_dir={crashed}"]), cwd=ROOT, capture_output=True,
-                          text=True, env=_env(MYLLM_FAULT="crash@5", MYLLM_FAULT_ONCE_FILE=str(once)))
+    proc = run_trainer(train_cmd([*cpt["args"], *LORA, f"--out_dir={crashed}"]),
+                       env=_env(MYLLM_FAULT="crash@5", MYLLM_FAULT_ONCE_FILE=str(once)))
     assert proc.returncode != 0 and once.exists()
     run_cmd(train_cmd([f"--out_dir={crashed}", "--init_from=resume"]), env=_env())
     assert losses(crashed) == losses(ref) and len(losses(ref)) == 6
@@ -159,8 +159,8 @@ def test_a_tokenizer_that_does_not_extend_the_model_is_a_clear_error(cpt, tiny_p
     cases = [([f"--tokenizer_dir={tiny_pretrain_data['tokenizer_dir']}"], "in the tokenizer but"),
              ([f"--init_from={bare}"], "holds no tokenizer files")]
     for i, (flags, msg) in enumerate(cases):
-        proc = subprocess.run(train_cmd([*cpt["args"], *flags, "--max_iters=1", f"--out_dir={tmp_path / str(i)}"]),
-                              cwd=ROOT, capture_output=True, text=True, env=_env())
+        proc = run_trainer(train_cmd([*cpt["args"], *flags, "--max_iters=1", f"--out_dir={tmp_path / str(i)}"]),
+                           env=_env())
         err = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(err) == 1 and msg in err[0], proc.stderr[-2000:]
         assert err[0].startswith("[rank 0] error: --init_from=")

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from tests.conftest import ROOT, run_cmd
+from tests.conftest import ROOT, run_cmd, run_trainer
 from tests.trainer.test_end_to_end import _env, final_weights, losses, train_cmd
 from utils.checkpoint import find_latest_valid, list_checkpoints
 from utils.constants import EXIT_BAD_CHECKPOINT
@@ -29,8 +28,8 @@ def test_resume_restores_the_runs_configuration(tiny_pretrain_run_args, tmp_path
     ref, crashed = tmp_path / "ref", tmp_path / "crashed"
     run_cmd(train_cmd([*args, f"--out_dir={ref}"]), env=_env())
     once = tmp_path / "fired"
-    proc = subprocess.run(train_cmd([*args, f"--out_dir={crashed}"]), cwd=ROOT, capture_output=True, text=True,
-                          env=_env(MYLLM_FAULT="crash@5", MYLLM_FAULT_ONCE_FILE=str(once)))
+    proc = run_trainer(train_cmd([*args, f"--out_dir={crashed}"]),
+                       env=_env(MYLLM_FAULT="crash@5", MYLLM_FAULT_ONCE_FILE=str(once)))
     assert proc.returncode != 0 and once.exists()
     out = run_cmd(train_cmd([f"--out_dir={crashed}", "--init_from=resume", "--log_interval=2"]), env=_env()).stdout
     assert "[resume] configuration from" in out and "log_interval 1 -> 2" in out
@@ -38,8 +37,7 @@ def test_resume_restores_the_runs_configuration(tiny_pretrain_run_args, tmp_path
     a, b = _records(ref), _records(crashed)
     assert [a[s]["lr"] for s in (5, 6)] == [b[s]["lr"] for s in (5, 6)]
     # a change that breaks exactness is refused, naming the flag
-    bad = subprocess.run(train_cmd([f"--out_dir={crashed}", "--init_from=resume", "--max_seq_len=64"]), cwd=ROOT,
-                         capture_output=True, text=True, env=_env())
+    bad = run_trainer(train_cmd([f"--out_dir={crashed}", "--init_from=resume", "--max_seq_len=64"]), env=_env())
     assert bad.returncode == 2 and "--max_seq_len=64" in bad.stderr and "Traceback" not in bad.stderr
 
 
@@ -80,8 +78,8 @@ def test_lora_checkpoints_hold_only_the_adapters_and_resume_exactly(tiny_pretrai
     light = os.path.getsize(os.path.join(find_latest_valid(str(ref)), "model.safetensors"))
     assert light < full / 4, (light, full)
     once = tmp_path / "fired"
-    proc = subprocess.run(train_cmd([*args, f"--out_dir={crashed}"]), cwd=ROOT, capture_output=True, text=True,
-                          env=_env(MYLLM_FAULT="crash@5", MYLLM_FAULT_ONCE_FILE=str(once)))
+    proc = run_trainer(train_cmd([*args, f"--out_dir={crashed}"]),
+                       env=_env(MYLLM_FAULT="crash@5", MYLLM_FAULT_ONCE_FILE=str(once)))
     assert proc.returncode != 0
     run_cmd(train_cmd([f"--out_dir={crashed}", "--init_from=resume"]), env=_env())
     assert losses(crashed) == losses(ref)
@@ -98,8 +96,7 @@ def test_lora_checkpoints_hold_only_the_adapters_and_resume_exactly(tiny_pretrai
         import hashlib
         m["model.safetensors"] = {"bytes": os.path.getsize(st), "sha256": hashlib.sha256(open(st, "rb").read()).hexdigest()}
         open(os.path.join(p, "manifest.json"), "w").write(json.dumps(m))
-    proc = subprocess.run(train_cmd([f"--out_dir={crashed}", "--init_from=resume", "--max_iters=7"]), cwd=ROOT,
-                          capture_output=True, text=True, env=_env())
+    proc = run_trainer(train_cmd([f"--out_dir={crashed}", "--init_from=resume", "--max_iters=7"]), env=_env())
     assert proc.returncode == EXIT_BAD_CHECKPOINT and "fingerprint changed" in proc.stderr, proc.stderr[-2000:]
 
 
@@ -121,8 +118,8 @@ def test_fsdp_trains_like_ddp_and_resumes_exactly(tiny_pretrain_run_args, tmp_pa
     # at 2 processes the crashed run keeps gathered parameters until backward and evaluates when it
     # saves (step 3): the layout that once published a checkpoint written by each rank as a world of one
     variant = ["--reshard_after_forward=false", "--eval_interval=3"] if nproc == 2 else []
-    proc = subprocess.run(train_cmd([*args, f"--out_dir={crashed}", "--parallel=fsdp", *variant], nproc), cwd=ROOT,
-                          capture_output=True, text=True, env=_env(MYLLM_FAULT="crash@5", MYLLM_FAULT_ONCE_FILE=str(once)))
+    proc = run_trainer(train_cmd([*args, f"--out_dir={crashed}", "--parallel=fsdp", *variant], nproc),
+                       env=_env(MYLLM_FAULT="crash@5", MYLLM_FAULT_ONCE_FILE=str(once)))
     assert proc.returncode != 0 and once.exists(), proc.stderr[-2000:]
     run_cmd(train_cmd([f"--out_dir={crashed}", "--init_from=resume"], nproc), env=_env())
     assert losses(crashed) == lf

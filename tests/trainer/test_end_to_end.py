@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from run_weights import load_weights_from
-from tests.conftest import ROOT, run_cmd, train_cmd
+from tests.conftest import ROOT, run_cmd, run_trainer, train_cmd
 from utils.checkpoint import find_latest_valid, load_model_state
 from utils.constants import EXIT_BAD_CONFIG, EXIT_INTERRUPTED, EXIT_NONFINITE_LOSS, IGNORE_INDEX
 from utils.metrics import dedupe_by_step, read_metrics
@@ -65,8 +65,8 @@ def test_resume_is_exact(tiny_pretrain_run_args, tmp_path, nproc, extra):
     ref, crashed = tmp_path / "ref", tmp_path / "crashed"
     run_cmd(train_cmd([*args, f"--out_dir={ref}"], nproc), env=_env())
     once = tmp_path / "fired"
-    proc = subprocess.run(train_cmd([*args, f"--out_dir={crashed}"], nproc), cwd=ROOT, capture_output=True,
-                          text=True, env=_env(MYLLM_FAULT="crash@5", MYLLM_FAULT_ONCE_FILE=str(once)))
+    proc = run_trainer(train_cmd([*args, f"--out_dir={crashed}"], nproc),
+                       env=_env(MYLLM_FAULT="crash@5", MYLLM_FAULT_ONCE_FILE=str(once)))
     assert proc.returncode != 0 and once.exists()
     assert max(losses(crashed)) == 4
     run_cmd(train_cmd([*args, f"--out_dir={crashed}", "--init_from=resume"], nproc), env=_env())
@@ -164,8 +164,8 @@ def test_crash_before_first_checkpoint_restarts_from_the_recorded_start(pretrain
             "--warmup_iters=2", "--seed=3", "--val_ratio=0.1", f"--task_type={task}", f"--data_dir={data}",
             "--max_iters=3", "--batch_size=4", "--learning_rate=3e-3", "--checkpoint_interval=100"]
     out = tmp_path / "run"
-    crashed = subprocess.run(train_cmd([*args, f"--init_from={pretrained['out']}", f"--out_dir={out}"]), cwd=ROOT,
-                             capture_output=True, text=True, env=_env(MYLLM_FAULT="crash@3"))
+    crashed = run_trainer(train_cmd([*args, f"--init_from={pretrained['out']}", f"--out_dir={out}"]),
+                          env=_env(MYLLM_FAULT="crash@3"))
     assert crashed.returncode == 1 and find_latest_valid(str(out)) is None, crashed.stderr[-2000:]
     no_record = tmp_path / "no_record"
     shutil.copytree(out, no_record)
@@ -182,8 +182,7 @@ def test_crash_before_first_checkpoint_restarts_from_the_recorded_start(pretrain
     assert init_info["source"].startswith(str(pretrained["out"]))
     if task == "dpo":
         assert init_info["ref_source"].startswith(str(pretrained["out"]))
-    refused = subprocess.run(train_cmd([*args, "--init_from=resume", f"--out_dir={no_record}"]), cwd=ROOT,
-                             capture_output=True, text=True, env=_env())
+    refused = run_trainer(train_cmd([*args, "--init_from=resume", f"--out_dir={no_record}"]), env=_env())
     assert refused.returncode == EXIT_BAD_CONFIG, refused.stderr[-2000:]
     assert "no record of how the run started" in refused.stderr and "Traceback" not in refused.stderr
 
@@ -197,9 +196,8 @@ def test_resume_fallback_starts_a_run_that_has_no_checkpoint(tiny_pretrain_run_a
                        "--resume_fallback=scratch"]), env=_env())
     record = json.loads((out / "run_start.json").read_text())
     assert (record["init_from"], record["task_type"]) == ("scratch", "pretrain")
-    proc = subprocess.run(train_cmd([*tiny_pretrain_run_args, f"--out_dir={tmp_path / 'bad'}", "--max_iters=1",
-                                     "--init_from=resume", f"--resume_fallback={tmp_path / 'nothing'}"]),
-                          cwd=ROOT, capture_output=True, text=True, env=_env())
+    proc = run_trainer(train_cmd([*tiny_pretrain_run_args, f"--out_dir={tmp_path / 'bad'}", "--max_iters=1",
+                                     "--init_from=resume", f"--resume_fallback={tmp_path / 'nothing'}"]), env=_env())
     assert proc.returncode == EXIT_BAD_CONFIG
     assert f"--resume_fallback={tmp_path / 'nothing'}: no complete checkpoint" in proc.stderr
 
@@ -208,8 +206,8 @@ def test_nonfinite_loss_stops_with_checkpoint_intact(tiny_pretrain_run_args, tmp
     """A NaN loss at step 5 (injected: a huge learning rate need not diverge on every CPU) stops the
     run with exit 4 and one line; the step-3 checkpoint is the newest, intact and finite."""
     out = tmp_path / "nan"
-    proc = subprocess.run(train_cmd([*tiny_pretrain_run_args, f"--out_dir={out}", "--max_iters=8"]),
-                          cwd=ROOT, capture_output=True, text=True, env=_env(MYLLM_FAULT="nan_loss@5"))
+    proc = run_trainer(train_cmd([*tiny_pretrain_run_args, f"--out_dir={out}", "--max_iters=8"]),
+                       env=_env(MYLLM_FAULT="nan_loss@5"))
     assert proc.returncode == EXIT_NONFINITE_LOSS, proc.stderr[-2000:]
     assert "non-finite loss nan at step 5" in proc.stderr and "Traceback" not in proc.stderr
     assert max(losses(out)) == 4  # the NaN step was not logged
@@ -240,8 +238,8 @@ def test_sigterm_saves_and_exits_75(tiny_pretrain_run_args, tmp_path):
 def test_fresh_run_refuses_an_out_dir_with_checkpoints(pretrained):
     """--resume=never: a new run must not write into a run directory (the default, auto, continues it)."""
     before = (pretrained["out"] / "metrics.jsonl").read_text()
-    proc = subprocess.run(train_cmd([*pretrained["args"], f"--out_dir={pretrained['out']}", "--max_iters=2",
-                                     "--resume=never"]), cwd=ROOT, capture_output=True, text=True, env=_env())
+    proc = run_trainer(train_cmd([*pretrained["args"], f"--out_dir={pretrained['out']}", "--max_iters=2",
+                                     "--resume=never"]), env=_env())
     assert proc.returncode == EXIT_BAD_CONFIG and "--resume" in proc.stderr, proc.stderr[-1000:]
     assert (pretrained["out"] / "metrics.jsonl").read_text() == before  # nothing of the old run touched
 
@@ -257,8 +255,7 @@ def test_resuming_a_finished_run_reports_its_final_validation_loss(pretrained, t
 
 def test_bad_configuration_exits_2(tiny_pretrain_run_args, tmp_path):
     for bad in (["--max_iterz=3"], ["--batch_size=two"], ["--task_type=rlhf"], ["--task_type=sft"]):
-        proc = subprocess.run(train_cmd([*tiny_pretrain_run_args, f"--out_dir={tmp_path / 'bad'}", *bad]),
-                              cwd=ROOT, capture_output=True, text=True, env=_env())
+        proc = run_trainer(train_cmd([*tiny_pretrain_run_args, f"--out_dir={tmp_path / 'bad'}", *bad]), env=_env())
         assert proc.returncode == EXIT_BAD_CONFIG, (bad, proc.stderr[-1500:])
 
 
@@ -318,12 +315,10 @@ def test_zero_checkpoint_resumes_at_another_world_size(tiny_pretrain_run_args, t
     base = [*tiny_pretrain_run_args, "--use_distributed_optimizer=true", "--max_iters=6", "--bucket_size=20000"]
     ref, moved = tmp_path / "ref", tmp_path / "moved"
     run_cmd(train_cmd([*base, "--batch_size=2", f"--out_dir={ref}"], nproc=2), env=_env())
-    proc = subprocess.run(train_cmd([*base, "--batch_size=2", f"--out_dir={moved}"], nproc=2), cwd=ROOT,
-                          capture_output=True, text=True,
-                          env=_env(MYLLM_FAULT="crash@5", MYLLM_FAULT_ONCE_FILE=str(tmp_path / "fired")))
+    proc = run_trainer(train_cmd([*base, "--batch_size=2", f"--out_dir={moved}"], nproc=2),
+                       env=_env(MYLLM_FAULT="crash@5", MYLLM_FAULT_ONCE_FILE=str(tmp_path / "fired")))
     assert proc.returncode != 0
-    bad = subprocess.run(train_cmd([*base, "--batch_size=2", f"--out_dir={moved}", "--init_from=resume"]),
-                         cwd=ROOT, capture_output=True, text=True, env=_env())
+    bad = run_trainer(train_cmd([*base, "--batch_size=2", f"--out_dir={moved}", "--init_from=resume"]), env=_env())
     assert bad.returncode == EXIT_BAD_CONFIG and "global batch" in bad.stderr
     run_cmd(train_cmd([*base, "--batch_size=4", f"--out_dir={moved}", "--init_from=resume"]), env=_env())
     a, b = losses(ref), losses(moved)

@@ -12,13 +12,12 @@ real data, in real trainer subprocesses (torch.distributed.run, gloo, CPU):
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from tests.conftest import ROOT, run_cmd
+from tests.conftest import ROOT, run_cmd, run_trainer
 from tests.trainer.test_end_to_end import _env, train_cmd
 from utils.checkpoint import find_latest_valid
 from utils.constants import EXIT_BAD_CONFIG
@@ -106,8 +105,8 @@ def test_crash_and_resume_is_bit_exact(runs, base_args, tmp_path):
     uninterrupted 1F1B run, bit for bit."""
     crashed, once = tmp_path / "crashed", tmp_path / "fired"
     args = [*base_args, f"--out_dir={crashed}", "--pipeline_parallel_size=2", "--pipeline_schedule=1f1b"]
-    proc = subprocess.run(train_cmd(args, nproc=2), cwd=ROOT, capture_output=True, text=True,
-                          env=_env(MYLLM_FAULT="crash@5", MYLLM_FAULT_ONCE_FILE=str(once)))
+    proc = run_trainer(train_cmd(args, nproc=2),
+                       env=_env(MYLLM_FAULT="crash@5", MYLLM_FAULT_ONCE_FILE=str(once)))
     assert proc.returncode != 0 and once.exists()
     assert max(losses(crashed)) == 4
     run_cmd(train_cmd([f"--out_dir={crashed}", "--init_from=resume"], nproc=2), env=_env())
@@ -120,8 +119,8 @@ def test_resume_at_another_pipeline_layout_is_refused(runs, tmp_path):
     import shutil
     moved = tmp_path / "moved"
     shutil.copytree(runs["gpipe"], moved)
-    proc = subprocess.run(train_cmd([f"--out_dir={moved}", "--init_from=resume", "--pipeline_parallel_size=1",
-                                     "--max_iters=8"]), cwd=ROOT, capture_output=True, text=True, env=_env())
+    proc = run_trainer(train_cmd([f"--out_dir={moved}", "--init_from=resume", "--pipeline_parallel_size=1",
+                                     "--max_iters=8"]), env=_env())
     assert proc.returncode == EXIT_BAD_CONFIG, proc.stderr[-2000:]
     assert "--pipeline_parallel_size=1 (the run used 2)" in proc.stderr
 
@@ -206,10 +205,9 @@ def test_bad_combinations_are_named(flags, world, expect):
 
 def test_bad_combination_exits_2_with_one_line(tiny_pretrain_run_args, tmp_path):
     """The trainer: exit 2, one "[rank 0] error: ..." line naming every problem, nothing written."""
-    proc = subprocess.run(train_cmd([*tiny_pretrain_run_args, f"--out_dir={tmp_path / 'bad'}",
+    proc = run_trainer(train_cmd([*tiny_pretrain_run_args, f"--out_dir={tmp_path / 'bad'}",
                                      "--pipeline_parallel_size=2", "--gradient_accumulation_steps=2",
-                                     "--tie_embeddings=true"]),
-                          cwd=ROOT, capture_output=True, text=True, env=_env())
+                                     "--tie_embeddings=true"]), env=_env())
     assert proc.returncode == EXIT_BAD_CONFIG, proc.stderr[-2000:]
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("[rank 0] error: bad configuration:"), proc.stderr[-2000:]

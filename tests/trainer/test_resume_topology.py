@@ -16,7 +16,6 @@ what shows the same samples were read. Steps 5-6 follow A within B's measured dr
 from __future__ import annotations
 
 import json
-import os
 import shutil
 
 import pytest

@@ -3,9 +3,8 @@ torchrun, a resume at another tensor / data-parallel split, and the one-line err
 cannot run. The engine-level numerics (every layout against one process) are tests/parallel/test_tensor_parallel.py's."""
 from __future__ import annotations
 
-import subprocess
 
-from tests.conftest import ROOT, run_cmd
+from tests.conftest import run_cmd, run_trainer
 from tests.trainer.test_end_to_end import _env, losses, train_cmd
 from utils.constants import EXIT_BAD_CONFIG
 
@@ -30,7 +29,7 @@ def test_tp2_trains_like_one_process_and_resumes_at_tp1_dp2(tiny_pretrain_run_ar
 
 
 def _one_line_error(args: list[str]) -> str:
-    proc = subprocess.run(train_cmd(args, 1), cwd=ROOT, capture_output=True, text=True, env=_env())
+    proc = run_trainer(train_cmd(args, 1), env=_env())
     assert proc.returncode == EXIT_BAD_CONFIG, (proc.returncode, proc.stderr[-2000:])
     lines = [ln for ln in proc.stderr.splitlines() if "error" in ln]
     assert len(lines) == 1, proc.stderr[-2000:]

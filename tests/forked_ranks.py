@@ -1,0 +1,138 @@
+"""Multi-process trainer runs for the tests without torchrun's start-up cost: each rank is forked from
+one server process that has already imported torch and the trainer.
+
+Why: a 2-rank `torchrun` run pays for three fresh interpreters importing torch (the launcher and two
+workers, ~2 s of CPU each on the 2-core CI box) before the first step; the suite makes dozens of such
+runs. Here a multiprocessing "forkserver" (started once per pytest worker, with `train_my_ddp` and
+torch preloaded) forks each rank, which gets the environment torchrun would give it (RANK, LOCAL_RANK,
+WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR / MASTER_PORT for `init_process_group("env://")`, OMP_NUM_THREADS=1
+unless set) and calls `train_my_ddp.main(args)` as `python train_my_ddp.py args` would. The ranks are
+real processes with their own process group, so the distributed code under test is unchanged; what is
+not exercised is torchrun itself (its agent, rendezvous, restarts), which the tests that are about
+launching keep using (tests/monitor, tests/parallel/test_*_multinode.py, the SIGKILL tests).
+
+Like torchrun: when one rank exits non-zero the others are terminated; the run's exit code is the first
+failing rank's; stdout / stderr are the ranks' outputs in rank order.
+
+Must never: be used for a run whose point is a process-level fault or launcher behaviour (callers
+check, see tests/conftest.py `_forked_ok`), or change what a rank computes.
+"""
+from __future__ import annotations
+
+import atexit
+import multiprocessing
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+# imported in the server before any fork: what every rank would import first anyway
+_PRELOAD = ["torch", "torch.distributed", "tests.forked_ranks", "train_my_ddp"]
+# read when a module is imported: a run asking for another value than the server was started with
+# cannot use the preloaded modules (model/triton_kernels.py decides interpretation at import)
+IMPORT_TIME_ENV = ("TRITON_INTERPRET",)
+
+_context = None
+_server_env: dict = {}
+
+
+def forkserver_context():
+    global _context
+    if _context is None:
+        _context = multiprocessing.get_context("forkserver")
+        _context.set_forkserver_preload(_PRELOAD)
+        _server_env.update({k: os.environ.get(k) for k in IMPORT_TIME_ENV})
+    return _context
+
+
+def can_fork_with(env: dict | None) -> bool:
+    """False when `env` sets an import-time variable differently from the server's (or from this process
+    before the server exists)."""
+    env = os.environ if env is None else env
+    ref = _server_env if _context is not None else {k: os.environ.get(k) for k in IMPORT_TIME_ENV}
+    return all(env.get(k) == ref.get(k) for k in IMPORT_TIME_ENV)
+
+
+def _rank_main(args: list[str], env: dict, out_path: str, err_path: str) -> None:
+    """In the forked rank: the environment, stdout / stderr on files, then the trainer's main."""
+    for fd, path in ((1, out_path), (2, err_path)):
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(f, fd)
+        os.close(f)
+    os.environ.clear()
+    os.environ.update(env)
+    import torch
+    if "OMP_NUM_THREADS" in env:  # else the interpreter's default, as in a fresh `python train_my_ddp.py`
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    sys.argv = ["train_my_ddp.py", *args]
+    code = 1
+    try:
+        import train_my_ddp
+        code = train_my_ddp.main(args) or 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # what the interpreter would print for an uncaught exception, exit 1
+        import traceback
+        traceback.print_exc()
+        code = 1
+    finally:
+        try:
+            atexit._run_exitfuncs()  # a `python train_my_ddp.py` process runs these; a forked child would not
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+
+
+def run_ranks(args: list[str], nproc: int, env: dict | None = None, timeout: float = 600,
+              cmd: list[str] | None = None) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node=nproc train_my_ddp.py args`, ranks forked (see the module
+    docstring). Raises subprocess.TimeoutExpired (all ranks killed) after `timeout` seconds."""
+    from tests.dist_helpers import free_port
+    ctx = forkserver_context()
+    base = dict(os.environ if env is None else env)
+    if nproc > 1:
+        base.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default for several ranks
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="ranks_") as d:
+        procs, files = [], []
+        for rank in range(nproc):  # one process: `python train_my_ddp.py`, no torchrun variables
+            e = base if nproc == 1 else dict(
+                base, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                GROUP_RANK="0", ROLE_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                TORCHELASTIC_RESTART_COUNT="0")
+            out, err = os.path.join(d, f"{rank}.out"), os.path.join(d, f"{rank}.err")
+            files.append((out, err))
+            p = ctx.Process(target=_rank_main, args=(list(args), e, out, err), daemon=True)
+            p.start()
+            procs.append(p)
+        deadline, failed = time.monotonic() + timeout, None
+        while any(p.exitcode is None for p in procs):
+            for p in procs:
+                p.join(0.05)
+            failed = failed or next((p for p in procs if p.exitcode not in (None, 0)), None)
+            if failed is not None or time.monotonic() > deadline:
+                _stop(procs)
+                break
+        if failed is None and time.monotonic() > deadline:
+            raise subprocess.TimeoutExpired(cmd or args, timeout)
+        code = failed.exitcode if failed is not None else 0  # < 0: killed by that signal, as subprocess says
+        texts = []
+        for out, err in files:
+            texts.append(tuple(open(p, encoding="utf-8", errors="replace").read() if os.path.exists(p) else ""
+                               for p in (out, err)))
+    return subprocess.CompletedProcess(cmd or args, code, "".join(t[0] for t in texts), "".join(t[1] for t in texts))
+
+
+def _stop(procs) -> None:
+    """torchrun's way: SIGTERM to every rank still running, SIGKILL to any left after a grace period."""
+    for p in procs:
+        if p.exitcode is None:
+            p.terminate()
+    end = time.monotonic() + 10
+    for p in procs:
+        p.join(max(0.0, end - time.monotonic()))
+        if p.exitcode is None:
+            p.kill()
+            p.join()
