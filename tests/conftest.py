@@ -24,6 +24,8 @@ import subprocess  # noqa: E402
 
 import pytest  # noqa: E402
 
+from tests.forked_ranks import can_fork_with, run_ranks, run_script  # noqa: E402
+
 PY = sys.executable
 
 
@@ -101,7 +103,6 @@ def _forked_ok(cmd, env: dict | None) -> bool:
     """A run whose process(es) can be forked from a server that has imported torch and the trainer
     (tests/forked_ranks.py): no hang to wait out (the monitor tests run those under torchrun) and the
     same import-time environment."""
-    from tests.forked_ranks import can_fork_with
     if not isinstance(cmd, TrainCommand):
         return False
     return not (env or {}).get("MYLLM_FAULT", "").startswith("hang@") and can_fork_with(env)
@@ -115,22 +116,45 @@ def run_trainer(cmd: TrainCommand, env: dict | None = None, timeout: float = 600
     end that rank's process as they would. A run that hangs on purpose, or one with another import-time
     environment, runs the real command (torchrun for several ranks)."""
     if _forked_ok(cmd, env):
-        from tests.forked_ranks import run_ranks
         return run_ranks(cmd.args, cmd.nproc, env=env, timeout=timeout, cmd=list(cmd))
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _python_script(args) -> bool:
+    """`python <script.py> ...` or `python -m <module> ...` of this project (not torchrun, which starts
+    its own processes, and not `python -c`)."""
+    if len(args) < 2 or args[0] not in (PY, sys.executable):
+        return False
+    if args[1] == "-m":
+        return len(args) > 2 and args[2].split(".")[0] in _PROJECT_PACKAGES
+    return args[1].endswith(".py") and os.path.abspath(os.path.join(ROOT, args[1])).startswith(ROOT + os.sep)
+
+
+_PROJECT_PACKAGES = {name for name in os.listdir(ROOT) if os.path.isfile(os.path.join(ROOT, name, "__init__.py"))}
+
+
+def run_python(args: list[str], cwd: str = ROOT, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)`; for
+    `python <project script> ...` / `python -m <project module> ...` the process is forked from the
+    server that has imported torch and the trainer (tests/forked_ranks.py: ~2 s of imports saved), with
+    the same arguments, environment, working directory, exit code and outputs."""
+    if _python_script(args) and can_fork_with(env):
+        return run_script(args[1:], env=env, cwd=cwd, timeout=timeout, cmd=list(args))
+    return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def run_cmd(args: list[str], cwd: str = ROOT, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
     """Run a project command and require exit 0; on failure the assertion shows its output. A one-process
     trainer run that needs no real process (no fault that ends the process, no torch.compile) runs in this
     process (same flags, environment and thread count; ~4 s of start-up saved); other trainer runs go
-    through `run_trainer`."""
+    through `run_trainer`; `python <project script> ...` / `python -m <project module> ...` runs in a
+    process forked from the preloaded server (tests/forked_ranks.py: ~2 s of imports saved)."""
     if cwd == ROOT and _in_process_ok(args, env):
         proc = _run_trainer_here(args, env)
     elif cwd == ROOT and isinstance(args, TrainCommand):
         proc = run_trainer(args, env, timeout)
     else:
-        proc = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+        proc = run_python(args, cwd=cwd, env=env, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(args)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
 

@@ -1,5 +1,6 @@
-"""Multi-process trainer runs for the tests without torchrun's start-up cost: each rank is forked from
-one server process that has already imported torch and the trainer.
+"""Trainer runs (one or several ranks) and project scripts for the tests without a fresh interpreter's
+start-up cost: each process is forked from one server process that has already imported torch and the
+trainer.
 
 Why: a 2-rank `torchrun` run pays for three fresh interpreters importing torch (the launcher and two
 workers, ~2 s of CPU each on the 2-core CI box) before the first step; the suite makes dozens of such
@@ -10,6 +11,9 @@ unless set) and calls `train_my_ddp.main(args)` as `python train_my_ddp.py args`
 real processes with their own process group, so the distributed code under test is unchanged; what is
 not exercised is torchrun itself (its agent, rendezvous, restarts), which the tests that are about
 launching keep using (tests/monitor, tests/parallel/test_*_multinode.py, the SIGKILL tests).
+
+`run_script(["export_hf.py", ...])` / `run_script(["-m", "tokenizer.train_tokenizer", ...])` runs a
+project script or module as __main__ (runpy) in such a process, as `python ...` would.
 
 Like torchrun: when one rank exits non-zero the others are terminated; the run's exit code is the first
 failing rank's; stdout / stderr are the ranks' outputs in rank order.
@@ -33,6 +37,7 @@ _PRELOAD = ["torch", "torch.distributed", "tests.forked_ranks", "train_my_ddp"]
 # cannot use the preloaded modules (model/triton_kernels.py decides interpretation at import)
 IMPORT_TIME_ENV = ("TRITON_INTERPRET",)
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _context = None
 _server_env: dict = {}
 
@@ -54,57 +59,93 @@ def can_fork_with(env: dict | None) -> bool:
     return all(env.get(k) == ref.get(k) for k in IMPORT_TIME_ENV)
 
 
-def _rank_main(args: list[str], env: dict, out_path: str, err_path: str) -> None:
-    """In the forked rank: the environment, stdout / stderr on files, then the trainer's main."""
+def _child_main(target: tuple, env: dict, cwd: str, out_path: str, err_path: str) -> None:
+    """In the forked process: the environment, working directory, stdout / stderr on files, then
+    `target`: ("trainer", args) calls train_my_ddp.main(args); ("argv", [script.py | -m module, *args])
+    runs that script or module as __main__ (runpy), as `python argv...` would."""
     for fd, path in ((1, out_path), (2, err_path)):
         f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(f, fd)
         os.close(f)
     os.environ.clear()
     os.environ.update(env)
+    os.chdir(cwd)
     import torch
-    if "OMP_NUM_THREADS" in env:  # else the interpreter's default, as in a fresh `python train_my_ddp.py`
+    if "OMP_NUM_THREADS" in env:  # else the interpreter's default, as in a fresh interpreter
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
-    sys.argv = ["train_my_ddp.py", *args]
+    kind, argv = target
     code = 1
     try:
-        import train_my_ddp
-        code = train_my_ddp.main(args) or 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if kind == "trainer":
+            sys.argv = ["train_my_ddp.py", *argv]
+            import train_my_ddp
+            code = train_my_ddp.main(argv) or 0
+        elif argv[0] == "-m":
+            import runpy
+            sys.argv = [argv[1], *argv[2:]]
+            sys.path.insert(0, cwd)
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+            code = 0
+        else:
+            import runpy
+            sys.argv = list(argv)
+            sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+            runpy.run_path(argv[0], run_name="__main__")
+            code = 0
+    except SystemExit as e:  # the interpreter prints a non-integer code and exits 1
+        if isinstance(e.code, int) or e.code is None:
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
     except BaseException:  # what the interpreter would print for an uncaught exception, exit 1
         import traceback
         traceback.print_exc()
         code = 1
     finally:
         try:
-            atexit._run_exitfuncs()  # a `python train_my_ddp.py` process runs these; a forked child would not
+            atexit._run_exitfuncs()  # a fresh interpreter runs these at exit; a forked child would not
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)
 
 
+def run_script(argv: list[str], env: dict | None = None, cwd: str | None = None, timeout: float = 600,
+               cmd: list[str] | None = None) -> subprocess.CompletedProcess:
+    """`python argv...` (a script path or `-m module` and its arguments) in one process forked from the
+    server, reported as subprocess.run(capture_output=True, text=True) would."""
+    return _run_forked([("argv", list(argv))], [dict(os.environ if env is None else env)], cwd or os.getcwd(),
+                       timeout, cmd or argv)
+
+
 def run_ranks(args: list[str], nproc: int, env: dict | None = None, timeout: float = 600,
               cmd: list[str] | None = None) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc_per_node=nproc train_my_ddp.py args`, ranks forked (see the module
-    docstring). Raises subprocess.TimeoutExpired (all ranks killed) after `timeout` seconds."""
+    """`torchrun --standalone --nproc_per_node=nproc train_my_ddp.py args` (nproc > 1) or `python
+    train_my_ddp.py args` (nproc == 1), each rank forked (see the module docstring). Raises
+    subprocess.TimeoutExpired (all ranks killed) after `timeout` seconds."""
     from tests.dist_helpers import free_port
-    ctx = forkserver_context()
     base = dict(os.environ if env is None else env)
+    envs = [base]
     if nproc > 1:
         base.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default for several ranks
-    port = free_port()
-    with tempfile.TemporaryDirectory(prefix="ranks_") as d:
+        port = str(free_port())
+        envs = [dict(base, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                     GROUP_RANK="0", ROLE_RANK=str(r), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                     TORCHELASTIC_RESTART_COUNT="0") for r in range(nproc)]
+    return _run_forked([("trainer", list(args))] * nproc, envs, ROOT, timeout, cmd or args)
+
+
+def _run_forked(targets: list, envs: list, cwd: str, timeout: float, cmd) -> subprocess.CompletedProcess:
+    """Fork one process per target from the server, wait (a failing one stops the rest, as torchrun
+    does), and report their exit code and outputs (in order) as one CompletedProcess."""
+    ctx = forkserver_context()
+    with tempfile.TemporaryDirectory(prefix="forked_") as d:
         procs, files = [], []
-        for rank in range(nproc):  # one process: `python train_my_ddp.py`, no torchrun variables
-            e = base if nproc == 1 else dict(
-                base, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-                GROUP_RANK="0", ROLE_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                TORCHELASTIC_RESTART_COUNT="0")
-            out, err = os.path.join(d, f"{rank}.out"), os.path.join(d, f"{rank}.err")
+        for i, (target, env) in enumerate(zip(targets, envs)):
+            out, err = os.path.join(d, f"{i}.out"), os.path.join(d, f"{i}.err")
             files.append((out, err))
-            p = ctx.Process(target=_rank_main, args=(list(args), e, out, err), daemon=True)
+            p = ctx.Process(target=_child_main, args=(target, env, cwd, out, err))
             p.start()
             procs.append(p)
         deadline, failed = time.monotonic() + timeout, None
@@ -116,13 +157,11 @@ def run_ranks(args: list[str], nproc: int, env: dict | None = None, timeout: flo
                 _stop(procs)
                 break
         if failed is None and time.monotonic() > deadline:
-            raise subprocess.TimeoutExpired(cmd or args, timeout)
+            raise subprocess.TimeoutExpired(cmd, timeout)
         code = failed.exitcode if failed is not None else 0  # < 0: killed by that signal, as subprocess says
-        texts = []
-        for out, err in files:
-            texts.append(tuple(open(p, encoding="utf-8", errors="replace").read() if os.path.exists(p) else ""
-                               for p in (out, err)))
-    return subprocess.CompletedProcess(cmd or args, code, "".join(t[0] for t in texts), "".join(t[1] for t in texts))
+        texts = [tuple(open(p, encoding="utf-8", errors="replace").read() if os.path.exists(p) else ""
+                       for p in pair) for pair in files]
+    return subprocess.CompletedProcess(cmd, code, "".join(t[0] for t in texts), "".join(t[1] for t in texts))
 
 
 def _stop(procs) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import numpy as np
@@ -19,7 +18,7 @@ from data_preprocess.pretokenize_dpo_data import pretokenize_dpo
 from data_preprocess.pretokenize_sft_data import pretokenize_sft
 from data_preprocess.shard_format import DataError
 from dataset.dataset_dpo import DPODataset, build_dpo_splits
-from tests.conftest import ROOT, run_cmd
+from tests.conftest import ROOT, run_cmd, run_python
 from utils.constants import EXIT_BAD_CONFIG, EXIT_BAD_DATA
 from utils.metrics import dedupe_by_step, read_metrics
 
@@ -138,17 +137,14 @@ def test_dpo_bad_records_counted_and_strict(tmp_path, tiny_pretrain_data):
 
     cmd = [PY, "-m", "data_preprocess.pretokenize_dpo_data", f"--data_dir={src}", f"--tokenizer_dir={tok}",
            "--max_seq_len=48", "--num_workers=1"]
-    strict = subprocess.run([*cmd, "--strict", "--num_workers=2", f"--out_dir={tmp_path / 's'}"],
-                            capture_output=True, text=True, cwd=ROOT, env=_env())
+    strict = run_python([*cmd, "--strict", "--num_workers=2", f"--out_dir={tmp_path / 's'}"], cwd=ROOT, env=_env())
     assert strict.returncode == EXIT_BAD_DATA and "p.jsonl:2: malformed JSON" in strict.stderr, strict.stderr
     only_bad = tmp_path / "only_bad.jsonl"
     _jsonl(only_bad, [{"prompt": "x"}, b"nope"])
-    r = subprocess.run([PY, "-m", "data_preprocess.pretokenize_dpo_data", f"--data_dir={only_bad}",
-                        f"--tokenizer_dir={tok}", "--max_seq_len=48", f"--out_dir={tmp_path / 'o'}"],
-                       capture_output=True, text=True, cwd=ROOT, env=_env())
+    r = run_python([PY, "-m", "data_preprocess.pretokenize_dpo_data", f"--data_dir={only_bad}",
+                    f"--tokenizer_dir={tok}", "--max_seq_len=48", f"--out_dir={tmp_path / 'o'}"], cwd=ROOT, env=_env())
     assert r.returncode == EXIT_BAD_DATA and "no usable DPO pair" in r.stderr and "Traceback" not in r.stderr
-    r = subprocess.run([*cmd[:4], f"--tokenizer_dir={tmp_path / 'nope'}", "--max_seq_len=48"],
-                       capture_output=True, text=True, cwd=ROOT, env=_env())
+    r = run_python([*cmd[:4], f"--tokenizer_dir={tmp_path / 'nope'}", "--max_seq_len=48"], cwd=ROOT, env=_env())
     assert r.returncode == EXIT_BAD_CONFIG and "Traceback" not in r.stderr, r.stderr
     # default output folder, named for the input and L, printed; run from another working directory
     r = run_cmd([*cmd[:3], f"--data_dir={src / 'p.jsonl'}", f"--tokenizer_dir={tok}", "--max_seq_len=48"],
@@ -246,6 +242,5 @@ def test_trainer_reads_pretokenized_dpo_like_raw(tiny_pretrain_run_args, tiny_pr
     meta = json.loads((other / "dpo_meta.json").read_text())
     meta["tokenizer_fingerprint"] = "0" * 64
     (other / "dpo_meta.json").write_text(json.dumps(meta))
-    r = subprocess.run([PY, train, *common, f"--data_dir={other}", f"--out_dir={tmp_path / 'refused'}"],
-                       capture_output=True, text=True, cwd=ROOT, env=_env())
+    r = run_python([PY, train, *common, f"--data_dir={other}", f"--out_dir={tmp_path / 'refused'}"], cwd=ROOT, env=_env())
     assert r.returncode == EXIT_BAD_DATA and "tokenized with another tokenizer" in r.stderr, r.stderr[-2000:]

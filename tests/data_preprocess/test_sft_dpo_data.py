@@ -1,7 +1,6 @@
 """SFT/DPO preprocessing and datasets, plus the pretraining CLI, with a real tiny tokenizer."""
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -14,6 +13,7 @@ from dataset.dataset_dpo import DPODataset, build_dpo_splits
 from dataset.dataset_sft import PackedSFTDataset, SFTDataset, build_sft_splits, packed_collate, pad_collate
 from dataset.loader import ResumableLoader
 from tokenizer import encode_chat, encode_texts, load_tokenizer, load_tokenizer_meta
+from tests.conftest import run_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -182,9 +182,9 @@ def test_pretrain_cli_end_to_end_with_real_tokenizer(tmp_path, tok_dir):
     texts = [f"the quick brown fox {i} 你好" for i in range(40)]
     _jsonl(src / "a.jsonl", [{"text": t} for t in texts])
     env = dict(os.environ, PYTHONPATH=ROOT)
-    r = subprocess.run([sys.executable, "-m", "data_preprocess.pretokenize_pretrain_data", f"--data_dir={src}",
-                        f"--tokenizer_dir={tok_dir}", "--num_workers=2", "--shard_size_tokens=200", "--no_progress"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    r = run_python([sys.executable, "-m", "data_preprocess.pretokenize_pretrain_data", f"--data_dir={src}",
+                    f"--tokenizer_dir={tok_dir}", "--num_workers=2", "--shard_size_tokens=200", "--no_progress"],
+                   cwd=ROOT, env=env, timeout=120)
     assert r.returncode == 0, r.stderr
     out = str(src) + "_tokenized"
     shards = list_shards(out)
@@ -196,8 +196,8 @@ def test_pretrain_cli_end_to_end_with_real_tokenizer(tmp_path, tok_dir):
     for ids in encode_texts(load_tokenizer(tok_dir), texts):
         want += [bos] + ids + [eos]
     assert stream == want
-    r = subprocess.run([sys.executable, "-m", "data_preprocess.build_pretrain_sample_index_map", f"--data_dir={out}",
-                        "--max_seq_len=16", "--val_samples=3"], cwd=ROOT, env=env, capture_output=True, text=True)
+    r = run_python([sys.executable, "-m", "data_preprocess.build_pretrain_sample_index_map", f"--data_dir={out}",
+                    "--max_seq_len=16", "--val_samples=3"], cwd=ROOT, env=env)
     assert r.returncode == 0, r.stderr
     from dataset import PretokDatasetWithIndex
     ds = PretokDatasetWithIndex(out, 16, split="val")

@@ -134,8 +134,7 @@ def test_trainer_triton_kernels_follow_reference_run(tmp_path, tiny_pretrain_run
 
 
 def test_trainer_rejects_unknown_kernel_choice(tmp_path, tiny_pretrain_run_args):
-    import subprocess
-    from tests.conftest import PY, ROOT
-    proc = subprocess.run([PY, "train_my_ddp.py", *tiny_pretrain_run_args, f"--out_dir={tmp_path / 'x'}",
-                           "--max_iters=1", "--fused_kernels=fastest"], cwd=ROOT, capture_output=True, text=True)
+    from tests.conftest import PY, ROOT, run_python
+    proc = run_python([PY, "train_my_ddp.py", *tiny_pretrain_run_args, f"--out_dir={tmp_path / 'x'}",
+                       "--max_iters=1", "--fused_kernels=fastest"], cwd=ROOT)
     assert proc.returncode == 2 and "--fused_kernels='fastest'" in proc.stderr + proc.stdout

@@ -2,7 +2,6 @@
 import json
 import os
 import random
-import subprocess
 import sys
 import tracemalloc
 
@@ -10,6 +9,7 @@ import pytest
 
 from tokenizer import corpus as C
 from tokenizer import train_tokenizer
+from tests.conftest import run_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -197,8 +197,7 @@ def test_train_with_sample_and_fields_json_parquet(tmp_path):
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "tokenizer.train_tokenizer", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    return run_python([sys.executable, "-m", "tokenizer.train_tokenizer", *args], cwd=ROOT, timeout=120)
 
 
 def test_cli_help_policy_and_exit_codes(tmp_path):

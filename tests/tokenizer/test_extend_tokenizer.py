@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from tokenizer import encode_chat, encode_texts, train_tokenizer
 from tokenizer.contract import META_FILENAME, fingerprint_dir
 from tokenizer.extend_tokenizer import Corpus, extend_tokenizer, main, tokenizer_fingerprint
+from tests.conftest import run_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BASES = ["llama_sp", "ours_hf_bbpe", "ours_sp_bbpe"]
@@ -382,19 +383,18 @@ def test_help_states_the_policy(capsys):
 
 
 def test_module_runs_as_a_command(bases, zh_corpus, tmp_path):
-    import subprocess
     import sys
 
     out = tmp_path / "ext"
-    proc = subprocess.run([sys.executable, "-m", "tokenizer.extend_tokenizer",
-                           f"--base_tokenizer_dir={bases['llama_sp']}", f"--data_dir={zh_corpus}",
-                           "--num_new_tokens=32", f"--output_dir={out}", "--num_threads=1"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = run_python([sys.executable, "-m", "tokenizer.extend_tokenizer",
+                       f"--base_tokenizer_dir={bases['llama_sp']}", f"--data_dir={zh_corpus}",
+                       "--num_new_tokens=32", f"--output_dir={out}", "--num_threads=1"],
+                      cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "held-out tokens/char: before" in proc.stdout and "32 new tokens (ids 600..631)" in proc.stdout
-    proc = subprocess.run([sys.executable, "-m", "tokenizer.extend_tokenizer",
-                           f"--base_tokenizer_dir={out}", f"--data_dir={zh_corpus}", "--num_new_tokens=8",
-                           f"--out_dir={out}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = run_python([sys.executable, "-m", "tokenizer.extend_tokenizer",
+                       f"--base_tokenizer_dir={out}", f"--data_dir={zh_corpus}", "--num_new_tokens=8",
+                       f"--out_dir={out}"], cwd=ROOT, timeout=300)
     assert proc.returncode == 2 and "is the base tokenizer directory" in proc.stderr
     assert (out / "tokenizer.model").exists()  # the base was not replaced
 

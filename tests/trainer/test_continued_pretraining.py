@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
 from run_weights import load_weights_from
-from tests.conftest import PY, ROOT, run_cmd, run_trainer
+from tests.conftest import PY, ROOT, run_cmd, run_trainer, run_python
 from tests.model.test_resize import BASE_VOCAB, prefix_tokenizer, tiny_model, write_corpus
 from tests.trainer.test_end_to_end import _env, final_weights, losses, train_cmd
 from utils.checkpoint import find_latest_valid, read_json
@@ -184,8 +183,8 @@ def test_export_refuses_a_tokenizer_larger_than_the_model(cpt, tiny_pretrain_run
     """A model exported with a tokenizer whose ids go past its embedding: exit 2, one line."""
     out = tmp_path / "run"
     run_cmd(train_cmd([*tiny_pretrain_run_args, "--max_iters=1", f"--out_dir={out}"]), env=_env())
-    proc = subprocess.run([sys.executable, "export_hf.py", f"--ckpt={out}", f"--output_dir={tmp_path / 'hf'}",
-                           f"--tokenizer_dir={cpt['ext']}"], cwd=ROOT, capture_output=True, text=True)
+    proc = run_python([sys.executable, "export_hf.py", f"--ckpt={out}", f"--output_dir={tmp_path / 'hf'}",
+                       f"--tokenizer_dir={cpt['ext']}"], cwd=ROOT)
     err = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(err) == 1 and f"has {NEW_VOCAB} tokens, more than the model's" in err[0], \
         proc.stderr[-2000:]

@@ -20,7 +20,6 @@ import os
 import pickle
 import random
 import shutil
-import subprocess
 import sys
 
 import pytest
@@ -30,7 +29,7 @@ from safetensors.torch import load_file, save_file
 import export_hf
 import sample
 import train_my_ddp as T
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_python
 from utils import checkpoint as ckpt
 from utils.constants import EXIT_BAD_CHECKPOINT, EXIT_BAD_CONFIG, EXIT_OK
 
@@ -315,12 +314,12 @@ def test_real_processes_print_one_line(runs, tmp_path):
     """The trainer resuming past a random-byte DCP shard, and export_hf.py on a random-byte
     model.safetensors: exit 5, one line on stderr naming the file, no traceback."""
     run, step = _damaged_copy(runs, "fsdp", lambda d: _random_bytes(d / "__0_0.distcp"), True, tmp_path / "a")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "train_my_ddp.py"), "--init_from=resume",
-                           f"--out_dir={run}"], cwd=ROOT, capture_output=True, text=True, env=_env())
+    proc = run_python([sys.executable, os.path.join(ROOT, "train_my_ddp.py"), "--init_from=resume",
+                       f"--out_dir={run}"], cwd=ROOT, env=_env())
     assert_refused(proc.returncode, proc.stderr, "error:", "__0_0.distcp")
     _, step = _damaged_copy(runs, "ddp", lambda d: _random_bytes(d / "model.safetensors"), True, tmp_path / "b")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "export_hf.py"), f"--ckpt={step}",
-                           f"--out_dir={tmp_path / 'hf'}"], cwd=ROOT, capture_output=True, text=True, env=_env())
+    proc = run_python([sys.executable, os.path.join(ROOT, "export_hf.py"), f"--ckpt={step}",
+                       f"--out_dir={tmp_path / 'hf'}"], cwd=ROOT, env=_env())
     assert_refused(proc.returncode, proc.stderr, "export_hf:", "model.safetensors")
     assert not os.path.exists(tmp_path / "hf")
 

@@ -12,14 +12,13 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
 import torch
 
 import train_my_ddp as T
-from tests.conftest import ROOT, run_cmd
+from tests.conftest import ROOT, run_cmd, run_python
 from utils.constants import EXIT_BAD_CHECKPOINT, EXIT_BAD_CONFIG, EXIT_BAD_DATA, NON_RETRYABLE_EXIT_CODES
 
 TRAIN = os.path.join(ROOT, "train_my_ddp.py")
@@ -115,8 +114,8 @@ def test_cli_prints_one_line(tiny_pretrain_run_args, tmp_path):
     """The real process: exit code and a single error line on stderr, no traceback."""
     for extra, code, needle in ((["--log_interval=0"], EXIT_BAD_CONFIG, "--log_interval=0: must be >= 1"),
                                 (["--max_seq_len=16"], EXIT_BAD_DATA, "no index for max_seq_len=16")):
-        proc = subprocess.run([sys.executable, TRAIN, *tiny_pretrain_run_args, f"--out_dir={tmp_path / 'run'}",
-                               "--max_iters=2", *extra], cwd=ROOT, capture_output=True, text=True, env=_env())
+        proc = run_python([sys.executable, TRAIN, *tiny_pretrain_run_args, f"--out_dir={tmp_path / 'run'}",
+                           "--max_iters=2", *extra], cwd=ROOT, env=_env())
         assert proc.returncode == code, proc.stderr[-3000:]
         assert_one_error_line(proc.stderr, needle)
 

@@ -18,7 +18,7 @@ import sys
 import pytest
 
 import monitor_process as mp
-from tests.conftest import ROOT, run_cmd
+from tests.conftest import ROOT, run_cmd, run_python
 from utils.constants import EXIT_LOSS_SPIKE, NON_RETRYABLE_EXIT_CODES
 from utils.spike_guard import SPIKE_FILE, SpikeDetector, format_data_steps, parse_data_steps
 
@@ -162,8 +162,8 @@ def test_bad_guard_flags_are_one_exit_2_error():
 def test_guarded_non_finite_loss_exits_76_not_4(tiny_pretrain_run_args, tmp_path):
     """With the guard on, a NaN loss (during the warm-up too) is a spike: exit 76 and spike.json."""
     out = tmp_path / "nan"
-    proc = subprocess.run([sys.executable, TRAIN, *tiny_pretrain_run_args, *GUARD, f"--out_dir={out}",
-                           "--max_iters=3"], cwd=ROOT, capture_output=True, text=True, env=_env(MYLLM_FAULT="nan_loss@2"))
+    proc = run_python([sys.executable, TRAIN, *tiny_pretrain_run_args, *GUARD, f"--out_dir={out}",
+                       "--max_iters=3"], cwd=ROOT, env=_env(MYLLM_FAULT="nan_loss@2"))
     assert proc.returncode == EXIT_LOSS_SPIKE, proc.stderr[-2000:]
     assert "loss spike at step 2 (data step 2): loss nan is non-finite" in proc.stderr and "Traceback" not in proc.stderr
     with open(out / SPIKE_FILE) as f:
