@@ -9,22 +9,24 @@ from tests.trainer.test_end_to_end import _env, losses, train_cmd
 from utils.constants import EXIT_BAD_CONFIG
 
 
-def test_tp2_trains_like_one_process_and_resumes_at_tp1_dp2(tiny_pretrain_run_args, tmp_path):
+def test_tp2_trains_like_one_process_and_resumes_at_one_process_and_back(tiny_pretrain_run_args, tmp_path):
     """fp32: 2 tensor-parallel ranks (one data-parallel rank reading the whole batch) follow the one-process
-    run step for step (only summation order differs), and its checkpoint resumes at tp=1 x dp=2 (DCP
-    reshards weights and Adam moments): the next steps follow the uninterrupted run."""
-    args = [*tiny_pretrain_run_args, "--max_iters=4", "--gradient_accumulation_steps=2"]
+    run step for step (only summation order differs); their checkpoint resumes in one process (tp=1 x dp=1,
+    DCP reshards weights and Adam moments), and that one's checkpoint resumes at tp=2 again: every step
+    follows the uninterrupted run."""
+    args = [*tiny_pretrain_run_args, "--max_iters=6", "--gradient_accumulation_steps=2", "--checkpoint_interval=2"]
     ref, run = tmp_path / "ref", tmp_path / "tp"
     run_cmd(train_cmd([*args, f"--out_dir={ref}"], 1), env=_env())
     proc = run_cmd(train_cmd([*args, f"--out_dir={run}", "--parallel=fsdp", "--tensor_parallel_size=2",
-                              "--max_iters=2", "--checkpoint_interval=2"], 2), env=_env())
+                              "--max_iters=2"], 2), env=_env())
     assert "tensor parallel 2" in proc.stdout and "world 2 = pipeline 1 x data-parallel 1 x tensor 2" in proc.stdout, \
         proc.stdout[-2000:]
-    run_cmd(train_cmd([f"--out_dir={run}", "--init_from=resume", "--max_iters=4", "--tensor_parallel_size=1",
-                       "--batch_size=2"], 2), env=_env())
+    for nproc, tp, until in ((1, 1, 4), (2, 2, 6)):
+        run_cmd(train_cmd([f"--out_dir={run}", "--init_from=resume", f"--max_iters={until}",
+                           f"--tensor_parallel_size={tp}"], nproc), env=_env())
     a, b = losses(ref), losses(run)
-    assert sorted(b) == [1, 2, 3, 4], b
-    for s in (1, 2, 3, 4):
+    assert sorted(b) == [1, 2, 3, 4, 5, 6], b
+    for s in a:
         assert abs(a[s] - b[s]) <= 1e-4 * abs(a[s]), (s, a[s], b[s])
 
 
