@@ -14,7 +14,9 @@ def test_tp2_trains_like_one_process_and_resumes_at_one_process_and_back(tiny_pr
     run step for step (only summation order differs); their checkpoint resumes in one process (tp=1 x dp=1,
     DCP reshards weights and Adam moments), and that one's checkpoint resumes at tp=2 again: every step
     follows the uninterrupted run."""
-    args = [*tiny_pretrain_run_args, "--max_iters=6", "--gradient_accumulation_steps=2", "--checkpoint_interval=2"]
+    # the schedule spans 6 steps in every part (by default it would end at each part's --max_iters)
+    args = [*tiny_pretrain_run_args, "--max_iters=6", "--lr_decay_iters=6", "--gradient_accumulation_steps=2",
+            "--checkpoint_interval=2"]
     ref, run = tmp_path / "ref", tmp_path / "tp"
     run_cmd(train_cmd([*args, f"--out_dir={ref}"], 1), env=_env())
     proc = run_cmd(train_cmd([*args, f"--out_dir={run}", "--parallel=fsdp", "--tensor_parallel_size=2",
