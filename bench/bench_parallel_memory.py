@@ -272,6 +272,17 @@ def release() -> None:
         pass
 
 
+def _write_all_ranks(res: dict, world: int, rank: int, path: str) -> None:
+    """Every rank's results, gathered to rank 0 and written to `path` as one JSON list; ends the group."""
+    everyone = [None] * world
+    dist.all_gather_object(everyone, res)
+    if rank == 0:
+        with open(path, "w") as f:
+            json.dump(everyone, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def _worker(rank: int, world: int, port: int, a, plan: dict, path: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -308,13 +319,7 @@ def _worker(rank: int, world: int, port: int, a, plan: dict, path: str) -> None:
             print(f"[rank {rank}] timing pass: RSS {rss_gb():.2f} GiB", flush=True)
         del engs
         release()
-    everyone = [None] * world
-    dist.all_gather_object(everyone, res)
-    if rank == 0:
-        with open(path, "w") as f:
-            json.dump(everyone, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    _write_all_ranks(res, world, rank, path)
 
 
 # ---------------------------------------------------------------------------- activation pass (--activations)
@@ -455,13 +460,7 @@ def _act_worker(rank: int, world: int, port: int, a, path: str) -> None:
         res[name] = {"tp": tp, "sp": sp, "fused_qkv": fused, "runs": {str(b): r for b, r in runs.items()}}
         eng = model = fwd = None
         release()
-    everyone = [None] * world
-    dist.all_gather_object(everyone, res)
-    if rank == 0:
-        with open(path, "w") as f:
-            json.dump(everyone, f)
-    dist.barrier()
-    dist.destroy_process_group()
+    _write_all_ranks(res, world, rank, path)
 
 
 def run_activations(a) -> None:

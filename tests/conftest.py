@@ -1,8 +1,9 @@
 """Shared pytest setup: repo root on sys.path, few threads so parallel tests stay fair on 2 cores.
 
 Tests mirror the packages (tests/model/ for model/, tests/trainer/ for train_my_ddp.py and its modules, ...).
-`make test` runs them on every core with pytest-xdist (`-n auto`); each worker then computes on one
-thread, so two workers on two cores do not fight over them."""
+`make test` runs them with pytest-xdist, one worker more than cores (Makefile); each worker then computes
+on one thread, so the workers do not fight over the cores' threads. Trainer runs and project scripts that
+need a real process are forked from one preloaded server per worker (tests/forked_ranks.py)."""
 import os
 import sys
 
