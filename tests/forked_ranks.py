@@ -43,6 +43,7 @@ _server_env: dict = {}
 
 
 def forkserver_context():
+    """The multiprocessing context whose server preloads `_PRELOAD` (started on first use, once per process)."""
     global _context
     if _context is None:
         _context = multiprocessing.get_context("forkserver")
@@ -159,9 +160,15 @@ def _run_forked(targets: list, envs: list, cwd: str, timeout: float, cmd) -> sub
         if failed is None and time.monotonic() > deadline:
             raise subprocess.TimeoutExpired(cmd, timeout)
         code = failed.exitcode if failed is not None else 0  # < 0: killed by that signal, as subprocess says
-        texts = [tuple(open(p, encoding="utf-8", errors="replace").read() if os.path.exists(p) else ""
-                       for p in pair) for pair in files]
+        texts = [(_read(out), _read(err)) for out, err in files]
     return subprocess.CompletedProcess(cmd, code, "".join(t[0] for t in texts), "".join(t[1] for t in texts))
+
+
+def _read(path: str) -> str:
+    if not os.path.exists(path):  # a process killed before it opened its files
+        return ""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return f.read()
 
 
 def _stop(procs) -> None:
