@@ -484,10 +484,11 @@ def build_engine(model: nn.Module, cfg: Any, group: Any = None, device: Optional
     if device is None:
         device = next(model.parameters()).device
     engine = _build_engine(model, cfg, group, torch.device(device))
-    if getattr(cfg, "compile", False) and getattr(cfg, "tensor_parallel_size", 1) > 1:
-        compile_blocks(engine.module)
-    elif getattr(cfg, "compile", False):
-        engine.forward_model = torch.compile(engine.model)
+    if getattr(cfg, "compile", False):
+        if getattr(cfg, "tensor_parallel_size", 1) > 1:
+            compile_blocks(engine.module)  # the forward model stays the module: each block is compiled
+        else:
+            engine.forward_model = torch.compile(engine.model)
     return engine
 
 

@@ -87,7 +87,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: boo
     # a full model's ModuleList, or a pipeline stage's ModuleDict (Transformer.pruned)
     blocks = blocks_of(model.layers)
     for block in blocks:
-        wrapped = [n for n, m in block.named_modules() if n.endswith("_proj") and type(m) not in (nn.Linear, LoRALinear)]
+        wrapped = [n for n, m in block.named_modules()
+                   if n.endswith("_proj") and type(m) not in (nn.Linear, LoRALinear)]
         if wrapped:
             raise ValueError(f"tensor parallelism splits nn.Linear projections (plain or LoRA); {wrapped[:3]} are "
                              "wrapped in something else")
