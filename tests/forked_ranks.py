@@ -31,8 +31,14 @@ import sys
 import tempfile
 import time
 
-# imported in the server before any fork: what every rank would import first anyway
-_PRELOAD = ["torch", "torch.distributed", "tests.forked_ranks", "train_my_ddp"]
+# imported in the server before any fork: what every rank would import first anyway. Beyond the trainer's
+# own imports, what a run imports lazily: torch._dynamo (torch.optim's constructor imports it, ~1.5 s of CPU
+# with sympy), FSDP2 / DTensor / distributed checkpoint, triton (model/ imports its kernels), transformers
+# (HF import / export). A tiny run without these spends ~1.9 s in main(), ~0.2 s with them. A module
+# that is not installed is skipped (multiprocessing ignores ImportError in a preload).
+_PRELOAD = ["torch", "torch.distributed", "tests.forked_ranks", "train_my_ddp", "torch._dynamo",
+            "torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.checkpoint", "triton",
+            "transformers", "safetensors.torch"]
 # read when a module is imported: a run asking for another value than the server was started with
 # cannot use the preloaded modules (model/triton_kernels.py decides interpretation at import)
 IMPORT_TIME_ENV = ("TRITON_INTERPRET",)
