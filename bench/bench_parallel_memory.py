@@ -336,7 +336,7 @@ def act_model_config(a) -> ModelConfig:
                        max_seq_len=a.act_seq)
 
 
-def act_formula(cfg: ModelConfig, t: int, sp: bool, fused_qkv: bool) -> tuple[float, dict]:
+def act_formula(cfg: ModelConfig, t: int, sp: bool) -> tuple[float, dict]:
     """Bytes per token per block that our block saves for backward, fp32, no dropout, SDPA (CPU flash kernel:
     no [B, heads, S, S] matrix, a logsumexp per head). h = dim, hk = n_kv_heads * head_dim, H = n_heads,
     f = hidden_dim, t = tensor-parallel size. Returns (total, {term: bytes}).
@@ -347,14 +347,13 @@ def act_formula(cfg: ModelConfig, t: int, sp: bool, fused_qkv: bool) -> tuple[fl
       attention  q after RoPE [h], k after RoPE [hk], v [hk], SDPA output [h] (= o_proj's input, same
                  storage), logsumexp [H]                                      -> / t (local heads)
       mlp        gate [f], up [f] (_SwiGLUFn), silu(gate)*up [f] (down_proj's input) -> / t
-      fused qkv  t = 1 with fused_qkv only: v is a view of the one [h + 2hk] q/k/v output, so saving v
-                 keeps the pre-RoPE q and k alive too: + [h + hk]
+      (the fused q/k/v matmul at t = 1 adds nothing: v is copied out of its one output, so the pre-RoPE
+                 q and k are not kept behind a view of it; model/llama.py Attention._qkv)
     Korthikanti et al. 2022 (fp16, bytes): sbh(34 + 5as/h), TP sbh(10 + 24/t + 5as/(ht)), TP+SP sbh/t(34 + 5as/h)."""
     h, H, f = cfg.dim, cfg.n_heads, cfg.hidden_dim
     hk = cfg.n_kv_heads * cfg.head_dim
     terms = {"norms": 4 * 2 * (h + 1) / (t if sp else 1), "gathered": 4 * 2 * h,
-             "attention": 4 * (2 * h + 2 * hk + H) / t, "mlp": 4 * 3 * f / t,
-             "fused qkv": 4 * (h + hk) if (t == 1 and fused_qkv) else 0.0}
+             "attention": 4 * (2 * h + 2 * hk + H) / t, "mlp": 4 * 3 * f / t}
     return sum(terms.values()), terms
 
 
@@ -446,8 +445,8 @@ def _act_worker(rank: int, world: int, port: int, a, path: str) -> None:
         fused = model.cfg.fused_qkv and all(blk.self_attn.fused_qkv for blk in eng.module.layers)
         runs = {}
         # B and 2B sequences: the difference is what grows with the tokens (activations); what does not
-        # (weights saved by the matmuls: FSDP's gathered parameters, the fused q/k/v and gate/up weight
-        # concatenations, the loss's weight gradient computed in forward) cancels and is reported apart
+        # (weights saved by the matmuls: FSDP's gathered parameters, the loss's weight gradient computed
+        # in forward) cancels and is reported apart
         for b in (a.act_batch, 2 * a.act_batch):
             # the same batch on every rank; labels a tensor of their own, as in training
             ids = torch.randint(0, 4096, (b, a.act_seq + 1), generator=torch.Generator().manual_seed(b))
@@ -499,7 +498,7 @@ def run_activations(a) -> None:
                 ss += [(name, r, shape) for _, shape, _, _ in m["runs"][str(B)][1] if len(shape) == 4 and list(shape[-2:]) == [S, S]]
             blocks, rest = per_rank[0]
             layer = blocks[-1]  # block 0 also holds RoPE's cos/sin, shared by all blocks (first saved there)
-            form, _ = act_formula(cfg, tp, sp, ranks[0][name]["fused_qkv"])
+            form, _ = act_formula(cfg, tp, sp)
             k22 = korthikanti(cfg, tp, sp, S)
             if name == "tp1":
                 tp1_meas, tp1_form, tp1_k22 = layer, form, k22
@@ -516,7 +515,7 @@ def run_activations(a) -> None:
               f"its output and a logsumexp [B, heads, S]: the CPU flash kernel)")
         print("formula terms, bytes/token/layer (act_formula):")
         for name, tp, sp in ACT_LAYOUTS[world]:
-            _, terms = act_formula(cfg, tp, sp, ranks[0][name]["fused_qkv"])
+            _, terms = act_formula(cfg, tp, sp)
             print(f"  {name:8s} " + ", ".join(f"{k} {v:.1f}" for k, v in terms.items()))
         if a.verbose:
             for name, _, _ in ACT_LAYOUTS[world]:

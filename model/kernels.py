@@ -1,7 +1,8 @@
 """Fused kernels, each behind one switch, each with a pure-PyTorch reference next to it.
 
-Owns: RMSNorm, RoPE, SwiGLU (reference + hand-written autograd versions), the AdamW factory
-(torch fused AdamW / apex FusedAdam when available), flash-attn detection, and the model-compile helper.
+Owns: RMSNorm, RoPE, SwiGLU, the q/k/v (gate/up) one-matmul projection (reference + hand-written
+autograd versions), the AdamW factory (torch fused AdamW / apex FusedAdam when available), flash-attn
+detection, and the model-compile helper.
 On CPU "fused" means a custom autograd.Function that saves less for backward and recomputes the cheap
 parts; the references are what the tests compare against. The cross-entropy kernel lives in
 model/loss.py.
@@ -183,6 +184,55 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, fused: bool = True, backend: st
     if impl == "torch":
         return _SwiGLUFn.apply(gate, up)
     return swiglu_ref(gate, up)
+
+
+# ------------------------------------------------------------------- q/k/v (gate/up) in one matmul
+def concat_linear_ref(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """x @ cat(weights).T in one matmul. Autograd keeps the concatenated copy (the size of the weights)
+    from forward to backward: the reference for `concat_linear`, not what the model runs."""
+    return F.linear(x, torch.cat(weights))
+
+
+class _ConcatLinearFn(torch.autograd.Function):
+    """x @ cat(weights).T in one matmul, saving x and the weights themselves (parameters, alive anyway).
+    The concatenated weight is a temporary in forward and again in backward, never held in between: with
+    plain autograd every block would keep a copy of its q/k/v and gate/up weights (2/3 of its parameters)
+    until backward, and under FSDP an unsharded one. Under autocast the matmuls run in the forward's
+    compute dtype and each gradient is returned in its input's dtype, as autocast's F.linear does."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, w0: torch.Tensor, w1: torch.Tensor,
+                w2: Optional[torch.Tensor] = None) -> torch.Tensor:
+        # fixed arity (two or three weights): Dynamo does not trace a `*weights` forward
+        weights = (w0, w1) if w2 is None else (w0, w1, w2)
+        y = F.linear(x, torch.cat(weights))
+        ctx.save_for_backward(x, *weights)
+        ctx.compute_dtype = y.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        x, *weights = ctx.saved_tensors
+        dt = ctx.compute_dtype
+        g = g.to(dt)
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dx = (g @ torch.cat([w.to(dt) for w in weights])).to(x.dtype)
+        dws = [None] * len(weights)
+        if any(ctx.needs_input_grad[1:]):
+            dw = g.reshape(-1, g.shape[-1]).t() @ x.to(dt).reshape(-1, x.shape[-1])
+            dws = [d.to(w.dtype) if need else None for d, w, need in
+                   zip(dw.split([w.shape[0] for w in weights]), weights, ctx.needs_input_grad[1:])]
+        return (dx, *dws) + (None,) * (3 - len(weights))
+
+
+def concat_linear(x: torch.Tensor, weights: tuple[torch.Tensor, ...], fused: bool = True) -> torch.Tensor:
+    """x @ cat(weights).T: the q/k/v (gate/up) projections as one matmul, parameters kept separate."""
+    if not fused:
+        return concat_linear_ref(x, weights)
+    if len(weights) not in (2, 3):
+        raise ValueError(f"concat_linear takes 2 or 3 weights, got {len(weights)}")
+    return _ConcatLinearFn.apply(x, *weights)
 
 
 # ------------------------------------------------------------------------------ implementation choice

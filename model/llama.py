@@ -20,7 +20,6 @@ from typing import Iterable, Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from model import attention, kernels
@@ -113,10 +112,13 @@ class Attention(nn.Module):
     def _qkv(self, x: torch.Tensor):
         # One matmul instead of three when the projections are plain Linear layers (not LoRA-wrapped).
         # The parameters stay separate (HF names); only the compute is concatenated.
+        # v is copied out of the one output: a view would keep the pre-RoPE q and k alive until backward
+        # (SDPA saves v; RoPE saves only cos/sin), [h + hk] more per token than the copy's [hk].
         if self.fused_qkv and all(type(m) is nn.Linear for m in (self.q_proj, self.k_proj, self.v_proj)):
-            w = torch.cat((self.q_proj.weight, self.k_proj.weight, self.v_proj.weight))
+            qkv = kernels.concat_linear(x, (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight))
             nq, nkv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-            return F.linear(x, w).split((nq, nkv, nkv), dim=-1)
+            q, k, v = qkv.split((nq, nkv, nkv), dim=-1)
+            return q, k, v.contiguous()
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: AttnSpec,
@@ -158,7 +160,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused_qkv and type(self.gate_proj) is nn.Linear and type(self.up_proj) is nn.Linear:
-            gate, up = F.linear(x, torch.cat((self.gate_proj.weight, self.up_proj.weight))).chunk(2, dim=-1)
+            gate, up = kernels.concat_linear(x, (self.gate_proj.weight, self.up_proj.weight)).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.resid_dropout(self.down_proj(kernels.swiglu(gate, up, fused=self.fused_swiglu, backend=self.backend)))
