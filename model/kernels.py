@@ -203,7 +203,8 @@ class _ConcatLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, w0: torch.Tensor, w1: torch.Tensor,
                 w2: Optional[torch.Tensor] = None) -> torch.Tensor:
-        # fixed arity (two or three weights): Dynamo does not trace a `*weights` forward
+        # fixed arity (two or three weights): a `*weights` forward failed to trace inside the model under
+        # Dynamo (torch 2.13: "save_for_backward is not defined on FakeTensor")
         weights = (w0, w1) if w2 is None else (w0, w1, w2)
         y = F.linear(x, torch.cat(weights))
         ctx.save_for_backward(x, *weights)

@@ -35,7 +35,9 @@ import time
 # own imports, what a run imports lazily: torch._dynamo (torch.optim's constructor imports it, ~1.5 s of CPU
 # with sympy), FSDP2 / DTensor / distributed checkpoint, triton (model/ imports its kernels), transformers
 # (HF import / export). A tiny run without these spends ~1.9 s in main(), ~0.2 s with them. A module
-# that is not installed is skipped (multiprocessing ignores ImportError in a preload).
+# that is not installed is skipped (multiprocessing ignores ImportError in a preload). A project module that
+# used one of these without importing it would pass here: the real-process tests (monitor, torchrun, cold
+# compiles, the gpu-report dry run) start fresh interpreters and would not.
 _PRELOAD = ["torch", "torch.distributed", "tests.forked_ranks", "train_my_ddp", "torch._dynamo",
             "torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.checkpoint", "triton",
             "transformers", "safetensors.torch"]
