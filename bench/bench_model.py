@@ -8,6 +8,7 @@ forward + backward + AdamW step. Ratios are printed, never asserted.
     .venv/bin/python bench/bench_model.py                      # everything (~15 min on 2 cores)
     .venv/bin/python bench/bench_model.py --configs tiny --precisions bf16 --modes eager
     .venv/bin/python bench/bench_model.py --only-loss-memory
+    .venv/bin/python bench/bench_model.py --only-saved-bytes    # fused_qkv vs separate q/k/v, gate/up
 """
 from __future__ import annotations
 
@@ -170,6 +171,42 @@ def bench_loss_memory(args) -> dict:
     return {"full_mib": out["full"][0], "chunked_mib": out["chunked"][0], "ratio": ratio}
 
 
+def saved_for_backward_bytes(model, x) -> int:
+    """Bytes autograd saves for backward during one forward (the loss included), each storage once,
+    parameters not counted: what a training step holds between its forward and its backward."""
+    params = {q.untyped_storage().data_ptr() for q in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            saved[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x, labels=x)
+    return sum(saved.values())
+
+
+def bench_saved_bytes(args) -> list[dict]:
+    """fused_qkv (one matmul for q/k/v and one for gate/up, `kernels.concat_linear`) against three
+    separate projections (the reference), same weights and batch, fp32: what each keeps for backward."""
+    rows = []
+    for c in args.configs:
+        cfg = CONFIGS[c]
+        batch = args.batch or cfg["batch"]
+        x = torch.randint(0, cfg["model"]["vocab_size"], (batch, cfg["seq"]), generator=torch.Generator().manual_seed(0))
+        got = {}
+        for fused in (True, False):
+            torch.manual_seed(0)
+            got[fused] = saved_for_backward_bytes(Transformer(ModelConfig(**cfg["model"], fused_qkv=fused)), x)
+        rows.append({"config": c, "fused_mib": got[True] / 2**20, "separate_mib": got[False] / 2**20,
+                     "ratio": got[True] / got[False]})
+        print(f"== saved for backward, {c} ({batch} x {cfg['seq']} tokens, fp32): fused_qkv {got[True] / 2**20:.1f} MiB, "
+              f"separate projections {got[False] / 2**20:.1f} MiB, fused/separate = {got[True] / got[False]:.3f}", flush=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", default="tiny,large", help="comma list of: " + ",".join(CONFIGS))
@@ -182,11 +219,16 @@ def main() -> None:
     p.add_argument("--loss-dim", type=int, default=512)
     p.add_argument("--only-loss-memory", action="store_true")
     p.add_argument("--skip-loss-memory", action="store_true")
+    p.add_argument("--only-saved-bytes", action="store_true",
+                   help="only the bytes saved for backward, fused_qkv vs separate projections (seconds)")
     args = p.parse_args()
     args.configs, args.precisions, args.modes = (s.split(",") for s in (args.configs, args.precisions, args.modes))
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, cpu count {os.cpu_count()}, "
           f"load avg {os.getloadavg()}", flush=True)
+    if args.only_saved_bytes:
+        bench_saved_bytes(args)
+        return
     if not args.skip_loss_memory:
         bench_loss_memory(args)
     if not args.only_loss_memory:
