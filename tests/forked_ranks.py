@@ -157,19 +157,31 @@ def _run_forked(targets: list, envs: list, cwd: str, timeout: float, cmd) -> sub
             p = ctx.Process(target=_child_main, args=(target, env, cwd, out, err))
             p.start()
             procs.append(p)
-        deadline, failed = time.monotonic() + timeout, None
-        while any(p.exitcode is None for p in procs):
-            for p in procs:
-                p.join(0.05)
-            failed = failed or next((p for p in procs if p.exitcode not in (None, 0)), None)
-            if failed is not None or time.monotonic() > deadline:
-                _stop(procs)
-                break
-        if failed is None and time.monotonic() > deadline:
+        failed, timed_out = wait_for(procs, time.monotonic() + timeout)
+        if failed is not None or timed_out:
+            _stop(procs)
+        if timed_out:
             raise subprocess.TimeoutExpired(cmd, timeout)
         code = failed.exitcode if failed is not None else 0  # < 0: killed by that signal, as subprocess says
         texts = [(_read(out), _read(err)) for out, err in files]
     return subprocess.CompletedProcess(cmd, code, "".join(t[0] for t in texts), "".join(t[1] for t in texts))
+
+
+def wait_for(procs, deadline: float, poll: float = 0.05):
+    """Wait until every process has exited, one has failed, or `deadline` (time.monotonic()) passes.
+    Returns (the first process seen failing or None, timed out). Each pass judges failure and completion
+    from one reading of the exit codes: read twice, a rank exiting with 2 between the reads looked
+    finished but not failed, and the run was reported as exit 0 (seen once in a full suite)."""
+    failed = None
+    while True:
+        for p in procs:
+            p.join(poll)
+        codes = [p.exitcode for p in procs]
+        failed = next((p for p, c in zip(procs, codes) if c not in (None, 0)), None)
+        if failed is not None or all(c is not None for c in codes):
+            return failed, False
+        if time.monotonic() > deadline:
+            return None, True
 
 
 def _read(path: str) -> str:
