@@ -227,10 +227,9 @@ class _ConcatLinearFn(torch.autograd.Function):
         return (dx, *dws) + (None,) * (3 - len(weights))
 
 
-def concat_linear(x: torch.Tensor, weights: tuple[torch.Tensor, ...], fused: bool = True) -> torch.Tensor:
-    """x @ cat(weights).T: the q/k/v (gate/up) projections as one matmul, parameters kept separate."""
-    if not fused:
-        return concat_linear_ref(x, weights)
+def concat_linear(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """x @ cat(weights).T: the q/k/v (gate/up) projections as one matmul, parameters kept separate (the
+    model's `fused_qkv=False` runs the separate projections instead, so there is no switch here)."""
     if len(weights) not in (2, 3):
         raise ValueError(f"concat_linear takes 2 or 3 weights, got {len(weights)}")
     return _ConcatLinearFn.apply(x, *weights)

@@ -172,7 +172,6 @@ def wait_for(procs, deadline: float, poll: float = 0.05):
     Returns (the first process seen failing or None, timed out). Each pass judges failure and completion
     from one reading of the exit codes: read twice, a rank exiting with 2 between the reads looked
     finished but not failed, and the run was reported as exit 0 (seen once in a full suite)."""
-    failed = None
     while True:
         for p in procs:
             p.join(poll)
