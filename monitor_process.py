@@ -5,7 +5,7 @@
 What it owns:
 - Starting the training command (an argument list, never a string split on spaces) in its own
   process group, teeing its stdout/stderr to the terminal and to a log file.
-- Deciding what an exit means (utils/constants.py): 0 is done and is NEVER restarted; 2/3/4/5 are
+- Deciding what an exit means (utils/constants.py): 0 is done and is NEVER restarted; 2/3/4/5/6 are
   non-retryable and are reported; 75 means the run was interrupted after saving; 76 is a loss spike
   (--spike_guard, below); anything else, including death by a signal, is a crash that is restarted
   after an exponential backoff, up to --max_restarts, with the original command: the trainer continues
@@ -25,7 +25,8 @@ What it must never do:
 - Restart a run that exited 0 or with a non-retryable code (trap 15), or split the command on
   spaces (trap 16).
 - Import torch or anything of the training stack: it must keep working when those are broken.
-- Write anything in out_dir besides its log and summary; checkpoints belong to the trainer. The one
+- Write anything in out_dir besides its log, summary and run.lock (it holds the run directory's lock for
+  the whole supervision, utils/run_lock.py; its attempts continue under it); checkpoints belong to the trainer. The one
   exception: after a loss spike it MOVES checkpoints it must not resume into checkpoints_after_spike/
   (never deletes them).
 - Signal processes it did not start.
@@ -48,7 +49,9 @@ from typing import BinaryIO, Optional
 # The monitor lives next to utils/, so this import works from any working directory when the
 # script is run by path (sys.path[0] is the script's directory).
 from utils.constants import EXIT_INTERRUPTED, EXIT_LOSS_SPIKE, EXIT_OK, NON_RETRYABLE_EXIT_CODES
+from utils import run_lock
 from utils.publish import atomic_write_text
+from utils.run_lock import TOKEN_ENV
 from utils.spike_guard import AFTER_SPIKE_DIR, SPIKE_FILE, format_data_steps, parse_data_steps, read_spike_record
 
 RESUME_FLAG = "--resume"      # the trainer's: auto (default) | always | never
@@ -348,9 +351,10 @@ def descendant_groups(root_pid: int) -> set[int]:
 class Child:
     """One attempt's process: Popen in a new session, output tee threads, the groups it spawned."""
 
-    def __init__(self, command: list[str], log: BinaryIO, log_lock: threading.Lock) -> None:
+    def __init__(self, command: list[str], log: BinaryIO, log_lock: threading.Lock,
+                 env: Optional[dict] = None) -> None:
         self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     start_new_session=True)
+                                     start_new_session=True, env=env)
         self.pgid = self.proc.pid  # session leader == group leader
         self.groups: set[int] = {self.pgid}
         self.killed_by_monitor = False
@@ -469,8 +473,10 @@ class Summary:
 
 
 class Monitor:
-    def __init__(self, cfg: MonitorConfig, command: list[str]) -> None:
+    def __init__(self, cfg: MonitorConfig, command: list[str], lock_token: Optional[str] = None) -> None:
         self.cfg = cfg
+        # the run directory's lock (utils/run_lock.py) is ours; every attempt continues under it
+        self.child_env = dict(os.environ, **{TOKEN_ENV: lock_token}) if lock_token else None
         self.command = command
         self.summary = Summary(command=command, out_dir=cfg.out_dir)
         self.stop_signal: Optional[int] = None
@@ -526,7 +532,7 @@ class Monitor:
         ckpt_before = newest_checkpoint_step(cfg.out_dir)
         alive_at_start = liveness_mtime(cfg.out_dir)
         self.say(f"attempt {attempt.index}: {subprocess.list2cmdline(attempt.command)}")
-        self.child = child = Child(attempt.command, self.log, self.log_lock)
+        self.child = child = Child(attempt.command, self.log, self.log_lock, env=self.child_env)
         hang_cause = ""
         start = time.time()
         while child.proc.poll() is None:
@@ -664,7 +670,7 @@ class Monitor:
         if a.cause == "non_retryable":
             code = a.root_exit_code if a.root_exit_code is not None else a.exit_code
             return ("non_retryable", f"exit code {code} is not retryable "
-                    "(2 config, 3 data, 4 non-finite loss, 5 checkpoint)", code)
+                    "(2 config, 3 data, 4 non-finite loss, 5 checkpoint, 6 run directory in use)", code)
         if a.cause == "interrupted":
             return ("interrupted", "the training was interrupted by someone else and saved (exit 75); "
                     "not restarting over an operator's decision", EXIT_INTERRUPTED)
@@ -813,7 +819,18 @@ class Monitor:
 
 def main(argv: Optional[list[str]] = None) -> int:
     cfg, command = parse_args(sys.argv[1:] if argv is None else argv)
-    return Monitor(cfg, command).run()
+    lock = None
+    if cfg.out_dir:  # one run per directory: a second supervisor (or a trainer already there) is refused
+        try:
+            lock = run_lock.acquire(cfg.out_dir, command="monitor_process.py -- " + subprocess.list2cmdline(command))
+        except (run_lock.RunDirBusy, run_lock.RunDirUnusable) as e:
+            print(f"monitor_process.py: error: {e}", file=sys.stderr, flush=True)
+            return e.exit_code
+    try:
+        return Monitor(cfg, command, lock_token=lock.token if lock else None).run()
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 if __name__ == "__main__":

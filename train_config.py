@@ -230,13 +230,15 @@ def precheck(argv: list[str], title: str, prog: str) -> None:
     minute on a busy machine): --help (exit 0); a flag, value or config file that does not parse, a value
     validate_config refuses, a --tokenizer_dir without tokenizer_meta.json, --resume=never on an
     --out_dir with checkpoints, --resume=always with nothing to continue, and an --init_from,
-    --resume_fallback or (DPO) --ref_model path that is not there (exit 2). Each is printed as the
+    --resume_fallback or (DPO) --ref_model path that is not there, an --out_dir that cannot be created
+    (exit 2), and an --out_dir another run holds (exit 6, utils/run_lock.py). Each is printed as the
     full path prints that mistake, with its exit code; with several mistakes the full path may name
     another one first. Returns when it finds none: the full path checks the rest (devices, what the
     checkpoints hold, the data, the FSDP / pipeline / LoRA-target options, changes a resume refuses);
     a bad value in a configuration that uses those options is left to it too, so that its one message
     lists every problem.
-    Reads only --out_dir's listing and JSON, and the config files and tokenizer_meta.json named."""
+    Reads only --out_dir's listing and JSON, and the config files and tokenizer_meta.json named; creates
+    --out_dir and probes its lock (run.lock) last, once everything else passed."""
     import sys
 
     from utils.configurator import ConfigError, help_text, parse_config
@@ -284,6 +286,15 @@ def precheck(argv: list[str], title: str, prog: str) -> None:
             fail(error + no_weights_message("--init_from", cfg.init_from))
     if cfg.task_type == "dpo" and cfg.ref_model and not os.path.isdir(cfg.ref_model):
         fail(error + no_weights_message("--ref_model", cfg.ref_model))
+    if int(os.environ.get("RANK", "0")) == 0:  # an --out_dir that cannot be made, or one another run holds
+        from utils import run_lock
+        from utils.errors import exit_code_for
+        try:
+            run_lock.acquire(cfg.out_dir, command=run_lock.command_line(argv)).release()  # main() takes it for good
+        except (run_lock.RunDirBusy, run_lock.RunDirUnusable) as e:
+            code, msg = exit_code_for(e)
+            print(error + msg, file=sys.stderr, flush=True)
+            sys.exit(code)
 
 
 def validated_with_torch(cfg: TrainConfig) -> bool:

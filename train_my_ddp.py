@@ -17,6 +17,7 @@ loss, optimizer step; `Loop.log_step`: metrics, evaluation, samples; `Loop.save`
 
 Exit codes (utils/constants.py): 0 done, 2 bad configuration, 3 bad data (also shards made with
 another tokenizer), 4 non-finite loss, 5 a checkpoint or weights directory that cannot be loaded,
+6 --out_dir is in use by another live run (one run per directory: utils/run_lock.py),
 75 interrupted by SIGTERM/SIGINT after saving a checkpoint, 76 a loss spike stopped the run (--spike_guard:
 the step is in <out_dir>/spike.json; the supervisor rolls back, replays, skips data). 2, 3, 4 and 5 print one line
 "[rank R] error: ..." on stderr and are never retried by monitor_process.py; any other failure is a
@@ -57,6 +58,7 @@ from train_config import (TrainConfig, TrainingError, continues_run, existing_ru
                           nothing_to_continue_error, one_line, resume_flag, validate_config)
 from train_task import build_data, count_tokens, count_units, evaluate, micro_batch_loss
 from utils import checkpoint as ckpt
+from utils import run_lock
 from utils.constants import (EXIT_BAD_CHECKPOINT, EXIT_BAD_CONFIG, EXIT_BAD_DATA, EXIT_INTERRUPTED,
                              EXIT_NONFINITE_LOSS, EXIT_OK)
 from utils.device import HostCopy, low_precision_cpu_warning, memory_stats, parse_dtype, seed_everything, synchronize
@@ -193,9 +195,12 @@ def main(argv: list[str]) -> int:
         print(help_text(TrainConfig(), __doc__.strip().splitlines()[0], prog=PROG))
         return EXIT_OK
     rank = int(os.environ.get("RANK", "0"))
+    held = None  # the run directory's lock (utils/run_lock.py), taken by global rank 0 for the run's life
     try:
         given: set[str] = set()  # the flags this command sets (command line or config file), not defaults
         cfg = parse_config(TrainConfig(), argv, given=given)
+        if rank == 0:  # before anything reads or writes out_dir; torchrun's other ranks are the same run
+            held = run_lock.acquire(cfg.out_dir, command=run_lock.command_line(argv))
         # Decided on every rank before init_distributed: no rank can have written to out_dir yet.
         continues = continues_run(cfg)
         if continues:  # the run's saved configuration, with the command line over it
@@ -205,7 +210,13 @@ def main(argv: list[str]) -> int:
             cfg.resume = asked  # how to start is this command's choice, never the saved run's
     except ConfigError as e:
         print(f"{PROG}: error: {_one_line(e)}", file=sys.stderr)
+        if held is not None:
+            held.release()
         return EXIT_BAD_CONFIG
+    except (run_lock.RunDirBusy, run_lock.RunDirUnusable) as e:
+        code, msg = exit_code_for(e)
+        print(f"[rank {rank}] error: {msg}", file=sys.stderr, flush=True)
+        return code
     try:
         from parallel.engine import needs_process_group
         info = init_distributed(cfg.device, need_group=needs_process_group(cfg))
@@ -219,6 +230,8 @@ def main(argv: list[str]) -> int:
         return code
     finally:
         destroy()
+        if held is not None:
+            held.release()
 
 
 def start_without_checkpoint(cfg: TrainConfig, log) -> tuple[str, str]:

@@ -1,0 +1,156 @@
+"""One run per run directory: an OS lock on `<out_dir>/run.lock`, held for the life of the run.
+
+Owns: the lock that keeps a second trainer (or a second supervisor) out of an `--out_dir` a run is
+using, and the line that refuses it (exit 6, utils/constants.EXIT_RUN_DIR_BUSY). Two trainers on one
+directory otherwise "resume" each other's run_start.json, interleave metrics rows and overwrite each
+other's checkpoints.
+
+How it holds:
+- `flock(LOCK_EX | LOCK_NB)` on `run.lock`, kept open until the process ends or `release()`. The kernel
+  drops the lock when the holder dies, SIGKILL included, so a crashed run never leaves a stale lock;
+  the file itself stays (it only says who held it last) and is never the evidence of a holder.
+- The holder writes `{"pid", "host", "since", "token", "command"}` into the file; the refusal names them.
+- Who counts as the same run: the supervisor (monitor_process.py) takes the lock and passes its random
+  token to every attempt in the environment (`LLM_RUN_LOCK_TOKEN`); a trainer that finds the lock
+  held by the holder of that token continues under it (the supervisor's restarts). Under torchrun only
+  global rank 0 takes the lock: the other ranks are the same run by construction (torchrun ends them
+  when rank 0 exits).
+- Filesystems: flock is local to a host on most network filesystems unless they forward it (NFSv4 and
+  Lustre with `flock` mounts do); two hosts writing one directory over a filesystem that does not
+  forward locks are not detected.
+
+Must never: import torch or anything above utils/ (the supervisor and the trainer's pre-check use it),
+delete or rewrite any file but run.lock, or wait for a lock (a busy directory is refused at once).
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import secrets
+import socket
+import sys
+import time
+from typing import Optional
+
+from utils.constants import EXIT_RUN_DIR_BUSY
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows: no flock; the run goes unlocked and says so
+    fcntl = None  # type: ignore[assignment]
+
+LOCK_NAME = "run.lock"
+TOKEN_ENV = "LLM_RUN_LOCK_TOKEN"   # the supervisor's token, inherited by its attempts (and torchrun's ranks)
+
+
+class RunDirBusy(Exception):
+    """`--out_dir` is held by another live run: refused with one line (exit 6, never retried)."""
+    exit_code = EXIT_RUN_DIR_BUSY
+    exit_prefix = ""
+
+
+class RunDirUnusable(Exception):
+    """`--out_dir` cannot be created or written (a file, a read-only filesystem, /proc): a flag error."""
+    exit_code = 2
+    exit_prefix = "bad configuration: "
+
+
+class RunLock:
+    """The held lock of one run directory; `release()` (or the process ending) drops it."""
+
+    def __init__(self, path: str, fd: Optional[int], token: str, inherited: bool = False) -> None:
+        self.path, self.fd, self.token, self.inherited = path, fd, token, inherited
+
+    def release(self) -> None:
+        if self.fd is not None:
+            try:
+                os.close(self.fd)  # closing the only descriptor drops the flock
+            finally:
+                self.fd = None
+
+    def __enter__(self) -> "RunLock":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def lock_path(out_dir: str) -> str:
+    return os.path.join(out_dir, LOCK_NAME)
+
+
+def _read_holder(path: str) -> dict:
+    """What the holder wrote (it writes right after it locks: read twice before giving up)."""
+    for attempt in range(3):
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                data = json.loads(f.read() or "null")
+            if isinstance(data, dict):
+                return data
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.05 * (attempt + 1))
+    return {}
+
+
+def _describe(holder: dict) -> str:
+    pid, host = holder.get("pid", "?"), holder.get("host", "?")
+    since = holder.get("since")
+    when = time.strftime(" since %Y-%m-%d %H:%M:%S", time.localtime(since)) if isinstance(since, (int, float)) else ""
+    what = holder.get("command")
+    return f"pid {pid} on {host}{when}" + (f" ({what})" if what else "")
+
+
+def make_run_dir(out_dir: str, flag: str = "--out_dir") -> None:
+    """Create `out_dir` (and parents), or refuse it as a flag error naming why."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise RunDirUnusable(f"{flag}={out_dir}: exists and is not a directory")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as e:
+        raise RunDirUnusable(f"{flag}={out_dir}: cannot create the run directory ({e.strerror or e})") from e
+
+
+def acquire(out_dir: str, *, command: str = "", flag: str = "--out_dir") -> RunLock:
+    """Lock `out_dir` for this run, or raise RunDirBusy naming the holder (RunDirUnusable when the
+    directory cannot be created or the lock file written). A lock held by the supervisor whose token
+    this process inherited counts as ours: the RunLock returned then holds nothing (`inherited`)."""
+    make_run_dir(out_dir, flag)
+    path = lock_path(out_dir)
+    if os.path.islink(path) or (os.path.exists(path) and not os.path.isfile(path)):
+        raise RunDirUnusable(f"{flag}={out_dir}: {LOCK_NAME} is not a regular file; remove it")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+    except OSError as e:
+        raise RunDirUnusable(f"{flag}={out_dir}: cannot write {LOCK_NAME} there ({e.strerror or e})") from e
+    if fcntl is None:  # pragma: no cover
+        return RunLock(path, fd, token="")
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise RunDirUnusable(f"{flag}={out_dir}: cannot lock {LOCK_NAME} ({e.strerror or e})") from e
+        holder = _read_holder(path)
+        mine = os.environ.get(TOKEN_ENV)
+        if mine and holder.get("token") == mine:
+            return RunLock(path, None, token=mine, inherited=True)
+        raise RunDirBusy(f"{flag}={out_dir} is in use by another run: {_describe(holder)} holds {path}; "
+                         "wait for it to end or stop it, or use another --out_dir") from None
+    token = secrets.token_hex(16)
+    record = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(), "token": token,
+              "command": command[:300]}
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+        os.fsync(fd)
+    except OSError as e:
+        os.close(fd)
+        raise RunDirUnusable(f"{flag}={out_dir}: cannot write {LOCK_NAME} there ({e.strerror or e})") from e
+    return RunLock(path, fd, token=token)
+
+
+def command_line(argv: Optional[list[str]] = None) -> str:
+    """This process's command, for the lock record (what another user sees in the refusal)."""
+    return " ".join([os.path.basename(sys.argv[0] or "python")] + list(sys.argv[1:] if argv is None else argv))
