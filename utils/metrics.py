@@ -108,28 +108,42 @@ class WandbSink:
         self.run.finish()
 
 
+def _decoded(raw: bytes) -> Optional[str]:
+    """A line of a .jsonl file as text, None when it is not valid UTF-8 (a write cut inside a character)."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+
+
 def truncate_metrics_after(path: str, step: int, log: Any = print) -> int:
     """Keep the rows of metrics.jsonl up to `step` (where a resumed run continues) and move the rows
     after it, written by the attempt that crashed and now to be re-done, to
     `metrics.jsonl.after_step<step>.<time>.old` beside it: the file then holds each step once.
-    A torn last line goes with them. Returns the number of rows moved aside."""
+    A torn last line goes with them, also one cut inside a multi-byte UTF-8 character (kept byte for
+    byte). Returns the number of rows moved aside."""
     if not os.path.isfile(path):
         return 0
-    keep, aside = [], []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if not line.strip():
+    keep: list[str] = []
+    aside: list[bytes] = []
+    with open(path, "rb") as f:  # bytes: a crash can cut a multi-byte UTF-8 character (ensure_ascii=False)
+        for raw in f:
+            if not raw.strip():
                 continue
+            text = _decoded(raw)
             try:
-                rec = json.loads(line)
-                later = isinstance(rec, dict) and int(rec.get("step", 0)) > step
+                rec = json.loads(text) if text is not None else None
+                later = text is None or (isinstance(rec, dict) and int(rec.get("step", 0)) > step)
             except (json.JSONDecodeError, TypeError, ValueError):
                 later = True  # torn or foreign: not a row of the resumed run
-            (aside if later else keep).append(line if line.endswith("\n") else line + "\n")
+            if later:  # set aside byte for byte, torn characters included
+                aside.append(raw if raw.endswith(b"\n") else raw + b"\n")
+            else:
+                keep.append(text if text.endswith("\n") else text + "\n")
     if not aside:
         return 0
     old = f"{path}.after_step{step}.{int(time.time())}.old"
-    with open(old, "w", encoding="utf-8") as f:
+    with open(old, "wb") as f:
         f.writelines(aside)
     atomic_write_text(path, "".join(keep))
     log(f"[metrics] resumed at step {step}: {len(aside)} row(s) of the interrupted attempt moved to {old}")
@@ -218,11 +232,11 @@ class MetricsLogger:
 def read_metrics(path: str) -> list[dict[str, Any]]:
     """All records of a metrics.jsonl; a torn last line (crash mid-write) is ignored."""
     out = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
+    with open(path, "rb") as f:
+        for raw in f:
+            line = _decoded(raw)
+            if line is None or not line.strip():
+                continue  # a torn UTF-8 character: a crashed write, like a torn JSON line
             try:
                 out.append(json.loads(line))
             except json.JSONDecodeError:

@@ -143,3 +143,24 @@ def test_resume_keeps_each_step_once_and_the_crashed_rows_aside(tmp_path):
     # nothing after the resumed step: the file is left as it is, nothing set aside
     MetricsLogger(str(tmp_path), resume_step=4, log=said.append).close()
     assert len([p for p in tmp_path.iterdir() if p.name.startswith("metrics.jsonl.after")]) == 1
+
+
+@pytest.mark.parametrize("name", ["metrics.jsonl", "samples.jsonl"])
+def test_torn_utf8_last_line_is_set_aside_not_a_decode_error(tmp_path, name):
+    """A crash mid-write can cut a multi-byte UTF-8 character (samples are written with ensure_ascii=False):
+    the resume sets the torn line aside with the other rows of the crashed attempt, byte for byte, and
+    read_metrics skips it, instead of UnicodeDecodeError on every resume."""
+    from utils.metrics import MetricsLogger, read_metrics
+    path = tmp_path / name
+    rows = [json.dumps({"step": s, "loss": 1.0, "prompt": "病人", "completion": "发热"}, ensure_ascii=False) + "\n"
+            for s in (1, 2)]
+    torn = json.dumps({"step": 3, "completion": "咳嗽"}, ensure_ascii=False).encode("utf-8")
+    torn = torn[:torn.index("嗽".encode("utf-8")) + 1]  # one byte of a three-byte character
+    path.write_bytes("".join(rows).encode("utf-8") + torn)
+    assert [r["step"] for r in read_metrics(str(path))] == [1, 2]
+    said = []
+    MetricsLogger(str(tmp_path), resume_step=2, log=said.append).close()
+    assert path.read_text(encoding="utf-8") == "".join(rows)
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith(f"{name}.after_step2.")]
+    assert len(aside) == 1 and aside[0].read_bytes() == torn + b"\n"
+    assert any("1 row(s)" in s for s in said)
