@@ -30,6 +30,7 @@ with a hard failure (optional packages are detected once and logged once).
 """
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from typing import Iterable, Optional
@@ -347,21 +348,28 @@ _FLASH = None
 _FLASH_CHECKED = False
 
 
-def flash_attn_functions(device: torch.device) -> Optional[tuple]:
-    """(flash_attn_func, flash_attn_varlen_func) when flash-attn is installed and device is an
-    accelerator, else None. Detected once and logged once."""
+def detect_flash_attn() -> Optional[tuple]:
+    """(flash_attn_func, flash_attn_varlen_func) when flash-attn is installed and imports, else None.
+    Imports it once and logs the result once. Called by Transformer.__init__ (and the trainer's start),
+    so the import never runs inside a compiled forward: there it was a graph break on a cold process."""
     global _FLASH, _FLASH_CHECKED
-    if not is_accelerator(device):
-        return None
     if not _FLASH_CHECKED:
         _FLASH_CHECKED = True
-        mod = optional_import("flash_attn")
+        mod = optional_import("flash_attn") if importlib.util.find_spec("flash_attn") is not None else None
         if mod is not None and hasattr(mod, "flash_attn_func"):
             _FLASH = (mod.flash_attn_func, getattr(mod, "flash_attn_varlen_func", None))
-            log.info("flash-attn %s detected: used for attention", getattr(mod, "__version__", "?"))
+            log.info("flash-attn %s detected: used for attention on accelerators", getattr(mod, "__version__", "?"))
         else:
             log.info("flash-attn not installed: attention uses F.scaled_dot_product_attention")
     return _FLASH
+
+
+def flash_attn_functions(device: torch.device) -> Optional[tuple]:
+    """detect_flash_attn()'s functions when `device` is an accelerator, else None. Pure after the first
+    detection (no import, no logging): safe inside a traced forward."""
+    if not is_accelerator(device):
+        return None
+    return _FLASH if _FLASH_CHECKED else detect_flash_attn()
 
 
 # ------------------------------------------------------------------------------------------ AdamW

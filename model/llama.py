@@ -208,6 +208,8 @@ class Transformer(nn.Module):
         # attention backend: "auto" (model/attention.py picks per batch), or "sdpa" | "flex" | "flash" to
         # force one (tests, benchmarks). A plain attribute: never in the config or a checkpoint.
         self.attn_backend = "auto"
+        if cfg.flash_attn:  # imported here, never inside a (compiled) forward
+            kernels.detect_flash_attn()
         self.apply(self._init_weights)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight

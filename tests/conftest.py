@@ -225,3 +225,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_runtest_logreport(report):
+    """With MYLLM_FAILURES_NOW=1 (the GPU report's tests stage, `make test-gpu`) a failure's reason is
+    printed the moment the test fails, not only in the summary: a stage that runs out of time must not
+    lose why its tests failed (the last H100 run lost four)."""
+    if report.failed and os.environ.get("MYLLM_FAILURES_NOW") == "1":
+        text = report.longreprtext or ""
+        sys.stderr.write(f"\n[failed now] {report.nodeid} ({report.when}):\n{text[-3000:]}\n")
+        sys.stderr.flush()

@@ -62,10 +62,26 @@ def forkserver_context():
 
 def can_fork_with(env: dict | None) -> bool:
     """False when `env` sets an import-time variable differently from the server's (or from this process
-    before the server exists)."""
+    before the server exists), and always on a machine with CUDA: a process forked from one that has
+    touched CUDA (the server's imports query the device) cannot use it, so every run there starts a fresh
+    interpreter (DESIGN.md trap 17: the four CUDA trainer tests failed through this server on an H100)."""
+    if cuda_machine():
+        return False
     env = os.environ if env is None else env
     ref = _server_env if _context is not None else {k: os.environ.get(k) for k in IMPORT_TIME_ENV}
     return all(env.get(k) == ref.get(k) for k in IMPORT_TIME_ENV)
+
+
+def cuda_machine() -> bool:
+    """Whether this machine has a CUDA device (asked once; the tests' process queries it anyway)."""
+    global _CUDA
+    if _CUDA is None:
+        import torch
+        _CUDA = bool(torch.cuda.is_available())
+    return _CUDA
+
+
+_CUDA: bool | None = None
 
 
 def _child_main(target: tuple, env: dict, cwd: str, out_path: str, err_path: str) -> None:

@@ -31,3 +31,22 @@ def test_success_failure_and_timeout():
     bad = _Proc([None, -9])
     assert wait_for([_Proc([None]), bad], time.monotonic() + 60, poll=0) == (bad, False)  # the other still runs
     assert wait_for([_Proc([None])], time.monotonic() - 1, poll=0) == (None, True)
+
+
+def test_nothing_is_forked_on_a_cuda_machine(monkeypatch):
+    """DESIGN.md trap 17: on a machine with CUDA, every trainer run and script starts a fresh interpreter
+    (a fork of the preloaded server cannot use CUDA)."""
+    import tests.conftest as C
+    import tests.forked_ranks as F
+    monkeypatch.setattr(F, "_CUDA", False)
+    assert F.can_fork_with(None)
+    monkeypatch.setattr(F, "_CUDA", True)
+    assert not F.can_fork_with(None)
+    monkeypatch.setattr(C, "can_fork_with", F.can_fork_with)
+    assert not C._forked_ok(C.train_cmd(["--device=cuda"]), None)
+    called = []
+    monkeypatch.setattr(C, "run_script", lambda *a, **k: called.append(a))
+    proc = C.run_python([C.PY, "-c", "print('fresh')"])  # -c never forks; a project script must not either
+    assert proc.stdout.strip() == "fresh"
+    proc = C.run_python([C.PY, "sample.py", "--help"])
+    assert proc.returncode == 0 and not called
