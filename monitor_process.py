@@ -670,7 +670,7 @@ class Monitor:
         if a.cause == "non_retryable":
             code = a.root_exit_code if a.root_exit_code is not None else a.exit_code
             return ("non_retryable", f"exit code {code} is not retryable "
-                    "(2 config, 3 data, 4 non-finite loss, 5 checkpoint, 6 run directory in use)", code)
+                    "(2 config, 3 data, 4 non-finite loss, 5 checkpoint, 6 run directory in use, 7 disk full)", code)
         if a.cause == "interrupted":
             return ("interrupted", "the training was interrupted by someone else and saved (exit 75); "
                     "not restarting over an operator's decision", EXIT_INTERRUPTED)

@@ -21,7 +21,9 @@ one utils/checkpoint.py uses); barrier; every rank writes its DCP shard (fsynced
 writes the JSON files, the manifests and COMPLETE, fsyncs and `os.replace`s the directory to
 `step_XXXXXXXX` (utils/checkpoint.publish_checkpoint_dir); barrier. A crash at any instant leaves the
 older checkpoints untouched and at most a `step_*.tmp` directory that nothing loads (and the next
-save of that step removes).
+save of that step removes). A write that does not fit (a full disk, RLIMIT_FSIZE) removes the
+`.tmp` directory at once and raises DiskFullError (exit 7); a save starts only when the disk has as
+much free space as the last checkpoint takes (utils/checkpoint.save_guard).
 
 No pickle on load: only tensors go through DCP (so no `BytesStorageMetadata` item, which DCP would
 read with `torch.load(weights_only=False)`); tensor files are read by DCP with
@@ -55,7 +57,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
 from utils.checkpoint import (CheckpointError, CheckpointMismatchError, one_line, publish_checkpoint_dir,
-                              read_json, verify_checkpoint, write_json)
+                              read_json, save_guard, verify_checkpoint, write_json)
 from utils.dcp_files import (DCPCheckpointError, SafeFileSystemReader, dcp_dir_problem,  # noqa: F401 (re-exported)
                              dcp_layout_problem, read_dcp_metadata)
 from utils.publish import fsync_file, make_temp_dir, temp_dir_for
@@ -150,35 +152,39 @@ def save_dcp_checkpoint(ckpt_root: str, step: int, model: nn.Module, optimizer=N
     reshard(model)  # gathered parameters (left by a forward-only pass) are freed before the state is read
     final = os.path.join(ckpt_root, step_dir_name(step))
     tmp = temp_dir_for(final)
-    if rank == 0:
-        make_temp_dir(final)  # one left by a crashed save was never complete: dropped
-    _barrier(group)
+    with save_guard(ckpt_root, step, check_space=rank == 0) as guard:  # a full disk: exit 7, no step_N.tmp left
+        if rank == 0:
+            make_temp_dir(final)  # one left by a crashed save was never complete: dropped
+        _barrier(group)
 
-    flat, scalars = _state_to_save(model, optimizer)
-    dcp.save(flat, storage_writer=FileSystemWriter(tmp, sync_files=True), process_group=group,
-             no_dist=group is None)
-    if rank_state is not None:
-        path = os.path.join(tmp, f"extra_rank{rank}.pt")
-        torch.save(rank_state, path)
-        fsync_file(path)
-    _barrier(group)  # every shard and every extra file is on disk
+        flat, scalars = _state_to_save(model, optimizer)
+        guard.file = os.path.join(tmp, f"__{rank}_0.distcp")
+        dcp.save(flat, storage_writer=FileSystemWriter(tmp, sync_files=True), process_group=group,
+                 no_dist=group is None)
+        if rank_state is not None:
+            path = guard.file = os.path.join(tmp, f"extra_rank{rank}.pt")
+            torch.save(rank_state, path)
+            fsync_file(path)
+        _barrier(group)  # every shard and every extra file is on disk
 
-    if rank == 0:
-        if fault_hook is not None:
-            fault_hook()
-        for name, obj in (json_files or {}).items():
-            if os.sep in name or name in (MANIFEST, DCP_MANIFEST, COMPLETE_MARKER) or not name.endswith(".json"):
-                raise ValueError(f"json_files: {name!r} must be a plain *.json file name")
-            write_json(os.path.join(tmp, name), obj)
-        problem = dcp_layout_problem(tmp, world, with_extras=rank_state is not None)
-        if problem is not None:  # never publish a checkpoint some rank did not write
-            raise DCPCheckpointError(f"refusing to publish {final}: {problem}")
-        files = {n: os.path.getsize(os.path.join(tmp, n)) for n in sorted(os.listdir(tmp))}
-        write_json(os.path.join(tmp, DCP_MANIFEST), {
-            "format": DCP_FORMAT, "engine": "fsdp", "step": int(step), "world_size": world,
-            "saved_at": time.time(), "files": files, "optimizer": scalars,
-            "model_keys": sum(1 for k in flat if k.startswith(_MODEL))})
-        publish_checkpoint_dir(tmp, final, step)  # manifest, COMPLETE, fsync, atomic rename
+        if rank == 0:
+            if fault_hook is not None:
+                fault_hook()
+            for name, obj in (json_files or {}).items():
+                if os.sep in name or name in (MANIFEST, DCP_MANIFEST, COMPLETE_MARKER) or not name.endswith(".json"):
+                    raise ValueError(f"json_files: {name!r} must be a plain *.json file name")
+                guard.file = os.path.join(tmp, name)
+                write_json(guard.file, obj)
+            problem = dcp_layout_problem(tmp, world, with_extras=rank_state is not None)
+            if problem is not None:  # never publish a checkpoint some rank did not write
+                raise DCPCheckpointError(f"refusing to publish {final}: {problem}")
+            files = {n: os.path.getsize(os.path.join(tmp, n)) for n in sorted(os.listdir(tmp))}
+            guard.file = os.path.join(tmp, DCP_MANIFEST)
+            write_json(guard.file, {
+                "format": DCP_FORMAT, "engine": "fsdp", "step": int(step), "world_size": world,
+                "saved_at": time.time(), "files": files, "optimizer": scalars,
+                "model_keys": sum(1 for k in flat if k.startswith(_MODEL))})
+            publish_checkpoint_dir(tmp, final, step)  # manifest, COMPLETE, fsync, atomic rename
     _barrier(group)
     return final
 

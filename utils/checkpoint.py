@@ -18,6 +18,9 @@ Protocol: all ranks write into `step_X.tmp/`; barrier; rank 0 writes the manifes
 fsyncs, then `os.replace`s the directory into place (utils/publish.py's temp names, fsync and
 publish_dir; a re-saved step swaps the old directory aside to `step_X.old` first). A crash at any
 instant leaves either the previous checkpoints untouched or a `.tmp` directory that loading ignores.
+Full disk (`save_guard`): a save starts only when the filesystem has as much free space as the last
+checkpoint takes; a write that does not fit anyway (disk or quota full, RLIMIT_FSIZE) removes the
+partial `.tmp` directory and raises DiskFullError (utils/disk_space.py, exit 7, not retried).
 
 Verification (`verify_checkpoint`) also checks that manifest.json names only files of the directory
 and that the JSON sidecars parse with the shape every reader relies on; the readers here
@@ -30,6 +33,7 @@ write into a live checkpoint directory, or mark a checkpoint complete before eve
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -38,7 +42,7 @@ import random
 import shutil
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -49,6 +53,7 @@ from safetensors.torch import load_file, save_file
 from utils.run_dir import CKPT_SUBDIR, COMPLETE_MARKER, RUN_START, listed_checkpoints  # noqa: E402,F401
 from utils.run_dir import STEP_PREFIX as _PREFIX  # noqa: E402
 from utils.errors import one_line  # noqa: F401  (re-exported: callers use ckpt.one_line)
+from utils.disk_space import DiskFullError, free_bytes, human, is_disk_full, tree_bytes
 from utils.publish import atomic_write_json, fsync_file, make_temp_dir, publish_dir, temp_dir_for
 
 
@@ -159,6 +164,69 @@ def _barrier(barrier: Optional[Callable[[], None]]) -> None:
         barrier()
 
 
+def _newest_complete(ckpt_root: str) -> Optional[str]:
+    """The newest step_N directory under `ckpt_root` holding COMPLETE (unverified), or None."""
+    try:
+        names = os.listdir(ckpt_root)
+    except OSError:
+        return None
+    steps = sorted((int(n[len(_PREFIX):]), n) for n in names
+                   if n.startswith(_PREFIX) and n[len(_PREFIX):].isdigit())
+    for _, name in reversed(steps):
+        if os.path.isfile(os.path.join(ckpt_root, name, COMPLETE_MARKER)):
+            return os.path.join(ckpt_root, name)
+    return None
+
+
+def check_space_for_save(ckpt_root: str, step: int) -> None:
+    """Before a save writes anything: refuse (DiskFullError) when the filesystem holding `ckpt_root` has
+    less free space than the newest complete checkpoint there takes, since the new one is about as large
+    and is written beside the old ones (pruning follows the publish). No checkpoint yet: nothing to
+    compare, the save goes ahead (a write that does not fit is still caught by `save_guard`)."""
+    last = _newest_complete(ckpt_root)
+    if last is None:
+        return
+    need, free = tree_bytes(last), free_bytes(ckpt_root)
+    if free is not None and free < need:
+        raise DiskFullError(
+            f"not enough free space to save checkpoint {os.path.join(ckpt_root, step_dir_name(step))}: "
+            f"{human(free)} free on {ckpt_root}, the last checkpoint ({os.path.basename(last)}) takes "
+            f"{human(need)}; nothing was written and the checkpoints there are intact (free space or move "
+            "--out_dir, then resume)")
+
+
+class _SaveGuard:
+    """What `save_guard` yields: the writer sets `file` before each write, for the message."""
+    file: Optional[str] = None
+
+
+@contextlib.contextmanager
+def save_guard(ckpt_root: str, step: int, check_space: bool = True) -> Iterator[_SaveGuard]:
+    """Wrap one rank's part of a checkpoint save. Before: `check_space_for_save` (check_space=True, the
+    rank that creates step_N.tmp). During: a write that does not fit (disk or quota full, RLIMIT_FSIZE;
+    `is_disk_full`) removes the partial step_N.tmp, which can then never be published, and becomes one
+    DiskFullError naming the file and the free space (exit 7); the published checkpoints are untouched."""
+    final = os.path.join(ckpt_root, step_dir_name(step))
+    tmp = temp_dir_for(final)
+    if check_space:
+        check_space_for_save(ckpt_root, step)
+    guard = _SaveGuard()
+    try:
+        yield guard
+    except DiskFullError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    except Exception as e:  # noqa: BLE001 - only a disk-full write is translated; anything else re-raises
+        if not is_disk_full(e):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        free = free_bytes(ckpt_root)
+        raise DiskFullError(
+            f"saving checkpoint {final} failed: writing {guard.file or tmp} did not fit (disk full or a file-size "
+            f"limit: {one_line(e)[:160]}); {human(free)} free on {ckpt_root}; the partial {os.path.basename(tmp)} "
+            "was removed and the earlier checkpoints are intact") from e
+
+
 def publish_checkpoint_dir(tmp: str, final: str, step: int) -> None:
     """Rank 0, after every rank wrote into `tmp`: manifest (size + sha256 of every file), COMPLETE,
     fsync, then an atomic rename to `final` (an older directory of the same step is moved aside first).
@@ -179,35 +247,41 @@ def save_checkpoint(out_dir: str, req: SaveRequest, barrier: Optional[Callable[[
     root = checkpoint_root(out_dir)
     final = os.path.join(root, step_dir_name(req.step))
     tmp = temp_dir_for(final)
-    if req.rank == 0:
-        make_temp_dir(final)  # one left by a crash was never complete: dropped
-    _barrier(barrier)
+    with save_guard(root, req.step, check_space=req.rank == 0) as guard:
+        if req.rank == 0:
+            make_temp_dir(final)  # one left by a crash was never complete: dropped
+        _barrier(barrier)
 
-    if req.rank == 0:
-        assert req.model_state is not None
-        # safetensors refuses shared/non-contiguous storage (our params are views of one buffer)
-        tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in req.model_state.items()}
-        path = os.path.join(tmp, "model.safetensors")
-        save_file(tensors, path, metadata={"format": "pt", "step": str(req.step)})
+        if req.rank == 0:
+            assert req.model_state is not None
+            # safetensors refuses shared/non-contiguous storage (our params are views of one buffer)
+            tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in req.model_state.items()}
+            path = guard.file = os.path.join(tmp, "model.safetensors")
+            save_file(tensors, path, metadata={"format": "pt", "step": str(req.step)})
+            fsync_file(path)
+            guard.file = os.path.join(tmp, "model_config.json")
+            write_json(guard.file, req.model_config)
+            guard.file = os.path.join(tmp, "config.json")
+            write_json(guard.file, req.run_config)
+            if fault_hook is not None:
+                fault_hook()  # test hook: die with a half-written checkpoint
+        if req.optimizer_state is not None:
+            path = guard.file = os.path.join(tmp, f"optimizer_rank{req.rank}.pt")
+            torch.save(req.optimizer_state, path)
+            fsync_file(path)
+        path = guard.file = os.path.join(tmp, f"extra_rank{req.rank}.pt")
+        torch.save(req.extra_state, path)
         fsync_file(path)
-        write_json(os.path.join(tmp, "model_config.json"), req.model_config)
-        write_json(os.path.join(tmp, "config.json"), req.run_config)
-        if fault_hook is not None:
-            fault_hook()  # test hook: die with a half-written checkpoint
-    if req.optimizer_state is not None:
-        path = os.path.join(tmp, f"optimizer_rank{req.rank}.pt")
-        torch.save(req.optimizer_state, path)
-        fsync_file(path)
-    path = os.path.join(tmp, f"extra_rank{req.rank}.pt")
-    torch.save(req.extra_state, path)
-    fsync_file(path)
-    _barrier(barrier)  # every rank has written and fsynced its files
+        _barrier(barrier)  # every rank has written and fsynced its files
 
+        if req.rank == 0:
+            trainer_state = dict(req.trainer_state, step=req.step, world_size=req.world_size,
+                                 saved_at=time.time())
+            guard.file = os.path.join(tmp, "trainer_state.json")
+            write_json(guard.file, trainer_state)
+            guard.file = os.path.join(tmp, "manifest.json")
+            publish_checkpoint_dir(tmp, final, req.step)
     if req.rank == 0:
-        trainer_state = dict(req.trainer_state, step=req.step, world_size=req.world_size,
-                             saved_at=time.time())
-        write_json(os.path.join(tmp, "trainer_state.json"), trainer_state)
-        publish_checkpoint_dir(tmp, final, req.step)
         sig = _signature(final)
         if sig is not None:  # the manifest's hashes were computed from exactly these files
             _verified[final] = sig

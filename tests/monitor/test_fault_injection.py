@@ -164,9 +164,9 @@ def test_bad_config_is_not_restarted(tmp_path):
     assert "non_retryable" in r.stderr
 
 
-@pytest.mark.parametrize("code", [3, 4, 5])
+@pytest.mark.parametrize("code", [3, 4, 5, 7])
 def test_named_errors_are_not_restarted(tmp_path, code):
-    """3 bad data, 4 non-finite loss, 5 unusable checkpoint (utils/constants.py) end the run like 2."""
+    """3 bad data, 4 non-finite loss, 5 unusable checkpoint, 7 disk full (utils/constants.py) end the run like 2."""
     out = tmp_path / "run"
     r = run_monitor(fake_cmd(out, f"--exit_at_start={code}"))
     assert r.returncode == code, r.stderr

@@ -237,3 +237,28 @@ def test_resume_when_every_checkpoint_is_damaged_exits_5(tiny_pretrain_run_args,
     assert got == EXIT_BAD_CHECKPOINT, err
     assert_one_error_line(err, "--init_from=resume: none of the 1 checkpoint(s) in")
     assert os.path.isdir(step)  # nothing was deleted
+
+
+# ---------------------------------------------------------------------------- a full disk (issue 33 item 3)
+
+def test_a_save_that_hits_a_file_size_limit_exits_7_with_no_partial_directory(tiny_pretrain_run_args, tmp_path):
+    """The real process under RLIMIT_FSIZE (64 KiB, SIGXFSZ ignored: a write past it fails with EFBIG, as a
+    full disk fails with ENOSPC): the first checkpoint's model.safetensors does not fit. One line naming the
+    file and the free space, exit 7 (not retried by the supervisor), no step_N.tmp left behind."""
+    import resource
+    import signal
+    import subprocess
+    from utils.constants import EXIT_DISK_FULL
+
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
+
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, TRAIN, *tiny_pretrain_run_args, f"--out_dir={out}", "--max_iters=3"],
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600, preexec_fn=limit)
+    assert proc.returncode == EXIT_DISK_FULL and EXIT_DISK_FULL in NON_RETRYABLE_EXIT_CODES, proc.stderr[-3000:]
+    assert_one_error_line(proc.stderr, f"error: disk full: saving checkpoint {out / 'checkpoints' / 'step_00000003'}"
+                                       " failed: writing ")
+    assert "step_00000003.tmp/model.safetensors did not fit" in proc.stderr and " free on " in proc.stderr
+    assert os.listdir(out / "checkpoints") == []

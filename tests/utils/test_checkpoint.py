@@ -120,3 +120,69 @@ def test_damaged_checkpoints_count_neither_as_last_nor_as_best(tmp_path):
     _save(tmp_path, 5, val_loss=4.0, keep_last=2)
     kept = [s for s, p in ckpt.list_checkpoints(str(tmp_path)) if ckpt.verify_checkpoint(p) is None]
     assert kept == [5, 3, 2]  # the two newest valid ones, and the best valid one (step 2, val 2.0)
+
+
+# ---------------------------------------------------------------- a full disk (issue 33 item 3)
+
+def _short_write(obj, path, *a, **k):
+    """torch.save on a full disk: part of the file written, then torch's stream writer's error."""
+    with open(path, "wb") as f:
+        f.write(b"PK\x03\x04partial")
+    raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+
+def test_full_disk_during_a_save_removes_the_partial_dir_and_keeps_the_previous(tmp_path, monkeypatch):
+    from utils.disk_space import DiskFullError
+    from utils.errors import exit_code_for
+    good = _save(tmp_path, 1)
+    monkeypatch.setattr(torch, "save", _short_write)
+    try:
+        _save(tmp_path, 2)
+        raise AssertionError("the save did not fail")
+    except DiskFullError as e:
+        err = e
+    code, line = exit_code_for(err)
+    assert code == 7 and "\n" not in line and line.startswith("disk full: saving checkpoint ")
+    assert os.path.join("step_00000002.tmp", "optimizer_rank0.pt") in line and " free on " in line
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_00000001"]  # no step_00000002.tmp left
+    assert ckpt.verify_checkpoint(good) is None and ckpt.find_latest_valid(str(tmp_path)) == good
+
+
+def test_full_disk_in_safetensors_and_os_errors_are_recognised():
+    import errno
+    from safetensors import SafetensorError
+    from utils.disk_space import is_disk_full
+    assert is_disk_full(OSError(errno.ENOSPC, "No space left on device"))
+    assert is_disk_full(OSError(errno.EFBIG, "File too large"))
+    assert is_disk_full(SafetensorError("Error while serializing: I/O error: File too large (os error 27)"))
+    wrapped = RuntimeError("CheckpointException ranks:dict_keys([0]) Traceback: OSError: [Errno 28] "
+                           "No space left on device")  # DCP's, with the rank's traceback inside
+    assert is_disk_full(wrapped)
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError as inner:
+            raise ValueError("while writing shard") from inner
+    except ValueError as outer:
+        assert is_disk_full(outer)
+    assert not is_disk_full(RuntimeError("size mismatch")) and not is_disk_full(OSError(errno.EACCES, "x"))
+
+
+def test_a_save_is_refused_before_writing_when_free_space_is_below_the_last_checkpoint(tmp_path, monkeypatch):
+    from utils.disk_space import DiskFullError, tree_bytes
+    good = _save(tmp_path, 1)
+    size = tree_bytes(good)
+    monkeypatch.setattr(ckpt, "free_bytes", lambda p: size - 1)
+    wrote = []
+    monkeypatch.setattr(torch, "save", lambda *a, **k: wrote.append(a))
+    try:
+        _save(tmp_path, 2)
+        raise AssertionError("the save was not refused")
+    except DiskFullError as e:
+        msg = str(e)
+    assert f"the last checkpoint (step_00000001) takes {size / 1024:.1f} KiB" in msg
+    assert os.path.join("checkpoints", "step_00000002") in msg and "nothing was written" in msg
+    assert wrote == [] and sorted(os.listdir(tmp_path / "checkpoints")) == ["step_00000001"]
+    monkeypatch.undo()  # torch.save back
+    monkeypatch.setattr(ckpt, "free_bytes", lambda p: size)  # exactly enough: the save goes ahead
+    assert ckpt.verify_checkpoint(_save(tmp_path, 2)) is None

@@ -15,6 +15,7 @@ from data_preprocess.shard_format import DataError, StaleIndexError
 from tokenizer.corpus import CorpusConfigError, CorpusError, UnreadableFile
 from utils import constants as K
 from utils.checkpoint import CheckpointError, CheckpointMismatchError, DamagedCheckpointError
+from utils.disk_space import DiskFullError
 from utils.dist import DeviceError
 from utils.errors import TrainingError, exit_code_for
 
@@ -39,11 +40,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
      "checkpoint: /r/step_2/trainer_state.json: not JSON"),
     (pickle.UnpicklingError("/r/x.pt: not loadable"), 5, "checkpoint: /r/x.pt: not loadable"),
     (CheckpointMismatchError("checkpoint /r/step_2 does not fit"), 2, "checkpoint /r/step_2 does not fit"),
+    (DiskFullError("saving checkpoint /r/step_2 failed: 0 B free on /r"), 7,
+     "disk full: saving checkpoint /r/step_2 failed: 0 B free on /r"),
 ])
 def test_each_named_error_has_its_documented_code_and_line(exc, code, line):
     assert exit_code_for(exc) == (code, line)
     bare = exit_code_for(exc, prefixed=False)  # sample.py / export_hf.py print the message without a prefix
-    assert bare[0] == code and line.endswith(bare[1]) and not bare[1].startswith(("data: ", "checkpoint: "))
+    assert bare[0] == code and line.endswith(bare[1]) and not bare[1].startswith(("data: ", "checkpoint: ",
+                                                                                  "disk full: "))
 
 
 def test_dcp_and_safetensors_errors_are_damaged_checkpoints():
@@ -67,6 +71,7 @@ def test_the_declared_codes_are_the_documented_constants():
             CorpusConfigError.exit_code) == (K.EXIT_BAD_CONFIG,) * 4
     assert (DataError.exit_code, RecordError.exit_code, CorpusError.exit_code) == (K.EXIT_BAD_DATA,) * 3
     assert CheckpointError.exit_code == K.EXIT_BAD_CHECKPOINT
+    assert DiskFullError.exit_code == K.EXIT_DISK_FULL == 7 and 7 in K.NON_RETRYABLE_EXIT_CODES
     assert K.NON_RETRYABLE_EXIT_CODES >= {DataError.exit_code, CheckpointError.exit_code, ConfigError.exit_code}
 
 
