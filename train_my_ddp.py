@@ -61,7 +61,8 @@ from utils import checkpoint as ckpt
 from utils import run_lock
 from utils.constants import (EXIT_BAD_CHECKPOINT, EXIT_BAD_CONFIG, EXIT_BAD_DATA, EXIT_INTERRUPTED,
                              EXIT_NONFINITE_LOSS, EXIT_OK)
-from utils.device import HostCopy, low_precision_cpu_warning, memory_stats, parse_dtype, seed_everything, synchronize
+from utils.device import (HostCopy, StepTimer, low_precision_cpu_warning, memory_stats, parse_dtype, seed_everything,
+                          synchronize)
 from utils.dist import DistInfo, all_reduce_max, barrier, destroy, init_distributed
 from utils.errors import exit_code_for
 from utils.lr_schedule import lr_at
@@ -177,6 +178,9 @@ _one_line = one_line  # the pre-check (train_config.precheck) prints its message
 
 QUIET_LINE_EVERY_S = 10.0  # stdout not a terminal: a step line at least this often (seconds)
 _last_line_at = [0.0]
+
+
+TIMING_WARMUP_STEPS = 2  # steps of each process left out of the logged rate and MFU (Throughput)
 
 
 def _line_due(scheduled: bool, now: Optional[float] = None) -> bool:
@@ -516,8 +520,8 @@ def train(cfg: TrainConfig, info: DistInfo, continues: Optional[bool] = None, ma
     from tokenizer import load_tokenizer_meta
     try:
         tok_meta = load_tokenizer_meta(cfg.tokenizer_dir)
-    except (OSError, ValueError, KeyError) as e:
-        raise TrainingError(f"--tokenizer_dir={cfg.tokenizer_dir}: {e}", EXIT_BAD_CONFIG) from e
+    except (OSError, ValueError, KeyError) as e:  # a damaged tokenizer_meta.json (TokenizerMetaError) is data: 3
+        raise TrainingError(f"--tokenizer_dir={cfg.tokenizer_dir}: {e}", getattr(e, "exit_code", EXIT_BAD_CONFIG)) from e
 
     # ---- where from, the model, what trains, DPO's reference, the engine, the data, the resumed state
     start = decide_start(cfg, info, continues, log)
@@ -570,7 +574,7 @@ def train(cfg: TrainConfig, info: DistInfo, continues: Optional[bool] = None, ma
         stop_now = all_reduce_max(1.0 if stop["requested"] else 0.0, info.device) > 0
         if progress.step % cfg.checkpoint_interval == 0 or progress.step == cfg.max_iters or stop_now:
             loop.save(progress.last_val if do_eval else None)
-        loop.t_last = time.time()  # evaluation and checkpoint time is not charged to the next step's tokens/s
+        loop.restart_clock()  # evaluation and checkpoint time is not charged to the next step's tokens/s
         if stop_now:
             log(f"[train] stop requested by signal: saved step {progress.step}, exiting with {EXIT_INTERRUPTED}")
             loop.close()
@@ -599,7 +603,11 @@ class Loop:
         self.flops_per_token = flops_per_token(model_cfg, cfg.max_seq_len)
         self.peak = resolve_peak_flops(info.device, parse_dtype(cfg.dtype), override=cfg.peak_flops,
                                        cache_dir=cfg.out_dir if info.is_main else None)
-        self.throughput = Throughput(window=20)
+        # the logged rate and MFU: a 20-step window of device-timed steps, the first TIMING_WARMUP_STEPS of the
+        # process left out (compiling, autotuning, the optimizer's first allocation), evaluation, checkpoint
+        # and sample time never counted (restart_clock), real (non-padding) tokens only
+        self.throughput = Throughput(window=20, warmup=TIMING_WARMUP_STEPS)
+        self.timer = StepTimer(info.device)
         self.lr_kw = dict(max_lr=cfg.learning_rate, min_lr=cfg.min_lr, warmup_iters=cfg.warmup_iters,
                           decay_iters=cfg.lr_decay_iters or cfg.max_iters, schedule=cfg.lr_schedule)
         self.guard = SpikeDetector(cfg.spike_factor, cfg.spike_window) if cfg.spike_guard else None
@@ -610,6 +618,11 @@ class Loop:
         self.loss_fn = lambda model, batch: micro_batch_loss(cfg, model, ref_model, batch, info.device)  # noqa: E731
         self.pbar = None
         self.t_last = time.time()
+
+    def restart_clock(self) -> None:
+        """After evaluation, a checkpoint or samples: none of that time is charged to the next step."""
+        self.t_last = time.time()
+        self.timer.restart()
 
     def announce(self, saved_max_iters: int) -> None:
         """The start-up lines of the loop: schedule warnings, sizes, skipped data, the spike guard."""
@@ -680,20 +693,23 @@ class Loop:
         self.metrics.heartbeat()
         if self.pbar is not None:
             self.pbar.update(1)
-        dt = max(1e-9, time.time() - self.t_last)
-        tps_avg = self.throughput.update(step_tokens, dt)  # tokens/s over the last 20 steps, not per-step noise
+        now = time.time()
+        dt, self.t_last = max(1e-9, now - self.t_last), now  # this step on the host clock (the raw, per-step rate)
+        tps_avg = self.throughput.add(self.timer.lap(step_tokens))  # the window's rate, warm-up steps excluded
         rec: dict[str, Any] = {"step": p.step, "loss": stats["loss"], "lr": lr, "grad_norm": grad_norm,
                                "stepped": bool(stepped), "tokens_per_sec": step_tokens / dt,
-                               "tokens_per_sec_avg": tps_avg,
-                               "mfu": mfu_from(self.flops_per_token * tps_avg / info.world_size, self.peak),
-                               "mfu_is_estimate": self.peak.is_estimate, "tokens_seen": p.tokens_seen}
+                               "tokens_seen": p.tokens_seen}
+        if tps_avg is not None:  # None during the warm-up steps: no rate or MFU is claimed for them
+            rec.update(tokens_per_sec_avg=tps_avg, mfu_is_estimate=self.peak.is_estimate,
+                       mfu=mfu_from(self.flops_per_token * tps_avg / info.world_size, self.peak))
         if cfg.task_type == "dpo":
             rec.update({k: stats[k] for k in ("chosen_reward", "rejected_reward", "reward_acc")})
         if p.skip_steps or self.guard is not None:
             rec["data_step"] = p.data_step  # the data this step trained on
         if skipped:
             rec["skipped_data_steps"] = skipped  # drawn and discarded before it
-        rec.update(memory_stats(info.device))
+        if p.step % cfg.log_interval == 0 or p.step <= TIMING_WARMUP_STEPS + 1:
+            rec.update(memory_stats(info.device))  # the allocator's statistics: built anew on each call
         return rec
 
     def _check_loss(self, loss: float) -> None:

@@ -19,6 +19,7 @@ from parallel.engine import StepStats
 from train_config import TrainConfig, TrainingError
 from utils import checkpoint as ckpt
 from utils.constants import EXIT_BAD_CONFIG, EXIT_BAD_DATA, IGNORE_INDEX
+from utils.device import to_device
 from utils.dist import DistInfo
 
 
@@ -109,16 +110,15 @@ def micro_batch_loss(cfg: TrainConfig, model, ref_model, batch: dict, device) ->
     the number of units over all micro-batches and ranks, so every token (pair) weighs the same.
     """
     if cfg.task_type != "dpo":
-        x = batch["input_ids"].to(device, non_blocking=True)
-        y = batch["labels"].to(device, non_blocking=True)
-        kw = {k: batch[k].to(device) for k in ("attention_mask", "position_ids") if k in batch}
+        x, y = to_device(batch["input_ids"], device), to_device(batch["labels"], device)  # pinned, async
+        kw = {k: to_device(batch[k], device) for k in ("attention_mask", "position_ids") if k in batch}
         return model(x, labels=y, reduction="sum", **kw), {}
     from utils.dpo_loss import dpo_loss
 
     def seq_logps(m, prefix: str) -> torch.Tensor:
-        x = batch[f"{prefix}_input_ids"].to(device)
-        y = batch[f"{prefix}_labels"].to(device)
-        kw = {"attention_mask": batch[f"{prefix}_attention_mask"].to(device)} \
+        x = to_device(batch[f"{prefix}_input_ids"], device)
+        y = to_device(batch[f"{prefix}_labels"], device)
+        kw = {"attention_mask": to_device(batch[f"{prefix}_attention_mask"], device)} \
             if f"{prefix}_attention_mask" in batch else {}
         per_token = m(x, labels=y, reduction="none", **kw)  # -log p, 0 at ignored positions
         return -per_token.float().sum(dim=-1)
@@ -140,8 +140,14 @@ def count_units(cfg: TrainConfig, batch: dict) -> int:
 
 
 def count_tokens(batch: dict) -> int:
-    """Tokens the policy model processes for this micro-batch (padding included), for tokens/s and MFU."""
-    return sum(int(v.numel()) for k, v in batch.items() if k.endswith("input_ids"))
+    """Real tokens the policy model reads in this micro-batch, for tokens/s and MFU: padding (attention_mask
+    0, on the host here) is not counted; without a mask every position is a token."""
+    n = 0
+    for k, v in batch.items():
+        if k.endswith("input_ids"):
+            mask = batch.get(k[:-len("input_ids")] + "attention_mask")
+            n += int(mask.sum()) if mask is not None else int(v.numel())
+    return n
 
 
 @torch.no_grad()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import time
 from typing import Optional
 
 import numpy as np
@@ -136,6 +137,50 @@ class HostCopy:
             self._event.synchronize()
             self._event = None
         return self._host
+
+
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """`t` on `device` without stopping the host: a CPU tensor bound for an accelerator is copied into
+    pinned memory first (a host memcpy, from PyTorch's caching host allocator), then copied over
+    asynchronously. A copy from pageable memory makes the host wait until the stream has finished all
+    work queued before it (the previous step's optimizer), so the next step could not be queued ahead."""
+    if is_accelerator(device) and t.device.type == "cpu":
+        return (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)
+    return t.to(device)
+
+
+class StepTimer:
+    """Seconds per training step, measured from one step's end to the next, with no host sync: on an
+    accelerator, timing events recorded on the stream at each step end, each interval read once its end
+    event has completed (`query()`, usually a step later); on the CPU, the host clock (a step's work is
+    done when it returns). `restart()` after evaluation, checkpoint or sample time, so that none of it
+    is charged to the next step. `lap(tokens)` ends a step and returns the intervals now known, as
+    (tokens, seconds) pairs in step order."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self._accel = is_accelerator(device)
+        self._pending: list = []
+        self._start = self._mark()
+
+    def _mark(self):
+        if self._accel:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def restart(self) -> None:
+        self._start = self._mark()
+
+    def lap(self, tokens: float) -> list[tuple[float, float]]:
+        end = self._mark()
+        self._pending.append((float(tokens), self._start, end))
+        self._start = end
+        done = []
+        while self._pending and (not self._accel or self._pending[0][2].query()):
+            n, start, stop = self._pending.pop(0)
+            done.append((n, start.elapsed_time(stop) / 1e3 if self._accel else stop - start))
+        return done
 
 
 def local_rank_from_env() -> int:

@@ -126,9 +126,13 @@ def test_chunk_size_none_and_larger_than_batch():
     ref = linear_cross_entropy_ref(h, w, y)
     for cs in (None, 4096, 1):
         torch.testing.assert_close(linear_cross_entropy_triton(h, w, y, chunk_size=cs), ref, atol=1e-5, rtol=1e-5)
-    assert tl_mod.auto_chunk_size(8192, 32000, 2048) == 1024
-    assert tl_mod.auto_chunk_size(10 ** 6, 32000, 4096) == 8192
-    assert tl_mod.auto_chunk_size(1, 10, 10) == 1024
+    # the fp32 logits of a chunk within 512 MiB: 4,096 tokens at a 32k vocabulary (124M and 1B alike), 1,024 at
+    # Llama 3's 128k, never fewer than 1,024 or more than 16,384
+    assert tl_mod.auto_chunk_size(8192, 32000, 2048) == 4096
+    assert tl_mod.auto_chunk_size(16384, 32000, 768) == 4096
+    assert tl_mod.auto_chunk_size(10 ** 6, 128256, 4096) == 1024
+    assert tl_mod.auto_chunk_size(1, 10, 10) == 16384
+    assert 4 * 32000 * tl_mod.auto_chunk_size(1, 32000, 1) <= tl_mod.LOSS_CHUNK_BUDGET_BYTES
 
 
 def test_no_grad_and_frozen_inputs():

@@ -32,6 +32,39 @@ def test_throughput_window_is_total_tokens_over_total_time():
     assert t.update(1000, 1.0) == pytest.approx(1000.0)
 
 
+def test_throughput_leaves_out_the_warmup_steps():
+    t = Throughput(window=3, warmup=2)
+    assert t.update(1000, 40.0) is None and t.update(1000, 2.0) is None  # the compile step, then one more
+    assert t.update(1000, 1.0) == 1000.0
+    assert t.add([(1000, 1.0), (2000, 1.0)]) == pytest.approx(4000 / 3.0)
+
+
+def test_step_timer_charges_no_restart_gap_to_a_step():
+    import time
+
+    from utils.device import StepTimer
+    timer = StepTimer("cpu")
+    time.sleep(0.05)
+    (tokens, first), = timer.lap(10)
+    assert tokens == 10 and first >= 0.05
+    time.sleep(0.2)  # an evaluation or a checkpoint
+    timer.restart()
+    (_, second), = timer.lap(10)
+    assert second < 0.2  # the gap before restart() is not in the next step
+
+
+def test_count_tokens_leaves_out_padding():
+    import torch
+
+    from train_task import count_tokens
+    ids = torch.zeros(2, 5, dtype=torch.long)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    assert count_tokens({"input_ids": ids, "labels": ids}) == 10
+    assert count_tokens({"input_ids": ids, "labels": ids, "attention_mask": mask}) == 8
+    assert count_tokens({"chosen_input_ids": ids, "chosen_attention_mask": mask,
+                         "rejected_input_ids": ids, "rejected_attention_mask": 1 - mask}) == 10
+
+
 def test_console_line_marks_estimated_mfu():
     line = format_line({"step": 3, "loss": 1.0, "tokens_per_sec": 50.0, "tokens_per_sec_avg": 40.0,
                         "mfu": 0.5, "mfu_is_estimate": True})
