@@ -245,9 +245,9 @@ def precheck(argv: list[str], title: str, prog: str) -> None:
     from utils.constants import EXIT_OK
     from utils.run_dir import CKPT_SUBDIR, has_run_start, listed_checkpoints
 
-    def fail(msg: str) -> None:
+    def fail(msg: str, code: int = EXIT_BAD_CONFIG) -> None:
         print(msg, file=sys.stderr, flush=True)
-        sys.exit(EXIT_BAD_CONFIG)
+        sys.exit(code)
 
     if any(a in ("-h", "--help") for a in argv):
         print(help_text(TrainConfig(), title, prog=prog))
@@ -271,8 +271,9 @@ def precheck(argv: list[str], title: str, prog: str) -> None:
     from tokenizer import load_tokenizer_meta
     try:
         load_tokenizer_meta(cfg.tokenizer_dir)
-    except (OSError, ValueError, KeyError) as e:
-        fail(error + one_line(TrainingError(f"--tokenizer_dir={cfg.tokenizer_dir}: {e}", EXIT_BAD_CONFIG)))
+    except (OSError, ValueError, KeyError) as e:  # a damaged tokenizer_meta.json (TokenizerMetaError) is data: 3
+        fail(error + one_line(TrainingError(f"--tokenizer_dir={cfg.tokenizer_dir}: {e}", EXIT_BAD_CONFIG)),
+             getattr(e, "exit_code", EXIT_BAD_CONFIG))  # the same line and code as train_my_ddp.train
     checkpoints = listed_checkpoints(cfg.out_dir)
     if continues and not checkpoints and not has_run_start(cfg.out_dir):  # --resume=always, nothing to continue
         if not cfg.resume_fallback:

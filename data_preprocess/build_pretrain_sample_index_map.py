@@ -24,8 +24,8 @@ from typing import Optional
 import numpy as np
 
 from data_preprocess.shard_format import (DataError, StaleIndexError, ShardInfo, atomic_save_npy,
-                                          atomic_write_json, list_shards, remove_temp_files,
-                                          shards_fingerprint)
+                                          atomic_write_json, int_field, list_shards, read_json_object,
+                                          remove_temp_files, shards_fingerprint)
 
 log = logging.getLogger("build_index")
 INDEX_FORMAT_VERSION = 1
@@ -94,6 +94,26 @@ def build_index(data_dir: str, max_seq_len: int, val_ratio: float = 0.01,
     return meta
 
 
+def read_index_meta(meta_path: str) -> dict:
+    """index_meta.json with the fields a reader relies on checked for type (DataError naming the file
+    and the field: a truncated file, a list, "num_train": "5", a shard record without its size...)."""
+    meta = read_json_object(meta_path, "index meta")
+    int_field(meta_path, meta, "max_seq_len", minimum=1)
+    for key in ("num_train", "num_val", "total_tokens"):
+        int_field(meta_path, meta, key)
+    if not isinstance(meta.get("shards_fingerprint"), str):
+        raise DataError(f"{meta_path}: field 'shards_fingerprint' is missing or not a string")
+    recs = meta.get("shards")
+    if not isinstance(recs, list) or not recs:
+        raise DataError(f"{meta_path}: field 'shards' is {json.dumps(recs)[:40]}, not a list of shard records")
+    for i, r in enumerate(recs):
+        if not (isinstance(r, dict) and isinstance(r.get("name"), str)):
+            raise DataError(f"{meta_path}: field 'shards[{i}]' is not a {{name, bytes, tokens}} record")
+        for key in ("bytes", "tokens"):
+            int_field(meta_path, r, key, label=f"shards[{i}].{key}")
+    return meta
+
+
 def load_index_meta(data_dir: str, max_seq_len: int, shards: Optional[list[ShardInfo]] = None) -> dict:
     """Read index_meta.json and check it against the shards on disk; StaleIndexError otherwise."""
     out = index_dir_for(data_dir, max_seq_len)
@@ -103,9 +123,8 @@ def load_index_meta(data_dir: str, max_seq_len: int, shards: Optional[list[Shard
         raise StaleIndexError(f"{meta_path}: no index for max_seq_len={max_seq_len}"
                               + (f" (found {others}; build one with build_pretrain_sample_index_map "
                                  f"--max_seq_len={max_seq_len})" if others else ""))
-    with open(meta_path, "r", encoding="utf-8") as f:
-        meta = json.load(f)
-    if int(meta.get("max_seq_len", -1)) != int(max_seq_len):
+    meta = read_index_meta(meta_path)
+    if meta["max_seq_len"] != int(max_seq_len):
         raise StaleIndexError(f"{meta_path}: built for max_seq_len={meta.get('max_seq_len')}, asked for {max_seq_len}")
     shards = shards if shards is not None else list_shards(data_dir)
     now = shard_records(shards)

@@ -116,15 +116,69 @@ class ShardInfo:
     sidecar: dict
 
 
-def read_sidecar(json_path: str) -> dict:
+# ----------------------------------------------------------------------------- JSON files of the data
+# Every sidecar and index file is read through these: a value of the wrong type ("num_tokens": null,
+# "dtype": "bogus", a file that holds a list or a string) is a DataError naming the file and the field,
+# never a TypeError / KeyError traceback deeper in (docs/errors.md, "Damaged data files").
+
+def read_json_object(path: str, what: str) -> dict:
+    """The JSON object in `path` (`what` names it in the message: "shard sidecar", "index meta", ...)."""
     try:
-        with open(json_path, "r", encoding="utf-8") as f:
-            meta = json.load(f)
-    except (OSError, ValueError) as e:
-        raise DataError(f"{json_path}: unreadable shard sidecar ({e})") from e
-    for key in ("dtype", "num_tokens", "vocab_size", "bos_id", "eos_id"):
-        if key not in meta:
-            raise DataError(f"{json_path}: shard sidecar lacks '{key}'")
+        with open(path, "r", encoding="utf-8") as f:
+            obj = json.load(f)
+    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise DataError(f"{path}: unreadable {what} ({' '.join(str(e).split())[:200]})") from e
+    if not isinstance(obj, dict):
+        raise DataError(f"{path}: the {what} holds a JSON {type(obj).__name__}, not an object")
+    return obj
+
+
+def int_field(path: str, meta: dict, key: str, minimum: int = 0, label: Optional[str] = None) -> int:
+    """meta[key] as an int >= minimum (a JSON integer: not null, a string, a float or a bool); `label`
+    names the field in the message when it is nested (default: key)."""
+    label = label or key
+    if key not in meta:
+        raise DataError(f"{path}: field '{label}' is missing")
+    v = meta[key]
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise DataError(f"{path}: field '{label}' is {json.dumps(v)[:40]}, not an integer")
+    if v < minimum:
+        raise DataError(f"{path}: field '{label}' is {v}, must be >= {minimum}")
+    return v
+
+
+def token_dtype_field(path: str, meta: dict, key: str = "dtype") -> np.dtype:
+    """meta[key] as the dtype of token ids: an unsigned integer of 2 or 4 bytes ("<u2", "<u4")."""
+    if key not in meta:
+        raise DataError(f"{path}: field '{key}' is missing")
+    v = meta[key]
+    try:
+        dt = np.dtype(v) if isinstance(v, str) else None
+    except TypeError:
+        dt = None
+    if dt is None or dt.kind != "u" or dt.itemsize not in (2, 4):
+        raise DataError(f"{path}: field '{key}' is {json.dumps(v)[:40]}, not a token id dtype (\"<u2\" or \"<u4\")")
+    return dt
+
+
+def read_sidecar(json_path: str) -> dict:
+    """A shard's sidecar, its fields checked for type: dtype, num_tokens, vocab_size, bos_id, eos_id
+    (and shard_index, final, tokenizer_fingerprint when present)."""
+    meta = read_json_object(json_path, "shard sidecar")
+    token_dtype_field(json_path, meta)
+    int_field(json_path, meta, "num_tokens")
+    vocab = int_field(json_path, meta, "vocab_size", minimum=1)
+    if vocab > 2 ** 32:
+        raise DataError(f"{json_path}: field 'vocab_size' is {vocab}, more ids than uint32 holds")
+    for key in ("bos_id", "eos_id"):
+        if int_field(json_path, meta, key) >= vocab:
+            raise DataError(f"{json_path}: field '{key}' is {meta[key]}, outside the vocabulary of {vocab}")
+    if "shard_index" in meta:
+        int_field(json_path, meta, "shard_index")
+    if "final" in meta and not isinstance(meta["final"], bool):
+        raise DataError(f"{json_path}: field 'final' is {json.dumps(meta['final'])[:40]}, not true or false")
+    if not isinstance(meta.get("tokenizer_fingerprint", ""), str):
+        raise DataError(f"{json_path}: field 'tokenizer_fingerprint' is not a string")
     return meta
 
 
@@ -132,7 +186,7 @@ def check_shard(json_path: str, meta: Optional[dict] = None) -> ShardInfo:
     """Validate one shard against its sidecar (dtype, size, vocab) and describe it."""
     meta = meta if meta is not None else read_sidecar(json_path)
     bin_path = json_path[:-len(".json")] + ".bin"
-    dtype = np.dtype(meta["dtype"])
+    dtype = token_dtype_field(json_path, meta)
     if dtype != dtype_for_vocab(int(meta["vocab_size"])):
         raise DataError(f"{json_path}: dtype {dtype} does not match vocab_size {meta['vocab_size']}")
     if not os.path.exists(bin_path):

@@ -15,7 +15,6 @@ Must never: label prompt tokens, or pad with an id that is not the tokenizer's p
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 from typing import Any, Callable, Optional
@@ -41,19 +40,16 @@ class DPODataset(Dataset):
         self.path = path
         meta_path = os.path.join(path, DPO_META)
         if os.path.isdir(path) and os.path.exists(meta_path):
-            with open(meta_path, "r", encoding="utf-8") as f:
-                self.meta = json.load(f)
+            from dataset.dataset_sft import load_rows, read_pretokenized_meta, token_files
+            self.meta = read_pretokenized_meta(path, DPO_META, "num_pairs")
             if self.meta.get("kind") != "dpo":
                 raise DataError(f"{meta_path}: kind {self.meta.get('kind')!r}, not 'dpo'")
             if max_seq_len is not None and int(max_seq_len) < int(self.meta["max_seq_len"]):
                 raise DataError(f"{path}: pretokenized for max_seq_len={self.meta['max_seq_len']}, "
                                 f"longer than the requested {max_seq_len}; re-run pretokenize_dpo_data")
-            self.index = np.load(os.path.join(path, "pairs.npy"), mmap_mode="r")
-            from dataset.dataset_sft import token_files
             self._files = token_files(path, self.meta, DPO_META)
-            if self.index.shape != (int(self.meta["num_pairs"]), 6):
-                raise DataError(f"{path}/pairs.npy: shape {self.index.shape}, {DPO_META} says "
-                                f"{self.meta['num_pairs']} pairs")
+            self.index = load_rows(path, "pairs.npy", 6, self.meta["num_pairs"], ((0, 1), (2, 3)),
+                                   self.meta["num_tokens"], len(self.meta["files"]))
             self._ids: Any = None
             self._labels: Any = None
         else:

@@ -87,6 +87,15 @@ class TokenStream:
         return d
 
 
+def _load_offsets(path: str) -> np.ndarray:
+    """An index's train.npy / val.npy, memory-mapped; a missing, empty or truncated file is a DataError."""
+    try:
+        return np.load(path, mmap_mode="r")
+    except (OSError, ValueError, EOFError) as e:  # an empty file: EOFError; a torn header: ValueError
+        raise DataError(f"{path}: unreadable sample index ({type(e).__name__}: {' '.join(str(e).split())[:160]}); "
+                        "rebuild the index") from e
+
+
 def _item(tokens: np.ndarray) -> dict[str, torch.Tensor]:
     t = torch.from_numpy(tokens)
     return {"input_ids": t[:-1], "labels": t[1:]}
@@ -123,11 +132,18 @@ class PretokDatasetWithIndex(Dataset):
         shards = list_shards(data_dir)
         self.meta = load_index_meta(data_dir, self.max_seq_len, shards)  # StaleIndexError if changed
         self.stream = TokenStream(data_dir, shards)
-        path = os.path.join(index_dir_for(data_dir, self.max_seq_len), f"{split}.npy")
-        self.starts = np.load(path, mmap_mode="r")
+        self.path = path = os.path.join(index_dir_for(data_dir, self.max_seq_len), f"{split}.npy")
+        self.starts = _load_offsets(path)
         want = self.meta["num_train" if split == "train" else "num_val"]
         if self.starts.dtype != np.int64 or self.starts.ndim != 1 or len(self.starts) != want:
             raise DataError(f"{path}: expected {want} int64 offsets, found {self.starts.shape} {self.starts.dtype}")
+        if split == "train" and want == 0:
+            raise DataError(f"{path}: the index holds no training sample (num_train=0); rebuild it with a "
+                            "smaller --val_ratio / --val_samples")
+        # Built sorted: the first and the last offset bound the others (each read checks its own, __getitem__).
+        if len(self.starts) and int(self.starts[0]) < 0:
+            raise DataError(f"{path}: offset {int(self.starts[0])} at position 0 is negative (damaged index; "
+                            "rebuild it)")
         if len(self.starts) and int(self.starts[-1]) + self.max_seq_len + 1 > self.stream.total_tokens:
             raise DataError(f"{path}: offsets run past the {self.stream.total_tokens} tokens of the shards")
 
@@ -135,7 +151,11 @@ class PretokDatasetWithIndex(Dataset):
         return len(self.starts)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return _item(self.stream.read(int(self.starts[i]), self.max_seq_len + 1))
+        start = int(self.starts[i])
+        if start < 0 or start + self.max_seq_len + 1 > self.stream.total_tokens:
+            raise DataError(f"{self.path}: offset {start} at position {i} is outside the {self.stream.total_tokens} "
+                            "tokens of the shards (damaged index; rebuild it)")
+        return _item(self.stream.read(start, self.max_seq_len + 1))
 
     def __getstate__(self) -> dict:
         d = dict(self.__dict__)
@@ -144,5 +164,4 @@ class PretokDatasetWithIndex(Dataset):
 
     def __setstate__(self, d: dict) -> None:
         self.__dict__.update(d)
-        self.starts = np.load(os.path.join(index_dir_for(self.data_dir, self.max_seq_len),
-                                           f"{self.split}.npy"), mmap_mode="r")
+        self.starts = _load_offsets(self.path)

@@ -18,7 +18,6 @@ Must never: read labels from the ids (trap 2), or invent a pad id.
 """
 from __future__ import annotations
 
-import json
 import os
 from typing import Any, Callable, Optional
 
@@ -26,14 +25,56 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from data_preprocess.shard_format import DataError
+from data_preprocess.shard_format import DataError, int_field, read_json_object, token_dtype_field
 from utils.constants import IGNORE_INDEX
+
+
+def read_pretokenized_meta(path: str, meta_name: str, count_key: str) -> dict:
+    """sft_meta.json / dpo_meta.json of a pretokenized folder, the fields the readers use checked for type
+    (DataError naming the file and the field): dtype, num_tokens, max_seq_len, pad_id, `count_key`, files."""
+    meta_path = os.path.join(path, meta_name)
+    meta = read_json_object(meta_path, meta_name)
+    token_dtype_field(meta_path, meta)
+    for key, low in (("num_tokens", 0), ("max_seq_len", 1), ("pad_id", 0), (count_key, 0)):
+        int_field(meta_path, meta, key, minimum=low)
+    files = meta.get("files")
+    if not isinstance(files, list) or not all(isinstance(f, dict) for f in files):
+        raise DataError(f"{meta_path}: field 'files' is not a list of file records")
+    return meta
+
+
+def load_rows(path: str, name: str, cols: int, rows: int, spans: tuple[tuple[int, int], ...],
+              num_tokens: int, n_files: int) -> np.ndarray:
+    """`name` (samples.npy / pairs.npy: int64 [rows, cols]) memory-mapped and checked once: every
+    (offset, length) column pair in `spans` inside the `num_tokens` tokens, lengths >= 2, and the file
+    id column (cols - 2) one of the meta's files. A damaged row is a DataError naming the file and row."""
+    fpath = os.path.join(path, name)
+    try:
+        arr = np.load(fpath, mmap_mode="r")
+    except (OSError, ValueError, EOFError) as e:
+        raise DataError(f"{fpath}: unreadable ({type(e).__name__}: {' '.join(str(e).split())[:160]}); "
+                        "re-run the pretokenizer") from e
+    if arr.dtype != np.int64 or arr.shape != (rows, cols):
+        raise DataError(f"{fpath}: expected int64 [{rows}, {cols}] (the meta's count), found {arr.dtype} "
+                        f"{list(arr.shape)}")
+    bad = np.zeros(rows, dtype=bool)
+    for o, n in spans:
+        off, length = np.asarray(arr[:, o]), np.asarray(arr[:, n])
+        bad |= (off < 0) | (length < 2) | (off + length > num_tokens)
+    fid = np.asarray(arr[:, cols - 2]) if rows else np.zeros(0, np.int64)
+    bad |= (fid < 0) | (fid >= n_files)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise DataError(f"{fpath}: row {i} {np.asarray(arr[i]).tolist()} points outside the {num_tokens} "
+                        f"tokens (or the {n_files} files) of the folder; re-run the pretokenizer")
+    return arr
 
 
 def token_files(path: str, meta: dict, meta_name: str) -> dict[str, tuple[str, np.dtype]]:
     """The ids / labels files of a pretokenized SFT or DPO folder, checked against its meta's token count."""
-    n_tok = int(meta["num_tokens"])
-    files = {"ids": (os.path.join(path, "input_ids.bin"), np.dtype(meta["dtype"])),
+    meta_path = os.path.join(path, meta_name)
+    n_tok = int_field(meta_path, meta, "num_tokens")
+    files = {"ids": (os.path.join(path, "input_ids.bin"), token_dtype_field(meta_path, meta)),
              "labels": (os.path.join(path, "labels.bin"), np.dtype("<i4"))}
     for fpath, dt in files.values():
         if os.path.getsize(fpath) != n_tok * dt.itemsize:
@@ -50,13 +91,13 @@ class SFTDataset(Dataset):
         self.path = path
         meta_path = os.path.join(path, "sft_meta.json")
         if os.path.isdir(path) and os.path.exists(meta_path):
-            with open(meta_path, "r", encoding="utf-8") as f:
-                self.meta = json.load(f)
+            self.meta = read_pretokenized_meta(path, "sft_meta.json", "num_samples")
             if max_seq_len is not None and int(max_seq_len) < int(self.meta["max_seq_len"]):
                 raise DataError(f"{path}: pretokenized for max_seq_len={self.meta['max_seq_len']}, "
                                 f"longer than the requested {max_seq_len}; re-run pretokenize_sft_data")
-            self.samples = np.load(os.path.join(path, "samples.npy"), mmap_mode="r")
             self._files = token_files(path, self.meta, "sft_meta.json")
+            self.samples = load_rows(path, "samples.npy", 4, self.meta["num_samples"], ((0, 1),),
+                                     self.meta["num_tokens"], len(self.meta["files"]))
             self._ids: Any = None
             self._labels: Any = None
         else:

@@ -83,6 +83,55 @@ def build_meta(tokenizer_type: str, learned_vocab_size: int, token_to_id: dict[s
     return meta
 
 
+class TokenizerMetaError(ValueError):
+    """A tokenizer_meta.json that is not the contract's shape (a list, "vocab_size": null, no special
+    tokens...): damaged data, exit 3 (EXIT_BAD_DATA; the class carries its code for utils.errors). The
+    message names the file and the field."""
+    exit_code, exit_prefix = 3, "data: "
+
+
+def _int(path: str, obj: Any, key: str, label: str) -> int:
+    v = obj.get(key) if isinstance(obj, dict) else None
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise TokenizerMetaError(f"{path}: field '{label}' is {json.dumps(v)[:40]}, not an integer >= 0")
+    return v
+
+
+def check_meta_fields(meta: Any, path: str = META_FILENAME) -> None:
+    """Raise TokenizerMetaError naming `path` and the field when a parsed tokenizer_meta.json lacks the
+    shape every reader relies on: an object with integer vocab_size (and learned_vocab_size, unless it is
+    an extended tokenizer's, whose "extension" holds base_vocab_size and new_token_ids), and special_tokens
+    {name: {"token": str, "id": int}} for every special token of the contract (an extended tokenizer: for
+    each special it lists)."""
+    if not isinstance(meta, dict):
+        raise TokenizerMetaError(f"{path}: holds a JSON {type(meta).__name__}, not an object")
+    if _int(path, meta, "vocab_size", "vocab_size") < 1:
+        raise TokenizerMetaError(f"{path}: field 'vocab_size' is 0")
+    ext = meta.get("extension")
+    if ext is not None:
+        _int(path, ext, "base_vocab_size", "extension.base_vocab_size")
+        ids = ext.get("new_token_ids") if isinstance(ext, dict) else None
+        if not (isinstance(ids, list) and len(ids) == 2 and all(isinstance(i, int) and not isinstance(i, bool)
+                                                                 for i in ids)):
+            raise TokenizerMetaError(f"{path}: field 'extension.new_token_ids' is {json.dumps(ids)[:40]}, "
+                                     "not [first, end]")
+    else:
+        _int(path, meta, "learned_vocab_size", "learned_vocab_size")
+    sp = meta.get("special_tokens")
+    if not isinstance(sp, dict):
+        raise TokenizerMetaError(f"{path}: field 'special_tokens' is {json.dumps(sp)[:40]}, not an object "
+                                 f"of {{name: {{token, id}}}} for {', '.join(k for k, _ in SPECIAL_TOKENS)}")
+    # the contract's tokenizers list every special; an extended one lists those its base has
+    for key in (sp if ext is not None else [k for k, _ in SPECIAL_TOKENS]):
+        entry = sp.get(key)
+        if not isinstance(entry, dict) or not isinstance(entry.get("token"), str):
+            raise TokenizerMetaError(f"{path}: field 'special_tokens.{key}' is {json.dumps(entry)[:60]}, "
+                                     "not {\"token\": str, \"id\": int}")
+        _int(path, entry, "id", f"special_tokens.{key}.id")
+    if not isinstance(meta.get("fingerprint", ""), str):
+        raise TokenizerMetaError(f"{path}: field 'fingerprint' is not a string")
+
+
 def check_meta(meta: dict[str, Any]) -> None:
     """Raise ValueError if a meta dict breaks the contract (ids right after the learned vocabulary).
 

@@ -11,7 +11,7 @@ import json
 import os
 from typing import Any, Sequence
 
-from tokenizer.contract import META_FILENAME, check_meta, fingerprint_dir
+from tokenizer.contract import META_FILENAME, TokenizerMetaError, check_meta, check_meta_fields, fingerprint_dir
 
 _SAFE_BACKEND_ATTR = "_injection_safe_backend"
 
@@ -19,9 +19,17 @@ _SAFE_BACKEND_ATTR = "_injection_safe_backend"
 def load_tokenizer_meta(tok_dir: str, verify_fingerprint: bool = False) -> dict[str, Any]:
     """Read tokenizer_meta.json; optionally recompute the fingerprint and refuse a changed directory."""
     path = os.path.join(tok_dir, META_FILENAME)
-    with open(path, encoding="utf-8") as f:
-        meta = json.load(f)
-    check_meta(meta)
+    with open(path, "rb") as f:  # a missing file or directory: OSError (the flag names nothing)
+        raw = f.read()
+    try:
+        meta = json.loads(raw.decode("utf-8"))
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError: a damaged file
+        raise TokenizerMetaError(f"{path}: not valid JSON ({' '.join(str(e).split())[:160]})") from e
+    check_meta_fields(meta, path)
+    try:
+        check_meta(meta)
+    except ValueError as e:
+        raise TokenizerMetaError(f"{path}: {e}") from e
     if verify_fingerprint and fingerprint_dir(tok_dir) != meta["fingerprint"]:
         raise ValueError(f"{tok_dir}: tokenizer files changed since {META_FILENAME} was written (fingerprint mismatch)")
     return meta
