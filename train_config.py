@@ -538,6 +538,26 @@ def _choices_and_combinations(cfg: TrainConfig, p: _Problems, torch_free: bool) 
                  "cannot be used")
 
 
+def _model_size_problems(cfg: TrainConfig, p: _Problems, torch_free: bool) -> None:
+    """The model flags within utils/model_bounds.py's bounds (--dim=1048576 is a typo, not a 4 TB model),
+    and, with torch (the full start-up), the model's fp32 weights within the memory --device has free:
+    refused before anything is allocated. A vocabulary from the tokenizer (--vocab_size=0) counts as 0
+    here, so only a model too large without its embedding is refused at this point."""
+    from utils.model_bounds import bound_problems, fit_problem, param_count
+    fields = {k: getattr(cfg, k) for k in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim",
+                                           "multiple_of", "max_seq_len", "rope_theta")}
+    fields = {k: v for k, v in fields.items() if not (k in ("vocab_size", "n_kv_heads", "hidden_dim") and v == 0)}
+    bounds = bound_problems(fields, prefix="--")
+    p.extend(bounds)
+    if bounds or torch_free or min(cfg.dim, cfg.n_layers, cfg.n_heads, cfg.multiple_of) < 1:
+        return
+    n = param_count(cfg.dim, cfg.n_layers, cfg.n_heads, cfg.vocab_size, cfg.n_kv_heads or None,
+                    cfg.hidden_dim or None, cfg.multiple_of, None, cfg.tie_embeddings)
+    problem = fit_problem(n, cfg.device, f"--dim={cfg.dim} --n_layers={cfg.n_layers}")
+    if problem:
+        p.append(problem)
+
+
 def _numbers_and_extras(cfg: TrainConfig, p: _Problems, torch_free: bool) -> None:
     """Ranges of the numeric flags, and the checks of samples, skipped data steps and LoRA targets."""
     for name in ("batch_size", "gradient_accumulation_steps", "max_iters", "max_seq_len", "checkpoint_interval",
@@ -555,6 +575,7 @@ def _numbers_and_extras(cfg: TrainConfig, p: _Problems, torch_free: bool) -> Non
     for name in ("beta1", "beta2", "dropout", "lora_dropout", "val_ratio"):
         p.number(name, 0.0, 1.0)
     p.number("rope_theta", 0.0, low_open=True)
+    _model_size_problems(cfg, p, torch_free)
     p.number("lora_alpha", 0.0, low_open=True)
     p.number("dpo_beta", 0.0, low_open=True)
     p.number("dpo_label_smoothing", 0.0, 0.5)

@@ -53,6 +53,7 @@ from safetensors.torch import load_file, save_file
 from utils.run_dir import CKPT_SUBDIR, COMPLETE_MARKER, RUN_START, listed_checkpoints  # noqa: E402,F401
 from utils.run_dir import STEP_PREFIX as _PREFIX  # noqa: E402
 from utils.errors import one_line  # noqa: F401  (re-exported: callers use ckpt.one_line)
+from utils.model_bounds import bound_problems
 from utils.disk_space import DiskFullError, free_bytes, human, is_disk_full, tree_bytes
 from utils.publish import atomic_write_json, fsync_file, make_temp_dir, publish_dir, temp_dir_for
 
@@ -503,12 +504,16 @@ def selection_exit_code(e: CheckpointError, path: str, which: str = "latest") ->
 
 def read_checkpoint_json(ckpt_dir: str, name: str) -> dict:
     """A JSON object sidecar of a checkpoint (config.json, model_config.json, trainer_state.json);
-    CheckpointError naming the file when it is missing, not JSON or not an object."""
+    CheckpointError naming the file when it is missing, not JSON or not an object, or (model_config.json)
+    a size field is out of utils/model_bounds.py's bounds."""
     data, problem = _json_problem(os.path.join(ckpt_dir, name))
     if problem is None and not isinstance(data, dict):
         problem = f"{name} holds a {type(data).__name__}, not a JSON object"
     if problem is None and name == "trainer_state.json":
         problem = trainer_state_problem(data)
+    if problem is None and name == "model_config.json":  # "n_layers": 1000000 would build layers until OOM
+        bounds = bound_problems(data)
+        problem = f"model_config.json: {'; '.join(bounds)}" if bounds else None
     if problem:
         raise CheckpointError(f"checkpoint {ckpt_dir}: {problem}")
     return data

@@ -262,3 +262,60 @@ def test_a_save_that_hits_a_file_size_limit_exits_7_with_no_partial_directory(ti
                                        " failed: writing ")
     assert "step_00000003.tmp/model.safetensors did not fit" in proc.stderr and " free on " in proc.stderr
     assert os.listdir(out / "checkpoints") == []
+
+
+# ---------------------------------------------------------------------------- model sizes (issue 33 item 7)
+
+@pytest.mark.parametrize("field, value, needle", [
+    ("dim", -64, "dim=-64: must be in [1, 65536]"),
+    ("n_layers", 1000000, "n_layers=1000000: must be in [1, 1024]"),
+    ("n_heads", 0, "n_heads=0: must be in [1, 1024]"),
+    ("max_seq_len", 2 ** 40, f"max_seq_len={2 ** 40}: must be in [1, 2097152]"),
+    ("norm_eps", -1.0, "norm_eps=-1.0: must be in (0, 1)"),
+])
+def test_checkpoint_model_config_out_of_bounds_exits_5_on_resume(tiny_pretrain_run_args, small_run, tmp_path,
+                                                                  capsys, field, value, needle):
+    """A recomputed manifest hides the edit from verification: the model_config.json reader bounds every
+    size field before anything is built (n_layers=1000000 built layers until memory ran out)."""
+    run, step = _copy_run(small_run, tmp_path)
+    cfg = json.loads((step / "model_config.json").read_text())
+    cfg[field] = value
+    _rewrite(step, "model_config.json", json.dumps(cfg).encode())
+    got, err = run_main([*tiny_pretrain_run_args, f"--out_dir={run}", "--max_iters=4"], capsys)
+    assert got == EXIT_BAD_CHECKPOINT, err
+    assert_one_error_line(err, f"checkpoint {step}: model_config.json: {needle}")
+
+
+@pytest.mark.parametrize("flag, needle", [
+    ("--dim=1048576", "--dim=1048576: must be in [1, 65536]"),
+    ("--n_layers=1000000", "--n_layers=1000000: must be in [1, 1024]"),
+    ("--vocab_size=8589934592", "--vocab_size=8589934592: must be in [1, 4294967296]"),
+    ("--max_seq_len=99999999", "--max_seq_len=99999999: must be in [1, 2097152]"),
+    ("--rope_theta=1e300", "--rope_theta=1e+300: must be in (0, 1e+12]"),
+])
+def test_model_flags_out_of_bounds_exit_2(tiny_pretrain_run_args, tmp_path, capsys, flag, needle):
+    got, err = run_main([*tiny_pretrain_run_args, f"--out_dir={tmp_path / 'run'}", "--max_iters=2", flag], capsys)
+    assert got == EXIT_BAD_CONFIG, err
+    assert_one_error_line(err, needle)
+
+
+def test_a_model_that_cannot_fit_the_device_is_refused_before_allocating(tiny_pretrain_run_args, tmp_path, capsys,
+                                                                          monkeypatch):
+    """dim 32, 2 layers, vocab 384 (tied: no) = 51,360 parameters (model/llama.py counts the same), 200.6 KiB of
+    fp32 weights: refused when the device has 100 KiB free, one line, nothing built or written."""
+    import utils.model_bounds as B
+    from model.config import ModelConfig
+    from model.llama import Transformer
+    assert B.param_count(32, 2, 4, 384, multiple_of=16) == \
+        sum(p.numel() for p in Transformer(ModelConfig(dim=32, n_layers=2, n_heads=4, vocab_size=384,
+                                                       multiple_of=16)).parameters()) == 51360
+    for kw in (dict(n_kv_heads=2, tie_embeddings=True), dict(hidden_dim=80), dict(ffn_dim_multiplier=1.3)):
+        model = Transformer(ModelConfig(dim=64, n_layers=3, n_heads=4, vocab_size=448, multiple_of=32, **kw))
+        assert B.param_count(64, 3, 4, 448, multiple_of=32, **kw) == sum(p.numel() for p in model.parameters()), kw
+    asked = []
+    monkeypatch.setattr(B, "available_bytes", lambda device: asked.append(device) or 100 * 1024)
+    got, err = run_main([*tiny_pretrain_run_args, f"--out_dir={tmp_path / 'run'}", "--max_iters=2",
+                         "--vocab_size=384"], capsys)
+    assert got == EXIT_BAD_CONFIG and asked == ["cpu"], err
+    assert_one_error_line(err, "the model has 51,360 parameters, 200.6 KiB of fp32 weights alone (training needs "
+                               "about 4x that), more than the 100.0 KiB free on --device=cpu")

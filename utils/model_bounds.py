@@ -1,0 +1,110 @@
+"""Bounds of the model's size fields and an estimate of the model's bytes, checked before anything is
+allocated.
+
+Owns: `MODEL_INT_BOUNDS` / `MODEL_FLOAT_BOUNDS` (the largest value of each field a run can mean: beyond
+them a value is a typo or a damaged file, e.g. "n_layers": 1000000 or --dim=1048576), `bound_problems`
+(one phrase per field out of bounds), `param_count` (the Llama2 formula of model/llama.py, without
+building it) and `fit_problem` (the fp32 weights alone against the memory the device has free: CPU via
+psutil, CUDA via torch.cuda.mem_get_info).
+Used by train_config.validate_config (the command line: exit 2) and utils/checkpoint.read_checkpoint_json
+(a checkpoint's model_config.json: exit 5).
+Must never: import torch at module level or any package above utils/ (the torch-free pre-check uses it).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+# field: (lowest, highest), inclusive. Generous: Llama-3 405B has dim 16384, 126 layers, 128 heads,
+# hidden 53248, a 128k vocabulary and 128k positions.
+MODEL_INT_BOUNDS: dict[str, tuple[int, int]] = {
+    "vocab_size": (1, 2 ** 32), "dim": (1, 65536), "n_layers": (1, 1024), "n_heads": (1, 1024),
+    "n_kv_heads": (1, 1024), "hidden_dim": (1, 2 ** 20), "multiple_of": (1, 2 ** 16),
+    "max_seq_len": (1, 2 ** 21), "loss_chunk_size": (1, 2 ** 24),
+}
+# field: (lowest, highest, lowest excluded, highest excluded)
+MODEL_FLOAT_BOUNDS: dict[str, tuple[float, float, bool, bool]] = {
+    "norm_eps": (0.0, 1.0, True, True), "rope_theta": (0.0, 1e12, True, False),
+    "ffn_dim_multiplier": (0.0, 64.0, True, False), "attn_dropout": (0.0, 1.0, False, True),
+    "resid_dropout": (0.0, 1.0, False, True), "initializer_range": (0.0, 1e3, False, False),
+}
+
+
+def bound_problems(fields: dict[str, Any], prefix: str = "") -> list[str]:
+    """'<prefix><field>=<v>: must be in [lo, hi]' for each numeric field of `fields` out of bounds; values of
+    another type (a string, None for an optional field) are left to the type checks of the caller."""
+    out = []
+    for name, (lo, hi) in MODEL_INT_BOUNDS.items():
+        v = fields.get(name)
+        if isinstance(v, int) and not isinstance(v, bool) and not lo <= v <= hi:
+            out.append(f"{prefix}{name}={v}: must be in [{lo}, {hi}]")
+    for name, (lo, hi, lo_open, hi_open) in MODEL_FLOAT_BOUNDS.items():
+        v = fields.get(name)
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            ok = math.isfinite(v) and (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
+            if not ok:
+                out.append(f"{prefix}{name}={v}: must be in {'(' if lo_open else '['}{lo:g}, {hi:g}"
+                           f"{')' if hi_open else ']'}")
+    return out
+
+
+def param_count(dim: int, n_layers: int, n_heads: int, vocab_size: int, n_kv_heads: Optional[int] = None,
+                hidden_dim: Optional[int] = None, multiple_of: int = 256,
+                ffn_dim_multiplier: Optional[float] = None, tie_embeddings: bool = False) -> int:
+    """Parameters of the Llama2-style model (model/llama.py) with these sizes: embedding (+ a separate
+    head), per layer q/k/v/o, the SwiGLU's three matrices and two norms, and the final norm."""
+    kv = n_kv_heads or n_heads
+    head_dim = dim // max(1, n_heads)
+    if not hidden_dim:  # model/config.llama_hidden_dim
+        hidden = int(2 * 4 * dim / 3)
+        if ffn_dim_multiplier is not None:
+            hidden = int(ffn_dim_multiplier * hidden)
+        hidden_dim = multiple_of * math.ceil(hidden / multiple_of)
+    attn = dim * dim * 2 + 2 * dim * kv * head_dim
+    layer = attn + 3 * dim * hidden_dim + 2 * dim
+    embed = vocab_size * dim * (1 if tie_embeddings else 2)
+    return embed + n_layers * layer + dim
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if n < 1024 or unit == "PiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} PiB"
+
+
+def available_bytes(device: str) -> Optional[int]:
+    """Free memory of `device` ("cpu", "cuda", "cuda:1", ...): psutil's available memory for the CPU,
+    torch.cuda.mem_get_info for a CUDA device; None when it cannot be told (the check is skipped)."""
+    kind = str(device).split(":")[0]
+    try:
+        if kind in ("cpu", "auto", ""):
+            import psutil
+            cpu = int(psutil.virtual_memory().available)
+            if kind == "auto":
+                gpu = available_bytes("cuda")
+                return gpu if gpu is not None else cpu
+            return cpu
+        if kind == "cuda":
+            import torch
+            if not torch.cuda.is_available():
+                return None
+            index = int(str(device).split(":")[1]) if ":" in str(device) else torch.cuda.current_device()
+            return int(torch.cuda.mem_get_info(index)[0])
+    except (ImportError, RuntimeError, ValueError, IndexError, OSError):
+        return None
+    return None
+
+
+def fit_problem(n_params: int, device: str, what: str) -> Optional[str]:
+    """A phrase when the model's fp32 weights alone (4 bytes a parameter; training needs about 4x that with
+    gradients and Adam's two moments) exceed the memory `device` has free; None when they fit or the free
+    memory cannot be told."""
+    need = 4 * n_params
+    free = available_bytes(device)
+    if free is None or need <= free:
+        return None
+    return (f"{what}: the model has {n_params:,} parameters, {human_bytes(need)} of fp32 weights alone "
+            f"(training needs about 4x that), more than the {human_bytes(free)} free on --device={device}; "
+            "choose smaller --dim / --n_layers / --vocab_size")
