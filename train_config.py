@@ -452,6 +452,10 @@ KERNEL_CHOICES = {"auto": (True, "auto"), "true": (True, "auto"), "triton": (Tru
                   "torch": (True, "torch"), "false": (False, "auto")}
 
 
+MAX_STEPS = 10 ** 9      # --max_iters and the step flags: a billion optimizer steps
+MAX_EPOCHS = 10 ** 6     # --num_train_epochs
+
+
 class _Problems(list):
     """The problems validate_config collects, with the three shapes of check most flags need."""
 
@@ -466,6 +470,10 @@ class _Problems(list):
     def at_least(self, name: str, low: int) -> None:
         if getattr(self.cfg, name) < low:
             self.append(f"--{name}={getattr(self.cfg, name)}: must be >= {low}")
+
+    def at_most(self, name: str, high: int) -> None:
+        if getattr(self.cfg, name) > high:
+            self.append(f"--{name}={getattr(self.cfg, name)}: must be <= {high:,}")
 
     def number(self, name: str, low: float, high: float = math.inf, low_open: bool = False, high_open: bool = True,
                what: str = "") -> None:
@@ -583,6 +591,11 @@ def _numbers_and_extras(cfg: TrainConfig, p: _Problems, torch_free: bool) -> Non
     p.number("peak_flops", 0.0, what="must be a finite number >= 0 (0 = measure)")
     p.number("spike_factor", 1.0, low_open=True)
     p.number("num_train_epochs", 0.0, what="must be a finite number >= 0 (0 = off: --max_iters sets the length)")
+    # A run of more steps than these is a typo (--max_iters=99999999999999999999 ran "forever")
+    for name in ("max_iters", "lr_decay_iters", "warmup_iters"):
+        p.at_most(name, MAX_STEPS)
+    if math.isfinite(cfg.num_train_epochs) and cfg.num_train_epochs > MAX_EPOCHS:
+        p.append(f"--num_train_epochs={cfg.num_train_epochs:g}: must be <= {MAX_EPOCHS:g}")
     p.at_least("sample_every", 0)
     p.at_least("sample_max_new_tokens", 1)
     p.number("sample_temperature", 0.0, what="must be a finite number >= 0 (0 = greedy)")
