@@ -29,12 +29,12 @@ test: venv
 
 # on a CUDA machine: kernel numerics at real sizes, bf16 steps per kernel, compile with zero graph breaks, the trainer
 test-gpu: venv
-	$(VPY) -m pytest -q -m gpu tests
+	MYLLM_FAILURES_NOW=1 $(VPY) -m pytest -q -m gpu tests
 
-# on a CUDA machine: GPU tests, the benchmark (124m, 1b), 4 trainer runs and a profile in one report,
-# out/gpu_report/report.md (~24 min on one H100); `make gpu-report PART=tests|bench|train|profile` runs one
-# part and merges it into the report. Without CUDA it says so in one line and exits 0. No venv/pip step:
-# it runs with .venv's python when there is one, else python3 (a GPU machine's own torch).
+# on a CUDA machine: the verdict in one report, out/gpu_report/report.md, in <= 9 min on one H100: GPU tests,
+# the benchmark rows that decide the goals (124m, 1b), the trainer eager and compiled, a profile of the compiled
+# step; `make gpu-report PART=tests|bench|train|profile` runs one part and merges it into the report.
+# Without CUDA it says so in one line and exits 0. No venv/pip step: it runs with .venv's python when there is one, else python3 (a GPU machine's own torch).
 gpu-report:
 	@$(if $(wildcard $(VPY)),$(VPY),$(PY)) scripts/gpu_report.py $(if $(PART),--only $(PART))
 

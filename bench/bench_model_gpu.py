@@ -245,6 +245,9 @@ def _category(name: str, ours: set[str]) -> str:
     n = name.lower()
     if any(k == name or name.startswith(k) for k in ours):
         return "our Triton kernels"
+    # attention before matmuls: PyTorch's memory-efficient attention kernels are CUTLASS kernels (fmha_cutlass*)
+    if any(k in n for k in ("flash", "fmha", "attention", "sdpa", "efficient_attention", "attn")):
+        return "attention (SDPA)"
     if any(k in n for k in ("gemm", "cutlass", "sm90_xmma", "sm80_xmma", "cublas", "matmul", "wgmma", "nvjet",
                             "aten::mm", "aten::addmm", "aten::bmm")):
         return "matmul (cuBLAS / CUTLASS)"
@@ -260,15 +263,17 @@ def _category(name: str, ours: set[str]) -> str:
 
 
 def profile_step(config: str, device_name: str, precision: str = "trainer", warmup: int = 3,
-                 row_limit: int = 15) -> dict:
-    """torch.profiler over one eager step of `ours` after `warmup` steps (Triton JIT and cuBLAS set-up
-    excluded): the top `row_limit` ops/kernels by self device time (self CPU time on a CPU)."""
+                 row_limit: int = 15, mode: str = "eager") -> dict:
+    """torch.profiler over one step of `ours` (eager, or compiled as the trainer compiles) after `warmup`
+    steps (compiling, Triton JIT and cuBLAS set-up excluded): the top `row_limit` kernels by self device
+    time (ops by self CPU time on a CPU). Profiler annotations (user ranges, Inductor's graph markers,
+    which span kernels on the GPU timeline) are not kernels and are left out of the times."""
     import torch
     from torch.profiler import ProfilerActivity, profile
     from utils.device import synchronize
     device = torch.device(device_name)
     fast_fp32_matmuls(device)
-    step, _ = make_step(config, "ours", "eager", precision, device)
+    step, _ = make_step(config, "ours", mode, precision, device)
     for _ in range(warmup):
         step()
     synchronize(device)
@@ -282,7 +287,7 @@ def profile_step(config: str, device_name: str, precision: str = "trainer", warm
     avg = prof.key_averages()
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
     sort_by = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-    events = [e for e in avg if getattr(e, key, 0) > 0]
+    events = [e for e in avg if getattr(e, key, 0) > 0 and not getattr(e, "is_user_annotation", False)]
     if cuda:  # the kernels themselves: an op's self CUDA time repeats its kernels' (counted twice otherwise)
         kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
         events = kernels or events
@@ -296,7 +301,8 @@ def profile_step(config: str, device_name: str, precision: str = "trainer", warm
         c = _category(e.key, ours)
         cats[c] = cats.get(c, 0.0) + getattr(e, key)
     cat_total = sum(cats.values()) or 1.0
-    return dict(config=config, precision=precision, device=str(device), time_kind="CUDA" if cuda else "CPU",
+    return dict(config=config, precision=precision, mode=mode, device=str(device),
+                time_kind="CUDA" if cuda else "CPU",
                 what="kernels" if cuda else "ops",
                 step_wall_ms=round(wall * 1e3, 2), total_self_ms=round(total / 1e3, 3), top=top,
                 categories=[dict(category=c, ms=round(v / 1e3, 3), pct=round(100 * v / cat_total, 1))
@@ -377,6 +383,53 @@ def child_rows(args) -> list[dict]:
         if args.json_out:
             _write_json(args.json_out, dict(meta=args.meta, rows=rows, done=False))
     return rows
+
+
+def prewarm_rows(args) -> list[dict]:
+    """The plan's compile rows, `args.parallel` at a time, one (compiling) step each and no timing: Inductor's
+    FX-graph, AOTAutograd and Triton caches (on disk, shared by every process of this machine) then hold
+    what the timed rows and the trainer's compiled runs compile, so each of those starts in seconds. Rows
+    run in plan order (smaller configs first); an error (an out-of-memory beside other rows) only means
+    that row compiles cold later."""
+    plan = [r for r in planned_rows(args) if r[3] == "compile"]
+    t_start = time.perf_counter()
+    running: list = []
+    done: list[dict] = []
+
+    def reap(block: bool) -> None:
+        for item in list(running):
+            proc, key, t0 = item
+            if block or proc.poll() is not None:
+                try:
+                    out, err = proc.communicate(timeout=max(1.0, args.budget_s - (time.perf_counter() - t_start))
+                                                if args.budget_s else None)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    out, err = proc.communicate()
+                row = dict(key, wall_s=round(time.perf_counter() - t0, 1), ok=proc.returncode == 0)
+                if proc.returncode != 0:
+                    row["error"] = ([ln for ln in (err or "").splitlines() if ln.strip()][-1:] or ["?"])[0][:200]
+                done.append(row)
+                print("[prewarm] " + json.dumps(row), flush=True)
+                running.remove(item)
+
+    for config, model_name, precision, mode in plan:
+        if model_name == "hf-liger" and importlib.util.find_spec("liger_kernel") is None:
+            continue
+        while len(running) >= max(1, args.parallel):
+            reap(block=False)
+            time.sleep(0.5)
+        if args.budget_s and time.perf_counter() - t_start > args.budget_s:
+            break
+        cmd = [sys.executable, os.path.abspath(__file__), "--one", f"{config},{model_name},{mode},{precision}",
+               "--device", args.device, "--steps", "0", "--warmup", "0"]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                start_new_session=True)
+        running.append((proc, dict(config=config, model=model_name, precision=precision, mode=mode),
+                        time.perf_counter()))
+    while running:
+        reap(block=True)
+    return done
 
 
 def _write_json(path: str, obj: dict) -> None:
@@ -466,6 +519,11 @@ def main(argv=None) -> None:
     p.add_argument("--json-out", default="", help="write {meta, rows, tables} here (rewritten after every row)")
     p.add_argument("--profile", default="", help="CONFIG: profile one eager trainer-precision step of ours instead")
     p.add_argument("--profile-rows", type=int, default=15)
+    p.add_argument("--profile-mode", default="compile", choices=MODES, help="profile the eager or the compiled step")
+    p.add_argument("--prewarm", action="store_true",
+                   help="run only the compile rows of the plan, one step each, --parallel at a time, to fill "
+                        "Inductor's caches (no timing: later rows and trainer runs compile from the cache)")
+    p.add_argument("--parallel", type=int, default=1, help="--prewarm: rows at once")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: config,model,mode,precision
     args = p.parse_args(argv)
     if args.one:
@@ -474,7 +532,7 @@ def main(argv=None) -> None:
               flush=True)
         return
     if args.profile:
-        res = profile_step(args.profile, args.device, row_limit=args.profile_rows)
+        res = profile_step(args.profile, args.device, row_limit=args.profile_rows, mode=args.profile_mode)
         print(res["table"], flush=True)
         print(json.dumps({k: v for k, v in res.items() if k != "table"}), flush=True)
         if args.json_out:
@@ -486,6 +544,11 @@ def main(argv=None) -> None:
     for c in args.configs:
         if c not in CONFIGS:
             p.error(f"unknown config {c!r}")
+    if args.prewarm:  # no timing, no CUDA context here
+        warmed = prewarm_rows(args)
+        if args.json_out:
+            _write_json(args.json_out, dict(prewarm=warmed, done=True))
+        return
     import torch
     from model.flops import measure_peak_flops
     fast_fp32_matmuls(args.device)

@@ -187,6 +187,16 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, fused: bool = True, backend: st
     return swiglu_ref(gate, up)
 
 
+def swiglu_packed(gate_up: torch.Tensor, fused: bool = True, backend: str = "auto") -> torch.Tensor:
+    """swiglu of gate_up = cat(gate, up) [..., 2H], the fused gate/up matmul's output. The Triton kernel reads
+    both halves in place and its backward writes one [..., 2H] gradient; the other paths take the halves
+    (autograd then concatenates their two gradients)."""
+    if (choose("swiglu", gate_up, backend) if fused else "reference") == "triton":
+        return _triton_ops().swiglu_packed(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return swiglu(gate, up, fused=fused, backend=backend)
+
+
 # ------------------------------------------------------------------- q/k/v (gate/up) in one matmul
 def concat_linear_ref(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """x @ cat(weights).T in one matmul. Autograd keeps the concatenated copy (the size of the weights)

@@ -160,10 +160,11 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused_qkv and type(self.gate_proj) is nn.Linear and type(self.up_proj) is nn.Linear:
-            gate, up = kernels.concat_linear(x, (self.gate_proj.weight, self.up_proj.weight)).chunk(2, dim=-1)
+            gate_up = kernels.concat_linear(x, (self.gate_proj.weight, self.up_proj.weight))
+            y = kernels.swiglu_packed(gate_up, fused=self.fused_swiglu, backend=self.backend)
         else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.resid_dropout(self.down_proj(kernels.swiglu(gate, up, fused=self.fused_swiglu, backend=self.backend)))
+            y = kernels.swiglu(self.gate_proj(x), self.up_proj(x), fused=self.fused_swiglu, backend=self.backend)
+        return self.resid_dropout(self.down_proj(y))
 
 
 # ---------------------------------------------------------------------------------------- block

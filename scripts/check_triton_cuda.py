@@ -55,9 +55,10 @@ def _variants():
                             dict(HAS_RESIDUAL=res, BLOCK=block), warps))
                 sig = dict(G=f"*{y}", GH=f"*{a}", X=f"*{a}", W=f"*{w}", RSTD="*fp32", DX=f"*{a}", DW="*fp32",
                            g_stride="i32", gh_stride="i32", x_stride="i32", dx_stride="i32", n_rows="i32", D="i32",
-                           rows_per_program="i32", HAS_GH="constexpr", BLOCK="constexpr")
+                           rows_per_program="i32", HAS_GH="constexpr", BLOCK="constexpr", BLOCK_ROWS="constexpr")
+                rows = tk._bwd_block_rows(block)  # a 2-D tile of rows x the padded row
                 out.append((f"rms_norm_bwd D={dim} x={a} w={w} gh={res}", tk._rms_norm_bwd_kernel, sig,
-                            dict(HAS_GH=res, BLOCK=block), warps))
+                            dict(HAS_GH=res, BLOCK=block, BLOCK_ROWS=rows), tk._num_warps(block * rows)))
     # RoPE: (heads, kv heads, head_dim) of the 124M, 1B, Llama-2-7B and Llama-3-8B/70B shapes
     for h, hkv, hd in ((12, 12, 64), (16, 8, 128), (32, 32, 128), (32, 8, 128), (64, 8, 128)):
         bh, bkv, bhalf = (triton.next_power_of_2(v) for v in (h, hkv, hd // 2))

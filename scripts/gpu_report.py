@@ -1,18 +1,20 @@
-r"""`make gpu-report`: everything the project measures on one CUDA GPU, in one markdown report.
+r"""`make gpu-report`: the project's verdict on one CUDA GPU, in one markdown report, in one run of <= 9 minutes.
 
-Stages (each in its own subprocesses, each with its own timeout; a stage that fails or times out is
-recorded with the last lines of its error and the next stage runs):
-  tests       `pytest -q -m gpu tests`: the recipe of `make test-gpu`, run directly (that target first
-              pip-installs requirements.txt, which a machine without network cannot)
-  bench-124m  bench/bench_model_gpu.py --configs 124m: ours / ours-ref / HF / HF+Liger, autocast and
-  bench-1b    trainer precision, eager and compile, every row in its own process, in priority order;
-              rows the stage's time does not reach are listed as "not run"
-  train       train_my_ddp.py, 30 steps of a 124M-shaped model (dim 768, 12 layers, vocab 32000, seq 1024,
-              batch 16, bf16) on the bundled corpus (tokenizer + token shards prepared once under the work
-              dir, or demo_out/ reused), --fused_kernels=auto and =false, eager and --compile=true;
-              tokens/s and MFU read from each run's metrics.jsonl
-  profile     torch.profiler over one eager trainer step of the 124m model (after 3 warm-up steps):
-              the top 15 ops/kernels by self CUDA time, and CUDA time by kind of kernel
+A GPU is lent rarely and briefly (15 minutes in all, start-up included), so the default run measures what
+decides the goals and nothing else (`--full` runs every row and trainer setting, ~24 min):
+  tests       `pytest -m gpu tests` (xdist workers when installed; each failure's reason printed as it
+              happens), and beside it, while nothing is being timed: the later stages' compiles run once
+              to fill Inductor's on-disk caches (bench/bench_model_gpu.py --prewarm, two at a time), and
+              the trainer runs' data is prepared
+  bench-124m  bench/bench_model_gpu.py, every row in its own process: ours as the trainer runs it (bf16
+  bench-1b    params + fp32 master) compiled and eager, HF compiled (autocast, = HF Trainer --bf16),
+              HF + Liger-Kernel eager, our reference paths compiled (VERDICT_BENCH_ROWS)
+  train       train_my_ddp.py, 25 steps of the bench's 124M shape on the bundled corpus, --fused_kernels=auto,
+              eager and --compile=true; tokens/s and MFU read from each run's metrics.jsonl, and their
+              ratio to the bench rows of the same model, precision and mode
+  profile     torch.profiler over one COMPILED trainer-precision step of the 124m model (after 3 steps):
+              the top 15 kernels by self CUDA time and CUDA time by kind (attention apart from matmuls;
+              profiler annotations are not kernels)
 
 Output (--out-dir, default out/gpu_report): report.md, report.json (raw: every row, run, test) and
 log.txt (every stage's output). Work files (data, runs, checkpoints) go to --work-dir (default
@@ -20,33 +22,25 @@ out/gpu_report_work), never to --out-dir. Running a part again merges into the r
 --out-dir (bench rows by (config, model, precision, mode); other stages replaced);
 `--merge A/report.json B/report.json` merges reports written by separate calls (no GPU needed).
 
-    make gpu-report                       # all stages, <= 24 min on one H100 (timeouts: 280+380+330+360+90 s)
+    make gpu-report                       # the verdict: <= 9 min on one H100 (timeouts 170+100+120+80+40 s)
     make gpu-report PART=tests            # one part: tests | bench | bench-124m | bench-1b | train | profile
-    python scripts/gpu_report.py --only tests,profile --deadline-s 570
+    python scripts/gpu_report.py --full   # every row and four trainer runs (~24 min: split it over calls)
     python scripts/gpu_report.py --dry-run-cpu                 # every stage at tiny size on CPU (plumbing)
     python scripts/gpu_report.py --dry-run-cpu --dry-compile=off   # the same without Inductor (faster)
 
 Without CUDA (and without --dry-run-cpu / --merge) it prints one line saying so and exits 0.
 
-Splitting it over device calls of at most 10 minutes (each call may start from a bare machine and an empty
-$OUT, so each writes its own report into $OUT and the reports are merged afterwards, here). About 24 min of
-device time in all, plus a machine start per call:
-    call 1 (<= 6.5 min): python3 scripts/gpu_report.py --only tests,profile \
-                             --out-dir $OUT --deadline-s 570 --git-rev REV
-    call 2 (<= 9.5 min): python3 scripts/gpu_report.py --only bench-124m --timeouts bench-124m=540 \
-                             --out-dir $OUT --deadline-s 570 --git-rev REV
-    call 3 (<= 9.5 min): python3 scripts/gpu_report.py --only bench-1b,train --timeouts bench-1b=220,train=330 \
-                             --out-dir $OUT --deadline-s 570 --git-rev REV
-    here:  python scripts/gpu_report.py --merge <call 1>/report.json <call 2>/report.json <call 3>/report.json
-(REV: `git rev-parse --short HEAD` here: the device's copy of the tree may have no .git. Prefix the
-device commands with PYTHONUNBUFFERED=1 to see progress as it happens.) --deadline-s ends the call's
-last stage in time to write the report before the call's limit. Bench rows run eager first, in priority
-order, so a short budget drops compile rows of the less important setups first; the rows left can be run
-in a later call with `--only bench-124m --bench-rows model:precision:mode,...` (merged by row).
+On a device lent for minutes (each call may start from a bare machine with an empty $OUT): one call,
+    PYTHONUNBUFFERED=1 python3 scripts/gpu_report.py --out-dir $OUT/r --work-dir /tmp/grw --deadline-s 540 \
+        --git-rev REV
+(REV: `git rev-parse --short HEAD` here: the device's copy of the tree may have no .git). --deadline-s ends
+the last stage in time to write the report. `--full` splits over calls with --only, and the reports merge
+here with --merge.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import datetime
 import json
 import os
@@ -70,15 +64,23 @@ from utils.publish import atomic_write_text  # noqa: E402
 STAGES = ("tests", "bench-124m", "bench-1b", "train", "profile")
 PARTS = {"tests": ["tests"], "bench": ["bench-124m", "bench-1b"], "bench-124m": ["bench-124m"],
          "bench-1b": ["bench-1b"], "train": ["train"], "profile": ["profile"], "all": list(STAGES)}
-TIMEOUTS = {"tests": 280, "bench-124m": 380, "bench-1b": 330, "train": 360, "profile": 90}  # 1440 s = 24 min
+# the verdict (default): what decides the goals, in one device call of <= 9 minutes on one H100
+TIMEOUTS = {"tests": 170, "bench-124m": 100, "bench-1b": 120, "train": 80, "profile": 40}  # 510 s
+FULL_TIMEOUTS = {"tests": 280, "bench-124m": 380, "bench-1b": 330, "train": 360, "profile": 90}  # --full: 24 min
+# the bench rows that decide the goals, per config: ours as the trainer runs it compiled, the best HF (compiled),
+# HF + Liger (eager: its fused linear-CE failed under compile with torch 2.11), our references compiled
+# (+ ours eager: the trainer's eager run is compared with it)
+VERDICT_BENCH_ROWS = ("ours:trainer:compile,hf:autocast:compile,hf-liger:autocast:eager,ours-ref:trainer:compile,"
+                      "ours:trainer:eager")
 DRY_TIMEOUTS = {"tests": 240, "bench-124m": 300, "bench-1b": 400, "train": 600, "profile": 240}
 REPORT_FORMAT = 1
 
 # the trainer runs: (name, --fused_kernels, --compile)
-TRAIN_RUNS = (("auto-eager", "auto", False), ("false-eager", "false", False),
-              ("auto-compile", "auto", True), ("false-compile", "false", True))
+FULL_TRAIN_RUNS = (("auto-eager", "auto", False), ("false-eager", "false", False),
+                   ("auto-compile", "auto", True), ("false-compile", "false", True))
+TRAIN_RUNS = (("auto-eager", "auto", False), ("auto-compile", "auto", True))  # the verdict's (--full: all four)
 TRAIN_MODEL = dict(dim=768, n_layers=12, n_heads=12, vocab_size=32000, max_seq_len=1024, batch_size=16)
-TRAIN_STEPS = 30
+TRAIN_STEPS = 25  # the trainer leaves its first 2 steps out of its rate; the summary takes the last two thirds
 DRY_TRAIN_MODEL = dict(dim=64, n_layers=2, n_heads=4, vocab_size=512, max_seq_len=64, batch_size=4)
 DRY_TRAIN_STEPS = 4
 # dry run: the bench stages run the CPU "tiny" config with a few rows each (one with compile)
@@ -237,21 +239,66 @@ class Ctx:
         self.work = args.work_dir
         self.timeout = 0.0  # of the stage being run
         self.deadline = 0.0  # perf_counter() by which the stage must end
+        self.names: list[str] = []  # the stages this invocation runs
+
+
+def _side_work(ctx: Ctx) -> tuple[list[threading.Thread], dict]:
+    """While the GPU tests run (no timing then): fill Inductor's caches with the later stages' compiles
+    (bench/bench_model_gpu.py --prewarm, two rows at a time: a cold 124M/1B compile took most of a bench row)
+    and prepare the trainer runs' data. Threads; their results land in the returned dict."""
+    out: dict = {}
+    threads = []
+    later = set(ctx.names)
+    if not ctx.dry and later & {"bench-124m", "bench-1b", "profile", "train"}:
+        configs = [c for c in ("124m", "1b") if f"bench-{c}" in later or (c == "124m" and later & {"profile", "train"})]
+        rows = ctx.args.bench_rows or ("" if ctx.args.full else VERDICT_BENCH_ROWS)
+
+        def prewarm() -> None:
+            out_json = os.path.join(ctx.work, "prewarm.json")
+            cmd = [ctx.py, "bench/bench_model_gpu.py", "--prewarm", "--parallel", "2", "--configs", ",".join(configs),
+                   "--device", ctx.device, "--json-out", out_json, "--budget-s", str(int(ctx.timeout - 20))]
+            if rows:
+                cmd += ["--rows", rows]
+            r = stream_cmd(cmd, max(10.0, ctx.deadline - time.perf_counter() - 5), ctx.log, "[prewarm] ", env=ctx.env)
+            out["prewarm"] = {"rc": r["rc"], "seconds": r["seconds"], "timed_out": r["timed_out"]}
+            if os.path.exists(out_json):
+                out["prewarm"]["rows"] = load_json(out_json).get("prewarm", [])
+        threads.append(threading.Thread(target=prewarm, daemon=True))
+    if "train" in later:
+        def data() -> None:
+            try:
+                model = DRY_TRAIN_MODEL if ctx.dry else TRAIN_MODEL
+                out["train_data"] = prepare_data(ctx, model["max_seq_len"])
+            except Exception as e:  # noqa: BLE001 - the train stage tries again and reports it
+                out["train_data"] = {"error": str(e)[:300]}
+        threads.append(threading.Thread(target=data, daemon=True))
+    for t in threads:
+        t.start()
+    return threads, out
 
 
 def stage_tests(ctx: Ctx) -> dict:
-    """pytest -m gpu; per-test outcomes from the -v lines (kept even when the stage is killed) and the
-    junit XML when pytest finishes."""
+    """pytest -m gpu (xdist workers when pytest-xdist is there), each failure's reason printed the moment it
+    happens (MYLLM_FAILURES_NOW=1, tests/conftest.py); per-test outcomes from the -v lines (kept even when
+    the stage is killed) and the junit XML when pytest finishes. Beside it: `_side_work`."""
+    threads, side = _side_work(ctx)
     junit = os.path.join(ctx.work, "tests_junit.xml")
     if os.path.exists(junit):
         os.remove(junit)
     target = ["tests/model/test_gpu.py"] if ctx.dry else ["tests"]
-    cmd = [ctx.py, "-m", "pytest", "-v", "-m", "gpu", *target, f"--junitxml={junit}", "-rfE", "--durations=10",
-           "-p", "no:cacheprovider"]
-    r = stream_cmd(cmd, ctx.timeout, ctx.log, "[tests] ", env=ctx.env)
+    workers = [] if ctx.dry or importlib.util.find_spec("xdist") is None else ["-n", "4"]
+    cmd = [ctx.py, "-m", "pytest", "-v", *workers, "-m", "gpu", *target, f"--junitxml={junit}", "-rfE",
+           "--durations=10", "-p", "no:cacheprovider"]
+    r = stream_cmd(cmd, ctx.timeout, ctx.log, "[tests] ", env=dict(ctx.env, MYLLM_FAILURES_NOW="1"))
+    for t in threads:  # the side work ends by the stage's deadline (its commands carry their own timeouts)
+        t.join(max(0.0, ctx.deadline - time.perf_counter()))
     tests: dict[str, dict] = {}
     for m in re.finditer(r"^(tests/\S+::\S+)\s+(PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)", r["output"], re.M):
         tests[m.group(1)] = {"outcome": m.group(2).lower()}
+    # xdist's -v lines: "[gw0] [ 12%] PASSED tests/...::name"
+    for m in re.finditer(r"^\[gw\d+\] \[\s*\d+%\] (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS) (tests/\S+::\S+)",
+                         r["output"], re.M):
+        tests[m.group(2)] = {"outcome": m.group(1).lower()}
     if os.path.exists(junit):
         for tc in ET.parse(junit).getroot().iter("testcase"):
             cls = tc.get("classname", "").replace(".", "/")
@@ -279,7 +326,8 @@ def stage_tests(ctx: Ctx) -> dict:
                     if re.search(r"\d+ (passed|failed|skipped|error)", ln)), "")
     ok = r["rc"] == 0 and not r["timed_out"]
     return {"status": "ok" if ok else ("timed out" if r["timed_out"] else "failed"), "rc": r["rc"],
-            "cmd": " ".join(cmd), "data": {"counts": counts, "tests": tests, "summary": summary.strip("= ")},
+            "cmd": " ".join(cmd), "data": {"counts": counts, "tests": tests, "summary": summary.strip("= "),
+                                           "side": side},
             "error_tail": [] if ok else tail(r["output"], 25)}
 
 
@@ -291,7 +339,7 @@ def _bench_stage(ctx: Ctx, name: str) -> dict:
     cmd = [ctx.py, "bench/bench_model_gpu.py", "--configs", config, "--device", ctx.device,
            "--json-out", out_json, "--budget-s", str(max(10, int(ctx.timeout - 40))),
            "--timeout", str(int(ctx.args.bench_row_timeout))]
-    rows = ctx.args.bench_rows or (DRY_BENCH[name] if ctx.dry else "")
+    rows = ctx.args.bench_rows or (DRY_BENCH[name] if ctx.dry else "" if ctx.args.full else VERDICT_BENCH_ROWS)
     if rows:
         cmd += ["--rows", rows]
     if ctx.dry:
@@ -399,11 +447,12 @@ def stage_train(ctx: Ctx) -> dict:
     data = prepare_data(ctx, seq)
     runs: list[dict] = []
     failed: list[str] = []
-    for i, (name, fused, compile_) in enumerate(TRAIN_RUNS):
+    train_runs = FULL_TRAIN_RUNS if ctx.args.full else TRAIN_RUNS
+    for i, (name, fused, compile_) in enumerate(train_runs):
         out_dir = os.path.join(ctx.work, "train", name)
         shutil.rmtree(out_dir, ignore_errors=True)
         left = ctx.deadline - time.perf_counter()
-        later = len(TRAIN_RUNS) - i - 1
+        later = len(train_runs) - i - 1
         timeout = left - 20 * later  # leave each later run a chance to start and fail fast
         run: dict[str, Any] = {"name": name, "fused_kernels": fused, "compile": compile_}
         if timeout < 15:
@@ -433,7 +482,7 @@ def stage_train(ctx: Ctx) -> dict:
         runs.append(run)
         shutil.rmtree(os.path.join(out_dir, "checkpoints"), ignore_errors=True)  # GBs at 124M; metrics stay
     measured = [r for r in runs if "tokens_per_s_median" in r and "error" not in r]
-    status = "ok" if len(measured) == len(TRAIN_RUNS) else "partial" if measured else "failed"
+    status = "ok" if len(measured) == len(train_runs) else "partial" if measured else "failed"
     return {"status": status, "data": {"runs": runs, "data": data, "model": model, "steps": steps},
             "error_tail": [f"{r['name']}: {r.get('error')}: " + " | ".join(r.get("error_tail", [])[-3:])
                            for r in runs if "error" in r]}
@@ -444,7 +493,7 @@ def stage_profile(ctx: Ctx) -> dict:
     if os.path.exists(out_json):
         os.remove(out_json)
     cmd = [ctx.py, "bench/bench_model_gpu.py", "--profile", "tiny" if ctx.dry else "124m", "--device", ctx.device,
-           "--json-out", out_json, "--profile-rows", "15"]
+           "--json-out", out_json, "--profile-rows", "15", "--profile-mode", "eager" if ctx.dry else "compile"]
     r = stream_cmd(cmd, ctx.timeout, ctx.log, "[profile] ", env=ctx.env)
     data = {}
     if os.path.exists(out_json):
@@ -587,7 +636,7 @@ def render(report: dict) -> str:
     L += ["", f"Sum of the stages' wall times: {total:.0f} s ({total / 60:.1f} min).", ""]
     L += render_tests(stages.get("tests"))
     L += render_bench(stages.get("bench-124m"), stages.get("bench-1b"))
-    L += render_train(stages.get("train"))
+    L += render_train(stages.get("train"), stages.get("bench-124m"))
     L += render_profile(stages.get("profile"))
     L += render_failures(stages)
     return "\n".join(L) + "\n"
@@ -653,7 +702,7 @@ def render_bench(a: Optional[dict], b: Optional[dict]) -> list[str]:
     return L + [""]
 
 
-def render_train(st: Optional[dict]) -> list[str]:
+def render_train(st: Optional[dict], bench: Optional[dict] = None) -> list[str]:
     L = ["## 3. Trainer (`train_my_ddp.py`, bf16, tokens/s and MFU from metrics.jsonl)", ""] + _not_run(st)
     if st is None:
         return L
@@ -662,7 +711,7 @@ def render_train(st: Optional[dict]) -> list[str]:
     L += [f"Status: {st.get('status')}, {st.get('seconds')} s. {d.get('steps')} steps of "
           f"{', '.join(f'{k} {v}' for k, v in m.items())}; data: {data.get('source', '-')}. tokens/s: the median "
           "step over the steps after the first third (compile excluded) and the trainer's own 20-step window at "
-          "the last step (with fewer than 21 steps it includes the first, compiling, step); MFU at that median "
+          "the last step (device-timed; the process's first 2 steps are never in it); MFU at that median "
           "rate and the window's, against the trainer's peak (model/flops.py).", "",
           "| run | --fused_kernels | --compile | tokens/s (median) | tokens/s (window) | MFU (median) | MFU (window) | "
           "first step s (compile) | peak MiB | loss first -> last | wall s |",
@@ -684,11 +733,20 @@ def render_train(st: Optional[dict]) -> list[str]:
                  f"{r['tokens_per_s_window']:,} | {mfu_m} | {mfu_w} | {_fmt(r.get('first_step_s'))} | {_fmt(mem)} | "
                  f"{r.get('loss_first')} -> {r.get('loss_last')} | {_fmt(r.get('wall_s'))} |")
     tps = {n: r.get("tokens_per_s_median", 0) for n, r in by.items()}
-    L += ["", "| ratio (median tokens/s) | value |", "| --- | --- |",
-          f"| fused auto / false, eager | {_ratio(tps.get('auto-eager'), tps.get('false-eager'))} |",
+    ratios = [f"| fused auto / false, eager | {_ratio(tps.get('auto-eager'), tps.get('false-eager'))} |",
           f"| fused auto / false, compile | {_ratio(tps.get('auto-compile'), tps.get('false-compile'))} |",
           f"| compile / eager, auto | {_ratio(tps.get('auto-compile'), tps.get('auto-eager'))} |",
-          f"| compile / eager, false | {_ratio(tps.get('false-compile'), tps.get('false-eager'))} |", ""]
+          f"| compile / eager, false | {_ratio(tps.get('false-compile'), tps.get('false-eager'))} |"]
+    wins = {n: r.get("tokens_per_s_window", 0) for n, r in by.items()}
+    rows = {(r.get("model"), r.get("precision"), r.get("mode")): r.get("tokens_per_s", 0)
+            for r in (bench or {}).get("data", {}).get("rows", []) if r.get("config") == "124m"}
+    for mode in ("eager", "compile"):  # same model shape (TRAIN_MODEL = the bench's 124m), precision and mode
+        b = rows.get(("ours", "trainer", mode))
+        if b and f"auto-{mode}" in by:
+            ratios.append(f"| trainer / bench row ours-trainer-{mode}, 124m (median; window) | "
+                          f"{_ratio(tps.get(f'auto-{mode}'), b)}; {_ratio(wins.get(f'auto-{mode}'), b)} |")
+    L += ["", "| ratio (median tokens/s) | value |", "| --- | --- |"] + [r for r in ratios if not r.endswith("| - |")]
+    L.append("")
     kern = [(n, r.get("kernels")) for n, r in by.items() if r.get("kernels")]
     if kern:
         L += ["What each run chose (its `[kernels]` line):", ""] + [f"- {n}: `{k}`" for n, k in kern] + [""]
@@ -696,7 +754,8 @@ def render_train(st: Optional[dict]) -> list[str]:
 
 
 def render_profile(st: Optional[dict]) -> list[str]:
-    L = ["## 4. Profile (`torch.profiler`, one eager trainer step of ours, after 3 warm-up steps)", ""] + _not_run(st)
+    mode = (st or {}).get("data", {}).get("mode", "eager")
+    L = [f"## 4. Profile (`torch.profiler`, one {mode} trainer step of ours, after 3 warm-up steps)", ""] + _not_run(st)
     if st is None:
         return L
     d = st.get("data", {})
@@ -781,6 +840,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--bench-rows", default="", help="bench stages: run only these rows (model:precision:mode,...)")
     p.add_argument("--bench-row-timeout", type=float, default=300, help="seconds per bench row")
     p.add_argument("--git-rev", default="", help="the revision to print when this tree has no .git")
+    p.add_argument("--full", action="store_true", help="every bench row (ours/ours-ref/HF/HF+Liger x precision x "
+                   "mode) and four trainer runs, with the longer timeouts (~24 min); default: the verdict in <= 9 min")
     args = p.parse_args(argv)
 
     default_out = "gpu_report_cpu_dry_run" if args.dry_run_cpu else "gpu_report"
@@ -808,7 +869,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             p.error(f"unknown part {part!r}; choose from {', '.join(PARTS)}")
         names += [n for n in PARTS[part] if n not in names]
     names = [n for n in STAGES if n in names]
-    timeouts = parse_timeouts(args.timeouts, DRY_TIMEOUTS if args.dry_run_cpu else TIMEOUTS)
+    timeouts = parse_timeouts(args.timeouts, DRY_TIMEOUTS if args.dry_run_cpu else FULL_TIMEOUTS if args.full
+                              else TIMEOUTS)
     os.makedirs(args.out_dir, exist_ok=True)
     os.makedirs(args.work_dir, exist_ok=True)
     log = Log(os.path.join(args.out_dir, "log.txt"))
@@ -832,6 +894,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     run_index = len(report.get("runs", []))
     report.setdefault("runs", []).append(meta)
     ctx = Ctx(args, log, env)
+    ctx.names = names
     deadline = args.deadline_s - (time.perf_counter() - t0) if args.deadline_s else 0
     old_stages = dict(report.get("stages", {}))
 

@@ -169,9 +169,10 @@ def test_cpu_dry_run_writes_every_section_with_numbers(tmp_path):
     # ours and HF start from the same weights and batch: the same first loss (bf16 rounding apart)
     assert abs(ours["first_loss"] - hf["first_loss"]) < 0.02
     runs = rep["stages"]["train"]["data"]["runs"]
-    assert [x["name"] for x in runs] == ["auto-eager", "false-eager", "auto-compile", "false-compile"]
+    assert [x["name"] for x in runs] == ["auto-eager", "auto-compile"]  # the verdict's two (--full: four)
     assert all(x["tokens_per_s_median"] > 0 and x["mfu_window"] > 0 and x["steps"] == 4 for x in runs)
-    assert "cross_entropy chunked" in runs[0]["kernels"] and "reference PyTorch paths" in runs[1]["kernels"]
+    assert "cross_entropy chunked" in runs[0]["kernels"]
+    assert rep["stages"]["tests"]["data"]["side"]["train_data"]["data_dir"]  # prepared beside the tests
     prof = rep["stages"]["profile"]["data"]
     assert prof["top"] and prof["top"][0]["self_ms"] > 0 and "Self CPU time total" in prof["table"]
     assert "## Failures\n\nNone." in md

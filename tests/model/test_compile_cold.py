@@ -29,7 +29,7 @@ EXPECTED_OPS = {
     "auto": {"chunked_linear_cross_entropy"},  # CPU: auto = the autograd Functions + chunked CE
     "true": {"chunked_linear_cross_entropy"},
     "torch": {"chunked_linear_cross_entropy"},
-    "triton": {"rms_norm", "add_rms_norm", "rope", "swiglu", "linear_cross_entropy"},
+    "triton": {"rms_norm", "add_rms_norm", "rope", "swiglu_packed", "linear_cross_entropy"},  # gate/up packed (fused_qkv)
     "false": set(),
 }
 

@@ -14,7 +14,6 @@ import sys
 import textwrap
 
 import pytest
-import torch
 
 from tests.conftest import ROOT
 
@@ -25,7 +24,7 @@ _SCRIPT = textwrap.dedent("""
     from parallel.engine import build_engine
     from train_config import TrainConfig
     from train_my_ddp import new_model_config
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device({device!r})
     values = ["auto", "torch", "false"] + (["triton"] if device.type == "cuda" else [])
     out = {{"checked_before_build": kernels._FLASH_CHECKED}}
     g = torch.Generator().manual_seed(0)
@@ -49,13 +48,14 @@ _SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.slow
-def test_engine_wrapped_model_and_loss_compile_with_zero_breaks_from_a_cold_process():
-    r = subprocess.run([sys.executable, "-c", _SCRIPT.format(root=ROOT)], cwd=ROOT, capture_output=True, text=True,
-                       timeout=900)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_engine_wrapped_model_and_loss_compile_with_zero_breaks_from_a_cold_process(device):
+    r = subprocess.run([sys.executable, "-c", _SCRIPT.format(root=ROOT, device=device)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=900)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     assert r.returncode == 0 and lines, r.stderr[-3000:]
     out = json.loads(lines[-1][len("RESULT "):])
     assert out.pop("checked_before_build") is False  # a cold process: nothing detected yet
     assert out.pop("checked_after_build") is True    # building the model detected flash-attn, outside any trace
-    values = ["auto", "torch", "false"] + (["triton"] if torch.cuda.is_available() else [])
+    values = ["auto", "torch", "false"] + (["triton"] if device == "cuda" else [])
     assert out == {v: [1, 0, []] for v in values}, out

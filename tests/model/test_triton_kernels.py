@@ -396,8 +396,29 @@ def test_model_swiglu_gets_the_fused_gate_up_matmul_output_in_place(monkeypatch)
     assert len(fwd.launches) == len(bwd.launches) == cfg.n_layers
     for launch in fwd.launches:  # GATE, UP, Y, n_cols, g_stride, u_stride, y_stride
         assert launch[4] == launch[5] == 2 * cfg.hidden_dim and launch[1][0] - launch[0][0] == cfg.hidden_dim * 4
-    for launch in bwd.launches:  # DY, GATE, UP, DGATE, DUP, n_cols, dy_stride, g_stride, u_stride, ...
+    for launch in bwd.launches:  # DY, GATE, UP, DGATE, DUP, n_cols, dy_stride, g_stride, u_stride, dg, du
         assert launch[7] == launch[8] == 2 * cfg.hidden_dim
+        # the two gradients are the halves of one [rows, 2H] buffer (packed): no concatenation after
+        assert launch[9] == launch[10] == 2 * cfg.hidden_dim and launch[4][0] - launch[3][0] == cfg.hidden_dim * 4
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swiglu_packed_equals_the_halves_and_copies_nothing(dtype):
+    """swiglu_packed(gate_up) == swiglu(*gate_up.chunk(2)) forward and backward (the gradient of the packed
+    tensor), with no aten copy or concatenation: its backward writes the one [.., 2H] gradient."""
+    from torch.profiler import ProfilerActivity, profile
+    g = torch.Generator().manual_seed(13)
+    fused, gy = 3 * torch.randn(2, 3, 2 * 40, generator=g), torch.randn(2, 3, 40, generator=g)
+    check_against_reference("swiglu packed", tk.swiglu_packed, lambda gu: kernels.swiglu_ref(*gu.chunk(2, dim=-1)),
+                            [fused], [gy], [dtype])
+    x = leaf(fused, dtype)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        tk.swiglu_packed(x).backward(gy.to(dtype))
+    names = [e.name for e in prof.events()]
+    assert not any(n in ("aten::cat", "aten::contiguous", "aten::clone") for n in names), names
+    with pytest.raises(ValueError, match="2 x hidden"):
+        tk.swiglu_packed(torch.ones(2, 5))
 
 
 # ----------------------------------------------------------------------------- torch.library checks
@@ -422,6 +443,8 @@ def _opcheck_cases(device=CPU):
         (torch.ops.myllm.swiglu.default, tuple(leaf(r(3, 80)).chunk(2, dim=-1))),  # strided: the model's layout
         (torch.ops.myllm.swiglu_backward.default, (r(3, 40), r(3, 40), r(3, 40))),
         (torch.ops.myllm.swiglu_backward.default, (r(3, 40), *r(3, 80).chunk(2, dim=-1))),
+        (torch.ops.myllm.swiglu_packed.default, (leaf(r(3, 80)),)),
+        (torch.ops.myllm.swiglu_packed_backward.default, (r(3, 40), r(3, 80))),
     ]
 
 
@@ -430,7 +453,7 @@ def test_opcheck_every_op():
     cases = _opcheck_cases()
     assert {op._schema.name for op, _ in cases} == {
         "myllm::rms_norm", "myllm::add_rms_norm", "myllm::rms_norm_backward", "myllm::rope",
-        "myllm::swiglu", "myllm::swiglu_backward"}
+        "myllm::swiglu", "myllm::swiglu_backward", "myllm::swiglu_packed", "myllm::swiglu_packed_backward"}
     for op, args in cases:
         torch.library.opcheck(op, args)
 
