@@ -228,10 +228,25 @@ if TRITON_AVAILABLE:
         op.register_autograd(backward, setup_context=setup_context)
         _AUTOGRAD[name] = (setup_context, backward)
 
+    try:  # a triton_op's body launches through wrap_triton, which dispatches a higher-order op per launch
+        # unless told not to (~1 ms each in eager, torch's note); the op's own eager kernel turns it off
+        from torch._library.triton import set_wrap_triton_enabled as _set_wrap_triton_enabled
+    except ImportError:  # an older torch: the launches go through the higher-order op (slower, the same result)
+        _set_wrap_triton_enabled = None
+
+    def _run_raw(name: str, *args):
+        """Op `name`'s Python body with plain kernel launches (as the registered op runs it in eager)."""
+        if _set_wrap_triton_enabled is None or _INTERPRET:
+            return _RAW[name](*args)
+        with _set_wrap_triton_enabled(False):
+            return _RAW[name](*args)
+
     def _bwd(ctx, name: str):
         """The backward op `name`: its Python body under `_EagerOp`, else the registered op (traced by
         torch.compile)."""
-        return _RAW[name] if getattr(ctx, "eager", False) else getattr(torch.ops.myllm, name)
+        if getattr(ctx, "eager", False):
+            return lambda *args: _run_raw(name, *args)
+        return getattr(torch.ops.myllm, name)
 
     class _EagerOp(torch.autograd.Function):
         """An op's body, setup_context and backward as a plain autograd.Function: what an eager call runs.
@@ -241,7 +256,7 @@ if TRITON_AVAILABLE:
 
         @staticmethod
         def forward(ctx, name, *args):
-            out = _RAW[name](*args)
+            out = _run_raw(name, *args)
             setup_context, _ = _AUTOGRAD[name]
             ctx.eager, ctx.op_name = True, name
             ctx.set_materialize_grads(False)

@@ -537,3 +537,25 @@ def test_gpu_opcheck_every_op():
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_gpu_torch_compile_fullgraph_matches_eager(backend):
     _compile_matches_eager(backend, GPU)
+
+
+@needs_interpreter
+def test_eager_calls_launch_kernels_directly_not_through_the_higher_order_op(monkeypatch):
+    """On a GPU, an op body's launches go through torch.library.wrap_triton, which dispatches a higher-order
+    op per launch (~1 ms in eager) unless wrap_triton is switched off, as the registered op does for itself.
+    The eager path (_EagerOp) must switch it off too, forward and backward. The interpreter launches directly,
+    so the GPU's launcher is stood in for: it records the switch at every launch."""
+    from torch._library.triton import is_wrap_triton_enabled
+    seen = []
+
+    def launcher(kernel):
+        seen.append(is_wrap_triton_enabled())
+        return kernel
+    monkeypatch.setattr(tk, "_INTERPRET", False)
+    monkeypatch.setattr(tk, "_launch", launcher)
+    g = torch.Generator().manual_seed(14)
+    x, w = leaf(torch.randn(6, 40, generator=g)), leaf(torch.randn(40, generator=g))
+    y, h = tk.add_rms_norm(x, leaf(torch.randn(6, 40, generator=g)), w, 1e-6)
+    (tk.rms_norm(y, w, 1e-6).sum() + tk.swiglu_packed(leaf(torch.randn(6, 80, generator=g))).sum()
+     + h.sum()).backward()
+    assert len(seen) == 6 and not any(seen), seen  # 3 forward and 3 backward launches, none through the HOP
