@@ -200,6 +200,23 @@ if TRITON_AVAILABLE:
                  mask=mask)
         tl.store(DUP + row * du_stride + cols, (dy * silu).to(DUP.dtype.element_ty), mask=mask)
 
+    @triton.jit
+    def _swiglu_packed_bwd_kernel(DY, GU, DGU, n_cols, dy_stride, gu_stride, dgu_stride, BLOCK: tl.constexpr):
+        """_swiglu_bwd_kernel on the packed layout: row r of GU is [gate | up] (2 * n_cols), and d gate / d up
+        are written to the two halves of the same row of DGU (one tensor: no views of an output are handed
+        to the kernel, which torch.compile's functionalization of a triton_op would have to follow)."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        dy = tl.load(DY + row * dy_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(GU + row * gu_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(GU + row * gu_stride + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(g)
+        silu = g * sig
+        dst = DGU + row * dgu_stride + cols
+        tl.store(dst, (dy * u * sig * (1.0 + g * (1.0 - sig))).to(DGU.dtype.element_ty), mask=mask)
+        tl.store(dst + n_cols, (dy * silu).to(DGU.dtype.element_ty), mask=mask)
+
     # ------------------------------------------------------------------------------------- op helpers
     _INTERPRET = not isinstance(_rms_norm_fwd_kernel, triton.runtime.jit.JITFunction)
 
@@ -499,9 +516,8 @@ if TRITON_AVAILABLE:
         dgu = torch.empty(gu.shape, dtype=gate_up.dtype, device=gate_up.device)
         if rows and H:
             block = _swiglu_block(H)
-            _launch(_swiglu_bwd_kernel)[(rows, triton.cdiv(H, block))](
-                dy2, gu[:, :H], gu[:, H:], dgu[:, :H], dgu[:, H:], H, dy2.stride(0), gu.stride(0), gu.stride(0),
-                dgu.stride(0), dgu.stride(0), BLOCK=block)
+            _launch(_swiglu_packed_bwd_kernel)[(rows, triton.cdiv(H, block))](
+                dy2, gu, dgu, H, dy2.stride(0), gu.stride(0), dgu.stride(0), BLOCK=block)
         return dgu.view(gate_up.shape)
 
     def _swiglu_packed_setup(ctx, inputs, output):

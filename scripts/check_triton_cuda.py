@@ -81,6 +81,9 @@ def _variants():
                    dy_stride="i32", g_stride="i32", u_stride="i32", dg_stride="i32", du_stride="i32",
                    BLOCK="constexpr")
         out.append((f"swiglu_bwd {a}", tk._swiglu_bwd_kernel, sig, dict(BLOCK=tk._SWIGLU_BLOCK), 4))
+        sig = dict(DY=f"*{a}", GU=f"*{a}", DGU=f"*{a}", n_cols="i32", dy_stride="i32", gu_stride="i32",
+                   dgu_stride="i32", BLOCK="constexpr")
+        out.append((f"swiglu_packed_bwd {a}", tk._swiglu_packed_bwd_kernel, sig, dict(BLOCK=tk._SWIGLU_BLOCK), 4))
     # linear + CE: the three modes the op launches (forward with and without gradients, backward of "none")
     for vocab in (32000, 128256):
         block = min(tlo.MAX_BLOCK_V, triton.next_power_of_2(vocab))
@@ -97,7 +100,8 @@ def _variants():
     return out
 
 
-_QUICK = ("D=8192 x=bf16 w=fp32", "H=64 Hkv=8 D=128 bf16", "swiglu_fwd bf16", "swiglu_bwd bf16", "V=128256 bf16")
+_QUICK = ("D=8192 x=bf16 w=fp32", "H=64 Hkv=8 D=128 bf16", "swiglu_fwd bf16", "swiglu_bwd bf16",
+          "swiglu_packed_bwd bf16", "V=128256 bf16")
 _PTXAS_LINE = re.compile(r"Used (\d+) registers")
 _SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 _SMEM = re.compile(r"(\d+) bytes smem")

@@ -384,9 +384,9 @@ def test_model_swiglu_gets_the_fused_gate_up_matmul_output_in_place(monkeypatch)
     """In the model (fused_qkv: one matmul for gate and up), every SwiGLU launch reads the matmul's
     output through its row stride 2 * hidden_dim: no copy of gate or up anywhere, forward or backward."""
     from model import ModelConfig, Transformer
-    fwd, bwd = _LaunchSpy(tk._swiglu_fwd_kernel), _LaunchSpy(tk._swiglu_bwd_kernel)
+    fwd, bwd = _LaunchSpy(tk._swiglu_fwd_kernel), _LaunchSpy(tk._swiglu_packed_bwd_kernel)
     monkeypatch.setattr(tk, "_swiglu_fwd_kernel", fwd)
-    monkeypatch.setattr(tk, "_swiglu_bwd_kernel", bwd)
+    monkeypatch.setattr(tk, "_swiglu_packed_bwd_kernel", bwd)
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=8, multiple_of=16,
                       kernel_backend="triton", loss_chunk_size=8)
@@ -396,10 +396,9 @@ def test_model_swiglu_gets_the_fused_gate_up_matmul_output_in_place(monkeypatch)
     assert len(fwd.launches) == len(bwd.launches) == cfg.n_layers
     for launch in fwd.launches:  # GATE, UP, Y, n_cols, g_stride, u_stride, y_stride
         assert launch[4] == launch[5] == 2 * cfg.hidden_dim and launch[1][0] - launch[0][0] == cfg.hidden_dim * 4
-    for launch in bwd.launches:  # DY, GATE, UP, DGATE, DUP, n_cols, dy_stride, g_stride, u_stride, dg, du
-        assert launch[7] == launch[8] == 2 * cfg.hidden_dim
-        # the two gradients are the halves of one [rows, 2H] buffer (packed): no concatenation after
-        assert launch[9] == launch[10] == 2 * cfg.hidden_dim and launch[4][0] - launch[3][0] == cfg.hidden_dim * 4
+    for launch in bwd.launches:  # DY, GU, DGU, n_cols, dy_stride, gu_stride, dgu_stride: the packed backward
+        # reads the matmul's output in place and writes both gradients into one [rows, 2H] buffer (no concatenation)
+        assert launch[3] == cfg.hidden_dim and launch[5] == launch[6] == 2 * cfg.hidden_dim
 
 
 @needs_interpreter
