@@ -163,6 +163,11 @@ class TrainConfig:
     wandb_run_name: str = _f("", "W&B run name (default: W&B's own)")
     progress: bool = _f(True, "progress bar with ETA on rank 0 (when stdout is a terminal)")
     device: str = _f("auto", "auto | cpu | cuda | cuda:N")
+    threads: int = _f(0, "CPU compute threads per process (0 = auto: OMP_NUM_THREADS when set, as torchrun sets it "
+                      "per rank; else the cores this process may use, shared among the node's ranks, and on CPU "
+                      "one thread while that is measured faster: beside other busy processes PyTorch's spinning "
+                      "threads train several times slower; not with --deterministic=true). Said in the [layout] "
+                      "line; a fixed count keeps a CPU run bit-reproducible (README \"CPU threads\")")
     peak_flops: float = _f(0.0, "peak FLOP/s per device for MFU (0 = the data-sheet table for known GPUs, else a "
                            "measured matmul peak cached in <out_dir>/peak_flops.json: an estimate, MFU shown as mfu~)")
 
@@ -597,6 +602,7 @@ def _numbers_and_extras(cfg: TrainConfig, p: _Problems, torch_free: bool) -> Non
     if math.isfinite(cfg.num_train_epochs) and cfg.num_train_epochs > MAX_EPOCHS:
         p.append(f"--num_train_epochs={cfg.num_train_epochs:g}: must be <= {MAX_EPOCHS:g}")
     p.at_least("sample_every", 0)
+    p.at_least("threads", 0)
     p.at_least("sample_max_new_tokens", 1)
     p.number("sample_temperature", 0.0, what="must be a finite number >= 0 (0 = greedy)")
     if cfg.sample_every > 0:

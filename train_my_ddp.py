@@ -402,9 +402,10 @@ def dpo_reference(cfg: TrainConfig, init_info: dict, log) -> Optional[Any]:
     return ref_model.requires_grad_(False).eval()
 
 
-def place_on_engine(cfg: TrainConfig, info: DistInfo, model, ref_model, log) -> tuple[Any, Any]:
+def place_on_engine(cfg: TrainConfig, info: DistInfo, model, ref_model, log, threads: str = "") -> tuple[Any, Any]:
     """(engine, reference model laid out like the policy): the precision policy, the kernel and layout
-    lines, and our DDP / FSDP / pipeline stages behind one interface (parallel/engine.py)."""
+    lines (the layout line ends with `threads`, set_threads' words), and our DDP / FSDP / pipeline stages
+    behind one interface (parallel/engine.py)."""
     dtype = parse_dtype(cfg.dtype)
     slow_dtype = low_precision_cpu_warning(info.device, dtype)
     if slow_dtype:
@@ -426,7 +427,7 @@ def place_on_engine(cfg: TrainConfig, info: DistInfo, model, ref_model, log) -> 
         engine = build_engine(model, cfg, device=info.device)
     except ValueError as e:  # a layout that cannot run (e.g. a checkpoint's layers do not split into stages)
         raise TrainingError(f"bad parallel configuration: {_one_line(e)}", EXIT_BAD_CONFIG) from e
-    log(describe_layout(cfg, engine, info.world_size))
+    log(describe_layout(cfg, engine, info.world_size) + (f"; {threads}" if threads else ""))
     if ref_model is not None:  # DPO: the frozen reference, sharded like the policy under fsdp
         ref_model = engine.place_reference(ref_model, info.device, dtype)
         log(f"[dpo] reference model: {engine.reference_layout()} on each of {engine.dp_size} rank(s), "
@@ -498,6 +499,22 @@ def _load_checkpoint(cfg: TrainConfig, info: DistInfo, engine, resume_dir: str, 
                             EXIT_BAD_CONFIG) from e
 
 
+def set_threads(cfg: TrainConfig, info: DistInfo, log) -> tuple[str, Any]:
+    """The CPU compute threads of this process (utils/threads.py), set now: --threads, else OMP_NUM_THREADS
+    as torchrun sets it, else the usable cores, and then (CPU runs, not --deterministic) a ThreadTuner that
+    trains on one thread while that is measured faster (other processes compete for the cores). Warns once
+    (rank 0) when the machine is oversubscribed. Returns (the words of the [layout] line, the tuner or None)."""
+    from utils.threads import ThreadTuner, choose_threads, describe_threads, oversubscription_warning
+    choice = choose_threads(cfg.threads)
+    torch.set_num_threads(choice.threads)
+    fixed = choice.source in ("--threads", "OMP_NUM_THREADS") or cfg.deterministic
+    tuner = ThreadTuner(choice.threads) if not fixed and choice.threads > 1 and info.device.type == "cpu" else None
+    busy = oversubscription_warning(choice.threads)
+    if busy:
+        log(f"[warning] threads: {busy}")
+    return describe_threads(choice, adaptive=tuner is not None), tuner
+
+
 def _rank0_log(info: DistInfo):
     def log(msg: str) -> None:
         if info.is_main:
@@ -516,6 +533,7 @@ def train(cfg: TrainConfig, info: DistInfo, continues: Optional[bool] = None, ma
     validate_config(cfg, world_size=info.world_size)
     if cfg.deterministic:
         torch.use_deterministic_algorithms(True)
+    threads, tuner = set_threads(cfg, info, log)
     os.makedirs(cfg.out_dir, exist_ok=True)
     from tokenizer import load_tokenizer_meta
     try:
@@ -529,7 +547,7 @@ def train(cfg: TrainConfig, info: DistInfo, continues: Optional[bool] = None, ma
     model, init_info = build_model(cfg, info, start, tok_meta, log)
     model_cfg = model.cfg
     lora_base = choose_trainable(cfg, model, init_info, start, log)
-    engine, ref_model = place_on_engine(cfg, info, model, dpo_reference(cfg, init_info, log), log)
+    engine, ref_model = place_on_engine(cfg, info, model, dpo_reference(cfg, init_info, log), log, threads)
     del model  # the engine holds what this rank runs (under pp the other stages' layers are freed)
     engine.lora_base = lora_base
     optimizer = engine.optimizer
@@ -554,6 +572,7 @@ def train(cfg: TrainConfig, info: DistInfo, continues: Optional[bool] = None, ma
                             resume_step=progress.step if start.continues else None)
     loop = Loop(cfg, info, engine, ref_model, model_cfg, train_loader, make_val_loader, metrics, progress, init_info,
                 log)
+    loop.tuner = tuner
     loop.announce(saved_max_iters=int(start.saved_cfg.get("max_iters") or 0))
 
     # ---- graceful stop: finish the step, save, exit 75
@@ -617,6 +636,7 @@ class Loop:
         self.resumed_from = {"step": progress.step, "data_step": progress.data_step}
         self.loss_fn = lambda model, batch: micro_batch_loss(cfg, model, ref_model, batch, info.device)  # noqa: E731
         self.pbar = None
+        self.tuner = None  # utils/threads.ThreadTuner: the thread count chosen by measuring (set by train())
         self.t_last = time.time()
 
     def restart_clock(self) -> None:
@@ -669,6 +689,8 @@ class Loop:
         """One optimizer step; returns its metrics row (before evaluation)."""
         cfg, info, engine, p = self.cfg, self.info, self.engine, self.progress
         _fire_step_faults(p.step + 1)
+        if self.tuner is not None and self.tuner.threads_for_next_step() != torch.get_num_threads():
+            torch.set_num_threads(self.tuner.threads_for_next_step())
         lr = lr_at(p.step, **self.lr_kw)
         engine.optimizer.set_lr(lr)
         batches, skipped = self._draw()
@@ -696,6 +718,8 @@ class Loop:
         now = time.time()
         dt, self.t_last = max(1e-9, now - self.t_last), now  # this step on the host clock (the raw, per-step rate)
         tps_avg = self.throughput.add(self.timer.lap(step_tokens))  # the window's rate, warm-up steps excluded
+        if self.tuner is not None:
+            self._tune_threads(dt, step_tokens)
         rec: dict[str, Any] = {"step": p.step, "loss": stats["loss"], "lr": lr, "grad_norm": grad_norm,
                                "stepped": bool(stepped), "tokens_per_sec": step_tokens / dt,
                                "tokens_seen": p.tokens_seen}
@@ -711,6 +735,15 @@ class Loop:
         if p.step % cfg.log_interval == 0 or p.step <= TIMING_WARMUP_STEPS + 1:
             rec.update(memory_stats(info.device))  # the allocator's statistics: built anew on each call
         return rec
+
+    def _tune_threads(self, seconds: float, tokens: float) -> None:
+        """Feed this step's time to the ThreadTuner; a switch it keeps is one log line."""
+        kept = len(self.tuner.changes)
+        self.tuner.record(seconds, tokens)
+        if len(self.tuner.changes) > kept:
+            _, old, new, r_old, r_new = self.tuner.changes[-1]
+            self.log(f"[threads] {old} -> {new} thread{'s' if new != 1 else ''} at step {self.progress.step}: "
+                     f"{r_old:,.0f} -> {r_new:,.0f} tokens/s measured (measured again now and then)")
 
     def _check_loss(self, loss: float) -> None:
         """--spike_guard: a spike records the step and exits 76 (the supervisor rolls back); a non-finite

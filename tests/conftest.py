@@ -15,11 +15,17 @@ if ROOT not in sys.path:
 # importing torch): on 2 cores shared by 2 pytest workers the pool costs more CPU than it saves (measured on
 # the cold-compile test: 98 s of CPU with the pool, 84 s without). Subprocesses inherit it.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# OpenMP threads sleep while they wait: a test run's spinning threads would slow the other workers' processes on
+# the shared cores (README "CPU threads"). Read when torch loads libgomp.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+# the trainer takes its thread count from OMP_NUM_THREADS when set (else every usable core): runs in this
+# process and the processes the tests start get this worker's share of the cores
+os.environ.setdefault("OMP_NUM_THREADS", str(max(1, min(2, (os.cpu_count() or 1) // _WORKERS))))
 
 import torch  # noqa: E402
 
-_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 if not torch.cuda.is_available():
     # Triton kernels are tested on CPU tensors in Triton's interpreter; it must be chosen before triton is
     # imported. On a GPU machine the kernels compile for real (and the CPU-interpreter tests skip).
