@@ -61,18 +61,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from scripts.corpus_slice import write_corpus_slice  # noqa: E402
 from utils.publish import atomic_write_text  # noqa: E402
-STAGES = ("tests", "bench-124m", "bench-1b", "train", "profile")
+STAGES = ("tests", "bench-124m", "bench-1b", "train", "profile", "kernels")
 PARTS = {"tests": ["tests"], "bench": ["bench-124m", "bench-1b"], "bench-124m": ["bench-124m"],
-         "bench-1b": ["bench-1b"], "train": ["train"], "profile": ["profile"], "all": list(STAGES)}
+         "bench-1b": ["bench-1b"], "train": ["train"], "profile": ["profile"], "kernels": ["kernels"],
+         "all": list(STAGES)}
 # the verdict (default): what decides the goals, in one device call of <= 9 minutes on one H100
-TIMEOUTS = {"tests": 170, "bench-124m": 100, "bench-1b": 120, "train": 80, "profile": 40}  # 510 s
-FULL_TIMEOUTS = {"tests": 280, "bench-124m": 380, "bench-1b": 330, "train": 360, "profile": 90}  # --full: 24 min
+TIMEOUTS = {"tests": 160, "bench-124m": 100, "bench-1b": 120, "train": 80, "profile": 40, "kernels": 45}  # 545 s
+FULL_TIMEOUTS = {"tests": 280, "bench-124m": 380, "bench-1b": 330, "train": 360, "profile": 90,
+                 "kernels": 120}  # --full: 26 min
 # the bench rows that decide the goals, per config: ours as the trainer runs it compiled, the best HF (compiled),
 # HF + Liger (eager: its fused linear-CE failed under compile with torch 2.11), our references compiled
 # (+ ours eager: the trainer's eager run is compared with it)
 VERDICT_BENCH_ROWS = ("ours:trainer:compile,hf:autocast:compile,hf-liger:autocast:eager,ours-ref:trainer:compile,"
                       "ours:trainer:eager")
-DRY_TIMEOUTS = {"tests": 240, "bench-124m": 300, "bench-1b": 400, "train": 600, "profile": 240}
+DRY_TIMEOUTS = {"tests": 240, "bench-124m": 300, "bench-1b": 400, "train": 600, "profile": 240, "kernels": 300}
 REPORT_FORMAT = 1
 
 # the trainer runs: (name, --fused_kernels, --compile)
@@ -108,9 +110,9 @@ class Log:
 
 
 def stream_cmd(cmd: list[str], timeout: float, log: Log, prefix: str, env: Optional[dict] = None,
-               cwd: str = ROOT) -> dict:
-    """Run `cmd` in its own process group, echoing its output (prefixed) and keeping it; on timeout the
-    whole group is killed. Returns {rc, output, timed_out, seconds}."""
+               cwd: str = ROOT, echo: bool = True) -> dict:
+    """Run `cmd` in its own process group, echoing its output (prefixed; echo=False: to log.txt only) and
+    keeping it; on timeout the whole group is killed. Returns {rc, output, timed_out, seconds}."""
     t0 = time.perf_counter()
     log(f"{prefix}$ {' '.join(cmd)}  (timeout {timeout:.0f} s)")
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd, env=env,
@@ -121,7 +123,7 @@ def stream_cmd(cmd: list[str], timeout: float, log: Log, prefix: str, env: Optio
         for line in p.stdout:  # type: ignore[union-attr]
             line = line.rstrip("\n")
             lines.append(line)
-            log(f"{prefix}{line}")
+            log(f"{prefix}{line}", echo=echo)
     th = threading.Thread(target=pump, daemon=True)
     th.start()
     timed_out = False
@@ -264,6 +266,13 @@ def _side_work(ctx: Ctx) -> tuple[list[threading.Thread], dict]:
             if os.path.exists(out_json):
                 out["prewarm"]["rows"] = load_json(out_json).get("prewarm", [])
         threads.append(threading.Thread(target=prewarm, daemon=True))
+    if not ctx.dry and "kernels" in later:
+        def kernels() -> None:  # the per-op bench's small graphs, compiled once into the caches
+            cmd = [ctx.py, "bench/bench_kernels_gpu.py", "--device", ctx.device, "--iters", "1", "--warmup", "0"]
+            r = stream_cmd(cmd, max(10.0, ctx.deadline - time.perf_counter() - 5), ctx.log, "[prewarm kernels] ",
+                           env=ctx.env, echo=False)
+            out["prewarm_kernels"] = {"rc": r["rc"], "seconds": r["seconds"], "timed_out": r["timed_out"]}
+        threads.append(threading.Thread(target=kernels, daemon=True))
     if "train" in later:
         def data() -> None:
             try:
@@ -504,9 +513,26 @@ def stage_profile(ctx: Ctx) -> dict:
             "cmd": " ".join(cmd), "data": data, "error_tail": [] if ok else tail(r["output"], 25)}
 
 
+def stage_kernels(ctx: Ctx) -> dict:
+    """bench/bench_kernels_gpu.py: each fused op, forward + backward, every implementation, eager and compiled."""
+    out_json = os.path.join(ctx.work, "kernels.json")
+    if os.path.exists(out_json):
+        os.remove(out_json)
+    cmd = [ctx.py, "bench/bench_kernels_gpu.py", "--device", ctx.device, "--json-out", out_json,
+           "--budget-s", str(max(5, int(ctx.timeout - 15)))]
+    if ctx.dry:
+        cmd += ["--configs", "tiny", "--iters", "2", "--warmup", "1"]
+    r = stream_cmd(cmd, ctx.timeout, ctx.log, "[kernels] ", env=ctx.env)
+    data = load_json(out_json) if os.path.exists(out_json) else {}
+    measured = [x for x in data.get("rows", []) if "us" in x]
+    ok = r["rc"] == 0 and data.get("done")
+    return {"status": "ok" if ok else ("timed out" if r["timed_out"] else "partial" if measured else "failed"),
+            "rc": r["rc"], "cmd": " ".join(cmd), "data": data, "error_tail": [] if ok else tail(r["output"], 15)}
+
+
 STAGE_FUNCS: dict[str, Callable[[Ctx], dict]] = {
     "tests": stage_tests, "bench-124m": stage_bench_124m, "bench-1b": stage_bench_1b,
-    "train": stage_train, "profile": stage_profile}
+    "train": stage_train, "profile": stage_profile, "kernels": stage_kernels}
 
 
 def run_stages(names: list[str], ctx: Ctx, timeouts: dict, deadline_s: float, run_index: int,
@@ -638,6 +664,7 @@ def render(report: dict) -> str:
     L += render_bench(stages.get("bench-124m"), stages.get("bench-1b"))
     L += render_train(stages.get("train"), stages.get("bench-124m"))
     L += render_profile(stages.get("profile"))
+    L += render_kernels(stages.get("kernels"))
     L += render_failures(stages)
     return "\n".join(L) + "\n"
 
@@ -775,6 +802,22 @@ def render_profile(st: Optional[dict]) -> list[str]:
     if d.get("table"):
         L += ["", "<details><summary>torch.profiler key_averages() table</summary>", "", "```", d["table"].rstrip(),
               "```", "", "</details>"]
+    return L + [""]
+
+
+def render_kernels(st: Optional[dict]) -> list[str]:
+    L = ["## 5. Kernels (`bench/bench_kernels_gpu.py`: each fused op, forward + backward, bf16)", ""] + _not_run(st)
+    if st is None:
+        return L
+    d = st.get("data", {})
+    L += [f"Status: {st.get('status')}, {st.get('seconds')} s. Median of CUDA-event-timed iterations; the last column "
+          "is each implementation against the fastest of its mode (what `--fused_kernels=auto` should pick).", ""]
+    if d.get("rows"):
+        import importlib.util as iu
+        spec = iu.spec_from_file_location("bench_kernels_gpu", os.path.join(ROOT, "bench", "bench_kernels_gpu.py"))
+        mod = iu.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        L += mod.markdown(d["rows"]).splitlines()
     return L + [""]
 
 
