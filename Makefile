@@ -3,7 +3,8 @@ PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-STEPS ?= 800
+STEPS ?=
+LONG ?=
 
 .PHONY: demo test test-gpu gpu-report venv bench clean
 
@@ -15,9 +16,11 @@ $(STAMP): requirements.txt
 	$(VPY) -m pip install --quiet -r requirements.txt
 	touch $(STAMP)
 
-# `make demo STEPS=50`: a short version (default 800 training steps)
+# `make demo`: 300 training steps (a few minutes on 2 cores); `make demo LONG=1`: 800; `make demo STEPS=50`: any.
+# demo_out/ is kept: the same command continues after a Ctrl-C (`make clean` starts over). `exec`: the demo
+# itself answers a Ctrl-C (one line saying how to continue), not the shell make starts.
 demo: venv
-	STEPS=$(STEPS) $(VPY) scripts/demo.py
+	exec env DEMO_UNDER_MAKE=1 STEPS="$(STEPS)" LONG="$(LONG)" $(VPY) scripts/demo.py
 
 # the suite on every core (pytest-xdist), each test file's tests shared out as workers free up. One worker more
 # than cores (at most 8): many tests spend seconds waiting on other processes (monitor timeouts, ranks, a

@@ -85,8 +85,10 @@ class MonitorConfig:
 
 def parse_args(argv: list[str]) -> tuple[MonitorConfig, list[str]]:
     """Split argv at the first `--`: monitor options before it, the command (kept verbatim) after."""
+    from utils.cli import DefaultsHelpFormatter
     p = argparse.ArgumentParser(
         prog="monitor_process.py", usage="%(prog)s [options] -- <training command ...>",
+        formatter_class=DefaultsHelpFormatter,
         epilog="example: python monitor_process.py --max_restarts=20 --hang_timeout=900 -- "
                "torchrun --standalone --nproc_per_node=8 train_my_ddp.py --out_dir=out/pre ...",
         description="Run a training command, restart it on crashes and hangs, report what happened. "

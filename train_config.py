@@ -83,7 +83,11 @@ class TrainConfig:
                                  "follows. A --max_iters given explicitly (command line or config file) wins")
     learning_rate: float = _f(6e-4, "peak learning rate")
     min_lr: float = _f(6e-5, "floor of the decay")
-    warmup_iters: int = _f(100, "linear warmup steps")
+    warmup_iters: int = _f(-1, "linear warmup steps (-1 = auto: --warmup_ratio x max_iters when --warmup_ratio > 0, "
+                           "else pretrain min(100, 10% of max_iters), sft/dpo 3% of max_iters; at least 1). The steps "
+                           "chosen are logged at start and saved with the run")
+    warmup_ratio: float = _f(0.0, "linear warmup as a fraction of max_iters (HF Trainer's warmup_ratio), used when "
+                             "--warmup_iters is not given (-1); e.g. 0.03")
     lr_decay_iters: int = _f(0, "0 = max_iters")
     lr_schedule: str = _f("cosine", "cosine | linear | wsd | constant")
     weight_decay: float = _f(0.1, "AdamW weight decay, applied to matrices only")
@@ -257,10 +261,12 @@ def precheck(argv: list[str], title: str, prog: str) -> None:
     if any(a in ("-h", "--help") for a in argv):
         print(help_text(TrainConfig(), title, prog=prog))
         sys.exit(EXIT_OK)
+    given: set[str] = set()
     try:
-        cfg = parse_config(TrainConfig(), argv)
+        cfg = parse_config(TrainConfig(), argv, given=given)
     except ConfigError as e:
         fail(f"{prog}: error: {one_line(e)}")
+    imply_engine(cfg, given)
     error = f"[rank {int(os.environ.get('RANK', '0'))}] error: "
     continues = continues_run(cfg)
     if continues:  # the run's saved configuration with the command line over it, as the full path builds it
@@ -435,6 +441,36 @@ def sample_problems(cfg: TrainConfig) -> list[str]:
     return out
 
 
+SFT_DPO_WARMUP_RATIO = 0.03  # the warmup of the common SFT recipes (Alpaca, TRL examples): 3% of the run
+PRETRAIN_WARMUP_STEPS = 100
+
+
+def resolve_warmup(warmup_iters: int, warmup_ratio: float, max_iters: int, task_type: str) -> tuple[int, str]:
+    """(warmup steps, how they were chosen): --warmup_iters when given (>= 0); else --warmup_ratio x max_iters
+    when > 0; else the task's default: pretraining min(100, 10% of the run), SFT/DPO 3% of the run (a
+    short fine-tuning run reaches its peak learning rate). At least 1 step when derived."""
+    if warmup_iters >= 0:
+        return warmup_iters, f"--warmup_iters={warmup_iters}"
+    if warmup_ratio > 0:
+        return max(1, round(warmup_ratio * max_iters)), f"--warmup_ratio={warmup_ratio:g} x {max_iters} steps"
+    if task_type == "pretrain":
+        steps = min(PRETRAIN_WARMUP_STEPS, max(1, max_iters // 10))
+        return steps, f"the pretrain default, min({PRETRAIN_WARMUP_STEPS}, 10% of {max_iters} steps)"
+    steps = max(1, round(SFT_DPO_WARMUP_RATIO * max_iters))
+    return steps, f"the {task_type} default, {SFT_DPO_WARMUP_RATIO:.0%} of {max_iters} steps"
+
+
+def imply_engine(cfg: TrainConfig, given: set) -> Optional[str]:
+    """--tensor_parallel_size > 1 or --dp_replicate_size > 1 run only on FSDP2's mesh: without an explicit
+    --parallel, choose --parallel=fsdp (an explicit --parallel=ddp is still refused by mesh_problems).
+    Returns the line that says so, None when nothing was implied."""
+    multi = [f"--{n}={getattr(cfg, n)}" for n in ("tensor_parallel_size", "dp_replicate_size") if getattr(cfg, n) > 1]
+    if not multi or "parallel" in given or cfg.parallel == "fsdp":
+        return None
+    cfg.parallel = "fsdp"
+    return f"[layout] {' '.join(multi)} runs on FSDP2's 2-D mesh: --parallel=fsdp chosen (it was not given)"
+
+
 def max_iters_for_epochs(num_train_epochs: float, num_samples: int, samples_per_step: int, max_iters: int,
                          max_iters_given: bool) -> tuple[int, str]:
     """--num_train_epochs: (the run's max_iters, the start-up line that says how it was set).
@@ -577,9 +613,17 @@ def _numbers_and_extras(cfg: TrainConfig, p: _Problems, torch_free: bool) -> Non
                  "log_interval", "eval_iters", "keep_last", "dim", "n_layers", "n_heads", "multiple_of",
                  "bucket_size", "powersgd_rank"):
         p.at_least(name, 1)
-    for name in ("eval_interval", "warmup_iters", "lr_decay_iters", "n_kv_heads", "hidden_dim", "vocab_size",
+    for name in ("eval_interval", "lr_decay_iters", "n_kv_heads", "hidden_dim", "vocab_size",
                  "lora_rank", "powersgd_start_iter"):
         p.at_least(name, 0)
+    if cfg.warmup_iters < -1:
+        p.append(f"--warmup_iters={cfg.warmup_iters}: must be >= 0 (or -1 = auto, see --help)")
+    p.number("warmup_ratio", 0.0, 1.0)
+    if cfg.tensorboard:
+        import importlib.util
+        if importlib.util.find_spec("tensorboard") is None:  # HF Trainer refuses too, rather than log nothing
+            p.append("--tensorboard=true needs the tensorboard package, which is optional (not in requirements.txt): "
+                     "pip install tensorboard, or leave --tensorboard off (metrics.jsonl has every value)")
     p.number("learning_rate", 0.0, low_open=True)
     p.number("min_lr", 0.0)
     p.number("weight_decay", 0.0)

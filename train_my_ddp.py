@@ -54,7 +54,8 @@ from utils.configurator import ConfigError, help_text, parse_config, save_config
 from model.flops import mfu_from
 from parallel.engine import StepStats
 from run_weights import check_lora_base, load_lora_base, load_weights_from, select_trainable_for
-from train_config import (TrainConfig, TrainingError, continues_run, existing_run_error, max_iters_for_epochs,
+from train_config import (TrainConfig, TrainingError, continues_run, existing_run_error, imply_engine,
+                          max_iters_for_epochs, resolve_warmup,
                           nothing_to_continue_error, one_line, resume_flag, validate_config)
 from train_task import build_data, count_tokens, count_units, evaluate, micro_batch_loss
 from utils import checkpoint as ckpt
@@ -203,6 +204,9 @@ def main(argv: list[str]) -> int:
     try:
         given: set[str] = set()  # the flags this command sets (command line or config file), not defaults
         cfg = parse_config(TrainConfig(), argv, given=given)
+        implied = imply_engine(cfg, given)  # --tensor_parallel_size / --dp_replicate_size > 1 -> --parallel=fsdp
+        if implied and rank == 0:
+            print(implied, flush=True)
         if rank == 0:  # before anything reads or writes out_dir; torchrun's other ranks are the same run
             held = run_lock.acquire(cfg.out_dir, command=run_lock.command_line(argv))
         # Decided on every rank before init_distributed: no rank can have written to out_dir yet.
@@ -564,6 +568,9 @@ def train(cfg: TrainConfig, info: DistInfo, continues: Optional[bool] = None, ma
                                                    train_loader.samples_per_step, cfg.max_iters, given)
         progress.max_iters_from = "max_iters" if given else "num_train_epochs"
         log(line)
+    if cfg.warmup_iters < 0:  # auto: resolved once max_iters is final, then saved (a resume keeps these steps)
+        cfg.warmup_iters, how = resolve_warmup(cfg.warmup_iters, cfg.warmup_ratio, cfg.max_iters, cfg.task_type)
+        log(f"[schedule] warmup {cfg.warmup_iters} steps ({how})")
     if info.is_main:
         save_config_json(cfg, os.path.join(cfg.out_dir, "config.json"))
     metrics = MetricsLogger(cfg.out_dir, enabled=info.is_main, tensorboard=cfg.tensorboard, log=log,

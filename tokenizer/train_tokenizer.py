@@ -209,7 +209,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
                     "byte_fallback) and save a transformers-loadable directory with the ChatML template and "
                     "tokenizer_meta.json. Special tokens <unk> <s> </s> <pad> <|im_start|> <|im_end|> get ids "
                     f"right after the learned pieces; <|reserved_k|> pad the vocabulary to a multiple of {VOCAB_MULTIPLE}.",
-        epilog=POLICY, formatter_class=argparse.RawDescriptionHelpFormatter)
+        epilog=POLICY)  # utils.cli.Parser: descriptions keep their lines, options show their defaults
     p.add_argument("--data_dir", required=True, nargs="+", action="extend",
                    help="directories, files or glob patterns (.txt, .json, .jsonl, .parquet); repeatable")
     add_out_dir(p, "the tokenizer directory to write", required=True)

@@ -95,13 +95,33 @@ def add_out_dir(p: argparse.ArgumentParser, help: str, required: bool = False, d
                    help=f"{help} (--output_dir is an alias)")
 
 
+class DefaultsHelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """--help shows each option's default, as ArgumentDefaultsHelpFormatter does, except where there is
+    none to show (required options, None, help that already says it); descriptions keep their lines."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (action.required or action.default is None or action.default is argparse.SUPPRESS
+                or not action.option_strings or "%(default)" in text or "default" in text.lower()
+                or action.default == []):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 class Parser(argparse.ArgumentParser):
-    """argparse with the project's conventions: no prefix guessing, `--a-b` == `--a_b`, and unknown
-    flags answered with our name for them (HF Trainer / torchtitan names) or the closest match."""
+    """argparse with the project's conventions: no prefix guessing, `--a-b` == `--a_b`, unknown
+    flags answered with our name for them (HF Trainer / torchtitan names) or the closest match, and
+    defaults shown in --help."""
 
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
         super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args, **kwargs):  # an option without help still shows its default
+        if kwargs.get("default") is not None and not kwargs.get("required") and kwargs.get("help") is None:
+            kwargs["help"] = "(default: %(default)s)"
+        return super().add_argument(*args, **kwargs)
 
     def _known(self) -> set[str]:
         return {s[2:] for a in self._actions for s in a.option_strings if s.startswith("--")}
