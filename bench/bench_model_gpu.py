@@ -28,7 +28,8 @@ apart as "compile s" (eager rows: first-call overhead). Ratios are printed, neve
     python bench/bench_model_gpu.py --device cpu --configs tiny --steps 2 --warmup 1   # smoke test without a GPU
 
 Models: ours (kernel_backend=auto: Triton kernels on CUDA), ours-ref (every fused_* switch off: the
-plain-PyTorch references, = --fused_kernels=false), hf (LlamaForCausalLM, attn_implementation="sdpa"),
+plain-PyTorch references, = --fused_kernels=false), ours-triton (kernel_backend=triton: our Triton kernels
+under torch.compile too, where auto lets Inductor fuse the references), hf (LlamaForCausalLM, attn_implementation="sdpa"),
 hf-liger (the same with Liger-Kernel's RMSNorm/RoPE/SwiGLU/fused linear-CE patched in; a row saying
 "not installed" when liger-kernel is absent). Rows run in priority order, all eager rows of a config
 before its compile rows, so a --budget-s that runs out drops the least informative rows ("not run").
@@ -68,7 +69,7 @@ CONFIGS = {
     "tiny": dict(model=dict(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64),
                  batch=2, seq=64),
 }
-MODELS = ("ours", "ours-ref", "hf", "hf-liger")
+MODELS = ("ours", "ours-ref", "ours-triton", "hf", "hf-liger")
 PRECISIONS = {"trainer": "bf16 params + fp32 master (trainer)", "autocast": "autocast (fp32 params)"}
 MODES = ("eager", "compile")
 # (model, precision) in the order rows run within a mode: the trainer's own setup and HF's default first
@@ -98,6 +99,8 @@ def _build(model_name: str, mcfg: dict, device):
         ours = Transformer(cfg)
         if model_name == "ours":
             return ours
+        if model_name == "ours-triton":  # our Triton kernels also under torch.compile (auto: references there)
+            return Transformer(ModelConfig(**mcfg, kernel_backend="triton"))
         if model_name == "ours-ref":
             ref = Transformer(ModelConfig(**mcfg, fused_rmsnorm=False, fused_rope=False, fused_swiglu=False,
                                           fused_qkv=False, fused_cross_entropy=False))

@@ -346,7 +346,7 @@ def _bench_stage(ctx: Ctx, name: str) -> dict:
     if os.path.exists(out_json):
         os.remove(out_json)
     cmd = [ctx.py, "bench/bench_model_gpu.py", "--configs", config, "--device", ctx.device,
-           "--json-out", out_json, "--budget-s", str(max(10, int(ctx.timeout - 40))),
+           "--json-out", out_json, "--budget-s", str(max(10, int(ctx.timeout - 15))),
            "--timeout", str(int(ctx.args.bench_row_timeout))]
     rows = ctx.args.bench_rows or (DRY_BENCH[name] if ctx.dry else "" if ctx.args.full else VERDICT_BENCH_ROWS)
     if rows:
