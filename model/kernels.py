@@ -13,14 +13,14 @@ device, whether torch.compile is tracing, and the model's `kernel_backend`:
 - "torch": the hand-written autograd Functions below (save less, recompute the cheap parts); CPU's path.
 - "triton": model/triton_kernels.py and model/triton_loss.py, torch.library custom ops with Triton
   forward and backward kernels, so torch.compile(fullgraph=True) traces through them without a break.
-kernel_backend "auto" (default): on CUDA with Triton installed, Triton in eager mode; under
-torch.compile the references for RMSNorm/RoPE/SwiGLU (Inductor's fusion of them is as good as a
-hand-written kernel, torchtitan's finding) and the Triton linear+CE (no graph break, no full logits).
+kernel_backend "auto" (default): on CUDA with Triton installed, per op and mode from AUTO_EAGER /
+AUTO_UNDER_COMPILE, measured on an H100 (the tables' comment cites the report): Triton in eager mode;
+under torch.compile the references for RMSNorm/RoPE/SwiGLU (Inductor fuses them with their neighbours:
+the whole step was faster that way) and the Triton linear+CE (no graph break, no full logits).
 On CPU and other devices: the autograd Functions (measured faster on CPU, bench/bench_model.py).
 "triton" forces Triton wherever it can run (CUDA, or CPU tensors under TRITON_INTERPRET=1: tests);
 "torch" forces the autograd Functions. A switch `fused_*=False` selects the reference whatever the backend.
-The auto choice on CUDA is set from published measurements (torchtitan, Liger-Kernel) until
-bench/bench_model_gpu.py has been run on the target GPU; AUTO_UNDER_COMPILE is the table to change.
+Another GPU: `make gpu-report` measures both (its stage 5, and the ours / ours-triton / ours-ref bench rows).
 The Triton modules are imported when this module is, wherever Triton can run (`load_kernel_modules`):
 never during a forward, where a compiled first call would meet the import while Dynamo traces.
 
@@ -248,8 +248,19 @@ def concat_linear(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> torch.T
 
 # ------------------------------------------------------------------------------ implementation choice
 BACKENDS = ("auto", "triton", "torch")
-# kernel_backend="auto" on CUDA under torch.compile: which ops use the reference (Inductor fuses it)
-# instead of the Triton custom op. The linear+CE keeps Triton: Inductor cannot avoid the full logits.
+# kernel_backend="auto" on CUDA, per op and mode, as measured on an H100 (docs/gpu/report-574426c.md: `make
+# gpu-report`, torch 2.11, triton 3.6, 2026-11-26):
+# - eager: our Triton kernels for every op. bench/bench_kernels_gpu.py, forward + backward of one op, bf16,
+#   us at the 124M / 1B shapes, Triton vs our autograd Function vs the plain reference: rms_norm 597/718 vs
+#   1026/1188 vs 984/1031; add_rms_norm 642/586 vs 1112/1173 vs 992/1060; rope 714/765 vs 1050/758 vs
+#   983/829; swiglu (packed gate/up) 517/588 vs 767/1020 vs 640/800 (1B RoPE: a tie with the Function).
+# - under torch.compile: Inductor's fusion of the references, except the linear+CE (Inductor cannot avoid
+#   the full logits). Alone, each Triton op was as fast or faster than the compiled reference (e.g. 1B RoPE
+#   426 vs 737 us), but the whole compiled trainer step was slower with them (bench_model_gpu,
+#   ours-triton vs ours: 390,954 vs 420,433 tokens/s at 124M, 78,048 vs 78,952 at 1B): in the graph the
+#   references fuse with their neighbours (casts, the residual add, the projections' epilogues).
+AUTO_EAGER = {"rms_norm": "triton", "add_rms_norm": "triton", "rope": "triton", "swiglu": "triton",
+              "cross_entropy": "triton"}
 AUTO_UNDER_COMPILE = {"rms_norm": "reference", "add_rms_norm": "reference", "rope": "reference",
                       "swiglu": "reference", "cross_entropy": "triton"}
 _TRITON: dict = {}
@@ -317,8 +328,8 @@ def choose(op: str, t: torch.Tensor, backend: str = "auto") -> str:
     mod = _load_triton("triton_loss" if op == "cross_entropy" else "triton_kernels")
     if mod is None or not mod.supported(t):  # e.g. the interpreter was asked for after triton was imported
         return "torch"
-    if backend == "auto" and torch.compiler.is_compiling():
-        return AUTO_UNDER_COMPILE[op]
+    if backend == "auto":
+        return (AUTO_UNDER_COMPILE if torch.compiler.is_compiling() else AUTO_EAGER)[op]
     return "triton"
 
 
