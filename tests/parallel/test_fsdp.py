@@ -5,10 +5,11 @@ world of 2, a sub-group {0} as a world of 1; each FSDP mesh is built from its gr
 writes the measured numbers to a JSON file that the tests below assert on:
   (a) FSDP at world 2 (offload on/off, reshard_after_forward on/off, tied embeddings, activation
       checkpointing) vs one process training the same model with torch AdamW + clip_grad_norm_ on
-      the same global batch: parameters after 4 steps (accumulation 2, clipping active) to 1e-5;
+      the same global batch: parameters after 4 steps (accumulation 2, clipping active) within 10x the
+      reference's own rounding (its fp32 run against its fp64 run) plus a floor;
   (b) DCP save at world 2 -> fresh objects -> load -> 2 more steps: bit-identical to the
       uninterrupted run; re-shard 4 -> 2, 2 -> 1, 4 -> 1, 2 -> 4: next-step loss and the loss after
-      one more step (which needs the re-sharded Adam moments) equal to 1e-5;
+      one more step (which needs the re-sharded Adam moments) equal within the reference's loss rounding;
   (c) bad combinations raise a clear ValueError;
   (d) per-rank bytes of fp32 parameter + gradient + Adam-moment shards = 16 B/param / world (10 %).
 The model is the project's Transformer with a tiny ModelConfig; dims are multiples of 4 so every
@@ -67,12 +68,15 @@ def _rows(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------ reference (1 process)
 
-def _reference_params(steps: int, tied: bool) -> dict[str, torch.Tensor]:
-    model = _new_model(0, tied=tied)
+def _reference(steps: int, tied: bool, dtype: torch.dtype = torch.float32) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """One process, torch AdamW + clip_grad_norm_ on the global batch, in `dtype`: the parameters after
+    `steps` steps (as fp64) and losses[k] = the global loss on step k + 1's batches after k steps."""
+    model = _new_model(0, tied=tied).to(dtype)
     params = [p for p in model.parameters()]
     opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": OPT["weight_decay"]},
                              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
                             lr=OPT["lr"], betas=OPT["betas"], eps=OPT["eps"], foreach=False)
+    losses = []
     for step in range(1, steps + 1):
         batches = _global_batches(step)
         units = _units(batches)
@@ -81,7 +85,10 @@ def _reference_params(steps: int, tied: bool) -> dict[str, torch.Tensor]:
             (model(x, labels=y, reduction="sum") / units).backward()
         torch.nn.utils.clip_grad_norm_(params, OPT["grad_clip"])
         opt.step()
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+        with torch.no_grad():
+            nxt = _global_batches(step + 1)
+            losses.append(sum(float(model(x, labels=y, reduction="sum")) for x, y in nxt) / _units(nxt))
+    return {n: p.detach().double().clone() for n, p in model.named_parameters()}, [float("nan")] + losses
 
 
 # ------------------------------------------------------------------------------ FSDP helpers (in workers)
@@ -225,9 +232,9 @@ def _worker(rank: int, world: int, tmp: str) -> None:
             eng, opt = _build(g2, **kw)
             norms = [_train_step(eng, opt, s, g2)[1] for s in range(1, 5)]
             full = _full_params(eng)
-            if rank == 0:
-                ref = _reference_params(4, tied=kw.get("tied", False))
-                res["match"][name] = _max_diff(full, ref)
+            if rank == 0:  # compared with the one-process reference in the test (tolerance from its rounding)
+                torch.save(full, os.path.join(tmp, f"match {name}.pt"))
+                res["match"][name] = kw.get("tied", False)
                 res["grad_norms"][name] = norms
                 if kw.get("tied"):
                     res.setdefault("tied_shared", []).append(
@@ -316,17 +323,45 @@ def results(tmp_path_factory) -> tuple[dict, str]:
     return res, tmp
 
 
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    """The one-process reference in fp32 and fp64 (untied and tied), and tolerances from its own rounding:
+    a parallel run (another summation order) may differ from the fp32 reference by 10x |fp32 - fp64|
+    plus a floor. A fixed 1e-5 failed on another machine (1.07e-5, tied) while this one saw 3e-6 noise."""
+    out = {}
+    for tied in (False, True):
+        p32, l32 = _reference(4, tied, torch.float32)
+        p64, l64 = _reference(4, tied, torch.float64)
+        noise = max(float((p32[n] - p64[n]).abs().max()) for n in p32)
+        # a loss is a mean of ~100 fp32 token losses: its own rounding is ~1e-6 relative at worst
+        loss_noise = max(abs(a - b) for a, b in zip(l32[1:], l64[1:]))
+        out[tied] = {"params": p32, "losses": l32, "tol": 10 * noise + 1e-7,
+                     "loss_tol": 10 * loss_noise + 1e-6 * max(l32[1:])}
+    return out
+
+
 # ------------------------------------------------------------------------------ (a) numerics
 
-def test_fsdp_matches_one_process(results):
-    res, _ = results
+def test_fsdp_matches_one_process(results, reference):
+    res, tmp = results
     assert set(res["match"]) == {"offload=F raf=T", "offload=F raf=F tied", "offload=T raf=T tied ckpt",
                                  "offload=T raf=F"}
-    for name, diff in res["match"].items():
-        assert diff < 1e-5, (name, diff)
+    for name, tied in res["match"].items():
+        ref = reference[tied]
+        got = torch.load(os.path.join(tmp, f"match {name}.pt"), weights_only=True)
+        diff = _max_diff({k: v.double() for k, v in got.items()}, ref["params"])
+        assert diff <= ref["tol"], (name, diff, ref["tol"])
     for name, norms in res["grad_norms"].items():
         assert max(norms) > OPT["grad_clip"], (name, norms)  # clipping was active
     assert res["tied_shared"] == [True, True]  # the tied weight is still one Parameter after sharding
+
+
+def test_reference_tolerance_is_the_references_rounding(reference):
+    """The bound is not loose: a few fp32 ulps of a weight (~1e-7 at 1.0), far below a wrong gradient
+    (a clipped step moves weights by ~lr = 1e-2); and it is positive even where fp32 and fp64 agree."""
+    for tied, ref in reference.items():
+        assert 1e-7 < ref["tol"] < 1e-3, (tied, ref["tol"])
+        assert 0 < ref["loss_tol"] < 1e-4, (tied, ref["loss_tol"])
 
 
 # ------------------------------------------------------------------------------ (b) DCP checkpoints
@@ -338,10 +373,14 @@ def test_dcp_resume_is_bit_exact_at_same_world(results):
 
 @pytest.mark.parametrize("key,ref", [("load_4_to_2", "w4_losses"), ("load_4_to_1", "w4_losses"),
                                      ("load_2_to_1", "w2_losses"), ("load_2_to_4", "w2_losses")])
-def test_dcp_reshard_gives_equal_losses(results, key, ref):
+def test_dcp_reshard_gives_equal_losses(results, reference, key, ref):
+    """Both sides are parallel runs (different worlds, so different summation orders); the bound is the
+    one-process reference's own rounding of the same losses (steps 3 and 4 after a save at step 2)."""
     res, _ = results
-    for got, want in zip(res[key], res[ref]):
-        assert abs(got - want) <= 1e-5 * max(1.0, abs(want)), (key, res[key], res[ref])
+    tol = reference[False]["loss_tol"]
+    for got, want, one in zip(res[key], res[ref], reference[False]["losses"][2:4]):
+        assert abs(got - want) <= tol, (key, res[key], res[ref], tol)
+        assert abs(got - one) <= 10 * tol, (key, got, one)  # and both still the reference's losses
 
 
 def test_dcp_layout_manifest_and_compat(results):

@@ -9,8 +9,8 @@ Two spawns write what they measured to files that the tests below check:
   - 4 processes, pp=2 x dp=2: our DDP + GPipe, ZeRO-1 + 1F1B, FSDP + 1F1B (with the same
     save -> fresh engine -> load -> step 3 resume check): 3 steps.
 Parameters are compared with one process (torch AdamW + clip_grad_norm_, loss = sum / target
-tokens) to 1e-5, and so are the per-step losses and global gradient norms (the norm must include
-BOTH stages' parameters).
+tokens) within 10x the reference's own rounding (its fp32 run against its fp64 run) plus a floor, and so
+are the per-step losses and global gradient norms (the norm must include BOTH stages' parameters).
 In one process (no process group): the stages (the Transformer pruned) run one after the other give
 the full model's loss sum and gradients (2/3 stages, uneven, packed, padded, checkpointing), and share
 the model's parameters under its own key names.
@@ -60,9 +60,11 @@ def _rows(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------ reference (1 process)
 
-def _reference(steps: int) -> tuple[list[dict[str, torch.Tensor]], list[float], list[float], dict]:
-    """(params after each step, loss per step (before its update), grad norm per step, state dict after step 2)."""
-    model = _new_model(0)
+def _reference(steps: int, dtype: torch.dtype = torch.float32
+               ) -> tuple[list[dict[str, torch.Tensor]], list[float], list[float], dict]:
+    """(params after each step, loss per step (before its update), grad norm per step, state dict after step 2),
+    trained in `dtype`, returned as fp64."""
+    model = _new_model(0).to(dtype)
     params = list(model.parameters())
     opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": OPT["weight_decay"]},
                              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
@@ -81,15 +83,27 @@ def _reference(steps: int) -> tuple[list[dict[str, torch.Tensor]], list[float], 
         opt.step()
         losses.append(total / units)
         if step == 2:
-            at2 = {n: p.detach().clone() for n, p in model.state_dict().items()}
-        per_step.append({n: p.detach().clone() for n, p in model.named_parameters()})
+            at2 = {n: p.detach().double().clone() for n, p in model.state_dict().items()}
+        per_step.append({n: p.detach().double().clone() for n, p in model.named_parameters()})
     return per_step, losses, norms, at2
 
 
 @pytest.fixture(scope="module")
 def reference():
+    """The fp32 reference and, as reference[4], tolerances from its own rounding (its fp64 run): a parallel
+    run (another summation order) may differ from it by 10x |fp32 - fp64| plus a floor (a fixed 1e-5
+    bound failed on another machine in the FSDP tests, which compare the same way)."""
     torch.manual_seed(0)
-    return _reference(STEPS + 1)
+    r32 = _reference(STEPS + 1, torch.float32)
+    r64 = _reference(STEPS + 1, torch.float64)
+    noise = [max(float((a[n] - b[n]).abs().max()) for n in a) for a, b in zip(r32[0], r64[0])]
+    at2 = max(float((r32[3][n] - r64[3][n]).abs().max()) for n in r32[3])
+
+    def scalar_tol(i):  # a mean of ~100 fp32 token losses, or a norm of fp32 gradients: ~1e-6 relative
+        return 10 * max(abs(a - b) for a, b in zip(r32[i], r64[i])) + 1e-6 * max(abs(a) for a in r32[i])
+    tol = {"params": [10 * n + 1e-7 for n in noise], "at2": 10 * at2 + 1e-7, "loss": scalar_tol(1),
+           "norm": scalar_tol(2)}
+    return (*r32, tol)
 
 
 # ------------------------------------------------------------------------------ workers
@@ -214,14 +228,15 @@ def _max_diff(a: dict, b: dict) -> float:
 
 def _check_against_reference(params, infos, reference, steps=STEPS, first=1):
     ref_params, ref_losses, ref_norms = reference[0][steps - 1], reference[1][first - 1:], reference[2][first - 1:]
-    diff = _max_diff(params, ref_params)
-    print(f"max |param - reference| = {diff:.2e}")
-    assert diff < 1e-5
+    tol = reference[4]
+    diff = _max_diff({k: v.double() for k, v in params.items()}, ref_params)
+    print(f"max |param - reference| = {diff:.2e} (tolerance {tol['params'][steps - 1]:.2e})")
+    assert diff <= tol["params"][steps - 1], (diff, tol)
     for info in infos:  # every stage reports the same global loss and global norm as one process
         for got, want in zip(info["losses"], ref_losses[:steps]):
-            assert abs(got - want) <= 1e-5 * max(1.0, abs(want)), (info["losses"], ref_losses)
+            assert abs(got - want) <= tol["loss"], (info["losses"], ref_losses, tol)
         for got, want in zip(info["norms"], ref_norms[:steps]):
-            assert abs(got - want) <= 1e-5 * max(1.0, abs(want)), (info["norms"], ref_norms)
+            assert abs(got - want) <= tol["norm"], (info["norms"], ref_norms, tol)
     assert max(ref_norms) > OPT["grad_clip"]  # clipping was active
 
 
@@ -239,7 +254,7 @@ def test_pp2_eval_then_train(pp2, reference):
     leaves training exact: the step after it still matches."""
     for rank in range(2):
         ev = json.load(open(os.path.join(pp2, f"eval_rank{rank}.json")))
-        assert abs(ev["loss"] - reference[1][STEPS]) <= 1e-5 * abs(reference[1][STEPS]), (ev, reference[1])
+        assert abs(ev["loss"] - reference[1][STEPS]) <= reference[4]["loss"], (ev, reference[1], reference[4])
     params, infos = _load(pp2, "gpipe_after_eval")
     _check_against_reference(params, infos, reference, steps=STEPS + 1, first=STEPS + 1)
 
@@ -260,7 +275,8 @@ def test_merged_checkpoint_is_the_full_model(pp2, reference):
     full = merge_stage_checkpoints(ckpt)
     want = Transformer(_cfg()).state_dict()
     assert {k: tuple(v.shape) for k, v in full.items()} == {k: tuple(v.shape) for k, v in want.items()}
-    assert _max_diff(full, reference[3]) < 1e-5  # the weights after step 2 of one process
+    # the weights after step 2 of one process
+    assert _max_diff({k: v.double() for k, v in full.items()}, reference[3]) <= reference[4]["at2"]
     m = Transformer(_cfg())
     m.load_state_dict(full)  # strict
 
