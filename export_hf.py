@@ -1,7 +1,7 @@
 """Export a checkpoint of ours to a Hugging Face directory: `python export_hf.py --ckpt=out/run --out_dir=hf [--checkpoint=best]`.
 
 Owns: the command-line bridge from our checkpoints to `transformers.LlamaForCausalLM.from_pretrained`
-(config.json + model.safetensors + the tokenizer files). For a run trained with LoRA, the adapters are
+(config.json + model.safetensors + generation_config.json + the tokenizer files; model/hf_interop.py). For a run trained with LoRA, the adapters are
 merged into the weights by default; with `--adapters_out_dir` the base weights are exported
 unmerged and the adapters are written in the PEFT layout next to them instead, for
 `peft.PeftModel.from_pretrained(base, adapters_dir)`; a trained embedding / LM head goes into the

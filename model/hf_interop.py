@@ -2,7 +2,10 @@
 
 Owns: the mapping ModelConfig <-> LlamaConfig (config.json) and our parameter names <-> HF names
 (ours + the `model.` prefix, `lm_head.weight` as is). Both use the half-split RoPE layout, so weights
-are copied unpermuted. `export_hf` writes config.json + model.safetensors (+ tokenizer files) atomically;
+are copied unpermuted. `export_hf` writes config.json + model.safetensors + generation_config.json (+ tokenizer files) atomically,
+every file with the mode a plain `open` gives it (0644 under umask 022; safetensors alone would write 0600);
+generation_config.json stops at both end ids (</s> and <|im_end|>) and samples with sample.py's defaults
+(utils/constants.py), so `transformers` generate / pipeline stop and sample where sample.py does;
 `import_hf` reads such a directory (single or sharded safetensors, or a weights_only torch .bin).
 
 Must never: unpickle arbitrary objects (torch.load only with weights_only=True), write the output
@@ -23,8 +26,8 @@ from model.llama import Transformer
 from utils.publish import staged_dir
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
-                   "special_tokens_map.json", "added_tokens.json", "tokenizer_meta.json",
-                   "generation_config.json")
+                   "special_tokens_map.json", "added_tokens.json", "tokenizer_meta.json")
+# not copied from the tokenizer directory (a Hugging Face model's own, say): export writes its own
 
 
 def hf_config_dict(cfg: ModelConfig, torch_dtype: str = "float32", special_ids: Optional[dict] = None) -> dict:
@@ -48,6 +51,26 @@ def hf_config_dict(cfg: ModelConfig, torch_dtype: str = "float32", special_ids: 
     }
     for key, val in (special_ids or {}).items():
         d[key] = val
+    return d
+
+
+def generation_config_dict(tokenizer_meta: Optional[dict] = None) -> dict:
+    """generation_config.json: sample.py's sampling defaults and its stop ids (</s> and <|im_end|>), read
+    from a tokenizer_meta.json dict (no ids without one). transformers reads it in from_pretrained."""
+    from utils import constants as c
+    d: dict = {"do_sample": c.SAMPLE_TEMPERATURE > 0, "temperature": c.SAMPLE_TEMPERATURE,
+               "top_k": c.SAMPLE_TOP_K, "top_p": 1.0 if c.SAMPLE_TOP_P is None else c.SAMPLE_TOP_P,
+               "max_new_tokens": c.SAMPLE_MAX_NEW_TOKENS}
+    st = (tokenizer_meta or {}).get("special_tokens") or {}
+    ids = {k: st[k]["id"] for k in ("bos", "eos", "pad", "im_end")
+           if isinstance(st.get(k), dict) and isinstance(st[k].get("id"), int)}
+    if "bos" in ids:
+        d["bos_token_id"] = ids["bos"]
+    stops = [ids[k] for k in ("eos", "im_end") if k in ids]
+    if stops:
+        d["eos_token_id"] = stops if len(stops) > 1 else stops[0]
+    if "pad" in ids:
+        d["pad_token_id"] = ids["pad"]
     return d
 
 
@@ -125,15 +148,54 @@ def export_hf(model: Transformer, out_dir: str, tokenizer_dir: Optional[str] = N
             json.dump(hf_config_dict(model.cfg, dtype, special_ids), f, indent=2)
         save_file(sd, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         _copy_tokenizer(tokenizer_dir, tmp)
+        _write_generation_config(tokenizer_dir, tmp)
+        _plain_file_modes(tmp)
     return out_dir
 
 
-def _special_ids(tokenizer_dir: Optional[str]) -> Optional[dict]:
-    if tokenizer_dir and os.path.exists(os.path.join(tokenizer_dir, "tokenizer_meta.json")):
-        with open(os.path.join(tokenizer_dir, "tokenizer_meta.json")) as f:
-            st = json.load(f).get("special_tokens", {})
-        return {f"{k}_token_id": st[k]["id"] for k in ("bos", "eos", "pad") if k in st}
+def _tokenizer_meta(tokenizer_dir: Optional[str]) -> Optional[dict]:
+    path = os.path.join(tokenizer_dir, "tokenizer_meta.json") if tokenizer_dir else ""
+    if path and os.path.exists(path):
+        with open(path) as f:
+            meta = json.load(f)
+        return meta if isinstance(meta, dict) else None
     return None
+
+
+def _write_generation_config(tokenizer_dir: Optional[str], dst: str) -> None:
+    with open(os.path.join(dst, "generation_config.json"), "w") as f:
+        json.dump(generation_config_dict(_tokenizer_meta(tokenizer_dir)), f, indent=2)
+
+
+def _plain_file_modes(d: str) -> None:
+    """Every file of the export readable as a plain `open` would make it (0666 less the umask): safetensors
+    writes its files 0600, and copy2 keeps the source's mode."""
+    mode = 0o666 & ~_umask()
+    for name in os.listdir(d):
+        path = os.path.join(d, name)
+        if os.path.isfile(path) and not os.path.islink(path):
+            os.chmod(path, mode)
+
+
+def _umask() -> int:
+    try:  # Linux: read without changing it (os.umask sets it, racing other threads)
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
+def _special_ids(tokenizer_dir: Optional[str]) -> Optional[dict]:
+    meta = _tokenizer_meta(tokenizer_dir)
+    if meta is None:
+        return None
+    st = meta.get("special_tokens", {})
+    return {f"{k}_token_id": st[k]["id"] for k in ("bos", "eos", "pad") if k in st}
 
 
 def _copy_tokenizer(tokenizer_dir: Optional[str], dst: str) -> None:
@@ -184,6 +246,8 @@ def export_hf_streaming(cfg: ModelConfig, specs: dict[str, tuple[tuple[int, ...]
         with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
         _copy_tokenizer(tokenizer_dir, tmp)
+        _write_generation_config(tokenizer_dir, tmp)
+        _plain_file_modes(tmp)
     return out_dir, len(groups)
 
 

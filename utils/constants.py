@@ -2,6 +2,13 @@
 
 IGNORE_INDEX = -100
 
+# sample.py's sampling defaults, also written into an exported model's generation_config.json
+# (model/hf_interop.py), so that `transformers` generate samples as sample.py does. top_p None: no nucleus cut.
+SAMPLE_MAX_NEW_TOKENS = 64
+SAMPLE_TEMPERATURE = 0.8
+SAMPLE_TOP_K = 50
+SAMPLE_TOP_P = None
+
 # Exit codes of train_my_ddp.py and the preprocessing commands; monitor_process.py reads them.
 EXIT_OK = 0
 EXIT_BAD_CONFIG = 2      # unknown flag, wrong type, impossible combination: never retried

@@ -67,3 +67,90 @@ def test_sample_picks_the_checkpoint_and_the_recorded_tokenizer(tmp_path, monkey
     assert torch.equal(seen["emb"], w[10])
     assert sample.main([f"--ckpt={run}", "--checkpoint=step_99", "--prompt=a", "--device=cpu"]) == 2
     assert "no checkpoint at step 99" in capsys.readouterr().err
+
+
+def _chat_run(tmp_path):
+    """A tiny model trained in the test to answer 'hi' with 'hello there<|im_end|>', saved as a run with a
+    real tokenizer (the chat markers included)."""
+    import json
+
+    from tokenizer import encode_chat, load_tokenizer, load_tokenizer_meta
+    from tokenizer.train_tokenizer import train_tokenizer
+    with open(tmp_path / "c.jsonl", "w", encoding="utf-8") as f:
+        for i in range(100):
+            f.write(json.dumps({"text": f"hello there {i} user assistant hi"}) + "\n")
+    tok_dir = str(tmp_path / "tok")
+    train_tokenizer(str(tmp_path / "c.jsonl"), tok_dir, vocab_size=300)
+    tok, meta = load_tokenizer(tok_dir), load_tokenizer_meta(tok_dir)
+    ids, _ = encode_chat(tok, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}])
+    torch.manual_seed(0)
+    m = Transformer(ModelConfig(vocab_size=meta["vocab_size"], dim=32, n_layers=2, n_heads=4, hidden_dim=64,
+                                max_seq_len=64))
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    x = torch.tensor([ids])
+    for _ in range(60):  # memorise the one conversation
+        loss = torch.nn.functional.cross_entropy(m(x[:, :-1])[0], x[0, 1:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    run = tmp_path / "run"
+    req = ckpt.SaveRequest(step=1, rank=0, world_size=1, model_state=m.state_dict(), model_config=m.cfg.to_dict(),
+                           optimizer_state=None, extra_state={}, trainer_state={},
+                           run_config={"lora_rank": 0, "tokenizer_dir": tok_dir})
+    ckpt.save_checkpoint(str(run), req, keep_last=1, log=lambda s: None)
+    return run, tok_dir, tok, meta
+
+
+def _sample_py_generation(run, prompt, stop_ids):
+    """sample.py's generation (its defaults) on the run's checkpoint: the new ids, up to the first stop id."""
+    import sample
+    from model.generate import generate
+    from utils import constants as c
+    model, _ = sample.load_for_inference(str(run), torch.device("cpu"))
+    out = generate(model, torch.tensor([prompt]), max_new_tokens=c.SAMPLE_MAX_NEW_TOKENS,
+                   temperature=c.SAMPLE_TEMPERATURE, top_k=c.SAMPLE_TOP_K, top_p=c.SAMPLE_TOP_P,
+                   stop_ids=stop_ids)[0, len(prompt):].tolist()
+    first = min((out.index(s) for s in stop_ids if s in out), default=len(out) - 1)
+    return out[:first + 1]
+
+
+def test_exported_chat_model_generates_and_stops_where_sample_py_does(tmp_path, capsys):
+    """generation_config.json: HF generate with the export's own defaults (sampling, temperature, top-k, both
+    end ids) emits what sample.py prints and stops at <|im_end|>, as sample.py does; every exported file 0644."""
+    import json
+
+    from transformers import GenerationConfig, LlamaForCausalLM
+
+    import sample
+    from utils import constants as c
+    run, tok_dir, tok, meta = _chat_run(tmp_path)
+    st = {k: v["id"] for k, v in meta["special_tokens"].items()}
+    out = tmp_path / "hf"
+    old = os.umask(0o022)
+    try:
+        assert export_hf.main([f"--ckpt={run}", f"--out_dir={out}"]) == 0
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(os.stat(p).st_mode) for p in out.iterdir()}
+    assert modes["model.safetensors"] == 0o644 and set(modes.values()) == {0o644}, modes  # safetensors wrote 0600
+    gen = json.loads((out / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == [st["eos"], st["im_end"]]
+    assert (gen["temperature"], gen["top_k"], gen["do_sample"]) == (c.SAMPLE_TEMPERATURE, c.SAMPLE_TOP_K, True)
+    assert GenerationConfig.from_pretrained(str(out)).eos_token_id == [st["eos"], st["im_end"]]
+
+    capsys.readouterr()
+    assert sample.main([f"--ckpt={run}", "--chat", "--prompt=hi", "--seed=3", "--device=cpu"]) == 0
+    printed = capsys.readouterr().out.split("---\n", 1)[1].rstrip("\n")
+    assert printed == "hello there"  # the model learned its answer; sample.py stopped at <|im_end|>
+
+    hf = LlamaForCausalLM.from_pretrained(str(out)).eval()
+    prompt = sample.build_prompt_ids(tok, meta, "hi", chat=True)
+    for seed in (3, 4):
+        torch.manual_seed(seed)
+        with torch.no_grad():  # nothing but the prompt: every setting comes from generation_config.json
+            new = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+        new = new[0, len(prompt):].tolist()
+        assert new[-1] == st["im_end"] and st["im_end"] not in new[:-1], new  # stopped at the first <|im_end|>
+        assert tok.decode(new[:-1], skip_special_tokens=True) == printed
+        torch.manual_seed(seed)
+        assert _sample_py_generation(run, prompt, [st["eos"], st["im_end"]]) == new  # the same draws
