@@ -177,19 +177,21 @@ def build_sampler(cfg: TrainConfig):
 _one_line = one_line  # the pre-check (train_config.precheck) prints its messages the same way
 
 
-QUIET_LINE_EVERY_S = 10.0  # stdout not a terminal: a step line at least this often (seconds)
+QUIET_LINE_EVERY_S = 10.0  # stdout not a terminal, --log_interval not given: a step line at least this often (s)
 _last_line_at = [0.0]
 
 
 TIMING_WARMUP_STEPS = 2  # steps of each process left out of the logged rate and MFU (Throughput)
 
 
-def _line_due(scheduled: bool, now: Optional[float] = None) -> bool:
+def _line_due(scheduled: bool, now: Optional[float] = None, quiet_lines: bool = True) -> bool:
     """Whether the loop prints this step's line: when `scheduled` (every --log_interval steps, evaluations,
-    step 1), and, when stdout is not a terminal (a pipe or a log file: no progress bar there), also when
-    no line came for QUIET_LINE_EVERY_S seconds, so that a piped run is never silent for minutes."""
+    step 1), and, when stdout is not a terminal (a pipe or a log file: no progress bar there) and the user
+    did not choose --log_interval (`quiet_lines`), also when no line came for QUIET_LINE_EVERY_S seconds,
+    so that a piped run with the default interval is never silent for minutes."""
     now = time.time() if now is None else now
-    if scheduled or (not sys.stdout.isatty() and now - _last_line_at[0] >= QUIET_LINE_EVERY_S):
+    quiet = quiet_lines and not sys.stdout.isatty() and now - _last_line_at[0] >= QUIET_LINE_EVERY_S
+    if scheduled or quiet:
         _last_line_at[0] = now
         return True
     return False
@@ -228,7 +230,8 @@ def main(argv: list[str]) -> int:
     try:
         from parallel.engine import needs_process_group
         info = init_distributed(cfg.device, need_group=needs_process_group(cfg))
-        return train(cfg, info, continues=continues, max_iters_given="max_iters" in given)
+        return train(cfg, info, continues=continues, max_iters_given="max_iters" in given,
+                     log_interval_given="log_interval" in given)
     except Exception as e:  # noqa: BLE001 - named errors become one line and an exit code; others re-raise
         named = exit_code_for(e)  # utils/errors.py: the one exception -> exit code mapping
         if named is None:
@@ -528,9 +531,11 @@ def _rank0_log(info: DistInfo):
     return log
 
 
-def train(cfg: TrainConfig, info: DistInfo, continues: Optional[bool] = None, max_iters_given: bool = False) -> int:
+def train(cfg: TrainConfig, info: DistInfo, continues: Optional[bool] = None, max_iters_given: bool = False,
+          log_interval_given: bool = False) -> int:
     """One run (main() has parsed and resolved `cfg`). max_iters_given: --max_iters was set explicitly
-    (command line or config file), so it wins over --num_train_epochs."""
+    (command line or config file), so it wins over --num_train_epochs; log_interval_given: --log_interval
+    too, so no extra time-based lines are printed between the lines it asks for."""
     log = _rank0_log(info)
     if info.is_main:  # library modules report optional-accelerator detection through logging
         logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
@@ -580,6 +585,7 @@ def train(cfg: TrainConfig, info: DistInfo, continues: Optional[bool] = None, ma
     loop = Loop(cfg, info, engine, ref_model, model_cfg, train_loader, make_val_loader, metrics, progress, init_info,
                 log)
     loop.tuner = tuner
+    loop.quiet_lines = not log_interval_given
     loop.announce(saved_max_iters=int(start.saved_cfg.get("max_iters") or 0))
 
     # ---- graceful stop: finish the step, save, exit 75
@@ -645,6 +651,9 @@ class Loop:
         self.pbar = None
         self.tuner = None  # utils/threads.ThreadTuner: the thread count chosen by measuring (set by train())
         self.t_last = time.time()
+        self.quiet_lines = True  # time-based lines between the --log_interval ones (when not a terminal)
+        self.t_loop_start = time.time()
+        self._eta_from: Optional[tuple[float, int]] = None  # (time, step) after the warm-up steps: the ETA's base
 
     def restart_clock(self) -> None:
         """After evaluation, a checkpoint or samples: none of that time is charged to the next step."""
@@ -786,11 +795,26 @@ class Loop:
                 p.last_val = ev["val_loss"]
                 p.best_val = min(p.best_val, p.last_val)
         self.metrics.write(rec)
-        if self.info.is_main and _line_due(p.step % self.cfg.log_interval == 0 or do_eval or p.step == 1):
-            self.log(format_line(rec))
+        if self.info.is_main and _line_due(p.step % self.cfg.log_interval == 0 or do_eval or p.step == 1,
+                                           quiet_lines=self.quiet_lines):
+            self.log(format_line(rec, total=self.cfg.max_iters, elapsed=time.time() - self.t_loop_start,
+                                 eta=self._eta(p.step)))
         if self.info.is_main and self.sampler is not None and self.sampler.due(p.step):  # RNG untouched
             self.engine.optimizer.finish_param_sync()  # ZeRO's all-gather of the updated weights has landed
             self.metrics.write_samples(self.sampler.sample(self.engine.module, p.step, self.info.device))
+
+    def _eta(self, step: int) -> Optional[float]:
+        """Seconds to --max_iters at this process's wall-clock pace since its warm-up steps (evaluations,
+        checkpoints and samples included, as they will recur); None until that pace is known."""
+        now = time.time()
+        if self._eta_from is None:
+            if step - self.resumed_from["step"] >= TIMING_WARMUP_STEPS:
+                self._eta_from = (now, step)
+            return None
+        t0, s0 = self._eta_from
+        if step <= s0:
+            return None
+        return (now - t0) / (step - s0) * max(0, self.cfg.max_iters - step)
 
     def save(self, val_loss: Optional[float]) -> None:
         """A checkpoint of this step (engine.save: every rank, atomic publish, keep_last)."""

@@ -268,10 +268,21 @@ def dedupe_by_step(records: list[dict[str, Any]], key: str = "loss") -> dict[int
     return out
 
 
-def format_line(rec: dict[str, Any]) -> str:
-    """The console line. Throughput is the windowed average when present; an MFU over an estimated
-    (measured) peak is printed as `mfu~`."""
-    parts = [f"step {rec['step']}"]
+def format_duration(seconds: float) -> str:
+    """h:mm:ss (days as `Nd h:mm:ss`)."""
+    s = int(round(max(0.0, seconds)))
+    d, s = divmod(s, 86400)
+    h, s = divmod(s, 3600)
+    m, s = divmod(s, 60)
+    return (f"{d}d " if d else "") + f"{h}:{m:02d}:{s:02d}"
+
+
+def format_line(rec: dict[str, Any], total: Optional[int] = None, elapsed: Optional[float] = None,
+                eta: Optional[float] = None) -> str:
+    """The console line: `step N/total`, the step's figures, then elapsed and ETA when given (log files and
+    pipes have no progress bar to show them). Throughput is the windowed average when present; an MFU
+    over an estimated (measured) peak is printed as `mfu~`."""
+    parts = [f"step {rec['step']}" + (f"/{total}" if total else "")]
     tps = "tokens_per_sec_avg" if isinstance(rec.get("tokens_per_sec_avg"), (int, float)) else "tokens_per_sec"
     for key, fmt in (("loss", "{:.4f}"), ("val_loss", "{:.4f}"), ("lr", "{:.2e}"), ("grad_norm", "{:.3f}"),
                      (tps, "{:.0f}"), ("mfu", "{:.2%}"), ("reward_acc", "{:.3f}"), ("val_reward_acc", "{:.3f}"),
@@ -282,6 +293,10 @@ def format_line(rec: dict[str, Any]) -> str:
             if key == "mfu" and rec.get("mfu_is_estimate"):
                 name = "mfu~"
             parts.append(f"{name} " + fmt.format(v))
+    if elapsed is not None:
+        parts.append(f"elapsed {format_duration(elapsed)}")
+    if eta is not None:
+        parts.append(f"eta {format_duration(eta)}")
     return " | ".join(parts)
 
 

@@ -65,6 +65,35 @@ def test_count_tokens_leaves_out_padding():
                          "rejected_input_ids": ids, "rejected_attention_mask": 1 - mask}) == 10
 
 
+def test_console_line_shows_the_total_elapsed_and_eta():
+    from utils.metrics import format_duration
+    line = format_line({"step": 50, "loss": 2.0}, total=2000, elapsed=83.4, eta=2710.0)
+    assert line.startswith("step 50/2000 | loss 2.0000") and line.endswith("elapsed 0:01:23 | eta 0:45:10")
+    assert format_duration(90061) == "1d 1:01:01" and format_line({"step": 3}) == "step 3"
+
+
+def test_log_lines_respect_a_given_interval_when_not_a_terminal(tiny_pretrain_run_args, tmp_path, monkeypatch):
+    """Without a terminal the trainer adds a line every QUIET_LINE_EVERY_S seconds (here: every step) only
+    when the user did not choose --log_interval; a chosen interval is kept, and every line has the total
+    and, after the warm-up steps, an ETA."""
+    import train_my_ddp as T
+    monkeypatch.setattr(T, "QUIET_LINE_EVERY_S", 0.0)
+    args = [a for a in tiny_pretrain_run_args if not a.startswith("--log_interval")]
+
+    def lines(extra, out):
+        import contextlib
+        import io
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            assert T.main([*args, *extra, f"--out_dir={tmp_path / out}", "--max_iters=6"]) == 0
+        return [ln for ln in buf.getvalue().splitlines() if ln.startswith("step ")]
+    given = lines(["--log_interval=3"], "given")
+    assert [ln.split(" |")[0] for ln in given] == ["step 1/6", "step 3/6", "step 6/6"], given
+    assert "eta " in given[-1] and "elapsed " in given[-1]
+    default = lines([], "default")
+    assert [ln.split(" |")[0] for ln in default] == [f"step {s}/6" for s in range(1, 7)], default
+
+
 def test_console_line_marks_estimated_mfu():
     line = format_line({"step": 3, "loss": 1.0, "tokens_per_sec": 50.0, "tokens_per_sec_avg": 40.0,
                         "mfu": 0.5, "mfu_is_estimate": True})
