@@ -26,9 +26,9 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
-from data_preprocess.readers import (collect_inputs, extract_text, iter_records, parse_text_fields, skip_counter,
-                                     split_long_text)
-from tokenizer.corpus import input_kind
+from data_preprocess.readers import (FileFieldCheck, collect_inputs, extract_text, iter_records, parse_text_fields,
+                                     skip_counter, split_long_text, text_fields_spec)
+from tokenizer.corpus import TEXT_FIELDS_HELP, input_kind
 from data_preprocess.shard_format import (SHARD_RE, DataError, dtype_for_vocab, read_sidecar,
                                           remove_temp_files, write_shard, check_shard)
 from data_preprocess.worker_tokenizer import WorkerTokenizer, backend_json
@@ -244,7 +244,7 @@ def pretokenize_pretrain(data_dir: str, tokenizer_dir: Optional[str], output_dir
     sp = tokenizer_meta["special_tokens"]
     vocab_size = int(tokenizer_meta["vocab_size"])
     alternatives = parse_text_fields(text_fields)
-    spec = "|".join(",".join(a) for a in alternatives)
+    spec = text_fields_spec(alternatives)
     os.makedirs(output_dir, exist_ok=True)
     remove_temp_files(output_dir)
     inputs = collect_inputs(data_dir, exclude_dir=output_dir)
@@ -346,6 +346,7 @@ def _process_file(pool: "_InProcess | ProcessPoolExecutor", path: str, stem: str
     # max(max_doc_chars, one piece) characters, which is what bounds the tokenizer's memory.
     batch_chars_limit = max_doc_chars or None
     is_txt = input_kind(path) == "txt"
+    check = FileFieldCheck(path, alternatives)  # a file none of whose records has the fields: named, with its keys
 
     def drain(limit: int) -> None:
         while len(pending) > limit:
@@ -383,7 +384,7 @@ def _process_file(pool: "_InProcess | ProcessPoolExecutor", path: str, stem: str
         drain(max_pending)
 
     for where, _, rec in iter_records(path, skips):
-        text = rec if is_txt else extract_text(rec, alternatives, where, skips)
+        text = rec if is_txt else extract_text(rec, alternatives, where, skips, check)
         if text is None:
             continue
         if not text or text.isspace():  # not text.strip(): no copy of a huge document
@@ -416,7 +417,9 @@ def _process_file(pool: "_InProcess | ProcessPoolExecutor", path: str, stem: str
     if split:
         log.info("%s: %d document(s) longer than --max_doc_chars=%d were tokenized in pieces", path, split,
                  max_doc_chars)
-    if writer.docs == 0:
+    if check.skipped_whole():
+        log.warning("%s", check.warning())
+    elif writer.docs == 0:
         log.warning("%s: no usable document: %d bad record(s) skipped %s, %d empty document(s)", path,
                     skips.total, dict(skips.counts), empty)
     return {"tokens": writer.tokens, "documents": writer.docs, "shards": writer.k, "split_documents": split,
@@ -459,9 +462,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--tokenizer_dir", required=True)
     add_out_dir(ap, "where the shards go (default: <data_dir>_tokenized)")
     ap.add_argument("--num_workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
-    ap.add_argument("--text_fields", default="text",
-                    help="'|' separates alternatives tried in order, ',' joins fields with a newline; "
-                         "e.g. 'text|title,content'")
+    ap.add_argument("--text_fields", default="text", help=TEXT_FIELDS_HELP)
     ap.add_argument("--shard_size_tokens", type=int, default=DEFAULT_SHARD_TOKENS)
     ap.add_argument("--max_doc_chars", type=int, default=DEFAULT_MAX_DOC_CHARS,
                     help="tokenize longer documents in pieces of at most this many characters "

@@ -6,7 +6,8 @@ so the tokenizer trainer and the pretokenizer read the same files: extensions in
 file named in a warning) narrowed to the kinds a command takes, records with a location ("file:line" for
 .txt/.jsonl, "file:record N" for json arrays, "file:row N" for parquet), the pretokenizers' wording of the
 bad-record policy (`skip_counter`: a counted, logged skip by default; an error naming file and line
-under strict=True), extracting the text of a pretraining document from configurable fields (lone
+under strict=True), extracting the text of a pretraining document from the --text_fields (the grammar and
+its rules are tokenizer.corpus's `parse_text_fields` / `document_text`, re-exported here; lone
 surrogates are a counted skip: they cannot be encoded), and splitting very long documents into pieces
 for the tokenizer (`split_long_text`).
 
@@ -22,8 +23,9 @@ import unicodedata
 from typing import Any, Iterator, Optional, Sequence
 
 from data_preprocess.shard_format import DataError
-from tokenizer.corpus import (SUPPORTED_EXTENSIONS, CorpusConfigError, CorpusError, InputFiles, SkipCounter,
-                              UnreadableFile, collect_input_files, input_kind, iter_raw_records)
+from tokenizer.corpus import (SUPPORTED_EXTENSIONS, CorpusConfigError, CorpusError, FileFieldCheck, InputFiles,
+                              SkipCounter, UnreadableFile, collect_input_files, document_text, input_kind,
+                              iter_raw_records, parse_text_fields, text_fields_spec)
 
 log = logging.getLogger(__name__)
 
@@ -102,39 +104,25 @@ def iter_records(path: str, skips: SkipCounter) -> Iterator[tuple[str, int, Any]
         raise DataError(msg) from e.cause
 
 
-def parse_text_fields(spec: str | Sequence[str]) -> list[list[str]]:
-    """`"text|title,content"` -> [["text"], ["title", "content"]].
-
-    `|` separates alternatives tried in order; `,` joins several fields with a newline.
-    A sequence is a list of alternatives: ("text", "title,content") == "text|title,content"."""
-    if not isinstance(spec, str):
-        spec = "|".join(spec)
-    alts = [[f.strip() for f in alt.split(",") if f.strip()] for alt in spec.split("|")]
-    alts = [a for a in alts if a]
-    if not alts:
-        raise ValueError(f"empty --text_fields spec: {spec!r}")
-    return alts
-
-
-def extract_text(rec: Any, alternatives: list[list[str]], where: str, skips: SkipCounter) -> Optional[str]:
-    """The document text of a record, or None (counted skip) when no alternative applies."""
-    if not isinstance(rec, dict):
-        skips.skip(where, "record is not an object", type(rec).__name__)
-        return None
-    for fields in alternatives:
-        if all(f in rec and rec[f] is not None for f in fields):
-            vals = [rec[f] for f in fields]
-            bad = [f for f, v in zip(fields, vals) if not isinstance(v, str)]
-            if bad:
-                skips.skip(where, "non-string text field", ", ".join(f"{b}={type(rec[b]).__name__}" for b in bad))
-                return None
-            text = "\n".join(vals)
-            pos = lone_surrogate(text)
-            if pos is not None:
-                skips.skip(where, "invalid Unicode", surrogate_detail(text, pos))
-                return None
-            return text
-    skips.skip(where, "missing text field", "want " + " | ".join(",".join(a) for a in alternatives))
+def extract_text(rec: Any, alternatives: list[list[str]], where: str, skips: SkipCounter,
+                 check: Optional[FileFieldCheck] = None) -> Optional[str]:
+    """The document text of a record under parsed --text_fields (tokenizer.corpus.document_text: the one
+    grammar of every command), or None (a counted skip in the pretokenizers' wording). `check` learns
+    whether the record had the fields (a file none of whose records has them is named in a warning)."""
+    text, why = document_text(rec, alternatives)
+    if check is not None:
+        check.saw(rec, why is not None and why[0] == "missing")
+    if why is None:
+        return text
+    kind, data = why
+    if kind == "not_object":
+        skips.skip(where, "record is not an object", data)
+    elif kind == "missing":
+        skips.skip(where, "missing text field", "want " + text_fields_spec(alternatives).replace("|", " | "))
+    elif kind == "non_string":
+        skips.skip(where, "non-string text field", ", ".join(f"{f}={t}" for f, t in data))
+    else:
+        skips.skip(where, "invalid Unicode", data)
     return None
 
 

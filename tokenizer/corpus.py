@@ -386,8 +386,15 @@ def _iter_parquet(path: str, columns: Optional[Sequence[str]] = None) -> Iterato
         pf = pq.ParquetFile(path)
     except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a corrupt file
         raise UnreadableFile(f"{path}: cannot read parquet file: {e}", e) from e
-    present = None if columns is None else [c for c in columns if c in pf.schema_arrow.names]
+    names = pf.schema_arrow.names
+    present = None if columns is None else [c for c in columns if c in names]
     row = 0
+    if present == [] and names:  # none of the columns asked for: rows of the file's keys, all null (missing)
+        for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=names[:1]):
+            for _ in range(batch.num_rows):
+                yield Record(None, row, dict.fromkeys(names))
+                row += 1
+        return
     # Only the needed columns, one record batch at a time, so memory is one batch whatever the file size.
     for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=present or None):
         if present is None:
@@ -402,48 +409,160 @@ def _iter_parquet(path: str, columns: Optional[Sequence[str]] = None) -> Iterato
 
 # ---------------------------------------------------------------- documents
 
-def record_text(record: Any, fields: Sequence[str]) -> tuple[str | None, tuple[str, str] | None]:
-    """(text, None) or (None, (reason, detail)). Several fields are joined with a newline."""
-    if isinstance(record, str) and tuple(fields) == ("text",):
-        return record, None
-    if not isinstance(record, dict):
-        return None, (f"record is a {type(record).__name__}, not an object", "")
-    parts = []
-    for name in fields:
-        value = record.get(name)
-        if value is None:
-            return None, ("missing field", repr(name))
-        if not isinstance(value, str):
-            return None, ("non-string field", f"{name!r} is {type(value).__name__}")
-        parts.append(value)
-    return "\n".join(parts), None
+TEXT_FIELDS_HELP = ("JSON / parquet fields of a document: '|' separates alternatives tried in order (the first "
+                    "whose fields are all present), ',' joins fields with a newline; e.g. 'text|title,content'. "
+                    "The same grammar in every command that reads raw text")
 
 
-def iter_file_documents(path: str, text_fields: Sequence[str], stats: SkipCounter) -> Iterator[tuple[str, int]]:
-    """Yield (document, utf8_byte_length) for one file, skipping or raising per the policy."""
+def parse_text_fields(spec: "str | Sequence[str] | Sequence[Sequence[str]]") -> list[list[str]]:
+    """The one --text_fields grammar of every command that reads raw text (tokenizer trainer, extend-tokenizer,
+    pretokenizers): `"text|title,content"` -> [["text"], ["title", "content"]].
+
+    `|` separates alternatives tried in order (the first whose fields are all present gives the text); `,`
+    joins several fields with a newline. In Python a list of names is the fields of one alternative
+    (("title", "content") == "title,content"); a list of lists is the parsed form, taken as is.
+    ValueError for a spec that names no field."""
+    if isinstance(spec, str):
+        text = spec
+    else:
+        items = list(spec)
+        if items and all(not isinstance(a, str) for a in items):
+            alts = [[str(f).strip() for f in a if str(f).strip()] for a in items]
+            if not all(alts):
+                raise ValueError(f"empty --text_fields alternative in {spec!r}")
+            return alts
+        else:
+            text = ",".join(items)
+    alts = [[f.strip() for f in alt.split(",") if f.strip()] for alt in text.split("|")]
+    alts = [a for a in alts if a]
+    if not alts:
+        raise ValueError(f"empty --text_fields spec: {spec!r}")
+    return alts
+
+
+def text_fields_spec(alternatives: Sequence[Sequence[str]]) -> str:
+    """The canonical spelling of parsed --text_fields ("text|title,content")."""
+    return "|".join(",".join(a) for a in alternatives)
+
+
+def document_text(record: Any, alternatives: Sequence[Sequence[str]]) -> tuple[Optional[str], Optional[tuple[str, Any]]]:
+    """The text of one JSON / parquet record under parsed --text_fields: (text, None), or (None, (kind, data))
+    with kind "not_object" (data: the type name), "missing" (data: the first missing field of the first
+    alternative), "non_string" (data: [(field, type name)]), "surrogate" (data: a description). The first
+    alternative whose fields are all present and not null is used; its non-string fields make the record
+    bad (no fall-through to the next alternative). A bare JSON string is the text when the spec is "text"."""
+    if isinstance(record, str) and [list(a) for a in alternatives] == [["text"]]:
+        text = record
+    elif not isinstance(record, dict):
+        return None, ("not_object", type(record).__name__)
+    else:
+        for fields in alternatives:
+            if all(record.get(f) is not None for f in fields):
+                bad = [(f, type(record[f]).__name__) for f in fields if not isinstance(record[f], str)]
+                if bad:
+                    return None, ("non_string", bad)
+                text = "\n".join(record[f] for f in fields)
+                break
+        else:
+            first = next(f for f in alternatives[0] if record.get(f) is None)
+            return None, ("missing", first)
+    pos = _lone_surrogate(text)
+    if pos is not None:
+        return None, ("surrogate", f"lone surrogate U+{ord(text[pos]):04X} at character {pos}")
+    return text, None
+
+
+def _lone_surrogate(text: str) -> Optional[int]:
+    if text.isascii():
+        return None
+    for i, c in enumerate(text):
+        if "\ud800" <= c <= "\udfff":
+            return i
+    return None
+
+
+def record_text(record: Any, fields: Any) -> tuple[str | None, tuple[str, str] | None]:
+    """(text, None) or (None, (reason, detail)) in the tokenizer trainer's wording (document_text's rules)."""
+    return _record_text(record, parse_text_fields(fields))
+
+
+def _record_text(record: Any, alternatives: list[list[str]]) -> tuple[str | None, tuple[str, str] | None]:
+    text, why = document_text(record, alternatives)
+    if why is None:
+        return text, None
+    kind, data = why
+    if kind == "not_object":
+        return None, (f"record is a {data}, not an object", "")
+    if kind == "missing":
+        return None, ("missing field", repr(data) if len(alternatives) == 1
+                      else f"{data!r} (want {text_fields_spec(alternatives)})")
+    if kind == "non_string":
+        return None, ("non-string field", ", ".join(f"{f!r} is {t}" for f, t in data))
+    return None, ("invalid Unicode", data)
+
+
+class FileFieldCheck:
+    """Whether any record of one file had the --text_fields, and the keys of the records that had none:
+    a file skipped whole (say, another schema under the default "text") is a warning naming the file and
+    its keys, never a silent skip."""
+
+    MAX_KEYS = 20
+
+    def __init__(self, path: str, alternatives: Sequence[Sequence[str]]):
+        self.path, self.alternatives = path, alternatives
+        self.records = self.matched = 0
+        self.keys: set[str] = set()
+
+    def saw(self, record: Any, missing: bool) -> None:
+        self.records += 1
+        if not missing:
+            self.matched += 1
+        elif self.matched == 0 and isinstance(record, dict) and len(self.keys) <= self.MAX_KEYS:
+            self.keys.update(map(str, record))
+
+    def skipped_whole(self) -> bool:
+        return self.records > 0 and self.matched == 0 and bool(self.keys)
+
+    def warning(self) -> str:
+        keys = sorted(self.keys)
+        shown = ", ".join(keys[:self.MAX_KEYS]) + (", ..." if len(keys) > self.MAX_KEYS else "")
+        return (f"{self.path}: skipped whole: none of its {self.records} record(s) has the --text_fields "
+                f"{text_fields_spec(self.alternatives)!r}; its records have the keys: {shown} "
+                f"(pass e.g. --text_fields='{text_fields_spec(self.alternatives)}|{keys[0]}')")
+
+    def warn(self, logger: logging.Logger) -> None:
+        if self.skipped_whole():
+            logger.warning("%s", self.warning())
+
+
+def iter_file_documents(path: str, text_fields: Any, stats: SkipCounter) -> Iterator[tuple[str, int]]:
+    """Yield (document, utf8_byte_length) for one file, skipping or raising per the policy. `text_fields`:
+    the --text_fields grammar (parse_text_fields). A file none of whose records has the fields is a warning
+    naming it and its keys (unless `stats` is quiet: a second pass over the same files)."""
     kind = input_kind(path)
-    records = iter_raw_records(path, stats, columns=text_fields)
+    alternatives = parse_text_fields(text_fields)
+    columns = sorted({f for a in alternatives for f in a})
+    records = iter_raw_records(path, stats, columns=columns)
+    check = FileFieldCheck(path, alternatives)
     try:
         for line, index, rec in records:
             where = f"{path} row {index + 1}" if kind == "parquet" else f"{path}:{line}"
             if kind == "txt":
                 text, reason = rec, None
             else:
-                text, reason = record_text(rec, text_fields)
+                text, reason = _record_text(rec, alternatives)
+                check.saw(rec, reason is not None and reason[0] == "missing field")
             if reason is not None:
                 stats.skip(where, *reason)
                 continue
             if not text:
                 stats.empty_documents += 1
                 continue
-            try:
-                nbytes = len(text.encode("utf-8"))
-            except UnicodeEncodeError:  # lone surrogate from a JSON "\ud800" escape
-                stats.skip(where, "invalid Unicode", "lone surrogate")
-                continue
-            yield text, nbytes
+            yield text, len(text.encode("utf-8"))
     except OSError as e:
         raise CorpusError(f"{path}: cannot read: {e}") from e
+    if not stats.quiet:
+        check.warn(stats.logger)
 
 
 def iter_documents(files: Sequence[str], text_fields: Sequence[str], stats: SkipCounter,

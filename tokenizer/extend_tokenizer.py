@@ -33,7 +33,8 @@ from typing import Any, Container, Iterator, Sequence
 
 from tokenizer.contract import META_FILENAME, SPECIAL_TOKENS, VOCAB_MULTIPLE, fingerprint_dir, write_json
 from tokenizer.corpus import (
-    CorpusError, SkipCounter, collect_input_files, command_exit_code, iter_file_documents, no_input_files_error,
+    TEXT_FIELDS_HELP, CorpusError, SkipCounter, collect_input_files, command_exit_code, iter_file_documents,
+    no_input_files_error, parse_text_fields, text_fields_spec,
 )
 from utils.publish import staged_dir
 
@@ -143,7 +144,7 @@ class Corpus:
 
     def __init__(self, files: list[str], text_fields: Sequence[str], strict: bool, heldout_every: int,
                  heldout_chars: int, max_train_bytes: int | None, seed: int):
-        self.files, self.text_fields, self.every = files, tuple(text_fields), heldout_every
+        self.files, self.text_fields, self.every = files, parse_text_fields(text_fields), heldout_every
         self.max_train_bytes, self.seed = max_train_bytes, seed
         self.stats = SkipCounter(strict=strict)
         self.heldout: list[str] = []
@@ -449,10 +450,7 @@ def extend_tokenizer(base_tokenizer_dir: str, data_dir_or_files: str | Sequence[
     t0 = time.time()
     if num_new_tokens <= 0:
         raise ValueError(f"--num_new_tokens must be positive, got {num_new_tokens}")
-    if isinstance(text_fields, str):
-        text_fields = tuple(f.strip() for f in text_fields.split(",") if f.strip())
-    if not text_fields:
-        raise ValueError("text_fields is empty")
+    text_fields = parse_text_fields(text_fields)  # the one grammar (tokenizer.corpus): ValueError when empty
     if max_train_bytes is not None and max_train_bytes <= 0:
         raise ValueError("max_train_bytes must be positive")
     if heldout_every == 1:
@@ -510,7 +508,7 @@ def extend_tokenizer(base_tokenizer_dir: str, data_dir_or_files: str | Sequence[
     before = tokens_per_char(json.dumps(tj, ensure_ascii=False), corpus.heldout)
     after = tokens_per_char(ext_str, corpus.heldout)
     training = {
-        "files": [os.path.abspath(f) for f in found.files], "text_fields": list(text_fields),
+        "files": [os.path.abspath(f) for f in found.files], "text_fields": text_fields_spec(text_fields),
         "max_train_bytes": max_train_bytes, "seed": seed, "min_frequency": min_frequency,
         "train_documents": corpus.train_docs, "heldout_documents": corpus.heldout_docs,
         "sampled_documents": corpus.sampled_docs, "sampled_characters": corpus.sampled_chars,
@@ -593,7 +591,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    help="directories, files or glob patterns (.txt, .json, .jsonl, .parquet); repeatable")
     p.add_argument("--num_new_tokens", type=int, required=True, help="how many new pieces to add (at most)")
     add_out_dir(p, "the extended tokenizer directory to write", required=True)
-    p.add_argument("--text_fields", default="text", help="comma-separated JSON/parquet fields, joined with a newline")
+    p.add_argument("--text_fields", default="text", help=TEXT_FIELDS_HELP)
     p.add_argument("--max_train_bytes", type=parse_byte_size, default=None,
                    help="train on a uniform random sample of about this many bytes (e.g. 2G); memory stays bounded")
     p.add_argument("--seed", type=int, default=0)

@@ -21,8 +21,8 @@ from tokenizer.contract import (
     build_meta, check_meta, fingerprint_dir, write_json,
 )
 from tokenizer.corpus import (
-    CorpusError, SkipCounter, collect_input_files, command_exit_code, count_documents, iter_documents,
-    no_input_files_error, sample_documents,
+    TEXT_FIELDS_HELP, CorpusError, SkipCounter, collect_input_files, command_exit_code, count_documents,
+    iter_documents, no_input_files_error, parse_text_fields, sample_documents, text_fields_spec,
 )
 from utils.publish import staged_dir
 
@@ -101,7 +101,7 @@ def save_tokenizer_dir(tk: Any, output_dir: str, tokenizer_type: str, training: 
 
 
 def train_tokenizer(data_dir_or_files: str | os.PathLike | Sequence[str | os.PathLike], output_dir: str,
-                    vocab_size: int, tokenizer_type: str = "hf_bbpe", text_fields: Sequence[str] = ("text",),
+                    vocab_size: int, tokenizer_type: str = "hf_bbpe", text_fields: str | Sequence[str] = "text",
                     max_train_bytes: int | None = None, seed: int = 0, min_frequency: int = 2,
                     num_threads: int | None = None, file_glob: str = "**/*", recursive: bool = True,
                     strict: bool = False, overwrite: bool = True, progress: bool = False,
@@ -114,10 +114,7 @@ def train_tokenizer(data_dir_or_files: str | os.PathLike | Sequence[str | os.Pat
     """
     if tokenizer_type not in TOKENIZER_TYPES:
         raise ValueError(f"tokenizer_type must be one of {TOKENIZER_TYPES}, got {tokenizer_type!r}")
-    if isinstance(text_fields, str):
-        text_fields = tuple(f.strip() for f in text_fields.split(",") if f.strip())
-    if not text_fields:
-        raise ValueError("text_fields is empty")
+    text_fields = parse_text_fields(text_fields)  # the one grammar (tokenizer.corpus): ValueError when empty
     if max_train_bytes is not None and max_train_bytes <= 0:
         raise ValueError("max_train_bytes must be positive")
     learned_target = _learned_target(vocab_size, tokenizer_type)
@@ -175,7 +172,7 @@ def train_tokenizer(data_dir_or_files: str | os.PathLike | Sequence[str | os.Pat
     training = {
         "files": [os.path.abspath(f) for f in files],
         "ignored_files": [os.path.abspath(f) for f in found.ignored],
-        "text_fields": list(text_fields),
+        "text_fields": text_fields_spec(text_fields),
         "requested_vocab_size": vocab_size,
         "max_train_bytes": max_train_bytes,
         "seed": seed,
@@ -215,8 +212,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     add_out_dir(p, "the tokenizer directory to write", required=True)
     p.add_argument("--vocab_size", type=int, required=True, help="target size including the 6 special tokens")
     p.add_argument("--tokenizer_type", choices=TOKENIZER_TYPES, default="hf_bbpe")
-    p.add_argument("--text_fields", default="text",
-                   help="comma-separated JSON/parquet fields, joined with a newline (e.g. title,content)")
+    p.add_argument("--text_fields", default="text", help=TEXT_FIELDS_HELP)
     p.add_argument("--max_train_bytes", type=parse_byte_size, default=None,
                    help="train on a uniform random sample of documents of about this many UTF-8 bytes "
                         "(e.g. 2000000000, 2e9, 2G, 500M) "
