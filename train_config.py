@@ -493,8 +493,9 @@ KERNEL_CHOICES = {"auto": (True, "auto"), "true": (True, "auto"), "triton": (Tru
                   "torch": (True, "torch"), "false": (False, "auto")}
 
 
-MAX_STEPS = 10 ** 9      # --max_iters and the step flags: a billion optimizer steps
-MAX_EPOCHS = 10 ** 6     # --num_train_epochs
+# --max_iters and the step flags: a billion optimizer steps; --num_train_epochs (utils/constants.py: a
+# checkpoint's trainer_state.json is bounded by the same MAX_STEPS)
+from utils.constants import MAX_EPOCHS, MAX_STEPS  # noqa: E402
 
 
 class _Problems(list):

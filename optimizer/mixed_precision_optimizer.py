@@ -354,6 +354,12 @@ class MixedPrecisionOptimizer:
                 raise KeyError(f"optimizer state has no entry for parameter {pc.name!r}")
             if list(entries[0]["shape"]) != list(pc.param.shape):
                 raise ValueError(f"{pc.name}: saved shape {entries[0]['shape']} != {list(pc.param.shape)}")
+            for e in entries:  # always saved as fp32: another dtype is refused, never silently cast
+                for key in ("main", "exp_avg", "exp_avg_sq"):
+                    t = e.get(key)
+                    if torch.is_tensor(t) and t.dtype != torch.float32:
+                        raise ValueError(f"{pc.name}: its {key} is saved as {t.dtype}, but this optimizer keeps "
+                                         "float32 state (and always saves it so): refused rather than cast")
             parts = {k: self._assemble(pc, entries, k) for k in ("main", "exp_avg", "exp_avg_sq")}
             step = max(float(e["step"]) for e in entries)
             with torch.no_grad():

@@ -56,7 +56,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from utils.checkpoint import (CheckpointError, CheckpointMismatchError, one_line, publish_checkpoint_dir,
+from utils.checkpoint import (CheckpointError, CheckpointMismatchError, first_nonfinite, one_line, publish_checkpoint_dir,
                               read_json, save_guard, verify_checkpoint, write_json)
 from utils.dcp_files import (DCPCheckpointError, SafeFileSystemReader, dcp_dir_problem,  # noqa: F401 (re-exported)
                              dcp_layout_problem, read_dcp_metadata)
@@ -316,6 +316,10 @@ def load_dcp_checkpoint(ckpt_dir: str, model: nn.Module, optimizer=None) -> dict
         if not isinstance(tm, TensorStorageMetadata) or list(tm.size) != list(v.shape):
             raise CheckpointMismatchError(f"{os.path.join(ckpt_dir, '.metadata')}: {k} has shape "
                                           f"{list(getattr(tm, 'size', []))} in the checkpoint, {list(v.shape)} here")
+        saved_dtype = getattr(getattr(tm, "properties", None), "dtype", None)
+        if k.startswith(_OPTIM) and torch.is_tensor(v) and saved_dtype != v.dtype:  # DCP would cast it silently
+            raise DCPCheckpointError(f"{os.path.join(ckpt_dir, '.metadata')}: optimizer state {k[len(_OPTIM):]} is "
+                                     f"saved as {saved_dtype}, this optimizer keeps {v.dtype}: refused rather than cast")
 
     _dcp_load(want, ckpt_dir, group)
 
@@ -374,4 +378,8 @@ def load_model_tensors(ckpt_dir: str, names: list[str]) -> dict[str, torch.Tenso
         raise DCPCheckpointError(f"checkpoint {ckpt_dir} has no model tensor(s) {missing[:3]}")
     out = {_MODEL + n: torch.empty(specs[n][0], dtype=specs[n][1]) for n in names}
     _dcp_load(out, ckpt_dir, None)
-    return {k[len(_MODEL):]: v for k, v in out.items()}
+    out = {k[len(_MODEL):]: v for k, v in out.items()}
+    bad = first_nonfinite(out.items())
+    if bad is not None:
+        raise DCPCheckpointError(f"checkpoint {ckpt_dir}: {bad}")
+    return out

@@ -341,7 +341,25 @@ class FSDPEngine(Engine):
                                        "--parallel=ddp (or start a new fsdp run with --init_from=<that checkpoint>)")
         from parallel.dcp_checkpoint import load_dcp_checkpoint
         load_dcp_checkpoint(ckpt_dir, self.model, self.optimizer)
+        refuse_nonfinite_weights(self.module, ckpt_dir)
         return load_extra_state(ckpt_dir, rank, saved_world, world_size, log)
+
+
+def refuse_nonfinite_weights(module: nn.Module, ckpt_dir: str) -> None:
+    """One pass over this rank's loaded weights (its shard of a sharded model, its stage of a pipeline) and
+    one collective of every rank's verdict: CheckpointError (exit 5) with the same line on every rank,
+    naming the first tensor that holds NaN or inf, when any rank found one."""
+    from torch.distributed.tensor import DTensor
+
+    from utils.constants import EXIT_BAD_CHECKPOINT
+    from utils.dist import first_error_of_ranks
+    params = [(n, p.to_local() if isinstance(p, DTensor) else p) for n, p in module.named_parameters()]
+    bad = ckpt.first_nonfinite(params)
+    device = params[0][1].device if params else None
+    verdict = first_error_of_ranks(None if bad is None else (EXIT_BAD_CHECKPOINT, f"checkpoint {ckpt_dir}: {bad}"),
+                                   device)
+    if verdict is not None:
+        raise ckpt.CheckpointError(verdict[1])
 
 
 def load_extra_state(ckpt_dir: str, rank: int, saved_world: int, world_size: int,
@@ -651,15 +669,20 @@ def checkpoint_model_state(ckpt_dir: str) -> dict[str, torch.Tensor]:
 
         from parallel.pipeline import merge_stage_checkpoints
         try:
-            return merge_stage_checkpoints(ckpt_dir)
+            sd = merge_stage_checkpoints(ckpt_dir)
         except (ValueError, KeyError, TypeError, OSError, RuntimeError, SafetensorError) as e:
             if isinstance(e, torch.OutOfMemoryError):
                 raise
             raise ckpt.CheckpointError(f"checkpoint {ckpt_dir}: {damaged_file_hint(ckpt_dir, e)}") from e
-    if is_sharded_checkpoint(ckpt_dir):
+    elif is_sharded_checkpoint(ckpt_dir):
         from parallel.dcp_checkpoint import load_full_model_state_dict
-        return load_full_model_state_dict(ckpt_dir)
-    return ckpt.load_model_state(ckpt_dir)
+        sd = load_full_model_state_dict(ckpt_dir)
+    else:
+        return ckpt.load_model_state(ckpt_dir)  # checked there
+    bad = ckpt.first_nonfinite(sd.items())
+    if bad is not None:
+        raise ckpt.CheckpointError(f"checkpoint {ckpt_dir}: {bad}")
+    return sd
 
 
 # ---------------------------------------------------------------------------- pipeline
@@ -754,6 +777,7 @@ class PipelineParallelEngine(Engine):
             if isinstance(e, torch.OutOfMemoryError):
                 raise
             raise ckpt.CheckpointError(f"checkpoint {ckpt_dir}: {damaged_file_hint(ckpt_dir, e)}") from e
+        refuse_nonfinite_weights(self.module, ckpt_dir)
         return load_extra_state(ckpt_dir, rank, saved_world, world_size, log)
 
 

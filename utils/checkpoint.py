@@ -36,13 +36,14 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import pickle
 import random
 import shutil
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -53,6 +54,7 @@ from safetensors.torch import load_file, save_file
 from utils.run_dir import CKPT_SUBDIR, COMPLETE_MARKER, RUN_START, listed_checkpoints  # noqa: E402,F401
 from utils.run_dir import STEP_PREFIX as _PREFIX  # noqa: E402
 from utils.errors import one_line  # noqa: F401  (re-exported: callers use ckpt.one_line)
+from utils.constants import MAX_STEPS
 from utils.model_bounds import bound_problems
 from utils.disk_space import DiskFullError, free_bytes, human, is_disk_full, tree_bytes
 from utils.publish import atomic_write_json, fsync_file, make_temp_dir, publish_dir, temp_dir_for
@@ -392,6 +394,7 @@ def _manifest_problem(path: str, check_hashes: bool) -> Optional[str]:
 # JSON sidecars every reader parses: each must be a JSON object; trainer_state.json also records the
 # step and the world size of the save (the checkpoint protocol; the rest is checked where it is read).
 SIDECARS = ("trainer_state.json", "model_config.json", "config.json")
+MAX_WORLD = 10 ** 6  # ranks a checkpoint may record having been saved by
 
 
 def trainer_state_problem(state: Any, required: tuple[str, ...] = ()) -> Optional[str]:
@@ -400,10 +403,19 @@ def trainer_state_problem(state: Any, required: tuple[str, ...] = ()) -> Optiona
     write its own sidecar), and must be there when named in `required` (the trainer's resume)."""
     if not isinstance(state, dict):
         return f"trainer_state.json holds a {type(state).__name__}, not a JSON object"
-    for key, low in (("step", 0), ("world_size", 1)):
+    # bounded: "step": 10**30 would end the run at once as "done"; no run takes more than MAX_STEPS steps,
+    # and no world has more than MAX_WORLD ranks
+    for key, low, high in (("step", 0, MAX_STEPS), ("world_size", 1, MAX_WORLD), ("data_step", 0, 2 * MAX_STEPS)):
         v = state.get(key)
-        if (key in state or key in required) and (not _is_int(v) or v < low):
-            return f"trainer_state.json: {key}={v!r} is not an integer >= {low}"
+        if (key in state or key in required) and (not _is_int(v) or not low <= v <= high):
+            return f"trainer_state.json: {key}={v!r} is not an integer in [{low}, {high}]"
+    v = state.get("tokens_seen")
+    if v is not None and not isinstance(v, bool) and isinstance(v, (int, float)) and not 0 <= v < 1e30:
+        return f"trainer_state.json: tokens_seen={v!r} is not a count of tokens (0 <= n < 1e30)"
+    for key in ("val_loss", "best_val_loss"):
+        v = state.get(key)
+        if isinstance(v, float) and not math.isfinite(v):
+            return f"trainer_state.json: {key}={v!r} is not a finite number"
     for key, types_ in (("init_info", dict), ("lora_base", dict), ("data_cursor", dict),
                         ("val_loss", (int, float)), ("best_val_loss", (int, float)), ("tokens_seen", (int, float))):
         v = state.get(key)
@@ -530,11 +542,30 @@ def read_trainer_state(ckpt_dir: str, required: tuple[str, ...] = ()) -> dict:
 
 
 def load_model_state(ckpt_dir: str) -> dict[str, torch.Tensor]:
+    """model.safetensors of a checkpoint; CheckpointError naming the file when it cannot be read or a
+    tensor holds NaN or inf (a finite run never saves one: the file was damaged or tampered with)."""
     path = os.path.join(ckpt_dir, "model.safetensors")
     try:
-        return load_file(path)
+        sd = load_file(path)
     except (SafetensorError, OSError, ValueError) as e:
         raise CheckpointError(f"{path}: cannot be read ({one_line(e)})") from e
+    bad = first_nonfinite(sd.items())
+    if bad is not None:
+        raise CheckpointError(f"{path}: {bad}")
+    return sd
+
+
+def first_nonfinite(tensors: Iterable[tuple[str, torch.Tensor]]) -> Optional[str]:
+    """One pass over floating-point tensors: "tensor NAME holds N NaN/inf value(s) ..." for the first that
+    has any, else None. A training run that saved them would have stopped at the non-finite loss."""
+    for name, t in tensors:
+        if torch.is_tensor(t) and t.is_floating_point() and t.numel():
+            finite = torch.isfinite(t)
+            if not bool(finite.all()):
+                n = int((~finite).sum())
+                return (f"tensor {name} holds {n} NaN/inf value(s) of {t.numel()}: refused (a run that "
+                        "reached them would have stopped at a non-finite loss; the file is damaged)")
+    return None
 
 
 def _unpickling_detail(e: BaseException) -> str:

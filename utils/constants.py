@@ -9,6 +9,11 @@ SAMPLE_TEMPERATURE = 0.8
 SAMPLE_TOP_K = 50
 SAMPLE_TOP_P = None
 
+# The most optimizer steps a run may take (--max_iters and the step flags, train_config.py) and so the most a
+# checkpoint's trainer_state.json may record (utils/checkpoint.py); --num_train_epochs' bound.
+MAX_STEPS = 10 ** 9
+MAX_EPOCHS = 10 ** 6
+
 # Exit codes of train_my_ddp.py and the preprocessing commands; monitor_process.py reads them.
 EXIT_OK = 0
 EXIT_BAD_CONFIG = 2      # unknown flag, wrong type, impossible combination: never retried

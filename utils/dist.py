@@ -109,6 +109,35 @@ def all_reduce_max(value: float, device: torch.device) -> float:
     return float(t.item())
 
 
+_VERDICT_BYTES = 1024  # an error line longer than this is cut (utils.errors.one_line keeps 500 characters)
+
+
+def first_error_of_ranks(error: Optional[tuple[int, str]], device: Optional[torch.device] = None,
+                         group=None) -> Optional[tuple[int, str]]:
+    """Every rank's verdict in ONE collective: each passes None (all is well) or (exit code, one-line message);
+    every rank gets back the same answer, the error of the lowest rank that has one, or None when no rank
+    has one. One process (no process group)
+    returns its own verdict untouched. Tensors only (no pickle): a code and the message's UTF-8 bytes."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return error
+    buf = torch.zeros(_VERDICT_BYTES + 2, dtype=torch.int64)
+    if error is not None:
+        data = error[1].encode("utf-8", "replace")[:_VERDICT_BYTES]
+        buf[0], buf[1] = int(error[0]), len(data)
+        buf[2:2 + len(data)] = torch.tensor(list(data), dtype=torch.int64)
+    if device is None:
+        device = torch.device("cpu") if dist.get_backend(group) == "gloo" else torch.device(torch.accelerator.current_accelerator())
+    buf = buf.to(device)
+    every = [torch.empty_like(buf) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, buf, group=group)
+    for t in every:
+        t = t.cpu()
+        n = int(t[1])
+        if n > 0:
+            return int(t[0]), bytes(t[2:2 + n].tolist()).decode("utf-8", "replace")
+    return None
+
+
 def destroy() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -128,6 +128,38 @@ def _safetensors_other_shapes(d) -> None:
               str(d / "model.safetensors"))
 
 
+def _nan_weight(d) -> None:
+    """One weight element NaN in model.safetensors (ddp) or in the DCP shards (fsdp, rewritten in one process)."""
+    if (d / "model.safetensors").exists():
+        sd = load_file(str(d / "model.safetensors"))
+        sd["layers.0.mlp.down_proj.weight"][0, 0] = float("nan")
+        save_file(sd, str(d / "model.safetensors"))
+        return
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+    flat = d.parent / "flat.pt"
+    dcp_to_torch_save(str(d), str(flat))
+    sd = torch.load(flat, weights_only=True)
+    sd["model.layers.0.mlp.down_proj.weight"][0, 0] = float("inf")
+    torch.save(sd, flat)
+    for name in (".metadata", "__0_0.distcp"):
+        os.remove(d / name)
+    torch_save_to_dcp(str(flat), str(d))
+    os.remove(flat)
+
+
+def _fp16_optimizer_state(d) -> None:
+    """One Adam moment saved as fp16 (ddp): it used to be cast to fp32 without a word."""
+    sd = torch.load(d / "optimizer_rank0.pt", weights_only=True)
+    name = sorted(sd["params"])[0]
+    sd["params"][name]["exp_avg"] = sd["params"][name]["exp_avg"].half()
+    torch.save(sd, d / "optimizer_rank0.pt")
+
+
+def _named(needle, line: str) -> bool:
+    """A case's needle: one string, or a tuple of strings that must all be in the line."""
+    return all(n in line for n in ((needle,) if isinstance(needle, str) else needle))
+
+
 # what each reader does with a case: refuse = exit 5 and one error line naming the file; fallback = resume
 # skips the checkpoint with a log line naming the file and trains on from the older one (exit 0);
 # warn = exit 0 with a warning naming the file; ok = the reader does not need the file (exit 0)
@@ -145,6 +177,16 @@ CASES = [
         "bytes": 1, "sha256": "0" * 64}}), False, VERIFY, "manifest.json"),
     ("trainer_state_step_abc", ("ddp", "fsdp"), lambda d: _edit_json(d / "trainer_state.json", step="abc"), True,
      VERIFY, "trainer_state.json"),
+    # bounded (issue 33 item 11): "step": 10**30 ended the run at once as "done"; an exponent too
+    ("trainer_state_step_10e30", ("ddp", "fsdp"), lambda d: _edit_json(d / "trainer_state.json", step=10 ** 30), True,
+     VERIFY, ("trainer_state.json", "step=")),
+    ("trainer_state_step_1e30", ("ddp",), lambda d: _edit_json(d / "trainer_state.json", step=1e30), True,
+     VERIFY, ("trainer_state.json", "step=")),
+    ("trainer_state_world_size_huge", ("ddp",), lambda d: _edit_json(d / "trainer_state.json", world_size=10 ** 12),
+     True, VERIFY, ("trainer_state.json", "world_size=")),
+    ("weight_nan", ("ddp", "fsdp"), _nan_weight, True, LOAD, ("layers.0.mlp.down_proj.weight", "NaN/inf")),
+    ("optimizer_fp16", ("ddp",), _fp16_optimizer_state, True, RESUME_ONLY,
+     ("optimizer_rank0.pt", "torch.float16", "refused")),
     ("trainer_state_brace", ("ddp", "fsdp"), lambda d: (d / "trainer_state.json").write_text("{"), True,
      VERIFY, "trainer_state.json"),
     ("model_config_dim_64x", ("ddp", "fsdp"), lambda d: _edit_json(d / "model_config.json", dim="64x"), True,
@@ -201,12 +243,12 @@ def run_reader(reader: str, runs, run, step, tmp_path, capsys) -> tuple[int, str
     return code, out, err, prefix
 
 
-def assert_refused(code: int, err: str, prefix: str, needle: str) -> None:
+def assert_refused(code: int, err: str, prefix: str, needle) -> None:
     assert "Traceback" not in err, err
     assert code == EXIT_BAD_CHECKPOINT, (code, err[-3000:])
     lines = [line for line in err.splitlines() if prefix in line]
     assert len(lines) == 1, err
-    assert needle in lines[0], lines[0]
+    assert _named(needle, lines[0]), lines[0]
 
 
 @pytest.mark.parametrize("kind, damage, again, what, needle, reader", PARAMS)
@@ -221,11 +263,11 @@ def test_damaged_checkpoint(runs, tmp_path, capsys, kind, damage, again, what, n
     assert not [line for line in err.splitlines() if prefix in line], err
     if what == "fallback":  # the damaged checkpoint is skipped, named; the run trains on from the older one
         skipped = [line for line in out.splitlines() if line.startswith(f"[checkpoint] skipping {step}:")]
-        assert len(skipped) == 1 and needle in skipped[0], out[-3000:]
+        assert len(skipped) == 1 and _named(needle, skipped[0]), out[-3000:]
         assert f"[resume] continuing {run} from step 1 (--init_from=resume)" in out  # OLDER
         assert ckpt.verify_checkpoint(str(step)) is None  # step 2 was trained again and saved over the damage
     elif what == "warn":
-        warned = [line for line in out.splitlines() if "warning" in line and needle in line]
+        warned = [line for line in out.splitlines() if "warning" in line and _named(needle, line)]
         assert len(warned) == 1 and "fresh RNG state" in warned[0], out[-3000:]
         assert f"[resume] continuing {run} from step 2 (--init_from=resume)" in out  # STEP
 
