@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from utils.constants import EXIT_BAD_CONFIG
+from utils.constants import EXIT_BAD_CONFIG, EXIT_BAD_DATA
 from utils.errors import TrainingError, one_line  # noqa: F401  (re-exported: the trainer and tests use them)
 
 
@@ -235,19 +235,21 @@ def no_weights_message(flag: str, path: str) -> str:
 # ---------------------------------------------------------------------------- the pre-check (no torch)
 
 def precheck(argv: list[str], title: str, prog: str) -> None:
-    """train_my_ddp.py's answers that need no torch, given before it imports torch (a second, not a
-    minute on a busy machine): --help (exit 0); a flag, value or config file that does not parse, a value
-    validate_config refuses, a --tokenizer_dir without tokenizer_meta.json, --resume=never on an
-    --out_dir with checkpoints, --resume=always with nothing to continue, and an --init_from,
-    --resume_fallback or (DPO) --ref_model path that is not there, an --out_dir that cannot be created
-    (exit 2), and an --out_dir another run holds (exit 6, utils/run_lock.py). Each is printed as the
-    full path prints that mistake, with its exit code; with several mistakes the full path may name
-    another one first. Returns when it finds none: the full path checks the rest (devices, what the
-    checkpoints hold, the data, the FSDP / pipeline / LoRA-target options, changes a resume refuses);
-    a bad value in a configuration that uses those options is left to it too, so that its one message
-    lists every problem.
-    Reads only --out_dir's listing and JSON, and the config files and tokenizer_meta.json named; creates
-    --out_dir and probes its lock (run.lock) last, once everything else passed."""
+    """train_my_ddp.py's answers that need no torch, given before it imports torch (a second, not a minute on a
+    busy machine): --help (exit 0); a flag, value or config file that does not parse, a value validate_config
+    refuses, a --tokenizer_dir without tokenizer_meta.json, --resume=never on an --out_dir with checkpoints,
+    --resume=always with nothing to continue, and an --init_from, --resume_fallback or (DPO) --ref_model path
+    that is not there, an --out_dir that cannot be created, a new model whose --dim does not split into
+    --n_heads (exit 2), a --data_dir that does not exist or (pretrain) holds raw text instead of token shards,
+    with the pretokenizer's commands (exit 3, data_preprocess/train_data_check.py; the full path says "no token
+    shards" without the commands), and an --out_dir another run holds (exit 6, utils/run_lock.py). Each is
+    printed as the full path prints that mistake, with its exit code; with several mistakes the full path may
+    name another one first. Returns when it finds none: the full path checks the rest (devices, what the
+    checkpoints hold, the data, the FSDP / pipeline / LoRA-target options, changes a resume refuses); a bad
+    value in a configuration that uses those options is left to it too, so that its one message lists every
+    problem.
+    Reads only --out_dir's listing and JSON, the config files and tokenizer_meta.json named and --data_dir's
+    listing; creates --out_dir and probes its lock (run.lock) last, once everything else passed."""
     import sys
 
     from utils.configurator import ConfigError, help_text, parse_config
@@ -286,6 +288,15 @@ def precheck(argv: list[str], title: str, prog: str) -> None:
         fail(error + one_line(TrainingError(f"--tokenizer_dir={cfg.tokenizer_dir}: {e}", EXIT_BAD_CONFIG)),
              getattr(e, "exit_code", EXIT_BAD_CONFIG))  # the same line and code as train_my_ddp.train
     checkpoints = listed_checkpoints(cfg.out_dir)
+    if not continues and cfg.init_from == "scratch":  # the model is built from these flags: do they split?
+        from utils.model_bounds import head_shape_problem
+        shape = head_shape_problem(cfg.dim, cfg.n_heads, cfg.n_kv_heads or None)
+        if shape:
+            fail(error + f"bad model configuration: {shape}")  # as build_model says it, 14 s later
+    from data_preprocess.train_data_check import training_data_problem
+    data = training_data_problem(cfg.task_type, cfg.data_dir, cfg.tokenizer_dir, cfg.max_seq_len, cfg.data_mix)
+    if data:  # missing, or raw text where token shards belong (with the commands that make them)
+        fail(error + data, EXIT_BAD_DATA)
     if continues and not checkpoints and not has_run_start(cfg.out_dir):  # --resume=always, nothing to continue
         if not cfg.resume_fallback:
             fail(error + one_line(nothing_to_continue_error(cfg, os.path.join(cfg.out_dir, CKPT_SUBDIR))))

@@ -287,6 +287,7 @@ class Start:
     init_from: str = "scratch"            # what a run that does not continue a checkpoint starts from
     init_flag: str = "--init_from"        # where init_from came from, for messages
     saved_cfg: dict = dataclasses.field(default_factory=dict)    # its config.json (read by restore)
+    run_start: Optional[dict] = None      # run_start.json of a start without a checkpoint, written before step 1
 
 
 @dataclasses.dataclass
@@ -350,10 +351,9 @@ def build_model(cfg: TrainConfig, info: DistInfo, start: Start, tok_meta: dict, 
             model = Transformer(new_model_config(cfg, tok_meta))
         except ValueError as e:
             raise TrainingError(f"bad model configuration: {e}", EXIT_BAD_CONFIG) from e
-    if start.resume_dir is None and info.is_main:  # before the first step: a restart begins the same way
-        ckpt.write_run_start(cfg.out_dir, {"init_from": init_info["source"], "requested_init_from": start.init_from,
-                                           "kind": init_info["kind"], "task_type": cfg.task_type,
-                                           "started_at": time.time()})
+    if start.resume_dir is None:  # written right before the first step (train): a restart begins the same way
+        start.run_start = {"init_from": init_info["source"], "requested_init_from": start.init_from,
+                           "kind": init_info["kind"], "task_type": cfg.task_type, "started_at": time.time()}
     if model.cfg.vocab_size < int(tok_meta["vocab_size"]):
         hint = ("; to grow the vocabulary to an extended tokenizer, start from a Hugging Face directory holding the "
                 "model's own tokenizer (export this one with export_hf.py)" if init_info["kind"] == "ours" else "")
@@ -596,6 +596,8 @@ def train(cfg: TrainConfig, info: DistInfo, continues: Optional[bool] = None, ma
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
 
+    if start.run_start is not None and info.is_main:  # only now: a start that fails in set-up leaves no trace
+        ckpt.write_run_start(cfg.out_dir, start.run_start)
     if progress.rng is not None:  # last thing before the loop: set-up above may draw random numbers
         ckpt.restore_rng_state(progress.rng, info.device)
     engine.model.train()

@@ -208,7 +208,8 @@ def list_shards(shard_dir: str) -> list[ShardInfo]:
     A `.bin` without a sidecar is an interrupted write: that is an error here (re-run the
     pretokenizer, which redoes it), never a silently shorter corpus."""
     if not os.path.isdir(shard_dir):
-        raise DataError(f"{shard_dir}: not a directory of token shards")
+        why = "it is a file" if os.path.exists(shard_dir) else "it does not exist"
+        raise DataError(f"{shard_dir}: not a directory of token shards: {why}")
     names = sorted(os.listdir(shard_dir))
     shards: list[ShardInfo] = []
     for name in names:

@@ -49,12 +49,10 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
-        if self.dim % self.n_heads:
-            raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
-        if (self.dim // self.n_heads) % 2:
-            raise ValueError("head_dim must be even for RoPE")
+        from utils.model_bounds import head_shape_problem  # torch-free: the trainer's pre-check asks it too
+        problem = head_shape_problem(self.dim, self.n_heads, self.n_kv_heads)
+        if problem:
+            raise ValueError(problem)
         if self.hidden_dim is None:
             self.hidden_dim = llama_hidden_dim(self.dim, self.multiple_of, self.ffn_dim_multiplier)
         if self.rope_scaling is not None:

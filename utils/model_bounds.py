@@ -3,7 +3,8 @@ allocated.
 
 Owns: `MODEL_INT_BOUNDS` / `MODEL_FLOAT_BOUNDS` (the largest value of each field a run can mean: beyond
 them a value is a typo or a damaged file, e.g. "n_layers": 1000000 or --dim=1048576), `bound_problems`
-(one phrase per field out of bounds), `param_count` (the Llama2 formula of model/llama.py, without
+(one phrase per field out of bounds), `head_shape_problem` (how dim splits into heads, as ModelConfig
+refuses it), `param_count` (the Llama2 formula of model/llama.py, without
 building it) and `fit_problem` (the fp32 weights alone against the memory the device has free: CPU via
 psutil, CUDA via torch.cuda.mem_get_info).
 Used by train_config.validate_config (the command line: exit 2) and utils/checkpoint.read_checkpoint_json
@@ -108,3 +109,18 @@ def fit_problem(n_params: int, device: str, what: str) -> Optional[str]:
     return (f"{what}: the model has {n_params:,} parameters, {human_bytes(need)} of fp32 weights alone "
             f"(training needs about 4x that), more than the {human_bytes(free)} free on --device={device}; "
             "choose smaller --dim / --n_layers / --vocab_size")
+
+
+def head_shape_problem(dim: int, n_heads: int, n_kv_heads: Optional[int] = None) -> Optional[str]:
+    """What is wrong with how dim splits into attention heads, or None: model.config.ModelConfig raises it,
+    and the trainer's pre-check asks it before torch is imported."""
+    n_kv_heads = n_kv_heads or n_heads
+    if n_heads < 1 or n_kv_heads < 1:
+        return f"n_heads={n_heads} and n_kv_heads={n_kv_heads} must be >= 1"
+    if dim % n_heads:
+        return f"dim={dim} is not divisible by n_heads={n_heads}"
+    if n_heads % n_kv_heads:
+        return f"n_heads={n_heads} is not a multiple of n_kv_heads={n_kv_heads}"
+    if (dim // n_heads) % 2:
+        return f"head_dim must be even for RoPE (dim={dim} / n_heads={n_heads} = {dim // n_heads})"
+    return None
