@@ -209,7 +209,8 @@ def main(argv: list[str]) -> int:
         implied = imply_engine(cfg, given)  # --tensor_parallel_size / --dp_replicate_size > 1 -> --parallel=fsdp
         if implied and rank == 0:
             print(implied, flush=True)
-        if rank == 0:  # before anything reads or writes out_dir; torchrun's other ranks are the same run
+        if rank == 0 and cfg.out_dir:  # before anything reads or writes out_dir (an empty one is validate_config's);
+            # torchrun's other ranks are the same run
             held = run_lock.acquire(cfg.out_dir, command=run_lock.command_line(argv))
         # Decided on every rank before init_distributed: no rank can have written to out_dir yet.
         continues = continues_run(cfg)

@@ -381,7 +381,8 @@ def detect_flash_attn() -> Optional[tuple]:
             _FLASH = (mod.flash_attn_func, getattr(mod, "flash_attn_varlen_func", None))
             log.info("flash-attn %s detected: used for attention on accelerators", getattr(mod, "__version__", "?"))
         else:
-            log.info("flash-attn not installed: attention uses F.scaled_dot_product_attention")
+            # debug: without it nothing changes on a CPU, and the trainer's [kernels] line names the attention path
+            log.debug("flash-attn not installed: attention uses F.scaled_dot_product_attention")
     return _FLASH
 
 

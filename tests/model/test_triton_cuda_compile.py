@@ -14,7 +14,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-QUICK_VARIANTS = 11  # rms fwd x2, rms bwd x2, rope x2, swiglu x2, linear+CE x3 (per architecture)
+QUICK_VARIANTS = 12  # rms fwd x2, rms bwd x2, rope x2, swiglu x2 + the packed backward, linear+CE x3 (per architecture)
 
 
 def _run_without_interpreter(script: str, *args: str, timeout: int) -> subprocess.CompletedProcess:
@@ -61,9 +61,10 @@ def test_gpu_registration_of_the_whole_model_traces_and_partitions(mode):
     # forward: input_layernorm per layer (rms_norm), post-attention add+norm per layer, the final norm
     assert out["forward"] == {"_rms_norm_fwd_kernel": 2 * layers + 1, "_rope_kernel": layers,
                               "_swiglu_fwd_kernel": layers, "myllm.linear_cross_entropy.default": 1}, out
-    # backward: one norm backward per norm, RoPE's inverse rotation, SwiGLU's backward; the loss's
+    # backward: one norm backward per norm, RoPE's inverse rotation, SwiGLU's backward (the packed gate/up one:
+    # the fused projection's output, one gradient buffer); the loss's
     # gradients were computed in its forward (reduction "mean"): no loss op in backward
     assert out["backward"] == {"_rms_norm_bwd_kernel": 2 * layers + 1, "_rope_kernel": layers,
-                               "_swiglu_bwd_kernel": layers}, out
+                               "_swiglu_packed_bwd_kernel": layers}, out
     assert out["grads"] == out["params"]
     assert out["loss_dtype"] == "torch.float32"

@@ -42,8 +42,11 @@ def _one_line_error(args: list[str]) -> str:
 
 def test_layouts_that_cannot_run_exit_2_with_one_line(tiny_pretrain_run_args, tmp_path):
     base = [*tiny_pretrain_run_args, "--max_iters=1", f"--out_dir={tmp_path / 'x'}"]
-    line = _one_line_error([*base, "--tensor_parallel_size=2"])  # ddp, and a world of 1 for 2 tensor ranks
-    assert "needs --parallel=fsdp" in line and "world size 1 is not a multiple of" in line and "= 2" in line, line
+    # --tensor_parallel_size alone implies --parallel=fsdp (issue 37 item 9); a world of 1 for 2 tensor ranks
+    line = _one_line_error([*base, "--tensor_parallel_size=2"])
+    assert "world size 1 is not a multiple of" in line and "tensor 2 = 2" in line, line
+    line = _one_line_error([*base, "--parallel=ddp", "--tensor_parallel_size=2"])  # an explicit ddp is refused
+    assert "needs --parallel=fsdp" in line, line
     line = _one_line_error([*base, "--parallel=fsdp", "--tensor_parallel_size=3"])
     assert "--n_heads=4 is not divisible by --tensor_parallel_size=3" in line, line
     line = _one_line_error([*base, "--parallel=fsdp", "--tensor_parallel_size=2", "--sequence_parallel=true",
