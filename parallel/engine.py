@@ -275,10 +275,16 @@ class DDPEngine(Engine):
         if is_sharded_checkpoint(ckpt_dir):
             raise ckpt.CheckpointError(f"checkpoint {ckpt_dir} was written by --parallel=fsdp (sharded, DCP); "
                                        "resume it with --parallel=fsdp")
-        load_weights(self.module, ckpt.load_model_state(ckpt_dir), partial=self.lora_base is not None, source=ckpt_dir,
+        # every file this rank reads, read and checked before any collective; then one collective of every
+        # rank's verdict, so that a file damaged at one rank is the same line at all of them
+        with agreed_reads(self.module):
+            weights = ckpt.load_model_state(ckpt_dir)
+            opt_state = read_optimizer_state(ckpt_dir, self.sharded_optimizer, rank, world_size, saved_world)
+            extra = load_extra_state(ckpt_dir, rank, saved_world, world_size, log, same_world_only=False)
+        load_weights(self.module, weights, partial=self.lora_base is not None, source=ckpt_dir,
                      mismatch=ckpt.CheckpointMismatchError)
-        load_optimizer_state(self.optimizer, ckpt_dir, self.sharded_optimizer, rank, world_size, saved_world)
-        extra = load_extra_state(ckpt_dir, rank, saved_world, world_size, log, same_world_only=False)
+        load_optimizer_state(self.optimizer, ckpt_dir, self.sharded_optimizer, rank, world_size, saved_world,
+                             read=opt_state)
         if extra is not None and extra.get("comm_hook"):
             try:
                 self.model.load_comm_hook_state_dict(extra["comm_hook"])
@@ -340,9 +346,30 @@ class FSDPEngine(Engine):
             raise ckpt.CheckpointError(f"checkpoint {ckpt_dir} was written by --parallel=ddp; resume it with "
                                        "--parallel=ddp (or start a new fsdp run with --init_from=<that checkpoint>)")
         from parallel.dcp_checkpoint import load_dcp_checkpoint
+        with agreed_reads(self.module):  # this rank's own file, before DCP's collective read
+            extra = load_extra_state(ckpt_dir, rank, saved_world, world_size, log)
         load_dcp_checkpoint(ckpt_dir, self.model, self.optimizer)
         refuse_nonfinite_weights(self.module, ckpt_dir)
-        return load_extra_state(ckpt_dir, rank, saved_world, world_size, log)
+        return extra
+
+
+@contextlib.contextmanager
+def agreed_reads(module: nn.Module):
+    """Reads of one rank's own checkpoint files, then ONE collective of every rank's verdict: when any rank
+    raised a CheckpointError (a damaged file, named), every rank raises the same one (the lowest rank's),
+    so each prints the same line and exits with the same code; no rank goes on into a collective that the
+    failed rank never joins (which ended the others with gloo's "Connection closed by peer")."""
+    from utils.constants import EXIT_BAD_CHECKPOINT
+    from utils.dist import first_error_of_ranks
+    verdict = None
+    try:
+        yield
+    except ckpt.CheckpointError as e:
+        verdict = (EXIT_BAD_CHECKPOINT, ckpt.one_line(e))
+    device = next((p.device for p in module.parameters()), None)
+    agreed = first_error_of_ranks(verdict, device)
+    if agreed is not None:
+        raise ckpt.CheckpointError(agreed[1])
 
 
 def refuse_nonfinite_weights(module: nn.Module, ckpt_dir: str) -> None:
@@ -392,11 +419,47 @@ def is_sharded_checkpoint(ckpt_dir: str) -> bool:
     return is_dcp_checkpoint(ckpt_dir)
 
 
-def load_optimizer_state(opt, ckpt_dir: str, sharded: bool, rank: int, world_size: int, saved_world: int) -> None:
+def read_optimizer_state(ckpt_dir: str, sharded: bool, rank: int, world_size: int,
+                         saved_world: int) -> tuple[Any, str]:
+    """The optimizer files this rank loads (no collective): (its state dict or the list of every saved rank's,
+    the file name(s) for messages). CheckpointError naming a file that is missing or damaged."""
+    def read(r: int) -> dict:
+        sd = ckpt.load_rank_file(ckpt_dir, "optimizer", r)
+        if sd is None:
+            raise ckpt.CheckpointError(f"checkpoint {ckpt_dir}: optimizer_rank{r}.pt is missing "
+                                       f"(the run saved {saved_world} rank(s))")
+        return sd
+    if sharded and saved_world == world_size and os.path.isfile(os.path.join(ckpt_dir, f"optimizer_rank{rank}.pt")):
+        own = read(rank)
+        if isinstance(own, dict) and own.get("sharded"):
+            return own, f"optimizer_rank{rank}.pt"
+    first = read(0)
+    n = first.get("world_size", 1)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ckpt.CheckpointError(f"checkpoint {ckpt_dir}: optimizer_rank0.pt does not load into this optimizer "
+                                   f"(ValueError: world_size={n!r} is not an integer >= 1)")
+    if not first.get("sharded") or n == 1:
+        return first, "optimizer_rank0.pt"
+    return [first] + [read(r) for r in range(1, n)], f"optimizer_rank0.pt .. optimizer_rank{n - 1}.pt"
+
+
+def load_optimizer_state(opt, ckpt_dir: str, sharded: bool, rank: int, world_size: int, saved_world: int,
+                         read: Optional[tuple[Any, str]] = None) -> None:
     """Any saved layout into this optimizer: a ZeRO rank at the same world size reads its own shard;
     otherwise rank 0's file when it holds everything (an unsharded run, or a ZeRO run of one rank),
     else every saved rank's file, which the optimizer re-shards to this world size.
-    CheckpointError naming the file when one is missing, damaged, or does not load into this optimizer."""
+    CheckpointError naming the file when one is missing, damaged, or does not load into this optimizer.
+    `read`: what read_optimizer_state returned (the files already read)."""
+    if read is not None:
+        state, name = read
+        try:
+            opt.load_state_dict(state)
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError, RuntimeError) as e:
+            if isinstance(e, (ckpt.CheckpointError, torch.OutOfMemoryError)):
+                raise
+            raise ckpt.CheckpointError(f"checkpoint {ckpt_dir}: {name} does not load into this optimizer "
+                                       f"({type(e).__name__}: {ckpt.one_line(e)[:200]})") from e
+        return
     reading = {"name": f"optimizer_rank{rank}.pt"}
 
     def read(r: int) -> dict:

@@ -430,7 +430,32 @@ def trainer_state_problem(state: Any, required: tuple[str, ...] = ()) -> Optiona
     return None
 
 
+def pipeline_meta_problem(meta: Any) -> Optional[str]:
+    """None when a parsed pipeline.json (parallel/pipeline.py's META_FILE) has the fields a resume and a merge
+    read: pp_size, dp_size, n_layers integers >= 1, layer_ranges [start, end) pairs, dp_engine ddp or fsdp."""
+    if not isinstance(meta, dict):
+        return f"pipeline.json holds a {type(meta).__name__}, not a JSON object"
+    for key in ("pp_size", "dp_size", "n_layers"):
+        v = meta.get(key)
+        if not _is_int(v) or not 1 <= v <= MAX_WORLD:
+            return f"pipeline.json: {key}={v!r} is not an integer >= 1"
+    if "tp_size" in meta and (not _is_int(meta["tp_size"]) or not 1 <= meta["tp_size"] <= MAX_WORLD):
+        return f"pipeline.json: tp_size={meta['tp_size']!r} is not an integer >= 1"
+    ranges = meta.get("layer_ranges")
+    if not isinstance(ranges, list) or len(ranges) != meta["pp_size"] or not all(
+            isinstance(r, list) and len(r) == 2 and all(_is_int(x) for x in r) and 0 <= r[0] <= r[1] for r in ranges):
+        return f"pipeline.json: layer_ranges={ranges!r} is not one [start, end) pair of layers per stage"
+    if meta.get("dp_engine", "ddp") not in ("ddp", "fsdp"):
+        return f"pipeline.json: dp_engine={meta.get('dp_engine')!r} is not ddp or fsdp"
+    return None
+
+
 def _sidecar_problem(path: str) -> Optional[str]:
+    if os.path.lexists(os.path.join(path, "pipeline.json")):  # a pipeline checkpoint's layout
+        data, problem = _json_problem(os.path.join(path, "pipeline.json"))
+        problem = problem or pipeline_meta_problem(data)
+        if problem:
+            return problem
     for name in SIDECARS:
         fp = os.path.join(path, name)
         if not os.path.isfile(fp):
