@@ -28,7 +28,8 @@ import numpy as np
 
 from data_preprocess.readers import (FileFieldCheck, collect_inputs, extract_text, iter_records, parse_text_fields,
                                      skip_counter, split_long_text, text_fields_spec)
-from tokenizer.corpus import TEXT_FIELDS_HELP, input_kind
+from tokenizer.corpus import TEXT_FIELDS_HELP, input_kind, is_dataset_source, source_size
+from tokenizer.dataset_source import add_hf_dataset_flags, hf_dataset_from_args
 from data_preprocess.shard_format import (SHARD_RE, DataError, dtype_for_vocab, read_sidecar,
                                           remove_temp_files, write_shard, check_shard)
 from data_preprocess.worker_tokenizer import WorkerTokenizer, backend_json
@@ -182,8 +183,14 @@ class _ShardWriter:
 
 # ----------------------------------------------------------------------------- resume logic
 
-def _stem_for(path: str, data_dir: str, taken: set[str]) -> str:
-    rel = os.path.relpath(path, data_dir) if os.path.isdir(data_dir) else os.path.basename(path)
+def _stem_for(path: Any, data_dir: Optional[str], taken: set[str]) -> str:
+    if is_dataset_source(path):
+        stem = path.stem
+        while stem in taken:
+            stem += "_"
+        taken.add(stem)
+        return stem
+    rel = os.path.relpath(path, data_dir) if data_dir and os.path.isdir(data_dir) else os.path.basename(path)
     stem = os.path.splitext(rel)[0].replace(os.sep, "__")
     if stem in taken:  # a.json and a.jsonl in one folder
         stem = rel.replace(os.sep, "__").replace(".", "_")
@@ -225,8 +232,12 @@ def pretokenize_pretrain(data_dir: str, tokenizer_dir: Optional[str], output_dir
                          shard_size_tokens: int = DEFAULT_SHARD_TOKENS, strict: bool = False,
                          progress: bool = True, encode_fn: Optional[Callable] = None,
                          tokenizer_meta: Optional[dict] = None,
-                         max_doc_chars: int = DEFAULT_MAX_DOC_CHARS) -> dict[str, Any]:
+                         max_doc_chars: int = DEFAULT_MAX_DOC_CHARS, hf_dataset: Any = None) -> dict[str, Any]:
     """Tokenize every input file into shards; returns a summary dict.
+
+    `hf_dataset` (a tokenizer.dataset_source.DatasetSource: a Hugging Face dataset's split) is one more input,
+    read with the same `text_fields`, its shards `hf_<name>_<split>_<k>.bin`; `data_dir` may then be None
+    (output_dir is required).
 
     Raises DataError listing every failed input (worker exceptions included) after processing
     all the others, and DataError when the inputs hold no usable document at all (0 tokens).
@@ -236,7 +247,11 @@ def pretokenize_pretrain(data_dir: str, tokenizer_dir: Optional[str], output_dir
     `encode_fn` must be picklable (a module-level function)."""
     if max_doc_chars < 0:
         raise ValueError(f"max_doc_chars must be >= 0 (0 = no limit), got {max_doc_chars}")
-    data_dir = os.path.abspath(data_dir)
+    if not data_dir and hf_dataset is None:
+        raise ValueError("no input: give --data_dir and/or --hf_dataset")
+    if not data_dir and not output_dir:
+        raise ValueError("--hf_dataset without --data_dir needs --out_dir")
+    data_dir = os.path.abspath(data_dir) if data_dir else None
     output_dir = os.path.abspath(output_dir or data_dir.rstrip(os.sep) + "_tokenized")
     if tokenizer_meta is None:
         from tokenizer import load_tokenizer_meta
@@ -247,11 +262,13 @@ def pretokenize_pretrain(data_dir: str, tokenizer_dir: Optional[str], output_dir
     spec = text_fields_spec(alternatives)
     os.makedirs(output_dir, exist_ok=True)
     remove_temp_files(output_dir)
-    inputs = collect_inputs(data_dir, exclude_dir=output_dir)
-    files = inputs.files
-    if not files:
+    inputs = collect_inputs(data_dir, exclude_dir=output_dir) if data_dir else None
+    files: list[Any] = list(inputs.files) if inputs else []
+    if inputs and not files and hf_dataset is None:
         raise DataError(f"{data_dir}: no .txt/.jsonl/.json/.parquet inputs (any case)"
                         + (f"; ignored {len(inputs.ignored)} other file(s)" if inputs.ignored else ""))
+    if hf_dataset is not None:
+        files.append(hf_dataset)
     base_meta = {
         "dtype": dtype_for_vocab(vocab_size).str, "vocab_size": vocab_size,
         "bos_id": int(sp["bos"]["id"]), "eos_id": int(sp["eos"]["id"]),
@@ -260,32 +277,35 @@ def pretokenize_pretrain(data_dir: str, tokenizer_dir: Optional[str], output_dir
         "document_layout": "<s> ids </s>", "max_doc_chars": int(max_doc_chars),
     }
     summary: dict[str, Any] = {"output_dir": output_dir, "files": {}, "skipped_complete": [],
-                               "ignored_files": list(inputs.ignored), "failed": {}, "tokens": 0,
+                               "ignored_files": list(inputs.ignored) if inputs else [], "failed": {}, "tokens": 0,
                                "documents": 0, "split_documents": 0, "skips": {}}
     complete_tokens = 0
     t0 = time.time()
     taken: set[str] = set()
-    jobs = [(p, _stem_for(p, data_dir, taken)) for p in files]
+    jobs = [(p, _stem_for(p, data_dir, taken)) for p in files]  # a dataset source: its own stem
     foreign = sorted({m.group("stem") for n in os.listdir(output_dir) if (m := SHARD_RE.match(n))} - taken)
     if foreign:  # readers take every shard of the folder: say so rather than mix corpora silently
         log.warning("%s holds shards of inputs not in %s (%s); readers will include them",
                     output_dir, data_dir, ", ".join(foreign[:5]))
     from tqdm import tqdm
-    bar = tqdm(total=sum(os.path.getsize(p) for p, _ in jobs), unit="B", unit_scale=True,
+    bar = tqdm(total=sum(source_size(p) for p, _ in jobs), unit="B", unit_scale=True,
                desc="pretokenize", disable=not progress, file=sys.stderr)
     plan = []  # (path, stem, meta, tokens of its complete shards or None)
     for path, stem in jobs:
-        st = os.stat(path)
-        meta = dict(base_meta, source={"path": path, "size": st.st_size, "mtime_ns": st.st_mtime_ns})
+        if is_dataset_source(path):
+            meta = dict(base_meta, source=path.identity())
+        else:
+            st = os.stat(path)
+            meta = dict(base_meta, source={"path": path, "size": st.st_size, "mtime_ns": st.st_mtime_ns})
         plan.append((path, stem, meta, _complete_tokens(output_dir, stem, {k: meta[k] for k in (
             "source", "tokenizer_fingerprint", "text_fields", "dtype", "max_doc_chars")})))
-    todo_bytes = sum(meta["source"]["size"] for _, _, meta, done in plan if done is None)
+    todo_bytes = sum(source_size(path) for path, _, meta, done in plan if done is None)
     with _open_executor(todo_bytes, num_workers, tokenizer_dir, encode_fn) as pool:
         for path, stem, meta, done in plan:
             if done is not None:
                 summary["skipped_complete"].append(path)
                 complete_tokens += done
-                bar.update(meta["source"]["size"])
+                bar.update(source_size(path))
                 continue
             for n in _stem_files(output_dir, stem):  # stale or partial: redo from scratch
                 os.remove(os.path.join(output_dir, n))
@@ -303,7 +323,7 @@ def pretokenize_pretrain(data_dir: str, tokenizer_dir: Optional[str], output_dir
                 summary["split_documents"] += stats["split_documents"]
                 for k, v in stats["skips"].items():
                     summary["skips"][k] = summary["skips"].get(k, 0) + v
-            bar.update(meta["source"]["size"])
+            bar.update(source_size(path))
     bar.close()
     summary["seconds"] = time.time() - t0
     if summary["failed"]:
@@ -345,7 +365,7 @@ def _process_file(pool: "_InProcess | ProcessPoolExecutor", path: str, stem: str
     # Characters per worker task: with max_doc_chars set, one encoder call never sees more than
     # max(max_doc_chars, one piece) characters, which is what bounds the tokenizer's memory.
     batch_chars_limit = max_doc_chars or None
-    is_txt = input_kind(path) == "txt"
+    is_txt = not is_dataset_source(path) and input_kind(path) == "txt"
     check = FileFieldCheck(path, alternatives)  # a file none of whose records has the fields: named, with its keys
 
     def drain(limit: int) -> None:
@@ -458,7 +478,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                                  description="Tokenize raw text into <stem>_<k:05d>.bin token shards "
                                              "with JSON sidecars; each document is <s> ids </s>.",
                                  epilog=HELP_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data_dir", required=True, help="folder (searched recursively) or one file")
+    ap.add_argument("--data_dir", default=None,
+                    help="folder (searched recursively) or one file (required unless --hf_dataset is given)")
+    add_hf_dataset_flags(ap)
     ap.add_argument("--tokenizer_dir", required=True)
     add_out_dir(ap, "where the shards go (default: <data_dir>_tokenized)")
     ap.add_argument("--num_workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
@@ -484,11 +506,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         log.error("--tokenizer_dir=%s: cannot load tokenizer meta (%s: %s)", args.tokenizer_dir, type(e).__name__, e)
         return EXIT_BAD_CONFIG
     try:
+        source = hf_dataset_from_args(args)
         s = pretokenize_pretrain(args.data_dir, args.tokenizer_dir, args.out_dir, args.num_workers,
                                  args.text_fields, args.shard_size_tokens, args.strict, args.progress,
-                                 tokenizer_meta=tok_meta, max_doc_chars=args.max_doc_chars)
+                                 tokenizer_meta=tok_meta, max_doc_chars=args.max_doc_chars, hf_dataset=source)
     except Exception as e:  # noqa: BLE001 - a named error (DataError: 3) ends with its code; others re-raise
         named = exit_code_for(e)
+        if named is None and isinstance(e, ValueError):  # e.g. neither --data_dir nor --hf_dataset
+            named = (EXIT_BAD_CONFIG, str(e))
         if named is None:
             raise
         log.error("%s", e)

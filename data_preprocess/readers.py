@@ -25,7 +25,7 @@ from typing import Any, Iterator, Optional, Sequence
 from data_preprocess.shard_format import DataError
 from tokenizer.corpus import (SUPPORTED_EXTENSIONS, CorpusConfigError, CorpusError, FileFieldCheck, InputFiles,
                               SkipCounter, UnreadableFile, collect_input_files, document_text, input_kind,
-                              iter_raw_records, parse_text_fields, text_fields_spec)
+                              is_dataset_source, iter_raw_records, parse_text_fields, text_fields_spec)
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,10 @@ def iter_records(path: str, skips: SkipCounter) -> Iterator[tuple[str, int, Any]
     Undecodable lines (invalid UTF-8, malformed JSON) go through `skips` (error if strict). A .json file
     is an array (streamed) or one object; one the json module refuses, like an unreadable parquet file,
     is a DataError. An empty file yields nothing and is logged; the caller counts documents."""
+    if is_dataset_source(path):  # a Hugging Face dataset's split (tokenizer/dataset_source.py): rows
+        for _, index, rec in path.records():
+            yield f"{path} row {index + 1}", index, rec
+        return
     if os.path.getsize(path) == 0:
         log.warning("%s: empty file", path)
         return

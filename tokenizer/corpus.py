@@ -536,14 +536,17 @@ class FileFieldCheck:
 
 
 def iter_file_documents(path: str, text_fields: Any, stats: SkipCounter) -> Iterator[tuple[str, int]]:
-    """Yield (document, utf8_byte_length) for one file, skipping or raising per the policy. `text_fields`:
+    """Yield (document, utf8_byte_length) for one file (or a tokenizer.dataset_source.DatasetSource), skipping or
+    raising per the policy. `text_fields`:
     the --text_fields grammar (parse_text_fields). A file none of whose records has the fields is a warning
     naming it and its keys (unless `stats` is quiet: a second pass over the same files)."""
-    kind = input_kind(path)
     alternatives = parse_text_fields(text_fields)
     columns = sorted({f for a in alternatives for f in a})
-    records = iter_raw_records(path, stats, columns=columns)
-    check = FileFieldCheck(path, alternatives)
+    if is_dataset_source(path):  # a Hugging Face dataset (tokenizer/dataset_source.py): records like parquet rows
+        kind, records = "parquet", path.records(columns)
+    else:
+        kind, records = input_kind(path), iter_raw_records(path, stats, columns=columns)
+    check = FileFieldCheck(str(path), alternatives)
     try:
         for line, index, rec in records:
             where = f"{path} row {index + 1}" if kind == "parquet" else f"{path}:{line}"
@@ -565,10 +568,20 @@ def iter_file_documents(path: str, text_fields: Any, stats: SkipCounter) -> Iter
         check.warn(stats.logger)
 
 
+def is_dataset_source(source: Any) -> bool:
+    """A tokenizer.dataset_source.DatasetSource (a Hugging Face dataset's split) rather than a file path."""
+    return not isinstance(source, (str, os.PathLike)) and hasattr(source, "records")
+
+
+def source_size(source: Any) -> int:
+    """Bytes of a file or a dataset source (progress bars)."""
+    return source.size if is_dataset_source(source) else os.path.getsize(source)
+
+
 def iter_documents(files: Sequence[str], text_fields: Sequence[str], stats: SkipCounter,
                    progress: bool = False, desc: str = "reading") -> Iterator[str]:
     """All documents of all files in order, with a tqdm bar over document bytes."""
-    total = sum(os.path.getsize(f) for f in files)
+    total = sum(source_size(f) for f in files)
     with tqdm(total=total, unit="B", unit_scale=True, desc=desc, disable=not progress, mininterval=1.0) as bar:
         for path in files:
             for text, nbytes in iter_file_documents(path, text_fields, stats):
@@ -585,7 +598,7 @@ class CorpusCount:
 def count_documents(files: Sequence[str], text_fields: Sequence[str], stats: SkipCounter,
                     progress: bool = False) -> CorpusCount:
     c = CorpusCount()
-    total = sum(os.path.getsize(f) for f in files)
+    total = sum(source_size(f) for f in files)
     with tqdm(total=total, unit="B", unit_scale=True, desc="counting", disable=not progress, mininterval=1.0) as bar:
         for path in files:
             for _, nbytes in iter_file_documents(path, text_fields, stats):

@@ -22,8 +22,9 @@ from tokenizer.contract import (
 )
 from tokenizer.corpus import (
     TEXT_FIELDS_HELP, CorpusError, SkipCounter, collect_input_files, command_exit_code, count_documents,
-    iter_documents, no_input_files_error, parse_text_fields, sample_documents, text_fields_spec,
+    is_dataset_source, iter_documents, no_input_files_error, parse_text_fields, sample_documents, text_fields_spec,
 )
+from tokenizer.dataset_source import add_hf_dataset_flags, hf_dataset_from_args
 from utils.publish import staged_dir
 
 log = logging.getLogger("tokenizer.train_tokenizer")
@@ -105,8 +106,12 @@ def train_tokenizer(data_dir_or_files: str | os.PathLike | Sequence[str | os.Pat
                     max_train_bytes: int | None = None, seed: int = 0, min_frequency: int = 2,
                     num_threads: int | None = None, file_glob: str = "**/*", recursive: bool = True,
                     strict: bool = False, overwrite: bool = True, progress: bool = False,
-                    character_coverage: float = 0.9995, verbose: bool = False) -> dict[str, Any]:
+                    character_coverage: float = 0.9995, verbose: bool = False,
+                    hf_dataset: Any = None) -> dict[str, Any]:
     """Train and save a tokenizer; return its meta (the content of tokenizer_meta.json).
+
+    ``data_dir_or_files`` may be None or empty when ``hf_dataset`` (a tokenizer.dataset_source.DatasetSource: a
+    Hugging Face dataset's split) is given; its records are read after the files, with the same ``text_fields``.
 
     ``vocab_size`` is the target including the 6 special tokens; the saved vocabulary is the learned
     size + 6 rounded up to a multiple of 64 with ``<|reserved_k|>`` (so it may end below vocab_size
@@ -123,10 +128,14 @@ def train_tokenizer(data_dir_or_files: str | os.PathLike | Sequence[str | os.Pat
     os.environ.setdefault("RAYON_NUM_THREADS", str(threads))
 
     t0 = time.time()
-    found = collect_input_files(data_dir_or_files, file_glob, recursive)
-    files = found.files
-    if not files:
+    found = collect_input_files(data_dir_or_files, file_glob, recursive) if data_dir_or_files else None
+    files: list[Any] = list(found.files) if found else []
+    if found and not files:
         raise no_input_files_error(data_dir_or_files, file_glob)
+    if hf_dataset is not None:
+        files.append(hf_dataset)
+    if not files:
+        raise ValueError("no input: give --data_dir and/or --hf_dataset")
     stats = SkipCounter(strict=strict)
     if max_train_bytes is not None:
         count = count_documents(files, text_fields, stats, progress)
@@ -170,8 +179,8 @@ def train_tokenizer(data_dir_or_files: str | os.PathLike | Sequence[str | os.Pat
         _raise_empty(files, stats)
 
     training = {
-        "files": [os.path.abspath(f) for f in files],
-        "ignored_files": [os.path.abspath(f) for f in found.ignored],
+        "files": [str(f) if is_dataset_source(f) else os.path.abspath(f) for f in files],
+        "ignored_files": [os.path.abspath(f) for f in found.ignored] if found else [],
         "text_fields": text_fields_spec(text_fields),
         "requested_vocab_size": vocab_size,
         "max_train_bytes": max_train_bytes,
@@ -207,8 +216,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
                     "tokenizer_meta.json. Special tokens <unk> <s> </s> <pad> <|im_start|> <|im_end|> get ids "
                     f"right after the learned pieces; <|reserved_k|> pad the vocabulary to a multiple of {VOCAB_MULTIPLE}.",
         epilog=POLICY)  # utils.cli.Parser: descriptions keep their lines, options show their defaults
-    p.add_argument("--data_dir", required=True, nargs="+", action="extend",
-                   help="directories, files or glob patterns (.txt, .json, .jsonl, .parquet); repeatable")
+    p.add_argument("--data_dir", nargs="+", action="extend", default=None,
+                   help="directories, files or glob patterns (.txt, .json, .jsonl, .parquet); repeatable "
+                        "(required unless --hf_dataset is given)")
+    add_hf_dataset_flags(p)
     add_out_dir(p, "the tokenizer directory to write", required=True)
     p.add_argument("--vocab_size", type=int, required=True, help="target size including the 6 special tokens")
     p.add_argument("--tokenizer_type", choices=TOKENIZER_TYPES, default="hf_bbpe")
@@ -251,11 +262,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.num_threads:
         os.environ["RAYON_NUM_THREADS"] = str(args.num_threads)  # before any tokenizers call starts the pool
     try:
+        source = hf_dataset_from_args(args)
         meta = train_tokenizer(
             args.data_dir, args.out_dir, args.vocab_size, args.tokenizer_type, args.text_fields,
             args.max_train_bytes, args.seed, args.min_frequency, args.num_threads, args.file_glob,
             args.recursive, args.strict, args.overwrite, args.progress, args.character_coverage,
-            verbose=args.verbose)
+            verbose=args.verbose, hf_dataset=source)
     except Exception as e:  # noqa: BLE001 - a named error's code or a bad value's (2); anything else re-raised
         code = command_exit_code(e, log)
         if code is None:

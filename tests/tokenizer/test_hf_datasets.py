@@ -1,0 +1,101 @@
+"""Hugging Face `datasets` as input (issue 37 item 11): the tokenizer trainer and the pretraining pretokenizer read
+a save_to_disk folder (Dataset or DatasetDict split; pyarrow alone, `datasets` not needed) or local files through
+datasets.load_dataset (streamed), with the same --text_fields grammar as files: the same documents, so the same
+tokenizer and the same token shards as from the equivalent .jsonl. Offline, on datasets the tests build."""
+import json
+import logging
+import os
+import sys
+
+import pytest
+
+from tests.conftest import ROOT, run_python
+from tokenizer import corpus as C
+from tokenizer.dataset_source import open_dataset_source
+
+datasets = pytest.importorskip("datasets")
+
+WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu 数据 模型".split()
+
+
+def _records(n=80):
+    out = []
+    for i in range(n):
+        body = " ".join(WORDS[(i * 5 + k) % len(WORDS)] for k in range(12))
+        out.append({"text": body} if i % 3 else {"title": f"title {i}", "content": body})
+    return out
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("hfds")
+    recs = _records()
+    with open(d / "c.jsonl", "w", encoding="utf-8") as f:
+        for r in recs:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    cols = {k: [r.get(k) for r in recs] for k in ("text", "title", "content")}
+    ds = datasets.Dataset.from_dict(cols)
+    ds.save_to_disk(str(d / "ds"))
+    datasets.DatasetDict({"train": ds, "test": ds.select(range(5))}).save_to_disk(str(d / "dd"))
+    datasets.Dataset.from_dict({"title": ["a", "b"], "body": ["c", "d"]}).save_to_disk(str(d / "titles"))
+    return d
+
+
+def _py(*args):
+    return run_python([sys.executable, "-m", *args], cwd=ROOT, timeout=300)
+
+
+def _bins(d):
+    return b"".join((d / n).read_bytes() for n in sorted(os.listdir(d)) if n.endswith(".bin"))
+
+
+def test_tokenizer_and_pretokenizer_read_a_dataset_as_the_same_jsonl(inputs, tmp_path):
+    spec = "--text_fields=text|title,content"
+    toks = {}
+    for name, src in (("jsonl", [f"--data_dir={inputs / 'c.jsonl'}"]), ("saved", [f"--hf_dataset={inputs / 'ds'}"]),
+                      ("load_dataset", ["--hf_dataset=json", f"--hf_data_files={inputs / 'c.jsonl'}"])):
+        out = tmp_path / f"tok_{name}"
+        proc = _py("tokenizer.train_tokenizer", *src, f"--out_dir={out}", "--vocab_size=320", spec, "--quiet")
+        assert proc.returncode == 0, (name, proc.stderr[-2000:])
+        toks[name] = json.loads((out / "tokenizer_meta.json").read_text())
+        assert (toks[name]["training"]["corpus_documents"], toks[name]["training"]["skipped"]) == (80, 0), name
+    assert toks["saved"]["fingerprint"] == toks["load_dataset"]["fingerprint"] == toks["jsonl"]["fingerprint"]
+    assert toks["saved"]["training"]["files"] == [f"hf:{inputs / 'ds'}[train]"]
+
+    tok = tmp_path / "tok_jsonl"
+    shards = {}
+    for name, src in (("jsonl", [f"--data_dir={inputs / 'c.jsonl'}"]),
+                      ("dict_split", [f"--hf_dataset={inputs / 'dd'}", "--hf_split=train"]),
+                      ("load_dataset", ["--hf_dataset=json", f"--hf_data_files={inputs / 'c.jsonl'}"])):
+        out = tmp_path / f"shards_{name}"
+        proc = _py("data_preprocess.pretokenize_pretrain_data", *src, f"--tokenizer_dir={tok}", f"--out_dir={out}",
+                   spec, "--num_workers=1", "--quiet")
+        assert proc.returncode == 0, (name, proc.stderr[-2000:])
+        shards[name] = _bins(out)
+    assert shards["dict_split"] == shards["load_dataset"] == shards["jsonl"] and len(shards["jsonl"]) > 0
+    side = json.loads((tmp_path / "shards_dict_split" / "hf_dd_train_00000.json").read_text())
+    assert side["num_documents"] == 80 and side["source"]["path"] == f"hf:{inputs / 'dd'}[train]"
+    again = _py("data_preprocess.pretokenize_pretrain_data", f"--hf_dataset={inputs / 'dd'}", f"--tokenizer_dir={tok}",
+                f"--out_dir={tmp_path / 'shards_dict_split'}", spec, "--num_workers=1", "--quiet")
+    assert again.returncode == 0 and "(1 already complete)" in again.stderr, again.stderr[-2000:]
+    bad = _py("data_preprocess.pretokenize_pretrain_data", f"--hf_dataset={inputs / 'dd'}", "--hf_split=validation",
+              f"--tokenizer_dir={tok}", f"--out_dir={tmp_path / 'x'}", "--quiet")
+    assert bad.returncode == 2 and "no split 'validation' (it has train, test)" in bad.stderr, bad.stderr[-2000:]
+    bad = _py("tokenizer.train_tokenizer", f"--out_dir={tmp_path / 'y'}", "--vocab_size=320")
+    assert bad.returncode == 2 and "no input: give --data_dir and/or --hf_dataset" in bad.stderr, bad.stderr[-2000:]
+
+
+def test_a_saved_dataset_is_read_without_the_datasets_package(inputs, monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` now raises ImportError
+    src = open_dataset_source(str(inputs / "ds"))
+    docs = [d for d, _ in C.iter_file_documents(src, "text|title,content", C.SkipCounter())]
+    want = [r.get("text") or f"{r['title']}\n{r['content']}" for r in _records()]
+    assert docs == want
+    with pytest.raises(C.CorpusConfigError, match="pip install datasets"):
+        open_dataset_source("json", data_files=[str(inputs / "c.jsonl")])
+    # the one grammar's whole-file warning names the dataset and its columns
+    only_titles = inputs / "titles"
+    with caplog.at_level(logging.WARNING):
+        assert list(C.iter_file_documents(open_dataset_source(str(only_titles)), "text", C.SkipCounter())) == []
+    assert (f"hf:{only_titles}[train]: skipped whole: none of its 2 record(s) has the --text_fields 'text'; "
+            "its records have the keys: body, title") in caplog.text
