@@ -472,6 +472,25 @@ def _sidecar_problem(path: str) -> Optional[str]:
     return None
 
 
+def _link_problem(path: str) -> Optional[str]:
+    """A checkpoint is its own directory's files: a symbolic link that leaves it (a model.safetensors, or the
+    whole step_N, linked to another run's files) is refused, never followed without a word."""
+    parent = os.path.realpath(os.path.dirname(os.path.abspath(path)))
+    if os.path.islink(path) and os.path.dirname(os.path.realpath(path)) != parent:
+        return f"{os.path.basename(path)} is a symbolic link to {os.path.realpath(path)}, outside {parent}: refused"
+    real = os.path.realpath(path)
+    try:
+        entries = list(os.scandir(path))
+    except OSError:
+        return None  # named by the checks that follow
+    for e in entries:
+        if e.is_symlink():
+            target = os.path.realpath(e.path)
+            if os.path.dirname(target) != real:
+                return f"{e.name} is a symbolic link to {target}, outside the checkpoint directory: refused"
+    return None
+
+
 def verify_checkpoint(path: str, check_hashes: bool = True, trust_cache: bool = False) -> Optional[str]:
     """None when the directory is complete, matches its manifest and its JSON files have the shape
     every reader relies on (and, for a sharded checkpoint, DCP's index and every rank's shard are
@@ -484,6 +503,9 @@ def verify_checkpoint(path: str, check_hashes: bool = True, trust_cache: bool = 
     if trust_cache and sig is not None and _verified.get(path) == sig:
         return None
     _verified.pop(path, None)
+    problem = _link_problem(path)
+    if problem is not None:
+        return problem
     if not os.path.isfile(os.path.join(path, COMPLETE_MARKER)):
         return "no COMPLETE marker (save was interrupted)"
     problem = _manifest_problem(path, check_hashes) or _sidecar_problem(path)

@@ -155,6 +155,19 @@ def _fp16_optimizer_state(d) -> None:
     torch.save(sd, d / "optimizer_rank0.pt")
 
 
+def _link_outside(d) -> None:
+    """model.safetensors moved out of the checkpoint and linked back (another run's weights, say)."""
+    os.replace(d / "model.safetensors", d.parent / "elsewhere.safetensors")
+    os.symlink(d.parent / "elsewhere.safetensors", d / "model.safetensors")
+
+
+def _step_dir_linked(d) -> None:
+    """The whole step directory moved out of checkpoints/ and linked back."""
+    away = d.parent.parent / "other_run_step"
+    os.replace(d, away)
+    os.symlink(away, d)
+
+
 def _named(needle, line: str) -> bool:
     """A case's needle: one string, or a tuple of strings that must all be in the line."""
     return all(n in line for n in ((needle,) if isinstance(needle, str) else needle))
@@ -187,6 +200,9 @@ CASES = [
     ("weight_nan", ("ddp", "fsdp"), _nan_weight, True, LOAD, ("layers.0.mlp.down_proj.weight", "NaN/inf")),
     ("optimizer_fp16", ("ddp",), _fp16_optimizer_state, True, RESUME_ONLY,
      ("optimizer_rank0.pt", "torch.float16", "refused")),
+    # symbolic links that leave the checkpoint (issue 33 item 10): refused, not followed
+    ("safetensors_linked_outside", ("ddp",), _link_outside, True, VERIFY, ("model.safetensors", "symbolic link")),
+    ("step_dir_linked_outside", ("ddp", "fsdp"), _step_dir_linked, False, VERIFY, (STEP, "symbolic link")),
     ("trainer_state_brace", ("ddp", "fsdp"), lambda d: (d / "trainer_state.json").write_text("{"), True,
      VERIFY, "trainer_state.json"),
     ("model_config_dim_64x", ("ddp", "fsdp"), lambda d: _edit_json(d / "model_config.json", dim="64x"), True,
