@@ -87,7 +87,8 @@ def write_shard(out_dir: str, stem: str, k: int, ids: np.ndarray, doc_offsets: n
     base = os.path.join(out_dir, shard_base(stem, k))
     dtype = np.dtype(meta["dtype"])
     ids = np.ascontiguousarray(ids, dtype=dtype)
-    atomic_write_bytes(base + ".bin", memoryview(ids).cast("B"))
+    data = memoryview(ids).cast("B")
+    atomic_write_bytes(base + ".bin", data)
     atomic_save_npy(base + ".idx.npy", np.asarray(doc_offsets, dtype=np.int64))
     sidecar = dict(meta)
     sidecar.update({
@@ -97,6 +98,9 @@ def write_shard(out_dir: str, stem: str, k: int, ids: np.ndarray, doc_offsets: n
         "num_bytes": int(ids.nbytes),
         "num_documents": int(len(doc_offsets) - 1),
         "doc_index_file": shard_base(stem, k) + ".idx.npy",
+        # checked at load (max_id < vocab_size) and by `python -m data_preprocess.verify` (the whole file)
+        "max_id": int(ids.max()) if ids.size else 0,
+        "sha256": hashlib.sha256(data).hexdigest(),
     })
     atomic_write_json(base + ".json", sidecar)  # fsyncs out_dir after the rename
     return sidecar
@@ -179,6 +183,11 @@ def read_sidecar(json_path: str) -> dict:
         raise DataError(f"{json_path}: field 'final' is {json.dumps(meta['final'])[:40]}, not true or false")
     if not isinstance(meta.get("tokenizer_fingerprint", ""), str):
         raise DataError(f"{json_path}: field 'tokenizer_fingerprint' is not a string")
+    if "max_id" in meta and int_field(json_path, meta, "max_id") >= vocab:
+        raise DataError(f"{json_path}: field 'max_id' is {meta['max_id']}: the shard holds token ids outside the "
+                        f"vocabulary of {vocab} (re-tokenize it, or check --tokenizer_dir)")
+    if "sha256" in meta and not (isinstance(meta["sha256"], str) and re.fullmatch(r"[0-9a-f]{64}", meta["sha256"])):
+        raise DataError(f"{json_path}: field 'sha256' is {json.dumps(meta['sha256'])[:40]}, not a sha256 hex digest")
     return meta
 
 
@@ -250,3 +259,56 @@ def shards_fingerprint(shards: list[ShardInfo]) -> str:
     for s in shards:
         h.update(f"{s.name}\0{s.num_bytes}\0{s.num_tokens}\0{s.fingerprint}\n".encode())
     return h.hexdigest()
+
+
+# ----------------------------------------------------------------------------- token ids against the vocabulary
+
+def check_ids(ids: np.ndarray, vocab_size: int, where) -> None:
+    """Raise DataError when a token id of `ids` is >= vocab_size (an embedding lookup would fail: an IndexError
+    on a CPU, a device-side assert that kills the process on CUDA). `where(i)` names the shard and offset of
+    ids[i] for the message. One vectorised max: nothing measurable next to a training step."""
+    if ids.size and int(ids.max()) >= vocab_size:
+        i = int(np.argmax(ids >= vocab_size))
+        raise DataError(f"{where(i)}: token id {int(ids[i])} is outside the vocabulary of {vocab_size} "
+                        "(a damaged shard, or shards of another tokenizer; `python -m data_preprocess.verify` "
+                        "checks every shard)")
+
+
+def verify_shard(info: ShardInfo, chunk_tokens: int = 1 << 24) -> list[str]:
+    """Problems of one shard read whole: its sha256 against the sidecar's (shards written before checksums were
+    recorded have none to compare), every id against the vocabulary (the first one outside is named with its
+    offset), the document offsets (increasing, within the shard). [] when sound."""
+    problems = []
+    h = hashlib.sha256()
+    bad_at = None
+    with open(info.path, "rb") as f:
+        done = 0
+        while True:
+            raw = f.read(chunk_tokens * info.dtype.itemsize)
+            if not raw:
+                break
+            h.update(raw)
+            ids = np.frombuffer(raw, dtype=info.dtype)
+            if bad_at is None and ids.size and int(ids.max()) >= info.vocab_size:
+                i = int(np.argmax(ids >= info.vocab_size))
+                bad_at = (done + i, int(ids[i]))
+            done += ids.size
+    want = info.sidecar.get("sha256")
+    if want and h.hexdigest() != want:
+        problems.append(f"{info.path}: sha256 {h.hexdigest()[:16]}... differs from its sidecar's {want[:16]}... "
+                        "(the file changed after it was written: bit flips, or an edit)")
+    if bad_at is not None:
+        problems.append(f"{info.path}: token id {bad_at[1]} at offset {bad_at[0]} is outside the vocabulary of "
+                        f"{info.vocab_size}")
+    idx_name = info.sidecar.get("doc_index_file")
+    if isinstance(idx_name, str):
+        idx_path = os.path.join(os.path.dirname(info.path), os.path.basename(idx_name))
+        try:
+            offs = np.load(idx_path)
+            if offs.ndim != 1 or offs.size < 1 or offs[0] != 0 or offs[-1] != info.num_tokens or \
+                    (offs.size > 1 and bool(np.any(np.diff(offs) < 0))):
+                problems.append(f"{idx_path}: document offsets are not increasing from 0 to {info.num_tokens}")
+        except (OSError, ValueError, EOFError) as e:
+            problems.append(f"{idx_path}: unreadable document offsets ({type(e).__name__})")
+    return problems
+

@@ -20,7 +20,7 @@ from torch.utils.data import Dataset
 
 from data_preprocess.build_pretrain_sample_index_map import (index_dir_for, load_index_meta,
                                                              num_samples_for)
-from data_preprocess.shard_format import DataError, ShardInfo, list_shards
+from data_preprocess.shard_format import DataError, ShardInfo, check_ids, list_shards
 
 
 class TokenStream:
@@ -68,7 +68,15 @@ class TokenStream:
                                     f"{off * isz}); the shard changed under the reader")
                 filled += take
             i += 1
+        check_ids(buf, self.vocab_size, self._where(start))  # named shard and offset, before any device copy
         return buf.astype(np.int64)
+
+    def _where(self, start: int):
+        def where(k: int) -> str:
+            g = start + k
+            i = int(np.searchsorted(self.ends, g, side="right"))
+            return f"{self.shards[i].path} at token offset {g - int(self.starts[i])}"
+        return where
 
     def close(self) -> None:
         for fd in self._fds.values():
