@@ -17,6 +17,7 @@ LAYERS = {
     "train_config": 4,
     "run_weights": 5, "train_task": 5,
     "train_my_ddp": 6, "sample": 6, "export_hf": 6, "monitor_process": 6,
+    "eval_lm": 7,  # scores with sample.py's loading (load_for_inference, the recorded tokenizer)
 }
 ALLOWED = {
     # the optimizer steps over our DDP's buffers with its collectives (parallel/comm.py) and the ZeRO
