@@ -46,8 +46,10 @@ class TrainConfig:
     resume_fallback: str = _f("", "--resume=always (--init_from=resume) with no checkpoint and no run_start.json: start "
                               "from this (scratch | <weights dir>) instead of exiting 2")
     ref_model: str = _f("", "dpo: weights of the frozen reference model (default: the initial weights)")
-    allow_data_change: bool = _f(False, "a run that continues: accept data flags (data_dir, data_mix, seed, ...) that "
-                                 "differ from the saved run; the new data is read from its start")
+    allow_data_change: bool = _f(False, "a run that continues: accept data that differs from the saved run's (data "
+                                 "flags: data_dir, data_mix, seed, ...; or the same --data_dir holding other shards, "
+                                 "its index rebuilt): the weights, optimizer and step count carry on and the new "
+                                 "data is read from its start (epoch 0); without it such a resume is exit 2")
     # ---- model (ignored when initialising from a checkpoint, whose model_config.json wins)
     dim: int = _f(256, "model width")
     n_layers: int = _f(4, "transformer blocks")

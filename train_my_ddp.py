@@ -459,8 +459,22 @@ def restore(cfg: TrainConfig, info: DistInfo, engine, train_loader, start: Start
             raise TrainingError(f"cannot resume {resume_dir}: {problem}", EXIT_BAD_CONFIG)
         extra = _load_checkpoint(cfg, info, engine, resume_dir, saved, saved_cfg)
         new_data = [k for k in DATA_KEYS if k in saved_cfg and not same_value(k, saved_cfg[k], getattr(cfg, k))]
-        if new_data:  # only reachable with --allow_data_change=true (main() refuses it otherwise)
-            log(f"[resume] data changed ({', '.join(new_data)}): reading the new data from its start")
+        saved_n = saved["data_cursor"].get("num_samples") if isinstance(saved.get("data_cursor"), dict) else None
+        if not new_data and saved_n is not None and int(saved_n) != train_loader.num_samples:
+            # the same flags, other data: shards were added or removed and the index rebuilt. The saved position
+            # would name other samples, so it is refused, or with --allow_data_change the new data starts over
+            change = (f"the training data changed since {resume_dir} was saved: {saved_n} training samples then, "
+                      f"{train_loader.num_samples} now in --data_dir={cfg.data_dir} (shards added or removed, the "
+                      "index rebuilt)")
+            if not cfg.allow_data_change:
+                raise TrainingError(f"cannot resume: {change}; the saved data position would name other samples. "
+                                    "Pass --allow_data_change=true to continue the run on the new data from its start "
+                                    "(a new epoch 0; the weights, optimizer and step count carry on), or restore the "
+                                    "old data", EXIT_BAD_CONFIG)
+            new_data = ["the data's content"]
+        if new_data:  # only with --allow_data_change=true (main() refuses changed data flags otherwise)
+            log(f"[resume] data changed ({', '.join(new_data)}): reading the new data from its start "
+                "(--allow_data_change=true)")
         else:
             try:
                 train_loader.load_state_dict(saved["data_cursor"])
