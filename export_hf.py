@@ -68,10 +68,10 @@ def main(argv: list[str] | None = None) -> int:
         return named[0]
     tok_dir = args.tokenizer_dir or run_cfg.get("tokenizer_dir")
     tok_dir = tok_dir if isinstance(tok_dir, str) else None
-    problem = _vocab_problem(tok_dir, model.cfg.vocab_size)
+    problem = _tokenizer_problem(tok_dir, model.cfg.vocab_size)
     if problem:
-        print(f"export_hf: {problem}", file=sys.stderr)
-        return 2
+        print(f"export_hf: {problem[1]}", file=sys.stderr)
+        return problem[0]
     lora = run_cfg.get("lora_rank", 0) > 0
     if args.adapters_out_dir and not lora:
         print("export_hf: --adapters_out_dir given but the run did not train LoRA adapters", file=sys.stderr)
@@ -93,14 +93,23 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _vocab_problem(tok_dir: str | None, vocab_size: int) -> str | None:
+def _tokenizer_problem(tok_dir: str | None, vocab_size: int) -> tuple[int, str] | None:
+    """Why the tokenizer cannot be exported with this model: more tokens than the model's vocabulary, or a
+    tokenizer file that changed since the tokenizer was written (a truncated tokenizer.json was exported
+    without a word, exit 3). (exit code, message), or None when it can."""
+    from tokenizer.contract import TokenizerMetaError
+    from tokenizer.loading import check_tokenizer_files, load_tokenizer_meta
     from utils import checkpoint as ckpt
     meta_path = os.path.join(tok_dir, "tokenizer_meta.json") if tok_dir else ""
     if meta_path and os.path.isfile(meta_path):
+        try:
+            check_tokenizer_files(tok_dir, load_tokenizer_meta(tok_dir))
+        except (TokenizerMetaError, OSError) as e:
+            return 3, f"--tokenizer_dir={tok_dir}: {e}"
         n_tok = int(ckpt.read_json(meta_path)["vocab_size"])
         if n_tok > vocab_size:
-            return (f"--tokenizer_dir={tok_dir} has {n_tok} tokens, more than the model's vocabulary ({vocab_size}); "
-                    "export with the tokenizer the run trained with")
+            return 2, (f"--tokenizer_dir={tok_dir} has {n_tok} tokens, more than the model's vocabulary "
+                       f"({vocab_size}); export with the tokenizer the run trained with")
     return None
 
 
@@ -121,10 +130,10 @@ def _export_sharded_streaming(found: str, args) -> int | None:
     cfg = read_model_config(found)  # CheckpointError naming model_config.json: exit 5
     tok_dir = args.tokenizer_dir or run_cfg.get("tokenizer_dir")
     tok_dir = tok_dir if isinstance(tok_dir, str) else None
-    problem = _vocab_problem(tok_dir, cfg.vocab_size)
+    problem = _tokenizer_problem(tok_dir, cfg.vocab_size)
     if problem:
-        print(f"export_hf: {problem}", file=sys.stderr)
-        return 2
+        print(f"export_hf: {problem[1]}", file=sys.stderr)
+        return problem[0]
     specs = model_tensor_specs(found)  # a damaged file raises DCPCheckpointError naming it (caught by main: 5)
     out, n = export_hf_streaming(cfg, specs, lambda names: load_model_tensors(found, names), args.out_dir,
                                  tokenizer_dir=tok_dir, max_shard_bytes=int(args.max_shard_gb * 2**30))

@@ -144,8 +144,14 @@ def main(argv: list[str] | None = None) -> int:
     if not tok_dir or not os.path.isdir(tok_dir):
         print(f"sample.py: {no_tokenizer_message(tok_dir, args.tokenizer_dir)}", file=sys.stderr)
         return 2
-    tok = load_tokenizer(tok_dir)
-    meta = load_tokenizer_meta(tok_dir)
+    try:
+        tok = load_tokenizer(tok_dir)  # a tokenizer file that changed since it was written: one line, exit 3
+        meta = load_tokenizer_meta(tok_dir)
+    except Exception as e:  # noqa: BLE001 - named errors end the command with their code; others re-raise
+        code = fail(e)
+        if code is None:
+            raise
+        return code
     special = meta["special_tokens"]
     try:
         ids = build_prompt_ids(tok, meta, args.prompt, args.chat)

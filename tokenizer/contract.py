@@ -69,8 +69,22 @@ def fingerprint_dir(tok_dir: str) -> str:
     return h.hexdigest()
 
 
+def file_hashes(tok_dir: str) -> dict[str, str]:
+    """sha256 of each tokenizer file of a directory being written (every file but the meta), recorded in the
+    meta as "files": a reader checks the files it uses by name (`tokenizer.loading.check_tokenizer_files`),
+    also where a copy sits beside other files (an exported Hugging Face model directory)."""
+    out = {}
+    for name in sorted(os.listdir(tok_dir)):
+        path = os.path.join(tok_dir, name)
+        if name != META_FILENAME and os.path.isfile(path):
+            with open(path, "rb") as f:
+                out[name] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
 def build_meta(tokenizer_type: str, learned_vocab_size: int, token_to_id: dict[str, int],
-               fingerprint: str, training: dict[str, Any] | None = None) -> dict[str, Any]:
+               fingerprint: str, training: dict[str, Any] | None = None,
+               files: dict[str, str] | None = None) -> dict[str, Any]:
     meta: dict[str, Any] = {
         "tokenizer_type": tokenizer_type,
         "vocab_size": padded_vocab_size(learned_vocab_size),
@@ -78,6 +92,8 @@ def build_meta(tokenizer_type: str, learned_vocab_size: int, token_to_id: dict[s
         "special_tokens": {key: {"token": tok, "id": token_to_id[tok]} for key, tok in SPECIAL_TOKENS},
         "fingerprint": fingerprint,
     }
+    if files is not None:
+        meta["files"] = files
     if training is not None:
         meta["training"] = training
     return meta

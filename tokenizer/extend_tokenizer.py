@@ -31,7 +31,8 @@ import time
 from collections import Counter
 from typing import Any, Container, Iterator, Sequence
 
-from tokenizer.contract import META_FILENAME, SPECIAL_TOKENS, VOCAB_MULTIPLE, fingerprint_dir, write_json
+from tokenizer.contract import (META_FILENAME, SPECIAL_TOKENS, VOCAB_MULTIPLE, file_hashes, fingerprint_dir,
+                                write_json)
 from tokenizer.corpus import (
     TEXT_FIELDS_HELP, CorpusError, SkipCounter, collect_input_files, command_exit_code, iter_file_documents,
     no_input_files_error, parse_text_fields, text_fields_spec,
@@ -560,6 +561,7 @@ def _save(base_dir: str, output_dir: str, kind: str, tj: dict[str, Any], proto: 
             "learned_vocab_size": total - len(ext.get("added_tokens", [])),  # ids that are not added/special tokens
             "special_tokens": _special_tokens_meta(ext, config),
             "fingerprint": fingerprint_dir(tmp),
+            "files": file_hashes(tmp),
             "extension": {
                 "base_dir": os.path.abspath(base_dir), "base_kind": kind,
                 "base_fingerprint": tokenizer_fingerprint(base_dir),

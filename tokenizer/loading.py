@@ -7,6 +7,7 @@ Must never: add special tokens to user text, or map the literal text of a specia
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from typing import Any, Sequence
@@ -35,13 +36,40 @@ def load_tokenizer_meta(tok_dir: str, verify_fingerprint: bool = False) -> dict[
     return meta
 
 
+def check_tokenizer_files(tok_dir: str, meta: dict[str, Any]) -> None:
+    """Raise TokenizerMetaError naming the file when a tokenizer file the meta lists ("files": name -> sha256,
+    recorded when the tokenizer was written) is missing or has other bytes (a truncated tokenizer.json was
+    exported without a word and broke sample.py with a traceback). Metas written before the list: nothing
+    to compare."""
+    files = meta.get("files")
+    if files is None:
+        return
+    if not isinstance(files, dict):
+        raise TokenizerMetaError(f"{os.path.join(tok_dir, META_FILENAME)}: field 'files' is not an object")
+    for name, digest in files.items():
+        path = os.path.join(tok_dir, os.path.basename(str(name)))
+        try:
+            with open(path, "rb") as f:
+                got = hashlib.sha256(f.read()).hexdigest()
+        except OSError as e:
+            raise TokenizerMetaError(f"{path}: a tokenizer file listed in {META_FILENAME} cannot be read "
+                                     f"({e.strerror or e})") from e
+        if got != digest:
+            raise TokenizerMetaError(f"{path}: changed since {META_FILENAME} was written (sha256 {got[:12]}... not "
+                                     f"{str(digest)[:12]}...): truncated or edited? restore it, or retrain the "
+                                     "tokenizer")
+
+
 def load_tokenizer(tok_dir: str):  # -> transformers.PreTrainedTokenizerFast
-    """AutoTokenizer without remote code; checks len(tokenizer) against the meta when present."""
+    """AutoTokenizer without remote code; with a meta, its listed files checked first (`check_tokenizer_files`)
+    and len(tokenizer) checked against it."""
     from transformers import AutoTokenizer
 
+    meta = load_tokenizer_meta(tok_dir) if os.path.exists(os.path.join(tok_dir, META_FILENAME)) else None
+    if meta is not None:
+        check_tokenizer_files(tok_dir, meta)
     tok = AutoTokenizer.from_pretrained(tok_dir, trust_remote_code=False)
-    if os.path.exists(os.path.join(tok_dir, META_FILENAME)):
-        meta = load_tokenizer_meta(tok_dir)
+    if meta is not None:
         if len(tok) != meta["vocab_size"]:
             raise ValueError(f"{tok_dir}: len(tokenizer)={len(tok)} != meta vocab_size={meta['vocab_size']}")
     return tok

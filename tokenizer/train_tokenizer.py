@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 from tokenizer.contract import (
     CHATML_TEMPLATE, META_FILENAME, NUM_SPECIAL, SPECIAL_TOKENS, TOKENIZER_TYPES, VOCAB_MULTIPLE, added_tokens,
-    build_meta, check_meta, fingerprint_dir, write_json,
+    build_meta, check_meta, file_hashes, fingerprint_dir, write_json,
 )
 from tokenizer.corpus import (
     TEXT_FIELDS_HELP, CorpusError, SkipCounter, collect_input_files, command_exit_code, count_documents,
@@ -95,7 +95,7 @@ def save_tokenizer_dir(tk: Any, output_dir: str, tokenizer_type: str, training: 
             "unk_token": names["unk"], "bos_token": names["bos"], "eos_token": names["eos"],
             "pad_token": names["pad"], "additional_special_tokens": [names["im_start"], names["im_end"]]})
         meta = build_meta(tokenizer_type, learned, {t: tk.token_to_id(t) for _, t in SPECIAL_TOKENS},
-                          fingerprint_dir(tmp), training)
+                          fingerprint_dir(tmp), training, files=file_hashes(tmp))
         check_meta(meta)
         write_json(os.path.join(tmp, META_FILENAME), meta)
     return meta

@@ -154,3 +154,38 @@ def test_exported_chat_model_generates_and_stops_where_sample_py_does(tmp_path, 
         assert tok.decode(new[:-1], skip_special_tokens=True) == printed
         torch.manual_seed(seed)
         assert _sample_py_generation(run, prompt, [st["eos"], st["im_end"]]) == new  # the same draws
+
+
+def test_a_tokenizer_file_that_changed_is_named_by_export_and_sample(tmp_path, tiny_pretrain_data, capsys):
+    """tokenizer_meta.json lists the sha256 of each tokenizer file (issue 33 item 13): a truncated tokenizer.json
+    was exported without a word (exit 0) and broke sample.py with a traceback; now both name the file, exit 3.
+    An exported directory (the tokenizer's files beside the model's) still loads: only listed files count."""
+    import json
+    import shutil
+
+    import sample
+    from tokenizer.loading import load_tokenizer
+    tok = tmp_path / "tok"
+    shutil.copytree(tiny_pretrain_data["tokenizer_dir"], tok)
+    meta = json.loads((tok / "tokenizer_meta.json").read_text())
+    assert "tokenizer.json" in meta["files"] and "tokenizer_meta.json" not in meta["files"]
+    run = tmp_path / "run"
+    torch.manual_seed(0)
+    m = Transformer(ModelConfig(vocab_size=meta["vocab_size"], dim=16, n_layers=1, n_heads=2, hidden_dim=32,
+                                max_seq_len=16))
+    ckpt.save_checkpoint(str(run), ckpt.SaveRequest(
+        step=1, rank=0, world_size=1, model_state=m.state_dict(), model_config=m.cfg.to_dict(), optimizer_state=None,
+        extra_state={}, trainer_state={}, run_config={"lora_rank": 0, "tokenizer_dir": str(tok)}),
+        keep_last=1, log=lambda s: None)
+    assert export_hf.main([f"--ckpt={run}", f"--out_dir={tmp_path / 'hf'}"]) == 0
+    assert len(load_tokenizer(str(tmp_path / "hf"))) == meta["vocab_size"]  # beside config.json and the weights
+    data = (tok / "tokenizer.json").read_bytes()
+    (tok / "tokenizer.json").write_bytes(data[: len(data) // 2])
+    capsys.readouterr()
+    assert export_hf.main([f"--ckpt={run}", f"--out_dir={tmp_path / 'hf2'}"]) == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{tok / 'tokenizer.json'}: changed since tokenizer_meta.json was written" in err[0], err
+    assert not (tmp_path / "hf2").exists()
+    assert sample.main([f"--ckpt={run}", "--prompt=hi", "--max_new_tokens=2", "--device=cpu"]) == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "tokenizer.json: changed since tokenizer_meta.json was written" in err[0], err
