@@ -212,6 +212,7 @@ def main(argv: list[str]) -> int:
         if rank == 0 and cfg.out_dir:  # before anything reads or writes out_dir (an empty one is validate_config's);
             # torchrun's other ranks are the same run
             held = run_lock.acquire(cfg.out_dir, command=run_lock.command_line(argv))
+            run_lock.check_run_dir_layout(cfg.out_dir)
         # Decided on every rank before init_distributed: no rank can have written to out_dir yet.
         continues = continues_run(cfg)
         if continues:  # the run's saved configuration, with the command line over it
@@ -225,6 +226,8 @@ def main(argv: list[str]) -> int:
             held.release()
         return EXIT_BAD_CONFIG
     except (run_lock.RunDirBusy, run_lock.RunDirUnusable) as e:
+        if held is not None:
+            held.release()
         code, msg = exit_code_for(e)
         print(f"[rank {rank}] error: {msg}", file=sys.stderr, flush=True)
         return code

@@ -151,6 +151,27 @@ def acquire(out_dir: str, *, command: str = "", flag: str = "--out_dir") -> RunL
     return RunLock(path, fd, token=token)
 
 
+# what a run writes at the top of its directory: files, and the checkpoints directory
+RUN_FILES = ("metrics.jsonl", "samples.jsonl", "heartbeat", "config.json", "run_start.json", "spike.json",
+             "monitor.log", "monitor_summary.json")
+RUN_DIRS = ("checkpoints",)
+
+
+def check_run_dir_layout(out_dir: str, flag: str = "--out_dir") -> None:
+    """RunDirUnusable (exit 2) when a name the run writes is the wrong kind of thing: `heartbeat` or
+    `metrics.jsonl` a directory, `checkpoints` a file. Such a run trained from scratch until its first save
+    crashed, or died with a traceback at the first heartbeat; now it is one line before anything starts."""
+    for name in RUN_FILES + RUN_DIRS:
+        path = os.path.join(out_dir, name)
+        if not os.path.lexists(path):
+            continue
+        want_dir = name in RUN_DIRS
+        if os.path.isdir(path) != want_dir:
+            raise RunDirUnusable(f"{flag}={out_dir}: {path} is a {'file' if want_dir else 'directory'}, where the "
+                                 f"run keeps its {'checkpoints (a directory)' if want_dir else name + ' (a file)'}; "
+                                 "move it away or use another --out_dir")
+
+
 def command_line(argv: Optional[list[str]] = None) -> str:
     """This process's command, for the lock record (what another user sees in the refusal)."""
     return " ".join([os.path.basename(sys.argv[0] or "python")] + list(sys.argv[1:] if argv is None else argv))

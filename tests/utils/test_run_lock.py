@@ -149,3 +149,22 @@ def test_supervised_attempts_run_under_the_supervisors_lock(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (out / "attempts").read_text() == "xx"
     run_lock.acquire(str(out)).release()  # the supervisor let go when it ended
+
+
+@pytest.mark.parametrize("name,kind", [("heartbeat", "dir"), ("metrics.jsonl", "dir"), ("checkpoints", "file")])
+def test_a_run_directory_with_the_wrong_kind_of_entry_is_one_line(tmp_path, tiny_pretrain_run_args, capsys, name, kind):
+    """`heartbeat` or `metrics.jsonl` a directory, `checkpoints` a file (issue 33 item 14): exit 2 naming it, from
+    the pre-check and the full start alike, before anything is written (it trained from scratch until the first
+    save crashed, or died at the first heartbeat with a traceback)."""
+    import train_my_ddp as T
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / name).mkdir() if kind == "dir" else (out / name).write_text("x")
+    code = T.main([*tiny_pretrain_run_args, f"--out_dir={out}", "--max_iters=2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == EXIT_BAD_CONFIG and len(err) == 1, err
+    assert f"{out / name} is a {'directory' if kind == 'dir' else 'file'}, where the run keeps" in err[0], err
+    assert sorted(os.listdir(out)) == sorted([name, run_lock.LOCK_NAME])  # nothing else written
+    run_lock.acquire(str(out)).release()  # the refused start let go of the lock
+    pre = run_python([PY, "train_my_ddp.py", *tiny_pretrain_run_args, f"--out_dir={out}", "--max_iters=2"])
+    assert pre.returncode == EXIT_BAD_CONFIG and "where the run keeps" in pre.stderr, pre.stderr
