@@ -807,24 +807,26 @@ class PipelineParallelEngine(Engine):
         root = ckpt.checkpoint_root(out_dir)
         final = os.path.join(root, ckpt.step_dir_name(step))
         tmp = temp_dir_for(final)
-        if rank == 0:
-            make_temp_dir(final)  # one left by a crash was never complete: dropped
-        barrier()
-        self.pipe.write_stage_files(tmp)  # collective over the mesh (FSDP gathers the stage's tensors)
-        path = os.path.join(tmp, f"extra_rank{rank}.pt")
-        torch.save(extra_state, path)
-        fsync_file(path)
-        if rank == 0:
-            ckpt.write_json(os.path.join(tmp, "model_config.json"), model_config)
-            ckpt.write_json(os.path.join(tmp, "config.json"), run_config)
-            if fault_hook is not None:
-                fault_hook()  # test hook: die with a half-written checkpoint
-        barrier()  # every rank has written and fsynced its files
-        if rank == 0:
-            ckpt.write_json(os.path.join(tmp, "trainer_state.json"),
-                            dict(trainer_state, step=step, world_size=world_size, saved_at=time.time()))
-            ckpt.publish_checkpoint_dir(tmp, final, step)
-            ckpt.prune_checkpoints(out_dir, keep_last=keep_last, keep_best=True, log=log)
+        # a write that does not fit (disk full, a file-size limit): the partial step_N.tmp removed, exit 7
+        with ckpt.save_guard(root, step, check_space=rank == 0):
+            if rank == 0:
+                make_temp_dir(final)  # one left by a crash was never complete: dropped
+            barrier()
+            self.pipe.write_stage_files(tmp)  # collective over the mesh (FSDP gathers the stage's tensors)
+            path = os.path.join(tmp, f"extra_rank{rank}.pt")
+            torch.save(extra_state, path)
+            fsync_file(path)
+            if rank == 0:
+                ckpt.write_json(os.path.join(tmp, "model_config.json"), model_config)
+                ckpt.write_json(os.path.join(tmp, "config.json"), run_config)
+                if fault_hook is not None:
+                    fault_hook()  # test hook: die with a half-written checkpoint
+            barrier()  # every rank has written and fsynced its files
+            if rank == 0:
+                ckpt.write_json(os.path.join(tmp, "trainer_state.json"),
+                                dict(trainer_state, step=step, world_size=world_size, saved_at=time.time()))
+                ckpt.publish_checkpoint_dir(tmp, final, step)
+                ckpt.prune_checkpoints(out_dir, keep_last=keep_last, keep_best=True, log=log)
         barrier()
         return final
 

@@ -39,7 +39,25 @@ CONFIGS: dict[str, tuple[int, list[str]]] = {
     "fsdp1": (1, ["--parallel=fsdp"]),
     "pipeline2": (2, ["--pipeline_parallel_size=2", "--gradient_accumulation_steps=2"]),
     "lora": (1, ["--lora_rank=4", "@base"]),  # @base: --init_from=<the ddp reference run>
+    # the configurations the reliability review killed by hand (issue 33), kept covered here
+    "tp2-sp": (2, ["--parallel=fsdp", "--tensor_parallel_size=2", "--sequence_parallel=true"]),
+    "hsdp2": (2, ["--parallel=fsdp", "--dp_replicate_size=2", "--batch_size=2"]),
+    "sft-epochs": (1, ["--task_type=sft", "@sft", "@base", "--max_seq_len=96", "--num_train_epochs=2",
+                       "--max_iters=-", "--learning_rate=3e-3"]),  # --max_iters=-: dropped (the epochs set it)
+    "dpo-lora": (1, ["--task_type=dpo", "@dpo", "@base", "--max_seq_len=96", "--lora_rank=4", "--dpo_beta=0.5",
+                     "--learning_rate=3e-3"]),
+    "samples": (1, ["--sample_every=3", "--sample_prompts=Once upon a time|def main("]),
+    "spike-guard": (1, ["--spike_guard=true"]),
 }
+
+
+def config_args(common: list[str], flags: list[str], data: dict, base_ref: str) -> list[str]:
+    """The common flags with a configuration's over them (a flag given again replaces the common one;
+    `--key=-` drops it); @base / @sft / @dpo name the ddp reference run and the toy SFT / DPO files."""
+    marks = {"@base": f"--init_from={base_ref}", "@sft": f"--data_dir={data['sft']}", "@dpo": f"--data_dir={data['dpo']}"}
+    flags = [marks.get(f, f) for f in flags]
+    keys = {f.split("=", 1)[0] for f in flags}
+    return [f for f in common if f.split("=", 1)[0] not in keys] + [f for f in flags if not f.endswith("=-")]
 
 
 def build_data(base: str) -> dict:
@@ -53,7 +71,13 @@ def build_data(base: str) -> dict:
                 [PY, "-m", "data_preprocess.build_pretrain_sample_index_map", f"--data_dir={shards}",
                  "--max_seq_len=32", "--val_ratio=0.1"]):
         subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True)
-    return {"tok": tok, "shards": shards}
+    toys = {}
+    for key, src, n in (("sft", os.path.join("data", "sft", "sft_conversations.jsonl"), 32),
+                        ("dpo", os.path.join("data", "dpo", "dpo_pairs.jsonl"), 40)):
+        toys[key] = os.path.join(base, f"toy_{key}.jsonl")
+        with open(os.path.join(ROOT, src), encoding="utf-8") as f, open(toys[key], "w", encoding="utf-8") as out:
+            out.write("".join(line for _, line in zip(range(n), f)))
+    return {"tok": tok, "shards": shards, **toys}
 
 
 def train_cmd(nproc: int, args: list[str]) -> list[str]:
@@ -144,8 +168,7 @@ def main(argv: list[str]) -> int:
     base_ref = os.path.join(a.work, "ddp-ref")
     for name in a.configs.split(","):
         nproc, flags = CONFIGS[name]
-        flags = [f"--init_from={base_ref}" if f == "@base" else f for f in flags]
-        args = [*common_args(data), *flags]
+        args = config_args(common_args(data), flags, data, base_ref)
         ref = os.path.join(a.work, f"{name}-ref")
         shutil.rmtree(ref, ignore_errors=True)
         t0 = time.time()
