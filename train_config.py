@@ -151,6 +151,11 @@ class TrainConfig:
     skip_data_steps: str = _f("", "data steps never trained on, e.g. 12,13 or 10-13 (data step N = the global batch "
                               "step N reads when nothing is skipped): drawn from the loader and discarded, the step "
                               "trains on the next data. Kept in checkpoints: a resume skips them without the flag")
+    eval_tasks: str = _f("", "multiple-choice task files (local jsonl: HellaSwag / ARC / PIQA / MMLU-style or generic, "
+                         "comma-separated) scored at every evaluation on rank 0 as lm-evaluation-harness scores them "
+                         "(eval_lm.py): val_<task>_acc and val_<task>_acc_norm in metrics.jsonl; not with "
+                         "--parallel=fsdp or pipeline stages (no rank holds the whole model)")
+    eval_tasks_limit: int = _f(0, "--eval_tasks: score only each file's first N records (0 = all)")
     sample_every: int = _f(0, "every N optimizer steps (0 = off), after that step's evaluation, rank 0 generates a "
                            "continuation of each --sample_prompts prompt with the run's tokenizer: console, "
                            "<out_dir>/samples.jsonl, TensorBoard text, a W&B table. Training is unchanged (RNG "
@@ -455,6 +460,20 @@ def sample_problems(cfg: TrainConfig) -> list[str]:
     return out
 
 
+def eval_tasks_problems(cfg: TrainConfig) -> list[str]:
+    """What --eval_tasks cannot work with: a file that is not there, and the engines where rank 0 does not hold
+    the whole model. Reads no file (the records are checked when the run starts: exit 3 naming file:line)."""
+    paths = [t.strip() for t in cfg.eval_tasks.split(",") if t.strip()]
+    if not paths:
+        return []
+    out = [f"--eval_tasks: {p}: no such file" for p in paths if not os.path.isfile(p)]
+    if cfg.parallel == "fsdp" or cfg.pipeline_parallel_size > 1:
+        engine = "--parallel=fsdp" if cfg.parallel == "fsdp" else f"--pipeline_parallel_size={cfg.pipeline_parallel_size}"
+        out.append(f"--eval_tasks cannot be combined with {engine} (no rank holds the whole model; score a "
+                   "checkpoint with eval_lm.py instead)")
+    return out
+
+
 SFT_DPO_WARMUP_RATIO = 0.03  # the warmup of the common SFT recipes (Alpaca, TRL examples): 3% of the run
 PRETRAIN_WARMUP_STEPS = 100
 
@@ -666,6 +685,8 @@ def _numbers_and_extras(cfg: TrainConfig, p: _Problems, torch_free: bool) -> Non
     p.number("sample_temperature", 0.0, what="must be a finite number >= 0 (0 = greedy)")
     if cfg.sample_every > 0:
         p.extend(sample_problems(cfg))
+    p.at_least("eval_tasks_limit", 0)
+    p.extend(eval_tasks_problems(cfg))
     p.at_least("spike_window", 1)
     from utils.spike_guard import parse_data_steps
     try:

@@ -154,6 +154,15 @@ def new_model_config(cfg: TrainConfig, tok_meta: dict):
                        kernel_backend=backend)
 
 
+def build_task_evaluator(cfg: TrainConfig):
+    """--eval_tasks: the task files read and checked (exit 3 naming file:line), the run's tokenizer; else None."""
+    paths = [t.strip() for t in cfg.eval_tasks.split(",") if t.strip()]
+    if not paths:
+        return None
+    from lm_tasks import TaskEvaluator
+    return TaskEvaluator(paths, cfg.tokenizer_dir, cfg.max_seq_len, cfg.eval_tasks_limit)
+
+
 def build_sampler(cfg: TrainConfig):
     """--sample_every > 0: the run's prompts encoded with its tokenizer (train_samples.py), else None.
     A prompt file or tokenizer that cannot be read is a bad configuration (exit 2)."""
@@ -666,6 +675,7 @@ class Loop:
         if self.guard is not None and progress.saved_guard:
             self.guard.load_state_dict(progress.saved_guard)
         self.sampler = build_sampler(cfg)  # --sample_every: prompts and tokenizer checked on every rank
+        self.task_eval = build_task_evaluator(cfg) if info.is_main else None  # --eval_tasks: files read now
         self.resumed_from = {"step": progress.step, "data_step": progress.data_step}
         self.loss_fn = lambda model, batch: micro_batch_loss(cfg, model, ref_model, batch, info.device)  # noqa: E731
         self.pbar = None
@@ -814,6 +824,12 @@ class Loop:
                 rec.update(ev)
                 p.last_val = ev["val_loss"]
                 p.best_val = min(p.best_val, p.last_val)
+            if self.task_eval is not None:  # rank 0, the whole model (validate_config refuses fsdp / pipeline)
+                self.engine.optimizer.finish_param_sync()  # ZeRO's all-gather of the updated weights has landed
+                scores = self.task_eval.run(self.engine.module, self.info.device)
+                rec.update(scores)
+                self.log(f"[eval_tasks] step {p.step}: " + ", ".join(
+                    f"{k[len('val_'):]} {v:.4f}" for k, v in scores.items()))
         self.metrics.write(rec)
         if self.info.is_main and _line_due(p.step % self.cfg.log_interval == 0 or do_eval or p.step == 1,
                                            quiet_lines=self.quiet_lines):

@@ -13,7 +13,7 @@ LAYERS = {
     "utils": 0,
     "tokenizer": 1, "model": 1,
     "data_preprocess": 2, "optimizer": 2, "parallel": 2,
-    "dataset": 3, "train_samples": 3,
+    "dataset": 3, "train_samples": 3, "lm_tasks": 3,
     "train_config": 4,
     "run_weights": 5, "train_task": 5,
     "train_my_ddp": 6, "sample": 6, "export_hf": 6, "monitor_process": 6,
