@@ -258,6 +258,18 @@ def main(argv: list[str]) -> int:
             held.release()
 
 
+def _refuse_if_too_big(mcfg, device: str, what: str, code: int) -> None:
+    """TrainingError before anything is allocated when the model's fp32 weights alone exceed the memory the
+    device has free (a checkpoint's model_config.json within the bounds can still describe a model no
+    machine holds: it built layers until memory ran out)."""
+    from utils.model_bounds import fit_problem, param_count
+    n = param_count(mcfg.dim, mcfg.n_layers, mcfg.n_heads, mcfg.vocab_size, mcfg.n_kv_heads, mcfg.hidden_dim,
+                    tie_embeddings=mcfg.tie_embeddings)
+    problem = fit_problem(n, device, what)
+    if problem:
+        raise TrainingError(problem, code)
+
+
 def start_without_checkpoint(cfg: TrainConfig, log) -> tuple[str, str]:
     """A run that continues (--resume) with no complete checkpoint in out_dir: what it starts from instead.
 
@@ -355,15 +367,21 @@ def build_model(cfg: TrainConfig, info: DistInfo, start: Start, tok_meta: dict, 
         if start.saved_state.get("lora_base"):  # a light checkpoint: rebuild the frozen base first
             model = load_lora_base(start.saved_state["lora_base"], start.resume_dir, log)
         else:
-            model = Transformer(read_model_config(start.resume_dir))  # CheckpointError naming the file: exit 5
+            mcfg = read_model_config(start.resume_dir)  # CheckpointError naming the file: exit 5
+            _refuse_if_too_big(mcfg, cfg.device, f"checkpoint {start.resume_dir}: model_config.json", EXIT_BAD_CHECKPOINT)
+            model = Transformer(mcfg)
     elif start.init_from != "scratch":
         model, init_info = load_weights_from(start.init_from, log, flag=start.init_flag,
                                              tokenizer_dir=cfg.tokenizer_dir)
     else:
         try:
-            model = Transformer(new_model_config(cfg, tok_meta))
+            mcfg = new_model_config(cfg, tok_meta)
         except ValueError as e:
             raise TrainingError(f"bad model configuration: {e}", EXIT_BAD_CONFIG) from e
+        # the vocabulary may come from the tokenizer (--vocab_size=0): the pre-check could not count it
+        _refuse_if_too_big(mcfg, cfg.device, f"bad configuration: --dim={cfg.dim} --n_layers={cfg.n_layers}",
+                           EXIT_BAD_CONFIG)
+        model = Transformer(mcfg)
     if start.resume_dir is None:  # written right before the first step (train): a restart begins the same way
         start.run_start = {"init_from": init_info["source"], "requested_init_from": start.init_from,
                            "kind": init_info["kind"], "task_type": cfg.task_type, "started_at": time.time()}

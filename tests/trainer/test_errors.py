@@ -292,6 +292,20 @@ def test_checkpoint_model_config_out_of_bounds_exits_5_on_resume(tiny_pretrain_r
     assert_one_error_line(err, f"checkpoint {step}: model_config.json: {needle}")
 
 
+def test_a_checkpoint_model_within_the_bounds_but_too_big_for_the_device_exits_5(tiny_pretrain_run_args, small_run,
+                                                                                  tmp_path, capsys):
+    """dim 65536 x 1024 layers is inside every bound (each field alone is legal) and ~56T parameters: refused
+    before anything is allocated, naming the checkpoint's model_config.json (it built layers until memory ran out)."""
+    run, step = _copy_run(small_run, tmp_path)
+    cfg = json.loads((step / "model_config.json").read_text())
+    cfg.update(dim=65536, n_layers=1024, n_heads=512, n_kv_heads=512, hidden_dim=None)
+    _rewrite(step, "model_config.json", json.dumps(cfg).encode())
+    got, err = run_main([*tiny_pretrain_run_args, f"--out_dir={run}", "--max_iters=4"], capsys)
+    assert got == EXIT_BAD_CHECKPOINT, err
+    assert_one_error_line(err, f"checkpoint {step}: model_config.json: the model has ")
+    assert "of fp32 weights alone" in err and "free on --device=cpu" in err
+
+
 @pytest.mark.parametrize("flag, needle", [
     ("--dim=1048576", "--dim=1048576: must be in [1, 65536]"),
     ("--n_layers=1000000", "--n_layers=1000000: must be in [1, 1024]"),
