@@ -27,8 +27,8 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from data_preprocess.pretokenize_sft_data import as_renderer, check_vocab, raise_failed, write_tokenized
-from data_preprocess.readers import RECORD_KINDS, find_input_files, skip_counter
+from data_preprocess.pretokenize_sft_data import as_renderer, chat_inputs, check_vocab, raise_failed, write_tokenized
+from data_preprocess.readers import skip_counter
 from data_preprocess.sft_format import (ChatRenderer, Encode, FileFailed, apply_overlong, dpo_messages,
                                         encode_file_records, labels_from_mask, last_run_only,
                                         make_chat_encoder)
@@ -63,7 +63,7 @@ def tokenize_dpo_files(files: Sequence[str], encode: "Encode | ChatRenderer", ma
     offset = 0
     for file_id, path in enumerate(files):
         skips = skip_counter(strict)
-        st = {"path": path, "file_id": file_id, "first_pair": len(rows), "num_pairs": 0,
+        st = {"path": str(path), "file_id": file_id, "first_pair": len(rows), "num_pairs": 0,
               "truncated": 0, "dropped_overlong": 0}
         try:
             for _, recno, branches in encode_file_records(path, skips, dpo_conversations, renderer):
@@ -121,23 +121,20 @@ def default_dpo_out_dir(data_dir: str, max_seq_len: int) -> str:
     return os.path.join("out", "dpo_tokenized", f"{name}_L{max_seq_len}")
 
 
-def pretokenize_dpo(data_dir: str, tokenizer_dir: str, max_seq_len: int, output_dir: Optional[str] = None,
+def pretokenize_dpo(data_dir: Optional[str], tokenizer_dir: str, max_seq_len: int, output_dir: Optional[str] = None,
                     overlong: str = "truncate", strict: bool = False, num_workers: int = 1,
-                    encode_fn: Optional[Encode] = None) -> dict:
-    """Write the pretokenized DPO files for every input under `data_dir`; returns dpo_meta (+ out_dir).
+                    encode_fn: Optional[Encode] = None, hf_dataset: Any = None) -> dict:
+    """Write the pretokenized DPO files for every input under `data_dir` (and `hf_dataset`, a Hugging Face
+    dataset's split); returns dpo_meta (+ out_dir).
 
     The files are the same byte for byte for any `num_workers`."""
-    data_dir = os.path.abspath(data_dir)
-    out = os.path.abspath(output_dir or default_dpo_out_dir(data_dir, max_seq_len))
-    files = find_input_files(data_dir, exclude_dir=out, kinds=RECORD_KINDS, what="DPO")
-    if not files:
-        raise DataError(f"{data_dir}: no .jsonl/.json/.parquet inputs (any case)")
+    out, files = chat_inputs(data_dir, output_dir, max_seq_len, hf_dataset, "DPO", default_dpo_out_dir)
     encode, tmeta = make_chat_encoder(tokenizer_dir)
     with ChatRenderer(tokenizer_dir, num_workers, encode=encode if num_workers <= 1 and encode_fn is None else None,
                       encode_fn=encode_fn) as renderer:
         ids, labels, pairs, stats = tokenize_dpo_files(files, renderer, max_seq_len, overlong, strict)
     if len(pairs) == 0:
-        raise DataError(f"{data_dir}: no usable DPO pair ({dpo_stats(stats)}; see the log for file:line)")
+        raise DataError(f"{data_dir or hf_dataset}: no usable DPO pair ({dpo_stats(stats)}; see the log for file:line)")
     vocab = int(tmeta["vocab_size"])
     check_vocab(ids, vocab)
     dtype = dtype_for_vocab(vocab)

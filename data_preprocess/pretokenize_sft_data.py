@@ -21,7 +21,7 @@ import argparse
 import logging
 import os
 import sys
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -31,6 +31,8 @@ from data_preprocess.sft_format import (ChatRenderer, Encode, FileFailed, apply_
                                         sft_messages)
 from data_preprocess.shard_format import (DataError, atomic_save_npy, atomic_write_json, dtype_for_vocab,
                                           remove_temp_files)
+from tokenizer.corpus import CorpusConfigError
+from tokenizer.dataset_source import add_hf_dataset_flags, hf_dataset_from_args
 from utils.publish import atomic_write_bytes
 
 log = logging.getLogger("pretokenize_sft")
@@ -68,7 +70,7 @@ def tokenize_sft_files(files: Sequence[str], encode: "Encode | ChatRenderer",
     offset = 0
     for file_id, path in enumerate(files):
         skips = skip_counter(strict)
-        st = {"path": path, "file_id": file_id, "first_sample": len(rows), "num_samples": 0,
+        st = {"path": str(path), "file_id": file_id, "first_sample": len(rows), "num_samples": 0,
               "truncated": 0, "dropped_overlong": 0, "dropped_no_target": 0}
         try:
             for where, recno, [(ids, mask)] in encode_file_records(path, skips, lambda r: [sft_messages(r)],
@@ -133,24 +135,37 @@ def default_sft_out_dir(data_dir: str, max_seq_len: int) -> str:
     return os.path.join("out", "sft_tokenized", f"{name}_L{max_seq_len}")
 
 
-def pretokenize_sft(data_dir: str, tokenizer_dir: str, max_seq_len: int, output_dir: Optional[str] = None,
+def chat_inputs(data_dir: Optional[str], output_dir: Optional[str], max_seq_len: int, hf_dataset: Any, what: str,
+                default_out) -> tuple[str, list]:
+    """(output dir, inputs) of the SFT / DPO pretokenizers: the record files under `data_dir`, then `hf_dataset`
+    (a tokenizer.dataset_source.DatasetSource: a Hugging Face dataset's split, read as one more input)."""
+    if not data_dir and hf_dataset is None:
+        raise CorpusConfigError("no input: give --data_dir and/or --hf_dataset")
+    if not data_dir and not output_dir:
+        raise CorpusConfigError("--hf_dataset without --data_dir needs --out_dir")
+    data_dir = os.path.abspath(data_dir) if data_dir else None
+    out = os.path.abspath(output_dir or default_out(data_dir, max_seq_len))
+    files: list = find_input_files(data_dir, exclude_dir=out, kinds=RECORD_KINDS, what=what) if data_dir else []
+    if data_dir and not files and hf_dataset is None:
+        raise DataError(f"{data_dir}: no .jsonl/.json/.parquet inputs (any case)")
+    return out, files + ([hf_dataset] if hf_dataset is not None else [])
+
+
+def pretokenize_sft(data_dir: Optional[str], tokenizer_dir: str, max_seq_len: int, output_dir: Optional[str] = None,
                     overlong: str = "truncate", strict: bool = False, num_workers: int = 1,
-                    encode_fn: Optional[Encode] = None) -> dict:
-    """Write the pretokenized SFT files for every input under `data_dir`; returns sft_meta.
+                    encode_fn: Optional[Encode] = None, hf_dataset: Any = None) -> dict:
+    """Write the pretokenized SFT files for every input under `data_dir` (and `hf_dataset`, a Hugging Face
+    dataset's split); returns sft_meta.
 
     `num_workers` > 1 renders and tokenizes in worker processes; the files are the same byte for
     byte whatever the number. `encode_fn` (picklable) replaces the tokenizer's encoder (tests)."""
-    data_dir = os.path.abspath(data_dir)
-    out = os.path.abspath(output_dir or default_sft_out_dir(data_dir, max_seq_len))
-    files = find_input_files(data_dir, exclude_dir=out, kinds=RECORD_KINDS, what="SFT")
-    if not files:
-        raise DataError(f"{data_dir}: no .jsonl/.json/.parquet inputs (any case)")
+    out, files = chat_inputs(data_dir, output_dir, max_seq_len, hf_dataset, "SFT", default_sft_out_dir)
     encode, tmeta = make_chat_encoder(tokenizer_dir)  # loads here first: a bad tokenizer dir fails early
     with ChatRenderer(tokenizer_dir, num_workers, encode=encode if num_workers <= 1 and encode_fn is None else None,
                       encode_fn=encode_fn) as renderer:
         ids, labels, samples, stats = tokenize_sft_files(files, renderer, max_seq_len, overlong, strict)
     if len(samples) == 0:
-        raise DataError(f"{data_dir}: no usable SFT sample (see the skip counts in the log)")
+        raise DataError(f"{data_dir or hf_dataset}: no usable SFT sample (see the skip counts in the log)")
     vocab = int(tmeta["vocab_size"])
     check_vocab(ids, vocab)
     dtype = dtype_for_vocab(vocab)
@@ -174,7 +189,8 @@ over-long policy (--overlong): a sample may hold max_seq_len+1 tokens (the model
   shift). truncate (default) keeps the first max_seq_len+1 tokens; drop drops the sample. Samples with
   no target token left are dropped. All are counted per file in sft_meta.json and the log.
 inputs: .jsonl, .json (an array), .parquet, extensions in any case; other files in the folder (.txt
-  included) are ignored and named in a warning.
+  included) are ignored and named in a warning. --hf_dataset reads a Hugging Face dataset's split (a
+  save_to_disk folder, or what datasets.load_dataset takes, streamed) as one more input, rows as records.
 bad-input policy: malformed JSON, invalid UTF-8, wrong record shapes, missing or non-string fields,
   text holding a lone surrogate (a JSON "\\ud800" escape), conversations without an assistant turn:
   counted, logged (file:line) and skipped; --strict makes the first one an error (exit 3). A file
@@ -196,7 +212,9 @@ def chat_pretokenize_cli(prog: str, description: str, epilog: str, what: str, de
     from utils.constants import EXIT_BAD_CONFIG, EXIT_OK
     from utils.errors import exit_code_for
     ap = Parser(prog=prog, description=description, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data_dir", required=True, help="folder (searched recursively) or one file")
+    ap.add_argument("--data_dir", default=None,
+                    help="folder (searched recursively) or one file (required unless --hf_dataset is given)")
+    add_hf_dataset_flags(ap)
     ap.add_argument("--tokenizer_dir", required=True)
     ap.add_argument("--max_seq_len", type=int, required=True)
     add_out_dir(ap, f"where the tokenized {what} go (default: {default_out})")
@@ -214,7 +232,8 @@ def chat_pretokenize_cli(prog: str, description: str, epilog: str, what: str, de
         return EXIT_BAD_CONFIG, None
     try:
         return EXIT_OK, pretokenize(args.data_dir, args.tokenizer_dir, args.max_seq_len, args.out_dir,
-                                    args.overlong, args.strict, args.num_workers)
+                                    args.overlong, args.strict, args.num_workers,
+                                    hf_dataset=hf_dataset_from_args(args))
     except Exception as e:  # noqa: BLE001 - a named error (DataError: 3) ends with its code
         named = exit_code_for(e)
         if named is not None:
