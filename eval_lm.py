@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from tokenizer import load_tokenizer, load_tokenizer_meta
     from utils.device import resolve_device
-    from utils.errors import exit_code_for
+    from utils.errors import report_named
     device = resolve_device(args.device)
     try:
         tok_dir = args.tokenizer_dir or sample.recorded_tokenizer_dir(args.ckpt, args.checkpoint)
@@ -92,11 +92,10 @@ def main(argv: list[str] | None = None) -> int:
             results["perplexity"] = r
             print(f"[eval] perplexity {r['ppl']:.4f} over {r['tokens']:,} tokens of {r['documents']} documents")
     except Exception as e:  # noqa: BLE001 - named errors end the command with their code; others re-raise
-        named = exit_code_for(e, prefixed=False)
-        if named is None:
+        code = report_named(e, "eval_lm.py")
+        if code is None:
             raise
-        print(f"eval_lm.py: {named[1]}", file=sys.stderr)
-        return named[0]
+        return code
     del torch
     if args.out:
         from utils.publish import atomic_write_json

@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     except ckpt.CheckpointError as e:  # 5: the checkpoint asked for is damaged; 2: it names nothing
         print(f"export_hf: {ckpt.one_line(e)}", file=sys.stderr)
         return ckpt.selection_exit_code(e, args.ckpt, args.checkpoint)
-    from utils.errors import exit_code_for
+    from utils.errors import report_named
     try:
         streamed = _export_sharded_streaming(found, args)
         if streamed is not None:
@@ -61,11 +61,10 @@ def main(argv: list[str] | None = None) -> int:
         model, run_cfg = model_from_checkpoint(found)
     except Exception as e:  # noqa: BLE001 - named errors end the command with their code; others re-raise
         # a damaged file (named, 5), or e.g. the LoRA base or its tokenizer moved (TrainingError's code)
-        named = exit_code_for(e, prefixed=False)
-        if named is None:
+        code = report_named(e, "export_hf")
+        if code is None:
             raise
-        print(f"export_hf: {named[1]}", file=sys.stderr)
-        return named[0]
+        return code
     tok_dir = args.tokenizer_dir or run_cfg.get("tokenizer_dir")
     tok_dir = tok_dir if isinstance(tok_dir, str) else None
     problem = _tokenizer_problem(tok_dir, model.cfg.vocab_size)

@@ -123,15 +123,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from tokenizer import load_tokenizer, load_tokenizer_meta
     from utils.device import resolve_device
-    from utils.errors import exit_code_for
+    from utils.errors import report_named
 
     def fail(e: BaseException) -> Optional[int]:
         """A named error's exit code, its line printed (utils.errors.exit_code_for: e.g. 5 for a damaged
         checkpoint file, which the message names, 2 for a choice that names nothing); None: a crash."""
-        named = exit_code_for(e, prefixed=False)
-        if named is not None:
-            print(f"sample.py: {named[1]}", file=sys.stderr)
-        return named[0] if named else None
+        return report_named(e, "sample.py")
 
     device = resolve_device(args.device)
     try:

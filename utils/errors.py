@@ -53,6 +53,16 @@ def _declared(e: BaseException) -> object:
     return e
 
 
+def report_named(e: BaseException, prog: str) -> Optional[int]:
+    """sample.py / export_hf.py / eval_lm.py: a named error's exit code, its line (`<prog>: message`) printed on
+    stderr; None for any other error (the caller re-raises it: a crash)."""
+    named = exit_code_for(e, prefixed=False)
+    if named is None:
+        return None
+    print(f"{prog}: {named[1]}", file=sys.stderr)
+    return named[0]
+
+
 def exit_code_for(e: BaseException, prefixed: bool = True) -> Optional[tuple[int, str]]:
     """(exit code, one-line message) for an error a command can name, None for any other (the caller's
     fallback; the trainer re-raises it: a crash, exit 1, retried by the supervisor).

@@ -97,9 +97,11 @@ def test_errors_module_stays_at_the_bottom_and_light():
 
 def test_the_commands_use_the_one_mapping():
     """No command keeps its own exception -> code chain: each calls exit_code_for (the two tokenizer
-    commands through tokenizer/corpus.py's command_exit_code, which does)."""
-    for rel, call in (("train_my_ddp.py", "exit_code_for("), ("sample.py", "exit_code_for("),
-                      ("export_hf.py", "exit_code_for("), ("tokenizer/corpus.py", "exit_code_for("),
+    commands through tokenizer/corpus.py's command_exit_code, sample / export / eval through
+    utils/errors.py's report_named, which both do)."""
+    for rel, call in (("train_my_ddp.py", "exit_code_for("), ("sample.py", "report_named("),
+                      ("export_hf.py", "report_named("), ("eval_lm.py", "report_named("),
+                      ("tokenizer/corpus.py", "exit_code_for("),
                       ("tokenizer/train_tokenizer.py", "command_exit_code("),
                       ("tokenizer/extend_tokenizer.py", "command_exit_code("),
                       ("data_preprocess/pretokenize_pretrain_data.py", "exit_code_for("),
@@ -108,3 +110,7 @@ def test_the_commands_use_the_one_mapping():
             src = f.read()
         assert call in src, rel
         assert "def named_error" not in src and "SafetensorError" not in src, rel
+    import inspect
+
+    from utils.errors import report_named
+    assert "exit_code_for(e, prefixed=False)" in inspect.getsource(report_named)
