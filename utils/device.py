@@ -111,6 +111,16 @@ def memory_stats(device: torch.device | str) -> dict:
         return {}
 
 
+def free_memory_bytes(device: torch.device | str) -> Optional[int]:
+    """Free memory of an accelerator (torch.cuda.mem_get_info), None when there is none to ask (utils/model_bounds.py
+    asks this for every device but the CPU, whose free memory it reads with psutil)."""
+    if not accelerator_available():
+        return None
+    dev = torch.device(device)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    return int(torch.cuda.mem_get_info(index)[0])
+
+
 def new_event(device: torch.device | str):
     """An accelerator event (HostCopy's); None on CPU, where work is done when it returns."""
     return torch.cuda.Event() if is_accelerator(device) else None

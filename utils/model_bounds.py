@@ -6,7 +6,7 @@ them a value is a typo or a damaged file, e.g. "n_layers": 1000000 or --dim=1048
 (one phrase per field out of bounds), `head_shape_problem` (how dim splits into heads, as ModelConfig
 refuses it), `param_count` (the Llama2 formula of model/llama.py, without
 building it) and `fit_problem` (the fp32 weights alone against the memory the device has free: CPU via
-psutil, CUDA via torch.cuda.mem_get_info).
+psutil, an accelerator via utils/device.py free_memory_bytes, imported only there).
 Used by train_config.validate_config (the command line: exit 2) and utils/checkpoint.read_checkpoint_json
 (a checkpoint's model_config.json: exit 5).
 Must never: import torch at module level or any package above utils/ (the torch-free pre-check uses it).
@@ -76,26 +76,22 @@ def human_bytes(n: float) -> str:
 
 
 def available_bytes(device: str) -> Optional[int]:
-    """Free memory of `device` ("cpu", "cuda", "cuda:1", ...): psutil's available memory for the CPU,
-    torch.cuda.mem_get_info for a CUDA device; None when it cannot be told (the check is skipped)."""
+    """Free memory of `device`: psutil's available memory for the CPU; for an accelerator (and for "auto" when
+    there is one) utils/device.py's `free_memory_bytes` (imports torch: the full start-up only); None when it
+    cannot be told (the check is skipped)."""
     kind = str(device).split(":")[0]
     try:
-        if kind in ("cpu", "auto", ""):
-            import psutil
-            cpu = int(psutil.virtual_memory().available)
-            if kind == "auto":
-                gpu = available_bytes("cuda")
-                return gpu if gpu is not None else cpu
-            return cpu
-        if kind == "cuda":
-            import torch
-            if not torch.cuda.is_available():
-                return None
-            index = int(str(device).split(":")[1]) if ":" in str(device) else torch.cuda.current_device()
-            return int(torch.cuda.mem_get_info(index)[0])
+        if kind not in ("cpu", "auto", ""):
+            from utils.device import free_memory_bytes
+            return free_memory_bytes(device)
+        import psutil
+        cpu = int(psutil.virtual_memory().available)
+        if kind == "auto":
+            from utils.device import accelerator_available, free_memory_bytes, resolve_device
+            return free_memory_bytes(resolve_device("auto")) if accelerator_available() else cpu
+        return cpu
     except (ImportError, RuntimeError, ValueError, IndexError, OSError):
         return None
-    return None
 
 
 def fit_problem(n_params: int, device: str, what: str) -> Optional[str]:

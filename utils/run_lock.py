@@ -33,7 +33,7 @@ import sys
 import time
 from typing import Optional
 
-from utils.constants import EXIT_RUN_DIR_BUSY
+from utils.constants import EXIT_BAD_CONFIG, EXIT_RUN_DIR_BUSY
 
 try:
     import fcntl
@@ -52,7 +52,7 @@ class RunDirBusy(Exception):
 
 class RunDirUnusable(Exception):
     """`--out_dir` cannot be created or written (a file, a read-only filesystem, /proc): a flag error."""
-    exit_code = 2
+    exit_code = EXIT_BAD_CONFIG
     exit_prefix = "bad configuration: "
 
 
