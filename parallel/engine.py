@@ -452,13 +452,8 @@ def load_optimizer_state(opt, ckpt_dir: str, sharded: bool, rank: int, world_siz
     `read`: what read_optimizer_state returned (the files already read)."""
     if read is not None:
         state, name = read
-        try:
+        with _naming_a_bad_optimizer_file(ckpt_dir, lambda: name):
             opt.load_state_dict(state)
-        except (ValueError, KeyError, TypeError, IndexError, AttributeError, RuntimeError) as e:
-            if isinstance(e, (ckpt.CheckpointError, torch.OutOfMemoryError)):
-                raise
-            raise ckpt.CheckpointError(f"checkpoint {ckpt_dir}: {name} does not load into this optimizer "
-                                       f"({type(e).__name__}: {ckpt.one_line(e)[:200]})") from e
         return
     reading = {"name": f"optimizer_rank{rank}.pt"}
 
@@ -469,7 +464,7 @@ def load_optimizer_state(opt, ckpt_dir: str, sharded: bool, rank: int, world_siz
             raise ckpt.CheckpointError(f"checkpoint {ckpt_dir}: optimizer_rank{r}.pt is missing "
                                        f"(the run saved {saved_world} rank(s))")
         return sd
-    try:
+    with _naming_a_bad_optimizer_file(ckpt_dir, lambda: reading["name"]):
         if sharded and saved_world == world_size and os.path.isfile(os.path.join(ckpt_dir, f"optimizer_rank{rank}.pt")):
             own = read(rank)
             if own.get("sharded"):
@@ -485,10 +480,18 @@ def load_optimizer_state(opt, ckpt_dir: str, sharded: bool, rank: int, world_siz
             states = [first] + [read(r) for r in range(1, n)]
             reading["name"] = f"optimizer_rank0.pt .. optimizer_rank{n - 1}.pt"
             opt.load_state_dict(states)
+
+
+@contextlib.contextmanager
+def _naming_a_bad_optimizer_file(ckpt_dir: str, name: Callable[[], str]):
+    """An optimizer state that does not load (wrong shapes, keys, types) becomes a CheckpointError naming the
+    file `name()` was reading; CheckpointErrors and out-of-memory pass through."""
+    try:
+        yield
     except (ValueError, KeyError, TypeError, IndexError, AttributeError, RuntimeError) as e:
         if isinstance(e, (ckpt.CheckpointError, torch.OutOfMemoryError)):
             raise
-        raise ckpt.CheckpointError(f"checkpoint {ckpt_dir}: {reading['name']} does not load into this optimizer "
+        raise ckpt.CheckpointError(f"checkpoint {ckpt_dir}: {name()} does not load into this optimizer "
                                    f"({type(e).__name__}: {ckpt.one_line(e)[:200]})") from e
 
 
