@@ -34,6 +34,7 @@ neither starts a new run from --init_from. --resume=always (alias --init_from=re
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -211,51 +212,47 @@ def main(argv: list[str]) -> int:
         print(help_text(TrainConfig(), __doc__.strip().splitlines()[0], prog=PROG))
         return EXIT_OK
     rank = int(os.environ.get("RANK", "0"))
-    held = None  # the run directory's lock (utils/run_lock.py), taken by global rank 0 for the run's life
-    try:
-        given: set[str] = set()  # the flags this command sets (command line or config file), not defaults
-        cfg = parse_config(TrainConfig(), argv, given=given)
-        implied = imply_engine(cfg, given)  # --tensor_parallel_size / --dp_replicate_size > 1 -> --parallel=fsdp
-        if implied and rank == 0:
-            print(implied, flush=True)
-        if rank == 0 and cfg.out_dir:  # before anything reads or writes out_dir (an empty one is validate_config's);
-            # torchrun's other ranks are the same run
-            held = run_lock.acquire(cfg.out_dir, command=run_lock.command_line(argv))
-            run_lock.check_run_dir_layout(cfg.out_dir)
-        # Decided on every rank before init_distributed: no rank can have written to out_dir yet.
-        continues = continues_run(cfg)
-        if continues:  # the run's saved configuration, with the command line over it
-            asked = cfg.resume
-            cfg, _ = resolve_resume_config(TrainConfig(), argv, cfg.out_dir,
-                                           log=(lambda m: print(m, flush=True)) if rank == 0 else (lambda m: None))
-            cfg.resume = asked  # how to start is this command's choice, never the saved run's
-    except ConfigError as e:
-        print(f"{PROG}: error: {_one_line(e)}", file=sys.stderr)
-        if held is not None:
-            held.release()
-        return EXIT_BAD_CONFIG
-    except (run_lock.RunDirBusy, run_lock.RunDirUnusable) as e:
-        if held is not None:
-            held.release()
-        code, msg = exit_code_for(e)
-        print(f"[rank {rank}] error: {msg}", file=sys.stderr, flush=True)
-        return code
-    try:
-        from parallel.engine import needs_process_group
-        info = init_distributed(cfg.device, need_group=needs_process_group(cfg))
-        return train(cfg, info, continues=continues, max_iters_given="max_iters" in given,
-                     log_interval_given="log_interval" in given)
-    except Exception as e:  # noqa: BLE001 - named errors become one line and an exit code; others re-raise
-        named = exit_code_for(e)  # utils/errors.py: the one exception -> exit code mapping
-        if named is None:
-            raise
-        code, msg = named
-        print(f"[rank {rank}] error: {msg}", file=sys.stderr, flush=True)
-        return code
-    finally:
-        destroy()
-        if held is not None:
-            held.release()
+    # the run directory's lock (utils/run_lock.py): global rank 0 holds it for the run's life and lets go on any
+    # way out of main(), a refused start included
+    with contextlib.ExitStack() as run_dir:
+        try:
+            given: set[str] = set()  # the flags this command sets (command line or config file), not defaults
+            cfg = parse_config(TrainConfig(), argv, given=given)
+            implied = imply_engine(cfg, given)  # --tensor_parallel_size / --dp_replicate_size > 1 -> --parallel=fsdp
+            if implied and rank == 0:
+                print(implied, flush=True)
+            if rank == 0 and cfg.out_dir:  # before anything reads or writes out_dir (an empty one is
+                # validate_config's); torchrun's other ranks are the same run
+                run_dir.enter_context(run_lock.acquire(cfg.out_dir, command=run_lock.command_line(argv)))
+                run_lock.check_run_dir_layout(cfg.out_dir)
+            # Decided on every rank before init_distributed: no rank can have written to out_dir yet.
+            continues = continues_run(cfg)
+            if continues:  # the run's saved configuration, with the command line over it
+                asked = cfg.resume
+                cfg, _ = resolve_resume_config(TrainConfig(), argv, cfg.out_dir,
+                                               log=(lambda m: print(m, flush=True)) if rank == 0 else (lambda m: None))
+                cfg.resume = asked  # how to start is this command's choice, never the saved run's
+        except ConfigError as e:
+            print(f"{PROG}: error: {_one_line(e)}", file=sys.stderr)
+            return EXIT_BAD_CONFIG
+        except (run_lock.RunDirBusy, run_lock.RunDirUnusable) as e:
+            code, msg = exit_code_for(e)
+            print(f"[rank {rank}] error: {msg}", file=sys.stderr, flush=True)
+            return code
+        try:
+            from parallel.engine import needs_process_group
+            info = init_distributed(cfg.device, need_group=needs_process_group(cfg))
+            return train(cfg, info, continues=continues, max_iters_given="max_iters" in given,
+                         log_interval_given="log_interval" in given)
+        except Exception as e:  # noqa: BLE001 - named errors become one line and an exit code; others re-raise
+            named = exit_code_for(e)  # utils/errors.py: the one exception -> exit code mapping
+            if named is None:
+                raise
+            code, msg = named
+            print(f"[rank {rank}] error: {msg}", file=sys.stderr, flush=True)
+            return code
+        finally:
+            destroy()
 
 
 def _refuse_if_too_big(mcfg, device: str, what: str, code: int) -> None:
@@ -368,7 +365,8 @@ def build_model(cfg: TrainConfig, info: DistInfo, start: Start, tok_meta: dict, 
             model = load_lora_base(start.saved_state["lora_base"], start.resume_dir, log)
         else:
             mcfg = read_model_config(start.resume_dir)  # CheckpointError naming the file: exit 5
-            _refuse_if_too_big(mcfg, cfg.device, f"checkpoint {start.resume_dir}: model_config.json", EXIT_BAD_CHECKPOINT)
+            _refuse_if_too_big(mcfg, cfg.device, f"checkpoint {start.resume_dir}: model_config.json",
+                               EXIT_BAD_CHECKPOINT)
             model = Transformer(mcfg)
     elif start.init_from != "scratch":
         model, init_info = load_weights_from(start.init_from, log, flag=start.init_flag,
