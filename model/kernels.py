@@ -391,7 +391,7 @@ def flash_attn_functions(device: torch.device) -> Optional[tuple]:
     detection (no import, no logging): safe inside a traced forward."""
     if not is_accelerator(device):
         return None
-    return _FLASH if _FLASH_CHECKED else detect_flash_attn()
+    return detect_flash_attn()
 
 
 # ------------------------------------------------------------------------------------------ AdamW

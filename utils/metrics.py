@@ -61,9 +61,6 @@ class Throughput:
             self.rate = sum(t for t, _ in self._steps) / sum(s for _, s in self._steps)
         return self.rate
 
-    def update(self, tokens: float, seconds: float) -> Optional[float]:
-        return self.add([(tokens, seconds)])
-
 
 def _reinit_value(wandb: Any) -> Any:
     """`reinit="finish_previous"` where wandb knows it (>= 0.19.10, which warns about the old boolean on

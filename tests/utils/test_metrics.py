@@ -24,18 +24,18 @@ def test_metric_tags_are_grouped():
 
 def test_throughput_window_is_total_tokens_over_total_time():
     t = Throughput(window=3)
-    assert t.update(1000, 1.0) == 1000.0
+    assert t.add([(1000, 1.0)]) == 1000.0
     # a slow step (an evaluation, a busy core) moves the average, not 10x
-    assert t.update(1000, 10.0) == pytest.approx(2000 / 11.0)
-    t.update(1000, 1.0)
-    assert t.update(1000, 1.0) == pytest.approx(3000 / 12.0)  # the first step left the window
-    assert t.update(1000, 1.0) == pytest.approx(1000.0)
+    assert t.add([(1000, 10.0)]) == pytest.approx(2000 / 11.0)
+    t.add([(1000, 1.0)])
+    assert t.add([(1000, 1.0)]) == pytest.approx(3000 / 12.0)  # the first step left the window
+    assert t.add([(1000, 1.0)]) == pytest.approx(1000.0)
 
 
 def test_throughput_leaves_out_the_warmup_steps():
     t = Throughput(window=3, warmup=2)
-    assert t.update(1000, 40.0) is None and t.update(1000, 2.0) is None  # the compile step, then one more
-    assert t.update(1000, 1.0) == 1000.0
+    assert t.add([(1000, 40.0)]) is None and t.add([(1000, 2.0)]) is None  # the compile step, then one more
+    assert t.add([(1000, 1.0)]) == 1000.0
     assert t.add([(1000, 1.0), (2000, 1.0)]) == pytest.approx(4000 / 3.0)
 
 
