@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     from model import Transformer
     from model.hf_interop import export_hf
     from model.lora import merge_lora, save_lora
-    from run_weights import load_lora_base, model_from_checkpoint
+    from trainer.weights import load_lora_base, model_from_checkpoint
     from utils import checkpoint as ckpt
     from utils.run_config import select_checkpoint
 

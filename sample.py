@@ -24,8 +24,8 @@ if TYPE_CHECKING:
 def _select(ckpt_path: str, which: str, log) -> str:
     """A HF directory as it is, or the run's `which` checkpoint (verified). TrainingError with exit 5
     when what was asked for is damaged, 2 when it names nothing."""
-    from train_config import TrainingError
-    from run_weights import is_hf_dir as _is_hf_dir
+    from trainer.config import TrainingError
+    from trainer.weights import is_hf_dir as _is_hf_dir
     from utils import checkpoint as ckpt
     from utils.run_config import select_checkpoint
     if os.path.isdir(ckpt_path) and _is_hf_dir(ckpt_path):
@@ -39,7 +39,7 @@ def _select(ckpt_path: str, which: str, log) -> str:
 def load_for_inference(ckpt_path: str, device: torch.device, which: str = "latest"):
     """(model in eval mode on `device`, info) from a HF directory, or a run's `which` checkpoint.
     TrainingError (with its exit code) or CheckpointError (exit 5, naming the file) when it cannot."""
-    from run_weights import load_weights_from
+    from trainer.weights import load_weights_from
     log = lambda m: print(m, file=sys.stderr)  # noqa: E731
     model, info = load_weights_from(_select(ckpt_path, which, log), log=log)
     return model.to(device).eval(), info
@@ -47,7 +47,7 @@ def load_for_inference(ckpt_path: str, device: torch.device, which: str = "lates
 
 def recorded_tokenizer_dir(ckpt_path: str, which: str = "latest") -> Optional[str]:
     """The --tokenizer_dir the run trained with (from the checkpoint's config.json), or a HF dir's own."""
-    from run_weights import is_hf_dir as _is_hf_dir
+    from trainer.weights import is_hf_dir as _is_hf_dir
     from utils import checkpoint as ckpt
     found = _select(ckpt_path, which, log=lambda m: None)
     if _is_hf_dir(found):

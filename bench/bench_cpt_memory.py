@@ -35,7 +35,7 @@ sys.path.insert(0, ROOT)
 from model import ModelConfig, Transformer  # noqa: E402
 from model.lora import select_trainable, trainable_parameters  # noqa: E402
 from parallel.engine import build_engine  # noqa: E402
-from train_config import TrainConfig  # noqa: E402
+from trainer.config import TrainConfig  # noqa: E402
 
 LORA_RANK = 8
 # (name, vocab, dim, layers, heads): measured on this machine

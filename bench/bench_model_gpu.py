@@ -152,7 +152,7 @@ def make_step(config: str, model_name: str, mode: str, precision: str, device):
 
     # precision == "trainer": the objects train_my_ddp.py builds for --dtype=bf16 (parallel/engine.py)
     from parallel.engine import build_engine
-    from train_config import TrainConfig
+    from trainer.config import TrainConfig
     model.to(dtype=torch.bfloat16)
     cfg = TrainConfig(dtype="bf16", device=torch.device(device).type, compile=mode == "compile",
                       learning_rate=LR, batch_size=B, max_seq_len=T)
@@ -161,7 +161,7 @@ def make_step(config: str, model_name: str, mode: str, precision: str, device):
     units = float((y != -100).sum())
     batch = {"input_ids": x, "labels": y}
 
-    def loss_fn(m, b):  # train_my_ddp.micro_batch_loss: the sum of the token losses
+    def loss_fn(m, b):  # trainer.task.micro_batch_loss: the sum of the token losses
         if ours:
             return m(b["input_ids"], labels=b["labels"], reduction="sum"), {}
         return m(input_ids=b["input_ids"], labels=b["input_ids"]).loss * units, {}  # HF: mean over the same tokens

@@ -431,7 +431,7 @@ def _act_worker(rank: int, world: int, port: int, a, path: str) -> None:
     import dataclasses
 
     from parallel.engine import build_engine
-    from train_config import TrainConfig
+    from trainer.config import TrainConfig
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     res = {}

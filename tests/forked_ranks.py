@@ -38,7 +38,7 @@ import time
 # that is not installed is skipped (multiprocessing ignores ImportError in a preload). A project module that
 # used one of these without importing it would pass here: the real-process tests (monitor, torchrun, cold
 # compiles, the gpu-report dry run) start fresh interpreters and would not.
-_PRELOAD = ["torch", "torch.distributed", "tests.forked_ranks", "train_my_ddp", "torch._dynamo",
+_PRELOAD = ["torch", "torch.distributed", "tests.forked_ranks", "train_my_ddp", "trainer.loop", "torch._dynamo",
             "torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.checkpoint", "triton",
             "transformers", "safetensors.torch"]
 # read when a module is imported: a run asking for another value than the server was started with

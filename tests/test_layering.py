@@ -13,9 +13,8 @@ LAYERS = {
     "utils": 0,
     "tokenizer": 1, "model": 1,
     "data_preprocess": 2, "optimizer": 2, "parallel": 2,
-    "dataset": 3, "train_samples": 3, "lm_tasks": 3,
-    "train_config": 4,
-    "run_weights": 5, "train_task": 5,
+    "dataset": 3, "lm_tasks": 3,
+    "trainer": 5,  # the trainer's pieces (config, start, loop, task, weights, samples, faults)
     "train_my_ddp": 6, "sample": 6, "export_hf": 6, "monitor_process": 6,
     "eval_lm": 7,  # scores with sample.py's loading (load_for_inference, the recorded tokenizer)
 }

@@ -9,7 +9,7 @@ SAMPLE_TEMPERATURE = 0.8
 SAMPLE_TOP_K = 50
 SAMPLE_TOP_P = None
 
-# The most optimizer steps a run may take (--max_iters and the step flags, train_config.py) and so the most a
+# The most optimizer steps a run may take (--max_iters and the step flags, trainer/config.py) and so the most a
 # checkpoint's trainer_state.json may record (utils/checkpoint.py); --num_train_epochs' bound.
 MAX_STEPS = 10 ** 9
 MAX_EPOCHS = 10 ** 6

@@ -4,7 +4,7 @@ the heartbeat, and a windowed throughput meter.
 Owns: everything a run writes for humans and supervisors while it trains. Only rank 0 writes.
 metrics.jsonl keeps flat keys (`loss`, `val_loss`, ...), one object per step; TensorBoard and W&B get
 them grouped (`train/loss`, `eval/loss`, `dpo/reward_acc`, `perf/tokens_per_sec`, see `metric_tag`).
-Samples generated during training (--sample_every, train_samples.py) go to samples.jsonl, one
+Samples generated during training (--sample_every, trainer/samples.py) go to samples.jsonl, one
 object per (step, prompt), TensorBoard text `samples/<i>` and a W&B table `samples` (`write_samples`).
 Must never: influence training, or fail the run because an optional sink (TensorBoard, wandb) is absent.
 """
@@ -218,7 +218,7 @@ class MetricsLogger:
             self.wandb.write(step, scalars)
 
     def write_samples(self, records: list[dict[str, Any]]) -> None:
-        """Samples of one step (train_samples.py: {"step", "prompt", "completion", ...}): a console line
+        """Samples of one step (trainer/samples.py: {"step", "prompt", "completion", ...}): a console line
         each, one samples.jsonl object each, TensorBoard text `samples/<i>` (prompt i), a W&B table `samples`."""
         if not self.enabled or not records:
             return
@@ -298,7 +298,7 @@ def format_line(rec: dict[str, Any], total: Optional[int] = None, elapsed: Optio
 
 
 def format_sample(record: dict[str, Any]) -> str:
-    """The console line of one sample (train_samples.py): `[sample step N] "prompt" -> "continuation"`
+    """The console line of one sample (trainer/samples.py): `[sample step N] "prompt" -> "continuation"`
     (JSON-quoted: one line, and a leading space of the continuation stays visible)."""
     q = lambda s: json.dumps(s, ensure_ascii=False)  # noqa: E731
     return f"[sample step {record['step']}] {q(record['prompt'])} -> {q(record['completion'])}"

@@ -3,7 +3,7 @@ how the run started, its saved configuration, and whether a directory is a Huggi
 
 Owns: the torch-free look at `<out_dir>/checkpoints/step_N/`, `run_start.json` and `config.json` that
 lets the commands answer a mistake before they import torch (train_my_ddp.py's pre-check in
-train_config.py, sample.py and export_hf.py): a `--checkpoint=` that names nothing, a `--ckpt` that is
+trainer/config.py, sample.py and export_hf.py): a `--checkpoint=` that names nothing, a `--ckpt` that is
 not there, whether `--resume=auto` continues a run. The names are utils/checkpoint.py's.
 Must never: import torch, verify, load or modify a checkpoint (utils/checkpoint.py does: what exists
 but may be damaged is left to it), or decide anything a checkpoint's contents would decide.

@@ -58,8 +58,8 @@ def _check(rows: dict, values) -> None:
 def test_every_fused_kernels_value_compiles_fullgraph_as_first_call():
     """Dynamo + AOTAutograd (aot_eager): the whole model, loss included, is one graph for every value.
     Values that build the same model are compiled once (a fresh process costs ~10 s here): "true" is
-    "auto" by definition (train_config.KERNEL_CHOICES), which is checked."""
-    from train_config import KERNEL_CHOICES
+    "auto" by definition (trainer.config.KERNEL_CHOICES), which is checked."""
+    from trainer.config import KERNEL_CHOICES
     assert set(KERNEL_CHOICES) == set(VALUES)
     distinct = {}
     for v in VALUES:
@@ -83,7 +83,7 @@ def _main(backend: str, values: list) -> None:
 
     torch.set_num_threads(1)
     from model import ModelConfig, Transformer  # the first import of the model package in this process
-    from train_config import KERNEL_CHOICES
+    from trainer.config import KERNEL_CHOICES
 
     preloaded = "model.triton_kernels" in sys.modules and "model.triton_loss" in sys.modules
     g = torch.Generator().manual_seed(1)

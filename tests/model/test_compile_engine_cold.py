@@ -22,8 +22,8 @@ _SCRIPT = textwrap.dedent("""
     sys.path.insert(0, {root!r})
     from model import Transformer, kernels
     from parallel.engine import build_engine
-    from train_config import TrainConfig
-    from train_my_ddp import new_model_config
+    from trainer.config import TrainConfig
+    from trainer.start import new_model_config
     device = torch.device({device!r})
     values = ["auto", "torch", "false"] + (["triton"] if device.type == "cuda" else [])
     out = {{"checked_before_build": kernels._FLASH_CHECKED}}

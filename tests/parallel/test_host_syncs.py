@@ -16,7 +16,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import train_my_ddp as T
+from trainer.config import TrainConfig
+
+from trainer.task import count_units, micro_batch_loss
 from model import ModelConfig, Transformer
 from parallel.engine import STEP_FIELDS, StepStats, build_engine
 
@@ -67,7 +69,7 @@ def _engine(device: torch.device, **flags):
     torch.manual_seed(0)
     model = Transformer(ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=16,
                                     max_seq_len=16))
-    cfg = T.TrainConfig(device=device.type, learning_rate=1e-3, grad_clip=1.0, **flags)
+    cfg = TrainConfig(device=device.type, learning_rate=1e-3, grad_clip=1.0, **flags)
     return cfg, build_engine(model.to(device), cfg, device=device)
 
 
@@ -88,8 +90,8 @@ def _batches(device_free_seed: int, n: int, task: str = "pretrain"):
 
 
 def _one_step(cfg, engine, batches, device, ref=None):
-    loss_fn = lambda model, batch: T.micro_batch_loss(cfg, model, ref, batch, device)  # noqa: E731
-    units = float(sum(T.count_units(cfg, b) for b in batches))
+    loss_fn = lambda model, batch: micro_batch_loss(cfg, model, ref, batch, device)  # noqa: E731
+    units = float(sum(count_units(cfg, b) for b in batches))
     engine.optimizer.zero_grad()
     with CountItems() as fb:
         acc = engine.forward_backward(batches, loss_fn, units)
@@ -109,7 +111,7 @@ def test_a_step_reads_one_number_back(flags):
     cfg, engine = _engine(device, gradient_accumulation_steps=3, **flags)
     batches = _batches(0, 3)
     with torch.no_grad():  # the step's loss sum, evaluated before it
-        expect = sum(float(T.micro_batch_loss(cfg, engine.forward_model, None, b, device)[0]) for b in batches)
+        expect = sum(float(micro_batch_loss(cfg, engine.forward_model, None, b, device)[0]) for b in batches)
     n_fb, n_opt, acc, stepped, norm = _one_step(cfg, engine, batches, device)
     assert (n_fb, n_opt) == (0, 1)
     assert stepped and 0 < norm < float("inf")
@@ -122,8 +124,8 @@ def test_forward_backward_sums_equal_the_per_batch_losses():
     cfg, engine = _engine(device, gradient_accumulation_steps=2)
     batches = _batches(1, 2)
     with torch.no_grad():
-        expect = [float(T.micro_batch_loss(cfg, engine.forward_model, None, b, device)[0]) for b in batches]
-    acc = engine.forward_backward(batches, lambda m, b: T.micro_batch_loss(cfg, m, None, b, device), 64.0)
+        expect = [float(micro_batch_loss(cfg, engine.forward_model, None, b, device)[0]) for b in batches]
+    acc = engine.forward_backward(batches, lambda m, b: micro_batch_loss(cfg, m, None, b, device), 64.0)
     assert float(acc[0]) == pytest.approx(sum(expect), rel=1e-6)
     assert acc[1:].abs().sum() == 0
 
@@ -136,7 +138,7 @@ def test_dpo_statistics_stay_on_the_device_and_sum_right():
                                   max_seq_len=16))
     batches = _batches(2, 2, task="dpo")
     with torch.no_grad():
-        per = [T.micro_batch_loss(cfg, engine.forward_model, ref, b, device) for b in batches]
+        per = [micro_batch_loss(cfg, engine.forward_model, ref, b, device) for b in batches]
     n_fb, n_opt, acc, stepped, _ = _one_step(cfg, engine, batches, device, ref=ref)
     assert (n_fb, n_opt) == (0, 1) and stepped
     for i, key in enumerate(("chosen_reward", "rejected_reward", "reward_acc"), start=1):
@@ -147,9 +149,9 @@ def test_evaluate_reads_nothing_back():
     device = torch.device("cpu")
     cfg, engine = _engine(device)
     batches = _batches(3, 2)
-    units = {id(b): T.count_units(cfg, b) for b in batches}  # read from the host batch (no device involved)
+    units = {id(b): count_units(cfg, b) for b in batches}  # read from the host batch (no device involved)
     with CountItems() as c:
-        sums = engine.evaluate(batches, lambda m, b: T.micro_batch_loss(cfg, m, None, b, device),
+        sums = engine.evaluate(batches, lambda m, b: micro_batch_loss(cfg, m, None, b, device),
                                lambda b: units[id(b)])
     assert c.n == 0
     named = StepStats.from_tensor(sums)
@@ -165,7 +167,7 @@ def test_cuda_step_syncs_once():
     cfg, engine = _engine(device, gradient_accumulation_steps=3, dtype="bf16")
     batches = _batches(0, 3)
     _one_step(cfg, engine, batches, device)  # warm-up: lazy allocations and first-call set-up
-    loss_fn = lambda model, batch: T.micro_batch_loss(cfg, model, None, batch, device)  # noqa: E731
+    loss_fn = lambda model, batch: micro_batch_loss(cfg, model, None, batch, device)  # noqa: E731
     engine.optimizer.zero_grad()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("warn")

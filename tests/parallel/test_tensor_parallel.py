@@ -79,7 +79,7 @@ def _reference(steps: int, dtype: torch.dtype, tied: bool = False, lora: bool = 
 def _engine(tp: int = 1, rep: int = 1, tied: bool = False, ckpt: bool = False, sp: bool = False,
             dtype: str = "fp32", pp: int = 1, dropout: float = 0.0, lora: bool = False, compile: bool = False):
     from parallel.engine import build_engine
-    from train_config import TrainConfig
+    from trainer.config import TrainConfig
     cfg = dataclasses.replace(TrainConfig(), parallel="fsdp", dtype=dtype, device="cpu",
                               tensor_parallel_size=tp, dp_replicate_size=rep, sequence_parallel=sp,
                               pipeline_parallel_size=pp, gradient_accumulation_steps=GAS, compile=compile, **OPT)

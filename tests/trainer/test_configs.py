@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-import train_my_ddp as T
+from trainer import config as T
 from utils.configurator import parse_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from run_weights import load_weights_from
+from trainer.weights import load_weights_from
 from tests.conftest import PY, ROOT, run_cmd, run_trainer, run_python
 from tests.model.test_resize import BASE_VOCAB, prefix_tokenizer, tiny_model, write_corpus
 from tests.trainer.test_end_to_end import _env, final_weights, losses, train_cmd
@@ -166,7 +166,7 @@ def test_a_tokenizer_that_does_not_extend_the_model_is_a_clear_error(cpt, tiny_p
 
 
 def test_trainable_flags_are_validated():
-    from train_config import TrainConfig, TrainingError, trains_embeddings, validate_config
+    from trainer.config import TrainConfig, TrainingError, trains_embeddings, validate_config
     base = dict(data_dir="d", tokenizer_dir="t")
     for bad, msg in ((dict(trainable="head"), "--trainable='head' (all | embeddings)"),
                      (dict(lora_train_embeddings=True), "--lora_train_embeddings=true needs --lora_rank>0")):

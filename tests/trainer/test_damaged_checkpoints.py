@@ -401,7 +401,7 @@ def test_crashing_cli_values_are_exit_2(runs, tmp_path, capsys, flag, needle):
 ])
 def test_config_file_with_a_duplicated_key_is_an_error(tmp_path, name, text, where):
     from utils.configurator import ConfigError, parse_config
-    from train_config import TrainConfig
+    from trainer.config import TrainConfig
     path = tmp_path / name
     path.write_text(text)
     with pytest.raises(ConfigError, match="is given twice") as e:

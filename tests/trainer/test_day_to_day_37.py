@@ -9,7 +9,7 @@ import os
 import pytest
 
 from tests.conftest import PY, ROOT, run_cmd, run_python, run_trainer, train_cmd
-from train_config import TrainConfig, TrainingError, imply_engine, resolve_warmup, validate_config
+from trainer.config import TrainConfig, TrainingError, imply_engine, resolve_warmup, validate_config
 from utils.lr_schedule import lr_at
 
 

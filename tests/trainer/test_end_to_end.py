@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from run_weights import load_weights_from
+from trainer.weights import load_weights_from
 from tests.conftest import ROOT, run_cmd, run_trainer, train_cmd
 from utils.checkpoint import find_latest_valid, load_model_state
 from utils.constants import EXIT_BAD_CONFIG, EXIT_INTERRUPTED, EXIT_NONFINITE_LOSS, IGNORE_INDEX
@@ -95,7 +95,8 @@ def test_grad_accumulation_equals_big_batch(tiny_pretrain_run_args, tmp_path):
 
 def test_sft_loss_counts_only_assistant_tokens(tiny_pretrain_data):
     """The trainer's per-micro-batch loss equals CE over the assistant positions and nothing else."""
-    import train_my_ddp as T
+    from trainer.config import TrainConfig
+    from trainer.task import count_units, micro_batch_loss
     from dataset.dataset_sft import build_sft_splits
     from model import ModelConfig, Transformer
 
@@ -107,13 +108,13 @@ def test_sft_loss_counts_only_assistant_tokens(tiny_pretrain_data):
     assert 0 < int((labels != IGNORE_INDEX).sum()) < int(real.sum())  # prompts and system turns excluded
     torch.manual_seed(0)
     model = Transformer(ModelConfig(vocab_size=448, dim=32, n_layers=1, n_heads=4, multiple_of=16, max_seq_len=64))
-    cfg = T.TrainConfig(task_type="sft")
-    loss_sum, _ = T.micro_batch_loss(cfg, model, None, batch, torch.device("cpu"))
+    cfg = TrainConfig(task_type="sft")
+    loss_sum, _ = micro_batch_loss(cfg, model, None, batch, torch.device("cpu"))
     logits = model(batch["input_ids"], attention_mask=batch.get("attention_mask"))
     mask = labels != IGNORE_INDEX
     expected = F.cross_entropy(logits[mask].float(), labels[mask], reduction="sum")
     torch.testing.assert_close(loss_sum, expected, rtol=1e-5, atol=1e-4)
-    assert T.count_units(cfg, batch) == int(mask.sum())
+    assert count_units(cfg, batch) == int(mask.sum())
 
 
 def test_sft_then_dpo(pretrained, tiny_pretrain_data, tmp_path):

@@ -1,4 +1,4 @@
-"""--num_train_epochs: max_iters from the training set's size and the global batch (train_config.max_iters_for_epochs),
+"""--num_train_epochs: max_iters from the training set's size and the global batch (trainer.config.max_iters_for_epochs),
 an explicit --max_iters wins (also for a resume that does not repeat it), the LR decay follows the derived length,
 and a resumed run computes the same max_iters (no changed flag, no schedule warning, the same losses)."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 import train_my_ddp as T
 from utils.configurator import parse_config
-from train_config import TrainConfig, max_iters_for_epochs
+from trainer.config import TrainConfig, max_iters_for_epochs
 from utils.lr_schedule import lr_at
 from utils.metrics import dedupe_by_step, read_metrics
 

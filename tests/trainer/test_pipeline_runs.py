@@ -191,7 +191,7 @@ def test_pp2_x_dp2_matches_one_process(runs, base_args, tmp_path, dp_engine):
     ({"pipeline_parallel_size": 0}, 2, "--pipeline_parallel_size=0: must be >= 1"),
 ])
 def test_bad_combinations_are_named(flags, world, expect):
-    import train_config as T
+    from trainer import config as T
     cfg = T.TrainConfig(data_dir="d", tokenizer_dir="t", n_layers=4, gradient_accumulation_steps=2,
                         pipeline_parallel_size=2)
     for k, v in flags.items():

@@ -1,4 +1,4 @@
-"""--sample_every: samples during training (train_samples.py, MetricsLogger.write_samples) never change
+"""--sample_every: samples during training (trainer/samples.py, MetricsLogger.write_samples) never change
 training (every global RNG restored, the model back in train mode): a run with samples, crashed and resumed,
 has the losses and weights of a run without them, bit for bit; samples.jsonl holds each (step, prompt) once;
 the prompt rules, the chat encoding of SFT/DPO runs, and the TensorBoard / W&B sinks."""
@@ -14,7 +14,7 @@ import torch
 
 import train_my_ddp as T
 from tests.trainer.test_end_to_end import final_weights
-from train_samples import DEFAULT_PROMPT, TrainSampler, prompts_problem, read_prompts
+from trainer.samples import DEFAULT_PROMPT, TrainSampler, prompts_problem, read_prompts
 from utils.metrics import MetricsLogger, WandbSink, dedupe_by_step, format_sample, read_metrics
 
 

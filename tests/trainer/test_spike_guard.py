@@ -73,8 +73,8 @@ def data_step_tokens(run_args: list[str], n: int) -> list[set[int]]:
     """The token ids of data steps 1..n, read through the trainer's own loader (build_data)."""
     from utils.configurator import parse_config
     from tokenizer import load_tokenizer_meta
-    from train_config import TrainConfig
-    from train_my_ddp import build_data
+    from trainer.config import TrainConfig
+    from trainer.task import build_data
     cfg = parse_config(TrainConfig(), run_args)
     loader, _ = build_data(cfg, 0, 1, load_tokenizer_meta(cfg.tokenizer_dir))
     out = []
@@ -150,7 +150,7 @@ def test_exit_code_is_handled_not_retried_blindly_nor_refused():
 
 
 def test_bad_guard_flags_are_one_exit_2_error():
-    from train_config import TrainConfig, TrainingError, validate_config
+    from trainer.config import TrainConfig, TrainingError, validate_config
     cfg = TrainConfig(data_dir="d", tokenizer_dir="t", spike_factor=1.0, spike_window=0, skip_data_steps="5-3")
     with pytest.raises(TrainingError) as e:
         validate_config(cfg)

@@ -35,7 +35,7 @@ def test_unknown_flags_get_a_hint(capsys):
         _parser().parse_args(["--out=o"])  # no prefix guessing
     assert unknown_flag_message("--max_steps=5", {"max_iters"}, {}) == "unknown flag --max_steps: did you mean --max_iters?"
     assert "--dtype=bf16" in unknown_flag_message("--bf16", {"dtype"}, {})
-    # --num_train_epochs is a trainer flag (train_config.max_iters_for_epochs), not a hint any more; a
+    # --num_train_epochs is a trainer flag (trainer.config.max_iters_for_epochs), not a hint any more; a
     # misspelling of it is pointed at it
     from utils.cli import TRAIN_HINTS
     assert "num_train_epochs" not in TRAIN_HINTS
@@ -71,7 +71,7 @@ def test_sentencepiece_training_is_quiet_by_default(tmp_path):
 
 # ---------------------------------------------------------------------------- answers before torch
 # A typo, a bad value, a path that is not there, a checkpoint that names nothing and --help are answered
-# before the commands import torch (train_config.precheck, sample.precheck, utils.run_dir): the same
+# before the commands import torch (trainer/config.py precheck, sample.precheck, utils.run_dir): the same
 # line and exit code as the full path, in a fraction of a second instead of the torch import (tens of
 # seconds on a busy machine). Each case runs as a real process under `python -X importtime`: no `torch`
 # module may appear; the seconds are printed (`pytest -s`) for the record, never asserted.
@@ -158,7 +158,7 @@ def test_trainer_answers_mistakes_before_importing_torch(two_step_run, tmp_path,
     assert sorted(os.listdir(run)) == before  # nothing written by the refusals
     # a configuration whose validation needs torch (pipeline stages here) is left to the full path, whose one
     # message lists every problem (tests/trainer/test_pipeline_runs.py::test_bad_combination_exits_2_with_one_line)
-    import train_config
+    from trainer import config as train_config
     assert train_config.precheck([*args, f"--out_dir={tmp_path / 'pp'}", "--pipeline_parallel_size=2",
                                   "--tie_embeddings=true"], "t", "train_my_ddp.py") is None
     with capsys.disabled():
@@ -267,7 +267,7 @@ def test_the_same_command_twice_continues_the_run(tiny_pretrain_run_args, tmp_pa
 def test_piped_output_gets_a_line_every_few_seconds(monkeypatch):
     """stdout not a terminal (no progress bar): a step line when --log_interval says so, and also when
     none came for QUIET_LINE_EVERY_S seconds; on a terminal only when --log_interval says so."""
-    import train_my_ddp as T
+    from trainer import loop as T
     monkeypatch.setattr(T, "_last_line_at", [0.0])
     monkeypatch.setattr(sys.stdout, "isatty", lambda: False)
     every = T.QUIET_LINE_EVERY_S

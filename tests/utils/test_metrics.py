@@ -56,7 +56,7 @@ def test_step_timer_charges_no_restart_gap_to_a_step():
 def test_count_tokens_leaves_out_padding():
     import torch
 
-    from train_task import count_tokens
+    from trainer.task import count_tokens
     ids = torch.zeros(2, 5, dtype=torch.long)
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
     assert count_tokens({"input_ids": ids, "labels": ids}) == 10
@@ -77,7 +77,8 @@ def test_log_lines_respect_a_given_interval_when_not_a_terminal(tiny_pretrain_ru
     when the user did not choose --log_interval; a chosen interval is kept, and every line has the total
     and, after the warm-up steps, an ETA."""
     import train_my_ddp as T
-    monkeypatch.setattr(T, "QUIET_LINE_EVERY_S", 0.0)
+    from trainer import loop
+    monkeypatch.setattr(loop, "QUIET_LINE_EVERY_S", 0.0)
     args = [a for a in tiny_pretrain_run_args if not a.startswith("--log_interval")]
 
     def lines(extra, out):

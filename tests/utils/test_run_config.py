@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-import train_my_ddp as T
+from trainer import config as T
 from utils.configurator import ConfigError
 from utils import checkpoint as ckpt
 from utils.run_config import global_batch_problem, resolve_resume_config, select_checkpoint

@@ -53,7 +53,7 @@ def model_from_checkpoint(found: str) -> tuple[Any, dict]:
 def select_trainable_for(model, run: dict) -> str:
     """Which parameters a run (its config as a dict) trains; returns the log line's prefix."""
     from model.lora import select_trainable
-    from train_config import trains_embeddings
+    from trainer.config import trains_embeddings
     return select_trainable(model, lora_rank=run.get("lora_rank", 0), lora_alpha=run.get("lora_alpha", 16.0),
                             lora_dropout=run.get("lora_dropout", 0.0),
                             lora_targets=run.get("lora_targets", "q_proj,v_proj"),

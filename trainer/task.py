@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from parallel.engine import StepStats
-from train_config import TrainConfig, TrainingError
+from trainer.config import TrainConfig, TrainingError
 from utils import checkpoint as ckpt
 from utils.constants import EXIT_BAD_CONFIG, EXIT_BAD_DATA, IGNORE_INDEX
 from utils.device import to_device

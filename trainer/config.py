@@ -445,7 +445,7 @@ def sample_problems(cfg: TrainConfig) -> list[str]:
     """What --sample_every > 0 cannot work with: the engines where rank 0 does not hold the whole model
     (FSDP shards every weight, pipeline stages hold some layers), and prompts that name nothing. Reads no
     file (the prompt file is read when the run starts)."""
-    from train_samples import prompts_problem
+    from trainer.samples import prompts_problem
     flag = f"--sample_every={cfg.sample_every}"
     out = []
     if cfg.parallel == "fsdp":

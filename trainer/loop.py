@@ -1,0 +1,429 @@
+"""The training loop: `train()` reads top to bottom (configuration -> start -> model -> engine -> data ->
+resumed state -> steps -> the end), and `Loop` runs one optimizer step at a time.
+
+Owns: the order of a step (lr, micro-batches, token-normalised loss through the engine, optimizer step,
+spike guard), the log line, evaluation, samples, checkpoints, the graceful stop on SIGTERM/SIGINT.
+Must never: branch on the engine (parallel/ hides which one runs) or on the task (trainer/task.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import signal
+import sys
+import time
+from typing import Any, Optional
+
+import torch
+
+from model.flops import mfu_from
+from parallel.engine import StepStats
+from trainer.config import TrainConfig, TrainingError, max_iters_for_epochs, one_line, resolve_warmup, validate_config
+from trainer.faults import fire_step_faults, fires, spike_fault, spiked
+from trainer.start import Progress, build_model, choose_trainable, decide_start, dpo_reference, place_on_engine, \
+    restore
+from trainer.task import build_data, count_tokens, count_units, evaluate, micro_batch_loss
+from utils import checkpoint as ckpt
+from utils.configurator import save_config_json
+from utils.constants import EXIT_BAD_CONFIG, EXIT_BAD_DATA, EXIT_INTERRUPTED, EXIT_NONFINITE_LOSS, EXIT_OK
+from utils.device import HostCopy, StepTimer, memory_stats, parse_dtype, seed_everything, synchronize
+from utils.dist import DistInfo, all_reduce_max, barrier
+from utils.lr_schedule import lr_at
+from utils.metrics import MetricsLogger, Throughput, format_line
+
+TIMING_WARMUP_STEPS = 2  # steps of each process left out of the logged rate and MFU (Throughput)
+
+
+def build_task_evaluator(cfg: TrainConfig):
+    """--eval_tasks: the task files read and checked (exit 3 naming file:line), the run's tokenizer; else None."""
+    paths = [t.strip() for t in cfg.eval_tasks.split(",") if t.strip()]
+    if not paths:
+        return None
+    from lm_tasks import TaskEvaluator
+    return TaskEvaluator(paths, cfg.tokenizer_dir, cfg.max_seq_len, cfg.eval_tasks_limit)
+
+
+def build_sampler(cfg: TrainConfig):
+    """--sample_every > 0: the run's prompts encoded with its tokenizer (trainer/samples.py), else None.
+    A prompt file or tokenizer that cannot be read is a bad configuration (exit 2)."""
+    if cfg.sample_every <= 0:
+        return None
+    from trainer.samples import TrainSampler, read_prompts
+    try:
+        prompts = read_prompts(cfg.sample_prompts)
+    except ValueError as e:
+        raise TrainingError(f"--sample_prompts={cfg.sample_prompts!r}: {e}", EXIT_BAD_CONFIG) from e
+    try:
+        return TrainSampler(prompts, cfg.tokenizer_dir, cfg.task_type, cfg.sample_every, cfg.sample_max_new_tokens,
+                            cfg.sample_temperature, cfg.seed)
+    except (OSError, ValueError, KeyError) as e:
+        raise TrainingError(f"--sample_every={cfg.sample_every}: cannot load the tokenizer of --tokenizer_dir="
+                            f"{cfg.tokenizer_dir} to encode the prompts ({one_line(e)})", EXIT_BAD_CONFIG) from e
+
+
+
+QUIET_LINE_EVERY_S = 10.0  # stdout not a terminal, --log_interval not given: a step line at least this often (s)
+_last_line_at = [0.0]
+
+
+def _line_due(scheduled: bool, now: Optional[float] = None, quiet_lines: bool = True) -> bool:
+    """Whether the loop prints this step's line: when `scheduled` (every --log_interval steps, evaluations,
+    step 1), and, when stdout is not a terminal (a pipe or a log file: no progress bar there) and the user
+    did not choose --log_interval (`quiet_lines`), also when no line came for QUIET_LINE_EVERY_S seconds,
+    so that a piped run with the default interval is never silent for minutes."""
+    now = time.time() if now is None else now
+    quiet = quiet_lines and not sys.stdout.isatty() and now - _last_line_at[0] >= QUIET_LINE_EVERY_S
+    if scheduled or quiet:
+        _last_line_at[0] = now
+        return True
+    return False
+
+
+
+def set_threads(cfg: TrainConfig, info: DistInfo, log) -> tuple[str, Any]:
+    """The CPU compute threads of this process (utils/threads.py), set now: --threads, else OMP_NUM_THREADS
+    as torchrun sets it, else the usable cores, and then (CPU runs, not --deterministic) a ThreadTuner that
+    trains on one thread while that is measured faster (other processes compete for the cores). Warns once
+    (rank 0) when the machine is oversubscribed. Returns (the words of the [layout] line, the tuner or None)."""
+    from utils.threads import ThreadTuner, choose_threads, describe_threads, oversubscription_warning
+    choice = choose_threads(cfg.threads)
+    torch.set_num_threads(choice.threads)
+    fixed = choice.source in ("--threads", "OMP_NUM_THREADS") or cfg.deterministic
+    tuner = ThreadTuner(choice.threads) if not fixed and choice.threads > 1 and info.device.type == "cpu" else None
+    busy = oversubscription_warning(choice.threads)
+    if busy:
+        log(f"[warning] threads: {busy}")
+    return describe_threads(choice, adaptive=tuner is not None), tuner
+
+
+def _rank0_log(info: DistInfo):
+    def log(msg: str) -> None:
+        if info.is_main:
+            from tqdm import tqdm
+            tqdm.write(msg, file=sys.stdout)  # keeps the progress bar (if any) below the log lines
+            sys.stdout.flush()
+    return log
+
+
+
+def train(cfg: TrainConfig, info: DistInfo, continues: Optional[bool] = None, max_iters_given: bool = False,
+          log_interval_given: bool = False) -> int:
+    """One run (main() has parsed and resolved `cfg`). max_iters_given: --max_iters was set explicitly
+    (command line or config file), so it wins over --num_train_epochs; log_interval_given: --log_interval
+    too, so no extra time-based lines are printed between the lines it asks for."""
+    log = _rank0_log(info)
+    if info.is_main:  # library modules report optional-accelerator detection through logging
+        logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
+    validate_config(cfg, world_size=info.world_size)
+    if cfg.deterministic:
+        torch.use_deterministic_algorithms(True)
+    threads, tuner = set_threads(cfg, info, log)
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    from tokenizer import load_tokenizer_meta
+    try:
+        tok_meta = load_tokenizer_meta(cfg.tokenizer_dir)
+    except (OSError, ValueError, KeyError) as e:  # a damaged tokenizer_meta.json (TokenizerMetaError) is data: 3
+        raise TrainingError(f"--tokenizer_dir={cfg.tokenizer_dir}: {e}", getattr(e, "exit_code", EXIT_BAD_CONFIG)) from e
+
+    # ---- where from, the model, what trains, DPO's reference, the engine, the data, the resumed state
+    start = decide_start(cfg, info, continues, log)
+    seed_everything(cfg.seed)  # identical initial weights on every rank (and DDP broadcasts anyway)
+    model, init_info = build_model(cfg, info, start, tok_meta, log)
+    model_cfg = model.cfg
+    lora_base = choose_trainable(cfg, model, init_info, start, log)
+    engine, ref_model = place_on_engine(cfg, info, model, dpo_reference(cfg, init_info, log), log, threads)
+    del model  # the engine holds what this rank runs (under pp the other stages' layers are freed)
+    engine.lora_base = lora_base
+    optimizer = engine.optimizer
+    from data_preprocess.shard_format import DataError
+    try:
+        train_loader, make_val_loader = build_data(cfg, engine.dp_rank, engine.dp_size, tok_meta,
+                                                   fixed_shape=engine.fixed_batch_shape)
+    except (DataError, ValueError, OSError) as e:  # DataError includes StaleIndexError
+        raise TrainingError(f"data: {' '.join(str(e).split())}", EXIT_BAD_DATA) from e
+    progress = restore(cfg, info, engine, train_loader, start, log)
+    if cfg.num_train_epochs > 0:  # max_iters from the epochs, unless --max_iters was given (now or when the run began)
+        given = max_iters_given or start.saved_state.get("max_iters_from") == "max_iters"
+        cfg.max_iters, line = max_iters_for_epochs(cfg.num_train_epochs, train_loader.num_samples,
+                                                   train_loader.samples_per_step, cfg.max_iters, given)
+        progress.max_iters_from = "max_iters" if given else "num_train_epochs"
+        log(line)
+    if cfg.warmup_iters < 0:  # auto: resolved once max_iters is final, then saved (a resume keeps these steps)
+        cfg.warmup_iters, how = resolve_warmup(cfg.warmup_iters, cfg.warmup_ratio, cfg.max_iters, cfg.task_type)
+        log(f"[schedule] warmup {cfg.warmup_iters} steps ({how})")
+    if info.is_main:
+        save_config_json(cfg, os.path.join(cfg.out_dir, "config.json"))
+    metrics = MetricsLogger(cfg.out_dir, enabled=info.is_main, tensorboard=cfg.tensorboard, log=log,
+                            wandb=cfg.wandb, wandb_project=cfg.wandb_project, wandb_run_name=cfg.wandb_run_name,
+                            run_config=dataclasses.asdict(cfg),
+                            resume_step=progress.step if start.continues else None)
+    loop = Loop(cfg, info, engine, ref_model, model_cfg, train_loader, make_val_loader, metrics, progress, init_info,
+                log)
+    loop.tuner = tuner
+    loop.quiet_lines = not log_interval_given
+    loop.announce(saved_max_iters=int(start.saved_cfg.get("max_iters") or 0))
+
+    # ---- graceful stop: finish the step, save, exit 75
+    stop = {"requested": False}
+
+    def on_signal(signum, frame):
+        stop["requested"] = True
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+
+    if start.run_start is not None and info.is_main:  # only now: a start that fails in set-up leaves no trace
+        ckpt.write_run_start(cfg.out_dir, start.run_start)
+    if progress.rng is not None:  # last thing before the loop: set-up above may draw random numbers
+        ckpt.restore_rng_state(progress.rng, info.device)
+    engine.model.train()
+    while progress.step < cfg.max_iters:
+        rec = loop.step()
+        do_eval = (cfg.eval_interval > 0 and progress.step % cfg.eval_interval == 0) or progress.step == cfg.max_iters
+        loop.log_step(rec, do_eval)
+        stop_now = all_reduce_max(1.0 if stop["requested"] else 0.0, info.device) > 0
+        if progress.step % cfg.checkpoint_interval == 0 or progress.step == cfg.max_iters or stop_now:
+            loop.save(progress.last_val if do_eval else None)
+        loop.restart_clock()  # evaluation and checkpoint time is not charged to the next step's tokens/s
+        if stop_now:
+            log(f"[train] stop requested by signal: saved step {progress.step}, exiting with {EXIT_INTERRUPTED}")
+            loop.close()
+            return EXIT_INTERRUPTED
+    loop.close()
+    optimizer.finish_param_sync()
+    synchronize(info.device)
+    barrier()  # let the last asynchronous collectives drain before the process group goes away
+    last = progress.last_val if progress.last_val is not None else float("nan")
+    log(f"[train] done: {progress.step} steps, final val_loss {last:.4f}, best {progress.best_val:.4f}")
+    return EXIT_OK
+
+
+class Loop:
+    """One optimizer step at a time: learning rate, this rank's micro-batches, forward + backward
+    through the engine, the optimizer step, the spike guard, the log line, evaluation, samples and
+    checkpoints. The same for every task and engine (parallel/engine.py hides which one runs)."""
+
+    def __init__(self, cfg: TrainConfig, info: DistInfo, engine, ref_model, model_cfg, train_loader, make_val_loader,
+                 metrics: MetricsLogger, progress: Progress, init_info: dict, log) -> None:
+        from model.flops import flops_per_token, resolve_peak_flops
+        from utils.spike_guard import SpikeDetector
+        self.cfg, self.info, self.engine, self.ref_model, self.model_cfg = cfg, info, engine, ref_model, model_cfg
+        self.train_loader, self.make_val_loader, self.metrics = train_loader, make_val_loader, metrics
+        self.progress, self.init_info, self.log = progress, init_info, log
+        self.flops_per_token = flops_per_token(model_cfg, cfg.max_seq_len)
+        self.peak = resolve_peak_flops(info.device, parse_dtype(cfg.dtype), override=cfg.peak_flops,
+                                       cache_dir=cfg.out_dir if info.is_main else None)
+        # the logged rate and MFU: a 20-step window of device-timed steps, the first TIMING_WARMUP_STEPS of the
+        # process left out (compiling, autotuning, the optimizer's first allocation), evaluation, checkpoint
+        # and sample time never counted (restart_clock), real (non-padding) tokens only
+        self.throughput = Throughput(window=20, warmup=TIMING_WARMUP_STEPS)
+        self.timer = StepTimer(info.device)
+        self.lr_kw = dict(max_lr=cfg.learning_rate, min_lr=cfg.min_lr, warmup_iters=cfg.warmup_iters,
+                          decay_iters=cfg.lr_decay_iters or cfg.max_iters, schedule=cfg.lr_schedule)
+        self.guard = SpikeDetector(cfg.spike_factor, cfg.spike_window) if cfg.spike_guard else None
+        if self.guard is not None and progress.saved_guard:
+            self.guard.load_state_dict(progress.saved_guard)
+        self.sampler = build_sampler(cfg)  # --sample_every: prompts and tokenizer checked on every rank
+        self.task_eval = build_task_evaluator(cfg) if info.is_main else None  # --eval_tasks: files read now
+        self.resumed_from = {"step": progress.step, "data_step": progress.data_step}
+        self.loss_fn = lambda model, batch: micro_batch_loss(cfg, model, ref_model, batch, info.device)  # noqa: E731
+        self.pbar = None
+        self.tuner = None  # utils/threads.ThreadTuner: the thread count chosen by measuring (set by train())
+        self.t_last = time.time()
+        self.quiet_lines = True  # time-based lines between the --log_interval ones (when not a terminal)
+        self.t_loop_start = time.time()
+        self._eta_from: Optional[tuple[float, int]] = None  # (time, step) after the warm-up steps: the ETA's base
+
+    def restart_clock(self) -> None:
+        """After evaluation, a checkpoint or samples: none of that time is charged to the next step."""
+        self.t_last = time.time()
+        self.timer.restart()
+
+    def announce(self, saved_max_iters: int) -> None:
+        """The start-up lines of the loop: schedule warnings, sizes, skipped data, the spike guard."""
+        from utils.constants import EXIT_LOSS_SPIKE
+        from utils.lr_schedule import schedule_warnings
+        from utils.spike_guard import format_data_steps
+        cfg, p, log = self.cfg, self.progress, self.log
+        for warning in schedule_warnings(max_iters=cfg.max_iters, warmup_iters=cfg.warmup_iters,
+                                         lr_decay_iters=cfg.lr_decay_iters, schedule=cfg.lr_schedule,
+                                         resumed_at=p.step, saved_max_iters=saved_max_iters):
+            log(f"[warning] schedule: {warning}")
+        layout = f"{self.engine.dp_size} data-parallel ranks"
+        if cfg.pipeline_parallel_size > 1:
+            layout += f" x {cfg.pipeline_parallel_size} pipeline stages ({cfg.pipeline_schedule})"
+        if cfg.tensor_parallel_size > 1:
+            layout += f" x {cfg.tensor_parallel_size} tensor-parallel ranks"
+        log(f"[train] {cfg.task_type}: {cfg.max_iters} steps x {cfg.gradient_accumulation_steps} micro-batches x "
+            f"{cfg.batch_size} samples x {layout}, seq {cfg.max_seq_len}; MFU against {self.peak.describe()} per device")
+        if p.skip_steps:
+            log(f"[data] data steps never trained on: {format_data_steps(p.skip_steps)} (drawn and discarded; "
+                f"{sum(d > p.data_step for d in p.skip_steps)} of them still ahead, at data step {p.data_step})")
+        if self.guard is not None:
+            log(f"[spike_guard] exit {EXIT_LOSS_SPIKE} when a loss is non-finite or above {cfg.spike_factor:g} x "
+                f"the median of the previous {cfg.spike_window} steps ({len(self.guard.recent)} known)")
+        if self.info.is_main and cfg.progress and sys.stdout.isatty():  # a bar in a terminal; lines in log files
+            from tqdm import tqdm
+            self.pbar = tqdm(total=cfg.max_iters, initial=p.step, desc="train", dynamic_ncols=True, mininterval=2.0,
+                             file=sys.stdout)
+
+    def _draw(self) -> tuple[list, list]:
+        """This rank's micro-batches of the next data step, after discarding any data steps to skip."""
+        p, gas = self.progress, self.cfg.gradient_accumulation_steps
+        skipped = []
+        while p.data_step + 1 in p.skip_steps:  # --skip_data_steps: the cursor moves past that data, untrained
+            for _ in range(gas):
+                next(self.train_loader)
+            p.data_step += 1
+            skipped.append(p.data_step)
+        batches = [next(self.train_loader) for _ in range(gas)]
+        p.data_step += 1
+        return batches, skipped
+
+    def step(self) -> dict:
+        """One optimizer step; returns its metrics row (before evaluation)."""
+        cfg, info, engine, p = self.cfg, self.info, self.engine, self.progress
+        fire_step_faults(p.step + 1)
+        if self.tuner is not None and self.tuner.threads_for_next_step() != torch.get_num_threads():
+            torch.set_num_threads(self.tuner.threads_for_next_step())
+        lr = lr_at(p.step, **self.lr_kw)
+        engine.optimizer.set_lr(lr)
+        batches, skipped = self._draw()
+        counts = engine.sum_over_data([float(sum(count_units(cfg, b) for b in batches)),
+                                       float(sum(count_tokens(b) for b in batches))], info.device)
+        global_units, step_tokens = max(1.0, float(counts[0])), float(counts[1])
+        engine.optimizer.zero_grad()
+        poison = fires("nan_loss", p.step + 1)  # test hook: this step's loss (and gradients) become NaN
+        spike = spike_fault(p.data_step, batches)  # test hook: a loss spike on this step's data
+        # forward + backward of every micro-batch (gradient accumulation, or the pipeline schedule); the
+        # gradients are those of (all ranks' loss sums) / global_units
+        sums = engine.forward_backward(batches, spiked(self.loss_fn, *spike) if spike else self.loss_fn,
+                                       global_units, poison=poison)
+        # the step's sums, reduced and copied to the host behind the backward: the optimizer's one host
+        # sync (reading the gradient norm) comes after that copy, so reading it then waits for nothing
+        sums_copy = HostCopy(engine.sum_over_data(sums, info.device, to_host=False))
+        stepped, grad_norm = engine.optimizer.step()  # waits for the gradient reductions, clips, steps
+        stats = StepStats.from_tensor(sums_copy.get()).per_unit(global_units)
+        self._check_loss(stats["loss"])
+        p.step += 1
+        p.tokens_seen += int(global_units) if cfg.task_type != "dpo" else 0
+        self.metrics.heartbeat()
+        if self.pbar is not None:
+            self.pbar.update(1)
+        now = time.time()
+        dt, self.t_last = max(1e-9, now - self.t_last), now  # this step on the host clock (the raw, per-step rate)
+        tps_avg = self.throughput.add(self.timer.lap(step_tokens))  # the window's rate, warm-up steps excluded
+        if self.tuner is not None:
+            self._tune_threads(dt, step_tokens)
+        rec: dict[str, Any] = {"step": p.step, "loss": stats["loss"], "lr": lr, "grad_norm": grad_norm,
+                               "stepped": bool(stepped), "tokens_per_sec": step_tokens / dt,
+                               "tokens_seen": p.tokens_seen}
+        if tps_avg is not None:  # None during the warm-up steps: no rate or MFU is claimed for them
+            rec.update(tokens_per_sec_avg=tps_avg, mfu_is_estimate=self.peak.is_estimate,
+                       mfu=mfu_from(self.flops_per_token * tps_avg / info.world_size, self.peak))
+        if cfg.task_type == "dpo":
+            rec.update({k: stats[k] for k in ("chosen_reward", "rejected_reward", "reward_acc")})
+        if p.skip_steps or self.guard is not None:
+            rec["data_step"] = p.data_step  # the data this step trained on
+        if skipped:
+            rec["skipped_data_steps"] = skipped  # drawn and discarded before it
+        if p.step % cfg.log_interval == 0 or p.step <= TIMING_WARMUP_STEPS + 1:
+            rec.update(memory_stats(info.device))  # the allocator's statistics: built anew on each call
+        return rec
+
+    def _tune_threads(self, seconds: float, tokens: float) -> None:
+        """Feed this step's time to the ThreadTuner; a switch it keeps is one log line."""
+        kept = len(self.tuner.changes)
+        self.tuner.record(seconds, tokens)
+        if len(self.tuner.changes) > kept:
+            _, old, new, r_old, r_new = self.tuner.changes[-1]
+            self.log(f"[threads] {old} -> {new} thread{'s' if new != 1 else ''} at step {self.progress.step}: "
+                     f"{r_old:,.0f} -> {r_new:,.0f} tokens/s measured (measured again now and then)")
+
+    def _check_loss(self, loss: float) -> None:
+        """--spike_guard: a spike records the step and exits 76 (the supervisor rolls back); a non-finite
+        loss without fp16 loss scaling exits 4. The step counter has not advanced yet."""
+        from utils.constants import EXIT_LOSS_SPIKE
+        from utils.spike_guard import SPIKE_FILE, write_spike_record
+        cfg, p = self.cfg, self.progress
+        spike = self.guard.check(loss, nonfinite_is_spike=cfg.dtype != "fp16") if self.guard is not None else None
+        if spike is not None:  # the rollback is the supervisor's: record the step, save nothing, exit 76
+            if self.info.is_main:
+                write_spike_record(cfg.out_dir, dict(spike, step=p.step + 1, data_step=p.data_step, loss=loss,
+                                                     factor=cfg.spike_factor, window=cfg.spike_window,
+                                                     resumed_from=self.resumed_from,
+                                                     skip_data_steps=sorted(p.skip_steps), time=time.time()))
+            barrier()  # no rank exits before the record is on disk
+            why = "is non-finite" if spike["reason"] == "non_finite" else \
+                f"> {cfg.spike_factor:g} x the running median {spike['median']:.4g}"
+            raise TrainingError(f"loss spike at step {p.step + 1} (data step {p.data_step}): loss {loss:.4g} {why}; "
+                                f"recorded in {os.path.join(cfg.out_dir, SPIKE_FILE)}, nothing saved after it",
+                                EXIT_LOSS_SPIKE)
+        if not math.isfinite(loss) and cfg.dtype != "fp16":
+            raise TrainingError(f"non-finite loss {loss} at step {p.step + 1}; the last good checkpoint in "
+                                f"{cfg.out_dir}/checkpoints is intact (lower --learning_rate or use --dtype=fp16 "
+                                "with loss scaling)", EXIT_NONFINITE_LOSS)
+
+    def log_step(self, rec: dict, do_eval: bool) -> None:
+        """Evaluate when due, write the metrics row, print the line when due, then samples (--sample_every)."""
+        p = self.progress
+        if do_eval:
+            ev = evaluate(self.cfg, self.engine, self.ref_model, self.make_val_loader, self.info)
+            if ev is not None:
+                rec.update(ev)
+                p.last_val = ev["val_loss"]
+                p.best_val = min(p.best_val, p.last_val)
+            if self.task_eval is not None:  # rank 0, the whole model (validate_config refuses fsdp / pipeline)
+                self.engine.optimizer.finish_param_sync()  # ZeRO's all-gather of the updated weights has landed
+                scores = self.task_eval.run(self.engine.module, self.info.device)
+                rec.update(scores)
+                self.log(f"[eval_tasks] step {p.step}: " + ", ".join(
+                    f"{k[len('val_'):]} {v:.4f}" for k, v in scores.items()))
+        self.metrics.write(rec)
+        if self.info.is_main and _line_due(p.step % self.cfg.log_interval == 0 or do_eval or p.step == 1,
+                                           quiet_lines=self.quiet_lines):
+            self.log(format_line(rec, total=self.cfg.max_iters, elapsed=time.time() - self.t_loop_start,
+                                 eta=self._eta(p.step)))
+        if self.info.is_main and self.sampler is not None and self.sampler.due(p.step):  # RNG untouched
+            self.engine.optimizer.finish_param_sync()  # ZeRO's all-gather of the updated weights has landed
+            self.metrics.write_samples(self.sampler.sample(self.engine.module, p.step, self.info.device))
+
+    def _eta(self, step: int) -> Optional[float]:
+        """Seconds to --max_iters at this process's wall-clock pace since its warm-up steps (evaluations,
+        checkpoints and samples included, as they will recur); None until that pace is known."""
+        now = time.time()
+        if self._eta_from is None:
+            if step - self.resumed_from["step"] >= TIMING_WARMUP_STEPS:
+                self._eta_from = (now, step)
+            return None
+        t0, s0 = self._eta_from
+        if step <= s0:
+            return None
+        return (now - t0) / (step - s0) * max(0, self.cfg.max_iters - step)
+
+    def save(self, val_loss: Optional[float]) -> None:
+        """A checkpoint of this step (engine.save: every rank, atomic publish, keep_last)."""
+        cfg, info, p = self.cfg, self.info, self.progress
+        state = {"data_cursor": self.train_loader.state_dict(),
+                 "best_val_loss": None if p.best_val == float("inf") else p.best_val,
+                 "val_loss": val_loss, "tokens_seen": p.tokens_seen, "init_info": self.init_info,
+                 "lr": lr_at(max(0, p.step - 1), **self.lr_kw), "task_type": cfg.task_type,
+                 "data_step": p.data_step, "skip_data_steps": sorted(p.skip_steps)}  # a resume skips them too
+        if p.max_iters_from is not None:  # which flag set max_iters: a resume decides the same way
+            state["max_iters_from"] = p.max_iters_from
+        if self.guard is not None:  # the running window: a resumed run judges its steps as an uninterrupted one
+            state["spike_guard"] = self.guard.state_dict()
+        fault = (lambda: os.kill(os.getpid(), signal.SIGKILL)) if fires("kill_in_save", p.step) else None
+        path = self.engine.save(cfg.out_dir, p.step, rank=info.rank, world_size=info.world_size,
+                                model_config=self.model_cfg.to_dict(), trainer_state=state,
+                                run_config=dataclasses.asdict(cfg),
+                                extra_state={"rng": ckpt.capture_rng_state(info.device)}, keep_last=cfg.keep_last,
+                                barrier=barrier, fault_hook=fault, log=self.log)
+        self.log(f"[checkpoint] step {p.step} -> {path}")
+
+    def close(self) -> None:
+        if self.pbar is not None:
+            self.pbar.close()
+        self.metrics.close()
+
