@@ -1,23 +1,31 @@
-"""optimizer: AdamW with fp32 masters, loss scaling and global-norm clipping over DDP buffers.
+"""optimizer: every optimizer of the project, all AdamW with fp32 masters, loss scaling and global-norm
+clipping, on one step skeleton (base.py) and one AdamW factory (adamw.py):
 
-`build_optimizer(ddp_model, config)` is the only constructor the trainer needs; it returns the
-sharded ZeRO optimizer when `config.use_distributed_optimizer` is set (trap 7: the flag really
-shards the optimizer state), the unsharded one otherwise. See docs/parallel.md.
+- mixed_precision_optimizer.py: MixedPrecisionOptimizer, over our DDP's gradient buffers;
+- distributed_optimizer.py: DistributedOptimizer, ZeRO-1/2 over the same buffers;
+- fsdp_optimizer.py: FSDPOptimizer, over FSDP2's sharded DTensor parameters (imported from there: it
+  loads torch's FSDP).
+
+`build_optimizer(ddp_model, config)` is the only constructor the trainer needs for our DDP; it returns the
+sharded ZeRO optimizer when `config.use_distributed_optimizer` is set (trap 7: the flag really shards
+the optimizer state), the unsharded one otherwise. This package never imports parallel/ (it sits below
+it): it steps over the DDP object it is given by duck typing. See docs/parallel.md.
 """
+from typing import Sequence
+
+from optimizer.distributed_optimizer import DistributedOptimizer
 from optimizer.grad_scaler import ConstantScaler, DynamicGradScaler
 from optimizer.mixed_precision_optimizer import MixedPrecisionOptimizer
 from optimizer.optimizer_config import OptimizerConfig
 
 
-def build_optimizer(ddp_model, config: OptimizerConfig, norm_groups=()) -> MixedPrecisionOptimizer:
+def build_optimizer(ddp_model, config: OptimizerConfig, norm_groups: Sequence = ()) -> MixedPrecisionOptimizer:
     """norm_groups: process groups of ranks holding other parameters of the model (pipeline stages),
     over which the gradient norm and the skip decision are global too."""
     if config.use_distributed_optimizer:
-        # Imported here: parallel.distributed_optimizer builds on this package.
-        from parallel.distributed_optimizer import DistributedOptimizer
         return DistributedOptimizer(ddp_model, config, norm_groups)
     return MixedPrecisionOptimizer(ddp_model, config, norm_groups)
 
 
-__all__ = ["build_optimizer", "OptimizerConfig", "MixedPrecisionOptimizer", "DynamicGradScaler",
-           "ConstantScaler"]
+__all__ = ["build_optimizer", "OptimizerConfig", "MixedPrecisionOptimizer", "DistributedOptimizer",
+           "DynamicGradScaler", "ConstantScaler"]

@@ -9,7 +9,9 @@ clip, telling a stateful comm hook (PowerSGD) whether the step was applied, and 
 It must never change the model's dtype (trap 10), never read `param.grad` (DDP leaves gradients
 in `param.main_grad`), and never clip with a norm that is not global across ranks (trap 8).
 
-The sharded subclass (parallel/distributed_optimizer) only changes which bucket range a rank
+It talks to our DDP (parallel/) by duck typing only (its buckets, buffers and finish_grad_sync), never
+by importing it. The step order is optimizer/base.py's skeleton; this class gives its hooks.
+The sharded subclass (optimizer/distributed_optimizer.py) only changes which bucket range a rank
 owns, adds the norm all-reduce and the parameter all-gather.
 """
 from __future__ import annotations
@@ -21,9 +23,10 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from optimizer.grad_scaler import ConstantScaler, DynamicGradScaler
+from optimizer.adamw import build_adamw
+from optimizer.base import GlobalNormOptimizer, clip_coefficient
 from optimizer.optimizer_config import OptimizerConfig
-from parallel import comm
+from utils import comm
 
 STATE_FORMAT = 1
 
@@ -45,7 +48,7 @@ class Piece:
         return self.param.main_grad.view(-1)[self.lo:self.hi]
 
 
-class MixedPrecisionOptimizer:
+class MixedPrecisionOptimizer(GlobalNormOptimizer):
     sharded = False
 
     def __init__(self, ddp, config: OptimizerConfig, norm_groups: Sequence = ()):
@@ -53,7 +56,6 @@ class MixedPrecisionOptimizer:
         pipeline's stages): the squared gradient norm is summed, and the skip decided, over them too."""
         self.ddp, self.config = ddp, config
         self.group, self.rank, self.world_size = ddp.process_group, ddp.rank, ddp.world_size
-        self.norm_groups = list(norm_groups)
         if config.use_distributed_optimizer != self.sharded:
             raise ValueError("use build_optimizer(): use_distributed_optimizer picks the optimizer class")
         if ddp.config.use_distributed_optimizer and not self.sharded:
@@ -64,11 +66,7 @@ class MixedPrecisionOptimizer:
         for p in ddp.param_to_bucket:
             if p.dtype == torch.float16 and config.precision != "fp16":
                 raise ValueError("fp16 parameters need precision='fp16' (loss scaling)")
-        self.scaler = (DynamicGradScaler(config.initial_loss_scale, config.min_loss_scale,
-                                         config.loss_scale_growth_interval, config.hysteresis)
-                       if config.precision == "fp16" else ConstantScaler())
-        self.lr = config.lr
-        self.prev_grad_norm: Optional[float] = None
+        self._init_scaling(config, norm_groups)
         self.pieces: list[Piece] = self._build_pieces()
         self.pieces_by_bucket: dict[int, list[Piece]] = {}
         for pc in self.pieces:
@@ -106,17 +104,8 @@ class MixedPrecisionOptimizer:
         return pieces
 
     def _make_adamw(self, pieces: list[Piece]) -> torch.optim.AdamW:
-        c = self.config
-        groups = [{"params": [pc.main for pc in pieces if pc.decay], "weight_decay": c.weight_decay},
-                  {"params": [pc.main for pc in pieces if not pc.decay], "weight_decay": 0.0}]
-        groups = [g for g in groups if g["params"]]
-        kw = dict(lr=self.lr, betas=c.betas, eps=c.eps)
-        if c.fused:
-            try:
-                return torch.optim.AdamW(groups, fused=True, **kw)
-            except (RuntimeError, ValueError):
-                pass  # device/dtype without a fused kernel: the foreach path below is equivalent
-        return torch.optim.AdamW(groups, foreach=True, **kw)
+        return build_adamw([pc.main for pc in pieces if pc.decay], [pc.main for pc in pieces if not pc.decay],
+                           self.config, self._device().type)
 
     # ------------------------------------------------------------------ per step API
     def zero_grad(self) -> None:
@@ -124,62 +113,43 @@ class MixedPrecisionOptimizer:
         for pc in self.pieces:
             pc.main.grad = None
 
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss * self.scaler.scale if isinstance(self.scaler, DynamicGradScaler) else loss
-
-    @property
-    def loss_scale(self) -> float:
-        return float(self.scaler.scale)
-
-    def set_lr(self, lr: float) -> None:
-        self.lr = float(lr)
-        for opt in self.optimizers.values():
-            for g in opt.param_groups:
-                g["lr"] = self.lr
-
     def step(self) -> tuple[bool, float]:
         """Finish grad sync, unscale, skip on inf/nan (any rank), clip by the global norm,
         AdamW step, write masters back to the model. Returns (stepped, grad_norm)."""
         self.finish_param_sync()
         if self.config.overlap_optim_step:
             return self._step_overlapped()
+        return self.global_norm_step()
+
+    # ------------------------------------------------------------------ the skeleton's hooks
+    def _adamws(self) -> list[torch.optim.AdamW]:
+        return list(self.optimizers.values())
+
+    def _sync_grads(self) -> None:
         self.ddp.finish_grad_sync()
         self._load_grads(self.pieces)
         self._after_grads_loaded()
-        if isinstance(self.scaler, DynamicGradScaler):
-            torch._foreach_mul_([pc.main.grad for pc in self.pieces], 1.0 / self.scaler.scale)
-        # One pass over the grads gives the local sum of squares, non-finite iff this rank's grads
-        # hold an inf/nan. Its global value (the local one when every rank holds the same reduced
-        # gradients; one SUM all-reduce in ZeRO, where a rank sees only its shard) is non-finite iff
-        # some rank's is, so reading it is the overflow decision too, identical on every rank: the
-        # step's one host sync, and no separate flag collective.
-        global_sumsq = float(self._global_sumsq(self._local_sumsq(self.pieces)).item())
-        found_inf = not math.isfinite(global_sumsq)  # an inf/nan anywhere, or the fp32 sum overflowed
-        norm = float("inf") if found_inf else math.sqrt(global_sumsq)
-        self.scaler.update(found_inf)
-        self._report_to_comm_hook(not found_inf)
-        if found_inf:
-            self._drop_grads()
-            return False, float("inf")
-        if self.config.grad_clip > 0:
-            coef = min(1.0, self.config.grad_clip / (norm + 1e-6))
-            if coef < 1.0:
-                torch._foreach_mul_([pc.main.grad for pc in self.pieces], coef)
-        for b, opt in self.optimizers.items():
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [pc.main.grad for pc in self.pieces]
+
+    def _sumsq(self) -> torch.Tensor:
+        # the local sum of squares, non-finite iff this rank's grads hold an inf/nan; its reduction is the
+        # local one itself when every rank holds the same reduced gradients, one SUM all-reduce in ZeRO
+        return self._reduce_sumsq(self._local_sumsq(self.pieces))
+
+    def _update(self, norm: float) -> None:
+        for opt in self.optimizers.values():
             opt.step()
         self._copy_main_to_model(self.pieces)
         self._after_step(list(range(len(self.ddp.buckets))))  # every bucket: collectives match
-        self._drop_grads()
-        return True, norm
 
     def _step_overlapped(self) -> tuple[bool, float]:
         """Step each bucket right after its communication finished. Clipping uses the PREVIOUS
         step's global norm (the current one needs every bucket); the first step is unclipped.
         A bucket whose gradients hold an inf/nan on ANY rank is skipped on every rank (a MAX
         all-reduce of the flag per bucket); the other buckets are stepped."""
-        coef = 1.0
-        if self.config.grad_clip > 0 and self.prev_grad_norm is not None and math.isfinite(self.prev_grad_norm):
-            coef = min(1.0, self.config.grad_clip / (self.prev_grad_norm + 1e-6))
+        coef = clip_coefficient(self.config.grad_clip, self.prev_grad_norm)
         sumsq = torch.zeros((), dtype=torch.float32, device=self._device())
         skipped: list[int] = []
 
@@ -202,9 +172,9 @@ class MixedPrecisionOptimizer:
 
         self.ddp.finish_grad_sync(on_bucket_done=on_bucket)
         self._after_grads_loaded()
-        self._report_to_comm_hook(True if not skipped else
-                                  [b.index for b in self.ddp.buckets if b.index not in skipped])
-        norm = math.sqrt(float(self._global_sumsq(sumsq).item()))
+        self._report_verdict(True if not skipped else
+                             [b.index for b in self.ddp.buckets if b.index not in skipped])
+        norm = math.sqrt(float(self._sum_over_norm_groups(self._reduce_sumsq(sumsq)).item()))
         self.prev_grad_norm = norm
         self._drop_grads()
         return not skipped, norm
@@ -227,24 +197,11 @@ class MixedPrecisionOptimizer:
     def _after_step(self, bucket_indices: list[int]) -> None:
         """Hook for ZeRO: all-gather updated shards."""
 
-    def finish_param_sync(self) -> None:
-        """Wait for any in-flight parameter all-gather (no-op when unsharded)."""
-
     def _local_sumsq(self, pieces: list[Piece]) -> torch.Tensor:
         grads = [pc.main.grad for pc in pieces]
         if not grads:
             return torch.zeros((), dtype=torch.float32, device=self._device())
         return torch.stack([n * n for n in torch._foreach_norm(grads, 2)]).sum()
-
-    def _global_sumsq(self, sumsq: torch.Tensor) -> torch.Tensor:
-        """The squared norm over every parameter of the model: this optimizer's own reduction, then a SUM
-        over each norm group (in float64, on the device: no host read here)."""
-        total = self._reduce_sumsq(sumsq)
-        if self.norm_groups:
-            total = total.detach().to(dtype=torch.float64).reshape(1).clone()
-            for group in self.norm_groups:
-                dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
-        return total
 
     def _reduce_sumsq(self, sumsq: torch.Tensor) -> torch.Tensor:
         """The global squared gradient norm, left on the device (the caller reads it once).
@@ -261,7 +218,7 @@ class MixedPrecisionOptimizer:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         return bool(flag.item() > 0)
 
-    def _report_to_comm_hook(self, stepped: Union[bool, list[int]]) -> None:
+    def _report_verdict(self, stepped: Union[bool, list[int]]) -> None:
         """Tell a stateful comm hook (PowerSGD) whether this step's gradients were applied, so a
         skipped step leaves its error feedback untouched; the verdict is identical on every rank."""
         report = getattr(getattr(self.ddp, "comm_hook_state", None), "on_optimizer_step", None)
@@ -280,13 +237,7 @@ class MixedPrecisionOptimizer:
     # ------------------------------------------------------------------ state
     def state_bytes(self) -> int:
         """Bytes of optimizer-owned tensors: Adam moments + fp32 masters that are real copies."""
-        total = 0
-        for opt in self.optimizers.values():
-            for st in opt.state.values():
-                total += sum(v.numel() * v.element_size() for k, v in st.items()
-                             if torch.is_tensor(v) and k != "step")
-        total += sum(pc.main.numel() * 4 for pc in self.pieces if pc.main_is_copy)
-        return total
+        return self._moment_bytes() + sum(pc.main.numel() * 4 for pc in self.pieces if pc.main_is_copy)
 
     def state_dict(self) -> dict:
         """Tensors + ints/floats/strings only (torch.load(weights_only=True)). For a sharded
@@ -306,12 +257,7 @@ class MixedPrecisionOptimizer:
                 "step": float(st["step"]) if st else 0.0,
             }
         return {"format": STATE_FORMAT, "sharded": int(self.sharded), "world_size": self.world_size,
-                "rank": self.rank, "lr": self.lr, "scaler": self.scaler.state_dict(),
-                "prev_grad_norm": -1.0 if self.prev_grad_norm is None else float(self.prev_grad_norm),
-                "params": params}
-
-    def sharded_state_dict(self) -> dict:
-        return self.state_dict()
+                "rank": self.rank, **self._scaling_state(), "params": params}
 
     def load_state_dict(self, state: Union[dict, list[dict]]) -> None:
         """Load this rank's own state dict, a complete one (unsharded, or of a 1-rank run), or a
@@ -375,10 +321,7 @@ class MixedPrecisionOptimizer:
                     "exp_avg_sq": parts["exp_avg_sq"].view(pc.main.shape).clone()}
         self._copy_main_to_model(self.pieces)
         self._after_load()
-        self.scaler.load_state_dict(sds[0]["scaler"])
-        self.set_lr(sds[0]["lr"])
-        pg = float(sds[0]["prev_grad_norm"])
-        self.prev_grad_norm = None if pg < 0 else pg
+        self._load_scaling_state(sds[0])
 
     def _assemble(self, pc: Piece, entries: list[dict], key: str) -> torch.Tensor:
         out = torch.empty(pc.hi - pc.lo, dtype=torch.float32, device=pc.main.device)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from parallel import comm
+from utils import comm
 
 if TYPE_CHECKING:  # runtime import would be circular (DDP imports this module)
     from parallel.distributed_data_parallel.param_and_grad_buffer import GradBucket

@@ -130,7 +130,7 @@ def _pipeline_optimizer(ddp, config: OptimizerConfig, pp_group, pp_size: int):
 
 def _pipeline_fsdp_optimizer(stage_module: nn.Module, config: OptimizerConfig, pp_group, pp_size: int):
     """FSDPOptimizer whose global norm also sums over the pp group (every stage's shards)."""
-    from parallel.fsdp import FSDPOptimizer
+    from optimizer.fsdp_optimizer import FSDPOptimizer
     return FSDPOptimizer(stage_module, config, norm_groups=[pp_group] if pp_size > 1 else [])
 
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Collection, Optional, Union
 
 import torch
 
-from parallel import comm
+from utils import comm
 from parallel.comm_hooks import allreduce_hook
 
 if TYPE_CHECKING:

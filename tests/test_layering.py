@@ -12,17 +12,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS = {
     "utils": 0,
     "tokenizer": 1, "model": 1,
-    "data_preprocess": 2, "optimizer": 2, "parallel": 2,
-    "dataset": 3, "lm_tasks": 3,
+    "data_preprocess": 2, "optimizer": 2,  # optimizer/ steps over parallel/'s DDP by duck typing only
+    "parallel": 3, "dataset": 3, "lm_tasks": 3,
     "trainer": 5,  # the trainer's pieces (config, start, loop, task, weights, samples, faults)
     "train_my_ddp": 6, "sample": 6, "export_hf": 6, "monitor_process": 6,
     "eval_lm": 7,  # scores with sample.py's loading (load_for_inference, the recorded tokenizer)
 }
 ALLOWED = {
-    # the optimizer steps over our DDP's buffers with its collectives (parallel/comm.py) and the ZeRO
-    # optimizer in parallel/ extends it: one layer, two folders
-    ("optimizer", "parallel"): "one layer",
-    ("parallel", "optimizer"): "one layer",
     # growing a vocabulary (model/resize.py) reads the tokenizer that was grown; nothing else in model/
     ("model/resize.py", "tokenizer"): "model/resize.py's header",
 }

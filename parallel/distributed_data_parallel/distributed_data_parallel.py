@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from parallel import comm
+from utils import comm
 from parallel.comm_hooks import CommHook, CommHookState, allreduce_hook, reduce_scatter_hook
 from parallel.distributed_data_parallel.ddp_config import DDPConfig
 from parallel.distributed_data_parallel.param_and_grad_buffer import (Bucket, GradBucket,

@@ -10,7 +10,7 @@ from torch import nn
 
 from optimizer import DynamicGradScaler, OptimizerConfig, build_optimizer
 from parallel import DDPConfig, DistributedDataParallel
-from parallel.distributed_optimizer import DistributedOptimizer
+from optimizer.distributed_optimizer import DistributedOptimizer
 
 
 def _net(dtype=torch.float32):

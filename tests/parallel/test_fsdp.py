@@ -209,7 +209,8 @@ def _evaluate_then_save(group, root: str) -> dict:
 
 def _worker(rank: int, world: int, tmp: str) -> None:
     from parallel.dcp_checkpoint import load_dcp_checkpoint, save_dcp_checkpoint
-    from parallel.fsdp import FSDPOptimizer, sharded_bytes
+    from optimizer.fsdp_optimizer import FSDPOptimizer
+    from parallel.fsdp import sharded_bytes
     assert world == 4
     res: dict = {}
     g4 = dist.group.WORLD
@@ -500,7 +501,8 @@ def test_dcp_metadata_reader_refuses_foreign_pickles(tmp_path):
 # ------------------------------------------------------------------------------ (c) bad combinations
 
 def test_bad_combinations_raise(results):
-    from parallel.fsdp import FSDPOptimizer, build_fsdp_engine, validate_fsdp_options, wrap_fsdp
+    from optimizer.fsdp_optimizer import FSDPOptimizer
+    from parallel.fsdp import build_fsdp_engine, validate_fsdp_options, wrap_fsdp
     res, _ = results
     with pytest.raises(ValueError, match="powersgd"):
         validate_fsdp_options(comm_hook="powersgd")

@@ -7,7 +7,8 @@ construction (optionally overlapped with the next forward via forward pre-hooks)
 freeing each bucket's gradient memory as soon as its reduce-scatter finished.
 It must never keep optimizer state for elements it doesn't own, never step with gradients
 that were not reduced for its shard, and never issue collectives in an order that depends on
-what one rank saw (a data-dependent forward): only the model decides it.
+what one rank saw (a data-dependent forward): only the model decides it. Like its base class it
+reaches our DDP (parallel/) by duck typing, never by an import; its collectives are utils/comm.py's.
 
 Gradient memory per rank (`ddp.grad_buffer_bytes() + opt.grad_store_bytes()`), with G the
 gradient buffer (every bucket, padded) and W the world size:
@@ -32,7 +33,7 @@ from torch import nn
 
 from optimizer.mixed_precision_optimizer import MixedPrecisionOptimizer
 from optimizer.optimizer_config import OptimizerConfig
-from parallel import comm
+from utils import comm
 
 
 class DistributedOptimizer(MixedPrecisionOptimizer):

@@ -1,9 +1,10 @@
-"""Thin collective layer shared by DDP, the comm hooks and the distributed optimizer.
+"""Thin collective layer shared by our DDP and its comm hooks (parallel/) and the optimizers (optimizer/).
 
 Owns: the (rank, world size, group) view of a process group, world-size-1 short cuts so the
 same code runs without `torch.distributed` initialised, and `CommHandle`, the Work/Future-like
-object every comm hook returns. It must never pick a backend or a device (utils/device.py does
-that) and never hold training state.
+object every comm hook returns (and the ZeRO optimizer's parameter all-gathers).
+It must never pick a backend or a device (utils/device.py does that), never hold training state,
+and never import a package above utils/ (it sits below both its users).
 """
 from __future__ import annotations
 
@@ -58,22 +59,24 @@ def all_reduce(t: torch.Tensor, group, world_size: int, async_op: bool = True):
     return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
-def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, world_size: int, async_op: bool = True):
-    """SUM reduce-scatter of `inp` into `out` (out may alias inp's own shard, as in Megatron)."""
+def _sharded_collective(collective: Callable, out: torch.Tensor, inp: torch.Tensor, group, world_size: int,
+                        async_op: bool):
+    """At world size 1 the whole tensor is the one shard: a copy (none when out and inp alias)."""
     if world_size == 1:
         if out.data_ptr() != inp.data_ptr():
             out.copy_(inp)
         return None
-    return _reduce_scatter(out, inp, group=group, async_op=async_op)
+    return collective(out, inp, group=group, async_op=async_op)
+
+
+def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group, world_size: int, async_op: bool = True):
+    """SUM reduce-scatter of `inp` into `out` (out may alias inp's own shard, as in Megatron)."""
+    return _sharded_collective(_reduce_scatter, out, inp, group, world_size, async_op)
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group, world_size: int, async_op: bool = True):
     """All-gather equal shards `inp` into `out` (inp may alias out's own shard)."""
-    if world_size == 1:
-        if out.data_ptr() != inp.data_ptr():
-            out.copy_(inp)
-        return None
-    return _all_gather(out, inp, group=group, async_op=async_op)
+    return _sharded_collective(_all_gather, out, inp, group, world_size, async_op)
 
 
 def all_reduce_max_flag(flag: torch.Tensor, group, world_size: int) -> None:

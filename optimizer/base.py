@@ -1,0 +1,165 @@
+"""What every optimizer of this package shares: the step skeleton, loss scaling, the learning rate, and the
+scaler / lr / previous-norm part of the state dict.
+
+Owns: `GlobalNormOptimizer.global_norm_step()`, the one order of a step for MixedPrecisionOptimizer,
+DistributedOptimizer (ZeRO) and FSDPOptimizer:
+  finish the gradient sync -> unscale (fp16) -> the squared gradient norm over every rank holding a part
+  of the model (the optimizer's own reduction, then a SUM over `norm_groups`: pipeline stages) -> one
+  host read of it, which is also the overflow decision (an inf/nan anywhere makes it non-finite
+  everywhere: the same verdict on every rank, no separate flag collective) -> scaler update -> skip, or
+  clip by the global norm, step AdamW, write the masters back.
+Each optimizer provides the hooks (`_sync_grads`, `_grads`, `_sumsq`, `_update`, `_drop_grads`,
+`_adamws`, and optionally `_report_verdict`); `clip_coefficient` is shared with the overlapped step.
+Must never: read a tensor on the host more than once per step, decide to skip from a value that not
+every rank saw, clip with a norm that is not global (trap 8), or know which engine holds the gradients
+(the hooks do).
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from optimizer.grad_scaler import ConstantScaler, DynamicGradScaler
+from optimizer.optimizer_config import OptimizerConfig
+
+
+def make_scaler(config: OptimizerConfig) -> Union[ConstantScaler, DynamicGradScaler]:
+    """Dynamic loss scaling for fp16, the identity for bf16 / fp32."""
+    if config.precision == "fp16":
+        return DynamicGradScaler(config.initial_loss_scale, config.min_loss_scale,
+                                 config.loss_scale_growth_interval, config.hysteresis)
+    return ConstantScaler()
+
+
+def clip_coefficient(max_norm: float, norm: Optional[float]) -> float:
+    """The factor that brings gradients of global norm `norm` down to at most `max_norm`; 1.0 when clipping
+    is off (max_norm 0) or there is no finite norm to clip by."""
+    if max_norm <= 0 or norm is None or not math.isfinite(norm):
+        return 1.0
+    return min(1.0, max_norm / (norm + 1e-6))
+
+
+class GlobalNormOptimizer:
+    """The API the trainer sees (zero_grad, scale_loss, loss_scale, set_lr, step -> (stepped, grad_norm),
+    finish_param_sync, state_dict / load_state_dict) and the step skeleton behind it."""
+    sharded = False
+    # dtype the squared norm is summed in over norm_groups (the other pipeline stages)
+    norm_sum_dtype: torch.dtype = torch.float64
+
+    def _init_scaling(self, config: OptimizerConfig, norm_groups: Sequence) -> None:
+        """norm_groups: process groups whose ranks hold OTHER parameters of the same model (a pipeline's
+        stages): the squared gradient norm is summed, and the skip decided, over them too."""
+        self.config = config
+        self.norm_groups = list(norm_groups)
+        self.scaler = make_scaler(config)
+        self.lr = float(config.lr)
+        self.prev_grad_norm: Optional[float] = None
+
+    # ------------------------------------------------------------------ the step skeleton
+    def global_norm_step(self) -> tuple[bool, float]:
+        """Finish the gradient sync, unscale, skip on inf/nan (any rank, every rank alike), clip by the
+        global norm, step, write the masters back. Returns (stepped, grad_norm); (False, inf) when skipped."""
+        self._sync_grads()
+        grads = self._grads()
+        if isinstance(self.scaler, DynamicGradScaler) and grads:
+            torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
+        # The global sum of squares is non-finite iff some rank's gradients hold an inf/nan (or the sum
+        # overflowed): reading it is the overflow decision too, the step's one host sync.
+        global_sumsq = float(self._sum_over_norm_groups(self._sumsq()).item())
+        found_inf = not math.isfinite(global_sumsq)
+        norm = float("inf") if found_inf else math.sqrt(global_sumsq)
+        self.scaler.update(found_inf)
+        self._report_verdict(not found_inf)
+        if found_inf:
+            self._drop_grads()
+            return False, float("inf")
+        coef = clip_coefficient(self.config.grad_clip, norm)
+        if coef < 1.0 and grads:
+            torch._foreach_mul_(grads, coef)
+        self._update(norm)
+        self._drop_grads()
+        return True, norm
+
+    def _sum_over_norm_groups(self, sumsq: torch.Tensor) -> torch.Tensor:
+        """The optimizer's own squared norm summed over each norm group (on the device: no host read)."""
+        if not self.norm_groups:
+            return sumsq
+        total = sumsq.detach().to(dtype=self.norm_sum_dtype).reshape(1).clone()
+        for group in self.norm_groups:
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        return total
+
+    # ------------------------------------------------------------------ hooks
+    def _sync_grads(self) -> None:
+        """Finish the gradient reduction and make the gradients `_grads()` returns ready."""
+        raise NotImplementedError
+
+    def _grads(self) -> list[torch.Tensor]:
+        """The local gradient tensors the step reads: unscaled and clipped in place."""
+        raise NotImplementedError
+
+    def _sumsq(self) -> torch.Tensor:
+        """The squared gradient norm over this optimizer's own ranks (not yet over norm_groups), on the device."""
+        raise NotImplementedError
+
+    def _report_verdict(self, stepped: bool) -> None:
+        """Told whether this step's gradients are applied (the same verdict on every rank)."""
+
+    def _update(self, norm: float) -> None:
+        """The AdamW step(s) on the clipped gradients, then the masters written back to the model."""
+        raise NotImplementedError
+
+    def _drop_grads(self) -> None:
+        """Release the step's gradients (after a step or a skip)."""
+        raise NotImplementedError
+
+    def _adamws(self) -> Iterable[torch.optim.AdamW]:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ shared API
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scaler.scale if isinstance(self.scaler, DynamicGradScaler) else loss
+
+    @property
+    def loss_scale(self) -> float:
+        return float(self.scaler.scale)
+
+    def set_lr(self, lr: float) -> None:
+        self.lr = float(lr)
+        for opt in self._adamws():
+            for g in opt.param_groups:
+                g["lr"] = self.lr
+
+    def finish_param_sync(self) -> None:
+        """Wait for any in-flight parameter all-gather (a no-op unless an optimizer gathers)."""
+
+    def sharded_state_dict(self) -> dict:
+        return self.state_dict()
+
+    def state_dict(self) -> dict:
+        raise NotImplementedError
+
+    def _moment_bytes(self) -> int:
+        """Bytes of this rank's Adam moments (the local shards of DTensors; `step` counters excluded)."""
+        total = 0
+        for opt in self._adamws():
+            for st in opt.state.values():
+                for k, v in st.items():
+                    if torch.is_tensor(v) and k != "step":
+                        loc = v.to_local() if isinstance(v, DTensor) else v
+                        total += loc.numel() * loc.element_size()
+        return total
+
+    def _scaling_state(self) -> dict:
+        return {"lr": self.lr, "scaler": self.scaler.state_dict(),
+                "prev_grad_norm": -1.0 if self.prev_grad_norm is None else float(self.prev_grad_norm)}
+
+    def _load_scaling_state(self, sd: dict) -> None:
+        self.scaler.load_state_dict(sd["scaler"])
+        self.set_lr(float(sd["lr"]))
+        pg = float(sd["prev_grad_norm"])
+        self.prev_grad_norm = None if pg < 0 else pg
