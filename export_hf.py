@@ -8,7 +8,7 @@ unmerged and the adapters are written in the PEFT layout next to them instead, f
 adapters as PEFT `modules_to_save`, and the base is the run's frozen base (for a run that grew the
 vocabulary of a Hugging Face model, that model grown to the run's tokenizer: same vocabulary size,
 new rows as initialised, model/resize.py). Checkpoints of every engine export the same way: a
-pipeline-parallel run's stage files are merged into one model (parallel.engine.checkpoint_model_state),
+pipeline-parallel run's stage files are merged into one model (parallel.checkpoint_io.checkpoint_model_state),
 a sharded FSDP (DCP) one without LoRA is streamed: read and written one safetensors shard at a time
 (`--max_shard_gb`, HF's sharded layout with model.safetensors.index.json), never the whole model in memory. Importing goes the other way with
 `--init_from=<HF dir>` in train_my_ddp.py. Exit 2 for a bad flag or a --checkpoint that names nothing
@@ -117,7 +117,7 @@ def _export_sharded_streaming(found: str, args) -> int | None:
     directory, never holding the whole model. None when the checkpoint is not of that kind."""
     from model.config import read_model_config
     from model.hf_interop import export_hf_streaming
-    from parallel.engine import is_sharded_checkpoint
+    from parallel.checkpoint_io import is_sharded_checkpoint
     from utils import checkpoint as ckpt
     if not is_sharded_checkpoint(found):
         return None

@@ -46,7 +46,7 @@ if __name__ == "__main__":  # answered in a second: --help, typos, bad values, m
     from trainer.config import precheck
     precheck(sys.argv[1:], title=__doc__.strip().splitlines()[0], prog=PROG)
 
-from trainer.config import TrainConfig, continues_run, imply_engine, one_line  # noqa: E402 (after the pre-check)
+from trainer.config import TrainConfig, continues_run, imply_engine, one_line, parallel_section  # noqa: E402 (after the pre-check)
 from trainer.loop import train  # noqa: E402
 from utils import run_lock  # noqa: E402
 from utils.configurator import ConfigError, help_text, parse_config  # noqa: E402
@@ -89,8 +89,7 @@ def main(argv: list[str]) -> int:
             print(f"[rank {rank}] error: {msg}", file=sys.stderr, flush=True)
             return code
         try:
-            from parallel.engine import needs_process_group
-            info = init_distributed(cfg.device, need_group=needs_process_group(cfg))
+            info = init_distributed(cfg.device, need_group=parallel_section(cfg).needs_process_group())
             return train(cfg, info, continues=continues, max_iters_given="max_iters" in given,
                          log_interval_given="log_interval" in given)
         except Exception as e:  # noqa: BLE001 - named errors become one line and an exit code; others re-raise

@@ -6,7 +6,7 @@
 Issue 15's goal: "Embedding + LoRA training uses <= 1/3 of full fine-tuning's optimizer memory at the
 same model". For each model config the same model (same seed) is built twice, once per trainable set,
 through the trainer's own path: `model.lora.select_trainable` (what `--trainable=embeddings --lora_rank=8
---lora_targets=all` selects) then `parallel.engine.build_engine` with a `TrainConfig` (our DDP, world size 1,
+--lora_targets=all` selects) then `parallel.build.build_engine` with a `TrainConfig` (our DDP, world size 1,
 the mixed-precision AdamW). One step (forward + backward + optimizer step, batch 1 x 32 tokens) creates the
 state; `optimizer.state_bytes()` reports it (Adam moments, plus fp32 masters when the model runs in bf16).
 
@@ -34,7 +34,7 @@ sys.path.insert(0, ROOT)
 
 from model import ModelConfig, Transformer  # noqa: E402
 from model.lora import select_trainable, trainable_parameters  # noqa: E402
-from parallel.engine import build_engine  # noqa: E402
+from parallel.build import build_engine  # noqa: E402
 from trainer.config import TrainConfig  # noqa: E402
 
 LORA_RANK = 8

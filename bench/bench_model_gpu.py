@@ -3,7 +3,7 @@ transformers.LlamaForCausalLM (SDPA, eager and compiled) and HF + Liger-Kernel w
 in the two precision setups that matter:
 
 - `trainer` = "bf16 params + fp32 master (trainer)": what `train_my_ddp.py --dtype=bf16` runs. The model's
-  parameters are bf16 (no autocast), wrapped by `parallel.engine.build_engine` with the trainer's own
+  parameters are bf16 (no autocast), wrapped by `parallel.build.build_engine` with the trainer's own
   TrainConfig defaults: our DDP (world size 1, contiguous fp32 gradient buffer) + MixedPrecisionOptimizer
   (torch fused AdamW over fp32 master copies, global-norm clipping at 1.0), the token-summed loss
   divided by the target count as the trainer does, and `--compile` as the trainer compiles
@@ -151,7 +151,7 @@ def make_step(config: str, model_name: str, mode: str, precision: str, device):
         return step, model
 
     # precision == "trainer": the objects train_my_ddp.py builds for --dtype=bf16 (parallel/engine.py)
-    from parallel.engine import build_engine
+    from parallel.build import build_engine
     from trainer.config import TrainConfig
     model.to(dtype=torch.bfloat16)
     cfg = TrainConfig(dtype="bf16", device=torch.device(device).type, compile=mode == "compile",

@@ -39,7 +39,7 @@ memory table, fp32 formulas). Default model: only ddp and fsdp are timed (all si
 
 Activations (--activations, nothing else runs): the bytes autograd saves for backward during one forward,
 per token per transformer block, per rank, for tp1 / tp2 / tp2+sp at world 2 and also tp4 / tp4+sp at
-world 4 (--act-worlds), each engine built by parallel.engine.build_engine (FSDP2 + DTensor tensor
+world 4 (--act-worlds), each engine built by parallel.build.build_engine (FSDP2 + DTensor tensor
 parallelism, fp32). A saved_tensors_hooks sums every saved tensor's storage once (a DTensor counts its
 local shard), attributed by forward hooks to the block running when it was first saved; the forward runs
 at B and 2B sequences and the difference is the per-token part (weights saved by the matmuls cancel).
@@ -430,7 +430,7 @@ def saved_bytes_by_region(module, forward) -> tuple[dict, list, torch.Tensor]:
 def _act_worker(rank: int, world: int, port: int, a, path: str) -> None:
     import dataclasses
 
-    from parallel.engine import build_engine
+    from parallel.build import build_engine
     from trainer.config import TrainConfig
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -469,7 +469,7 @@ def run_activations(a) -> None:
     print(f"\nactivation bytes saved for backward, one forward (fp32, no dropout, SDPA): dim h={cfg.dim}, {L} layers, "
           f"n_heads H={cfg.n_heads}, n_kv_heads {cfg.n_kv_heads} (hk={hk}), head_dim {cfg.head_dim}, hidden_dim "
           f"f={cfg.hidden_dim}, vocab {cfg.vocab_size}; measured at {B} and {2 * B} sequences of S={S} tokens, "
-          f"per token = (bytes at {2 * B} - bytes at {B}) / ({B} x {S}); engine: parallel.engine.build_engine "
+          f"per token = (bytes at {2 * B} - bytes at {B}) / ({B} x {S}); engine: parallel.build.build_engine "
           f"(FSDP2 + DTensor TP), gloo, 1 thread/rank")
     tp1_meas = tp1_form = tp1_k22 = 1.0
     for world in a.act_worlds:

@@ -1,5 +1,7 @@
-"""parallel: how a model is spread over processes, behind one interface (engine.py: `build_engine` ->
-DDPEngine | FSDPEngine | PipelineParallelEngine, the `TrainingEngine` protocol the trainer uses).
+"""parallel: how a model is spread over processes, behind one interface (engine.py: the `TrainingEngine`
+protocol the trainer uses; build.py: `build_engine` -> DDPEngine | FSDPEngine | PipelineParallelEngine, one
+module each; config.py: the typed `ParallelConfig`, the engines' capabilities and every refusal; mesh.py:
+the one device mesh; transforms/: tensor parallel, activation checkpointing, compile, in their order).
 
 - distributed_data_parallel/: our DDP (contiguous parameter/gradient buffers, buckets, comm hooks);
   comm_hooks.py and powersgd.py its hooks (their collectives: utils/comm.py). The optimizers over those
@@ -7,13 +9,23 @@ DDPEngine | FSDPEngine | PipelineParallelEngine, the `TrainingEngine` protocol t
 - fsdp.py + dcp_checkpoint.py: torch FSDP2 (`fully_shard`) with its optimizer (optimizer/fsdp_optimizer.py),
   sharded DCP checkpoints.
 - pipeline.py: pipeline stages (the Transformer pruned) on torch.distributed.pipelining, x data parallel.
-This module re-exports the DDP pieces. See docs/parallel.md."""
-from parallel.distributed_data_parallel import DDPConfig, DistributedDataParallel, GradBucket
-from parallel.comm_hooks import (CommHookState, allreduce_hook, bf16_compress_wrapper,
-                                 fp16_compress_wrapper, reduce_scatter_hook)
-from parallel.powersgd import PowerSGDState, powersgd_hook
-from utils.comm import CommHandle
 
-__all__ = ["DDPConfig", "DistributedDataParallel", "GradBucket", "CommHandle", "CommHookState",
-           "allreduce_hook", "reduce_scatter_hook", "fp16_compress_wrapper", "bf16_compress_wrapper",
-           "PowerSGDState", "powersgd_hook"]
+Importing the package imports no torch (the trainer's pre-check reads parallel/config.py before torch
+loads); the DDP names below are resolved from their modules on first use. See docs/parallel.md."""
+import importlib
+
+_EXPORTS = {
+    "DDPConfig": "parallel.distributed_data_parallel", "DistributedDataParallel": "parallel.distributed_data_parallel",
+    "GradBucket": "parallel.distributed_data_parallel", "CommHandle": "utils.comm",
+    "CommHookState": "parallel.comm_hooks", "allreduce_hook": "parallel.comm_hooks",
+    "reduce_scatter_hook": "parallel.comm_hooks", "fp16_compress_wrapper": "parallel.comm_hooks",
+    "bf16_compress_wrapper": "parallel.comm_hooks", "PowerSGDState": "parallel.powersgd",
+    "powersgd_hook": "parallel.powersgd",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'parallel' has no attribute {name!r}")

@@ -329,10 +329,9 @@ def precheck(argv: list[str], title: str, prog: str) -> None:
 
 
 def validated_with_torch(cfg: TrainConfig) -> bool:
-    """Whether validate_config also checks options that need torch to tell (FSDP, pipeline stages, the
-    device mesh, LoRA target names), which the pre-check cannot list with the others."""
-    return (cfg.parallel == "fsdp" or cfg.pipeline_parallel_size > 1 or cfg.tensor_parallel_size > 1
-            or cfg.dp_replicate_size > 1 or (cfg.lora_rank > 0 and cfg.lora_targets != "all"))
+    """Whether validate_config also checks options that need torch to tell (LoRA target names), which the
+    pre-check cannot list with the others."""
+    return cfg.lora_rank > 0 and cfg.lora_targets != "all"
 
 
 def _saved_config_under(asked: TrainConfig, argv: list[str]) -> Optional[TrainConfig]:
@@ -363,97 +362,41 @@ def _saved_config_under(asked: TrainConfig, argv: list[str]) -> Optional[TrainCo
     return cfg
 
 
-def pipeline_problems(cfg: TrainConfig, world_size: Optional[int] = None, torch_free: bool = False) -> list[str]:
-    """What --pipeline_parallel_size > 1 cannot be combined with (none when it is 1).
-    torch_free: leave out parallel.pipeline's own checks (they import torch)."""
-    pp = cfg.pipeline_parallel_size
-    if pp < 1:
-        return [f"--pipeline_parallel_size={pp}: must be >= 1"]
-    out = []
-    if cfg.pipeline_schedule.lower() not in ("gpipe", "1f1b"):
-        out.append(f"--pipeline_schedule={cfg.pipeline_schedule!r} (gpipe | 1f1b)")
-    if pp == 1:
-        return out
-    if not torch_free:
-        from parallel.pipeline import validate_pipeline_options
-        try:
-            validate_pipeline_options(pp_size=pp, n_microbatches=cfg.gradient_accumulation_steps,
-                                      schedule=cfg.pipeline_schedule if cfg.pipeline_schedule.lower() in ("gpipe", "1f1b") else "gpipe",
-                                      dp_engine=cfg.parallel if cfg.parallel in ("ddp", "fsdp") else "ddp",
-                                      world_size=world_size, overlap_optim_step=cfg.overlap_optim_step,
-                                      comm_hook=cfg.comm_hook, task_type=cfg.task_type)
-        except ValueError as e:
-            out.append(f"--pipeline_parallel_size={pp}: {e}")
-    pre = f"--pipeline_parallel_size={pp} cannot be combined with"
-    if cfg.init_from in ("scratch", "resume") and cfg.n_layers % pp:
-        out.append(f"--pipeline_parallel_size={pp}: --n_layers={cfg.n_layers} does not split into {pp} equal stages "
-                   "(choose a divisor of n_layers)")
-    if cfg.tie_embeddings:
-        out.append(f"{pre} --tie_embeddings=true (the embedding on the first stage and the LM head on the last "
-                   "would be one weight on two ranks)")
-    if cfg.lora_rank > 0 or cfg.trainable != "all":
-        out.append(f"{pre} LoRA or --trainable=embeddings (frozen stages and light checkpoints are not supported; "
-                   "train those with --pipeline_parallel_size=1)")
-    if cfg.compile:
-        out.append(f"{pre} --compile=true (not supported yet)")
-    return out
+def parallel_section(cfg: TrainConfig):
+    """The parallel flags as parallel/config.py's typed section (same names)."""
+    from parallel.config import ParallelConfig
+    return ParallelConfig.from_flags(cfg)
 
 
-def mesh_problems(cfg: TrainConfig, world_size: Optional[int] = None, torch_free: bool = False) -> list[str]:
-    """What the tensor-parallel / HSDP sizes cannot be combined with, and (world_size known) whether the
-    processes lay out as pp x dp_replicate x dp_shard x tp (parallel/mesh.py)."""
-    tp, rep = cfg.tensor_parallel_size, cfg.dp_replicate_size
-    out = []
-    for name, v in (("tensor_parallel_size", tp), ("dp_replicate_size", rep)):
-        if v < 1:
-            out.append(f"--{name}={v}: must be >= 1")
-    if out:
-        return out
-    if world_size is not None and not torch_free and (tp > 1 or rep > 1):  # pp alone: pipeline_problems says it
-        from parallel.mesh import layout_problem
-        problem = layout_problem(world_size, pp=max(1, cfg.pipeline_parallel_size), dp_replicate=rep, tp=tp)
-        if problem:
-            out.append(problem)
-    if cfg.sequence_parallel and tp == 1:
-        out.append("--sequence_parallel=true splits the sequence over tensor-parallel ranks: it needs "
-                   "--tensor_parallel_size > 1")
-    if cfg.sequence_parallel and tp > 1 and cfg.max_seq_len % tp:
-        out.append(f"--sequence_parallel=true: --max_seq_len={cfg.max_seq_len} is not a multiple of "
-                   f"--tensor_parallel_size={tp}")
-    if tp == 1 and rep == 1:
-        return out
-    flags = " ".join(f"--{n}={v}" for n, v in (("tensor_parallel_size", tp), ("dp_replicate_size", rep)) if v > 1)
-    if cfg.parallel != "fsdp":
-        out.append(f"{flags} runs on FSDP2's 2-D mesh: it needs --parallel=fsdp")
-    if cfg.pipeline_parallel_size > 1 and (rep > 1 or cfg.sequence_parallel):
-        out.append(f"--pipeline_parallel_size={cfg.pipeline_parallel_size} combines with --tensor_parallel_size, "
-                   "not yet with --dp_replicate_size or --sequence_parallel=true")
-    if tp > 1:
-        if cfg.dropout > 0 and cfg.sequence_parallel:
-            out.append(f"--sequence_parallel=true cannot be combined with --dropout={cfg.dropout} yet (each rank's "
-                       "positions would need their own random stream)")
-        if cfg.init_from in ("scratch", "resume"):
-            kv = cfg.n_kv_heads or cfg.n_heads
-            for name, v in (("n_heads", cfg.n_heads), ("n_kv_heads", kv)):
-                if v % tp:
-                    out.append(f"--{name}={v} is not divisible by --tensor_parallel_size={tp} (each rank computes "
-                               f"{name}/{tp} heads)")
+def engine_needs(cfg: TrainConfig) -> dict[str, str]:
+    """What this run asks of the engine, {the flag that asks: capability} (parallel/config.py CAPABILITIES):
+    the engine's declarations decide what is refused, never a test of the engine's name here."""
+    asked = ((cfg.task_type == "dpo", "--task_type=dpo", "dpo"),
+             (cfg.lora_rank > 0, f"--lora_rank={cfg.lora_rank}", "frozen_parameters"),
+             (cfg.trainable != "all", f"--trainable={cfg.trainable}", "frozen_parameters"),
+             (cfg.tie_embeddings, "--tie_embeddings=true", "tied_embeddings"),
+             (cfg.sample_every > 0, f"--sample_every={cfg.sample_every}", "whole_model_on_one_rank"),
+             (bool(cfg.eval_tasks.strip(" ,")), "--eval_tasks", "whole_model_on_one_rank"))
+    return {flag: cap for on, flag, cap in asked if on}
+
+
+def parallel_problems(cfg: TrainConfig, world_size: Optional[int] = None) -> list[str]:
+    """parallel/config.py's refusals of this run's layout (sizes, the world, capabilities), plus the model
+    shape's split over the stages and tensor ranks when the model is built from these flags."""
+    section = parallel_section(cfg)
+    out = section.problems(world_size, needs=engine_needs(cfg))
+    if cfg.init_from in ("scratch", "resume") and not out:
+        out.extend(section.model_problems(n_layers=cfg.n_layers, n_heads=cfg.n_heads,
+                                          n_kv_heads=cfg.n_kv_heads or cfg.n_heads, max_seq_len=cfg.max_seq_len,
+                                          dropout=cfg.dropout))
     return out
 
 
 def sample_problems(cfg: TrainConfig) -> list[str]:
-    """What --sample_every > 0 cannot work with: the engines where rank 0 does not hold the whole model
-    (FSDP shards every weight, pipeline stages hold some layers), and prompts that name nothing. Reads no
-    file (the prompt file is read when the run starts)."""
+    """What --sample_every > 0 cannot work with: prompts that name nothing (an engine where no rank holds
+    the whole model is parallel_problems'). Reads no file (the prompt file is read when the run starts)."""
     from trainer.samples import prompts_problem
-    flag = f"--sample_every={cfg.sample_every}"
     out = []
-    if cfg.parallel == "fsdp":
-        out.append(f"{flag} cannot be combined with --parallel=fsdp (no rank holds the whole model; sample a "
-                   "checkpoint with sample.py instead)")
-    if cfg.pipeline_parallel_size > 1:
-        out.append(f"{flag} cannot be combined with --pipeline_parallel_size={cfg.pipeline_parallel_size} (each rank "
-                   "holds only its stage's layers; sample a checkpoint with sample.py instead)")
     problem = prompts_problem(cfg.sample_prompts)
     if problem:
         out.append(f"--sample_prompts={cfg.sample_prompts!r}: {problem}")
@@ -461,17 +404,11 @@ def sample_problems(cfg: TrainConfig) -> list[str]:
 
 
 def eval_tasks_problems(cfg: TrainConfig) -> list[str]:
-    """What --eval_tasks cannot work with: a file that is not there, and the engines where rank 0 does not hold
-    the whole model. Reads no file (the records are checked when the run starts: exit 3 naming file:line)."""
+    """What --eval_tasks cannot work with: a file that is not there (an engine where no rank holds the whole
+    model is parallel_problems'). Reads no file (the records are checked when the run starts: exit 3 naming
+    file:line)."""
     paths = [t.strip() for t in cfg.eval_tasks.split(",") if t.strip()]
-    if not paths:
-        return []
-    out = [f"--eval_tasks: {p}: no such file" for p in paths if not os.path.isfile(p)]
-    if cfg.parallel == "fsdp" or cfg.pipeline_parallel_size > 1:
-        engine = "--parallel=fsdp" if cfg.parallel == "fsdp" else f"--pipeline_parallel_size={cfg.pipeline_parallel_size}"
-        out.append(f"--eval_tasks cannot be combined with {engine} (no rank holds the whole model; score a "
-                   "checkpoint with eval_lm.py instead)")
-    return out
+    return [f"--eval_tasks: {p}: no such file" for p in paths if not os.path.isfile(p)]
 
 
 SFT_DPO_WARMUP_RATIO = 0.03  # the warmup of the common SFT recipes (Alpaca, TRL examples): 3% of the run
@@ -494,14 +431,12 @@ def resolve_warmup(warmup_iters: int, warmup_ratio: float, max_iters: int, task_
 
 
 def imply_engine(cfg: TrainConfig, given: set) -> Optional[str]:
-    """--tensor_parallel_size > 1 or --dp_replicate_size > 1 run only on FSDP2's mesh: without an explicit
-    --parallel, choose --parallel=fsdp (an explicit --parallel=ddp is still refused by mesh_problems).
-    Returns the line that says so, None when nothing was implied."""
-    multi = [f"--{n}={getattr(cfg, n)}" for n in ("tensor_parallel_size", "dp_replicate_size") if getattr(cfg, n) > 1]
-    if not multi or "parallel" in given or cfg.parallel == "fsdp":
-        return None
-    cfg.parallel = "fsdp"
-    return f"[layout] {' '.join(multi)} runs on FSDP2's 2-D mesh: --parallel=fsdp chosen (it was not given)"
+    """The engine a layout implies when --parallel was not given (parallel/config.py `implied_engine`), set
+    on `cfg`; the line that says so, or None."""
+    section = parallel_section(cfg)
+    line = section.implied_engine(given)
+    cfg.parallel = section.parallel
+    return line
 
 
 def max_iters_for_epochs(num_train_epochs: float, num_samples: int, samples_per_step: int, max_iters: int,
@@ -569,8 +504,7 @@ def validate_config(cfg: TrainConfig, world_size: Optional[int] = None, torch_fr
     world_size (when known) also checks that the processes form a pp x dp mesh. torch_free: only the
     checks that need no torch (the pre-check's): not the FSDP, pipeline and LoRA-target ones."""
     problems = _Problems(cfg)
-    problems.extend(pipeline_problems(cfg, world_size, torch_free=torch_free))
-    problems.extend(mesh_problems(cfg, world_size, torch_free=torch_free))
+    problems.extend(parallel_problems(cfg, world_size))
     _choices_and_combinations(cfg, problems, torch_free)
     _numbers_and_extras(cfg, problems, torch_free)
     if problems:
@@ -589,28 +523,11 @@ def _choices_and_combinations(cfg: TrainConfig, p: _Problems, torch_free: bool) 
     if not cfg.tokenizer_dir:
         p.append("--tokenizer_dir is required")
     p.choice("dtype", ("fp32", "bf16", "fp16"))
-    p.choice("comm_hook", ("allreduce", "reduce_scatter", "fp16", "bf16", "powersgd"))
     p.choice("lr_schedule", ("cosine", "linear", "wsd", "constant"))
     p.choice("dpo_loss", ("sigmoid", "ipo", "hinge"))
-    p.choice("parallel", ("ddp", "fsdp"))
     p.choice("trainable", ("all", "embeddings"))
     cfg.fused_kernels = str(cfg.fused_kernels).lower()
     p.choice("fused_kernels", tuple(KERNEL_CHOICES))
-    if cfg.parallel == "fsdp" and not torch_free:
-        from parallel.fsdp import validate_fsdp_options
-        try:
-            validate_fsdp_options(comm_hook=cfg.comm_hook, use_distributed_optimizer=cfg.use_distributed_optimizer,
-                                  overlap_optim_step=cfg.overlap_optim_step,
-                                  overlap_param_gather=cfg.overlap_param_gather, zero_stage=cfg.zero_stage)
-        except ValueError as e:
-            p.append(f"--parallel=fsdp: {e}")
-    elif cfg.cpu_offload:
-        p.append("--cpu_offload=true needs --parallel=fsdp")
-    if cfg.comm_hook == "reduce_scatter" and not cfg.use_distributed_optimizer:
-        p.append("--comm_hook=reduce_scatter leaves each rank only its shard of the gradients: it needs "
-                 "--use_distributed_optimizer=true (ZeRO), which steps exactly that shard")
-    if cfg.zero_stage not in (1, 2):
-        p.append(f"--zero_stage={cfg.zero_stage} (1 | 2)")
     p.choice("resume", RESUME_CHOICES)
     if cfg.init_from == "resume" and cfg.resume == "never":
         p.append("--init_from=resume (= --resume=always) contradicts --resume=never")

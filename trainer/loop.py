@@ -19,6 +19,7 @@ from typing import Any, Optional
 import torch
 
 from model.flops import mfu_from
+from parallel.config import ParallelConfig
 from parallel.engine import StepStats
 from trainer.config import TrainConfig, TrainingError, max_iters_for_epochs, one_line, resolve_warmup, validate_config
 from trainer.faults import fire_step_faults, fires, spike_fault, spiked
@@ -250,11 +251,7 @@ class Loop:
                                          lr_decay_iters=cfg.lr_decay_iters, schedule=cfg.lr_schedule,
                                          resumed_at=p.step, saved_max_iters=saved_max_iters):
             log(f"[warning] schedule: {warning}")
-        layout = f"{self.engine.dp_size} data-parallel ranks"
-        if cfg.pipeline_parallel_size > 1:
-            layout += f" x {cfg.pipeline_parallel_size} pipeline stages ({cfg.pipeline_schedule})"
-        if cfg.tensor_parallel_size > 1:
-            layout += f" x {cfg.tensor_parallel_size} tensor-parallel ranks"
+        layout = ParallelConfig.from_flags(cfg).describe_ranks(self.engine.dp_size)
         log(f"[train] {cfg.task_type}: {cfg.max_iters} steps x {cfg.gradient_accumulation_steps} micro-batches x "
             f"{cfg.batch_size} samples x {layout}, seq {cfg.max_seq_len}; MFU against {self.peak.describe()} per device")
         if p.skip_steps:

@@ -10,7 +10,10 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from types import SimpleNamespace
 from typing import Any, Optional
+
+from parallel.config import ParallelConfig
 
 from trainer.config import TrainConfig, TrainingError, continues_run, existing_run_error, nothing_to_continue_error, \
     one_line, resume_flag
@@ -188,16 +191,15 @@ def choose_trainable(cfg: TrainConfig, model, init_info: dict, start: Start, log
         raise TrainingError(f"--lora_*: {e}", EXIT_BAD_CONFIG) from e
     c = trainable_parameters(model)
     log(f"{what}: {c['trainable']:,} trainable of {c['total']:,} parameters ({c['percent']:.2f}%)")
-    from parallel.engine import light_checkpoints_supported
     frozen_base = cfg.lora_rank > 0 or cfg.trainable == "embeddings"
-    if not (frozen_base and light_checkpoints_supported(cfg) and init_info["kind"] in ("ours", "hf")):
+    if not (frozen_base and ParallelConfig.from_flags(cfg).saves_light_checkpoints() and init_info["kind"] in ("ours", "hf")):
         return None
     if start.resume_dir is not None:
         lora_base = start.saved_state.get("lora_base")
         if lora_base:
             check_lora_base(model, lora_base, start.resume_dir)
         return lora_base
-    from parallel.engine import base_fingerprint
+    from parallel.checkpoint_io import base_fingerprint
     lora_base = {"source": os.path.abspath(init_info["source"]), "fingerprint": base_fingerprint(model)}
     if init_info.get("resized"):
         lora_base["tokenizer_dir"] = init_info["resized"]["tokenizer_dir"]
@@ -240,7 +242,7 @@ def place_on_engine(cfg: TrainConfig, info: DistInfo, model, ref_model, log, thr
     log(f"[model] {n_params / 1e6:.2f}M parameters ({n_train / 1e6:.2f}M trainable), {model_cfg.n_layers} layers, "
         f"dim {model_cfg.dim}, vocab {model_cfg.vocab_size}, dtype {cfg.dtype}, device {info.device}, "
         f"world {info.world_size}")
-    from parallel.engine import build_engine, describe_layout
+    from parallel.build import build_engine, describe_layout
     try:  # the engine casts the model to its precision policy and moves what this rank runs to the device
         engine = build_engine(model, cfg, device=info.device)
     except ValueError as e:  # a layout that cannot run (e.g. a checkpoint's layers do not split into stages)
@@ -261,9 +263,9 @@ def restore(cfg: TrainConfig, info: DistInfo, engine, train_loader, start: Start
     if start.resume_dir is not None:
         resume_dir, saved = start.resume_dir, start.saved_state
         saved_cfg = start.saved_cfg = ckpt.read_json(os.path.join(resume_dir, "config.json"))
-        problem = global_batch_problem(dict(saved_cfg, world_size=saved["world_size"]), cfg.batch_size,
-                                       cfg.gradient_accumulation_steps, info.world_size, cfg.pipeline_parallel_size,
-                                       cfg.tensor_parallel_size) \
+        saved_dp = ParallelConfig.from_flags(SimpleNamespace(**saved_cfg)).data_parallel_size(int(saved["world_size"]))
+        problem = global_batch_problem(saved_cfg, cfg.batch_size, cfg.gradient_accumulation_steps, saved_dp,
+                                       engine.dp_size) \
             or engine.resume_problem(resume_dir, int(saved["world_size"]), info.world_size)
         if problem:
             raise TrainingError(f"cannot resume {resume_dir}: {problem}", EXIT_BAD_CONFIG)

@@ -67,8 +67,10 @@ def build_data(cfg: TrainConfig, dp_rank: int, dp_size: int, tok_meta: dict, fix
             meta = ckpt.read_json(sft_meta)
             check_data_tokenizer(cfg.data_dir, str(meta.get("tokenizer_fingerprint", "")),
                                  int(meta.get("vocab_size", tok_meta["vocab_size"])), cfg.tokenizer_dir, tok_meta)
-        train, val, collate = build_sft_splits(cfg.data_dir, cfg.tokenizer_dir, cfg.max_seq_len,
-                                               val_ratio=cfg.val_ratio, seed=cfg.seed, pack=cfg.sft_packing)
+        from data_preprocess.pretokenize_sft_data import tokenize_sft_records  # raw records: tokenized in memory
+        train, val, collate = build_sft_splits(tokenize_sft_records(cfg.data_dir, cfg.tokenizer_dir, cfg.max_seq_len),
+                                               cfg.max_seq_len, val_ratio=cfg.val_ratio, seed=cfg.seed,
+                                               pack=cfg.sft_packing)
         if fixed_shape and not cfg.sft_packing:  # packed rows are max_seq_len already
             from dataset.dataset_sft import pad_collate
             collate = pad_collate(int(tok_meta["special_tokens"]["pad"]["id"]), pad_to=cfg.max_seq_len)
@@ -79,8 +81,9 @@ def build_data(cfg: TrainConfig, dp_rank: int, dp_size: int, tok_meta: dict, fix
             meta = ckpt.read_json(dpo_meta)
             check_data_tokenizer(cfg.data_dir, str(meta.get("tokenizer_fingerprint", "")),
                                  int(meta.get("vocab_size", tok_meta["vocab_size"])), cfg.tokenizer_dir, tok_meta)
-        train, val, collate = build_dpo_splits(cfg.data_dir, cfg.tokenizer_dir, cfg.max_seq_len,
-                                               val_ratio=cfg.val_ratio, seed=cfg.seed)
+        from data_preprocess.pretokenize_dpo_data import tokenize_dpo_records  # raw records: tokenized in memory
+        train, val, collate = build_dpo_splits(tokenize_dpo_records(cfg.data_dir, cfg.tokenizer_dir, cfg.max_seq_len),
+                                               cfg.max_seq_len, val_ratio=cfg.val_ratio, seed=cfg.seed)
     else:
         raise TrainingError(f"--task_type={cfg.task_type!r}: expected pretrain, sft or dpo", EXIT_BAD_CONFIG)
     per_step = cfg.batch_size * dp_size * cfg.gradient_accumulation_steps  # samples per optimizer step

@@ -6,7 +6,7 @@ it extends the model's own), `model_from_checkpoint` (a checkpoint of any engine
 as the run configured them), the LoRA base of a light checkpoint and its fingerprint check, and which
 parameters a run trains (`select_trainable_for`).
 Layer: beside the three commands, above `parallel/` (a checkpoint's weights are read through the
-engine that wrote them: parallel.engine.checkpoint_model_state), so it is not in `model/`.
+engine that wrote them: parallel.checkpoint_io.checkpoint_model_state), so it is not in `model/`.
 Must never: import the trainer, write anything, or start a process group.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ def model_from_checkpoint(found: str) -> tuple[Any, dict]:
     """
     from model import Transformer
     from model.config import read_model_config
-    from parallel.engine import checkpoint_model_state, load_weights
+    from parallel.checkpoint_io import checkpoint_model_state, load_weights
     run_cfg = ckpt.read_checkpoint_json(found, "config.json")
     lora_base = ckpt.read_trainer_state(found).get("lora_base")
     if lora_base:  # a light checkpoint: the frozen base comes from where the run took it
@@ -69,7 +69,7 @@ def load_lora_base(lora_base: dict, where: str, log) -> Any:
 
 def check_lora_base(model, lora_base: dict, where: str) -> None:
     """The frozen base under the adapters must be the one the run trained on (same tensors, bit for bit)."""
-    from parallel.engine import base_fingerprint
+    from parallel.checkpoint_io import base_fingerprint
     if base_fingerprint(model) != lora_base["fingerprint"]:
         raise ckpt.CheckpointError(f"checkpoint {where}: the LoRA base at {lora_base['source']} is not the one the run "
                                    "trained on (its fingerprint changed); restore that base, or re-train the adapters")

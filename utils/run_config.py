@@ -110,16 +110,10 @@ def resume_problems(changes: dict[str, tuple[Any, Any]], allow_data_change: bool
     return out
 
 
-def global_batch_problem(saved: dict, new_batch: int, new_accum: int, new_world: int,
-                         new_pp: int = 1, new_tp: int = 1) -> Optional[str]:
+def global_batch_problem(saved: dict, new_batch: int, new_accum: int, old_dp: int, new_dp: int) -> Optional[str]:
     """The samples per optimizer step must stay equal for the data cursor and schedule to continue.
-    Data-parallel ranks count, not processes: the P ranks of a pipeline and the T ranks of a tensor
-    group read the same batch."""
-    def model_ranks(pp: Any, tp: Any) -> int:
-        return max(1, int(pp)) * max(1, int(tp))
-    old_dp = int(saved.get("world_size", 1)) // model_ranks(saved.get("pipeline_parallel_size", 1),
-                                                             saved.get("tensor_parallel_size", 1))
-    new_dp = new_world // model_ranks(new_pp, new_tp)
+    Data-parallel ranks count, not processes (the caller asks the layout how many read their own batch:
+    parallel/config.py `data_parallel_size`)."""
     old = int(saved.get("batch_size", 0)) * int(saved.get("gradient_accumulation_steps", 1)) * old_dp
     new = new_batch * new_accum * new_dp
     if old and old != new:

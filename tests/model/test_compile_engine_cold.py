@@ -21,7 +21,7 @@ _SCRIPT = textwrap.dedent("""
     import json, sys, torch
     sys.path.insert(0, {root!r})
     from model import Transformer, kernels
-    from parallel.engine import build_engine
+    from parallel.build import build_engine
     from trainer.config import TrainConfig
     from trainer.start import new_model_config
     device = torch.device({device!r})

@@ -20,7 +20,8 @@ from trainer.config import TrainConfig
 
 from trainer.task import count_units, micro_batch_loss
 from model import ModelConfig, Transformer
-from parallel.engine import STEP_FIELDS, StepStats, build_engine
+from parallel.engine import STEP_FIELDS, StepStats
+from parallel.build import build_engine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -1,4 +1,4 @@
-"""Tensor (and sequence) parallelism, HSDP and the one device mesh (parallel/mesh.py, parallel/tensor_parallel.py,
+"""Tensor (and sequence) parallelism, HSDP and the one device mesh (parallel/mesh.py, parallel/transforms/tensor_parallel.py,
 model/vocab_parallel_loss.py) on CPU + gloo, through the trainer's engine (`build_engine` with the flags).
 
 Two spawns do the distributed work and write what they measured to JSON; the tests assert on it:
@@ -78,7 +78,7 @@ def _reference(steps: int, dtype: torch.dtype, tied: bool = False, lora: bool = 
 
 def _engine(tp: int = 1, rep: int = 1, tied: bool = False, ckpt: bool = False, sp: bool = False,
             dtype: str = "fp32", pp: int = 1, dropout: float = 0.0, lora: bool = False, compile: bool = False):
-    from parallel.engine import build_engine
+    from parallel.build import build_engine
     from trainer.config import TrainConfig
     cfg = dataclasses.replace(TrainConfig(), parallel="fsdp", dtype=dtype, device="cpu",
                               tensor_parallel_size=tp, dp_replicate_size=rep, sequence_parallel=sp,
@@ -356,7 +356,7 @@ def test_resume_across_layouts_continues_the_run(results, reference, name):
 def test_tp_checkpoint_holds_the_full_model(results, reference):
     """tp=1 x dp=1 (export, sample, --init_from): the checkpoint's weights gathered in one process are
     the tp=2 run's weights, element for element."""
-    from parallel.engine import checkpoint_model_state
+    from parallel.checkpoint_io import checkpoint_model_state
     state = checkpoint_model_state(results["tp2_ckpt_dir"])
     got = {n: t.double().reshape(-1).tolist() for n, t in state.items()}
     assert got == results["tp2"]["params"]

@@ -97,11 +97,12 @@ def test_sft_loss_counts_only_assistant_tokens(tiny_pretrain_data):
     """The trainer's per-micro-batch loss equals CE over the assistant positions and nothing else."""
     from trainer.config import TrainConfig
     from trainer.task import count_units, micro_batch_loss
+    from data_preprocess.pretokenize_sft_data import tokenize_sft_records
     from dataset.dataset_sft import build_sft_splits
     from model import ModelConfig, Transformer
 
-    train, _, collate = build_sft_splits(os.path.join(ROOT, "data", "sft"), tiny_pretrain_data["tokenizer_dir"],
-                                         64, val_ratio=0.1, seed=0)
+    records = tokenize_sft_records(os.path.join(ROOT, "data", "sft"), tiny_pretrain_data["tokenizer_dir"], 64)
+    train, _, collate = build_sft_splits(records, 64, val_ratio=0.1, seed=0)
     batch = collate([train[i] for i in range(4)])
     labels = batch["labels"]
     real = batch["attention_mask"].bool() if "attention_mask" in batch else torch.ones_like(labels, dtype=torch.bool)

@@ -23,7 +23,7 @@ def test_eval_tasks_are_logged_and_equal_the_checkpoints_scores(tiny_pretrain_ru
     from lm_tasks import TaskEvaluator
     from model import Transformer
     from model.config import read_model_config
-    from parallel.engine import checkpoint_model_state
+    from parallel.checkpoint_io import checkpoint_model_state
     from utils.checkpoint import find_latest_valid
     task = _task(tmp_path / "numbers.jsonl")
     out = tmp_path / "run"

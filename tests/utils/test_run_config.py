@@ -80,8 +80,8 @@ def test_saved_values_are_type_checked_as_data(tmp_path):
 
 def test_global_batch_must_stay_equal():
     saved = {"batch_size": 8, "gradient_accumulation_steps": 2, "world_size": 1}
-    assert global_batch_problem(saved, 4, 2, 2) is None            # half the batch on twice the ranks
-    msg = global_batch_problem(saved, 8, 2, 2)
+    assert global_batch_problem(saved, 4, 2, 1, 2) is None            # half the batch on twice the ranks
+    msg = global_batch_problem(saved, 8, 2, 1, 2)
     assert msg and "16 samples per step" in msg and "32" in msg
 
 

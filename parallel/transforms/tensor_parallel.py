@@ -167,3 +167,12 @@ def _styles():
                                           {"weight": Shard(1), "bias": Replicate()}, Shard(1), Replicate())
 
     return LoRAColwise, LoRARowwise
+
+
+def apply(model: nn.Module, mesh: Any, config: Any) -> list[str]:
+    """The transform's entry (parallel/transforms/__init__.py ORDER): split `model` over the mesh's "tp"
+    dimension when config.tensor_parallel_size > 1 (sequence parallel with config.sequence_parallel);
+    the names of the parameters left whole (apply_tensor_parallel's return), [] when there is no tp."""
+    if int(config.tensor_parallel_size) <= 1:
+        return []
+    return apply_tensor_parallel(model, mesh["tp"], sequence_parallel=bool(config.sequence_parallel))

@@ -1,0 +1,274 @@
+"""Reading and checking checkpoint files for every engine: each rank's reads agreed on by all ranks before
+any collective (`agreed_reads`), extra (RNG) state, optimizer files in any saved layout, light (LoRA)
+weights, the frozen base's fingerprint, and one process's view of any engine's weights
+(`checkpoint_model_state`: export, sampling, --init_from).
+
+Owns: what a checkpoint directory holds and how a damaged or mismatched file is named in one line.
+Must never: write checkpoints (utils/checkpoint.py and each engine's save do) or build engines.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+from typing import Any, Callable, Optional
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from torch import nn
+
+from parallel.dcp_checkpoint import is_dcp_checkpoint, load_full_model_state_dict
+from parallel.pipeline import merge_stage_checkpoints
+from utils import checkpoint as ckpt
+from utils.constants import EXIT_BAD_CHECKPOINT
+from utils.dist import first_error_of_ranks
+
+PIPELINE_META_FILE = "pipeline.json"
+
+
+def is_pipeline_checkpoint(ckpt_dir: str) -> bool:
+    return os.path.isfile(os.path.join(ckpt_dir, PIPELINE_META_FILE))
+
+
+def read_pipeline_meta_safe(ckpt_dir: str) -> dict:
+    try:
+        return ckpt.read_json(os.path.join(ckpt_dir, PIPELINE_META_FILE))
+    except (OSError, ValueError):
+        return {}
+
+
+def is_sharded_checkpoint(ckpt_dir: str) -> bool:
+    """A DCP (FSDP2) checkpoint: its manifest names the shards."""
+    return is_dcp_checkpoint(ckpt_dir)
+
+
+@contextlib.contextmanager
+def agreed_reads(module: nn.Module):
+    """Reads of one rank's own checkpoint files, then ONE collective of every rank's verdict: when any rank
+    raised a CheckpointError (a damaged file, named), every rank raises the same one (the lowest rank's),
+    so each prints the same line and exits with the same code; no rank goes on into a collective that the
+    failed rank never joins (which ended the others with gloo's "Connection closed by peer")."""
+    verdict = None
+    try:
+        yield
+    except ckpt.CheckpointError as e:
+        verdict = (EXIT_BAD_CHECKPOINT, ckpt.one_line(e))
+    device = next((p.device for p in module.parameters()), None)
+    agreed = first_error_of_ranks(verdict, device)
+    if agreed is not None:
+        raise ckpt.CheckpointError(agreed[1])
+
+
+def refuse_nonfinite_weights(module: nn.Module, ckpt_dir: str) -> None:
+    """One pass over this rank's loaded weights (its shard of a sharded model, its stage of a pipeline) and
+    one collective of every rank's verdict: CheckpointError (exit 5) with the same line on every rank,
+    naming the first tensor that holds NaN or inf, when any rank found one."""
+    from torch.distributed.tensor import DTensor
+
+    params = [(n, p.to_local() if isinstance(p, DTensor) else p) for n, p in module.named_parameters()]
+    bad = ckpt.first_nonfinite(params)
+    device = params[0][1].device if params else None
+    verdict = first_error_of_ranks(None if bad is None else (EXIT_BAD_CHECKPOINT, f"checkpoint {ckpt_dir}: {bad}"),
+                                   device)
+    if verdict is not None:
+        raise ckpt.CheckpointError(verdict[1])
+
+
+def load_extra_state(ckpt_dir: str, rank: int, saved_world: int, world_size: int,
+                     log: Callable[[str], None] = print, same_world_only: bool = True) -> Optional[dict]:
+    """This rank's extra_rank{r}.pt (RNG states, comm-hook state), checked: its RNG state must restore.
+    None at another world size (same_world_only: not even read), or when the file is missing, which at
+    the same world size is logged: the run goes on with this process's own RNG state (seeded by --seed),
+    so dropout and sampling after the resume do not repeat the uninterrupted run's."""
+    if same_world_only and saved_world != world_size:
+        return None
+    path = os.path.join(ckpt_dir, f"extra_rank{rank}.pt")
+    extra = ckpt.load_rank_file(ckpt_dir, "extra", rank)
+    if extra is None:
+        if saved_world == world_size:
+            log(f"[resume] warning: rank {rank}: {path} is missing: continuing with fresh RNG state (this process's "
+                "own, seeded by --seed) and a fresh comm-hook state, so random draws after the resume (dropout, "
+                "PowerSGD) differ from the uninterrupted run's")
+        return None
+    if "rng" in extra:
+        problem = ckpt.rng_state_problem(extra["rng"])
+        if problem:
+            raise ckpt.CheckpointError(f"{path}: {problem}")
+    elif saved_world == world_size:
+        raise ckpt.CheckpointError(f"{path}: holds no RNG state (keys {sorted(map(str, extra))[:5]})")
+    return extra
+
+
+
+def read_optimizer_state(ckpt_dir: str, sharded: bool, rank: int, world_size: int,
+                         saved_world: int) -> tuple[Any, str]:
+    """The optimizer files this rank loads (no collective): (its state dict or the list of every saved rank's,
+    the file name(s) for messages). CheckpointError naming a file that is missing or damaged."""
+    def read(r: int) -> dict:
+        sd = ckpt.load_rank_file(ckpt_dir, "optimizer", r)
+        if sd is None:
+            raise ckpt.CheckpointError(f"checkpoint {ckpt_dir}: optimizer_rank{r}.pt is missing "
+                                       f"(the run saved {saved_world} rank(s))")
+        return sd
+    if sharded and saved_world == world_size and os.path.isfile(os.path.join(ckpt_dir, f"optimizer_rank{rank}.pt")):
+        own = read(rank)
+        if isinstance(own, dict) and own.get("sharded"):
+            return own, f"optimizer_rank{rank}.pt"
+    first = read(0)
+    n = first.get("world_size", 1)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ckpt.CheckpointError(f"checkpoint {ckpt_dir}: optimizer_rank0.pt does not load into this optimizer "
+                                   f"(ValueError: world_size={n!r} is not an integer >= 1)")
+    if not first.get("sharded") or n == 1:
+        return first, "optimizer_rank0.pt"
+    return [first] + [read(r) for r in range(1, n)], f"optimizer_rank0.pt .. optimizer_rank{n - 1}.pt"
+
+
+def load_optimizer_state(opt, ckpt_dir: str, sharded: bool, rank: int, world_size: int, saved_world: int,
+                         read: Optional[tuple[Any, str]] = None) -> None:
+    """Any saved layout into this optimizer: a ZeRO rank at the same world size reads its own shard;
+    otherwise rank 0's file when it holds everything (an unsharded run, or a ZeRO run of one rank),
+    else every saved rank's file, which the optimizer re-shards to this world size.
+    CheckpointError naming the file when one is missing, damaged, or does not load into this optimizer.
+    `read`: what read_optimizer_state returned (the files already read)."""
+    if read is not None:
+        state, name = read
+        with _naming_a_bad_optimizer_file(ckpt_dir, lambda: name):
+            opt.load_state_dict(state)
+        return
+    reading = {"name": f"optimizer_rank{rank}.pt"}
+
+    def read(r: int) -> dict:
+        reading["name"] = f"optimizer_rank{r}.pt"
+        sd = ckpt.load_rank_file(ckpt_dir, "optimizer", r)
+        if sd is None:
+            raise ckpt.CheckpointError(f"checkpoint {ckpt_dir}: optimizer_rank{r}.pt is missing "
+                                       f"(the run saved {saved_world} rank(s))")
+        return sd
+    with _naming_a_bad_optimizer_file(ckpt_dir, lambda: reading["name"]):
+        if sharded and saved_world == world_size and os.path.isfile(os.path.join(ckpt_dir, f"optimizer_rank{rank}.pt")):
+            own = read(rank)
+            if own.get("sharded"):
+                opt.load_state_dict(own)
+                return
+        first = read(0)
+        n = first.get("world_size", 1)
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"world_size={n!r} is not an integer >= 1")
+        if not first.get("sharded") or n == 1:
+            opt.load_state_dict(first)
+        else:
+            states = [first] + [read(r) for r in range(1, n)]
+            reading["name"] = f"optimizer_rank0.pt .. optimizer_rank{n - 1}.pt"
+            opt.load_state_dict(states)
+
+
+@contextlib.contextmanager
+def _naming_a_bad_optimizer_file(ckpt_dir: str, name: Callable[[], str]):
+    """An optimizer state that does not load (wrong shapes, keys, types) becomes a CheckpointError naming the
+    file `name()` was reading; CheckpointErrors and out-of-memory pass through."""
+    try:
+        yield
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError, RuntimeError) as e:
+        if isinstance(e, (ckpt.CheckpointError, torch.OutOfMemoryError)):
+            raise
+        raise ckpt.CheckpointError(f"checkpoint {ckpt_dir}: {name()} does not load into this optimizer "
+                                   f"({type(e).__name__}: {ckpt.one_line(e)[:200]})") from e
+
+
+# ---------------------------------------------------------------------------- light LoRA checkpoints
+
+def trainable_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors a LoRA run changes: its trainable parameters (adapters, and the embedding / LM head
+    when they train). Everything else is the frozen base, which the checkpoint references instead."""
+    trainable = {id(p) for p in module.parameters() if p.requires_grad}
+    return {k: v for k, v in module.state_dict(keep_vars=True).items() if id(v) in trainable}
+
+
+def load_weights(module: nn.Module, state: dict[str, torch.Tensor], partial: bool, source: str,
+                 mismatch: Optional[type] = None) -> None:
+    """Full checkpoints must match the model exactly; a light (LoRA) one must cover exactly the
+    trainable parameters, and the rest must be the base the checkpoint references (checked by the caller).
+    Names or shapes that do not fit raise `mismatch` (default CheckpointError: the checkpoint's tensors
+    disagree with the model its own model_config.json builds); the trainer's resume passes
+    CheckpointMismatchError (a configuration that builds another model)."""
+    mismatch = mismatch or ckpt.CheckpointError
+    where = weights_file_name(source)
+    if not partial:
+        try:
+            module.load_state_dict(state)
+        except RuntimeError as e:  # missing / unexpected keys, size mismatch
+            if isinstance(e, torch.OutOfMemoryError):
+                raise
+            raise mismatch(f"checkpoint {source}: {where} does not fit the model ({ckpt.one_line(e)[:300]})") from e
+        return
+    want = set(trainable_state(module))
+    have = set(state)
+    if want != have:
+        raise mismatch(f"checkpoint {source}: its tensors are not this run's trainable parameters "
+                       f"(missing {sorted(want - have)[:4]}, unexpected {sorted(have - want)[:4]}); "
+                       "were the --lora_* flags changed?")
+    try:
+        module.load_state_dict(state, strict=False)
+    except RuntimeError as e:
+        if isinstance(e, torch.OutOfMemoryError):
+            raise
+        raise mismatch(f"checkpoint {source}: {where} does not fit the model ({ckpt.one_line(e)[:300]})") from e
+
+
+def weights_file_name(ckpt_dir: str) -> str:
+    """Which file(s) of a checkpoint hold its weights, for messages."""
+    if is_pipeline_checkpoint(ckpt_dir):
+        return "stage*_model.safetensors"
+    if is_sharded_checkpoint(ckpt_dir):
+        return ".metadata / __*.distcp"
+    return "model.safetensors"
+
+
+def base_fingerprint(module: nn.Module) -> str:
+    """sha256 over the names, dtypes, shapes and bytes of the frozen (non-trainable) tensors."""
+    h = hashlib.sha256()
+    trainable = {id(p) for p in module.parameters() if p.requires_grad}
+    for k, v in sorted(module.state_dict(keep_vars=True).items()):
+        if id(v) in trainable:
+            continue
+        t = v.detach().to("cpu").contiguous()
+        h.update(f"{k}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+def checkpoint_model_state(ckpt_dir: str) -> dict[str, torch.Tensor]:
+    """The weights stored in a checkpoint of any engine, in one process (export, sampling, init);
+    a pipeline checkpoint's stages are merged into one model's state dict."""
+    if is_pipeline_checkpoint(ckpt_dir):
+        try:
+            sd = merge_stage_checkpoints(ckpt_dir)
+        except (ValueError, KeyError, TypeError, OSError, RuntimeError, SafetensorError) as e:
+            if isinstance(e, torch.OutOfMemoryError):
+                raise
+            raise ckpt.CheckpointError(f"checkpoint {ckpt_dir}: {damaged_file_hint(ckpt_dir, e)}") from e
+    elif is_sharded_checkpoint(ckpt_dir):
+        sd = load_full_model_state_dict(ckpt_dir)
+    else:
+        return ckpt.load_model_state(ckpt_dir)  # checked there
+    bad = ckpt.first_nonfinite(sd.items())
+    if bad is not None:
+        raise ckpt.CheckpointError(f"checkpoint {ckpt_dir}: {bad}")
+    return sd
+
+
+
+def damaged_file_hint(ckpt_dir: str, e: BaseException) -> str:
+    """The error of a load that failed inside a library that does not say which file it read: the
+    first tensor file of the directory that does not load on its own, else the error itself."""
+    for name in sorted(os.listdir(ckpt_dir)):
+        path = os.path.join(ckpt_dir, name)
+        try:
+            if name.endswith(".safetensors"):
+                load_file(path)
+            elif name.endswith(".pt"):
+                ckpt.load_tensor_file(path)
+        except (SafetensorError, OSError, ckpt.CheckpointError) as bad:
+            return f"{name} cannot be read ({ckpt.one_line(bad)[:200]})"
+    return f"{type(e).__name__}: {ckpt.one_line(e)[:300]}"

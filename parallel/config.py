@@ -1,0 +1,258 @@
+"""The parallel layout of a run as one typed section (`ParallelConfig`), what each engine can do
+(`CAPABILITIES`), and every refusal of a combination, in one place. Imports no torch: the trainer's
+pre-check answers with the same lines before torch is loaded.
+
+    pc = ParallelConfig.from_flags(train_cfg)          # the fields are the flag names (--parallel, ...)
+    pc.engine_kinds()                                  # ("ddp",) | ("fsdp",) | ("pipeline", "ddp") ...
+    pc.problems(world_size=8, needs={"--task_type=dpo": "dpo"})   # one line per refusal
+
+`needs` says what the run asks of the engine, as {the flag that asks: capability}; a capability
+that an engine of this layout does not declare is refused with one line naming both flags and why.
+The trainer describes its run (trainer/config.py `engine_needs`) and never asks which engine runs.
+
+Owns: the flag names of the parallel section, the engine kinds and their capabilities, the mesh sizes'
+validation (through parallel/mesh.py), and the start-up layout line's engine words.
+Must never: import torch, or build anything (parallel/build.py does).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from parallel.mesh import MeshLayout, layout_problem
+
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")
+DP_ENGINES = ("ddp", "fsdp")
+COMM_HOOKS = ("allreduce", "reduce_scatter", "fp16", "bf16", "powersgd")
+
+# What each engine can do: a capability missing here is refused (`problems`) with the reason given in
+# WHY_NOT. A pipeline's capabilities are those of "pipeline" AND of the dp engine that runs its stages.
+CAPABILITIES: dict[str, frozenset] = {
+    "ddp": frozenset({"compile", "dpo", "frozen_parameters", "light_checkpoints", "whole_model_on_one_rank",
+                      "comm_hooks", "overlap_optim_step", "zero", "tied_embeddings", "any_batch_shape"}),
+    "fsdp": frozenset({"compile", "dpo", "frozen_parameters", "tensor_parallel", "sequence_parallel", "hsdp",
+                       "cpu_offload", "tied_embeddings", "any_batch_shape"}),
+    "pipeline": frozenset({"zero", "tensor_parallel", "cpu_offload"}),
+}
+WHY_NOT: dict[str, str] = {
+    "compile": "not supported yet",
+    "dpo": "its loss needs whole-sequence log-probs of two models",
+    "frozen_parameters": "frozen stages and light checkpoints are not supported",
+    "light_checkpoints": "its checkpoints are written without gathering",
+    "whole_model_on_one_rank": "no rank holds the whole model",
+    "comm_hooks": "only the engine's own gradient reduction runs there",
+    "overlap_optim_step": "its per-bucket step needs our DDP's buckets and one stage's gradients",
+    "zero": "ZeRO-1/2 belongs to our DDP; FSDP already shards parameters, gradients and optimizer state",
+    "tensor_parallel": "it runs on FSDP2's mesh: needs --parallel=fsdp",
+    "sequence_parallel": "it runs on FSDP2's mesh with tensor parallelism: needs --parallel=fsdp",
+    "hsdp": "it runs on FSDP2's 2-D mesh: needs --parallel=fsdp",
+    "cpu_offload": "offloading is FSDP2's: needs --parallel=fsdp",
+    "tied_embeddings": "the embedding on the first stage and the LM head on the last would be one weight on two ranks",
+    "any_batch_shape": "stages exchange fixed-shape activations",
+}
+
+
+@dataclass
+class ParallelConfig:
+    """The parallel section of the trainer's flags (same names, same defaults as TrainConfig's)."""
+    parallel: str = "ddp"                  # the data-parallel engine: ddp (our DDP, ZeRO) | fsdp (FSDP2)
+    pipeline_parallel_size: int = 1
+    pipeline_schedule: str = "1f1b"
+    tensor_parallel_size: int = 1
+    sequence_parallel: bool = False
+    dp_replicate_size: int = 1
+    use_distributed_optimizer: bool = False
+    zero_stage: int = 1
+    comm_hook: str = "allreduce"
+    overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = False
+    overlap_optim_step: bool = False
+    bucket_size: int = 4_000_000
+    grad_reduce_in_fp32: bool = True
+    powersgd_rank: int = 4
+    powersgd_start_iter: int = 10
+    powersgd_min_compression_rate: float = 2.0
+    powersgd_warm_start: bool = True
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+    compile: bool = False
+    gradient_checkpointing: bool = False
+    gradient_accumulation_steps: int = 1   # a pipeline's micro-batches per step
+    seed: int = 1337                       # PowerSGD's random projections
+
+    @classmethod
+    def from_flags(cls, flags: Any) -> "ParallelConfig":
+        """The section read from any object with the flag names as attributes (TrainConfig); missing names
+        keep their defaults."""
+        return cls(**{f.name: getattr(flags, f.name) for f in dataclasses.fields(cls) if hasattr(flags, f.name)})
+
+    # ------------------------------------------------------------------ layout
+    @property
+    def pp(self) -> int:
+        return int(self.pipeline_parallel_size)
+
+    @property
+    def tp(self) -> int:
+        return int(self.tensor_parallel_size)
+
+    def layout(self, world_size: int) -> MeshLayout:
+        """The mesh sizes for `world_size` processes; ValueError (one line) when they do not fit."""
+        return MeshLayout.from_sizes(world_size, pp=self.pp, dp_replicate=int(self.dp_replicate_size), tp=self.tp)
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """How many slices the global batch is split into at `world_size`: the ranks of one pipeline and of
+        one tensor group read the same batch."""
+        return max(1, int(world_size) // max(1, self.pp * self.tp))
+
+    def describe_ranks(self, dp_size: int) -> str:
+        """`N data-parallel ranks x P pipeline stages (schedule) x T tensor-parallel ranks`, for the start line."""
+        words = f"{dp_size} data-parallel ranks"
+        if self.pp > 1:
+            words += f" x {self.pp} pipeline stages ({self.pipeline_schedule})"
+        if self.tp > 1:
+            words += f" x {self.tp} tensor-parallel ranks"
+        return words
+
+    def engine_kinds(self) -> tuple[str, ...]:
+        """The engines of this layout, outermost first: ("pipeline", dp engine) or (dp engine,)."""
+        return ("pipeline", self.parallel) if self.pp > 1 else (self.parallel,)
+
+    def capabilities(self) -> frozenset:
+        """What every engine of this layout can do (the intersection of their declarations)."""
+        caps = None
+        for kind in self.engine_kinds():
+            declared = CAPABILITIES.get(kind, frozenset())
+            caps = declared if caps is None else caps & declared
+        return caps or frozenset()
+
+    def engine_lacking(self, capability: str) -> Optional[str]:
+        """The flag that chose the (outermost) engine of this layout that does not declare `capability`,
+        for the refusal's line; None when every engine declares it."""
+        for kind in self.engine_kinds():
+            if capability not in CAPABILITIES.get(kind, frozenset()):
+                return f"--pipeline_parallel_size={self.pp}" if kind == "pipeline" else f"--parallel={kind}"
+        return None
+
+    def implied_engine(self, given: set) -> Optional[str]:
+        """--tensor_parallel_size > 1 or --dp_replicate_size > 1 run only on FSDP2's mesh: without an explicit
+        --parallel, --parallel=fsdp is chosen here (an explicit --parallel=ddp is still refused by `problems`).
+        Returns the line that says so, None when nothing was implied."""
+        multi = [f"--{n}={getattr(self, n)}" for n in ("tensor_parallel_size", "dp_replicate_size")
+                 if isinstance(getattr(self, n), int) and getattr(self, n) > 1]
+        if not multi or "parallel" in given or self.parallel == "fsdp":
+            return None
+        self.parallel = "fsdp"
+        return f"[layout] {' '.join(multi)} runs on FSDP2's 2-D mesh: --parallel=fsdp chosen (it was not given)"
+
+    def needs_process_group(self) -> bool:
+        """FSDP2 and pipeline stages run on a device mesh: a process group even for one process."""
+        return self.parallel == "fsdp" or self.pp > 1
+
+    def saves_light_checkpoints(self) -> bool:
+        return "light_checkpoints" in self.capabilities()
+
+    # ------------------------------------------------------------------ validation
+    def layout_needs(self) -> dict[str, str]:
+        """The capabilities the layout flags themselves ask for: {flag: capability}."""
+        asked = ((self.tp > 1, f"--tensor_parallel_size={self.tp}", "tensor_parallel"),
+                 (self.sequence_parallel, "--sequence_parallel=true", "sequence_parallel"),
+                 (self.dp_replicate_size > 1, f"--dp_replicate_size={self.dp_replicate_size}", "hsdp"),
+                 (self.cpu_offload, "--cpu_offload=true", "cpu_offload"),
+                 (self.comm_hook not in ("allreduce", "reduce_scatter"), f"--comm_hook={self.comm_hook}", "comm_hooks"),
+                 (self.overlap_optim_step, "--overlap_optim_step=true", "overlap_optim_step"),
+                 (self.use_distributed_optimizer, "--use_distributed_optimizer=true", "zero"),
+                 (self.compile, "--compile=true", "compile"))
+        return {flag: cap for on, flag, cap in asked if on}
+
+    def problems(self, world_size: Optional[int] = None, needs: Optional[dict[str, str]] = None) -> list[str]:
+        """Every reason this layout cannot run, one line each: bad sizes or names, a world that does not lay
+        out as pp x dp_replicate x dp_shard x tp, and each capability asked for (`needs` and the layout's
+        own flags) that an engine of this layout does not declare."""
+        out = []
+        for name in ("pipeline_parallel_size", "tensor_parallel_size", "dp_replicate_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                out.append(f"--{name}={v!r}: must be an integer >= 1")
+        if self.parallel not in DP_ENGINES:
+            out.append(f"--parallel={self.parallel!r} (ddp | fsdp)")
+        if str(self.pipeline_schedule).lower() not in PIPELINE_SCHEDULES:
+            out.append(f"--pipeline_schedule={self.pipeline_schedule!r} (gpipe | 1f1b)")
+        if self.comm_hook not in COMM_HOOKS:
+            out.append(f"--comm_hook={self.comm_hook!r} ({' | '.join(COMM_HOOKS)})")
+        if self.zero_stage not in (1, 2):
+            out.append(f"--zero_stage={self.zero_stage} (1 | 2)")
+        if out:
+            return out
+        if world_size is not None:
+            problem = layout_problem(world_size, pp=self.pp, dp_replicate=int(self.dp_replicate_size), tp=self.tp)
+            if problem:
+                out.append(problem)
+        out.extend(self._combination_problems())
+        for flag, cap in {**self.layout_needs(), **(needs or {})}.items():
+            engine = self.engine_lacking(cap)
+            if engine is not None:
+                out.append(f"{flag} cannot be combined with {engine} ({WHY_NOT.get(cap, 'not supported')})")
+        return out
+
+    def model_problems(self, *, n_layers: int, n_heads: int, n_kv_heads: int, max_seq_len: int,
+                       dropout: float) -> list[str]:
+        """What a model of this shape cannot do on this layout: layers that do not split into the pipeline's
+        stages, heads that do not split over the tensor-parallel ranks, a sequence that does not."""
+        out = []
+        if self.pp > 1 and n_layers % self.pp:
+            out.append(f"--pipeline_parallel_size={self.pp}: --n_layers={n_layers} does not split into {self.pp} "
+                       "equal stages (choose a divisor of n_layers)")
+        if self.tp > 1:
+            for name, v in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
+                if v % self.tp:
+                    out.append(f"--{name}={v} is not divisible by --tensor_parallel_size={self.tp} (each rank "
+                               f"computes {name}/{self.tp} heads)")
+            if self.sequence_parallel and max_seq_len % self.tp:
+                out.append(f"--sequence_parallel=true: --max_seq_len={max_seq_len} is not a multiple of "
+                           f"--tensor_parallel_size={self.tp}")
+            if self.sequence_parallel and dropout > 0:
+                out.append(f"--sequence_parallel=true cannot be combined with --dropout={dropout} yet (each rank's "
+                           "positions would need their own random stream)")
+        return out
+
+    def _combination_problems(self) -> list[str]:
+        """Rules between the flags of this section that are not an engine's capability."""
+        out = []
+        if self.comm_hook == "reduce_scatter" and not self.use_distributed_optimizer:
+            out.append("--comm_hook=reduce_scatter leaves each rank only its shard of the gradients: it needs "
+                       "--use_distributed_optimizer=true (ZeRO), which steps exactly that shard")
+        if self.sequence_parallel and self.tp == 1:
+            out.append("--sequence_parallel=true splits the sequence over tensor-parallel ranks: it needs "
+                       "--tensor_parallel_size > 1")
+        if self.parallel == "fsdp" and self.zero_stage != 1:
+            out.append(f"--zero_stage={self.zero_stage} belongs to --parallel=ddp with ZeRO; FSDP's stage is chosen "
+                       "by --reshard_after_forward (true: ZeRO-3, false: ZeRO-2-like)")
+        if self.parallel == "fsdp" and self.overlap_param_gather:
+            out.append("--overlap_param_gather=true belongs to ZeRO under --parallel=ddp; FSDP prefetches "
+                       "parameter all-gathers itself")
+        if self.pp > 1:
+            if str(self.pipeline_schedule).lower() == "1f1b" and self.gradient_accumulation_steps < self.pp:
+                out.append(f"the 1F1B schedule needs at least as many micro-batches as stages: "
+                           f"--gradient_accumulation_steps={self.gradient_accumulation_steps} < "
+                           f"--pipeline_parallel_size={self.pp} (raise it or use --pipeline_schedule=gpipe)")
+            if self.dp_replicate_size > 1 or self.sequence_parallel:
+                out.append(f"--pipeline_parallel_size={self.pp} combines with --tensor_parallel_size, not yet with "
+                           "--dp_replicate_size or --sequence_parallel=true")
+        return out
+
+    # ------------------------------------------------------------------ the start-up line
+    def describe_engine(self) -> str:
+        """The engine words of the [layout] line."""
+        dp = self.parallel
+        if dp == "ddp" and self.use_distributed_optimizer:
+            dp = f"ddp + ZeRO-{self.zero_stage}"
+        elif dp == "fsdp":
+            dp = (f"fsdp (FSDP2, {'ZeRO-3' if self.reshard_after_forward else 'ZeRO-2-like'}"
+                  f"{', CPU offload' if self.cpu_offload else ''})")
+        kind = f"pipeline ({self.pp} stages, {self.pipeline_schedule}) over {dp}" if self.pp > 1 else dp
+        if self.tp > 1:
+            kind += f" + tensor parallel {self.tp} (DTensor{', sequence parallel' if self.sequence_parallel else ''})"
+        if self.dp_replicate_size > 1:
+            kind += f", HSDP over {self.dp_replicate_size} replicas"
+        return kind

@@ -1,0 +1,120 @@
+"""Our DistributedDataParallel (buckets, comm hooks, PowerSGD) + MixedPrecisionOptimizer, or the ZeRO-1/2
+DistributedOptimizer (--use_distributed_optimizer), as the trainer's engine: `DDPEngine` and its builder.
+
+Checkpoints: utils/checkpoint.py (full weights in model.safetensors from rank 0, optimizer state per rank when
+sharded; re-sharded at another world size). LoRA runs whose base is a file store only the trainable tensors
+(parallel/checkpoint_io.py `trainable_state`).
+
+Owns: wrapping a model in our DDP with the configured comm hook, and this engine's checkpoint format.
+Must never: hold the micro-batch loop (parallel/engine.py's) or the optimizer's step (optimizer/).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Optional
+
+import torch
+from torch import nn
+
+from optimizer import OptimizerConfig, build_optimizer
+from parallel.checkpoint_io import (agreed_reads, is_sharded_checkpoint, load_extra_state, load_optimizer_state,
+                                    load_weights, read_optimizer_state, trainable_state)
+from parallel.comm_hooks import allreduce_hook, bf16_compress_wrapper, fp16_compress_wrapper, reduce_scatter_hook
+from parallel.config import CAPABILITIES, ParallelConfig
+from parallel.distributed_data_parallel import DDPConfig, DistributedDataParallel
+from parallel.engine import Engine
+from parallel.powersgd import PowerSGDState, powersgd_hook
+from utils import checkpoint as ckpt
+
+
+@dataclass
+class DDPEngine(Engine):
+    """Our DistributedDataParallel + MixedPrecisionOptimizer, or ZeRO-1/2 (DistributedOptimizer).
+    Checkpoints: utils/checkpoint.py (full weights from rank 0, or only the trainable tensors of a LoRA
+    run whose base is a file; optimizer state per rank when sharded, re-sharded at another world size)."""
+    kind: ClassVar[str] = "ddp"
+    capabilities: ClassVar[frozenset] = CAPABILITIES["ddp"]
+
+    def save(self, out_dir: str, step: int, *, rank: int, world_size: int, model_config: dict,
+             trainer_state: dict, run_config: dict, extra_state: dict, keep_last: int,
+             barrier: Callable[[], None], fault_hook: Optional[Callable[[], None]] = None,
+             log: Callable[[str], None] = print) -> str:
+        self.optimizer.finish_param_sync()  # ZeRO + overlapped gather: parameters complete before reading them
+        hook_state = self.model.comm_hook_state_dict()
+        if hook_state:
+            extra_state = dict(extra_state, comm_hook=hook_state)
+        if self.lora_base is not None:
+            trainer_state = dict(trainer_state, lora_base=self.lora_base)
+        model_state = None
+        if rank == 0:
+            model_state = trainable_state(self.module) if self.lora_base is not None else self.module.state_dict()
+        req = ckpt.SaveRequest(step=step, rank=rank, world_size=world_size, model_state=model_state,
+                               model_config=model_config,
+                               optimizer_state=self.optimizer.state_dict() if self.sharded_optimizer or rank == 0 else None,
+                               extra_state=extra_state, trainer_state=trainer_state, run_config=run_config)
+        return ckpt.save_checkpoint(out_dir, req, barrier=barrier, keep_last=keep_last, fault_hook=fault_hook, log=log)
+
+    def load(self, ckpt_dir: str, saved_world: int, rank: int, world_size: int,
+             log: Callable[[str], None] = print) -> Optional[dict]:
+        problem = self.resume_problem(ckpt_dir, saved_world, world_size)
+        if problem:
+            raise ckpt.CheckpointError(problem)
+        if is_sharded_checkpoint(ckpt_dir):
+            raise ckpt.CheckpointError(f"checkpoint {ckpt_dir} was written by --parallel=fsdp (sharded, DCP); "
+                                       "resume it with --parallel=fsdp")
+        # every file this rank reads, read and checked before any collective; then one collective of every
+        # rank's verdict, so that a file damaged at one rank is the same line at all of them
+        with agreed_reads(self.module):
+            weights = ckpt.load_model_state(ckpt_dir)
+            opt_state = read_optimizer_state(ckpt_dir, self.sharded_optimizer, rank, world_size, saved_world)
+            extra = load_extra_state(ckpt_dir, rank, saved_world, world_size, log, same_world_only=False)
+        load_weights(self.module, weights, partial=self.lora_base is not None, source=ckpt_dir,
+                     mismatch=ckpt.CheckpointMismatchError)
+        load_optimizer_state(self.optimizer, ckpt_dir, self.sharded_optimizer, rank, world_size, saved_world,
+                             read=opt_state)
+        if extra is not None and extra.get("comm_hook"):
+            try:
+                self.model.load_comm_hook_state_dict(extra["comm_hook"])
+            except (ValueError, KeyError, TypeError, IndexError, AttributeError, RuntimeError) as e:
+                if isinstance(e, torch.OutOfMemoryError):
+                    raise
+                raise ckpt.CheckpointError(f"{os.path.join(ckpt_dir, f'extra_rank{rank}.pt')}: its comm-hook "
+                                           f"(PowerSGD) state does not load ({type(e).__name__}: "
+                                           f"{ckpt.one_line(e)[:200]})") from e
+        return extra if saved_world == world_size else None
+
+
+
+def ddp_config(pc: ParallelConfig) -> DDPConfig:
+    """Our DDP's buckets and reduction from the parallel section (also the pipeline stages' wrapper)."""
+    return DDPConfig(bucket_size=pc.bucket_size, overlap_grad_reduce=pc.overlap_grad_reduce,
+                     grad_reduce_in_fp32=pc.grad_reduce_in_fp32, use_distributed_optimizer=pc.use_distributed_optimizer)
+
+
+def wrap_ddp(model: nn.Module, pc: ParallelConfig, group: Any = None) -> DistributedDataParallel:
+    """`model` in our DDP over `group` (None: the world), dp rank 0's weights broadcast, the configured comm
+    hook registered. "reduce_scatter" is what the distributed optimizer registers itself."""
+    ddp = DistributedDataParallel(model, ddp_config(pc), process_group=group)
+    ddp.broadcast_params()
+    if pc.comm_hook == "powersgd":
+        ddp.register_comm_hook(PowerSGDState(matrix_approximation_rank=pc.powersgd_rank,
+                                             start_powerSGD_iter=pc.powersgd_start_iter,
+                                             min_compression_rate=pc.powersgd_min_compression_rate,
+                                             warm_start=pc.powersgd_warm_start, seed=pc.seed), powersgd_hook)
+    elif pc.comm_hook in ("fp16", "bf16"):
+        wrap = fp16_compress_wrapper if pc.comm_hook == "fp16" else bf16_compress_wrapper
+        ddp.register_comm_hook(None, wrap(reduce_scatter_hook if pc.use_distributed_optimizer else allreduce_hook))
+    return ddp
+
+
+def build_ddp_engine(model: nn.Module, pc: ParallelConfig, opt_cfg: OptimizerConfig, *, device: torch.device,
+                     group: Any = None, param_dtype: Optional[torch.dtype] = None) -> DDPEngine:
+    """The model (already in its precision) on `device`, in our DDP over the world, with its optimizer."""
+    import torch.distributed as dist
+    model.to(device)
+    ddp = wrap_ddp(model, pc, group)
+    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if dist.is_available() and dist.is_initialized() \
+        else (0, 1)
+    return DDPEngine(ddp, build_optimizer(ddp, opt_cfg), model, sharded_optimizer=pc.use_distributed_optimizer,
+                     dp_rank=rank, dp_size=world)

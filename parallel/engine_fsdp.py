@@ -1,0 +1,98 @@
+"""torch FSDP2 (`fully_shard` per block + root) + FSDPOptimizer as the trainer's engine: `FSDPEngine` and its
+builder, on the run's one device mesh (parallel/mesh.py): HSDP over ("dp_replicate", "dp_shard") with
+replicas, tensor (+ sequence) parallel inside over "tp" (applied as a transform first).
+
+Checkpoints: torch.distributed.checkpoint, sharded, no gather, loadable at any world size
+(parallel/dcp_checkpoint.py), in the same step_N/ layout, so listing, verification and pruning are shared.
+
+Owns: this engine's wrapping, DPO reference layout, and checkpoint format.
+Must never: hold the micro-batch loop (parallel/engine.py's) or the optimizer's step (optimizer/).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Optional
+
+import torch
+from torch import nn
+
+from parallel.checkpoint_io import agreed_reads, is_sharded_checkpoint, load_extra_state, refuse_nonfinite_weights
+from optimizer import OptimizerConfig
+from parallel.config import CAPABILITIES, ParallelConfig
+from parallel.mesh import build_device_mesh
+from parallel.dcp_checkpoint import load_dcp_checkpoint, save_dcp_checkpoint
+from parallel.engine import Engine
+from parallel.fsdp import build_fsdp_engine, no_sync, reshard, shard_on_mesh
+from utils import checkpoint as ckpt
+
+
+@dataclass
+class FSDPEngine(Engine):
+    """torch FSDP2 (`fully_shard` per block + root) + FSDPOptimizer (parallel/fsdp.py). Checkpoints:
+    torch.distributed.checkpoint, sharded, no gather, loadable at any world size (parallel/dcp_checkpoint.py)."""
+    kind: ClassVar[str] = "fsdp"
+    capabilities: ClassVar[frozenset] = CAPABILITIES["fsdp"]
+
+    def place_reference(self, ref: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
+        """DPO's reference laid out on the same mesh (tensor-parallel like the policy, fp32 shards, each
+        block gathered in `dtype` for its forward and freed after it), so it costs 1/world of its bytes."""
+        return shard_on_mesh(ref.to(device=device, dtype=torch.float32), self.mesh, param_dtype=dtype,
+                             reshard_after_forward=True)
+
+    def reference_layout(self) -> str:
+        tp = self.mesh["tp"].size() if self.mesh is not None else 1
+        return "sharded by FSDP2" + (f" and split over {tp} tensor-parallel ranks" if tp > 1 else "")
+
+    def _no_sync(self) -> contextlib.AbstractContextManager:
+        return no_sync(self.model)  # the model is the fully_shard-ed module itself: no wrapper
+
+    def _after_forward_only(self) -> None:
+        reshard(self.model)  # no backward follows to free what the forward gathered: free it now
+
+    def save(self, out_dir: str, step: int, *, rank: int, world_size: int, model_config: dict,
+             trainer_state: dict, run_config: dict, extra_state: dict, keep_last: int,
+             barrier: Callable[[], None], fault_hook: Optional[Callable[[], None]] = None,
+             log: Callable[[str], None] = print) -> str:
+        state = dict(trainer_state, step=step, world_size=world_size)
+        path = save_dcp_checkpoint(ckpt.checkpoint_root(out_dir), step, self.model, self.optimizer,
+                                   json_files={"trainer_state.json": state, "model_config.json": model_config,
+                                               "config.json": run_config},
+                                   rank_state=extra_state, fault_hook=fault_hook)
+        if rank == 0:
+            ckpt.prune_checkpoints(out_dir, keep_last=keep_last, keep_best=True, log=log)
+        barrier()
+        return path
+
+    def load(self, ckpt_dir: str, saved_world: int, rank: int, world_size: int,
+             log: Callable[[str], None] = print) -> Optional[dict]:
+        problem = self.resume_problem(ckpt_dir, saved_world, world_size)
+        if problem:
+            raise ckpt.CheckpointError(problem)
+        if not is_sharded_checkpoint(ckpt_dir):
+            raise ckpt.CheckpointError(f"checkpoint {ckpt_dir} was written by --parallel=ddp; resume it with "
+                                       "--parallel=ddp (or start a new fsdp run with --init_from=<that checkpoint>)")
+        with agreed_reads(self.module):  # this rank's own file, before DCP's collective read
+            extra = load_extra_state(ckpt_dir, rank, saved_world, world_size, log)
+        load_dcp_checkpoint(ckpt_dir, self.model, self.optimizer)
+        refuse_nonfinite_weights(self.module, ckpt_dir)
+        return extra
+
+
+
+
+def build_fsdp_engine_on_mesh(model: nn.Module, pc: ParallelConfig, opt_cfg: OptimizerConfig, *, device: torch.device,
+                              group: Any = None, param_dtype: torch.dtype = torch.float32) -> FSDPEngine:
+    """FSDP2 over the one mesh's data-parallel dims (HSDP with replicas), tensor parallel inside (the
+    transform runs in parallel/fsdp.py shard_on_mesh, before the wrap). `group` is unused: the mesh is
+    the world's."""
+    import torch.distributed as dist
+    model.to(device)
+    layout = pc.layout(dist.get_world_size())
+    mesh = build_device_mesh(layout, device.type)
+    wrapped, opt = build_fsdp_engine(model, opt_cfg, mesh_or_group=mesh, param_dtype=param_dtype,
+                                     reshard_after_forward=pc.reshard_after_forward, cpu_offload=pc.cpu_offload,
+                                     sequence_parallel=pc.sequence_parallel)
+    rank, world = layout.dp_coordinates(dist.get_rank())
+    return FSDPEngine(wrapped, opt, wrapped, sharded_optimizer=True, dp_rank=rank, dp_size=world, mesh=mesh,
+                      counts_in_sums=layout.coordinates(dist.get_rank())["tp"] == 0)

@@ -1,0 +1,49 @@
+"""torch.compile as a transform. Without tensor parallelism the engine's whole forward model is compiled
+(`engine.forward_model = torch.compile(engine.model)`: our DDP's wrapper and the model in one graph, or
+FSDP2's root module); with tensor parallelism each Transformer block is compiled in place
+(`compile_blocks`, torchtitan's per-block compile), so the DTensor hooks inside a block are traced while
+FSDP2's hooks, the embedding, the LM head and the vocabulary-parallel loss run eagerly around it.
+
+Owns: what is compiled, and the one workaround it needs (an AsyncCollectiveTensor input materialised).
+Must never: change parameter names or module structure (checkpoints and hooks stay the same).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+from model.llama import blocks_of
+
+
+def compile_blocks(model: nn.Module) -> None:
+    """torch.compile each Transformer block's forward in place (the blocks stay the same modules: only
+    their bound `forward` is replaced).
+
+    The first block's input is the vocabulary-parallel embedding's all-reduced output, which torch hands
+    over as an AsyncCollectiveTensor (the all-reduce not yet waited on); a compiled graph given that
+    wrapper returns no gradient to the embedding (measured: a zero embedding gradient with torch 2.13),
+    so such an input is materialised eagerly first (one copy of the block's input, once per forward)."""
+    def compiled(forward):
+        graph = torch.compile(forward)
+
+        def run(h, *args, **kwargs):
+            if isinstance(h, AsyncCollectiveTensor):
+                h = h.clone()  # a dispatched op: waits for the collective, keeps the autograd edge
+            return graph(h, *args, **kwargs)
+        return run
+
+    for block in blocks_of(model.layers):
+        block.forward = compiled(block.forward)
+
+
+def apply(engine: Any, mesh: Any, config: Any) -> None:
+    """--compile=true on a built engine (the last transform: see parallel/transforms/__init__.py)."""
+    if not bool(getattr(config, "compile", False)):
+        return
+    if int(getattr(config, "tensor_parallel_size", 1)) > 1:
+        compile_blocks(engine.module)  # the forward model stays the module: each block is compiled
+    else:
+        engine.forward_model = torch.compile(engine.model)
