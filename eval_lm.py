@@ -30,7 +30,7 @@ import json
 import os
 import sys
 
-from lm_tasks import (LETTERS, TaskFormatError, choice_loglikelihood, encode_pair,  # noqa: F401  (re-exported)
+from evals.lm_tasks import (LETTERS, TaskFormatError, choice_loglikelihood, encode_pair,  # noqa: F401  (re-exported)
                       evaluate_perplexity, evaluate_task, mc_request, perplexity_windows, read_task)
 
 

@@ -13,7 +13,7 @@ LAYERS = {
     "utils": 0,
     "tokenizer": 1, "model": 1,
     "data_preprocess": 2, "optimizer": 2,  # optimizer/ steps over parallel/'s DDP by duck typing only
-    "parallel": 3, "dataset": 3, "lm_tasks": 3,
+    "parallel": 3, "dataset": 3, "evals": 3,
     "trainer": 5,  # the trainer's pieces (config, start, loop, task, weights, samples, faults)
     "train_my_ddp": 6, "sample": 6, "export_hf": 6, "monitor_process": 6,
     "eval_lm": 7,  # scores with sample.py's loading (load_for_inference, the recorded tokenizer)

@@ -42,7 +42,7 @@ def build_task_evaluator(cfg: TrainConfig):
     paths = [t.strip() for t in cfg.eval_tasks.split(",") if t.strip()]
     if not paths:
         return None
-    from lm_tasks import TaskEvaluator
+    from evals.lm_tasks import TaskEvaluator
     return TaskEvaluator(paths, cfg.tokenizer_dir, cfg.max_seq_len, cfg.eval_tasks_limit)
 
 
@@ -155,7 +155,7 @@ def train(cfg: TrainConfig, info: DistInfo, continues: Optional[bool] = None, ma
         cfg.warmup_iters, how = resolve_warmup(cfg.warmup_iters, cfg.warmup_ratio, cfg.max_iters, cfg.task_type)
         log(f"[schedule] warmup {cfg.warmup_iters} steps ({how})")
     if info.is_main:
-        save_config_json(cfg, os.path.join(cfg.out_dir, "config.json"))
+        save_config_json(cfg, os.path.join(cfg.out_dir, RUN_CONFIG))
     metrics = MetricsLogger(cfg.out_dir, enabled=info.is_main, tensorboard=cfg.tensorboard, log=log,
                             wandb=cfg.wandb, wandb_project=cfg.wandb_project, wandb_run_name=cfg.wandb_run_name,
                             run_config=dataclasses.asdict(cfg),

@@ -20,7 +20,7 @@ def test_eval_tasks_are_logged_and_equal_the_checkpoints_scores(tiny_pretrain_ru
                                                                  capsys):
     import torch
 
-    from lm_tasks import TaskEvaluator
+    from evals.lm_tasks import TaskEvaluator
     from model import Transformer
     from model.config import read_model_config
     from parallel.checkpoint_io import checkpoint_model_state
