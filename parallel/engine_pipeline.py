@@ -1,66 +1,282 @@
-"""Pipeline stages as the trainer's engine: `PipelineParallelEngine` over parallel/pipeline.py's stages and
-schedule (our DDP or FSDP2 per stage over the dp dimension of the one mesh; tensor parallel inside a stage
-over FSDP2). Checkpoints: per-stage files (stage{s}_model.safetensors, stage{s}_optimizer_dp{r}.pt,
-pipeline.json) in the same step_N/ layout with the same manifest / COMPLETE / atomic rename; resumable with
-the same stages at any dp size.
+"""Pipeline stages as the trainer's engine: `PipelineParallelEngine`, this rank's stage (parallel/pipeline.py's
+split and schedule) on the run's one mesh (parallel/mesh.py: "pp" x "dp_shard" x "tp"; dp_replicate is 1),
+our DDP (engine_ddp.wrap_ddp; ZeRO-1/2) or FSDP2 per stage over the dp dimension (tensor parallel inside a
+stage over FSDP2), and an optimizer whose global-norm clip and fp16 overflow decision span ALL stages (the
+squared norm is all-reduced over the pp group too). Checkpoints: per-stage files (stage{s}_model.safetensors,
+stage{s}_optimizer_dp{r}.pt, pipeline.json) in the same step_N/ layout with the same manifest / COMPLETE /
+atomic rename; resumable with the same stages at any dp size; merge_stage_checkpoints() gives the full model.
 
-Owns: this engine's step, evaluation and checkpoint format.
-Must never: hold the schedule or the stage split (parallel/pipeline.py's).
+    engine = build_pipeline_parallel_engine(model, parallel_config, opt_cfg, device=device)
+    engine.optimizer.zero_grad()
+    sums = engine.forward_backward(micro_batches, loss_fn, global_units)   # len == gradient_accumulation_steps
+    engine.optimizer.step()
+
+Owns: this engine's mesh use, stage wrapping, step, evaluation and checkpoint format.
+Must never: normalise the loss other than by the global target units (sum over micro-batches and dp
+replicas; ranks of one pp group hold the same data and are counted once), clip with a norm that misses
+another stage's parameters, hold the stage split or build the schedule (parallel/pipeline.py's).
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import time
 from typing import Any, Callable, ClassVar, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 from safetensors import SafetensorError
 
+from optimizer import OptimizerConfig
 from parallel.checkpoint_io import (damaged_file_hint, is_pipeline_checkpoint, load_extra_state,
                                     read_pipeline_meta_safe, refuse_nonfinite_weights)
-from optimizer import OptimizerConfig
 from parallel.config import CAPABILITIES, ParallelConfig
-from parallel.engine_ddp import ddp_config
-from parallel.pipeline import build_pipeline_engine
 from parallel.engine import Engine, LossFn
+from parallel.pipeline import (FORMAT, META_FILE, PipelineStageModule, build_schedule, pipeline_stage_module,
+                               read_pipeline_meta, split_layers, validate_pipeline_options)
 from utils import checkpoint as ckpt
+from utils.constants import IGNORE_INDEX
 from utils.publish import fsync_file, make_temp_dir, temp_dir_for
 
 
+def _full(t: Any) -> Any:
+    """A DTensor gathered to a plain tensor (collective over its mesh); anything else unchanged.
+    torch logs a warning per tensor when a dp x tp DTensor (FSDP's _StridedShard over Shard) needs two
+    all-gathers; at checkpoint time that is expected, so it is not printed for every tensor of every save."""
+    from torch.distributed.tensor import DTensor
+    if not isinstance(t, DTensor):
+        return t
+    logger = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        return t.full_tensor()
+    finally:
+        logger.setLevel(level)
+
+
+def _like(full: Any, template: Any) -> Any:
+    """`full` sharded like the DTensor `template` (every rank holds `full`: no communication)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    if isinstance(template, DTensor):
+        return distribute_tensor(full.to(template.device, template.dtype), template.device_mesh,
+                                 template.placements, src_data_rank=None)
+    if torch.is_tensor(template) and torch.is_tensor(full):
+        return full.to(template.device)
+    return full
+
+
 class PipelineParallelEngine(Engine):
-    """The trainer's view of a parallel.pipeline.PipelineEngine (this rank's stage on the pp x dp mesh)."""
+    """This rank's stage (wrapped over the dp group), its schedule and its optimizer."""
     kind: ClassVar[str] = "pipeline"
     capabilities: ClassVar[frozenset] = CAPABILITIES["pipeline"]
 
-    def __init__(self, pipe: Any) -> None:
+    def __init__(self, stage_module: PipelineStageModule, wrapped: Any, optimizer: Any, *, mesh: Any,
+                 device: torch.device, schedule: str, n_microbatches: int, layer_ranges: list[tuple[int, int]],
+                 dp_engine: str = "ddp") -> None:
+        self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp_shard")
+        self.pp_size, self.dp_size, self.tp_size = (mesh[d].size() for d in ("pp", "dp_shard", "tp"))
+        self.stage_index, self.dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp_shard")
+        self.tp_rank = mesh.get_local_rank("tp")
+        self.dp_engine, self.schedule_name, self.n_microbatches = dp_engine, schedule.lower(), n_microbatches
+        self.layer_ranges, self.n_layers = layer_ranges, stage_module.cfg.n_layers
         # the P ranks of a pipeline (and the T ranks of a stage's tensor group) hold the same batch and the
         # same broadcast loss: only stage 0's tensor rank 0 counts
-        super().__init__(pipe.model, pipe.optimizer, pipe.module, dp_rank=pipe.dp_rank,
-                         dp_size=pipe.dp_size, fixed_batch_shape=True, micro_batches_per_call=pipe.n_microbatches,
-                         counts_in_sums=pipe.stage_index == 0 and pipe.tp_rank == 0, mesh=pipe.mesh)
-        self.pipe = pipe
+        super().__init__(wrapped, optimizer, stage_module, dp_rank=self.dp_rank, dp_size=self.dp_size,
+                         fixed_batch_shape=True, micro_batches_per_call=n_microbatches,
+                         counts_in_sums=self.stage_index == 0 and self.tp_rank == 0, mesh=mesh,
+                         sharded_optimizer=self._sharded_files(optimizer))
+        self.is_first, self.is_last = stage_module.is_first, stage_module.is_last
+        self._loss_mult = 1.0
+        self._mb_shape: Optional[tuple] = None
+        self.stage, self.schedule = build_schedule(wrapped, self.stage_index, self.pp_size, device, self.pp_group,
+                                                   n_microbatches, self.schedule_name, self._schedule_loss)
+
+    # ------------------------------------------------------------------ one step
+    def _schedule_loss(self, output: torch.Tensor, target: Any) -> torch.Tensor:
+        # output: this micro-batch's loss sum ([1]); the backward sees sum * dp / global_units (our DDP
+        # averages over dp, so gradients are those of (all replicas' loss sums) / global_units), with
+        # the fp16 loss scale on top.
+        return self.optimizer.scale_loss(output.sum() * self._loss_mult)
 
     def forward_backward(self, batches: Sequence[dict], loss_fn: LossFn, global_units: float,
                          poison: bool = False) -> torch.Tensor:
-        out = self.pipe.forward_backward(batches, global_units, poison=poison)
-        return torch.tensor([float(out.loss_sum), 0.0, 0.0, 0.0, 0.0], dtype=torch.float64)
+        """Run the schedule over this dp replica's micro-batches (every rank of a pp group passes the same
+        ones; the first stage reads input_ids, the last labels, all of them attention_mask / position_ids).
+        Gradients accumulate (DDP no_sync) and are reduced over dp in optimizer.step(). Returns the float64
+        STEP_FIELDS row (the last stage's loss sum, broadcast over the pp group). Collective over the mesh."""
+        mbs = list(batches)
+        if len(mbs) != self.n_microbatches:
+            raise ValueError(f"the pipeline schedule was built for {self.n_microbatches} micro-batches "
+                             f"(gradient_accumulation_steps), got {len(mbs)}")
+        self._check_shapes(mbs)
+        self._loss_mult = self.dp_size / max(1.0, float(global_units)) * (float("nan") if poison else 1.0)
+        args, target, kwargs = self._inputs(mbs)
+        self.module.train()
+        # one dp reduction per step: our DDP's in optimizer.step(); FSDP's reduce-scatter is run by the
+        # schedule after the last backward (PipelineStage turns FSDP's per-backward sync off itself)
+        sync_ctx = self.model.no_sync() if self.dp_engine == "ddp" else contextlib.nullcontext()
+        with sync_ctx:
+            out = self.schedule.step(*args, target=target, **kwargs)
+        loss_sum = self._broadcast_loss(out) * (float("nan") if poison else 1.0)
+        return torch.tensor([loss_sum, 0.0, 0.0, 0.0, 0.0], dtype=torch.float64)
 
+    @torch.no_grad()
     def evaluate(self, batches: Sequence[dict], loss_fn: LossFn, count_units: Callable[[dict], int]) -> torch.Tensor:
-        total, units = self.pipe.eval_loss_sum(batches)
+        """float64 STEP_FIELDS sums of this dp replica's batches, forward only (validation).
+        len(batches) must be a multiple of n_microbatches, each batch of the training shape. Switching the
+        schedule between eval and train re-runs its shape inference (one extra forward; no effect on the
+        numbers)."""
+        mbs = list(batches)
+        if not mbs or len(mbs) % self.n_microbatches:
+            raise ValueError(f"eval needs a multiple of {self.n_microbatches} micro-batches, got {len(mbs)}")
+        self._check_shapes(mbs)
+        self.module.eval()
+        total, units = 0.0, 0
+        try:
+            for i in range(0, len(mbs), self.n_microbatches):
+                group = mbs[i:i + self.n_microbatches]
+                units += int(sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in group))
+                args, target, kwargs = self._inputs(group)
+                total += self._broadcast_loss(self.schedule.eval(*args, target=target, **kwargs))
+        finally:
+            self.module.train()
+            if self.dp_engine == "fsdp":  # forward-only: free the gathered parameters (no backward will)
+                from parallel.fsdp import reshard
+                reshard(self.module)
         return torch.tensor([total, 0.0, 0.0, 0.0, float(units)], dtype=torch.float64)
 
+    def _check_shapes(self, mbs: list) -> None:
+        for mb in mbs:
+            if "input_ids" not in mb or "labels" not in mb:
+                raise ValueError("pipeline micro-batches need input_ids and labels (DPO batches are not supported; "
+                                 f"got keys {sorted(mb)})")
+        shapes = {tuple(mb["input_ids"].shape) for mb in mbs}
+        if len(shapes) != 1 or (self._mb_shape is not None and shapes != {self._mb_shape}):
+            want = self._mb_shape or "one shape"
+            raise ValueError(f"pipeline stages exchange fixed-shape activations: every micro-batch must be "
+                             f"[batch, seq] = {want}, got {sorted(shapes)} (pad SFT batches to max_seq_len)")
+        self._mb_shape = shapes.pop()
+
+    def _inputs(self, mbs: list) -> tuple[tuple, Any, dict]:
+        device = self.stage.device
+        cat = {k: torch.cat([mb[k] for mb in mbs]).to(device) for k in mbs[0]
+               if k in ("input_ids", "labels", "attention_mask", "position_ids")}
+        kwargs = {k: cat[k] for k in ("attention_mask", "position_ids") if k in cat}
+        if self.is_last:
+            kwargs["labels"] = cat["labels"]
+        args = (cat["input_ids"],) if self.is_first else ()
+        return args, (cat["labels"] if self.is_last else None), kwargs
+
+    def _broadcast_loss(self, out: Optional[torch.Tensor]) -> float:
+        """The last stage's merged per-micro-batch loss sums, summed, on every stage of the pp group."""
+        loss = torch.zeros(1, dtype=torch.float64, device=self.stage.device)
+        if self.is_last:
+            loss[0] = float(out.detach().double().sum())
+        if self.pp_size > 1:
+            dist.broadcast(loss, src=dist.get_global_rank(self.pp_group, self.pp_size - 1), group=self.pp_group)
+        return float(loss.item())
+
+    # ------------------------------------------------------------------ stage state and files
+    def _sharded_files(self, optimizer: Any = None) -> bool:
+        """One optimizer file per dp rank (ZeRO's flat shards); FSDP state is gathered to one file."""
+        return self.dp_engine == "ddp" and bool(getattr(optimizer or self.optimizer, "sharded", False))
+
+    def state_dict(self) -> dict:
+        """{"model": this stage's weights (full-model key names), "optimizer": its optimizer state}. Under FSDP
+        both are gathered to full tensors (collective over dp), so the files have one layout whatever the
+        dp engine's sharding."""
+        self.optimizer.finish_param_sync()
+        model = {k: _full(v).detach() for k, v in self.module.state_dict().items()}
+        opt = self.optimizer.state_dict()
+        if self.dp_engine == "fsdp":
+            opt = dict(opt, adamw={k: _full(v) for k, v in opt["adamw"].items()})
+        return {"model": model, "optimizer": opt}
+
+    def load_state_dict(self, sd: dict) -> None:
+        """The inverse of state_dict() (full tensors; re-sharded here under FSDP)."""
+        if self.dp_engine == "fsdp":
+            current = self.module.state_dict()
+            self.module.load_state_dict({k: _like(v, current[k]) for k, v in sd["model"].items()})
+            template = self.optimizer.state_dict()["adamw"]
+            opt = dict(sd["optimizer"])
+            opt["adamw"] = {k: _like(v, template.get(k)) for k, v in opt["adamw"].items()}
+            self.optimizer.load_state_dict(opt)
+            return
+        self.module.load_state_dict(sd["model"])
+        self.optimizer.load_state_dict(sd["optimizer"])
+
+    def write_stage_files(self, dir_path: str) -> None:
+        """Collective over the mesh: this stage's files into the existing directory `dir_path` (dp rank 0
+        writes the stage's weights `stage{s}_model.safetensors` and, unless ZeRO shards it,
+        `stage{s}_optimizer_dp0.pt`; ZeRO: every dp rank its own), fsynced; global rank 0 also writes
+        `pipeline.json`. Returns after every rank has written (a barrier). Publishing the directory is `save`'s."""
+        from safetensors.torch import save_file
+        sd = self.state_dict()
+        s = self.stage_index
+        first = self.dp_rank == 0 and self.tp_rank == 0  # one writer per stage (the tensors are gathered)
+        if first:
+            path = os.path.join(dir_path, f"stage{s}_model.safetensors")
+            save_file({k: v.to("cpu").contiguous().clone() for k, v in sd["model"].items()}, path,
+                      metadata={"format": "pt", "stage": str(s)})
+            fsync_file(path)
+        if first or self._sharded_files():
+            path = os.path.join(dir_path, f"stage{s}_optimizer_dp{self.dp_rank}.pt")
+            torch.save(sd["optimizer"], path)
+            fsync_file(path)
+        if dist.get_rank() == 0:
+            ckpt.write_json(os.path.join(dir_path, META_FILE), {
+                "format": FORMAT, "pp_size": self.pp_size, "dp_size": self.dp_size, "tp_size": self.tp_size,
+                "n_layers": self.n_layers, "layer_ranges": [list(r) for r in self.layer_ranges],
+                "schedule": self.schedule_name, "n_microbatches": self.n_microbatches,
+                "dp_engine": self.dp_engine, "sharded_optimizer": self._sharded_files()})
+        dist.barrier()
+
+    def load_stage_files(self, ckpt_dir: str) -> None:
+        """This stage's weights and optimizer state from a checkpoint of the same pipeline split (pp size,
+        layer ranges) and dp engine, at any dp size (ZeRO shards are re-sharded)."""
+        from safetensors.torch import load_file
+        meta = read_pipeline_meta(ckpt_dir)
+        if meta["pp_size"] != self.pp_size or [tuple(r) for r in meta["layer_ranges"]] != list(self.layer_ranges):
+            raise ValueError(f"checkpoint {ckpt_dir} has {meta['pp_size']} stage(s) with layers "
+                             f"{meta['layer_ranges']}; this run has {self.pp_size} with {self.layer_ranges}: resume "
+                             f"at the same pipeline_parallel_size (or merge_stage_checkpoints() it to one model "
+                             f"and start from that)")
+        if meta.get("dp_engine", "ddp") != self.dp_engine:
+            raise ValueError(f"checkpoint {ckpt_dir} was written with dp engine {meta.get('dp_engine')!r}; this run "
+                             f"uses {self.dp_engine!r} (the optimizer states differ; the weights can be taken with "
+                             f"merge_stage_checkpoints())")
+        sharded = self._sharded_files()
+        if sharded != bool(meta["sharded_optimizer"]):
+            raise ValueError(f"checkpoint {ckpt_dir}: optimizer layout (sharded={meta['sharded_optimizer']}) differs "
+                             f"from this run's (sharded={sharded}): resume with the same --use_distributed_optimizer")
+        s = self.stage_index
+
+        def opt_file(r: int) -> dict:
+            return torch.load(os.path.join(ckpt_dir, f"stage{s}_optimizer_dp{r}.pt"), map_location="cpu",
+                              weights_only=True)
+        if not sharded:  # one file per stage whatever the dp size (FSDP's state is gathered to it)
+            opt = opt_file(0)
+        elif int(meta["dp_size"]) == self.dp_size:
+            opt = opt_file(self.dp_rank)
+        else:  # ZeRO shards of another dp size: every saved shard, re-sharded by the optimizer
+            opt = [opt_file(r) for r in range(int(meta["dp_size"]))]
+        self.load_state_dict({"model": load_file(os.path.join(ckpt_dir, f"stage{s}_model.safetensors")),
+                              "optimizer": opt})
+
+    # ------------------------------------------------------------------ the trainer's checkpoints
     def resume_problem(self, ckpt_dir: str, saved_world: int, world_size: int) -> Optional[str]:
         if not is_pipeline_checkpoint(ckpt_dir):
             return (f"{ckpt_dir} was written without pipeline parallelism; resume it with --pipeline_parallel_size=1 "
                     "(or start a new pipeline run from its weights with --init_from=<that checkpoint>)")
         meta = read_pipeline_meta_safe(ckpt_dir)
         saved = (meta.get("pp_size"), meta.get("dp_size"), meta.get("dp_engine", "ddp"))
-        here = (self.pipe.pp_size, self.pipe.dp_size, self.pipe.dp_engine)
-        if (saved[0], saved[2]) != (here[0], here[2]):
+        if (saved[0], saved[2]) != (self.pp_size, self.dp_engine):
             return (f"{ckpt_dir} was written on a pipeline mesh of pp={saved[0]} x dp={saved[1]} ({saved[2]}), this "
-                    f"run is pp={here[0]} x dp={here[1]} ({here[2]}): a pipeline checkpoint resumes with the same "
-                    "number of stages and dp engine, at any dp size (to change the stages, start a new run with "
-                    "--init_from=<that checkpoint>)")
+                    f"run is pp={self.pp_size} x dp={self.dp_size} ({self.dp_engine}): a pipeline checkpoint resumes "
+                    "with the same number of stages and dp engine, at any dp size (to change the stages, start a "
+                    "new run with --init_from=<that checkpoint>)")
         return None
 
     def save(self, out_dir: str, step: int, *, rank: int, world_size: int, model_config: dict,
@@ -68,7 +284,8 @@ class PipelineParallelEngine(Engine):
              barrier: Callable[[], None], fault_hook: Optional[Callable[[], None]] = None,
              log: Callable[[str], None] = print) -> str:
         """Collective. The stages' files + per-rank RNG into step_N.tmp/, then rank 0 publishes it
-        (manifest, COMPLETE, fsync, atomic rename: utils/checkpoint.publish_checkpoint_dir) and prunes."""
+        (manifest, COMPLETE, fsync, atomic rename: utils/checkpoint.publish_checkpoint_dir) and prunes.
+        Always full stage files (no light LoRA checkpoints)."""
         root = ckpt.checkpoint_root(out_dir)
         final = os.path.join(root, ckpt.step_dir_name(step))
         tmp = temp_dir_for(final)
@@ -77,7 +294,7 @@ class PipelineParallelEngine(Engine):
             if rank == 0:
                 make_temp_dir(final)  # one left by a crash was never complete: dropped
             barrier()
-            self.pipe.write_stage_files(tmp)  # collective over the mesh (FSDP gathers the stage's tensors)
+            self.write_stage_files(tmp)  # collective over the mesh (FSDP gathers the stage's tensors)
             path = os.path.join(tmp, f"extra_rank{rank}.pt")
             torch.save(extra_state, path)
             fsync_file(path)
@@ -101,7 +318,7 @@ class PipelineParallelEngine(Engine):
         if problem:
             raise ckpt.CheckpointError(problem)
         try:
-            self.pipe.load(ckpt_dir)
+            self.load_stage_files(ckpt_dir)
         except (ValueError, KeyError, TypeError, OSError, EOFError, RuntimeError, SafetensorError) as e:
             if isinstance(e, torch.OutOfMemoryError):
                 raise
@@ -110,15 +327,54 @@ class PipelineParallelEngine(Engine):
         return load_extra_state(ckpt_dir, rank, saved_world, world_size, log)
 
 
-
-
 def build_pipeline_parallel_engine(model: torch.nn.Module, pc: ParallelConfig, opt_cfg: OptimizerConfig, *,
-                                   device: torch.device, group: Any = None,
-                                   param_dtype: torch.dtype = torch.float32) -> PipelineParallelEngine:
-    """This rank's stage of `model` on the pp x dp (x tp) mesh, our DDP or FSDP2 over dp; only the stage is
-    moved to `device`."""
-    pipe = build_pipeline_engine(
-        model, opt_cfg, pp_size=pc.pp, n_microbatches=pc.gradient_accumulation_steps, schedule=pc.pipeline_schedule,
-        dp_engine=pc.parallel, ddp_config=ddp_config(pc), device=device, param_dtype=param_dtype,
-        reshard_after_forward=pc.reshard_after_forward, cpu_offload=pc.cpu_offload, tp_size=pc.tp)
-    return PipelineParallelEngine(pipe)
+                                   device: Optional[torch.device] = None, group: Any = None,
+                                   param_dtype: torch.dtype = torch.float32,
+                                   allow_uneven_split: bool = False) -> PipelineParallelEngine:
+    """This rank's stage of `model` on the run's mesh (pp x dp x tp), our DDP or FSDP2 over dp, its optimizer
+    and schedule. Collective over the world (mesh + broadcast of dp rank 0's weights). `model`: the full
+    Transformer, built identically on every rank (same seed) or loaded; only this rank's stage is moved to
+    `device` (the other layers can be freed by the caller: nothing references them)."""
+    from parallel.engine_ddp import wrap_ddp
+    from parallel.mesh import build_device_mesh
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("pipeline parallelism needs an initialised process group")
+    pp, tp, dp_engine = pc.pp, pc.tp, pc.parallel
+    validate_pipeline_options(pp_size=pp, n_microbatches=pc.gradient_accumulation_steps,
+                              schedule=pc.pipeline_schedule, dp_engine=dp_engine, world_size=dist.get_world_size(),
+                              overlap_optim_step=opt_cfg.overlap_optim_step)
+    if tp > 1 and dp_engine != "fsdp":
+        raise ValueError("tensor parallelism under pipeline stages runs on FSDP2 per stage: --parallel=fsdp")
+    device = torch.device(device if device is not None else next(model.parameters()).device)
+    layout = pc.layout(dist.get_world_size())
+    if layout.dp_replicate != 1:
+        raise ValueError("pipeline stages replicate over the dp_shard dimension only: --dp_replicate_size=1")
+    mesh = build_device_mesh(layout, device.type)
+    pp_group = mesh.get_group("pp")
+    stage_index = mesh.get_local_rank("pp")
+    stage_module = pipeline_stage_module(model, stage_index, pp, allow_uneven_split)
+    stage_module.to(device)  # only this stage: the full model may be built (or loaded) on the CPU
+    norm_groups = [pp_group] if pp > 1 else []  # the global norm and fp16 skip also span the other stages
+    if dp_engine == "fsdp":
+        from optimizer.fsdp_optimizer import FSDPOptimizer
+        from parallel.fsdp import broadcast_from_first, validate_fsdp_options, wrap_fsdp
+        validate_fsdp_options(use_distributed_optimizer=opt_cfg.use_distributed_optimizer,
+                              overlap_param_gather=opt_cfg.overlap_param_gather, zero_stage=opt_cfg.zero_stage)
+        if tp > 1:  # dp rank 0's (tp rank 0's) weights everywhere, then the stage split over the tensor ranks
+            from parallel.transforms.tensor_parallel import apply_tensor_parallel
+            broadcast_from_first(list(stage_module.parameters()) + list(stage_module.buffers()),
+                                 mesh["dp_shard", "tp"])
+            apply_tensor_parallel(stage_module, mesh["tp"])
+        wrapped = wrap_fsdp(stage_module, mesh_or_group=mesh["dp_shard"], param_dtype=param_dtype,
+                            reshard_after_forward=pc.reshard_after_forward, cpu_offload=pc.cpu_offload,
+                            sync_module_states=tp == 1, gloo_collectives=False)
+        opt = FSDPOptimizer(stage_module, opt_cfg, norm_groups=norm_groups)
+    else:
+        from optimizer import build_optimizer
+        if pc.use_distributed_optimizer != opt_cfg.use_distributed_optimizer:
+            raise ValueError("ParallelConfig.use_distributed_optimizer must equal OptimizerConfig's")
+        wrapped = wrap_ddp(stage_module, pc, group=mesh.get_group("dp_shard"))  # dp rank 0's weights everywhere
+        opt = build_optimizer(wrapped, opt_cfg, norm_groups=norm_groups)
+    return PipelineParallelEngine(stage_module, wrapped, opt, mesh=mesh, device=device, schedule=pc.pipeline_schedule,
+                                  n_microbatches=pc.gradient_accumulation_steps, dp_engine=dp_engine,
+                                  layer_ranges=split_layers(model.cfg.n_layers, pp, allow_uneven_split))

@@ -1,11 +1,11 @@
-"""Pipeline parallelism (parallel/pipeline.py) on CPU + gloo: torch.distributed.pipelining stages
+"""Pipeline parallelism (parallel/pipeline.py's stages, parallel/engine_pipeline.py's engine) on CPU + gloo: torch.distributed.pipelining stages
 + our DDP on the dp dimension, against one process training the same model on the same global batch.
 
 Two spawns write what they measured to files that the tests below check:
   - 2 processes, pp=2 x dp=1: GPipe and 1F1B (with activation checkpointing), 3 steps each
     (accumulation 2 = 2 micro-batches, clipping active); GPipe then runs a forward-only pass and a
-    4th step; 1F1B saves per stage after step 2 and a freshly built engine (another init) loads it
-    and redoes step 3, which must be bit-identical;
+    4th step; 1F1B saves (the engine's trainer-facing save) after step 2 and a freshly built engine
+    (another init) loads it and redoes step 3, which must be bit-identical;
   - 4 processes, pp=2 x dp=2: our DDP + GPipe, ZeRO-1 + 1F1B, FSDP + 1F1B (with the same
     save -> fresh engine -> load -> step 3 resume check): 3 steps.
 Parameters are compared with one process (torch AdamW + clip_grad_norm_, loss = sum / target
@@ -108,27 +108,52 @@ def reference():
 
 # ------------------------------------------------------------------------------ workers
 
+def _pc(schedule: str, zero: bool = False, dp_engine: str = "ddp", gas: int = GAS):
+    from parallel.config import ParallelConfig
+    return ParallelConfig(parallel=dp_engine, pipeline_parallel_size=2, pipeline_schedule=schedule,
+                          gradient_accumulation_steps=gas, use_distributed_optimizer=zero)
+
+
 def _build(schedule: str, seed: int = 0, zero: bool = False, dp_engine: str = "ddp", ckpt: bool = False, **kw):
-    from parallel.pipeline import build_pipeline_engine
-    return build_pipeline_engine(_new_model(seed, ckpt), OptimizerConfig(**OPT, use_distributed_optimizer=zero),
-                                 pp_size=2, n_microbatches=GAS, schedule=schedule, dp_engine=dp_engine, **kw)
+    from parallel.engine_pipeline import build_pipeline_parallel_engine
+    return build_pipeline_parallel_engine(_new_model(seed, ckpt), _pc(schedule, zero, dp_engine),
+                                          OptimizerConfig(**OPT, use_distributed_optimizer=zero), **kw)
+
+
+def _units(batches) -> float:
+    return float(sum(int((y != -100).sum()) for _, y in batches))
 
 
 def _step(eng, step: int) -> tuple[float, float]:
     """One optimizer step on this dp replica's rows of the global batch: (global loss, grad norm)."""
+    batches = _global_batches(step)
     mbs = [{"input_ids": _rows(x, eng.dp_rank, eng.dp_size), "labels": _rows(y, eng.dp_rank, eng.dp_size)}
-           for x, y in _global_batches(step)]
+           for x, y in batches]
     eng.optimizer.zero_grad()
-    out = eng.forward_backward(mbs)
+    row = eng.forward_backward(mbs, None, _units(batches))
     stepped, norm = eng.optimizer.step()
     assert stepped
-    loss = torch.tensor([out.loss_sum], dtype=torch.float64)
+    loss = row[:1].clone()
     dist.all_reduce(loss, group=eng.dp_group)  # the replicas' sums
-    return float(loss) / out.global_units, norm
+    return float(loss) / _units(batches), norm
+
+
+def _save(eng, out: str, step: int) -> str:
+    """The engine's trainer-facing save (step_N/ under out/checkpoints, published atomically)."""
+    from utils.checkpoint import capture_rng_state
+    return eng.save(out, step, rank=dist.get_rank(), world_size=dist.get_world_size(), model_config={},
+                    trainer_state={}, run_config={}, keep_last=2, barrier=dist.barrier,
+                    extra_state={"rank": dist.get_rank(), "rng": capture_rng_state(torch.device("cpu"))})
+
+
+def _load_ckpt(eng, out: str) -> None:
+    from utils.checkpoint import find_latest_valid
+    extra = eng.load(find_latest_valid(out), dist.get_world_size(), dist.get_rank(), dist.get_world_size())
+    assert extra["rank"] == dist.get_rank()
 
 
 def _stage_params(eng) -> dict[str, torch.Tensor]:
-    from parallel.pipeline import _full
+    from parallel.engine_pipeline import _full
     return {n: _full(p).detach().clone() for n, p in eng.module.named_parameters()}  # FSDP: gathered over dp
 
 
@@ -145,7 +170,8 @@ def _worker_pp2(rank: int, world: int, tmp: str) -> None:
     res = [_step(eng, s) for s in range(1, STEPS + 1)]
     _record(tmp, "gpipe", eng, [r[0] for r in res], [r[1] for r in res])
     mbs = [{"input_ids": x, "labels": y} for x, y in _global_batches(STEPS + 1)]
-    eval_sum, eval_units = eng.eval_loss_sum(mbs + mbs)  # 2 rounds of the schedule
+    row = eng.evaluate(mbs + mbs, None, None)  # 2 rounds of the schedule
+    eval_sum, eval_units = float(row[0]), float(row[4])
     res = [_step(eng, STEPS + 1)]
     _record(tmp, "gpipe_after_eval", eng, [r[0] for r in res], [r[1] for r in res])
     with open(os.path.join(tmp, f"eval_rank{rank}.json"), "w") as f:
@@ -155,7 +181,7 @@ def _worker_pp2(rank: int, world: int, tmp: str) -> None:
     mbs = [{"input_ids": x, "labels": y} for x, y in _global_batches(1)]
     for key, bad in (("count", mbs[:1]), ("shape", [{k: v[:, :4] for k, v in mb.items()} for mb in mbs])):
         try:
-            eng.forward_backward(bad)
+            eng.forward_backward(bad, None, _units(_global_batches(1)))
             errors[key] = None
         except ValueError as e:
             errors[key] = str(e)
@@ -167,12 +193,12 @@ def _worker_pp2(rank: int, world: int, tmp: str) -> None:
     # (another init) loads and redoes step 3
     eng = _build("1f1b", ckpt=True)
     res = [_step(eng, s) for s in (1, 2)]
-    eng.save(os.path.join(tmp, "ckpt_1f1b"))
+    _save(eng, os.path.join(tmp, "ckpt_1f1b"), 2)
     res.append(_step(eng, 3))
     _record(tmp, "1f1b", eng, [r[0] for r in res], [r[1] for r in res])
     del eng
     eng = _build("1f1b", seed=123, ckpt=True)
-    eng.load(os.path.join(tmp, "ckpt_1f1b"))
+    _load_ckpt(eng, os.path.join(tmp, "ckpt_1f1b"))
     res = [_step(eng, 3)]
     _record(tmp, "1f1b_resumed", eng, [r[0] for r in res], [r[1] for r in res])
 
@@ -186,14 +212,14 @@ def _worker_pp2_dp2(rank: int, world: int, tmp: str) -> None:
         assert (eng.pp_size, eng.dp_size) == (2, 2)
         res = [_step(eng, s) for s in (1, 2)]
         if dp_engine == "fsdp":
-            eng.save(os.path.join(tmp, "ckpt_fsdp"))
+            _save(eng, os.path.join(tmp, "ckpt_fsdp"), 2)
         res.append(_step(eng, 3))
         eng.optimizer.finish_param_sync()
         _record(tmp, name, eng, [r[0] for r in res], [r[1] for r in res])
         del eng
     # FSDP resume: a fresh engine (another init) loads the per-stage checkpoint and redoes step 3
     eng = _build("1f1b", seed=123, dp_engine="fsdp")
-    eng.load(os.path.join(tmp, "ckpt_fsdp"))
+    _load_ckpt(eng, os.path.join(tmp, "ckpt_fsdp"))
     res = [_step(eng, 3)]
     _record(tmp, "pp2dp2_1f1b_fsdp_resumed", eng, [r[0] for r in res], [r[1] for r in res])
 
@@ -268,8 +294,9 @@ def test_pp2_resume_is_bit_exact(pp2):
 
 def test_merged_checkpoint_is_the_full_model(pp2, reference):
     from parallel.pipeline import merge_stage_checkpoints, read_pipeline_meta
-    ckpt = os.path.join(pp2, "ckpt_1f1b")
-    assert not os.path.exists(ckpt + ".tmp")
+    from utils.checkpoint import find_latest_valid
+    ckpt = find_latest_valid(os.path.join(pp2, "ckpt_1f1b"))
+    assert ckpt.endswith("step_00000002") and not os.path.exists(ckpt + ".tmp")
     meta = read_pipeline_meta(ckpt)
     assert meta["pp_size"] == 2 and meta["layer_ranges"] == [[0, 2], [2, 4]]
     full = merge_stage_checkpoints(ckpt)
@@ -295,7 +322,8 @@ def test_pp2_dp2_fsdp_resume_is_bit_exact(pp2dp2):
         a, _ = _load(pp2dp2, "pp2dp2_1f1b_fsdp", dp)
         b, _ = _load(pp2dp2, "pp2dp2_1f1b_fsdp_resumed", dp)
         assert all(torch.equal(a[k], b[k]) for k in a), _max_diff(a, b)
-    full = merge_stage_checkpoints(os.path.join(pp2dp2, "ckpt_fsdp"))  # gathered over dp at save time
+    from utils.checkpoint import find_latest_valid
+    full = merge_stage_checkpoints(find_latest_valid(os.path.join(pp2dp2, "ckpt_fsdp")))  # gathered over dp at save time
     assert set(full) == set(Transformer(_cfg()).state_dict())
 
 
@@ -307,8 +335,8 @@ def test_bad_calls_on_engine(pp2):
 
 
 def test_bad_combinations_raise():
-    from parallel.pipeline import (build_pipeline_engine, pipeline_stage_module, split_layers,
-                                   validate_pipeline_options)
+    from parallel.engine_pipeline import build_pipeline_parallel_engine
+    from parallel.pipeline import pipeline_stage_module, split_layers, validate_pipeline_options
     with pytest.raises(ValueError, match="does not divide"):
         split_layers(5, 2)
     assert split_layers(5, 2, allow_uneven=True) == [(0, 3), (3, 5)]
@@ -331,7 +359,7 @@ def test_bad_combinations_raise():
     with pytest.raises(ValueError, match="overlap_optim_step"):
         validate_pipeline_options(pp_size=2, n_microbatches=2, schedule="gpipe", overlap_optim_step=True)
     with pytest.raises(ValueError, match="initialised process group"):
-        build_pipeline_engine(_new_model(), OptimizerConfig(), pp_size=2, n_microbatches=2)
+        build_pipeline_parallel_engine(_new_model(), _pc("1f1b"), OptimizerConfig())
 
 
 # ------------------------------------------------------------------------------ stages = pruned Transformer (1 process)
