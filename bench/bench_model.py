@@ -30,7 +30,8 @@ from model import ModelConfig, Transformer  # noqa: E402
 import model.flops as flops_mod  # noqa: E402
 from model.flops import flops_per_token, measure_peak_flops  # noqa: E402
 from model.hf_interop import hf_config_dict, to_hf_state_dict  # noqa: E402
-from model.kernels import build_adamw, compile_model  # noqa: E402
+from model.kernels import build_adamw
+from parallel.transforms.compile import compile_in_place  # noqa: E402
 from utils.device import autocast_context  # noqa: E402
 
 CONFIGS = {
@@ -96,7 +97,7 @@ def bench_throughput(args) -> list[dict]:
             for mode in args.modes:
                 ours, hf = build_pair(spec["model"])
                 if mode == "compile":
-                    compile_model(ours, per_layer=False)
+                    compile_in_place(ours)
                     hf.compile()
                 steps = {"hf": make_step(hf, "hf", x, y, dtype), "ours": make_step(ours, "ours", x, y, dtype)}
                 first, warm_s = {}, {}

@@ -34,7 +34,7 @@ import torch  # noqa: E402
 
 from bench.bench_model import CONFIGS, make_step  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
-from model.kernels import compile_model  # noqa: E402
+from parallel.transforms.compile import compile_in_place  # noqa: E402
 
 _IMPORT = re.compile(r"^(\s*)(from|import) model(?=[.\s])", re.M)
 
@@ -91,8 +91,8 @@ def main() -> None:
                     base = base_pkg.Transformer(base_pkg.ModelConfig(**spec["model"]))
                     base.load_state_dict(new.state_dict(), strict=True)
                     if mode == "compile":
-                        compile_model(new)
-                        compile_model(base)
+                        compile_in_place(new)
+                        compile_in_place(base)
                     steps = {"base": make_step(base, "ours", x, y, dtype), "new": make_step(new, "ours", x, y, dtype)}
                     first = {k: s() for k, s in steps.items()}
                     for _ in range(args.warmup):

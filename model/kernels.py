@@ -432,20 +432,5 @@ def build_adamw(params: Iterable, lr: float, betas: tuple[float, float] = (0.9, 
                              foreach=False, fused=False)
 
 
-# ---------------------------------------------------------------------------------------- compile
-def compile_model(model: torch.nn.Module, per_layer: bool = False, **kwargs) -> torch.nn.Module:
-    """torch.compile the model in place, so state_dict keys are unchanged (no `_orig_mod.` prefix).
-
-    per_layer=True compiles each transformer block (one graph reused by all layers: fast to
-    compile, and the chunked loss stays eager); False compiles the whole forward.
-    """
-    if per_layer and hasattr(model, "layers"):
-        for layer in model.layers:
-            layer.compile(**kwargs)
-    else:
-        model.compile(**kwargs)
-    return model
-
-
 # Import-time loading, at the end so that everything above exists if a kernel module imports this one.
 load_kernel_modules()

@@ -125,7 +125,7 @@ class Attention(nn.Module):
                 cache: Optional[KVCache] = None) -> torch.Tensor:
         B, T, _ = x.shape
         q, k, v = self._qkv(x)
-        # heads from the shapes: under tensor parallelism (parallel/tensor_parallel.py) q/k/v hold this
+        # heads from the shapes: under tensor parallelism (parallel/transforms/tensor_parallel.py) q/k/v hold this
         # rank's heads only (n_heads / tp and n_kv_heads / tp, contiguous, so GQA's grouping stays local)
         q = q.view(B, T, -1, self.head_dim)
         k = k.view(B, T, -1, self.head_dim)
@@ -183,7 +183,6 @@ class TransformerBlock(nn.Module):
 
 
 # ---------------------------------------------------------------------------------- transformer
-_segments = documents_from_positions  # the old name
 
 
 def blocks_of(layers: nn.Module) -> list[nn.Module]:

@@ -102,7 +102,3 @@ def dp_mesh(mesh: Any) -> Any:
     if mesh["dp_replicate"].size() > 1:
         return mesh["dp_replicate", "dp_shard"]
     return mesh["dp_shard"]
-
-
-def layout_of(mesh: Any) -> MeshLayout:
-    return MeshLayout(*(mesh[name].size() for name in MESH_DIMS))

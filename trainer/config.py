@@ -283,7 +283,7 @@ def precheck(argv: list[str], title: str, prog: str) -> None:
         if cfg is None:
             return
     try:
-        validate_config(cfg, torch_free=True)
+        validate_config(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")), torch_free=True)
     except TrainingError as e:
         if validated_with_torch(cfg):  # the full path's one message lists those problems too: let it
             return

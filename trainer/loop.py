@@ -17,22 +17,30 @@ import time
 from typing import Any, Optional
 
 import torch
+from tqdm import tqdm
 
-from model.flops import mfu_from
+from data_preprocess.shard_format import DataError
+from evals.lm_tasks import TaskEvaluator
+from model.flops import flops_per_token, mfu_from, resolve_peak_flops
 from parallel.config import ParallelConfig
 from parallel.engine import StepStats
+from tokenizer import load_tokenizer_meta
 from trainer.config import TrainConfig, TrainingError, max_iters_for_epochs, one_line, resolve_warmup, validate_config
 from trainer.faults import fire_step_faults, fires, spike_fault, spiked
+from trainer.samples import TrainSampler, read_prompts
 from trainer.start import Progress, build_model, choose_trainable, decide_start, dpo_reference, place_on_engine, \
     restore
 from trainer.task import build_data, count_tokens, count_units, evaluate, micro_batch_loss
 from utils import checkpoint as ckpt
 from utils.configurator import save_config_json
-from utils.constants import EXIT_BAD_CONFIG, EXIT_BAD_DATA, EXIT_INTERRUPTED, EXIT_NONFINITE_LOSS, EXIT_OK
+from utils.constants import (EXIT_BAD_CONFIG, EXIT_BAD_DATA, EXIT_INTERRUPTED, EXIT_LOSS_SPIKE, EXIT_NONFINITE_LOSS,
+                             EXIT_OK)
 from utils.device import HostCopy, StepTimer, memory_stats, parse_dtype, seed_everything, synchronize
 from utils.dist import DistInfo, all_reduce_max, barrier
-from utils.lr_schedule import lr_at
+from utils.lr_schedule import lr_at, schedule_warnings
 from utils.metrics import MetricsLogger, Throughput, format_line
+from utils.spike_guard import SPIKE_FILE, SpikeDetector, format_data_steps, write_spike_record
+from utils.threads import ThreadTuner, choose_threads, describe_threads, oversubscription_warning
 
 TIMING_WARMUP_STEPS = 2  # steps of each process left out of the logged rate and MFU (Throughput)
 
@@ -42,7 +50,6 @@ def build_task_evaluator(cfg: TrainConfig):
     paths = [t.strip() for t in cfg.eval_tasks.split(",") if t.strip()]
     if not paths:
         return None
-    from evals.lm_tasks import TaskEvaluator
     return TaskEvaluator(paths, cfg.tokenizer_dir, cfg.max_seq_len, cfg.eval_tasks_limit)
 
 
@@ -51,7 +58,6 @@ def build_sampler(cfg: TrainConfig):
     A prompt file or tokenizer that cannot be read is a bad configuration (exit 2)."""
     if cfg.sample_every <= 0:
         return None
-    from trainer.samples import TrainSampler, read_prompts
     try:
         prompts = read_prompts(cfg.sample_prompts)
     except ValueError as e:
@@ -88,7 +94,6 @@ def set_threads(cfg: TrainConfig, info: DistInfo, log) -> tuple[str, Any]:
     as torchrun sets it, else the usable cores, and then (CPU runs, not --deterministic) a ThreadTuner that
     trains on one thread while that is measured faster (other processes compete for the cores). Warns once
     (rank 0) when the machine is oversubscribed. Returns (the words of the [layout] line, the tuner or None)."""
-    from utils.threads import ThreadTuner, choose_threads, describe_threads, oversubscription_warning
     choice = choose_threads(cfg.threads)
     torch.set_num_threads(choice.threads)
     fixed = choice.source in ("--threads", "OMP_NUM_THREADS") or cfg.deterministic
@@ -102,7 +107,6 @@ def set_threads(cfg: TrainConfig, info: DistInfo, log) -> tuple[str, Any]:
 def _rank0_log(info: DistInfo):
     def log(msg: str) -> None:
         if info.is_main:
-            from tqdm import tqdm
             tqdm.write(msg, file=sys.stdout)  # keeps the progress bar (if any) below the log lines
             sys.stdout.flush()
     return log
@@ -122,7 +126,6 @@ def train(cfg: TrainConfig, info: DistInfo, continues: Optional[bool] = None, ma
         torch.use_deterministic_algorithms(True)
     threads, tuner = set_threads(cfg, info, log)
     os.makedirs(cfg.out_dir, exist_ok=True)
-    from tokenizer import load_tokenizer_meta
     try:
         tok_meta = load_tokenizer_meta(cfg.tokenizer_dir)
     except (OSError, ValueError, KeyError) as e:  # a damaged tokenizer_meta.json (TokenizerMetaError) is data: 3
@@ -138,7 +141,6 @@ def train(cfg: TrainConfig, info: DistInfo, continues: Optional[bool] = None, ma
     del model  # the engine holds what this rank runs (under pp the other stages' layers are freed)
     engine.lora_base = lora_base
     optimizer = engine.optimizer
-    from data_preprocess.shard_format import DataError
     try:
         train_loader, make_val_loader = build_data(cfg, engine.dp_rank, engine.dp_size, tok_meta,
                                                    fixed_shape=engine.fixed_batch_shape)
@@ -155,7 +157,7 @@ def train(cfg: TrainConfig, info: DistInfo, continues: Optional[bool] = None, ma
         cfg.warmup_iters, how = resolve_warmup(cfg.warmup_iters, cfg.warmup_ratio, cfg.max_iters, cfg.task_type)
         log(f"[schedule] warmup {cfg.warmup_iters} steps ({how})")
     if info.is_main:
-        save_config_json(cfg, os.path.join(cfg.out_dir, RUN_CONFIG))
+        save_config_json(cfg, os.path.join(cfg.out_dir, ckpt.RUN_CONFIG))
     metrics = MetricsLogger(cfg.out_dir, enabled=info.is_main, tensorboard=cfg.tensorboard, log=log,
                             wandb=cfg.wandb, wandb_project=cfg.wandb_project, wandb_run_name=cfg.wandb_run_name,
                             run_config=dataclasses.asdict(cfg),
@@ -207,8 +209,6 @@ class Loop:
 
     def __init__(self, cfg: TrainConfig, info: DistInfo, engine, ref_model, model_cfg, train_loader, make_val_loader,
                  metrics: MetricsLogger, progress: Progress, init_info: dict, log) -> None:
-        from model.flops import flops_per_token, resolve_peak_flops
-        from utils.spike_guard import SpikeDetector
         self.cfg, self.info, self.engine, self.ref_model, self.model_cfg = cfg, info, engine, ref_model, model_cfg
         self.train_loader, self.make_val_loader, self.metrics = train_loader, make_val_loader, metrics
         self.progress, self.init_info, self.log = progress, init_info, log
@@ -243,9 +243,6 @@ class Loop:
 
     def announce(self, saved_max_iters: int) -> None:
         """The start-up lines of the loop: schedule warnings, sizes, skipped data, the spike guard."""
-        from utils.constants import EXIT_LOSS_SPIKE
-        from utils.lr_schedule import schedule_warnings
-        from utils.spike_guard import format_data_steps
         cfg, p, log = self.cfg, self.progress, self.log
         for warning in schedule_warnings(max_iters=cfg.max_iters, warmup_iters=cfg.warmup_iters,
                                          lr_decay_iters=cfg.lr_decay_iters, schedule=cfg.lr_schedule,
@@ -261,7 +258,6 @@ class Loop:
             log(f"[spike_guard] exit {EXIT_LOSS_SPIKE} when a loss is non-finite or above {cfg.spike_factor:g} x "
                 f"the median of the previous {cfg.spike_window} steps ({len(self.guard.recent)} known)")
         if self.info.is_main and cfg.progress and sys.stdout.isatty():  # a bar in a terminal; lines in log files
-            from tqdm import tqdm
             self.pbar = tqdm(total=cfg.max_iters, initial=p.step, desc="train", dynamic_ncols=True, mininterval=2.0,
                              file=sys.stdout)
 
@@ -341,8 +337,6 @@ class Loop:
     def _check_loss(self, loss: float) -> None:
         """--spike_guard: a spike records the step and exits 76 (the supervisor rolls back); a non-finite
         loss without fp16 loss scaling exits 4. The step counter has not advanced yet."""
-        from utils.constants import EXIT_LOSS_SPIKE
-        from utils.spike_guard import SPIKE_FILE, write_spike_record
         cfg, p = self.cfg, self.progress
         spike = self.guard.check(loss, nonfinite_is_spike=cfg.dtype != "fp16") if self.guard is not None else None
         if spike is not None:  # the rollback is the supervisor's: record the step, save nothing, exit 76

@@ -13,22 +13,27 @@ import time
 from types import SimpleNamespace
 from typing import Any, Optional
 
+from model import ModelConfig, Transformer
+from model.attention import describe_attention
+from model.config import read_model_config
+from model.kernels import describe_choice, flash_attn_functions
+from model.lora import trainable_parameters
+from parallel.build import build_engine, describe_layout
+from parallel.checkpoint_io import base_fingerprint
 from parallel.config import ParallelConfig
-
-from trainer.config import TrainConfig, TrainingError, continues_run, existing_run_error, nothing_to_continue_error, \
-    one_line, resume_flag
+from trainer.config import (KERNEL_CHOICES, TrainConfig, TrainingError, continues_run, existing_run_error,
+                            nothing_to_continue_error, one_line, resume_flag)
 from trainer.weights import check_lora_base, load_lora_base, load_weights_from, select_trainable_for
 from utils import checkpoint as ckpt
 from utils.constants import EXIT_BAD_CHECKPOINT, EXIT_BAD_CONFIG
 from utils.device import low_precision_cpu_warning, parse_dtype
 from utils.dist import DistInfo, barrier
+from utils.model_bounds import fit_problem, param_count
 from utils.run_config import DATA_KEYS, global_batch_problem, same_value
-
+from utils.spike_guard import parse_data_steps
 
 def new_model_config(cfg: TrainConfig, tok_meta: dict):
-    from model import ModelConfig
     vocab = cfg.vocab_size or int(tok_meta["vocab_size"])
-    from trainer.config import KERNEL_CHOICES
     fused, backend = KERNEL_CHOICES[str(cfg.fused_kernels).lower()]
     return ModelConfig(vocab_size=vocab, dim=cfg.dim, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
                        n_kv_heads=cfg.n_kv_heads or None, hidden_dim=cfg.hidden_dim or None,
@@ -44,7 +49,6 @@ def _refuse_if_too_big(mcfg, device: str, what: str, code: int) -> None:
     """TrainingError before anything is allocated when the model's fp32 weights alone exceed the memory the
     device has free (a checkpoint's model_config.json within the bounds can still describe a model no
     machine holds: it built layers until memory ran out)."""
-    from utils.model_bounds import fit_problem, param_count
     n = param_count(mcfg.dim, mcfg.n_layers, mcfg.n_heads, mcfg.vocab_size, mcfg.n_kv_heads, mcfg.hidden_dim,
                     tie_embeddings=mcfg.tie_embeddings)
     problem = fit_problem(n, device, what)
@@ -120,7 +124,7 @@ def decide_start(cfg: TrainConfig, info: DistInfo, continues: Optional[bool], lo
     if continues:
         start.resume_dir = ckpt.find_latest_valid(cfg.out_dir, log=log)
         if start.resume_dir is not None:
-            step = int(os.path.basename(start.resume_dir).removeprefix("step_"))
+            step = ckpt.parse_step(os.path.basename(start.resume_dir))
             log(f"[resume] continuing {cfg.out_dir} from step {step} ({resume_flag(cfg)})")
             # else exit 5 naming the file
             start.saved_state = ckpt.read_trainer_state(start.resume_dir, required=("step", "world_size"))
@@ -141,8 +145,6 @@ def decide_start(cfg: TrainConfig, info: DistInfo, continues: Optional[bool], lo
 def build_model(cfg: TrainConfig, info: DistInfo, start: Start, tok_meta: dict, log) -> tuple[Any, dict]:
     """(model, init_info): the continued checkpoint's architecture (its weights load with the engine),
     a Hugging Face or our model (trainer/weights.py), or a new one from the flags; checked against the tokenizer."""
-    from model import Transformer
-    from model.config import read_model_config
     init_info: dict = {"source": "scratch", "kind": "scratch"}
     if start.resume_dir is not None:
         init_info = start.saved_state.get("init_info", init_info)
@@ -184,7 +186,6 @@ def choose_trainable(cfg: TrainConfig, model, init_info: dict, start: Start, log
     checkpoint can point at (not random weights; not fsdp, whose sharded checkpoints are written
     without gathering anyway). A grown base is re-derived deterministically (model/resize.py); the
     fingerprint covers its frozen rows."""
-    from model.lora import trainable_parameters
     try:
         what = select_trainable_for(model, dataclasses.asdict(cfg))
     except ValueError as e:
@@ -199,7 +200,6 @@ def choose_trainable(cfg: TrainConfig, model, init_info: dict, start: Start, log
         if lora_base:
             check_lora_base(model, lora_base, start.resume_dir)
         return lora_base
-    from parallel.checkpoint_io import base_fingerprint
     lora_base = {"source": os.path.abspath(init_info["source"]), "fingerprint": base_fingerprint(model)}
     if init_info.get("resized"):
         lora_base["tokenizer_dir"] = init_info["resized"]["tokenizer_dir"]
@@ -231,8 +231,6 @@ def place_on_engine(cfg: TrainConfig, info: DistInfo, model, ref_model, log, thr
     if slow_dtype:
         log(f"[warning] {slow_dtype}")
     model_cfg = model.cfg
-    from model.attention import describe_attention
-    from model.kernels import describe_choice, flash_attn_functions
     if model_cfg.flash_attn:
         flash_attn_functions(info.device)  # detected (and logged) once
     log(f"[kernels] attention: {describe_attention(info.device, model_cfg, dtype, cfg.compile)}; "
@@ -242,7 +240,6 @@ def place_on_engine(cfg: TrainConfig, info: DistInfo, model, ref_model, log, thr
     log(f"[model] {n_params / 1e6:.2f}M parameters ({n_train / 1e6:.2f}M trainable), {model_cfg.n_layers} layers, "
         f"dim {model_cfg.dim}, vocab {model_cfg.vocab_size}, dtype {cfg.dtype}, device {info.device}, "
         f"world {info.world_size}")
-    from parallel.build import build_engine, describe_layout
     try:  # the engine casts the model to its precision policy and moves what this rank runs to the device
         engine = build_engine(model, cfg, device=info.device)
     except ValueError as e:  # a layout that cannot run (e.g. a checkpoint's layers do not split into stages)
@@ -258,11 +255,10 @@ def place_on_engine(cfg: TrainConfig, info: DistInfo, model, ref_model, log, thr
 def restore(cfg: TrainConfig, info: DistInfo, engine, train_loader, start: Start, log) -> Progress:
     """A continued run's weights, optimizer (sharded under ZeRO), comm-hook state, data cursor and the
     loop's counters; a new run's counters at zero. --skip_data_steps joins the saved skip list."""
-    from utils.spike_guard import parse_data_steps
     progress = Progress()
     if start.resume_dir is not None:
         resume_dir, saved = start.resume_dir, start.saved_state
-        saved_cfg = start.saved_cfg = ckpt.read_json(os.path.join(resume_dir, "config.json"))
+        saved_cfg = start.saved_cfg = ckpt.read_json(os.path.join(resume_dir, ckpt.RUN_CONFIG))
         saved_dp = ParallelConfig.from_flags(SimpleNamespace(**saved_cfg)).data_parallel_size(int(saved["world_size"]))
         problem = global_batch_problem(saved_cfg, cfg.batch_size, cfg.gradient_accumulation_steps, saved_dp,
                                        engine.dp_size) \

@@ -18,6 +18,13 @@ from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from model.llama import blocks_of
 
 
+def compile_in_place(model: nn.Module, **kwargs: Any) -> nn.Module:
+    """torch.compile a plain model's whole forward in place (nn.Module.compile): its state_dict keys stay
+    the same (no `_orig_mod.` prefix). For a model outside an engine: the benches, the tests."""
+    model.compile(**kwargs)
+    return model
+
+
 def compile_blocks(model: nn.Module) -> None:
     """torch.compile each Transformer block's forward in place (the blocks stay the same modules: only
     their bound `forward` is replaced).

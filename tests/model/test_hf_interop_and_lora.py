@@ -127,13 +127,13 @@ def test_lora_only_adapters_get_gradients():
 
 @pytest.mark.slow
 def test_compiled_model_matches_eager():
-    from model.kernels import compile_model
+    from parallel.transforms.compile import compile_in_place
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2, hidden_dim=64, max_seq_len=16)
     eager = Transformer(cfg)
     comp = Transformer(cfg)
     comp.load_state_dict(eager.state_dict())
-    compile_model(comp)
+    compile_in_place(comp)
     assert list(comp.state_dict()) == list(eager.state_dict())  # no _orig_mod. prefix
     x = torch.randint(0, 64, (2, 8))
     le, lc = eager(x, labels=x), comp(x, labels=x)

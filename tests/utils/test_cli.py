@@ -137,6 +137,10 @@ def _trainer_cases(args: list[str], run, tmp) -> list[tuple[str, list[str]]]:
         ("num_train_epochs_negative", [*args, f"--out_dir={tmp / 'new'}", "--num_train_epochs=-1"]),
         ("sample_prompts_missing_file", [*args, f"--out_dir={tmp / 'new'}", "--sample_every=2",
                                          "--sample_prompts=/nonexistent/prompts.txt"]),
+        # the parallel layout is checked without torch too (parallel/config.py): the world, the capabilities
+        ("pipeline_combination", [*args, f"--out_dir={tmp / 'pp'}", "--pipeline_parallel_size=2",
+                                  "--tie_embeddings=true"]),
+        ("fsdp_with_zero", [*args, f"--out_dir={tmp / 'new'}", "--parallel=fsdp", "--use_distributed_optimizer=true"]),
     ]
 
 
@@ -156,11 +160,6 @@ def test_trainer_answers_mistakes_before_importing_torch(two_step_run, tmp_path,
         assert _error_lines(err) == [line for line in _error_lines(full_err) if "error:" in line], name
         assert len(_error_lines(err)) == 1 and "error: " in err and "Traceback" not in err, (name, err)
     assert sorted(os.listdir(run)) == before  # nothing written by the refusals
-    # a configuration whose validation needs torch (pipeline stages here) is left to the full path, whose one
-    # message lists every problem (tests/trainer/test_pipeline_runs.py::test_bad_combination_exits_2_with_one_line)
-    from trainer import config as train_config
-    assert train_config.precheck([*args, f"--out_dir={tmp_path / 'pp'}", "--pipeline_parallel_size=2",
-                                  "--tie_embeddings=true"], "t", "train_my_ddp.py") is None
     with capsys.disabled():
         code, out, err, _ = _run_without_torch([trainer, "--help"])
     assert code == EXIT_OK and not err.strip()
