@@ -2,10 +2,10 @@
 
 Owns: the "pieces" the optimizer updates (one per parameter, or per parameter-shard for ZeRO),
 their fp32 master copies when the model is bf16/fp16, one torch AdamW per bucket (so buckets
-can be stepped independently for overlap_optim_step), loss scaling, the non-finite check across
-ranks (a MAX all-reduce of a flag: every rank takes the same skip decision), the global-norm
-clip, telling a stateful comm hook (PowerSGD) whether the step was applied, and the
-(re-shardable) state dict.
+can be stepped independently for overlap_optim_step), the skeleton's hooks over them (loss scaling,
+the global-norm clip and the skip decision are the skeleton's), the overlapped step (a MAX all-reduce
+of a non-finite flag per bucket: every rank skips the same buckets), telling a stateful comm hook
+(PowerSGD) whether the step was applied, and the (re-shardable) state dict.
 It must never change the model's dtype (trap 10), never read `param.grad` (DDP leaves gradients
 in `param.main_grad`), and never clip with a norm that is not global across ranks (trap 8).
 
