@@ -131,7 +131,7 @@ def wrap_fsdp(model: nn.Module, *, mesh_or_group: Union[DeviceMesh, dist.Process
     """fully_shard every block of `model.layers` (a ModuleList, or a pipeline stage's ModuleDict), then
     the root; returns `model` (same object, its class now also an FSDPModule). Parameters become fp32
     DTensors sharded on dim 0 over the mesh (2-D with tensor parallelism: already tensor-parallel
-    DTensors, parallel/tensor_parallel.py, gain the data-parallel dimension).
+    DTensors, parallel/transforms/tensor_parallel.py, gain the data-parallel dimension).
 
     mesh_or_group: a 1-D data-parallel DeviceMesh or process group (None: the world), or a 2-D
       (replicate, shard) mesh: HSDP, sharded within a replica and all-reduced across replicas.
@@ -301,10 +301,10 @@ def shard_on_mesh(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtyp
                   sequence_parallel: bool = False) -> nn.Module:
     """The whole layout of parallel/mesh.py's mesh (pp = 1) on `model`, in place: the first rank's weights
     broadcast to every rank, tensor parallelism over mesh["tp"] when it has > 1 rank
-    (parallel/tensor_parallel.py), then FSDP2 over the data-parallel dims (HSDP when there are replicas).
+    (parallel/transforms/tensor_parallel.py), then FSDP2 over the data-parallel dims (HSDP when there are replicas).
     A checkpoint of the result is collective over the world."""
     from parallel.mesh import dp_mesh
-    from parallel.tensor_parallel import apply_tensor_parallel
+    from parallel.transforms.tensor_parallel import apply_tensor_parallel
     if mesh["pp"].size() != 1:
         raise ValueError("shard_on_mesh lays out one model without pipeline stages (mesh['pp'] must be 1)")
     if any(isinstance(p, DTensor) for p in model.parameters()):

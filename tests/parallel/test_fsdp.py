@@ -175,7 +175,7 @@ def _held_param_bytes(eng) -> int:
 
 def _evaluate_then_save(group, root: str) -> dict:
     from parallel.dcp_checkpoint import load_dcp_checkpoint, save_dcp_checkpoint
-    from parallel.engine import FSDPEngine
+    from parallel.engine_fsdp import FSDPEngine
     from torch.distributed.tensor import DTensor
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     eng, opt = _build(group, reshard_after_forward=False)
