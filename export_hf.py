@@ -121,7 +121,7 @@ def _export_sharded_streaming(found: str, args) -> int | None:
     from utils import checkpoint as ckpt
     if not is_sharded_checkpoint(found):
         return None
-    run_cfg = ckpt.read_checkpoint_json(found, "config.json")
+    run_cfg = ckpt.read_checkpoint_json(found, ckpt.RUN_CONFIG)
     lora_rank = run_cfg.get("lora_rank", 0)
     if not isinstance(lora_rank, int) or lora_rank > 0 or args.adapters_out_dir:
         return None  # adapters are merged or split in memory: the general path below (it names a bad config.json)

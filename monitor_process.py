@@ -48,6 +48,7 @@ from typing import BinaryIO, Optional
 
 # The monitor lives next to utils/, so this import works from any working directory when the
 # script is run by path (sys.path[0] is the script's directory).
+from utils.checkpoint_layout import COMPLETE_MARKER, RUN_START, checkpoint_root, parse_step
 from utils.constants import EXIT_INTERRUPTED, EXIT_LOSS_SPIKE, EXIT_OK, NON_RETRYABLE_EXIT_CODES
 from utils import run_lock
 from utils.publish import atomic_write_text
@@ -57,7 +58,6 @@ from utils.spike_guard import AFTER_SPIKE_DIR, SPIKE_FILE, format_data_steps, pa
 RESUME_FLAG = "--resume"      # the trainer's: auto (default) | always | never
 RESUME_VALUE = "always"
 SKIP_FLAG = "--skip_data_steps"
-RUN_START = "run_start.json"  # the trainer's record of how the run started (utils/checkpoint.py)
 SPIKE_SKIP_CHOICES = ("since_checkpoint", "step")
 TAIL_BYTES = 64 * 1024  # enough of the output to find torchrun's "Root Cause" block
 
@@ -222,26 +222,26 @@ def newest_checkpoint_step(out_dir: Optional[str]) -> int:
     """Step of the newest checkpoints/step_XXXXXXXX/ holding COMPLETE — what a resume loads (0: none)."""
     if not out_dir:
         return 0
-    root = os.path.join(out_dir, "checkpoints")
+    root = checkpoint_root(out_dir)
     best = 0
     try:
         names = os.listdir(root)
     except OSError:
         return 0
     for name in names:
-        m = re.fullmatch(r"step_(\d+)", name)
-        if m and os.path.exists(os.path.join(root, name, "COMPLETE")):
-            best = max(best, int(m.group(1)))
+        step = parse_step(name)
+        if step is not None and os.path.exists(os.path.join(root, name, COMPLETE_MARKER)):
+            best = max(best, step)
     return best
 
 
 def checkpoint_dirs(out_dir: str) -> list[tuple[int, str]]:
     """(step, name) of every checkpoints/step_XXXXXXXX/ directory, complete or not, oldest first."""
     try:
-        names = os.listdir(os.path.join(out_dir, "checkpoints"))
+        names = os.listdir(checkpoint_root(out_dir))
     except OSError:
         return []
-    found = [(int(m.group(1)), n) for n in names if (m := re.fullmatch(r"step_(\d+)", n))]
+    found = [(step, n) for n in names if (step := parse_step(n)) is not None]
     return sorted(found)
 
 
@@ -265,7 +265,7 @@ def move_checkpoints_aside(out_dir: str, first_step: int) -> list[str]:
             n += 1
             dest = os.path.join(aside, f"{name}.{n}")
         try:
-            os.rename(os.path.join(out_dir, "checkpoints", name), dest)
+            os.rename(os.path.join(checkpoint_root(out_dir), name), dest)
         except FileNotFoundError:  # another node's monitor moved it first
             continue
         moved.append(os.path.relpath(dest, out_dir))

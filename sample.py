@@ -52,9 +52,9 @@ def recorded_tokenizer_dir(ckpt_path: str, which: str = "latest") -> Optional[st
     found = _select(ckpt_path, which, log=lambda m: None)
     if _is_hf_dir(found):
         return found if os.path.exists(os.path.join(found, "tokenizer_meta.json")) else None
-    if not os.path.exists(os.path.join(found, "config.json")):
+    if not os.path.exists(os.path.join(found, ckpt.RUN_CONFIG)):
         return None
-    tok = ckpt.read_checkpoint_json(found, "config.json").get("tokenizer_dir")
+    tok = ckpt.read_checkpoint_json(found, ckpt.RUN_CONFIG).get("tokenizer_dir")
     return tok if isinstance(tok, str) and tok else None
 
 

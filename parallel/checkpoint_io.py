@@ -21,10 +21,12 @@ from torch import nn
 from parallel.dcp_checkpoint import is_dcp_checkpoint, load_full_model_state_dict
 from parallel.pipeline import merge_stage_checkpoints
 from utils import checkpoint as ckpt
+from utils.checkpoint_layout import (DCP_FILES_DESCRIPTION, MODEL_FILE, PIPELINE_META, STAGE_FILES_DESCRIPTION,
+                                     extra_file, optimizer_file)
 from utils.constants import EXIT_BAD_CHECKPOINT
 from utils.dist import first_error_of_ranks
 
-PIPELINE_META_FILE = "pipeline.json"
+PIPELINE_META_FILE = PIPELINE_META  # utils/checkpoint_layout.py (the name parallel/pipeline.py writes)
 
 
 def is_pipeline_checkpoint(ckpt_dir: str) -> bool:
@@ -83,7 +85,7 @@ def load_extra_state(ckpt_dir: str, rank: int, saved_world: int, world_size: int
     so dropout and sampling after the resume do not repeat the uninterrupted run's."""
     if same_world_only and saved_world != world_size:
         return None
-    path = os.path.join(ckpt_dir, f"extra_rank{rank}.pt")
+    path = os.path.join(ckpt_dir, extra_file(rank))
     extra = ckpt.load_rank_file(ckpt_dir, "extra", rank)
     if extra is None:
         if saved_world == world_size:
@@ -108,21 +110,21 @@ def read_optimizer_state(ckpt_dir: str, sharded: bool, rank: int, world_size: in
     def read(r: int) -> dict:
         sd = ckpt.load_rank_file(ckpt_dir, "optimizer", r)
         if sd is None:
-            raise ckpt.CheckpointError(f"checkpoint {ckpt_dir}: optimizer_rank{r}.pt is missing "
+            raise ckpt.CheckpointError(f"checkpoint {ckpt_dir}: {optimizer_file(r)} is missing "
                                        f"(the run saved {saved_world} rank(s))")
         return sd
-    if sharded and saved_world == world_size and os.path.isfile(os.path.join(ckpt_dir, f"optimizer_rank{rank}.pt")):
+    if sharded and saved_world == world_size and os.path.isfile(os.path.join(ckpt_dir, optimizer_file(rank))):
         own = read(rank)
         if isinstance(own, dict) and own.get("sharded"):
-            return own, f"optimizer_rank{rank}.pt"
+            return own, optimizer_file(rank)
     first = read(0)
     n = first.get("world_size", 1)
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ckpt.CheckpointError(f"checkpoint {ckpt_dir}: optimizer_rank0.pt does not load into this optimizer "
+        raise ckpt.CheckpointError(f"checkpoint {ckpt_dir}: {optimizer_file(0)} does not load into this optimizer "
                                    f"(ValueError: world_size={n!r} is not an integer >= 1)")
     if not first.get("sharded") or n == 1:
-        return first, "optimizer_rank0.pt"
-    return [first] + [read(r) for r in range(1, n)], f"optimizer_rank0.pt .. optimizer_rank{n - 1}.pt"
+        return first, optimizer_file(0)
+    return [first] + [read(r) for r in range(1, n)], f"{optimizer_file(0)} .. {optimizer_file(n - 1)}"
 
 
 def load_optimizer_state(opt, ckpt_dir: str, sharded: bool, rank: int, world_size: int, saved_world: int,
@@ -137,17 +139,17 @@ def load_optimizer_state(opt, ckpt_dir: str, sharded: bool, rank: int, world_siz
         with _naming_a_bad_optimizer_file(ckpt_dir, lambda: name):
             opt.load_state_dict(state)
         return
-    reading = {"name": f"optimizer_rank{rank}.pt"}
+    reading = {"name": optimizer_file(rank)}
 
     def read(r: int) -> dict:
-        reading["name"] = f"optimizer_rank{r}.pt"
+        reading["name"] = optimizer_file(r)
         sd = ckpt.load_rank_file(ckpt_dir, "optimizer", r)
         if sd is None:
-            raise ckpt.CheckpointError(f"checkpoint {ckpt_dir}: optimizer_rank{r}.pt is missing "
+            raise ckpt.CheckpointError(f"checkpoint {ckpt_dir}: {optimizer_file(r)} is missing "
                                        f"(the run saved {saved_world} rank(s))")
         return sd
     with _naming_a_bad_optimizer_file(ckpt_dir, lambda: reading["name"]):
-        if sharded and saved_world == world_size and os.path.isfile(os.path.join(ckpt_dir, f"optimizer_rank{rank}.pt")):
+        if sharded and saved_world == world_size and os.path.isfile(os.path.join(ckpt_dir, optimizer_file(rank))):
             own = read(rank)
             if own.get("sharded"):
                 opt.load_state_dict(own)
@@ -160,7 +162,7 @@ def load_optimizer_state(opt, ckpt_dir: str, sharded: bool, rank: int, world_siz
             opt.load_state_dict(first)
         else:
             states = [first] + [read(r) for r in range(1, n)]
-            reading["name"] = f"optimizer_rank0.pt .. optimizer_rank{n - 1}.pt"
+            reading["name"] = f"{optimizer_file(0)} .. {optimizer_file(n - 1)}"
             opt.load_state_dict(states)
 
 
@@ -220,10 +222,10 @@ def load_weights(module: nn.Module, state: dict[str, torch.Tensor], partial: boo
 def weights_file_name(ckpt_dir: str) -> str:
     """Which file(s) of a checkpoint hold its weights, for messages."""
     if is_pipeline_checkpoint(ckpt_dir):
-        return "stage*_model.safetensors"
+        return STAGE_FILES_DESCRIPTION
     if is_sharded_checkpoint(ckpt_dir):
-        return ".metadata / __*.distcp"
-    return "model.safetensors"
+        return DCP_FILES_DESCRIPTION
+    return MODEL_FILE
 
 
 def base_fingerprint(module: nn.Module) -> str:
@@ -272,3 +274,4 @@ def damaged_file_hint(ckpt_dir: str, e: BaseException) -> str:
         except (SafetensorError, OSError, ckpt.CheckpointError) as bad:
             return f"{name} cannot be read ({ckpt.one_line(bad)[:200]})"
     return f"{type(e).__name__}: {ckpt.one_line(e)[:300]}"
+

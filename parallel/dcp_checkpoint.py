@@ -60,20 +60,14 @@ from utils.checkpoint import (CheckpointError, CheckpointMismatchError, first_no
                               read_json, save_guard, verify_checkpoint, write_json)
 from utils.dcp_files import (DCPCheckpointError, SafeFileSystemReader, dcp_dir_problem,  # noqa: F401 (re-exported)
                              dcp_layout_problem, read_dcp_metadata)
+from utils.checkpoint_layout import (COMPLETE_MARKER, DCP_MANIFEST, DCP_METADATA, MANIFEST,  # noqa: F401 (re-exported)
+                                     dcp_shard_file, extra_file, parse_step, step_dir_name)
 from utils.publish import fsync_file, make_temp_dir, temp_dir_for
 
 DCP_FORMAT = 1
-COMPLETE_MARKER = "COMPLETE"
-MANIFEST = "manifest.json"
-DCP_MANIFEST = "dcp_manifest.json"
-_PREFIX = "step_"
 _MODEL, _OPTIM = "model.", "optim."
 
 
-
-
-def step_dir_name(step: int) -> str:
-    return f"{_PREFIX}{step:08d}"  # the utils/checkpoint.py convention
 
 
 # ---------------------------------------------------------------------------- state <-> flat dict
@@ -158,11 +152,11 @@ def save_dcp_checkpoint(ckpt_root: str, step: int, model: nn.Module, optimizer=N
         _barrier(group)
 
         flat, scalars = _state_to_save(model, optimizer)
-        guard.file = os.path.join(tmp, f"__{rank}_0.distcp")
+        guard.file = os.path.join(tmp, dcp_shard_file(rank))
         dcp.save(flat, storage_writer=FileSystemWriter(tmp, sync_files=True), process_group=group,
                  no_dist=group is None)
         if rank_state is not None:
-            path = guard.file = os.path.join(tmp, f"extra_rank{rank}.pt")
+            path = guard.file = os.path.join(tmp, extra_file(rank))
             torch.save(rank_state, path)
             fsync_file(path)
         _barrier(group)  # every shard and every extra file is on disk
@@ -227,8 +221,7 @@ def latest_dcp_checkpoint(ckpt_root: str, check_hashes: bool = False) -> Optiona
     """Newest complete DCP checkpoint under ckpt_root (temporary and damaged directories skipped)."""
     if not os.path.isdir(ckpt_root):
         return None
-    steps = sorted((int(n[len(_PREFIX):]), n) for n in os.listdir(ckpt_root)
-                   if n.startswith(_PREFIX) and n[len(_PREFIX):].isdigit())
+    steps = sorted((step, n) for n in os.listdir(ckpt_root) if (step := parse_step(n)) is not None)
     for _, name in reversed(steps):
         path = os.path.join(ckpt_root, name)
         if is_dcp_checkpoint(path) and check_dcp_checkpoint(path, check_hashes) is None:
@@ -290,7 +283,7 @@ def load_dcp_checkpoint(ckpt_dir: str, model: nn.Module, optimizer=None) -> dict
     missing = sorted(k for k in want if k not in saved)
     unexpected = sorted(k for k in saved if k.startswith(_MODEL) and k not in want)
     if missing or unexpected:
-        raise CheckpointMismatchError(f"{os.path.join(ckpt_dir, '.metadata')}: the model does not match the checkpoint "
+        raise CheckpointMismatchError(f"{os.path.join(ckpt_dir, DCP_METADATA)}: the model does not match the checkpoint "
                                       f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
     opt_sd = opt_tensors = None
     if optimizer is not None:
@@ -306,7 +299,7 @@ def load_dcp_checkpoint(ckpt_dir: str, model: nn.Module, optimizer=None) -> dict
         opt_tensors, _ = _split_optimizer_state(opt_sd)
         absent = sorted(k for k in opt_tensors if _OPTIM + k not in saved)
         if absent:
-            raise CheckpointMismatchError(f"{os.path.join(ckpt_dir, '.metadata')}: no saved optimizer state for "
+            raise CheckpointMismatchError(f"{os.path.join(ckpt_dir, DCP_METADATA)}: no saved optimizer state for "
                                           f"{absent[:5]} (a parameter that "
                                           "had no gradient before the save, or a different set of trainable "
                                           "parameters)")
@@ -314,11 +307,11 @@ def load_dcp_checkpoint(ckpt_dir: str, model: nn.Module, optimizer=None) -> dict
     for k, v in want.items():
         tm = md.state_dict_metadata[k]
         if not isinstance(tm, TensorStorageMetadata) or list(tm.size) != list(v.shape):
-            raise CheckpointMismatchError(f"{os.path.join(ckpt_dir, '.metadata')}: {k} has shape "
+            raise CheckpointMismatchError(f"{os.path.join(ckpt_dir, DCP_METADATA)}: {k} has shape "
                                           f"{list(getattr(tm, 'size', []))} in the checkpoint, {list(v.shape)} here")
         saved_dtype = getattr(getattr(tm, "properties", None), "dtype", None)
         if k.startswith(_OPTIM) and torch.is_tensor(v) and saved_dtype != v.dtype:  # DCP would cast it silently
-            raise DCPCheckpointError(f"{os.path.join(ckpt_dir, '.metadata')}: optimizer state {k[len(_OPTIM):]} is "
+            raise DCPCheckpointError(f"{os.path.join(ckpt_dir, DCP_METADATA)}: optimizer state {k[len(_OPTIM):]} is "
                                      f"saved as {saved_dtype}, this optimizer keeps {v.dtype}: refused rather than cast")
 
     _dcp_load(want, ckpt_dir, group)
@@ -348,7 +341,7 @@ def _model_specs(ckpt_dir: str, md: Any) -> dict[str, tuple[tuple[int, ...], tor
         size = getattr(v, "size", None)
         if not isinstance(v, TensorStorageMetadata) or not isinstance(dtype, torch.dtype) or size is None or \
                 not all(isinstance(n, int) and n >= 0 for n in size):
-            raise DCPCheckpointError(f"{os.path.join(ckpt_dir, '.metadata')}: {k} is not described as a tensor "
+            raise DCPCheckpointError(f"{os.path.join(ckpt_dir, DCP_METADATA)}: {k} is not described as a tensor "
                                      "(size, dtype)")
         specs[k[len(_MODEL):]] = (tuple(size), dtype)
     return specs
@@ -383,3 +376,4 @@ def load_model_tensors(ckpt_dir: str, names: list[str]) -> dict[str, torch.Tenso
     if bad is not None:
         raise DCPCheckpointError(f"checkpoint {ckpt_dir}: {bad}")
     return out
+

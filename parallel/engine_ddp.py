@@ -26,6 +26,7 @@ from parallel.distributed_data_parallel import DDPConfig, DistributedDataParalle
 from parallel.engine import Engine
 from parallel.powersgd import PowerSGDState, powersgd_hook
 from utils import checkpoint as ckpt
+from utils.checkpoint_layout import extra_file
 
 
 @dataclass
@@ -79,7 +80,7 @@ class DDPEngine(Engine):
             except (ValueError, KeyError, TypeError, IndexError, AttributeError, RuntimeError) as e:
                 if isinstance(e, torch.OutOfMemoryError):
                     raise
-                raise ckpt.CheckpointError(f"{os.path.join(ckpt_dir, f'extra_rank{rank}.pt')}: its comm-hook "
+                raise ckpt.CheckpointError(f"{os.path.join(ckpt_dir, extra_file(rank))}: its comm-hook "
                                            f"(PowerSGD) state does not load ({type(e).__name__}: "
                                            f"{ckpt.one_line(e)[:200]})") from e
         return extra if saved_world == world_size else None

@@ -25,6 +25,7 @@ from parallel.dcp_checkpoint import load_dcp_checkpoint, save_dcp_checkpoint
 from parallel.engine import Engine
 from parallel.fsdp import build_fsdp_engine, no_sync, reshard, shard_on_mesh
 from utils import checkpoint as ckpt
+from utils.checkpoint_layout import MODEL_CONFIG, RUN_CONFIG, TRAINER_STATE
 
 
 @dataclass
@@ -56,8 +57,8 @@ class FSDPEngine(Engine):
              log: Callable[[str], None] = print) -> str:
         state = dict(trainer_state, step=step, world_size=world_size)
         path = save_dcp_checkpoint(ckpt.checkpoint_root(out_dir), step, self.model, self.optimizer,
-                                   json_files={"trainer_state.json": state, "model_config.json": model_config,
-                                               "config.json": run_config},
+                                   json_files={TRAINER_STATE: state, MODEL_CONFIG: model_config,
+                                               RUN_CONFIG: run_config},
                                    rank_state=extra_state, fault_hook=fault_hook)
         if rank == 0:
             ckpt.prune_checkpoints(out_dir, keep_last=keep_last, keep_best=True, log=log)

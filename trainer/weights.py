@@ -33,7 +33,7 @@ def model_from_checkpoint(found: str) -> tuple[Any, dict]:
     from model import Transformer
     from model.config import read_model_config
     from parallel.checkpoint_io import checkpoint_model_state, load_weights
-    run_cfg = ckpt.read_checkpoint_json(found, "config.json")
+    run_cfg = ckpt.read_checkpoint_json(found, ckpt.RUN_CONFIG)
     lora_base = ckpt.read_trainer_state(found).get("lora_base")
     if lora_base:  # a light checkpoint: the frozen base comes from where the run took it
         model = load_lora_base(lora_base, found, log=lambda m: None)

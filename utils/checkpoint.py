@@ -50,9 +50,13 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-# The directory naming is utils/run_dir.py's (torch-free, so the CLIs' pre-checks read it too).
-from utils.run_dir import CKPT_SUBDIR, COMPLETE_MARKER, RUN_START, listed_checkpoints  # noqa: E402,F401
-from utils.run_dir import STEP_PREFIX as _PREFIX  # noqa: E402
+# The layout (every directory and file name) is utils/checkpoint_layout.py's (torch-free, so the CLIs'
+# pre-checks and the monitor read it too); re-exported here for the callers that import it from ckpt.
+from utils.checkpoint_layout import (CKPT_SUBDIR, COMPLETE_MARKER, DCP_MANIFEST, MANIFEST, MODEL_CONFIG,  # noqa: E402,F401
+                                     MODEL_FILE, PIPELINE_META, RUN_CONFIG, RUN_START, SIDECARS, STEP_PREFIX,
+                                     TRAINER_STATE, checkpoint_root, extra_file, optimizer_file, parse_step,
+                                     rank_file, step_dir_name)
+from utils.run_dir import listed_checkpoints  # noqa: E402,F401
 from utils.errors import one_line  # noqa: F401  (re-exported: callers use ckpt.one_line)
 from utils.constants import MAX_STEPS
 from utils.model_bounds import bound_problems
@@ -103,14 +107,6 @@ def write_json(path: str, obj: Any) -> None:
 def read_json(path: str) -> Any:
     with open(path, encoding="utf-8") as f:
         return json.load(f)
-
-
-def checkpoint_root(out_dir: str) -> str:
-    return os.path.join(out_dir, CKPT_SUBDIR)
-
-
-def step_dir_name(step: int) -> str:
-    return f"{_PREFIX}{step:08d}"
 
 
 # ---------------------------------------------------------------- RNG state (tensors only)
@@ -173,8 +169,7 @@ def _newest_complete(ckpt_root: str) -> Optional[str]:
         names = os.listdir(ckpt_root)
     except OSError:
         return None
-    steps = sorted((int(n[len(_PREFIX):]), n) for n in names
-                   if n.startswith(_PREFIX) and n[len(_PREFIX):].isdigit())
+    steps = sorted((step, n) for n in names if (step := parse_step(n)) is not None)
     for _, name in reversed(steps):
         if os.path.isfile(os.path.join(ckpt_root, name, COMPLETE_MARKER)):
             return os.path.join(ckpt_root, name)
@@ -236,7 +231,7 @@ def publish_checkpoint_dir(tmp: str, final: str, step: int) -> None:
     Shared by our checkpoints and the sharded DCP ones (parallel/dcp_checkpoint.py)."""
     manifest = {name: {"bytes": os.path.getsize(os.path.join(tmp, name)), "sha256": _sha256(os.path.join(tmp, name))}
                 for name in sorted(os.listdir(tmp))}
-    write_json(os.path.join(tmp, "manifest.json"), manifest)
+    write_json(os.path.join(tmp, MANIFEST), manifest)
     write_json(os.path.join(tmp, COMPLETE_MARKER), {"step": int(step)})
     # fsync, rename; re-saving a step (e.g. after resume) swaps the old directory aside first
     publish_dir(tmp, final, replace=True)
@@ -259,20 +254,20 @@ def save_checkpoint(out_dir: str, req: SaveRequest, barrier: Optional[Callable[[
             assert req.model_state is not None
             # safetensors refuses shared/non-contiguous storage (our params are views of one buffer)
             tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in req.model_state.items()}
-            path = guard.file = os.path.join(tmp, "model.safetensors")
+            path = guard.file = os.path.join(tmp, MODEL_FILE)
             save_file(tensors, path, metadata={"format": "pt", "step": str(req.step)})
             fsync_file(path)
-            guard.file = os.path.join(tmp, "model_config.json")
+            guard.file = os.path.join(tmp, MODEL_CONFIG)
             write_json(guard.file, req.model_config)
-            guard.file = os.path.join(tmp, "config.json")
+            guard.file = os.path.join(tmp, RUN_CONFIG)
             write_json(guard.file, req.run_config)
             if fault_hook is not None:
                 fault_hook()  # test hook: die with a half-written checkpoint
         if req.optimizer_state is not None:
-            path = guard.file = os.path.join(tmp, f"optimizer_rank{req.rank}.pt")
+            path = guard.file = os.path.join(tmp, optimizer_file(req.rank))
             torch.save(req.optimizer_state, path)
             fsync_file(path)
-        path = guard.file = os.path.join(tmp, f"extra_rank{req.rank}.pt")
+        path = guard.file = os.path.join(tmp, extra_file(req.rank))
         torch.save(req.extra_state, path)
         fsync_file(path)
         _barrier(barrier)  # every rank has written and fsynced its files
@@ -280,9 +275,9 @@ def save_checkpoint(out_dir: str, req: SaveRequest, barrier: Optional[Callable[[
         if req.rank == 0:
             trainer_state = dict(req.trainer_state, step=req.step, world_size=req.world_size,
                                  saved_at=time.time())
-            guard.file = os.path.join(tmp, "trainer_state.json")
+            guard.file = os.path.join(tmp, TRAINER_STATE)
             write_json(guard.file, trainer_state)
-            guard.file = os.path.join(tmp, "manifest.json")
+            guard.file = os.path.join(tmp, MANIFEST)
             publish_checkpoint_dir(tmp, final, req.step)
     if req.rank == 0:
         sig = _signature(final)
@@ -316,7 +311,7 @@ def prune_checkpoints(out_dir: str, keep_last: int, keep_best: bool,
         best, best_path = float("inf"), None
         for p, _ in valid:
             try:
-                v = read_json(os.path.join(p, "trainer_state.json")).get("val_loss")
+                v = read_json(os.path.join(p, TRAINER_STATE)).get("val_loss")
             except (OSError, ValueError):
                 continue
             if v is not None and v < best:
@@ -366,19 +361,19 @@ def _json_problem(path: str) -> tuple[Any, Optional[str]]:
 def _manifest_problem(path: str, check_hashes: bool) -> Optional[str]:
     """None when manifest.json is a JSON object {file: {"bytes": int, "sha256": str}} naming only files
     of this directory, each present with that size (and hash), else the reason."""
-    manifest, problem = _json_problem(os.path.join(path, "manifest.json"))
+    manifest, problem = _json_problem(os.path.join(path, MANIFEST))
     if problem:
         return problem
     if not isinstance(manifest, dict):
-        return (f"manifest.json holds a {type(manifest).__name__}, not a JSON object of "
+        return (f"{MANIFEST} holds a {type(manifest).__name__}, not a JSON object of "
                 "file -> {bytes, sha256}")
     if not manifest:
-        return "manifest.json lists no file"
+        return f"{MANIFEST} lists no file"
     for name, info in manifest.items():
         if not plain_file_name(name):
-            return f"manifest.json names {name!r}, which is not a file of the checkpoint directory"
+            return f"{MANIFEST} names {name!r}, which is not a file of the checkpoint directory"
         if not isinstance(info, dict) or not _is_int(info.get("bytes")) or not isinstance(info.get("sha256"), str):
-            return f"manifest.json: the entry of {name} is not {{\"bytes\": int, \"sha256\": str}}"
+            return f"{MANIFEST}: the entry of {name} is not {{\"bytes\": int, \"sha256\": str}}"
     for name, info in manifest.items():
         fp = os.path.join(path, name)
         if not os.path.isfile(fp):
@@ -391,9 +386,8 @@ def _manifest_problem(path: str, check_hashes: bool) -> Optional[str]:
     return None
 
 
-# JSON sidecars every reader parses: each must be a JSON object; trainer_state.json also records the
+# JSON sidecars every reader parses (SIDECARS): each must be a JSON object; trainer_state.json also records the
 # step and the world size of the save (the checkpoint protocol; the rest is checked where it is read).
-SIDECARS = ("trainer_state.json", "model_config.json", "config.json")
 MAX_WORLD = 10 ** 6  # ranks a checkpoint may record having been saved by
 
 
@@ -402,31 +396,31 @@ def trainer_state_problem(state: Any, required: tuple[str, ...] = ()) -> Optiona
     The step and world size are checked when present (a library caller of save_dcp_checkpoint may
     write its own sidecar), and must be there when named in `required` (the trainer's resume)."""
     if not isinstance(state, dict):
-        return f"trainer_state.json holds a {type(state).__name__}, not a JSON object"
+        return f"{TRAINER_STATE} holds a {type(state).__name__}, not a JSON object"
     # bounded: "step": 10**30 would end the run at once as "done"; no run takes more than MAX_STEPS steps,
     # and no world has more than MAX_WORLD ranks
     for key, low, high in (("step", 0, MAX_STEPS), ("world_size", 1, MAX_WORLD), ("data_step", 0, 2 * MAX_STEPS)):
         v = state.get(key)
         if (key in state or key in required) and (not _is_int(v) or not low <= v <= high):
-            return f"trainer_state.json: {key}={v!r} is not an integer in [{low}, {high}]"
+            return f"{TRAINER_STATE}: {key}={v!r} is not an integer in [{low}, {high}]"
     v = state.get("tokens_seen")
     if v is not None and not isinstance(v, bool) and isinstance(v, (int, float)) and not 0 <= v < 1e30:
-        return f"trainer_state.json: tokens_seen={v!r} is not a count of tokens (0 <= n < 1e30)"
+        return f"{TRAINER_STATE}: tokens_seen={v!r} is not a count of tokens (0 <= n < 1e30)"
     for key in ("val_loss", "best_val_loss"):
         v = state.get(key)
         if isinstance(v, float) and not math.isfinite(v):
-            return f"trainer_state.json: {key}={v!r} is not a finite number"
+            return f"{TRAINER_STATE}: {key}={v!r} is not a finite number"
     for key, types_ in (("init_info", dict), ("lora_base", dict), ("data_cursor", dict),
                         ("val_loss", (int, float)), ("best_val_loss", (int, float)), ("tokens_seen", (int, float))):
         v = state.get(key)
         if v is not None and (not isinstance(v, types_) or isinstance(v, bool)):
-            return f"trainer_state.json: {key}={v!r} is not a {getattr(types_, '__name__', 'number')}"
+            return f"{TRAINER_STATE}: {key}={v!r} is not a {getattr(types_, '__name__', 'number')}"
     for key in ("init_info", "lora_base"):
         sub = state.get(key)
         if isinstance(sub, dict) and not isinstance(sub.get("source"), str):
-            return f"trainer_state.json: {key} records no source path"
+            return f"{TRAINER_STATE}: {key} records no source path"
     if isinstance(state.get("lora_base"), dict) and not isinstance(state["lora_base"].get("fingerprint"), str):
-        return "trainer_state.json: lora_base records no fingerprint"
+        return f"{TRAINER_STATE}: lora_base records no fingerprint"
     return None
 
 
@@ -434,25 +428,25 @@ def pipeline_meta_problem(meta: Any) -> Optional[str]:
     """None when a parsed pipeline.json (parallel/pipeline.py's META_FILE) has the fields a resume and a merge
     read: pp_size, dp_size, n_layers integers >= 1, layer_ranges [start, end) pairs, dp_engine ddp or fsdp."""
     if not isinstance(meta, dict):
-        return f"pipeline.json holds a {type(meta).__name__}, not a JSON object"
+        return f"{PIPELINE_META} holds a {type(meta).__name__}, not a JSON object"
     for key in ("pp_size", "dp_size", "n_layers"):
         v = meta.get(key)
         if not _is_int(v) or not 1 <= v <= MAX_WORLD:
-            return f"pipeline.json: {key}={v!r} is not an integer >= 1"
+            return f"{PIPELINE_META}: {key}={v!r} is not an integer >= 1"
     if "tp_size" in meta and (not _is_int(meta["tp_size"]) or not 1 <= meta["tp_size"] <= MAX_WORLD):
-        return f"pipeline.json: tp_size={meta['tp_size']!r} is not an integer >= 1"
+        return f"{PIPELINE_META}: tp_size={meta['tp_size']!r} is not an integer >= 1"
     ranges = meta.get("layer_ranges")
     if not isinstance(ranges, list) or len(ranges) != meta["pp_size"] or not all(
             isinstance(r, list) and len(r) == 2 and all(_is_int(x) for x in r) and 0 <= r[0] <= r[1] for r in ranges):
-        return f"pipeline.json: layer_ranges={ranges!r} is not one [start, end) pair of layers per stage"
+        return f"{PIPELINE_META}: layer_ranges={ranges!r} is not one [start, end) pair of layers per stage"
     if meta.get("dp_engine", "ddp") not in ("ddp", "fsdp"):
-        return f"pipeline.json: dp_engine={meta.get('dp_engine')!r} is not ddp or fsdp"
+        return f"{PIPELINE_META}: dp_engine={meta.get('dp_engine')!r} is not ddp or fsdp"
     return None
 
 
 def _sidecar_problem(path: str) -> Optional[str]:
-    if os.path.lexists(os.path.join(path, "pipeline.json")):  # a pipeline checkpoint's layout
-        data, problem = _json_problem(os.path.join(path, "pipeline.json"))
+    if os.path.lexists(os.path.join(path, PIPELINE_META)):  # a pipeline checkpoint's layout
+        data, problem = _json_problem(os.path.join(path, PIPELINE_META))
         problem = problem or pipeline_meta_problem(data)
         if problem:
             return problem
@@ -463,7 +457,7 @@ def _sidecar_problem(path: str) -> Optional[str]:
         data, problem = _json_problem(fp)
         if problem:
             return problem
-        if name == "trainer_state.json":
+        if name == TRAINER_STATE:
             problem = trainer_state_problem(data)
             if problem:
                 return problem
@@ -511,7 +505,7 @@ def verify_checkpoint(path: str, check_hashes: bool = True, trust_cache: bool = 
     problem = _manifest_problem(path, check_hashes) or _sidecar_problem(path)
     if problem is not None:
         return problem
-    if os.path.isfile(os.path.join(path, "dcp_manifest.json")):  # sharded (DCP): DCP's index and every rank's shard
+    if os.path.isfile(os.path.join(path, DCP_MANIFEST)):  # sharded (DCP): DCP's index and every rank's shard
         from utils.dcp_files import dcp_dir_problem
         problem = dcp_dir_problem(path)
         if problem is not None:
@@ -535,7 +529,7 @@ def find_latest_valid(out_dir: str, log: Callable[[str], None] = print,
 def resolve_checkpoint_dir(path: str, log: Callable[[str], None] = print) -> Optional[str]:
     """Accept a checkpoint directory itself or a run directory holding checkpoints/.
     A checkpoint directory that fails verification raises DamagedCheckpointError (exit 5)."""
-    if os.path.isfile(os.path.join(path, "manifest.json")) or os.path.isfile(os.path.join(path, COMPLETE_MARKER)):
+    if os.path.isfile(os.path.join(path, MANIFEST)) or os.path.isfile(os.path.join(path, COMPLETE_MARKER)):
         problem = verify_checkpoint(path)
         if problem:
             raise DamagedCheckpointError(f"checkpoint {path} is not usable: {problem}")
@@ -552,7 +546,7 @@ def selection_exit_code(e: CheckpointError, path: str, which: str = "latest") ->
         return EXIT_BAD_CHECKPOINT
     which = (which or "latest").strip()
     found = list_checkpoints(path) if os.path.isdir(path) else []
-    digits = which[len(_PREFIX):] if which.startswith(_PREFIX) else which.removeprefix("step")
+    digits = which[len(STEP_PREFIX):] if which.startswith(STEP_PREFIX) else which.removeprefix("step")
     if digits.isdigit():
         found = [(s, p) for s, p in found if s == int(digits)]
     elif which not in ("latest", "best"):
@@ -568,11 +562,11 @@ def read_checkpoint_json(ckpt_dir: str, name: str) -> dict:
     data, problem = _json_problem(os.path.join(ckpt_dir, name))
     if problem is None and not isinstance(data, dict):
         problem = f"{name} holds a {type(data).__name__}, not a JSON object"
-    if problem is None and name == "trainer_state.json":
+    if problem is None and name == TRAINER_STATE:
         problem = trainer_state_problem(data)
-    if problem is None and name == "model_config.json":  # "n_layers": 1000000 would build layers until OOM
+    if problem is None and name == MODEL_CONFIG:  # "n_layers": 1000000 would build layers until OOM
         bounds = bound_problems(data)
-        problem = f"model_config.json: {'; '.join(bounds)}" if bounds else None
+        problem = f"{MODEL_CONFIG}: {'; '.join(bounds)}" if bounds else None
     if problem:
         raise CheckpointError(f"checkpoint {ckpt_dir}: {problem}")
     return data
@@ -581,7 +575,7 @@ def read_checkpoint_json(ckpt_dir: str, name: str) -> dict:
 def read_trainer_state(ckpt_dir: str, required: tuple[str, ...] = ()) -> dict:
     """trainer_state.json of a checkpoint, its shape checked; `required`: keys that must be there
     (the trainer's resume needs step and world_size). CheckpointError naming the file otherwise."""
-    state = read_checkpoint_json(ckpt_dir, "trainer_state.json")
+    state = read_checkpoint_json(ckpt_dir, TRAINER_STATE)
     problem = trainer_state_problem(state, required)
     if problem:
         raise CheckpointError(f"checkpoint {ckpt_dir}: {problem}")
@@ -591,7 +585,7 @@ def read_trainer_state(ckpt_dir: str, required: tuple[str, ...] = ()) -> dict:
 def load_model_state(ckpt_dir: str) -> dict[str, torch.Tensor]:
     """model.safetensors of a checkpoint; CheckpointError naming the file when it cannot be read or a
     tensor holds NaN or inf (a finite run never saves one: the file was damaged or tampered with)."""
-    path = os.path.join(ckpt_dir, "model.safetensors")
+    path = os.path.join(ckpt_dir, MODEL_FILE)
     try:
         sd = load_file(path)
     except (SafetensorError, OSError, ValueError) as e:
@@ -645,7 +639,7 @@ def load_tensor_file(path: str) -> dict:
 
 def load_rank_file(ckpt_dir: str, kind: str, rank: int) -> Optional[dict]:
     """`{kind}_rank{rank}.pt` of a checkpoint, or None when the file is not there."""
-    path = os.path.join(ckpt_dir, f"{kind}_rank{rank}.pt")
+    path = os.path.join(ckpt_dir, rank_file(kind, rank))
     if not os.path.isfile(path):
         return None
     return load_tensor_file(path)

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from utils.checkpoint import CheckpointError, one_line, plain_file_name
+from utils.checkpoint_layout import DCP_MANIFEST, DCP_METADATA, dcp_shard_prefix, extra_file, is_extra_file
 
 
 class DCPCheckpointError(CheckpointError):
@@ -116,7 +117,7 @@ class SafeFileSystemReader(FileSystemReader):
             if isinstance(e, (torch.OutOfMemoryError, CheckpointError)):
                 raise
             where = os.path.join(str(self.path), self._reading) if self._reading else \
-                os.path.join(str(self.path), ".metadata")
+                os.path.join(str(self.path), DCP_METADATA)
             raise DCPCheckpointError(f"{where}: does not load as the tensors .metadata describes (damaged?): "
                                      f"{type(e).__name__}: {_first_line(e)}") from e
 
@@ -124,7 +125,7 @@ class SafeFileSystemReader(FileSystemReader):
 def read_dcp_metadata(ckpt_dir: str) -> Metadata:
     """DCP metadata of a checkpoint through the restricted reader (data files confined to the
     directory, tensor items only); DCPCheckpointError naming `.metadata` when it cannot be read."""
-    path = os.path.join(ckpt_dir, ".metadata")
+    path = os.path.join(ckpt_dir, DCP_METADATA)
     try:
         return SafeFileSystemReader(ckpt_dir).read_metadata()
     except DCPCheckpointError:
@@ -139,8 +140,8 @@ def dcp_layout_problem(ckpt_dir: str, world: int, with_extras: bool = False) -> 
     `.metadata` (readable by the restricted reader), every data file it names present, inside the
     directory and long enough for the bytes it points at, a `__<r>_*.distcp` file of every rank r,
     and (with_extras) every rank's `extra_rank<r>.pt`."""
-    if not os.path.isfile(os.path.join(ckpt_dir, ".metadata")):
-        return "no .metadata (DCP's index of the shards)"
+    if not os.path.isfile(os.path.join(ckpt_dir, DCP_METADATA)):
+        return f"no {DCP_METADATA} (DCP's index of the shards)"
     try:
         md = read_dcp_metadata(ckpt_dir)
     except DCPCheckpointError as e:
@@ -155,14 +156,14 @@ def dcp_layout_problem(ckpt_dir: str, world: int, with_extras: bool = False) -> 
             sizes[rel] = os.path.getsize(fp)
         offset, length = getattr(info, "offset", 0), getattr(info, "length", 0)
         if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (offset, length)):
-            return f".metadata: a piece of {rel} has offset {offset!r} and length {length!r}"
+            return f"{DCP_METADATA}: a piece of {rel} has offset {offset!r} and length {length!r}"
         if offset + length > sizes[rel]:
-            return f"shard file {rel} has {sizes[rel]} bytes, .metadata needs {offset + length} (truncated?)"
+            return f"shard file {rel} has {sizes[rel]} bytes, {DCP_METADATA} needs {offset + length} (truncated?)"
     for r in range(world):
-        if not any(n.startswith(f"__{r}_") for n in sizes):
+        if not any(n.startswith(dcp_shard_prefix(r)) for n in sizes):
             return f"no shard of rank {r} of {world}"
-        if with_extras and not os.path.isfile(os.path.join(ckpt_dir, f"extra_rank{r}.pt")):
-            return f"missing extra_rank{r}.pt"
+        if with_extras and not os.path.isfile(os.path.join(ckpt_dir, extra_file(r))):
+            return f"missing {extra_file(r)}"
     return None
 
 
@@ -170,18 +171,18 @@ def dcp_dir_problem(ckpt_dir: str) -> Optional[str]:
     """dcp_layout_problem for the world size recorded in the directory's dcp_manifest.json; the
     per-rank extra files are required when the manifest lists any."""
     try:
-        with open(os.path.join(ckpt_dir, "dcp_manifest.json"), encoding="utf-8") as f:
+        with open(os.path.join(ckpt_dir, DCP_MANIFEST), encoding="utf-8") as f:
             meta = json.load(f)
     except (OSError, ValueError) as e:
-        return f"dcp_manifest.json is unreadable ({type(e).__name__}: {one_line(e)[:160]})"
+        return f"{DCP_MANIFEST} is unreadable ({type(e).__name__}: {one_line(e)[:160]})"
     if not isinstance(meta, dict):
-        return f"dcp_manifest.json holds a {type(meta).__name__}, not a JSON object"
+        return f"{DCP_MANIFEST} holds a {type(meta).__name__}, not a JSON object"
     world, files, opt = meta.get("world_size"), meta.get("files") or {}, meta.get("optimizer")
     if not isinstance(world, int) or isinstance(world, bool) or world < 1:
-        return f"dcp_manifest.json: world_size={world!r} is not an integer >= 1"
+        return f"{DCP_MANIFEST}: world_size={world!r} is not an integer >= 1"
     if not isinstance(files, dict):
-        return f"dcp_manifest.json: files is a {type(files).__name__}, not a JSON object"
+        return f"{DCP_MANIFEST}: files is a {type(files).__name__}, not a JSON object"
     if opt is not None and not isinstance(opt, dict):
-        return f"dcp_manifest.json: optimizer is a {type(opt).__name__}, not a JSON object (or null)"
-    extras = any(str(n).startswith("extra_rank") for n in files)
+        return f"{DCP_MANIFEST}: optimizer is a {type(opt).__name__}, not a JSON object (or null)"
+    extras = any(is_extra_file(n) for n in files)
     return dcp_layout_problem(ckpt_dir, world, with_extras=extras)

@@ -42,7 +42,7 @@ def saved_run_config(run_dir: str) -> tuple[Optional[dict], Optional[str]]:
     The newest valid checkpoint's config.json first (it matches the weights being resumed), else
     the run directory's config.json (a run that stopped before its first checkpoint)."""
     found = ckpt.find_latest_valid(run_dir, log=lambda s: None) if os.path.isdir(run_dir) else None
-    for path in ([os.path.join(found, "config.json")] if found else []) + [os.path.join(run_dir, "config.json")]:
+    for path in ([os.path.join(found, ckpt.RUN_CONFIG)] if found else []) + [os.path.join(run_dir, ckpt.RUN_CONFIG)]:
         if os.path.isfile(path):
             try:
                 data = ckpt.read_json(path)
@@ -160,7 +160,7 @@ def select_checkpoint(path: str, which: str = "latest", log: Callable[[str], Non
     loss among valid ones) or `step_N` / `N`. `path` may also be a checkpoint directory itself
     (then `which` must be `latest`). Raises CheckpointError with what exists when none matches."""
     which = (which or "latest").strip()
-    if os.path.isfile(os.path.join(path, "manifest.json")) or os.path.isfile(os.path.join(path, ckpt.COMPLETE_MARKER)):
+    if os.path.isfile(os.path.join(path, ckpt.MANIFEST)) or os.path.isfile(os.path.join(path, ckpt.COMPLETE_MARKER)):
         if which != "latest":
             raise ckpt.CheckpointError(f"{path} is one checkpoint; --checkpoint={which} needs the run directory")
         found = ckpt.resolve_checkpoint_dir(path, log=log)
@@ -178,7 +178,7 @@ def select_checkpoint(path: str, which: str = "latest", log: Callable[[str], Non
         for _, p in all_ckpts:
             if ckpt.verify_checkpoint(p) is not None:
                 continue
-            v = ckpt.read_json(os.path.join(p, "trainer_state.json")).get("val_loss")
+            v = ckpt.read_json(os.path.join(p, ckpt.TRAINER_STATE)).get("val_loss")
             if isinstance(v, (int, float)) and v < best:
                 best, best_path = float(v), p
         if best_path is None:

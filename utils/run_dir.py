@@ -17,12 +17,11 @@ from typing import Optional
 
 from utils.errors import one_line  # noqa: F401  (re-exported for the pre-checks)
 
-CKPT_SUBDIR = "checkpoints"     # utils/checkpoint.py: CKPT_SUBDIR, step_dir_name, COMPLETE_MARKER, RUN_START
-STEP_PREFIX = "step_"
-COMPLETE_MARKER = "COMPLETE"
-RUN_START = "run_start.json"
+# The names are utils/checkpoint_layout.py's (re-exported: the pre-checks import them from here).
+from utils.checkpoint_layout import (CKPT_SUBDIR, COMPLETE_MARKER, MANIFEST, MODEL_FILE, RUN_CONFIG,  # noqa: F401
+                                     RUN_START, STEP_PREFIX, checkpoint_root, parse_step)
 
-_STEP = re.compile(r"^step_?(\d+)$")  # `--checkpoint=step_N`, `stepN` or `N` (utils/run_config.select_checkpoint)
+_STEP = re.compile(rf"^{STEP_PREFIX.rstrip('_')}_?(\d+)$")  # `--checkpoint=step_N`, `stepN` or `N` (utils/run_config.select_checkpoint)
 
 
 
@@ -30,13 +29,12 @@ _STEP = re.compile(r"^step_?(\d+)$")  # `--checkpoint=step_N`, `stepN` or `N` (u
 def listed_checkpoints(out_dir: str) -> list[tuple[int, str]]:
     """(step, path) of every checkpoints/step_N directory, newest first, unverified
     (utils.checkpoint.list_checkpoints)."""
-    root = os.path.join(out_dir, CKPT_SUBDIR)
+    root = checkpoint_root(out_dir)
     try:
         names = os.listdir(root)
     except OSError:
         return []
-    found = [(int(n[len(STEP_PREFIX):]), os.path.join(root, n)) for n in names
-             if n.startswith(STEP_PREFIX) and n[len(STEP_PREFIX):].isdigit()]
+    found = [(step, os.path.join(root, n)) for n in names if (step := parse_step(n)) is not None]
     return sorted(found, reverse=True)
 
 
@@ -47,13 +45,13 @@ def has_run_start(out_dir: str) -> bool:
 
 def is_checkpoint_dir(path: str) -> bool:
     """One checkpoint directory (not a run directory): it has a manifest or a COMPLETE marker."""
-    return os.path.isfile(os.path.join(path, "manifest.json")) or os.path.isfile(os.path.join(path, COMPLETE_MARKER))
+    return os.path.isfile(os.path.join(path, MANIFEST)) or os.path.isfile(os.path.join(path, COMPLETE_MARKER))
 
 
 def is_hf_dir(path: str) -> bool:
     """A Hugging Face Llama directory: config.json with model_type llama and safetensors weights."""
-    cfg_path = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_path) or not os.path.isfile(os.path.join(path, "model.safetensors")) and \
+    cfg_path = os.path.join(path, RUN_CONFIG)  # HF's config.json: the same name
+    if not os.path.isfile(cfg_path) or not os.path.isfile(os.path.join(path, MODEL_FILE)) and \
             not any(n.endswith(".safetensors") for n in os.listdir(path)):
         return False
     try:
@@ -70,7 +68,7 @@ def saved_config(out_dir: str) -> Optional[dict]:
     None when there is none; ValueError when it does not read as a JSON object (the full resume path
     names the file)."""
     done = [p for _, p in listed_checkpoints(out_dir) if os.path.isfile(os.path.join(p, COMPLETE_MARKER))]
-    for path in [os.path.join(p, "config.json") for p in done[:1]] + [os.path.join(out_dir, "config.json")]:
+    for path in [os.path.join(p, RUN_CONFIG) for p in done[:1]] + [os.path.join(out_dir, RUN_CONFIG)]:
         if os.path.isfile(path):
             try:
                 with open(path, encoding="utf-8") as f:

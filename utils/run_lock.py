@@ -33,6 +33,7 @@ import sys
 import time
 from typing import Optional
 
+from utils.checkpoint_layout import CKPT_SUBDIR, RUN_CONFIG, RUN_START
 from utils.constants import EXIT_BAD_CONFIG, EXIT_RUN_DIR_BUSY
 
 try:
@@ -152,9 +153,9 @@ def acquire(out_dir: str, *, command: str = "", flag: str = "--out_dir") -> RunL
 
 
 # what a run writes at the top of its directory: files, and the checkpoints directory
-RUN_FILES = ("metrics.jsonl", "samples.jsonl", "heartbeat", "config.json", "run_start.json", "spike.json",
+RUN_FILES = ("metrics.jsonl", "samples.jsonl", "heartbeat", RUN_CONFIG, RUN_START, "spike.json",
              "monitor.log", "monitor_summary.json")
-RUN_DIRS = ("checkpoints",)
+RUN_DIRS = (CKPT_SUBDIR,)
 
 
 def check_run_dir_layout(out_dir: str, flag: str = "--out_dir") -> None:
