@@ -17,7 +17,7 @@ Must never: import torch, or build anything (parallel/build.py does).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from parallel.mesh import MeshLayout, layout_problem
@@ -33,7 +33,7 @@ CAPABILITIES: dict[str, frozenset] = {
                       "comm_hooks", "overlap_optim_step", "zero", "tied_embeddings", "any_batch_shape"}),
     "fsdp": frozenset({"compile", "dpo", "frozen_parameters", "tensor_parallel", "sequence_parallel", "hsdp",
                        "cpu_offload", "tied_embeddings", "any_batch_shape"}),
-    "pipeline": frozenset({"zero", "tensor_parallel", "cpu_offload"}),
+    "pipeline": frozenset({"zero", "tensor_parallel", "cpu_offload", "frozen_parameters"}),
 }
 WHY_NOT: dict[str, str] = {
     "compile": "not supported yet",
@@ -53,31 +53,51 @@ WHY_NOT: dict[str, str] = {
 }
 
 
+def _f(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
-class ParallelConfig:
-    """The parallel section of the trainer's flags (same names, same defaults as TrainConfig's)."""
-    parallel: str = "ddp"                  # the data-parallel engine: ddp (our DDP, ZeRO) | fsdp (FSDP2)
-    pipeline_parallel_size: int = 1
-    pipeline_schedule: str = "1f1b"
-    tensor_parallel_size: int = 1
-    sequence_parallel: bool = False
-    dp_replicate_size: int = 1
-    use_distributed_optimizer: bool = False
-    zero_stage: int = 1
-    comm_hook: str = "allreduce"
-    overlap_grad_reduce: bool = True
-    overlap_param_gather: bool = False
-    overlap_optim_step: bool = False
-    bucket_size: int = 4_000_000
-    grad_reduce_in_fp32: bool = True
-    powersgd_rank: int = 4
-    powersgd_start_iter: int = 10
-    powersgd_min_compression_rate: float = 2.0
-    powersgd_warm_start: bool = True
-    reshard_after_forward: bool = True
-    cpu_offload: bool = False
-    compile: bool = False
-    gradient_checkpointing: bool = False
+class ParallelFlags:
+    """The parallel engine's flags, declared once: the trainer's TrainConfig has them as its own
+    (`--parallel=...`, same names, defaults and help), and ParallelConfig reads them back from it."""
+    parallel: str = _f("ddp", "ddp (our DDP, + ZeRO-1/2 with --use_distributed_optimizer) | fsdp (torch FSDP2: "
+                       "parameters, gradients and optimizer state sharded)")
+    reshard_after_forward: bool = _f(True, "fsdp: free gathered parameters after forward (ZeRO-3); false keeps "
+                                     "them until backward (ZeRO-2-like, more memory, less communication)")
+    cpu_offload: bool = _f(False, "fsdp: keep sharded parameters, gradients and optimizer state on the CPU")
+    use_distributed_optimizer: bool = _f(False, "ZeRO: shard optimizer state and fp32 main params")
+    zero_stage: int = _f(1, "1 or 2 (2 also releases gradients of shards a rank does not own)")
+    comm_hook: str = _f("allreduce", "allreduce | reduce_scatter | fp16 | bf16 | powersgd")
+    overlap_grad_reduce: bool = _f(True, "launch a bucket's reduction as soon as its gradients are ready")
+    overlap_param_gather: bool = _f(False, "ZeRO: all-gather parameters during the next forward")
+    overlap_optim_step: bool = _f(False, "step the optimizer per bucket as its reduction ends (see docs/parallel.md)")
+    bucket_size: int = _f(4_000_000, "elements per gradient bucket")
+    grad_reduce_in_fp32: bool = _f(True, "reduce bf16/fp16 gradients in fp32")
+    powersgd_rank: int = _f(4, "PowerSGD rank")
+    powersgd_start_iter: int = _f(10, "plain all-reduce before this step")
+    powersgd_min_compression_rate: float = _f(2.0, "tensors compressing less than this go uncompressed")
+    powersgd_warm_start: bool = _f(True, "reuse Q between steps")
+    pipeline_parallel_size: int = _f(1, "pipeline stages P (1 = off): the layers split into P stages on a pp x dp mesh "
+                                     "(WORLD_SIZE = P x dp; dp uses --parallel); the micro-batches are "
+                                     "--gradient_accumulation_steps; pretrain and sft only (see docs/parallel.md)")
+    pipeline_schedule: str = _f("1f1b", "gpipe (all forwards, then all backwards) | 1f1b (less activation memory; "
+                                "needs --gradient_accumulation_steps >= --pipeline_parallel_size)")
+    tensor_parallel_size: int = _f(1, "tensor-parallel ranks T (1 = off): each block's matmuls, the embedding and the "
+                                   "LM head split over T neighbouring ranks (Megatron layout on DTensor); needs "
+                                   "--parallel=fsdp, which shards over the rest (WORLD_SIZE = dp x T); see docs/parallel.md")
+    sequence_parallel: bool = _f(False, "with --tensor_parallel_size > 1: split the norms' activations and the residual "
+                                 "stream on the sequence between the tensor-parallel regions (all-gather / "
+                                 "reduce-scatter instead of all-reduce); batch lengths must be multiples of T")
+    dp_replicate_size: int = _f(1, "HSDP: data-parallel replicas R (1 = off): FSDP2 shards within each of R groups "
+                                "and all-reduces gradients across them (WORLD_SIZE = R x shard x T); needs --parallel=fsdp")
+
+
+@dataclass
+class ParallelConfig(ParallelFlags):
+    """The parallel section of a run: its flags, plus the values of other sections the engines read."""
+    compile: bool = False                  # the compile transform (parallel/transforms/compile.py)
+    gradient_checkpointing: bool = False   # the activation checkpointing transform
     gradient_accumulation_steps: int = 1   # a pipeline's micro-batches per step
     seed: int = 1337                       # PowerSGD's random projections
 

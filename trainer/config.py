@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from parallel.config import ParallelFlags
 from utils.constants import EXIT_BAD_CONFIG, EXIT_BAD_DATA
 from utils.errors import TrainingError, one_line  # noqa: F401  (re-exported: the trainer and tests use them)
 
@@ -28,7 +29,7 @@ def _f(default: Any, help: str) -> Any:
 
 
 @dataclass
-class TrainConfig:
+class _RunModelAndOptimisation:
     # ---- run and data
     out_dir: str = _f("out/run", "run directory: metrics.jsonl, checkpoints/, config.json")
     task_type: str = _f("pretrain", "pretrain | sft | dpo")
@@ -104,37 +105,12 @@ class TrainConfig:
     dpo_beta: float = _f(0.1, "DPO temperature")
     dpo_loss: str = _f("sigmoid", "sigmoid | ipo | hinge")
     dpo_label_smoothing: float = _f(0.0, "conservative DPO label smoothing (sigmoid loss)")
-    # ---- parallel engine
-    parallel: str = _f("ddp", "ddp (our DDP, + ZeRO-1/2 with --use_distributed_optimizer) | fsdp (torch FSDP2: "
-                       "parameters, gradients and optimizer state sharded)")
-    reshard_after_forward: bool = _f(True, "fsdp: free gathered parameters after forward (ZeRO-3); false keeps "
-                                     "them until backward (ZeRO-2-like, more memory, less communication)")
-    cpu_offload: bool = _f(False, "fsdp: keep sharded parameters, gradients and optimizer state on the CPU")
-    use_distributed_optimizer: bool = _f(False, "ZeRO: shard optimizer state and fp32 main params")
-    zero_stage: int = _f(1, "1 or 2 (2 also releases gradients of shards a rank does not own)")
-    comm_hook: str = _f("allreduce", "allreduce | reduce_scatter | fp16 | bf16 | powersgd")
-    overlap_grad_reduce: bool = _f(True, "launch a bucket's reduction as soon as its gradients are ready")
-    overlap_param_gather: bool = _f(False, "ZeRO: all-gather parameters during the next forward")
-    overlap_optim_step: bool = _f(False, "step the optimizer per bucket as its reduction ends (see docs/parallel.md)")
-    bucket_size: int = _f(4_000_000, "elements per gradient bucket")
-    grad_reduce_in_fp32: bool = _f(True, "reduce bf16/fp16 gradients in fp32")
-    powersgd_rank: int = _f(4, "PowerSGD rank")
-    powersgd_start_iter: int = _f(10, "plain all-reduce before this step")
-    powersgd_min_compression_rate: float = _f(2.0, "tensors compressing less than this go uncompressed")
-    powersgd_warm_start: bool = _f(True, "reuse Q between steps")
-    pipeline_parallel_size: int = _f(1, "pipeline stages P (1 = off): the layers split into P stages on a pp x dp mesh "
-                                     "(WORLD_SIZE = P x dp; dp uses --parallel); the micro-batches are "
-                                     "--gradient_accumulation_steps; pretrain and sft only (see docs/parallel.md)")
-    pipeline_schedule: str = _f("1f1b", "gpipe (all forwards, then all backwards) | 1f1b (less activation memory; "
-                                "needs --gradient_accumulation_steps >= --pipeline_parallel_size)")
-    tensor_parallel_size: int = _f(1, "tensor-parallel ranks T (1 = off): each block's matmuls, the embedding and the "
-                                   "LM head split over T neighbouring ranks (Megatron layout on DTensor); needs "
-                                   "--parallel=fsdp, which shards over the rest (WORLD_SIZE = dp x T); see docs/parallel.md")
-    sequence_parallel: bool = _f(False, "with --tensor_parallel_size > 1: split the norms' activations and the residual "
-                                 "stream on the sequence between the tensor-parallel regions (all-gather / "
-                                 "reduce-scatter instead of all-reduce); batch lengths must be multiples of T")
-    dp_replicate_size: int = _f(1, "HSDP: data-parallel replicas R (1 = off): FSDP2 shards within each of R groups "
-                                "and all-reduces gradients across them (WORLD_SIZE = R x shard x T); needs --parallel=fsdp")
+
+
+@dataclass
+class TrainConfig(ParallelFlags, _RunModelAndOptimisation):
+    """Every training flag, flat (`--key=value`): the sections above, then the parallel engine's
+    (parallel/config.py ParallelFlags, declared once there), then the ones below."""
     # ---- evaluation, logging, checkpoints
     eval_interval: int = _f(100, "evaluate every N steps (0 = only at the end)")
     eval_iters: int = _f(20, "validation micro-batches per rank per evaluation (>= 1)")
