@@ -181,8 +181,6 @@ def test_pp2_x_dp2_matches_one_process(runs, base_args, tmp_path, dp_engine):
     ({"n_layers": 3}, 2, "--n_layers=3 does not split into 2 equal stages"),
     ({"tie_embeddings": True}, 2, "--tie_embeddings=true cannot be combined with --pipeline_parallel_size=2"),
     ({"task_type": "dpo", "init_from": "somewhere"}, 2, "--task_type=dpo cannot be combined with --pipeline_parallel_size=2"),
-    ({"lora_rank": 4}, 2, "--lora_rank=4 cannot be combined with --pipeline_parallel_size=2"),
-    ({"trainable": "embeddings"}, 2, "--trainable=embeddings cannot be combined with --pipeline_parallel_size=2"),
     ({"comm_hook": "powersgd"}, 2, "--comm_hook=powersgd cannot be combined with --pipeline_parallel_size=2"),
     ({"overlap_optim_step": True}, 2, "--overlap_optim_step=true cannot be combined with --pipeline_parallel_size=2"),
     ({"compile": True}, 2, "--compile=true cannot be combined with --pipeline_parallel_size=2"),
@@ -201,6 +199,38 @@ def test_bad_combinations_are_named(flags, world, expect):
     assert e.value.code == EXIT_BAD_CONFIG and expect in str(e.value), str(e.value)
     T.validate_config(T.TrainConfig(data_dir="d", tokenizer_dir="t", n_layers=4, gradient_accumulation_steps=2,
                                     pipeline_parallel_size=2), world_size=4)  # and the good layout passes
+
+
+@pytest.mark.parametrize("flags", [{"lora_rank": 4}, {"trainable": "embeddings"},
+                                   {"lora_rank": 4, "parallel": "fsdp"}])
+def test_frozen_parameters_are_accepted_without_light_checkpoints(flags):
+    """LoRA and --trainable=embeddings run under the pipeline (tests/parallel/test_pipeline_frozen.py); its
+    checkpoints stay full stage files: it declares no light checkpoints."""
+    from parallel.config import ParallelConfig
+    from trainer import config as T
+    cfg = T.TrainConfig(data_dir="d", tokenizer_dir="t", n_layers=4, gradient_accumulation_steps=2,
+                        pipeline_parallel_size=2, **flags)
+    T.validate_config(cfg, world_size=2)
+    assert not ParallelConfig.from_flags(cfg).saves_light_checkpoints()
+
+
+def test_lora_pp2_matches_one_process(runs, base_args, tmp_path):
+    """LoRA adapters trained through the pipeline (full stage checkpoints) follow one process (a light
+    checkpoint: the trainable tensors only); both start from the pipeline run's checkpoint."""
+    args = [a for a in base_args if not a.startswith(("--max_iters", "--eval_interval"))] + [
+        f"--init_from={runs['1f1b']}", "--max_iters=2", "--eval_interval=0", "--checkpoint_interval=2",
+        "--lora_rank=2", "--lora_targets=q_proj,v_proj", "--learning_rate=3e-3"]
+    ref, pp = tmp_path / "lora_ref", tmp_path / "lora_pp"
+    run_cmd(train_cmd([*args, f"--out_dir={ref}"]), env=_env())
+    run_cmd(train_cmd([*args, f"--out_dir={pp}", "--pipeline_parallel_size=2"], nproc=2), env=_env())
+    lr, lp = losses(ref), losses(pp)
+    assert sorted(lr) == sorted(lp) == [1, 2]
+    assert all(abs(lr[s] - lp[s]) <= TOL for s in lr), (lr, lp)
+    light, full = final_weights(ref), final_weights(pp)
+    assert light and set(light) < set(full) and all("lora_" in k for k in light)  # pp: full stage files
+    assert_weights_close(light, {k: full[k] for k in light})
+    base = final_weights(runs["1f1b"])
+    assert all(torch.equal(full[k], base[k]) for k in base)  # the frozen base did not move
 
 
 def test_bad_combination_exits_2_with_one_line(tiny_pretrain_run_args, tmp_path):
