@@ -64,7 +64,7 @@ def describe_layout(flags: Any, engine: TrainingEngine, world_size: int) -> str:
     pc = ParallelConfig.from_flags(flags)
     parts = [f"engine {pc.describe_engine()}",
              MeshLayout.from_sizes(world_size, pp=pc.pp, dp_replicate=pc.dp_replicate_size, tp=pc.tp).describe()]
-    if "comm_hooks" in engine.capabilities:
+    if "comm_hooks" in pc.capabilities():  # the engine's declared capabilities
         hook = pc.comm_hook
         if hook == "powersgd":
             hook = f"powersgd (rank {pc.powersgd_rank}, from step {pc.powersgd_start_iter})"

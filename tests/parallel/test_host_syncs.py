@@ -61,9 +61,11 @@ def fused_adamw_as_on_a_gpu(monkeypatch):
     """The engine asks for torch's fused AdamW on an accelerator (its step counters live on the device);
     on CPU it takes the foreach one, whose CPU step counters are read as numbers (no sync on any device).
     Build the GPU's optimizer here so that the count is the GPU's (fused AdamW runs on CPU too)."""
-    import optimizer
-    real = optimizer.OptimizerConfig
-    monkeypatch.setattr(optimizer, "OptimizerConfig", lambda **kw: real(**{**kw, "fused": True}))
+    import dataclasses
+
+    from parallel import build
+    real = build.optimizer_config
+    monkeypatch.setattr(build, "optimizer_config", lambda flags: dataclasses.replace(real(flags), fused=True))
 
 
 def _engine(device: torch.device, **flags):
