@@ -20,7 +20,6 @@ import logging
 import os
 import sys
 import time
-import traceback
 from concurrent.futures import Future, ProcessPoolExecutor
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -32,7 +31,8 @@ from tokenizer.corpus import TEXT_FIELDS_HELP, input_kind, is_dataset_source, so
 from tokenizer.dataset_source import add_hf_dataset_flags, hf_dataset_from_args
 from data_preprocess.shard_format import (SHARD_RE, DataError, dtype_for_vocab, read_sidecar,
                                           remove_temp_files, write_shard, check_shard)
-from data_preprocess.worker_tokenizer import WorkerTokenizer, backend_json
+from data_preprocess.worker_tokenizer import (FileFailed, WorkerTokenizer, backend_json, raise_failed,
+                                             worker_result)
 
 log = logging.getLogger("pretokenize_pretrain")
 
@@ -313,7 +313,7 @@ def pretokenize_pretrain(data_dir: str, tokenizer_dir: Optional[str], output_dir
                 stats = _process_file(pool, path, stem, output_dir, meta, alternatives,
                                       shard_size_tokens, strict, vocab_size, num_workers, max_doc_chars)
             except Exception as e:  # noqa: BLE001 - every failure is collected and reported
-                summary["failed"][path] = e.errors if isinstance(e, _FileFailed) else [f"{type(e).__name__}: {e}"]
+                summary["failed"][path] = e.errors if isinstance(e, FileFailed) else [f"{type(e).__name__}: {e}"]
                 for n in _stem_files(output_dir, stem):
                     os.remove(os.path.join(output_dir, n))
             else:
@@ -326,21 +326,11 @@ def pretokenize_pretrain(data_dir: str, tokenizer_dir: Optional[str], output_dir
             bar.update(source_size(path))
     bar.close()
     summary["seconds"] = time.time() - t0
-    if summary["failed"]:
-        lines = [f"{len(summary['failed'])} input file(s) failed:"]
-        for p, errs in summary["failed"].items():
-            lines += [f"  {p}:"] + [f"    {e}" for e in errs[:10]]
-        raise DataError("\n".join(lines))
+    raise_failed(summary["failed"])
     if summary["tokens"] + complete_tokens == 0:
         raise DataError(f"{data_dir}: no tokens: none of the {len(files)} input file(s) holds a usable document "
                         f"(skips: {summary['skips'] or 'none'}; see the warnings above for file:line)")
     return summary
-
-
-class _FileFailed(Exception):
-    def __init__(self, errors: list[str]):
-        super().__init__("; ".join(errors))
-        self.errors = errors
 
 
 def _pieces(text: str, max_chars: int) -> Iterator[tuple[str, bool, bool]]:
@@ -371,14 +361,10 @@ def _process_file(pool: "_InProcess | ProcessPoolExecutor", path: str, stem: str
     def drain(limit: int) -> None:
         while len(pending) > limit:
             where, flags, fut = pending.pop(0)
-            try:
-                flat, lengths = fut.result()
-            except Exception as e:  # noqa: BLE001 - the worker's exception, reported with its file
-                tb = "".join(traceback.format_exception_only(type(e), e)).strip()
-                errors.append(f"worker failed on {where}: {tb}")
+            result = worker_result(fut, where, errors)
+            if result is None:
                 continue
-            if errors:
-                continue  # this file is already lost; keep collecting the other errors
+            flat, lengths = result
             if flat.size and (flat.min() < 0 or flat.max() >= vocab_size):
                 errors.append(f"{where}: token id {int(flat.max())} outside vocab_size {vocab_size}")
                 continue
@@ -429,7 +415,7 @@ def _process_file(pool: "_InProcess | ProcessPoolExecutor", path: str, stem: str
         submit()
     drain(0)
     if errors:
-        raise _FileFailed(errors)
+        raise FileFailed(errors)
     writer.close()
     if skips.total or empty:
         log.info("%s: skipped %d bad record(s) %s and %d empty document(s)", path, skips.total,

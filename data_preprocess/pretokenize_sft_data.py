@@ -1,6 +1,7 @@
 """Pretokenize SFT conversations (`python -m data_preprocess.pretokenize_sft_data`).
 
-Owns: the pretokenized SFT format and writing it atomically:
+Owns: the pretokenized SFT format and writing it atomically (the layout shared with DPO, the kinds and
+the writer live in `chat_tokens`):
   <out>/input_ids.bin   token ids, dtype uint16 if vocab_size <= 65536 else uint32
   <out>/labels.bin      int32, = id on assistant content and its <|im_end|>, -100 elsewhere
   <out>/samples.npy     int64 [n, 4]: token offset, length, file id, position in that file (1-based
@@ -8,9 +9,16 @@ Owns: the pretokenized SFT format and writing it atomically:
   <out>/sft_meta.json   written last: dtype, vocab/pad ids, max_seq_len, overlong policy, counts,
                         tokenizer fingerprint, files [{path, file_id, first_sample, num_samples, ...}]
 Labels are stored unshifted (aligned with the ids); `dataset.dataset_sft` shifts them.
+`tokenize_sft_records` makes the same arrays in memory (`chat_tokens.ChatTokens`) from raw records: what
+the trainer hands `dataset.dataset_sft` when --data_dir holds records, so both paths read the same items.
 With --num_workers > 1 records are rendered + tokenized in worker processes (`sft_format.ChatRenderer`)
 and consumed in input order, so the files are the same byte for byte for any number of workers; a
 worker exception fails its input file, and every failed file is reported at the end.
+
+Also owns what the SFT and DPO pretokenizers share: `ChatTask` (a kind's records tokenized file by file
+with per-file counts, `tokenize_files`; written to a folder, `pretokenize`; or kept in memory for the
+trainer, `tokenize_records`; `SFT_TASK` is SFT's, `pretokenize_dpo_data.DPO_TASK` DPO's), their inputs
+and default output folder (`chat_inputs`), and the command line (`chat_pretokenize_cli`).
 
 Must never: store labels unsigned (trap 2), record a count where a file id belongs (trap 3), or
 drop a sample without counting it.
@@ -21,106 +29,30 @@ import argparse
 import logging
 import os
 import sys
-from typing import Any, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
+from data_preprocess.chat_tokens import (SFT, ChatKind, ChatTokens, check_not_other_kind, is_pretokenized,
+                                         write_tokenized)
 from data_preprocess.readers import RECORD_KINDS, find_input_files, skip_counter
-from data_preprocess.sft_format import (ChatRenderer, Encode, FileFailed, apply_overlong,
+from data_preprocess.sft_format import (ChatRenderer, Encode, apply_overlong,
                                         encode_file_records, labels_from_mask, make_chat_encoder,
                                         sft_messages)
-from data_preprocess.shard_format import (DataError, atomic_save_npy, atomic_write_json, dtype_for_vocab,
-                                          remove_temp_files)
+from data_preprocess.shard_format import DataError, dtype_for_vocab
+from data_preprocess.worker_tokenizer import FileFailed, raise_failed
 from tokenizer.corpus import CorpusConfigError
 from tokenizer.dataset_source import add_hf_dataset_flags, hf_dataset_from_args
-from utils.publish import atomic_write_bytes
 
 log = logging.getLogger("pretokenize_sft")
-SFT_FORMAT_VERSION = 1
+SFT_FORMAT_VERSION = SFT.format_version
+# (ids int64, labels int32, index int64 [n, kind.cols], per-file stats) of a kind's records
+Tokenized = tuple[np.ndarray, np.ndarray, np.ndarray, list[dict]]
 
 
 def as_renderer(encode: "Encode | ChatRenderer") -> ChatRenderer:
     return encode if isinstance(encode, ChatRenderer) else ChatRenderer(encode=encode)
-
-
-def raise_failed(failed: dict[str, list[str]]) -> None:
-    """One DataError listing every failed input with its errors (worker exceptions, broken files)."""
-    if failed:
-        lines = [f"{len(failed)} input file(s) failed:"]
-        for p, errs in failed.items():
-            lines += [f"  {p}:"] + [f"    {e}" for e in errs[:10]]
-        raise DataError("\n".join(lines))
-
-
-def tokenize_sft_files(files: Sequence[str], encode: "Encode | ChatRenderer",
-                       max_seq_len: int, overlong: str = "truncate", strict: bool = False
-                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[dict]]:
-    """(ids int64, labels int32, samples int64 [n, 4], per-file stats) for SFT records.
-
-    `encode` is an in-process encode(messages) -> (ids, mask) or a ChatRenderer (worker pool);
-    either way the result is the same. A file whose rendering failed (worker exception) or that
-    cannot be read (broken .json/.parquet) is collected; after every file was tried, one
-    DataError lists them all (under strict a bad record stops the run at once)."""
-    renderer = as_renderer(encode)
-    id_chunks: list[np.ndarray] = []
-    lab_chunks: list[np.ndarray] = []
-    rows: list[tuple[int, int, int, int]] = []
-    stats: list[dict] = []
-    failed: dict[str, list[str]] = {}
-    offset = 0
-    for file_id, path in enumerate(files):
-        skips = skip_counter(strict)
-        st = {"path": str(path), "file_id": file_id, "first_sample": len(rows), "num_samples": 0,
-              "truncated": 0, "dropped_overlong": 0, "dropped_no_target": 0}
-        try:
-            for where, recno, [(ids, mask)] in encode_file_records(path, skips, lambda r: [sft_messages(r)],
-                                                                   renderer):
-                labels = labels_from_mask(ids, mask)
-                kept = apply_overlong(ids, labels, max_seq_len, overlong)
-                if kept is None:
-                    st["dropped_overlong" if ids.size > max_seq_len + 1 else "dropped_no_target"] += 1
-                    continue
-                if kept[0].size < ids.size:
-                    st["truncated"] += 1
-                ids, labels = kept
-                rows.append((offset, ids.size, file_id, recno))
-                id_chunks.append(ids)
-                lab_chunks.append(labels)
-                offset += ids.size
-                st["num_samples"] += 1
-        except FileFailed as e:
-            failed[path] = e.errors
-        except DataError as e:
-            if strict:
-                raise
-            failed[path] = [str(e)]
-        st["skipped"] = dict(skips.counts)
-        if skips.total:
-            log.info("%s: skipped %d record(s): %s", path, skips.total, skips.counts)
-        if st["num_samples"] == 0 and path not in failed:
-            log.warning("%s: no usable SFT sample: skipped %s, dropped %d over-long, %d without a target",
-                        path, dict(skips.counts) or "none", st["dropped_overlong"], st["dropped_no_target"])
-        stats.append(st)
-    raise_failed(failed)
-    samples = np.asarray(rows, dtype=np.int64).reshape(-1, 4)
-    ids = np.concatenate(id_chunks) if id_chunks else np.empty(0, np.int64)
-    labels = np.concatenate(lab_chunks) if lab_chunks else np.empty(0, np.int32)
-    return ids, labels, samples, stats
-
-
-def write_tokenized(out: str, meta_name: str, ids: np.ndarray, labels: np.ndarray, dtype: np.dtype,
-                    index_name: str, index: np.ndarray, meta: dict) -> None:
-    """ids (dtype), labels (int32), the int64 index and the meta JSON, each atomically, meta last:
-    its presence marks a complete folder, so it is removed first when the arrays are replaced."""
-    os.makedirs(out, exist_ok=True)
-    remove_temp_files(out)
-    meta_path = os.path.join(out, meta_name)
-    if os.path.exists(meta_path):
-        os.remove(meta_path)
-    atomic_write_bytes(os.path.join(out, "input_ids.bin"), memoryview(ids.astype(dtype)).cast("B"))
-    atomic_write_bytes(os.path.join(out, "labels.bin"), memoryview(labels.astype("<i4")).cast("B"))
-    atomic_save_npy(os.path.join(out, index_name), index)
-    atomic_write_json(meta_path, meta)
 
 
 def check_vocab(ids: np.ndarray, vocab: int) -> None:
@@ -128,15 +60,19 @@ def check_vocab(ids: np.ndarray, vocab: int) -> None:
         raise DataError(f"token id {int(ids.max())} outside vocab_size {vocab}")
 
 
-def default_sft_out_dir(data_dir: str, max_seq_len: int) -> str:
-    """`out/sft_tokenized/<name of the input>_L<max_seq_len>` under the working directory: a folder
+def default_out_dir(kind: ChatKind, data_dir: str, max_seq_len: int) -> str:
+    """`out/<kind>_tokenized/<name of the input>_L<max_seq_len>` under the working directory: a folder
     named for what it holds, not a sibling dropped next to the user's raw data."""
-    name = os.path.splitext(os.path.basename(os.path.abspath(data_dir).rstrip(os.sep)))[0] or "sft"
-    return os.path.join("out", "sft_tokenized", f"{name}_L{max_seq_len}")
+    name = os.path.splitext(os.path.basename(os.path.abspath(data_dir).rstrip(os.sep)))[0] or kind.kind
+    return os.path.join("out", f"{kind.kind}_tokenized", f"{name}_L{max_seq_len}")
 
 
-def chat_inputs(data_dir: Optional[str], output_dir: Optional[str], max_seq_len: int, hf_dataset: Any, what: str,
-                default_out) -> tuple[str, list]:
+def default_sft_out_dir(data_dir: str, max_seq_len: int) -> str:
+    return default_out_dir(SFT, data_dir, max_seq_len)
+
+
+def chat_inputs(kind: ChatKind, data_dir: Optional[str], output_dir: Optional[str], max_seq_len: int,
+                hf_dataset: Any) -> tuple[str, list]:
     """(output dir, inputs) of the SFT / DPO pretokenizers: the record files under `data_dir`, then `hf_dataset`
     (a tokenizer.dataset_source.DatasetSource: a Hugging Face dataset's split, read as one more input)."""
     if not data_dir and hf_dataset is None:
@@ -144,41 +80,147 @@ def chat_inputs(data_dir: Optional[str], output_dir: Optional[str], max_seq_len:
     if not data_dir and not output_dir:
         raise CorpusConfigError("--hf_dataset without --data_dir needs --out_dir")
     data_dir = os.path.abspath(data_dir) if data_dir else None
-    out = os.path.abspath(output_dir or default_out(data_dir, max_seq_len))
-    files: list = find_input_files(data_dir, exclude_dir=out, kinds=RECORD_KINDS, what=what) if data_dir else []
+    out = os.path.abspath(output_dir or default_out_dir(kind, data_dir, max_seq_len))
+    files: list = (find_input_files(data_dir, exclude_dir=out, kinds=RECORD_KINDS, what=kind.kind.upper())
+                   if data_dir else [])
     if data_dir and not files and hf_dataset is None:
         raise DataError(f"{data_dir}: no .jsonl/.json/.parquet inputs (any case)")
     return out, files + ([hf_dataset] if hf_dataset is not None else [])
 
 
-def pretokenize_sft(data_dir: Optional[str], tokenizer_dir: str, max_seq_len: int, output_dir: Optional[str] = None,
-                    overlong: str = "truncate", strict: bool = False, num_workers: int = 1,
-                    encode_fn: Optional[Encode] = None, hf_dataset: Any = None) -> dict:
-    """Write the pretokenized SFT files for every input under `data_dir` (and `hf_dataset`, a Hugging Face
-    dataset's split); returns sft_meta.
+@dataclass(frozen=True)
+class ChatTask:
+    """One kind of chat data as the shared pretokenizer handles it: `to_convs` turns a record into its
+    conversations (one per branch; RecordError for a bad record), `label_mask` picks the labelled tokens
+    of a branch's assistant mask, `no_target_key` is what a dropped row counts as when no branch was
+    over-long, `empty_detail(per-file stats)` ends the error for no row at all, and `extra_meta` are meta
+    fields written before `files`."""
+    kind: ChatKind
+    to_convs: Callable[[Any], list[list[dict]]]
+    label_mask: Callable[[np.ndarray], np.ndarray]
+    no_target_key: str
+    empty_detail: Callable[[list[dict]], str]
+    extra_meta: dict = field(default_factory=dict)
 
-    `num_workers` > 1 renders and tokenizes in worker processes; the files are the same byte for
-    byte whatever the number. `encode_fn` (picklable) replaces the tokenizer's encoder (tests)."""
-    out, files = chat_inputs(data_dir, output_dir, max_seq_len, hf_dataset, "SFT", default_sft_out_dir)
-    encode, tmeta = make_chat_encoder(tokenizer_dir)  # loads here first: a bad tokenizer dir fails early
-    with ChatRenderer(tokenizer_dir, num_workers, encode=encode if num_workers <= 1 and encode_fn is None else None,
-                      encode_fn=encode_fn) as renderer:
-        ids, labels, samples, stats = tokenize_sft_files(files, renderer, max_seq_len, overlong, strict)
-    if len(samples) == 0:
-        raise DataError(f"{data_dir or hf_dataset}: no usable SFT sample (see the skip counts in the log)")
-    vocab = int(tmeta["vocab_size"])
-    check_vocab(ids, vocab)
-    dtype = dtype_for_vocab(vocab)
-    sp = tmeta["special_tokens"]
-    meta = {
-        "format_version": SFT_FORMAT_VERSION, "kind": "sft", "dtype": dtype.str, "labels_dtype": "<i4",
-        "vocab_size": vocab, "pad_id": int(sp["pad"]["id"]), "bos_id": int(sp["bos"]["id"]),
-        "eos_id": int(sp["eos"]["id"]), "tokenizer_fingerprint": tmeta.get("fingerprint", ""),
-        "max_seq_len": int(max_seq_len), "overlong": overlong, "num_samples": int(len(samples)),
-        "num_tokens": int(ids.size), "num_target_tokens": int((labels != -100).sum()), "files": stats,
-    }
-    write_tokenized(out, "sft_meta.json", ids, labels, dtype, "samples.npy", samples, meta)
-    return dict(meta, out_dir=out)
+    def tokenize_files(self, files: Sequence[str], encode: "Encode | ChatRenderer", max_seq_len: int,
+                       overlong: str = "truncate", strict: bool = False) -> Tokenized:
+        """(ids int64, labels int32, index int64 [n, kind.cols], per-file stats) for the records of `files`.
+
+        A row whose branch is over-long (> max_seq_len+1 tokens) is truncated (kept while every branch keeps
+        a target token) or dropped ("drop"); a dropped row counts as dropped_overlong when a branch was
+        over-long, else as `no_target_key`. `encode` is an in-process encode(messages) -> (ids, mask) or a
+        ChatRenderer (worker pool); either way the result is the same. A file whose rendering failed (worker
+        exception) or that cannot be read (broken .json/.parquet) is collected; after every file was tried,
+        one DataError lists them all (under strict a bad record stops the run at once)."""
+        kind, no_target_key = self.kind, self.no_target_key
+        flog = logging.getLogger(f"pretokenize_{kind.kind}")
+        renderer = as_renderer(encode)
+        id_chunks: list[np.ndarray] = []
+        lab_chunks: list[np.ndarray] = []
+        rows: list[tuple[int, ...]] = []
+        stats: list[dict] = []
+        failed: dict[str, list[str]] = {}
+        offset = 0
+        for file_id, path in enumerate(files):
+            skips = skip_counter(strict)
+            st = {"path": str(path), "file_id": file_id, kind.first_key: len(rows), kind.count_key: 0,
+                  "truncated": 0, "dropped_overlong": 0}
+            st.setdefault(no_target_key, 0)
+            try:
+                for _, recno, branches in encode_file_records(path, skips, self.to_convs, renderer):
+                    kept = [(ids, apply_overlong(ids, labels_from_mask(ids, self.label_mask(mask)), max_seq_len,
+                                                 overlong)) for ids, mask in branches]
+                    if any(k is None for _, k in kept):
+                        over = any(ids.size > max_seq_len + 1 for ids, _ in kept)
+                        st["dropped_overlong" if over else no_target_key] += 1
+                        continue
+                    if any(k[0].size < ids.size for ids, k in kept):
+                        st["truncated"] += 1
+                    row: list[int] = []
+                    for _, (ids, labels) in kept:
+                        row += [offset, ids.size]
+                        id_chunks.append(ids)
+                        lab_chunks.append(labels)
+                        offset += ids.size
+                    rows.append((*row, file_id, recno))
+                    st[kind.count_key] += 1
+            except FileFailed as e:
+                failed[path] = e.errors
+            except DataError as e:
+                if strict:
+                    raise
+                failed[path] = [str(e)]
+            st["skipped"] = dict(skips.counts)
+            if skips.total:
+                flog.info("%s: skipped %d record(s): %s", path, skips.total, skips.counts)
+            if st[kind.count_key] == 0 and path not in failed:
+                why = ", %d without a target" % st[no_target_key] if no_target_key != "dropped_overlong" else ""
+                flog.warning("%s: no usable %s: skipped %s, dropped %d over-long%s", path, kind.unit,
+                             dict(skips.counts) or "none", st["dropped_overlong"], why)
+            stats.append(st)
+        raise_failed(failed)
+        index = np.asarray(rows, dtype=np.int64).reshape(-1, kind.cols)
+        ids = np.concatenate(id_chunks) if id_chunks else np.empty(0, np.int64)
+        labels = np.concatenate(lab_chunks) if lab_chunks else np.empty(0, np.int32)
+        return ids, labels, index, stats
+
+    def pretokenize(self, data_dir: Optional[str], tokenizer_dir: str, max_seq_len: int,
+                    output_dir: Optional[str] = None, overlong: str = "truncate", strict: bool = False,
+                    num_workers: int = 1, encode_fn: Optional[Encode] = None, hf_dataset: Any = None) -> dict:
+        """Write the pretokenized folder of this kind for every input under `data_dir` (and `hf_dataset`, a
+        Hugging Face dataset's split); returns its meta (+ out_dir).
+
+        `num_workers` > 1 renders and tokenizes in worker processes; the files are the same byte for
+        byte whatever the number. `encode_fn` (picklable) replaces the tokenizer's encoder (tests)."""
+        kind = self.kind
+        out, files = chat_inputs(kind, data_dir, output_dir, max_seq_len, hf_dataset)
+        encode, tmeta = make_chat_encoder(tokenizer_dir)  # loads here first: a bad tokenizer dir fails early
+        with ChatRenderer(tokenizer_dir, num_workers, encode=encode if num_workers <= 1 and encode_fn is None else None,
+                          encode_fn=encode_fn) as renderer:
+            ids, labels, index, stats = self.tokenize_files(files, renderer, max_seq_len, overlong, strict)
+        if len(index) == 0:
+            raise DataError(f"{data_dir or hf_dataset}: no usable {kind.unit} ({self.empty_detail(stats)})")
+        vocab = int(tmeta["vocab_size"])
+        check_vocab(ids, vocab)
+        dtype = dtype_for_vocab(vocab)
+        sp = tmeta["special_tokens"]
+        meta = {
+            "format_version": kind.format_version, "kind": kind.kind, "dtype": dtype.str, "labels_dtype": "<i4",
+            "vocab_size": vocab, "pad_id": int(sp["pad"]["id"]), "bos_id": int(sp["bos"]["id"]),
+            "eos_id": int(sp["eos"]["id"]), "tokenizer_fingerprint": tmeta.get("fingerprint", ""),
+            "max_seq_len": int(max_seq_len), "overlong": overlong, kind.count_key: int(len(index)),
+            "num_tokens": int(ids.size), "num_target_tokens": int((labels != -100).sum()), **self.extra_meta,
+            "files": stats,
+        }
+        write_tokenized(out, kind, ids, labels, dtype, index, meta)
+        return dict(meta, out_dir=out)
+
+    def tokenize_records(self, path: str, tokenizer_dir: Optional[str], max_seq_len: Optional[int],
+                         overlong: str = "truncate", strict: bool = False) -> "ChatTokens | str":
+        """What the dataset of this kind reads for `path` (the trainer's --data_dir): raw records (a file or a
+        folder) tokenized in this process with `tokenizer_dir`, the arrays `pretokenize` would write
+        (`ChatTokens`); a pretokenized folder of this kind is returned as it is (its path). A pretokenized
+        folder of the other kind, or no tokenizer, is a DataError."""
+        kind = self.kind
+        if is_pretokenized(path, kind):
+            return path
+        check_not_other_kind(path, kind)
+        if tokenizer_dir is None or max_seq_len is None:
+            raise DataError(f"{path}: no {kind.meta_name}; raw records need tokenizer_dir and max_seq_len")
+        encode, tmeta = make_chat_encoder(tokenizer_dir)
+        files = find_input_files(path, kinds=RECORD_KINDS, what=kind.kind.upper())
+        ids, labels, index, stats = self.tokenize_files(files, encode, int(max_seq_len), overlong, strict)
+        meta = {"pad_id": int(tmeta["special_tokens"]["pad"]["id"]), "files": stats, kind.count_key: len(index),
+                "max_seq_len": int(max_seq_len)}
+        return ChatTokens(kind, path, meta, ids, labels, index)
+
+
+# SFT: labels on every assistant turn; an over-long sample is truncated or dropped, one left without a target dropped
+SFT_TASK = ChatTask(SFT, lambda rec: [sft_messages(rec)], lambda mask: mask, "dropped_no_target",
+                    lambda stats: "see the skip counts in the log")
+tokenize_sft_files = SFT_TASK.tokenize_files  # (ids, labels, samples [n, 4], per-file stats)
+pretokenize_sft = SFT_TASK.pretokenize  # writes the folder; returns sft_meta (+ out_dir)
+tokenize_sft_records = SFT_TASK.tokenize_records  # what dataset_sft.SFTDataset reads for raw records, in memory
 
 
 HELP_EPILOG = """\

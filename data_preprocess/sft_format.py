@@ -18,7 +18,7 @@ Also owns rendering conversations in order, in this process or in a pool of work
 (`ChatRenderer`, `encode_file_records`): records are read and checked here (skips keep their
 file:line), rendered + tokenized in batches by the workers, and handed back in input order, so
 the output does not depend on the number of workers. A worker exception is collected with the
-file and lines it came from (`FileFailed`), never lost.
+file and lines it came from (`worker_tokenizer.FileFailed`), never lost.
 
 Must never: store labels in an unsigned dtype (-100 must survive; known trap 2), or label a
 token that is not assistant content / its <|im_end|>.
@@ -26,7 +26,6 @@ token that is not assistant content / its <|im_end|>.
 from __future__ import annotations
 
 import os
-import traceback
 from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
 from typing import Any, Callable, Iterator, Optional
@@ -34,7 +33,7 @@ from typing import Any, Callable, Iterator, Optional
 import numpy as np
 
 from data_preprocess.readers import SkipCounter, iter_records, lone_surrogate
-from data_preprocess.worker_tokenizer import WorkerTokenizer, backend_json
+from data_preprocess.worker_tokenizer import FileFailed, WorkerTokenizer, backend_json, worker_result
 from utils.constants import EXIT_BAD_DATA, IGNORE_INDEX
 
 ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
@@ -185,14 +184,6 @@ Encode = Callable[[list[dict]], tuple[Any, Any]]
 _WORKER_ENCODE: Optional[Encode] = None
 
 
-class FileFailed(Exception):
-    """Rendering failed for part of one input file; `errors` name the lines of each failed batch."""
-
-    def __init__(self, errors: list[str]):
-        super().__init__("; ".join(errors))
-        self.errors = errors
-
-
 def _init_chat_worker(backend: Optional[str], encode_fn: Optional[Encode]) -> None:
     """The parent's tokenizer backend as JSON (`backend`): no transformers/torch import here
     (seconds per worker), and `encode_chat` encodes exactly as on the parent's tokenizer."""
@@ -285,14 +276,10 @@ def encode_file_records(path: str, skips: SkipCounter, to_convs: Callable[[Any],
     def results(limit: int) -> Iterator[tuple[str, int, list[tuple[np.ndarray, np.ndarray]]]]:
         while len(pending) > limit:
             items, fut = pending.popleft()
-            try:
-                flat_ids, flat_mask, lengths = fut.result()
-            except Exception as e:  # noqa: BLE001 - the worker's exception, reported with its lines
-                tb = "".join(traceback.format_exception_only(type(e), e)).strip()
-                errors.append(f"worker failed on {span(items)}: {tb}")
+            result = worker_result(fut, span(items), errors)
+            if result is None:
                 continue
-            if errors:
-                continue  # this file is lost already; keep collecting the other errors
+            flat_ids, flat_mask, lengths = result
             bounds = np.concatenate([[0], np.cumsum(lengths)])
             k = 0
             for where, recno, n in items:

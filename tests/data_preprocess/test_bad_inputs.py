@@ -83,6 +83,8 @@ def test_lone_surrogate_is_a_counted_skip_in_pretokenize(tmp_path, caplog):
 
 
 def test_lone_surrogate_is_a_counted_skip_in_sft_and_dpo(tmp_path, tok_dir):
+    from data_preprocess.pretokenize_dpo_data import tokenize_dpo_records
+    from data_preprocess.pretokenize_sft_data import tokenize_sft_records
     from dataset.dataset_dpo import DPODataset
     from dataset.dataset_sft import SFTDataset
     src = tmp_path / "sft"
@@ -100,7 +102,7 @@ def test_lone_surrogate_is_a_counted_skip_in_sft_and_dpo(tmp_path, tok_dir):
     assert all(k.startswith("invalid Unicode") for k in f["skipped"])
     with pytest.raises(DataError, match=r"a\.jsonl:2: invalid Unicode"):
         pretokenize_sft(str(src), tok_dir, 64, str(tmp_path / "out2"), strict=True)
-    ds = SFTDataset(str(src), tok_dir, 64)  # raw records: the path the trainer uses for SFT
+    ds = SFTDataset(tokenize_sft_records(str(src), tok_dir, 64))  # raw records: the path the trainer uses for SFT
     assert len(ds) == 2 and [ds.source(i)[1] for i in range(2)] == [1, 5]
 
     dpo = tmp_path / "dpo"
@@ -110,11 +112,11 @@ def test_lone_surrogate_is_a_counted_skip_in_sft_and_dpo(tmp_path, tok_dir):
         b'{"prompt": "which \\ud800", "chosen": "this", "rejected": "that"}',
         b'{"prompt": "which", "chosen": {"role": "assistant", "content": "\\udfff"}, "rejected": "that"}',
     ])
-    d = DPODataset(str(dpo), tok_dir, 64)
+    d = DPODataset(tokenize_dpo_records(str(dpo), tok_dir, 64))
     assert len(d) == 1 and d.sources == [(str(dpo / "p.jsonl"), 1)]
     assert sum(v for k, v in d.stats["skipped"].items() if k.startswith("invalid Unicode")) == 2
     with pytest.raises(DataError, match=r"p\.jsonl:2: invalid Unicode"):
-        DPODataset(str(dpo), tok_dir, 64, strict=True)
+        tokenize_dpo_records(str(dpo), tok_dir, 64, strict=True)
 
 
 def test_lone_surrogate_is_a_counted_skip_in_tokenizer_corpus(tmp_path, caplog):
@@ -240,6 +242,7 @@ def test_split_pieces_round_trip_with_real_tokenizer(tok_dir):
 
 
 def test_sft_and_dpo_name_ignored_and_all_bad_files(tmp_path, tok_dir, caplog):
+    from data_preprocess.pretokenize_dpo_data import tokenize_dpo_records
     from dataset.dataset_dpo import DPODataset
     src = tmp_path / "sft"
     src.mkdir()
@@ -261,5 +264,5 @@ def test_sft_and_dpo_name_ignored_and_all_bad_files(tmp_path, tok_dir, caplog):
     _jsonl(dpo / "bad.jsonl", [{"prompt": "which", "chosen": "this"}])
     caplog.clear()
     with caplog.at_level(logging.WARNING):
-        assert len(DPODataset(str(dpo), tok_dir, 64)) == 1
+        assert len(DPODataset(tokenize_dpo_records(str(dpo), tok_dir, 64))) == 1
     assert any("bad.jsonl" in r.getMessage() and "no usable DPO pair" in r.getMessage() for r in caplog.records)

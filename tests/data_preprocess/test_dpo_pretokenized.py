@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from data_preprocess.pretokenize_dpo_data import pretokenize_dpo
-from data_preprocess.pretokenize_sft_data import pretokenize_sft
+from data_preprocess.pretokenize_dpo_data import pretokenize_dpo, tokenize_dpo_records
+from data_preprocess.pretokenize_sft_data import pretokenize_sft, tokenize_sft_records
 from data_preprocess.shard_format import DataError
 from dataset.dataset_dpo import DPODataset, build_dpo_splits
 from tests.conftest import ROOT, run_cmd, run_python
@@ -92,23 +92,23 @@ def test_pretokenized_dpo_equals_raw(tmp_path, dpo_src, tiny_pretrain_data):
     assert labels.size == meta["num_tokens"] and (labels == -100).any()
     assert int((labels != -100).sum()) == meta["num_target_tokens"]
 
-    raw, pre = DPODataset(str(dpo_src), tok, 48), DPODataset(str(out), tok, 48)
+    raw, pre = DPODataset(tokenize_dpo_records(str(dpo_src), tok, 48)), DPODataset(str(out), 48)
     _same_items(raw, pre)
     assert raw.sources == pre.sources and raw.sources[-1] == (str(dpo_src / "b.json"), 0)
     assert raw.stats == pre.stats and raw.pad_id == pre.pad_id
     long = pre[pre.sources.index((str(dpo_src / "a.jsonl"), 42))]  # the long story: truncated to 48 positions
     assert long["chosen_input_ids"].numel() == 48 and (long["chosen_labels"] != -100).any()
     # the trainer's view: same split, same padded batches
-    (tr_a, va_a, col_a), (tr_b, va_b, col_b) = (build_dpo_splits(p, tok, 48, val_ratio=0.1, seed=3)
-                                                for p in (str(dpo_src), str(out)))
+    (tr_a, va_a, col_a), (tr_b, va_b, col_b) = (build_dpo_splits(tokenize_dpo_records(p, tok, 48), 48, val_ratio=0.1,
+                                                                 seed=3) for p in (str(dpo_src), str(out)))
     _same_items(tr_a, tr_b)
     _same_items(va_a, va_b)
     ba, bb = col_a([tr_a[i] for i in range(8)]), col_b([tr_b[i] for i in range(8)])
     assert all(torch.equal(ba[k], bb[k]) for k in ba) and ba.keys() == bb.keys()
     # a longer max_seq_len than the folder was made for reads the same items; a shorter one is refused
-    _same_items(pre, DPODataset(str(out), tok, 96))
+    _same_items(pre, DPODataset(str(out), 96))
     with pytest.raises(DataError, match="max_seq_len=48"):
-        DPODataset(str(out), tok, 32)
+        DPODataset(str(out), 32)
 
 
 def test_dpo_bad_records_counted_and_strict(tmp_path, tiny_pretrain_data):
@@ -131,7 +131,8 @@ def test_dpo_bad_records_counted_and_strict(tmp_path, tiny_pretrain_data):
     assert skipped["malformed JSON"] == 1 and skipped["invalid UTF-8"] == 1
     assert skipped["invalid Unicode: lone surrogate in 'prompt'"] == 1
     assert DPODataset(str(tmp_path / "out")).sources == [(str(src / "p.jsonl"), 1), (str(src / "p.jsonl"), 8)]
-    assert DPODataset(str(src), tok, 48).stats == DPODataset(str(tmp_path / "out")).stats  # same policy raw
+    raw = DPODataset(tokenize_dpo_records(str(src), tok, 48))
+    assert raw.stats == DPODataset(str(tmp_path / "out")).stats  # same policy raw
     with pytest.raises(DataError, match=r"p\.jsonl:2: malformed JSON"):
         pretokenize_dpo(str(src), tok, 48, str(tmp_path / "out2"), strict=True)
 
@@ -154,11 +155,13 @@ def test_dpo_bad_records_counted_and_strict(tmp_path, tiny_pretrain_data):
     # a pretokenized SFT folder given to DPO is named as such
     os.makedirs(tmp_path / "sftlike")
     (tmp_path / "sftlike" / "sft_meta.json").write_text("{}")
-    with pytest.raises(DataError, match="pretokenized SFT"):
-        DPODataset(str(tmp_path / "sftlike"), tok, 48)
     from dataset.dataset_sft import SFTDataset
-    with pytest.raises(DataError, match="pretokenized DPO"):  # and the other way round
-        SFTDataset(str(tmp_path / "out"), tok, 48)
+    for read in (lambda p: tokenize_dpo_records(p, tok, 48), DPODataset):  # the trainer's path, and the reader
+        with pytest.raises(DataError, match="pretokenized SFT"):
+            read(str(tmp_path / "sftlike"))
+    for read in (lambda p: tokenize_sft_records(p, tok, 48), SFTDataset):  # and the other way round
+        with pytest.raises(DataError, match="pretokenized DPO"):
+            read(str(tmp_path / "out"))
 
 
 def test_one_and_two_workers_write_identical_files(tmp_path, tiny_pretrain_data):
@@ -171,7 +174,7 @@ def test_one_and_two_workers_write_identical_files(tmp_path, tiny_pretrain_data)
     assert {k: v for k, v in a.items() if k != "out_dir"} == {k: v for k, v in b.items() if k != "out_dir"}
     # and the in-memory reader the trainer uses on raw records gives the same samples
     from dataset.dataset_sft import SFTDataset
-    raw, pre = SFTDataset(sft_src, tok, 64), SFTDataset(str(tmp_path / "sft2"))
+    raw, pre = SFTDataset(tokenize_sft_records(sft_src, tok, 64)), SFTDataset(str(tmp_path / "sft2"))
     _same_items(raw, pre)
 
     a = pretokenize_dpo(DPO_PAIRS, tok, 64, str(tmp_path / "dpo1"), num_workers=1)

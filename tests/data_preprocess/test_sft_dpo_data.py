@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from data_preprocess.pretokenize_sft_data import main as sft_main, pretokenize_sft
+from data_preprocess.pretokenize_dpo_data import tokenize_dpo_records
+from data_preprocess.pretokenize_sft_data import main as sft_main, pretokenize_sft, tokenize_sft_records
 from data_preprocess.shard_format import DataError, list_shards
 from dataset.dataset_dpo import DPODataset, build_dpo_splits
 from dataset.dataset_sft import PackedSFTDataset, SFTDataset, build_sft_splits, packed_collate, pad_collate
@@ -71,7 +72,7 @@ def test_sft_label_masking_and_formats(tmp_path, tok_dir):
     raw = np.fromfile(tmp_path / "out" / "labels.bin", dtype="<i4")
     assert (raw == -100).any() and not (raw == 65436).any()
     # the raw-jsonl path gives the same items
-    raw_ds = SFTDataset(str(src), tok_dir, 128)
+    raw_ds = SFTDataset(tokenize_sft_records(str(src), tok_dir, 128))
     assert all(torch.equal(raw_ds[i]["labels"], ds[i]["labels"]) for i in range(3))
     batch = pad_collate(ds.pad_id)([ds[0], ds[1]])
     n1 = ds[1]["input_ids"].numel()
@@ -133,7 +134,7 @@ def test_packing_positions_and_boundaries(tmp_path, tok_dir):
     batch = packed_collate([packed[0], packed[1]])
     cu = batch["cu_seqlens"].tolist()
     assert cu[0] == 0 and cu[-1] == 128 and 64 in cu and batch["cu_seqlens"].dtype == torch.int32
-    train, val, collate = build_sft_splits(str(tmp_path / "t"), None, 48, val_ratio=0.2, seed=1)
+    train, val, collate = build_sft_splits(str(tmp_path / "t"), 48, val_ratio=0.2, seed=1)
     assert len(train) + len(val) == 9 and len(val) == 2
     b = next(ResumableLoader(train, 2, seed=0, collate_fn=collate))
     assert set(b) == {"input_ids", "labels", "attention_mask"}
@@ -149,7 +150,7 @@ def test_dpo_labels_only_on_final_reply(tmp_path, tok_dir):
          "chosen": {"role": "assistant", "content": "good"}, "rejected": "bad answer"},
         {"prompt": "missing rejected", "chosen": "x"},
     ])
-    ds = DPODataset(str(src), tok_dir, 64)
+    ds = DPODataset(tokenize_dpo_records(str(src), tok_dir, 64))
     assert len(ds) == 2 and ds.stats["skipped"]
     tok = load_tokenizer(tok_dir)
     item = ds[1]
@@ -163,7 +164,7 @@ def test_dpo_labels_only_on_final_reply(tmp_path, tok_dir):
         assert targets == encode_texts(tok, [reply])[0] + [im_end]  # a1 (earlier assistant turn) is not a target
     batch = dpo_collate_check(ds)
     assert batch["chosen_input_ids"].shape == batch["rejected_input_ids"].shape
-    train, val, collate = build_dpo_splits(str(src), tok_dir, 64, val_ratio=0.5)
+    train, val, collate = build_dpo_splits(tokenize_dpo_records(str(src), tok_dir, 64), 64, val_ratio=0.5)
     assert len(train) == 1 and len(val) == 1
 
 

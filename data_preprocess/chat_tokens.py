@@ -1,0 +1,107 @@
+"""The pretokenized SFT / DPO format: the folders the pretokenizers write and the same data in memory.
+
+Owns: what tells the two kinds apart (`ChatKind`: meta file, index file, its columns, count keys; `SFT`,
+`DPO`), the in-memory form `ChatTokens` (what `pretokenize_sft_data.tokenize_sft_records` /
+`pretokenize_dpo_data.tokenize_dpo_records` make of raw records: the arrays and meta fields a folder
+holds), recognizing a pretokenized folder of either kind (`is_pretokenized`, `check_not_other_kind`),
+writing a folder atomically with its meta last (`write_tokenized`), and the totals of the per-file
+counts (`drop_totals`). The files, column by column, are described in `pretokenize_sft_data` and
+`pretokenize_dpo_data`.
+
+The `dataset/` readers import this module, so it must never import a tokenizer, a chat template or the
+record readers; nor store labels unsigned (trap 2).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from data_preprocess.shard_format import DataError, atomic_save_npy, atomic_write_json, remove_temp_files
+from utils.publish import atomic_write_bytes
+
+
+@dataclass(frozen=True)
+class ChatKind:
+    """One kind of pretokenized chat data: SFT samples (one token span a row) or DPO pairs (two)."""
+    kind: str                 # the --task_type, and meta["kind"]
+    meta_name: str            # written last: its presence marks a complete folder
+    index_name: str           # int64 [n, cols]: (offset, length) per branch, file id, position in the file
+    count_key: str            # meta / per-file count: num_samples, num_pairs
+    first_key: str            # per-file: the file's first row
+    unit: str                 # one row, in messages: "SFT sample", "DPO pair"
+    raw_units: str            # what the raw records are called in the other-kind message
+    branches: int             # token spans a row: 1 (SFT), 2 (DPO: chosen, rejected)
+    meta_kind_required: bool  # the readers refuse a meta whose "kind" is not this kind
+    format_version: int = 1
+
+    @property
+    def cols(self) -> int:
+        return 2 * self.branches + 2
+
+    @property
+    def spans(self) -> tuple[tuple[int, int], ...]:
+        """(offset column, length column) of every branch."""
+        return tuple((2 * b, 2 * b + 1) for b in range(self.branches))
+
+    @property
+    def units(self) -> str:
+        return self.unit + "s"
+
+
+SFT = ChatKind("sft", "sft_meta.json", "samples.npy", "num_samples", "first_sample", "SFT sample", "records", 1,
+               meta_kind_required=False)
+DPO = ChatKind("dpo", "dpo_meta.json", "pairs.npy", "num_pairs", "first_pair", "DPO pair", "pairs", 2,
+               meta_kind_required=True)
+
+
+@dataclass
+class ChatTokens:
+    """Pretokenized samples / pairs in memory, as a folder of `kind` would hold them."""
+    kind: ChatKind
+    path: str             # the raw records they were made from (named in messages)
+    meta: dict            # pad_id, max_seq_len, the count (kind.count_key), files: per-file counts
+    ids: np.ndarray       # int64, every row's tokens back to back
+    labels: np.ndarray    # int32, aligned with ids (unshifted), -100 where nothing is learned
+    index: np.ndarray     # int64 [n, kind.cols]
+
+
+def is_pretokenized(path: str, kind: ChatKind) -> bool:
+    return os.path.isdir(path) and os.path.exists(os.path.join(path, kind.meta_name))
+
+
+def check_not_other_kind(path: str, kind: ChatKind) -> None:
+    """DataError when `path` is a pretokenized folder of the other kind (SFT given for DPO, or back)."""
+    other = DPO if kind is SFT else SFT
+    if is_pretokenized(path, other):
+        raise DataError(f"{path} holds pretokenized {other.units}, not {kind.units} (--task_type={other.kind}, or "
+                        f"pretokenize the {kind.raw_units} with data_preprocess.pretokenize_{kind.kind}_data)")
+
+
+def write_tokenized(out: str, kind: ChatKind, ids: np.ndarray, labels: np.ndarray, dtype: np.dtype,
+                    index: np.ndarray, meta: dict) -> None:
+    """ids (dtype), labels (int32), the int64 index and the meta JSON, each atomically, meta last:
+    its presence marks a complete folder, so it is removed first when the arrays are replaced."""
+    os.makedirs(out, exist_ok=True)
+    remove_temp_files(out)
+    meta_path = os.path.join(out, kind.meta_name)
+    if os.path.exists(meta_path):
+        os.remove(meta_path)
+    atomic_write_bytes(os.path.join(out, "input_ids.bin"), memoryview(ids.astype(dtype)).cast("B"))
+    atomic_write_bytes(os.path.join(out, "labels.bin"), memoryview(labels.astype("<i4")).cast("B"))
+    atomic_save_npy(os.path.join(out, kind.index_name), index)
+    atomic_write_json(meta_path, meta)
+
+
+def drop_totals(files: list[dict]) -> dict:
+    """Totals over the per-file counts: {dropped_overlong, truncated, skipped: {reason: n}}."""
+    out: dict[str, Any] = {"dropped_overlong": 0, "truncated": 0, "skipped": {}}
+    for f in files:
+        out["dropped_overlong"] += int(f["dropped_overlong"])
+        out["truncated"] += int(f["truncated"])
+        for k, v in f["skipped"].items():
+            out["skipped"][k] = out["skipped"].get(k, 0) + int(v)
+    return out
+
