@@ -275,3 +275,72 @@ def damaged_file_hint(ckpt_dir: str, e: BaseException) -> str:
             return f"{name} cannot be read ({ckpt.one_line(bad)[:200]})"
     return f"{type(e).__name__}: {ckpt.one_line(e)[:300]}"
 
+
+# ---------------------------------------------------------------------------- across engines (ddp <-> fsdp)
+# Both engines keep AdamW over fp32 masters, per parameter name: exp_avg, exp_avg_sq, step. The one exchange
+# shape, {name: {"exp_avg", "exp_avg_sq": full tensors shaped like the weight, "step": float}} + full fp32
+# weights + the scalars {"lr", "scaler", "prev_grad_norm"}, is what parallel/dcp_checkpoint.py
+# load_full_training_state reads and load_full_state_into_fsdp loads; the two below are our DDP format's side.
+
+def read_ddp_training_state(ckpt_dir: str) -> tuple[dict[str, torch.Tensor], dict[str, dict], Optional[dict]]:
+    """A DDP checkpoint's whole training state in this process: (full weights, fp32: the optimizer's masters
+    where it keeps them, else model.safetensors cast; per-parameter AdamW state assembled from every rank's
+    optimizer_rank{r}.pt, ZeRO shards included; the scalars or None without an optimizer file)."""
+    weights = {k: v.float() for k, v in ckpt.load_model_state(ckpt_dir).items()}
+    first = ckpt.load_rank_file(ckpt_dir, "optimizer", 0)
+    if first is None:
+        return weights, {}, None
+    n = first.get("world_size", 1) if first.get("sharded") else 1
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ckpt.CheckpointError(f"checkpoint {ckpt_dir}: {optimizer_file(0)}: world_size={n!r} is not an integer >= 1")
+    sds = [first]
+    for r in range(1, n):
+        sd = ckpt.load_rank_file(ckpt_dir, "optimizer", r)
+        if sd is None:
+            raise ckpt.CheckpointError(f"checkpoint {ckpt_dir}: {optimizer_file(r)} is missing (the run saved {n} "
+                                       "optimizer shards)")
+        sds.append(sd)
+    flat: dict[str, dict] = {}
+    for r, sd in enumerate(sds):
+        for name, e in (sd.get("params") or {}).items():
+            try:
+                numel, lo, hi = int(e["numel"]), int(e["lo"]), int(e["hi"])
+                f = flat.setdefault(name, {"shape": list(e["shape"]), "covered": 0, "step": 0.0,
+                                           **{k: torch.zeros(numel) for k in ("main", "exp_avg", "exp_avg_sq")}})
+                for k in ("main", "exp_avg", "exp_avg_sq"):
+                    f[k][lo:hi] = e[k].reshape(-1).float()
+                f["covered"] += hi - lo
+                f["step"] = max(f["step"], float(e["step"]))
+            except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as err:
+                if isinstance(err, torch.OutOfMemoryError):
+                    raise
+                raise ckpt.CheckpointError(f"checkpoint {ckpt_dir}: {optimizer_file(r)}: the state of {name} does "
+                                           f"not read ({type(err).__name__}: {ckpt.one_line(err)[:200]})") from err
+    state = {}
+    for name, f in flat.items():
+        if f["covered"] != f["main"].numel() or name not in weights:
+            raise ckpt.CheckpointError(f"checkpoint {ckpt_dir}: the optimizer files cover {f['covered']} of the "
+                                       f"{f['main'].numel()} elements of {name}")
+        shape = tuple(f["shape"])
+        weights[name] = f["main"].view(shape)  # the fp32 master (the saved weight may be its bf16 copy)
+        if f["step"] > 0:
+            state[name] = {"exp_avg": f["exp_avg"].view(shape), "exp_avg_sq": f["exp_avg_sq"].view(shape),
+                           "step": f["step"]}
+    scalars = {k: first[k] for k in ("lr", "scaler", "prev_grad_norm") if k in first}
+    return weights, state, scalars if len(scalars) == 3 else None
+
+
+def ddp_optimizer_state(weights: dict[str, torch.Tensor], state: dict[str, dict], scalars: dict) -> dict:
+    """Another engine's per-parameter AdamW state as our DDP optimizers' state dict: one complete rank
+    (unsharded), which MixedPrecisionOptimizer loads and the ZeRO DistributedOptimizer re-shards."""
+    from optimizer.mixed_precision_optimizer import STATE_FORMAT
+    params = {}
+    for name, w in weights.items():
+        e = state.get(name)
+        zeros = torch.zeros(w.numel(), dtype=torch.float32)
+        params[name] = {"shape": list(w.shape), "numel": w.numel(), "lo": 0, "hi": w.numel(),
+                        "main": w.detach().reshape(-1).float().clone(),
+                        "exp_avg": e["exp_avg"].reshape(-1).float().clone() if e else zeros,
+                        "exp_avg_sq": e["exp_avg_sq"].reshape(-1).float().clone() if e else zeros.clone(),
+                        "step": float(e["step"]) if e else 0.0}
+    return {"format": STATE_FORMAT, "sharded": 0, "world_size": 1, "rank": 0, **scalars, "params": params}

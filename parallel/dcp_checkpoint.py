@@ -377,3 +377,95 @@ def load_model_tensors(ckpt_dir: str, names: list[str]) -> dict[str, torch.Tenso
         raise DCPCheckpointError(f"checkpoint {ckpt_dir}: {bad}")
     return out
 
+
+# ---------------------------------------------------------------------------- across engines (ddp <-> fsdp)
+
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def load_full_training_state(ckpt_dir: str) -> tuple[dict[str, torch.Tensor], dict[str, dict], Optional[dict]]:
+    """A DCP checkpoint's whole training state in ONE process (no process group), for another engine to
+    resume from: (full fp32 weights {name: tensor}, AdamW state {name: {"exp_avg", "exp_avg_sq": full
+    tensors shaped like the weight, "step": float}} of every parameter that has one, the optimizer's
+    scalars {"lr", "scaler", "prev_grad_norm"} from dcp_manifest.json or None when it records none).
+    Materialises the model and both moments in this process's memory."""
+    meta, md = _usable(ckpt_dir)
+    specs = {}
+    for k, v in md.state_dict_metadata.items():
+        if not k.startswith(_OPTIM + "state."):
+            continue
+        dtype, size = getattr(getattr(v, "properties", None), "dtype", None), getattr(v, "size", None)
+        if not isinstance(v, TensorStorageMetadata) or not isinstance(dtype, torch.dtype) or size is None:
+            raise DCPCheckpointError(f"{os.path.join(ckpt_dir, DCP_METADATA)}: {k} is not described as a tensor "
+                                     "(size, dtype)")
+        specs[k] = (tuple(size), dtype)
+    out = {_MODEL + k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in _model_specs(ckpt_dir, md).items()}
+    out.update({k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in specs.items()})
+    _dcp_load(out, ckpt_dir, None)
+    weights = {k[len(_MODEL):]: v for k, v in out.items() if k.startswith(_MODEL)}
+    bad = first_nonfinite(weights.items())
+    if bad is not None:
+        raise DCPCheckpointError(f"checkpoint {ckpt_dir}: {bad}")
+    per_param: dict[str, dict] = {}
+    for k in specs:
+        fqn, kind = k[len(_OPTIM + "state."):].rsplit(".", 1)
+        per_param.setdefault(fqn, {})[kind] = out[k]
+    state = {}
+    for fqn, entry in per_param.items():
+        if fqn not in weights or any(m not in entry for m in (*_MOMENTS, "step")):
+            raise DCPCheckpointError(f"{os.path.join(ckpt_dir, DCP_METADATA)}: the optimizer state of {fqn} is not "
+                                     f"AdamW's exp_avg, exp_avg_sq and step of a weight (has {sorted(entry)})")
+        state[fqn] = {"exp_avg": entry["exp_avg"].float(), "exp_avg_sq": entry["exp_avg_sq"].float(),
+                      "step": float(entry["step"].reshape(-1)[0]) if entry["step"].numel() else 0.0}
+    saved = meta.get("optimizer")
+    scalars = None if not isinstance(saved, dict) or any(k not in saved for k in _OPTIM_SCALARS) else \
+        {k: saved[k] for k in ("lr", "scaler", "prev_grad_norm")}
+    return weights, state, scalars
+
+
+def load_full_state_into_fsdp(model: nn.Module, optimizer, weights: dict[str, torch.Tensor],
+                              state: Optional[dict[str, dict]], scalars: Optional[dict], source: str) -> None:
+    """Collective over the model's FSDP mesh: full (unsharded) weights and, when `state` is given, the AdamW
+    state of each parameter (load_full_training_state's shapes; another engine's checkpoint converted
+    per parameter name) into an FSDP2 model + FSDPOptimizer, each rank keeping its own shard. Every rank
+    passes the same full tensors. CheckpointMismatchError when the names or shapes do not fit the model."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.tensor import distribute_tensor
+
+    def shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        if isinstance(like, DTensor):
+            return distribute_tensor(full.to(dtype=like.dtype, device=like.device).reshape(like.shape),
+                                     like.device_mesh, like.placements)
+        return full.to(dtype=like.dtype, device=like.device).reshape(like.shape)
+
+    current = get_model_state_dict(model)
+    missing, unexpected = sorted(set(current) - set(weights)), sorted(set(weights) - set(current))
+    wrong = sorted(k for k in current if k in weights and tuple(weights[k].shape) != tuple(current[k].shape))
+    if missing or unexpected or wrong:
+        raise CheckpointMismatchError(f"checkpoint {source}: its weights do not fit the model (missing {missing[:5]}, "
+                                      f"unexpected {unexpected[:5]}, other shapes {wrong[:5]})")
+    set_model_state_dict(model, {k: shard_like(weights[k], v) for k, v in current.items()})
+    if optimizer is None or state is None:
+        return
+    sd = optimizer.state_dict()  # the template: every flat key this optimizer holds, zero moments when fresh
+    adamw = dict(sd["adamw"])
+    for key, like in sd["adamw"].items():
+        if not key.startswith("state."):
+            continue
+        fqn, kind = key[len("state."):].rsplit(".", 1)
+        entry = state.get(fqn)
+        if entry is None:  # never stepped in the saved run: zero moments, step 0
+            entry = {"exp_avg": torch.zeros(current[fqn].shape), "exp_avg_sq": torch.zeros(current[fqn].shape),
+                     "step": 0.0}
+        if kind == "step":
+            adamw[key] = torch.full_like(like, float(entry["step"])) if torch.is_tensor(like) else float(entry["step"])
+        elif kind in _MOMENTS:
+            if tuple(entry[kind].shape) != tuple(current[fqn].shape) and entry[kind].numel() != current[fqn].numel():
+                raise CheckpointMismatchError(f"checkpoint {source}: the optimizer's {kind} of {fqn} has shape "
+                                              f"{list(entry[kind].shape)}, the weight {list(current[fqn].shape)}")
+            adamw[key] = shard_like(entry[kind].float(), like)
+        else:
+            raise CheckpointMismatchError(f"checkpoint {source}: this optimizer keeps {key}, which AdamW's state "
+                                          "of another engine does not have")
+    optimizer.load_state_dict({**sd, **(scalars or {}), "adamw": adamw})
+    _barrier(_mesh_group(model))

@@ -197,7 +197,9 @@ class Engine:
         return all_reduce_sum(values, device, to_host=to_host)
 
     def resume_problem(self, ckpt_dir: str, saved_world: int, world_size: int) -> Optional[str]:
-        """Why this engine cannot resume `ckpt_dir` (saved by `saved_world` processes), or None."""
+        """Why this engine cannot resume `ckpt_dir` (saved by `saved_world` processes), or None. ddp and fsdp
+        resume each other's checkpoints (converted per parameter in their `load`); a pipeline checkpoint
+        resumes only under its own layout."""
         if is_pipeline_checkpoint(ckpt_dir):
             meta = read_pipeline_meta_safe(ckpt_dir)
             return (f"{ckpt_dir} was written with --pipeline_parallel_size={meta.get('pp_size')}; resume it with "

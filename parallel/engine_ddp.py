@@ -2,7 +2,8 @@
 DistributedOptimizer (--use_distributed_optimizer), as the trainer's engine: `DDPEngine` and its builder.
 
 Checkpoints: utils/checkpoint.py (full weights in model.safetensors from rank 0, optimizer state per rank when
-sharded; re-sharded at another world size). LoRA runs whose base is a file store only the trainable tensors
+sharded; re-sharded at another world size). A --parallel=fsdp (DCP) checkpoint resumes here too: its weights and
+AdamW state converted per parameter name (parallel/checkpoint_io.py ddp_optimizer_state). LoRA runs whose base is a file store only the trainable tensors
 (parallel/checkpoint_io.py `trainable_state`).
 
 Owns: wrapping a model in our DDP with the configured comm hook, and this engine's checkpoint format.
@@ -18,8 +19,8 @@ import torch
 from torch import nn
 
 from optimizer import OptimizerConfig, build_optimizer
-from parallel.checkpoint_io import (agreed_reads, is_sharded_checkpoint, load_extra_state, load_optimizer_state,
-                                    load_weights, read_optimizer_state, trainable_state)
+from parallel.checkpoint_io import (agreed_reads, ddp_optimizer_state, is_sharded_checkpoint, load_extra_state,
+                                    load_optimizer_state, load_weights, read_optimizer_state, trainable_state)
 from parallel.comm_hooks import allreduce_hook, bf16_compress_wrapper, fp16_compress_wrapper, reduce_scatter_hook
 from parallel.config import CAPABILITIES, ParallelConfig
 from parallel.distributed_data_parallel import DDPConfig, DistributedDataParallel
@@ -62,8 +63,7 @@ class DDPEngine(Engine):
         if problem:
             raise ckpt.CheckpointError(problem)
         if is_sharded_checkpoint(ckpt_dir):
-            raise ckpt.CheckpointError(f"checkpoint {ckpt_dir} was written by --parallel=fsdp (sharded, DCP); "
-                                       "resume it with --parallel=fsdp")
+            return self._load_fsdp_checkpoint(ckpt_dir, saved_world, rank, world_size, log)
         # every file this rank reads, read and checked before any collective; then one collective of every
         # rank's verdict, so that a file damaged at one rank is the same line at all of them
         with agreed_reads(self.module):
@@ -83,6 +83,36 @@ class DDPEngine(Engine):
                 raise ckpt.CheckpointError(f"{os.path.join(ckpt_dir, extra_file(rank))}: its comm-hook "
                                            f"(PowerSGD) state does not load ({type(e).__name__}: "
                                            f"{ckpt.one_line(e)[:200]})") from e
+        return extra if saved_world == world_size else None
+
+    def _load_fsdp_checkpoint(self, ckpt_dir: str, saved_world: int, rank: int, world_size: int,
+                              log: Callable[[str], None]) -> Optional[dict]:
+        """A --parallel=fsdp (DCP) checkpoint resumed under our DDP: every rank reads the full weights and
+        AdamW state in one process (parallel/dcp_checkpoint.py load_full_training_state), converted per
+        parameter name into this optimizer's format (one complete rank; ZeRO re-shards it)."""
+        from parallel.dcp_checkpoint import load_full_training_state
+        if self.lora_base is not None:
+            raise ckpt.CheckpointError(f"checkpoint {ckpt_dir} was written by --parallel=fsdp, which saves whole "
+                                       "models; a LoRA run whose base is a file resumes only its own light "
+                                       "checkpoints: resume it with --parallel=fsdp")
+        with agreed_reads(self.module):
+            weights, state, scalars = load_full_training_state(ckpt_dir)
+            extra = load_extra_state(ckpt_dir, rank, saved_world, world_size, log, same_world_only=False)
+        load_weights(self.module, weights, partial=False, source=ckpt_dir, mismatch=ckpt.CheckpointMismatchError)
+        if scalars is None:
+            log(f"[resume] warning: {ckpt_dir} (--parallel=fsdp) records no optimizer state: resuming its weights "
+                "under --parallel=ddp with FRESH AdamW moments (the next steps differ from the uninterrupted run's)")
+        else:
+            try:
+                self.optimizer.load_state_dict(ddp_optimizer_state(weights, state, scalars))
+            except (ValueError, KeyError, TypeError, IndexError, AttributeError, RuntimeError) as e:
+                if isinstance(e, torch.OutOfMemoryError):
+                    raise
+                raise ckpt.CheckpointMismatchError(f"checkpoint {ckpt_dir}: its (--parallel=fsdp) optimizer state "
+                                                   f"does not convert to this --parallel=ddp optimizer "
+                                                   f"({type(e).__name__}: {ckpt.one_line(e)[:300]})") from e
+            log(f"[resume] {ckpt_dir} was written by --parallel=fsdp: its weights and AdamW state (exp_avg, "
+                "exp_avg_sq, step per parameter) converted to --parallel=ddp")
         return extra if saved_world == world_size else None
 
 

@@ -4,6 +4,7 @@ replicas, tensor (+ sequence) parallel inside over "tp" (applied as a transform 
 
 Checkpoints: torch.distributed.checkpoint, sharded, no gather, loadable at any world size
 (parallel/dcp_checkpoint.py), in the same step_N/ layout, so listing, verification and pruning are shared.
+A --parallel=ddp checkpoint resumes here too: its weights and AdamW state converted per parameter name.
 
 Owns: this engine's wrapping, DPO reference layout, and checkpoint format.
 Must never: hold the micro-batch loop (parallel/engine.py's) or the optimizer's step (optimizer/).
@@ -17,11 +18,12 @@ from typing import Any, Callable, ClassVar, Optional
 import torch
 from torch import nn
 
-from parallel.checkpoint_io import agreed_reads, is_sharded_checkpoint, load_extra_state, refuse_nonfinite_weights
+from parallel.checkpoint_io import (agreed_reads, is_sharded_checkpoint, load_extra_state, read_ddp_training_state,
+                                    refuse_nonfinite_weights)
 from optimizer import OptimizerConfig
 from parallel.config import CAPABILITIES, ParallelConfig
 from parallel.mesh import build_device_mesh
-from parallel.dcp_checkpoint import load_dcp_checkpoint, save_dcp_checkpoint
+from parallel.dcp_checkpoint import load_dcp_checkpoint, load_full_state_into_fsdp, save_dcp_checkpoint
 from parallel.engine import Engine
 from parallel.fsdp import build_fsdp_engine, no_sync, reshard, shard_on_mesh
 from utils import checkpoint as ckpt
@@ -71,12 +73,33 @@ class FSDPEngine(Engine):
         if problem:
             raise ckpt.CheckpointError(problem)
         if not is_sharded_checkpoint(ckpt_dir):
-            raise ckpt.CheckpointError(f"checkpoint {ckpt_dir} was written by --parallel=ddp; resume it with "
-                                       "--parallel=ddp (or start a new fsdp run with --init_from=<that checkpoint>)")
+            return self._load_ddp_checkpoint(ckpt_dir, saved_world, rank, world_size, log)
         with agreed_reads(self.module):  # this rank's own file, before DCP's collective read
             extra = load_extra_state(ckpt_dir, rank, saved_world, world_size, log)
         load_dcp_checkpoint(ckpt_dir, self.model, self.optimizer)
         refuse_nonfinite_weights(self.module, ckpt_dir)
+        return extra
+
+    def _load_ddp_checkpoint(self, ckpt_dir: str, saved_world: int, rank: int, world_size: int,
+                             log: Callable[[str], None]) -> Optional[dict]:
+        """A --parallel=ddp checkpoint resumed under FSDP2: every rank reads the full weights (the optimizer's
+        fp32 masters) and the AdamW state assembled from every optimizer_rank{r}.pt (ZeRO shards included),
+        and keeps its own shard of each (parallel/dcp_checkpoint.py load_full_state_into_fsdp)."""
+        with agreed_reads(self.module):
+            if ckpt.read_trainer_state(ckpt_dir).get("lora_base"):
+                raise ckpt.CheckpointError(f"checkpoint {ckpt_dir} holds only a LoRA run's trainable tensors (its "
+                                           "base is a file): resume it with --parallel=ddp")
+            weights, state, scalars = read_ddp_training_state(ckpt_dir)
+            extra = load_extra_state(ckpt_dir, rank, saved_world, world_size, log)
+        if scalars is None:
+            log(f"[resume] warning: {ckpt_dir} (--parallel=ddp) has no optimizer file: resuming its weights under "
+                "--parallel=fsdp with FRESH AdamW moments (the next steps differ from the uninterrupted run's)")
+        load_full_state_into_fsdp(self.model, self.optimizer, weights, state if scalars is not None else None, scalars,
+                                  ckpt_dir)
+        refuse_nonfinite_weights(self.module, ckpt_dir)
+        if scalars is not None:
+            log(f"[resume] {ckpt_dir} was written by --parallel=ddp: its weights and AdamW state (exp_avg, "
+                "exp_avg_sq, step per parameter) converted to --parallel=fsdp")
         return extra
 
 
