@@ -30,7 +30,8 @@ from model import ModelConfig, Transformer  # noqa: E402
 import model.flops as flops_mod  # noqa: E402
 from model.flops import flops_per_token, measure_peak_flops  # noqa: E402
 from model.hf_interop import hf_config_dict, to_hf_state_dict  # noqa: E402
-from model.kernels import build_adamw
+from optimizer import OptimizerConfig  # noqa: E402
+from optimizer.adamw import build_adamw  # noqa: E402
 from parallel.transforms.compile import compile_in_place  # noqa: E402
 from utils.device import autocast_context  # noqa: E402
 
@@ -54,7 +55,7 @@ def build_pair(mcfg: dict):
 def make_step(model, kind: str, x, y_ours, dtype):
     """One training step (forward + backward + AdamW) as a closure returning the loss."""
     model.train()
-    opt = build_adamw(model.parameters(), lr=1e-4, fused=True)
+    opt = build_adamw(list(model.parameters()), [], OptimizerConfig(lr=1e-4, weight_decay=0.0, fused=True), "cpu")
 
     def step() -> float:
         opt.zero_grad(set_to_none=True)

@@ -132,7 +132,8 @@ def make_step(config: str, model_name: str, mode: str, precision: str, device):
     x = torch.randint(0, spec["model"]["vocab_size"], (B, T), generator=g).to(device)
     y = torch.cat((x[:, 1:], torch.full((B, 1), -100, device=device)), dim=1)  # = HF's own shift
     if precision == "autocast":
-        from model.kernels import build_adamw
+        from optimizer import OptimizerConfig
+        from optimizer.adamw import build_adamw
         from parallel.transforms.compile import compile_in_place
         from utils.device import autocast_context
         if mode == "compile":
@@ -140,7 +141,8 @@ def make_step(config: str, model_name: str, mode: str, precision: str, device):
                 compile_in_place(model)
             else:
                 model.compile()
-        opt = build_adamw(model.parameters(), lr=LR, fused=True)
+        opt = build_adamw(list(model.parameters()), [], OptimizerConfig(lr=LR, weight_decay=0.0, fused=True),
+                          torch.device(device).type)
 
         def step() -> torch.Tensor:
             opt.zero_grad(set_to_none=True)

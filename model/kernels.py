@@ -33,7 +33,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-from typing import Iterable, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -392,44 +392,6 @@ def flash_attn_functions(device: torch.device) -> Optional[tuple]:
     if not is_accelerator(device):
         return None
     return detect_flash_attn()
-
-
-# ------------------------------------------------------------------------------------------ AdamW
-_APEX_LOGGED = False
-
-
-def build_adamw(params: Iterable, lr: float, betas: tuple[float, float] = (0.9, 0.95),
-                eps: float = 1e-8, weight_decay: float = 0.0, fused: bool = True,
-                device: Optional[torch.device] = None) -> torch.optim.Optimizer:
-    """AdamW with the fastest available implementation.
-
-    fused=True: apex FusedAdam on an accelerator when apex is installed, else torch's fused AdamW
-    (CPU and accelerator both supported by torch >= 2.4), else foreach. fused=False: the reference
-    single-tensor torch AdamW. All give the same update up to rounding.
-    """
-    global _APEX_LOGGED
-    params = list(params)
-    if device is None:
-        first = params[0]["params"][0] if isinstance(params[0], dict) else params[0]
-        device = first.device
-    if fused:
-        if is_accelerator(device):
-            apex_opt = optional_import("apex.optimizers")
-            if not _APEX_LOGGED:
-                _APEX_LOGGED = True
-                log.info("apex FusedAdam %s", "available" if apex_opt is not None else "not installed")
-            if apex_opt is not None:
-                return apex_opt.FusedAdam(params, lr=lr, betas=betas, eps=eps,
-                                          weight_decay=weight_decay, adam_w_mode=True)
-        try:
-            return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps,
-                                     weight_decay=weight_decay, fused=True)
-        except (RuntimeError, ValueError, TypeError) as e:  # dtype/device without a fused kernel
-            log.info("fused AdamW unavailable (%s); using foreach", e)
-            return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps,
-                                     weight_decay=weight_decay, foreach=True)
-    return torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                             foreach=False, fused=False)
 
 
 # Import-time loading, at the end so that everything above exists if a kernel module imports this one.

@@ -248,3 +248,25 @@ def test_dropped_engine_is_freed(zero_stage):
     m.zero_grad(set_to_none=True)
     m(torch.randn(2, 6)).sum().backward()
     assert all(p.grad is not None for p in m.parameters())  # no dead hook swallows the gradient
+
+
+def test_the_adamw_factory_fused_equals_the_single_tensor_reference():
+    """optimizer/adamw.py, the one place an AdamW is built: torch's fused kernel and the single-tensor loop
+    give the same update (decay on the first group only), step after step."""
+    from optimizer.adamw import build_adamw
+    torch.manual_seed(0)
+    p1 = [nn.Parameter(torch.randn(8, 4)), nn.Parameter(torch.randn(4))]
+    p2 = [nn.Parameter(p.detach().clone()) for p in p1]
+    cfg = OptimizerConfig(lr=1e-2, weight_decay=0.1, fused=True)
+    o1 = build_adamw([p1[0]], [p1[1]], cfg, "cpu")
+    o2 = build_adamw([p2[0]], [p2[1]], cfg, "cpu", single_tensor_on_cpu=True)
+    assert o1.defaults["fused"] and not o2.defaults["fused"] and not o2.defaults["foreach"]
+    assert [g["weight_decay"] for g in o1.param_groups] == [0.1, 0.0]
+    for _ in range(3):
+        for a, b in zip(p1, p2):
+            g = torch.randn_like(a)
+            a.grad, b.grad = g.clone(), g.clone()
+        o1.step()
+        o2.step()
+    for a, b in zip(p1, p2):
+        assert torch.allclose(a, b, atol=1e-6)
