@@ -3,7 +3,7 @@ full logits on any rank, and without gathering them.
 
 Owns: `vocab_parallel_lm_head_loss(hidden, weight, labels, reduction, chunk_size)`, called by
 model/loss.py's `lm_head_loss` when the LM head's weight is a DTensor sharded on the vocabulary
-(parallel/tensor_parallel.py shards it `Shard(0)` over the tensor-parallel mesh).
+(parallel/transforms/tensor_parallel.py shards it `Shard(0)` over the tensor-parallel mesh).
 
 Each rank holds rows [v0, v0 + V/tp) of the weight. Tokens are processed `chunk_size` at a time, as in
 the chunked linear+CE of model/loss.py: per chunk this rank's logits [c, V/tp] are computed in fp32,

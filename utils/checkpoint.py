@@ -424,6 +424,9 @@ def trainer_state_problem(state: Any, required: tuple[str, ...] = ()) -> Optiona
     return None
 
 
+PIPELINE_DP_ENGINES = ("ddp", "fsdp")  # the values pipeline.json's dp_engine field may hold
+
+
 def pipeline_meta_problem(meta: Any) -> Optional[str]:
     """None when a parsed pipeline.json (parallel/pipeline.py's META_FILE) has the fields a resume and a merge
     read: pp_size, dp_size, n_layers integers >= 1, layer_ranges [start, end) pairs, dp_engine ddp or fsdp."""
@@ -439,7 +442,7 @@ def pipeline_meta_problem(meta: Any) -> Optional[str]:
     if not isinstance(ranges, list) or len(ranges) != meta["pp_size"] or not all(
             isinstance(r, list) and len(r) == 2 and all(_is_int(x) for x in r) and 0 <= r[0] <= r[1] for r in ranges):
         return f"{PIPELINE_META}: layer_ranges={ranges!r} is not one [start, end) pair of layers per stage"
-    if meta.get("dp_engine", "ddp") not in ("ddp", "fsdp"):
+    if meta.get("dp_engine", "ddp") not in PIPELINE_DP_ENGINES:
         return f"{PIPELINE_META}: dp_engine={meta.get('dp_engine')!r} is not ddp or fsdp"
     return None
 

@@ -154,7 +154,7 @@ def test_startup_layout_line_names_engine_mesh_communication_and_global_batch():
     """One line says what a run is: a 1B ZeRO-1 run under torchrun used to print only `world 2`."""
     import dataclasses
     from types import SimpleNamespace
-    from parallel.engine import describe_layout
+    from parallel.build import describe_layout
     from trainer.config import TrainConfig
     base = TrainConfig(batch_size=4, gradient_accumulation_steps=8, max_seq_len=2048)
     line = describe_layout(dataclasses.replace(base, use_distributed_optimizer=True, comm_hook="powersgd",
