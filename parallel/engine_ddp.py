@@ -3,7 +3,7 @@ DistributedOptimizer (--use_distributed_optimizer), as the trainer's engine: `DD
 
 Checkpoints: utils/checkpoint.py (full weights in model.safetensors from rank 0, optimizer state per rank when
 sharded; re-sharded at another world size). A --parallel=fsdp (DCP) checkpoint resumes here too: its weights and
-AdamW state converted per parameter name (parallel/checkpoint_io.py ddp_optimizer_state). LoRA runs whose base is a file store only the trainable tensors
+AdamW state converted per parameter name (parallel/resume_across_engines.py). LoRA runs whose base is a file store only the trainable tensors
 (parallel/checkpoint_io.py `trainable_state`).
 
 Owns: wrapping a model in our DDP with the configured comm hook, and this engine's checkpoint format.
@@ -19,13 +19,14 @@ import torch
 from torch import nn
 
 from optimizer import OptimizerConfig, build_optimizer
-from parallel.checkpoint_io import (agreed_reads, ddp_optimizer_state, is_sharded_checkpoint, load_extra_state,
+from parallel.checkpoint_io import (agreed_reads, is_sharded_checkpoint, load_extra_state,
                                     load_optimizer_state, load_weights, read_optimizer_state, trainable_state)
 from parallel.comm_hooks import allreduce_hook, bf16_compress_wrapper, fp16_compress_wrapper, reduce_scatter_hook
 from parallel.config import CAPABILITIES, ParallelConfig
 from parallel.distributed_data_parallel import DDPConfig, DistributedDataParallel
 from parallel.engine import Engine
 from parallel.powersgd import PowerSGDState, powersgd_hook
+from parallel.resume_across_engines import ddp_optimizer_state, load_full_training_state
 from utils import checkpoint as ckpt
 from utils.checkpoint_layout import extra_file
 
@@ -88,9 +89,8 @@ class DDPEngine(Engine):
     def _load_fsdp_checkpoint(self, ckpt_dir: str, saved_world: int, rank: int, world_size: int,
                               log: Callable[[str], None]) -> Optional[dict]:
         """A --parallel=fsdp (DCP) checkpoint resumed under our DDP: every rank reads the full weights and
-        AdamW state in one process (parallel/dcp_checkpoint.py load_full_training_state), converted per
+        AdamW state in one process (parallel/resume_across_engines.py), converted per
         parameter name into this optimizer's format (one complete rank; ZeRO re-shards it)."""
-        from parallel.dcp_checkpoint import load_full_training_state
         if self.lora_base is not None:
             raise ckpt.CheckpointError(f"checkpoint {ckpt_dir} was written by --parallel=fsdp, which saves whole "
                                        "models; a LoRA run whose base is a file resumes only its own light "

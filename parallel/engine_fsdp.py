@@ -18,14 +18,14 @@ from typing import Any, Callable, ClassVar, Optional
 import torch
 from torch import nn
 
-from parallel.checkpoint_io import (agreed_reads, is_sharded_checkpoint, load_extra_state, read_ddp_training_state,
-                                    refuse_nonfinite_weights)
 from optimizer import OptimizerConfig
+from parallel.checkpoint_io import agreed_reads, is_sharded_checkpoint, load_extra_state, refuse_nonfinite_weights
 from parallel.config import CAPABILITIES, ParallelConfig
-from parallel.mesh import build_device_mesh
-from parallel.dcp_checkpoint import load_dcp_checkpoint, load_full_state_into_fsdp, save_dcp_checkpoint
+from parallel.dcp_checkpoint import load_dcp_checkpoint, save_dcp_checkpoint
 from parallel.engine import Engine
 from parallel.fsdp import build_fsdp_engine, no_sync, reshard, shard_on_mesh
+from parallel.mesh import build_device_mesh
+from parallel.resume_across_engines import load_full_state_into_fsdp, read_ddp_training_state
 from utils import checkpoint as ckpt
 from utils.checkpoint_layout import MODEL_CONFIG, RUN_CONFIG, TRAINER_STATE
 
@@ -84,7 +84,7 @@ class FSDPEngine(Engine):
                              log: Callable[[str], None]) -> Optional[dict]:
         """A --parallel=ddp checkpoint resumed under FSDP2: every rank reads the full weights (the optimizer's
         fp32 masters) and the AdamW state assembled from every optimizer_rank{r}.pt (ZeRO shards included),
-        and keeps its own shard of each (parallel/dcp_checkpoint.py load_full_state_into_fsdp)."""
+        and keeps its own shard of each (parallel/resume_across_engines.py)."""
         with agreed_reads(self.module):
             if ckpt.read_trainer_state(ckpt_dir).get("lora_base"):
                 raise ckpt.CheckpointError(f"checkpoint {ckpt_dir} holds only a LoRA run's trainable tensors (its "

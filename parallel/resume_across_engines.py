@@ -1,0 +1,188 @@
+"""Resuming across engines (ddp <-> fsdp): both keep AdamW over fp32 masters, per parameter name (exp_avg,
+exp_avg_sq, step), so a checkpoint of one engine is converted exactly into the other's state. The one
+exchange shape: full fp32 weights {name: tensor}, AdamW state {name: {"exp_avg", "exp_avg_sq": full tensors
+shaped like the weight, "step": float}}, and the scalars {"lr", "scaler", "prev_grad_norm"}.
+
+- DCP (FSDP2) checkpoint -> that shape in one process: `load_full_training_state`; that shape -> an FSDP2
+  model and optimizer (each rank keeps its shard): `load_full_state_into_fsdp`.
+- our DDP checkpoint (ZeRO shards included) -> that shape: `read_ddp_training_state`; that shape -> our
+  DDP optimizer's state dict (ZeRO re-shards it): `ddp_optimizer_state`.
+
+Owns: the conversion. Must never: write checkpoints, or accept a light (LoRA) or pipeline checkpoint
+(the engines refuse those before calling here).
+Memory: every rank briefly holds the whole model and both moments while converting.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import torch.nn as nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from parallel.dcp_checkpoint import (_MODEL, _OPTIM, _OPTIM_SCALARS, _barrier, _dcp_load, _mesh_group, _model_specs,
+                                     _usable)
+from utils import checkpoint as ckpt
+from utils.checkpoint import CheckpointMismatchError, first_nonfinite
+from utils.checkpoint_layout import DCP_METADATA, optimizer_file
+from utils.dcp_files import DCPCheckpointError
+
+
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def load_full_training_state(ckpt_dir: str) -> tuple[dict[str, torch.Tensor], dict[str, dict], Optional[dict]]:
+    """A DCP checkpoint's whole training state in ONE process (no process group), for another engine to
+    resume from: (full fp32 weights {name: tensor}, AdamW state {name: {"exp_avg", "exp_avg_sq": full
+    tensors shaped like the weight, "step": float}} of every parameter that has one, the optimizer's
+    scalars {"lr", "scaler", "prev_grad_norm"} from dcp_manifest.json or None when it records none).
+    Materialises the model and both moments in this process's memory."""
+    meta, md = _usable(ckpt_dir)
+    specs = {}
+    for k, v in md.state_dict_metadata.items():
+        if not k.startswith(_OPTIM + "state."):
+            continue
+        dtype, size = getattr(getattr(v, "properties", None), "dtype", None), getattr(v, "size", None)
+        if not isinstance(v, TensorStorageMetadata) or not isinstance(dtype, torch.dtype) or size is None:
+            raise DCPCheckpointError(f"{os.path.join(ckpt_dir, DCP_METADATA)}: {k} is not described as a tensor "
+                                     "(size, dtype)")
+        specs[k] = (tuple(size), dtype)
+    out = {_MODEL + k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in _model_specs(ckpt_dir, md).items()}
+    out.update({k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in specs.items()})
+    _dcp_load(out, ckpt_dir, None)
+    weights = {k[len(_MODEL):]: v for k, v in out.items() if k.startswith(_MODEL)}
+    bad = first_nonfinite(weights.items())
+    if bad is not None:
+        raise DCPCheckpointError(f"checkpoint {ckpt_dir}: {bad}")
+    per_param: dict[str, dict] = {}
+    for k in specs:
+        fqn, kind = k[len(_OPTIM + "state."):].rsplit(".", 1)
+        per_param.setdefault(fqn, {})[kind] = out[k]
+    state = {}
+    for fqn, entry in per_param.items():
+        if fqn not in weights or any(m not in entry for m in (*_MOMENTS, "step")):
+            raise DCPCheckpointError(f"{os.path.join(ckpt_dir, DCP_METADATA)}: the optimizer state of {fqn} is not "
+                                     f"AdamW's exp_avg, exp_avg_sq and step of a weight (has {sorted(entry)})")
+        state[fqn] = {"exp_avg": entry["exp_avg"].float(), "exp_avg_sq": entry["exp_avg_sq"].float(),
+                      "step": float(entry["step"].reshape(-1)[0]) if entry["step"].numel() else 0.0}
+    saved = meta.get("optimizer")
+    scalars = None if not isinstance(saved, dict) or any(k not in saved for k in _OPTIM_SCALARS) else \
+        {k: saved[k] for k in ("lr", "scaler", "prev_grad_norm")}
+    return weights, state, scalars
+
+
+def load_full_state_into_fsdp(model: nn.Module, optimizer, weights: dict[str, torch.Tensor],
+                              state: Optional[dict[str, dict]], scalars: Optional[dict], source: str) -> None:
+    """Collective over the model's FSDP mesh: full (unsharded) weights and, when `state` is given, the AdamW
+    state of each parameter (load_full_training_state's shapes; another engine's checkpoint converted
+    per parameter name) into an FSDP2 model + FSDPOptimizer, each rank keeping its own shard. Every rank
+    passes the same full tensors. CheckpointMismatchError when the names or shapes do not fit the model."""
+    def shard_like(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        if isinstance(like, DTensor):
+            return distribute_tensor(full.to(dtype=like.dtype, device=like.device).reshape(like.shape),
+                                     like.device_mesh, like.placements)
+        return full.to(dtype=like.dtype, device=like.device).reshape(like.shape)
+
+    current = get_model_state_dict(model)
+    missing, unexpected = sorted(set(current) - set(weights)), sorted(set(weights) - set(current))
+    wrong = sorted(k for k in current if k in weights and tuple(weights[k].shape) != tuple(current[k].shape))
+    if missing or unexpected or wrong:
+        raise CheckpointMismatchError(f"checkpoint {source}: its weights do not fit the model (missing {missing[:5]}, "
+                                      f"unexpected {unexpected[:5]}, other shapes {wrong[:5]})")
+    set_model_state_dict(model, {k: shard_like(weights[k], v) for k, v in current.items()})
+    if optimizer is None or state is None:
+        return
+    sd = optimizer.state_dict()  # the template: every flat key this optimizer holds, zero moments when fresh
+    adamw = dict(sd["adamw"])
+    for key, like in sd["adamw"].items():
+        if not key.startswith("state."):
+            continue
+        fqn, kind = key[len("state."):].rsplit(".", 1)
+        entry = state.get(fqn)
+        if entry is None:  # never stepped in the saved run: zero moments, step 0
+            entry = {"exp_avg": torch.zeros(current[fqn].shape), "exp_avg_sq": torch.zeros(current[fqn].shape),
+                     "step": 0.0}
+        if kind == "step":
+            adamw[key] = torch.full_like(like, float(entry["step"])) if torch.is_tensor(like) else float(entry["step"])
+        elif kind in _MOMENTS:
+            if tuple(entry[kind].shape) != tuple(current[fqn].shape) and entry[kind].numel() != current[fqn].numel():
+                raise CheckpointMismatchError(f"checkpoint {source}: the optimizer's {kind} of {fqn} has shape "
+                                              f"{list(entry[kind].shape)}, the weight {list(current[fqn].shape)}")
+            adamw[key] = shard_like(entry[kind].float(), like)
+        else:
+            raise CheckpointMismatchError(f"checkpoint {source}: this optimizer keeps {key}, which AdamW's state "
+                                          "of another engine does not have")
+    optimizer.load_state_dict({**sd, **(scalars or {}), "adamw": adamw})
+    _barrier(_mesh_group(model))
+
+
+# Both engines keep AdamW over fp32 masters, per parameter name: exp_avg, exp_avg_sq, step. The one exchange
+# shape, {name: {"exp_avg", "exp_avg_sq": full tensors shaped like the weight, "step": float}} + full fp32
+# weights + the scalars {"lr", "scaler", "prev_grad_norm"}, is what parallel/dcp_checkpoint.py
+# load_full_training_state reads and load_full_state_into_fsdp loads; the two below are our DDP format's side.
+
+def read_ddp_training_state(ckpt_dir: str) -> tuple[dict[str, torch.Tensor], dict[str, dict], Optional[dict]]:
+    """A DDP checkpoint's whole training state in this process: (full weights, fp32: the optimizer's masters
+    where it keeps them, else model.safetensors cast; per-parameter AdamW state assembled from every rank's
+    optimizer_rank{r}.pt, ZeRO shards included; the scalars or None without an optimizer file)."""
+    weights = {k: v.float() for k, v in ckpt.load_model_state(ckpt_dir).items()}
+    first = ckpt.load_rank_file(ckpt_dir, "optimizer", 0)
+    if first is None:
+        return weights, {}, None
+    n = first.get("world_size", 1) if first.get("sharded") else 1
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ckpt.CheckpointError(f"checkpoint {ckpt_dir}: {optimizer_file(0)}: world_size={n!r} is not an integer >= 1")
+    sds = [first]
+    for r in range(1, n):
+        sd = ckpt.load_rank_file(ckpt_dir, "optimizer", r)
+        if sd is None:
+            raise ckpt.CheckpointError(f"checkpoint {ckpt_dir}: {optimizer_file(r)} is missing (the run saved {n} "
+                                       "optimizer shards)")
+        sds.append(sd)
+    flat: dict[str, dict] = {}
+    for r, sd in enumerate(sds):
+        for name, e in (sd.get("params") or {}).items():
+            try:
+                numel, lo, hi = int(e["numel"]), int(e["lo"]), int(e["hi"])
+                f = flat.setdefault(name, {"shape": list(e["shape"]), "covered": 0, "step": 0.0,
+                                           **{k: torch.zeros(numel) for k in ("main", "exp_avg", "exp_avg_sq")}})
+                for k in ("main", "exp_avg", "exp_avg_sq"):
+                    f[k][lo:hi] = e[k].reshape(-1).float()
+                f["covered"] += hi - lo
+                f["step"] = max(f["step"], float(e["step"]))
+            except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as err:
+                if isinstance(err, torch.OutOfMemoryError):
+                    raise
+                raise ckpt.CheckpointError(f"checkpoint {ckpt_dir}: {optimizer_file(r)}: the state of {name} does "
+                                           f"not read ({type(err).__name__}: {ckpt.one_line(err)[:200]})") from err
+    state = {}
+    for name, f in flat.items():
+        if f["covered"] != f["main"].numel() or name not in weights:
+            raise ckpt.CheckpointError(f"checkpoint {ckpt_dir}: the optimizer files cover {f['covered']} of the "
+                                       f"{f['main'].numel()} elements of {name}")
+        shape = tuple(f["shape"])
+        weights[name] = f["main"].view(shape)  # the fp32 master (the saved weight may be its bf16 copy)
+        if f["step"] > 0:
+            state[name] = {"exp_avg": f["exp_avg"].view(shape), "exp_avg_sq": f["exp_avg_sq"].view(shape),
+                           "step": f["step"]}
+    scalars = {k: first[k] for k in ("lr", "scaler", "prev_grad_norm") if k in first}
+    return weights, state, scalars if len(scalars) == 3 else None
+
+
+def ddp_optimizer_state(weights: dict[str, torch.Tensor], state: dict[str, dict], scalars: dict) -> dict:
+    """Another engine's per-parameter AdamW state as our DDP optimizers' state dict: one complete rank
+    (unsharded), which MixedPrecisionOptimizer loads and the ZeRO DistributedOptimizer re-shards."""
+    from optimizer.mixed_precision_optimizer import STATE_FORMAT
+    params = {}
+    for name, w in weights.items():
+        e = state.get(name)
+        zeros = torch.zeros(w.numel(), dtype=torch.float32)
+        params[name] = {"shape": list(w.shape), "numel": w.numel(), "lo": 0, "hi": w.numel(),
+                        "main": w.detach().reshape(-1).float().clone(),
+                        "exp_avg": e["exp_avg"].reshape(-1).float().clone() if e else zeros,
+                        "exp_avg_sq": e["exp_avg_sq"].reshape(-1).float().clone() if e else zeros.clone(),
+                        "step": float(e["step"]) if e else 0.0}
+    return {"format": STATE_FORMAT, "sharded": 0, "world_size": 1, "rank": 0, **scalars, "params": params}
