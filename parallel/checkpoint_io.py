@@ -166,17 +166,26 @@ def load_optimizer_state(opt, ckpt_dir: str, sharded: bool, rank: int, world_siz
             opt.load_state_dict(states)
 
 
+LOAD_ERRORS = (ValueError, KeyError, TypeError, IndexError, AttributeError, RuntimeError)
+
+
 @contextlib.contextmanager
-def _naming_a_bad_optimizer_file(ckpt_dir: str, name: Callable[[], str]):
-    """An optimizer state that does not load (wrong shapes, keys, types) becomes a CheckpointError naming the
-    file `name()` was reading; CheckpointErrors and out-of-memory pass through."""
+def load_errors_named(message: "str | Callable[[], str]", error: type = ckpt.CheckpointError, width: int = 200):
+    """A library's error while state loads (wrong shapes, keys, types) becomes ONE line,
+    `error(f"{message} ({type}: {what it said})")`; our CheckpointErrors and out-of-memory pass through.
+    `message` may be a function, read when the error happens (the file being read at that moment)."""
     try:
         yield
-    except (ValueError, KeyError, TypeError, IndexError, AttributeError, RuntimeError) as e:
+    except LOAD_ERRORS as e:
         if isinstance(e, (ckpt.CheckpointError, torch.OutOfMemoryError)):
             raise
-        raise ckpt.CheckpointError(f"checkpoint {ckpt_dir}: {name()} does not load into this optimizer "
-                                   f"({type(e).__name__}: {ckpt.one_line(e)[:200]})") from e
+        text = message() if callable(message) else message
+        raise error(f"{text} ({type(e).__name__}: {ckpt.one_line(e)[:width]})") from e
+
+
+def _naming_a_bad_optimizer_file(ckpt_dir: str, name: Callable[[], str]):
+    """An optimizer state that does not load becomes a CheckpointError naming the file `name()` was reading."""
+    return load_errors_named(lambda: f"checkpoint {ckpt_dir}: {name()} does not load into this optimizer")
 
 
 # ---------------------------------------------------------------------------- light LoRA checkpoints

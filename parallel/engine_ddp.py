@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from optimizer import OptimizerConfig, build_optimizer
-from parallel.checkpoint_io import (agreed_reads, is_sharded_checkpoint, load_extra_state,
+from parallel.checkpoint_io import (agreed_reads, is_sharded_checkpoint, load_errors_named, load_extra_state,
                                     load_optimizer_state, load_weights, read_optimizer_state, trainable_state)
 from parallel.comm_hooks import allreduce_hook, bf16_compress_wrapper, fp16_compress_wrapper, reduce_scatter_hook
 from parallel.config import CAPABILITIES, ParallelConfig
@@ -76,14 +76,9 @@ class DDPEngine(Engine):
         load_optimizer_state(self.optimizer, ckpt_dir, self.sharded_optimizer, rank, world_size, saved_world,
                              read=opt_state)
         if extra is not None and extra.get("comm_hook"):
-            try:
+            with load_errors_named(f"{os.path.join(ckpt_dir, extra_file(rank))}: its comm-hook (PowerSGD) state "
+                                   "does not load"):
                 self.model.load_comm_hook_state_dict(extra["comm_hook"])
-            except (ValueError, KeyError, TypeError, IndexError, AttributeError, RuntimeError) as e:
-                if isinstance(e, torch.OutOfMemoryError):
-                    raise
-                raise ckpt.CheckpointError(f"{os.path.join(ckpt_dir, extra_file(rank))}: its comm-hook "
-                                           f"(PowerSGD) state does not load ({type(e).__name__}: "
-                                           f"{ckpt.one_line(e)[:200]})") from e
         return extra if saved_world == world_size else None
 
     def _load_fsdp_checkpoint(self, ckpt_dir: str, saved_world: int, rank: int, world_size: int,
@@ -103,14 +98,9 @@ class DDPEngine(Engine):
             log(f"[resume] warning: {ckpt_dir} (--parallel=fsdp) records no optimizer state: resuming its weights "
                 "under --parallel=ddp with FRESH AdamW moments (the next steps differ from the uninterrupted run's)")
         else:
-            try:
+            with load_errors_named(f"checkpoint {ckpt_dir}: its (--parallel=fsdp) optimizer state does not convert to "
+                                   "this --parallel=ddp optimizer", ckpt.CheckpointMismatchError, width=300):
                 self.optimizer.load_state_dict(ddp_optimizer_state(weights, state, scalars))
-            except (ValueError, KeyError, TypeError, IndexError, AttributeError, RuntimeError) as e:
-                if isinstance(e, torch.OutOfMemoryError):
-                    raise
-                raise ckpt.CheckpointMismatchError(f"checkpoint {ckpt_dir}: its (--parallel=fsdp) optimizer state "
-                                                   f"does not convert to this --parallel=ddp optimizer "
-                                                   f"({type(e).__name__}: {ckpt.one_line(e)[:300]})") from e
             log(f"[resume] {ckpt_dir} was written by --parallel=fsdp: its weights and AdamW state (exp_avg, "
                 "exp_avg_sq, step per parameter) converted to --parallel=ddp")
         return extra if saved_world == world_size else None

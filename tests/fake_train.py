@@ -28,6 +28,9 @@ import signal
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from trainer.faults import fires as fault_fires  # noqa: E402  (the trainer's own parser; torch-free)
+
 EXIT_BAD_CONFIG = 2
 EXIT_INTERRUPTED = 75
 
@@ -71,22 +74,6 @@ def parse(argv: list[str]) -> dict:
               file=sys.stderr)
         sys.exit(EXIT_BAD_CONFIG)
     return cfg
-
-
-def fault_fires(kind: str, step: int) -> bool:
-    spec = os.environ.get("MYLLM_FAULT", "")
-    if not spec or "@" not in spec:
-        return False
-    name, at = spec.split("@", 1)
-    if name != kind or int(at) != step:
-        return False
-    once = os.environ.get("MYLLM_FAULT_ONCE_FILE")
-    if once:
-        if os.path.exists(once):
-            return False
-        with open(once, "w") as f:
-            f.write(f"{kind}@{step} pid={os.getpid()}\n")
-    return True
 
 
 def newest_checkpoint(ckpt_root: str) -> str | None:

@@ -12,15 +12,14 @@ id T: a corrupt sample in real shards); both fire every time that data is read a
 checkpoint reproduces them), or once with MYLLM_FAULT_ONCE_FILE (a one-off fault of the machine).
 
 Owns: parsing the spec (`fault_spec`, the one parser) and deciding whether a fault fires.
-Must never: fire without MYLLM_FAULT set.
+Must never: fire without MYLLM_FAULT set, or import torch (tests/fake_train.py, the supervisor tests'
+torch-free stand-in trainer, fires its faults through this module).
 """
 from __future__ import annotations
 
 import os
 import time
-from typing import Callable, Optional
-
-import torch
+from typing import Any, Callable, Optional
 
 
 def fault_spec() -> Optional[tuple[str, int]]:
@@ -80,7 +79,7 @@ def spike_fault(data_step: int, batches: list) -> Optional[tuple[float, Optional
 
 def spiked(loss_fn: Callable, factor: float, token: Optional[int]) -> Callable:
     """loss_fn with its loss sum (hence its gradients) multiplied by `factor` on the hit micro-batches."""
-    def fn(model: torch.nn.Module, batch: dict):
+    def fn(model: Any, batch: dict):
         loss_sum, stats = loss_fn(model, batch)
         return (loss_sum * factor if token is None or _has_token(batch, token) else loss_sum), stats
     return fn
