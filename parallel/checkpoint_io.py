@@ -17,6 +17,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from parallel.dcp_checkpoint import is_dcp_checkpoint, load_full_model_state_dict
 from parallel.pipeline import merge_stage_checkpoints
@@ -66,7 +67,6 @@ def refuse_nonfinite_weights(module: nn.Module, ckpt_dir: str) -> None:
     """One pass over this rank's loaded weights (its shard of a sharded model, its stage of a pipeline) and
     one collective of every rank's verdict: CheckpointError (exit 5) with the same line on every rank,
     naming the first tensor that holds NaN or inf, when any rank found one."""
-    from torch.distributed.tensor import DTensor
 
     params = [(n, p.to_local() if isinstance(p, DTensor) else p) for n, p in module.named_parameters()]
     bad = ckpt.first_nonfinite(params)

@@ -56,6 +56,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
+from parallel.fsdp import fsdp_state_group, reshard
 from utils.checkpoint import (CheckpointError, CheckpointMismatchError, first_nonfinite, one_line, publish_checkpoint_dir,
                               read_json, save_guard, verify_checkpoint, write_json)
 from utils.dcp_files import (DCPCheckpointError, SafeFileSystemReader, dcp_dir_problem,  # noqa: F401 (re-exported)
@@ -78,7 +79,6 @@ def _mesh_group(model: nn.Module) -> Optional[dist.ProcessGroup]:
     Not read from the parameters: after a forward-only pass, units built with
     reshard_after_forward=False hold plain tensors, and a group inferred from them would be None,
     making every rank save as a world of one into the same directory."""
-    from parallel.fsdp import fsdp_state_group
     group = fsdp_state_group(model)
     if group is not None:
         return group
@@ -140,7 +140,6 @@ def save_dcp_checkpoint(ckpt_root: str, step: int, model: nn.Module, optimizer=N
     fault_hook: called on rank 0 after every shard was written, before the manifest (tests: die
       in the middle of a save).
     """
-    from parallel.fsdp import reshard
     group = _mesh_group(model)
     rank, world = _group_rank_world(group)
     reshard(model)  # gathered parameters (left by a forward-only pass) are freed before the state is read

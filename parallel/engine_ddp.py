@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from optimizer import OptimizerConfig, build_optimizer
@@ -132,7 +133,6 @@ def wrap_ddp(model: nn.Module, pc: ParallelConfig, group: Any = None) -> Distrib
 def build_ddp_engine(model: nn.Module, pc: ParallelConfig, opt_cfg: OptimizerConfig, *, device: torch.device,
                      group: Any = None, param_dtype: Optional[torch.dtype] = None) -> DDPEngine:
     """The model (already in its precision) on `device`, in our DDP over the world, with its optimizer."""
-    import torch.distributed as dist
     model.to(device)
     ddp = wrap_ddp(model, pc, group)
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if dist.is_available() and dist.is_initialized() \

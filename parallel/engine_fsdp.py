@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from optimizer import OptimizerConfig
@@ -110,7 +111,6 @@ def build_fsdp_engine_on_mesh(model: nn.Module, pc: ParallelConfig, opt_cfg: Opt
     """FSDP2 over the one mesh's data-parallel dims (HSDP with replicas), tensor parallel inside (the
     transform runs in parallel/fsdp.py shard_on_mesh, before the wrap). `group` is unused: the mesh is
     the world's."""
-    import torch.distributed as dist
     model.to(device)
     layout = pc.layout(dist.get_world_size())
     mesh = build_device_mesh(layout, device.type)

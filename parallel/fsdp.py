@@ -28,6 +28,8 @@ from model.llama import blocks_of
 from optimizer.fsdp_optimizer import (MESH_ATTR, TP_PARTIAL_ATTR, WRAP_CONFIG_ATTR, FSDPOptimizer,
                                       fsdp_optimizer_problems, raise_fsdp_problems)
 from optimizer.optimizer_config import OptimizerConfig
+from parallel.mesh import MESH_DIMS, dp_mesh
+from parallel.transforms.tensor_parallel import apply_tensor_parallel
 
 _GROUP_ATTR = "_fsdp_engine_state_group"  # set on the wrapped root: every rank holding a part of its state
 
@@ -222,14 +224,6 @@ def fsdp_state_group(model: nn.Module) -> Optional[dist.ProcessGroup]:
     return getattr(model, _GROUP_ATTR, None)
 
 
-def fsdp_mesh(model: nn.Module) -> Optional[DeviceMesh]:
-    """The mesh `model` was sharded over, as recorded by wrap_fsdp (None for a model it did not wrap).
-
-    Never inferred from the parameters: between a forward-only pass and the next backward, units
-    built with reshard_after_forward=False hold plain (unsharded) tensors, not DTensors."""
-    return getattr(model, MESH_ATTR, None)
-
-
 def reshard(model: nn.Module) -> int:
     """Free the gathered (unsharded) parameters of every FSDP unit in `model`; returns the number of
     units. Needed after a forward-only pass (evaluation): FSDP frees a unit's gathered parameters
@@ -285,7 +279,6 @@ def build_fsdp_engine(model: nn.Module, config: OptimizerConfig, *,
                           grad_reduce_in_fp32=grad_reduce_in_fp32)
     if param_dtype == torch.float16 and config.precision != "fp16":
         raise ValueError("param_dtype=float16 needs precision='fp16' (loss scaling)")
-    from parallel.mesh import MESH_DIMS
     if isinstance(mesh_or_group, DeviceMesh) and tuple(mesh_or_group.mesh_dim_names or ()) == MESH_DIMS:
         wrapped = shard_on_mesh(model, mesh_or_group, param_dtype=param_dtype,
                                 reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload,
@@ -303,8 +296,6 @@ def shard_on_mesh(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtyp
     broadcast to every rank, tensor parallelism over mesh["tp"] when it has > 1 rank
     (parallel/transforms/tensor_parallel.py), then FSDP2 over the data-parallel dims (HSDP when there are replicas).
     A checkpoint of the result is collective over the world."""
-    from parallel.mesh import dp_mesh
-    from parallel.transforms.tensor_parallel import apply_tensor_parallel
     if mesh["pp"].size() != 1:
         raise ValueError("shard_on_mesh lays out one model without pipeline stages (mesh['pp'] must be 1)")
     if any(isinstance(p, DTensor) for p in model.parameters()):

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from optimizer.mixed_precision_optimizer import STATE_FORMAT
 from parallel.dcp_checkpoint import (_MODEL, _OPTIM, _OPTIM_SCALARS, _barrier, _dcp_load, _mesh_group, _model_specs,
                                      _usable)
 from utils import checkpoint as ckpt
@@ -175,7 +176,6 @@ def read_ddp_training_state(ckpt_dir: str) -> tuple[dict[str, torch.Tensor], dic
 def ddp_optimizer_state(weights: dict[str, torch.Tensor], state: dict[str, dict], scalars: dict) -> dict:
     """Another engine's per-parameter AdamW state as our DDP optimizers' state dict: one complete rank
     (unsharded), which MixedPrecisionOptimizer loads and the ZeRO DistributedOptimizer re-shards."""
-    from optimizer.mixed_precision_optimizer import STATE_FORMAT
     params = {}
     for name, w in weights.items():
         e = state.get(name)
