@@ -33,7 +33,7 @@ CAPABILITIES: dict[str, frozenset] = {
                       "comm_hooks", "overlap_optim_step", "zero", "tied_embeddings", "any_batch_shape"}),
     "fsdp": frozenset({"compile", "dpo", "frozen_parameters", "tensor_parallel", "sequence_parallel", "hsdp",
                        "cpu_offload", "tied_embeddings", "any_batch_shape"}),
-    "pipeline": frozenset({"zero", "tensor_parallel", "cpu_offload", "frozen_parameters"}),
+    "pipeline": frozenset({"zero", "tensor_parallel", "cpu_offload", "frozen_parameters", "dpo"}),
 }
 WHY_NOT: dict[str, str] = {
     "compile": "not supported yet",
@@ -179,7 +179,7 @@ class ParallelConfig(ParallelFlags):
                  (self.sequence_parallel, "--sequence_parallel=true", "sequence_parallel"),
                  (self.dp_replicate_size > 1, f"--dp_replicate_size={self.dp_replicate_size}", "hsdp"),
                  (self.cpu_offload, "--cpu_offload=true", "cpu_offload"),
-                 (self.comm_hook not in ("allreduce", "reduce_scatter"), f"--comm_hook={self.comm_hook}", "comm_hooks"),
+                 (self.comm_hook != "allreduce", f"--comm_hook={self.comm_hook}", "comm_hooks"),
                  (self.overlap_optim_step, "--overlap_optim_step=true", "overlap_optim_step"),
                  (self.use_distributed_optimizer, "--use_distributed_optimizer=true", "zero"),
                  (self.compile, "--compile=true", "compile"))
@@ -239,7 +239,8 @@ class ParallelConfig(ParallelFlags):
     def _combination_problems(self) -> list[str]:
         """Rules between the flags of this section that are not an engine's capability."""
         out = []
-        if self.comm_hook == "reduce_scatter" and not self.use_distributed_optimizer:
+        if self.comm_hook == "reduce_scatter" and not self.use_distributed_optimizer \
+                and self.engine_lacking("comm_hooks") is None:
             out.append("--comm_hook=reduce_scatter leaves each rank only its shard of the gradients: it needs "
                        "--use_distributed_optimizer=true (ZeRO), which steps exactly that shard")
         if self.sequence_parallel and self.tp == 1:

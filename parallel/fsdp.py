@@ -26,8 +26,9 @@ from torch.distributed.tensor import DTensor
 
 from model.llama import blocks_of
 from optimizer.fsdp_optimizer import (MESH_ATTR, TP_PARTIAL_ATTR, WRAP_CONFIG_ATTR, FSDPOptimizer,
-                                      fsdp_optimizer_problems, raise_fsdp_problems)
+                                      raise_fsdp_problems)
 from optimizer.optimizer_config import OptimizerConfig
+from parallel.config import ParallelConfig
 from parallel.mesh import MESH_DIMS, dp_mesh
 from parallel.transforms.tensor_parallel import apply_tensor_parallel
 
@@ -96,14 +97,12 @@ def validate_fsdp_options(*, comm_hook: str = "allreduce", use_distributed_optim
                           overlap_optim_step: bool = False, overlap_param_gather: bool = False,
                           grad_reduce_in_fp32: bool = False, zero_stage: int = 1) -> None:
     """Raise ValueError for options of our DDP engine that have no meaning (or a different one) under
-    FSDP. `comm_hook="allreduce"` is the trainer's default and means "the engine's own reduction"."""
-    problems = []
-    if comm_hook not in ("allreduce", None, ""):
-        problems.append(f"--comm_hook={comm_hook}: FSDP reduce-scatters gradients itself (in fp32); comm hooks "
-                        "(powersgd, fp16/bf16 compression, reduce_scatter) exist only for --parallel=ddp")
-    problems += fsdp_optimizer_problems(use_distributed_optimizer=use_distributed_optimizer,
-                                        overlap_optim_step=overlap_optim_step,
-                                        overlap_param_gather=overlap_param_gather, zero_stage=zero_stage)
+    FSDP: the trainer's refusals (parallel/config.py, from FSDP's declared capabilities) for a library
+    caller. `comm_hook="allreduce"` is the trainer's default and means "the engine's own reduction"."""
+    section = ParallelConfig(parallel="fsdp", comm_hook=comm_hook or "allreduce", zero_stage=zero_stage,
+                             use_distributed_optimizer=use_distributed_optimizer,
+                             overlap_optim_step=overlap_optim_step, overlap_param_gather=overlap_param_gather)
+    problems = section.problems()
     if grad_reduce_in_fp32:
         problems.append("--grad_reduce_in_fp32 is a ddp option; FSDP always reduces gradients in fp32")
     raise_fsdp_problems(problems)
