@@ -30,7 +30,8 @@ COMM_HOOKS = ("allreduce", "reduce_scatter", "fp16", "bf16", "powersgd")
 # WHY_NOT. A pipeline's capabilities are those of "pipeline" AND of the dp engine that runs its stages.
 CAPABILITIES: dict[str, frozenset] = {
     "ddp": frozenset({"compile", "dpo", "frozen_parameters", "light_checkpoints", "whole_model_on_one_rank",
-                      "comm_hooks", "overlap_optim_step", "zero", "tied_embeddings", "any_batch_shape"}),
+                      "comm_hooks", "overlap_optim_step", "zero", "tied_embeddings", "any_batch_shape",
+                      "no_process_group"}),
     "fsdp": frozenset({"compile", "dpo", "frozen_parameters", "tensor_parallel", "sequence_parallel", "hsdp",
                        "cpu_offload", "tied_embeddings", "any_batch_shape"}),
     "pipeline": frozenset({"zero", "tensor_parallel", "cpu_offload", "frozen_parameters", "dpo"}),
@@ -166,8 +167,9 @@ class ParallelConfig(ParallelFlags):
         return f"[layout] {' '.join(multi)} runs on FSDP2's 2-D mesh: --parallel=fsdp chosen (it was not given)"
 
     def needs_process_group(self) -> bool:
-        """FSDP2 and pipeline stages run on a device mesh: a process group even for one process."""
-        return self.parallel == "fsdp" or self.pp > 1
+        """Whether one process needs a process group too: every engine but our DDP runs on a device mesh
+        (the engines that run without one declare "no_process_group")."""
+        return "no_process_group" not in self.capabilities()
 
     def saves_light_checkpoints(self) -> bool:
         return "light_checkpoints" in self.capabilities()
