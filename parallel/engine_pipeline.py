@@ -11,6 +11,10 @@ atomic rename; resumable with the same stages at any dp size; merge_stage_checkp
     sums = engine.forward_backward(micro_batches, loss_fn, global_units)   # len == gradient_accumulation_steps
     engine.optimizer.step()
 
+The task's loss runs on the last stage: its loss_fn(model, batch) gets, as `model`, the micro-batch's per-token
+losses (parallel/pipeline.py LastStageOutput); DPO's chosen and rejected rows run through the stages as one
+micro-batch of 2B rows padded to one length, the frozen reference (a full copy on every rank) inside loss_fn.
+
 Owns: this engine's mesh use, stage wrapping, step, evaluation and checkpoint format.
 Must never: normalise the loss other than by the global target units (sum over micro-batches and dp
 replicas; ranks of one pp group hold the same data and are counted once), clip with a norm that misses
@@ -32,9 +36,9 @@ from optimizer import OptimizerConfig
 from parallel.checkpoint_io import (damaged_file_hint, is_pipeline_checkpoint, load_extra_state,
                                     read_pipeline_meta_safe, refuse_nonfinite_weights)
 from parallel.config import CAPABILITIES, ParallelConfig
-from parallel.engine import Engine, LossFn
-from parallel.pipeline import (FORMAT, META_FILE, PipelineStageModule, build_schedule, pipeline_stage_module,
-                               read_pipeline_meta, split_layers, validate_pipeline_options)
+from parallel.engine import Engine, LossFn, _stat_row
+from parallel.pipeline import (FORMAT, META_FILE, SEGMENTS, LastStageOutput, PipelineStageModule, build_schedule,
+                               pipeline_stage_module, read_pipeline_meta, split_layers, validate_pipeline_options)
 from utils import checkpoint as ckpt
 from utils.constants import IGNORE_INDEX
 from utils.publish import fsync_file, make_temp_dir, temp_dir_for
@@ -88,17 +92,47 @@ class PipelineParallelEngine(Engine):
                          counts_in_sums=self.stage_index == 0 and self.tp_rank == 0, mesh=mesh,
                          sharded_optimizer=self._sharded_files(optimizer))
         self.is_first, self.is_last = stage_module.is_first, stage_module.is_last
-        self._loss_mult = 1.0
+        self._loss_mult, self._poison = 1.0, False
         self._mb_shape: Optional[tuple] = None
+        self._pad_len = stage_module.cfg.max_seq_len
+        # this call's micro-batches (host batch, row groups), the task's loss_fn and counter, the summed row
+        self._pending: list = []
+        self._task_loss: Optional[LossFn] = None
+        self._count_units: Optional[Callable[[dict], int]] = None
+        self._rows: dict[int, torch.Tensor] = {}
         self.stage, self.schedule = build_schedule(wrapped, self.stage_index, self.pp_size, device, self.pp_group,
                                                    n_microbatches, self.schedule_name, self._schedule_loss)
 
     # ------------------------------------------------------------------ one step
     def _schedule_loss(self, output: torch.Tensor, target: Any) -> torch.Tensor:
-        # output: this micro-batch's loss sum ([1]); the backward sees sum * dp / global_units (our DDP
-        # averages over dp, so gradients are those of (all replicas' loss sums) / global_units), with
-        # the fp16 loss scale on top.
-        return self.optimizer.scale_loss(output.sum() * self._loss_mult)
+        """The schedule's loss on the last stage, per micro-batch in order: the task's loss_fn over this
+        micro-batch's per-token losses (`output`, [rows, T]); its STEP_FIELDS row is summed. The backward
+        sees loss_sum * dp / global_units (our DDP averages over dp, so gradients are those of (all
+        replicas' loss sums) / global_units), with the fp16 loss scale on top."""
+        i = int(target.reshape(-1)[0])  # the micro-batch's index (a host tensor: no device read)
+        mb, segments = self._pending[i]
+        loss_sum, stats = self._task_loss(LastStageOutput(output, segments), mb)
+        if self._poison:
+            loss_sum = loss_sum * float("nan")
+        units = self._count_units(mb) if self._count_units is not None else 0.0
+        # by index: the schedule's shape inference (first step, eval <-> train) calls this once more, for
+        # micro-batch 0 before its real forward, which overwrites it
+        self._rows[i] = _stat_row(loss_sum, stats, units=units)
+        return self.optimizer.scale_loss(loss_sum * self._loss_mult)
+
+    def _start(self, mbs: list, loss_fn: LossFn, count_units: Optional[Callable[[dict], int]]) -> tuple:
+        """The micro-batches as the stages' inputs (row groups stacked, checked to be of one shape), and the
+        state _schedule_loss reads."""
+        grouped = [mb for mb in mbs if "input_ids" not in mb]  # DPO: padded to the longest pair seen so far
+        if grouped:
+            self._pad_len = max([self._pad_len] + [mb[k].shape[1] for mb in grouped for k in mb
+                                                   if k.endswith("input_ids")])
+        assembled = [self._assemble(mb) for mb in mbs]
+        self._check_shapes([a for a, _ in assembled], regrow=bool(grouped))
+        self.module.reduction = "none" if grouped else "sum"  # per-token losses only where row groups need them
+        self._pending = [(mb, seg) for mb, (_, seg) in zip(mbs, assembled)]
+        self._task_loss, self._count_units, self._rows = loss_fn, count_units, {}
+        return self._inputs([a for a, _ in assembled])
 
     def forward_backward(self, batches: Sequence[dict], loss_fn: LossFn, global_units: float,
                          poison: bool = False) -> torch.Tensor:
@@ -110,17 +144,16 @@ class PipelineParallelEngine(Engine):
         if len(mbs) != self.n_microbatches:
             raise ValueError(f"the pipeline schedule was built for {self.n_microbatches} micro-batches "
                              f"(gradient_accumulation_steps), got {len(mbs)}")
-        self._check_shapes(mbs)
-        self._loss_mult = self.dp_size / max(1.0, float(global_units)) * (float("nan") if poison else 1.0)
-        args, target, kwargs = self._inputs(mbs)
+        args, target, kwargs = self._start(mbs, loss_fn, None)
+        self._loss_mult, self._poison = self.dp_size / max(1.0, float(global_units)), poison
         self.module.train()
         # one dp reduction per step: our DDP's in optimizer.step(); FSDP's reduce-scatter is run by the
         # schedule after the last backward (PipelineStage turns FSDP's per-backward sync off itself)
         sync_ctx = self.model.no_sync() if self.dp_engine == "ddp" else contextlib.nullcontext()
         with sync_ctx:
-            out = self.schedule.step(*args, target=target, **kwargs)
-        loss_sum = self._broadcast_loss(out) * (float("nan") if poison else 1.0)
-        return torch.tensor([loss_sum, 0.0, 0.0, 0.0, 0.0], dtype=torch.float64)
+            self.schedule.step(*args, target=target, return_outputs=False, **kwargs)
+        self._poison = False
+        return self._broadcast_row()
 
     @torch.no_grad()
     def evaluate(self, batches: Sequence[dict], loss_fn: LossFn, count_units: Callable[[dict], int]) -> torch.Tensor:
@@ -131,28 +164,59 @@ class PipelineParallelEngine(Engine):
         mbs = list(batches)
         if not mbs or len(mbs) % self.n_microbatches:
             raise ValueError(f"eval needs a multiple of {self.n_microbatches} micro-batches, got {len(mbs)}")
-        self._check_shapes(mbs)
         self.module.eval()
-        total, units = 0.0, 0
+        self._loss_mult, total = 1.0, None
         try:
             for i in range(0, len(mbs), self.n_microbatches):
-                group = mbs[i:i + self.n_microbatches]
-                units += int(sum(int((mb["labels"] != IGNORE_INDEX).sum()) for mb in group))
-                args, target, kwargs = self._inputs(group)
-                total += self._broadcast_loss(self.schedule.eval(*args, target=target, **kwargs))
+                args, target, kwargs = self._start(mbs[i:i + self.n_microbatches], loss_fn, count_units)
+                self.schedule.eval(*args, target=target, return_outputs=False, **kwargs)
+                row = self._broadcast_row()
+                total = row if total is None else total + row
         finally:
             self.module.train()
             if self.dp_engine == "fsdp":  # forward-only: free the gathered parameters (no backward will)
                 from parallel.fsdp import reshard
                 reshard(self.module)
-        return torch.tensor([total, 0.0, 0.0, 0.0, float(units)], dtype=torch.float64)
+        return total
 
-    def _check_shapes(self, mbs: list) -> None:
-        for mb in mbs:
-            if "input_ids" not in mb or "labels" not in mb:
-                raise ValueError("pipeline micro-batches need input_ids and labels (DPO batches are not supported; "
-                                 f"got keys {sorted(mb)})")
+    def _assemble(self, mb: dict) -> tuple[dict, list[tuple[int, int, int]]]:
+        """A micro-batch as the stages' inputs + its row groups [(first row, end row, length)]: input_ids /
+        labels as they are, or DPO's chosen and rejected rows stacked into one batch of 2B rows padded to the
+        longest pair seen so far, at least the model's max_seq_len (labels ignored, attention mask 0 where
+        padded), so the micro-batches keep one shape (it grows only when a longer pair comes)."""
+        groups = [p for p in SEGMENTS if f"{p}input_ids" in mb and f"{p}labels" in mb]
+        if not groups:
+            raise ValueError("pipeline micro-batches need input_ids and labels (or DPO's chosen_ / rejected_ "
+                             f"ones); got keys {sorted(mb)}")
+        if groups == [""]:
+            return ({k: mb[k] for k in ("input_ids", "labels", "attention_mask", "position_ids") if k in mb},
+                    [(0, mb["input_ids"].shape[0], mb["input_ids"].shape[1])])
+        T, lo = self._pad_len, 0
+        masked = any(f"{p}attention_mask" in mb for p in groups)
+        parts: dict[str, list] = {"input_ids": [], "labels": [], "attention_mask": []}
+        segments = []
+        for p in groups:
+            x = mb[f"{p}input_ids"]
+            b, t = x.shape
+
+            def pad(v: torch.Tensor, fill: int) -> torch.Tensor:
+                return torch.nn.functional.pad(v, (0, T - t), value=fill)
+            parts["input_ids"].append(pad(x, 0))
+            parts["labels"].append(pad(mb[f"{p}labels"], IGNORE_INDEX))
+            if masked:
+                parts["attention_mask"].append(pad(mb.get(f"{p}attention_mask", torch.ones_like(x)), 0))
+            segments.append((lo, lo + b, t))
+            lo += b
+        return {k: torch.cat(v) for k, v in parts.items() if v}, segments
+
+    def _check_shapes(self, mbs: list, regrow: bool = False) -> None:
+        """One [rows, seq] shape for every micro-batch of every call; regrow (DPO's padded pairs, whose
+        length grew): the schedule re-runs its shape inference for the new shape (every rank of the pp group
+        sees the same batches, so they do it together)."""
         shapes = {tuple(mb["input_ids"].shape) for mb in mbs}
+        if regrow and len(shapes) == 1 and self._mb_shape is not None and shapes != {self._mb_shape}:
+            self.schedule._stage_forward_initialized = self.schedule._stage_backward_initialized = False
+            self._mb_shape = None
         if len(shapes) != 1 or (self._mb_shape is not None and shapes != {self._mb_shape}):
             want = self._mb_shape or "one shape"
             raise ValueError(f"pipeline stages exchange fixed-shape activations: every micro-batch must be "
@@ -167,16 +231,21 @@ class PipelineParallelEngine(Engine):
         if self.is_last:
             kwargs["labels"] = cat["labels"]
         args = (cat["input_ids"],) if self.is_first else ()
-        return args, (cat["labels"] if self.is_last else None), kwargs
+        # the schedule's target: each micro-batch's index, on the host (split into one row per micro-batch)
+        return args, (torch.arange(len(mbs)).reshape(-1, 1) if self.is_last else None), kwargs
 
-    def _broadcast_loss(self, out: Optional[torch.Tensor]) -> float:
-        """The last stage's merged per-micro-batch loss sums, summed, on every stage of the pp group."""
-        loss = torch.zeros(1, dtype=torch.float64, device=self.stage.device)
+    def _broadcast_row(self) -> torch.Tensor:
+        """The last stage's STEP_FIELDS sums of this call's micro-batches, on every stage of the pp group."""
+        row = torch.zeros(5, dtype=torch.float64, device=self.stage.device)
         if self.is_last:
-            loss[0] = float(out.detach().double().sum())
+            if sorted(self._rows) != list(range(len(self._pending))):
+                raise RuntimeError(f"the schedule computed the losses of micro-batches {sorted(self._rows)} of "
+                                   f"{len(self._pending)}")
+            for i in range(len(self._pending)):
+                row = row + self._rows[i].to(row.device)
         if self.pp_size > 1:
-            dist.broadcast(loss, src=dist.get_global_rank(self.pp_group, self.pp_size - 1), group=self.pp_group)
-        return float(loss.item())
+            dist.broadcast(row, src=dist.get_global_rank(self.pp_group, self.pp_size - 1), group=self.pp_group)
+        return row
 
     # ------------------------------------------------------------------ stage state and files
     def _sharded_files(self, optimizer: Any = None) -> bool:

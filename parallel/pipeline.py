@@ -2,8 +2,9 @@
 
 Owns: splitting the Transformer's layers into P stages (`split_layers`, `pipeline_stage_module`: a stage is
 the Transformer pruned as torchtitan does, run by Transformer.forward itself; the first stage holds
-`embed_tokens`, the last `norm` + `lm_head` and computes the model's own loss), the checks of a pipeline's
-options (`validate_pipeline_options`), building this rank's `PipelineStage` + schedule (`build_schedule`:
+`embed_tokens`, the last `norm` + `lm_head` and computes the model's per-token losses), the checks of a pipeline's
+options (`validate_pipeline_options`), what the task's loss_fn sees of the last stage's output
+(`LastStageOutput`: per-token losses by row group), building this rank's `PipelineStage` + schedule (`build_schedule`:
 `ScheduleGPipe` / `Schedule1F1B`, by name), and reading per-stage checkpoints (`read_pipeline_meta`) and
 merging them into one full state dict with the model's own key names (for export).
 
@@ -65,11 +66,14 @@ class PipelineStageModule(Transformer):
 
     forward(x, labels=None, attention_mask=None, position_ids=None): x is token ids on the first stage
     and the hidden state [B, T, D] elsewhere. Non-last stages return the hidden state; the last returns
-    the micro-batch's SUM of per-token losses as a shape-[1] fp32 tensor (Transformer.forward(...,
-    reduction="sum"): the model's loss choice per its cfg), which the schedule merges along dim 0."""
+    (Transformer.forward(..., reduction=self.reduction): the model's loss choice per its cfg) the
+    micro-batch's SUM of per-token losses as a shape-[1] fp32 tensor ("sum", the default), or its per-token
+    losses [B, T] in fp32 ("none", 0 at ignored positions: DPO's sequence log-probs); the engine computes
+    the task's loss from them (LastStageOutput) and sets `reduction` for the batches it runs."""
 
     stage_index: int
     num_stages: int
+    reduction: str = "sum"
 
     @property
     def is_first(self) -> bool:
@@ -91,9 +95,39 @@ class PipelineStageModule(Transformer):
             return super().forward(x, attention_mask=attention_mask, position_ids=position_ids)
         if labels is None:
             raise ValueError("the last pipeline stage computes the loss: it needs labels")
-        loss = super().forward(x, labels, "sum", attention_mask, position_ids)
-        # [1] (and not a view of the 0-d loss): the schedule merges the micro-batches' sums along dim 0
-        return torch.stack([loss.float()])
+        loss = super().forward(x, labels, self.reduction, attention_mask, position_ids).float()
+        # "sum": [1] (and not a view of the 0-d loss), as the schedule merges micro-batches along dim 0
+        return torch.stack([loss]) if self.reduction == "sum" else loss
+
+
+SEGMENTS = ("", "chosen_", "rejected_")  # the row groups a micro-batch may hold: tokens, or DPO's pairs
+
+
+class LastStageOutput:
+    """The task's loss_fn's `model` on the last stage: its calls (in the order the task makes them, one per
+    row group: tokens, or DPO's chosen then rejected) return that group's rows of the micro-batch's per-token
+    losses (the stage's output with reduction "none"; padding cut off), or their sum with reduction "sum"
+    (the stage's output with reduction "sum" is that sum already, shape [1])."""
+
+    def __init__(self, per_token: torch.Tensor, segments: list[tuple[int, int, int]]) -> None:
+        self.per_token, self.segments, self.calls = per_token, segments, 0
+
+    def __call__(self, x: torch.Tensor, labels: Any = None, reduction: str = "mean", **_: Any) -> torch.Tensor:
+        if self.calls >= len(self.segments) or reduction not in ("sum", "none"):
+            raise ValueError(f"a pipeline's last stage gives the task's loss_fn {len(self.segments)} group(s) of "
+                             f"per-token losses (reduction 'sum' or 'none'); call {self.calls + 1} asked "
+                             f"reduction={reduction!r}")
+        lo, hi, t = self.segments[self.calls]
+        self.calls += 1
+        if tuple(x.shape) != (hi - lo, t):
+            raise ValueError(f"the task's loss_fn asked for rows of shape {tuple(x.shape)}; the pipeline ran "
+                             f"{(hi - lo, t)} for that group")
+        if self.per_token.dim() == 1:  # the stage summed (one row group)
+            if reduction != "sum":
+                raise ValueError("this micro-batch's last stage returns its loss sum only (reduction 'sum')")
+            return self.per_token.sum()
+        out = self.per_token[lo:hi, :t]
+        return out.sum() if reduction == "sum" else out
 
 
 def pipeline_stage_module(model: Transformer, stage_index: int, num_stages: int,
@@ -116,7 +150,7 @@ def pipeline_stage_module(model: Transformer, stage_index: int, num_stages: int,
 
 def validate_pipeline_options(*, pp_size: int, n_microbatches: int, schedule: str, dp_engine: str = "ddp",
                               world_size: Optional[int] = None, overlap_optim_step: bool = False,
-                              comm_hook: str = "allreduce", task_type: str = "pretrain") -> None:
+                              comm_hook: str = "allreduce") -> None:
     """Raise ValueError for a pipeline configuration that cannot run (all problems at once)."""
     problems = []
     if pp_size < 1:
@@ -139,9 +173,6 @@ def validate_pipeline_options(*, pp_size: int, n_microbatches: int, schedule: st
                         "collectives differ between stages, and clipping must see every stage's gradients)")
     if comm_hook not in ("allreduce", None, ""):
         problems.append(f"comm_hook={comm_hook}: only the default all-reduce is tested with pipeline parallelism")
-    if task_type == "dpo":
-        problems.append("DPO is not supported with pipeline parallelism (its loss needs whole-sequence "
-                        "log-probs of two models on every stage); use --pipeline_parallel_size=1")
     if problems:
         raise ValueError("bad options for pipeline parallelism: " + "; ".join(problems))
 

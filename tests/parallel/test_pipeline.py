@@ -120,6 +120,15 @@ def _build(schedule: str, seed: int = 0, zero: bool = False, dp_engine: str = "d
                                           OptimizerConfig(**OPT, use_distributed_optimizer=zero), **kw)
 
 
+def _token_loss(model, batch: dict):
+    """The task's loss_fn for pretraining (trainer/task.py micro_batch_loss): the token CE sum, no statistics."""
+    return model(batch["input_ids"], labels=batch["labels"], reduction="sum"), {}
+
+
+def _count_units(batch: dict) -> int:
+    return int((batch["labels"] != -100).sum())
+
+
 def _units(batches) -> float:
     return float(sum(int((y != -100).sum()) for _, y in batches))
 
@@ -130,7 +139,7 @@ def _step(eng, step: int) -> tuple[float, float]:
     mbs = [{"input_ids": _rows(x, eng.dp_rank, eng.dp_size), "labels": _rows(y, eng.dp_rank, eng.dp_size)}
            for x, y in batches]
     eng.optimizer.zero_grad()
-    row = eng.forward_backward(mbs, None, _units(batches))
+    row = eng.forward_backward(mbs, _token_loss, _units(batches))
     stepped, norm = eng.optimizer.step()
     assert stepped
     loss = row[:1].clone()
@@ -170,7 +179,7 @@ def _worker_pp2(rank: int, world: int, tmp: str) -> None:
     res = [_step(eng, s) for s in range(1, STEPS + 1)]
     _record(tmp, "gpipe", eng, [r[0] for r in res], [r[1] for r in res])
     mbs = [{"input_ids": x, "labels": y} for x, y in _global_batches(STEPS + 1)]
-    row = eng.evaluate(mbs + mbs, None, None)  # 2 rounds of the schedule
+    row = eng.evaluate(mbs + mbs, _token_loss, _count_units)  # 2 rounds of the schedule
     eval_sum, eval_units = float(row[0]), float(row[4])
     res = [_step(eng, STEPS + 1)]
     _record(tmp, "gpipe_after_eval", eng, [r[0] for r in res], [r[1] for r in res])
@@ -181,7 +190,7 @@ def _worker_pp2(rank: int, world: int, tmp: str) -> None:
     mbs = [{"input_ids": x, "labels": y} for x, y in _global_batches(1)]
     for key, bad in (("count", mbs[:1]), ("shape", [{k: v[:, :4] for k, v in mb.items()} for mb in mbs])):
         try:
-            eng.forward_backward(bad, None, _units(_global_batches(1)))
+            eng.forward_backward(bad, _token_loss, _units(_global_batches(1)))
             errors[key] = None
         except ValueError as e:
             errors[key] = str(e)
@@ -354,8 +363,6 @@ def test_bad_combinations_raise():
         validate_pipeline_options(pp_size=2, n_microbatches=2, schedule="gpipe", dp_engine="zero3")
     with pytest.raises(ValueError, match="not a multiple"):
         validate_pipeline_options(pp_size=2, n_microbatches=2, schedule="gpipe", world_size=3)
-    with pytest.raises(ValueError, match="DPO"):
-        validate_pipeline_options(pp_size=2, n_microbatches=2, schedule="gpipe", task_type="dpo")
     with pytest.raises(ValueError, match="overlap_optim_step"):
         validate_pipeline_options(pp_size=2, n_microbatches=2, schedule="gpipe", overlap_optim_step=True)
     with pytest.raises(ValueError, match="initialised process group"):
@@ -473,7 +480,8 @@ def test_stages_are_the_model_pruned():
 @pytest.mark.parametrize("fused", [True, False])
 def test_last_stage_uses_the_model_loss_and_needs_labels(monkeypatch, fused):
     """The last stage's loss is the model's cfg-chosen loss head (chunked linear+CE, or the full-logits
-    reference with fused_cross_entropy=False), with reduction "sum"; without labels it refuses."""
+    reference with fused_cross_entropy=False), with reduction "sum" (per token with reduction="none", as DPO
+    runs it); without labels it refuses."""
     import model.loss as loss_mod
     from parallel.pipeline import pipeline_stage_module
     torch.manual_seed(0)
@@ -491,5 +499,9 @@ def test_last_stage_uses_the_model_loss_and_needs_labels(monkeypatch, fused):
     out = last(first(x), labels=y)
     assert seen == [(name, "sum", True)] and out.shape == (1,)
     assert torch.equal(out[0], model(x, labels=y, reduction="sum"))
+    last.reduction = "none"
+    out = last(first(x), labels=y)
+    assert seen[-1] == (name, "none", True) and out.shape == (3, SEQ)
+    assert torch.equal(out, model(x, labels=y, reduction="none").float())
     with pytest.raises(ValueError, match="needs labels"):
         last(first(x))

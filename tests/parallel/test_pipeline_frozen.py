@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from optimizer import OptimizerConfig
 from tests.dist_helpers import spawn
-from tests.parallel.test_pipeline import OPT, _global_batches, _new_model, _pc, _rows, _save, _units
+from tests.parallel.test_pipeline import OPT, _global_batches, _new_model, _pc, _rows, _save, _token_loss, _units
 
 STEPS = 3
 MODES = {"lora": dict(lora_rank=2, lora_targets="q_proj,v_proj,down_proj"), "embeddings": dict(train_embeddings=True)}
@@ -72,7 +72,7 @@ def _worker(rank: int, world: int, tmp: str) -> None:
             batches = _global_batches(step)
             mbs = [{"input_ids": _rows(x, 0, 1), "labels": _rows(y, 0, 1)} for x, y in batches]
             eng.optimizer.zero_grad()
-            row = eng.forward_backward(mbs, None, _units(batches))
+            row = eng.forward_backward(mbs, _token_loss, _units(batches))
             stepped, norm = eng.optimizer.step()
             assert stepped
             losses.append(float(row[0]) / _units(batches))
