@@ -199,12 +199,13 @@ def build_engine(name: str, a, prec: str, world: int) -> dict:
                 "fwd": lambda ids: wrapped(ids, labels=ids), "dp": world // 2 if name == "tp2" else world,
                 "stage": None, "host": host}
     if name == "pp2":
-        from parallel.pipeline import build_pipeline_engine
+        from parallel.config import ParallelConfig
+        from parallel.engine_pipeline import build_pipeline_parallel_engine
         m = build_model(a, dtype)
         n_total = sum(p.numel() for p in m.parameters())
-        eng = build_pipeline_engine(m, OptimizerConfig(**ocfg), pp_size=2, n_microbatches=2, schedule="gpipe",
-                                    dp_engine="ddp", device=torch.device("cpu"),
-                                    ddp_config=DDPConfig(bucket_size=BUCKET, grad_reduce_in_fp32=prec == "bf16"))
+        pc = ParallelConfig(pipeline_parallel_size=2, pipeline_schedule="gpipe", gradient_accumulation_steps=2,
+                            bucket_size=BUCKET, grad_reduce_in_fp32=prec == "bf16")
+        eng = build_pipeline_parallel_engine(m, pc, OptimizerConfig(**ocfg), device=torch.device("cpu"))
         del m
         n_stage = sum(p.numel() for p in eng.module.parameters())
         return {"kind": "ddp", "ddp": eng.model, "opt": eng.optimizer, "module": eng.module, "pp": eng,
@@ -215,7 +216,9 @@ def build_engine(name: str, a, prec: str, world: int) -> dict:
 def fwd_bwd(eng: dict, ids: torch.Tensor) -> None:
     eng["opt"].zero_grad()
     if "pp" in eng:
-        eng["pp"].forward_backward([{"input_ids": ids, "labels": ids}] * 2)
+        def token_loss(model, batch):  # the task's loss (trainer/task.py): the sum of the token losses
+            return model(batch["input_ids"], labels=batch["labels"], reduction="sum"), {}
+        eng["pp"].forward_backward([{"input_ids": ids, "labels": ids}] * 2, token_loss, float(2 * ids.numel()))
     else:
         eng["opt"].scale_loss(eng["fwd"](ids)).backward()
 

@@ -62,7 +62,7 @@ class StepStats:
         return {"loss": self.loss_sum / n, **{k: getattr(self, k) / n for k in STAT_KEYS}}
 
 
-def _stat_row(loss_sum: torch.Tensor, stats: dict, units: float = 0.0) -> torch.Tensor:
+def stat_row(loss_sum: torch.Tensor, stats: dict, units: float = 0.0) -> torch.Tensor:
     """float64 STEP_FIELDS of one micro-batch, on the loss's device, without a host read: tensor
     statistics are detached and cast there, host numbers enter by a fill (`new_full`)."""
     def one(v: Any) -> torch.Tensor:
@@ -72,7 +72,7 @@ def _stat_row(loss_sum: torch.Tensor, stats: dict, units: float = 0.0) -> torch.
     return torch.cat([one(loss_sum)] + [one(stats.get(k, 0.0)) for k in STAT_KEYS] + [one(units)])
 
 
-def _zero_stats() -> torch.Tensor:
+def zero_stats() -> torch.Tensor:
     return torch.zeros(len(STEP_FIELDS), dtype=torch.float64)
 
 
@@ -163,9 +163,9 @@ class Engine:
                 # our DDP averages gradients over ranks; * world / global_units makes the result the
                 # gradient of (sum of all ranks' losses) / (all ranks' target units)
                 self.optimizer.scale_loss(loss_sum * (self.dp_size / global_units)).backward()
-            row = _stat_row(loss_sum, stats)
+            row = stat_row(loss_sum, stats)
             acc = row if acc is None else acc + row
-        return acc if acc is not None else _zero_stats()
+        return acc if acc is not None else zero_stats()
 
     @torch.no_grad()
     def evaluate(self, batches: Sequence[dict], loss_fn: LossFn, count_units: Callable[[dict], int]) -> torch.Tensor:
@@ -176,12 +176,12 @@ class Engine:
         try:
             for batch in batches:
                 loss_sum, stats = loss_fn(self.forward_model, batch)
-                row = _stat_row(loss_sum, stats, units=count_units(batch))  # counted on the host batch
+                row = stat_row(loss_sum, stats, units=count_units(batch))  # counted on the host batch
                 sums = row if sums is None else sums + row
         finally:
             self.forward_model.train()
             self._after_forward_only()
-        return sums if sums is not None else _zero_stats()
+        return sums if sums is not None else zero_stats()
 
     def _after_forward_only(self) -> None:
         """Hook after a forward with no backward (FSDPEngine frees the gathered parameters)."""

@@ -36,7 +36,7 @@ from optimizer import OptimizerConfig
 from parallel.checkpoint_io import (damaged_file_hint, is_pipeline_checkpoint, load_extra_state,
                                     read_pipeline_meta_safe, refuse_nonfinite_weights)
 from parallel.config import CAPABILITIES, ParallelConfig
-from parallel.engine import Engine, LossFn, _stat_row
+from parallel.engine import Engine, LossFn, stat_row
 from parallel.pipeline import (FORMAT, META_FILE, SEGMENTS, LastStageOutput, PipelineStageModule, build_schedule,
                                pipeline_stage_module, read_pipeline_meta, split_layers, validate_pipeline_options)
 from utils import checkpoint as ckpt
@@ -117,7 +117,7 @@ class PipelineParallelEngine(Engine):
         units = self._count_units(mb) if self._count_units is not None else 0.0
         # by index: the schedule's shape inference (first step, eval <-> train) calls this once more, for
         # micro-batch 0 before its real forward, which overwrites it
-        self._rows[i] = _stat_row(loss_sum, stats, units=units)
+        self._rows[i] = stat_row(loss_sum, stats, units=units)
         return self.optimizer.scale_loss(loss_sum * self._loss_mult)
 
     def _start(self, mbs: list, loss_fn: LossFn, count_units: Optional[Callable[[dict], int]]) -> tuple:
