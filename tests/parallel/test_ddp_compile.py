@@ -25,7 +25,8 @@ import torch.distributed as dist
 from torch import nn
 
 from optimizer import OptimizerConfig, build_optimizer
-from parallel import DDPConfig, DistributedDataParallel, comm
+from parallel import DDPConfig, DistributedDataParallel
+from utils import comm
 from tests.dist_helpers import spawn
 
 BACKEND = "aot_eager"
