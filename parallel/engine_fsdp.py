@@ -119,4 +119,4 @@ def build_fsdp_engine_on_mesh(model: nn.Module, pc: ParallelConfig, opt_cfg: Opt
                                      sequence_parallel=pc.sequence_parallel)
     rank, world = layout.dp_coordinates(dist.get_rank())
     return FSDPEngine(wrapped, opt, wrapped, sharded_optimizer=True, dp_rank=rank, dp_size=world, mesh=mesh,
-                      counts_in_sums=layout.coordinates(dist.get_rank())["tp"] == 0)
+                      counts_in_sums=layout.counts_in_sums(dist.get_rank()))

@@ -31,14 +31,21 @@ from typing import Any, Callable, ClassVar, Optional, Sequence
 import torch
 import torch.distributed as dist
 from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch.distributed.tensor import DTensor, distribute_tensor
 
-from optimizer import OptimizerConfig
+from optimizer import OptimizerConfig, build_optimizer
+from optimizer.fsdp_optimizer import FSDPOptimizer
 from parallel.checkpoint_io import (damaged_file_hint, is_pipeline_checkpoint, load_extra_state,
                                     read_pipeline_meta_safe, refuse_nonfinite_weights)
 from parallel.config import CAPABILITIES, ParallelConfig
 from parallel.engine import Engine, LossFn, stat_row
+from parallel.engine_ddp import wrap_ddp
+from parallel.fsdp import broadcast_from_first, reshard, validate_fsdp_options, wrap_fsdp
+from parallel.mesh import build_device_mesh, counts_in_sums
 from parallel.pipeline import (FORMAT, META_FILE, SEGMENTS, LastStageOutput, PipelineStageModule, build_schedule,
                                pipeline_stage_module, read_pipeline_meta, split_layers, validate_pipeline_options)
+from parallel.transforms.tensor_parallel import apply_tensor_parallel
 from utils import checkpoint as ckpt
 from utils.constants import IGNORE_INDEX
 from utils.publish import fsync_file, make_temp_dir, temp_dir_for
@@ -48,7 +55,6 @@ def _full(t: Any) -> Any:
     """A DTensor gathered to a plain tensor (collective over its mesh); anything else unchanged.
     torch logs a warning per tensor when a dp x tp DTensor (FSDP's _StridedShard over Shard) needs two
     all-gathers; at checkpoint time that is expected, so it is not printed for every tensor of every save."""
-    from torch.distributed.tensor import DTensor
     if not isinstance(t, DTensor):
         return t
     logger = logging.getLogger("torch.distributed.tensor._redistribute")
@@ -62,7 +68,6 @@ def _full(t: Any) -> Any:
 
 def _like(full: Any, template: Any) -> Any:
     """`full` sharded like the DTensor `template` (every rank holds `full`: no communication)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
     if isinstance(template, DTensor):
         return distribute_tensor(full.to(template.device, template.dtype), template.device_mesh,
                                  template.placements, src_data_rank=None)
@@ -86,10 +91,10 @@ class PipelineParallelEngine(Engine):
         self.dp_engine, self.schedule_name, self.n_microbatches = dp_engine, schedule.lower(), n_microbatches
         self.layer_ranges, self.n_layers = layer_ranges, stage_module.cfg.n_layers
         # the P ranks of a pipeline (and the T ranks of a stage's tensor group) hold the same batch and the
-        # same broadcast loss: only stage 0's tensor rank 0 counts
+        # same broadcast loss: only the first of them counts (parallel/mesh.py SAME_BATCH_DIMS)
         super().__init__(wrapped, optimizer, stage_module, dp_rank=self.dp_rank, dp_size=self.dp_size,
                          fixed_batch_shape=True, micro_batches_per_call=n_microbatches,
-                         counts_in_sums=self.stage_index == 0 and self.tp_rank == 0, mesh=mesh,
+                         counts_in_sums=counts_in_sums(mesh), mesh=mesh,
                          sharded_optimizer=self._sharded_files(optimizer))
         self.is_first, self.is_last = stage_module.is_first, stage_module.is_last
         self._loss_mult, self._poison = 1.0, False
@@ -175,7 +180,6 @@ class PipelineParallelEngine(Engine):
         finally:
             self.module.train()
             if self.dp_engine == "fsdp":  # forward-only: free the gathered parameters (no backward will)
-                from parallel.fsdp import reshard
                 reshard(self.module)
         return total
 
@@ -281,7 +285,6 @@ class PipelineParallelEngine(Engine):
         writes the stage's weights `stage{s}_model.safetensors` and, unless ZeRO shards it,
         `stage{s}_optimizer_dp0.pt`; ZeRO: every dp rank its own), fsynced; global rank 0 also writes
         `pipeline.json`. Returns after every rank has written (a barrier). Publishing the directory is `save`'s."""
-        from safetensors.torch import save_file
         sd = self.state_dict()
         s = self.stage_index
         first = self.dp_rank == 0 and self.tp_rank == 0  # one writer per stage (the tensors are gathered)
@@ -305,7 +308,6 @@ class PipelineParallelEngine(Engine):
     def load_stage_files(self, ckpt_dir: str) -> None:
         """This stage's weights and optimizer state from a checkpoint of the same pipeline split (pp size,
         layer ranges) and dp engine, at any dp size (ZeRO shards are re-sharded)."""
-        from safetensors.torch import load_file
         meta = read_pipeline_meta(ckpt_dir)
         if meta["pp_size"] != self.pp_size or [tuple(r) for r in meta["layer_ranges"]] != list(self.layer_ranges):
             raise ValueError(f"checkpoint {ckpt_dir} has {meta['pp_size']} stage(s) with layers "
@@ -404,8 +406,6 @@ def build_pipeline_parallel_engine(model: torch.nn.Module, pc: ParallelConfig, o
     and schedule. Collective over the world (mesh + broadcast of dp rank 0's weights). `model`: the full
     Transformer, built identically on every rank (same seed) or loaded; only this rank's stage is moved to
     `device` (the other layers can be freed by the caller: nothing references them)."""
-    from parallel.engine_ddp import wrap_ddp
-    from parallel.mesh import build_device_mesh
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("pipeline parallelism needs an initialised process group")
     pp, tp, dp_engine = pc.pp, pc.tp, pc.parallel
@@ -425,12 +425,9 @@ def build_pipeline_parallel_engine(model: torch.nn.Module, pc: ParallelConfig, o
     stage_module.to(device)  # only this stage: the full model may be built (or loaded) on the CPU
     norm_groups = [pp_group] if pp > 1 else []  # the global norm and fp16 skip also span the other stages
     if dp_engine == "fsdp":
-        from optimizer.fsdp_optimizer import FSDPOptimizer
-        from parallel.fsdp import broadcast_from_first, validate_fsdp_options, wrap_fsdp
         validate_fsdp_options(use_distributed_optimizer=opt_cfg.use_distributed_optimizer,
                               overlap_param_gather=opt_cfg.overlap_param_gather, zero_stage=opt_cfg.zero_stage)
         if tp > 1:  # dp rank 0's (tp rank 0's) weights everywhere, then the stage split over the tensor ranks
-            from parallel.transforms.tensor_parallel import apply_tensor_parallel
             broadcast_from_first(list(stage_module.parameters()) + list(stage_module.buffers()),
                                  mesh["dp_shard", "tp"])
             apply_tensor_parallel(stage_module, mesh["tp"])
@@ -439,7 +436,6 @@ def build_pipeline_parallel_engine(model: torch.nn.Module, pc: ParallelConfig, o
                             sync_module_states=tp == 1, gloo_collectives=False)
         opt = FSDPOptimizer(stage_module, opt_cfg, norm_groups=norm_groups)
     else:
-        from optimizer import build_optimizer
         if pc.use_distributed_optimizer != opt_cfg.use_distributed_optimizer:
             raise ValueError("ParallelConfig.use_distributed_optimizer must equal OptimizerConfig's")
         wrapped = wrap_ddp(stage_module, pc, group=mesh.get_group("dp_shard"))  # dp rank 0's weights everywhere

@@ -20,7 +20,7 @@ from typing import Any, Iterator, Optional, Union
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -29,7 +29,7 @@ from optimizer.fsdp_optimizer import (MESH_ATTR, TP_PARTIAL_ATTR, WRAP_CONFIG_AT
                                       raise_fsdp_problems)
 from optimizer.optimizer_config import OptimizerConfig
 from parallel.config import ParallelConfig
-from parallel.mesh import MESH_DIMS, dp_mesh
+from parallel.mesh import MESH_DIMS, MeshLayout, build_device_mesh, dp_mesh
 from parallel.transforms.tensor_parallel import apply_tensor_parallel
 
 _GROUP_ATTR = "_fsdp_engine_state_group"  # set on the wrapped root: every rank holding a part of its state
@@ -117,8 +117,8 @@ def _resolve_mesh(mesh_or_group: Union[DeviceMesh, dist.ProcessGroup, None], dev
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("FSDP needs an initialised process group, also at world size 1 (e.g. "
                          "dist.init_process_group(backend, rank=0, world_size=1))")
-    if mesh_or_group is None:
-        return init_device_mesh(device_type, (dist.get_world_size(),))
+    if mesh_or_group is None:  # the world as data-parallel shards: the run's one mesh builder, its dp sub-mesh
+        return dp_mesh(build_device_mesh(MeshLayout.from_sizes(dist.get_world_size()), device_type))
     return DeviceMesh.from_group(mesh_or_group, device_type)
 
 

@@ -21,6 +21,9 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+# the dimensions whose ranks read the same batch (they split the model, not the data): a rank counts in the
+# sums over the data only when it is the first of them (a new such dimension, e.g. "cp", is added here)
+SAME_BATCH_DIMS = ("pp", "tp")
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,12 @@ class MeshLayout:
             rank //= size
         return {name: out[name] for name in MESH_DIMS}
 
+    def counts_in_sums(self, rank: int) -> bool:
+        """Whether `rank` is the first of the ranks that read its batch (index 0 on every SAME_BATCH_DIMS
+        dimension): the others add zeros to the sums over the data (Engine.sum_over_data)."""
+        c = self.coordinates(rank)
+        return all(c[d] == 0 for d in SAME_BATCH_DIMS)
+
     def dp_coordinates(self, rank: int) -> tuple[int, int]:
         """(data-parallel rank, data-parallel size) of a global rank: which slice of the global batch it reads."""
         c = self.coordinates(rank)
@@ -94,6 +103,11 @@ def build_device_mesh(layout: MeshLayout, device_type: str) -> Any:
     if world != layout.world_size:
         raise ValueError(f"the mesh {layout.describe()} needs {layout.world_size} processes, the world has {world}")
     return init_device_mesh(device_type, layout.sizes(), mesh_dim_names=MESH_DIMS)
+
+
+def counts_in_sums(mesh: Any) -> bool:
+    """MeshLayout.counts_in_sums for this rank of a built mesh."""
+    return all(mesh.get_local_rank(d) == 0 for d in SAME_BATCH_DIMS)
 
 
 def dp_mesh(mesh: Any) -> Any:
