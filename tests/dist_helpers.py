@@ -37,3 +37,19 @@ def spawn(fn: Callable, world_size: int, *args) -> None:
     forkserver_context()  # the server's preload list, whoever starts it first
     mp.start_processes(_entry, args=(fn, world_size, free_port(), args), nprocs=world_size,
                        join=True, start_method="forkserver")
+
+
+def one_process_step(model, opt, params, batches, units: float, grad_clip: float) -> tuple[float, float]:
+    """The reference every multi-process test compares with: one optimizer step of the whole model in one
+    process over the global batch's (input_ids, labels) micro-batches, the loss normalised by the global
+    target units, clipped with torch's clip_grad_norm_. Returns (loss per unit, gradient norm)."""
+    import torch
+    opt.zero_grad(set_to_none=True)
+    total = 0.0
+    for x, y in batches:
+        loss = model(x, labels=y, reduction="sum")
+        total += float(loss.detach())
+        (loss / units).backward()
+    norm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip))
+    opt.step()
+    return total / units, norm

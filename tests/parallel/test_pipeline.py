@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from model import ModelConfig, Transformer
 from optimizer import OptimizerConfig
-from tests.dist_helpers import spawn
+from tests.dist_helpers import one_process_step, spawn
 
 VOCAB, SEQ, GLOBAL_B, GAS, STEPS = 64, 8, 4, 2, 3
 OPT = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, grad_clip=0.3)
@@ -73,15 +73,9 @@ def _reference(steps: int, dtype: torch.dtype = torch.float32
     for step in range(1, steps + 1):
         batches = _global_batches(step)
         units = float(sum(int((y != -100).sum()) for _, y in batches))
-        opt.zero_grad(set_to_none=True)
-        total = 0.0
-        for x, y in batches:
-            loss = model(x, labels=y, reduction="sum")
-            total += float(loss.detach())
-            (loss / units).backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(params, OPT["grad_clip"])))
-        opt.step()
-        losses.append(total / units)
+        loss, norm = one_process_step(model, opt, params, batches, units, OPT["grad_clip"])
+        losses.append(loss)
+        norms.append(norm)
         if step == 2:
             at2 = {n: p.detach().double().clone() for n, p in model.state_dict().items()}
         per_step.append({n: p.detach().double().clone() for n, p in model.named_parameters()})

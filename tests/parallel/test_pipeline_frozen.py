@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from optimizer import OptimizerConfig
-from tests.dist_helpers import spawn
+from tests.dist_helpers import one_process_step, spawn
 from tests.parallel.test_pipeline import OPT, _global_batches, _new_model, _pc, _rows, _save, _token_loss, _units
 
 STEPS = 3
@@ -47,16 +47,9 @@ def _reference(mode: str, dtype: torch.dtype) -> tuple[dict, list[float], list[f
     losses, norms = [], []
     for step in range(1, STEPS + 1):
         batches = _global_batches(step)
-        units = _units(batches)
-        opt.zero_grad(set_to_none=True)
-        total = 0.0
-        for x, y in batches:
-            loss = model(x, labels=y, reduction="sum")
-            total += float(loss.detach())
-            (loss / units).backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(params, OPT["grad_clip"])))
-        opt.step()
-        losses.append(total / units)
+        loss, norm = one_process_step(model, opt, params, batches, _units(batches), OPT["grad_clip"])
+        losses.append(loss)
+        norms.append(norm)
     return {n: p.detach().double().clone() for n, p in model.named_parameters()}, losses, norms
 
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from model import ModelConfig, Transformer
-from tests.dist_helpers import spawn
+from tests.dist_helpers import one_process_step, spawn
 # the same global batches as the FSDP tests: GAS micro-batches of GLOBAL_B x SEQ, ~25 % of labels ignored
 from tests.parallel.test_fsdp import GAS, GLOBAL_B, VOCAB, _global_batches, _units
 
@@ -61,16 +61,7 @@ def _reference(steps: int, dtype: torch.dtype, tied: bool = False, lora: bool = 
     losses = []
     for step in range(1, steps + 1):
         batches = _global_batches(step)
-        units = _units(batches)
-        opt.zero_grad(set_to_none=True)
-        total = 0.0
-        for x, y in batches:
-            loss = model(x, labels=y, reduction="sum")
-            total += float(loss)
-            (loss / units).backward()
-        torch.nn.utils.clip_grad_norm_(params, OPT["grad_clip"])
-        opt.step()
-        losses.append(total / units)
+        losses.append(one_process_step(model, opt, params, batches, _units(batches), OPT["grad_clip"])[0])
     return {n: p.detach().double().clone() for n, p in model.named_parameters()}, losses
 
 
