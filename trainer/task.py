@@ -15,12 +15,21 @@ from typing import Optional
 
 import torch
 
+from data_preprocess.pretokenize_dpo_data import tokenize_dpo_records  # raw SFT / DPO records: tokenized in memory
+from data_preprocess.pretokenize_sft_data import tokenize_sft_records
+from data_preprocess.shard_format import DataError
+from dataset import PretokDatasetWithIndex
+from dataset.dataset_dpo import build_dpo_splits
+from dataset.dataset_sft import build_sft_splits, pad_collate
+from dataset.loader import ResumableLoader
+from dataset.mixture import build_pretrain_mixture
 from parallel.engine import StepStats
 from trainer.config import TrainConfig, TrainingError
 from utils import checkpoint as ckpt
 from utils.constants import EXIT_BAD_CONFIG, EXIT_BAD_DATA, IGNORE_INDEX
 from utils.device import to_device
 from utils.dist import DistInfo
+from utils.dpo_loss import dpo_loss
 
 
 # ---------------------------------------------------------------------------- data
@@ -28,7 +37,6 @@ from utils.dist import DistInfo
 def check_data_tokenizer(data_dir: str, fingerprint: str, vocab_size: int, tokenizer_dir: str, tok_meta: dict) -> None:
     """Token files must come from the tokenizer the run uses: same fingerprint (when the files
     record one) and same vocabulary size. Anything else trains on ids that mean other words."""
-    from data_preprocess.shard_format import DataError
     want_fp, want_vocab = str(tok_meta.get("fingerprint", "")), int(tok_meta["vocab_size"])
     if (fingerprint and want_fp and fingerprint != want_fp) or int(vocab_size) != want_vocab:
         raise DataError(f"{data_dir} were tokenized with another tokenizer (fingerprint {fingerprint[:12] or '?'}, "
@@ -44,12 +52,9 @@ def build_data(cfg: TrainConfig, dp_rank: int, dp_size: int, tok_meta: dict, fix
     read the same batches). fixed_shape: every batch is [batch_size, max_seq_len] (pipeline stages
     exchange fixed-shape activations): SFT rows are padded to max_seq_len, validation batches are
     batch_size rows."""
-    from dataset.loader import ResumableLoader
 
     if cfg.task_type == "pretrain":
-        from dataset import PretokDatasetWithIndex
         if cfg.data_mix:  # several corpora, sampled by weight; validation mixes their val splits alike
-            from dataset.mixture import build_pretrain_mixture
             root = cfg.data_dir or None
             train = build_pretrain_mixture(cfg.data_mix, cfg.max_seq_len, "train", seed=cfg.seed, data_root=root)
             val = build_pretrain_mixture(cfg.data_mix, cfg.max_seq_len, "val", seed=cfg.seed, data_root=root)
@@ -61,27 +66,22 @@ def build_data(cfg: TrainConfig, dp_rank: int, dp_size: int, tok_meta: dict, fix
             check_data_tokenizer(ds.data_dir, shard.fingerprint, shard.vocab_size, cfg.tokenizer_dir, tok_meta)
         collate = None
     elif cfg.task_type == "sft":
-        from dataset.dataset_sft import build_sft_splits
         sft_meta = os.path.join(cfg.data_dir, "sft_meta.json")
         if os.path.isfile(sft_meta):  # pretokenized: made with which tokenizer?
             meta = ckpt.read_json(sft_meta)
             check_data_tokenizer(cfg.data_dir, str(meta.get("tokenizer_fingerprint", "")),
                                  int(meta.get("vocab_size", tok_meta["vocab_size"])), cfg.tokenizer_dir, tok_meta)
-        from data_preprocess.pretokenize_sft_data import tokenize_sft_records  # raw records: tokenized in memory
         train, val, collate = build_sft_splits(tokenize_sft_records(cfg.data_dir, cfg.tokenizer_dir, cfg.max_seq_len),
                                                cfg.max_seq_len, val_ratio=cfg.val_ratio, seed=cfg.seed,
                                                pack=cfg.sft_packing)
         if fixed_shape and not cfg.sft_packing:  # packed rows are max_seq_len already
-            from dataset.dataset_sft import pad_collate
             collate = pad_collate(int(tok_meta["special_tokens"]["pad"]["id"]), pad_to=cfg.max_seq_len)
     elif cfg.task_type == "dpo":
-        from dataset.dataset_dpo import build_dpo_splits
         dpo_meta = os.path.join(cfg.data_dir, "dpo_meta.json")
         if os.path.isfile(dpo_meta):  # pretokenized (data_preprocess.pretokenize_dpo_data): which tokenizer?
             meta = ckpt.read_json(dpo_meta)
             check_data_tokenizer(cfg.data_dir, str(meta.get("tokenizer_fingerprint", "")),
                                  int(meta.get("vocab_size", tok_meta["vocab_size"])), cfg.tokenizer_dir, tok_meta)
-        from data_preprocess.pretokenize_dpo_data import tokenize_dpo_records  # raw records: tokenized in memory
         train, val, collate = build_dpo_splits(tokenize_dpo_records(cfg.data_dir, cfg.tokenizer_dir, cfg.max_seq_len),
                                                cfg.max_seq_len, val_ratio=cfg.val_ratio, seed=cfg.seed)
     else:
@@ -116,7 +116,6 @@ def micro_batch_loss(cfg: TrainConfig, model, ref_model, batch: dict, device) ->
         x, y = to_device(batch["input_ids"], device), to_device(batch["labels"], device)  # pinned, async
         kw = {k: to_device(batch[k], device) for k in ("attention_mask", "position_ids") if k in batch}
         return model(x, labels=y, reduction="sum", **kw), {}
-    from utils.dpo_loss import dpo_loss
 
     def seq_logps(m, prefix: str) -> torch.Tensor:
         x = to_device(batch[f"{prefix}_input_ids"], device)
