@@ -47,6 +47,8 @@ from parallel.pipeline import (FORMAT, META_FILE, SEGMENTS, LastStageOutput, Pip
                                pipeline_stage_module, read_pipeline_meta, split_layers, validate_pipeline_options)
 from parallel.transforms.tensor_parallel import apply_tensor_parallel
 from utils import checkpoint as ckpt
+from utils.checkpoint_layout import (MODEL_CONFIG, RUN_CONFIG, TRAINER_STATE, extra_file, stage_model_file,
+                                     stage_optimizer_file)
 from utils.constants import IGNORE_INDEX
 from utils.publish import fsync_file, make_temp_dir, temp_dir_for
 
@@ -289,12 +291,12 @@ class PipelineParallelEngine(Engine):
         s = self.stage_index
         first = self.dp_rank == 0 and self.tp_rank == 0  # one writer per stage (the tensors are gathered)
         if first:
-            path = os.path.join(dir_path, f"stage{s}_model.safetensors")
+            path = os.path.join(dir_path, stage_model_file(s))
             save_file({k: v.to("cpu").contiguous().clone() for k, v in sd["model"].items()}, path,
                       metadata={"format": "pt", "stage": str(s)})
             fsync_file(path)
         if first or self._sharded_files():
-            path = os.path.join(dir_path, f"stage{s}_optimizer_dp{self.dp_rank}.pt")
+            path = os.path.join(dir_path, stage_optimizer_file(s, self.dp_rank))
             torch.save(sd["optimizer"], path)
             fsync_file(path)
         if dist.get_rank() == 0:
@@ -325,7 +327,7 @@ class PipelineParallelEngine(Engine):
         s = self.stage_index
 
         def opt_file(r: int) -> dict:
-            return torch.load(os.path.join(ckpt_dir, f"stage{s}_optimizer_dp{r}.pt"), map_location="cpu",
+            return torch.load(os.path.join(ckpt_dir, stage_optimizer_file(s, r)), map_location="cpu",
                               weights_only=True)
         if not sharded:  # one file per stage whatever the dp size (FSDP's state is gathered to it)
             opt = opt_file(0)
@@ -333,7 +335,7 @@ class PipelineParallelEngine(Engine):
             opt = opt_file(self.dp_rank)
         else:  # ZeRO shards of another dp size: every saved shard, re-sharded by the optimizer
             opt = [opt_file(r) for r in range(int(meta["dp_size"]))]
-        self.load_state_dict({"model": load_file(os.path.join(ckpt_dir, f"stage{s}_model.safetensors")),
+        self.load_state_dict({"model": load_file(os.path.join(ckpt_dir, stage_model_file(s))),
                               "optimizer": opt})
 
     # ------------------------------------------------------------------ the trainer's checkpoints
@@ -366,17 +368,17 @@ class PipelineParallelEngine(Engine):
                 make_temp_dir(final)  # one left by a crash was never complete: dropped
             barrier()
             self.write_stage_files(tmp)  # collective over the mesh (FSDP gathers the stage's tensors)
-            path = os.path.join(tmp, f"extra_rank{rank}.pt")
+            path = os.path.join(tmp, extra_file(rank))
             torch.save(extra_state, path)
             fsync_file(path)
             if rank == 0:
-                ckpt.write_json(os.path.join(tmp, "model_config.json"), model_config)
-                ckpt.write_json(os.path.join(tmp, "config.json"), run_config)
+                ckpt.write_json(os.path.join(tmp, MODEL_CONFIG), model_config)
+                ckpt.write_json(os.path.join(tmp, RUN_CONFIG), run_config)
                 if fault_hook is not None:
                     fault_hook()  # test hook: die with a half-written checkpoint
             barrier()  # every rank has written and fsynced its files
             if rank == 0:
-                ckpt.write_json(os.path.join(tmp, "trainer_state.json"),
+                ckpt.write_json(os.path.join(tmp, TRAINER_STATE),
                                 dict(trainer_state, step=step, world_size=world_size, saved_at=time.time()))
                 ckpt.publish_checkpoint_dir(tmp, final, step)
                 ckpt.prune_checkpoints(out_dir, keep_last=keep_last, keep_best=True, log=log)

@@ -29,10 +29,11 @@ import torch
 import torch.nn as nn
 
 from model.llama import Transformer
+from utils.checkpoint_layout import COMPLETE_MARKER, PIPELINE_META, stage_model_file
 
 SCHEDULES = ("gpipe", "1f1b")
 FORMAT = 1
-META_FILE = "pipeline.json"
+META_FILE = PIPELINE_META  # utils/checkpoint_layout.py: the layout is written there once
 
 
 # ---------------------------------------------------------------------------- splitting
@@ -193,8 +194,8 @@ def build_schedule(wrapped: nn.Module, stage_index: int, num_stages: int, device
 
 def read_pipeline_meta(ckpt_dir: str) -> dict:
     path = os.path.join(ckpt_dir, META_FILE)
-    if not os.path.isfile(os.path.join(ckpt_dir, "COMPLETE")) or not os.path.isfile(path):
-        raise ValueError(f"{ckpt_dir} is not a complete pipeline checkpoint (no COMPLETE / {META_FILE})")
+    if not os.path.isfile(os.path.join(ckpt_dir, COMPLETE_MARKER)) or not os.path.isfile(path):
+        raise ValueError(f"{ckpt_dir} is not a complete pipeline checkpoint (no {COMPLETE_MARKER} / {META_FILE})")
     with open(path) as f:
         meta = json.load(f)
     if meta.get("format") != FORMAT:
@@ -219,7 +220,7 @@ def merge_stage_checkpoints(ckpt_dir: str) -> dict[str, torch.Tensor]:
     Transformer's key names (load it with Transformer.load_state_dict, or export it to HF)."""
     from safetensors.torch import load_file
     meta = read_pipeline_meta(ckpt_dir)
-    full = merge_stage_state_dicts([load_file(os.path.join(ckpt_dir, f"stage{s}_model.safetensors"))
+    full = merge_stage_state_dicts([load_file(os.path.join(ckpt_dir, stage_model_file(s)))
                                     for s in range(meta["pp_size"])])
     layers = {int(k.split(".")[1]) for k in full if k.startswith("layers.")}
     if layers != set(range(meta["n_layers"])):
