@@ -108,10 +108,11 @@ def read_model_config(ckpt_dir: str) -> ModelConfig:
     import typing
 
     from utils.checkpoint import CheckpointError, read_checkpoint_json
+    from utils.checkpoint_layout import MODEL_CONFIG
     from utils.configurator import ConfigError, coerce_value
     from utils.errors import one_line
-    raw = read_checkpoint_json(ckpt_dir, "model_config.json")
-    where = f"checkpoint {ckpt_dir}: model_config.json"
+    raw = read_checkpoint_json(ckpt_dir, MODEL_CONFIG)
+    where = f"checkpoint {ckpt_dir}: {MODEL_CONFIG}"
     hints = typing.get_type_hints(ModelConfig)
     values = {}
     for k, v in raw.items():

@@ -59,6 +59,7 @@ from typing import Any, Callable, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from utils.checkpoint_layout import checkpoint_root  # noqa: E402
 from scripts.corpus_slice import write_corpus_slice  # noqa: E402
 from utils.publish import atomic_write_text  # noqa: E402
 STAGES = ("tests", "bench-124m", "bench-1b", "train", "profile", "kernels")
@@ -494,7 +495,7 @@ def stage_train(ctx: Ctx) -> dict:
             run["error_tail"] = tail(r["output"], 15)
             failed.append(name)
         runs.append(run)
-        shutil.rmtree(os.path.join(out_dir, "checkpoints"), ignore_errors=True)  # GBs at 124M; metrics stay
+        shutil.rmtree(checkpoint_root(out_dir), ignore_errors=True)  # GBs at 124M; metrics stay
     measured = [r for r in runs if "tokens_per_s_median" in r and "error" not in r]
     status = "ok" if len(measured) == len(train_runs) else "partial" if measured else "failed"
     return {"status": status, "data": {"runs": runs, "data": data, "model": model, "steps": steps},
