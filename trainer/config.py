@@ -29,7 +29,8 @@ def _f(default: Any, help: str) -> Any:
 
 
 @dataclass
-class _RunModelAndOptimisation:
+class RunFlags:
+    """Where the run writes, what it reads, where it starts."""
     # ---- run and data
     out_dir: str = _f("out/run", "run directory: metrics.jsonl, checkpoints/, config.json")
     task_type: str = _f("pretrain", "pretrain | sft | dpo")
@@ -51,6 +52,11 @@ class _RunModelAndOptimisation:
                                  "flags: data_dir, data_mix, seed, ...; or the same --data_dir holding other shards, "
                                  "its index rebuilt): the weights, optimizer and step count carry on and the new "
                                  "data is read from its start (epoch 0); without it such a resume is exit 2")
+
+
+@dataclass
+class ModelFlags:
+    """The model's shape and kernels (a checkpoint's model_config.json wins over them)."""
     # ---- model (ignored when initialising from a checkpoint, whose model_config.json wins)
     dim: int = _f(256, "model width")
     n_layers: int = _f(4, "transformer blocks")
@@ -68,6 +74,11 @@ class _RunModelAndOptimisation:
                             "norms/RoPE/SwiGLU under --compile; hand-written autograd kernels on CPU) | triton | torch "
                             "(force one implementation) | false (plain PyTorch references, as HF)")
     compile: bool = _f(False, "torch.compile the model")
+
+
+@dataclass
+class TrainableFlags:
+    """What trains: everything, the embeddings, LoRA adapters."""
     # ---- what trains
     trainable: str = _f("all", "all (full fine-tuning; with --lora_rank>0 the adapters) | embeddings (only the "
                         "embedding and LM head; with --lora_rank>0 those plus the adapters)")
@@ -77,6 +88,11 @@ class _RunModelAndOptimisation:
     lora_dropout: float = _f(0.0, "dropout on the LoRA input")
     lora_targets: str = _f("q_proj,v_proj", "comma-separated linear names, or 'all'")
     lora_train_embeddings: bool = _f(False, "also train the embedding and LM head (continued pretraining)")
+
+
+@dataclass
+class OptimizationFlags:
+    """Batch, schedule, AdamW, precision, seed."""
     # ---- optimisation
     batch_size: int = _f(8, "samples per micro-batch per rank")
     gradient_accumulation_steps: int = _f(1, "micro-batches per optimizer step")
@@ -101,6 +117,11 @@ class _RunModelAndOptimisation:
     dtype: str = _f("fp32", "fp32 | bf16 | fp16 model precision (fp32 main params in the optimizer)")
     seed: int = _f(1337, "seed of initialisation and data order")
     deterministic: bool = _f(False, "torch.use_deterministic_algorithms (bit-exact resume on GPU)")
+
+
+@dataclass
+class DPOFlags:
+    """DPO's loss."""
     # ---- DPO
     dpo_beta: float = _f(0.1, "DPO temperature")
     dpo_loss: str = _f("sigmoid", "sigmoid | ipo | hinge")
@@ -108,9 +129,10 @@ class _RunModelAndOptimisation:
 
 
 @dataclass
-class TrainConfig(ParallelFlags, _RunModelAndOptimisation):
-    """Every training flag, flat (`--key=value`): the sections above, then the parallel engine's
-    (parallel/config.py ParallelFlags, declared once there), then the ones below."""
+class TrainConfig(ParallelFlags, DPOFlags, OptimizationFlags, TrainableFlags, ModelFlags, RunFlags):
+    """Every training flag, flat (`--key=value`), composed of typed sections in this order: RunFlags,
+    ModelFlags, TrainableFlags, OptimizationFlags, DPOFlags, the parallel engine's (parallel/config.py
+    ParallelFlags, declared once there), then evaluation, logging, checkpoints and the guard below."""
     # ---- evaluation, logging, checkpoints
     eval_interval: int = _f(100, "evaluate every N steps (0 = only at the end)")
     eval_iters: int = _f(20, "validation micro-batches per rank per evaluation (>= 1)")
