@@ -72,8 +72,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         """Bytes of gradient copies the optimizer holds outside DDP's buffers (ZeRO-1: persistent
         fp32 shard stores of non-fp32 grads; ZeRO-2: the owned shards of reduced buckets).
         `ddp.grad_buffer_bytes() + opt.grad_store_bytes()` is all the gradient memory of a rank."""
-        stores = sum(pc.grad_store.numel() * pc.grad_store.element_size()
-                     for pc in self.pieces if pc.grad_store is not None)
+        stores = sum(fb.grad_store.numel() * fb.grad_store.element_size()
+                     for fb in self._flat.values() if fb.grad_store is not None)
         return stores + sum(t.numel() * t.element_size() for t in self._grad_shards.values())
 
     # ---------------------------------------------------------------- ZeRO-2 gradient release

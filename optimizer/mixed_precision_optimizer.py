@@ -41,11 +41,22 @@ class Piece:
     hi: int
     main: torch.Tensor  # fp32 master: the param itself, a view of it, or a copy
     main_is_copy: bool
-    grad_store: Optional[torch.Tensor]  # persistent fp32 grad when main_grad can't be used in place
+    grad_store: Optional[torch.Tensor]  # view of the bucket's flat fp32 grad store (main_grad not fp32)
     decay: bool
 
     def model_grad(self) -> torch.Tensor:
         return self.param.main_grad.view(-1)[self.lo:self.hi]
+
+
+@dataclass
+class _FlatBucket:
+    """A bucket's owned range [lo, hi) (bucket-local) and the flat fp32 tensors over it: the masters (None
+    when the parameters are fp32: they are their own masters) and the gradient store (None when the
+    gradients are fp32 and read in place). Alignment gaps between parameters ride along, never updated."""
+    lo: int
+    hi: int
+    master: Optional[torch.Tensor]
+    grad_store: Optional[torch.Tensor]
 
 
 class MixedPrecisionOptimizer(GlobalNormOptimizer):
@@ -83,24 +94,36 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
         return param.main_grad.dtype != torch.float32
 
     def _build_pieces(self) -> list[Piece]:
+        """One piece per (owned part of a) parameter. Per bucket, the owned range [olo, ohi) gets ONE flat fp32
+        master (when the parameters are not fp32) and ONE flat fp32 gradient store (when the gradients are
+        not fp32), laid out like the bucket's buffers; every piece's master / store is a view into them, so
+        the step copies gradients in and masters back with one copy per bucket, not one per parameter."""
         pieces = []
+        self._flat: dict[int, _FlatBucket] = {}
         for bucket in self.ddp.buckets:
             olo, ohi = self.owned_range(bucket)
-            for slot in bucket.slots:
+            slots = [s for s in bucket.slots if max(s.start, olo) < min(s.end, ohi)]
+            if not slots:
+                continue
+            p0 = slots[0].param
+            copy = p0.dtype != torch.float32  # one buffer: one dtype per bucket
+            master = bucket.param_data[olo:ohi].detach().float().clone() if copy else None
+            store = torch.zeros(ohi - olo, dtype=torch.float32, device=p0.device) \
+                if self._keep_grad_store(p0) else None
+            self._flat[bucket.index] = _FlatBucket(olo, ohi, master, store)
+            for slot in slots:
                 s, e = max(slot.start, olo), min(slot.end, ohi)
-                if s >= e:
-                    continue
                 p = slot.param
                 lo, hi = s - slot.start, e - slot.start
-                copy = p.dtype != torch.float32
-                if not self.sharded:
-                    main = p.detach().float().clone() if copy else p  # fp32 path: no copy at all
+                shape = p.shape if not self.sharded else (hi - lo,)
+                if copy:
+                    main = master[s - olo:e - olo].view(shape)
+                elif not self.sharded:
+                    main = p  # fp32 path: no copy at all
                 else:
-                    flat = p.detach().view(-1)[lo:hi]
-                    main = flat.float().clone() if copy else flat  # fp32: a view of the buffer
-                store = torch.zeros(hi - lo, dtype=torch.float32, device=p.device) \
-                    if self._keep_grad_store(p) else None
-                pieces.append(Piece(slot.name, p, bucket.index, lo, hi, main, copy, store, p.ndim >= 2))
+                    main = p.detach().view(-1)[lo:hi]  # fp32: a view of the buffer
+                grad_store = store[s - olo:e - olo] if store is not None else None
+                pieces.append(Piece(slot.name, p, bucket.index, lo, hi, main, copy, grad_store, p.ndim >= 2))
         return pieces
 
     def _make_adamw(self, pieces: list[Piece]) -> torch.optim.AdamW:
@@ -184,11 +207,12 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
         return self.pieces[0].main.device if self.pieces else torch.device("cpu")
 
     def _load_grads(self, pieces: list[Piece]) -> None:
+        for idx in dict.fromkeys(pc.bucket_index for pc in pieces):  # one copy per bucket
+            fb = self._flat[idx]
+            if fb.grad_store is not None:
+                fb.grad_store.copy_(self.ddp.buckets[idx].grad_data[fb.lo:fb.hi])
         for pc in pieces:
-            g = pc.model_grad()
-            if pc.grad_store is not None:
-                pc.grad_store.copy_(g)
-                g = pc.grad_store
+            g = pc.grad_store if pc.grad_store is not None else pc.model_grad()
             pc.main.grad = g.view(pc.main.shape)
 
     def _after_grads_loaded(self) -> None:
@@ -201,7 +225,8 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
         grads = [pc.main.grad for pc in pieces]
         if not grads:
             return torch.zeros((), dtype=torch.float32, device=self._device())
-        return torch.stack([n * n for n in torch._foreach_norm(grads, 2)]).sum()
+        norms = torch.stack(torch._foreach_norm(grads, 2))
+        return (norms * norms).sum()  # the per-parameter squares, summed in the same order
 
     def _reduce_sumsq(self, sumsq: torch.Tensor) -> torch.Tensor:
         """The global squared gradient norm, left on the device (the caller reads it once).
@@ -226,9 +251,10 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
             report(stepped)
 
     def _copy_main_to_model(self, pieces: list[Piece]) -> None:
-        for pc in pieces:
-            if pc.main_is_copy:
-                pc.param.data.view(-1)[pc.lo:pc.hi].copy_(pc.main.view(-1))
+        for idx in dict.fromkeys(pc.bucket_index for pc in pieces):  # one copy per bucket
+            fb = self._flat[idx]
+            if fb.master is not None:
+                self.ddp.buckets[idx].param_data[fb.lo:fb.hi].copy_(fb.master)
 
     def _drop_grads(self) -> None:
         for pc in self.pieces:
@@ -237,7 +263,8 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
     # ------------------------------------------------------------------ state
     def state_bytes(self) -> int:
         """Bytes of optimizer-owned tensors: Adam moments + fp32 masters that are real copies."""
-        return self._moment_bytes() + sum(pc.main.numel() * 4 for pc in self.pieces if pc.main_is_copy)
+        return self._moment_bytes() + sum(fb.master.numel() * 4 for fb in self._flat.values()
+                                          if fb.master is not None)
 
     def state_dict(self) -> dict:
         """Tensors + ints/floats/strings only (torch.load(weights_only=True)). For a sharded
