@@ -10,6 +10,9 @@ DistributedOptimizer (ZeRO) and FSDPOptimizer:
   clip by the global norm, step AdamW, write the masters back.
 Each optimizer provides the hooks (`_sync_grads`, `_grads`, `_sumsq`, `_update`, `_drop_grads`,
 `_adamws`, and optionally `_report_verdict`); `clip_coefficient` is shared with the overlapped step.
+An optimizer whose AdamWs are all fused may also give `_skips_on_device` / `_update_on_device`: then
+the clip and the skip are decided on the device (a coefficient tensor, AdamW's `found_inf`) and the one
+host read comes after the update's launches (`_device_decided_step`), with the same result bit for bit.
 Must never: read a tensor on the host more than once per step, decide to skip from a value that not
 every rank saw, clip with a norm that is not global (trap 8), or know which engine holds the gradients
 (the hooks do).
@@ -69,6 +72,8 @@ class GlobalNormOptimizer:
             torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
         # The global sum of squares is non-finite iff some rank's gradients hold an inf/nan (or the sum
         # overflowed): reading it is the overflow decision too, the step's one host sync.
+        if self._skips_on_device():
+            return self._device_decided_step(grads, self._sum_over_norm_groups(self._sumsq()))
         global_sumsq = float(self._sum_over_norm_groups(self._sumsq()).item())
         found_inf = not math.isfinite(global_sumsq)
         norm = float("inf") if found_inf else math.sqrt(global_sumsq)
@@ -83,6 +88,35 @@ class GlobalNormOptimizer:
         self._update(norm)
         self._drop_grads()
         return True, norm
+
+    def _device_decided_step(self, grads: list[torch.Tensor], sumsq: torch.Tensor) -> tuple[bool, float]:
+        """The same step with the skip and the clip decided on the device: the clip coefficient is a tensor
+        (computed in float64 like `clip_coefficient`, so the clipped gradients are the same bits), the
+        overflow a 0/1 tensor that AdamW's fused kernel reads (`found_inf`: a skipped step changes no
+        parameter, moment or step counter), and the one host read of the squared norm comes after every
+        launch of the update, so the device never idles while the host decides."""
+        s = sumsq.detach().reshape(()).to(torch.float64)
+        found_inf = (s * 0).ne(0).to(torch.float32)  # 1.0 iff inf/nan (inf * 0 is nan): isfinite is 4 ops
+        if self.config.grad_clip > 0 and grads:
+            norm = s.sqrt()
+            # tensor / tensor: `float / tensor` would multiply by a reciprocal (other bits than min(1, c/n))
+            coef = (norm.new_tensor(float(self.config.grad_clip)) / (norm + 1e-6)).clamp(max=1.0)
+            torch._foreach_mul_(grads, coef.to(torch.float32))  # a factor of 1.0 leaves every bit
+        self._update_on_device(found_inf)
+        global_sumsq = float(s.item())  # the step's one host read, after the update was launched
+        stepped = math.isfinite(global_sumsq)
+        self.scaler.update(not stepped)
+        self._report_verdict(stepped)
+        self._drop_grads()
+        return (True, math.sqrt(global_sumsq)) if stepped else (False, float("inf"))
+
+    def _skips_on_device(self) -> bool:
+        """Whether `_update_on_device` can skip on a device flag (every AdamW fused); else the host decides."""
+        return False
+
+    def _update_on_device(self, found_inf: torch.Tensor) -> None:
+        """`_update`, skipped inside the kernels where `found_inf` is 1."""
+        raise NotImplementedError
 
     def _sum_over_norm_groups(self, sumsq: torch.Tensor) -> torch.Tensor:
         """The optimizer's own squared norm summed over each norm group (on the device: no host read)."""

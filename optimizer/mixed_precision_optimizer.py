@@ -167,6 +167,26 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
         self._copy_main_to_model(self.pieces)
         self._after_step(list(range(len(self.ddp.buckets))))  # every bucket: collectives match
 
+    # Decided on the device (fused AdamW only: foreach / single-tensor AdamW take no found_inf flag).
+    # Class attribute: tests compare both ways.
+    skip_on_device = True
+
+    def _skips_on_device(self) -> bool:
+        return self.skip_on_device and bool(self.optimizers) and all(
+            opt.defaults.get("fused") for opt in self.optimizers.values())
+
+    def _update_on_device(self, found_inf: torch.Tensor) -> None:
+        for opt in self.optimizers.values():
+            opt.found_inf = found_inf  # read by torch's Adam.step and passed to the fused kernel
+            try:
+                opt.step()
+            finally:
+                opt.found_inf = None
+        # a skipped step left the masters as they were: writing them back (and ZeRO's all-gather,
+        # a collective every rank issues anyway) changes nothing
+        self._copy_main_to_model(self.pieces)
+        self._after_step(list(range(len(self.ddp.buckets))))
+
     def _step_overlapped(self) -> tuple[bool, float]:
         """Step each bucket right after its communication finished. Clipping uses the PREVIOUS
         step's global norm (the current one needs every bucket); the first step is unclipped.

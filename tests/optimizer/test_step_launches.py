@@ -8,10 +8,13 @@ every per-parameter piece of work (norms, gradient copies, master write-back) ru
 as one foreach op over the list.
 
 Bound per step, with B buckets (one here) and G = 2 AdamW parameter groups (decay / no decay):
-  norm 4 (foreach norm, stack, square, sum) + the one host read 1 + clip 1 (one foreach mul)
-  + per bucket: gradient copy-in 1 + master write-back 1 + G * (step counters 1 + fused AdamW 1)
+  norm 4 (foreach norm, stack, square, sum) + the one host read 1
+  + the skip and the clip decided on the device 10 (to float64 1; found_inf 3; coefficient 5: sqrt, add,
+    div, clamp, to float32; the clip itself, one foreach mul 1)
+  + per bucket: gradient copy-in 1 + master write-back 1 + G * (step counters +1 and -found_inf 2 + fused AdamW 1)
   + ZeRO: the squared norm's copy for its all-reduce 1 (world 1: no collective is issued).
-So 6 + B * (2 + 2G) (+1 ZeRO) = 12 unsharded, 13 ZeRO-1 at B = 1. Before the flat per-bucket buffers
+So 15 + B * (2 + 3G) (+1 ZeRO) = 23 unsharded, 24 ZeRO-1 at B = 1 (12 / 13 with the host deciding).
+Before the flat per-bucket buffers
 (at commit dbbbb2e) the same step issued 72 ops at 2 layers and 234 at 8 (unsharded; ZeRO-1 73 / 235):
 per parameter one n*n, one gradient copy and one master copy.
 """
@@ -29,7 +32,7 @@ G = 2  # AdamW parameter groups
 
 
 def bound(buckets: int, zero: bool) -> int:
-    return 6 + buckets * (2 + 2 * G) + int(zero)
+    return 15 + buckets * (2 + 3 * G) + int(zero)
 
 
 _FREE = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "alias",

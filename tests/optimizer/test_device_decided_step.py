@@ -1,0 +1,56 @@
+"""The step with the skip and the clip decided on the device (fused AdamW's found_inf, a clip coefficient
+tensor, the one host read after the update's launches) gives the same bits as the host-decided step:
+parameters, returned norms and verdicts, the optimizer state dict and the loss scale, with clipping active
+and with overflow steps (also the first step), unsharded and ZeRO-1/2, bf16 and fp16."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from optimizer import OptimizerConfig, build_optimizer
+from parallel import DDPConfig, DistributedDataParallel
+
+
+def _net(dtype):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.LayerNorm(16), nn.Linear(16, 3)).to(dtype)
+
+
+def _run(dtype, zero_stage, on_device: bool):
+    model = _net(dtype)
+    zero = zero_stage > 0
+    ddp = DistributedDataParallel(model, DDPConfig(bucket_size=200, use_distributed_optimizer=zero))
+    cfg = OptimizerConfig(precision="fp16" if dtype == torch.float16 else "bf16", fused=True, lr=1e-2,
+                          grad_clip=0.05, initial_loss_scale=256.0, hysteresis=1, loss_scale_growth_interval=2,
+                          use_distributed_optimizer=zero, zero_stage=max(zero_stage, 1))
+    opt = build_optimizer(ddp, cfg)
+    opt.skip_on_device = on_device
+    assert opt._skips_on_device() == on_device
+    g = torch.Generator().manual_seed(3)
+    results = []
+    for step in range(7):
+        x, y = torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
+        opt.zero_grad()
+        loss = ((ddp(x.to(dtype)).float() - y) ** 2).mean()
+        if step in (0, 3):
+            loss = loss * float("inf")  # an overflow: skipped, also before any state exists
+        opt.scale_loss(loss).backward()
+        results.append(opt.step())
+    return model, opt, results
+
+
+@pytest.mark.parametrize("dtype,zero_stage", [(torch.bfloat16, 0), (torch.float16, 0), (torch.bfloat16, 1),
+                                              (torch.float16, 2)])
+def test_the_device_decided_step_equals_the_host_decided_one(dtype, zero_stage):
+    m_host, o_host, r_host = _run(dtype, zero_stage, on_device=False)
+    m_dev, o_dev, r_dev = _run(dtype, zero_stage, on_device=True)
+    assert r_dev == r_host
+    assert [s for s, _ in r_dev] == [False, True, True, False, True, True, True]
+    for a, b in zip(m_host.state_dict().values(), m_dev.state_dict().values()):
+        assert torch.equal(a, b)
+    sd_h, sd_d = o_host.state_dict(), o_dev.state_dict()
+    assert sd_h["scaler"] == sd_d["scaler"] and sd_h["lr"] == sd_d["lr"]
+    for name, e in sd_h["params"].items():
+        for k, v in e.items():
+            assert torch.equal(v, sd_d["params"][name][k]) if torch.is_tensor(v) else v == sd_d["params"][name][k]
