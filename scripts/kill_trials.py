@@ -48,6 +48,10 @@ CONFIGS: dict[str, tuple[int, list[str]]] = {
                      "--learning_rate=3e-3"]),
     "samples": (1, ["--sample_every=3", "--sample_prompts=Once upon a time|def main("]),
     "spike-guard": (1, ["--spike_guard=true"]),
+    # issue 34: the pipeline engine runs the task's own loss (DPO) and frozen parameters (LoRA)
+    "pipeline2-dpo-lora": (2, ["--pipeline_parallel_size=2", "--gradient_accumulation_steps=2", "--task_type=dpo",
+                               "@dpo", "@base", "--max_seq_len=96", "--lora_rank=4", "--dpo_beta=0.5",
+                               "--learning_rate=3e-3"]),
 }
 
 
