@@ -24,7 +24,7 @@ from parallel.engine_ddp import build_ddp_engine
 from parallel.engine_fsdp import build_fsdp_engine_on_mesh
 from parallel.engine_pipeline import build_pipeline_parallel_engine
 from parallel.mesh import MeshLayout
-from parallel.transforms import activation_checkpoint, compile as compile_transform
+from parallel.transforms import activation_checkpoint, compile as compile_transform, float8
 from utils.device import parse_dtype
 
 # the outermost engine of a layout (ParallelConfig.engine_kinds()[0]) -> its builder
@@ -45,13 +45,14 @@ def build_engine(model: nn.Module, flags: Any, group: Any = None, device: Option
     size 1 and N. `device`: where to run (default: where the model is); only this rank's pipeline stage
     is moved there, so the full model may be built on the CPU. Raises ValueError for a layout that cannot
     run. The transforms run in parallel/transforms ORDER: tensor parallel (inside the mesh engines'
-    builders, before FSDP2), activation checkpointing, the engine's wrap, compile."""
+    builders, before FSDP2), activation checkpointing, FP8, the engine's wrap, compile."""
     pc = ParallelConfig.from_flags(flags)
     device = torch.device(device if device is not None else next(model.parameters()).device)
     compute_dtype = parse_dtype(flags.dtype)
     kind = pc.engine_kinds()[0]
     model.to(dtype=torch.float32 if pc.parallel == "fsdp" else compute_dtype)
     activation_checkpoint.apply(model, None, pc)
+    float8.apply(model, None, pc, device=device)  # before the wrap (FSDP shards the Float8Linear weights) and compile
     engine = ENGINE_BUILDERS[kind](model, pc, optimizer_config(flags), device=device, group=group,
                                    param_dtype=compute_dtype)
     compile_transform.apply(engine, engine.mesh, pc)

@@ -25,15 +25,16 @@ from parallel.mesh import MeshLayout, layout_problem
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 DP_ENGINES = ("ddp", "fsdp")
 COMM_HOOKS = ("allreduce", "reduce_scatter", "fp16", "bf16", "powersgd")
+FLOAT8_CHOICES = ("off", "tensorwise", "rowwise")
 
 # What each engine can do: a capability missing here is refused (`problems`) with the reason given in
 # WHY_NOT. A pipeline's capabilities are those of "pipeline" AND of the dp engine that runs its stages.
 CAPABILITIES: dict[str, frozenset] = {
     "ddp": frozenset({"compile", "dpo", "frozen_parameters", "light_checkpoints", "whole_model_on_one_rank",
                       "comm_hooks", "overlap_optim_step", "zero", "tied_embeddings", "any_batch_shape",
-                      "no_process_group"}),
+                      "no_process_group", "float8"}),
     "fsdp": frozenset({"compile", "dpo", "frozen_parameters", "tensor_parallel", "sequence_parallel", "hsdp",
-                       "cpu_offload", "tied_embeddings", "any_batch_shape"}),
+                       "cpu_offload", "tied_embeddings", "any_batch_shape", "float8"}),
     "pipeline": frozenset({"zero", "tensor_parallel", "cpu_offload", "frozen_parameters", "dpo"}),
 }
 WHY_NOT: dict[str, str] = {
@@ -51,6 +52,7 @@ WHY_NOT: dict[str, str] = {
     "cpu_offload": "offloading is FSDP2's: needs --parallel=fsdp",
     "tied_embeddings": "the embedding on the first stage and the LM head on the last would be one weight on two ranks",
     "any_batch_shape": "stages exchange fixed-shape activations",
+    "float8": "FP8 layers are not tested under pipeline stages yet",
 }
 
 
@@ -92,6 +94,10 @@ class ParallelFlags:
                                  "reduce-scatter instead of all-reduce); batch lengths must be multiples of T")
     dp_replicate_size: int = _f(1, "HSDP: data-parallel replicas R (1 = off): FSDP2 shards within each of R groups "
                                 "and all-reduces gradients across them (WORLD_SIZE = R x shard x T); needs --parallel=fsdp")
+    float8: str = _f("off", "off | tensorwise | rowwise: FP8 matmuls in the blocks' linear layers (torchao float8 "
+                     "training, dynamic scales per tensor or per row; weights, optimizer and checkpoints unchanged); "
+                     "needs an FP8 GPU (compute capability 8.9+: Ada, Hopper); on CPU torchao's emulation (slow, for "
+                     "checking). Not with --tensor_parallel_size > 1 or pipeline stages yet")
 
 
 @dataclass
@@ -184,7 +190,8 @@ class ParallelConfig(ParallelFlags):
                  (self.comm_hook != "allreduce", f"--comm_hook={self.comm_hook}", "comm_hooks"),
                  (self.overlap_optim_step, "--overlap_optim_step=true", "overlap_optim_step"),
                  (self.use_distributed_optimizer, "--use_distributed_optimizer=true", "zero"),
-                 (self.compile, "--compile=true", "compile"))
+                 (self.compile, "--compile=true", "compile"),
+                 (self.float8 != "off", f"--float8={self.float8}", "float8"))
         return {flag: cap for on, flag, cap in asked if on}
 
     def problems(self, world_size: Optional[int] = None, needs: Optional[dict[str, str]] = None) -> list[str]:
@@ -204,6 +211,8 @@ class ParallelConfig(ParallelFlags):
             out.append(f"--comm_hook={self.comm_hook!r} ({' | '.join(COMM_HOOKS)})")
         if self.zero_stage not in (1, 2):
             out.append(f"--zero_stage={self.zero_stage} (1 | 2)")
+        if self.float8 not in FLOAT8_CHOICES:
+            out.append(f"--float8={self.float8!r} ({' | '.join(FLOAT8_CHOICES)})")
         if out:
             return out
         if world_size is not None:
@@ -245,6 +254,9 @@ class ParallelConfig(ParallelFlags):
                 and self.engine_lacking("comm_hooks") is None:
             out.append("--comm_hook=reduce_scatter leaves each rank only its shard of the gradients: it needs "
                        "--use_distributed_optimizer=true (ZeRO), which steps exactly that shard")
+        if self.float8 != "off" and self.tp > 1:
+            out.append(f"--float8={self.float8} cannot be combined with --tensor_parallel_size={self.tp} yet (the "
+                       "tensor-parallel plan splits plain nn.Linear layers; torchao's FP8 ones need its own plan)")
         if self.sequence_parallel and self.tp == 1:
             out.append("--sequence_parallel=true splits the sequence over tensor-parallel ranks: it needs "
                        "--tensor_parallel_size > 1")
@@ -278,4 +290,6 @@ class ParallelConfig(ParallelFlags):
             kind += f" + tensor parallel {self.tp} (DTensor{', sequence parallel' if self.sequence_parallel else ''})"
         if self.dp_replicate_size > 1:
             kind += f", HSDP over {self.dp_replicate_size} replicas"
+        if self.float8 != "off":
+            kind += f", FP8 block matmuls ({self.float8})"
         return kind

@@ -39,6 +39,22 @@ def is_accelerator(device: torch.device | str) -> bool:
     return torch.device(device).type == _ACCEL
 
 
+FP8_MIN_CAPABILITY = (8, 9)  # Ada (8.9) and Hopper (9.0) and later have FP8 tensor cores
+
+
+def fp8_matmul_problem(device: torch.device | str, capability: Optional[tuple[int, int]] = None) -> Optional[str]:
+    """Why `device` cannot run FP8 matmuls (one line), or None. The CPU has none either, but runs torchao's
+    emulation (the same casts and scales, matmuls in higher precision): None there too, and the caller says
+    so. `capability` overrides the accelerator's (tests)."""
+    if not is_accelerator(device):
+        return None
+    major, minor = capability if capability is not None else torch.cuda.get_device_capability(torch.device(device))
+    if (major, minor) < FP8_MIN_CAPABILITY:
+        return (f"this GPU (compute capability {major}.{minor}) has no FP8 tensor cores: --float8 needs "
+                f"{FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]} or later (Ada, Hopper)")
+    return None
+
+
 def dist_backend(device: torch.device | str) -> str:
     """NCCL for the accelerator, gloo for CPU."""
     return "nccl" if is_accelerator(device) else "gloo"

@@ -5,10 +5,11 @@ nothing when its flag is off:
     ORDER = tensor_parallel      split each block's matmuls, the embedding and the LM head over mesh["tp"]
                                  (inside the engine's builder, before FSDP2 shards the result over dp)
             activation_checkpoint  recompute each block's activations in the backward
+            float8                the blocks' linear layers to torchao's FP8 training layers (--float8)
             (data-parallel wrap)  the engine: our DDP / ZeRO, FSDP2 over dp, or pipeline stages (parallel/engine_*.py)
             compile               the engine's forward (whole model; per block under tensor parallelism)
 
-Context parallelism and FP8 (not built yet) take their places between activation checkpointing and the
-wrap: each is one more module here and one more name in ORDER.
+Context parallelism (not built yet) takes its place between activation checkpointing and the wrap: one
+more module here and one more name in ORDER.
 """
-ORDER = ("tensor_parallel", "activation_checkpoint", "compile")
+ORDER = ("tensor_parallel", "activation_checkpoint", "float8", "compile")
