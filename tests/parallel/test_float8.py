@@ -90,22 +90,23 @@ def _losses(out) -> list[float]:
         return [r["loss"] for r in (json.loads(line) for line in f if line.strip()) if "loss" in r]
 
 
-@pytest.mark.parametrize("engine, nproc", [("ddp", 1), ("fsdp", 2)])
-def test_the_trainer_trains_with_fp8_close_to_full_precision(engine, nproc, tiny_pretrain_run_args, tmp_path):
-    """3 steps with --float8=tensorwise against the same run without (our DDP at 1 process, FSDP2 at 2): the
+@pytest.mark.parametrize("engine, nproc, recipe", [("ddp", 1, "tensorwise"), ("ddp", 1, "rowwise"),
+                                                  ("fsdp", 2, "tensorwise")])
+def test_the_trainer_trains_with_fp8_close_to_full_precision(engine, nproc, recipe, tiny_pretrain_run_args, tmp_path):
+    """3 steps with --float8 against the same run without (our DDP at 1 process, FSDP2 at 2): the
     losses differ (FP8 ran) by less than e4m3's relative rounding step (2^-3: the inputs and weights of every
     block matmul carry at most half of it)."""
     from tests.conftest import run_cmd, train_cmd
     env = dict(os.environ, OMP_NUM_THREADS="1")
     batch = ["--batch_size=2"] if nproc == 2 else []
     losses = {}
-    for name, extra in (("full", []), ("fp8", ["--float8=tensorwise"])):
+    for name, extra in (("full", []), ("fp8", [f"--float8={recipe}"])):
         out = tmp_path / name
         proc = run_cmd(train_cmd([*tiny_pretrain_run_args, *batch, f"--out_dir={out}", "--max_iters=3",
                                   f"--parallel={engine}", *extra], nproc), env=env)
-        assert (name == "fp8") == ("FP8 block matmuls (tensorwise)" in proc.stdout)
+        assert (name == "fp8") == (f"FP8 block matmuls ({recipe})" in proc.stdout)
         losses[name] = _losses(out)
     assert len(losses["fp8"]) == len(losses["full"]) == 3
     rel = [abs(a - b) / abs(b) for a, b in zip(losses["fp8"], losses["full"])]
-    print(f"[float8] {engine}: losses {losses}, relative differences {rel}")
+    print(f"[float8] {engine} {recipe}: losses {losses}, relative differences {rel}")
     assert 0 < max(rel) < 2 ** -3, (losses, rel)
