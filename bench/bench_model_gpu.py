@@ -153,7 +153,7 @@ def make_step(config: str, model_name: str, mode: str, precision: str, device):
             return loss.detach()
         return step, model
 
-    # precision == "trainer": the objects train_my_ddp.py builds for --dtype=bf16 (parallel/engine.py)
+    # precision == "trainer": the objects train_my_ddp.py builds for --dtype=bf16 (parallel/build.py)
     from parallel.build import build_engine
     from trainer.config import TrainConfig
     model.to(dtype=torch.bfloat16)

@@ -271,7 +271,7 @@ def build_fsdp_engine(model: nn.Module, config: OptimizerConfig, *,
                       cpu_offload: bool = False, comm_hook: str = "allreduce",
                       grad_reduce_in_fp32: bool = False, sequence_parallel: bool = False) -> tuple[nn.Module, FSDPOptimizer]:
     """(the model, fully_shard-ed in place by wrap_fsdp, and its optimizer), validated together: what
-    parallel/engine.py's FSDPEngine holds (gradient accumulation: `no_sync(model)`)."""
+    parallel/engine_fsdp.py's FSDPEngine holds (gradient accumulation: `no_sync(model)`)."""
     validate_fsdp_options(comm_hook=comm_hook, use_distributed_optimizer=config.use_distributed_optimizer,
                           overlap_optim_step=config.overlap_optim_step,
                           overlap_param_gather=config.overlap_param_gather, zero_stage=config.zero_stage,

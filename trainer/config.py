@@ -291,7 +291,7 @@ def precheck(argv: list[str], title: str, prog: str) -> None:
         load_tokenizer_meta(cfg.tokenizer_dir)
     except (OSError, ValueError, KeyError) as e:  # a damaged tokenizer_meta.json (TokenizerMetaError) is data: 3
         fail(error + one_line(TrainingError(f"--tokenizer_dir={cfg.tokenizer_dir}: {e}", EXIT_BAD_CONFIG)),
-             getattr(e, "exit_code", EXIT_BAD_CONFIG))  # the same line and code as train_my_ddp.train
+             getattr(e, "exit_code", EXIT_BAD_CONFIG))  # the same line and code as trainer/loop.py train
     checkpoints = listed_checkpoints(cfg.out_dir)
     if not continues and cfg.init_from == "scratch":  # the model is built from these flags: do they split?
         from utils.model_bounds import head_shape_problem
