@@ -57,38 +57,14 @@ from utils.checkpoint_layout import (CKPT_SUBDIR, COMPLETE_MARKER, DCP_MANIFEST,
                                      TRAINER_STATE, checkpoint_root, extra_file, optimizer_file, parse_step,
                                      rank_file, step_dir_name)
 from utils.run_dir import listed_checkpoints  # noqa: E402,F401
-from utils.errors import one_line  # noqa: F401  (re-exported: callers use ckpt.one_line)
+from utils.errors import (CheckpointError, CheckpointMismatchError, DamagedCheckpointError,  # noqa: F401
+                          one_line)  # re-exported: callers use ckpt.CheckpointError, ckpt.one_line
+from utils.checkpoint_layout import plain_file_name  # noqa: F401 (re-exported)
+from utils.dcp_files import dcp_dir_problem
 from utils.constants import MAX_STEPS
 from utils.model_bounds import bound_problems
 from utils.disk_space import DiskFullError, free_bytes, human, is_disk_full, tree_bytes
 from utils.publish import atomic_write_json, fsync_file, make_temp_dir, publish_dir, temp_dir_for
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint (or the record of a run) that cannot be used; the trainer exits 5 on it.
-    The message names the file (or the directory) at fault, on one line."""
-    exit_code, exit_prefix, exit_prefix_unless = 5, "checkpoint: ", "checkpoint "  # utils.errors.exit_code_for
-
-
-class DamagedCheckpointError(CheckpointError):
-    """A checkpoint directory that fails verification (incomplete, truncated, corrupted, malformed).
-    Raised where a command was pointed at that one checkpoint; a search for the newest one skips it."""
-
-
-class CheckpointMismatchError(Exception):
-    """An intact checkpoint whose tensors do not fit the model this configuration builds (other names
-    or shapes): a configuration problem (the trainer exits 2), not a damaged file."""
-    exit_code = 2  # EXIT_BAD_CONFIG, read by utils.errors.exit_code_for
-
-
-
-
-def plain_file_name(name: Any) -> bool:
-    """A file directly inside a checkpoint directory: no separator, not '.', '..' or empty."""
-    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name \
-        and os.sep not in name and "\0" not in name
-
-
 
 
 def _sha256(path: str) -> str:
@@ -509,7 +485,6 @@ def verify_checkpoint(path: str, check_hashes: bool = True, trust_cache: bool = 
     if problem is not None:
         return problem
     if os.path.isfile(os.path.join(path, DCP_MANIFEST)):  # sharded (DCP): DCP's index and every rank's shard
-        from utils.dcp_files import dcp_dir_problem
         problem = dcp_dir_problem(path)
         if problem is not None:
             return problem

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Optional
+from typing import Any, Optional
 
 from utils.publish import TMP_SUFFIX  # a directory being written: step_XXXXXXXX.tmp (utils/publish.temp_dir_for)
 
@@ -131,3 +131,9 @@ def stage_model_file(stage: int) -> str:
 def stage_optimizer_file(stage: int, dp_rank: int) -> str:
     """stage{s}_optimizer_dp{r}.pt: one pipeline stage's optimizer state of data-parallel rank r."""
     return f"stage{int(stage)}_optimizer_dp{int(dp_rank)}.pt"
+
+
+def plain_file_name(name: Any) -> bool:
+    """A file directly inside a checkpoint directory: no separator, not '.', '..' or empty."""
+    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name \
+        and os.sep not in name and "\0" not in name

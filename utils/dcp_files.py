@@ -22,7 +22,8 @@ import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
-from utils.checkpoint import CheckpointError, one_line, plain_file_name
+from utils.checkpoint_layout import plain_file_name
+from utils.errors import CheckpointError, one_line
 from utils.checkpoint_layout import DCP_MANIFEST, DCP_METADATA, dcp_shard_prefix, extra_file, is_extra_file
 
 

@@ -35,6 +35,23 @@ def one_line(e: "BaseException | str") -> str:
     return text.split(" Traceback (most recent call last)")[0][:500]
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint (or the record of a run) that cannot be used; the trainer exits 5 on it.
+    The message names the file (or the directory) at fault, on one line."""
+    exit_code, exit_prefix, exit_prefix_unless = 5, "checkpoint: ", "checkpoint "  # utils.errors.exit_code_for
+
+
+class DamagedCheckpointError(CheckpointError):
+    """A checkpoint directory that fails verification (incomplete, truncated, corrupted, malformed).
+    Raised where a command was pointed at that one checkpoint; a search for the newest one skips it."""
+
+
+class CheckpointMismatchError(Exception):
+    """An intact checkpoint whose tensors do not fit the model this configuration builds (other names
+    or shapes): a configuration problem (the trainer exits 2), not a damaged file."""
+    exit_code = 2  # EXIT_BAD_CONFIG, read by utils.errors.exit_code_for
+
+
 class _DamagedCheckpointFile:
     """The exit attributes of classes of other packages that cannot carry them: a file that will not
     unpickle or is no safetensors file is a damaged checkpoint (their messages name the file)."""
