@@ -81,3 +81,57 @@ def test_the_checker_sees_an_upward_import(tmp_path):
     assert layer_violations(str(tmp_path)) == [f"{os.path.join('utils', 'bad.py')}:4: utils (layer 0) imports model (layer 1)"]
     (tmp_path / "stray.py").write_text("import utils\n")
     assert "stray.py: stray has no layer in tests/test_layering.py LAYERS" in layer_violations(str(tmp_path))
+
+
+def _module_graph(root: str = ROOT) -> dict[str, set[str]]:
+    """Project module -> the project modules it imports (every import, lazy ones included; `from pkg import
+    sub` is an edge to the submodule when `sub` is one, else to the package)."""
+    mods = {}
+    for rel in _project_files(root):
+        name = rel[:-3].replace(os.sep, ".")
+        mods[name[:-len(".__init__")] if name.endswith(".__init__") else name] = rel
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for m, rel in mods.items():
+        with open(os.path.join(root, rel), encoding="utf-8") as f:
+            tree = ast.parse(f.read(), filename=rel)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in mods else node.module
+                           for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                continue
+            graph[m].update(t for t in targets if t in mods and t != m)
+    return graph
+
+
+def import_cycles(root: str = ROOT) -> list[list[str]]:
+    graph, state, stack, cycles = _module_graph(root), {}, [], []
+
+    def visit(u: str) -> None:
+        state[u] = "open"
+        stack.append(u)
+        for v in sorted(graph[u]):
+            if state.get(v) == "open":
+                cycles.append(stack[stack.index(v):] + [v])
+            elif v not in state:
+                visit(v)
+        stack.pop()
+        state[u] = "done"
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+    return cycles
+
+
+def test_no_import_cycle_between_project_modules():
+    """Issue 34: no cycle, and so no lazy import that only hides one (lazy imports are counted as edges)."""
+    assert import_cycles() == []
+
+
+def test_the_cycle_check_sees_a_lazy_cycle(tmp_path):
+    (tmp_path / "utils").mkdir()
+    (tmp_path / "utils" / "a.py").write_text("from utils import b\n")
+    (tmp_path / "utils" / "b.py").write_text("def f():\n    from utils.a import x\n")
+    assert import_cycles(str(tmp_path)) == [["utils.a", "utils.b", "utils.a"]]
