@@ -31,7 +31,9 @@ Models: ours (kernel_backend=auto: Triton kernels on CUDA), ours-ref (every fuse
 plain-PyTorch references, = --fused_kernels=false), ours-triton (kernel_backend=triton: our Triton kernels
 under torch.compile too, where auto lets Inductor fuse the references), hf (LlamaForCausalLM, attn_implementation="sdpa"),
 hf-liger (the same with Liger-Kernel's RMSNorm/RoPE/SwiGLU/fused linear-CE patched in; a row saying
-"not installed" when liger-kernel is absent). Rows run in priority order, all eager rows of a config
+"not installed" when liger-kernel is absent), ours-fp8 (ours with --float8=tensorwise: the blocks' matmuls in FP8
+through torchao; on CPU torchao's emulation, so only its GPU rows say anything about speed; reported apart from
+bf16, not in the GPU report's verdict rows: `--bench-rows ours-fp8:trainer:compile` asks for it). Rows run in priority order, all eager rows of a config
 before its compile rows, so a --budget-s that runs out drops the least informative rows ("not run").
 MFU uses model/flops.py's formula against the dense bf16 peak of the GPU (model/flops.py's table; H100
 SXM 989 TFLOP/s; --peak-tflops overrides) and against the bf16 matmul peak measured in the same run.
@@ -69,12 +71,13 @@ CONFIGS = {
     "tiny": dict(model=dict(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64),
                  batch=2, seq=64),
 }
-MODELS = ("ours", "ours-ref", "ours-triton", "hf", "hf-liger")
+MODELS = ("ours", "ours-ref", "ours-triton", "hf", "hf-liger", "ours-fp8")
 PRECISIONS = {"trainer": "bf16 params + fp32 master (trainer)", "autocast": "autocast (fp32 params)"}
 MODES = ("eager", "compile")
 # (model, precision) in the order rows run within a mode: the trainer's own setup and HF's default first
 PRIORITY = (("ours", "trainer"), ("hf", "autocast"), ("ours", "autocast"), ("ours-ref", "trainer"),
-            ("hf", "trainer"), ("hf-liger", "autocast"), ("ours-ref", "autocast"), ("hf-liger", "trainer"))
+            ("hf", "trainer"), ("hf-liger", "autocast"), ("ours-ref", "autocast"), ("hf-liger", "trainer"),
+            ("ours-fp8", "trainer"))
 LR = 1e-4
 
 
@@ -97,7 +100,7 @@ def _build(model_name: str, mcfg: dict, device):
     with torch.device(device):  # initialise on the GPU: a 1B model's CPU init takes tens of seconds
         cfg = ModelConfig(**mcfg)
         ours = Transformer(cfg)
-        if model_name == "ours":
+        if model_name in ("ours", "ours-fp8"):  # ours-fp8: --float8=tensorwise applied in make_step
             return ours
         if model_name == "ours-triton":  # our Triton kernels also under torch.compile (auto: references there)
             return Transformer(ModelConfig(**mcfg, kernel_backend="triton"))
@@ -136,6 +139,11 @@ def make_step(config: str, model_name: str, mode: str, precision: str, device):
         from optimizer.adamw import build_adamw
         from parallel.transforms.compile import compile_in_place
         from utils.device import autocast_context
+        if model_name == "ours-fp8":  # the trainer's transform, before compile (parallel/transforms/float8.py)
+            from types import SimpleNamespace
+
+            from parallel.transforms import float8
+            float8.apply(model, None, SimpleNamespace(float8="tensorwise"), device=torch.device(device))
         if mode == "compile":
             if ours:
                 compile_in_place(model)
@@ -158,7 +166,8 @@ def make_step(config: str, model_name: str, mode: str, precision: str, device):
     from trainer.config import TrainConfig
     model.to(dtype=torch.bfloat16)
     cfg = TrainConfig(dtype="bf16", device=torch.device(device).type, compile=mode == "compile",
-                      learning_rate=LR, batch_size=B, max_seq_len=T)
+                      learning_rate=LR, batch_size=B, max_seq_len=T,
+                      float8="tensorwise" if model_name == "ours-fp8" else "off")
     engine = build_engine(model, cfg, device=torch.device(device))
     engine.optimizer.set_lr(LR)
     units = float((y != -100).sum())
