@@ -55,6 +55,12 @@ class TrainCommand(list):
         self.args, self.nproc = list(args), nproc
 
 
+def child_env(**extra: str) -> dict:
+    """The environment of a trainer or command the tests start: one OpenMP thread per process (two cores are
+    shared by several ranks and xdist workers), unbuffered output (a failure's lines are not lost), and `extra`."""
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+
+
 def train_cmd(args: list[str], nproc: int = 1) -> TrainCommand:
     return TrainCommand(args, nproc)
 

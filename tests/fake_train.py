@@ -29,7 +29,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from trainer.faults import fires as fault_fires  # noqa: E402  (the trainer's own parser; torch-free)
+from trainer.faults import fire_step_faults, fires as fault_fires  # noqa: E402  (the trainer's own; torch-free)
 
 EXIT_BAD_CONFIG = 2
 EXIT_INTERRUPTED = 75
@@ -135,13 +135,7 @@ def main(argv: list[str]) -> int:
 
     while step < cfg["max_iters"]:
         step += 1
-        if fault_fires("crash", step):
-            print(f"fake_train: injected crash at step {step}", flush=True)
-            os._exit(1)
-        if fault_fires("hang", step):
-            print(f"fake_train: injected hang at step {step}", flush=True)
-            while True:
-                time.sleep(3600)
+        fire_step_faults(step)  # crash@step / hang@step, as the trainer fires them
         time.sleep(cfg["step_time"])
         # A toy "optimizer": the state evolves, and the loss depends on it.
         state["w"] = 0.9 * state["w"] + 0.05 * math.sin(step)

@@ -96,8 +96,8 @@ def test_the_trainer_trains_with_fp8_close_to_full_precision(engine, nproc, reci
     """3 steps with --float8 against the same run without (our DDP at 1 process, FSDP2 at 2): the
     losses differ (FP8 ran) by less than e4m3's relative rounding step (2^-3: the inputs and weights of every
     block matmul carry at most half of it)."""
-    from tests.conftest import run_cmd, train_cmd
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    from tests.conftest import child_env, run_cmd, train_cmd
+    env = child_env()
     batch = ["--batch_size=2"] if nproc == 2 else []
     losses = {}
     for name, extra in (("full", []), ("fp8", [f"--float8={recipe}"])):

@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 import export_hf
 import sample
 import train_my_ddp as T
-from tests.conftest import ROOT, run_python
+from tests.conftest import ROOT, child_env, run_python
 from utils import checkpoint as ckpt
 from utils.constants import EXIT_BAD_CHECKPOINT, EXIT_BAD_CONFIG, EXIT_OK
 
@@ -37,8 +37,7 @@ STEP = "step_00000002"  # the newest checkpoint of each run: the one damaged
 OLDER = "step_00000001"
 
 
-def _env() -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+_env = child_env  # tests/conftest.py: one thread per process, unbuffered output
 
 
 @pytest.fixture(scope="module")

@@ -8,12 +8,11 @@ import json
 import os
 import shutil
 
-from tests.conftest import PY, run_cmd, run_trainer, train_cmd
+from tests.conftest import PY, child_env, run_cmd, run_trainer, train_cmd
 from utils.metrics import read_metrics
 
 
-def _env() -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1")
+_env = child_env  # tests/conftest.py: one thread per process, unbuffered output
 
 
 def test_a_data_dir_that_gained_a_shard(tiny_pretrain_data, tiny_pretrain_run_args, tmp_path):

@@ -8,13 +8,12 @@ import os
 
 import pytest
 
-from tests.conftest import PY, ROOT, run_cmd, run_python, run_trainer, train_cmd
+from tests.conftest import PY, child_env, run_cmd, run_python, run_trainer, train_cmd
 from trainer.config import TrainConfig, TrainingError, imply_engine, resolve_warmup, validate_config
 from utils.lr_schedule import lr_at
 
 
-def _env() -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+_env = child_env  # tests/conftest.py: one thread per process, unbuffered output
 
 
 def test_tensorboard_without_the_package_is_refused(monkeypatch):

@@ -17,15 +17,12 @@ import torch
 import torch.nn.functional as F
 
 from trainer.weights import load_weights_from
-from tests.conftest import ROOT, run_cmd, run_trainer, train_cmd
+from tests.conftest import ROOT, child_env, run_cmd, run_trainer, train_cmd
 from utils.checkpoint import find_latest_valid, load_model_state
 from utils.constants import EXIT_BAD_CONFIG, EXIT_INTERRUPTED, EXIT_NONFINITE_LOSS, IGNORE_INDEX
 from utils.metrics import dedupe_by_step, read_metrics
 
-def _env(**extra) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.update(extra)
-    return env
+_env = child_env  # tests/conftest.py: one thread per process, unbuffered output
 
 
 def losses(out_dir) -> dict[int, float]:

@@ -18,14 +18,13 @@ import pytest
 import torch
 
 import train_my_ddp as T
-from tests.conftest import ROOT, run_cmd, run_python
+from tests.conftest import ROOT, child_env, run_cmd, run_python
 from utils.constants import EXIT_BAD_CHECKPOINT, EXIT_BAD_CONFIG, EXIT_BAD_DATA, NON_RETRYABLE_EXIT_CODES
 
 TRAIN = os.path.join(ROOT, "train_my_ddp.py")
 
 
-def _env() -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+_env = child_env  # tests/conftest.py: one thread per process, unbuffered output
 
 
 def run_main(argv: list[str], capsys) -> tuple[int, str]:

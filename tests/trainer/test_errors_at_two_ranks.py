@@ -6,22 +6,19 @@ manifest (tests/trainer/test_damaged_checkpoints.republish), so that the reader 
 """
 from __future__ import annotations
 
-import json
-import os
 import shutil
 
 import pytest
 import torch
 
-from tests.conftest import run_trainer, train_cmd
+from tests.conftest import child_env, run_trainer, train_cmd
 from tests.trainer.test_damaged_checkpoints import _truncate, republish
 from utils.constants import EXIT_BAD_CHECKPOINT, EXIT_OK
 
 STEP = "step_00000002"
 
 
-def _env() -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+_env = child_env  # tests/conftest.py: one thread per process, unbuffered output
 
 
 @pytest.fixture(scope="module")
