@@ -27,21 +27,19 @@ DP_ENGINES = ("ddp", "fsdp")
 COMM_HOOKS = ("allreduce", "reduce_scatter", "fp16", "bf16", "powersgd")
 FLOAT8_CHOICES = ("off", "tensorwise", "rowwise")
 
-# What each engine can do: a capability missing here is refused (`problems`) with the reason given in
-# WHY_NOT. A pipeline's capabilities are those of "pipeline" AND of the dp engine that runs its stages.
+# What each engine can do: a capability a run asks for that is missing here is refused (`problems`) with the
+# reason given in WHY_NOT (every engine declares dpo and frozen_parameters today; light_checkpoints and
+# no_process_group are read, not asked for). A pipeline's capabilities are those of "pipeline" AND of the dp
+# engine that runs its stages.
 CAPABILITIES: dict[str, frozenset] = {
     "ddp": frozenset({"compile", "dpo", "frozen_parameters", "light_checkpoints", "whole_model_on_one_rank",
-                      "comm_hooks", "overlap_optim_step", "zero", "tied_embeddings", "any_batch_shape",
-                      "no_process_group", "float8"}),
+                      "comm_hooks", "overlap_optim_step", "zero", "tied_embeddings", "no_process_group", "float8"}),
     "fsdp": frozenset({"compile", "dpo", "frozen_parameters", "tensor_parallel", "sequence_parallel", "hsdp",
-                       "cpu_offload", "tied_embeddings", "any_batch_shape", "float8"}),
+                       "cpu_offload", "tied_embeddings", "float8"}),
     "pipeline": frozenset({"zero", "tensor_parallel", "cpu_offload", "frozen_parameters", "dpo"}),
 }
 WHY_NOT: dict[str, str] = {
     "compile": "not supported yet",
-    "dpo": "its loss needs whole-sequence log-probs of two models",
-    "frozen_parameters": "frozen stages and light checkpoints are not supported",
-    "light_checkpoints": "its checkpoints are written without gathering",
     "whole_model_on_one_rank": "no rank holds the whole model",
     "comm_hooks": "only the engine's own gradient reduction runs there",
     "overlap_optim_step": "its per-bucket step needs our DDP's buckets and one stage's gradients",
@@ -51,7 +49,6 @@ WHY_NOT: dict[str, str] = {
     "hsdp": "it runs on FSDP2's 2-D mesh: needs --parallel=fsdp",
     "cpu_offload": "offloading is FSDP2's: needs --parallel=fsdp",
     "tied_embeddings": "the embedding on the first stage and the LM head on the last would be one weight on two ranks",
-    "any_batch_shape": "stages exchange fixed-shape activations",
     "float8": "FP8 layers are not tested under pipeline stages yet",
 }
 

@@ -383,7 +383,7 @@ def parallel_problems(cfg: TrainConfig, world_size: Optional[int] = None) -> lis
     shape's split over the stages and tensor ranks when the model is built from these flags."""
     section = parallel_section(cfg)
     out = section.problems(world_size, needs=engine_needs(cfg))
-    sizes_valid = all(isinstance(v, int) and v >= 1 for v in (section.pp, section.tp))
+    sizes_valid = min(section.pp, section.tp) >= 1
     if cfg.init_from in ("scratch", "resume") and sizes_valid:
         out.extend(section.model_problems(n_layers=cfg.n_layers, n_heads=cfg.n_heads,
                                           n_kv_heads=cfg.n_kv_heads or cfg.n_heads, max_seq_len=cfg.max_seq_len,
