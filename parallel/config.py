@@ -17,10 +17,11 @@ Must never: import torch, or build anything (parallel/build.py does).
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from parallel.mesh import MeshLayout, layout_problem
+from utils.configurator import flag
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 DP_ENGINES = ("ddp", "fsdp")
@@ -53,8 +54,7 @@ WHY_NOT: dict[str, str] = {
 }
 
 
-def _f(default: Any, help: str) -> Any:
-    return field(default=default, metadata={"help": help})
+_f = flag  # utils/configurator.py: a flag's default and help
 
 
 @dataclass
@@ -189,7 +189,7 @@ class ParallelConfig(ParallelFlags):
                  (self.use_distributed_optimizer, "--use_distributed_optimizer=true", "zero"),
                  (self.compile, "--compile=true", "compile"),
                  (self.float8 != "off", f"--float8={self.float8}", "float8"))
-        return {flag: cap for on, flag, cap in asked if on}
+        return {asked_by: cap for on, asked_by, cap in asked if on}
 
     def problems(self, world_size: Optional[int] = None, needs: Optional[dict[str, str]] = None) -> list[str]:
         """Every reason this layout cannot run, one line each: bad sizes or names, a world that does not lay
@@ -217,10 +217,10 @@ class ParallelConfig(ParallelFlags):
             if problem:
                 out.append(problem)
         out.extend(self._combination_problems())
-        for flag, cap in {**self.layout_needs(), **(needs or {})}.items():
+        for asked_by, cap in {**self.layout_needs(), **(needs or {})}.items():
             engine = self.engine_lacking(cap)
             if engine is not None:
-                out.append(f"{flag} cannot be combined with {engine} ({WHY_NOT.get(cap, 'not supported')})")
+                out.append(f"{asked_by} cannot be combined with {engine} ({WHY_NOT.get(cap, 'not supported')})")
         return out
 
     def model_problems(self, *, n_layers: int, n_heads: int, n_kv_heads: int, max_seq_len: int,

@@ -14,18 +14,16 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from parallel.config import ParallelFlags
+from utils.configurator import flag
 from utils.constants import EXIT_BAD_CONFIG, EXIT_BAD_DATA
 from utils.errors import TrainingError, one_line  # noqa: F401  (re-exported: the trainer and tests use them)
 
 
-def _f(default: Any, help: str) -> Any:
-    if isinstance(default, (dict, list)):
-        return field(default_factory=lambda: default, metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+_f = flag  # utils/configurator.py: a flag's default and help
 
 
 @dataclass

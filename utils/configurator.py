@@ -29,6 +29,13 @@ from utils.publish import atomic_write_json
 T = TypeVar("T")
 
 
+def flag(default: Any, help: str) -> Any:
+    """A dataclass field that is a `--key=value` flag: its default and the help line `help_text` prints."""
+    if isinstance(default, (dict, list)):
+        return dataclasses.field(default_factory=lambda: default, metadata={"help": help})
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
 class ConfigError(ValueError):
     """A configuration problem a user must fix: unknown key, wrong type, unreadable file."""
     exit_code = 2  # EXIT_BAD_CONFIG (utils/constants.py), read by utils.errors.exit_code_for
