@@ -373,7 +373,7 @@ def engine_needs(cfg: TrainConfig) -> dict[str, str]:
              (cfg.tie_embeddings, "--tie_embeddings=true", "tied_embeddings"),
              (cfg.sample_every > 0, f"--sample_every={cfg.sample_every}", "whole_model_on_one_rank"),
              (bool(cfg.eval_tasks.strip(" ,")), "--eval_tasks", "whole_model_on_one_rank"))
-    return {flag: cap for on, flag, cap in asked if on}
+    return {asked_by: cap for on, asked_by, cap in asked if on}
 
 
 def parallel_problems(cfg: TrainConfig, world_size: Optional[int] = None) -> list[str]:
