@@ -73,7 +73,11 @@ CONFIGS = {
 }
 MODELS = ("ours", "ours-ref", "ours-triton", "hf", "hf-liger", "ours-fp8")
 PRECISIONS = {"trainer": "bf16 params + fp32 master (trainer)", "autocast": "autocast (fp32 params)"}
-MODES = ("eager", "compile")
+MODES = ("eager", "compile", "compile-cg")
+DEFAULT_MODES = ("eager", "compile")
+# compile-cg: torch.compile(mode="reduce-overhead") = the trainer's --compile_mode=reduce-overhead (the forward
+# and backward replayed as CUDA graphs; the optimizer step outside them)
+COMPILE_KW = {"eager": None, "compile": {}, "compile-cg": {"mode": "reduce-overhead"}}
 # (model, precision) in the order rows run within a mode: the trainer's own setup and HF's default first
 PRIORITY = (("ours", "trainer"), ("hf", "autocast"), ("ours", "autocast"), ("ours-ref", "trainer"),
             ("hf", "trainer"), ("hf-liger", "autocast"), ("ours-ref", "autocast"), ("hf-liger", "trainer"),
@@ -144,28 +148,31 @@ def make_step(config: str, model_name: str, mode: str, precision: str, device):
 
             from parallel.transforms import float8
             float8.apply(model, None, SimpleNamespace(float8="tensorwise"), device=torch.device(device))
-        if mode == "compile":
+        if COMPILE_KW[mode] is not None:
             if ours:
-                compile_in_place(model)
+                compile_in_place(model, **COMPILE_KW[mode])
             else:
-                model.compile()
+                model.compile(**COMPILE_KW[mode])
         opt = build_adamw(list(model.parameters()), [], OptimizerConfig(lr=LR, weight_decay=0.0, fused=True),
                           torch.device(device).type)
 
         def step() -> torch.Tensor:
+            if mode == "compile-cg":
+                torch.compiler.cudagraph_mark_step_begin()
             opt.zero_grad(set_to_none=True)
             with autocast_context(device, torch.bfloat16):
                 loss = model(x, labels=y) if ours else model(input_ids=x, labels=x).loss
             loss.backward()
             opt.step()
-            return loss.detach()
+            return loss.detach().clone()  # compile-cg: the graph's output is overwritten by the next replay
         return step, model
 
     # precision == "trainer": the objects train_my_ddp.py builds for --dtype=bf16 (parallel/build.py)
     from parallel.build import build_engine
     from trainer.config import TrainConfig
     model.to(dtype=torch.bfloat16)
-    cfg = TrainConfig(dtype="bf16", device=torch.device(device).type, compile=mode == "compile",
+    cfg = TrainConfig(dtype="bf16", device=torch.device(device).type, compile=mode != "eager",
+                      compile_mode=COMPILE_KW[mode].get("mode", "default") if COMPILE_KW[mode] else "default",
                       learning_rate=LR, batch_size=B, max_seq_len=T,
                       float8="tensorwise" if model_name == "ours-fp8" else "off")
     engine = build_engine(model, cfg, device=torch.device(device))
@@ -238,7 +245,7 @@ def run_one(config: str, model_name: str, mode: str, precision: str, device_name
                warmup_s=round(warm_s, 2), build_s=round(build_s, 2), first_loss=round(first, 4),
                last_loss=round(last, 4), peak_mem_gib=round(peak_mem / 2**30, 2),
                flops_per_token=flops_per_token(ModelConfig(**spec["model"]), T), steps=steps, warmup=warmup)
-    if mode == "compile":
+    if mode != "eager":
         row.update(_dynamo_counts())
     return row
 
@@ -406,7 +413,7 @@ def prewarm_rows(args) -> list[dict]:
     what the timed rows and the trainer's compiled runs compile, so each of those starts in seconds. Rows
     run in plan order (smaller configs first); an error (an out-of-memory beside other rows) only means
     that row compiles cold later."""
-    plan = [r for r in planned_rows(args) if r[3] == "compile"]
+    plan = [r for r in planned_rows(args) if r[3] != "eager"]
     t_start = time.perf_counter()
     running: list = []
     done: list[dict] = []
@@ -520,7 +527,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", default="124m,1b", help="comma list of: " + ",".join(CONFIGS))
     p.add_argument("--models", default=",".join(MODELS), help="comma list of: " + ",".join(MODELS))
-    p.add_argument("--modes", default=",".join(MODES), help="comma list of eager,compile")
+    p.add_argument("--modes", default=",".join(DEFAULT_MODES), help="comma list of " + ",".join(MODES))
     p.add_argument("--precisions", default=",".join(PRECISIONS), help="comma list of: " + ",".join(PRECISIONS))
     p.add_argument("--rows", default="", help="model:precision:mode,... run exactly these rows (per config)")
     p.add_argument("--device", default="cuda")

@@ -27,6 +27,7 @@ PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 DP_ENGINES = ("ddp", "fsdp")
 COMM_HOOKS = ("allreduce", "reduce_scatter", "fp16", "bf16", "powersgd")
 FLOAT8_CHOICES = ("off", "tensorwise", "rowwise")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 # What each engine can do: a capability a run asks for that is missing here is refused (`problems`) with the
 # reason given in WHY_NOT (every engine declares dpo and frozen_parameters today; light_checkpoints and
@@ -95,6 +96,10 @@ class ParallelFlags:
                      "training, dynamic scales per tensor or per row; weights, optimizer and checkpoints unchanged); "
                      "needs an FP8 GPU (compute capability 8.9+: Ada, Hopper); on CPU torchao's emulation (slow, for "
                      "checking). Not with --tensor_parallel_size > 1 or pipeline stages yet")
+    compile_mode: str = _f("default", "with --compile=true: torch.compile's mode (default | reduce-overhead | max-autotune | "
+                           "max-autotune-no-cudagraphs); reduce-overhead and max-autotune replay the compiled forward "
+                           "and backward as CUDA graphs on a GPU (Inductor's cudagraph trees; no effect on CPU); the "
+                           "optimizer step stays outside the graphs")
 
 
 @dataclass
@@ -210,6 +215,8 @@ class ParallelConfig(ParallelFlags):
             out.append(f"--zero_stage={self.zero_stage} (1 | 2)")
         if self.float8 not in FLOAT8_CHOICES:
             out.append(f"--float8={self.float8!r} ({' | '.join(FLOAT8_CHOICES)})")
+        if self.compile_mode not in COMPILE_MODES:
+            out.append(f"--compile_mode={self.compile_mode!r} ({' | '.join(COMPILE_MODES)})")
         if out:
             return out
         if world_size is not None:

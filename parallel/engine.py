@@ -72,6 +72,14 @@ def stat_row(loss_sum: torch.Tensor, stats: dict, units: float = 0.0) -> torch.T
     return torch.cat([one(loss_sum)] + [one(stats.get(k, 0.0)) for k in STAT_KEYS] + [one(units)])
 
 
+def begin_micro_batch(forward_model: Any) -> None:
+    """Tell a model replayed as CUDA graphs (--compile_mode=reduce-overhead: parallel/transforms/compile.py)
+    that a new micro-batch starts; other models have no such method."""
+    begin = getattr(forward_model, "begin_micro_batch", None)
+    if begin is not None:
+        begin()
+
+
 def zero_stats() -> torch.Tensor:
     return torch.zeros(len(STEP_FIELDS), dtype=torch.float64)
 
@@ -157,6 +165,7 @@ class Engine:
         for i, batch in enumerate(batches):
             sync = contextlib.nullcontext() if i == n - 1 else self._no_sync()
             with sync:
+                begin_micro_batch(self.forward_model)
                 loss_sum, stats = loss_fn(self.forward_model, batch)
                 if poison:
                     loss_sum = loss_sum * float("nan")
@@ -175,6 +184,7 @@ class Engine:
         sums = None
         try:
             for batch in batches:
+                begin_micro_batch(self.forward_model)
                 loss_sum, stats = loss_fn(self.forward_model, batch)
                 row = stat_row(loss_sum, stats, units=count_units(batch))  # counted on the host batch
                 sums = row if sums is None else sums + row

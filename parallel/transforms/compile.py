@@ -25,7 +25,35 @@ def compile_in_place(model: nn.Module, **kwargs: Any) -> nn.Module:
     return model
 
 
-def compile_blocks(model: nn.Module) -> None:
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+def compile_kwargs(config: Any) -> dict:
+    """torch.compile's keyword arguments for --compile_mode ("default": none)."""
+    mode = str(getattr(config, "compile_mode", "default") or "default")
+    return {} if mode == "default" else {"mode": mode}
+
+
+class _StepMarked(nn.Module):
+    """A compiled model replayed as CUDA graphs (Inductor's cudagraph trees). The engine calls
+    `begin_micro_batch()` before each micro-batch's forward (parallel/engine.py), so a forward after the
+    previous micro-batch's backward reuses the graphs' memory instead of extending one growing sequence; a
+    micro-batch may call the model more than once (DPO: chosen, then rejected). The previous micro-batch's
+    outputs must not be read afterwards: the engine turns each loss into its own stats row first."""
+
+    def __init__(self, compiled: nn.Module) -> None:
+        super().__init__()
+        self.compiled = compiled
+
+    @staticmethod
+    def begin_micro_batch() -> None:
+        torch.compiler.cudagraph_mark_step_begin()
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.compiled(*args, **kwargs)
+
+
+def compile_blocks(model: nn.Module, **compile_kw: Any) -> None:
     """torch.compile each Transformer block's forward in place (the blocks stay the same modules: only
     their bound `forward` is replaced).
 
@@ -34,7 +62,7 @@ def compile_blocks(model: nn.Module) -> None:
     wrapper returns no gradient to the embedding (measured: a zero embedding gradient with torch 2.13),
     so such an input is materialised eagerly first (one copy of the block's input, once per forward)."""
     def compiled(forward):
-        graph = torch.compile(forward)
+        graph = torch.compile(forward, **compile_kw)
 
         def run(h, *args, **kwargs):
             if isinstance(h, AsyncCollectiveTensor):
@@ -50,7 +78,11 @@ def apply(engine: Any, mesh: Any, config: Any) -> None:
     """--compile=true on a built engine (the last transform: see parallel/transforms/__init__.py)."""
     if not bool(getattr(config, "compile", False)):
         return
+    kw = compile_kwargs(config)
     if int(getattr(config, "tensor_parallel_size", 1)) > 1:
-        compile_blocks(engine.module)  # the forward model stays the module: each block is compiled
+        compile_blocks(engine.module, **kw)  # the forward model stays the module: each block is compiled
     else:
-        engine.forward_model = torch.compile(engine.model)
+        compiled = torch.compile(engine.model, **kw)
+        if kw.get("mode") in CUDA_GRAPH_MODES:
+            compiled = _StepMarked(compiled)
+        engine.forward_model = compiled
