@@ -99,8 +99,10 @@ class GlobalNormOptimizer:
         found_inf = (s * 0).ne(0).to(torch.float32)  # 1.0 iff inf/nan (inf * 0 is nan): isfinite is 4 ops
         if self.config.grad_clip > 0 and grads:
             norm = s.sqrt()
-            # tensor / tensor: `float / tensor` would multiply by a reciprocal (other bits than min(1, c/n))
-            coef = (norm.new_tensor(float(self.config.grad_clip)) / (norm + 1e-6)).clamp(max=1.0)
+            # tensor / tensor: `float / tensor` would multiply by a reciprocal (other bits than min(1, c/n));
+            # full_like fills on the device (new_tensor would copy from the host: a sync on CUDA, measured
+            # on an H200 by tests/parallel/test_host_syncs.py::test_cuda_step_syncs_once)
+            coef = (torch.full_like(norm, float(self.config.grad_clip)) / (norm + 1e-6)).clamp(max=1.0)
             torch._foreach_mul_(grads, coef.to(torch.float32))  # a factor of 1.0 leaves every bit
         self._update_on_device(found_inf)
         global_sumsq = float(s.item())  # the step's one host read, after the update was launched

@@ -36,15 +36,20 @@ def _cpu_only_read() -> bool:
 
 
 class CountItems(TorchDispatchMode):
-    """Counts tensor-to-Python reads (aten::_local_scalar_dense), except those in CPU-only branches."""
+    """Counts tensor-to-Python reads (aten::_local_scalar_dense), except those in CPU-only branches, and
+    tensors made from host data (aten::lift_fresh: `torch.tensor(x)`, `t.new_tensor(x)`), which on a GPU
+    are host-to-device copies from pageable memory: CUDA's copy waits for them (a sync too)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.n = 0
+        self.from_host = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._local_scalar_dense.default and not _cpu_only_read():
             self.n += 1
+        if func is torch.ops.aten.lift_fresh.default and not _cpu_only_read():
+            self.from_host += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -52,8 +57,11 @@ def test_the_counter_counts_what_a_gpu_would_wait_for():
     t = torch.ones(3)
     with CountItems() as c:
         float(t.sum()), int(t[0]), bool(t.any()), t.sum().item()
-        t * 2, t.sum(dim=0), t.new_full((1,), 3.0)
-    assert c.n == 4
+        t * 2, t.sum(dim=0), t.new_full((1,), 3.0), torch.full_like(t, 2.0)
+    assert (c.n, c.from_host) == (4, 0)
+    with CountItems() as c:
+        t.new_tensor(2.0), torch.tensor([1.0, 2.0])
+    assert (c.n, c.from_host) == (0, 2)
 
 
 @pytest.fixture(autouse=True)
@@ -100,6 +108,7 @@ def _one_step(cfg, engine, batches, device, ref=None):
         acc = engine.forward_backward(batches, loss_fn, units)
     with CountItems() as opt:
         stepped, norm = engine.optimizer.step()
+    _one_step.from_host = (fb.from_host, opt.from_host)
     return fb.n, opt.n, acc, stepped, norm
 
 
@@ -117,6 +126,9 @@ def test_a_step_reads_one_number_back(flags):
         expect = sum(float(micro_batch_loss(cfg, engine.forward_model, None, b, device)[0]) for b in batches)
     n_fb, n_opt, acc, stepped, norm = _one_step(cfg, engine, batches, device)
     assert (n_fb, n_opt) == (0, 1)
+    # and no tensor made from host data: a pageable host-to-device copy on a GPU, which synchronises
+    # (the clip coefficient's `new_tensor` did: 2 syncs per step on an H200)
+    assert _one_step.from_host == (0, 0)
     assert stepped and 0 < norm < float("inf")
     assert acc.dtype == torch.float64 and acc.shape == (len(STEP_FIELDS),)
     assert float(acc[0]) == pytest.approx(expect, rel=1e-5)
