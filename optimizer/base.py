@@ -99,10 +99,8 @@ class GlobalNormOptimizer:
         found_inf = (s * 0).ne(0).to(torch.float32)  # 1.0 iff inf/nan (inf * 0 is nan): isfinite is 4 ops
         if self.config.grad_clip > 0 and grads:
             norm = s.sqrt()
-            # tensor / tensor: `float / tensor` would multiply by a reciprocal (other bits than min(1, c/n));
-            # full_like fills on the device (new_tensor would copy from the host: a sync on CUDA, measured
-            # on an H200 by tests/parallel/test_host_syncs.py::test_cuda_step_syncs_once)
-            coef = (torch.full_like(norm, float(self.config.grad_clip)) / (norm + 1e-6)).clamp(max=1.0)
+            # tensor / tensor: `float / tensor` would multiply by a reciprocal (other bits than min(1, c/n))
+            coef = (self._clip_numerator(norm) / (norm + 1e-6)).clamp(max=1.0)
             torch._foreach_mul_(grads, coef.to(torch.float32))  # a factor of 1.0 leaves every bit
         self._update_on_device(found_inf)
         global_sumsq = float(s.item())  # the step's one host read, after the update was launched
@@ -111,6 +109,17 @@ class GlobalNormOptimizer:
         self._report_verdict(stepped)
         self._drop_grads()
         return (True, math.sqrt(global_sumsq)) if stepped else (False, float("inf"))
+
+    def _clip_numerator(self, like: torch.Tensor) -> torch.Tensor:
+        """--grad_clip as a 0-d tensor beside the norm, filled once on the device and kept (a `new_tensor`
+        per step copied it from the host: a second CUDA sync per step, measured on an H200 by
+        tests/parallel/test_host_syncs.py::test_cuda_step_syncs_once)."""
+        key = (like.device, like.dtype, float(self.config.grad_clip))
+        cached = getattr(self, "_clip_numerator_cache", None)
+        if cached is None or cached[0] != key:
+            cached = (key, torch.full((), key[2], dtype=like.dtype, device=like.device))
+            self._clip_numerator_cache = cached
+        return cached[1]
 
     def _skips_on_device(self) -> bool:
         """Whether `_update_on_device` can skip on a device flag (every AdamW fused); else the host decides."""
