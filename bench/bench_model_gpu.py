@@ -197,7 +197,9 @@ def _dynamo_counts() -> dict:
     try:
         from torch._dynamo.utils import counters
         return {"graphs": int(counters["stats"].get("unique_graphs", 0)),
-                "graph_breaks": int(sum(counters["graph_break"].values()))}
+                "graph_breaks": int(sum(counters["graph_break"].values())),
+                # graphs Inductor did not replay as CUDA graphs (compile-cg; the reasons are logged)
+                "cudagraph_skips": int(counters["inductor"].get("cudagraph_skips", 0))}
     except Exception:  # noqa: BLE001 - a private API: its absence must not fail a row
         return {}
 
@@ -211,6 +213,8 @@ def run_one(config: str, model_name: str, mode: str, precision: str, device_name
     from utils.device import synchronize
     device = torch.device(device_name)
     fast_fp32_matmuls(device)
+    if mode == "compile-cg":  # print why Inductor declines to replay a graph as a CUDA graph, if it does
+        torch._logging.set_logs(perf_hints=True)
     spec = CONFIGS[config]
     B, T = spec["batch"], spec["seq"]
     t_build = time.perf_counter()
@@ -477,6 +481,8 @@ def markdown_tables(rows: list[dict], peak_table: float, peak_measured: float) -
         f = r["flops_per_token"] * r["tokens_per_s"]
         mfu_m = f"{f / peak_measured:.1%}" if peak_measured else "-"
         graphs = f" ({r['graphs']} graph(s), {r['graph_breaks']} break(s))" if "graphs" in r else ""
+        if r.get("mode") == "compile-cg" and "cudagraph_skips" in r:
+            graphs = graphs[:-1] + f", {r['cudagraph_skips']} not replayed as CUDA graphs)"
         out.append(f"{head} {r['tokens_per_s']:,} | {r['step_ms']} | {f / peak_table:.1%} | {mfu_m} | "
                    f"{r['compile_s']}{graphs} | {r['peak_mem_gib']} | {r['first_loss']} |")
     tps = {(r["config"], r["model"], r["precision"], r["mode"]): r.get("tokens_per_s", 0) for r in rows}

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from optimizer.adamw import build_adamw
 from optimizer.base import GlobalNormOptimizer, clip_coefficient
+from optimizer.fused_step import fused_adamw_step
 from optimizer.optimizer_config import OptimizerConfig
 from utils import comm
 
@@ -161,27 +162,35 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
         # local one itself when every rank holds the same reduced gradients, one SUM all-reduce in ZeRO
         return self._reduce_sumsq(self._local_sumsq(self.pieces))
 
+    def _step_adamws(self, found_inf: Optional[torch.Tensor] = None) -> None:
+        """Every bucket's AdamW: as one batch of fused launches (optimizer/fused_step.py) when they are
+        fused and hold state, else one by one (the first step, foreach / single-tensor AdamW)."""
+        opts = list(self.optimizers.values())
+        if self.batch_adamw_steps and fused_adamw_step(opts, found_inf):
+            return
+        for opt in opts:
+            opt.found_inf = found_inf  # read by torch's Adam.step and passed to the fused kernel
+            try:
+                opt.step()
+            finally:
+                opt.found_inf = None
+
     def _update(self, norm: float) -> None:
-        for opt in self.optimizers.values():
-            opt.step()
+        self._step_adamws()
         self._copy_main_to_model(self.pieces)
         self._after_step(list(range(len(self.ddp.buckets))))  # every bucket: collectives match
 
     # Decided on the device (fused AdamW only: foreach / single-tensor AdamW take no found_inf flag).
     # Class attribute: tests compare both ways.
     skip_on_device = True
+    batch_adamw_steps = True  # one fused AdamW launch per group for all buckets (tests compare both ways)
 
     def _skips_on_device(self) -> bool:
         return self.skip_on_device and bool(self.optimizers) and all(
             opt.defaults.get("fused") for opt in self.optimizers.values())
 
     def _update_on_device(self, found_inf: torch.Tensor) -> None:
-        for opt in self.optimizers.values():
-            opt.found_inf = found_inf  # read by torch's Adam.step and passed to the fused kernel
-            try:
-                opt.step()
-            finally:
-                opt.found_inf = None
+        self._step_adamws(found_inf)
         # a skipped step left the masters as they were: writing them back (and ZeRO's all-gather,
         # a collective every rank issues anyway) changes nothing
         self._copy_main_to_model(self.pieces)
@@ -227,10 +236,14 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
         return self.pieces[0].main.device if self.pieces else torch.device("cpu")
 
     def _load_grads(self, pieces: list[Piece]) -> None:
-        for idx in dict.fromkeys(pc.bucket_index for pc in pieces):  # one copy per bucket
+        dst, src = [], []
+        for idx in dict.fromkeys(pc.bucket_index for pc in pieces):  # one flat copy per bucket
             fb = self._flat[idx]
             if fb.grad_store is not None:
-                fb.grad_store.copy_(self.ddp.buckets[idx].grad_data[fb.lo:fb.hi])
+                dst.append(fb.grad_store)
+                src.append(self.ddp.buckets[idx].grad_data[fb.lo:fb.hi])
+        if dst:
+            torch._foreach_copy_(dst, src)  # every bucket in one launch
         for pc in pieces:
             g = pc.grad_store if pc.grad_store is not None else pc.model_grad()
             pc.main.grad = g.view(pc.main.shape)
@@ -271,10 +284,14 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
             report(stepped)
 
     def _copy_main_to_model(self, pieces: list[Piece]) -> None:
-        for idx in dict.fromkeys(pc.bucket_index for pc in pieces):  # one copy per bucket
+        dst, src = [], []
+        for idx in dict.fromkeys(pc.bucket_index for pc in pieces):  # one flat copy per bucket
             fb = self._flat[idx]
             if fb.master is not None:
-                self.ddp.buckets[idx].param_data[fb.lo:fb.hi].copy_(fb.master)
+                dst.append(self.ddp.buckets[idx].param_data[fb.lo:fb.hi])
+                src.append(fb.master)
+        if dst:
+            torch._foreach_copy_(dst, src)  # every bucket in one launch (fp32 -> the model's dtype)
 
     def _drop_grads(self) -> None:
         for pc in self.pieces:

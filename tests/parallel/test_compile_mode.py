@@ -1,0 +1,51 @@
+"""--compile_mode: torch.compile's mode reaches the compile transform, a bad value is refused in one line,
+and with a CUDA-graph mode (reduce-overhead, max-autotune) the engine marks the start of every micro-batch
+(forward+backward and evaluation), so Inductor's cudagraph trees never overwrite a graph output the
+engine still reads. torch.compile is replaced by a recorder here (what it is given is what is tested;
+compiling itself is covered by the compile tests); on a GPU the bench row `ours:trainer:compile-cg` runs
+the real thing."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model import ModelConfig, Transformer
+from parallel.build import build_engine
+from parallel.config import ParallelConfig
+from trainer.config import TrainConfig
+from trainer.task import count_units, micro_batch_loss
+
+
+def test_a_bad_compile_mode_is_refused_in_one_line():
+    problems = ParallelConfig(compile_mode="fastest").problems(1)
+    assert len(problems) == 1 and problems[0].startswith("--compile_mode='fastest'")
+    assert "reduce-overhead" in problems[0]
+    assert ParallelConfig(compile_mode="reduce-overhead").problems(1) == []
+
+
+@pytest.mark.parametrize("mode,marks", [("default", False), ("reduce-overhead", True), ("max-autotune", True),
+                                        ("max-autotune-no-cudagraphs", False)])
+def test_the_mode_reaches_torch_compile_and_cuda_graph_modes_mark_each_micro_batch(monkeypatch, mode, marks):
+    seen, begins = [], []
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: (seen.append(kw), model)[1])
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: begins.append(1))
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4, multiple_of=16, max_seq_len=16))
+    cfg = TrainConfig(device="cpu", compile=True, compile_mode=mode, gradient_accumulation_steps=3)
+    device = torch.device("cpu")
+    engine = build_engine(model, cfg, device=device)
+    assert seen == [{} if mode == "default" else {"mode": mode}]
+    g = torch.Generator().manual_seed(0)
+    batches = [{"input_ids": (x := torch.randint(0, 64, (2, 16), generator=g)), "labels": x.clone()}
+               for _ in range(3)]
+    loss_fn = lambda m, b: micro_batch_loss(cfg, m, None, b, device)  # noqa: E731
+    units = float(sum(count_units(cfg, b) for b in batches))
+    with torch.no_grad():  # the wrapper changes nothing: the same loss as the bare model's
+        expect = sum(float(micro_batch_loss(cfg, model, None, b, device)[0]) for b in batches)
+    engine.optimizer.zero_grad()
+    sums = engine.forward_backward(batches, loss_fn, units)
+    assert len(begins) == (3 if marks else 0)
+    engine.optimizer.step()
+    engine.evaluate(batches[:2], loss_fn, lambda b: count_units(cfg, b))
+    assert len(begins) == (5 if marks else 0)
+    assert float(sums[0]) != 0.0 and abs(float(sums[0]) - expect) < 1e-3 * abs(expect)
