@@ -55,6 +55,14 @@ class RotaryEmbedding(nn.Module):
         # non-persistent: derived from the config, so never part of a checkpoint
         self.register_buffer("inv_freq", self._inv_freq(self.theta), persistent=False)
 
+    def _apply(self, fn, recurse=True):
+        """`model.to(torch.bfloat16)` would cast inv_freq too: bf16 keeps 8 bits of it, so the angle
+        position x inv_freq is off by up to ~0.4% (radians at positions in the hundreds). The frequencies
+        are rebuilt in fp32 on the buffer's (new) device after any cast or move (also after `to_empty`)."""
+        super()._apply(fn, recurse)
+        self.inv_freq = self._inv_freq(self.theta, device=self.inv_freq.device)
+        return self
+
     def _inv_freq(self, theta: float, device=None) -> torch.Tensor:
         d = self.head_dim
         return 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))

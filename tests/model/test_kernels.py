@@ -331,3 +331,23 @@ def test_chunked_ce_opcheck():
     lse = torch.logsumexp(h.detach() @ w.detach().t(), dim=-1)
     torch.library.opcheck(torch.ops.myllm.chunked_linear_cross_entropy_backward.default,
                           (torch.randn(n, generator=g), h.detach(), w.detach(), y, lse, 3, torch.float32, True))
+
+
+def test_rope_frequencies_stay_fp32_when_the_model_is_cast_to_bf16():
+    """model.to(bf16) used to cast the non-persistent inv_freq buffer too: 8 bits of mantissa made the
+    angle position x inv_freq wrong by whole radians at positions in the thousands. The cast model's
+    cos/sin must be those of the fp32 model, bit for bit (also after meta -> to_empty)."""
+    from model import ModelConfig, Transformer
+    cfg = ModelConfig(vocab_size=64, dim=64, n_layers=1, n_heads=4, max_seq_len=4096)
+    ref = Transformer(cfg)
+    positions = torch.arange(4096)[None]
+    cos_ref, sin_ref = ref.rotary(positions)
+    bf = Transformer(cfg).to(torch.bfloat16)
+    assert bf.rotary.inv_freq.dtype == torch.float32
+    cos, sin = bf.rotary(positions)
+    assert torch.equal(cos, cos_ref) and torch.equal(sin, sin_ref)
+    # what the bf16 buffer gave: far off at long positions (the bug this guards against)
+    bad = positions[..., None].float() * ref.rotary.inv_freq.to(torch.bfloat16).float()
+    assert (bad.cos()[:, :, None, :] - cos_ref).abs().max() > 0.5
+    empty = Transformer(cfg).to("meta").to_empty(device="cpu")
+    assert torch.equal(empty.rotary(positions)[0], cos_ref)
