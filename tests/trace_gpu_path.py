@@ -78,20 +78,23 @@ def main() -> None:
             return gm
         return compiler
 
-    def loss_fn(params, x, y):
+    def loss_fn(params, buffers, x, y):
         ctx = (torch.autocast("cpu", dtype=torch.float16) if mode == "fp16-autocast"
                else torch.autocast("cpu", enabled=False))
         with ctx:
-            return functional_call(model, params, (x,), {"labels": y})
+            return functional_call(model, {**params, **buffers}, (x,), {"labels": y})
 
     fn = aot_function(loss_fn, fw_compiler=counter("forward"), bw_compiler=counter("backward"),
                       partition_fn=min_cut_rematerialization_partition)
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     with fake:
         params = {n: torch.empty_like(p).requires_grad_(True) for n, p in model.named_parameters()}
+        # the buffers as inputs too (RoPE's cos/sin tables, sliced in forward): a real tensor sliced
+        # inside the fake-mode trace cannot become a graph constant
+        buffers = {n: b.clone() for n, b in model.named_buffers()}
         x = torch.randint(0, cfg.vocab_size, (2, 12))
         y = torch.randint(0, cfg.vocab_size, (2, 12))
-        loss = fn(params, x, y)
+        loss = fn(params, buffers, x, y)
         loss.backward()
         n_grads = sum(p.grad is not None for p in params.values())
     print(json.dumps({"forward": dict(counts["forward"]), "backward": dict(counts["backward"]),

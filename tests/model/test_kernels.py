@@ -351,3 +351,26 @@ def test_rope_frequencies_stay_fp32_when_the_model_is_cast_to_bf16():
     assert (bad.cos()[:, :, None, :] - cos_ref).abs().max() > 0.5
     empty = Transformer(cfg).to("meta").to_empty(device="cpu")
     assert torch.equal(empty.rotary(positions)[0], cos_ref)
+
+
+def test_the_compiled_forward_reads_rope_tables_instead_of_computing_them():
+    """Without position_ids the model slices the cached cos/sin tables: the graph torch.compile captures
+    holds no cos/sin op (Inductor fused their computation into every layer's RoPE kernel, forward and
+    backward); with position_ids (packed samples) they are computed, and both give the same logits."""
+    from model import ModelConfig, Transformer
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, max_seq_len=32))
+    x = torch.randint(0, 64, (2, 16))
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    out = torch.compile(model, backend=capture, fullgraph=True)(x)
+    ops = {str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_method" or n.op == "call_function"}
+    assert graphs and not any("cos" in o or "sin" in o for o in ops), ops
+    with_positions = model(x, position_ids=torch.arange(16)[None].expand(2, 16))
+    torch.testing.assert_close(out, with_positions, rtol=1e-6, atol=1e-6)
+    torch._dynamo.reset()
