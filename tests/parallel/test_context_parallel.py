@@ -207,3 +207,35 @@ def test_data_coordinates_follow_the_cp_groups(results):
     assert results[2]["engine_cp2"]["all_dp"] == [[[0, 1], True], [[0, 1], False]]
     assert results[4]["engine_cp4"]["all_dp"] == [[[0, 1], True], [[0, 1], False], [[0, 1], False], [[0, 1], False]]
     assert results[4]["engine_dp2_cp2"]["all_dp"] == [[[0, 2], True], [[0, 2], False], [[1, 2], True], [[1, 2], False]]
+
+
+def test_refusals_name_the_flag_and_why():
+    """What context parallelism does not run is refused with one line each, before anything is built."""
+    from parallel.config import ParallelConfig
+    pc = lambda **kw: ParallelConfig(context_parallel_size=2, **kw)  # noqa: E731
+    assert pc().problems(2) == [] and pc().problems(4) == []
+    assert "is not a multiple of pipeline 1 x dp_replicate 1 x context 2" in pc().problems(3)[0]
+    for kw, words in (({"task_type": "sft"}, "--task_type=sft cannot be combined with --context_parallel_size=2"),
+                      ({"task_type": "dpo"}, "--task_type=dpo cannot be combined with --context_parallel_size=2"),
+                      ({"compile": True}, "--compile=true cannot be combined with --context_parallel_size=2"),
+                      ({"parallel": "fsdp"}, "--context_parallel_size=2 cannot be combined with --parallel=fsdp"),
+                      ({"pipeline_parallel_size": 2}, "cannot be combined with --pipeline_parallel_size=2")):
+        lines = pc(**kw).problems(4)
+        assert any(words in ln for ln in lines), (kw, lines)
+    assert pc().model_problems(n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=30, dropout=0.0) == [
+        "--context_parallel_size=2: --max_seq_len=30 is not a multiple of 2 x 2 = 4 (each rank holds a head and a "
+        "tail chunk of 2 x 2)"]
+    assert pc().data_parallel_size(8) == 4 and "x 2 context-parallel ranks" in pc().describe_ranks(4)
+
+
+def test_sequence_split_is_balanced_and_invertible():
+    """Rank i holds chunks i and 2C-1-i: every rank's causal work (the keys its queries see) is the same, and
+    unshard_sequence puts the parts back in order; the model refuses inputs it cannot split."""
+    from model.ring_attention import local_positions
+    T, C = 16, 4
+    parts = [local_positions(T, r, C) for r in range(C)]
+    assert parts[0].tolist() == [0, 1, 14, 15] and parts[3].tolist() == [6, 7, 8, 9]
+    assert len({int((p + 1).sum()) for p in parts}) == 1  # keys seen per rank under the causal mask
+    assert torch.equal(unshard_sequence([p[None] for p in parts], dim=1)[0], torch.arange(T))
+    with pytest.raises(ValueError, match="multiple of 2 x 4"):
+        shard_sequence(torch.zeros(1, 12), 0, 4)
