@@ -184,7 +184,10 @@ class RingAttentionFunction(torch.autograd.Function):
                 kv = pending[0]
         out = torch.cat(outs, dim=-2)                 # [B, G, R, T, D]
         lse = torch.cat(lses, dim=-1)                 # [B, G, R, T]
-        y = out.reshape(q.shape).to(q.dtype)
+        # laid out [B, T, H, D] in memory (returned as its [B, H, T, D] view), as SDPA's CPU and flash kernels
+        # return it: the model's transpose + reshape to [B, T, H x D] is then a view, and o_proj saves this
+        # same storage rather than a copy
+        y = out.reshape(q.shape).to(q.dtype).transpose(1, 2).contiguous().transpose(1, 2)
         ctx.save_for_backward(q, k, v, y, lse)
         ctx.group = group
         return y

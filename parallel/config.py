@@ -62,6 +62,8 @@ CP_REFUSES: dict[str, str] = {
            "are causal over one whole sequence and do not apply a document or padding mask yet",
     "dpo": "DPO sums log-probabilities per sequence on one rank (reduction='none'); the split sequence would "
            "need them summed over the cp group first",
+    "whole_model_on_one_rank": "samples and task evaluation run whole prompts through a KV cache on one rank; "
+                               "the model under cp takes split sequences only",
     "compile": "the ring's point-to-point exchanges are not traced by torch.compile (it would graph-break at "
                "every layer); run context parallelism eagerly",
 }
