@@ -38,7 +38,7 @@ CAPABILITIES: dict[str, frozenset] = {
                       "comm_hooks", "overlap_optim_step", "zero", "tied_embeddings", "no_process_group", "float8",
                       "context_parallel"}),
     "fsdp": frozenset({"compile", "dpo", "frozen_parameters", "tensor_parallel", "sequence_parallel", "hsdp",
-                       "cpu_offload", "tied_embeddings", "float8"}),
+                       "cpu_offload", "tied_embeddings", "float8", "context_parallel"}),
     "pipeline": frozenset({"zero", "tensor_parallel", "cpu_offload", "frozen_parameters", "dpo"}),
 }
 WHY_NOT: dict[str, str] = {
@@ -53,8 +53,7 @@ WHY_NOT: dict[str, str] = {
     "cpu_offload": "offloading is FSDP2's: needs --parallel=fsdp",
     "tied_embeddings": "the embedding on the first stage and the LM head on the last would be one weight on two ranks",
     "float8": "FP8 layers are not tested under pipeline stages yet",
-    "context_parallel": "context parallelism runs under our DDP / ZeRO only so far (FSDP2 would shard over dp x cp "
-                        "and pipeline stages would pass split hidden states: neither is built or tested yet)",
+    "context_parallel": "pipeline stages would pass split hidden states between ranks: not built yet",
 }
 # what context parallelism refuses of a run, and why (one line each)
 CP_REFUSES: dict[str, str] = {
@@ -114,7 +113,8 @@ class ParallelFlags:
                                     "a head and a tail chunk of 2C, so causal work is balanced), keys/values passed "
                                     "around them (ring attention, model/ring_attention.py); parameters replicated, "
                                     "gradients reduced over dp x C (WORLD_SIZE = dp x C); --max_seq_len a multiple "
-                                    "of 2C; pretraining under --parallel=ddp only (see docs/parallel.md)")
+                                    "of 2C; pretraining, --parallel=ddp or fsdp (+ tensor parallel), not pipeline stages "
+                                    "(see docs/parallel.md)")
     compile_mode: str = _f("default", "with --compile=true: torch.compile's mode (default | reduce-overhead | max-autotune | "
                            "max-autotune-no-cudagraphs); reduce-overhead and max-autotune replay the compiled forward "
                            "and backward as CUDA graphs on a GPU (Inductor's cudagraph trees; no effect on CPU); the "
@@ -300,6 +300,9 @@ class ParallelConfig(ParallelFlags):
         if self.float8 != "off" and self.tp > 1:
             out.append(f"--float8={self.float8} cannot be combined with --tensor_parallel_size={self.tp} yet (the "
                        "tensor-parallel plan splits plain nn.Linear layers; torchao's FP8 ones need its own plan)")
+        if self.cp > 1 and self.sequence_parallel:
+            out.append(f"--sequence_parallel=true cannot be combined with --context_parallel_size={self.cp} yet (both "
+                       "split the sequence: the tensor ranks would split each cp rank's two chunks again, untested)")
         if self.sequence_parallel and self.tp == 1:
             out.append("--sequence_parallel=true splits the sequence over tensor-parallel ranks: it needs "
                        "--tensor_parallel_size > 1")

@@ -120,7 +120,16 @@ def counts_in_sums(mesh: Any) -> bool:
 
 def dp_mesh(mesh: Any) -> Any:
     """The data-parallel sub-mesh FSDP2 shards over: ("dp_replicate", "dp_shard") when replicas exist
-    (HSDP: sharded within a replica, replicated across), else the 1-D ("dp_shard")."""
+    (HSDP: sharded within a replica, replicated across), else the 1-D ("dp_shard"). With context parallelism
+    the shard dimension is dp_shard x cp flattened ("dp_shard_cp", as in torchtitan): parameters are the same
+    on the cp ranks, so FSDP2 shards them and reduces their gradients over those ranks too."""
+    shard = "dp_shard"
+    if mesh["cp"].size() > 1:
+        shard = "dp_shard_cp"
+        try:
+            mesh[shard]
+        except (KeyError, RuntimeError, ValueError):
+            mesh["dp_shard", "cp"]._flatten(shard)
     if mesh["dp_replicate"].size() > 1:
-        return mesh["dp_replicate", "dp_shard"]
-    return mesh["dp_shard"]
+        return mesh["dp_replicate", shard]
+    return mesh[shard]

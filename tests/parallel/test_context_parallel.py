@@ -7,8 +7,9 @@ fp32 against the same in fp64.
   - the ring alone (cp = 2, 4; GQA 4 query heads over 2 kv heads): output, dq, dk, dv;
   - the model (cp = 2, 4; with and without activation checkpointing): the loss (sum, mean) and every
     parameter's gradient (summed over the cp ranks, as the data-parallel reduction does);
-  - the engine (our DDP, ZeRO-1) through parallel/build.py: 3 optimizer steps at cp = 2 (world 2), cp = 4,
-    dp 2 x cp 2 (world 4), losses and final parameters against one process on the global batch.
+  - the engine through parallel/build.py: 3 optimizer steps of our DDP at cp = 2 (world 2), cp = 4, dp 2 x cp 2
+    (world 4), ZeRO-1 at dp 2 x cp 2, FSDP2 at cp = 2 and dp 2 x cp 2, FSDP2 + tensor parallel 2 x cp 2: losses
+    and final parameters against one process on the global batch.
 """
 from __future__ import annotations
 
@@ -111,16 +112,17 @@ def _model_check(cp: int, ckpt: bool) -> dict:
             "names": sorted(gc) == sorted(g64)}
 
 
-def _engine(cp: int, zero: bool = False):
+def _engine(cp: int, zero: bool = False, parallel: str = "ddp", tp: int = 1):
     from parallel.build import build_engine
     from trainer.config import TrainConfig
-    cfg = dataclasses.replace(TrainConfig(), parallel="ddp", dtype="fp32", device="cpu", context_parallel_size=cp,
-                              use_distributed_optimizer=zero, gradient_accumulation_steps=2, **OPT)
+    cfg = dataclasses.replace(TrainConfig(), parallel=parallel, dtype="fp32", device="cpu", context_parallel_size=cp,
+                              use_distributed_optimizer=zero, gradient_accumulation_steps=2, tensor_parallel_size=tp,
+                              **OPT)
     return build_engine(_tp_model(), cfg, device=torch.device("cpu"))
 
 
-def _train(cp: int, zero: bool = False) -> dict:
-    engine = _engine(cp, zero)
+def _train(cp: int, zero: bool = False, parallel: str = "ddp", tp: int = 1) -> dict:
+    engine = _engine(cp, zero, parallel, tp)
     rec = {"losses": [], "dp": [engine.dp_rank, engine.dp_size], "counts": engine.counts_in_sums}
     for step in range(1, STEPS + 1):
         rec["losses"].append(_step(engine, step)[0])
@@ -136,10 +138,13 @@ def _world(rank: int, world: int, out_path: str) -> None:
            "model_ckpt": _model_check(world, True)}
     if world == 2:
         out["engine_cp2"] = _train(2)
+        out["fsdp_cp2"] = _train(2, parallel="fsdp")
     else:
         out["engine_cp4"] = _train(4)
         out["engine_dp2_cp2"] = _train(2)
         out["engine_dp2_cp2_zero"] = _train(2, zero=True)
+        out["fsdp_dp2_cp2"] = _train(2, parallel="fsdp")
+        out["fsdp_tp2_cp2"] = _train(2, parallel="fsdp", tp=2)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(out, f)
@@ -191,10 +196,12 @@ def test_model_loss_and_every_gradient_match_one_process(results, world, kind):
 
 
 @pytest.mark.parametrize("world,name", [(2, "engine_cp2"), (4, "engine_cp4"), (4, "engine_dp2_cp2"),
-                                        (4, "engine_dp2_cp2_zero")])
-def test_ddp_engine_steps_follow_one_process(results, reference, world, name):
-    """3 optimizer steps (2 micro-batches each, clipping, AdamW) of our DDP / ZeRO-1 with context parallelism
-    follow one process on the global batch: each step's loss and the final parameters."""
+                                        (4, "engine_dp2_cp2_zero"), (2, "fsdp_cp2"), (4, "fsdp_dp2_cp2"),
+                                        (4, "fsdp_tp2_cp2")])
+def test_engine_steps_follow_one_process(results, reference, world, name):
+    """3 optimizer steps (2 micro-batches each, clipping, AdamW) of our DDP / ZeRO-1 / FSDP2 (sharded over
+    dp x cp) / FSDP2 + tensor parallel 2, with context parallelism, follow one process on the global batch:
+    each step's loss and the final parameters."""
     rec = results[world][name]
     assert max(abs(a - b) for a, b in zip(rec["losses"], reference["losses"])) <= reference["loss_tol"]
     diff = max(float((torch.tensor(rec["params"][n], dtype=torch.float64) - reference["params"][n].reshape(-1))
@@ -207,6 +214,9 @@ def test_data_coordinates_follow_the_cp_groups(results):
     assert results[2]["engine_cp2"]["all_dp"] == [[[0, 1], True], [[0, 1], False]]
     assert results[4]["engine_cp4"]["all_dp"] == [[[0, 1], True], [[0, 1], False], [[0, 1], False], [[0, 1], False]]
     assert results[4]["engine_dp2_cp2"]["all_dp"] == [[[0, 2], True], [[0, 2], False], [[1, 2], True], [[1, 2], False]]
+    assert results[4]["fsdp_dp2_cp2"]["all_dp"] == results[4]["engine_dp2_cp2"]["all_dp"]
+    # cp x tp (rank = cp x 2 + tp): one replica, only rank 0 counts
+    assert results[4]["fsdp_tp2_cp2"]["all_dp"] == [[[0, 1], True], [[0, 1], False], [[0, 1], False], [[0, 1], False]]
 
 
 def test_refusals_name_the_flag_and_why():
@@ -218,7 +228,8 @@ def test_refusals_name_the_flag_and_why():
     for kw, words in (({"task_type": "sft"}, "--task_type=sft cannot be combined with --context_parallel_size=2"),
                       ({"task_type": "dpo"}, "--task_type=dpo cannot be combined with --context_parallel_size=2"),
                       ({"compile": True}, "--compile=true cannot be combined with --context_parallel_size=2"),
-                      ({"parallel": "fsdp"}, "--context_parallel_size=2 cannot be combined with --parallel=fsdp"),
+                      ({"parallel": "fsdp", "tensor_parallel_size": 2, "sequence_parallel": True},
+                       "--sequence_parallel=true cannot be combined with --context_parallel_size=2"),
                       ({"pipeline_parallel_size": 2}, "cannot be combined with --pipeline_parallel_size=2")):
         lines = pc(**kw).problems(4)
         assert any(words in ln for ln in lines), (kw, lines)
