@@ -3,9 +3,10 @@ ring over them (model/ring_attention.py). It sets the model's `context_parallel`
 parameter names and checkpoints never change); the model then keeps its rank's two chunks of each whole
 sequence it is given (input ids, labels, RoPE positions) and returns the loss summed over the cp group.
 
-What the engines do around it (parallel/engine_ddp.py): the cp ranks of one data-parallel replica read the
-same batch (parallel/mesh.py SAME_BATCH_DIMS), parameters stay replicated over cp, and gradients are
-reduced over dp x cp (our DDP over the whole world, normalised by the global target count).
+What the engines do around it: the cp ranks of one data-parallel replica read the same batch
+(parallel/mesh.py SAME_BATCH_DIMS), parameters are the same on the cp ranks, and gradients are reduced over
+dp x cp (our DDP over the whole world, parallel/engine_ddp.py; FSDP2 sharded over dp_shard x cp,
+parallel/mesh.py dp_mesh), normalised by the global target count (Engine.grad_ranks).
 
 Owns: turning the switch on for --context_parallel_size > 1.
 Must never: split the data itself (the model does, from the whole batch) or build process groups (the mesh does).
