@@ -24,8 +24,9 @@ block is computed so that it overlaps with the block's math; with gloo on CPU to
 GQA: keys/values keep their n_kv_heads (the query heads of a group share them inside the einsum; no
 repeat), so the ring moves n_kv_heads / n_heads of the bytes the queries would.
 
-The block math is plain PyTorch in fp32 (fp64 for fp64 inputs) with the [c, c] scores of one block of
-chunk length c materialised transiently (never saved): correct on every device, not a fused kernel.
+The block math is plain PyTorch in fp32 (fp64 for fp64 inputs), ROW_TILE query rows at a time, so the
+scores held transiently (never saved) are [heads, ROW_TILE, c] for chunks of c tokens: correct on every
+device, not a fused kernel.
 The reference is model/attention.py's `attention_ref` on the whole sequence in one process.
 
 Why our own: torch 2.13's `torch.distributed.tensor.experimental.context_parallel` does not run on CPU
@@ -84,33 +85,50 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
-    """q [B, G, R, c, D] (G kv heads x R query heads each), k [B, G, c, D] -> scores [B, G, R, c, c],
-    -inf above the diagonal when `causal` (a diagonal block: query i sees keys 0..i of the same chunk)."""
+# query rows per tile of a block: the transient scores are [heads, ROW_TILE, c] (fp32) rather than [heads, c, c]
+ROW_TILE = 1024
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, row0: int = 0) -> torch.Tensor:
+    """q [B, G, R, n, D] (G kv heads x R query heads each; rows row0.. of their chunk), k [B, G, m, D] ->
+    scores [B, G, R, n, m], -inf where the key is in the query's future when `causal` (a diagonal block)."""
     s = torch.einsum("bgrid,bgjd->bgrij", q, k) * scale
     if causal:
-        c = q.shape[-2]
-        future = torch.ones(c, c, dtype=torch.bool, device=q.device).triu(1)
+        rows = torch.arange(row0, row0 + q.shape[-2], device=q.device)
+        future = torch.arange(k.shape[-2], device=q.device)[None, :] > rows[:, None]
         s = s.masked_fill(future, float("-inf"))
     return s
 
 
+def _tiles(rows: int, causal: bool, keys: int):
+    """(first row, end row, keys seen) per tile of ROW_TILE query rows; a causal tile sees keys < its end row."""
+    for r0 in range(0, rows, ROW_TILE):
+        r1 = min(rows, r0 + ROW_TILE)
+        yield r0, r1, (r1 if causal else keys)
+
+
 def block_forward(q, k, v, causal: bool, scale: float):
-    """One block: (out [B, G, R, c, D], lse [B, G, R, c]) in the accumulation dtype."""
-    s = _scores(q, k, causal, scale)
-    lse = torch.logsumexp(s, dim=-1)
-    out = torch.einsum("bgrij,bgjd->bgrid", torch.exp(s - lse[..., None]), v)
-    return out, lse
+    """One block: (out [B, G, R, c, D], lse [B, G, R, c]) in the accumulation dtype, ROW_TILE query rows at a time."""
+    outs, lses = [], []
+    for r0, r1, n in _tiles(q.shape[-2], causal, k.shape[-2]):
+        s = _scores(q[..., r0:r1, :], k[..., :n, :], causal, scale, r0)
+        lse = torch.logsumexp(s, dim=-1)
+        outs.append(torch.einsum("bgrij,bgjd->bgrid", torch.exp(s - lse[..., None]), v[..., :n, :]))
+        lses.append(lse)
+    return torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
 
 
 def block_backward(q, k, v, dout, lse, delta, causal: bool, scale: float):
-    """One block's (dq, dk, dv) given the merged row lse and delta = rowsum(dout * out)."""
-    p = torch.exp(_scores(q, k, causal, scale) - lse[..., None])
-    dv = torch.einsum("bgrij,bgrid->bgjd", p, dout)
-    dp = torch.einsum("bgrid,bgjd->bgrij", dout, v)
-    ds = p * (dp - delta[..., None])
-    dq = torch.einsum("bgrij,bgjd->bgrid", ds, k) * scale
-    dk = torch.einsum("bgrij,bgrid->bgjd", ds, q) * scale
+    """One block's (dq, dk, dv) given the merged row lse and delta = rowsum(dout * out), ROW_TILE rows at a time."""
+    dq = torch.empty_like(q)
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    for r0, r1, n in _tiles(q.shape[-2], causal, k.shape[-2]):
+        qt, dot = q[..., r0:r1, :], dout[..., r0:r1, :]
+        p = torch.exp(_scores(qt, k[..., :n, :], causal, scale, r0) - lse[..., r0:r1, None])
+        dv[..., :n, :] += torch.einsum("bgrij,bgrid->bgjd", p, dot)
+        ds = p * (torch.einsum("bgrid,bgjd->bgrij", dot, v[..., :n, :]) - delta[..., r0:r1, None])
+        dq[..., r0:r1, :] = torch.einsum("bgrij,bgjd->bgrid", ds, k[..., :n, :]) * scale
+        dk[..., :n, :] += torch.einsum("bgrij,bgrid->bgjd", ds, qt) * scale
     return dq, dk, dv
 
 

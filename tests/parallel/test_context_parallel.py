@@ -46,7 +46,8 @@ def _gather_seq(t: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def _ring_check(rank: int, cp: int) -> dict:
-    """Max |error| vs fp64 of the ring (fp32, fp64 inputs) and of the fp32 reference, for y, dq, dk, dv."""
+    """Max |error| vs fp64 of the ring (fp32, fp64 inputs; fp64 again with query tiles of 3 rows) and of the fp32
+    reference, for y, dq, dk, dv."""
     from model.attention import attention_ref
     group = dist.group.WORLD
     g = torch.Generator().manual_seed(7)
@@ -61,12 +62,18 @@ def _ring_check(rank: int, cp: int) -> dict:
     r32 = attention_ref(*f32, None)
     r32.backward(dy.float())
     out["ref32"] = [float((a.double() - b).abs().max()) for a, b in zip([r32.detach()] + [t.grad for t in f32], want)]
-    for dt in (torch.float32, torch.float64):
-        local = [shard_sequence(t.to(dt), rank, cp, dim=2).requires_grad_() for t in (q, k, v)]
-        y = ring_attention(*local, group)
-        y.backward(shard_sequence(dy.to(dt), rank, cp, dim=2))
+    import model.ring_attention as ring
+    for dt, tile in ((torch.float32, ring.ROW_TILE), (torch.float64, ring.ROW_TILE), (torch.float64, 3)):
+        ring.ROW_TILE, saved = tile, ring.ROW_TILE  # 3: query rows in tiles of 3 (and a remainder) per block
+        try:
+            local = [shard_sequence(t.to(dt), rank, cp, dim=2).requires_grad_() for t in (q, k, v)]
+            y = ring_attention(*local, group)
+            y.backward(shard_sequence(dy.to(dt), rank, cp, dim=2))
+        finally:
+            ring.ROW_TILE = saved
         got = [_gather_seq(t, 2) for t in [y] + [t.grad for t in local]]
-        out[str(dt)] = [float((a.double() - b).abs().max()) for a, b in zip(got, want)]
+        out[str(dt) + ("" if tile == saved else f"_tile{tile}")] = [float((a.double() - b).abs().max())
+                                                                    for a, b in zip(got, want)]
     return out
 
 
@@ -178,7 +185,7 @@ def test_ring_attention_matches_whole_sequence(results, world):
     the ring is exact to ~1e-12 (any misplaced block, mask or merge would be O(1)); in fp32 it may be at most
     4x the fp32 reference's own error."""
     r = results[world]["ring"]
-    assert max(r["torch.float64"]) < 1e-12, r
+    assert max(r["torch.float64"]) < 1e-12 and max(r["torch.float64_tile3"]) < 1e-12, r
     for name, got, ref in zip(("y", "dq", "dk", "dv"), r["torch.float32"], r["ref32"]):
         assert got <= 4 * ref + 1e-7, (name, got, ref)
 
