@@ -39,7 +39,7 @@ memory table, fp32 formulas). Default model: only ddp and fsdp are timed (all si
 
 Activations (--activations, nothing else runs): the bytes autograd saves for backward during one forward,
 per token per transformer block, per rank, for tp1 / tp2 / tp2+sp at world 2 and also tp4 / tp4+sp at
-world 4 (--act-worlds), each engine built by parallel.build.build_engine (FSDP2 + DTensor tensor
+world 4 (--act-worlds), and context parallel cp2 (world 2 and 4) / cp4 (world 4) under our DDP, each engine built by parallel.build.build_engine (FSDP2 + DTensor tensor
 parallelism, fp32). A saved_tensors_hooks sums every saved tensor's storage once (a DTensor counts its
 local shard), attributed by forward hooks to the block running when it was first saved; the forward runs
 at B and 2B sequences and the difference is the per-token part (weights saved by the matmuls cancel).
@@ -331,6 +331,9 @@ def _worker(rank: int, world: int, port: int, a, plan: dict, path: str) -> None:
 
 ACT_LAYOUTS = {2: [("tp1", 1, False), ("tp2", 2, False), ("tp2+sp", 2, True)],
                4: [("tp1", 1, False), ("tp2", 2, False), ("tp2+sp", 2, True), ("tp4", 4, False), ("tp4+sp", 4, True)]}
+# context parallel (our DDP, model/ring_attention.py): each rank holds S / C tokens of every sequence; the
+# bytes are divided by all B x S tokens of the batch, so per token per rank they should be 1 / C of tp1's
+CP_LAYOUTS = {2: [("cp2", 2)], 4: [("cp2", 2), ("cp4", 4)]}
 
 
 def act_model_config(a) -> ModelConfig:
@@ -438,11 +441,13 @@ def _act_worker(rank: int, world: int, port: int, a, path: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     res = {}
-    for name, tp, sp in ACT_LAYOUTS[world]:
+    layouts = [(name, tp, sp, 1) for name, tp, sp in ACT_LAYOUTS[world]] + [(n, 1, False, c) for n, c in CP_LAYOUTS[world]]
+    for name, tp, sp, cp in layouts:
         torch.manual_seed(0)
         model = Transformer(act_model_config(a))
-        cfg = dataclasses.replace(TrainConfig(), parallel="fsdp", device="cpu", dtype="fp32", tensor_parallel_size=tp,
-                                  sequence_parallel=sp, max_seq_len=a.act_seq, batch_size=a.act_batch)
+        cfg = dataclasses.replace(TrainConfig(), parallel="fsdp" if cp == 1 else "ddp", device="cpu", dtype="fp32",
+                                  tensor_parallel_size=tp, sequence_parallel=sp, max_seq_len=a.act_seq,
+                                  batch_size=a.act_batch, context_parallel_size=cp)
         eng = build_engine(model, cfg, device=torch.device("cpu"))
         fwd = eng.forward_model
         fused = model.cfg.fused_qkv and all(blk.self_attn.fused_qkv for blk in eng.module.layers)
@@ -457,6 +462,8 @@ def _act_worker(rank: int, world: int, port: int, a, path: str) -> None:
             eng.optimizer.zero_grad()
             by_region, log, loss = saved_bytes_by_region(eng.module, lambda: fwd(x, labels=y))
             eng.optimizer.scale_loss(loss).backward()
+            if cp > 1:  # our DDP: the gradient reduction completes before the buffers are zeroed
+                eng.model.finish_grad_sync()
             runs[b] = (by_region, log)
         eng.optimizer.zero_grad()
         res[name] = {"tp": tp, "sp": sp, "fused_qkv": fused, "runs": {str(b): r for b, r in runs.items()}}
@@ -516,6 +523,20 @@ def run_activations(a) -> None:
               f"act_rest_formula | all ranks measured the same")
         print(f"SDPA on CPU saved a [.., S, S] tensor: {'yes ' + str(ss[:3]) if ss else 'no'} (it saves q, k, v, "
               f"its output and a logsumexp [B, heads, S]: the CPU flash kernel)")
+        for name, cp in CP_LAYOUTS[world]:
+            m = ranks[0][name]
+            lo, hi = m["runs"][str(B)][0], m["runs"][str(2 * B)][0]
+            act = {k: hi.get(k, 0) - lo.get(k, 0) for k in set(lo) | set(hi)}
+            layer = act.get(f"L{L - 1}", 0) / (B * S)
+            rest = (act.get("pre", 0) + act.get("post", 0)) / (B * S)
+            same = all(ranks[r][name]["runs"][str(2 * B)][0].get(f"L{L - 1}") == hi.get(f"L{L - 1}")
+                       for r in range(world))
+            print(f"{name:8s} {layer:11.1f} {act_formula(cfg, 1, False)[0] / cp:9.1f} "
+                  f"{layer / (act_formula(cfg, 1, False)[0] / cp):9.4f} {layer / tp1_meas:7.3f} {1 / cp:7.3f}   "
+                  f"x C = {layer * cp:.1f} B/tok/layer, {layer * cp / tp1_meas:.4f} of tp1; rest {rest:.1f} "
+                  f"({rest * cp:.1f} x C) {'same' if same else 'DIFF':>5s}")
+        print(f"cp rows: context parallel C over our DDP (ring attention), bytes per token of the whole B x S batch "
+              f"on rank 0 (each rank holds S / C of every sequence); formula = act_formula(t=1) / C")
         print("formula terms, bytes/token/layer (act_formula):")
         for name, tp, sp in ACT_LAYOUTS[world]:
             _, terms = act_formula(cfg, tp, sp)

@@ -12,6 +12,8 @@ query always sees itself so no row is empty), and one function per backend besid
 | `flex`        | `flex_attention_` | padding or documents on an accelerator: FlexAttention with a BlockMask  |
 | `sdpa_masked` | `sdpa_attention`  | padding or documents elsewhere (CPU: FlexAttention has no CPU backward); |
 |               |                   | the dense [B, 1, T, Tk] boolean mask is also the reference for `flex`    |
+| `ring`        | `ring_attention`  | never: the model's context-parallel switch (model/ring_attention.py), causal |
+|               |                   | over the cp group's whole sequence (no padding or documents)             |
 
 `attention_ref` (materialised GQA, explicit softmax) is what the tests compare every backend against.
 Documents come from `doc_ids`, else from `position_ids` (a document starts wherever the position does not
@@ -68,6 +70,7 @@ class AttnSpec:
     cu_seqlens: Optional[torch.Tensor] = None   # flash_varlen: int32 boundaries over the flattened batch
     max_seqlen: int = 0                         # flash_varlen
     flash: Optional[tuple] = None               # (flash_attn_func, flash_attn_varlen_func)
+    group: Any = None                           # ring: the context-parallel process group (model/ring_attention.py)
 
 
 # ------------------------------------------------------------------------------------ the rule

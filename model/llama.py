@@ -26,6 +26,7 @@ from model import attention, kernels
 from model.attention import AttnSpec, documents_from_positions
 from model.config import ModelConfig
 from model.loss import lm_head_loss
+from model.ring_attention import ring_attention
 
 
 # -------------------------------------------------------------------------------------- RMSNorm
@@ -173,7 +174,9 @@ class Attention(nn.Module):
             if cache is not None:
                 k, v = cache.update(self.layer_idx, k, v)
             # k/v keep n_kv_heads: SDPA's and FlexAttention's enable_gqa share them inside the kernel
-            if spec.kind == "flex":
+            if spec.kind == "ring":  # context parallel: this rank's chunks against the whole sequence
+                y = ring_attention(q, k, v, spec.group)
+            elif spec.kind == "flex":
                 y = attention.flex_attention_(q, k, v, spec)
             else:
                 y = attention.sdpa_attention(q, k, v, spec, dropout)
@@ -242,6 +245,9 @@ class Transformer(nn.Module):
         # attention backend: "auto" (model/attention.py picks per batch), or "sdpa" | "flex" | "flash" to
         # force one (tests, benchmarks). A plain attribute: never in the config or a checkpoint.
         self.attn_backend = "auto"
+        # context parallelism: a model.ring_attention.ContextParallel set by parallel/transforms/context_parallel.py
+        # (None: the whole sequence on this rank). A plain attribute, like attn_backend.
+        self.context_parallel = None
         if cfg.flash_attn:  # imported here, never inside a (compiled) forward
             kernels.detect_flash_attn()
         self.apply(self._init_weights)
@@ -321,13 +327,28 @@ class Transformer(nn.Module):
         """
         B, T = input_ids.shape[0], input_ids.shape[1]
         past = cache.pos if cache is not None else 0
-        if position_ids is None:
+        cp = getattr(self, "context_parallel", None)
+        if cp is not None and cp.size > 1:
+            # whole sequences in, this rank's two chunks kept (model/ring_attention.py); the loss comes back summed
+            # over the cp group, the logits (labels None) are this rank's positions only
+            if any(t is not None for t in (attention_mask, position_ids, doc_ids, cu_seqlens, cache)) \
+                    or self.embed_tokens is None or (labels is not None and reduction not in ("sum", "mean")):
+                raise ValueError("context parallelism takes whole causal sequences of token ids with a summed or "
+                                 "mean loss: no attention_mask, position_ids, doc_ids, cu_seqlens, KV cache, "
+                                 "reduction='none' or pipeline stage (docs/parallel.md)")
+            positions = cp.positions(B, T, input_ids.device)
+            input_ids, labels, T = cp.shard(input_ids), cp.shard(labels), T // cp.size
+            spec = AttnSpec("ring", group=cp.group)
+        elif position_ids is None:
             positions = torch.arange(past, past + T, device=input_ids.device)[None].expand(B, T)
         else:
             positions = position_ids.expand(B, T) if position_ids.shape[0] == 1 else position_ids
-        spec = self._attn_spec(B, T, positions, attention_mask, position_ids is not None, cache,
-                               doc_ids=doc_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
-        cached = self.rotary.table(past, T) if position_ids is None else None
+        cp_on = cp is not None and cp.size > 1
+        if not cp_on:
+            spec = self._attn_spec(B, T, positions, attention_mask, position_ids is not None, cache,
+                                   doc_ids=doc_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+        # no position_ids (and no cp split): the cached cos/sin tables of positions past .. past+T-1
+        cached = self.rotary.table(past, T) if position_ids is None and not cp_on else None
         cos, sin = cached if cached is not None else self.rotary(positions)
 
         h = input_ids if self.embed_tokens is None else self.embed_tokens(input_ids)
@@ -347,4 +368,6 @@ class Transformer(nn.Module):
             if logits_to_keep:
                 h = h[:, -logits_to_keep:]
             return self.lm_head(h)
+        if cp is not None and cp.size > 1:
+            return cp.reduce_loss(lm_head_loss(h, self.lm_head.weight, labels, "sum", self.cfg), labels, reduction)
         return lm_head_loss(h, self.lm_head.weight, labels, reduction, self.cfg)

@@ -23,8 +23,8 @@ from parallel.engine import TrainingEngine
 from parallel.engine_ddp import build_ddp_engine
 from parallel.engine_fsdp import build_fsdp_engine_on_mesh
 from parallel.engine_pipeline import build_pipeline_parallel_engine
-from parallel.mesh import MeshLayout
-from parallel.transforms import activation_checkpoint, compile as compile_transform, float8
+from parallel.mesh import MeshLayout, build_device_mesh
+from parallel.transforms import activation_checkpoint, compile as compile_transform, context_parallel, float8
 from utils.device import parse_dtype
 
 # the outermost engine of a layout (ParallelConfig.engine_kinds()[0]) -> its builder
@@ -45,16 +45,23 @@ def build_engine(model: nn.Module, flags: Any, group: Any = None, device: Option
     size 1 and N. `device`: where to run (default: where the model is); only this rank's pipeline stage
     is moved there, so the full model may be built on the CPU. Raises ValueError for a layout that cannot
     run. The transforms run in parallel/transforms ORDER: tensor parallel (inside the mesh engines'
-    builders, before FSDP2), activation checkpointing, FP8, the engine's wrap, compile."""
+    builders, before FSDP2), activation checkpointing, context parallel, FP8, the engine's wrap, compile."""
     pc = ParallelConfig.from_flags(flags)
     device = torch.device(device if device is not None else next(model.parameters()).device)
     compute_dtype = parse_dtype(flags.dtype)
     kind = pc.engine_kinds()[0]
     model.to(dtype=torch.float32 if pc.parallel == "fsdp" else compute_dtype)
     activation_checkpoint.apply(model, None, pc)
+    cp_mesh = None
+    if pc.cp > 1:  # our DDP has no mesh of its own: the cp groups come from the run's one mesh
+        import torch.distributed as dist
+        cp_mesh = build_device_mesh(pc.layout(dist.get_world_size()), device.type)
+    context_parallel.apply(model, cp_mesh, pc)
     float8.apply(model, None, pc, device=device)  # before the wrap (FSDP shards the Float8Linear weights) and compile
     engine = ENGINE_BUILDERS[kind](model, pc, optimizer_config(flags), device=device, group=group,
                                    param_dtype=compute_dtype)
+    if engine.mesh is None:
+        engine.mesh = cp_mesh
     compile_transform.apply(engine, engine.mesh, pc)
     return engine
 
@@ -64,7 +71,8 @@ def describe_layout(flags: Any, engine: TrainingEngine, world_size: int) -> str:
     activation checkpointing and the global batch (samples and tokens per optimizer step)."""
     pc = ParallelConfig.from_flags(flags)
     parts = [f"engine {pc.describe_engine()}",
-             MeshLayout.from_sizes(world_size, pp=pc.pp, dp_replicate=pc.dp_replicate_size, tp=pc.tp).describe()]
+             MeshLayout.from_sizes(world_size, pp=pc.pp, dp_replicate=pc.dp_replicate_size, tp=pc.tp,
+                                   cp=pc.cp).describe()]
     if "comm_hooks" in pc.capabilities():  # the engine's declared capabilities
         hook = pc.comm_hook
         if hook == "powersgd":

@@ -35,9 +35,10 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 # engine that runs its stages.
 CAPABILITIES: dict[str, frozenset] = {
     "ddp": frozenset({"compile", "dpo", "frozen_parameters", "light_checkpoints", "whole_model_on_one_rank",
-                      "comm_hooks", "overlap_optim_step", "zero", "tied_embeddings", "no_process_group", "float8"}),
+                      "comm_hooks", "overlap_optim_step", "zero", "tied_embeddings", "no_process_group", "float8",
+                      "context_parallel"}),
     "fsdp": frozenset({"compile", "dpo", "frozen_parameters", "tensor_parallel", "sequence_parallel", "hsdp",
-                       "cpu_offload", "tied_embeddings", "float8"}),
+                       "cpu_offload", "tied_embeddings", "float8", "context_parallel"}),
     "pipeline": frozenset({"zero", "tensor_parallel", "cpu_offload", "frozen_parameters", "dpo"}),
 }
 WHY_NOT: dict[str, str] = {
@@ -52,6 +53,18 @@ WHY_NOT: dict[str, str] = {
     "cpu_offload": "offloading is FSDP2's: needs --parallel=fsdp",
     "tied_embeddings": "the embedding on the first stage and the LM head on the last would be one weight on two ranks",
     "float8": "FP8 layers are not tested under pipeline stages yet",
+    "context_parallel": "pipeline stages would pass split hidden states between ranks: not built yet",
+}
+# what context parallelism refuses of a run, and why (one line each)
+CP_REFUSES: dict[str, str] = {
+    "sft": "SFT batches carry padding (attention_mask) or packed documents (position_ids); the ring's blocks "
+           "are causal over one whole sequence and do not apply a document or padding mask yet",
+    "dpo": "DPO sums log-probabilities per sequence on one rank (reduction='none'); the split sequence would "
+           "need them summed over the cp group first",
+    "whole_model_on_one_rank": "samples and task evaluation run whole prompts through a KV cache on one rank; "
+                               "the model under cp takes split sequences only",
+    "compile": "the ring's point-to-point exchanges are not traced by torch.compile (it would graph-break at "
+               "every layer); run context parallelism eagerly",
 }
 
 
@@ -96,6 +109,12 @@ class ParallelFlags:
                      "training, dynamic scales per tensor or per row; weights, optimizer and checkpoints unchanged); "
                      "needs an FP8 GPU (compute capability 8.9+: Ada, Hopper); on CPU torchao's emulation (slow, for "
                      "checking). Not with --tensor_parallel_size > 1 or pipeline stages yet")
+    context_parallel_size: int = _f(1, "context-parallel ranks C (1 = off): every sequence split over C ranks (each holds "
+                                    "a head and a tail chunk of 2C, so causal work is balanced), keys/values passed "
+                                    "around them (ring attention, model/ring_attention.py); parameters replicated, "
+                                    "gradients reduced over dp x C (WORLD_SIZE = dp x C); --max_seq_len a multiple "
+                                    "of 2C; pretraining, --parallel=ddp or fsdp (+ tensor parallel), not pipeline stages "
+                                    "(see docs/parallel.md)")
     compile_mode: str = _f("default", "with --compile=true: torch.compile's mode (default | reduce-overhead | max-autotune | "
                            "max-autotune-no-cudagraphs); reduce-overhead and max-autotune replay the compiled forward "
                            "and backward as CUDA graphs on a GPU (Inductor's cudagraph trees; no effect on CPU); the "
@@ -109,6 +128,7 @@ class ParallelConfig(ParallelFlags):
     gradient_checkpointing: bool = False   # the activation checkpointing transform
     gradient_accumulation_steps: int = 1   # a pipeline's micro-batches per step
     seed: int = 1337                       # PowerSGD's random projections
+    task_type: str = "pretrain"            # context parallelism refuses sft / dpo (CP_REFUSES)
 
     @classmethod
     def from_flags(cls, flags: Any) -> "ParallelConfig":
@@ -125,20 +145,27 @@ class ParallelConfig(ParallelFlags):
     def tp(self) -> int:
         return int(self.tensor_parallel_size)
 
+    @property
+    def cp(self) -> int:
+        return int(self.context_parallel_size)
+
     def layout(self, world_size: int) -> MeshLayout:
         """The mesh sizes for `world_size` processes; ValueError (one line) when they do not fit."""
-        return MeshLayout.from_sizes(world_size, pp=self.pp, dp_replicate=int(self.dp_replicate_size), tp=self.tp)
+        return MeshLayout.from_sizes(world_size, pp=self.pp, dp_replicate=int(self.dp_replicate_size), tp=self.tp,
+                                     cp=self.cp)
 
     def data_parallel_size(self, world_size: int) -> int:
-        """How many slices the global batch is split into at `world_size`: the ranks of one pipeline and of
-        one tensor group read the same batch."""
-        return max(1, int(world_size) // max(1, self.pp * self.tp))
+        """How many slices the global batch is split into at `world_size`: the ranks of one pipeline, of one
+        context group and of one tensor group read the same batch."""
+        return max(1, int(world_size) // max(1, self.pp * self.cp * self.tp))
 
     def describe_ranks(self, dp_size: int) -> str:
         """`N data-parallel ranks x P pipeline stages (schedule) x T tensor-parallel ranks`, for the start line."""
         words = f"{dp_size} data-parallel ranks"
         if self.pp > 1:
             words += f" x {self.pp} pipeline stages ({self.pipeline_schedule})"
+        if self.cp > 1:
+            words += f" x {self.cp} context-parallel ranks"
         if self.tp > 1:
             words += f" x {self.tp} tensor-parallel ranks"
         return words
@@ -193,7 +220,8 @@ class ParallelConfig(ParallelFlags):
                  (self.overlap_optim_step, "--overlap_optim_step=true", "overlap_optim_step"),
                  (self.use_distributed_optimizer, "--use_distributed_optimizer=true", "zero"),
                  (self.compile, "--compile=true", "compile"),
-                 (self.float8 != "off", f"--float8={self.float8}", "float8"))
+                 (self.float8 != "off", f"--float8={self.float8}", "float8"),
+                 (self.cp > 1, f"--context_parallel_size={self.cp}", "context_parallel"))
         return {asked_by: cap for on, asked_by, cap in asked if on}
 
     def problems(self, world_size: Optional[int] = None, needs: Optional[dict[str, str]] = None) -> list[str]:
@@ -201,7 +229,7 @@ class ParallelConfig(ParallelFlags):
         out as pp x dp_replicate x dp_shard x tp, and each capability asked for (`needs` and the layout's
         own flags) that an engine of this layout does not declare."""
         out = []
-        for name in ("pipeline_parallel_size", "tensor_parallel_size", "dp_replicate_size"):
+        for name in ("pipeline_parallel_size", "tensor_parallel_size", "dp_replicate_size", "context_parallel_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 out.append(f"--{name}={v!r}: must be an integer >= 1")
@@ -220,10 +248,18 @@ class ParallelConfig(ParallelFlags):
         if out:
             return out
         if world_size is not None:
-            problem = layout_problem(world_size, pp=self.pp, dp_replicate=int(self.dp_replicate_size), tp=self.tp)
+            problem = layout_problem(world_size, pp=self.pp, dp_replicate=int(self.dp_replicate_size), tp=self.tp,
+                                     cp=self.cp)
             if problem:
                 out.append(problem)
         out.extend(self._combination_problems())
+        if self.cp > 1:
+            asked = {f"--task_type={self.task_type}": self.task_type, **{k: v for k, v in (needs or {}).items()},
+                     **({"--compile=true": "compile"} if self.compile else {})}
+            for asked_by, what in asked.items():
+                if what in CP_REFUSES:
+                    out.append(f"{asked_by} cannot be combined with --context_parallel_size={self.cp} "
+                               f"({CP_REFUSES[what]})")
         for asked_by, cap in {**self.layout_needs(), **(needs or {})}.items():
             engine = self.engine_lacking(cap)
             if engine is not None:
@@ -249,6 +285,9 @@ class ParallelConfig(ParallelFlags):
             if self.sequence_parallel and dropout > 0:
                 out.append(f"--sequence_parallel=true cannot be combined with --dropout={dropout} yet (each rank's "
                            "positions would need their own random stream)")
+        if self.cp > 1 and max_seq_len % (2 * self.cp):
+            out.append(f"--context_parallel_size={self.cp}: --max_seq_len={max_seq_len} is not a multiple of 2 x "
+                       f"{self.cp} = {2 * self.cp} (each rank holds a head and a tail chunk of 2 x {self.cp})")
         return out
 
     def _combination_problems(self) -> list[str]:
@@ -261,6 +300,9 @@ class ParallelConfig(ParallelFlags):
         if self.float8 != "off" and self.tp > 1:
             out.append(f"--float8={self.float8} cannot be combined with --tensor_parallel_size={self.tp} yet (the "
                        "tensor-parallel plan splits plain nn.Linear layers; torchao's FP8 ones need its own plan)")
+        if self.cp > 1 and self.sequence_parallel:
+            out.append(f"--sequence_parallel=true cannot be combined with --context_parallel_size={self.cp} yet (both "
+                       "split the sequence: the tensor ranks would split each cp rank's two chunks again, untested)")
         if self.sequence_parallel and self.tp == 1:
             out.append("--sequence_parallel=true splits the sequence over tensor-parallel ranks: it needs "
                        "--tensor_parallel_size > 1")
@@ -296,4 +338,6 @@ class ParallelConfig(ParallelFlags):
             kind += f", HSDP over {self.dp_replicate_size} replicas"
         if self.float8 != "off":
             kind += f", FP8 block matmuls ({self.float8})"
+        if self.cp > 1:
+            kind += f" + context parallel {self.cp} (ring attention)"
         return kind

@@ -132,6 +132,9 @@ class Engine:
     # ranks after the first hold the same batch): they add zeros in sum_over_data
     counts_in_sums: bool = True
     mesh: Any = None                 # the run's DeviceMesh (parallel/mesh.py), where the engine built one
+    # the ranks the gradient reduction averages over when they are more than dp_size (context parallel: dp x cp,
+    # each cp rank holding part of every sequence); 0 = dp_size
+    grad_ranks: int = 0
 
     def __post_init__(self) -> None:
         if self.forward_model is None:
@@ -170,8 +173,10 @@ class Engine:
                 if poison:
                     loss_sum = loss_sum * float("nan")
                 # our DDP averages gradients over ranks; * world / global_units makes the result the
-                # gradient of (sum of all ranks' losses) / (all ranks' target units)
-                self.optimizer.scale_loss(loss_sum * (self.dp_size / global_units)).backward()
+                # gradient of (sum of all ranks' losses) / (all ranks' target units). Under context parallelism
+                # loss_sum is already the cp group's (model/ring_attention.py: identity backward), each cp rank's
+                # gradient is its part of it, and the average runs over dp x cp ranks (grad_ranks)
+                self.optimizer.scale_loss(loss_sum * ((self.grad_ranks or self.dp_size) / global_units)).backward()
             row = stat_row(loss_sum, stats)
             acc = row if acc is None else acc + row
         return acc if acc is not None else zero_stats()

@@ -137,5 +137,10 @@ def build_ddp_engine(model: nn.Module, pc: ParallelConfig, opt_cfg: OptimizerCon
     ddp = wrap_ddp(model, pc, group)
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if dist.is_available() and dist.is_initialized() \
         else (0, 1)
+    # context parallel (rank = dp x C + c on the mesh, pp = tp = 1 here): the C ranks of one replica read one
+    # batch, and the gradients are averaged over all of them (dp x C), the world this DDP reduces over
+    cp = pc.cp
+    if cp > 1 and group is not None:
+        raise ValueError("--context_parallel_size > 1 lays out the whole world: build it without a process group")
     return DDPEngine(ddp, build_optimizer(ddp, opt_cfg), model, sharded_optimizer=pc.use_distributed_optimizer,
-                     dp_rank=rank, dp_size=world)
+                     dp_rank=rank // cp, dp_size=world // cp, grad_ranks=world, counts_in_sums=rank % cp == 0)

@@ -118,5 +118,7 @@ def build_fsdp_engine_on_mesh(model: nn.Module, pc: ParallelConfig, opt_cfg: Opt
                                      reshard_after_forward=pc.reshard_after_forward, cpu_offload=pc.cpu_offload,
                                      sequence_parallel=pc.sequence_parallel)
     rank, world = layout.dp_coordinates(dist.get_rank())
+    # context parallel: FSDP2 averages the gradients over dp x cp ranks (parallel/mesh.py dp_mesh), the batch is
+    # split over dp only
     return FSDPEngine(wrapped, opt, wrapped, sharded_optimizer=True, dp_rank=rank, dp_size=world, mesh=mesh,
-                      counts_in_sums=layout.counts_in_sums(dist.get_rank()))
+                      counts_in_sums=layout.counts_in_sums(dist.get_rank()), grad_ranks=world * layout.cp)

@@ -1,13 +1,14 @@
 """One device mesh for every engine: the world's ranks laid out on named dimensions, built from the flags.
 
     layout = MeshLayout.from_sizes(world_size, pp=1, dp_replicate=2, tp=2)   # dp_shard: the rest (2 at 8)
-    mesh = build_device_mesh(layout, "cuda")       # dims ("pp", "dp_replicate", "dp_shard", "tp")
+    mesh = build_device_mesh(layout, "cuda")       # dims ("pp", "dp_replicate", "dp_shard", "cp", "tp")
     mesh["tp"], dp_mesh(mesh), mesh["pp"]          # the sub-meshes the engines take
 
-Dimensions, outermost first (rank = ((pp * R + r) * S + s) * T + t): pipeline stages, data-parallel
+Dimensions, outermost first (rank = (((pp * R + r) * S + s) * C + c) * T + t): pipeline stages, data-parallel
 replicas (HSDP: whole copies, gradients all-reduced between them), data-parallel shards (FSDP2 shards
-parameters, gradients and optimizer state within a replica), tensor parallel (the model's matmuls split
-over these ranks). Tensor parallel is innermost, so its ranks are neighbours (one node, NVLink), as in
+parameters, gradients and optimizer state within a replica), context parallel (each sequence split over
+these ranks, keys/values passed around them: model/ring_attention.py; as in torchtitan, between the data
+and the tensor dimensions), tensor parallel (the model's matmuls split over these ranks). Tensor parallel is innermost, so its ranks are neighbours (one node, NVLink), as in
 Megatron-LM and torchtitan. Every dimension is present, size 1 when unused, so `mesh["tp"]` always works.
 
 Owns: the layout arithmetic and its one-line error (`layout_problem`), the mesh, the data-parallel
@@ -20,10 +21,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 # the dimensions whose ranks read the same batch (they split the model, not the data): a rank counts in the
-# sums over the data only when it is the first of them (a new such dimension, e.g. "cp", is added here)
-SAME_BATCH_DIMS = ("pp", "tp")
+# sums over the data only when it is the first of them (context-parallel ranks read the same batch and each keeps
+# its part of every sequence: the model's loss is already summed over them)
+SAME_BATCH_DIMS = ("pp", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -32,27 +34,30 @@ class MeshLayout:
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
+    cp: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp_replicate * self.dp_shard * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     @property
     def dp(self) -> int:
         """Data-parallel ranks: how many slices the global batch is split into."""
         return self.dp_replicate * self.dp_shard
 
-    def sizes(self) -> tuple[int, int, int, int]:
-        return (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+    def sizes(self) -> tuple[int, ...]:
+        """The sizes in MESH_DIMS order."""
+        return (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
 
     @classmethod
-    def from_sizes(cls, world_size: int, *, pp: int = 1, dp_replicate: int = 1, tp: int = 1) -> "MeshLayout":
-        """The layout with dp_shard = world / (pp x dp_replicate x tp); ValueError (one line) when that
+    def from_sizes(cls, world_size: int, *, pp: int = 1, dp_replicate: int = 1, tp: int = 1,
+                   cp: int = 1) -> "MeshLayout":
+        """The layout with dp_shard = world / (pp x dp_replicate x cp x tp); ValueError (one line) when that
         is not a whole number >= 1."""
-        problem = layout_problem(world_size, pp=pp, dp_replicate=dp_replicate, tp=tp)
+        problem = layout_problem(world_size, pp=pp, dp_replicate=dp_replicate, tp=tp, cp=cp)
         if problem:
             raise ValueError(problem)
-        return cls(pp, dp_replicate, world_size // (pp * dp_replicate * tp), tp)
+        return cls(pp, dp_replicate, world_size // (pp * dp_replicate * cp * tp), tp, cp)
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """This rank's index on every dimension (the layout `build_device_mesh` gives torch)."""
@@ -77,25 +82,28 @@ class MeshLayout:
         dp = f"data-parallel {self.dp}"
         if self.dp_replicate > 1:
             dp += f" (replicate {self.dp_replicate} x shard {self.dp_shard})"
-        return f"world {self.world_size} = pipeline {self.pp} x {dp} x tensor {self.tp}"
+        cp = f" x context {self.cp}" if self.cp > 1 else ""
+        return f"world {self.world_size} = pipeline {self.pp} x {dp}{cp} x tensor {self.tp}"
 
 
-def layout_problem(world_size: int, *, pp: int = 1, dp_replicate: int = 1, tp: int = 1) -> Optional[str]:
+def layout_problem(world_size: int, *, pp: int = 1, dp_replicate: int = 1, tp: int = 1,
+                   cp: int = 1) -> Optional[str]:
     """Why these sizes do not lay out `world_size` ranks (one line naming the product), or None."""
     for name, v in (("pipeline_parallel_size", pp), ("dp_replicate_size", dp_replicate),
-                    ("tensor_parallel_size", tp)):
+                    ("tensor_parallel_size", tp), ("context_parallel_size", cp)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             return f"--{name}={v!r}: must be an integer >= 1"
-    fixed = pp * dp_replicate * tp
+    fixed = pp * dp_replicate * cp * tp
     if world_size % fixed:
+        ctx = f"context {cp} x " if cp > 1 else ""
         return (f"world size {world_size} is not a multiple of pipeline {pp} x dp_replicate {dp_replicate} x "
-                f"tensor {tp} = {fixed} (the data-parallel shard dimension is world / {fixed}; launch a multiple "
+                f"{ctx}tensor {tp} = {fixed} (the data-parallel shard dimension is world / {fixed}; launch a multiple "
                 f"of {fixed} processes)")
     return None
 
 
 def build_device_mesh(layout: MeshLayout, device_type: str) -> Any:
-    """The torch DeviceMesh over the whole world with the four named dimensions (collective: every rank
+    """The torch DeviceMesh over the whole world with the five named dimensions (collective: every rank
     calls it). The world size must equal the layout's."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -112,7 +120,16 @@ def counts_in_sums(mesh: Any) -> bool:
 
 def dp_mesh(mesh: Any) -> Any:
     """The data-parallel sub-mesh FSDP2 shards over: ("dp_replicate", "dp_shard") when replicas exist
-    (HSDP: sharded within a replica, replicated across), else the 1-D ("dp_shard")."""
+    (HSDP: sharded within a replica, replicated across), else the 1-D ("dp_shard"). With context parallelism
+    the shard dimension is dp_shard x cp flattened ("dp_shard_cp", as in torchtitan): parameters are the same
+    on the cp ranks, so FSDP2 shards them and reduces their gradients over those ranks too."""
+    shard = "dp_shard"
+    if mesh["cp"].size() > 1:
+        shard = "dp_shard_cp"
+        try:
+            mesh[shard]
+        except (KeyError, RuntimeError, ValueError):
+            mesh["dp_shard", "cp"]._flatten(shard)
     if mesh["dp_replicate"].size() > 1:
-        return mesh["dp_replicate", "dp_shard"]
-    return mesh["dp_shard"]
+        return mesh["dp_replicate", shard]
+    return mesh[shard]

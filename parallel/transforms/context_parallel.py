@@ -1,0 +1,27 @@
+"""Context parallelism as a transform: every sequence split over the mesh's "cp" ranks, attention run as a
+ring over them (model/ring_attention.py). It sets the model's `context_parallel` switch (a plain attribute:
+parameter names and checkpoints never change); the model then keeps its rank's two chunks of each whole
+sequence it is given (input ids, labels, RoPE positions) and returns the loss summed over the cp group.
+
+What the engines do around it: the cp ranks of one data-parallel replica read the same batch
+(parallel/mesh.py SAME_BATCH_DIMS), parameters are the same on the cp ranks, and gradients are reduced over
+dp x cp (our DDP over the whole world, parallel/engine_ddp.py; FSDP2 sharded over dp_shard x cp,
+parallel/mesh.py dp_mesh), normalised by the global target count (Engine.grad_ranks).
+
+Owns: turning the switch on for --context_parallel_size > 1.
+Must never: split the data itself (the model does, from the whole batch) or build process groups (the mesh does).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+
+def apply(model: nn.Module, mesh: Any, config: Any) -> None:
+    if int(getattr(config, "context_parallel_size", 1)) <= 1:
+        return
+    from model.ring_attention import ContextParallel
+    if not hasattr(model, "context_parallel"):
+        raise ValueError("--context_parallel_size > 1 needs the project's Transformer (model/llama.py)")
+    model.context_parallel = ContextParallel(mesh["cp"].get_group())

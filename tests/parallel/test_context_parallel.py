@@ -1,0 +1,259 @@
+"""Context parallelism (model/ring_attention.py, parallel/transforms/context_parallel.py) against one process
+on the whole sequence, on CPU with gloo.
+
+Two spawns (world 2 and world 4) do the distributed work and write what they measured to JSON; the tests
+assert on it. Every tolerance is derived from the reference's own rounding: the one-process computation in
+fp32 against the same in fp64.
+  - the ring alone (cp = 2, 4; GQA 4 query heads over 2 kv heads): output, dq, dk, dv;
+  - the model (cp = 2, 4; with and without activation checkpointing): the loss (sum, mean) and every
+    parameter's gradient (summed over the cp ranks, as the data-parallel reduction does);
+  - the engine through parallel/build.py: 3 optimizer steps of our DDP at cp = 2 (world 2), cp = 4, dp 2 x cp 2
+    (world 4), ZeRO-1 at dp 2 x cp 2, FSDP2 at cp = 2 and dp 2 x cp 2, FSDP2 + tensor parallel 2 x cp 2: losses
+    and final parameters against one process on the global batch.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from model import ModelConfig, Transformer
+from model.ring_attention import ContextParallel, ring_attention, shard_sequence, unshard_sequence
+from tests.dist_helpers import spawn
+from tests.parallel.test_tensor_parallel import OPT, STEPS, _full_params, _new_model as _tp_model, _reference, _step
+
+VOCAB, SEQ, B = 64, 16, 2
+
+
+def _attn_fp64(q, k, v):
+    """The textbook causal attention in fp64 with GQA materialised."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    T = q.shape[2]
+    s = s.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    return s.softmax(-1) @ v
+
+
+def _gather_seq(t: torch.Tensor, dim: int) -> torch.Tensor:
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t.detach().contiguous())
+    return unshard_sequence(parts, dim=dim)
+
+
+def _ring_check(rank: int, cp: int) -> dict:
+    """Max |error| vs fp64 of the ring (fp32, fp64 inputs; fp64 again with query tiles of 3 rows) and of the fp32
+    reference, for y, dq, dk, dv."""
+    from model.attention import attention_ref
+    group = dist.group.WORLD
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(2, h, SEQ, 8, generator=g, dtype=torch.float64) for h in (4, 2, 2))
+    dy = torch.randn(2, 4, SEQ, 8, generator=g, dtype=torch.float64)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = _attn_fp64(*full)
+    ref.backward(dy)
+    want = [ref.detach()] + [t.grad for t in full]
+    out = {}
+    f32 = [t.float().requires_grad_() for t in (q, k, v)]
+    r32 = attention_ref(*f32, None)
+    r32.backward(dy.float())
+    out["ref32"] = [float((a.double() - b).abs().max()) for a, b in zip([r32.detach()] + [t.grad for t in f32], want)]
+    import model.ring_attention as ring
+    for dt, tile in ((torch.float32, ring.ROW_TILE), (torch.float64, ring.ROW_TILE), (torch.float64, 3)):
+        ring.ROW_TILE, saved = tile, ring.ROW_TILE  # 3: query rows in tiles of 3 (and a remainder) per block
+        try:
+            local = [shard_sequence(t.to(dt), rank, cp, dim=2).requires_grad_() for t in (q, k, v)]
+            y = ring_attention(*local, group)
+            y.backward(shard_sequence(dy.to(dt), rank, cp, dim=2))
+        finally:
+            ring.ROW_TILE = saved
+        got = [_gather_seq(t, 2) for t in [y] + [t.grad for t in local]]
+        out[str(dt) + ("" if tile == saved else f"_tile{tile}")] = [float((a.double() - b).abs().max())
+                                                                    for a, b in zip(got, want)]
+    return out
+
+
+def _model_cfg(ckpt: bool) -> ModelConfig:
+    return ModelConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=16,
+                       max_seq_len=SEQ, gradient_checkpointing=ckpt)
+
+
+def _model_batch():
+    g = torch.Generator().manual_seed(11)
+    x = torch.randint(0, VOCAB, (B, SEQ), generator=g)
+    y = torch.randint(0, VOCAB, (B, SEQ), generator=g)
+    y[torch.rand(B, SEQ, generator=g) < 0.25] = -100
+    return x, y
+
+
+def _model_run(dtype, cp_group=None, ckpt: bool = False):
+    """(loss sum, loss mean, {name: gradient of the sum}) of the tiny model, whole batch; with cp_group, this
+    rank's part (loss already summed over the group; gradients summed over it here)."""
+    torch.manual_seed(0)
+    model = Transformer(_model_cfg(ckpt)).to(dtype)
+    if cp_group is not None:
+        model.context_parallel = ContextParallel(cp_group)
+    x, y = _model_batch()
+    mean = float(model(x, labels=y, reduction="mean").detach())
+    loss = model(x, labels=y, reduction="sum")
+    loss.backward()
+    grads = {}
+    for n, p in model.named_parameters():
+        gr = p.grad.detach().clone()
+        if cp_group is not None:
+            dist.all_reduce(gr, group=cp_group)
+        grads[n] = gr.double()
+    return float(loss.detach()), mean, grads
+
+
+def _model_check(cp: int, ckpt: bool) -> dict:
+    s64, m64, g64 = _model_run(torch.float64)
+    s32, m32, g32 = _model_run(torch.float32)
+    sc, mc, gc = _model_run(torch.float32, dist.group.WORLD, ckpt)
+    err = lambda g: max(float((g[n] - g64[n]).abs().max()) for n in g64)  # noqa: E731
+    return {"ref": [abs(s32 - s64), abs(m32 - m64), err(g32)], "cp": [abs(sc - s64), abs(mc - m64), err(gc)],
+            "names": sorted(gc) == sorted(g64)}
+
+
+def _engine(cp: int, zero: bool = False, parallel: str = "ddp", tp: int = 1):
+    from parallel.build import build_engine
+    from trainer.config import TrainConfig
+    cfg = dataclasses.replace(TrainConfig(), parallel=parallel, dtype="fp32", device="cpu", context_parallel_size=cp,
+                              use_distributed_optimizer=zero, gradient_accumulation_steps=2, tensor_parallel_size=tp,
+                              **OPT)
+    return build_engine(_tp_model(), cfg, device=torch.device("cpu"))
+
+
+def _train(cp: int, zero: bool = False, parallel: str = "ddp", tp: int = 1) -> dict:
+    engine = _engine(cp, zero, parallel, tp)
+    rec = {"losses": [], "dp": [engine.dp_rank, engine.dp_size], "counts": engine.counts_in_sums}
+    for step in range(1, STEPS + 1):
+        rec["losses"].append(_step(engine, step)[0])
+    rec["params"] = _full_params(engine)
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, [rec["dp"], rec["counts"]])
+    rec["all_dp"] = every
+    return rec
+
+
+def _world(rank: int, world: int, out_path: str) -> None:
+    out = {"ring": _ring_check(rank, world), "model": _model_check(world, False),
+           "model_ckpt": _model_check(world, True)}
+    if world == 2:
+        out["engine_cp2"] = _train(2)
+        out["fsdp_cp2"] = _train(2, parallel="fsdp")
+    else:
+        out["engine_cp4"] = _train(4)
+        out["engine_dp2_cp2"] = _train(2)
+        out["engine_dp2_cp2_zero"] = _train(2, zero=True)
+        out["fsdp_dp2_cp2"] = _train(2, parallel="fsdp")
+        out["fsdp_tp2_cp2"] = _train(2, parallel="fsdp", tp=2)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(out, f)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    d = tmp_path_factory.mktemp("cp")
+    out = {}
+    for world in (2, 4):
+        spawn(_world, world, str(d / f"w{world}.json"))
+        with open(d / f"w{world}.json") as f:
+            out[world] = json.load(f)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    p32, l32 = _reference(STEPS, torch.float32)
+    p64, l64 = _reference(STEPS, torch.float64)
+    noise = max(float((p32[n] - p64[n]).abs().max()) for n in p32)
+    return {"params": p32, "losses": l32, "tol": 10 * noise + 1e-7,
+            "loss_tol": 10 * max(abs(a - b) for a, b in zip(l32, l64)) + 1e-6 * max(l32)}
+
+
+# ------------------------------------------------------------------------------ tests
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_attention_matches_whole_sequence(results, world):
+    """cp = world: output and dq/dk/dv of the zigzag ring against fp64 attention on the whole sequence. In fp64
+    the ring is exact to ~1e-12 (any misplaced block, mask or merge would be O(1)); in fp32 it may be at most
+    4x the fp32 reference's own error."""
+    r = results[world]["ring"]
+    assert max(r["torch.float64"]) < 1e-12 and max(r["torch.float64_tile3"]) < 1e-12, r
+    for name, got, ref in zip(("y", "dq", "dk", "dv"), r["torch.float32"], r["ref32"]):
+        assert got <= 4 * ref + 1e-7, (name, got, ref)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("kind", ["model", "model_ckpt"])
+def test_model_loss_and_every_gradient_match_one_process(results, world, kind):
+    """The tiny model (GQA) at cp = world, with/without activation checkpointing: the loss (sum and mean, every
+    cp rank returns the whole sequence's) and every parameter gradient (summed over cp) within 4x the fp32
+    one-process reference's distance from fp64."""
+    r = results[world][kind]
+    assert r["names"]
+    for what, got, ref in zip(("sum", "mean", "grads"), r["cp"], r["ref"]):
+        assert got <= 4 * ref + 1e-6, (what, got, ref)
+
+
+@pytest.mark.parametrize("world,name", [(2, "engine_cp2"), (4, "engine_cp4"), (4, "engine_dp2_cp2"),
+                                        (4, "engine_dp2_cp2_zero"), (2, "fsdp_cp2"), (4, "fsdp_dp2_cp2"),
+                                        (4, "fsdp_tp2_cp2")])
+def test_engine_steps_follow_one_process(results, reference, world, name):
+    """3 optimizer steps (2 micro-batches each, clipping, AdamW) of our DDP / ZeRO-1 / FSDP2 (sharded over
+    dp x cp) / FSDP2 + tensor parallel 2, with context parallelism, follow one process on the global batch:
+    each step's loss and the final parameters."""
+    rec = results[world][name]
+    assert max(abs(a - b) for a, b in zip(rec["losses"], reference["losses"])) <= reference["loss_tol"]
+    diff = max(float((torch.tensor(rec["params"][n], dtype=torch.float64) - reference["params"][n].reshape(-1))
+                     .abs().max()) for n in reference["params"])
+    assert diff <= reference["tol"], diff
+
+
+def test_data_coordinates_follow_the_cp_groups(results):
+    """cp ranks of one replica read one batch slice; only the first of them counts in the sums over the data."""
+    assert results[2]["engine_cp2"]["all_dp"] == [[[0, 1], True], [[0, 1], False]]
+    assert results[4]["engine_cp4"]["all_dp"] == [[[0, 1], True], [[0, 1], False], [[0, 1], False], [[0, 1], False]]
+    assert results[4]["engine_dp2_cp2"]["all_dp"] == [[[0, 2], True], [[0, 2], False], [[1, 2], True], [[1, 2], False]]
+    assert results[4]["fsdp_dp2_cp2"]["all_dp"] == results[4]["engine_dp2_cp2"]["all_dp"]
+    # cp x tp (rank = cp x 2 + tp): one replica, only rank 0 counts
+    assert results[4]["fsdp_tp2_cp2"]["all_dp"] == [[[0, 1], True], [[0, 1], False], [[0, 1], False], [[0, 1], False]]
+
+
+def test_refusals_name_the_flag_and_why():
+    """What context parallelism does not run is refused with one line each, before anything is built."""
+    from parallel.config import ParallelConfig
+    pc = lambda **kw: ParallelConfig(context_parallel_size=2, **kw)  # noqa: E731
+    assert pc().problems(2) == [] and pc().problems(4) == []
+    assert "is not a multiple of pipeline 1 x dp_replicate 1 x context 2" in pc().problems(3)[0]
+    for kw, words in (({"task_type": "sft"}, "--task_type=sft cannot be combined with --context_parallel_size=2"),
+                      ({"task_type": "dpo"}, "--task_type=dpo cannot be combined with --context_parallel_size=2"),
+                      ({"compile": True}, "--compile=true cannot be combined with --context_parallel_size=2"),
+                      ({"parallel": "fsdp", "tensor_parallel_size": 2, "sequence_parallel": True},
+                       "--sequence_parallel=true cannot be combined with --context_parallel_size=2"),
+                      ({"pipeline_parallel_size": 2}, "cannot be combined with --pipeline_parallel_size=2")):
+        lines = pc(**kw).problems(4)
+        assert any(words in ln for ln in lines), (kw, lines)
+    assert pc().model_problems(n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=30, dropout=0.0) == [
+        "--context_parallel_size=2: --max_seq_len=30 is not a multiple of 2 x 2 = 4 (each rank holds a head and a "
+        "tail chunk of 2 x 2)"]
+    assert pc().data_parallel_size(8) == 4 and "x 2 context-parallel ranks" in pc().describe_ranks(4)
+
+
+def test_sequence_split_is_balanced_and_invertible():
+    """Rank i holds chunks i and 2C-1-i: every rank's causal work (the keys its queries see) is the same, and
+    unshard_sequence puts the parts back in order; the model refuses inputs it cannot split."""
+    from model.ring_attention import local_positions
+    T, C = 16, 4
+    parts = [local_positions(T, r, C) for r in range(C)]
+    assert parts[0].tolist() == [0, 1, 14, 15] and parts[3].tolist() == [6, 7, 8, 9]
+    assert len({int((p + 1).sum()) for p in parts}) == 1  # keys seen per rank under the causal mask
+    assert torch.equal(unshard_sequence([p[None] for p in parts], dim=1)[0], torch.arange(T))
+    with pytest.raises(ValueError, match="multiple of 2 x 4"):
+        shard_sequence(torch.zeros(1, 12), 0, 4)
