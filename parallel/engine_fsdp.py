@@ -57,7 +57,7 @@ class FSDPEngine(Engine):
     def save(self, out_dir: str, step: int, *, rank: int, world_size: int, model_config: dict,
              trainer_state: dict, run_config: dict, extra_state: dict, keep_last: int,
              barrier: Callable[[], None], fault_hook: Optional[Callable[[], None]] = None,
-             log: Callable[[str], None] = print) -> str:
+             log: Callable[[str], None] = print, writer: Any = None) -> str:
         state = dict(trainer_state, step=step, world_size=world_size)
         path = save_dcp_checkpoint(ckpt.checkpoint_root(out_dir), step, self.model, self.optimizer,
                                    json_files={TRAINER_STATE: state, MODEL_CONFIG: model_config,

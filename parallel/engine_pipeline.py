@@ -355,7 +355,7 @@ class PipelineParallelEngine(Engine):
     def save(self, out_dir: str, step: int, *, rank: int, world_size: int, model_config: dict,
              trainer_state: dict, run_config: dict, extra_state: dict, keep_last: int,
              barrier: Callable[[], None], fault_hook: Optional[Callable[[], None]] = None,
-             log: Callable[[str], None] = print) -> str:
+             log: Callable[[str], None] = print, writer: Any = None) -> str:
         """Collective. The stages' files + per-rank RNG into step_N.tmp/, then rank 0 publishes it
         (manifest, COMPLETE, fsync, atomic rename: utils/checkpoint.publish_checkpoint_dir) and prunes.
         Always full stage files (no light LoRA checkpoints)."""

@@ -1,0 +1,116 @@
+"""--async_checkpoint=true through train_my_ddp.py: the checkpoints written in the background hold exactly what the
+synchronous ones hold (one process, and ZeRO-2 at 2 ranks, where rank 0 publishes only after the other rank's
+marker), and a SIGKILL inside a background write (kill_in_save with the write held open by
+MYLLM_FAULT_SAVE_DELAY while the training goes on) leaves the previous checkpoint the latest: the supervisor
+resumes from it and the run ends with the uninterrupted run's losses and weights, bit for bit."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import ROOT, child_env, run_cmd, train_cmd
+from utils.checkpoint import find_latest_valid, list_checkpoints, load_model_state, verify_checkpoint
+from utils.metrics import dedupe_by_step, read_metrics
+
+MONITOR = os.path.join(ROOT, "monitor_process.py")
+
+
+def losses(out_dir) -> dict[int, float]:
+    return {s: r["loss"] for s, r in dedupe_by_step(read_metrics(os.path.join(out_dir, "metrics.jsonl"))).items()}
+
+
+def checkpoint_contents(ckpt_dir: str) -> dict:
+    """Every file of a checkpoint as comparable values: tensors (flattened dict paths), JSON minus the save time
+    and the manifest's hashes (torch.save's zip records differ with the tensors' storage layout)."""
+    out: dict = {}
+
+    def flat(prefix: str, obj) -> None:
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                flat(f"{prefix}.{k}", v)
+        elif isinstance(obj, (list, tuple)):
+            for i, v in enumerate(obj):
+                flat(f"{prefix}.{i}", v)
+        else:
+            out[prefix] = obj
+    for name in sorted(os.listdir(ckpt_dir)):
+        path = os.path.join(ckpt_dir, name)
+        if name.endswith(".safetensors"):
+            flat(name, load_file(path))
+        elif name.endswith(".pt"):
+            flat(name, torch.load(path, weights_only=True))
+        elif name == "manifest.json":
+            out[name] = sorted(json.load(open(path)))  # the file list
+        elif name.endswith(".json") or name == "COMPLETE":
+            data = json.load(open(path))
+            if isinstance(data, dict):
+                data.pop("saved_at", None)
+                if name == "config.json":
+                    data.pop("out_dir", None)
+                    data.pop("async_checkpoint", None)
+            flat(name, data)
+        else:
+            out[name] = open(path, "rb").read()
+    return out
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_same_checkpoints(a_out, b_out) -> None:
+    a, b = list_checkpoints(str(a_out)), list_checkpoints(str(b_out))
+    assert [s for s, _ in a] == [s for s, _ in b] and a
+    for (step, pa), (_, pb) in zip(a, b):
+        assert verify_checkpoint(pb) is None
+        ca, cb = checkpoint_contents(pa), checkpoint_contents(pb)
+        assert ca.keys() == cb.keys(), (step, set(ca) ^ set(cb))
+        for k in ca:
+            x, y = ca[k], cb[k]
+            if torch.is_tensor(x):
+                assert torch.is_tensor(y) and x.dtype == y.dtype and x.shape == y.shape and torch.equal(
+                    bits(x), bits(y)), (step, k)  # bit for bit (NaN included: an unset Python gauss state)
+            else:
+                assert x == y, (step, k, x, y)
+
+
+@pytest.mark.parametrize("nproc, extra", [
+    (1, []),
+    (2, ["--use_distributed_optimizer=true", "--zero_stage=2", "--batch_size=2"]),
+], ids=["1proc", "2proc-zero2"])
+def test_async_checkpoints_equal_sync_ones(tiny_pretrain_run_args, tmp_path, nproc, extra):
+    args = [*tiny_pretrain_run_args, *extra, "--max_iters=6", "--checkpoint_interval=2", "--keep_last=5"]
+    sync_out, async_out = tmp_path / "sync", tmp_path / "async"
+    run_cmd(train_cmd([*args, f"--out_dir={sync_out}"], nproc), env=child_env())
+    proc = run_cmd(train_cmd([*args, f"--out_dir={async_out}", "--async_checkpoint=true"], nproc), env=child_env())
+    assert "written in the background" in proc.stdout
+    assert losses(async_out) == losses(sync_out)
+    assert_same_checkpoints(sync_out, async_out)  # steps 2, 4, 6: every tensor and JSON value
+    assert not [n for n in os.listdir(async_out / "checkpoints") if n.endswith(".tmp")]
+
+
+def test_sigkill_inside_background_write_resumes_exactly(tiny_pretrain_run_args, tmp_path):
+    """kill_in_save@4 fires in the writer thread after a 1 s delay (the training meanwhile runs steps 5 and 6 and
+    waits at step 6's save): step 4 never publishes, the restart resumes from step 2 and matches the reference."""
+    args = [*tiny_pretrain_run_args, "--max_iters=6", "--checkpoint_interval=2", "--async_checkpoint=true"]
+    ref, out, once = tmp_path / "ref", tmp_path / "killed", tmp_path / "once"
+    run_cmd(train_cmd([*args, f"--out_dir={ref}"]), env=child_env())
+    env = child_env(MYLLM_FAULT="kill_in_save@4", MYLLM_FAULT_ONCE_FILE=str(once), MYLLM_FAULT_SAVE_DELAY="1")
+    proc = subprocess.run([sys.executable, MONITOR, "--backoff_base=0.1", "--poll_interval=0.1", "--kill_grace=2",
+                           "--hang_timeout=600", "--startup_timeout=600", "--", sys.executable,
+                           os.path.join(ROOT, "train_my_ddp.py"), *args, f"--out_dir={out}"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert once.exists(), "the kill_in_save hook never fired"
+    summary = json.load(open(out / "monitor_summary.json"))
+    first, second = summary["attempts"]
+    assert first["signal"] == "SIGKILL" and second["resumed_from_step"] == 2  # step 4 was never published
+    assert losses(out) == losses(ref)
+    a, b = load_model_state(find_latest_valid(str(ref))), load_model_state(find_latest_valid(str(out)))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
