@@ -208,51 +208,66 @@ class AsyncCheckpointer:
         self.buffers.release()
 
 
-# ---------------------------------------------------------------------------- our checkpoint format
+# ---------------------------------------------------------------------------- the protocol, in the background
 
-def save_checkpoint_async(out_dir: str, req: Any, writer: AsyncCheckpointer,
-                          barrier: Optional[Callable[[], None]] = None, keep_last: int = 3, keep_best: bool = True,
-                          fault_hook: Optional[Callable[[], None]] = None,
-                          log: Callable[[str], None] = print) -> str:
-    """utils/checkpoint.save_checkpoint with the writing in the background. Every rank calls it on the training
-    thread with its SaveRequest, whose tensors are already host snapshots (writer.buffers) and which nothing
-    changes afterwards. Here: rank 0 checks the space and creates step_N.tmp, one barrier; then the writer
-    thread writes this rank's files, marks them written (ranks > 0) or waits for every rank's marker and
-    publishes, verifies and prunes (rank 0). Returns the directory the checkpoint will be published at."""
+def save_in_background(out_dir: str, step: int, rank: int, world_size: int, writer: AsyncCheckpointer,
+                       write_files: Callable[[str, Any], None], publish: Callable[[str, str, Any], None],
+                       barrier: Optional[Callable[[], None]] = None, keep_last: int = 3, keep_best: bool = True,
+                       log: Callable[[str], None] = print) -> str:
+    """The synchronous save's protocol with its writing on the writer thread; every rank calls it on the training
+    thread once the state is snapshotted (what `write_files` and `publish` read never changes afterwards).
+    Here: rank 0 checks the space and creates step_N.tmp, one barrier. On the writer thread:
+    `write_files(tmp, guard)` (this rank's files, fsynced; guard.file names the file being written), then this
+    rank's marker (ranks > 0), or (rank 0) every rank's marker awaited, `publish(tmp, final, guard)` (sidecars,
+    manifest, COMPLETE, rename), verification remembered, pruning. Returns where the checkpoint will appear."""
     from utils import checkpoint as ckpt
     from utils.publish import make_temp_dir, temp_dir_for
     root = ckpt.checkpoint_root(out_dir)
-    final = os.path.join(root, ckpt.step_dir_name(req.step))
+    final = os.path.join(root, ckpt.step_dir_name(step))
     tmp = temp_dir_for(final)
-    with ckpt.save_guard(root, req.step, check_space=req.rank == 0):
-        if req.rank == 0:
+    with ckpt.save_guard(root, step, check_space=rank == 0):
+        if rank == 0:
             make_temp_dir(final)  # one left by a crash was never complete: dropped
     if barrier is not None:
         barrier()  # step_N.tmp exists for every rank's writer
 
     def write() -> Optional[str]:
         t0 = time.perf_counter()
-        with ckpt.save_guard(root, req.step, check_space=False) as guard:
+        with ckpt.save_guard(root, step, check_space=False) as guard:
             try:
-                ckpt.write_rank_files(tmp, req, guard, fault_hook, copy_weights=False)
+                write_files(tmp, guard)
             except BaseException as e:
-                if req.rank != 0:
-                    mark_rank_failed(tmp, req.rank, f"{guard.file}: {type(e).__name__}: {one_line(e)}")
+                if rank != 0:
+                    mark_rank_failed(tmp, rank, f"{guard.file}: {type(e).__name__}: {one_line(e)}")
                 if isinstance(e, (DiskFullError, AsyncCheckpointError)) or not isinstance(e, Exception):
                     raise
                 raise AsyncCheckpointError(f"writing {guard.file}: {type(e).__name__}: {one_line(e)}") from e
-            if req.rank != 0:
-                mark_rank_written(tmp, req.rank)
+            if rank != 0:
+                mark_rank_written(tmp, rank)
                 return None
-            wait_for_ranks(tmp, req.world_size)
-            ckpt.publish_rank0(out_dir, tmp, final, req, guard)
+            wait_for_ranks(tmp, world_size)
+            publish(tmp, final, guard)
         ckpt.remember_verified(final)
         ckpt.prune_checkpoints(out_dir, keep_last=keep_last, keep_best=keep_best, log=log)
-        log(f"[checkpoint] step {req.step} published -> {final} (written in the background in "
+        log(f"[checkpoint] step {step} published -> {final} (written in the background in "
             f"{time.perf_counter() - t0:.2f} s)")
         return final
-    writer.submit(f"checkpoint step {req.step} ({final})", write)
+    writer.submit(f"checkpoint step {step} ({final})", write)
     return final
+
+
+def save_checkpoint_async(out_dir: str, req: Any, writer: AsyncCheckpointer,
+                          barrier: Optional[Callable[[], None]] = None, keep_last: int = 3, keep_best: bool = True,
+                          fault_hook: Optional[Callable[[], None]] = None,
+                          log: Callable[[str], None] = print) -> str:
+    """utils/checkpoint.save_checkpoint in the background: `req` (a SaveRequest) holds host snapshots
+    (writer.buffers) that nothing changes afterwards; the files are utils/checkpoint.write_rank_files'."""
+    from utils import checkpoint as ckpt
+    return save_in_background(
+        out_dir, req.step, req.rank, req.world_size, writer,
+        write_files=lambda tmp, guard: ckpt.write_rank_files(tmp, req, guard, fault_hook, copy_weights=False),
+        publish=lambda tmp, final, guard: ckpt.publish_rank0(out_dir, tmp, final, req, guard),
+        barrier=barrier, keep_last=keep_last, keep_best=keep_best, log=log)
 
 
 def json_copy(obj: Any) -> Any:

@@ -83,7 +83,8 @@ def assert_same_checkpoints(a_out, b_out) -> None:
 @pytest.mark.parametrize("nproc, extra", [
     (1, []),
     (2, ["--use_distributed_optimizer=true", "--zero_stage=2", "--batch_size=2"]),
-], ids=["1proc", "2proc-zero2"])
+    (2, ["--pipeline_parallel_size=2", "--gradient_accumulation_steps=2"]),
+], ids=["1proc", "2proc-zero2", "pipeline2"])
 def test_async_checkpoints_equal_sync_ones(tiny_pretrain_run_args, tmp_path, nproc, extra):
     args = [*tiny_pretrain_run_args, *extra, "--max_iters=6", "--checkpoint_interval=2", "--keep_last=5"]
     sync_out, async_out = tmp_path / "sync", tmp_path / "async"
