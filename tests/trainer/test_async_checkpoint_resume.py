@@ -121,3 +121,49 @@ def test_sigkill_inside_background_write_resumes_exactly(tiny_pretrain_run_args,
     assert losses(out) == losses(ref)
     a, b = load_model_state(find_latest_valid(str(ref))), load_model_state(find_latest_valid(str(out)))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_sigterm_waits_for_the_background_write(tiny_pretrain_run_args, tmp_path):
+    """SIGTERM: the step's checkpoint is saved in the background, held open 1 s (MYLLM_FAULT_SAVE_DELAY); the run
+    must wait for it before exiting 75 (exiting at once would kill the writer thread and publish nothing)."""
+    import signal
+    import time
+    from utils.constants import EXIT_INTERRUPTED
+    out = tmp_path / "term"
+    proc = subprocess.Popen(train_cmd([*tiny_pretrain_run_args, f"--out_dir={out}", "--max_iters=100000",
+                                       "--checkpoint_interval=100000", "--async_checkpoint=true"]),
+                            cwd=ROOT, env=child_env(MYLLM_FAULT_SAVE_DELAY="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 600  # waits for an event; only a broken run gets near it
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    stdout, err = proc.communicate(timeout=600)
+    assert proc.returncode == EXIT_INTERRUPTED, err[-2000:]
+    path = find_latest_valid(str(out))
+    saved_step = json.load(open(os.path.join(path, "trainer_state.json")))["step"]
+    assert saved_step == max(losses(out)) >= 2
+    assert stdout.index("written in the background") < stdout.index("stop requested by signal")
+
+
+def test_a_background_write_that_does_not_fit_exits_7(tiny_pretrain_run_args, tmp_path):
+    """RLIMIT_FSIZE (64 KiB) under --async_checkpoint=true: the writer thread's model.safetensors fails; the error
+    is logged when it happens, raised at the end of the run's wait as the synchronous save raises it (exit 7, not
+    retried), and the partial step_N.tmp is removed."""
+    import resource
+    import signal
+    from utils.constants import EXIT_DISK_FULL
+
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "train_my_ddp.py"), *tiny_pretrain_run_args,
+                           f"--out_dir={out}", "--max_iters=3", "--async_checkpoint=true"],
+                          cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600, preexec_fn=limit)
+    assert proc.returncode == EXIT_DISK_FULL, proc.stderr[-3000:]
+    assert "[checkpoint] error: the background write of checkpoint step 3" in proc.stdout
+    assert "step_00000003.tmp/model.safetensors did not fit" in proc.stderr
+    assert os.listdir(out / "checkpoints") == []
