@@ -9,8 +9,8 @@ wall time (some land in start-up, before anything is recorded; some inside an ev
 checkpoint save, which the intervals make frequent). The monitor restarts the run each time and it
 resumes. Kills that land inside a checkpoint save (a step_N.tmp newer than every published checkpoint is
 left) are counted; the *-async configurations (--async_checkpoint=true) hold each background write open
-0.3 s (MYLLM_FAULT_SAVE_DELAY) while the training goes on, so many kills land inside one. A trial matches when its per-step losses (the last row of each step) and its final
-weights are bit-identical to the reference's. Prints one line per configuration and the totals;
+1 s (MYLLM_FAULT_SAVE_DELAY) while the training goes on, so many kills land inside one. A trial matches
+when its per-step losses (the last row of each step) and its final weights are bit-identical to the reference's. Prints one line per configuration and the totals;
 exit 1 on any mismatch or any run that did not finish.
 
 Not a test (minutes of wall time, real random kills): its figures go into the README. The tiny
@@ -54,7 +54,7 @@ CONFIGS: dict[str, tuple[int, list[str]]] = {
     "pipeline2-dpo-lora": (2, ["--pipeline_parallel_size=2", "--gradient_accumulation_steps=2", "--task_type=dpo",
                                "@dpo", "@base", "--max_seq_len=96", "--lora_rank=4", "--dpo_beta=0.5",
                                "--learning_rate=3e-3"]),
-    # issue 35: --async_checkpoint=true; @slow_writes holds every background write open 0.3 s before its publish
+    # issue 35: --async_checkpoint=true; @slow_writes holds every background write open 1 s before its publish
     # (MYLLM_FAULT_SAVE_DELAY) while the training goes on, so that many random kills land inside a write
     "ddp-async": (1, ["--async_checkpoint=true", "@slow_writes"]),
     "ddp2-zero2-async": (2, ["--batch_size=2", "--use_distributed_optimizer=true", "--zero_stage=2",
@@ -63,7 +63,7 @@ CONFIGS: dict[str, tuple[int, list[str]]] = {
     "pipeline2-async": (2, ["--pipeline_parallel_size=2", "--gradient_accumulation_steps=2", "--async_checkpoint=true",
                             "@slow_writes"]),
 }
-SLOW_WRITES_S = "0.3"
+SLOW_WRITES_S = "1.0"
 
 
 def config_args(common: list[str], flags: list[str], data: dict, base_ref: str) -> list[str]:
