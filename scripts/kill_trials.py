@@ -10,8 +10,9 @@ checkpoint save, which the intervals make frequent). The monitor restarts the ru
 resumes. Kills that land inside a checkpoint save (a step_N.tmp newer than every published checkpoint is
 left) are counted; the *-async configurations (--async_checkpoint=true) hold each background write open
 1 s (MYLLM_FAULT_SAVE_DELAY) while the training goes on, so many kills land inside one. A trial matches
-when its per-step losses (the last row of each step) and its final weights are bit-identical to the reference's. Prints one line per configuration and the totals;
-exit 1 on any mismatch or any run that did not finish.
+when its per-step losses (the last row of each step) and its final weights are bit-identical to the
+reference's. Prints one line per configuration and the totals; exit 1 on any mismatch or any run that did
+not finish.
 
 Not a test (minutes of wall time, real random kills): its figures go into the README. The tiny
 tokenizer and shards are built from the bundled corpus as tests/conftest.py does.
@@ -226,7 +227,8 @@ def main(argv: list[str]) -> int:
               f"(rc {t['rc']}); losses and weights {'identical' if same else 'DIFFER' if ok_run else 'n/a'} "
               f"(reference {ref_seconds:.0f} s)", flush=True)
     print(f"total: {total_kills} kills that forced a restart over {len(a.configs.split(','))} configurations "
-          f"({total_in_saves} inside a checkpoint save), {mismatches} mismatches, {failures} runs that did not complete")
+          f"({total_in_saves} inside a checkpoint save), {mismatches} mismatches, {failures} runs that did not "
+          "complete")
     return 1 if mismatches or failures else 0
 
 

@@ -9,10 +9,10 @@
 Kinds keyed on the optimizer step N: crash (exit 1 at the start of the step), hang (park forever
 there), kill_in_save (SIGKILL in the middle of that step's checkpoint save; with --async_checkpoint=true
 inside the background write, after rank 0's weights are written and before the publish, while the training
-goes on), nan_loss (that step's loss is NaN). Two loss spikes keyed on the DATA, not the step, so skipping the data makes them go away:
-spike_data@D (the step that trains on data step D) and spike_token@T (the micro-batches holding token
-id T: a corrupt sample in real shards); both fire every time that data is read again (a replay from a
-checkpoint reproduces them), or once with MYLLM_FAULT_ONCE_FILE (a one-off fault of the machine).
+goes on), nan_loss (that step's loss is NaN). Two loss spikes keyed on the DATA, not the step, so skipping
+the data makes them go away: spike_data@D (the step that trains on data step D) and spike_token@T (the
+micro-batches holding token id T: a corrupt sample in real shards); both fire every time that data is read
+again (a replay from a checkpoint reproduces them), or once with MYLLM_FAULT_ONCE_FILE (a one-off fault of the machine).
 
 Owns: parsing the spec (`fault_spec`, the one parser) and deciding whether a fault fires.
 Must never: fire without MYLLM_FAULT set, or import torch (tests/fake_train.py, the supervisor tests'

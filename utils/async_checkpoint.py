@@ -118,7 +118,8 @@ def mark_rank_failed(tmp: str, rank: int, why: str) -> None:
 
 def wait_for_ranks(tmp: str, world_size: int, timeout: float = RANK_MARKER_TIMEOUT_S, poll: float = 0.02) -> None:
     """Rank 0's writer: return once every other rank marked its files written (then remove the markers, which
-    are not part of the checkpoint); AsyncCheckpointError when a rank failed, the directory vanished, or time ran out."""
+    are not part of the checkpoint); AsyncCheckpointError when a rank failed, the directory vanished, or time
+    ran out."""
     deadline = time.monotonic() + timeout
     pending = set(range(1, world_size))
     while pending:
