@@ -60,7 +60,7 @@ class FSDPEngine(Engine):
              log: Callable[[str], None] = print, writer: Any = None) -> str:
         state = dict(trainer_state, step=step, world_size=world_size)
         if writer is not None:  # --async_checkpoint: DCP's collectives here, the files in the background
-            from parallel.dcp_async import save_dcp_checkpoint_async
+            from parallel.async_saves import save_dcp_checkpoint_async
             return save_dcp_checkpoint_async(out_dir, ckpt.checkpoint_root(out_dir), step, self.model, self.optimizer,
                                              json_files={TRAINER_STATE: state, MODEL_CONFIG: model_config,
                                                          RUN_CONFIG: run_config},

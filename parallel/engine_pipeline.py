@@ -47,7 +47,6 @@ from parallel.pipeline import (FORMAT, META_FILE, SEGMENTS, LastStageOutput, Pip
                                pipeline_stage_module, read_pipeline_meta, split_layers, validate_pipeline_options)
 from parallel.transforms.tensor_parallel import apply_tensor_parallel
 from utils import checkpoint as ckpt
-from utils.async_checkpoint import json_copy, save_in_background
 from utils.checkpoint_layout import (MODEL_CONFIG, RUN_CONFIG, TRAINER_STATE, extra_file, stage_model_file,
                                      stage_optimizer_file)
 from utils.constants import IGNORE_INDEX
@@ -288,10 +287,10 @@ class PipelineParallelEngine(Engine):
         writes the stage's weights `stage{s}_model.safetensors` and, unless ZeRO shards it,
         `stage{s}_optimizer_dp0.pt`; ZeRO: every dp rank its own), fsynced; global rank 0 also writes
         `pipeline.json`. Returns after every rank has written (a barrier). Publishing the directory is `save`'s."""
-        self._write_stage_state(dir_path, self.state_dict(), dist.get_rank())
+        self.write_stage_state(dir_path, self.state_dict(), dist.get_rank())
         dist.barrier()
 
-    def _write_stage_state(self, dir_path: str, sd: dict, global_rank: int, copy: bool = True) -> None:
+    def write_stage_state(self, dir_path: str, sd: dict, global_rank: int, copy: bool = True) -> None:
         """The files of write_stage_files from a state_dict() (no collective: the background writer of
         --async_checkpoint calls it with host snapshots, copy=False)."""
         s = self.stage_index
@@ -365,8 +364,9 @@ class PipelineParallelEngine(Engine):
         (manifest, COMPLETE, fsync, atomic rename: utils/checkpoint.publish_checkpoint_dir) and prunes.
         Always full stage files (no light LoRA checkpoints)."""
         if writer is not None:
-            return self._save_async(out_dir, step, rank, world_size, model_config, trainer_state, run_config,
-                                    extra_state, keep_last, barrier, fault_hook, log, writer)
+            from parallel.async_saves import save_pipeline_async
+            return save_pipeline_async(self, out_dir, step, rank, world_size, model_config, trainer_state, run_config,
+                                       extra_state, keep_last, barrier, fault_hook, log, writer)
         root = ckpt.checkpoint_root(out_dir)
         final = os.path.join(root, ckpt.step_dir_name(step))
         tmp = temp_dir_for(final)
@@ -392,40 +392,6 @@ class PipelineParallelEngine(Engine):
                 ckpt.prune_checkpoints(out_dir, keep_last=keep_last, keep_best=True, log=log)
         barrier()
         return final
-
-    def _save_async(self, out_dir: str, step: int, rank: int, world_size: int, model_config: dict,
-                    trainer_state: dict, run_config: dict, extra_state: dict, keep_last: int,
-                    barrier: Callable[[], None], fault_hook: Optional[Callable[[], None]],
-                    log: Callable[[str], None], writer: Any) -> str:
-        """--async_checkpoint: the stage's state gathered and copied to the writer's host buffers here (collective),
-        the files of `save` written and published by the writer thread (utils/async_checkpoint.py)."""
-        writer.wait()  # at most one save in flight
-        buffers = writer.buffers
-        sd = buffers.snapshot(self.state_dict(), ("stage",))
-        extra = buffers.snapshot(extra_state, ("extra",))
-        model_config, run_config, trainer_state = json_copy(model_config), json_copy(run_config), \
-            json_copy(trainer_state)
-        buffers.ready(writer.device)
-        global_rank = dist.get_rank()
-
-        def write_files(tmp: str, guard: Any) -> None:
-            guard.file = tmp
-            self._write_stage_state(tmp, sd, global_rank, copy=False)
-            path = guard.file = os.path.join(tmp, extra_file(rank))
-            torch.save(extra, path)
-            fsync_file(path)
-            if rank == 0:
-                ckpt.write_json(os.path.join(tmp, MODEL_CONFIG), model_config)
-                ckpt.write_json(os.path.join(tmp, RUN_CONFIG), run_config)
-                if fault_hook is not None:
-                    fault_hook()  # test hook: die with a half-written checkpoint
-
-        def publish(tmp: str, final: str, guard: Any) -> None:
-            guard.file = os.path.join(tmp, TRAINER_STATE)
-            ckpt.write_json(guard.file, dict(trainer_state, step=step, world_size=world_size, saved_at=time.time()))
-            ckpt.publish_checkpoint_dir(tmp, final, step)
-        return save_in_background(out_dir, step, rank, world_size, writer, write_files, publish, barrier=barrier,
-                                  keep_last=keep_last, log=log)
 
     def load(self, ckpt_dir: str, saved_world: int, rank: int, world_size: int,
              log: Callable[[str], None] = print) -> Optional[dict]:

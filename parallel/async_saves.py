@@ -1,4 +1,7 @@
-"""--async_checkpoint for the FSDP2 engine's sharded (DCP) checkpoints: DCP's save, with its collectives (plans,
+"""--async_checkpoint for the FSDP2 engine and the pipeline engine (the ddp engine's is utils/async_checkpoint.py's
+save_checkpoint_async): what each snapshots on the training thread, and what its background writer writes.
+
+FSDP2 (sharded DCP checkpoints): DCP's save, with its collectives (plans,
 results), runs on the training thread into host memory (an in-memory file system under torch's FileSystemWriter,
 no fsync); the background writer (utils/async_checkpoint.py) then writes those bytes into step_N.tmp/, fsyncs
 them, and rank 0 publishes as save_dcp_checkpoint does (sidecars, every rank's shard checked, dcp_manifest.json,
@@ -7,18 +10,23 @@ manifest, COMPLETE, rename), once every rank's marker is there.
 The host copy here is DCP's serialized shard (its own bytes per save, dropped once written), not the reused
 buffers of the other engines: DCP serializes while the collectives run, so the bytes are what a snapshot is.
 
-Owns: the in-memory storage writer and the FSDP engine's background save. Must never: issue a collective from
+Pipeline: the stage's state gathered (collective under FSDP) and copied into the writer's reused host buffers;
+the writer writes the stage files, the extra file and (rank 0) the sidecars, and publishes.
+
+Owns: the in-memory storage writer and the FSDP and pipeline engines' background saves. Must never: issue a collective from
 the background thread, or publish before every rank's shard is written.
 """
 from __future__ import annotations
 
 import io
 import os
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemWriter
@@ -26,7 +34,8 @@ from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemWr
 from parallel.dcp_checkpoint import _MODEL, _group_rank_world, _mesh_group, _state_to_save, publish_dcp_dir
 from parallel.fsdp import reshard
 from utils.async_checkpoint import AsyncCheckpointer, json_copy, save_in_background
-from utils.checkpoint_layout import extra_file
+from utils import checkpoint as ckpt
+from utils.checkpoint_layout import MODEL_CONFIG, RUN_CONFIG, TRAINER_STATE, extra_file
 from utils.publish import fsync_file
 
 
@@ -132,6 +141,40 @@ def save_dcp_checkpoint_async(out_dir: str, ckpt_root: str, step: int, model: nn
 
     def publish(tmp_dir: str, final: str, guard: Any) -> None:
         publish_dcp_dir(tmp_dir, final, step, world, json_files, scalars, model_keys, True, guard)
-    barrier = (lambda: torch.distributed.barrier(group=group)) if group is not None else None
+    barrier = (lambda: dist.barrier(group=group)) if group is not None else None
     return save_in_background(out_dir, step, rank, world, writer, write_files, publish, barrier=barrier,
+                              keep_last=keep_last, log=log)
+
+
+def save_pipeline_async(engine: Any, out_dir: str, step: int, rank: int, world_size: int, model_config: dict,
+                        trainer_state: dict, run_config: dict, extra_state: dict, keep_last: int,
+                        barrier: Callable[[], None], fault_hook: Optional[Callable[[], None]],
+                        log: Callable[[str], None], writer: AsyncCheckpointer) -> str:
+    """PipelineParallelEngine.save with the writing in the background: the stage's state gathered and copied to
+    the writer's host buffers here (collective), its files written and published by the writer thread."""
+    writer.wait()  # at most one save in flight
+    buffers = writer.buffers
+    sd = buffers.snapshot(engine.state_dict(), ("stage",))
+    extra = buffers.snapshot(extra_state, ("extra",))
+    model_config, run_config, trainer_state = json_copy(model_config), json_copy(run_config), json_copy(trainer_state)
+    buffers.ready(writer.device)
+    global_rank = dist.get_rank()
+
+    def write_files(tmp: str, guard: Any) -> None:
+        guard.file = tmp
+        engine.write_stage_state(tmp, sd, global_rank, copy=False)
+        path = guard.file = os.path.join(tmp, extra_file(rank))
+        torch.save(extra, path)
+        fsync_file(path)
+        if rank == 0:
+            ckpt.write_json(os.path.join(tmp, MODEL_CONFIG), model_config)
+            ckpt.write_json(os.path.join(tmp, RUN_CONFIG), run_config)
+            if fault_hook is not None:
+                fault_hook()  # test hook: die with a half-written checkpoint
+
+    def publish(tmp: str, final: str, guard: Any) -> None:
+        guard.file = os.path.join(tmp, TRAINER_STATE)
+        ckpt.write_json(guard.file, dict(trainer_state, step=step, world_size=world_size, saved_at=time.time()))
+        ckpt.publish_checkpoint_dir(tmp, final, step)
+    return save_in_background(out_dir, step, rank, world_size, writer, write_files, publish, barrier=barrier,
                               keep_last=keep_last, log=log)
