@@ -9,7 +9,8 @@ wall time (some land in start-up, before anything is recorded; some inside an ev
 checkpoint save, which the intervals make frequent). The monitor restarts the run each time and it
 resumes. Kills that land inside a checkpoint save (a step_N.tmp newer than every published checkpoint is
 left) are counted; the *-async configurations (--async_checkpoint=true) hold each background write open
-1 s (MYLLM_FAULT_SAVE_DELAY) while the training goes on, so many kills land inside one. A trial matches
+2 s (MYLLM_FAULT_SAVE_DELAY; their reference runs too) while the training goes on, so many kills land
+inside one. A trial matches
 when its per-step losses (the last row of each step) and its final weights are bit-identical to the
 reference's. Prints one line per configuration and the totals; exit 1 on any mismatch or any run that did
 not finish.
@@ -55,7 +56,7 @@ CONFIGS: dict[str, tuple[int, list[str]]] = {
     "pipeline2-dpo-lora": (2, ["--pipeline_parallel_size=2", "--gradient_accumulation_steps=2", "--task_type=dpo",
                                "@dpo", "@base", "--max_seq_len=96", "--lora_rank=4", "--dpo_beta=0.5",
                                "--learning_rate=3e-3"]),
-    # issue 35: --async_checkpoint=true; @slow_writes holds every background write open 1 s before its publish
+    # issue 35: --async_checkpoint=true; @slow_writes holds every background write open 2 s before its publish
     # (MYLLM_FAULT_SAVE_DELAY) while the training goes on, so that many random kills land inside a write
     "ddp-async": (1, ["--async_checkpoint=true", "@slow_writes"]),
     "ddp2-zero2-async": (2, ["--batch_size=2", "--use_distributed_optimizer=true", "--zero_stage=2",
@@ -64,7 +65,7 @@ CONFIGS: dict[str, tuple[int, list[str]]] = {
     "pipeline2-async": (2, ["--pipeline_parallel_size=2", "--gradient_accumulation_steps=2", "--async_checkpoint=true",
                             "@slow_writes"]),
 }
-SLOW_WRITES_S = "1.0"
+SLOW_WRITES_S = "2.0"
 
 
 def config_args(common: list[str], flags: list[str], data: dict, base_ref: str) -> list[str]:
@@ -203,14 +204,14 @@ def main(argv: list[str]) -> int:
         args = config_args(common_args(data), flags, data, base_ref)
         ref = os.path.join(a.work, f"{name}-ref")
         shutil.rmtree(ref, ignore_errors=True)
-        t0 = time.time()
-        proc = subprocess.run(train_cmd(nproc, [*args, f"--out_dir={ref}"]), cwd=ROOT, env=env, capture_output=True,
-                              text=True)
+        env_extra = {"MYLLM_FAULT_SAVE_DELAY": SLOW_WRITES_S} if "@slow_writes" in flags else {}
+        t0 = time.time()  # the reference holds its writes open too: the kill instants span the same run time
+        proc = subprocess.run(train_cmd(nproc, [*args, f"--out_dir={ref}"]), cwd=ROOT, env=dict(env, **env_extra),
+                              capture_output=True, text=True)
         if proc.returncode != 0:
             print(f"{name}: the reference run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
             return 1
         ref_seconds = time.time() - t0
-        env_extra = {"MYLLM_FAULT_SAVE_DELAY": SLOW_WRITES_S} if "@slow_writes" in flags else {}
         t = trial(name, nproc, args, a.work, a.kills, rng, ref_seconds, env_extra)
         total_in_saves += t["in_saves"]
         total_kills += t["restarts"] or 0  # kills that cost the run an attempt (a late one may hit its exit)
