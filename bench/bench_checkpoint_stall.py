@@ -65,7 +65,7 @@ def run(mode: str, args) -> dict:
     writer = AsyncCheckpointer(log=lambda m: None) if mode == "async" else None
     g = torch.Generator().manual_seed(1)
     step(engine, g, args.vocab_size)  # the optimizer's state exists before the first save
-    stalls, step_times, writes = [], [], []
+    stalls, step_times, writes, waits = [], [], [], []
     for i in range(1, args.saves + 1):
         step_times += [step(engine, g, args.vocab_size) for _ in range(args.steps_between)]
         t0 = time.perf_counter()
@@ -73,8 +73,10 @@ def run(mode: str, args) -> dict:
                     run_config={"mode": mode}, extra_state={"rng": ckpt.capture_rng_state(torch.device("cpu"))},
                     keep_last=2, barrier=lambda: None, log=lambda m: None, writer=writer)
         stalls.append(time.perf_counter() - t0)
-        if writer is not None and i > 1:
-            writes.append(writer.last_write_s)
+        if writer is not None:
+            waits.append(writer.last_wait_s)
+            if i > 1:
+                writes.append(writer.last_write_s)
     final_wait = 0.0
     if writer is not None:
         t0 = time.perf_counter()
@@ -86,7 +88,8 @@ def run(mode: str, args) -> dict:
     assert latest is not None and latest.endswith(ckpt.step_dir_name(args.saves)), latest
     size = tree_bytes(latest)
     shutil.rmtree(out, ignore_errors=True)
-    return {"params": n_params, "stalls": stalls, "steps": step_times, "writes": writes, "final_wait": final_wait,
+    return {"params": n_params, "stalls": stalls, "steps": step_times, "writes": writes, "waits": waits,
+            "final_wait": final_wait,
             "bytes": size}
 
 
@@ -111,7 +114,8 @@ def main() -> int:
         r = res[mode]
         print(f"  {mode:5s} stall per save: " + ", ".join(f"{x:.3f}" for x in r["stalls"]) +
               f" s (median {statistics.median(r['stalls']):.3f} s); step median {statistics.median(r['steps']):.3f} s")
-    print(f"  async background writes: " + ", ".join(f"{x:.2f}" for x in a["writes"]) +
+    print("  async: of each stall, waiting for the previous write: " + ", ".join(f"{x:.3f}" for x in a["waits"]) + " s")
+    print("  async background writes: " + ", ".join(f"{x:.2f}" for x in a["writes"]) +
           f" s; wait at the end of the run {a['final_wait']:.2f} s")
     ratio = statistics.median(a["stalls"]) / statistics.median(s["stalls"])
     print(f"stall ratio async / sync (medians): {ratio:.3f} (goal <= 0.2)")

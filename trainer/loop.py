@@ -426,8 +426,9 @@ class Loop:
         if self.writer is None:
             self.log(f"[checkpoint] step {p.step} -> {path}")
         else:  # the writer thread logs the publish
-            self.log(f"[checkpoint] step {p.step}: state copied to host memory in {time.perf_counter() - t0:.2f} s, "
-                     f"writing {path} in the background")
+            waited = self.writer.last_wait_s
+            self.log(f"[checkpoint] step {p.step}: waited {waited:.2f} s for the previous write, state copied to host "
+                     f"memory in {time.perf_counter() - t0 - waited:.2f} s, writing {path} in the background")
 
     def finish_saves(self, failing: bool = False) -> None:
         """--async_checkpoint: wait for the write in flight (end of the run, SIGTERM); a failed write raises

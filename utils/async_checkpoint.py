@@ -155,7 +155,8 @@ class AsyncCheckpointer:
         self._error: Optional[BaseException] = None
         self._what = ""
         self.written: list[str] = []  # what finished writing, in order (the published paths on rank 0)
-        self.last_write_s = 0.0
+        self.last_write_s = 0.0  # how long the last background write took
+        self.last_wait_s = 0.0   # how long the last wait() blocked the training thread
 
     def in_flight(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -184,9 +185,11 @@ class AsyncCheckpointer:
         """Join the write in flight (if any). agree (every rank calls wait() at the same point, on the training
         thread): one collective of every rank's verdict, so a failure on any rank ends every rank alike.
         raise_errors=False (a run already failing for another reason): log only."""
+        t0 = time.perf_counter()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        self.last_wait_s = time.perf_counter() - t0
         err, self._error = self._error, None
         verdict = None
         if err is not None:
