@@ -1,6 +1,6 @@
 """Benchmark: the training stall per checkpoint save, synchronous vs --async_checkpoint=true.
 
-    .venv/bin/python bench/bench_checkpoint_stall.py                      # llama-60M, fp32, 3 saves each (~2 min)
+    .venv/bin/python bench/bench_checkpoint_stall.py                      # llama-60M, fp32, 5 saves each (~3 min)
     .venv/bin/python bench/bench_checkpoint_stall.py --dim=768 --n_layers=12  # ~110M parameters
 
 Issue 35's goal: "async saves stall the step <= 0.2x of a synchronous save, at a model size where the write
@@ -99,8 +99,9 @@ def main() -> int:
     ap.add_argument("--dim", type=int, default=512)
     ap.add_argument("--n_layers", type=int, default=8)
     ap.add_argument("--n_heads", type=int, default=8)
-    ap.add_argument("--saves", type=int, default=3)
-    ap.add_argument("--steps_between", type=int, default=4, help="optimizer steps between two saves")
+    ap.add_argument("--saves", type=int, default=5)
+    ap.add_argument("--steps_between", type=int, default=10, help="optimizer steps between two saves (enough for a "
+                    "background write to finish before the next save: otherwise the next save waits for it)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (the CI box has 2 shared cores)")
     ap.add_argument("--out", default="/tmp/bench_checkpoint_stall", help="where the checkpoints are written")
     args = ap.parse_args()
