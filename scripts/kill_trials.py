@@ -139,9 +139,10 @@ def kill_tree_of_child(monitor_pid: int) -> bool:
     return bool(pids)
 
 
-def unpublished_saves(out: str) -> bool:
-    """Whether a step_N.tmp newer than every published checkpoint is there: the kill landed inside a save
-    (a synchronous one, or a background write of --async_checkpoint)."""
+def unpublished_saves(out: str, since: float) -> bool:
+    """Whether this attempt (started at `since`) left a step_N.tmp newer than every published checkpoint: the kill
+    landed inside a save (a synchronous one, or a background write of --async_checkpoint). A leftover of an
+    earlier attempt's kill is older than `since` and does not count."""
     from utils.checkpoint_layout import parse_step
     root = os.path.join(out, "checkpoints")
     try:
@@ -149,8 +150,15 @@ def unpublished_saves(out: str) -> bool:
     except OSError:
         return False
     done = [s for n in names if (s := parse_step(n)) is not None]
-    tmp = [s for n in names if n.endswith(".tmp") and (s := parse_step(n[:-len(".tmp")])) is not None]
-    return bool(tmp) and max(tmp) > max(done, default=0)
+    newest = max(done, default=0)
+    for n in names:
+        step = parse_step(n[:-len(".tmp")]) if n.endswith(".tmp") else None
+        try:
+            if step is not None and step > newest and os.stat(os.path.join(root, n)).st_mtime >= since:
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def trial(name: str, nproc: int, args: list[str], work: str, kills: int, rng: random.Random,
@@ -166,12 +174,13 @@ def trial(name: str, nproc: int, args: list[str], work: str, kills: int, rng: ra
     done_kills, instants, in_saves = 0, [], 0
     while done_kills < kills and mon.poll() is None:
         wait = rng.uniform(0.2, 0.9 * ref_seconds)  # from the (re)start: start-up, steps, evals, saves
-        deadline = time.time() + wait
+        since = time.time()
+        deadline = since + wait
         while time.time() < deadline and mon.poll() is None:
             time.sleep(0.05)
         if mon.poll() is None and kill_tree_of_child(mon.pid):
             done_kills += 1
-            in_saves += unpublished_saves(out)
+            in_saves += unpublished_saves(out, since)
             instants.append(round(wait, 2))
             time.sleep(0.3)  # let the monitor notice and restart (backoff 0)
     rc = mon.wait(timeout=1800)
