@@ -32,6 +32,7 @@ background thread (snapshots and gathers happen on the training thread), or let 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from typing import Any, Callable, Optional
@@ -154,7 +155,7 @@ class AsyncCheckpointer:
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
         self._what = ""
-        self.written: list[str] = []  # what finished writing, in order (the published paths on rank 0)
+        self.last_written: Optional[str] = None  # what the last write finished (the published path on rank 0)
         self.last_write_s = 0.0  # how long the last background write took
         self.last_wait_s = 0.0   # how long the last wait() blocked the training thread
 
@@ -170,12 +171,13 @@ class AsyncCheckpointer:
         def run() -> None:
             t0 = time.perf_counter()
             try:
-                done = write()
-                self.written.append(done or what)
+                self.last_written = write() or what
             except BaseException as e:  # noqa: BLE001 - kept, logged now, raised again by wait()
                 self._error = e
-                self.log(f"[checkpoint] error: the background write of {what} failed: "
-                         f"{type(e).__name__}: {one_line(e)}")
+                line = f"[checkpoint] error: the background write of {what} failed: {type(e).__name__}: {one_line(e)}"
+                self.log(line)
+                if self.rank != 0:  # the trainer's log prints on rank 0 only
+                    print(f"[rank {self.rank}] {line}", file=sys.stderr, flush=True)
             finally:
                 self.last_write_s = time.perf_counter() - t0
         self._thread = threading.Thread(target=run, name="checkpoint-writer", daemon=True)
