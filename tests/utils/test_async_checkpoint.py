@@ -2,7 +2,8 @@
 is taken before save() returns (an optimizer step while the writer is held open does not reach the files), the
 host buffers are reused (no new buffer and the same addresses over 20 saves), a failed background write is
 logged and raised by the next wait() with the previous checkpoint still the latest, and rank 0's writer
-publishes only after every rank's marker. Deterministic: the writer is held open by a threading.Event."""
+publishes only after every rank's marker, and another rank's failed write ends this rank with the same kind of error.
+Deterministic: the writer is held open by a threading.Event."""
 from __future__ import annotations
 
 import os
@@ -155,3 +156,24 @@ def test_rank0_publishes_only_after_every_rank_marker(tmp_path):
     other.mkdir()
     with pytest.raises(AsyncCheckpointError, match=r"ranks \[1\] did not finish"):
         wait_for_ranks(str(other), 2, timeout=0, poll=0)
+
+
+@pytest.mark.parametrize("code, error", [(7, "DiskFullError"), (1, "AsyncCheckpointError")])
+def test_another_ranks_failed_write_ends_this_rank_alike(monkeypatch, code, error):
+    """wait() at 2 ranks: this rank's write succeeded, the agreed verdict (the collective, stubbed here) is rank 1's
+    failure: this rank raises too, DiskFullError (exit 7) for a write that did not fit, else a crash."""
+    import utils.dist
+    from utils.disk_space import DiskFullError
+    seen = []
+
+    def agreed(verdict, device=None):
+        seen.append(verdict)
+        return code, "checkpoint step 4: rank 1's optimizer_rank1.pt did not fit"
+    monkeypatch.setattr(utils.dist, "first_error_of_ranks", agreed)
+    writer = AsyncCheckpointer(log=lambda m: None, rank=0, world_size=2)
+    writer.submit("checkpoint step 4", lambda: None)
+    with pytest.raises((DiskFullError, AsyncCheckpointError)) as info:
+        writer.wait()
+    assert type(info.value).__name__ == error and "optimizer_rank1.pt" in str(info.value)
+    assert seen == [None]  # this rank's own verdict: no error
+    writer.wait(agree=False)  # nothing in flight, nothing kept: returns
