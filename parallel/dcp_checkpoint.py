@@ -163,23 +163,30 @@ def save_dcp_checkpoint(ckpt_root: str, step: int, model: nn.Module, optimizer=N
         if rank == 0:
             if fault_hook is not None:
                 fault_hook()
-            for name, obj in (json_files or {}).items():
-                if os.sep in name or name in (MANIFEST, DCP_MANIFEST, COMPLETE_MARKER) or not name.endswith(".json"):
-                    raise ValueError(f"json_files: {name!r} must be a plain *.json file name")
-                guard.file = os.path.join(tmp, name)
-                write_json(guard.file, obj)
-            problem = dcp_layout_problem(tmp, world, with_extras=rank_state is not None)
-            if problem is not None:  # never publish a checkpoint some rank did not write
-                raise DCPCheckpointError(f"refusing to publish {final}: {problem}")
-            files = {n: os.path.getsize(os.path.join(tmp, n)) for n in sorted(os.listdir(tmp))}
-            guard.file = os.path.join(tmp, DCP_MANIFEST)
-            write_json(guard.file, {
-                "format": DCP_FORMAT, "engine": "fsdp", "step": int(step), "world_size": world,
-                "saved_at": time.time(), "files": files, "optimizer": scalars,
-                "model_keys": sum(1 for k in flat if k.startswith(_MODEL))})
-            publish_checkpoint_dir(tmp, final, step)  # manifest, COMPLETE, fsync, atomic rename
+            publish_dcp_dir(tmp, final, step, world, json_files, scalars, sum(1 for k in flat if k.startswith(_MODEL)),
+                            rank_state is not None, guard)
     _barrier(group)
     return final
+
+
+def publish_dcp_dir(tmp: str, final: str, step: int, world: int, json_files: Optional[dict[str, Any]],
+                    scalars: Optional[dict], model_keys: int, with_extras: bool, guard: Any) -> None:
+    """Rank 0, once every rank's shard (and extra file) is in `tmp`: the JSON sidecars, the check that every rank
+    wrote, dcp_manifest.json, then manifest, COMPLETE, fsync, atomic rename (also --async_checkpoint's writer)."""
+    for name, obj in (json_files or {}).items():
+        if os.sep in name or name in (MANIFEST, DCP_MANIFEST, COMPLETE_MARKER) or not name.endswith(".json"):
+            raise ValueError(f"json_files: {name!r} must be a plain *.json file name")
+        guard.file = os.path.join(tmp, name)
+        write_json(guard.file, obj)
+    problem = dcp_layout_problem(tmp, world, with_extras=with_extras)
+    if problem is not None:  # never publish a checkpoint some rank did not write
+        raise DCPCheckpointError(f"refusing to publish {final}: {problem}")
+    files = {n: os.path.getsize(os.path.join(tmp, n)) for n in sorted(os.listdir(tmp))}
+    guard.file = os.path.join(tmp, DCP_MANIFEST)
+    write_json(guard.file, {
+        "format": DCP_FORMAT, "engine": "fsdp", "step": int(step), "world_size": world,
+        "saved_at": time.time(), "files": files, "optimizer": scalars, "model_keys": model_keys})
+    publish_checkpoint_dir(tmp, final, step)  # manifest, COMPLETE, fsync, atomic rename
 
 
 # ---------------------------------------------------------------------------- verify / find

@@ -225,8 +225,11 @@ class Engine:
     def save(self, out_dir: str, step: int, *, rank: int, world_size: int, model_config: dict,
              trainer_state: dict, run_config: dict, extra_state: dict, keep_last: int,
              barrier: Callable[[], None], fault_hook: Optional[Callable[[], None]] = None,
-             log: Callable[[str], None] = print) -> str:
-        """Collective: this step's checkpoint under out_dir/checkpoints, published atomically; its path."""
+             log: Callable[[str], None] = print, writer: Any = None) -> str:
+        """Collective: this step's checkpoint under out_dir/checkpoints, published atomically; its path.
+        writer (utils/async_checkpoint.AsyncCheckpointer, --async_checkpoint=true): wait for the previous save,
+        copy the state into the writer's host buffers here (collectives included), and let its background
+        thread write and publish; the path returned is where the checkpoint will appear."""
         raise NotImplementedError
 
     def load(self, ckpt_dir: str, saved_world: int, rank: int, world_size: int,

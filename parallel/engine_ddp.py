@@ -29,6 +29,7 @@ from parallel.engine import Engine
 from parallel.powersgd import PowerSGDState, powersgd_hook
 from parallel.resume_across_engines import ddp_optimizer_state, load_full_training_state
 from utils import checkpoint as ckpt
+from utils.async_checkpoint import json_copy, save_checkpoint_async
 from utils.checkpoint_layout import extra_file
 
 
@@ -43,7 +44,9 @@ class DDPEngine(Engine):
     def save(self, out_dir: str, step: int, *, rank: int, world_size: int, model_config: dict,
              trainer_state: dict, run_config: dict, extra_state: dict, keep_last: int,
              barrier: Callable[[], None], fault_hook: Optional[Callable[[], None]] = None,
-             log: Callable[[str], None] = print) -> str:
+             log: Callable[[str], None] = print, writer: Any = None) -> str:
+        if writer is not None:
+            writer.wait()  # at most one save in flight: the previous one is published (or its error raised)
         self.optimizer.finish_param_sync()  # ZeRO + overlapped gather: parameters complete before reading them
         hook_state = self.model.comm_hook_state_dict()
         if hook_state:
@@ -53,10 +56,20 @@ class DDPEngine(Engine):
         model_state = None
         if rank == 0:
             model_state = trainable_state(self.module) if self.lora_base is not None else self.module.state_dict()
+        optimizer_state = self.optimizer.state_dict() if self.sharded_optimizer or rank == 0 else None
+        if writer is not None:  # --async_checkpoint: host copies now, the files in the background
+            buffers = writer.buffers
+            model_state, optimizer_state, extra_state = (buffers.snapshot(x, (name,)) for name, x in (
+                ("model", model_state), ("optimizer", optimizer_state), ("extra", extra_state)))
+            trainer_state, run_config, model_config = json_copy(trainer_state), json_copy(run_config), \
+                json_copy(model_config)
+            buffers.ready(writer.device)
         req = ckpt.SaveRequest(step=step, rank=rank, world_size=world_size, model_state=model_state,
-                               model_config=model_config,
-                               optimizer_state=self.optimizer.state_dict() if self.sharded_optimizer or rank == 0 else None,
+                               model_config=model_config, optimizer_state=optimizer_state,
                                extra_state=extra_state, trainer_state=trainer_state, run_config=run_config)
+        if writer is not None:
+            return save_checkpoint_async(out_dir, req, writer, barrier=barrier, keep_last=keep_last,
+                                         fault_hook=fault_hook, log=log)
         return ckpt.save_checkpoint(out_dir, req, barrier=barrier, keep_last=keep_last, fault_hook=fault_hook, log=log)
 
     def load(self, ckpt_dir: str, saved_world: int, rank: int, world_size: int,

@@ -57,8 +57,15 @@ class FSDPEngine(Engine):
     def save(self, out_dir: str, step: int, *, rank: int, world_size: int, model_config: dict,
              trainer_state: dict, run_config: dict, extra_state: dict, keep_last: int,
              barrier: Callable[[], None], fault_hook: Optional[Callable[[], None]] = None,
-             log: Callable[[str], None] = print) -> str:
+             log: Callable[[str], None] = print, writer: Any = None) -> str:
         state = dict(trainer_state, step=step, world_size=world_size)
+        if writer is not None:  # --async_checkpoint: DCP's collectives here, the files in the background
+            from parallel.async_saves import save_dcp_checkpoint_async
+            return save_dcp_checkpoint_async(out_dir, ckpt.checkpoint_root(out_dir), step, self.model, self.optimizer,
+                                             json_files={TRAINER_STATE: state, MODEL_CONFIG: model_config,
+                                                         RUN_CONFIG: run_config},
+                                             rank_state=extra_state, writer=writer, keep_last=keep_last,
+                                             fault_hook=fault_hook, log=log)
         path = save_dcp_checkpoint(ckpt.checkpoint_root(out_dir), step, self.model, self.optimizer,
                                    json_files={TRAINER_STATE: state, MODEL_CONFIG: model_config,
                                                RUN_CONFIG: run_config},

@@ -287,25 +287,29 @@ class PipelineParallelEngine(Engine):
         writes the stage's weights `stage{s}_model.safetensors` and, unless ZeRO shards it,
         `stage{s}_optimizer_dp0.pt`; ZeRO: every dp rank its own), fsynced; global rank 0 also writes
         `pipeline.json`. Returns after every rank has written (a barrier). Publishing the directory is `save`'s."""
-        sd = self.state_dict()
+        self.write_stage_state(dir_path, self.state_dict(), dist.get_rank())
+        dist.barrier()
+
+    def write_stage_state(self, dir_path: str, sd: dict, global_rank: int, copy: bool = True) -> None:
+        """The files of write_stage_files from a state_dict() (no collective: the background writer of
+        --async_checkpoint calls it with host snapshots, copy=False)."""
         s = self.stage_index
         first = self.dp_rank == 0 and self.tp_rank == 0  # one writer per stage (the tensors are gathered)
         if first:
             path = os.path.join(dir_path, stage_model_file(s))
-            save_file({k: v.to("cpu").contiguous().clone() for k, v in sd["model"].items()}, path,
-                      metadata={"format": "pt", "stage": str(s)})
+            tensors = {k: v.to("cpu").contiguous().clone() for k, v in sd["model"].items()} if copy else sd["model"]
+            save_file(tensors, path, metadata={"format": "pt", "stage": str(s)})
             fsync_file(path)
         if first or self._sharded_files():
             path = os.path.join(dir_path, stage_optimizer_file(s, self.dp_rank))
             torch.save(sd["optimizer"], path)
             fsync_file(path)
-        if dist.get_rank() == 0:
+        if global_rank == 0:
             ckpt.write_json(os.path.join(dir_path, META_FILE), {
                 "format": FORMAT, "pp_size": self.pp_size, "dp_size": self.dp_size, "tp_size": self.tp_size,
                 "n_layers": self.n_layers, "layer_ranges": [list(r) for r in self.layer_ranges],
                 "schedule": self.schedule_name, "n_microbatches": self.n_microbatches,
                 "dp_engine": self.dp_engine, "sharded_optimizer": self._sharded_files()})
-        dist.barrier()
 
     def load_stage_files(self, ckpt_dir: str) -> None:
         """This stage's weights and optimizer state from a checkpoint of the same pipeline split (pp size,
@@ -355,10 +359,14 @@ class PipelineParallelEngine(Engine):
     def save(self, out_dir: str, step: int, *, rank: int, world_size: int, model_config: dict,
              trainer_state: dict, run_config: dict, extra_state: dict, keep_last: int,
              barrier: Callable[[], None], fault_hook: Optional[Callable[[], None]] = None,
-             log: Callable[[str], None] = print) -> str:
+             log: Callable[[str], None] = print, writer: Any = None) -> str:
         """Collective. The stages' files + per-rank RNG into step_N.tmp/, then rank 0 publishes it
         (manifest, COMPLETE, fsync, atomic rename: utils/checkpoint.publish_checkpoint_dir) and prunes.
         Always full stage files (no light LoRA checkpoints)."""
+        if writer is not None:
+            from parallel.async_saves import save_pipeline_async
+            return save_pipeline_async(self, out_dir, step, rank, world_size, model_config, trainer_state, run_config,
+                                       extra_state, keep_last, barrier, fault_hook, log, writer)
         root = ckpt.checkpoint_root(out_dir)
         final = os.path.join(root, ckpt.step_dir_name(step))
         tmp = temp_dir_for(final)

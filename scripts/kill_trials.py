@@ -7,9 +7,13 @@ For every configuration: one uninterrupted reference run, then the same command 
 SIGKILL `--kills` times, at instants drawn from a seeded random generator over the reference's
 wall time (some land in start-up, before anything is recorded; some inside an evaluation or a
 checkpoint save, which the intervals make frequent). The monitor restarts the run each time and it
-resumes. A trial matches when its per-step losses (the last row of each step) and its final
-weights are bit-identical to the reference's. Prints one line per configuration and the totals;
-exit 1 on any mismatch or any run that did not finish.
+resumes. Kills that land inside a checkpoint save (a step_N.tmp newer than every published checkpoint is
+left) are counted; the *-async configurations (--async_checkpoint=true) hold each background write open
+2 s (MYLLM_FAULT_SAVE_DELAY; their reference runs too) while the training goes on, so many kills land
+inside one. A trial matches
+when its per-step losses (the last row of each step) and its final weights are bit-identical to the
+reference's. Prints one line per configuration and the totals; exit 1 on any mismatch or any run that did
+not finish.
 
 Not a test (minutes of wall time, real random kills): its figures go into the README. The tiny
 tokenizer and shards are built from the bundled corpus as tests/conftest.py does.
@@ -52,14 +56,23 @@ CONFIGS: dict[str, tuple[int, list[str]]] = {
     "pipeline2-dpo-lora": (2, ["--pipeline_parallel_size=2", "--gradient_accumulation_steps=2", "--task_type=dpo",
                                "@dpo", "@base", "--max_seq_len=96", "--lora_rank=4", "--dpo_beta=0.5",
                                "--learning_rate=3e-3"]),
+    # issue 35: --async_checkpoint=true; @slow_writes holds every background write open 2 s before its publish
+    # (MYLLM_FAULT_SAVE_DELAY) while the training goes on, so that many random kills land inside a write
+    "ddp-async": (1, ["--async_checkpoint=true", "@slow_writes"]),
+    "ddp2-zero2-async": (2, ["--batch_size=2", "--use_distributed_optimizer=true", "--zero_stage=2",
+                             "--async_checkpoint=true", "@slow_writes"]),
+    "fsdp2-async": (2, ["--batch_size=2", "--parallel=fsdp", "--async_checkpoint=true", "@slow_writes"]),
+    "pipeline2-async": (2, ["--pipeline_parallel_size=2", "--gradient_accumulation_steps=2", "--async_checkpoint=true",
+                            "@slow_writes"]),
 }
+SLOW_WRITES_S = "2.0"
 
 
 def config_args(common: list[str], flags: list[str], data: dict, base_ref: str) -> list[str]:
     """The common flags with a configuration's over them (a flag given again replaces the common one;
     `--key=-` drops it); @base / @sft / @dpo name the ddp reference run and the toy SFT / DPO files."""
     marks = {"@base": f"--init_from={base_ref}", "@sft": f"--data_dir={data['sft']}", "@dpo": f"--data_dir={data['dpo']}"}
-    flags = [marks.get(f, f) for f in flags]
+    flags = [marks.get(f, f) for f in flags if f != "@slow_writes"]
     keys = {f.split("=", 1)[0] for f in flags}
     return [f for f in common if f.split("=", 1)[0] not in keys] + [f for f in flags if not f.endswith("=-")]
 
@@ -126,24 +139,48 @@ def kill_tree_of_child(monitor_pid: int) -> bool:
     return bool(pids)
 
 
+def unpublished_saves(out: str, since: float) -> bool:
+    """Whether this attempt (started at `since`) left a step_N.tmp newer than every published checkpoint: the kill
+    landed inside a save (a synchronous one, or a background write of --async_checkpoint). A leftover of an
+    earlier attempt's kill is older than `since` and does not count."""
+    from utils.checkpoint_layout import parse_step
+    root = os.path.join(out, "checkpoints")
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return False
+    done = [s for n in names if (s := parse_step(n)) is not None]
+    newest = max(done, default=0)
+    for n in names:
+        step = parse_step(n[:-len(".tmp")]) if n.endswith(".tmp") else None
+        try:
+            if step is not None and step > newest and os.stat(os.path.join(root, n)).st_mtime >= since:
+                return True
+        except OSError:
+            continue
+    return False
+
+
 def trial(name: str, nproc: int, args: list[str], work: str, kills: int, rng: random.Random,
-          ref_seconds: float) -> dict:
+          ref_seconds: float, env_extra: dict) -> dict:
     out = os.path.join(work, f"{name}-killed")
     shutil.rmtree(out, ignore_errors=True)
     cmd = [PY, os.path.join(ROOT, "monitor_process.py"), "--backoff_base=0", "--max_restarts=50",
            "--hang_timeout=300", "--", *train_cmd(nproc, [*args, f"--out_dir={out}"])]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **env_extra)
     os.makedirs(out, exist_ok=True)
     mon_out = open(os.path.join(work, f"{name}-monitor.out"), "w")  # the monitor's own output (its log is in out)
     mon = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=mon_out, stderr=subprocess.STDOUT)
-    done_kills, instants = 0, []
+    done_kills, instants, in_saves = 0, [], 0
     while done_kills < kills and mon.poll() is None:
         wait = rng.uniform(0.2, 0.9 * ref_seconds)  # from the (re)start: start-up, steps, evals, saves
-        deadline = time.time() + wait
+        since = time.time()
+        deadline = since + wait
         while time.time() < deadline and mon.poll() is None:
             time.sleep(0.05)
         if mon.poll() is None and kill_tree_of_child(mon.pid):
             done_kills += 1
+            in_saves += unpublished_saves(out, since)
             instants.append(round(wait, 2))
             time.sleep(0.3)  # let the monitor notice and restart (backoff 0)
     rc = mon.wait(timeout=1800)
@@ -153,7 +190,8 @@ def trial(name: str, nproc: int, args: list[str], work: str, kills: int, rng: ra
         summary = json.load(open(os.path.join(out, "monitor_summary.json")))
     except (OSError, ValueError):
         pass
-    return {"out": out, "rc": rc, "kills": done_kills, "instants": instants, "status": summary.get("final_status"),
+    return {"out": out, "rc": rc, "kills": done_kills, "instants": instants, "in_saves": in_saves,
+            "status": summary.get("final_status"),
             "restarts": summary.get("restarts")}
 
 
@@ -168,21 +206,23 @@ def main(argv: list[str]) -> int:
     os.makedirs(a.work, exist_ok=True)
     data = build_data(os.path.join(a.work, "data"))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    total_kills = mismatches = failures = 0
+    total_kills = mismatches = failures = total_in_saves = 0
     base_ref = os.path.join(a.work, "ddp-ref")
     for name in a.configs.split(","):
         nproc, flags = CONFIGS[name]
         args = config_args(common_args(data), flags, data, base_ref)
         ref = os.path.join(a.work, f"{name}-ref")
         shutil.rmtree(ref, ignore_errors=True)
-        t0 = time.time()
-        proc = subprocess.run(train_cmd(nproc, [*args, f"--out_dir={ref}"]), cwd=ROOT, env=env, capture_output=True,
-                              text=True)
+        env_extra = {"MYLLM_FAULT_SAVE_DELAY": SLOW_WRITES_S} if "@slow_writes" in flags else {}
+        t0 = time.time()  # the reference holds its writes open too: the kill instants span the same run time
+        proc = subprocess.run(train_cmd(nproc, [*args, f"--out_dir={ref}"]), cwd=ROOT, env=dict(env, **env_extra),
+                              capture_output=True, text=True)
         if proc.returncode != 0:
             print(f"{name}: the reference run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
             return 1
         ref_seconds = time.time() - t0
-        t = trial(name, nproc, args, a.work, a.kills, rng, ref_seconds)
+        t = trial(name, nproc, args, a.work, a.kills, rng, ref_seconds, env_extra)
+        total_in_saves += t["in_saves"]
         total_kills += t["restarts"] or 0  # kills that cost the run an attempt (a late one may hit its exit)
         ok_run = t["rc"] == 0 and t["status"] == "completed"
         same = False
@@ -191,12 +231,14 @@ def main(argv: list[str]) -> int:
             same = lr == lk and wr.keys() == wk.keys() and all(bool((wr[k] == wk[k]).all()) for k in wr)
         failures += not ok_run
         mismatches += ok_run and not same
-        print(f"{name:16s} kills {t['kills']} at {t['instants']} s after each start -> monitor {t['status']} "
+        print(f"{name:16s} kills {t['kills']} at {t['instants']} s after each start ({t['in_saves']} inside a save) "
+              f"-> monitor {t['status']} "
               f"after {t['restarts']} restarts "
               f"(rc {t['rc']}); losses and weights {'identical' if same else 'DIFFER' if ok_run else 'n/a'} "
               f"(reference {ref_seconds:.0f} s)", flush=True)
-    print(f"total: {total_kills} kills that forced a restart over {len(a.configs.split(','))} configurations, {mismatches} mismatches, "
-          f"{failures} runs that did not complete")
+    print(f"total: {total_kills} kills that forced a restart over {len(a.configs.split(','))} configurations "
+          f"({total_in_saves} inside a checkpoint save), {mismatches} mismatches, {failures} runs that did not "
+          "complete")
     return 1 if mismatches or failures else 0
 
 

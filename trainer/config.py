@@ -137,6 +137,11 @@ class TrainConfig(ParallelFlags, DPOFlags, OptimizationFlags, TrainableFlags, Mo
     log_interval: int = _f(10, "log a line every N steps")
     checkpoint_interval: int = _f(100, "checkpoint every N steps (and at the end)")
     keep_last: int = _f(3, "keep this many newest checkpoints (plus the best by validation loss)")
+    async_checkpoint: bool = _f(False, "save checkpoints in the background: the saving step copies the state to host "
+                                "memory (pinned on a GPU, reused) and goes on; one writer thread writes, verifies, "
+                                "publishes and prunes as a synchronous save does. One save in flight (the next save, "
+                                "the end of the run and SIGTERM wait for it); a crash during the write leaves the "
+                                "previous checkpoint the latest (docs/checkpoints.md)")
     # ---- stability guard (docs/monitor.md, "Loss spikes")
     spike_guard: bool = _f(False, "stop with exit 76 and record the step in <out_dir>/spike.json when a step's loss "
                            "is non-finite or above --spike_factor x the median of the previous --spike_window steps "

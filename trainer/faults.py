@@ -3,13 +3,16 @@
     MYLLM_FAULT=kind@N            one fault; kinds below
     MYLLM_FAULT_ONCE_FILE=path    fire once: the first firing writes `path`, later ones see it and do not fire
     MYLLM_FAULT_SPIKE_FACTOR=100  what an injected loss spike multiplies the loss by
+    MYLLM_FAULT_SAVE_DELAY=0.5    --async_checkpoint: every background write sleeps this long (seconds) after its
+                                  files are written, before the publish (kill trials land inside writes more often)
 
 Kinds keyed on the optimizer step N: crash (exit 1 at the start of the step), hang (park forever
-there), kill_in_save (SIGKILL in the middle of that step's checkpoint save), nan_loss (that step's loss
-is NaN). Two loss spikes keyed on the DATA, not the step, so skipping the data makes them go away:
-spike_data@D (the step that trains on data step D) and spike_token@T (the micro-batches holding token
-id T: a corrupt sample in real shards); both fire every time that data is read again (a replay from a
-checkpoint reproduces them), or once with MYLLM_FAULT_ONCE_FILE (a one-off fault of the machine).
+there), kill_in_save (SIGKILL in the middle of that step's checkpoint save; with --async_checkpoint=true
+inside the background write, after rank 0's weights are written and before the publish, while the training
+goes on), nan_loss (that step's loss is NaN). Two loss spikes keyed on the DATA, not the step, so skipping
+the data makes them go away: spike_data@D (the step that trains on data step D) and spike_token@T (the
+micro-batches holding token id T: a corrupt sample in real shards); both fire every time that data is read
+again (a replay from a checkpoint reproduces them), or once with MYLLM_FAULT_ONCE_FILE (a one-off fault of the machine).
 
 Owns: parsing the spec (`fault_spec`, the one parser) and deciding whether a fault fires.
 Must never: fire without MYLLM_FAULT set, or import torch (tests/fake_train.py, the supervisor tests'
@@ -56,6 +59,30 @@ def fire_step_faults(step: int) -> None:
         print(f"[fault] hang@{step}", flush=True)
         while True:
             time.sleep(3600)
+
+
+def save_delay() -> float:
+    """MYLLM_FAULT_SAVE_DELAY: seconds each background checkpoint write waits before publishing (0: none)."""
+    try:
+        return max(0.0, float(os.environ.get("MYLLM_FAULT_SAVE_DELAY", "0") or 0))
+    except ValueError:
+        return 0.0
+
+
+def save_fault_hook(step: int, in_background: bool, kill: Callable[[], None]) -> Optional[Callable[[], None]]:
+    """The hook a save of `step` calls in its middle (rank 0, weights written, not yet published), or None:
+    kill_in_save@step calls `kill`; a background write (in_background) first sleeps MYLLM_FAULT_SAVE_DELAY."""
+    delay = save_delay() if in_background else 0.0
+    if not delay and fault_spec() != ("kill_in_save", step):
+        return None
+
+    def hook() -> None:
+        if delay:
+            time.sleep(delay)
+        if fires("kill_in_save", step):
+            print(f"[fault] kill_in_save@{step}" + (" (background write)" if in_background else ""), flush=True)
+            kill()
+    return hook
 
 
 def _has_token(batch: dict, token: int) -> bool:

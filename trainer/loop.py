@@ -26,12 +26,13 @@ from parallel.config import ParallelConfig
 from parallel.engine import StepStats
 from tokenizer import load_tokenizer_meta
 from trainer.config import TrainConfig, TrainingError, max_iters_for_epochs, one_line, resolve_warmup, validate_config
-from trainer.faults import fire_step_faults, fires, spike_fault, spiked
+from trainer.faults import fire_step_faults, fires, save_fault_hook, spike_fault, spiked
 from trainer.samples import TrainSampler, read_prompts
 from trainer.start import Progress, build_model, choose_trainable, decide_start, dpo_reference, place_on_engine, \
     restore
 from trainer.task import build_data, count_tokens, count_units, evaluate, micro_batch_loss
 from utils import checkpoint as ckpt
+from utils.async_checkpoint import AsyncCheckpointer
 from utils.configurator import save_config_json
 from utils.constants import (EXIT_BAD_CONFIG, EXIT_BAD_DATA, EXIT_INTERRUPTED, EXIT_LOSS_SPIKE, EXIT_NONFINITE_LOSS,
                              EXIT_OK)
@@ -181,18 +182,25 @@ def train(cfg: TrainConfig, info: DistInfo, continues: Optional[bool] = None, ma
     if progress.rng is not None:  # last thing before the loop: set-up above may draw random numbers
         ckpt.restore_rng_state(progress.rng, info.device)
     engine.model.train()
-    while progress.step < cfg.max_iters:
-        rec = loop.step()
-        do_eval = (cfg.eval_interval > 0 and progress.step % cfg.eval_interval == 0) or progress.step == cfg.max_iters
-        loop.log_step(rec, do_eval)
-        stop_now = all_reduce_max(1.0 if stop["requested"] else 0.0, info.device) > 0
-        if progress.step % cfg.checkpoint_interval == 0 or progress.step == cfg.max_iters or stop_now:
-            loop.save(progress.last_val if do_eval else None)
-        loop.restart_clock()  # evaluation and checkpoint time is not charged to the next step's tokens/s
-        if stop_now:
-            log(f"[train] stop requested by signal: saved step {progress.step}, exiting with {EXIT_INTERRUPTED}")
-            loop.close()
-            return EXIT_INTERRUPTED
+    try:
+        while progress.step < cfg.max_iters:
+            rec = loop.step()
+            do_eval = (cfg.eval_interval > 0 and progress.step % cfg.eval_interval == 0) or \
+                progress.step == cfg.max_iters
+            loop.log_step(rec, do_eval)
+            stop_now = all_reduce_max(1.0 if stop["requested"] else 0.0, info.device) > 0
+            if progress.step % cfg.checkpoint_interval == 0 or progress.step == cfg.max_iters or stop_now:
+                loop.save(progress.last_val if do_eval else None)
+            loop.restart_clock()  # evaluation and checkpoint time is not charged to the next step's tokens/s
+            if stop_now:
+                loop.finish_saves()  # --async_checkpoint: the checkpoint is on disk before the exit
+                log(f"[train] stop requested by signal: saved step {progress.step}, exiting with {EXIT_INTERRUPTED}")
+                loop.close()
+                return EXIT_INTERRUPTED
+        loop.finish_saves()
+    except BaseException:
+        loop.finish_saves(failing=True)
+        raise
     loop.close()
     optimizer.finish_param_sync()
     synchronize(info.device)
@@ -235,6 +243,9 @@ class Loop:
         self.quiet_lines = True  # time-based lines between the --log_interval ones (when not a terminal)
         self.t_loop_start = time.time()
         self._eta_from: Optional[tuple[float, int]] = None  # (time, step) after the warm-up steps: the ETA's base
+        # --async_checkpoint: the background writer and its reused host buffers (utils/async_checkpoint.py)
+        self.writer = AsyncCheckpointer(log, rank=info.rank, world_size=info.world_size, device=info.device) \
+            if cfg.async_checkpoint else None
 
     def restart_clock(self) -> None:
         """After evaluation, a checkpoint or samples: none of that time is charged to the next step."""
@@ -405,15 +416,30 @@ class Loop:
             state["max_iters_from"] = p.max_iters_from
         if self.guard is not None:  # the running window: a resumed run judges its steps as an uninterrupted one
             state["spike_guard"] = self.guard.state_dict()
-        fault = (lambda: os.kill(os.getpid(), signal.SIGKILL)) if fires("kill_in_save", p.step) else None
+        fault = save_fault_hook(p.step, self.writer is not None, lambda: os.kill(os.getpid(), signal.SIGKILL))
+        t0 = time.perf_counter()
         path = self.engine.save(cfg.out_dir, p.step, rank=info.rank, world_size=info.world_size,
                                 model_config=self.model_cfg.to_dict(), trainer_state=state,
                                 run_config=dataclasses.asdict(cfg),
                                 extra_state={"rng": ckpt.capture_rng_state(info.device)}, keep_last=cfg.keep_last,
-                                barrier=barrier, fault_hook=fault, log=self.log)
-        self.log(f"[checkpoint] step {p.step} -> {path}")
+                                barrier=barrier, fault_hook=fault, log=self.log, writer=self.writer)
+        if self.writer is None:
+            self.log(f"[checkpoint] step {p.step} -> {path}")
+        else:  # the writer thread logs the publish
+            waited = self.writer.last_wait_s
+            self.log(f"[checkpoint] step {p.step}: waited {waited:.2f} s for the previous write, state copied to host "
+                     f"memory in {time.perf_counter() - t0 - waited:.2f} s, writing {path} in the background")
+
+    def finish_saves(self, failing: bool = False) -> None:
+        """--async_checkpoint: wait for the write in flight (end of the run, SIGTERM); a failed write raises
+        here (DiskFullError exit 7, else a crash). failing: the run is already ending on another error, so
+        the write is waited for (a newer checkpoint for the restart) and its error only logged."""
+        if self.writer is not None:
+            self.writer.wait(agree=not failing, raise_errors=not failing)
 
     def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()  # waited for already (finish_saves); frees the host buffers
         if self.pbar is not None:
             self.pbar.close()
         self.metrics.close()

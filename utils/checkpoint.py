@@ -213,6 +213,52 @@ def publish_checkpoint_dir(tmp: str, final: str, step: int) -> None:
     publish_dir(tmp, final, replace=True)
 
 
+def write_rank_files(tmp: str, req: SaveRequest, guard: _SaveGuard,
+                     fault_hook: Optional[Callable[[], None]] = None, copy_weights: bool = True) -> None:
+    """This rank's files of a checkpoint into `tmp` (written and fsynced): rank 0 the weights and the JSON
+    sidecars, every rank holding optimizer state its optimizer file, every rank its extra (RNG) file.
+    Shared by the synchronous save and the background writer (utils/async_checkpoint.py), whose weights are
+    already host copies of their own (copy_weights=False)."""
+    if req.rank == 0:
+        assert req.model_state is not None
+        # safetensors refuses shared/non-contiguous storage (our params are views of one buffer)
+        tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in req.model_state.items()} \
+            if copy_weights else req.model_state
+        path = guard.file = os.path.join(tmp, MODEL_FILE)
+        save_file(tensors, path, metadata={"format": "pt", "step": str(req.step)})
+        fsync_file(path)
+        guard.file = os.path.join(tmp, MODEL_CONFIG)
+        write_json(guard.file, req.model_config)
+        guard.file = os.path.join(tmp, RUN_CONFIG)
+        write_json(guard.file, req.run_config)
+        if fault_hook is not None:
+            fault_hook()  # test hook: die with a half-written checkpoint
+    if req.optimizer_state is not None:
+        path = guard.file = os.path.join(tmp, optimizer_file(req.rank))
+        torch.save(req.optimizer_state, path)
+        fsync_file(path)
+    path = guard.file = os.path.join(tmp, extra_file(req.rank))
+    torch.save(req.extra_state, path)
+    fsync_file(path)
+
+
+def publish_rank0(out_dir: str, tmp: str, final: str, req: SaveRequest, guard: _SaveGuard) -> None:
+    """Rank 0, once every rank's files are in `tmp`: trainer_state.json, then the manifest, COMPLETE, fsync
+    and the atomic rename (publish_checkpoint_dir); the directory is remembered as verified."""
+    trainer_state = dict(req.trainer_state, step=req.step, world_size=req.world_size, saved_at=time.time())
+    guard.file = os.path.join(tmp, TRAINER_STATE)
+    write_json(guard.file, trainer_state)
+    guard.file = os.path.join(tmp, MANIFEST)
+    publish_checkpoint_dir(tmp, final, req.step)
+
+
+def remember_verified(final: str) -> None:
+    """The manifest's hashes were computed from exactly these files: pruning need not hash them again."""
+    sig = _signature(final)
+    if sig is not None:
+        _verified[final] = sig
+
+
 def save_checkpoint(out_dir: str, req: SaveRequest, barrier: Optional[Callable[[], None]] = None,
                     keep_last: int = 3, keep_best: bool = True,
                     fault_hook: Optional[Callable[[], None]] = None,
@@ -225,40 +271,12 @@ def save_checkpoint(out_dir: str, req: SaveRequest, barrier: Optional[Callable[[
         if req.rank == 0:
             make_temp_dir(final)  # one left by a crash was never complete: dropped
         _barrier(barrier)
-
-        if req.rank == 0:
-            assert req.model_state is not None
-            # safetensors refuses shared/non-contiguous storage (our params are views of one buffer)
-            tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in req.model_state.items()}
-            path = guard.file = os.path.join(tmp, MODEL_FILE)
-            save_file(tensors, path, metadata={"format": "pt", "step": str(req.step)})
-            fsync_file(path)
-            guard.file = os.path.join(tmp, MODEL_CONFIG)
-            write_json(guard.file, req.model_config)
-            guard.file = os.path.join(tmp, RUN_CONFIG)
-            write_json(guard.file, req.run_config)
-            if fault_hook is not None:
-                fault_hook()  # test hook: die with a half-written checkpoint
-        if req.optimizer_state is not None:
-            path = guard.file = os.path.join(tmp, optimizer_file(req.rank))
-            torch.save(req.optimizer_state, path)
-            fsync_file(path)
-        path = guard.file = os.path.join(tmp, extra_file(req.rank))
-        torch.save(req.extra_state, path)
-        fsync_file(path)
+        write_rank_files(tmp, req, guard, fault_hook)
         _barrier(barrier)  # every rank has written and fsynced its files
-
         if req.rank == 0:
-            trainer_state = dict(req.trainer_state, step=req.step, world_size=req.world_size,
-                                 saved_at=time.time())
-            guard.file = os.path.join(tmp, TRAINER_STATE)
-            write_json(guard.file, trainer_state)
-            guard.file = os.path.join(tmp, MANIFEST)
-            publish_checkpoint_dir(tmp, final, req.step)
+            publish_rank0(out_dir, tmp, final, req, guard)
     if req.rank == 0:
-        sig = _signature(final)
-        if sig is not None:  # the manifest's hashes were computed from exactly these files
-            _verified[final] = sig
+        remember_verified(final)
         prune_checkpoints(out_dir, keep_last=keep_last, keep_best=keep_best, log=log)
     _barrier(barrier)
     return final
