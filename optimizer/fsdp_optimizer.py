@@ -74,6 +74,9 @@ class FSDPOptimizer(GlobalNormOptimizer):
         raise_fsdp_problems(fsdp_optimizer_problems(
             use_distributed_optimizer=config.use_distributed_optimizer, overlap_optim_step=config.overlap_optim_step,
             overlap_param_gather=config.overlap_param_gather, zero_stage=config.zero_stage))
+        if config.optimizer != "adamw":  # not yet: the row-sharded matrices need a gather (optimizer/muon.py)
+            raise ValueError(f"--optimizer={config.optimizer} is not supported with --parallel=fsdp (or tensor "
+                             "parallelism) yet; use --parallel=ddp (with or without ZeRO)")
         if not isinstance(model, FSDPModule):
             raise ValueError("FSDPOptimizer needs a model wrapped by wrap_fsdp")
         self.model, self.config = model, config

@@ -1,0 +1,193 @@
+"""Muon (momentum + Newton-Schulz orthogonalisation) for the hidden 2-D matrices, over our flat fp32 masters.
+
+Owns: which parameters are Muon's (`is_muon_param`: every 2-D weight inside the transformer blocks -
+q/k/v/o, gate/up/down and LoRA adapters; never the token embedding, the LM head or a norm), the Muon
+math (`MuonState.step`), its momentum state, and the collectives that bring each sharded matrix together
+for its orthogonalisation under ZeRO-1/2. AdamW (optimizer/adamw.py) keeps every other parameter.
+
+The math is torch.optim.Muon's, operation for operation (so tests compare bit for bit where both see the
+same matrix): B <- lerp(B, g, 1 - mu); U <- lerp(g, B, mu) (nesterov) or B; O <- NS5(U) in bf16 with
+Keller Jordan's coefficients; p <- p (1 - lr wd) - lr' O, with lr' = adjust(lr, shape).
+The learning-rate convention (`muon_adjust_lr`): "match_rms_adamw" (Moonlight: lr' = 0.2 sqrt(max(A, B)) lr,
+the default) or "original" (Keller: lr' = sqrt(max(1, A / B)) lr). We default to Moonlight's because it
+makes the update's RMS about 0.2, AdamW's typical update RMS, so an AdamW-tuned --learning_rate and
+--weight_decay carry over to Muon's matrices (Liu et al. 2025, "Muon is Scalable for LLM Training").
+The model's q/k/v (and gate/up) parameters are separate (the fused projection only concatenates them in
+the forward), so each is orthogonalised as its own matrix.
+
+Distributed (ZeRO-1/2: each rank owns a contiguous 1/W of every bucket, cutting matrices anywhere): the
+elementwise momentum runs on the owned shard; then per bucket holding a Muon matrix
+  1. all-gather of the bucket's fp32 update (the Muon elements of the owned range; zeros elsewhere),
+  2. each matrix orthogonalised ONCE, on its owner rank (round-robin over the matrices in model order),
+     written into a zero bucket-sized fp32 buffer,
+  3. SUM reduce-scatter of that buffer: each rank gets the orthogonalised update of its own range (the
+     other ranks added exact zeros: x + 0 = x, so the result is bit-identical to one process's),
+then the decay and the update on the shard. Bytes per step and rank (payload of the two collectives, as
+the param all-gather is counted): 2 x 4 x sum of the numel of the buckets holding Muon matrices; on the
+wire a ring moves (W-1)/W of that. `MuonState.comm_bytes` counts them. Without ZeRO every rank holds the
+whole reduced gradient and orthogonalises every matrix itself: no communication.
+Must never: orthogonalise a part of a matrix, or issue collectives in an order that is not the same on
+every rank (it is fixed at construction from the buckets).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from utils import comm
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's (Keller Jordan's) quintic
+NS_STEPS = 5
+NS_EPS = 1e-7
+ADJUST_LR_CHOICES = ("match_rms_adamw", "original")
+
+
+def is_muon_param(name: str, shape: Sequence[int]) -> bool:
+    """A hidden matrix: 2-D and inside a transformer block (`layers.<i>.`); the embedding, the LM head
+    and every norm / bias are AdamW's."""
+    return len(shape) == 2 and (".layers." in f".{name}")
+
+
+def zeropower_via_newtonschulz(g: torch.Tensor, coefficients=NS_COEFFICIENTS, steps: int = NS_STEPS,
+                               eps: float = NS_EPS) -> torch.Tensor:
+    """torch.optim.Muon's orthogonalisation of a 2-D matrix (bf16, transposed to wide), the same ops in the
+    same order: the result's bits are torch's for the same input."""
+    a, b, c = coefficients
+    x = g.bfloat16()
+    tall = g.size(0) > g.size(1)
+    if tall:
+        x = x.T
+    x.div_(x.norm().clamp(min=eps))
+    for _ in range(steps):
+        gram = x @ x.T
+        gram_update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.addmm(x, gram_update, x, beta=a)
+    return x.T if tall else x
+
+
+def adjusted_lr(lr: float, shape: Sequence[int], convention: str) -> float:
+    """The learning rate a matrix of `shape` is updated with (torch.optim.Muon's _adjust_lr)."""
+    rows, cols = shape[0], shape[1]
+    if convention == "original":
+        return lr * math.sqrt(max(1, rows / cols))
+    if convention == "match_rms_adamw":
+        return lr * 0.2 * math.sqrt(max(rows, cols))
+    raise ValueError(f"muon_adjust_lr must be one of {ADJUST_LR_CHOICES}, got {convention!r}")
+
+
+@dataclass
+class MuonMatrix:
+    """One Muon parameter: its name and full shape, its round-robin owner, and, when this rank updates a
+    part of it, that part: the flat element range [lo, hi) of the parameter, the bucket-local start of
+    that range (`at`), the master it updates and its fp32 momentum buffer."""
+    name: str
+    shape: tuple
+    bucket_index: int
+    slot_start: int  # bucket-local offset of the parameter's element 0
+    owner: int
+    piece: object = None  # the optimizer's Piece (main, lo, hi) when this rank holds a part
+    momentum: Optional[torch.Tensor] = None
+
+    @property
+    def numel(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+
+class MuonState:
+    """Muon over the optimizer's pieces of the Muon matrices. `sharded`: the pieces are flat ZeRO shards
+    (orthogonalised through the bucket collectives above); otherwise each piece is a whole matrix."""
+
+    def __init__(self, ddp, pieces: list, config, *, sharded: bool, group, rank: int, world_size: int):
+        self.config, self.sharded = config, sharded
+        self.group, self.rank, self.world_size = group, rank, world_size
+        self.lr = float(config.muon_lr or config.lr)
+        self.lr_scale = 1.0  # the schedule's factor: set_lr(lr) scales Muon's lr like AdamW's
+        self.ddp = ddp
+        by_param = {id(pc.param): pc for pc in pieces}
+        self.matrices: list[MuonMatrix] = []
+        for bucket in ddp.buckets:  # model order, the same on every rank: owners and collectives agree
+            for slot in bucket.slots:
+                if not is_muon_param(slot.name, tuple(slot.param.shape)):
+                    continue
+                m = MuonMatrix(slot.name, tuple(slot.param.shape), bucket.index, slot.start,
+                               owner=len(self.matrices) % world_size, piece=by_param.get(id(slot.param)))
+                if m.piece is not None:
+                    m.momentum = torch.zeros(m.piece.hi - m.piece.lo, dtype=torch.float32,
+                                             device=m.piece.main.device)
+                self.matrices.append(m)
+        self.bucket_indices = sorted({m.bucket_index for m in self.matrices})
+        self.comm_bytes = 0  # cumulative payload bytes of Muon's collectives
+        self.steps = 0
+
+    def current_lr(self) -> float:
+        return self.lr * self.lr_scale
+
+    # ------------------------------------------------------------------ the step
+    @torch.no_grad()
+    def step(self) -> None:
+        """One Muon step on the (already unscaled and clipped) gradients in each piece's `main.grad`."""
+        cfg, mu = self.config, self.config.muon_momentum
+        updates: dict[int, torch.Tensor] = {}
+        for i, m in enumerate(self.matrices):
+            if m.piece is None:
+                continue
+            g = m.piece.main.grad.reshape(-1)
+            m.momentum.lerp_(g, 1 - mu)
+            updates[i] = g.lerp(m.momentum, mu) if cfg.muon_nesterov else m.momentum
+        ortho = self._orthogonalise_sharded(updates) if self.sharded else {
+            i: zeropower_via_newtonschulz(u.view(self.matrices[i].shape)) for i, u in updates.items()}
+        lr = self.current_lr()
+        for i, o in ortho.items():
+            m = self.matrices[i]
+            main = m.piece.main
+            main.mul_(1 - lr * cfg.muon_weight_decay)
+            main.add_(o.view(main.shape), alpha=-adjusted_lr(lr, m.shape, cfg.muon_adjust_lr))
+        self.steps += 1
+
+    def _orthogonalise_sharded(self, updates: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """ZeRO: gather each bucket's update, orthogonalise the matrices this rank owns, reduce-scatter the
+        results back to the shards (module docstring). Returns each local piece's orthogonalised part (fp32,
+        holding bf16 values: adding it to the fp32 master gives the same bits as adding the bf16 matrix)."""
+        out: dict[int, torch.Tensor] = {}
+        for b in self.bucket_indices:
+            bucket = self.ddp.buckets[b]
+            olo, ohi = bucket.shard_range(self.rank, self.world_size)
+            dev = bucket.param_data.device
+            full = torch.zeros(bucket.numel, dtype=torch.float32, device=dev)
+            mats = [(i, m) for i, m in enumerate(self.matrices) if m.bucket_index == b]
+            for i, m in mats:
+                if i in updates:
+                    s = m.slot_start + m.piece.lo
+                    full[s:s + updates[i].numel()].copy_(updates[i])
+            work = comm.all_gather(full, full[olo:ohi].clone(), self.group, self.world_size, async_op=False)
+            del work
+            result = torch.zeros_like(full)
+            for i, m in mats:
+                if m.owner == self.rank:
+                    u = full[m.slot_start:m.slot_start + m.numel].view(m.shape)
+                    result[m.slot_start:m.slot_start + m.numel].copy_(zeropower_via_newtonschulz(u).reshape(-1))
+            mine = torch.empty(ohi - olo, dtype=torch.float32, device=dev)
+            comm.reduce_scatter(mine, result, self.group, self.world_size, async_op=False)
+            if self.world_size > 1:
+                self.comm_bytes += 2 * full.numel() * full.element_size()
+            for i, m in mats:
+                if i in updates:
+                    s = m.slot_start + m.piece.lo - olo
+                    out[i] = mine[s:s + updates[i].numel()]
+        return out
+
+    # ------------------------------------------------------------------ state
+    def state_bytes(self) -> int:
+        return sum(m.momentum.numel() * 4 for m in self.matrices if m.momentum is not None)
+
+    def momentum_of(self, piece) -> Optional[torch.Tensor]:
+        for m in self.matrices:
+            if m.piece is piece:
+                return m.momentum
+        return None
+
+    def owns(self, piece) -> bool:
+        return any(m.piece is piece for m in self.matrices)
