@@ -265,6 +265,11 @@ def restore(cfg: TrainConfig, info: DistInfo, engine, train_loader, start: Start
             or engine.resume_problem(resume_dir, int(saved["world_size"]), info.world_size)
         if problem:
             raise TrainingError(f"cannot resume {resume_dir}: {problem}", EXIT_BAD_CONFIG)
+        saved_opt = saved_cfg.get("optimizer", "adamw")  # runs older than --optimizer were AdamW's
+        if saved_opt != cfg.optimizer:  # the saved state is the other optimizer's: nothing to continue
+            raise TrainingError(f"cannot resume {resume_dir}: it was trained with --optimizer={saved_opt}, this run "
+                                f"has --optimizer={cfg.optimizer}; switching the optimizer on resume is refused",
+                                EXIT_BAD_CONFIG)
         extra = _load_checkpoint(cfg, info, engine, resume_dir, saved, saved_cfg)
         new_data = [k for k in DATA_KEYS if k in saved_cfg and not same_value(k, saved_cfg[k], getattr(cfg, k))]
         saved_n = saved["data_cursor"].get("num_samples") if isinstance(saved.get("data_cursor"), dict) else None

@@ -1,0 +1,45 @@
+"""--optimizer=muon through train_my_ddp.py: a run killed mid-way resumes bit for bit (its Muon momentum is in
+the checkpoint), at 2 ranks under ZeRO-1 too, and switching --optimizer on resume is refused with exit 2."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.conftest import child_env, run_cmd, run_trainer, train_cmd
+from utils.checkpoint import find_latest_valid, load_model_state
+from utils.constants import EXIT_BAD_CONFIG
+from utils.metrics import dedupe_by_step, read_metrics
+
+MUON = ["--optimizer=muon", "--muon_lr=2e-2", "--muon_weight_decay=0.05"]
+
+
+def losses(out_dir) -> dict[int, float]:
+    return {s: r["loss"] for s, r in dedupe_by_step(read_metrics(os.path.join(out_dir, "metrics.jsonl"))).items()}
+
+
+@pytest.mark.parametrize("nproc, extra", [(1, []), (2, ["--use_distributed_optimizer=true", "--zero_stage=2"])],
+                         ids=["1proc", "2proc-zero2"])
+def test_muon_resume_after_a_kill_is_exact_and_a_switch_is_refused(tiny_pretrain_run_args, tmp_path, nproc, extra):
+    args = [*tiny_pretrain_run_args, *MUON, *extra, "--max_iters=6", "--bucket_size=20000"]
+    ref, crashed = tmp_path / "ref", tmp_path / "crashed"
+    run_cmd(train_cmd([*args, f"--out_dir={ref}"], nproc), env=child_env())
+    once = tmp_path / "fired"
+    proc = run_trainer(train_cmd([*args, f"--out_dir={crashed}"], nproc),
+                       env=child_env(MYLLM_FAULT="crash@5", MYLLM_FAULT_ONCE_FILE=str(once)))
+    assert proc.returncode != 0 and once.exists() and max(losses(crashed)) == 4
+    switched = run_trainer(train_cmd([*args, "--optimizer=adamw", f"--out_dir={crashed}", "--init_from=resume"],
+                                     nproc), env=child_env())
+    assert switched.returncode == EXIT_BAD_CONFIG, switched.stderr[-1500:]
+    assert "switching the optimizer on resume is refused" in switched.stdout + switched.stderr
+    run_cmd(train_cmd([*args, f"--out_dir={crashed}", "--init_from=resume"], nproc), env=child_env())
+    assert losses(crashed) == losses(ref)  # bit-identical floats, steps 1..6
+    a = load_model_state(find_latest_valid(str(ref)))
+    b = load_model_state(find_latest_valid(str(crashed)))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # Muon really ran: the Muon run's weights are not the AdamW run's
+    adamw = tmp_path / "adamw"
+    run_cmd(train_cmd([*tiny_pretrain_run_args, *extra, "--max_iters=6", "--bucket_size=20000",
+                       f"--out_dir={adamw}"], nproc), env=child_env())
+    assert losses(adamw)[6] != losses(ref)[6]
