@@ -17,14 +17,16 @@ the forward), so each is orthogonalised as its own matrix.
 
 Distributed (ZeRO-1/2: each rank owns a contiguous 1/W of every bucket, cutting matrices anywhere): the
 elementwise momentum runs on the owned shard; then per bucket holding a Muon matrix
-  1. all-gather of the bucket's fp32 update (the Muon elements of the owned range; zeros elsewhere),
+  1. all-gather of the bucket's update in bf16 (the Muon elements of the owned range; zeros elsewhere):
+     lossless, as Newton-Schulz rounds its input to bf16 first,
   2. each matrix orthogonalised ONCE, on its owner rank (round-robin over the matrices in model order),
-     written into a zero bucket-sized fp32 buffer,
+     written into a zero bucket-sized bf16 buffer (the orthogonalisation's result is bf16),
   3. SUM reduce-scatter of that buffer: each rank gets the orthogonalised update of its own range (the
      other ranks added exact zeros: x + 0 = x, so the result is bit-identical to one process's),
-then the decay and the update on the shard. Bytes per step and rank (payload of the two collectives, as
-the param all-gather is counted): 2 x 4 x sum of the numel of the buckets holding Muon matrices; on the
-wire a ring moves (W-1)/W of that. `MuonState.comm_bytes` counts them. Without ZeRO every rank holds the
+then the decay and the update on the shard. Bytes per step and rank (payload of the two collectives, the
+full side, as the param all-gather is counted): 2 x 2 x sum of the numel of the buckets holding Muon
+matrices; on the wire a ring moves (W-1)/W of that. For a model whose buckets are nearly all Muon
+matrices that is about 4 bytes per parameter, as much again as ZeRO's bf16 parameter all-gather. `MuonState.comm_bytes` counts them. Without ZeRO every rank holds the
 whole reduced gradient and orthogonalises every matrix itself: no communication.
 Must never: orthogonalise a part of a matrix, or issue collectives in an order that is not the same on
 every rank (it is fixed at construction from the buckets).
@@ -149,30 +151,31 @@ class MuonState:
 
     def _orthogonalise_sharded(self, updates: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """ZeRO: gather each bucket's update, orthogonalise the matrices this rank owns, reduce-scatter the
-        results back to the shards (module docstring). Returns each local piece's orthogonalised part (fp32,
-        holding bf16 values: adding it to the fp32 master gives the same bits as adding the bf16 matrix)."""
+        results back to the shards (module docstring). Returns each local piece's orthogonalised part (bf16, as
+        the orthogonalisation's own result: added to the fp32 master exactly as one process adds it)."""
         out: dict[int, torch.Tensor] = {}
         for b in self.bucket_indices:
             bucket = self.ddp.buckets[b]
             olo, ohi = bucket.shard_range(self.rank, self.world_size)
             dev = bucket.param_data.device
-            full = torch.zeros(bucket.numel, dtype=torch.float32, device=dev)
+            # bf16 on the wire, losslessly: the orthogonalisation starts by rounding its input to bf16 (the
+            # same rounding as this copy) and its result is bf16
+            full = torch.zeros(bucket.numel, dtype=torch.bfloat16, device=dev)
             mats = [(i, m) for i, m in enumerate(self.matrices) if m.bucket_index == b]
             for i, m in mats:
                 if i in updates:
                     s = m.slot_start + m.piece.lo
                     full[s:s + updates[i].numel()].copy_(updates[i])
-            work = comm.all_gather(full, full[olo:ohi].clone(), self.group, self.world_size, async_op=False)
-            del work
+            comm.all_gather(full, full[olo:ohi].clone(), self.group, self.world_size, async_op=False)
             result = torch.zeros_like(full)
             for i, m in mats:
                 if m.owner == self.rank:
                     u = full[m.slot_start:m.slot_start + m.numel].view(m.shape)
                     result[m.slot_start:m.slot_start + m.numel].copy_(zeropower_via_newtonschulz(u).reshape(-1))
-            mine = torch.empty(ohi - olo, dtype=torch.float32, device=dev)
+            mine = torch.empty(ohi - olo, dtype=torch.bfloat16, device=dev)
             comm.reduce_scatter(mine, result, self.group, self.world_size, async_op=False)
             if self.world_size > 1:
-                self.comm_bytes += 2 * full.numel() * full.element_size()
+                self.comm_bytes += 2 * full.numel() * full.element_size()  # all-gather out + reduce-scatter in
             for i, m in mats:
                 if i in updates:
                     s = m.slot_start + m.piece.lo - olo
