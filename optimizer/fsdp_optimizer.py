@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from optimizer.adamw import build_adamw
 from optimizer.base import GlobalNormOptimizer
+from optimizer.muon import DTensorMuon
 from optimizer.optimizer_config import OptimizerConfig
 
 STATE_FORMAT = 1
@@ -74,9 +75,6 @@ class FSDPOptimizer(GlobalNormOptimizer):
         raise_fsdp_problems(fsdp_optimizer_problems(
             use_distributed_optimizer=config.use_distributed_optimizer, overlap_optim_step=config.overlap_optim_step,
             overlap_param_gather=config.overlap_param_gather, zero_stage=config.zero_stage))
-        if config.optimizer != "adamw":  # not yet: the row-sharded matrices need a gather (optimizer/muon.py)
-            raise ValueError(f"--optimizer={config.optimizer} is not supported with --parallel=fsdp (or tensor "
-                             "parallelism) yet; use --parallel=ddp (with or without ZeRO)")
         if not isinstance(model, FSDPModule):
             raise ValueError("FSDPOptimizer needs a model wrapped by wrap_fsdp")
         self.model, self.config = model, config
@@ -99,8 +97,12 @@ class FSDPOptimizer(GlobalNormOptimizer):
         # the data-parallel shard dimension: what "world_size" in the optimizer state means
         self.world_size = self.mesh.size(self.mesh.ndim - 1)
         self._init_scaling(config, norm_groups)  # norm_groups: more groups the norm spans (pipeline stages)
+        # --optimizer=muon: Muon on the hidden matrices (optimizer/muon.py's DTensorMuon), AdamW on the rest
+        self.muon = DTensorMuon(self.named_params, config) if config.optimizer == "muon" else None
+        muon_ids = {id(p) for _, p in self.muon.params} if self.muon else set()
+        rest = [p for p in self.params if id(p) not in muon_ids]
         # CPU (or offloaded) shards: the plain single-tensor loop
-        self.adamw = build_adamw([p for p in self.params if p.ndim >= 2], [p for p in self.params if p.ndim < 2],
+        self.adamw = build_adamw([p for p in rest if p.ndim >= 2], [p for p in rest if p.ndim < 2],
                                  config, self.params[0].device.type, single_tensor_on_cpu=True)
         # The all-reduce of the norm runs on the mesh's device (gloo: cpu; nccl: the rank's accelerator),
         # which is not where offloaded gradients live.
@@ -161,6 +163,8 @@ class FSDPOptimizer(GlobalNormOptimizer):
         return sumsq
 
     def _update(self, norm: float) -> None:
+        if self.muon is not None:
+            self.muon.step()
         self.adamw.step()  # the sharded parameters are the fp32 masters: nothing to copy back
         self.prev_grad_norm = norm
 
@@ -170,7 +174,7 @@ class FSDPOptimizer(GlobalNormOptimizer):
     # ------------------------------------------------------------------ memory accounting
     def state_bytes(self) -> int:
         """Bytes of this rank's Adam moments (the local shards; `step` counters excluded)."""
-        return self._moment_bytes()
+        return self._moment_bytes() + (self.muon.state_bytes() if self.muon else 0)
 
     # ------------------------------------------------------------------ state
     def _sd_options(self):
@@ -188,8 +192,11 @@ class FSDPOptimizer(GlobalNormOptimizer):
         adamw = get_optimizer_state_dict(self.model, self.adamw, options=self._sd_options())
         if fresh:  # the zero moments (with step=1) were only made for the returned template: stay fresh
             self.adamw.state.clear()
-        return {"format": STATE_FORMAT, "engine": "fsdp", "world_size": self.world_size, **self._scaling_state(),
-                "adamw": adamw}
+        sd = {"format": STATE_FORMAT, "engine": "fsdp", "world_size": self.world_size, **self._scaling_state(),
+              "adamw": adamw}
+        if self.muon is not None:  # DTensors laid out like their parameters: DCP re-shards them
+            sd["muon"] = {"momentum": dict(self.muon.momentum), "steps": torch.tensor(float(self.muon.steps))}
+        return sd
 
     def load_state_dict(self, sd: dict) -> None:
         """Load a dict shaped like state_dict() (its DTensors may come from any world size via DCP).
@@ -205,6 +212,15 @@ class FSDPOptimizer(GlobalNormOptimizer):
                 if hp in current and hp != "lr":
                     adamw[k] = self._group_of(k)[hp]
         set_optimizer_state_dict(self.model, self.adamw, adamw, options=self._sd_options())
+        if (self.muon is not None) != ("muon" in sd):
+            raise ValueError(f"the checkpoint's optimizer state is {'muon' if 'muon' in sd else 'adamw'}'s but this "
+                             f"run has --optimizer={self.config.optimizer}: switching optimizers on resume is refused")
+        if self.muon is not None:
+            with torch.no_grad():
+                for name, m in self.muon.momentum.items():
+                    if sd["muon"]["momentum"][name] is not m:
+                        m.copy_(sd["muon"]["momentum"][name])
+            self.muon.steps = int(float(sd["muon"]["steps"]))
         self._load_scaling_state(sd)
 
     def _group_of(self, flat_key: str) -> dict:
