@@ -31,7 +31,9 @@ STATE_FORMAT = 1
 # What parallel/fsdp.py records on the model it wraps, read here:
 WRAP_CONFIG_ATTR = "_fsdp_engine_config"  # on the wrapped root: what wrap_fsdp was asked for
 MESH_ATTR = "_fsdp_engine_mesh"  # on the wrapped root: the mesh its parameters are sharded over
-TP_PARTIAL_ATTR = "_tp_partial_grads"  # set by shard_on_mesh: (parameter names, tensor group) to all-reduce
+TP_PARTIAL_ATTR = "_tp_partial_grads"
+# Muon's entries in the optimizer's flat state dict (beside AdamW's "state.<fqn>.exp_avg", ...)
+MUON_KEY, MUON_STEPS_KEY = "muon_momentum.", "muon_steps"  # set by shard_on_mesh: (parameter names, tensor group) to all-reduce
 
 
 def fsdp_optimizer_problems(*, use_distributed_optimizer: bool = False, overlap_optim_step: bool = False,
@@ -192,11 +194,12 @@ class FSDPOptimizer(GlobalNormOptimizer):
         adamw = get_optimizer_state_dict(self.model, self.adamw, options=self._sd_options())
         if fresh:  # the zero moments (with step=1) were only made for the returned template: stay fresh
             self.adamw.state.clear()
-        sd = {"format": STATE_FORMAT, "engine": "fsdp", "world_size": self.world_size, **self._scaling_state(),
-              "adamw": adamw}
-        if self.muon is not None:  # DTensors laid out like their parameters: DCP re-shards them
-            sd["muon"] = {"momentum": dict(self.muon.momentum), "steps": torch.tensor(float(self.muon.steps))}
-        return sd
+        if self.muon is not None:  # beside AdamW's flat entries (the DCP files' one optimizer dict): DTensors
+            # laid out like their parameters, re-sharded by DCP like the moments
+            adamw.update({MUON_KEY + n: m for n, m in self.muon.momentum.items()})
+            adamw[MUON_STEPS_KEY] = torch.tensor(float(self.muon.steps))
+        return {"format": STATE_FORMAT, "engine": "fsdp", "world_size": self.world_size, **self._scaling_state(),
+                "adamw": adamw}
 
     def load_state_dict(self, sd: dict) -> None:
         """Load a dict shaped like state_dict() (its DTensors may come from any world size via DCP).
@@ -205,6 +208,11 @@ class FSDPOptimizer(GlobalNormOptimizer):
         if sd.get("format") != STATE_FORMAT:
             raise ValueError(f"unknown FSDP optimizer state format {sd.get('format')!r}")
         adamw = dict(sd["adamw"])
+        saved_muon = {k[len(MUON_KEY):]: adamw.pop(k) for k in list(adamw) if k.startswith(MUON_KEY)}
+        saved_steps = adamw.pop(MUON_STEPS_KEY, None)
+        if (self.muon is not None) != (saved_steps is not None):
+            raise ValueError(f"the checkpoint's optimizer state is {'adamw' if saved_steps is None else 'muon'}'s but "
+                             f"this run has --optimizer={self.config.optimizer}: switching optimizers on resume is refused")
         current = {k: v for k, v in self.adamw.param_groups[0].items() if k != "params"}
         for k in list(adamw):
             if k.startswith("param_groups."):
@@ -212,15 +220,12 @@ class FSDPOptimizer(GlobalNormOptimizer):
                 if hp in current and hp != "lr":
                     adamw[k] = self._group_of(k)[hp]
         set_optimizer_state_dict(self.model, self.adamw, adamw, options=self._sd_options())
-        if (self.muon is not None) != ("muon" in sd):
-            raise ValueError(f"the checkpoint's optimizer state is {'muon' if 'muon' in sd else 'adamw'}'s but this "
-                             f"run has --optimizer={self.config.optimizer}: switching optimizers on resume is refused")
         if self.muon is not None:
             with torch.no_grad():
                 for name, m in self.muon.momentum.items():
-                    if sd["muon"]["momentum"][name] is not m:
-                        m.copy_(sd["muon"]["momentum"][name])
-            self.muon.steps = int(float(sd["muon"]["steps"]))
+                    if saved_muon[name] is not m:  # DCP loads into the template's own DTensors in place
+                        m.copy_(saved_muon[name])
+            self.muon.steps = int(float(saved_steps))
         self._load_scaling_state(sd)
 
     def _group_of(self, flat_key: str) -> dict:

@@ -19,8 +19,8 @@ def losses(out_dir) -> dict[int, float]:
     return {s: r["loss"] for s, r in dedupe_by_step(read_metrics(os.path.join(out_dir, "metrics.jsonl"))).items()}
 
 
-@pytest.mark.parametrize("nproc, extra", [(1, []), (2, ["--use_distributed_optimizer=true", "--zero_stage=2"])],
-                         ids=["1proc", "2proc-zero2"])
+@pytest.mark.parametrize("nproc, extra", [(1, []), (2, ["--use_distributed_optimizer=true", "--zero_stage=2"]),
+                                         (2, ["--parallel=fsdp"])], ids=["1proc", "2proc-zero2", "2proc-fsdp"])
 def test_muon_resume_after_a_kill_is_exact_and_a_switch_is_refused(tiny_pretrain_run_args, tmp_path, nproc, extra):
     args = [*tiny_pretrain_run_args, *MUON, *extra, "--max_iters=6", "--bucket_size=20000"]
     ref, crashed = tmp_path / "ref", tmp_path / "crashed"
@@ -35,9 +35,11 @@ def test_muon_resume_after_a_kill_is_exact_and_a_switch_is_refused(tiny_pretrain
     assert "switching the optimizer on resume is refused" in switched.stdout + switched.stderr
     run_cmd(train_cmd([*args, f"--out_dir={crashed}", "--init_from=resume"], nproc), env=child_env())
     assert losses(crashed) == losses(ref)  # bit-identical floats, steps 1..6
-    a = load_model_state(find_latest_valid(str(ref)))
-    b = load_model_state(find_latest_valid(str(crashed)))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    if "--parallel=fsdp" not in extra:  # (a DCP checkpoint has no model.safetensors: its losses 4..6 above
+        # depend on the restored momentum already)
+        a = load_model_state(find_latest_valid(str(ref)))
+        b = load_model_state(find_latest_valid(str(crashed)))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     # Muon really ran: the Muon run's weights are not the AdamW run's
     adamw = tmp_path / "adamw"
     run_cmd(train_cmd([*tiny_pretrain_run_args, *extra, "--max_iters=6", "--bucket_size=20000",
