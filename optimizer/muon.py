@@ -192,9 +192,6 @@ class MuonState:
                 return m.momentum
         return None
 
-    def owns(self, piece) -> bool:
-        return any(m.piece is piece for m in self.matrices)
-
 
 class DTensorMuon:
     """Muon over sharded DTensor parameters (FSDP2's row shards; tensor parallelism's column / row splits; any

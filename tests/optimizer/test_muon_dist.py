@@ -57,7 +57,7 @@ def _run(rank: int, ws: int, layout: str, kind: str = "muon", bytes_log: list = 
     finally:
         comm._all_gather, comm._reduce_scatter = originals
     out = {"params": {n: p.detach().double().clone() for n, p in model.named_parameters()},
-           "step_bytes": counted["bytes"], "split": split}
+           "step_bytes": counted["bytes"], "split": split, "state": opt.state_dict() if kind == "muon" else None}
     if kind == "muon" and zero:
         buckets = sorted({m.bucket_index for m in opt.muon.matrices})
         out["formula"] = STEPS * 2 * 2 * sum(ddp.buckets[b].numel for b in buckets)
@@ -97,3 +97,22 @@ def test_zero_world2_equals_one_process(tmp_path):
                 assert extra == got["formula"] == got["counted_by_muon"], (extra, got["formula"])
         assert max_diff(plain, one) <= tol
     assert max_diff(res[0]["zero1"]["params"], res[1]["zero1"]["params"]) == 0.0  # the ranks agree
+    # across world sizes: both ranks' ZeRO-2 states load into one process (plain and ZeRO), the momentum and
+    # the masters element for element
+    sds = [res[r]["zero2"]["state"] for r in range(2)]
+    full: dict = {}
+    for sd in sds:
+        for name, e in sd["params"].items():
+            for k in ("main", "momentum", "exp_avg"):
+                if k in e:
+                    full.setdefault((name, k), torch.full((e["numel"],), float("nan")))[e["lo"]:e["hi"]] = e[k]
+    assert any(k == "momentum" for _, k in full) and all(not t.isnan().any() for t in full.values())
+    for zero in (False, True):
+        model = tiny_model(torch.float32)
+        opt = build_optimizer(DistributedDataParallel(model, _ddp_cfg(zero)),
+                              muon_config(grad_clip=0.0, use_distributed_optimizer=zero))
+        opt.load_state_dict(sds)
+        for m in opt.muon.matrices:
+            assert torch.equal(m.momentum, full[(m.name, "momentum")]), m.name
+            assert torch.equal(m.piece.main.detach().reshape(-1), full[(m.name, "main")]), m.name
+        assert opt.muon.steps == STEPS
