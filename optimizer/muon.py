@@ -16,17 +16,17 @@ The model's q/k/v (and gate/up) parameters are separate (the fused projection on
 the forward), so each is orthogonalised as its own matrix.
 
 Distributed (ZeRO-1/2: each rank owns a contiguous 1/W of every bucket, cutting matrices anywhere): the
-elementwise momentum runs on the owned shard; then per bucket holding a Muon matrix
-  1. all-gather of the bucket's update in bf16 (the Muon elements of the owned range; zeros elsewhere):
-     lossless, as Newton-Schulz rounds its input to bf16 first,
-  2. each matrix orthogonalised ONCE, on its owner rank (round-robin over the matrices in model order),
-     written into a zero bucket-sized bf16 buffer (the orthogonalisation's result is bf16),
-  3. SUM reduce-scatter of that buffer: each rank gets the orthogonalised update of its own range (the
-     other ranks added exact zeros: x + 0 = x, so the result is bit-identical to one process's),
-then the decay and the update on the shard. Bytes per step and rank (payload of the two collectives, the
-full side, as the param all-gather is counted): 2 x 2 x sum of the numel of the buckets holding Muon
-matrices; on the wire a ring moves (W-1)/W of that. For a model whose buckets are nearly all Muon
-matrices that is about 4 bytes per parameter, as much again as ZeRO's bf16 parameter all-gather. `MuonState.comm_bytes` counts them. Without ZeRO every rank holds the
+elementwise momentum runs on the owned shard; then, for all buckets at once (two collectives per step),
+  1. all-gather of every rank's Muon update elements, packed in matrix order into a segment of L elements
+     (L: the most any rank holds) in bf16: lossless, as Newton-Schulz rounds its input to bf16 first,
+  2. each matrix assembled and orthogonalised ONCE, on its owner rank (round-robin over the matrices in
+     model order), its result (bf16) written at the same packed places of a zero W x L buffer,
+  3. SUM reduce-scatter of that buffer: each rank gets its own packed segment (the other ranks added exact
+     zeros: x + 0 = x, so the result is bit-identical to one process's),
+then the decay and the update on the shard. Bytes per step and rank (the full side of each collective, as
+the param all-gather is counted): 2 x 2 x W x L, about 4 bytes per Muon parameter (W x L exceeds the Muon
+numel only by the shards' imbalance); on the wire a ring moves (W-1)/W of that. That is as much again as
+ZeRO's bf16 parameter all-gather of those parameters. `MuonState.comm_bytes` counts them. Without ZeRO every rank holds the
 whole reduced gradient and orthogonalises every matrix itself: no communication.
 Must never: orthogonalise a part of a matrix, or issue collectives in an order that is not the same on
 every rank (it is fixed at construction from the buckets).
@@ -120,7 +120,23 @@ class MuonState:
                     m.momentum = torch.zeros(m.piece.hi - m.piece.lo, dtype=torch.float32,
                                              device=m.piece.main.device)
                 self.matrices.append(m)
-        self.bucket_indices = sorted({m.bucket_index for m in self.matrices})
+        # ZeRO: which part [lo, hi) of each matrix every rank's shards hold, packed in matrix order at `off`
+        # in that rank's segment of length `packed_len` (the longest rank's): the layout of both collectives
+        self.layout: list[list[tuple[int, int, int, int]]] = [[] for _ in range(world_size)]
+        if sharded:
+            for r in range(world_size):
+                off = 0
+                for i, m in enumerate(self.matrices):
+                    olo, ohi = ddp.buckets[m.bucket_index].shard_range(r, world_size)
+                    lo, hi = max(olo, m.slot_start) - m.slot_start, min(ohi, m.slot_start + m.numel) - m.slot_start
+                    if lo < hi:
+                        self.layout[r].append((i, lo, hi, off))
+                        off += hi - lo
+            mine = [(i, lo, hi) for i, lo, hi, _ in self.layout[rank]]
+            have = [(i, m.piece.lo, m.piece.hi) for i, m in enumerate(self.matrices) if m.piece is not None]
+            if mine != have:
+                raise RuntimeError(f"Muon's shard layout {mine[:3]} disagrees with the optimizer's pieces {have[:3]}")
+        self.packed_len = max((lay[-1][3] + lay[-1][2] - lay[-1][1] for lay in self.layout if lay), default=0)
         self.comm_bytes = 0  # cumulative payload bytes of Muon's collectives
         self.steps = 0
 
@@ -150,37 +166,35 @@ class MuonState:
         self.steps += 1
 
     def _orthogonalise_sharded(self, updates: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-        """ZeRO: gather each bucket's update, orthogonalise the matrices this rank owns, reduce-scatter the
-        results back to the shards (module docstring). Returns each local piece's orthogonalised part (bf16, as
-        the orthogonalisation's own result: added to the fp32 master exactly as one process adds it)."""
-        out: dict[int, torch.Tensor] = {}
-        for b in self.bucket_indices:
-            bucket = self.ddp.buckets[b]
-            olo, ohi = bucket.shard_range(self.rank, self.world_size)
-            dev = bucket.param_data.device
-            # bf16 on the wire, losslessly: the orthogonalisation starts by rounding its input to bf16 (the
-            # same rounding as this copy) and its result is bf16
-            full = torch.zeros(bucket.numel, dtype=torch.bfloat16, device=dev)
-            mats = [(i, m) for i, m in enumerate(self.matrices) if m.bucket_index == b]
-            for i, m in mats:
-                if i in updates:
-                    s = m.slot_start + m.piece.lo
-                    full[s:s + updates[i].numel()].copy_(updates[i])
-            comm.all_gather(full, full[olo:ohi].clone(), self.group, self.world_size, async_op=False)
-            result = torch.zeros_like(full)
-            for i, m in mats:
-                if m.owner == self.rank:
-                    u = full[m.slot_start:m.slot_start + m.numel].view(m.shape)
-                    result[m.slot_start:m.slot_start + m.numel].copy_(zeropower_via_newtonschulz(u).reshape(-1))
-            mine = torch.empty(ohi - olo, dtype=torch.bfloat16, device=dev)
-            comm.reduce_scatter(mine, result, self.group, self.world_size, async_op=False)
-            if self.world_size > 1:
-                self.comm_bytes += 2 * full.numel() * full.element_size()  # all-gather out + reduce-scatter in
-            for i, m in mats:
-                if i in updates:
-                    s = m.slot_start + m.piece.lo - olo
-                    out[i] = mine[s:s + updates[i].numel()]
-        return out
+        """ZeRO: one all-gather of every rank's packed bf16 updates, each owner orthogonalises its matrices, one
+        SUM reduce-scatter of the packed results (module docstring). Returns each local piece's orthogonalised
+        part (bf16, the orthogonalisation's own result: added to the fp32 master as one process adds it)."""
+        W, L = self.world_size, self.packed_len
+        dev = next(iter(self.ddp.param_to_bucket)).device
+        send = torch.zeros(L, dtype=torch.bfloat16, device=dev)
+        for i, lo, hi, off in self.layout[self.rank]:
+            send[off:off + hi - lo].copy_(updates[i])  # the same rounding as NS's own .bfloat16()
+        gathered = torch.empty(W * L, dtype=torch.bfloat16, device=dev)
+        comm.all_gather(gathered, send, self.group, W, async_op=False)
+        parts: dict[int, list] = {}
+        for r, lay in enumerate(self.layout):
+            for i, lo, hi, off in lay:
+                parts.setdefault(i, []).append((lo, hi, r * L + off))
+        result = torch.zeros(W * L, dtype=torch.bfloat16, device=dev)
+        for i, m in enumerate(self.matrices):
+            if m.owner != self.rank or i not in parts:
+                continue
+            full = torch.empty(m.numel, dtype=torch.bfloat16, device=dev)
+            for lo, hi, at in parts[i]:
+                full[lo:hi].copy_(gathered[at:at + hi - lo])
+            o = zeropower_via_newtonschulz(full.view(m.shape)).reshape(-1)
+            for lo, hi, at in parts[i]:
+                result[at:at + hi - lo].copy_(o[lo:hi])
+        mine = torch.empty(L, dtype=torch.bfloat16, device=dev)
+        comm.reduce_scatter(mine, result, self.group, W, async_op=False)
+        if W > 1:
+            self.comm_bytes += gathered.numel() * 2 + result.numel() * 2  # all-gather out + reduce-scatter in
+        return {i: mine[off:off + hi - lo] for i, lo, hi, off in self.layout[self.rank]}
 
     # ------------------------------------------------------------------ state
     def state_bytes(self) -> int:
