@@ -29,10 +29,11 @@ def test_muon_resume_after_a_kill_is_exact_and_a_switch_is_refused(tiny_pretrain
     proc = run_trainer(train_cmd([*args, f"--out_dir={crashed}"], nproc),
                        env=child_env(MYLLM_FAULT="crash@5", MYLLM_FAULT_ONCE_FILE=str(once)))
     assert proc.returncode != 0 and once.exists() and max(losses(crashed)) == 4
-    switched = run_trainer(train_cmd([*args, "--optimizer=adamw", f"--out_dir={crashed}", "--init_from=resume"],
-                                     nproc), env=child_env())
-    assert switched.returncode == EXIT_BAD_CONFIG, switched.stderr[-1500:]
-    assert "switching the optimizer on resume is refused" in switched.stdout + switched.stderr
+    if nproc == 1:  # the refusal is decided from the saved config before any engine loads (trainer/start.py)
+        switched = run_trainer(train_cmd([*args, "--optimizer=adamw", f"--out_dir={crashed}", "--init_from=resume"]),
+                               env=child_env())
+        assert switched.returncode == EXIT_BAD_CONFIG, switched.stderr[-1500:]
+        assert "switching the optimizer on resume is refused" in switched.stdout + switched.stderr
     run_cmd(train_cmd([*args, f"--out_dir={crashed}", "--init_from=resume"], nproc), env=child_env())
     assert losses(crashed) == losses(ref)  # bit-identical floats, steps 1..6
     if "--parallel=fsdp" not in extra:  # (a DCP checkpoint has no model.safetensors: its losses 4..6 above
@@ -40,8 +41,7 @@ def test_muon_resume_after_a_kill_is_exact_and_a_switch_is_refused(tiny_pretrain
         a = load_model_state(find_latest_valid(str(ref)))
         b = load_model_state(find_latest_valid(str(crashed)))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    # Muon really ran: the Muon run's weights are not the AdamW run's
-    adamw = tmp_path / "adamw"
-    run_cmd(train_cmd([*tiny_pretrain_run_args, *extra, "--max_iters=6", "--bucket_size=20000",
-                       f"--out_dir={adamw}"], nproc), env=child_env())
-    assert losses(adamw)[6] != losses(ref)[6]
+    if nproc == 1:  # Muon really ran: its losses are not AdamW's
+        adamw = tmp_path / "adamw"
+        run_cmd(train_cmd([*tiny_pretrain_run_args, "--max_iters=6", f"--out_dir={adamw}"]), env=child_env())
+        assert losses(adamw)[6] != losses(ref)[6]
