@@ -245,6 +245,10 @@ def place_on_engine(cfg: TrainConfig, info: DistInfo, model, ref_model, log, thr
     except ValueError as e:  # a layout that cannot run (e.g. a checkpoint's layers do not split into stages)
         raise TrainingError(f"bad parallel configuration: {one_line(e)}", EXIT_BAD_CONFIG) from e
     log(describe_layout(cfg, engine, info.world_size) + (f"; {threads}" if threads else ""))
+    if cfg.optimizer == "muon":
+        log(f"[optimizer] muon on the blocks' 2-D matrices (lr {cfg.muon_lr or cfg.learning_rate:g}, momentum "
+            f"{cfg.muon_momentum:g}, weight decay {cfg.muon_weight_decay:g}, --muon_adjust_lr={cfg.muon_adjust_lr}); "
+            "adamw on the embedding, LM head and norms")
     if ref_model is not None:  # DPO: the frozen reference, sharded like the policy under fsdp
         ref_model = engine.place_reference(ref_model, info.device, dtype)
         log(f"[dpo] reference model: {engine.reference_layout()} on each of {engine.dp_size} rank(s), "

@@ -24,7 +24,8 @@ def losses(out_dir) -> dict[int, float]:
 def test_muon_resume_after_a_kill_is_exact_and_a_switch_is_refused(tiny_pretrain_run_args, tmp_path, nproc, extra):
     args = [*tiny_pretrain_run_args, *MUON, *extra, "--max_iters=6", "--bucket_size=20000"]
     ref, crashed = tmp_path / "ref", tmp_path / "crashed"
-    run_cmd(train_cmd([*args, f"--out_dir={ref}"], nproc), env=child_env())
+    started = run_cmd(train_cmd([*args, f"--out_dir={ref}"], nproc), env=child_env())
+    assert "[optimizer] muon on the blocks' 2-D matrices (lr 0.02" in started.stdout, started.stdout[-2000:]
     once = tmp_path / "fired"
     proc = run_trainer(train_cmd([*args, f"--out_dir={crashed}"], nproc),
                        env=child_env(MYLLM_FAULT="crash@5", MYLLM_FAULT_ONCE_FILE=str(once)))
