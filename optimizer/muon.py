@@ -17,16 +17,15 @@ the forward), so each is orthogonalised as its own matrix.
 
 Distributed (ZeRO-1/2: each rank owns a contiguous 1/W of every bucket, cutting matrices anywhere): the
 elementwise momentum runs on the owned shard; then, for all buckets at once (two collectives per step),
-  1. all-gather of every rank's Muon update elements, packed in matrix order into a segment of L elements
-     (L: the most any rank holds) in bf16: lossless, as Newton-Schulz rounds its input to bf16 first,
-  2. each matrix assembled and orthogonalised ONCE, on its owner rank (round-robin over the matrices in
-     model order), its result (bf16) written at the same packed places of a zero W x L buffer,
-  3. SUM reduce-scatter of that buffer: each rank gets its own packed segment (the other ranks added exact
-     zeros: x + 0 = x, so the result is bit-identical to one process's),
-then the decay and the update on the shard. Bytes per step and rank (the full side of each collective, as
-the param all-gather is counted): 2 x 2 x W x L, about 4 bytes per Muon parameter (W x L exceeds the Muon
-numel only by the shards' imbalance); on the wire a ring moves (W-1)/W of that. That is as much again as
-ZeRO's bf16 parameter all-gather of those parameters. `MuonState.comm_bytes` counts them. Without ZeRO every rank holds the
+  1. an all-to-all sends each matrix's owner (the rank whose shards hold most of it; ties round-robin) the
+     pieces the other ranks hold, in bf16: lossless, as Newton-Schulz rounds its input to bf16 first,
+  2. each matrix is assembled and orthogonalised ONCE, on its owner,
+  3. an all-to-all returns each piece of the (bf16) result to the rank that holds that piece,
+then the decay and the update on the shard: bit-identical to one process. Bytes a rank sends per step:
+2 x (its shards' Muon elements owned by other ranks + its own matrices' elements held by other ranks):
+at most ~2 x 2 x P_muon / W (P_muon: the Muon parameters; only matrices cut by a shard boundary move, so
+with buckets much larger than a matrix it is far less), against ~2 x (W-1)/W x P for ZeRO's own bf16
+parameter all-gather. `comm_bytes` counts them. `MuonState.comm_bytes` counts them. Without ZeRO every rank holds the
 whole reduced gradient and orthogonalises every matrix itself: no communication.
 Must never: orthogonalise a part of a matrix, or issue collectives in an order that is not the same on
 every rank (it is fixed at construction from the buckets).
@@ -38,8 +37,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
-
-from utils import comm
+import torch.distributed as dist
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's (Keller Jordan's) quintic
 NS_STEPS = 5
@@ -120,23 +118,31 @@ class MuonState:
                     m.momentum = torch.zeros(m.piece.hi - m.piece.lo, dtype=torch.float32,
                                              device=m.piece.main.device)
                 self.matrices.append(m)
-        # ZeRO: which part [lo, hi) of each matrix every rank's shards hold, packed in matrix order at `off`
-        # in that rank's segment of length `packed_len` (the longest rank's): the layout of both collectives
-        self.layout: list[list[tuple[int, int, int, int]]] = [[] for _ in range(world_size)]
+        # ZeRO: which part [lo, hi) of each matrix every rank's shards hold (in matrix order), and from it the
+        # order of both all-to-alls: what this rank sends to each owner (`send`), what it receives from each
+        # rank for the matrices it owns (`recv`), as (matrix, lo, hi) lists per peer rank
+        self.layout: list[list[tuple[int, int, int]]] = [[] for _ in range(world_size)]
         if sharded:
             for r in range(world_size):
-                off = 0
                 for i, m in enumerate(self.matrices):
                     olo, ohi = ddp.buckets[m.bucket_index].shard_range(r, world_size)
                     lo, hi = max(olo, m.slot_start) - m.slot_start, min(ohi, m.slot_start + m.numel) - m.slot_start
                     if lo < hi:
-                        self.layout[r].append((i, lo, hi, off))
-                        off += hi - lo
-            mine = [(i, lo, hi) for i, lo, hi, _ in self.layout[rank]]
+                        self.layout[r].append((i, lo, hi))
+            # the owner: the rank whose shards already hold the most of the matrix (a matrix inside one shard
+            # moves nowhere); ties go round-robin from the matrix's index
+            held = [[0] * world_size for _ in self.matrices]
+            for r, lay in enumerate(self.layout):
+                for i, lo, hi in lay:
+                    held[i][r] += hi - lo
+            for i, m in enumerate(self.matrices):
+                m.owner = max(range(world_size), key=lambda r: (held[i][r], -((r - i) % world_size)))
             have = [(i, m.piece.lo, m.piece.hi) for i, m in enumerate(self.matrices) if m.piece is not None]
-            if mine != have:
-                raise RuntimeError(f"Muon's shard layout {mine[:3]} disagrees with the optimizer's pieces {have[:3]}")
-        self.packed_len = max((lay[-1][3] + lay[-1][2] - lay[-1][1] for lay in self.layout if lay), default=0)
+            if self.layout[rank] != have:
+                raise RuntimeError(f"Muon's shard layout {self.layout[rank][:3]} disagrees with the optimizer's "
+                                   f"pieces {have[:3]}")
+        self.send = [[e for e in self.layout[rank] if self.matrices[e[0]].owner == o] for o in range(world_size)]
+        self.recv = [[e for e in self.layout[r] if self.matrices[e[0]].owner == rank] for r in range(world_size)]
         self.comm_bytes = 0  # cumulative payload bytes of Muon's collectives
         self.steps = 0
 
@@ -166,35 +172,48 @@ class MuonState:
         self.steps += 1
 
     def _orthogonalise_sharded(self, updates: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-        """ZeRO: one all-gather of every rank's packed bf16 updates, each owner orthogonalises its matrices, one
-        SUM reduce-scatter of the packed results (module docstring). Returns each local piece's orthogonalised
-        part (bf16, the orthogonalisation's own result: added to the fp32 master as one process adds it)."""
-        W, L = self.world_size, self.packed_len
+        """ZeRO: an all-to-all brings each owner the bf16 pieces of its matrices, it orthogonalises them, a second
+        all-to-all returns each piece's result to the rank holding it (module docstring). Returns each local
+        piece's orthogonalised part (bf16, the orthogonalisation's own result: added to the fp32 master as one
+        process adds it)."""
         dev = next(iter(self.ddp.param_to_bucket)).device
-        send = torch.zeros(L, dtype=torch.bfloat16, device=dev)
-        for i, lo, hi, off in self.layout[self.rank]:
-            send[off:off + hi - lo].copy_(updates[i])  # the same rounding as NS's own .bfloat16()
-        gathered = torch.empty(W * L, dtype=torch.bfloat16, device=dev)
-        comm.all_gather(gathered, send, self.group, W, async_op=False)
-        parts: dict[int, list] = {}
-        for r, lay in enumerate(self.layout):
-            for i, lo, hi, off in lay:
-                parts.setdefault(i, []).append((lo, hi, r * L + off))
-        result = torch.zeros(W * L, dtype=torch.bfloat16, device=dev)
-        for i, m in enumerate(self.matrices):
-            if m.owner != self.rank or i not in parts:
-                continue
-            full = torch.empty(m.numel, dtype=torch.bfloat16, device=dev)
-            for lo, hi, at in parts[i]:
-                full[lo:hi].copy_(gathered[at:at + hi - lo])
-            o = zeropower_via_newtonschulz(full.view(m.shape)).reshape(-1)
-            for lo, hi, at in parts[i]:
-                result[at:at + hi - lo].copy_(o[lo:hi])
-        mine = torch.empty(L, dtype=torch.bfloat16, device=dev)
-        comm.reduce_scatter(mine, result, self.group, W, async_op=False)
-        if W > 1:
-            self.comm_bytes += gathered.numel() * 2 + result.numel() * 2  # all-gather out + reduce-scatter in
-        return {i: mine[off:off + hi - lo] for i, lo, hi, off in self.layout[self.rank]}
+        sizes_out = [sum(hi - lo for _, lo, hi in peer) for peer in self.send]
+        sizes_in = [sum(hi - lo for _, lo, hi in peer) for peer in self.recv]
+        send = torch.empty(sum(sizes_out), dtype=torch.bfloat16, device=dev)
+        at = 0
+        for peer in self.send:
+            for i, lo, hi in peer:
+                send[at:at + hi - lo].copy_(updates[i])  # the same rounding as NS's own .bfloat16()
+                at += hi - lo
+        recv = self._all_to_all(send, sizes_in, sizes_out)
+        full: dict[int, torch.Tensor] = {}
+        at = 0
+        for peer in self.recv:
+            for i, lo, hi in peer:
+                m = self.matrices[i]
+                dst = full.setdefault(i, torch.empty(m.numel, dtype=torch.bfloat16, device=dev))
+                dst[lo:hi].copy_(recv[at:at + hi - lo])
+                at += hi - lo
+        ortho = {i: zeropower_via_newtonschulz(f.view(self.matrices[i].shape)).reshape(-1) for i, f in full.items()}
+        back = torch.cat([ortho[i][lo:hi] for peer in self.recv for i, lo, hi in peer]) if sum(sizes_in) else \
+            torch.empty(0, dtype=torch.bfloat16, device=dev)
+        mine = self._all_to_all(back, sizes_out, sizes_in)
+        out, at = {}, 0
+        for peer in self.send:
+            for i, lo, hi in peer:
+                out[i] = mine[at:at + hi - lo]
+                at += hi - lo
+        return out
+
+    def _all_to_all(self, inp: torch.Tensor, out_sizes: list[int], in_sizes: list[int]) -> torch.Tensor:
+        """dist.all_to_all_single with uneven splits (in_sizes[r] elements of `inp` go to rank r, out_sizes[r]
+        come from it); a copy on one rank. Counts the bytes sent to other ranks."""
+        if self.world_size == 1:
+            return inp.clone()
+        out = torch.empty(sum(out_sizes), dtype=inp.dtype, device=inp.device)
+        dist.all_to_all_single(out, inp, out_sizes, in_sizes, group=self.group)
+        self.comm_bytes += sum(n for r, n in enumerate(in_sizes) if r != self.rank) * inp.element_size()
+        return out
 
     # ------------------------------------------------------------------ state
     def state_bytes(self) -> int:
