@@ -227,21 +227,28 @@ class MuonState:
 
 
 class DTensorMuon:
-    """Muon over sharded DTensor parameters (FSDP2's row shards; tensor parallelism's column / row splits; any
-    mesh): the momentum is a DTensor laid out like its parameter (so DCP re-shards it like AdamW's moments);
-    per matrix, the bf16 update is all-gathered (lossless, as in the ZeRO path), orthogonalised once on its
-    owner (round-robin over the mesh's ranks, in parameter order), and a SUM redistribution from Partial to
-    the parameter's own placements (a reduce-scatter: the other ranks add exact zeros) hands each rank its
-    part. Bytes per step and rank (the full side of each collective): 2 x 2 x the numel of the Muon
-    matrices (`comm_bytes` counts them); two collectives per matrix."""
+    """Muon over sharded DTensor parameters (FSDP2's row shards; tensor parallelism's column / row splits): the
+    momentum is a DTensor laid out like its parameter (DCP re-shards it like AdamW's moments). Each matrix is
+    orthogonalised once, on its owner (round-robin over the mesh's ranks in parameter order), from its bf16
+    update (lossless, as in the ZeRO path):
+    - row shards on a 1-D mesh (FSDP2; tp's column-parallel weights): for all such matrices at once, one
+      uneven all-to-all brings each owner the other ranks' rows of its matrices, one returns their rows of
+      the result. Bytes a rank sends per step: 2 x (its rows of matrices others own + the rows others hold of
+      the matrices it owns), about 2 x 2 x (W-1)/W x P_muon / W;
+    - any other layout (tp's row-parallel weights, 2-D meshes), per matrix: `full_tensor()` (an all-gather)
+      and a SUM redistribution from Partial to the parameter's placements (the other ranks add exact zeros):
+      2 x 2 x numel bytes per matrix (the full side of both collectives).
+    `comm_bytes` counts both."""
 
     def __init__(self, named_params: list, config):
-        from torch.distributed.tensor import DTensor  # noqa: F401  (the parameters are DTensors)
+        from torch.distributed.tensor import Shard
         self.config = config
         self.lr = float(config.muon_lr or config.lr)
         self.lr_scale = 1.0
         self.params = [(n, p) for n, p in named_params if is_muon_param(n, tuple(p.shape))]
         self.momentum = {n: torch.zeros_like(p.detach(), dtype=torch.float32) for n, p in self.params}
+        # decided from the placements alone: the same on every rank (the collectives must match)
+        self.row_sharded = [p.device_mesh.ndim == 1 and tuple(p.placements) == (Shard(0),) for _, p in self.params]
         self.steps = 0
         self.comm_bytes = 0
 
@@ -249,32 +256,96 @@ class DTensorMuon:
         return self.lr * self.lr_scale
 
     @staticmethod
+    def rows(p) -> list[int]:
+        """The rows each rank of a Shard(0) parameter's 1-D mesh holds (torch.chunk's split, as DTensor's)."""
+        n = p.device_mesh.size()
+        sizes = [c.shape[0] for c in torch.empty(p.shape[0], 0).chunk(n)]
+        return sizes + [0] * (n - len(sizes))
+
+    @staticmethod
     def _mesh_index(mesh) -> int:
-        import torch.distributed as dist
         return int((mesh.mesh.flatten() == dist.get_rank()).nonzero()[0])
+
+    def owner(self, i: int, p) -> int:
+        return i % p.device_mesh.size()
 
     @torch.no_grad()
     def step(self) -> None:
-        from torch.distributed.tensor import DTensor, Partial
         cfg, mu, lr = self.config, self.config.muon_momentum, self.current_lr()
+        ortho: dict[int, torch.Tensor] = {}
+        by_mesh: dict[int, list] = {}
         for i, (name, p) in enumerate(self.params):
             if p.grad is None:
                 continue
             g, buf = p.grad.to_local(), self.momentum[name].to_local()
             buf.lerp_(g, 1 - mu)
-            u = g.lerp(buf, mu) if cfg.muon_nesterov else buf
-            mesh = p.device_mesh
-            full = DTensor.from_local(u.bfloat16(), mesh, p.placements, shape=p.shape,
-                                      stride=p.stride()).full_tensor()
-            o = zeropower_via_newtonschulz(full) if self._mesh_index(mesh) == i % mesh.size() \
-                else torch.zeros_like(full)
-            mine = DTensor.from_local(o, mesh, [Partial()] * mesh.ndim).redistribute(mesh, p.placements).to_local()
-            if mesh.size() > 1:
-                self.comm_bytes += 2 * full.numel() * full.element_size()
+            u = (g.lerp(buf, mu) if cfg.muon_nesterov else buf).bfloat16()  # NS's own first rounding
+            if self.row_sharded[i]:
+                by_mesh.setdefault(id(p.device_mesh), []).append((i, p, u))
+            else:
+                ortho[i] = self._orthogonalise_any(i, p, u)
+        for group in by_mesh.values():
+            ortho.update(self._orthogonalise_rows(group))
+        for i, o in ortho.items():
+            p = self.params[i][1]
             local = p.to_local()
             local.mul_(1 - lr * cfg.muon_weight_decay)
-            local.add_(mine, alpha=-adjusted_lr(lr, tuple(p.shape), cfg.muon_adjust_lr))
+            local.add_(o.view(local.shape), alpha=-adjusted_lr(lr, tuple(p.shape), cfg.muon_adjust_lr))
         self.steps += 1
+
+    def _orthogonalise_any(self, i: int, p, u: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor, Partial
+        mesh = p.device_mesh
+        full = DTensor.from_local(u, mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
+        o = zeropower_via_newtonschulz(full) if self._mesh_index(mesh) == i % mesh.size() else torch.zeros_like(full)
+        if mesh.size() > 1:
+            self.comm_bytes += 2 * full.numel() * full.element_size()
+        return DTensor.from_local(o, mesh, [Partial()] * mesh.ndim).redistribute(mesh, p.placements).to_local()
+
+    def _orthogonalise_rows(self, group: list) -> dict[int, torch.Tensor]:
+        """Row-sharded matrices of one 1-D mesh: two uneven all-to-alls (class docstring)."""
+        mesh = group[0][1].device_mesh
+        W, me, pg = mesh.size(), mesh.get_local_rank(), mesh.get_group()
+        rows = {i: self.rows(p) for i, p, _ in group}
+        for i, p, u in group:
+            if u.shape[0] != rows[i][me]:
+                raise RuntimeError(f"{self.params[i][0]}: {u.shape[0]} local rows, torch.chunk's split gives "
+                                   f"{rows[i][me]}")
+        cols = {i: p.shape[1] for i, p, _ in group}
+        owned = [(i, p) for i, p, _ in group if self.owner(i, p) == me]
+        # what goes to owner o: this rank's rows of o's matrices, in parameter order
+        send = [u.reshape(-1) for o in range(W) for i, p, u in group if self.owner(i, p) == o]
+        in_sizes = [sum(rows[i][me] * cols[i] for i, p, _ in group if self.owner(i, p) == o) for o in range(W)]
+        out_sizes = [sum(rows[i][r] * cols[i] for i, _ in owned) for r in range(W)]
+        recv = self._all_to_all(torch.cat(send) if send else group[0][2].new_empty(0), out_sizes, in_sizes, pg, me)
+        pieces: dict[int, list] = {i: [] for i, _ in owned}
+        at = 0
+        for r in range(W):
+            for i, _ in owned:
+                n = rows[i][r] * cols[i]
+                pieces[i].append(recv[at:at + n])
+                at += n
+        back = []
+        results = {i: zeropower_via_newtonschulz(torch.cat(pieces[i]).view(p.shape)) for i, p in owned}
+        for r in range(W):
+            start = {i: sum(rows[i][:r]) for i, _ in owned}
+            back += [results[i][start[i]:start[i] + rows[i][r]].reshape(-1) for i, _ in owned]
+        mine = self._all_to_all(torch.cat(back) if back else group[0][2].new_empty(0), in_sizes, out_sizes, pg, me)
+        out, at = {}, 0
+        for o in range(W):
+            for i, p, u in group:
+                if self.owner(i, p) == o:
+                    out[i] = mine[at:at + u.numel()]
+                    at += u.numel()
+        return out
+
+    def _all_to_all(self, inp: torch.Tensor, out_sizes: list[int], in_sizes: list[int], pg, me: int) -> torch.Tensor:
+        if len(in_sizes) == 1:
+            return inp.clone()
+        out = torch.empty(sum(out_sizes), dtype=inp.dtype, device=inp.device)
+        dist.all_to_all_single(out, inp, out_sizes, in_sizes, group=pg)
+        self.comm_bytes += sum(n for r, n in enumerate(in_sizes) if r != me) * inp.element_size()
+        return out
 
     def state_bytes(self) -> int:
         return sum(m.to_local().numel() * 4 for m in self.momentum.values())

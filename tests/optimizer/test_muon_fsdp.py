@@ -35,8 +35,25 @@ def _train(tp: int) -> dict:
     mine = [i for i, (_, p) in enumerate(muon.params) if muon._mesh_index(p.device_mesh) == i % p.device_mesh.size()]
     params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().double().clone()
               for n, p in engine.module.named_parameters()}
+    # the bytes this rank sends per step, from the layouts: row shards on a 1-D mesh go to their owner (matrix
+    # i: rank i % W) and come back (2 bytes each way); any other layout: an all-gather and a reduce-scatter of
+    # the whole bf16 matrix (2 x 2 x numel, the full side)
+    from torch.distributed.tensor import Shard
+    sent, rowwise = 0, 0
+    for i, (_, p) in enumerate(muon.params):
+        mesh = p.device_mesh
+        if mesh.ndim == 1 and tuple(p.placements) == (Shard(0),):
+            W, me = mesh.size(), mesh.get_local_rank()
+            rows = [len(c) for c in torch.arange(p.shape[0]).chunk(W)]
+            rows += [0] * (W - len(rows))
+            assert sum(rows) == p.shape[0] and rows[me] == p.to_local().shape[0]
+            own = i % W == me
+            sent += 2 * p.shape[1] * (sum(rows[r] for r in range(W) if r != me) if own else rows[me])
+            rowwise += 1
+        else:
+            sent += 2 * 2 * p.numel()
     return {"params": params, "owned": len(mine), "matrices": len(muon.params), "comm_bytes": muon.comm_bytes,
-            "formula": STEPS * 2 * 2 * sum(p.numel() for _, p in muon.params), "rank": dist.get_rank()}
+            "formula": STEPS * sent, "rowwise": rowwise, "rank": dist.get_rank()}
 
 
 def _worker(rank: int, ws: int, d: str) -> None:
@@ -57,6 +74,9 @@ def test_fsdp2_and_tp2_equal_one_process(tmp_path):
             assert max_diff(got["params"], ref32) <= tol, (layout, r, max_diff(got["params"], ref32), tol)
             assert got["comm_bytes"] == got["formula"], (layout, got["comm_bytes"], got["formula"])
         assert res[0][layout]["owned"] + res[1][layout]["owned"] == 14  # each matrix once
+        # FSDP2: every matrix row-sharded on the 1-D mesh (all-to-alls); tp=2: the engine's 2-D (dp_shard, tp)
+        # mesh, so the general path (all-gather + reduce-scatter) for every matrix
+        assert res[0][layout]["rowwise"] == (14 if layout == "fsdp2" else 0), res[0][layout]["rowwise"]
         assert min(res[0][layout]["owned"], res[1][layout]["owned"]) > 0  # spread over the ranks
         assert max_diff(res[0][layout]["params"], res[1][layout]["params"]) == 0.0  # the ranks agree
     # the test can fail: AdamW on the matrices lands outside the bound
