@@ -98,7 +98,8 @@ class MuonMatrix:
 
 class MuonState:
     """Muon over the optimizer's pieces of the Muon matrices. `sharded`: the pieces are flat ZeRO shards
-    (orthogonalised through the bucket collectives above); otherwise each piece is a whole matrix."""
+    (orthogonalised through the all-to-alls above); otherwise each piece is a whole matrix, which every rank
+    orthogonalises itself (plain DDP: each holds the whole reduced gradient; no communication)."""
 
     def __init__(self, ddp, pieces: list, config, *, sharded: bool, group, rank: int, world_size: int):
         self.config, self.sharded = config, sharded
