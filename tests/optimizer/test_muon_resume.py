@@ -48,3 +48,22 @@ def test_muon_resume_after_a_kill_is_exact_and_a_switch_is_refused(tiny_pretrain
         adamw = tmp_path / "adamw"
         run_cmd(train_cmd([*tiny_pretrain_run_args, "--max_iters=6", f"--out_dir={adamw}"]), env=child_env())
         assert losses(adamw)[6] != losses(ref)[6]
+
+
+# Across world sizes: the topology test of tests/trainer (three runs: uninterrupted A, B from scratch at the
+# new layout for the drift, A's step-3 checkpoint resumed at B's layout), with Muon: its momentum re-sharded
+# by the optimizer state dict (ZeRO) and by DCP (FSDP)
+ACROSS = [
+    ("muon-zero2-1to2", (1, ["--batch_size=4", "--gradient_accumulation_steps=2", "--use_distributed_optimizer=true",
+                             "--zero_stage=2", *MUON]),
+     (2, ["--batch_size=4", "--gradient_accumulation_steps=1", "--use_distributed_optimizer=true", "--zero_stage=2",
+          *MUON])),
+    ("muon-fsdp-2to1", (2, ["--batch_size=2", "--gradient_accumulation_steps=2", "--parallel=fsdp", *MUON]),
+     (1, ["--batch_size=4", "--gradient_accumulation_steps=2", "--parallel=fsdp", *MUON])),
+]
+
+
+@pytest.mark.parametrize("name,before,after", ACROSS, ids=[c[0] for c in ACROSS])
+def test_muon_resume_at_another_world_size(tiny_pretrain_run_args, tmp_path, name, before, after):
+    from tests.trainer.test_resume_topology import test_resume_at_another_layout_follows_the_uninterrupted_run as run
+    run(tiny_pretrain_run_args, tmp_path, name, before, after)
