@@ -211,8 +211,9 @@ class FSDPOptimizer(GlobalNormOptimizer):
         saved_muon = {k[len(MUON_KEY):]: adamw.pop(k) for k in list(adamw) if k.startswith(MUON_KEY)}
         saved_steps = adamw.pop(MUON_STEPS_KEY, None)
         if (self.muon is not None) != (saved_steps is not None):
-            raise ValueError(f"the checkpoint's optimizer state is {'adamw' if saved_steps is None else 'muon'}'s but "
-                             f"this run has --optimizer={self.config.optimizer}: switching optimizers on resume is refused")
+            saved_kind = "adamw" if saved_steps is None else "muon"
+            raise ValueError(f"the checkpoint's optimizer state is {saved_kind}'s but this run has "
+                             f"--optimizer={self.config.optimizer}: switching optimizers on resume is refused")
         current = {k: v for k, v in self.adamw.param_groups[0].items() if k != "params"}
         for k in list(adamw):
             if k.startswith("param_groups."):

@@ -295,9 +295,10 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
 
     # ------------------------------------------------------------------ state
     def state_bytes(self) -> int:
-        """Bytes of optimizer-owned tensors: Adam moments + fp32 masters that are real copies."""
-        return self._moment_bytes() + (self.muon.state_bytes() if self.muon else 0) + sum(fb.master.numel() * 4 for fb in self._flat.values()
-                                          if fb.master is not None)
+        """Bytes of optimizer-owned tensors: Adam moments, Muon momentum, fp32 masters that are real copies."""
+        muon = self.muon.state_bytes() if self.muon is not None else 0
+        return self._moment_bytes() + muon + sum(fb.master.numel() * 4 for fb in self._flat.values()
+                                                 if fb.master is not None)
 
     def state_dict(self) -> dict:
         """Tensors + ints/floats/strings only (torch.load(weights_only=True)). For a sharded
