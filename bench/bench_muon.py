@@ -75,16 +75,18 @@ def run(args, kind: str, lr: float, train: torch.Tensor, val: list) -> dict:
     torch.manual_seed(args.seed)
     cfg = ModelConfig(vocab_size=args.vocab, dim=args.dim, n_layers=args.n_layers, n_heads=args.n_heads,
                       max_seq_len=args.seq)
-    model = Transformer(cfg)
+    dev = torch.device(args.device)
+    model = Transformer(cfg).to(dev)
     ddp = DistributedDataParallel(model, DDPConfig())
     opt = build_optimizer(ddp, OptimizerConfig(optimizer=kind, lr=lr, weight_decay=0.1, muon_weight_decay=0.1,
-                                               grad_clip=1.0, betas=(0.9, 0.95)))
+                                               grad_clip=1.0, betas=(0.9, 0.95), fused=dev.type != "cpu"))
+    sync = torch.accelerator.synchronize if dev.type != "cpu" else (lambda: None)
     evals, step_times = [], []
 
     def evaluate(step: int) -> None:
         model.eval()
         with torch.no_grad():
-            loss = sum(float(model(x, labels=y)) for x, y in val) / len(val)
+            loss = sum(float(model(x.to(dev), labels=y.to(dev))) for x, y in val) / len(val)
         model.train()
         evals.append((step, loss))
 
@@ -92,9 +94,11 @@ def run(args, kind: str, lr: float, train: torch.Tensor, val: list) -> dict:
     for step, (x, y) in enumerate(batches(train, args.seq, args.batch, args.steps, args.seed + 1)):
         opt.set_lr(lr_at(step, lr, args.steps, warmup))
         opt.zero_grad()
-        ddp(x, labels=y).backward()
+        ddp(x.to(dev), labels=y.to(dev)).backward()
+        sync()
         t0 = time.perf_counter()
         opt.step()
+        sync()
         step_times.append(time.perf_counter() - t0)
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             evaluate(step + 1)
@@ -129,6 +133,7 @@ def main() -> None:
     ap.add_argument("--eval_every", type=int, default=25)
     ap.add_argument("--eval_batches", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="cpu | cuda (the optimizer step is timed between syncs)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--work_dir", default=os.path.join(ROOT, "out", "bench_muon"))
     args = ap.parse_args()
