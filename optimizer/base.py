@@ -175,6 +175,9 @@ class GlobalNormOptimizer:
 
     def set_lr(self, lr: float) -> None:
         self.lr = float(lr)
+        muon = getattr(self, "muon", None)  # Muon's own lr follows the schedule by the same factor
+        if muon is not None:
+            muon.lr_scale = self.lr / self.config.lr if self.config.lr else 1.0
         for opt in self._adamws():
             for g in opt.param_groups:
                 g["lr"] = self.lr

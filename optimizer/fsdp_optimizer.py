@@ -24,13 +24,16 @@ from torch.distributed.tensor import DTensor
 
 from optimizer.adamw import build_adamw
 from optimizer.base import GlobalNormOptimizer
+from optimizer.muon import DTensorMuon
 from optimizer.optimizer_config import OptimizerConfig
 
 STATE_FORMAT = 1
 # What parallel/fsdp.py records on the model it wraps, read here:
 WRAP_CONFIG_ATTR = "_fsdp_engine_config"  # on the wrapped root: what wrap_fsdp was asked for
 MESH_ATTR = "_fsdp_engine_mesh"  # on the wrapped root: the mesh its parameters are sharded over
-TP_PARTIAL_ATTR = "_tp_partial_grads"  # set by shard_on_mesh: (parameter names, tensor group) to all-reduce
+TP_PARTIAL_ATTR = "_tp_partial_grads"
+# Muon's entries in the optimizer's flat state dict (beside AdamW's "state.<fqn>.exp_avg", ...)
+MUON_KEY, MUON_STEPS_KEY = "muon_momentum.", "muon_steps"  # set by shard_on_mesh: (parameter names, tensor group) to all-reduce
 
 
 def fsdp_optimizer_problems(*, use_distributed_optimizer: bool = False, overlap_optim_step: bool = False,
@@ -96,8 +99,12 @@ class FSDPOptimizer(GlobalNormOptimizer):
         # the data-parallel shard dimension: what "world_size" in the optimizer state means
         self.world_size = self.mesh.size(self.mesh.ndim - 1)
         self._init_scaling(config, norm_groups)  # norm_groups: more groups the norm spans (pipeline stages)
+        # --optimizer=muon: Muon on the hidden matrices (optimizer/muon.py's DTensorMuon), AdamW on the rest
+        self.muon = DTensorMuon(self.named_params, config) if config.optimizer == "muon" else None
+        muon_ids = {id(p) for _, p in self.muon.params} if self.muon else set()
+        rest = [p for p in self.params if id(p) not in muon_ids]
         # CPU (or offloaded) shards: the plain single-tensor loop
-        self.adamw = build_adamw([p for p in self.params if p.ndim >= 2], [p for p in self.params if p.ndim < 2],
+        self.adamw = build_adamw([p for p in rest if p.ndim >= 2], [p for p in rest if p.ndim < 2],
                                  config, self.params[0].device.type, single_tensor_on_cpu=True)
         # The all-reduce of the norm runs on the mesh's device (gloo: cpu; nccl: the rank's accelerator),
         # which is not where offloaded gradients live.
@@ -158,6 +165,8 @@ class FSDPOptimizer(GlobalNormOptimizer):
         return sumsq
 
     def _update(self, norm: float) -> None:
+        if self.muon is not None:
+            self.muon.step()
         self.adamw.step()  # the sharded parameters are the fp32 masters: nothing to copy back
         self.prev_grad_norm = norm
 
@@ -167,7 +176,7 @@ class FSDPOptimizer(GlobalNormOptimizer):
     # ------------------------------------------------------------------ memory accounting
     def state_bytes(self) -> int:
         """Bytes of this rank's Adam moments (the local shards; `step` counters excluded)."""
-        return self._moment_bytes()
+        return self._moment_bytes() + (self.muon.state_bytes() if self.muon else 0)
 
     # ------------------------------------------------------------------ state
     def _sd_options(self):
@@ -185,6 +194,10 @@ class FSDPOptimizer(GlobalNormOptimizer):
         adamw = get_optimizer_state_dict(self.model, self.adamw, options=self._sd_options())
         if fresh:  # the zero moments (with step=1) were only made for the returned template: stay fresh
             self.adamw.state.clear()
+        if self.muon is not None:  # beside AdamW's flat entries (the DCP files' one optimizer dict): DTensors
+            # laid out like their parameters, re-sharded by DCP like the moments
+            adamw.update({MUON_KEY + n: m for n, m in self.muon.momentum.items()})
+            adamw[MUON_STEPS_KEY] = torch.tensor(float(self.muon.steps))
         return {"format": STATE_FORMAT, "engine": "fsdp", "world_size": self.world_size, **self._scaling_state(),
                 "adamw": adamw}
 
@@ -195,6 +208,12 @@ class FSDPOptimizer(GlobalNormOptimizer):
         if sd.get("format") != STATE_FORMAT:
             raise ValueError(f"unknown FSDP optimizer state format {sd.get('format')!r}")
         adamw = dict(sd["adamw"])
+        saved_muon = {k[len(MUON_KEY):]: adamw.pop(k) for k in list(adamw) if k.startswith(MUON_KEY)}
+        saved_steps = adamw.pop(MUON_STEPS_KEY, None)
+        if (self.muon is not None) != (saved_steps is not None):
+            saved_kind = "adamw" if saved_steps is None else "muon"
+            raise ValueError(f"the checkpoint's optimizer state is {saved_kind}'s but this run has "
+                             f"--optimizer={self.config.optimizer}: switching optimizers on resume is refused")
         current = {k: v for k, v in self.adamw.param_groups[0].items() if k != "params"}
         for k in list(adamw):
             if k.startswith("param_groups."):
@@ -202,6 +221,12 @@ class FSDPOptimizer(GlobalNormOptimizer):
                 if hp in current and hp != "lr":
                     adamw[k] = self._group_of(k)[hp]
         set_optimizer_state_dict(self.model, self.adamw, adamw, options=self._sd_options())
+        if self.muon is not None:
+            with torch.no_grad():
+                for name, m in self.muon.momentum.items():
+                    if saved_muon[name] is not m:  # DCP loads into the template's own DTensors in place
+                        m.copy_(saved_muon[name])
+            self.muon.steps = int(float(saved_steps))
         self._load_scaling_state(sd)
 
     def _group_of(self, flat_key: str) -> dict:

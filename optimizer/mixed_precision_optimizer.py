@@ -26,6 +26,7 @@ import torch.distributed as dist
 from optimizer.adamw import build_adamw
 from optimizer.base import GlobalNormOptimizer, clip_coefficient
 from optimizer.fused_step import fused_adamw_step
+from optimizer.muon import MuonState, is_muon_param
 from optimizer.optimizer_config import OptimizerConfig
 from utils import comm
 
@@ -83,8 +84,14 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
         self.pieces_by_bucket: dict[int, list[Piece]] = {}
         for pc in self.pieces:
             self.pieces_by_bucket.setdefault(pc.bucket_index, []).append(pc)
+        # --optimizer=muon: Muon on the hidden matrices (optimizer/muon.py), AdamW on the rest
+        self.muon: Optional[MuonState] = None
+        if config.optimizer == "muon":
+            self.muon = MuonState(ddp, self.pieces, config, sharded=self.sharded, group=self.group,
+                                  rank=self.rank, world_size=self.world_size)
+        adamw_pieces = {b: [pc for pc in ps if not self._is_muon(pc)] for b, ps in self.pieces_by_bucket.items()}
         self.optimizers: dict[int, torch.optim.AdamW] = {
-            b: self._make_adamw(ps) for b, ps in self.pieces_by_bucket.items()}
+            b: self._make_adamw(ps) for b, ps in adamw_pieces.items() if ps}
 
     # ------------------------------------------------------------------ construction
     def owned_range(self, bucket) -> tuple[int, int]:
@@ -126,6 +133,9 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
                 grad_store = store[s - olo:e - olo] if store is not None else None
                 pieces.append(Piece(slot.name, p, bucket.index, lo, hi, main, copy, grad_store, p.ndim >= 2))
         return pieces
+
+    def _is_muon(self, pc: Piece) -> bool:
+        return self.config.optimizer == "muon" and is_muon_param(pc.name, tuple(pc.param.shape))
 
     def _make_adamw(self, pieces: list[Piece]) -> torch.optim.AdamW:
         return build_adamw([pc.main for pc in pieces if pc.decay], [pc.main for pc in pieces if not pc.decay],
@@ -176,6 +186,8 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
                 opt.found_inf = None
 
     def _update(self, norm: float) -> None:
+        if self.muon is not None:
+            self.muon.step()
         self._step_adamws()
         self._copy_main_to_model(self.pieces)
         self._after_step(list(range(len(self.ddp.buckets))))  # every bucket: collectives match
@@ -186,7 +198,8 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
     batch_adamw_steps = True  # one fused AdamW launch per group for all buckets (tests compare both ways)
 
     def _skips_on_device(self) -> bool:
-        return self.skip_on_device and bool(self.optimizers) and all(
+        # Muon has no found_inf input: with it the host decides (one host read, before the update)
+        return self.skip_on_device and self.muon is None and bool(self.optimizers) and all(
             opt.defaults.get("fused") for opt in self.optimizers.values())
 
     def _update_on_device(self, found_inf: torch.Tensor) -> None:
@@ -299,9 +312,10 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
 
     # ------------------------------------------------------------------ state
     def state_bytes(self) -> int:
-        """Bytes of optimizer-owned tensors: Adam moments + fp32 masters that are real copies."""
-        return self._moment_bytes() + sum(fb.master.numel() * 4 for fb in self._flat.values()
-                                          if fb.master is not None)
+        """Bytes of optimizer-owned tensors: Adam moments, Muon momentum, fp32 masters that are real copies."""
+        muon = self.muon.state_bytes() if self.muon is not None else 0
+        return self._moment_bytes() + muon + sum(fb.master.numel() * 4 for fb in self._flat.values()
+                                                 if fb.master is not None)
 
     def state_dict(self) -> dict:
         """Tensors + ints/floats/strings only (torch.load(weights_only=True)). For a sharded
@@ -309,6 +323,12 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
         self.finish_param_sync()
         params = {}
         for pc in self.pieces:
+            if self._is_muon(pc):
+                params[pc.name] = {
+                    "shape": list(pc.param.shape), "numel": pc.param.numel(), "lo": pc.lo, "hi": pc.hi,
+                    "main": pc.main.detach().reshape(-1).float().cpu().clone(),
+                    "momentum": self.muon.momentum_of(pc).cpu().clone(), "step": float(self.muon.steps)}
+                continue
             opt = self.optimizers[pc.bucket_index]
             st = opt.state.get(pc.main, {})
             n = pc.hi - pc.lo
@@ -320,8 +340,8 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
                 "exp_avg_sq": st["exp_avg_sq"].reshape(-1).cpu().clone() if st else zeros.clone(),
                 "step": float(st["step"]) if st else 0.0,
             }
-        return {"format": STATE_FORMAT, "sharded": int(self.sharded), "world_size": self.world_size,
-                "rank": self.rank, **self._scaling_state(), "params": params}
+        return {"format": STATE_FORMAT, "optimizer": self.config.optimizer, "sharded": int(self.sharded),
+                "world_size": self.world_size, "rank": self.rank, **self._scaling_state(), "params": params}
 
     def load_state_dict(self, state: Union[dict, list[dict]]) -> None:
         """Load this rank's own state dict, a complete one (unsharded, or of a 1-rank run), or a
@@ -336,6 +356,10 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
                                  "not found? A ZeRO run saves one per rank")
             if sd.get("format") != STATE_FORMAT:
                 raise ValueError(f"unknown optimizer state format {sd.get('format')!r}")
+            saved_kind = sd.get("optimizer", "adamw")  # states older than --optimizer were AdamW's
+            if saved_kind != self.config.optimizer:
+                raise ValueError(f"the checkpoint's optimizer state is {saved_kind}'s but this run has "
+                                 f"--optimizer={self.config.optimizer}: switching optimizers on resume is refused")
         if len(sds) > 1:
             shard_runs = {int(sd["world_size"]) for sd in sds if sd["sharded"]}
             if len(shard_runs) > 1:
@@ -365,15 +389,21 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
             if list(entries[0]["shape"]) != list(pc.param.shape):
                 raise ValueError(f"{pc.name}: saved shape {entries[0]['shape']} != {list(pc.param.shape)}")
             for e in entries:  # always saved as fp32: another dtype is refused, never silently cast
-                for key in ("main", "exp_avg", "exp_avg_sq"):
+                for key in ("main", "exp_avg", "exp_avg_sq", "momentum"):
                     t = e.get(key)
                     if torch.is_tensor(t) and t.dtype != torch.float32:
                         raise ValueError(f"{pc.name}: its {key} is saved as {t.dtype}, but this optimizer keeps "
                                          "float32 state (and always saves it so): refused rather than cast")
-            parts = {k: self._assemble(pc, entries, k) for k in ("main", "exp_avg", "exp_avg_sq")}
+            muon = self._is_muon(pc)
+            keys = ("main", "momentum") if muon else ("main", "exp_avg", "exp_avg_sq")
+            parts = {k: self._assemble(pc, entries, k) for k in keys}
             step = max(float(e["step"]) for e in entries)
             with torch.no_grad():
                 pc.main.view(-1).copy_(parts["main"])
+            if muon:
+                self.muon.momentum_of(pc).copy_(parts["momentum"])
+                self.muon.steps = int(step)
+                continue
             opt = self.optimizers[pc.bucket_index]
             opt.state.pop(pc.main, None)
             if step > 0:

@@ -24,6 +24,13 @@ class OptimizerConfig:
     zero_stage: int = 1  # 1: shard optimizer state; 2: also free non-owned gradient memory
     overlap_param_gather: bool = False  # ZeRO: all-gather params async, wait in forward pre-hooks
     overlap_optim_step: bool = False  # step each bucket as soon as its grads arrived (see docs)
+    # "adamw" | "muon": Muon on the hidden 2-D matrices, AdamW (the fields above) on the rest (optimizer/muon.py)
+    optimizer: str = "adamw"
+    muon_lr: float = 0.0  # 0: the same as lr (the Moonlight convention lets AdamW's lr carry over)
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = True
+    muon_weight_decay: float = 0.1  # decoupled: p <- p (1 - lr wd), as torch.optim.Muon
+    muon_adjust_lr: str = "match_rms_adamw"  # | "original" (optimizer/muon.py says why)
 
     def __post_init__(self) -> None:
         if self.precision not in ("fp32", "bf16", "fp16"):
@@ -37,6 +44,13 @@ class OptimizerConfig:
         if self.overlap_optim_step and self.precision == "fp16":
             raise ValueError("overlap_optim_step is not supported with fp16: the overflow check "
                              "must see every bucket before any is stepped")
+        if self.optimizer not in ("adamw", "muon"):
+            raise ValueError(f"optimizer must be adamw or muon, got {self.optimizer!r}")
+        if self.muon_adjust_lr not in ("match_rms_adamw", "original"):
+            raise ValueError(f"muon_adjust_lr must be match_rms_adamw or original, got {self.muon_adjust_lr!r}")
+        if self.optimizer == "muon" and self.overlap_optim_step:
+            raise ValueError("overlap_optim_step is not supported with optimizer=muon: a sharded matrix's "
+                             "orthogonalisation needs every bucket's update at once")
         if self.grad_clip < 0:
             raise ValueError("grad_clip must be >= 0")
         self.betas = (float(self.betas[0]), float(self.betas[1]))

@@ -112,6 +112,14 @@ class OptimizationFlags:
     beta2: float = _f(0.95, "AdamW beta2")
     eps: float = _f(1e-8, "AdamW epsilon")
     grad_clip: float = _f(1.0, "clip by the global norm over all ranks (0 = off)")
+    optimizer: str = _f("adamw", "adamw | muon: Muon on the hidden 2-D matrices of the blocks (q/k/v/o, gate/up/down, "
+                        "LoRA adapters), AdamW (the flags above) on embeddings, LM head and norms (docs/optimizer.md)")
+    muon_lr: float = _f(0.0, "Muon's peak learning rate (0 = --learning_rate: with --muon_adjust_lr=match_rms_adamw an "
+                        "AdamW-tuned rate carries over); the schedule scales it like --learning_rate")
+    muon_momentum: float = _f(0.95, "Muon's momentum (Nesterov)")
+    muon_weight_decay: float = _f(0.1, "Muon's decoupled weight decay: p <- p (1 - lr x wd)")
+    muon_adjust_lr: str = _f("match_rms_adamw", "match_rms_adamw (Moonlight: update RMS 0.2, AdamW's lr carries "
+                             "over) | original (Keller Jordan: sqrt(max(1, rows/cols)))")
     dtype: str = _f("fp32", "fp32 | bf16 | fp16 model precision (fp32 main params in the optimizer)")
     seed: int = _f(1337, "seed of initialisation and data order")
     deterministic: bool = _f(False, "torch.use_deterministic_algorithms (bit-exact resume on GPU)")

@@ -245,6 +245,10 @@ def place_on_engine(cfg: TrainConfig, info: DistInfo, model, ref_model, log, thr
     except ValueError as e:  # a layout that cannot run (e.g. a checkpoint's layers do not split into stages)
         raise TrainingError(f"bad parallel configuration: {one_line(e)}", EXIT_BAD_CONFIG) from e
     log(describe_layout(cfg, engine, info.world_size) + (f"; {threads}" if threads else ""))
+    if cfg.optimizer == "muon":
+        log(f"[optimizer] muon on the blocks' 2-D matrices (lr {cfg.muon_lr or cfg.learning_rate:g}, momentum "
+            f"{cfg.muon_momentum:g}, weight decay {cfg.muon_weight_decay:g}, --muon_adjust_lr={cfg.muon_adjust_lr}); "
+            "adamw on the embedding, LM head and norms")
     if ref_model is not None:  # DPO: the frozen reference, sharded like the policy under fsdp
         ref_model = engine.place_reference(ref_model, info.device, dtype)
         log(f"[dpo] reference model: {engine.reference_layout()} on each of {engine.dp_size} rank(s), "
@@ -265,6 +269,11 @@ def restore(cfg: TrainConfig, info: DistInfo, engine, train_loader, start: Start
             or engine.resume_problem(resume_dir, int(saved["world_size"]), info.world_size)
         if problem:
             raise TrainingError(f"cannot resume {resume_dir}: {problem}", EXIT_BAD_CONFIG)
+        saved_opt = saved_cfg.get("optimizer", "adamw")  # runs older than --optimizer were AdamW's
+        if saved_opt != cfg.optimizer:  # the saved state is the other optimizer's: nothing to continue
+            raise TrainingError(f"cannot resume {resume_dir}: it was trained with --optimizer={saved_opt}, this run "
+                                f"has --optimizer={cfg.optimizer}; switching the optimizer on resume is refused",
+                                EXIT_BAD_CONFIG)
         extra = _load_checkpoint(cfg, info, engine, resume_dir, saved, saved_cfg)
         new_data = [k for k in DATA_KEYS if k in saved_cfg and not same_value(k, saved_cfg[k], getattr(cfg, k))]
         saved_n = saved["data_cursor"].get("num_samples") if isinstance(saved.get("data_cursor"), dict) else None
