@@ -251,6 +251,13 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any
         raise ValueError(f"{q.shape[1]} query heads do not share {k.shape[1]} key/value heads evenly")
     if group is None or dist.get_world_size(group) == 1:
         return _local(q, k, v)
+    return _ring_eager(q, k, v, group)
+
+
+@torch.compiler.disable
+def _ring_eager(q, k, v, group):
+    """The ring outside any compiled graph: under --compile each block is compiled in the pieces before and
+    after attention (a graph break here), and the exchanges run eagerly with this rank's process group."""
     return RingAttentionFunction.apply(q, k, v, group)
 
 
@@ -294,6 +301,7 @@ class ContextParallel:
         """The global positions [B, T / C] of this rank's tokens of a length-T sequence."""
         return local_positions(T, self.rank, self.size, device)[None].expand(B, T // self.size)
 
+    @torch.compiler.disable  # its all-reduces run eagerly (a graph break under --compile, like the ring's)
     def reduce_loss(self, loss_sum: torch.Tensor, labels: torch.Tensor, reduction: str,
                     ignore_index: int = -100) -> torch.Tensor:
         """The whole sequences' loss from this rank's sum over its tokens: summed over the cp group

@@ -63,8 +63,6 @@ CP_REFUSES: dict[str, str] = {
            "need them summed over the cp group first",
     "whole_model_on_one_rank": "samples and task evaluation run whole prompts through a KV cache on one rank; "
                                "the model under cp takes split sequences only",
-    "compile": "the ring's point-to-point exchanges are not traced by torch.compile (it would graph-break at "
-               "every layer); run context parallelism eagerly",
 }
 
 
@@ -254,8 +252,7 @@ class ParallelConfig(ParallelFlags):
                 out.append(problem)
         out.extend(self._combination_problems())
         if self.cp > 1:
-            asked = {f"--task_type={self.task_type}": self.task_type, **{k: v for k, v in (needs or {}).items()},
-                     **({"--compile=true": "compile"} if self.compile else {})}
+            asked = {f"--task_type={self.task_type}": self.task_type, **{k: v for k, v in (needs or {}).items()}}
             for asked_by, what in asked.items():
                 if what in CP_REFUSES:
                     out.append(f"{asked_by} cannot be combined with --context_parallel_size={self.cp} "
