@@ -35,7 +35,7 @@ from parallel.dcp_checkpoint import _MODEL, _group_rank_world, _mesh_group, _sta
 from parallel.fsdp import reshard
 from utils.async_checkpoint import AsyncCheckpointer, json_copy, save_in_background
 from utils import checkpoint as ckpt
-from utils.checkpoint_layout import MODEL_CONFIG, RUN_CONFIG, TRAINER_STATE, extra_file
+from utils.checkpoint_layout import TRAINER_STATE, extra_file
 from utils.publish import fsync_file
 
 
@@ -163,14 +163,7 @@ def save_pipeline_async(engine: Any, out_dir: str, step: int, rank: int, world_s
     def write_files(tmp: str, guard: Any) -> None:
         guard.file = tmp
         engine.write_stage_state(tmp, sd, global_rank, copy=False)
-        path = guard.file = os.path.join(tmp, extra_file(rank))
-        torch.save(extra, path)
-        fsync_file(path)
-        if rank == 0:
-            ckpt.write_json(os.path.join(tmp, MODEL_CONFIG), model_config)
-            ckpt.write_json(os.path.join(tmp, RUN_CONFIG), run_config)
-            if fault_hook is not None:
-                fault_hook()  # test hook: die with a half-written checkpoint
+        ckpt.write_extra_and_configs(tmp, rank, extra, model_config, run_config, fault_hook, guard)
 
     def publish(tmp: str, final: str, guard: Any) -> None:
         guard.file = os.path.join(tmp, TRAINER_STATE)

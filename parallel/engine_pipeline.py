@@ -47,8 +47,7 @@ from parallel.pipeline import (FORMAT, META_FILE, SEGMENTS, LastStageOutput, Pip
                                pipeline_stage_module, read_pipeline_meta, split_layers, validate_pipeline_options)
 from parallel.transforms.tensor_parallel import apply_tensor_parallel
 from utils import checkpoint as ckpt
-from utils.checkpoint_layout import (MODEL_CONFIG, RUN_CONFIG, TRAINER_STATE, extra_file, stage_model_file,
-                                     stage_optimizer_file)
+from utils.checkpoint_layout import TRAINER_STATE, stage_model_file, stage_optimizer_file
 from utils.constants import IGNORE_INDEX
 from utils.publish import fsync_file, make_temp_dir, temp_dir_for
 
@@ -376,14 +375,7 @@ class PipelineParallelEngine(Engine):
                 make_temp_dir(final)  # one left by a crash was never complete: dropped
             barrier()
             self.write_stage_files(tmp)  # collective over the mesh (FSDP gathers the stage's tensors)
-            path = os.path.join(tmp, extra_file(rank))
-            torch.save(extra_state, path)
-            fsync_file(path)
-            if rank == 0:
-                ckpt.write_json(os.path.join(tmp, MODEL_CONFIG), model_config)
-                ckpt.write_json(os.path.join(tmp, RUN_CONFIG), run_config)
-                if fault_hook is not None:
-                    fault_hook()  # test hook: die with a half-written checkpoint
+            ckpt.write_extra_and_configs(tmp, rank, extra_state, model_config, run_config, fault_hook)
             barrier()  # every rank has written and fsynced its files
             if rank == 0:
                 ckpt.write_json(os.path.join(tmp, TRAINER_STATE),

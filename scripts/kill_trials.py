@@ -64,6 +64,12 @@ CONFIGS: dict[str, tuple[int, list[str]]] = {
     "fsdp2-async": (2, ["--batch_size=2", "--parallel=fsdp", "--async_checkpoint=true", "@slow_writes"]),
     "pipeline2-async": (2, ["--pipeline_parallel_size=2", "--gradient_accumulation_steps=2", "--async_checkpoint=true",
                             "@slow_writes"]),
+    # issue 36: --optimizer=muon (its momentum in the checkpoints): one process, ZeRO-2 (matrices cut by shards),
+    # FSDP2 (DTensor row shards)
+    "muon": (1, ["--optimizer=muon"]),
+    "ddp2-zero2-muon": (2, ["--batch_size=2", "--use_distributed_optimizer=true", "--zero_stage=2",
+                            "--optimizer=muon"]),
+    "fsdp2-muon": (2, ["--batch_size=2", "--parallel=fsdp", "--optimizer=muon"]),
 }
 SLOW_WRITES_S = "2.0"
 

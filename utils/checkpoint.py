@@ -242,6 +242,23 @@ def write_rank_files(tmp: str, req: SaveRequest, guard: _SaveGuard,
     fsync_file(path)
 
 
+def write_extra_and_configs(tmp: str, rank: int, extra_state: Any, model_config: dict, run_config: dict,
+                            fault_hook: Optional[Callable[[], None]] = None, guard: Any = None) -> None:
+    """A stage checkpoint's per-rank extra (RNG) file, fsynced, and on rank 0 the model and run configs (the
+    pipeline engine's synchronous save and its background writer alike); `guard.file` names the file being
+    written where a guard is given."""
+    path = os.path.join(tmp, extra_file(rank))
+    if guard is not None:
+        guard.file = path
+    torch.save(extra_state, path)
+    fsync_file(path)
+    if rank == 0:
+        write_json(os.path.join(tmp, MODEL_CONFIG), model_config)
+        write_json(os.path.join(tmp, RUN_CONFIG), run_config)
+        if fault_hook is not None:
+            fault_hook()  # test hook: die with a half-written checkpoint
+
+
 def publish_rank0(out_dir: str, tmp: str, final: str, req: SaveRequest, guard: _SaveGuard) -> None:
     """Rank 0, once every rank's files are in `tmp`: trainer_state.json, then the manifest, COMPLETE, fsync
     and the atomic rename (publish_checkpoint_dir); the directory is remembered as verified."""
