@@ -97,6 +97,9 @@ class HostBuffers:
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
+    def tensors(self) -> list[torch.Tensor]:
+        return list(self._buffers.values())
+
     def data_ptrs(self) -> dict[tuple, int]:
         return {k: b.data_ptr() for k, b in self._buffers.items()}
 

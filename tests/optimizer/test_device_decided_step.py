@@ -12,13 +12,13 @@ from optimizer import OptimizerConfig, build_optimizer
 from parallel import DDPConfig, DistributedDataParallel
 
 
-def _net(dtype):
+def _net(dtype, device="cpu"):
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.LayerNorm(16), nn.Linear(16, 3)).to(dtype)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.LayerNorm(16), nn.Linear(16, 3)).to(device, dtype)
 
 
-def _run(dtype, zero_stage, on_device: bool, batched: bool = True):
-    model = _net(dtype)
+def _run(dtype, zero_stage, on_device: bool, batched: bool = True, device: str = "cpu"):
+    model = _net(dtype, device)
     zero = zero_stage > 0
     ddp = DistributedDataParallel(model, DDPConfig(bucket_size=20, use_distributed_optimizer=zero))
     cfg = OptimizerConfig(precision="fp16" if dtype == torch.float16 else "bf16", fused=True, lr=1e-2,
@@ -32,7 +32,7 @@ def _run(dtype, zero_stage, on_device: bool, batched: bool = True):
     g = torch.Generator().manual_seed(3)
     results = []
     for step in range(7):
-        x, y = torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
+        x, y = (t.to(device) for t in (torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)))
         opt.zero_grad()
         loss = ((ddp(x.to(dtype)).float() - y) ** 2).mean()
         if step in (0, 3):
@@ -72,3 +72,15 @@ def test_one_batched_adamw_launch_equals_stepping_each_bucket(dtype, zero_stage,
     for name, e in sd_e["params"].items():
         for k, v in e.items():
             assert torch.equal(v, sd_o["params"][name][k]) if torch.is_tensor(v) else v == sd_o["params"][name][k]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("zero_stage", [0, 1])
+def test_on_cuda_the_batched_step_equals_stepping_each_bucket(zero_stage):
+    """The same comparison with torch's CUDA fused AdamW kernel (what a GPU run steps with)."""
+    m_one, o_one, r_one = _run(torch.bfloat16, zero_stage, True, batched=True, device="cuda")
+    m_each, o_each, r_each = _run(torch.bfloat16, zero_stage, True, batched=False, device="cuda")
+    assert r_one == r_each and [s for s, _ in r_one] == [False, True, True, False, True, True, True]
+    for a, b in zip(m_each.state_dict().values(), m_one.state_dict().values()):
+        assert torch.equal(a, b)

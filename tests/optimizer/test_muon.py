@@ -170,3 +170,17 @@ def test_state_round_trip_resumes_bit_exact_and_refuses_a_switch(zero):
                             OptimizerConfig(precision="bf16", use_distributed_optimizer=zero))
     with pytest.raises(ValueError, match="switching optimizers on resume is refused"):
         adamw.load_state_dict(sd)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_muon_within_the_references_rounding():
+    """Our Muon on the GPU against torch.optim.Muon + AdamW on the GPU: 5 steps, clipping off, within 4x the
+    reference's own fp32-vs-fp64 distance (cuBLAS may order the Newton-Schulz products' sums differently)."""
+    cfg = muon_config(grad_clip=0.0)
+    data = [(x.cuda(), y.cuda()) for x, y in batches()]
+    ref32 = reference_run(tiny_model(torch.float32).cuda(), cfg, data)
+    ref64 = reference_run(tiny_model(torch.float64).cuda(), cfg, data)
+    ours, _, opt = our_run(tiny_model(torch.float32).cuda(), cfg, data)
+    assert opt.muon is not None and len(opt.muon.matrices) == 14
+    assert max_diff(ours, ref32) <= 4 * max_diff(ref32, ref64) + 1e-7

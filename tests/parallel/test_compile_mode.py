@@ -49,3 +49,37 @@ def test_the_mode_reaches_torch_compile_and_cuda_graph_modes_mark_each_micro_bat
     engine.evaluate(batches[:2], loss_fn, lambda b: count_units(cfg, b))
     assert len(begins) == (5 if marks else 0)
     assert float(sums[0]) != 0.0 and abs(float(sums[0]) - expect) < 1e-3 * abs(expect)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_cuda_graph_steps_equal_the_plain_compiled_ones():
+    """--compile_mode=reduce-overhead on a GPU: 3 steps of 2 micro-batches (and an evaluation) replayed as CUDA
+    graphs give the plain compiled run's losses, and Inductor declined no graph."""
+    from torch._dynamo.utils import counters
+    device = torch.device("cuda")
+    losses = {}
+    for mode in ("default", "reduce-overhead"):
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        model = Transformer(ModelConfig(vocab_size=64, dim=64, n_layers=2, n_heads=4, multiple_of=16,
+                                        max_seq_len=32)).to(device)
+        cfg = TrainConfig(device="cuda", compile=True, compile_mode=mode, gradient_accumulation_steps=2)
+        engine = build_engine(model, cfg, device=device)
+        loss_fn = lambda m, b: micro_batch_loss(cfg, m, None, b, device)  # noqa: E731
+        g = torch.Generator().manual_seed(0)
+        out = []
+        for _ in range(3):
+            batches = [{"input_ids": (x := torch.randint(0, 64, (2, 32), generator=g)), "labels": x.clone()}
+                       for _ in range(2)]
+            engine.optimizer.zero_grad()
+            sums = engine.forward_backward(batches, loss_fn, float(sum(count_units(cfg, b) for b in batches)))
+            engine.optimizer.step()
+            out.append(float(sums[0]))
+        out.append(float(engine.evaluate(batches, loss_fn, lambda b: count_units(cfg, b))[0]))
+        losses[mode] = out
+        if mode != "default":
+            assert int(counters["inductor"].get("cudagraph_skips", 0)) == 0
+    torch._dynamo.reset()
+    assert losses["reduce-overhead"] == pytest.approx(losses["default"], rel=1e-5)

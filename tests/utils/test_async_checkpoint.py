@@ -22,15 +22,17 @@ from utils.async_checkpoint import (AsyncCheckpointError, AsyncCheckpointer, Hos
 from tests.trainer.test_async_checkpoint_resume import bits, checkpoint_contents
 
 
-def _engine():
+def _engine(device: str = "cpu"):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 4))
-    return build_ddp_engine(model, ParallelConfig(), OptimizerConfig(lr=1e-2), device=torch.device("cpu"))
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 4)).to(device)
+    return build_ddp_engine(model, ParallelConfig(), OptimizerConfig(lr=1e-2, fused=device != "cpu"),
+                            device=torch.device(device))
 
 
 def _train_step(engine, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
-    x, y = torch.randn(8, 6, generator=g), torch.randn(8, 4, generator=g)
+    device = next(engine.module.parameters()).device
+    x, y = (t.to(device) for t in (torch.randn(8, 6, generator=g), torch.randn(8, 4, generator=g)))
     engine.optimizer.zero_grad()
     ((engine.model(x) - y) ** 2).sum().backward()
     engine.optimizer.step()
@@ -54,10 +56,13 @@ def _same(a: dict, b: dict) -> bool:
     return True
 
 
-def test_snapshot_is_taken_before_save_returns(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_snapshot_is_taken_before_save_returns(tmp_path, device):
     """The async save of step 1 is held open while the training runs step 2; its files must equal the synchronous
-    save of step 1, not step 2's state."""
-    engine = _engine()
+    save of step 1, not step 2's state. On CUDA the snapshot goes through pinned host buffers (non-blocking
+    copies: the test fails if the copies were not waited for before the step changed the weights)."""
+    engine = _engine(device)
     _train_step(engine, 1)
     torch.manual_seed(5)  # the RNG state saved by both
     sync_path = _save(engine, tmp_path / "sync", 1)
@@ -67,8 +72,11 @@ def test_snapshot_is_taken_before_save_returns(tmp_path):
     def hold_open():
         entered.set()
         assert release.wait(60)
-    writer = AsyncCheckpointer(log=lambda m: None)
+    writer = AsyncCheckpointer(log=lambda m: None, device=torch.device(device))
     path = _save(engine, tmp_path / "async", 1, writer=writer, fault_hook=hold_open)
+    if device == "cuda":
+        # the weights' buffers page-locked (the optimizer's state_dict() is already host tensors: not pinned)
+        assert any(b.is_pinned() for b in writer.buffers.tensors())
     assert entered.wait(60) and writer.in_flight()
     assert ckpt.find_latest_valid(str(tmp_path / "async"), log=lambda m: None) is None  # not published yet
     before = {k: v.clone() for k, v in engine.module.state_dict().items()}
