@@ -70,6 +70,8 @@ CONFIGS: dict[str, tuple[int, list[str]]] = {
     "ddp2-zero2-muon": (2, ["--batch_size=2", "--use_distributed_optimizer=true", "--zero_stage=2",
                             "--optimizer=muon"]),
     "fsdp2-muon": (2, ["--batch_size=2", "--parallel=fsdp", "--optimizer=muon"]),
+    # issue 35: context parallelism (each sequence split over the 2 ranks, ring attention)
+    "cp2": (2, ["--context_parallel_size=2"]),
 }
 SLOW_WRITES_S = "2.0"
 
