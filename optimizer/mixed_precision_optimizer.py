@@ -317,17 +317,21 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
         return self._moment_bytes() + muon + sum(fb.master.numel() * 4 for fb in self._flat.values()
                                                  if fb.master is not None)
 
-    def state_dict(self) -> dict:
+    def state_dict(self, to_host: bool = True) -> dict:
         """Tensors + ints/floats/strings only (torch.load(weights_only=True)). For a sharded
-        optimizer this is this rank's shard; every entry is flat with its [lo, hi) range."""
+        optimizer this is this rank's shard; every entry is flat with its [lo, hi) range.
+        to_host=False: the tensors are flat views of the live state where they live (--async_checkpoint copies
+        them at once into its reused, pinned host buffers: one copy, no new host memory per save); the caller
+        must copy them before the next step."""
         self.finish_param_sync()
+        own = (lambda t: t.cpu().clone()) if to_host else (lambda t: t)  # noqa: E731
         params = {}
         for pc in self.pieces:
             if self._is_muon(pc):
                 params[pc.name] = {
                     "shape": list(pc.param.shape), "numel": pc.param.numel(), "lo": pc.lo, "hi": pc.hi,
-                    "main": pc.main.detach().reshape(-1).float().cpu().clone(),
-                    "momentum": self.muon.momentum_of(pc).cpu().clone(), "step": float(self.muon.steps)}
+                    "main": own(pc.main.detach().reshape(-1).float()),
+                    "momentum": own(self.muon.momentum_of(pc)), "step": float(self.muon.steps)}
                 continue
             opt = self.optimizers[pc.bucket_index]
             st = opt.state.get(pc.main, {})
@@ -335,9 +339,9 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
             zeros = torch.zeros(n, dtype=torch.float32)
             params[pc.name] = {
                 "shape": list(pc.param.shape), "numel": pc.param.numel(), "lo": pc.lo, "hi": pc.hi,
-                "main": pc.main.detach().reshape(-1).float().cpu().clone(),
-                "exp_avg": st["exp_avg"].reshape(-1).cpu().clone() if st else zeros,
-                "exp_avg_sq": st["exp_avg_sq"].reshape(-1).cpu().clone() if st else zeros.clone(),
+                "main": own(pc.main.detach().reshape(-1).float()),
+                "exp_avg": own(st["exp_avg"].reshape(-1)) if st else zeros,
+                "exp_avg_sq": own(st["exp_avg_sq"].reshape(-1)) if st else zeros.clone(),
                 "step": float(st["step"]) if st else 0.0,
             }
         return {"format": STATE_FORMAT, "optimizer": self.config.optimizer, "sharded": int(self.sharded),

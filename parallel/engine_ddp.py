@@ -56,7 +56,9 @@ class DDPEngine(Engine):
         model_state = None
         if rank == 0:
             model_state = trainable_state(self.module) if self.lora_base is not None else self.module.state_dict()
-        optimizer_state = self.optimizer.state_dict() if self.sharded_optimizer or rank == 0 else None
+        # async: the live state's views, copied once into the writer's reused (pinned) buffers just below
+        optimizer_state = self.optimizer.state_dict(to_host=writer is None) \
+            if self.sharded_optimizer or rank == 0 else None
         if writer is not None:  # --async_checkpoint: host copies now, the files in the background
             buffers = writer.buffers
             model_state, optimizer_state, extra_state = (buffers.snapshot(x, (name,)) for name, x in (
