@@ -297,6 +297,10 @@ class ParallelConfig(ParallelFlags):
         if self.float8 != "off" and self.tp > 1:
             out.append(f"--float8={self.float8} cannot be combined with --tensor_parallel_size={self.tp} yet (the "
                        "tensor-parallel plan splits plain nn.Linear layers; torchao's FP8 ones need its own plan)")
+        if self.compile and self.compile_mode in ("reduce-overhead", "max-autotune") and (self.tp > 1 or self.pp > 1):
+            what = f"--tensor_parallel_size={self.tp}" if self.tp > 1 else f"--pipeline_parallel_size={self.pp}"
+            out.append(f"--compile_mode={self.compile_mode} cannot be combined with {what} yet (CUDA graphs are "
+                       "marked per micro-batch of the whole-model compile; per-block and per-stage compiles are not)")
         if self.cp > 1 and self.sequence_parallel:
             out.append(f"--sequence_parallel=true cannot be combined with --context_parallel_size={self.cp} yet (both "
                        "split the sequence: the tensor ranks would split each cp rank's two chunks again, untested)")

@@ -21,6 +21,12 @@ def test_a_bad_compile_mode_is_refused_in_one_line():
     assert len(problems) == 1 and problems[0].startswith("--compile_mode='fastest'")
     assert "reduce-overhead" in problems[0]
     assert ParallelConfig(compile_mode="reduce-overhead").problems(1) == []
+    tp = ParallelConfig(compile=True, compile_mode="reduce-overhead", parallel="fsdp", tensor_parallel_size=2)
+    assert [p for p in tp.problems(2) if "--compile_mode" in p] == [
+        "--compile_mode=reduce-overhead cannot be combined with --tensor_parallel_size=2 yet (CUDA graphs are marked "
+        "per micro-batch of the whole-model compile; per-block and per-stage compiles are not)"]
+    assert ParallelConfig(compile=True, compile_mode="max-autotune-no-cudagraphs", parallel="fsdp",
+                          tensor_parallel_size=2).problems(2) == []
 
 
 @pytest.mark.parametrize("mode,marks", [("default", False), ("reduce-overhead", True), ("max-autotune", True),
