@@ -22,17 +22,31 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm())
 
 
-def test_two_node_torchrun_trains_identically(tmp_path):
+# What the launcher prints when its TCP store connection drops (seen once with both cores saturated by other
+# jobs: one agent aborted at shutdown, after training): an infrastructure failure, retried once with a new port.
+# A wrong result is never retried: the assertions below run on whichever launch completed.
+_LAUNCHER_FAILURES = ("DistNetworkError", "terminate called without an active exception")
+
+
+def _launch_two_nodes(out_dir) -> tuple[list[int], list[str]]:
     port = free_port()
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     # --device=cpu: on a GPU machine both "nodes" would otherwise pick the one local GPU.
     procs = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
          f"--node_rank={i}", "--master_addr=127.0.0.1", f"--master_port={port}",
-         "-m", "parallel.examples.train_tiny_ddp", f"--out={tmp_path}", "--device=cpu", "--torch_ddp_reference"],
+         "-m", "parallel.examples.train_tiny_ddp", f"--out={out_dir}", "--device=cpu", "--torch_ddp_reference"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
     outs = [p.communicate(timeout=300)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
+    return [p.returncode for p in procs], outs
+
+
+def test_two_node_torchrun_trains_identically(tmp_path):
+    codes, outs = _launch_two_nodes(tmp_path)
+    if codes != [0, 0] and any(m in o for o in outs for m in _LAUNCHER_FAILURES):
+        print("the launch failed in the launcher's store connection; retried once:", outs)
+        codes, outs = _launch_two_nodes(tmp_path)
+    assert codes == [0, 0], outs
     ours = [torch.load(tmp_path / f"params_rank{r}.pt", weights_only=True) for r in range(2)]
     ref = [torch.load(tmp_path / f"torch_ddp_rank{r}.pt", weights_only=True) for r in range(2)]
     assert torch.equal(ours[0], ours[1])  # the ranks agree bit for bit
