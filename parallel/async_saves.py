@@ -109,13 +109,11 @@ def save_dcp_checkpoint_async(out_dir: str, ckpt_root: str, step: int, model: nn
                               log: Callable[[str], None] = print) -> str:
     """save_dcp_checkpoint with the writing in the background; collective on the training thread (every rank of
     the model's mesh). Returns where the checkpoint will appear."""
-    from utils.checkpoint_layout import step_dir_name
-    from utils.publish import temp_dir_for
     writer.wait()  # at most one save in flight
     group = _mesh_group(model)
     rank, world = _group_rank_world(group)
     reshard(model)
-    tmp = temp_dir_for(os.path.join(ckpt_root, step_dir_name(step)))
+    _, tmp = ckpt.step_dir_paths(ckpt_root, step)
     flat, scalars = _state_to_save(model, optimizer)
     memory = MemoryWriter(tmp)
     dcp.save(flat, storage_writer=memory, process_group=group, no_dist=group is None)  # collectives: here

@@ -58,12 +58,12 @@ from torch.distributed.tensor import DTensor
 
 from parallel.fsdp import fsdp_state_group, reshard
 from utils.checkpoint import (CheckpointError, CheckpointMismatchError, first_nonfinite, one_line, publish_checkpoint_dir,
-                              read_json, save_guard, verify_checkpoint, write_json)
+                              read_json, save_guard, step_dir_paths, verify_checkpoint, write_json)
 from utils.dcp_files import (DCPCheckpointError, SafeFileSystemReader, dcp_dir_problem,  # noqa: F401 (re-exported)
                              dcp_layout_problem, read_dcp_metadata)
 from utils.checkpoint_layout import (COMPLETE_MARKER, DCP_MANIFEST, DCP_METADATA, MANIFEST,  # noqa: F401 (re-exported)
                                      dcp_shard_file, extra_file, parse_step, step_dir_name)
-from utils.publish import fsync_file, make_temp_dir, temp_dir_for
+from utils.publish import fsync_file, make_temp_dir
 
 DCP_FORMAT = 1
 _MODEL, _OPTIM = "model.", "optim."
@@ -143,8 +143,7 @@ def save_dcp_checkpoint(ckpt_root: str, step: int, model: nn.Module, optimizer=N
     group = _mesh_group(model)
     rank, world = _group_rank_world(group)
     reshard(model)  # gathered parameters (left by a forward-only pass) are freed before the state is read
-    final = os.path.join(ckpt_root, step_dir_name(step))
-    tmp = temp_dir_for(final)
+    final, tmp = step_dir_paths(ckpt_root, step)
     with save_guard(ckpt_root, step, check_space=rank == 0) as guard:  # a full disk: exit 7, no step_N.tmp left
         if rank == 0:
             make_temp_dir(final)  # one left by a crashed save was never complete: dropped

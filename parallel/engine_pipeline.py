@@ -49,7 +49,7 @@ from parallel.transforms.tensor_parallel import apply_tensor_parallel
 from utils import checkpoint as ckpt
 from utils.checkpoint_layout import TRAINER_STATE, stage_model_file, stage_optimizer_file
 from utils.constants import IGNORE_INDEX
-from utils.publish import fsync_file, make_temp_dir, temp_dir_for
+from utils.publish import fsync_file, make_temp_dir
 
 
 def _full(t: Any) -> Any:
@@ -367,8 +367,7 @@ class PipelineParallelEngine(Engine):
             return save_pipeline_async(self, out_dir, step, rank, world_size, model_config, trainer_state, run_config,
                                        extra_state, keep_last, barrier, fault_hook, log, writer)
         root = ckpt.checkpoint_root(out_dir)
-        final = os.path.join(root, ckpt.step_dir_name(step))
-        tmp = temp_dir_for(final)
+        final, tmp = ckpt.step_dir_paths(root, step)
         # a write that does not fit (disk full, a file-size limit): the partial step_N.tmp removed, exit 7
         with ckpt.save_guard(root, step, check_space=rank == 0):
             if rank == 0:

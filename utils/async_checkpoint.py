@@ -230,10 +230,9 @@ def save_in_background(out_dir: str, step: int, rank: int, world_size: int, writ
     rank's marker (ranks > 0), or (rank 0) every rank's marker awaited, `publish(tmp, final, guard)` (sidecars,
     manifest, COMPLETE, rename), verification remembered, pruning. Returns where the checkpoint will appear."""
     from utils import checkpoint as ckpt
-    from utils.publish import make_temp_dir, temp_dir_for
+    from utils.publish import make_temp_dir
     root = ckpt.checkpoint_root(out_dir)
-    final = os.path.join(root, ckpt.step_dir_name(step))
-    tmp = temp_dir_for(final)
+    final, tmp = ckpt.step_dir_paths(root, step)
     with ckpt.save_guard(root, step, check_space=rank == 0):
         if rank == 0:
             make_temp_dir(final)  # one left by a crash was never complete: dropped

@@ -174,14 +174,21 @@ class _SaveGuard:
     file: Optional[str] = None
 
 
+
+def step_dir_paths(ckpt_root: str, step: int) -> tuple[str, str]:
+    """(final, tmp) of step `step`'s checkpoint under `ckpt_root`: where it is published, and the temporary
+    directory its files are written into first (utils/publish.py's convention)."""
+    final = os.path.join(ckpt_root, step_dir_name(step))
+    return final, temp_dir_for(final)
+
+
 @contextlib.contextmanager
 def save_guard(ckpt_root: str, step: int, check_space: bool = True) -> Iterator[_SaveGuard]:
     """Wrap one rank's part of a checkpoint save. Before: `check_space_for_save` (check_space=True, the
     rank that creates step_N.tmp). During: a write that does not fit (disk or quota full, RLIMIT_FSIZE;
     `is_disk_full`) removes the partial step_N.tmp, which can then never be published, and becomes one
     DiskFullError naming the file and the free space (exit 7); the published checkpoints are untouched."""
-    final = os.path.join(ckpt_root, step_dir_name(step))
-    tmp = temp_dir_for(final)
+    final, tmp = step_dir_paths(ckpt_root, step)
     if check_space:
         check_space_for_save(ckpt_root, step)
     guard = _SaveGuard()
@@ -282,8 +289,7 @@ def save_checkpoint(out_dir: str, req: SaveRequest, barrier: Optional[Callable[[
                     log: Callable[[str], None] = print) -> str:
     """Collective: every rank calls this with its own SaveRequest. Returns the final directory."""
     root = checkpoint_root(out_dir)
-    final = os.path.join(root, step_dir_name(req.step))
-    tmp = temp_dir_for(final)
+    final, tmp = step_dir_paths(root, req.step)
     with save_guard(root, req.step, check_space=req.rank == 0) as guard:
         if req.rank == 0:
             make_temp_dir(final)  # one left by a crash was never complete: dropped
