@@ -9,8 +9,8 @@ import torch
 
 from tests.conftest import run_cmd, run_trainer
 from tests.trainer.test_end_to_end import _env, final_weights, losses, train_cmd
+from tests.trainer.test_tensor_parallel_runs import _one_line_error
 from utils.checkpoint import find_latest_valid
-from utils.constants import EXIT_BAD_CONFIG
 
 
 def test_cp2_follows_one_process_and_resumes_at_cp1_and_back(tiny_pretrain_run_args, tmp_path):
@@ -48,14 +48,6 @@ def test_cp2_resumes_bit_exact_after_sigkill(tiny_pretrain_run_args, tmp_path):
     assert losses(killed) == losses(ref)  # bit-identical floats, steps 1..6
     a, b = final_weights(ref), final_weights(killed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def _one_line_error(args: list[str], nproc: int = 1) -> str:
-    proc = run_trainer(train_cmd(args, nproc), env=_env())
-    assert proc.returncode == EXIT_BAD_CONFIG, (proc.returncode, proc.stderr[-2000:])
-    lines = [ln for ln in proc.stderr.splitlines() if "error" in ln]
-    assert len(lines) == 1, proc.stderr[-2000:]
-    return lines[0]
 
 
 def test_cp_layouts_that_cannot_run_exit_2_with_one_line(tiny_pretrain_run_args, tmp_path):
