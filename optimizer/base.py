@@ -61,6 +61,7 @@ class GlobalNormOptimizer:
         self.scaler = make_scaler(config)
         self.lr = float(config.lr)
         self.prev_grad_norm: Optional[float] = None
+        self._clip_numerator_cache: Optional[tuple] = None  # (key, 0-d tensor): `_clip_numerator`
 
     # ------------------------------------------------------------------ the step skeleton
     def global_norm_step(self) -> tuple[bool, float]:
@@ -115,7 +116,7 @@ class GlobalNormOptimizer:
         per step copied it from the host: a second CUDA sync per step, measured on an H200 by
         tests/parallel/test_host_syncs.py::test_cuda_step_syncs_once)."""
         key = (like.device, like.dtype, float(self.config.grad_clip))
-        cached = getattr(self, "_clip_numerator_cache", None)
+        cached = self._clip_numerator_cache
         if cached is None or cached[0] != key:
             cached = (key, torch.full((), key[2], dtype=like.dtype, device=like.device))
             self._clip_numerator_cache = cached
