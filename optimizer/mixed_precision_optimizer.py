@@ -186,11 +186,7 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
                 opt.found_inf = None
 
     def _update(self, norm: float) -> None:
-        if self.muon is not None:
-            self.muon.step()
-        self._step_adamws()
-        self._copy_main_to_model(self.pieces)
-        self._after_step(list(range(len(self.ddp.buckets))))  # every bucket: collectives match
+        self._update_on_device(None)  # the host decided: nothing to skip on the device
 
     # Decided on the device (fused AdamW only: foreach / single-tensor AdamW take no found_inf flag).
     # Class attribute: tests compare both ways.
@@ -202,12 +198,14 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
         return self.skip_on_device and self.muon is None and bool(self.optimizers) and all(
             opt.defaults.get("fused") for opt in self.optimizers.values())
 
-    def _update_on_device(self, found_inf: torch.Tensor) -> None:
+    def _update_on_device(self, found_inf: Optional[torch.Tensor]) -> None:
+        if self.muon is not None:  # (never with found_inf: with Muon the host decides, `_skips_on_device`)
+            self.muon.step()
         self._step_adamws(found_inf)
         # a skipped step left the masters as they were: writing them back (and ZeRO's all-gather,
         # a collective every rank issues anyway) changes nothing
         self._copy_main_to_model(self.pieces)
-        self._after_step(list(range(len(self.ddp.buckets))))
+        self._after_step(list(range(len(self.ddp.buckets))))  # every bucket: collectives match
 
     def _step_overlapped(self) -> tuple[bool, float]:
         """Step each bucket right after its communication finished. Clipping uses the PREVIOUS
