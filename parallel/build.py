@@ -38,9 +38,8 @@ def optimizer_config(flags: Any) -> OptimizerConfig:
         grad_clip=flags.grad_clip, precision=flags.dtype, use_distributed_optimizer=flags.use_distributed_optimizer,
         zero_stage=flags.zero_stage, overlap_param_gather=flags.overlap_param_gather,
         overlap_optim_step=flags.overlap_optim_step, fused=flags.device != "cpu",
-        optimizer=getattr(flags, "optimizer", "adamw"), muon_lr=getattr(flags, "muon_lr", 0.0),
-        muon_momentum=getattr(flags, "muon_momentum", 0.95), muon_weight_decay=getattr(flags, "muon_weight_decay", 0.1),
-        muon_adjust_lr=getattr(flags, "muon_adjust_lr", "match_rms_adamw"))
+        optimizer=flags.optimizer, muon_lr=flags.muon_lr, muon_momentum=flags.muon_momentum,
+        muon_weight_decay=flags.muon_weight_decay, muon_adjust_lr=flags.muon_adjust_lr)
 
 
 def build_engine(model: nn.Module, flags: Any, group: Any = None, device: Optional[torch.device] = None) -> TrainingEngine:
