@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemWr
 
 from parallel.dcp_checkpoint import _MODEL, _group_rank_world, _mesh_group, _state_to_save, publish_dcp_dir
 from parallel.fsdp import reshard
-from utils.async_checkpoint import AsyncCheckpointer, json_copy, save_in_background
+from utils.async_checkpoint import AsyncCheckpointer, save_in_background
 from utils import checkpoint as ckpt
 from utils.checkpoint_layout import TRAINER_STATE, extra_file
 from utils.publish import fsync_file
@@ -120,9 +120,7 @@ def save_dcp_checkpoint_async(out_dir: str, ckpt_root: str, step: int, model: nn
     files = dict(memory.fs.files)
     model_keys = sum(1 for k in flat if k.startswith(_MODEL))
     del flat, memory
-    extra = writer.buffers.snapshot(rank_state, ("extra",))
-    json_files, scalars = json_copy(json_files), json_copy(scalars)
-    writer.buffers.ready(writer.device)
+    extra, json_files, scalars = writer.snapshot({"extra": rank_state}, json_files, scalars)
 
     def write_files(tmp_dir: str, guard: Any) -> None:
         for path, data in files.items():
@@ -151,11 +149,8 @@ def save_pipeline_async(engine: Any, out_dir: str, step: int, rank: int, world_s
     """PipelineParallelEngine.save with the writing in the background: the stage's state gathered and copied to
     the writer's host buffers here (collective), its files written and published by the writer thread."""
     writer.wait()  # at most one save in flight
-    buffers = writer.buffers
-    sd = buffers.snapshot(engine.state_dict(), ("stage",))
-    extra = buffers.snapshot(extra_state, ("extra",))
-    model_config, run_config, trainer_state = json_copy(model_config), json_copy(run_config), json_copy(trainer_state)
-    buffers.ready(writer.device)
+    sd, extra, model_config, run_config, trainer_state = writer.snapshot(
+        {"stage": engine.state_dict(), "extra": extra_state}, model_config, run_config, trainer_state)
     global_rank = dist.get_rank()
 
     def write_files(tmp: str, guard: Any) -> None:

@@ -29,7 +29,7 @@ from parallel.engine import Engine
 from parallel.powersgd import PowerSGDState, powersgd_hook
 from parallel.resume_across_engines import ddp_optimizer_state, load_full_training_state
 from utils import checkpoint as ckpt
-from utils.async_checkpoint import json_copy, save_checkpoint_async
+from utils.async_checkpoint import save_checkpoint_async
 from utils.checkpoint_layout import extra_file
 
 
@@ -60,12 +60,9 @@ class DDPEngine(Engine):
         optimizer_state = self.optimizer.state_dict(to_host=writer is None) \
             if self.sharded_optimizer or rank == 0 else None
         if writer is not None:  # --async_checkpoint: host copies now, the files in the background
-            buffers = writer.buffers
-            model_state, optimizer_state, extra_state = (buffers.snapshot(x, (name,)) for name, x in (
-                ("model", model_state), ("optimizer", optimizer_state), ("extra", extra_state)))
-            trainer_state, run_config, model_config = json_copy(trainer_state), json_copy(run_config), \
-                json_copy(model_config)
-            buffers.ready(writer.device)
+            model_state, optimizer_state, extra_state, trainer_state, run_config, model_config = writer.snapshot(
+                {"model": model_state, "optimizer": optimizer_state, "extra": extra_state},
+                trainer_state, run_config, model_config)
         req = ckpt.SaveRequest(step=step, rank=rank, world_size=world_size, model_state=model_state,
                                model_config=model_config, optimizer_state=optimizer_state,
                                extra_state=extra_state, trainer_state=trainer_state, run_config=run_config)

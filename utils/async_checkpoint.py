@@ -162,6 +162,15 @@ class AsyncCheckpointer:
         self.last_write_s = 0.0  # how long the last background write took
         self.last_wait_s = 0.0   # how long the last wait() blocked the training thread
 
+    def snapshot(self, tensors: dict[str, Any], *jsons: Any) -> tuple:
+        """On the training thread: each state of `tensors` copied into this writer's reused host buffers (named
+        by its key), then each JSON-able object in `jsons` deep-copied, then the device-to-host copies waited
+        for. Returns the copies in that order (the states', then the JSON objects')."""
+        states = [self.buffers.snapshot(x, (name,)) for name, x in tensors.items()]
+        copies = [json_copy(j) for j in jsons]
+        self.buffers.ready(self.device)
+        return (*states, *copies)
+
     def in_flight(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
