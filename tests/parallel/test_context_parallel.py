@@ -272,3 +272,21 @@ def test_sequence_split_is_balanced_and_invertible():
     assert torch.equal(unshard_sequence([p[None] for p in parts], dim=1)[0], torch.arange(T))
     with pytest.raises(ValueError, match="multiple of 2 x 4"):
         shard_sequence(torch.zeros(1, 12), 0, 4)
+
+
+def test_without_a_cp_group_the_ring_is_plain_causal_attention():
+    """ring_attention(group=None): one causal block of the ring's block math, against the fp64 textbook
+    attention (query rows in tiles of 7 too), within the fp32 reference's own error x 4."""
+    import model.ring_attention as ring
+    from model.attention import attention_ref
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, h, 40, 8, generator=g) for h in (4, 2, 2))
+    want = _attn_fp64(q.double(), k.double(), v.double())
+    ref_err = float((attention_ref(q, k, v, None).double() - want).abs().max())
+    for tile in (ring.ROW_TILE, 7):
+        ring.ROW_TILE, saved = tile, ring.ROW_TILE
+        try:
+            got = ring_attention(q, k, v, None)
+        finally:
+            ring.ROW_TILE = saved
+        assert float((got.double() - want).abs().max()) <= 4 * ref_err + 1e-7
