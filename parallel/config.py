@@ -252,7 +252,7 @@ class ParallelConfig(ParallelFlags):
                 out.append(problem)
         out.extend(self._combination_problems())
         if self.cp > 1:
-            asked = {f"--task_type={self.task_type}": self.task_type, **{k: v for k, v in (needs or {}).items()}}
+            asked = {f"--task_type={self.task_type}": self.task_type, **(needs or {})}
             for asked_by, what in asked.items():
                 if what in CP_REFUSES:
                     out.append(f"{asked_by} cannot be combined with --context_parallel_size={self.cp} "
