@@ -16,9 +16,11 @@ in the two precision setups that matter:
 Every model gets the same config, the same weights and the same batch; a step is forward + backward +
 optimizer step. Each (config, model, precision, mode) runs in its own subprocess, so a compile failure or
 an out-of-memory is a row that says so, and peak memory is that of one model alone. A row's time is the
-median of --steps timed steps, after the first step (timed alone: the compile, or eagerly the Triton
-JIT / cuBLAS start-up) and --warmup untimed steps; the first-step time minus one steady step is reported
-apart as "compile s" (eager rows: first-call overhead). Ratios are printed, never asserted.
+median over windows of --window back-to-back steps (one device sync per window, as a training loop runs:
+a step queues its work while the one before still runs) of --steps timed steps, after the first step (timed
+alone: the compile, or eagerly the Triton JIT / cuBLAS start-up) and --warmup untimed steps; the first-step
+time minus one steady step is reported apart as "compile s" (eager rows: first-call overhead). Reports
+before 2026-11-27 synced after every step (--window 1). Ratios are printed, never asserted.
 
     python bench/bench_model_gpu.py                                 # 124m and 1b, all rows (eager first)
     python bench/bench_model_gpu.py --configs 124m --modes eager --precisions trainer
@@ -204,9 +206,18 @@ def _dynamo_counts() -> dict:
         return {}
 
 
+def _windows(steps: int, window: int) -> list[int]:
+    """The timed steps as back-to-back windows of `window` steps (the last one shorter)."""
+    window = max(1, window)
+    return [min(window, steps - i) for i in range(0, steps, window)]
+
+
 def run_one(config: str, model_name: str, mode: str, precision: str, device_name: str, steps: int,
-            warmup: int) -> dict:
-    """One row in this process: median step time, tokens/s, compile (first-step) seconds, peak memory."""
+            warmup: int, window: int = 4) -> dict:
+    """One row in this process: median step time, tokens/s, compile (first-step) seconds, peak memory.
+    The timed steps run in windows of `window` steps with one device sync at each window's end, as a
+    training loop runs them: a step may queue its work while the previous one still runs (window 1 =
+    a sync after every step: each step then starts on an idle device)."""
     import torch
     from model import ModelConfig
     from model.flops import flops_per_token
@@ -232,14 +243,15 @@ def run_one(config: str, model_name: str, mode: str, precision: str, device_name
         step()
     synchronize(device)
     warm_s = time.perf_counter() - t0
-    times = []
-    last = first
-    for _ in range(steps):
+    times = []  # seconds per step, one value per window
+    loss = None
+    for k in _windows(steps, window):
         t0 = time.perf_counter()
-        loss = step()
+        for _ in range(k):
+            loss = step()
         synchronize(device)
-        times.append(time.perf_counter() - t0)
-    last = float(loss) if steps else first
+        times.append((time.perf_counter() - t0) / k)
+    last = float(loss) if loss is not None else first
     med = statistics.median(times) if times else first_s
     peak_mem = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     row = dict(config=config, model=model_name, mode=mode, precision=precision,
@@ -248,7 +260,8 @@ def run_one(config: str, model_name: str, mode: str, precision: str, device_name
                compile_s=round(max(0.0, first_s - med), 2), first_step_s=round(first_s, 2),
                warmup_s=round(warm_s, 2), build_s=round(build_s, 2), first_loss=round(first, 4),
                last_loss=round(last, 4), peak_mem_gib=round(peak_mem / 2**30, 2),
-               flops_per_token=flops_per_token(ModelConfig(**spec["model"]), T), steps=steps, warmup=warmup)
+               flops_per_token=flops_per_token(ModelConfig(**spec["model"]), T), steps=steps, warmup=warmup,
+               window=window)
     if mode != "eager":
         row.update(_dynamo_counts())
     return row
@@ -387,7 +400,8 @@ def child_rows(args) -> list[dict]:
             row = dict(key, skipped="liger-kernel not installed")
         else:
             cmd = [sys.executable, os.path.abspath(__file__), "--one", f"{config},{model_name},{mode},{precision}",
-                   "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup)]
+                   "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup),
+                   "--window", str(args.window)]
             timeout = min(args.timeout, left) if left is not None else args.timeout
             t0 = time.perf_counter()
             rc, out, err, timed_out = run_capture(cmd, timeout)
@@ -539,6 +553,8 @@ def main(argv=None) -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--window", type=int, default=4, help="timed steps per device sync (1: a sync after every "
+                   "step, as this bench timed before 2026-11-27: each step then starts on an idle device)")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="dense bf16 peak of the GPU (default: model/flops.py's table for this GPU, else 989)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per row subprocess")
@@ -556,7 +572,8 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.one:
         config, model_name, mode, precision = args.one.split(",")
-        print(json.dumps(run_one(config, model_name, mode, precision, args.device, args.steps, args.warmup)),
+        print(json.dumps(run_one(config, model_name, mode, precision, args.device, args.steps, args.warmup,
+                                 args.window)),
               flush=True)
         return
     if args.profile:
@@ -586,7 +603,7 @@ def main(argv=None) -> None:
     name = torch.cuda.get_device_name(torch.device(args.device)) if cuda else "cpu"
     args.meta = dict(torch=torch.__version__, device=name, peak_measured_flops=peak_measured,
                      peak_table_flops=peak_table, peak_table_source=peak_src,
-                     steps=args.steps, warmup=args.warmup,
+                     steps=args.steps, warmup=args.warmup, window=args.window,
                      tf32=bool(cuda), triton_default_fp_fusion=os.environ.get("TRITON_DEFAULT_FP_FUSION"))
     print(f"torch {torch.__version__}, device {name}, measured bf16 matmul peak {peak_measured / 1e12:.3g} TFLOP/s, "
           f"table peak {peak_table / 1e12:.0f} TFLOP/s ({peak_src}); TF32 {'on' if cuda else 'n/a (CPU)'}, "

@@ -12,7 +12,8 @@ Each optimizer provides the hooks (`_sync_grads`, `_grads`, `_sumsq`, `_update`,
 `_adamws`, and optionally `_report_verdict`); `clip_coefficient` is shared with the overlapped step.
 An optimizer whose AdamWs are all fused may also give `_skips_on_device` / `_update_on_device`: then
 the clip and the skip are decided on the device (a coefficient tensor, AdamW's `found_inf`) and the one
-host read comes after the update's launches (`_device_decided_step`), with the same result bit for bit.
+host read comes after the update's launches and waits for the norm alone (`_device_decided_step`), with the same
+result bit for bit.
 Must never: read a tensor on the host more than once per step, decide to skip from a value that not
 every rank saw, clip with a norm that is not global (trap 8), or know which engine holds the gradients
 (the hooks do).
@@ -28,6 +29,7 @@ from torch.distributed.tensor import DTensor
 
 from optimizer.grad_scaler import ConstantScaler, DynamicGradScaler
 from optimizer.optimizer_config import OptimizerConfig
+from utils.device import HostCopy
 
 
 def make_scaler(config: OptimizerConfig) -> Union[ConstantScaler, DynamicGradScaler]:
@@ -95,8 +97,13 @@ class GlobalNormOptimizer:
         (computed in float64 like `clip_coefficient`, so the clipped gradients are the same bits), the
         overflow a 0/1 tensor that AdamW's fused kernel reads (`found_inf`: a skipped step changes no
         parameter, moment or step counter), and the one host read of the squared norm comes after every
-        launch of the update, so the device never idles while the host decides."""
+        launch of the update and waits for the norm alone (utils.device.HostCopy), so the device never idles while
+        the host decides or sets up the next step."""
         s = sumsq.detach().reshape(()).to(torch.float64)
+        # queued now, read after the update's launches: the host then waits for the norm only, while the
+        # device still has the update (clip, AdamW, write-back) to run. `s.item()` there waited for all of
+        # it, so every step began with an idle device while the host set up the next one.
+        s_host = HostCopy(s)
         found_inf = (s * 0).ne(0).to(torch.float32)  # 1.0 iff inf/nan (inf * 0 is nan): isfinite is 4 ops
         if self.config.grad_clip > 0 and grads:
             norm = s.sqrt()
@@ -104,7 +111,7 @@ class GlobalNormOptimizer:
             coef = (self._clip_numerator(norm) / (norm + 1e-6)).clamp(max=1.0)
             torch._foreach_mul_(grads, coef.to(torch.float32))  # a factor of 1.0 leaves every bit
         self._update_on_device(found_inf)
-        global_sumsq = float(s.item())  # the step's one host read, after the update was launched
+        global_sumsq = float(s_host.get())  # the step's one host read, after the update was launched
         stepped = math.isfinite(global_sumsq)
         self.scaler.update(not stepped)
         self._report_verdict(stepped)
@@ -114,7 +121,7 @@ class GlobalNormOptimizer:
     def _clip_numerator(self, like: torch.Tensor) -> torch.Tensor:
         """--grad_clip as a 0-d tensor beside the norm, filled once on the device and kept (a `new_tensor`
         per step copied it from the host: a second CUDA sync per step, measured on an H200 by
-        tests/parallel/test_host_syncs.py::test_cuda_step_syncs_once)."""
+        tests/parallel/test_host_syncs.py, then named test_cuda_step_syncs_once)."""
         key = (like.device, like.dtype, float(self.config.grad_clip))
         cached = self._clip_numerator_cache
         if cached is None or cached[0] != key:

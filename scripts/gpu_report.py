@@ -728,8 +728,11 @@ def render_bench(a: Optional[dict], b: Optional[dict]) -> list[str]:
         L += [f"Device {meta.get('device')}, torch {meta.get('torch')}; MFU against "
               f"{(meta.get('peak_table_flops') or 0) / 1e12:.4g} TFLOP/s ({meta.get('peak_table_source')}) and against "
               f"the measured bf16 matmul peak {(meta.get('peak_measured_flops') or 0) / 1e12:.4g} TFLOP/s; "
-              f"median of {meta.get('steps')} steps after the first step "
-              f"and {meta.get('warmup')} warm-up steps; TF32 {'on' if meta.get('tf32') else 'n/a (CPU)'}; "
+              f"{meta.get('steps')} timed steps after the first step, "
+              + (f"one device sync per window of {meta['window']} steps, the median window's rate "
+                 if meta.get("window") else "a device sync after each, the median step ")
+              + f"(and {meta.get('warmup')} warm-up steps before them); "
+              f"TF32 {'on' if meta.get('tf32') else 'n/a (CPU)'}; "
               f"TRITON_DEFAULT_FP_FUSION={meta.get('triton_default_fp_fusion')}. Precision "
               "\"bf16 params + fp32 master (trainer)\" is train_my_ddp.py --dtype=bf16's engine and optimizer "
               "(HF models inside the same engine); \"autocast (fp32 params)\" is HF Trainer's --bf16.", ""]

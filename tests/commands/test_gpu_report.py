@@ -133,6 +133,31 @@ def test_bench_runs_eager_rows_first_and_the_trainer_setup_first(monkeypatch):
     assert bench.planned_rows(A) == [("124m", "hf", "trainer", "compile")]
 
 
+def test_bench_times_steps_back_to_back_with_one_sync_per_window(monkeypatch):
+    """A row's timed steps run in windows (a step may queue its work while the one before runs, as in
+    training): 5 steps in windows of 2 are 3 syncs (2, 2, 1 steps), after the build's, the first step's and
+    the warm-up's; each window's time is divided by its own step count."""
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    bench = _load("bench_model_gpu_windows", os.path.join(ROOT, "bench", "bench_model_gpu.py"))
+    assert bench._windows(5, 2) == [2, 2, 1] and bench._windows(12, 4) == [4, 4, 4] and bench._windows(3, 1) == [1] * 3
+    import utils.device
+    calls = {"sync": 0, "step": 0}
+    monkeypatch.setattr(utils.device, "synchronize", lambda device: calls.__setitem__("sync", calls["sync"] + 1))
+    real_make = bench.make_step
+
+    def counting_make(*a, **kw):
+        step, model = real_make(*a, **kw)
+
+        def counted():
+            calls["step"] += 1
+            return step()
+        return counted, model
+    monkeypatch.setattr(bench, "make_step", counting_make)
+    row = bench.run_one("tiny", "ours", "eager", "trainer", "cpu", steps=5, warmup=1, window=2)
+    assert calls == {"sync": 3 + 3, "step": 1 + 1 + 5}
+    assert row["window"] == 2 and row["steps"] == 5 and row["tokens_per_s"] > 0
+
+
 def _numbers_in(section: str) -> bool:
     return any(re.search(r"\|\s*[\d,]+(\.\d+)?\s*\|", ln) for ln in section.splitlines() if ln.startswith("|"))
 
