@@ -36,6 +36,10 @@ class RunFlags:
     data_mix: str = _f("", 'pretrain: JSON {"name": weight} (shard dirs under --data_dir) or {"name": {"path": dir, "weight": w}}')
     tokenizer_dir: str = _f("", "tokenizer directory (tokenizer_meta.json gives the vocab size and special ids)")
     val_ratio: float = _f(0.05, "sft/dpo: fraction of records held out for validation")
+    prefetch_batches: int = _f(-1, "training batches drawn ahead on a background thread (collated, and pinned for "
+                               "a GPU) while the step runs; -1 = auto: 2 on an accelerator, 0 (off) on the CPU, where "
+                               "the thread would compete with the compute threads. Batches and checkpoints are the "
+                               "same either way")
     sft_packing: bool = _f(False, "sft: pack several samples per row (attention restricted to each sample)")
     init_from: str = _f("scratch", "what a new run starts from: scratch | <our run or checkpoint dir> | <Hugging Face "
                         "model dir> (a run that continues, see --resume, ignores it); resume = --resume=always")
@@ -610,6 +614,7 @@ def _numbers_and_extras(cfg: TrainConfig, p: _Problems, torch_free: bool) -> Non
         p.append(f"--num_train_epochs={cfg.num_train_epochs:g}: must be <= {MAX_EPOCHS:g}")
     p.at_least("sample_every", 0)
     p.at_least("threads", 0)
+    p.at_least("prefetch_batches", -1)
     p.at_least("sample_max_new_tokens", 1)
     p.number("sample_temperature", 0.0, what="must be a finite number >= 0 (0 = greedy)")
     if cfg.sample_every > 0:

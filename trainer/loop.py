@@ -20,6 +20,7 @@ import torch
 from tqdm import tqdm
 
 from data_preprocess.shard_format import DataError
+from dataset.prefetch import PrefetchLoader
 from evals.lm_tasks import TaskEvaluator
 from model.flops import flops_per_token, mfu_from, resolve_peak_flops
 from parallel.config import ParallelConfig
@@ -30,13 +31,13 @@ from trainer.faults import fire_step_faults, fires, save_fault_hook, spike_fault
 from trainer.samples import TrainSampler, read_prompts
 from trainer.start import Progress, build_model, choose_trainable, decide_start, dpo_reference, place_on_engine, \
     restore
-from trainer.task import build_data, count_tokens, count_units, evaluate, micro_batch_loss
+from trainer.task import build_data, count_tokens, count_units, evaluate, micro_batch_loss, prefetch_depth
 from utils import checkpoint as ckpt
 from utils.async_checkpoint import AsyncCheckpointer
 from utils.configurator import save_config_json
 from utils.constants import (EXIT_BAD_CONFIG, EXIT_BAD_DATA, EXIT_INTERRUPTED, EXIT_LOSS_SPIKE, EXIT_NONFINITE_LOSS,
                              EXIT_OK)
-from utils.device import HostCopy, StepTimer, memory_stats, parse_dtype, seed_everything, synchronize
+from utils.device import HostCopy, StepTimer, is_accelerator, memory_stats, parse_dtype, seed_everything, synchronize
 from utils.dist import DistInfo, all_reduce_max, barrier
 from utils.lr_schedule import lr_at, schedule_warnings
 from utils.metrics import MetricsLogger, Throughput, format_line
@@ -147,6 +148,9 @@ def train(cfg: TrainConfig, info: DistInfo, continues: Optional[bool] = None, ma
                                                    fixed_shape=engine.fixed_batch_shape)
     except (DataError, ValueError, OSError) as e:  # DataError includes StaleIndexError
         raise TrainingError(f"data: {' '.join(str(e).split())}", EXIT_BAD_DATA) from e
+    depth = prefetch_depth(cfg, info.device)
+    if depth:  # the next batches drawn (and pinned for a GPU) on a thread while the step runs; same batches, same cursor
+        train_loader = PrefetchLoader(train_loader, depth, pin=is_accelerator(info.device))
     progress = restore(cfg, info, engine, train_loader, start, log)
     if cfg.num_train_epochs > 0:  # max_iters from the epochs, unless --max_iters was given (now or when the run began)
         given = max_iters_given or start.saved_state.get("max_iters_from") == "max_iters"
@@ -438,6 +442,9 @@ class Loop:
             self.writer.wait(agree=not failing, raise_errors=not failing)
 
     def close(self) -> None:
+        close_loader = getattr(self.train_loader, "close", None)  # --prefetch_batches: its thread
+        if close_loader is not None:
+            close_loader()
         if self.writer is not None:
             self.writer.close()  # waited for already (finish_saves); frees the host buffers
         if self.pbar is not None:

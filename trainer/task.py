@@ -27,7 +27,7 @@ from parallel.engine import StepStats
 from trainer.config import TrainConfig, TrainingError
 from utils import checkpoint as ckpt
 from utils.constants import EXIT_BAD_CONFIG, EXIT_BAD_DATA, IGNORE_INDEX
-from utils.device import to_device
+from utils.device import is_accelerator, to_device
 from utils.dist import DistInfo
 from utils.dpo_loss import dpo_loss
 
@@ -102,6 +102,13 @@ def build_data(cfg: TrainConfig, dp_rank: int, dp_size: int, tok_meta: dict, fix
         return ResumableLoader(val, bs, cfg.seed, dp_rank, dp_size, collate_fn=collate, shuffle=False)
 
     return train_loader, make_val_loader
+
+
+def prefetch_depth(cfg: TrainConfig, device) -> int:
+    """Training batches drawn ahead (--prefetch_batches; -1 = 2 on an accelerator, 0 on the CPU)."""
+    if cfg.prefetch_batches >= 0:
+        return cfg.prefetch_batches
+    return 2 if is_accelerator(device) else 0
 
 
 # ---------------------------------------------------------------------------- one micro-batch
