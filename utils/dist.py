@@ -7,6 +7,7 @@ Must never: require `--local_rank` on the command line or set NCCL environment v
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -73,6 +74,7 @@ def init_distributed(device_pref: str = "auto", timeout_s: int = 1800, need_grou
     if world > 1 and not dist.is_initialized():
         dist.init_process_group(backend=dist_backend(device), timeout=datetime.timedelta(seconds=timeout_s),
                                 device_id=device if device.type != "cpu" else None)
+        host_group()  # made now, at the same point on every rank (NCCL runs: a gloo group for host numbers)
     elif need_group and not dist.is_initialized():
         # FSDP shards over a process group even in one process: a group of one, on an in-memory store.
         dist.init_process_group(backend=dist_backend(device), store=dist.HashStore(), rank=0, world_size=1,
@@ -85,27 +87,56 @@ def barrier() -> None:
         dist.barrier()
 
 
+_host_groups: dict = {}  # the default group -> its gloo twin (False: one could not be made)
+
+
+def host_group():
+    """(usable, group): the process group that reduces HOST numbers (a step's token counts, the stop flag)
+    without the device. The default group itself when it is gloo; under NCCL a gloo group over the same
+    ranks, made once (every rank calls this at the same point: it is collective the first time). A reduction
+    of host numbers over NCCL copies them to the device and back, two synchronising copies that each wait
+    for all the work queued before them (the previous step's update): every step then began on an idle GPU.
+    usable is False when the gloo group could not be made (logged once): the device path is taken then."""
+    if dist.get_backend() == "gloo":
+        return True, None
+    world = dist.group.WORLD
+    if world not in _host_groups:
+        try:
+            _host_groups[world] = dist.new_group(backend="gloo")
+        except (RuntimeError, ValueError) as e:  # e.g. gloo cannot reach another host: NCCL carries it all
+            logging.getLogger(__name__).warning("no gloo group for host values (%s): they are reduced on the "
+                                                "device (two syncs per step)", " ".join(str(e).split())[:300])
+            _host_groups[world] = False
+    group = _host_groups[world]
+    return group is not False, (group or None)
+
+
 def all_reduce_sum(values: list[float] | torch.Tensor, device: torch.device, to_host: bool = True) -> torch.Tensor:
     """Sum a small vector of floats over ranks (float64 so token counts stay exact).
 
-    to_host=True returns it on the host: a device tensor read back is a host sync, so one process
-    (no process group) never moves it to the device and back. to_host=False leaves the result where
-    the reduction ran (the device under a process group, else where `values` were), for the caller to
-    read later without a sync of its own (utils.device.HostCopy)."""
+    to_host=True with host values: reduced on the host (`host_group`), never through the device. to_host=False
+    leaves the result where the reduction ran (the device under a process group, else where `values` were),
+    for the caller to read later without a sync of its own (utils.device.HostCopy)."""
     t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.float64)
     t = t.to(dtype=torch.float64)
     if dist.is_initialized():
+        if to_host and t.device.type == "cpu":
+            usable, group = host_group()
+            if usable:
+                dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+                return t
         t = t.to(device=device)
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t.cpu() if to_host else t
 
 
 def all_reduce_max(value: float, device: torch.device) -> float:
-    """MAX of a host float over ranks; one process returns it untouched (no device round trip)."""
+    """MAX of a host float over ranks, reduced on the host (`host_group`); one process returns it untouched."""
     if not dist.is_initialized():
         return float(value)
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    usable, group = host_group()
+    t = torch.tensor([value], dtype=torch.float64, device="cpu" if usable else device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group if usable else None)
     return float(t.item())
 
 
