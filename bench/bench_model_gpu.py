@@ -504,6 +504,14 @@ def markdown_tables(rows: list[dict], peak_table: float, peak_measured: float) -
     ratios = []
     for c in dict.fromkeys(r["config"] for r in rows):
         get = lambda m, p, md: tps.get((c, m, p, md), 0)  # noqa: E731
+        # the goals' ratio: our best bf16 row (any precision and mode) over the best peer row; FP8 apart
+        best = lambda models: max((get(m, p, md) for m in models for p in PRECISIONS for md in MODES),  # noqa: E731
+                                  default=0)
+        ratios.append(f"| {c} | GOAL: best ours (bf16) / best of HF and HF+Liger | "
+                      f"{_ratio(best(('ours',)), best(('hf', 'hf-liger')))} |")
+        ratios.append(f"| {c} | GOAL, FP8 apart: best ours with FP8 / best of HF and HF+Liger | "
+                      f"{_ratio(best(('ours-fp8',)), best(('hf', 'hf-liger')))} |")
+        ratios.append(f"| {c} | ours with FP8 / ours bf16 (best rows) | {_ratio(best(('ours-fp8',)), best(('ours',)))} |")
         for md in MODES:
             ratios.append(f"| {c} | ours trainer / HF autocast = HF Trainer's bf16 ({md}) | "
                        f"{_ratio(get('ours', 'trainer', md), get('hf', 'autocast', md))} |")

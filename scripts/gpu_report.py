@@ -8,8 +8,8 @@ decides the goals and nothing else (`--full` runs every row and trainer setting,
               the trainer runs' data is prepared
   bench-124m  bench/bench_model_gpu.py, every row in its own process: ours as the trainer runs it (bf16
   bench-1b    params + fp32 master) compiled and eager, HF compiled (autocast, = HF Trainer --bf16),
-              HF + Liger-Kernel eager, our reference paths compiled, at 124M ours with CUDA graphs, at 1B ours
-              with FP8 (VERDICT_BENCH_ROWS)
+              HF + Liger-Kernel eager, our reference paths compiled (124M), ours with FP8 (1B)
+              (VERDICT_BENCH_ROWS)
   train       train_my_ddp.py, 25 steps of the bench's 124M shape on the bundled corpus, --fused_kernels=auto,
               eager and --compile=true; tokens/s and MFU read from each run's metrics.jsonl, and their
               ratio to the bench rows of the same model, precision and mode
@@ -71,17 +71,17 @@ PARTS = {"tests": ["tests"], "bench": ["bench-124m", "bench-1b"], "bench-124m": 
 # measured on an H100 (docs/gpu/report-574426c.md): pytest -m gpu 119 s with 4 workers; a bench row 27-48 s when
 # its compile is in the cache (process start, imports, build, compile from the cache, steps), +30-45 s cold;
 # a trainer run 19 s eager, ~60 s compiled. The per-op kernel bench (35 s) runs when time is left (--full: always)
-TIMEOUTS = {"tests": 140, "bench-124m": 165, "bench-1b": 145, "train": 75, "profile": 30, "kernels": 40}  # 595 s
+TIMEOUTS = {"tests": 140, "bench-124m": 140, "bench-1b": 170, "train": 75, "profile": 30, "kernels": 40}  # 595 s
 FULL_TIMEOUTS = {"tests": 280, "bench-124m": 380, "bench-1b": 330, "train": 360, "profile": 90,
                  "kernels": 120}  # --full: 26 min
 # the bench rows that decide the goals, per config: ours as the trainer runs it compiled, the best HF (compiled),
-# HF + Liger (eager: its fused linear-CE failed under compile with torch 2.11), our references compiled
-# (the H200 run of 2026-11-26 added: at 124M ours with CUDA graphs, our fastest row; at 1B ours with FP8, whose
-# row that run could not reach in time: it now runs third)
+# HF + Liger (eager: its fused linear-CE failed under compile with torch 2.11), our references compiled. At 1B
+# ours with FP8 runs second: the H200 run of 2026-11-26 never reached it (third, after HF's 45 s compile), and
+# it is the row that may carry the 1B goal. Ours with CUDA graphs (compile-cg) left the verdict: on that run it
+# was 1% over plain compile (485,292 vs 480,157 tokens/s at 124M); `--bench-rows ours:trainer:compile-cg` asks.
 VERDICT_BENCH_ROWS = {
-    "bench-124m": "ours:trainer:compile-cg,ours:trainer:compile,hf:autocast:compile,hf-liger:autocast:eager,"
-                  "ours-ref:trainer:compile",
-    "bench-1b": "ours:trainer:compile,hf:autocast:compile,ours-fp8:trainer:compile,hf-liger:autocast:eager",
+    "bench-124m": "ours:trainer:compile,hf:autocast:compile,hf-liger:autocast:eager,ours-ref:trainer:compile",
+    "bench-1b": "ours:trainer:compile,ours-fp8:trainer:compile,hf:autocast:compile,hf-liger:autocast:eager",
 }
 DRY_TIMEOUTS = {"tests": 240, "bench-124m": 300, "bench-1b": 400, "train": 600, "profile": 240, "kernels": 300}
 REPORT_FORMAT = 1

@@ -158,6 +158,20 @@ def test_bench_times_steps_back_to_back_with_one_sync_per_window(monkeypatch):
     assert row["window"] == 2 and row["steps"] == 5 and row["tokens_per_s"] > 0
 
 
+def test_the_goal_ratio_takes_our_best_bf16_row_over_the_best_peer_row_and_fp8_apart(monkeypatch):
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    bench = _load("bench_model_gpu_goal", os.path.join(ROOT, "bench", "bench_model_gpu.py"))
+    row = lambda model, prec, mode, tps: dict(config="1b", model=model, precision=prec, mode=mode, tokens_per_s=tps,  # noqa: E731
+                                              flops_per_token=1e9, step_ms=1, compile_s=1, peak_mem_gib=1, first_loss=1)
+    rows = [row("ours", "trainer", "compile", 80_000), row("ours", "trainer", "eager", 77_000),
+            row("hf", "autocast", "compile", 70_000), row("hf-liger", "autocast", "eager", 72_000),
+            row("ours-fp8", "trainer", "compile", 96_000)]
+    md = bench.markdown_tables(rows, 1e15, 0)
+    assert "| 1b | GOAL: best ours (bf16) / best of HF and HF+Liger | 1.11x |" in md  # 80,000 / 72,000
+    assert "| 1b | GOAL, FP8 apart: best ours with FP8 / best of HF and HF+Liger | 1.33x |" in md
+    assert "| 1b | ours with FP8 / ours bf16 (best rows) | 1.20x |" in md
+
+
 def _numbers_in(section: str) -> bool:
     return any(re.search(r"\|\s*[\d,]+(\.\d+)?\s*\|", ln) for ln in section.splitlines() if ln.startswith("|"))
 
