@@ -107,6 +107,9 @@ class ParallelFlags:
                      "training, dynamic scales per tensor or per row; weights, optimizer and checkpoints unchanged); "
                      "needs an FP8 GPU (compute capability 8.9+: Ada, Hopper); on CPU torchao's emulation (slow, for "
                      "checking). Not with --tensor_parallel_size > 1 or pipeline stages yet")
+    float8_layers: str = _f("auto", "with --float8: auto = only the block linears large enough for FP8 to pay for "
+                            "its scaling casts (torchao's H100 thresholds per recipe, parallel/transforms/float8.py: "
+                            "at 124M only gate/up, at 1B all but k/v) | all = every block linear")
     context_parallel_size: int = _f(1, "context-parallel ranks C (1 = off): every sequence split over C ranks (each holds "
                                     "a head and a tail chunk of 2C, so causal work is balanced), keys/values passed "
                                     "around them (ring attention, model/ring_attention.py); parameters replicated, "
@@ -241,6 +244,8 @@ class ParallelConfig(ParallelFlags):
             out.append(f"--zero_stage={self.zero_stage} (1 | 2)")
         if self.float8 not in FLOAT8_CHOICES:
             out.append(f"--float8={self.float8!r} ({' | '.join(FLOAT8_CHOICES)})")
+        if self.float8_layers not in ("auto", "all"):
+            out.append(f"--float8_layers={self.float8_layers!r} (auto | all)")
         if self.compile_mode not in COMPILE_MODES:
             out.append(f"--compile_mode={self.compile_mode!r} ({' | '.join(COMPILE_MODES)})")
         if out:
@@ -338,7 +343,7 @@ class ParallelConfig(ParallelFlags):
         if self.dp_replicate_size > 1:
             kind += f", HSDP over {self.dp_replicate_size} replicas"
         if self.float8 != "off":
-            kind += f", FP8 block matmuls ({self.float8})"
+            kind += f", FP8 block matmuls ({self.float8}{', every layer' if self.float8_layers == 'all' else ''})"
         if self.cp > 1:
             kind += f" + context parallel {self.cp} (ring attention)"
         return kind

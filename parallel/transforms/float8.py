@@ -11,6 +11,9 @@ matmuls, which is what the tests check against a hand-written FP8 reference. A G
 (compute capability < 8.9) is refused with one line. torchao is an optional extra for training (imported only
 when --float8 is on).
 
+Which layers: by default (--float8_layers=auto) only those large enough for the FP8 matmul to pay for its
+scaling casts (`worth_fp8`, torchao's H100 thresholds); --float8_layers=all converts every block linear.
+
 Owns: which layers are converted, the recipe, the device check.
 Must never: convert a layer whose dimensions the FP8 kernels cannot take (multiples of 16), or change a
 parameter's name or dtype.
@@ -18,6 +21,7 @@ parameter's name or dtype.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any, Optional
 
 import torch
@@ -25,16 +29,30 @@ from torch import nn
 
 from utils.device import fp8_matmul_problem, is_accelerator
 
+log = logging.getLogger(__name__)
 RECIPES = ("tensorwise", "rowwise")
 BLOCK_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def converts(fqn: str, module: nn.Module) -> bool:
+def worth_fp8(recipe: str, out_features: int, in_features: int) -> bool:
+    """Whether an FP8 matmul of this (N = out, K = in) weight is expected to beat bf16 once its scaling casts
+    are paid (--float8_layers=auto). The thresholds are torchao 0.18's, from its H100 microbenchmarks of
+    float8 linears (torchao/float8/float8_linear_utils.py `_auto_filter_for_tensorwise` / `_rowwise`):
+    tensorwise skips K <= 4096 with N <= 1024; rowwise skips N <= 2048, K <= 1024, and N <= 4096 with K <= 2048.
+    Our H200 run of 2026-11-26 agrees at 124M: every block linear in FP8 ran at 0.66x of bf16."""
+    n, k = out_features, in_features
+    if recipe == "rowwise":
+        return not (n <= 2048 or k <= 1024 or (n <= 4096 and k <= 2048))
+    return not (k <= 4096 and n <= 1024)
+
+
+def converts(fqn: str, module: nn.Module, recipe: str = "tensorwise", layers: str = "all") -> bool:
     """Whether the transform converts this module: a block's linear layer (not the LM head, not a LoRA
-    adapter) with both dimensions multiples of 16."""
+    adapter) with both dimensions multiples of 16, and with layers="auto" large enough (`worth_fp8`)."""
     leaf = fqn.rsplit(".", 1)[-1]
     return (type(module) is nn.Linear and leaf in BLOCK_LINEARS and ".layers." in f".{fqn}"
-            and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+            and module.in_features % 16 == 0 and module.out_features % 16 == 0
+            and (layers == "all" or worth_fp8(recipe, module.out_features, module.in_features)))
 
 
 def apply(model: nn.Module, mesh: Any, config: Any, device: Optional[torch.device] = None) -> int:
@@ -52,6 +70,13 @@ def apply(model: nn.Module, mesh: Any, config: Any, device: Optional[torch.devic
     except ImportError as e:
         raise ValueError(f"--float8={recipe} needs torchao (pip install torchao==0.18.0): {e}") from e
     fp8_config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=not is_accelerator(device))
-    chosen = {fqn for fqn, m in model.named_modules() if converts(fqn, m)}
+    layers = str(getattr(config, "float8_layers", "auto"))
+    candidates = [fqn for fqn, m in model.named_modules() if converts(fqn, m)]
+    chosen = {fqn for fqn, m in model.named_modules() if converts(fqn, m, recipe, layers)}
     convert_to_float8_training(model, config=fp8_config, module_filter_fn=lambda m, fqn: fqn in chosen)
+    kinds = sorted({f.rsplit(".", 1)[-1] for f in chosen})
+    log.info("--float8=%s: %d of %d block linears in FP8 (%s)%s", recipe, len(chosen), len(candidates),
+             ", ".join(kinds) or "none",
+             "" if layers == "all" or len(chosen) == len(candidates) else
+             "; the others are too small to gain (--float8_layers=all converts them too)")
     return len(chosen)

@@ -28,13 +28,38 @@ def _model() -> Transformer:
 def test_the_block_linears_and_only_they_are_converted_names_unchanged():
     model = _model()
     keys = list(model.state_dict())
-    n = float8.apply(model, None, SimpleNamespace(float8="tensorwise"), device=torch.device("cpu"))
+    n = float8.apply(model, None, SimpleNamespace(float8="tensorwise", float8_layers="all"), device=torch.device("cpu"))
     assert n == 7 * 2  # q, k, v, o, gate, up, down in each of the 2 blocks
     converted = [name for name, m in model.named_modules() if type(m).__name__ == "Float8Linear"]
     assert len(converted) == n and all(".layers." in f".{c}" for c in converted)
     assert type(model.lm_head) is nn.Linear  # the output layer stays in high precision
     assert list(model.state_dict()) == keys  # checkpoints and HF export see the same names
     assert float8.apply(_model(), None, SimpleNamespace(float8="off")) == 0
+
+
+@pytest.mark.parametrize("recipe, shape, expect", [
+    # 124M (768 x 12, hidden 2048): tensorwise keeps gate/up (N 2048 > 1024), rowwise none (N <= 2048 or K <= 1024)
+    ("tensorwise", dict(dim=768, n_heads=12, hidden_dim=2048), ["gate_proj", "up_proj"]),
+    ("rowwise", dict(dim=768, n_heads=12, hidden_dim=2048), []),
+    # 1B (2048 x 16, GQA 8, hidden 5632): tensorwise all but k/v (N 1024, K 2048); rowwise gate/up (N 5632)
+    ("tensorwise", dict(dim=2048, n_heads=16, n_kv_heads=8, hidden_dim=5632),
+     ["down_proj", "gate_proj", "o_proj", "q_proj", "up_proj"]),
+    ("rowwise", dict(dim=2048, n_heads=16, n_kv_heads=8, hidden_dim=5632), ["gate_proj", "up_proj"]),
+])
+def test_auto_converts_only_the_layers_large_enough_to_gain(recipe, shape, expect, caplog):
+    """--float8_layers=auto (the default): torchao's H100 size thresholds per recipe pick the layers; the
+    choice is one log line. Built on the meta device (no memory), one block."""
+    with torch.device("meta"):
+        model = Transformer(ModelConfig(vocab_size=64, n_layers=1, max_seq_len=16, **shape))
+    chosen = sorted(fqn.rsplit(".", 1)[-1] for fqn, m in model.named_modules()
+                    if float8.converts(fqn, m, recipe, "auto"))
+    assert chosen == expect
+    assert len([f for f, m in model.named_modules() if float8.converts(f, m, recipe, "all")]) == 7
+    assert float8.worth_fp8("tensorwise", 1024, 4096) is False and float8.worth_fp8("tensorwise", 1040, 4096)
+    small = _model()
+    with caplog.at_level("INFO", logger="parallel.transforms.float8"):
+        assert float8.apply(small, None, SimpleNamespace(float8=recipe), device=torch.device("cpu")) == 0
+    assert "0 of 14 block linears in FP8" in caplog.text and "--float8_layers=all" in caplog.text
 
 
 def _fp8_tensorwise(t: torch.Tensor) -> torch.Tensor:
@@ -51,7 +76,8 @@ def test_a_converted_layer_computes_with_fp8_inputs_and_weights():
     layer.add_module("layers", nn.ModuleDict({"0": nn.ModuleDict({"q_proj": nn.Linear(32, 48, bias=False)})}))
     x = torch.randn(8, 32)
     plain = layer.layers["0"]["q_proj"](x).detach()
-    assert float8.apply(layer, None, SimpleNamespace(float8="tensorwise"), device=torch.device("cpu")) == 1
+    assert float8.apply(layer, None, SimpleNamespace(float8="tensorwise", float8_layers="all"),
+                        device=torch.device("cpu")) == 1
     w = layer.layers["0"]["q_proj"].weight.detach()
     y = layer.layers["0"]["q_proj"](x).detach().double()
     ref64 = _fp8_tensorwise(x) @ _fp8_tensorwise(w).T
@@ -103,8 +129,8 @@ def test_the_trainer_trains_with_fp8_close_to_full_precision(engine, nproc, reci
     for name, extra in (("full", []), ("fp8", [f"--float8={recipe}"])):
         out = tmp_path / name
         proc = run_cmd(train_cmd([*tiny_pretrain_run_args, *batch, f"--out_dir={out}", "--max_iters=3",
-                                  f"--parallel={engine}", *extra], nproc), env=env)
-        assert (name == "fp8") == (f"FP8 block matmuls ({recipe})" in proc.stdout)
+                                  f"--parallel={engine}", *extra, "--float8_layers=all"], nproc), env=env)
+        assert (name == "fp8") == (f"FP8 block matmuls ({recipe}, every layer)" in proc.stdout)
         losses[name] = _losses(out)
     assert len(losses["fp8"]) == len(losses["full"]) == 3
     rel = [abs(a - b) / abs(b) for a, b in zip(losses["fp8"], losses["full"])]
