@@ -1,8 +1,9 @@
-"""torch.compile as a transform. Without tensor parallelism the engine's whole forward model is compiled
-(`engine.forward_model = torch.compile(engine.model)`: our DDP's wrapper and the model in one graph, or
-FSDP2's root module); with tensor parallelism each Transformer block is compiled in place
-(`compile_blocks`, torchtitan's per-block compile), so the DTensor hooks inside a block are traced while
-FSDP2's hooks, the embedding, the LM head and the vocabulary-parallel loss run eagerly around it.
+"""torch.compile as a transform. In one process (and for FSDP2, and with CUDA-graph compile modes) the engine's
+whole forward model is compiled (`engine.forward_model = torch.compile(engine.model)`: our DDP's wrapper and
+the model in one graph, or FSDP2's root module); with tensor parallelism, and under our DDP across ranks,
+each Transformer block is compiled in place (`compile_blocks`, torchtitan's per-block compile): the DTensor
+hooks inside a block are traced while FSDP2's hooks, the embedding, the LM head and the vocabulary-parallel
+loss run eagerly around it, and our DDP's bucket communication overlaps the blocks' backward (`per_block`).
 
 Owns: what is compiled, and the one workaround it needs (an AsyncCollectiveTensor input materialised).
 Must never: change parameter names or module structure (checkpoints and hooks stay the same).
@@ -74,12 +75,28 @@ def compile_blocks(model: nn.Module, **compile_kw: Any) -> None:
         block.forward = compiled(block.forward)
 
 
+def per_block(engine: Any, config: Any) -> bool:
+    """Whether --compile compiles each block instead of the whole model: under tensor parallelism (the DTensor
+    hooks), and under our DDP with gradients to communicate (more than one rank), unless CUDA graphs replay
+    the step (--compile_mode reduce-overhead / max-autotune: one whole graph).
+    Why DDP: a whole-model graph's backward is ONE autograd node, so every parameter's gradient (and with it
+    our DDP's post-accumulate hooks, which launch each bucket's all-reduce) arrives only after the whole
+    backward: the communication could not overlap any of it. Per block, a block's gradients arrive as its
+    backward graph ends, and its bucket communicates while the blocks below it run theirs (torchtitan
+    compiles per block for the same reason). One process has nothing to overlap: it keeps the one graph."""
+    if int(getattr(config, "tensor_parallel_size", 1)) > 1:
+        return True
+    if str(getattr(config, "compile_mode", "default") or "default") in CUDA_GRAPH_MODES:
+        return False
+    return getattr(engine, "kind", "") == "ddp" and int(getattr(engine.model, "world_size", 1)) > 1
+
+
 def apply(engine: Any, mesh: Any, config: Any) -> None:
     """--compile=true on a built engine (the last transform: see parallel/transforms/__init__.py)."""
     if not bool(getattr(config, "compile", False)):
         return
     kw = compile_kwargs(config)
-    if int(getattr(config, "tensor_parallel_size", 1)) > 1:
+    if per_block(engine, config):
         compile_blocks(engine.module, **kw)  # the forward model stays the module: each block is compiled
     else:
         compiled = torch.compile(engine.model, **kw)
