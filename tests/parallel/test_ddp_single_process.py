@@ -177,3 +177,59 @@ def test_startup_layout_line_names_engine_mesh_communication_and_global_batch():
     assert "tensor parallel 2 (DTensor, sequence parallel), HSDP over 2 replicas" in line, line
     assert "world 8 = pipeline 1 x data-parallel 4 (replicate 2 x shard 2) x tensor 2" in line, line
     assert "global batch 4 x 8 x 4 = 128 samples" in line
+
+
+class _Branchy(nn.Module):
+    """`b` is used only when asked: a step may leave it without a gradient."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(5, 4), nn.Linear(4, 4)
+
+    def forward(self, x, use_b: bool):
+        h = self.a(x)
+        return self.b(h) if use_b else h
+
+
+def test_gradients_are_not_zero_filled_between_steps_yet_always_this_steps(monkeypatch):
+    """zero_grad_buffer() writes nothing with the default all-reduce: each parameter's first gradient of a step
+    is copied over last step's (no zero-fill, no read of the old values: 8 bytes per parameter a step), and
+    one that gets no gradient is zeroed at its bucket's launch. Checked over steps that use `b`, skip it, and
+    accumulate micro-batches, against torch's own .grad; a custom comm hook (PowerSGD) still gets zero-fills."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Fills(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.zero_.default, torch.ops.aten.fill_.Scalar) and args[0].numel() > 16:
+                self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    m, ref = _Branchy(), _Branchy()
+    ddp = DistributedDataParallel(m, DDPConfig(bucket_size=8))
+    assert len(ddp.buckets) >= 2
+    x = torch.randn(6, 5)
+    for step, (use_b, micro) in enumerate([(True, 1), (False, 1), (True, 3), (False, 2), (True, 1)]):
+        with Fills() as fills:
+            ddp.zero_grad_buffer()
+        assert fills.n == 0 or step == 0
+        ref.zero_grad(set_to_none=False)
+        for k in range(micro):
+            xs = x[k::micro] * (step + 1)
+            ctx = ddp.no_sync() if k < micro - 1 else torch.enable_grad()
+            with ctx:
+                ddp(xs, use_b).pow(2).sum().backward()
+            ref(xs, use_b).pow(2).sum().backward()
+        ddp.finish_grad_sync()
+        for (n, p), q in zip(m.named_parameters(), ref.parameters()):
+            expect = q.grad if q.grad is not None else torch.zeros_like(q)
+            assert torch.equal(p.main_grad, expect), (step, n)  # b's last-step gradient never leaks
+    state = PowerSGDState(matrix_approximation_rank=1, start_powerSGD_iter=0)
+    ddp.register_comm_hook(state, powersgd_hook)
+    with Fills() as fills:
+        ddp.zero_grad_buffer()
+    assert fills.n >= 1
