@@ -116,3 +116,26 @@ def test_trainer_with_batches_drawn_ahead_trains_and_resumes_the_same(tiny_pretr
     assert proc.returncode != 0 and once.exists()
     run_cmd(train_cmd([*args, f"--out_dir={crashed}", "--prefetch_batches=2"]), env=child_env())
     assert _losses(crashed) == _losses(ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_batches_drawn_ahead_are_pinned_and_copied_without_a_sync():
+    """On a GPU: the batches come pinned, and utils.device.to_device copies them with no synchronising call."""
+    import warnings
+
+    from utils.device import to_device
+    ahead = PrefetchLoader(_loader(), depth=2, pin=True)
+    batch = next(ahead)
+    ahead.close()
+    assert batch["input_ids"].is_pinned()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            x = to_device(batch["input_ids"], torch.device("cuda"))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()] == []
+    assert torch.equal(x.cpu(), batch["input_ids"])
