@@ -301,12 +301,40 @@ def _category(name: str, ours: set[str]) -> str:
     return "other"
 
 
+def timeline_gaps(kernels: list[tuple[float, float, str]], top: int = 6, min_gap_us: float = 20.0) -> dict:
+    """Where the device waited: `kernels` are (start_us, end_us, name) of every device kernel in a profiled
+    window. Returns its span (first start to last end), the busy time (the union of the kernels), the idle
+    time (span - busy), how many idle gaps last >= `min_gap_us` and what they add up to, and the `top`
+    longest gaps with the kernels that end before and start after each (e.g. the optimizer's last kernel and
+    the next step's first: a step boundary the host was late for)."""
+    if not kernels:
+        return dict(span_ms=0.0, busy_ms=0.0, idle_ms=0.0, gaps=0, gaps_ms=0.0, longest=[])
+    ks = sorted(kernels)
+    busy, gaps = 0.0, []
+    run_start, run_end, last_name = ks[0][0], ks[0][1], ks[0][2]
+    for start, end, name in ks[1:]:
+        if start > run_end:
+            gaps.append((start - run_end, last_name, name))
+            busy += run_end - run_start
+            run_start, run_end, last_name = start, end, name
+        elif end >= run_end:
+            run_end, last_name = end, name
+    busy += run_end - run_start
+    span = run_end - ks[0][0]
+    big = sorted((g for g in gaps if g[0] >= min_gap_us), key=lambda g: -g[0])
+    return dict(span_ms=round(span / 1e3, 3), busy_ms=round(busy / 1e3, 3), idle_ms=round((span - busy) / 1e3, 3),
+                gaps=len(big), gaps_ms=round(sum(g[0] for g in big) / 1e3, 3),
+                longest=[dict(gap_us=round(g, 1), before=b[:80], after=a[:80]) for g, b, a in big[:top]])
+
+
 def profile_step(config: str, device_name: str, precision: str = "trainer", warmup: int = 3,
-                 row_limit: int = 15, mode: str = "eager") -> dict:
-    """torch.profiler over one step of `ours` (eager, or compiled as the trainer compiles) after `warmup`
-    steps (compiling, Triton JIT and cuBLAS set-up excluded): the top `row_limit` kernels by self device
-    time (ops by self CPU time on a CPU). Profiler annotations (user ranges, Inductor's graph markers,
-    which span kernels on the GPU timeline) are not kernels and are left out of the times."""
+                 row_limit: int = 15, mode: str = "eager", steps: int = 2) -> dict:
+    """torch.profiler over `steps` back-to-back steps of `ours` (eager, or compiled as the trainer compiles;
+    one device sync after the last) after `warmup` steps (compiling, Triton JIT and cuBLAS set-up excluded):
+    the top `row_limit` kernels by self device time per step (ops by self CPU time on a CPU), and on a GPU
+    the timeline's idle gaps (`timeline_gaps`: where the device waited for the host, step boundaries
+    included). Profiler annotations (user ranges, Inductor's graph markers, which span kernels on the GPU
+    timeline) are not kernels and are left out of the times."""
     import torch
     from torch.profiler import ProfilerActivity, profile
     from utils.device import synchronize
@@ -320,9 +348,10 @@ def profile_step(config: str, device_name: str, precision: str = "trainer", warm
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     t0 = time.perf_counter()
     with profile(activities=acts) as prof:
-        step()
+        for _ in range(steps):
+            step()
         synchronize(device)
-    wall = time.perf_counter() - t0
+    wall = (time.perf_counter() - t0) / steps
     avg = prof.key_averages()
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
     sort_by = "self_cuda_time_total" if cuda else "self_cpu_time_total"
@@ -330,23 +359,29 @@ def profile_step(config: str, device_name: str, precision: str = "trainer", warm
     if cuda:  # the kernels themselves: an op's self CUDA time repeats its kernels' (counted twice otherwise)
         kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
         events = kernels or events
-    total = sum(getattr(e, key) for e in events) or 1.0
-    events.sort(key=lambda e: getattr(e, key), reverse=True)
+    per_step = lambda e: getattr(e, key) / steps  # noqa: E731 - us per step
+    total = sum(per_step(e) for e in events) or 1.0
+    events.sort(key=per_step, reverse=True)
     ours = _our_triton_kernel_names()
-    top = [dict(name=e.key, self_ms=round(getattr(e, key) / 1e3, 3), pct=round(100 * getattr(e, key) / total, 1),
-                calls=int(e.count), category=_category(e.key, ours)) for e in events[:row_limit]]
+    top = [dict(name=e.key, self_ms=round(per_step(e) / 1e3, 3), pct=round(100 * per_step(e) / total, 1),
+                calls=round(e.count / steps, 1), category=_category(e.key, ours)) for e in events[:row_limit]]
     cats: dict[str, float] = {}
     for e in events:
         c = _category(e.key, ours)
-        cats[c] = cats.get(c, 0.0) + getattr(e, key)
+        cats[c] = cats.get(c, 0.0) + per_step(e)
     cat_total = sum(cats.values()) or 1.0
+    timeline = None
+    if cuda:
+        timeline = timeline_gaps([(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                                  if e.device_type == torch.autograd.DeviceType.CUDA
+                                  and not getattr(e, "is_user_annotation", False)])
     return dict(config=config, precision=precision, mode=mode, device=str(device),
-                time_kind="CUDA" if cuda else "CPU",
+                time_kind="CUDA" if cuda else "CPU", steps=steps, timeline=timeline,
                 what="kernels" if cuda else "ops",
                 step_wall_ms=round(wall * 1e3, 2), total_self_ms=round(total / 1e3, 3), top=top,
                 categories=[dict(category=c, ms=round(v / 1e3, 3), pct=round(100 * v / cat_total, 1))
                             for c, v in sorted(cats.items(), key=lambda kv: -kv[1])],
-                table=avg.table(sort_by=sort_by, row_limit=row_limit, max_name_column_width=60))
+                table=avg.table(sort_by=sort_by, row_limit=row_limit, max_name_column_width=60))  # all steps
 
 
 # ------------------------------------------------------------------------------------------ parent

@@ -13,9 +13,9 @@ decides the goals and nothing else (`--full` runs every row and trainer setting,
   train       train_my_ddp.py, 25 steps of the bench's 124M shape on the bundled corpus, --fused_kernels=auto,
               eager and --compile=true; tokens/s and MFU read from each run's metrics.jsonl, and their
               ratio to the bench rows of the same model, precision and mode
-  profile     torch.profiler over one COMPILED trainer-precision step of the 124m model (after 3 steps):
-              the top 15 kernels by self CUDA time and CUDA time by kind (attention apart from matmuls;
-              profiler annotations are not kernels)
+  profile     torch.profiler over two back-to-back COMPILED trainer-precision steps of the 124m model (after
+              3 steps): the top 15 kernels by self CUDA time and CUDA time by kind, per step (attention apart
+              from matmuls; profiler annotations are not kernels), and the device timeline's idle gaps
 
 Output (--out-dir, default out/gpu_report): report.md, report.json (raw: every row, run, test) and
 log.txt (every stage's output). Work files (data, runs, checkpoints) go to --work-dir (default
@@ -799,7 +799,9 @@ def render_train(st: Optional[dict], bench: Optional[dict] = None) -> list[str]:
 
 def render_profile(st: Optional[dict]) -> list[str]:
     mode = (st or {}).get("data", {}).get("mode", "eager")
-    L = [f"## 4. Profile (`torch.profiler`, one {mode} trainer step of ours, after 3 warm-up steps)", ""] + _not_run(st)
+    n = (st or {}).get("data", {}).get("steps", 1)
+    L = [f"## 4. Profile (`torch.profiler`, {n} back-to-back {mode} trainer step(s) of ours, after 3 warm-up steps;"
+         " times per step)", ""] + _not_run(st)
     if st is None:
         return L
     d = st.get("data", {})
@@ -816,8 +818,16 @@ def render_profile(st: Optional[dict]) -> list[str]:
           "| --- | --- | --- | --- | --- |"]
     L += [f"| `{t['name'][:90]}` | {t['self_ms']} | {t['pct']} | {t['calls']} | {t['category']} |"
           for t in d.get("top", [])]
+    tl = d.get("timeline")
+    if tl:
+        L += ["", f"Device timeline over the {n} steps: span {tl['span_ms']} ms, kernels busy {tl['busy_ms']} ms, "
+              f"idle {tl['idle_ms']} ms, of which {tl['gaps']} gaps of >= 20 us add up to {tl['gaps_ms']} ms "
+              "(the device waiting for the host).", "",
+              "| idle gap us | kernel before | kernel after |", "| --- | --- | --- |"]
+        L += [f"| {g['gap_us']} | `{g['before']}` | `{g['after']}` |" for g in tl.get("longest", [])]
     if d.get("table"):
-        L += ["", "<details><summary>torch.profiler key_averages() table</summary>", "", "```", d["table"].rstrip(),
+        L += ["", "<details><summary>torch.profiler key_averages() table (all steps)</summary>", "", "```",
+              d["table"].rstrip(),
               "```", "", "</details>"]
     return L + [""]
 

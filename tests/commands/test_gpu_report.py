@@ -172,6 +172,21 @@ def test_the_goal_ratio_takes_our_best_bf16_row_over_the_best_peer_row_and_fp8_a
     assert "| 1b | ours with FP8 / ours bf16 (best rows) | 1.20x |" in md
 
 
+def test_the_profile_timeline_finds_where_the_device_waited(monkeypatch):
+    """Overlapping kernels count once; the idle gaps between them are found, the longest first, with the
+    kernels either side; gaps under 20 us are idle time but not listed."""
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    bench = _load("bench_model_gpu_timeline", os.path.join(ROOT, "bench", "bench_model_gpu.py"))
+    kernels = [(0, 100, "mm"), (50, 150, "attn"), (160, 200, "adam"),  # 10 us gap after attn
+               (1200, 1300, "embed"), (1300, 1400, "mm2"), (1450, 1500, "norm")]  # 1000 us after adam, 50 us
+    tl = bench.timeline_gaps(kernels)
+    assert tl["span_ms"] == 1.5 and tl["busy_ms"] == 0.44 and tl["idle_ms"] == 1.06
+    assert tl["gaps"] == 2 and tl["gaps_ms"] == 1.05
+    assert tl["longest"][0] == dict(gap_us=1000.0, before="adam", after="embed")
+    assert tl["longest"][1] == dict(gap_us=50.0, before="mm2", after="norm")
+    assert bench.timeline_gaps([])["busy_ms"] == 0.0
+
+
 def _numbers_in(section: str) -> bool:
     return any(re.search(r"\|\s*[\d,]+(\.\d+)?\s*\|", ln) for ln in section.splitlines() if ln.startswith("|"))
 
