@@ -72,6 +72,11 @@ CONFIGS: dict[str, tuple[int, list[str]]] = {
     "fsdp2-muon": (2, ["--batch_size=2", "--parallel=fsdp", "--optimizer=muon"]),
     # issue 35: context parallelism (each sequence split over the 2 ranks, ring attention)
     "cp2": (2, ["--context_parallel_size=2"]),
+    # issue 32: batches drawn ahead on a thread (a GPU run's default), gradient buffers not zero-filled between
+    # steps (every ddp config), gradient accumulation over micro-batches drawn ahead
+    "ddp-prefetch": (1, ["--prefetch_batches=2", "--gradient_accumulation_steps=2"]),
+    "ddp2-zero1-prefetch": (2, ["--batch_size=2", "--use_distributed_optimizer=true", "--zero_stage=1",
+                                "--prefetch_batches=3"]),
 }
 SLOW_WRITES_S = "2.0"
 
