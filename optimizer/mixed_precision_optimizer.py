@@ -16,7 +16,9 @@ owns, adds the norm all-reduce and the parameter all-gather.
 """
 from __future__ import annotations
 
+import logging
 import math
+import os
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
@@ -25,12 +27,15 @@ import torch.distributed as dist
 
 from optimizer.adamw import build_adamw
 from optimizer.base import GlobalNormOptimizer, clip_coefficient
+from optimizer.flat_adamw import adamw_flat, triton_runs_on
 from optimizer.fused_step import fused_adamw_step
 from optimizer.muon import MuonState, is_muon_param
 from optimizer.optimizer_config import OptimizerConfig
 from utils import comm
+from utils.device import HostCopy
 
 STATE_FORMAT = 1
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -92,6 +97,8 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
         adamw_pieces = {b: [pc for pc in ps if not self._is_muon(pc)] for b, ps in self.pieces_by_bucket.items()}
         self.optimizers: dict[int, torch.optim.AdamW] = {
             b: self._make_adamw(ps) for b, ps in adamw_pieces.items() if ps}
+        # one AdamW launch per DDP buffer (optimizer/flat_adamw.py) where it applies; else None
+        self.flat: Optional[_FlatAdamW] = _FlatAdamW.build(self) if self._flat_adamw_applies() else None
 
     # ------------------------------------------------------------------ construction
     def owned_range(self, bucket) -> tuple[int, int]:
@@ -108,6 +115,7 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
         the step copies gradients in and masters back with one copy per bucket, not one per parameter."""
         pieces = []
         self._flat: dict[int, _FlatBucket] = {}
+        buffer_masters: dict[int, torch.Tensor] = {}  # unsharded: one fp32 master per DDP buffer, bucket views of it
         for bucket in self.ddp.buckets:
             olo, ohi = self.owned_range(bucket)
             slots = [s for s in bucket.slots if max(s.start, olo) < min(s.end, ohi)]
@@ -115,7 +123,14 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
                 continue
             p0 = slots[0].param
             copy = p0.dtype != torch.float32  # one buffer: one dtype per bucket
-            master = bucket.param_data[olo:ohi].detach().float().clone() if copy else None
+            master = None
+            if copy and not self.sharded:
+                buf = bucket.buffer
+                if id(buf) not in buffer_masters:
+                    buffer_masters[id(buf)] = buf.param_data.detach().float().clone()
+                master = buffer_masters[id(buf)][bucket.start + olo:bucket.start + ohi]
+            elif copy:
+                master = bucket.param_data[olo:ohi].detach().float().clone()
             store = torch.zeros(ohi - olo, dtype=torch.float32, device=p0.device) \
                 if self._keep_grad_store(p0) else None
             self._flat[bucket.index] = _FlatBucket(olo, ohi, master, store)
@@ -153,7 +168,76 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
         self.finish_param_sync()
         if self.config.overlap_optim_step:
             return self._step_overlapped()
+        if self.flat is not None:
+            if self._plain_reduction():
+                return self._flat_step()
+            self._leave_flat("a comm hook other than the all-reduce was registered")
         return self.global_norm_step()
+
+    # ------------------------------------------------------------------ one launch per buffer
+    # "auto": on CUDA with Triton; "on": on any device (the CPU runs the kernel's torch reference, or the kernel
+    # in the interpreter): tests; "off": never. Class attribute, like skip_on_device; MYLLM_FLAT_ADAMW=off in the
+    # environment turns it off for a run (an A/B on a GPU: bench/bench_model_gpu.py with and without).
+    flat_adamw = os.environ.get("MYLLM_FLAT_ADAMW", "auto")
+
+    def _flat_adamw_applies(self) -> bool:
+        from optimizer.flat_adamw import triton_runs_on
+        cfg = self.config
+        if self.flat_adamw == "off" or self.sharded or self.muon is not None or cfg.overlap_optim_step \
+                or self.norm_groups or cfg.precision == "fp16" or not self.optimizers or not self.pieces:
+            return False
+        if not all(opt.defaults.get("fused") and not opt.defaults.get("amsgrad") for opt in self.optimizers.values()):
+            return False
+        if any(fb.grad_store is not None for fb in self._flat.values()):  # gradients not fp32: the copy-in path
+            return False
+        if any(b.buffer.split for b in self.ddp.buckets):
+            return False
+        if not self._plain_reduction():  # PowerSGD writes the alignment gaps: the flat norm would count them
+            return False
+        return self.flat_adamw == "on" or triton_runs_on(self._device()) and self._device().type == "cuda"
+
+    def _plain_reduction(self) -> bool:
+        plain = getattr(self.ddp, "plain_reduction", None)
+        return bool(plain()) if plain is not None else False
+
+    def _flat_step(self) -> tuple[bool, float]:
+        """The step in one launch per DDP buffer: the squared norm of the flat gradients (its gaps are zeros),
+        queued to the host, then the kernel (clip and skip read from that norm on the device), then the one
+        host read, which waits for the norm only."""
+        fl = self.flat
+        self.ddp.finish_grad_sync()
+        norms = [torch.linalg.vector_norm(b.grad, dtype=torch.float32) for b in fl.buffers]
+        n = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
+        sumsq = n * n
+        s_host = HostCopy(sumsq)
+        hyper = dict(lr=self.lr, beta1=fl.betas[0], beta2=fl.betas[1], eps=fl.eps, weight_decay=fl.weight_decay,
+                     max_norm=float(self.config.grad_clip), step=fl.steps + 1)
+        try:
+            for b in fl.buffers:
+                adamw_flat(b.master, b.grad, b.exp_avg, b.exp_avg_sq, b.decay, b.param_out, sumsq,
+                           use_triton=fl.use_triton, **hyper)
+        except Exception as e:  # noqa: BLE001 - a kernel that cannot be built here: torch's fused AdamW instead
+            if fl.launched:
+                raise
+            self._leave_flat(f"its kernel failed ({' '.join(str(e).split())[:300]})")
+            return self.global_norm_step()
+        fl.launched = True
+        global_sumsq = float(s_host.get())
+        stepped = math.isfinite(global_sumsq)
+        if stepped:
+            fl.steps += 1
+        self.scaler.update(not stepped)
+        self._report_verdict(stepped)
+        return (True, math.sqrt(global_sumsq)) if stepped else (False, float("inf"))
+
+    def _leave_flat(self, why: str) -> None:
+        """Back to the per-parameter fused AdamW for good: the moments stay where they are (its state holds
+        views of them), the step counters take the count."""
+        log.warning("one-launch AdamW off: %s; torch's fused AdamW steps the parameters from here on", why)
+        for opt in self.optimizers.values():
+            for st in opt.state.values():
+                st["step"].fill_(float(self.flat.steps))
+        self.flat = None
 
     # ------------------------------------------------------------------ the skeleton's hooks
     def _adamws(self) -> list[torch.optim.AdamW]:
@@ -340,7 +424,7 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
                 "main": own(pc.main.detach().reshape(-1).float()),
                 "exp_avg": own(st["exp_avg"].reshape(-1)) if st else zeros,
                 "exp_avg_sq": own(st["exp_avg_sq"].reshape(-1)) if st else zeros.clone(),
-                "step": float(st["step"]) if st else 0.0,
+                "step": float(self.flat.steps) if self.flat is not None else float(st["step"]) if st else 0.0,
             }
         return {"format": STATE_FORMAT, "optimizer": self.config.optimizer, "sharded": int(self.sharded),
                 "world_size": self.world_size, "rank": self.rank, **self._scaling_state(), "params": params}
@@ -384,6 +468,7 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
         for sd in sds:
             for name, e in sd["params"].items():
                 saved.setdefault(name, []).append(e)
+        loaded_steps = 0
         for pc in self.pieces:
             entries = saved.get(pc.name)
             if not entries:
@@ -407,6 +492,12 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
                 self.muon.steps = int(step)
                 continue
             opt = self.optimizers[pc.bucket_index]
+            if self.flat is not None:  # the state is views of the flat moments: filled in place
+                st = opt.state[pc.main]
+                for key in ("exp_avg", "exp_avg_sq"):
+                    st[key].copy_(parts[key].view(pc.main.shape) if step > 0 else torch.zeros_like(st[key]))
+                loaded_steps = max(loaded_steps, int(step))
+                continue
             opt.state.pop(pc.main, None)
             if step > 0:
                 fused = bool(opt.defaults.get("fused"))
@@ -415,6 +506,8 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
                                          device=pc.main.device if fused else "cpu"),
                     "exp_avg": parts["exp_avg"].view(pc.main.shape).clone(),
                     "exp_avg_sq": parts["exp_avg_sq"].view(pc.main.shape).clone()}
+        if self.flat is not None:
+            self.flat.steps = loaded_steps
         self._copy_main_to_model(self.pieces)
         self._after_load()
         self._load_scaling_state(sds[0])
@@ -434,3 +527,57 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
 
     def _after_load(self) -> None:
         """Hook for ZeRO: re-gather parameters after loading masters."""
+
+
+@dataclass
+class _FlatBuffer:
+    """One DDP buffer's flat tensors for optimizer/flat_adamw.py, all laid out like the buffer."""
+    master: torch.Tensor  # fp32: the optimizer's masters (or the fp32 parameters themselves)
+    grad: torch.Tensor  # the buffer's fp32 gradients
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    decay: torch.Tensor  # uint8: 1 where the element's parameter decays
+    param_out: Optional[torch.Tensor]  # the low-precision parameters, written from the masters (None: fp32)
+
+
+class _FlatAdamW:
+    """The unsharded optimizer's AdamW as one launch per DDP buffer. torch's AdamW objects stay (their
+    param groups carry lr, betas, eps and weight decay; their state holds views of the flat moments, so
+    state_dict / load and the bytes count are unchanged); the step count is one number here."""
+
+    def __init__(self, buffers: list[_FlatBuffer], betas: tuple, eps: float, weight_decay: float,
+                 use_triton: bool) -> None:
+        self.buffers, self.betas, self.eps, self.weight_decay = buffers, betas, eps, weight_decay
+        self.use_triton = use_triton
+        self.steps = 0
+        self.launched = False
+
+    @classmethod
+    def build(cls, opt: "MixedPrecisionOptimizer") -> "_FlatAdamW":
+        device = opt._device()
+        ddp_buffers = list(dict.fromkeys(b.buffer for b in opt.ddp.buckets))
+        flat: dict[int, _FlatBuffer] = {}
+        for buf in ddp_buffers:
+            low = buf.param_dtype != torch.float32
+            pieces = [pc for pc in opt.pieces if opt.ddp.buckets[pc.bucket_index].buffer is buf]
+            if low:  # the bucket masters are views of one fp32 tensor per buffer (`_build_pieces`)
+                master = pieces[0].main
+                base = master._base if master._base is not None else master
+            else:
+                base = buf.param_data
+            flat[id(buf)] = _FlatBuffer(base, buf.grad_data, torch.zeros_like(base), torch.zeros_like(base),
+                                        torch.zeros(base.numel(), dtype=torch.uint8, device=device),
+                                        buf.param_data if low else None)
+        for pc in opt.pieces:
+            fb = flat[id(opt.ddp.buckets[pc.bucket_index].buffer)]
+            lo = pc.main.storage_offset() - fb.master.storage_offset()
+            hi = lo + pc.main.numel()
+            if pc.decay:
+                fb.decay[lo:hi] = 1
+            opt.optimizers[pc.bucket_index].state[pc.main] = {
+                "step": torch.zeros((), dtype=torch.float32, device=device),
+                "exp_avg": fb.exp_avg[lo:hi].view(pc.main.shape),
+                "exp_avg_sq": fb.exp_avg_sq[lo:hi].view(pc.main.shape)}
+        group = next(iter(opt.optimizers.values())).defaults
+        return cls(list(flat.values()), tuple(group["betas"]), float(group["eps"]), float(opt.config.weight_decay),
+                   use_triton=triton_runs_on(device))

@@ -132,6 +132,11 @@ class DistributedDataParallel(nn.Module):
                              "distributed optimizer (an unsharded optimizer would use unreduced grads)")
         self._hook, self._hook_state = hook, (state if state is not None else CommHookState())
 
+    def plain_reduction(self) -> bool:
+        """Whether the gradient communication is the default all-reduce / reduce-scatter: it writes nothing but
+        the reduced sums, so the buffers' alignment gaps stay zero (PowerSGD writes its approximation there)."""
+        return self._hook in (allreduce_hook, reduce_scatter_hook)
+
     @property
     def comm_hook_state(self) -> Any:
         return self._hook_state
@@ -166,7 +171,7 @@ class DistributedDataParallel(nn.Module):
         writes approximations into the alignment gaps too) gets the buffers zeroed as before."""
         if self._handles:
             raise RuntimeError("zero_grad_buffer() before finish_grad_sync()")
-        self._stale = self._hook in (allreduce_hook, reduce_scatter_hook)
+        self._stale = self.plain_reduction()
         if not self._stale:
             for buf in self.buffers_:
                 buf.zero_grad()

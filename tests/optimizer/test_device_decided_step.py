@@ -24,7 +24,12 @@ def _run(dtype, zero_stage, on_device: bool, batched: bool = True, device: str =
     cfg = OptimizerConfig(precision="fp16" if dtype == torch.float16 else "bf16", fused=True, lr=1e-2,
                           grad_clip=0.05, initial_loss_scale=256.0, hysteresis=1, loss_scale_growth_interval=2,
                           use_distributed_optimizer=zero, zero_stage=max(zero_stage, 1))
-    opt = build_optimizer(ddp, cfg)
+    from optimizer.mixed_precision_optimizer import MixedPrecisionOptimizer
+    saved, MixedPrecisionOptimizer.flat_adamw = MixedPrecisionOptimizer.flat_adamw, "off"  # torch's fused AdamW
+    try:  # (a CUDA run would otherwise take the one-launch path, optimizer/flat_adamw.py, tested on its own)
+        opt = build_optimizer(ddp, cfg)
+    finally:
+        MixedPrecisionOptimizer.flat_adamw = saved
     opt.skip_on_device = on_device
     opt.batch_adamw_steps = batched
     assert len(opt.optimizers) >= 3  # several buckets: the batched step spans them

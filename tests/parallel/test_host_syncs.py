@@ -176,14 +176,18 @@ def test_evaluate_reads_nothing_back():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_step_waits_for_the_norm_alone(monkeypatch):
+@pytest.mark.parametrize("flat", ["auto", "off"], ids=["one-launch", "torch-fused"])
+def test_cuda_step_waits_for_the_norm_alone(monkeypatch, flat):
     """The real count on a GPU: set_sync_debug_mode warns on every synchronising call (stream and device syncs,
     blocking copies); neither forward+backward nor the optimizer step makes one. The step's one host read waits
     on an event behind the norm's copy only: with ~100 ms of device sleep put in front of the update's launches,
     `step()` returns while the device is still busy (the read it had before, `.item()` after the update's
     launches, waited for all of it: every next step began with an idle device)."""
+    from optimizer.mixed_precision_optimizer import MixedPrecisionOptimizer
+    monkeypatch.setattr(MixedPrecisionOptimizer, "flat_adamw", flat)
     device = torch.device("cuda")
     cfg, engine = _engine(device, gradient_accumulation_steps=3, dtype="bf16")
+    assert (engine.optimizer.flat is not None) == (flat == "auto")  # on CUDA "auto" is the one-launch AdamW
     batches = _batches(0, 3)
     _one_step(cfg, engine, batches, device)  # warm-up: lazy allocations and first-call set-up
     loss_fn = lambda model, batch: micro_batch_loss(cfg, model, None, batch, device)  # noqa: E731
@@ -205,13 +209,21 @@ def test_cuda_step_waits_for_the_norm_alone(monkeypatch):
     assert acc.is_cuda
 
     optimizer = engine.optimizer
-    real_update = optimizer._update_on_device
+    if flat == "auto":
+        import optimizer.mixed_precision_optimizer as mpo
+        real_flat = mpo.adamw_flat
 
-    def slow_update(found_inf):
-        torch.cuda._sleep(200_000_000)  # ~100 ms of device time at a 2 GHz clock, ahead of the update
-        real_update(found_inf)
+        def slow_flat(*args, **kwargs):
+            torch.cuda._sleep(200_000_000)  # ~100 ms of device time at a 2 GHz clock, ahead of the update
+            real_flat(*args, **kwargs)
+        monkeypatch.setattr(mpo, "adamw_flat", slow_flat)
+    else:
+        real_update = optimizer._update_on_device
 
-    monkeypatch.setattr(optimizer, "_update_on_device", slow_update)
+        def slow_update(found_inf):
+            torch.cuda._sleep(200_000_000)
+            real_update(found_inf)
+        monkeypatch.setattr(optimizer, "_update_on_device", slow_update)
     optimizer.zero_grad()
     engine.forward_backward(batches, loss_fn, 96.0)
     torch.cuda.synchronize()

@@ -1,0 +1,123 @@
+"""AdamW over a whole flat parameter buffer in ONE launch: clip, weight decay, the moments, the update and the
+write-back to the low-precision model parameters (issue "GPU speed, third pass", item 4).
+
+Why: our DDP keeps every parameter of a dtype in one flat buffer, and the unsharded optimizer keeps one flat
+fp32 master per buffer. torch's fused AdamW still walks per-parameter tensors through multi_tensor_apply, which
+launches a kernel per 320 x 64K elements (6 at 124M, 53 at 1B), and the step around it made three more passes
+over memory: the clip (`grads *= coef`, always, since the coefficient lives on the device), the update, and the
+copy of the masters into the bf16 parameters. Here one Triton program per BLOCK elements reads the gradient,
+master, moments and a decay flag, and writes master, moments and the bf16 parameter: 31 bytes per parameter
+instead of 42, and one launch whatever the model size. The clip coefficient and the overflow skip are read from
+the squared norm on the device (no host decision before the launch); a non-finite norm writes nothing.
+
+The math is torch's AdamW (decoupled weight decay), in fp32: p -= lr*wd*p (decayed elements);
+m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g*g; p -= (lr/bc1) * m / (sqrt(v)/sqrt(bc2) + eps), with
+g = grad * min(1, max_norm/(norm + 1e-6)). Not bit-equal to torch's kernel (another instruction order and FMA
+contraction): `adamw_flat_reference` is the same formula in torch ops, what the CPU runs when this path is
+asked for there, and what the Triton kernel is tested against (in the interpreter on CPU, tests/optimizer/
+test_flat_adamw.py); both are tested against torch.optim.AdamW within its own float32 error.
+
+Owns: the kernel, its reference and the launch. Must never: write anything when the norm is non-finite, or
+read a value back to the host.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:  # optional: CUDA machines have it; the CPU runs it only in the interpreter (tests)
+    import triton
+    import triton.language as tl
+    TRITON_AVAILABLE = True
+except Exception:  # noqa: BLE001 - any import failure means: no Triton
+    TRITON_AVAILABLE = False
+
+BLOCK = 2048
+
+
+def triton_runs_on(device: torch.device) -> bool:
+    """Whether the Triton kernel can run for tensors on `device`: CUDA with Triton, or the CPU interpreter."""
+    if not TRITON_AVAILABLE:
+        return False
+    if device.type == "cuda":
+        return True
+    return device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+
+
+if TRITON_AVAILABLE:
+    @triton.jit
+    def _adamw_flat_kernel(master_ptr, grad_ptr, m_ptr, v_ptr, decay_ptr, out_ptr, sumsq_ptr, n,
+                           lr_wd, beta1, beta2, eps, max_norm, step_size, bc2_sqrt,
+                           HAS_OUT: tl.constexpr, OUT_BF16: tl.constexpr, CLIP: tl.constexpr,
+                           BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        s = tl.load(sumsq_ptr).to(tl.float32)
+        # s * 0 is 0 for a finite norm, nan for inf and nan: then no element is in range, nothing is written
+        limit = tl.where((s * 0.0) == 0.0, n, 0)
+        mask = offs < limit
+        g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if CLIP:
+            coef = tl.minimum(tl.div_rn(max_norm, tl.sqrt_rn(s) + 1e-6), 1.0)
+            g = g * coef
+        p = tl.load(master_ptr + offs, mask=mask, other=0.0)
+        d = tl.load(decay_ptr + offs, mask=mask, other=0)
+        p = p - tl.where(d != 0, lr_wd, 0.0) * p
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+        m = beta1 * m + (1.0 - beta1) * g
+        v = beta2 * v + (1.0 - beta2) * (g * g)
+        denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
+        p = p - step_size * tl.div_rn(m, denom)
+        tl.store(master_ptr + offs, p, mask=mask)
+        tl.store(m_ptr + offs, m, mask=mask)
+        tl.store(v_ptr + offs, v, mask=mask)
+        if HAS_OUT:
+            if OUT_BF16:  # round to nearest even by hand (the interpreter truncates), then an exact cast
+                bits = p.to(tl.uint32, bitcast=True)
+                bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+                p = bits.to(tl.float32, bitcast=True)
+            tl.store(out_ptr + offs, p.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def adamw_flat_reference(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                         decay: torch.Tensor, param_out, sumsq: torch.Tensor, *, lr: float, beta1: float,
+                         beta2: float, eps: float, weight_decay: float, max_norm: float, bc1: float,
+                         bc2_sqrt: float) -> None:
+    """The kernel's formula in torch ops, in place (fp32); the step is dropped on the device when `sumsq` is
+    non-finite (no host read)."""
+    s = sumsq.reshape(()).to(torch.float32)
+    ok = (s * 0).eq(0)
+    g = grad.float()
+    if max_norm > 0:
+        g = g * torch.clamp(max_norm / (s.sqrt() + 1e-6), max=1.0)
+    p = master - torch.where(decay != 0, lr * weight_decay, 0.0) * master
+    m = beta1 * exp_avg + (1.0 - beta1) * g
+    v = beta2 * exp_avg_sq + (1.0 - beta2) * (g * g)
+    p = p - (lr / bc1) * (m / (v.sqrt() / bc2_sqrt + eps))
+    for dst, new in ((master, p), (exp_avg, m), (exp_avg_sq, v)):
+        dst.copy_(torch.where(ok, new, dst))
+    if param_out is not None:
+        param_out.copy_(torch.where(ok, p, param_out.float()))
+
+
+def adamw_flat(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+               decay: torch.Tensor, param_out, sumsq: torch.Tensor, *, lr: float, beta1: float, beta2: float,
+               eps: float, weight_decay: float, max_norm: float, step: int, use_triton: bool) -> None:
+    """One AdamW step (`step` = 1, 2, ...: the bias corrections) of flat fp32 `master` (and its low-precision
+    copy `param_out`, or None) from the flat `grad`, clipped to `max_norm` (0: no clipping) by the global
+    squared norm `sumsq` (a device tensor), skipped where that is non-finite. `decay`: uint8, 1 where the
+    element's parameter decays. All flat, contiguous, the same length."""
+    bc1 = 1.0 - beta1 ** step
+    bc2_sqrt = (1.0 - beta2 ** step) ** 0.5
+    if not use_triton:
+        adamw_flat_reference(master, grad, exp_avg, exp_avg_sq, decay, param_out, sumsq, lr=lr, beta1=beta1,
+                             beta2=beta2, eps=eps, weight_decay=weight_decay, max_norm=max_norm, bc1=bc1,
+                             bc2_sqrt=bc2_sqrt)
+        return
+    n = master.numel()
+    _adamw_flat_kernel[(triton.cdiv(n, BLOCK),)](
+        master, grad, exp_avg, exp_avg_sq, decay, param_out if param_out is not None else master, sumsq, n,
+        lr * weight_decay, beta1, beta2, eps, max_norm, lr / bc1, bc2_sqrt,
+        HAS_OUT=param_out is not None, OUT_BF16=param_out is not None and param_out.dtype == torch.bfloat16,
+        CLIP=max_norm > 0, BLOCK=BLOCK, num_warps=8)

@@ -1,0 +1,263 @@
+"""optimizer/flat_adamw.py and its use by MixedPrecisionOptimizer: AdamW over a whole DDP buffer in one launch.
+
+The kernel runs here in the Triton interpreter (TRITON_INTERPRET=1, tests/conftest.py) and is compared with
+its torch reference and with torch.optim.AdamW + clip_grad_norm_, all within float32's own error against a
+float64 run of the same formula. The optimizer's wiring (masters, moments as views, decay mask, step count,
+skip, state dicts, op count) is checked through a real engine with the path forced on; on CUDA it is the
+default (`flat_adamw = "auto"`), checked by the GPU test at the end against torch's fused AdamW.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from optimizer.flat_adamw import adamw_flat, triton_runs_on
+
+HYPER = dict(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+
+
+def _problem(n=5003, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    master = torch.randn(n, generator=g, dtype=dtype) * 0.02
+    decay = (torch.rand(n, generator=g) < 0.7).to(torch.uint8)
+    grads = [torch.randn(n, generator=g, dtype=dtype) * s for s in (3.0, 0.01, 1.0)]  # clipped, not, clipped
+    return master, decay, grads
+
+
+def _run(master, decay, grads, use_triton, max_norm=1.0, out_dtype=None):
+    master = master.clone()
+    m, v = torch.zeros_like(master), torch.zeros_like(master)
+    out = torch.zeros(master.shape, dtype=out_dtype) if out_dtype is not None else None
+    for step, grad in enumerate(grads, 1):
+        sumsq = grad.double().square().sum().to(master.dtype)
+        adamw_flat(master, grad.to(master.dtype), m, v, decay, out, sumsq, max_norm=max_norm, step=step,
+                   use_triton=use_triton, **HYPER)
+    return master, m, v, out
+
+
+@pytest.mark.skipif(not triton_runs_on(torch.device("cpu")), reason="needs Triton and TRITON_INTERPRET=1")
+def test_the_kernel_equals_its_reference_and_torch_adamw_within_float32s_own_error():
+    m64, decay, grads = _problem()
+    exact = _run(m64, decay, grads, use_triton=False)[0]  # the formula in float64
+    ref = _run(m64.float(), decay, grads, use_triton=False)[0]
+    tri, _, _, out = _run(m64.float(), decay, grads, use_triton=True, out_dtype=torch.bfloat16)
+    budget = (ref.double() - exact).abs().max().item()  # float32's own error on this problem
+    assert 0 < budget < 1e-6
+    assert (tri.double() - exact).abs().max().item() <= 4 * budget
+    assert torch.equal(out, tri.to(torch.bfloat16))  # the low-precision copy written from the new master
+    # torch's AdamW on the same problem: per-parameter groups (decayed / not), clip_grad_norm_ first
+    p_dec = torch.nn.Parameter(m64.float()[decay.bool()].clone())
+    p_no = torch.nn.Parameter(m64.float()[~decay.bool()].clone())
+    opt = torch.optim.AdamW([{"params": [p_dec], "weight_decay": HYPER["weight_decay"]},
+                             {"params": [p_no], "weight_decay": 0.0}], lr=HYPER["lr"],
+                            betas=(HYPER["beta1"], HYPER["beta2"]), eps=HYPER["eps"], foreach=False)
+    for grad in grads:
+        p_dec.grad, p_no.grad = grad.float()[decay.bool()].clone(), grad.float()[~decay.bool()].clone()
+        torch.nn.utils.clip_grad_norm_([p_dec, p_no], 1.0)
+        opt.step()
+    torch_flat = torch.empty_like(ref)
+    torch_flat[decay.bool()], torch_flat[~decay.bool()] = p_dec.detach(), p_no.detach()
+    assert (torch_flat.double() - exact).abs().max().item() <= 4 * budget
+
+
+@pytest.mark.parametrize("use_triton", [False, True], ids=["reference", "triton"])
+def test_a_non_finite_norm_writes_nothing(use_triton):
+    if use_triton and not triton_runs_on(torch.device("cpu")):
+        pytest.skip("needs Triton and TRITON_INTERPRET=1")
+    master, decay, grads = _problem(n=300, dtype=torch.float32)
+    m, v = torch.rand(300), torch.rand(300)
+    out = torch.zeros(300, dtype=torch.bfloat16)
+    before = [t.clone() for t in (master, m, v, out)]
+    for bad in (float("inf"), float("nan")):
+        adamw_flat(master, grads[0], m, v, decay, out, torch.tensor(bad), max_norm=1.0, step=3,
+                   use_triton=use_triton, **HYPER)
+        assert all(torch.equal(a, b) for a, b in zip((master, m, v, out), before))
+
+
+# ------------------------------------------------------------------------------------------ in the optimizer
+def _engine(flat: str, monkeypatch, dtype="bf16", **flags):
+    import dataclasses
+
+    from model import ModelConfig, Transformer
+    from optimizer.mixed_precision_optimizer import MixedPrecisionOptimizer
+    from parallel import build
+    from parallel.build import build_engine
+    from trainer.config import TrainConfig
+    monkeypatch.setattr(MixedPrecisionOptimizer, "flat_adamw", flat)
+    real = build.optimizer_config
+    monkeypatch.setattr(build, "optimizer_config", lambda f: dataclasses.replace(real(f), fused=True))
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=16,
+                                    max_seq_len=16))
+    cfg = TrainConfig(device="cpu", dtype=dtype, learning_rate=1e-2, grad_clip=0.5, weight_decay=0.1,
+                      bucket_size=3000, **flags)
+    return build_engine(model, cfg, device=torch.device("cpu"))
+
+
+def _steps(engine, n, seed=0, poison_at=None):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        x = torch.randint(0, 64, (2, 16), generator=g)
+        engine.optimizer.zero_grad()
+        engine.forward_backward([{"input_ids": x, "labels": x}],
+                                lambda m, b: (m(b["input_ids"], labels=b["labels"], reduction="sum"), {}), 32.0)
+        if i == poison_at:
+            next(iter(engine.model.param_to_bucket)).main_grad.fill_(float("nan"))
+        out.append(engine.optimizer.step())
+    return out
+
+
+def _params(engine):
+    return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+
+@pytest.mark.skipif(not triton_runs_on(torch.device("cpu")), reason="needs Triton and TRITON_INTERPRET=1")
+def test_the_optimizer_in_one_launch_follows_torchs_fused_adamw(monkeypatch):
+    """fp32 parameters (their own masters), two buckets, clipping active: 4 steps with the one-launch path forced
+    on follow torch's fused AdamW path within float32 rounding, with the same state dict (keys, moments, step
+    count). bf16 parameters (fp32 masters): the decay mask is the pieces' own, and every bf16 parameter is its
+    master rounded to bf16, written by the kernel."""
+    flat = _engine("on", monkeypatch, dtype="fp32")
+    assert flat.optimizer.flat is not None and len(flat.model.buckets) >= 2
+    ref = _engine("off", monkeypatch, dtype="fp32")
+    assert ref.optimizer.flat is None
+    rf, rr = _steps(flat, 4), _steps(ref, 4)
+    assert all(s for s, _ in rf) and [n for _, n in rf] == pytest.approx([n for _, n in rr], rel=1e-5)
+    pf, pr = _params(flat), _params(ref)
+    for k in pr:
+        torch.testing.assert_close(pf[k], pr[k], rtol=1e-5, atol=1e-6)
+    sf, sr = flat.optimizer.state_dict(), ref.optimizer.state_dict()
+    assert sf["params"].keys() == sr["params"].keys()
+    for name, e in sr["params"].items():
+        assert sf["params"][name]["step"] == e["step"] == 4.0
+        torch.testing.assert_close(sf["params"][name]["exp_avg"], e["exp_avg"], rtol=1e-4, atol=1e-7)
+        torch.testing.assert_close(sf["params"][name]["exp_avg_sq"], e["exp_avg_sq"], rtol=1e-4, atol=1e-9)
+
+    low = _engine("on", monkeypatch)
+    fl = low.optimizer.flat
+    assert fl is not None and len(fl.buffers) == 1 and fl.buffers[0].param_out is not None
+    covered = torch.zeros_like(fl.buffers[0].decay)
+    for pc in low.optimizer.pieces:
+        lo = pc.main.storage_offset() - fl.buffers[0].master.storage_offset()
+        assert bool((fl.buffers[0].decay[lo:lo + pc.main.numel()] == int(pc.decay)).all()), pc.name
+        covered[lo:lo + pc.main.numel()] = 1
+    assert int(fl.buffers[0].decay[covered == 0].sum()) == 0  # alignment gaps: no decay
+    assert any(pc.decay for pc in low.optimizer.pieces) and not all(pc.decay for pc in low.optimizer.pieces)
+    _steps(low, 3)
+    masters = low.optimizer.state_dict()["params"]
+    for name, p in low.module.named_parameters():
+        assert torch.equal(p.detach().reshape(-1), masters[name]["main"].to(torch.bfloat16)), name
+
+
+@pytest.mark.skipif(not triton_runs_on(torch.device("cpu")), reason="needs Triton and TRITON_INTERPRET=1")
+def test_resume_skip_and_a_constant_number_of_launches(monkeypatch):
+    """3 steps, state dict, a new optimizer loads it and takes 2 more = 5 steps uninterrupted, bit for bit; the
+    state also loads into torch's fused path; a NaN gradient skips the step on the device (nothing changes,
+    the step count stays); the step is the same few ops for a bigger model."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    a = _engine("on", monkeypatch)
+    _steps(a, 5)
+    b = _engine("on", monkeypatch)
+    _steps(b, 3)
+    sd = b.optimizer.state_dict()
+    c = _engine("on", monkeypatch)
+    c.optimizer.load_state_dict(sd)
+    _steps(c, 2, seed=1)
+    _steps(b, 2, seed=1)
+    assert all(torch.equal(x, y) for x, y in zip(_params(b).values(), _params(c).values()))
+    d = _engine("off", monkeypatch)
+    d.optimizer.load_state_dict(sd)
+    assert d.optimizer.state_dict()["params"].keys() == sd["params"].keys()
+    before = _params(c)
+    steps_before = c.optimizer.flat.steps
+    (stepped, norm), = _steps(c, 1, seed=2, poison_at=0)
+    assert not stepped and norm == float("inf") and c.optimizer.flat.steps == steps_before
+    assert all(torch.equal(x, y) for x, y in zip(before.values(), _params(c).values()))
+
+    class Ops(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Ops.n += 1
+            return func(*args, **(kwargs or {}))
+
+    counts = []
+    for flags in ({}, {"n_layers": 4, "dim": 64}):
+        e = _engine("on", monkeypatch)
+        if flags:
+            from model import ModelConfig, Transformer
+            from parallel.build import build_engine
+            from trainer.config import TrainConfig
+            torch.manual_seed(0)
+            e = build_engine(Transformer(ModelConfig(vocab_size=64, n_heads=4, n_kv_heads=2, multiple_of=16,
+                                                     max_seq_len=16, **flags)),
+                             TrainConfig(device="cpu", dtype="bf16", grad_clip=0.5, bucket_size=3000),
+                             device=torch.device("cpu"))
+            assert e.optimizer.flat is not None and len(e.model.buckets) > 2
+        _steps(e, 1)
+        e.optimizer.zero_grad()
+        e.forward_backward([{"input_ids": torch.zeros(2, 16, dtype=torch.long),
+                             "labels": torch.zeros(2, 16, dtype=torch.long)}],
+                           lambda m, b: (m(b["input_ids"], labels=b["labels"], reduction="sum"), {}), 32.0)
+        kernels = []  # the kernel's launches, counted apart (the interpreter runs many torch ops inside one)
+        monkeypatch.setattr("optimizer.mixed_precision_optimizer.adamw_flat", lambda *a, **k: kernels.append(1))
+        Ops.n = 0
+        with Ops():
+            e.optimizer.step()
+        monkeypatch.undo()
+        counts.append(Ops.n + len(kernels))
+    # the norm (vector_norm, its square), the kernel, the host copy of the norm: the same for any model size
+    assert counts[0] == counts[1] <= 6, counts
+
+
+def test_where_one_launch_applies(monkeypatch):
+    """"auto" is CUDA only; ZeRO, PowerSGD, Muon, fp16 and the overlapped step keep torch's AdamW."""
+    assert _engine("auto", monkeypatch).optimizer.flat is None  # CPU
+    assert _engine("on", monkeypatch, dtype="fp32").optimizer.flat is not None  # fp32: the params are the masters
+    for flags in ({"use_distributed_optimizer": True}, {"optimizer": "muon"}, {"overlap_optim_step": True}):
+        assert _engine("on", monkeypatch, **flags).optimizer.flat is None, flags
+    assert _engine("on", monkeypatch, dtype="fp16").optimizer.flat is None
+    assert _engine("on", monkeypatch, comm_hook="powersgd", powersgd_rank=1).optimizer.flat is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_default_is_one_launch_and_follows_torchs_fused_adamw():
+    """On a GPU the trainer's optimizer takes the one-launch path by itself, and 4 steps follow torch's fused
+    AdamW (the same model with the path turned off) within a bf16 rounding step of the parameters."""
+    from model import ModelConfig, Transformer
+    from optimizer.mixed_precision_optimizer import MixedPrecisionOptimizer
+    from parallel.build import build_engine
+    from trainer.config import TrainConfig
+    device = torch.device("cuda")
+    engines = []
+    for flat in ("auto", "off"):
+        MixedPrecisionOptimizer.flat_adamw = flat
+        try:
+            torch.manual_seed(0)
+            model = Transformer(ModelConfig(vocab_size=256, dim=128, n_layers=2, n_heads=4, max_seq_len=64))
+            engines.append(build_engine(model.to(device), TrainConfig(device="cuda", dtype="bf16", grad_clip=0.5,
+                                                                       learning_rate=1e-2, bucket_size=20000),
+                                        device=device))
+        finally:
+            MixedPrecisionOptimizer.flat_adamw = "auto"
+    assert engines[0].optimizer.flat is not None and engines[0].optimizer.flat.use_triton
+    assert engines[1].optimizer.flat is None
+    results = []
+    for e in engines:
+        g = torch.Generator().manual_seed(0)
+        for _ in range(4):
+            x = torch.randint(0, 256, (4, 64), generator=g).to(device)
+            e.optimizer.zero_grad()
+            e.forward_backward([{"input_ids": x, "labels": x}],
+                               lambda m, b: (m(b["input_ids"], labels=b["labels"], reduction="sum"), {}), 256.0)
+            stepped, norm = e.optimizer.step()
+            assert stepped and math.isfinite(norm)
+        results.append({n: p.detach().float().cpu() for n, p in e.module.named_parameters()})
+    assert engines[0].optimizer.flat is not None  # the kernel ran (a failure to build it falls back, logged)
+    for k in results[1]:
+        torch.testing.assert_close(results[0][k], results[1][k], rtol=0,
+                                   atol=2 ** -7 * results[1][k].abs().max().item())
