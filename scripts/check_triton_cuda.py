@@ -1,4 +1,4 @@
-"""Compile every Triton kernel of the model for real NVIDIA GPUs, without a GPU.
+"""Compile every Triton kernel of the model (and the optimizer's one-launch AdamW) for real NVIDIA GPUs, without a GPU.
 
 The CPU tests run the kernels in Triton's interpreter, which accepts code that the GPU compiler
 rejects (loop-carried values whose type changes, unsupported casts, block shapes over the limits) and
@@ -97,11 +97,25 @@ def _variants():
                 out.append((f"ce V={vocab} {a} lse_in={lse_in} loss={write_loss} grad={write_grad}",
                             tlo._ce_chunk_kernel, sig,
                             dict(LSE_IN=lse_in, WRITE_LOSS=write_loss, WRITE_GRAD=write_grad, BLOCK_V=block), warps))
+    # the optimizer's one-launch AdamW (optimizer/flat_adamw.py): bf16 parameters written back, or fp32 ones
+    # (the masters themselves); clipping on and off; n as i32 and i64 (a buffer of more than 2^31 elements)
+    import optimizer.flat_adamw as fa
+    for out_ty, has_out in (("bf16", True), ("fp32", False)):
+        for clip in (True, False):
+            for n_ty in ("i32", "i64"):
+                sig = dict(master_ptr="*fp32", grad_ptr="*fp32", m_ptr="*fp32", v_ptr="*fp32", decay_ptr="*u8",
+                           out_ptr=f"*{out_ty}", sumsq_ptr="*fp32", n=n_ty, lr_wd="fp32", beta1="fp32",
+                           beta2="fp32", eps="fp32", max_norm="fp32", step_size="fp32", bc2_sqrt="fp32",
+                           HAS_OUT="constexpr", OUT_BF16="constexpr", CLIP="constexpr", BLOCK="constexpr")
+                out.append((f"adamw_flat out={out_ty if has_out else 'none'} clip={clip} n={n_ty}",
+                            fa._adamw_flat_kernel, sig,
+                            dict(HAS_OUT=has_out, OUT_BF16=has_out and out_ty == "bf16", CLIP=clip, BLOCK=fa.BLOCK),
+                            8))
     return out
 
 
 _QUICK = ("D=8192 x=bf16 w=fp32", "H=64 Hkv=8 D=128 bf16", "swiglu_fwd bf16", "swiglu_bwd bf16",
-          "swiglu_packed_bwd bf16", "V=128256 bf16")
+          "swiglu_packed_bwd bf16", "V=128256 bf16", "adamw_flat out=bf16 clip=True n=i64")
 _PTXAS_LINE = re.compile(r"Used (\d+) registers")
 _SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 _SMEM = re.compile(r"(\d+) bytes smem")

@@ -1,4 +1,5 @@
-"""The Triton kernels compile for real NVIDIA GPUs, on a machine without one.
+"""The Triton kernels (the model's, and the optimizer's one-launch AdamW) compile for real NVIDIA GPUs, on a
+machine without one.
 
 The other Triton tests run the kernels in the CPU interpreter, which accepts code that the GPU
 compiler rejects and says nothing about registers. scripts/check_triton_cuda.py --quick compiles the
@@ -14,7 +15,8 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-QUICK_VARIANTS = 12  # rms fwd x2, rms bwd x2, rope x2, swiglu x2 + the packed backward, linear+CE x3 (per architecture)
+QUICK_VARIANTS = 13  # rms fwd x2, rms bwd x2, rope x2, swiglu x2 + the packed backward, linear+CE x3, the
+# optimizer's one-launch AdamW (per architecture)
 
 
 def _run_without_interpreter(script: str, *args: str, timeout: int) -> subprocess.CompletedProcess:
