@@ -99,6 +99,9 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
             b: self._make_adamw(ps) for b, ps in adamw_pieces.items() if ps}
         # one AdamW launch per DDP buffer (optimizer/flat_adamw.py) where it applies; else None
         self.flat: Optional[_FlatAdamW] = _FlatAdamW.build(self) if self._flat_adamw_applies() else None
+        if self.flat is not None:
+            log.info("AdamW in one launch per parameter buffer (%d buffer(s), %s)", len(self.flat.buffers),
+                     "Triton" if self.flat.use_triton else "its torch reference")
 
     # ------------------------------------------------------------------ construction
     def owned_range(self, bucket) -> tuple[int, int]:
@@ -176,25 +179,30 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
 
     # ------------------------------------------------------------------ one launch per buffer
     # "auto": on CUDA with Triton; "on": on any device (the CPU runs the kernel's torch reference, or the kernel
-    # in the interpreter): tests; "off": never. Class attribute, like skip_on_device; MYLLM_FLAT_ADAMW=off in the
-    # environment turns it off for a run (an A/B on a GPU: bench/bench_model_gpu.py with and without).
-    flat_adamw = os.environ.get("MYLLM_FLAT_ADAMW", "auto")
+    # in the interpreter): tests; "off": never. Class attribute, like skip_on_device; None (default): the
+    # environment's MYLLM_FLAT_ADAMW, read when an optimizer is built, else "auto" (MYLLM_FLAT_ADAMW=off: an A/B
+    # on a GPU, bench/bench_model_gpu.py with and without).
+    flat_adamw: Optional[str] = None
 
     def _flat_adamw_applies(self) -> bool:
-        from optimizer.flat_adamw import triton_runs_on
         cfg = self.config
-        if self.flat_adamw == "off" or self.sharded or self.muon is not None or cfg.overlap_optim_step \
+        mode = self.flat_adamw or os.environ.get("MYLLM_FLAT_ADAMW", "auto")
+        if mode not in ("auto", "on", "off"):
+            raise ValueError(f"MYLLM_FLAT_ADAMW={mode!r}: auto | on | off")
+        if mode == "off" or self.sharded or self.muon is not None or cfg.overlap_optim_step \
                 or self.norm_groups or cfg.precision == "fp16" or not self.optimizers or not self.pieces:
             return False
-        if not all(opt.defaults.get("fused") and not opt.defaults.get("amsgrad") for opt in self.optimizers.values()):
+        if any(opt.defaults.get("amsgrad") for opt in self.optimizers.values()):
             return False
+        if mode == "auto" and not all(opt.defaults.get("fused") for opt in self.optimizers.values()):
+            return False  # (forced on, a CPU run's foreach AdamW objects only keep the groups and the state)
         if any(fb.grad_store is not None for fb in self._flat.values()):  # gradients not fp32: the copy-in path
             return False
         if any(b.buffer.split for b in self.ddp.buckets):
             return False
         if not self._plain_reduction():  # PowerSGD writes the alignment gaps: the flat norm would count them
             return False
-        return self.flat_adamw == "on" or triton_runs_on(self._device()) and self._device().type == "cuda"
+        return mode == "on" or triton_runs_on(self._device()) and self._device().type == "cuda"
 
     def _plain_reduction(self) -> bool:
         plain = getattr(self.ddp, "plain_reduction", None)

@@ -213,6 +213,34 @@ def test_resume_skip_and_a_constant_number_of_launches(monkeypatch):
     assert counts[0] == counts[1] <= 6, counts
 
 
+@pytest.mark.skipif(not triton_runs_on(torch.device("cpu")), reason="needs Triton and TRITON_INTERPRET=1")
+def test_the_trainer_with_it_resumes_exactly(tiny_pretrain_run_args, tmp_path):
+    """train_my_ddp.py --dtype=bf16 with the one-launch AdamW forced on (MYLLM_FLAT_ADAMW=on; the kernel in the
+    interpreter): a crash at step 5 resumed from the step-3 checkpoint gives the uninterrupted run's losses and
+    weights bit for bit (the moments and the step count travel through the checkpoint)."""
+    import os
+
+    from tests.conftest import child_env, run_trainer, train_cmd
+    from utils.checkpoint import find_latest_valid, load_model_state
+    from utils.metrics import dedupe_by_step, read_metrics
+    args = [*tiny_pretrain_run_args, "--max_iters=6", "--dtype=bf16", "--grad_clip=0.5"]
+    env = child_env(MYLLM_FLAT_ADAMW="on")
+    ref, crashed = tmp_path / "ref", tmp_path / "crashed"
+    proc = run_trainer(train_cmd([*args, f"--out_dir={ref}"]), env)
+    assert proc.returncode == 0 and "AdamW in one launch per parameter buffer (1 buffer(s), Triton)" in \
+        proc.stdout + proc.stderr, proc.stdout[-2000:] + proc.stderr[-2000:]
+    once = tmp_path / "fired"
+    proc = run_trainer(train_cmd([*args, f"--out_dir={crashed}"]),
+                       dict(env, MYLLM_FAULT="crash@5", MYLLM_FAULT_ONCE_FILE=str(once)))
+    assert proc.returncode != 0 and once.exists()
+    assert run_trainer(train_cmd([*args, f"--out_dir={crashed}"]), env).returncode == 0
+    losses = [{s: r["loss"] for s, r in dedupe_by_step(read_metrics(os.path.join(d, "metrics.jsonl"))).items()}
+              for d in (ref, crashed)]
+    assert losses[0] == losses[1] and sorted(losses[0]) == [1, 2, 3, 4, 5, 6]
+    a, b = (load_model_state(find_latest_valid(str(d))) for d in (ref, crashed))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_where_one_launch_applies(monkeypatch):
     """"auto" is CUDA only; ZeRO, PowerSGD, Muon, fp16 and the overlapped step keep torch's AdamW."""
     assert _engine("auto", monkeypatch).optimizer.flat is None  # CPU
@@ -243,7 +271,7 @@ def test_cuda_default_is_one_launch_and_follows_torchs_fused_adamw():
                                                                        learning_rate=1e-2, bucket_size=20000),
                                         device=device))
         finally:
-            MixedPrecisionOptimizer.flat_adamw = "auto"
+            MixedPrecisionOptimizer.flat_adamw = None
     assert engines[0].optimizer.flat is not None and engines[0].optimizer.flat.use_triton
     assert engines[1].optimizer.flat is None
     results = []
