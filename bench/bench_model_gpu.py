@@ -35,7 +35,9 @@ under torch.compile too, where auto lets Inductor fuse the references), hf (Llam
 hf-liger (the same with Liger-Kernel's RMSNorm/RoPE/SwiGLU/fused linear-CE patched in; a row saying
 "not installed" when liger-kernel is absent), ours-fp8 (ours with --float8=tensorwise: the blocks' matmuls in FP8
 through torchao; on CPU torchao's emulation, so only its GPU rows say anything about speed; reported apart from
-bf16, not in the GPU report's verdict rows: `--bench-rows ours-fp8:trainer:compile` asks for it). Rows run in priority order, all eager rows of a config
+bf16, not in the GPU report's verdict rows: `--bench-rows ours-fp8:trainer:compile` asks for it), ours-torchadam
+(ours with torch's fused AdamW instead of the one-launch kernel, optimizer/flat_adamw.py: the A/B of that kernel;
+trainer precision only). Rows run in priority order, all eager rows of a config
 before its compile rows, so a --budget-s that runs out drops the least informative rows ("not run").
 MFU uses model/flops.py's formula against the dense bf16 peak of the GPU (model/flops.py's table; H100
 SXM 989 TFLOP/s; --peak-tflops overrides) and against the bf16 matmul peak measured in the same run.
@@ -73,7 +75,7 @@ CONFIGS = {
     "tiny": dict(model=dict(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64),
                  batch=2, seq=64),
 }
-MODELS = ("ours", "ours-ref", "ours-triton", "hf", "hf-liger", "ours-fp8")
+MODELS = ("ours", "ours-ref", "ours-triton", "hf", "hf-liger", "ours-fp8", "ours-torchadam")
 PRECISIONS = {"trainer": "bf16 params + fp32 master (trainer)", "autocast": "autocast (fp32 params)"}
 MODES = ("eager", "compile", "compile-cg")
 DEFAULT_MODES = ("eager", "compile")
@@ -106,7 +108,7 @@ def _build(model_name: str, mcfg: dict, device):
     with torch.device(device):  # initialise on the GPU: a 1B model's CPU init takes tens of seconds
         cfg = ModelConfig(**mcfg)
         ours = Transformer(cfg)
-        if model_name in ("ours", "ours-fp8"):  # ours-fp8: --float8=tensorwise applied in make_step
+        if model_name in ("ours", "ours-fp8", "ours-torchadam"):  # the two variants: applied in make_step
             return ours
         if model_name == "ours-triton":  # our Triton kernels also under torch.compile (auto: references there)
             return Transformer(ModelConfig(**mcfg, kernel_backend="triton"))
@@ -177,6 +179,8 @@ def make_step(config: str, model_name: str, mode: str, precision: str, device):
                       compile_mode=COMPILE_KW[mode].get("mode", "default") if COMPILE_KW[mode] else "default",
                       learning_rate=LR, batch_size=B, max_seq_len=T,
                       float8="tensorwise" if model_name == "ours-fp8" else "off")
+    if model_name == "ours-torchadam":  # ours with torch's fused AdamW instead of the one-launch kernel
+        os.environ["MYLLM_FLAT_ADAMW"] = "off"
     engine = build_engine(model, cfg, device=torch.device(device))
     engine.optimizer.set_lr(LR)
     units = float((y != -100).sum())
@@ -547,6 +551,8 @@ def markdown_tables(rows: list[dict], peak_table: float, peak_measured: float) -
         ratios.append(f"| {c} | GOAL, FP8 apart: best ours with FP8 / best of HF and HF+Liger | "
                       f"{_ratio(best(('ours-fp8',)), best(('hf', 'hf-liger')))} |")
         ratios.append(f"| {c} | ours with FP8 / ours bf16 (best rows) | {_ratio(best(('ours-fp8',)), best(('ours',)))} |")
+        ratios.append(f"| {c} | ours / ours with torch's fused AdamW (the one-launch AdamW's gain; best rows) | "
+                      f"{_ratio(best(('ours',)), best(('ours-torchadam',)))} |")
         for md in MODES:
             ratios.append(f"| {c} | ours trainer / HF autocast = HF Trainer's bf16 ({md}) | "
                        f"{_ratio(get('ours', 'trainer', md), get('hf', 'autocast', md))} |")
