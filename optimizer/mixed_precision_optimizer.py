@@ -220,15 +220,15 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
         s_host = HostCopy(sumsq)
         hyper = dict(lr=self.lr, beta1=fl.betas[0], beta2=fl.betas[1], eps=fl.eps, weight_decay=fl.weight_decay,
                      max_norm=float(self.config.grad_clip), step=fl.steps + 1)
-        try:
-            for b in fl.buffers:
+        for i, b in enumerate(fl.buffers):
+            try:
                 adamw_flat(b.master, b.grad, b.exp_avg, b.exp_avg_sq, b.decay, b.param_out, sumsq,
                            use_triton=fl.use_triton, **hyper)
-        except Exception as e:  # noqa: BLE001 - a kernel that cannot be built here: torch's fused AdamW instead
-            if fl.launched:
-                raise
-            self._leave_flat(f"its kernel failed ({' '.join(str(e).split())[:300]})")
-            return self.global_norm_step()
+            except Exception as e:  # noqa: BLE001 - a kernel that cannot be built here: torch's fused AdamW instead
+                if fl.launched or i > 0:  # (only before anything was updated: never a half-applied step)
+                    raise
+                self._leave_flat(f"its kernel failed ({' '.join(str(e).split())[:300]})")
+                return self.global_norm_step()
         fl.launched = True
         global_sumsq = float(s_host.get())
         stepped = math.isfinite(global_sumsq)

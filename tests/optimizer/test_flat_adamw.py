@@ -289,3 +289,26 @@ def test_cuda_default_is_one_launch_and_follows_torchs_fused_adamw():
     for k in results[1]:
         torch.testing.assert_close(results[0][k], results[1][k], rtol=0,
                                    atol=2 ** -7 * results[1][k].abs().max().item())
+
+
+def test_a_kernel_that_cannot_be_built_falls_back_to_torchs_adamw_once(monkeypatch, caplog):
+    """A first launch that raises (no writes yet) is logged once and the step is torch's fused AdamW's, from then
+    on; the same error after a launch succeeded is raised (never a half-applied step, never a silent switch)."""
+    import optimizer.mixed_precision_optimizer as mpo
+    calls = []
+
+    def broken(*a, **k):
+        calls.append(1)
+        raise RuntimeError("no kernel here")
+    flat, ref = _engine("on", monkeypatch), _engine("off", monkeypatch)
+    monkeypatch.setattr(mpo, "adamw_flat", broken)
+    with caplog.at_level("WARNING", logger="optimizer.mixed_precision_optimizer"):
+        rf, rr = _steps(flat, 2), _steps(ref, 2)
+    assert calls == [1] and flat.optimizer.flat is None and "one-launch AdamW off" in caplog.text
+    assert rf == rr and all(torch.equal(a, b) for a, b in zip(_params(flat).values(), _params(ref).values()))
+    again = _engine("on", monkeypatch)
+    monkeypatch.setattr(mpo, "adamw_flat", lambda *a, **k: None)
+    _steps(again, 1)
+    monkeypatch.setattr(mpo, "adamw_flat", broken)
+    with pytest.raises(RuntimeError, match="no kernel here"):
+        _steps(again, 1)
