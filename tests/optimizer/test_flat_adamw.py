@@ -254,28 +254,26 @@ def test_where_one_launch_applies(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_default_is_one_launch_and_follows_torchs_fused_adamw():
-    """On a GPU the trainer's optimizer takes the one-launch path by itself, and 4 steps follow torch's fused
-    AdamW (the same model with the path turned off) within a bf16 rounding step of the parameters."""
+    """On a GPU the trainer's optimizer takes the one-launch path by itself (the kernel compiled for real). fp32
+    parameters: 4 steps follow torch's fused AdamW (the same model with the path turned off) within float32
+    rounding. bf16 parameters: every parameter is its fp32 master rounded to bf16, written by the kernel."""
     from model import ModelConfig, Transformer
     from optimizer.mixed_precision_optimizer import MixedPrecisionOptimizer
     from parallel.build import build_engine
     from trainer.config import TrainConfig
     device = torch.device("cuda")
-    engines = []
-    for flat in ("auto", "off"):
+
+    def engine(flat, dtype):
         MixedPrecisionOptimizer.flat_adamw = flat
         try:
             torch.manual_seed(0)
             model = Transformer(ModelConfig(vocab_size=256, dim=128, n_layers=2, n_heads=4, max_seq_len=64))
-            engines.append(build_engine(model.to(device), TrainConfig(device="cuda", dtype="bf16", grad_clip=0.5,
-                                                                       learning_rate=1e-2, bucket_size=20000),
-                                        device=device))
+            return build_engine(model.to(device), TrainConfig(device="cuda", dtype=dtype, grad_clip=0.5,
+                                                              learning_rate=1e-2, bucket_size=20000), device=device)
         finally:
             MixedPrecisionOptimizer.flat_adamw = None
-    assert engines[0].optimizer.flat is not None and engines[0].optimizer.flat.use_triton
-    assert engines[1].optimizer.flat is None
-    results = []
-    for e in engines:
+
+    def run(e):
         g = torch.Generator().manual_seed(0)
         for _ in range(4):
             x = torch.randint(0, 256, (4, 64), generator=g).to(device)
@@ -284,11 +282,20 @@ def test_cuda_default_is_one_launch_and_follows_torchs_fused_adamw():
                                lambda m, b: (m(b["input_ids"], labels=b["labels"], reduction="sum"), {}), 256.0)
             stepped, norm = e.optimizer.step()
             assert stepped and math.isfinite(norm)
-        results.append({n: p.detach().float().cpu() for n, p in e.module.named_parameters()})
-    assert engines[0].optimizer.flat is not None  # the kernel ran (a failure to build it falls back, logged)
-    for k in results[1]:
-        torch.testing.assert_close(results[0][k], results[1][k], rtol=0,
-                                   atol=2 ** -7 * results[1][k].abs().max().item())
+        return {n: p.detach().float().cpu() for n, p in e.module.named_parameters()}
+
+    flat, ref = engine("auto", "fp32"), engine("off", "fp32")
+    assert flat.optimizer.flat is not None and flat.optimizer.flat.use_triton and ref.optimizer.flat is None
+    pf, pr = run(flat), run(ref)
+    assert flat.optimizer.flat is not None  # the kernel ran (a failure to build it falls back, logged)
+    for k in pr:
+        torch.testing.assert_close(pf[k], pr[k], rtol=1e-5, atol=1e-5)
+    low = engine("auto", "bf16")
+    run(low)
+    assert low.optimizer.flat is not None
+    masters = low.optimizer.state_dict()["params"]
+    for name, p in low.module.named_parameters():
+        assert torch.equal(p.detach().reshape(-1).cpu(), masters[name]["main"].to(torch.bfloat16)), name
 
 
 def test_a_kernel_that_cannot_be_built_falls_back_to_torchs_adamw_once(monkeypatch, caplog):
