@@ -77,6 +77,11 @@ CONFIGS: dict[str, tuple[int, list[str]]] = {
     "ddp-prefetch": (1, ["--prefetch_batches=2", "--gradient_accumulation_steps=2"]),
     "ddp2-zero1-prefetch": (2, ["--batch_size=2", "--use_distributed_optimizer=true", "--zero_stage=1",
                                 "--prefetch_batches=3"]),
+    # issue 32: the one-launch AdamW (optimizer/flat_adamw.py, a GPU run's default) forced on: its moments and step
+    # count travel through the checkpoints (@flat_adamw: MYLLM_FLAT_ADAMW=on; the kernel's torch reference on a
+    # CPU, the kernel itself with TRITON_INTERPRET=1); bf16 parameters over fp32 masters, and at 2 ranks
+    "ddp-bf16-flat": (1, ["--dtype=bf16", "@flat_adamw"]),
+    "ddp2-flat": (2, ["--batch_size=2", "@flat_adamw"]),
 }
 SLOW_WRITES_S = "2.0"
 
@@ -85,7 +90,7 @@ def config_args(common: list[str], flags: list[str], data: dict, base_ref: str) 
     """The common flags with a configuration's over them (a flag given again replaces the common one;
     `--key=-` drops it); @base / @sft / @dpo name the ddp reference run and the toy SFT / DPO files."""
     marks = {"@base": f"--init_from={base_ref}", "@sft": f"--data_dir={data['sft']}", "@dpo": f"--data_dir={data['dpo']}"}
-    flags = [marks.get(f, f) for f in flags if f != "@slow_writes"]
+    flags = [marks.get(f, f) for f in flags if f not in ("@slow_writes", "@flat_adamw")]
     keys = {f.split("=", 1)[0] for f in flags}
     return [f for f in common if f.split("=", 1)[0] not in keys] + [f for f in flags if not f.endswith("=-")]
 
@@ -227,6 +232,8 @@ def main(argv: list[str]) -> int:
         ref = os.path.join(a.work, f"{name}-ref")
         shutil.rmtree(ref, ignore_errors=True)
         env_extra = {"MYLLM_FAULT_SAVE_DELAY": SLOW_WRITES_S} if "@slow_writes" in flags else {}
+        if "@flat_adamw" in flags:
+            env_extra["MYLLM_FLAT_ADAMW"] = "on"
         t0 = time.time()  # the reference holds its writes open too: the kill instants span the same run time
         proc = subprocess.run(train_cmd(nproc, [*args, f"--out_dir={ref}"]), cwd=ROOT, env=dict(env, **env_extra),
                               capture_output=True, text=True)
