@@ -24,6 +24,8 @@ from typing import Any, Optional
 
 import torch
 
+from utils.device import set_device
+
 _POLL_S = 0.05  # how often a blocked thread looks for a stop request
 
 
@@ -41,12 +43,15 @@ def pin_batch(batch: Any) -> Any:
 class PrefetchLoader:
     """Iterates like `loader` (any attribute not defined here is the wrapped loader's), drawing up to
     `depth` batches ahead on one daemon thread; pin=True also pins them (only for an accelerator:
-    pinning needs one)."""
+    pinning needs one). `device`: the process's accelerator, made the thread's current device before it
+    pins anything (a new thread's current device is 0: pinning there would create a CUDA context on GPU 0
+    in every rank's process, hundreds of MB each; torch's DataLoader pin thread does the same)."""
 
-    def __init__(self, loader, depth: int = 2, pin: bool = False) -> None:
+    def __init__(self, loader, depth: int = 2, pin: bool = False, device: Optional[torch.device] = None) -> None:
         if depth < 1:
             raise ValueError(f"depth must be >= 1, got {depth}")
         self.loader, self.depth, self.pin = loader, int(depth), bool(pin)
+        self.device = torch.device(device) if device is not None else None
         self._queue: Optional[queue.Queue] = None
         self._thread: Optional[threading.Thread] = None
         self._stop = threading.Event()
@@ -81,6 +86,8 @@ class PrefetchLoader:
         return False
 
     def _run(self, q: queue.Queue) -> None:
+        if self.pin and self.device is not None:
+            set_device(self.device)  # the thread's current device: the rank's own, not GPU 0
         while not self._stop.is_set():
             try:
                 batch = next(self.loader)

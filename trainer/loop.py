@@ -150,7 +150,7 @@ def train(cfg: TrainConfig, info: DistInfo, continues: Optional[bool] = None, ma
         raise TrainingError(f"data: {' '.join(str(e).split())}", EXIT_BAD_DATA) from e
     depth = prefetch_depth(cfg, info.device)
     if depth:  # the next batches drawn (and pinned for a GPU) on a thread while the step runs; same batches, same cursor
-        train_loader = PrefetchLoader(train_loader, depth, pin=is_accelerator(info.device))
+        train_loader = PrefetchLoader(train_loader, depth, pin=is_accelerator(info.device), device=info.device)
     progress = restore(cfg, info, engine, train_loader, start, log)
     if cfg.num_train_epochs > 0:  # max_iters from the epochs, unless --max_iters was given (now or when the run began)
         given = max_iters_given or start.saved_state.get("max_iters_from") == "max_iters"

@@ -5,6 +5,7 @@ default) trains and resumes as it does without."""
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import torch
@@ -92,10 +93,15 @@ def test_pinned_batches_for_an_accelerator(monkeypatch):
     b = pin_batch({"input_ids": torch.ones(2), "labels": [torch.zeros(1), torch.ones(1)], "n": 3})
     assert len(pinned) == 3 and b["n"] == 3 and torch.equal(b["labels"][1], torch.ones(1))
     pinned.clear()
-    ahead = PrefetchLoader(_loader(), depth=2, pin=True)
+    devices = []
+    monkeypatch.setattr("dataset.prefetch.set_device", lambda d: devices.append((d, threading.current_thread())))
+    ahead = PrefetchLoader(_loader(), depth=2, pin=True, device=torch.device("cuda", 3))
     batch = next(ahead)
     ahead.close()
     assert len(pinned) >= 1 and torch.equal(batch["input_ids"], next(_loader())["input_ids"])
+    # the pinning thread made the rank's device its current one first (not GPU 0, a new thread's default)
+    assert len(devices) == 1 and devices[0][0] == torch.device("cuda", 3)
+    assert devices[0][1] is not threading.main_thread()
 
 
 def _losses(out_dir) -> dict[int, float]:
