@@ -111,11 +111,18 @@ class GlobalNormOptimizer:
             coef = (self._clip_numerator(norm) / (norm + 1e-6)).clamp(max=1.0)
             torch._foreach_mul_(grads, coef.to(torch.float32))  # a factor of 1.0 leaves every bit
         self._update_on_device(found_inf)
-        global_sumsq = float(s_host.get())  # the step's one host read, after the update was launched
+        result = self._device_verdict(s_host)
+        self._drop_grads()
+        return result
+
+    def _device_verdict(self, s_host: HostCopy) -> tuple[bool, float]:
+        """The step's one host read (the squared norm, copied behind its own computation), taken after the update
+        was launched and decided on the device; then the scaler and the comm hook learn the verdict. Returns
+        (stepped, grad_norm), (False, inf) when the norm was non-finite and the device skipped the update."""
+        global_sumsq = float(s_host.get())
         stepped = math.isfinite(global_sumsq)
         self.scaler.update(not stepped)
         self._report_verdict(stepped)
-        self._drop_grads()
         return (True, math.sqrt(global_sumsq)) if stepped else (False, float("inf"))
 
     def _clip_numerator(self, like: torch.Tensor) -> torch.Tensor:

@@ -118,7 +118,9 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
         the step copies gradients in and masters back with one copy per bucket, not one per parameter."""
         pieces = []
         self._flat: dict[int, _FlatBucket] = {}
-        buffer_masters: dict[int, torch.Tensor] = {}  # unsharded: one fp32 master per DDP buffer, bucket views of it
+        # unsharded, low-precision parameters: one fp32 master per DDP buffer (id -> it), the buckets' are views
+        self._buffer_masters: dict[int, torch.Tensor] = {}
+        buffer_masters = self._buffer_masters
         for bucket in self.ddp.buckets:
             olo, ohi = self.owned_range(bucket)
             slots = [s for s in bucket.slots if max(s.start, olo) < min(s.end, ohi)]
@@ -230,13 +232,9 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
                 self._leave_flat(f"its kernel failed ({' '.join(str(e).split())[:300]})")
                 return self.global_norm_step()
         fl.launched = True
-        global_sumsq = float(s_host.get())
-        stepped = math.isfinite(global_sumsq)
-        if stepped:
-            fl.steps += 1
-        self.scaler.update(not stepped)
-        self._report_verdict(stepped)
-        return (True, math.sqrt(global_sumsq)) if stepped else (False, float("inf"))
+        stepped, norm = self._device_verdict(s_host)
+        fl.steps += int(stepped)
+        return stepped, norm
 
     def _leave_flat(self, why: str) -> None:
         """Back to the per-parameter fused AdamW for good: the moments stay where they are (its state holds
@@ -567,12 +565,7 @@ class _FlatAdamW:
         flat: dict[int, _FlatBuffer] = {}
         for buf in ddp_buffers:
             low = buf.param_dtype != torch.float32
-            pieces = [pc for pc in opt.pieces if opt.ddp.buckets[pc.bucket_index].buffer is buf]
-            if low:  # the bucket masters are views of one fp32 tensor per buffer (`_build_pieces`)
-                master = pieces[0].main
-                base = master._base if master._base is not None else master
-            else:
-                base = buf.param_data
+            base = opt._buffer_masters[id(buf)] if low else buf.param_data  # fp32: the parameters are the masters
             flat[id(buf)] = _FlatBuffer(base, buf.grad_data, torch.zeros_like(base), torch.zeros_like(base),
                                         torch.zeros(base.numel(), dtype=torch.uint8, device=device),
                                         buf.param_data if low else None)

@@ -134,9 +134,9 @@ def all_reduce_max(value: float, device: torch.device) -> float:
     """MAX of a host float over ranks, reduced on the host (`host_group`); one process returns it untouched."""
     if not dist.is_initialized():
         return float(value)
-    usable, group = host_group()
+    usable, group = host_group()  # group: None (the default group) unless a gloo twin carries it
     t = torch.tensor([value], dtype=torch.float64, device="cpu" if usable else device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group if usable else None)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return float(t.item())
 
 
