@@ -177,6 +177,23 @@ def run_cmd(args: list[str], cwd: str = ROOT, env: dict | None = None, timeout: 
     return proc
 
 
+def sigterm_after_two_steps(flags: list[str], out, env: dict) -> tuple[int, str, str]:
+    """Start train_my_ddp.py with `flags` writing to `out` (a Path), send it SIGTERM once its metrics.jsonl holds
+    two rows, and wait for it to exit: (returncode, stdout, stderr)."""
+    import signal
+    import time
+    proc = subprocess.Popen(train_cmd([*flags, f"--out_dir={out}"]), cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 600  # waits for an event; only a broken run (or a very slow machine) gets near it
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    stdout, err = proc.communicate(timeout=600)
+    return proc.returncode, stdout, err
+
+
 @pytest.fixture(scope="session")
 def tiny_pretrain_data(tmp_path_factory) -> dict:
     """A real tokenizer + token shards + index built from a slice of the bundled corpus.

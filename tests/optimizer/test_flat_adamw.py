@@ -157,7 +157,7 @@ def test_resume_skip_and_a_constant_number_of_launches(monkeypatch):
     """3 steps, state dict, a new optimizer loads it and takes 2 more = 5 steps uninterrupted, bit for bit; the
     state also loads into torch's fused path; a NaN gradient skips the step on the device (nothing changes,
     the step count stays); the step is the same few ops for a bigger model."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from tests.optimizer.test_step_launches import CountLaunches
     a = _engine("on", monkeypatch)
     _steps(a, 5)
     b = _engine("on", monkeypatch)
@@ -176,13 +176,6 @@ def test_resume_skip_and_a_constant_number_of_launches(monkeypatch):
     (stepped, norm), = _steps(c, 1, seed=2, poison_at=0)
     assert not stepped and norm == float("inf") and c.optimizer.flat.steps == steps_before
     assert all(torch.equal(x, y) for x, y in zip(before.values(), _params(c).values()))
-
-    class Ops(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Ops.n += 1
-            return func(*args, **(kwargs or {}))
 
     counts = []
     for flags in ({}, {"n_layers": 4, "dim": 64}):
@@ -204,11 +197,10 @@ def test_resume_skip_and_a_constant_number_of_launches(monkeypatch):
                            lambda m, b: (m(b["input_ids"], labels=b["labels"], reduction="sum"), {}), 32.0)
         kernels = []  # the kernel's launches, counted apart (the interpreter runs many torch ops inside one)
         monkeypatch.setattr("optimizer.mixed_precision_optimizer.adamw_flat", lambda *a, **k: kernels.append(1))
-        Ops.n = 0
-        with Ops():
+        with CountLaunches() as launches:
             e.optimizer.step()
         monkeypatch.undo()
-        counts.append(Ops.n + len(kernels))
+        counts.append(len(launches.ops) + len(kernels))
     # the norm (vector_norm, its square), the kernel, the host copy of the norm: the same for any model size
     assert counts[0] == counts[1] <= 6, counts
 

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from parallel.checkpoint_io import checkpoint_model_state
-from tests.conftest import ROOT, child_env, run_cmd, train_cmd
+from tests.conftest import ROOT, child_env, run_cmd, sigterm_after_two_steps, train_cmd
 from utils.checkpoint import find_latest_valid, list_checkpoints, load_model_state, verify_checkpoint
 from utils.metrics import dedupe_by_step, read_metrics
 
@@ -126,22 +126,12 @@ def test_sigkill_inside_background_write_resumes_exactly(tiny_pretrain_run_args,
 def test_sigterm_waits_for_the_background_write(tiny_pretrain_run_args, tmp_path):
     """SIGTERM: the step's checkpoint is saved in the background, held open 1 s (MYLLM_FAULT_SAVE_DELAY); the run
     must wait for it before exiting 75 (exiting at once would kill the writer thread and publish nothing)."""
-    import signal
-    import time
     from utils.constants import EXIT_INTERRUPTED
     out = tmp_path / "term"
-    proc = subprocess.Popen(train_cmd([*tiny_pretrain_run_args, f"--out_dir={out}", "--max_iters=100000",
-                                       "--checkpoint_interval=100000", "--async_checkpoint=true"]),
-                            cwd=ROOT, env=child_env(MYLLM_FAULT_SAVE_DELAY="1"), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    metrics = out / "metrics.jsonl"
-    deadline = time.time() + 600  # waits for an event; only a broken run gets near it
-    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
-        assert proc.poll() is None, proc.communicate()[1][-2000:]
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    stdout, err = proc.communicate(timeout=600)
-    assert proc.returncode == EXIT_INTERRUPTED, err[-2000:]
+    rc, stdout, err = sigterm_after_two_steps([*tiny_pretrain_run_args, "--max_iters=100000",
+                                               "--checkpoint_interval=100000", "--async_checkpoint=true"], out,
+                                              child_env(MYLLM_FAULT_SAVE_DELAY="1"))
+    assert rc == EXIT_INTERRUPTED, err[-2000:]
     path = find_latest_valid(str(out))
     saved_step = json.load(open(os.path.join(path, "trainer_state.json")))["step"]
     assert saved_step == max(losses(out)) >= 2

@@ -7,17 +7,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
-import time
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from trainer.weights import load_weights_from
-from tests.conftest import ROOT, child_env, run_cmd, run_trainer, train_cmd
+from tests.conftest import ROOT, child_env, run_cmd, run_trainer, sigterm_after_two_steps, train_cmd
 from utils.checkpoint import find_latest_valid, load_model_state
 from utils.constants import EXIT_BAD_CONFIG, EXIT_INTERRUPTED, EXIT_NONFINITE_LOSS, IGNORE_INDEX
 from utils.metrics import dedupe_by_step, read_metrics
@@ -218,17 +215,9 @@ def test_nonfinite_loss_stops_with_checkpoint_intact(tiny_pretrain_run_args, tmp
 
 def test_sigterm_saves_and_exits_75(tiny_pretrain_run_args, tmp_path):
     out = tmp_path / "term"
-    proc = subprocess.Popen(train_cmd([*tiny_pretrain_run_args, f"--out_dir={out}", "--max_iters=100000",
-                                       "--checkpoint_interval=100000"]),
-                            cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics = out / "metrics.jsonl"
-    deadline = time.time() + 600  # waits for an event; only a broken run (or a very slow machine) gets near it
-    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
-        assert proc.poll() is None, proc.communicate()[1][-2000:]
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=600)
-    assert proc.returncode == EXIT_INTERRUPTED, err[-2000:]
+    rc, _, err = sigterm_after_two_steps([*tiny_pretrain_run_args, "--max_iters=100000",
+                                          "--checkpoint_interval=100000"], out, _env())
+    assert rc == EXIT_INTERRUPTED, err[-2000:]
     path = find_latest_valid(str(out))
     saved_step = json.loads(open(os.path.join(path, "trainer_state.json")).read())["step"]
     assert saved_step == max(losses(out)) >= 2
