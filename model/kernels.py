@@ -238,6 +238,12 @@ class _ConcatLinearFn(torch.autograd.Function):
         return (dx, *dws) + (None,) * (3 - len(weights))
 
 
+def concat_projections(x: torch.Tensor, backend: str = "auto") -> bool:
+    """Do the model's q/k/v (gate/up) projections run as one matmul (`concat_linear`) for input `x`? Yes,
+    except where `backend` "auto" picks the separate projections (compiled on CUDA: AUTO_UNDER_COMPILE)."""
+    return choose("concat_linear", x, backend) != "reference"
+
+
 def concat_linear(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """x @ cat(weights).T: the q/k/v (gate/up) projections as one matmul, parameters kept separate (the
     model's `fused_qkv=False` runs the separate projections instead, so there is no switch here)."""
@@ -248,21 +254,32 @@ def concat_linear(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> torch.T
 
 # ------------------------------------------------------------------------------ implementation choice
 BACKENDS = ("auto", "triton", "torch")
-# kernel_backend="auto" on CUDA, per op and mode, as measured on an H100 (docs/gpu/report-574426c.md: `make
-# gpu-report`, torch 2.11, triton 3.6, 2026-11-26):
-# - eager: our Triton kernels for every op. bench/bench_kernels_gpu.py, forward + backward of one op, bf16,
-#   us at the 124M / 1B shapes, Triton vs our autograd Function vs the plain reference: rms_norm 597/718 vs
-#   1026/1188 vs 984/1031; add_rms_norm 642/586 vs 1112/1173 vs 992/1060; rope 714/765 vs 1050/758 vs
-#   983/829; swiglu (packed gate/up) 517/588 vs 767/1020 vs 640/800 (1B RoPE: a tie with the Function).
-# - under torch.compile: Inductor's fusion of the references, except the linear+CE (Inductor cannot avoid
-#   the full logits). Alone, each Triton op was as fast or faster than the compiled reference (e.g. 1B RoPE
-#   426 vs 737 us), but the whole compiled trainer step was slower with them (bench_model_gpu,
-#   ours-triton vs ours: 390,954 vs 420,433 tokens/s at 124M, 78,048 vs 78,952 at 1B): in the graph the
-#   references fuse with their neighbours (casts, the residual add, the projections' epilogues).
+# kernel_backend="auto" on CUDA, per op and mode, as measured on an H100 (docs/gpu/report-574426c.md and
+# docs/gpu/report-aea0e31.md: `make gpu-report`, torch 2.11, triton 3.6, 2026-11-26/27):
+# - eager: our Triton kernels for every op, and q/k/v (gate/up) as one matmul (concat_linear).
+#   bench/bench_kernels_gpu.py, forward + backward of one op, bf16, us at the 124M / 1B shapes, Triton vs our
+#   autograd Function vs the plain reference: rms_norm 597/718 vs 1026/1188 vs 984/1031; add_rms_norm
+#   642/586 vs 1112/1173 vs 992/1060; rope 714/765 vs 1050/758 vs 983/829; swiglu (packed gate/up) 517/588
+#   vs 767/1020 vs 640/800 (1B RoPE: a tie with the Function).
+# - under torch.compile: Inductor's fusion of the plain references for every op. Alone, each Triton op was as
+#   fast or faster than the compiled reference (e.g. 1B RoPE 426 vs 737 us), but the whole compiled trainer
+#   step was slower with them (bench_model_gpu, ours-triton vs ours: 390,954 vs 420,433 tokens/s at 124M,
+#   78,048 vs 78,952 at 1B): in the graph the references fuse with their neighbours (casts, the residual add,
+#   the projections' epilogues). With only the Triton linear+CE and the concatenated projections left, the
+#   compiled step was still slower than every reference (report-aea0e31: 475,892 vs ours-ref 519,925
+#   tokens/s at 124M; report-574426c: 78,804 vs 80,141 at 1B): the concatenation's backward is a
+#   gradient `cat` that Inductor fuses with the RoPE backward into one transposing kernel (358 us per layer
+#   at 124M, the step's largest), and the full-logits loss compiles to fewer passes than the chunked one.
+#   So compiled, the projections stay separate, and the loss takes the full logits while they fit
+#   REFERENCE_LOSS_MAX_LOGITS_BYTES (then the Triton op's chunks, whose memory does not grow with the vocab).
 AUTO_EAGER = {"rms_norm": "triton", "add_rms_norm": "triton", "rope": "triton", "swiglu": "triton",
-              "cross_entropy": "triton"}
+              "cross_entropy": "triton", "concat_linear": "torch"}
 AUTO_UNDER_COMPILE = {"rms_norm": "reference", "add_rms_norm": "reference", "rope": "reference",
-                      "swiglu": "reference", "cross_entropy": "triton"}
+                      "swiglu": "reference", "cross_entropy": "reference", "concat_linear": "reference"}
+# the compiled full-logits loss holds the fp32 logits [tokens, vocab] (and their gradient): above this the
+# chunked Triton op runs instead (124M at batch 16 x 1024: 2 GiB; 1B at 4 x 2048: 1 GiB; a 128k vocab at
+# 16k tokens: 8 GiB -> chunked)
+REFERENCE_LOSS_MAX_LOGITS_BYTES = 4 << 30
 _TRITON: dict = {}
 _TRITON_MODULES = ("triton_kernels", "triton_loss")
 
@@ -323,6 +340,8 @@ def choose(op: str, t: torch.Tensor, backend: str = "auto") -> str:
         raise ValueError(f"kernel_backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto" and not t.is_cuda:
         return "torch"
+    if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return "torch"  # float64 (exactness checks): the kernels compute in fp32 at most
     if not t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         return "torch"  # Triton runs on CUDA, or on CPU tensors in its interpreter (tests)
     mod = _load_triton("triton_loss" if op == "cross_entropy" else "triton_kernels")
@@ -339,12 +358,17 @@ def describe_choice(device: torch.device, backend: str, compiled: bool, fused: b
         return "reference PyTorch paths (fused kernels off)"
     t = torch.empty(0, device=device)
     parts = []
-    for op in ("rms_norm", "rope", "swiglu", "cross_entropy"):
+    for op in ("rms_norm", "rope", "swiglu", "cross_entropy", "concat_linear"):
         impl = choose(op, t, backend)
-        if impl == "triton" and compiled and backend == "auto":
+        if t.is_cuda and compiled and backend == "auto":
             impl = AUTO_UNDER_COMPILE[op]
+        if op == "concat_linear":
+            parts.append("q/k/v and gate/up " + ("separate matmuls" if impl == "reference" else "one matmul each"))
+            continue
         name = {"triton": "Triton", "torch": "autograd Function" if op != "cross_entropy" else "chunked",
                 "reference": "reference (Inductor-fused)"}[impl]
+        if op == "cross_entropy" and impl == "reference":
+            name = "full logits (Inductor-fused) up to 4 GiB of logits, else Triton"
         parts.append(f"{op} {name}")
     return ", ".join(parts) + f" [kernel_backend={backend}{', compiled' if compiled else ''}]"
 

@@ -149,7 +149,8 @@ class Attention(nn.Module):
         # The parameters stay separate (HF names); only the compute is concatenated.
         # v is copied out of the one output: a view would keep the pre-RoPE q and k alive until backward
         # (SDPA saves v; RoPE saves only cos/sin), [h + hk] more per token than the copy's [hk].
-        if self.fused_qkv and all(type(m) is nn.Linear for m in (self.q_proj, self.k_proj, self.v_proj)):
+        if (self.fused_qkv and all(type(m) is nn.Linear for m in (self.q_proj, self.k_proj, self.v_proj))
+                and kernels.concat_projections(x, self.backend)):
             qkv = kernels.concat_linear(x, (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight))
             nq, nkv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
             q, k, v = qkv.split((nq, nkv, nkv), dim=-1)
@@ -196,7 +197,8 @@ class MLP(nn.Module):
         self.fused_swiglu, self.fused_qkv, self.backend = cfg.fused_swiglu, cfg.fused_qkv, cfg.kernel_backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused_qkv and type(self.gate_proj) is nn.Linear and type(self.up_proj) is nn.Linear:
+        if (self.fused_qkv and type(self.gate_proj) is nn.Linear and type(self.up_proj) is nn.Linear
+                and kernels.concat_projections(x, self.backend)):
             gate_up = kernels.concat_linear(x, (self.gate_proj.weight, self.up_proj.weight))
             y = kernels.swiglu_packed(gate_up, fused=self.fused_swiglu, backend=self.backend)
         else:

@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from model.kernels import _load_triton, choose
+from model.kernels import REFERENCE_LOSS_MAX_LOGITS_BYTES, _load_triton, choose
 from utils.constants import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
@@ -475,7 +475,12 @@ def lm_head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tenso
         return vocab_parallel_lm_head_loss(hidden, weight, labels, reduction, cfg.loss_chunk_size)
     if not cfg.fused_cross_entropy:
         return linear_cross_entropy_ref(hidden, weight, labels, reduction)
-    if choose("cross_entropy", hidden, cfg.kernel_backend) == "triton":
+    impl = choose("cross_entropy", hidden, cfg.kernel_backend)
+    if impl == "reference":  # auto, compiled on CUDA: the full logits while they fit (model/kernels.py)
+        if hidden.numel() // hidden.shape[-1] * weight.shape[0] * 4 <= REFERENCE_LOSS_MAX_LOGITS_BYTES:
+            return linear_cross_entropy_ref(hidden, weight, labels, reduction)
+        impl = "triton"
+    if impl == "triton":
         # on a GPU the op sizes its chunks from (tokens, vocab, dim) (auto_chunk_size); loss_chunk_size is
         # the CPU path's knob (and the interpreter's, where small chunks keep the tests fast)
         chunk = None if hidden.is_cuda else cfg.loss_chunk_size

@@ -262,8 +262,9 @@ def _side_work(ctx: Ctx) -> tuple[list[threading.Thread], dict]:
     later = set(ctx.names)
     if not ctx.dry and later & {"bench-124m", "bench-1b", "profile", "train"}:
         configs = [c for c in ("124m", "1b") if f"bench-{c}" in later or (c == "124m" and later & {"profile", "train"})]
-        rows = ctx.args.bench_rows or ("" if ctx.args.full else ",".join(
-            dict.fromkeys(r for c in configs for r in VERDICT_BENCH_ROWS[f"bench-{c}"].split(","))))
+        per_config = [bench_rows_for(ctx.args.bench_rows, f"bench-{c}") or
+                      ("" if ctx.args.full else VERDICT_BENCH_ROWS[f"bench-{c}"]) for c in configs]
+        rows = "" if "" in per_config else ",".join(dict.fromkeys(",".join(per_config).split(",")))
 
         def prewarm() -> None:
             out_json = os.path.join(ctx.work, "prewarm.json")
@@ -294,6 +295,18 @@ def _side_work(ctx: Ctx) -> tuple[list[threading.Thread], dict]:
     for t in threads:
         t.start()
     return threads, out
+
+
+def bench_rows_for(spec: str, stage: str) -> str:
+    """--bench-rows for one bench stage: "ROWS" (every config) or "124m=ROWS;1b=ROWS" (a config left out: its
+    default rows); ROWS = model:precision:mode,..."""
+    if "=" not in spec:
+        return spec
+    per = dict(part.split("=", 1) for part in filter(None, spec.split(";")))
+    unknown = set(per) - {s.removeprefix("bench-") for s in STAGES if s.startswith("bench-")}
+    if unknown:
+        raise SystemExit(f"gpu_report: --bench-rows: unknown config(s) {sorted(unknown)}")
+    return per.get(stage.removeprefix("bench-"), "")
 
 
 def stage_tests(ctx: Ctx) -> dict:
@@ -358,7 +371,8 @@ def _bench_stage(ctx: Ctx, name: str) -> dict:
     cmd = [ctx.py, "bench/bench_model_gpu.py", "--configs", config, "--device", ctx.device,
            "--json-out", out_json, "--budget-s", str(max(10, int(ctx.timeout - 15))),
            "--timeout", str(int(ctx.args.bench_row_timeout))]
-    rows = ctx.args.bench_rows or (DRY_BENCH[name] if ctx.dry else "" if ctx.args.full else VERDICT_BENCH_ROWS[name])
+    rows = bench_rows_for(ctx.args.bench_rows, name) or (DRY_BENCH[name] if ctx.dry else "" if ctx.args.full
+                                                         else VERDICT_BENCH_ROWS[name])
     if rows:
         cmd += ["--rows", rows]
     if ctx.dry:
@@ -907,7 +921,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                    + str(TIMEOUTS))
     p.add_argument("--deadline-s", type=float, default=None, help="end this invocation's stages within this many seconds "
                    "(a stage gets min(its timeout, what is left); default 540 = 9 min, 0 with --full or --dry-run-cpu: none)")
-    p.add_argument("--bench-rows", default="", help="bench stages: run only these rows (model:precision:mode,...)")
+    p.add_argument("--bench-rows", default="", help="bench stages: run only these rows (model:precision:mode,...), "
+                   "or per config: '124m=ROWS;1b=ROWS'")
     p.add_argument("--bench-row-timeout", type=float, default=300, help="seconds per bench row")
     p.add_argument("--git-rev", default="", help="the revision to print when this tree has no .git")
     p.add_argument("--full", action="store_true", help="every bench row (ours/ours-ref/HF/HF+Liger x precision x "

@@ -248,7 +248,10 @@ def test_where_one_launch_applies(monkeypatch):
 def test_cuda_default_is_one_launch_and_follows_torchs_fused_adamw():
     """On a GPU the trainer's optimizer takes the one-launch path by itself (the kernel compiled for real). fp32
     parameters: 4 steps follow torch's fused AdamW (the same model with the path turned off) within float32
-    rounding. bf16 parameters: every parameter is its fp32 master rounded to bf16, written by the kernel."""
+    rounding, both fed the same gradients each step (the flat run's: two backward passes may differ in their
+    last bits, e.g. by cuBLAS's choice for differently aligned buffers, and Adam's m / sqrt(v) turns such
+    a difference on a near-zero gradient into a visible one). bf16 parameters: every parameter is its fp32
+    master rounded to bf16, written by the kernel."""
     from model import ModelConfig, Transformer
     from optimizer.mixed_precision_optimizer import MixedPrecisionOptimizer
     from parallel.build import build_engine
@@ -265,25 +268,37 @@ def test_cuda_default_is_one_launch_and_follows_torchs_fused_adamw():
         finally:
             MixedPrecisionOptimizer.flat_adamw = None
 
-    def run(e):
-        g = torch.Generator().manual_seed(0)
-        for _ in range(4):
-            x = torch.randint(0, 256, (4, 64), generator=g).to(device)
-            e.optimizer.zero_grad()
-            e.forward_backward([{"input_ids": x, "labels": x}],
-                               lambda m, b: (m(b["input_ids"], labels=b["labels"], reduction="sum"), {}), 256.0)
-            stepped, norm = e.optimizer.step()
-            assert stepped and math.isfinite(norm)
+    def backward(e, x):
+        e.optimizer.zero_grad()
+        e.forward_backward([{"input_ids": x, "labels": x}],
+                           lambda m, b: (m(b["input_ids"], labels=b["labels"], reduction="sum"), {}), 256.0)
+
+    def step(e):
+        stepped, norm = e.optimizer.step()
+        assert stepped and math.isfinite(norm)
+
+    def params(e):
         return {n: p.detach().float().cpu() for n, p in e.module.named_parameters()}
 
     flat, ref = engine("auto", "fp32"), engine("off", "fp32")
     assert flat.optimizer.flat is not None and flat.optimizer.flat.use_triton and ref.optimizer.flat is None
-    pf, pr = run(flat), run(ref)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        x = torch.randint(0, 256, (4, 64), generator=g).to(device)
+        backward(flat, x)
+        backward(ref, x)
+        for pf, pr in zip(flat.module.parameters(), ref.module.parameters()):
+            pr.main_grad.copy_(pf.main_grad)
+        step(flat)
+        step(ref)
+    pf, pr = params(flat), params(ref)
     assert flat.optimizer.flat is not None  # the kernel ran (a failure to build it falls back, logged)
     for k in pr:
         torch.testing.assert_close(pf[k], pr[k], rtol=1e-5, atol=1e-5)
     low = engine("auto", "bf16")
-    run(low)
+    for _ in range(4):
+        backward(low, torch.randint(0, 256, (4, 64), generator=g).to(device))
+        step(low)
     assert low.optimizer.flat is not None
     masters = low.optimizer.state_dict()["params"]
     for name, p in low.module.named_parameters():
