@@ -416,8 +416,11 @@ def planned_rows(args) -> list[tuple[str, str, str, str]]:
     rows = []
     for config in args.configs:
         if args.rows:
-            for r in args.rows:
-                m, prec, mode = r.split(":")
+            for r in args.rows:  # model:precision:mode, or config:model:precision:mode (that config only)
+                parts = r.split(":")
+                if len(parts) == 4 and parts.pop(0) != config:
+                    continue
+                m, prec, mode = parts
                 rows.append((config, m, prec, mode))
             continue
         for mode in MODES:

@@ -7,9 +7,8 @@ decides the goals and nothing else (`--full` runs every row and trainer setting,
               to fill Inductor's on-disk caches (bench/bench_model_gpu.py --prewarm, two at a time), and
               the trainer runs' data is prepared
   bench-124m  bench/bench_model_gpu.py, every row in its own process: ours as the trainer runs it (bf16
-  bench-1b    params + fp32 master) compiled and eager, HF compiled (autocast, = HF Trainer --bf16),
-              HF + Liger-Kernel eager, our reference paths compiled (124M), ours with FP8 (1B)
-              (VERDICT_BENCH_ROWS)
+  bench-1b    params + fp32 master) compiled, HF compiled (autocast, = HF Trainer --bf16),
+              HF + Liger-Kernel eager, ours with FP8 (1B) (VERDICT_BENCH_ROWS)
   train       train_my_ddp.py, 25 steps of the bench's 124M shape on the bundled corpus, --fused_kernels=auto,
               eager and --compile=true; tokens/s and MFU read from each run's metrics.jsonl, and their
               ratio to the bench rows of the same model, precision and mode
@@ -68,20 +67,22 @@ PARTS = {"tests": ["tests"], "bench": ["bench-124m", "bench-1b"], "bench-124m": 
          "bench-1b": ["bench-1b"], "train": ["train"], "profile": ["profile"], "kernels": ["kernels"],
          "all": list(STAGES)}
 # the verdict (default): what decides the goals, in one device call of <= 9 minutes on one H100
-# measured on an H100 (docs/gpu/report-574426c.md): pytest -m gpu 119 s with 4 workers; a bench row 27-48 s when
-# its compile is in the cache (process start, imports, build, compile from the cache, steps), +30-45 s cold;
-# a trainer run 19 s eager, ~60 s compiled. The per-op kernel bench (35 s) runs when time is left (--full: always)
-TIMEOUTS = {"tests": 140, "bench-124m": 140, "bench-1b": 170, "train": 75, "profile": 30, "kernels": 40}  # 595 s
+# measured on an H100 (docs/gpu/report-574426c.md, report-aea0e31-h100.md): pytest -m gpu 116-119 s with 4
+# workers (41 tests); a bench row 25-36 s when its compile is in the cache (process start, imports, build, compile
+# from the cache, steps), +30-45 s cold (HF at 1B: > 69 s cold on an H200); a trainer run 24 s eager, ~55 s
+# compiled. The per-op kernel bench (35 s) runs when time is left (--full: always)
+TIMEOUTS = {"tests": 140, "bench-124m": 110, "bench-1b": 170, "train": 75, "profile": 30, "kernels": 40}  # 565 s
 FULL_TIMEOUTS = {"tests": 280, "bench-124m": 380, "bench-1b": 330, "train": 360, "profile": 90,
                  "kernels": 120}  # --full: 26 min
 # the bench rows that decide the goals, per config: ours as the trainer runs it compiled, the best HF (compiled),
-# HF + Liger (eager: its fused linear-CE failed under compile with torch 2.11), our references compiled. At 1B
-# ours with FP8 runs second: the H200 run of 2026-11-26 never reached it (third, after HF's 45 s compile), and
-# it is the row that may carry the 1B goal. Ours with CUDA graphs (compile-cg) left the verdict: on that run it
-# was 1% over plain compile (485,292 vs 480,157 tokens/s at 124M); `--bench-rows ours:trainer:compile-cg` asks.
+# HF + Liger (eager: its fused linear-CE failed under compile with torch 2.11). At 1B ours with FP8 runs third:
+# it may carry the 1B goal (reported apart) and no call has reached it yet. Left out since 2026-11-27: our
+# references compiled (compiled, `auto` now runs them: docs/gpu/report-aea0e31-h100.md), and ours with CUDA graphs
+# (compile-cg; 1% over plain compile on 2026-11-26: 485,292 vs 480,157 tokens/s at 124M on an H200); ask with
+# e.g. `--bench-rows "124m=ours:trainer:compile-cg,ours-concat:trainer:compile"`.
 VERDICT_BENCH_ROWS = {
-    "bench-124m": "ours:trainer:compile,hf:autocast:compile,hf-liger:autocast:eager,ours-ref:trainer:compile",
-    "bench-1b": "ours:trainer:compile,ours-fp8:trainer:compile,hf:autocast:compile,hf-liger:autocast:eager",
+    "bench-124m": "ours:trainer:compile,hf:autocast:compile,hf-liger:autocast:eager",
+    "bench-1b": "ours:trainer:compile,hf:autocast:compile,ours-fp8:trainer:compile,hf-liger:autocast:eager",
 }
 DRY_TIMEOUTS = {"tests": 240, "bench-124m": 300, "bench-1b": 400, "train": 600, "profile": 240, "kernels": 300}
 REPORT_FORMAT = 1
@@ -262,9 +263,7 @@ def _side_work(ctx: Ctx) -> tuple[list[threading.Thread], dict]:
     later = set(ctx.names)
     if not ctx.dry and later & {"bench-124m", "bench-1b", "profile", "train"}:
         configs = [c for c in ("124m", "1b") if f"bench-{c}" in later or (c == "124m" and later & {"profile", "train"})]
-        per_config = [bench_rows_for(ctx.args.bench_rows, f"bench-{c}") or
-                      ("" if ctx.args.full else VERDICT_BENCH_ROWS[f"bench-{c}"]) for c in configs]
-        rows = "" if "" in per_config else ",".join(dict.fromkeys(",".join(per_config).split(",")))
+        rows = prewarm_rows_spec(ctx.args, configs)
 
         def prewarm() -> None:
             out_json = os.path.join(ctx.work, "prewarm.json")
@@ -295,6 +294,16 @@ def _side_work(ctx: Ctx) -> tuple[list[threading.Thread], dict]:
     for t in threads:
         t.start()
     return threads, out
+
+
+def prewarm_rows_spec(args, configs: list[str]) -> str:
+    """The --rows of the prewarm: each config's own rows as config:model:precision:mode (the stages' rows, not
+    every row at every config); "" (the whole matrix) with --full and no --bench-rows."""
+    per_config = [bench_rows_for(args.bench_rows, f"bench-{c}") or
+                  ("" if args.full else VERDICT_BENCH_ROWS[f"bench-{c}"]) for c in configs]
+    if "" in per_config:
+        return ""
+    return ",".join(f"{c}:{r}" for c, rs in zip(configs, per_config) for r in rs.split(","))
 
 
 def bench_rows_for(spec: str, stage: str) -> str:

@@ -131,6 +131,27 @@ def test_bench_runs_eager_rows_first_and_the_trainer_setup_first(monkeypatch):
     assert plan[n - 1] == ("124m", "ours-fp8", "trainer", "eager")  # the least informative row of a mode: last
     A.rows = ["hf:trainer:compile"]
     assert bench.planned_rows(A) == [("124m", "hf", "trainer", "compile")]
+    A.configs, A.rows = ["124m", "1b"], ["1b:ours-fp8:trainer:compile", "hf:autocast:compile"]  # one config's row
+    assert bench.planned_rows(A) == [("124m", "hf", "autocast", "compile"), ("1b", "ours-fp8", "trainer", "compile"),
+                                     ("1b", "hf", "autocast", "compile")]
+
+
+def test_bench_rows_per_config(gr):
+    """--bench-rows "124m=ROWS;1b=ROWS" gives each bench stage its own rows (a config left out: its defaults);
+    a plain list applies to every config; an unknown config is refused."""
+    spec = "124m=ours:trainer:compile,hf:autocast:compile;1b=ours-fp8:trainer:compile"
+    assert gr.bench_rows_for(spec, "bench-124m") == "ours:trainer:compile,hf:autocast:compile"
+    assert gr.bench_rows_for(spec, "bench-1b") == "ours-fp8:trainer:compile"
+    assert gr.bench_rows_for("124m=ours:trainer:eager", "bench-1b") == ""
+    assert gr.bench_rows_for("ours:trainer:eager", "bench-1b") == "ours:trainer:eager"
+    with pytest.raises(SystemExit, match="unknown config"):
+        gr.bench_rows_for("7b=ours:trainer:eager", "bench-1b")
+    from types import SimpleNamespace
+    args = SimpleNamespace(bench_rows=spec, full=False)  # the prewarm compiles each config's rows only
+    assert gr.prewarm_rows_spec(args, ["124m", "1b"]) == \
+        "124m:ours:trainer:compile,124m:hf:autocast:compile,1b:ours-fp8:trainer:compile"
+    args.bench_rows = ""
+    assert gr.prewarm_rows_spec(args, ["1b"]) == ",".join("1b:" + r for r in gr.VERDICT_BENCH_ROWS["bench-1b"].split(","))
 
 
 def test_bench_times_steps_back_to_back_with_one_sync_per_window(monkeypatch):
