@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from optimizer.adamw import build_adamw
 from optimizer.base import GlobalNormOptimizer, clip_coefficient
-from optimizer.flat_adamw import adamw_flat, triton_runs_on
+from optimizer.flat_adamw import Segments, adamw_flat, adamw_segments, sumsq_segments, triton_runs_on
 from optimizer.fused_step import fused_adamw_step
 from optimizer.muon import MuonState, is_muon_param
 from optimizer.optimizer_config import OptimizerConfig
@@ -121,11 +121,26 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
         # unsharded, low-precision parameters: one fp32 master per DDP buffer (id -> it), the buckets' are views
         self._buffer_masters: dict[int, torch.Tensor] = {}
         buffer_masters = self._buffer_masters
+        # sharded: per DDP buffer, this rank's owned ranges one after another ("compact"): bucket index ->
+        # its range's start there; low-precision parameters get ONE fp32 master per buffer in that layout
+        self._compact_start: dict[int, int] = {}
+        owned = []
         for bucket in self.ddp.buckets:
             olo, ohi = self.owned_range(bucket)
             slots = [s for s in bucket.slots if max(s.start, olo) < min(s.end, ohi)]
-            if not slots:
-                continue
+            if slots:
+                owned.append((bucket, olo, ohi, slots))
+        if self.sharded:
+            sizes: dict[int, int] = {}
+            for bucket, olo, ohi, slots in owned:
+                self._compact_start[bucket.index] = sizes.get(id(bucket.buffer), 0)
+                sizes[id(bucket.buffer)] = self._compact_start[bucket.index] + ohi - olo
+                if slots[0].param.dtype != torch.float32 and id(bucket.buffer) not in buffer_masters:
+                    buffer_masters[id(bucket.buffer)] = torch.empty(
+                        0, dtype=torch.float32, device=slots[0].param.device)  # sized below
+            for key in buffer_masters:
+                buffer_masters[key] = buffer_masters[key].new_empty(sizes[key])
+        for bucket, olo, ohi, slots in owned:
             p0 = slots[0].param
             copy = p0.dtype != torch.float32  # one buffer: one dtype per bucket
             master = None
@@ -135,7 +150,9 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
                     buffer_masters[id(buf)] = buf.param_data.detach().float().clone()
                 master = buffer_masters[id(buf)][bucket.start + olo:bucket.start + ohi]
             elif copy:
-                master = bucket.param_data[olo:ohi].detach().float().clone()
+                c = self._compact_start[bucket.index]
+                master = buffer_masters[id(bucket.buffer)][c:c + ohi - olo]
+                master.copy_(bucket.param_data[olo:ohi].detach())
             store = torch.zeros(ohi - olo, dtype=torch.float32, device=p0.device) \
                 if self._keep_grad_store(p0) else None
             self._flat[bucket.index] = _FlatBucket(olo, ohi, master, store)
@@ -191,7 +208,7 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
         mode = self.flat_adamw or os.environ.get("MYLLM_FLAT_ADAMW", "auto")
         if mode not in ("auto", "on", "off"):
             raise ValueError(f"MYLLM_FLAT_ADAMW={mode!r}: auto | on | off")
-        if mode == "off" or self.sharded or self.muon is not None or cfg.overlap_optim_step \
+        if mode == "off" or getattr(self, "zero_stage", 1) == 2 or self.muon is not None or cfg.overlap_optim_step \
                 or self.norm_groups or cfg.precision == "fp16" or not self.optimizers or not self.pieces:
             return False
         if any(opt.defaults.get("amsgrad") for opt in self.optimizers.values()):
@@ -216,14 +233,22 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
         host read, which waits for the norm only."""
         fl = self.flat
         self.ddp.finish_grad_sync()
-        norms = [torch.linalg.vector_norm(b.grad, dtype=torch.float32) for b in fl.buffers]
-        n = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
-        sumsq = n * n
+        if self.sharded:  # ZeRO-1: the owned shards' sum of squares, summed over the ranks (one all-reduce)
+            parts = [sumsq_segments(b.grad, b.segments, fl.use_triton) for b in fl.buffers]
+            sumsq = self._reduce_sumsq(parts[0] if len(parts) == 1 else torch.stack(parts).sum()).reshape(())
+        else:
+            norms = [torch.linalg.vector_norm(b.grad, dtype=torch.float32) for b in fl.buffers]
+            n = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
+            sumsq = n * n
         s_host = HostCopy(sumsq)
         hyper = dict(lr=self.lr, beta1=fl.betas[0], beta2=fl.betas[1], eps=fl.eps, weight_decay=fl.weight_decay,
                      max_norm=float(self.config.grad_clip), step=fl.steps + 1)
         for i, b in enumerate(fl.buffers):
             try:
+                if b.segments is not None:
+                    adamw_segments(b.master, b.grad, b.exp_avg, b.exp_avg_sq, b.decay, b.param_out, sumsq,
+                                   b.segments, master_compact=b.master_compact, use_triton=fl.use_triton, **hyper)
+                    continue
                 adamw_flat(b.master, b.grad, b.exp_avg, b.exp_avg_sq, b.decay, b.param_out, sumsq,
                            use_triton=fl.use_triton, **hyper)
             except Exception as e:  # noqa: BLE001 - a kernel that cannot be built here: torch's fused AdamW instead
@@ -232,6 +257,8 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
                 self._leave_flat(f"its kernel failed ({' '.join(str(e).split())[:300]})")
                 return self.global_norm_step()
         fl.launched = True
+        if self.sharded:  # every shard all-gathered (a skipped step's too: every rank issues the same collectives)
+            self._after_step(list(range(len(self.ddp.buckets))))
         stepped, norm = self._device_verdict(s_host)
         fl.steps += int(stepped)
         return stepped, norm
@@ -544,6 +571,10 @@ class _FlatBuffer:
     exp_avg_sq: torch.Tensor
     decay: torch.Tensor  # uint8: 1 where the element's parameter decays
     param_out: Optional[torch.Tensor]  # the low-precision parameters, written from the masters (None: fp32)
+    # ZeRO-1: this rank's shards of the buffer (then exp_avg, exp_avg_sq, decay are compact: the shards one after
+    # another; grad and param_out are the whole buffer; master is compact, or the fp32 parameters' buffer)
+    segments: Optional[Segments] = None
+    master_compact: bool = False
 
 
 class _FlatAdamW:
@@ -563,15 +594,38 @@ class _FlatAdamW:
         device = opt._device()
         ddp_buffers = list(dict.fromkeys(b.buffer for b in opt.ddp.buckets))
         flat: dict[int, _FlatBuffer] = {}
+        # ZeRO-1: per buffer, (compact start, buffer start, length) of each owned bucket range, in bucket order
+        spans: dict[int, list[tuple[int, int, int]]] = {}
+        if opt.sharded:
+            for b in opt.ddp.buckets:
+                if b.index in opt._compact_start:
+                    fb = opt._flat[b.index]
+                    spans.setdefault(id(b.buffer), []).append((opt._compact_start[b.index], b.start + fb.lo,
+                                                               fb.hi - fb.lo))
         for buf in ddp_buffers:
             low = buf.param_dtype != torch.float32
+            if opt.sharded:
+                if id(buf) not in spans:
+                    continue  # no shard of this buffer is this rank's
+                segs = Segments(spans[id(buf)], device)
+                master = opt._buffer_masters[id(buf)] if low else buf.param_data
+                flat[id(buf)] = _FlatBuffer(master, buf.grad_data, torch.zeros(segs.numel, device=device),
+                                            torch.zeros(segs.numel, device=device),
+                                            torch.zeros(segs.numel, dtype=torch.uint8, device=device),
+                                            buf.param_data if low else None, segs, master_compact=low)
+                continue
             base = opt._buffer_masters[id(buf)] if low else buf.param_data  # fp32: the parameters are the masters
             flat[id(buf)] = _FlatBuffer(base, buf.grad_data, torch.zeros_like(base), torch.zeros_like(base),
                                         torch.zeros(base.numel(), dtype=torch.uint8, device=device),
                                         buf.param_data if low else None)
         for pc in opt.pieces:
-            fb = flat[id(opt.ddp.buckets[pc.bucket_index].buffer)]
-            lo = pc.main.storage_offset() - fb.master.storage_offset()
+            bucket = opt.ddp.buckets[pc.bucket_index]
+            fb = flat[id(bucket.buffer)]
+            if fb.segments is not None:  # the piece's place among the compact shards
+                at = pc.model_grad().storage_offset() - bucket.buffer.grad_data.storage_offset()
+                lo = opt._compact_start[pc.bucket_index] + at - (bucket.start + opt._flat[pc.bucket_index].lo)
+            else:
+                lo = pc.main.storage_offset() - fb.master.storage_offset()
             hi = lo + pc.main.numel()
             if pc.decay:
                 fb.decay[lo:hi] = 1

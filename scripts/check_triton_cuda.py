@@ -111,11 +111,25 @@ def _variants():
                             fa._adamw_flat_kernel, sig,
                             dict(HAS_OUT=has_out, OUT_BF16=has_out and out_ty == "bf16", CLIP=clip, BLOCK=fa.BLOCK),
                             8))
+    # ZeRO: the same step over a rank's shards (a row table), and the shards' sum of squares
+    for out_ty, has_out in (("bf16", True), ("fp32", False)):
+        for clip in (True, False):
+            sig = dict(master_ptr="*fp32", grad_ptr="*fp32", m_ptr="*fp32", v_ptr="*fp32", decay_ptr="*u8",
+                       out_ptr=f"*{out_ty}", sumsq_ptr="*fp32", table_ptr="*i64", lr_wd="fp32", beta1="fp32",
+                       beta2="fp32", eps="fp32", max_norm="fp32", step_size="fp32", bc2_sqrt="fp32",
+                       MASTER_COMPACT="constexpr", HAS_OUT="constexpr", OUT_BF16="constexpr", CLIP="constexpr",
+                       BLOCK="constexpr")
+            out.append((f"adamw_segments out={out_ty if has_out else 'none'} clip={clip}", fa._adamw_segments_kernel,
+                        sig, dict(MASTER_COMPACT=has_out, HAS_OUT=has_out, OUT_BF16=has_out and out_ty == "bf16",
+                                  CLIP=clip, BLOCK=fa.BLOCK), 8))
+    out.append(("sumsq_segments", fa._sumsq_segments_kernel,
+                dict(grad_ptr="*fp32", table_ptr="*i64", out_ptr="*fp32", BLOCK="constexpr"), dict(BLOCK=fa.BLOCK), 8))
     return out
 
 
 _QUICK = ("D=8192 x=bf16 w=fp32", "H=64 Hkv=8 D=128 bf16", "swiglu_fwd bf16", "swiglu_bwd bf16",
-          "swiglu_packed_bwd bf16", "V=128256 bf16", "adamw_flat out=bf16 clip=True n=i64")
+          "swiglu_packed_bwd bf16", "V=128256 bf16", "adamw_flat out=bf16 clip=True n=i64",
+          "adamw_segments out=bf16 clip=True", "sumsq_segments")
 _PTXAS_LINE = re.compile(r"Used (\d+) registers")
 _SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 _SMEM = re.compile(r"(\d+) bytes smem")

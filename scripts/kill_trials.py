@@ -82,6 +82,9 @@ CONFIGS: dict[str, tuple[int, list[str]]] = {
     # CPU, the kernel itself with TRITON_INTERPRET=1); bf16 parameters over fp32 masters, and at 2 ranks
     "ddp-bf16-flat": (1, ["--dtype=bf16", "@flat_adamw"]),
     "ddp2-flat": (2, ["--batch_size=2", "@flat_adamw"]),
+    # ZeRO-1 with it: each rank's shards in one launch (the moments compact, the shards' offsets in a row table)
+    "ddp2-zero1-bf16-flat": (2, ["--batch_size=2", "--dtype=bf16", "--use_distributed_optimizer=true",
+                                 "--zero_stage=1", "@flat_adamw"]),
 }
 SLOW_WRITES_S = "2.0"
 

@@ -9,6 +9,7 @@ default (`flat_adamw = "auto"`), checked by the GPU test at the end against torc
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -205,6 +206,45 @@ def test_resume_skip_and_a_constant_number_of_launches(monkeypatch):
     assert counts[0] == counts[1] <= 6, counts
 
 
+def test_zero1_step_is_a_few_ops_for_any_model_size(monkeypatch):
+    """ZeRO-1 with the one-launch step: the shards' sum of squares (its two launches counted as such), the
+    norm's all-reduce copy, the kernel, the host copy, and the parameter all-gathers (none at world 1): the same
+    count for 2 layers in 2 buckets and 4 layers in many."""
+    import dataclasses
+
+    import optimizer.mixed_precision_optimizer as mpo
+    from model import ModelConfig, Transformer
+    from optimizer.mixed_precision_optimizer import MixedPrecisionOptimizer
+    from parallel import build
+    from parallel.build import build_engine
+    from tests.optimizer.test_step_launches import CountLaunches
+    from trainer.config import TrainConfig
+    real = build.optimizer_config
+    counts = []
+    for layers, bucket in ((2, 3000), (4, 1500)):
+        monkeypatch.setattr(MixedPrecisionOptimizer, "flat_adamw", "on")
+        monkeypatch.setattr(build, "optimizer_config", lambda f: dataclasses.replace(real(f), fused=True))
+        torch.manual_seed(0)
+        e = build_engine(Transformer(ModelConfig(vocab_size=64, dim=32, n_layers=layers, n_heads=4, n_kv_heads=2,
+                                                 multiple_of=16, max_seq_len=16)),
+                         TrainConfig(device="cpu", dtype="bf16", grad_clip=0.5, bucket_size=bucket,
+                                     use_distributed_optimizer=True), device=torch.device("cpu"))
+        assert e.optimizer.flat is not None and len(e.model.buckets) >= 2 + (layers > 2)
+        _steps(e, 1)
+        e.optimizer.zero_grad()
+        e.forward_backward([{"input_ids": torch.zeros(2, 16, dtype=torch.long),
+                             "labels": torch.zeros(2, 16, dtype=torch.long)}],
+                           lambda m, b: (m(b["input_ids"], labels=b["labels"], reduction="sum"), {}), 32.0)
+        kernels = []
+        monkeypatch.setattr(mpo, "adamw_segments", lambda *a, **k: kernels.append(1))
+        monkeypatch.setattr(mpo, "sumsq_segments", lambda g, segs, t: kernels.extend((1, 1)) or torch.ones(()))
+        with CountLaunches() as launches:
+            e.optimizer.step()
+        monkeypatch.undo()
+        counts.append(len(launches.ops) + len(kernels))
+    assert counts[0] == counts[1] <= 8, counts
+
+
 @pytest.mark.skipif(not triton_runs_on(torch.device("cpu")), reason="needs Triton and TRITON_INTERPRET=1")
 def test_the_trainer_with_it_resumes_exactly(tiny_pretrain_run_args, tmp_path):
     """train_my_ddp.py --dtype=bf16 with the one-launch AdamW forced on (MYLLM_FLAT_ADAMW=on; the kernel in the
@@ -234,10 +274,14 @@ def test_the_trainer_with_it_resumes_exactly(tiny_pretrain_run_args, tmp_path):
 
 
 def test_where_one_launch_applies(monkeypatch):
-    """"auto" is CUDA only; ZeRO, PowerSGD, Muon, fp16 and the overlapped step keep torch's AdamW."""
+    """"auto" is CUDA only; ZeRO-1 takes it (over the rank's shards); ZeRO-2, PowerSGD, Muon, fp16 and the
+    overlapped step keep torch's AdamW."""
     assert _engine("auto", monkeypatch).optimizer.flat is None  # CPU
     assert _engine("on", monkeypatch, dtype="fp32").optimizer.flat is not None  # fp32: the params are the masters
-    for flags in ({"use_distributed_optimizer": True}, {"optimizer": "muon"}, {"overlap_optim_step": True}):
+    zero1 = _engine("on", monkeypatch, use_distributed_optimizer=True).optimizer.flat
+    assert zero1 is not None and all(b.segments is not None for b in zero1.buffers)
+    for flags in ({"use_distributed_optimizer": True, "zero_stage": 2}, {"optimizer": "muon"},
+                  {"overlap_optim_step": True}):
         assert _engine("on", monkeypatch, **flags).optimizer.flat is None, flags
     assert _engine("on", monkeypatch, dtype="fp16").optimizer.flat is None
     assert _engine("on", monkeypatch, comm_hook="powersgd", powersgd_rank=1).optimizer.flat is None
@@ -326,3 +370,132 @@ def test_a_kernel_that_cannot_be_built_falls_back_to_torchs_adamw_once(monkeypat
     monkeypatch.setattr(mpo, "adamw_flat", broken)
     with pytest.raises(RuntimeError, match="no kernel here"):
         _steps(again, 1)
+
+
+# ------------------------------------------------------------------------------------------ ZeRO-1: shards
+@pytest.mark.parametrize("use_triton", [False, True], ids=["reference", "triton"])
+@pytest.mark.parametrize("compact_master", [True, False], ids=["bf16-params", "fp32-params"])
+def test_the_shards_step_equals_the_flat_step_on_the_gathered_shards(use_triton, compact_master):
+    """adamw_segments over scattered buffer ranges (two owned ranges, one longer than a block, one shorter) is
+    adamw_flat on those ranges gathered, bit for bit (the same kernel body); nothing outside them is written;
+    sumsq_segments is their sum of squares."""
+    from optimizer.flat_adamw import BLOCK, Segments, adamw_segments, sumsq_segments
+    if use_triton and not triton_runs_on(torch.device("cpu")):
+        pytest.skip("needs Triton and TRITON_INTERPRET=1")
+    g = torch.Generator().manual_seed(5)
+    n_buf = 3 * BLOCK + 500
+    segs = Segments([(0, 100, BLOCK + 37), (BLOCK + 37, 2 * BLOCK + 300, 211)], torch.device("cpu"))
+    idx = torch.cat([torch.arange(b, b + n) for _, b, n in segs.spans])
+    grad = torch.randn(n_buf, generator=g)
+    params = torch.randn(n_buf, generator=g) * 0.02
+    m, v = torch.rand(segs.numel, generator=g) * 0.01, torch.rand(segs.numel, generator=g) * 1e-4
+    decay = (torch.rand(segs.numel, generator=g) < 0.5).to(torch.uint8)
+    sumsq = torch.tensor(40.0)  # norm 6.3 > max_norm: clipped
+    hyper = dict(lr=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, max_norm=1.0, step=3)
+    # expected: the contiguous step on the gathered ranges
+    em, ev, emaster = m.clone(), v.clone(), params[idx].clone()
+    eout = torch.zeros(segs.numel, dtype=torch.bfloat16) if compact_master else None
+    adamw_flat(emaster, grad[idx].clone(), em, ev, decay, eout, sumsq, use_triton=use_triton, **hyper)
+    if compact_master:  # bf16 parameters in the buffer, fp32 masters compact
+        master, out = params[idx].clone(), params.to(torch.bfloat16)
+    else:  # fp32 parameters: the buffer is the master
+        master, out = params.clone(), None
+    before_master, before_out = master.clone(), out.clone() if out is not None else None
+    adamw_segments(master, grad, m, v, decay, out, sumsq, segs, master_compact=compact_master,
+                   use_triton=use_triton, **hyper)
+    assert torch.equal(m, em) and torch.equal(v, ev)
+    outside = torch.ones(n_buf, dtype=torch.bool)
+    outside[idx] = False
+    if compact_master:
+        assert torch.equal(master, emaster) and torch.equal(out[idx], eout)
+        assert torch.equal(out[outside], before_out[outside])
+    else:
+        assert torch.equal(master[idx], emaster) and torch.equal(master[outside], before_master[outside])
+    s = sumsq_segments(grad, segs, use_triton)
+    torch.testing.assert_close(s, grad[idx].double().square().sum().float(), rtol=1e-6, atol=0)
+
+
+def _zero_engine(flat: str, dtype=torch.bfloat16):
+    from optimizer import OptimizerConfig, build_optimizer
+    from optimizer.mixed_precision_optimizer import MixedPrecisionOptimizer
+    from parallel import DDPConfig, DistributedDataParallel
+    from tests.optimizer.test_optimizer import _net
+    m = _net(dtype)
+    ddp = DistributedDataParallel(m, DDPConfig(use_distributed_optimizer=True, pad_alignment=1, param_alignment=1,
+                                               bucket_size=40, grad_reduce_in_fp32=True))  # as the trainer
+    MixedPrecisionOptimizer.flat_adamw = flat
+    try:
+        opt = build_optimizer(ddp, OptimizerConfig(precision="bf16" if dtype == torch.bfloat16 else "fp32",
+                                                   use_distributed_optimizer=True, lr=1e-2, weight_decay=0.1,
+                                                   grad_clip=0.5))
+    finally:
+        MixedPrecisionOptimizer.flat_adamw = None
+    return m, ddp, opt
+
+
+def _zero_steps(ddp, opt, steps, seed=3):
+    from tests.optimizer.test_optimizer import _step
+    g = torch.Generator().manual_seed(seed)
+    return [_step(ddp, opt, torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)) for _ in range(steps)]
+
+
+def _zero_worker(rank, ws, d):
+    """Per rank: ZeRO-1 with the one-launch step vs torch's AdamW (bf16 and fp32 parameters), 3 steps; then
+    the one-launch run resumed from its step-2 state."""
+    out = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        name = str(dtype).split(".")[-1]
+        m_on, ddp_on, opt_on = _zero_engine("on", dtype)
+        m_off, ddp_off, opt_off = _zero_engine("off", dtype)
+        out[f"{name}_flat"] = opt_on.flat is not None and opt_off.flat is None
+        out[f"{name}_triton"] = opt_on.flat.use_triton
+        out[f"{name}_split"] = any(pc.lo > 0 or pc.hi < pc.param.numel() for pc in opt_on.pieces)
+        out[f"{name}_norms"] = ([n for _, n in _zero_steps(ddp_on, opt_on, 3)],
+                                [n for _, n in _zero_steps(ddp_off, opt_off, 3)])
+        out[f"{name}_params"] = ([p.detach().float().clone() for p in m_on.parameters()],
+                                 [p.detach().float().clone() for p in m_off.parameters()])
+        sd_on, sd_off = opt_on.state_dict(), opt_off.state_dict()
+        out[f"{name}_state"] = (sd_on["params"], sd_off["params"])
+    # resume: 2 steps, state, a new optimizer loads it, 1 more step == 3 steps uninterrupted
+    m_a, ddp_a, opt_a = _zero_engine("on")
+    _zero_steps(ddp_a, opt_a, 3)
+    m_b, ddp_b, opt_b = _zero_engine("on")
+    _zero_steps(ddp_b, opt_b, 2)
+    sd = opt_b.state_dict()
+    m_c, ddp_c, opt_c = _zero_engine("on")
+    m_c.load_state_dict(m_b.state_dict())
+    opt_c.load_state_dict(sd)
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)) for _ in range(3)]
+    from tests.optimizer.test_optimizer import _step
+    _step(ddp_c, opt_c, *batches[2])
+    out["resumed_equal"] = all(torch.equal(a, c) for a, c in zip(m_a.parameters(), m_c.parameters()))
+    torch.save(out, os.path.join(d, f"zero_flat_rank{rank}.pt"))
+
+
+def test_zero1_two_ranks_one_launch_follows_torchs_adamw_and_resumes(tmp_path):
+    """ZeRO-1 at 2 ranks (shards cutting parameters): the one-launch step over each rank's shards (in the
+    interpreter when TRITON_INTERPRET=1, else its torch reference) follows torch's AdamW step within float32
+    rounding (norms, every parameter after the all-gather, the saved moments), for bf16 parameters with fp32
+    masters and for fp32 ones; both ranks hold the same parameters; a resume from step 2 is bit-exact."""
+    from tests.dist_helpers import spawn
+    spawn(_zero_worker, 2, str(tmp_path))
+    res = [torch.load(tmp_path / f"zero_flat_rank{r}.pt", weights_only=True) for r in range(2)]
+    for r, out in enumerate(res):
+        for name in ("bfloat16", "float32"):
+            assert out[f"{name}_flat"] and out[f"{name}_split"], (r, name)
+            assert out[f"{name}_triton"] == triton_runs_on(torch.device("cpu")), (r, name)  # the kernel, if it can
+            on, off = out[f"{name}_norms"]
+            assert on == pytest.approx(off, rel=1e-5), (r, name)
+            tol = dict(rtol=0, atol=8e-3) if name == "bfloat16" else dict(rtol=1e-5, atol=1e-6)  # bf16: 1 ulp
+            for a, b in zip(*out[f"{name}_params"]):
+                torch.testing.assert_close(a, b, **tol)
+            st_on, st_off = out[f"{name}_state"]
+            assert st_on.keys() == st_off.keys()
+            for k, e in st_off.items():
+                assert st_on[k]["step"] == e["step"] == 3.0 and (st_on[k]["lo"], st_on[k]["hi"]) == (e["lo"], e["hi"])
+                for key in ("main", "exp_avg", "exp_avg_sq"):
+                    torch.testing.assert_close(st_on[k][key], e[key], rtol=1e-4, atol=1e-7)
+        assert out["resumed_equal"], r
+    for name in ("bfloat16", "float32"):
+        assert all(torch.equal(a, b) for a, b in zip(res[0][f"{name}_params"][0], res[1][f"{name}_params"][0]))
