@@ -83,6 +83,10 @@ class DistributedDataParallel(nn.Module):
         # and the main_grad of a parameter no gradient reached is zeroed when its bucket is launched.
         self._stale = False
         self._graded: set[int] = set()
+        # A bucket's gradients are written into its buffer together, when its last one arrived (or at its launch):
+        # one multi-tensor copy (bf16 -> fp32 in one launch) instead of one copy per parameter. bucket index ->
+        # [(param, grad, first)]; `first`: copied over the stale value, else added.
+        self._pending: list[list[tuple]] = [[] for _ in self.buckets]
         self._bucket_synced_callbacks: list[Callable[[Bucket], None]] = []
         self._pre_forward_callbacks: list[Callable[[bool], None]] = []
         self._bytes_at_sync_start = 0
@@ -176,6 +180,8 @@ class DistributedDataParallel(nn.Module):
             for buf in self.buffers_:
                 buf.zero_grad()
         self._graded.clear()
+        for pending in self._pending:  # gradients not yet written (a backward without a step): dropped, as zeroed
+            pending.clear()
         for p in self.param_to_bucket:
             p.grad = None
         self._synced = False
@@ -242,16 +248,17 @@ class DistributedDataParallel(nn.Module):
         self._check_can_accumulate(param, bucket)
         self._synced = False
         bucket.ensure_grad_storage()  # a lazily re-allocated ZeRO-2 bucket
-        if self._stale and id(param) not in self._graded:
-            param.main_grad.copy_(param.grad)  # its first gradient since zero_grad_buffer: over the stale one
-        else:
-            param.main_grad.add_(param.grad)
+        first = self._stale and id(param) not in self._graded  # its first gradient since zero_grad_buffer
         self._graded.add(id(param))
-        param.grad = None  # the gradient now lives only in the contiguous buffer
-        if not self._sync_enabled:
+        grad, param.grad = param.grad, None  # autograd's next gradient for it starts afresh, never adds to this
+        if not self._sync_enabled:  # a no_sync() micro-batch: into the buffer now (nothing launches)
+            (param.main_grad.copy_ if first else param.main_grad.add_)(grad)
             return
+        self._pending[bucket.index].append((param, grad, first))
         ready = self._ready[bucket.index]
         ready.add(id(param))
+        if len(ready) == len(bucket.slots):
+            self._write_pending(bucket.index)
         if self.config.overlap_grad_reduce and len(ready) == len(bucket.slots):
             # Launch strictly in bucket order so every rank issues its collectives in the same
             # sequence even if (data-dependent) readiness order differs between ranks.
@@ -267,6 +274,20 @@ class DistributedDataParallel(nn.Module):
                     if not self._handles[idx].is_completed():
                         break
                     self._finish_bucket(idx)
+
+    def _write_pending(self, idx: int) -> None:
+        """The bucket's gradients that arrived since its last write, into its buffer: first ones copied (one
+        multi-tensor launch for the bucket, casting bf16 to fp32), later ones added, in arrival order."""
+        pending = self._pending[idx]
+        if not pending:
+            return
+        self._pending[idx] = []
+        copies = [(p.main_grad, g) for p, g, first in pending if first]
+        if copies:
+            torch._foreach_copy_([d for d, _ in copies], [g for _, g in copies])
+        for p, g, first in pending:
+            if not first:
+                p.main_grad.add_(g)
 
     def _check_can_accumulate(self, param: torch.Tensor, bucket: Bucket) -> None:
         """A gradient may not be added to a bucket whose communication already started (its
@@ -299,6 +320,7 @@ class DistributedDataParallel(nn.Module):
         if not self._launch_order:
             self._bytes_at_sync_start = getattr(self._hook_state, "bytes_sent", 0)
         bucket.ensure_grad_storage()  # a ZeRO-2 bucket no gradient reached this step
+        self._write_pending(bucket.index)  # a bucket launched with a parameter no gradient reached
         if self._stale:  # a parameter no gradient reached since zero_grad_buffer: zero, not last step's
             for slot in bucket.slots:
                 if id(slot.param) not in self._graded:

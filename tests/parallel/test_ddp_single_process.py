@@ -233,3 +233,40 @@ def test_gradients_are_not_zero_filled_between_steps_yet_always_this_steps(monke
     with Fills() as fills:
         ddp.zero_grad_buffer()
     assert fills.n >= 1
+
+
+def test_a_buckets_gradients_are_written_in_one_launch():
+    """A bucket's gradients go into its (fp32) buffer together when its last one arrives: one multi-tensor copy
+    per bucket (bf16 -> fp32), not one copy per parameter; the buffer then holds exactly each gradient."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Writes(TorchDispatchMode):
+        def __init__(self, storage):
+            super().__init__()
+            self.storage, self.multi, self.single = storage, 0, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._foreach_copy_.default:
+                self.multi += 1
+            elif func in (torch.ops.aten.copy_.default, torch.ops.aten.add_.Tensor) and \
+                    args[0].untyped_storage().data_ptr() == self.storage:
+                self.single += 1
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    m = nn.Sequential(*[nn.Linear(6, 6) for _ in range(6)]).to(torch.bfloat16)
+    ref = nn.Sequential(*[nn.Linear(6, 6) for _ in range(6)]).to(torch.bfloat16)
+    ref.load_state_dict(m.state_dict())
+    ddp = DistributedDataParallel(m, DDPConfig(bucket_size=90, grad_reduce_in_fp32=True))
+    assert len(ddp.buckets) >= 3 and len(list(m.parameters())) == 12
+    x = torch.randn(4, 6, dtype=torch.bfloat16)
+    for step in range(2):  # the second step: copied over the stale buffer, no zero-fill
+        ddp.zero_grad_buffer()
+        with Writes(ddp.buffers_[0].grad_data.untyped_storage().data_ptr()) as w:
+            ddp(x * (step + 1)).float().square().sum().backward()
+        ddp.finish_grad_sync()
+        assert (w.multi, w.single) == (len(ddp.buckets), 0), (step, w.multi, w.single)
+        ref.zero_grad()
+        ref(x * (step + 1)).float().square().sum().backward()
+        for p, q in zip(m.parameters(), ref.parameters()):
+            assert p.main_grad.dtype == torch.float32 and torch.equal(p.main_grad, q.grad.float())
