@@ -363,7 +363,7 @@ def describe_choice(device: torch.device, backend: str, compiled: bool, fused: b
     parts = []
     for op in ("rms_norm", "rope", "swiglu", "cross_entropy", "concat_linear"):
         impl = choose(op, t, backend)
-        if t.is_cuda and compiled and backend == "auto":
+        if compiled and backend == "auto" and t.is_cuda and impl == AUTO_EAGER[op]:  # the table decided: compiled
             impl = AUTO_UNDER_COMPILE[op]
         if op == "concat_linear":
             parts.append("q/k/v and gate/up " + ("separate matmuls" if impl == "reference" else "one matmul each"))
