@@ -289,13 +289,15 @@ def test_where_one_launch_applies(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_default_is_one_launch_and_follows_torchs_fused_adamw():
+@pytest.mark.parametrize("zero", [False, True], ids=["ddp", "zero1"])
+def test_cuda_default_is_one_launch_and_follows_torchs_fused_adamw(zero):
     """On a GPU the trainer's optimizer takes the one-launch path by itself (the kernel compiled for real). fp32
     parameters: 4 steps follow torch's fused AdamW (the same model with the path turned off) within float32
     rounding, both fed the same gradients each step (the flat run's: two backward passes may differ in their
     last bits, e.g. by cuBLAS's choice for differently aligned buffers, and Adam's m / sqrt(v) turns such
     a difference on a near-zero gradient into a visible one). bf16 parameters: every parameter is its fp32
-    master rounded to bf16, written by the kernel."""
+    master rounded to bf16, written by the kernel. zero1: the same through ZeRO-1's kernel over the rank's
+    shards (at world 1 the whole buffer, cut into the row table)."""
     from model import ModelConfig, Transformer
     from optimizer.mixed_precision_optimizer import MixedPrecisionOptimizer
     from parallel.build import build_engine
@@ -308,7 +310,8 @@ def test_cuda_default_is_one_launch_and_follows_torchs_fused_adamw():
             torch.manual_seed(0)
             model = Transformer(ModelConfig(vocab_size=256, dim=128, n_layers=2, n_heads=4, max_seq_len=64))
             return build_engine(model.to(device), TrainConfig(device="cuda", dtype=dtype, grad_clip=0.5,
-                                                              learning_rate=1e-2, bucket_size=20000), device=device)
+                                                              learning_rate=1e-2, bucket_size=20000,
+                                                              use_distributed_optimizer=zero), device=device)
         finally:
             MixedPrecisionOptimizer.flat_adamw = None
 
@@ -326,6 +329,7 @@ def test_cuda_default_is_one_launch_and_follows_torchs_fused_adamw():
 
     flat, ref = engine("auto", "fp32"), engine("off", "fp32")
     assert flat.optimizer.flat is not None and flat.optimizer.flat.use_triton and ref.optimizer.flat is None
+    assert all((b.segments is not None) == zero for b in flat.optimizer.flat.buffers)
     g = torch.Generator().manual_seed(0)
     for _ in range(4):
         x = torch.randint(0, 256, (4, 64), generator=g).to(device)
