@@ -17,7 +17,11 @@ contraction): `adamw_flat_reference` is the same formula in torch ops, what the 
 asked for there, and what the Triton kernel is tested against (in the interpreter on CPU, tests/optimizer/
 test_flat_adamw.py); both are tested against torch.optim.AdamW within its own float32 error.
 
-Owns: the kernel, its reference and the launch. Must never: write anything when the norm is non-finite, or
+ZeRO-1's form (`adamw_segments`, `sumsq_segments`): a rank's shards are ranges scattered over the buffer; its
+masters, moments and decay flags are kept one after another, and a row table (built once) gives each program its
+block's compact and buffer offsets, so one launch still covers every shard.
+
+Owns: the kernels, their reference and the launches. Must never: write anything when the norm is non-finite, or
 read a value back to the host.
 """
 from __future__ import annotations
