@@ -135,11 +135,10 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
             for bucket, olo, ohi, slots in owned:
                 self._compact_start[bucket.index] = sizes.get(id(bucket.buffer), 0)
                 sizes[id(bucket.buffer)] = self._compact_start[bucket.index] + ohi - olo
+            for bucket, _, _, slots in owned:  # filled per bucket below
                 if slots[0].param.dtype != torch.float32 and id(bucket.buffer) not in buffer_masters:
-                    buffer_masters[id(bucket.buffer)] = torch.empty(
-                        0, dtype=torch.float32, device=slots[0].param.device)  # sized below
-            for key in buffer_masters:
-                buffer_masters[key] = buffer_masters[key].new_empty(sizes[key])
+                    buffer_masters[id(bucket.buffer)] = torch.empty(sizes[id(bucket.buffer)], dtype=torch.float32,
+                                                                    device=slots[0].param.device)
         for bucket, olo, ohi, slots in owned:
             p0 = slots[0].param
             copy = p0.dtype != torch.float32  # one buffer: one dtype per bucket
@@ -564,7 +563,8 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
 
 @dataclass
 class _FlatBuffer:
-    """One DDP buffer's flat tensors for optimizer/flat_adamw.py, all laid out like the buffer."""
+    """One DDP buffer's flat tensors for optimizer/flat_adamw.py, laid out like the buffer (unsharded) or as
+    this rank's shards one after another (ZeRO-1, `segments`)."""
     master: torch.Tensor  # fp32: the optimizer's masters (or the fp32 parameters themselves)
     grad: torch.Tensor  # the buffer's fp32 gradients
     exp_avg: torch.Tensor
@@ -578,9 +578,9 @@ class _FlatBuffer:
 
 
 class _FlatAdamW:
-    """The unsharded optimizer's AdamW as one launch per DDP buffer. torch's AdamW objects stay (their
-    param groups carry lr, betas, eps and weight decay; their state holds views of the flat moments, so
-    state_dict / load and the bytes count are unchanged); the step count is one number here."""
+    """The optimizer's AdamW as one launch per DDP buffer (ZeRO-1: over the rank's shards of it). torch's AdamW
+    objects stay (their param groups carry lr, betas, eps and weight decay; their state holds views of the flat
+    moments, so state_dict / load and the bytes count are unchanged); the step count is one number here."""
 
     def __init__(self, buffers: list[_FlatBuffer], betas: tuple, eps: float, weight_decay: float,
                  use_triton: bool) -> None:

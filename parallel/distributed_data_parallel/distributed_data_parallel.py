@@ -257,9 +257,10 @@ class DistributedDataParallel(nn.Module):
         self._pending[bucket.index].append((param, grad, first))
         ready = self._ready[bucket.index]
         ready.add(id(param))
-        if len(ready) == len(bucket.slots):
+        complete = len(ready) == len(bucket.slots)
+        if complete:
             self._write_pending(bucket.index)
-        if self.config.overlap_grad_reduce and len(ready) == len(bucket.slots):
+        if self.config.overlap_grad_reduce and complete:
             # Launch strictly in bucket order so every rank issues its collectives in the same
             # sequence even if (data-dependent) readiness order differs between ranks.
             while (self._next_launch < len(self.buckets)
