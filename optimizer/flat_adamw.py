@@ -51,13 +51,14 @@ def triton_runs_on(device: torch.device) -> bool:
 
 if TRITON_AVAILABLE:
     @triton.jit
-    def _adamw_block(master_ptr, grad_ptr, m_ptr, v_ptr, decay_ptr, out_ptr, s, moffs, goffs, coffs, mask,
+    def _adamw_block(master_ptr, grad_ptr, m_ptr, v_ptr, decay_ptr, out_ptr, s, moffs, goffs, coffs, mask, gmask,
                      lr_wd, beta1, beta2, eps, max_norm, step_size, bc2_sqrt,
                      HAS_OUT: tl.constexpr, OUT_BF16: tl.constexpr, CLIP: tl.constexpr):
         """One block's update (fp32): the master at `moffs`, the gradient and the low-precision parameter at
-        `goffs`, the moments and the decay flag at `coffs`. The loads stay next to their first use (fewer
-        live registers: 42 on sm_90, against 48-50 with every load first, one variant spilling)."""
-        g = tl.load(grad_ptr + goffs, mask=mask, other=0.0).to(tl.float32)
+        `goffs`, the moments and the decay flag at `coffs`; the gradient is read where `gmask` (else 0). The
+        loads stay next to their first use (fewer live registers: 42 on sm_90, against 48-50 with every load
+        first, one variant spilling)."""
+        g = tl.load(grad_ptr + goffs, mask=gmask, other=0.0).to(tl.float32)
         if CLIP:
             coef = tl.minimum(tl.div_rn(max_norm, tl.sqrt_rn(s) + 1e-6), 1.0)
             g = g * coef
@@ -90,7 +91,7 @@ if TRITON_AVAILABLE:
         # s * 0 is 0 for a finite norm, nan for inf and nan: then no element is in range, nothing is written
         limit = tl.where((s * 0.0) == 0.0, n, 0)
         mask = offs < limit
-        _adamw_block(master_ptr, grad_ptr, m_ptr, v_ptr, decay_ptr, out_ptr, s, offs, offs, offs, mask,
+        _adamw_block(master_ptr, grad_ptr, m_ptr, v_ptr, decay_ptr, out_ptr, s, offs, offs, offs, mask, mask,
                      lr_wd, beta1, beta2, eps, max_norm, step_size, bc2_sqrt, HAS_OUT, OUT_BF16, CLIP)
 
     @triton.jit
@@ -115,7 +116,7 @@ if TRITON_AVAILABLE:
             moffs = coffs
         else:
             moffs = boffs
-        _adamw_block(master_ptr, grad_ptr, m_ptr, v_ptr, decay_ptr, out_ptr, s, moffs, boffs, coffs, mask,
+        _adamw_block(master_ptr, grad_ptr, m_ptr, v_ptr, decay_ptr, out_ptr, s, moffs, boffs, coffs, mask, mask,
                      lr_wd, beta1, beta2, eps, max_norm, step_size, bc2_sqrt, HAS_OUT, OUT_BF16, CLIP)
 
     @triton.jit
@@ -126,6 +127,57 @@ if TRITON_AVAILABLE:
         cnt = tl.load(row + 2)
         r = tl.arange(0, BLOCK)
         g = tl.load(grad_ptr + b0 + r, mask=r < cnt, other=0.0).to(tl.float32)
+        tl.store(out_ptr + tl.program_id(0), tl.sum(g * g, axis=0))
+
+
+    @triton.jit
+    def _grad_pointer(ptrs_ptr, j, GRAD_BF16: tl.constexpr):
+        """Parameter j's gradient this step: its address (0: none) and that address as a typed pointer."""
+        addr = tl.load(ptrs_ptr + j)
+        if GRAD_BF16:  # (a constexpr: one branch is compiled, so one return type)
+            gp = addr.to(tl.pointer_type(tl.bfloat16), bitcast=True)
+        else:
+            gp = addr.to(tl.pointer_type(tl.float32), bitcast=True)
+        return addr, gp
+
+    @triton.jit
+    def _adamw_param_grads_kernel(master_ptr, ptrs_ptr, m_ptr, v_ptr, decay_ptr, out_ptr, sumsq_ptr, table_ptr,
+                                  lr_wd, beta1, beta2, eps, max_norm, step_size, bc2_sqrt,
+                                  GRAD_BF16: tl.constexpr, HAS_OUT: tl.constexpr, OUT_BF16: tl.constexpr,
+                                  CLIP: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+        """One process, gradients where autograd left them (see ParamGrads). Row i of `table` is (buffer start,
+        parameter index j, start within the parameter, count <= BLOCK): the master, the moments, the decay flags
+        and the low-precision parameters are read and written at the buffer's offsets, the gradient at
+        ptrs[j] + start (ptrs[j] == 0: no gradient reached the parameter this step, read as zeros, like the
+        buffer path's zeroed main_grad). ALIGNED: every buffer start is a multiple of 16 elements (DDP's
+        param_alignment), so the buffer's streams load and store 16 bytes at a time."""
+        row = table_ptr + tl.program_id(0).to(tl.int64) * 4
+        b0 = tl.load(row)
+        if ALIGNED:
+            b0 = tl.multiple_of(b0, 16)
+        j = tl.load(row + 1)
+        o0 = tl.load(row + 2)
+        cnt = tl.load(row + 3)
+        addr, gp = _grad_pointer(ptrs_ptr, j, GRAD_BF16)
+        s = tl.load(sumsq_ptr).to(tl.float32)
+        r = tl.arange(0, BLOCK)
+        limit = tl.where((s * 0.0) == 0.0, cnt, 0)  # nothing written for a non-finite norm
+        boffs = b0 + r
+        # the gradient at (gp + o0) + r, the low-precision parameter at (out_ptr + b0) + r
+        _adamw_block(master_ptr, gp + o0, m_ptr, v_ptr, decay_ptr, out_ptr + b0, s, boffs, r, boffs, r < limit,
+                     r < tl.where(addr != 0, limit, 0), lr_wd, beta1, beta2, eps, max_norm, step_size, bc2_sqrt, HAS_OUT,
+                     OUT_BF16, CLIP)
+
+    @triton.jit
+    def _sumsq_param_grads_kernel(ptrs_ptr, table_ptr, out_ptr, GRAD_BF16: tl.constexpr, BLOCK: tl.constexpr):
+        """out[i] = the sum of squares of the gradient elements of table row i (see _adamw_param_grads_kernel)."""
+        row = table_ptr + tl.program_id(0).to(tl.int64) * 4
+        j = tl.load(row + 1)
+        o0 = tl.load(row + 2)
+        cnt = tl.load(row + 3)
+        addr, gp = _grad_pointer(ptrs_ptr, j, GRAD_BF16)
+        r = tl.arange(0, BLOCK)
+        g = tl.load(gp + o0 + r, mask=r < tl.where(addr != 0, cnt, 0), other=0.0).to(tl.float32)
         tl.store(out_ptr + tl.program_id(0), tl.sum(g * g, axis=0))
 
 
@@ -224,3 +276,79 @@ def adamw_segments(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tens
         MASTER_COMPACT=master_compact, HAS_OUT=param_out is not None,
         OUT_BF16=param_out is not None and param_out.dtype == torch.bfloat16, CLIP=max_norm > 0, BLOCK=BLOCK,
         num_warps=8)
+
+
+# ------------------------------------------------------------------------------------------ one process: .grad
+class ParamGrads:
+    """The unsharded step's gradients where autograd left them. One process with one micro-batch per step has
+    nothing to reduce or accumulate, so the DDP buffer's fp32 gradients would only be a copy: the step reads
+    each parameter's `.grad` instead (no copy, no gradient buffer, no hook per parameter: DistributedDataParallel.
+    keep_grads_on_params). For one DDP buffer: its parameters and their offsets in it, and `table`, one row per
+    BLOCK elements of a parameter: (buffer start, parameter index, start within the parameter, count), built once.
+    Each step the gradients' addresses reach the device in one small copy from pinned memory (`addresses`)."""
+
+    def __init__(self, params: list, numel: int, device: torch.device) -> None:
+        self.params = [p for p, _ in params]
+        self.starts = [int(s) for _, s in params]
+        self.numel, self.device = int(numel), device
+        self.dtype = self.params[0].dtype
+        if self.dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"ParamGrads: {self.dtype} parameters (bf16 or fp32 only)")
+        self.aligned = all(s % 16 == 0 for s in self.starts)  # the kernel's ALIGNED (rows start at s + k*BLOCK)
+        rows = []
+        for j, (p, start) in enumerate(params):
+            k = torch.arange(0, p.numel(), BLOCK, dtype=torch.int64)
+            rows.append(torch.stack((start + k, torch.full_like(k, j), k, (p.numel() - k).clamp(max=BLOCK)), dim=1))
+        self.table = torch.cat(rows).to(device)
+
+    def grads(self) -> list:
+        """This step's gradients, contiguous in the parameters' dtype (autograd's already are); None where no
+        gradient reached a parameter. The caller keeps the list until the step's kernels are queued."""
+        out = []
+        for p in self.params:
+            g = p.grad
+            if g is not None and (g.dtype != self.dtype or not g.is_contiguous()):
+                g = g.to(self.dtype).contiguous()
+            out.append(g)
+        return out
+
+    def addresses(self, grads: list) -> torch.Tensor:
+        """The gradients' addresses (0 for None), int64 on the device, copied without making the host wait."""
+        from utils.device import to_device
+        host = torch.tensor([g.data_ptr() if g is not None else 0 for g in grads], dtype=torch.int64)
+        return to_device(host, self.device)
+
+    def gathered(self, grads: list) -> torch.Tensor:
+        """The gradients laid out like the DDP buffer (zeros in its gaps and for parameters without one): what
+        the buffer path's step reads, for the torch reference."""
+        flat = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+        for g, p, s in zip(grads, self.params, self.starts):
+            if g is not None:
+                flat[s:s + p.numel()].copy_(g.reshape(-1))
+        return flat
+
+
+def sumsq_param_grads(pg: ParamGrads, addrs: torch.Tensor) -> torch.Tensor:
+    """The Triton path's sum of squares (fp32, 0-d, on the device) of one buffer's parameter gradients: per-row
+    partial sums, then their sum (two launches)."""
+    rows = pg.table.shape[0]
+    partial = torch.empty(rows, dtype=torch.float32, device=pg.device)
+    _sumsq_param_grads_kernel[(rows,)](addrs, pg.table, partial, GRAD_BF16=pg.dtype == torch.bfloat16,
+                                       BLOCK=BLOCK, num_warps=8)
+    return partial.sum()
+
+
+def adamw_param_grads(master: torch.Tensor, pg: ParamGrads, addrs: torch.Tensor, exp_avg: torch.Tensor,
+                      exp_avg_sq: torch.Tensor, decay: torch.Tensor, param_out, sumsq: torch.Tensor, *, lr: float,
+                      beta1: float, beta2: float, eps: float, weight_decay: float, max_norm: float,
+                      step: int) -> None:
+    """`adamw_flat`'s Triton kernel with the gradients read at `addrs` (ParamGrads.addresses) instead of from a
+    flat buffer; `master`, the moments, `decay` and `param_out` are the flat buffers as in `adamw_flat` (the
+    alignment gaps, which no row covers, keep their zeros)."""
+    bc1 = 1.0 - beta1 ** step
+    bc2_sqrt = (1.0 - beta2 ** step) ** 0.5
+    _adamw_param_grads_kernel[(pg.table.shape[0],)](
+        master, addrs, exp_avg, exp_avg_sq, decay, param_out if param_out is not None else master, sumsq, pg.table,
+        lr * weight_decay, beta1, beta2, eps, max_norm, lr / bc1, bc2_sqrt, GRAD_BF16=pg.dtype == torch.bfloat16,
+        HAS_OUT=param_out is not None, OUT_BF16=param_out is not None and param_out.dtype == torch.bfloat16,
+        CLIP=max_norm > 0, ALIGNED=pg.aligned, BLOCK=BLOCK, num_warps=8)

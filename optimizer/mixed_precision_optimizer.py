@@ -7,7 +7,8 @@ the global-norm clip and the skip decision are the skeleton's), the overlapped s
 of a non-finite flag per bucket: every rank skips the same buckets), telling a stateful comm hook
 (PowerSGD) whether the step was applied, and the (re-shardable) state dict.
 It must never change the model's dtype (trap 10), never read `param.grad` (DDP leaves gradients
-in `param.main_grad`), and never clip with a norm that is not global across ranks (trap 8).
+in `param.main_grad`) except where it asked DDP to keep them there (`keep_grads_on_params`: one process, one
+micro-batch per step, the one-launch AdamW), and never clip with a norm that is not global across ranks (trap 8).
 
 It talks to our DDP (parallel/) by duck typing only (its buckets, buffers and finish_grad_sync), never
 by importing it. The step order is optimizer/base.py's skeleton; this class gives its hooks.
@@ -20,14 +21,15 @@ import logging
 import math
 import os
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
 from optimizer.adamw import build_adamw
 from optimizer.base import GlobalNormOptimizer, clip_coefficient
-from optimizer.flat_adamw import Segments, adamw_flat, adamw_segments, sumsq_segments, triton_runs_on
+from optimizer.flat_adamw import (ParamGrads, Segments, adamw_flat, adamw_param_grads, adamw_segments,
+                                  sumsq_param_grads, sumsq_segments, triton_runs_on)
 from optimizer.fused_step import fused_adamw_step
 from optimizer.muon import MuonState, is_muon_param
 from optimizer.optimizer_config import OptimizerConfig
@@ -226,17 +228,52 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
         plain = getattr(self.ddp, "plain_reduction", None)
         return bool(plain()) if plain is not None else False
 
+    # "auto" (default): keep_grads_on_params applies where it can; "off": never (MYLLM_GRADS_ON_PARAMS=off: an A/B
+    # on a GPU, the bench's ours-gradbuf row). Class attribute like flat_adamw; None: the environment's, else auto.
+    grads_on_params: Optional[str] = None
+
+    def keep_grads_on_params(self) -> bool:
+        """The engine's call when each step is ONE micro-batch: in one process with the default reduction, the
+        one-launch AdamW unsharded, the step reads the gradients from the parameters' .grad where autograd left
+        them (flat_adamw.ParamGrads). DDP then runs no hook per parameter and frees its gradient buffers (fp32:
+        4 bytes a parameter), and no gradient is copied: 6 bytes a parameter less to write and read back, and 2
+        less for the kernel to read. The update is the buffer path's (the same fp32 values: each bf16 gradient
+        widened exactly); only the norm's summation order differs. Returns whether it applies."""
+        mode = self.grads_on_params or os.environ.get("MYLLM_GRADS_ON_PARAMS", "auto")
+        if mode not in ("auto", "off"):
+            raise ValueError(f"MYLLM_GRADS_ON_PARAMS={mode!r}: auto | off")
+        if mode == "off" or self.flat is None or self.sharded or self.world_size != 1 or self.norm_groups \
+                or not self._plain_reduction() or not hasattr(self.ddp, "keep_grads_on_params"):
+            return False
+        self.ddp.keep_grads_on_params()
+        for b in self.flat.buffers:
+            buf = b.source
+            b.param_grads = ParamGrads([(s.param, bk.start + s.start) for bk in buf.buckets for s in bk.slots],
+                                       buf.numel, self._device())
+        log.info("one process, one micro-batch a step: gradients read from the parameters (no gradient buffer)")
+        return True
+
     def _flat_step(self) -> tuple[bool, float]:
         """The step in one launch per DDP buffer: the squared norm of the flat gradients (its gaps are zeros),
         queued to the host, then the kernel (clip and skip read from that norm on the device), then the one
         host read, which waits for the norm only."""
         fl = self.flat
         self.ddp.finish_grad_sync()
+        # one process: the gradients are the parameters' .grad (keep_grads_on_params; a comm hook registered since
+        # put DDP back on its buffers)
+        on_params = fl.buffers[0].param_grads is not None and getattr(self.ddp, "grads_on_params", False) \
+            if fl.buffers else False
         if self.sharded:  # ZeRO-1: the owned shards' sum of squares, summed over the ranks (one all-reduce)
             parts = [sumsq_segments(b.grad, b.segments, fl.use_triton) for b in fl.buffers]
             sumsq = self._reduce_sumsq(parts[0] if len(parts) == 1 else torch.stack(parts).sum()).reshape(())
-        else:
-            norms = [torch.linalg.vector_norm(b.grad, dtype=torch.float32) for b in fl.buffers]
+        elif on_params and fl.use_triton:
+            grads = [b.param_grads.grads() for b in fl.buffers]  # (kept alive until the kernels are queued)
+            addrs = [b.param_grads.addresses(g) for b, g in zip(fl.buffers, grads)]
+            parts = [sumsq_param_grads(b.param_grads, a) for b, a in zip(fl.buffers, addrs)]
+            sumsq = parts[0] if len(parts) == 1 else torch.stack(parts).sum()
+        else:  # (the torch reference of the path above reads them laid out like the buffer)
+            flats = [b.param_grads.gathered(b.param_grads.grads()) if on_params else b.grad for b in fl.buffers]
+            norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in flats]
             n = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms))
             sumsq = n * n
         s_host = HostCopy(sumsq)
@@ -248,8 +285,12 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
                     adamw_segments(b.master, b.grad, b.exp_avg, b.exp_avg_sq, b.decay, b.param_out, sumsq,
                                    b.segments, master_compact=b.master_compact, use_triton=fl.use_triton, **hyper)
                     continue
-                adamw_flat(b.master, b.grad, b.exp_avg, b.exp_avg_sq, b.decay, b.param_out, sumsq,
-                           use_triton=fl.use_triton, **hyper)
+                if on_params and fl.use_triton:
+                    adamw_param_grads(b.master, b.param_grads, addrs[i], b.exp_avg, b.exp_avg_sq, b.decay,
+                                      b.param_out, sumsq, **hyper)
+                    continue
+                adamw_flat(b.master, flats[i] if on_params else b.grad, b.exp_avg, b.exp_avg_sq,
+                           b.decay, b.param_out, sumsq, use_triton=fl.use_triton, **hyper)
             except Exception as e:  # noqa: BLE001 - a kernel that cannot be built here: torch's fused AdamW instead
                 if fl.launched or i > 0:  # (only before anything was updated: never a half-applied step)
                     raise
@@ -266,6 +307,8 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
         """Back to the per-parameter fused AdamW for good: the moments stay where they are (its state holds
         views of them), the step counters take the count."""
         log.warning("one-launch AdamW off: %s; torch's fused AdamW steps the parameters from here on", why)
+        if getattr(self.ddp, "grads_on_params", False):
+            self.ddp.restore_grad_buffers()  # this step's gradients into DDP's buffers, its hooks back
         for opt in self.optimizers.values():
             for st in opt.state.values():
                 st["step"].fill_(float(self.flat.steps))
@@ -575,6 +618,9 @@ class _FlatBuffer:
     # another; grad and param_out are the whole buffer; master is compact, or the fp32 parameters' buffer)
     segments: Optional[Segments] = None
     master_compact: bool = False
+    source: Any = None  # the DDP ParamAndGradBuffer
+    # one process, one micro-batch per step: the gradients read from the parameters' .grad (keep_grads_on_params)
+    param_grads: Optional[ParamGrads] = None
 
 
 class _FlatAdamW:
@@ -612,12 +658,12 @@ class _FlatAdamW:
                 flat[id(buf)] = _FlatBuffer(master, buf.grad_data, torch.zeros(segs.numel, device=device),
                                             torch.zeros(segs.numel, device=device),
                                             torch.zeros(segs.numel, dtype=torch.uint8, device=device),
-                                            buf.param_data if low else None, segs, master_compact=low)
+                                            buf.param_data if low else None, segs, master_compact=low, source=buf)
                 continue
             base = opt._buffer_masters[id(buf)] if low else buf.param_data  # fp32: the parameters are the masters
             flat[id(buf)] = _FlatBuffer(base, buf.grad_data, torch.zeros_like(base), torch.zeros_like(base),
                                         torch.zeros(base.numel(), dtype=torch.uint8, device=device),
-                                        buf.param_data if low else None)
+                                        buf.param_data if low else None, source=buf)
         for pc in opt.pieces:
             bucket = opt.ddp.buckets[pc.bucket_index]
             fb = flat[id(bucket.buffer)]

@@ -154,5 +154,10 @@ def build_ddp_engine(model: nn.Module, pc: ParallelConfig, opt_cfg: OptimizerCon
     cp = pc.cp
     if cp > 1 and group is not None:
         raise ValueError("--context_parallel_size > 1 lays out the whole world: build it without a process group")
-    return DDPEngine(ddp, build_optimizer(ddp, opt_cfg), model, sharded_optimizer=pc.use_distributed_optimizer,
+    optimizer = build_optimizer(ddp, opt_cfg)
+    if world == 1 and pc.gradient_accumulation_steps == 1 and hasattr(optimizer, "keep_grads_on_params"):
+        # one process, one micro-batch a step: nothing to reduce or accumulate, so no gradient buffer (where the
+        # optimizer can read the gradients from the parameters: optimizer/mixed_precision_optimizer.py)
+        optimizer.keep_grads_on_params()
+    return DDPEngine(ddp, optimizer, model, sharded_optimizer=pc.use_distributed_optimizer,
                      dp_rank=rank // cp, dp_size=world // cp, grad_ranks=world, counts_in_sums=rank % cp == 0)

@@ -124,12 +124,28 @@ def _variants():
                                   CLIP=clip, BLOCK=fa.BLOCK), 8))
     out.append(("sumsq_segments", fa._sumsq_segments_kernel,
                 dict(grad_ptr="*fp32", table_ptr="*i64", out_ptr="*fp32", BLOCK="constexpr"), dict(BLOCK=fa.BLOCK), 8))
+    # one process: the gradients read at their addresses (a table of int64, cast to typed pointers in the kernel)
+    for grad_bf16, out_ty, has_out in ((True, "bf16", True), (False, "fp32", False)):
+        for clip in (True, False):
+            sig = dict(master_ptr="*fp32", ptrs_ptr="*i64", m_ptr="*fp32", v_ptr="*fp32", decay_ptr="*u8",
+                       out_ptr=f"*{out_ty}", sumsq_ptr="*fp32", table_ptr="*i64", lr_wd="fp32", beta1="fp32",
+                       beta2="fp32", eps="fp32", max_norm="fp32", step_size="fp32", bc2_sqrt="fp32",
+                       GRAD_BF16="constexpr", HAS_OUT="constexpr", OUT_BF16="constexpr", CLIP="constexpr",
+                       ALIGNED="constexpr", BLOCK="constexpr")
+            out.append((f"adamw_param_grads grad={'bf16' if grad_bf16 else 'fp32'} clip={clip}",
+                        fa._adamw_param_grads_kernel, sig,
+                        dict(GRAD_BF16=grad_bf16, HAS_OUT=has_out, OUT_BF16=has_out and out_ty == "bf16", CLIP=clip,
+                             ALIGNED=True, BLOCK=fa.BLOCK), 8))
+        out.append((f"sumsq_param_grads grad={'bf16' if grad_bf16 else 'fp32'}", fa._sumsq_param_grads_kernel,
+                    dict(ptrs_ptr="*i64", table_ptr="*i64", out_ptr="*fp32", GRAD_BF16="constexpr", BLOCK="constexpr"),
+                    dict(GRAD_BF16=grad_bf16, BLOCK=fa.BLOCK), 8))
     return out
 
 
 _QUICK = ("D=8192 x=bf16 w=fp32", "H=64 Hkv=8 D=128 bf16", "swiglu_fwd bf16", "swiglu_bwd bf16",
           "swiglu_packed_bwd bf16", "V=128256 bf16", "adamw_flat out=bf16 clip=True n=i64",
-          "adamw_segments out=bf16 clip=True", "sumsq_segments")
+          "adamw_segments out=bf16 clip=True", "sumsq_segments", "adamw_param_grads grad=bf16 clip=True",
+          "sumsq_param_grads grad=bf16")
 _PTXAS_LINE = re.compile(r"Used (\d+) registers")
 _SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 _SMEM = re.compile(r"(\d+) bytes smem")

@@ -12,6 +12,9 @@ It must never change the model's dtype, step an optimizer, or scale a loss.
 Gradient convention: autograd still writes `param.grad`; our hook adds it into `param.main_grad`
 (a view into the gradient buffer) and sets `param.grad = None`. So after backward the
 gradients live ONLY in `main_grad`; the optimizers in optimizer/ read them from there.
+Except after `keep_grads_on_params()` (one process, one micro-batch per step, asked for by the
+optimizer that reads `.grad` itself): then there are no hooks, the gradient buffers hold no memory and
+the gradients stay in `param.grad`, until `restore_grad_buffers()`.
 """
 from __future__ import annotations
 
@@ -97,9 +100,14 @@ class DistributedDataParallel(nn.Module):
         # dropped wrapper, its buffers and its optimizer would stay in memory for the process's life.
         # When the wrapper is collected its hooks are removed, and so are the parameters' main_grad
         # views, which would otherwise keep the gradient buffers alive with the model.
-        hook = _weak_grad_ready(weakref.ref(self))
-        self._hook_removers = [p.register_post_accumulate_grad_hook(hook) for p in self.param_to_bucket]
+        self._hook_removers: list = []
+        self._register_grad_hooks()
         weakref.finalize(self, _detach_from_params, self._hook_removers, list(self.param_to_bucket))
+        self.grads_on_params = False  # keep_grads_on_params()
+
+    def _register_grad_hooks(self) -> None:
+        hook = _weak_grad_ready(weakref.ref(self))
+        self._hook_removers.extend(p.register_post_accumulate_grad_hook(hook) for p in self.param_to_bucket)
 
     # ------------------------------------------------------------------ public API
     def forward(self, *args, **kwargs):
@@ -130,6 +138,7 @@ class DistributedDataParallel(nn.Module):
         at least the rank's shard reduced (reduce-scatter or anything stronger)."""
         if self._handles:
             raise RuntimeError("register_comm_hook while communication is in flight")
+        self.restore_grad_buffers()  # a comm hook reads the buckets
         if getattr(hook, "shard_only", False) and not self.config.use_distributed_optimizer:
             raise ValueError(f"{getattr(hook, '__name__', 'this hook')} leaves only each rank's shard "
                              "reduced; it needs DDPConfig(use_distributed_optimizer=True) and the "
@@ -156,10 +165,51 @@ class DistributedDataParallel(nn.Module):
         elif sd:
             raise ValueError("the registered comm hook state has no load_state_dict")
 
+    def keep_grads_on_params(self) -> None:
+        """One process and ONE micro-batch per step (the caller's promise: no_sync() refuses from now on):
+        nothing is reduced or accumulated, so the gradients stay in `param.grad` where autograd writes them,
+        for an optimizer that reads them there (optimizer/flat_adamw.py ParamGrads). The grad-ready hooks are
+        removed (no Python call per parameter in backward) and the gradient buffers' memory is released
+        (main_grad views then hold nothing: reading one fails). `restore_grad_buffers()` undoes it."""
+        if self.world_size != 1 or not self.plain_reduction() or self.config.use_distributed_optimizer:
+            raise ValueError("keep_grads_on_params: only in one process, with the default all-reduce and an "
+                             "unsharded optimizer (there the gradient buffers only copy the gradients)")
+        if self._handles or any(self._pending):
+            raise RuntimeError("keep_grads_on_params() between steps only (gradients are pending or in flight)")
+        if self.grads_on_params:
+            return
+        for r in self._hook_removers:
+            r.remove()
+        self._hook_removers.clear()
+        for buf in self.buffers_:
+            buf.release_grad_storage()
+        self.grads_on_params = True
+
+    def restore_grad_buffers(self) -> None:
+        """Back from keep_grads_on_params(): the buffers re-allocated (zeroed), the gradients now in
+        `param.grad` moved into main_grad (this step's, as if the hooks had written them), the hooks back."""
+        if not self.grads_on_params:
+            return
+        for buf in self.buffers_:
+            buf.ensure_grad_storage()
+        self._graded.clear()
+        for p in self.param_to_bucket:
+            if p.grad is not None:
+                p.main_grad.copy_(p.grad)
+                self._graded.add(id(p))
+                p.grad = None
+        self._stale, self._synced = True, False  # parameters no gradient reached: zeroed at launch (already zero)
+        self._register_grad_hooks()
+        self.grads_on_params = False
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Gradient accumulation: grads keep accumulating in main_grad, nothing is launched.
         The first backward outside no_sync() launches the communication."""
+        if self.grads_on_params:
+            raise RuntimeError("no_sync(): this DDP keeps the gradients on the parameters (keep_grads_on_params: "
+                               "built for one micro-batch per step); gradient accumulation needs its fp32 "
+                               "buffers: build the engine with gradient_accumulation_steps > 1")
         prev, self._sync_enabled = self._sync_enabled, False
         try:
             yield
@@ -175,6 +225,11 @@ class DistributedDataParallel(nn.Module):
         writes approximations into the alignment gaps too) gets the buffers zeroed as before."""
         if self._handles:
             raise RuntimeError("zero_grad_buffer() before finish_grad_sync()")
+        if self.grads_on_params:
+            for p in self.param_to_bucket:
+                p.grad = None
+            self._synced = False
+            return
         self._stale = self.plain_reduction()
         if not self._stale:
             for buf in self.buffers_:
@@ -189,6 +244,8 @@ class DistributedDataParallel(nn.Module):
     def start_grad_sync(self) -> None:
         """Launch every bucket not launched yet (all of them when overlap_grad_reduce is off;
         buckets holding a parameter that got no gradient this step otherwise)."""
+        if self.grads_on_params:  # nothing to reduce: the gradients are final in param.grad
+            return
         while self._next_launch < len(self.buckets):
             self._launch(self.buckets[self._next_launch])
 
@@ -198,6 +255,12 @@ class DistributedDataParallel(nn.Module):
         Called again with no new gradient in between, it reduces nothing (a second reduction
         would be wrong for reduce-scatter, and ZeRO-2 has freed the buffers) and only replays
         `on_bucket_done` in the last launch order."""
+        if self.grads_on_params:
+            if on_bucket_done is not None:
+                raise RuntimeError("finish_grad_sync(on_bucket_done): the gradients are on the parameters, not in "
+                                   "buckets (keep_grads_on_params)")
+            self._synced = True
+            return
         if self._synced:
             if on_bucket_done is not None:
                 for idx in self._last_launch_order:

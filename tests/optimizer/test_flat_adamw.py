@@ -78,7 +78,10 @@ def test_a_non_finite_norm_writes_nothing(use_triton):
 
 
 # ------------------------------------------------------------------------------------------ in the optimizer
-def _engine(flat: str, monkeypatch, dtype="bf16", **flags):
+def _engine(flat: str, monkeypatch, dtype="bf16", grads_on_params="off", **flags):
+    """A 2-layer engine with the one-launch AdamW `flat` (auto | on | off); its gradients in DDP's buffers
+    (grads_on_params="off": what these tests check) or, where they can, on the parameters ("auto": the default of
+    one process with one micro-batch a step, tests/optimizer/test_grads_on_params.py)."""
     import dataclasses
 
     from model import ModelConfig, Transformer
@@ -87,13 +90,14 @@ def _engine(flat: str, monkeypatch, dtype="bf16", **flags):
     from parallel.build import build_engine
     from trainer.config import TrainConfig
     monkeypatch.setattr(MixedPrecisionOptimizer, "flat_adamw", flat)
+    monkeypatch.setattr(MixedPrecisionOptimizer, "grads_on_params", grads_on_params)
     real = build.optimizer_config
     monkeypatch.setattr(build, "optimizer_config", lambda f: dataclasses.replace(real(f), fused=True))
     torch.manual_seed(0)
     model = Transformer(ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=16,
                                     max_seq_len=16))
-    cfg = TrainConfig(device="cpu", dtype=dtype, learning_rate=1e-2, grad_clip=0.5, weight_decay=0.1,
-                      bucket_size=3000, **flags)
+    cfg = TrainConfig(**{**dict(device="cpu", dtype=dtype, learning_rate=1e-2, grad_clip=0.5, weight_decay=0.1,
+                                bucket_size=3000), **flags})
     return build_engine(model, cfg, device=torch.device("cpu"))
 
 
@@ -106,7 +110,8 @@ def _steps(engine, n, seed=0, poison_at=None):
         engine.forward_backward([{"input_ids": x, "labels": x}],
                                 lambda m, b: (m(b["input_ids"], labels=b["labels"], reduction="sum"), {}), 32.0)
         if i == poison_at:
-            next(iter(engine.model.param_to_bucket)).main_grad.fill_(float("nan"))
+            p = next(iter(engine.model.param_to_bucket))
+            (p.grad if engine.model.grads_on_params else p.main_grad).fill_(float("nan"))
         out.append(engine.optimizer.step())
     return out
 
@@ -248,8 +253,9 @@ def test_zero1_step_is_a_few_ops_for_any_model_size(monkeypatch):
 @pytest.mark.skipif(not triton_runs_on(torch.device("cpu")), reason="needs Triton and TRITON_INTERPRET=1")
 def test_the_trainer_with_it_resumes_exactly(tiny_pretrain_run_args, tmp_path):
     """train_my_ddp.py --dtype=bf16 with the one-launch AdamW forced on (MYLLM_FLAT_ADAMW=on; the kernel in the
-    interpreter): a crash at step 5 resumed from the step-3 checkpoint gives the uninterrupted run's losses and
-    weights bit for bit (the moments and the step count travel through the checkpoint)."""
+    interpreter; one process, so the gradients stay on the parameters): a crash at step 5 resumed from the step-3
+    checkpoint gives the uninterrupted run's losses and weights bit for bit (the moments and the step count travel
+    through the checkpoint)."""
     import os
 
     from tests.conftest import child_env, run_trainer, train_cmd
@@ -261,6 +267,8 @@ def test_the_trainer_with_it_resumes_exactly(tiny_pretrain_run_args, tmp_path):
     proc = run_trainer(train_cmd([*args, f"--out_dir={ref}"]), env)
     assert proc.returncode == 0 and "AdamW in one launch per parameter buffer (1 buffer(s), Triton)" in \
         proc.stdout + proc.stderr, proc.stdout[-2000:] + proc.stderr[-2000:]
+    # one process, one micro-batch a step: the gradients were read from the parameters (no gradient buffer)
+    assert "gradients read from the parameters" in proc.stdout + proc.stderr
     once = tmp_path / "fired"
     proc = run_trainer(train_cmd([*args, f"--out_dir={crashed}"]),
                        dict(env, MYLLM_FAULT="crash@5", MYLLM_FAULT_ONCE_FILE=str(once)))
@@ -297,7 +305,8 @@ def test_cuda_default_is_one_launch_and_follows_torchs_fused_adamw(zero):
     last bits, e.g. by cuBLAS's choice for differently aligned buffers, and Adam's m / sqrt(v) turns such
     a difference on a near-zero gradient into a visible one). bf16 parameters: every parameter is its fp32
     master rounded to bf16, written by the kernel. zero1: the same through ZeRO-1's kernel over the rank's
-    shards (at world 1 the whole buffer, cut into the row table)."""
+    shards (at world 1 the whole buffer, cut into the row table). ddp: one process, one micro-batch a step, so
+    the gradients stay on the parameters (the kernel reads them at their addresses)."""
     from model import ModelConfig, Transformer
     from optimizer.mixed_precision_optimizer import MixedPrecisionOptimizer
     from parallel.build import build_engine
@@ -330,13 +339,14 @@ def test_cuda_default_is_one_launch_and_follows_torchs_fused_adamw(zero):
     flat, ref = engine("auto", "fp32"), engine("off", "fp32")
     assert flat.optimizer.flat is not None and flat.optimizer.flat.use_triton and ref.optimizer.flat is None
     assert all((b.segments is not None) == zero for b in flat.optimizer.flat.buffers)
+    assert flat.model.grads_on_params != zero and not ref.model.grads_on_params
     g = torch.Generator().manual_seed(0)
     for _ in range(4):
         x = torch.randint(0, 256, (4, 64), generator=g).to(device)
         backward(flat, x)
         backward(ref, x)
         for pf, pr in zip(flat.module.parameters(), ref.module.parameters()):
-            pr.main_grad.copy_(pf.main_grad)
+            pr.main_grad.copy_(pf.grad if flat.model.grads_on_params else pf.main_grad)
         step(flat)
         step(ref)
     pf, pr = params(flat), params(ref)
@@ -344,6 +354,7 @@ def test_cuda_default_is_one_launch_and_follows_torchs_fused_adamw(zero):
     for k in pr:
         torch.testing.assert_close(pf[k], pr[k], rtol=1e-5, atol=1e-5)
     low = engine("auto", "bf16")
+    assert low.model.grads_on_params != zero
     for _ in range(4):
         backward(low, torch.randint(0, 256, (4, 64), generator=g).to(device))
         step(low)

@@ -176,19 +176,22 @@ def test_evaluate_reads_nothing_back():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("flat", ["auto", "off"], ids=["one-launch", "torch-fused"])
+@pytest.mark.parametrize("flat", ["auto", "params", "off"], ids=["one-launch", "one-launch-param-grads", "torch-fused"])
 def test_cuda_step_waits_for_the_norm_alone(monkeypatch, flat):
     """The real count on a GPU: set_sync_debug_mode warns on every synchronising call (stream and device syncs,
     blocking copies); neither forward+backward nor the optimizer step makes one. The step's one host read waits
     on an event behind the norm's copy only: with ~100 ms of device sleep put in front of the update's launches,
     `step()` returns while the device is still busy (the read it had before, `.item()` after the update's
-    launches, waited for all of it: every next step began with an idle device)."""
+    launches, waited for all of it: every next step began with an idle device). "params": one micro-batch a
+    step, so the gradients stay on the parameters (their addresses reach the kernel by a pinned copy)."""
     from optimizer.mixed_precision_optimizer import MixedPrecisionOptimizer
-    monkeypatch.setattr(MixedPrecisionOptimizer, "flat_adamw", flat)
+    monkeypatch.setattr(MixedPrecisionOptimizer, "flat_adamw", "auto" if flat == "params" else flat)
     device = torch.device("cuda")
-    cfg, engine = _engine(device, gradient_accumulation_steps=3, dtype="bf16")
-    assert (engine.optimizer.flat is not None) == (flat == "auto")  # on CUDA "auto" is the one-launch AdamW
-    batches = _batches(0, 3)
+    n = 1 if flat == "params" else 3
+    cfg, engine = _engine(device, gradient_accumulation_steps=n, dtype="bf16")
+    assert (engine.optimizer.flat is not None) == (flat != "off")  # on CUDA "auto" is the one-launch AdamW
+    assert engine.model.grads_on_params == (flat == "params")
+    batches = _batches(0, n)
     _one_step(cfg, engine, batches, device)  # warm-up: lazy allocations and first-call set-up
     loss_fn = lambda model, batch: micro_batch_loss(cfg, model, None, batch, device)  # noqa: E731
     engine.optimizer.zero_grad()
@@ -197,7 +200,7 @@ def test_cuda_step_waits_for_the_norm_alone(monkeypatch, flat):
     try:
         with warnings.catch_warnings(record=True) as fb:
             warnings.simplefilter("always")
-            acc = engine.forward_backward(batches, loss_fn, 96.0)
+            acc = engine.forward_backward(batches, loss_fn, 32.0 * n)
         with warnings.catch_warnings(record=True) as opt:
             warnings.simplefilter("always")
             engine.optimizer.step()
@@ -209,14 +212,15 @@ def test_cuda_step_waits_for_the_norm_alone(monkeypatch, flat):
     assert acc.is_cuda
 
     optimizer = engine.optimizer
-    if flat == "auto":
+    if flat != "off":
         import optimizer.mixed_precision_optimizer as mpo
-        real_flat = mpo.adamw_flat
+        name = "adamw_param_grads" if flat == "params" else "adamw_flat"
+        real_flat = getattr(mpo, name)
 
         def slow_flat(*args, **kwargs):
             torch.cuda._sleep(200_000_000)  # ~100 ms of device time at a 2 GHz clock, ahead of the update
             real_flat(*args, **kwargs)
-        monkeypatch.setattr(mpo, "adamw_flat", slow_flat)
+        monkeypatch.setattr(mpo, name, slow_flat)
     else:
         real_update = optimizer._update_on_device
 
@@ -225,7 +229,7 @@ def test_cuda_step_waits_for_the_norm_alone(monkeypatch, flat):
             real_update(found_inf)
         monkeypatch.setattr(optimizer, "_update_on_device", slow_update)
     optimizer.zero_grad()
-    engine.forward_backward(batches, loss_fn, 96.0)
+    engine.forward_backward(batches, loss_fn, 32.0 * n)
     torch.cuda.synchronize()
     stepped, norm = optimizer.step()
     still_busy = not torch.cuda.current_stream().query()

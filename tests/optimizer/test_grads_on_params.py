@@ -1,0 +1,221 @@
+"""One process, one micro-batch a step: the gradients stay on the parameters (DistributedDataParallel.
+keep_grads_on_params, optimizer/flat_adamw.py ParamGrads) and the one-launch AdamW reads them at their addresses.
+
+Checked against the same engine with the gradients in DDP's fp32 buffers (the path every multi-process run takes):
+with clipping off the update does not depend on the norm's summation order, so parameters, moments and masters
+must be the same bits (each bf16 gradient widens to fp32 exactly either way); with clipping on, the norms agree to
+float32 rounding. The kernel runs in the Triton interpreter (TRITON_INTERPRET=1, tests/conftest.py) or, forced off,
+as its torch reference, which reads the gradients laid out like the buffer.
+"""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from optimizer.flat_adamw import triton_runs_on
+from tests.optimizer.test_flat_adamw import _engine, _params, _steps
+
+needs_interpreter = pytest.mark.skipif(not triton_runs_on(torch.device("cpu")),
+                                       reason="needs Triton and TRITON_INTERPRET=1")
+
+
+def _state(engine):
+    return {n: {k: v.clone() if torch.is_tensor(v) else v for k, v in e.items()}
+            for n, e in engine.optimizer.state_dict()["params"].items()}
+
+
+def _same_state(a, b):
+    assert a.keys() == b.keys()
+    for name in a:
+        for key in a[name]:
+            x, y = a[name][key], b[name][key]
+            assert (torch.equal(x, y) if torch.is_tensor(x) else x == y), (name, key)
+
+
+@pytest.mark.parametrize("kernel", ["triton", "reference"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_the_step_from_the_parameters_grads_is_the_buffer_steps(monkeypatch, kernel, dtype):
+    if kernel == "triton" and not triton_runs_on(torch.device("cpu")):
+        pytest.skip("needs Triton and TRITON_INTERPRET=1")
+    engines = {}
+    for mode in ("auto", "off"):
+        e = _engine("on", monkeypatch, dtype=dtype, grads_on_params=mode, grad_clip=0.0)
+        e.optimizer.flat.use_triton = kernel == "triton"
+        engines[mode] = e
+    on, off = engines["auto"], engines["off"]
+    assert on.model.grads_on_params and not off.model.grads_on_params
+    assert on.model.grad_buffer_bytes() == 0 < off.model.grad_buffer_bytes()  # the fp32 gradient buffer is gone
+    assert on.model._hook_removers == [] and len(off.model._hook_removers) == len(off.model.param_to_bucket)
+    ra, rb = _steps(on, 3), _steps(off, 3)
+    assert all(s for s, _ in ra + rb)
+    pa, pb = _params(on), _params(off)
+    assert all(torch.equal(pa[k], pb[k]) for k in pb)
+    _same_state(_state(on), _state(off))
+    if kernel == "reference":  # the same norm, computed from the same values laid out the same way
+        assert ra == rb
+    else:
+        assert [n for _, n in ra] == pytest.approx([n for _, n in rb], rel=1e-6)
+    # after the step the gradients are dropped with zero_grad, as the buffer path's
+    on.optimizer.zero_grad()
+    assert all(p.grad is None for p in on.module.parameters())
+
+
+@needs_interpreter
+def test_with_clipping_the_steps_follow_the_buffer_path_within_float32_rounding(monkeypatch):
+    """Clipping on (0.5, active every step): the clip coefficient comes from norms summed in another order, so the
+    fp32 runs agree to float32 rounding (the tolerance of tests/optimizer/test_flat_adamw.py against torch's AdamW)."""
+    on = _engine("on", monkeypatch, dtype="fp32", grads_on_params="auto")
+    off = _engine("on", monkeypatch, dtype="fp32", grads_on_params="off")
+    assert on.model.grads_on_params and not off.model.grads_on_params
+    ra, rb = _steps(on, 4), _steps(off, 4)
+    assert all(n > 0.5 for _, n in rb)  # the clip was active
+    assert [n for _, n in ra] == pytest.approx([n for _, n in rb], rel=1e-5)
+    pa, pb = _params(on), _params(off)
+    for k in pb:
+        torch.testing.assert_close(pa[k], pb[k], rtol=1e-5, atol=1e-6)
+
+
+class _TwoLayers(nn.Module):
+    """`unused` gets no gradient: the buffer path zeroes its main_grad, so AdamW still decays it and its moments."""
+
+    def __init__(self):
+        super().__init__()
+        self.used = nn.Linear(8, 8)
+        self.unused = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def _direct(mode, dtype):
+    from optimizer import OptimizerConfig, build_optimizer
+    from optimizer.mixed_precision_optimizer import MixedPrecisionOptimizer
+    from parallel.distributed_data_parallel import DDPConfig, DistributedDataParallel
+    torch.manual_seed(0)
+    model = _TwoLayers().to(dtype)
+    ddp = DistributedDataParallel(model, DDPConfig(grad_reduce_in_fp32=True, bucket_size=100))
+    MixedPrecisionOptimizer.flat_adamw, MixedPrecisionOptimizer.grads_on_params = "on", mode
+    try:
+        opt = build_optimizer(ddp, OptimizerConfig(lr=1e-2, weight_decay=0.1, grad_clip=0.0, fused=True,
+                                                   precision="bf16" if dtype == torch.bfloat16 else "fp32"))
+        assert opt.flat is not None
+        assert opt.keep_grads_on_params() == (mode == "auto")
+    finally:
+        MixedPrecisionOptimizer.flat_adamw = MixedPrecisionOptimizer.grads_on_params = None
+    return model, ddp, opt
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_a_parameter_no_gradient_reached_is_stepped_with_zeros_as_in_the_buffer(dtype):
+    runs = {}
+    for mode in ("auto", "off"):
+        model, ddp, opt = _direct(mode, dtype)
+        assert ddp.grads_on_params == (mode == "auto")
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            opt.zero_grad()
+            ddp(torch.randn(4, 8, generator=g).to(dtype)).float().square().sum().backward()
+            assert model.unused.weight.grad is None
+            stepped, _ = opt.step()
+            assert stepped
+        runs[mode] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    torch.manual_seed(0)
+    before = _TwoLayers().to(dtype)  # the initial weights of both runs
+    for n in runs["off"]:
+        assert torch.equal(runs["auto"][n], runs["off"][n]), n
+    assert not torch.equal(runs["auto"]["unused.weight"], before.unused.weight)  # decayed, as in the buffer
+
+
+@needs_interpreter
+def test_a_non_finite_gradient_skips_the_step_on_the_device(monkeypatch):
+    e = _engine("on", monkeypatch, grads_on_params="auto")
+    assert e.model.grads_on_params
+    _steps(e, 2)
+    before, steps = _params(e), e.optimizer.flat.steps
+    (stepped, norm), = _steps(e, 1, seed=3, poison_at=0)  # NaN written into one parameter's .grad
+    assert not stepped and norm == float("inf") and e.optimizer.flat.steps == steps
+    assert all(torch.equal(x, y) for x, y in zip(before.values(), _params(e).values()))
+    (stepped, _), = _steps(e, 1, seed=4)
+    assert stepped and e.optimizer.flat.steps == steps + 1
+
+
+def test_accumulation_keeps_the_fp32_buffers_and_no_sync_refuses_on_parameters(monkeypatch):
+    acc = _engine("on", monkeypatch, grads_on_params="auto", gradient_accumulation_steps=2)
+    assert not acc.model.grads_on_params and acc.model.grad_buffer_bytes() > 0  # micro-batches add in fp32
+    one = _engine("on", monkeypatch, grads_on_params="auto")
+    with pytest.raises(RuntimeError, match="gradient_accumulation_steps > 1"):
+        with one.model.no_sync():
+            pass
+    for flags in ({"use_distributed_optimizer": True}, {"comm_hook": "powersgd", "powersgd_rank": 1}):
+        assert not _engine("on", monkeypatch, grads_on_params="auto", **flags).model.grads_on_params, flags
+    assert not _engine("off", monkeypatch, grads_on_params="auto").model.grads_on_params  # torch's AdamW: buffers
+    assert not _engine("on", monkeypatch, grads_on_params="off").model.grads_on_params
+
+
+@pytest.mark.parametrize("how", ["kernel-fails", "comm-hook"])
+def test_leaving_the_parameters_puts_this_steps_gradients_in_the_buffers(monkeypatch, caplog, how):
+    """Back to DDP's buffers in the middle of a run: a kernel that cannot be built at its first launch (torch's
+    fused AdamW takes over, from this step's gradients), or a comm hook registered later (it reads the buckets).
+    Either way the run continues as the buffer path's would (the reference kernel here: exact)."""
+    import optimizer.mixed_precision_optimizer as mpo
+    from parallel.comm_hooks import allreduce_hook
+    on = _engine("on", monkeypatch, grads_on_params="auto")
+    ref = _engine("off" if how == "kernel-fails" else "on", monkeypatch, grads_on_params="off")
+    on.optimizer.flat.use_triton = False
+    if ref.optimizer.flat is not None:
+        ref.optimizer.flat.use_triton = False
+    if how == "kernel-fails":
+        def broken(*a, **k):
+            raise RuntimeError("no kernel here")
+        monkeypatch.setattr(mpo, "adamw_flat", broken)
+    else:
+        _steps(on, 1)
+        _steps(ref, 1)
+        on.model.register_comm_hook(None, allreduce_hook)  # the default hook, registered again: buffers back
+        assert not on.model.grads_on_params and on.model.grad_buffer_bytes() > 0
+    with caplog.at_level(logging.WARNING, logger="optimizer.mixed_precision_optimizer"):
+        ra, rb = _steps(on, 2), _steps(ref, 2)
+    assert not on.model.grads_on_params and on.model.grad_buffer_bytes() == ref.model.grad_buffer_bytes()
+    assert len(on.model._hook_removers) == len(on.model.param_to_bucket)
+    if how == "kernel-fails":
+        assert on.optimizer.flat is None and "one-launch AdamW off" in caplog.text
+    assert [n for _, n in ra] == pytest.approx([n for _, n in rb], rel=1e-6)
+    pa, pb = _params(on), _params(ref)
+    for k in pb:
+        torch.testing.assert_close(pa[k], pb[k], rtol=1e-5, atol=1e-6)
+
+
+def test_the_step_is_the_same_few_ops_for_any_model_size(monkeypatch):
+    """The addresses' copy, the sum of squares (its two launches, counted as such), the kernel and the norm's host
+    copy: the same count for 2 layers in 2 buckets and 4 layers in many."""
+    import optimizer.mixed_precision_optimizer as mpo
+    from model import ModelConfig, Transformer
+    from parallel.build import build_engine
+    from tests.optimizer.test_step_launches import CountLaunches
+    from trainer.config import TrainConfig
+    counts = []
+    for layers, bucket in ((2, 3000), (4, 1500)):
+        e = _engine("on", monkeypatch, grads_on_params="auto")
+        if layers > 2:
+            torch.manual_seed(0)
+            e = build_engine(Transformer(ModelConfig(vocab_size=64, dim=32, n_layers=layers, n_heads=4, n_kv_heads=2,
+                                                     multiple_of=16, max_seq_len=16)),
+                             TrainConfig(device="cpu", dtype="bf16", grad_clip=0.5, bucket_size=bucket),
+                             device=torch.device("cpu"))
+        assert e.model.grads_on_params and e.optimizer.flat.use_triton is not None
+        e.optimizer.flat.use_triton = True  # the GPU's path (the kernels themselves are replaced below)
+        e.optimizer.zero_grad()
+        e.forward_backward([{"input_ids": torch.zeros(2, 16, dtype=torch.long),
+                             "labels": torch.zeros(2, 16, dtype=torch.long)}],
+                           lambda m, b: (m(b["input_ids"], labels=b["labels"], reduction="sum"), {}), 32.0)
+        kernels = []
+        monkeypatch.setattr(mpo, "adamw_param_grads", lambda *a, **k: kernels.append(1))
+        monkeypatch.setattr(mpo, "sumsq_param_grads", lambda pg, a: kernels.extend((1, 1)) or torch.ones(()))
+        with CountLaunches() as launches:
+            e.optimizer.step()
+        monkeypatch.undo()
+        counts.append(len(launches.ops) + len(kernels))
+    assert counts[0] == counts[1] <= 8, counts
