@@ -81,11 +81,15 @@ CONFIGS = {
 MODELS = ("ours", "ours-ref", "ours-triton", "hf", "hf-liger", "ours-fp8", "ours-torchadam", "ours-concat",
           "ours-gradbuf")
 PRECISIONS = {"trainer": "bf16 params + fp32 master (trainer)", "autocast": "autocast (fp32 params)"}
-MODES = ("eager", "compile", "compile-cg")
+MODES = ("eager", "compile", "compile-cg", "compile-mat")
 DEFAULT_MODES = ("eager", "compile")
 # compile-cg: torch.compile(mode="reduce-overhead") = the trainer's --compile_mode=reduce-overhead (the forward
 # and backward replayed as CUDA graphs; the optimizer step outside them)
-COMPILE_KW = {"eager": None, "compile": {}, "compile-cg": {"mode": "reduce-overhead"}}
+# compile-mat: mode="max-autotune-no-cudagraphs" = --compile_mode=max-autotune-no-cudagraphs (Inductor benchmarks its
+# Triton matmul templates against cuBLAS per shape and can fuse neighbouring pointwise ops into a template's epilogue;
+# minutes of compile, so only on request: --rows ours:trainer:compile-mat with a longer --timeout)
+COMPILE_KW = {"eager": None, "compile": {}, "compile-cg": {"mode": "reduce-overhead"},
+              "compile-mat": {"mode": "max-autotune-no-cudagraphs"}}
 # (model, precision) in the order rows run within a mode: the trainer's own setup and HF's default first
 PRIORITY = (("ours", "trainer"), ("hf", "autocast"), ("ours", "autocast"), ("ours-ref", "trainer"),
             ("hf", "trainer"), ("hf-liger", "autocast"), ("ours-ref", "autocast"), ("hf-liger", "trainer"),
