@@ -116,6 +116,14 @@ def _steps(engine, n, seed=0, poison_at=None):
     return out
 
 
+def _zero_batch_backward(e):
+    """Gradients of one all-zeros batch, ready for a counted step."""
+    e.optimizer.zero_grad()
+    e.forward_backward([{"input_ids": torch.zeros(2, 16, dtype=torch.long),
+                         "labels": torch.zeros(2, 16, dtype=torch.long)}],
+                       lambda m, b: (m(b["input_ids"], labels=b["labels"], reduction="sum"), {}), 32.0)
+
+
 def _params(engine):
     return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
 
@@ -197,10 +205,7 @@ def test_resume_skip_and_a_constant_number_of_launches(monkeypatch):
                              device=torch.device("cpu"))
             assert e.optimizer.flat is not None and len(e.model.buckets) > 2
         _steps(e, 1)
-        e.optimizer.zero_grad()
-        e.forward_backward([{"input_ids": torch.zeros(2, 16, dtype=torch.long),
-                             "labels": torch.zeros(2, 16, dtype=torch.long)}],
-                           lambda m, b: (m(b["input_ids"], labels=b["labels"], reduction="sum"), {}), 32.0)
+        _zero_batch_backward(e)
         kernels = []  # the kernel's launches, counted apart (the interpreter runs many torch ops inside one)
         monkeypatch.setattr("optimizer.mixed_precision_optimizer.adamw_flat", lambda *a, **k: kernels.append(1))
         with CountLaunches() as launches:
@@ -236,10 +241,7 @@ def test_zero1_step_is_a_few_ops_for_any_model_size(monkeypatch):
                                      use_distributed_optimizer=True), device=torch.device("cpu"))
         assert e.optimizer.flat is not None and len(e.model.buckets) >= 2 + (layers > 2)
         _steps(e, 1)
-        e.optimizer.zero_grad()
-        e.forward_backward([{"input_ids": torch.zeros(2, 16, dtype=torch.long),
-                             "labels": torch.zeros(2, 16, dtype=torch.long)}],
-                           lambda m, b: (m(b["input_ids"], labels=b["labels"], reduction="sum"), {}), 32.0)
+        _zero_batch_backward(e)
         kernels = []
         monkeypatch.setattr(mpo, "adamw_segments", lambda *a, **k: kernels.append(1))
         monkeypatch.setattr(mpo, "sumsq_segments", lambda g, segs, t: kernels.extend((1, 1)) or torch.ones(()))

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from optimizer.flat_adamw import triton_runs_on
-from tests.optimizer.test_flat_adamw import _engine, _params, _steps
+from tests.optimizer.test_flat_adamw import _engine, _params, _steps, _zero_batch_backward
 
 needs_interpreter = pytest.mark.skipif(not triton_runs_on(torch.device("cpu")),
                                        reason="needs Triton and TRITON_INTERPRET=1")
@@ -207,10 +207,7 @@ def test_the_step_is_the_same_few_ops_for_any_model_size(monkeypatch):
                              device=torch.device("cpu"))
         assert e.model.grads_on_params and e.optimizer.flat.use_triton is not None
         e.optimizer.flat.use_triton = True  # the GPU's path (the kernels themselves are replaced below)
-        e.optimizer.zero_grad()
-        e.forward_backward([{"input_ids": torch.zeros(2, 16, dtype=torch.long),
-                             "labels": torch.zeros(2, 16, dtype=torch.long)}],
-                           lambda m, b: (m(b["input_ids"], labels=b["labels"], reduction="sum"), {}), 32.0)
+        _zero_batch_backward(e)
         kernels = []
         monkeypatch.setattr(mpo, "adamw_param_grads", lambda *a, **k: kernels.append(1))
         monkeypatch.setattr(mpo, "sumsq_param_grads", lambda pg, a: kernels.extend((1, 1)) or torch.ones(()))
