@@ -269,7 +269,13 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
         elif on_params and fl.use_triton:
             grads = [b.param_grads.grads() for b in fl.buffers]  # (kept alive until the kernels are queued)
             addrs = [b.param_grads.addresses(g) for b, g in zip(fl.buffers, grads)]
-            parts = [sumsq_param_grads(b.param_grads, a) for b, a in zip(fl.buffers, addrs)]
+            try:
+                parts = [sumsq_param_grads(b.param_grads, a) for b, a in zip(fl.buffers, addrs)]
+            except Exception as e:  # noqa: BLE001 - as for the update's kernel below (nothing was written yet)
+                if fl.launched:
+                    raise
+                self._leave_flat(f"its norm kernel failed ({' '.join(str(e).split())[:300]})")
+                return self.global_norm_step()
             sumsq = parts[0] if len(parts) == 1 else torch.stack(parts).sum()
         else:  # (the torch reference of the path above reads them laid out like the buffer)
             flats = [b.param_grads.gathered(b.param_grads.grads()) if on_params else b.grad for b in fl.buffers]

@@ -155,22 +155,30 @@ def test_accumulation_keeps_the_fp32_buffers_and_no_sync_refuses_on_parameters(m
     assert not _engine("on", monkeypatch, grads_on_params="off").model.grads_on_params
 
 
-@pytest.mark.parametrize("how", ["kernel-fails", "comm-hook"])
+@pytest.mark.parametrize("how", ["reference-fails", "kernel-fails", "norm-kernel-fails", "comm-hook"])
 def test_leaving_the_parameters_puts_this_steps_gradients_in_the_buffers(monkeypatch, caplog, how):
-    """Back to DDP's buffers in the middle of a run: a kernel that cannot be built at its first launch (torch's
-    fused AdamW takes over, from this step's gradients), or a comm hook registered later (it reads the buckets).
-    Either way the run continues as the buffer path's would (the reference kernel here: exact)."""
+    """Back to DDP's buffers in the middle of a run: a kernel (the update's or the norm's; or the reference's
+    update) that cannot be built at its first launch (torch's fused AdamW takes over, from this step's
+    gradients), or a comm hook registered later (it reads the buckets). Either way the run continues as the
+    buffer path's would."""
     import optimizer.mixed_precision_optimizer as mpo
     from parallel.comm_hooks import allreduce_hook
+    fails = how.endswith("fails")
+    if how in ("kernel-fails", "norm-kernel-fails") and not triton_runs_on(torch.device("cpu")):
+        pytest.skip("needs Triton and TRITON_INTERPRET=1")
     on = _engine("on", monkeypatch, grads_on_params="auto")
-    ref = _engine("off" if how == "kernel-fails" else "on", monkeypatch, grads_on_params="off")
-    on.optimizer.flat.use_triton = False
+    ref = _engine("off" if fails else "on", monkeypatch, grads_on_params="off")
+    on.optimizer.flat.use_triton = how != "reference-fails"
     if ref.optimizer.flat is not None:
         ref.optimizer.flat.use_triton = False
-    if how == "kernel-fails":
+    if fails:
+        calls = []
+
         def broken(*a, **k):
+            calls.append(1)
             raise RuntimeError("no kernel here")
-        monkeypatch.setattr(mpo, "adamw_flat", broken)
+        monkeypatch.setattr(mpo, {"reference-fails": "adamw_flat", "kernel-fails": "adamw_param_grads",
+                                  "norm-kernel-fails": "sumsq_param_grads"}[how], broken)
     else:
         _steps(on, 1)
         _steps(ref, 1)
@@ -180,8 +188,8 @@ def test_leaving_the_parameters_puts_this_steps_gradients_in_the_buffers(monkeyp
         ra, rb = _steps(on, 2), _steps(ref, 2)
     assert not on.model.grads_on_params and on.model.grad_buffer_bytes() == ref.model.grad_buffer_bytes()
     assert len(on.model._hook_removers) == len(on.model.param_to_bucket)
-    if how == "kernel-fails":
-        assert on.optimizer.flat is None and "one-launch AdamW off" in caplog.text
+    if fails:
+        assert calls == [1] and on.optimizer.flat is None and "one-launch AdamW off" in caplog.text
     assert [n for _, n in ra] == pytest.approx([n for _, n in rb], rel=1e-6)
     pa, pb = _params(on), _params(ref)
     for k in pb:
