@@ -129,7 +129,6 @@ if TRITON_AVAILABLE:
         g = tl.load(grad_ptr + b0 + r, mask=r < cnt, other=0.0).to(tl.float32)
         tl.store(out_ptr + tl.program_id(0), tl.sum(g * g, axis=0))
 
-
     @triton.jit
     def _grad_pointer(ptrs_ptr, j, GRAD_BF16: tl.constexpr):
         """Parameter j's gradient this step: its address (0: none) and that address as a typed pointer."""
@@ -150,7 +149,8 @@ if TRITON_AVAILABLE:
         and the low-precision parameters are read and written at the buffer's offsets, the gradient at
         ptrs[j] + start (ptrs[j] == 0: no gradient reached the parameter this step, read as zeros, like the
         buffer path's zeroed main_grad). ALIGNED: every buffer start is a multiple of 16 elements (DDP's
-        param_alignment), so the buffer's streams load and store 16 bytes at a time."""
+        param_alignment), told to the compiler as a hint for wider accesses (whether it uses them is not checked:
+        only the register counts are, scripts/check_triton_cuda.py)."""
         row = table_ptr + tl.program_id(0).to(tl.int64) * 4
         b0 = tl.load(row)
         if ALIGNED:
