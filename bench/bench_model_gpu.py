@@ -40,7 +40,10 @@ bf16, not in the GPU report's verdict rows: `--bench-rows ours-fp8:trainer:compi
 trainer precision only), ours-concat (ours with what kernel_backend=auto chose under torch.compile before
 2026-11-27: q/k/v and gate/up as one matmul each and the chunked Triton linear+CE; the A/B of that choice),
 ours-gradbuf (ours with the gradients copied into DDP's fp32 buffers, MYLLM_GRADS_ON_PARAMS=off, where one
-process with one micro-batch a step reads them from the parameters: the A/B of that; trainer precision only). Rows run in priority order, all eager rows of a config
+process with one micro-batch a step reads them from the parameters: the A/B of that; trainer precision only),
+ours-tce (compiled, the loss as the Triton linear+CE op in one chunk instead of Inductor's full-logits fusion: the
+op computes the loss and both gradients in the forward, one pass over the logits after their matmul, where
+Inductor's two kernels took 1.35 ms per 124M step on an H200; the A/B of that). Rows run in priority order, all eager rows of a config
 before its compile rows, so a --budget-s that runs out drops the least informative rows ("not run").
 MFU uses model/flops.py's formula against the dense bf16 peak of the GPU (model/flops.py's table; H100
 SXM 989 TFLOP/s; --peak-tflops overrides) and against the bf16 matmul peak measured in the same run.
@@ -79,7 +82,7 @@ CONFIGS = {
                  batch=2, seq=64),
 }
 MODELS = ("ours", "ours-ref", "ours-triton", "hf", "hf-liger", "ours-fp8", "ours-torchadam", "ours-concat",
-          "ours-gradbuf")
+          "ours-gradbuf", "ours-tce")
 PRECISIONS = {"trainer": "bf16 params + fp32 master (trainer)", "autocast": "autocast (fp32 params)"}
 MODES = ("eager", "compile", "compile-cg", "compile-mat")
 DEFAULT_MODES = ("eager", "compile")
@@ -116,7 +119,7 @@ def _build(model_name: str, mcfg: dict, device):
     with torch.device(device):  # initialise on the GPU: a 1B model's CPU init takes tens of seconds
         cfg = ModelConfig(**mcfg)
         ours = Transformer(cfg)
-        if model_name in ("ours", "ours-fp8", "ours-torchadam", "ours-concat", "ours-gradbuf"):  # see make_step
+        if model_name in ("ours", "ours-fp8", "ours-torchadam", "ours-concat", "ours-gradbuf", "ours-tce"):  # make_step
             return ours
         if model_name == "ours-triton":  # our Triton kernels also under torch.compile (auto: references there)
             return Transformer(ModelConfig(**mcfg, kernel_backend="triton"))
@@ -192,6 +195,10 @@ def make_step(config: str, model_name: str, mode: str, precision: str, device):
         kernels.AUTO_UNDER_COMPILE.update(cross_entropy="triton", concat_linear="torch")
     if model_name == "ours-torchadam":  # ours with torch's fused AdamW instead of the one-launch kernel
         os.environ["MYLLM_FLAT_ADAMW"] = "off"
+    if model_name == "ours-tce":  # compiled: the Triton linear+CE op in ONE chunk (logits up to 4 GiB in fp32)
+        from model import kernels, triton_loss
+        kernels.AUTO_UNDER_COMPILE.update(cross_entropy="triton")
+        triton_loss.LOSS_CHUNK_BUDGET_BYTES = kernels.REFERENCE_LOSS_MAX_LOGITS_BYTES
     if model_name == "ours-gradbuf":  # ours with the gradients copied into DDP's fp32 buffers (as before 2026-11-27)
         os.environ["MYLLM_GRADS_ON_PARAMS"] = "off"
     engine = build_engine(model, cfg, device=torch.device(device))
@@ -571,6 +578,8 @@ def markdown_tables(rows: list[dict], peak_table: float, peak_measured: float) -
                       f"{_ratio(best(('ours',)), best(('ours-torchadam',)))} |")
         ratios.append(f"| {c} | ours / ours-concat (separate projections + full-logits loss when compiled; best rows) | "
                       f"{_ratio(best(('ours',)), best(('ours-concat',)))} |")
+        ratios.append(f"| {c} | ours / ours-tce (full-logits loss fused by Inductor vs the Triton linear+CE op in "
+                      f"one chunk; best rows) | {_ratio(best(('ours',)), best(('ours-tce',)))} |")
         ratios.append(f"| {c} | ours / ours-gradbuf (gradients read from the parameters, not copied into fp32 "
                       f"buffers; best rows) | {_ratio(best(('ours',)), best(('ours-gradbuf',)))} |")
         for md in MODES:

@@ -82,8 +82,9 @@ FULL_TIMEOUTS = {"tests": 280, "bench-124m": 380, "bench-1b": 330, "train": 360,
 # references compiled (compiled, `auto` now runs them: docs/gpu/report-aea0e31-h100.md), and ours with CUDA graphs
 # (compile-cg; 1% over plain compile on 2026-11-26: 485,292 vs 480,157 tokens/s at 124M on an H200); ask with
 # e.g. `--bench-rows "124m=ours:trainer:compile-cg,ours-concat:trainer:compile"`. The A/B rows not yet measured
-# (2026-11-27): ours-gradbuf (gradients copied into fp32 buffers, the old one-process path), ours-concat, compile-cg
-# with today's choice, compile-mat (max-autotune: minutes of compile, --bench-row-timeout 400).
+# (2026-11-27): ours-gradbuf (gradients copied into fp32 buffers, the old one-process path), ours-tce (the Triton
+# linear+CE in one chunk under compile), ours-concat, compile-cg with today's choice, compile-mat (max-autotune:
+# minutes of compile, --bench-row-timeout 400).
 VERDICT_BENCH_ROWS = {
     "bench-124m": "ours:trainer:compile,hf:autocast:compile,hf-liger:autocast:eager",
     "bench-1b": "ours:trainer:compile,hf:autocast:compile,ours-fp8:trainer:compile,hf-liger:autocast:eager",
