@@ -15,6 +15,9 @@ decides the goals and nothing else (`--full` runs every row and trainer setting,
   profile     torch.profiler over two back-to-back COMPILED trainer-precision steps of the 124m model (after
               3 steps): the top 15 kernels by self CUDA time and CUDA time by kind, per step (attention apart
               from matmuls; profiler annotations are not kernels), and the device timeline's idle gaps
+  bench-ab    in the time the deadline leaves: the A/B rows of choices no GPU has measured yet
+              (AB_BENCH_ROWS), shown in the bench tables beside the rows they are compared with
+  kernels     bench/bench_kernels_gpu.py (each fused op alone), if time is still left
 
 Output (--out-dir, default out/gpu_report): report.md, report.json (raw: every row, run, test) and
 log.txt (every stage's output). Work files (data, runs, checkpoints) go to --work-dir (default
@@ -23,7 +26,8 @@ out/gpu_report_work), never to --out-dir. Running a part again merges into the r
 `--merge A/report.json B/report.json` merges reports written by separate calls (no GPU needed).
 
     make gpu-report                       # the verdict: <= 9 min on one H100 (--deadline-s 540 by default)
-    make gpu-report PART=tests            # one part: tests | bench | bench-124m | bench-1b | train | profile
+    make gpu-report PART=tests            # one part: tests | bench | bench-124m | bench-1b | train | profile |
+                                          #   bench-ab | kernels
     python scripts/gpu_report.py --full   # every row and four trainer runs (~24 min: split it over calls)
     python scripts/gpu_report.py --dry-run-cpu                 # every stage at tiny size on CPU (plumbing)
     python scripts/gpu_report.py --dry-run-cpu --dry-compile=off   # the same without Inductor (faster)
@@ -62,9 +66,10 @@ sys.path.insert(0, ROOT)
 from utils.checkpoint_layout import checkpoint_root  # noqa: E402
 from scripts.corpus_slice import write_corpus_slice  # noqa: E402
 from utils.publish import atomic_write_text  # noqa: E402
-STAGES = ("tests", "bench-124m", "bench-1b", "train", "profile", "kernels")
+STAGES = ("tests", "bench-124m", "bench-1b", "train", "profile", "bench-ab", "kernels")
 PARTS = {"tests": ["tests"], "bench": ["bench-124m", "bench-1b"], "bench-124m": ["bench-124m"],
-         "bench-1b": ["bench-1b"], "train": ["train"], "profile": ["profile"], "kernels": ["kernels"],
+         "bench-1b": ["bench-1b"], "train": ["train"], "profile": ["profile"], "bench-ab": ["bench-ab"],
+         "kernels": ["kernels"],
          "all": list(STAGES)}
 # the verdict (default): what decides the goals, in one device call of <= 9 minutes on one H100
 # measured on an H100 (docs/gpu/report-574426c.md, report-aea0e31-h100.md): pytest -m gpu 116-119 s with 4
@@ -73,9 +78,11 @@ PARTS = {"tests": ["tests"], "bench": ["bench-124m", "bench-1b"], "bench-124m": 
 # compiled. The per-op kernel bench (35 s) runs when time is left (--full: always)
 # 2026-11-27 on an H200 (report-a4fb4df-h200): the train stage's two runs took 23.6 + 50.9 s and hit its 75 s; the
 # tests now run on 6 workers (xdist_args), so 30 s of their budget moves to the trainer runs
-TIMEOUTS = {"tests": 110, "bench-124m": 110, "bench-1b": 170, "train": 105, "profile": 30, "kernels": 40}  # 565 s
-FULL_TIMEOUTS = {"tests": 280, "bench-124m": 380, "bench-1b": 330, "train": 360, "profile": 90,
-                 "kernels": 120}  # --full: 26 min
+# bench-ab and kernels run in what the deadline leaves (the verdict's stages first)
+TIMEOUTS = {"tests": 110, "bench-124m": 110, "bench-1b": 170, "train": 105, "profile": 30, "bench-ab": 150,
+            "kernels": 40}
+FULL_TIMEOUTS = {"tests": 280, "bench-124m": 380, "bench-1b": 330, "train": 360, "profile": 90, "bench-ab": 300,
+                 "kernels": 120}  # --full: 31 min
 # the bench rows that decide the goals, per config: ours as the trainer runs it compiled, the best HF (compiled),
 # HF + Liger (eager: its fused linear-CE failed under compile with torch 2.11). At 1B ours with FP8 runs third:
 # it may carry the 1B goal (reported apart) and no call has reached it yet. Left out since 2026-11-27: our
@@ -89,7 +96,14 @@ VERDICT_BENCH_ROWS = {
     "bench-124m": "ours:trainer:compile,hf:autocast:compile,hf-liger:autocast:eager",
     "bench-1b": "ours:trainer:compile,hf:autocast:compile,ours-fp8:trainer:compile,hf-liger:autocast:eager",
 }
-DRY_TIMEOUTS = {"tests": 240, "bench-124m": 300, "bench-1b": 400, "train": 600, "profile": 240, "kernels": 300}
+# bench-ab: after the verdict, in the time the deadline leaves, the A/B rows of choices no GPU has measured yet
+# (config:model:precision:mode, in priority order; a row that does not fit is "not run"). Their rows join the
+# bench tables, beside the verdict's `ours` rows they are compared with (bench/bench_model_gpu.py's ratios).
+AB_BENCH_ROWS = ("124m:ours-gradbuf:trainer:compile,124m:ours-tce:trainer:compile,124m:ours:trainer:compile-cg,"
+                 "1b:ours-gradbuf:trainer:compile,1b:ours-tce:trainer:compile")
+DRY_AB_ROWS = "tiny:ours-gradbuf:trainer:eager"
+DRY_TIMEOUTS = {"tests": 240, "bench-124m": 300, "bench-1b": 400, "train": 600, "profile": 240, "bench-ab": 300,
+                "kernels": 300}
 REPORT_FORMAT = 1
 
 # the trainer runs: (name, --fused_kernels, --compile)
@@ -269,6 +283,8 @@ def _side_work(ctx: Ctx) -> tuple[list[threading.Thread], dict]:
     if not ctx.dry and later & {"bench-124m", "bench-1b", "profile", "train"}:
         configs = [c for c in ("124m", "1b") if f"bench-{c}" in later or (c == "124m" and later & {"profile", "train"})]
         rows = prewarm_rows_spec(ctx.args, configs)
+        if rows and "bench-ab" in later:  # after the verdict's rows: the A/B rows, where the prewarm gets to them
+            rows += "," + ",".join(r for r in AB_BENCH_ROWS.split(",") if r.split(":")[0] in configs)
 
         def prewarm() -> None:
             out_json = os.path.join(ctx.work, "prewarm.json")
@@ -391,16 +407,19 @@ def stage_tests(ctx: Ctx) -> dict:
             "error_tail": [] if ok else tail(r["output"], 25)}
 
 
-def _bench_stage(ctx: Ctx, name: str) -> dict:
-    config = "tiny" if ctx.dry else name.split("-", 1)[1]
+def _bench_stage(ctx: Ctx, name: str, configs: str = "", rows: Optional[str] = None) -> dict:
+    """One bench/bench_model_gpu.py call: `configs` (default: the stage's own) and `rows` (default: --bench-rows
+    or the verdict's / the dry run's rows for the stage)."""
+    config = "tiny" if ctx.dry else configs or name.split("-", 1)[1]
     out_json = os.path.join(ctx.work, f"{name}.json")
     if os.path.exists(out_json):
         os.remove(out_json)
     cmd = [ctx.py, "bench/bench_model_gpu.py", "--configs", config, "--device", ctx.device,
            "--json-out", out_json, "--budget-s", str(max(10, int(ctx.timeout - 15))),
            "--timeout", str(int(ctx.args.bench_row_timeout))]
-    rows = bench_rows_for(ctx.args.bench_rows, name) or (DRY_BENCH[name] if ctx.dry else "" if ctx.args.full
-                                                         else VERDICT_BENCH_ROWS[name])
+    if rows is None:
+        rows = bench_rows_for(ctx.args.bench_rows, name) or (DRY_BENCH[name] if ctx.dry else "" if ctx.args.full
+                                                             else VERDICT_BENCH_ROWS[name])
     if rows:
         cmd += ["--rows", rows]
     if ctx.dry:
@@ -426,6 +445,11 @@ def stage_bench_124m(ctx: Ctx) -> dict:
 
 def stage_bench_1b(ctx: Ctx) -> dict:
     return _bench_stage(ctx, "bench-1b")
+
+
+def stage_bench_ab(ctx: Ctx) -> dict:
+    """The A/B rows (AB_BENCH_ROWS) in the time left: each beside the verdict's row it is compared with."""
+    return _bench_stage(ctx, "bench-ab", configs="124m,1b", rows=DRY_AB_ROWS if ctx.dry else AB_BENCH_ROWS)
 
 
 def prepare_data(ctx: Ctx, seq: int) -> dict:
@@ -587,7 +611,7 @@ def stage_kernels(ctx: Ctx) -> dict:
 
 
 STAGE_FUNCS: dict[str, Callable[[Ctx], dict]] = {
-    "tests": stage_tests, "bench-124m": stage_bench_124m, "bench-1b": stage_bench_1b,
+    "tests": stage_tests, "bench-124m": stage_bench_124m, "bench-1b": stage_bench_1b, "bench-ab": stage_bench_ab,
     "train": stage_train, "profile": stage_profile, "kernels": stage_kernels}
 
 
@@ -717,7 +741,7 @@ def render(report: dict) -> str:
     total = sum(st.get("seconds", 0) or 0 for st in stages.values())
     L += ["", f"Sum of the stages' wall times: {total:.0f} s ({total / 60:.1f} min).", ""]
     L += render_tests(stages.get("tests"))
-    L += render_bench(stages.get("bench-124m"), stages.get("bench-1b"))
+    L += render_bench(stages.get("bench-124m"), stages.get("bench-1b"), stages.get("bench-ab"))
     L += render_train(stages.get("train"), stages.get("bench-124m"))
     L += render_profile(stages.get("profile"))
     L += render_kernels(stages.get("kernels"))
@@ -753,12 +777,14 @@ def render_tests(st: Optional[dict]) -> list[str]:
     return L + [""]
 
 
-def render_bench(a: Optional[dict], b: Optional[dict]) -> list[str]:
+def render_bench(a: Optional[dict], b: Optional[dict], ab: Optional[dict] = None) -> list[str]:
     L = ["## 2. Benchmark (`bench/bench_model_gpu.py`, every row in its own process)", ""]
-    if a is None and b is None:
+    if a is None and b is None and ab is None:
         return L + ["Not run yet.", ""]
     rows, meta = [], {}
-    for name, st in (("bench-124m", a), ("bench-1b", b)):
+    for name, st in (("bench-124m", a), ("bench-1b", b), ("bench-ab", ab)):
+        if st is None and name == "bench-ab":
+            continue
         if st is None:
             L.append(f"- {name}: not run yet")
             continue

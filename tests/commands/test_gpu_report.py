@@ -227,7 +227,7 @@ def test_cpu_dry_run_writes_every_section_with_numbers(tmp_path):
     md = (out / "report.md").read_text()
     rep = json.loads((out / "report.json").read_text())
     failures = md[md.find("## Failures"):]
-    stages = ("tests", "bench-124m", "bench-1b", "train", "profile", "kernels")
+    stages = ("tests", "bench-124m", "bench-1b", "train", "profile", "bench-ab", "kernels")
     assert {n: s["status"] for n, s in rep["stages"].items()} == {n: "ok" for n in stages}, failures
     sections = re.split(r"^## ", md, flags=re.M)
     titles = [s.splitlines()[0] for s in sections[1:]]
@@ -243,6 +243,10 @@ def test_cpu_dry_run_writes_every_section_with_numbers(tmp_path):
     assert ours["tokens_per_s"] > 0 and hf["tokens_per_s"] > 0
     assert rows[("ours", "trainer", "compile")]["tokens_per_s"] > 0
     assert rows[("hf-liger", "autocast", "eager")]["skipped"] == "liger-kernel not installed"
+    # the A/B stage (in the time left): its row joins the bench tables, with its ratio to the verdict's row
+    ab = {(x["model"], x["precision"], x["mode"]): x for x in rep["stages"]["bench-ab"]["data"]["rows"]}
+    assert ab[("ours-gradbuf", "trainer", "eager")]["tokens_per_s"] > 0
+    assert "| tiny | ours-gradbuf |" in md and "| tiny | ours / ours-gradbuf (" in md
     # ours and HF start from the same weights and batch: the same first loss (bf16 rounding apart)
     assert abs(ours["first_loss"] - hf["first_loss"]) < 0.02
     runs = rep["stages"]["train"]["data"]["runs"]
