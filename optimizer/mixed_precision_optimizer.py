@@ -61,7 +61,8 @@ class Piece:
 class _FlatBucket:
     """A bucket's owned range [lo, hi) (bucket-local) and the flat fp32 tensors over it: the masters (None
     when the parameters are fp32: they are their own masters) and the gradient store (None when the
-    gradients are fp32 and read in place). Alignment gaps between parameters ride along, never updated."""
+    gradients are fp32 and read in place, or when the one-launch AdamW reads them in place whatever their
+    dtype). Alignment gaps between parameters ride along, never updated."""
     lo: int
     hi: int
     master: Optional[torch.Tensor]
@@ -104,6 +105,8 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
         if self.flat is not None:
             log.info("AdamW in one launch per parameter buffer (%d buffer(s), %s)", len(self.flat.buffers),
                      "Triton" if self.flat.use_triton else "its torch reference")
+        else:  # torch's AdamW steps fp32 masters with fp32 gradients (the kernel widens bf16 ones as it reads them)
+            self._attach_grad_stores()
 
     # ------------------------------------------------------------------ construction
     def owned_range(self, bucket) -> tuple[int, int]:
@@ -115,9 +118,9 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
 
     def _build_pieces(self) -> list[Piece]:
         """One piece per (owned part of a) parameter. Per bucket, the owned range [olo, ohi) gets ONE flat fp32
-        master (when the parameters are not fp32) and ONE flat fp32 gradient store (when the gradients are
-        not fp32), laid out like the bucket's buffers; every piece's master / store is a view into them, so
-        the step copies gradients in and masters back with one copy per bucket, not one per parameter."""
+        master (when the parameters are not fp32), laid out like the bucket's buffers; every piece's master is
+        a view into it, so the step copies masters back with one copy per bucket, not one per parameter (the
+        gradient stores: `_attach_grad_stores`)."""
         pieces = []
         self._flat: dict[int, _FlatBucket] = {}
         # unsharded, low-precision parameters: one fp32 master per DDP buffer (id -> it), the buckets' are views
@@ -154,9 +157,7 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
                 c = self._compact_start[bucket.index]
                 master = buffer_masters[id(bucket.buffer)][c:c + ohi - olo]
                 master.copy_(bucket.param_data[olo:ohi].detach())
-            store = torch.zeros(ohi - olo, dtype=torch.float32, device=p0.device) \
-                if self._keep_grad_store(p0) else None
-            self._flat[bucket.index] = _FlatBucket(olo, ohi, master, store)
+            self._flat[bucket.index] = _FlatBucket(olo, ohi, master, None)
             for slot in slots:
                 s, e = max(slot.start, olo), min(slot.end, ohi)
                 p = slot.param
@@ -168,9 +169,23 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
                     main = p  # fp32 path: no copy at all
                 else:
                     main = p.detach().view(-1)[lo:hi]  # fp32: a view of the buffer
-                grad_store = store[s - olo:e - olo] if store is not None else None
-                pieces.append(Piece(slot.name, p, bucket.index, lo, hi, main, copy, grad_store, p.ndim >= 2))
+                pieces.append(Piece(slot.name, p, bucket.index, lo, hi, main, copy, None, p.ndim >= 2))
         return pieces
+
+    def _attach_grad_stores(self) -> None:
+        """For torch's AdamW (fp32 masters take fp32 gradients): per bucket whose gradients are not fp32, ONE flat
+        fp32 gradient store over its owned range, laid out like the bucket, every piece's a view into it (the
+        step copies gradients in with one copy per bucket). Not with the one-launch AdamW, which reads bf16
+        gradients in place; `_leave_flat` attaches them when it hands over."""
+        for idx, fb in self._flat.items():
+            pieces = self.pieces_by_bucket.get(idx, [])
+            if not pieces or fb.grad_store is not None or not self._keep_grad_store(pieces[0].param):
+                continue
+            fb.grad_store = torch.zeros(fb.hi - fb.lo, dtype=torch.float32, device=pieces[0].param.device)
+            starts = {id(slot.param): slot.start for slot in self.ddp.buckets[idx].slots}
+            for pc in pieces:
+                at = starts[id(pc.param)] + pc.lo - fb.lo  # the piece's bucket-local start, from the range's
+                pc.grad_store = fb.grad_store[at:at + pc.hi - pc.lo]
 
     def _is_muon(self, pc: Piece) -> bool:
         return self.config.optimizer == "muon" and is_muon_param(pc.name, tuple(pc.param.shape))
@@ -216,8 +231,6 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
             return False
         if mode == "auto" and not all(opt.defaults.get("fused") for opt in self.optimizers.values()):
             return False  # (forced on, a CPU run's foreach AdamW objects only keep the groups and the state)
-        if any(fb.grad_store is not None for fb in self._flat.values()):  # gradients not fp32: the copy-in path
-            return False
         if any(b.buffer.split for b in self.ddp.buckets):
             return False
         if not self._plain_reduction():  # PowerSGD writes the alignment gaps: the flat norm would count them
@@ -315,6 +328,7 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
         log.warning("one-launch AdamW off: %s; torch's fused AdamW steps the parameters from here on", why)
         if getattr(self.ddp, "grads_on_params", False):
             self.ddp.restore_grad_buffers()  # this step's gradients into DDP's buffers, its hooks back
+        self._attach_grad_stores()  # torch's AdamW reads fp32 copies of low-precision gradients
         for opt in self.optimizers.values():
             for st in opt.state.values():
                 st["step"].fill_(float(self.flat.steps))
@@ -615,7 +629,7 @@ class _FlatBuffer:
     """One DDP buffer's flat tensors for optimizer/flat_adamw.py, laid out like the buffer (unsharded) or as
     this rank's shards one after another (ZeRO-1, `segments`)."""
     master: torch.Tensor  # fp32: the optimizer's masters (or the fp32 parameters themselves)
-    grad: torch.Tensor  # the buffer's fp32 gradients
+    grad: torch.Tensor  # the buffer's gradients (fp32; bf16 with grad_reduce_in_fp32=False: widened as they are read)
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     decay: torch.Tensor  # uint8: 1 where the element's parameter decays

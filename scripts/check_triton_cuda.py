@@ -124,6 +124,21 @@ def _variants():
                                   CLIP=clip, BLOCK=fa.BLOCK), 8))
     out.append(("sumsq_segments", fa._sumsq_segments_kernel,
                 dict(grad_ptr="*fp32", table_ptr="*i64", out_ptr="*fp32", BLOCK="constexpr"), dict(BLOCK=fa.BLOCK), 8))
+    # bf16 gradient buffers (--grad_reduce_in_fp32=false): the same kernels, the gradients widened as they are read
+    sig = dict(master_ptr="*fp32", grad_ptr="*bf16", m_ptr="*fp32", v_ptr="*fp32", decay_ptr="*u8", out_ptr="*bf16",
+               sumsq_ptr="*fp32", n="i64", lr_wd="fp32", beta1="fp32", beta2="fp32", eps="fp32", max_norm="fp32",
+               step_size="fp32", bc2_sqrt="fp32", HAS_OUT="constexpr", OUT_BF16="constexpr", CLIP="constexpr",
+               BLOCK="constexpr")
+    out.append(("adamw_flat grad=bf16 out=bf16 clip=True n=i64", fa._adamw_flat_kernel, sig,
+                dict(HAS_OUT=True, OUT_BF16=True, CLIP=True, BLOCK=fa.BLOCK), 8))
+    sig = dict(master_ptr="*fp32", grad_ptr="*bf16", m_ptr="*fp32", v_ptr="*fp32", decay_ptr="*u8", out_ptr="*bf16",
+               sumsq_ptr="*fp32", table_ptr="*i64", lr_wd="fp32", beta1="fp32", beta2="fp32", eps="fp32",
+               max_norm="fp32", step_size="fp32", bc2_sqrt="fp32", MASTER_COMPACT="constexpr", HAS_OUT="constexpr",
+               OUT_BF16="constexpr", CLIP="constexpr", BLOCK="constexpr")
+    out.append(("adamw_segments grad=bf16 out=bf16 clip=True", fa._adamw_segments_kernel, sig,
+                dict(MASTER_COMPACT=True, HAS_OUT=True, OUT_BF16=True, CLIP=True, BLOCK=fa.BLOCK), 8))
+    out.append(("sumsq over segments, grad=bf16", fa._sumsq_segments_kernel,
+                dict(grad_ptr="*bf16", table_ptr="*i64", out_ptr="*fp32", BLOCK="constexpr"), dict(BLOCK=fa.BLOCK), 8))
     # one process: the gradients read at their addresses (a table of int64, cast to typed pointers in the kernel)
     for grad_bf16, out_ty, has_out in ((True, "bf16", True), (False, "fp32", False)):
         for clip in (True, False):

@@ -366,20 +366,26 @@ def test_cuda_default_is_one_launch_and_follows_torchs_fused_adamw(zero):
         assert torch.equal(p.detach().reshape(-1).cpu(), masters[name]["main"].to(torch.bfloat16)), name
 
 
-def test_a_kernel_that_cannot_be_built_falls_back_to_torchs_adamw_once(monkeypatch, caplog):
+@pytest.mark.parametrize("fp32_grads", [True, False], ids=["fp32-grads", "bf16-grads"])
+def test_a_kernel_that_cannot_be_built_falls_back_to_torchs_adamw_once(monkeypatch, caplog, fp32_grads):
     """A first launch that raises (no writes yet) is logged once and the step is torch's fused AdamW's, from then
-    on; the same error after a launch succeeded is raised (never a half-applied step, never a silent switch)."""
+    on; the same error after a launch succeeded is raised (never a half-applied step, never a silent switch).
+    bf16 gradient buffers: the kernel read them in place; torch's AdamW gets its fp32 copies from the hand-over."""
     import optimizer.mixed_precision_optimizer as mpo
     calls = []
 
     def broken(*a, **k):
         calls.append(1)
         raise RuntimeError("no kernel here")
-    flat, ref = _engine("on", monkeypatch), _engine("off", monkeypatch)
+    flat = _engine("on", monkeypatch, grad_reduce_in_fp32=fp32_grads)
+    ref = _engine("off", monkeypatch, grad_reduce_in_fp32=fp32_grads)
+    assert all(fb.grad_store is None for fb in flat.optimizer._flat.values())
+    assert all((fb.grad_store is None) == fp32_grads for fb in ref.optimizer._flat.values())
     monkeypatch.setattr(mpo, "adamw_flat", broken)
     with caplog.at_level("WARNING", logger="optimizer.mixed_precision_optimizer"):
         rf, rr = _steps(flat, 2), _steps(ref, 2)
     assert calls == [1] and flat.optimizer.flat is None and "one-launch AdamW off" in caplog.text
+    assert all((fb.grad_store is None) == fp32_grads for fb in flat.optimizer._flat.values())
     assert rf == rr and all(torch.equal(a, b) for a, b in zip(_params(flat).values(), _params(ref).values()))
     again = _engine("on", monkeypatch)
     monkeypatch.setattr(mpo, "adamw_flat", lambda *a, **k: None)
@@ -432,18 +438,18 @@ def test_the_shards_step_equals_the_flat_step_on_the_gathered_shards(use_triton,
     torch.testing.assert_close(s, grad[idx].double().square().sum().float(), rtol=1e-6, atol=0)
 
 
-def _zero_engine(flat: str, dtype=torch.bfloat16):
+def _zero_engine(flat: str, dtype=torch.bfloat16, fp32_grads=True, zero=True):
     from optimizer import OptimizerConfig, build_optimizer
     from optimizer.mixed_precision_optimizer import MixedPrecisionOptimizer
     from parallel import DDPConfig, DistributedDataParallel
     from tests.optimizer.test_optimizer import _net
     m = _net(dtype)
-    ddp = DistributedDataParallel(m, DDPConfig(use_distributed_optimizer=True, pad_alignment=1, param_alignment=1,
-                                               bucket_size=40, grad_reduce_in_fp32=True))  # as the trainer
+    ddp = DistributedDataParallel(m, DDPConfig(use_distributed_optimizer=zero, pad_alignment=1, param_alignment=1,
+                                               bucket_size=40, grad_reduce_in_fp32=fp32_grads))  # as the trainer
     MixedPrecisionOptimizer.flat_adamw = flat
     try:
         opt = build_optimizer(ddp, OptimizerConfig(precision="bf16" if dtype == torch.bfloat16 else "fp32",
-                                                   use_distributed_optimizer=True, lr=1e-2, weight_decay=0.1,
+                                                   use_distributed_optimizer=zero, lr=1e-2, weight_decay=0.1,
                                                    grad_clip=0.5))
     finally:
         MixedPrecisionOptimizer.flat_adamw = None
@@ -457,16 +463,19 @@ def _zero_steps(ddp, opt, steps, seed=3):
 
 
 def _zero_worker(rank, ws, d):
-    """Per rank: ZeRO-1 with the one-launch step vs torch's AdamW (bf16 and fp32 parameters), 3 steps; then
-    the one-launch run resumed from its step-2 state."""
+    """Per rank: ZeRO-1 with the one-launch step vs torch's AdamW (bf16 and fp32 parameters; bf16 ones also with
+    bf16 gradients, reduced in bf16, with ZeRO-1 and without), 3 steps; then the one-launch run resumed from its
+    step-2 state."""
     out = {}
-    for dtype in (torch.bfloat16, torch.float32):
-        name = str(dtype).split(".")[-1]
-        m_on, ddp_on, opt_on = _zero_engine("on", dtype)
-        m_off, ddp_off, opt_off = _zero_engine("off", dtype)
+    for name, dtype, fp32_grads, zero in _ZERO_CASES:
+        m_on, ddp_on, opt_on = _zero_engine("on", dtype, fp32_grads, zero)
+        m_off, ddp_off, opt_off = _zero_engine("off", dtype, fp32_grads, zero)
         out[f"{name}_flat"] = opt_on.flat is not None and opt_off.flat is None
+        # the kernel reads bf16 gradients where they are; torch's AdamW gets fp32 copies
+        stores = [[fb.grad_store is not None for fb in o._flat.values()] for o in (opt_on, opt_off)]
+        out[f"{name}_stores"] = (any(stores[0]), all(stores[1]))
         out[f"{name}_triton"] = opt_on.flat.use_triton
-        out[f"{name}_split"] = any(pc.lo > 0 or pc.hi < pc.param.numel() for pc in opt_on.pieces)
+        out[f"{name}_split"] = any(pc.lo > 0 or pc.hi < pc.param.numel() for pc in opt_on.pieces) or not zero
         out[f"{name}_norms"] = ([n for _, n in _zero_steps(ddp_on, opt_on, 3)],
                                 [n for _, n in _zero_steps(ddp_off, opt_off, 3)])
         out[f"{name}_params"] = ([p.detach().float().clone() for p in m_on.parameters()],
@@ -490,21 +499,30 @@ def _zero_worker(rank, ws, d):
     torch.save(out, os.path.join(d, f"zero_flat_rank{rank}.pt"))
 
 
+# (name, parameter dtype, fp32 gradient buffers, ZeRO-1)
+_ZERO_CASES = (("bfloat16", torch.bfloat16, True, True), ("float32", torch.float32, True, True),
+               ("bfloat16_bf16grads", torch.bfloat16, False, True),
+               ("bfloat16_bf16grads_ddp", torch.bfloat16, False, False))
+
+
 def test_zero1_two_ranks_one_launch_follows_torchs_adamw_and_resumes(tmp_path):
     """ZeRO-1 at 2 ranks (shards cutting parameters): the one-launch step over each rank's shards (in the
     interpreter when TRITON_INTERPRET=1, else its torch reference) follows torch's AdamW step within float32
     rounding (norms, every parameter after the all-gather, the saved moments), for bf16 parameters with fp32
-    masters and for fp32 ones; both ranks hold the same parameters; a resume from step 2 is bit-exact."""
+    masters and for fp32 ones; both ranks hold the same parameters; a resume from step 2 is bit-exact. bf16
+    gradients (--grad_reduce_in_fp32=false), with ZeRO-1 and unsharded: the kernel reads them in place (no fp32
+    gradient store, which torch's AdamW needs) and follows torch's AdamW the same way."""
     from tests.dist_helpers import spawn
     spawn(_zero_worker, 2, str(tmp_path))
     res = [torch.load(tmp_path / f"zero_flat_rank{r}.pt", weights_only=True) for r in range(2)]
     for r, out in enumerate(res):
-        for name in ("bfloat16", "float32"):
+        for name, _, fp32_grads, _ in _ZERO_CASES:
             assert out[f"{name}_flat"] and out[f"{name}_split"], (r, name)
+            assert out[f"{name}_stores"] == (False, not fp32_grads), (r, name)
             assert out[f"{name}_triton"] == triton_runs_on(torch.device("cpu")), (r, name)  # the kernel, if it can
             on, off = out[f"{name}_norms"]
             assert on == pytest.approx(off, rel=1e-5), (r, name)
-            tol = dict(rtol=0, atol=8e-3) if name == "bfloat16" else dict(rtol=1e-5, atol=1e-6)  # bf16: 1 ulp
+            tol = dict(rtol=0, atol=8e-3) if name.startswith("bfloat16") else dict(rtol=1e-5, atol=1e-6)  # 1 ulp
             for a, b in zip(*out[f"{name}_params"]):
                 torch.testing.assert_close(a, b, **tol)
             st_on, st_off = out[f"{name}_state"]
@@ -514,5 +532,5 @@ def test_zero1_two_ranks_one_launch_follows_torchs_adamw_and_resumes(tmp_path):
                 for key in ("main", "exp_avg", "exp_avg_sq"):
                     torch.testing.assert_close(st_on[k][key], e[key], rtol=1e-4, atol=1e-7)
         assert out["resumed_equal"], r
-    for name in ("bfloat16", "float32"):
+    for name, *_ in _ZERO_CASES:
         assert all(torch.equal(a, b) for a, b in zip(res[0][f"{name}_params"][0], res[1][f"{name}_params"][0]))
