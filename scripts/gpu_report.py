@@ -100,7 +100,7 @@ VERDICT_BENCH_ROWS = {
 # (config:model:precision:mode, in priority order; a row that does not fit is "not run"). Their rows join the
 # bench tables, beside the verdict's `ours` rows they are compared with (bench/bench_model_gpu.py's ratios).
 AB_BENCH_ROWS = ("124m:ours-gradbuf:trainer:compile,124m:ours-tce:trainer:compile,124m:ours:trainer:compile-cg,"
-                 "1b:ours-gradbuf:trainer:compile,1b:ours-tce:trainer:compile")
+                 "1b:ours-gradbuf:trainer:compile,1b:ours-tce:trainer:compile,124m:ours-fp8:trainer:compile")
 DRY_AB_ROWS = "tiny:ours-gradbuf:trainer:eager"
 DRY_TIMEOUTS = {"tests": 240, "bench-124m": 300, "bench-1b": 400, "train": 600, "profile": 240, "bench-ab": 300,
                 "kernels": 300}

@@ -59,9 +59,11 @@ def test_the_mode_reaches_torch_compile_and_cuda_graph_modes_mark_each_micro_bat
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_on_cuda_the_cuda_graph_steps_equal_the_plain_compiled_ones():
-    """--compile_mode=reduce-overhead on a GPU: 3 steps of 2 micro-batches (and an evaluation) replayed as CUDA
-    graphs give the plain compiled run's losses, and Inductor declined no graph."""
+@pytest.mark.parametrize("micro_batches", [2, 1], ids=["grad-buffers", "grads-on-params"])
+def test_on_cuda_the_cuda_graph_steps_equal_the_plain_compiled_ones(micro_batches):
+    """--compile_mode=reduce-overhead on a GPU: 3 steps of 2 micro-batches or 1 (and an evaluation) replayed as CUDA
+    graphs give the plain compiled run's losses, and Inductor declined no graph. One micro-batch a step: the
+    gradients stay on the parameters (in the graphs' memory pool until the step reads them)."""
     from torch._dynamo.utils import counters
     device = torch.device("cuda")
     losses = {}
@@ -71,14 +73,15 @@ def test_on_cuda_the_cuda_graph_steps_equal_the_plain_compiled_ones():
         torch.manual_seed(0)
         model = Transformer(ModelConfig(vocab_size=64, dim=64, n_layers=2, n_heads=4, multiple_of=16,
                                         max_seq_len=32)).to(device)
-        cfg = TrainConfig(device="cuda", compile=True, compile_mode=mode, gradient_accumulation_steps=2)
+        cfg = TrainConfig(device="cuda", compile=True, compile_mode=mode, gradient_accumulation_steps=micro_batches)
         engine = build_engine(model, cfg, device=device)
+        assert engine.model.grads_on_params == (micro_batches == 1)
         loss_fn = lambda m, b: micro_batch_loss(cfg, m, None, b, device)  # noqa: E731
         g = torch.Generator().manual_seed(0)
         out = []
         for _ in range(3):
             batches = [{"input_ids": (x := torch.randint(0, 64, (2, 32), generator=g)), "labels": x.clone()}
-                       for _ in range(2)]
+                       for _ in range(micro_batches)]
             engine.optimizer.zero_grad()
             sums = engine.forward_backward(batches, loss_fn, float(sum(count_units(cfg, b) for b in batches)))
             engine.optimizer.step()
