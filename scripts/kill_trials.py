@@ -85,6 +85,8 @@ CONFIGS: dict[str, tuple[int, list[str]]] = {
     # ZeRO-1 with it: each rank's shards in one launch (the moments compact, the shards' offsets in a row table)
     "ddp2-zero1-bf16-flat": (2, ["--batch_size=2", "--dtype=bf16", "--use_distributed_optimizer=true",
                                  "--zero_stage=1", "@flat_adamw"]),
+    # gradients reduced in bf16, read in place by the kernel (no fp32 gradient store)
+    "ddp2-bf16grads-flat": (2, ["--batch_size=2", "--dtype=bf16", "--grad_reduce_in_fp32=false", "@flat_adamw"]),
 }
 SLOW_WRITES_S = "2.0"
 
