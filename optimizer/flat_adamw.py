@@ -165,8 +165,8 @@ if TRITON_AVAILABLE:
         boffs = b0 + r
         # the gradient at (gp + o0) + r, the low-precision parameter at (out_ptr + b0) + r
         _adamw_block(master_ptr, gp + o0, m_ptr, v_ptr, decay_ptr, out_ptr + b0, s, boffs, r, boffs, r < limit,
-                     r < tl.where(addr != 0, limit, 0), lr_wd, beta1, beta2, eps, max_norm, step_size, bc2_sqrt, HAS_OUT,
-                     OUT_BF16, CLIP)
+                     r < tl.where(addr != 0, limit, 0), lr_wd, beta1, beta2, eps, max_norm, step_size, bc2_sqrt,
+                     HAS_OUT, OUT_BF16, CLIP)
 
     @triton.jit
     def _sumsq_param_grads_kernel(ptrs_ptr, table_ptr, out_ptr, GRAD_BF16: tl.constexpr, BLOCK: tl.constexpr):
@@ -202,6 +202,22 @@ def adamw_flat_reference(master: torch.Tensor, grad: torch.Tensor, exp_avg: torc
         param_out.copy_(torch.where(ok, p, param_out.float()))
 
 
+def _bias_corrections(beta1: float, beta2: float, step: int) -> tuple[float, float]:
+    """(1 - beta1^step, sqrt(1 - beta2^step)) for step = 1, 2, ..."""
+    return 1.0 - beta1 ** step, (1.0 - beta2 ** step) ** 0.5
+
+
+def _launch_args(param_out, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+                 max_norm: float, step: int) -> tuple[tuple, dict]:
+    """Every AdamW kernel's trailing scalars (lr_wd, beta1, beta2, eps, max_norm, step_size, bc2_sqrt) and its
+    output / clip constexprs, plus the launch options."""
+    bc1, bc2_sqrt = _bias_corrections(beta1, beta2, step)
+    has_out = param_out is not None
+    return ((lr * weight_decay, beta1, beta2, eps, max_norm, lr / bc1, bc2_sqrt),
+            dict(HAS_OUT=has_out, OUT_BF16=has_out and param_out.dtype == torch.bfloat16, CLIP=max_norm > 0,
+                 BLOCK=BLOCK, num_warps=8))
+
+
 def adamw_flat(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                decay: torch.Tensor, param_out, sumsq: torch.Tensor, *, lr: float, beta1: float, beta2: float,
                eps: float, weight_decay: float, max_norm: float, step: int, use_triton: bool) -> None:
@@ -209,19 +225,17 @@ def adamw_flat(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
     copy `param_out`, or None) from the flat `grad`, clipped to `max_norm` (0: no clipping) by the global
     squared norm `sumsq` (a device tensor), skipped where that is non-finite. `decay`: uint8, 1 where the
     element's parameter decays. All flat, contiguous, the same length."""
-    bc1 = 1.0 - beta1 ** step
-    bc2_sqrt = (1.0 - beta2 ** step) ** 0.5
+    hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, max_norm=max_norm)
     if not use_triton:
-        adamw_flat_reference(master, grad, exp_avg, exp_avg_sq, decay, param_out, sumsq, lr=lr, beta1=beta1,
-                             beta2=beta2, eps=eps, weight_decay=weight_decay, max_norm=max_norm, bc1=bc1,
-                             bc2_sqrt=bc2_sqrt)
+        bc1, bc2_sqrt = _bias_corrections(beta1, beta2, step)
+        adamw_flat_reference(master, grad, exp_avg, exp_avg_sq, decay, param_out, sumsq, bc1=bc1, bc2_sqrt=bc2_sqrt,
+                             **hyper)
         return
     n = master.numel()
+    scalars, options = _launch_args(param_out, step=step, **hyper)
     _adamw_flat_kernel[(triton.cdiv(n, BLOCK),)](
         master, grad, exp_avg, exp_avg_sq, decay, param_out if param_out is not None else master, sumsq, n,
-        lr * weight_decay, beta1, beta2, eps, max_norm, lr / bc1, bc2_sqrt,
-        HAS_OUT=param_out is not None, OUT_BF16=param_out is not None and param_out.dtype == torch.bfloat16,
-        CLIP=max_norm > 0, BLOCK=BLOCK, num_warps=8)
+        *scalars, **options)
 
 
 # ------------------------------------------------------------------------------------------ ZeRO: segments
@@ -258,24 +272,21 @@ def adamw_segments(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tens
     """`adamw_flat` over a ZeRO rank's shards in one launch: `exp_avg`, `exp_avg_sq`, `decay` (and `master`
     when `master_compact`) hold the shards one after another; `grad`, `param_out` (and `master` otherwise: the
     fp32 parameters) are the whole DDP buffer, read and written at the segments' buffer offsets only."""
-    bc1 = 1.0 - beta1 ** step
-    bc2_sqrt = (1.0 - beta2 ** step) ** 0.5
     if not segs.spans:
         return
+    hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, max_norm=max_norm)
     if not use_triton:
+        bc1, bc2_sqrt = _bias_corrections(beta1, beta2, step)
         for c, b, n in segs.spans:
             mo = c if master_compact else b
             adamw_flat_reference(master[mo:mo + n], grad[b:b + n], exp_avg[c:c + n], exp_avg_sq[c:c + n],
                                  decay[c:c + n], param_out[b:b + n] if param_out is not None else None, sumsq,
-                                 lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-                                 max_norm=max_norm, bc1=bc1, bc2_sqrt=bc2_sqrt)
+                                 bc1=bc1, bc2_sqrt=bc2_sqrt, **hyper)
         return
+    scalars, options = _launch_args(param_out, step=step, **hyper)
     _adamw_segments_kernel[(segs.table.shape[0],)](
         master, grad, exp_avg, exp_avg_sq, decay, param_out if param_out is not None else master, sumsq,
-        segs.table, lr * weight_decay, beta1, beta2, eps, max_norm, lr / bc1, bc2_sqrt,
-        MASTER_COMPACT=master_compact, HAS_OUT=param_out is not None,
-        OUT_BF16=param_out is not None and param_out.dtype == torch.bfloat16, CLIP=max_norm > 0, BLOCK=BLOCK,
-        num_warps=8)
+        segs.table, *scalars, MASTER_COMPACT=master_compact, **options)
 
 
 # ------------------------------------------------------------------------------------------ one process: .grad
@@ -345,10 +356,8 @@ def adamw_param_grads(master: torch.Tensor, pg: ParamGrads, addrs: torch.Tensor,
     """`adamw_flat`'s Triton kernel with the gradients read at `addrs` (ParamGrads.addresses) instead of from a
     flat buffer; `master`, the moments, `decay` and `param_out` are the flat buffers as in `adamw_flat` (the
     alignment gaps, which no row covers, keep their zeros)."""
-    bc1 = 1.0 - beta1 ** step
-    bc2_sqrt = (1.0 - beta2 ** step) ** 0.5
+    scalars, options = _launch_args(param_out, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                                    max_norm=max_norm, step=step)
     _adamw_param_grads_kernel[(pg.table.shape[0],)](
         master, addrs, exp_avg, exp_avg_sq, decay, param_out if param_out is not None else master, sumsq, pg.table,
-        lr * weight_decay, beta1, beta2, eps, max_norm, lr / bc1, bc2_sqrt, GRAD_BF16=pg.dtype == torch.bfloat16,
-        HAS_OUT=param_out is not None, OUT_BF16=param_out is not None and param_out.dtype == torch.bfloat16,
-        CLIP=max_norm > 0, ALIGNED=pg.aligned, BLOCK=BLOCK, num_warps=8)
+        *scalars, GRAD_BF16=pg.dtype == torch.bfloat16, ALIGNED=pg.aligned, **options)

@@ -274,8 +274,7 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
         self.ddp.finish_grad_sync()
         # one process: the gradients are the parameters' .grad (keep_grads_on_params; a comm hook registered since
         # put DDP back on its buffers)
-        on_params = fl.buffers[0].param_grads is not None and getattr(self.ddp, "grads_on_params", False) \
-            if fl.buffers else False
+        on_params = getattr(self.ddp, "grads_on_params", False)
         if self.sharded:  # ZeRO-1: the owned shards' sum of squares, summed over the ranks (one all-reduce)
             parts = [sumsq_segments(b.grad, b.segments, fl.use_triton) for b in fl.buffers]
             sumsq = self._reduce_sumsq(parts[0] if len(parts) == 1 else torch.stack(parts).sum()).reshape(())
@@ -285,10 +284,7 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
             try:
                 parts = [sumsq_param_grads(b.param_grads, a) for b, a in zip(fl.buffers, addrs)]
             except Exception as e:  # noqa: BLE001 - as for the update's kernel below (nothing was written yet)
-                if fl.launched:
-                    raise
-                self._leave_flat(f"its norm kernel failed ({' '.join(str(e).split())[:300]})")
-                return self.global_norm_step()
+                return self._hand_over("its norm kernel", e, fl.launched)
             sumsq = parts[0] if len(parts) == 1 else torch.stack(parts).sum()
         else:  # (the torch reference of the path above reads them laid out like the buffer)
             flats = [b.param_grads.gathered(b.param_grads.grads()) if on_params else b.grad for b in fl.buffers]
@@ -311,16 +307,21 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
                 adamw_flat(b.master, flats[i] if on_params else b.grad, b.exp_avg, b.exp_avg_sq,
                            b.decay, b.param_out, sumsq, use_triton=fl.use_triton, **hyper)
             except Exception as e:  # noqa: BLE001 - a kernel that cannot be built here: torch's fused AdamW instead
-                if fl.launched or i > 0:  # (only before anything was updated: never a half-applied step)
-                    raise
-                self._leave_flat(f"its kernel failed ({' '.join(str(e).split())[:300]})")
-                return self.global_norm_step()
+                return self._hand_over("its kernel", e, fl.launched or i > 0)
         fl.launched = True
         if self.sharded:  # every shard all-gathered (a skipped step's too: every rank issues the same collectives)
             self._after_step(list(range(len(self.ddp.buckets))))
         stepped, norm = self._device_verdict(s_host)
         fl.steps += int(stepped)
         return stepped, norm
+
+    def _hand_over(self, what: str, e: Exception, updated: bool) -> tuple[bool, float]:
+        """A kernel of the one-launch step failed: before anything was updated, this step and every later one are
+        torch's fused AdamW's (logged once); after, the error stands (never a half-applied step)."""
+        if updated:
+            raise e
+        self._leave_flat(f"{what} failed ({' '.join(str(e).split())[:300]})")
+        return self.global_norm_step()
 
     def _leave_flat(self, why: str) -> None:
         """Back to the per-parameter fused AdamW for good: the moments stay where they are (its state holds

@@ -155,7 +155,7 @@ def build_ddp_engine(model: nn.Module, pc: ParallelConfig, opt_cfg: OptimizerCon
     if cp > 1 and group is not None:
         raise ValueError("--context_parallel_size > 1 lays out the whole world: build it without a process group")
     optimizer = build_optimizer(ddp, opt_cfg)
-    if world == 1 and pc.gradient_accumulation_steps == 1 and hasattr(optimizer, "keep_grads_on_params"):
+    if world == 1 and pc.gradient_accumulation_steps == 1:
         # one process, one micro-batch a step: nothing to reduce or accumulate, so no gradient buffer (where the
         # optimizer can read the gradients from the parameters: optimizer/mixed_precision_optimizer.py)
         optimizer.keep_grads_on_params()

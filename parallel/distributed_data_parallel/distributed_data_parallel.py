@@ -225,11 +225,7 @@ class DistributedDataParallel(nn.Module):
         writes approximations into the alignment gaps too) gets the buffers zeroed as before."""
         if self._handles:
             raise RuntimeError("zero_grad_buffer() before finish_grad_sync()")
-        if self.grads_on_params:
-            for p in self.param_to_bucket:
-                p.grad = None
-            self._synced = False
-            return
+        # (keep_grads_on_params needs the default communication: the released buffers are never zero-filled here)
         self._stale = self.plain_reduction()
         if not self._stale:
             for buf in self.buffers_:
