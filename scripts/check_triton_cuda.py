@@ -97,6 +97,12 @@ def _variants():
                 out.append((f"ce V={vocab} {a} lse_in={lse_in} loss={write_loss} grad={write_grad}",
                             tlo._ce_chunk_kernel, sig,
                             dict(LSE_IN=lse_in, WRITE_LOSS=write_loss, WRITE_GRAD=write_grad, BLOCK_V=block), warps))
+    return out + _optimizer_variants()
+
+
+def _optimizer_variants():
+    """The optimizer's AdamW kernels (optimizer/flat_adamw.py), as `_variants` lists them."""
+    out = []
     # the optimizer's one-launch AdamW (optimizer/flat_adamw.py): bf16 parameters written back, or fp32 ones
     # (the masters themselves); clipping on and off; n as i32 and i64 (a buffer of more than 2^31 elements)
     import optimizer.flat_adamw as fa
