@@ -37,6 +37,7 @@ import subprocess  # noqa: E402
 import pytest  # noqa: E402
 
 from tests.forked_ranks import can_fork_with, run_ranks, run_script  # noqa: E402
+from tests.gpu_order import expected_seconds, spread_longest_first  # noqa: E402
 
 PY = sys.executable
 
@@ -246,9 +247,16 @@ def pretrained(tiny_pretrain_run_args, tmp_path_factory) -> dict:
     return {"out": out, "args": tiny_pretrain_run_args}
 
 
+@pytest.hookimpl(trylast=True)  # after `-m` has deselected: `items` is what runs
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `gpu` need CUDA: skipped without it (`make test-gpu` selects only them)."""
+    """Tests marked `gpu` need CUDA: skipped without it (`make test-gpu` selects only them). With CUDA and
+    only the GPU tests selected, the longest run first, one at the head of each xdist worker's first chunk
+    (tests/gpu_order.py: the report's tests stage ran out of time with two long trainer runs started last)."""
     if torch.cuda.is_available():
+        if items and all("gpu" in item.keywords for item in items):
+            workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+            secs = [expected_seconds(item.name, getattr(item, "originalname", item.name)) for item in items]
+            items[:] = spread_longest_first(items, secs, workers)
         return
     skip = pytest.mark.skip(reason="needs CUDA (run `make test-gpu` on a GPU machine)")
     for item in items:
