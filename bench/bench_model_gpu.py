@@ -68,6 +68,8 @@ import subprocess
 import sys
 import time
 
+T_SCRIPT = time.perf_counter()  # a row's own process: from here to its row's print is its in_process_s
+
 # before anything imports triton (the row subprocesses inherit it); see the docstring
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
@@ -487,13 +489,22 @@ def child_rows(args) -> list[dict]:
     return rows
 
 
+def prewarm_plan(args) -> list[tuple[str, str, str, str]]:
+    """The prewarm's rows: the plan's compiled ones, config-prefixed --rows first in the order listed."""
+    plan = [r for r in planned_rows(args) if r[3] != "eager"]
+    listed = {tuple(r.split(":")): i for i, r in reversed(list(enumerate(args.rows or []))) if r.count(":") == 3}
+    plan.sort(key=lambda row: listed.get(row, len(listed)))  # stable: the rows not listed keep the plan's order
+    return plan
+
+
 def prewarm_rows(args) -> list[dict]:
     """The plan's compile rows, `args.parallel` at a time, one (compiling) step each and no timing: Inductor's
     FX-graph, AOTAutograd and Triton caches (on disk, shared by every process of this machine) then hold
     what the timed rows and the trainer's compiled runs compile, so each of those starts in seconds. Rows
-    run in plan order (smaller configs first); an error (an out-of-memory beside other rows) only means
-    that row compiles cold later."""
-    plan = [r for r in planned_rows(args) if r[3] != "eager"]
+    run in plan order (smaller configs first), or with config-prefixed --rows in the order listed (the GPU
+    report lists first what is needed first and compiles longest); an error (an out-of-memory beside other
+    rows) only means that row compiles cold later."""
+    plan = prewarm_plan(args)
     t_start = time.perf_counter()
     running: list = []
     done: list[dict] = []
@@ -648,11 +659,11 @@ def main(argv=None) -> None:
     p.add_argument("--parallel", type=int, default=1, help="--prewarm: rows at once")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: config,model,mode,precision
     args = p.parse_args(argv)
-    if args.one:
+    if args.one:  # a row's process: where its wall time goes (the rest of the parent's wall_s: start and exit)
         config, model_name, mode, precision = args.one.split(",")
-        print(json.dumps(run_one(config, model_name, mode, precision, args.device, args.steps, args.warmup,
-                                 args.window)),
-              flush=True)
+        row = run_one(config, model_name, mode, precision, args.device, args.steps, args.warmup, args.window)
+        row["in_process_s"] = round(time.perf_counter() - T_SCRIPT, 2)
+        print(json.dumps(row), flush=True)
         return
     if args.profile:
         res = profile_step(args.profile, args.device, row_limit=args.profile_rows, mode=args.profile_mode)

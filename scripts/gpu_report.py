@@ -4,8 +4,9 @@ A GPU is lent rarely and briefly (15 minutes in all, start-up included), so the 
 decides the goals and nothing else (`--full` runs every row and trainer setting, ~24 min):
   tests       `pytest -m gpu tests` (xdist workers when installed; each failure's reason printed as it
               happens), and beside it, while nothing is being timed: the later stages' compiles run once
-              to fill Inductor's on-disk caches (bench/bench_model_gpu.py --prewarm, two at a time), and
-              the trainer runs' data is prepared
+              to fill Inductor's on-disk caches (bench/bench_model_gpu.py --prewarm, three at a time, the
+              longest and first needed first), and the trainer runs' data is prepared; the longest tests
+              start first (tests/gpu_order.py)
   bench-124m  bench/bench_model_gpu.py, every row in its own process: ours as the trainer runs it (bf16
   bench-1b    params + fp32 master) compiled, HF compiled (autocast, = HF Trainer --bf16),
               HF + Liger-Kernel eager, ours with FP8 (1B) (VERDICT_BENCH_ROWS)
@@ -88,10 +89,9 @@ FULL_TIMEOUTS = {"tests": 280, "bench-124m": 380, "bench-1b": 330, "train": 360,
 # it may carry the 1B goal (reported apart) and no call has reached it yet. Left out since 2026-11-27: our
 # references compiled (compiled, `auto` now runs them: docs/gpu/report-aea0e31-h100.md), and ours with CUDA graphs
 # (compile-cg; 1% over plain compile on 2026-11-26: 485,292 vs 480,157 tokens/s at 124M on an H200); ask with
-# e.g. `--bench-rows "124m=ours:trainer:compile-cg,ours-concat:trainer:compile"`. The A/B rows not yet measured
-# (2026-11-27): ours-gradbuf (gradients copied into fp32 buffers, the old one-process path), ours-tce (the Triton
-# linear+CE in one chunk under compile), ours-concat, compile-cg with today's choice, compile-mat (max-autotune:
-# minutes of compile, --bench-row-timeout 400).
+# e.g. `--bench-rows "124m=ours:trainer:compile-cg,ours-concat:trainer:compile"`. Not yet measured (2026-11-27):
+# ours-concat with today's choice, compile-mat (max-autotune: minutes of compile, --bench-row-timeout 400), and at
+# 1B the A/B rows below.
 VERDICT_BENCH_ROWS = {
     "bench-124m": "ours:trainer:compile,hf:autocast:compile,hf-liger:autocast:eager",
     "bench-1b": "ours:trainer:compile,hf:autocast:compile,ours-fp8:trainer:compile,hf-liger:autocast:eager",
@@ -99,8 +99,10 @@ VERDICT_BENCH_ROWS = {
 # bench-ab: after the verdict, in the time the deadline leaves, the A/B rows of choices no GPU has measured yet
 # (config:model:precision:mode, in priority order; a row that does not fit is "not run"). Their rows join the
 # bench tables, beside the verdict's `ours` rows they are compared with (bench/bench_model_gpu.py's ratios).
-AB_BENCH_ROWS = ("124m:ours-gradbuf:trainer:compile,124m:ours-tce:trainer:compile,124m:ours:trainer:compile-cg,"
-                 "1b:ours-gradbuf:trainer:compile,1b:ours-tce:trainer:compile,124m:ours-fp8:trainer:compile")
+# Measured at 124M on 2026-11-27 (H100, report-d08a8ea-h100) and so left out: ours-gradbuf (ours 1.02x), ours-tce
+# and compile-cg (ties).
+AB_BENCH_ROWS = ("1b:ours-gradbuf:trainer:compile,1b:ours-tce:trainer:compile,124m:ours-fp8:trainer:compile,"
+                 "1b:ours:trainer:compile-cg")
 DRY_AB_ROWS = "tiny:ours-gradbuf:trainer:eager"
 DRY_TIMEOUTS = {"tests": 240, "bench-124m": 300, "bench-1b": 400, "train": 600, "profile": 240, "bench-ab": 300,
                 "kernels": 300}
@@ -275,8 +277,8 @@ class Ctx:
 
 def _side_work(ctx: Ctx) -> tuple[list[threading.Thread], dict]:
     """While the GPU tests run (no timing then): fill Inductor's caches with the later stages' compiles
-    (bench/bench_model_gpu.py --prewarm, two rows at a time: a cold 124M/1B compile took most of a bench row)
-    and prepare the trainer runs' data. Threads; their results land in the returned dict."""
+    (bench/bench_model_gpu.py --prewarm, PREWARM_PARALLEL rows at a time, PREWARM_FIRST first: a cold 124M/1B
+    compile took most of a bench row) and prepare the trainer runs' data. Threads; their results land in the returned dict."""
     out: dict = {}
     threads = []
     later = set(ctx.names)
@@ -285,10 +287,12 @@ def _side_work(ctx: Ctx) -> tuple[list[threading.Thread], dict]:
         rows = prewarm_rows_spec(ctx.args, configs)
         if rows and "bench-ab" in later:  # after the verdict's rows: the A/B rows, where the prewarm gets to them
             rows += "," + ",".join(r for r in AB_BENCH_ROWS.split(",") if r.split(":")[0] in configs)
+        rows = prewarm_order(rows)
 
         def prewarm() -> None:
             out_json = os.path.join(ctx.work, "prewarm.json")
-            cmd = [ctx.py, "bench/bench_model_gpu.py", "--prewarm", "--parallel", "2", "--configs", ",".join(configs),
+            cmd = [ctx.py, "bench/bench_model_gpu.py", "--prewarm", "--parallel", str(PREWARM_PARALLEL),
+                   "--configs", ",".join(configs),
                    "--device", ctx.device, "--json-out", out_json, "--budget-s", str(int(ctx.timeout - 20))]
             if rows:
                 cmd += ["--rows", rows]
@@ -315,6 +319,24 @@ def _side_work(ctx: Ctx) -> tuple[list[threading.Thread], dict]:
     for t in threads:
         t.start()
     return threads, out
+
+
+# The prewarm's rows, PREWARM_PARALLEL at a time, in this order first (the rest as listed). On 2026-11-27 (H100,
+# report-d08a8ea-h100) two at a time in config order compiled only the 124M rows (57 and 68 s beside the
+# tests) and two A/B rows before the tests stage ended; the 1B rows then compiled cold inside their timed stage
+# (ours 38 s, HF 60 s) and left no time for its FP8 and Liger rows. So: the 124M `ours` row (the first timed
+# stage's, and its kernels the profile's), then the longest cold compiles (HF at 1B, ours at 1B), then the rest;
+# three at a time (the three largest together ~52 GiB of the GPU's 80, the GPU tests beside them use little).
+PREWARM_FIRST = ("124m:ours:trainer:compile", "1b:hf:autocast:compile", "1b:ours:trainer:compile",
+                 "124m:hf:autocast:compile", "1b:ours-fp8:trainer:compile")
+PREWARM_PARALLEL = 3
+
+
+def prewarm_order(rows: str) -> str:
+    """`rows` (config:model:precision:mode,...) with PREWARM_FIRST's rows first, in its order; "" stays ""."""
+    listed = [r for r in rows.split(",") if r]
+    first = [r for r in PREWARM_FIRST if r in listed]
+    return ",".join(first + [r for r in listed if r not in first])
 
 
 def prewarm_rows_spec(args, configs: list[str]) -> str:
@@ -811,7 +833,22 @@ def render_bench(a: Optional[dict], b: Optional[dict], ab: Optional[dict] = None
         L += bench.markdown_tables(rows, peak_t, peak_m).splitlines()
         walls = [r.get("wall_s") for r in rows if r.get("wall_s")]
         L += ["", f"Row wall times (process start, build, compile, steps): {', '.join(f'{w:.0f}' for w in walls)} s."]
+        parts = [r for r in rows if r.get("in_process_s") is not None and r.get("wall_s")]
+        if parts:  # where a row's fixed cost goes: 124M rows took 25 s warm on 2026-11-27 with 10 s in build + steps
+            L += ["Of each row's wall time (s): imports and set-up before the build / build / first step / outside "
+                  "the process (start-up, exit): " + "; ".join(
+                      f"{r['config']} {r['model']} {r['mode']}: "
+                      f"{_row_setup_s(r):.1f} / {r.get('build_s', 0):.1f} / {r.get('first_step_s', 0):.1f} / "
+                      f"{r['wall_s'] - r['in_process_s']:.1f}" for r in parts) + "."]
     return L + [""]
+
+
+def _row_setup_s(r: dict) -> float:
+    """A bench row's seconds in its process outside the build, the first step, the warm-up and the timed steps:
+    imports, CUDA start-up, the peak and memory queries."""
+    steps = (r.get("step_ms") or 0) / 1e3 * (r.get("steps") or 0)
+    return max(0.0, r["in_process_s"] - (r.get("build_s") or 0) - (r.get("first_step_s") or 0)
+               - (r.get("warmup_s") or 0) - steps)
 
 
 def render_train(st: Optional[dict], bench: Optional[dict] = None) -> list[str]:

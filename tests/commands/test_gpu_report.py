@@ -134,6 +134,11 @@ def test_bench_runs_eager_rows_first_and_the_trainer_setup_first(monkeypatch):
     A.configs, A.rows = ["124m", "1b"], ["1b:ours-fp8:trainer:compile", "hf:autocast:compile"]  # one config's row
     assert bench.planned_rows(A) == [("124m", "hf", "autocast", "compile"), ("1b", "ours-fp8", "trainer", "compile"),
                                      ("1b", "hf", "autocast", "compile")]
+    # the prewarm: compiled rows only, the config-prefixed ones first in the order listed (not config by config)
+    A.rows = ["124m:ours:trainer:compile", "1b:hf:autocast:compile", "124m:hf:autocast:eager",
+              "1b:ours:trainer:compile", "124m:hf:autocast:compile"]
+    assert bench.prewarm_plan(A) == [("124m", "ours", "trainer", "compile"), ("1b", "hf", "autocast", "compile"),
+                                     ("1b", "ours", "trainer", "compile"), ("124m", "hf", "autocast", "compile")]
 
 
 def test_bench_rows_per_config(gr):
@@ -152,6 +157,12 @@ def test_bench_rows_per_config(gr):
         "124m:ours:trainer:compile,124m:hf:autocast:compile,1b:ours-fp8:trainer:compile"
     args.bench_rows = ""
     assert gr.prewarm_rows_spec(args, ["1b"]) == ",".join("1b:" + r for r in gr.VERDICT_BENCH_ROWS["bench-1b"].split(","))
+    # the prewarm's order: the 124M ours row, then the longest cold compiles, then the rest as listed
+    both = gr.prewarm_rows_spec(args, ["124m", "1b"])
+    ordered = gr.prewarm_order(both + ",124m:ours-tce:trainer:compile").split(",")
+    assert ordered[:3] == ["124m:ours:trainer:compile", "1b:hf:autocast:compile", "1b:ours:trainer:compile"]
+    assert sorted(ordered) == sorted(both.split(",") + ["124m:ours-tce:trainer:compile"])
+    assert ordered[-1] == "124m:ours-tce:trainer:compile" and gr.prewarm_order("") == ""
 
 
 def test_bench_times_steps_back_to_back_with_one_sync_per_window(monkeypatch):
@@ -242,6 +253,8 @@ def test_cpu_dry_run_writes_every_section_with_numbers(tmp_path):
     ours, hf = rows[("ours", "trainer", "eager")], rows[("hf", "autocast", "eager")]
     assert ours["tokens_per_s"] > 0 and hf["tokens_per_s"] > 0
     assert rows[("ours", "trainer", "compile")]["tokens_per_s"] > 0
+    # where a row's fixed cost goes: its process's time, within the parent's wall time for it
+    assert 0 < ours["in_process_s"] <= ours["wall_s"] and "outside the process (start-up, exit)" in md
     assert rows[("hf-liger", "autocast", "eager")]["skipped"] == "liger-kernel not installed"
     # the A/B stage (in the time left): its row joins the bench tables, with its ratio to the verdict's row
     ab = {(x["model"], x["precision"], x["mode"]): x for x in rep["stages"]["bench-ab"]["data"]["rows"]}
