@@ -16,6 +16,7 @@ decides the goals and nothing else (`--full` runs every row and trainer setting,
   profile     torch.profiler over two back-to-back COMPILED trainer-precision steps of the 124m model (after
               3 steps): the top 15 kernels by self CUDA time and CUDA time by kind, per step (attention apart
               from matmuls; profiler annotations are not kernels), and the device timeline's idle gaps
+  profile-1b  in the time the deadline leaves: the same profile of the 1B step (each kind's largest kernels)
   bench-ab    in the time the deadline leaves: the A/B rows of choices no GPU has measured yet
               (AB_BENCH_ROWS), shown in the bench tables beside the rows they are compared with
   kernels     bench/bench_kernels_gpu.py (each fused op alone), if time is still left
@@ -28,7 +29,7 @@ out/gpu_report_work), never to --out-dir. Running a part again merges into the r
 
     make gpu-report                       # the verdict: <= 9 min on one H100 (--deadline-s 540 by default)
     make gpu-report PART=tests            # one part: tests | bench | bench-124m | bench-1b | train | profile |
-                                          #   bench-ab | kernels
+                                          #   profile-1b | bench-ab | kernels
     python scripts/gpu_report.py --full   # every row and four trainer runs (~24 min: split it over calls)
     python scripts/gpu_report.py --dry-run-cpu                 # every stage at tiny size on CPU (plumbing)
     python scripts/gpu_report.py --dry-run-cpu --dry-compile=off   # the same without Inductor (faster)
@@ -67,9 +68,10 @@ sys.path.insert(0, ROOT)
 from utils.checkpoint_layout import checkpoint_root  # noqa: E402
 from scripts.corpus_slice import write_corpus_slice  # noqa: E402
 from utils.publish import atomic_write_text  # noqa: E402
-STAGES = ("tests", "bench-124m", "bench-1b", "train", "profile", "bench-ab", "kernels")
+STAGES = ("tests", "bench-124m", "bench-1b", "train", "profile", "profile-1b", "bench-ab", "kernels")
 PARTS = {"tests": ["tests"], "bench": ["bench-124m", "bench-1b"], "bench-124m": ["bench-124m"],
-         "bench-1b": ["bench-1b"], "train": ["train"], "profile": ["profile"], "bench-ab": ["bench-ab"],
+         "bench-1b": ["bench-1b"], "train": ["train"], "profile": ["profile", "profile-1b"], "profile-1b": ["profile-1b"],
+         "bench-ab": ["bench-ab"],
          "kernels": ["kernels"],
          "all": list(STAGES)}
 # the verdict (default): what decides the goals, in one device call of <= 9 minutes on one H100
@@ -79,10 +81,13 @@ PARTS = {"tests": ["tests"], "bench": ["bench-124m", "bench-1b"], "bench-124m": 
 # compiled. The per-op kernel bench (35 s) runs when time is left (--full: always)
 # 2026-11-27 on an H200 (report-a4fb4df-h200): the train stage's two runs took 23.6 + 50.9 s and hit its 75 s; the
 # tests now run on 6 workers (xdist_args), so 30 s of their budget moves to the trainer runs
-# bench-ab and kernels run in what the deadline leaves (the verdict's stages first)
-TIMEOUTS = {"tests": 110, "bench-124m": 110, "bench-1b": 170, "train": 105, "profile": 30, "bench-ab": 150,
+# profile-1b, bench-ab and kernels run in what the deadline leaves (the verdict's stages first); the 1B profile
+# first: no call has profiled the 1B step (where its 92 ms go: how much is the optimizer's ~25 GB of traffic)
+TIMEOUTS = {"tests": 110, "bench-124m": 110, "bench-1b": 170, "train": 105, "profile": 30, "profile-1b": 45,
+            "bench-ab": 150,
             "kernels": 40}
-FULL_TIMEOUTS = {"tests": 280, "bench-124m": 380, "bench-1b": 330, "train": 360, "profile": 90, "bench-ab": 300,
+FULL_TIMEOUTS = {"tests": 280, "bench-124m": 380, "bench-1b": 330, "train": 360, "profile": 90, "profile-1b": 120,
+                 "bench-ab": 300,
                  "kernels": 120}  # --full: 31 min
 # the bench rows that decide the goals, per config: ours as the trainer runs it compiled, the best HF (compiled),
 # HF + Liger (eager: its fused linear-CE failed under compile with torch 2.11). At 1B ours with FP8 runs third:
@@ -104,7 +109,8 @@ VERDICT_BENCH_ROWS = {
 AB_BENCH_ROWS = ("1b:ours-gradbuf:trainer:compile,1b:ours-tce:trainer:compile,124m:ours-fp8:trainer:compile,"
                  "1b:ours:trainer:compile-cg")
 DRY_AB_ROWS = "tiny:ours-gradbuf:trainer:eager"
-DRY_TIMEOUTS = {"tests": 240, "bench-124m": 300, "bench-1b": 400, "train": 600, "profile": 240, "bench-ab": 300,
+DRY_TIMEOUTS = {"tests": 240, "bench-124m": 300, "bench-1b": 400, "train": 600, "profile": 240, "profile-1b": 240,
+                "bench-ab": 300,
                 "kernels": 300}
 REPORT_FORMAT = 1
 
@@ -599,13 +605,15 @@ def stage_train(ctx: Ctx) -> dict:
                            for r in runs if "error" in r]}
 
 
-def stage_profile(ctx: Ctx) -> dict:
-    out_json = os.path.join(ctx.work, "profile.json")
+def stage_profile(ctx: Ctx, config: str = "124m") -> dict:
+    """Two compiled trainer-precision steps of `config` under torch.profiler (the dry run: tiny, eager)."""
+    tag = "profile" if config == "124m" else f"profile-{config}"
+    out_json = os.path.join(ctx.work, f"{tag}.json")
     if os.path.exists(out_json):
         os.remove(out_json)
-    cmd = [ctx.py, "bench/bench_model_gpu.py", "--profile", "tiny" if ctx.dry else "124m", "--device", ctx.device,
+    cmd = [ctx.py, "bench/bench_model_gpu.py", "--profile", "tiny" if ctx.dry else config, "--device", ctx.device,
            "--json-out", out_json, "--profile-rows", "15", "--profile-mode", "eager" if ctx.dry else "compile"]
-    r = stream_cmd(cmd, ctx.timeout, ctx.log, "[profile] ", env=ctx.env)
+    r = stream_cmd(cmd, ctx.timeout, ctx.log, f"[{tag}] ", env=ctx.env)
     data = {}
     if os.path.exists(out_json):
         with open(out_json, encoding="utf-8") as f:
@@ -634,7 +642,8 @@ def stage_kernels(ctx: Ctx) -> dict:
 
 STAGE_FUNCS: dict[str, Callable[[Ctx], dict]] = {
     "tests": stage_tests, "bench-124m": stage_bench_124m, "bench-1b": stage_bench_1b, "bench-ab": stage_bench_ab,
-    "train": stage_train, "profile": stage_profile, "kernels": stage_kernels}
+    "train": stage_train, "profile": stage_profile, "profile-1b": lambda ctx: stage_profile(ctx, "1b"),
+    "kernels": stage_kernels}
 
 
 def run_stages(names: list[str], ctx: Ctx, timeouts: dict, deadline_s: float, run_index: int,
@@ -765,7 +774,7 @@ def render(report: dict) -> str:
     L += render_tests(stages.get("tests"))
     L += render_bench(stages.get("bench-124m"), stages.get("bench-1b"), stages.get("bench-ab"))
     L += render_train(stages.get("train"), stages.get("bench-124m"))
-    L += render_profile(stages.get("profile"))
+    L += render_profile(stages.get("profile"), stages.get("profile-1b"))
     L += render_kernels(stages.get("kernels"))
     L += render_failures(stages)
     return "\n".join(L) + "\n"
@@ -902,23 +911,33 @@ def render_train(st: Optional[dict], bench: Optional[dict] = None) -> list[str]:
     return L
 
 
-def render_profile(st: Optional[dict]) -> list[str]:
+def render_profile(st: Optional[dict], st_1b: Optional[dict] = None) -> list[str]:
     mode = (st or {}).get("data", {}).get("mode", "eager")
     n = (st or {}).get("data", {}).get("steps", 1)
     L = [f"## 4. Profile (`torch.profiler`, {n} back-to-back {mode} trainer step(s) of ours, after 3 warm-up steps;"
          " times per step)", ""] + _not_run(st)
-    if st is None:
-        return L
+    if st is not None:
+        L += _profile_body(st)
+    if st_1b is not None:  # in the time the deadline left (the stage `profile-1b`)
+        L += ["### The 1B step", ""] + _profile_body(st_1b)
+    return L
+
+
+def _profile_body(st: dict) -> list[str]:
+    L: list[str] = []
     d = st.get("data", {})
     if not d:
         return L + [f"Status: {st.get('status')}: no profile (see Failures).", ""]
+    n = d.get("steps", 1)
     kind = d.get("time_kind", "CUDA")
     L += [f"Status: {st.get('status')}, {st.get('seconds')} s. Config {d.get('config')}, "
           f"precision {d.get('precision')}, "
           f"device {d.get('device')}; the profiled step took {d.get('step_wall_ms')} ms of wall time, "
           f"{d.get('total_self_ms')} ms of self {kind} time in all.", "",
-          f"| kind of kernel | self {kind} ms | % |", "| --- | --- | --- |"]
-    L += [f"| {c['category']} | {c['ms']} | {c['pct']} |" for c in d.get("categories", [])]
+          f"| kind of kernel | self {kind} ms | % | its largest (ms per step, calls) |", "| --- | --- | --- | --- |"]
+    L += [f"| {c['category']} | {c['ms']} | {c['pct']} | "
+          + "; ".join(f"`{m['name'][:60]}` {m['self_ms']} ({m['calls']:g})" for m in c.get("largest", [])[:3]) + " |"
+          for c in d.get("categories", [])]
     L += ["", f"| top {d.get('what', 'ops')} by self {kind} time | self ms | % | calls | kind |",
           "| --- | --- | --- | --- | --- |"]
     L += [f"| `{t['name'][:90]}` | {t['self_ms']} | {t['pct']} | {t['calls']} | {t['category']} |"

@@ -59,6 +59,8 @@ def test_a_failing_stage_is_reported_and_the_next_stage_still_runs(gr, tmp_path,
                                                          "pct": 60.0}]}}
     monkeypatch.setitem(gr.STAGE_FUNCS, "tests", broken)
     monkeypatch.setitem(gr.STAGE_FUNCS, "profile", fake_profile)
+    monkeypatch.setitem(gr.STAGE_FUNCS, "profile-1b", lambda ctx: {"status": "failed", "data": {},
+                                                                   "error_tail": ["no 1B profile"]})
     monkeypatch.setattr(gr, "collect_meta", lambda args, env: {"date": "d", "gpu": "test", "dry_run_cpu": True})
     out = tmp_path / "report"
     assert gr.main(["--dry-run-cpu", "--only", "tests,profile", "--out-dir", str(out),
@@ -69,6 +71,9 @@ def test_a_failing_stage_is_reported_and_the_next_stage_still_runs(gr, tmp_path,
     assert rep["stages"]["profile"]["status"] == "ok"
     assert "### tests: failed" in md and "boom: the tests stage broke" in md
     assert "| `aten::mm` | 6.0 | 60.0 | 4 |" in md
+    # `--only profile` is both profiles; the 1B one's failure under its own heading, the 124M one's table intact
+    assert rep["stages"]["profile-1b"]["status"] == "failed" and "### The 1B step" in md
+    assert "### profile-1b: failed" in md and "no 1B profile" in md
     assert "| bench-124m | not run yet |" in md and "| train | not run yet |" in md
     assert (out / "log.txt").exists()
 
@@ -238,7 +243,7 @@ def test_cpu_dry_run_writes_every_section_with_numbers(tmp_path):
     md = (out / "report.md").read_text()
     rep = json.loads((out / "report.json").read_text())
     failures = md[md.find("## Failures"):]
-    stages = ("tests", "bench-124m", "bench-1b", "train", "profile", "bench-ab", "kernels")
+    stages = ("tests", "bench-124m", "bench-1b", "train", "profile", "profile-1b", "bench-ab", "kernels")
     assert {n: s["status"] for n, s in rep["stages"].items()} == {n: "ok" for n in stages}, failures
     sections = re.split(r"^## ", md, flags=re.M)
     titles = [s.splitlines()[0] for s in sections[1:]]
