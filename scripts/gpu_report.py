@@ -5,8 +5,8 @@ decides the goals and nothing else (`--full` runs every row and trainer setting,
   tests       `pytest -m gpu tests` (xdist workers when installed; each failure's reason printed as it
               happens), and beside it, while nothing is being timed: the later stages' compiles run once
               to fill Inductor's on-disk caches (bench/bench_model_gpu.py --prewarm, three at a time, the
-              longest and first needed first), and the trainer runs' data is prepared; the longest tests
-              start first (tests/gpu_order.py)
+              longest and first needed first), the trainer runs' data is prepared and the compiled trainer
+              run's graphs compiled (2 steps); the longest tests start first (tests/gpu_order.py)
   bench-124m  bench/bench_model_gpu.py, every row in its own process: ours as the trainer runs it (bf16
   bench-1b    params + fp32 master) compiled, HF compiled (autocast, = HF Trainer --bf16),
               HF + Liger-Kernel eager, ours with FP8 (1B) (VERDICT_BENCH_ROWS)
@@ -321,6 +321,18 @@ def _side_work(ctx: Ctx) -> tuple[list[threading.Thread], dict]:
                 out["train_data"] = prepare_data(ctx, model["max_seq_len"])
             except Exception as e:  # noqa: BLE001 - the train stage tries again and reports it
                 out["train_data"] = {"error": str(e)[:300]}
+                return
+            # the compiled trainer run's graphs into the cache (its first step compiled cold for 29 s of the train
+            # stage's 90 on 2026-11-27: the trainer's graph is not the bench's); 2 steps, nothing measured
+            for name, fused, compile_ in TRAIN_RUNS:
+                if compile_:
+                    warm_dir = os.path.join(ctx.work, "train-prewarm")
+                    shutil.rmtree(warm_dir, ignore_errors=True)
+                    cmd = train_cmd(ctx, out["train_data"], model, warm_dir, fused, compile_, steps=2)
+                    r = stream_cmd(cmd, max(10.0, ctx.deadline - time.perf_counter() - 5), ctx.log,
+                                   f"[prewarm train {name}] ", env=ctx.env, echo=False)
+                    out["prewarm_train"] = {"rc": r["rc"], "seconds": r["seconds"], "timed_out": r["timed_out"]}
+                    shutil.rmtree(warm_dir, ignore_errors=True)
         threads.append(threading.Thread(target=data, daemon=True))
     for t in threads:
         t.start()
@@ -553,6 +565,19 @@ def summarize_metrics(path: str, tokens_per_step: int) -> dict:
     return out
 
 
+def train_cmd(ctx: Ctx, data: dict, model: dict, out_dir: str, fused: str, compile_: bool, steps: int) -> list[str]:
+    """One trainer run of the train stage (and its prewarm, beside the tests)."""
+    cmd = [ctx.py, "train_my_ddp.py", f"--out_dir={out_dir}", f"--data_dir={data['data_dir']}",
+           f"--tokenizer_dir={data['tokenizer_dir']}", *[f"--{k}={v}" for k, v in model.items()],
+           f"--max_iters={steps}", "--dtype=bf16", f"--device={ctx.device}", f"--fused_kernels={fused}",
+           f"--compile={str(compile_).lower()}", "--eval_interval=0", "--eval_iters=1",
+           f"--log_interval={max(1, steps // 6)}", "--checkpoint_interval=100000", "--keep_last=1",
+           "--warmup_iters=2", "--learning_rate=6e-4", "--progress=false", "--resume=never", "--seed=1337"]
+    if ctx.dry:
+        cmd.append("--peak_flops=1e11")  # no CPU peak measurement per run; MFU against a stated figure
+    return cmd
+
+
 def stage_train(ctx: Ctx) -> dict:
     model = DRY_TRAIN_MODEL if ctx.dry else TRAIN_MODEL
     steps = DRY_TRAIN_STEPS if ctx.dry else TRAIN_STEPS
@@ -572,14 +597,7 @@ def stage_train(ctx: Ctx) -> dict:
             run["skipped"] = "not run: the stage's time was spent"
             runs.append(run)
             continue
-        cmd = [ctx.py, "train_my_ddp.py", f"--out_dir={out_dir}", f"--data_dir={data['data_dir']}",
-               f"--tokenizer_dir={data['tokenizer_dir']}", *[f"--{k}={v}" for k, v in model.items()],
-               f"--max_iters={steps}", "--dtype=bf16", f"--device={ctx.device}", f"--fused_kernels={fused}",
-               f"--compile={str(compile_).lower()}", "--eval_interval=0", "--eval_iters=1",
-               f"--log_interval={max(1, steps // 6)}", "--checkpoint_interval=100000", "--keep_last=1",
-               "--warmup_iters=2", "--learning_rate=6e-4", "--progress=false", "--resume=never", "--seed=1337"]
-        if ctx.dry:
-            cmd.append("--peak_flops=1e11")  # no CPU peak measurement per run; MFU against a stated figure
+        cmd = train_cmd(ctx, data, model, out_dir, fused, compile_, steps)
         r = stream_cmd(cmd, timeout, ctx.log, f"[train {name}] ", env=ctx.env)
         run.update(rc=r["rc"], wall_s=r["seconds"], cmd=" ".join(cmd))
         for prefix in ("[kernels]", "[model]"):

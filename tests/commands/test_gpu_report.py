@@ -271,7 +271,9 @@ def test_cpu_dry_run_writes_every_section_with_numbers(tmp_path):
     assert [x["name"] for x in runs] == ["auto-eager", "auto-compile"]  # the verdict's two (--full: four)
     assert all(x["tokens_per_s_median"] > 0 and x["mfu_window"] > 0 and x["steps"] == 4 for x in runs)
     assert "cross_entropy chunked" in runs[0]["kernels"]
-    assert rep["stages"]["tests"]["data"]["side"]["train_data"]["data_dir"]  # prepared beside the tests
+    side = rep["stages"]["tests"]["data"]["side"]
+    assert side["train_data"]["data_dir"]  # prepared beside the tests, and the compiled trainer run prewarmed
+    assert side["prewarm_train"]["rc"] == 0 and not side["prewarm_train"]["timed_out"], side
     kern = rep["stages"]["kernels"]["data"]["rows"]  # the per-op bench: every op measured in both modes
     assert {(r["op"], r["mode"]) for r in kern if r.get("us", 0) > 0} == {
         (op, mode) for op in ("rms_norm", "add_rms_norm", "rope", "swiglu") for mode in ("eager", "compile")}
