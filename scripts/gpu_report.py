@@ -343,10 +343,12 @@ def _side_work(ctx: Ctx) -> tuple[list[threading.Thread], dict]:
 # report-d08a8ea-h100) two at a time in config order compiled only the 124M rows (57 and 68 s beside the
 # tests) and two A/B rows before the tests stage ended; the 1B rows then compiled cold inside their timed stage
 # (ours 38 s, HF 60 s) and left no time for its FP8 and Liger rows. So: the 124M `ours` row (the first timed
-# stage's, and its kernels the profile's), then the longest cold compiles (HF at 1B, ours at 1B), then the rest;
-# three at a time (the three largest together ~52 GiB of the GPU's 80, the GPU tests beside them use little).
-PREWARM_FIRST = ("124m:ours:trainer:compile", "1b:hf:autocast:compile", "1b:ours:trainer:compile",
-                 "124m:hf:autocast:compile", "1b:ours-fp8:trainer:compile")
+# stage's, and its kernels the profile's), the longest cold compile (HF at 1B), the rest of the first timed stage
+# (HF at 124M), then ours at 1B and its FP8 row; three at a time. Peak memory of those rows on 2026-11-27: 7.5,
+# 23.2, 11.0, 20.8 GiB; so at most ~55 GiB at once (the two 1B rows with HF at 124M), beside the compiled trainer
+# run's 7.7 GiB and the GPU tests (the largest, the real-size loss tests, a few GiB each) on an 80 GiB H100.
+PREWARM_FIRST = ("124m:ours:trainer:compile", "1b:hf:autocast:compile", "124m:hf:autocast:compile",
+                 "1b:ours:trainer:compile", "1b:ours-fp8:trainer:compile")
 PREWARM_PARALLEL = 3
 
 

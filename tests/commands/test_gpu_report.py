@@ -162,10 +162,12 @@ def test_bench_rows_per_config(gr):
         "124m:ours:trainer:compile,124m:hf:autocast:compile,1b:ours-fp8:trainer:compile"
     args.bench_rows = ""
     assert gr.prewarm_rows_spec(args, ["1b"]) == ",".join("1b:" + r for r in gr.VERDICT_BENCH_ROWS["bench-1b"].split(","))
-    # the prewarm's order: the 124M ours row, then the longest cold compiles, then the rest as listed
+    # the prewarm's order: the 124M ours row, the longest cold compile (HF at 1B), then the rest as PREWARM_FIRST
+    # and the list say
     both = gr.prewarm_rows_spec(args, ["124m", "1b"])
     ordered = gr.prewarm_order(both + ",124m:ours-tce:trainer:compile").split(",")
-    assert ordered[:3] == ["124m:ours:trainer:compile", "1b:hf:autocast:compile", "1b:ours:trainer:compile"]
+    assert ordered[:4] == ["124m:ours:trainer:compile", "1b:hf:autocast:compile", "124m:hf:autocast:compile",
+                           "1b:ours:trainer:compile"]
     assert sorted(ordered) == sorted(both.split(",") + ["124m:ours-tce:trainer:compile"])
     assert ordered[-1] == "124m:ours-tce:trainer:compile" and gr.prewarm_order("") == ""
 
