@@ -274,7 +274,9 @@ BACKENDS = ("auto", "triton", "torch")
 #   logits while they fit REFERENCE_LOSS_MAX_LOGITS_BYTES (then the Triton op's chunks, whose memory does not
 #   grow with the vocabulary). With that choice (H200, report-a4fb4df-h200): 124M 560,165 tokens/s compiled
 #   (1.30x HF compiled in the same run), 1B 92,141 (53.4% MFU); which of the two switches gave how much is
-#   not measured apart (the ours-concat row ran out of time).
+#   not measured apart (the ours-concat row ran out of time). On an H100 (docs/gpu/report-d08a8ea-h100.md,
+#   2026-11-27) the Triton linear+CE in ONE chunk under compile (bench row ours-tce) tied with the full-logits
+#   reference at 124M: 528,381 vs 526,213 tokens/s (one call apart, same machine), so the reference stays.
 AUTO_EAGER = {"rms_norm": "triton", "add_rms_norm": "triton", "rope": "triton", "swiglu": "triton",
               "cross_entropy": "triton", "concat_linear": "torch"}
 AUTO_UNDER_COMPILE = {"rms_norm": "reference", "add_rms_norm": "reference", "rope": "reference",
