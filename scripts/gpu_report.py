@@ -299,7 +299,9 @@ def _side_work(ctx: Ctx) -> tuple[list[threading.Thread], dict]:
             out_json = os.path.join(ctx.work, "prewarm.json")
             cmd = [ctx.py, "bench/bench_model_gpu.py", "--prewarm", "--parallel", str(PREWARM_PARALLEL),
                    "--configs", ",".join(configs),
-                   "--device", ctx.device, "--json-out", out_json, "--budget-s", str(int(ctx.timeout - 20))]
+                   "--device", ctx.device, "--json-out", out_json, "--budget-s", str(int(ctx.timeout - 10))]
+            # (the stage waits for it until its own end, tests done or not; a row still compiling at the budget's
+            # end is killed, the graphs it finished stay in the cache)
             if rows:
                 cmd += ["--rows", rows]
             r = stream_cmd(cmd, max(10.0, ctx.deadline - time.perf_counter() - 5), ctx.log, "[prewarm] ", env=ctx.env)
