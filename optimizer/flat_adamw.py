@@ -30,6 +30,8 @@ import os
 
 import torch
 
+from utils.device import to_device
+
 try:  # optional: CUDA machines have it; the CPU runs it only in the interpreter (tests)
     import triton
     import triton.language as tl
@@ -325,7 +327,6 @@ class ParamGrads:
 
     def addresses(self, grads: list) -> torch.Tensor:
         """The gradients' addresses (0 for None), int64 on the device, copied without making the host wait."""
-        from utils.device import to_device
         host = torch.tensor([g.data_ptr() if g is not None else 0 for g in grads], dtype=torch.int64)
         return to_device(host, self.device)
 

@@ -50,12 +50,13 @@ def spread_longest_first(items: Sequence[T], seconds: Sequence[float], workers: 
     """`items` reordered: a longest-first assignment to `workers` workers of the chunk sizes worksteal gives
     them (each test to the least-loaded worker with room), each worker's share longest first, the shares
     laid out one after another. Ties keep collection order (fixtures stay together)."""
-    if workers < 2 or len(items) <= 1:
-        return [it for _, it in sorted(zip(range(len(items)), items), key=lambda p: (-seconds[p[0]], p[0]))]
+    longest_first = sorted(range(len(items)), key=lambda i: (-seconds[i], i))
+    if workers < 2:
+        return [items[i] for i in longest_first]
     sizes = worksteal_chunks(len(items), workers)
     shares: list[list[int]] = [[] for _ in range(workers)]
     loads = [0.0] * workers
-    for i in sorted(range(len(items)), key=lambda i: (-seconds[i], i)):
+    for i in longest_first:
         w = min((w for w in range(workers) if len(shares[w]) < sizes[w]), key=lambda w: (loads[w], w))
         shares[w].append(i)
         loads[w] += seconds[i]
