@@ -21,7 +21,7 @@ every rank saw, clip with a norm that is not global (trap 8), or know which engi
 from __future__ import annotations
 
 import math
-from typing import Iterable, Optional, Sequence, Union
+from typing import Callable, Iterable, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,56 @@ from torch.distributed.tensor import DTensor
 from optimizer.grad_scaler import ConstantScaler, DynamicGradScaler
 from optimizer.optimizer_config import OptimizerConfig
 from utils.device import HostCopy
+
+
+class StepVerdict:
+    """One optimizer step's (stepped, grad_norm), read from the device when first asked for: `get()`, or
+    unpacking `stepped, norm = opt.step()` (which reads it at once, as before). Until then the host has not
+    waited for anything, so a training loop that reads it a step later (trainer/loop.py) queues the next
+    step while the device still runs this one. Reading it also runs what the verdict decides on the host
+    (`settle`: the scaler, the comm hook, the step counter), once; the optimizer reads every verdict left
+    unread at its next step, state dict or load (`settle_steps`), so nothing later ever runs on a step count
+    that does not know about a skip."""
+    __slots__ = ("_s_host", "_settle", "_value")
+
+    def __init__(self, s_host: HostCopy, settle: Callable[[bool], None]) -> None:
+        self._s_host, self._settle = s_host, settle
+        self._value: Optional[tuple[bool, float]] = None
+
+    @property
+    def read(self) -> bool:
+        """Whether the value has been read (and settled) yet."""
+        return self._value is not None
+
+    def get(self) -> tuple[bool, float]:
+        """(True, norm), or (False, inf) when the norm was non-finite and the device skipped the update; waits
+        for the norm's copy on the first call only."""
+        if self._value is None:
+            global_sumsq = float(self._s_host.get())
+            stepped = math.isfinite(global_sumsq)
+            self._value = (True, math.sqrt(global_sumsq)) if stepped else (False, float("inf"))
+            settle, self._settle = self._settle, None
+            settle(stepped)
+        return self._value
+
+    def __iter__(self) -> Iterator:
+        return iter(self.get())
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, i: int):
+        return self.get()[i]
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (tuple, StepVerdict)):
+            return tuple(self.get()) == tuple(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"StepVerdict({self._value if self._value is not None else 'not read yet'})"
 
 
 def make_scaler(config: OptimizerConfig) -> Union[ConstantScaler, DynamicGradScaler]:
@@ -64,11 +114,13 @@ class GlobalNormOptimizer:
         self.lr = float(config.lr)
         self.prev_grad_norm: Optional[float] = None
         self._clip_numerator_cache: Optional[tuple] = None  # (key, 0-d tensor): `_clip_numerator`
+        self._unread_verdicts: list[StepVerdict] = []  # the steps whose verdict nobody has read yet (`settle_steps`)
 
     # ------------------------------------------------------------------ the step skeleton
     def global_norm_step(self) -> tuple[bool, float]:
         """Finish the gradient sync, unscale, skip on inf/nan (any rank, every rank alike), clip by the
         global norm, step, write the masters back. Returns (stepped, grad_norm); (False, inf) when skipped."""
+        self.settle_steps()
         self._sync_grads()
         grads = self._grads()
         if isinstance(self.scaler, DynamicGradScaler) and grads:
@@ -115,15 +167,35 @@ class GlobalNormOptimizer:
         self._drop_grads()
         return result
 
-    def _device_verdict(self, s_host: HostCopy) -> tuple[bool, float]:
-        """The step's one host read (the squared norm, copied behind its own computation), taken after the update
-        was launched and decided on the device; then the scaler and the comm hook learn the verdict. Returns
-        (stepped, grad_norm), (False, inf) when the norm was non-finite and the device skipped the update."""
-        global_sumsq = float(s_host.get())
-        stepped = math.isfinite(global_sumsq)
-        self.scaler.update(not stepped)
-        self._report_verdict(stepped)
-        return (True, math.sqrt(global_sumsq)) if stepped else (False, float("inf"))
+    def _device_verdict(self, s_host: HostCopy, then: Optional[Callable[[bool], None]] = None) -> StepVerdict:
+        """The step's verdict from the squared norm (copied to the host behind its own computation), the update
+        already launched and decided on the device; when read, the scaler, the comm hook and `then` learn it.
+        Read now when the next step needs it before its optimizer step (`_verdict_needed_now`: fp16's loss scale
+        is applied in the next forward, PowerSGD's error feedback in the next backward); else left unread for
+        the caller (the trainer reads it a step later) and read at the latest by the next `settle_steps`."""
+        def settle(stepped: bool) -> None:
+            self.scaler.update(not stepped)
+            self._report_verdict(stepped)
+            if then is not None:
+                then(stepped)
+        verdict = StepVerdict(s_host, settle)
+        if self._verdict_needed_now():
+            verdict.get()
+        else:
+            self._unread_verdicts.append(verdict)
+        return verdict
+
+    def _verdict_needed_now(self) -> bool:
+        """Whether something on the host uses a step's verdict before the next step's optimizer step."""
+        return isinstance(self.scaler, DynamicGradScaler)
+
+    def settle_steps(self) -> None:
+        """Read (and settle) every step verdict not read yet, in step order: the start of each step (its step
+        count then knows about a skip), state_dict and load_state_dict. A verdict a step old waits for
+        nothing: the device computed that norm before the previous update."""
+        unread, self._unread_verdicts = self._unread_verdicts, []
+        for verdict in unread:
+            verdict.get()
 
     def _clip_numerator(self, like: torch.Tensor) -> torch.Tensor:
         """--grad_clip as a 0-d tensor beside the norm, filled once on the device and kept (a `new_tensor`

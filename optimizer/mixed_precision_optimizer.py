@@ -21,7 +21,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -202,7 +202,9 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
 
     def step(self) -> tuple[bool, float]:
         """Finish grad sync, unscale, skip on inf/nan (any rank), clip by the global norm,
-        AdamW step, write masters back to the model. Returns (stepped, grad_norm)."""
+        AdamW step, write masters back to the model. Returns (stepped, grad_norm): a StepVerdict where the
+        update was decided on the device (read when unpacked, or a step later by the trainer)."""
+        self.settle_steps()  # the previous step's verdict: this step's count knows about its skip
         self.finish_param_sync()
         if self.config.overlap_optim_step:
             return self._step_overlapped()
@@ -311,9 +313,7 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
         fl.launched = True
         if self.sharded:  # every shard all-gathered (a skipped step's too: every rank issues the same collectives)
             self._after_step(list(range(len(self.ddp.buckets))))
-        stepped, norm = self._device_verdict(s_host)
-        fl.steps += int(stepped)
-        return stepped, norm
+        return self._device_verdict(s_host, then=fl.count)  # read by the next step's start at the latest
 
     def _hand_over(self, what: str, e: Exception, updated: bool) -> tuple[bool, float]:
         """A kernel of the one-launch step failed: before anything was updated, this step and every later one are
@@ -326,6 +326,7 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
     def _leave_flat(self, why: str) -> None:
         """Back to the per-parameter fused AdamW for good: the moments stay where they are (its state holds
         views of them), the step counters take the count."""
+        self.settle_steps()  # (step() has: the count below must know every skip)
         log.warning("one-launch AdamW off: %s; torch's fused AdamW steps the parameters from here on", why)
         if getattr(self.ddp, "grads_on_params", False):
             self.ddp.restore_grad_buffers()  # this step's gradients into DDP's buffers, its hooks back
@@ -467,6 +468,11 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         return bool(flag.item() > 0)
 
+    def _verdict_needed_now(self) -> bool:
+        # a stateful comm hook (PowerSGD) must learn the verdict before the next backward runs it
+        return super()._verdict_needed_now() or \
+            getattr(getattr(self.ddp, "comm_hook_state", None), "on_optimizer_step", None) is not None
+
     def _report_verdict(self, stepped: Union[bool, list[int]]) -> None:
         """Tell a stateful comm hook (PowerSGD) whether this step's gradients were applied, so a
         skipped step leaves its error feedback untouched; the verdict is identical on every rank."""
@@ -501,6 +507,7 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
         to_host=False: the tensors are flat views of the live state where they live (--async_checkpoint copies
         them at once into its reused, pinned host buffers: one copy, no new host memory per save); the caller
         must copy them before the next step."""
+        self.settle_steps()  # the step counts (a skip not read yet would be counted as a step)
         self.finish_param_sync()
         own = (lambda t: t.cpu().clone()) if to_host else (lambda t: t)  # noqa: E731
         params = {}
@@ -529,6 +536,7 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
         """Load this rank's own state dict, a complete one (unsharded, or of a 1-rank run), or a
         list of ALL ranks' state dicts of a run with any world size (re-sharding: each piece is
         assembled from whichever saved ranges cover it)."""
+        self.settle_steps()  # a verdict read after the load would count its step into the loaded count
         sds = [state] if isinstance(state, dict) or state is None else list(state)
         if not sds:
             raise ValueError("empty optimizer state")
@@ -653,8 +661,24 @@ class _FlatAdamW:
                  use_triton: bool) -> None:
         self.buffers, self.betas, self.eps, self.weight_decay = buffers, betas, eps, weight_decay
         self.use_triton = use_triton
-        self.steps = 0
+        self._steps = 0
         self.launched = False
+        self.settle: Callable[[], None] = lambda: None  # the optimizer's settle_steps (set by build)
+
+    @property
+    def steps(self) -> int:
+        """AdamW steps taken (the bias corrections' count): every verdict not read yet is read first, so a
+        skipped step is never counted."""
+        self.settle()
+        return self._steps
+
+    @steps.setter
+    def steps(self, n: int) -> None:
+        self._steps = int(n)
+
+    def count(self, stepped: bool) -> None:
+        """A step's verdict, read (StepVerdict's settle): a step taken counts."""
+        self._steps += int(stepped)
 
     @classmethod
     def build(cls, opt: "MixedPrecisionOptimizer") -> "_FlatAdamW":
@@ -701,5 +725,7 @@ class _FlatAdamW:
                 "exp_avg": fb.exp_avg[lo:hi].view(pc.main.shape),
                 "exp_avg_sq": fb.exp_avg_sq[lo:hi].view(pc.main.shape)}
         group = next(iter(opt.optimizers.values())).defaults
-        return cls(list(flat.values()), tuple(group["betas"]), float(group["eps"]), float(opt.config.weight_decay),
+        made = cls(list(flat.values()), tuple(group["betas"]), float(group["eps"]), float(opt.config.weight_decay),
                    use_triton=triton_runs_on(device))
+        made.settle = opt.settle_steps
+        return made

@@ -236,3 +236,57 @@ def test_cuda_step_waits_for_the_norm_alone(monkeypatch, flat):
     torch.cuda.synchronize()
     assert stepped and 0 < norm < float("inf")
     assert still_busy, "step() waited for its update's kernels before returning"
+
+
+def _poisoned_run(flat: str, monkeypatch, read_at_once: bool, dtype: str = "bf16"):
+    """4 steps of the one-launch AdamW ("on": its torch reference on CPU, or the kernel in the interpreter) or of
+    torch's fused AdamW deciding the skip on the device ("off"), NaN gradients on step 2. read_at_once: each
+    verdict unpacked as step() returns (the old contract); else left unread, as the trainer leaves it for a step.
+    Returns (the verdicts, the reads each step() call made, which verdicts were read by then, the parameters, the
+    state dict's step counts: its call reads the last verdict)."""
+    from tests.optimizer.test_flat_adamw import _engine, _params
+    e = _engine(flat, monkeypatch, dtype=dtype)
+    assert (e.optimizer.flat is not None) == (flat == "on")
+    g = torch.Generator().manual_seed(0)
+    verdicts, reads = [], []
+    for i in range(4):
+        x = torch.randint(0, 64, (2, 16), generator=g)
+        e.optimizer.zero_grad()
+        e.forward_backward([{"input_ids": x, "labels": x}],
+                           lambda m, b: (m(b["input_ids"], labels=b["labels"], reduction="sum"), {}), 32.0)
+        if i == 1:
+            p = next(iter(e.model.param_to_bucket))
+            (p.grad if e.model.grads_on_params else p.main_grad).fill_(float("nan"))
+        with CountItems() as c:
+            v = e.optimizer.step()
+            if read_at_once:
+                v = tuple(v)
+        verdicts.append(v)
+        reads.append(c.n)
+    read = [v.read if hasattr(v, "read") else True for v in verdicts]
+    steps = {float(s["step"]) for s in e.optimizer.state_dict()["params"].values()}
+    assert all(v.read for v in verdicts if hasattr(v, "read"))
+    return verdicts, reads, read, _params(e), steps
+
+
+@pytest.mark.parametrize("flat", ["on", "off"], ids=["one-launch", "torch-fused"])
+def test_a_verdict_left_unread_is_read_by_the_next_step_and_changes_nothing(monkeypatch, flat):
+    """step() returns without reading its verdict (the device decided the clip and the skip); the next step()
+    reads it first (one read, a step old: on a GPU it waits for nothing), so the NaN step's skip is known to the
+    bias corrections of the step after it. Parameters and step counts are those of reading every verdict at once."""
+    now, reads_now, _, p_now, steps_now = _poisoned_run(flat, monkeypatch, read_at_once=True)
+    late, reads_late, read_late, p_late, steps_late = _poisoned_run(flat, monkeypatch, read_at_once=False)
+    assert reads_now == [1, 1, 1, 1]
+    assert reads_late == [0, 1, 1, 1]  # each call reads the verdict before it, none its own
+    assert read_late == [True, True, True, False]
+    assert [tuple(v) for v in late] == now
+    assert [s for s, _ in now] == [True, False, True, True] and now[1][1] == float("inf")
+    assert steps_now == steps_late == {3.0}  # the skipped step is not counted
+    for k in p_now:
+        assert torch.equal(p_now[k], p_late[k]), k
+
+
+def test_fp16_reads_its_verdict_inside_the_step(monkeypatch):
+    """fp16: the next forward scales its loss by the scale this verdict updates, so step() reads it at once."""
+    _, reads, read, _, _ = _poisoned_run("off", monkeypatch, read_at_once=False, dtype="fp16")
+    assert reads == [1, 1, 1, 1] and read == [True] * 4
