@@ -13,7 +13,8 @@ is trainer/task.py's; where weights come from (Hugging Face, our checkpoints, Lo
 trainer/weights.py's. Read trainer/loop.py `train()` top to bottom: configuration -> where the run starts (`decide_start`)
 -> model (`build_model`, `choose_trainable`, `dpo_reference`) -> engine + optimizer (`place_on_engine`)
 -> data -> resumed state (`restore`) -> the loop (`Loop.step`: lr, micro-batches, token-normalised
-loss, optimizer step; `Loop.log_step`: metrics, evaluation, samples; `Loop.save`) -> the end.
+loss, optimizer step, queued; `Loop.finish`: the loss and norm read, a step later unless something must see
+the step finished; `Loop.log_step`: metrics, evaluation, samples; `Loop.save`) -> the end.
 
 Exit codes (utils/constants.py): 0 done, 2 bad configuration, 3 bad data (also shards made with
 another tokenizer), 4 non-finite loss, 5 a checkpoint or weights directory that cannot be loaded,

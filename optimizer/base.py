@@ -13,7 +13,8 @@ Each optimizer provides the hooks (`_sync_grads`, `_grads`, `_sumsq`, `_update`,
 An optimizer whose AdamWs are all fused may also give `_skips_on_device` / `_update_on_device`: then
 the clip and the skip are decided on the device (a coefficient tensor, AdamW's `found_inf`) and the one
 host read comes after the update's launches and waits for the norm alone (`_device_decided_step`), with the same
-result bit for bit.
+result bit for bit. That read is a `StepVerdict`, made when the caller unpacks it or by the next step at the
+latest (`settle_steps`), so a training loop may queue the next step before reading this one's.
 Must never: read a tensor on the host more than once per step, decide to skip from a value that not
 every rank saw, clip with a norm that is not global (trap 8), or know which engine holds the gradients
 (the hooks do).

@@ -50,6 +50,12 @@ def fires(kind: str, at: int) -> bool:
     return True
 
 
+def step_fault_due(step: int) -> bool:
+    """Whether crash@step or hang@step is asked for (fired or not): the trainer finishes the step before it
+    first, so that its metrics row is written before the fault, as without a fault."""
+    return fault_spec() in (("crash", step), ("hang", step))
+
+
 def fire_step_faults(step: int) -> None:
     """crash@step and hang@step, at the start of that step."""
     if fires("crash", step):

@@ -2,7 +2,9 @@
 resumed state -> steps -> the end), and `Loop` runs one optimizer step at a time.
 
 Owns: the order of a step (lr, micro-batches, token-normalised loss through the engine, optimizer step,
-spike guard), the log line, evaluation, samples, checkpoints, the graceful stop on SIGTERM/SIGINT.
+spike guard), the log line, evaluation, samples, checkpoints, the graceful stop on SIGTERM/SIGINT; and when a
+step's device values are read: one step late (`Loop.step` queues step s+1, then reads step s: the host never
+waits for the device between steps), at once where evaluation, samples, a checkpoint or the end need it.
 Must never: branch on the engine (parallel/ hides which one runs) or on the task (trainer/task.py).
 """
 from __future__ import annotations
@@ -27,7 +29,7 @@ from parallel.config import ParallelConfig
 from parallel.engine import StepStats
 from tokenizer import load_tokenizer_meta
 from trainer.config import TrainConfig, TrainingError, max_iters_for_epochs, one_line, resolve_warmup, validate_config
-from trainer.faults import fire_step_faults, fires, save_fault_hook, spike_fault, spiked
+from trainer.faults import fire_step_faults, fires, save_fault_hook, spike_fault, spiked, step_fault_due
 from trainer.samples import TrainSampler, read_prompts
 from trainer.start import Progress, build_model, choose_trainable, decide_start, dpo_reference, place_on_engine, \
     restore
@@ -188,12 +190,14 @@ def train(cfg: TrainConfig, info: DistInfo, continues: Optional[bool] = None, ma
     engine.model.train()
     try:
         while progress.step < cfg.max_iters:
-            rec = loop.step()
+            loop.step()  # queues this step, then finishes the one before it if that was left pending
             do_eval = (cfg.eval_interval > 0 and progress.step % cfg.eval_interval == 0) or \
                 progress.step == cfg.max_iters
-            loop.log_step(rec, do_eval)
             stop_now = all_reduce_max(1.0 if stop["requested"] else 0.0, info.device) > 0
-            if progress.step % cfg.checkpoint_interval == 0 or progress.step == cfg.max_iters or stop_now:
+            save_now = progress.step % cfg.checkpoint_interval == 0 or progress.step == cfg.max_iters or stop_now
+            if do_eval or save_now or not loop.may_defer(progress.step):
+                loop.finish(do_eval)  # read now: evaluation, samples and checkpoints see a finished step
+            if save_now:
                 loop.save(progress.last_val if do_eval else None)
             loop.restart_clock()  # evaluation and checkpoint time is not charged to the next step's tokens/s
             if stop_now:
@@ -203,6 +207,7 @@ def train(cfg: TrainConfig, info: DistInfo, continues: Optional[bool] = None, ma
                 return EXIT_INTERRUPTED
         loop.finish_saves()
     except BaseException:
+        loop.write_pending_row()  # a step queued before the failure still gets its metrics row
         loop.finish_saves(failing=True)
         raise
     loop.close()
@@ -212,6 +217,16 @@ def train(cfg: TrainConfig, info: DistInfo, continues: Optional[bool] = None, ma
     last = progress.last_val if progress.last_val is not None else float("nan")
     log(f"[train] done: {progress.step} steps, final val_loss {last:.4f}, best {progress.best_val:.4f}")
     return EXIT_OK
+
+
+@dataclasses.dataclass
+class _Pending:
+    """A step queued and not read yet (Loop.step / Loop.finish)."""
+    rec: dict  # its metrics row so far: what the host knew when it queued the step
+    sums: HostCopy  # the step's loss (and DPO) sums, on their way to the host
+    verdict: Any  # the optimizer's (stepped, grad_norm): a tuple, or a StepVerdict read when unpacked
+    global_units: float
+    data_step: int  # the data it trained on
 
 
 class Loop:
@@ -242,6 +257,9 @@ class Loop:
         self.resumed_from = {"step": progress.step, "data_step": progress.data_step}
         self.loss_fn = lambda model, batch: micro_batch_loss(cfg, model, ref_model, batch, info.device)  # noqa: E731
         self.pbar = None
+        # the step queued last, not read yet (`step` leaves it for one step, `finish` reads it): its metrics row
+        # without the device's values, the copies of those values on their way to the host, the optimizer's verdict
+        self.pending: Optional[_Pending] = None
         self.tuner = None  # utils/threads.ThreadTuner: the thread count chosen by measuring (set by train())
         self.t_last = time.time()
         self.quiet_lines = True  # time-based lines between the --log_interval ones (when not a terminal)
@@ -289,9 +307,14 @@ class Loop:
         p.data_step += 1
         return batches, skipped
 
-    def step(self) -> dict:
-        """One optimizer step; returns its metrics row (before evaluation)."""
+    def step(self) -> None:
+        """Queue one optimizer step, then finish the step before it when that was left pending (`may_defer`):
+        its loss and gradient norm are read only now, when the device has long computed them, so the host
+        never waits for the device between steps and queues each step while the previous one still runs.
+        The caller finishes this step at once (`finish`) when something must see it finished."""
         cfg, info, engine, p = self.cfg, self.info, self.engine, self.progress
+        if step_fault_due(p.step + 1):  # (test hook) the step before a crash / hang is finished, as without one
+            self.finish()
         fire_step_faults(p.step + 1)
         if self.tuner is not None and self.tuner.threads_for_next_step() != torch.get_num_threads():
             torch.set_num_threads(self.tuner.threads_for_next_step())
@@ -308,12 +331,9 @@ class Loop:
         # gradients are those of (all ranks' loss sums) / global_units
         sums = engine.forward_backward(batches, spiked(self.loss_fn, *spike) if spike else self.loss_fn,
                                        global_units, poison=poison)
-        # the step's sums, reduced and copied to the host behind the backward: the optimizer's one host
-        # sync (reading the gradient norm) comes after that copy, so reading it then waits for nothing
+        # the step's sums, reduced and copied to the host behind the backward, read in `finish`
         sums_copy = HostCopy(engine.sum_over_data(sums, info.device, to_host=False))
-        stepped, grad_norm = engine.optimizer.step()  # waits for the gradient reductions, clips, steps
-        stats = StepStats.from_tensor(sums_copy.get()).per_unit(global_units)
-        self._check_loss(stats["loss"])
+        verdict = engine.optimizer.step()  # clips, skips and steps on the device; its verdict is read in `finish`
         p.step += 1
         p.tokens_seen += int(global_units) if cfg.task_type != "dpo" else 0
         self.metrics.heartbeat()
@@ -324,21 +344,58 @@ class Loop:
         tps_avg = self.throughput.add(self.timer.lap(step_tokens))  # the window's rate, warm-up steps excluded
         if self.tuner is not None:
             self._tune_threads(dt, step_tokens)
-        rec: dict[str, Any] = {"step": p.step, "loss": stats["loss"], "lr": lr, "grad_norm": grad_norm,
-                               "stepped": bool(stepped), "tokens_per_sec": step_tokens / dt,
+        rec: dict[str, Any] = {"step": p.step, "lr": lr, "tokens_per_sec": step_tokens / dt,
                                "tokens_seen": p.tokens_seen}
         if tps_avg is not None:  # None during the warm-up steps: no rate or MFU is claimed for them
             rec.update(tokens_per_sec_avg=tps_avg, mfu_is_estimate=self.peak.is_estimate,
                        mfu=mfu_from(self.flops_per_token * tps_avg / info.world_size, self.peak))
-        if cfg.task_type == "dpo":
-            rec.update({k: stats[k] for k in ("chosen_reward", "rejected_reward", "reward_acc")})
         if p.skip_steps or self.guard is not None:
             rec["data_step"] = p.data_step  # the data this step trained on
         if skipped:
             rec["skipped_data_steps"] = skipped  # drawn and discarded before it
         if p.step % cfg.log_interval == 0 or p.step <= TIMING_WARMUP_STEPS + 1:
             rec.update(memory_stats(info.device))  # the allocator's statistics: built anew on each call
-        return rec
+        previous, self.pending = self.pending, None
+        if previous is not None:  # queued a step ago: reading it now waits for nothing
+            self._finish(previous, do_eval=False)  # (a spike there: this step, after it, gets no row either)
+        self.pending = _Pending(rec, sums_copy, verdict, global_units, p.data_step)
+
+    def may_defer(self, step: int) -> bool:
+        """Whether step `step`, just queued, may be finished a step later: not when samples are due after it
+        (evaluation and checkpoints the caller knows of)."""
+        return self.sampler is None or not self.sampler.due(step)
+
+    def finish(self, do_eval: bool = False) -> None:
+        """Read the pending step (the one queued last) now: its loss checked, its row logged (`log_step`)."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            self._finish(pending, do_eval)
+
+    def _finish(self, pending: "_Pending", do_eval: bool) -> None:
+        """The device's values of a queued step: the loss sums and the optimizer's verdict, read (the loss
+        checked: a spike or a non-finite loss raises here, before anything of a later step is saved), then
+        its row logged."""
+        rec = pending.rec
+        stats = StepStats.from_tensor(pending.sums.get()).per_unit(pending.global_units)
+        self._check_loss(stats["loss"], rec["step"], pending.data_step)
+        stepped, grad_norm = pending.verdict
+        rec.update(loss=stats["loss"], grad_norm=grad_norm, stepped=bool(stepped))
+        if self.cfg.task_type == "dpo":
+            rec.update({k: stats[k] for k in ("chosen_reward", "rejected_reward", "reward_acc")})
+        self.log_step(rec, do_eval)
+
+    def write_pending_row(self) -> None:
+        """The run is failing: the pending step's row as far as it can be read (no loss check), best effort."""
+        pending, self.pending = self.pending, None
+        if pending is None or not self.info.is_main:
+            return
+        try:
+            stats = StepStats.from_tensor(pending.sums.get()).per_unit(pending.global_units)
+            stepped, grad_norm = pending.verdict
+            self.metrics.write({**pending.rec, "loss": stats["loss"], "grad_norm": grad_norm,
+                                "stepped": bool(stepped)})
+        except Exception as e:  # noqa: BLE001 - the failure in flight is the one to report
+            self.log(f"[train] step {pending.rec['step']}: its metrics row could not be read ({one_line(e)})")
 
     def _tune_threads(self, seconds: float, tokens: float) -> None:
         """Feed this step's time to the ThreadTuner; a switch it keeps is one log line."""
@@ -349,31 +406,33 @@ class Loop:
             self.log(f"[threads] {old} -> {new} thread{'s' if new != 1 else ''} at step {self.progress.step}: "
                      f"{r_old:,.0f} -> {r_new:,.0f} tokens/s measured (measured again now and then)")
 
-    def _check_loss(self, loss: float) -> None:
+    def _check_loss(self, loss: float, step: int, data_step: int) -> None:
         """--spike_guard: a spike records the step and exits 76 (the supervisor rolls back); a non-finite
-        loss without fp16 loss scaling exits 4. The step counter has not advanced yet."""
+        loss without fp16 loss scaling exits 4. `step`, `data_step`: the step whose loss this is and the data
+        it trained on (a later step may be queued already: nothing is saved before its loss is checked)."""
         cfg, p = self.cfg, self.progress
         spike = self.guard.check(loss, nonfinite_is_spike=cfg.dtype != "fp16") if self.guard is not None else None
         if spike is not None:  # the rollback is the supervisor's: record the step, save nothing, exit 76
             if self.info.is_main:
-                write_spike_record(cfg.out_dir, dict(spike, step=p.step + 1, data_step=p.data_step, loss=loss,
+                write_spike_record(cfg.out_dir, dict(spike, step=step, data_step=data_step, loss=loss,
                                                      factor=cfg.spike_factor, window=cfg.spike_window,
                                                      resumed_from=self.resumed_from,
                                                      skip_data_steps=sorted(p.skip_steps), time=time.time()))
             barrier()  # no rank exits before the record is on disk
             why = "is non-finite" if spike["reason"] == "non_finite" else \
                 f"> {cfg.spike_factor:g} x the running median {spike['median']:.4g}"
-            raise TrainingError(f"loss spike at step {p.step + 1} (data step {p.data_step}): loss {loss:.4g} {why}; "
+            raise TrainingError(f"loss spike at step {step} (data step {data_step}): loss {loss:.4g} {why}; "
                                 f"recorded in {os.path.join(cfg.out_dir, SPIKE_FILE)}, nothing saved after it",
                                 EXIT_LOSS_SPIKE)
         if not math.isfinite(loss) and cfg.dtype != "fp16":
-            raise TrainingError(f"non-finite loss {loss} at step {p.step + 1}; the last good checkpoint in "
+            raise TrainingError(f"non-finite loss {loss} at step {step}; the last good checkpoint in "
                                 f"{cfg.out_dir}/checkpoints is intact (lower --learning_rate or use --dtype=fp16 "
                                 "with loss scaling)", EXIT_NONFINITE_LOSS)
 
     def log_step(self, rec: dict, do_eval: bool) -> None:
-        """Evaluate when due, write the metrics row, print the line when due, then samples (--sample_every)."""
-        p = self.progress
+        """Evaluate when due, write the metrics row, print the line when due, then samples (--sample_every).
+        `rec` is the row of step rec["step"]: the step queued last, or (finished a step later) the one before."""
+        p, step = self.progress, rec["step"]
         if do_eval:
             ev = evaluate(self.cfg, self.engine, self.ref_model, self.make_val_loader, self.info)
             if ev is not None:
@@ -384,16 +443,16 @@ class Loop:
                 self.engine.optimizer.finish_param_sync()  # ZeRO's all-gather of the updated weights has landed
                 scores = self.task_eval.run(self.engine.module, self.info.device)
                 rec.update(scores)
-                self.log(f"[eval_tasks] step {p.step}: " + ", ".join(
+                self.log(f"[eval_tasks] step {step}: " + ", ".join(
                     f"{k[len('val_'):]} {v:.4f}" for k, v in scores.items()))
         self.metrics.write(rec)
-        if self.info.is_main and _line_due(p.step % self.cfg.log_interval == 0 or do_eval or p.step == 1,
+        if self.info.is_main and _line_due(step % self.cfg.log_interval == 0 or do_eval or step == 1,
                                            quiet_lines=self.quiet_lines):
             self.log(format_line(rec, total=self.cfg.max_iters, elapsed=time.time() - self.t_loop_start,
-                                 eta=self._eta(p.step)))
-        if self.info.is_main and self.sampler is not None and self.sampler.due(p.step):  # RNG untouched
+                                 eta=self._eta(step)))
+        if self.info.is_main and self.sampler is not None and self.sampler.due(step):  # RNG untouched
             self.engine.optimizer.finish_param_sync()  # ZeRO's all-gather of the updated weights has landed
-            self.metrics.write_samples(self.sampler.sample(self.engine.module, p.step, self.info.device))
+            self.metrics.write_samples(self.sampler.sample(self.engine.module, step, self.info.device))
 
     def _eta(self, step: int) -> Optional[float]:
         """Seconds to --max_iters at this process's wall-clock pace since its warm-up steps (evaluations,
