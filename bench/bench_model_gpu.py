@@ -43,7 +43,9 @@ ours-gradbuf (ours with the gradients copied into DDP's fp32 buffers, MYLLM_GRAD
 process with one micro-batch a step reads them from the parameters: the A/B of that; trainer precision only),
 ours-tce (compiled, the loss as the Triton linear+CE op in one chunk instead of Inductor's full-logits fusion: the
 op computes the loss and both gradients in the forward, one pass over the logits after their matmul, where
-Inductor's two kernels took 1.35 ms per 124M step on an H200; the A/B of that). Rows run in priority order, all eager rows of a config
+Inductor's two kernels took 1.35 ms per 124M step on an H200; the A/B of that), ours-sync (ours with each step's
+optimizer verdict read inside the step, the host waiting for the gradient norm every step as before 2026-11-27;
+ours leaves it unread, as the trainer reads it a step later: the A/B of that; trainer precision only). Rows run in priority order, all eager rows of a config
 before its compile rows, so a --budget-s that runs out drops the least informative rows ("not run").
 MFU uses model/flops.py's formula against the dense bf16 peak of the GPU (model/flops.py's table; H100
 SXM 989 TFLOP/s; --peak-tflops overrides) and against the bf16 matmul peak measured in the same run.
@@ -84,7 +86,7 @@ CONFIGS = {
                  batch=2, seq=64),
 }
 MODELS = ("ours", "ours-ref", "ours-triton", "hf", "hf-liger", "ours-fp8", "ours-torchadam", "ours-concat",
-          "ours-gradbuf", "ours-tce")
+          "ours-gradbuf", "ours-tce", "ours-sync")
 PRECISIONS = {"trainer": "bf16 params + fp32 master (trainer)", "autocast": "autocast (fp32 params)"}
 MODES = ("eager", "compile", "compile-cg", "compile-mat")
 DEFAULT_MODES = ("eager", "compile")
@@ -121,7 +123,8 @@ def _build(model_name: str, mcfg: dict, device):
     with torch.device(device):  # initialise on the GPU: a 1B model's CPU init takes tens of seconds
         cfg = ModelConfig(**mcfg)
         ours = Transformer(cfg)
-        if model_name in ("ours", "ours-fp8", "ours-torchadam", "ours-concat", "ours-gradbuf", "ours-tce"):  # make_step
+        if model_name in ("ours", "ours-fp8", "ours-torchadam", "ours-concat", "ours-gradbuf", "ours-tce",
+                          "ours-sync"):  # make_step
             return ours
         if model_name == "ours-triton":  # our Triton kernels also under torch.compile (auto: references there)
             return Transformer(ModelConfig(**mcfg, kernel_backend="triton"))
@@ -213,10 +216,14 @@ def make_step(config: str, model_name: str, mode: str, precision: str, device):
             return m(b["input_ids"], labels=b["labels"], reduction="sum"), {}
         return m(input_ids=b["input_ids"], labels=b["input_ids"]).loss * units, {}  # HF: mean over the same tokens
 
+    read_now = model_name == "ours-sync"
+
     def step() -> torch.Tensor:
         engine.optimizer.zero_grad()
         sums = engine.forward_backward([batch], loss_fn, units)
-        engine.optimizer.step()
+        verdict = engine.optimizer.step()  # (read a step later by the trainer: the next step() reads it here)
+        if read_now:
+            tuple(verdict)  # the host waits for this step's gradient norm
         return sums[0] / units
     return step, engine.module
 
@@ -600,6 +607,8 @@ def markdown_tables(rows: list[dict], peak_table: float, peak_measured: float) -
                       f"one chunk; best rows) | {_ratio(best(('ours',)), best(('ours-tce',)))} |")
         ratios.append(f"| {c} | ours / ours-gradbuf (gradients read from the parameters, not copied into fp32 "
                       f"buffers; best rows) | {_ratio(best(('ours',)), best(('ours-gradbuf',)))} |")
+        ratios.append(f"| {c} | ours / ours-sync (the step's gradient norm read a step later vs inside the step; "
+                      f"best rows) | {_ratio(best(('ours',)), best(('ours-sync',)))} |")
         for md in MODES:
             ratios.append(f"| {c} | ours trainer / HF autocast = HF Trainer's bf16 ({md}) | "
                        f"{_ratio(get('ours', 'trainer', md), get('hf', 'autocast', md))} |")
