@@ -290,3 +290,28 @@ def test_fp16_reads_its_verdict_inside_the_step(monkeypatch):
     """fp16: the next forward scales its loss by the scale this verdict updates, so step() reads it at once."""
     _, reads, read, _, _ = _poisoned_run("off", monkeypatch, read_at_once=False, dtype="fp16")
     assert reads == [1, 1, 1, 1] and read == [True] * 4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("flat", ["auto", "off"], ids=["one-launch", "torch-fused"])
+def test_cuda_step_returns_before_its_norm_is_computed(monkeypatch, flat):
+    """The verdict left unread: with ~100 ms of device sleep queued after the backward, before the norm, `step()`
+    returns at once (nothing read: the device is still asleep); unpacking the verdict then waits for the norm."""
+    from optimizer.mixed_precision_optimizer import MixedPrecisionOptimizer
+    monkeypatch.setattr(MixedPrecisionOptimizer, "flat_adamw", flat)
+    device = torch.device("cuda")
+    cfg, engine = _engine(device, dtype="bf16")
+    batches = _batches(0, 1)
+    _one_step(cfg, engine, batches, device)  # warm-up: lazy allocations and first-call set-up
+    loss_fn = lambda model, batch: micro_batch_loss(cfg, model, None, batch, device)  # noqa: E731
+    engine.optimizer.zero_grad()
+    engine.forward_backward(batches, loss_fn, 32.0)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # ~100 ms at a 2 GHz clock, ahead of the norm
+    verdict = engine.optimizer.step()
+    still_busy = not torch.cuda.current_stream().query()
+    assert still_busy and not verdict.read, "step() waited for the device"
+    stepped, norm = verdict
+    assert stepped and 0 < norm < float("inf") and verdict.read
+    torch.cuda.synchronize()
