@@ -372,17 +372,22 @@ class Loop:
             self._finish(pending, do_eval)
 
     def _finish(self, pending: "_Pending", do_eval: bool) -> None:
-        """The device's values of a queued step: the loss sums and the optimizer's verdict, read (the loss
-        checked: a spike or a non-finite loss raises here, before anything of a later step is saved), then
-        its row logged."""
+        """A queued step's device values read (`_read`), its loss checked (a spike or a non-finite loss raises
+        here, before anything of a later step is saved), then its row logged."""
+        rec = self._read(pending)
+        self._check_loss(rec["loss"], rec["step"], pending.data_step)
+        self.log_step(rec, do_eval)
+
+    def _read(self, pending: "_Pending") -> dict:
+        """The queued step's row completed with what the device computed: the loss (and DPO) sums per unit,
+        and the optimizer's verdict (stepped, grad_norm)."""
         rec = pending.rec
         stats = StepStats.from_tensor(pending.sums.get()).per_unit(pending.global_units)
-        self._check_loss(stats["loss"], rec["step"], pending.data_step)
         stepped, grad_norm = pending.verdict
         rec.update(loss=stats["loss"], grad_norm=grad_norm, stepped=bool(stepped))
         if self.cfg.task_type == "dpo":
             rec.update({k: stats[k] for k in ("chosen_reward", "rejected_reward", "reward_acc")})
-        self.log_step(rec, do_eval)
+        return rec
 
     def write_pending_row(self) -> None:
         """The run is failing: the pending step's row as far as it can be read (no loss check), best effort."""
@@ -390,10 +395,7 @@ class Loop:
         if pending is None or not self.info.is_main:
             return
         try:
-            stats = StepStats.from_tensor(pending.sums.get()).per_unit(pending.global_units)
-            stepped, grad_norm = pending.verdict
-            self.metrics.write({**pending.rec, "loss": stats["loss"], "grad_norm": grad_norm,
-                                "stepped": bool(stepped)})
+            self.metrics.write(self._read(pending))
         except Exception as e:  # noqa: BLE001 - the failure in flight is the one to report
             self.log(f"[train] step {pending.rec['step']}: its metrics row could not be read ({one_line(e)})")
 

@@ -75,3 +75,27 @@ def test_samples_and_evaluation_see_their_step_finished(tiny_pretrain_run_args, 
     rows = dedupe_by_step(read_metrics(os.path.join(out, "metrics.jsonl")))
     assert "val_loss" in rows[2] and "val_loss" in rows[4] and "val_loss" not in rows[3]
     assert [r["step"] for r in read_metrics(os.path.join(out, SAMPLES_FILE))] == [3]
+
+
+def test_a_failure_while_queueing_keeps_the_pending_steps_row(tiny_pretrain_run_args, tmp_path, monkeypatch):
+    """Step 3 fails while drawing its data: step 2, queued and left unread, still gets its metrics row (read without
+    the loss check), and the failure is what the run reports."""
+    real_draw = loop_mod.Loop._draw
+    calls = [0]
+
+    def draw(self):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("injected: the data went away")
+        return real_draw(self)
+    monkeypatch.setattr(loop_mod.Loop, "_draw", draw)
+    out = tmp_path / "run"
+    try:
+        code = T.main([*tiny_pretrain_run_args, f"--out_dir={out}", "--max_iters=5"])
+    except RuntimeError as e:
+        assert "injected" in str(e)
+    else:
+        assert code != 0
+    rows = dedupe_by_step(read_metrics(os.path.join(out, "metrics.jsonl")))
+    assert sorted(rows) == [1, 2]
+    assert rows[2]["stepped"] is True and 0 < rows[2]["loss"] < 10 and rows[2]["grad_norm"] > 0
