@@ -101,7 +101,9 @@ def _engine(flat: str, monkeypatch, dtype="bf16", grads_on_params="off", **flags
     return build_engine(model, cfg, device=torch.device("cpu"))
 
 
-def _steps(engine, n, seed=0, poison_at=None):
+def _steps(engine, n, seed=0, poison_at=None, step=None):
+    """n steps on random batches (NaN gradients on step `poison_at`); each step's result: `step(engine)`, by
+    default `engine.optimizer.step()`."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for i in range(n):
@@ -112,7 +114,7 @@ def _steps(engine, n, seed=0, poison_at=None):
         if i == poison_at:
             p = next(iter(engine.model.param_to_bucket))
             (p.grad if engine.model.grads_on_params else p.main_grad).fill_(float("nan"))
-        out.append(engine.optimizer.step())
+        out.append(step(engine) if step is not None else engine.optimizer.step())
     return out
 
 

@@ -244,25 +244,19 @@ def _poisoned_run(flat: str, monkeypatch, read_at_once: bool, dtype: str = "bf16
     verdict unpacked as step() returns (the old contract); else left unread, as the trainer leaves it for a step.
     Returns (the verdicts, the reads each step() call made, which verdicts were read by then, the parameters, the
     state dict's step counts: its call reads the last verdict)."""
-    from tests.optimizer.test_flat_adamw import _engine, _params
+    from tests.optimizer.test_flat_adamw import _engine, _params, _steps
     e = _engine(flat, monkeypatch, dtype=dtype)
     assert (e.optimizer.flat is not None) == (flat == "on")
-    g = torch.Generator().manual_seed(0)
-    verdicts, reads = [], []
-    for i in range(4):
-        x = torch.randint(0, 64, (2, 16), generator=g)
-        e.optimizer.zero_grad()
-        e.forward_backward([{"input_ids": x, "labels": x}],
-                           lambda m, b: (m(b["input_ids"], labels=b["labels"], reduction="sum"), {}), 32.0)
-        if i == 1:
-            p = next(iter(e.model.param_to_bucket))
-            (p.grad if e.model.grads_on_params else p.main_grad).fill_(float("nan"))
+    reads = []
+
+    def counted(engine):
         with CountItems() as c:
-            v = e.optimizer.step()
+            v = engine.optimizer.step()
             if read_at_once:
                 v = tuple(v)
-        verdicts.append(v)
         reads.append(c.n)
+        return v
+    verdicts = _steps(e, 4, poison_at=1, step=counted)
     read = [v.read if hasattr(v, "read") else True for v in verdicts]
     steps = {float(s["step"]) for s in e.optimizer.state_dict()["params"].values()}
     assert all(v.read for v in verdicts if hasattr(v, "read"))
