@@ -45,7 +45,10 @@ ours-tce (compiled, the loss as the Triton linear+CE op in one chunk instead of 
 op computes the loss and both gradients in the forward, one pass over the logits after their matmul, where
 Inductor's two kernels took 1.35 ms per 124M step on an H200; the A/B of that), ours-sync (ours with each step's
 optimizer verdict read inside the step, the host waiting for the gradient norm every step as before 2026-11-27;
-ours leaves it unread, as the trainer reads it a step later: the A/B of that; trainer precision only). Rows run in priority order, all eager rows of a config
+ours leaves it unread, as the trainer reads it a step later: the A/B of that; trainer precision only), ours-bf16m
+(ours with --optimizer_state_dtype=bf16: AdamW's moments in bf16 with stochastic rounding, 8 bytes a parameter less
+for the one-launch AdamW to stream; a numerics choice, reported apart from bf16 like FP8, beside ours; trainer
+precision only). Rows run in priority order, all eager rows of a config
 before its compile rows, so a --budget-s that runs out drops the least informative rows ("not run").
 MFU uses model/flops.py's formula against the dense bf16 peak of the GPU (model/flops.py's table; H100
 SXM 989 TFLOP/s; --peak-tflops overrides) and against the bf16 matmul peak measured in the same run.
@@ -86,7 +89,7 @@ CONFIGS = {
                  batch=2, seq=64),
 }
 MODELS = ("ours", "ours-ref", "ours-triton", "hf", "hf-liger", "ours-fp8", "ours-torchadam", "ours-concat",
-          "ours-gradbuf", "ours-tce", "ours-sync")
+          "ours-gradbuf", "ours-tce", "ours-sync", "ours-bf16m")
 PRECISIONS = {"trainer": "bf16 params + fp32 master (trainer)", "autocast": "autocast (fp32 params)"}
 MODES = ("eager", "compile", "compile-cg", "compile-mat")
 DEFAULT_MODES = ("eager", "compile")
@@ -124,7 +127,7 @@ def _build(model_name: str, mcfg: dict, device):
         cfg = ModelConfig(**mcfg)
         ours = Transformer(cfg)
         if model_name in ("ours", "ours-fp8", "ours-torchadam", "ours-concat", "ours-gradbuf", "ours-tce",
-                          "ours-sync"):  # make_step
+                          "ours-sync", "ours-bf16m"):  # make_step
             return ours
         if model_name == "ours-triton":  # our Triton kernels also under torch.compile (auto: references there)
             return Transformer(ModelConfig(**mcfg, kernel_backend="triton"))
@@ -194,7 +197,8 @@ def make_step(config: str, model_name: str, mode: str, precision: str, device):
     cfg = TrainConfig(dtype="bf16", device=torch.device(device).type, compile=mode != "eager",
                       compile_mode=COMPILE_KW[mode].get("mode", "default") if COMPILE_KW[mode] else "default",
                       learning_rate=LR, batch_size=B, max_seq_len=T,
-                      float8="tensorwise" if model_name == "ours-fp8" else "off")
+                      float8="tensorwise" if model_name == "ours-fp8" else "off",
+                      optimizer_state_dtype="bf16" if model_name == "ours-bf16m" else "fp32")
     if model_name == "ours-concat":  # the compiled choice before 2026-11-27 (model/kernels.py AUTO_UNDER_COMPILE)
         from model import kernels
         kernels.AUTO_UNDER_COMPILE.update(cross_entropy="triton", concat_linear="torch")
@@ -609,6 +613,10 @@ def markdown_tables(rows: list[dict], peak_table: float, peak_measured: float) -
                       f"buffers; best rows) | {_ratio(best(('ours',)), best(('ours-gradbuf',)))} |")
         ratios.append(f"| {c} | ours / ours-sync (the step's gradient norm read a step later vs inside the step; "
                       f"best rows) | {_ratio(best(('ours',)), best(('ours-sync',)))} |")
+        ratios.append(f"| {c} | GOAL, bf16 moments apart: best ours-bf16m / best of HF and HF+Liger | "
+                      f"{_ratio(best(('ours-bf16m',)), best(('hf', 'hf-liger')))} |")
+        ratios.append(f"| {c} | ours-bf16m / ours (AdamW's moments in bf16 vs fp32; best rows) | "
+                      f"{_ratio(best(('ours-bf16m',)), best(('ours',)))} |")
         for md in MODES:
             ratios.append(f"| {c} | ours trainer / HF autocast = HF Trainer's bf16 ({md}) | "
                        f"{_ratio(get('ours', 'trainer', md), get('hf', 'autocast', md))} |")

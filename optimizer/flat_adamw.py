@@ -53,13 +53,35 @@ def triton_runs_on(device: torch.device) -> bool:
 
 if TRITON_AVAILABLE:
     @triton.jit
-    def _adamw_block(master_ptr, grad_ptr, m_ptr, v_ptr, decay_ptr, out_ptr, s, moffs, goffs, coffs, mask, gmask,
-                     lr_wd, beta1, beta2, eps, max_norm, step_size, bc2_sqrt,
-                     HAS_OUT: tl.constexpr, OUT_BF16: tl.constexpr, CLIP: tl.constexpr):
+    def _hash32(x):
+        """A 32-bit integer hash (Chris Wellons' "lowbias32"): uint32 in, uint32 out, wrapping arithmetic."""
+        x = x ^ (x >> 16)
+        x = x * 0x7FEB352D
+        x = x ^ (x >> 15)
+        x = x * 0x846CA68B
+        return x ^ (x >> 16)
+
+    @triton.jit
+    def _round_bf16_stochastic(x, idx, seed):
+        """fp32 `x` rounded to bfloat16 stochastically (up with probability = the dropped low 16 bits / 2^16:
+        unbiased), as fp32 holding the bf16 value (the cast to bf16 after it is exact). The random bits are
+        `_hash32(idx ^ seed)` of each element's buffer offset `idx` (int64, its low 32 bits) and the step's
+        `seed`: the same on every device, in every layout (ZeRO shards use their buffer offsets) and after a
+        resume. `bf16_round_stochastic` is the same in torch ops."""
+        r = _hash32(idx.to(tl.uint32) ^ seed.to(tl.uint32)) & 0xFFFF
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = ((bits + r) >> 16) << 16
+        return bits.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _adamw_block(master_ptr, grad_ptr, m_ptr, v_ptr, decay_ptr, out_ptr, s, moffs, goffs, coffs, hoffs, mask,
+                     gmask, lr_wd, beta1, beta2, eps, max_norm, step_size, bc2_sqrt, seed_m, seed_v,
+                     HAS_OUT: tl.constexpr, OUT_BF16: tl.constexpr, CLIP: tl.constexpr, STATE_BF16: tl.constexpr):
         """One block's update (fp32): the master at `moffs`, the gradient and the low-precision parameter at
         `goffs`, the moments and the decay flag at `coffs`; the gradient is read where `gmask` (else 0). The
         loads stay next to their first use (fewer live registers: 42 on sm_90, against 48-50 with every load
-        first, one variant spilling)."""
+        first, one variant spilling). STATE_BF16: the moments are stored as bfloat16 (read widened, the update
+        made with their fp32 values, then stored rounded stochastically at the buffer offsets `hoffs`)."""
         g = tl.load(grad_ptr + goffs, mask=gmask, other=0.0).to(tl.float32)
         if CLIP:
             coef = tl.minimum(tl.div_rn(max_norm, tl.sqrt_rn(s) + 1e-6), 1.0)
@@ -67,15 +89,18 @@ if TRITON_AVAILABLE:
         p = tl.load(master_ptr + moffs, mask=mask, other=0.0)
         d = tl.load(decay_ptr + coffs, mask=mask, other=0)
         p = p - tl.where(d != 0, lr_wd, 0.0) * p
-        m = tl.load(m_ptr + coffs, mask=mask, other=0.0)
-        v = tl.load(v_ptr + coffs, mask=mask, other=0.0)
+        m = tl.load(m_ptr + coffs, mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + coffs, mask=mask, other=0.0).to(tl.float32)
         m = beta1 * m + (1.0 - beta1) * g
         v = beta2 * v + (1.0 - beta2) * (g * g)
         denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
         p = p - step_size * tl.div_rn(m, denom)
         tl.store(master_ptr + moffs, p, mask=mask)
-        tl.store(m_ptr + coffs, m, mask=mask)
-        tl.store(v_ptr + coffs, v, mask=mask)
+        if STATE_BF16:
+            m = _round_bf16_stochastic(m, hoffs, seed_m)
+            v = _round_bf16_stochastic(v, hoffs, seed_v)
+        tl.store(m_ptr + coffs, m.to(m_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_ptr + coffs, v.to(v_ptr.dtype.element_ty), mask=mask)
         if HAS_OUT:
             if OUT_BF16:  # round to nearest even by hand (the interpreter truncates), then an exact cast
                 bits = p.to(tl.uint32, bitcast=True)
@@ -83,24 +108,25 @@ if TRITON_AVAILABLE:
                 p = bits.to(tl.float32, bitcast=True)
             tl.store(out_ptr + goffs, p.to(out_ptr.dtype.element_ty), mask=mask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["seed_m", "seed_v"])
     def _adamw_flat_kernel(master_ptr, grad_ptr, m_ptr, v_ptr, decay_ptr, out_ptr, sumsq_ptr, n,
-                           lr_wd, beta1, beta2, eps, max_norm, step_size, bc2_sqrt,
+                           lr_wd, beta1, beta2, eps, max_norm, step_size, bc2_sqrt, seed_m, seed_v,
                            HAS_OUT: tl.constexpr, OUT_BF16: tl.constexpr, CLIP: tl.constexpr,
-                           BLOCK: tl.constexpr):
+                           STATE_BF16: tl.constexpr, BLOCK: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         s = tl.load(sumsq_ptr).to(tl.float32)
         # s * 0 is 0 for a finite norm, nan for inf and nan: then no element is in range, nothing is written
         limit = tl.where((s * 0.0) == 0.0, n, 0)
         mask = offs < limit
-        _adamw_block(master_ptr, grad_ptr, m_ptr, v_ptr, decay_ptr, out_ptr, s, offs, offs, offs, mask, mask,
-                     lr_wd, beta1, beta2, eps, max_norm, step_size, bc2_sqrt, HAS_OUT, OUT_BF16, CLIP)
+        _adamw_block(master_ptr, grad_ptr, m_ptr, v_ptr, decay_ptr, out_ptr, s, offs, offs, offs, offs, mask, mask,
+                     lr_wd, beta1, beta2, eps, max_norm, step_size, bc2_sqrt, seed_m, seed_v, HAS_OUT, OUT_BF16,
+                     CLIP, STATE_BF16)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["seed_m", "seed_v"])
     def _adamw_segments_kernel(master_ptr, grad_ptr, m_ptr, v_ptr, decay_ptr, out_ptr, sumsq_ptr, table_ptr,
-                               lr_wd, beta1, beta2, eps, max_norm, step_size, bc2_sqrt,
+                               lr_wd, beta1, beta2, eps, max_norm, step_size, bc2_sqrt, seed_m, seed_v,
                                MASTER_COMPACT: tl.constexpr, HAS_OUT: tl.constexpr, OUT_BF16: tl.constexpr,
-                               CLIP: tl.constexpr, BLOCK: tl.constexpr):
+                               CLIP: tl.constexpr, STATE_BF16: tl.constexpr, BLOCK: tl.constexpr):
         """ZeRO: this rank's shards are segments of the DDP buffer. Program i reads row i of `table` (compact
         start, buffer start, count <= BLOCK): the moments and the decay flags are compact (the shards one
         after another), the gradients and the low-precision parameters are read/written at the buffer's own
@@ -118,8 +144,9 @@ if TRITON_AVAILABLE:
             moffs = coffs
         else:
             moffs = boffs
-        _adamw_block(master_ptr, grad_ptr, m_ptr, v_ptr, decay_ptr, out_ptr, s, moffs, boffs, coffs, mask, mask,
-                     lr_wd, beta1, beta2, eps, max_norm, step_size, bc2_sqrt, HAS_OUT, OUT_BF16, CLIP)
+        _adamw_block(master_ptr, grad_ptr, m_ptr, v_ptr, decay_ptr, out_ptr, s, moffs, boffs, coffs, boffs, mask,
+                     mask, lr_wd, beta1, beta2, eps, max_norm, step_size, bc2_sqrt, seed_m, seed_v, HAS_OUT,
+                     OUT_BF16, CLIP, STATE_BF16)
 
     @triton.jit
     def _sumsq_segments_kernel(grad_ptr, table_ptr, out_ptr, BLOCK: tl.constexpr):
@@ -141,11 +168,12 @@ if TRITON_AVAILABLE:
             gp = addr.to(tl.pointer_type(tl.float32), bitcast=True)
         return addr, gp
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["seed_m", "seed_v"])
     def _adamw_param_grads_kernel(master_ptr, ptrs_ptr, m_ptr, v_ptr, decay_ptr, out_ptr, sumsq_ptr, table_ptr,
-                                  lr_wd, beta1, beta2, eps, max_norm, step_size, bc2_sqrt,
+                                  lr_wd, beta1, beta2, eps, max_norm, step_size, bc2_sqrt, seed_m, seed_v,
                                   GRAD_BF16: tl.constexpr, HAS_OUT: tl.constexpr, OUT_BF16: tl.constexpr,
-                                  CLIP: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
+                                  CLIP: tl.constexpr, STATE_BF16: tl.constexpr, ALIGNED: tl.constexpr,
+                                  BLOCK: tl.constexpr):
         """One process, gradients where autograd left them (see ParamGrads). Row i of `table` is (buffer start,
         parameter index j, start within the parameter, count <= BLOCK): the master, the moments, the decay flags
         and the low-precision parameters are read and written at the buffer's offsets, the gradient at
@@ -166,9 +194,9 @@ if TRITON_AVAILABLE:
         limit = tl.where((s * 0.0) == 0.0, cnt, 0)  # nothing written for a non-finite norm
         boffs = b0 + r
         # the gradient at (gp + o0) + r, the low-precision parameter at (out_ptr + b0) + r
-        _adamw_block(master_ptr, gp + o0, m_ptr, v_ptr, decay_ptr, out_ptr + b0, s, boffs, r, boffs, r < limit,
-                     r < tl.where(addr != 0, limit, 0), lr_wd, beta1, beta2, eps, max_norm, step_size, bc2_sqrt,
-                     HAS_OUT, OUT_BF16, CLIP)
+        _adamw_block(master_ptr, gp + o0, m_ptr, v_ptr, decay_ptr, out_ptr + b0, s, boffs, r, boffs, boffs,
+                     r < limit, r < tl.where(addr != 0, limit, 0), lr_wd, beta1, beta2, eps, max_norm, step_size,
+                     bc2_sqrt, seed_m, seed_v, HAS_OUT, OUT_BF16, CLIP, STATE_BF16)
 
     @triton.jit
     def _sumsq_param_grads_kernel(ptrs_ptr, table_ptr, out_ptr, GRAD_BF16: tl.constexpr, BLOCK: tl.constexpr):
@@ -183,21 +211,73 @@ if TRITON_AVAILABLE:
         tl.store(out_ptr + tl.program_id(0), tl.sum(g * g, axis=0))
 
 
+# ------------------------------------------------------------------------------------------ bf16 moments
+# --optimizer_state_dtype=bf16: exp_avg and exp_avg_sq kept in bfloat16 (8 bytes a parameter less to keep, read and
+# write), stored with stochastic rounding so that small updates are not lost on average (rounded to nearest, a
+# second moment with beta2 = 0.999 stops moving: its per-step change is below half a bf16 step). DeepSeek-V3 keeps
+# its AdamW moments in bf16 the same way (arXiv:2412.19437, section 3.3.2). The random bits are a hash of each
+# element's buffer offset and the step, so every layout (unsharded, ZeRO-1, gradients on the parameters), every
+# device and a resumed run round alike. Functions below take Python ints or int64 tensors holding uint32 values.
+_U32 = 0xFFFFFFFF
+
+
+def _mul32(x, c: int):
+    """(x * c) mod 2^32 for uint32 values in int64 without overflowing it (c split into 16-bit halves)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _U32
+
+
+def hash32(x):
+    """The kernels' `_hash32` (lowbias32) on uint32 values held in Python ints or int64 tensors."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def state_seeds(step: int, salt: int) -> tuple[int, int]:
+    """Step `step`'s two seeds (exp_avg's, exp_avg_sq's) for the moments' stochastic rounding in buffer `salt`:
+    31-bit (a kernel's int argument stays int32)."""
+    base = hash32(_mul32(step & _U32, 0x9E3779B1) ^ _mul32(salt & _U32, 0x85EBCA77))
+    return hash32(base ^ 1) & 0x7FFFFFFF, hash32(base ^ 2) & 0x7FFFFFFF
+
+
+def bf16_round_stochastic(x: torch.Tensor, idx: torch.Tensor, seed: int) -> torch.Tensor:
+    """The kernels' `_round_bf16_stochastic` in torch ops: fp32 `x` to bfloat16, rounded up with probability equal
+    to the dropped 16 bits / 2^16, the random bits `hash32(idx ^ seed)` of the int64 offsets `idx` (low 32 bits)."""
+    r = hash32((idx & _U32) ^ seed) & 0xFFFF
+    bits = x.float().contiguous().view(torch.int32).to(torch.int64) & _U32
+    bits = (((bits + r) >> 16) << 16) & _U32
+    bits = torch.where(bits >= 2 ** 31, bits - 2 ** 32, bits).to(torch.int32)
+    return bits.view(torch.float32).to(torch.bfloat16)
+
+
+def _state_dtype_flag(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> bool:
+    """Whether the moments are bf16 (STATE_BF16); else fp32 (or the reference's float64 in tests); both alike."""
+    if exp_avg.dtype != exp_avg_sq.dtype:
+        raise ValueError(f"AdamW moments: exp_avg {exp_avg.dtype}, exp_avg_sq {exp_avg_sq.dtype} (one dtype)")
+    return exp_avg.dtype == torch.bfloat16
+
+
 def adamw_flat_reference(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                          decay: torch.Tensor, param_out, sumsq: torch.Tensor, *, lr: float, beta1: float,
                          beta2: float, eps: float, weight_decay: float, max_norm: float, bc1: float,
-                         bc2_sqrt: float) -> None:
+                         bc2_sqrt: float, offset: int = 0, seeds: tuple[int, int] = (0, 0)) -> None:
     """The kernel's formula in torch ops, in place (fp32); the step is dropped on the device when `sumsq` is
-    non-finite (no host read)."""
+    non-finite (no host read). bf16 moments: computed in fp32, stored rounded stochastically (`seeds`; the elements
+    are at buffer offsets `offset`, `offset` + 1, ...)."""
     s = sumsq.reshape(()).to(torch.float32)
     ok = (s * 0).eq(0)
     g = grad.float()
     if max_norm > 0:
         g = g * torch.clamp(max_norm / (s.sqrt() + 1e-6), max=1.0)
     p = master - torch.where(decay != 0, lr * weight_decay, 0.0) * master
-    m = beta1 * exp_avg + (1.0 - beta1) * g
-    v = beta2 * exp_avg_sq + (1.0 - beta2) * (g * g)
+    m = beta1 * exp_avg.float() + (1.0 - beta1) * g
+    v = beta2 * exp_avg_sq.float() + (1.0 - beta2) * (g * g)
     p = p - (lr / bc1) * (m / (v.sqrt() / bc2_sqrt + eps))
+    if _state_dtype_flag(exp_avg, exp_avg_sq):
+        idx = torch.arange(offset, offset + m.numel(), dtype=torch.int64, device=m.device)
+        m, v = bf16_round_stochastic(m, idx, seeds[0]), bf16_round_stochastic(v, idx, seeds[1])
     for dst, new in ((master, p), (exp_avg, m), (exp_avg_sq, v)):
         dst.copy_(torch.where(ok, new, dst))
     if param_out is not None:
@@ -209,32 +289,33 @@ def _bias_corrections(beta1: float, beta2: float, step: int) -> tuple[float, flo
     return 1.0 - beta1 ** step, (1.0 - beta2 ** step) ** 0.5
 
 
-def _launch_args(param_out, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-                 max_norm: float, step: int) -> tuple[tuple, dict]:
-    """Every AdamW kernel's trailing scalars (lr_wd, beta1, beta2, eps, max_norm, step_size, bc2_sqrt) and its
-    output / clip constexprs, plus the launch options."""
+def _launch_args(param_out, exp_avg, exp_avg_sq, *, lr: float, beta1: float, beta2: float, eps: float,
+                 weight_decay: float, max_norm: float, step: int, salt: int) -> tuple[tuple, dict]:
+    """Every AdamW kernel's trailing scalars (lr_wd, beta1, beta2, eps, max_norm, step_size, bc2_sqrt, seed_m,
+    seed_v) and its output / clip / moment-dtype constexprs, plus the launch options."""
     bc1, bc2_sqrt = _bias_corrections(beta1, beta2, step)
     has_out = param_out is not None
-    return ((lr * weight_decay, beta1, beta2, eps, max_norm, lr / bc1, bc2_sqrt),
+    return ((lr * weight_decay, beta1, beta2, eps, max_norm, lr / bc1, bc2_sqrt, *state_seeds(step, salt)),
             dict(HAS_OUT=has_out, OUT_BF16=has_out and param_out.dtype == torch.bfloat16, CLIP=max_norm > 0,
-                 BLOCK=BLOCK, num_warps=8))
+                 STATE_BF16=_state_dtype_flag(exp_avg, exp_avg_sq), BLOCK=BLOCK, num_warps=8))
 
 
 def adamw_flat(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                decay: torch.Tensor, param_out, sumsq: torch.Tensor, *, lr: float, beta1: float, beta2: float,
-               eps: float, weight_decay: float, max_norm: float, step: int, use_triton: bool) -> None:
+               eps: float, weight_decay: float, max_norm: float, step: int, use_triton: bool, salt: int = 0) -> None:
     """One AdamW step (`step` = 1, 2, ...: the bias corrections) of flat fp32 `master` (and its low-precision
     copy `param_out`, or None) from the flat `grad`, clipped to `max_norm` (0: no clipping) by the global
     squared norm `sumsq` (a device tensor), skipped where that is non-finite. `decay`: uint8, 1 where the
-    element's parameter decays. All flat, contiguous, the same length."""
+    element's parameter decays. The moments: fp32, or bf16 (stochastic rounding seeded by `step` and `salt`,
+    the buffer's number). All flat, contiguous, the same length."""
     hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, max_norm=max_norm)
     if not use_triton:
         bc1, bc2_sqrt = _bias_corrections(beta1, beta2, step)
         adamw_flat_reference(master, grad, exp_avg, exp_avg_sq, decay, param_out, sumsq, bc1=bc1, bc2_sqrt=bc2_sqrt,
-                             **hyper)
+                             seeds=state_seeds(step, salt), **hyper)
         return
     n = master.numel()
-    scalars, options = _launch_args(param_out, step=step, **hyper)
+    scalars, options = _launch_args(param_out, exp_avg, exp_avg_sq, step=step, salt=salt, **hyper)
     _adamw_flat_kernel[(triton.cdiv(n, BLOCK),)](
         master, grad, exp_avg, exp_avg_sq, decay, param_out if param_out is not None else master, sumsq, n,
         *scalars, **options)
@@ -270,7 +351,7 @@ def sumsq_segments(grad: torch.Tensor, segs: Segments, use_triton: bool) -> torc
 def adamw_segments(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                    decay: torch.Tensor, param_out, sumsq: torch.Tensor, segs: Segments, *, master_compact: bool,
                    lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, max_norm: float,
-                   step: int, use_triton: bool) -> None:
+                   step: int, use_triton: bool, salt: int = 0) -> None:
     """`adamw_flat` over a ZeRO rank's shards in one launch: `exp_avg`, `exp_avg_sq`, `decay` (and `master`
     when `master_compact`) hold the shards one after another; `grad`, `param_out` (and `master` otherwise: the
     fp32 parameters) are the whole DDP buffer, read and written at the segments' buffer offsets only."""
@@ -283,9 +364,9 @@ def adamw_segments(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tens
             mo = c if master_compact else b
             adamw_flat_reference(master[mo:mo + n], grad[b:b + n], exp_avg[c:c + n], exp_avg_sq[c:c + n],
                                  decay[c:c + n], param_out[b:b + n] if param_out is not None else None, sumsq,
-                                 bc1=bc1, bc2_sqrt=bc2_sqrt, **hyper)
+                                 bc1=bc1, bc2_sqrt=bc2_sqrt, offset=b, seeds=state_seeds(step, salt), **hyper)
         return
-    scalars, options = _launch_args(param_out, step=step, **hyper)
+    scalars, options = _launch_args(param_out, exp_avg, exp_avg_sq, step=step, salt=salt, **hyper)
     _adamw_segments_kernel[(segs.table.shape[0],)](
         master, grad, exp_avg, exp_avg_sq, decay, param_out if param_out is not None else master, sumsq,
         segs.table, *scalars, MASTER_COMPACT=master_compact, **options)
@@ -353,12 +434,12 @@ def sumsq_param_grads(pg: ParamGrads, addrs: torch.Tensor) -> torch.Tensor:
 def adamw_param_grads(master: torch.Tensor, pg: ParamGrads, addrs: torch.Tensor, exp_avg: torch.Tensor,
                       exp_avg_sq: torch.Tensor, decay: torch.Tensor, param_out, sumsq: torch.Tensor, *, lr: float,
                       beta1: float, beta2: float, eps: float, weight_decay: float, max_norm: float,
-                      step: int) -> None:
+                      step: int, salt: int = 0) -> None:
     """`adamw_flat`'s Triton kernel with the gradients read at `addrs` (ParamGrads.addresses) instead of from a
     flat buffer; `master`, the moments, `decay` and `param_out` are the flat buffers as in `adamw_flat` (the
     alignment gaps, which no row covers, keep their zeros)."""
-    scalars, options = _launch_args(param_out, lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-                                    max_norm=max_norm, step=step)
+    scalars, options = _launch_args(param_out, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                                    weight_decay=weight_decay, max_norm=max_norm, step=step, salt=salt)
     _adamw_param_grads_kernel[(pg.table.shape[0],)](
         master, addrs, exp_avg, exp_avg_sq, decay, param_out if param_out is not None else master, sumsq, pg.table,
         *scalars, GRAD_BF16=pg.dtype == torch.bfloat16, ALIGNED=pg.aligned, **options)

@@ -37,7 +37,8 @@ MUON_KEY, MUON_STEPS_KEY = "muon_momentum.", "muon_steps"  # set by shard_on_mes
 
 
 def fsdp_optimizer_problems(*, use_distributed_optimizer: bool = False, overlap_optim_step: bool = False,
-                            overlap_param_gather: bool = False, zero_stage: int = 1) -> list[str]:
+                            overlap_param_gather: bool = False, zero_stage: int = 1,
+                            state_dtype: str = "fp32") -> list[str]:
     """What is wrong with these optimizer options under FSDP (options of our DDP's optimizers only), one
     sentence each; [] when nothing is."""
     problems = []
@@ -53,6 +54,9 @@ def fsdp_optimizer_problems(*, use_distributed_optimizer: bool = False, overlap_
     if overlap_param_gather:
         problems.append("--overlap_param_gather=true belongs to ZeRO under --parallel=ddp; FSDP prefetches "
                         "parameter all-gathers itself")
+    if state_dtype != "fp32":
+        problems.append(f"--optimizer_state_dtype={state_dtype} belongs to --parallel=ddp's one-launch AdamW; FSDP "
+                        "keeps torch's AdamW with fp32 moments")
     return problems
 
 
@@ -76,7 +80,8 @@ class FSDPOptimizer(GlobalNormOptimizer):
     def __init__(self, model: nn.Module, config: OptimizerConfig, norm_groups: Sequence = ()):
         raise_fsdp_problems(fsdp_optimizer_problems(
             use_distributed_optimizer=config.use_distributed_optimizer, overlap_optim_step=config.overlap_optim_step,
-            overlap_param_gather=config.overlap_param_gather, zero_stage=config.zero_stage))
+            overlap_param_gather=config.overlap_param_gather, zero_stage=config.zero_stage,
+            state_dtype=config.state_dtype))
         if not isinstance(model, FSDPModule):
             raise ValueError("FSDPOptimizer needs a model wrapped by wrap_fsdp")
         self.model, self.config = model, config

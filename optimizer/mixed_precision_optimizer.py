@@ -222,22 +222,39 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
     flat_adamw: Optional[str] = None
 
     def _flat_adamw_applies(self) -> bool:
-        cfg = self.config
+        """Whether the one-launch AdamW steps this optimizer. bf16 moments (state_dtype=bf16) live only there: on
+        any device (the CPU runs the kernel's torch reference), and a layout it cannot step is refused."""
         mode = self.flat_adamw or os.environ.get("MYLLM_FLAT_ADAMW", "auto")
         if mode not in ("auto", "on", "off"):
             raise ValueError(f"MYLLM_FLAT_ADAMW={mode!r}: auto | on | off")
-        if mode == "off" or getattr(self, "zero_stage", 1) == 2 or self.muon is not None or cfg.overlap_optim_step \
-                or self.norm_groups or cfg.precision == "fp16" or not self.optimizers or not self.pieces:
-            return False
-        if any(opt.defaults.get("amsgrad") for opt in self.optimizers.values()):
+        why_not = self._flat_adamw_unfit(mode)
+        if self.config.state_dtype == "bf16":
+            if why_not:
+                raise ValueError(f"--optimizer_state_dtype=bf16 needs the one-launch AdamW (optimizer/flat_adamw.py), "
+                                 f"which cannot step this run: {why_not}")
+            return True
+        if why_not:
             return False
         if mode == "auto" and not all(opt.defaults.get("fused") for opt in self.optimizers.values()):
             return False  # (forced on, a CPU run's foreach AdamW objects only keep the groups and the state)
-        if any(b.buffer.split for b in self.ddp.buckets):
-            return False
-        if not self._plain_reduction():  # PowerSGD writes the alignment gaps: the flat norm would count them
-            return False
         return mode == "on" or triton_runs_on(self._device()) and self._device().type == "cuda"
+
+    def _flat_adamw_unfit(self, mode: str) -> str:
+        """Why the one-launch AdamW cannot step this optimizer ("" when it can)."""
+        cfg = self.config
+        for on, why in ((mode == "off", "MYLLM_FLAT_ADAMW=off"), (getattr(self, "zero_stage", 1) == 2, "ZeRO-2"),
+                        (self.muon is not None, "--optimizer=muon"), (cfg.overlap_optim_step, "overlap_optim_step"),
+                        (bool(self.norm_groups), "pipeline stages (the norm is summed over them)"),
+                        (cfg.precision == "fp16", "fp16 loss scaling"),
+                        (not self.optimizers or not self.pieces, "no parameter to step"),
+                        (any(opt.defaults.get("amsgrad") for opt in self.optimizers.values()), "amsgrad"),
+                        (any(b.buffer.split for b in self.ddp.buckets), "a parameter split across buckets"),
+                        # PowerSGD writes the alignment gaps: the flat norm would count them
+                        (not self._plain_reduction(), "a gradient communication other than all-reduce / "
+                                                      "reduce-scatter (--comm_hook)")):
+            if on:
+                return why
+        return ""
 
     def _plain_reduction(self) -> bool:
         plain = getattr(self.ddp, "plain_reduction", None)
@@ -300,14 +317,15 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
             try:
                 if b.segments is not None:
                     adamw_segments(b.master, b.grad, b.exp_avg, b.exp_avg_sq, b.decay, b.param_out, sumsq,
-                                   b.segments, master_compact=b.master_compact, use_triton=fl.use_triton, **hyper)
+                                   b.segments, master_compact=b.master_compact, use_triton=fl.use_triton,
+                                   salt=b.salt, **hyper)
                     continue
                 if on_params and fl.use_triton:
                     adamw_param_grads(b.master, b.param_grads, addrs[i], b.exp_avg, b.exp_avg_sq, b.decay,
-                                      b.param_out, sumsq, **hyper)
+                                      b.param_out, sumsq, salt=b.salt, **hyper)
                     continue
                 adamw_flat(b.master, flats[i] if on_params else b.grad, b.exp_avg, b.exp_avg_sq,
-                           b.decay, b.param_out, sumsq, use_triton=fl.use_triton, **hyper)
+                           b.decay, b.param_out, sumsq, use_triton=fl.use_triton, salt=b.salt, **hyper)
             except Exception as e:  # noqa: BLE001 - a kernel that cannot be built here: torch's fused AdamW instead
                 return self._hand_over("its kernel", e, fl.launched or i > 0)
         fl.launched = True
@@ -317,15 +335,19 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
 
     def _hand_over(self, what: str, e: Exception, updated: bool) -> tuple[bool, float]:
         """A kernel of the one-launch step failed: before anything was updated, this step and every later one are
-        torch's fused AdamW's (logged once); after, the error stands (never a half-applied step)."""
-        if updated:
+        torch's fused AdamW's (logged once); after, or with bf16 moments (torch's AdamW keeps fp32 ones), the
+        error stands (never a half-applied step)."""
+        if updated or self.config.state_dtype == "bf16":
             raise e
         self._leave_flat(f"{what} failed ({' '.join(str(e).split())[:300]})")
         return self.global_norm_step()
 
     def _leave_flat(self, why: str) -> None:
         """Back to the per-parameter fused AdamW for good: the moments stay where they are (its state holds
-        views of them), the step counters take the count."""
+        views of them), the step counters take the count. Refused with bf16 moments (torch's AdamW keeps fp32)."""
+        if self.config.state_dtype == "bf16":
+            raise RuntimeError(f"the one-launch AdamW cannot go on ({why}), and its bf16 moments "
+                               "(--optimizer_state_dtype=bf16) have no other AdamW to step them")
         self.settle_steps()  # (step() has: the count below must know every skip)
         log.warning("one-launch AdamW off: %s; torch's fused AdamW steps the parameters from here on", why)
         if getattr(self.ddp, "grads_on_params", False):
@@ -572,6 +594,12 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
         for sd in sds:
             for name, e in sd["params"].items():
                 saved.setdefault(name, []).append(e)
+        kept = torch.bfloat16 if self.config.state_dtype == "bf16" else torch.float32
+        stored = {e["exp_avg"].dtype for es in saved.values() for e in es if torch.is_tensor(e.get("exp_avg"))}
+        if stored - {kept}:
+            log.info("optimizer state: AdamW moments saved as %s, kept as %s (--optimizer_state_dtype)%s",
+                     "/".join(sorted(str(d) for d in stored)), kept,
+                     ": rounded to nearest on load" if kept == torch.bfloat16 else ": widened exactly")
         loaded_steps = 0
         for pc in self.pieces:
             entries = saved.get(pc.name)
@@ -579,12 +607,13 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
                 raise KeyError(f"optimizer state has no entry for parameter {pc.name!r}")
             if list(entries[0]["shape"]) != list(pc.param.shape):
                 raise ValueError(f"{pc.name}: saved shape {entries[0]['shape']} != {list(pc.param.shape)}")
-            for e in entries:  # always saved as fp32: another dtype is refused, never silently cast
+            for e in entries:  # saved as fp32 (the moments: as kept, fp32 or bf16): another dtype is refused
                 for key in ("main", "exp_avg", "exp_avg_sq", "momentum"):
                     t = e.get(key)
-                    if torch.is_tensor(t) and t.dtype != torch.float32:
+                    ok = (torch.float32, torch.bfloat16) if key in ("exp_avg", "exp_avg_sq") else (torch.float32,)
+                    if torch.is_tensor(t) and t.dtype not in ok:
                         raise ValueError(f"{pc.name}: its {key} is saved as {t.dtype}, but this optimizer keeps "
-                                         "float32 state (and always saves it so): refused rather than cast")
+                                         f"{' or '.join(map(str, ok))} (and saves it so): refused rather than cast")
             muon = self._is_muon(pc)
             keys = ("main", "momentum") if muon else ("main", "exp_avg", "exp_avg_sq")
             parts = {k: self._assemble(pc, entries, k) for k in keys}
@@ -639,7 +668,7 @@ class _FlatBuffer:
     this rank's shards one after another (ZeRO-1, `segments`)."""
     master: torch.Tensor  # fp32: the optimizer's masters (or the fp32 parameters themselves)
     grad: torch.Tensor  # the buffer's gradients (fp32; bf16 with grad_reduce_in_fp32=False: widened as they are read)
-    exp_avg: torch.Tensor
+    exp_avg: torch.Tensor  # fp32, or bf16 (--optimizer_state_dtype=bf16)
     exp_avg_sq: torch.Tensor
     decay: torch.Tensor  # uint8: 1 where the element's parameter decays
     param_out: Optional[torch.Tensor]  # the low-precision parameters, written from the masters (None: fp32)
@@ -650,6 +679,7 @@ class _FlatBuffer:
     source: Any = None  # the DDP ParamAndGradBuffer
     # one process, one micro-batch per step: the gradients read from the parameters' .grad (keep_grads_on_params)
     param_grads: Optional[ParamGrads] = None
+    salt: int = 0  # the buffer's number among DDP's buffers: seeds bf16 moments' stochastic rounding
 
 
 class _FlatAdamW:
@@ -693,22 +723,24 @@ class _FlatAdamW:
                     fb = opt._flat[b.index]
                     spans.setdefault(id(b.buffer), []).append((opt._compact_start[b.index], b.start + fb.lo,
                                                                fb.hi - fb.lo))
-        for buf in ddp_buffers:
+        state_dtype = torch.bfloat16 if opt.config.state_dtype == "bf16" else torch.float32
+        moments = lambda n: torch.zeros(n, dtype=state_dtype, device=device)  # noqa: E731
+        for salt, buf in enumerate(ddp_buffers):  # (salt: the buffer's number, the same on every rank)
             low = buf.param_dtype != torch.float32
             if opt.sharded:
                 if id(buf) not in spans:
                     continue  # no shard of this buffer is this rank's
                 segs = Segments(spans[id(buf)], device)
                 master = opt._buffer_masters[id(buf)] if low else buf.param_data
-                flat[id(buf)] = _FlatBuffer(master, buf.grad_data, torch.zeros(segs.numel, device=device),
-                                            torch.zeros(segs.numel, device=device),
+                flat[id(buf)] = _FlatBuffer(master, buf.grad_data, moments(segs.numel), moments(segs.numel),
                                             torch.zeros(segs.numel, dtype=torch.uint8, device=device),
-                                            buf.param_data if low else None, segs, master_compact=low, source=buf)
+                                            buf.param_data if low else None, segs, master_compact=low, source=buf,
+                                            salt=salt)
                 continue
             base = opt._buffer_masters[id(buf)] if low else buf.param_data  # fp32: the parameters are the masters
-            flat[id(buf)] = _FlatBuffer(base, buf.grad_data, torch.zeros_like(base), torch.zeros_like(base),
+            flat[id(buf)] = _FlatBuffer(base, buf.grad_data, moments(base.numel()), moments(base.numel()),
                                         torch.zeros(base.numel(), dtype=torch.uint8, device=device),
-                                        buf.param_data if low else None, source=buf)
+                                        buf.param_data if low else None, source=buf, salt=salt)
         for pc in opt.pieces:
             bucket = opt.ddp.buckets[pc.bucket_index]
             fb = flat[id(bucket.buffer)]

@@ -31,6 +31,9 @@ class OptimizerConfig:
     muon_nesterov: bool = True
     muon_weight_decay: float = 0.1  # decoupled: p <- p (1 - lr wd), as torch.optim.Muon
     muon_adjust_lr: str = "match_rms_adamw"  # | "original" (optimizer/muon.py says why)
+    # AdamW's moments (exp_avg, exp_avg_sq): "fp32", or "bf16" (stochastic rounding; the one-launch AdamW only:
+    # optimizer/flat_adamw.py says why and how)
+    state_dtype: str = "fp32"
 
     def __post_init__(self) -> None:
         if self.precision not in ("fp32", "bf16", "fp16"):
@@ -51,6 +54,16 @@ class OptimizerConfig:
         if self.optimizer == "muon" and self.overlap_optim_step:
             raise ValueError("overlap_optim_step is not supported with optimizer=muon: a sharded matrix's "
                              "orthogonalisation needs every bucket's update at once")
+        if self.state_dtype not in ("fp32", "bf16"):
+            raise ValueError(f"state_dtype must be fp32 or bf16, got {self.state_dtype!r}")
+        if self.state_dtype == "bf16":
+            unsupported = [why for on, why in (
+                (self.optimizer == "muon", "optimizer=muon"), (self.zero_stage == 2, "zero_stage=2"),
+                (self.overlap_optim_step, "overlap_optim_step"), (self.precision == "fp16", "precision=fp16"))
+                if on]
+            if unsupported:
+                raise ValueError(f"state_dtype=bf16 (the one-launch AdamW's bf16 moments) cannot be combined with "
+                                 f"{', '.join(unsupported)}")
         if self.grad_clip < 0:
             raise ValueError("grad_clip must be >= 0")
         self.betas = (float(self.betas[0]), float(self.betas[1]))

@@ -39,7 +39,8 @@ def optimizer_config(flags: Any) -> OptimizerConfig:
         zero_stage=flags.zero_stage, overlap_param_gather=flags.overlap_param_gather,
         overlap_optim_step=flags.overlap_optim_step, fused=flags.device != "cpu",
         optimizer=flags.optimizer, muon_lr=flags.muon_lr, muon_momentum=flags.muon_momentum,
-        muon_weight_decay=flags.muon_weight_decay, muon_adjust_lr=flags.muon_adjust_lr)
+        muon_weight_decay=flags.muon_weight_decay, muon_adjust_lr=flags.muon_adjust_lr,
+        state_dtype=getattr(flags, "optimizer_state_dtype", "fp32"))
 
 
 def build_engine(model: nn.Module, flags: Any, group: Any = None, device: Optional[torch.device] = None) -> TrainingEngine:

@@ -36,7 +36,7 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 CAPABILITIES: dict[str, frozenset] = {
     "ddp": frozenset({"compile", "dpo", "frozen_parameters", "light_checkpoints", "whole_model_on_one_rank",
                       "comm_hooks", "overlap_optim_step", "zero", "tied_embeddings", "no_process_group", "float8",
-                      "context_parallel"}),
+                      "context_parallel", "low_precision_optimizer_states"}),
     "fsdp": frozenset({"compile", "dpo", "frozen_parameters", "tensor_parallel", "sequence_parallel", "hsdp",
                        "cpu_offload", "tied_embeddings", "float8", "context_parallel"}),
     "pipeline": frozenset({"zero", "tensor_parallel", "cpu_offload", "frozen_parameters", "dpo"}),
@@ -54,6 +54,8 @@ WHY_NOT: dict[str, str] = {
     "tied_embeddings": "the embedding on the first stage and the LM head on the last would be one weight on two ranks",
     "float8": "FP8 layers are not tested under pipeline stages yet",
     "context_parallel": "pipeline stages would pass split hidden states between ranks: not built yet",
+    "low_precision_optimizer_states": "the bf16 moments live in our DDP's one-launch AdamW over its flat buffers "
+                                      "(one stage's gradient norm only)",
 }
 # what context parallelism refuses of a run, and why (one line each)
 CP_REFUSES: dict[str, str] = {

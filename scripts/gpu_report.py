@@ -102,8 +102,11 @@ VERDICT_BENCH_ROWS = {
 # (config:model:precision:mode, in priority order; a row that does not fit is "not run"). Their rows join the
 # bench tables, beside the verdict's `ours` rows they are compared with (bench/bench_model_gpu.py's ratios).
 # Measured at 124M on 2026-11-27 (H100, report-d08a8ea-h100) and so left out: ours-gradbuf (ours 1.02x), ours-tce
-# and compile-cg (ties). First: ours-sync, what the lagged read of the step's verdict (built after that run) gains.
-AB_BENCH_ROWS = ("124m:ours-sync:trainer:compile,1b:ours-gradbuf:trainer:compile,1b:ours-tce:trainer:compile,124m:ours-fp8:trainer:compile,"
+# and compile-cg (ties). First: ours-sync, what the lagged read of the step's verdict (built after that run) gains;
+# then ours-bf16m at 1B (AdamW's moments in bf16: the 1B step's optimizer streams ~29 bytes a parameter, ~11 ms of
+# its 92; built after that run) and at 124M.
+AB_BENCH_ROWS = ("124m:ours-sync:trainer:compile,1b:ours-bf16m:trainer:compile,124m:ours-bf16m:trainer:compile,"
+                 "1b:ours-gradbuf:trainer:compile,1b:ours-tce:trainer:compile,124m:ours-fp8:trainer:compile,"
                  "1b:ours:trainer:compile-cg")
 DRY_AB_ROWS = "tiny:ours-gradbuf:trainer:eager"
 DRY_TIMEOUTS = {"tests": 240, "bench-124m": 300, "bench-1b": 400, "train": 600, "profile": 240, "profile-1b": 240,

@@ -124,6 +124,10 @@ class OptimizationFlags:
     muon_weight_decay: float = _f(0.1, "Muon's decoupled weight decay: p <- p (1 - lr x wd)")
     muon_adjust_lr: str = _f("match_rms_adamw", "match_rms_adamw (Moonlight: update RMS 0.2, AdamW's lr carries "
                              "over) | original (Keller Jordan: sqrt(max(1, rows/cols)))")
+    optimizer_state_dtype: str = _f("fp32", "fp32 | bf16: AdamW's moments (exp_avg, exp_avg_sq) in bf16 with "
+                                    "stochastic rounding, as DeepSeek-V3 keeps them: 8 bytes a parameter less to "
+                                    "keep and to stream each step (--parallel=ddp's one-launch AdamW; "
+                                    "docs/optimizer.md)")
     dtype: str = _f("fp32", "fp32 | bf16 | fp16 model precision (fp32 main params in the optimizer)")
     seed: int = _f(1337, "seed of initialisation and data order")
     deterministic: bool = _f(False, "torch.use_deterministic_algorithms (bit-exact resume on GPU)")
@@ -389,7 +393,9 @@ def engine_needs(cfg: TrainConfig) -> dict[str, str]:
              (cfg.trainable != "all", f"--trainable={cfg.trainable}", "frozen_parameters"),
              (cfg.tie_embeddings, "--tie_embeddings=true", "tied_embeddings"),
              (cfg.sample_every > 0, f"--sample_every={cfg.sample_every}", "whole_model_on_one_rank"),
-             (bool(cfg.eval_tasks.strip(" ,")), "--eval_tasks", "whole_model_on_one_rank"))
+             (bool(cfg.eval_tasks.strip(" ,")), "--eval_tasks", "whole_model_on_one_rank"),
+             (cfg.optimizer_state_dtype != "fp32", f"--optimizer_state_dtype={cfg.optimizer_state_dtype}",
+              "low_precision_optimizer_states"))
     return {asked_by: cap for on, asked_by, cap in asked if on}
 
 
@@ -542,6 +548,15 @@ def _choices_and_combinations(cfg: TrainConfig, p: _Problems, torch_free: bool) 
     p.choice("trainable", ("all", "embeddings"))
     p.choice("optimizer", ("adamw", "muon"))
     p.choice("muon_adjust_lr", ("match_rms_adamw", "original"))
+    p.choice("optimizer_state_dtype", ("fp32", "bf16"))
+    if cfg.optimizer_state_dtype == "bf16":
+        for on, asked in ((cfg.optimizer == "muon", "--optimizer=muon"), (cfg.dtype == "fp16", "--dtype=fp16"),
+                          (cfg.zero_stage == 2, "--zero_stage=2"),
+                          (cfg.overlap_optim_step, "--overlap_optim_step=true"),
+                          (cfg.comm_hook not in ("allreduce", "reduce_scatter"), f"--comm_hook={cfg.comm_hook}")):
+            if on:
+                p.append(f"--optimizer_state_dtype=bf16 cannot be combined with {asked} (the bf16 moments live in "
+                         "the one-launch AdamW, which does not step that)")
     cfg.fused_kernels = str(cfg.fused_kernels).lower()
     p.choice("fused_kernels", tuple(KERNEL_CHOICES))
     p.choice("resume", RESUME_CHOICES)

@@ -255,17 +255,19 @@ def test_zero1_step_is_a_few_ops_for_any_model_size(monkeypatch):
 
 
 @pytest.mark.skipif(not triton_runs_on(torch.device("cpu")), reason="needs Triton and TRITON_INTERPRET=1")
-def test_the_trainer_with_it_resumes_exactly(tiny_pretrain_run_args, tmp_path):
+@pytest.mark.parametrize("moments", ["fp32", "bf16"])
+def test_the_trainer_with_it_resumes_exactly(tiny_pretrain_run_args, tmp_path, moments):
     """train_my_ddp.py --dtype=bf16 with the one-launch AdamW forced on (MYLLM_FLAT_ADAMW=on; the kernel in the
     interpreter; one process, so the gradients stay on the parameters): a crash at step 5 resumed from the step-3
     checkpoint gives the uninterrupted run's losses and weights bit for bit (the moments and the step count travel
-    through the checkpoint)."""
+    through the checkpoint; --optimizer_state_dtype=bf16: saved as bf16, their rounding seeded by the step)."""
     import os
 
     from tests.conftest import child_env, run_trainer, train_cmd
     from utils.checkpoint import find_latest_valid, load_model_state
     from utils.metrics import dedupe_by_step, read_metrics
-    args = [*tiny_pretrain_run_args, "--max_iters=6", "--dtype=bf16", "--grad_clip=0.5"]
+    args = [*tiny_pretrain_run_args, "--max_iters=6", "--dtype=bf16", "--grad_clip=0.5",
+            f"--optimizer_state_dtype={moments}"]
     env = child_env(MYLLM_FLAT_ADAMW="on")
     ref, crashed = tmp_path / "ref", tmp_path / "crashed"
     proc = run_trainer(train_cmd([*args, f"--out_dir={ref}"]), env)
@@ -283,6 +285,9 @@ def test_the_trainer_with_it_resumes_exactly(tiny_pretrain_run_args, tmp_path):
     assert losses[0] == losses[1] and sorted(losses[0]) == [1, 2, 3, 4, 5, 6]
     a, b = (load_model_state(find_latest_valid(str(d))) for d in (ref, crashed))
     assert all(torch.equal(a[k], b[k]) for k in a)
+    saved = torch.load(os.path.join(find_latest_valid(str(crashed)), "optimizer_rank0.pt"), weights_only=True)
+    entries = saved["params"]
+    assert {e["exp_avg_sq"].dtype for e in entries.values()} == {dict(fp32=torch.float32, bf16=torch.bfloat16)[moments]}
 
 
 def test_where_one_launch_applies(monkeypatch):
