@@ -445,7 +445,7 @@ def test_the_shards_step_equals_the_flat_step_on_the_gathered_shards(use_triton,
     torch.testing.assert_close(s, grad[idx].double().square().sum().float(), rtol=1e-6, atol=0)
 
 
-def _zero_engine(flat: str, dtype=torch.bfloat16, fp32_grads=True, zero=True):
+def _zero_engine(flat: str, dtype=torch.bfloat16, fp32_grads=True, zero=True, state_dtype="fp32", grad_clip=0.5):
     from optimizer import OptimizerConfig, build_optimizer
     from optimizer.mixed_precision_optimizer import MixedPrecisionOptimizer
     from parallel import DDPConfig, DistributedDataParallel
@@ -457,7 +457,7 @@ def _zero_engine(flat: str, dtype=torch.bfloat16, fp32_grads=True, zero=True):
     try:
         opt = build_optimizer(ddp, OptimizerConfig(precision="bf16" if dtype == torch.bfloat16 else "fp32",
                                                    use_distributed_optimizer=zero, lr=1e-2, weight_decay=0.1,
-                                                   grad_clip=0.5))
+                                                   grad_clip=grad_clip, state_dtype=state_dtype))
     finally:
         MixedPrecisionOptimizer.flat_adamw = None
     return m, ddp, opt
@@ -503,6 +503,17 @@ def _zero_worker(rank, ws, d):
     from tests.optimizer.test_optimizer import _step
     _step(ddp_c, opt_c, *batches[2])
     out["resumed_equal"] = all(torch.equal(a, c) for a, c in zip(m_a.parameters(), m_c.parameters()))
+    # bf16 moments, clipping off (the update then does not depend on the norm's summation order): ZeRO-1's shards and
+    # the unsharded step round alike (seeded by buffer offsets), so both keep the same bits
+    bf16m = {}
+    for zero in (True, False):
+        m_z, ddp_z, opt_z = _zero_engine("on", zero=zero, state_dtype="bf16", grad_clip=0.0)
+        _zero_steps(ddp_z, opt_z, 3)
+        bf16m[zero] = ([p.detach().clone() for p in m_z.parameters()], opt_z.state_dict()["params"],
+                       [b.start for b in ddp_z.buckets])
+    out["bf16m_layouts"] = (bf16m[True][2], bf16m[False][2])
+    out["bf16m_params_equal"] = all(torch.equal(a, b) for a, b in zip(bf16m[True][0], bf16m[False][0]))
+    out["bf16m_state"] = (bf16m[True][1], bf16m[False][1])
     torch.save(out, os.path.join(d, f"zero_flat_rank{rank}.pt"))
 
 
@@ -539,5 +550,12 @@ def test_zero1_two_ranks_one_launch_follows_torchs_adamw_and_resumes(tmp_path):
                 for key in ("main", "exp_avg", "exp_avg_sq"):
                     torch.testing.assert_close(st_on[k][key], e[key], rtol=1e-4, atol=1e-7)
         assert out["resumed_equal"], r
+        layouts = out["bf16m_layouts"]
+        assert layouts[0] == layouts[1] and out["bf16m_params_equal"], (r, layouts)
+        sharded, whole = out["bf16m_state"]
+        for k, e in sharded.items():  # this rank's [lo, hi) of each parameter
+            assert e["exp_avg"].dtype == torch.bfloat16
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(e[key], whole[k][key][e["lo"]:e["hi"]]), (r, k, key)
     for name, *_ in _ZERO_CASES:
         assert all(torch.equal(a, b) for a, b in zip(res[0][f"{name}_params"][0], res[1][f"{name}_params"][0]))
