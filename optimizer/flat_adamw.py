@@ -7,8 +7,11 @@ launches a kernel per 320 x 64K elements (6 at 124M, 53 at 1B), and the step aro
 over memory: the clip (`grads *= coef`, always, since the coefficient lives on the device), the update, and the
 copy of the masters into the bf16 parameters. Here one Triton program per BLOCK elements reads the gradient,
 master, moments and a decay flag, and writes master, moments and the bf16 parameter: 31 bytes per parameter
-instead of 42, and one launch whatever the model size. The clip coefficient and the overflow skip are read from
-the squared norm on the device (no host decision before the launch); a non-finite norm writes nothing.
+instead of 42, and one launch whatever the model size. In one process with the gradients read from the
+parameters (`ParamGrads`) it is 28: the bf16 gradient (2), the fp32 master read and written (8), the moments (16),
+the bf16 parameter (2), the decay flag read once per block; 20 with bf16 moments (--optimizer_state_dtype=bf16,
+below). The clip coefficient and the overflow skip are read from the squared norm on the device (no host decision
+before the launch); a non-finite norm writes nothing.
 
 The math is torch's AdamW (decoupled weight decay), in fp32: p -= lr*wd*p (decayed elements);
 m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g*g; p -= (lr/bc1) * m / (sqrt(v)/sqrt(bc2) + eps), with
@@ -74,11 +77,12 @@ if TRITON_AVAILABLE:
         return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
-    def _adamw_block(master_ptr, grad_ptr, m_ptr, v_ptr, decay_ptr, out_ptr, s, moffs, goffs, coffs, hoffs, mask,
-                     gmask, lr_wd, beta1, beta2, eps, max_norm, step_size, bc2_sqrt, seed_m, seed_v,
+    def _adamw_block(master_ptr, grad_ptr, m_ptr, v_ptr, wd, out_ptr, s, moffs, goffs, coffs, hoffs, mask,
+                     gmask, beta1, beta2, eps, max_norm, step_size, bc2_sqrt, seed_m, seed_v,
                      HAS_OUT: tl.constexpr, OUT_BF16: tl.constexpr, CLIP: tl.constexpr, STATE_BF16: tl.constexpr):
         """One block's update (fp32): the master at `moffs`, the gradient and the low-precision parameter at
-        `goffs`, the moments and the decay flag at `coffs`; the gradient is read where `gmask` (else 0). The
+        `goffs`, the moments at `coffs`; `wd` = lr x weight decay where the element decays, else 0 (per element, or
+        one value for a block of one parameter); the gradient is read where `gmask` (else 0). The
         loads stay next to their first use (fewer live registers: 42 on sm_90, against 48-50 with every load
         first, one variant spilling). STATE_BF16: the moments are stored as bfloat16 (read widened, the update
         made with their fp32 values, then stored rounded stochastically at the buffer offsets `hoffs`)."""
@@ -87,8 +91,7 @@ if TRITON_AVAILABLE:
             coef = tl.minimum(tl.div_rn(max_norm, tl.sqrt_rn(s) + 1e-6), 1.0)
             g = g * coef
         p = tl.load(master_ptr + moffs, mask=mask, other=0.0)
-        d = tl.load(decay_ptr + coffs, mask=mask, other=0)
-        p = p - tl.where(d != 0, lr_wd, 0.0) * p
+        p = p - wd * p
         m = tl.load(m_ptr + coffs, mask=mask, other=0.0).to(tl.float32)
         v = tl.load(v_ptr + coffs, mask=mask, other=0.0).to(tl.float32)
         m = beta1 * m + (1.0 - beta1) * g
@@ -118,9 +121,10 @@ if TRITON_AVAILABLE:
         # s * 0 is 0 for a finite norm, nan for inf and nan: then no element is in range, nothing is written
         limit = tl.where((s * 0.0) == 0.0, n, 0)
         mask = offs < limit
-        _adamw_block(master_ptr, grad_ptr, m_ptr, v_ptr, decay_ptr, out_ptr, s, offs, offs, offs, offs, mask, mask,
-                     lr_wd, beta1, beta2, eps, max_norm, step_size, bc2_sqrt, seed_m, seed_v, HAS_OUT, OUT_BF16,
-                     CLIP, STATE_BF16)
+        wd = tl.where(tl.load(decay_ptr + offs, mask=mask, other=0) != 0, lr_wd, 0.0)
+        _adamw_block(master_ptr, grad_ptr, m_ptr, v_ptr, wd, out_ptr, s, offs, offs, offs, offs, mask, mask,
+                     beta1, beta2, eps, max_norm, step_size, bc2_sqrt, seed_m, seed_v, HAS_OUT, OUT_BF16, CLIP,
+                     STATE_BF16)
 
     @triton.jit(do_not_specialize=["seed_m", "seed_v"])
     def _adamw_segments_kernel(master_ptr, grad_ptr, m_ptr, v_ptr, decay_ptr, out_ptr, sumsq_ptr, table_ptr,
@@ -144,9 +148,10 @@ if TRITON_AVAILABLE:
             moffs = coffs
         else:
             moffs = boffs
-        _adamw_block(master_ptr, grad_ptr, m_ptr, v_ptr, decay_ptr, out_ptr, s, moffs, boffs, coffs, boffs, mask,
-                     mask, lr_wd, beta1, beta2, eps, max_norm, step_size, bc2_sqrt, seed_m, seed_v, HAS_OUT,
-                     OUT_BF16, CLIP, STATE_BF16)
+        wd = tl.where(tl.load(decay_ptr + coffs, mask=mask, other=0) != 0, lr_wd, 0.0)
+        _adamw_block(master_ptr, grad_ptr, m_ptr, v_ptr, wd, out_ptr, s, moffs, boffs, coffs, boffs, mask, mask,
+                     beta1, beta2, eps, max_norm, step_size, bc2_sqrt, seed_m, seed_v, HAS_OUT, OUT_BF16, CLIP,
+                     STATE_BF16)
 
     @triton.jit
     def _sumsq_segments_kernel(grad_ptr, table_ptr, out_ptr, BLOCK: tl.constexpr):
@@ -175,10 +180,11 @@ if TRITON_AVAILABLE:
                                   CLIP: tl.constexpr, STATE_BF16: tl.constexpr, ALIGNED: tl.constexpr,
                                   BLOCK: tl.constexpr):
         """One process, gradients where autograd left them (see ParamGrads). Row i of `table` is (buffer start,
-        parameter index j, start within the parameter, count <= BLOCK): the master, the moments, the decay flags
-        and the low-precision parameters are read and written at the buffer's offsets, the gradient at
-        ptrs[j] + start (ptrs[j] == 0: no gradient reached the parameter this step, read as zeros, like the
-        buffer path's zeroed main_grad). ALIGNED: every buffer start is a multiple of 16 elements (DDP's
+        parameter index j, start within the parameter, count <= BLOCK): the master, the moments and the
+        low-precision parameters are read and written at the buffer's offsets, the gradient at ptrs[j] + start
+        (ptrs[j] == 0: no gradient reached the parameter this step, read as zeros, like the buffer path's zeroed
+        main_grad), and the decay flag once per row, parameter j's (`decay_ptr`: one byte a parameter, not one an
+        element as the other kernels read it). ALIGNED: every buffer start is a multiple of 16 elements (DDP's
         param_alignment), told to the compiler as a hint for wider accesses (whether it uses them is not checked:
         only the register counts are, scripts/check_triton_cuda.py)."""
         row = table_ptr + tl.program_id(0).to(tl.int64) * 4
@@ -194,8 +200,9 @@ if TRITON_AVAILABLE:
         limit = tl.where((s * 0.0) == 0.0, cnt, 0)  # nothing written for a non-finite norm
         boffs = b0 + r
         # the gradient at (gp + o0) + r, the low-precision parameter at (out_ptr + b0) + r
-        _adamw_block(master_ptr, gp + o0, m_ptr, v_ptr, decay_ptr, out_ptr + b0, s, boffs, r, boffs, boffs,
-                     r < limit, r < tl.where(addr != 0, limit, 0), lr_wd, beta1, beta2, eps, max_norm, step_size,
+        wd = tl.where(tl.load(decay_ptr + j) != 0, lr_wd, 0.0)
+        _adamw_block(master_ptr, gp + o0, m_ptr, v_ptr, wd, out_ptr + b0, s, boffs, r, boffs, boffs,
+                     r < limit, r < tl.where(addr != 0, limit, 0), beta1, beta2, eps, max_norm, step_size,
                      bc2_sqrt, seed_m, seed_v, HAS_OUT, OUT_BF16, CLIP, STATE_BF16)
 
     @triton.jit
@@ -377,14 +384,18 @@ class ParamGrads:
     """The unsharded step's gradients where autograd left them. One process with one micro-batch per step has
     nothing to reduce or accumulate, so the DDP buffer's fp32 gradients would only be a copy: the step reads
     each parameter's `.grad` instead (no copy, no gradient buffer, no hook per parameter: DistributedDataParallel.
-    keep_grads_on_params). For one DDP buffer: its parameters and their offsets in it, and `table`, one row per
-    BLOCK elements of a parameter: (buffer start, parameter index, start within the parameter, count), built once.
+    keep_grads_on_params). For one DDP buffer: its parameters and their offsets in it, `table`, one row per
+    BLOCK elements of a parameter: (buffer start, parameter index, start within the parameter, count), and
+    `decay`, one flag a parameter (from the buffer's per-element `decay`), built once.
     Each step the gradients' addresses reach the device in one small copy from pinned memory (`addresses`)."""
 
-    def __init__(self, params: list, numel: int, device: torch.device) -> None:
+    def __init__(self, params: list, numel: int, device: torch.device, decay: torch.Tensor) -> None:
         self.params = [p for p, _ in params]
         self.starts = [int(s) for _, s in params]
         self.numel, self.device = int(numel), device
+        # one decay flag a parameter (uint8, on the device): the flat per-element flags at each parameter's start
+        self.decay = decay[torch.tensor([min(s, max(decay.numel() - 1, 0)) for s in self.starts],
+                                        dtype=torch.int64, device=decay.device)].to(device)
         self.dtype = self.params[0].dtype
         if self.dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"ParamGrads: {self.dtype} parameters (bf16 or fp32 only)")
@@ -432,14 +443,14 @@ def sumsq_param_grads(pg: ParamGrads, addrs: torch.Tensor) -> torch.Tensor:
 
 
 def adamw_param_grads(master: torch.Tensor, pg: ParamGrads, addrs: torch.Tensor, exp_avg: torch.Tensor,
-                      exp_avg_sq: torch.Tensor, decay: torch.Tensor, param_out, sumsq: torch.Tensor, *, lr: float,
+                      exp_avg_sq: torch.Tensor, param_out, sumsq: torch.Tensor, *, lr: float,
                       beta1: float, beta2: float, eps: float, weight_decay: float, max_norm: float,
                       step: int, salt: int = 0) -> None:
     """`adamw_flat`'s Triton kernel with the gradients read at `addrs` (ParamGrads.addresses) instead of from a
-    flat buffer; `master`, the moments, `decay` and `param_out` are the flat buffers as in `adamw_flat` (the
-    alignment gaps, which no row covers, keep their zeros)."""
+    flat buffer and the decay flags per parameter (`pg.decay`); `master`, the moments and `param_out` are the flat
+    buffers as in `adamw_flat` (the alignment gaps, which no row covers, keep their zeros)."""
     scalars, options = _launch_args(param_out, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                                     weight_decay=weight_decay, max_norm=max_norm, step=step, salt=salt)
     _adamw_param_grads_kernel[(pg.table.shape[0],)](
-        master, addrs, exp_avg, exp_avg_sq, decay, param_out if param_out is not None else master, sumsq, pg.table,
+        master, addrs, exp_avg, exp_avg_sq, pg.decay, param_out if param_out is not None else master, sumsq, pg.table,
         *scalars, GRAD_BF16=pg.dtype == torch.bfloat16, ALIGNED=pg.aligned, **options)

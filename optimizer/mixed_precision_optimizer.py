@@ -281,7 +281,7 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
         for b in self.flat.buffers:
             buf = b.source
             b.param_grads = ParamGrads([(s.param, bk.start + s.start) for bk in buf.buckets for s in bk.slots],
-                                       buf.numel, self._device())
+                                       buf.numel, self._device(), b.decay)
         log.info("one process, one micro-batch a step: gradients read from the parameters (no gradient buffer)")
         return True
 
@@ -321,8 +321,8 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
                                    salt=b.salt, **hyper)
                     continue
                 if on_params and fl.use_triton:
-                    adamw_param_grads(b.master, b.param_grads, addrs[i], b.exp_avg, b.exp_avg_sq, b.decay,
-                                      b.param_out, sumsq, salt=b.salt, **hyper)
+                    adamw_param_grads(b.master, b.param_grads, addrs[i], b.exp_avg, b.exp_avg_sq, b.param_out,
+                                      sumsq, salt=b.salt, **hyper)
                     continue
                 adamw_flat(b.master, flats[i] if on_params else b.grad, b.exp_avg, b.exp_avg_sq,
                            b.decay, b.param_out, sumsq, use_triton=fl.use_triton, salt=b.salt, **hyper)

@@ -103,7 +103,7 @@ VERDICT_BENCH_ROWS = {
 # bench tables, beside the verdict's `ours` rows they are compared with (bench/bench_model_gpu.py's ratios).
 # Measured at 124M on 2026-11-27 (H100, report-d08a8ea-h100) and so left out: ours-gradbuf (ours 1.02x), ours-tce
 # and compile-cg (ties). First: ours-sync, what the lagged read of the step's verdict (built after that run) gains;
-# then ours-bf16m at 1B (AdamW's moments in bf16: the 1B step's optimizer streams ~29 bytes a parameter, ~8.7 ms of
+# then ours-bf16m at 1B (AdamW's moments in bf16: the 1B step's optimizer streams 28 bytes a parameter, ~8.4 ms of
 # its 92 for 886M parameters at the 124M kernel's 2.95 TB/s; 8 bytes less each; built after that run) and at 124M.
 AB_BENCH_ROWS = ("124m:ours-sync:trainer:compile,1b:ours-bf16m:trainer:compile,124m:ours-bf16m:trainer:compile,"
                  "1b:ours-gradbuf:trainer:compile,1b:ours-tce:trainer:compile,124m:ours-fp8:trainer:compile,"
