@@ -298,3 +298,28 @@ def test_on_cuda_the_trainers_engine_keeps_bf16_moments_in_its_kernel():
         assert dtypes == {torch.bfloat16 if state == "bf16" else torch.float32}
     (start, end32), (_, end16) = runs["fp32"], runs["bf16"]
     assert end32 < start and abs(end16 - end32) <= 0.1 * (start - end32), runs
+
+
+@pytest.mark.parametrize("how", ["kernel-fails", "comm-hook"])
+def test_bf16_moments_never_hand_over_to_torchs_adamw(monkeypatch, how):
+    """With fp32 moments a kernel that cannot be built, or a comm hook registered later, hands the run to torch's
+    fused AdamW (tests/optimizer/test_grads_on_params.py). torch's AdamW has no bf16 moments, so here the step stops
+    with the reason, and nothing was updated."""
+    import optimizer.mixed_precision_optimizer as mpo
+    from parallel.comm_hooks import bf16_compress_wrapper, allreduce_hook
+    e = _engine("on", monkeypatch, optimizer_state_dtype="bf16", grads_on_params="auto")
+    e.optimizer.flat.use_triton = False
+    _steps(e, 1)
+    before = _params(e)
+    if how == "kernel-fails":
+        def broken(*a, **k):
+            raise RuntimeError("no kernel here")
+        monkeypatch.setattr(mpo, "adamw_flat", broken)
+        match = "no kernel here"
+    else:
+        e.model.register_comm_hook(None, bf16_compress_wrapper(allreduce_hook))
+        match = "bf16 moments .*have no other AdamW"
+    with pytest.raises(RuntimeError, match=match):
+        _steps(e, 1)
+    assert all(torch.equal(before[k], v) for k, v in _params(e).items())
+    assert e.optimizer.flat is not None
