@@ -278,9 +278,10 @@ def _state_dtype_flag(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> bool:
     return exp_avg.dtype == torch.bfloat16
 
 
-# the CPU's reference step works through the buffer in chunks of this many elements: its temporaries stay in cache
-# (a 10M-element step with bf16 moments: 2.2 s whole, ~0.2 s in chunks, on 2 cores)
-CPU_CHUNK = 1 << 16
+# the reference step works through the buffer in chunks of this many elements: on CPU its temporaries stay in cache
+# (a 10M-element step with bf16 moments: 2.2 s whole, 0.32 s in chunks, on 2 cores); on a GPU (a run whose one-launch
+# kernel cannot be built, or a test) ~10 fp32 temporaries of 16M elements, not of the whole buffer
+CPU_CHUNK, DEVICE_CHUNK = 1 << 16, 1 << 24
 
 
 def adamw_flat_reference(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
@@ -289,13 +290,14 @@ def adamw_flat_reference(master: torch.Tensor, grad: torch.Tensor, exp_avg: torc
                          bc2_sqrt: float, offset: int = 0, seeds: tuple[int, int] = (0, 0)) -> None:
     """The kernel's formula in torch ops, in place (fp32); the step is dropped on the device when `sumsq` is
     non-finite (no host read). bf16 moments: computed in fp32, stored rounded stochastically (`seeds`; the elements
-    are at buffer offsets `offset`, `offset` + 1, ...). On CPU in chunks of CPU_CHUNK elements (the same values)."""
+    are at buffer offsets `offset`, `offset` + 1, ...). In chunks (CPU_CHUNK / DEVICE_CHUNK elements: the same
+    values)."""
     s = sumsq.reshape(()).to(torch.float32)
     ok = (s * 0).eq(0)
     coef = torch.clamp(max_norm / (s.sqrt() + 1e-6), max=1.0) if max_norm > 0 else None
     bf16 = _state_dtype_flag(exp_avg, exp_avg_sq)
     n = master.numel()
-    chunk = CPU_CHUNK if master.device.type == "cpu" else max(n, 1)
+    chunk = CPU_CHUNK if master.device.type == "cpu" else DEVICE_CHUNK
     for lo in range(0, n, chunk):
         sl = slice(lo, min(lo + chunk, n))
         g = grad[sl].float()
