@@ -323,3 +323,23 @@ def test_bf16_moments_never_hand_over_to_torchs_adamw(monkeypatch, how):
         _steps(e, 1)
     assert all(torch.equal(before[k], v) for k, v in _params(e).items())
     assert e.optimizer.flat is not None
+
+
+@pytest.mark.parametrize("state", [torch.float32, torch.bfloat16], ids=["fp32-moments", "bf16-moments"])
+def test_the_reference_in_chunks_is_the_reference_whole(monkeypatch, state):
+    """The CPU reference works through the buffer in chunks (flat_adamw.CPU_CHUNK): cut at 1,000 elements, one
+    step gives the bits of the step in one piece, the rounding's offsets included."""
+    import optimizer.flat_adamw as fa
+    m64, decay, grads = _problem()
+    g = torch.Generator().manual_seed(2)
+    m0 = (torch.randn(m64.numel(), generator=g) * 1e-2).to(state)
+    v0 = (torch.rand(m64.numel(), generator=g) * 1e-3).to(state)
+    runs = []
+    for chunk in (1 << 20, 1000):
+        monkeypatch.setattr(fa, "CPU_CHUNK", chunk)
+        master, m, v, out = m64.float(), m0.clone(), v0.clone(), torch.zeros(m64.numel(), dtype=torch.bfloat16)
+        adamw_flat(master, grads[0].float(), m, v, decay, out, torch.tensor(9.0), step=2, use_triton=False,
+                   salt=1, **HYPER, max_norm=1.0)
+        runs.append([t.view(torch.int16) if t.dtype == torch.bfloat16 else t for t in (master, m, v, out)])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    assert not torch.equal(runs[0][1], m0.view(torch.int16) if state == torch.bfloat16 else m0)
