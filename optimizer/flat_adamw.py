@@ -42,7 +42,7 @@ try:  # optional: CUDA machines have it; the CPU runs it only in the interpreter
 except Exception:  # noqa: BLE001 - any import failure means: no Triton
     TRITON_AVAILABLE = False
 
-BLOCK = 1024  # with 8 warps: 4 elements per thread, 42 registers on sm_90 (2048: 115, a third of the occupancy)
+BLOCK = 1024  # with 8 warps: 4 elements per thread, 48 registers on sm_90 (2048: 115, a third of the occupancy)
 
 
 def triton_runs_on(device: torch.device) -> bool:
@@ -82,10 +82,11 @@ if TRITON_AVAILABLE:
                      HAS_OUT: tl.constexpr, OUT_BF16: tl.constexpr, CLIP: tl.constexpr, STATE_BF16: tl.constexpr):
         """One block's update (fp32): the master at `moffs`, the gradient and the low-precision parameter at
         `goffs`, the moments at `coffs`; `wd` = lr x weight decay where the element decays, else 0 (per element, or
-        one value for a block of one parameter); the gradient is read where `gmask` (else 0). The
-        loads stay next to their first use (fewer live registers: 42 on sm_90, against 48-50 with every load
-        first, one variant spilling). STATE_BF16: the moments are stored as bfloat16 (read widened, the update
-        made with their fp32 values, then stored rounded stochastically at the buffer offsets `hoffs`)."""
+        one value for a block of one parameter); the gradient is read where `gmask` (else 0). The other
+        loads stay next to their first use (fewer live registers: 47-48 on sm_90 and sm_80 with the decay flag read
+        by the caller, as with bf16 moments, registers being allocated 8 at a time; with every load first 48-50,
+        one variant spilling). STATE_BF16: the moments are stored as bfloat16 (read widened, the update made with
+        their fp32 values, then stored rounded stochastically at the buffer offsets `hoffs`)."""
         g = tl.load(grad_ptr + goffs, mask=gmask, other=0.0).to(tl.float32)
         if CLIP:
             coef = tl.minimum(tl.div_rn(max_norm, tl.sqrt_rn(s) + 1e-6), 1.0)
@@ -224,7 +225,7 @@ if TRITON_AVAILABLE:
 # second moment with beta2 = 0.999 stops moving: its per-step change is below half a bf16 step). DeepSeek-V3 keeps
 # its AdamW moments in bf16 the same way (arXiv:2412.19437, section 3.3.2). The random bits are a hash of each
 # element's buffer offset and the step, so every layout (unsharded, ZeRO-1, gradients on the parameters), every
-# device and a resumed run round alike. Functions below take Python ints or int64 tensors holding uint32 values.
+# device and a resumed run round alike. The torch side holds uint32 values in int64 tensors (no uint32 shifts on CPU).
 _U32 = 0xFFFFFFFF
 
 
