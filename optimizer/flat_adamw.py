@@ -237,21 +237,27 @@ def _mul32_(x: torch.Tensor, c: int, tmp: torch.Tensor) -> torch.Tensor:
     return x.mul_(c & 0xFFFF).add_(tmp).bitwise_and_(_U32)
 
 
+# lowbias32's rounds (shift, multiplier): x ^= x >> shift; x *= multiplier (mod 2^32); then x ^= x >> 16
+_HASH_ROUNDS = ((16, 0x7FEB352D), (15, 0x846CA68B))
+
+
 def _hash32_(x: torch.Tensor) -> torch.Tensor:
     """The kernels' `_hash32` (lowbias32), in place, on uint32 values held in an int64 tensor."""
-    t = torch.bitwise_right_shift(x, 16)
-    x.bitwise_xor_(t)
-    _mul32_(x, 0x7FEB352D, t)
-    torch.bitwise_right_shift(x, 15, out=t)
-    x.bitwise_xor_(t)
-    _mul32_(x, 0x846CA68B, t)
+    t = torch.empty_like(x)
+    for shift, mul in _HASH_ROUNDS:
+        torch.bitwise_right_shift(x, shift, out=t)
+        x.bitwise_xor_(t)
+        _mul32_(x, mul, t)
     torch.bitwise_right_shift(x, 16, out=t)
     return x.bitwise_xor_(t)
 
 
 def hash32(x: int) -> int:
-    """`_hash32_` of one uint32 value."""
-    return int(_hash32_(torch.tensor([x & _U32], dtype=torch.int64))[0])
+    """The same hash of one uint32 value, in Python ints (the seeds: no tensor, so nothing read back from one)."""
+    x &= _U32
+    for shift, mul in _HASH_ROUNDS:
+        x = ((x ^ (x >> shift)) * mul) & _U32
+    return x ^ (x >> 16)
 
 
 def state_seeds(step: int, salt: int) -> tuple[int, int]:

@@ -65,6 +65,10 @@ def test_the_kernels_rounding_is_its_torch_twin_bit_for_bit():
         lo = x.to(torch.bfloat16).float()  # (round to nearest: one of the two)
         assert bool(((twin.float() - x).abs() <= _bf16_step(lo)).all())
         assert torch.equal(twin[2:3], x[2:3].to(torch.bfloat16))  # an exact bf16 value is kept
+    # the seeds' hash (Python ints) is the offsets' (int64 tensors)
+    from optimizer.flat_adamw import _hash32_, hash32
+    values = [0, 1, 2 ** 31 + 7, 2 ** 32 - 1, *state_seeds(9, 2)]
+    assert [hash32(v) for v in values] == _hash32_(torch.tensor(values, dtype=torch.int64)).tolist()
 
 
 def test_the_rounding_is_unbiased_where_round_to_nearest_stalls():
