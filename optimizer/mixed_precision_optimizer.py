@@ -103,8 +103,9 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
         # one AdamW launch per DDP buffer (optimizer/flat_adamw.py) where it applies; else None
         self.flat: Optional[_FlatAdamW] = _FlatAdamW.build(self) if self._flat_adamw_applies() else None
         if self.flat is not None:
-            log.info("AdamW in one launch per parameter buffer (%d buffer(s), %s)", len(self.flat.buffers),
-                     "Triton" if self.flat.use_triton else "its torch reference")
+            log.info("AdamW in one launch per parameter buffer (%d buffer(s), %s)%s", len(self.flat.buffers),
+                     "Triton" if self.flat.use_triton else "its torch reference",
+                     "; moments in bf16, rounded stochastically" if config.state_dtype == "bf16" else "")
         else:  # torch's AdamW steps fp32 masters with fp32 gradients (the kernel widens bf16 ones as it reads them)
             self._attach_grad_stores()
 
