@@ -100,6 +100,15 @@ def _variants():
     return out + _optimizer_variants()
 
 
+def _adamw_sig(kernel, **types) -> dict:
+    """An AdamW kernel's signature in its argument order: `types` for the pointers and sizes that differ between
+    variants, the hyperparameters (fp32), the bf16-moment seeds (i32) and every constexpr filled in."""
+    common = dict(lr_wd="fp32", beta1="fp32", beta2="fp32", eps="fp32", max_norm="fp32", step_size="fp32",
+                  bc2_sqrt="fp32", seed_m="i32", seed_v="i32", decay_ptr="*u8", sumsq_ptr="*fp32", master_ptr="*fp32")
+    merged = {**common, **types}
+    return {a: merged.get(a, "constexpr") for a in kernel.arg_names}
+
+
 def _optimizer_variants():
     """The optimizer's AdamW kernels (optimizer/flat_adamw.py), as `_variants` lists them."""
     out = []
@@ -109,38 +118,28 @@ def _optimizer_variants():
     for out_ty, has_out in (("bf16", True), ("fp32", False)):
         for clip in (True, False):
             for n_ty in ("i32", "i64"):
-                sig = dict(master_ptr="*fp32", grad_ptr="*fp32", m_ptr="*fp32", v_ptr="*fp32", decay_ptr="*u8",
-                           out_ptr=f"*{out_ty}", sumsq_ptr="*fp32", n=n_ty, lr_wd="fp32", beta1="fp32",
-                           beta2="fp32", eps="fp32", max_norm="fp32", step_size="fp32", bc2_sqrt="fp32", seed_m="i32", seed_v="i32",
-                           HAS_OUT="constexpr", OUT_BF16="constexpr", CLIP="constexpr", STATE_BF16="constexpr", BLOCK="constexpr")
+                sig = _adamw_sig(fa._adamw_flat_kernel, grad_ptr="*fp32", m_ptr="*fp32", v_ptr="*fp32",
+                                 out_ptr=f"*{out_ty}", n=n_ty)
                 out.append((f"adamw_flat out={out_ty if has_out else 'none'} clip={clip} n={n_ty}",
                             fa._adamw_flat_kernel, sig,
-                            dict(HAS_OUT=has_out, OUT_BF16=has_out and out_ty == "bf16", CLIP=clip, STATE_BF16=False, BLOCK=fa.BLOCK),
-                            8))
+                            dict(HAS_OUT=has_out, OUT_BF16=has_out and out_ty == "bf16", CLIP=clip, STATE_BF16=False,
+                                 BLOCK=fa.BLOCK), 8))
     # ZeRO: the same step over a rank's shards (a row table), and the shards' sum of squares
     for out_ty, has_out in (("bf16", True), ("fp32", False)):
         for clip in (True, False):
-            sig = dict(master_ptr="*fp32", grad_ptr="*fp32", m_ptr="*fp32", v_ptr="*fp32", decay_ptr="*u8",
-                       out_ptr=f"*{out_ty}", sumsq_ptr="*fp32", table_ptr="*i64", lr_wd="fp32", beta1="fp32",
-                       beta2="fp32", eps="fp32", max_norm="fp32", step_size="fp32", bc2_sqrt="fp32", seed_m="i32", seed_v="i32",
-                       MASTER_COMPACT="constexpr", HAS_OUT="constexpr", OUT_BF16="constexpr", CLIP="constexpr", STATE_BF16="constexpr",
-                       BLOCK="constexpr")
+            sig = _adamw_sig(fa._adamw_segments_kernel, grad_ptr="*fp32", m_ptr="*fp32", v_ptr="*fp32",
+                             out_ptr=f"*{out_ty}", table_ptr="*i64")
             out.append((f"adamw_segments out={out_ty if has_out else 'none'} clip={clip}", fa._adamw_segments_kernel,
                         sig, dict(MASTER_COMPACT=has_out, HAS_OUT=has_out, OUT_BF16=has_out and out_ty == "bf16",
                                   CLIP=clip, STATE_BF16=False, BLOCK=fa.BLOCK), 8))
     out.append(("sumsq_segments", fa._sumsq_segments_kernel,
                 dict(grad_ptr="*fp32", table_ptr="*i64", out_ptr="*fp32", BLOCK="constexpr"), dict(BLOCK=fa.BLOCK), 8))
     # bf16 gradient buffers (--grad_reduce_in_fp32=false): the same kernels, the gradients widened as they are read
-    sig = dict(master_ptr="*fp32", grad_ptr="*bf16", m_ptr="*fp32", v_ptr="*fp32", decay_ptr="*u8", out_ptr="*bf16",
-               sumsq_ptr="*fp32", n="i64", lr_wd="fp32", beta1="fp32", beta2="fp32", eps="fp32", max_norm="fp32",
-               step_size="fp32", bc2_sqrt="fp32", seed_m="i32", seed_v="i32", HAS_OUT="constexpr", OUT_BF16="constexpr", CLIP="constexpr", STATE_BF16="constexpr",
-               BLOCK="constexpr")
+    sig = _adamw_sig(fa._adamw_flat_kernel, grad_ptr="*bf16", m_ptr="*fp32", v_ptr="*fp32", out_ptr="*bf16", n="i64")
     out.append(("adamw_flat grad=bf16 out=bf16 clip=True n=i64", fa._adamw_flat_kernel, sig,
                 dict(HAS_OUT=True, OUT_BF16=True, CLIP=True, STATE_BF16=False, BLOCK=fa.BLOCK), 8))
-    sig = dict(master_ptr="*fp32", grad_ptr="*bf16", m_ptr="*fp32", v_ptr="*fp32", decay_ptr="*u8", out_ptr="*bf16",
-               sumsq_ptr="*fp32", table_ptr="*i64", lr_wd="fp32", beta1="fp32", beta2="fp32", eps="fp32",
-               max_norm="fp32", step_size="fp32", bc2_sqrt="fp32", seed_m="i32", seed_v="i32", MASTER_COMPACT="constexpr", HAS_OUT="constexpr",
-               OUT_BF16="constexpr", CLIP="constexpr", STATE_BF16="constexpr", BLOCK="constexpr")
+    sig = _adamw_sig(fa._adamw_segments_kernel, grad_ptr="*bf16", m_ptr="*fp32", v_ptr="*fp32", out_ptr="*bf16",
+                     table_ptr="*i64")
     out.append(("adamw_segments grad=bf16 out=bf16 clip=True", fa._adamw_segments_kernel, sig,
                 dict(MASTER_COMPACT=True, HAS_OUT=True, OUT_BF16=True, CLIP=True, STATE_BF16=False, BLOCK=fa.BLOCK),
                 8))
@@ -149,11 +148,8 @@ def _optimizer_variants():
     # one process: the gradients read at their addresses (a table of int64, cast to typed pointers in the kernel)
     for grad_bf16, out_ty, has_out in ((True, "bf16", True), (False, "fp32", False)):
         for clip in (True, False):
-            sig = dict(master_ptr="*fp32", ptrs_ptr="*i64", m_ptr="*fp32", v_ptr="*fp32", decay_ptr="*u8",
-                       out_ptr=f"*{out_ty}", sumsq_ptr="*fp32", table_ptr="*i64", lr_wd="fp32", beta1="fp32",
-                       beta2="fp32", eps="fp32", max_norm="fp32", step_size="fp32", bc2_sqrt="fp32", seed_m="i32", seed_v="i32",
-                       GRAD_BF16="constexpr", HAS_OUT="constexpr", OUT_BF16="constexpr", CLIP="constexpr", STATE_BF16="constexpr",
-                       ALIGNED="constexpr", BLOCK="constexpr")
+            sig = _adamw_sig(fa._adamw_param_grads_kernel, ptrs_ptr="*i64", m_ptr="*fp32", v_ptr="*fp32",
+                             out_ptr=f"*{out_ty}", table_ptr="*i64")
             out.append((f"adamw_param_grads grad={'bf16' if grad_bf16 else 'fp32'} clip={clip}",
                         fa._adamw_param_grads_kernel, sig,
                         dict(GRAD_BF16=grad_bf16, HAS_OUT=has_out, OUT_BF16=has_out and out_ty == "bf16", CLIP=clip,
@@ -162,23 +158,15 @@ def _optimizer_variants():
                     dict(ptrs_ptr="*i64", table_ptr="*i64", out_ptr="*fp32", GRAD_BF16="constexpr", BLOCK="constexpr"),
                     dict(GRAD_BF16=grad_bf16, BLOCK=fa.BLOCK), 8))
     # --optimizer_state_dtype=bf16: the moments read and written as bf16, stored with stochastic rounding
-    for name, kernel, extra in (("adamw_flat", fa._adamw_flat_kernel, dict(n="i64")),
-                                ("adamw_segments", fa._adamw_segments_kernel,
-                                 dict(table_ptr="*i64", MASTER_COMPACT="constexpr")),
-                                ("adamw_param_grads", fa._adamw_param_grads_kernel,
-                                 dict(table_ptr="*i64", GRAD_BF16="constexpr", ALIGNED="constexpr"))):
-        grad = dict(ptrs_ptr="*i64") if name == "adamw_param_grads" else dict(grad_ptr="*fp32")
-        sig = dict(master_ptr="*fp32", **grad, m_ptr="*bf16", v_ptr="*bf16", decay_ptr="*u8", out_ptr="*bf16",
-                   sumsq_ptr="*fp32", **{k: v for k, v in extra.items() if v != "constexpr"}, lr_wd="fp32",
-                   beta1="fp32", beta2="fp32", eps="fp32", max_norm="fp32", step_size="fp32", bc2_sqrt="fp32",
-                   seed_m="i32", seed_v="i32", **{k: v for k, v in extra.items() if v == "constexpr"},
-                   HAS_OUT="constexpr", OUT_BF16="constexpr", CLIP="constexpr", STATE_BF16="constexpr",
-                   BLOCK="constexpr")
-        sig = {a: sig[a] for a in kernel.arg_names}  # (in the kernel's argument order)
-        consts = dict(HAS_OUT=True, OUT_BF16=True, CLIP=True, STATE_BF16=True, BLOCK=fa.BLOCK)
-        consts.update({"adamw_segments": dict(MASTER_COMPACT=True),
-                       "adamw_param_grads": dict(GRAD_BF16=True, ALIGNED=True)}.get(name, {}))
-        out.append((f"{name} moments=bf16", kernel, sig, consts, 8))
+    for name, kernel, types, consts in (
+            ("adamw_flat", fa._adamw_flat_kernel, dict(grad_ptr="*fp32", n="i64"), {}),
+            ("adamw_segments", fa._adamw_segments_kernel, dict(grad_ptr="*fp32", table_ptr="*i64"),
+             dict(MASTER_COMPACT=True)),
+            ("adamw_param_grads", fa._adamw_param_grads_kernel, dict(ptrs_ptr="*i64", table_ptr="*i64"),
+             dict(GRAD_BF16=True, ALIGNED=True))):
+        sig = _adamw_sig(kernel, m_ptr="*bf16", v_ptr="*bf16", out_ptr="*bf16", **types)
+        out.append((f"{name} moments=bf16", kernel, sig,
+                    dict(HAS_OUT=True, OUT_BF16=True, CLIP=True, STATE_BF16=True, BLOCK=fa.BLOCK, **consts), 8))
     return out
 
 

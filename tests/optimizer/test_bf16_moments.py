@@ -55,7 +55,7 @@ def test_the_kernels_rounding_is_its_torch_twin_bit_for_bit():
     g = torch.Generator().manual_seed(0)
     n = 3000
     x = torch.randn(n, generator=g) * torch.logspace(-30, 30, n)  # both signs, 60 orders of magnitude
-    x[:3] = torch.tensor([0.0, -0.0, 1.0])  # zeros, an exact bf16 value (subnormals left out: the interpreter flushes them)
+    x[:3] = torch.tensor([0.0, -0.0, 1.0])  # zeros, an exact bf16 value (no subnormals: the interpreter flushes them)
     for base, seed in ((0, state_seeds(1, 0)[0]), (2 ** 32 + 77, state_seeds(123456, 3)[1])):  # offsets past 2^32
         out = torch.empty(n, dtype=torch.bfloat16)
         _rounding[(triton.cdiv(n, 1024),)](x, out, n, base, seed, BLOCK=1024)

@@ -115,7 +115,8 @@ def _one_step(cfg, engine, batches, device, ref=None):
 @pytest.mark.parametrize("flags", [{}, {"use_distributed_optimizer": True},
                                    {"use_distributed_optimizer": True, "zero_stage": 2},
                                    {"dtype": "bf16"}, {"dtype": "bf16", "optimizer_state_dtype": "bf16"},
-                                   {"dtype": "bf16", "optimizer_state_dtype": "bf16", "use_distributed_optimizer": True}],
+                                   {"dtype": "bf16", "optimizer_state_dtype": "bf16",
+                                    "use_distributed_optimizer": True}],
                          ids=["ddp", "zero1", "zero2", "ddp-bf16", "bf16-moments", "zero1-bf16-moments"])
 def test_a_step_reads_one_number_back(flags):
     """0 reads in forward+backward of 3 micro-batches (the old code read each loss: 3), 1 in the optimizer
