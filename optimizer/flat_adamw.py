@@ -399,11 +399,12 @@ def adamw_segments(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tens
     hyper = dict(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, max_norm=max_norm)
     if not use_triton:
         bc1, bc2_sqrt = _bias_corrections(beta1, beta2, step)
+        seeds = state_seeds(step, salt)
         for c, b, n in segs.spans:
             mo = c if master_compact else b
             adamw_flat_reference(master[mo:mo + n], grad[b:b + n], exp_avg[c:c + n], exp_avg_sq[c:c + n],
                                  decay[c:c + n], param_out[b:b + n] if param_out is not None else None, sumsq,
-                                 bc1=bc1, bc2_sqrt=bc2_sqrt, offset=b, seeds=state_seeds(step, salt), **hyper)
+                                 bc1=bc1, bc2_sqrt=bc2_sqrt, offset=b, seeds=seeds, **hyper)
         return
     scalars, options = _launch_args(param_out, exp_avg, exp_avg_sq, step=step, salt=salt, **hyper)
     _adamw_segments_kernel[(segs.table.shape[0],)](
