@@ -51,6 +51,7 @@ from typing import BinaryIO, Optional
 from utils.checkpoint_layout import COMPLETE_MARKER, RUN_START, checkpoint_root, parse_step
 from utils.constants import EXIT_INTERRUPTED, EXIT_LOSS_SPIKE, EXIT_OK, NON_RETRYABLE_EXIT_CODES
 from utils import run_lock
+from utils.proc_tree import descendant_groups
 from utils.publish import atomic_write_text
 from utils.run_lock import TOKEN_ENV
 from utils.spike_guard import AFTER_SPIKE_DIR, SPIKE_FILE, format_data_steps, parse_data_steps, read_spike_record
@@ -314,41 +315,6 @@ def torchrun_root_cause_exit_code(output_tail: str) -> Optional[int]:
 # ---------------------------------------------------------------------------------------------
 # The process tree we started
 # ---------------------------------------------------------------------------------------------
-
-def _process_table() -> dict[int, tuple[int, int]]:
-    """pid -> (ppid, pgid) from /proc (Linux). Empty where /proc is unavailable."""
-    table: dict[int, tuple[int, int]] = {}
-    try:
-        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
-    except OSError:
-        return table
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # The command name is in parentheses and may itself contain spaces or parentheses.
-        fields = stat[stat.rfind(b")") + 2:].split()
-        table[pid] = (int(fields[1]), int(fields[2]))
-    return table
-
-
-def descendant_groups(root_pid: int) -> set[int]:
-    """Process groups of root_pid's descendants. torchrun starts each worker in its own session,
-    so killing torchrun's group alone would orphan hung workers."""
-    table = _process_table()
-    children: dict[int, list[int]] = collections.defaultdict(list)
-    for pid, (ppid, _) in table.items():
-        children[ppid].append(pid)
-    groups, stack = set(), [root_pid]
-    while stack:
-        pid = stack.pop()
-        for child in children.get(pid, []):
-            groups.add(table[child][1])
-            stack.append(child)
-    return groups
-
 
 class Child:
     """One attempt's process: Popen in a new session, output tee threads, the groups it spawned."""

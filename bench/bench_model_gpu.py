@@ -432,24 +432,29 @@ def profile_step(config: str, device_name: str, precision: str = "trainer", warm
 def run_capture(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int, str, str, bool]:
     """(returncode, stdout, stderr, timed_out); the child runs in its own process group, which is killed
     whole on timeout (Inductor's compile workers included)."""
+    from utils.proc_tree import kill_tree
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env,
                          start_new_session=True)
     try:
         out, err = p.communicate(timeout=max(1.0, timeout))
         return p.returncode, out, err, False
     except subprocess.TimeoutExpired:
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        kill_tree(p.pid)
         out, err = p.communicate()
         return -9, out or "", err or "", True
+    finally:  # this process stopped early (SIGTERM, Ctrl-C): the row, in its own session, must not run on
+        if p.poll() is None:
+            kill_tree(p.pid)
 
 
 def planned_rows(args) -> list[tuple[str, str, str, str]]:
     """(config, model, precision, mode) in the order they run: per config, eager rows then compile rows,
-    each in PRIORITY order; --rows (model:precision:mode,...) replaces the matrix."""
+    each in PRIORITY order; --rows (model:precision:mode,...) replaces the matrix. When every --rows entry names
+    its config (config:model:precision:mode) they run in the order listed (the GPU report's A/B rows, most
+    wanted first: config by config, the 1B row it wanted second ran seventh, in 17 s of budget, on 2026-11-27)."""
     rows = []
+    if args.rows and all(r.count(":") == 3 for r in args.rows):  # every row config-prefixed: the order listed
+        return [tuple(r.split(":")) for r in args.rows if r.split(":")[0] in args.configs]
     for config in args.configs:
         if args.rows:
             for r in args.rows:  # model:precision:mode, or config:model:precision:mode (that config only)
@@ -522,8 +527,9 @@ def prewarm_rows(args) -> list[dict]:
     run in plan order (smaller configs first), or with config-prefixed --rows in the order listed (the GPU
     report lists first what is needed first and compiles longest); an error (an out-of-memory beside other
     rows) only means that row compiles cold later."""
+    from utils.proc_tree import kill_tree
     plan = prewarm_plan(args)
-    t_start = time.perf_counter()
+    t_start = T_SCRIPT  # the budget counts from the process's start: its caller's timeout does too
     running: list = []
     done: list[dict] = []
 
@@ -535,7 +541,7 @@ def prewarm_rows(args) -> list[dict]:
                     out, err = proc.communicate(timeout=max(1.0, args.budget_s - (time.perf_counter() - t_start))
                                                 if args.budget_s else None)
                 except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)
+                    kill_tree(proc.pid)
                     out, err = proc.communicate()
                 row = dict(key, wall_s=round(time.perf_counter() - t0, 1), ok=proc.returncode == 0)
                 if proc.returncode != 0:
@@ -544,22 +550,27 @@ def prewarm_rows(args) -> list[dict]:
                 print("[prewarm] " + json.dumps(row), flush=True)
                 running.remove(item)
 
-    for config, model_name, precision, mode in plan:
-        if model_name == "hf-liger" and importlib.util.find_spec("liger_kernel") is None:
-            continue
-        while len(running) >= max(1, args.parallel):
-            reap(block=False)
-            time.sleep(0.5)
-        if args.budget_s and time.perf_counter() - t_start > args.budget_s:
-            break
-        cmd = [sys.executable, os.path.abspath(__file__), "--one", f"{config},{model_name},{mode},{precision}",
-               "--device", args.device, "--steps", "0", "--warmup", "0"]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                                start_new_session=True)
-        running.append((proc, dict(config=config, model=model_name, precision=precision, mode=mode),
-                        time.perf_counter()))
-    while running:
-        reap(block=True)
+    try:
+        for config, model_name, precision, mode in plan:
+            if model_name == "hf-liger" and importlib.util.find_spec("liger_kernel") is None:
+                continue
+            while len(running) >= max(1, args.parallel):
+                reap(block=False)
+                time.sleep(0.5)
+            if args.budget_s and time.perf_counter() - t_start > args.budget_s:
+                break
+            cmd = [sys.executable, os.path.abspath(__file__), "--one", f"{config},{model_name},{mode},{precision}",
+                   "--device", args.device, "--steps", "0", "--warmup", "0"]
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                    start_new_session=True)
+            running.append((proc, dict(config=config, model=model_name, precision=precision, mode=mode),
+                            time.perf_counter()))
+        while running:
+            reap(block=True)
+    finally:  # stopped early (SIGTERM, Ctrl-C): each row runs in a session of its own and would run on
+        for proc, _, _ in running:
+            if proc.poll() is None:
+                kill_tree(proc.pid)
     return done
 
 
@@ -662,7 +673,8 @@ def main(argv=None) -> None:
     p.add_argument("--models", default=",".join(MODELS), help="comma list of: " + ",".join(MODELS))
     p.add_argument("--modes", default=",".join(DEFAULT_MODES), help="comma list of " + ",".join(MODES))
     p.add_argument("--precisions", default=",".join(PRECISIONS), help="comma list of: " + ",".join(PRECISIONS))
-    p.add_argument("--rows", default="", help="model:precision:mode,... run exactly these rows (per config)")
+    p.add_argument("--rows", default="", help="model:precision:mode,... run exactly these rows (per config); "
+                   "config:model:precision:mode,... (every row with its config): these rows in this order")
     p.add_argument("--device", default="cuda")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=3)
@@ -683,6 +695,8 @@ def main(argv=None) -> None:
     p.add_argument("--parallel", type=int, default=1, help="--prewarm: rows at once")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: config,model,mode,precision
     args = p.parse_args(argv)
+    # a SIGTERM ends this process through its `finally`s (the row processes it started are killed there)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     if args.one:  # a row's process: where its wall time goes (the rest of the parent's wall_s: start and exit)
         config, model_name, mode, precision = args.one.split(",")
         row = run_one(config, model_name, mode, precision, args.device, args.steps, args.warmup, args.window)

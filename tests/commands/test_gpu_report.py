@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import subprocess
+import time
 
 import pytest
 
@@ -86,6 +87,118 @@ def test_a_failing_stage_is_reported_and_the_next_stage_still_runs(gr, tmp_path,
     assert len(rep["runs"]) == 2 and rep["stages"]["train"]["run"] == 1
 
 
+# a command that starts a process in a session of its own (as the bench's prewarm starts its rows), writes
+# that process's pid to a file, then sleeps (a command that runs on) or exits (and leaves it an orphan)
+LEAVES_A_ROW = """
+import subprocess, sys
+row = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)  # {marker}"], start_new_session=True)
+with open({pid_file!r}, "w") as f:
+    f.write(str(row.pid))
+{then}
+"""
+
+
+def _alive(pid: int) -> bool:
+    """Whether pid runs (a zombie is dead); waits up to 10 s for a killed process to be gone."""
+    for _ in range(100):
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            return False
+        if stat[stat.rfind(b")") + 2:].split()[0] == b"Z":
+            return False
+        time.sleep(0.1)
+    return True
+
+
+needs_proc = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads the process tree from /proc (Linux)")
+
+
+@needs_proc
+def test_a_timed_out_command_is_killed_with_the_processes_it_started_in_sessions_of_their_own(gr, tmp_path):
+    """On 2026-11-27 the prewarm, killed at its stage's end, left its rows (each in a session of its own)
+    compiling and stepping on the GPU beside the next stage's timed rows. A timeout now kills the whole tree."""
+    pid_file = str(tmp_path / "row.pid")
+    cmd = [PY, "-c", LEAVES_A_ROW.format(marker="row-of-a-killed-command", pid_file=pid_file,
+                                          then="import time\ntime.sleep(300)")]
+    for _ in range(2):  # the first try's timeout may come before a slow machine started the row at all
+        r = gr.stream_cmd(cmd, 8 if not os.path.exists(pid_file) else 30, gr.Log(""), "[t] ", echo=False)
+        if os.path.exists(pid_file):
+            break
+    assert r["timed_out"], r
+    row = int(open(pid_file).read())
+    assert not _alive(row), f"the command's row {row} ran on after the command was killed"
+
+
+@needs_proc
+def test_an_orphan_a_stage_leaves_is_adopted_and_killed_before_the_next_stage(tmp_path):
+    """The command line's report adopts its commands' orphans (subreaper) and kills what a stage left running,
+    naming it in the report; run in a process of its own (an in-process caller keeps its children)."""
+    pid_file, out = str(tmp_path / "orphan.pid"), tmp_path / "out"
+    orphan_cmd = LEAVES_A_ROW.format(marker="orphan-of-a-finished-command", pid_file=pid_file, then="")
+    driver = f"""
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("gpu_report_driven", {SCRIPT!r})
+gr = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(gr)
+def stage(ctx):
+    r = gr.stream_cmd([sys.executable, "-c", {orphan_cmd!r}], 120, ctx.log, "[t] ")
+    return {{"status": "ok" if r["rc"] == 0 else "failed", "data": {{}}}}
+gr.STAGE_FUNCS["tests"] = stage
+gr.collect_meta = lambda args, env: {{"date": "d", "gpu": "test", "dry_run_cpu": True}}
+sys.exit(gr.main(["--dry-run-cpu", "--only", "tests", "--out-dir", {str(out)!r}, "--work-dir",
+                  {str(tmp_path / "work")!r}], supervise=True))
+"""
+    r = subprocess.run([PY, "-c", driver], capture_output=True, text=True, cwd=ROOT, timeout=240)
+    assert r.returncode == 0, r.stdout + r.stderr
+    orphan = int(open(pid_file).read())
+    assert not _alive(orphan), f"the orphan {orphan} ran on after the report ended"
+    st = json.loads((out / "report.json").read_text())["stages"]["tests"]
+    assert st["status"] == "ok" and len(st["strays_killed"]) == 1, st
+    assert st["strays_killed"][0].startswith(f"{orphan} ") and "orphan-of-a-finished-command" in st["strays_killed"][0]
+    assert "**Stage tests left 1 process(es) running after it ended**" in (out / "report.md").read_text()
+
+
+@needs_proc
+def test_a_stopped_prewarm_takes_its_rows_with_it(tmp_path):
+    """bench_model_gpu.py --prewarm starts each row in a session of its own; a SIGTERM to the prewarm ends
+    those rows too (by its handler: nothing of the caller's has to know the rows)."""
+    from utils.proc_tree import descendants
+    bench = os.path.join(ROOT, "bench", "bench_model_gpu.py")
+    p = subprocess.Popen([PY, bench, "--prewarm", "--parallel", "2", "--configs", "tiny", "--device", "cpu",
+                          "--rows", "tiny:ours:trainer:compile,tiny:hf:autocast:compile"], cwd=ROOT,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    rows: list[int] = []
+    deadline = time.time() + 60
+    while len(rows) < 2 and time.time() < deadline and p.poll() is None:
+        rows = descendants(p.pid)
+        time.sleep(0.05)
+    p.terminate()
+    p.wait(timeout=60)
+    assert len(rows) >= 2, "the prewarm started no rows within 60 s"
+    assert not [pid for pid in rows if _alive(pid)], "a row ran on after its prewarm was stopped"
+
+
+def test_tests_that_all_ran_are_not_called_timed_out_when_pytest_exits_late(gr, tmp_path, monkeypatch):
+    """pytest printed its summary at 104 s of the stage's 110 and was still exiting when the time ran out
+    (2026-11-27): the outcomes stand. Without the summary line the stage did time out."""
+    out = ("[gw0] [ 50%] PASSED tests/model/test_gpu.py::test_a\n[gw1] [100%] PASSED tests/model/test_gpu.py::test_b\n"
+           "============ 2 passed, 12 warnings in 104.28s (0:01:44) ============\nkilled after 110 s (timeout)")
+    monkeypatch.setattr(gr, "stream_cmd", lambda *a, **k: {"rc": -9, "output": out, "timed_out": True, "seconds": 110})
+
+    class Args:
+        dry_run_cpu, work_dir = True, str(tmp_path)
+    ctx = gr.Ctx(Args, gr.Log(""), {})
+    st = gr.stage_tests(ctx)
+    assert st["status"] == "ok" and st["data"]["counts"] == {"passed": 2} and "exiting" in st["note"]
+    out = out.replace("PASSED tests/model/test_gpu.py::test_b", "FAILED tests/model/test_gpu.py::test_b")
+    out = out.replace("2 passed", "1 failed, 1 passed")
+    assert gr.stage_tests(ctx)["status"] == "failed"
+    out = "\n".join(out.splitlines()[:2] + ["killed after 110 s (timeout)"])  # killed before its summary
+    assert gr.stage_tests(ctx)["status"] == "timed out"
+
+
 def test_bench_rows_merge_by_key_and_reports_merge(gr, tmp_path):
     row = lambda model, **kw: dict(config="124m", model=model, precision="trainer", mode="eager", **kw)  # noqa: E731
     measured = row("ours", tokens_per_s=1000, step_ms=1.0, compile_s=0.1, peak_mem_gib=1.0, first_loss=10.0,
@@ -139,6 +252,13 @@ def test_bench_runs_eager_rows_first_and_the_trainer_setup_first(monkeypatch):
     A.configs, A.rows = ["124m", "1b"], ["1b:ours-fp8:trainer:compile", "hf:autocast:compile"]  # one config's row
     assert bench.planned_rows(A) == [("124m", "hf", "autocast", "compile"), ("1b", "ours-fp8", "trainer", "compile"),
                                      ("1b", "hf", "autocast", "compile")]
+    # every row config-prefixed (the report's A/B rows): the order listed, not config by config; a row of a
+    # config not asked for is left out
+    A.rows = ["1b:ours-bf16m:trainer:compile", "124m:ours-sync:trainer:compile", "7b:ours:trainer:compile",
+              "124m:ours-bf16m:trainer:compile"]
+    assert bench.planned_rows(A) == [("1b", "ours-bf16m", "trainer", "compile"),
+                                     ("124m", "ours-sync", "trainer", "compile"),
+                                     ("124m", "ours-bf16m", "trainer", "compile")]
     # the prewarm: compiled rows only, the config-prefixed ones first in the order listed (not config by config)
     A.rows = ["124m:ours:trainer:compile", "1b:hf:autocast:compile", "124m:hf:autocast:eager",
               "1b:ours:trainer:compile", "124m:hf:autocast:compile"]

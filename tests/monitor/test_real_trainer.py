@@ -19,6 +19,7 @@ import time
 import pytest
 
 import monitor_process as mp
+from utils.proc_tree import descendants
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MONITOR = os.path.join(ROOT, "monitor_process.py")
@@ -72,21 +73,15 @@ def start_monitor(cmd: list[str], env_extra: dict) -> subprocess.Popen:
 
 def training_processes(root_pid: int) -> list[int]:
     """Descendants of root_pid running train_my_ddp.py as their script (the ranks, not torchrun's agent)."""
-    table = mp._process_table()
-    found, stack = [], [root_pid]
-    while stack:
-        parent = stack.pop()
-        for pid, (ppid, _) in table.items():
-            if ppid != parent:
-                continue
-            stack.append(pid)
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    argv = f.read().split(b"\0")
-            except OSError:
-                continue
-            if b"torch.distributed.run" not in argv and any(a.endswith(b"train_my_ddp.py") for a in argv):
-                found.append(pid)
+    found = []
+    for pid in descendants(root_pid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"torch.distributed.run" not in argv and any(a.endswith(b"train_my_ddp.py") for a in argv):
+            found.append(pid)
     return found
 
 
