@@ -43,6 +43,10 @@ except Exception:  # noqa: BLE001 - any import failure means: no Triton
     TRITON_AVAILABLE = False
 
 BLOCK = 1024  # with 8 warps: 4 elements per thread, 48 registers on sm_90 (2048: 115, a third of the occupancy)
+# table rows per program of the sum-of-squares kernels. One row a program made the 1B step's norm kernel 865K
+# programs of 2 KB each: 1.33 ms for 1.8 GB of bf16 gradients on an H200 (1.3 TB/s; docs/gpu/report-95d7ba0-h200.md),
+# the programs' start-up, not the memory, its cost. 8 rows: 16-32 KB a program, like the AdamW kernel's 28 KB a row.
+SUMSQ_ROWS = 8
 
 
 def triton_runs_on(device: torch.device) -> bool:
@@ -155,14 +159,19 @@ if TRITON_AVAILABLE:
                      STATE_BF16)
 
     @triton.jit
-    def _sumsq_segments_kernel(grad_ptr, table_ptr, out_ptr, BLOCK: tl.constexpr):
-        """out[i] = the sum of squares of the gradients of table row i (see _adamw_segments_kernel)."""
-        row = table_ptr + tl.program_id(0).to(tl.int64) * 3
-        b0 = tl.load(row + 1)
-        cnt = tl.load(row + 2)
+    def _sumsq_segments_kernel(grad_ptr, table_ptr, out_ptr, n_rows, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+        """out[p] = the sum of squares of the gradients of table rows p*ROWS .. p*ROWS+ROWS-1 (the rows past
+        n_rows count nothing; see _adamw_segments_kernel and SUMSQ_ROWS)."""
         r = tl.arange(0, BLOCK)
-        g = tl.load(grad_ptr + b0 + r, mask=r < cnt, other=0.0).to(tl.float32)
-        tl.store(out_ptr + tl.program_id(0), tl.sum(g * g, axis=0))
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for k in range(ROWS):
+            i = tl.program_id(0).to(tl.int64) * ROWS + k
+            row = table_ptr + tl.minimum(i, n_rows - 1) * 3
+            b0 = tl.load(row + 1)
+            cnt = tl.where(i < n_rows, tl.load(row + 2), 0)
+            g = tl.load(grad_ptr + b0 + r, mask=r < cnt, other=0.0).to(tl.float32)
+            acc += g * g
+        tl.store(out_ptr + tl.program_id(0), tl.sum(acc, axis=0))
 
     @triton.jit
     def _grad_pointer(ptrs_ptr, j, GRAD_BF16: tl.constexpr):
@@ -207,16 +216,23 @@ if TRITON_AVAILABLE:
                      bc2_sqrt, seed_m, seed_v, HAS_OUT, OUT_BF16, CLIP, STATE_BF16)
 
     @triton.jit
-    def _sumsq_param_grads_kernel(ptrs_ptr, table_ptr, out_ptr, GRAD_BF16: tl.constexpr, BLOCK: tl.constexpr):
-        """out[i] = the sum of squares of the gradient elements of table row i (see _adamw_param_grads_kernel)."""
-        row = table_ptr + tl.program_id(0).to(tl.int64) * 4
-        j = tl.load(row + 1)
-        o0 = tl.load(row + 2)
-        cnt = tl.load(row + 3)
-        addr, gp = _grad_pointer(ptrs_ptr, j, GRAD_BF16)
+    def _sumsq_param_grads_kernel(ptrs_ptr, table_ptr, out_ptr, n_rows, GRAD_BF16: tl.constexpr,
+                                  BLOCK: tl.constexpr, ROWS: tl.constexpr):
+        """out[p] = the sum of squares of the gradient elements of table rows p*ROWS .. p*ROWS+ROWS-1 (the rows
+        past n_rows count nothing; see _adamw_param_grads_kernel and SUMSQ_ROWS)."""
         r = tl.arange(0, BLOCK)
-        g = tl.load(gp + o0 + r, mask=r < tl.where(addr != 0, cnt, 0), other=0.0).to(tl.float32)
-        tl.store(out_ptr + tl.program_id(0), tl.sum(g * g, axis=0))
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for k in range(ROWS):
+            i = tl.program_id(0).to(tl.int64) * ROWS + k
+            row = table_ptr + tl.minimum(i, n_rows - 1) * 4
+            j = tl.load(row + 1)
+            o0 = tl.load(row + 2)
+            cnt = tl.load(row + 3)
+            addr, gp = _grad_pointer(ptrs_ptr, j, GRAD_BF16)
+            cnt = tl.where((i < n_rows) & (addr != 0), cnt, 0)
+            g = tl.load(gp + o0 + r, mask=r < cnt, other=0.0).to(tl.float32)
+            acc += g * g
+        tl.store(out_ptr + tl.program_id(0), tl.sum(acc, axis=0))
 
 
 # ------------------------------------------------------------------------------------------ bf16 moments
@@ -382,8 +398,9 @@ def sumsq_segments(grad: torch.Tensor, segs: Segments, use_triton: bool) -> torc
     if not use_triton:
         return torch.cat([grad[b:b + n] for _, b, n in segs.spans]).float().square().sum()
     rows = segs.table.shape[0]
-    partial = torch.empty(rows, dtype=torch.float32, device=grad.device)
-    _sumsq_segments_kernel[(rows,)](grad, segs.table, partial, BLOCK=BLOCK, num_warps=8)
+    programs = triton.cdiv(rows, SUMSQ_ROWS)
+    partial = torch.empty(programs, dtype=torch.float32, device=grad.device)
+    _sumsq_segments_kernel[(programs,)](grad, segs.table, partial, rows, BLOCK=BLOCK, ROWS=SUMSQ_ROWS, num_warps=8)
     return partial.sum()
 
 
@@ -465,13 +482,15 @@ class ParamGrads:
         return flat
 
 
-def sumsq_param_grads(pg: ParamGrads, addrs: torch.Tensor) -> torch.Tensor:
-    """The Triton path's sum of squares (fp32, 0-d, on the device) of one buffer's parameter gradients: per-row
-    partial sums, then their sum (two launches)."""
+def sumsq_param_grads(pg: ParamGrads, addrs: torch.Tensor, rows_per_program: int = SUMSQ_ROWS) -> torch.Tensor:
+    """The Triton path's sum of squares (fp32, 0-d, on the device) of one buffer's parameter gradients: partial
+    sums of `rows_per_program` table rows each, then their sum (two launches). (rows_per_program 1: the layout
+    before 2026-11-27, for bench/bench_optimizer_gpu.py's A/B.)"""
     rows = pg.table.shape[0]
-    partial = torch.empty(rows, dtype=torch.float32, device=pg.device)
-    _sumsq_param_grads_kernel[(rows,)](addrs, pg.table, partial, GRAD_BF16=pg.dtype == torch.bfloat16,
-                                       BLOCK=BLOCK, num_warps=8)
+    programs = triton.cdiv(rows, rows_per_program)
+    partial = torch.empty(programs, dtype=torch.float32, device=pg.device)
+    _sumsq_param_grads_kernel[(programs,)](addrs, pg.table, partial, rows, GRAD_BF16=pg.dtype == torch.bfloat16,
+                                           BLOCK=BLOCK, ROWS=rows_per_program, num_warps=8)
     return partial.sum()
 
 

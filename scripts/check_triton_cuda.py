@@ -133,7 +133,8 @@ def _optimizer_variants():
                         sig, dict(MASTER_COMPACT=has_out, HAS_OUT=has_out, OUT_BF16=has_out and out_ty == "bf16",
                                   CLIP=clip, STATE_BF16=False, BLOCK=fa.BLOCK), 8))
     out.append(("sumsq_segments", fa._sumsq_segments_kernel,
-                dict(grad_ptr="*fp32", table_ptr="*i64", out_ptr="*fp32", BLOCK="constexpr"), dict(BLOCK=fa.BLOCK), 8))
+                dict(grad_ptr="*fp32", table_ptr="*i64", out_ptr="*fp32", n_rows="i32", BLOCK="constexpr",
+                     ROWS="constexpr"), dict(BLOCK=fa.BLOCK, ROWS=fa.SUMSQ_ROWS), 8))
     # bf16 gradient buffers (--grad_reduce_in_fp32=false): the same kernels, the gradients widened as they are read
     sig = _adamw_sig(fa._adamw_flat_kernel, grad_ptr="*bf16", m_ptr="*fp32", v_ptr="*fp32", out_ptr="*bf16", n="i64")
     out.append(("adamw_flat grad=bf16 out=bf16 clip=True n=i64", fa._adamw_flat_kernel, sig,
@@ -144,7 +145,8 @@ def _optimizer_variants():
                 dict(MASTER_COMPACT=True, HAS_OUT=True, OUT_BF16=True, CLIP=True, STATE_BF16=False, BLOCK=fa.BLOCK),
                 8))
     out.append(("sumsq over segments, grad=bf16", fa._sumsq_segments_kernel,
-                dict(grad_ptr="*bf16", table_ptr="*i64", out_ptr="*fp32", BLOCK="constexpr"), dict(BLOCK=fa.BLOCK), 8))
+                dict(grad_ptr="*bf16", table_ptr="*i64", out_ptr="*fp32", n_rows="i32", BLOCK="constexpr",
+                     ROWS="constexpr"), dict(BLOCK=fa.BLOCK, ROWS=fa.SUMSQ_ROWS), 8))
     # one process: the gradients read at their addresses (a table of int64, cast to typed pointers in the kernel)
     for grad_bf16, out_ty, has_out in ((True, "bf16", True), (False, "fp32", False)):
         for clip in (True, False):
@@ -155,8 +157,9 @@ def _optimizer_variants():
                         dict(GRAD_BF16=grad_bf16, HAS_OUT=has_out, OUT_BF16=has_out and out_ty == "bf16", CLIP=clip,
                              STATE_BF16=False, ALIGNED=True, BLOCK=fa.BLOCK), 8))
         out.append((f"sumsq_param_grads grad={'bf16' if grad_bf16 else 'fp32'}", fa._sumsq_param_grads_kernel,
-                    dict(ptrs_ptr="*i64", table_ptr="*i64", out_ptr="*fp32", GRAD_BF16="constexpr", BLOCK="constexpr"),
-                    dict(GRAD_BF16=grad_bf16, BLOCK=fa.BLOCK), 8))
+                    dict(ptrs_ptr="*i64", table_ptr="*i64", out_ptr="*fp32", n_rows="i32", GRAD_BF16="constexpr",
+                         BLOCK="constexpr", ROWS="constexpr"),
+                    dict(GRAD_BF16=grad_bf16, BLOCK=fa.BLOCK, ROWS=fa.SUMSQ_ROWS), 8))
     # --optimizer_state_dtype=bf16: the moments read and written as bf16, stored with stochastic rounding
     for name, kernel, types, consts in (
             ("adamw_flat", fa._adamw_flat_kernel, dict(grad_ptr="*fp32", n="i64"), {}),

@@ -16,7 +16,10 @@ decides the goals and nothing else (`--full` runs every row and trainer setting,
   profile     torch.profiler over two back-to-back COMPILED trainer-precision steps of the 124m model (after
               3 steps): the top 15 kernels by self CUDA time and CUDA time by kind, per step (attention apart
               from matmuls; profiler annotations are not kernels), and the device timeline's idle gaps
-  profile-1b  in the time the deadline leaves: the same profile of the 1B step (each kind's largest kernels)
+  optimizer   in the time the deadline leaves: bench/bench_optimizer_gpu.py, the optimizer step's kernels
+              (gradient norm, AdamW with fp32 and bf16 moments) at the 1B and 124M parameter shapes, ours
+              beside torch's, with the bytes each moves and its GB/s
+  profile-1b  then the same profile of the 1B step (each kind's largest kernels)
   bench-ab    in the time the deadline leaves: the A/B rows of choices no GPU has measured yet
               (AB_BENCH_ROWS), shown in the bench tables beside the rows they are compared with
   kernels     bench/bench_kernels_gpu.py (each fused op alone), if time is still left
@@ -29,7 +32,7 @@ out/gpu_report_work), never to --out-dir. Running a part again merges into the r
 
     make gpu-report                       # the verdict: <= 9 min on one H100 (--deadline-s 540 by default)
     make gpu-report PART=tests            # one part: tests | bench | bench-124m | bench-1b | train | profile |
-                                          #   profile-1b | bench-ab | kernels
+                                          #   optimizer | profile-1b | bench-ab | kernels
     python scripts/gpu_report.py --full   # every row and four trainer runs (~24 min: split it over calls)
     python scripts/gpu_report.py --dry-run-cpu                 # every stage at tiny size on CPU (plumbing)
     python scripts/gpu_report.py --dry-run-cpu --dry-compile=off   # the same without Inductor (faster)
@@ -68,10 +71,10 @@ from utils.checkpoint_layout import checkpoint_root  # noqa: E402
 from scripts.corpus_slice import write_corpus_slice  # noqa: E402
 from utils.publish import atomic_write_text  # noqa: E402
 from utils.proc_tree import become_subreaper, command_line, kill_tree, process_table  # noqa: E402
-STAGES = ("tests", "bench-124m", "bench-1b", "train", "profile", "profile-1b", "bench-ab", "kernels")
+STAGES = ("tests", "bench-124m", "bench-1b", "train", "profile", "optimizer", "profile-1b", "bench-ab", "kernels")
 PARTS = {"tests": ["tests"], "bench": ["bench-124m", "bench-1b"], "bench-124m": ["bench-124m"],
          "bench-1b": ["bench-1b"], "train": ["train"], "profile": ["profile", "profile-1b"],
-         "profile-1b": ["profile-1b"], "bench-ab": ["bench-ab"], "kernels": ["kernels"],
+         "profile-1b": ["profile-1b"], "bench-ab": ["bench-ab"], "optimizer": ["optimizer"], "kernels": ["kernels"],
          "all": list(STAGES)}
 # the verdict (default): what decides the goals, in one device call of <= 9 minutes on one H100
 # measured on an H100 (docs/gpu/report-574426c.md, report-aea0e31-h100.md): pytest -m gpu 116-119 s with 4
@@ -80,12 +83,13 @@ PARTS = {"tests": ["tests"], "bench": ["bench-124m", "bench-1b"], "bench-124m": 
 # compiled. The per-op kernel bench (35 s) runs when time is left (--full: always)
 # 2026-11-27 on an H200 (report-a4fb4df-h200): the train stage's two runs took 23.6 + 50.9 s and hit its 75 s; the
 # tests now run on 6 workers (xdist_args), so 30 s of their budget moves to the trainer runs
-# profile-1b, bench-ab and kernels run in what the deadline leaves (the verdict's stages first); the 1B profile
-# first: no call has profiled the 1B step (where its 92 ms go: how much is the optimizer's ~25 GB of traffic)
+# optimizer, profile-1b, bench-ab and kernels run in what the deadline leaves (the verdict's stages first). The
+# 1B step was profiled on 2026-11-27 (report-95d7ba0-h200: its norm kernel at 1.3 TB/s, AdamW 6.8 ms of 86); the
+# optimizer's own bench first now (~30 s): what the norm kernel's new layout and bf16 moments do to those kernels
 TIMEOUTS = {"tests": 110, "bench-124m": 110, "bench-1b": 170, "train": 105, "profile": 30, "profile-1b": 45,
-            "bench-ab": 150, "kernels": 40}
+            "bench-ab": 150, "optimizer": 45, "kernels": 40}
 FULL_TIMEOUTS = {"tests": 280, "bench-124m": 380, "bench-1b": 330, "train": 360, "profile": 90, "profile-1b": 120,
-                 "bench-ab": 300, "kernels": 120}  # --full: 33 min
+                 "bench-ab": 300, "optimizer": 120, "kernels": 120}  # --full: 35 min
 # the bench rows that decide the goals, per config: ours as the trainer runs it compiled, the best HF (compiled),
 # HF + Liger (eager: its fused linear-CE failed under compile with torch 2.11). At 1B ours with FP8 runs third:
 # it may carry the 1B goal (reported apart) and no call has reached it yet. Left out since 2026-11-27: our
@@ -111,7 +115,7 @@ AB_BENCH_ROWS = ("1b:ours-bf16m:trainer:compile,124m:ours-sync:trainer:compile,1
                  "1b:ours-gradbuf:trainer:compile,1b:ours-tce:trainer:compile,1b:ours:trainer:compile-cg")
 DRY_AB_ROWS = "tiny:ours-gradbuf:trainer:eager"
 DRY_TIMEOUTS = {"tests": 240, "bench-124m": 300, "bench-1b": 400, "train": 600, "profile": 240, "profile-1b": 240,
-                "bench-ab": 300, "kernels": 300}
+                "bench-ab": 300, "optimizer": 240, "kernels": 300}
 REPORT_FORMAT = 1
 
 # the trainer runs: (name, --fused_kernels, --compile)
@@ -693,10 +697,27 @@ def stage_kernels(ctx: Ctx) -> dict:
             "rc": r["rc"], "cmd": " ".join(cmd), "data": data, "error_tail": [] if ok else tail(r["output"], 15)}
 
 
+def stage_optimizer(ctx: Ctx) -> dict:
+    """bench/bench_optimizer_gpu.py: the optimizer step's kernels (gradient norm, AdamW) at the 1B and 124M
+    models' parameter shapes, ours beside torch's."""
+    out_json = os.path.join(ctx.work, "optimizer.json")
+    if os.path.exists(out_json):
+        os.remove(out_json)
+    cmd = [ctx.py, "bench/bench_optimizer_gpu.py", "--device", ctx.device, "--json-out", out_json]
+    if ctx.dry:
+        cmd += ["--configs", "tiny", "--iters", "1", "--warmup", "0"]
+    r = stream_cmd(cmd, ctx.timeout, ctx.log, "[optimizer] ", env=ctx.env)
+    data = load_json(out_json) if os.path.exists(out_json) else {}
+    ok = r["rc"] == 0 and bool(data.get("done"))
+    return {"status": "ok" if ok else ("partial" if data.get("rows") else "timed out" if r["timed_out"] else "failed"),
+            "rc": r["rc"],
+            "cmd": " ".join(cmd), "data": data, "error_tail": [] if ok else tail(r["output"], 15)}
+
+
 STAGE_FUNCS: dict[str, Callable[[Ctx], dict]] = {
     "tests": stage_tests, "bench-124m": stage_bench_124m, "bench-1b": stage_bench_1b, "bench-ab": stage_bench_ab,
     "train": stage_train, "profile": stage_profile, "profile-1b": lambda ctx: stage_profile(ctx, "1b"),
-    "kernels": stage_kernels}
+    "optimizer": stage_optimizer, "kernels": stage_kernels}
 
 
 def run_stages(names: list[str], ctx: Ctx, timeouts: dict, deadline_s: float, run_index: int,
@@ -837,6 +858,7 @@ def render(report: dict) -> str:
     L += render_bench(stages.get("bench-124m"), stages.get("bench-1b"), stages.get("bench-ab"))
     L += render_train(stages.get("train"), stages.get("bench-124m"))
     L += render_profile(stages.get("profile"), stages.get("profile-1b"))
+    L += render_optimizer(stages.get("optimizer"))
     L += render_kernels(stages.get("kernels"))
     L += render_failures(stages)
     return "\n".join(L) + "\n"
@@ -1018,8 +1040,25 @@ def _profile_body(st: dict) -> list[str]:
     return L + [""]
 
 
+def render_optimizer(st: Optional[dict]) -> list[str]:
+    L = ["## 5. Optimizer kernels (`bench/bench_optimizer_gpu.py`: gradient norm and AdamW, ours and torch's)",
+         ""] + _not_run(st)
+    if st is None:
+        return L
+    d = st.get("data", {})
+    L += [f"Status: {st.get('status')}, {st.get('seconds')} s. Median of CUDA-event-timed calls at the models' "
+          "parameter shapes; GB/s from the bytes each call must move.", ""]
+    if d.get("rows"):
+        import importlib.util as iu
+        spec = iu.spec_from_file_location("bench_optimizer_gpu", os.path.join(ROOT, "bench", "bench_optimizer_gpu.py"))
+        mod = iu.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        L += mod.markdown(d["rows"]).splitlines()
+    return L + [""]
+
+
 def render_kernels(st: Optional[dict]) -> list[str]:
-    L = ["## 5. Kernels (`bench/bench_kernels_gpu.py`: each fused op, forward + backward, bf16)", ""] + _not_run(st)
+    L = ["## 6. Kernels (`bench/bench_kernels_gpu.py`: each fused op, forward + backward, bf16)", ""] + _not_run(st)
     if st is None:
         return L
     d = st.get("data", {})

@@ -365,11 +365,11 @@ def test_cpu_dry_run_writes_every_section_with_numbers(tmp_path):
     md = (out / "report.md").read_text()
     rep = json.loads((out / "report.json").read_text())
     failures = md[md.find("## Failures"):]
-    stages = ("tests", "bench-124m", "bench-1b", "train", "profile", "profile-1b", "bench-ab", "kernels")
+    stages = ("tests", "bench-124m", "bench-1b", "train", "profile", "optimizer", "profile-1b", "bench-ab", "kernels")
     assert {n: s["status"] for n, s in rep["stages"].items()} == {n: "ok" for n in stages}, failures
     sections = re.split(r"^## ", md, flags=re.M)
     titles = [s.splitlines()[0] for s in sections[1:]]
-    assert [t.split(" ")[0] for t in titles] == ["Stages", "1.", "2.", "3.", "4.", "5.", "Failures"], titles
+    assert [t.split(" ")[0] for t in titles] == ["Stages", "1.", "2.", "3.", "4.", "5.", "6.", "Failures"], titles
     for s in sections[1:-1]:
         assert _numbers_in(s), s[:500]
     assert "CPU DRY RUN" in md and "torch" in md and "git revision" in md
@@ -399,6 +399,8 @@ def test_cpu_dry_run_writes_every_section_with_numbers(tmp_path):
     kern = rep["stages"]["kernels"]["data"]["rows"]  # the per-op bench: every op measured in both modes
     assert {(r["op"], r["mode"]) for r in kern if r.get("us", 0) > 0} == {
         (op, mode) for op in ("rms_norm", "add_rms_norm", "rope", "swiglu") for mode in ("eager", "compile")}
+    opt = rep["stages"]["optimizer"]["data"]["rows"]  # the optimizer bench: torch's rows at least (Triton's need
+    assert {r["kernel"] for r in opt} == {"grad norm", "AdamW"} and all(r["ms"] > 0 for r in opt)  # the interpreter)
     prof = rep["stages"]["profile"]["data"]
     assert prof["top"] and prof["top"][0]["self_ms"] > 0 and "Self CPU time total" in prof["table"]
     assert "## Failures\n\nNone." in md

@@ -446,6 +446,38 @@ def test_the_shards_step_equals_the_flat_step_on_the_gathered_shards(use_triton,
     torch.testing.assert_close(s, grad[idx].double().square().sum().float(), rtol=1e-6, atol=0)
 
 
+@pytest.mark.skipif(not triton_runs_on(torch.device("cpu")), reason="needs Triton and TRITON_INTERPRET=1")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_the_norm_kernels_count_every_row_once_over_several_programs(dtype):
+    """The sum-of-squares kernels take SUMSQ_ROWS table rows a program: over 2 SUMSQ_ROWS + 3 rows (three
+    programs, the last one short, rows shorter than a block among them) each element counts once, and a
+    parameter no gradient reached counts nothing."""
+    from optimizer.flat_adamw import BLOCK, SUMSQ_ROWS, ParamGrads, Segments, sumsq_param_grads, sumsq_segments
+    g = torch.Generator().manual_seed(11)
+    # segments (ZeRO-1): the rows of spans of 5 blocks + 7, 300, and the rest in whole blocks: 2 SUMSQ_ROWS + 3 rows
+    rest = 2 * SUMSQ_ROWS + 3 - 6 - 1
+    spans = [(0, 40, 5 * BLOCK + 7), (0, 6 * BLOCK + 100, 300), (0, 7 * BLOCK, rest * BLOCK)]
+    segs = Segments(spans, torch.device("cpu"))
+    assert segs.table.shape[0] == 2 * SUMSQ_ROWS + 3
+    grad = torch.randn((7 + rest) * BLOCK, generator=g).to(dtype)
+    want = torch.cat([grad[b:b + n] for _, b, n in spans]).double().square().sum()
+    torch.testing.assert_close(sumsq_segments(grad, segs, True).double(), want, rtol=1e-6, atol=0)
+    # gradients on the parameters: 3 blocks + 5, 200 (no gradient), the rest in whole blocks
+    sizes = [3 * BLOCK + 5, 200, (2 * SUMSQ_ROWS + 3 - 4 - 1) * BLOCK]
+    params, start = [], 0
+    for n in sizes:
+        params.append((torch.nn.Parameter(torch.zeros(n, dtype=dtype)), start))
+        start += n + 11
+    for (p, _), n in zip(params, sizes):
+        p.grad = torch.randn(n, generator=g).to(dtype)
+    params[1][0].grad = None
+    pg = ParamGrads(params, start, torch.device("cpu"), torch.ones(start, dtype=torch.uint8))
+    assert pg.table.shape[0] == 2 * SUMSQ_ROWS + 3
+    grads = pg.grads()
+    want = sum(x.double().square().sum() for x in grads if x is not None)
+    torch.testing.assert_close(sumsq_param_grads(pg, pg.addresses(grads)).double(), want, rtol=1e-6, atol=0)
+
+
 def _zero_engine(flat: str, dtype=torch.bfloat16, fp32_grads=True, zero=True, state_dtype="fp32", grad_clip=0.5):
     from optimizer import OptimizerConfig, build_optimizer
     from optimizer.mixed_precision_optimizer import MixedPrecisionOptimizer
