@@ -16,11 +16,13 @@ in the two precision setups that matter:
 Every model gets the same config, the same weights and the same batch; a step is forward + backward +
 optimizer step. Each (config, model, precision, mode) runs in its own subprocess, so a compile failure or
 an out-of-memory is a row that says so, and peak memory is that of one model alone. A row's time is the
-median over windows of --window back-to-back steps (one device sync per window, as a training loop runs:
-a step queues its work while the one before still runs) of --steps timed steps, after the first step (timed
-alone: the compile, or eagerly the Triton JIT / cuBLAS start-up) and --warmup untimed steps; the first-step
-time minus one steady step is reported apart as "compile s" (eager rows: first-call overhead). Reports
-before 2026-11-27 synced after every step (--window 1). Ratios are printed, never asserted.
+median step of --steps timed steps run back to back with no device sync until the last, each timed on the
+device by CUDA events at the steps' ends (the trainer's way: the host queues ahead while the device runs),
+after the first step (timed alone: the compile, or eagerly the Triton JIT / cuBLAS start-up) and --warmup
+untimed steps; the first-step time minus one steady step is reported apart as "compile s" (eager rows:
+first-call overhead). --window N times windows of N steps by the host clock with a device sync at each
+window's end instead: reports of 2026-11-27 up to 95d7ba0 used --window 4 (the trainer then ran 1.09x its
+bench row on an H200), earlier ones --window 1 (a sync after every step). Ratios are printed, never asserted.
 
     python bench/bench_model_gpu.py                                 # 124m and 1b, all rows (eager first)
     python bench/bench_model_gpu.py --configs 124m --modes eager --precisions trainer
@@ -250,11 +252,13 @@ def _windows(steps: int, window: int) -> list[int]:
 
 
 def run_one(config: str, model_name: str, mode: str, precision: str, device_name: str, steps: int,
-            warmup: int, window: int = 4) -> dict:
+            warmup: int, window: int = 0) -> dict:
     """One row in this process: median step time, tokens/s, compile (first-step) seconds, peak memory.
-    The timed steps run in windows of `window` steps with one device sync at each window's end, as a
-    training loop runs them: a step may queue its work while the previous one still runs (window 1 =
-    a sync after every step: each step then starts on an idle device)."""
+    window 0 (default): the timed steps run back to back with no device sync until the last, as the trainer
+    runs them, and on a GPU each step's time is the device time between the CUDA events recorded at its end
+    and the previous step's (the trainer's StepTimer: the host queues ahead, the device's idle time, if any,
+    counts); on the CPU their mean. window N: windows of N steps with a device sync at each window's end,
+    timed by the host clock (window 1 = a sync after every step: each step then starts on an idle device)."""
     import torch
     from model import ModelConfig
     from model.flops import flops_per_token
@@ -280,14 +284,23 @@ def run_one(config: str, model_name: str, mode: str, precision: str, device_name
         step()
     synchronize(device)
     warm_s = time.perf_counter() - t0
-    times = []  # seconds per step, one value per window
+    times = []  # seconds per step: one value per step (window 0 on a GPU), else one per window
     loss = None
-    for k in _windows(steps, window):
-        t0 = time.perf_counter()
-        for _ in range(k):
+    if window <= 0 and device.type == "cuda":  # no sync until the end; each step's device time, as the trainer's
+        ends = []                               # StepTimer takes it (utils/device.py)
+        for _ in range(steps):
             loss = step()
+            ends.append(torch.cuda.Event(enable_timing=True))
+            ends[-1].record()
         synchronize(device)
-        times.append((time.perf_counter() - t0) / k)
+        times = [a.elapsed_time(b) / 1e3 for a, b in zip(ends, ends[1:])]
+    else:
+        for k in _windows(steps, window if window > 0 else steps):
+            t0 = time.perf_counter()
+            for _ in range(k):
+                loss = step()
+            synchronize(device)
+            times.append((time.perf_counter() - t0) / k)
     last = float(loss) if loss is not None else first
     med = statistics.median(times) if times else first_s
     peak_mem = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
@@ -678,8 +691,9 @@ def main(argv=None) -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--window", type=int, default=4, help="timed steps per device sync (1: a sync after every "
-                   "step, as this bench timed before 2026-11-27: each step then starts on an idle device)")
+    p.add_argument("--window", type=int, default=0, help="0: no device sync until the last timed step, each "
+                   "step timed by CUDA events (the trainer's way); N: timed steps per device sync, by the host clock "
+                   "(4 up to 95d7ba0; 1: a sync after every step, as before 2026-11-27)")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="dense bf16 peak of the GPU (default: model/flops.py's table for this GPU, else 989)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per row subprocess")

@@ -913,7 +913,9 @@ def render_bench(a: Optional[dict], b: Optional[dict], ab: Optional[dict] = None
               f"the measured bf16 matmul peak {(meta.get('peak_measured_flops') or 0) / 1e12:.4g} TFLOP/s; "
               f"{meta.get('steps')} timed steps after the first step, "
               + (f"one device sync per window of {meta['window']} steps, the median window's rate "
-                 if meta.get("window") else "a device sync after each, the median step ")
+                 if meta.get("window") else "back to back with no device sync until the last, each timed by CUDA "
+                 "events at the steps' ends (as the trainer times its steps), the median step "
+                 if "window" in meta else "a device sync after each, the median step ")
               + f"(and {meta.get('warmup')} warm-up steps before them); "
               f"TF32 {'on' if meta.get('tf32') else 'n/a (CPU)'}; "
               f"TRITON_DEFAULT_FP_FUSION={meta.get('triton_default_fp_fusion')}. Precision "

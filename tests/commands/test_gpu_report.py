@@ -315,6 +315,33 @@ def test_bench_times_steps_back_to_back_with_one_sync_per_window(monkeypatch):
     row = bench.run_one("tiny", "ours", "eager", "trainer", "cpu", steps=5, warmup=1, window=2)
     assert calls == {"sync": 3 + 3, "step": 1 + 1 + 5}
     assert row["window"] == 2 and row["steps"] == 5 and row["tokens_per_s"] > 0
+    # the default (window 0): no sync until the last timed step (on a GPU each step timed by CUDA events)
+    calls.update(sync=0, step=0)
+    row = bench.run_one("tiny", "ours", "eager", "trainer", "cpu", steps=5, warmup=1)
+    assert calls == {"sync": 3 + 1, "step": 1 + 1 + 5} and row["window"] == 0 and row["tokens_per_s"] > 0
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_bench_times_each_step_by_events_with_one_sync_at_the_end(monkeypatch):
+    """The default timing on a GPU: the timed steps queue back to back (one sync, after the last) and each
+    step's time is the device time between the CUDA events at the steps' ends (steps - 1 intervals)."""
+    import torch
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    bench = _load("bench_model_gpu_events", os.path.join(ROOT, "bench", "bench_model_gpu.py"))
+    import utils.device
+    real_sync, syncs = utils.device.synchronize, []
+    monkeypatch.setattr(utils.device, "synchronize", lambda device: syncs.append(1) or real_sync(device))
+    recorded = []
+    real_event = torch.cuda.Event
+
+    def event(*a, **kw):
+        e = real_event(*a, **kw)
+        recorded.append(e)
+        return e
+    monkeypatch.setattr(torch.cuda, "Event", event)
+    row = bench.run_one("tiny", "ours", "eager", "trainer", "cuda", steps=5, warmup=1)
+    assert len(syncs) == 3 + 1 and len(recorded) >= 5  # build, first step, warm-up; then the timed steps' one
+    assert row["window"] == 0 and 0 < row["step_ms_min"] <= row["step_ms"] and row["tokens_per_s"] > 0
 
 
 def test_the_goal_ratio_takes_our_best_bf16_row_over_the_best_peer_row_and_fp8_apart(monkeypatch):
