@@ -160,6 +160,27 @@ sys.exit(gr.main(["--dry-run-cpu", "--only", "tests", "--out-dir", {str(out)!r},
     assert "**Stage tests left 1 process(es) running after it ended**" in (out / "report.md").read_text()
 
 
+def test_a_profile_whose_results_were_written_is_ok_though_its_process_exited_late(gr, tmp_path, monkeypatch):
+    """The profile writes its JSON whole after the steps; killed at the stage's end while exiting, it is ok
+    (with a note), killed before writing it, timed out."""
+    write = {"now": True}
+
+    def fake_stream(cmd, *a, **k):
+        if write["now"]:
+            with open(cmd[cmd.index("--json-out") + 1], "w") as f:
+                json.dump({"config": "124m", "top": []}, f)
+        return {"rc": -9, "output": "killed after 30 s (timeout)", "timed_out": True, "seconds": 30}
+    monkeypatch.setattr(gr, "stream_cmd", fake_stream)
+
+    class Args:
+        dry_run_cpu, work_dir = False, str(tmp_path)
+    ctx = gr.Ctx(Args, gr.Log(""), {})
+    st = gr.stage_profile(ctx)
+    assert st["status"] == "ok" and "exiting" in st["note"] and st["data"]["config"] == "124m"
+    write["now"] = False
+    assert gr.stage_profile(ctx)["status"] == "timed out"
+
+
 @needs_proc
 def test_a_stopped_prewarm_takes_its_rows_with_it(tmp_path):
     """bench_model_gpu.py --prewarm starts each row in a session of its own; a SIGTERM to the prewarm ends
