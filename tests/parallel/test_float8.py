@@ -38,8 +38,9 @@ def test_the_block_linears_and_only_they_are_converted_names_unchanged():
 
 
 @pytest.mark.parametrize("recipe, shape, expect", [
-    # 124M (768 x 12, hidden 2048): tensorwise keeps gate/up (N 2048 > 1024), rowwise none (N <= 2048 or K <= 1024)
-    ("tensorwise", dict(dim=768, n_heads=12, hidden_dim=2048), ["gate_proj", "up_proj"]),
+    # 124M (768 x 12, hidden 2048): none. Tensorwise: torchao's filter kept gate/up (N 2048 > 1024), which lost on
+    # an H200 (K 768 <= 1024); rowwise: N <= 2048 or K <= 1024
+    ("tensorwise", dict(dim=768, n_heads=12, hidden_dim=2048), []),
     ("rowwise", dict(dim=768, n_heads=12, hidden_dim=2048), []),
     # 1B (2048 x 16, GQA 8, hidden 5632): tensorwise all but k/v (N 1024, K 2048); rowwise gate/up (N 5632)
     ("tensorwise", dict(dim=2048, n_heads=16, n_kv_heads=8, hidden_dim=5632),
@@ -56,6 +57,8 @@ def test_auto_converts_only_the_layers_large_enough_to_gain(recipe, shape, expec
     assert chosen == expect
     assert len([f for f, m in model.named_modules() if float8.converts(f, m, recipe, "all")]) == 7
     assert float8.worth_fp8("tensorwise", 1024, 4096) is False and float8.worth_fp8("tensorwise", 1040, 4096)
+    assert float8.worth_fp8("tensorwise", 2048, 768) is False and float8.worth_fp8("tensorwise", 2048, 1040)
+    assert float8.worth_fp8("tensorwise", 4112, 768)  # wide enough: torchao's rule alone
     small = _model()
     with caplog.at_level("INFO", logger="parallel.transforms.float8"):
         assert float8.apply(small, None, SimpleNamespace(float8=recipe), device=torch.device("cpu")) == 0
