@@ -1050,37 +1050,33 @@ def _profile_body(st: dict) -> list[str]:
     return L + [""]
 
 
-def render_optimizer(st: Optional[dict]) -> list[str]:
-    L = ["## 5. Optimizer kernels (`bench/bench_optimizer_gpu.py`: gradient norm and AdamW, ours and torch's)",
-         ""] + _not_run(st)
+def _bench_section(title: str, st: Optional[dict], how: str, script: str) -> list[str]:
+    """A section that shows a bench script's rows as that script's own `markdown(rows)` renders them."""
+    L = [title, ""] + _not_run(st)
     if st is None:
         return L
-    d = st.get("data", {})
-    L += [f"Status: {st.get('status')}, {st.get('seconds')} s. Median of CUDA-event-timed calls at the models' "
-          "parameter shapes; GB/s from the bytes each call must move.", ""]
-    if d.get("rows"):
-        import importlib.util as iu
-        spec = iu.spec_from_file_location("bench_optimizer_gpu", os.path.join(ROOT, "bench", "bench_optimizer_gpu.py"))
-        mod = iu.module_from_spec(spec)
+    L += [f"Status: {st.get('status')}, {st.get('seconds')} s. {how}", ""]
+    rows = st.get("data", {}).get("rows")
+    if rows:
+        name = os.path.splitext(os.path.basename(script))[0]
+        spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, script))
+        mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
-        L += mod.markdown(d["rows"]).splitlines()
+        L += mod.markdown(rows).splitlines()
     return L + [""]
+
+
+def render_optimizer(st: Optional[dict]) -> list[str]:
+    return _bench_section("## 5. Optimizer kernels (`bench/bench_optimizer_gpu.py`: gradient norm and AdamW, ours "
+                          "and torch's)", st, "Median of CUDA-event-timed calls at the models' parameter shapes; GB/s "
+                          "from the bytes each call must move.", "bench/bench_optimizer_gpu.py")
 
 
 def render_kernels(st: Optional[dict]) -> list[str]:
-    L = ["## 6. Kernels (`bench/bench_kernels_gpu.py`: each fused op, forward + backward, bf16)", ""] + _not_run(st)
-    if st is None:
-        return L
-    d = st.get("data", {})
-    L += [f"Status: {st.get('status')}, {st.get('seconds')} s. Median of CUDA-event-timed iterations; the last column "
-          "is each implementation against the fastest of its mode (what `--fused_kernels=auto` should pick).", ""]
-    if d.get("rows"):
-        import importlib.util as iu
-        spec = iu.spec_from_file_location("bench_kernels_gpu", os.path.join(ROOT, "bench", "bench_kernels_gpu.py"))
-        mod = iu.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        L += mod.markdown(d["rows"]).splitlines()
-    return L + [""]
+    return _bench_section("## 6. Kernels (`bench/bench_kernels_gpu.py`: each fused op, forward + backward, bf16)", st,
+                          "Median of CUDA-event-timed iterations; the last column is each implementation against "
+                          "the fastest of its mode (what `--fused_kernels=auto` should pick).",
+                          "bench/bench_kernels_gpu.py")
 
 
 def render_failures(stages: dict) -> list[str]:
