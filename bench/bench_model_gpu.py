@@ -287,7 +287,8 @@ def run_one(config: str, model_name: str, mode: str, precision: str, device_name
     times = []  # seconds per step: one value per step (window 0 on a GPU), else one per window
     loss = None
     if window <= 0 and device.type == "cuda":  # no sync until the end; each step's device time, as the trainer's
-        ends = []                               # StepTimer takes it (utils/device.py)
+        ends = [torch.cuda.Event(enable_timing=True)]  # StepTimer takes it (utils/device.py); the first step's
+        ends[0].record()                                 # interval starts on the idle device after the warm-up
         for _ in range(steps):
             loss = step()
             ends.append(torch.cuda.Event(enable_timing=True))
