@@ -7,7 +7,8 @@ One process, one microbenchmark each, every row's time the median of --iters CUD
   (today's) and with one (before 2026-11-27: 1.33 ms for the 1B step's 1.8 GB of bf16 gradients on an H200);
 - the update: torch's fused AdamW (`torch._fused_adamw_` over fp32 parameters and fp32 gradients, no bf16
   copy written back: less than our step does) and our one-launch AdamW reading bf16 gradients at their
-  addresses and writing the bf16 parameters, with fp32 moments and with bf16 moments.
+  addresses and writing the bf16 parameters, with fp32 moments (ADAMW_ROWS table rows a program, and 4: the
+  A/B that decides ADAMW_ROWS) and with bf16 moments.
 
     python bench/bench_optimizer_gpu.py                      # the 1B shapes (886M parameters), then 124M
     python bench/bench_optimizer_gpu.py --configs 1b --json-out opt.json
@@ -69,7 +70,7 @@ def _timer(device):
 
 def run_config(config: str, device_name: str, iters: int, warmup: int) -> list[dict]:
     import torch
-    from optimizer.flat_adamw import (SUMSQ_ROWS, ParamGrads, adamw_param_grads, sumsq_param_grads,
+    from optimizer.flat_adamw import (ADAMW_ROWS, SUMSQ_ROWS, ParamGrads, adamw_param_grads, sumsq_param_grads,
                                       triton_runs_on)
     device = torch.device(device_name)
     time_call = _timer(device)
@@ -124,18 +125,20 @@ def run_config(config: str, device_name: str, iters: int, warmup: int) -> list[d
     if pg is not None:
         out = torch.zeros(start, dtype=torch.bfloat16, device=device)
         sumsq = torch.tensor(1.0, device=device)
-        for state, per_param in ((torch.float32, 28), (torch.bfloat16, 20)):
+        for state, per_param, per in ((torch.float32, 28, ADAMW_ROWS), (torch.float32, 28, 4),
+                                      (torch.bfloat16, 20, ADAMW_ROWS)):
             m = torch.zeros(start, dtype=state, device=device)
             v = torch.zeros(start, dtype=state, device=device)
             step = [0]
 
-            def ours() -> None:
+            def ours(per=per, m=m, v=v) -> None:
                 step[0] += 1
                 adamw_param_grads(master, pg, addrs, m, v, out, sumsq, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8,
-                                  weight_decay=0.1, max_norm=1.0, step=step[0])
+                                  weight_decay=0.1, max_norm=1.0, step=step[0], rows_per_program=per)
             # master 4 + 4, gradient 2, moments (4 or 2) x 2 x 2, bf16 parameters 2
-            row("AdamW", f"ours, one launch, {'fp32' if state == torch.float32 else 'bf16'} moments",
-                time_call(ours, iters, warmup), per_param * n)
+            row("AdamW", f"ours, one launch, {'fp32' if state == torch.float32 else 'bf16'} moments"
+                + ("" if per == ADAMW_ROWS else f", {per} rows a program"), time_call(ours, iters, warmup),
+                per_param * n, "" if per == ADAMW_ROWS else f"the A/B of ADAMW_ROWS ({ADAMW_ROWS} today)")
             del m, v
     return rows
 

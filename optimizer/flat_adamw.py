@@ -47,6 +47,10 @@ BLOCK = 1024  # with 8 warps: 4 elements per thread, 48 registers on sm_90 (2048
 # programs of 2 KB each: 1.33 ms for 1.8 GB of bf16 gradients on an H200 (1.3 TB/s; docs/gpu/report-95d7ba0-h200.md),
 # the programs' start-up, not the memory, its cost. 8 rows: 16-32 KB a program, like the AdamW kernel's 28 KB a row.
 SUMSQ_ROWS = 8
+# table rows per program of the one-process AdamW kernel: 1 (one 1024-element row, 28 KB of traffic) until a GPU has
+# measured more (bench/bench_optimizer_gpu.py runs 1 and 4: the 1B step's kernel moved 24.8 GB at 3.6 TB/s on an
+# H200, 75% of its memory's speed, in 865K programs)
+ADAMW_ROWS = 1
 
 
 def triton_runs_on(device: torch.device) -> bool:
@@ -185,10 +189,10 @@ if TRITON_AVAILABLE:
 
     @triton.jit(do_not_specialize=["seed_m", "seed_v"])
     def _adamw_param_grads_kernel(master_ptr, ptrs_ptr, m_ptr, v_ptr, decay_ptr, out_ptr, sumsq_ptr, table_ptr,
-                                  lr_wd, beta1, beta2, eps, max_norm, step_size, bc2_sqrt, seed_m, seed_v,
+                                  n_rows, lr_wd, beta1, beta2, eps, max_norm, step_size, bc2_sqrt, seed_m, seed_v,
                                   GRAD_BF16: tl.constexpr, HAS_OUT: tl.constexpr, OUT_BF16: tl.constexpr,
                                   CLIP: tl.constexpr, STATE_BF16: tl.constexpr, ALIGNED: tl.constexpr,
-                                  BLOCK: tl.constexpr):
+                                  BLOCK: tl.constexpr, ROWS: tl.constexpr):
         """One process, gradients where autograd left them (see ParamGrads). Row i of `table` is (buffer start,
         parameter index j, start within the parameter, count <= BLOCK): the master, the moments and the
         low-precision parameters are read and written at the buffer's offsets, the gradient at ptrs[j] + start
@@ -196,24 +200,28 @@ if TRITON_AVAILABLE:
         main_grad), and the decay flag once per row, parameter j's (`decay_ptr`: one byte a parameter, not one an
         element as the other kernels read it). ALIGNED: every buffer start is a multiple of 16 elements (DDP's
         param_alignment), told to the compiler as a hint for wider accesses (whether it uses them is not checked:
-        only the register counts are, scripts/check_triton_cuda.py)."""
-        row = table_ptr + tl.program_id(0).to(tl.int64) * 4
-        b0 = tl.load(row)
-        if ALIGNED:
-            b0 = tl.multiple_of(b0, 16)
-        j = tl.load(row + 1)
-        o0 = tl.load(row + 2)
-        cnt = tl.load(row + 3)
-        addr, gp = _grad_pointer(ptrs_ptr, j, GRAD_BF16)
+        only the register counts are, scripts/check_triton_cuda.py). A program steps table rows p*ROWS ..
+        p*ROWS+ROWS-1 (those past n_rows: nothing), one after another (ADAMW_ROWS; the element math is the same)."""
         s = tl.load(sumsq_ptr).to(tl.float32)
+        finite = (s * 0.0) == 0.0  # nothing written for a non-finite norm
         r = tl.arange(0, BLOCK)
-        limit = tl.where((s * 0.0) == 0.0, cnt, 0)  # nothing written for a non-finite norm
-        boffs = b0 + r
-        # the gradient at (gp + o0) + r, the low-precision parameter at (out_ptr + b0) + r
-        wd = tl.where(tl.load(decay_ptr + j) != 0, lr_wd, 0.0)
-        _adamw_block(master_ptr, gp + o0, m_ptr, v_ptr, wd, out_ptr + b0, s, boffs, r, boffs, boffs,
-                     r < limit, r < tl.where(addr != 0, limit, 0), beta1, beta2, eps, max_norm, step_size,
-                     bc2_sqrt, seed_m, seed_v, HAS_OUT, OUT_BF16, CLIP, STATE_BF16)
+        for k in range(ROWS):
+            i = tl.program_id(0).to(tl.int64) * ROWS + k
+            row = table_ptr + tl.minimum(i, n_rows - 1) * 4
+            b0 = tl.load(row)
+            if ALIGNED:
+                b0 = tl.multiple_of(b0, 16)
+            j = tl.load(row + 1)
+            o0 = tl.load(row + 2)
+            cnt = tl.load(row + 3)
+            addr, gp = _grad_pointer(ptrs_ptr, j, GRAD_BF16)
+            limit = tl.where(finite & (i < n_rows), cnt, 0)
+            boffs = b0 + r
+            # the gradient at (gp + o0) + r, the low-precision parameter at (out_ptr + b0) + r
+            wd = tl.where(tl.load(decay_ptr + j) != 0, lr_wd, 0.0)
+            _adamw_block(master_ptr, gp + o0, m_ptr, v_ptr, wd, out_ptr + b0, s, boffs, r, boffs, boffs,
+                         r < limit, r < tl.where(addr != 0, limit, 0), beta1, beta2, eps, max_norm, step_size,
+                         bc2_sqrt, seed_m, seed_v, HAS_OUT, OUT_BF16, CLIP, STATE_BF16)
 
     @triton.jit
     def _sumsq_param_grads_kernel(ptrs_ptr, table_ptr, out_ptr, n_rows, GRAD_BF16: tl.constexpr,
@@ -497,12 +505,13 @@ def sumsq_param_grads(pg: ParamGrads, addrs: torch.Tensor, rows_per_program: int
 def adamw_param_grads(master: torch.Tensor, pg: ParamGrads, addrs: torch.Tensor, exp_avg: torch.Tensor,
                       exp_avg_sq: torch.Tensor, param_out, sumsq: torch.Tensor, *, lr: float,
                       beta1: float, beta2: float, eps: float, weight_decay: float, max_norm: float,
-                      step: int, salt: int = 0) -> None:
+                      step: int, salt: int = 0, rows_per_program: int = ADAMW_ROWS) -> None:
     """`adamw_flat`'s Triton kernel with the gradients read at `addrs` (ParamGrads.addresses) instead of from a
     flat buffer and the decay flags per parameter (`pg.decay`); `master`, the moments and `param_out` are the flat
     buffers as in `adamw_flat` (the alignment gaps, which no row covers, keep their zeros)."""
     scalars, options = _launch_args(param_out, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                                     weight_decay=weight_decay, max_norm=max_norm, step=step, salt=salt)
-    _adamw_param_grads_kernel[(pg.table.shape[0],)](
+    rows = pg.table.shape[0]
+    _adamw_param_grads_kernel[(triton.cdiv(rows, rows_per_program),)](
         master, addrs, exp_avg, exp_avg_sq, pg.decay, param_out if param_out is not None else master, sumsq, pg.table,
-        *scalars, GRAD_BF16=pg.dtype == torch.bfloat16, ALIGNED=pg.aligned, **options)
+        rows, *scalars, GRAD_BF16=pg.dtype == torch.bfloat16, ALIGNED=pg.aligned, ROWS=rows_per_program, **options)

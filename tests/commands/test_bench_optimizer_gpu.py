@@ -27,8 +27,9 @@ def test_the_optimizer_bench_runs_every_row_on_cpu(tmp_path, monkeypatch):
                    ("grad norm", "ours, 1 row(s) a program", 2.0),
                    ("AdamW", "torch foreach (CPU)", 28.0),
                    ("AdamW", "ours, one launch, fp32 moments", 28.0),
+                   ("AdamW", "ours, one launch, fp32 moments, 4 rows a program", 28.0),
                    ("AdamW", "ours, one launch, bf16 moments", 20.0)]
     assert all(r["ms"] > 0 and r["params"] == rows[0]["params"] > 100_000 for r in rows)
     for r in rows[1:3]:  # the squared norm in fp32, in another order than the float64 sum
         assert float(re.search(r"squared norm (\S+) from the float64 sum", r["note"]).group(1)) < 1e-5, r["note"]
-    assert len(bench.ratios(rows)) == 4 and (tmp_path / "o.json").exists()
+    assert len(bench.ratios(rows)) == 5 and (tmp_path / "o.json").exists()
