@@ -95,23 +95,30 @@ def time_variant(op: str, shape: str, mode: str, impl: str, device, iters: int, 
     if cuda:
         torch.cuda.synchronize()
     first_s = time.perf_counter() - t0
+    us = median_call_seconds(step, iters, warmup, cuda) * 1e6
+    return dict(op=op, shape=shape, mode=mode, impl=impl, us=round(us, 1), first_s=round(first_s, 2))
+
+
+def median_call_seconds(fn, iters: int, warmup: int, cuda: bool) -> float:
+    """The median seconds of `iters` calls of `fn` after `warmup` untimed ones: each call between two CUDA events
+    on a GPU (waiting for the second), by the host clock on the CPU. (Also bench/bench_optimizer_gpu.py's.)"""
+    import torch
     for _ in range(warmup):
-        step()
+        fn()
     times = []
-    for _ in range(iters):
+    for _ in range(max(1, iters)):
         if cuda:
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
-            step()
+            fn()
             b.record()
             b.synchronize()
-            times.append(a.elapsed_time(b) * 1e3)
+            times.append(a.elapsed_time(b) / 1e3)
         else:
             t = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - t) * 1e6)
-    return dict(op=op, shape=shape, mode=mode, impl=impl, us=round(statistics.median(times), 1),
-                first_s=round(first_s, 2))
+            fn()
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
 
 
 def markdown(rows: list[dict]) -> str:

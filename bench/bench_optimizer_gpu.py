@@ -22,14 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # as bench/bench_model_gpu.py
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from bench.bench_kernels_gpu import median_call_seconds  # noqa: E402
 from bench.bench_model_gpu import CONFIGS  # noqa: E402  (the same 124m / 1b / tiny models)
 
 
@@ -43,37 +42,14 @@ def param_shapes(config: str) -> list[tuple[tuple[int, ...], bool]]:
     return [(tuple(p.shape), p.dim() >= 2) for p in m.parameters()]
 
 
-def _timer(device):
-    """time_call(fn, iters, warmup) -> median seconds per call: CUDA events on a GPU, the host clock on CPU."""
-    import torch
-    cuda = device.type == "cuda"
-
-    def time_call(fn, iters: int, warmup: int) -> float:
-        for _ in range(warmup):
-            fn()
-        times = []
-        for _ in range(max(1, iters)):
-            if cuda:
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                fn()
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b) / 1e3)
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-    return time_call
-
-
 def run_config(config: str, device_name: str, iters: int, warmup: int) -> list[dict]:
     import torch
     from optimizer.flat_adamw import (ADAMW_ROWS, SUMSQ_ROWS, ParamGrads, adamw_param_grads, sumsq_param_grads,
                                       triton_runs_on)
     device = torch.device(device_name)
-    time_call = _timer(device)
+
+    def time_call(fn, iters: int, warmup: int) -> float:
+        return median_call_seconds(fn, iters, warmup, device.type == "cuda")
     shapes = param_shapes(config)
     torch.manual_seed(0)
     params, start = [], 0
