@@ -163,16 +163,23 @@ if TRITON_AVAILABLE:
                      STATE_BF16)
 
     @triton.jit
+    def _table_row(table_ptr, k, n_rows, ROWS: tl.constexpr, WIDTH: tl.constexpr):
+        """Row p*ROWS + k of a row table of WIDTH int64 columns (p: this program) as a pointer to it, and whether
+        it exists (past n_rows: the last row's pointer, for loads that stay in bounds; the caller counts none of
+        it)."""
+        i = tl.program_id(0).to(tl.int64) * ROWS + k
+        return table_ptr + tl.minimum(i, n_rows - 1) * WIDTH, i < n_rows
+
+    @triton.jit
     def _sumsq_segments_kernel(grad_ptr, table_ptr, out_ptr, n_rows, BLOCK: tl.constexpr, ROWS: tl.constexpr):
         """out[p] = the sum of squares of the gradients of table rows p*ROWS .. p*ROWS+ROWS-1 (the rows past
         n_rows count nothing; see _adamw_segments_kernel and SUMSQ_ROWS)."""
         r = tl.arange(0, BLOCK)
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for k in range(ROWS):
-            i = tl.program_id(0).to(tl.int64) * ROWS + k
-            row = table_ptr + tl.minimum(i, n_rows - 1) * 3
+            row, exists = _table_row(table_ptr, k, n_rows, ROWS, 3)
             b0 = tl.load(row + 1)
-            cnt = tl.where(i < n_rows, tl.load(row + 2), 0)
+            cnt = tl.where(exists, tl.load(row + 2), 0)
             g = tl.load(grad_ptr + b0 + r, mask=r < cnt, other=0.0).to(tl.float32)
             acc += g * g
         tl.store(out_ptr + tl.program_id(0), tl.sum(acc, axis=0))
@@ -206,8 +213,7 @@ if TRITON_AVAILABLE:
         finite = (s * 0.0) == 0.0  # nothing written for a non-finite norm
         r = tl.arange(0, BLOCK)
         for k in range(ROWS):
-            i = tl.program_id(0).to(tl.int64) * ROWS + k
-            row = table_ptr + tl.minimum(i, n_rows - 1) * 4
+            row, exists = _table_row(table_ptr, k, n_rows, ROWS, 4)
             b0 = tl.load(row)
             if ALIGNED:
                 b0 = tl.multiple_of(b0, 16)
@@ -215,7 +221,7 @@ if TRITON_AVAILABLE:
             o0 = tl.load(row + 2)
             cnt = tl.load(row + 3)
             addr, gp = _grad_pointer(ptrs_ptr, j, GRAD_BF16)
-            limit = tl.where(finite & (i < n_rows), cnt, 0)
+            limit = tl.where(finite & exists, cnt, 0)
             boffs = b0 + r
             # the gradient at (gp + o0) + r, the low-precision parameter at (out_ptr + b0) + r
             wd = tl.where(tl.load(decay_ptr + j) != 0, lr_wd, 0.0)
@@ -231,13 +237,12 @@ if TRITON_AVAILABLE:
         r = tl.arange(0, BLOCK)
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for k in range(ROWS):
-            i = tl.program_id(0).to(tl.int64) * ROWS + k
-            row = table_ptr + tl.minimum(i, n_rows - 1) * 4
+            row, exists = _table_row(table_ptr, k, n_rows, ROWS, 4)
             j = tl.load(row + 1)
             o0 = tl.load(row + 2)
             cnt = tl.load(row + 3)
             addr, gp = _grad_pointer(ptrs_ptr, j, GRAD_BF16)
-            cnt = tl.where((i < n_rows) & (addr != 0), cnt, 0)
+            cnt = tl.where(exists & (addr != 0), cnt, 0)
             g = tl.load(gp + o0 + r, mask=r < cnt, other=0.0).to(tl.float32)
             acc += g * g
         tl.store(out_ptr + tl.program_id(0), tl.sum(acc, axis=0))
