@@ -32,6 +32,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from utils.proc_tree import descendants  # noqa: E402
 PY = sys.executable
 
 # name -> (processes, flags); every run: fp32, CPU, 16 steps, evaluation and checkpoint every 2 steps
@@ -141,14 +142,6 @@ def results(out_dir: str) -> tuple[dict[int, float], dict]:
     from utils.metrics import dedupe_by_step, read_metrics
     losses = {s: r["loss"] for s, r in dedupe_by_step(read_metrics(os.path.join(out_dir, "metrics.jsonl"))).items()}
     return losses, checkpoint_model_state(find_latest_valid(out_dir, log=lambda m: None))
-
-
-def descendants(pid: int) -> list[int]:
-    import psutil
-    try:
-        return [p.pid for p in psutil.Process(pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return []
 
 
 def kill_tree_of_child(monitor_pid: int) -> bool:

@@ -5,7 +5,7 @@ another process group than its parent: killing the parent's group leaves it runn
 supervisor (monitor_process.py) and the GPU report (scripts/gpu_report.py) end a tree with `kill_tree`,
 which stops every process of it first (a stopped process cannot start another) and then kills them all.
 `become_subreaper` makes orphans below this process its children rather than init's, so that a
-process whose parent died before anyone killed it can still be found below this one (`live_descendants`).
+process whose parent died before anyone killed it can still be found below this one (its child now).
 Where /proc is missing (not Linux) the table is empty: only the root's own group is signalled.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import collections
 import ctypes
 import os
 import signal
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
 
@@ -25,26 +25,28 @@ class Proc(NamedTuple):
     state: str  # "R", "S", "T" (stopped), "Z" (zombie: dead, not yet waited for), ...
 
 
+def process_info(pid: int) -> Optional[Proc]:
+    """pid's parent, group and state from /proc/<pid>/stat; None once it is gone (or without /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # The command name is in parentheses and may itself contain spaces or parentheses.
+    fields = stat[stat.rfind(b")") + 2:].split()
+    try:
+        return Proc(int(fields[1]), int(fields[2]), fields[0].decode("ascii", "replace"))
+    except (IndexError, ValueError):
+        return None
+
+
 def process_table() -> dict[int, Proc]:
     """pid -> Proc for every process /proc shows. Empty where /proc is unavailable."""
-    table: dict[int, Proc] = {}
     try:
         pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
     except OSError:
-        return table
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # The command name is in parentheses and may itself contain spaces or parentheses.
-        fields = stat[stat.rfind(b")") + 2:].split()
-        try:
-            table[pid] = Proc(int(fields[1]), int(fields[2]), fields[0].decode("ascii", "replace"))
-        except (IndexError, ValueError):
-            continue
-    return table
+        return {}
+    return {pid: info for pid in pids if (info := process_info(pid)) is not None}
 
 
 def descendants(root_pid: int, table: dict[int, Proc] | None = None) -> list[int]:
@@ -66,12 +68,6 @@ def descendant_groups(root_pid: int) -> set[int]:
     so killing torchrun's group alone would orphan hung workers."""
     table = process_table()
     return {table[pid].pgid for pid in descendants(root_pid, table)}
-
-
-def live_descendants(root_pid: int) -> list[int]:
-    """descendants() less the zombies (already dead)."""
-    table = process_table()
-    return [pid for pid in descendants(root_pid, table) if table[pid].state != "Z"]
 
 
 def command_line(pid: int, limit: int = 200) -> str:
@@ -122,8 +118,8 @@ def kill_tree(root_pid: int, rounds: int = 5) -> list[int]:
 
 def become_subreaper() -> bool:
     """Make this process adopt its orphaned descendants (Linux prctl PR_SET_CHILD_SUBREAPER): a grandchild
-    whose parent died stays below this process, where `live_descendants` finds it. False where the call is
-    not available."""
+    whose parent died becomes this process's child, where `descendants(os.getpid())` finds it. False where
+    the call is not available."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0

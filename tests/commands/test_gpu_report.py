@@ -100,13 +100,10 @@ with open({pid_file!r}, "w") as f:
 
 def _alive(pid: int) -> bool:
     """Whether pid runs (a zombie is dead); waits up to 10 s for a killed process to be gone."""
+    from utils.proc_tree import process_info
     for _ in range(100):
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            return False
-        if stat[stat.rfind(b")") + 2:].split()[0] == b"Z":
+        info = process_info(pid)
+        if info is None or info.state == "Z":
             return False
         time.sleep(0.1)
     return True

@@ -18,6 +18,7 @@ import time
 import pytest
 
 import monitor_process as mp
+from utils.proc_tree import process_info
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MONITOR = os.path.join(ROOT, "monitor_process.py")
@@ -67,12 +68,8 @@ def assert_all_dead(out_dir) -> None:
     pids = [int(n.rsplit("_", 1)[1]) for n in os.listdir(out_dir) if n.startswith("pid_rank")]
     assert pids
     for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except FileNotFoundError:
-            continue
-        assert state == "Z", f"process {pid} of the training is still alive"
+        info = process_info(pid)
+        assert info is None or info.state == "Z", f"process {pid} of the training is still alive"
 
 
 # --- pure helpers ------------------------------------------------------------------------------
