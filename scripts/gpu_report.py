@@ -801,9 +801,10 @@ def merge_reports(base: dict, other: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ render
-def _bench_module():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("bench_model_gpu", os.path.join(ROOT, "bench", "bench_model_gpu.py"))
+def _bench_module(script: str = "bench/bench_model_gpu.py"):
+    """A bench script (path from the repository root) loaded as a module, for its markdown tables."""
+    spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(script))[0],
+                                                  os.path.join(ROOT, script))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)  # type: ignore[union-attr]
     return mod
@@ -1058,11 +1059,7 @@ def _bench_section(title: str, st: Optional[dict], how: str, script: str) -> lis
     L += [f"Status: {st.get('status')}, {st.get('seconds')} s. {how}", ""]
     rows = st.get("data", {}).get("rows")
     if rows:
-        name = os.path.splitext(os.path.basename(script))[0]
-        spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, script))
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        L += mod.markdown(rows).splitlines()
+        L += _bench_module(script).markdown(rows).splitlines()
     return L + [""]
 
 
