@@ -3,12 +3,12 @@
 One process, one microbenchmark each, every row's time the median of --iters CUDA-event-timed calls after
 --warmup, with the bytes each call must move and the rate that makes:
 - the gradient norm: torch (`torch._foreach_norm` then the norm of the norms, what clipping does) and our
-  sum-of-squares kernel over the gradients where autograd left them, with SUMSQ_ROWS table rows a program
-  (today's) and with one (before 2026-11-27: 1.33 ms for the 1B step's 1.8 GB of bf16 gradients on an H200);
+  sum-of-squares kernel over the gradients where autograd left them (SUMSQ_ROWS table rows a program: with one,
+  1.18 ms for the 1B step's 1.8 GB of bf16 gradients on an H200, with 8, 0.76 ms; docs/gpu/report-1908bc2-h200.md);
 - the update: torch's fused AdamW (`torch._fused_adamw_` over fp32 parameters and fp32 gradients, no bf16
   copy written back: less than our step does) and our one-launch AdamW reading bf16 gradients at their
-  addresses and writing the bf16 parameters, with fp32 moments (ADAMW_ROWS table rows a program, and 4: the
-  A/B that decides ADAMW_ROWS) and with bf16 moments.
+  addresses and writing the bf16 parameters, with fp32 and with bf16 moments (one table row a program: 4 ran
+  at 0.84-0.89x of it on an H200, same report).
 
     python bench/bench_optimizer_gpu.py                      # the 1B shapes (886M parameters), then 124M
     python bench/bench_optimizer_gpu.py --configs 1b --json-out opt.json
@@ -44,8 +44,7 @@ def param_shapes(config: str) -> list[tuple[tuple[int, ...], bool]]:
 
 def run_config(config: str, device_name: str, iters: int, warmup: int) -> list[dict]:
     import torch
-    from optimizer.flat_adamw import (ADAMW_ROWS, SUMSQ_ROWS, ParamGrads, adamw_param_grads, sumsq_param_grads,
-                                      triton_runs_on)
+    from optimizer.flat_adamw import ParamGrads, SUMSQ_ROWS, adamw_param_grads, sumsq_param_grads, triton_runs_on
     device = torch.device(device_name)
 
     def time_call(fn, iters: int, warmup: int) -> float:
@@ -78,12 +77,10 @@ def run_config(config: str, device_name: str, iters: int, warmup: int) -> list[d
     addrs = pg.addresses(pg.grads()) if pg is not None else None
     if pg is not None:
         want = float(sum(x.double().square().sum() for x in grads))  # (torch's bf16 norms: 3 digits)
-        for per in (SUMSQ_ROWS, 1):
-            got = float(sumsq_param_grads(pg, addrs, rows_per_program=per))
-            row("grad norm", f"ours, {per} row(s) a program", time_call(
-                lambda per=per: sumsq_param_grads(pg, addrs, rows_per_program=per), iters, warmup), 2 * n,
-                f"squared norm {abs(got - want) / want:.1e} from the float64 sum"
-                + ("" if per == SUMSQ_ROWS else "; the layout before 2026-11-27"))
+        got = float(sumsq_param_grads(pg, addrs))
+        row("grad norm", f"ours, {SUMSQ_ROWS} rows a program", time_call(
+            lambda: sumsq_param_grads(pg, addrs), iters, warmup), 2 * n,
+            f"squared norm {abs(got - want) / want:.1e} from the float64 sum")
 
     # --- the update. torch's fused AdamW (torch.optim.AdamW(fused=True), what a torch user steps with): fp32
     # parameters, fp32 gradients, fp32 moments (4 + 4 read, 4 written, moments 8 + 8): 28 bytes a parameter; it
@@ -101,20 +98,18 @@ def run_config(config: str, device_name: str, iters: int, warmup: int) -> list[d
     if pg is not None:
         out = torch.zeros(start, dtype=torch.bfloat16, device=device)
         sumsq = torch.tensor(1.0, device=device)
-        for state, per_param, per in ((torch.float32, 28, ADAMW_ROWS), (torch.float32, 28, 4),
-                                      (torch.bfloat16, 20, ADAMW_ROWS)):
+        for state, per_param in ((torch.float32, 28), (torch.bfloat16, 20)):
             m = torch.zeros(start, dtype=state, device=device)
             v = torch.zeros(start, dtype=state, device=device)
             step = [0]
 
-            def ours(per=per, m=m, v=v) -> None:
+            def ours(m=m, v=v) -> None:
                 step[0] += 1
                 adamw_param_grads(master, pg, addrs, m, v, out, sumsq, lr=1e-4, beta1=0.9, beta2=0.95, eps=1e-8,
-                                  weight_decay=0.1, max_norm=1.0, step=step[0], rows_per_program=per)
+                                  weight_decay=0.1, max_norm=1.0, step=step[0])
             # master 4 + 4, gradient 2, moments (4 or 2) x 2 x 2, bf16 parameters 2
-            row("AdamW", f"ours, one launch, {'fp32' if state == torch.float32 else 'bf16'} moments"
-                + ("" if per == ADAMW_ROWS else f", {per} rows a program"), time_call(ours, iters, warmup),
-                per_param * n, "" if per == ADAMW_ROWS else f"the A/B of ADAMW_ROWS ({ADAMW_ROWS} today)")
+            row("AdamW", f"ours, one launch, {'fp32' if state == torch.float32 else 'bf16'} moments",
+                time_call(ours, iters, warmup), per_param * n)
             del m, v
     return rows
 

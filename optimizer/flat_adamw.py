@@ -45,12 +45,10 @@ except Exception:  # noqa: BLE001 - any import failure means: no Triton
 BLOCK = 1024  # with 8 warps: 4 elements per thread, 48 registers on sm_90 (2048: 115, a third of the occupancy)
 # table rows per program of the sum-of-squares kernels. One row a program made the 1B step's norm kernel 865K
 # programs of 2 KB each: 1.33 ms for 1.8 GB of bf16 gradients on an H200 (1.3 TB/s; docs/gpu/report-95d7ba0-h200.md),
-# the programs' start-up, not the memory, its cost. 8 rows: 16-32 KB a program, like the AdamW kernel's 28 KB a row.
+# the programs' start-up, not the memory, its cost. 8 rows: 16-32 KB a program, like the AdamW kernel's 28 KB a row;
+# measured on an H200 at the 1B shape: 0.755 ms (2.35 TB/s) against 1.179 ms with one row and 0.941 ms for torch's
+# _foreach_norm (bench/bench_optimizer_gpu.py, docs/gpu/report-1908bc2-h200.md).
 SUMSQ_ROWS = 8
-# table rows per program of the one-process AdamW kernel: 1 (one 1024-element row, 28 KB of traffic) until a GPU has
-# measured more (bench/bench_optimizer_gpu.py runs 1 and 4: the 1B step's kernel moved 24.8 GB at 3.6 TB/s on an
-# H200, 75% of its memory's speed, in 865K programs)
-ADAMW_ROWS = 1
 
 
 def triton_runs_on(device: torch.device) -> bool:
@@ -196,10 +194,10 @@ if TRITON_AVAILABLE:
 
     @triton.jit(do_not_specialize=["seed_m", "seed_v"])
     def _adamw_param_grads_kernel(master_ptr, ptrs_ptr, m_ptr, v_ptr, decay_ptr, out_ptr, sumsq_ptr, table_ptr,
-                                  n_rows, lr_wd, beta1, beta2, eps, max_norm, step_size, bc2_sqrt, seed_m, seed_v,
+                                  lr_wd, beta1, beta2, eps, max_norm, step_size, bc2_sqrt, seed_m, seed_v,
                                   GRAD_BF16: tl.constexpr, HAS_OUT: tl.constexpr, OUT_BF16: tl.constexpr,
                                   CLIP: tl.constexpr, STATE_BF16: tl.constexpr, ALIGNED: tl.constexpr,
-                                  BLOCK: tl.constexpr, ROWS: tl.constexpr):
+                                  BLOCK: tl.constexpr):
         """One process, gradients where autograd left them (see ParamGrads). Row i of `table` is (buffer start,
         parameter index j, start within the parameter, count <= BLOCK): the master, the moments and the
         low-precision parameters are read and written at the buffer's offsets, the gradient at ptrs[j] + start
@@ -207,27 +205,26 @@ if TRITON_AVAILABLE:
         main_grad), and the decay flag once per row, parameter j's (`decay_ptr`: one byte a parameter, not one an
         element as the other kernels read it). ALIGNED: every buffer start is a multiple of 16 elements (DDP's
         param_alignment), told to the compiler as a hint for wider accesses (whether it uses them is not checked:
-        only the register counts are, scripts/check_triton_cuda.py). A program steps table rows p*ROWS ..
-        p*ROWS+ROWS-1 (those past n_rows: nothing), one after another (ADAMW_ROWS; the element math is the same)."""
+        only the register counts are, scripts/check_triton_cuda.py). One row a program: 4 rows a program ran
+        at 0.84x of this at the 1B shape and 0.89x at 124M on an H200 (bench/bench_optimizer_gpu.py,
+        docs/gpu/report-1908bc2-h200.md)."""
+        row = table_ptr + tl.program_id(0).to(tl.int64) * 4
+        b0 = tl.load(row)
+        if ALIGNED:
+            b0 = tl.multiple_of(b0, 16)
+        j = tl.load(row + 1)
+        o0 = tl.load(row + 2)
+        cnt = tl.load(row + 3)
+        addr, gp = _grad_pointer(ptrs_ptr, j, GRAD_BF16)
         s = tl.load(sumsq_ptr).to(tl.float32)
-        finite = (s * 0.0) == 0.0  # nothing written for a non-finite norm
         r = tl.arange(0, BLOCK)
-        for k in range(ROWS):
-            row, exists = _table_row(table_ptr, k, n_rows, ROWS, 4)
-            b0 = tl.load(row)
-            if ALIGNED:
-                b0 = tl.multiple_of(b0, 16)
-            j = tl.load(row + 1)
-            o0 = tl.load(row + 2)
-            cnt = tl.load(row + 3)
-            addr, gp = _grad_pointer(ptrs_ptr, j, GRAD_BF16)
-            limit = tl.where(finite & exists, cnt, 0)
-            boffs = b0 + r
-            # the gradient at (gp + o0) + r, the low-precision parameter at (out_ptr + b0) + r
-            wd = tl.where(tl.load(decay_ptr + j) != 0, lr_wd, 0.0)
-            _adamw_block(master_ptr, gp + o0, m_ptr, v_ptr, wd, out_ptr + b0, s, boffs, r, boffs, boffs,
-                         r < limit, r < tl.where(addr != 0, limit, 0), beta1, beta2, eps, max_norm, step_size,
-                         bc2_sqrt, seed_m, seed_v, HAS_OUT, OUT_BF16, CLIP, STATE_BF16)
+        limit = tl.where((s * 0.0) == 0.0, cnt, 0)  # nothing written for a non-finite norm
+        boffs = b0 + r
+        # the gradient at (gp + o0) + r, the low-precision parameter at (out_ptr + b0) + r
+        wd = tl.where(tl.load(decay_ptr + j) != 0, lr_wd, 0.0)
+        _adamw_block(master_ptr, gp + o0, m_ptr, v_ptr, wd, out_ptr + b0, s, boffs, r, boffs, boffs,
+                     r < limit, r < tl.where(addr != 0, limit, 0), beta1, beta2, eps, max_norm, step_size,
+                     bc2_sqrt, seed_m, seed_v, HAS_OUT, OUT_BF16, CLIP, STATE_BF16)
 
     @triton.jit
     def _sumsq_param_grads_kernel(ptrs_ptr, table_ptr, out_ptr, n_rows, GRAD_BF16: tl.constexpr,
@@ -495,28 +492,26 @@ class ParamGrads:
         return flat
 
 
-def sumsq_param_grads(pg: ParamGrads, addrs: torch.Tensor, rows_per_program: int = SUMSQ_ROWS) -> torch.Tensor:
+def sumsq_param_grads(pg: ParamGrads, addrs: torch.Tensor) -> torch.Tensor:
     """The Triton path's sum of squares (fp32, 0-d, on the device) of one buffer's parameter gradients: partial
-    sums of `rows_per_program` table rows each, then their sum (two launches). (rows_per_program 1: the layout
-    before 2026-11-27, for bench/bench_optimizer_gpu.py's A/B.)"""
+    sums of SUMSQ_ROWS table rows each, then their sum (two launches)."""
     rows = pg.table.shape[0]
-    programs = triton.cdiv(rows, rows_per_program)
+    programs = triton.cdiv(rows, SUMSQ_ROWS)
     partial = torch.empty(programs, dtype=torch.float32, device=pg.device)
     _sumsq_param_grads_kernel[(programs,)](addrs, pg.table, partial, rows, GRAD_BF16=pg.dtype == torch.bfloat16,
-                                           BLOCK=BLOCK, ROWS=rows_per_program, num_warps=8)
+                                           BLOCK=BLOCK, ROWS=SUMSQ_ROWS, num_warps=8)
     return partial.sum()
 
 
 def adamw_param_grads(master: torch.Tensor, pg: ParamGrads, addrs: torch.Tensor, exp_avg: torch.Tensor,
                       exp_avg_sq: torch.Tensor, param_out, sumsq: torch.Tensor, *, lr: float,
                       beta1: float, beta2: float, eps: float, weight_decay: float, max_norm: float,
-                      step: int, salt: int = 0, rows_per_program: int = ADAMW_ROWS) -> None:
+                      step: int, salt: int = 0) -> None:
     """`adamw_flat`'s Triton kernel with the gradients read at `addrs` (ParamGrads.addresses) instead of from a
     flat buffer and the decay flags per parameter (`pg.decay`); `master`, the moments and `param_out` are the flat
     buffers as in `adamw_flat` (the alignment gaps, which no row covers, keep their zeros)."""
     scalars, options = _launch_args(param_out, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                                     weight_decay=weight_decay, max_norm=max_norm, step=step, salt=salt)
-    rows = pg.table.shape[0]
-    _adamw_param_grads_kernel[(triton.cdiv(rows, rows_per_program),)](
+    _adamw_param_grads_kernel[(pg.table.shape[0],)](
         master, addrs, exp_avg, exp_avg_sq, pg.decay, param_out if param_out is not None else master, sumsq, pg.table,
-        rows, *scalars, GRAD_BF16=pg.dtype == torch.bfloat16, ALIGNED=pg.aligned, ROWS=rows_per_program, **options)
+        *scalars, GRAD_BF16=pg.dtype == torch.bfloat16, ALIGNED=pg.aligned, **options)

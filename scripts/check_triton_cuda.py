@@ -151,28 +151,22 @@ def _optimizer_variants():
     for grad_bf16, out_ty, has_out in ((True, "bf16", True), (False, "fp32", False)):
         for clip in (True, False):
             sig = _adamw_sig(fa._adamw_param_grads_kernel, ptrs_ptr="*i64", m_ptr="*fp32", v_ptr="*fp32",
-                             out_ptr=f"*{out_ty}", table_ptr="*i64", n_rows="i32")
+                             out_ptr=f"*{out_ty}", table_ptr="*i64")
             out.append((f"adamw_param_grads grad={'bf16' if grad_bf16 else 'fp32'} clip={clip}",
                         fa._adamw_param_grads_kernel, sig,
                         dict(GRAD_BF16=grad_bf16, HAS_OUT=has_out, OUT_BF16=has_out and out_ty == "bf16", CLIP=clip,
-                             STATE_BF16=False, ALIGNED=True, BLOCK=fa.BLOCK, ROWS=fa.ADAMW_ROWS), 8))
+                             STATE_BF16=False, ALIGNED=True, BLOCK=fa.BLOCK), 8))
         out.append((f"sumsq_param_grads grad={'bf16' if grad_bf16 else 'fp32'}", fa._sumsq_param_grads_kernel,
                     dict(ptrs_ptr="*i64", table_ptr="*i64", out_ptr="*fp32", n_rows="i32", GRAD_BF16="constexpr",
                          BLOCK="constexpr", ROWS="constexpr"),
                     dict(GRAD_BF16=grad_bf16, BLOCK=fa.BLOCK, ROWS=fa.SUMSQ_ROWS), 8))
-    # the same with 4 rows a program (bench/bench_optimizer_gpu.py's A/B of ADAMW_ROWS)
-    sig = _adamw_sig(fa._adamw_param_grads_kernel, ptrs_ptr="*i64", m_ptr="*fp32", v_ptr="*fp32", out_ptr="*bf16",
-                     table_ptr="*i64", n_rows="i32")
-    out.append(("adamw_param_grads grad=bf16 clip=True rows=4", fa._adamw_param_grads_kernel, sig,
-                dict(GRAD_BF16=True, HAS_OUT=True, OUT_BF16=True, CLIP=True, STATE_BF16=False, ALIGNED=True,
-                     BLOCK=fa.BLOCK, ROWS=4), 8))
     # --optimizer_state_dtype=bf16: the moments read and written as bf16, stored with stochastic rounding
     for name, kernel, types, consts in (
             ("adamw_flat", fa._adamw_flat_kernel, dict(grad_ptr="*fp32", n="i64"), {}),
             ("adamw_segments", fa._adamw_segments_kernel, dict(grad_ptr="*fp32", table_ptr="*i64"),
              dict(MASTER_COMPACT=True)),
-            ("adamw_param_grads", fa._adamw_param_grads_kernel, dict(ptrs_ptr="*i64", table_ptr="*i64", n_rows="i32"),
-             dict(GRAD_BF16=True, ALIGNED=True, ROWS=fa.ADAMW_ROWS))):
+            ("adamw_param_grads", fa._adamw_param_grads_kernel, dict(ptrs_ptr="*i64", table_ptr="*i64"),
+             dict(GRAD_BF16=True, ALIGNED=True))):
         sig = _adamw_sig(kernel, m_ptr="*bf16", v_ptr="*bf16", out_ptr="*bf16", **types)
         out.append((f"{name} moments=bf16", kernel, sig,
                     dict(HAS_OUT=True, OUT_BF16=True, CLIP=True, STATE_BF16=True, BLOCK=fa.BLOCK, **consts), 8))

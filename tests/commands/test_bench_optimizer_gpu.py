@@ -1,6 +1,5 @@
 """bench/bench_optimizer_gpu.py's plumbing on the CPU (its Triton rows in the interpreter): every row is there,
-each with the bytes a parameter its kernel must move, and our norm kernel's result agrees with a float64 sum in both
-layouts. What it measures on a GPU is not tested here (ratios are printed, never asserted)."""
+each with the bytes a parameter its kernel must move, and our norm kernel's result agrees with a float64 sum. What it measures on a GPU is not tested here (ratios are printed, never asserted)."""
 import importlib.util
 import os
 import re
@@ -23,13 +22,11 @@ def test_the_optimizer_bench_runs_every_row_on_cpu(tmp_path, monkeypatch):
                        "--json-out", str(tmp_path / "o.json")])
     got = [(r["kernel"], r["impl"], r["bytes_per_param"]) for r in rows]
     assert got == [("grad norm", "torch _foreach_norm", 2.0),
-                   ("grad norm", f"ours, {SUMSQ_ROWS} row(s) a program", 2.0),
-                   ("grad norm", "ours, 1 row(s) a program", 2.0),
+                   ("grad norm", f"ours, {SUMSQ_ROWS} rows a program", 2.0),
                    ("AdamW", "torch foreach (CPU)", 28.0),
                    ("AdamW", "ours, one launch, fp32 moments", 28.0),
-                   ("AdamW", "ours, one launch, fp32 moments, 4 rows a program", 28.0),
                    ("AdamW", "ours, one launch, bf16 moments", 20.0)]
     assert all(r["ms"] > 0 and r["params"] == rows[0]["params"] > 100_000 for r in rows)
-    for r in rows[1:3]:  # the squared norm in fp32, in another order than the float64 sum
-        assert float(re.search(r"squared norm (\S+) from the float64 sum", r["note"]).group(1)) < 1e-5, r["note"]
-    assert len(bench.ratios(rows)) == 5 and (tmp_path / "o.json").exists()
+    # the squared norm in fp32, in another order than the float64 sum
+    assert float(re.search(r"squared norm (\S+) from the float64 sum", rows[1]["note"]).group(1)) < 1e-5, rows[1]
+    assert len(bench.ratios(rows)) == 3 and (tmp_path / "o.json").exists()

@@ -478,44 +478,6 @@ def test_the_norm_kernels_count_every_row_once_over_several_programs(dtype):
     torch.testing.assert_close(sumsq_param_grads(pg, pg.addresses(grads)).double(), want, rtol=1e-6, atol=0)
 
 
-@pytest.mark.skipif(not triton_runs_on(torch.device("cpu")), reason="needs Triton and TRITON_INTERPRET=1")
-@pytest.mark.parametrize("state", [torch.float32, torch.bfloat16], ids=["fp32-moments", "bf16-moments"])
-def test_the_one_process_kernel_steps_alike_with_several_rows_a_program(state):
-    """adamw_param_grads with 4 table rows a program (9 rows: the last program short) writes the same bits as
-    with one row a program (ADAMW_ROWS's A/B), a parameter without gradient included, and nothing in the gaps."""
-    from optimizer.flat_adamw import BLOCK, ParamGrads, adamw_param_grads
-    g = torch.Generator().manual_seed(12)
-    sizes = [3 * BLOCK + 5, 200, 4 * BLOCK]  # 4 + 1 + 4 = 9 rows
-    params, start = [], 0
-    for n in sizes:
-        params.append((torch.nn.Parameter(torch.zeros(n, dtype=torch.bfloat16)), start))
-        start += n + 11
-    for (p, _), n in zip(params, sizes):
-        p.grad = torch.randn(n, generator=g).to(torch.bfloat16)
-    params[1][0].grad = None
-    decay = (torch.rand(start, generator=g) < 0.5).to(torch.uint8)
-    pg = ParamGrads(params, start, torch.device("cpu"), decay)
-    assert pg.table.shape[0] == 9
-    addrs = pg.addresses(pg.grads())
-    master0 = torch.randn(start, generator=g) * 0.02
-    m0, v0 = (torch.rand(start, generator=g) * 0.01).to(state), (torch.rand(start, generator=g) * 1e-4).to(state)
-    runs = []
-    for per in (1, 4):
-        master, m, v = master0.clone(), m0.clone(), v0.clone()
-        out = torch.full((start,), 7.0, dtype=torch.bfloat16)
-        adamw_param_grads(master, pg, addrs, m, v, out, torch.tensor(40.0), lr=1e-2, beta1=0.9, beta2=0.95,
-                          eps=1e-8, weight_decay=0.1, max_norm=1.0, step=3, rows_per_program=per)
-        runs.append((master, m, v, out))
-    for a, b in zip(*runs):
-        assert torch.equal(a, b)
-    master, _, _, out = runs[1]
-    assert not torch.equal(master, master0)  # it stepped
-    gap = torch.ones(start, dtype=torch.bool)
-    for (p, s0), n in zip(params, sizes):
-        gap[s0:s0 + n] = False
-    assert torch.equal(master[gap], master0[gap]) and bool((out[gap] == 7.0).all())
-
-
 def _zero_engine(flat: str, dtype=torch.bfloat16, fp32_grads=True, zero=True, state_dtype="fp32", grad_clip=0.5):
     from optimizer import OptimizerConfig, build_optimizer
     from optimizer.mixed_precision_optimizer import MixedPrecisionOptimizer
