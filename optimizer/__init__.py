@@ -11,19 +11,34 @@ sharded ZeRO optimizer when `config.use_distributed_optimizer` is set (trap 7: t
 the optimizer state), the unsharded one otherwise. This package never imports parallel/ (it sits below
 it): it steps over the DDP object it is given by duck typing. See docs/parallel.md.
 """
+import importlib
 from typing import Sequence
 
-from optimizer.distributed_optimizer import DistributedOptimizer
-from optimizer.grad_scaler import ConstantScaler, DynamicGradScaler
-from optimizer.mixed_precision_optimizer import MixedPrecisionOptimizer
 from optimizer.optimizer_config import OptimizerConfig
 
+# resolved from their modules on first use: importing the package (and optimizer_config.py, which the trainer's
+# torch-free pre-check reads) loads no torch, as parallel/ does
+_EXPORTS = {
+    "DistributedOptimizer": "optimizer.distributed_optimizer", "MixedPrecisionOptimizer":
+    "optimizer.mixed_precision_optimizer", "DynamicGradScaler": "optimizer.grad_scaler",
+    "ConstantScaler": "optimizer.grad_scaler",
+}
 
-def build_optimizer(ddp_model, config: OptimizerConfig, norm_groups: Sequence = ()) -> MixedPrecisionOptimizer:
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'optimizer' has no attribute {name!r}")
+
+
+def build_optimizer(ddp_model, config: OptimizerConfig, norm_groups: Sequence = ()):
     """norm_groups: process groups of ranks holding other parameters of the model (pipeline stages),
-    over which the gradient norm and the skip decision are global too."""
+    over which the gradient norm and the skip decision are global too. Returns a MixedPrecisionOptimizer
+    (a DistributedOptimizer with `config.use_distributed_optimizer`)."""
     if config.use_distributed_optimizer:
+        from optimizer.distributed_optimizer import DistributedOptimizer
         return DistributedOptimizer(ddp_model, config, norm_groups)
+    from optimizer.mixed_precision_optimizer import MixedPrecisionOptimizer
     return MixedPrecisionOptimizer(ddp_model, config, norm_groups)
 
 

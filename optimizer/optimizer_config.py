@@ -57,13 +57,23 @@ class OptimizerConfig:
         if self.state_dtype not in ("fp32", "bf16"):
             raise ValueError(f"state_dtype must be fp32 or bf16, got {self.state_dtype!r}")
         if self.state_dtype == "bf16":
-            unsupported = [why for on, why in (
-                (self.optimizer == "muon", "optimizer=muon"), (self.zero_stage == 2, "zero_stage=2"),
-                (self.overlap_optim_step, "overlap_optim_step"), (self.precision == "fp16", "precision=fp16"))
-                if on]
+            unsupported = bf16_state_conflicts(self.optimizer, self.precision, self.zero_stage,
+                                               self.overlap_optim_step)
             if unsupported:
                 raise ValueError(f"state_dtype=bf16 (the one-launch AdamW's bf16 moments) cannot be combined with "
-                                 f"{', '.join(unsupported)}")
+                                 f"{', '.join(f'{k}={v}' for k, v in unsupported)}")
         if self.grad_clip < 0:
             raise ValueError("grad_clip must be >= 0")
         self.betas = (float(self.betas[0]), float(self.betas[1]))
+
+
+def bf16_state_conflicts(optimizer: str, precision: str, zero_stage: int,
+                         overlap_optim_step: bool) -> list[tuple[str, object]]:
+    """The settings that AdamW's bf16 moments (state_dtype="bf16") cannot be combined with, as (field, value)
+    pairs, empty when none: the moments live in the one-launch AdamW (optimizer/flat_adamw.py), which steps
+    neither Muon, nor fp16 (its loss scale), nor ZeRO-2, nor a per-bucket overlapped step. OptimizerConfig
+    refuses them; the trainer's torch-free pre-check names them as flags (trainer/config.py)."""
+    return [(k, v) for k, v, on in (
+        ("optimizer", optimizer, optimizer == "muon"), ("precision", precision, precision == "fp16"),
+        ("zero_stage", zero_stage, zero_stage == 2), ("overlap_optim_step", overlap_optim_step, overlap_optim_step))
+        if on]

@@ -17,6 +17,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from optimizer.optimizer_config import bf16_state_conflicts
 from parallel.config import ParallelFlags
 from utils.configurator import flag
 from utils.constants import EXIT_BAD_CONFIG, EXIT_BAD_DATA
@@ -550,13 +551,15 @@ def _choices_and_combinations(cfg: TrainConfig, p: _Problems, torch_free: bool) 
     p.choice("muon_adjust_lr", ("match_rms_adamw", "original"))
     p.choice("optimizer_state_dtype", ("fp32", "bf16"))
     if cfg.optimizer_state_dtype == "bf16":
-        for on, asked in ((cfg.optimizer == "muon", "--optimizer=muon"), (cfg.dtype == "fp16", "--dtype=fp16"),
-                          (cfg.zero_stage == 2, "--zero_stage=2"),
-                          (cfg.overlap_optim_step, "--overlap_optim_step=true"),
-                          (cfg.comm_hook not in ("allreduce", "reduce_scatter"), f"--comm_hook={cfg.comm_hook}")):
-            if on:
-                p.append(f"--optimizer_state_dtype=bf16 cannot be combined with {asked} (the bf16 moments live in "
-                         "the one-launch AdamW, which does not step that)")
+        flags = {"optimizer": "--optimizer=muon", "precision": "--dtype=fp16", "zero_stage": "--zero_stage=2",
+                 "overlap_optim_step": "--overlap_optim_step=true"}
+        asked = [flags[k] for k, _ in bf16_state_conflicts(cfg.optimizer, cfg.dtype, cfg.zero_stage,
+                                                           cfg.overlap_optim_step)]
+        if cfg.comm_hook not in ("allreduce", "reduce_scatter"):  # (a hook is the engine's, not OptimizerConfig's)
+            asked.append(f"--comm_hook={cfg.comm_hook}")
+        for flag in asked:
+            p.append(f"--optimizer_state_dtype=bf16 cannot be combined with {flag} (the bf16 moments live in "
+                     "the one-launch AdamW, which does not step that)")
     cfg.fused_kernels = str(cfg.fused_kernels).lower()
     p.choice("fused_kernels", tuple(KERNEL_CHOICES))
     p.choice("resume", RESUME_CHOICES)
