@@ -557,8 +557,8 @@ def _choices_and_combinations(cfg: TrainConfig, p: _Problems, torch_free: bool) 
                                                            cfg.overlap_optim_step)]
         if cfg.comm_hook not in ("allreduce", "reduce_scatter"):  # (a hook is the engine's, not OptimizerConfig's)
             asked.append(f"--comm_hook={cfg.comm_hook}")
-        for flag in asked:
-            p.append(f"--optimizer_state_dtype=bf16 cannot be combined with {flag} (the bf16 moments live in "
+        for other in asked:
+            p.append(f"--optimizer_state_dtype=bf16 cannot be combined with {other} (the bf16 moments live in "
                      "the one-launch AdamW, which does not step that)")
     cfg.fused_kernels = str(cfg.fused_kernels).lower()
     p.choice("fused_kernels", tuple(KERNEL_CHOICES))
