@@ -19,11 +19,12 @@ decides the goals and nothing else (`--full` runs every row and trainer setting,
   optimizer   in the time the deadline leaves: bench/bench_optimizer_gpu.py, the optimizer step's kernels
               (gradient norm, AdamW with fp32 and bf16 moments) at the 1B and 124M parameter shapes, ours
               beside torch's, with the bytes each moves and its GB/s
+  kernels     then bench/bench_kernels_gpu.py (each fused op alone, every implementation, eager and compiled:
+              whether our kernels beat the references in the mode they run in), as far as the time goes
   profile-1b  then the same profile of the 1B step (each kind's largest kernels)
   bench-ab    in the time the deadline leaves: ours with FP8 at 1B (reported apart from bf16), then the
               A/B rows of choices no GPU has measured yet (AB_BENCH_ROWS), shown in the bench tables beside
               the rows they are compared with (a second call with `--only bench-ab` reaches them)
-  kernels     bench/bench_kernels_gpu.py (each fused op alone), if time is still left
 
 Output (--out-dir, default out/gpu_report): report.md, report.json (raw: every row, run, test) and
 log.txt (every stage's output). Work files (data, runs, checkpoints) go to --work-dir (default
@@ -33,7 +34,7 @@ out/gpu_report_work), never to --out-dir. Running a part again merges into the r
 
     make gpu-report                       # the verdict: <= 9 min on one H100 (--deadline-s 540 by default)
     make gpu-report PART=tests            # one part: tests | bench | bench-124m | bench-1b | train | profile |
-                                          #   optimizer | profile-1b | bench-ab | kernels
+                                          #   optimizer | kernels | profile-1b | bench-ab
     python scripts/gpu_report.py --full   # every row and four trainer runs (~24 min: split it over calls)
     python scripts/gpu_report.py --dry-run-cpu                 # every stage at tiny size on CPU (plumbing)
     python scripts/gpu_report.py --dry-run-cpu --dry-compile=off   # the same without Inductor (faster)
@@ -72,7 +73,7 @@ from utils.checkpoint_layout import checkpoint_root  # noqa: E402
 from scripts.corpus_slice import write_corpus_slice  # noqa: E402
 from utils.publish import atomic_write_text  # noqa: E402
 from utils.proc_tree import become_subreaper, command_line, kill_tree, process_table  # noqa: E402
-STAGES = ("tests", "bench-124m", "bench-1b", "train", "profile", "optimizer", "profile-1b", "bench-ab", "kernels")
+STAGES = ("tests", "bench-124m", "bench-1b", "train", "profile", "optimizer", "kernels", "profile-1b", "bench-ab")
 PARTS = {"tests": ["tests"], "bench": ["bench-124m", "bench-1b"], "bench-124m": ["bench-124m"],
          "bench-1b": ["bench-1b"], "train": ["train"], "profile": ["profile", "profile-1b"],
          "profile-1b": ["profile-1b"], "bench-ab": ["bench-ab"], "optimizer": ["optimizer"], "kernels": ["kernels"],
@@ -84,7 +85,7 @@ PARTS = {"tests": ["tests"], "bench": ["bench-124m", "bench-1b"], "bench-124m": 
 # compiled. The per-op kernel bench (35 s) runs when time is left (--full: always)
 # 2026-11-27 on an H200 (report-a4fb4df-h200): the train stage's two runs took 23.6 + 50.9 s and hit its 75 s; the
 # tests now run on 6 workers (xdist_args), so 30 s of their budget moves to the trainer runs
-# optimizer, profile-1b, bench-ab and kernels run in what the deadline leaves (the verdict's stages first). The
+# optimizer, kernels, profile-1b and bench-ab run in what the deadline leaves (the verdict's stages first). The
 # 1B step was profiled on 2026-11-27 (report-95d7ba0-h200: its norm kernel at 1.3 TB/s, AdamW 6.8 ms of 86); the
 # optimizer's own bench first now (~30 s): what the norm kernel's new layout and bf16 moments do to those kernels.
 # bench-1b 170 -> 150 s on 2026-11-27: its FP8 row moved to bench-ab; its ours and HF rows took 30 + 37 s on an
@@ -339,8 +340,9 @@ def _side_work(ctx: Ctx) -> tuple[list[threading.Thread], dict]:
                 out["prewarm"]["rows"] = load_json(out_json).get("prewarm", [])
         threads.append(threading.Thread(target=prewarm, daemon=True))
     if not ctx.dry and "kernels" in later and not ctx.args.deadline_s:
-        # (only without a deadline: under one the kernels stage comes last and has not run since 2026-11-26, while
-        # this prewarm took 63 s of the CPUs the model rows' prewarm compiles on)
+        # (only without a deadline: under one the kernels stage gets what is left after the optimizer's (~40 s on an
+        # H200 at 1908bc2), and this prewarm took 63 s of the CPUs the model rows' prewarm compiles on; its eager
+        # rows, the mode our Triton kernels run in, need no compile)
         def kernels() -> None:  # the per-op bench's small graphs, compiled once into the caches
             cmd = [ctx.py, "bench/bench_kernels_gpu.py", "--device", ctx.device, "--iters", "1", "--warmup", "0"]
             r = stream_cmd(cmd, max(10.0, ctx.deadline - time.perf_counter() - 5), ctx.log, "[prewarm kernels] ",

@@ -410,7 +410,7 @@ def test_cpu_dry_run_writes_every_section_with_numbers(tmp_path):
     md = (out / "report.md").read_text()
     rep = json.loads((out / "report.json").read_text())
     failures = md[md.find("## Failures"):]
-    stages = ("tests", "bench-124m", "bench-1b", "train", "profile", "optimizer", "profile-1b", "bench-ab", "kernels")
+    stages = ("tests", "bench-124m", "bench-1b", "train", "profile", "optimizer", "kernels", "profile-1b", "bench-ab")
     assert {n: s["status"] for n, s in rep["stages"].items()} == {n: "ok" for n in stages}, failures
     sections = re.split(r"^## ", md, flags=re.M)
     titles = [s.splitlines()[0] for s in sections[1:]]
