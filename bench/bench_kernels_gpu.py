@@ -1,7 +1,12 @@
-"""Per-op GPU benchmark: each fused op of the model (RMSNorm, residual add + RMSNorm, RoPE of q and k, SwiGLU
-of the packed gate/up output), forward + backward, at the 124M and 1B shapes, in every implementation the
-model can run: eager (our Triton kernel, our recomputing autograd Function "torch", the plain reference) and
-compiled (torch.compile of the reference, what Inductor fuses; and of our Triton op inside a graph).
+"""Per-op GPU benchmark: each fused op of the model (the LM head's linear + cross-entropy, RMSNorm, residual
+add + RMSNorm, RoPE of q and k, SwiGLU of the packed gate/up output), forward + backward, at the 124M and 1B
+shapes, in every implementation the model can run: eager (our Triton kernel, our recomputing autograd Function
+"torch", the plain reference) and compiled (torch.compile of the reference, what Inductor fuses; and of our
+Triton op inside a graph). For the loss "triton" is the linear+CE custom op (model/triton_loss.py, chunks sized
+by its memory budget), "torch" the chunked autograd Function (model/loss.py, loss_chunk_size 512 tokens) and
+"reference" the full fp32 logits with F.cross_entropy (compiled: what `auto` runs under compile on CUDA while the
+logits fit 4 GiB; its Inductor forward kernel took 0.73 ms for 1 GB of bf16 logits on both an H100 and an H200,
+~1.4 TB/s: docs/gpu/report-1908bc2-h200.md).
 
 This is what `--fused_kernels=auto` is decided from (model/kernels.py AUTO_EAGER / AUTO_UNDER_COMPILE): per op
 and per mode, the fastest here. Times are the median of --iters CUDA-event-timed iterations after warm-up,
@@ -27,10 +32,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 # tokens, dim, heads, kv heads, head dim, MLP hidden: the bench's 124m / 1b models (model/config.py rules)
-SHAPES = {"124m": dict(tokens=16 * 1024, dim=768, heads=12, kv_heads=12, head_dim=64, hidden=2048, batch=16),
-          "1b": dict(tokens=4 * 2048, dim=2048, heads=16, kv_heads=8, head_dim=128, hidden=5632, batch=4),
-          "tiny": dict(tokens=2 * 64, dim=64, heads=4, kv_heads=2, head_dim=16, hidden=192, batch=2)}
-OPS = ("rms_norm", "add_rms_norm", "rope", "swiglu")
+SHAPES = {"124m": dict(tokens=16 * 1024, dim=768, heads=12, kv_heads=12, head_dim=64, hidden=2048, batch=16,
+                       vocab=32000),
+          "1b": dict(tokens=4 * 2048, dim=2048, heads=16, kv_heads=8, head_dim=128, hidden=5632, batch=4, vocab=32000),
+          "tiny": dict(tokens=2 * 64, dim=64, heads=4, kv_heads=2, head_dim=16, hidden=192, batch=2, vocab=256)}
+OPS = ("loss", "rms_norm", "add_rms_norm", "rope", "swiglu")  # the loss first: the one kernel far off its roofline
 # (mode, implementation): the model's kernel_backend for it, and whether fused at all
 VARIANTS = (("eager", "triton"), ("eager", "torch"), ("eager", "reference"),
             ("compile", "triton"), ("compile", "reference"))
@@ -44,6 +50,10 @@ def _inputs(op: str, s: dict, device):
     def r(*shape, scale=1.0):
         return (torch.randn(*shape, generator=g) * scale).to(device=device, dtype=bf).requires_grad_(True)
     n, d = s["tokens"], s["dim"]
+    if op == "loss":  # hidden, the LM head's weight, labels (a tenth ignored, as padding would be)
+        y = torch.randint(0, s["vocab"], (n,), generator=g)
+        y[torch.rand(n, generator=g) < 0.1] = -100
+        return [r(n, d), r(s["vocab"], d, scale=0.02), y.to(device)]
     if op == "rms_norm":
         return [r(n, d), r(d)]
     if op == "add_rms_norm":
@@ -60,6 +70,14 @@ def _inputs(op: str, s: dict, device):
 
 def _fn(op: str, impl: str):
     from model import kernels
+    if op == "loss":
+        from model import loss as L
+        if impl == "triton":
+            from model.triton_loss import linear_cross_entropy_triton
+            return lambda h, w, y: linear_cross_entropy_triton(h, w, y, "mean", chunk_size=None)
+        if impl == "torch":
+            return lambda h, w, y: L.linear_cross_entropy(h, w, y, "mean", 512)
+        return lambda h, w, y: L.linear_cross_entropy_ref(h, w, y, "mean")
     fused = impl != "reference"
     backend = impl if impl in ("triton", "torch") else "auto"
     if op == "rms_norm":

@@ -443,7 +443,7 @@ def test_cpu_dry_run_writes_every_section_with_numbers(tmp_path):
     assert side["prewarm_train"]["rc"] == 0 and not side["prewarm_train"]["timed_out"], side
     kern = rep["stages"]["kernels"]["data"]["rows"]  # the per-op bench: every op measured in both modes
     assert {(r["op"], r["mode"]) for r in kern if r.get("us", 0) > 0} == {
-        (op, mode) for op in ("rms_norm", "add_rms_norm", "rope", "swiglu") for mode in ("eager", "compile")}
+        (op, mode) for op in ("loss", "rms_norm", "add_rms_norm", "rope", "swiglu") for mode in ("eager", "compile")}
     opt = rep["stages"]["optimizer"]["data"]["rows"]  # the optimizer bench: torch's rows at least (Triton's need
     assert {r["kernel"] for r in opt} == {"grad norm", "AdamW"} and all(r["ms"] > 0 for r in opt)  # the interpreter)
     prof = rep["stages"]["profile"]["data"]
