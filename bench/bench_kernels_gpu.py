@@ -40,6 +40,12 @@ OPS = ("loss", "rms_norm", "add_rms_norm", "rope", "swiglu")  # the loss first: 
 # (mode, implementation): the model's kernel_backend for it, and whether fused at all
 VARIANTS = (("eager", "triton"), ("eager", "torch"), ("eager", "reference"),
             ("compile", "triton"), ("compile", "reference"))
+# the loss's A/B of its softmax kernel's vocabulary tile (model/triton_loss.py MAX_BLOCK_V, 16384 with 16 warps): a
+# row of 32,000 logits in 4,096-element tiles with 8 warps. Compiled for sm_90 (scripts/check_triton_cuda.py), the
+# 16384 tile with gradients takes 123 registers a thread: 512 threads fill an SM's 64K registers, one program (one
+# row) an SM, its tile loads one after another; the 4096 tile takes 48 (5 programs an SM). Unmeasured until a GPU
+# runs this: the default stays until it does
+LOSS_TILES = {"triton-4k": 4096}
 
 
 def _inputs(op: str, s: dict, device):
@@ -72,9 +78,18 @@ def _fn(op: str, impl: str):
     from model import kernels
     if op == "loss":
         from model import loss as L
-        if impl == "triton":
-            from model.triton_loss import linear_cross_entropy_triton
-            return lambda h, w, y: linear_cross_entropy_triton(h, w, y, "mean", chunk_size=None)
+        if impl.startswith("triton"):
+            from model import triton_loss
+            tile = LOSS_TILES.get(impl)
+
+            def lce(h, w, y):
+                saved = triton_loss.MAX_BLOCK_V  # (read at each launch; the mean's backward launches none)
+                triton_loss.MAX_BLOCK_V = tile or saved
+                try:
+                    return triton_loss.linear_cross_entropy_triton(h, w, y, "mean", chunk_size=None)
+                finally:
+                    triton_loss.MAX_BLOCK_V = saved
+            return lce
         if impl == "torch":
             return lambda h, w, y: L.linear_cross_entropy(h, w, y, "mean", 512)
         return lambda h, w, y: L.linear_cross_entropy_ref(h, w, y, "mean")
@@ -172,9 +187,9 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     for shape in args.configs.split(","):
         for op in args.ops.split(","):
-            for mode, impl in VARIANTS:
+            for mode, impl in VARIANTS + ((("eager", "triton-4k"),) if op == "loss" else ()):
                 key = dict(op=op, shape=shape, mode=mode, impl=impl)
-                if impl == "triton" and not cuda:
+                if impl.startswith("triton") and not cuda:
                     rows.append(dict(key, error="no Triton on this device"))
                     continue
                 if args.budget_s and time.perf_counter() - t_start > args.budget_s:
