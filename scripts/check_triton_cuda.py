@@ -90,18 +90,11 @@ def _variants():
         warps = tlo._num_warps_for(block)
         for a in ("bf16", "fp16", "fp32"):
             for lse_in, write_loss, write_grad in ((False, True, True), (False, True, False), (True, False, True)):
-                sig = dict(logits_ptr=f"*{a}", logits_stride="i32", labels_ptr="*i64", scale_ptr="*fp32",
-                           scale_stride="i32", loss_ptr="*fp32", lse_ptr="*fp32", n_cols="i32", ignore_index="i32",
-                           z_loss="fp32", LSE_IN="constexpr", WRITE_LOSS="constexpr", WRITE_GRAD="constexpr",
-                           BLOCK_V="constexpr")
                 out.append((f"ce V={vocab} {a} lse_in={lse_in} loss={write_loss} grad={write_grad}",
-                            tlo._ce_chunk_kernel, sig,
+                            tlo._ce_chunk_kernel, _ce_sig(a),
                             dict(LSE_IN=lse_in, WRITE_LOSS=write_loss, WRITE_GRAD=write_grad, BLOCK_V=block), warps))
     # the GPU per-op bench's A/B of the tile (bench/bench_kernels_gpu.py LOSS_TILES): 4096 with 8 warps, bf16 logits
-    sig = dict(logits_ptr="*bf16", logits_stride="i32", labels_ptr="*i64", scale_ptr="*fp32", scale_stride="i32",
-               loss_ptr="*fp32", lse_ptr="*fp32", n_cols="i32", ignore_index="i32", z_loss="fp32",
-               LSE_IN="constexpr", WRITE_LOSS="constexpr", WRITE_GRAD="constexpr", BLOCK_V="constexpr")
-    out.append(("ce V=32000 bf16 tile=4096 lse_in=False loss=True grad=True", tlo._ce_chunk_kernel, sig,
+    out.append(("ce V=32000 bf16 tile=4096 lse_in=False loss=True grad=True", tlo._ce_chunk_kernel, _ce_sig("bf16"),
                 dict(LSE_IN=False, WRITE_LOSS=True, WRITE_GRAD=True, BLOCK_V=4096), tlo._num_warps_for(4096)))
     return out + _optimizer_variants()
 
@@ -113,6 +106,13 @@ def _adamw_sig(kernel, **types) -> dict:
                   bc2_sqrt="fp32", seed_m="i32", seed_v="i32", decay_ptr="*u8", sumsq_ptr="*fp32", master_ptr="*fp32")
     merged = {**common, **types}
     return {a: merged.get(a, "constexpr") for a in kernel.arg_names}
+
+
+def _ce_sig(a: str) -> dict:
+    """model/triton_loss.py _ce_chunk_kernel's signature for logits of dtype `a`."""
+    return dict(logits_ptr=f"*{a}", logits_stride="i32", labels_ptr="*i64", scale_ptr="*fp32", scale_stride="i32",
+                loss_ptr="*fp32", lse_ptr="*fp32", n_cols="i32", ignore_index="i32", z_loss="fp32",
+                LSE_IN="constexpr", WRITE_LOSS="constexpr", WRITE_GRAD="constexpr", BLOCK_V="constexpr")
 
 
 def _optimizer_variants():
