@@ -141,6 +141,9 @@ def _trainer_cases(args: list[str], run, tmp) -> list[tuple[str, list[str]]]:
         ("pipeline_combination", [*args, f"--out_dir={tmp / 'pp'}", "--pipeline_parallel_size=2",
                                   "--tie_embeddings=true"]),
         ("fsdp_with_zero", [*args, f"--out_dir={tmp / 'new'}", "--parallel=fsdp", "--use_distributed_optimizer=true"]),
+        # the optimizer's own rule (optimizer/optimizer_config.py bf16_state_conflicts), read without torch
+        ("bf16_moments_with_muon", [*args, f"--out_dir={tmp / 'new'}", "--optimizer_state_dtype=bf16",
+                                    "--optimizer=muon"]),
     ]
 
 
