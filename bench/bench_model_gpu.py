@@ -444,8 +444,9 @@ def profile_step(config: str, device_name: str, precision: str = "trainer", warm
 
 # ------------------------------------------------------------------------------------------ parent
 def run_capture(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int, str, str, bool]:
-    """(returncode, stdout, stderr, timed_out); the child runs in its own process group, which is killed
-    whole on timeout (Inductor's compile workers included)."""
+    """(returncode, stdout, stderr, timed_out); the child runs in its own session, killed on timeout (or when
+    this process stops early) with every process below it (utils/proc_tree.py kill_tree: Inductor's compile
+    workers included)."""
     from utils.proc_tree import kill_tree
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env,
                          start_new_session=True)
