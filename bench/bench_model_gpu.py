@@ -45,7 +45,10 @@ ours-gradbuf (ours with the gradients copied into DDP's fp32 buffers, MYLLM_GRAD
 process with one micro-batch a step reads them from the parameters: the A/B of that; trainer precision only),
 ours-tce (compiled, the loss as the Triton linear+CE op in one chunk instead of Inductor's full-logits fusion: the
 op computes the loss and both gradients in the forward, one pass over the logits after their matmul, where
-Inductor's two kernels took 1.35 ms per 124M step on an H200; the A/B of that), ours-sync (ours with each step's
+Inductor's two kernels took 1.35 ms per 124M step on an H200; the A/B of that), ours-tce4k (ours-tce with the
+op's softmax kernel in 4096-element tiles with 8 warps instead of 16384 with 16: compiled for sm_90 the default
+tile takes 123 registers a thread, one row per SM with its loads one after another, the 4096 tile 48, five rows an
+SM; the end-to-end A/B of bench/bench_kernels_gpu.py's triton-4k), ours-sync (ours with each step's
 optimizer verdict read inside the step, the host waiting for the gradient norm every step as before 2026-11-27;
 ours leaves it unread, as the trainer reads it a step later: the A/B of that; trainer precision only), ours-bf16m
 (ours with --optimizer_state_dtype=bf16: AdamW's moments in bf16 with stochastic rounding, 8 bytes a parameter less
@@ -91,7 +94,7 @@ CONFIGS = {
                  batch=2, seq=64),
 }
 MODELS = ("ours", "ours-ref", "ours-triton", "hf", "hf-liger", "ours-fp8", "ours-torchadam", "ours-concat",
-          "ours-gradbuf", "ours-tce", "ours-sync", "ours-bf16m")
+          "ours-gradbuf", "ours-tce", "ours-tce4k", "ours-sync", "ours-bf16m")
 PRECISIONS = {"trainer": "bf16 params + fp32 master (trainer)", "autocast": "autocast (fp32 params)"}
 MODES = ("eager", "compile", "compile-cg", "compile-mat")
 DEFAULT_MODES = ("eager", "compile")
@@ -129,7 +132,7 @@ def _build(model_name: str, mcfg: dict, device):
         cfg = ModelConfig(**mcfg)
         ours = Transformer(cfg)
         if model_name in ("ours", "ours-fp8", "ours-torchadam", "ours-concat", "ours-gradbuf", "ours-tce",
-                          "ours-sync", "ours-bf16m"):  # make_step
+                          "ours-tce4k", "ours-sync", "ours-bf16m"):  # make_step
             return ours
         if model_name == "ours-triton":  # our Triton kernels also under torch.compile (auto: references there)
             return Transformer(ModelConfig(**mcfg, kernel_backend="triton"))
@@ -206,10 +209,12 @@ def make_step(config: str, model_name: str, mode: str, precision: str, device):
         kernels.AUTO_UNDER_COMPILE.update(cross_entropy="triton", concat_linear="torch")
     if model_name == "ours-torchadam":  # ours with torch's fused AdamW instead of the one-launch kernel
         os.environ["MYLLM_FLAT_ADAMW"] = "off"
-    if model_name == "ours-tce":  # compiled: the Triton linear+CE op in ONE chunk (logits up to 4 GiB in fp32)
+    if model_name in ("ours-tce", "ours-tce4k"):  # compiled: the Triton linear+CE op in ONE chunk (<= 4 GiB fp32)
         from model import kernels, triton_loss
         kernels.AUTO_UNDER_COMPILE.update(cross_entropy="triton")
         triton_loss.LOSS_CHUNK_BUDGET_BYTES = kernels.REFERENCE_LOSS_MAX_LOGITS_BYTES
+        if model_name == "ours-tce4k":  # its softmax kernel with 4096-element tiles (8 warps), not 16384 (16)
+            triton_loss.MAX_BLOCK_V = 4096
     if model_name == "ours-gradbuf":  # ours with the gradients copied into DDP's fp32 buffers (as before 2026-11-27)
         os.environ["MYLLM_GRADS_ON_PARAMS"] = "off"
     engine = build_engine(model, cfg, device=torch.device(device))
@@ -635,6 +640,8 @@ def markdown_tables(rows: list[dict], peak_table: float, peak_measured: float) -
                       f"{_ratio(best(('ours',)), best(('ours-concat',)))} |")
         ratios.append(f"| {c} | ours / ours-tce (full-logits loss fused by Inductor vs the Triton linear+CE op in "
                       f"one chunk; best rows) | {_ratio(best(('ours',)), best(('ours-tce',)))} |")
+        ratios.append(f"| {c} | ours / ours-tce4k (as ours-tce, the op's softmax kernel in 4096-element tiles, "
+                      f"8 warps; best rows) | {_ratio(best(('ours',)), best(('ours-tce4k',)))} |")
         ratios.append(f"| {c} | ours / ours-gradbuf (gradients read from the parameters, not copied into fp32 "
                       f"buffers; best rows) | {_ratio(best(('ours',)), best(('ours-gradbuf',)))} |")
         ratios.append(f"| {c} | ours / ours-sync (the step's gradient norm read a step later vs inside the step; "

@@ -284,6 +284,27 @@ def test_bench_runs_eager_rows_first_and_the_trainer_setup_first(monkeypatch):
                                      ("1b", "ours", "trainer", "compile"), ("124m", "hf", "autocast", "compile")]
 
 
+def test_bench_tce_rows_set_the_loss_op_and_its_tile(monkeypatch, gr):
+    """ours-tce runs the Triton linear+CE under compile in one chunk with the default tile; ours-tce4k the same
+    with 4096-element tiles (each row is its own process: the settings are the module globals it leaves)."""
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    bench = _load("bench_model_gpu_tce", os.path.join(ROOT, "bench", "bench_model_gpu.py"))
+    from model import kernels, triton_loss
+    default_tile, table, budget = triton_loss.MAX_BLOCK_V, dict(kernels.AUTO_UNDER_COMPILE), \
+        triton_loss.LOSS_CHUNK_BUDGET_BYTES
+    for name, tile in (("ours-tce", default_tile), ("ours-tce4k", 4096)):
+        monkeypatch.setattr(kernels, "AUTO_UNDER_COMPILE", dict(table))
+        monkeypatch.setattr(triton_loss, "MAX_BLOCK_V", default_tile)
+        monkeypatch.setattr(triton_loss, "LOSS_CHUNK_BUDGET_BYTES", budget)
+        assert kernels.AUTO_UNDER_COMPILE["cross_entropy"] != "triton"
+        bench.make_step("tiny", name, "eager", "trainer", "cpu")
+        assert kernels.AUTO_UNDER_COMPILE["cross_entropy"] == "triton", name
+        assert triton_loss.MAX_BLOCK_V == tile, name
+        assert triton_loss.LOSS_CHUNK_BUDGET_BYTES == kernels.REFERENCE_LOSS_MAX_LOGITS_BYTES, name
+    assert default_tile != 4096
+    assert "ours-tce4k" in bench.MODELS and "124m:ours-tce4k:trainer:compile" in gr.AB_BENCH_ROWS.split(",")
+
+
 def test_bench_rows_per_config(gr):
     """--bench-rows "124m=ROWS;1b=ROWS" gives each bench stage its own rows (a config left out: its defaults);
     a plain list applies to every config; an unknown config is refused."""
