@@ -96,15 +96,18 @@ CONFIGS = {
 MODELS = ("ours", "ours-ref", "ours-triton", "hf", "hf-liger", "ours-fp8", "ours-torchadam", "ours-concat",
           "ours-gradbuf", "ours-tce", "ours-tce4k", "ours-sync", "ours-bf16m")
 PRECISIONS = {"trainer": "bf16 params + fp32 master (trainer)", "autocast": "autocast (fp32 params)"}
-MODES = ("eager", "compile", "compile-cg", "compile-mat")
+MODES = ("eager", "compile", "compile-cg", "compile-mat", "compile-cdt")
 DEFAULT_MODES = ("eager", "compile")
 # compile-cg: torch.compile(mode="reduce-overhead") = the trainer's --compile_mode=reduce-overhead (the forward
 # and backward replayed as CUDA graphs; the optimizer step outside them)
 # compile-mat: mode="max-autotune-no-cudagraphs" = --compile_mode=max-autotune-no-cudagraphs (Inductor benchmarks its
 # Triton matmul templates against cuBLAS per shape and can fuse neighbouring pointwise ops into a template's epilogue;
 # minutes of compile, so only on request: --rows ours:trainer:compile-mat with a longer --timeout)
+# compile-cdt: compile with Inductor's coordinate-descent tuning = the trainer's --compile_tuning=true (each generated
+# Triton kernel's block sizes and warps timed around the heuristic's pick while compiling; the matmuls stay cuBLAS)
 COMPILE_KW = {"eager": None, "compile": {}, "compile-cg": {"mode": "reduce-overhead"},
-              "compile-mat": {"mode": "max-autotune-no-cudagraphs"}}
+              "compile-mat": {"mode": "max-autotune-no-cudagraphs"},
+              "compile-cdt": {"options": {"coordinate_descent_tuning": True}}}
 # (model, precision) in the order rows run within a mode: the trainer's own setup and HF's default first
 PRIORITY = (("ours", "trainer"), ("hf", "autocast"), ("ours", "autocast"), ("ours-ref", "trainer"),
             ("hf", "trainer"), ("hf-liger", "autocast"), ("ours-ref", "autocast"), ("hf-liger", "trainer"),
@@ -201,6 +204,7 @@ def make_step(config: str, model_name: str, mode: str, precision: str, device):
     model.to(dtype=torch.bfloat16)
     cfg = TrainConfig(dtype="bf16", device=torch.device(device).type, compile=mode != "eager",
                       compile_mode=COMPILE_KW[mode].get("mode", "default") if COMPILE_KW[mode] else "default",
+                      compile_tuning=mode == "compile-cdt",
                       learning_rate=LR, batch_size=B, max_seq_len=T,
                       float8="tensorwise" if model_name == "ours-fp8" else "off",
                       optimizer_state_dtype="bf16" if model_name == "ours-bf16m" else "fp32")
@@ -650,6 +654,8 @@ def markdown_tables(rows: list[dict], peak_table: float, peak_measured: float) -
                       f"{_ratio(best(('ours-bf16m',)), best(('hf', 'hf-liger')))} |")
         ratios.append(f"| {c} | ours-bf16m / ours (AdamW's moments in bf16 vs fp32; best rows) | "
                       f"{_ratio(best(('ours-bf16m',)), best(('ours',)))} |")
+        ratios.append(f"| {c} | ours compile-cdt / ours compile (Inductor's coordinate-descent tuning; trainer) | "
+                      f"{_ratio(get('ours', 'trainer', 'compile-cdt'), get('ours', 'trainer', 'compile'))} |")
         for md in MODES:
             ratios.append(f"| {c} | ours trainer / HF autocast = HF Trainer's bf16 ({md}) | "
                        f"{_ratio(get('ours', 'trainer', md), get('hf', 'autocast', md))} |")

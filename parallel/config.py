@@ -122,6 +122,10 @@ class ParallelFlags:
                            "max-autotune-no-cudagraphs); reduce-overhead and max-autotune replay the compiled forward "
                            "and backward as CUDA graphs on a GPU (Inductor's cudagraph trees; no effect on CPU); the "
                            "optimizer step stays outside the graphs")
+    compile_tuning: bool = _f(False, "with --compile=true: Inductor's coordinate-descent tuning: while compiling, each "
+                              "generated Triton kernel's block sizes and warps are timed on the GPU around the "
+                              "heuristic's pick (longer compile; Inductor's CPU kernels are not tuned; the "
+                              "max-autotune modes include it)")
 
 
 @dataclass

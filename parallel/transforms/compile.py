@@ -29,10 +29,19 @@ def compile_in_place(model: nn.Module, **kwargs: Any) -> nn.Module:
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
+def _mode(config: Any) -> str:
+    return str(getattr(config, "compile_mode", "default") or "default")
+
+
 def compile_kwargs(config: Any) -> dict:
-    """torch.compile's keyword arguments for --compile_mode ("default": none)."""
-    mode = str(getattr(config, "compile_mode", "default") or "default")
-    return {} if mode == "default" else {"mode": mode}
+    """torch.compile's keyword arguments for --compile_mode ("default": none) and --compile_tuning. torch.compile
+    takes a mode or an options dict, not both: with tuning the mode's own options (torch._inductor's
+    list_mode_options) are passed with coordinate_descent_tuning added; the max-autotune modes have it already."""
+    mode = _mode(config)
+    if not bool(getattr(config, "compile_tuning", False)) or mode.startswith("max-autotune"):
+        return {} if mode == "default" else {"mode": mode}
+    from torch._inductor import list_mode_options
+    return {"options": {**list_mode_options(mode), "coordinate_descent_tuning": True}}
 
 
 class _StepMarked(nn.Module):
@@ -86,7 +95,7 @@ def per_block(engine: Any, config: Any) -> bool:
     compiles per block for the same reason). One process has nothing to overlap: it keeps the one graph."""
     if int(getattr(config, "tensor_parallel_size", 1)) > 1:
         return True
-    if str(getattr(config, "compile_mode", "default") or "default") in CUDA_GRAPH_MODES:
+    if _mode(config) in CUDA_GRAPH_MODES:
         return False
     return getattr(engine, "kind", "") == "ddp" and int(getattr(engine.model, "world_size", 1)) > 1
 
@@ -100,6 +109,6 @@ def apply(engine: Any, mesh: Any, config: Any) -> None:
         compile_blocks(engine.module, **kw)  # the forward model stays the module: each block is compiled
     else:
         compiled = torch.compile(engine.model, **kw)
-        if kw.get("mode") in CUDA_GRAPH_MODES:
+        if _mode(config) in CUDA_GRAPH_MODES:
             compiled = _StepMarked(compiled)
         engine.forward_model = compiled

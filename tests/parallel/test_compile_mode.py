@@ -29,18 +29,31 @@ def test_a_bad_compile_mode_is_refused_in_one_line():
                           tensor_parallel_size=2).problems(2) == []
 
 
-@pytest.mark.parametrize("mode,marks", [("default", False), ("reduce-overhead", True), ("max-autotune", True),
-                                        ("max-autotune-no-cudagraphs", False)])
-def test_the_mode_reaches_torch_compile_and_cuda_graph_modes_mark_each_micro_batch(monkeypatch, mode, marks):
+# (mode, --compile_tuning, the marks, torch.compile's keywords): tuning passes the mode's own Inductor options with
+# coordinate-descent tuning added (torch.compile takes a mode or options, not both); max-autotune has it already
+MODE_CASES = [
+    ("default", False, False, {}), ("reduce-overhead", False, True, {"mode": "reduce-overhead"}),
+    ("max-autotune", False, True, {"mode": "max-autotune"}),
+    ("max-autotune-no-cudagraphs", False, False, {"mode": "max-autotune-no-cudagraphs"}),
+    ("default", True, False, {"options": {"coordinate_descent_tuning": True}}),
+    ("reduce-overhead", True, True, {"options": {"triton.cudagraphs": True, "coordinate_descent_tuning": True}}),
+    ("max-autotune", True, True, {"mode": "max-autotune"}),
+]
+
+
+@pytest.mark.parametrize("mode,tuning,marks,kw", MODE_CASES)
+def test_the_mode_reaches_torch_compile_and_cuda_graph_modes_mark_each_micro_batch(monkeypatch, mode, tuning, marks,
+                                                                                   kw):
     seen, begins = [], []
     monkeypatch.setattr(torch, "compile", lambda model, **kw: (seen.append(kw), model)[1])
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: begins.append(1))
     torch.manual_seed(0)
     model = Transformer(ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4, multiple_of=16, max_seq_len=16))
-    cfg = TrainConfig(device="cpu", compile=True, compile_mode=mode, gradient_accumulation_steps=3)
+    cfg = TrainConfig(device="cpu", compile=True, compile_mode=mode, compile_tuning=tuning,
+                      gradient_accumulation_steps=3)
     device = torch.device("cpu")
     engine = build_engine(model, cfg, device=device)
-    assert seen == [{} if mode == "default" else {"mode": mode}]
+    assert seen == [kw]
     g = torch.Generator().manual_seed(0)
     batches = [{"input_ids": (x := torch.randint(0, 64, (2, 16), generator=g)), "labels": x.clone()}
                for _ in range(3)]
