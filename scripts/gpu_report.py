@@ -22,9 +22,10 @@ decides the goals and nothing else (`--full` runs every row and trainer setting,
   kernels     then bench/bench_kernels_gpu.py (each fused op alone, every implementation, eager and compiled:
               whether our kernels beat the references in the mode they run in), as far as the time goes
   profile-1b  then the same profile of the 1B step (each kind's largest kernels)
-  bench-ab    in the time the deadline leaves: ours with FP8 at 1B (reported apart from bf16), then the
-              A/B rows of choices no GPU has measured yet (AB_BENCH_ROWS), shown in the bench tables beside
-              the rows they are compared with (a second call with `--only bench-ab` reaches them)
+  bench-ab    in the time the deadline leaves: the A/B rows of choices no GPU has measured yet
+              (AB_BENCH_ROWS, ours with FP8 at 1B among them, reported apart from bf16), shown in the bench
+              tables beside the rows they are compared with; a second call with `--only bench-ab` on the same
+              --out-dir runs the rows the first did not measure
 
 Output (--out-dir, default out/gpu_report): report.md, report.json (raw: every row, run, test) and
 log.txt (every stage's output). Work files (data, runs, checkpoints) go to --work-dir (default
@@ -46,7 +47,9 @@ On a device lent for minutes (each call may start from a bare machine with an em
         --git-rev REV
 (REV: `git rev-parse --short HEAD` here: the device's copy of the tree may have no .git). --deadline-s ends
 the last stage in time to write the report. `--full` splits over calls with --only, and the reports merge
-here with --merge.
+here with --merge. Two calls on one warm machine can share one report: give both `--out-dir /tmp/grr` (it
+stays on the machine between calls) and copy it under $OUT after each (`cp -r /tmp/grr $OUT/r`); the second
+(`--only bench-ab,kernels`) then leaves out the A/B rows the first measured.
 """
 from __future__ import annotations
 
@@ -313,6 +316,7 @@ class Ctx:
         self.deadline = 0.0  # perf_counter() by which the stage must end
         self.names: list[str] = []  # the stages this invocation runs
         self.supervise = False  # end what a stage left running (end_strays): the command line's run only
+        self.measured: set = set()  # row keys (_row_key) measured by an earlier call whose report this one resumes
 
 
 def _side_work(ctx: Ctx) -> tuple[list[threading.Thread], dict]:
@@ -540,9 +544,23 @@ def stage_bench_1b(ctx: Ctx) -> dict:
     return _bench_stage(ctx, "bench-1b")
 
 
+def ab_rows_left(rows: str, measured: set) -> str:
+    """The A/B rows (config:model:precision:mode,...) an earlier call of the report being resumed has not measured:
+    a second call on the same --out-dir goes on where the first one's time ran out."""
+    return ",".join(r for r in rows.split(",") if r and tuple(r.split(":")) not in measured)
+
+
 def stage_bench_ab(ctx: Ctx) -> dict:
-    """The A/B rows (AB_BENCH_ROWS) in the time left: each beside the verdict's row it is compared with."""
-    return _bench_stage(ctx, "bench-ab", configs="124m,1b", rows=DRY_AB_ROWS if ctx.dry else AB_BENCH_ROWS)
+    """The A/B rows (AB_BENCH_ROWS) in the time left, those a resumed report measured left out: each beside the
+    verdict's row it is compared with."""
+    planned = DRY_AB_ROWS if ctx.dry else AB_BENCH_ROWS
+    rows = ab_rows_left(planned, ctx.measured)
+    done = [r for r in planned.split(",") if r not in rows.split(",")]
+    if done:
+        ctx.log(f"[bench-ab] measured by an earlier call of this report, not run again: {', '.join(done)}")
+    if not rows:
+        return {"status": "ok", "rc": 0, "cmd": "", "data": {"meta": {}, "rows": []}, "error_tail": []}
+    return _bench_stage(ctx, "bench-ab", configs="124m,1b", rows=rows)
 
 
 def prepare_data(ctx: Ctx, seq: int) -> dict:
@@ -1216,6 +1234,8 @@ def main(argv: Optional[list[str]] = None, supervise: bool = False) -> int:
     ctx.supervise = supervise
     deadline = args.deadline_s - (time.perf_counter() - t0) if args.deadline_s else 0
     old_stages = dict(report.get("stages", {}))
+    ctx.measured = {_row_key(r) for name, st in old_stages.items() if name.startswith("bench")
+                    for r in st.get("data", {}).get("rows", []) if "tokens_per_s" in r}
 
     def on_done(name: str, st: dict) -> None:
         report["stages"][name] = merge_stage(old_stages.get(name), st, name)

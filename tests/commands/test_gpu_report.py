@@ -239,6 +239,34 @@ def test_bench_rows_merge_by_key_and_reports_merge(gr, tmp_path):
     assert "| 124m | ours / HF (trainer, eager) | 2.00x |" in md
 
 
+def test_a_second_call_on_the_same_report_runs_only_the_ab_rows_not_yet_measured(gr, tmp_path, monkeypatch):
+    first, second = "tiny:ours-gradbuf:trainer:eager", "tiny:ours-sync:trainer:eager"
+    monkeypatch.setattr(gr, "DRY_AB_ROWS", f"{first},{second}")
+    monkeypatch.setattr(gr, "collect_meta", lambda args, env: {"date": "d", "gpu": "test", "dry_run_cpu": True})
+    asked, budget = [], {"rows": 1}  # each call measures this many of the rows it is given, the rest "not run"
+
+    def fake_bench(ctx, name, configs="", rows=None):
+        asked.append(rows)
+        out = []
+        for i, r in enumerate(rows.split(",")):
+            c, m, p, md = r.split(":")
+            row = dict(config=c, model=m, precision=p, mode=md)
+            out.append(dict(row, tokens_per_s=100 + i, step_ms=1.0, compile_s=0.1, peak_mem_gib=0.1, first_loss=6.0,
+                            flops_per_token=1e6) if i < budget["rows"] else dict(row, skipped="not run: budget"))
+        return {"status": "partial", "rc": 0, "cmd": "bench", "data": {"meta": {}, "rows": out}, "error_tail": []}
+    monkeypatch.setattr(gr, "_bench_stage", fake_bench)
+    out = tmp_path / "report"
+    call = ["--dry-run-cpu", "--only", "bench-ab", "--out-dir", str(out), "--work-dir", str(tmp_path / "w")]
+    assert gr.main(call) == 0 and asked == [f"{first},{second}"]
+    assert gr.main(call) == 0 and asked[1:] == [second]  # the first row was measured by the first call
+    assert gr.main(call) == 0 and len(asked) == 2  # both measured: no bench command at all
+    rows = json.loads((out / "report.json").read_text())["stages"]["bench-ab"]["data"]["rows"]
+    assert sorted((r["model"], r["tokens_per_s"]) for r in rows) == [("ours-gradbuf", 100), ("ours-sync", 100)]
+    assert "not run again: " + first in (out / "log.txt").read_text()
+    assert gr.ab_rows_left(f"{first},{second}", set()) == f"{first},{second}"
+    assert gr.main(call + ["--fresh"]) == 0 and asked[2:] == [f"{first},{second}"]  # a fresh report: all again
+
+
 def test_metrics_summary_skips_the_compile_steps(gr, tmp_path):
     recs = [{"step": 1, "loss": 10.0, "tokens_per_sec": 100.0, "tokens_per_sec_avg": 100.0, "mfu": 0.01}]
     recs += [{"step": s, "loss": 10.0 - s / 10, "tokens_per_sec": 1000.0 + s, "tokens_per_sec_avg": 900.0,
