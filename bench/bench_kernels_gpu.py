@@ -41,11 +41,19 @@ OPS = ("loss", "rms_norm", "add_rms_norm", "rope", "swiglu")  # the loss first: 
 VARIANTS = (("eager", "triton"), ("eager", "torch"), ("eager", "reference"),
             ("compile", "triton"), ("compile", "reference"))
 # the loss's A/B of its softmax kernel's vocabulary tile (model/triton_loss.py MAX_BLOCK_V, 16384 with 16 warps): a
-# row of 32,000 logits in 4,096-element tiles with 8 warps. Compiled for sm_90 (scripts/check_triton_cuda.py), the
-# 16384 tile with gradients takes 123 registers a thread: 512 threads fill an SM's 64K registers, one program (one
-# row) an SM, its tile loads one after another; the 4096 tile takes 48 (5 programs an SM). Unmeasured until a GPU
-# runs this: the default stays until it does
-LOSS_TILES = {"triton-4k": 4096}
+# row of 32,000 logits in 4,096-element tiles with 8 warps, or 8,192 with 16. Compiled for sm_90
+# (scripts/check_triton_cuda.py), the 16384 tile with gradients takes 123 registers a thread: 512 threads fill an
+# SM's 64K registers, one program (one row) an SM, its tile loads one after another; the 8192 tile takes 64 (2
+# programs an SM), the 4096 tile 48 (5). Unmeasured until a GPU runs this: the default stays until it does. Run
+# right after the default tile's eager row, before the slower variants, so a short stage still reaches them
+LOSS_TILES = {"triton-4k": 4096, "triton-8k": 8192}
+
+
+def variants(op: str) -> tuple:
+    """(mode, implementation) rows of one op in the order they run: the loss's tile A/B after its eager Triton row."""
+    if op != "loss":
+        return VARIANTS
+    return VARIANTS[:1] + tuple(("eager", t) for t in LOSS_TILES) + VARIANTS[1:]
 
 
 def _inputs(op: str, s: dict, device):
@@ -187,7 +195,7 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     for shape in args.configs.split(","):
         for op in args.ops.split(","):
-            for mode, impl in VARIANTS + ((("eager", "triton-4k"),) if op == "loss" else ()):
+            for mode, impl in variants(op):
                 key = dict(op=op, shape=shape, mode=mode, impl=impl)
                 if impl.startswith("triton") and not cuda:
                     rows.append(dict(key, error="no Triton on this device"))

@@ -93,9 +93,12 @@ def _variants():
                 out.append((f"ce V={vocab} {a} lse_in={lse_in} loss={write_loss} grad={write_grad}",
                             tlo._ce_chunk_kernel, _ce_sig(a),
                             dict(LSE_IN=lse_in, WRITE_LOSS=write_loss, WRITE_GRAD=write_grad, BLOCK_V=block), warps))
-    # the GPU per-op bench's A/B of the tile (bench/bench_kernels_gpu.py LOSS_TILES): 4096 with 8 warps, bf16 logits
-    out.append(("ce V=32000 bf16 tile=4096 lse_in=False loss=True grad=True", tlo._ce_chunk_kernel, _ce_sig("bf16"),
-                dict(LSE_IN=False, WRITE_LOSS=True, WRITE_GRAD=True, BLOCK_V=4096), tlo._num_warps_for(4096)))
+    # the GPU per-op bench's A/B of the tile (bench/bench_kernels_gpu.py LOSS_TILES): 4096 with 8 warps and 8192
+    # with 16, bf16 logits
+    for tile in (4096, 8192):
+        out.append((f"ce V=32000 bf16 tile={tile} lse_in=False loss=True grad=True", tlo._ce_chunk_kernel,
+                    _ce_sig("bf16"), dict(LSE_IN=False, WRITE_LOSS=True, WRITE_GRAD=True, BLOCK_V=tile),
+                    tlo._num_warps_for(tile)))
     return out + _optimizer_variants()
 
 
