@@ -15,7 +15,9 @@ decides the goals and nothing else (`--full` runs every row and trainer setting,
               ratio to the bench rows of the same model, precision and mode
   profile     torch.profiler over two back-to-back COMPILED trainer-precision steps of the 124m model (after
               3 steps): the top 15 kernels by self CUDA time and CUDA time by kind, per step (attention apart
-              from matmuls; profiler annotations are not kernels), and the device timeline's idle gaps
+              from matmuls; profiler annotations are not kernels), the device timeline's idle gaps, and what
+              the speed goal leaves for the kernels this project writes (goal_budget: the step the goal needs
+              against the matmuls' and attention's time)
   optimizer   in the time the deadline leaves: bench/bench_optimizer_gpu.py, the optimizer step's kernels
               (gradient norm, AdamW with fp32 and bf16 moments) at the 1B and 124M parameter shapes, ours
               beside torch's, with the bytes each moves and its GB/s
@@ -896,7 +898,9 @@ def render(report: dict) -> str:
     L += render_tests(stages.get("tests"))
     L += render_bench(stages.get("bench-124m"), stages.get("bench-1b"), stages.get("bench-ab"))
     L += render_train(stages.get("train"), stages.get("bench-124m"))
-    L += render_profile(stages.get("profile"), stages.get("profile-1b"))
+    bench_rows = [r for name in ("bench-124m", "bench-1b", "bench-ab")
+                  for r in (stages.get(name) or {}).get("data", {}).get("rows", [])]
+    L += render_profile(stages.get("profile"), stages.get("profile-1b"), bench_rows)
     L += render_optimizer(stages.get("optimizer"))
     L += render_kernels(stages.get("kernels"))
     L += render_failures(stages)
@@ -1036,16 +1040,56 @@ def render_train(st: Optional[dict], bench: Optional[dict] = None) -> list[str]:
     return L
 
 
-def render_profile(st: Optional[dict], st_1b: Optional[dict] = None) -> list[str]:
+def render_profile(st: Optional[dict], st_1b: Optional[dict] = None, bench_rows: Optional[list] = None) -> list[str]:
     mode = (st or {}).get("data", {}).get("mode", "eager")
     n = (st or {}).get("data", {}).get("steps", 1)
     L = [f"## 4. Profile (`torch.profiler`, {n} back-to-back {mode} trainer step(s) of ours, after 3 warm-up steps;"
          " times per step)", ""] + _not_run(st)
     if st is not None:
-        L += _profile_body(st)
+        L += _profile_body(st) + goal_budget((st or {}).get("data", {}), bench_rows or [])
     if st_1b is not None:  # in the time the deadline left (the stage `profile-1b`)
-        L += ["### The 1B step", ""] + _profile_body(st_1b)
+        L += ["### The 1B step", ""] + _profile_body(st_1b) + goal_budget(st_1b.get("data", {}), bench_rows or [])
     return L
+
+
+# the issue's speed goals: our best bf16 row over the best peer row (HF, HF + Liger), per bench config
+GOAL_RATIO = {"124m": 1.5, "1b": 1.3}
+FIXED_KINDS = ("matmul (cuBLAS / CUTLASS)", "attention (SDPA)")  # library kernels: cuBLAS, cuDNN / flash
+
+
+def goal_budget(prof: dict, rows: list) -> list[str]:
+    """What the speed goal leaves for the kernels we write: the step time the goal needs (tokens per step over
+    GOAL_RATIO x the best peer's tokens/s in the bench rows), against the profiled step's matmul and attention time
+    (library kernels this project does not write) and the rest (Inductor's, ours, the optimizer's, copies) plus the
+    time the device sat idle in the bench's step of the profiled mode. [] without the rows it needs."""
+    config, mode = prof.get("config"), prof.get("mode", "compile")
+    goal = GOAL_RATIO.get(config or "")
+    shape = _bench_module().CONFIGS.get(config or "", {})
+    peers = [r for r in rows if r.get("config") == config and r.get("model") in ("hf", "hf-liger")
+             and r.get("tokens_per_s")]
+    ours = [r for r in rows if _row_key(r) == (config, "ours", prof.get("precision", "trainer"), mode)
+            and r.get("step_ms")]
+    kernels_ms = prof.get("total_self_ms") or 0
+    if not (goal and shape and peers and ours and kernels_ms and prof.get("time_kind", "CUDA") == "CUDA"):
+        return []
+    peer = max(peers, key=lambda r: r["tokens_per_s"])
+    tokens = shape["batch"] * shape["seq"]
+    need = tokens / (goal * peer["tokens_per_s"]) * 1e3
+    step = ours[0]["step_ms"]
+    fixed = sum(c["ms"] for c in prof.get("categories", []) if c.get("category") in FIXED_KINDS)
+    rest = kernels_ms - fixed + max(0.0, step - kernels_ms)
+    head = (f"**What the goal leaves** ({config}: {goal}x the best peer, {peer['model']} {peer['mode']} at "
+            f"{peer['tokens_per_s']:,} tokens/s): a step of {need:.2f} ms for {tokens:,} tokens; ours ({mode}, bench "
+            f"row) took {step:.2f} ms. Matmuls and attention (cuBLAS, cuDNN) took {fixed:.2f} ms of the profiled "
+            f"step's {kernels_ms:.2f} ms of kernels; the rest, with the {max(0.0, step - kernels_ms):.2f} ms the "
+            f"device sat idle in the bench's step, {rest:.2f} ms. ")
+    if need <= fixed:
+        return [head + "Matmuls and attention alone exceed the goal's step: no work on the other kernels reaches "
+                "it; it needs faster matmuls or attention (FP8, another attention kernel).", ""]
+    if need >= step:
+        return [head + "The goal is met by this step.", ""]
+    return [head + f"For the goal the rest must fit {need - fixed:.2f} ms: {step - need:.2f} ms less "
+            f"({(step - need) / rest:.0%} of it).", ""]
 
 
 def _profile_body(st: dict) -> list[str]:

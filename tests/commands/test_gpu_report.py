@@ -267,6 +267,40 @@ def test_a_second_call_on_the_same_report_runs_only_the_ab_rows_not_yet_measured
     assert gr.main(call + ["--fresh"]) == 0 and asked[2:] == [f"{first},{second}"]  # a fresh report: all again
 
 
+def test_the_profile_says_what_the_goal_leaves_for_the_kernels_we_write(gr, monkeypatch):
+    """The H200 figures of report-1908bc2: 124M, HF compiled 436,462 tokens/s, so 1.5x needs a 25.03 ms step of
+    16,384 tokens; ours ran 587,435 tokens/s (27.89 ms); matmuls 15.329 + attention 3.679 ms of 26.427 ms of kernels."""
+    prof = {"config": "124m", "precision": "trainer", "mode": "compile", "time_kind": "CUDA", "total_self_ms": 26.427,
+            "categories": [{"category": "matmul (cuBLAS / CUTLASS)", "ms": 15.329},
+                           {"category": "other Triton (Inductor)", "ms": 5.27},
+                           {"category": "attention (SDPA)", "ms": 3.679}]}
+    row = lambda model, mode, tps: dict(config="124m", model=model, precision="trainer" if model == "ours"  # noqa: E731
+                                        else "autocast", mode=mode, tokens_per_s=tps,
+                                        step_ms=round(16384 / tps * 1e3, 2))
+    rows = [row("ours", "compile", 587435), row("hf", "compile", 436462), row("hf-liger", "eager", 244539),
+            row("ours", "eager", 342930)]
+    text = " ".join(gr.goal_budget(prof, rows))
+    assert "1.5x the best peer, hf compile at 436,462 tokens/s" in text and "a step of 25.03 ms" in text
+    assert "took 27.89 ms" in text and "took 19.01 ms of the profiled step's 26.43 ms" in text
+    # the rest: 26.427 - 19.008 of kernels + 27.89 - 26.427 idle = 8.88 ms; it must fit 25.03 - 19.01 = 6.02 ms
+    assert "idle in the bench's step, 8.88 ms" in text and "must fit 6.02 ms: 2.86 ms less (32% of it)" in text
+    slow_libs = dict(prof, categories=[{"category": "matmul (cuBLAS / CUTLASS)", "ms": 25.5}])
+    assert "alone exceed the goal's step" in " ".join(gr.goal_budget(slow_libs, rows))
+    fast = rows[:1] + [row("hf", "compile", 380000)]
+    assert "The goal is met by this step" in " ".join(gr.goal_budget(prof, fast))
+    assert gr.goal_budget(prof, rows[1:]) == [] and gr.goal_budget(dict(prof, config="tiny"), rows) == []
+    assert gr.goal_budget(dict(prof, time_kind="CPU"), rows) == []
+    # the profile's kinds: cuDNN's SDPA helpers are attention, not "other"
+    bench = gr._bench_module()
+    for name, kind in (("void cudnn::fusion::compute_dot_do_o_specialized<true, 64>(v", "attention (SDPA)"),
+                       ("void cudnn::fusion::convert_dq_to_16bits<true>(void const*, ", "attention (SDPA)"),
+                       ("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26", "attention (SDPA)"),
+                       ("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", "matmul (cuBLAS / CUTLASS)"),
+                       ("triton_poi_fused__unsafe_view_mul_silu_3", "other Triton (Inductor)"),
+                       ("_adamw_param_grads_kernel", "optimizer, foreach (AdamW, clip norms)")):
+        assert bench._category(name, set()) == kind, name
+
+
 def test_metrics_summary_skips_the_compile_steps(gr, tmp_path):
     recs = [{"step": 1, "loss": 10.0, "tokens_per_sec": 100.0, "tokens_per_sec_avg": 100.0, "mfu": 0.01}]
     recs += [{"step": s, "loss": 10.0 - s / 10, "tokens_per_sec": 1000.0 + s, "tokens_per_sec_avg": 900.0,
