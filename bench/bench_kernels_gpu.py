@@ -41,11 +41,11 @@ OPS = ("loss", "rms_norm", "add_rms_norm", "rope", "swiglu")  # the loss first: 
 VARIANTS = (("eager", "triton"), ("eager", "torch"), ("eager", "reference"),
             ("compile", "triton"), ("compile", "reference"))
 # the loss's A/B of its softmax kernel's vocabulary tile (model/triton_loss.py MAX_BLOCK_V, 16384 with 16 warps): a
-# row of 32,000 logits in 4,096-element tiles with 8 warps, or 8,192 with 16. Compiled for sm_90
-# (scripts/check_triton_cuda.py), the 16384 tile with gradients takes 123 registers a thread: 512 threads fill an
-# SM's 64K registers, one program (one row) an SM, its tile loads one after another; the 8192 tile takes 64 (2
-# programs an SM), the 4096 tile 48 (5). Unmeasured until a GPU runs this: the default stays until it does. Run
-# right after the default tile's eager row, before the slower variants, so a short stage still reaches them
+# row of 32,000 logits in 4,096-element tiles with 8 warps, or 8,192 with 16. Compiled for sm_90 as the launcher
+# specializes it (scripts/check_triton_cuda.py: 16-byte vectors), the 16384 tile with gradients takes 64 registers
+# a thread (2 rows an SM), 8192 40 (3), 4096 32 (8). (An unspecialized compile had said 123 for 16384, one row an
+# SM: the reason this A/B was added; its figures were wrong.) Unmeasured until a GPU runs this: the default stays
+# until it does. Run right after the default tile's eager row, before the slower variants
 LOSS_TILES = {"triton-4k": 4096, "triton-8k": 8192}
 
 

@@ -47,8 +47,8 @@ ours-tce (compiled, the loss as the Triton linear+CE op in one chunk instead of 
 op computes the loss and both gradients in the forward, one pass over the logits after their matmul, where
 Inductor's two kernels took 1.35 ms per 124M step on an H200; the A/B of that), ours-tce4k (ours-tce with the
 op's softmax kernel in 4096-element tiles with 8 warps instead of 16384 with 16: compiled for sm_90 the default
-tile takes 123 registers a thread, one row per SM with its loads one after another, the 4096 tile 48, five rows an
-SM; the end-to-end A/B of bench/bench_kernels_gpu.py's triton-4k), ours-sync (ours with each step's
+tile takes 64 registers a thread, two rows an SM, the 4096 tile 32, eight; the end-to-end A/B of
+bench/bench_kernels_gpu.py's triton-4k), ours-sync (ours with each step's
 optimizer verdict read inside the step, the host waiting for the gradient norm every step as before 2026-11-27;
 ours leaves it unread, as the trainer reads it a step later: the A/B of that; trainer precision only), ours-bf16m
 (ours with --optimizer_state_dtype=bf16: AdamW's moments in bf16 with stochastic rounding, 8 bytes a parameter less

@@ -30,6 +30,7 @@ read a value back to the host.
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -42,7 +43,8 @@ try:  # optional: CUDA machines have it; the CPU runs it only in the interpreter
 except Exception:  # noqa: BLE001 - any import failure means: no Triton
     TRITON_AVAILABLE = False
 
-BLOCK = 1024  # with 8 warps: 4 elements per thread, 48 registers on sm_90 (2048: 115, a third of the occupancy)
+BLOCK = 1024  # with 8 warps: 4 elements per thread, 40-48 registers on sm_90 (2048 took 115 in a compile without
+# the launcher's specialization, scripts/check_triton_cuda.py before 2026-11-27: a third of the occupancy)
 # table rows per program of the sum-of-squares kernels. One row a program made the 1B step's norm kernel 865K
 # programs of 2 KB each: 1.33 ms for 1.8 GB of bf16 gradients on an H200 (1.3 TB/s; docs/gpu/report-95d7ba0-h200.md),
 # the programs' start-up, not the memory, its cost. 8 rows: 16-32 KB a program, like the AdamW kernel's 28 KB a row;
@@ -203,19 +205,21 @@ if TRITON_AVAILABLE:
         low-precision parameters are read and written at the buffer's offsets, the gradient at ptrs[j] + start
         (ptrs[j] == 0: no gradient reached the parameter this step, read as zeros, like the buffer path's zeroed
         main_grad), and the decay flag once per row, parameter j's (`decay_ptr`: one byte a parameter, not one an
-        element as the other kernels read it). ALIGNED: every buffer start is a multiple of 16 elements (DDP's
-        param_alignment), told to the compiler as a hint for wider accesses (whether it uses them is not checked:
-        only the register counts are, scripts/check_triton_cuda.py). One row a program: 4 rows a program ran
+        element as the other kernels read it). ALIGNED (GradAddresses.aligned): every row's buffer start, start
+        within the parameter and count are multiples of 16 elements and the gradient's address of 16 bytes, told to
+        the compiler, which then reads and writes 16-byte vectors (the PTX is checked in the tests); without it
+        every access is one element an instruction. One row a program: 4 rows a program ran
         at 0.84x of this at the 1B shape and 0.89x at 124M on an H200 (bench/bench_optimizer_gpu.py,
         docs/gpu/report-1908bc2-h200.md)."""
         row = table_ptr + tl.program_id(0).to(tl.int64) * 4
         b0 = tl.load(row)
-        if ALIGNED:
-            b0 = tl.multiple_of(b0, 16)
         j = tl.load(row + 1)
         o0 = tl.load(row + 2)
         cnt = tl.load(row + 3)
         addr, gp = _grad_pointer(ptrs_ptr, j, GRAD_BF16)
+        if ALIGNED:  # (inline: a hint returned from a @triton.jit helper is lost, and with it the vectors)
+            b0, o0, cnt = tl.multiple_of(b0, 16), tl.multiple_of(o0, 16), tl.multiple_of(cnt, 16)
+            gp = tl.multiple_of(gp, 16)
         s = tl.load(sumsq_ptr).to(tl.float32)
         r = tl.arange(0, BLOCK)
         limit = tl.where((s * 0.0) == 0.0, cnt, 0)  # nothing written for a non-finite norm
@@ -228,17 +232,20 @@ if TRITON_AVAILABLE:
 
     @triton.jit
     def _sumsq_param_grads_kernel(ptrs_ptr, table_ptr, out_ptr, n_rows, GRAD_BF16: tl.constexpr,
-                                  BLOCK: tl.constexpr, ROWS: tl.constexpr):
+                                  ALIGNED: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
         """out[p] = the sum of squares of the gradient elements of table rows p*ROWS .. p*ROWS+ROWS-1 (the rows
-        past n_rows count nothing; see _adamw_param_grads_kernel and SUMSQ_ROWS)."""
+        past n_rows count nothing; see _adamw_param_grads_kernel and SUMSQ_ROWS). The rows are unrolled
+        (static_range): their table reads and gradient loads can all be in flight at once."""
         r = tl.arange(0, BLOCK)
         acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for k in range(ROWS):
+        for k in tl.static_range(ROWS):
             row, exists = _table_row(table_ptr, k, n_rows, ROWS, 4)
             j = tl.load(row + 1)
             o0 = tl.load(row + 2)
             cnt = tl.load(row + 3)
             addr, gp = _grad_pointer(ptrs_ptr, j, GRAD_BF16)
+            if ALIGNED:  # (see _adamw_param_grads_kernel)
+                o0, cnt, gp = tl.multiple_of(o0, 16), tl.multiple_of(cnt, 16), tl.multiple_of(gp, 16)
             cnt = tl.where(exists & (addr != 0), cnt, 0)
             g = tl.load(gp + o0 + r, mask=r < cnt, other=0.0).to(tl.float32)
             acc += g * g
@@ -459,7 +466,9 @@ class ParamGrads:
         self.dtype = self.params[0].dtype
         if self.dtype not in (torch.bfloat16, torch.float32):
             raise ValueError(f"ParamGrads: {self.dtype} parameters (bf16 or fp32 only)")
-        self.aligned = all(s % 16 == 0 for s in self.starts)  # the kernel's ALIGNED (rows start at s + k*BLOCK)
+        # the kernels' ALIGNED, less the gradients' own addresses (GradAddresses.aligned, each step): every row
+        # starts (s + k*BLOCK in the buffer, k*BLOCK in the parameter) and counts a multiple of 16 elements
+        self.aligned = all(s % 16 == 0 for s in self.starts) and all(p.numel() % 16 == 0 for p in self.params)
         rows = []
         for j, (p, start) in enumerate(params):
             k = torch.arange(0, p.numel(), BLOCK, dtype=torch.int64)
@@ -477,10 +486,13 @@ class ParamGrads:
             out.append(g)
         return out
 
-    def addresses(self, grads: list) -> torch.Tensor:
-        """The gradients' addresses (0 for None), int64 on the device, copied without making the host wait."""
-        host = torch.tensor([g.data_ptr() if g is not None else 0 for g in grads], dtype=torch.int64)
-        return to_device(host, self.device)
+    def addresses(self, grads: list) -> "GradAddresses":
+        """The gradients' addresses (0 for None), int64 on the device, copied without making the host wait, and
+        whether the kernels may read them as 16-byte vectors (every address a multiple of 16 bytes, and the
+        table's rows aligned: `aligned`)."""
+        ptrs = [g.data_ptr() if g is not None else 0 for g in grads]
+        host = torch.tensor(ptrs, dtype=torch.int64)
+        return GradAddresses(to_device(host, self.device), self.aligned and all(a % 16 == 0 for a in ptrs))
 
     def gathered(self, grads: list) -> torch.Tensor:
         """The gradients laid out like the DDP buffer (zeros in its gaps and for parameters without one): what
@@ -492,18 +504,28 @@ class ParamGrads:
         return flat
 
 
-def sumsq_param_grads(pg: ParamGrads, addrs: torch.Tensor) -> torch.Tensor:
+class GradAddresses(NamedTuple):
+    """One step's gradient addresses (ParamGrads.addresses): `tensor` for the kernels; `aligned`, their ALIGNED:
+    every row's offsets, count and gradient address multiples of 16 (elements; bytes for the address), which the
+    compiler is told so that it reads and writes 16-byte vectors (on sm_90 without it every access of these
+    kernels compiled to one element per instruction: tests/optimizer/test_flat_adamw.py reads the PTX)."""
+    tensor: torch.Tensor
+    aligned: bool
+
+
+def sumsq_param_grads(pg: ParamGrads, addrs: GradAddresses) -> torch.Tensor:
     """The Triton path's sum of squares (fp32, 0-d, on the device) of one buffer's parameter gradients: partial
     sums of SUMSQ_ROWS table rows each, then their sum (two launches)."""
     rows = pg.table.shape[0]
     programs = triton.cdiv(rows, SUMSQ_ROWS)
     partial = torch.empty(programs, dtype=torch.float32, device=pg.device)
-    _sumsq_param_grads_kernel[(programs,)](addrs, pg.table, partial, rows, GRAD_BF16=pg.dtype == torch.bfloat16,
-                                           BLOCK=BLOCK, ROWS=SUMSQ_ROWS, num_warps=8)
+    _sumsq_param_grads_kernel[(programs,)](addrs.tensor, pg.table, partial, rows,
+                                           GRAD_BF16=pg.dtype == torch.bfloat16, ALIGNED=addrs.aligned, BLOCK=BLOCK,
+                                           ROWS=SUMSQ_ROWS, num_warps=8)
     return partial.sum()
 
 
-def adamw_param_grads(master: torch.Tensor, pg: ParamGrads, addrs: torch.Tensor, exp_avg: torch.Tensor,
+def adamw_param_grads(master: torch.Tensor, pg: ParamGrads, addrs: GradAddresses, exp_avg: torch.Tensor,
                       exp_avg_sq: torch.Tensor, param_out, sumsq: torch.Tensor, *, lr: float,
                       beta1: float, beta2: float, eps: float, weight_decay: float, max_norm: float,
                       step: int, salt: int = 0) -> None:
@@ -513,5 +535,5 @@ def adamw_param_grads(master: torch.Tensor, pg: ParamGrads, addrs: torch.Tensor,
     scalars, options = _launch_args(param_out, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
                                     weight_decay=weight_decay, max_norm=max_norm, step=step, salt=salt)
     _adamw_param_grads_kernel[(pg.table.shape[0],)](
-        master, addrs, exp_avg, exp_avg_sq, pg.decay, param_out if param_out is not None else master, sumsq, pg.table,
-        *scalars, GRAD_BF16=pg.dtype == torch.bfloat16, ALIGNED=pg.aligned, **options)
+        master, addrs.tensor, exp_avg, exp_avg_sq, pg.decay, param_out if param_out is not None else master, sumsq,
+        pg.table, *scalars, GRAD_BF16=pg.dtype == torch.bfloat16, ALIGNED=addrs.aligned, **options)

@@ -6,8 +6,12 @@ says nothing about registers, spills or shared memory. This script compiles each
 specialisation the model launches at real sizes (dtypes, constexpr flags, block sizes and warp
 counts computed by the launchers' own rules), through Triton's full pipeline: TTIR -> TTGIR -> LLVM
 -> PTX -> cubin with the ptxas bundled in the triton wheel, for the chosen architectures (default
-sm_90 = H100, sm_80 = A100). It prints one row per kernel variant: registers per thread, spill
-bytes and static shared memory from `ptxas -v`. Exit status 1 if any variant fails to compile.
+sm_90 = H100, sm_80 = A100), with pointer arguments 16-byte aligned and integer arguments multiples of 16, as
+Triton's launcher specializes them for torch's allocations and the model's sizes (compiled without that, as this
+script did before 2026-11-27, nothing is known aligned: every access is one element and the register counts differ,
+e.g. 123 instead of 64 for the softmax kernel). It prints one row per kernel variant: registers per thread, spill
+bytes and static shared memory from `ptxas -v`, and the PTX's global loads and stores that are vectors
+(ld.global.v4.b32, ...) and those that move one element. Exit status 1 if any variant fails to compile.
 
     python scripts/check_triton_cuda.py                    # sm_90 and sm_80, all variants
     python scripts/check_triton_cuda.py --archs 90 --json  # machine-readable rows
@@ -165,10 +169,19 @@ def _optimizer_variants():
                         fa._adamw_param_grads_kernel, sig,
                         dict(GRAD_BF16=grad_bf16, HAS_OUT=has_out, OUT_BF16=has_out and out_ty == "bf16", CLIP=clip,
                              STATE_BF16=False, ALIGNED=True, BLOCK=fa.BLOCK), 8))
-        out.append((f"sumsq_param_grads grad={'bf16' if grad_bf16 else 'fp32'}", fa._sumsq_param_grads_kernel,
-                    dict(ptrs_ptr="*i64", table_ptr="*i64", out_ptr="*fp32", n_rows="i32", GRAD_BF16="constexpr",
-                         BLOCK="constexpr", ROWS="constexpr"),
-                    dict(GRAD_BF16=grad_bf16, BLOCK=fa.BLOCK, ROWS=fa.SUMSQ_ROWS), 8))
+        for aligned in (True, False):
+            out.append((f"sumsq_param_grads grad={'bf16' if grad_bf16 else 'fp32'}"
+                        + ("" if aligned else " unaligned"), fa._sumsq_param_grads_kernel,
+                        dict(ptrs_ptr="*i64", table_ptr="*i64", out_ptr="*fp32", n_rows="i32", GRAD_BF16="constexpr",
+                             ALIGNED="constexpr", BLOCK="constexpr", ROWS="constexpr"),
+                        dict(GRAD_BF16=grad_bf16, ALIGNED=aligned, BLOCK=fa.BLOCK, ROWS=fa.SUMSQ_ROWS), 8))
+    # a step whose gradients or parameter sizes are not multiples of 16 (GradAddresses.aligned False): one element
+    # an access
+    sig = _adamw_sig(fa._adamw_param_grads_kernel, ptrs_ptr="*i64", m_ptr="*fp32", v_ptr="*fp32", out_ptr="*bf16",
+                     table_ptr="*i64")
+    out.append(("adamw_param_grads grad=bf16 clip=True unaligned", fa._adamw_param_grads_kernel, sig,
+                dict(GRAD_BF16=True, HAS_OUT=True, OUT_BF16=True, CLIP=True, STATE_BF16=False, ALIGNED=False,
+                     BLOCK=fa.BLOCK), 8))
     # --optimizer_state_dtype=bf16: the moments read and written as bf16, stored with stochastic rounding
     for name, kernel, types, consts in (
             ("adamw_flat", fa._adamw_flat_kernel, dict(grad_ptr="*fp32", n="i64"), {}),
@@ -188,6 +201,7 @@ _QUICK = ("D=8192 x=bf16 w=fp32", "H=64 Hkv=8 D=128 bf16", "swiglu_fwd bf16", "s
           "sumsq_param_grads grad=bf16", "adamw_flat moments=bf16", "adamw_segments moments=bf16",
           "adamw_param_grads moments=bf16")
 _PTXAS_LINE = re.compile(r"Used (\d+) registers")
+_GLOBAL_ACCESS = re.compile(r"\b(?:ld|st)\.global(?:\.[a-z]+)*?(\.v[248])?\.b(?:8|16|32|64)\b")
 _SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 _SMEM = re.compile(r"(\d+) bytes smem")
 
@@ -199,9 +213,16 @@ def compile_variant(kernel, signature: dict, constexprs: dict, num_warps: int, a
     from triton.backends.nvidia.compiler import get_ptxas
     from triton.compiler import ASTSource
 
-    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    # pointer arguments 16-byte aligned and integer ones multiples of 16, as Triton's launcher specializes them at
+    # run time for torch's allocations and the model's sizes (its "D" attribute; an integer that is not a multiple
+    # of 16 there compiles another specialization): without it the compile assumes nothing and no access is ever
+    # a vector
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(kernel.arg_names)
+             if str(signature.get(a, "")).startswith(("*", "i"))}
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
     ptx = k.asm["ptx"]
+    widths = [m.group(1) for m in _GLOBAL_ACCESS.finditer(ptx)]
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.ptx")
         with open(path, "w") as f:
@@ -214,7 +235,9 @@ def compile_variant(kernel, signature: dict, constexprs: dict, num_warps: int, a
     smem = _SMEM.search(log)
     return dict(registers=regs, spill_bytes=int(spill.group(1)) + int(spill.group(2)) if spill else 0,
                 smem_bytes=int(smem.group(1)) if smem else 0, cubin_bytes=len(k.asm["cubin"]),
-                shared_launch=int(getattr(k.metadata, "shared", 0)))
+                shared_launch=int(getattr(k.metadata, "shared", 0)),
+                # global loads/stores in the PTX: vector ones (ld.global.v4.b32, ...) and one element each
+                vector_accesses=sum(1 for w in widths if w), scalar_accesses=sum(1 for w in widths if not w))
 
 
 def main() -> int:
@@ -236,8 +259,9 @@ def main() -> int:
         return 1
     failures = 0
     if not args.json:
-        print("| arch | kernel variant | warps | registers | spill bytes | shared memory |")
-        print("| --- | --- | --- | --- | --- | --- |")
+        print("| arch | kernel variant | warps | registers | spill bytes | shared memory | global accesses: vector / "
+              "scalar |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
     for arch in (int(a) for a in args.archs.split(",")):
         for name, kernel, sig, constexprs, warps in _variants():
             if args.only and args.only not in name:
@@ -253,10 +277,11 @@ def main() -> int:
             if args.json:
                 print(json.dumps(row), flush=True)
             elif "error" in row:
-                print(f"| sm_{arch} | {name} | {warps} | FAILED: {row['error']} | | |", flush=True)
+                print(f"| sm_{arch} | {name} | {warps} | FAILED: {row['error']} | | | |", flush=True)
             else:
                 print(f"| sm_{arch} | {name} | {warps} | {row['registers']} | {row['spill_bytes']} | "
-                      f"{max(row['smem_bytes'], row['shared_launch'])} |", flush=True)
+                      f"{max(row['smem_bytes'], row['shared_launch'])} | {row['vector_accesses']} / "
+                      f"{row['scalar_accesses']} |", flush=True)
     if failures:
         print(f"{failures} kernel variant(s) failed to compile", file=sys.stderr)
     return 1 if failures else 0

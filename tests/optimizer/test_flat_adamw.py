@@ -478,6 +478,49 @@ def test_the_norm_kernels_count_every_row_once_over_several_programs(dtype):
     torch.testing.assert_close(sumsq_param_grads(pg, pg.addresses(grads)).double(), want, rtol=1e-6, atol=0)
 
 
+@pytest.mark.skipif(not triton_runs_on(torch.device("cpu")), reason="needs Triton and TRITON_INTERPRET=1")
+def test_the_kernels_are_told_aligned_only_where_every_row_and_gradient_address_is():
+    """GradAddresses.aligned, each step: the compiler reads 16-byte vectors where it is True (a misaligned vector
+    access is a GPU fault), so it must be False for a gradient at an address that is not a multiple of 16 bytes
+    (a view into another tensor) and for a parameter whose size or buffer start is not a multiple of 16 elements;
+    either way the norm and the update are the same numbers."""
+    from optimizer.flat_adamw import ParamGrads, adamw_param_grads, sumsq_param_grads
+    g = torch.Generator().manual_seed(5)
+
+    def build(sizes, starts):
+        params = [(torch.nn.Parameter(torch.zeros(n, dtype=torch.bfloat16)), s) for n, s in zip(sizes, starts)]
+        for p, _ in params:
+            p.grad = torch.randn(p.numel(), generator=g).to(torch.bfloat16)
+        return ParamGrads(params, starts[-1] + sizes[-1], torch.device("cpu"),
+                          torch.ones(starts[-1] + sizes[-1], dtype=torch.uint8)), params
+
+    pg, params = build([1024 + 32, 64], [0, 1088])
+    assert pg.addresses(pg.grads()).aligned
+    # the second gradient a view one element into a larger tensor: 2 bytes off a 16-byte boundary
+    base = torch.randn(65, generator=g).to(torch.bfloat16)
+    params[1][0].grad = base[1:]
+    grads = pg.grads()
+    assert grads[1].data_ptr() % 16 != 0 and not pg.addresses(grads).aligned
+    odd, _ = build([1024 + 8, 64], [0, 1088])  # a parameter of 1,032 elements: its last row counts 8
+    assert not odd.aligned and not odd.addresses(odd.grads()).aligned
+    assert not build([1024, 64], [0, 1032])[0].aligned  # a buffer start not a multiple of 16
+    # the same numbers either way (the interpreter ignores the hints; this is the kernels' shared code path)
+    fresh = [p.grad.clone() for p, _ in params]  # (kept alive: the kernels read them at their addresses)
+    aligned, unaligned = pg.addresses(fresh), pg.addresses(grads)
+    assert aligned.aligned and not unaligned.aligned
+    assert torch.equal(sumsq_param_grads(pg, aligned), sumsq_param_grads(pg, unaligned))
+    outs = []
+    for addrs in (aligned, unaligned):
+        master = torch.zeros(pg.numel)
+        m, v, out = torch.zeros(pg.numel), torch.zeros(pg.numel), torch.zeros(pg.numel, dtype=torch.bfloat16)
+        adamw_param_grads(master, pg, addrs, m, v, out, torch.tensor(1.0), lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8,
+                          weight_decay=0.1, max_norm=1.0, step=1)
+        outs.append((master, m, v, out))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    assert outs[0][0].abs().sum() > 0
+
+
 def _zero_engine(flat: str, dtype=torch.bfloat16, fp32_grads=True, zero=True, state_dtype="fp32", grad_clip=0.5):
     from optimizer import OptimizerConfig, build_optimizer
     from optimizer.mixed_precision_optimizer import MixedPrecisionOptimizer
