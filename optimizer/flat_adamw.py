@@ -139,15 +139,20 @@ if TRITON_AVAILABLE:
     def _adamw_segments_kernel(master_ptr, grad_ptr, m_ptr, v_ptr, decay_ptr, out_ptr, sumsq_ptr, table_ptr,
                                lr_wd, beta1, beta2, eps, max_norm, step_size, bc2_sqrt, seed_m, seed_v,
                                MASTER_COMPACT: tl.constexpr, HAS_OUT: tl.constexpr, OUT_BF16: tl.constexpr,
-                               CLIP: tl.constexpr, STATE_BF16: tl.constexpr, BLOCK: tl.constexpr):
+                               CLIP: tl.constexpr, STATE_BF16: tl.constexpr, ALIGNED: tl.constexpr,
+                               BLOCK: tl.constexpr):
         """ZeRO: this rank's shards are segments of the DDP buffer. Program i reads row i of `table` (compact
         start, buffer start, count <= BLOCK): the moments and the decay flags are compact (the shards one
         after another), the gradients and the low-precision parameters are read/written at the buffer's own
-        offsets, the fp32 master is compact (MASTER_COMPACT) or the buffer's fp32 parameters themselves."""
+        offsets, the fp32 master is compact (MASTER_COMPACT) or the buffer's fp32 parameters themselves.
+        ALIGNED (Segments.aligned): every row's starts and count are multiples of 16 elements, told to the compiler
+        for 16-byte vector accesses (as in _adamw_param_grads_kernel)."""
         row = table_ptr + tl.program_id(0).to(tl.int64) * 3
         c0 = tl.load(row)
         b0 = tl.load(row + 1)
         cnt = tl.load(row + 2)
+        if ALIGNED:  # (inline: see _adamw_param_grads_kernel)
+            c0, b0, cnt = tl.multiple_of(c0, 16), tl.multiple_of(b0, 16), tl.multiple_of(cnt, 16)
         s = tl.load(sumsq_ptr).to(tl.float32)
         r = tl.arange(0, BLOCK)
         mask = r < tl.where((s * 0.0) == 0.0, cnt, 0)  # nothing written for a non-finite norm
@@ -171,15 +176,20 @@ if TRITON_AVAILABLE:
         return table_ptr + tl.minimum(i, n_rows - 1) * WIDTH, i < n_rows
 
     @triton.jit
-    def _sumsq_segments_kernel(grad_ptr, table_ptr, out_ptr, n_rows, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    def _sumsq_segments_kernel(grad_ptr, table_ptr, out_ptr, n_rows, ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
+                               ROWS: tl.constexpr):
         """out[p] = the sum of squares of the gradients of table rows p*ROWS .. p*ROWS+ROWS-1 (the rows past
-        n_rows count nothing; see _adamw_segments_kernel and SUMSQ_ROWS)."""
+        n_rows count nothing; see _adamw_segments_kernel and SUMSQ_ROWS), the rows unrolled. ALIGNED: see
+        Segments.aligned."""
         r = tl.arange(0, BLOCK)
         acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for k in range(ROWS):
+        for k in tl.static_range(ROWS):
             row, exists = _table_row(table_ptr, k, n_rows, ROWS, 3)
             b0 = tl.load(row + 1)
-            cnt = tl.where(exists, tl.load(row + 2), 0)
+            cnt = tl.load(row + 2)
+            if ALIGNED:  # (inline: see _adamw_param_grads_kernel)
+                b0, cnt = tl.multiple_of(b0, 16), tl.multiple_of(cnt, 16)
+            cnt = tl.where(exists, cnt, 0)
             g = tl.load(grad_ptr + b0 + r, mask=r < cnt, other=0.0).to(tl.float32)
             acc += g * g
         tl.store(out_ptr + tl.program_id(0), tl.sum(acc, axis=0))
@@ -405,6 +415,9 @@ class Segments:
                 for c, b, n in self.spans for k in (torch.arange(0, n, BLOCK, dtype=torch.int64),)]
         self.table = (torch.cat(rows) if rows else torch.zeros(0, 3, dtype=torch.int64)).to(device)
         self.numel = sum(n for _, _, n in self.spans)
+        # the kernels' ALIGNED: every row's compact start, buffer start and count a multiple of 16 elements (the
+        # buckets are padded to world_size x pad_alignment, 64 by default, so the shards usually are)
+        self.aligned = all(c % 16 == 0 and b % 16 == 0 and n % 16 == 0 for c, b, n in self.spans)
 
 
 def sumsq_segments(grad: torch.Tensor, segs: Segments, use_triton: bool) -> torch.Tensor:
@@ -417,7 +430,8 @@ def sumsq_segments(grad: torch.Tensor, segs: Segments, use_triton: bool) -> torc
     rows = segs.table.shape[0]
     programs = triton.cdiv(rows, SUMSQ_ROWS)
     partial = torch.empty(programs, dtype=torch.float32, device=grad.device)
-    _sumsq_segments_kernel[(programs,)](grad, segs.table, partial, rows, BLOCK=BLOCK, ROWS=SUMSQ_ROWS, num_warps=8)
+    _sumsq_segments_kernel[(programs,)](grad, segs.table, partial, rows, ALIGNED=segs.aligned, BLOCK=BLOCK,
+                                        ROWS=SUMSQ_ROWS, num_warps=8)
     return partial.sum()
 
 
@@ -443,7 +457,7 @@ def adamw_segments(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tens
     scalars, options = _launch_args(param_out, exp_avg, exp_avg_sq, step=step, salt=salt, **hyper)
     _adamw_segments_kernel[(segs.table.shape[0],)](
         master, grad, exp_avg, exp_avg_sq, decay, param_out if param_out is not None else master, sumsq,
-        segs.table, *scalars, MASTER_COMPACT=master_compact, **options)
+        segs.table, *scalars, MASTER_COMPACT=master_compact, ALIGNED=segs.aligned, **options)
 
 
 # ------------------------------------------------------------------------------------------ one process: .grad

@@ -144,10 +144,18 @@ def _optimizer_variants():
                              out_ptr=f"*{out_ty}", table_ptr="*i64")
             out.append((f"adamw_segments out={out_ty if has_out else 'none'} clip={clip}", fa._adamw_segments_kernel,
                         sig, dict(MASTER_COMPACT=has_out, HAS_OUT=has_out, OUT_BF16=has_out and out_ty == "bf16",
-                                  CLIP=clip, STATE_BF16=False, BLOCK=fa.BLOCK), 8))
-    out.append(("sumsq_segments", fa._sumsq_segments_kernel,
-                dict(grad_ptr="*fp32", table_ptr="*i64", out_ptr="*fp32", n_rows="i32", BLOCK="constexpr",
-                     ROWS="constexpr"), dict(BLOCK=fa.BLOCK, ROWS=fa.SUMSQ_ROWS), 8))
+                                  CLIP=clip, STATE_BF16=False, ALIGNED=True, BLOCK=fa.BLOCK), 8))
+    # shards whose boundaries are not multiples of 16 elements (Segments.aligned False): one element an access
+    out.append(("adamw_segments out=bf16 clip=True unaligned", fa._adamw_segments_kernel,
+                _adamw_sig(fa._adamw_segments_kernel, grad_ptr="*fp32", m_ptr="*fp32", v_ptr="*fp32", out_ptr="*bf16",
+                           table_ptr="*i64"),
+                dict(MASTER_COMPACT=True, HAS_OUT=True, OUT_BF16=True, CLIP=True, STATE_BF16=False, ALIGNED=False,
+                     BLOCK=fa.BLOCK), 8))
+    for aligned in (True, False):
+        out.append(("sumsq_segments" + ("" if aligned else " unaligned"), fa._sumsq_segments_kernel,
+                    dict(grad_ptr="*fp32", table_ptr="*i64", out_ptr="*fp32", n_rows="i32", ALIGNED="constexpr",
+                         BLOCK="constexpr", ROWS="constexpr"),
+                    dict(ALIGNED=aligned, BLOCK=fa.BLOCK, ROWS=fa.SUMSQ_ROWS), 8))
     # bf16 gradient buffers (--grad_reduce_in_fp32=false): the same kernels, the gradients widened as they are read
     sig = _adamw_sig(fa._adamw_flat_kernel, grad_ptr="*bf16", m_ptr="*fp32", v_ptr="*fp32", out_ptr="*bf16", n="i64")
     out.append(("adamw_flat grad=bf16 out=bf16 clip=True n=i64", fa._adamw_flat_kernel, sig,
@@ -155,11 +163,11 @@ def _optimizer_variants():
     sig = _adamw_sig(fa._adamw_segments_kernel, grad_ptr="*bf16", m_ptr="*fp32", v_ptr="*fp32", out_ptr="*bf16",
                      table_ptr="*i64")
     out.append(("adamw_segments grad=bf16 out=bf16 clip=True", fa._adamw_segments_kernel, sig,
-                dict(MASTER_COMPACT=True, HAS_OUT=True, OUT_BF16=True, CLIP=True, STATE_BF16=False, BLOCK=fa.BLOCK),
-                8))
+                dict(MASTER_COMPACT=True, HAS_OUT=True, OUT_BF16=True, CLIP=True, STATE_BF16=False, ALIGNED=True,
+                     BLOCK=fa.BLOCK), 8))
     out.append(("sumsq over segments, grad=bf16", fa._sumsq_segments_kernel,
-                dict(grad_ptr="*bf16", table_ptr="*i64", out_ptr="*fp32", n_rows="i32", BLOCK="constexpr",
-                     ROWS="constexpr"), dict(BLOCK=fa.BLOCK, ROWS=fa.SUMSQ_ROWS), 8))
+                dict(grad_ptr="*bf16", table_ptr="*i64", out_ptr="*fp32", n_rows="i32", ALIGNED="constexpr",
+                     BLOCK="constexpr", ROWS="constexpr"), dict(ALIGNED=True, BLOCK=fa.BLOCK, ROWS=fa.SUMSQ_ROWS), 8))
     # one process: the gradients read at their addresses (a table of int64, cast to typed pointers in the kernel)
     for grad_bf16, out_ty, has_out in ((True, "bf16", True), (False, "fp32", False)):
         for clip in (True, False):
@@ -186,7 +194,7 @@ def _optimizer_variants():
     for name, kernel, types, consts in (
             ("adamw_flat", fa._adamw_flat_kernel, dict(grad_ptr="*fp32", n="i64"), {}),
             ("adamw_segments", fa._adamw_segments_kernel, dict(grad_ptr="*fp32", table_ptr="*i64"),
-             dict(MASTER_COMPACT=True)),
+             dict(MASTER_COMPACT=True, ALIGNED=True)),
             ("adamw_param_grads", fa._adamw_param_grads_kernel, dict(ptrs_ptr="*i64", table_ptr="*i64"),
              dict(GRAD_BF16=True, ALIGNED=True))):
         sig = _adamw_sig(kernel, m_ptr="*bf16", v_ptr="*bf16", out_ptr="*bf16", **types)

@@ -519,6 +519,14 @@ def test_the_kernels_are_told_aligned_only_where_every_row_and_gradient_address_
     for a, b in zip(*outs):
         assert torch.equal(a, b)
     assert outs[0][0].abs().sum() > 0
+    # ZeRO's shards: aligned where every start and length is a multiple of 16 elements, and the norm the same
+    from optimizer.flat_adamw import Segments, sumsq_segments
+    grad = torch.randn(8 * 1024, generator=g).to(torch.bfloat16)
+    even, odd = Segments([(0, 0, 2048), (2048, 4096, 1040)], grad.device), Segments([(0, 8, 2048)], grad.device)
+    assert even.aligned and not odd.aligned and not Segments([(0, 0, 2050)], grad.device).aligned
+    for segs in (even, odd):
+        want = torch.cat([grad[b:b + n] for _, b, n in segs.spans]).double().square().sum()
+        torch.testing.assert_close(sumsq_segments(grad, segs, True).double(), want, rtol=1e-6, atol=0)
 
 
 def _zero_engine(flat: str, dtype=torch.bfloat16, fp32_grads=True, zero=True, state_dtype="fp32", grad_clip=0.5):
