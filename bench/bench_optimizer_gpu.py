@@ -8,7 +8,9 @@ One process, one microbenchmark each, every row's time the median of --iters CUD
 - the update: torch's fused AdamW (`torch._fused_adamw_` over fp32 parameters and fp32 gradients, no bf16
   copy written back: less than our step does) and our one-launch AdamW reading bf16 gradients at their
   addresses and writing the bf16 parameters, with fp32 and with bf16 moments (one table row a program: 4 ran
-  at 0.84-0.89x of it on an H200, same report).
+  at 0.84-0.89x of it on an H200, same report);
+- the A/B of our two kernels' 16-byte vector accesses (GradAddresses.aligned, since 2026-11-27): each also run
+  told nothing about alignment, one element an access, as every figure before that date was measured.
 
     python bench/bench_optimizer_gpu.py                      # the 1B shapes (886M parameters), then 124M
     python bench/bench_optimizer_gpu.py --configs 1b --json-out opt.json
@@ -44,7 +46,8 @@ def param_shapes(config: str) -> list[tuple[tuple[int, ...], bool]]:
 
 def run_config(config: str, device_name: str, iters: int, warmup: int) -> list[dict]:
     import torch
-    from optimizer.flat_adamw import ParamGrads, SUMSQ_ROWS, adamw_param_grads, sumsq_param_grads, triton_runs_on
+    from optimizer.flat_adamw import (GradAddresses, ParamGrads, SUMSQ_ROWS, adamw_param_grads, sumsq_param_grads,
+                                      triton_runs_on)
     device = torch.device(device_name)
 
     def time_call(fn, iters: int, warmup: int) -> float:
@@ -80,7 +83,13 @@ def run_config(config: str, device_name: str, iters: int, warmup: int) -> list[d
         got = float(sumsq_param_grads(pg, addrs))
         row("grad norm", f"ours, {SUMSQ_ROWS} rows a program", time_call(
             lambda: sumsq_param_grads(pg, addrs), iters, warmup), 2 * n,
-            f"squared norm {abs(got - want) / want:.1e} from the float64 sum")
+            f"squared norm {abs(got - want) / want:.1e} from the float64 sum"
+            + ("" if addrs.aligned else "; NOT aligned: one element an access"))
+        # the A/B of the 16-byte vector accesses (GradAddresses.aligned): the same kernel told nothing, one
+        # element an access, as every step ran before 2026-11-27
+        scalar = GradAddresses(addrs.tensor, False)
+        row("grad norm", f"ours, {SUMSQ_ROWS} rows a program, scalar accesses (before 2026-11-27)", time_call(
+            lambda: sumsq_param_grads(pg, scalar), iters, warmup), 2 * n)
 
     # --- the update. torch's fused AdamW (torch.optim.AdamW(fused=True), what a torch user steps with): fp32
     # parameters, fp32 gradients, fp32 moments (4 + 4 read, 4 written, moments 8 + 8): 28 bytes a parameter; it
@@ -110,6 +119,14 @@ def run_config(config: str, device_name: str, iters: int, warmup: int) -> list[d
             # master 4 + 4, gradient 2, moments (4 or 2) x 2 x 2, bf16 parameters 2
             row("AdamW", f"ours, one launch, {'fp32' if state == torch.float32 else 'bf16'} moments",
                 time_call(ours, iters, warmup), per_param * n)
+            if state == torch.float32:  # the vector accesses' A/B, as for the norm
+
+                def ours_scalar(m=m, v=v) -> None:
+                    step[0] += 1
+                    adamw_param_grads(master, pg, scalar, m, v, out, sumsq, lr=1e-4, beta1=0.9, beta2=0.95,
+                                      eps=1e-8, weight_decay=0.1, max_norm=1.0, step=step[0])
+                row("AdamW", "ours, one launch, fp32 moments, scalar accesses (before 2026-11-27)",
+                    time_call(ours_scalar, iters, warmup), per_param * n)
             del m, v
     return rows
 
@@ -124,6 +141,12 @@ def ratios(rows: list[dict]) -> list[str]:
                     and x["impl"].startswith("torch")), None)
         if ref:
             out.append(f"| {r['config']} | {r['kernel']} | {r['impl']} / {ref['impl']} | {ref['ms'] / r['ms']:.2f}x |")
+        # the vector accesses' A/B: the row against its scalar twin (> 1: the vectors faster)
+        twin = next((x for x in rows if x["config"] == r["config"] and x["kernel"] == r["kernel"]
+                     and x["impl"] == r["impl"] + ", scalar accesses (before 2026-11-27)"), None)
+        if twin:
+            out.append(f"| {r['config']} | {r['kernel']} | {r['impl']} / {twin['impl']} | "
+                       f"{twin['ms'] / r['ms']:.2f}x |")
     return out
 
 
@@ -132,7 +155,8 @@ def markdown(rows: list[dict]) -> str:
          "| --- | --- | --- | --- | --- | --- | --- |"]
     L += [f"| {r['config']} | {r['kernel']} | {r['impl']} | {r['ms']} | {r['gb_per_s']} | {r['bytes_per_param']} | "
           f"{r['note']} |" for r in rows]
-    L += ["", "| config | kernel | speed-up over torch | value |", "| --- | --- | --- | --- |"] + ratios(rows)
+    L += ["", "| config | kernel | speed-up (over torch; the vectors over scalar accesses) | value |",
+          "| --- | --- | --- | --- |"] + ratios(rows)
     return "\n".join(L)
 
 

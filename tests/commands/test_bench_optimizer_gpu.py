@@ -21,12 +21,18 @@ def test_the_optimizer_bench_runs_every_row_on_cpu(tmp_path, monkeypatch):
     rows = bench.main(["--device", "cpu", "--configs", "tiny", "--iters", "1", "--warmup", "0",
                        "--json-out", str(tmp_path / "o.json")])
     got = [(r["kernel"], r["impl"], r["bytes_per_param"]) for r in rows]
+    scalar = " (before 2026-11-27)"
     assert got == [("grad norm", "torch _foreach_norm", 2.0),
                    ("grad norm", f"ours, {SUMSQ_ROWS} rows a program", 2.0),
+                   ("grad norm", f"ours, {SUMSQ_ROWS} rows a program, scalar accesses" + scalar, 2.0),
                    ("AdamW", "torch foreach (CPU)", 28.0),
                    ("AdamW", "ours, one launch, fp32 moments", 28.0),
+                   ("AdamW", "ours, one launch, fp32 moments, scalar accesses" + scalar, 28.0),
                    ("AdamW", "ours, one launch, bf16 moments", 20.0)]
     assert all(r["ms"] > 0 and r["params"] == rows[0]["params"] > 100_000 for r in rows)
-    # the squared norm in fp32, in another order than the float64 sum
+    # the squared norm in fp32, in another order than the float64 sum; the model's gradients aligned (vectors)
     assert float(re.search(r"squared norm (\S+) from the float64 sum", rows[1]["note"]).group(1)) < 1e-5, rows[1]
-    assert len(bench.ratios(rows)) == 3 and (tmp_path / "o.json").exists()
+    assert "NOT aligned" not in rows[1]["note"]
+    # each of ours over torch's (5), and the two vector rows over their scalar twins
+    table = bench.ratios(rows)
+    assert len(table) == 7 and sum("scalar accesses" in t for t in table) == 4 and (tmp_path / "o.json").exists()
