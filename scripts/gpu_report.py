@@ -719,38 +719,33 @@ def stage_profile(ctx: Ctx, config: str = "124m") -> dict:
     return out
 
 
-def stage_kernels(ctx: Ctx) -> dict:
-    """bench/bench_kernels_gpu.py: each fused op, forward + backward, every implementation, eager and compiled."""
-    out_json = os.path.join(ctx.work, "kernels.json")
+def _json_bench_stage(ctx: Ctx, name: str, script: str, args: list[str], dry_args: list[str], measured: str) -> dict:
+    """One bench script that writes its rows to --json-out (`done` once finished): ok when it finished, else
+    "timed out", "partial" (some rows have `measured`) or "failed", as the model bench stages say it."""
+    out_json = os.path.join(ctx.work, f"{name}.json")
     if os.path.exists(out_json):
         os.remove(out_json)
-    cmd = [ctx.py, "bench/bench_kernels_gpu.py", "--device", ctx.device, "--json-out", out_json,
-           "--budget-s", str(max(5, int(ctx.timeout - 15)))]
-    if ctx.dry:
-        cmd += ["--configs", "tiny", "--iters", "2", "--warmup", "1"]
-    r = stream_cmd(cmd, ctx.timeout, ctx.log, "[kernels] ", env=ctx.env)
+    cmd = [ctx.py, script, "--device", ctx.device, "--json-out", out_json] + args + (dry_args if ctx.dry else [])
+    r = stream_cmd(cmd, ctx.timeout, ctx.log, f"[{name}] ", env=ctx.env)
     data = load_json(out_json) if os.path.exists(out_json) else {}
-    measured = [x for x in data.get("rows", []) if "us" in x]
-    ok = r["rc"] == 0 and data.get("done")
-    return {"status": "ok" if ok else ("timed out" if r["timed_out"] else "partial" if measured else "failed"),
+    ok = r["rc"] == 0 and bool(data.get("done"))
+    some = any(measured in x for x in data.get("rows", []))
+    return {"status": "ok" if ok else ("timed out" if r["timed_out"] else "partial" if some else "failed"),
             "rc": r["rc"], "cmd": " ".join(cmd), "data": data, "error_tail": [] if ok else tail(r["output"], 15)}
+
+
+def stage_kernels(ctx: Ctx) -> dict:
+    """bench/bench_kernels_gpu.py: each fused op, forward + backward, every implementation, eager and compiled."""
+    return _json_bench_stage(ctx, "kernels", "bench/bench_kernels_gpu.py",
+                             ["--budget-s", str(max(5, int(ctx.timeout - 15)))],
+                             ["--configs", "tiny", "--iters", "2", "--warmup", "1"], measured="us")
 
 
 def stage_optimizer(ctx: Ctx) -> dict:
     """bench/bench_optimizer_gpu.py: the optimizer step's kernels (gradient norm, AdamW) at the 1B and 124M
     models' parameter shapes, ours beside torch's."""
-    out_json = os.path.join(ctx.work, "optimizer.json")
-    if os.path.exists(out_json):
-        os.remove(out_json)
-    cmd = [ctx.py, "bench/bench_optimizer_gpu.py", "--device", ctx.device, "--json-out", out_json]
-    if ctx.dry:
-        cmd += ["--configs", "tiny", "--iters", "1", "--warmup", "0"]
-    r = stream_cmd(cmd, ctx.timeout, ctx.log, "[optimizer] ", env=ctx.env)
-    data = load_json(out_json) if os.path.exists(out_json) else {}
-    ok = r["rc"] == 0 and bool(data.get("done"))
-    return {"status": "ok" if ok else ("partial" if data.get("rows") else "timed out" if r["timed_out"] else "failed"),
-            "rc": r["rc"],
-            "cmd": " ".join(cmd), "data": data, "error_tail": [] if ok else tail(r["output"], 15)}
+    return _json_bench_stage(ctx, "optimizer", "bench/bench_optimizer_gpu.py", [],
+                             ["--configs", "tiny", "--iters", "1", "--warmup", "0"], measured="ms")
 
 
 STAGE_FUNCS: dict[str, Callable[[Ctx], dict]] = {

@@ -301,6 +301,27 @@ def test_the_profile_says_what_the_goal_leaves_for_the_kernels_we_write(gr, monk
         assert bench._category(name, set()) == kind, name
 
 
+@pytest.mark.parametrize("stage,key", [("kernels", "us"), ("optimizer", "ms")])
+def test_the_json_bench_stages_say_how_they_ended(gr, tmp_path, monkeypatch, stage, key):
+    """The per-op and optimizer stages, as the model bench stages: ok when the script finished its rows, else
+    timed out, partial (some rows measured) or failed; the rows written so far are kept either way."""
+    from types import SimpleNamespace
+    ctx = gr.Ctx(SimpleNamespace(dry_run_cpu=False, work_dir=str(tmp_path)), lambda *a: None, {})
+    ctx.timeout = 60.0
+    cases = [(0, False, True, [{key: 1.0}], "ok"), (-9, True, False, [{key: 1.0}], "timed out"),
+             (1, False, False, [{key: 1.0}, {"error": "x"}], "partial"), (1, False, False, [{"error": "x"}], "failed")]
+    for rc, timed_out, done, rows, want in cases:
+        def fake(cmd, timeout, log, prefix, env=None, rows=rows, done=done, rc=rc, timed_out=timed_out):
+            out = cmd[cmd.index("--json-out") + 1]
+            with open(out, "w") as f:
+                json.dump({"rows": rows, "done": done}, f)
+            return {"rc": rc, "timed_out": timed_out, "output": "tail"}
+        monkeypatch.setattr(gr, "stream_cmd", fake)
+        st = gr.STAGE_FUNCS[stage](ctx)
+        assert st["status"] == want and st["data"]["rows"] == rows, (st, want)
+        assert st["cmd"].split()[1] == f"bench/bench_{stage}_gpu.py" and (st["error_tail"] == []) == (want == "ok")
+
+
 def test_metrics_summary_skips_the_compile_steps(gr, tmp_path):
     recs = [{"step": 1, "loss": 10.0, "tokens_per_sec": 100.0, "tokens_per_sec_avg": 100.0, "mfu": 0.01}]
     recs += [{"step": s, "loss": 10.0 - s / 10, "tokens_per_sec": 1000.0 + s, "tokens_per_sec_avg": 900.0,
