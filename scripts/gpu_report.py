@@ -58,6 +58,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import datetime
+import functools
 import json
 import os
 import platform
@@ -828,8 +829,10 @@ def merge_reports(base: dict, other: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ render
+@functools.lru_cache(maxsize=None)
 def _bench_module(script: str = "bench/bench_model_gpu.py"):
-    """A bench script (path from the repository root) loaded as a module, for its markdown tables."""
+    """A bench script (path from the repository root) loaded as a module, for its markdown tables and configs:
+    once per process (the report is rendered after every stage, and reads the model bench up to three times)."""
     spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(script))[0],
                                                   os.path.join(ROOT, script))
     mod = importlib.util.module_from_spec(spec)
@@ -1041,7 +1044,7 @@ def render_profile(st: Optional[dict], st_1b: Optional[dict] = None, bench_rows:
     L = [f"## 4. Profile (`torch.profiler`, {n} back-to-back {mode} trainer step(s) of ours, after 3 warm-up steps;"
          " times per step)", ""] + _not_run(st)
     if st is not None:
-        L += _profile_body(st) + goal_budget((st or {}).get("data", {}), bench_rows or [])
+        L += _profile_body(st) + goal_budget(st.get("data", {}), bench_rows or [])
     if st_1b is not None:  # in the time the deadline left (the stage `profile-1b`)
         L += ["### The 1B step", ""] + _profile_body(st_1b) + goal_budget(st_1b.get("data", {}), bench_rows or [])
     return L
