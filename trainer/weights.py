@@ -84,13 +84,14 @@ def load_weights_from(path: str, log, flag: str = "--init_from",
     tokenizer and grown to it when it extends the model's own tokenizer (model/resize.py; exit 2 when
     it is not an extension)."""
     where = f"{flag}={path}" if flag.startswith("--") else f"{flag} {path}"
+    role = "" if flag == "--init_from" else f" ({flag})"  # DPO loads twice: say which one the line is
     if os.path.isdir(path) and is_hf_dir(path):
         from model.hf_interop import import_hf
         try:
             model = import_hf(path)
         except (ValueError, OSError, KeyError) as e:
             raise TrainingError(f"{where}: cannot import the Hugging Face model ({e})", EXIT_BAD_CHECKPOINT) from e
-        log(f"[init] imported Hugging Face model from {path}")
+        log(f"[init] imported Hugging Face model from {path}{role}")
         info = {"source": path, "kind": "hf"}
         if tokenizer_dir:
             from model.resize import VocabMismatch, resize_to_tokenizer
@@ -114,5 +115,5 @@ def load_weights_from(path: str, log, flag: str = "--init_from",
     if run_cfg.get("lora_rank", 0) > 0:  # adapters were trained: fold them into the weights
         from model.lora import merge_lora
         merge_lora(model)
-    log(f"[init] loaded weights from {found}")
+    log(f"[init] loaded weights from {found}{role}")
     return model, {"source": found, "kind": "ours"}

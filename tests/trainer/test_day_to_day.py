@@ -186,6 +186,9 @@ def test_dpo_under_fsdp_shards_the_reference_and_follows_ddp(pretrained, tiny_pr
         log = run_cmd(train_cmd([*common, f"--out_dir={out}", f"--parallel={engine}"], 2), env=_env()).stdout
         recs[engine] = _records(out)
         assert ("[dpo] reference model: sharded" in log) == (engine == "fsdp"), log[-2000:]
+        # the policy's and the reference's loads are told apart (the same checkpoint, two lines)
+        loads = [ln for ln in log.splitlines() if "[init] loaded weights from" in ln]
+        assert len(loads) == 2 and loads[1].endswith("(reference model)") and "(" not in loads[0], loads
     assert sorted(recs["ddp"]) == sorted(recs["fsdp"]) == [1, 2, 3]
     for s in (1, 2, 3):
         for key in ("loss", "chosen_reward", "rejected_reward"):
