@@ -663,6 +663,8 @@ def markdown_tables(rows: list[dict], peak_table: float, peak_measured: float) -
                       f"{_ratio(best(('ours-bf16m',)), best(('ours',)))} |")
         ratios.append(f"| {c} | ours compile-cdt / ours compile (Inductor's coordinate-descent tuning; trainer) | "
                       f"{_ratio(get('ours', 'trainer', 'compile-cdt'), get('ours', 'trainer', 'compile'))} |")
+        ratios.append(f"| {c} | ours compile-cg / ours compile (CUDA graphs: --compile_mode=reduce-overhead; "
+                      f"trainer) | {_ratio(get('ours', 'trainer', 'compile-cg'), get('ours', 'trainer', 'compile'))} |")
         for md in MODES:
             ratios.append(f"| {c} | ours trainer / HF autocast = HF Trainer's bf16 ({md}) | "
                        f"{_ratio(get('ours', 'trainer', md), get('hf', 'autocast', md))} |")
