@@ -84,7 +84,8 @@ def load_weights_from(path: str, log, flag: str = "--init_from",
     tokenizer and grown to it when it extends the model's own tokenizer (model/resize.py; exit 2 when
     it is not an extension)."""
     where = f"{flag}={path}" if flag.startswith("--") else f"{flag} {path}"
-    role = "" if flag == "--init_from" else f" ({flag})"  # DPO loads twice: say which one the line is
+    # which load the log line is (DPO loads the policy and the reference; a resume names its recorded start)
+    role = "" if flag == "--init_from" else f" ({flag.rstrip(':')})"
     if os.path.isdir(path) and is_hf_dir(path):
         from model.hf_interop import import_hf
         try:

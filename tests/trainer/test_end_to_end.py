@@ -166,7 +166,9 @@ def test_crash_before_first_checkpoint_restarts_from_the_recorded_start(pretrain
     no_record = tmp_path / "no_record"
     shutil.copytree(out, no_record)
     os.remove(no_record / "run_start.json")
-    run_cmd(train_cmd([*args, "--init_from=resume", f"--out_dir={out}"]), env=_env())
+    restarted = run_cmd(train_cmd([*args, "--init_from=resume", f"--out_dir={out}"]), env=_env()).stdout
+    # the log says where the weights came from: the recorded start (no stray colon inside the parentheses)
+    assert f"(the start recorded in {out / 'run_start.json'})" in restarted, restarted[-2000:]
     raw = _raw_losses(out)
     assert [s for s, _ in raw] == [1, 2, 3]  # each step once: the crashed attempt's rows are kept aside
     aside = [f for f in os.listdir(out) if f.startswith("metrics.jsonl.after_step0.")]
