@@ -115,6 +115,14 @@ def _adamw_sig(kernel, **types) -> dict:
     return {a: merged.get(a, "constexpr") for a in kernel.arg_names}
 
 
+def _sumsq_sig(kernel, **types) -> dict:
+    """A sum-of-squares kernel's signature in its argument order: `types` for the pointers that differ between
+    variants (the gradients, or their address table), the table, the partial sums and the row count, every
+    constexpr filled in."""
+    merged = dict(table_ptr="*i64", out_ptr="*fp32", n_rows="i32", **types)
+    return {a: merged.get(a, "constexpr") for a in kernel.arg_names}
+
+
 def _ce_sig(a: str) -> dict:
     """model/triton_loss.py _ce_chunk_kernel's signature for logits of dtype `a`."""
     return dict(logits_ptr=f"*{a}", logits_stride="i32", labels_ptr="*i64", scale_ptr="*fp32", scale_stride="i32",
@@ -153,8 +161,7 @@ def _optimizer_variants():
                      BLOCK=fa.BLOCK), 8))
     for aligned in (True, False):
         out.append(("sumsq_segments" + ("" if aligned else " unaligned"), fa._sumsq_segments_kernel,
-                    dict(grad_ptr="*fp32", table_ptr="*i64", out_ptr="*fp32", n_rows="i32", ALIGNED="constexpr",
-                         BLOCK="constexpr", ROWS="constexpr"),
+                    _sumsq_sig(fa._sumsq_segments_kernel, grad_ptr="*fp32"),
                     dict(ALIGNED=aligned, BLOCK=fa.BLOCK, ROWS=fa.SUMSQ_ROWS), 8))
     # bf16 gradient buffers (--grad_reduce_in_fp32=false): the same kernels, the gradients widened as they are read
     sig = _adamw_sig(fa._adamw_flat_kernel, grad_ptr="*bf16", m_ptr="*fp32", v_ptr="*fp32", out_ptr="*bf16", n="i64")
@@ -166,8 +173,8 @@ def _optimizer_variants():
                 dict(MASTER_COMPACT=True, HAS_OUT=True, OUT_BF16=True, CLIP=True, STATE_BF16=False, ALIGNED=True,
                      BLOCK=fa.BLOCK), 8))
     out.append(("sumsq over segments, grad=bf16", fa._sumsq_segments_kernel,
-                dict(grad_ptr="*bf16", table_ptr="*i64", out_ptr="*fp32", n_rows="i32", ALIGNED="constexpr",
-                     BLOCK="constexpr", ROWS="constexpr"), dict(ALIGNED=True, BLOCK=fa.BLOCK, ROWS=fa.SUMSQ_ROWS), 8))
+                _sumsq_sig(fa._sumsq_segments_kernel, grad_ptr="*bf16"),
+                dict(ALIGNED=True, BLOCK=fa.BLOCK, ROWS=fa.SUMSQ_ROWS), 8))
     # one process: the gradients read at their addresses (a table of int64, cast to typed pointers in the kernel)
     for grad_bf16, out_ty, has_out in ((True, "bf16", True), (False, "fp32", False)):
         for clip in (True, False):
@@ -180,8 +187,7 @@ def _optimizer_variants():
         for aligned in (True, False):
             out.append((f"sumsq_param_grads grad={'bf16' if grad_bf16 else 'fp32'}"
                         + ("" if aligned else " unaligned"), fa._sumsq_param_grads_kernel,
-                        dict(ptrs_ptr="*i64", table_ptr="*i64", out_ptr="*fp32", n_rows="i32", GRAD_BF16="constexpr",
-                             ALIGNED="constexpr", BLOCK="constexpr", ROWS="constexpr"),
+                        _sumsq_sig(fa._sumsq_param_grads_kernel, ptrs_ptr="*i64"),
                         dict(GRAD_BF16=grad_bf16, ALIGNED=aligned, BLOCK=fa.BLOCK, ROWS=fa.SUMSQ_ROWS), 8))
     # a step whose gradients or parameter sizes are not multiples of 16 (GradAddresses.aligned False): one element
     # an access
