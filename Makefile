@@ -3,18 +3,32 @@ PY ?= python3
 VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+DEV_STAMP := $(VENV)/.installed-dev
+PIP_VERSION := 26.3
 STEPS ?=
 LONG ?=
 
-.PHONY: demo test test-gpu gpu-report venv bench clean
+.PHONY: demo test test-gpu gpu-report venv venv-dev lock-check bench clean
 
+# Two pinned locks (scripts/lock_requirements.py writes them): requirements.txt is what the demo and the pipeline
+# need (~2.4 GB with torch, a few minutes the first time), requirements-dev.txt adds the tests and every optional
+# extra a test covers. pip shows its progress: the first run is long and should not look hung.
 venv: $(STAMP)
+venv-dev: $(DEV_STAMP)
 
 $(STAMP): requirements.txt
-	test -x $(VPY) || $(PY) -m venv $(VENV)
-	$(VPY) -m pip install --upgrade --quiet pip
-	$(VPY) -m pip install --quiet -r requirements.txt
+	@test -x $(VPY) || { echo "make: creating $(VENV) (first run: installing PyTorch and the pinned requirements, ~2.4 GB)"; $(PY) -m venv $(VENV); }
+	$(VPY) -m pip install --disable-pip-version-check --progress-bar on pip==$(PIP_VERSION)
+	$(VPY) -m pip install --disable-pip-version-check --progress-bar on -r requirements.txt
 	touch $(STAMP)
+
+$(DEV_STAMP): $(STAMP) requirements-dev.txt
+	$(VPY) -m pip install --disable-pip-version-check --progress-bar on -r requirements-dev.txt
+	touch $(DEV_STAMP)
+
+# the locks are what the venv holds (run after editing a .in file and reinstalling; see the script)
+lock-check: venv-dev
+	$(VPY) scripts/lock_requirements.py --check
 
 # `make demo`: 300 training steps (a few minutes on 2 cores); `make demo LONG=1`: 800; `make demo STEPS=50`: any.
 # demo_out/ is kept: the same command continues after a Ctrl-C (`make clean` starts over). `exec`: the demo
@@ -27,11 +41,11 @@ demo: venv
 # compile subprocess), and a third worker on 2 cores fills that idle time (fresh clone, 2 cores: 625 s of
 # pytest with 2 workers, 562 s with 3; CPU idle during the 3-worker run: 1%).
 TEST_WORKERS ?= $(shell $(PY) -c "import os; print(min(8, (os.cpu_count() or 1) + 1))")
-test: venv
+test: venv-dev
 	$(VPY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal tests
 
 # on a CUDA machine: kernel numerics at real sizes, bf16 steps per kernel, compile with zero graph breaks, the trainer
-test-gpu: venv
+test-gpu: venv-dev
 	MYLLM_FAILURES_NOW=1 $(VPY) -m pytest -q -m gpu tests
 
 # on a CUDA machine: the verdict in one report, out/gpu_report/report.md, in <= 9 min on one H100: GPU tests,
