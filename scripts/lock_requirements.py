@@ -84,10 +84,38 @@ def pin_lines(dists: dict[str, metadata.Distribution], markers: dict[str, str]) 
     return lines
 
 
+def check_installed(roots: list[Requirement]) -> list[str]:
+    """What differs between this venv and the locks: a locked package missing or at another version, or a package
+    the .in files pull in that no lock names. Exempt: what torch's own wheel pins exactly (its CUDA build's nvidia
+    libraries and triton on a GPU machine), which the torch pin already decides."""
+    locked: dict[str, str] = {}
+    for name in ("requirements.txt", "requirements-dev.txt"):
+        for line in (ROOT / name).read_text(encoding="utf-8").splitlines():
+            line = line.split(" #", 1)[0].strip()
+            if not line or line.startswith(("#", "-r ")):
+                continue
+            req = Requirement(line)
+            if req.marker is None or req.marker.evaluate():
+                locked[canonical(req.name)] = next(iter(req.specifier)).version
+    problems = []
+    for key, version in sorted(locked.items()):
+        try:
+            have = metadata.version(key).split("+", 1)[0]
+        except metadata.PackageNotFoundError:
+            problems.append(f"{key}=={version} is locked but not installed")
+            continue
+        if have != version:
+            problems.append(f"{key}: locked {version}, installed {have}")
+    torch_pins = {canonical(Requirement(s).name) for s in (metadata.distribution("torch").requires or [])}
+    for key in sorted(set(closure(roots)) - set(locked) - torch_pins):
+        problems.append(f"{key} is installed and required but in no lock")
+    return problems
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--check", action="store_true",
-                    help="write nothing; exit 1 when the .txt files differ from what this venv would write")
+                    help="write nothing; exit 1 (naming each package) where this venv's versions differ from the locks")
     args = ap.parse_args(argv)
     demo_in, dev_in = read_in(ROOT / "requirements.in"), read_in(ROOT / "requirements-dev.in")
     markers = {canonical(r.name): str(r.marker) for r in demo_in + dev_in if r.marker is not None}
@@ -98,12 +126,11 @@ def main(argv: list[str] | None = None) -> int:
         "requirements-dev.txt": (HEADER.format(src="requirements-dev.in") + "-r requirements.txt\n"
                                  + "\n".join(pin_lines(dev, markers)) + "\n"),
     }
-    stale = [name for name, text in texts.items()
-             if not (ROOT / name).exists() or (ROOT / name).read_text(encoding="utf-8") != text]
     if args.check:
-        for name in stale:
-            print(f"{name} differs from this venv's packages")
-        return 1 if stale else 0
+        problems = check_installed(demo_in + dev_in)
+        for line in problems:
+            print(line)
+        return 1 if problems else 0
     for name, text in texts.items():
         (ROOT / name).write_text(text, encoding="utf-8")
         print(f"wrote {name}: {text.count('==')} pins")

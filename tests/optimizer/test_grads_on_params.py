@@ -193,9 +193,49 @@ def test_leaving_the_parameters_puts_this_steps_gradients_in_the_buffers(monkeyp
     if fails:
         assert calls == [1] and on.optimizer.flat is None and "one-launch AdamW off" in caplog.text
     assert [n for _, n in ra] == pytest.approx([n for _, n in rb], rel=1e-6)
-    pa, pb = _params(on), _params(ref)
+    _same_within_rounding(on, ref)
+
+
+def _same_within_rounding(a, b):
+    """Two engines whose updates were computed by different (each correct) kernels: the fp32 masters agree to float32
+    rounding (the bound of tests/optimizer/test_flat_adamw.py against torch's AdamW); a bf16 parameter is its own
+    master rounded to bf16, so where two masters that agree to float32 rounding straddle a bf16 rounding boundary
+    the parameters differ by one bf16 unit in the last place at their magnitude, and by no more."""
+    ma, mb = _masters(a), _masters(b)
+    for k in mb:
+        torch.testing.assert_close(ma[k], mb[k], rtol=1e-5, atol=1e-6)
+    pa, pb = _params(a), _params(b)
     for k in pb:
-        torch.testing.assert_close(pa[k], pb[k], rtol=1e-5, atol=1e-6)
+        x, y = pa[k], pb[k]
+        if x.dtype == torch.float32:  # its own master
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+            continue
+        assert torch.equal(x, ma[k].view_as(x).to(x.dtype)), k  # written back from its master
+        assert torch.equal(y, mb[k].view_as(y).to(y.dtype)), k
+        ulp = _ulp(torch.maximum(x.float().abs(), y.float().abs()), x.dtype)
+        assert ((x.float() - y.float()).abs() <= ulp).all(), k
+
+
+def _masters(engine):
+    return {n: e["main"].float().reshape(-1) for n, e in engine.optimizer.state_dict()["params"].items()}
+
+
+def _ulp(magnitude: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The spacing of `dtype`'s values at each magnitude: 2**floor(log2 |x|) * eps (eps = 2**-mantissa bits)."""
+    info = torch.finfo(dtype)
+    return torch.exp2(torch.floor(torch.log2(magnitude.clamp_min(info.tiny)))) * info.eps
+
+
+def test_the_bound_is_one_unit_in_the_last_place():
+    """The helper above measures what it claims: bf16 has 7 explicit mantissa bits, and values one ulp apart are
+    neighbours (nothing representable between them)."""
+    assert _ulp(torch.tensor([1.0, 1.5, 2.0, 0.002]), torch.bfloat16).tolist() == [2 ** -7, 2 ** -7, 2 ** -6,
+                                                                                    2 ** -16]
+    x = torch.tensor([1.0, 0.002, 3.0], dtype=torch.bfloat16)
+    up = torch.nextafter(x.float(), torch.full_like(x.float(), 10.0))  # the next fp32 value up
+    assert torch.equal(up.to(torch.bfloat16), x)  # rounds back: fp32 noise does not move a bf16 value
+    nxt = (x.float() + _ulp(x.float(), torch.bfloat16)).to(torch.bfloat16)
+    assert (nxt > x).all() and torch.equal((x.float() + _ulp(x.float(), torch.bfloat16) / 4).to(torch.bfloat16), x)
 
 
 def test_the_step_is_the_same_few_ops_for_any_model_size(monkeypatch):
