@@ -48,7 +48,7 @@ from typing import BinaryIO, Optional
 
 # The monitor lives next to utils/, so this import works from any working directory when the
 # script is run by path (sys.path[0] is the script's directory).
-from utils.checkpoint_layout import COMPLETE_MARKER, RUN_START, checkpoint_root, parse_step
+from utils.checkpoint_layout import COMPLETE_MARKER, RUN_START, checkpoint_root, misnamed_step, parse_step
 from utils.constants import EXIT_INTERRUPTED, EXIT_LOSS_SPIKE, EXIT_OK, NON_RETRYABLE_EXIT_CODES
 from utils import run_lock
 from utils.proc_tree import descendant_groups
@@ -231,7 +231,8 @@ def newest_checkpoint_step(out_dir: Optional[str]) -> int:
         return 0
     for name in names:
         step = parse_step(name)
-        if step is not None and os.path.exists(os.path.join(root, name, COMPLETE_MARKER)):
+        if step is not None and os.path.exists(os.path.join(root, name, COMPLETE_MARKER)) and \
+                misnamed_step(os.path.join(root, name), step) is None:  # a copy under another name is not one
             best = max(best, step)
     return best
 
@@ -320,9 +321,9 @@ class Child:
     """One attempt's process: Popen in a new session, output tee threads, the groups it spawned."""
 
     def __init__(self, command: list[str], log: BinaryIO, log_lock: threading.Lock,
-                 env: Optional[dict] = None) -> None:
+                 env: Optional[dict] = None, pass_fds: tuple = ()) -> None:
         self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     start_new_session=True, env=env)
+                                     start_new_session=True, env=env, pass_fds=pass_fds)
         self.pgid = self.proc.pid  # session leader == group leader
         self.groups: set[int] = {self.pgid}
         self.killed_by_monitor = False
@@ -441,10 +442,15 @@ class Summary:
 
 
 class Monitor:
-    def __init__(self, cfg: MonitorConfig, command: list[str], lock_token: Optional[str] = None) -> None:
+    def __init__(self, cfg: MonitorConfig, command: list[str], lock_token: Optional[str] = None,
+                 lock_fd: Optional[int] = None) -> None:
         self.cfg = cfg
-        # the run directory's lock (utils/run_lock.py) is ours; every attempt continues under it
-        self.child_env = dict(os.environ, **{TOKEN_ENV: lock_token}) if lock_token else None
+        # the run directory's lock (utils/run_lock.py) is ours; every attempt continues under it, holds it too
+        # (its locked descriptor, inherited: an attempt that outlives us keeps the directory locked) and watches
+        # that we are alive (it stops as on SIGTERM when we are not)
+        self.child_env = dict(os.environ, **{TOKEN_ENV: lock_token}, **run_lock.supervisor_env()) \
+            if lock_token else None
+        self.pass_fds = (lock_fd,) if lock_fd is not None else ()
         self.command = command
         self.summary = Summary(command=command, out_dir=cfg.out_dir)
         self.stop_signal: Optional[int] = None
@@ -500,7 +506,8 @@ class Monitor:
         ckpt_before = newest_checkpoint_step(cfg.out_dir)
         alive_at_start = liveness_mtime(cfg.out_dir)
         self.say(f"attempt {attempt.index}: {subprocess.list2cmdline(attempt.command)}")
-        self.child = child = Child(attempt.command, self.log, self.log_lock, env=self.child_env)
+        self.child = child = Child(attempt.command, self.log, self.log_lock, env=self.child_env,
+                                   pass_fds=self.pass_fds)
         hang_cause = ""
         start = time.time()
         while child.proc.poll() is None:
@@ -795,7 +802,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             print(f"monitor_process.py: error: {e}", file=sys.stderr, flush=True)
             return e.exit_code
     try:
-        return Monitor(cfg, command, lock_token=lock.token if lock else None).run()
+        return Monitor(cfg, command, lock_token=lock.token if lock else None,
+                       lock_fd=lock.fd if lock else None).run()
     finally:
         if lock is not None:
             lock.release()

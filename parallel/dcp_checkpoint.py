@@ -62,7 +62,7 @@ from utils.checkpoint import (CheckpointError, CheckpointMismatchError, first_no
 from utils.dcp_files import (DCPCheckpointError, SafeFileSystemReader, dcp_dir_problem,  # noqa: F401 (re-exported)
                              dcp_layout_problem, read_dcp_metadata)
 from utils.checkpoint_layout import (COMPLETE_MARKER, DCP_MANIFEST, DCP_METADATA, MANIFEST,  # noqa: F401 (re-exported)
-                                     dcp_shard_file, extra_file, parse_step, step_dir_name)
+                                     dcp_shard_file, extra_file, misnamed_step, parse_step, step_dir_name)
 from utils.publish import fsync_file, make_temp_dir
 
 DCP_FORMAT = 1
@@ -227,9 +227,10 @@ def latest_dcp_checkpoint(ckpt_root: str, check_hashes: bool = False) -> Optiona
     if not os.path.isdir(ckpt_root):
         return None
     steps = sorted((step, n) for n in os.listdir(ckpt_root) if (step := parse_step(n)) is not None)
-    for _, name in reversed(steps):
+    for step, name in reversed(steps):
         path = os.path.join(ckpt_root, name)
-        if is_dcp_checkpoint(path) and check_dcp_checkpoint(path, check_hashes) is None:
+        if misnamed_step(path, step) is None and is_dcp_checkpoint(path) and \
+                check_dcp_checkpoint(path, check_hashes) is None:
             return path
     return None
 

@@ -35,6 +35,7 @@ from trainer.start import Progress, build_model, choose_trainable, decide_start,
     restore
 from trainer.task import build_data, count_tokens, count_units, evaluate, micro_batch_loss, prefetch_depth
 from utils import checkpoint as ckpt
+from utils import run_lock
 from utils.async_checkpoint import AsyncCheckpointer
 from utils.configurator import save_config_json
 from utils.constants import (EXIT_BAD_CONFIG, EXIT_BAD_DATA, EXIT_INTERRUPTED, EXIT_LOSS_SPIKE, EXIT_NONFINITE_LOSS,
@@ -175,8 +176,10 @@ def train(cfg: TrainConfig, info: DistInfo, continues: Optional[bool] = None, ma
     loop.quiet_lines = not log_interval_given
     loop.announce(saved_max_iters=int(start.saved_cfg.get("max_iters") or 0))
 
-    # ---- graceful stop: finish the step, save, exit 75
-    stop = {"requested": False}
+    # ---- graceful stop: finish the step, save, exit 75 (on SIGTERM/SIGINT, or when the supervisor whose attempt
+    # this is has exited: utils/run_lock.py, a run never goes on writing its directory unsupervised)
+    stop = {"requested": False, "why": "signal"}
+    supervisor = run_lock.SupervisorWatch()
 
     def on_signal(signum, frame):
         stop["requested"] = True
@@ -193,6 +196,9 @@ def train(cfg: TrainConfig, info: DistInfo, continues: Optional[bool] = None, ma
             loop.step()  # queues this step, then finishes the one before it if that was left pending
             do_eval = (cfg.eval_interval > 0 and progress.step % cfg.eval_interval == 0) or \
                 progress.step == cfg.max_iters
+            if not stop["requested"] and (gone := supervisor.gone()):
+                log(f"[train] {gone}")
+                stop.update(requested=True, why="the supervisor's exit")
             stop_now = all_reduce_max(1.0 if stop["requested"] else 0.0, info.device) > 0
             save_now = progress.step % cfg.checkpoint_interval == 0 or progress.step == cfg.max_iters or stop_now
             if do_eval or save_now or not loop.may_defer(progress.step):
@@ -202,7 +208,7 @@ def train(cfg: TrainConfig, info: DistInfo, continues: Optional[bool] = None, ma
             loop.restart_clock()  # evaluation and checkpoint time is not charged to the next step's tokens/s
             if stop_now:
                 loop.finish_saves()  # --async_checkpoint: the checkpoint is on disk before the exit
-                log(f"[train] stop requested by signal: saved step {progress.step}, exiting with {EXIT_INTERRUPTED}")
+                log(f"[train] stop requested by {stop['why']}: saved step {progress.step}, exiting with {EXIT_INTERRUPTED}")
                 loop.close()
                 return EXIT_INTERRUPTED
         loop.finish_saves()

@@ -56,7 +56,7 @@ from utils.checkpoint_layout import (CKPT_SUBDIR, COMPLETE_MARKER, DCP_MANIFEST,
                                      MODEL_FILE, PIPELINE_META, RUN_CONFIG, RUN_START, SIDECARS, STEP_PREFIX,
                                      TRAINER_STATE, checkpoint_root, extra_file, optimizer_file, parse_step,
                                      rank_file, step_dir_name)
-from utils.run_dir import listed_checkpoints  # noqa: E402,F401
+from utils.run_dir import listed_checkpoints, misnamed_checkpoints  # noqa: E402,F401
 from utils.errors import (CheckpointError, CheckpointMismatchError, DamagedCheckpointError,  # noqa: F401
                           one_line)  # re-exported: callers use ckpt.CheckpointError, ckpt.one_line
 from utils.checkpoint_layout import plain_file_name  # noqa: F401 (re-exported)
@@ -536,7 +536,11 @@ def verify_checkpoint(path: str, check_hashes: bool = True, trust_cache: bool = 
 
 def find_latest_valid(out_dir: str, log: Callable[[str], None] = print,
                       check_hashes: bool = True) -> Optional[str]:
-    """Newest complete, undamaged checkpoint; damaged ones are reported and skipped."""
+    """Newest complete, undamaged checkpoint; damaged ones are reported and skipped, and so are directories
+    whose name disagrees with the step their trainer_state.json records (utils/run_dir.misnamed_checkpoints)."""
+    for path, recorded in misnamed_checkpoints(out_dir):
+        log(f"[checkpoint] ignoring {path}: its trainer_state.json records step {recorded}, not the step its name "
+            f"says (a copy under another name?); it is neither loaded nor pruned")
     for step, path in list_checkpoints(out_dir):
         problem = verify_checkpoint(path, check_hashes=check_hashes)
         if problem is None:

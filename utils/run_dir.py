@@ -19,7 +19,8 @@ from utils.errors import one_line  # noqa: F401  (re-exported for the pre-checks
 
 # The names are utils/checkpoint_layout.py's (re-exported: the pre-checks import them from here).
 from utils.checkpoint_layout import (CKPT_SUBDIR, COMPLETE_MARKER, MANIFEST, MODEL_FILE, RUN_CONFIG,  # noqa: F401
-                                     RUN_START, STEP_PREFIX, checkpoint_root, parse_step)
+                                     RUN_START, STEP_PREFIX, checkpoint_root, misnamed_step,
+                                     parse_step)
 
 _STEP = re.compile(rf"^{STEP_PREFIX.rstrip('_')}_?(\d+)$")  # `--checkpoint=step_N`, `stepN` or `N` (utils/run_config.select_checkpoint)
 
@@ -35,7 +36,23 @@ def listed_checkpoints(out_dir: str) -> list[tuple[int, str]]:
     except OSError:
         return []
     found = [(step, os.path.join(root, n)) for n in names if (step := parse_step(n)) is not None]
-    return sorted(found, reverse=True)
+    return sorted(((s, p) for s, p in found if misnamed_step(p, s) is None), reverse=True)
+
+
+def misnamed_checkpoints(out_dir: str) -> list[tuple[str, int]]:
+    """(path, the step its trainer_state.json records) of every checkpoints/step_N directory whose name says
+    another step: left out of listed_checkpoints (never loaded as the newest, never pruned)."""
+    root = checkpoint_root(out_dir)
+    try:
+        names = sorted(os.listdir(root))
+    except OSError:
+        return []
+    out = []
+    for n in names:
+        step = parse_step(n)
+        if step is not None and (recorded := misnamed_step(os.path.join(root, n), step)) is not None:
+            out.append((os.path.join(root, n), recorded))
+    return out
 
 
 def has_run_start(out_dir: str) -> bool:

@@ -6,15 +6,22 @@ directory otherwise "resume" each other's run_start.json, interleave metrics row
 other's checkpoints.
 
 How it holds:
-- `flock(LOCK_EX | LOCK_NB)` on `run.lock`, kept open until the process ends or `release()`. The kernel
-  drops the lock when the holder dies, SIGKILL included, so a crashed run never leaves a stale lock;
-  the file itself stays (it only says who held it last) and is never the evidence of a holder.
+- `flock(LOCK_EX | LOCK_NB)` on the run directory itself (on `run.lock` where the filesystem cannot lock a
+  directory), kept open until the process ends or `release()`. The kernel drops the lock when the last
+  descriptor of it closes, SIGKILL included, so a crashed run never leaves a stale lock. Deleting `run.lock`
+  does not unlock the directory; the file only says who took the lock last and is never the evidence of a
+  holder.
 - The holder writes `{"pid", "host", "since", "token", "command"}` into the file; the refusal names them.
 - Who counts as the same run: the supervisor (monitor_process.py) takes the lock and passes its random
   token to every attempt in the environment (`LLM_RUN_LOCK_TOKEN`); a trainer that finds the lock
   held by the holder of that token continues under it (the supervisor's restarts). Under torchrun only
   global rank 0 takes the lock: the other ranks are the same run by construction (torchrun ends them
   when rank 0 exits).
+- Whoever writes the directory holds the lock: the supervisor hands its locked descriptor to each attempt
+  (`Popen(pass_fds=...)`), so an attempt that outlives a killed supervisor still holds the directory and no
+  second run gets in while it writes. And it does not outlive it unnoticed: the supervisor names itself in
+  `LLM_RUN_SUPERVISOR` (pid and start time); `SupervisorWatch` tells the trainer when that process is gone,
+  and the trainer then stops as on SIGTERM (finishes the step, saves, exits 75), releasing the lock.
 - Filesystems: flock is local to a host on most network filesystems unless they forward it (NFSv4 and
   Lustre with `flock` mounts do); two hosts writing one directory over a filesystem that does not
   forward locks are not detected.
@@ -29,9 +36,10 @@ import json
 import os
 import secrets
 import socket
+import stat
 import sys
 import time
-from typing import Optional
+from typing import Any, Optional
 
 from utils.checkpoint_layout import CKPT_SUBDIR, RUN_CONFIG, RUN_START
 from utils.constants import EXIT_BAD_CONFIG, EXIT_RUN_DIR_BUSY
@@ -43,6 +51,7 @@ except ImportError:  # pragma: no cover - Windows: no flock; the run goes unlock
 
 LOCK_NAME = "run.lock"
 TOKEN_ENV = "LLM_RUN_LOCK_TOKEN"   # the supervisor's token, inherited by its attempts (and torchrun's ranks)
+SUPERVISOR_ENV = "LLM_RUN_SUPERVISOR"  # "<pid>:<start time>" of the supervisor whose attempt this is
 
 
 class RunDirBusy(Exception):
@@ -113,6 +122,37 @@ def make_run_dir(out_dir: str, flag: str = "--out_dir") -> None:
         raise RunDirUnusable(f"{flag}={out_dir}: cannot create the run directory ({e.strerror or e})") from e
 
 
+def _lock_directory(out_dir: str, path: str, flag: str) -> int:
+    """An open descriptor to lock: the directory itself (deleting run.lock cannot unlock it), or run.lock on a
+    filesystem that refuses to lock a directory (NFS emulates flock with write locks on regular files)."""
+    try:
+        fd = os.open(out_dir, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise RunDirUnusable(f"{flag}={out_dir}: cannot open the run directory ({e.strerror or e})") from e
+    if fcntl is None:  # pragma: no cover
+        return fd
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # probe: may this filesystem lock a directory?
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return fd
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return fd  # it can: someone holds it
+        os.close(fd)
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+    except OSError as e:
+        raise RunDirUnusable(f"{flag}={out_dir}: cannot write {LOCK_NAME} there ({e.strerror or e})") from e
+
+
+def _pid_alive(pid: Any) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (OSError, ValueError, TypeError, OverflowError) as e:
+        return isinstance(e, PermissionError)  # someone else's live process
+    return True
+
+
 def acquire(out_dir: str, *, command: str = "", flag: str = "--out_dir") -> RunLock:
     """Lock `out_dir` for this run, or raise RunDirBusy naming the holder (RunDirUnusable when the
     directory cannot be created or the lock file written). A lock held by the supervisor whose token
@@ -121,10 +161,7 @@ def acquire(out_dir: str, *, command: str = "", flag: str = "--out_dir") -> RunL
     path = lock_path(out_dir)
     if os.path.islink(path) or (os.path.exists(path) and not os.path.isfile(path)):
         raise RunDirUnusable(f"{flag}={out_dir}: {LOCK_NAME} is not a regular file; remove it")
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
-    except OSError as e:
-        raise RunDirUnusable(f"{flag}={out_dir}: cannot write {LOCK_NAME} there ({e.strerror or e})") from e
+    fd = _lock_directory(out_dir, path, flag)
     if fcntl is None:  # pragma: no cover
         return RunLock(path, fd, token="")
     try:
@@ -137,19 +174,79 @@ def acquire(out_dir: str, *, command: str = "", flag: str = "--out_dir") -> RunL
         mine = os.environ.get(TOKEN_ENV)
         if mine and holder.get("token") == mine:
             return RunLock(path, None, token=mine, inherited=True)
-        raise RunDirBusy(f"{flag}={out_dir} is in use by another run: {_describe(holder)} holds {path}; "
+        orphan = ""
+        if holder.get("host") == socket.gethostname() and "pid" in holder and not _pid_alive(holder["pid"]):
+            orphan = (f" (pid {holder['pid']} has exited; a process it started, such as its trainer, still holds "
+                      "the directory)")
+        raise RunDirBusy(f"{flag}={out_dir} is in use by another run: {_describe(holder)} holds {path}{orphan}; "
                          "wait for it to end or stop it, or use another --out_dir") from None
     token = secrets.token_hex(16)
     record = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(), "token": token,
               "command": command[:300]}
+    text = json.dumps(record) + "\n"
+    tmp = f"{path}.{os.getpid()}.tmp"
     try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
-        os.fsync(fd)
+        if stat.S_ISDIR(os.fstat(fd).st_mode):  # the directory is locked: run.lock is replaced whole
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        else:  # run.lock itself is the locked file: written in place (a new inode would be unlocked)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, text.encode(), 0)
+            os.fsync(fd)
     except OSError as e:
         os.close(fd)
+        if os.path.exists(tmp):
+            os.remove(tmp)
         raise RunDirUnusable(f"{flag}={out_dir}: cannot write {LOCK_NAME} there ({e.strerror or e})") from e
     return RunLock(path, fd, token=token)
+
+
+def _start_time(pid: int) -> Optional[str]:
+    """When process `pid` started, as the kernel counts it (/proc/<pid>/stat field 22), or None where /proc has
+    no such process or does not exist. With the pid it names one process, never a later one reusing the pid."""
+    try:
+        with open(f"/proc/{int(pid)}/stat", "rb") as f:
+            stat = f.read().decode("ascii", "replace")
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[-1].split()[19]  # fields after "(comm)": state is field 3, starttime field 22
+
+
+def supervisor_env(pid: Optional[int] = None) -> dict[str, str]:
+    """The environment entry with which a supervisor names itself to its attempts."""
+    pid = os.getpid() if pid is None else pid
+    return {SUPERVISOR_ENV: f"{pid}:{_start_time(pid) or ''}"}
+
+
+class SupervisorWatch:
+    """In a supervised trainer: `gone()` says (one line) when the supervisor named in LLM_RUN_SUPERVISOR has
+    exited, else None; it looks at most once a `period` seconds. Without the variable it never fires."""
+
+    def __init__(self, environ: Optional[dict] = None, period: float = 1.0,
+                 clock: Any = time.monotonic) -> None:
+        value = (os.environ if environ is None else environ).get(SUPERVISOR_ENV, "")
+        pid, _, started = value.partition(":")
+        self.pid = int(pid) if pid.isdigit() else None
+        self.started = started or None
+        self.period, self.clock, self._next = period, clock, 0.0
+
+    def gone(self) -> Optional[str]:
+        if self.pid is None:
+            return None
+        now = self.clock()
+        if now < self._next:
+            return None
+        self._next = now + self.period
+        alive = _pid_alive(self.pid)
+        if alive and self.started is not None:
+            alive = _start_time(self.pid) == self.started  # the pid reused by another process: gone all the same
+        if alive:
+            return None
+        return (f"the supervisor (monitor_process.py, pid {self.pid}) has exited: stopping as on SIGTERM, so that "
+                "no run writes this directory unsupervised")
 
 
 # what a run writes at the top of its directory: files, and the checkpoints directory
@@ -160,12 +257,16 @@ RUN_DIRS = (CKPT_SUBDIR,)
 
 def check_run_dir_layout(out_dir: str, flag: str = "--out_dir") -> None:
     """RunDirUnusable (exit 2) when a name the run writes is the wrong kind of thing: `heartbeat` or
-    `metrics.jsonl` a directory, `checkpoints` a file. Such a run trained from scratch until its first save
+    `metrics.jsonl` a directory, `checkpoints` a file, any of them a symbolic link. Such a run trained from scratch until its first save
     crashed, or died with a traceback at the first heartbeat; now it is one line before anything starts."""
     for name in RUN_FILES + RUN_DIRS:
         path = os.path.join(out_dir, name)
         if not os.path.lexists(path):
             continue
+        if os.path.islink(path):  # appending through it would write outside the run directory
+            raise RunDirUnusable(f"{flag}={out_dir}: {path} is a symbolic link (to {os.readlink(path)}); a run writes "
+                                 "only inside its own directory: replace the link with a copy of the file, or "
+                                 "remove it")
         want_dir = name in RUN_DIRS
         if os.path.isdir(path) != want_dir:
             raise RunDirUnusable(f"{flag}={out_dir}: {path} is a {'file' if want_dir else 'directory'}, where the "

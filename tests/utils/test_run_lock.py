@@ -168,3 +168,137 @@ def test_a_run_directory_with_the_wrong_kind_of_entry_is_one_line(tmp_path, tiny
     run_lock.acquire(str(out)).release()  # the refused start let go of the lock
     pre = run_python([PY, "train_my_ddp.py", *tiny_pretrain_run_args, f"--out_dir={out}", "--max_iters=2"])
     assert pre.returncode == EXIT_BAD_CONFIG and "where the run keeps" in pre.stderr, pre.stderr
+
+
+def test_deleting_run_lock_does_not_let_a_second_run_in(tmp_path):
+    """The directory itself is locked: removing run.lock (its record) leaves the holder holding it."""
+    out = tmp_path / "run"
+    held = run_lock.acquire(str(out), command="the live run")
+    try:
+        os.remove(out / run_lock.LOCK_NAME)
+        with pytest.raises(run_lock.RunDirBusy):
+            run_lock.acquire(str(out))
+    finally:
+        held.release()
+    run_lock.acquire(str(out)).release()
+
+
+def test_the_supervisor_watch_fires_only_when_its_process_is_gone():
+    clock = [0.0]
+    me = run_lock.supervisor_env()
+    assert run_lock.SupervisorWatch({}).gone() is None  # not supervised: never
+    live = run_lock.SupervisorWatch(me, clock=lambda: clock[0])
+    assert live.pid == os.getpid() and live.gone() is None
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()  # an exited process's pid
+    dead = run_lock.SupervisorWatch(run_lock.supervisor_env(proc.pid), clock=lambda: clock[0])
+    assert f"pid {proc.pid}" in (dead.gone() or "")
+    if me[run_lock.SUPERVISOR_ENV].endswith(":"):
+        pytest.skip("no /proc here: a reused pid cannot be told from its first process")
+    reused = run_lock.SupervisorWatch({run_lock.SUPERVISOR_ENV: f"{os.getpid()}:1"}, clock=lambda: clock[0])
+    assert "has exited" in (reused.gone() or "")  # alive, but not the process that started the run
+    clock[0] = 0.5
+    assert reused.gone() is None  # looked less than a period ago
+    clock[0] = 1.5
+    assert reused.gone() is not None
+
+
+def test_a_sigkilled_supervisors_attempt_keeps_the_directory_then_stops(tmp_path):
+    """SIGKILL of monitor_process.py: its attempt (alive, orphaned) still holds the directory, so a second run is
+    refused (naming the dead supervisor), and the attempt notices the supervisor is gone, stops, and lets go."""
+    out = tmp_path / "run"
+    script = tmp_path / "child.py"
+    script.write_text(
+        "import os, sys, time\n"
+        f"sys.path.insert(0, {ROOT!r})\n"
+        "from utils import run_lock\n"
+        "lock = run_lock.acquire(sys.argv[1])\n"
+        "assert lock.inherited\n"
+        "watch = run_lock.SupervisorWatch(period=0.05)\n"
+        "open(os.path.join(sys.argv[1], 'started'), 'w').write(str(os.getpid()))\n"
+        "deadline = time.time() + 60\n"
+        "while time.time() < deadline and not watch.gone():\n"
+        "    time.sleep(0.05)\n"
+        "time.sleep(0.5)  # still writing for a while after it noticed\n"
+        "open(os.path.join(sys.argv[1], 'stopped'), 'w').write('x')\n")
+    mon = subprocess.Popen([PY, "monitor_process.py", f"--out_dir={out}", "--", PY, str(script), str(out)],
+                           cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while not (out / "started").exists() and time.time() < deadline:
+            time.sleep(0.05)
+        assert (out / "started").exists()
+        child = int((out / "started").read_text())
+        mon.kill()
+        mon.wait()
+        with pytest.raises(run_lock.RunDirBusy, match=rf"pid {mon.pid} .*has exited; a process it started"):
+            run_lock.acquire(str(out))  # the orphan is still there: the directory is still its
+        while not (out / "stopped").exists() and time.time() < deadline:
+            time.sleep(0.05)
+        assert (out / "stopped").exists(), "the attempt did not notice its supervisor was gone"
+        while time.time() < deadline:
+            try:
+                os.kill(child, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        run_lock.acquire(str(out)).release()  # it has exited: free
+    finally:
+        if mon.poll() is None:
+            mon.kill()
+
+
+def test_a_trainer_whose_supervisor_is_gone_saves_and_stops(tmp_path, tiny_pretrain_run_args, monkeypatch, capsys):
+    """The trainer's side: a supervisor named in the environment that is not running (this pid with another start
+    time: a reused pid) stops the run after its first step as SIGTERM would: saved, exit 75, said why."""
+    import train_my_ddp as T
+    from utils.constants import EXIT_INTERRUPTED
+    if run_lock.supervisor_env()[run_lock.SUPERVISOR_ENV].endswith(":"):
+        pytest.skip("no /proc here")
+    monkeypatch.setenv(run_lock.SUPERVISOR_ENV, f"{os.getpid()}:1")
+    out = tmp_path / "run"
+    code = T.main([*tiny_pretrain_run_args, f"--out_dir={out}", "--max_iters=6"])
+    text = capsys.readouterr()
+    assert code == EXIT_INTERRUPTED, text.err[-2000:]
+    assert "the supervisor (monitor_process.py" in text.out + text.err
+    assert "stop requested by the supervisor's exit: saved step 1" in text.out + text.err
+    assert sorted(os.listdir(out / "checkpoints")) == ["step_00000001"]
+
+
+def test_a_checkpoint_copied_under_another_name_is_neither_loaded_nor_pruned(tmp_path, tiny_pretrain_run_args,
+                                                                               capsys):
+    """A copy of step 3 named step_99999999999999999999: the newest by name, but its trainer_state.json says 3.
+    The resume loads the real step 3, pruning (--keep_last=1) keeps the copy, and the load line names why."""
+    import shutil
+
+    import train_my_ddp as T
+    from utils.checkpoint import find_latest_valid
+    out = tmp_path / "run"
+    args = [*tiny_pretrain_run_args, f"--out_dir={out}", "--keep_last=1"]
+    assert T.main([*args, "--max_iters=3"]) == 0
+    root = out / "checkpoints"
+    copy = root / "step_99999999999999999999"
+    shutil.copytree(root / "step_00000003", copy)
+    logged = []
+    assert find_latest_valid(str(out), log=logged.append) == str(root / "step_00000003")
+    assert any(str(copy) in m and "records step 3" in m for m in logged), logged
+    capsys.readouterr()
+    assert T.main([*args, "--max_iters=6", "--resume=auto"]) == 0
+    text = capsys.readouterr()
+    assert "step_00000003" in text.out + text.err
+    assert sorted(os.listdir(root)) == ["step_00000006", "step_99999999999999999999"]
+
+
+def test_a_run_file_that_is_a_symbolic_link_is_refused(tmp_path, tiny_pretrain_run_args, capsys):
+    """samples.jsonl (or any file the run appends to) pointing outside the run directory: one line, exit 2,
+    and nothing written through it."""
+    import train_my_ddp as T
+    out = tmp_path / "run"
+    out.mkdir()
+    outside = tmp_path / "elsewhere.jsonl"
+    outside.write_text("")
+    os.symlink(outside, out / "samples.jsonl")
+    code = T.main([*tiny_pretrain_run_args, f"--out_dir={out}", "--max_iters=2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == EXIT_BAD_CONFIG and len(err) == 1 and "is a symbolic link" in err[0], err
+    assert outside.read_text() == ""
