@@ -549,6 +549,9 @@ def _choices_and_combinations(cfg: TrainConfig, p: _Problems, torch_free: bool) 
     p.choice("trainable", ("all", "embeddings"))
     p.choice("optimizer", ("adamw", "muon"))
     p.choice("muon_adjust_lr", ("match_rms_adamw", "original"))
+    p.number("muon_momentum", 0.0, 1.0)  # as --beta1: a momentum of 1 never forgets, above 1 diverges
+    p.number("muon_lr", 0.0, what="must be a finite number >= 0 (0 = --learning_rate)")
+    p.number("muon_weight_decay", 0.0)
     p.choice("optimizer_state_dtype", ("fp32", "bf16"))
     if cfg.optimizer_state_dtype == "bf16":
         flags = {"optimizer": "--optimizer=muon", "precision": "--dtype=fp16", "zero_stage": "--zero_stage=2",

@@ -434,8 +434,9 @@ class Loop:
                                 EXIT_LOSS_SPIKE)
         if not math.isfinite(loss) and cfg.dtype != "fp16":
             raise TrainingError(f"non-finite loss {loss} at step {step}; the last good checkpoint in "
-                                f"{cfg.out_dir}/checkpoints is intact (lower --learning_rate or use --dtype=fp16 "
-                                "with loss scaling)", EXIT_NONFINITE_LOSS)
+                                f"{cfg.out_dir}/checkpoints is intact (lower "
+                                f"{'--learning_rate or --muon_lr' if cfg.optimizer == 'muon' else '--learning_rate'} "
+                                "or use --dtype=fp16 with loss scaling)", EXIT_NONFINITE_LOSS)
 
     def log_step(self, rec: dict, do_eval: bool) -> None:
         """Evaluate when due, write the metrics row, print the line when due, then samples (--sample_every).

@@ -184,3 +184,21 @@ def test_on_cuda_muon_within_the_references_rounding():
     ours, _, opt = our_run(tiny_model(torch.float32).cuda(), cfg, data)
     assert opt.muon is not None and len(opt.muon.matrices) == 14
     assert max_diff(ours, ref32) <= 4 * max_diff(ref32, ref64) + 1e-7
+
+
+@pytest.mark.parametrize("flags, named", [
+    ({"muon_momentum": 1.5}, "--muon_momentum=1.5: must be in [0, 1)"),
+    ({"muon_momentum": -0.5}, "--muon_momentum=-0.5: must be in [0, 1)"),
+    ({"muon_momentum": 1.0}, "--muon_momentum=1.0: must be in [0, 1)"),
+    ({"muon_lr": -1.0}, "--muon_lr=-1.0: must be a finite number >= 0 (0 = --learning_rate)"),
+    ({"muon_lr": float("nan")}, "--muon_lr=nan"),
+    ({"muon_weight_decay": -1.0}, "--muon_weight_decay=-1.0: must be a finite number >= 0"),
+])
+def test_muons_bad_numbers_are_one_exit_2_error_as_adamws_are(flags, named):
+    from trainer.config import TrainConfig, TrainingError, validate_config
+    cfg = TrainConfig(data_dir="d", tokenizer_dir="t", optimizer="muon", **flags)
+    with pytest.raises(TrainingError) as e:
+        validate_config(cfg, torch_free=True)
+    assert e.value.code == 2 and named in str(e.value), str(e.value)
+    validate_config(TrainConfig(data_dir="d", tokenizer_dir="t", optimizer="muon", muon_momentum=0.0, muon_lr=0.0,
+                                muon_weight_decay=0.0), torch_free=True)  # the edges that are allowed
