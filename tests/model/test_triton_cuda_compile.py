@@ -21,6 +21,21 @@ QUICK_VARIANTS = 24  # rms fwd x2, rms bwd x2, rope x2, swiglu x2 + the packed b
 # unaligned), and the three AdamW forms with bf16 moments (per architecture)
 
 
+def _triton_version() -> tuple[int, ...]:
+    try:
+        import triton
+        return tuple(int(p) for p in triton.__version__.split(".")[:2])
+    except Exception:
+        return (0, 0)
+
+
+# Known and asserted as such: Triton 3.7 (the release torch 2.13.0's CUDA build requires, requirements-dev.txt)
+# compiles the one-process sum of squares of bf16 gradients with one-element accesses even where its rows are
+# aligned: the alignment hints that 3.8+ turn into vectors have no effect on that kernel there (aligned and
+# unaligned compile to the same cubin). A newer Triton vectorizes it; the assertion below then says to drop it.
+_SCALAR_ON_THIS_TRITON = {"sumsq_param_grads grad=bf16"} if _triton_version() < (3, 8) else set()
+
+
 def _run_without_interpreter(script: str, *args: str, timeout: int) -> subprocess.CompletedProcess:
     """Run a script of the repo with the kernels compiled for real (TRITON_INTERPRET unset)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -54,10 +69,15 @@ def test_every_kernel_compiles_for_h100_and_a100_without_spills():
         # that stream memory read and write it in vectors; the optimizer's table-driven ones (ZeRO shards, the
         # gradients at their addresses) only where their rows are aligned (Segments.aligned,
         # GradAddresses.aligned: without it every access is one element)
+        if row["variant"] in _SCALAR_ON_THIS_TRITON:
+            assert row["vector_accesses"] == 0, ("vectorized now: drop it from _SCALAR_ON_THIS_TRITON", row)
+            continue
         assert (row["vector_accesses"] == 0) == ("unaligned" in row["variant"]), row
     aligned = {r["variant"]: r for r in rows if r["arch"] == 90}
     for name in ("adamw_param_grads grad=bf16 clip=True", "sumsq_param_grads grad=bf16",
                  "adamw_segments out=bf16 clip=True", "sumsq_segments"):
+        if name in _SCALAR_ON_THIS_TRITON:
+            continue
         # the aligned form: one vector where the unaligned one issues an element at a time
         assert aligned[name]["scalar_accesses"] < aligned[name + " unaligned"]["scalar_accesses"], aligned
 
