@@ -114,8 +114,8 @@ class DDPEngine(Engine):
             with load_errors_named(f"checkpoint {ckpt_dir}: its (--parallel=fsdp) optimizer state does not convert to "
                                    "this --parallel=ddp optimizer", ckpt.CheckpointMismatchError, width=300):
                 self.optimizer.load_state_dict(ddp_optimizer_state(weights, state, scalars))
-            log(f"[resume] {ckpt_dir} was written by --parallel=fsdp: its weights and AdamW state (exp_avg, "
-                "exp_avg_sq, step per parameter) converted to --parallel=ddp")
+            log(f"[resume] {ckpt_dir} was written by --parallel=fsdp: its weights and optimizer state (AdamW's "
+                "exp_avg, exp_avg_sq and step, Muon's momentum, per parameter) converted to --parallel=ddp")
         return extra if saved_world == world_size else None
 
 

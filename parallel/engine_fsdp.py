@@ -106,8 +106,8 @@ class FSDPEngine(Engine):
                                   ckpt_dir)
         refuse_nonfinite_weights(self.module, ckpt_dir)
         if scalars is not None:
-            log(f"[resume] {ckpt_dir} was written by --parallel=ddp: its weights and AdamW state (exp_avg, "
-                "exp_avg_sq, step per parameter) converted to --parallel=fsdp")
+            log(f"[resume] {ckpt_dir} was written by --parallel=ddp: its weights and optimizer state (AdamW's "
+                "exp_avg, exp_avg_sq and step, Muon's momentum, per parameter) converted to --parallel=fsdp")
         return extra
 
 

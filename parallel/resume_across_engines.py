@@ -1,7 +1,9 @@
-"""Resuming across engines (ddp <-> fsdp): both keep AdamW over fp32 masters, per parameter name (exp_avg,
-exp_avg_sq, step), so a checkpoint of one engine is converted exactly into the other's state. The one
-exchange shape: full fp32 weights {name: tensor}, AdamW state {name: {"exp_avg", "exp_avg_sq": full tensors
-shaped like the weight, "step": float}}, and the scalars {"lr", "scaler", "prev_grad_norm"}.
+"""Resuming across engines (ddp <-> fsdp): both keep their optimizer state over fp32 masters per parameter name
+(AdamW: exp_avg, exp_avg_sq, step; Muon's matrices: momentum and Muon's step count), so a checkpoint of one engine
+is converted exactly into the other's state. The one exchange shape: full fp32 weights {name: tensor}, the state
+{name: {"exp_avg", "exp_avg_sq": full tensors shaped like the weight, "step": float}} or, for a matrix Muon
+steps, {name: {"momentum": full tensor, "step": float}}, and the scalars {"lr", "scaler", "prev_grad_norm",
+"optimizer": "adamw" | "muon"}. Switching optimizers across the conversion is refused, as within an engine.
 
 - DCP (FSDP2) checkpoint -> that shape in one process: `load_full_training_state`; that shape -> an FSDP2
   model and optimizer (each rank keeps its shard): `load_full_state_into_fsdp`.
@@ -23,6 +25,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from optimizer.fsdp_optimizer import MUON_KEY, MUON_STEPS_KEY
 from optimizer.mixed_precision_optimizer import STATE_FORMAT
 from parallel.dcp_checkpoint import (_MODEL, _OPTIM, _OPTIM_SCALARS, _barrier, _dcp_load, _mesh_group, _model_specs,
                                      _usable)
@@ -44,7 +47,7 @@ def load_full_training_state(ckpt_dir: str) -> tuple[dict[str, torch.Tensor], di
     meta, md = _usable(ckpt_dir)
     specs = {}
     for k, v in md.state_dict_metadata.items():
-        if not k.startswith(_OPTIM + "state."):
+        if not k.startswith((_OPTIM + "state.", _OPTIM + MUON_KEY)) and k != _OPTIM + MUON_STEPS_KEY:
             continue
         dtype, size = getattr(getattr(v, "properties", None), "dtype", None), getattr(v, "size", None)
         if not isinstance(v, TensorStorageMetadata) or not isinstance(dtype, torch.dtype) or size is None:
@@ -60,8 +63,11 @@ def load_full_training_state(ckpt_dir: str) -> tuple[dict[str, torch.Tensor], di
         raise DCPCheckpointError(f"checkpoint {ckpt_dir}: {bad}")
     per_param: dict[str, dict] = {}
     for k in specs:
-        fqn, kind = k[len(_OPTIM + "state."):].rsplit(".", 1)
-        per_param.setdefault(fqn, {})[kind] = out[k]
+        if k.startswith(_OPTIM + "state."):
+            fqn, kind = k[len(_OPTIM + "state."):].rsplit(".", 1)
+            per_param.setdefault(fqn, {})[kind] = out[k]
+    muon_steps = out.get(_OPTIM + MUON_STEPS_KEY)
+    muon = {k[len(_OPTIM + MUON_KEY):]: out[k] for k in specs if k.startswith(_OPTIM + MUON_KEY)}
     state = {}
     for fqn, entry in per_param.items():
         if fqn not in weights or any(m not in entry for m in (*_MOMENTS, "step")):
@@ -69,9 +75,15 @@ def load_full_training_state(ckpt_dir: str) -> tuple[dict[str, torch.Tensor], di
                                      f"AdamW's exp_avg, exp_avg_sq and step of a weight (has {sorted(entry)})")
         state[fqn] = {"exp_avg": entry["exp_avg"].float(), "exp_avg_sq": entry["exp_avg_sq"].float(),
                       "step": float(entry["step"].reshape(-1)[0]) if entry["step"].numel() else 0.0}
+    for fqn, momentum in muon.items():
+        if fqn not in weights or muon_steps is None:
+            raise DCPCheckpointError(f"{os.path.join(ckpt_dir, DCP_METADATA)}: Muon's momentum of {fqn} "
+                                     + ("names no weight" if fqn not in weights else "comes without Muon's step count"))
+        state[fqn] = {"momentum": momentum.float(), "step": float(muon_steps.reshape(-1)[0])}
     saved = meta.get("optimizer")
     scalars = None if not isinstance(saved, dict) or any(k not in saved for k in _OPTIM_SCALARS) else \
-        {k: saved[k] for k in ("lr", "scaler", "prev_grad_norm")}
+        {**{k: saved[k] for k in ("lr", "scaler", "prev_grad_norm")},
+         "optimizer": "muon" if muon_steps is not None else "adamw"}
     return weights, state, scalars
 
 
@@ -97,8 +109,23 @@ def load_full_state_into_fsdp(model: nn.Module, optimizer, weights: dict[str, to
     if optimizer is None or state is None:
         return
     sd = optimizer.state_dict()  # the template: every flat key this optimizer holds, zero moments when fresh
+    scalars = dict(scalars or {})
+    saved_kind, run_kind = scalars.pop("optimizer", "adamw"), "muon" if MUON_STEPS_KEY in sd["adamw"] else "adamw"
+    if saved_kind != run_kind:
+        raise CheckpointMismatchError(f"checkpoint {source}: its optimizer state is {saved_kind}'s but this run has "
+                                      f"--optimizer={run_kind}: switching optimizers on resume is refused")
     adamw = dict(sd["adamw"])
     for key, like in sd["adamw"].items():
+        if key.startswith(MUON_KEY):  # Muon's momentum of a matrix: zeros where the saved run never stepped it
+            fqn = key[len(MUON_KEY):]
+            momentum = state.get(fqn, {}).get("momentum")
+            adamw[key] = shard_like(momentum.float() if momentum is not None else torch.zeros(current[fqn].shape),
+                                    like)
+            continue
+        if key == MUON_STEPS_KEY:
+            steps = max((float(e["step"]) for e in state.values() if "momentum" in e), default=0.0)
+            adamw[key] = torch.full_like(like, steps) if torch.is_tensor(like) else steps
+            continue
         if not key.startswith("state."):
             continue
         fqn, kind = key[len("state."):].rsplit(".", 1)
@@ -116,7 +143,7 @@ def load_full_state_into_fsdp(model: nn.Module, optimizer, weights: dict[str, to
         else:
             raise CheckpointMismatchError(f"checkpoint {source}: this optimizer keeps {key}, which AdamW's state "
                                           "of another engine does not have")
-    optimizer.load_state_dict({**sd, **(scalars or {}), "adamw": adamw})
+    optimizer.load_state_dict({**sd, **scalars, "adamw": adamw})
     _barrier(_mesh_group(model))
 
 
@@ -148,9 +175,10 @@ def read_ddp_training_state(ckpt_dir: str) -> tuple[dict[str, torch.Tensor], dic
         for name, e in (sd.get("params") or {}).items():
             try:
                 numel, lo, hi = int(e["numel"]), int(e["lo"]), int(e["hi"])
+                kinds = ("main", "momentum") if "momentum" in e else ("main", "exp_avg", "exp_avg_sq")  # Muon's
                 f = flat.setdefault(name, {"shape": list(e["shape"]), "covered": 0, "step": 0.0,
-                                           **{k: torch.zeros(numel) for k in ("main", "exp_avg", "exp_avg_sq")}})
-                for k in ("main", "exp_avg", "exp_avg_sq"):
+                                           **{k: torch.zeros(numel) for k in kinds}})
+                for k in kinds:
                     f[k][lo:hi] = e[k].reshape(-1).float()
                 f["covered"] += hi - lo
                 f["step"] = max(f["step"], float(e["step"]))
@@ -166,11 +194,13 @@ def read_ddp_training_state(ckpt_dir: str) -> tuple[dict[str, torch.Tensor], dic
                                        f"{f['main'].numel()} elements of {name}")
         shape = tuple(f["shape"])
         weights[name] = f["main"].view(shape)  # the fp32 master (the saved weight may be its bf16 copy)
-        if f["step"] > 0:
+        if "momentum" in f:
+            state[name] = {"momentum": f["momentum"].view(shape), "step": f["step"]}
+        elif f["step"] > 0:
             state[name] = {"exp_avg": f["exp_avg"].view(shape), "exp_avg_sq": f["exp_avg_sq"].view(shape),
                            "step": f["step"]}
     scalars = {k: first[k] for k in ("lr", "scaler", "prev_grad_norm") if k in first}
-    return weights, state, scalars if len(scalars) == 3 else None
+    return weights, state, {**scalars, "optimizer": first.get("optimizer", "adamw")} if len(scalars) == 3 else None
 
 
 def ddp_optimizer_state(weights: dict[str, torch.Tensor], state: dict[str, dict], scalars: dict) -> dict:
@@ -180,9 +210,15 @@ def ddp_optimizer_state(weights: dict[str, torch.Tensor], state: dict[str, dict]
     for name, w in weights.items():
         e = state.get(name)
         zeros = torch.zeros(w.numel(), dtype=torch.float32)
+        if e is not None and "momentum" in e:  # a matrix Muon steps
+            params[name] = {"shape": list(w.shape), "numel": w.numel(), "lo": 0, "hi": w.numel(),
+                            "main": w.detach().reshape(-1).float().clone(),
+                            "momentum": e["momentum"].reshape(-1).float().clone(), "step": float(e["step"])}
+            continue
         params[name] = {"shape": list(w.shape), "numel": w.numel(), "lo": 0, "hi": w.numel(),
                         "main": w.detach().reshape(-1).float().clone(),
                         "exp_avg": e["exp_avg"].reshape(-1).float().clone() if e else zeros,
                         "exp_avg_sq": e["exp_avg_sq"].reshape(-1).float().clone() if e else zeros.clone(),
                         "step": float(e["step"]) if e else 0.0}
-    return {"format": STATE_FORMAT, "sharded": 0, "world_size": 1, "rank": 0, **scalars, "params": params}
+    return {"format": STATE_FORMAT, "sharded": 0, "world_size": 1, "rank": 0, "optimizer": "adamw", **scalars,
+            "params": params}

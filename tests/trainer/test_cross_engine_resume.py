@@ -1,6 +1,6 @@
 """A run saved under one engine resumes under the other (--parallel=ddp <-> --parallel=fsdp): the weights
-and the AdamW state (exp_avg, exp_avg_sq, step per parameter, fp32 masters) are converted per parameter
-name, so the resumed steps follow the uninterrupted run to the engines' own summation-order noise."""
+and the optimizer state (AdamW's exp_avg, exp_avg_sq, step per parameter, Muon's momentum, fp32 masters) are
+converted per parameter name, so the resumed steps follow the uninterrupted run to the engines' own summation-order noise."""
 from __future__ import annotations
 
 import os
@@ -19,7 +19,10 @@ NPROC = 2
     (["--parallel=ddp"], ["--parallel=fsdp"]),
     (["--parallel=ddp", "--use_distributed_optimizer=true"], ["--parallel=fsdp", "--use_distributed_optimizer=false"]),
     (["--parallel=fsdp"], ["--parallel=ddp"]),
-], ids=["ddp-to-fsdp", "zero-to-fsdp", "fsdp-to-ddp"])
+    (["--parallel=ddp", "--use_distributed_optimizer=true", "--optimizer=muon"],
+     ["--parallel=fsdp", "--use_distributed_optimizer=false", "--optimizer=muon"]),
+    (["--parallel=fsdp", "--optimizer=muon"], ["--parallel=ddp", "--optimizer=muon"]),
+], ids=["ddp-to-fsdp", "zero-to-fsdp", "fsdp-to-ddp", "muon-zero-to-fsdp", "muon-fsdp-to-ddp"])
 def test_resume_across_engines_continues_the_run(tiny_pretrain_run_args, tmp_path, first, then):
     args = [a if not a.startswith("--batch_size") else "--batch_size=2" for a in tiny_pretrain_run_args]
     args += ["--gradient_accumulation_steps=2", "--max_iters=6"]
@@ -30,7 +33,8 @@ def test_resume_across_engines_continues_the_run(tiny_pretrain_run_args, tmp_pat
     out = run_cmd(train_cmd([f"--out_dir={run}", "--init_from=resume", "--max_iters=6", *then], NPROC),
                   env=_env()).stdout
     engine = then[0].split("=")[1]
-    assert f"AdamW state (exp_avg, exp_avg_sq, step per parameter) converted to --parallel={engine}" in out, out[-3000:]
+    assert f"exp_avg, exp_avg_sq and step, Muon's momentum, per parameter) converted to --parallel={engine}" in out, \
+        out[-3000:]
     assert "FRESH AdamW moments" not in out
     a, b, r = losses(ref), losses(other), losses(run)
     assert sorted(r) == sorted(a) == [1, 2, 3, 4, 5, 6]
