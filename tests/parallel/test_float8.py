@@ -245,6 +245,62 @@ def test_the_converted_modules_their_recipe_and_what_auto_converts(recipe, layer
     assert f"{len(expect)} of 14 block linears in FP8 ({', '.join(sorted(kinds))})" in line, line
 
 
+def _trainer_shaped_model() -> Transformer:
+    """The trainer test's model: dim 32, 2 blocks, 4 heads, hidden 96 (--multiple_of=16's), its tokenizer's
+    vocabulary of 384 and sequences of 32 (tests/conftest.py `tiny_pretrain_data`)."""
+    torch.manual_seed(7)
+    return Transformer(ModelConfig(vocab_size=384, dim=32, n_layers=2, n_heads=4, hidden_dim=96, max_seq_len=32))
+
+
+@pytest.mark.parametrize("recipe", float8.RECIPES)
+def test_a_converted_model_matches_torchao_and_stays_within_fp8s_first_order_bound(recipe):
+    """The whole model converted by --float8 against the same model converted by torchao itself (every block
+    linear, the recipe's config): loss and every parameter's gradient equal bit for bit.
+
+    And the loss against full precision on the same inputs, bounded from FP8's rounding: to first order the loss
+    moves by sum over the block linears of <dL/dy, dy>, and each output element's error |dy| is at most the
+    per-element bound of `_fp8_matmul` (the forward's e4m3 casts of x and w), so |L_fp8 - L| <= F =
+    sum <|dL/dy|, bound> (dL/dy from the full-precision backward on the same inputs; the second-order terms are
+    a rounding step smaller again, covered by F's worst case where every error aligns)."""
+    from torchao.float8 import convert_to_float8_training
+    model = _trainer_shaped_model()
+    g = torch.Generator().manual_seed(3)
+    ids, labels = torch.randint(0, 384, (4, 32), generator=g), torch.randint(0, 384, (4, 32), generator=g)
+    ours, ref = copy.deepcopy(model), copy.deepcopy(model)
+    assert float8.apply(ours, None, SimpleNamespace(float8=recipe, float8_layers="all"),
+                        device=torch.device("cpu")) == 14
+    convert_to_float8_training(ref, config=_expected_config(recipe),
+                               module_filter_fn=lambda m, fqn: fqn.rsplit(".", 1)[-1] in float8.BLOCK_LINEARS)
+    loss_ours, loss_ref = ours(ids, labels=labels), ref(ids, labels=labels)
+    loss_ours.backward()
+    loss_ref.backward()
+    assert torch.equal(loss_ours, loss_ref), (loss_ours.item(), loss_ref.item())
+    grads_ref = dict(ref.named_parameters())
+    for name, p in ours.named_parameters():
+        assert torch.equal(p.grad, grads_ref[name].grad), name
+
+    seen = {}
+    def keep(fqn):
+        def hook(mod, inp, out):
+            out.retain_grad()
+            seen[fqn] = (inp[0].detach(), mod.weight.detach(), out)
+        return hook
+    for fqn, m in model.named_modules():
+        if hasattr(m, "fused_qkv"):
+            m.fused_qkv = False  # each projection its own matmul (same product), so that its hook sees it
+        if fqn.rsplit(".", 1)[-1] in float8.BLOCK_LINEARS:
+            m.register_forward_hook(keep(fqn))
+    loss = model(ids, labels=labels)
+    loss.backward()
+    assert len(seen) == 14
+    first_order = 0.0
+    for x, w, y in seen.values():
+        _, _, bound = _fp8_matmul(x.reshape(-1, x.shape[-1]), w.T, CAST_DTYPES[recipe]["y"], recipe)
+        first_order += (y.grad.reshape(bound.shape).double().abs() * bound).sum().item()
+    diff = abs(loss_ours.item() - loss.item())
+    assert 0 < diff <= first_order, (diff, first_order)
+
+
 def test_a_layer_whose_dimensions_are_not_multiples_of_16_is_never_converted(caplog):
     """The FP8 matmul needs both dimensions of a weight to be multiples of 16: such a layer is left in full
     precision (skipped, not refused: it is not counted among the candidates either), with --float8_layers=all and
