@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 import os
 from types import SimpleNamespace
 
@@ -257,11 +258,16 @@ def test_a_converted_model_matches_torchao_and_stays_within_fp8s_first_order_bou
     """The whole model converted by --float8 against the same model converted by torchao itself (every block
     linear, the recipe's config): loss and every parameter's gradient equal bit for bit.
 
-    And the loss against full precision on the same inputs, bounded from FP8's rounding: to first order the loss
-    moves by sum over the block linears of <dL/dy, dy>, and each output element's error |dy| is at most the
-    per-element bound of `_fp8_matmul` (the forward's e4m3 casts of x and w), so |L_fp8 - L| <= F =
-    sum <|dL/dy|, bound> (dL/dy from the full-precision backward on the same inputs; the second-order terms are
-    a rounding step smaller again, covered by F's worst case where every error aligns)."""
+    And the loss against full precision on the same inputs, bounded from FP8's rounding. To first order (the
+    second-order terms carry another factor of the rounding step) the loss moves by the sum over the block linears
+    of <dL/dy, dy>, with dy = dx w^T + x dw^T from the rounding errors dx, dw of the e4m3 casts of the input and the
+    weight (each element within `_fp8_matmul`'s per-element bound e; dL/dy from the full-precision backward on the
+    same inputs). Worst case, every error aligned: |L_fp8 - L| <= sum <|dL/dy|, bound of dy>. Round-to-nearest
+    errors are zero-mean and independent across elements (the same input cast for q, k and v is one error), so the
+    sum is one of independent bounded terms c = e * |coefficient| and Hoeffding's inequality bounds it by
+    sqrt(2 ln(2 / 1e-6) * sum c^2) but with probability 1e-6: the bound asserted. Relative to the loss, that bound on
+    the trainer test's model at initialization is under 2^-10, the bound that test holds its step-1 loss to.
+    """
     from torchao.float8 import convert_to_float8_training
     model = _trainer_shaped_model()
     g = torch.Generator().manual_seed(3)
@@ -293,12 +299,24 @@ def test_a_converted_model_matches_torchao_and_stays_within_fp8s_first_order_bou
     loss = model(ids, labels=labels)
     loss.backward()
     assert len(seen) == 14
-    first_order = 0.0
+    worst, squares = 0.0, 0.0
+    (h, s), rowwise = FP8_HALF_STEP[E4M3], recipe == "rowwise"
+    def cast_error(t):  # each element's FP8 rounding error bound, as in `_fp8_matmul`
+        _, scale = _cast(t, E4M3, -1 if rowwise else None, rowwise)
+        return (h + 2 * U32) * t.double().abs() + s / scale
+    shared = {}  # q/k/v (and gate/up) cast the same input with the same scales: one rounding error for them
     for x, w, y in seen.values():
-        _, _, bound = _fp8_matmul(x.reshape(-1, x.shape[-1]), w.T, CAST_DTYPES[recipe]["y"], recipe)
-        first_order += (y.grad.reshape(bound.shape).double().abs() * bound).sum().item()
+        x, dy = x.reshape(-1, x.shape[-1]), y.grad.reshape(-1, y.shape[-1]).double()
+        _, _, bound = _fp8_matmul(x, w.T, CAST_DTYPES[recipe]["y"], recipe)
+        worst += (dy.abs() * bound).sum().item()
+        squares += ((cast_error(w) * (dy.T @ x.double())) ** 2).sum().item()
+        shared.setdefault((x.data_ptr(), x.shape), [x, 0])[1] += dy @ w.double()
+    for x, dx in shared.values():
+        squares += ((cast_error(x) * dx) ** 2).sum().item()
+    likely = math.sqrt(2 * math.log(2 / 1e-6) * squares)
     diff = abs(loss_ours.item() - loss.item())
-    assert 0 < diff <= first_order, (diff, first_order)
+    assert 0 < diff <= likely <= worst, (diff, likely, worst)
+    assert likely / loss.item() < 2 ** -10, likely / loss.item()
 
 
 def test_a_layer_whose_dimensions_are_not_multiples_of_16_is_never_converted(caplog):
@@ -367,9 +385,14 @@ def _losses(out) -> list[float]:
 @pytest.mark.parametrize("engine, nproc, recipe", [("ddp", 1, "tensorwise"), ("ddp", 1, "rowwise"),
                                                   ("fsdp", 2, "tensorwise")])
 def test_the_trainer_trains_with_fp8_close_to_full_precision(engine, nproc, recipe, tiny_pretrain_run_args, tmp_path):
-    """3 steps with --float8 against the same run without (our DDP at 1 process, FSDP2 at 2): the
-    losses differ (FP8 ran) by less than e4m3's relative rounding step (2^-3: the inputs and weights of every
-    block matmul carry at most half of it)."""
+    """3 steps with --float8 against the same run without (our DDP at 1 process, FSDP2 at 2). Step 1: both runs
+    hold the same weights and batch, only the forward's FP8 rounding differs: the losses differ (FP8 ran) by less
+    than 2^-10 relative, the first-order bound of FP8's rounding for this model at initialization that
+    test_a_converted_model_matches_torchao_and_stays_within_fp8s_first_order_bound derives and checks on its shape
+    (Hoeffding over the e4m3 casts' independent rounding errors, 1e-6 failure probability). Steps 2-3 also carry
+    AdamW updates from FP8 gradients, for which no bound is derived here: held only to a coarse 2^-3. Neither
+    bound can tell a block linear that outputs zeros from FP8's rounding (at initialization the blocks move this
+    loss by about as much as that bound): the layer and model tests above compare outputs and gradients."""
     from tests.conftest import child_env, run_cmd, train_cmd
     env = child_env()
     batch = ["--batch_size=2"] if nproc == 2 else []
@@ -383,4 +406,5 @@ def test_the_trainer_trains_with_fp8_close_to_full_precision(engine, nproc, reci
     assert len(losses["fp8"]) == len(losses["full"]) == 3
     rel = [abs(a - b) / abs(b) for a, b in zip(losses["fp8"], losses["full"])]
     print(f"[float8] {engine} {recipe}: losses {losses}, relative differences {rel}")
-    assert 0 < max(rel) < 2 ** -3, (losses, rel)
+    assert 0 < rel[0] < 2 ** -10, (losses, rel)
+    assert max(rel) < 2 ** -3, (losses, rel)
