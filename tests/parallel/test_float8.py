@@ -1,6 +1,8 @@
 """--float8 (parallel/transforms/float8.py): the blocks' linear layers become torchao's FP8 training layers. On
-CPU torchao emulates the FP8 matmul (the same casts and scales, the product in higher precision), which is what
-is checked here against a hand-written FP8 reference; the FP8 tensor cores themselves need a GPU (not run here)."""
+CPU torchao emulates the FP8 matmul (the same casts and scales, the product in fp32), which is what is checked
+here: bit for bit against torchao's own Float8Linear and conversion per recipe, against the FP8 products written
+out within derived rounding bounds, which modules are converted with which config, and the trainer end to end.
+The FP8 tensor cores themselves need a GPU (not run here)."""
 from __future__ import annotations
 
 import copy
@@ -19,6 +21,7 @@ from utils.device import fp8_matmul_problem
 
 torchao = pytest.importorskip("torchao.float8")
 from parallel.transforms import float8  # noqa: E402
+
 
 def _model() -> Transformer:
     torch.manual_seed(0)
@@ -93,7 +96,7 @@ def _cast(t: torch.Tensor, dtype: torch.dtype, dim, pow2: bool):
 
 def _fp8_matmul(a: torch.Tensor, b: torch.Tensor, dtypes, recipe: str):
     """a @ b as FP8 computes it. Returns (ref, acc, fp8):
-    ref: the exact (fp64) product of the fp8-cast operands;
+    ref: the product of the fp8-cast operands in fp64 (its own rounding, (K + 2) 2^-53 relative, is in acc's slack);
     acc: how far an fp32 product of those operands can be from ref: torchao's emulation divides each fp8 value by
       its scale in fp32 (one rounding, relative U32) and multiplies in fp32 (K terms: gamma_K = K u / (1 - K u) of
       the sum of |terms|), so |y - ref| <= ((1 + u)^2 (1 + gamma_K) - 1) * (|a8| @ |b8|), plus fp64's own rounding;
@@ -390,9 +393,10 @@ def test_the_trainer_trains_with_fp8_close_to_full_precision(engine, nproc, reci
     than 2^-10 relative, the first-order bound of FP8's rounding for this model at initialization that
     test_a_converted_model_matches_torchao_and_stays_within_fp8s_first_order_bound derives and checks on its shape
     (Hoeffding over the e4m3 casts' independent rounding errors, 1e-6 failure probability). Steps 2-3 also carry
-    AdamW updates from FP8 gradients, for which no bound is derived here: held only to a coarse 2^-3. Neither
-    bound can tell a block linear that outputs zeros from FP8's rounding (at initialization the blocks move this
-    loss by about as much as that bound): the layer and model tests above compare outputs and gradients."""
+    AdamW updates from FP8 gradients, for which no bound is derived here: held only to a coarse 2^-3. These
+    losses are not where a wrong FP8 layer is caught (at initialization the blocks move this loss by the same
+    order as the step-1 bound, even when they output zeros): the layer and model tests above compare the outputs
+    and gradients themselves."""
     from tests.conftest import child_env, run_cmd, train_cmd
     env = child_env()
     batch = ["--batch_size=2"] if nproc == 2 else []
