@@ -254,7 +254,8 @@ def nothing_to_continue_error(cfg: TrainConfig, ckpt_root: str) -> TrainingError
 
 def no_weights_message(flag: str, path: str) -> str:
     """A weights path (--init_from, --ref_model, --resume_fallback) with nothing loadable there."""
-    return f"{flag}={path}: no complete checkpoint or Hugging Face model there"
+    from utils.run_dir import no_weights_detail
+    return f"{flag}={path}: no complete checkpoint or Hugging Face model there{no_weights_detail(path)}"
 
 
 # ---------------------------------------------------------------------------- the pre-check (no torch)

@@ -17,6 +17,7 @@ from typing import Any, Optional
 from utils import checkpoint as ckpt
 from utils.constants import EXIT_BAD_CHECKPOINT, EXIT_BAD_CONFIG
 from utils.errors import TrainingError, one_line
+from utils.run_dir import no_weights_detail
 
 
 def is_hf_dir(path: str) -> bool:
@@ -108,7 +109,8 @@ def load_weights_from(path: str, log, flag: str = "--init_from",
         return model, info
     found = ckpt.resolve_checkpoint_dir(path, log=log) if os.path.isdir(path) else None
     if found is None:
-        raise TrainingError(f"{where}: no complete checkpoint or Hugging Face model there", EXIT_BAD_CONFIG)
+        raise TrainingError(f"{where}: no complete checkpoint or Hugging Face model there"
+                            f"{no_weights_detail(path) if os.path.isdir(path) else ''}", EXIT_BAD_CONFIG)
     try:
         model, run_cfg = model_from_checkpoint(found)
     except (ValueError, KeyError, OSError) as e:  # CheckpointError (naming the file) passes: exit 5 as well

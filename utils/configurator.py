@@ -164,7 +164,20 @@ def _is_config_file_name(arg: str) -> bool:
     return arg.lower().endswith(PY_CONFIG_EXT + DATA_CONFIG_EXT)
 
 
+# A .py config runs once per process: the pre-check, the start and a resume's re-parse all read the same values
+# (a config that prints, counts or opens files does so once). Keyed by the file and its exact text: an edited file
+# runs again.
+_PY_VALUES: dict[tuple[str, str], dict[str, Any]] = {}
+
+
 def _values_from_py(path: str, code: str) -> dict[str, Any]:
+    key = (os.path.abspath(path), code)
+    if key not in _PY_VALUES:
+        _PY_VALUES[key] = _exec_py_config(path, code)
+    return dict(_PY_VALUES[key])
+
+
+def _exec_py_config(path: str, code: str) -> dict[str, Any]:
     scope: dict[str, Any] = {}
     try:
         exec(compile(code, path, "exec"), scope)  # user-written config, the nanoGPT way

@@ -79,6 +79,29 @@ def is_hf_dir(path: str) -> bool:
     return isinstance(cfg, dict) and cfg.get("model_type") == "llama"
 
 
+def no_weights_detail(path: str) -> str:
+    """Why a directory given as weights (--init_from, --ref_model, ...) is neither one of our checkpoints nor a
+    Hugging Face Llama directory, when its files say more than "nothing there": "" otherwise."""
+    try:
+        names = set(os.listdir(path))
+    except OSError:
+        return ""
+    if any(n.endswith(".safetensors") for n in names):
+        kind = None
+        try:
+            with open(os.path.join(path, RUN_CONFIG), encoding="utf-8") as f:
+                kind = json.load(f).get("model_type")
+        except (OSError, ValueError, AttributeError):
+            pass
+        return f" (its config.json says model_type {kind!r}; a Llama model is needed)" if kind else ""
+    pickled = sorted(n for n in names if n.endswith((".bin", ".pt", ".pth")) and not n.startswith("optimizer"))
+    if pickled and RUN_CONFIG in names:
+        return (f" ({pickled[0]} is a pickle, which this project never loads: unpickling runs code. Save the model "
+                "as safetensors first: AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir, "
+                "safe_serialization=True))")
+    return ""
+
+
 def saved_config(out_dir: str) -> Optional[dict]:
     """The configuration a resume of `out_dir` would start from, as far as a look without hashing can
     tell: config.json of the newest checkpoint marked COMPLETE, else the run directory's config.json.

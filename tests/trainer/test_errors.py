@@ -85,6 +85,9 @@ CASES = [
      "--tokenizer_dir=/nonexistent/tok:"),
     ("init_from_missing", ["--init_from=/nonexistent/run"], EXIT_BAD_CONFIG,
      "--init_from=/nonexistent/run: no complete checkpoint or Hugging Face model there"),
+    ("init_from_pickled_hf", ["--init_from={pickled_hf}"], EXIT_BAD_CONFIG,
+     "no complete checkpoint or Hugging Face model there (pytorch_model.bin is a pickle, which this project never "
+     "loads"),
     ("resume_without_record", ["--init_from=resume"], EXIT_BAD_CONFIG,
      "--init_from=resume: no complete checkpoint in"),
     ("data_dir_missing", ["--data_dir=/nonexistent/shards"], EXIT_BAD_DATA,
@@ -99,8 +102,11 @@ def test_bad_value_exits_with_its_code_and_one_line(tiny_pretrain_run_args, tmp_
     tok = next(a.split("=", 1)[1] for a in tiny_pretrain_run_args if a.startswith("--tokenizer_dir="))
     (tmp_path / "meta_only").mkdir()  # tokenizer_meta.json (the data check passes) without the tokenizer files
     shutil.copy(os.path.join(tok, "tokenizer_meta.json"), tmp_path / "meta_only")
+    (tmp_path / "pickled_hf").mkdir()  # a Hugging Face directory with only the pickled weights
+    (tmp_path / "pickled_hf" / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / "pickled_hf" / "pytorch_model.bin").write_bytes(b"\x80\x02")
     extra = [a.replace("{empty}", str(tmp_path / "empty.txt")).replace("{meta_only}", str(tmp_path / "meta_only"))
-             for a in extra]
+             .replace("{pickled_hf}", str(tmp_path / "pickled_hf")) for a in extra]
     got, err = run_main([*tiny_pretrain_run_args, f"--out_dir={tmp_path / 'run'}", "--max_iters=2", *extra], capsys)
     assert got == code, err
     assert_one_error_line(err, needle)

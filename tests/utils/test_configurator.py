@@ -115,3 +115,20 @@ def test_help_says_py_configs_are_code():
     from utils.configurator import help_text
     text = help_text(Cfg(), "title")
     assert "executed as Python code" in text and ".json" in text and ".yaml" in text
+
+
+def test_a_py_config_runs_once_per_process_and_again_when_edited(tmp_path, tiny_pretrain_run_args):
+    """The trainer's pre-check, its start and a resume's re-parse all read the config: a .py file that counts
+    (or prints, or opens files) does so once per start, not once per reading."""
+    from tests.conftest import PY, run_python
+    counter = tmp_path / "runs.txt"
+    cfg = tmp_path / "cfg.py"
+    cfg.write_text(f"open({str(counter)!r}, 'a').write('x')\nmax_iters = 2\n")
+    proc = run_python([PY, "train_my_ddp.py", str(cfg), *tiny_pretrain_run_args, f"--out_dir={tmp_path / 'run'}"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert counter.read_text() == "x"
+    cfg.write_text(f"open({str(counter)!r}, 'a').write('y')\nmax_iters = 2\n")  # edited: its new text runs
+    from trainer.config import TrainConfig
+    assert parse_config(TrainConfig(), [str(cfg)]).max_iters == 2 and counter.read_text() == "xy"
+    parse_config(TrainConfig(), [str(cfg)])
+    assert counter.read_text() == "xy"
