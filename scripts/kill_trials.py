@@ -88,6 +88,18 @@ CONFIGS: dict[str, tuple[int, list[str]]] = {
                                  "--zero_stage=1", "@flat_adamw"]),
     # gradients reduced in bf16, read in place by the kernel (no fp32 gradient store)
     "ddp2-bf16grads-flat": (2, ["--batch_size=2", "--dtype=bf16", "--grad_reduce_in_fp32=false", "@flat_adamw"]),
+    # the reliability review's hand-killed configurations: Muon with ZeRO-1 and under the pipeline, context
+    # parallelism with FSDP, ZeRO and Muon, SFT with LoRA, full DPO, async saves under Muon
+    "ddp2-zero1-muon": (2, ["--batch_size=2", "--use_distributed_optimizer=true", "--zero_stage=1",
+                            "--optimizer=muon"]),
+    "pipeline2-muon": (2, ["--pipeline_parallel_size=2", "--gradient_accumulation_steps=2", "--optimizer=muon"]),
+    "cp2-fsdp": (2, ["--context_parallel_size=2", "--parallel=fsdp"]),
+    "cp2-zero1": (2, ["--context_parallel_size=2", "--use_distributed_optimizer=true", "--zero_stage=1"]),
+    "cp2-muon": (2, ["--context_parallel_size=2", "--optimizer=muon"]),
+    "sft-lora": (1, ["--task_type=sft", "@sft", "@base", "--max_seq_len=96", "--lora_rank=4",
+                     "--learning_rate=3e-3"]),
+    "dpo": (1, ["--task_type=dpo", "@dpo", "@base", "--max_seq_len=96", "--dpo_beta=0.5", "--learning_rate=3e-3"]),
+    "muon-async": (1, ["--optimizer=muon", "--async_checkpoint=true", "@slow_writes"]),
 }
 SLOW_WRITES_S = "2.0"
 
