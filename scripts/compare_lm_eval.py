@@ -170,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
         full, split = {}, {}
         for fmt, recs in records.items():
             paths = []
+            # all: eval_lm's file; shots / rest: lm-eval's few-shot and test splits (k = 0: a shots file all the same,
+            # never read, since the task configs declare a training split)
             for part, rs in (("all", recs), ("shots", recs[:k] or recs[:1]), ("rest", recs[k:])):
                 path = os.path.join(kdir, f"{fmt}_{part}.jsonl")
                 with open(path, "w", encoding="utf-8") as f:
@@ -206,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
             mine = sorted(rows[fmt], key=lambda r: r["index"])
             want = [[[c, ch] for ch in choices] for c, choices, _, _ in fewshot_requests(read_task(full[fmt]), k)]
             same = [s["requests"] for s in samples] == want and len(samples) == len(mine)
-            diff = max(abs(a - b) for s, r in zip(samples, mine) for a, b in zip(s["loglikelihoods"], r["loglikelihoods"]))
+            diff = max(abs(a - b) for s, r in zip(samples, mine)
+                       for a, b in zip(s["loglikelihoods"], r["loglikelihoods"]))
             worst = max(worst, diff)
             o, t = ours[fmt], (res.get("acc,none"), res.get("acc_norm,none"))
             good = same and diff <= args.tol and (o["acc"], o["acc_norm"]) == t
