@@ -59,7 +59,9 @@ def mc_request(rec: Any) -> tuple[str, list[str], int, str]:
     if "question" in rec and isinstance(rec.get("choices"), dict) and "answerKey" in rec:
         labels, texts = list(rec["choices"]["label"]), list(rec["choices"]["text"])
         key = str(rec["answerKey"])
-        gold = labels.index(key) if key in labels else int(key) - 1  # ARC: letters, a few numbered "1".."4"
+        # lm-eval: choices.label.index(answerKey) (lettered, or numbered "1".."4"); a numbered key among lettered
+        # labels is A..D
+        gold = labels.index(key) if key in labels else int(key) - 1
         return f"Question: {rec['question']}\nAnswer:", [d + t for t in texts], gold, "arc"
     if "question" in rec and isinstance(rec.get("choices"), list) and "answer" in rec:
         choices = rec["choices"]
