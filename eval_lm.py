@@ -8,21 +8,26 @@ Multiple choice by log-likelihood, scored as lm-evaluation-harness scores it: pe
 log p(continuation tokens | context), where the continuation's tokens are those of `context + continuation`
 after the context's own tokens (lm-eval's _encode_pair: trailing spaces of the context move to the continuation),
 the context preceded by `<s>`, left-truncated to --max_seq_len; `acc` is the argmax of the log-likelihoods,
-`acc_norm` the argmax of log-likelihood / the continuation's length in characters. Local jsonl in the common
-benchmarks' formats (no download), detected per record:
-  HellaSwag  {"ctx", "endings": [4], "label"}                 context ctx, choices " " + ending
-  ARC        {"question", "choices": {"text", "label"}, "answerKey"}   "Question: q\\nAnswer:", " " + text
-  PIQA       {"goal", "sol1", "sol2", "label"}                "Question: goal\\nAnswer:", " " + sol
-  MMLU       {"question", "choices": [..], "answer": int}     "q\\nA. ..\\nB. ..\\nAnswer:", " A" / " B" / ...
-  generic    {"context", "choices": [..], "label" or "gold"}  context as is, choices as is
-With --num_fewshot=k, the first k records of the file (left out of the scoring) prefix each context, separated by
-a blank line, as lm-eval's default few-shot format. --loglikelihoods_out writes every choice's value (jsonl).
+`acc_norm` the argmax of log-likelihood / the choice's length in characters (without the " " in front, as
+lm-eval). Local jsonl in the common benchmarks' formats (no download), detected per record, with lm-eval's prompts:
+  HellaSwag  {"activity_label", "ctx_a", "ctx_b", "endings": [4], "label"}
+             "activity_label: ctx_a Ctx_b" (ctx_b.capitalize()) and " " + ending, both through lm-eval's
+             hellaswag preprocess (strip, " [title]" -> ". ", "[...]" removed, "  " -> " ")
+  ARC        {"question", "choices": {"text", "label"}, "answerKey"}   "Question: q\nAnswer:", " " + text
+             (answerKey by its label; a numbered "1".."4" among lettered labels is A..D)
+  PIQA       {"goal", "sol1", "sol2", "label"}                "Question: goal\nAnswer:", " " + sol
+  MMLU       {"question", "choices": [..], "answer": int|letter}  "q.strip()\nA. ..\nB. ..\nAnswer:", " A" / " B" / ..
+  generic    {"context" or "query", "choices": [..], "label" or "gold"}  context as is, choices as is
+With --num_fewshot=k, the first k records of the file (left out of the scoring) prefix each context, each as
+context + gold continuation followed by a blank line (lm-eval's "\n\n" few-shot delimiter; lm-eval draws its
+examples from a few-shot split instead, and MMLU's adds a description line). --loglikelihoods_out writes every
+choice's value (jsonl).
 
 Owns: the command, the formats above and their scoring. The numbers equal those of the exported model under
-transformers (export_hf.py; tests/commands/test_eval_lm.py), so they line up with lm-evaluation-harness on the
-export. Exit 2 for a bad flag or a --checkpoint that names nothing (before torch is imported), 3 for a task file
-whose records fit no format (one line naming file:line), 5 for a damaged checkpoint. Must never modify the
-checkpoint or download anything.
+transformers (export_hf.py; tests/commands/test_eval_lm.py) and lm-evaluation-harness's on the export
+(scripts/compare_lm_eval.py, docs/eval.md). Exit 2 for a bad flag or a --checkpoint that names nothing (before
+torch is imported), 3 for a task file whose records fit no format (one line naming file:line), 5 for a damaged
+checkpoint. Must never modify the checkpoint or download anything.
 """
 from __future__ import annotations
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from typing import Any, Iterator, Optional
 
 LETTERS = "ABCDEFGHIJ"
@@ -23,25 +24,51 @@ class TaskFormatError(ValueError):
     exit_code, exit_prefix = 3, "data: "
 
 
+TARGET_DELIMITER = " "  # lm-eval's target_delimiter: between the context and each choice (all formats but generic)
+HELLASWAG_FIELDS = ("activity_label", "ctx_a", "ctx_b", "endings", "label")
+
+
+def hellaswag_preprocess(text: str) -> str:
+    """lm-eval's hellaswag `preprocess`: strip, " [title]" -> ". ", drop WikiHow's "[...]" tags, "  " -> " "."""
+    text = text.strip()
+    text = text.replace(" [title]", ". ")
+    text = re.sub("\\[.*?\\]", "", text)
+    return text.replace("  ", " ")
+
+
+def hellaswag_request(rec: dict) -> tuple[str, list[str], int]:
+    """lm-eval's hellaswag prompt: query `activity_label: ctx_a Ctx_b` (str.capitalize, as lm-eval), the endings
+    preprocessed, each continuation " " + ending (the target delimiter)."""
+    missing = [k for k in HELLASWAG_FIELDS if k not in rec]
+    if missing:
+        raise TaskFormatError(f"a HellaSwag record (endings) lacks {', '.join(missing)}: lm-eval's prompt is "
+                              "activity_label + ': ' + ctx_a + ' ' + ctx_b.capitalize()")
+    query = hellaswag_preprocess(rec["activity_label"] + ": " + rec["ctx_a"] + " " + rec["ctx_b"].capitalize())
+    return query, [TARGET_DELIMITER + hellaswag_preprocess(e) for e in rec["endings"]], int(rec["label"])
+
+
 def mc_request(rec: Any) -> tuple[str, list[str], int, str]:
     """(context, choices, gold index, format name) of one multiple-choice record; TaskFormatError otherwise."""
     if not isinstance(rec, dict):
         raise TaskFormatError(f"a record is a {type(rec).__name__}, not an object")
-    if "ctx" in rec and "endings" in rec:
-        return rec["ctx"], [" " + e for e in rec["endings"]], int(rec["label"]), "hellaswag"
+    d = TARGET_DELIMITER
+    if "endings" in rec and ("ctx_a" in rec or "ctx" in rec):
+        return (*hellaswag_request(rec), "hellaswag")
     if "goal" in rec and "sol1" in rec:
-        return f"Question: {rec['goal']}\nAnswer:", [" " + rec["sol1"], " " + rec["sol2"]], int(rec["label"]), "piqa"
+        return f"Question: {rec['goal']}\nAnswer:", [d + rec["sol1"], d + rec["sol2"]], int(rec["label"]), "piqa"
     if "question" in rec and isinstance(rec.get("choices"), dict) and "answerKey" in rec:
         labels, texts = list(rec["choices"]["label"]), list(rec["choices"]["text"])
         key = str(rec["answerKey"])
-        gold = labels.index(key) if key in labels else int(key) - 1  # ARC: letters, a few numbered "1".."4"
-        return f"Question: {rec['question']}\nAnswer:", [" " + t for t in texts], gold, "arc"
+        # lm-eval: choices.label.index(answerKey) (lettered, or numbered "1".."4"); a numbered key among lettered
+        # labels is A..D
+        gold = labels.index(key) if key in labels else int(key) - 1
+        return f"Question: {rec['question']}\nAnswer:", [d + t for t in texts], gold, "arc"
     if "question" in rec and isinstance(rec.get("choices"), list) and "answer" in rec:
         choices = rec["choices"]
         body = "".join(f"\n{LETTERS[i]}. {c}" for i, c in enumerate(choices))
         ans = rec["answer"]
         gold = LETTERS.index(ans) if isinstance(ans, str) else int(ans)
-        return f"{rec['question'].strip()}{body}\nAnswer:", [f" {LETTERS[i]}" for i in range(len(choices))], gold, "mmlu"
+        return f"{rec['question'].strip()}{body}\nAnswer:", [d + LETTERS[i] for i in range(len(choices))], gold, "mmlu"
     if ("context" in rec or "query" in rec) and isinstance(rec.get("choices"), list):
         gold = rec.get("label", rec.get("gold"))
         return rec.get("context", rec.get("query")), list(rec["choices"]), int(gold), "generic"
@@ -89,16 +116,22 @@ def choice_loglikelihood(model: Any, ids: list[int], n_cont: int, max_len: int, 
     return float(logp[-n_cont:].gather(1, targets[:, None]).sum())
 
 
-def score_requests(model: Any, tok: Any, bos: int, reqs: list, max_len: int, device: Any, prefix: str = "",
+def choice_chars(continuation: str, fmt: str) -> int:
+    """acc_norm's divisor: the choice's length in characters without the target delimiter (lm-eval divides by
+    len(doc_to_choice), the choice before " " is put in front); the generic format's choices have none."""
+    return len(continuation) - (0 if fmt == "generic" else len(TARGET_DELIMITER))
+
+
+def score_requests(model: Any, tok: Any, bos: int, reqs: list, max_len: int, device: Any,
                    out_lines: Optional[list] = None, task: str = "") -> dict:
-    """acc and acc_norm of `model` over (context, choices, gold, format) requests, each context after `prefix`."""
+    """acc and acc_norm of `model` over (context, choices, gold, format) requests."""
     n = correct = correct_norm = 0
     for i, (context, choices, gold, fmt) in enumerate(reqs):
         lls = []
         for choice in choices:
-            ctx, cont = encode_pair(tok, prefix + context, choice)
+            ctx, cont = encode_pair(tok, context, choice)
             lls.append(choice_loglikelihood(model, [bos] + ctx + cont, len(cont), max_len, device))
-        norm = [ll / max(1, len(c)) for ll, c in zip(lls, choices)]
+        norm = [ll / max(1, choice_chars(c, fmt)) for ll, c in zip(lls, choices)]
         n += 1
         correct += int(max(range(len(lls)), key=lls.__getitem__) == gold)
         correct_norm += int(max(range(len(norm)), key=norm.__getitem__) == gold)
@@ -107,12 +140,22 @@ def score_requests(model: Any, tok: Any, bos: int, reqs: list, max_len: int, dev
     return {"n": n, "acc": correct / max(1, n), "acc_norm": correct_norm / max(1, n)}
 
 
+FEWSHOT_DELIMITER = "\n\n"
+
+
+def fewshot_requests(reqs: list, num_fewshot: int) -> list:
+    """The requests scored with `num_fewshot` examples: the first num_fewshot records are left out of the scoring
+    and prefix every other context, each as `context + gold continuation` followed by FEWSHOT_DELIMITER (lm-eval's
+    default few-shot format: examples joined by the delimiter, which also ends them; no description)."""
+    shots, rest = reqs[:num_fewshot], reqs[num_fewshot:]
+    prefix = "".join(c + ch[g] + FEWSHOT_DELIMITER for c, ch, g, _ in shots)
+    return [(prefix + c, ch, g, fmt) for c, ch, g, fmt in rest]
+
+
 def evaluate_task(model: Any, tok: Any, bos: int, path: str, max_len: int, device: Any, num_fewshot: int = 0,
                   out_lines: Optional[list] = None) -> dict:
-    reqs = read_task(path)
-    shots, reqs = reqs[:num_fewshot], reqs[num_fewshot:]
-    prefix = "".join(f"{c}{ch[g]}\n\n" for c, ch, g, _ in shots)
-    res = score_requests(model, tok, bos, reqs, max_len, device, prefix, out_lines, os.path.basename(path))
+    reqs = fewshot_requests(read_task(path), num_fewshot)
+    res = score_requests(model, tok, bos, reqs, max_len, device, out_lines, os.path.basename(path))
     return {"task": os.path.basename(path), **res, "num_fewshot": num_fewshot}
 
 

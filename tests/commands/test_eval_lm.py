@@ -1,7 +1,10 @@
-"""eval_lm.py (issue 37 item 10): multiple-choice log-likelihoods in the HellaSwag / ARC / PIQA / MMLU jsonl formats
-and perplexity on held-out files equal those of the exported model under transformers (the same numbers), and
-acc / acc_norm are the argmax of the raw and of the per-character log-likelihoods, as lm-evaluation-harness
-scores them. A tiny model and generated sets; nothing downloaded."""
+"""eval_lm.py (issue 37 item 10): the prompts of every format are lm-evaluation-harness's (written out by hand
+here: HellaSwag's preprocessed activity_label/ctx_a/ctx_b query, ARC's letter and numbered keys, PIQA, MMLU,
+generic; the " " before each continuation, the few-shot blank line), the pair encoding moves a context's trailing
+spaces onto the continuation, the multiple-choice log-likelihoods and the perplexity equal those of the exported
+model under transformers, and acc / acc_norm are the argmax of the raw and of the per-character log-likelihoods
+(characters of the choice without the " " in front), as lm-eval scores them. A tiny model and generated sets;
+nothing downloaded. scripts/compare_lm_eval.py runs lm-eval itself against eval_lm.py (docs/eval.md)."""
 import json
 import math
 import os
@@ -16,6 +19,7 @@ from utils import checkpoint as ckpt
 
 transformers = pytest.importorskip("transformers")
 
+MAX_LEN = 96  # the tasks: the longest contexts are left-truncated, every continuation fits
 WORDS = "the cat dog sat ran on a mat log big small red blue and or it is was".split()
 
 
@@ -30,7 +34,7 @@ def run(tmp_path_factory):
     meta = json.loads((d / "tok" / "tokenizer_meta.json").read_text())
     torch.manual_seed(0)
     m = Transformer(ModelConfig(vocab_size=meta["vocab_size"], dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                                hidden_dim=64, max_seq_len=48, initializer_range=0.2))
+                                hidden_dim=64, max_seq_len=256, initializer_range=0.2))
     req = ckpt.SaveRequest(step=1, rank=0, world_size=1, model_state=m.state_dict(), model_config=m.cfg.to_dict(),
                            optimizer_state=None, extra_state={}, trainer_state={},
                            run_config={"lora_rank": 0, "tokenizer_dir": str(d / "tok")})
@@ -43,22 +47,144 @@ def _sentence(i, n):
     return " ".join(WORDS[(i * 5 + k) % len(WORDS)] for k in range(n))
 
 
+# One record per format with the (context, continuations, gold) lm-evaluation-harness builds for it, written out by
+# hand from lm-eval's task configs (hellaswag's utils.process_docs/preprocess, arc_easy, piqa, mmlu's default
+# template): query, the target delimiter " " before each choice, the gold index.
+HELLASWAG = [
+    ({"ind": 24, "activity_label": "Roof shingle removal",
+      "ctx_a": "A man is sitting on a roof.", "ctx_b": "he",
+      "ctx": "A man is sitting on a roof. he",
+      "endings": ["is using wrap to wrap a pair of skis.", "is ripping level tiles off.",
+                  "is holding a rubik's cube.", "starts pulling up roofing on a roof."], "label": "3"},
+     "Roof shingle removal: A man is sitting on a roof. He",
+     [" is using wrap to wrap a pair of skis.", " is ripping level tiles off.", " is holding a rubik's cube.",
+      " starts pulling up roofing on a roof."], 3),
+    ({"activity_label": "Home and Garden", "ctx_a": "[header] How to clean a grill [title] Heat the grill.",
+      "ctx_b": "[step] Turn the BURNERS on high", "ctx": "[header] How to clean a grill [title] Heat the grill. "
+                                                         "[step] Turn the BURNERS on high",
+      "endings": ["Close the lid [title] Wait. ", " Scrub  the grates [substeps] with a brush.",
+                  "three   spaces [sub] here", "Done"], "label": 0},
+     "Home and Garden: How to clean a grill. Heat the grill. turn the burners on high",
+     [" Close the lid. Wait.", " Scrub the grates with a brush.", " three  spaces here", " Done"], 0),
+    ({"activity_label": "Cat", "ctx_a": "the cat sat on a mat.", "ctx_b": "", "ctx": "the cat sat on a mat. ",
+      "endings": ["it ran", "the dog sat"], "label": 1},
+     "Cat: the cat sat on a mat.", [" it ran", " the dog sat"], 1),
+]
+ARC = [
+    ({"id": "Mercury_7175875", "question": "An astronomer observes that a planet rotates faster after a meteorite "
+      "impact. Which is the most likely effect of this increase in rotation?",
+      "choices": {"text": ["Planetary density will decrease.", "Planetary years will become longer.",
+                           "Planetary days will become shorter.", "Planetary gravity will become stronger."],
+                  "label": ["A", "B", "C", "D"]}, "answerKey": "C"},
+     "Question: An astronomer observes that a planet rotates faster after a meteorite impact. Which is the most "
+     "likely effect of this increase in rotation?\nAnswer:",
+     [" Planetary density will decrease.", " Planetary years will become longer.",
+      " Planetary days will become shorter.", " Planetary gravity will become stronger."], 2),
+    ({"question": "Which of these is a mammal?", "choices": {"text": ["shark", "whale", "trout", "eel"],
+                                                             "label": ["1", "2", "3", "4"]}, "answerKey": "2"},
+     "Question: Which of these is a mammal?\nAnswer:", [" shark", " whale", " trout", " eel"], 1),
+    ({"question": "Which is red?", "choices": {"text": ["a sky", "a leaf", "a blood cell"], "label": ["1", "2", "3"]},
+      "answerKey": "3"},
+     "Question: Which is red?\nAnswer:", [" a sky", " a leaf", " a blood cell"], 2),
+    ({"question": "the cat is", "choices": {"text": ["big", "small", "red", "blue"], "label": ["A", "B", "C", "D"]},
+      "answerKey": "4"},  # a numbered key among lettered choices: "1".."4" is A..D
+     "Question: the cat is\nAnswer:", [" big", " small", " red", " blue"], 3),
+]
+PIQA = [
+    ({"goal": "How do I ready a guinea pig cage for it's new occupants?",
+      "sol1": "Provide the guinea pig with a cage full of a few inches of bedding made of ripped paper strips.",
+      "sol2": "Provide the guinea pig with a cage full of a few inches of bedding made of ripped jeans material.",
+      "label": 0},
+     "Question: How do I ready a guinea pig cage for it's new occupants?\nAnswer:",
+     [" Provide the guinea pig with a cage full of a few inches of bedding made of ripped paper strips.",
+      " Provide the guinea pig with a cage full of a few inches of bedding made of ripped jeans material."], 0),
+    ({"goal": "the dog sat", "sol1": "on a mat", "sol2": "on a log", "label": 1},
+     "Question: the dog sat\nAnswer:", [" on a mat", " on a log"], 1),
+]
+MMLU = [
+    ({"question": "  Find the degree for the given field extension Q(sqrt(2)) over Q. ", "subject": "abstract_algebra",
+      "choices": ["0", "2", "1", "3"], "answer": 1},
+     "Find the degree for the given field extension Q(sqrt(2)) over Q.\nA. 0\nB. 2\nC. 1\nD. 3\nAnswer:",
+     [" A", " B", " C", " D"], 1),
+    ({"question": "the cat sat on a", "choices": ["mat", "log", "dog", "cat"], "answer": "D"},
+     "the cat sat on a\nA. mat\nB. log\nC. dog\nD. cat\nAnswer:", [" A", " B", " C", " D"], 3),
+]
+GENERIC = [
+    ({"context": "The number 3 is", "choices": [" small", " odd", "large"], "label": 1},
+     "The number 3 is", [" small", " odd", "large"], 1),
+    ({"query": "the cat sat on a ", "choices": ["mat", "log"], "gold": 0}, "the cat sat on a ", ["mat", "log"], 0),
+]
+FORMATS = {"hellaswag": HELLASWAG, "arc": ARC, "piqa": PIQA, "mmlu": MMLU, "generic": GENERIC}
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_prompts_are_lm_evaluation_harness_prompts_written_out(fmt):
+    for rec, context, continuations, gold in FORMATS[fmt]:
+        assert eval_lm.mc_request(rec) == (context, continuations, gold, fmt)
+
+
+def _write(path, recs):
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return str(path)
+
+
+def test_fewshot_examples_precede_each_context_separated_by_a_blank_line(tmp_path):
+    from evals.lm_tasks import fewshot_requests
+    arc = eval_lm.read_task(_write(tmp_path / "arc.jsonl", [r[0] for r in ARC]))
+    assert fewshot_requests(arc, 2) == [
+        ("Question: An astronomer observes that a planet rotates faster after a meteorite impact. Which is the most "
+         "likely effect of this increase in rotation?\nAnswer: Planetary days will become shorter.\n\n"
+         "Question: Which of these is a mammal?\nAnswer: whale\n\n"
+         "Question: Which is red?\nAnswer:", [" a sky", " a leaf", " a blood cell"], 2, "arc"),
+        ("Question: An astronomer observes that a planet rotates faster after a meteorite impact. Which is the most "
+         "likely effect of this increase in rotation?\nAnswer: Planetary days will become shorter.\n\n"
+         "Question: Which of these is a mammal?\nAnswer: whale\n\n"
+         "Question: the cat is\nAnswer:", [" big", " small", " red", " blue"], 3, "arc")]
+    hs = eval_lm.read_task(_write(tmp_path / "hs.jsonl", [r[0] for r in HELLASWAG]))
+    assert fewshot_requests(hs, 1)[1][0] == ("Roof shingle removal: A man is sitting on a roof. He starts pulling up "
+                                             "roofing on a roof.\n\nCat: the cat sat on a mat.")
+    gen = eval_lm.read_task(_write(tmp_path / "gen.jsonl", [r[0] for r in GENERIC]))
+    assert fewshot_requests(gen, 1) == [("The number 3 is odd\n\nthe cat sat on a ", ["mat", "log"], 0, "generic")]
+    assert fewshot_requests(arc, 0) == arc
+
+
+def test_pair_encoding_moves_the_contexts_trailing_space_onto_the_continuation(run):
+    from evals.lm_tasks import encode_pair
+    from tokenizer import load_tokenizer
+    tok = load_tokenizer(str(run / "tok"))
+    for context, continuation, want_ctx, want_cont in [
+            ("Question: the cat sat\nAnswer:", " on a mat", "Question: the cat sat\nAnswer:", " on a mat"),
+            ("the cat sat on a ", "mat", "the cat sat on a", " mat"),
+            ("The number 3 is  ", " odd", "The number 3 is", "   odd"),
+            ("the dog ran\n\n", "it sat", "the dog ran", "\n\nit sat")]:
+        ctx, cont = encode_pair(tok, context, continuation)
+        assert (tok.decode(ctx), tok.decode(cont)) == (want_ctx, want_cont), (context, continuation)
+        assert ctx + cont == tok(want_ctx + want_cont, add_special_tokens=False).input_ids
+
+
+def test_a_hellaswag_record_without_lm_evals_fields_is_refused(tmp_path):
+    bad = _write(tmp_path / "hs.jsonl", [HELLASWAG[0][0], {"ctx": "a man sat", "endings": ["b", "c"], "label": 0}])
+    with pytest.raises(eval_lm.TaskFormatError, match=r"hs.jsonl:2: a HellaSwag record \(endings\) lacks "
+                                                      r"activity_label, ctx_a, ctx_b"):
+        eval_lm.read_task(bad)
+
+
+def test_acc_norm_divides_by_the_choices_characters_without_the_target_delimiter(monkeypatch):
+    # lm-eval: argmax(ll / len(choice)), the choice as doc_to_choice gives it (no " " in front); a model whose
+    # log-likelihoods are -1.0 for "a" and -2.4 for "abc" is right by acc_norm (-1.0 < -0.8), wrong by acc; with
+    # the delimiter counted (-0.5 > -0.6) acc_norm would be wrong too
+    from evals import lm_tasks
+    lls = {"a": -1.0, " a": -1.0, "abc": -2.4, " abc": -2.4}
+    monkeypatch.setattr(lm_tasks, "encode_pair", lambda tok, context, continuation: ([], [continuation]))
+    monkeypatch.setattr(lm_tasks, "choice_loglikelihood", lambda model, ids, n, max_len, device: lls[ids[-1]])
+    reqs = [("Question: q\nAnswer:", [" a", " abc"], 1, "arc"), ("q", ["a", "abc"], 1, "generic")]
+    assert lm_tasks.score_requests(None, None, 0, reqs, 8, "cpu") == {"n": 2, "acc": 0.0, "acc_norm": 1.0}
+    reqs = [("q", [" a", "abc"], 1, "generic")]  # generic choices are counted as written: -0.5 > -0.8
+    assert lm_tasks.score_requests(None, None, 0, reqs, 8, "cpu") == {"n": 1, "acc": 0.0, "acc_norm": 0.0}
+
+
 def _task_files(d):
-    sets = {
-        "hellaswag.jsonl": [{"ctx": _sentence(i, 6), "endings": [_sentence(i + j, 3 + j) for j in range(4)],
-                             "label": i % 4} for i in range(4)],
-        "arc.jsonl": [{"question": _sentence(i, 5) + "?", "choices": {"text": [_sentence(i + j, 2) for j in range(4)],
-                                                                       "label": list("ABCD")}, "answerKey": "ABCD"[i % 4]}
-                      for i in range(4)],
-        "piqa.jsonl": [{"goal": _sentence(i, 4), "sol1": _sentence(i + 1, 3), "sol2": _sentence(i + 2, 5),
-                        "label": i % 2} for i in range(4)],
-        "mmlu.jsonl": [{"question": _sentence(i, 7), "choices": [_sentence(i + j, 1) for j in range(4)], "answer": i % 4}
-                       for i in range(4)],
-    }
-    for name, recs in sets.items():
-        with open(d / name, "w") as f:
-            f.write("".join(json.dumps(r) + "\n" for r in recs))
-    return [str(d / n) for n in sets]
+    return [_write(d / f"{fmt}.jsonl", [r[0] for r in recs]) for fmt, recs in FORMATS.items()]
 
 
 def _hf_loglikelihood(hf, ids, n_cont, max_len):
@@ -72,32 +198,38 @@ def test_choice_loglikelihoods_and_perplexity_equal_the_exported_model_under_tra
     from transformers import AutoTokenizer, LlamaForCausalLM
     tasks = _task_files(tmp_path)
     held = tmp_path / "held.jsonl"
-    held.write_text("".join(json.dumps({"text": _sentence(i, 40)}) + "\n" for i in range(3)))  # > 48 tokens each
-    out, lls = tmp_path / "results.json", tmp_path / "lls.jsonl"
-    assert eval_lm.main([f"--ckpt={run / 'run'}", f"--tasks={','.join(tasks)}", f"--perplexity_files={held}",
-                         f"--out={out}", f"--loglikelihoods_out={lls}", "--device=cpu", "--max_seq_len=24"]) == 0
+    held.write_text("".join(json.dumps({"text": _sentence(i, 40)}) + "\n" for i in range(3)))  # > 24 tokens each
+    out, lls, out_ppl = tmp_path / "results.json", tmp_path / "lls.jsonl", tmp_path / "ppl.json"
+    assert eval_lm.main([f"--ckpt={run / 'run'}", f"--tasks={','.join(tasks)}", f"--out={out}",
+                         f"--loglikelihoods_out={lls}", "--device=cpu", f"--max_seq_len={MAX_LEN}"]) == 0
+    assert eval_lm.main([f"--ckpt={run / 'run'}", f"--perplexity_files={held}", f"--out={out_ppl}", "--device=cpu",
+                         "--max_seq_len=24"]) == 0
     results = json.loads(out.read_text())
     rows = [json.loads(line) for line in lls.read_text().splitlines()]
-    assert [r["format"] for r in rows] == ["hellaswag"] * 4 + ["arc"] * 4 + ["piqa"] * 4 + ["mmlu"] * 4
+    assert [r["format"] for r in rows] == [fmt for fmt, recs in FORMATS.items() for _ in recs]
 
     hf = LlamaForCausalLM.from_pretrained(str(run / "hf")).eval()
     hf_tok = AutoTokenizer.from_pretrained(str(run / "hf"))
     bos = hf_tok.convert_tokens_to_ids("<s>")
-    for path, task in zip(tasks, results["tasks"]):
-        mine = [r for r in rows if r["task"] == os.path.basename(path)]
+    for (fmt, recs), task in zip(FORMATS.items(), results["tasks"]):
+        mine = [r for r in rows if r["task"] == f"{fmt}.jsonl"]
         acc = acc_norm = 0
-        for r, (context, choices, gold, _) in zip(mine, eval_lm.read_task(path)):
+        for r, (_, context, choices, gold) in zip(mine, recs):  # the prompts written out above
             want = []
-            for choice in choices:  # lm-eval's pair encoding, with the HF tokenizer of the export
-                whole = hf_tok(context + choice, add_special_tokens=False).input_ids
-                ctx = hf_tok(context, add_special_tokens=False).input_ids
+            for choice in choices:  # lm-eval's HFLM._encode_pair with the export's tokenizer
+                n = len(context) - len(context.rstrip())
+                c, cont_text = (context[:-n], context[-n:] + choice) if n else (context, choice)
+                whole = hf_tok(c + cont_text, add_special_tokens=False).input_ids
+                ctx = hf_tok(c, add_special_tokens=False).input_ids
                 cont = whole[len(ctx):]
-                want.append(_hf_loglikelihood(hf, [bos] + ctx + cont, len(cont), 24))
-            assert r["loglikelihoods"] == pytest.approx(want, abs=1e-4), path
+                want.append(_hf_loglikelihood(hf, [bos] + ctx + cont, len(cont), MAX_LEN))
+            assert (r["gold"], r["loglikelihoods"]) == (gold, pytest.approx(want, abs=1e-4)), fmt
             acc += int(max(range(len(want)), key=want.__getitem__) == gold)
-            norm = [v / len(c) for v, c in zip(want, choices)]
+            # acc_norm divides by the choice's characters without lm-eval's target delimiter " "
+            norm = [v / len(c if fmt == "generic" else c.removeprefix(" ")) for v, c in zip(want, choices)]
             acc_norm += int(max(range(len(norm)), key=norm.__getitem__) == gold)
-        assert (task["n"], task["acc"], task["acc_norm"]) == (4, acc / 4, acc_norm / 4), path
+        n = len(recs)
+        assert (task["n"], task["acc"], task["acc_norm"]) == (n, acc / n, acc_norm / n), fmt
 
     nll = tokens = 0
     for i in range(3):
@@ -107,14 +239,14 @@ def test_choice_loglikelihoods_and_perplexity_equal_the_exported_model_under_tra
             w = ids[start:start + 25]
             nll -= _hf_loglikelihood(hf, w, len(w) - 1, 24)
             tokens += len(w) - 1
-    ppl = results["perplexity"]
+    ppl = json.loads(out_ppl.read_text())["perplexity"]
     assert ppl["tokens"] == tokens and ppl["ppl"] == pytest.approx(math.exp(nll / tokens), rel=1e-5)
     assert "[eval] arc.jsonl: acc" in capsys.readouterr().out
 
 
 def test_bad_task_files_are_one_line(run, tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps({"ctx": "a", "endings": ["b", "c"], "label": 0}) + "\n" + json.dumps({"q": 1}) + "\n")
+    bad.write_text(json.dumps(HELLASWAG[2][0]) + "\n" + json.dumps({"q": 1}) + "\n")
     assert eval_lm.main([f"--ckpt={run / 'run'}", f"--tasks={bad}", "--device=cpu"]) == 3
     assert f"{bad}:2: fits no multiple-choice format (keys: q)" in capsys.readouterr().err
     assert eval_lm.main([f"--ckpt={run / 'run'}", "--device=cpu"]) == 2
