@@ -44,6 +44,8 @@ class RunFlags:
     sft_packing: bool = _f(False, "sft: pack several samples per row (attention restricted to each sample)")
     init_from: str = _f("scratch", "what a new run starts from: scratch | <our run or checkpoint dir> | <Hugging Face "
                         "model dir> (a run that continues, see --resume, ignores it); resume = --resume=always")
+    init_checkpoint: str = _f("latest", "which checkpoint of the --init_from run to start from: latest | best (the "
+                              "lowest validation loss among its valid checkpoints) | step_N; the load line names it")
     resume: str = _f("auto", "auto: continue the run in --out_dir from its newest valid checkpoint, or, with none yet, "
                      "as its run_start.json records it started; a new run from --init_from when --out_dir holds "
                      "neither | always: continue, exit 2 when there is nothing to continue (unless "
@@ -333,6 +335,14 @@ def precheck(argv: list[str], title: str, prog: str) -> None:
             fail(error + one_line(existing_run_error(cfg)))
         if cfg.init_from != "scratch" and not os.path.isdir(cfg.init_from):
             fail(error + no_weights_message("--init_from", cfg.init_from))
+        if cfg.init_checkpoint != "latest":
+            from utils.run_dir import checkpoint_choice_problem, is_hf_dir
+            if cfg.init_from in ("scratch", "resume") or is_hf_dir(cfg.init_from):
+                fail(error + f"--init_checkpoint={cfg.init_checkpoint} chooses among the checkpoints of an "
+                     f"--init_from run directory; --init_from={cfg.init_from} is not one")
+            choice = checkpoint_choice_problem(cfg.init_from, cfg.init_checkpoint)
+            if choice:
+                fail(error + "--init_checkpoint: " + choice.replace("--checkpoint=", "--init_checkpoint="))
     if cfg.task_type == "dpo" and cfg.ref_model and not os.path.isdir(cfg.ref_model):
         fail(error + no_weights_message("--ref_model", cfg.ref_model))
     if int(os.environ.get("RANK", "0")) == 0:  # an --out_dir that cannot be made, or one another run holds

@@ -341,7 +341,9 @@ class Loop:
         sums_copy = HostCopy(engine.sum_over_data(sums, info.device, to_host=False))
         verdict = engine.optimizer.step()  # clips, skips and steps on the device; its verdict is read in `finish`
         p.step += 1
-        p.tokens_seen += int(global_units) if cfg.task_type != "dpo" else 0
+        # the loss's target tokens (pretrain, SFT); DPO's unit is a pair, so it counts the tokens read (chosen and
+        # rejected, padding excluded)
+        p.tokens_seen += int(global_units) if cfg.task_type != "dpo" else int(step_tokens)
         self.metrics.heartbeat()
         if self.pbar is not None:
             self.pbar.update(1)

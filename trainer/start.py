@@ -157,7 +157,8 @@ def build_model(cfg: TrainConfig, info: DistInfo, start: Start, tok_meta: dict, 
             model = Transformer(mcfg)
     elif start.init_from != "scratch":
         model, init_info = load_weights_from(start.init_from, log, flag=start.init_flag,
-                                             tokenizer_dir=cfg.tokenizer_dir)
+                                             tokenizer_dir=cfg.tokenizer_dir,
+                                             which=cfg.init_checkpoint if start.init_flag == "--init_from" else "latest")
     else:
         try:
             mcfg = new_model_config(cfg, tok_meta)

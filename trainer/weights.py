@@ -77,13 +77,14 @@ def check_lora_base(model, lora_base: dict, where: str) -> None:
 
 
 def load_weights_from(path: str, log, flag: str = "--init_from",
-                      tokenizer_dir: Optional[str] = None) -> tuple[Any, dict]:
+                      tokenizer_dir: Optional[str] = None, which: str = "latest") -> tuple[Any, dict]:
     """A model from an HF directory, our run directory, or one of our checkpoint directories.
 
     `flag` names where the path came from in error messages (exit 2 when nothing is there, exit 5
     when what is there cannot be loaded). With `tokenizer_dir`, an HF model is checked against that
     tokenizer and grown to it when it extends the model's own tokenizer (model/resize.py; exit 2 when
-    it is not an extension)."""
+    it is not an extension). `which`: the checkpoint of a run directory (latest | best | step_N:
+    --init_checkpoint)."""
     where = f"{flag}={path}" if flag.startswith("--") else f"{flag} {path}"
     # which load the log line is (DPO loads the policy and the reference; a resume names its recorded start)
     role = "" if flag == "--init_from" else f" ({flag.rstrip(':')})"
@@ -107,7 +108,16 @@ def load_weights_from(path: str, log, flag: str = "--init_from",
                     f"{grown['from_pieces']} new rows from the mean of their base pieces, {grown['mean_of_all']} "
                     "(specials, reserved) from the mean of all rows; old rows unchanged")
         return model, info
-    found = ckpt.resolve_checkpoint_dir(path, log=log) if os.path.isdir(path) else None
+    if which != "latest" and os.path.isdir(path):
+        from utils.run_config import select_checkpoint
+        try:
+            found = select_checkpoint(path, which, log=log)
+        except ckpt.CheckpointError as e:
+            raise TrainingError(f"{where} --init_checkpoint={which}: {one_line(e)}",
+                                ckpt.selection_exit_code(e, path, which)) from e
+        role += f" (--init_checkpoint={which})"
+    else:
+        found = ckpt.resolve_checkpoint_dir(path, log=log) if os.path.isdir(path) else None
     if found is None:
         raise TrainingError(f"{where}: no complete checkpoint or Hugging Face model there"
                             f"{no_weights_detail(path) if os.path.isdir(path) else ''}", EXIT_BAD_CONFIG)

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import ROOT, run_cmd, run_trainer
+from tests.conftest import PY, ROOT, run_cmd, run_python, run_trainer
 from tests.trainer.test_end_to_end import _env, final_weights, losses, train_cmd
 from utils.checkpoint import find_latest_valid, list_checkpoints
 from utils.constants import EXIT_BAD_CHECKPOINT
@@ -224,3 +224,26 @@ def test_sharded_checkpoint_exports_to_hf_streaming(tiny_pretrain_run_args, tmp_
     if tied:
         assert "lm_head.weight" not in index["weight_map"] and torch.equal(got["lm_head.weight"],
                                                                              want["embed_tokens.weight"])
+
+
+def test_init_checkpoint_chooses_best_or_a_step_of_the_init_from_run(pretrained, tmp_path, capsys):
+    """--init_from=<run> takes its newest checkpoint; --init_checkpoint=best the one with the lowest validation
+    loss, step_N that one; the load line says which. A choice that names nothing is one line, exit 2."""
+    import train_my_ddp as T
+    from utils import checkpoint as ckpt
+    from utils.constants import EXIT_BAD_CONFIG
+    run = str(pretrained["out"])
+    found = ckpt.list_checkpoints(run)
+    vals = {p: ckpt.read_json(os.path.join(p, "trainer_state.json")).get("val_loss") for _, p in found}
+    best = min((v, p) for p, v in vals.items() if v is not None)[1]
+    other = next(p for _, p in found if p != best)
+    base = [*pretrained["args"], f"--init_from={run}", "--max_iters=1", "--checkpoint_interval=1"]
+    for which, want in (("best", best), (os.path.basename(other), other)):
+        capsys.readouterr()
+        assert T.main([*base, f"--out_dir={tmp_path / which}", f"--init_checkpoint={which}"]) == 0
+        out = capsys.readouterr().out
+        assert f"[init] loaded weights from {want} (--init_checkpoint={which})" in out, out[-2000:]
+    pre = run_python([PY, "train_my_ddp.py", *base, f"--out_dir={tmp_path / 'none'}", "--init_checkpoint=step_99"])
+    lines = [line for line in pre.stderr.splitlines() if line.strip()]
+    assert pre.returncode == EXIT_BAD_CONFIG and len(lines) == 1 and "no checkpoint at step 99" in lines[0], pre.stderr
+    assert "--init_checkpoint" in lines[0]

@@ -134,6 +134,10 @@ def test_sft_then_dpo(pretrained, tiny_pretrain_data, tmp_path):
     late = [recs[s]["reward_acc"] for s in range(12, 17)]
     assert sum(late) / len(late) > 0.7, late
     assert recs[16]["loss"] < recs[1]["loss"]
+    # tokens_seen counts the tokens DPO reads (chosen and rejected, no padding): each step adds between one token
+    # a sequence and the padded rows' size
+    seen = [0] + [recs[s]["tokens_seen"] for s in range(1, 17)]
+    assert all(2 * 8 < b - a <= 2 * 8 * 96 for a, b in zip(seen, seen[1:])), seen
     state = json.loads(open(os.path.join(find_latest_valid(str(dpo)), "trainer_state.json")).read())
     assert state["init_info"]["ref_source"].startswith(str(sft))  # frozen reference = initial weights
 
