@@ -7,6 +7,7 @@ Deterministic: the writer is held open by a threading.Event."""
 from __future__ import annotations
 
 import os
+import re
 import threading
 
 import pytest
@@ -135,13 +136,20 @@ def test_failed_background_write_is_logged_and_raised_by_wait(tmp_path):
     good = _save(engine, tmp_path, 2, writer=writer)
     writer.wait()
 
+    denied = os.path.join(ckpt.temp_dir_for(good), "x")
+
     def fail():
-        raise PermissionError(13, "Permission denied", os.path.join(ckpt.temp_dir_for(good), "x"))
+        raise PermissionError(13, "Permission denied", denied)
     _train_step(engine, 1)
-    _save(engine, tmp_path, 4, writer=writer, fault_hook=fail)
-    named = r"writing .*step_00000004\.tmp/config\.json: PermissionError.*Permission denied"  # the file being written
-    with pytest.raises(AsyncCheckpointError, match=named):
+    final = _save(engine, tmp_path, 4, writer=writer, fault_hook=fail)
+    # the writer's own exception, whole: its type, the file being written, the OSError it wraps (as its cause);
+    # not a message of wait()'s own that merely quotes it
+    named = (rf"writing {re.escape(os.path.join(ckpt.temp_dir_for(final), 'config.json'))}: PermissionError: "
+             rf"\[Errno 13\] Permission denied: {re.escape(repr(denied))}")
+    with pytest.raises(AsyncCheckpointError) as info:
         writer.wait()
+    assert type(info.value) is AsyncCheckpointError and re.fullmatch(named, str(info.value)), str(info.value)
+    assert isinstance(info.value.__cause__, PermissionError) and info.value.__cause__.filename == denied
     assert any("error: the background write of checkpoint step 4" in m for m in logged)
     assert ckpt.find_latest_valid(str(tmp_path), log=lambda m: None) == good  # the previous one is the latest
     writer.wait()  # raised once: the next save may try again
