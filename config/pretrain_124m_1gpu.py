@@ -21,4 +21,4 @@ eval_interval = 500
 eval_iters = 50
 checkpoint_interval = 1000
 keep_last = 3
-tensorboard = False  # True after `pip install tensorboard` (optional: not in requirements.txt)
+tensorboard = False  # True after `pip install tensorboard` (optional for training; requirements-dev.txt has it)

@@ -67,10 +67,6 @@ def default_out_dir(kind: ChatKind, data_dir: str, max_seq_len: int) -> str:
     return os.path.join("out", f"{kind.kind}_tokenized", f"{name}_L{max_seq_len}")
 
 
-def default_sft_out_dir(data_dir: str, max_seq_len: int) -> str:
-    return default_out_dir(SFT, data_dir, max_seq_len)
-
-
 def chat_inputs(kind: ChatKind, data_dir: Optional[str], output_dir: Optional[str], max_seq_len: int,
                 hf_dataset: Any) -> tuple[str, list]:
     """(output dir, inputs) of the SFT / DPO pretokenizers: the record files under `data_dir`, then `hf_dataset`

@@ -141,10 +141,6 @@ def lone_surrogate(text: str) -> Optional[int]:
     return m.start() if m else None
 
 
-def surrogate_detail(text: str, pos: int) -> str:
-    return f"lone surrogate U+{ord(text[pos]):04X} at character {pos}"
-
-
 def _cut_ok(text: str, p: int) -> bool:
     """True when a cut before text[p] separates whole characters: not inside a surrogate pair held as
     two code units, not before a combining mark or zero-width joiner that belongs to text[p-1]."""

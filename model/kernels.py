@@ -198,12 +198,6 @@ def swiglu_packed(gate_up: torch.Tensor, fused: bool = True, backend: str = "aut
 
 
 # ------------------------------------------------------------------- q/k/v (gate/up) in one matmul
-def concat_linear_ref(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """x @ cat(weights).T in one matmul. Autograd keeps the concatenated copy (the size of the weights)
-    from forward to backward: the reference for `concat_linear`, not what the model runs."""
-    return F.linear(x, torch.cat(weights))
-
-
 class _ConcatLinearFn(torch.autograd.Function):
     """x @ cat(weights).T in one matmul, saving x and the weights themselves (parameters, alive anyway).
     The concatenated weight is a temporary in forward and again in backward, never held in between: with

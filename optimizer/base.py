@@ -273,9 +273,6 @@ class GlobalNormOptimizer:
     def finish_param_sync(self) -> None:
         """Wait for any in-flight parameter all-gather (a no-op unless an optimizer gathers)."""
 
-    def sharded_state_dict(self) -> dict:
-        return self.state_dict()
-
     def state_dict(self) -> dict:
         raise NotImplementedError
 

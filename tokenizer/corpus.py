@@ -481,11 +481,6 @@ def _lone_surrogate(text: str) -> Optional[int]:
     return None
 
 
-def record_text(record: Any, fields: Any) -> tuple[str | None, tuple[str, str] | None]:
-    """(text, None) or (None, (reason, detail)) in the tokenizer trainer's wording (document_text's rules)."""
-    return _record_text(record, parse_text_fields(fields))
-
-
 def _record_text(record: Any, alternatives: list[list[str]]) -> tuple[str | None, tuple[str, str] | None]:
     text, why = document_text(record, alternatives)
     if why is None:

@@ -621,8 +621,9 @@ def _numbers_and_extras(cfg: TrainConfig, p: _Problems, torch_free: bool) -> Non
     if cfg.tensorboard:
         import importlib.util
         if importlib.util.find_spec("tensorboard") is None:  # HF Trainer refuses too, rather than log nothing
-            p.append("--tensorboard=true needs the tensorboard package, which is optional (not in requirements.txt): "
-                     "pip install tensorboard, or leave --tensorboard off (metrics.jsonl has every value)")
+            p.append("--tensorboard=true needs the tensorboard package, optional for training (requirements.txt does "
+                     "not install it; requirements-dev.txt does, for the tests): pip install tensorboard, or leave "
+                     "--tensorboard off (metrics.jsonl has every value)")
     p.number("learning_rate", 0.0, low_open=True)
     p.number("min_lr", 0.0)
     p.number("weight_decay", 0.0)

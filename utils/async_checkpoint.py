@@ -100,9 +100,6 @@ class HostBuffers:
     def tensors(self) -> list[torch.Tensor]:
         return list(self._buffers.values())
 
-    def data_ptrs(self) -> dict[tuple, int]:
-        return {k: b.data_ptr() for k, b in self._buffers.items()}
-
     def release(self) -> None:
         self._buffers.clear()
 

@@ -34,8 +34,6 @@ import os
 import re
 from typing import Any, Optional
 
-from utils.publish import TMP_SUFFIX  # a directory being written: step_XXXXXXXX.tmp (utils/publish.temp_dir_for)
-
 # ---- the run directory
 CKPT_SUBDIR = "checkpoints"
 RUN_START = "run_start.json"
@@ -77,16 +75,6 @@ def checkpoint_root(out_dir: str) -> str:
 def step_dir_name(step: int) -> str:
     """step_XXXXXXXX (8 digits, zero-padded)."""
     return f"{STEP_PREFIX}{int(step):0{STEP_DIGITS}d}"
-
-
-def step_dir(out_dir: str, step: int) -> str:
-    """<out_dir>/checkpoints/step_XXXXXXXX."""
-    return os.path.join(checkpoint_root(out_dir), step_dir_name(step))
-
-
-def step_tmp_dir_name(step: int) -> str:
-    """step_XXXXXXXX.tmp: the directory a save writes before it is published."""
-    return step_dir_name(step) + TMP_SUFFIX
 
 
 def parse_step(name: str) -> Optional[int]:

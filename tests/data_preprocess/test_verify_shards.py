@@ -79,3 +79,67 @@ def test_a_sidecar_whose_largest_id_is_outside_the_vocabulary_is_refused_at_load
         json.dump(meta, f)
     with pytest.raises(DataError, match=rf"{side}: field 'max_id' is {meta['vocab_size']}: the shard holds token ids"):
         list_shards(str(shards))
+
+
+def test_verify_reads_a_shard_in_chunks_hashing_all_and_naming_a_late_bad_id_at_its_own_offset(shards, capsys,
+                                                                                               monkeypatch):
+    """The shard read in chunks of 8 tokens (the 16M-token default made small): a sound shard hashes to its
+    sidecar's sha256 across chunks, and one id outside the vocabulary in the third chunk is found and named at its
+    offset in the shard (not its offset inside the chunk)."""
+    from data_preprocess import shard_format
+    info, path, _ = _first_shard(shards)
+    chunk = 8
+    assert info.num_tokens > 4 * chunk
+    assert shard_format.verify_shard(info, chunk_tokens=chunk) == []
+    ids = np.fromfile(path, dtype=info.dtype)
+    at = 2 * chunk + 3
+    bad = info.vocab_size + 5
+    ids[at] = bad
+    ids.tofile(path)
+    want = f"{path}: token id {bad} at offset {at} is outside the vocabulary of {info.vocab_size}"
+    assert want in shard_format.verify_shard(info, chunk_tokens=chunk)
+    # the command, with the chunk size made small the same way
+    real = shard_format.verify_shard
+    monkeypatch.setattr(shard_format, "verify_shard", lambda i: real(i, chunk_tokens=chunk))
+    assert verify.main([f"--data_dir={shards}"]) == 3
+    err = capsys.readouterr().err
+    assert want in err and f"{path}: sha256" in err, err
+
+
+def _damage_doc_offsets(shards, how):
+    info, _, side = _first_shard(shards)
+    idx_path = os.path.join(os.path.dirname(side), json.loads(open(side).read())["doc_index_file"])
+    offs = np.load(idx_path)
+    assert offs[0] == 0 and offs[-1] == info.num_tokens and offs.size >= 3
+    if how == "garbage":
+        with open(idx_path, "wb") as f:
+            f.write(b"not an npy file")
+        return idx_path
+    offs = offs.copy()
+    if how == "decreasing":
+        offs[1] = offs[2] + 1
+    elif how == "past_the_end":
+        offs[-1] = info.num_tokens + 1
+    elif how == "not_from_zero":
+        offs[0] = 1
+    np.save(idx_path, offs)
+    return idx_path
+
+
+@pytest.mark.parametrize("how", ["decreasing", "past_the_end", "not_from_zero"])
+def test_verify_finds_damaged_document_offsets(shards, capsys, how):
+    """The .bin and its sha256 are intact; only the document offsets (the .idx.npy) are wrong: verify names
+    that file and fails."""
+    info, _, _ = _first_shard(shards)
+    idx_path = _damage_doc_offsets(shards, how)
+    assert verify.main([f"--data_dir={shards}"]) == 3
+    err = capsys.readouterr().err
+    assert f"verify: error: {idx_path}: document offsets are not increasing from 0 to {info.num_tokens}" in err, err
+    assert "sha256" not in err and "token id" not in err, err
+
+
+def test_verify_names_unreadable_document_offsets(shards, capsys):
+    idx_path = _damage_doc_offsets(shards, "garbage")
+    assert verify.main([f"--data_dir={shards}"]) == 3
+    err = capsys.readouterr().err
+    assert f"verify: error: {idx_path}: unreadable document offsets (" in err, err

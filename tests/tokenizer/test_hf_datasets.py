@@ -99,3 +99,22 @@ def test_a_saved_dataset_is_read_without_the_datasets_package(inputs, monkeypatc
         assert list(C.iter_file_documents(open_dataset_source(str(only_titles)), "text", C.SkipCounter())) == []
     assert (f"hf:{only_titles}[train]: skipped whole: none of its 2 record(s) has the --text_fields 'text'; "
             "its records have the keys: body, title") in caplog.text
+
+
+def test_the_split_asked_for_is_the_one_read(inputs, tmp_path):
+    """--hf_split picks the rows: of a saved DatasetDict (train 80 rows, test its first 5) and of a local folder
+    that datasets.load_dataset splits by file name (train.jsonl, test.jsonl)."""
+    def texts(src):
+        return [r.value["text"] for r in src.records(["text"])]
+
+    want = [r.get("text") for r in _records()]
+    assert texts(open_dataset_source(str(inputs / "dd"), "test")) == want[:5]
+    assert texts(open_dataset_source(str(inputs / "dd"), "train")) == want
+    folder = tmp_path / "by_name"
+    folder.mkdir()
+    for split, n in (("train", 3), ("test", 2)):
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps({"text": f"{split} {i}"}) + "\n" for i in range(n)))
+    assert texts(open_dataset_source(str(folder), "test")) == ["test 0", "test 1"]
+    assert texts(open_dataset_source(str(folder), "train")) == ["train 0", "train 1", "train 2"]
+    with pytest.raises(C.CorpusConfigError, match="cannot load split 'validation'"):
+        open_dataset_source(str(folder), "validation")

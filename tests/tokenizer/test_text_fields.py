@@ -42,6 +42,11 @@ def base_tok(tmp_path_factory):
     return str(out)
 
 
+def _record_text(record, fields):
+    """(text, None) or (None, (reason, detail)) of one record, in the tokenizer trainer's wording."""
+    return C._record_text(record, C.parse_text_fields(fields))
+
+
 def test_the_grammar_is_one_function():
     assert R.parse_text_fields is C.parse_text_fields
     assert C.parse_text_fields("text|title,content") == [["text"], ["title", "content"]]
@@ -51,9 +56,9 @@ def test_the_grammar_is_one_function():
     with pytest.raises(ValueError, match="empty --text_fields"):
         C.parse_text_fields("|,")
     alts = C.parse_text_fields("text|title,content")
-    assert C.record_text({"title": "T", "content": "B"}, alts) == ("T\nB", None)
-    assert C.record_text({"text": "x", "title": "T", "content": "B"}, alts) == ("x", None)  # first alternative wins
-    assert C.record_text({"title": "T"}, alts)[1][0] == "missing field"
+    assert _record_text({"title": "T", "content": "B"}, alts) == ("T\nB", None)
+    assert _record_text({"text": "x", "title": "T", "content": "B"}, alts) == ("x", None)  # first alternative wins
+    assert _record_text({"title": "T"}, alts)[1][0] == "missing field"
 
 
 def test_alternatives_mean_the_same_in_every_command(tmp_path, base_tok):

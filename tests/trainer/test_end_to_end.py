@@ -49,12 +49,13 @@ def test_pretrain_reduces_loss_and_logs(pretrained):
 
 
 @pytest.mark.parametrize("nproc, extra", [
-    (1, []),
+    (1, ["--dropout=0.1"]),  # dropout draws from the RNG every step: exact only when the resume restores it
     (2, ["--use_distributed_optimizer=true", "--zero_stage=1"]),
     (2, ["--comm_hook=powersgd", "--powersgd_rank=2", "--powersgd_start_iter=2"]),
 ], ids=["1proc", "2proc-zero1", "2proc-powersgd"])
 def test_resume_is_exact(tiny_pretrain_run_args, tmp_path, nproc, extra):
-    """Crash at the start of step 5 (checkpoint at 3), resume, finish: same losses and weights."""
+    """Crash at the start of step 5 (checkpoint at 3), resume, finish: same losses and weights. With dropout (1proc)
+    the steps after the resume draw random numbers: equal only when the checkpoint's RNG state is restored."""
     args = [*tiny_pretrain_run_args, *extra, "--max_iters=6", "--bucket_size=20000"]
     ref, crashed = tmp_path / "ref", tmp_path / "crashed"
     run_cmd(train_cmd([*args, f"--out_dir={ref}"], nproc), env=_env())

@@ -7,6 +7,7 @@ Deterministic: the writer is held open by a threading.Event."""
 from __future__ import annotations
 
 import os
+import re
 import threading
 
 import pytest
@@ -42,6 +43,10 @@ def _save(engine, out, step, writer=None, fault_hook=None, log=print):
     return engine.save(str(out), step, rank=0, world_size=1, model_config={"dim": 16}, trainer_state={"x": step},
                        run_config={"seed": 0}, extra_state={"rng": ckpt.capture_rng_state(torch.device("cpu"))},
                        keep_last=3, barrier=lambda: None, fault_hook=fault_hook, log=log, writer=writer)
+
+
+def _data_ptrs(buffers: HostBuffers) -> list[int]:
+    return [b.data_ptr() for b in buffers.tensors()]
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -101,14 +106,14 @@ def test_host_buffers_are_reused_over_20_saves(tmp_path):
     _train_step(engine, 0)
     _save(engine, tmp_path, 1, writer=writer)
     writer.wait()
-    allocations, ptrs, nbytes = writer.buffers.allocations, writer.buffers.data_ptrs(), writer.buffers.nbytes()
+    allocations, ptrs, nbytes = writer.buffers.allocations, _data_ptrs(writer.buffers), writer.buffers.nbytes()
     assert allocations > 0 and nbytes > 0
     for step in range(2, 22):
         _train_step(engine, step)
         _save(engine, tmp_path, step, writer=writer)
     writer.wait()
     assert writer.buffers.allocations == allocations  # no new host buffer after the first save
-    assert writer.buffers.data_ptrs() == ptrs and writer.buffers.nbytes() == nbytes  # the same memory, rewritten
+    assert _data_ptrs(writer.buffers) == ptrs and writer.buffers.nbytes() == nbytes  # the same memory, rewritten
     assert [s for s, _ in ckpt.list_checkpoints(str(tmp_path))] == [21, 20, 19]  # kept last 3, pruned the rest
     latest = ckpt.load_model_state(ckpt.find_latest_valid(str(tmp_path)))
     live = engine.module.state_dict()
@@ -135,13 +140,20 @@ def test_failed_background_write_is_logged_and_raised_by_wait(tmp_path):
     good = _save(engine, tmp_path, 2, writer=writer)
     writer.wait()
 
+    denied = os.path.join(ckpt.temp_dir_for(good), "x")
+
     def fail():
-        raise PermissionError(13, "Permission denied", os.path.join(ckpt.temp_dir_for(good), "x"))
+        raise PermissionError(13, "Permission denied", denied)
     _train_step(engine, 1)
-    _save(engine, tmp_path, 4, writer=writer, fault_hook=fail)
-    named = r"writing .*step_00000004\.tmp/config\.json: PermissionError.*Permission denied"  # the file being written
-    with pytest.raises(AsyncCheckpointError, match=named):
+    final = _save(engine, tmp_path, 4, writer=writer, fault_hook=fail)
+    # the writer's own exception, whole: its type, the file being written, the OSError it wraps (as its cause);
+    # not a message of wait()'s own that merely quotes it
+    named = (rf"writing {re.escape(os.path.join(ckpt.temp_dir_for(final), 'config.json'))}: PermissionError: "
+             rf"\[Errno 13\] Permission denied: {re.escape(repr(denied))}")
+    with pytest.raises(AsyncCheckpointError) as info:
         writer.wait()
+    assert type(info.value) is AsyncCheckpointError and re.fullmatch(named, str(info.value)), str(info.value)
+    assert isinstance(info.value.__cause__, PermissionError) and info.value.__cause__.filename == denied
     assert any("error: the background write of checkpoint step 4" in m for m in logged)
     assert ckpt.find_latest_valid(str(tmp_path), log=lambda m: None) == good  # the previous one is the latest
     writer.wait()  # raised once: the next save may try again

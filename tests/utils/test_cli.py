@@ -45,7 +45,8 @@ def test_unknown_flags_get_a_hint(capsys):
 
 def test_commands_share_the_convention(tmp_path):
     """The tokenizer and preprocessing commands take --out_dir (and --output_dir), bool spellings."""
-    from data_preprocess.pretokenize_sft_data import default_sft_out_dir
+    from data_preprocess.chat_tokens import SFT
+    from data_preprocess.pretokenize_sft_data import default_out_dir
     from tokenizer.train_tokenizer import build_arg_parser
     p = build_arg_parser()
     a = p.parse_args(["--data_dir=d", "--out_dir=o", "--vocab_size=300", "--quiet", "--no_recursive"])
@@ -53,8 +54,8 @@ def test_commands_share_the_convention(tmp_path):
     b = p.parse_args(["--data_dir=d", "--output_dir=o", "--vocab_size=300", "--progress=false", "--overwrite=false"])
     assert (b.out_dir, b.progress, b.overwrite) == ("o", False, False)
     # the SFT default output is a named folder under out/, not a sibling of the raw data
-    assert default_sft_out_dir("data/sft", 512) == "out/sft_tokenized/sft_L512"
-    assert default_sft_out_dir("data/chats.jsonl", 256) == "out/sft_tokenized/chats_L256"
+    assert default_out_dir(SFT, "data/sft", 512) == "out/sft_tokenized/sft_L512"
+    assert default_out_dir(SFT, "data/chats.jsonl", 256) == "out/sft_tokenized/chats_L256"
 
 
 def test_sentencepiece_training_is_quiet_by_default(tmp_path):

@@ -227,3 +227,67 @@ def test_torn_utf8_last_line_is_set_aside_not_a_decode_error(tmp_path, name):
     aside = [p for p in tmp_path.iterdir() if p.name.startswith(f"{name}.after_step2.")]
     assert len(aside) == 1 and aside[0].read_bytes() == torn + b"\n"
     assert any("1 row(s)" in s for s in said)
+
+
+def _tensorboard_series(tb_dir):
+    """{tag: [(step, value), ...]} of every scalar in tb_dir, read back by TensorBoard's own reader (its
+    purge of a restarted run's stale steps included), and {tag: [(step, text), ...]} of the text summaries."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    tags = acc.Tags()
+    scalars = {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in tags["scalars"]}
+    texts = {t: [(e.step, e.tensor_proto.string_val[0].decode()) for e in acc.Tensors(t)] for t in tags["tensors"]}
+    return scalars, texts
+
+
+def _age_event_files(tb_dir, seconds):
+    """Back-date the event files written so far (their names start with the creation time in seconds, and the
+    reader takes a directory's files in name order): the attempt that crashed ran before its resume, never in the
+    same second, whatever writer counter this process has reached."""
+    for name in os.listdir(tb_dir):
+        parts = name.split(".")
+        assert parts[:3] == ["events", "out", "tfevents"], name
+        parts[3] = "%010d" % (int(parts[3]) - seconds)
+        os.rename(os.path.join(tb_dir, name), os.path.join(tb_dir, ".".join(parts)))
+
+
+def test_tensorboard_event_files_hold_the_scalars_and_a_resume_purges_the_crashed_attempts_steps(tmp_path):
+    """The real SummaryWriter path: grouped tags, steps and values as written; then a resume from step 3 of an
+    attempt that logged to step 6: TensorBoard's reader shows each step once, steps 1-3 of the first attempt and
+    4-8 of the resumed one (purge_step = resume step + 1), the first attempt's val point at step 6 gone (the
+    reader purges scalar series, not text: samples are checked before the resume only)."""
+    pytest.importorskip("tensorboard")
+    tb_dir = tmp_path / "tensorboard"
+    first = MetricsLogger(str(tmp_path), tensorboard=True, log=lambda *a: None)
+    assert first.tb is not None
+    for step in range(1, 7):
+        rec = {"step": step, "loss": 10.0 + step, "lr": 1e-3 * step, "tokens_per_sec": 1000 * step}
+        if step % 3 == 0:
+            rec["val_loss"] = 20.0 + step
+        first.write(rec)
+    first.write_samples([{"step": 6, "prompt": "p", "completion": "c"}])
+    first.close()
+    scalars, texts = _tensorboard_series(tb_dir)
+    assert set(scalars) == {"train/loss", "train/lr", "perf/tokens_per_sec", "eval/loss"}
+    assert scalars["train/loss"] == [(s, 10.0 + s) for s in range(1, 7)]
+    assert [s for s, _ in scalars["train/lr"]] == list(range(1, 7))
+    assert [v for _, v in scalars["train/lr"]] == pytest.approx([1e-3 * s for s in range(1, 7)])
+    assert scalars["perf/tokens_per_sec"] == [(s, 1000.0 * s) for s in range(1, 7)]
+    assert scalars["eval/loss"] == [(3, 23.0), (6, 26.0)]
+    assert texts == {"samples/0/text_summary": [(6, "**p** c")]}
+
+    _age_event_files(tb_dir, 10)
+    resumed = MetricsLogger(str(tmp_path), tensorboard=True, log=lambda *a: None, resume_step=3)
+    for step in range(4, 9):
+        rec = {"step": step, "loss": 100.0 + step}
+        if step % 3 == 0:
+            rec["val_loss"] = 200.0 + step
+        resumed.write(rec)
+    resumed.close()
+    assert len([n for n in os.listdir(tb_dir) if n.startswith("events.out.tfevents.")]) == 2
+    scalars, _ = _tensorboard_series(tb_dir)
+    assert scalars["train/loss"] == [(1, 11.0), (2, 12.0), (3, 13.0)] + [(s, 100.0 + s) for s in range(4, 9)]
+    assert scalars["eval/loss"] == [(3, 23.0), (6, 206.0)]
+    assert [s for s, _ in scalars["train/lr"]] == [1, 2, 3]
+    assert scalars["perf/tokens_per_sec"] == [(s, 1000.0 * s) for s in range(1, 4)]
