@@ -200,6 +200,8 @@ def check_shard(json_path: str, meta: Optional[dict] = None) -> ShardInfo:
         raise DataError(f"{json_path}: dtype {dtype} does not match vocab_size {meta['vocab_size']}")
     if not os.path.exists(bin_path):
         raise DataError(f"{bin_path}: missing although its sidecar exists")
+    if not os.path.isfile(bin_path):  # a directory's size can equal the sidecar's byte count
+        raise DataError(f"{bin_path}: not a regular file (a shard's tokens are one file)")
     size = os.path.getsize(bin_path)
     want = int(meta["num_tokens"]) * dtype.itemsize
     if size != want:
@@ -220,6 +222,10 @@ def list_shards(shard_dir: str) -> list[ShardInfo]:
         why = "it is a file" if os.path.exists(shard_dir) else "it does not exist"
         raise DataError(f"{shard_dir}: not a directory of token shards: {why}")
     names = sorted(os.listdir(shard_dir))
+    chat = [n for n in ("sft_meta.json", "dpo_meta.json") if n in names]  # data_preprocess/chat_tokens.py's
+    if chat:
+        raise DataError(f"{shard_dir}: a pretokenized {chat[0][:3].upper()} folder ({chat[0]}), not pretraining token "
+                        "shards; the trainer checks such a folder when it loads it (its meta file, sizes and ids)")
     shards: list[ShardInfo] = []
     for name in names:
         if SHARD_RE.match(name):

@@ -143,3 +143,29 @@ def test_verify_names_unreadable_document_offsets(shards, capsys):
     assert verify.main([f"--data_dir={shards}"]) == 3
     err = capsys.readouterr().err
     assert f"verify: error: {idx_path}: unreadable document offsets (" in err, err
+
+
+def test_a_shard_replaced_by_a_directory_of_the_same_size_is_one_line(shards, capsys):
+    """A directory where a shard's .bin was, its size (a directory's st_size) what the sidecar says: one line
+    naming it, exit 3, no traceback."""
+    info, path, side = _first_shard(shards)
+    os.remove(path)
+    os.mkdir(path)
+    meta = json.loads(open(side).read())
+    meta["num_tokens"] = os.path.getsize(path) // info.dtype.itemsize  # the sizes agree
+    open(side, "w").write(json.dumps(meta))
+    assert verify.main([f"--data_dir={shards}"]) == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{path}: not a regular file" in err[0], err
+
+
+def test_verify_on_a_pretokenized_sft_folder_says_what_it_is(tmp_path, capsys):
+    """Not "interrupted run?": the folder is SFT data (its sft_meta.json), which verify does not check."""
+    d = tmp_path / "sft_L96"
+    d.mkdir()
+    (d / "input_ids.bin").write_bytes(b"\0" * 8)
+    (d / "labels.bin").write_bytes(b"\0" * 16)
+    (d / "sft_meta.json").write_text("{}")
+    assert verify.main([f"--data_dir={d}"]) == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "a pretokenized SFT folder (sft_meta.json)" in err[0] and "interrupted" not in err[0], err
