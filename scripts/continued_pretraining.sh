@@ -28,7 +28,7 @@ $PY export_hf.py --ckpt=demo_out/run --out_dir=$OUT/base_hf
 
 stage "2/5 extend its tokenizer with $NEW_TOKENS pieces learned on the Chinese text"
 $PY -m tokenizer.extend_tokenizer --base_tokenizer_dir=$OUT/base_hf --data_dir=$ZH \
-    --num_new_tokens=$NEW_TOKENS --out_dir=$OUT/tokenizer
+    --num_new_tokens=$NEW_TOKENS --out_dir=$OUT/tokenizer --overwrite=true
 
 stage "3/5 pretokenize the Chinese text with the extended tokenizer + sample index"
 $PY -m data_preprocess.pretokenize_pretrain_data --data_dir=$ZH --tokenizer_dir=$OUT/tokenizer \

@@ -589,7 +589,7 @@ def prepare_data(ctx: Ctx, seq: int) -> dict:
                 corpus = write_corpus_slice(os.path.join(base, "corpus"))
             vocab = 384 if ctx.dry else 2048
             for cmd in ([ctx.py, "-m", "tokenizer.train_tokenizer", f"--data_dir={corpus}", f"--output_dir={tok}",
-                         f"--vocab_size={vocab}", "--tokenizer_type=hf_bbpe"],
+                         f"--vocab_size={vocab}", "--tokenizer_type=hf_bbpe", "--overwrite=true"],
                         [ctx.py, "-m", "data_preprocess.pretokenize_pretrain_data", f"--data_dir={corpus}",
                          f"--tokenizer_dir={tok}", f"--output_dir={shards}", "--num_workers=2", "--no_progress"]):
                 r = stream_cmd(cmd, max(30.0, ctx.deadline - time.perf_counter()), ctx.log, "[train/data] ",

@@ -118,7 +118,7 @@ def build_data(base: str) -> dict:
     corpus = write_corpus_slice(os.path.join(base, "corpus"))
     tok, shards = os.path.join(base, "tok"), os.path.join(base, "shards")
     for cmd in ([PY, "-m", "tokenizer.train_tokenizer", f"--data_dir={corpus}", f"--output_dir={tok}",
-                 "--vocab_size=384", "--tokenizer_type=hf_bbpe"],
+                 "--vocab_size=384", "--tokenizer_type=hf_bbpe", "--overwrite=true"],
                 [PY, "-m", "data_preprocess.pretokenize_pretrain_data", f"--data_dir={corpus}",
                  f"--tokenizer_dir={tok}", f"--output_dir={shards}", "--num_workers=1", "--no_progress"],
                 [PY, "-m", "data_preprocess.build_pretrain_sample_index_map", f"--data_dir={shards}",

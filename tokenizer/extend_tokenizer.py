@@ -457,7 +457,7 @@ def extend_tokenizer(base_tokenizer_dir: str, data_dir_or_files: str | Sequence[
     if heldout_every == 1:
         raise ValueError("--heldout_every=1 would hold out every document (0 disables the held-out slice)")
     if os.path.exists(output_dir) and os.listdir(output_dir) and not overwrite:
-        raise FileExistsError(f"{output_dir} exists and is not empty (pass --overwrite to replace it)")
+        raise FileExistsError(f"{output_dir} exists and is not empty (pass --overwrite=true to replace it)")
     if os.path.abspath(output_dir) == os.path.abspath(base_tokenizer_dir):
         raise ValueError(f"--out_dir {output_dir} is the base tokenizer directory; write the extension elsewhere")
     kind, tj, proto = load_base(base_tokenizer_dir)
@@ -605,7 +605,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--file_glob", default="**/*")
     add_bool(p, "recursive", True, "descend into subdirectories")
     add_bool(p, "strict", False, "bad records are errors instead of counted skips")
-    add_bool(p, "overwrite", True, "replace a non-empty --out_dir (false: fail instead)")
+    add_bool(p, "overwrite", False, "replace a non-empty --out_dir (default: refuse it, exit 2, as the trainer "
+             "refuses a second run in one --out_dir)")
     return p
 
 

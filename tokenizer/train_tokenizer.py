@@ -84,7 +84,7 @@ def save_tokenizer_dir(tk: Any, output_dir: str, tokenizer_type: str, training: 
         if tk.token_to_id(t) != learned + i:  # a learned piece spelled like a special token
             raise RuntimeError(f"special token {t!r} got id {tk.token_to_id(t)}, expected {learned + i}")
     if os.path.exists(output_dir) and os.listdir(output_dir) and not overwrite:
-        raise FileExistsError(f"{output_dir} exists and is not empty (pass --overwrite to replace it)")
+        raise FileExistsError(f"{output_dir} exists and is not empty (pass --overwrite=true to replace it)")
     # `<output_dir>.tmp/`, fsynced and renamed into place (an old output_dir is swapped aside, then
     # deleted): utils/publish.py. A failure leaves output_dir as it was.
     with staged_dir(os.path.abspath(output_dir), replace=True) as tmp:
@@ -123,6 +123,8 @@ def train_tokenizer(data_dir_or_files: str | os.PathLike | Sequence[str | os.Pat
     if max_train_bytes is not None and max_train_bytes <= 0:
         raise ValueError("max_train_bytes must be positive")
     learned_target = _learned_target(vocab_size, tokenizer_type)
+    if not overwrite and os.path.isdir(output_dir) and os.listdir(output_dir):  # before the training, not after
+        raise FileExistsError(f"{output_dir} exists and is not empty (pass --overwrite=true to replace it)")
     threads = num_threads or os.cpu_count() or 1
     # Rayon reads this when its pool starts (the first parallel call in the process); later it has no effect.
     os.environ.setdefault("RAYON_NUM_THREADS", str(threads))
@@ -235,7 +237,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--file_glob", default="**/*", help="pattern inside each directory (default **/*)")
     add_bool(p, "recursive", True, "descend into subdirectories")
     add_bool(p, "strict", False, "bad records are errors instead of counted skips")
-    add_bool(p, "overwrite", True, "replace a non-empty --out_dir (false: fail instead)")
+    add_bool(p, "overwrite", False, "replace a non-empty --out_dir (default: refuse it, exit 2, as the trainer "
+             "refuses a second run in one --out_dir)")
     add_bool(p, "progress", True, "progress bars", false_aliases=("quiet",))
     add_bool(p, "verbose", False, "sentencepiece's own training log (hundreds of lines)")
     return p
@@ -274,6 +277,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         return code
     t = meta["training"]
+    if meta["vocab_size"] < args.vocab_size:
+        log.warning("vocab_size %d, not the %d asked for: the corpus supports only %d learned pieces at "
+                    "--min_frequency=%d (a merge needs a pair seen that often); more or more varied text, or a lower "
+                    "--min_frequency, learns more", meta["vocab_size"], args.vocab_size, meta["learned_vocab_size"],
+                    args.min_frequency)
     log.info("saved %s: vocab_size=%d (learned %d), trained on %d of %d documents, skipped %d, %.1fs",
              args.out_dir, meta["vocab_size"], meta["learned_vocab_size"], t["train_documents"],
              t["corpus_documents"], t["skipped"], t["seconds"])

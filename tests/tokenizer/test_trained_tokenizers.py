@@ -239,3 +239,27 @@ def test_sp_conversion_matches_sentencepiece():
     for text in docs[:100]:
         expected = [p.replace(SP_META, " ") for p in sp.encode(text, out_type=str)]
         assert hf.encode(text, add_special_tokens=False).tokens == expected
+
+
+def test_the_command_refuses_a_non_empty_out_dir_before_training_and_warns_of_a_smaller_vocabulary(tmp_path, caplog,
+                                                                                                    capsys):
+    """--overwrite defaults to false: a second run into a trained tokenizer's folder is one line, exit 2, and the
+    folder is untouched; a vocabulary the corpus cannot fill is a warning naming both sizes and why."""
+    import logging
+
+    import importlib
+    tt = importlib.import_module("tokenizer.train_tokenizer")  # the module (the package re-exports the function)
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("".join(f"line {i} of a very small corpus\n" for i in range(40)), encoding="utf-8")
+    out = tmp_path / "tok"
+    with caplog.at_level(logging.WARNING, logger=tt.log.name):
+        assert tt.main([f"--data_dir={corpus}", f"--out_dir={out}", "--vocab_size=2048", "--quiet"]) == 0
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("not the 2048 asked for" in m and "--min_frequency=2" in m for m in warned), warned
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    capsys.readouterr()
+    assert tt.main([f"--data_dir={corpus}", f"--out_dir={out}", "--vocab_size=320", "--quiet"]) == 2
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert tt.main([f"--data_dir={corpus}", f"--out_dir={out}", "--vocab_size=320", "--quiet",
+                    "--overwrite=true"]) == 0
+    assert {p.name: p.read_bytes() for p in out.iterdir()} != before

@@ -50,9 +50,9 @@ def test_commands_share_the_convention(tmp_path):
     from tokenizer.train_tokenizer import build_arg_parser
     p = build_arg_parser()
     a = p.parse_args(["--data_dir=d", "--out_dir=o", "--vocab_size=300", "--quiet", "--no_recursive"])
-    assert (a.out_dir, a.progress, a.recursive, a.verbose, a.overwrite) == ("o", False, False, False, True)
-    b = p.parse_args(["--data_dir=d", "--output_dir=o", "--vocab_size=300", "--progress=false", "--overwrite=false"])
-    assert (b.out_dir, b.progress, b.overwrite) == ("o", False, False)
+    assert (a.out_dir, a.progress, a.recursive, a.verbose, a.overwrite) == ("o", False, False, False, False)
+    b = p.parse_args(["--data_dir=d", "--output_dir=o", "--vocab_size=300", "--progress=false", "--overwrite=true"])
+    assert (b.out_dir, b.progress, b.overwrite) == ("o", False, True)
     # the SFT default output is a named folder under out/, not a sibling of the raw data
     assert default_out_dir(SFT, "data/sft", 512) == "out/sft_tokenized/sft_L512"
     assert default_out_dir(SFT, "data/chats.jsonl", 256) == "out/sft_tokenized/chats_L256"
