@@ -200,7 +200,8 @@ class TrainConfig(ParallelFlags, DPOFlags, OptimizationFlags, TrainableFlags, Mo
                       "threads train several times slower; not with --deterministic=true). Said in the [layout] "
                       "line; a fixed count keeps a CPU run bit-reproducible (README \"CPU threads\")")
     peak_flops: float = _f(0.0, "peak FLOP/s per device for MFU (0 = the data-sheet table for known GPUs, else a "
-                           "measured matmul peak cached in <out_dir>/peak_flops.json: an estimate, MFU shown as mfu~)")
+                           "measured matmul peak, the best ever seen on this machine, kept in peak_flops.json under "
+                           "$MYLLM_CACHE_DIR or ~/.cache/myllm: an estimate, MFU shown as mfu~)")
 
 
 def trains_embeddings(run: Any) -> bool:

@@ -97,3 +97,21 @@ def test_cpu_peak_is_the_best_seen_on_the_machine_so_load_cannot_halve_it(monkey
     seq2 = iter([3.0e9])
     monkeypatch.setattr(flops, "measure_peak_flops", lambda *a, **k: next(seq2))
     assert flops.resolve_peak_flops("cpu", torch.bfloat16).flops == 3.0e9
+
+
+def test_the_help_and_the_readme_say_where_the_measured_peak_is_kept(monkeypatch, tmp_path):
+    """--help, the README and the code name one place for the CPU peak cache."""
+    import dataclasses
+    import os
+
+    from model.flops import machine_cache_path
+    from trainer.config import TrainConfig
+    monkeypatch.delenv("MYLLM_CACHE_DIR", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert machine_cache_path() == os.path.join(str(tmp_path), ".cache", "myllm", "peak_flops.json")
+    monkeypatch.setenv("MYLLM_CACHE_DIR", str(tmp_path / "c"))
+    assert machine_cache_path() == str(tmp_path / "c" / "peak_flops.json")
+    help_text = next(f for f in dataclasses.fields(TrainConfig) if f.name == "peak_flops").metadata.get("help", "")
+    assert "peak_flops.json under $MYLLM_CACHE_DIR or ~/.cache/myllm" in help_text, help_text
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md"), encoding="utf-8").read()
+    assert "~/.cache/myllm/peak_flops.json" in readme and "$MYLLM_CACHE_DIR" in readme
