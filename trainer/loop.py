@@ -102,8 +102,14 @@ def set_threads(cfg: TrainConfig, info: DistInfo, log) -> tuple[str, Any]:
     choice = choose_threads(cfg.threads)
     torch.set_num_threads(choice.threads)
     fixed = choice.source in ("--threads", "OMP_NUM_THREADS") or cfg.deterministic
-    tuner = ThreadTuner(choice.threads) if not fixed and choice.threads > 1 and info.device.type == "cpu" else None
     busy = oversubscription_warning(choice.threads)
+    tuner = None
+    if not fixed and choice.threads > 1 and info.device.type == "cpu":
+        # on a machine already busy, spinning threads collapse: start on one and let the tuner try more
+        tuner = ThreadTuner(choice.threads, start=1 if busy else None)
+        if busy:
+            torch.set_num_threads(1)
+            busy += "; starting on 1 thread, the automatic choice measures more later"
     if busy:
         log(f"[warning] threads: {busy}")
     return describe_threads(choice, adaptive=tuner is not None), tuner

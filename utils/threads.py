@@ -71,12 +71,14 @@ def describe_threads(choice: ThreadChoice, adaptive: bool = False, env: Optional
     return f"threads {choice.threads} ({source}; {wait_policy(env)})"
 
 
-def oversubscription_warning(threads: int, cores: Optional[int] = None,
-                             load: Optional[float] = None) -> Optional[str]:
+def oversubscription_warning(threads: int, cores: Optional[int] = None, load: Optional[float] = None,
+                             env: Optional[Mapping[str, str]] = None) -> Optional[str]:
     """A warning when the machine's 1-minute load average exceeds the usable cores by at least one, i.e.
     at least one more process wants a core than there are (this run's own threads count in the load:
-    it alone keeps it near `threads`); None otherwise, or where there is no load average."""
+    it alone keeps it near `threads`); None otherwise, or where there is no load average. The advice fits
+    the run: fewer threads only where there are more than one; under torchrun, ranks x threads per node."""
     cores = usable_cores() if cores is None else cores
+    env = os.environ if env is None else env
     if load is None:
         try:
             load = os.getloadavg()[0]
@@ -84,9 +86,18 @@ def oversubscription_warning(threads: int, cores: Optional[int] = None,
             return None
     if load < cores + 1:
         return None
+    local = str(env.get("LOCAL_WORLD_SIZE", "")).strip()
+    ranks = int(local) if local.isdigit() and int(local) > 1 else 1
+    if ranks > 1:
+        advice = (f"this node runs {ranks} ranks x {threads} thread{'s' if threads != 1 else ''}: fewer ranks "
+                  "(--nproc_per_node) or other work moved off these cores helps")
+    elif threads > 1:
+        advice = "fewer threads may help: --threads=1"
+    else:
+        advice = "this run is already on 1 thread: only the other processes leaving helps"
     return (f"the 1-minute load average is {load:.1f} on {cores} usable core{'s' if cores != 1 else ''}: other "
             f"processes compete for them, so this run is slower than its {threads} thread{'s' if threads != 1 else ''} "
-            "can be (fewer threads may help: --threads=1; see README \"CPU threads\")")
+            f"can be ({advice}; see README \"CPU threads\")")
 
 
 class ThreadTuner:
@@ -103,10 +114,10 @@ class ThreadTuner:
     bit-reproducible (a fixed --threads or OMP_NUM_THREADS is)."""
 
     def __init__(self, threads: int, skip: int = 2, probe_steps: int = 3, budget: float = 0.03,
-                 min_interval_s: float = 20.0, recent: int = 5, clock=None) -> None:
+                 min_interval_s: float = 20.0, recent: int = 5, clock=None, start: Optional[int] = None) -> None:
         import time
         self.choices = (threads, 1)
-        self.current = threads
+        self.current = threads if start is None else start  # `start`: 1 on a machine already busy
         self.skip, self.probe_steps, self.budget = skip, probe_steps, budget
         self.min_interval_s, self.recent = min_interval_s, recent
         self.clock = clock or time.monotonic

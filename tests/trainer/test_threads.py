@@ -27,6 +27,18 @@ def test_oversubscription_is_load_above_the_usable_cores():
     assert msg is not None and "load average is 3.4 on 2 usable cores" in msg and "--threads=1" in msg
     assert threads.oversubscription_warning(threads=2, cores=2, load=2.9) is None  # our own threads count in it
     assert threads.oversubscription_warning(threads=1, cores=4, load=1.0) is None
+    one = threads.oversubscription_warning(threads=1, cores=2, load=3.4, env={})
+    assert "--threads=1" not in one and "already on 1 thread" in one  # no advice it already follows
+    ranks = threads.oversubscription_warning(threads=1, cores=2, load=3.4, env={"LOCAL_WORLD_SIZE": "2"})
+    assert "--threads=1" not in ranks and "2 ranks x 1 thread" in ranks  # torchrun's ranks, not threads
+
+
+def test_a_busy_machine_starts_the_automatic_count_on_one_thread():
+    tuner = threads.ThreadTuner(2, start=1)
+    assert tuner.threads_for_next_step() == 1 and tuner.choices == (2, 1)
+    for _ in range(4):
+        tuner.record(1.0, 100.0)
+    assert tuner.threads_for_next_step() == 2  # the larger count is measured later
 
 
 def test_tuner_trains_on_one_thread_while_that_is_faster_and_measures_again_later():
