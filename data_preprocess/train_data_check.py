@@ -60,8 +60,10 @@ def training_data_problem(task_type: str, data_dir: str, tokenizer_dir: str, max
         if task_type == "pretrain":
             return f"data: {data_dir}: not a directory of token shards: it does not exist"
         return f"data: {data_dir}: no such file or directory"
-    if task_type != "pretrain" or _has_shards(data_dir):
+    if task_type != "pretrain":
         return None
+    if _has_shards(data_dir):
+        return _index_problem(data_dir, max_seq_len)
     raw = _raw_files(data_dir)
     if os.path.isfile(data_dir):
         what = "a raw text file" if raw else "a file"
@@ -72,3 +74,17 @@ def training_data_problem(task_type: str, data_dir: str, tokenizer_dir: str, max
         return (f"data: {data_dir}: no token shards, but {len(raw)}{'+' if len(raw) >= MAX_LISTED else ''} raw "
                 f"text file(s) ({names}); {pretokenize_hint(data_dir, tokenizer_dir, max_seq_len)}")
     return None  # the full path names what is missing (no shards, orphans, ...)
+
+
+def _index_problem(data_dir: str, max_seq_len: int) -> Optional[str]:
+    """The full path's line for shards without a sample index for this --max_seq_len, or with one built for
+    other shards (a stale index), read from the index's JSON and the shards' sidecars: no torch, no hashing."""
+    from data_preprocess.build_pretrain_sample_index_map import load_index_meta
+    from data_preprocess.shard_format import DataError, StaleIndexError
+    try:
+        load_index_meta(data_dir, max_seq_len)
+    except StaleIndexError as e:
+        return f"data: {e}"
+    except DataError:
+        return None  # damaged shards or index: the full path names them with its own checks
+    return None

@@ -23,6 +23,7 @@ def test_data_dir_and_head_mistakes_are_answered_before_torch(tiny_pretrain_run_
     raw.mkdir()
     shutil.copy(os.path.join(ROOT, "data", "pretrain", "zh_written.jsonl"), raw / "zh.jsonl")
     tok = next(a.split("=", 1)[1] for a in tiny_pretrain_run_args if a.startswith("--tokenizer_dir="))
+    shards = next(a.split("=", 1)[1] for a in tiny_pretrain_run_args if a.startswith("--data_dir="))
     cases = {
         "missing": (_with(tiny_pretrain_run_args, data_dir=tmp_path / "nope"), EXIT_BAD_DATA,
                     f"[rank 0] error: data: {tmp_path / 'nope'}: not a directory of token shards: it does not exist"),
@@ -32,6 +33,9 @@ def test_data_dir_and_head_mistakes_are_answered_before_torch(tiny_pretrain_run_
                       f"--tokenizer_dir={tok} --out_dir={raw}_tokenized; python -m "
                       f"data_preprocess.build_pretrain_sample_index_map --data_dir={raw}_tokenized --max_seq_len=32; "
                       f"then train with --data_dir={raw}_tokenized"),
+        "no_index": (_with(tiny_pretrain_run_args, max_seq_len=48), EXIT_BAD_DATA,
+                     f"[rank 0] error: data: {shards}/index_L48/index_meta.json: no index for max_seq_len=48 (found "
+                     "['index_L32']; build one with build_pretrain_sample_index_map --max_seq_len=48)"),
         "heads": (_with(tiny_pretrain_run_args, dim=250, n_heads=8), EXIT_BAD_CONFIG,
                   "[rank 0] error: bad model configuration: dim=250 is not divisible by n_heads=8"),
     }
@@ -43,7 +47,7 @@ def test_data_dir_and_head_mistakes_are_answered_before_torch(tiny_pretrain_run_
         assert code == want_code and err.strip() == want_line, (name, code, err)
         assert not out.exists(), name  # refused before the run directory was made
     # the full path (torch imported) says the first and the last the same way
-    for name in ("missing", "heads"):
+    for name in ("missing", "no_index", "heads"):
         argv, want_code, want_line = cases[name]
         assert T.main([*map(str, argv), f"--out_dir={tmp_path / 'full'}", "--max_iters=1"]) == want_code
         assert want_line in capsys.readouterr().err
