@@ -26,7 +26,6 @@ from model import attention, kernels
 from model.attention import AttnSpec, documents_from_positions
 from model.config import ModelConfig
 from model.loss import lm_head_loss
-from model.ring_attention import ring_attention
 
 
 # -------------------------------------------------------------------------------------- RMSNorm
@@ -176,6 +175,9 @@ class Attention(nn.Module):
                 k, v = cache.update(self.layer_idx, k, v)
             # k/v keep n_kv_heads: SDPA's and FlexAttention's enable_gqa share them inside the kernel
             if spec.kind == "ring":  # context parallel: this rank's chunks against the whole sequence
+                # imported here: its torch.compiler.disable imports torch._dynamo (~2 s), which sample.py and
+                # eval_lm.py should not pay for; a context-parallel run has loaded it when it set the spec up
+                from model.ring_attention import ring_attention
                 y = ring_attention(q, k, v, spec.group)
             elif spec.kind == "flex":
                 y = attention.flex_attention_(q, k, v, spec)

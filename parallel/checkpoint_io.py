@@ -11,18 +11,16 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import sys
 from typing import Any, Callable, Optional
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from parallel.dcp_checkpoint import is_dcp_checkpoint, load_full_model_state_dict
-from parallel.pipeline import merge_stage_checkpoints
 from utils import checkpoint as ckpt
-from utils.checkpoint_layout import (DCP_FILES_DESCRIPTION, MODEL_FILE, PIPELINE_META, STAGE_FILES_DESCRIPTION,
+from utils.checkpoint_layout import (DCP_FILES_DESCRIPTION, DCP_MANIFEST, MODEL_FILE, PIPELINE_META, STAGE_FILES_DESCRIPTION,
                                      extra_file, optimizer_file)
 from utils.constants import EXIT_BAD_CHECKPOINT
 from utils.dist import first_error_of_ranks
@@ -43,7 +41,7 @@ def read_pipeline_meta_safe(ckpt_dir: str) -> dict:
 
 def is_sharded_checkpoint(ckpt_dir: str) -> bool:
     """A DCP (FSDP2) checkpoint: its manifest names the shards."""
-    return is_dcp_checkpoint(ckpt_dir)
+    return os.path.isfile(os.path.join(ckpt_dir, DCP_MANIFEST))
 
 
 @contextlib.contextmanager
@@ -68,7 +66,7 @@ def refuse_nonfinite_weights(module: nn.Module, ckpt_dir: str) -> None:
     one collective of every rank's verdict: CheckpointError (exit 5) with the same line on every rank,
     naming the first tensor that holds NaN or inf, when any rank found one."""
 
-    params = [(n, p.to_local() if isinstance(p, DTensor) else p) for n, p in module.named_parameters()]
+    params = [(n, p.to_local() if _is_dtensor(p) else p) for n, p in module.named_parameters()]
     bad = ckpt.first_nonfinite(params)
     device = params[0][1].device if params else None
     verdict = first_error_of_ranks(None if bad is None else (EXIT_BAD_CHECKPOINT, f"checkpoint {ckpt_dir}: {bad}"),
@@ -252,7 +250,10 @@ def base_fingerprint(module: nn.Module) -> str:
 def checkpoint_model_state(ckpt_dir: str) -> dict[str, torch.Tensor]:
     """The weights stored in a checkpoint of any engine, in one process (export, sampling, init);
     a pipeline checkpoint's stages are merged into one model's state dict."""
+    # the pipeline's and DCP's readers are imported only for their checkpoints: torch.distributed.checkpoint takes
+    # ~1 s to import, which sampling or exporting a plain checkpoint should not pay
     if is_pipeline_checkpoint(ckpt_dir):
+        from parallel.pipeline import merge_stage_checkpoints
         try:
             sd = merge_stage_checkpoints(ckpt_dir)
         except (ValueError, KeyError, TypeError, OSError, RuntimeError, SafetensorError) as e:
@@ -260,6 +261,7 @@ def checkpoint_model_state(ckpt_dir: str) -> dict[str, torch.Tensor]:
                 raise
             raise ckpt.CheckpointError(f"checkpoint {ckpt_dir}: {damaged_file_hint(ckpt_dir, e)}") from e
     elif is_sharded_checkpoint(ckpt_dir):
+        from parallel.dcp_checkpoint import load_full_model_state_dict
         sd = load_full_model_state_dict(ckpt_dir)
     else:
         return ckpt.load_model_state(ckpt_dir)  # checked there
@@ -268,6 +270,13 @@ def checkpoint_model_state(ckpt_dir: str) -> dict[str, torch.Tensor]:
         raise ckpt.CheckpointError(f"checkpoint {ckpt_dir}: {bad}")
     return sd
 
+
+
+def _is_dtensor(t: Any) -> bool:
+    """isinstance(t, DTensor) without importing torch.distributed.tensor (~1 s) where nothing has: then no tensor
+    can be one (sample.py, eval_lm.py and export load plain checkpoints)."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(t, mod.DTensor)
 
 
 def damaged_file_hint(ckpt_dir: str, e: BaseException) -> str:

@@ -60,7 +60,6 @@ from utils.run_dir import listed_checkpoints, misnamed_checkpoints  # noqa: E402
 from utils.errors import (CheckpointError, CheckpointMismatchError, DamagedCheckpointError,  # noqa: F401
                           one_line)  # re-exported: callers use ckpt.CheckpointError, ckpt.one_line
 from utils.checkpoint_layout import plain_file_name  # noqa: F401 (re-exported)
-from utils.dcp_files import dcp_dir_problem
 from utils.constants import MAX_STEPS
 from utils.model_bounds import bound_problems
 from utils.disk_space import DiskFullError, free_bytes, human, is_disk_full, tree_bytes
@@ -526,6 +525,8 @@ def verify_checkpoint(path: str, check_hashes: bool = True, trust_cache: bool = 
     if problem is not None:
         return problem
     if os.path.isfile(os.path.join(path, DCP_MANIFEST)):  # sharded (DCP): DCP's index and every rank's shard
+        from utils.dcp_files import dcp_dir_problem  # here: torch.distributed.checkpoint takes ~2 s to import, which
+        # commands that never meet a sharded checkpoint (sample.py, eval_lm.py) should not pay
         problem = dcp_dir_problem(path)
         if problem is not None:
             return problem
