@@ -340,7 +340,7 @@ def precheck(argv: list[str], title: str, prog: str) -> None:
         try:
             run_lock.acquire(cfg.out_dir, command=run_lock.command_line(argv)).release()  # main() takes it for good
             run_lock.check_run_dir_layout(cfg.out_dir)
-        except (run_lock.RunDirBusy, run_lock.RunDirUnusable) as e:
+        except run_lock.REFUSALS as e:
             code, msg = exit_code_for(e)
             print(error + msg, file=sys.stderr, flush=True)
             sys.exit(code)

@@ -43,6 +43,7 @@ from typing import Any, Optional
 
 from utils.checkpoint_layout import CKPT_SUBDIR, RUN_CONFIG, RUN_START
 from utils.constants import EXIT_BAD_CONFIG, EXIT_RUN_DIR_BUSY
+from utils.disk_space import DiskFullError, disk_full_error, is_disk_full
 
 try:
     import fcntl
@@ -64,6 +65,10 @@ class RunDirUnusable(Exception):
     """`--out_dir` cannot be created or written (a file, a read-only filesystem, /proc): a flag error."""
     exit_code = EXIT_BAD_CONFIG
     exit_prefix = "bad configuration: "
+
+
+# what acquire() and check_run_dir_layout() refuse a run directory with, each with its exit code (6, 2, 7)
+REFUSALS = (RunDirBusy, RunDirUnusable, DiskFullError)
 
 
 class RunLock:
@@ -142,6 +147,8 @@ def _lock_directory(out_dir: str, path: str, flag: str) -> int:
     try:
         return os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
     except OSError as e:
+        if is_disk_full(e):  # a full disk (no inode left) is exit 7, as every other write of the run directory
+            raise disk_full_error(path, e) from e
         raise RunDirUnusable(f"{flag}={out_dir}: cannot write {LOCK_NAME} there ({e.strerror or e})") from e
 
 
@@ -155,7 +162,7 @@ def _pid_alive(pid: Any) -> bool:
 
 def acquire(out_dir: str, *, command: str = "", flag: str = "--out_dir") -> RunLock:
     """Lock `out_dir` for this run, or raise RunDirBusy naming the holder (RunDirUnusable when the
-    directory cannot be created or the lock file written). A lock held by the supervisor whose token
+    directory cannot be created or the lock file written; DiskFullError, exit 7, when it did not fit). A lock held by the supervisor whose token
     this process inherited counts as ours: the RunLock returned then holds nothing (`inherited`)."""
     make_run_dir(out_dir, flag)
     path = lock_path(out_dir)
@@ -200,6 +207,8 @@ def acquire(out_dir: str, *, command: str = "", flag: str = "--out_dir") -> RunL
         os.close(fd)
         if os.path.exists(tmp):
             os.remove(tmp)
+        if is_disk_full(e):
+            raise disk_full_error(path, e) from e
         raise RunDirUnusable(f"{flag}={out_dir}: cannot write {LOCK_NAME} there ({e.strerror or e})") from e
     return RunLock(path, fd, token=token)
 

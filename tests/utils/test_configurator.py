@@ -115,3 +115,21 @@ def test_help_says_py_configs_are_code():
     from utils.configurator import help_text
     text = help_text(Cfg(), "title")
     assert "executed as Python code" in text and ".json" in text and ".yaml" in text
+
+
+def test_a_full_disk_under_the_saved_config_is_exit_7_naming_the_file(tmp_path, monkeypatch):
+    """A restart on a full disk fails writing config.json: one DiskFullError naming it (exit 7), no traceback."""
+    import errno
+
+    import utils.configurator as C
+    from utils.disk_space import DiskFullError
+    from utils.errors import exit_code_for
+
+    def full(path, *a, **kw):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(C, "atomic_write_json", full)
+    p = tmp_path / "config.json"
+    with pytest.raises(DiskFullError) as e:
+        save_config_json(parse_config(Cfg(), []), str(p))
+    code, line = exit_code_for(e.value)
+    assert code == 7 and line.startswith(f"disk full: writing {p} did not fit"), line
