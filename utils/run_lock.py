@@ -44,6 +44,7 @@ from typing import Any, Optional
 from utils.checkpoint_layout import CKPT_SUBDIR, RUN_CONFIG, RUN_START
 from utils.constants import EXIT_BAD_CONFIG, EXIT_RUN_DIR_BUSY
 from utils.disk_space import DiskFullError, disk_full_error, is_disk_full
+from utils.writable import UnwritableDirError, check_writable_dir
 
 try:
     import fcntl
@@ -266,8 +267,10 @@ RUN_DIRS = (CKPT_SUBDIR,)
 
 def check_run_dir_layout(out_dir: str, flag: str = "--out_dir") -> None:
     """RunDirUnusable (exit 2) when a name the run writes is the wrong kind of thing: `heartbeat` or
-    `metrics.jsonl` a directory, `checkpoints` a file, any of them a symbolic link. Such a run trained from scratch until its first save
-    crashed, or died with a traceback at the first heartbeat; now it is one line before anything starts."""
+    `metrics.jsonl` a directory, `checkpoints` a file, any of them a symbolic link, or `checkpoints` a directory this
+    process cannot write in (read-only; utils/writable.py). Such a run trained from scratch until its first save
+    crashed (and was retried by the supervisor), or died with a traceback at the first heartbeat; now it is one
+    line before anything starts."""
     for name in RUN_FILES + RUN_DIRS:
         path = os.path.join(out_dir, name)
         if not os.path.lexists(path):
@@ -281,6 +284,11 @@ def check_run_dir_layout(out_dir: str, flag: str = "--out_dir") -> None:
             raise RunDirUnusable(f"{flag}={out_dir}: {path} is a {'file' if want_dir else 'directory'}, where the "
                                  f"run keeps its {'checkpoints (a directory)' if want_dir else name + ' (a file)'}; "
                                  "move it away or use another --out_dir")
+    for name in RUN_DIRS:
+        try:
+            check_writable_dir(os.path.join(out_dir, name), "")
+        except UnwritableDirError as e:
+            raise RunDirUnusable(f"{flag}={out_dir}: {e}; the run could not save there") from None
 
 
 def command_line(argv: Optional[list[str]] = None) -> str:
