@@ -80,10 +80,12 @@ def test_a_log_that_fills_under_the_tee_is_not_restarted(tmp_path, monkeypatch, 
     out = tmp_path / "run"
     _log_fills(monkeypatch, lambda data: b"CHILD-OUTPUT" in data)
     code = mp.main([*FAST, f"--out_dir={out}", "--", sys.executable, "-c",
-                    "import sys; print('CHILD-OUTPUT', flush=True); sys.exit(1)"])
+                    "import sys; print('CHILD' + '-OUTPUT', flush=True); sys.exit(1)"])  # not in the command line
     cap = capfd.readouterr()
     assert code == EXIT_DISK_FULL, cap.err
     assert "CHILD-OUTPUT" in cap.out  # the terminal copy goes on
+    log = (out / "monitor.log").read_text()  # full only from the tee's write of the attempt's output on
+    assert "attempt 0: " in log and "CHILD-OUTPUT" not in log and "attempt 0 ended" not in log, log
     lines = _error_lines(cap.err)
     assert len(lines) == 1 and f"disk full: writing {out / 'monitor.log'} did not fit" in lines[0], cap.err
     s = json.loads((out / "monitor_summary.json").read_text())
