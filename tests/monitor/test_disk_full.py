@@ -104,3 +104,25 @@ def test_a_summary_that_does_not_fit_is_exit_7_naming_it(tmp_path, monkeypatch, 
     lines = _error_lines(err)
     assert len(lines) == 1 and f"disk full: writing {out / 'monitor_summary.json'} did not fit" in lines[0], err
     assert "final status: completed" in err  # the training itself finished
+
+
+def test_the_real_process_under_a_file_size_limit_stops_with_exit_7(tmp_path):
+    """monitor_process.py as a process under RLIMIT_FSIZE (8 KiB, SIGXFSZ ignored: a write past it fails with EFBIG,
+    as a full disk fails with ENOSPC): the tee's copy of a crashing attempt's 30 KB of output does not fit in
+    monitor.log. One error line naming the file, no traceback, exit 7, no restart."""
+    import resource
+    import subprocess
+
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (8 << 10, 8 << 10))
+    out = tmp_path / "run"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    p = subprocess.run([sys.executable, os.path.join(root, "monitor_process.py"), *FAST, f"--out_dir={out}", "--",
+                        sys.executable, "-c", "import sys; [print('y' * 100) for _ in range(300)]; sys.exit(1)"],
+                       capture_output=True, text=True, preexec_fn=limit, timeout=120)
+    assert p.returncode == EXIT_DISK_FULL, p.stderr[-3000:]
+    lines = _error_lines(p.stderr)
+    assert len(lines) == 1 and f"disk full: writing {out / 'monitor.log'} did not fit" in lines[0], p.stderr
+    s = json.loads((out / "monitor_summary.json").read_text())
+    assert (s["final_status"], s["restarts"], len(s["attempts"])) == ("disk_full", 0, 1)
