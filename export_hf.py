@@ -40,6 +40,14 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"export_hf: {one_line(problem)}", file=sys.stderr)
         return 2  # utils.checkpoint.selection_exit_code of the same choice
+    from utils.errors import report_named
+    from utils.writable import UnwritableDirError, check_writable_dir
+    try:  # where the export goes (`<out_dir>.tmp/` renamed into place): exit 2 before the checkpoint is read
+        check_writable_dir(args.out_dir, "--out_dir", staged=True)
+        if args.adapters_out_dir:
+            check_writable_dir(args.adapters_out_dir, "--adapters_out_dir")
+    except UnwritableDirError as e:
+        return report_named(e, "export_hf")
 
     from model import Transformer
     from model.hf_interop import export_hf
@@ -53,7 +61,6 @@ def main(argv: list[str] | None = None) -> int:
     except ckpt.CheckpointError as e:  # 5: the checkpoint asked for is damaged; 2: it names nothing
         print(f"export_hf: {ckpt.one_line(e)}", file=sys.stderr)
         return ckpt.selection_exit_code(e, args.ckpt, args.checkpoint)
-    from utils.errors import report_named
     try:
         streamed = _export_sharded_streaming(found, args)
         if streamed is not None:

@@ -20,6 +20,9 @@ What it owns:
   whole process tree it started (all ranks, also torchrun workers that live in their own sessions).
 - Forwarding SIGINT/SIGTERM to the training's process group and then stopping without a restart.
 - A summary (stdout and <out_dir>/monitor_summary.json): restarts, causes, steps lost, final status.
+- A full disk (or quota, or a file-size limit) under its own writes: the log file (`RunLog`) or the summary
+  that does not fit ends the supervision with exit 7 and one line naming the file (utils/disk_space.py), and
+  nothing more is started on it: not the first attempt, not a restart.
 
 What it must never do:
 - Restart a run that exited 0 or with a non-retryable code (trap 15), or split the command on
@@ -49,7 +52,8 @@ from typing import BinaryIO, Optional
 # The monitor lives next to utils/, so this import works from any working directory when the
 # script is run by path (sys.path[0] is the script's directory).
 from utils.checkpoint_layout import COMPLETE_MARKER, RUN_START, checkpoint_root, misnamed_step, parse_step
-from utils.constants import EXIT_INTERRUPTED, EXIT_LOSS_SPIKE, EXIT_OK, NON_RETRYABLE_EXIT_CODES
+from utils.constants import EXIT_DISK_FULL, EXIT_INTERRUPTED, EXIT_LOSS_SPIKE, EXIT_OK, NON_RETRYABLE_EXIT_CODES
+from utils.disk_space import DiskFullError, writing
 from utils import run_lock
 from utils.proc_tree import descendant_groups
 from utils.publish import atomic_write_text
@@ -317,11 +321,50 @@ def torchrun_root_cause_exit_code(output_tail: str) -> Optional[int]:
 # The process tree we started
 # ---------------------------------------------------------------------------------------------
 
+class RunLog:
+    """The monitor's log file (--log_file; os.devnull without one): its own lines and the attempts' output,
+    appended and flushed under one lock. A write that does not fit (disk or quota full, a file-size limit:
+    utils/disk_space.py) ends the log there: `failed` keeps the DiskFullError naming the file, stderr gets its
+    line once, and later writes are dropped, so the tee threads go on copying the output to the terminal (a
+    tee thread that died would leave the training blocked on a full pipe)."""
+
+    def __init__(self, path: Optional[str]) -> None:
+        self.path = path or os.devnull
+        self.failed: Optional[DiskFullError] = None
+        self.lock = threading.Lock()
+        with writing(self.path):  # DiskFullError naming the file (not even its inode fits)
+            if path:
+                os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self._f: BinaryIO = open(self.path, "ab")
+
+    def write(self, data: bytes) -> None:
+        with self.lock:
+            if self.failed is not None:
+                return
+            try:
+                with writing(self.path):
+                    self._f.write(data)
+                    self._f.flush()
+            except DiskFullError as e:
+                self.failed = e
+                try:
+                    sys.stderr.write(f"monitor_process.py: error: disk full: {e}\n")
+                    sys.stderr.flush()
+                except (OSError, ValueError):
+                    pass
+
+    def close(self) -> None:
+        with self.lock:
+            try:
+                self._f.close()
+            except OSError:  # the rest of a buffer that did not fit either
+                pass
+
+
 class Child:
     """One attempt's process: Popen in a new session, output tee threads, the groups it spawned."""
 
-    def __init__(self, command: list[str], log: BinaryIO, log_lock: threading.Lock,
-                 env: Optional[dict] = None, pass_fds: tuple = ()) -> None:
+    def __init__(self, command: list[str], log: RunLog, env: Optional[dict] = None, pass_fds: tuple = ()) -> None:
         self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      start_new_session=True, env=env, pass_fds=pass_fds)
         self.pgid = self.proc.pid  # session leader == group leader
@@ -332,13 +375,13 @@ class Child:
         self._tail_len = 0
         self._tail_lock = threading.Lock()
         self._threads = [
-            threading.Thread(target=self._tee, args=(self.proc.stdout, sys.stdout, log, log_lock), daemon=True),
-            threading.Thread(target=self._tee, args=(self.proc.stderr, sys.stderr, log, log_lock), daemon=True),
+            threading.Thread(target=self._tee, args=(self.proc.stdout, sys.stdout, log), daemon=True),
+            threading.Thread(target=self._tee, args=(self.proc.stderr, sys.stderr, log), daemon=True),
         ]
         for t in self._threads:
             t.start()
 
-    def _tee(self, pipe: BinaryIO, terminal, log: BinaryIO, log_lock: threading.Lock) -> None:
+    def _tee(self, pipe: BinaryIO, terminal, log: RunLog) -> None:
         # Chunks, not lines: progress bars use \r and a line may never end before a hang.
         while True:
             chunk = pipe.read1(65536)
@@ -349,9 +392,7 @@ class Child:
                 terminal.flush()
             except (OSError, ValueError):
                 pass  # a closed terminal must not stop the log
-            with log_lock:
-                log.write(chunk)
-                log.flush()
+            log.write(chunk)  # a full disk stops the log, not this copy (RunLog)
             with self._tail_lock:
                 self._tail.append(chunk)
                 self._tail_len += len(chunk)
@@ -465,21 +506,14 @@ class Monitor:
         self.pending_spike: Optional[dict] = None  # the event being replayed
         self.summary.spike_guard = {"skip_policy": cfg.spike_skip, "skip_data_steps": sorted(self.skip_steps),
                                     "events": []}
-        self.log_lock = threading.Lock()
-        if cfg.log_file:
-            os.makedirs(os.path.dirname(os.path.abspath(cfg.log_file)), exist_ok=True)
-            self.log: BinaryIO = open(cfg.log_file, "ab")
-        else:
-            self.log = open(os.devnull, "wb")
+        self.log = RunLog(cfg.log_file)  # DiskFullError when not even the file fits (main: exit 7)
 
     # -- messages -------------------------------------------------------------------------------
     def say(self, msg: str) -> None:
         line = f"[monitor {time.strftime('%Y-%m-%d %H:%M:%S')}] {msg}\n"
         sys.stderr.write(line)
         sys.stderr.flush()
-        with self.log_lock:
-            self.log.write(line.encode())
-            self.log.flush()
+        self.log.write(line.encode())
 
     # -- signals --------------------------------------------------------------------------------
     def _on_signal(self, signum: int, _frame) -> None:
@@ -506,8 +540,7 @@ class Monitor:
         ckpt_before = newest_checkpoint_step(cfg.out_dir)
         alive_at_start = liveness_mtime(cfg.out_dir)
         self.say(f"attempt {attempt.index}: {subprocess.list2cmdline(attempt.command)}")
-        self.child = child = Child(attempt.command, self.log, self.log_lock, env=self.child_env,
-                                   pass_fds=self.pass_fds)
+        self.child = child = Child(attempt.command, self.log, env=self.child_env, pass_fds=self.pass_fds)
         hang_cause = ""
         start = time.time()
         while child.proc.poll() is None:
@@ -583,6 +616,8 @@ class Monitor:
             if self.stop_signal is not None:  # arrived before the first start
                 self.finish("stopped", "stop signal before the training started", EXIT_INTERRUPTED)
                 break
+            if self.log_is_full():  # nothing is started on a full disk
+                break
             attempt = Attempt(index=len(s.attempts), command=command, started_at=time.time(),
                               resumed_from_step=newest_checkpoint_step(self.cfg.out_dir) if s.attempts else 0)
             s.attempts.append(attempt)
@@ -600,6 +635,8 @@ class Monitor:
             stop = self.stop_reason(attempt)
             if stop:
                 self.finish(*stop)
+                break
+            if self.log_is_full():  # no restart on a full disk: it would fill again
                 break
             if attempt.cause == "loss_spike":
                 # Roll back and replay, or skip the data: bounded by --max_spike_events, not --max_restarts.
@@ -763,6 +800,13 @@ class Monitor:
             time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
         return self.stop_signal is None
 
+    def log_is_full(self) -> bool:
+        """Whether the log stopped on a full disk (RunLog); if so the run is finished with exit 7."""
+        if self.log.failed is None:
+            return False
+        self.finish("disk_full", f"disk full: {self.log.failed}", EXIT_DISK_FULL)
+        return True
+
     def finish(self, status: str, reason: str, code: int) -> None:
         self.summary.final_status, self.summary.reason, self.summary.exit_code = status, reason, code
 
@@ -787,8 +831,12 @@ class Monitor:
             data = asdict(s)
             for a in data["attempts"]:
                 a["started_at"], a["ended_at"] = round(a["started_at"], 3), round(a["ended_at"], 3)
-            # readers never see half a summary (`<summary_file>.tmp`, fsync, os.replace)
-            atomic_write_text(self.cfg.summary_file, json.dumps(data, indent=2))
+            try:  # readers never see half a summary (`<summary_file>.tmp`, fsync, os.replace)
+                with writing(self.cfg.summary_file):
+                    atomic_write_text(self.cfg.summary_file, json.dumps(data, indent=2))
+            except DiskFullError as e:  # the record of the run did not fit: exit 7, whatever the run did
+                s.exit_code = EXIT_DISK_FULL
+                self.say(f"error: disk full: {e}; exit code {EXIT_DISK_FULL}")
         self.log.close()
 
 
@@ -798,12 +846,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     if cfg.out_dir:  # one run per directory: a second supervisor (or a trainer already there) is refused
         try:
             lock = run_lock.acquire(cfg.out_dir, command="monitor_process.py -- " + subprocess.list2cmdline(command))
-        except (run_lock.RunDirBusy, run_lock.RunDirUnusable) as e:
-            print(f"monitor_process.py: error: {e}", file=sys.stderr, flush=True)
+        except run_lock.REFUSALS as e:
+            full = "disk full: " if isinstance(e, DiskFullError) else ""
+            print(f"monitor_process.py: error: {full}{e}", file=sys.stderr, flush=True)
             return e.exit_code
     try:
-        return Monitor(cfg, command, lock_token=lock.token if lock else None,
-                       lock_fd=lock.fd if lock else None).run()
+        monitor = Monitor(cfg, command, lock_token=lock.token if lock else None, lock_fd=lock.fd if lock else None)
+    except DiskFullError as e:  # not even the log file fits
+        print(f"monitor_process.py: error: disk full: {e}", file=sys.stderr, flush=True)
+        if lock is not None:
+            lock.release()
+        return EXIT_DISK_FULL
+    try:
+        return monitor.run()
     finally:
         if lock is not None:
             lock.release()

@@ -85,7 +85,7 @@ def main(argv: list[str]) -> int:
         except ConfigError as e:
             print(f"{PROG}: error: {one_line(e)}", file=sys.stderr)
             return EXIT_BAD_CONFIG
-        except (run_lock.RunDirBusy, run_lock.RunDirUnusable) as e:
+        except run_lock.REFUSALS as e:
             code, msg = exit_code_for(e)
             print(f"[rank {rank}] error: {msg}", file=sys.stderr, flush=True)
             return code

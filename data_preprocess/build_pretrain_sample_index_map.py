@@ -26,6 +26,8 @@ import numpy as np
 from data_preprocess.shard_format import (DataError, StaleIndexError, ShardInfo, atomic_save_npy,
                                           atomic_write_json, int_field, list_shards, read_json_object,
                                           remove_temp_files, shards_fingerprint)
+from utils.disk_space import DiskFullError
+from utils.writable import UnwritableDirError, check_writable_dir
 
 log = logging.getLogger("build_index")
 INDEX_FORMAT_VERSION = 1
@@ -50,6 +52,7 @@ def build_index(data_dir: str, max_seq_len: int, val_ratio: float = 0.01,
     if max_seq_len < 1:
         raise ValueError("max_seq_len must be >= 1")
     shards = list_shards(data_dir)
+    check_writable_dir(index_dir_for(data_dir, max_seq_len), "")  # exit 2 before the index is computed
     total = sum(s.num_tokens for s in shards)
     n = num_samples_for(total, max_seq_len)
     if n == 0:
@@ -162,6 +165,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ValueError as e:
         log.error("%s", e)
         return EXIT_BAD_CONFIG
+    except (UnwritableDirError, DiskFullError) as e:  # exit 2 / 7, one line naming the path
+        log.error("%s", e)
+        return e.exit_code
     except DataError as e:
         log.error("%s", e)
         return EXIT_BAD_DATA

@@ -33,6 +33,7 @@ from data_preprocess.shard_format import (SHARD_RE, DataError, dtype_for_vocab, 
                                           remove_temp_files, write_shard, check_shard)
 from data_preprocess.worker_tokenizer import (FileFailed, WorkerTokenizer, backend_json, raise_failed,
                                              worker_result)
+from utils.writable import check_writable_dir
 
 log = logging.getLogger("pretokenize_pretrain")
 
@@ -260,6 +261,7 @@ def pretokenize_pretrain(data_dir: str, tokenizer_dir: Optional[str], output_dir
     vocab_size = int(tokenizer_meta["vocab_size"])
     alternatives = parse_text_fields(text_fields)
     spec = text_fields_spec(alternatives)
+    check_writable_dir(output_dir, "--out_dir")  # exit 2 before any input is read
     os.makedirs(output_dir, exist_ok=True)
     remove_temp_files(output_dir)
     inputs = collect_inputs(data_dir, exclude_dir=output_dir) if data_dir else None

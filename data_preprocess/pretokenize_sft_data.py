@@ -44,6 +44,7 @@ from data_preprocess.shard_format import DataError, dtype_for_vocab
 from data_preprocess.worker_tokenizer import FileFailed, raise_failed
 from tokenizer.corpus import CorpusConfigError
 from tokenizer.dataset_source import add_hf_dataset_flags, hf_dataset_from_args
+from utils.writable import check_writable_dir
 
 log = logging.getLogger("pretokenize_sft")
 SFT_FORMAT_VERSION = SFT.format_version
@@ -77,6 +78,7 @@ def chat_inputs(kind: ChatKind, data_dir: Optional[str], output_dir: Optional[st
         raise CorpusConfigError("--hf_dataset without --data_dir needs --out_dir")
     data_dir = os.path.abspath(data_dir) if data_dir else None
     out = os.path.abspath(output_dir or default_out_dir(kind, data_dir, max_seq_len))
+    check_writable_dir(out, "--out_dir")  # exit 2 before any record is tokenized
     files: list = (find_input_files(data_dir, exclude_dir=out, kinds=RECORD_KINDS, what=kind.kind.upper())
                    if data_dir else [])
     if data_dir and not files and hf_dataset is None:

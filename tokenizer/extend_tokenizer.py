@@ -38,6 +38,7 @@ from tokenizer.corpus import (
     no_input_files_error, parse_text_fields, text_fields_spec,
 )
 from utils.publish import staged_dir
+from utils.writable import check_writable_dir
 
 log = logging.getLogger("tokenizer.extend_tokenizer")
 
@@ -456,6 +457,7 @@ def extend_tokenizer(base_tokenizer_dir: str, data_dir_or_files: str | Sequence[
         raise ValueError("max_train_bytes must be positive")
     if heldout_every == 1:
         raise ValueError("--heldout_every=1 would hold out every document (0 disables the held-out slice)")
+    check_writable_dir(output_dir, "--out_dir", staged=True)  # exit 2 now, not a traceback after the training
     if os.path.exists(output_dir) and os.listdir(output_dir) and not overwrite:
         raise FileExistsError(f"{output_dir} exists and is not empty (pass --overwrite=true to replace it)")
     if os.path.abspath(output_dir) == os.path.abspath(base_tokenizer_dir):

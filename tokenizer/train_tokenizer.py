@@ -26,6 +26,7 @@ from tokenizer.corpus import (
 )
 from tokenizer.dataset_source import add_hf_dataset_flags, hf_dataset_from_args
 from utils.publish import staged_dir
+from utils.writable import check_writable_dir
 
 log = logging.getLogger("tokenizer.train_tokenizer")
 
@@ -125,6 +126,7 @@ def train_tokenizer(data_dir_or_files: str | os.PathLike | Sequence[str | os.Pat
     learned_target = _learned_target(vocab_size, tokenizer_type)
     if not overwrite and os.path.isdir(output_dir) and os.listdir(output_dir):  # before the training, not after
         raise FileExistsError(f"{output_dir} exists and is not empty (pass --overwrite=true to replace it)")
+    check_writable_dir(output_dir, "--out_dir", staged=True)  # exit 2 now, not a traceback after the training
     threads = num_threads or os.cpu_count() or 1
     # Rayon reads this when its pool starts (the first parallel call in the process); later it has no effect.
     os.environ.setdefault("RAYON_NUM_THREADS", str(threads))

@@ -268,7 +268,7 @@ def precheck(argv: list[str], title: str, prog: str) -> None:
     busy machine): --help (exit 0); a flag, value or config file that does not parse, a value validate_config
     refuses, a --tokenizer_dir without tokenizer_meta.json, --resume=never on an --out_dir with checkpoints,
     --resume=always with nothing to continue, and an --init_from, --resume_fallback or (DPO) --ref_model path
-    that is not there, an --out_dir that cannot be created, a new model whose --dim does not split into
+    that is not there, an --out_dir that cannot be created or whose checkpoints/ cannot be written, a new model whose --dim does not split into
     --n_heads (exit 2), a --data_dir that does not exist or (pretrain) holds raw text instead of token shards,
     with the pretokenizer's commands (exit 3, data_preprocess/train_data_check.py; the full path says "no token
     shards" without the commands), and an --out_dir another run holds (exit 6, utils/run_lock.py). Each is
@@ -352,7 +352,7 @@ def precheck(argv: list[str], title: str, prog: str) -> None:
         try:
             run_lock.acquire(cfg.out_dir, command=run_lock.command_line(argv)).release()  # main() takes it for good
             run_lock.check_run_dir_layout(cfg.out_dir)
-        except (run_lock.RunDirBusy, run_lock.RunDirUnusable) as e:
+        except run_lock.REFUSALS as e:
             code, msg = exit_code_for(e)
             print(error + msg, file=sys.stderr, flush=True)
             sys.exit(code)

@@ -62,7 +62,7 @@ from utils.errors import (CheckpointError, CheckpointMismatchError, DamagedCheck
 from utils.checkpoint_layout import plain_file_name  # noqa: F401 (re-exported)
 from utils.constants import MAX_STEPS
 from utils.model_bounds import bound_problems
-from utils.disk_space import DiskFullError, free_bytes, human, is_disk_full, tree_bytes
+from utils.disk_space import DiskFullError, free_bytes, human, is_disk_full, tree_bytes, writing
 from utils.publish import atomic_write_json, fsync_file, make_temp_dir, publish_dir, temp_dir_for
 
 
@@ -690,8 +690,11 @@ def rng_state_problem(state: Any) -> Optional[str]:
 # ---------------------------------------------------------------- the record of how a run started
 
 def write_run_start(out_dir: str, record: dict) -> None:
-    """Atomically write <out_dir>/run_start.json (temp file, fsync, os.replace)."""
-    write_json(os.path.join(out_dir, RUN_START), record)
+    """Atomically write <out_dir>/run_start.json (temp file, fsync, os.replace); DiskFullError naming it when it
+    does not fit."""
+    path = os.path.join(out_dir, RUN_START)
+    with writing(path):
+        write_json(path, record)
 
 
 def read_run_start(out_dir: str) -> Optional[dict]:

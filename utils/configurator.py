@@ -24,6 +24,7 @@ import types
 import typing
 from typing import Any, Optional, Sequence, TypeVar
 
+from utils.disk_space import writing
 from utils.publish import atomic_write_json
 
 T = TypeVar("T")
@@ -307,8 +308,10 @@ def config_to_dict(cfg: Any) -> dict[str, Any]:
 
 
 def save_config_json(cfg: Any, path: str) -> None:
-    """Write the resolved configuration as JSON (atomically). It is for reading, never exec."""
-    atomic_write_json(path, config_to_dict(cfg), indent=2, ensure_ascii=False, sort_keys=True)
+    """Write the resolved configuration as JSON (atomically). It is for reading, never exec. A write that does
+    not fit raises DiskFullError naming the file (exit 7; utils/disk_space.py)."""
+    with writing(path):
+        atomic_write_json(path, config_to_dict(cfg), indent=2, ensure_ascii=False, sort_keys=True)
 
 
 def help_text(defaults: Any, title: str, prog: str | None = None) -> str:

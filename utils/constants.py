@@ -22,8 +22,9 @@ EXIT_NONFINITE_LOSS = 4  # NaN/inf loss without fp16 loss scaling: never retried
 EXIT_BAD_CHECKPOINT = 5  # a checkpoint or weights directory that cannot be loaded: never retried
 EXIT_RUN_DIR_BUSY = 6    # --out_dir is held by another live run (utils/run_lock.py): never retried
 EXIT_DISK_FULL = 7       # a save did not fit (disk or quota full, a file-size limit; utils/disk_space.py): the
-                         # partial step_N.tmp is removed, older checkpoints intact; never retried (a restart
-                         # would fill the same disk again)
+                         # partial step_N.tmp is removed, older checkpoints intact; so does any other write of the
+                         # run directory (metrics, heartbeat, config.json, the supervisor's log); never retried (a
+                         # restart would fill the same disk again)
 EXIT_INTERRUPTED = 75    # SIGTERM/SIGINT: finished the step, saved a checkpoint, exited
 # --spike_guard=true: a step's loss was non-finite or above --spike_factor x its running median; the step
 # is recorded in <out_dir>/spike.json and nothing was saved after it. Neither a crash nor non-retryable:

@@ -5,16 +5,19 @@ Owns: `DiskFullError` (exit 7, EXIT_DISK_FULL: not retried by monitor_process.py
 fill the same disk again), `is_disk_full(e)`: whether an exception from a writer means the bytes did not
 fit (OSError ENOSPC / EFBIG / EDQUOT, also wrapped: torch's stream writer reports a short write as
 "unexpected pos", safetensors as "I/O error: ... (os error 28)", DCP as a CheckpointException that
-embeds the OSError), `free_bytes(path)`, `tree_bytes(path)` and `human(n)`.
+embeds the OSError), `writing(path)`, the guard around a write of any other file of a run directory or log
+(metrics.jsonl, the heartbeat, config.json, monitor.log, ...) that turns such a write into one DiskFullError
+naming the file, `free_bytes(path)`, `tree_bytes(path)` and `human(n)`.
 Must never: import anything but the standard library (the torch-free supervisor and pre-checks import
 it), delete anything, or decide what a caller does with a refused write.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
-from typing import Optional
+from typing import Iterator, Optional
 
 from utils.constants import EXIT_DISK_FULL
 
@@ -46,6 +49,29 @@ def is_disk_full(e: BaseException) -> bool:
             return True
         cur = cur.__cause__ or cur.__context__
     return False
+
+
+def disk_full_error(path: str, e: BaseException) -> DiskFullError:
+    """The DiskFullError of a write of `path` that did not fit (`e`, for which is_disk_full holds): one line
+    naming the file and the free space on its filesystem."""
+    why = " ".join(str(e).split())[:160] or type(e).__name__
+    where = os.path.dirname(os.path.abspath(path))
+    return DiskFullError(f"writing {path} did not fit (disk or quota full, or a file-size limit: {why}); "
+                         f"{human(free_bytes(where))} free on {where}")
+
+
+@contextlib.contextmanager
+def writing(path: str) -> Iterator[None]:
+    """Around a write of `path`: a write that does not fit (`is_disk_full`) becomes `disk_full_error(path, e)`
+    (exit 7, never retried: a restart would find the same full disk); any other error passes unchanged."""
+    try:
+        yield
+    except DiskFullError:
+        raise
+    except Exception as e:  # noqa: BLE001 - only a disk-full write is translated; anything else re-raises
+        if not is_disk_full(e):
+            raise
+        raise disk_full_error(path, e) from e
 
 
 def free_bytes(path: str) -> Optional[int]:

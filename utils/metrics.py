@@ -6,6 +6,8 @@ metrics.jsonl keeps flat keys (`loss`, `val_loss`, ...), one object per step; Te
 them grouped (`train/loss`, `eval/loss`, `dpo/reward_acc`, `perf/tokens_per_sec`, see `metric_tag`).
 Samples generated during training (--sample_every, trainer/samples.py) go to samples.jsonl, one
 object per (step, prompt), TensorBoard text `samples/<i>` and a W&B table `samples` (`write_samples`).
+A write of metrics.jsonl, samples.jsonl, the heartbeat or wandb_run.json that does not fit (disk or quota full,
+a file-size limit) raises DiskFullError naming the file (utils/disk_space.py: exit 7, never retried).
 Must never: influence training, or fail the run because an optional sink (TensorBoard, wandb) is absent.
 """
 from __future__ import annotations
@@ -18,6 +20,7 @@ import time
 import uuid
 from typing import Any, Optional
 
+from utils.disk_space import writing
 from utils.publish import atomic_write_json, atomic_write_text
 
 SAMPLES_FILE = "samples.jsonl"
@@ -98,8 +101,9 @@ class WandbSink:
 
     def _save_state(self, run_id: Optional[str] = None) -> None:
         rid = run_id or self.run.id
-        atomic_write_json(self.state_path, {"id": rid, "last_step": self.last_step}, indent=None,
-                          sort_keys=False, newline=False)
+        with writing(self.state_path):
+            atomic_write_json(self.state_path, {"id": rid, "last_step": self.last_step}, indent=None,
+                              sort_keys=False, newline=False)
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
         if step <= self.last_step:  # re-done after a resume: W&B already has this step
@@ -155,9 +159,10 @@ def truncate_metrics_after(path: str, step: int, log: Any = print) -> int:
     if not aside:
         return 0
     old = f"{path}.after_step{step}.{int(time.time())}.old"
-    with open(old, "wb") as f:
+    with writing(old), open(old, "wb") as f:
         f.writelines(aside)
-    atomic_write_text(path, "".join(keep))
+    with writing(path):
+        atomic_write_text(path, "".join(keep))
     log(f"[metrics] resumed at step {step}: {len(aside)} row(s) of the interrupted attempt moved to {old}")
     return len(aside)
 
@@ -197,16 +202,17 @@ class MetricsLogger:
         """Touched every step; monitor_process.py treats a stale mtime as a hang."""
         if not self.enabled:
             return
-        with open(self.heartbeat_path, "a"):
-            pass
-        os.utime(self.heartbeat_path, None)
+        with writing(self.heartbeat_path):
+            with open(self.heartbeat_path, "a"):
+                pass
+            os.utime(self.heartbeat_path, None)
 
     def write(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
         clean.setdefault("time", time.time())
-        with open(self.path, "a", encoding="utf-8") as f:
+        with writing(self.path), open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(clean, ensure_ascii=False) + "\n")
         scalars = {k: float(v) for k, v in clean.items()
                    if k not in ("step", "time") and isinstance(v, (int, float)) and not isinstance(v, bool)}
@@ -223,7 +229,7 @@ class MetricsLogger:
         if not self.enabled or not records:
             return
         now = time.time()
-        with open(self.samples_path, "a", encoding="utf-8") as f:
+        with writing(self.samples_path), open(self.samples_path, "a", encoding="utf-8") as f:
             for r in records:
                 f.write(json.dumps(dict(r, time=now), ensure_ascii=False) + "\n")
         for i, r in enumerate(records):

@@ -43,6 +43,8 @@ from typing import Any, Optional
 
 from utils.checkpoint_layout import CKPT_SUBDIR, RUN_CONFIG, RUN_START
 from utils.constants import EXIT_BAD_CONFIG, EXIT_RUN_DIR_BUSY
+from utils.disk_space import DiskFullError, disk_full_error, is_disk_full
+from utils.writable import UnwritableDirError, check_writable_dir
 
 try:
     import fcntl
@@ -64,6 +66,10 @@ class RunDirUnusable(Exception):
     """`--out_dir` cannot be created or written (a file, a read-only filesystem, /proc): a flag error."""
     exit_code = EXIT_BAD_CONFIG
     exit_prefix = "bad configuration: "
+
+
+# what acquire() and check_run_dir_layout() refuse a run directory with, each with its exit code (6, 2, 7)
+REFUSALS = (RunDirBusy, RunDirUnusable, DiskFullError)
 
 
 class RunLock:
@@ -142,6 +148,8 @@ def _lock_directory(out_dir: str, path: str, flag: str) -> int:
     try:
         return os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
     except OSError as e:
+        if is_disk_full(e):  # a full disk (no inode left) is exit 7, as every other write of the run directory
+            raise disk_full_error(path, e) from e
         raise RunDirUnusable(f"{flag}={out_dir}: cannot write {LOCK_NAME} there ({e.strerror or e})") from e
 
 
@@ -155,7 +163,7 @@ def _pid_alive(pid: Any) -> bool:
 
 def acquire(out_dir: str, *, command: str = "", flag: str = "--out_dir") -> RunLock:
     """Lock `out_dir` for this run, or raise RunDirBusy naming the holder (RunDirUnusable when the
-    directory cannot be created or the lock file written). A lock held by the supervisor whose token
+    directory cannot be created or the lock file written; DiskFullError, exit 7, when it did not fit). A lock held by the supervisor whose token
     this process inherited counts as ours: the RunLock returned then holds nothing (`inherited`)."""
     make_run_dir(out_dir, flag)
     path = lock_path(out_dir)
@@ -200,6 +208,8 @@ def acquire(out_dir: str, *, command: str = "", flag: str = "--out_dir") -> RunL
         os.close(fd)
         if os.path.exists(tmp):
             os.remove(tmp)
+        if is_disk_full(e):
+            raise disk_full_error(path, e) from e
         raise RunDirUnusable(f"{flag}={out_dir}: cannot write {LOCK_NAME} there ({e.strerror or e})") from e
     return RunLock(path, fd, token=token)
 
@@ -257,8 +267,10 @@ RUN_DIRS = (CKPT_SUBDIR,)
 
 def check_run_dir_layout(out_dir: str, flag: str = "--out_dir") -> None:
     """RunDirUnusable (exit 2) when a name the run writes is the wrong kind of thing: `heartbeat` or
-    `metrics.jsonl` a directory, `checkpoints` a file, any of them a symbolic link. Such a run trained from scratch until its first save
-    crashed, or died with a traceback at the first heartbeat; now it is one line before anything starts."""
+    `metrics.jsonl` a directory, `checkpoints` a file, any of them a symbolic link, or `checkpoints` a directory this
+    process cannot write in (read-only; utils/writable.py). Such a run trained from scratch until its first save
+    crashed (and was retried by the supervisor), or died with a traceback at the first heartbeat; now it is one
+    line before anything starts."""
     for name in RUN_FILES + RUN_DIRS:
         path = os.path.join(out_dir, name)
         if not os.path.lexists(path):
@@ -272,6 +284,11 @@ def check_run_dir_layout(out_dir: str, flag: str = "--out_dir") -> None:
             raise RunDirUnusable(f"{flag}={out_dir}: {path} is a {'file' if want_dir else 'directory'}, where the "
                                  f"run keeps its {'checkpoints (a directory)' if want_dir else name + ' (a file)'}; "
                                  "move it away or use another --out_dir")
+    for name in RUN_DIRS:
+        try:
+            check_writable_dir(os.path.join(out_dir, name), "")
+        except UnwritableDirError as e:
+            raise RunDirUnusable(f"{flag}={out_dir}: {e}; the run could not save there") from None
 
 
 def command_line(argv: Optional[list[str]] = None) -> str:

@@ -23,6 +23,7 @@ import os
 import statistics
 from typing import Iterable, Optional
 
+from utils.disk_space import writing
 from utils.publish import atomic_write_text
 
 SPIKE_FILE = "spike.json"                  # written by the trainer when the guard stops the run
@@ -114,7 +115,8 @@ def write_spike_record(out_dir: str, record: dict) -> str:
     """Atomically write <out_dir>/spike.json (non-finite numbers as strings: strict JSON)."""
     clean = {k: (repr(v) if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
     path = os.path.join(out_dir, SPIKE_FILE)
-    atomic_write_text(path, json.dumps(clean, indent=1))
+    with writing(path):  # DiskFullError naming spike.json when it does not fit (exit 7)
+        atomic_write_text(path, json.dumps(clean, indent=1))
     return path
 
 

@@ -275,6 +275,45 @@ def test_a_save_that_hits_a_file_size_limit_exits_7_with_no_partial_directory(ti
     assert os.listdir(out / "checkpoints") == []
 
 
+@pytest.mark.parametrize("victim", ["metrics.jsonl", "heartbeat"])
+def test_a_disk_that_fills_between_saves_exits_7_naming_the_file(tiny_pretrain_run_args, tmp_path, capsys,
+                                                                 monkeypatch, victim):
+    """The disk fills after set-up: the step's heartbeat or metrics row does not fit. One line naming the file,
+    exit 7 (not retried by the supervisor), where it was an OSError traceback (exit 1, retried on the same disk)."""
+    import builtins
+    import errno
+
+    import utils.metrics as M
+    from utils.constants import EXIT_DISK_FULL
+    real = builtins.open
+
+    def full(path, mode="r", *a, **kw):
+        if os.path.basename(str(path)) == victim and "a" in mode:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, mode, *a, **kw)
+    monkeypatch.setattr(M, "open", full, raising=False)
+    out = tmp_path / "run"
+    got, err = run_main([*tiny_pretrain_run_args, f"--out_dir={out}", "--max_iters=2"], capsys)
+    assert got == EXIT_DISK_FULL, err
+    assert_one_error_line(err, f"error: disk full: writing {out / victim} did not fit")
+
+
+def test_a_restart_on_a_full_disk_exits_7_at_its_saved_config(tiny_pretrain_run_args, tmp_path, capsys, monkeypatch):
+    """A restart (or any start) whose config.json no longer fits: one line naming it, exit 7."""
+    import errno
+
+    import utils.configurator as C
+    from utils.constants import EXIT_DISK_FULL
+
+    def full(path, *a, **kw):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(C, "atomic_write_json", full)
+    out = tmp_path / "run"
+    got, err = run_main([*tiny_pretrain_run_args, f"--out_dir={out}", "--max_iters=2"], capsys)
+    assert got == EXIT_DISK_FULL, err
+    assert_one_error_line(err, f"error: disk full: writing {out / 'config.json'} did not fit")
+
+
 # ---------------------------------------------------------------------------- model sizes (issue 33 item 7)
 
 @pytest.mark.parametrize("field, value, needle", [

@@ -132,3 +132,20 @@ def test_a_py_config_runs_once_per_process_and_again_when_edited(tmp_path, tiny_
     assert parse_config(TrainConfig(), [str(cfg)]).max_iters == 2 and counter.read_text() == "xy"
     parse_config(TrainConfig(), [str(cfg)])
     assert counter.read_text() == "xy"
+
+def test_a_full_disk_under_the_saved_config_is_exit_7_naming_the_file(tmp_path, monkeypatch):
+    """A restart on a full disk fails writing config.json: one DiskFullError naming it (exit 7), no traceback."""
+    import errno
+
+    import utils.configurator as C
+    from utils.disk_space import DiskFullError
+    from utils.errors import exit_code_for
+
+    def full(path, *a, **kw):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(C, "atomic_write_json", full)
+    p = tmp_path / "config.json"
+    with pytest.raises(DiskFullError) as e:
+        save_config_json(parse_config(Cfg(), []), str(p))
+    code, line = exit_code_for(e.value)
+    assert code == 7 and line.startswith(f"disk full: writing {p} did not fit"), line

@@ -291,3 +291,58 @@ def test_tensorboard_event_files_hold_the_scalars_and_a_resume_purges_the_crashe
     assert scalars["eval/loss"] == [(3, 23.0), (6, 206.0)]
     assert [s for s, _ in scalars["train/lr"]] == [1, 2, 3]
     assert scalars["perf/tokens_per_sec"] == [(s, 1000.0 * s) for s in range(1, 4)]
+
+# ---------------------------------------------------------------------------- a disk that fills between saves
+
+def _full_disk_open(monkeypatch, module, victim: str, err: int):
+    """`open` in `module` raising OSError(err) for a write of `victim` (what a full disk, a full quota or a
+    file-size limit answers); every other open is the real one."""
+    import builtins
+    import errno
+
+    real = builtins.open
+
+    def fake(path, mode="r", *a, **kw):
+        if os.path.basename(str(path)) == victim and any(c in mode for c in "aw"):
+            raise OSError(err, os.strerror(err))  # no filename: the write itself failed, as f.write reports it
+        return real(path, mode, *a, **kw)
+    monkeypatch.setattr(module, "open", fake, raising=False)
+    return errno
+
+
+@pytest.mark.parametrize("victim, call", [
+    ("metrics.jsonl", lambda m: m.write({"step": 1, "loss": 2.0})),
+    ("samples.jsonl", lambda m: m.write_samples([{"step": 1, "prompt": "a", "completion": "b"}])),
+    ("heartbeat", lambda m: m.heartbeat()),
+])
+@pytest.mark.parametrize("err", ["ENOSPC", "EDQUOT", "EFBIG"])
+def test_a_full_disk_under_the_metrics_writers_is_exit_7_naming_the_file(tmp_path, monkeypatch, victim, call, err):
+    """metrics.write / write_samples / heartbeat on a disk that filled since the last save: one DiskFullError
+    naming the file (exit 7, never retried by the supervisor), not an OSError traceback (exit 1, retried)."""
+    import errno
+
+    import utils.metrics as M
+    from utils.constants import EXIT_DISK_FULL, NON_RETRYABLE_EXIT_CODES
+    from utils.disk_space import DiskFullError
+    from utils.errors import exit_code_for
+    m = MetricsLogger(str(tmp_path), log=lambda s: None)
+    _full_disk_open(monkeypatch, M, victim, getattr(errno, err))
+    with pytest.raises(DiskFullError) as e:
+        call(m)
+    code, line = exit_code_for(e.value)
+    assert code == EXIT_DISK_FULL and code in NON_RETRYABLE_EXIT_CODES
+    assert line.startswith(f"disk full: writing {tmp_path / victim} did not fit") and " free on " in line, line
+    assert "\n" not in line
+
+
+def test_other_write_errors_of_the_metrics_pass_unchanged(tmp_path, monkeypatch):
+    """Only a write that did not fit becomes exit 7: a permission error stays what it was."""
+    import errno
+
+    import utils.metrics as M
+    from utils.disk_space import DiskFullError
+    m = MetricsLogger(str(tmp_path), log=lambda s: None)
+    _full_disk_open(monkeypatch, M, "metrics.jsonl", errno.EACCES)
+    with pytest.raises(OSError) as e:
+        m.write({"step": 1, "loss": 2.0})
+    assert not isinstance(e.value, DiskFullError) and e.value.errno == errno.EACCES

@@ -89,6 +89,29 @@ def test_an_out_dir_that_cannot_be_made_is_a_flag_error(tmp_path, kind):
     assert e.value.exit_code == EXIT_BAD_CONFIG and str(out) in str(e.value)
 
 
+def test_a_lock_record_that_does_not_fit_is_exit_7(tmp_path, monkeypatch):
+    """A start (trainer or supervisor) on a full disk: writing run.lock is a full disk (exit 7, never retried),
+    not a flag error (exit 2), and the lock is not left held."""
+    import builtins
+    import errno
+
+    from utils.constants import EXIT_DISK_FULL
+    from utils.disk_space import DiskFullError
+    real = builtins.open
+
+    def full(path, mode="r", *a, **kw):
+        if "w" in mode and os.path.basename(str(path)).startswith(run_lock.LOCK_NAME):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, mode, *a, **kw)
+    monkeypatch.setattr(run_lock, "open", full, raising=False)
+    with pytest.raises(DiskFullError) as e:
+        run_lock.acquire(str(tmp_path))
+    assert e.value.exit_code == EXIT_DISK_FULL and isinstance(e.value, run_lock.REFUSALS)
+    assert str(e.value).startswith(f"writing {run_lock.lock_path(str(tmp_path))} did not fit")
+    monkeypatch.undo()
+    run_lock.acquire(str(tmp_path)).release()  # nothing held
+
+
 def test_trainer_refuses_an_out_dir_another_run_holds_and_touches_nothing(tmp_path, tiny_pretrain_run_args):
     """The high-severity case of the reliability review: a second trainer started on a live run's directory
     'resumed' its run_start.json, moved its metrics aside and overwrote its checkpoints, exit 0. Here the
@@ -225,8 +248,8 @@ def test_a_sigkilled_supervisors_attempt_keeps_the_directory_then_stops(tmp_path
                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 120
-        while not (out / "started").exists() and time.time() < deadline:
-            time.sleep(0.05)
+        while not ((out / "started").exists() and (out / "started").read_text()) and time.time() < deadline:
+            time.sleep(0.05)  # the child creates the file, then writes its pid into it
         assert (out / "started").exists()
         child = int((out / "started").read_text())
         mon.kill()
