@@ -315,7 +315,8 @@ def pretokenize_pretrain(data_dir: str, tokenizer_dir: Optional[str], output_dir
                 stats = _process_file(pool, path, stem, output_dir, meta, alternatives,
                                       shard_size_tokens, strict, vocab_size, num_workers, max_doc_chars)
             except Exception as e:  # noqa: BLE001 - every failure is collected and reported
-                summary["failed"][path] = (e.errors if isinstance(e, FileFailed) else [str(e)] if isinstance(e, DataError)
+                summary["failed"][path] = (e.errors if isinstance(e, FileFailed)
+                                           else [str(e)] if isinstance(e, DataError)  # names its file itself
                                            else [f"{type(e).__name__}: {e}"])
                 for n in _stem_files(output_dir, stem):
                     os.remove(os.path.join(output_dir, n))
