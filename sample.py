@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from model.generate import generate
 
-    from tokenizer import load_tokenizer, load_tokenizer_meta
+    from tokenizer.loading import load_tokenizer_and_meta
     from utils.device import resolve_device
     from utils.errors import report_named
 
@@ -141,9 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     if not tok_dir or not os.path.isdir(tok_dir):
         print(f"sample.py: {no_tokenizer_message(tok_dir, args.tokenizer_dir)}", file=sys.stderr)
         return 2
-    try:
-        tok = load_tokenizer(tok_dir)  # a tokenizer file that changed since it was written: one line, exit 3
-        meta = load_tokenizer_meta(tok_dir)
+    try:  # one line naming the file: 3 for a changed tokenizer file or a damaged meta, 2 for a directory that
+        tok, meta = load_tokenizer_and_meta(tok_dir)  # does not load (remote code, a malformed tokenizer.json)
     except Exception as e:  # noqa: BLE001 - named errors end the command with their code; others re-raise
         code = fail(e)
         if code is None:

@@ -285,10 +285,12 @@ def pretokenize_pretrain(data_dir: str, tokenizer_dir: Optional[str], output_dir
     t0 = time.time()
     taken: set[str] = set()
     jobs = [(p, _stem_for(p, data_dir, taken)) for p in files]  # a dataset source: its own stem
+    # what messages call the inputs: --data_dir and/or the dataset (hf:<spec>[<split>])
+    named = " and ".join([data_dir] * bool(data_dir) + [str(hf_dataset)] * (hf_dataset is not None))
     foreign = sorted({m.group("stem") for n in os.listdir(output_dir) if (m := SHARD_RE.match(n))} - taken)
     if foreign:  # readers take every shard of the folder: say so rather than mix corpora silently
         log.warning("%s holds shards of inputs not in %s (%s); readers will include them",
-                    output_dir, data_dir, ", ".join(foreign[:5]))
+                    output_dir, named, ", ".join(foreign[:5]))
     from tqdm import tqdm
     bar = tqdm(total=sum(source_size(p) for p, _ in jobs), unit="B", unit_scale=True,
                desc="pretokenize", disable=not progress, file=sys.stderr)
@@ -315,7 +317,9 @@ def pretokenize_pretrain(data_dir: str, tokenizer_dir: Optional[str], output_dir
                 stats = _process_file(pool, path, stem, output_dir, meta, alternatives,
                                       shard_size_tokens, strict, vocab_size, num_workers, max_doc_chars)
             except Exception as e:  # noqa: BLE001 - every failure is collected and reported
-                summary["failed"][path] = e.errors if isinstance(e, FileFailed) else [f"{type(e).__name__}: {e}"]
+                summary["failed"][path] = (e.errors if isinstance(e, FileFailed)
+                                           else [str(e)] if isinstance(e, DataError)  # names its file itself
+                                           else [f"{type(e).__name__}: {e}"])
                 for n in _stem_files(output_dir, stem):
                     os.remove(os.path.join(output_dir, n))
             else:
@@ -330,7 +334,7 @@ def pretokenize_pretrain(data_dir: str, tokenizer_dir: Optional[str], output_dir
     summary["seconds"] = time.time() - t0
     raise_failed(summary["failed"])
     if summary["tokens"] + complete_tokens == 0:
-        raise DataError(f"{data_dir}: no tokens: none of the {len(files)} input file(s) holds a usable document "
+        raise DataError(f"{named}: no tokens: none of the {len(files)} input file(s) holds a usable document "
                         f"(skips: {summary['skips'] or 'none'}; see the warnings above for file:line)")
     return summary
 

@@ -82,8 +82,11 @@ def iter_records(path: str, skips: SkipCounter) -> Iterator[tuple[str, int, Any]
     is an array (streamed) or one object; one the json module refuses, like an unreadable parquet file,
     is a DataError. An empty file yields nothing and is logged; the caller counts documents."""
     if is_dataset_source(path):  # a Hugging Face dataset's split (tokenizer/dataset_source.py): rows
-        for _, index, rec in path.records():
-            yield f"{path} row {index + 1}", index, rec
+        try:
+            for _, index, rec in path.records():
+                yield f"{path} row {index + 1}", index, rec
+        except CorpusError as e:  # a damaged dataset or data file (named): that input fails, as a broken file does
+            raise DataError(str(e)) from None
         return
     if os.path.getsize(path) == 0:
         log.warning("%s: empty file", path)

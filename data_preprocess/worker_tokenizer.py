@@ -61,7 +61,11 @@ def worker_result(fut: Future, where: str, errors: list[str]) -> Optional[Any]:
 
 
 def raise_failed(failed: dict[str, list[str]]) -> None:
-    """One DataError listing every failed input with its errors (worker exceptions, broken files)."""
+    """One DataError listing every failed input with its errors (worker exceptions, broken files); one line when
+    one input failed with one error."""
+    if len(failed) == 1 and len(next(iter(failed.values()))) == 1:
+        (p, (err,)), = failed.items()
+        raise DataError(err if err.startswith(str(p)) else f"{p}: {err}")
     if failed:
         lines = [f"{len(failed)} input file(s) failed:"]
         for p, errs in failed.items():

@@ -9,12 +9,19 @@ identity for the pretokenizer's sidecars, its records) and `open_dataset_source(
     with local files ("json", "parquet", "csv", "text" and --hf_data_files), a local folder of data files, or a
     hub name where the network allows (streaming: nothing is downloaded whole or cached). `datasets` is an
     optional package (it pulls pandas): without it this is one line naming `pip install datasets`, exit 2.
+    --hf_data_files are read one file at a time, so a file the builder cannot read is named (CorpusError,
+    exit 3), as a damaged file given with --data_dir is.
+A spec that is a path (absolute, ./ or ../, or more than one '/': never a hub name) and is not there is one
+line saying so (exit 2), before `datasets` is asked; a save_to_disk folder whose state.json or
+dataset_dict.json is not the JSON object `datasets` writes is damaged data naming the file (exit 3).
 Must never: hold more than one record batch in memory (save_to_disk folders), write a cache, or guess a split
 that is not there (the available ones are named).
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import re
 from typing import Any, Iterator, Optional, Sequence
@@ -30,9 +37,12 @@ class DatasetSource:
     data_preprocess.readers.iter_records accept it where they take a path)."""
 
     def __init__(self, spec: str, split: str, arrow_files: Optional[list[str]] = None,
-                 data_files: Optional[list[str]] = None, fingerprint: str = ""):
+                 data_files: Optional[list[str]] = None, fingerprint: str = "",
+                 resolved_files: Optional[list[str]] = None):
         self.spec, self.split, self.arrow_files, self.data_files = spec, split, arrow_files, data_files
         self.fingerprint = fingerprint
+        # the files --hf_data_files resolve to (globs expanded, datasets' order): read one at a time
+        self.resolved_files = resolved_files
 
     @property
     def name(self) -> str:
@@ -69,9 +79,22 @@ class DatasetSource:
         if self.arrow_files is not None:
             yield from self._arrow_records(columns)
             return
-        ds = _load_dataset(self.spec, self.split, self.data_files)
-        for i, rec in enumerate(ds):
-            yield Record(None, i, rec)
+        row = 0
+        with _quiet_builders():  # a read error is raised below, naming the file: the builder's own log is a repeat
+            for path in self.resolved_files or [None]:  # None: the whole stream (a hub name, a folder)
+                ds = _load_dataset(self.spec, self.split, self.data_files if path is None else [path])
+                it, first = iter(ds), row
+                while True:
+                    try:
+                        rec = next(it)
+                    except StopIteration:
+                        break
+                    except Exception as e:  # noqa: BLE001 - pyarrow / the builders raise many types for bad data
+                        msg = " ".join(str(e).split())[:300]
+                        raise CorpusError(f"{path or self.name}: datasets.load_dataset({self.spec!r}) cannot read it "
+                                          f"after {row - first} record(s) ({type(e).__name__}: {msg})") from None
+                    yield Record(None, row, rec)
+                    row += 1
 
     def _arrow_records(self, columns: Optional[Sequence[str]]) -> Iterator[Record]:
         import pyarrow as pa
@@ -95,6 +118,20 @@ class DatasetSource:
                 raise CorpusError(f"{path}: cannot read the dataset's arrow file ({e})") from e
 
 
+@contextlib.contextmanager
+def _quiet_builders() -> Iterator[None]:
+    """The `datasets` builders' own ERROR lines ("Failed to load JSON from file ...") held back while a source is
+    read (set once, not per record: setLevel clears every logger's cache): the exception that follows is
+    reported once, naming the file."""
+    logger = logging.getLogger("datasets.packaged_modules")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def _read_json(path: str) -> Any:
     try:
         with open(path, encoding="utf-8") as f:
@@ -103,8 +140,22 @@ def _read_json(path: str) -> Any:
         raise CorpusError(f"{path}: cannot read ({e})") from e
 
 
+def _read_json_object(path: str) -> dict[str, Any]:
+    """A save_to_disk folder's state.json / dataset_dict.json: a JSON object, else CorpusError naming it."""
+    data = _read_json(path)
+    if not isinstance(data, dict):
+        raise CorpusError(f"{path}: not a save_to_disk dataset file (a JSON {type(data).__name__}, not an object)")
+    return data
+
+
+def _is_path(spec: str) -> bool:
+    """A spec only a path can be: absolute, ./ ../ ~, or more than one '/' (a hub name is `name` or `owner/name`)."""
+    return (os.path.isabs(spec) or spec.startswith(("./", "../", "~", "." + os.sep, ".." + os.sep))
+            or spec.count("/") > 1 or spec.endswith(("/", os.sep)) or (os.sep != "/" and os.sep in spec))
+
+
 def _saved_split(folder: str) -> tuple[list[str], str]:
-    state = _read_json(os.path.join(folder, "state.json"))
+    state = _read_json_object(os.path.join(folder, "state.json"))
     files = [os.path.join(folder, d["filename"]) for d in state.get("_data_files") or []
              if isinstance(d, dict) and isinstance(d.get("filename"), str)]
     missing = [f for f in files if not os.path.isfile(f)]
@@ -123,32 +174,60 @@ def open_dataset_source(spec: str, split: str = "train", data_files: Optional[Se
         arrow, fp = _saved_split(spec)
         return DatasetSource(spec, split, arrow_files=arrow, fingerprint=fp)
     if os.path.isfile(os.path.join(spec, "dataset_dict.json")) and not files:  # save_to_disk(DatasetDict)
-        splits = _read_json(os.path.join(spec, "dataset_dict.json")).get("splits") or []
+        dict_file = os.path.join(spec, "dataset_dict.json")
+        splits = _read_json_object(dict_file).get("splits")
+        if not isinstance(splits, list) or not all(isinstance(x, str) for x in splits):
+            raise CorpusError(f"{dict_file}: field 'splits' is not a list of split names ({splits!r:.80})")
         if split not in splits:
             raise CorpusConfigError(f"--hf_dataset={spec}: no split {split!r} (it has {', '.join(map(str, splits))}); "
                                     "pass --hf_split")
         arrow, fp = _saved_split(os.path.join(spec, split))
         return DatasetSource(spec, split, arrow_files=arrow, fingerprint=fp)
+    if not os.path.exists(spec) and _is_path(spec):
+        raise CorpusConfigError(f"--hf_dataset={spec}: no such folder (want a save_to_disk folder, a folder of data "
+                                "files, a hub name, or a builder such as json with --hf_data_files)")
     missing = [f for f in files if not any(c in f for c in "*?[") and "://" not in f and not os.path.exists(f)]
     if missing:
         raise CorpusConfigError(f"--hf_data_files: {missing[0]}: no such file")
     ds = _load_dataset(spec, split, files or None)  # checked now: a bad name or split is told before any work
     del ds
     fp = f"load_dataset({spec!r}, split={split!r})"
-    return DatasetSource(spec, split, data_files=files or None, fingerprint=fp)
+    return DatasetSource(spec, split, data_files=files or None, fingerprint=fp,
+                         resolved_files=_resolved_data_files(spec, split, files) if files else None)
+
+
+def _resolved_data_files(spec: str, split: str, files: list[str]) -> Optional[list[str]]:
+    """The files --hf_data_files name (globs expanded) in the order `datasets` reads them; None when they are
+    not a plain list of local files (then the source is read as one stream)."""
+    import datasets
+    try:
+        found = datasets.load_dataset_builder(spec, data_files=files).config.data_files
+        resolved = [str(f) for f in (found or {}).get(split) or []]
+    except Exception:  # noqa: BLE001 - load_dataset accepted these files: read them as one stream then
+        return None
+    return resolved if resolved and all(os.path.isfile(f) for f in resolved) else None
 
 
 def _load_dataset(spec: str, split: str, data_files: Optional[list[str]]):
     try:
         import datasets
     except ImportError:
+        if os.path.isdir(spec):  # a folder, but not one save_to_disk wrote
+            raise CorpusConfigError(f"--hf_dataset={spec}: not a save_to_disk folder (no state.json or "
+                                    f"dataset_dict.json); as a folder of data files it needs {DATASETS_HINT}") from None
+        if not os.path.exists(spec):  # `owner/name` may be a mistyped relative folder as well as a hub name
+            raise CorpusConfigError(f"--hf_dataset={spec}: no such folder; as a hub name or builder it needs "
+                                    f"{DATASETS_HINT}") from None
         raise CorpusConfigError(f"--hf_dataset={spec}: {DATASETS_HINT}") from None
     try:
         return datasets.load_dataset(spec, data_files=data_files, split=split, streaming=True)
     except Exception as e:  # noqa: BLE001 - datasets raises many types (not found, bad split, no network)
         msg = " ".join(str(e).split())[:400]
-        raise CorpusConfigError(f"--hf_dataset={spec}: cannot load split {split!r} with datasets.load_dataset "
-                                f"({type(e).__name__}: {msg})") from None
+        bad_split = "split" in msg.lower() and split in msg  # it read the folder: the split is what is missing
+        what = ("not a dataset: no state.json or dataset_dict.json (save_to_disk), and datasets.load_dataset cannot "
+                "read it as a folder of data files" if os.path.isdir(spec) and not data_files and not bad_split
+                else f"cannot load split {split!r} with datasets.load_dataset")
+        raise CorpusConfigError(f"--hf_dataset={spec}: {what} ({type(e).__name__}: {msg})") from None
 
 
 def add_hf_dataset_flags(p: Any) -> None:

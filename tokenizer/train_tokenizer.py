@@ -207,7 +207,7 @@ def train_tokenizer(data_dir_or_files: str | os.PathLike | Sequence[str | os.Pat
 def _raise_empty(files: Sequence[str], stats: SkipCounter) -> None:
     detail = f"; {stats.total} records were skipped: {dict(stats.counts)}, first: {stats.first_locations}" \
         if stats.total else ""
-    raise CorpusError(f"no usable documents in {len(files)} file(s) ({', '.join(files[:3])}"
+    raise CorpusError(f"no usable documents in {len(files)} file(s) ({', '.join(map(str, files[:3]))}"
                       f"{', ...' if len(files) > 3 else ''}){detail}")
 
 

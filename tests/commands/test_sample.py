@@ -70,3 +70,54 @@ def test_undecodable_prompt_is_a_clear_error(tok_dir, capsys, monkeypatch):
     assert sample.main(["--ckpt", "unused", "--tokenizer_dir", tok_dir, "--prompt", "bad \udcff byte",
                         "--device", "cpu"]) == 2
     assert "lone surrogate U+DCFF" in capsys.readouterr().err
+
+
+def _broken_tokenizer(src, dst, case):
+    """A copy of the tokenizer `src` that does not load, and the file the error must name. Its
+    tokenizer_meta.json lists the edited file's new sha256 (a consistent directory, not a changed file: that
+    is exit 3, tests/commands/test_export_hf.py)."""
+    import hashlib
+    import shutil
+    shutil.copytree(src, dst)
+    meta_path = dst / "tokenizer_meta.json"
+    if case == "no_tokenizer_meta":
+        meta_path.unlink()
+        return meta_path
+    name = "tokenizer_config.json" if case == "remote_code" else "tokenizer.json"
+    data = json.loads((dst / name).read_text(encoding="utf-8"))
+    if case == "remote_code":  # what a hub tokenizer with its own Python class has
+        data.update(tokenizer_class="MyTokenizer", auto_map={"AutoTokenizer": ["my_tokenizer.MyTokenizer", None]})
+    elif case == "tokenizer_json_is_a_list":
+        data = list(data)
+    else:
+        assert case == "tokenizer_json_without_model"
+        del data["model"]
+    (dst / name).write_text(json.dumps(data), encoding="utf-8")
+    meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    meta["files"][name] = hashlib.sha256((dst / name).read_bytes()).hexdigest()
+    meta_path.write_text(json.dumps(meta), encoding="utf-8")
+    return dst / name
+
+
+@pytest.mark.parametrize("case", ["remote_code", "tokenizer_json_is_a_list", "tokenizer_json_without_model",
+                                  "no_tokenizer_meta"])
+def test_a_tokenizer_dir_that_does_not_load_is_one_line_exit_2(tok_dir, tmp_path, case):
+    """sample.py loads --tokenizer_dir as every command does (tokenizer.loading.load_tokenizer_and_meta): one
+    line naming the file, exit 2, no traceback. The checkpoint is a stand-in HF directory (the tokenizer is
+    loaded before any weight)."""
+    import sys
+    from pathlib import Path
+
+    from tests.conftest import ROOT, run_python
+    named = _broken_tokenizer(Path(tok_dir), tmp_path / "tok", case)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text('{"model_type": "llama"}')
+    (hf / "model.safetensors").write_bytes(b"")
+    proc = run_python([sys.executable, "sample.py", f"--ckpt={hf}", f"--tokenizer_dir={tmp_path / 'tok'}",
+                       "--device=cpu", "--prompt=hi"], cwd=ROOT, timeout=300)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, (proc.returncode, proc.stderr[-3000:])
+    assert len(lines) == 1 and lines[0].startswith(f"sample.py: {named}: "), proc.stderr[-3000:]
+    if case == "remote_code":
+        assert "asks for remote code (auto_map" in lines[0]

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import pytest
 
 from data_preprocess.pretokenize_dpo_data import pretokenize_dpo
 from data_preprocess.pretokenize_sft_data import pretokenize_sft
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_python
 from tokenizer.corpus import CorpusConfigError
 from tokenizer.dataset_source import open_dataset_source
 
@@ -51,3 +52,18 @@ def test_a_saved_dataset_pretokenizes_as_its_jsonl(tiny_pretrain_data, tmp_path,
     _same_outputs(tmp_path / "from_file", tmp_path / "from_ds")
     with pytest.raises(CorpusConfigError, match="needs --out_dir"):
         fn(None, tok, 96, None, hf_dataset=source)
+
+
+@pytest.mark.parametrize("case", ["state_json_is_a_list", "dataset_dict_json_is_a_list", "malformed_data_file",
+                                  "mistyped_folder"])
+@pytest.mark.parametrize("kind", ["sft", "dpo"])
+def test_a_bad_dataset_is_one_line_naming_it(tiny_pretrain_data, tmp_path, kind, case):
+    """The same bad --hf_dataset inputs as the tokenizer trainer's and the pretraining pretokenizer's
+    (tests/tokenizer/test_hf_datasets.py): exit 3 naming the damaged file (2 for a folder that is not there),
+    one line, no traceback."""
+    from tests.tokenizer.test_hf_datasets import _broken_input, _one_error_line
+    flags, named, code = _broken_input(tmp_path, case)
+    proc = run_python([sys.executable, "-m", f"data_preprocess.pretokenize_{kind}_data", *flags,
+                       f"--tokenizer_dir={tiny_pretrain_data['tokenizer_dir']}", "--max_seq_len=64",
+                       f"--out_dir={tmp_path / 'out'}", "--num_workers=1"], cwd=ROOT, timeout=300)
+    _one_error_line(proc, code, named)

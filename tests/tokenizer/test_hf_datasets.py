@@ -118,3 +118,69 @@ def test_the_split_asked_for_is_the_one_read(inputs, tmp_path):
     assert texts(open_dataset_source(str(folder), "train")) == ["train 0", "train 1", "train 2"]
     with pytest.raises(C.CorpusConfigError, match="cannot load split 'validation'"):
         open_dataset_source(str(folder), "validation")
+
+
+# ------------------------------------------------------------------ damaged, mistyped or empty datasets: one line
+
+def _broken_input(d, case):
+    """(flags, what the error line names, exit code) for one kind of bad --hf_dataset, built under `d`."""
+    if case == "state_json_is_a_list":  # save_to_disk(Dataset) whose state.json is a JSON list
+        datasets.Dataset.from_dict({"text": ["a b"]}).save_to_disk(str(d / "ds"))
+        (d / "ds" / "state.json").write_text("[1, 2]")
+        return [f"--hf_dataset={d / 'ds'}"], str(d / "ds" / "state.json"), 3
+    if case == "dataset_dict_json_is_a_list":
+        datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["a b"]})}).save_to_disk(str(d / "dd"))
+        (d / "dd" / "dataset_dict.json").write_text('["train"]')
+        return [f"--hf_dataset={d / 'dd'}"], str(d / "dd" / "dataset_dict.json"), 3
+    if case == "malformed_data_file":  # read through datasets.load_dataset("json"): pyarrow refuses it
+        good, bad = d / "good.jsonl", d / "bad.jsonl"
+        good.write_text('{"text": "fine text"}\n')
+        bad.write_text('{"text": "a"}\n{broken\n')
+        return ["--hf_dataset=json", f"--hf_data_files={good}", f"--hf_data_files={bad}"], str(bad), 3
+    if case == "mistyped_folder":
+        return [f"--hf_dataset={d / 'no_such_dir' / 'ds'}"], f"{d / 'no_such_dir' / 'ds'}: no such folder", 2
+    assert case == "no_usable_document"
+    datasets.Dataset.from_dict({"text": ["", None]}).save_to_disk(str(d / "empty"))
+    return [f"--hf_dataset={d / 'empty'}"], f"hf:{d / 'empty'}[train]", 3
+
+
+def _one_error_line(proc, code, named):
+    """Exit `code`, no traceback, and exactly one ERROR line (the last one on stderr) naming `named`."""
+    err = proc.stderr
+    assert proc.returncode == code and "Traceback" not in err, (proc.returncode, err[-3000:])
+    errors = [line for line in err.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and named in errors[0] and err.rstrip().splitlines()[-1] == errors[0], err[-3000:]
+    assert "None" not in errors[0], errors[0]
+    return errors[0]
+
+
+@pytest.fixture(scope="module")
+def small_tok(inputs):
+    from tokenizer.train_tokenizer import train_tokenizer
+    out = inputs / "small_tok"
+    train_tokenizer(str(inputs / "c.jsonl"), str(out), vocab_size=300)
+    return out
+
+
+@pytest.mark.parametrize("case", ["state_json_is_a_list", "dataset_dict_json_is_a_list", "malformed_data_file",
+                                  "mistyped_folder", "no_usable_document"])
+def test_a_bad_dataset_is_one_line_naming_it_in_the_trainer_and_the_pretokenizer(small_tok, tmp_path, case):
+    flags, named, code = _broken_input(tmp_path, case)
+    proc = _py("tokenizer.train_tokenizer", *flags, f"--out_dir={tmp_path / 'tok'}", "--vocab_size=300", "--quiet")
+    _one_error_line(proc, code, named)
+    proc = _py("data_preprocess.pretokenize_pretrain_data", *flags, f"--tokenizer_dir={small_tok}",
+               f"--out_dir={tmp_path / 'shards'}", "--num_workers=1", "--quiet")
+    line = _one_error_line(proc, code, named)
+    if case == "no_usable_document":
+        assert f"hf:{tmp_path / 'empty'}[train]: no tokens" in line
+
+
+def test_a_mistyped_folder_is_no_such_folder_without_the_datasets_package(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` now raises ImportError
+    for spec in (str(tmp_path / "no_such_dir"), "./no_such_dir/ds", "no_such_dir/ds"):
+        with pytest.raises(C.CorpusConfigError, match="no such folder") as e:
+            open_dataset_source(spec)
+        assert str(e.value).startswith(f"--hf_dataset={spec}: no such folder"), e.value
+    (tmp_path / "plain").mkdir()  # a folder, but no save_to_disk folder
+    with pytest.raises(C.CorpusConfigError, match="not a save_to_disk folder"):
+        open_dataset_source(str(tmp_path / "plain"))
