@@ -4,9 +4,9 @@ Owns: what tells the two kinds apart (`ChatKind`: meta file, index file, its col
 `DPO`), the in-memory form `ChatTokens` (what `pretokenize_sft_data.tokenize_sft_records` /
 `pretokenize_dpo_data.tokenize_dpo_records` make of raw records: the arrays and meta fields a folder
 holds), recognizing a pretokenized folder of either kind (`is_pretokenized`, `check_not_other_kind`),
-writing a folder atomically with its meta last (`write_tokenized`), and the totals of the per-file
-counts (`drop_totals`) and the one-line account of what was read (`read_summary`). The files, column by column, are described in `pretokenize_sft_data` and
-`pretokenize_dpo_data`.
+writing a folder atomically with its meta last (`write_tokenized`), the totals of the per-file counts
+(`drop_totals`) and the one-line account of what was read (`read_summary`). The files, column by column,
+are described in `pretokenize_sft_data` and `pretokenize_dpo_data`.
 
 The `dataset/` readers import this module, so it must never import a tokenizer, a chat template or the
 record readers; nor store labels unsigned (trap 2).

@@ -36,7 +36,8 @@ class RunFlags:
     data_dir: str = _f("", "pretrain: directory of token shards + index_L<L>/; sft/dpo: a .jsonl file or a directory of them")
     data_mix: str = _f("", 'pretrain: JSON {"name": weight} (shard dirs under --data_dir) or {"name": {"path": dir, "weight": w}}')
     tokenizer_dir: str = _f("", "tokenizer directory (tokenizer_meta.json gives the vocab size and special ids)")
-    val_ratio: float = _f(0.05, "sft/dpo: fraction of records held out for validation (unused with --eval_data_dir)")
+    val_ratio: float = _f(0.05, "sft/dpo: fraction of records held out for validation (unused with "
+                          "--eval_data_dir)")
     eval_data_dir: str = _f("", "validation data read instead of a split of --data_dir (TRL's eval_dataset), all of "
                             "it: sft/dpo: a records file or folder, or a pretokenized folder (--val_ratio is then "
                             "unused: every record of --data_dir trains); pretrain: a folder of token shards, every "
@@ -275,9 +276,9 @@ def precheck(argv: list[str], title: str, prog: str) -> None:
     that is not there, an --out_dir that cannot be created, a new model whose --dim does not split into
     --n_heads (exit 2), a --data_dir (or --eval_data_dir) that does not exist or (pretrain) holds raw text
     instead of token shards, with the pretokenizer's commands (exit 3, data_preprocess/train_data_check.py; the
-    full path says "no token shards" without the commands), and an --out_dir another run holds (exit 6, utils/run_lock.py). Each is
-    printed as the full path prints that mistake, with its exit code; with several mistakes the full path may
-    name another one first. Returns when it finds none: the full path checks the rest (devices, what the
+    full path says "no token shards" without the commands), and an --out_dir another run holds (exit 6,
+    utils/run_lock.py). Each is printed as the full path prints that mistake, with its exit code; with several
+    mistakes the full path may name another one first. Returns when it finds none: the full path checks the rest (devices, what the
     checkpoints hold, the data, the FSDP / pipeline / LoRA-target options, changes a resume refuses); a bad
     value in a configuration that uses those options is left to it too, so that its one message lists every
     problem.
