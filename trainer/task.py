@@ -102,8 +102,9 @@ def build_data(cfg: TrainConfig, dp_rank: int, dp_size: int, tok_meta: dict, fix
             shard = ds.stream.shards[0]  # list_shards made sure every shard of a directory agrees
             check_data_tokenizer(ds.data_dir, shard.fingerprint, shard.vocab_size, cfg.tokenizer_dir, tok_meta)
         collate = None
+        splits = sorted({ds.meta.get("split_by", "sample") for ds in (train.datasets if cfg.data_mix else [train])})
         unit, val_from = "samples", (f"--eval_data_dir={eval_dir}" if eval_dir else
-                                     f"the val split of the index of --data_dir")
+                                     f"the val split of the index of --data_dir, by {' and '.join(splits)}")
         more = "rebuild the index with a larger --val_ratio or --val_samples, or give --eval_data_dir=<shard folder>"
     elif cfg.task_type in ("sft", "dpo"):
         sft = cfg.task_type == "sft"

@@ -106,7 +106,7 @@ def _shards(d, n_tokens: int, seed: int) -> None:
 def test_eval_data_dir_is_validation_for_pretraining(tmp_path):
     from data_preprocess.build_pretrain_sample_index_map import build_index
     _shards(tmp_path / "train", 33 * 16 + 1, 0)
-    build_index(str(tmp_path / "train"), 16, val_ratio=0.1)
+    build_index(str(tmp_path / "train"), 16, val_ratio=0.1, split_by="sample")  # one document: split by sample
     _shards(tmp_path / "held", 16 * 30 + 1, 1)  # no index: every sample of it is read
     lines: list[str] = []
     cfg = TrainConfig(data_dir=str(tmp_path / "train"), eval_data_dir=str(tmp_path / "held"), tokenizer_dir="t",
@@ -121,8 +121,8 @@ def test_eval_data_dir_is_validation_for_pretraining(tmp_path):
     lines = []
     build_data(TrainConfig(data_dir=str(tmp_path / "train"), tokenizer_dir="t", max_seq_len=16, batch_size=2), 0, 1,
                {"vocab_size": 300, "fingerprint": "fp"}, log=lines.append)
-    assert any(ln.startswith("[warning] data: only 3 validation samples (the val split of the index of --data_dir)")
-               for ln in lines), lines
+    assert any(ln.startswith("[warning] data: only 3 validation samples (the val split of the index of --data_dir, "
+                             "by sample)") for ln in lines), lines
     # shards of another tokenizer are refused for validation as for training
     with pytest.raises(Exception, match="another tokenizer"):
         build_data(cfg, 0, 1, {"vocab_size": 300, "fingerprint": "other"})
