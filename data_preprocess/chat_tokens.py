@@ -4,9 +4,9 @@ Owns: what tells the two kinds apart (`ChatKind`: meta file, index file, its col
 `DPO`), the in-memory form `ChatTokens` (what `pretokenize_sft_data.tokenize_sft_records` /
 `pretokenize_dpo_data.tokenize_dpo_records` make of raw records: the arrays and meta fields a folder
 holds), recognizing a pretokenized folder of either kind (`is_pretokenized`, `check_not_other_kind`),
-writing a folder atomically with its meta last (`write_tokenized`), and the totals of the per-file
-counts (`drop_totals`). The files, column by column, are described in `pretokenize_sft_data` and
-`pretokenize_dpo_data`.
+writing a folder atomically with its meta last (`write_tokenized`), the totals of the per-file counts
+(`drop_totals`) and the one-line account of what was read (`read_summary`). The files, column by column,
+are described in `pretokenize_sft_data` and `pretokenize_dpo_data`.
 
 The `dataset/` readers import this module, so it must never import a tokenizer, a chat template or the
 record readers; nor store labels unsigned (trap 2).
@@ -105,3 +105,21 @@ def drop_totals(files: list[dict]) -> dict:
             out["skipped"][k] = out["skipped"].get(k, 0) + int(v)
     return out
 
+
+
+def read_summary(kind: ChatKind, meta: dict, num_tokens: int) -> str:
+    """What was read, in one line, from the per-file counts the pretokenizer keeps (a folder's meta or the
+    in-memory `ChatTokens.meta`): records read, rows kept (truncated ones among them), dropped with the reason
+    counts, skipped with the reason counts, tokens kept."""
+    tot = drop_totals(meta["files"])
+    kept = int(meta[kind.count_key])
+    no_target = sum(int(f.get("dropped_no_target", 0)) for f in meta["files"])
+    dropped = tot["dropped_overlong"] + no_target
+    skipped = sum(tot["skipped"].values())
+    reasons = ([f"over-long {tot['dropped_overlong']}", f"no target left {no_target}"] if kind is SFT
+               else [f"over-long or no target left {tot['dropped_overlong']}"])  # DPO counts both as one
+    line = (f"{kept + dropped + skipped} records -> {kept} {kind.units} ({tot['truncated']} truncated to "
+            f"{int(meta['max_seq_len']) + 1} tokens), dropped {dropped} ({', '.join(reasons)}), skipped {skipped}")
+    if tot["skipped"]:
+        line += " (" + ", ".join(f"{k} {v}" for k, v in sorted(tot["skipped"].items())) + ")"
+    return line + f", {int(num_tokens)} tokens"

@@ -7,7 +7,10 @@ input to do; the tokenizer is loaded once, in this process, and workers get its 
 shards are the same bytes either way) with a bounded number of characters per call (documents longer than
 `max_doc_chars` are tokenized in consecutive pieces and concatenated into the same document),
 collecting *every* worker exception with the file it came from, and resuming: inputs whose shards are
-complete and consistent are skipped, the rest redone.
+complete and consistent are skipped, the rest redone. Exact-duplicate documents (the same text as an earlier
+document of the inputs, in input order: a 128-bit BLAKE2b of the text, kept in a set, ~100 bytes of memory per
+document) are counted and reported; `dedup` drops them (the first copy kept), recorded in the sidecars
+("dedup": true) and counted in each input's final sidecar ("duplicate_documents").
 
 Must never: hard-code the id dtype, write a sidecar before its shard is on disk, report success
 when a worker failed or when no token was produced, or read the shards it is writing as input.
@@ -15,6 +18,7 @@ when a worker failed or when no token was produced, or read the shards it is wri
 from __future__ import annotations
 
 import argparse
+import hashlib
 import itertools
 import logging
 import os
@@ -25,8 +29,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import numpy as np
 
-from data_preprocess.readers import (FileFieldCheck, collect_inputs, extract_text, iter_records, parse_text_fields,
-                                     skip_counter, split_long_text, text_fields_spec)
+from data_preprocess.readers import (FileFieldCheck, SkipCounter, collect_inputs, extract_text, iter_records,
+                                     parse_text_fields, skip_counter, split_long_text, text_fields_spec)
 from tokenizer.corpus import TEXT_FIELDS_HELP, input_kind, is_dataset_source, source_size
 from tokenizer.dataset_source import add_hf_dataset_flags, hf_dataset_from_args
 from data_preprocess.shard_format import (SHARD_RE, DataError, dtype_for_vocab, read_sidecar,
@@ -205,8 +209,9 @@ def _stem_files(out_dir: str, stem: str) -> list[str]:
             and len(n) > len(stem) + 6 and n[len(stem) + 6] == "."]
 
 
-def _complete_tokens(out_dir: str, stem: str, expect: dict) -> Optional[int]:
-    """The token count of an input's complete shards, or None when they are not complete.
+def _complete_tokens(out_dir: str, stem: str, expect: dict) -> Optional[tuple[int, int]]:
+    """(token count, duplicate documents recorded) of an input's complete shards, or None when they are not
+    complete.
 
     Complete = sidecars 0..n-1 present, sizes agree, the last marked final, and built from the
     same source file (size, mtime), tokenizer, text fields and max_doc_chars as this run."""
@@ -223,7 +228,24 @@ def _complete_tokens(out_dir: str, stem: str, expect: dict) -> Optional[int]:
         return None
     if not all(all(m.get(k) == v for k, v in expect.items()) for m in metas):
         return None
-    return sum(int(m.get("num_tokens", 0)) for m in metas)
+    return sum(int(m.get("num_tokens", 0)) for m in metas), int(metas[-1].get("duplicate_documents", 0) or 0)
+
+
+def _doc_hash(text: str) -> bytes:
+    """What makes two documents exact duplicates: the same text (a 128-bit BLAKE2b of its UTF-8)."""
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+
+def _hash_documents(path: Any, alternatives: list[list[str]], seen: set[bytes]) -> None:
+    """Add the hashes of an input's documents to `seen` without tokenizing (an input whose shards are complete,
+    read so that a later input's duplicates of its documents are found); records are read as `_process_file`
+    reads them, skips not logged again."""
+    is_txt = not is_dataset_source(path) and input_kind(path) == "txt"
+    skips = SkipCounter(quiet=True)
+    for where, _, rec in iter_records(path, skips):
+        text = rec if is_txt else extract_text(rec, alternatives, where, skips)
+        if text and not text.isspace():
+            seen.add(_doc_hash(text))
 
 
 # ----------------------------------------------------------------------------- driver
@@ -233,8 +255,13 @@ def pretokenize_pretrain(data_dir: str, tokenizer_dir: Optional[str], output_dir
                          shard_size_tokens: int = DEFAULT_SHARD_TOKENS, strict: bool = False,
                          progress: bool = True, encode_fn: Optional[Callable] = None,
                          tokenizer_meta: Optional[dict] = None,
-                         max_doc_chars: int = DEFAULT_MAX_DOC_CHARS, hf_dataset: Any = None) -> dict[str, Any]:
+                         max_doc_chars: int = DEFAULT_MAX_DOC_CHARS, hf_dataset: Any = None,
+                         dedup: bool = False) -> dict[str, Any]:
     """Tokenize every input file into shards; returns a summary dict.
+
+    Exact-duplicate documents (same text as an earlier one, inputs in order) are counted in
+    "duplicate_documents"; `dedup` drops them, keeping the first. With `dedup` an input redone makes every later
+    input redone too (which of their documents are repeats depends on it).
 
     `hf_dataset` (a tokenizer.dataset_source.DatasetSource: a Hugging Face dataset's split) is one more input,
     read with the same `text_fields`, its shards `hf_<name>_<split>_<k>.bin`; `data_dir` may then be None
@@ -277,10 +304,12 @@ def pretokenize_pretrain(data_dir: str, tokenizer_dir: Optional[str], output_dir
         "tokenizer_fingerprint": str(tokenizer_meta.get("fingerprint", "")),
         "tokenizer_type": tokenizer_meta.get("tokenizer_type"), "text_fields": spec,
         "document_layout": "<s> ids </s>", "max_doc_chars": int(max_doc_chars),
+        **({"dedup": True} if dedup else {}),  # absent = repeats kept (shards made before the flag stay complete)
     }
     summary: dict[str, Any] = {"output_dir": output_dir, "files": {}, "skipped_complete": [],
                                "ignored_files": list(inputs.ignored) if inputs else [], "failed": {}, "tokens": 0,
-                               "documents": 0, "split_documents": 0, "skips": {}}
+                               "documents": 0, "split_documents": 0, "skips": {}, "duplicate_documents": 0,
+                               "dedup": bool(dedup)}
     complete_tokens = 0
     t0 = time.time()
     taken: set[str] = set()
@@ -294,28 +323,39 @@ def pretokenize_pretrain(data_dir: str, tokenizer_dir: Optional[str], output_dir
     from tqdm import tqdm
     bar = tqdm(total=sum(source_size(p) for p, _ in jobs), unit="B", unit_scale=True,
                desc="pretokenize", disable=not progress, file=sys.stderr)
-    plan = []  # (path, stem, meta, tokens of its complete shards or None)
+    plan = []  # (path, stem, meta, (tokens, duplicates) of its complete shards or None)
+    redo_rest = False
     for path, stem in jobs:
         if is_dataset_source(path):
             meta = dict(base_meta, source=path.identity())
         else:
             st = os.stat(path)
             meta = dict(base_meta, source={"path": path, "size": st.st_size, "mtime_ns": st.st_mtime_ns})
-        plan.append((path, stem, meta, _complete_tokens(output_dir, stem, {k: meta[k] for k in (
-            "source", "tokenizer_fingerprint", "text_fields", "dtype", "max_doc_chars")})))
+        done = _complete_tokens(output_dir, stem, {k: meta.get(k) for k in (
+            "source", "tokenizer_fingerprint", "text_fields", "dtype", "max_doc_chars", "dedup")})
+        if dedup and redo_rest:
+            done = None  # an earlier input is redone: which documents here repeat one of it is decided again
+        redo_rest = redo_rest or done is None
+        plan.append((path, stem, meta, done))
+    last_todo = max((i for i, (*_, d) in enumerate(plan) if d is None), default=-1)
+    seen: set[bytes] = set()  # hashes of the documents so far, in input order
     todo_bytes = sum(source_size(path) for path, _, meta, done in plan if done is None)
     with _open_executor(todo_bytes, num_workers, tokenizer_dir, encode_fn) as pool:
-        for path, stem, meta, done in plan:
+        for i, (path, stem, meta, done) in enumerate(plan):
             if done is not None:
                 summary["skipped_complete"].append(path)
-                complete_tokens += done
+                complete_tokens += done[0]
+                summary["duplicate_documents"] += done[1]
+                if i < last_todo:  # a later input is tokenized: its duplicates of these documents count too
+                    _hash_documents(path, alternatives, seen)
                 bar.update(source_size(path))
                 continue
             for n in _stem_files(output_dir, stem):  # stale or partial: redo from scratch
                 os.remove(os.path.join(output_dir, n))
             try:
                 stats = _process_file(pool, path, stem, output_dir, meta, alternatives,
-                                      shard_size_tokens, strict, vocab_size, num_workers, max_doc_chars)
+                                      shard_size_tokens, strict, vocab_size, num_workers, max_doc_chars,
+                                      seen=seen, dedup=dedup)
             except Exception as e:  # noqa: BLE001 - every failure is collected and reported
                 summary["failed"][path] = (e.errors if isinstance(e, FileFailed)
                                            else [str(e)] if isinstance(e, DataError)  # names its file itself
@@ -327,6 +367,7 @@ def pretokenize_pretrain(data_dir: str, tokenizer_dir: Optional[str], output_dir
                 summary["tokens"] += stats["tokens"]
                 summary["documents"] += stats["documents"]
                 summary["split_documents"] += stats["split_documents"]
+                summary["duplicate_documents"] += stats["duplicate_documents"]
                 for k, v in stats["skips"].items():
                     summary["skips"][k] = summary["skips"].get(k, 0) + v
             bar.update(source_size(path))
@@ -351,12 +392,16 @@ def _pieces(text: str, max_chars: int) -> Iterator[tuple[str, bool, bool]]:
 
 def _process_file(pool: "_InProcess | ProcessPoolExecutor", path: str, stem: str, out_dir: str, meta: dict,
                   alternatives: list[list[str]], shard_tokens: int, strict: bool, vocab_size: int,
-                  num_workers: int, max_doc_chars: int = DEFAULT_MAX_DOC_CHARS) -> dict:
+                  num_workers: int, max_doc_chars: int = DEFAULT_MAX_DOC_CHARS,
+                  seen: Optional[set[bytes]] = None, dedup: bool = False) -> dict:
+    """Tokenize one input into its shards. `seen`: hashes of the documents before this one (this input's are
+    added): a document already there is counted as a duplicate, and dropped under `dedup`."""
     skips = skip_counter(strict)
     writer = _ShardWriter(out_dir, stem, shard_tokens, meta)
     errors: list[str] = []
     pending: list[tuple[str, list[tuple[bool, bool]], Future]] = []
-    empty = split = 0
+    empty = split = dups = 0
+    seen = set() if seen is None else seen
     max_pending = 2 * max(1, num_workers)  # bounded: memory stays flat on huge files
     # Characters per worker task: with max_doc_chars set, one encoder call never sees more than
     # max(max_doc_chars, one piece) characters, which is what bounds the tokenizer's memory.
@@ -402,6 +447,12 @@ def _process_file(pool: "_InProcess | ProcessPoolExecutor", path: str, stem: str
         if not text or text.isspace():  # not text.strip(): no copy of a huge document
             empty += 1  # empty documents carry nothing to learn: always a counted skip
             continue
+        h = _doc_hash(text)
+        if h in seen:
+            dups += 1
+            if dedup:
+                continue
+        seen.add(h)
         if max_doc_chars and len(text) > max_doc_chars:
             split += 1
             if split <= MAX_LOGGED_SPLITS:
@@ -422,6 +473,7 @@ def _process_file(pool: "_InProcess | ProcessPoolExecutor", path: str, stem: str
     drain(0)
     if errors:
         raise FileFailed(errors)
+    writer.meta["duplicate_documents"] = dups  # the final sidecar's: repeats of earlier documents (dropped: "dedup")
     writer.close()
     if skips.total or empty:
         log.info("%s: skipped %d bad record(s) %s and %d empty document(s)", path, skips.total,
@@ -435,6 +487,7 @@ def _process_file(pool: "_InProcess | ProcessPoolExecutor", path: str, stem: str
         log.warning("%s: no usable document: %d bad record(s) skipped %s, %d empty document(s)", path,
                     skips.total, dict(skips.counts), empty)
     return {"tokens": writer.tokens, "documents": writer.docs, "shards": writer.k, "split_documents": split,
+            "duplicate_documents": dups,
             "skips": dict(skips.counts, empty_document=empty) if empty else dict(skips.counts)}
 
 
@@ -456,6 +509,11 @@ long documents:
   whitespace near the limit when there is some, never inside a character) and written as one
   <s> ... </s> document, so memory per tokenizer call stays bounded; the token stream differs from
   an unsplit run only at the cuts. Counted and logged (file:line). 0 = no limit.
+exact duplicates:
+  a document with the same text as an earlier one (inputs in order) is counted and reported;
+  --dedup=true drops it (the first copy is kept), recorded in the sidecars ("dedup": true; each
+  input's final sidecar counts its "duplicate_documents"). Duplicates left in can land on both
+  sides of the validation split.
 re-runs:
   inputs whose shards are complete (sidecars present, sizes and source/tokenizer consistent)
   are skipped; everything else is redone.
@@ -482,6 +540,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="tokenize longer documents in pieces of at most this many characters "
                          f"(bounded memory; 0 = no limit; default {DEFAULT_MAX_DOC_CHARS:,})")
     add_bool(ap, "strict", False, "bad records are errors, not counted skips")
+    add_bool(ap, "dedup", False, "drop exact-duplicate documents (same text as an earlier one), keeping the first")
     add_bool(ap, "progress", True, "progress bar", false_aliases=("quiet",))
     try:
         args = ap.parse_args([a for a in (argv if argv is not None else sys.argv[1:])])
@@ -501,7 +560,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         source = hf_dataset_from_args(args)
         s = pretokenize_pretrain(args.data_dir, args.tokenizer_dir, args.out_dir, args.num_workers,
                                  args.text_fields, args.shard_size_tokens, args.strict, args.progress,
-                                 tokenizer_meta=tok_meta, max_doc_chars=args.max_doc_chars, hf_dataset=source)
+                                 tokenizer_meta=tok_meta, max_doc_chars=args.max_doc_chars, hf_dataset=source,
+                                 dedup=args.dedup)
     except Exception as e:  # noqa: BLE001 - a named error (DataError: 3) ends with its code; others re-raise
         named = exit_code_for(e)
         if named is None and isinstance(e, ValueError):  # e.g. neither --data_dir nor --hf_dataset
@@ -514,6 +574,14 @@ def main(argv: Optional[list[str]] = None) -> int:
              "split documents: %d; ignored files: %d", s["tokens"], s["documents"], len(s["files"]), s["output_dir"],
              s["seconds"], len(s["skipped_complete"]), s["skips"] or "none", s["split_documents"],
              len(s["ignored_files"]))
+    if s["duplicate_documents"] and s["dedup"]:
+        log.info("dropped %d exact-duplicate document(s) (--dedup=true: the first copy of each kept)",
+                 s["duplicate_documents"])
+    elif s["duplicate_documents"]:
+        log.warning("%d exact-duplicate document(s) (the same text as an earlier one) are in the shards: they can "
+                    "land on both sides of the validation split; --dedup=true drops them", s["duplicate_documents"])
+    else:
+        log.info("no exact-duplicate documents")
     return EXIT_OK
 
 

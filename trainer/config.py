@@ -36,7 +36,13 @@ class RunFlags:
     data_dir: str = _f("", "pretrain: directory of token shards + index_L<L>/; sft/dpo: a .jsonl file or a directory of them")
     data_mix: str = _f("", 'pretrain: JSON {"name": weight} (shard dirs under --data_dir) or {"name": {"path": dir, "weight": w}}')
     tokenizer_dir: str = _f("", "tokenizer directory (tokenizer_meta.json gives the vocab size and special ids)")
-    val_ratio: float = _f(0.05, "sft/dpo: fraction of records held out for validation")
+    val_ratio: float = _f(0.05, "sft/dpo: fraction of records held out for validation (unused with "
+                          "--eval_data_dir)")
+    eval_data_dir: str = _f("", "validation data read instead of a split of --data_dir (TRL's eval_dataset), all of "
+                            "it: sft/dpo: a records file or folder, or a pretokenized folder (--val_ratio is then "
+                            "unused: every record of --data_dir trains); pretrain: a folder of token shards, every "
+                            "L+1-token sample of it (no index needed; with --data_dir's index its val split is "
+                            "unused). The start warns when validation has fewer than 20 samples")
     prefetch_batches: int = _f(-1, "training batches drawn ahead on a background thread (collated, and pinned for "
                                "a GPU) while the step runs; -1 = auto: 2 on an accelerator, 0 (off) on the CPU, where "
                                "the thread would compete with the compute threads. Batches and checkpoints are the "
@@ -268,12 +274,13 @@ def precheck(argv: list[str], title: str, prog: str) -> None:
     busy machine): --help (exit 0); a flag, value or config file that does not parse, a value validate_config
     refuses, a --tokenizer_dir without tokenizer_meta.json, --resume=never on an --out_dir with checkpoints,
     --resume=always with nothing to continue, and an --init_from, --resume_fallback or (DPO) --ref_model path
-    that is not there, an --out_dir that cannot be created or whose checkpoints/ cannot be written, a new model whose --dim does not split into
-    --n_heads (exit 2), a --data_dir that does not exist or (pretrain) holds raw text instead of token shards,
-    with the pretokenizer's commands (exit 3, data_preprocess/train_data_check.py; the full path says "no token
-    shards" without the commands), and an --out_dir another run holds (exit 6, utils/run_lock.py). Each is
-    printed as the full path prints that mistake, with its exit code; with several mistakes the full path may
-    name another one first. Returns when it finds none: the full path checks the rest (devices, what the
+    that is not there, an --out_dir that cannot be created or whose checkpoints/ cannot be written, a new model
+    whose --dim does not split into --n_heads (exit 2), a --data_dir (or --eval_data_dir) that does not exist or
+    (pretrain) holds raw text instead of token shards, with the pretokenizer's commands (exit 3,
+    data_preprocess/train_data_check.py; the full path says "no token shards" without the commands), and an
+    --out_dir another run holds (exit 6, utils/run_lock.py). Each is printed as the full path prints that
+    mistake, with its exit code; with several mistakes the full path may name another one first. Returns when it
+    finds none: the full path checks the rest (devices, what the
     checkpoints hold, the data, the FSDP / pipeline / LoRA-target options, changes a resume refuses); a bad
     value in a configuration that uses those options is left to it too, so that its one message lists every
     problem.
@@ -326,6 +333,11 @@ def precheck(argv: list[str], title: str, prog: str) -> None:
     data = training_data_problem(cfg.task_type, cfg.data_dir, cfg.tokenizer_dir, cfg.max_seq_len, cfg.data_mix)
     if data:  # missing, or raw text where token shards belong (with the commands that make them)
         fail(error + data, EXIT_BAD_DATA)
+    if cfg.eval_data_dir:  # the same look at the validation data, the flag named
+        data = training_data_problem(cfg.task_type, cfg.eval_data_dir, cfg.tokenizer_dir, cfg.max_seq_len)
+        if data:
+            fail(error + data.replace("data: ", "data: --eval_data_dir=", 1).replace(
+                "then train with --data_dir=", "then pass --eval_data_dir="), EXIT_BAD_DATA)
     if continues and not checkpoints and not has_run_start(cfg.out_dir):  # --resume=always, nothing to continue
         if not cfg.resume_fallback:
             fail(error + one_line(nothing_to_continue_error(cfg, os.path.join(cfg.out_dir, CKPT_SUBDIR))))

@@ -154,7 +154,7 @@ def train(cfg: TrainConfig, info: DistInfo, continues: Optional[bool] = None, ma
     optimizer = engine.optimizer
     try:
         train_loader, make_val_loader = build_data(cfg, engine.dp_rank, engine.dp_size, tok_meta,
-                                                   fixed_shape=engine.fixed_batch_shape)
+                                                   fixed_shape=engine.fixed_batch_shape, log=log)
     except (DataError, ValueError, OSError) as e:  # DataError includes StaleIndexError
         raise TrainingError(f"data: {' '.join(str(e).split())}", EXIT_BAD_DATA) from e
     depth = prefetch_depth(cfg, info.device)

@@ -11,14 +11,15 @@ Must never: branch on the engine (parallel/engine.py hides it), or read a device
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
+from data_preprocess.chat_tokens import DPO, SFT, ChatTokens, read_summary
 from data_preprocess.pretokenize_dpo_data import tokenize_dpo_records  # raw SFT / DPO records: tokenized in memory
 from data_preprocess.pretokenize_sft_data import tokenize_sft_records
 from data_preprocess.shard_format import DataError
-from dataset import PretokDatasetWithIndex
+from dataset import PretokDataset, PretokDatasetWithIndex
 from dataset.dataset_dpo import build_dpo_splits
 from dataset.dataset_sft import build_sft_splits, pad_collate
 from dataset.loader import ResumableLoader
@@ -45,47 +46,92 @@ def check_data_tokenizer(data_dir: str, fingerprint: str, vocab_size: int, token
                         "made with")
 
 
-def build_data(cfg: TrainConfig, dp_rank: int, dp_size: int, tok_meta: dict, fixed_shape: bool = False):
+MIN_VAL_SAMPLES = 20  # fewer validation samples (rows) than this: val_loss is noise, and the start warns
+
+
+def _check_chat_tokenizer(path: str, meta_name: str, cfg: TrainConfig, tok_meta: dict) -> Optional[dict]:
+    """The meta of a pretokenized SFT / DPO folder (None for raw records), checked against the run's tokenizer."""
+    meta_path = os.path.join(path, meta_name)
+    if not os.path.isfile(meta_path):
+        return None
+    meta = ckpt.read_json(meta_path)
+    check_data_tokenizer(path, str(meta.get("tokenizer_fingerprint", "")),
+                         int(meta.get("vocab_size", tok_meta["vocab_size"])), cfg.tokenizer_dir, tok_meta)
+    return meta
+
+
+def _chat_data(cfg: TrainConfig, path: str, tokenize, kind, tok_meta: dict, what: str, log):
+    """What the SFT / DPO dataset reads for `path` (raw records tokenized here, or a pretokenized folder), with
+    the account of what was read logged (rank 0): records, rows kept, truncated, dropped and skipped by reason,
+    tokens."""
+    meta = _check_chat_tokenizer(path, kind.meta_name, cfg, tok_meta)
+    data = tokenize(path, cfg.tokenizer_dir, cfg.max_seq_len)
+    if isinstance(data, ChatTokens):
+        meta, tokens = data.meta, int(data.ids.size)
+    else:
+        tokens = int((meta or {}).get("num_tokens", 0))
+    if log is not None and meta is not None:
+        log(f"[data] {cfg.task_type} {what} {path}: {read_summary(kind, meta, tokens)}")
+    return data
+
+
+def build_data(cfg: TrainConfig, dp_rank: int, dp_size: int, tok_meta: dict, fixed_shape: bool = False,
+               log: Optional[Callable[[str], None]] = None):
     """(train_loader, make_val_loader) for the task; loaders yield dicts of tensors.
 
     dp_rank / dp_size: this rank's data-parallel coordinates (the engine's: the ranks of one pipeline
     read the same batches). fixed_shape: every batch is [batch_size, max_seq_len] (pipeline stages
     exchange fixed-shape activations): SFT rows are padded to max_seq_len, validation batches are
-    batch_size rows."""
-
+    batch_size rows. --eval_data_dir: validation is read from there (all of it) instead of a split of
+    --data_dir. `log` (rank 0's) gets what was read (SFT / DPO), the split's sizes, and a warning when
+    validation has fewer than MIN_VAL_SAMPLES samples."""
+    eval_dir = cfg.eval_data_dir
+    val_ratio = 0.0 if eval_dir else cfg.val_ratio  # a separate validation set: every record of --data_dir trains
     if cfg.task_type == "pretrain":
         if cfg.data_mix:  # several corpora, sampled by weight; validation mixes their val splits alike
             root = cfg.data_dir or None
             train = build_pretrain_mixture(cfg.data_mix, cfg.max_seq_len, "train", seed=cfg.seed, data_root=root)
-            val = build_pretrain_mixture(cfg.data_mix, cfg.max_seq_len, "val", seed=cfg.seed, data_root=root)
+            val = None if eval_dir else \
+                build_pretrain_mixture(cfg.data_mix, cfg.max_seq_len, "val", seed=cfg.seed, data_root=root)
         else:
             train = PretokDatasetWithIndex(cfg.data_dir, cfg.max_seq_len, split="train")
-            val = PretokDatasetWithIndex(cfg.data_dir, cfg.max_seq_len, split="val")
-        for ds in (train.datasets if cfg.data_mix else [train]):
+            val = None if eval_dir else PretokDatasetWithIndex(cfg.data_dir, cfg.max_seq_len, split="val")
+        if eval_dir:  # every sample of that shard folder (L+1 tokens at stride L, as an index cuts them)
+            val = PretokDataset(eval_dir, cfg.max_seq_len)
+        for ds in (train.datasets if cfg.data_mix else [train]) + ([val] if eval_dir else []):
             shard = ds.stream.shards[0]  # list_shards made sure every shard of a directory agrees
             check_data_tokenizer(ds.data_dir, shard.fingerprint, shard.vocab_size, cfg.tokenizer_dir, tok_meta)
         collate = None
-    elif cfg.task_type == "sft":
-        sft_meta = os.path.join(cfg.data_dir, "sft_meta.json")
-        if os.path.isfile(sft_meta):  # pretokenized: made with which tokenizer?
-            meta = ckpt.read_json(sft_meta)
-            check_data_tokenizer(cfg.data_dir, str(meta.get("tokenizer_fingerprint", "")),
-                                 int(meta.get("vocab_size", tok_meta["vocab_size"])), cfg.tokenizer_dir, tok_meta)
-        train, val, collate = build_sft_splits(tokenize_sft_records(cfg.data_dir, cfg.tokenizer_dir, cfg.max_seq_len),
-                                               cfg.max_seq_len, val_ratio=cfg.val_ratio, seed=cfg.seed,
-                                               pack=cfg.sft_packing)
-        if fixed_shape and not cfg.sft_packing:  # packed rows are max_seq_len already
+        splits = sorted({ds.meta.get("split_by", "sample") for ds in (train.datasets if cfg.data_mix else [train])})
+        unit, val_from = "samples", (f"--eval_data_dir={eval_dir}" if eval_dir else
+                                     f"the val split of the index of --data_dir, by {' and '.join(splits)}")
+        more = "rebuild the index with a larger --val_ratio or --val_samples, or give --eval_data_dir=<shard folder>"
+    elif cfg.task_type in ("sft", "dpo"):
+        sft = cfg.task_type == "sft"
+        kind = SFT if sft else DPO
+        tokenize = tokenize_sft_records if sft else tokenize_dpo_records
+        data = _chat_data(cfg, cfg.data_dir, tokenize, kind, tok_meta, "train", log)
+        if sft:
+            train, val, collate = build_sft_splits(data, cfg.max_seq_len, val_ratio=val_ratio, seed=cfg.seed,
+                                                   pack=cfg.sft_packing)
+        else:
+            train, val, collate = build_dpo_splits(data, cfg.max_seq_len, val_ratio=val_ratio, seed=cfg.seed)
+        if eval_dir:  # all of it: the "train" side of a split with no validation share
+            ev = _chat_data(cfg, eval_dir, tokenize, kind, tok_meta, "validation", log)
+            val = (build_sft_splits(ev, cfg.max_seq_len, val_ratio=0.0, seed=cfg.seed, pack=cfg.sft_packing) if sft
+                   else build_dpo_splits(ev, cfg.max_seq_len, val_ratio=0.0, seed=cfg.seed))[0]
+        if sft and fixed_shape and not cfg.sft_packing:  # packed rows are max_seq_len already
             collate = pad_collate(int(tok_meta["special_tokens"]["pad"]["id"]), pad_to=cfg.max_seq_len)
-    elif cfg.task_type == "dpo":
-        dpo_meta = os.path.join(cfg.data_dir, "dpo_meta.json")
-        if os.path.isfile(dpo_meta):  # pretokenized (data_preprocess.pretokenize_dpo_data): which tokenizer?
-            meta = ckpt.read_json(dpo_meta)
-            check_data_tokenizer(cfg.data_dir, str(meta.get("tokenizer_fingerprint", "")),
-                                 int(meta.get("vocab_size", tok_meta["vocab_size"])), cfg.tokenizer_dir, tok_meta)
-        train, val, collate = build_dpo_splits(tokenize_dpo_records(cfg.data_dir, cfg.tokenizer_dir, cfg.max_seq_len),
-                                               cfg.max_seq_len, val_ratio=cfg.val_ratio, seed=cfg.seed)
+        unit = "packed rows" if sft and cfg.sft_packing else kind.units
+        val_from = f"--eval_data_dir={eval_dir}" if eval_dir else f"--val_ratio={cfg.val_ratio} of --data_dir"
+        more = "give a separate validation file with --eval_data_dir=<records> (or a larger --val_ratio)"
     else:
         raise TrainingError(f"--task_type={cfg.task_type!r}: expected pretrain, sft or dpo", EXIT_BAD_CONFIG)
+    if log is not None:
+        log(f"[data] {cfg.task_type}: {len(train)} training / {len(val)} validation {unit} (validation: {val_from})")
+        if 0 < len(val) < MIN_VAL_SAMPLES:
+            log(f"[warning] data: only {len(val)} validation {unit} ({val_from}): a val_loss over fewer than "
+                f"{MIN_VAL_SAMPLES} is noise; {more}")
     per_step = cfg.batch_size * dp_size * cfg.gradient_accumulation_steps  # samples per optimizer step
     if len(train) < per_step:
         raise TrainingError(f"{cfg.data_dir}: {len(train)} training samples, fewer than one global batch "

@@ -261,7 +261,7 @@ def test_uint32_path_for_large_vocab(tmp_path):
 def test_val_split_disjoint_and_stale_index_errors(tmp_path):
     d = tmp_path / "s"
     _fake_shards(d, [500, 300])
-    meta = build_index(str(d), 16, val_ratio=0.1, seed=5)
+    meta = build_index(str(d), 16, val_ratio=0.1, seed=5, split_by="sample")
     tr, va = np.load(d / "index_L16" / "train.npy"), np.load(d / "index_L16" / "val.npy")
     assert len(va) == meta["num_val"] == 5 and len(tr) + len(va) == (800 - 1) // 16
     assert not set(tr.tolist()) & set(va.tolist())
