@@ -169,3 +169,21 @@ def test_verify_on_a_pretokenized_sft_folder_says_what_it_is(tmp_path, capsys):
     assert verify.main([f"--data_dir={d}"]) == 3
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "a pretokenized SFT folder (sft_meta.json)" in err[0] and "interrupted" not in err[0], err
+
+
+def test_verify_passes_shards_that_split_a_document(tiny_pretrain_data, tmp_path, capsys):
+    """The pretokenizer flushes a full shard in the middle of a document: the next shard opens with that
+    document's end, so its first document start is past 0. That is the format, not damage (the first shard of an
+    input still starts at 0: the not_from_zero case above)."""
+    from data_preprocess.pretokenize_pretrain_data import main as pretokenize
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": f"document {i} " + "words " * 40}) + "\n" for i in range(12)),
+                      encoding="utf-8")
+    out = tmp_path / "shards"
+    assert pretokenize([f"--data_dir={corpus}", f"--tokenizer_dir={tiny_pretrain_data['tokenizer_dir']}",
+                        f"--output_dir={out}", "--shard_size_tokens=97", "--num_workers=1", "--no_progress"]) == 0
+    infos = list_shards(str(out))
+    firsts = [int(np.load(i.path[:-len(".bin")] + ".idx.npy")[0]) for i in infos]
+    assert len(infos) >= 3 and firsts[0] == 0 and any(f > 0 for f in firsts[1:]), firsts
+    capsys.readouterr()
+    assert verify.main([f"--data_dir={out}"]) == 0, capsys.readouterr().err
