@@ -64,6 +64,13 @@ TRAIN_HINTS: dict[str, str] = {
     "local_rank": "not needed: rank and world size come from torchrun's environment",
     "deepspeed": "ZeRO is built in: --use_distributed_optimizer=true --zero_stage=1|2",
     "per_device_eval_batch_size": "validation uses --batch_size; --eval_iters sets how many batches",
+    # the raw-input flags of the preprocessing commands: the trainer reads what they write
+    **{k: "the trainer reads token shards (pretraining) or SFT/DPO records and pretokenized folders, not a Hugging "
+          "Face dataset: pretokenize it first (python -m data_preprocess.pretokenize_pretrain_data --hf_dataset=... "
+          "--tokenizer_dir=... --out_dir=<shards>, likewise pretokenize_sft_data / pretokenize_dpo_data), then train "
+          "with --data_dir=<that folder>" for k in ("hf_dataset", "hf_split", "hf_data_files")},
+    "text_fields": "the trainer reads token shards; --text_fields belongs to the pretokenizer "
+                   "(python -m data_preprocess.pretokenize_pretrain_data)",
 }
 
 # The same idea for the argparse commands (tokenizer, preprocessing, export, sampling).

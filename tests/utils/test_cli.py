@@ -281,3 +281,14 @@ def test_piped_output_gets_a_line_every_few_seconds(monkeypatch):
     monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
     assert not T._line_due(False, now=1000.0 + 10 * every)
     assert T._line_due(True, now=1000.0 + 10 * every)
+
+
+def test_the_trainer_names_the_command_that_takes_a_hugging_face_dataset():
+    """--hf_dataset is the preprocessing commands' input flag: the trainer says where it goes, not only that the
+    key is unknown."""
+    from trainer.config import TrainConfig
+    from utils.configurator import ConfigError, parse_config
+    with pytest.raises(ConfigError) as e:
+        parse_config(TrainConfig(), ["--hf_dataset=json", "--data_dir=d"])
+    msg = str(e.value)
+    assert "unknown config key 'hf_dataset'" in msg and "data_preprocess.pretokenize_pretrain_data --hf_dataset" in msg
