@@ -34,6 +34,8 @@ import os
 import re
 from typing import Any, Optional
 
+from utils.constants import MAX_STEPS
+
 # ---- the run directory
 CKPT_SUBDIR = "checkpoints"
 RUN_START = "run_start.json"
@@ -94,7 +96,8 @@ def misnamed_step(path: str, step: int) -> Optional[int]:
             recorded = json.load(f).get("step")
     except (OSError, ValueError, AttributeError):
         return None
-    if isinstance(recorded, int) and not isinstance(recorded, bool) and recorded != step:
+    if isinstance(recorded, int) and not isinstance(recorded, bool) and 0 <= recorded <= MAX_STEPS and \
+            recorded != step:  # a step no run can reach is damage, which verifying the directory names
         return recorded
     return None
 

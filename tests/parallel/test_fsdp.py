@@ -476,6 +476,8 @@ def test_torn_dcp_checkpoint_is_skipped_for_the_older_one(results, tmp_path, dro
     dm = json.load(open(os.path.join(newer, "dcp_manifest.json")))
     dm["step"] = 2
     json.dump(dm, open(os.path.join(newer, "dcp_manifest.json"), "w"))
+    state = json.load(open(os.path.join(newer, "trainer_state.json")))
+    json.dump(dict(state, step=2), open(os.path.join(newer, "trainer_state.json"), "w"))  # step 2's, not a copy's
     _republish(newer, drop, world)
     assert reason in check_dcp_checkpoint(newer, check_hashes=True)
     assert reason in ckpt.verify_checkpoint(newer)

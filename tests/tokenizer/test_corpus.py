@@ -217,7 +217,8 @@ def test_cli_help_policy_and_exit_codes(tmp_path):
     assert "skipping" in r.stderr and f"{bad}:2" in r.stderr
     r = _cli(f"--data_dir={tmp_path}", f"--output_dir={out}", "--vocab_size=100", "--quiet")
     assert r.returncode == 2 and "too small" in r.stderr
-    r = _cli(f"--data_dir={tmp_path / 'nope'}", f"--output_dir={out}", "--vocab_size=300", "--quiet")
+    r = _cli(f"--data_dir={tmp_path / 'nope'}", f"--output_dir={out}", "--vocab_size=300", "--quiet",
+             "--overwrite=true")  # (without it: the trained tokenizer there is refused first, exit 2)
     assert r.returncode == 3 and "no such file" in r.stderr
 
 

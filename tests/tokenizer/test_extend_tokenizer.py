@@ -394,7 +394,7 @@ def test_module_runs_as_a_command(bases, zh_corpus, tmp_path):
     assert "held-out tokens/char: before" in proc.stdout and "32 new tokens (ids 600..631)" in proc.stdout
     proc = run_python([sys.executable, "-m", "tokenizer.extend_tokenizer",
                        f"--base_tokenizer_dir={out}", f"--data_dir={zh_corpus}", "--num_new_tokens=8",
-                       f"--out_dir={out}"], cwd=ROOT, timeout=300)
+                       f"--out_dir={out}", "--overwrite=true"], cwd=ROOT, timeout=300)
     assert proc.returncode == 2 and "is the base tokenizer directory" in proc.stderr
     assert (out / "tokenizer.model").exists()  # the base was not replaced
 
