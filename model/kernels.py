@@ -248,9 +248,8 @@ def concat_linear(x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> torch.T
 
 # ------------------------------------------------------------------------------ implementation choice
 BACKENDS = ("auto", "triton", "torch")
-# kernel_backend="auto" on CUDA, per op and mode, as measured (`make gpu-report`, torch 2.11, triton 3.6) on an
-# H100 (docs/gpu/report-574426c.md, 2026-11-26; docs/gpu/report-aea0e31-h100.md, 2026-11-27) and an H200
-# (docs/gpu/report-a4fb4df-h200.md, 2026-11-27):
+# kernel_backend="auto" on CUDA, per op and mode, as measured by `make gpu-report` (bench/bench_kernels_gpu.py and
+# bench/bench_model_gpu.py; torch 2.11, triton 3.6) on an H100 and an H200:
 # - eager: our Triton kernels for every op, and q/k/v (gate/up) as one matmul (concat_linear).
 #   bench/bench_kernels_gpu.py, forward + backward of one op, bf16, us at the 124M / 1B shapes, Triton vs our
 #   autograd Function vs the plain reference: rms_norm 597/718 vs 1026/1188 vs 984/1031; add_rms_norm
@@ -261,16 +260,16 @@ BACKENDS = ("auto", "triton", "torch")
 #   step was slower with them (bench_model_gpu, ours-triton vs ours: 390,954 vs 420,433 tokens/s at 124M,
 #   78,048 vs 78,952 at 1B): in the graph the references fuse with their neighbours (casts, the residual add,
 #   the projections' epilogues). With only the Triton linear+CE and the concatenated projections left, the
-#   compiled step was still slower than every reference (H100, report-aea0e31-h100: 475,892 vs ours-ref
-#   519,925 tokens/s at 124M; report-574426c: 78,804 vs 80,141 at 1B). Its profile: the concatenation's
+#   compiled step was still slower than every reference (H100: 475,892 vs ours-ref 519,925 tokens/s at 124M;
+#   78,804 vs 80,141 at 1B). Its profile: the concatenation's
 #   backward is a gradient `cat` that Inductor fused with RoPE into one transposing kernel (358 us per layer
 #   at 124M, the step's largest). So compiled, the projections stay separate, and the loss takes the full
 #   logits while they fit REFERENCE_LOSS_MAX_LOGITS_BYTES (then the Triton op's chunks, whose memory does not
-#   grow with the vocabulary). With that choice (H200, report-a4fb4df-h200): 124M 560,165 tokens/s compiled
-#   (1.30x HF compiled in the same run), 1B 92,141 (53.4% MFU); which of the two switches gave how much is
-#   not measured apart (the ours-concat row ran out of time). On an H100 (docs/gpu/report-d08a8ea-h100.md,
-#   2026-11-27) the Triton linear+CE in ONE chunk under compile (bench row ours-tce) tied with the full-logits
-#   reference at 124M: 528,381 vs 526,213 tokens/s (one call apart, same machine), so the reference stays.
+#   grow with the vocabulary). With that choice (H200): 124M 560,165 tokens/s compiled (1.30x HF compiled in the
+#   same run), 1B 92,141 (53.4% MFU); which of the two switches gave how much is not measured apart (the
+#   ours-concat row ran out of time). On an H100 the Triton linear+CE in ONE chunk under compile (bench row
+#   ours-tce) tied with the full-logits reference at 124M: 528,381 vs 526,213 tokens/s (one call apart, same
+#   machine), so the reference stays.
 AUTO_EAGER = {"rms_norm": "triton", "add_rms_norm": "triton", "rope": "triton", "swiglu": "triton",
               "cross_entropy": "triton", "concat_linear": "torch"}
 AUTO_UNDER_COMPILE = {"rms_norm": "reference", "add_rms_norm": "reference", "rope": "reference",

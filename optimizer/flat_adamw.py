@@ -44,12 +44,12 @@ except Exception:  # noqa: BLE001 - any import failure means: no Triton
     TRITON_AVAILABLE = False
 
 BLOCK = 1024  # with 8 warps: 4 elements per thread, 40-48 registers on sm_90 (2048 took 115 in a compile without
-# the launcher's specialization, scripts/check_triton_cuda.py before 2026-11-27: a third of the occupancy)
+# the launcher's specialization, by scripts/check_triton_cuda.py: a third of the occupancy)
 # table rows per program of the sum-of-squares kernels. One row a program made the 1B step's norm kernel 865K
-# programs of 2 KB each: 1.33 ms for 1.8 GB of bf16 gradients on an H200 (1.3 TB/s; docs/gpu/report-95d7ba0-h200.md),
+# programs of 2 KB each: 1.33 ms for 1.8 GB of bf16 gradients on an H200 (1.3 TB/s; measured by make gpu-report),
 # the programs' start-up, not the memory, its cost. 8 rows: 16-32 KB a program, like the AdamW kernel's 28 KB a row;
 # measured on an H200 at the 1B shape: 0.755 ms (2.35 TB/s) against 1.179 ms with one row and 0.941 ms for torch's
-# _foreach_norm (bench/bench_optimizer_gpu.py, docs/gpu/report-1908bc2-h200.md).
+# _foreach_norm (measured by bench/bench_optimizer_gpu.py; docs/benchmarks.md).
 SUMSQ_ROWS = 8
 
 
@@ -219,8 +219,7 @@ if TRITON_AVAILABLE:
         within the parameter and count are multiples of 16 elements and the gradient's address of 16 bytes, told to
         the compiler, which then reads and writes 16-byte vectors (the PTX is checked in the tests); without it
         every access is one element an instruction. One row a program: 4 rows a program ran
-        at 0.84x of this at the 1B shape and 0.89x at 124M on an H200 (bench/bench_optimizer_gpu.py,
-        docs/gpu/report-1908bc2-h200.md)."""
+        at 0.84x of this at the 1B shape and 0.89x at 124M on an H200 (measured by bench/bench_optimizer_gpu.py)."""
         row = table_ptr + tl.program_id(0).to(tl.int64) * 4
         b0 = tl.load(row)
         j = tl.load(row + 1)

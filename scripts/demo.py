@@ -8,7 +8,7 @@ Outputs go to demo_out/, which is kept: running the demo again skips the stages 
 trainer continues its run from the last checkpoint (--resume=auto), so a Ctrl-C loses at most the steps
 since it. `make clean` (or deleting demo_out/) starts over.
 
-    make demo              # 300 steps (README "Quickstart" gives the minutes it takes)
+    make demo              # 300 steps (docs/benchmarks.md gives the minutes it takes)
     make demo LONG=1       # 800 steps, the run the walk-through's figures come from
     make demo STEPS=50     # any length; a longer run continues the shorter one's checkpoint
 """

@@ -84,33 +84,29 @@ PARTS = {"tests": ["tests"], "bench": ["bench-124m", "bench-1b"], "bench-124m": 
          "bench-1b": ["bench-1b"], "train": ["train"], "profile": ["profile", "profile-1b"],
          "profile-1b": ["profile-1b"], "bench-ab": ["bench-ab"], "optimizer": ["optimizer"], "kernels": ["kernels"],
          "all": list(STAGES)}
-# the verdict (default): what decides the goals, in one device call of <= 9 minutes on one H100
-# measured on an H100 (docs/gpu/report-574426c.md, report-aea0e31-h100.md): pytest -m gpu 116-119 s with 4
-# workers (41 tests); a bench row 25-36 s when its compile is in the cache (process start, imports, build, compile
-# from the cache, steps), +30-45 s cold (HF at 1B: > 69 s cold on an H200); a trainer run 24 s eager, ~55 s
-# compiled. The per-op kernel bench (35 s) runs when time is left (--full: always)
-# 2026-11-27 on an H200 (report-a4fb4df-h200): the train stage's two runs took 23.6 + 50.9 s and hit its 75 s; the
-# tests now run on 6 workers (xdist_args), so 30 s of their budget moves to the trainer runs
-# optimizer, kernels, profile-1b and bench-ab run in what the deadline leaves (the verdict's stages first). The
-# 1B step was profiled on 2026-11-27 (report-95d7ba0-h200: its norm kernel at 1.3 TB/s, AdamW 6.8 ms of 86); the
-# optimizer's own bench first now (~30 s): what the norm kernel's new layout and bf16 moments do to those kernels.
-# bench-1b 170 -> 150 s on 2026-11-27: its FP8 row moved to bench-ab; its ours and HF rows took 30 + 37 s on an
-# H200 at 1908bc2 (report-1908bc2-h200), which leaves HF + Liger at 1B (eager, not yet measured) ~65 s. Ten of
-# those seconds went to the tests (110 -> 120 s): their 50 tests took 107 s of 110 in that call (and the prewarm
-# beside them, which gets the tests' time less 15 s, compiles 10 s longer)
+# the verdict (default): what decides the goals, in one device call of <= 9 minutes on one H100.
+# The stage budgets, from what the stages took in `make gpu-report` calls on an H100 and an H200: a bench row
+# 25-36 s when its compile is in the cache (process start, imports, build, compile from the cache, steps), +30-45 s
+# cold (HF at 1B: > 69 s cold on an H200); a trainer run 24 s eager, ~55 s compiled (the train stage's two runs
+# took 23.6 + 50.9 s); the tests run on 6 workers (xdist_args), and their 50 tests took 107 s (the prewarm beside
+# them, which gets the tests' time less 15 s, compiles 10 s longer there), hence 120 s. The per-op kernel bench
+# (35 s) runs when time is left (--full: always).
+# optimizer, kernels, profile-1b and bench-ab run in what the deadline leaves (the verdict's stages first); the
+# optimizer's own bench (~30 s) first: the norm kernel and the AdamW step are a large part of the 1B step's kernels
+# (AdamW 6.7 ms of 82 in its profile). bench-1b has 150 s: its ours and HF rows take 30 + 37 s on an H200, which
+# leaves HF + Liger at 1B (eager) ~65 s; ours with FP8 at 1B is in bench-ab (its cold compile outran bench-1b).
 TIMEOUTS = {"tests": 120, "bench-124m": 110, "bench-1b": 150, "train": 105, "profile": 30, "profile-1b": 45,
             "bench-ab": 150, "optimizer": 45, "kernels": 40}
 FULL_TIMEOUTS = {"tests": 280, "bench-124m": 380, "bench-1b": 330, "train": 360, "profile": 90, "profile-1b": 120,
                  "bench-ab": 300, "optimizer": 120, "kernels": 120}  # --full: 35 min
 # the bench rows that decide the goals, per config: ours as the trainer runs it compiled, the best HF (compiled),
-# HF + Liger (eager: its fused linear-CE failed under compile with torch 2.11). Left out since 2026-11-27: our
-# references compiled (compiled, `auto` now runs them: docs/gpu/report-aea0e31-h100.md), and ours with CUDA graphs
-# (compile-cg; 1% over plain compile on 2026-11-26: 485,292 vs 480,157 tokens/s at 124M on an H200); ask with
-# e.g. `--bench-rows "124m=ours:trainer:compile-cg,ours-concat:trainer:compile"`. Ours with FP8 at 1B (reported
-# apart from bf16; 109,488 tokens/s on an H200, report-95d7ba0-h200) moved to bench-ab on 2026-11-27: its cold
-# compile outran the 87 s bench-1b had left for it (report-1908bc2-h200), and 1B HF + Liger, which the issue's
-# verdict asks for, had not been reached by three calls. Not yet measured: compile-mat (max-autotune: minutes of
-# compile, --bench-row-timeout 400).
+# HF + Liger (eager: its fused linear-CE failed under compile with torch 2.11). Left out: our references compiled
+# (compiled, `auto` runs them), and ours with CUDA graphs at 124M (compile-cg; 1% over plain compile on an H200:
+# 485,292 vs 480,157 tokens/s); ask with e.g.
+# `--bench-rows "124m=ours:trainer:compile-cg,ours-concat:trainer:compile"`. Ours with FP8 at 1B (reported apart
+# from bf16; 109,488 tokens/s on an H200) is in bench-ab: its cold compile outran the 87 s bench-1b had left for
+# it, and 1B HF + Liger, which the verdict asks for, needs that time. Not yet measured: compile-mat (max-autotune:
+# minutes of compile, --bench-row-timeout 400).
 VERDICT_BENCH_ROWS = {
     "bench-124m": "ours:trainer:compile,hf:autocast:compile,hf-liger:autocast:eager",
     "bench-1b": "ours:trainer:compile,hf:autocast:compile,hf-liger:autocast:eager",
@@ -118,15 +114,14 @@ VERDICT_BENCH_ROWS = {
 # bench-ab: after the verdict, in the time the deadline leaves, the A/B rows of choices no GPU has measured yet
 # (config:model:precision:mode, in priority order; a row that does not fit is "not run"). Their rows join the
 # bench tables, beside the verdict's `ours` rows they are compared with (bench/bench_model_gpu.py's ratios).
-# Measured and so left out: at 124M ours-gradbuf (ours 1.02x), ours-tce and compile-cg (ties; H100,
-# report-d08a8ea-h100), ours-fp8 (0.94x of ours-sync; H200, report-95d7ba0-h200); on an H200 at 1908bc2
-# (report-1908bc2-h200) ours-sync at 124M (ours 1.01x), ours-bf16m (1.01x at both sizes: 98,671 vs 97,537 at 1B)
-# and ours-gradbuf at 1B (ours 1.03x). First, ours at 1B with CUDA graphs (compile-cg), which no call has reached
-# at 1B: the 1B bf16 goal (1.3x) lacks 1.75 ms of the bench's 83.99 ms step at 1908bc2 (81.9 ms of kernels), and
-# in that step's profile the device was idle 1.66 ms a step, 91% of it in gaps under 20 us between kernels: launch
-# gaps, what CUDA graphs remove (at 124M they tied on an H100 at d08a8ea). Then ours
-# with FP8 at 1B, the row that carries the 1B goal (1.45x HF on an H200 at 95d7ba0). Then at 124M (added
-# 2026-11-27, ~25 s; its 1.5x is out of reach of cuBLAS and cuDNN, ~1.47x at best: README) the Triton linear+CE
+# Measured and so left out: at 124M ours-gradbuf (ours 1.02x), ours-tce and compile-cg (ties; H100),
+# ours-fp8 (0.94x of ours-sync; H200); on an H200 ours-sync at 124M (ours 1.01x), ours-bf16m (1.01x at both
+# sizes: 98,671 vs 97,537 at 1B) and ours-gradbuf at 1B (ours 1.03x) (docs/benchmarks.md). First, ours at 1B with
+# CUDA graphs (compile-cg), not yet measured at 1B: the 1B bf16 goal (1.3x) lacks 1.75 ms of the bench's 83.99 ms
+# step (81.9 ms of kernels), and in that step's profile the device was idle 1.66 ms a step, 91% of it in gaps
+# under 20 us between kernels: launch gaps, what CUDA graphs remove (at 124M they tied on an H100). Then ours
+# with FP8 at 1B, the row that carries the 1B goal (1.45x HF on an H200). Then at 124M (~25 s; its 1.5x is out of
+# reach of cuBLAS and cuDNN, ~1.47x at best: docs/benchmarks.md) the Triton linear+CE
 # with its softmax kernel in 4096-element tiles (ours-tce4k: the end-to-end side of the kernels stage's tile A/B;
 # Inductor's loss kernels take 1.36 ms of the 26.4 ms step there) and ours compiled with Inductor's
 # coordinate-descent tuning (compile-cdt = --compile_tuning=true: its 5.3 ms of Triton kernels, the loss forward
@@ -174,7 +169,7 @@ def stream_cmd(cmd: list[str], timeout: float, log: Log, prefix: str, env: Optio
                cwd: str = ROOT, echo: bool = True) -> dict:
     """Run `cmd` in its own process group, echoing its output (prefixed; echo=False: to log.txt only) and
     keeping it; on timeout the whole tree is killed: its group and every descendant in a session of its own
-    (the bench's prewarm starts each row so: on 2026-11-27 killing the prewarm's group alone left its rows
+    (the bench's prewarm starts each row so: killing the prewarm's group alone left its rows
     compiling and stepping on the GPU beside the next timed stage). Returns {rc, output, timed_out, seconds}."""
     t0 = time.perf_counter()
     log(f"{prefix}$ {' '.join(cmd)}  (timeout {timeout:.0f} s)")
@@ -357,7 +352,7 @@ def _side_work(ctx: Ctx) -> tuple[list[threading.Thread], dict]:
         threads.append(threading.Thread(target=prewarm, daemon=True))
     if not ctx.dry and "kernels" in later and not ctx.args.deadline_s:
         # (only without a deadline: under one the kernels stage gets what is left after the optimizer's (~40 s on an
-        # H200 at 1908bc2), and this prewarm took 63 s of the CPUs the model rows' prewarm compiles on; its eager
+        # H200), and this prewarm took 63 s of the CPUs the model rows' prewarm compiles on; its eager
         # rows, the mode our Triton kernels run in, need no compile)
         def kernels() -> None:  # the per-op bench's small graphs, compiled once into the caches
             cmd = [ctx.py, "bench/bench_kernels_gpu.py", "--device", ctx.device, "--iters", "1", "--warmup", "0"]
@@ -373,8 +368,8 @@ def _side_work(ctx: Ctx) -> tuple[list[threading.Thread], dict]:
             except Exception as e:  # noqa: BLE001 - the train stage tries again and reports it
                 out["train_data"] = {"error": str(e)[:300]}
                 return
-            # the compiled trainer run's graphs into the cache (its first step compiled cold for 29 s of the train
-            # stage's 90 on 2026-11-27: the trainer's graph is not the bench's); 2 steps, nothing measured
+            # the compiled trainer run's graphs into the cache (cold, its first step compiled for 29 s of the train
+            # stage's 90: the trainer's graph is not the bench's); 2 steps, nothing measured
             for name, fused, compile_ in TRAIN_RUNS:
                 if compile_:
                     warm_dir = os.path.join(ctx.work, "train-prewarm")
@@ -390,14 +385,14 @@ def _side_work(ctx: Ctx) -> tuple[list[threading.Thread], dict]:
     return threads, out
 
 
-# The prewarm's rows, PREWARM_PARALLEL at a time, in this order first (the rest as listed). On 2026-11-27 (H100,
-# report-d08a8ea-h100) two at a time in config order compiled only the 124M rows (57 and 68 s beside the
+# The prewarm's rows, PREWARM_PARALLEL at a time, in this order first (the rest as listed). On an H100 two at a
+# time in config order compiled only the 124M rows (57 and 68 s beside the
 # tests) and two A/B rows before the tests stage ended; the 1B rows then compiled cold inside their timed stage
 # (ours 38 s, HF 60 s). So: the 124M `ours` row (the first timed stage's, and its kernels the profile's), the
 # longest cold compile (HF at 1B), the rest of the first timed stage (HF at 124M), then ours at 1B; three at a
-# time (on an H200 at 1908bc2 they took 53, 71, 61 s, and ours at 1B, started at 53 s, was warm in its stage);
+# time (on an H200 they took 53, 71, 61 s, and ours at 1B, started at 53 s, was warm in its stage);
 # then the eager rows and the A/B rows (ours with FP8 at 1B first), as far as the time goes. Peak memory of those
-# rows on 2026-11-27: 7.5, 23.2, 11.0, 20.8 GiB; so at most ~55 GiB at once, beside the compiled trainer run's
+# rows: 7.5, 23.2, 11.0, 20.8 GiB; so at most ~55 GiB at once, beside the compiled trainer run's
 # 7.7 GiB and the GPU tests (the largest, the real-size loss tests, a few GiB each) on an 80 GiB H100.
 PREWARM_FIRST = ("124m:ours:trainer:compile", "1b:hf:autocast:compile", "124m:hf:autocast:compile",
                  "1b:ours:trainer:compile")
@@ -498,7 +493,7 @@ def stage_tests(ctx: Ctx) -> dict:
     status = "ok" if ok else ("timed out" if r["timed_out"] else "failed")
     note = ""
     # pytest's last line ("49 passed, 2 skipped in 104.28s") came, then the stage's time ran out while the
-    # process exited (xdist's workers, CUDA teardown; seen on 2026-11-27 at 104 s of 110): every outcome is in
+    # process exited (xdist's workers, CUDA teardown; seen at 104 s of 110): every outcome is in
     if r["timed_out"] and re.search(r"\bin [\d.]+s\b", summary):
         ok = not (counts.get("failed") or counts.get("error"))
         status = "ok" if ok else "failed"
@@ -715,7 +710,7 @@ def stage_profile(ctx: Ctx, config: str = "124m") -> dict:
         with open(out_json, encoding="utf-8") as f:
             data = json.load(f)
     # the JSON is written whole (atomically) after the profile: there, a timeout came while the process exited
-    # (2026-11-27, H200: the 124M profile's results printed, the process killed at the stage's 30 s)
+    # (seen on an H200: the 124M profile's results printed, the process killed at the stage's 30 s)
     ok = bool(data) and (r["rc"] == 0 or r["timed_out"])
     out = {"status": "ok" if ok else ("timed out" if r["timed_out"] else "failed"), "rc": r["rc"],
            "cmd": " ".join(cmd), "data": data, "error_tail": [] if ok else tail(r["output"], 25)}
@@ -974,7 +969,7 @@ def render_bench(a: Optional[dict], b: Optional[dict], ab: Optional[dict] = None
         walls = [r.get("wall_s") for r in rows if r.get("wall_s")]
         L += ["", f"Row wall times (process start, build, compile, steps): {', '.join(f'{w:.0f}' for w in walls)} s."]
         parts = [r for r in rows if r.get("in_process_s") is not None and r.get("wall_s")]
-        if parts:  # where a row's fixed cost goes: 124M rows took 25 s warm on 2026-11-27 with 10 s in build + steps
+        if parts:  # where a row's fixed cost goes: 124M rows took 25 s warm with 10 s in build + steps
             L += ["Of each row's wall time (s): imports and set-up before the build / build / first step / outside "
                   "the process (start-up, exit): " + "; ".join(
                       f"{r['config']} {r['model']} {r['mode']}: "

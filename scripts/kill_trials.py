@@ -15,7 +15,7 @@ when its per-step losses (the last row of each step) and its final weights are b
 reference's. Prints one line per configuration and the totals; exit 1 on any mismatch or any run that did
 not finish.
 
-Not a test (minutes of wall time, real random kills): its figures go into the README. The tiny
+Not a test (minutes of wall time, real random kills): its figures go into docs/benchmarks.md. The tiny
 tokenizer and shards are built from the bundled corpus as tests/conftest.py does.
 """
 from __future__ import annotations

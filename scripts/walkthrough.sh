@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Pretrain -> SFT -> DPO on the bundled data, after `make demo` (which leaves the pretrained run and the
 # tokenizer in demo_out/). Then plots the three runs with utils.resplot. A few minutes on 2 idle CPU cores
-# (about 2 in an earlier measurement; longer when other jobs share the cores, see the README).
+# (about 2; longer when other jobs share the cores, see docs/walkthrough.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}

@@ -16,7 +16,7 @@ if ROOT not in sys.path:
 # the cold-compile test: 98 s of CPU with the pool, 84 s without). Subprocesses inherit it.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 # OpenMP threads sleep while they wait: a test run's spinning threads would slow the other workers' processes on
-# the shared cores (README "CPU threads"). Read when torch loads libgomp.
+# the shared cores (docs/training.md "CPU threads"). Read when torch loads libgomp.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 # the trainer takes its thread count from OMP_NUM_THREADS when set (else every usable core): runs in this

@@ -13,8 +13,8 @@ from typing import Sequence, TypeVar
 
 T = TypeVar("T")
 
-# Seconds per test on an H100/H200 (call + setup, the largest seen in docs/gpu/report-574426c.md,
-# report-aea0e31-h100.md and report-c2ef629-h200.md; "slowest tests"). Keyed by test name with its parameters,
+# Seconds per test on an H100/H200 (call + setup, the largest seen in the "slowest tests" tables of
+# `make gpu-report` reports on both GPUs). Keyed by test name with its parameters,
 # or by the bare function name for every parametrization. A test not named here counts as DEFAULT_SECONDS.
 GPU_TEST_SECONDS = {
     "test_trainer_on_cuda[extra2]": 60.0,  # --compile=true

@@ -153,3 +153,46 @@ def test_paths_named_in_the_docs_exist():
     missing = [f"{doc}:{line}: `{path}`: {why}" for doc, line, path in paths if (why := _problem(path))]
     assert not missing, "\n".join(missing)
 
+
+
+# --- the docs document the project as it is; git keeps its history -------------------------------------------
+
+README_MAX_LINES = 300
+# A commit hash cited as history: 7-40 hex digits (at least one digit and one letter a-f, so neither a number nor
+# a word such as "defaced") after "at", "commit", "since", "after", "before", "until" or "from", or alone in
+# parentheses: "measured at 1908bc2", "(commit 95d7ba0)", "(d08a8ea)". A report's file name
+# (`gpu/report-<rev>-h200.md`) and a `--git-rev` value are not history markers.
+_HEX = r"(?=[0-9a-f]*[0-9])(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}"
+HISTORY_HASH = re.compile(rf"\b(?:at|commit|since|after|before|until|from)\s+{_HEX}\b|\(\s*{_HEX}\s*\)", re.I)
+
+
+def _all_doc_files() -> list[str]:
+    docs = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "**", "*.md"), recursive=True))
+    return ["README.md"] + docs
+
+
+def test_the_history_rule_finds_commit_hashes_and_nothing_else():
+    for text in ("measured at 1908bc2 on an H200", "(95d7ba0)", "since commit d08a8ea", "after c2ef629a",
+                 "the kernel (1.33 ms at 95d7ba0)", "Before the change (commit 9b55b08):"):
+        assert HISTORY_HASH.search(text), text
+    for text in ("[report](gpu/report-1908bc2-h200.md)", "--git-rev 1908bc2", "at 1024 tokens", "(1234567)",
+                 "at defaced", "at step_00000200", "(0.0026 / 0.0099)", "at 16 bytes", "at deadbeef"):
+        assert not HISTORY_HASH.search(text), text
+
+
+def test_the_readme_is_short_and_the_docs_carry_no_commit_history():
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        readme_lines = f.read().count("\n")
+    assert readme_lines <= README_MAX_LINES, f"README.md has {readme_lines} lines (at most {README_MAX_LINES})"
+    found = []
+    for doc in _all_doc_files():
+        with open(os.path.join(ROOT, doc), encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                for m in HISTORY_HASH.finditer(line):
+                    found.append(f"{doc}:{n}: {m.group(0)!r}")
+    assert not found, "commit hashes cited as history (git keeps it):\n" + "\n".join(found)
+
+
+def test_docs_gpu_holds_only_the_latest_report():
+    reports = sorted(os.listdir(os.path.join(ROOT, "docs", "gpu")))
+    assert len(reports) <= 1, f"docs/gpu/ holds {reports}: keep the latest report only (git keeps the others)"

@@ -1,4 +1,4 @@
-"""Imports run one way between the project's packages (README "Layout"): a module imports only
+"""Imports run one way between the project's packages (docs/layout.md): a module imports only
 packages of a lower layer, never one of its own layer or above, except the pairs listed in ALLOWED
 with the reason each is there. Every import counts, including the lazy ones inside functions."""
 from __future__ import annotations

@@ -204,7 +204,7 @@ class TrainConfig(ParallelFlags, DPOFlags, OptimizationFlags, TrainableFlags, Mo
                       "per rank; else the cores this process may use, shared among the node's ranks, and on CPU "
                       "one thread while that is measured faster: beside other busy processes PyTorch's spinning "
                       "threads train several times slower; not with --deterministic=true). Said in the [layout] "
-                      "line; a fixed count keeps a CPU run bit-reproducible (README \"CPU threads\")")
+                      "line; a fixed count keeps a CPU run bit-reproducible (docs/training.md \"CPU threads\")")
     peak_flops: float = _f(0.0, "peak FLOP/s per device for MFU (0 = the data-sheet table for known GPUs, else a "
                            "measured matmul peak, the best ever seen on this machine, kept in peak_flops.json under "
                            "$MYLLM_CACHE_DIR or ~/.cache/myllm: an estimate, MFU shown as mfu~)")

@@ -7,7 +7,7 @@ or one thread, whichever trains faster now), `describe_threads` (the words of th
 and `oversubscription_warning` (the load average against the usable cores).
 Must never: import torch (the trainer's pre-check path stays torch-free) or anything above utils/.
 
-Why (measured by bench/bench_threads.py, README "CPU threads"): PyTorch's OpenMP threads spin at the end
+Why (measured by bench/bench_threads.py, docs/training.md "CPU threads"): PyTorch's OpenMP threads spin at the end
 of every parallel region waiting for the others. When another process holds one of the cores, the thread
 that waits spins on its own core while the thread it waits for is descheduled, so every op waits a
 scheduler slice: on 2 shared cores 2 threads trained 2-10x slower than 1. On idle cores 2 threads are
@@ -97,7 +97,7 @@ def oversubscription_warning(threads: int, cores: Optional[int] = None, load: Op
         advice = "this run is already on 1 thread: only the other processes leaving helps"
     return (f"the 1-minute load average is {load:.1f} on {cores} usable core{'s' if cores != 1 else ''}: other "
             f"processes compete for them, so this run is slower than its {threads} thread{'s' if threads != 1 else ''} "
-            f"can be ({advice}; see README \"CPU threads\")")
+            f"can be ({advice}; see docs/training.md \"CPU threads\")")
 
 
 class ThreadTuner:

@@ -39,9 +39,9 @@ def worth_fp8(recipe: str, out_features: int, in_features: int) -> bool:
     are paid (--float8_layers=auto). The thresholds are torchao 0.18's, from its H100 microbenchmarks of
     float8 linears (torchao/float8/float8_linear_utils.py `_auto_filter_for_tensorwise` / `_rowwise`):
     tensorwise skips K <= 4096 with N <= 1024; rowwise skips N <= 2048, K <= 1024, and N <= 4096 with K <= 2048.
-    Our H200 runs at 124M (16,384 tokens a step): every block linear in FP8 ran at 0.66x of bf16 (2026-11-26);
-    with torchao's tensorwise filter only gate/up (N 2048, K 768) stayed, and the step still lost, 516,053 vs
-    551,106-571,668 tokens/s (docs/gpu/report-95d7ba0-h200.md). So tensorwise also skips K <= 1024 with
+    Measured on an H200 by bench/bench_model_gpu.py (`make gpu-report`) at 124M (16,384 tokens a step): every
+    block linear in FP8 ran at 0.66x of bf16; with torchao's tensorwise filter only gate/up (N 2048, K 768)
+    stayed, and the step still lost, 516,053 vs 551,106-571,668 tokens/s. So tensorwise also skips K <= 1024 with
     N <= 4096 (a 124M-size model converts nothing); at 1B (K 2048-5632) it gained 1.15x over the whole step."""
     n, k = out_features, in_features
     if recipe == "rowwise":
