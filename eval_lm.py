@@ -136,16 +136,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"eval_lm.py: {problem}", file=sys.stderr)
         return 2
     try:  # every task file read and checked before torch and the model (exit 3 file:line, 2 too few records)
-        read = {}
+        read = []  # (path, requests, each request's file:line), in the order given (a file given twice: twice)
         for path in tasks:
             reqs, lines = read_task_lines(path)
             check_fewshot(path, len(reqs), args.num_fewshot)
-            read[path] = (fewshot_requests(reqs, args.num_fewshot), [f"{path}:{n}" for n in lines[args.num_fewshot:]])
+            read.append((path, fewshot_requests(reqs, args.num_fewshot),
+                         [f"{path}:{n}" for n in lines[args.num_fewshot:]]))
     except (TaskFormatError, TaskConfigError) as e:
         from utils.errors import report_named
         return report_named(e, "eval_lm.py")
     if tasks:
-        print(f"[eval] {len(tasks)} task file(s) checked: {sum(len(r) for r, _ in read.values())} records; "
+        print(f"[eval] {len(tasks)} task file(s) checked: {sum(len(r) for _, r, _ in read)} records; "
               "loading the tokenizer and the model", file=sys.stderr, flush=True)
 
     import torch
@@ -163,18 +164,18 @@ def main(argv: list[str] | None = None) -> int:
         bos, eos = (int(meta["special_tokens"][k]["id"]) for k in ("bos", "eos"))
         model, _ = sample.load_for_inference(args.ckpt, device, args.checkpoint)
         max_len = args.max_seq_len or model.cfg.max_seq_len
-        encoded = {path: encode_requests(tok, bos, reqs, max_len, where) for path, (reqs, where) in read.items()}
+        encoded = [encode_requests(tok, bos, reqs, max_len, where) for _, reqs, where in read]
         ppl = perplexity_requests(tok, bos, eos, args.perplexity_files, args.text_fields, max_len) \
             if args.perplexity_files else None
-        total = sum(len(c) for item in encoded.values() for c in item) + (len(ppl[0]) if ppl else 0)
+        total = sum(len(item) for enc in encoded for item in enc) + (len(ppl[0]) if ppl else 0)
         results: dict = {"ckpt": args.ckpt, "tasks": [], "perplexity": None}
         lines: list = []
         with progress_bar(total) as bar:
-            for path, (reqs, _) in read.items():
-                flat = [r for item in encoded[path] for r in item]
+            for (path, reqs, _), enc in zip(read, encoded):
+                flat = [r for item in enc for r in item]
                 values = loglikelihoods(model, flat, max_len, device, args.batch_size, bar)
                 lls, k = [], 0
-                for item in encoded[path]:
+                for item in enc:
                     lls.append(values[k:k + len(item)])
                     k += len(item)
                 r = {"task": os.path.basename(path), **tally(reqs, lls, lines, os.path.basename(path)),

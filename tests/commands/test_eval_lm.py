@@ -399,6 +399,8 @@ def test_batched_scoring_equals_one_forward_per_request(run, tmp_path):
         got = lm_tasks.score_encoded(model, encoded, MAX_LEN, "cpu", batch_size=bs)
         for g, w in zip(got, want):
             assert g == pytest.approx(w, rel=1e-5, abs=1e-4), bs
+        if bs == 1:  # one row per forward: the unbatched values themselves
+            assert got == want
         assert lm_tasks.tally(reqs, got) == lm_tasks.tally(reqs, want)
         got_ppl = lm_tasks.loglikelihoods(model, windows, 24, "cpu", batch_size=bs)
         assert got_ppl == pytest.approx(want_ppl, rel=1e-5, abs=1e-4), bs
