@@ -89,11 +89,19 @@ def input_problem(path: str) -> str | None:
     return None
 
 
-def progress_bar(total: int):
-    """The scoring's progress on stderr: requests (one per choice, one per perplexity window) and their rate."""
+LOADING, SCORING = "[eval] loading the tokenizer and the model", "[eval] scoring"
+
+
+def progress_bar():
+    """The progress on stderr, shown before torch is imported: LOADING until the requests are counted, then
+    SCORING over every request (one per choice, one per perplexity window) with their rate (req/s)."""
     from tqdm import tqdm
-    return tqdm(total=total, desc="[eval] scoring", unit="req", file=sys.stderr, mininterval=0.5, smoothing=0.1,
-                dynamic_ncols=True)
+    return tqdm(desc=LOADING, unit="req", file=sys.stderr, mininterval=0.5, smoothing=0.1, dynamic_ncols=True)
+
+
+def start_scoring(bar, total: int) -> None:
+    bar.set_description(SCORING, refresh=False)
+    bar.reset(total=total)  # the rate counts from here, the loading left out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,9 +154,16 @@ def main(argv: list[str] | None = None) -> int:
         from utils.errors import report_named
         return report_named(e, "eval_lm.py")
     if tasks:
-        print(f"[eval] {len(tasks)} task file(s) checked: {sum(len(r) for _, r, _ in read)} records; "
-              "loading the tokenizer and the model", file=sys.stderr, flush=True)
+        print(f"[eval] {len(tasks)} task file(s) checked: {sum(len(r) for _, r, _ in read)} records",
+              file=sys.stderr, flush=True)
+    with progress_bar() as bar:
+        return _load_and_score(args, read, bar)
 
+
+def _load_and_score(args, read: list, bar) -> int:
+    """Load the tokenizer and the model, encode every request, score them (`bar` advancing), print the results,
+    write --out / --loglikelihoods_out; the exit code."""
+    import sample
     import torch
 
     from tokenizer import load_tokenizer, load_tokenizer_meta
@@ -158,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         tok_dir = args.tokenizer_dir or sample.recorded_tokenizer_dir(args.ckpt, args.checkpoint)
         if not tok_dir or not os.path.isdir(tok_dir):
+            bar.close()
             print(f"eval_lm.py: {sample.no_tokenizer_message(tok_dir, args.tokenizer_dir)}", file=sys.stderr)
             return 2
         tok, meta = load_tokenizer(tok_dir), load_tokenizer_meta(tok_dir)
@@ -167,35 +183,36 @@ def main(argv: list[str] | None = None) -> int:
         encoded = [encode_requests(tok, bos, reqs, max_len, where) for _, reqs, where in read]
         ppl = perplexity_requests(tok, bos, eos, args.perplexity_files, args.text_fields, max_len) \
             if args.perplexity_files else None
-        total = sum(len(item) for enc in encoded for item in enc) + (len(ppl[0]) if ppl else 0)
+        start_scoring(bar, sum(len(item) for enc in encoded for item in enc) + (len(ppl[0]) if ppl else 0))
         results: dict = {"ckpt": args.ckpt, "tasks": [], "perplexity": None}
         lines: list = []
-        with progress_bar(total) as bar:
-            for (path, reqs, _), enc in zip(read, encoded):
-                flat = [r for item in enc for r in item]
-                values = loglikelihoods(model, flat, max_len, device, args.batch_size, bar)
-                lls, k = [], 0
-                for item in enc:
-                    lls.append(values[k:k + len(item)])
-                    k += len(item)
-                r = {"task": os.path.basename(path), **tally(reqs, lls, lines, os.path.basename(path)),
-                     "num_fewshot": args.num_fewshot}
-                results["tasks"].append(r)
-                bar.write(f"[eval] {r['task']}: acc {r['acc']:.4f}  acc_norm {r['acc_norm']:.4f}  (n={r['n']}, "
-                          f"{r['num_fewshot']}-shot)", file=sys.stdout)
-            if ppl:
-                reqs, docs, skipped = ppl
-                r = perplexity_result(reqs, loglikelihoods(model, reqs, max_len, device, args.batch_size, bar), docs,
-                                      skipped)
-                results["perplexity"] = r
-                bar.write(f"[eval] perplexity {r['ppl']:.4f} over {r['tokens']:,} tokens of {r['documents']} "
-                          "documents", file=sys.stdout)
+        for (path, reqs, _), enc in zip(read, encoded):
+            flat = [r for item in enc for r in item]
+            values = loglikelihoods(model, flat, max_len, device, args.batch_size, bar)
+            lls, k = [], 0
+            for item in enc:
+                lls.append(values[k:k + len(item)])
+                k += len(item)
+            r = {"task": os.path.basename(path), **tally(reqs, lls, lines, os.path.basename(path)),
+                 "num_fewshot": args.num_fewshot}
+            results["tasks"].append(r)
+            bar.write(f"[eval] {r['task']}: acc {r['acc']:.4f}  acc_norm {r['acc_norm']:.4f}  (n={r['n']}, "
+                      f"{r['num_fewshot']}-shot)", file=sys.stdout)
+        if ppl:
+            reqs, docs, skipped = ppl
+            r = perplexity_result(reqs, loglikelihoods(model, reqs, max_len, device, args.batch_size, bar), docs,
+                                  skipped)
+            results["perplexity"] = r
+            bar.write(f"[eval] perplexity {r['ppl']:.4f} over {r['tokens']:,} tokens of {r['documents']} "
+                      "documents", file=sys.stdout)
     except Exception as e:  # noqa: BLE001 - named errors end the command with their code; others re-raise
+        bar.close()  # the line below the bar, not on it
         code = report_named(e, "eval_lm.py")
         if code is None:
             raise
         return code
     del torch
+    bar.close()
     from utils.publish import atomic_write_json, atomic_write_text
     try:  # checked writable up front; a disk that filled or a directory removed since is still one line
         if args.out:

@@ -430,7 +430,9 @@ def test_progress_goes_to_stderr_and_batch_size_is_a_flag(run, tmp_path, capsys,
                          f"--max_seq_len={MAX_LEN}"]) == 0
     n_records = sum(len(recs) for recs in FORMATS.values())
     n_choices = sum(len(r[2]) for recs in FORMATS.values() for r in recs)
-    assert f"[eval] 5 task file(s) checked: {n_records} records; loading" in seen[0]
+    # before the model loads (and before torch is imported): the files checked, the bar
+    assert seen[0].startswith(f"[eval] 5 task file(s) checked: {n_records} records\n")
+    assert "[eval] loading the tokenizer and the model: 0req" in seen[0]
     captured = capsys.readouterr()
     assert "[eval] scoring: 100%" in captured.err and f"{n_choices}/{n_choices}" in captured.err
     assert ("req/s" in captured.err or "s/req" in captured.err) and "[eval] scoring" not in captured.out
