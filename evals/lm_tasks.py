@@ -3,8 +3,11 @@ jsonl files in the common benchmarks' formats (HellaSwag, ARC, PIQA, MMLU-style,
 held-out raw files. Used by the `eval_lm.py` command (a checkpoint) and by the trainer (`--eval_tasks`, the
 model as it trains).
 
-Owns: the formats (`mc_request`), lm-eval's context/continuation encoding (`encode_pair`), the per-choice
-log-likelihood, acc / acc_norm, and the perplexity windows.
+Owns: the formats (`mc_request`) and the checks of a task file (`task_file_problem`: the path; `read_task_lines`:
+every record, exit 3 naming file:line for content that cannot be scored, exit 2 for a path that is no task file),
+lm-eval's context/continuation encoding (`encode_pair`, `encode_requests`), the per-choice log-likelihood (one
+forward per request: `choice_loglikelihood`; batched and right-padded: `loglikelihoods`, equal up to float32
+rounding), acc / acc_norm (`tally`), and the perplexity windows.
 Must never: change the model (it runs under no_grad; the caller puts it in eval mode), download anything, or
 read a task file outside the paths it is given.
 """
@@ -135,9 +138,11 @@ def mc_request(rec: Any) -> tuple[str, list[str], int, str]:
     if "endings" in rec and ("ctx_a" in rec or "ctx" in rec):
         req = (*hellaswag_request(rec), "hellaswag")
     elif "goal" in rec and "sol1" in rec:
-        sols = [_text(rec.get(k), k) for k in ("sol1", "sol2")]
+        if "sol2" not in rec or "label" not in rec:
+            raise TaskFormatError(f"a PIQA record (goal, sol1) lacks {'sol2' if 'sol2' not in rec else 'label'}")
+        sols = [_text(rec[k], k) for k in ("sol1", "sol2")]
         goal = _text(rec["goal"], "goal")
-        req = (f"Question: {goal}\nAnswer:", [d + s for s in sols], _label(rec.get("label"), "label"), "piqa")
+        req = (f"Question: {goal}\nAnswer:", [d + s for s in sols], _label(rec["label"], "label"), "piqa")
     elif "question" in rec and isinstance(rec.get("choices"), dict) and "answerKey" in rec:
         labels = _texts(rec["choices"].get("label"), "choices.label")
         texts = _texts(rec["choices"].get("text"), "choices.text", nonempty=False)  # scored as " " + text
@@ -169,7 +174,7 @@ def mc_request(rec: Any) -> tuple[str, list[str], int, str]:
             gold = _label(ans, "answer")
         question = _text(rec["question"], "question")
         req = (f"{question.strip()}{body}\nAnswer:", [d + LETTERS[i] for i in range(len(choices))], gold, "mmlu")
-    elif ("context" in rec or "query" in rec) and isinstance(rec.get("choices"), list):
+    elif ("context" in rec or "query" in rec) and "choices" in rec:
         key = "context" if "context" in rec else "query"
         gkey = "label" if "label" in rec else "gold"
         if gkey not in rec:

@@ -290,7 +290,8 @@ def _bad_case(tmp_path, name):
             "label_bool": {"goal": "a", "sol1": "b", "sol2": "c", "label": True},
             "mmlu_choice_number": {"question": "q", "choices": ["a", 2], "answer": 0},
             "arc_key": {"question": "q", "choices": {"text": ["a", "b"], "label": ["A", "B"]}, "answerKey": "E"},
-            }
+            "piqa_no_sol2": {"goal": "a", "sol1": "b", "label": 0},
+            "choices_string": {"context": "a", "choices": " b", "label": 0}}
     says = {"choice_number": "choices[1] is a number 5, not a string",
             "choice_null": "choices[1] is null, not a string",
             "context_list": "context is a list, not a string",
@@ -298,7 +299,9 @@ def _bad_case(tmp_path, name):
             "label_half": "label is a number 0.5, not an integer",
             "label_bool": "label is a boolean true, not an integer",
             "mmlu_choice_number": "choices[1] is a number 2, not a string",
-            "arc_key": "answerKey 'E' is none of the labels ['A', 'B']"}
+            "arc_key": "answerKey 'E' is none of the labels ['A', 'B']",
+            "piqa_no_sol2": "a PIQA record (goal, sol1) lacks sol2",
+            "choices_string": 'choices is a string " b", not a list of strings'}
     if name == "empty":
         f.write_text("\n  \n")
         return f, [], 3, f"{f}: no records (an empty task file)"
@@ -310,7 +313,8 @@ def _bad_case(tmp_path, name):
 
 
 BAD_CASES = ["invalid_utf8", "directory", "arrow", "choice_number", "choice_null", "context_list", "empty_choice",
-             "label_half", "label_bool", "mmlu_choice_number", "arc_key", "empty", "fewshot_too_many"]
+             "label_half", "label_bool", "mmlu_choice_number", "arc_key", "piqa_no_sol2", "choices_string", "empty",
+             "fewshot_too_many"]
 
 
 @pytest.mark.parametrize("name", BAD_CASES)
