@@ -19,7 +19,7 @@ lm-eval). Local jsonl in the common benchmarks' formats (no download), detected 
   MMLU       {"question", "choices": [..], "answer": int|letter}  "q.strip()\nA. ..\nB. ..\nAnswer:", " A" / " B" / ..
   generic    {"context" or "query", "choices": [..], "label" or "gold"}  context as is, choices as is
 With --num_fewshot=k, the first k records of the file (left out of the scoring) prefix each context, each as
-context + gold continuation followed by a blank line (lm-eval's "\n\n" few-shot delimiter; lm-eval draws its
+context + gold continuation followed by a blank line (lm-eval's "\\n\\n" few-shot delimiter; lm-eval draws its
 examples from a few-shot split instead, and MMLU's adds a description line). --loglikelihoods_out writes every
 choice's value (jsonl).
 
@@ -29,13 +29,13 @@ one-forward-per-request scoring up to float32 rounding). A progress bar (request
 
 Owns: the command, the formats above and their scoring. The numbers equal those of the exported model under
 transformers (export_hf.py; tests/commands/test_eval_lm.py) and lm-evaluation-harness's on the export
-(scripts/compare_lm_eval.py, docs/eval.md). Every input is checked before torch and the model are loaded, each
-mistake one line: exit 2 for a bad flag, a --checkpoint that names nothing, a task path that is no .jsonl/.json
+(scripts/compare_lm_eval.py, docs/eval.md). Each mistake is one line and an exit code, told before torch and
+the model are loaded: 2 for a bad flag, a --checkpoint that names nothing, a task path that is no .jsonl/.json
 file (missing, a directory, .arrow, unreadable), a --num_fewshot that leaves a file nothing to score, an --out /
 --loglikelihoods_out that cannot be written (a missing parent directory is created); 3 for a task file that cannot
 be scored (invalid UTF-8 or JSON, a record that fits no format, a field of the wrong type, a non-integer label, an
-empty choice, no records: naming file:line); 5 for a damaged checkpoint. Must never modify the checkpoint or
-download anything.
+empty choice, no records: naming file:line). After the load, before any forward: 2 for a choice longer than
+--max_seq_len (file:line), 5 for a damaged checkpoint. Must never modify the checkpoint or download anything.
 """
 from __future__ import annotations
 
