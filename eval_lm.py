@@ -19,15 +19,23 @@ lm-eval). Local jsonl in the common benchmarks' formats (no download), detected 
   MMLU       {"question", "choices": [..], "answer": int|letter}  "q.strip()\nA. ..\nB. ..\nAnswer:", " A" / " B" / ..
   generic    {"context" or "query", "choices": [..], "label" or "gold"}  context as is, choices as is
 With --num_fewshot=k, the first k records of the file (left out of the scoring) prefix each context, each as
-context + gold continuation followed by a blank line (lm-eval's "\n\n" few-shot delimiter; lm-eval draws its
+context + gold continuation followed by a blank line (lm-eval's "\\n\\n" few-shot delimiter; lm-eval draws its
 examples from a few-shot split instead, and MMLU's adds a description line). --loglikelihoods_out writes every
 choice's value (jsonl).
 
+Scoring is batched: every request (one per choice, one per perplexity window) sorted longest first, --batch_size
+per forward, right-padded (the model is causal: a row's padding never changes its log-likelihood; the values equal
+one-forward-per-request scoring up to float32 rounding). A progress bar (requests/s) goes to stderr.
+
 Owns: the command, the formats above and their scoring. The numbers equal those of the exported model under
 transformers (export_hf.py; tests/commands/test_eval_lm.py) and lm-evaluation-harness's on the export
-(scripts/compare_lm_eval.py, docs/eval.md). Exit 2 for a bad flag or a --checkpoint that names nothing (before
-torch is imported), 3 for a task file whose records fit no format (one line naming file:line), 5 for a damaged
-checkpoint. Must never modify the checkpoint or download anything.
+(scripts/compare_lm_eval.py, docs/eval.md). Each mistake is one line and an exit code, told before torch and
+the model are loaded: 2 for a bad flag, a --checkpoint that names nothing, a task path that is no .jsonl/.json
+file (missing, a directory, .arrow, unreadable), a --num_fewshot that leaves a file nothing to score, an --out /
+--loglikelihoods_out that cannot be written (a missing parent directory is created); 3 for a task file that cannot
+be scored (invalid UTF-8 or JSON, a record that fits no format, a field of the wrong type, a non-integer label, an
+empty choice, no records: naming file:line). After the load, before any forward: 2 for a choice longer than
+--max_seq_len (file:line), 5 for a damaged checkpoint. Must never modify the checkpoint or download anything.
 """
 from __future__ import annotations
 
@@ -35,8 +43,65 @@ import json
 import os
 import sys
 
-from evals.lm_tasks import (LETTERS, TaskFormatError, choice_loglikelihood, encode_pair,  # noqa: F401  (re-exported)
-                      evaluate_perplexity, evaluate_task, mc_request, perplexity_windows, read_task)
+from evals.lm_tasks import (DEFAULT_BATCH_SIZE, LETTERS, TaskConfigError, TaskFormatError,  # noqa: F401  (re-exported)
+                            check_fewshot, choice_loglikelihood, encode_pair, encode_requests, evaluate_perplexity,
+                            evaluate_task, fewshot_requests, loglikelihoods, mc_request, perplexity_requests,
+                            perplexity_result, perplexity_windows, read_task, read_task_lines, tally,
+                            task_file_problem)
+
+
+def output_problem(flag: str, path: str) -> str | None:
+    """Why the results cannot be written at `path` (checked before anything is loaded), or None. A missing parent
+    directory is created here (as `mkdir -p`); one that cannot be (a path under a regular file, no permission),
+    or a directory where the file belongs, or a directory that refuses a new file, is the problem."""
+    if os.path.isdir(path):
+        return f"{flag}={path}: is a directory; give a file name"
+    parent = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(parent, exist_ok=True)
+    except OSError as e:
+        return f"{flag}={path}: cannot create its directory {parent}: {e.strerror or e}"
+    import tempfile
+    try:  # the writers publish through a temp file in the same directory (utils/publish.py): try one
+        fd, probe = tempfile.mkstemp(dir=parent, prefix=".eval_lm_probe.", suffix=".tmp")
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        return f"{flag}={path}: cannot write in {parent}: {e.strerror or e}"
+    return None
+
+
+def input_problem(path: str) -> str | None:
+    """Why a --perplexity_files path cannot be read (missing, a directory, an unsupported type, unreadable), or
+    None: told before the model is loaded."""
+    from tokenizer.corpus import SUPPORTED_EXTENSIONS, input_kind
+    if not os.path.exists(path):
+        return f"{path}: no such file"
+    if os.path.isdir(path):
+        return f"{path}: is a directory; give the held-out files themselves"
+    if input_kind(path) is None:
+        return f"{path}: unsupported file type (supported: {', '.join(SUPPORTED_EXTENSIONS)})"
+    try:
+        with open(path, "rb") as f:
+            f.read(1)
+    except OSError as e:
+        return f"{path}: cannot read: {e.strerror or e}"
+    return None
+
+
+LOADING, SCORING = "[eval] loading the tokenizer and the model", "[eval] scoring"
+
+
+def progress_bar():
+    """The progress on stderr, shown before torch is imported: LOADING until the requests are counted, then
+    SCORING over every request (one per choice, one per perplexity window) with their rate (req/s)."""
+    from tqdm import tqdm
+    return tqdm(desc=LOADING, unit="req", file=sys.stderr, mininterval=0.5, smoothing=0.1, dynamic_ncols=True)
+
+
+def start_scoring(bar, total: int) -> None:
+    bar.set_description(SCORING, refresh=False)
+    bar.reset(total=total)  # the rate counts from here, the loading left out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,59 +120,111 @@ def main(argv: list[str] | None = None) -> int:
                    help="multiple-choice jsonl files (HellaSwag / ARC / PIQA / MMLU-style or generic); comma-separated or repeated")
     p.add_argument("--num_fewshot", type=int, default=0)
     p.add_argument("--max_seq_len", type=int, default=0, help="0 = the model's max_seq_len")
-    p.add_argument("--out", default=None, help="write the results (JSON) here")
+    p.add_argument("--batch_size", type=int, default=DEFAULT_BATCH_SIZE,
+                   help="log-likelihood requests (choices, perplexity windows) per forward, padded to the longest")
+    p.add_argument("--out", default=None, help="write the results (JSON) here (a missing directory is created)")
     p.add_argument("--loglikelihoods_out", default=None, help="write every choice's log-likelihood here (jsonl)")
     p.add_argument("--device", default="auto")
     args = p.parse_args(argv)
     tasks = [t for spec in args.tasks for t in spec.split(",") if t]
     import sample
     problem = sample.precheck(args)
-    missing = [f for f in tasks + args.perplexity_files if not os.path.exists(f)]
-    if problem or missing or not (tasks or args.perplexity_files) or args.num_fewshot < 0 or args.max_seq_len < 0:
-        why = problem or (f"{missing[0]}: no such file" if missing else
-                          "nothing to evaluate: give --tasks and/or --perplexity_files" if not (tasks or args.perplexity_files)
-                          else "--num_fewshot and --max_seq_len must be >= 0")
-        print(f"eval_lm.py: {why}", file=sys.stderr)
+    if not problem and not (tasks or args.perplexity_files):
+        problem = "nothing to evaluate: give --tasks and/or --perplexity_files"
+    if not problem and (args.num_fewshot < 0 or args.max_seq_len < 0 or args.batch_size < 1):
+        problem = "--num_fewshot and --max_seq_len must be >= 0, --batch_size >= 1"
+    for path in tasks:
+        problem = problem or task_file_problem(path)
+    for path in args.perplexity_files:
+        problem = problem or input_problem(path)
+    for flag, path in (("--out", args.out), ("--loglikelihoods_out", args.loglikelihoods_out)):
+        if path and not problem:
+            problem = output_problem(flag, path)
+    if problem:
+        print(f"eval_lm.py: {problem}", file=sys.stderr)
         return 2
+    try:  # every task file read and checked before torch and the model (exit 3 file:line, 2 too few records)
+        read = []  # (path, requests, each request's file:line), in the order given (a file given twice: twice)
+        for path in tasks:
+            reqs, lines = read_task_lines(path)
+            check_fewshot(path, len(reqs), args.num_fewshot)
+            read.append((path, fewshot_requests(reqs, args.num_fewshot),
+                         [f"{path}:{n}" for n in lines[args.num_fewshot:]]))
+    except (TaskFormatError, TaskConfigError) as e:
+        from utils.errors import report_named
+        return report_named(e, "eval_lm.py")
+    if tasks:
+        print(f"[eval] {len(tasks)} task file(s) checked: {sum(len(r) for _, r, _ in read)} records",
+              file=sys.stderr, flush=True)
+    with progress_bar() as bar:
+        return _load_and_score(args, read, bar)
 
+
+def _load_and_score(args, read: list, bar) -> int:
+    """Load the tokenizer and the model, encode every request, score them (`bar` advancing), print the results,
+    write --out / --loglikelihoods_out; the exit code."""
+    import sample
     import torch
 
-    from tokenizer import load_tokenizer, load_tokenizer_meta
+    from tokenizer.loading import load_tokenizer_and_meta
     from utils.device import resolve_device
     from utils.errors import report_named
     device = resolve_device(args.device)
     try:
         tok_dir = args.tokenizer_dir or sample.recorded_tokenizer_dir(args.ckpt, args.checkpoint)
         if not tok_dir or not os.path.isdir(tok_dir):
+            bar.close()
             print(f"eval_lm.py: {sample.no_tokenizer_message(tok_dir, args.tokenizer_dir)}", file=sys.stderr)
             return 2
-        tok, meta = load_tokenizer(tok_dir), load_tokenizer_meta(tok_dir)
+        tok, meta = load_tokenizer_and_meta(tok_dir)  # one line naming the file when it does not load
+        bos, eos = (int(meta["special_tokens"][k]["id"]) for k in ("bos", "eos"))
         model, _ = sample.load_for_inference(args.ckpt, device, args.checkpoint)
         max_len = args.max_seq_len or model.cfg.max_seq_len
-        bos, eos = (int(meta["special_tokens"][k]["id"]) for k in ("bos", "eos"))
+        encoded = [encode_requests(tok, bos, reqs, max_len, where) for _, reqs, where in read]
+        ppl = perplexity_requests(tok, bos, eos, args.perplexity_files, args.text_fields, max_len) \
+            if args.perplexity_files else None
+        start_scoring(bar, sum(len(item) for enc in encoded for item in enc) + (len(ppl[0]) if ppl else 0))
         results: dict = {"ckpt": args.ckpt, "tasks": [], "perplexity": None}
         lines: list = []
-        for path in tasks:
-            r = evaluate_task(model, tok, bos, path, max_len, device, args.num_fewshot, lines)
+        for (path, reqs, _), enc in zip(read, encoded):
+            flat = [r for item in enc for r in item]
+            values = loglikelihoods(model, flat, max_len, device, args.batch_size, bar)
+            lls, k = [], 0
+            for item in enc:
+                lls.append(values[k:k + len(item)])
+                k += len(item)
+            r = {"task": os.path.basename(path), **tally(reqs, lls, lines, os.path.basename(path)),
+                 "num_fewshot": args.num_fewshot}
             results["tasks"].append(r)
-            print(f"[eval] {r['task']}: acc {r['acc']:.4f}  acc_norm {r['acc_norm']:.4f}  (n={r['n']}, "
-                  f"{r['num_fewshot']}-shot)")
-        if args.perplexity_files:
-            r = evaluate_perplexity(model, tok, bos, eos, args.perplexity_files, args.text_fields, max_len, device)
+            bar.write(f"[eval] {r['task']}: acc {r['acc']:.4f}  acc_norm {r['acc_norm']:.4f}  (n={r['n']}, "
+                      f"{r['num_fewshot']}-shot)", file=sys.stdout)
+        if ppl:
+            reqs, docs, skipped = ppl
+            r = perplexity_result(reqs, loglikelihoods(model, reqs, max_len, device, args.batch_size, bar), docs,
+                                  skipped)
             results["perplexity"] = r
-            print(f"[eval] perplexity {r['ppl']:.4f} over {r['tokens']:,} tokens of {r['documents']} documents")
+            bar.write(f"[eval] perplexity {r['ppl']:.4f} over {r['tokens']:,} tokens of {r['documents']} "
+                      "documents", file=sys.stdout)
     except Exception as e:  # noqa: BLE001 - named errors end the command with their code; others re-raise
+        bar.close()  # the line below the bar, not on it
         code = report_named(e, "eval_lm.py")
         if code is None:
             raise
         return code
     del torch
-    if args.out:
-        from utils.publish import atomic_write_json
-        atomic_write_json(args.out, results)
-    if args.loglikelihoods_out:
-        from utils.publish import atomic_write_text
-        atomic_write_text(args.loglikelihoods_out, "".join(json.dumps(x) + "\n" for x in lines))
+    bar.close()
+    from utils.publish import atomic_write_json, atomic_write_text
+    try:  # checked writable up front; a disk that filled or a directory removed since is still one line
+        if args.out:
+            atomic_write_json(args.out, results)
+        if args.loglikelihoods_out:
+            atomic_write_text(args.loglikelihoods_out, "".join(json.dumps(x) + "\n" for x in lines))
+    except OSError as e:
+        import errno
+
+        from utils.constants import EXIT_BAD_CONFIG, EXIT_DISK_FULL
+        print(f"eval_lm.py: cannot write the results: {e}", file=sys.stderr)
+        return EXIT_DISK_FULL if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else EXIT_BAD_CONFIG
     return 0
 
 

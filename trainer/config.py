@@ -6,9 +6,9 @@ utils/configurator.py; HF Trainer / torchtitan spellings such as `--lr` or `--ma
 utils/cli.py), `validate_config`, `TrainingError` (an error with its exit code), whether a start
 continues the run in --out_dir (`--resume`, `continues_run`), and `precheck`: the answers
 train_my_ddp.py gives before it imports torch.
-Must never: import torch, touch devices or start processes; read anything but the config files and
-tokenizer_meta.json named on the command line and --out_dir's listing and JSON (never a checkpoint's
-tensors).
+Must never: import torch, touch devices or start processes; read anything but the config files,
+tokenizer_meta.json and --eval_tasks files named on the command line and --out_dir's listing and JSON (never a
+checkpoint's tensors).
 """
 from __future__ import annotations
 
@@ -179,7 +179,8 @@ class TrainConfig(ParallelFlags, DPOFlags, OptimizationFlags, TrainableFlags, Mo
                               "trains on the next data. Kept in checkpoints: a resume skips them without the flag")
     eval_tasks: str = _f("", "multiple-choice task files (local jsonl: HellaSwag / ARC / PIQA / MMLU-style or generic, "
                          "comma-separated) scored at every evaluation on rank 0 as lm-evaluation-harness scores them "
-                         "(eval_lm.py): val_<task>_acc and val_<task>_acc_norm in metrics.jsonl; not with "
+                         "(eval_lm.py), --batch_size choices per forward: val_<task>_acc and val_<task>_acc_norm in "
+                         "metrics.jsonl; the files are checked before the start (exit 3 naming file:line); not with "
                          "--parallel=fsdp or pipeline stages (no rank holds the whole model)")
     eval_tasks_limit: int = _f(0, "--eval_tasks: score only each file's first N records (0 = all)")
     sample_every: int = _f(0, "every N optimizer steps (0 = off), after that step's evaluation, rank 0 generates a "
@@ -275,7 +276,8 @@ def precheck(argv: list[str], title: str, prog: str) -> None:
     refuses, a --tokenizer_dir without tokenizer_meta.json, --resume=never on an --out_dir with checkpoints,
     --resume=always with nothing to continue, and an --init_from, --resume_fallback or (DPO) --ref_model path
     that is not there, an --out_dir that cannot be created or whose checkpoints/ cannot be written, a new model
-    whose --dim does not split into --n_heads (exit 2), a --data_dir (or --eval_data_dir) that does not exist or
+    whose --dim does not split into --n_heads (exit 2), an --eval_tasks file that cannot be scored (exit 3 naming
+    file:line; exit 2 for a path that is no task file), a --data_dir (or --eval_data_dir) that does not exist or
     (pretrain) holds raw text instead of token shards, with the pretokenizer's commands (exit 3,
     data_preprocess/train_data_check.py; the full path says "no token shards" without the commands), and an
     --out_dir another run holds (exit 6, utils/run_lock.py). Each is printed as the full path prints that
@@ -284,8 +286,8 @@ def precheck(argv: list[str], title: str, prog: str) -> None:
     checkpoints hold, the data, the FSDP / pipeline / LoRA-target options, changes a resume refuses); a bad
     value in a configuration that uses those options is left to it too, so that its one message lists every
     problem.
-    Reads only --out_dir's listing and JSON, the config files and tokenizer_meta.json named and --data_dir's
-    listing; creates --out_dir and probes its lock (run.lock) last, once everything else passed."""
+    Reads only --out_dir's listing and JSON, the config files, tokenizer_meta.json and --eval_tasks files named and
+    --data_dir's listing; creates --out_dir and probes its lock (run.lock) last, once everything else passed."""
     import sys
 
     from utils.configurator import ConfigError, help_text, parse_config
@@ -323,6 +325,11 @@ def precheck(argv: list[str], title: str, prog: str) -> None:
     except (OSError, ValueError, KeyError) as e:  # a damaged tokenizer_meta.json (TokenizerMetaError) is data: 3
         fail(error + one_line(TrainingError(f"--tokenizer_dir={cfg.tokenizer_dir}: {e}", EXIT_BAD_CONFIG)),
              getattr(e, "exit_code", EXIT_BAD_CONFIG))  # the same line and code as trainer/loop.py train
+    bad_task = eval_tasks_content_error(cfg)
+    if bad_task is not None:  # the line and code the full path gives (trainer/loop.py build_task_evaluator)
+        from utils.errors import exit_code_for
+        code, msg = exit_code_for(bad_task)
+        fail(error + msg, code)
     checkpoints = listed_checkpoints(cfg.out_dir)
     if not continues and cfg.init_from == "scratch":  # the model is built from these flags: do they split?
         from utils.model_bounds import head_shape_problem
@@ -448,12 +455,29 @@ def sample_problems(cfg: TrainConfig) -> list[str]:
     return out
 
 
+def eval_task_paths(cfg: TrainConfig) -> list[str]:
+    return [t.strip() for t in cfg.eval_tasks.split(",") if t.strip()]
+
+
 def eval_tasks_problems(cfg: TrainConfig) -> list[str]:
-    """What --eval_tasks cannot work with: a file that is not there (an engine where no rank holds the whole
-    model is parallel_problems'). Reads no file (the records are checked when the run starts: exit 3 naming
-    file:line)."""
-    paths = [t.strip() for t in cfg.eval_tasks.split(",") if t.strip()]
-    return [f"--eval_tasks: {p}: no such file" for p in paths if not os.path.isfile(p)]
+    """What --eval_tasks cannot work with: a path that is no task file (missing, a directory, not .jsonl/.json,
+    unreadable; an engine where no rank holds the whole model is parallel_problems'). Reads no record (the
+    pre-check reads them: eval_tasks_content_error)."""
+    from evals.lm_tasks import task_file_problem
+    return [f"--eval_tasks: {problem}" for problem in map(task_file_problem, eval_task_paths(cfg)) if problem]
+
+
+def eval_tasks_content_error(cfg: TrainConfig) -> Optional[BaseException]:
+    """The first --eval_tasks file whose records cannot be scored (evals/lm_tasks.py read_task_lines: exit 3
+    naming file:line, exit 2 for a path that is no task file), or None. Reads every record, no torch: the
+    pre-check's, so that a bad file ends the start before the model is built, not at the first evaluation."""
+    from evals.lm_tasks import TaskConfigError, TaskFormatError, read_task_lines
+    for path in eval_task_paths(cfg):
+        try:
+            read_task_lines(path)
+        except (TaskFormatError, TaskConfigError) as e:
+            return e
+    return None
 
 
 SFT_DPO_WARMUP_RATIO = 0.03  # the warmup of the common SFT recipes (Alpaca, TRL examples): 3% of the run

@@ -51,11 +51,13 @@ TIMING_WARMUP_STEPS = 2  # steps of each process left out of the logged rate and
 
 
 def build_task_evaluator(cfg: TrainConfig):
-    """--eval_tasks: the task files read and checked (exit 3 naming file:line), the run's tokenizer; else None."""
+    """--eval_tasks: the task files read, checked and encoded (exit 3 naming file:line, exit 2 for a path that is
+    no task file or a choice longer than --max_seq_len), the run's tokenizer; else None."""
     paths = [t.strip() for t in cfg.eval_tasks.split(",") if t.strip()]
     if not paths:
         return None
-    return TaskEvaluator(paths, cfg.tokenizer_dir, cfg.max_seq_len, cfg.eval_tasks_limit)
+    # --batch_size requests per forward: a batch that fits a training step fits a no-grad forward
+    return TaskEvaluator(paths, cfg.tokenizer_dir, cfg.max_seq_len, cfg.eval_tasks_limit, batch_size=cfg.batch_size)
 
 
 def build_sampler(cfg: TrainConfig):

@@ -176,7 +176,7 @@ def test_acc_norm_divides_by_the_choices_characters_without_the_target_delimiter
     from evals import lm_tasks
     lls = {"a": -1.0, " a": -1.0, "abc": -2.4, " abc": -2.4}
     monkeypatch.setattr(lm_tasks, "encode_pair", lambda tok, context, continuation: ([], [continuation]))
-    monkeypatch.setattr(lm_tasks, "choice_loglikelihood", lambda model, ids, n, max_len, device: lls[ids[-1]])
+    monkeypatch.setattr(lm_tasks, "loglikelihoods", lambda model, reqs, *a, **k: [lls[ids[-1]] for ids, _ in reqs])
     reqs = [("Question: q\nAnswer:", [" a", " abc"], 1, "arc"), ("q", ["a", "abc"], 1, "generic")]
     assert lm_tasks.score_requests(None, None, 0, reqs, 8, "cpu") == {"n": 2, "acc": 0.0, "acc_norm": 1.0}
     reqs = [("q", [" a", "abc"], 1, "generic")]  # generic choices are counted as written: -0.5 > -0.8
@@ -252,3 +252,218 @@ def test_bad_task_files_are_one_line(run, tmp_path, capsys):
     assert eval_lm.main([f"--ckpt={run / 'run'}", "--device=cpu"]) == 2
     assert "nothing to evaluate" in capsys.readouterr().err
     assert eval_lm.main([f"--ckpt={run / 'run'}", f"--tasks={tmp_path / 'nope.jsonl'}"]) == 2
+
+
+# ---------------------------------------------------------------------------- bad inputs: one line, before the model
+
+GOOD = {"context": "the cat sat on a", "choices": [" mat", " log"], "label": 0}
+
+
+def _no_model(monkeypatch):
+    """Fail the test if the model is loaded: every mistake below is told before."""
+    import sample
+
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded before the input was checked")
+    monkeypatch.setattr(sample, "load_for_inference", refuse)
+
+
+def _bad_case(tmp_path, name):
+    """(path, extra flags, exit code, what the line says) of one bad task input."""
+    f = tmp_path / "t.jsonl"
+    good = json.dumps(GOOD) + "\n"
+    if name == "invalid_utf8":
+        f.write_bytes(good.encode() + b'{"context": "caf\xe9", "choices": [" a", " b"], "label": 0}\n')
+        return f, [], 3, f"{f}:2: invalid UTF-8 (byte 17 of the line)"
+    if name == "directory":
+        f.mkdir()
+        return f, [], 2, f"{f}: is a directory"
+    if name == "arrow":
+        f = tmp_path / "t.arrow"
+        f.write_bytes(b"ARROW1\x00\x00")
+        return f, [], 2, f"{f}: a task file is .jsonl or .json (one JSON object per line), not .arrow"
+    recs = {"choice_number": {"context": "a", "choices": [" b", 5], "label": 0},
+            "choice_null": {"context": "a", "choices": [" b", None], "label": 0},
+            "context_list": {"context": ["a"], "choices": [" b", " c"], "label": 0},
+            "empty_choice": {"context": "a", "choices": [" b", ""], "label": 0},
+            "label_half": {"context": "a", "choices": [" b", " c"], "label": 0.5},
+            "label_bool": {"goal": "a", "sol1": "b", "sol2": "c", "label": True},
+            "mmlu_choice_number": {"question": "q", "choices": ["a", 2], "answer": 0},
+            "arc_key": {"question": "q", "choices": {"text": ["a", "b"], "label": ["A", "B"]}, "answerKey": "E"},
+            "piqa_no_sol2": {"goal": "a", "sol1": "b", "label": 0},
+            "choices_string": {"context": "a", "choices": " b", "label": 0}}
+    says = {"choice_number": "choices[1] is a number 5, not a string",
+            "choice_null": "choices[1] is null, not a string",
+            "context_list": "context is a list, not a string",
+            "empty_choice": "choices[1] is an empty string",
+            "label_half": "label is a number 0.5, not an integer",
+            "label_bool": "label is a boolean true, not an integer",
+            "mmlu_choice_number": "choices[1] is a number 2, not a string",
+            "arc_key": "answerKey 'E' is none of the labels ['A', 'B']",
+            "piqa_no_sol2": "a PIQA record (goal, sol1) lacks sol2",
+            "choices_string": 'choices is a string " b", not a list of strings'}
+    if name == "empty":
+        f.write_text("\n  \n")
+        return f, [], 3, f"{f}: no records (an empty task file)"
+    if name == "fewshot_too_many":
+        f.write_text(good * 3)
+        return f, ["--num_fewshot=3"], 2, f"{f}: --num_fewshot=3 leaves nothing to score: the file has 3 record(s)"
+    f.write_text(good + json.dumps(recs[name]) + "\n")
+    return f, [], 3, f"{f}:2: {says[name]}"
+
+
+BAD_CASES = ["invalid_utf8", "directory", "arrow", "choice_number", "choice_null", "context_list", "empty_choice",
+             "label_half", "label_bool", "mmlu_choice_number", "arc_key", "piqa_no_sol2", "choices_string", "empty",
+             "fewshot_too_many"]
+
+
+@pytest.mark.parametrize("name", BAD_CASES)
+def test_a_bad_task_file_is_one_line_with_its_exit_code_before_the_model_is_loaded(run, tmp_path, capsys, monkeypatch,
+                                                                                    name):
+    path, flags, code, says = _bad_case(tmp_path, name)
+    _no_model(monkeypatch)
+    assert eval_lm.main([f"--ckpt={run / 'run'}", f"--tasks={path}", "--device=cpu", *flags]) == code
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(err) == 1 and err[0].startswith(f"eval_lm.py: {says}"), err
+
+
+def test_a_continuation_longer_than_max_seq_len_is_one_line(run, tmp_path, capsys):
+    f = _write(tmp_path / "long.jsonl", [GOOD, {"context": "a", "choices": [" " + _sentence(1, 30), " b"], "label": 0}])
+    assert eval_lm.main([f"--ckpt={run / 'run'}", f"--tasks={f}", "--device=cpu", "--max_seq_len=8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"eval_lm.py: {f}:2: choice 0 is ") and "more than the 8 a forward holds" in err[-1], err
+
+
+def test_a_choice_that_encodes_to_no_token_is_refused_naming_its_line(monkeypatch):
+    from evals import lm_tasks
+    monkeypatch.setattr(lm_tasks, "encode_pair", lambda tok, context, continuation: ([5], []))
+    with pytest.raises(lm_tasks.TaskFormatError, match=r"t.jsonl:7: choice 0 \(' x'\) encodes to no token"):
+        lm_tasks.encode_requests(None, 1, [("a", [" x"], 0, "generic")], 8, ["t.jsonl:7"])
+
+
+def test_the_out_destination_is_checked_before_the_model_and_a_missing_directory_is_created(run, tmp_path, capsys,
+                                                                                             monkeypatch):
+    import tempfile
+    task = _write(tmp_path / "t.jsonl", [GOOD, GOOD])
+    base = [f"--ckpt={run / 'run'}", f"--tasks={task}", "--device=cpu"]
+    blocker = tmp_path / "file.txt"
+    blocker.write_text("x")
+    with monkeypatch.context() as m:
+        _no_model(m)
+        # a path under a regular file: its directory cannot be made (root too)
+        assert eval_lm.main([*base, f"--out={blocker / 'res.json'}"]) == 2
+        err = capsys.readouterr().err
+        assert f"eval_lm.py: --out={blocker / 'res.json'}: cannot create its directory {blocker}" in err
+        assert eval_lm.main([*base, f"--loglikelihoods_out={tmp_path}"]) == 2  # a directory where the file belongs
+        assert f"--loglikelihoods_out={tmp_path}: is a directory" in capsys.readouterr().err
+
+        def read_only(*a, **k):  # a directory that refuses new files (permission bits do not stop root)
+            raise PermissionError(13, "Permission denied")
+        m.setattr(tempfile, "mkstemp", read_only)
+        assert eval_lm.main([*base, f"--out={tmp_path / 'res.json'}"]) == 2
+        err = capsys.readouterr().err
+        assert f"--out={tmp_path / 'res.json'}: cannot write in {tmp_path}: Permission denied" in err
+    out = tmp_path / "new" / "sub" / "res.json"  # missing parents: created, as mkdir -p
+    assert eval_lm.main([*base, f"--out={out}", f"--loglikelihoods_out={tmp_path / 'new2' / 'lls.jsonl'}"]) == 0
+    assert json.loads(out.read_text())["tasks"][0]["n"] == 2
+    assert len((tmp_path / "new2" / "lls.jsonl").read_text().splitlines()) == 2
+
+
+# ---------------------------------------------------------------------------- batched scoring
+
+def _model(run):
+    from model.config import read_model_config
+    from parallel.checkpoint_io import checkpoint_model_state
+    from utils.checkpoint import find_latest_valid
+    d = find_latest_valid(str(run / "run"), log=lambda m: None)
+    m = Transformer(read_model_config(d))
+    m.load_state_dict(checkpoint_model_state(d))
+    return m.eval()
+
+
+def test_batched_scoring_equals_one_forward_per_request(run, tmp_path):
+    """Every format's choices (contexts left-truncated at MAX_LEN, 2-shot) and perplexity windows of other
+    lengths, scored in padded batches of 1, 3, 16 and 64: each log-likelihood equals the unbatched
+    choice_loglikelihood's up to float32 rounding, and acc / acc_norm / the perplexity are the same."""
+    from evals import lm_tasks
+    from tokenizer import load_tokenizer
+    tok = load_tokenizer(str(run / "tok"))
+    model = _model(run)
+    bos, eos = 1, 2
+    reqs = [r for path in _task_files(tmp_path) for r in lm_tasks.fewshot_requests(eval_lm.read_task(path), 1)]
+    encoded = lm_tasks.encode_requests(tok, bos, reqs, MAX_LEN)
+    want = [[choice_ll(model, ids, n) for ids, n in item] for item in encoded]
+    held = tmp_path / "held.jsonl"
+    held.write_text("".join(json.dumps({"text": _sentence(i, 5 + 9 * i)}) + "\n" for i in range(8)))
+    windows, docs, _ = lm_tasks.perplexity_requests(tok, bos, eos, [str(held)], "text", 24)
+    want_ppl = [choice_ll(model, w, n, 24) for w, n in windows]
+    assert len({len(w) for w, _ in windows}) > 3 and len({len(ids) for item in encoded for ids, _ in item}) > 10
+    assert max(len(ids) for item in encoded for ids, _ in item) > MAX_LEN + 1  # some are left-truncated
+    for bs in (1, 3, 16, 64):
+        got = lm_tasks.score_encoded(model, encoded, MAX_LEN, "cpu", batch_size=bs)
+        for g, w in zip(got, want):
+            assert g == pytest.approx(w, rel=1e-5, abs=1e-4), bs
+        if bs == 1:  # one row per forward: the unbatched values themselves
+            assert got == want
+        assert lm_tasks.tally(reqs, got) == lm_tasks.tally(reqs, want)
+        got_ppl = lm_tasks.loglikelihoods(model, windows, 24, "cpu", batch_size=bs)
+        assert got_ppl == pytest.approx(want_ppl, rel=1e-5, abs=1e-4), bs
+        assert lm_tasks.perplexity_result(windows, got_ppl, docs, 0)["ppl"] == pytest.approx(
+            lm_tasks.perplexity_result(windows, want_ppl, docs, 0)["ppl"], rel=1e-6)
+
+
+def choice_ll(model, ids, n, max_len=MAX_LEN):
+    return eval_lm.choice_loglikelihood(model, ids, n, max_len, "cpu")
+
+
+def test_progress_goes_to_stderr_and_batch_size_is_a_flag(run, tmp_path, capsys, monkeypatch):
+    import sample
+    tasks = _task_files(tmp_path)
+    seen = []
+    real_load = sample.load_for_inference
+
+    def load(*a, **k):  # what the user had seen when the model began to load
+        seen.append(capsys.readouterr().err)
+        return real_load(*a, **k)
+    monkeypatch.setattr(sample, "load_for_inference", load)
+    forwards = []
+    real_forward = Transformer.forward
+    monkeypatch.setattr(Transformer, "forward",
+                        lambda self, x, *a, **k: forwards.append(x.shape) or real_forward(self, x, *a, **k))
+    assert eval_lm.main([f"--ckpt={run / 'run'}", f"--tasks={','.join(tasks)}", "--device=cpu", "--batch_size=5",
+                         f"--max_seq_len={MAX_LEN}"]) == 0
+    n_records = sum(len(recs) for recs in FORMATS.values())
+    n_choices = sum(len(r[2]) for recs in FORMATS.values() for r in recs)
+    # before the model loads (and before torch is imported): the files checked, the bar
+    assert seen[0].startswith(f"[eval] 5 task file(s) checked: {n_records} records\n")
+    assert "[eval] loading the tokenizer and the model: 0req" in seen[0]
+    captured = capsys.readouterr()
+    assert "[eval] scoring: 100%" in captured.err and f"{n_choices}/{n_choices}" in captured.err
+    assert ("req/s" in captured.err or "s/req" in captured.err) and "[eval] scoring" not in captured.out
+    assert "[eval] arc.jsonl: acc" in captured.out
+    # the requests of each file in forwards of at most 5 rows, padded to the batch's longest
+    per_file = [sum(len(r[2]) for r in recs) for recs in FORMATS.values()]
+    assert len(forwards) == sum(-(-c // 5) for c in per_file) and max(s[0] for s in forwards) == 5
+    assert eval_lm.main([f"--ckpt={run / 'run'}", f"--tasks={tasks[0]}", "--batch_size=0"]) == 2
+    assert "--batch_size >= 1" in capsys.readouterr().err
+
+
+def test_a_tokenizer_dir_that_does_not_load_is_one_line(run, tmp_path, capsys):
+    """As sample.py: a tokenizer directory without tokenizer_meta.json (exit 2), or one whose tokenizer_config.json
+    was edited to ask for remote code (exit 3: a file changed since its meta listed it), is one line naming the
+    file, never a traceback."""
+    import shutil
+    f = _write(tmp_path / "t.jsonl", [GOOD, GOOD])
+    no_meta = tmp_path / "no_meta"
+    shutil.copytree(run / "tok", no_meta)
+    (no_meta / "tokenizer_meta.json").unlink()
+    remote = tmp_path / "remote"
+    shutil.copytree(run / "tok", remote)
+    cfg = json.loads((remote / "tokenizer_config.json").read_text())
+    (remote / "tokenizer_config.json").write_text(json.dumps(dict(cfg, auto_map={"AutoTokenizer": ["x.Tok", None]})))
+    for tok, names, code in ((no_meta, "tokenizer_meta.json", 2), (remote, "tokenizer_config.json", 3)):
+        capsys.readouterr()
+        assert eval_lm.main([f"--ckpt={run / 'run'}", f"--tasks={f}", "--device=cpu",
+                             f"--tokenizer_dir={tok}"]) == code
+        err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip() and "Traceback" not in ln]
+        assert err and f"{tok / names}" in err[-1] and err[-1].startswith("eval_lm.py:"), err
