@@ -11,13 +11,13 @@ LONG ?=
 .PHONY: demo test test-gpu gpu-report venv venv-dev lock-check bench clean
 
 # Two pinned locks (scripts/lock_requirements.py writes them): requirements.txt is what the demo and the pipeline
-# need (~2.4 GB with torch, a few minutes the first time), requirements-dev.txt adds the tests and every optional
+# need (~1.5 GB with torch, a minute or more the first time), requirements-dev.txt adds the tests and every optional
 # extra a test covers. pip shows its progress: the first run is long and should not look hung.
 venv: $(STAMP)
 venv-dev: $(DEV_STAMP)
 
 $(STAMP): requirements.txt
-	@test -x $(VPY) || { echo "make: creating $(VENV) (first run: installing PyTorch and the pinned requirements, ~2.4 GB)"; $(PY) -m venv $(VENV); }
+	@test -x $(VPY) || { echo "make: creating $(VENV) (first run: installing PyTorch and the pinned requirements, ~1.5 GB)"; $(PY) -m venv $(VENV); }
 	$(VPY) -m pip install --disable-pip-version-check --progress-bar on pip==$(PIP_VERSION)
 	$(VPY) -m pip install --disable-pip-version-check --progress-bar on -r requirements.txt
 	touch $(STAMP)
