@@ -47,7 +47,7 @@ from evals.lm_tasks import (DEFAULT_BATCH_SIZE, LETTERS, TaskConfigError, TaskFo
                             check_fewshot, choice_loglikelihood, encode_pair, encode_requests, evaluate_perplexity,
                             evaluate_task, fewshot_requests, loglikelihoods, mc_request, perplexity_requests,
                             perplexity_result, perplexity_windows, read_task, read_task_lines, tally,
-                            task_file_problem)
+                            task_file_problem, unreadable)
 
 
 def output_problem(flag: str, path: str) -> str | None:
@@ -81,12 +81,7 @@ def input_problem(path: str) -> str | None:
         return f"{path}: is a directory; give the held-out files themselves"
     if input_kind(path) is None:
         return f"{path}: unsupported file type (supported: {', '.join(SUPPORTED_EXTENSIONS)})"
-    try:
-        with open(path, "rb") as f:
-            f.read(1)
-    except OSError as e:
-        return f"{path}: cannot read: {e.strerror or e}"
-    return None
+    return unreadable(path)
 
 
 LOADING, SCORING = "[eval] loading the tokenizer and the model", "[eval] scoring"

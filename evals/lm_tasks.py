@@ -55,6 +55,11 @@ def task_file_problem(path: str) -> Optional[str]:
                 if ext in (".arrow", ".parquet", ".csv", ".tsv", ".gz", ".zip") else "")
         return (f"{path}: a task file is {' or '.join(TASK_EXTENSIONS)} (one JSON object per line), "
                 f"not {ext or 'a file without extension'}{hint}")
+    return unreadable(path)
+
+
+def unreadable(path: str) -> Optional[str]:
+    """`path: cannot read: <why>` when its first byte cannot be read (permissions, a broken mount), else None."""
     try:
         with open(path, "rb") as f:
             f.read(1)
