@@ -9,7 +9,7 @@ One loop for every task, world size and engine: the same wrapper, optimizer, cli
 precision policy whether or not the run is distributed; our DDP, FSDP2 (--parallel=fsdp) and pipeline
 stages (--pipeline_parallel_size) sit behind parallel/ (the engine's `forward_backward`, `evaluate`,
 `save`, `load`); what differs between pretraining, SFT and DPO (data, loss, units, validation figures)
-is trainer/task.py's; where weights come from (Hugging Face, our checkpoints, LoRA bases) is
+is trainer/tasks/' (one module per task); where weights come from (Hugging Face, our checkpoints, LoRA bases) is
 trainer/weights.py's. Read trainer/loop.py `train()` top to bottom: configuration -> where the run starts (`decide_start`)
 -> model (`build_model`, `choose_trainable`, `dpo_reference`) -> engine + optimizer (`place_on_engine`)
 -> data -> resumed state (`restore`) -> the loop (`Loop.step`: lr, micro-batches, token-normalised

@@ -19,7 +19,7 @@ loss_fn(model, batch) -> (sum of the micro-batch's per-unit losses, {stat: sum})
 `engine.dp_rank` / `engine.dp_size` are the data-parallel coordinates the data loader must use;
 `engine.capabilities` what it declares it can do (parallel/config.py CAPABILITIES).
 
-Owns: the interface, the step statistics' layout (STEP_FIELDS), the shared micro-batch loop.
+Owns: the interface, the step statistics' layout (step_fields), the shared micro-batch loop.
 Must never: run the training loop, or decide what the trainer's state holds.
 """
 from __future__ import annotations
@@ -34,42 +34,47 @@ from torch import nn
 from parallel.checkpoint_io import is_pipeline_checkpoint, read_pipeline_meta_safe
 from utils.dist import all_reduce_sum
 
-# loss_fn(model, batch) -> (sum of the per-unit losses of the micro-batch, {"chosen_reward": sum, ...})
+# loss_fn(model, batch) -> (sum of the per-unit losses of the micro-batch, {statistic: its sum, ...})
 LossFn = Callable[[nn.Module, dict], tuple[torch.Tensor, dict]]
-STAT_KEYS = ("chosen_reward", "rejected_reward", "reward_acc")
-STEP_FIELDS = ("loss_sum", *STAT_KEYS, "units")  # the layout of every engine's step / evaluation sums
+
+
+def step_fields(stat_keys: Sequence[str]) -> tuple[str, ...]:
+    """The layout of every engine's step / evaluation sums: the loss sum, the task's statistics (in the order its
+    `stat_keys` gives, trainer/tasks/), the units. One float64 vector, so that one all-reduce carries it."""
+    return ("loss_sum", *stat_keys, "units")
 
 
 @dataclass
 class StepStats:
     """Sums over micro-batches (and, once reduced, over data-parallel replicas) with names: what
-    `forward_backward` and `evaluate` return as one float64 vector in STEP_FIELDS order (a vector so
-    that one all-reduce carries it). `units`: target tokens (pretrain/SFT) or pairs (DPO); the
-    forward_backward vector leaves it 0 (the trainer counted the step's units before the step)."""
+    `forward_backward` and `evaluate` return as one float64 vector in step_fields(stat_keys) order. `units`: the
+    task's units (target tokens, preference pairs, ...); the forward_backward vector leaves it 0 (the trainer
+    counted the step's units before the step)."""
     loss_sum: float = 0.0
-    chosen_reward: float = 0.0
-    rejected_reward: float = 0.0
-    reward_acc: float = 0.0
+    stats: dict = field(default_factory=dict)
     units: float = 0.0
 
     @classmethod
-    def from_tensor(cls, t: torch.Tensor) -> "StepStats":
-        return cls(*(float(v) for v in t.detach().to("cpu", torch.float64).reshape(-1).tolist()))
+    def from_tensor(cls, t: torch.Tensor, stat_keys: Sequence[str] = ()) -> "StepStats":
+        values = [float(v) for v in t.detach().to("cpu", torch.float64).reshape(-1).tolist()]
+        if len(values) != len(stat_keys) + 2:
+            raise ValueError(f"a step row of {len(values)} values for the fields {step_fields(stat_keys)}")
+        return cls(values[0], dict(zip(stat_keys, values[1:-1])), values[-1])
 
     def per_unit(self, units: Optional[float] = None) -> dict[str, float]:
         """Each sum divided by `units` (default: its own count, at least 1)."""
         n = max(1.0, self.units if units is None else units)
-        return {"loss": self.loss_sum / n, **{k: getattr(self, k) / n for k in STAT_KEYS}}
+        return {"loss": self.loss_sum / n, **{k: v / n for k, v in self.stats.items()}}
 
 
-def stat_row(loss_sum: torch.Tensor, stats: dict, units: float = 0.0) -> torch.Tensor:
-    """float64 STEP_FIELDS of one micro-batch, on the loss's device, without a host read: tensor
+def stat_row(loss_sum: torch.Tensor, stats: dict, stat_keys: Sequence[str] = (), units: float = 0.0) -> torch.Tensor:
+    """float64 step_fields(stat_keys) of one micro-batch, on the loss's device, without a host read: tensor
     statistics are detached and cast there, host numbers enter by a fill (`new_full`)."""
     def one(v: Any) -> torch.Tensor:
         if isinstance(v, torch.Tensor):
             return v.detach().to(dtype=torch.float64).reshape(1)
         return loss_sum.new_full((1,), float(v), dtype=torch.float64)
-    return torch.cat([one(loss_sum)] + [one(stats.get(k, 0.0)) for k in STAT_KEYS] + [one(units)])
+    return torch.cat([one(loss_sum)] + [one(stats.get(k, 0.0)) for k in stat_keys] + [one(units)])
 
 
 def begin_micro_batch(forward_model: Any) -> None:
@@ -80,8 +85,8 @@ def begin_micro_batch(forward_model: Any) -> None:
         begin()
 
 
-def zero_stats() -> torch.Tensor:
-    return torch.zeros(len(STEP_FIELDS), dtype=torch.float64)
+def zero_stats(stat_keys: Sequence[str] = ()) -> torch.Tensor:
+    return torch.zeros(len(step_fields(stat_keys)), dtype=torch.float64)
 
 
 class TrainingEngine(Protocol):
@@ -135,6 +140,9 @@ class Engine:
     # the ranks the gradient reduction averages over when they are more than dp_size (context parallel: dp x cp,
     # each cp rank holding part of every sequence); 0 = dp_size
     grad_ranks: int = 0
+    # the task's logged statistics (trainer/tasks/: DPO's rewards, ...), summed beside the loss in every step row;
+    # set by the trainer after the build, the same on every rank (a pipeline's stages broadcast rows of this size)
+    stat_keys: tuple = ()
 
     def __post_init__(self) -> None:
         if self.forward_model is None:
@@ -159,7 +167,7 @@ class Engine:
                          poison: bool = False) -> torch.Tensor:
         """Forward + backward of this rank's micro-batches; gradients accumulate (no_sync on all but
         the last) and are those of (all replicas' loss sums) / global_units. Returns the float64
-        STEP_FIELDS sums of this rank's micro-batches (StepStats.from_tensor names them), on the
+        step_fields(stat_keys) sums of this rank's micro-batches (StepStats.from_tensor names them), on the
         device that computed them: nothing here reads a value back to the host (no sync per micro-batch;
         the trainer reads the step's sums once, after the optimizer step).
         poison (a test hook): the step's loss and gradients become NaN."""
@@ -177,13 +185,13 @@ class Engine:
                 # loss_sum is already the cp group's (model/ring_attention.py: identity backward), each cp rank's
                 # gradient is its part of it, and the average runs over dp x cp ranks (grad_ranks)
                 self.optimizer.scale_loss(loss_sum * ((self.grad_ranks or self.dp_size) / global_units)).backward()
-            row = stat_row(loss_sum, stats)
+            row = stat_row(loss_sum, stats, self.stat_keys)
             acc = row if acc is None else acc + row
-        return acc if acc is not None else zero_stats()
+        return acc if acc is not None else zero_stats(self.stat_keys)
 
     @torch.no_grad()
     def evaluate(self, batches: Sequence[dict], loss_fn: LossFn, count_units: Callable[[dict], int]) -> torch.Tensor:
-        """float64 STEP_FIELDS sums over this rank's validation batches, units counted (forward only;
+        """float64 step_fields(stat_keys) sums over this rank's validation batches, units counted (forward only;
         the model is back in train mode afterwards)."""
         self.forward_model.eval()
         sums = None
@@ -191,12 +199,12 @@ class Engine:
             for batch in batches:
                 begin_micro_batch(self.forward_model)
                 loss_sum, stats = loss_fn(self.forward_model, batch)
-                row = stat_row(loss_sum, stats, units=count_units(batch))  # counted on the host batch
+                row = stat_row(loss_sum, stats, self.stat_keys, units=count_units(batch))  # counted on the host
                 sums = row if sums is None else sums + row
         finally:
             self.forward_model.train()
             self._after_forward_only()
-        return sums if sums is not None else zero_stats()
+        return sums if sums is not None else zero_stats(self.stat_keys)
 
     def _after_forward_only(self) -> None:
         """Hook after a forward with no backward (FSDPEngine frees the gathered parameters)."""

@@ -39,7 +39,7 @@ from optimizer.fsdp_optimizer import FSDPOptimizer
 from parallel.checkpoint_io import (damaged_file_hint, is_pipeline_checkpoint, load_extra_state,
                                     read_pipeline_meta_safe, refuse_nonfinite_weights)
 from parallel.config import CAPABILITIES, ParallelConfig
-from parallel.engine import Engine, LossFn, stat_row
+from parallel.engine import Engine, LossFn, stat_row, step_fields
 from parallel.engine_ddp import wrap_ddp
 from parallel.fsdp import broadcast_from_first, reshard, validate_fsdp_options, wrap_fsdp
 from parallel.mesh import build_device_mesh, counts_in_sums
@@ -112,7 +112,7 @@ class PipelineParallelEngine(Engine):
     # ------------------------------------------------------------------ one step
     def _schedule_loss(self, output: torch.Tensor, target: Any) -> torch.Tensor:
         """The schedule's loss on the last stage, per micro-batch in order: the task's loss_fn over this
-        micro-batch's per-token losses (`output`, [rows, T]); its STEP_FIELDS row is summed. The backward
+        micro-batch's per-token losses (`output`, [rows, T]); its step_fields(stat_keys) row is summed. The backward
         sees loss_sum * dp / global_units (our DDP averages over dp, so gradients are those of (all
         replicas' loss sums) / global_units), with the fp16 loss scale on top."""
         i = int(target.reshape(-1)[0])  # the micro-batch's index (a host tensor: no device read)
@@ -123,7 +123,7 @@ class PipelineParallelEngine(Engine):
         units = self._count_units(mb) if self._count_units is not None else 0.0
         # by index: the schedule's shape inference (first step, eval <-> train) calls this once more, for
         # micro-batch 0 before its real forward, which overwrites it
-        self._rows[i] = stat_row(loss_sum, stats, units=units)
+        self._rows[i] = stat_row(loss_sum, stats, self.stat_keys, units=units)
         return self.optimizer.scale_loss(loss_sum * self._loss_mult)
 
     def _start(self, mbs: list, loss_fn: LossFn, count_units: Optional[Callable[[dict], int]]) -> tuple:
@@ -145,7 +145,7 @@ class PipelineParallelEngine(Engine):
         """Run the schedule over this dp replica's micro-batches (every rank of a pp group passes the same
         ones; the first stage reads input_ids, the last labels, all of them attention_mask / position_ids).
         Gradients accumulate (DDP no_sync) and are reduced over dp in optimizer.step(). Returns the float64
-        STEP_FIELDS row (the last stage's loss sum, broadcast over the pp group). Collective over the mesh."""
+        step_fields(stat_keys) row (the last stage's loss sum, broadcast over the pp group). Collective over the mesh."""
         mbs = list(batches)
         if len(mbs) != self.n_microbatches:
             raise ValueError(f"the pipeline schedule was built for {self.n_microbatches} micro-batches "
@@ -163,7 +163,7 @@ class PipelineParallelEngine(Engine):
 
     @torch.no_grad()
     def evaluate(self, batches: Sequence[dict], loss_fn: LossFn, count_units: Callable[[dict], int]) -> torch.Tensor:
-        """float64 STEP_FIELDS sums of this dp replica's batches, forward only (validation).
+        """float64 step_fields(stat_keys) sums of this dp replica's batches, forward only (validation).
         len(batches) must be a multiple of n_microbatches, each batch of the training shape. Switching the
         schedule between eval and train re-runs its shape inference (one extra forward; no effect on the
         numbers)."""
@@ -240,8 +240,8 @@ class PipelineParallelEngine(Engine):
         return args, (torch.arange(len(mbs)).reshape(-1, 1) if self.is_last else None), kwargs
 
     def _broadcast_row(self) -> torch.Tensor:
-        """The last stage's STEP_FIELDS sums of this call's micro-batches, on every stage of the pp group."""
-        row = torch.zeros(5, dtype=torch.float64, device=self.stage.device)
+        """The last stage's step_fields(stat_keys) sums of this call's micro-batches, on every stage of the pp group."""
+        row = torch.zeros(len(step_fields(self.stat_keys)), dtype=torch.float64, device=self.stage.device)
         if self.is_last:
             if sorted(self._rows) != list(range(len(self._pending))):
                 raise RuntimeError(f"the schedule computed the losses of micro-batches {sorted(self._rows)} of "

@@ -582,7 +582,8 @@ def validate_config(cfg: TrainConfig, world_size: Optional[int] = None, torch_fr
 
 def _choices_and_combinations(cfg: TrainConfig, p: _Problems, torch_free: bool) -> None:
     """Choices, required paths, and flags that cannot be combined."""
-    p.choice("task_type", ("pretrain", "sft", "dpo"))
+    from trainer.tasks import TASKS  # (torch-free: the names only)
+    p.choice("task_type", tuple(TASKS))
     if not str(cfg.out_dir).strip():
         p.append(f"--out_dir={cfg.out_dir!r}: must name the run directory (it holds the checkpoints)")
     if not 0 <= cfg.seed < 2**32:  # numpy's and the data order's generators take a 32-bit unsigned seed

@@ -5,7 +5,7 @@ Owns: the order of a step (lr, micro-batches, token-normalised loss through the 
 spike guard), the log line, evaluation, samples, checkpoints, the graceful stop on SIGTERM/SIGINT; and when a
 step's device values are read: one step late (`Loop.step` queues step s+1, then reads step s: the host never
 waits for the device between steps), at once where evaluation, samples, a checkpoint or the end need it.
-Must never: branch on the engine (parallel/ hides which one runs) or on the task (trainer/task.py).
+Must never: branch on the engine (parallel/ hides which one runs) or on the task (trainer/tasks/: ask the task).
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from trainer.faults import fire_step_faults, fires, save_fault_hook, spike_fault
 from trainer.samples import TrainSampler, read_prompts
 from trainer.start import Progress, build_model, choose_trainable, decide_start, dpo_reference, place_on_engine, \
     restore
-from trainer.task import build_data, count_tokens, count_units, evaluate, micro_batch_loss, prefetch_depth
+from trainer.task import build_data, count_tokens, evaluate, prefetch_depth, task_of
 from utils import checkpoint as ckpt
 from utils import run_lock
 from utils.async_checkpoint import AsyncCheckpointer
@@ -269,7 +269,8 @@ class Loop:
         self.sampler = build_sampler(cfg)  # --sample_every: prompts and tokenizer checked on every rank
         self.task_eval = build_task_evaluator(cfg) if info.is_main else None  # --eval_tasks: files read now
         self.resumed_from = {"step": progress.step, "data_step": progress.data_step}
-        self.loss_fn = lambda model, batch: micro_batch_loss(cfg, model, ref_model, batch, info.device)  # noqa: E731
+        self.task = task = task_of(cfg)  # trainer/tasks/: the loss, units and statistics of --task_type
+        self.loss_fn = lambda model, batch: task.micro_batch_loss(model, ref_model, batch, info.device)  # noqa: E731
         self.pbar = None
         # the step queued last, not read yet (`step` leaves it for one step, `finish` reads it): its metrics row
         # without the device's values, the copies of those values on their way to the host, the optimizer's verdict
@@ -335,7 +336,7 @@ class Loop:
         lr = lr_at(p.step, **self.lr_kw)
         engine.optimizer.set_lr(lr)
         batches, skipped = self._draw()
-        counts = engine.sum_over_data([float(sum(count_units(cfg, b) for b in batches)),
+        counts = engine.sum_over_data([float(sum(self.task.count_units(b) for b in batches)),
                                        float(sum(count_tokens(b) for b in batches))], info.device)
         global_units, step_tokens = max(1.0, float(counts[0])), float(counts[1])
         engine.optimizer.zero_grad()
@@ -349,9 +350,7 @@ class Loop:
         sums_copy = HostCopy(engine.sum_over_data(sums, info.device, to_host=False))
         verdict = engine.optimizer.step()  # clips, skips and steps on the device; its verdict is read in `finish`
         p.step += 1
-        # the loss's target tokens (pretrain, SFT); DPO's unit is a pair, so it counts the tokens read (chosen and
-        # rejected, padding excluded)
-        p.tokens_seen += int(global_units) if cfg.task_type != "dpo" else int(step_tokens)
+        p.tokens_seen += self.task.tokens_seen(global_units, step_tokens)  # target tokens, or the tokens read (DPO)
         self.metrics.heartbeat()
         if self.pbar is not None:
             self.pbar.update(1)
@@ -398,11 +397,9 @@ class Loop:
         """The queued step's row completed with what the device computed: the loss (and DPO) sums per unit,
         and the optimizer's verdict (stepped, grad_norm)."""
         rec = pending.rec
-        stats = StepStats.from_tensor(pending.sums.get()).per_unit(pending.global_units)
+        stats = StepStats.from_tensor(pending.sums.get(), self.engine.stat_keys).per_unit(pending.global_units)
         stepped, grad_norm = pending.verdict
-        rec.update(loss=stats["loss"], grad_norm=grad_norm, stepped=bool(stepped))
-        if self.cfg.task_type == "dpo":
-            rec.update({k: stats[k] for k in ("chosen_reward", "rejected_reward", "reward_acc")})
+        rec.update(loss=stats["loss"], grad_norm=grad_norm, stepped=bool(stepped), **self.task.step_metrics(stats))
         return rec
 
     def write_pending_row(self) -> None:

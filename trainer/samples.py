@@ -66,7 +66,8 @@ class TrainSampler:
         self.tok = load_tokenizer(tokenizer_dir)
         special = load_tokenizer_meta(tokenizer_dir)["special_tokens"]
         self.stop_ids = [int(special[name]["id"]) for name in STOP_TOKENS]
-        self.chat = task_type in ("sft", "dpo")  # the model learned replies to user turns
+        from trainer.tasks import task_class
+        self.chat = bool(task_class(task_type).chat)  # the model learned replies to user turns
         self.prompts, self.every, self.max_new_tokens = list(prompts), int(every), int(max_new_tokens)
         self.temperature, self.seed = float(temperature), int(seed)
         if self.chat:

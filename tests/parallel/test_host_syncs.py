@@ -20,7 +20,8 @@ from trainer.config import TrainConfig
 
 from trainer.task import count_units, micro_batch_loss
 from model import ModelConfig, Transformer
-from parallel.engine import STEP_FIELDS, StepStats
+from parallel.engine import StepStats, step_fields
+from trainer.tasks import task_class
 from parallel.build import build_engine
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -81,7 +82,9 @@ def _engine(device: torch.device, **flags):
     model = Transformer(ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=16,
                                     max_seq_len=16))
     cfg = TrainConfig(device=device.type, learning_rate=1e-3, grad_clip=1.0, **flags)
-    return cfg, build_engine(model.to(device), cfg, device=device)
+    engine = build_engine(model.to(device), cfg, device=device)
+    engine.stat_keys = task_class(cfg.task_type).stat_keys  # as the trainer sets them (trainer/start.py)
+    return cfg, engine
 
 
 def _batches(device_free_seed: int, n: int, task: str = "pretrain"):
@@ -132,7 +135,7 @@ def test_a_step_reads_one_number_back(flags):
     # (the clip coefficient's `new_tensor` did: 2 syncs per step on an H200)
     assert _one_step.from_host == (0, 0)
     assert stepped and 0 < norm < float("inf")
-    assert acc.dtype == torch.float64 and acc.shape == (len(STEP_FIELDS),)
+    assert acc.dtype == torch.float64 and acc.shape == (len(step_fields(engine.stat_keys)),)
     assert float(acc[0]) == pytest.approx(expect, rel=1e-5)
 
 
@@ -171,7 +174,7 @@ def test_evaluate_reads_nothing_back():
         sums = engine.evaluate(batches, lambda m, b: micro_batch_loss(cfg, m, None, b, device),
                                lambda b: units[id(b)])
     assert c.n == 0
-    named = StepStats.from_tensor(sums)
+    named = StepStats.from_tensor(sums, engine.stat_keys)
     assert named.units == sum(units.values()) and named.loss_sum > 0
     assert named.per_unit()["loss"] == pytest.approx(named.loss_sum / named.units)
 

@@ -2,7 +2,7 @@
 micro_batch_loss): each micro-batch's chosen and rejected rows run through the stages as one batch of 2B
 rows padded to the model's max_seq_len; the last stage hands their per-token losses to the task's loss_fn,
 which also runs the frozen reference model (a full copy on every rank). At pp=2 x dp=1 (2 processes, gloo,
-CPU), GPipe and 1F1B, the per-step loss, chosen / rejected rewards and reward accuracy (the STEP_FIELDS row),
+CPU), GPipe and 1F1B, the per-step loss, chosen / rejected rewards and reward accuracy (the step row),
 a validation pass (evaluate) and the final weights follow one process within 10x the reference's own
 rounding (its fp32 run against its fp64 run) plus a floor, as in tests/parallel/test_pipeline.py.
 """
@@ -14,6 +14,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+
+from trainer.tasks.dpo import DPOTask
 
 from optimizer import OptimizerConfig
 from tests.dist_helpers import spawn
@@ -44,8 +46,7 @@ def _pairs(step: int) -> list[dict]:
 
 
 def _loss_fn(ref):
-    from trainer.task import micro_batch_loss
-    return lambda model, batch: micro_batch_loss(CFG, model, ref, batch, torch.device("cpu"))
+    return lambda model, batch: DPOTask(CFG).micro_batch_loss(model, ref, batch, torch.device("cpu"))
 
 
 def _ref_model(dtype: torch.dtype = torch.float32):
@@ -85,6 +86,7 @@ def _worker(rank: int, world: int, tmp: str) -> None:
     loss_fn = _loss_fn(_ref_model())
     for schedule in ("gpipe", "1f1b"):
         eng = build_pipeline_parallel_engine(_new_model(0), _pc(schedule), OptimizerConfig(**OPT))
+        eng.stat_keys = DPOTask.stat_keys  # as the trainer sets them (trainer/start.py place_on_engine)
         rows = []
         for step in range(1, STEPS + 1):
             eng.optimizer.zero_grad()

@@ -247,3 +247,25 @@ def test_init_checkpoint_chooses_best_or_a_step_of_the_init_from_run(pretrained,
     lines = [line for line in pre.stderr.splitlines() if line.strip()]
     assert pre.returncode == EXIT_BAD_CONFIG and len(lines) == 1 and "no checkpoint at step 99" in lines[0], pre.stderr
     assert "--init_checkpoint" in lines[0]
+
+
+def test_a_new_task_is_one_module_and_one_registration_line(tiny_pretrain_run_args, tmp_path, monkeypatch, capsys):
+    """tests/trainer/last_token_task.py (a loss on each row's last token, averaged over rows, one statistic of its
+    own) becomes --task_type=last_token by one entry in trainer.tasks.TASKS: the pre-check accepts the name, the
+    engines carry its statistic in the step row, the metrics rows and validation report it per unit."""
+    import train_my_ddp as T
+    from trainer import tasks
+    monkeypatch.setitem(tasks.TASKS, "last_token", "tests.trainer.last_token_task:LastTokenTask")  # the one line
+    out = tmp_path / "run"
+    code = T.main([*tiny_pretrain_run_args, f"--out_dir={out}", "--max_iters=3", "--task_type=last_token",
+                   "--eval_interval=3"])
+    assert code == 0, capsys.readouterr().err[-2000:]
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    steps = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert all(r["rows_scored"] == 1.0 and 0 < r["loss"] < 20 for r in steps), steps
+    assert any(r.get("val_rows_scored") == 1.0 for r in rows), rows
+    # its units are rows: 4 rows a step, so tokens_seen (the units by default) grows by 4
+    assert [r["tokens_seen"] for r in steps] == [4, 8, 12], steps
+    monkeypatch.delitem(tasks.TASKS, "last_token")
+    assert T.main([*tiny_pretrain_run_args, f"--out_dir={tmp_path / 'x'}", "--task_type=last_token"]) == 2

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from utils.dpo_loss import dpo_loss
+from trainer.tasks.dpo import dpo_loss
 from utils.lr_schedule import lr_at
 from utils.metrics import dedupe_by_step, read_metrics
 

@@ -1,0 +1,66 @@
+"""What a training task is: the one interface the trainer's loop, the engines' step rows and the metrics read, so that
+adding a task is one module here and one registration line (trainer/tasks/__init__.py).
+
+Owns: `Task` (its data, the loss of one micro-batch, what the loss is averaged over, the statistics it logs, what
+it needs from the run) and `TaskData` (what `datasets` returns).
+Must never: branch on the engine (parallel/engine.py hides it), or read a device value per micro-batch (statistics
+stay on the device as sums; the loop reads a step's row once).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Optional
+
+import torch
+
+from utils.constants import IGNORE_INDEX
+from utils.device import to_device
+
+
+@dataclass
+class TaskData:
+    """A task's datasets: `train` and `val` (index -> sample), the collate function (None: stack), the unit a
+    sample is counted in for the start's [data] line, where validation came from, and what to do when it is small."""
+    train: Any
+    val: Any
+    collate: Optional[Callable] = None
+    unit: str = "samples"
+    val_from: str = ""
+    more: str = ""
+
+
+class Task:
+    """One kind of training (pretrain, SFT, DPO, ...). Subclasses set the class attributes and `datasets`; the
+    defaults are a language-model loss over the batch's labels, summed over target tokens."""
+    name: ClassVar[str] = ""
+    units: ClassVar[str] = "target tokens"      # what a loss is averaged over, across micro-batches and ranks
+    stat_keys: ClassVar[tuple] = ()             # the statistics micro_batch_loss sums beside the loss (logged)
+    val_stat_keys: ClassVar[tuple] = ()         # of those, the ones validation reports as val_<key>
+    needs_reference: ClassVar[bool] = False     # a frozen reference model (DPO's), loaded from the initial weights
+    chat: ClassVar[bool] = False                # the model learns replies: --sample_prompts are user turns
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+
+    def datasets(self, tok_meta: dict, val_ratio: float, fixed_shape: bool,
+                 log: Optional[Callable[[str], None]]) -> TaskData:
+        raise NotImplementedError
+
+    def micro_batch_loss(self, model: Any, ref_model: Any, batch: dict, device: Any) -> tuple[torch.Tensor, dict]:
+        """(sum of the per-unit losses of this micro-batch, {stat key: its sum}); the caller divides by the step's
+        units over all micro-batches and ranks, so that every unit weighs the same."""
+        x, y = to_device(batch["input_ids"], device), to_device(batch["labels"], device)  # pinned, async
+        kw = {k: to_device(batch[k], device) for k in ("attention_mask", "position_ids") if k in batch}
+        return model(x, labels=y, reduction="sum", **kw), {}
+
+    def count_units(self, batch: dict) -> int:
+        """The units of a host batch (no device read)."""
+        return int((batch["labels"] != IGNORE_INDEX).sum())
+
+    def tokens_seen(self, units: float, tokens: float) -> int:
+        """What a step adds to tokens_seen: by default its units (target tokens)."""
+        return int(units)
+
+    def step_metrics(self, per_unit: dict) -> dict:
+        """The statistics of a step's metrics row, from its per-unit sums (the loss is added by the loop)."""
+        return {k: per_unit[k] for k in self.stat_keys}

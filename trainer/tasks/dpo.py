@@ -1,0 +1,88 @@
+"""Direct Preference Optimization: a frozen reference model (the initial weights, or --ref_model), sequence
+log-probabilities of the chosen and rejected replies, a sigmoid / IPO / hinge loss per pair, and the implicit rewards
+logged. The loss functions are pure tensor math (`dpo_loss`)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from data_preprocess.chat_tokens import DPO
+from data_preprocess.pretokenize_dpo_data import tokenize_dpo_records
+from dataset.dataset_dpo import build_dpo_splits
+from trainer.tasks.base import Task, TaskData
+from trainer.tasks.data import chat_data
+from trainer.tasks.sft import chat_val_words
+from utils.device import to_device
+
+DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
+
+
+def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor,
+             ref_chosen: torch.Tensor, ref_rejected: torch.Tensor, *, beta: float = 0.1,
+             loss_type: str = "sigmoid", label_smoothing: float = 0.0,
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-pair losses and the implicit rewards beta * (log pi - log pi_ref).
+
+    Inputs are summed log-probabilities of the reply tokens, shape [P]. Returns
+    (losses [P], chosen_rewards [P], rejected_rewards [P]); rewards are detached.
+    sigmoid: -(1-eps) log sigma(beta*h) - eps log sigma(-beta*h)  (eps = label smoothing, cDPO)
+    ipo:     (h - 1/(2 beta))^2                                   (Azar et al. 2023)
+    hinge:   relu(1 - beta*h)                                     (SLiC)
+    where h = (log pi(c) - log pi(r)) - (log ref(c) - log ref(r)).
+    """
+    if loss_type not in DPO_LOSS_TYPES:
+        raise ValueError(f"unknown dpo loss {loss_type!r}; expected one of {DPO_LOSS_TYPES}")
+    h = (policy_chosen - policy_rejected) - (ref_chosen - ref_rejected)
+    if loss_type == "sigmoid":
+        losses = -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
+    elif loss_type == "ipo":
+        losses = (h - 1.0 / (2.0 * beta)) ** 2
+    else:
+        losses = torch.relu(1.0 - beta * h)
+    chosen_rewards = beta * (policy_chosen - ref_chosen).detach()
+    rejected_rewards = beta * (policy_rejected - ref_rejected).detach()
+    return losses, chosen_rewards, rejected_rewards
+
+
+class DPOTask(Task):
+    name = "dpo"
+    units = "preference pairs"
+    stat_keys = ("chosen_reward", "rejected_reward", "reward_acc")
+    val_stat_keys = ("reward_acc",)
+    needs_reference = True
+    chat = True
+
+    def datasets(self, tok_meta, val_ratio, fixed_shape, log):
+        cfg = self.cfg
+        data = chat_data(cfg, cfg.data_dir, tokenize_dpo_records, DPO, tok_meta, "train", log)
+        train, val, collate = build_dpo_splits(data, cfg.max_seq_len, val_ratio=val_ratio, seed=cfg.seed)
+        if cfg.eval_data_dir:
+            ev = chat_data(cfg, cfg.eval_data_dir, tokenize_dpo_records, DPO, tok_meta, "validation", log)
+            val = build_dpo_splits(ev, cfg.max_seq_len, val_ratio=0.0, seed=cfg.seed)[0]
+        return TaskData(train, val, collate, DPO.units, *chat_val_words(cfg))
+
+    def micro_batch_loss(self, model, ref_model, batch, device):
+        def seq_logps(m, prefix: str) -> torch.Tensor:
+            x = to_device(batch[f"{prefix}_input_ids"], device)
+            y = to_device(batch[f"{prefix}_labels"], device)
+            kw = {"attention_mask": to_device(batch[f"{prefix}_attention_mask"], device)} \
+                if f"{prefix}_attention_mask" in batch else {}
+            per_token = m(x, labels=y, reduction="none", **kw)  # -log p, 0 at ignored positions
+            return -per_token.float().sum(dim=-1)
+
+        cfg = self.cfg
+        pc, pr = seq_logps(model, "chosen"), seq_logps(model, "rejected")
+        with torch.no_grad():
+            rc, rr = seq_logps(ref_model, "chosen"), seq_logps(ref_model, "rejected")
+        losses, ch_r, rj_r = dpo_loss(pc, pr, rc, rr, beta=cfg.dpo_beta, loss_type=cfg.dpo_loss,
+                                      label_smoothing=cfg.dpo_label_smoothing)
+        stats = {"chosen_reward": ch_r.detach().sum(), "rejected_reward": rj_r.detach().sum(),  # on the device
+                 "reward_acc": (ch_r > rj_r).float().sum()}
+        return losses.sum(), stats
+
+    def count_units(self, batch):
+        return int(batch["chosen_input_ids"].shape[0])
+
+    def tokens_seen(self, units, tokens):
+        """A pair is the unit: the tokens read (chosen and rejected, padding excluded) are what it saw."""
+        return int(tokens)
