@@ -174,7 +174,7 @@ def _worker_pp2(rank: int, world: int, tmp: str) -> None:
     _record(tmp, "gpipe", eng, [r[0] for r in res], [r[1] for r in res])
     mbs = [{"input_ids": x, "labels": y} for x, y in _global_batches(STEPS + 1)]
     row = eng.evaluate(mbs + mbs, _token_loss, _count_units)  # 2 rounds of the schedule
-    eval_sum, eval_units = float(row[0]), float(row[4])
+    eval_sum, eval_units = float(row[0]), float(row[-1])  # the units: the last field
     res = [_step(eng, STEPS + 1)]
     _record(tmp, "gpipe_after_eval", eng, [r[0] for r in res], [r[1] for r in res])
     with open(os.path.join(tmp, f"eval_rank{rank}.json"), "w") as f:
