@@ -51,7 +51,8 @@ from typing import BinaryIO, Optional
 
 # The monitor lives next to utils/, so this import works from any working directory when the
 # script is run by path (sys.path[0] is the script's directory).
-from utils.checkpoint_layout import COMPLETE_MARKER, RUN_START, checkpoint_root, misnamed_step, parse_step
+from utils.checkpoint_layout import COMPLETE_MARKER, RUN_START, checkpoint_root, parse_step
+from utils.run_dir import misnamed_step
 from utils.constants import EXIT_DISK_FULL, EXIT_INTERRUPTED, EXIT_LOSS_SPIKE, EXIT_OK, NON_RETRYABLE_EXIT_CODES
 from utils.disk_space import DiskFullError, writing
 from utils import run_lock

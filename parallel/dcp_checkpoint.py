@@ -62,8 +62,9 @@ from utils.checkpoint import (CheckpointError, CheckpointMismatchError, first_no
 from utils.dcp_files import (DCPCheckpointError, SafeFileSystemReader, dcp_dir_problem,  # noqa: F401 (re-exported)
                              dcp_layout_problem, read_dcp_metadata)
 from utils.checkpoint_layout import (COMPLETE_MARKER, DCP_MANIFEST, DCP_METADATA, MANIFEST,  # noqa: F401 (re-exported)
-                                     dcp_shard_file, extra_file, misnamed_step, parse_step, step_dir_name)
+                                     dcp_shard_file, extra_file, parse_step, step_dir_name)
 from utils.publish import fsync_file, make_temp_dir
+from utils.run_dir import misnamed_step
 
 DCP_FORMAT = 1
 _MODEL, _OPTIM = "model.", "optim."

@@ -268,6 +268,18 @@ def no_weights_message(flag: str, path: str) -> str:
     return f"{flag}={path}: no complete checkpoint or Hugging Face model there{no_weights_detail(path)}"
 
 
+def init_checkpoint_problem(cfg: TrainConfig) -> Optional[str]:
+    """Why --init_checkpoint (other than latest) names nothing of --init_from, told from names and JSON only."""
+    if cfg.init_checkpoint == "latest":
+        return None
+    from utils.run_dir import checkpoint_choice_problem, is_hf_dir
+    if cfg.init_from in ("scratch", "resume") or is_hf_dir(cfg.init_from):
+        return (f"--init_checkpoint={cfg.init_checkpoint} chooses among the checkpoints of an --init_from run "
+                f"directory; --init_from={cfg.init_from} is not one")
+    choice = checkpoint_choice_problem(cfg.init_from, cfg.init_checkpoint)
+    return "--init_checkpoint: " + choice.replace("--checkpoint=", "--init_checkpoint=") if choice else None
+
+
 # ---------------------------------------------------------------------------- the pre-check (no torch)
 
 def precheck(argv: list[str], title: str, prog: str) -> None:
@@ -355,14 +367,9 @@ def precheck(argv: list[str], title: str, prog: str) -> None:
             fail(error + one_line(existing_run_error(cfg)))
         if cfg.init_from != "scratch" and not os.path.isdir(cfg.init_from):
             fail(error + no_weights_message("--init_from", cfg.init_from))
-        if cfg.init_checkpoint != "latest":
-            from utils.run_dir import checkpoint_choice_problem, is_hf_dir
-            if cfg.init_from in ("scratch", "resume") or is_hf_dir(cfg.init_from):
-                fail(error + f"--init_checkpoint={cfg.init_checkpoint} chooses among the checkpoints of an "
-                     f"--init_from run directory; --init_from={cfg.init_from} is not one")
-            choice = checkpoint_choice_problem(cfg.init_from, cfg.init_checkpoint)
-            if choice:
-                fail(error + "--init_checkpoint: " + choice.replace("--checkpoint=", "--init_checkpoint="))
+        choice = init_checkpoint_problem(cfg)
+        if choice:
+            fail(error + choice)
     if cfg.task_type == "dpo" and cfg.ref_model and not os.path.isdir(cfg.ref_model):
         fail(error + no_weights_message("--ref_model", cfg.ref_model))
     if int(os.environ.get("RANK", "0")) == 0:  # an --out_dir that cannot be made, or one another run holds

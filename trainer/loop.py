@@ -28,7 +28,8 @@ from model.flops import flops_per_token, mfu_from, resolve_peak_flops
 from parallel.config import ParallelConfig
 from parallel.engine import StepStats
 from tokenizer import load_tokenizer_meta
-from trainer.config import TrainConfig, TrainingError, max_iters_for_epochs, one_line, resolve_warmup, validate_config
+from trainer.config import (TrainConfig, TrainingError, eval_task_paths, max_iters_for_epochs, one_line, resolve_warmup,
+                            validate_config)
 from trainer.faults import fire_step_faults, fires, save_fault_hook, spike_fault, spiked, step_fault_due
 from trainer.samples import TrainSampler, read_prompts
 from trainer.start import Progress, build_model, choose_trainable, decide_start, dpo_reference, place_on_engine, \
@@ -53,7 +54,7 @@ TIMING_WARMUP_STEPS = 2  # steps of each process left out of the logged rate and
 def build_task_evaluator(cfg: TrainConfig):
     """--eval_tasks: the task files read, checked and encoded (exit 3 naming file:line, exit 2 for a path that is
     no task file or a choice longer than --max_seq_len), the run's tokenizer; else None."""
-    paths = [t.strip() for t in cfg.eval_tasks.split(",") if t.strip()]
+    paths = eval_task_paths(cfg)
     if not paths:
         return None
     # --batch_size requests per forward: a batch that fits a training step fits a no-grad forward

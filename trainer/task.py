@@ -2,8 +2,8 @@
 loaders of a task's data, the loss function an engine calls, the validation pass. The loop (trainer/loop.py) is
 the same for every task and asks this module and the task object.
 
-Owns: `build_data` (train loader + a maker of validation loaders, the [data] lines), `micro_batch_loss` /
-`count_units` (the task's, for the engines), `count_tokens` (from the host batch: no device read), `evaluate`
+Owns: `build_data` (train loader + a maker of validation loaders, the [data] lines), `task_of` (the run's task
+object: its micro-batch loss and units, for the engines), `count_tokens` (from the host batch: no device read), `evaluate`
 (mean validation loss over every data-parallel rank, and the task's validation statistics).
 Must never: branch on the engine (parallel/engine.py hides it), or on the task's name (ask the task).
 """
@@ -78,15 +78,6 @@ def prefetch_depth(cfg: TrainConfig, device) -> int:
 
 
 # ---------------------------------------------------------------------------- one micro-batch
-
-def micro_batch_loss(cfg: TrainConfig, model, ref_model, batch: dict, device) -> tuple[torch.Tensor, dict]:
-    """(sum of the per-unit losses of this micro-batch, sums of the task's statistics): the task's."""
-    return task_of(cfg).micro_batch_loss(model, ref_model, batch, device)
-
-
-def count_units(cfg: TrainConfig, batch: dict) -> int:
-    return task_of(cfg).count_units(batch)
-
 
 def count_tokens(batch: dict) -> int:
     """Real tokens the policy model reads in this micro-batch, for tokens/s and MFU: padding (attention_mask

@@ -29,12 +29,9 @@ before torch), touch the filesystem (utils/run_dir.py looks, utils/checkpoint.py
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 from typing import Any, Optional
-
-from utils.constants import MAX_STEPS
 
 # ---- the run directory
 CKPT_SUBDIR = "checkpoints"
@@ -84,22 +81,6 @@ def parse_step(name: str) -> Optional[int]:
     `.old` or any other name). ASCII digits only."""
     m = _STEP_NAME.fullmatch(name or "")
     return int(m.group(1)) if m else None
-
-
-def misnamed_step(path: str, step: int) -> Optional[int]:
-    """The step a checkpoint directory's trainer_state.json records when it is not the `step` its name says (a
-    copy saved under another name), else None (they agree, or the file is missing or unreadable: verifying the
-    directory names that). A misnamed directory is not one of the run's checkpoints: never loaded as the newest,
-    never pruned."""
-    try:
-        with open(os.path.join(path, TRAINER_STATE), encoding="utf-8") as f:
-            recorded = json.load(f).get("step")
-    except (OSError, ValueError, AttributeError):
-        return None
-    if isinstance(recorded, int) and not isinstance(recorded, bool) and 0 <= recorded <= MAX_STEPS and \
-            recorded != step:  # a step no run can reach is damage, which verifying the directory names
-        return recorded
-    return None
 
 
 def rank_file(kind: str, rank: int) -> str:

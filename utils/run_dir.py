@@ -19,12 +19,28 @@ from utils.errors import one_line  # noqa: F401  (re-exported for the pre-checks
 
 # The names are utils/checkpoint_layout.py's (re-exported: the pre-checks import them from here).
 from utils.checkpoint_layout import (CKPT_SUBDIR, COMPLETE_MARKER, MANIFEST, MODEL_FILE, RUN_CONFIG,  # noqa: F401
-                                     RUN_START, STEP_PREFIX, checkpoint_root, misnamed_step,
-                                     parse_step)
+                                     RUN_START, STEP_PREFIX, TRAINER_STATE, checkpoint_root, parse_step)
+from utils.constants import MAX_STEPS
 
 _STEP = re.compile(rf"^{STEP_PREFIX.rstrip('_')}_?(\d+)$")  # `--checkpoint=step_N`, `stepN` or `N` (utils/run_config.select_checkpoint)
 
 
+
+
+def misnamed_step(path: str, step: int) -> Optional[int]:
+    """The step a checkpoint directory's trainer_state.json records when it is not the `step` its name says (a
+    copy saved under another name), else None (they agree, or the file is missing or unreadable: verifying the
+    directory names that). A misnamed directory is not one of the run's checkpoints: never loaded as the newest,
+    never pruned."""
+    try:
+        with open(os.path.join(path, TRAINER_STATE), encoding="utf-8") as f:
+            recorded = json.load(f).get("step")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if isinstance(recorded, int) and not isinstance(recorded, bool) and 0 <= recorded <= MAX_STEPS and \
+            recorded != step:  # a step no run can reach is damage, which verifying the directory names
+        return recorded
+    return None
 
 
 def listed_checkpoints(out_dir: str) -> list[tuple[int, str]]:

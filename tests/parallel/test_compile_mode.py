@@ -13,7 +13,7 @@ from model import ModelConfig, Transformer
 from parallel.build import build_engine
 from parallel.config import ParallelConfig
 from trainer.config import TrainConfig
-from trainer.task import count_units, micro_batch_loss
+from trainer.task import task_of
 
 
 def test_a_bad_compile_mode_is_refused_in_one_line():
@@ -57,15 +57,15 @@ def test_the_mode_reaches_torch_compile_and_cuda_graph_modes_mark_each_micro_bat
     g = torch.Generator().manual_seed(0)
     batches = [{"input_ids": (x := torch.randint(0, 64, (2, 16), generator=g)), "labels": x.clone()}
                for _ in range(3)]
-    loss_fn = lambda m, b: micro_batch_loss(cfg, m, None, b, device)  # noqa: E731
-    units = float(sum(count_units(cfg, b) for b in batches))
+    loss_fn = lambda m, b: task_of(cfg).micro_batch_loss(m, None, b, device)  # noqa: E731
+    units = float(sum(task_of(cfg).count_units(b) for b in batches))
     with torch.no_grad():  # the wrapper changes nothing: the same loss as the bare model's
-        expect = sum(float(micro_batch_loss(cfg, model, None, b, device)[0]) for b in batches)
+        expect = sum(float(task_of(cfg).micro_batch_loss(model, None, b, device)[0]) for b in batches)
     engine.optimizer.zero_grad()
     sums = engine.forward_backward(batches, loss_fn, units)
     assert len(begins) == (3 if marks else 0)
     engine.optimizer.step()
-    engine.evaluate(batches[:2], loss_fn, lambda b: count_units(cfg, b))
+    engine.evaluate(batches[:2], loss_fn, lambda b: task_of(cfg).count_units(b))
     assert len(begins) == (5 if marks else 0)
     assert float(sums[0]) != 0.0 and abs(float(sums[0]) - expect) < 1e-3 * abs(expect)
 
@@ -89,17 +89,17 @@ def test_on_cuda_the_cuda_graph_steps_equal_the_plain_compiled_ones(micro_batche
         cfg = TrainConfig(device="cuda", compile=True, compile_mode=mode, gradient_accumulation_steps=micro_batches)
         engine = build_engine(model, cfg, device=device)
         assert engine.model.grads_on_params == (micro_batches == 1)
-        loss_fn = lambda m, b: micro_batch_loss(cfg, m, None, b, device)  # noqa: E731
+        loss_fn = lambda m, b: task_of(cfg).micro_batch_loss(m, None, b, device)  # noqa: E731
         g = torch.Generator().manual_seed(0)
         out = []
         for _ in range(3):
             batches = [{"input_ids": (x := torch.randint(0, 64, (2, 32), generator=g)), "labels": x.clone()}
                        for _ in range(micro_batches)]
             engine.optimizer.zero_grad()
-            sums = engine.forward_backward(batches, loss_fn, float(sum(count_units(cfg, b) for b in batches)))
+            sums = engine.forward_backward(batches, loss_fn, float(sum(task_of(cfg).count_units(b) for b in batches)))
             engine.optimizer.step()
             out.append(float(sums[0]))
-        out.append(float(engine.evaluate(batches, loss_fn, lambda b: count_units(cfg, b))[0]))
+        out.append(float(engine.evaluate(batches, loss_fn, lambda b: task_of(cfg).count_units(b))[0]))
         losses[mode] = out
         if mode != "default":
             assert int(counters["inductor"].get("cudagraph_skips", 0)) == 0

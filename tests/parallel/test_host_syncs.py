@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainer.config import TrainConfig
 
-from trainer.task import count_units, micro_batch_loss
+from trainer.task import task_of
 from model import ModelConfig, Transformer
 from parallel.engine import StepStats, step_fields
 from trainer.tasks import task_class
@@ -104,8 +104,8 @@ def _batches(device_free_seed: int, n: int, task: str = "pretrain"):
 
 
 def _one_step(cfg, engine, batches, device, ref=None):
-    loss_fn = lambda model, batch: micro_batch_loss(cfg, model, ref, batch, device)  # noqa: E731
-    units = float(sum(count_units(cfg, b) for b in batches))
+    loss_fn = lambda model, batch: task_of(cfg).micro_batch_loss(model, ref, batch, device)  # noqa: E731
+    units = float(sum(task_of(cfg).count_units(b) for b in batches))
     engine.optimizer.zero_grad()
     with CountItems() as fb:
         acc = engine.forward_backward(batches, loss_fn, units)
@@ -128,7 +128,7 @@ def test_a_step_reads_one_number_back(flags):
     cfg, engine = _engine(device, gradient_accumulation_steps=3, **flags)
     batches = _batches(0, 3)
     with torch.no_grad():  # the step's loss sum, evaluated before it
-        expect = sum(float(micro_batch_loss(cfg, engine.forward_model, None, b, device)[0]) for b in batches)
+        expect = sum(float(task_of(cfg).micro_batch_loss(engine.forward_model, None, b, device)[0]) for b in batches)
     n_fb, n_opt, acc, stepped, norm = _one_step(cfg, engine, batches, device)
     assert (n_fb, n_opt) == (0, 1)
     # and no tensor made from host data: a pageable host-to-device copy on a GPU, which synchronises
@@ -144,8 +144,8 @@ def test_forward_backward_sums_equal_the_per_batch_losses():
     cfg, engine = _engine(device, gradient_accumulation_steps=2)
     batches = _batches(1, 2)
     with torch.no_grad():
-        expect = [float(micro_batch_loss(cfg, engine.forward_model, None, b, device)[0]) for b in batches]
-    acc = engine.forward_backward(batches, lambda m, b: micro_batch_loss(cfg, m, None, b, device), 64.0)
+        expect = [float(task_of(cfg).micro_batch_loss(engine.forward_model, None, b, device)[0]) for b in batches]
+    acc = engine.forward_backward(batches, lambda m, b: task_of(cfg).micro_batch_loss(m, None, b, device), 64.0)
     assert float(acc[0]) == pytest.approx(sum(expect), rel=1e-6)
     assert acc[1:].abs().sum() == 0
 
@@ -158,7 +158,7 @@ def test_dpo_statistics_stay_on_the_device_and_sum_right():
                                   max_seq_len=16))
     batches = _batches(2, 2, task="dpo")
     with torch.no_grad():
-        per = [micro_batch_loss(cfg, engine.forward_model, ref, b, device) for b in batches]
+        per = [task_of(cfg).micro_batch_loss(engine.forward_model, ref, b, device) for b in batches]
     n_fb, n_opt, acc, stepped, _ = _one_step(cfg, engine, batches, device, ref=ref)
     assert (n_fb, n_opt) == (0, 1) and stepped
     for i, key in enumerate(("chosen_reward", "rejected_reward", "reward_acc"), start=1):
@@ -169,9 +169,9 @@ def test_evaluate_reads_nothing_back():
     device = torch.device("cpu")
     cfg, engine = _engine(device)
     batches = _batches(3, 2)
-    units = {id(b): count_units(cfg, b) for b in batches}  # read from the host batch (no device involved)
+    units = {id(b): task_of(cfg).count_units(b) for b in batches}  # read from the host batch (no device involved)
     with CountItems() as c:
-        sums = engine.evaluate(batches, lambda m, b: micro_batch_loss(cfg, m, None, b, device),
+        sums = engine.evaluate(batches, lambda m, b: task_of(cfg).micro_batch_loss(m, None, b, device),
                                lambda b: units[id(b)])
     assert c.n == 0
     named = StepStats.from_tensor(sums, engine.stat_keys)
@@ -198,7 +198,7 @@ def test_cuda_step_waits_for_the_norm_alone(monkeypatch, flat):
     assert engine.model.grads_on_params == (flat == "params")
     batches = _batches(0, n)
     _one_step(cfg, engine, batches, device)  # warm-up: lazy allocations and first-call set-up
-    loss_fn = lambda model, batch: micro_batch_loss(cfg, model, None, batch, device)  # noqa: E731
+    loss_fn = lambda model, batch: task_of(cfg).micro_batch_loss(model, None, batch, device)  # noqa: E731
     engine.optimizer.zero_grad()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("warn")
@@ -303,7 +303,7 @@ def test_cuda_step_returns_before_its_norm_is_computed(monkeypatch, flat):
     cfg, engine = _engine(device, dtype="bf16")
     batches = _batches(0, 1)
     _one_step(cfg, engine, batches, device)  # warm-up: lazy allocations and first-call set-up
-    loss_fn = lambda model, batch: micro_batch_loss(cfg, model, None, batch, device)  # noqa: E731
+    loss_fn = lambda model, batch: task_of(cfg).micro_batch_loss(model, None, batch, device)  # noqa: E731
     engine.optimizer.zero_grad()
     engine.forward_backward(batches, loss_fn, 32.0)
     torch.cuda.synchronize()

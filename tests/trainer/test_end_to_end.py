@@ -91,7 +91,7 @@ def test_grad_accumulation_equals_big_batch(tiny_pretrain_run_args, tmp_path):
 def test_sft_loss_counts_only_assistant_tokens(tiny_pretrain_data):
     """The trainer's per-micro-batch loss equals CE over the assistant positions and nothing else."""
     from trainer.config import TrainConfig
-    from trainer.task import count_units, micro_batch_loss
+    from trainer.task import task_of
     from data_preprocess.pretokenize_sft_data import tokenize_sft_records
     from dataset.dataset_sft import build_sft_splits
     from model import ModelConfig, Transformer
@@ -105,12 +105,12 @@ def test_sft_loss_counts_only_assistant_tokens(tiny_pretrain_data):
     torch.manual_seed(0)
     model = Transformer(ModelConfig(vocab_size=448, dim=32, n_layers=1, n_heads=4, multiple_of=16, max_seq_len=64))
     cfg = TrainConfig(task_type="sft")
-    loss_sum, _ = micro_batch_loss(cfg, model, None, batch, torch.device("cpu"))
+    loss_sum, _ = task_of(cfg).micro_batch_loss(model, None, batch, torch.device("cpu"))
     logits = model(batch["input_ids"], attention_mask=batch.get("attention_mask"))
     mask = labels != IGNORE_INDEX
     expected = F.cross_entropy(logits[mask].float(), labels[mask], reduction="sum")
     torch.testing.assert_close(loss_sum, expected, rtol=1e-5, atol=1e-4)
-    assert count_units(cfg, batch) == int(mask.sum())
+    assert task_of(cfg).count_units(batch) == int(mask.sum())
 
 
 def test_sft_then_dpo(pretrained, tiny_pretrain_data, tmp_path):
