@@ -200,12 +200,12 @@ def build_engine(name: str, a, prec: str, world: int) -> dict:
                 "stage": None, "host": host}
     if name == "pp2":
         from parallel.config import ParallelConfig
-        from parallel.engine_pipeline import build_pipeline_parallel_engine
+        from parallel.build import build_parallel_engine
         m = build_model(a, dtype)
         n_total = sum(p.numel() for p in m.parameters())
         pc = ParallelConfig(pipeline_parallel_size=2, pipeline_schedule="gpipe", gradient_accumulation_steps=2,
                             bucket_size=BUCKET, grad_reduce_in_fp32=prec == "bf16")
-        eng = build_pipeline_parallel_engine(m, pc, OptimizerConfig(**ocfg), device=torch.device("cpu"))
+        eng = build_parallel_engine(m, pc, OptimizerConfig(**ocfg), device=torch.device("cpu"))
         del m
         n_stage = sum(p.numel() for p in eng.module.parameters())
         return {"kind": "ddp", "ddp": eng.model, "opt": eng.optimizer, "module": eng.module, "pp": eng,

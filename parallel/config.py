@@ -213,6 +213,11 @@ class ParallelConfig(ParallelFlags):
         (the engines that run without one declare "no_process_group")."""
         return "no_process_group" not in self.capabilities()
 
+    def needs_mesh(self) -> bool:
+        """Whether the layout runs on parallel/mesh.py's device mesh: FSDP2, pipeline stages and every dimension
+        past data parallelism do; our DDP / ZeRO alone reduces over a process group."""
+        return self.parallel == "fsdp" or self.pp > 1 or self.cp > 1 or self.tp > 1 or int(self.dp_replicate_size) > 1
+
     def saves_light_checkpoints(self) -> bool:
         return "light_checkpoints" in self.capabilities()
 

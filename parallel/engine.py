@@ -143,6 +143,7 @@ class Engine:
     # the task's logged statistics (trainer/tasks/: DPO's rewards, ...), summed beside the loss in every step row;
     # set by the trainer after the build, the same on every rank (a pipeline's stages broadcast rows of this size)
     stat_keys: tuple = ()
+    parallel: Any = None             # the layout's ParallelConfig (parallel/config.py), set by parallel/build.py
 
     def __post_init__(self) -> None:
         if self.forward_model is None:

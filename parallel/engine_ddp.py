@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Optional
+from typing import Any, Callable, ClassVar, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -142,22 +142,34 @@ def wrap_ddp(model: nn.Module, pc: ParallelConfig, group: Any = None) -> Distrib
     return ddp
 
 
-def build_ddp_engine(model: nn.Module, pc: ParallelConfig, opt_cfg: OptimizerConfig, *, device: torch.device,
-                     group: Any = None, param_dtype: Optional[torch.dtype] = None) -> DDPEngine:
-    """The model (already in its precision) on `device`, in our DDP over the world, with its optimizer."""
-    model.to(device)
-    ddp = wrap_ddp(model, pc, group)
-    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if dist.is_available() and dist.is_initialized() \
-        else (0, 1)
+def ddp_with_optimizer(part: nn.Module, pc: ParallelConfig, opt_cfg: OptimizerConfig, *, group: Any = None,
+                       norm_groups: Sequence = ()) -> tuple[DistributedDataParallel, Any]:
+    """`part` in our DDP over `group` (None: the world) and its optimizer (ZeRO-1/2 with
+    --use_distributed_optimizer): the data-parallel wrap of --parallel=ddp, and of a pipeline stage
+    (parallel/engine_pipeline.py), whose `norm_groups` (the other stages) the gradient norm spans too."""
+    if pc.use_distributed_optimizer != opt_cfg.use_distributed_optimizer:
+        raise ValueError("ParallelConfig.use_distributed_optimizer must equal OptimizerConfig's")
+    ddp = wrap_ddp(part, pc, group)
+    return ddp, build_optimizer(ddp, opt_cfg, norm_groups=norm_groups)
+
+
+def wrap_ddp_engine(model: nn.Module, pc: ParallelConfig, opt_cfg: OptimizerConfig, *, mesh: Any = None,
+                    group: Any = None, device: Optional[torch.device] = None,
+                    param_dtype: Optional[torch.dtype] = None) -> DDPEngine:
+    """The --parallel=ddp engine around `model` (on its device, transforms applied: parallel/build.py), over
+    the world or `group`. `mesh`: the run's mesh when the layout has one (context parallel)."""
     # context parallel (rank = dp x C + c on the mesh, pp = tp = 1 here): the C ranks of one replica read one
     # batch, and the gradients are averaged over all of them (dp x C), the world this DDP reduces over
     cp = pc.cp
     if cp > 1 and group is not None:
         raise ValueError("--context_parallel_size > 1 lays out the whole world: build it without a process group")
-    optimizer = build_optimizer(ddp, opt_cfg)
+    ddp, optimizer = ddp_with_optimizer(model, pc, opt_cfg, group=group)
+    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if dist.is_available() and dist.is_initialized() \
+        else (0, 1)
     if world == 1 and pc.gradient_accumulation_steps == 1:
         # one process, one micro-batch a step: nothing to reduce or accumulate, so no gradient buffer (where the
         # optimizer can read the gradients from the parameters: optimizer/mixed_precision_optimizer.py)
         optimizer.keep_grads_on_params()
     return DDPEngine(ddp, optimizer, model, sharded_optimizer=pc.use_distributed_optimizer,
-                     dp_rank=rank // cp, dp_size=world // cp, grad_ranks=world, counts_in_sums=rank % cp == 0)
+                     dp_rank=rank // cp, dp_size=world // cp, grad_ranks=world, counts_in_sums=rank % cp == 0,
+                     mesh=mesh)

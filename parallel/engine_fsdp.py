@@ -13,19 +13,20 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Optional
+from typing import Any, Callable, ClassVar, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from optimizer import OptimizerConfig
+from optimizer.fsdp_optimizer import FSDPOptimizer
 from parallel.checkpoint_io import agreed_reads, is_sharded_checkpoint, load_extra_state, refuse_nonfinite_weights
 from parallel.config import CAPABILITIES, ParallelConfig
 from parallel.dcp_checkpoint import load_dcp_checkpoint, save_dcp_checkpoint
 from parallel.engine import Engine
-from parallel.fsdp import build_fsdp_engine, no_sync, reshard, shard_on_mesh
-from parallel.mesh import build_device_mesh
+from parallel.fsdp import no_sync, reshard, shard_on_mesh, validate_fsdp_options, wrap_fsdp
+from parallel.mesh import dp_mesh
 from parallel.resume_across_engines import load_full_state_into_fsdp, read_ddp_training_state
 from utils import checkpoint as ckpt
 from utils.checkpoint_layout import MODEL_CONFIG, RUN_CONFIG, TRAINER_STATE
@@ -113,17 +114,31 @@ class FSDPEngine(Engine):
 
 
 
-def build_fsdp_engine_on_mesh(model: nn.Module, pc: ParallelConfig, opt_cfg: OptimizerConfig, *, device: torch.device,
-                              group: Any = None, param_dtype: torch.dtype = torch.float32) -> FSDPEngine:
-    """FSDP2 over the one mesh's data-parallel dims (HSDP with replicas), tensor parallel inside (the
-    transform runs in parallel/fsdp.py shard_on_mesh, before the wrap). `group` is unused: the mesh is
-    the world's."""
-    model.to(device)
+def fsdp_with_optimizer(part: nn.Module, pc: ParallelConfig, opt_cfg: OptimizerConfig, *, dp_mesh: Any,
+                        param_dtype: torch.dtype, state_group: Any = None, gloo_collectives: bool = True,
+                        norm_groups: Sequence = ()) -> tuple[nn.Module, FSDPOptimizer]:
+    """`part` (its weights already the same on every rank: parallel/build.py broadcasts them before tensor
+    parallelism) fully_shard-ed over `dp_mesh`, and its optimizer: the data-parallel wrap of --parallel=fsdp,
+    and of a pipeline stage (parallel/engine_pipeline.py), whose `norm_groups` the gradient norm spans too."""
+    validate_fsdp_options(use_distributed_optimizer=opt_cfg.use_distributed_optimizer,
+                          overlap_optim_step=opt_cfg.overlap_optim_step,
+                          overlap_param_gather=opt_cfg.overlap_param_gather, zero_stage=opt_cfg.zero_stage)
+    if param_dtype == torch.float16 and opt_cfg.precision != "fp16":
+        raise ValueError("param_dtype=float16 needs precision='fp16' (loss scaling)")
+    wrapped = wrap_fsdp(part, mesh_or_group=dp_mesh, param_dtype=param_dtype,
+                        reshard_after_forward=pc.reshard_after_forward, cpu_offload=pc.cpu_offload,
+                        sync_module_states=False, state_group=state_group, gloo_collectives=gloo_collectives)
+    return wrapped, FSDPOptimizer(wrapped, opt_cfg, norm_groups=norm_groups)
+
+
+def wrap_fsdp_engine(model: nn.Module, pc: ParallelConfig, opt_cfg: OptimizerConfig, *, mesh: Any,
+                     group: Any = None, device: Optional[torch.device] = None,
+                     param_dtype: torch.dtype = torch.float32) -> FSDPEngine:
+    """The --parallel=fsdp engine: FSDP2 over the run's mesh's data-parallel dims (HSDP with replicas;
+    tensor parallel already applied over "tp" by its transform). `group` is unused: the mesh is the world's."""
+    wrapped, opt = fsdp_with_optimizer(model, pc, opt_cfg, dp_mesh=dp_mesh(mesh), param_dtype=param_dtype,
+                                       state_group=dist.group.WORLD)
     layout = pc.layout(dist.get_world_size())
-    mesh = build_device_mesh(layout, device.type)
-    wrapped, opt = build_fsdp_engine(model, opt_cfg, mesh_or_group=mesh, param_dtype=param_dtype,
-                                     reshard_after_forward=pc.reshard_after_forward, cpu_offload=pc.cpu_offload,
-                                     sequence_parallel=pc.sequence_parallel)
     rank, world = layout.dp_coordinates(dist.get_rank())
     # context parallel: FSDP2 averages the gradients over dp x cp ranks (parallel/mesh.py dp_mesh), the batch is
     # split over dp only

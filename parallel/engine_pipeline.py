@@ -1,12 +1,12 @@
 """Pipeline stages as the trainer's engine: `PipelineParallelEngine`, this rank's stage (parallel/pipeline.py's
 split and schedule) on the run's one mesh (parallel/mesh.py: "pp" x "dp_shard" x "tp"; dp_replicate is 1),
-our DDP (engine_ddp.wrap_ddp; ZeRO-1/2) or FSDP2 per stage over the dp dimension (tensor parallel inside a
+our DDP (engine_ddp.ddp_with_optimizer; ZeRO-1/2) or FSDP2 (engine_fsdp.fsdp_with_optimizer) per stage over the dp dimension (tensor parallel inside a
 stage over FSDP2), and an optimizer whose global-norm clip and fp16 overflow decision span ALL stages (the
 squared norm is all-reduced over the pp group too). Checkpoints: per-stage files (stage{s}_model.safetensors,
 stage{s}_optimizer_dp{r}.pt, pipeline.json) in the same step_N/ layout with the same manifest / COMPLETE /
 atomic rename; resumable with the same stages at any dp size; merge_stage_checkpoints() gives the full model.
 
-    engine = build_pipeline_parallel_engine(model, parallel_config, opt_cfg, device=device)
+    engine = build_parallel_engine(model, parallel_config, opt_cfg, device=device)   # parallel/build.py
     engine.optimizer.zero_grad()
     sums = engine.forward_backward(micro_batches, loss_fn, global_units)   # len == gradient_accumulation_steps
     engine.optimizer.step()
@@ -34,18 +34,17 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from optimizer import OptimizerConfig, build_optimizer
-from optimizer.fsdp_optimizer import FSDPOptimizer
+from optimizer import OptimizerConfig
 from parallel.checkpoint_io import (damaged_file_hint, is_pipeline_checkpoint, load_extra_state,
                                     read_pipeline_meta_safe, refuse_nonfinite_weights)
 from parallel.config import CAPABILITIES, ParallelConfig
 from parallel.engine import Engine, LossFn, stat_row, step_fields
-from parallel.engine_ddp import wrap_ddp
-from parallel.fsdp import broadcast_from_first, reshard, validate_fsdp_options, wrap_fsdp
-from parallel.mesh import build_device_mesh, counts_in_sums
+from parallel.engine_ddp import ddp_with_optimizer
+from parallel.engine_fsdp import fsdp_with_optimizer
+from parallel.fsdp import reshard
+from parallel.mesh import counts_in_sums
 from parallel.pipeline import (FORMAT, META_FILE, SEGMENTS, LastStageOutput, PipelineStageModule, build_schedule,
                                pipeline_stage_module, read_pipeline_meta, split_layers, validate_pipeline_options)
-from parallel.transforms.tensor_parallel import apply_tensor_parallel
 from utils import checkpoint as ckpt
 from utils.checkpoint_layout import TRAINER_STATE, stage_model_file, stage_optimizer_file
 from utils.constants import IGNORE_INDEX
@@ -399,48 +398,41 @@ class PipelineParallelEngine(Engine):
         return load_extra_state(ckpt_dir, rank, saved_world, world_size, log)
 
 
-def build_pipeline_parallel_engine(model: torch.nn.Module, pc: ParallelConfig, opt_cfg: OptimizerConfig, *,
-                                   device: Optional[torch.device] = None, group: Any = None,
-                                   param_dtype: torch.dtype = torch.float32,
-                                   allow_uneven_split: bool = False) -> PipelineParallelEngine:
-    """This rank's stage of `model` on the run's mesh (pp x dp x tp), our DDP or FSDP2 over dp, its optimizer
-    and schedule. Collective over the world (mesh + broadcast of dp rank 0's weights). `model`: the full
-    Transformer, built identically on every rank (same seed) or loaded; only this rank's stage is moved to
-    `device` (the other layers can be freed by the caller: nothing references them)."""
-    if not dist.is_available() or not dist.is_initialized():
+def pipeline_stage_of(model: torch.nn.Module, pc: ParallelConfig, opt_cfg: OptimizerConfig, mesh: Any,
+                      allow_uneven_split: bool = False) -> PipelineStageModule:
+    """This rank's stage of `model` (the full Transformer, built identically on every rank or loaded; the stage
+    shares its parameters) on the run's mesh (pp x dp x tp), with the layout's refusals. The caller moves only
+    the stage to the device (the other layers can be freed: nothing references them) and applies the transforms
+    to it (parallel/build.py)."""
+    if mesh is None:
         raise ValueError("pipeline parallelism needs an initialised process group")
-    pp, tp, dp_engine = pc.pp, pc.tp, pc.parallel
-    validate_pipeline_options(pp_size=pp, n_microbatches=pc.gradient_accumulation_steps,
-                              schedule=pc.pipeline_schedule, dp_engine=dp_engine, world_size=dist.get_world_size(),
+    validate_pipeline_options(pp_size=pc.pp, n_microbatches=pc.gradient_accumulation_steps,
+                              schedule=pc.pipeline_schedule, dp_engine=pc.parallel, world_size=mesh.size(),
                               overlap_optim_step=opt_cfg.overlap_optim_step)
-    if tp > 1 and dp_engine != "fsdp":
+    if pc.tp > 1 and pc.parallel != "fsdp":
         raise ValueError("tensor parallelism under pipeline stages runs on FSDP2 per stage: --parallel=fsdp")
-    device = torch.device(device if device is not None else next(model.parameters()).device)
-    layout = pc.layout(dist.get_world_size())
-    if layout.dp_replicate != 1:
+    if mesh["dp_replicate"].size() != 1:
         raise ValueError("pipeline stages replicate over the dp_shard dimension only: --dp_replicate_size=1")
-    mesh = build_device_mesh(layout, device.type)
-    pp_group = mesh.get_group("pp")
-    stage_index = mesh.get_local_rank("pp")
-    stage_module = pipeline_stage_module(model, stage_index, pp, allow_uneven_split)
-    stage_module.to(device)  # only this stage: the full model may be built (or loaded) on the CPU
-    norm_groups = [pp_group] if pp > 1 else []  # the global norm and fp16 skip also span the other stages
-    if dp_engine == "fsdp":
-        validate_fsdp_options(use_distributed_optimizer=opt_cfg.use_distributed_optimizer,
-                              overlap_param_gather=opt_cfg.overlap_param_gather, zero_stage=opt_cfg.zero_stage)
-        if tp > 1:  # dp rank 0's (tp rank 0's) weights everywhere, then the stage split over the tensor ranks
-            broadcast_from_first(list(stage_module.parameters()) + list(stage_module.buffers()),
-                                 mesh["dp_shard", "tp"])
-            apply_tensor_parallel(stage_module, mesh["tp"])
-        wrapped = wrap_fsdp(stage_module, mesh_or_group=mesh["dp_shard"], param_dtype=param_dtype,
-                            reshard_after_forward=pc.reshard_after_forward, cpu_offload=pc.cpu_offload,
-                            sync_module_states=tp == 1, gloo_collectives=False)
-        opt = FSDPOptimizer(stage_module, opt_cfg, norm_groups=norm_groups)
-    else:
-        if pc.use_distributed_optimizer != opt_cfg.use_distributed_optimizer:
-            raise ValueError("ParallelConfig.use_distributed_optimizer must equal OptimizerConfig's")
-        wrapped = wrap_ddp(stage_module, pc, group=mesh.get_group("dp_shard"))  # dp rank 0's weights everywhere
-        opt = build_optimizer(wrapped, opt_cfg, norm_groups=norm_groups)
-    return PipelineParallelEngine(stage_module, wrapped, opt, mesh=mesh, device=device, schedule=pc.pipeline_schedule,
-                                  n_microbatches=pc.gradient_accumulation_steps, dp_engine=dp_engine,
-                                  layer_ranges=split_layers(model.cfg.n_layers, pp, allow_uneven_split))
+    stage = pipeline_stage_module(model, mesh.get_local_rank("pp"), pc.pp, allow_uneven_split)
+    stage.layer_ranges = split_layers(model.cfg.n_layers, pc.pp, allow_uneven_split)
+    return stage
+
+
+def wrap_pipeline_engine(stage: PipelineStageModule, pc: ParallelConfig, opt_cfg: OptimizerConfig, *, mesh: Any,
+                         group: Any = None, device: Optional[torch.device] = None,
+                         param_dtype: torch.dtype = torch.float32) -> PipelineParallelEngine:
+    """The pipeline engine around this rank's stage (pipeline_stage_of, on its device, transforms applied): the
+    stage in the data-parallel wrap of --parallel (our DDP / ZeRO, or FSDP2: the same wraps as the
+    one-stage engines) over the mesh's "dp_shard" ranks, its optimizer's norm spanning every stage, and the
+    schedule."""
+    norm_groups = [mesh.get_group("pp")] if pc.pp > 1 else []  # the global norm and fp16 skip span the stages
+    if pc.parallel == "fsdp":
+        wrapped, opt = fsdp_with_optimizer(stage, pc, opt_cfg, dp_mesh=mesh["dp_shard"], param_dtype=param_dtype,
+                                           gloo_collectives=False, norm_groups=norm_groups)
+    else:  # dp rank 0's weights everywhere (our DDP broadcasts them)
+        wrapped, opt = ddp_with_optimizer(stage, pc, opt_cfg, group=mesh.get_group("dp_shard"),
+                                          norm_groups=norm_groups)
+    device = torch.device(device if device is not None else next(stage.parameters()).device)
+    return PipelineParallelEngine(stage, wrapped, opt, mesh=mesh, device=device, schedule=pc.pipeline_schedule,
+                                  n_microbatches=pc.gradient_accumulation_steps, dp_engine=pc.parallel,
+                                  layer_ranges=stage.layer_ranges)

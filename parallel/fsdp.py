@@ -4,8 +4,10 @@ Owns: wrapping the Transformer with `torch.distributed.fsdp.fully_shard` (one un
 root unit holding embedding, final norm, LM head and so a tied embedding/head weight), the
 mixed-precision and CPU-offload policies, a thin model wrapper with the interface the trainer
 already uses for our DDP (`no_sync()`, comm-hook state), what the wrapped model records for its
-optimizer (optimizer/fsdp_optimizer.py's FSDPOptimizer: the mesh, the wrap options, tensor-parallel
-partial gradients), and `build_fsdp_engine`, which pairs the wrapped model with that optimizer.
+optimizer (optimizer/fsdp_optimizer.py's FSDPOptimizer: the mesh and the wrap options; tensor parallelism records
+its partial gradients itself), `shard_on_mesh` (a whole model laid out on the run's mesh in one call: DPO's frozen
+reference), and `build_fsdp_engine`, which pairs the wrapped model with that optimizer (library callers; the
+trainer's engine is built by parallel/build.py).
 
 Must never: change the model's dtype (the sharded parameters stay fp32: they ARE the optimizer's
 masters; bf16/fp16 exist only as FSDP's compute copies), or accept options that only our DDP
@@ -25,11 +27,10 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 
 from model.llama import blocks_of
-from optimizer.fsdp_optimizer import (MESH_ATTR, TP_PARTIAL_ATTR, WRAP_CONFIG_ATTR, FSDPOptimizer,
-                                      raise_fsdp_problems)
+from optimizer.fsdp_optimizer import MESH_ATTR, WRAP_CONFIG_ATTR, FSDPOptimizer, raise_fsdp_problems
 from optimizer.optimizer_config import OptimizerConfig
 from parallel.config import ParallelConfig
-from parallel.mesh import MESH_DIMS, MeshLayout, build_device_mesh, dp_mesh
+from parallel.mesh import MESH_DIMS, dp_mesh
 from parallel.transforms.tensor_parallel import apply_tensor_parallel
 
 _GROUP_ATTR = "_fsdp_engine_state_group"  # set on the wrapped root: every rank holding a part of its state
@@ -117,8 +118,8 @@ def _resolve_mesh(mesh_or_group: Union[DeviceMesh, dist.ProcessGroup, None], dev
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("FSDP needs an initialised process group, also at world size 1 (e.g. "
                          "dist.init_process_group(backend, rank=0, world_size=1))")
-    if mesh_or_group is None:  # the world as data-parallel shards: the run's one mesh builder, its dp sub-mesh
-        return dp_mesh(build_device_mesh(MeshLayout.from_sizes(dist.get_world_size()), device_type))
+    if mesh_or_group is None:  # the world as data-parallel shards: its own group, no new one
+        return DeviceMesh.from_group(dist.group.WORLD, device_type)
     return DeviceMesh.from_group(mesh_or_group, device_type)
 
 
@@ -301,13 +302,10 @@ def shard_on_mesh(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtyp
         raise ValueError("the model is already sharded")
     if mesh.size() > 1:
         broadcast_from_first(list(model.parameters()) + list(model.buffers()), mesh)
-    partial: list[str] = []
     if mesh["tp"].size() > 1:
-        partial = apply_tensor_parallel(model, mesh["tp"], sequence_parallel=sequence_parallel)
+        apply_tensor_parallel(model, mesh["tp"], sequence_parallel=sequence_parallel)
     elif sequence_parallel:
         raise ValueError("sequence parallelism needs tensor parallelism (mesh['tp'] > 1)")
-    wrapped = wrap_fsdp(model, mesh_or_group=dp_mesh(mesh), param_dtype=param_dtype,
-                        reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload,
-                        sync_module_states=False, state_group=dist.group.WORLD)
-    setattr(wrapped, TP_PARTIAL_ATTR, (tuple(partial), mesh["tp"].get_group()))
-    return wrapped
+    return wrap_fsdp(model, mesh_or_group=dp_mesh(mesh), param_dtype=param_dtype,
+                     reshard_after_forward=reshard_after_forward, cpu_offload=cpu_offload,
+                     sync_module_states=False, state_group=dist.group.WORLD)

@@ -25,7 +25,6 @@ from data_preprocess.shard_format import DataError
 from dataset.prefetch import PrefetchLoader
 from evals.lm_tasks import TaskEvaluator
 from model.flops import flops_per_token, mfu_from, resolve_peak_flops
-from parallel.config import ParallelConfig
 from parallel.engine import StepStats
 from tokenizer import load_tokenizer_meta
 from trainer.config import (TrainConfig, TrainingError, eval_task_paths, max_iters_for_epochs, one_line, resolve_warmup,
@@ -297,7 +296,7 @@ class Loop:
                                          lr_decay_iters=cfg.lr_decay_iters, schedule=cfg.lr_schedule,
                                          resumed_at=p.step, saved_max_iters=saved_max_iters):
             log(f"[warning] schedule: {warning}")
-        layout = ParallelConfig.from_flags(cfg).describe_ranks(self.engine.dp_size)
+        layout = self.engine.parallel.describe_ranks(self.engine.dp_size)
         log(f"[train] {cfg.task_type}: {cfg.max_iters} steps x {cfg.gradient_accumulation_steps} micro-batches x "
             f"{cfg.batch_size} samples x {layout}, seq {cfg.max_seq_len}; MFU against {self.peak.describe()} per device")
         if p.skip_steps:

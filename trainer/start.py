@@ -20,9 +20,8 @@ from model.kernels import describe_choice, flash_attn_functions
 from model.lora import trainable_parameters
 from parallel.build import build_engine, describe_layout
 from parallel.checkpoint_io import base_fingerprint
-from parallel.config import ParallelConfig
 from trainer.config import (KERNEL_CHOICES, TrainConfig, TrainingError, continues_run, existing_run_error,
-                            nothing_to_continue_error, one_line, resume_flag)
+                            nothing_to_continue_error, one_line, parallel_section, resume_flag)
 from trainer.tasks import task_class
 from trainer.weights import check_lora_base, load_lora_base, load_weights_from, select_trainable_for
 from utils import checkpoint as ckpt
@@ -195,7 +194,7 @@ def choose_trainable(cfg: TrainConfig, model, init_info: dict, start: Start, log
     c = trainable_parameters(model)
     log(f"{what}: {c['trainable']:,} trainable of {c['total']:,} parameters ({c['percent']:.2f}%)")
     frozen_base = cfg.lora_rank > 0 or cfg.trainable == "embeddings"
-    if not (frozen_base and ParallelConfig.from_flags(cfg).saves_light_checkpoints() and init_info["kind"] in ("ours", "hf")):
+    if not (frozen_base and parallel_section(cfg).saves_light_checkpoints() and init_info["kind"] in ("ours", "hf")):
         return None
     if start.resume_dir is not None:
         lora_base = start.saved_state.get("lora_base")
@@ -267,7 +266,7 @@ def restore(cfg: TrainConfig, info: DistInfo, engine, train_loader, start: Start
     if start.resume_dir is not None:
         resume_dir, saved = start.resume_dir, start.saved_state
         saved_cfg = start.saved_cfg = ckpt.read_json(os.path.join(resume_dir, ckpt.RUN_CONFIG))
-        saved_dp = ParallelConfig.from_flags(SimpleNamespace(**saved_cfg)).data_parallel_size(int(saved["world_size"]))
+        saved_dp = parallel_section(SimpleNamespace(**saved_cfg)).data_parallel_size(int(saved["world_size"]))
         problem = global_batch_problem(saved_cfg, cfg.batch_size, cfg.gradient_accumulation_steps, saved_dp,
                                        engine.dp_size) \
             or engine.resume_problem(resume_dir, int(saved["world_size"]), info.world_size)

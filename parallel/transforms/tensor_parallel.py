@@ -76,7 +76,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: boo
     output is all-gathered for the LM head. Every batch's length must be a multiple of tp.
     Returns the names of the parameters whose gradients are partial sums over the tensor ranks (the
     norms under sequence parallelism: each rank saw T/tp positions): the optimizer all-reduces those
-    over the tensor group (FSDPOptimizer's `tp_partial`)."""
+    over the tensor group (FSDPOptimizer's `tp_partial`, read from the model's TP_PARTIAL_ATTR set here)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
                                                    RowwiseParallel, parallelize_module)
@@ -127,7 +127,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: boo
     if not sequence_parallel:
         return []
     model.register_forward_pre_hook(_sequence_length_check(tp), with_kwargs=True)
-    return [n for n, p in model.named_parameters() if "norm" in n.rsplit(".", 2)[-2]]
+    from optimizer.fsdp_optimizer import TP_PARTIAL_ATTR
+    partial = [n for n, p in model.named_parameters() if "norm" in n.rsplit(".", 2)[-2]]
+    # recorded on the model for the optimizer, which all-reduces these gradients over the tensor group
+    setattr(model, TP_PARTIAL_ATTR, (tuple(partial), tp_mesh.get_group()))
+    return partial
 
 
 def _styles():

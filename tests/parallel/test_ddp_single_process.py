@@ -154,9 +154,14 @@ def test_startup_layout_line_names_engine_mesh_communication_and_global_batch():
     """One line says what a run is: a 1B ZeRO-1 run under torchrun used to print only `world 2`."""
     import dataclasses
     from types import SimpleNamespace
-    from parallel.build import describe_layout
+    from parallel.build import describe_layout as describe
+    from parallel.config import ParallelConfig
     from trainer.config import TrainConfig
     base = TrainConfig(batch_size=4, gradient_accumulation_steps=8, max_seq_len=2048)
+
+    def describe_layout(flags, engine, world_size):  # an engine as build_engine returns it: its layout section
+        return describe(flags, SimpleNamespace(dp_size=engine.dp_size, parallel=ParallelConfig.from_flags(flags)),
+                        world_size)
     line = describe_layout(dataclasses.replace(base, use_distributed_optimizer=True, comm_hook="powersgd",
                                                powersgd_rank=4, compile=True),
                            SimpleNamespace(dp_size=2), world_size=2)

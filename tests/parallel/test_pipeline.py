@@ -109,9 +109,9 @@ def _pc(schedule: str, zero: bool = False, dp_engine: str = "ddp", gas: int = GA
 
 
 def _build(schedule: str, seed: int = 0, zero: bool = False, dp_engine: str = "ddp", ckpt: bool = False, **kw):
-    from parallel.engine_pipeline import build_pipeline_parallel_engine
-    return build_pipeline_parallel_engine(_new_model(seed, ckpt), _pc(schedule, zero, dp_engine),
-                                          OptimizerConfig(**OPT, use_distributed_optimizer=zero), **kw)
+    from parallel.build import build_parallel_engine
+    return build_parallel_engine(_new_model(seed, ckpt), _pc(schedule, zero, dp_engine),
+                                 OptimizerConfig(**OPT, use_distributed_optimizer=zero), **kw)
 
 
 def _token_loss(model, batch: dict):
@@ -338,7 +338,7 @@ def test_bad_calls_on_engine(pp2):
 
 
 def test_bad_combinations_raise():
-    from parallel.engine_pipeline import build_pipeline_parallel_engine
+    from parallel.build import build_parallel_engine
     from parallel.pipeline import pipeline_stage_module, split_layers, validate_pipeline_options
     with pytest.raises(ValueError, match="does not divide"):
         split_layers(5, 2)
@@ -360,7 +360,7 @@ def test_bad_combinations_raise():
     with pytest.raises(ValueError, match="overlap_optim_step"):
         validate_pipeline_options(pp_size=2, n_microbatches=2, schedule="gpipe", overlap_optim_step=True)
     with pytest.raises(ValueError, match="initialised process group"):
-        build_pipeline_parallel_engine(_new_model(), _pc("1f1b"), OptimizerConfig())
+        build_parallel_engine(_new_model(), _pc("1f1b"), OptimizerConfig())
 
 
 # ------------------------------------------------------------------------------ stages = pruned Transformer (1 process)

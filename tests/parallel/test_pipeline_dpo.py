@@ -82,10 +82,10 @@ def _reference(dtype: torch.dtype) -> tuple[dict, list[list[float]], list[float]
 
 
 def _worker(rank: int, world: int, tmp: str) -> None:
-    from parallel.engine_pipeline import build_pipeline_parallel_engine
+    from parallel.build import build_parallel_engine
     loss_fn = _loss_fn(_ref_model())
     for schedule in ("gpipe", "1f1b"):
-        eng = build_pipeline_parallel_engine(_new_model(0), _pc(schedule), OptimizerConfig(**OPT))
+        eng = build_parallel_engine(_new_model(0), _pc(schedule), OptimizerConfig(**OPT))
         eng.stat_keys = DPOTask.stat_keys  # as the trainer sets them (trainer/start.py place_on_engine)
         rows = []
         for step in range(1, STEPS + 1):

@@ -54,12 +54,13 @@ def _reference(mode: str, dtype: torch.dtype) -> tuple[dict, list[float], list[f
 
 
 def _worker(rank: int, world: int, tmp: str) -> None:
-    from parallel.engine_pipeline import _full, build_pipeline_parallel_engine
+    from parallel.build import build_parallel_engine
+    from parallel.engine_pipeline import _full
     from utils.checkpoint import find_latest_valid
     runs = [(m, s, "ddp") for m in MODES for s in ("gpipe", "1f1b")] + [("lora", "1f1b", "fsdp")]
     for mode, schedule, dp_engine in runs:
-        eng = build_pipeline_parallel_engine(_model(mode), _pc(schedule, dp_engine=dp_engine),
-                                             OptimizerConfig(**OPT))
+        eng = build_parallel_engine(_model(mode), _pc(schedule, dp_engine=dp_engine),
+                                    OptimizerConfig(**OPT))
         losses, norms = [], []
         for step in range(1, STEPS + 1):
             batches = _global_batches(step)
@@ -79,7 +80,7 @@ def _worker(rank: int, world: int, tmp: str) -> None:
         if mode == "lora" and schedule == "1f1b" and dp_engine == "ddp":
             out = os.path.join(tmp, "ckpt_lora")
             _save(eng, out, STEPS)
-            fresh = build_pipeline_parallel_engine(_model(mode), _pc(schedule), OptimizerConfig(**OPT))
+            fresh = build_parallel_engine(_model(mode), _pc(schedule), OptimizerConfig(**OPT))
             fresh.load(find_latest_valid(out), world, rank, world)
             same = all(torch.equal(p, params[n]) for n, p in fresh.module.named_parameters())
             with open(os.path.join(tmp, f"reload_stage{fresh.stage_index}.json"), "w") as f:

@@ -16,7 +16,7 @@ from torch import nn
 
 from optimizer import OptimizerConfig
 from parallel.config import ParallelConfig
-from parallel.engine_ddp import build_ddp_engine
+from parallel.build import build_parallel_engine
 from utils import checkpoint as ckpt
 from utils.async_checkpoint import (AsyncCheckpointError, AsyncCheckpointer, HostBuffers, mark_rank_failed,
                                     mark_rank_written, wait_for_ranks)
@@ -26,8 +26,8 @@ from tests.trainer.test_async_checkpoint_resume import bits, checkpoint_contents
 def _engine(device: str = "cpu"):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 4)).to(device)
-    return build_ddp_engine(model, ParallelConfig(), OptimizerConfig(lr=1e-2, fused=device != "cpu"),
-                            device=torch.device(device))
+    return build_parallel_engine(model, ParallelConfig(), OptimizerConfig(lr=1e-2, fused=device != "cpu"),
+                                 device=torch.device(device))
 
 
 def _train_step(engine, seed: int) -> None:
