@@ -31,7 +31,7 @@ neither starts a new run from --init_from. --resume=always (alias --init_from=re
 (exit 2 when there is nothing), --resume=never must not (exit 2 when --out_dir holds checkpoints).
 
 --help, a typo, a bad value and a path that is not there are answered before torch is imported
-(trainer/config.py precheck), with the same line and exit code as below.
+(trainer/precheck.py), with the same line and exit code as below.
 
 This file is the command only;
 the trainer's pieces are the trainer/ package (config, start, loop, task, weights, samples, faults).
@@ -44,7 +44,7 @@ import sys
 
 PROG = "train_my_ddp.py"
 if __name__ == "__main__":  # answered in a second: --help, typos, bad values, missing paths (no torch yet)
-    from trainer.config import precheck
+    from trainer.precheck import precheck
     precheck(sys.argv[1:], title=__doc__.strip().splitlines()[0], prog=PROG)
 
 from trainer.config import TrainConfig, continues_run, imply_engine, one_line, parallel_section  # noqa: E402 (after the pre-check)

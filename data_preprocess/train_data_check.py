@@ -1,4 +1,4 @@
-"""The trainer's torch-free look at --data_dir, for its pre-check (trainer/config.py precheck): a path that does not
+"""The trainer's torch-free look at --data_dir, for its pre-check (trainer/precheck.py): a path that does not
 exist, and a pretraining --data_dir of raw text (.jsonl, .txt, ...) instead of token shards, answered in a second
 with the commands that make shards, not after the model was built.
 

@@ -1,11 +1,11 @@
-"""The trainer's configuration: every flag of train_my_ddp.py with its default and help, and the
-validation that turns impossible values into one exit-2 error listing all of them.
+"""The trainer's configuration: every flag of train_my_ddp.py with its default and help, and how a start reads
+them.
 
 Owns: `TrainConfig` (plain values, overridden by config files and `--key=value` through
 utils/configurator.py; HF Trainer / torchtitan spellings such as `--lr` or `--max_steps` are aliases, see
-utils/cli.py), `validate_config`, `TrainingError` (an error with its exit code), whether a start
-continues the run in --out_dir (`--resume`, `continues_run`), and `precheck`: the answers
-train_my_ddp.py gives before it imports torch.
+utils/cli.py), `TrainingError` (an error with its exit code), whether a start continues the run in --out_dir
+(`--resume`, `continues_run`), and the small derivations of flags (warmup, epochs, the implied engine, the
+parallel section). The validation is trainer/validation.py's, the torch-free pre-check trainer/precheck.py's.
 Must never: import torch, touch devices or start processes; read anything but the config files,
 tokenizer_meta.json and --eval_tasks files named on the command line and --out_dir's listing and JSON (never a
 checkpoint's tensors).
@@ -17,10 +17,9 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from optimizer.optimizer_config import bf16_state_conflicts
 from parallel.config import ParallelFlags
 from utils.configurator import flag
-from utils.constants import EXIT_BAD_CONFIG, EXIT_BAD_DATA
+from utils.constants import EXIT_BAD_CONFIG
 from utils.errors import TrainingError, one_line  # noqa: F401  (re-exported: the trainer and tests use them)
 
 
@@ -280,144 +279,6 @@ def init_checkpoint_problem(cfg: TrainConfig) -> Optional[str]:
     return "--init_checkpoint: " + choice.replace("--checkpoint=", "--init_checkpoint=") if choice else None
 
 
-# ---------------------------------------------------------------------------- the pre-check (no torch)
-
-def precheck(argv: list[str], title: str, prog: str) -> None:
-    """train_my_ddp.py's answers that need no torch, given before it imports torch (a second, not a minute on a
-    busy machine): --help (exit 0); a flag, value or config file that does not parse, a value validate_config
-    refuses, a --tokenizer_dir without tokenizer_meta.json, --resume=never on an --out_dir with checkpoints,
-    --resume=always with nothing to continue, and an --init_from, --resume_fallback or (DPO) --ref_model path
-    that is not there, an --out_dir that cannot be created or whose checkpoints/ cannot be written, a new model
-    whose --dim does not split into --n_heads (exit 2), an --eval_tasks file that cannot be scored (exit 3 naming
-    file:line; exit 2 for a path that is no task file), a --data_dir (or --eval_data_dir) that does not exist or
-    (pretrain) holds raw text instead of token shards, with the pretokenizer's commands (exit 3,
-    data_preprocess/train_data_check.py; the full path says "no token shards" without the commands), and an
-    --out_dir another run holds (exit 6, utils/run_lock.py). Each is printed as the full path prints that
-    mistake, with its exit code; with several mistakes the full path may name another one first. Returns when it
-    finds none: the full path checks the rest (devices, what the
-    checkpoints hold, the data, the FSDP / pipeline / LoRA-target options, changes a resume refuses); a bad
-    value in a configuration that uses those options is left to it too, so that its one message lists every
-    problem.
-    Reads only --out_dir's listing and JSON, the config files, tokenizer_meta.json and --eval_tasks files named and
-    --data_dir's listing; creates --out_dir and probes its lock (run.lock) last, once everything else passed."""
-    import sys
-
-    from utils.configurator import ConfigError, help_text, parse_config
-    from utils.constants import EXIT_OK
-    from utils.run_dir import CKPT_SUBDIR, has_run_start, listed_checkpoints
-
-    def fail(msg: str, code: int = EXIT_BAD_CONFIG) -> None:
-        print(msg, file=sys.stderr, flush=True)
-        sys.exit(code)
-
-    if any(a in ("-h", "--help") for a in argv):
-        print(help_text(TrainConfig(), title, prog=prog))
-        sys.exit(EXIT_OK)
-    given: set[str] = set()
-    try:
-        cfg = parse_config(TrainConfig(), argv, given=given)
-    except ConfigError as e:
-        fail(f"{prog}: error: {one_line(e)}")
-    imply_engine(cfg, given)
-    error = f"[rank {int(os.environ.get('RANK', '0'))}] error: "
-    continues = continues_run(cfg)
-    if continues:  # the run's saved configuration with the command line over it, as the full path builds it
-        cfg = _saved_config_under(cfg, argv)
-        if cfg is None:
-            return
-    try:
-        validate_config(cfg, world_size=int(os.environ.get("WORLD_SIZE", "1")), torch_free=True)
-    except TrainingError as e:
-        if validated_with_torch(cfg):  # the full path's one message lists those problems too: let it
-            return
-        fail(error + one_line(e))
-    from tokenizer import load_tokenizer_meta
-    try:
-        load_tokenizer_meta(cfg.tokenizer_dir)
-    except (OSError, ValueError, KeyError) as e:  # a damaged tokenizer_meta.json (TokenizerMetaError) is data: 3
-        fail(error + one_line(TrainingError(f"--tokenizer_dir={cfg.tokenizer_dir}: {e}", EXIT_BAD_CONFIG)),
-             getattr(e, "exit_code", EXIT_BAD_CONFIG))  # the same line and code as trainer/loop.py train
-    bad_task = eval_tasks_content_error(cfg)
-    if bad_task is not None:  # the line and code the full path gives (trainer/loop.py build_task_evaluator)
-        from utils.errors import exit_code_for
-        code, msg = exit_code_for(bad_task)
-        fail(error + msg, code)
-    checkpoints = listed_checkpoints(cfg.out_dir)
-    if not continues and cfg.init_from == "scratch":  # the model is built from these flags: do they split?
-        from utils.model_bounds import head_shape_problem
-        shape = head_shape_problem(cfg.dim, cfg.n_heads, cfg.n_kv_heads or None)
-        if shape:
-            fail(error + f"bad model configuration: {shape}")  # as build_model says it, 14 s later
-    from data_preprocess.train_data_check import training_data_problem
-    data = training_data_problem(cfg.task_type, cfg.data_dir, cfg.tokenizer_dir, cfg.max_seq_len, cfg.data_mix)
-    if data:  # missing, or raw text where token shards belong (with the commands that make them)
-        fail(error + data, EXIT_BAD_DATA)
-    if cfg.eval_data_dir:  # the same look at the validation data, the flag named
-        data = training_data_problem(cfg.task_type, cfg.eval_data_dir, cfg.tokenizer_dir, cfg.max_seq_len)
-        if data:
-            fail(error + data.replace("data: ", "data: --eval_data_dir=", 1).replace(
-                "then train with --data_dir=", "then pass --eval_data_dir="), EXIT_BAD_DATA)
-    if continues and not checkpoints and not has_run_start(cfg.out_dir):  # --resume=always, nothing to continue
-        if not cfg.resume_fallback:
-            fail(error + one_line(nothing_to_continue_error(cfg, os.path.join(cfg.out_dir, CKPT_SUBDIR))))
-        if cfg.resume_fallback != "scratch" and not os.path.isdir(cfg.resume_fallback):
-            fail(error + no_weights_message("--resume_fallback", cfg.resume_fallback))
-    if not continues:
-        if checkpoints:
-            fail(error + one_line(existing_run_error(cfg)))
-        if cfg.init_from != "scratch" and not os.path.isdir(cfg.init_from):
-            fail(error + no_weights_message("--init_from", cfg.init_from))
-        choice = init_checkpoint_problem(cfg)
-        if choice:
-            fail(error + choice)
-    if cfg.task_type == "dpo" and cfg.ref_model and not os.path.isdir(cfg.ref_model):
-        fail(error + no_weights_message("--ref_model", cfg.ref_model))
-    if int(os.environ.get("RANK", "0")) == 0:  # an --out_dir that cannot be made, or one another run holds
-        from utils import run_lock
-        from utils.errors import exit_code_for
-        try:
-            run_lock.acquire(cfg.out_dir, command=run_lock.command_line(argv)).release()  # main() takes it for good
-            run_lock.check_run_dir_layout(cfg.out_dir)
-        except run_lock.REFUSALS as e:
-            code, msg = exit_code_for(e)
-            print(error + msg, file=sys.stderr, flush=True)
-            sys.exit(code)
-
-
-def validated_with_torch(cfg: TrainConfig) -> bool:
-    """Whether validate_config also checks options that need torch to tell (LoRA target names), which the
-    pre-check cannot list with the others."""
-    return cfg.lora_rank > 0 and cfg.lora_targets != "all"
-
-
-def _saved_config_under(asked: TrainConfig, argv: list[str]) -> Optional[TrainConfig]:
-    """The configuration a continuing run resolves (utils.run_config.resolve_resume_config): the saved
-    one with argv over it, --resume as asked. None when a saved value does not read back: the full
-    path names that."""
-    import dataclasses
-    import typing
-
-    from utils.configurator import ConfigError, coerce_value, parse_config
-    from utils.run_dir import saved_config
-    try:
-        saved = saved_config(asked.out_dir)
-    except ValueError:
-        return None
-    if saved is None:
-        return asked
-    hints = typing.get_type_hints(TrainConfig)
-    values = {}
-    try:
-        for k, v in saved.items():
-            if k in hints and k != "init_from":  # utils.run_config.NOT_RESTORED
-                values[k] = coerce_value(k, v, hints[k], "saved configuration")
-        cfg = parse_config(dataclasses.replace(TrainConfig(), **values), argv)
-    except ConfigError:
-        return None
-    cfg.resume = asked.resume  # how to start is this command's choice, never the saved run's
-    return cfg
-
-
 def parallel_section(cfg: TrainConfig):
     """The parallel flags as parallel/config.py's typed section (same names)."""
     from parallel.config import ParallelConfig
@@ -438,53 +299,8 @@ def engine_needs(cfg: TrainConfig) -> dict[str, str]:
     return {asked_by: cap for on, asked_by, cap in asked if on}
 
 
-def parallel_problems(cfg: TrainConfig, world_size: Optional[int] = None) -> list[str]:
-    """parallel/config.py's refusals of this run's layout (sizes, the world, capabilities), plus the model
-    shape's split over the stages and tensor ranks when the model is built from these flags."""
-    section = parallel_section(cfg)
-    out = section.problems(world_size, needs=engine_needs(cfg))
-    sizes_valid = min(section.pp, section.tp) >= 1
-    if cfg.init_from in ("scratch", "resume") and sizes_valid:
-        out.extend(section.model_problems(n_layers=cfg.n_layers, n_heads=cfg.n_heads,
-                                          n_kv_heads=cfg.n_kv_heads or cfg.n_heads, max_seq_len=cfg.max_seq_len,
-                                          dropout=cfg.dropout))
-    return out
-
-
-def sample_problems(cfg: TrainConfig) -> list[str]:
-    """What --sample_every > 0 cannot work with: prompts that name nothing (an engine where no rank holds
-    the whole model is parallel_problems'). Reads no file (the prompt file is read when the run starts)."""
-    from trainer.samples import prompts_problem
-    out = []
-    problem = prompts_problem(cfg.sample_prompts)
-    if problem:
-        out.append(f"--sample_prompts={cfg.sample_prompts!r}: {problem}")
-    return out
-
-
 def eval_task_paths(cfg: TrainConfig) -> list[str]:
     return [t.strip() for t in cfg.eval_tasks.split(",") if t.strip()]
-
-
-def eval_tasks_problems(cfg: TrainConfig) -> list[str]:
-    """What --eval_tasks cannot work with: a path that is no task file (missing, a directory, not .jsonl/.json,
-    unreadable; an engine where no rank holds the whole model is parallel_problems'). Reads no record (the
-    pre-check reads them: eval_tasks_content_error)."""
-    from evals.lm_tasks import task_file_problem
-    return [f"--eval_tasks: {problem}" for problem in map(task_file_problem, eval_task_paths(cfg)) if problem]
-
-
-def eval_tasks_content_error(cfg: TrainConfig) -> Optional[BaseException]:
-    """The first --eval_tasks file whose records cannot be scored (evals/lm_tasks.py read_task_lines: exit 3
-    naming file:line, exit 2 for a path that is no task file), or None. Reads every record, no torch: the
-    pre-check's, so that a bad file ends the start before the model is built, not at the first evaluation."""
-    from evals.lm_tasks import TaskConfigError, TaskFormatError, read_task_lines
-    for path in eval_task_paths(cfg):
-        try:
-            read_task_lines(path)
-        except (TaskFormatError, TaskConfigError) as e:
-            return e
-    return None
 
 
 SFT_DPO_WARMUP_RATIO = 0.03  # the warmup of the common SFT recipes (Alpaca, TRL examples): 3% of the run
@@ -536,184 +352,4 @@ def max_iters_for_epochs(num_train_epochs: float, num_samples: int, samples_per_
 KERNEL_CHOICES = {"auto": (True, "auto"), "true": (True, "auto"), "triton": (True, "triton"),
                   "torch": (True, "torch"), "false": (False, "auto")}
 
-
-# --max_iters and the step flags: a billion optimizer steps; --num_train_epochs (utils/constants.py: a
-# checkpoint's trainer_state.json is bounded by the same MAX_STEPS)
-from utils.constants import MAX_EPOCHS, MAX_STEPS  # noqa: E402
-
-
-class _Problems(list):
-    """The problems validate_config collects, with the three shapes of check most flags need."""
-
-    def __init__(self, cfg: TrainConfig) -> None:
-        super().__init__()
-        self.cfg = cfg
-
-    def choice(self, name: str, allowed: tuple[str, ...]) -> None:
-        if getattr(self.cfg, name) not in allowed:
-            self.append(f"--{name}={getattr(self.cfg, name)!r} ({' | '.join(allowed)})")
-
-    def at_least(self, name: str, low: int) -> None:
-        if getattr(self.cfg, name) < low:
-            self.append(f"--{name}={getattr(self.cfg, name)}: must be >= {low}")
-
-    def at_most(self, name: str, high: int) -> None:
-        if getattr(self.cfg, name) > high:
-            self.append(f"--{name}={getattr(self.cfg, name)}: must be <= {high:,}")
-
-    def number(self, name: str, low: float, high: float = math.inf, low_open: bool = False, high_open: bool = True,
-               what: str = "") -> None:
-        v = getattr(self.cfg, name)
-        ok = math.isfinite(v) and (v > low if low_open else v >= low) and (v < high if high_open else v <= high)
-        if not ok:
-            if what:
-                rule = what
-            elif high == math.inf:
-                rule = f"must be a finite number {'>' if low_open else '>='} {low:g}"
-            else:
-                rule = f"must be in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
-            self.append(f"--{name}={v}: {rule}")
-
-
-def validate_config(cfg: TrainConfig, world_size: Optional[int] = None, torch_free: bool = False) -> None:
-    """Every value the run cannot work with, as one exit-2 error listing all of them.
-    world_size (when known) also checks that the processes form a pp x dp mesh. torch_free: only the
-    checks that need no torch (the pre-check's): not the FSDP, pipeline and LoRA-target ones."""
-    problems = _Problems(cfg)
-    problems.extend(parallel_problems(cfg, world_size))
-    _choices_and_combinations(cfg, problems, torch_free)
-    _numbers_and_extras(cfg, problems, torch_free)
-    if problems:
-        raise TrainingError("bad configuration: " + "; ".join(problems), EXIT_BAD_CONFIG)
-
-
-def _choices_and_combinations(cfg: TrainConfig, p: _Problems, torch_free: bool) -> None:
-    """Choices, required paths, and flags that cannot be combined."""
-    from trainer.tasks import TASKS  # (torch-free: the names only)
-    p.choice("task_type", tuple(TASKS))
-    if not str(cfg.out_dir).strip():
-        p.append(f"--out_dir={cfg.out_dir!r}: must name the run directory (it holds the checkpoints)")
-    if not 0 <= cfg.seed < 2**32:  # numpy's and the data order's generators take a 32-bit unsigned seed
-        p.append(f"--seed={cfg.seed}: must be in [0, {2**32 - 1}]")
-    if not cfg.data_dir and not cfg.data_mix:
-        p.append("--data_dir is required")
-    if not cfg.tokenizer_dir:
-        p.append("--tokenizer_dir is required")
-    p.choice("dtype", ("fp32", "bf16", "fp16"))
-    p.choice("lr_schedule", ("cosine", "linear", "wsd", "constant"))
-    p.choice("dpo_loss", ("sigmoid", "ipo", "hinge"))
-    p.choice("trainable", ("all", "embeddings"))
-    p.choice("optimizer", ("adamw", "muon"))
-    p.choice("muon_adjust_lr", ("match_rms_adamw", "original"))
-    p.number("muon_momentum", 0.0, 1.0)  # as --beta1: a momentum of 1 never forgets, above 1 diverges
-    p.number("muon_lr", 0.0, what="must be a finite number >= 0 (0 = --learning_rate)")
-    p.number("muon_weight_decay", 0.0)
-    p.choice("optimizer_state_dtype", ("fp32", "bf16"))
-    if cfg.optimizer_state_dtype == "bf16":
-        flags = {"optimizer": "--optimizer=muon", "precision": "--dtype=fp16", "zero_stage": "--zero_stage=2",
-                 "overlap_optim_step": "--overlap_optim_step=true"}
-        asked = [flags[k] for k, _ in bf16_state_conflicts(cfg.optimizer, cfg.dtype, cfg.zero_stage,
-                                                           cfg.overlap_optim_step)]
-        if cfg.comm_hook not in ("allreduce", "reduce_scatter"):  # (a hook is the engine's, not OptimizerConfig's)
-            asked.append(f"--comm_hook={cfg.comm_hook}")
-        for other in asked:
-            p.append(f"--optimizer_state_dtype=bf16 cannot be combined with {other} (the bf16 moments live in "
-                     "the one-launch AdamW, which does not step that)")
-    cfg.fused_kernels = str(cfg.fused_kernels).lower()
-    p.choice("fused_kernels", tuple(KERNEL_CHOICES))
-    p.choice("resume", RESUME_CHOICES)
-    if cfg.init_from == "resume" and cfg.resume == "never":
-        p.append("--init_from=resume (= --resume=always) contradicts --resume=never")
-    if cfg.task_type in ("sft", "dpo") and cfg.init_from == "scratch" and resume_policy(cfg) != "always":
-        p.append(f"--task_type={cfg.task_type} starts from pretrained weights: pass --init_from=<run dir>")
-    if cfg.task_type in ("sft", "dpo") and resume_policy(cfg) == "always" and cfg.resume_fallback == "scratch":
-        p.append(f"--task_type={cfg.task_type} starts from pretrained weights: --resume_fallback=scratch "
-                 "cannot be used")
-
-
-def _model_size_problems(cfg: TrainConfig, p: _Problems, torch_free: bool) -> None:
-    """The model flags within utils/model_bounds.py's bounds (--dim=1048576 is a typo, not a 4 TB model),
-    and, with torch (the full start-up), the model's fp32 weights within the memory --device has free:
-    refused before anything is allocated. A vocabulary from the tokenizer (--vocab_size=0) counts as 0
-    here, so only a model too large without its embedding is refused at this point."""
-    from utils.model_bounds import bound_problems, fit_problem, param_count
-    fields = {k: getattr(cfg, k) for k in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim",
-                                           "multiple_of", "max_seq_len", "rope_theta")}
-    fields = {k: v for k, v in fields.items() if not (k in ("vocab_size", "n_kv_heads", "hidden_dim") and v == 0)}
-    bounds = bound_problems(fields, prefix="--")
-    p.extend(bounds)
-    if bounds or torch_free or min(cfg.dim, cfg.n_layers, cfg.n_heads, cfg.multiple_of) < 1:
-        return
-    n = param_count(cfg.dim, cfg.n_layers, cfg.n_heads, cfg.vocab_size, cfg.n_kv_heads or None,
-                    cfg.hidden_dim or None, cfg.multiple_of, None, cfg.tie_embeddings)
-    problem = fit_problem(n, cfg.device, f"--dim={cfg.dim} --n_layers={cfg.n_layers}")
-    if problem:
-        p.append(problem)
-
-
-def _numbers_and_extras(cfg: TrainConfig, p: _Problems, torch_free: bool) -> None:
-    """Ranges of the numeric flags, and the checks of samples, skipped data steps and LoRA targets."""
-    for name in ("batch_size", "gradient_accumulation_steps", "max_iters", "max_seq_len", "checkpoint_interval",
-                 "log_interval", "eval_iters", "keep_last", "dim", "n_layers", "n_heads", "multiple_of",
-                 "bucket_size", "powersgd_rank"):
-        p.at_least(name, 1)
-    for name in ("eval_interval", "lr_decay_iters", "n_kv_heads", "hidden_dim", "vocab_size",
-                 "lora_rank", "powersgd_start_iter"):
-        p.at_least(name, 0)
-    if cfg.warmup_iters < -1:
-        p.append(f"--warmup_iters={cfg.warmup_iters}: must be >= 0 (or -1 = auto, see --help)")
-    p.number("warmup_ratio", 0.0, 1.0)
-    if cfg.tensorboard:
-        import importlib.util
-        if importlib.util.find_spec("tensorboard") is None:  # HF Trainer refuses too, rather than log nothing
-            p.append("--tensorboard=true needs the tensorboard package, optional for training (requirements.txt does "
-                     "not install it; requirements-dev.txt does, for the tests): pip install tensorboard, or leave "
-                     "--tensorboard off (metrics.jsonl has every value)")
-    p.number("learning_rate", 0.0, low_open=True)
-    p.number("min_lr", 0.0)
-    p.number("weight_decay", 0.0)
-    p.number("eps", 0.0, low_open=True)
-    p.number("grad_clip", 0.0, what="must be a finite number >= 0 (0 = no clipping)")
-    for name in ("beta1", "beta2", "dropout", "lora_dropout", "val_ratio"):
-        p.number(name, 0.0, 1.0)
-    p.number("rope_theta", 0.0, low_open=True)
-    _model_size_problems(cfg, p, torch_free)
-    p.number("lora_alpha", 0.0, low_open=True)
-    p.number("dpo_beta", 0.0, low_open=True)
-    p.number("dpo_label_smoothing", 0.0, 0.5)
-    p.number("powersgd_min_compression_rate", 0.0)
-    p.number("peak_flops", 0.0, what="must be a finite number >= 0 (0 = measure)")
-    p.number("spike_factor", 1.0, low_open=True)
-    p.number("num_train_epochs", 0.0, what="must be a finite number >= 0 (0 = off: --max_iters sets the length)")
-    # A run of more steps than these is a typo (--max_iters=99999999999999999999 ran "forever")
-    for name in ("max_iters", "lr_decay_iters", "warmup_iters"):
-        p.at_most(name, MAX_STEPS)
-    if math.isfinite(cfg.num_train_epochs) and cfg.num_train_epochs > MAX_EPOCHS:
-        p.append(f"--num_train_epochs={cfg.num_train_epochs:g}: must be <= {MAX_EPOCHS:g}")
-    p.at_least("sample_every", 0)
-    p.at_least("threads", 0)
-    p.at_least("prefetch_batches", -1)
-    p.at_least("sample_max_new_tokens", 1)
-    p.number("sample_temperature", 0.0, what="must be a finite number >= 0 (0 = greedy)")
-    if cfg.sample_every > 0:
-        p.extend(sample_problems(cfg))
-    p.at_least("eval_tasks_limit", 0)
-    p.extend(eval_tasks_problems(cfg))
-    p.at_least("spike_window", 1)
-    from utils.spike_guard import parse_data_steps
-    try:
-        parse_data_steps(cfg.skip_data_steps)
-    except ValueError as e:
-        p.append(f"--skip_data_steps={cfg.skip_data_steps!r}: {e}")
-    if cfg.lora_train_embeddings and cfg.lora_rank == 0:
-        p.append("--lora_train_embeddings=true needs --lora_rank>0 (to train only the embedding and LM head, "
-                 "use --trainable=embeddings)")
-    if cfg.lora_rank > 0 and not torch_free:
-        from model.lora import ALL_LINEAR
-        targets = [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]
-        unknown = [t for t in targets if t not in ALL_LINEAR]
-        if cfg.lora_targets != "all" and (unknown or not targets):
-            p.append(f"--lora_targets={cfg.lora_targets}: unknown module name(s) "
-                     f"{','.join(unknown) or '(none)'}; use a comma-separated subset of "
-                     f"{','.join(ALL_LINEAR)}, or all")
 

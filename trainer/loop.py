@@ -27,10 +27,10 @@ from evals.lm_tasks import TaskEvaluator
 from model.flops import flops_per_token, mfu_from, resolve_peak_flops
 from parallel.engine import StepStats
 from tokenizer import load_tokenizer_meta
-from trainer.config import (TrainConfig, TrainingError, eval_task_paths, max_iters_for_epochs, one_line, resolve_warmup,
-                            validate_config)
+from trainer.config import TrainConfig, TrainingError, eval_task_paths, max_iters_for_epochs, one_line, resolve_warmup
 from trainer.faults import fire_step_faults, fires, save_fault_hook, spike_fault, spiked, step_fault_due
 from trainer.samples import TrainSampler, read_prompts
+from trainer.validation import validate_config
 from trainer.start import Progress, build_model, choose_trainable, decide_start, dpo_reference, place_on_engine, \
     restore
 from trainer.task import build_data, count_tokens, evaluate, prefetch_depth, task_of

@@ -136,7 +136,7 @@ def test_trainer_refuses_an_unwritable_checkpoints_directory_before_training(tin
     """A read-only <out_dir>/checkpoints/ was found at the first save (a crash, retried by the supervisor on the
     same directory); now the pre-check (and main(), for a caller that skips it) refuses it: exit 2, one line."""
     import train_my_ddp
-    from trainer.config import precheck
+    from trainer.precheck import precheck
     out = tmp_path / "run"
     (out / "checkpoints").mkdir(parents=True)
     read_only(monkeypatch, out / "checkpoints")

@@ -240,7 +240,8 @@ def test_a_resumed_run_is_bit_exact_and_states_cross_dtypes(monkeypatch):
     (["--pipeline_parallel_size=2"], "--optimizer_state_dtype=bf16"),
 ])
 def test_runs_bf16_moments_cannot_take_are_refused_in_one_line(flags, expect):
-    from trainer.config import TrainConfig, TrainingError, validate_config
+    from trainer.config import TrainConfig, TrainingError
+    from trainer.validation import validate_config
     from utils.configurator import parse_config
     cfg = parse_config(TrainConfig(), ["--data_dir=d", "--tokenizer_dir=t", "--optimizer_state_dtype=bf16", *flags])
     with pytest.raises(TrainingError) as e:

@@ -195,7 +195,8 @@ def test_on_cuda_muon_within_the_references_rounding():
     ({"muon_weight_decay": -1.0}, "--muon_weight_decay=-1.0: must be a finite number >= 0"),
 ])
 def test_muons_bad_numbers_are_one_exit_2_error_as_adamws_are(flags, named):
-    from trainer.config import TrainConfig, TrainingError, validate_config
+    from trainer.config import TrainConfig, TrainingError
+    from trainer.validation import validate_config
     cfg = TrainConfig(data_dir="d", tokenizer_dir="t", optimizer="muon", **flags)
     with pytest.raises(TrainingError) as e:
         validate_config(cfg, torch_free=True)

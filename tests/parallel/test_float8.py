@@ -372,7 +372,8 @@ def test_fp8_support_by_compute_capability():
      "--float8=tensorwise cannot be combined with --pipeline_parallel_size=2"),
 ])
 def test_layouts_fp8_cannot_run_are_one_line(flags, expect):
-    from trainer.config import TrainConfig, TrainingError, validate_config
+    from trainer.config import TrainConfig, TrainingError
+    from trainer.validation import validate_config
     from utils.configurator import parse_config
     cfg = parse_config(TrainConfig(), ["--data_dir=d", "--tokenizer_dir=t", *flags])
     with pytest.raises(TrainingError) as e:

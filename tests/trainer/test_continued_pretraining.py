@@ -166,7 +166,8 @@ def test_a_tokenizer_that_does_not_extend_the_model_is_a_clear_error(cpt, tiny_p
 
 
 def test_trainable_flags_are_validated():
-    from trainer.config import TrainConfig, TrainingError, trains_embeddings, validate_config
+    from trainer.config import TrainConfig, TrainingError, trains_embeddings
+    from trainer.validation import validate_config
     base = dict(data_dir="d", tokenizer_dir="t")
     for bad, msg in ((dict(trainable="head"), "--trainable='head' (all | embeddings)"),
                      (dict(lora_train_embeddings=True), "--lora_train_embeddings=true needs --lora_rank>0")):

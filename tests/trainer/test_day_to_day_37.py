@@ -9,7 +9,8 @@ import os
 import pytest
 
 from tests.conftest import PY, child_env, run_cmd, run_python, run_trainer, train_cmd
-from trainer.config import TrainConfig, TrainingError, imply_engine, resolve_warmup, validate_config
+from trainer.config import TrainConfig, TrainingError, imply_engine, resolve_warmup
+from trainer.validation import validate_config
 from utils.lr_schedule import lr_at
 
 

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from data_preprocess.shard_format import write_shard
-from trainer.config import TrainConfig, precheck
+from trainer.config import TrainConfig
+from trainer.precheck import precheck
 from trainer.task import build_data
 from utils.constants import EXIT_BAD_DATA
 

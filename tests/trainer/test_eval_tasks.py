@@ -78,14 +78,14 @@ def _bad_task(tmp_path, name):
 
 
 def test_bad_eval_task_files_are_refused_by_the_pre_check_without_torch(tiny_pretrain_run_args, tmp_path, capsys):
-    """The pre-check (trainer/config.py, before torch) reads every record: a file that would crash the first
+    """The pre-check (trainer/precheck.py, before torch) reads every record: a file that would crash the first
     evaluation (and the supervisor's restarts into it) or score a silent wrong result ends the start with one line
     and a code monitor_process.py never retries; the run directory is never made."""
     import pytest
 
     from tests.conftest import ROOT
     from tests.utils.test_cli import _run_without_torch
-    from trainer.config import precheck
+    from trainer.precheck import precheck
     trainer = os.path.join(ROOT, "train_my_ddp.py")
     (tmp_path / "sub").mkdir()
     f, code, says = _bad_task(tmp_path / "sub", "invalid_utf8")

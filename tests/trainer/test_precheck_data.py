@@ -1,4 +1,4 @@
-"""Issue 37 item 5: the trainer's remaining mistakes answered before torch is imported (trainer/config.py precheck):
+"""Issue 37 item 5: the trainer's remaining mistakes answered before torch is imported (trainer/precheck.py):
 a --data_dir that does not exist (said so, exit 3), a --data_dir of raw .jsonl (the pretokenizer's commands,
 exit 3), --dim=250 --n_heads=8 (exit 2); and a start that fails in set-up leaves no run_start.json, so the next
 start is a new run, not "[resume] ... starting as the run did"."""

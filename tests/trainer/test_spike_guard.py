@@ -150,7 +150,8 @@ def test_exit_code_is_handled_not_retried_blindly_nor_refused():
 
 
 def test_bad_guard_flags_are_one_exit_2_error():
-    from trainer.config import TrainConfig, TrainingError, validate_config
+    from trainer.config import TrainConfig, TrainingError
+    from trainer.validation import validate_config
     cfg = TrainConfig(data_dir="d", tokenizer_dir="t", spike_factor=1.0, spike_window=0, skip_data_steps="5-3")
     with pytest.raises(TrainingError) as e:
         validate_config(cfg)

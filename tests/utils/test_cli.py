@@ -72,7 +72,7 @@ def test_sentencepiece_training_is_quiet_by_default(tmp_path):
 
 # ---------------------------------------------------------------------------- answers before torch
 # A typo, a bad value, a path that is not there, a checkpoint that names nothing and --help are answered
-# before the commands import torch (trainer/config.py precheck, sample.precheck, utils.run_dir): the same
+# before the commands import torch (trainer/precheck.py, sample.precheck, utils.run_dir): the same
 # line and exit code as the full path, in a fraction of a second instead of the torch import (tens of
 # seconds on a busy machine). Each case runs as a real process under `python -X importtime`: no `torch`
 # module may appear; the seconds are printed (`pytest -s`) for the record, never asserted.

@@ -1,0 +1,240 @@
+"""The validation of a run's flags: every impossible value or combination, collected into one exit-2 error
+that lists them all (`validate_config`), from the parallel layout's refusals (parallel/config.py, from the
+engines' declared capabilities), the task names (trainer/tasks/), the model's shape, the numbers' ranges and the
+extras (samples, --eval_tasks files).
+
+Owns: the rules and their one-line wording. --max_iters and the step flags are bounded by a billion optimizer
+steps, --num_train_epochs by MAX_EPOCHS (utils/constants.py: a checkpoint's trainer_state.json by the same bounds).
+Must never: import torch (the pre-check runs it with torch_free=True), or read a checkpoint's tensors.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+from optimizer.optimizer_config import bf16_state_conflicts
+from trainer.config import (KERNEL_CHOICES, RESUME_CHOICES, TrainConfig, engine_needs, eval_task_paths,
+                            parallel_section, resume_policy)
+from utils.constants import EXIT_BAD_CONFIG, MAX_EPOCHS, MAX_STEPS
+from utils.errors import TrainingError
+
+
+def parallel_problems(cfg: TrainConfig, world_size: Optional[int] = None) -> list[str]:
+    """parallel/config.py's refusals of this run's layout (sizes, the world, capabilities), plus the model
+    shape's split over the stages and tensor ranks when the model is built from these flags."""
+    section = parallel_section(cfg)
+    out = section.problems(world_size, needs=engine_needs(cfg))
+    sizes_valid = min(section.pp, section.tp) >= 1
+    if cfg.init_from in ("scratch", "resume") and sizes_valid:
+        out.extend(section.model_problems(n_layers=cfg.n_layers, n_heads=cfg.n_heads,
+                                          n_kv_heads=cfg.n_kv_heads or cfg.n_heads, max_seq_len=cfg.max_seq_len,
+                                          dropout=cfg.dropout))
+    return out
+
+
+def sample_problems(cfg: TrainConfig) -> list[str]:
+    """What --sample_every > 0 cannot work with: prompts that name nothing (an engine where no rank holds
+    the whole model is parallel_problems'). Reads no file (the prompt file is read when the run starts)."""
+    from trainer.samples import prompts_problem
+    out = []
+    problem = prompts_problem(cfg.sample_prompts)
+    if problem:
+        out.append(f"--sample_prompts={cfg.sample_prompts!r}: {problem}")
+    return out
+
+
+def eval_tasks_problems(cfg: TrainConfig) -> list[str]:
+    """What --eval_tasks cannot work with: a path that is no task file (missing, a directory, not .jsonl/.json,
+    unreadable; an engine where no rank holds the whole model is parallel_problems'). Reads no record (the
+    pre-check reads them: eval_tasks_content_error)."""
+    from evals.lm_tasks import task_file_problem
+    return [f"--eval_tasks: {problem}" for problem in map(task_file_problem, eval_task_paths(cfg)) if problem]
+
+
+def eval_tasks_content_error(cfg: TrainConfig) -> Optional[BaseException]:
+    """The first --eval_tasks file whose records cannot be scored (evals/lm_tasks.py read_task_lines: exit 3
+    naming file:line, exit 2 for a path that is no task file), or None. Reads every record, no torch: the
+    pre-check's, so that a bad file ends the start before the model is built, not at the first evaluation."""
+    from evals.lm_tasks import TaskConfigError, TaskFormatError, read_task_lines
+    for path in eval_task_paths(cfg):
+        try:
+            read_task_lines(path)
+        except (TaskFormatError, TaskConfigError) as e:
+            return e
+    return None
+
+
+class _Problems(list):
+    """The problems validate_config collects, with the three shapes of check most flags need."""
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+
+    def choice(self, name: str, allowed: tuple[str, ...]) -> None:
+        if getattr(self.cfg, name) not in allowed:
+            self.append(f"--{name}={getattr(self.cfg, name)!r} ({' | '.join(allowed)})")
+
+    def at_least(self, name: str, low: int) -> None:
+        if getattr(self.cfg, name) < low:
+            self.append(f"--{name}={getattr(self.cfg, name)}: must be >= {low}")
+
+    def at_most(self, name: str, high: int) -> None:
+        if getattr(self.cfg, name) > high:
+            self.append(f"--{name}={getattr(self.cfg, name)}: must be <= {high:,}")
+
+    def number(self, name: str, low: float, high: float = math.inf, low_open: bool = False, high_open: bool = True,
+               what: str = "") -> None:
+        v = getattr(self.cfg, name)
+        ok = math.isfinite(v) and (v > low if low_open else v >= low) and (v < high if high_open else v <= high)
+        if not ok:
+            if what:
+                rule = what
+            elif high == math.inf:
+                rule = f"must be a finite number {'>' if low_open else '>='} {low:g}"
+            else:
+                rule = f"must be in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+            self.append(f"--{name}={v}: {rule}")
+
+
+def validate_config(cfg: TrainConfig, world_size: Optional[int] = None, torch_free: bool = False) -> None:
+    """Every value the run cannot work with, as one exit-2 error listing all of them.
+    world_size (when known) also checks that the processes form a pp x dp mesh. torch_free: only the
+    checks that need no torch (the pre-check's): not the FSDP, pipeline and LoRA-target ones."""
+    problems = _Problems(cfg)
+    problems.extend(parallel_problems(cfg, world_size))
+    _choices_and_combinations(cfg, problems, torch_free)
+    _numbers_and_extras(cfg, problems, torch_free)
+    if problems:
+        raise TrainingError("bad configuration: " + "; ".join(problems), EXIT_BAD_CONFIG)
+
+
+def _choices_and_combinations(cfg: TrainConfig, p: _Problems, torch_free: bool) -> None:
+    """Choices, required paths, and flags that cannot be combined."""
+    from trainer.tasks import TASKS  # (torch-free: the names only)
+    p.choice("task_type", tuple(TASKS))
+    if not str(cfg.out_dir).strip():
+        p.append(f"--out_dir={cfg.out_dir!r}: must name the run directory (it holds the checkpoints)")
+    if not 0 <= cfg.seed < 2**32:  # numpy's and the data order's generators take a 32-bit unsigned seed
+        p.append(f"--seed={cfg.seed}: must be in [0, {2**32 - 1}]")
+    if not cfg.data_dir and not cfg.data_mix:
+        p.append("--data_dir is required")
+    if not cfg.tokenizer_dir:
+        p.append("--tokenizer_dir is required")
+    p.choice("dtype", ("fp32", "bf16", "fp16"))
+    p.choice("lr_schedule", ("cosine", "linear", "wsd", "constant"))
+    p.choice("dpo_loss", ("sigmoid", "ipo", "hinge"))
+    p.choice("trainable", ("all", "embeddings"))
+    p.choice("optimizer", ("adamw", "muon"))
+    p.choice("muon_adjust_lr", ("match_rms_adamw", "original"))
+    p.number("muon_momentum", 0.0, 1.0)  # as --beta1: a momentum of 1 never forgets, above 1 diverges
+    p.number("muon_lr", 0.0, what="must be a finite number >= 0 (0 = --learning_rate)")
+    p.number("muon_weight_decay", 0.0)
+    p.choice("optimizer_state_dtype", ("fp32", "bf16"))
+    if cfg.optimizer_state_dtype == "bf16":
+        flags = {"optimizer": "--optimizer=muon", "precision": "--dtype=fp16", "zero_stage": "--zero_stage=2",
+                 "overlap_optim_step": "--overlap_optim_step=true"}
+        asked = [flags[k] for k, _ in bf16_state_conflicts(cfg.optimizer, cfg.dtype, cfg.zero_stage,
+                                                           cfg.overlap_optim_step)]
+        if cfg.comm_hook not in ("allreduce", "reduce_scatter"):  # (a hook is the engine's, not OptimizerConfig's)
+            asked.append(f"--comm_hook={cfg.comm_hook}")
+        for other in asked:
+            p.append(f"--optimizer_state_dtype=bf16 cannot be combined with {other} (the bf16 moments live in "
+                     "the one-launch AdamW, which does not step that)")
+    cfg.fused_kernels = str(cfg.fused_kernels).lower()
+    p.choice("fused_kernels", tuple(KERNEL_CHOICES))
+    p.choice("resume", RESUME_CHOICES)
+    if cfg.init_from == "resume" and cfg.resume == "never":
+        p.append("--init_from=resume (= --resume=always) contradicts --resume=never")
+    if cfg.task_type in ("sft", "dpo") and cfg.init_from == "scratch" and resume_policy(cfg) != "always":
+        p.append(f"--task_type={cfg.task_type} starts from pretrained weights: pass --init_from=<run dir>")
+    if cfg.task_type in ("sft", "dpo") and resume_policy(cfg) == "always" and cfg.resume_fallback == "scratch":
+        p.append(f"--task_type={cfg.task_type} starts from pretrained weights: --resume_fallback=scratch "
+                 "cannot be used")
+
+
+def _model_size_problems(cfg: TrainConfig, p: _Problems, torch_free: bool) -> None:
+    """The model flags within utils/model_bounds.py's bounds (--dim=1048576 is a typo, not a 4 TB model),
+    and, with torch (the full start-up), the model's fp32 weights within the memory --device has free:
+    refused before anything is allocated. A vocabulary from the tokenizer (--vocab_size=0) counts as 0
+    here, so only a model too large without its embedding is refused at this point."""
+    from utils.model_bounds import bound_problems, fit_problem, param_count
+    fields = {k: getattr(cfg, k) for k in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim",
+                                           "multiple_of", "max_seq_len", "rope_theta")}
+    fields = {k: v for k, v in fields.items() if not (k in ("vocab_size", "n_kv_heads", "hidden_dim") and v == 0)}
+    bounds = bound_problems(fields, prefix="--")
+    p.extend(bounds)
+    if bounds or torch_free or min(cfg.dim, cfg.n_layers, cfg.n_heads, cfg.multiple_of) < 1:
+        return
+    n = param_count(cfg.dim, cfg.n_layers, cfg.n_heads, cfg.vocab_size, cfg.n_kv_heads or None,
+                    cfg.hidden_dim or None, cfg.multiple_of, None, cfg.tie_embeddings)
+    problem = fit_problem(n, cfg.device, f"--dim={cfg.dim} --n_layers={cfg.n_layers}")
+    if problem:
+        p.append(problem)
+
+
+def _numbers_and_extras(cfg: TrainConfig, p: _Problems, torch_free: bool) -> None:
+    """Ranges of the numeric flags, and the checks of samples, skipped data steps and LoRA targets."""
+    for name in ("batch_size", "gradient_accumulation_steps", "max_iters", "max_seq_len", "checkpoint_interval",
+                 "log_interval", "eval_iters", "keep_last", "dim", "n_layers", "n_heads", "multiple_of",
+                 "bucket_size", "powersgd_rank"):
+        p.at_least(name, 1)
+    for name in ("eval_interval", "lr_decay_iters", "n_kv_heads", "hidden_dim", "vocab_size",
+                 "lora_rank", "powersgd_start_iter"):
+        p.at_least(name, 0)
+    if cfg.warmup_iters < -1:
+        p.append(f"--warmup_iters={cfg.warmup_iters}: must be >= 0 (or -1 = auto, see --help)")
+    p.number("warmup_ratio", 0.0, 1.0)
+    if cfg.tensorboard:
+        import importlib.util
+        if importlib.util.find_spec("tensorboard") is None:  # HF Trainer refuses too, rather than log nothing
+            p.append("--tensorboard=true needs the tensorboard package, optional for training (requirements.txt does "
+                     "not install it; requirements-dev.txt does, for the tests): pip install tensorboard, or leave "
+                     "--tensorboard off (metrics.jsonl has every value)")
+    p.number("learning_rate", 0.0, low_open=True)
+    p.number("min_lr", 0.0)
+    p.number("weight_decay", 0.0)
+    p.number("eps", 0.0, low_open=True)
+    p.number("grad_clip", 0.0, what="must be a finite number >= 0 (0 = no clipping)")
+    for name in ("beta1", "beta2", "dropout", "lora_dropout", "val_ratio"):
+        p.number(name, 0.0, 1.0)
+    p.number("rope_theta", 0.0, low_open=True)
+    _model_size_problems(cfg, p, torch_free)
+    p.number("lora_alpha", 0.0, low_open=True)
+    p.number("dpo_beta", 0.0, low_open=True)
+    p.number("dpo_label_smoothing", 0.0, 0.5)
+    p.number("powersgd_min_compression_rate", 0.0)
+    p.number("peak_flops", 0.0, what="must be a finite number >= 0 (0 = measure)")
+    p.number("spike_factor", 1.0, low_open=True)
+    p.number("num_train_epochs", 0.0, what="must be a finite number >= 0 (0 = off: --max_iters sets the length)")
+    # A run of more steps than these is a typo (--max_iters=99999999999999999999 ran "forever")
+    for name in ("max_iters", "lr_decay_iters", "warmup_iters"):
+        p.at_most(name, MAX_STEPS)
+    if math.isfinite(cfg.num_train_epochs) and cfg.num_train_epochs > MAX_EPOCHS:
+        p.append(f"--num_train_epochs={cfg.num_train_epochs:g}: must be <= {MAX_EPOCHS:g}")
+    p.at_least("sample_every", 0)
+    p.at_least("threads", 0)
+    p.at_least("prefetch_batches", -1)
+    p.at_least("sample_max_new_tokens", 1)
+    p.number("sample_temperature", 0.0, what="must be a finite number >= 0 (0 = greedy)")
+    if cfg.sample_every > 0:
+        p.extend(sample_problems(cfg))
+    p.at_least("eval_tasks_limit", 0)
+    p.extend(eval_tasks_problems(cfg))
+    p.at_least("spike_window", 1)
+    from utils.spike_guard import parse_data_steps
+    try:
+        parse_data_steps(cfg.skip_data_steps)
+    except ValueError as e:
+        p.append(f"--skip_data_steps={cfg.skip_data_steps!r}: {e}")
+    if cfg.lora_train_embeddings and cfg.lora_rank == 0:
+        p.append("--lora_train_embeddings=true needs --lora_rank>0 (to train only the embedding and LM head, "
+                 "use --trainable=embeddings)")
+    if cfg.lora_rank > 0 and not torch_free:
+        from model.lora import ALL_LINEAR
+        targets = [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]
+        unknown = [t for t in targets if t not in ALL_LINEAR]
+        if cfg.lora_targets != "all" and (unknown or not targets):
+            p.append(f"--lora_targets={cfg.lora_targets}: unknown module name(s) "
+                     f"{','.join(unknown) or '(none)'}; use a comma-separated subset of "
+                     f"{','.join(ALL_LINEAR)}, or all")
