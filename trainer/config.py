@@ -13,7 +13,6 @@ checkpoint's tensors).
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Any, Optional
 

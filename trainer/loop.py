@@ -23,17 +23,17 @@ from tqdm import tqdm
 
 from data_preprocess.shard_format import DataError
 from dataset.prefetch import PrefetchLoader
-from evals.lm_tasks import TaskEvaluator
 from model.flops import flops_per_token, mfu_from, resolve_peak_flops
 from parallel.engine import StepStats
 from tokenizer import load_tokenizer_meta
-from trainer.config import TrainConfig, TrainingError, eval_task_paths, max_iters_for_epochs, one_line, resolve_warmup
+from trainer.config import TrainConfig, TrainingError, max_iters_for_epochs, one_line, resolve_warmup
 from trainer.faults import fire_step_faults, fires, save_fault_hook, spike_fault, spiked, step_fault_due
-from trainer.samples import TrainSampler, read_prompts
+from trainer.console import line_due, rank0_log
+from trainer.samples import build_sampler
 from trainer.validation import validate_config
-from trainer.start import Progress, build_model, choose_trainable, decide_start, dpo_reference, place_on_engine, \
-    restore
-from trainer.task import build_data, count_tokens, evaluate, prefetch_depth, task_of
+from trainer.start import (Progress, build_model, choose_trainable, decide_start, dpo_reference, place_on_engine,
+                           restore, set_threads)
+from trainer.task import build_data, build_task_evaluator, count_tokens, evaluate, prefetch_depth, task_of
 from utils import checkpoint as ckpt
 from utils import run_lock
 from utils.async_checkpoint import AsyncCheckpointer
@@ -45,85 +45,8 @@ from utils.dist import DistInfo, all_reduce_max, barrier
 from utils.lr_schedule import lr_at, schedule_warnings
 from utils.metrics import MetricsLogger, Throughput, format_line
 from utils.spike_guard import SPIKE_FILE, SpikeDetector, format_data_steps, write_spike_record
-from utils.threads import ThreadTuner, choose_threads, describe_threads, oversubscription_warning
 
 TIMING_WARMUP_STEPS = 2  # steps of each process left out of the logged rate and MFU (Throughput)
-
-
-def build_task_evaluator(cfg: TrainConfig):
-    """--eval_tasks: the task files read, checked and encoded (exit 3 naming file:line, exit 2 for a path that is
-    no task file or a choice longer than --max_seq_len), the run's tokenizer; else None."""
-    paths = eval_task_paths(cfg)
-    if not paths:
-        return None
-    # --batch_size requests per forward: a batch that fits a training step fits a no-grad forward
-    return TaskEvaluator(paths, cfg.tokenizer_dir, cfg.max_seq_len, cfg.eval_tasks_limit, batch_size=cfg.batch_size)
-
-
-def build_sampler(cfg: TrainConfig):
-    """--sample_every > 0: the run's prompts encoded with its tokenizer (trainer/samples.py), else None.
-    A prompt file or tokenizer that cannot be read is a bad configuration (exit 2)."""
-    if cfg.sample_every <= 0:
-        return None
-    try:
-        prompts = read_prompts(cfg.sample_prompts)
-    except ValueError as e:
-        raise TrainingError(f"--sample_prompts={cfg.sample_prompts!r}: {e}", EXIT_BAD_CONFIG) from e
-    try:
-        return TrainSampler(prompts, cfg.tokenizer_dir, cfg.task_type, cfg.sample_every, cfg.sample_max_new_tokens,
-                            cfg.sample_temperature, cfg.seed)
-    except (OSError, ValueError, KeyError) as e:
-        raise TrainingError(f"--sample_every={cfg.sample_every}: cannot load the tokenizer of --tokenizer_dir="
-                            f"{cfg.tokenizer_dir} to encode the prompts ({one_line(e)})", EXIT_BAD_CONFIG) from e
-
-
-
-QUIET_LINE_EVERY_S = 10.0  # stdout not a terminal, --log_interval not given: a step line at least this often (s)
-_last_line_at = [0.0]
-
-
-def _line_due(scheduled: bool, now: Optional[float] = None, quiet_lines: bool = True) -> bool:
-    """Whether the loop prints this step's line: when `scheduled` (every --log_interval steps, evaluations,
-    step 1), and, when stdout is not a terminal (a pipe or a log file: no progress bar there) and the user
-    did not choose --log_interval (`quiet_lines`), also when no line came for QUIET_LINE_EVERY_S seconds,
-    so that a piped run with the default interval is never silent for minutes."""
-    now = time.time() if now is None else now
-    quiet = quiet_lines and not sys.stdout.isatty() and now - _last_line_at[0] >= QUIET_LINE_EVERY_S
-    if scheduled or quiet:
-        _last_line_at[0] = now
-        return True
-    return False
-
-
-
-def set_threads(cfg: TrainConfig, info: DistInfo, log) -> tuple[str, Any]:
-    """The CPU compute threads of this process (utils/threads.py), set now: --threads, else OMP_NUM_THREADS
-    as torchrun sets it, else the usable cores, and then (CPU runs, not --deterministic) a ThreadTuner that
-    trains on one thread while that is measured faster (other processes compete for the cores). Warns once
-    (rank 0) when the machine is oversubscribed. Returns (the words of the [layout] line, the tuner or None)."""
-    choice = choose_threads(cfg.threads)
-    torch.set_num_threads(choice.threads)
-    fixed = choice.source in ("--threads", "OMP_NUM_THREADS") or cfg.deterministic
-    busy = oversubscription_warning(choice.threads)
-    tuner = None
-    if not fixed and choice.threads > 1 and info.device.type == "cpu":
-        # on a machine already busy, spinning threads collapse: start on one and let the tuner try more
-        tuner = ThreadTuner(choice.threads, start=1 if busy else None)
-        if busy:
-            torch.set_num_threads(1)
-            busy += "; starting on 1 thread, the automatic choice measures more later"
-    if busy:
-        log(f"[warning] threads: {busy}")
-    return describe_threads(choice, adaptive=tuner is not None), tuner
-
-
-def _rank0_log(info: DistInfo):
-    def log(msg: str) -> None:
-        if info.is_main:
-            tqdm.write(msg, file=sys.stdout)  # keeps the progress bar (if any) below the log lines
-            sys.stdout.flush()
-    return log
-
 
 
 def train(cfg: TrainConfig, info: DistInfo, continues: Optional[bool] = None, max_iters_given: bool = False,
@@ -131,7 +54,7 @@ def train(cfg: TrainConfig, info: DistInfo, continues: Optional[bool] = None, ma
     """One run (main() has parsed and resolved `cfg`). max_iters_given: --max_iters was set explicitly
     (command line or config file), so it wins over --num_train_epochs; log_interval_given: --log_interval
     too, so no extra time-based lines are printed between the lines it asks for."""
-    log = _rank0_log(info)
+    log = rank0_log(info)
     if info.is_main:  # library modules report optional-accelerator detection through logging
         logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
     validate_config(cfg, world_size=info.world_size)
@@ -462,7 +385,7 @@ class Loop:
                 self.log(f"[eval_tasks] step {step}: " + ", ".join(
                     f"{k[len('val_'):]} {v:.4f}" for k, v in scores.items()))
         self.metrics.write(rec)
-        if self.info.is_main and _line_due(step % self.cfg.log_interval == 0 or do_eval or step == 1,
+        if self.info.is_main and line_due(step % self.cfg.log_interval == 0 or do_eval or step == 1,
                                            quiet_lines=self.quiet_lines):
             self.log(format_line(rec, total=self.cfg.max_iters, elapsed=time.time() - self.t_loop_start,
                                  eta=self._eta(step)))

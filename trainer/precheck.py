@@ -74,7 +74,7 @@ def precheck(argv: list[str], title: str, prog: str) -> None:
         fail(error + one_line(TrainingError(f"--tokenizer_dir={cfg.tokenizer_dir}: {e}", EXIT_BAD_CONFIG)),
              getattr(e, "exit_code", EXIT_BAD_CONFIG))  # the same line and code as trainer/loop.py train
     bad_task = eval_tasks_content_error(cfg)
-    if bad_task is not None:  # the line and code the full path gives (trainer/loop.py build_task_evaluator)
+    if bad_task is not None:  # the line and code the full path gives (trainer/task.py build_task_evaluator)
         from utils.errors import exit_code_for
         code, msg = exit_code_for(bad_task)
         fail(error + msg, code)

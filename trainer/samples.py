@@ -17,6 +17,10 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
+from trainer.config import TrainConfig
+from utils.constants import EXIT_BAD_CONFIG
+from utils.errors import TrainingError, one_line
+
 DEFAULT_PROMPT = "Once upon a time"
 STOP_TOKENS = ("eos", "im_end")  # a continuation ends at </s> or <|im_end|> (not shown), as in sample.py
 
@@ -104,3 +108,20 @@ class TrainSampler:
         finally:
             restore_rng_state(saved, device)
         return out
+
+
+def build_sampler(cfg: TrainConfig):
+    """--sample_every > 0: the run's prompts encoded with its tokenizer (trainer/samples.py), else None.
+    A prompt file or tokenizer that cannot be read is a bad configuration (exit 2)."""
+    if cfg.sample_every <= 0:
+        return None
+    try:
+        prompts = read_prompts(cfg.sample_prompts)
+    except ValueError as e:
+        raise TrainingError(f"--sample_prompts={cfg.sample_prompts!r}: {e}", EXIT_BAD_CONFIG) from e
+    try:
+        return TrainSampler(prompts, cfg.tokenizer_dir, cfg.task_type, cfg.sample_every, cfg.sample_max_new_tokens,
+                            cfg.sample_temperature, cfg.seed)
+    except (OSError, ValueError, KeyError) as e:
+        raise TrainingError(f"--sample_every={cfg.sample_every}: cannot load the tokenizer of --tokenizer_dir="
+                            f"{cfg.tokenizer_dir} to encode the prompts ({one_line(e)})", EXIT_BAD_CONFIG) from e

@@ -14,8 +14,9 @@ from typing import Callable, Optional
 import torch
 
 from dataset.loader import ResumableLoader
+from evals.lm_tasks import TaskEvaluator
 from parallel.engine import StepStats
-from trainer.config import TrainConfig, TrainingError
+from trainer.config import TrainConfig, TrainingError, eval_task_paths
 from trainer.tasks import get_task
 from trainer.tasks.data import check_data_tokenizer  # noqa: F401 (re-exported: tests and callers use it here)
 from utils.constants import EXIT_BAD_CONFIG, EXIT_BAD_DATA
@@ -110,3 +111,13 @@ def evaluate(cfg: TrainConfig, engine, ref_model, make_val_loader, info: DistInf
                            task.count_units)
     per_unit = StepStats.from_tensor(engine.sum_over_data(sums, info.device), engine.stat_keys).per_unit()
     return {"val_loss": per_unit["loss"], **{f"val_{k}": per_unit[k] for k in task.val_stat_keys}}
+
+
+def build_task_evaluator(cfg: TrainConfig):
+    """--eval_tasks: the task files read, checked and encoded (exit 3 naming file:line, exit 2 for a path that is
+    no task file or a choice longer than --max_seq_len), the run's tokenizer; else None."""
+    paths = eval_task_paths(cfg)
+    if not paths:
+        return None
+    # --batch_size requests per forward: a batch that fits a training step fits a no-grad forward
+    return TaskEvaluator(paths, cfg.tokenizer_dir, cfg.max_seq_len, cfg.eval_tasks_limit, batch_size=cfg.batch_size)

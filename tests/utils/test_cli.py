@@ -270,17 +270,17 @@ def test_the_same_command_twice_continues_the_run(tiny_pretrain_run_args, tmp_pa
 def test_piped_output_gets_a_line_every_few_seconds(monkeypatch):
     """stdout not a terminal (no progress bar): a step line when --log_interval says so, and also when
     none came for QUIET_LINE_EVERY_S seconds; on a terminal only when --log_interval says so."""
-    from trainer import loop as T
+    from trainer import console as T
     monkeypatch.setattr(T, "_last_line_at", [0.0])
     monkeypatch.setattr(sys.stdout, "isatty", lambda: False)
     every = T.QUIET_LINE_EVERY_S
-    assert T._line_due(True, now=1000.0)
-    assert not T._line_due(False, now=1000.0 + every / 2)
-    assert T._line_due(False, now=1000.0 + every + 0.1)
-    assert not T._line_due(False, now=1000.0 + every + 1)
+    assert T.line_due(True, now=1000.0)
+    assert not T.line_due(False, now=1000.0 + every / 2)
+    assert T.line_due(False, now=1000.0 + every + 0.1)
+    assert not T.line_due(False, now=1000.0 + every + 1)
     monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
-    assert not T._line_due(False, now=1000.0 + 10 * every)
-    assert T._line_due(True, now=1000.0 + 10 * every)
+    assert not T.line_due(False, now=1000.0 + 10 * every)
+    assert T.line_due(True, now=1000.0 + 10 * every)
 
 
 def test_the_trainer_names_the_command_that_takes_a_hugging_face_dataset():

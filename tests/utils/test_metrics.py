@@ -77,8 +77,8 @@ def test_log_lines_respect_a_given_interval_when_not_a_terminal(tiny_pretrain_ru
     when the user did not choose --log_interval; a chosen interval is kept, and every line has the total
     and, after the warm-up steps, an ETA."""
     import train_my_ddp as T
-    from trainer import loop
-    monkeypatch.setattr(loop, "QUIET_LINE_EVERY_S", 0.0)
+    from trainer import console
+    monkeypatch.setattr(console, "QUIET_LINE_EVERY_S", 0.0)
     args = [a for a in tiny_pretrain_run_args if not a.startswith("--log_interval")]
 
     def lines(extra, out):
