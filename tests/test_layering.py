@@ -15,6 +15,7 @@ LAYERS = {
     "data_preprocess": 2, "optimizer": 2,  # optimizer/ steps over parallel/'s DDP by duck typing only
     "parallel": 3, "dataset": 3, "evals": 3,
     "trainer": 5,  # the trainer's pieces (config, start, loop, task, weights, samples, faults)
+    "monitor": 5,  # the supervisor's pieces under monitor_process.py (torch-free: imports utils/ only)
     "train_my_ddp": 6, "sample": 6, "export_hf": 6, "monitor_process": 6,
     "eval_lm": 7,  # scores with sample.py's loading (load_for_inference, the recorded tokenizer)
 }
