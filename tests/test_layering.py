@@ -16,8 +16,11 @@ LAYERS = {
     "parallel": 3, "dataset": 3, "evals": 3,
     "trainer": 5,  # the trainer's pieces (config, start, loop, task, weights, samples, faults)
     "monitor": 5,  # the supervisor's pieces under monitor_process.py (torch-free: imports utils/ only)
-    "train_my_ddp": 6, "sample": 6, "export_hf": 6, "monitor_process": 6,
-    "eval_lm": 7,  # scores with sample.py's loading (load_for_inference, the recorded tokenizer)
+    # loading a trained model for inference (the checkpoint a --ckpt/--checkpoint names, the recorded tokenizer):
+    # below sample.py and eval_lm.py, which share it and so never import each other
+    "inference": 6,
+    "train_my_ddp": 6, "export_hf": 6, "monitor_process": 6,
+    "sample": 7, "eval_lm": 7,
 }
 ALLOWED = {
     # growing a vocabulary (model/resize.py) reads the tokenizer that was grown; nothing else in model/
