@@ -102,7 +102,7 @@ def start_scoring(bar, total: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    from tokenizer.corpus import TEXT_FIELDS_HELP
+    from tokenizer.documents import TEXT_FIELDS_HELP
     from utils.cli import Parser
     p = Parser(description=__doc__.splitlines()[0], epilog=__doc__.split("\n", 2)[2],
                formatter_class=argparse.RawDescriptionHelpFormatter)

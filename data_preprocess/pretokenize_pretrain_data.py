@@ -31,7 +31,8 @@ import numpy as np
 
 from data_preprocess.readers import (FileFieldCheck, SkipCounter, collect_inputs, extract_text, iter_records,
                                      parse_text_fields, skip_counter, split_long_text, text_fields_spec)
-from tokenizer.corpus import TEXT_FIELDS_HELP, input_kind, is_dataset_source, source_size
+from tokenizer.corpus import input_kind, is_dataset_source, source_size
+from tokenizer.documents import TEXT_FIELDS_HELP
 from tokenizer.dataset_source import add_hf_dataset_flags, hf_dataset_from_args
 from data_preprocess.shard_format import (SHARD_RE, DataError, dtype_for_vocab, read_sidecar,
                                           remove_temp_files, write_shard, check_shard)

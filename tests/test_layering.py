@@ -45,7 +45,8 @@ def _imports(path: str):
                 yield alias.name.split(".")[0], node.lineno
 
 
-def _project_files(root: str):
+def project_files(root: str):
+    """Every project module (a .py file outside SKIP_DIRS), relative to `root`."""
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d not in SKIP_DIRS and not d.startswith(".")]
         for name in filenames:
@@ -55,7 +56,7 @@ def _project_files(root: str):
 
 def layer_violations(root: str = ROOT) -> list[str]:
     problems = []
-    for rel in _project_files(root):
+    for rel in project_files(root):
         unit = _unit(rel)
         if unit not in LAYERS:
             problems.append(f"{rel}: {unit} has no layer in tests/test_layering.py LAYERS")
@@ -91,7 +92,7 @@ def _module_graph(root: str = ROOT) -> dict[str, set[str]]:
     """Project module -> the project modules it imports (every import, lazy ones included; `from pkg import
     sub` is an edge to the submodule when `sub` is one, else to the package)."""
     mods = {}
-    for rel in _project_files(root):
+    for rel in project_files(root):
         name = rel[:-3].replace(os.sep, ".")
         mods[name[:-len(".__init__")] if name.endswith(".__init__") else name] = rel
     graph: dict[str, set[str]] = {m: set() for m in mods}

@@ -33,10 +33,8 @@ from typing import Any, Container, Iterator, Sequence
 
 from tokenizer.contract import (META_FILENAME, SPECIAL_TOKENS, VOCAB_MULTIPLE, file_hashes, fingerprint_dir,
                                 write_json)
-from tokenizer.corpus import (
-    TEXT_FIELDS_HELP, CorpusError, SkipCounter, collect_input_files, command_exit_code, iter_file_documents,
-    no_input_files_error, parse_text_fields, text_fields_spec,
-)
+from tokenizer.corpus import CorpusError, SkipCounter, collect_input_files, command_exit_code, no_input_files_error
+from tokenizer.documents import TEXT_FIELDS_HELP, iter_file_documents, parse_text_fields, text_fields_spec
 from utils.publish import staged_dir
 from utils.writable import check_writable_dir
 
@@ -452,7 +450,7 @@ def extend_tokenizer(base_tokenizer_dir: str, data_dir_or_files: str | Sequence[
     t0 = time.time()
     if num_new_tokens <= 0:
         raise ValueError(f"--num_new_tokens must be positive, got {num_new_tokens}")
-    text_fields = parse_text_fields(text_fields)  # the one grammar (tokenizer.corpus): ValueError when empty
+    text_fields = parse_text_fields(text_fields)  # the one grammar (tokenizer.documents): ValueError when empty
     if max_train_bytes is not None and max_train_bytes <= 0:
         raise ValueError("max_train_bytes must be positive")
     if heldout_every == 1:
