@@ -282,7 +282,7 @@ _TRITON: dict = {}
 _TRITON_MODULES = ("triton_kernels", "triton_loss")
 
 
-def _load_triton(name: str):
+def load_triton(name: str):
     """model.triton_kernels / model.triton_loss when Triton imports, else None (checked and logged once).
 
     Under torch.compile nothing is imported: Dynamo cannot trace an import and would give up on the
@@ -323,11 +323,11 @@ def load_kernel_modules() -> None:
     tracing. Called when this module is imported; calling it again is free."""
     if triton_can_run():
         for name in _TRITON_MODULES:
-            _load_triton(name)
+            load_triton(name)
 
 
 def _triton_ops():
-    return _load_triton("triton_kernels")
+    return load_triton("triton_kernels")
 
 
 def choose(op: str, t: torch.Tensor, backend: str = "auto") -> str:
@@ -342,7 +342,7 @@ def choose(op: str, t: torch.Tensor, backend: str = "auto") -> str:
         return "torch"  # float64 (exactness checks): the kernels compute in fp32 at most
     if not t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         return "torch"  # Triton runs on CUDA, or on CPU tensors in its interpreter (tests)
-    mod = _load_triton("triton_loss" if op == "cross_entropy" else "triton_kernels")
+    mod = load_triton("triton_loss" if op == "cross_entropy" else "triton_kernels")
     if mod is None or not mod.supported(t):  # e.g. the interpreter was asked for after triton was imported
         return "torch"
     if backend == "auto":
