@@ -1,8 +1,10 @@
 """No project module (tests/, bench/, scripts/, docs/, data/ and the rest of test_layering's SKIP_DIRS aside) is
-longer than MAX_LINES: a module longer than that does more than one job and is split by responsibility (never by
-importing another module's private names to make a split work: tests/test_layering.py)."""
+longer than MAX_LINES: a module longer than that does more than one job and is split by responsibility, never by
+importing another module's private names to make a split work (`private_imports`: a name a second module needs is
+public in the module that owns it)."""
 from __future__ import annotations
 
+import ast
 import os
 
 from tests.test_layering import ROOT, project_files
@@ -17,6 +19,8 @@ SPLIT_IN_FLIGHT = frozenset({
     "trainer/config.py",
     "trainer/loop.py",
 })
+# split in flight: their imports of parallel/dcp_checkpoint.py's private names go with the checkpoint/ package
+PRIVATE_IMPORTS_IN_FLIGHT = frozenset({"parallel/async_saves.py", "parallel/resume_across_engines.py"})
 
 
 def line_count(path: str) -> int:
@@ -63,3 +67,40 @@ def test_the_checker_sees_an_oversized_module(tmp_path):
         "model/big.py: 11 lines (over 10: split it by responsibility)"]
     assert oversized(str(tmp_path), limit=10, exempt=frozenset({"model/big.py"})) == [
         "cmd.py: 12 lines (over 10: split it by responsibility)"]
+
+
+def private_imports(root: str = ROOT, exempt: frozenset = frozenset()) -> list[str]:
+    """'path:line: from M import _name' for every import of a private name from another project module (lazy
+    imports included; torch's and other third-party modules' are theirs to judge)."""
+    found = []
+    for rel in sorted(project_files(root)):
+        posix = rel.replace(os.sep, "/")
+        if posix in exempt:
+            continue
+        own = posix[:-3].replace("/", ".")
+        with open(os.path.join(root, rel), encoding="utf-8") as f:
+            tree = ast.parse(f.read(), filename=rel)
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module):
+                continue
+            mod_path = os.path.join(root, *node.module.split("."))
+            if node.module == own or not (os.path.exists(mod_path + ".py") or os.path.isdir(mod_path)):
+                continue  # itself, or not a project module
+            for a in node.names:
+                if a.name.startswith("_") and not a.name.startswith("__"):
+                    found.append(f"{posix}:{node.lineno}: from {node.module} import {a.name}")
+    return found
+
+
+def test_no_module_imports_another_modules_private_names():
+    assert private_imports(exempt=PRIVATE_IMPORTS_IN_FLIGHT) == []
+
+
+def test_the_checker_sees_a_private_import(tmp_path):
+    """A lazy import of another project module's `_name` is reported; its public names, its own module's and a
+    third-party module's private names are not."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "a.py").write_text("_x = 1\ny = 2\n")
+    (tmp_path / "model" / "b.py").write_text(
+        "from model.a import y\nfrom torch._C import _x\n\ndef f():\n    from model.a import _x\n    return _x\n")
+    assert private_imports(str(tmp_path)) == ["model/b.py:5: from model.a import _x"]

@@ -125,14 +125,14 @@ def train_sp_candidates(proto: Any, docs: Iterator[str], vocab_size: int, seed: 
     import sentencepiece as spm
     from sentencepiece import sentencepiece_model_pb2 as pb
 
-    from tokenizer.build_sp import _chunks
+    from tokenizer.build_sp import sentence_chunks
 
     ns, ts = proto.normalizer_spec, proto.trainer_spec
     docs_list = None  # sentencepiece keeps every sentence in memory anyway; a retry needs them again
     for attempt in range(2):
         spm.set_random_generator_seed(seed)
         out = io.BytesIO()
-        source = _chunks(docs) if docs_list is None else iter(docs_list)
+        source = sentence_chunks(docs) if docs_list is None else iter(docs_list)
         if attempt == 0:
             docs_list = []
 
