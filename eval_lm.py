@@ -102,7 +102,7 @@ def start_scoring(bar, total: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    from tokenizer.corpus import TEXT_FIELDS_HELP
+    from tokenizer.documents import TEXT_FIELDS_HELP
     from utils.cli import Parser
     p = Parser(description=__doc__.splitlines()[0], epilog=__doc__.split("\n", 2)[2],
                formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -122,8 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="auto")
     args = p.parse_args(argv)
     tasks = [t for spec in args.tasks for t in spec.split(",") if t]
-    import sample
-    problem = sample.precheck(args)
+    from inference.loading import precheck
+    problem = precheck(args)
     if not problem and not (tasks or args.perplexity_files):
         problem = "nothing to evaluate: give --tasks and/or --perplexity_files"
     if not problem and (args.num_fewshot < 0 or args.max_seq_len < 0 or args.batch_size < 1):
@@ -158,22 +158,23 @@ def main(argv: list[str] | None = None) -> int:
 def _load_and_score(args, read: list, bar) -> int:
     """Load the tokenizer and the model, encode every request, score them (`bar` advancing), print the results,
     write --out / --loglikelihoods_out; the exit code."""
-    import sample
     import torch
+
+    from inference.loading import load_for_inference, no_tokenizer_message, recorded_tokenizer_dir
 
     from tokenizer.loading import load_tokenizer_and_meta
     from utils.device import resolve_device
     from utils.errors import report_named
     device = resolve_device(args.device)
     try:
-        tok_dir = args.tokenizer_dir or sample.recorded_tokenizer_dir(args.ckpt, args.checkpoint)
+        tok_dir = args.tokenizer_dir or recorded_tokenizer_dir(args.ckpt, args.checkpoint)
         if not tok_dir or not os.path.isdir(tok_dir):
             bar.close()
-            print(f"eval_lm.py: {sample.no_tokenizer_message(tok_dir, args.tokenizer_dir)}", file=sys.stderr)
+            print(f"eval_lm.py: {no_tokenizer_message(tok_dir, args.tokenizer_dir)}", file=sys.stderr)
             return 2
         tok, meta = load_tokenizer_and_meta(tok_dir)  # one line naming the file when it does not load
         bos, eos = (int(meta["special_tokens"][k]["id"]) for k in ("bos", "eos"))
-        model, _ = sample.load_for_inference(args.ckpt, device, args.checkpoint)
+        model, _ = load_for_inference(args.ckpt, device, args.checkpoint)
         max_len = args.max_seq_len or model.cfg.max_seq_len
         encoded = [encode_requests(tok, bos, reqs, max_len, where) for _, reqs, where in read]
         ppl = perplexity_requests(tok, bos, eos, args.perplexity_files, args.text_fields, max_len) \

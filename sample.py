@@ -5,7 +5,8 @@ recorded (its --tokenizer_dir), unless `--tokenizer_dir` is given (required for 
 
 Owns: the command-line wrapper around model.generate (KV cache, temperature / top-k / top-p
 sampling, stop at </s> or <|im_end|>) and `build_prompt_ids`. `--chat` wraps the prompt in the ChatML
-template as a user turn (for SFT/DPO models). Exit 2 for a bad flag or a --checkpoint that names
+template as a user turn (for SFT/DPO models). The checkpoint, the model and the recorded tokenizer are loaded by
+inference/loading.py (shared with eval_lm.py). Exit 2 for a bad flag or a --checkpoint that names
 nothing, 5 for a damaged checkpoint (one line naming the file; docs/errors.md). Flags, a --ckpt that
 is not there and a --checkpoint that names nothing are answered before torch is imported. Must never modify the
 checkpoint, or turn text the user typed (`<|im_end|>`, `</s>`, ...) into special ids: only the
@@ -15,47 +16,9 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
-if TYPE_CHECKING:
-    import torch  # imported in main, after the flags were checked
-
-
-def _select(ckpt_path: str, which: str, log) -> str:
-    """A HF directory as it is, or the run's `which` checkpoint (verified). TrainingError with exit 5
-    when what was asked for is damaged, 2 when it names nothing."""
-    from trainer.config import TrainingError
-    from trainer.weights import is_hf_dir as _is_hf_dir
-    from utils import checkpoint as ckpt
-    from utils.run_config import select_checkpoint
-    if os.path.isdir(ckpt_path) and _is_hf_dir(ckpt_path):
-        return ckpt_path
-    try:
-        return select_checkpoint(ckpt_path, which, log=log)
-    except ckpt.CheckpointError as e:
-        raise TrainingError(ckpt.one_line(e), ckpt.selection_exit_code(e, ckpt_path, which)) from e
-
-
-def load_for_inference(ckpt_path: str, device: torch.device, which: str = "latest"):
-    """(model in eval mode on `device`, info) from a HF directory, or a run's `which` checkpoint.
-    TrainingError (with its exit code) or CheckpointError (exit 5, naming the file) when it cannot."""
-    from trainer.weights import load_weights_from
-    log = lambda m: print(m, file=sys.stderr)  # noqa: E731
-    model, info = load_weights_from(_select(ckpt_path, which, log), log=log)
-    return model.to(device).eval(), info
-
-
-def recorded_tokenizer_dir(ckpt_path: str, which: str = "latest") -> Optional[str]:
-    """The --tokenizer_dir the run trained with (from the checkpoint's config.json), or a HF dir's own."""
-    from trainer.weights import is_hf_dir as _is_hf_dir
-    from utils import checkpoint as ckpt
-    found = _select(ckpt_path, which, log=lambda m: None)
-    if _is_hf_dir(found):
-        return found if os.path.exists(os.path.join(found, "tokenizer_meta.json")) else None
-    if not os.path.exists(os.path.join(found, ckpt.RUN_CONFIG)):
-        return None
-    tok = ckpt.read_checkpoint_json(found, ckpt.RUN_CONFIG).get("tokenizer_dir")
-    return tok if isinstance(tok, str) and tok else None
+from inference.loading import load_for_inference, no_tokenizer_message, precheck, recorded_tokenizer_dir
 
 
 def build_prompt_ids(tok: Any, tokenizer_meta: dict, prompt: str, chat: bool) -> list[int]:
@@ -73,25 +36,6 @@ def build_prompt_ids(tok: Any, tokenizer_meta: dict, prompt: str, chat: bool) ->
         ids, _ = encode_chat(tok, [{"role": "user", "content": prompt}], add_generation_prompt=True)
         return list(ids)
     return [int(tokenizer_meta["special_tokens"]["bos"]["id"])] + encode_texts(tok, [prompt])[0]
-
-
-def no_tokenizer_message(tok_dir: Optional[str], given: Optional[str]) -> str:
-    if given:
-        return f"--tokenizer_dir={given}: not a directory"
-    return f"no tokenizer: the run recorded {tok_dir!r}; pass --tokenizer_dir"
-
-
-def precheck(args: Any) -> Optional[str]:
-    """What is wrong with the command that needs no torch to tell (the line main prints, exit 2), or None:
-    a --tokenizer_dir that is not there, a --ckpt that is no Hugging Face directory and where
-    --checkpoint names nothing (utils.run_dir.checkpoint_choice_problem: the full path's message)."""
-    from utils.run_dir import checkpoint_choice_problem, is_hf_dir, one_line
-    if args.tokenizer_dir and not os.path.isdir(args.tokenizer_dir):
-        return no_tokenizer_message(args.tokenizer_dir, args.tokenizer_dir)
-    if os.path.isdir(args.ckpt) and is_hf_dir(args.ckpt):
-        return None
-    problem = checkpoint_choice_problem(args.ckpt, args.checkpoint)
-    return one_line(problem) if problem else None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -68,11 +68,11 @@ elif what == "load_tokenizer":
     load_tokenizer(tok_dir)
     r["load_tokenizer"] = time.perf_counter() - t1
 elif what == "worker_init":
-    from data_preprocess import pretokenize_pretrain_data as M
+    from data_preprocess import pretrain_workers as W
     backend_json = open(sys.argv[3]).read()
     t1 = time.perf_counter()
-    M._init_worker(backend_json, None)
-    M._tokenize_batch(["warm up the encoder"])
+    W.init_worker(backend_json, None)
+    W.tokenize_batch(["warm up the encoder"])
     r["worker_init"] = time.perf_counter() - t1
     r["torch_imported"] = "torch" in sys.modules or "transformers" in sys.modules
 r[what] = r.get(what, time.perf_counter() - t0)
@@ -123,6 +123,7 @@ def _best(fn, repeats: int) -> float:
 def bench_pretokenize(work: str, sizes_mb: list[float], workers: list[int], repeats: int) -> None:
     import shutil
     from data_preprocess import pretokenize_pretrain_data as M
+    from data_preprocess import pretrain_workers as W
     from tokenizer import load_tokenizer
     from tokenizer.loading import safe_backend
     from tokenizer.train_tokenizer import train_tokenizer
@@ -152,7 +153,7 @@ def bench_pretokenize(work: str, sizes_mb: list[float], workers: list[int], repe
         t_ref = _best(lambda: backend.encode_batch(texts, add_special_tokens=False), repeats)
         n_ref = sum(len(e.ids) for e in backend.encode_batch(texts, add_special_tokens=False))
         print(f"[pretokenize] {mb:g} MB jsonl, {len(texts)} docs, {n_ref} tokens "
-              f"(in-process below {M.SMALL_INPUT_BYTES / 1e6:g} MB of input or with 1 worker)")
+              f"(in-process below {W.SMALL_INPUT_BYTES / 1e6:g} MB of input or with 1 worker)")
         print(f"  bare encode_batch (rayon, all cores), in this process: {n_ref / t_ref:,.0f} tok/s ({t_ref:.2f}s)")
         for w in workers:
             def cli() -> None:
@@ -165,10 +166,10 @@ def bench_pretokenize(work: str, sizes_mb: list[float], workers: list[int], repe
             assert n == n_ref, (n, n_ref)
             print(f"  CLI, --num_workers={w}, fresh process (start-up included): {n / t:,.0f} tok/s ({t:.2f}s)")
         modes = [("in-process", 1, 1 << 62)] + [(f"{w} workers", w, 0) for w in workers]
-        thr = M.SMALL_INPUT_BYTES
+        thr = W.SMALL_INPUT_BYTES
         try:
             for name, w, threshold in modes:
-                M.SMALL_INPUT_BYTES = threshold
+                W.SMALL_INPUT_BYTES = threshold
 
                 def call() -> None:
                     shutil.rmtree(out, ignore_errors=True)
@@ -177,7 +178,7 @@ def bench_pretokenize(work: str, sizes_mb: list[float], workers: list[int], repe
                 print(f"  pretokenize_pretrain, {name}, imports done (read+tokenize+write shards): "
                       f"{n_ref / t:,.0f} tok/s ({t:.2f}s), ratio to bare = {t_ref / t:.2f}")
         finally:
-            M.SMALL_INPUT_BYTES = thr
+            W.SMALL_INPUT_BYTES = thr
 
 
 def write_random_shards(d: str, total_tokens: int, shard_tokens: int, vocab: int = 32000) -> None:

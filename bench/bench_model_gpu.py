@@ -335,7 +335,7 @@ def run_one(config: str, model_name: str, mode: str, precision: str, device_name
 def _our_triton_kernel_names() -> set[str]:
     import re
     names = set()
-    for f in ("triton_kernels.py", "triton_loss.py"):
+    for f in ("triton_norm.py", "triton_rope.py", "triton_swiglu.py", "triton_loss.py"):
         try:
             with open(os.path.join(ROOT, "model", f), encoding="utf-8") as fh:
                 names |= set(re.findall(r"@triton\.jit[^\n]*\n\s*def (\w+)", fh.read()))

@@ -2,14 +2,14 @@
 
 Owns: turning .txt/.jsonl/.json/.parquet documents (the tokenizer trainer's file set) into
 `<stem>_<k:05d>.bin` shards of `<s> ids </s>` documents with sidecars (format in `shard_format.py`),
-tokenizing in worker processes (in this process for one worker or less than `SMALL_INPUT_BYTES` of
-input to do; the tokenizer is loaded once, in this process, and workers get its backend as JSON: the
-shards are the same bytes either way) with a bounded number of characters per call (documents longer than
+tokenizing in worker processes (pretrain_workers.py: in this process for one worker or little input to do;
+the tokenizer is loaded once, in this process, and workers get its backend as JSON: the shards are the same
+bytes either way) with a bounded number of characters per call (documents longer than
 `max_doc_chars` are tokenized in consecutive pieces and concatenated into the same document),
 collecting *every* worker exception with the file it came from, and resuming: inputs whose shards are
-complete and consistent are skipped, the rest redone. Exact-duplicate documents (the same text as an earlier
-document of the inputs, in input order: a 128-bit BLAKE2b of the text, kept in a set, ~100 bytes of memory per
-document) are counted and reported; `dedup` drops them (the first copy kept), recorded in the sidecars
+complete and consistent are skipped, the rest redone (the shards and that rule: pretrain_shards.py).
+Exact-duplicate documents (the same text as an earlier document of the inputs, in input order: a 128-bit BLAKE2b
+of the text, kept in a set, ~100 bytes of memory per document) are counted and reported; `dedup` drops them (the first copy kept), recorded in the sidecars
 ("dedup": true) and counted in each input's final sidecar ("duplicate_documents").
 
 Must never: hard-code the id dtype, write a sidecar before its shard is on disk, report success
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import itertools
 import logging
 import os
 import sys
@@ -27,16 +26,15 @@ import time
 from concurrent.futures import Future, ProcessPoolExecutor
 from typing import Any, Callable, Iterator, Optional, Sequence
 
-import numpy as np
-
 from data_preprocess.readers import (FileFieldCheck, SkipCounter, collect_inputs, extract_text, iter_records,
                                      parse_text_fields, skip_counter, split_long_text, text_fields_spec)
-from tokenizer.corpus import TEXT_FIELDS_HELP, input_kind, is_dataset_source, source_size
+from tokenizer.corpus import input_kind, is_dataset_source, source_size
+from tokenizer.documents import TEXT_FIELDS_HELP
 from tokenizer.dataset_source import add_hf_dataset_flags, hf_dataset_from_args
-from data_preprocess.shard_format import (SHARD_RE, DataError, dtype_for_vocab, read_sidecar,
-                                          remove_temp_files, write_shard, check_shard)
-from data_preprocess.worker_tokenizer import (FileFailed, WorkerTokenizer, backend_json, raise_failed,
-                                             worker_result)
+from data_preprocess.shard_format import SHARD_RE, DataError, dtype_for_vocab, remove_temp_files
+from data_preprocess.pretrain_shards import ShardWriter, complete_shard_tokens, stem_files, stem_for
+from data_preprocess.pretrain_workers import InProcess, open_executor, tokenize_batch
+from data_preprocess.worker_tokenizer import FileFailed, raise_failed, worker_result
 from utils.writable import check_writable_dir
 
 log = logging.getLogger("pretokenize_pretrain")
@@ -45,190 +43,7 @@ DEFAULT_SHARD_TOKENS = 100_000_000  # 200 MB of uint16: large enough for few fil
 BATCH_DOCS = 256                     # documents per worker task: amortizes pickling, keeps latency low
 DEFAULT_MAX_DOC_CHARS = 1_000_000    # characters per tokenizer call: a few hundred MB of encoder state at most
 MAX_LOGGED_SPLITS = 5                # per file
-# Inputs to (re)do smaller than this are tokenized in this process: starting workers costs more
-# than they save there (measured with bench/bench_data.py; see docs/data.md).
-SMALL_INPUT_BYTES = 4_000_000
 
-# ----------------------------------------------------------------------------- worker side
-_ENCODE: Optional[Callable[[list[str]], list[list[int]]]] = None
-
-
-def _init_worker(backend: Optional[str], encode_fn: Optional[Callable]) -> None:
-    """Worker start-up: no transformers/torch import and no tokenizer directory read. The parent
-    loaded the tokenizer once (`load_tokenizer`) and sends its backend as JSON (`backend`);
-    `encode_texts` on it encodes exactly as on the parent's tokenizer (worker_tokenizer.py)."""
-    global _ENCODE
-    # One tokenizer thread per worker process: the pool is the parallelism.
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    if encode_fn is not None:
-        _ENCODE = encode_fn
-        return
-    from tokenizer import encode_texts
-    tok = WorkerTokenizer(backend)
-    _ENCODE = lambda texts: encode_texts(tok, texts)  # noqa: E731
-
-
-def _to_arrays(seqs: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-    """Flat ids + lengths: two arrays pickle far faster than a list of lists."""
-    lengths = np.fromiter(map(len, seqs), dtype=np.int64, count=len(seqs))
-    flat = np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int64, count=int(lengths.sum()))
-    return flat, lengths
-
-
-def _tokenize_batch(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    assert _ENCODE is not None, "worker not initialized"
-    return _to_arrays(_ENCODE(texts))
-
-
-class _InProcess:
-    """The executor interface, tokenizing in this process: `submit(_tokenize_batch, texts)` does
-    that work at once with this process's encoder and returns a finished Future (an exception is
-    kept in it and reported like a worker's)."""
-
-    def __init__(self, encode: Optional[Callable[[list[str]], list[list[int]]]]):
-        self.encode = encode
-
-    def submit(self, fn: Callable, texts: list[str]) -> Future:
-        assert fn is _tokenize_batch, fn
-        fut: Future = Future()
-        try:
-            assert self.encode is not None, "no tokenizer loaded"
-            fut.set_result(_to_arrays(self.encode(texts)))
-        except Exception as e:  # noqa: BLE001 - reported with its file like a worker's exception
-            fut.set_exception(e)
-        return fut
-
-    def __enter__(self) -> "_InProcess":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        pass
-
-
-def _open_executor(todo_bytes: int, num_workers: int, tokenizer_dir: Optional[str],
-                   encode_fn: Optional[Callable]) -> "_InProcess | ProcessPoolExecutor":
-    """Worker processes when there is enough input for them to pay off, else this process.
-
-    The tokenizer is loaded once, here, and only when some input is (re)done: a worker only
-    rebuilds its backend from JSON (tens of ms) instead of importing transformers + torch
-    (seconds per process, all at once on a busy machine)."""
-    if todo_bytes == 0:
-        return _InProcess(None)  # everything complete: nothing to tokenize, nothing to load
-    in_process = num_workers <= 1 or todo_bytes < SMALL_INPUT_BYTES
-    tok = None
-    if encode_fn is None:
-        from tokenizer import encode_texts, load_tokenizer
-        try:
-            tok = load_tokenizer(tokenizer_dir)
-        except Exception as e:  # noqa: BLE001 - a broken tokenizer directory fails the run, named
-            raise DataError(f"{tokenizer_dir}: cannot load the tokenizer ({type(e).__name__}: {e})") from e
-    if in_process:
-        return _InProcess(encode_fn or (lambda texts: encode_texts(tok, texts)))
-    return ProcessPoolExecutor(max_workers=num_workers, initializer=_init_worker,
-                               initargs=(None if tok is None else backend_json(tok), encode_fn))
-
-
-# ----------------------------------------------------------------------------- shard writer
-
-class _ShardWriter:
-    """Packs `<s> ids </s>` documents into fixed-size shards (the last one shorter).
-
-    Documents may continue into the next shard: readers see one concatenated stream, so a
-    shard boundary inside a document costs nothing and keeps shard sizes predictable."""
-
-    def __init__(self, out_dir: str, stem: str, shard_tokens: int, meta: dict):
-        self.out_dir, self.stem, self.shard_tokens, self.meta = out_dir, stem, shard_tokens, meta
-        self.dtype = np.dtype(meta["dtype"])
-        self.buf = np.empty(shard_tokens, dtype=self.dtype)
-        self.fill = 0
-        self.doc_starts: list[int] = []
-        self.k = 0
-        self.tokens = 0
-        self.docs = 0
-
-    def add(self, ids: np.ndarray) -> None:
-        """One whole document."""
-        self.begin_doc()
-        self.extend(ids)
-        self.end_doc()
-
-    def begin_doc(self) -> None:
-        if self.fill == self.shard_tokens:
-            self._flush(final=False)  # flushed lazily so the final shard is never an empty one
-        self.doc_starts.append(self.fill)
-        self.docs += 1
-        self.extend(np.asarray([self.meta["bos_id"]]))
-
-    def end_doc(self) -> None:
-        self.extend(np.asarray([self.meta["eos_id"]]))
-
-    def extend(self, ids: np.ndarray) -> None:
-        """Append ids to the open document (one document may be added in several pieces)."""
-        pos = 0
-        while pos < ids.size:
-            if self.fill == self.shard_tokens:
-                self._flush(final=False)  # a full shard with more of this document to come
-            n = min(ids.size - pos, self.shard_tokens - self.fill)
-            self.buf[self.fill:self.fill + n] = ids[pos:pos + n]
-            self.fill += n
-            pos += n
-
-    def _flush(self, final: bool) -> None:
-        offsets = np.asarray(self.doc_starts + [self.fill], dtype=np.int64)
-        write_shard(self.out_dir, self.stem, self.k, self.buf[:self.fill], offsets,
-                    dict(self.meta, final=final))
-        self.tokens += self.fill
-        self.k += 1
-        self.fill = 0
-        self.doc_starts = []
-
-    def close(self) -> None:
-        self._flush(final=True)  # the final shard may be empty (a file of empty docs): still marks completion
-
-
-# ----------------------------------------------------------------------------- resume logic
-
-def _stem_for(path: Any, data_dir: Optional[str], taken: set[str]) -> str:
-    if is_dataset_source(path):
-        stem = path.stem
-        while stem in taken:
-            stem += "_"
-        taken.add(stem)
-        return stem
-    rel = os.path.relpath(path, data_dir) if data_dir and os.path.isdir(data_dir) else os.path.basename(path)
-    stem = os.path.splitext(rel)[0].replace(os.sep, "__")
-    if stem in taken:  # a.json and a.jsonl in one folder
-        stem = rel.replace(os.sep, "__").replace(".", "_")
-    taken.add(stem)
-    return stem
-
-
-def _stem_files(out_dir: str, stem: str) -> list[str]:
-    return [n for n in os.listdir(out_dir)
-            if n.startswith(stem + "_") and n[len(stem) + 1:len(stem) + 6].isdigit()
-            and len(n) > len(stem) + 6 and n[len(stem) + 6] == "."]
-
-
-def _complete_tokens(out_dir: str, stem: str, expect: dict) -> Optional[tuple[int, int]]:
-    """(token count, duplicate documents recorded) of an input's complete shards, or None when they are not
-    complete.
-
-    Complete = sidecars 0..n-1 present, sizes agree, the last marked final, and built from the
-    same source file (size, mtime), tokenizer, text fields and max_doc_chars as this run."""
-    sidecars = sorted(n for n in _stem_files(out_dir, stem) if SHARD_RE.match(n))
-    if not sidecars:
-        return None
-    try:
-        metas = [read_sidecar(os.path.join(out_dir, n)) for n in sidecars]
-        for n, m in zip(sidecars, metas):
-            check_shard(os.path.join(out_dir, n), m)
-    except DataError:
-        return None
-    if [m.get("shard_index") for m in metas] != list(range(len(metas))) or not metas[-1].get("final"):
-        return None
-    if not all(all(m.get(k) == v for k, v in expect.items()) for m in metas):
-        return None
-    return sum(int(m.get("num_tokens", 0)) for m in metas), int(metas[-1].get("duplicate_documents", 0) or 0)
 
 
 def _doc_hash(text: str) -> bytes:
@@ -313,7 +128,7 @@ def pretokenize_pretrain(data_dir: str, tokenizer_dir: Optional[str], output_dir
     complete_tokens = 0
     t0 = time.time()
     taken: set[str] = set()
-    jobs = [(p, _stem_for(p, data_dir, taken)) for p in files]  # a dataset source: its own stem
+    jobs = [(p, stem_for(p, data_dir, taken)) for p in files]  # a dataset source: its own stem
     # what messages call the inputs: --data_dir and/or the dataset (hf:<spec>[<split>])
     named = " and ".join([data_dir] * bool(data_dir) + [str(hf_dataset)] * (hf_dataset is not None))
     foreign = sorted({m.group("stem") for n in os.listdir(output_dir) if (m := SHARD_RE.match(n))} - taken)
@@ -331,7 +146,7 @@ def pretokenize_pretrain(data_dir: str, tokenizer_dir: Optional[str], output_dir
         else:
             st = os.stat(path)
             meta = dict(base_meta, source={"path": path, "size": st.st_size, "mtime_ns": st.st_mtime_ns})
-        done = _complete_tokens(output_dir, stem, {k: meta.get(k) for k in (
+        done = complete_shard_tokens(output_dir, stem, {k: meta.get(k) for k in (
             "source", "tokenizer_fingerprint", "text_fields", "dtype", "max_doc_chars", "dedup")})
         if dedup and redo_rest:
             done = None  # an earlier input is redone: which documents here repeat one of it is decided again
@@ -340,7 +155,7 @@ def pretokenize_pretrain(data_dir: str, tokenizer_dir: Optional[str], output_dir
     last_todo = max((i for i, (*_, d) in enumerate(plan) if d is None), default=-1)
     seen: set[bytes] = set()  # hashes of the documents so far, in input order
     todo_bytes = sum(source_size(path) for path, _, meta, done in plan if done is None)
-    with _open_executor(todo_bytes, num_workers, tokenizer_dir, encode_fn) as pool:
+    with open_executor(todo_bytes, num_workers, tokenizer_dir, encode_fn) as pool:
         for i, (path, stem, meta, done) in enumerate(plan):
             if done is not None:
                 summary["skipped_complete"].append(path)
@@ -350,7 +165,7 @@ def pretokenize_pretrain(data_dir: str, tokenizer_dir: Optional[str], output_dir
                     _hash_documents(path, alternatives, seen)
                 bar.update(source_size(path))
                 continue
-            for n in _stem_files(output_dir, stem):  # stale or partial: redo from scratch
+            for n in stem_files(output_dir, stem):  # stale or partial: redo from scratch
                 os.remove(os.path.join(output_dir, n))
             try:
                 stats = _process_file(pool, path, stem, output_dir, meta, alternatives,
@@ -360,7 +175,7 @@ def pretokenize_pretrain(data_dir: str, tokenizer_dir: Optional[str], output_dir
                 summary["failed"][path] = (e.errors if isinstance(e, FileFailed)
                                            else [str(e)] if isinstance(e, DataError)  # names its file itself
                                            else [f"{type(e).__name__}: {e}"])
-                for n in _stem_files(output_dir, stem):
+                for n in stem_files(output_dir, stem):
                     os.remove(os.path.join(output_dir, n))
             else:
                 summary["files"][path] = stats
@@ -390,14 +205,14 @@ def _pieces(text: str, max_chars: int) -> Iterator[tuple[str, bool, bool]]:
     yield prev, first, True
 
 
-def _process_file(pool: "_InProcess | ProcessPoolExecutor", path: str, stem: str, out_dir: str, meta: dict,
+def _process_file(pool: "InProcess | ProcessPoolExecutor", path: str, stem: str, out_dir: str, meta: dict,
                   alternatives: list[list[str]], shard_tokens: int, strict: bool, vocab_size: int,
                   num_workers: int, max_doc_chars: int = DEFAULT_MAX_DOC_CHARS,
                   seen: Optional[set[bytes]] = None, dedup: bool = False) -> dict:
     """Tokenize one input into its shards. `seen`: hashes of the documents before this one (this input's are
     added): a document already there is counted as a duplicate, and dropped under `dedup`."""
     skips = skip_counter(strict)
-    writer = _ShardWriter(out_dir, stem, shard_tokens, meta)
+    writer = ShardWriter(out_dir, stem, shard_tokens, meta)
     errors: list[str] = []
     pending: list[tuple[str, list[tuple[bool, bool]], Future]] = []
     empty = split = dups = 0
@@ -436,7 +251,7 @@ def _process_file(pool: "_InProcess | ProcessPoolExecutor", path: str, stem: str
     def submit() -> None:
         nonlocal batch, flags, batch_chars
         where = first_where if first_where == last_where else f"{first_where} .. {last_where}"
-        pending.append((where, flags, pool.submit(_tokenize_batch, batch)))
+        pending.append((where, flags, pool.submit(tokenize_batch, batch)))
         batch, flags, batch_chars = [], [], 0
         drain(max_pending)
 

@@ -1,5 +1,5 @@
 """Reading raw records for the pretokenizers: .txt (one document per line), .jsonl, .json (a top-level
-array) and .parquet, through the one reader in `tokenizer.corpus`.
+array) and .parquet, through the one reader in `tokenizer.raw_records`.
 
 Owns: the pretokenizers' view of that reader: the input file set (`tokenizer.corpus.collect_input_files`,
 so the tokenizer trainer and the pretokenizer read the same files: extensions in any case, every other
@@ -7,7 +7,7 @@ file named in a warning) narrowed to the kinds a command takes, records with a l
 .txt/.jsonl, "file:record N" for json arrays, "file:row N" for parquet), the pretokenizers' wording of the
 bad-record policy (`skip_counter`: a counted, logged skip by default; an error naming file and line
 under strict=True), extracting the text of a pretraining document from the --text_fields (the grammar and
-its rules are tokenizer.corpus's `parse_text_fields` / `document_text`, re-exported here; lone
+its rules are tokenizer.documents's `parse_text_fields` / `document_text`, re-exported here; lone
 surrogates are a counted skip: they cannot be encoded), and splitting very long documents into pieces
 for the tokenizer (`split_long_text`).
 
@@ -23,9 +23,10 @@ import unicodedata
 from typing import Any, Iterator, Optional, Sequence
 
 from data_preprocess.shard_format import DataError
-from tokenizer.corpus import (SUPPORTED_EXTENSIONS, CorpusConfigError, CorpusError, FileFieldCheck, InputFiles,
-                              SkipCounter, UnreadableFile, collect_input_files, document_text, input_kind,
-                              is_dataset_source, iter_raw_records, parse_text_fields, text_fields_spec)
+from tokenizer.corpus import (SUPPORTED_EXTENSIONS, CorpusConfigError, CorpusError, InputFiles, SkipCounter,
+                              UnreadableFile, collect_input_files, input_kind, is_dataset_source)
+from tokenizer.documents import FileFieldCheck, document_text, parse_text_fields, text_fields_spec
+from tokenizer.raw_records import iter_raw_records
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +114,7 @@ def iter_records(path: str, skips: SkipCounter) -> Iterator[tuple[str, int, Any]
 
 def extract_text(rec: Any, alternatives: list[list[str]], where: str, skips: SkipCounter,
                  check: Optional[FileFieldCheck] = None) -> Optional[str]:
-    """The document text of a record under parsed --text_fields (tokenizer.corpus.document_text: the one
+    """The document text of a record under parsed --text_fields (tokenizer.documents.document_text: the one
     grammar of every command), or None (a counted skip in the pretokenizers' wording). `check` learns
     whether the record had the fields (a file none of whose records has them is named in a warning)."""
     text, why = document_text(rec, alternatives)

@@ -33,7 +33,7 @@ import torch
 _M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
 
 
-def _mix64(x: np.ndarray) -> np.ndarray:
+def mix64(x: np.ndarray) -> np.ndarray:
     """splitmix64 finalizer on uint64 arrays (wrapping arithmetic is intended)."""
     with np.errstate(over="ignore"):
         x = x ^ (x >> np.uint64(30))
@@ -59,8 +59,8 @@ class FeistelPermutation:
             h += 1
         self.half_bits = h
         self.mask = np.uint64((1 << h) - 1)
-        base = _mix64(np.array([key & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64))[0]
-        self.round_keys = _mix64(np.arange(1, self.ROUNDS + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15) ^ base)
+        base = mix64(np.array([key & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64))[0]
+        self.round_keys = mix64(np.arange(1, self.ROUNDS + 1, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15) ^ base)
         self._int_keys = [int(k) for k in self.round_keys]
 
     def _once(self, x: np.ndarray) -> np.ndarray:
@@ -68,7 +68,7 @@ class FeistelPermutation:
         left, right = x >> h, x & self.mask
         for k in self.round_keys:
             with np.errstate(over="ignore"):
-                f = _mix64(right ^ k) & self.mask
+                f = mix64(right ^ k) & self.mask
             left, right = right, left ^ f
         return (left << h) | right
 
@@ -147,7 +147,7 @@ class ResumableLoader:
         if not self.shuffle:
             return None
         if self._perm_epoch != epoch:
-            key = int(_mix64(np.array([self.seed * 1_000_003 + epoch], dtype=np.uint64))[0])
+            key = int(mix64(np.array([self.seed * 1_000_003 + epoch], dtype=np.uint64))[0])
             self._perm, self._perm_epoch = FeistelPermutation(self.num_samples, key), epoch
         return self._perm
 

@@ -22,7 +22,7 @@ from typing import Any, Mapping, Optional
 import numpy as np
 from torch.utils.data import Dataset
 
-from dataset.loader import FeistelPermutation, _mix64
+from dataset.loader import FeistelPermutation, mix64
 
 
 class MixtureDataset(Dataset):
@@ -64,7 +64,7 @@ class MixtureDataset(Dataset):
         if not 0 <= i < self.num_samples:
             raise IndexError(i)
         b, p = divmod(int(i), self.block_size)
-        key = int(_mix64(np.array([self.seed * 7_919 + b], dtype=np.uint64))[0])
+        key = int(mix64(np.array([self.seed * 7_919 + b], dtype=np.uint64))[0])
         q = int(FeistelPermutation(self.block_size, key)(p)[0])
         k = int(np.searchsorted(self.bounds, q, side="right"))
         r = q - (int(self.bounds[k - 1]) if k else 0)

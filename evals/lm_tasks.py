@@ -388,7 +388,8 @@ def perplexity_requests(tok: Any, bos: int, eos: int, files: list[str], text_fie
                         ) -> tuple[list[tuple[list[int], int]], int, int]:
     """(the (window, tokens predicted) requests of every document's windows, documents, skipped records)."""
     from tokenizer import encode_texts
-    from tokenizer.corpus import SkipCounter, iter_file_documents
+    from tokenizer.corpus import SkipCounter
+    from tokenizer.documents import iter_file_documents
     reqs, docs = [], 0
     stats = SkipCounter()
     for path in files:

@@ -11,7 +11,7 @@ Which implementation runs (`choose`): every op has up to three, picked per call 
 device, whether torch.compile is tracing, and the model's `kernel_backend`:
 - "reference": plain PyTorch (`*_ref`), what HF does; Inductor fuses it under torch.compile.
 - "torch": the hand-written autograd Functions below (save less, recompute the cheap parts); CPU's path.
-- "triton": model/triton_kernels.py and model/triton_loss.py, torch.library custom ops with Triton
+- "triton": model/triton_norm.py, triton_rope.py, triton_swiglu.py (on model/triton_ops.py) and model/triton_loss.py, torch.library custom ops with Triton
   forward and backward kernels, so torch.compile(fullgraph=True) traces through them without a break.
 kernel_backend "auto" (default): on CUDA with Triton installed, per op and mode from AUTO_EAGER /
 AUTO_UNDER_COMPILE, measured on an H100 (the tables' comment cites the report): Triton in eager mode;
@@ -91,7 +91,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fused: bool = Tr
              backend: str = "auto") -> torch.Tensor:
     impl = choose("rms_norm", x, backend) if fused else "reference"
     if impl == "triton":
-        return _triton_ops().rms_norm(x, weight, eps, _autocast_out_dtype(x))
+        return load_triton("triton_norm").rms_norm(x, weight, eps, _autocast_out_dtype(x))
     if impl == "torch":
         return _RMSNormFn.apply(x, weight, eps)
     return rms_norm_ref(x, weight, eps)
@@ -103,7 +103,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     where Triton runs; elsewhere the add and `rms_norm`."""
     impl = choose("add_rms_norm", x, backend) if fused else "reference"
     if impl == "triton":
-        return _triton_ops().add_rms_norm(x, residual, weight, eps, _autocast_out_dtype(x))
+        return load_triton("triton_norm").add_rms_norm(x, residual, weight, eps, _autocast_out_dtype(x))
     h = x + residual
     return rms_norm(h, weight, eps, fused=fused, backend=backend), h
 
@@ -152,7 +152,7 @@ def apply_rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torc
     for both where Triton runs (cos/sin read in fp32, no casts), else two calls of `apply_rope`."""
     impl = choose("rope", q, backend) if fused else "reference"
     if impl == "triton":
-        return _triton_ops().apply_rope(q, k, cos, sin)
+        return load_triton("triton_rope").apply_rope(q, k, cos, sin)
     f = impl == "torch"
     return apply_rope(q, cos, sin, fused=f), apply_rope(k, cos, sin, fused=f)
 
@@ -181,7 +181,7 @@ class _SwiGLUFn(torch.autograd.Function):
 def swiglu(gate: torch.Tensor, up: torch.Tensor, fused: bool = True, backend: str = "auto") -> torch.Tensor:
     impl = choose("swiglu", gate, backend) if fused else "reference"
     if impl == "triton":
-        return _triton_ops().swiglu(gate, up)
+        return load_triton("triton_swiglu").swiglu(gate, up)
     if impl == "torch":
         return _SwiGLUFn.apply(gate, up)
     return swiglu_ref(gate, up)
@@ -192,7 +192,7 @@ def swiglu_packed(gate_up: torch.Tensor, fused: bool = True, backend: str = "aut
     both halves in place and its backward writes one [..., 2H] gradient; the other paths take the halves
     (autograd then concatenates their two gradients)."""
     if (choose("swiglu", gate_up, backend) if fused else "reference") == "triton":
-        return _triton_ops().swiglu_packed(gate_up)
+        return load_triton("triton_swiglu").swiglu_packed(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return swiglu(gate, up, fused=fused, backend=backend)
 
@@ -279,11 +279,12 @@ AUTO_UNDER_COMPILE = {"rms_norm": "reference", "add_rms_norm": "reference", "rop
 # 16k tokens: 8 GiB -> chunked)
 REFERENCE_LOSS_MAX_LOGITS_BYTES = 4 << 30
 _TRITON: dict = {}
-_TRITON_MODULES = ("triton_kernels", "triton_loss")
+# the Triton modules: the op machinery (and `supported`), one per op family, the linear + CE loss
+_TRITON_MODULES = ("triton_ops", "triton_norm", "triton_rope", "triton_swiglu", "triton_loss")
 
 
-def _load_triton(name: str):
-    """model.triton_kernels / model.triton_loss when Triton imports, else None (checked and logged once).
+def load_triton(name: str):
+    """model.<name> (one of _TRITON_MODULES) when Triton imports, else None (checked and logged once).
 
     Under torch.compile nothing is imported: Dynamo cannot trace an import and would give up on the
     whole calling frame (the model split into fragments, or `fullgraph=True` raising). `load_kernel_modules`
@@ -299,7 +300,7 @@ def _load_triton(name: str):
         except Exception as e:  # a broken Triton install must not break the model: fall back, say so once
             log.warning("Triton kernels unavailable (%s): %s", name, e)
             _TRITON[name] = None
-        if name == "triton_kernels":  # debug: the trainer's start-up [kernels] line says what runs
+        if name == "triton_ops":  # debug: the trainer's start-up [kernels] line says what runs
             log.debug("Triton %s", "available: GPU kernels for RMSNorm/RoPE/SwiGLU/linear+CE"
                       if _TRITON[name] is not None else "not installed: GPU uses the PyTorch kernels")
     return _TRITON[name]
@@ -323,11 +324,9 @@ def load_kernel_modules() -> None:
     tracing. Called when this module is imported; calling it again is free."""
     if triton_can_run():
         for name in _TRITON_MODULES:
-            _load_triton(name)
+            load_triton(name)
 
 
-def _triton_ops():
-    return _load_triton("triton_kernels")
 
 
 def choose(op: str, t: torch.Tensor, backend: str = "auto") -> str:
@@ -342,7 +341,7 @@ def choose(op: str, t: torch.Tensor, backend: str = "auto") -> str:
         return "torch"  # float64 (exactness checks): the kernels compute in fp32 at most
     if not t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         return "torch"  # Triton runs on CUDA, or on CPU tensors in its interpreter (tests)
-    mod = _load_triton("triton_loss" if op == "cross_entropy" else "triton_kernels")
+    mod = load_triton("triton_loss" if op == "cross_entropy" else "triton_ops")  # its `supported`
     if mod is None or not mod.supported(t):  # e.g. the interpreter was asked for after triton was imported
         return "torch"
     if backend == "auto":

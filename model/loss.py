@@ -33,17 +33,12 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from model.kernels import REFERENCE_LOSS_MAX_LOGITS_BYTES, _load_triton, choose
+from model.kernels import REFERENCE_LOSS_MAX_LOGITS_BYTES, choose, load_triton
+from model.loss_precision import (FP16_GRAD_SCALE, accumulate_fp32_, compute_dtype, fp16_grad_factor,
+                                  fp16_grads, scale_, scaled)
 from utils.constants import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
-
-
-def _compute_dtype(t: torch.Tensor) -> torch.dtype:
-    dev = t.device.type
-    if torch.is_autocast_enabled(dev):
-        return torch.get_autocast_dtype(dev)
-    return t.dtype
 
 
 class _Workspace:
@@ -101,90 +96,6 @@ class _Workspace:
 
 
 _CPU_CACHE: dict = {}
-_MIXED_ADDMM: dict = {}
-
-
-def _mixed_addmm_works(device: torch.device, dtype: torch.dtype) -> bool:
-    """Does `torch.addmm(acc_fp32, a, b, out_dtype=float32, out=acc_fp32)` with a, b in `dtype` work on
-    `device` (cuBLAS with an fp32 output: the `out_dtype` overload of recent torch on CUDA)? Probed once
-    per (device type, dtype) on small integer matrices (exact in every dtype): beta=0 over a NaN-filled
-    accumulator, then beta=1."""
-    key = (device.type, dtype)
-    if key not in _MIXED_ADDMM:
-        ok = False
-        if device.type != "cpu":
-            try:
-                a = (torch.arange(48 * 32, device=device).reshape(48, 32) % 7 - 3).to(dtype)
-                b = (torch.arange(32 * 16, device=device).reshape(32, 16) % 5 - 2).to(dtype)
-                want = a.double() @ b.double()
-                acc = torch.full((48, 16), float("nan"), device=device)
-                torch.addmm(acc, a, b, out_dtype=torch.float32, beta=0, out=acc)
-                ok = torch.equal(acc.double(), want)
-                torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-                ok = ok and torch.equal(acc.double(), 2 * want)
-            except (RuntimeError, TypeError, NotImplementedError):
-                ok = False
-            if not ok:
-                log.warning("addmm with an fp32 output from %s inputs is unavailable on %s: the linear+CE weight "
-                            "gradient adds each chunk's %s product to its fp32 accumulator", dtype, device.type, dtype)
-        _MIXED_ADDMM[key] = ok
-    return _MIXED_ADDMM[key]
-
-
-def accumulate_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
-    """acc (fp32) = a @ b (first) or acc += a @ b, with a and b in one dtype.
-
-    Low-precision a, b: the products are summed in fp32 and never rounded to the low precision (per chunk,
-    that rounding and a [V, D] temporary written, read and added were the cost of a plain `mm`): on an
-    accelerator one GEMM with an fp32 output accumulating in place (Liger's addmm into an fp32 buffer);
-    on CPU, where no such kernel exists, an fp32 GEMM of the widened operands (exact: every bf16/fp16
-    value is an fp32 value). Where the accelerator's mixed GEMM is missing, the old way, logged once."""
-    if a.dtype == torch.float32 or a.device.type == "cpu":
-        a, b = a.float(), b.float()
-        if first:
-            torch.mm(a, b, out=acc)
-        else:
-            acc.addmm_(a, b)
-        return
-    if _mixed_addmm_works(a.device, a.dtype):
-        torch.addmm(acc, a, b, out_dtype=torch.float32, beta=0 if first else 1, out=acc)
-        return
-    prod = torch.mm(a, b)
-    if first:
-        acc.copy_(prod)
-    else:
-        acc.add_(prod)
-
-
-FP16_GRAD_SCALE = 256.0  # a power of two: scaling and unscaling are exact
-
-
-def _fp16_grads(reduction: str, cdtype: torch.dtype) -> bool:
-    """fp16 "mean"/"sum": the gradients formed in the forward are scaled by FP16_GRAD_SCALE (not by
-    1/n_valid, not 1) and unscaled in backward, in fp32, together with the upstream (loss-scaled)
-    gradient (`_fp16_grad_factor`). Formed at 1/n_valid they underflowed fp16 (softmax ~1/V times 1/n,
-    before any loss scale could help); at 1, the gradients of confident predictions (p - 1 ~ 1e-5) are
-    fp16 subnormals. The scaled d hidden stays finite unless a head weight exceeds 65504 / (2 * 256).
-    bf16 and fp32 have fp32's exponent range: no scaling there."""
-    return cdtype == torch.float16 and reduction in ("mean", "sum")
-
-
-def _fp16_grad_factor(g: torch.Tensor, reduction: str, n_valid: torch.Tensor) -> torch.Tensor:
-    """The fp32 factor that turns the fp16 path's saved gradients into the gradients for upstream g."""
-    f = g.float() / FP16_GRAD_SCALE
-    return f / n_valid.clamp(min=1) if reduction == "mean" else f
-
-
-def _scale_(t: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
-    """t *= f (an fp32 scalar tensor) in place, the product formed in fp32: in fp16 the factor itself
-    may not exist (a loss scale of 65536 is inf in fp16, 1/n_valid a subnormal)."""
-    return t.mul_(f) if t.dtype == torch.float32 else t.copy_(t.float().mul_(f))
-
-
-def _scaled(t: torch.Tensor, f: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(t * f).to(dtype) out of place, the product formed in fp32 (see `_scale_`)."""
-    return (t * f if t.dtype == torch.float32 else t.float() * f).to(dtype)
-
 
 def _softmax_stats_t(logits_t: torch.Tensor, y: torch.Tensor, want_grad: bool):
     """Per-token loss (0 where ignored), logsumexp, and (if wanted) the unnormalised gradient of one
@@ -239,7 +150,7 @@ def _forward_chunks(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
 
     Returns (loss, lses, d_hidden, d_weight, n_valid). For "mean"/"sum" with gradients: d_hidden [N, D]
     (hidden's dtype) and d_weight [V, D] fp32 (None for a frozen head) are the gradients for an upstream
-    gradient of 1 (in fp16: of the sum, times FP16_GRAD_SCALE, see `_fp16_grads`), lses None. For "none"
+    gradient of 1 (in fp16: of the sum, times FP16_GRAD_SCALE, see `fp16_grads`), lses None. For "none"
     with gradients: lses [N] fp32 (backward recomputes each chunk), d_* None. Without gradients all
     three are None."""
     n = hidden.shape[0]
@@ -260,7 +171,7 @@ def _forward_chunks(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
             # "mean" divides by the target count here (fp16: in backward); backward multiplies by the
             # upstream scalar
             unit = torch.ones((), dtype=torch.float32, device=dev)
-            if _fp16_grads(reduction, cdtype):
+            if fp16_grads(reduction, cdtype):
                 unit = unit * FP16_GRAD_SCALE
             elif reduction == "mean":
                 unit = unit / n_valid.clamp(min=1)
@@ -323,7 +234,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grads_now = d_hidden is not None
         ctx.reduction, ctx.chunk_size, ctx.cdtype, ctx.grads_now = reduction, chunk_size, cdtype, grads_now
         ctx.weight_dtype = weight.dtype
-        ctx.fp16 = _fp16_grads(reduction, cdtype)
+        ctx.fp16 = fp16_grads(reduction, cdtype)
         ctx.need_w = d_weight is not None if grads_now else bool(weight.requires_grad)
         if grads_now:
             ctx.save_for_backward(d_hidden, d_weight, n_valid)
@@ -342,15 +253,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
             ctx.used = True
             d_hidden, d_weight, n_valid = ctx.saved_tensors
             if ctx.fp16:  # unscaled after the upstream (loss) scale, in fp32
-                f = _fp16_grad_factor(g, ctx.reduction, n_valid)
+                f = fp16_grad_factor(g, ctx.reduction, n_valid)
             else:
                 # the usual upstream gradient is exactly 1 (loss.backward()): skip a pass over [V, D] then
                 # (checked only on CPU, where reading the scalar costs no device sync)
                 if g.device.type == "cpu" and g.item() == 1.0:
                     return d_hidden, d_weight.to(ctx.weight_dtype) if d_weight is not None else None, *none6
                 f = g.float()
-            d_w = _scale_(d_weight, f).to(ctx.weight_dtype) if d_weight is not None else None  # in place
-            return _scale_(d_hidden, f), d_w, *none6
+            d_w = scale_(d_weight, f).to(ctx.weight_dtype) if d_weight is not None else None  # in place
+            return scale_(d_hidden, f), d_w, *none6
         hidden, weight, labels, lses = ctx.saved_tensors
         d_hidden, d_weight = _backward_chunks(g, hidden, weight, labels, lses, ctx.chunk_size, ctx.cdtype, ctx.need_w)
         d_w = d_weight.to(ctx.weight_dtype) if d_weight is not None else None
@@ -407,7 +318,7 @@ def _chunked_lce_setup(ctx, inputs, output):
     ctx.mark_non_differentiable(lses, d_hidden, d_weight)
     ctx.set_materialize_grads(False)
     ctx.reduction, ctx.chunk_size, ctx.cdtype = reduction, chunk_size, cdtype
-    ctx.need_w, ctx.weight_dtype, ctx.fp16 = need_w, weight.dtype, _fp16_grads(reduction, cdtype)
+    ctx.need_w, ctx.weight_dtype, ctx.fp16 = need_w, weight.dtype, fp16_grads(reduction, cdtype)
     if reduction == "none":
         ctx.save_for_backward(hidden, weight, labels, lses)
     else:
@@ -424,8 +335,8 @@ def _chunked_lce_backward(ctx, g, _g_lses, _g_dh, _g_dw):
                                                                          ctx.chunk_size, ctx.cdtype, ctx.need_w)
     else:  # out of place: the saved gradients stay valid for a second backward (retain_graph)
         d_hidden, d_w, labels = ctx.saved_tensors
-        f = _fp16_grad_factor(g, ctx.reduction, (labels != IGNORE_INDEX).sum()) if ctx.fp16 else g.float()
-        d_h = _scaled(d_hidden, f, d_hidden.dtype)
+        f = fp16_grad_factor(g, ctx.reduction, (labels != IGNORE_INDEX).sum()) if ctx.fp16 else g.float()
+        d_h = scaled(d_hidden, f, d_hidden.dtype)
         d_w = d_w * f
     d_w = d_w.to(ctx.weight_dtype) if ctx.need_w else None
     return (d_h if ctx.needs_input_grad[0] else None), (d_w if ctx.needs_input_grad[1] else None), *none6
@@ -449,7 +360,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     h = hidden.reshape(-1, hidden.shape[-1])
     y = labels.reshape(-1)
     need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    cdtype = _compute_dtype(hidden)
+    cdtype = compute_dtype(hidden)
     if torch.compiler.is_compiling():
         out = torch.ops.myllm.chunked_linear_cross_entropy(h, weight, y, reduction, int(chunk_size), cdtype,
                                                            need_grad, bool(weight.requires_grad))[0]
@@ -484,7 +395,7 @@ def lm_head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tenso
         # on a GPU the op sizes its chunks from (tokens, vocab, dim) (auto_chunk_size); loss_chunk_size is
         # the CPU path's knob (and the interpreter's, where small chunks keep the tests fast)
         chunk = None if hidden.is_cuda else cfg.loss_chunk_size
-        return _load_triton("triton_loss").linear_cross_entropy_triton(hidden, weight, labels, reduction, chunk)
+        return load_triton("triton_loss").linear_cross_entropy_triton(hidden, weight, labels, reduction, chunk)
     return linear_cross_entropy(hidden, weight, labels, reduction, cfg.loss_chunk_size)
 
 

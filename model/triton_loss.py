@@ -41,7 +41,7 @@ from typing import Optional
 
 import torch
 
-from model.loss import FP16_GRAD_SCALE, _fp16_grad_factor, _fp16_grads, _scaled, accumulate_fp32_
+from model.loss_precision import FP16_GRAD_SCALE, accumulate_fp32_, fp16_grad_factor, fp16_grads, scaled
 from utils.constants import IGNORE_INDEX
 
 try:  # optional accelerator: the module must import without it
@@ -197,7 +197,7 @@ def _lce_op(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, re
     (hidden.dtype) and d_weight [V, D] (weight.dtype, accumulated in fp32) are the gradients for an
     upstream gradient of 1, each empty ([0]) when not asked for; for "none" both are empty. In fp16
     they are the gradients of the sum times FP16_GRAD_SCALE instead (d_weight in fp32; see
-    `model.loss._fp16_grads`): formed at 1/n_valid they underflowed fp16 before the loss scale reached
+    `model.loss_precision.fp16_grads`): formed at 1/n_valid they underflowed fp16 before the loss scale reached
     them. The autograd formula unscales them.
     """
     if reduction not in _REDUCTIONS:
@@ -217,7 +217,7 @@ def _lce_op(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, re
         n_valid = (labels != IGNORE_INDEX).sum()
         # the per-token gradient factor stays on the device: no sync on the target count. fp16 forms the
         # gradients at FP16_GRAD_SCALE, not at 1/n_valid (which underflowed fp16): backward unscales
-        if _fp16_grads(reduction, cdtype):
+        if fp16_grads(reduction, cdtype):
             scale = torch.full((1,), FP16_GRAD_SCALE, dtype=f32, device=dev)
         elif reduction == "mean":
             scale = (1.0 / n_valid.clamp(min=1).to(f32)).reshape(1)
@@ -253,9 +253,9 @@ def _lce_op(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, re
 
 def _d_weight_dtype(reduction: str, cdtype: torch.dtype, weight_dtype: torch.dtype) -> torch.dtype:
     """The dtype of the op's d_weight output: the weight's, except in fp16 where it is scaled
-    (`model.loss._fp16_grads`: of the sum, times FP16_GRAD_SCALE, could overflow an fp16 weight) and kept
+    (`model.loss_precision.fp16_grads`: of the sum, times FP16_GRAD_SCALE, could overflow an fp16 weight) and kept
     in fp32 until backward has unscaled it."""
-    return torch.float32 if _fp16_grads(reduction, cdtype) else weight_dtype
+    return torch.float32 if fp16_grads(reduction, cdtype) else weight_dtype
 
 
 @_lce_op.register_fake
@@ -328,7 +328,7 @@ def _lce_setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
     ctx.reduction, ctx.chunk_size, ctx.z_loss = reduction, chunk_size, z_loss
     ctx.compute_dtype, ctx.need_dh, ctx.need_dw = compute_dtype, need_dh, need_dw
-    ctx.fp16, ctx.weight_dtype = _fp16_grads(reduction, _DTYPES[compute_dtype]), weight.dtype
+    ctx.fp16, ctx.weight_dtype = fp16_grads(reduction, _DTYPES[compute_dtype]), weight.dtype
     if reduction == "none":
         ctx.save_for_backward(hidden, weight, labels, lse)
     else:
@@ -348,13 +348,13 @@ def _lce_backward(ctx, grad_loss, grad_lse, grad_dh, grad_dw):
             ctx.need_dh, ctx.need_dw)
     else:
         d_hidden, d_weight, labels = ctx.saved_tensors
-        # fp16: the saved gradients are scaled (`model.loss._fp16_grads`); unscaled after the upstream
+        # fp16: the saved gradients are scaled (`model.loss_precision.fp16_grads`); unscaled after the upstream
         # (loss) scale. Products in fp32: in fp16 a loss scale of 65536 is inf. Out of place: the saved
         # gradients stay valid for a second backward (retain_graph)
-        f = (_fp16_grad_factor(grad_loss, ctx.reduction, (labels != IGNORE_INDEX).sum()) if ctx.fp16
+        f = (fp16_grad_factor(grad_loss, ctx.reduction, (labels != IGNORE_INDEX).sum()) if ctx.fp16
              else grad_loss.float())
-        d_h = _scaled(d_hidden, f, d_hidden.dtype) if ctx.need_dh else None
-        d_w = _scaled(d_weight, f, ctx.weight_dtype) if ctx.need_dw else None
+        d_h = scaled(d_hidden, f, d_hidden.dtype) if ctx.need_dh else None
+        d_w = scaled(d_weight, f, ctx.weight_dtype) if ctx.need_dw else None
     return (d_h if ctx.need_dh else None, d_w if ctx.need_dw else None) + (None,) * (n_inputs - 2)
 
 

@@ -40,7 +40,10 @@ def _variants():
     """(name, kernel, signature, constexprs, num_warps) for every specialisation used at real sizes."""
     import triton
 
-    import model.triton_kernels as tk
+    import model.triton_norm as tn
+    import model.triton_rope as tr
+    import model.triton_swiglu as tsw
+    from model.triton_ops import num_warps
     import model.triton_loss as tlo
 
     out = []
@@ -48,21 +51,21 @@ def _variants():
     act_w = [("bf16", "fp32"), ("bf16", "bf16"), ("fp16", "fp32"), ("fp32", "fp32")]
     for dim in (768, 2048, 4096, 8192):
         block = triton.next_power_of_2(dim)
-        warps = tk._num_warps(block)
+        warps = num_warps(block)
         for a, w in act_w:
             y = "fp32" if "fp32" in (a, w) else a  # torch.result_type(x, weight)
             for res in (False, True):
                 sig = dict(X=f"*{a}", R=f"*{a}", W=f"*{w}", Y=f"*{y}", H=f"*{a}", RSTD="*fp32", x_stride="i32",
                            r_stride="i32", y_stride="i32", h_stride="i32", D="i32", eps="fp32",
                            HAS_RESIDUAL="constexpr", BLOCK="constexpr")
-                out.append((f"rms_norm_fwd D={dim} x={a} w={w} residual={res}", tk._rms_norm_fwd_kernel, sig,
+                out.append((f"rms_norm_fwd D={dim} x={a} w={w} residual={res}", tn._rms_norm_fwd_kernel, sig,
                             dict(HAS_RESIDUAL=res, BLOCK=block), warps))
                 sig = dict(G=f"*{y}", GH=f"*{a}", X=f"*{a}", W=f"*{w}", RSTD="*fp32", DX=f"*{a}", DW="*fp32",
                            g_stride="i32", gh_stride="i32", x_stride="i32", dx_stride="i32", n_rows="i32", D="i32",
                            rows_per_program="i32", HAS_GH="constexpr", BLOCK="constexpr", BLOCK_ROWS="constexpr")
-                rows = tk._bwd_block_rows(block)  # a 2-D tile of rows x the padded row
-                out.append((f"rms_norm_bwd D={dim} x={a} w={w} gh={res}", tk._rms_norm_bwd_kernel, sig,
-                            dict(HAS_GH=res, BLOCK=block, BLOCK_ROWS=rows), tk._num_warps(block * rows)))
+                rows = tn._bwd_block_rows(block)  # a 2-D tile of rows x the padded row
+                out.append((f"rms_norm_bwd D={dim} x={a} w={w} gh={res}", tn._rms_norm_bwd_kernel, sig,
+                            dict(HAS_GH=res, BLOCK=block, BLOCK_ROWS=rows), num_warps(block * rows)))
     # RoPE: (heads, kv heads, head_dim) of the 124M, 1B, Llama-2-7B and Llama-3-8B/70B shapes
     for h, hkv, hd in ((12, 12, 64), (16, 8, 128), (32, 32, 128), (32, 8, 128), (64, 8, 128)):
         bh, bkv, bhalf = (triton.next_power_of_2(v) for v in (h, hkv, hd // 2))
@@ -73,21 +76,21 @@ def _variants():
                            c_sb="i32", c_st="i32", qo_sb="i32", qo_st="i32", qo_sh="i32", ko_sb="i32", ko_st="i32",
                            ko_sh="i32", HALF="i32", INVERSE="constexpr", BLOCK_H="constexpr",
                            BLOCK_HKV="constexpr", BLOCK_HALF="constexpr")
-                out.append((f"rope H={h} Hkv={hkv} D={hd} {a} inverse={inverse}", tk._rope_kernel, sig,
+                out.append((f"rope H={h} Hkv={hkv} D={hd} {a} inverse={inverse}", tr._rope_kernel, sig,
                             dict(INVERSE=inverse, BLOCK_H=bh, BLOCK_HKV=bkv, BLOCK_HALF=bhalf),
-                            tk._num_warps(bh * bhalf)))
+                            num_warps(bh * bhalf)))
     for a in ("bf16", "fp16", "fp32"):
         # gate/up read in place from the fused gate+up matmul output: row strides are arguments
         sig = dict(GATE=f"*{a}", UP=f"*{a}", Y=f"*{a}", n_cols="i32", g_stride="i32", u_stride="i32",
                    y_stride="i32", BLOCK="constexpr")
-        out.append((f"swiglu_fwd {a}", tk._swiglu_fwd_kernel, sig, dict(BLOCK=tk._SWIGLU_BLOCK), 4))
+        out.append((f"swiglu_fwd {a}", tsw._swiglu_fwd_kernel, sig, dict(BLOCK=tsw._SWIGLU_BLOCK), 4))
         sig = dict(DY=f"*{a}", GATE=f"*{a}", UP=f"*{a}", DGATE=f"*{a}", DUP=f"*{a}", n_cols="i32",
                    dy_stride="i32", g_stride="i32", u_stride="i32", dg_stride="i32", du_stride="i32",
                    BLOCK="constexpr")
-        out.append((f"swiglu_bwd {a}", tk._swiglu_bwd_kernel, sig, dict(BLOCK=tk._SWIGLU_BLOCK), 4))
+        out.append((f"swiglu_bwd {a}", tsw._swiglu_bwd_kernel, sig, dict(BLOCK=tsw._SWIGLU_BLOCK), 4))
         sig = dict(DY=f"*{a}", GU=f"*{a}", DGU=f"*{a}", n_cols="i32", dy_stride="i32", gu_stride="i32",
                    dgu_stride="i32", BLOCK="constexpr")
-        out.append((f"swiglu_packed_bwd {a}", tk._swiglu_packed_bwd_kernel, sig, dict(BLOCK=tk._SWIGLU_BLOCK), 4))
+        out.append((f"swiglu_packed_bwd {a}", tsw._swiglu_packed_bwd_kernel, sig, dict(BLOCK=tsw._SWIGLU_BLOCK), 4))
     # linear + CE: the three modes the op launches (forward with and without gradients, backward of "none")
     for vocab in (32000, 128256):
         block = min(tlo.MAX_BLOCK_V, triton.next_power_of_2(vocab))

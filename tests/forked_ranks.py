@@ -42,7 +42,7 @@ _PRELOAD = ["torch", "torch.distributed", "tests.forked_ranks", "train_my_ddp", 
             "torch.distributed.fsdp", "torch.distributed.tensor", "torch.distributed.checkpoint", "triton",
             "transformers", "safetensors.torch"]
 # read when a module is imported: a run asking for another value than the server was started with
-# cannot use the preloaded modules (model/triton_kernels.py decides interpretation at import)
+# cannot use the preloaded modules (model/triton_ops.py decides interpretation at import)
 IMPORT_TIME_ENV = ("TRITON_INTERPRET",)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -15,8 +15,12 @@ LAYERS = {
     "data_preprocess": 2, "optimizer": 2,  # optimizer/ steps over parallel/'s DDP by duck typing only
     "parallel": 3, "dataset": 3, "evals": 3,
     "trainer": 5,  # the trainer's pieces (config, start, loop, task, weights, samples, faults)
-    "train_my_ddp": 6, "sample": 6, "export_hf": 6, "monitor_process": 6,
-    "eval_lm": 7,  # scores with sample.py's loading (load_for_inference, the recorded tokenizer)
+    "monitor": 5,  # the supervisor's pieces under monitor_process.py (torch-free: imports utils/ only)
+    # loading a trained model for inference (the checkpoint a --ckpt/--checkpoint names, the recorded tokenizer):
+    # below sample.py and eval_lm.py, which share it and so never import each other
+    "inference": 6,
+    "train_my_ddp": 6, "export_hf": 6, "monitor_process": 6,
+    "sample": 7, "eval_lm": 7,
 }
 ALLOWED = {
     # growing a vocabulary (model/resize.py) reads the tokenizer that was grown; nothing else in model/
@@ -41,7 +45,8 @@ def _imports(path: str):
                 yield alias.name.split(".")[0], node.lineno
 
 
-def _project_files(root: str):
+def project_files(root: str):
+    """Every project module (a .py file outside SKIP_DIRS), relative to `root`."""
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d not in SKIP_DIRS and not d.startswith(".")]
         for name in filenames:
@@ -51,7 +56,7 @@ def _project_files(root: str):
 
 def layer_violations(root: str = ROOT) -> list[str]:
     problems = []
-    for rel in _project_files(root):
+    for rel in project_files(root):
         unit = _unit(rel)
         if unit not in LAYERS:
             problems.append(f"{rel}: {unit} has no layer in tests/test_layering.py LAYERS")
@@ -87,7 +92,7 @@ def _module_graph(root: str = ROOT) -> dict[str, set[str]]:
     """Project module -> the project modules it imports (every import, lazy ones included; `from pkg import
     sub` is an edge to the submodule when `sub` is one, else to the package)."""
     mods = {}
-    for rel in _project_files(root):
+    for rel in project_files(root):
         name = rel[:-3].replace(os.sep, ".")
         mods[name[:-len(".__init__")] if name.endswith(".__init__") else name] = rel
     graph: dict[str, set[str]] = {m: set() for m in mods}

@@ -1,6 +1,6 @@
 """Trace the model's GPU kernel path on a machine without a GPU (run by tests/model/test_triton_cuda_compile.py).
 
-On a GPU, model/triton_kernels.py registers its ops as `torch.library.triton_op`s whose bodies launch
+On a GPU, model/triton_ops.py registers the kernel modules' ops as `torch.library.triton_op`s whose bodies launch
 the kernels through `wrap_triton`; under torch.compile, AOTAutograd traces those bodies into
 `triton_kernel_wrapper_functional` nodes after analysing which arguments each kernel writes (which
 compiles the kernel to TTIR for the current target). On CPU the tests use the interpreter and the
@@ -25,7 +25,10 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 
-import model.triton_kernels as tk  # noqa: E402
+import model.triton_norm as tnorm  # noqa: E402,F401  (imported here: registers its ops, GPU style)
+import model.triton_ops as tops  # noqa: E402
+import model.triton_rope as trope  # noqa: E402,F401
+import model.triton_swiglu as tswiglu  # noqa: E402,F401
 import model.triton_loss as tlo  # noqa: E402
 
 
@@ -47,11 +50,11 @@ class _Sm90Driver:
 
 def main() -> None:
     mode = sys.argv[1]
-    assert not tk._INTERPRET, "the GPU registration (triton_op + wrap_triton) must be the one traced"
+    assert not tops.INTERPRET, "the GPU registration (triton_op + wrap_triton) must be the one traced"
     triton.runtime.driver.set_active(_Sm90Driver())
     # let kernels.choose() hand CPU (fake) tensors to the Triton ops: nothing runs, everything is traced
     os.environ["TRITON_INTERPRET"] = "1"
-    tk.supported = tlo.supported = lambda t: True
+    tops.supported = tlo.supported = lambda t: True
 
     from functorch.compile import min_cut_rematerialization_partition
     from torch._functorch.aot_autograd import aot_function

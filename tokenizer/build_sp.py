@@ -34,7 +34,7 @@ WORD_SPLIT = r" *[^ ]+| +"
 _BYTE_PIECE = re.compile(r"^<0x[0-9A-F]{2}>$")
 
 
-def _chunks(docs: Iterable[str]) -> Iterator[str]:
+def sentence_chunks(docs: Iterable[str]) -> Iterator[str]:
     """Cut long documents at line ends (or hard, for a huge line) so sentencepiece never drops them."""
     for doc in docs:
         if len(doc) * 4 <= _CHUNK_BYTES or len(doc.encode("utf-8")) <= _CHUNK_BYTES:
@@ -68,7 +68,7 @@ def train_sentencepiece(docs: Iterable[str], learned_vocab_size: int, seed: int 
     out = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(
-            sentence_iterator=_chunks(docs), model_writer=out,
+            sentence_iterator=sentence_chunks(docs), model_writer=out,
             model_type="bpe",
             vocab_size=learned_vocab_size + 1,  # + the <unk> dropped in the conversion
             byte_fallback=True,

@@ -1,5 +1,5 @@
 """A Hugging Face `datasets` dataset as a raw-text input of the tokenizer trainer and the pretokenizer, read
-record by record with the same --text_fields grammar as files (tokenizer.corpus).
+record by record with the same --text_fields grammar as files (tokenizer.documents).
 
 Owns: `DatasetSource` (one split of a dataset: what it is called in messages, its size for progress bars, its
 identity for the pretokenizer's sidecars, its records) and `open_dataset_source(spec, split, data_files)`:
@@ -26,14 +26,15 @@ import os
 import re
 from typing import Any, Iterator, Optional, Sequence
 
-from tokenizer.corpus import CorpusConfigError, CorpusError, Record
+from tokenizer.corpus import CorpusConfigError, CorpusError
+from tokenizer.raw_records import Record
 
 DATASETS_HINT = ("the `datasets` package is not installed (optional: it pulls pandas): pip install datasets; "
                  "a save_to_disk folder is read without it")
 
 
 class DatasetSource:
-    """One split of a Hugging Face dataset, as an input next to files (tokenizer.corpus.iter_file_documents and
+    """One split of a Hugging Face dataset, as an input next to files (tokenizer.documents.iter_file_documents and
     data_preprocess.readers.iter_records accept it where they take a path)."""
 
     def __init__(self, spec: str, split: str, arrow_files: Optional[list[str]] = None,

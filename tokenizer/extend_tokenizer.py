@@ -1,10 +1,10 @@
 """Extend an existing tokenizer with pieces learned on a new corpus (continued pretraining on a new language).
 
 Owns: the ``python -m tokenizer.extend_tokenizer`` command and ``extend_tokenizer(...)``: reading the base
-tokenizer (a sentencepiece-model Llama directory with ``tokenizer.model``, or any BPE ``tokenizer.json``:
-byte-level like GPT-2/Llama-3/ours, or byte-fallback like our sp_bbpe), training pieces on the corpus
-with the same streaming readers as train_tokenizer, appending the ones the base lacks (and their merges)
-after ALL existing ids, padding to a multiple of 64 with ``<|reserved_k|>``, and the atomic save.
+tokenizer (extend_base.py: a sentencepiece-model Llama directory with ``tokenizer.model``, or any BPE
+``tokenizer.json``), training pieces on the corpus with the same streaming readers as train_tokenizer
+(extend_pieces.py), appending the ones the base lacks (and their merges) after ALL existing ids, padding to a
+multiple of 64 with ``<|reserved_k|>`` (extend_build.py), and the atomic save.
 Must never: change the string or id of a base token, read a whole corpus file into memory, use a
 held-out document for training, or write files that need ``trust_remote_code`` to load.
 
@@ -15,39 +15,30 @@ appended to ``tokenizer.model`` (as Chinese-LLaMA merges its Chinese model into 
 below every base score so base merges keep their priority; the HF ``tokenizer.json`` gets the same
 pieces and the merges equivalent to those scores (every split of a new piece into two known pieces).
 """
+
 from __future__ import annotations
 
 import argparse
-import hashlib
-import io
 import json
 import logging
 import os
-import random
-import re
 import shutil
 import sys
 import time
-from collections import Counter
-from typing import Any, Container, Iterator, Sequence
+from typing import Any, Sequence
 
-from tokenizer.contract import (META_FILENAME, SPECIAL_TOKENS, VOCAB_MULTIPLE, file_hashes, fingerprint_dir,
-                                write_json)
-from tokenizer.corpus import (
-    TEXT_FIELDS_HELP, CorpusError, SkipCounter, collect_input_files, command_exit_code, iter_file_documents,
-    no_input_files_error, parse_text_fields, text_fields_spec,
-)
+from tokenizer.contract import META_FILENAME, VOCAB_MULTIPLE, file_hashes, fingerprint_dir, write_json
+from tokenizer.corpus import CorpusError, collect_input_files, command_exit_code, no_input_files_error
+from tokenizer.documents import TEXT_FIELDS_HELP, parse_text_fields, text_fields_spec
+from tokenizer.extend_base import all_ids, base_files, load_base, tokenizer_fingerprint
+from tokenizer.extend_build import (build_extended_json, check_extended_ids, extend_proto, special_tokens_meta,
+                                    tokens_per_char)
+from tokenizer.extend_pieces import (Corpus, select_new_tokens, train_bpe_candidates, train_sp_candidates,
+                                     two_piece_splits)
 from utils.publish import staged_dir
 from utils.writable import check_writable_dir
 
 log = logging.getLogger("tokenizer.extend_tokenizer")
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
-                   "added_tokens.json", "chat_template.jinja", "chat_template.json")
-_RESERVED = re.compile(r"^<\|reserved_(\d+)\|>$")
-_BYTE_PIECE = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
-# sentencepiece ModelProto.SentencePiece.Type
-SP_NORMAL, SP_CONTROL = 1, 3
 
 POLICY = """\
 base: a directory with tokenizer.model (sentencepiece Llama; tokenizer.json, if present, is extended too)
@@ -62,386 +53,6 @@ bad input: the corpus follows train_tokenizer's policy (bad records skipped and 
 """
 
 
-class BaseTokenizerError(ValueError):
-    """The base directory holds no usable tokenizer (exit code 2)."""
-
-
-# ---------------------------------------------------------------- base tokenizer
-
-def _base_files(base_dir: str) -> list[str]:
-    return [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(base_dir, n))]
-
-
-def tokenizer_fingerprint(base_dir: str) -> str:
-    """sha256 over the tokenizer files only (a model directory may also hold gigabytes of weights)."""
-    h = hashlib.sha256()
-    for name in _base_files(base_dir):
-        with open(os.path.join(base_dir, name), "rb") as f:
-            data = f.read()
-        h.update(name.encode() + b"\0" + str(len(data)).encode() + b"\0")
-        h.update(data)
-    return h.hexdigest()
-
-
-def load_base(base_dir: str) -> tuple[str, dict[str, Any], Any]:
-    """(kind, tokenizer.json as a dict, sentencepiece ModelProto or None). kind is "sentencepiece" or "bpe"."""
-    if not os.path.isdir(base_dir):
-        raise BaseTokenizerError(f"--base_tokenizer_dir {base_dir}: not a directory")
-    has_model = os.path.isfile(os.path.join(base_dir, "tokenizer.model"))
-    has_json = os.path.isfile(os.path.join(base_dir, "tokenizer.json"))
-    if not has_model and not has_json:
-        raise BaseTokenizerError(f"--base_tokenizer_dir {base_dir}: no tokenizer.json or tokenizer.model in it")
-    proto = None
-    if has_model:
-        from sentencepiece import sentencepiece_model_pb2 as pb
-
-        proto = pb.ModelProto()
-        try:
-            with open(os.path.join(base_dir, "tokenizer.model"), "rb") as f:
-                proto.ParseFromString(f.read())
-        except Exception as e:  # noqa: BLE001 - protobuf raises DecodeError and others
-            raise BaseTokenizerError(f"{base_dir}/tokenizer.model: not a sentencepiece model: {e}") from None
-        if proto.trainer_spec.model_type != 2:  # BPE
-            raise BaseTokenizerError(f"{base_dir}/tokenizer.model: sentencepiece model_type "
-                                     f"{proto.trainer_spec.model_type} is not BPE (only BPE bases can be extended)")
-    if has_json:
-        with open(os.path.join(base_dir, "tokenizer.json"), encoding="utf-8") as f:
-            tj = json.load(f)
-    else:  # a Llama directory with only tokenizer.model: let transformers convert it as AutoTokenizer does
-        from transformers import AutoTokenizer
-
-        tj = json.loads(AutoTokenizer.from_pretrained(base_dir, trust_remote_code=False).backend_tokenizer.to_str())
-    model = tj.get("model", {})
-    if model.get("type") != "BPE":
-        raise BaseTokenizerError(f"{base_dir}: tokenizer.json model type {model.get('type')!r} is not BPE")
-    if proto is not None and len(proto.pieces) > 0:
-        for i, p in enumerate(proto.pieces):
-            if model["vocab"].get(p.piece, i) != i:
-                raise BaseTokenizerError(f"{base_dir}: tokenizer.json and tokenizer.model disagree on piece "
-                                         f"{p.piece!r} (id {model['vocab'][p.piece]} vs {i})")
-    return ("sentencepiece" if proto is not None else "bpe"), tj, proto
-
-
-def _all_ids(tj: dict[str, Any]) -> dict[str, int]:
-    ids = dict(tj["model"]["vocab"])
-    for t in tj.get("added_tokens", []):
-        ids.setdefault(t["content"], t["id"])
-    return ids
-
-
-def _uses_byte_level(tj: dict[str, Any]) -> bool:
-    def walk(node: Any) -> bool:
-        if isinstance(node, dict):
-            return node.get("type") == "ByteLevel" or any(walk(v) for v in node.values())
-        if isinstance(node, list):
-            return any(walk(v) for v in node)
-        return False
-    return walk(tj.get("pre_tokenizer"))
-
-
-# ---------------------------------------------------------------- corpus: training stream and held-out slice
-
-class Corpus:
-    """The corpus split deterministically: document i (file order) is held out when i % every == every - 1."""
-
-    def __init__(self, files: list[str], text_fields: Sequence[str], strict: bool, heldout_every: int,
-                 heldout_chars: int, max_train_bytes: int | None, seed: int):
-        self.files, self.text_fields, self.every = files, parse_text_fields(text_fields), heldout_every
-        self.max_train_bytes, self.seed = max_train_bytes, seed
-        self.stats = SkipCounter(strict=strict)
-        self.heldout: list[str] = []
-        self.train_docs = self.train_bytes = self.heldout_docs = 0
-        self.sampled_docs = self.sampled_chars = 0  # of the last training pass
-        held_chars = 0
-        for i, (text, nbytes) in enumerate(self._docs(self.stats)):  # pass 1: count, collect held-out text
-            if self._held(i):
-                self.heldout_docs += 1
-                if held_chars < heldout_chars:
-                    self.heldout.append(text[:heldout_chars - held_chars])
-                    held_chars += len(self.heldout[-1])
-            else:
-                self.train_docs += 1
-                self.train_bytes += nbytes
-
-    def _held(self, i: int) -> bool:
-        return self.every > 0 and i % self.every == self.every - 1
-
-    def _docs(self, stats: SkipCounter) -> Iterator[tuple[str, int]]:
-        for path in self.files:
-            yield from iter_file_documents(path, self.text_fields, stats)
-
-    def training_documents(self) -> Iterator[str]:
-        """The non-held-out documents, or a uniform sample of them of about max_train_bytes (Algorithm S).
-        The same sample on every call (fixed seed), streamed: memory does not grow with the corpus."""
-        quiet = SkipCounter(strict=False, quiet=True)
-        n = self.train_docs
-        if self.max_train_bytes is None or self.train_bytes <= self.max_train_bytes:
-            k = n
-        else:
-            k = max(1, min(n, round(n * self.max_train_bytes / self.train_bytes)))
-        rng = random.Random(self.seed)
-        taken = seen = 0
-        self.sampled_docs = self.sampled_chars = 0
-        for i, (text, _) in enumerate(self._docs(quiet)):
-            if self._held(i):
-                continue
-            if k == n or (n - seen) * rng.random() < (k - taken):
-                taken += 1
-                self.sampled_docs += 1
-                self.sampled_chars += len(text)
-                yield text
-            seen += 1
-            if taken >= k:
-                return
-
-
-# ---------------------------------------------------------------- training candidate pieces
-
-def _train_bpe_candidates(tj: dict[str, Any], docs: Iterator[str], vocab_size: int,
-                          min_frequency: int) -> tuple[list[str], list[tuple[str, str]]]:
-    """Train HF BPE with the base's normalizer and pre-tokenizer (so pieces live in the base's string space).
-    Returns (alphabet, merges in learned order)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    tk = Tokenizer(models.BPE())
-    sub = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [],
-           "normalizer": tj.get("normalizer"), "pre_tokenizer": tj.get("pre_tokenizer"),
-           "post_processor": None, "decoder": None, "model": json.loads(tk.to_str())["model"]}
-    tk = Tokenizer.from_str(json.dumps(sub))
-    byte_level = _uses_byte_level(tj)
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=[], show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet() if byte_level else [])
-
-    def batches_of(it: Iterator[str]) -> Iterator[list[str]]:
-        batch: list[str] = []
-        for d in it:
-            batch.append(d)
-            if len(batch) == 1000:
-                yield batch
-                batch = []
-        if batch:
-            yield batch
-
-    chars: Counter = Counter()
-
-    def counted(it: Iterator[str]) -> Iterator[str]:
-        for d in it:
-            if not byte_level:
-                chars.update(d)  # distinct characters only: bounded by the script, not the corpus
-            yield d
-
-    tk.train_from_iterator(batches_of(counted(docs)), trainer=trainer)
-    m = json.loads(tk.to_str())["model"]
-    merges = [tuple(x) if isinstance(x, list) else tuple(x.split(" ", 1)) for x in m["merges"]]
-    merged = {a + b for a, b in merges}
-    # The trainer lists its alphabet in character order; the most frequent characters should come first.
-    alphabet = sorted((t for t in m["vocab"] if t not in merged), key=lambda t: (-chars[t], t))
-    return alphabet, merges  # type: ignore[return-value]
-
-
-def _train_sp_candidates(proto: Any, docs: Iterator[str], vocab_size: int, seed: int,
-                         threads: int) -> list[str]:
-    """Train a sentencepiece BPE model with the base's text settings; its normal pieces in score order."""
-    import sentencepiece as spm
-    from sentencepiece import sentencepiece_model_pb2 as pb
-
-    from tokenizer.build_sp import _chunks
-
-    ns, ts = proto.normalizer_spec, proto.trainer_spec
-    docs_list = None  # sentencepiece keeps every sentence in memory anyway; a retry needs them again
-    for attempt in range(2):
-        spm.set_random_generator_seed(seed)
-        out = io.BytesIO()
-        source = _chunks(docs) if docs_list is None else iter(docs_list)
-        if attempt == 0:
-            docs_list = []
-
-            def keep(it: Iterator[str]) -> Iterator[str]:
-                for d in it:
-                    docs_list.append(d)
-                    yield d
-            source = keep(source)
-        try:
-            spm.SentencePieceTrainer.train(
-                sentence_iterator=source, model_writer=out, model_type="bpe", vocab_size=vocab_size,
-                byte_fallback=True, character_coverage=0.9995, normalization_rule_name="identity",
-                add_dummy_prefix=ns.add_dummy_prefix, remove_extra_whitespaces=ns.remove_extra_whitespaces,
-                split_digits=ts.split_digits, split_by_whitespace=ts.split_by_whitespace,
-                allow_whitespace_only_pieces=ts.allow_whitespace_only_pieces, hard_vocab_limit=False,
-                unk_id=0, bos_id=-1, eos_id=-1, pad_id=-1, max_sentence_length=16384,
-                input_sentence_size=0, shuffle_input_sentence=False, num_threads=max(1, threads), minloglevel=2)
-            break
-        except RuntimeError as e:
-            need = re.search(r"(\d+) vs (\d+)", str(e))
-            if attempt == 0 and need and "required_chars" in str(e):
-                vocab_size += int(need.group(2))  # a script with thousands of characters (CJK): room for them
-                continue
-            raise ValueError(f"sentencepiece training on the corpus failed: {e}") from e
-    new = pb.ModelProto()
-    new.ParseFromString(out.getvalue())
-    pieces = [(p.score, i, p.piece) for i, p in enumerate(new.pieces) if p.type == SP_NORMAL]
-    pieces.sort(key=lambda x: (-x[0], x[1]))
-    return [p for _, _, p in pieces]
-
-
-def _splits(token: str, known: Container[str]) -> list[tuple[str, str]]:
-    return [(token[:k], token[k:]) for k in range(1, len(token)) if token[:k] in known and token[k:] in known]
-
-
-def select_new_tokens(candidates: list[tuple[str, tuple[str, str] | None]], vocab: dict[str, int],
-                      forbidden: set[str], n: int) -> list[str]:
-    """Up to n candidates the base lacks, in order, each reachable from its characters.
-
-    ``candidates`` are (token, primary merge or None) in learned order. Characters of a token that are not
-    known yet are taken first (each costs one of the n; the token is skipped if they do not fit); then a
-    multi-character token is taken only when some split of it into two known tokens exists (its learned
-    merge's parts came before it). Tokens spelled like a base added token or a byte piece are never taken."""
-    known = dict(vocab)
-    chosen: list[str] = []
-
-    def take(t: str) -> None:
-        known[t] = -1
-        chosen.append(t)
-
-    for tok, merge in candidates:
-        if len(chosen) >= n:
-            break
-        if tok in known or tok in forbidden or _BYTE_PIECE.match(tok):
-            continue
-        if len(tok) == 1:
-            take(tok)
-            continue
-        # characters the base lacks (a Chinese character for an English sentencepiece base) come first:
-        # without them the piece could not be built (byte fallback never merges into pieces)
-        missing = list(dict.fromkeys(ch for ch in tok if ch not in known))
-        if any(ch in forbidden for ch in missing) or len(chosen) + len(missing) + 1 > n:
-            continue
-        for ch in missing:
-            take(ch)
-        if len(chosen) < n and _splits(tok, known):
-            take(tok)
-    return chosen
-
-
-# ---------------------------------------------------------------- the extended tokenizer
-
-def _next_reserved(all_tokens: Sequence[str]) -> int:
-    ks = [int(m.group(1)) for t in all_tokens if (m := _RESERVED.match(t))]
-    return max(ks) + 1 if ks else 0
-
-
-def build_extended_json(tj: dict[str, Any], new_tokens: list[str],
-                        primary: dict[str, tuple[str, str]]) -> tuple[dict[str, Any], int, int, list[str]]:
-    """Append new_tokens (ids after every base id) with merges, then reserved tokens to a multiple of 64.
-    Returns (tokenizer.json dict, first new id, total vocab size, reserved token strings)."""
-    tj = json.loads(json.dumps(tj))
-    ids = _all_ids(tj)
-    start = max(ids.values()) + 1 if ids else 0
-    vocab = tj["model"]["vocab"]
-    # Base added tokens (our specials/reserved after the learned pieces) also go into the model vocab at their
-    # ids: tokenizers ignores an added token's id when it falls inside the model's id range, so a hole
-    # there would move them. No merge ever builds them, so user text still cannot produce them.
-    used = set(vocab.values())
-    for t in tj.get("added_tokens", []):
-        if t["content"] not in vocab and t["id"] not in used:
-            vocab[t["content"]] = t["id"]
-            used.add(t["id"])
-    for k, t in enumerate(new_tokens):
-        vocab[t] = start + k
-    known = set(vocab)
-    merges_old = tj["model"]["merges"]
-    as_strings = bool(merges_old) and isinstance(merges_old[0], str)
-    merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in merges_old]
-    seen = set(merges)
-    for t in new_tokens:
-        if len(t) < 2:
-            continue
-        first = [primary[t]] if t in primary else []
-        for a, b in first + [(t[:k], t[k:]) for k in range(1, len(t))]:
-            if a in known and b in known and (a, b) not in seen:
-                merges.append((a, b))
-                seen.add((a, b))
-    if as_strings and any(" " in a or " " in b for a, b in merges):
-        as_strings = False  # a piece with a space cannot be written "a b"; the list form always works
-    tj["model"]["merges"] = [f"{a} {b}" if as_strings else [a, b] for a, b in merges]
-    end = start + len(new_tokens)
-    total = -(-end // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
-    r0 = _next_reserved(list(ids) + new_tokens)
-    reserved = [f"<|reserved_{r0 + k}|>" for k in range(total - end)]
-    for k, t in enumerate(reserved):
-        tj.setdefault("added_tokens", []).append({"id": end + k, "content": t, "single_word": False, "lstrip": False,
-                                                  "rstrip": False, "normalized": False, "special": True})
-    return tj, start, total, reserved
-
-
-def extend_proto(proto: Any, tj_base: dict[str, Any], new_tokens: list[str], reserved: list[str]) -> bytes:
-    """Chinese-LLaMA style: append pieces to the ModelProto. Base added tokens past the proto (e.g. a pad
-    token added in transformers) become CONTROL pieces at their ids first, so proto ids == HF ids."""
-    from sentencepiece import sentencepiece_model_pb2 as pb
-
-    m = pb.ModelProto()
-    m.CopyFrom(proto)
-    by_id = {i: t for t, i in _all_ids(tj_base).items()}
-    for i in range(len(m.pieces), max(by_id) + 1 if by_id else 0):
-        m.pieces.append(pb.ModelProto.SentencePiece(piece=by_id.get(i, f"<|unused_{i}|>"), score=0.0,
-                                                    type=SP_CONTROL))
-    low = min((p.score for p in m.pieces if p.type == SP_NORMAL), default=0.0)
-    for k, t in enumerate(new_tokens):
-        # below every base score, decreasing in learned order: base merges first, then ours (= HF merge order)
-        m.pieces.append(pb.ModelProto.SentencePiece(piece=t, score=low - 1.0 - k, type=SP_NORMAL))
-    for t in reserved:
-        m.pieces.append(pb.ModelProto.SentencePiece(piece=t, score=0.0, type=SP_CONTROL))
-    return m.SerializeToString()
-
-
-def _check_ids(ext_str: str, base_ids: dict[str, int], new_tokens: list[str], start: int, total: int) -> None:
-    """The saved tokenizer, as tokenizers loads it, must keep every base id and place the new ones."""
-    from tokenizers import Tokenizer
-
-    tk = Tokenizer.from_str(ext_str)
-    for t, i in base_ids.items():
-        if tk.token_to_id(t) != i:
-            raise RuntimeError(f"internal error: base token {t!r} would move from id {i} to {tk.token_to_id(t)}")
-    for k, t in enumerate(new_tokens):
-        if tk.token_to_id(t) != start + k:
-            raise RuntimeError(f"internal error: new token {t!r} got id {tk.token_to_id(t)}, expected {start + k}")
-    if tk.get_vocab_size(with_added_tokens=True) != total:
-        raise RuntimeError(f"internal error: vocab size {tk.get_vocab_size(with_added_tokens=True)} != {total}")
-
-
-def tokens_per_char(tokenizer_json: str, texts: Sequence[str]) -> float | None:
-    """Tokens per character of texts with the injection-safe path (no specials added, special text plain)."""
-    from tokenizers import Tokenizer
-
-    chars = sum(len(t) for t in texts)
-    if not chars:
-        return None
-    tk = Tokenizer.from_str(tokenizer_json)
-    tk.encode_special_tokens = True
-    tk.no_truncation()
-    tk.no_padding()
-    n = sum(len(e.ids) for e in tk.encode_batch(list(texts), add_special_tokens=False))
-    return n / chars
-
-
-def _special_tokens_meta(tj: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
-    """Our meta keys (unk/bos/eos/pad/im_start/im_end) for the base's special tokens that exist."""
-    ids = _all_ids(tj)
-
-    def name(v: Any) -> str | None:
-        return v.get("content") if isinstance(v, dict) else v
-
-    roles = {k: name(config.get(f"{k}_token")) for k in ("unk", "bos", "eos", "pad")}
-    defaults = dict(SPECIAL_TOKENS)
-    out = {}
-    for key, default in defaults.items():
-        tok = roles.get(key) or default
-        if tok in ids:
-            out[key] = {"token": tok, "id": ids[tok]}
-    return out
-
-
 def extend_tokenizer(base_tokenizer_dir: str, data_dir_or_files: str | Sequence[str], num_new_tokens: int,
                      output_dir: str, text_fields: Sequence[str] | str = ("text",),
                      max_train_bytes: int | None = None, seed: int = 0, min_frequency: int = 2,
@@ -452,7 +63,7 @@ def extend_tokenizer(base_tokenizer_dir: str, data_dir_or_files: str | Sequence[
     t0 = time.time()
     if num_new_tokens <= 0:
         raise ValueError(f"--num_new_tokens must be positive, got {num_new_tokens}")
-    text_fields = parse_text_fields(text_fields)  # the one grammar (tokenizer.corpus): ValueError when empty
+    text_fields = parse_text_fields(text_fields)  # the one grammar (tokenizer.documents): ValueError when empty
     if max_train_bytes is not None and max_train_bytes <= 0:
         raise ValueError("max_train_bytes must be positive")
     if heldout_every == 1:
@@ -476,7 +87,7 @@ def extend_tokenizer(base_tokenizer_dir: str, data_dir_or_files: str | Sequence[
         raise CorpusError(f"no usable training documents in {len(found.files)} file(s) "
                           f"({', '.join(found.files[:3])}){detail}")
 
-    base_ids = _all_ids(tj)
+    base_ids = all_ids(tj)
     forbidden = {t["content"] for t in tj.get("added_tokens", [])}
     if proto is not None:
         base_ids.update({p.piece: i for i, p in enumerate(proto.pieces)})
@@ -484,16 +95,16 @@ def extend_tokenizer(base_tokenizer_dir: str, data_dir_or_files: str | Sequence[
     request = num_new_tokens * 2 + 256
     for attempt in range(4):
         if kind == "sentencepiece":
-            pieces = _train_sp_candidates(proto, corpus.training_documents(), request, seed, threads)
+            pieces = train_sp_candidates(proto, corpus.training_documents(), request, seed, threads)
             cands: list[tuple[str, tuple[str, str] | None]] = []
             known_so_far = set(base_ids)
             for p in pieces:
-                split = _splits(p, known_so_far) if len(p) > 1 else []
+                split = two_piece_splits(p, known_so_far) if len(p) > 1 else []
                 cands.append((p, split[0] if split else (p[0], p[1:]) if len(p) > 1 else None))
                 known_so_far.add(p)
             learned = len(pieces)
         else:
-            alphabet, merges = _train_bpe_candidates(tj, corpus.training_documents(), request, min_frequency)
+            alphabet, merges = train_bpe_candidates(tj, corpus.training_documents(), request, min_frequency)
             # merges in learned order (each pulls in the characters it needs), then characters by frequency
             cands = [(a + b, (a, b)) for a, b in merges] + [(a, None) for a in alphabet]
             learned = len(alphabet) + len(merges)
@@ -506,7 +117,7 @@ def extend_tokenizer(base_tokenizer_dir: str, data_dir_or_files: str | Sequence[
     primary = {t: m for t, m in cands if m is not None}
     ext, start, total, reserved = build_extended_json(tj, new_tokens, primary)
     ext_str = json.dumps(ext, ensure_ascii=False)
-    _check_ids(ext_str, base_ids if proto is None else _all_ids(tj), new_tokens, start, total)
+    check_extended_ids(ext_str, base_ids if proto is None else all_ids(tj), new_tokens, start, total)
 
     before = tokens_per_char(json.dumps(tj, ensure_ascii=False), corpus.heldout)
     after = tokens_per_char(ext_str, corpus.heldout)
@@ -532,7 +143,7 @@ def _save(base_dir: str, output_dir: str, kind: str, tj: dict[str, Any], proto: 
     # `<output_dir>.tmp/`, fsynced and renamed into place (an old output_dir is swapped aside, then
     # deleted): utils/publish.py. A failure leaves output_dir as it was.
     with staged_dir(os.path.abspath(output_dir), replace=True) as tmp:
-        for name in _base_files(base_dir):
+        for name in base_files(base_dir):
             if name not in ("tokenizer.json", "tokenizer.model"):
                 shutil.copyfile(os.path.join(base_dir, name), os.path.join(tmp, name))
         with open(os.path.join(tmp, "tokenizer.json"), "w", encoding="utf-8") as f:
@@ -561,7 +172,7 @@ def _save(base_dir: str, output_dir: str, kind: str, tj: dict[str, Any], proto: 
             "tokenizer_type": "extended_" + (base_meta or {}).get("tokenizer_type", kind),
             "vocab_size": total,
             "learned_vocab_size": total - len(ext.get("added_tokens", [])),  # ids that are not added/special tokens
-            "special_tokens": _special_tokens_meta(ext, config),
+            "special_tokens": special_tokens_meta(ext, config),
             "fingerprint": fingerprint_dir(tmp),
             "files": file_hashes(tmp),
             "extension": {

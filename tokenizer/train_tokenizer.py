@@ -20,10 +20,10 @@ from tokenizer.contract import (
     CHATML_TEMPLATE, META_FILENAME, NUM_SPECIAL, SPECIAL_TOKENS, TOKENIZER_TYPES, VOCAB_MULTIPLE, added_tokens,
     build_meta, check_meta, file_hashes, fingerprint_dir, write_json,
 )
-from tokenizer.corpus import (
-    TEXT_FIELDS_HELP, CorpusError, SkipCounter, collect_input_files, command_exit_code, count_documents,
-    is_dataset_source, iter_documents, no_input_files_error, parse_text_fields, sample_documents, text_fields_spec,
-)
+from tokenizer.corpus import (CorpusError, SkipCounter, collect_input_files, command_exit_code, is_dataset_source,
+                              no_input_files_error)
+from tokenizer.documents import (TEXT_FIELDS_HELP, count_documents, iter_documents, parse_text_fields,
+                                 sample_documents, text_fields_spec)
 from tokenizer.dataset_source import add_hf_dataset_flags, hf_dataset_from_args
 from utils.publish import staged_dir
 from utils.writable import check_writable_dir
@@ -120,7 +120,7 @@ def train_tokenizer(data_dir_or_files: str | os.PathLike | Sequence[str | os.Pat
     """
     if tokenizer_type not in TOKENIZER_TYPES:
         raise ValueError(f"tokenizer_type must be one of {TOKENIZER_TYPES}, got {tokenizer_type!r}")
-    text_fields = parse_text_fields(text_fields)  # the one grammar (tokenizer.corpus): ValueError when empty
+    text_fields = parse_text_fields(text_fields)  # the one grammar (tokenizer.documents): ValueError when empty
     if max_train_bytes is not None and max_train_bytes <= 0:
         raise ValueError("max_train_bytes must be positive")
     learned_target = _learned_target(vocab_size, tokenizer_type)

@@ -261,11 +261,11 @@ GOOD = {"context": "the cat sat on a", "choices": [" mat", " log"], "label": 0}
 
 def _no_model(monkeypatch):
     """Fail the test if the model is loaded: every mistake below is told before."""
-    import sample
+    from inference import loading
 
     def refuse(*a, **k):
         raise AssertionError("the model was loaded before the input was checked")
-    monkeypatch.setattr(sample, "load_for_inference", refuse)
+    monkeypatch.setattr(loading, "load_for_inference", refuse)
 
 
 def _bad_case(tmp_path, name):
@@ -417,15 +417,15 @@ def choice_ll(model, ids, n, max_len=MAX_LEN):
 
 
 def test_progress_goes_to_stderr_and_batch_size_is_a_flag(run, tmp_path, capsys, monkeypatch):
-    import sample
+    from inference import loading
     tasks = _task_files(tmp_path)
     seen = []
-    real_load = sample.load_for_inference
+    real_load = loading.load_for_inference
 
     def load(*a, **k):  # what the user had seen when the model began to load
         seen.append(capsys.readouterr().err)
         return real_load(*a, **k)
-    monkeypatch.setattr(sample, "load_for_inference", load)
+    monkeypatch.setattr(loading, "load_for_inference", load)
     forwards = []
     real_forward = Transformer.forward
     monkeypatch.setattr(Transformer, "forward",

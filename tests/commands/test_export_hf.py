@@ -42,6 +42,7 @@ def test_export_chooses_the_checkpoint(tmp_path):
 def test_sample_picks_the_checkpoint_and_the_recorded_tokenizer(tmp_path, monkeypatch, tiny_pretrain_data, capsys):
     import model.generate
     import sample
+    from inference.loading import recorded_tokenizer_dir
     run = tmp_path / "run"
     w = {s: _save(run, s, v) for s, v in ((10, 3.0), (20, 2.0))}
     # point the runs' recorded tokenizer at a real one
@@ -53,7 +54,7 @@ def test_sample_picks_the_checkpoint_and_the_recorded_tokenizer(tmp_path, monkey
         m["config.json"] = {"bytes": os.path.getsize(os.path.join(p, "config.json")),
                             "sha256": ckpt._sha256(os.path.join(p, "config.json"))}
         ckpt.write_json(os.path.join(p, "manifest.json"), m)
-    assert sample.recorded_tokenizer_dir(str(run)) == tiny_pretrain_data["tokenizer_dir"]
+    assert recorded_tokenizer_dir(str(run)) == tiny_pretrain_data["tokenizer_dir"]
     seen = {}
 
     def fake_generate(mdl, x, max_new_tokens, **kw):
@@ -103,10 +104,10 @@ def _chat_run(tmp_path):
 
 def _sample_py_generation(run, prompt, stop_ids):
     """sample.py's generation (its defaults) on the run's checkpoint: the new ids, up to the first stop id."""
-    import sample
+    from inference.loading import load_for_inference
     from model.generate import generate
     from utils import constants as c
-    model, _ = sample.load_for_inference(str(run), torch.device("cpu"))
+    model, _ = load_for_inference(str(run), torch.device("cpu"))
     out = generate(model, torch.tensor([prompt]), max_new_tokens=c.SAMPLE_MAX_NEW_TOKENS,
                    temperature=c.SAMPLE_TEMPERATURE, top_k=c.SAMPLE_TOP_K, top_p=c.SAMPLE_TOP_P,
                    stop_ids=stop_ids)[0, len(prompt):].tolist()

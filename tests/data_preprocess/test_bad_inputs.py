@@ -12,6 +12,7 @@ from data_preprocess.pretokenize_sft_data import pretokenize_sft
 from data_preprocess.shard_format import DataError, list_shards
 from dataset import TokenStream
 from tokenizer import corpus as C
+from tokenizer import documents as D
 
 BOS, EOS = 1, 2
 META = {"vocab_size": 320, "fingerprint": "fake-bytes-v1", "tokenizer_type": "fake",
@@ -124,7 +125,7 @@ def test_lone_surrogate_is_a_counted_skip_in_tokenizer_corpus(tmp_path, caplog):
     (tmp_path / "b.JSONL").write_bytes(b'{"title": "t", "content": "x\\udc00"}\n{"title": "u", "content": "v"}\n')
     stats = C.SkipCounter()
     with caplog.at_level(logging.WARNING):
-        docs = list(C.iter_documents(C.find_files(str(tmp_path)), ("title", "content"), stats))
+        docs = list(D.iter_documents(C.find_files(str(tmp_path)), ("title", "content"), stats))
     assert docs == ["t\nc", "u\nv"] and stats.counts == {"invalid Unicode": 2}
     assert f"{tmp_path / 'a.json'}:2" in caplog.text and f"{tmp_path / 'b.JSONL'}:1" in caplog.text
 

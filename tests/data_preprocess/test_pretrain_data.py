@@ -95,9 +95,9 @@ def test_bad_records_skipped_counted_or_strict(tmp_path):
 @pytest.fixture(params=["in-process", "workers"])
 def tokenize_where(request, monkeypatch):
     """Small inputs are tokenized in this process; SMALL_INPUT_BYTES=0 puts them on the worker pool."""
-    from data_preprocess import pretokenize_pretrain_data as mod
+    from data_preprocess import pretrain_workers
     if request.param == "workers":
-        monkeypatch.setattr(mod, "SMALL_INPUT_BYTES", 0)
+        monkeypatch.setattr(pretrain_workers, "SMALL_INPUT_BYTES", 0)
     return request.param
 
 
@@ -156,7 +156,8 @@ def test_same_bytes_in_process_and_in_workers_with_real_tokenizer(tmp_path, real
     """One worker, two workers on a small input (both in this process) and two worker processes
     (forced) write the same files byte for byte, equal to <s> encode_texts(load_tokenizer) </s>:
     what every worker wrote when each loaded the tokenizer itself."""
-    from data_preprocess import pretokenize_pretrain_data as mod
+    from data_preprocess import pretrain_workers
+    from data_preprocess.pretrain_workers import SMALL_INPUT_BYTES
     from tokenizer import encode_texts, load_tokenizer, load_tokenizer_meta
     src = tmp_path / "raw"
     src.mkdir()
@@ -166,9 +167,9 @@ def test_same_bytes_in_process_and_in_workers_with_real_tokenizer(tmp_path, real
     long_doc = "hello world " * 200 + "你好" * 300  # split in pieces by max_doc_chars=500
     _write_jsonl(src / "c.jsonl", [{"text": long_doc}])
     runs = {}
-    for name, workers, small in (("one", 1, mod.SMALL_INPUT_BYTES), ("two_small", 2, mod.SMALL_INPUT_BYTES),
+    for name, workers, small in (("one", 1, SMALL_INPUT_BYTES), ("two_small", 2, SMALL_INPUT_BYTES),
                                  ("two_pool", 2, 0)):
-        monkeypatch.setattr(mod, "SMALL_INPUT_BYTES", small)
+        monkeypatch.setattr(pretrain_workers, "SMALL_INPUT_BYTES", small)
         s = pretokenize_pretrain(str(src), real_tok_dir, str(tmp_path / name), num_workers=workers, progress=False,
                                  shard_size_tokens=500, max_doc_chars=500)
         assert s["documents"] == 601 and s["split_documents"] == 1 and s["skips"]["malformed JSON"] == 1
@@ -194,10 +195,10 @@ def test_worker_start_up_imports_neither_transformers_nor_torch(real_tok_dir):
     from tokenizer import encode_texts, load_tokenizer
     tok = load_tokenizer(real_tok_dir)
     code = ("import sys, json\n"
-            "from data_preprocess import pretokenize_pretrain_data as m, sft_format as f\n"
+            "from data_preprocess import pretrain_workers as m, sft_format as f\n"
             "backend = sys.stdin.read()\n"
-            "m._init_worker(backend, None)\n"
-            "flat, lengths = m._tokenize_batch(['the quick <s> fox', '你好 <|im_end|>'])\n"
+            "m.init_worker(backend, None)\n"
+            "flat, lengths = m.tokenize_batch(['the quick <s> fox', '你好 <|im_end|>'])\n"
             "f._init_chat_worker(backend, None)\n"
             "ids, mask = f._WORKER_ENCODE([{'role': 'user', 'content': 'hi'}])\n"
             "print(json.dumps([flat.tolist(), lengths.tolist(), sorted(k for k in ('torch', 'transformers') "

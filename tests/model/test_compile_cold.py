@@ -85,7 +85,7 @@ def _main(backend: str, values: list) -> None:
     from model import ModelConfig, Transformer  # the first import of the model package in this process
     from trainer.config import KERNEL_CHOICES
 
-    preloaded = "model.triton_kernels" in sys.modules and "model.triton_loss" in sys.modules
+    preloaded = all(f"model.{m}" in sys.modules for m in ("triton_norm", "triton_rope", "triton_swiglu", "triton_loss"))
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, KW["vocab_size"], (2, 12), generator=g)
     y = torch.randint(0, KW["vocab_size"], (2, 12), generator=g)

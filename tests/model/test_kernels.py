@@ -279,7 +279,7 @@ def test_accumulate_fp32_exact_on_cpu_and_gpu_call_valid(monkeypatch):
     """accumulate_fp32_: on CPU the fp32 sum of exact products; the GPU call (addmm with an fp32 output
     accumulating in place) is checked for its signature and dtypes on meta tensors, which run torch's own
     shape/dtype checks of that overload without a GPU."""
-    from model import loss as loss_mod
+    from model import loss_precision as loss_mod
     g = torch.Generator().manual_seed(5)
     a = [torch.randn(48, 32, generator=g).bfloat16() for _ in range(4)]
     b = [torch.randn(32, 16, generator=g).bfloat16() for _ in range(4)]

@@ -13,7 +13,8 @@ import sys
 
 import pytest
 
-import monitor_process as mp
+from monitor import process, record
+from monitor.cli import main
 from utils.constants import EXIT_DISK_FULL
 
 FAST = ["--backoff_base=0.05", "--backoff_max=0.1", "--poll_interval=0.05", "--kill_grace=0.5", "--hang_timeout=0",
@@ -53,7 +54,7 @@ def _log_fills(monkeypatch, full) -> None:
     def fake(path, mode="r", *a, **kw):
         f = real(path, mode, *a, **kw)
         return _FullFile(f, full) if os.path.basename(str(path)) == "monitor.log" else f
-    monkeypatch.setattr(mp, "open", fake, raising=False)
+    monkeypatch.setattr(process, "open", fake, raising=False)
 
 
 def _error_lines(err: str) -> list[str]:
@@ -64,7 +65,7 @@ def _error_lines(err: str) -> list[str]:
 def test_a_full_disk_at_the_first_log_line_starts_nothing(tmp_path, monkeypatch, capfd):
     out, marker = tmp_path / "run", tmp_path / "started"
     _log_fills(monkeypatch, lambda data: True)
-    code = mp.main([*FAST, f"--out_dir={out}", "--", sys.executable, "-c", f"open({str(marker)!r}, 'w')"])
+    code = main([*FAST, f"--out_dir={out}", "--", sys.executable, "-c", f"open({str(marker)!r}, 'w')"])
     err = capfd.readouterr().err
     assert code == EXIT_DISK_FULL, err
     assert not marker.exists()  # the training was never started on the full disk
@@ -79,7 +80,7 @@ def test_a_log_that_fills_under_the_tee_is_not_restarted(tmp_path, monkeypatch, 
     the terminal, and the crash is not restarted on the full disk (exit 7, one line naming the log)."""
     out = tmp_path / "run"
     _log_fills(monkeypatch, lambda data: b"CHILD-OUTPUT" in data)
-    code = mp.main([*FAST, f"--out_dir={out}", "--", sys.executable, "-c",
+    code = main([*FAST, f"--out_dir={out}", "--", sys.executable, "-c",
                     "import sys; print('CHILD' + '-OUTPUT', flush=True); sys.exit(1)"])  # not in the command line
     cap = capfd.readouterr()
     assert code == EXIT_DISK_FULL, cap.err
@@ -97,8 +98,8 @@ def test_a_summary_that_does_not_fit_is_exit_7_naming_it(tmp_path, monkeypatch, 
 
     def full(path, *a, **kw):
         raise OSError(errno.ENOSPC, "No space left on device")
-    monkeypatch.setattr(mp, "atomic_write_text", full)
-    code = mp.main([*FAST, f"--out_dir={out}", "--", sys.executable, "-c", "pass"])
+    monkeypatch.setattr(record, "atomic_write_text", full)
+    code = main([*FAST, f"--out_dir={out}", "--", sys.executable, "-c", "pass"])
     err = capfd.readouterr().err
     assert code == EXIT_DISK_FULL, err
     lines = _error_lines(err)

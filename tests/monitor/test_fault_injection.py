@@ -17,7 +17,10 @@ import time
 
 import pytest
 
-import monitor_process as mp
+from monitor.config import parse_args
+from monitor.restarts import flag_value, with_resume
+from monitor.run_files import torchrun_root_cause_exit_code
+from monitor.supervisor import Monitor
 from utils.proc_tree import process_info
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -79,24 +82,24 @@ def test_with_resume_leaves_the_command_unless_it_says_never_and_keeps_spaces():
     --resume=never becomes --resume=always (in place, in either spelling)."""
     for cmd in (["t.py", "--init_from=scratch", "--x=a b"], ["t.py", "--init_from=resume"],
                 ["t.py", "--resume=auto"], ["t.py", "--resume=always"], ["torchrun", "--nproc_per_node=2", "t.py"]):
-        assert mp.with_resume(cmd) == cmd
-    assert mp.with_resume(["t.py", "--resume=never", "--x=a b"]) == ["t.py", "--resume=always", "--x=a b"]
-    assert mp.with_resume(["t.py", "--resume", "never", "y"]) == ["t.py", "--resume=always", "y"]
-    assert mp.flag_value(["a", "--out_dir=x y", "--out_dir", "z"], "--out_dir") == "z"
+        assert with_resume(cmd) == cmd
+    assert with_resume(["t.py", "--resume=never", "--x=a b"]) == ["t.py", "--resume=always", "--x=a b"]
+    assert with_resume(["t.py", "--resume", "never", "y"]) == ["t.py", "--resume=always", "y"]
+    assert flag_value(["a", "--out_dir=x y", "--out_dir", "z"], "--out_dir") == "z"
 
 
 def test_torchrun_root_cause_is_read_from_its_report():
     tail = ("torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
             "Failures:\n  <NO_OTHER_FAILURES>\nRoot Cause (first observed failure):\n[0]:\n"
             "  rank      : 1 (local_rank: 1)\n  exitcode  : 2 (pid: 5031) \n")
-    assert mp.torchrun_root_cause_exit_code(tail) == 2
-    assert mp.torchrun_root_cause_exit_code("exitcode : 2") is None
+    assert torchrun_root_cause_exit_code(tail) == 2
+    assert torchrun_root_cause_exit_code("exitcode : 2") is None
 
 
 def test_command_must_follow_double_dash():
     with pytest.raises(SystemExit):
-        mp.parse_args(["--max_restarts=1", "python", "t.py"])
-    cfg, cmd = mp.parse_args(["--max_restarts=1", "--", "python", "t.py", "--out_dir=/o d"])
+        parse_args(["--max_restarts=1", "python", "t.py"])
+    cfg, cmd = parse_args(["--max_restarts=1", "--", "python", "t.py", "--out_dir=/o d"])
     assert cmd == ["python", "t.py", "--out_dir=/o d"] and cfg.out_dir == "/o d"
     assert cfg.log_file == os.path.join("/o d", "monitor.log")
 
@@ -320,7 +323,7 @@ def test_help_works_alone_and_exits_0():
 
 
 def test_out_dir_is_found_under_its_alias():
-    cfg, _ = mp.parse_args(["--", "python", "train_my_ddp.py", "--output_dir=/runs/a"])
+    cfg, _ = parse_args(["--", "python", "train_my_ddp.py", "--output_dir=/runs/a"])
     assert cfg.out_dir == "/runs/a"
 
 
@@ -392,7 +395,7 @@ def test_unknown_out_dir_restarts(tmp_path):
     (the trainer continues its run), and --resume=never becomes --resume=always."""
     for cmd, want in ((["python", "t.py", "--init_from=scratch"], ["python", "t.py", "--init_from=scratch"]),
                       (["python", "t.py", "--resume=never"], ["python", "t.py", "--resume=always"])):
-        m = mp.Monitor(mp.parse_args(["--", *cmd])[0], cmd)
+        m = Monitor(parse_args(["--", *cmd])[0], cmd)
         command, how = m.restart_command()
         assert command == want and ("unchanged" in how) == (cmd == want), how
         m.log.close()

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-import monitor_process as mp
+from monitor.restarts import flag_value
 from utils.proc_tree import descendants
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -119,7 +119,7 @@ def check_resumed_run(out, reference: dict, monitor: subprocess.Popen, msg: str)
 @pytest.fixture(scope="module")
 def single_reference(tiny_pretrain_run_args, tmp_path_factory) -> dict:
     # the kill steps and the steps-lost bound below assume the fixture's checkpoint interval
-    assert mp.flag_value(tiny_pretrain_run_args, "--checkpoint_interval") == str(CKPT_INTERVAL)
+    assert flag_value(tiny_pretrain_run_args, "--checkpoint_interval") == str(CKPT_INTERVAL)
     out = tmp_path_factory.mktemp("ref_single")
     run_cmd(single(tiny_pretrain_run_args, out))
     return losses(out)
@@ -149,7 +149,7 @@ def test_sigkill_during_checkpoint_save_resumes_from_previous(tiny_pretrain_run_
 
 
 def test_sigkill_the_ranks_under_torchrun(tiny_pretrain_run_args, tmp_path):
-    assert mp.flag_value(tiny_pretrain_run_args, "--checkpoint_interval") == str(CKPT_INTERVAL)
+    assert flag_value(tiny_pretrain_run_args, "--checkpoint_interval") == str(CKPT_INTERVAL)
     rng = random.Random(SEED + 1)
     step = rng.randrange(2, MAX_ITERS)
     msg = f"seed={SEED + 1} step={step}"

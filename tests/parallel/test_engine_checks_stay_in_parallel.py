@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import re
 
-from tests.test_layering import ROOT, _project_files
+from tests.test_layering import ROOT, project_files
 
 CHECKS = [
     re.compile(r"\.parallel\s*(==|!=|\bin\b)"),                                      # cfg.parallel == "fsdp"
@@ -30,7 +30,7 @@ def _code_of(line: str) -> str:
 
 def engine_checks_outside_parallel(root: str = ROOT) -> list[str]:
     found = []
-    for rel in _project_files(root):
+    for rel in project_files(root):
         if rel.split(os.sep)[0] == "parallel":
             continue
         with open(os.path.join(root, rel), encoding="utf-8") as f:

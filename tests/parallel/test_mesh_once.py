@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 import os
 
-from tests.test_layering import ROOT, _project_files
+from tests.test_layering import ROOT, project_files
 
 MESH_BUILDERS = ("build_device_mesh", "init_device_mesh")
 
@@ -14,7 +14,7 @@ MESH_BUILDERS = ("build_device_mesh", "init_device_mesh")
 def mesh_build_sites(root: str = ROOT) -> list[str]:
     """Every call of a mesh builder in the project's modules, as "path:line name"."""
     sites = []
-    for rel in _project_files(root):
+    for rel in project_files(root):
         with open(os.path.join(root, rel), encoding="utf-8") as f:
             tree = ast.parse(f.read(), filename=rel)
         for node in ast.walk(tree):

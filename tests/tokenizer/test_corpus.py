@@ -8,6 +8,8 @@ import tracemalloc
 import pytest
 
 from tokenizer import corpus as C
+from tokenizer import documents as D
+from tokenizer import raw_records as RR
 from tokenizer import train_tokenizer
 from tests.conftest import run_python
 
@@ -16,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def _docs(path, fields=("text",), strict=False):
     stats = C.SkipCounter(strict=strict, quiet=True)
-    return [d for d, _ in C.iter_file_documents(str(path), fields, stats)], stats
+    return [d for d, _ in D.iter_file_documents(str(path), fields, stats)], stats
 
 
 def test_txt_is_one_document_per_line(tmp_path):
@@ -35,7 +37,7 @@ def test_jsonl_and_text_fields_joined(tmp_path):
 
 @pytest.mark.parametrize("chunk", [7, 1 << 20])
 def test_json_array_is_streamed(tmp_path, monkeypatch, chunk):
-    monkeypatch.setattr(C, "_JSON_CHUNK", chunk)  # tiny chunks force many refills mid-element
+    monkeypatch.setattr(RR, "_JSON_CHUNK", chunk)  # tiny chunks force many refills mid-element
     recs = [{"text": f"doc {i} " + "字" * i, "n": 12345 + i} for i in range(50)]
     p = tmp_path / "a.json"
     p.write_text(json.dumps(recs, ensure_ascii=False, indent=2), encoding="utf-8")
@@ -140,7 +142,7 @@ def _equal_docs_corpus(tmp_path, n_files=3, per_file=400):
                 f.write(json.dumps({"text": f"{k:02d}-{i:05d}" + "x" * 92}) + "\n")  # 100 bytes each
     files = C.find_files(str(tmp_path))
     stats = C.SkipCounter(quiet=True)
-    return files, C.count_documents(files, ("text",), stats)
+    return files, D.count_documents(files, ("text",), stats)
 
 
 def test_sampling_is_uniform_over_documents(tmp_path):
@@ -149,11 +151,11 @@ def test_sampling_is_uniform_over_documents(tmp_path):
     hits = {}
     trials = 150
     for seed in range(trials):
-        sample = list(C.sample_documents(files, ("text",), 30000, seed, count))
+        sample = list(D.sample_documents(files, ("text",), 30000, seed, count))
         assert len(sample) == 300 and len(set(sample)) == 300  # exactly k = N * 30000/120000
         for d in sample:
             hits[d[:8]] = hits.get(d[:8], 0) + 1
-    assert sample == list(C.sample_documents(files, ("text",), 30000, trials - 1, count))  # seeded
+    assert sample == list(D.sample_documents(files, ("text",), 30000, trials - 1, count))  # seeded
     # Each file holds a third of the documents, so a third of the sample (not the first file first).
     per_file = [sum(v for k, v in hits.items() if k.startswith(f"{f:02d}")) for f in range(3)]
     assert all(abs(x / (300 * trials) - 1 / 3) < 0.01 for x in per_file)
@@ -168,7 +170,7 @@ def test_sampling_is_uniform_over_documents(tmp_path):
 def test_sampling_memory_is_bounded(tmp_path):
     files, count = _equal_docs_corpus(tmp_path, n_files=2, per_file=30000)  # 6 MB corpus
     tracemalloc.start()
-    n = sum(1 for _ in C.sample_documents(files, ("text",), 3_000_000, 0, count))
+    n = sum(1 for _ in D.sample_documents(files, ("text",), 3_000_000, 0, count))
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     assert n == 30000

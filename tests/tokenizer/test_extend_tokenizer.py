@@ -12,7 +12,9 @@ from hypothesis import strategies as st
 
 from tokenizer import encode_chat, encode_texts, train_tokenizer
 from tokenizer.contract import META_FILENAME, fingerprint_dir
-from tokenizer.extend_tokenizer import Corpus, extend_tokenizer, main, tokenizer_fingerprint
+from tokenizer.extend_base import tokenizer_fingerprint
+from tokenizer.extend_pieces import Corpus
+from tokenizer.extend_tokenizer import extend_tokenizer, main
 from tests.conftest import run_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

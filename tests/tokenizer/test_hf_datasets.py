@@ -11,6 +11,7 @@ import pytest
 
 from tests.conftest import ROOT, run_python
 from tokenizer import corpus as C
+from tokenizer import documents as D
 from tokenizer.dataset_source import open_dataset_source
 
 datasets = pytest.importorskip("datasets")
@@ -88,7 +89,7 @@ def test_tokenizer_and_pretokenizer_read_a_dataset_as_the_same_jsonl(inputs, tmp
 def test_a_saved_dataset_is_read_without_the_datasets_package(inputs, monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` now raises ImportError
     src = open_dataset_source(str(inputs / "ds"))
-    docs = [d for d, _ in C.iter_file_documents(src, "text|title,content", C.SkipCounter())]
+    docs = [d for d, _ in D.iter_file_documents(src, "text|title,content", C.SkipCounter())]
     want = [r.get("text") or f"{r['title']}\n{r['content']}" for r in _records()]
     assert docs == want
     with pytest.raises(C.CorpusConfigError, match="pip install datasets"):
@@ -96,7 +97,7 @@ def test_a_saved_dataset_is_read_without_the_datasets_package(inputs, monkeypatc
     # the one grammar's whole-file warning names the dataset and its columns
     only_titles = inputs / "titles"
     with caplog.at_level(logging.WARNING):
-        assert list(C.iter_file_documents(open_dataset_source(str(only_titles)), "text", C.SkipCounter())) == []
+        assert list(D.iter_file_documents(open_dataset_source(str(only_titles)), "text", C.SkipCounter())) == []
     assert (f"hf:{only_titles}[train]: skipped whole: none of its 2 record(s) has the --text_fields 'text'; "
             "its records have the keys: body, title") in caplog.text
 

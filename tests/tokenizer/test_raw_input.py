@@ -1,4 +1,4 @@
-"""The one raw-input reader (tokenizer/corpus.py) behind both the tokenizer trainer and the pretokenizers:
+"""The one raw-input reader (tokenizer/raw_records.py) behind both the tokenizer trainer and the pretokenizers:
 the same records and the same count of bad lines through either, each tool keeping its own wording of
 skips and errors, its own rules where they always differed (blank lines, .json files that are not one
 array), and bounded memory for .json arrays in both."""
@@ -11,6 +11,8 @@ import pytest
 from data_preprocess import readers as R
 from data_preprocess.shard_format import DataError
 from tokenizer import corpus as C
+from tokenizer import documents as D
+from tokenizer import raw_records as RR
 
 BAD_LINES = [b'{"text": "good 1"}', b'{"text": "broken', b'', b'{"text": "bad utf8 \xff"}', b'\xc2\xa0',
              b'[1, 2]', b'{"body": "no text"}', b'{"text": "good 2"}']
@@ -24,7 +26,7 @@ def _bad_jsonl(tmp_path):
 
 def _tokenizer_side(path, strict=False):
     stats = C.SkipCounter(strict=strict)
-    return [d for d, _ in C.iter_file_documents(str(path), ("text",), stats)], stats
+    return [d for d, _ in D.iter_file_documents(str(path), ("text",), stats)], stats
 
 
 def _pretokenizer_side(path, strict=False):
@@ -96,7 +98,7 @@ def test_txt_blank_lines_are_empty_documents_or_not_records(tmp_path):
 
 
 def test_json_array_rules(tmp_path, monkeypatch):
-    monkeypatch.setattr(C, "_JSON_CHUNK", 5)  # many refills inside every element
+    monkeypatch.setattr(RR, "_JSON_CHUNK", 5)  # many refills inside every element
     recs = [{"text": f"doc {i} 文"} for i in range(20)]
     good = tmp_path / "good.json"
     good.write_text(json.dumps(recs, ensure_ascii=False, indent=1), encoding="utf-8")

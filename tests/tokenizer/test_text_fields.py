@@ -10,6 +10,7 @@ import pytest
 from data_preprocess import readers as R
 from tests.conftest import ROOT, run_python
 from tokenizer import corpus as C
+from tokenizer import documents as D
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
 
@@ -44,18 +45,18 @@ def base_tok(tmp_path_factory):
 
 def _record_text(record, fields):
     """(text, None) or (None, (reason, detail)) of one record, in the tokenizer trainer's wording."""
-    return C._record_text(record, C.parse_text_fields(fields))
+    return D._record_text(record, D.parse_text_fields(fields))
 
 
 def test_the_grammar_is_one_function():
-    assert R.parse_text_fields is C.parse_text_fields
-    assert C.parse_text_fields("text|title,content") == [["text"], ["title", "content"]]
-    assert C.parse_text_fields(" title , content ") == [["title", "content"]]
-    assert C.parse_text_fields(("title", "content")) == [["title", "content"]]  # a list of names: joined
-    assert C.parse_text_fields([["text"], ["title", "content"]]) == [["text"], ["title", "content"]]
+    assert R.parse_text_fields is D.parse_text_fields
+    assert D.parse_text_fields("text|title,content") == [["text"], ["title", "content"]]
+    assert D.parse_text_fields(" title , content ") == [["title", "content"]]
+    assert D.parse_text_fields(("title", "content")) == [["title", "content"]]  # a list of names: joined
+    assert D.parse_text_fields([["text"], ["title", "content"]]) == [["text"], ["title", "content"]]
     with pytest.raises(ValueError, match="empty --text_fields"):
-        C.parse_text_fields("|,")
-    alts = C.parse_text_fields("text|title,content")
+        D.parse_text_fields("|,")
+    alts = D.parse_text_fields("text|title,content")
     assert _record_text({"title": "T", "content": "B"}, alts) == ("T\nB", None)
     assert _record_text({"text": "x", "title": "T", "content": "B"}, alts) == ("x", None)  # first alternative wins
     assert _record_text({"title": "T"}, alts)[1][0] == "missing field"
@@ -124,7 +125,7 @@ def test_parquet_of_another_schema_names_its_columns(tmp_path, caplog):
     p = tmp_path / "x.parquet"
     pq.write_table(pa.table({"question": ["q1", "q2"], "answer": ["a1", "a2"]}), p)
     with caplog.at_level(logging.WARNING):
-        docs = list(C.iter_file_documents(str(p), "text|title,content", C.SkipCounter()))
+        docs = list(D.iter_file_documents(str(p), "text|title,content", C.SkipCounter()))
     assert docs == []
     assert (f"{p}: skipped whole: none of its 2 record(s) has the --text_fields 'text|title,content'; "
             "its records have the keys: answer, question") in caplog.text

@@ -17,7 +17,8 @@ import sys
 
 import pytest
 
-import monitor_process as mp
+from monitor.record import Attempt
+from monitor.restarts import classify, with_flag
 from tests.conftest import ROOT, run_cmd, run_python
 from utils.constants import EXIT_LOSS_SPIKE, NON_RETRYABLE_EXIT_CODES
 from utils.spike_guard import SPIKE_FILE, SpikeDetector, format_data_steps, parse_data_steps
@@ -140,12 +141,9 @@ def test_skip_list_syntax():
 
 def test_exit_code_is_handled_not_retried_blindly_nor_refused():
     assert EXIT_LOSS_SPIKE == 76 and EXIT_LOSS_SPIKE not in NON_RETRYABLE_EXIT_CODES
-    cfg, _ = mp.parse_args(["--", "python", "t.py"])
-    m = mp.Monitor(cfg, ["python", "t.py"])
-    m.log.close()
-    assert m.classify(mp.Attempt(0, [], 0.0, exit_code=EXIT_LOSS_SPIKE)) == "loss_spike"
-    assert m.classify(mp.Attempt(0, [], 0.0, exit_code=1, root_exit_code=EXIT_LOSS_SPIKE)) == "loss_spike"  # torchrun
-    assert mp.with_flag(["t.py", "--skip_data_steps", "1", "--x=1"], "--skip_data_steps", "4-5") == \
+    assert classify(Attempt(0, [], 0.0, exit_code=EXIT_LOSS_SPIKE)) == "loss_spike"
+    assert classify(Attempt(0, [], 0.0, exit_code=1, root_exit_code=EXIT_LOSS_SPIKE)) == "loss_spike"  # torchrun
+    assert with_flag(["t.py", "--skip_data_steps", "1", "--x=1"], "--skip_data_steps", "4-5") == \
         ["t.py", "--skip_data_steps=4-5", "--x=1"]
 
 

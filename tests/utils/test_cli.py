@@ -72,7 +72,7 @@ def test_sentencepiece_training_is_quiet_by_default(tmp_path):
 
 # ---------------------------------------------------------------------------- answers before torch
 # A typo, a bad value, a path that is not there, a checkpoint that names nothing and --help are answered
-# before the commands import torch (trainer/precheck.py, sample.precheck, utils.run_dir): the same
+# before the commands import torch (trainer/precheck.py, inference/loading.py precheck, utils.run_dir): the same
 # line and exit code as the full path, in a fraction of a second instead of the torch import (tens of
 # seconds on a busy machine). Each case runs as a real process under `python -X importtime`: no `torch`
 # module may appear; the seconds are printed (`pytest -s`) for the record, never asserted.
@@ -176,7 +176,7 @@ def test_trainer_answers_mistakes_before_importing_torch(two_step_run, tmp_path,
 def test_sample_and_export_answer_bad_checkpoints_before_importing_torch(two_step_run, tmp_path, capsys):
     """A --checkpoint that names nothing, a --ckpt that is not there, --help: exit 2 (0) with the line
     the full choice of checkpoint (utils.run_config.select_checkpoint + selection_exit_code) gives."""
-    import sample
+    from inference.loading import select_for_inference
     from utils import checkpoint as ckpt
     from utils.run_config import select_checkpoint
     run = str(two_step_run["out"])
@@ -196,7 +196,7 @@ def test_sample_and_export_answer_bad_checkpoints_before_importing_torch(two_ste
                                                   f"--checkpoint={which}"])
         assert (code, _error_lines(err)) == (full_code, [f"sample.py: {full_msg}"])
         with pytest.raises(Exception) as e:  # sample.py's own full path says the same
-            sample._select(path, which, log=lambda m: None)
+            select_for_inference(path, which, log=lambda m: None)
         assert (e.value.code, str(e.value)) == (full_code, full_msg)
         with capsys.disabled():
             code, _, err, _ = _run_without_torch([os.path.join(ROOT, "export_hf.py"), f"--ckpt={path}",
