@@ -10,8 +10,9 @@ master, moments and a decay flag, and writes master, moments and the bf16 parame
 instead of 42, and one launch whatever the model size. In one process with the gradients read from the
 parameters (`ParamGrads`) it is 28: the bf16 gradient (2), the fp32 master read and written (8), the moments (16),
 the bf16 parameter (2), the decay flag read once per block; 20 with bf16 moments (--optimizer_state_dtype=bf16,
-below). The clip coefficient and the overflow skip are read from the squared norm on the device (no host decision
-before the launch); a non-finite norm writes nothing.
+rounded stochastically: `_round_bf16_stochastic` here, its torch side optimizer/bf16_rounding.py). The clip
+coefficient and the overflow skip are read from the squared norm on the device (no host decision before the
+launch); a non-finite norm writes nothing.
 
 The math is torch's AdamW (decoupled weight decay), in fp32: p -= lr*wd*p (decayed elements);
 m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g*g; p -= (lr/bc1) * m / (sqrt(v)/sqrt(bc2) + eps), with
@@ -24,8 +25,8 @@ ZeRO-1's form (`adamw_segments`, `sumsq_segments`): a rank's shards are ranges s
 masters, moments and decay flags are kept one after another, and a row table (built once) gives each program its
 block's compact and buffer offsets, so one launch still covers every shard.
 
-Owns: the kernels, their reference and the launches. Must never: write anything when the norm is non-finite, or
-read a value back to the host.
+Owns: the kernels, their reference and the launches (the step path that calls them: optimizer/one_launch_step.py).
+Must never: write anything when the norm is non-finite, or read a value back to the host.
 """
 from __future__ import annotations
 

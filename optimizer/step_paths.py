@@ -1,12 +1,14 @@
 """The step paths of our DDP's optimizers (optimizer/mixed_precision_optimizer.py), one class each, and the one
 place a path is chosen: `choose_path`, when the optimizer is built.
 
-| path | class | where it runs |
-| --- | --- | --- |
-| `overlapped` | OverlappedStep | `--overlap_optim_step`: each bucket stepped as soon as its gradients arrived |
-| `one_launch` | OneLaunchStep (optimizer/one_launch_step.py) | AdamW in one launch per DDP buffer: CUDA with Triton (`OptimizerConfig.one_launch`: "on" anywhere it can step, "off" never), and wherever AdamW's moments are bf16 |
-| `device_decided` | DeviceDecidedStep | every update takes a device flag (torch's fused AdamW): the clip and the skip decided on the device, the norm read after the update's launches |
-| `host_decided` | HostDecidedStep | the rest (Muon; foreach / single-tensor AdamW, e.g. a CPU run): the norm read, then the clip or the skip |
+- `overlapped`, OverlappedStep: `--overlap_optim_step`, each bucket stepped as soon as its gradients arrived;
+- `one_launch`, OneLaunchStep (optimizer/one_launch_step.py): AdamW in one launch per DDP buffer, on CUDA with
+  Triton where it can step the run (OptimizerConfig.one_launch: "on" anywhere it can, "off" never), and always
+  with bf16 moments, which live only there;
+- `device_decided`, DeviceDecidedStep: every update takes a device flag (torch's fused AdamW): the clip and the
+  skip decided on the device, the norm read after the update's launches;
+- `host_decided`, HostDecidedStep: the rest (Muon; foreach / single-tensor AdamW, e.g. a CPU run): the norm read,
+  then the clip or the skip.
 
 A path steps the optimizer it was built for through the optimizer's hooks and helpers (its pieces, updates,
 gradient loading and the skeleton of optimizer/base.py); `step()` runs it and never chooses. The one change of
@@ -113,7 +115,7 @@ def choose_path(opt, name: Optional[str] = None):
         opt.attach_grad_stores()
         return OverlappedStep(opt)
     if name == "one_launch":
-        why_not = one_launch_unfit(opt, "on")
+        why_not = one_launch_unfit(opt, "off" if opt.config.one_launch == "off" else "on")
         if why_not:
             raise ValueError(f"the one-launch AdamW cannot step this optimizer: {why_not}")
     if name == "one_launch" or name is None and one_launch_applies(opt):

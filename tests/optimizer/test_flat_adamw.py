@@ -5,7 +5,8 @@ The kernel runs here in the Triton interpreter (TRITON_INTERPRET=1, tests/confte
 its torch reference and with torch.optim.AdamW + clip_grad_norm_, all within float32's own error against a
 float64 run of the same formula. The optimizer's wiring (masters, moments as views, decay mask, step count,
 skip, state dicts, op count) is checked through a real engine with the path forced on; on CUDA it is the
-default (`OptimizerConfig.one_launch = "auto"`, optimizer/one_launch_step.py), checked by the GPU test at the end against torch's fused AdamW.
+default (`OptimizerConfig.one_launch = "auto"`, optimizer/one_launch_step.py), checked by the GPU test
+at the end against torch's fused AdamW.
 """
 from __future__ import annotations
 
