@@ -38,11 +38,11 @@ hf-liger (the same with Liger-Kernel's RMSNorm/RoPE/SwiGLU/fused linear-CE patch
 "not installed" when liger-kernel is absent), ours-fp8 (ours with --float8=tensorwise: the blocks' matmuls in FP8
 through torchao; on CPU torchao's emulation, so only its GPU rows say anything about speed; reported apart from
 bf16, not in the GPU report's verdict rows: `--bench-rows ours-fp8:trainer:compile` asks for it), ours-torchadam
-(ours with torch's fused AdamW instead of the one-launch kernel, optimizer/flat_adamw.py: the A/B of that kernel;
-trainer precision only), ours-concat (ours with what kernel_backend=auto chose under torch.compile before
+(ours with torch's fused AdamW instead of the one-launch kernel, OptimizerConfig.one_launch="off": the A/B of that
+kernel; trainer precision only), ours-concat (ours with what kernel_backend=auto chose under torch.compile before
 2026-11-27: q/k/v and gate/up as one matmul each and the chunked Triton linear+CE; the A/B of that choice),
-ours-gradbuf (ours with the gradients copied into DDP's fp32 buffers, MYLLM_GRADS_ON_PARAMS=off, where one
-process with one micro-batch a step reads them from the parameters: the A/B of that; trainer precision only),
+ours-gradbuf (ours with the gradients copied into DDP's fp32 buffers, OptimizerConfig.grads_on_params=False, where
+one process with one micro-batch a step reads them from the parameters: the A/B of that; trainer precision only),
 ours-tce (compiled, the loss as the Triton linear+CE op in one chunk instead of Inductor's full-logits fusion: the
 op computes the loss and both gradients in the forward, one pass over the logits after their matmul, where
 Inductor's two kernels took 1.35 ms per 124M step on an H200; the A/B of that), ours-tce4k (ours-tce with the
@@ -215,16 +215,22 @@ def make_step(config: str, model_name: str, mode: str, precision: str, device):
     if model_name == "ours-concat":  # the compiled choice before 2026-11-27 (model/kernels.py AUTO_UNDER_COMPILE)
         from model import kernels
         kernels.AUTO_UNDER_COMPILE.update(cross_entropy="triton", concat_linear="torch")
-    if model_name == "ours-torchadam":  # ours with torch's fused AdamW instead of the one-launch kernel
-        os.environ["MYLLM_FLAT_ADAMW"] = "off"
+    # the optimizer's A/B rows: its step path given explicitly (OptimizerConfig's fields that no trainer flag sets)
+    optimizer_fields = {"ours-torchadam": dict(one_launch="off"),  # torch's fused AdamW, not the one-launch kernel
+                        # the gradients copied into DDP's fp32 buffers, not read from the parameters
+                        "ours-gradbuf": dict(grads_on_params=False)}.get(model_name)
+    if optimizer_fields:
+        import dataclasses
+
+        from parallel import build
+        flags_to_config = build.optimizer_config  # (this row's process only: each row runs in its own)
+        build.optimizer_config = lambda flags: dataclasses.replace(flags_to_config(flags), **optimizer_fields)
     if model_name in ("ours-tce", "ours-tce4k"):  # compiled: the Triton linear+CE op in ONE chunk (<= 4 GiB fp32)
         from model import kernels, triton_loss
         kernels.AUTO_UNDER_COMPILE.update(cross_entropy="triton")
         triton_loss.LOSS_CHUNK_BUDGET_BYTES = kernels.REFERENCE_LOSS_MAX_LOGITS_BYTES
         if model_name == "ours-tce4k":  # its softmax kernel with 4096-element tiles (8 warps), not 16384 (16)
             triton_loss.MAX_BLOCK_V = 4096
-    if model_name == "ours-gradbuf":  # ours with the gradients copied into DDP's fp32 buffers (as before 2026-11-27)
-        os.environ["MYLLM_GRADS_ON_PARAMS"] = "off"
     engine = build_engine(model, cfg, device=torch.device(device))
     engine.optimizer.set_lr(LR)
     units = float((y != -100).sum())

@@ -1,20 +1,20 @@
 """What every optimizer of this package shares: the step skeleton, loss scaling, the learning rate, and the
 scaler / lr / previous-norm part of the state dict.
 
-Owns: `GlobalNormOptimizer.global_norm_step()`, the one order of a step for MixedPrecisionOptimizer,
-DistributedOptimizer (ZeRO) and FSDPOptimizer:
+Owns: the one order of a step for MixedPrecisionOptimizer, DistributedOptimizer (ZeRO) and FSDPOptimizer, in its
+two forms, which an optimizer's step path picks once (optimizer/step_paths.py):
   finish the gradient sync -> unscale (fp16) -> the squared gradient norm over every rank holding a part
   of the model (the optimizer's own reduction, then a SUM over `norm_groups`: pipeline stages) -> one
   host read of it, which is also the overflow decision (an inf/nan anywhere makes it non-finite
   everywhere: the same verdict on every rank, no separate flag collective) -> scaler update -> skip, or
-  clip by the global norm, step AdamW, write the masters back.
-Each optimizer provides the hooks (`_sync_grads`, `_grads`, `_sumsq`, `_update`, `_drop_grads`,
-`_adamws`, and optionally `_report_verdict`); `clip_coefficient` is shared with the overlapped step.
-An optimizer whose AdamWs are all fused may also give `_skips_on_device` / `_update_on_device`: then
-the clip and the skip are decided on the device (a coefficient tensor, AdamW's `found_inf`) and the one
-host read comes after the update's launches and waits for the norm alone (`_device_decided_step`), with the same
-result bit for bit. That read is a `StepVerdict`, made when the caller unpacks it or by the next step at the
+  clip by the global norm, step the updates, write the masters back.
+`host_decided_step()` reads the norm before the update; `device_decided_step()`, for an optimizer whose every
+update takes a device flag (fused AdamW's `found_inf`), decides the clip and the skip on the device (a coefficient
+tensor, the flag) and the one host read comes after the update's launches and waits for the norm alone, with the
+same result bit for bit. That read is a `StepVerdict`, made when the caller unpacks it or by the next step at the
 latest (`settle_steps`), so a training loop may queue the next step before reading this one's.
+Each optimizer provides the hooks (`_sync_grads`, `_grads`, `_sumsq`, `_update` / `_update_on_device`,
+`_drop_grads`, `_adamws`, and optionally `_report_verdict`); `clip_coefficient` is shared with the overlapped step.
 Must never: read a tensor on the host more than once per step, decide to skip from a value that not
 every rank saw, clip with a norm that is not global (trap 8), or know which engine holds the gradients
 (the hooks do).
@@ -91,6 +91,18 @@ def make_scaler(config: OptimizerConfig) -> Union[ConstantScaler, DynamicGradSca
     return ConstantScaler()
 
 
+def moment_bytes(adamws: Iterable[torch.optim.Optimizer]) -> int:
+    """Bytes of this rank's Adam moments (the local shards of DTensors; `step` counters excluded)."""
+    total = 0
+    for opt in adamws:
+        for st in opt.state.values():
+            for k, v in st.items():
+                if torch.is_tensor(v) and k != "step":
+                    loc = v.to_local() if isinstance(v, DTensor) else v
+                    total += loc.numel() * loc.element_size()
+    return total
+
+
 def clip_coefficient(max_norm: float, norm: Optional[float]) -> float:
     """The factor that brings gradients of global norm `norm` down to at most `max_norm`; 1.0 when clipping
     is off (max_norm 0) or there is no finite norm to clip by."""
@@ -103,6 +115,8 @@ class GlobalNormOptimizer:
     """The API the trainer sees (zero_grad, scale_loss, loss_scale, set_lr, step -> (stepped, grad_norm),
     finish_param_sync, state_dict / load_state_dict) and the step skeleton behind it."""
     sharded = False
+    # Muon beside AdamW (optimizer/muon.py), when --optimizer=muon: its own update over the hidden matrices
+    muon = None
     # dtype the squared norm is summed in over norm_groups (the other pipeline stages)
     norm_sum_dtype: torch.dtype = torch.float64
 
@@ -118,18 +132,23 @@ class GlobalNormOptimizer:
         self._unread_verdicts: list[StepVerdict] = []  # the steps whose verdict nobody has read yet (`settle_steps`)
 
     # ------------------------------------------------------------------ the step skeleton
-    def global_norm_step(self) -> tuple[bool, float]:
-        """Finish the gradient sync, unscale, skip on inf/nan (any rank, every rank alike), clip by the
-        global norm, step, write the masters back. Returns (stepped, grad_norm); (False, inf) when skipped."""
+    def _unscaled_grads(self) -> list[torch.Tensor]:
+        """The start of both forms of the step: earlier verdicts settled, the gradient sync finished, the
+        gradients unscaled (fp16)."""
         self.settle_steps()
         self._sync_grads()
         grads = self._grads()
         if isinstance(self.scaler, DynamicGradScaler) and grads:
             torch._foreach_mul_(grads, 1.0 / self.scaler.scale)
+        return grads
+
+    def host_decided_step(self) -> tuple[bool, float]:
+        """Finish the gradient sync, unscale, skip on inf/nan (any rank, every rank alike), clip by the
+        global norm, step, write the masters back, the host deciding from the norm it reads before the update.
+        Returns (stepped, grad_norm); (False, inf) when skipped."""
+        grads = self._unscaled_grads()
         # The global sum of squares is non-finite iff some rank's gradients hold an inf/nan (or the sum
         # overflowed): reading it is the overflow decision too, the step's one host sync.
-        if self._skips_on_device():
-            return self._device_decided_step(grads, self._sum_over_norm_groups(self._sumsq()))
         global_sumsq = float(self._sum_over_norm_groups(self._sumsq()).item())
         found_inf = not math.isfinite(global_sumsq)
         norm = float("inf") if found_inf else math.sqrt(global_sumsq)
@@ -144,6 +163,12 @@ class GlobalNormOptimizer:
         self._update(norm)
         self._drop_grads()
         return True, norm
+
+    def device_decided_step(self) -> "StepVerdict":
+        """The same step with the skip and the clip decided on the device (`_device_decided_step`): for an
+        optimizer whose every update takes a device flag (`_update_on_device`: fused AdamW's `found_inf`)."""
+        grads = self._unscaled_grads()
+        return self._device_decided_step(grads, self._sum_over_norm_groups(self._sumsq()))
 
     def _device_decided_step(self, grads: list[torch.Tensor], sumsq: torch.Tensor) -> tuple[bool, float]:
         """The same step with the skip and the clip decided on the device: the clip coefficient is a tensor
@@ -209,10 +234,6 @@ class GlobalNormOptimizer:
             self._clip_numerator_cache = cached
         return cached[1]
 
-    def _skips_on_device(self) -> bool:
-        """Whether `_update_on_device` can skip on a device flag (every AdamW fused); else the host decides."""
-        return False
-
     def _update_on_device(self, found_inf: torch.Tensor) -> None:
         """`_update`, skipped inside the kernels where `found_inf` is 1."""
         raise NotImplementedError
@@ -263,9 +284,8 @@ class GlobalNormOptimizer:
 
     def set_lr(self, lr: float) -> None:
         self.lr = float(lr)
-        muon = getattr(self, "muon", None)  # Muon's own lr follows the schedule by the same factor
-        if muon is not None:
-            muon.lr_scale = self.lr / self.config.lr if self.config.lr else 1.0
+        if self.muon is not None:  # Muon's own lr follows the schedule by the same factor
+            self.muon.lr_scale = self.lr / self.config.lr if self.config.lr else 1.0
         for opt in self._adamws():
             for g in opt.param_groups:
                 g["lr"] = self.lr
@@ -277,21 +297,13 @@ class GlobalNormOptimizer:
         raise NotImplementedError
 
     def _moment_bytes(self) -> int:
-        """Bytes of this rank's Adam moments (the local shards of DTensors; `step` counters excluded)."""
-        total = 0
-        for opt in self._adamws():
-            for st in opt.state.values():
-                for k, v in st.items():
-                    if torch.is_tensor(v) and k != "step":
-                        loc = v.to_local() if isinstance(v, DTensor) else v
-                        total += loc.numel() * loc.element_size()
-        return total
+        return moment_bytes(self._adamws())
 
-    def _scaling_state(self) -> dict:
+    def scaling_state(self) -> dict:
         return {"lr": self.lr, "scaler": self.scaler.state_dict(),
                 "prev_grad_norm": -1.0 if self.prev_grad_norm is None else float(self.prev_grad_norm)}
 
-    def _load_scaling_state(self, sd: dict) -> None:
+    def load_scaling_state(self, sd: dict) -> None:
         self.scaler.load_state_dict(sd["scaler"])
         self.set_lr(float(sd["lr"]))
         pg = float(sd["prev_grad_norm"])

@@ -39,7 +39,7 @@ from utils import comm
 class DistributedOptimizer(MixedPrecisionOptimizer):
     sharded = True
 
-    def __init__(self, ddp, config: OptimizerConfig, norm_groups: Sequence = ()):
+    def __init__(self, ddp, config: OptimizerConfig, norm_groups: Sequence = (), *, path: Optional[str] = None):
         if not ddp.config.use_distributed_optimizer:
             # Trap 7 in reverse: a sharded optimizer needs DDP's buckets sharded too (padding,
             # reduce-scatter). Fail loudly instead of silently all-reducing.
@@ -49,7 +49,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         self._orphan_buckets: list[int] = []
         self._grad_shards: dict[int, torch.Tensor] = {}  # ZeRO-2: bucket index -> owned fp32 grads
         self.param_gather_bytes = 0  # payload bytes of parameter all-gathers (cumulative)
-        super().__init__(ddp, config, norm_groups)
+        super().__init__(ddp, config, norm_groups, path=path)
         self._gather_order = self._static_gather_order()
         if self.zero_stage == 2:
             self._slot_start = {(b.index, id(s.param)): s.start for b in ddp.buckets for s in b.slots}
@@ -73,7 +73,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         fp32 shard stores of non-fp32 grads; ZeRO-2: the owned shards of reduced buckets).
         `ddp.grad_buffer_bytes() + opt.grad_store_bytes()` is all the gradient memory of a rank."""
         stores = sum(fb.grad_store.numel() * fb.grad_store.element_size()
-                     for fb in self._flat.values() if fb.grad_store is not None)
+                     for fb in self.flat_buckets.values() if fb.grad_store is not None)
         return stores + sum(t.numel() * t.element_size() for t in self._grad_shards.values())
 
     # ---------------------------------------------------------------- ZeRO-2 gradient release
@@ -86,9 +86,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         self._grad_shards[bucket.index] = bucket.grad_data[lo:hi].to(torch.float32, copy=True)
         bucket.release_grad_storage()
 
-    def _load_grads(self, pieces) -> None:
+    def load_grads(self, pieces) -> None:
         if self.zero_stage != 2:
-            return super()._load_grads(pieces)
+            return super().load_grads(pieces)
         for pc in pieces:
             bucket = self.ddp.buckets[pc.bucket_index]
             shard = self._grad_shards.get(pc.bucket_index)
@@ -101,17 +101,17 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         super()._drop_grads()
         self._grad_shards.clear()  # ZeRO-2 holds no gradient memory between steps
 
-    def _reduce_sumsq(self, sumsq: torch.Tensor) -> torch.Tensor:
+    def reduce_sumsq(self, sumsq: torch.Tensor) -> torch.Tensor:
         sumsq = sumsq.detach().clone().reshape(1)
         comm.all_reduce_sum_blocking(sumsq, self.group, self.world_size)
         return sumsq
 
-    def _after_grads_loaded(self) -> None:
+    def after_grads_loaded(self) -> None:
         if self.zero_stage == 2:
             for buf in self.ddp.buffers_:
                 buf.release_grad_storage()
 
-    def _after_step(self, bucket_indices: list[int]) -> None:
+    def after_step(self, bucket_indices: list[int]) -> None:
         for idx in self._ordered(bucket_indices):
             self._gather_bucket(idx)
         if not self.config.overlap_param_gather:
@@ -150,7 +150,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             h.wait()
         self._gather_handles.clear()
 
-    def _after_load(self) -> None:
+    def after_load(self) -> None:
         for idx in range(len(self.ddp.buckets)):
             self._gather_bucket(idx)
         self.finish_param_sync()

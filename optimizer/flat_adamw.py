@@ -10,8 +10,9 @@ master, moments and a decay flag, and writes master, moments and the bf16 parame
 instead of 42, and one launch whatever the model size. In one process with the gradients read from the
 parameters (`ParamGrads`) it is 28: the bf16 gradient (2), the fp32 master read and written (8), the moments (16),
 the bf16 parameter (2), the decay flag read once per block; 20 with bf16 moments (--optimizer_state_dtype=bf16,
-below). The clip coefficient and the overflow skip are read from the squared norm on the device (no host decision
-before the launch); a non-finite norm writes nothing.
+rounded stochastically: `_round_bf16_stochastic` here, its torch side optimizer/bf16_rounding.py). The clip
+coefficient and the overflow skip are read from the squared norm on the device (no host decision before the
+launch); a non-finite norm writes nothing.
 
 The math is torch's AdamW (decoupled weight decay), in fp32: p -= lr*wd*p (decayed elements);
 m = b1*m + (1-b1)*g; v = b2*v + (1-b2)*g*g; p -= (lr/bc1) * m / (sqrt(v)/sqrt(bc2) + eps), with
@@ -24,8 +25,8 @@ ZeRO-1's form (`adamw_segments`, `sumsq_segments`): a rank's shards are ranges s
 masters, moments and decay flags are kept one after another, and a row table (built once) gives each program its
 block's compact and buffer offsets, so one launch still covers every shard.
 
-Owns: the kernels, their reference and the launches. Must never: write anything when the norm is non-finite, or
-read a value back to the host.
+Owns: the kernels, their reference and the launches (the step path that calls them: optimizer/one_launch_step.py).
+Must never: write anything when the norm is non-finite, or read a value back to the host.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from typing import NamedTuple
 
 import torch
 
+from optimizer.bf16_rounding import bf16_round_stochastic, state_seeds
 from utils.device import to_device
 
 try:  # optional: CUDA machines have it; the CPU runs it only in the interpreter (tests)
@@ -259,65 +261,6 @@ if TRITON_AVAILABLE:
             g = tl.load(gp + o0 + r, mask=r < cnt, other=0.0).to(tl.float32)
             acc += g * g
         tl.store(out_ptr + tl.program_id(0), tl.sum(acc, axis=0))
-
-
-# ------------------------------------------------------------------------------------------ bf16 moments
-# --optimizer_state_dtype=bf16: exp_avg and exp_avg_sq kept in bfloat16 (8 bytes a parameter less to keep, read and
-# write), stored with stochastic rounding so that small updates are not lost on average (rounded to nearest, a
-# second moment with beta2 = 0.999 stops moving: its per-step change is below half a bf16 step). DeepSeek-V3 keeps
-# its AdamW moments in bf16 the same way (arXiv:2412.19437, section 3.3.2). The random bits are a hash of each
-# element's buffer offset and the step, so every layout (unsharded, ZeRO-1, gradients on the parameters), every
-# device and a resumed run round alike. The torch side holds uint32 values in int64 tensors (no uint32 shifts on CPU).
-_U32 = 0xFFFFFFFF
-
-
-def _mul32_(x: torch.Tensor, c: int, tmp: torch.Tensor) -> torch.Tensor:
-    """x <- (x * c) mod 2^32, in place, for uint32 values held in int64 (c split into 16-bit halves: no product
-    overflows int64); `tmp`: scratch shaped like x."""
-    torch.mul(x, c >> 16, out=tmp)
-    tmp.bitwise_and_(0xFFFF).bitwise_left_shift_(16)
-    return x.mul_(c & 0xFFFF).add_(tmp).bitwise_and_(_U32)
-
-
-# lowbias32's rounds (shift, multiplier): x ^= x >> shift; x *= multiplier (mod 2^32); then x ^= x >> 16
-_HASH_ROUNDS = ((16, 0x7FEB352D), (15, 0x846CA68B))
-
-
-def _hash32_(x: torch.Tensor) -> torch.Tensor:
-    """The kernels' `_hash32` (lowbias32), in place, on uint32 values held in an int64 tensor."""
-    t = torch.empty_like(x)
-    for shift, mul in _HASH_ROUNDS:
-        torch.bitwise_right_shift(x, shift, out=t)
-        x.bitwise_xor_(t)
-        _mul32_(x, mul, t)
-    torch.bitwise_right_shift(x, 16, out=t)
-    return x.bitwise_xor_(t)
-
-
-def hash32(x: int) -> int:
-    """The same hash of one uint32 value, in Python ints (the seeds: no tensor, so nothing read back from one)."""
-    x &= _U32
-    for shift, mul in _HASH_ROUNDS:
-        x = ((x ^ (x >> shift)) * mul) & _U32
-    return x ^ (x >> 16)
-
-
-def state_seeds(step: int, salt: int) -> tuple[int, int]:
-    """Step `step`'s two seeds (exp_avg's, exp_avg_sq's) for the moments' stochastic rounding in buffer `salt`:
-    31-bit (a kernel's int argument stays int32)."""
-    base = hash32(((step & _U32) * 0x9E3779B1 ^ (salt & _U32) * 0x85EBCA77) & _U32)
-    return hash32(base ^ 1) & 0x7FFFFFFF, hash32(base ^ 2) & 0x7FFFFFFF
-
-
-def bf16_round_stochastic(x: torch.Tensor, idx: torch.Tensor, seed: int) -> torch.Tensor:
-    """The kernels' `_round_bf16_stochastic` in torch ops: fp32 `x` to bfloat16, rounded up with probability equal
-    to the dropped 16 bits / 2^16, the random bits `hash32(idx ^ seed)` of the int64 offsets `idx` (low 32 bits).
-    In place on its own temporaries (the CPU's AdamW step calls it on cache-sized chunks)."""
-    r = _hash32_(idx.bitwise_and(_U32).bitwise_xor_(seed)).bitwise_and_(0xFFFF)
-    bits = x.float().contiguous().view(torch.int32).to(torch.int64)
-    # the uint32 pattern plus r, wrapped to 32 bits as the kernel's, then its top 16 bits: the bf16 pattern
-    bits.bitwise_and_(_U32).add_(r).bitwise_and_(_U32).bitwise_right_shift_(16)
-    return bits.sub_((bits >= 2 ** 15).to(torch.int64) << 16).to(torch.int16).view(torch.bfloat16)
 
 
 def _state_dtype_flag(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> bool:

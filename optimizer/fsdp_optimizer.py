@@ -125,9 +125,10 @@ class FSDPOptimizer(GlobalNormOptimizer):
     @torch.no_grad()
     def step(self) -> tuple[bool, float]:
         """Unscale, skip on inf/nan (decided from the all-reduced norm, so every rank agrees), clip by
-        the global norm, AdamW on the shards. Returns (stepped, grad_norm); (False, inf) when skipped.
+        the global norm, AdamW (and Muon) on the shards, the host deciding (DTensorMuon and the CPU's single-tensor
+        AdamW take no device flag). Returns (stepped, grad_norm); (False, inf) when skipped.
         (finish_param_sync is the base's no-op: FSDP gathers parameters in its own forward hooks.)"""
-        return self.global_norm_step()
+        return self.host_decided_step()
 
     # ------------------------------------------------------------------ the skeleton's hooks
     def _adamws(self) -> list[torch.optim.AdamW]:
@@ -203,7 +204,7 @@ class FSDPOptimizer(GlobalNormOptimizer):
             # laid out like their parameters, re-sharded by DCP like the moments
             adamw.update({MUON_KEY + n: m for n, m in self.muon.momentum.items()})
             adamw[MUON_STEPS_KEY] = torch.tensor(float(self.muon.steps))
-        return {"format": STATE_FORMAT, "engine": "fsdp", "world_size": self.world_size, **self._scaling_state(),
+        return {"format": STATE_FORMAT, "engine": "fsdp", "world_size": self.world_size, **self.scaling_state(),
                 "adamw": adamw}
 
     def load_state_dict(self, sd: dict) -> None:
@@ -232,7 +233,7 @@ class FSDPOptimizer(GlobalNormOptimizer):
                     if saved_muon[name] is not m:  # DCP loads into the template's own DTensors in place
                         m.copy_(saved_muon[name])
             self.muon.steps = int(float(saved_steps))
-        self._load_scaling_state(sd)
+        self.load_scaling_state(sd)
 
     def _group_of(self, flat_key: str) -> dict:
         fqn = flat_key[len("param_groups."):].rsplit(".", 1)[0]

@@ -97,9 +97,13 @@ class MuonMatrix:
 
 
 class MuonState:
-    """Muon over the optimizer's pieces of the Muon matrices. `sharded`: the pieces are flat ZeRO shards
-    (orthogonalised through the all-to-alls above); otherwise each piece is a whole matrix, which every rank
-    orthogonalises itself (plain DDP: each holds the whole reduced gradient; no communication)."""
+    """Muon over the optimizer's pieces of the Muon matrices: an update of our DDP's optimizers beside AdamW's
+    (optimizer/adamw.py BucketAdamW), with the same small interface (step, state_bytes, a piece's state).
+    `sharded`: the pieces are flat ZeRO shards (orthogonalised through the all-to-alls above); otherwise each piece
+    is a whole matrix, which every rank orthogonalises itself (plain DDP: each holds the whole reduced gradient; no
+    communication)."""
+    state_keys = ("momentum",)
+    skips_on_device = False  # no found_inf input: with Muon the host decides (one host read, before the update)
 
     def __init__(self, ddp, pieces: list, config, *, sharded: bool, group, rank: int, world_size: int):
         self.config, self.sharded = config, sharded
@@ -152,8 +156,11 @@ class MuonState:
 
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
-    def step(self) -> None:
-        """One Muon step on the (already unscaled and clipped) gradients in each piece's `main.grad`."""
+    def step(self, found_inf: Optional[torch.Tensor] = None) -> None:
+        """One Muon step on the (already unscaled and clipped) gradients in each piece's `main.grad`; never with a
+        device flag (`skips_on_device`)."""
+        if found_inf is not None:
+            raise RuntimeError("Muon cannot skip a step on a device flag: its optimizer decides on the host")
         cfg, mu = self.config, self.config.muon_momentum
         updates: dict[int, torch.Tensor] = {}
         for i, m in enumerate(self.matrices):
@@ -225,6 +232,19 @@ class MuonState:
             if m.piece is piece:
                 return m.momentum
         return None
+
+    def piece_state(self, piece, own) -> dict:
+        return {"momentum": own(self.momentum_of(piece)), "step": float(self.steps)}
+
+    def begin_load(self) -> None:
+        pass
+
+    def load_piece(self, piece, parts: dict, step: float) -> None:
+        self.momentum_of(piece).copy_(parts["momentum"])
+        self.steps = int(step)
+
+    def end_load(self) -> None:
+        pass
 
 
 class DTensorMuon:

@@ -34,6 +34,14 @@ class OptimizerConfig:
     # AdamW's moments (exp_avg, exp_avg_sq): "fp32", or "bf16" (stochastic rounding; the one-launch AdamW only:
     # optimizer/flat_adamw.py says why and how)
     state_dtype: str = "fp32"
+    # Not trainer flags: where the one-launch AdamW (optimizer/one_launch_step.py) steps a run of our DDP. "auto": on
+    # CUDA with Triton; "on": anywhere it can (a CPU runs the kernel's torch reference: tests; a command's run gets
+    # it from MYLLM_FLAT_ADAMW, read by build_optimizer: the kill trials); "off": never (bench/bench_model_gpu.py's
+    # ours-torchadam row, the A/B of the kernel)
+    one_launch: str = "auto"
+    # one process, one micro-batch a step: the one-launch AdamW reads the gradients from the parameters; False keeps
+    # them in DDP's buffers (bench/bench_model_gpu.py's ours-gradbuf row, the A/B of that)
+    grads_on_params: bool = True
 
     def __post_init__(self) -> None:
         if self.precision not in ("fp32", "bf16", "fp16"):
@@ -62,6 +70,8 @@ class OptimizerConfig:
             if unsupported:
                 raise ValueError(f"state_dtype=bf16 (the one-launch AdamW's bf16 moments) cannot be combined with "
                                  f"{', '.join(f'{k}={v}' for k, v in unsupported)}")
+        if self.one_launch not in ("auto", "on", "off"):
+            raise ValueError(f"one_launch must be auto, on or off, got {self.one_launch!r}")
         if self.grad_clip < 0:
             raise ValueError("grad_clip must be >= 0")
         self.betas = (float(self.betas[0]), float(self.betas[1]))

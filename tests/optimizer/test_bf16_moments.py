@@ -66,7 +66,7 @@ def test_the_kernels_rounding_is_its_torch_twin_bit_for_bit():
         assert bool(((twin.float() - x).abs() <= _bf16_step(lo)).all())
         assert torch.equal(twin[2:3], x[2:3].to(torch.bfloat16))  # an exact bf16 value is kept
     # the seeds' hash (Python ints) is the offsets' (int64 tensors)
-    from optimizer.flat_adamw import _hash32_, hash32
+    from optimizer.bf16_rounding import _hash32_, hash32
     values = [0, 1, 2 ** 31 + 7, 2 ** 32 - 1, *state_seeds(9, 2)]
     assert [hash32(v) for v in values] == _hash32_(torch.tensor(values, dtype=torch.int64)).tolist()
 
@@ -257,7 +257,7 @@ def test_an_optimizer_that_cannot_step_bf16_moments_says_why(monkeypatch):
     from optimizer import OptimizerConfig
     from optimizer.fsdp_optimizer import fsdp_optimizer_problems
     monkeypatch.setenv("MYLLM_FLAT_ADAMW", "off")
-    with pytest.raises(ValueError, match="cannot step this run: MYLLM_FLAT_ADAMW=off"):
+    with pytest.raises(ValueError, match=r"cannot step this run: one_launch=off \(MYLLM_FLAT_ADAMW=off\)"):
         _engine(None, monkeypatch, optimizer_state_dtype="bf16")
     with pytest.raises(ValueError, match="cannot be combined with optimizer=muon"):
         OptimizerConfig(state_dtype="bf16", optimizer="muon")
@@ -310,7 +310,7 @@ def test_bf16_moments_never_hand_over_to_torchs_adamw(monkeypatch, how):
     """With fp32 moments a kernel that cannot be built, or a comm hook registered later, hands the run to torch's
     fused AdamW (tests/optimizer/test_grads_on_params.py). torch's AdamW has no bf16 moments, so here the step stops
     with the reason, and nothing was updated."""
-    import optimizer.mixed_precision_optimizer as mpo
+    import optimizer.one_launch_step as ols
     from parallel.comm_hooks import bf16_compress_wrapper, allreduce_hook
     e = _engine("on", monkeypatch, optimizer_state_dtype="bf16", grads_on_params="auto")
     e.optimizer.flat.use_triton = False
@@ -319,7 +319,7 @@ def test_bf16_moments_never_hand_over_to_torchs_adamw(monkeypatch, how):
     if how == "kernel-fails":
         def broken(*a, **k):
             raise RuntimeError("no kernel here")
-        monkeypatch.setattr(mpo, "adamw_flat", broken)
+        monkeypatch.setattr(ols, "adamw_flat", broken)
         match = "no kernel here"
     else:
         e.model.register_comm_hook(None, bf16_compress_wrapper(allreduce_hook))

@@ -24,16 +24,11 @@ def _run(dtype, zero_stage, on_device: bool, batched: bool = True, device: str =
     cfg = OptimizerConfig(precision="fp16" if dtype == torch.float16 else "bf16", fused=True, lr=1e-2,
                           grad_clip=0.05, initial_loss_scale=256.0, hysteresis=1, loss_scale_growth_interval=2,
                           use_distributed_optimizer=zero, zero_stage=max(zero_stage, 1))
-    from optimizer.mixed_precision_optimizer import MixedPrecisionOptimizer
-    saved, MixedPrecisionOptimizer.flat_adamw = MixedPrecisionOptimizer.flat_adamw, "off"  # torch's fused AdamW
-    try:  # (a CUDA run would otherwise take the one-launch path, optimizer/flat_adamw.py, tested on its own)
-        opt = build_optimizer(ddp, cfg)
-    finally:
-        MixedPrecisionOptimizer.flat_adamw = saved
-    opt.skip_on_device = on_device
-    opt.batch_adamw_steps = batched
+    # torch's fused AdamW, by the path named (a CUDA run would otherwise take the one-launch path, tested on its own)
+    opt = build_optimizer(ddp, cfg, path="device_decided" if on_device else "host_decided")
+    opt.adamw.batched = batched
     assert len(opt.optimizers) >= 3  # several buckets: the batched step spans them
-    assert opt._skips_on_device() == on_device
+    assert opt.path.name == ("device_decided" if on_device else "host_decided")
     g = torch.Generator().manual_seed(3)
     results = []
     for step in range(7):

@@ -1,10 +1,12 @@
-"""optimizer/flat_adamw.py and its use by MixedPrecisionOptimizer: AdamW over a whole DDP buffer in one launch.
+"""optimizer/flat_adamw.py and its step path (optimizer/one_launch_step.py): AdamW over a whole DDP buffer in one
+launch.
 
 The kernel runs here in the Triton interpreter (TRITON_INTERPRET=1, tests/conftest.py) and is compared with
 its torch reference and with torch.optim.AdamW + clip_grad_norm_, all within float32's own error against a
 float64 run of the same formula. The optimizer's wiring (masters, moments as views, decay mask, step count,
 skip, state dicts, op count) is checked through a real engine with the path forced on; on CUDA it is the
-default (`flat_adamw = "auto"`), checked by the GPU test at the end against torch's fused AdamW.
+default (`OptimizerConfig.one_launch = "auto"`, optimizer/one_launch_step.py), checked by the GPU test
+at the end against torch's fused AdamW.
 """
 from __future__ import annotations
 
@@ -78,27 +80,31 @@ def test_a_non_finite_norm_writes_nothing(use_triton):
 
 
 # ------------------------------------------------------------------------------------------ in the optimizer
-def _engine(flat: str, monkeypatch, dtype="bf16", grads_on_params="off", **flags):
-    """A 2-layer engine with the one-launch AdamW `flat` (auto | on | off); its gradients in DDP's buffers
-    (grads_on_params="off": what these tests check) or, where they can, on the parameters ("auto": the default of
-    one process with one micro-batch a step, tests/optimizer/test_grads_on_params.py)."""
-    import dataclasses
-
+def _engine(flat, monkeypatch, dtype="bf16", grads_on_params="off", **flags):
+    """A 2-layer engine with the one-launch AdamW `flat` (OptimizerConfig.one_launch: auto | on | off; None: the
+    config's default, so MYLLM_FLAT_ADAMW applies); its gradients in DDP's buffers (grads_on_params="off": what
+    these tests check) or, where they can, on the parameters ("auto": the default of one process with one
+    micro-batch a step, tests/optimizer/test_grads_on_params.py)."""
     from model import ModelConfig, Transformer
-    from optimizer.mixed_precision_optimizer import MixedPrecisionOptimizer
-    from parallel import build
     from parallel.build import build_engine
     from trainer.config import TrainConfig
-    monkeypatch.setattr(MixedPrecisionOptimizer, "flat_adamw", flat)
-    monkeypatch.setattr(MixedPrecisionOptimizer, "grads_on_params", grads_on_params)
-    real = build.optimizer_config
-    monkeypatch.setattr(build, "optimizer_config", lambda f: dataclasses.replace(real(f), fused=True))
+    _optimizer_fields(monkeypatch, fused=True, grads_on_params=grads_on_params == "auto",
+                      **({} if flat is None else {"one_launch": flat}))
     torch.manual_seed(0)
     model = Transformer(ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=16,
                                     max_seq_len=16))
     cfg = TrainConfig(**{**dict(device="cpu", dtype=dtype, learning_rate=1e-2, grad_clip=0.5, weight_decay=0.1,
                                 bucket_size=3000), **flags})
     return build_engine(model, cfg, device=torch.device("cpu"))
+
+
+def _optimizer_fields(monkeypatch, **fields):
+    """The engines parallel.build builds from here on get their OptimizerConfig with `fields` over the flags'."""
+    import dataclasses
+
+    from parallel import build
+    real = build.optimizer_config
+    monkeypatch.setattr(build, "optimizer_config", lambda f: dataclasses.replace(real(f), **fields))
 
 
 def _steps(engine, n, seed=0, poison_at=None, step=None):
@@ -209,7 +215,7 @@ def test_resume_skip_and_a_constant_number_of_launches(monkeypatch):
         _steps(e, 1)
         _zero_batch_backward(e)
         kernels = []  # the kernel's launches, counted apart (the interpreter runs many torch ops inside one)
-        monkeypatch.setattr("optimizer.mixed_precision_optimizer.adamw_flat", lambda *a, **k: kernels.append(1))
+        monkeypatch.setattr("optimizer.one_launch_step.adamw_flat", lambda *a, **k: kernels.append(1))
         with CountLaunches() as launches:
             e.optimizer.step()
         monkeypatch.undo()
@@ -222,20 +228,14 @@ def test_zero1_step_is_a_few_ops_for_any_model_size(monkeypatch):
     """ZeRO-1 with the one-launch step: the shards' sum of squares (its two launches counted as such), the
     norm's all-reduce copy, the kernel, the host copy, and the parameter all-gathers (none at world 1): the same
     count for 2 layers in 2 buckets and 4 layers in many."""
-    import dataclasses
-
-    import optimizer.mixed_precision_optimizer as mpo
+    import optimizer.one_launch_step as ols
     from model import ModelConfig, Transformer
-    from optimizer.mixed_precision_optimizer import MixedPrecisionOptimizer
-    from parallel import build
     from parallel.build import build_engine
     from tests.optimizer.test_step_launches import CountLaunches
     from trainer.config import TrainConfig
-    real = build.optimizer_config
     counts = []
     for layers, bucket in ((2, 3000), (4, 1500)):
-        monkeypatch.setattr(MixedPrecisionOptimizer, "flat_adamw", "on")
-        monkeypatch.setattr(build, "optimizer_config", lambda f: dataclasses.replace(real(f), fused=True))
+        _optimizer_fields(monkeypatch, fused=True, one_launch="on")
         torch.manual_seed(0)
         e = build_engine(Transformer(ModelConfig(vocab_size=64, dim=32, n_layers=layers, n_heads=4, n_kv_heads=2,
                                                  multiple_of=16, max_seq_len=16)),
@@ -245,8 +245,8 @@ def test_zero1_step_is_a_few_ops_for_any_model_size(monkeypatch):
         _steps(e, 1)
         _zero_batch_backward(e)
         kernels = []
-        monkeypatch.setattr(mpo, "adamw_segments", lambda *a, **k: kernels.append(1))
-        monkeypatch.setattr(mpo, "sumsq_segments", lambda g, segs, t: kernels.extend((1, 1)) or torch.ones(()))
+        monkeypatch.setattr(ols, "adamw_segments", lambda *a, **k: kernels.append(1))
+        monkeypatch.setattr(ols, "sumsq_segments", lambda g, segs, t: kernels.extend((1, 1)) or torch.ones(()))
         with CountLaunches() as launches:
             e.optimizer.step()
         monkeypatch.undo()
@@ -317,14 +317,17 @@ def test_cuda_default_is_one_launch_and_follows_torchs_fused_adamw(zero):
     master rounded to bf16, written by the kernel. zero1: the same through ZeRO-1's kernel over the rank's
     shards (at world 1 the whole buffer, cut into the row table). ddp: one process, one micro-batch a step, so
     the gradients stay on the parameters (the kernel reads them at their addresses)."""
+    import dataclasses
+
     from model import ModelConfig, Transformer
-    from optimizer.mixed_precision_optimizer import MixedPrecisionOptimizer
+    from parallel import build
     from parallel.build import build_engine
     from trainer.config import TrainConfig
     device = torch.device("cuda")
+    real = build.optimizer_config
 
     def engine(flat, dtype):
-        MixedPrecisionOptimizer.flat_adamw = flat
+        build.optimizer_config = lambda f: dataclasses.replace(real(f), one_launch=flat)
         try:
             torch.manual_seed(0)
             model = Transformer(ModelConfig(vocab_size=256, dim=128, n_layers=2, n_heads=4, max_seq_len=64))
@@ -332,7 +335,7 @@ def test_cuda_default_is_one_launch_and_follows_torchs_fused_adamw(zero):
                                                               learning_rate=1e-2, bucket_size=20000,
                                                               use_distributed_optimizer=zero), device=device)
         finally:
-            MixedPrecisionOptimizer.flat_adamw = None
+            build.optimizer_config = real
 
     def backward(e, x):
         e.optimizer.zero_grad()
@@ -379,7 +382,7 @@ def test_a_kernel_that_cannot_be_built_falls_back_to_torchs_adamw_once(monkeypat
     """A first launch that raises (no writes yet) is logged once and the step is torch's fused AdamW's, from then
     on; the same error after a launch succeeded is raised (never a half-applied step, never a silent switch).
     bf16 gradient buffers: the kernel read them in place; torch's AdamW gets its fp32 copies from the hand-over."""
-    import optimizer.mixed_precision_optimizer as mpo
+    import optimizer.one_launch_step as mpo
     calls = []
 
     def broken(*a, **k):
@@ -387,13 +390,13 @@ def test_a_kernel_that_cannot_be_built_falls_back_to_torchs_adamw_once(monkeypat
         raise RuntimeError("no kernel here")
     flat = _engine("on", monkeypatch, grad_reduce_in_fp32=fp32_grads)
     ref = _engine("off", monkeypatch, grad_reduce_in_fp32=fp32_grads)
-    assert all(fb.grad_store is None for fb in flat.optimizer._flat.values())
-    assert all((fb.grad_store is None) == fp32_grads for fb in ref.optimizer._flat.values())
+    assert all(fb.grad_store is None for fb in flat.optimizer.flat_buckets.values())
+    assert all((fb.grad_store is None) == fp32_grads for fb in ref.optimizer.flat_buckets.values())
     monkeypatch.setattr(mpo, "adamw_flat", broken)
-    with caplog.at_level("WARNING", logger="optimizer.mixed_precision_optimizer"):
+    with caplog.at_level("WARNING", logger="optimizer.one_launch_step"):
         rf, rr = _steps(flat, 2), _steps(ref, 2)
     assert calls == [1] and flat.optimizer.flat is None and "one-launch AdamW off" in caplog.text
-    assert all((fb.grad_store is None) == fp32_grads for fb in flat.optimizer._flat.values())
+    assert all((fb.grad_store is None) == fp32_grads for fb in flat.optimizer.flat_buckets.values())
     assert rf == rr and all(torch.equal(a, b) for a, b in zip(_params(flat).values(), _params(ref).values()))
     again = _engine("on", monkeypatch)
     monkeypatch.setattr(mpo, "adamw_flat", lambda *a, **k: None)
@@ -531,19 +534,14 @@ def test_the_kernels_are_told_aligned_only_where_every_row_and_gradient_address_
 
 def _zero_engine(flat: str, dtype=torch.bfloat16, fp32_grads=True, zero=True, state_dtype="fp32", grad_clip=0.5):
     from optimizer import OptimizerConfig, build_optimizer
-    from optimizer.mixed_precision_optimizer import MixedPrecisionOptimizer
     from parallel import DDPConfig, DistributedDataParallel
     from tests.optimizer.test_optimizer import _net
     m = _net(dtype)
     ddp = DistributedDataParallel(m, DDPConfig(use_distributed_optimizer=zero, pad_alignment=1, param_alignment=1,
                                                bucket_size=40, grad_reduce_in_fp32=fp32_grads))  # as the trainer
-    MixedPrecisionOptimizer.flat_adamw = flat
-    try:
-        opt = build_optimizer(ddp, OptimizerConfig(precision="bf16" if dtype == torch.bfloat16 else "fp32",
-                                                   use_distributed_optimizer=zero, lr=1e-2, weight_decay=0.1,
-                                                   grad_clip=grad_clip, state_dtype=state_dtype))
-    finally:
-        MixedPrecisionOptimizer.flat_adamw = None
+    opt = build_optimizer(ddp, OptimizerConfig(precision="bf16" if dtype == torch.bfloat16 else "fp32",
+                                               use_distributed_optimizer=zero, lr=1e-2, weight_decay=0.1,
+                                               grad_clip=grad_clip, state_dtype=state_dtype, one_launch=flat))
     return m, ddp, opt
 
 
@@ -563,7 +561,7 @@ def _zero_worker(rank, ws, d):
         m_off, ddp_off, opt_off = _zero_engine("off", dtype, fp32_grads, zero)
         out[f"{name}_flat"] = opt_on.flat is not None and opt_off.flat is None
         # the kernel reads bf16 gradients where they are; torch's AdamW gets fp32 copies
-        stores = [[fb.grad_store is not None for fb in o._flat.values()] for o in (opt_on, opt_off)]
+        stores = [[fb.grad_store is not None for fb in o.flat_buckets.values()] for o in (opt_on, opt_off)]
         out[f"{name}_stores"] = (any(stores[0]), all(stores[1]))
         out[f"{name}_triton"] = opt_on.flat.use_triton
         out[f"{name}_split"] = any(pc.lo > 0 or pc.hi < pc.param.numel() for pc in opt_on.pieces) or not zero

@@ -94,19 +94,15 @@ class _TwoLayers(nn.Module):
 
 def _direct(mode, dtype):
     from optimizer import OptimizerConfig, build_optimizer
-    from optimizer.mixed_precision_optimizer import MixedPrecisionOptimizer
     from parallel.distributed_data_parallel import DDPConfig, DistributedDataParallel
     torch.manual_seed(0)
     model = _TwoLayers().to(dtype)
     ddp = DistributedDataParallel(model, DDPConfig(grad_reduce_in_fp32=True, bucket_size=100))
-    MixedPrecisionOptimizer.flat_adamw, MixedPrecisionOptimizer.grads_on_params = "on", mode
-    try:
-        opt = build_optimizer(ddp, OptimizerConfig(lr=1e-2, weight_decay=0.1, grad_clip=0.0, fused=True,
-                                                   precision="bf16" if dtype == torch.bfloat16 else "fp32"))
-        assert opt.flat is not None
-        assert opt.keep_grads_on_params() == (mode == "auto")
-    finally:
-        MixedPrecisionOptimizer.flat_adamw = MixedPrecisionOptimizer.grads_on_params = None
+    opt = build_optimizer(ddp, OptimizerConfig(lr=1e-2, weight_decay=0.1, grad_clip=0.0, fused=True,
+                                               precision="bf16" if dtype == torch.bfloat16 else "fp32",
+                                               one_launch="on", grads_on_params=mode == "auto"))
+    assert opt.flat is not None
+    assert opt.keep_grads_on_params() == (mode == "auto")
     return model, ddp, opt
 
 
@@ -163,7 +159,7 @@ def test_leaving_the_parameters_puts_this_steps_gradients_in_the_buffers(monkeyp
     update) that cannot be built at its first launch (torch's fused AdamW takes over, from this step's
     gradients), or a comm hook registered later (it reads the buckets). Either way the run continues as the
     buffer path's would."""
-    import optimizer.mixed_precision_optimizer as mpo
+    import optimizer.one_launch_step as mpo
     from parallel.comm_hooks import allreduce_hook
     fails = how.endswith("fails")
     if how in ("kernel-fails", "norm-kernel-fails") and not triton_runs_on(torch.device("cpu")):
@@ -186,7 +182,7 @@ def test_leaving_the_parameters_puts_this_steps_gradients_in_the_buffers(monkeyp
         _steps(ref, 1)
         on.model.register_comm_hook(None, allreduce_hook)  # the default hook, registered again: buffers back
         assert not on.model.grads_on_params and on.model.grad_buffer_bytes() > 0
-    with caplog.at_level(logging.WARNING, logger="optimizer.mixed_precision_optimizer"):
+    with caplog.at_level(logging.WARNING, logger="optimizer.one_launch_step"):
         ra, rb = _steps(on, 2), _steps(ref, 2)
     assert not on.model.grads_on_params and on.model.grad_buffer_bytes() == ref.model.grad_buffer_bytes()
     assert len(on.model._hook_removers) == len(on.model.param_to_bucket)
@@ -241,7 +237,7 @@ def test_the_bound_is_one_unit_in_the_last_place():
 def test_the_step_is_the_same_few_ops_for_any_model_size(monkeypatch):
     """The addresses' copy, the sum of squares (its two launches, counted as such), the kernel and the norm's host
     copy: the same count for 2 layers in 2 buckets and 4 layers in many."""
-    import optimizer.mixed_precision_optimizer as mpo
+    import optimizer.one_launch_step as mpo
     from model import ModelConfig, Transformer
     from parallel.build import build_engine
     from tests.optimizer.test_step_launches import CountLaunches

@@ -1,0 +1,129 @@
+"""The state dict of our DDP's optimizers (MixedPrecisionOptimizer, DistributedOptimizer): its format, its checks
+and the re-sharding on load.
+
+Format (STATE_FORMAT 1): {"format", "optimizer" ("adamw" | "muon"), "sharded", "world_size", "rank", "lr",
+"scaler", "prev_grad_norm", "params": {name: {"shape", "numel", "lo", "hi", "main", <the update's entries>,
+"step"}}}, every tensor flat over the piece's [lo, hi): AdamW's "exp_avg" / "exp_avg_sq" (fp32, or bf16 with
+--optimizer_state_dtype=bf16), Muon's "momentum". Tensors, ints, floats and strings only
+(torch.load(weights_only=True)). A piece's entries are its update's (optimizer/adamw.py BucketAdamW,
+optimizer/muon.py MuonState: `piece_state` / `load_piece`).
+Must never: load a state saved by another --optimizer, cast a saved tensor to another dtype than the one it is
+kept in (the moments excepted: fp32 <-> bf16, logged), or load a shard of a multi-rank run into another world
+without every rank's shard.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Union
+
+import torch
+
+STATE_FORMAT = 1
+log = logging.getLogger(__name__)
+
+
+def ddp_state_dict(opt, to_host: bool = True) -> dict:
+    """`opt.state_dict(to_host)` (optimizer/mixed_precision_optimizer.py says what to_host=False means)."""
+    opt.settle_steps()  # the step counts (a skip not read yet would be counted as a step)
+    opt.finish_param_sync()
+    own = (lambda t: t.cpu().clone()) if to_host else (lambda t: t)  # noqa: E731
+    params = {}
+    for pc in opt.pieces:
+        params[pc.name] = {"shape": list(pc.param.shape), "numel": pc.param.numel(), "lo": pc.lo, "hi": pc.hi,
+                           "main": own(pc.main.detach().reshape(-1).float()),
+                           **opt.update_of(pc).piece_state(pc, own)}
+    return {"format": STATE_FORMAT, "optimizer": opt.config.optimizer, "sharded": int(opt.sharded),
+            "world_size": opt.world_size, "rank": opt.rank, **opt.scaling_state(), "params": params}
+
+
+def _check_states(opt, sds: list[dict]) -> None:
+    """Refuse dicts that cannot fill this optimizer: another format or --optimizer, a missing rank, a shard
+    of another world."""
+    if not sds:
+        raise ValueError("empty optimizer state")
+    for sd in sds:
+        if sd is None:
+            raise ValueError("an optimizer state dict is missing (None): was a rank's optimizer file "
+                             "not found? A ZeRO run saves one per rank")
+        if sd.get("format") != STATE_FORMAT:
+            raise ValueError(f"unknown optimizer state format {sd.get('format')!r}")
+        saved_kind = sd.get("optimizer", "adamw")  # states older than --optimizer were AdamW's
+        if saved_kind != opt.config.optimizer:
+            raise ValueError(f"the checkpoint's optimizer state is {saved_kind}'s but this run has "
+                             f"--optimizer={opt.config.optimizer}: switching optimizers on resume is refused")
+    if len(sds) > 1:
+        shard_runs = {int(sd["world_size"]) for sd in sds if sd["sharded"]}
+        if len(shard_runs) > 1:
+            raise ValueError(f"the optimizer state dicts come from ZeRO runs of {sorted(shard_runs)} ranks; "
+                             "pass the dicts of one run")
+        for n in shard_runs:
+            ranks = {int(sd["rank"]) for sd in sds if sd["sharded"]}
+            missing = sorted(set(range(n)) - ranks)
+            if missing:
+                raise ValueError(f"rank {missing[0]} of {n} is missing from the optimizer state dicts "
+                                 f"(got ranks {sorted(ranks)}); pass every rank's state dict to re-shard")
+    # One shard of a multi-rank ZeRO run can't fill another world's shards; a 1-rank run's
+    # state (sharded or not) is complete and loads at any world size (1 -> N).
+    if len(sds) == 1 and sds[0]["sharded"] and int(sds[0]["world_size"]) not in (1, opt.world_size):
+        raise ValueError(
+            f"this sharded optimizer state is one rank of a world of {sds[0]['world_size']} ranks, "
+            f"but the current world has {opt.world_size}; pass the list of all "
+            f"{sds[0]['world_size']} ranks' state dicts to re-shard")
+
+
+def load_ddp_state_dict(opt, state: Union[dict, list[dict]]) -> None:
+    """`opt.load_state_dict(state)`: this rank's own dict, a complete one, or every rank's (re-sharding)."""
+    opt.settle_steps()  # a verdict read after the load would count its step into the loaded count
+    sds = [state] if isinstance(state, dict) or state is None else list(state)
+    _check_states(opt, sds)
+    saved: dict[str, list[dict]] = {}
+    for sd in sds:
+        for name, e in sd["params"].items():
+            saved.setdefault(name, []).append(e)
+    kept = torch.bfloat16 if opt.config.state_dtype == "bf16" else torch.float32
+    stored = {e["exp_avg"].dtype for es in saved.values() for e in es if torch.is_tensor(e.get("exp_avg"))}
+    if stored - {kept}:
+        log.info("optimizer state: AdamW moments saved as %s, kept as %s (--optimizer_state_dtype)%s",
+                 "/".join(sorted(str(d) for d in stored)), kept,
+                 ": rounded to nearest on load" if kept == torch.bfloat16 else ": widened exactly")
+    for update in opt.updates:
+        update.begin_load()
+    for pc in opt.pieces:
+        entries = saved.get(pc.name)
+        if not entries:
+            raise KeyError(f"optimizer state has no entry for parameter {pc.name!r}")
+        if list(entries[0]["shape"]) != list(pc.param.shape):
+            raise ValueError(f"{pc.name}: saved shape {entries[0]['shape']} != {list(pc.param.shape)}")
+        for e in entries:  # saved as fp32 (the moments: as kept, fp32 or bf16): another dtype is refused
+            for key in ("main", "exp_avg", "exp_avg_sq", "momentum"):
+                t = e.get(key)
+                ok = (torch.float32, torch.bfloat16) if key in ("exp_avg", "exp_avg_sq") else (torch.float32,)
+                if torch.is_tensor(t) and t.dtype not in ok:
+                    raise ValueError(f"{pc.name}: its {key} is saved as {t.dtype}, but this optimizer keeps "
+                                     f"{' or '.join(map(str, ok))} (and saves it so): refused rather than cast")
+        update = opt.update_of(pc)
+        parts = {k: _assemble(pc, entries, k) for k in ("main", *update.state_keys)}
+        step = max(float(e["step"]) for e in entries)
+        with torch.no_grad():
+            pc.main.view(-1).copy_(parts["main"])
+        update.load_piece(pc, parts, step)
+    for update in opt.updates:
+        update.end_load()
+    opt.copy_main_to_model(opt.pieces)
+    opt.after_load()
+    opt.load_scaling_state(sds[0])
+
+
+def _assemble(pc, entries: list[dict], key: str) -> torch.Tensor:
+    """The piece's [lo, hi) of `key`, from whichever saved ranges cover it."""
+    out = torch.empty(pc.hi - pc.lo, dtype=torch.float32, device=pc.main.device)
+    covered = 0
+    for e in entries:
+        s, t = max(pc.lo, e["lo"]), min(pc.hi, e["hi"])
+        if s < t:
+            out[s - pc.lo:t - pc.lo].copy_(e[key][s - e["lo"]:t - e["lo"]])
+            covered += t - s
+    if covered != pc.hi - pc.lo:
+        raise ValueError(f"{pc.name}: saved state covers {covered} of the {pc.hi - pc.lo} elements "
+                         f"[{pc.lo}, {pc.hi}) this rank needs; pass every rank's state dict")
+    return out
