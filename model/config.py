@@ -107,7 +107,8 @@ def read_model_config(ckpt_dir: str) -> ModelConfig:
     the config's own checks)."""
     import typing
 
-    from utils.checkpoint import CheckpointError, read_checkpoint_json
+    from utils.checkpoint_json import read_checkpoint_json
+    from utils.errors import CheckpointError
     from utils.checkpoint_layout import MODEL_CONFIG
     from utils.configurator import ConfigError, coerce_value
     from utils.errors import one_line
