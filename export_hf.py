@@ -8,7 +8,7 @@ unmerged and the adapters are written in the PEFT layout next to them instead, f
 adapters as PEFT `modules_to_save`, and the base is the run's frozen base (for a run that grew the
 vocabulary of a Hugging Face model, that model grown to the run's tokenizer: same vocabulary size,
 new rows as initialised, model/resize.py). Checkpoints of every engine export the same way: a
-pipeline-parallel run's stage files are merged into one model (parallel.checkpoint_io.checkpoint_model_state),
+pipeline-parallel run's stage files are merged into one model (checkpoint.weights.checkpoint_model_state),
 a sharded FSDP (DCP) one without LoRA is streamed: read and written one safetensors shard at a time
 (`--max_shard_gb`, HF's sharded layout with model.safetensors.index.json), never the whole model in memory. Importing goes the other way with
 `--init_from=<HF dir>` in train_my_ddp.py. Exit 2 for a bad flag or a --checkpoint that names nothing
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     problem = checkpoint_choice_problem(args.ckpt, args.checkpoint)  # names nothing: told before the torch import
     if problem:
         print(f"export_hf: {one_line(problem)}", file=sys.stderr)
-        return 2  # utils.checkpoint.selection_exit_code of the same choice
+        return 2  # checkpoint.verify.selection_exit_code of the same choice
     from utils.errors import report_named
     from utils.writable import UnwritableDirError, check_writable_dir
     try:  # where the export goes (`<out_dir>.tmp/` renamed into place): exit 2 before the checkpoint is read

@@ -6,7 +6,7 @@ it extends the model's own), `model_from_checkpoint` (a checkpoint of any engine
 as the run configured them), the LoRA base of a light checkpoint and its fingerprint check, and which
 parameters a run trains (`select_trainable_for`).
 Layer: beside the three commands, above `parallel/` (a checkpoint's weights are read through the
-engine that wrote them: parallel.checkpoint_io.checkpoint_model_state), so it is not in `model/`.
+engine that wrote them: checkpoint.weights.checkpoint_model_state), so it is not in `model/`.
 Must never: import the trainer, write anything, or start a process group.
 """
 from __future__ import annotations

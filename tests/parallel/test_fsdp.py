@@ -1,4 +1,4 @@
-"""FSDP2 engine (parallel/fsdp.py) and DCP sharded checkpoints (parallel/dcp_checkpoint.py), CPU + gloo.
+"""FSDP2 engine (parallel/fsdp.py) and DCP sharded checkpoints (checkpoint/dcp.py), CPU + gloo.
 
 One 4-process spawn does all the distributed work (a world of 4, a sub-group of ranks {0, 1} as a
 world of 2, a sub-group {0} as a world of 1; each FSDP mesh is built from its group) and rank 0
@@ -399,7 +399,7 @@ def test_dcp_layout_manifest_and_compat(results):
         for name, size in meta["files"].items():
             assert os.path.getsize(os.path.join(path, name)) == size
         assert check_dcp_checkpoint(path, check_hashes=True) is None
-        # utils/checkpoint.py accepts the directory as a complete checkpoint (pruning keeps it)
+        # checkpoint/verify.py accepts the directory as a complete checkpoint (pruning keeps it)
         assert verify_checkpoint(path) is None
         assert find_latest_valid(os.path.join(tmp, run), log=lambda m: None) == path
         # tensors only: nothing in the checkpoint is read through pickle except the allow-listed metadata

@@ -1,4 +1,4 @@
-"""utils/checkpoint.py: atomic layout, verification, skipping damaged checkpoints, pruning, RNG."""
+"""checkpoint/ (plain format, protocol, verify, rng): atomic layout, verification, skipping damaged checkpoints, pruning, RNG."""
 import os
 import random
 

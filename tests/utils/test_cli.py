@@ -175,7 +175,7 @@ def test_trainer_answers_mistakes_before_importing_torch(two_step_run, tmp_path,
 
 def test_sample_and_export_answer_bad_checkpoints_before_importing_torch(two_step_run, tmp_path, capsys):
     """A --checkpoint that names nothing, a --ckpt that is not there, --help: exit 2 (0) with the line
-    the full choice of checkpoint (utils.run_config.select_checkpoint + selection_exit_code) gives."""
+    the full choice of checkpoint (checkpoint.select.select_checkpoint + selection_exit_code) gives."""
     import sample
     from checkpoint.verify import selection_exit_code
     from utils.errors import CheckpointError, one_line
