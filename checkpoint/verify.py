@@ -1,5 +1,5 @@
-"""Which checkpoints of a run are whole: verification, finding the newest valid one, choosing one by name, and
-pruning to the last K (+ the best by validation loss).
+"""Which checkpoints of a run are whole: verification, finding the newest valid one (and the exit code of a choice
+that finds none), and pruning to the last K (+ the best by validation loss).
 
 Verification (`verify_checkpoint`) checks that COMPLETE is there, that manifest.json names only files of the
 directory, each with its size and sha256, that the JSON sidecars parse with the shape every reader relies on
@@ -63,7 +63,7 @@ def prune_checkpoints(out_dir: str, keep_last: int, keep_best: bool,
             shutil.rmtree(p, ignore_errors=True)
 
 
-# ---------------------------------------------------------------- loading
+# ---------------------------------------------------------------- verification
 
 # Checkpoints this process has verified (or written), by path, with the (name, size, mtime_ns) of
 # their files at that moment: pruning verifies every checkpoint at every save, and re-hashing

@@ -110,8 +110,8 @@ def build_model(work: str) -> tuple[str, str]:
                                 hidden_dim=128, max_seq_len=256, initializer_range=0.2))
     run = os.path.join(work, "run")
     req = SaveRequest(step=1, rank=0, world_size=1, model_state=m.state_dict(), model_config=m.cfg.to_dict(),
-                           optimizer_state=None, extra_state={}, trainer_state={},
-                           run_config={"lora_rank": 0, "tokenizer_dir": tok_dir})
+                      optimizer_state=None, extra_state={}, trainer_state={},
+                      run_config={"lora_rank": 0, "tokenizer_dir": tok_dir})
     save_checkpoint(run, req, keep_last=1, log=lambda s: None)
     hf = os.path.join(work, "hf")
     assert export_hf.main([f"--ckpt={run}", f"--out_dir={hf}"]) == 0

@@ -340,7 +340,7 @@ def _load_checkpoint(cfg: TrainConfig, info: DistInfo, checkpoints, resume_dir: 
                    if k in saved_cfg and saved_cfg[k] != getattr(cfg, k)]
         if not changed:  # the run's own configuration builds this model: the file, not the flags, is wrong
             raise CheckpointError(f"{one_line(e)} (the model is built from the checkpoint's own "
-                                       "model_config.json and config.json: the file is damaged)") from e
+                                  "model_config.json and config.json: the file is damaged)") from e
         raise TrainingError(f"the weights in {resume_dir} do not fit the model this configuration builds "
                             f"({', '.join(changed)} changed since the run started): {one_line(e)}",
                             EXIT_BAD_CONFIG) from e

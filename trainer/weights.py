@@ -48,7 +48,7 @@ def model_from_checkpoint(found: str) -> tuple[Any, dict]:
         select_trainable_for(model, run_cfg)
     except (ValueError, TypeError, AttributeError) as e:
         raise CheckpointError(f"checkpoint {found}: config.json: its LoRA / trainable settings do not apply "
-                                   f"({one_line(e)})") from e
+                              f"({one_line(e)})") from e
     if lora_base:
         check_lora_base(model, lora_base, found)
     load_weights(model, checkpoint_model_state(found), partial=bool(lora_base), source=found)
@@ -77,7 +77,7 @@ def check_lora_base(model, lora_base: dict, where: str) -> None:
     from checkpoint.reads import base_fingerprint
     if base_fingerprint(model) != lora_base["fingerprint"]:
         raise CheckpointError(f"checkpoint {where}: the LoRA base at {lora_base['source']} is not the one the run "
-                                   "trained on (its fingerprint changed); restore that base, or re-train the adapters")
+                              "trained on (its fingerprint changed); restore that base, or re-train the adapters")
 
 
 def load_weights_from(path: str, log, flag: str = "--init_from",

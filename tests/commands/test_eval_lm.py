@@ -36,8 +36,8 @@ def run(tmp_path_factory):
     m = Transformer(ModelConfig(vocab_size=meta["vocab_size"], dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
                                 hidden_dim=64, max_seq_len=256, initializer_range=0.2))
     req = SaveRequest(step=1, rank=0, world_size=1, model_state=m.state_dict(), model_config=m.cfg.to_dict(),
-                           optimizer_state=None, extra_state={}, trainer_state={},
-                           run_config={"lora_rank": 0, "tokenizer_dir": str(d / "tok")})
+                      optimizer_state=None, extra_state={}, trainer_state={},
+                      run_config={"lora_rank": 0, "tokenizer_dir": str(d / "tok")})
     save_checkpoint(str(d / "run"), req, keep_last=1, log=lambda s: None)
     assert export_hf.main([f"--ckpt={d / 'run'}", f"--out_dir={d / 'hf'}"]) == 0
     return d

@@ -19,8 +19,8 @@ def _save(run, step, val_loss):
     torch.manual_seed(step)
     m = Transformer(ModelConfig(vocab_size=64, dim=16, n_layers=1, n_heads=2, hidden_dim=32, max_seq_len=16))
     req = SaveRequest(step=step, rank=0, world_size=1, model_state=m.state_dict(), model_config=m.cfg.to_dict(),
-                           optimizer_state=None, extra_state={}, trainer_state={"val_loss": val_loss},
-                           run_config={"lora_rank": 0, "tokenizer_dir": ""})
+                      optimizer_state=None, extra_state={}, trainer_state={"val_loss": val_loss},
+                      run_config={"lora_rank": 0, "tokenizer_dir": ""})
     save_checkpoint(str(run), req, keep_last=10, log=lambda s: None)
     return m.embed_tokens.weight.detach().clone()
 
@@ -97,8 +97,8 @@ def _chat_run(tmp_path):
         opt.step()
     run = tmp_path / "run"
     req = SaveRequest(step=1, rank=0, world_size=1, model_state=m.state_dict(), model_config=m.cfg.to_dict(),
-                           optimizer_state=None, extra_state={}, trainer_state={},
-                           run_config={"lora_rank": 0, "tokenizer_dir": tok_dir})
+                      optimizer_state=None, extra_state={}, trainer_state={},
+                      run_config={"lora_rank": 0, "tokenizer_dir": tok_dir})
     save_checkpoint(str(run), req, keep_last=1, log=lambda s: None)
     return run, tok_dir, tok, meta
 

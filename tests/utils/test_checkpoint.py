@@ -15,11 +15,11 @@ from utils.checkpoint_json import read_json
 def _save(out_dir, step, val_loss=None, keep_last=2, fault_hook=None):
     torch.manual_seed(step)
     req = SaveRequest(step=step, rank=0, world_size=1,
-                           model_state={"w": torch.randn(4, 3), "b": torch.full((3,), float(step))},
-                           model_config={"dim": 3}, optimizer_state={"exp_avg": torch.ones(4), "step": step},
-                           extra_state={"rng": capture_rng_state(torch.device("cpu"))},
-                           trainer_state={"data_cursor": {"epoch": 0, "step_in_epoch": step}, "val_loss": val_loss},
-                           run_config={"lr": 0.1})
+                      model_state={"w": torch.randn(4, 3), "b": torch.full((3,), float(step))},
+                      model_config={"dim": 3}, optimizer_state={"exp_avg": torch.ones(4), "step": step},
+                      extra_state={"rng": capture_rng_state(torch.device("cpu"))},
+                      trainer_state={"data_cursor": {"epoch": 0, "step_in_epoch": step}, "val_loss": val_loss},
+                      run_config={"lr": 0.1})
     return save_checkpoint(str(out_dir), req, keep_last=keep_last, fault_hook=fault_hook)
 
 

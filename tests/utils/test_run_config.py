@@ -89,8 +89,8 @@ def test_global_batch_must_stay_equal():
 
 def _save(out_dir, step, val_loss):
     req = SaveRequest(step=step, rank=0, world_size=1, model_state={"w": torch.full((2,), float(step))},
-                           model_config={"dim": 2}, optimizer_state=None, extra_state={},
-                           trainer_state={"val_loss": val_loss}, run_config={})
+                      model_config={"dim": 2}, optimizer_state=None, extra_state={},
+                      trainer_state={"val_loss": val_loss}, run_config={})
     return save_checkpoint(str(out_dir), req, keep_last=10, log=lambda s: None)
 
 
