@@ -209,7 +209,7 @@ def _read_dcp_manifest(ckpt_dir: str) -> dict:
 def check_dcp_checkpoint(ckpt_dir: str, check_hashes: bool = False) -> Optional[str]:
     """None if the directory is a complete DCP checkpoint matching its manifest, else the reason.
     Sizes only by default (cheap, done on every rank at load); check_hashes=True also compares sha256.
-    The same checks as utils.checkpoint.verify_checkpoint (manifest shape, JSON sidecars, .metadata
+    The same checks as checkpoint/verify.verify_checkpoint (manifest shape, JSON sidecars, .metadata
     readable and confined to the directory, every rank's shard) plus the DCP format."""
     problem = verify_checkpoint(ckpt_dir, check_hashes=check_hashes)
     if problem is not None:

@@ -180,8 +180,7 @@ def load_replicated(engine: Any, ckpt_dir: str, saved_world: int, rank: int, wor
         extra = load_extra_state(ckpt_dir, rank, saved_world, world_size, log, same_world_only=False)
     load_weights(spec.model, weights, partial=spec.lora_base is not None, source=ckpt_dir,
                  mismatch=CheckpointMismatchError)
-    load_optimizer_state(spec.optimizer, ckpt_dir, spec.sharded_optimizer, rank, world_size, saved_world,
-                         read=opt_state)
+    load_optimizer_state(spec.optimizer, ckpt_dir, opt_state)
     if extra is not None and extra.get("comm_hook"):
         with load_errors_named(f"{os.path.join(ckpt_dir, extra_file(rank))}: its comm-hook (PowerSGD) state "
                                "does not load"):

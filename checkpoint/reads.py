@@ -126,43 +126,13 @@ def read_optimizer_state(ckpt_dir: str, sharded: bool, rank: int, world_size: in
     return [first] + [read(r) for r in range(1, n)], f"{optimizer_file(0)} .. {optimizer_file(n - 1)}"
 
 
-def load_optimizer_state(opt, ckpt_dir: str, sharded: bool, rank: int, world_size: int, saved_world: int,
-                         read: Optional[tuple[Any, str]] = None) -> None:
-    """Any saved layout into this optimizer: a ZeRO rank at the same world size reads its own shard;
-    otherwise rank 0's file when it holds everything (an unsharded run, or a ZeRO run of one rank),
-    else every saved rank's file, which the optimizer re-shards to this world size.
-    CheckpointError naming the file when one is missing, damaged, or does not load into this optimizer.
-    `read`: what read_optimizer_state returned (the files already read)."""
-    if read is not None:
-        state, name = read
-        with _naming_a_bad_optimizer_file(ckpt_dir, lambda: name):
-            opt.load_state_dict(state)
-        return
-    reading = {"name": optimizer_file(rank)}
-
-    def read(r: int) -> dict:
-        reading["name"] = optimizer_file(r)
-        sd = load_rank_file(ckpt_dir, "optimizer", r)
-        if sd is None:
-            raise CheckpointError(f"checkpoint {ckpt_dir}: {optimizer_file(r)} is missing "
-                                       f"(the run saved {saved_world} rank(s))")
-        return sd
-    with _naming_a_bad_optimizer_file(ckpt_dir, lambda: reading["name"]):
-        if sharded and saved_world == world_size and os.path.isfile(os.path.join(ckpt_dir, optimizer_file(rank))):
-            own = read(rank)
-            if own.get("sharded"):
-                opt.load_state_dict(own)
-                return
-        first = read(0)
-        n = first.get("world_size", 1)
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"world_size={n!r} is not an integer >= 1")
-        if not first.get("sharded") or n == 1:
-            opt.load_state_dict(first)
-        else:
-            states = [first] + [read(r) for r in range(1, n)]
-            reading["name"] = f"{optimizer_file(0)} .. {optimizer_file(n - 1)}"
-            opt.load_state_dict(states)
+def load_optimizer_state(opt, ckpt_dir: str, read: tuple[Any, str]) -> None:
+    """What read_optimizer_state read (this rank's ZeRO shard at the same world size; otherwise rank 0's file when
+    it holds everything, else every saved rank's file, which the optimizer re-shards to this world size) into the
+    optimizer; CheckpointError naming the file(s) when the state does not load into it."""
+    state, name = read
+    with _naming_a_bad_optimizer_file(ckpt_dir, lambda: name):
+        opt.load_state_dict(state)
 
 
 LOAD_ERRORS = (ValueError, KeyError, TypeError, IndexError, AttributeError, RuntimeError)

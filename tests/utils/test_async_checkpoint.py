@@ -44,9 +44,10 @@ def _train_step(engine, seed: int) -> None:
 
 
 def _save(engine, out, step, writer=None, fault_hook=None, log=print):
-    return save_replicated(engine, str(out), step, rank=0, world_size=1, model_config={"dim": 16}, trainer_state={"x": step},
-                                run_config={"seed": 0}, extra_state={"rng": capture_rng_state(torch.device("cpu"))},
-                                keep_last=3, barrier=lambda: None, fault_hook=fault_hook, log=log, writer=writer)
+    return save_replicated(engine, str(out), step, rank=0, world_size=1, model_config={"dim": 16},
+                           trainer_state={"x": step}, run_config={"seed": 0},
+                           extra_state={"rng": capture_rng_state(torch.device("cpu"))}, keep_last=3,
+                           barrier=lambda: None, fault_hook=fault_hook, log=log, writer=writer)
 
 
 def _data_ptrs(buffers: HostBuffers) -> list[int]:
