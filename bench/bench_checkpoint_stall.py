@@ -35,6 +35,7 @@ from parallel.build import build_engine  # noqa: E402
 from trainer.config import TrainConfig  # noqa: E402
 from checkpoint.async_writer import AsyncCheckpointer  # noqa: E402
 from checkpoint.plain import save_replicated  # noqa: E402
+from checkpoint.protocol import SaveJob  # noqa: E402
 from checkpoint.rng import capture_rng_state  # noqa: E402
 from checkpoint.verify import find_latest_valid  # noqa: E402
 from utils.checkpoint_layout import step_dir_name  # noqa: E402
@@ -72,9 +73,10 @@ def run(mode: str, args) -> dict:
     for i in range(1, args.saves + 1):
         step_times += [step(engine, g, args.vocab_size) for _ in range(args.steps_between)]
         t0 = time.perf_counter()
-        save_replicated(engine, out, i, rank=0, world_size=1, model_config=mcfg.to_dict(), trainer_state={"bench": i},
-                        run_config={"mode": mode}, extra_state={"rng": capture_rng_state(torch.device("cpu"))},
-                        keep_last=2, barrier=lambda: None, log=lambda m: None, writer=writer)
+        save_replicated(engine, SaveJob(out, i, trainer_state={"bench": i}, model_config=mcfg.to_dict(),
+                                        run_config={"mode": mode},
+                                        extra_state={"rng": capture_rng_state(torch.device("cpu"))}, keep_last=2,
+                                        log=lambda m: None), writer)
         stalls.append(time.perf_counter() - t0)
         if writer is not None:
             waits.append(writer.last_wait_s)

@@ -153,7 +153,8 @@ def load_full_state_into_fsdp(model: nn.Module, optimizer, weights: dict[str, to
 
 # Both engines keep AdamW over fp32 masters, per parameter name: exp_avg, exp_avg_sq, step. The one exchange
 # shape, {name: {"exp_avg", "exp_avg_sq": full tensors shaped like the weight, "step": float}} + full fp32
-# weights + the scalars {"lr", "scaler", "prev_grad_norm"}, is what load_full_training_state reads and load_full_state_into_fsdp loads; the two below are our DDP format's side.
+# weights + the scalars {"lr", "scaler", "prev_grad_norm"}, is what load_full_training_state reads and
+# load_full_state_into_fsdp loads; the two below are our DDP format's side.
 
 def read_ddp_training_state(ckpt_dir: str) -> tuple[dict[str, torch.Tensor], dict[str, dict], Optional[dict]]:
     """A DDP checkpoint's whole training state in this process: (full weights, fp32: the optimizer's masters

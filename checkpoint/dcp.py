@@ -59,7 +59,7 @@ from torch.distributed.tensor import DTensor
 
 from checkpoint.dcp_files import DCPCheckpointError, SafeFileSystemReader, dcp_layout_problem, read_dcp_metadata
 from checkpoint.files import first_nonfinite
-from checkpoint.protocol import publish_checkpoint_dir, save_guard, step_dir_paths
+from checkpoint.protocol import SaveJob, publish_checkpoint_dir, save_guard, step_dir_paths
 from checkpoint.reads import agreed_reads, load_extra_state, refuse_nonfinite_weights
 from checkpoint.verify import prune_checkpoints, verify_checkpoint
 from parallel.fsdp import fsdp_state_group, reshard
@@ -167,7 +167,8 @@ def save_dcp_checkpoint(ckpt_root: str, step: int, model: nn.Module, optimizer=N
         if rank == 0:
             if fault_hook is not None:
                 fault_hook()
-            publish_dcp_dir(tmp, final, step, world, json_files, scalars, sum(1 for k in flat if k.startswith(MODEL_PREFIX)),
+            publish_dcp_dir(tmp, final, step, world, json_files, scalars,
+                            sum(1 for k in flat if k.startswith(MODEL_PREFIX)),
                             rank_state is not None, guard)
     group_barrier(group)
     return final
@@ -391,25 +392,22 @@ def load_model_tensors(ckpt_dir: str, names: list[str]) -> dict[str, torch.Tenso
 
 # ---------------------------------------------------------------------------- a "dtensor" engine's state
 
-def dtensor_json_files(step: int, world_size: int, trainer_state: dict, model_config: dict, run_config: dict) -> dict:
+def dtensor_json_files(job: SaveJob) -> dict:
     """The JSON sidecars of an engine's sharded checkpoint."""
-    return {TRAINER_STATE: dict(trainer_state, step=step, world_size=world_size), MODEL_CONFIG: model_config,
-            RUN_CONFIG: run_config}
+    return {TRAINER_STATE: dict(job.trainer_state, step=job.step, world_size=job.world_size),
+            MODEL_CONFIG: job.model_config, RUN_CONFIG: job.run_config}
 
 
-def save_dtensor(engine: Any, out_dir: str, step: int, *, rank: int, world_size: int, model_config: dict,
-                 trainer_state: dict, run_config: dict, extra_state: dict, keep_last: int,
-                 barrier: Callable[[], None], fault_hook: Optional[Callable[[], None]] = None,
-                 log: Callable[[str], None] = print) -> str:
+def save_dtensor(engine: Any, job: SaveJob) -> str:
     """Collective: a "dtensor" engine's shards as this step's sharded checkpoint, pruned to keep_last (+ the
     best). In the background (--async_checkpoint): checkpoint/dcp_async.py's save_dtensor_async."""
     spec = engine.state_spec()
-    path = save_dcp_checkpoint(checkpoint_root(out_dir), step, spec.model, spec.optimizer,
-                               json_files=dtensor_json_files(step, world_size, trainer_state, model_config, run_config),
-                               rank_state=extra_state, fault_hook=fault_hook)
-    if rank == 0:
-        prune_checkpoints(out_dir, keep_last=keep_last, keep_best=True, log=log)
-    barrier()
+    path = save_dcp_checkpoint(checkpoint_root(job.out_dir), job.step, spec.model, spec.optimizer,
+                               json_files=dtensor_json_files(job), rank_state=job.extra_state,
+                               fault_hook=job.fault_hook)
+    if job.rank == 0:
+        prune_checkpoints(job.out_dir, keep_last=job.keep_last, keep_best=True, log=job.log)
+    job.barrier()
     return path
 
 

@@ -25,8 +25,9 @@ import torch.nn as nn
 from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemWriter
 
 from checkpoint.async_writer import AsyncCheckpointer, save_in_background
-from checkpoint.dcp import MODEL_PREFIX, dtensor_json_files, group_rank_world, mesh_group, publish_dcp_dir, state_to_save
-from checkpoint.protocol import step_dir_paths
+from checkpoint.dcp import (MODEL_PREFIX, dtensor_json_files, group_rank_world, mesh_group, publish_dcp_dir,
+                            state_to_save)
+from checkpoint.protocol import SaveJob, step_dir_paths
 from parallel.fsdp import reshard
 from utils.checkpoint_layout import checkpoint_root, extra_file
 from utils.publish import fsync_file
@@ -135,14 +136,9 @@ def save_dcp_checkpoint_async(out_dir: str, ckpt_root: str, step: int, model: nn
                               keep_last=keep_last, log=log)
 
 
-def save_dtensor_async(engine: Any, out_dir: str, step: int, *, rank: int, world_size: int, model_config: dict,
-                       trainer_state: dict, run_config: dict, extra_state: dict, keep_last: int,
-                       barrier: Callable[[], None], fault_hook: Optional[Callable[[], None]] = None,
-                       log: Callable[[str], None] = print, writer: AsyncCheckpointer) -> str:
+def save_dtensor_async(engine: Any, job: SaveJob, writer: AsyncCheckpointer) -> str:
     """checkpoint/dcp.py's save_dtensor with the files written in the background."""
     spec = engine.state_spec()
-    return save_dcp_checkpoint_async(out_dir, checkpoint_root(out_dir), step, spec.model, spec.optimizer,
-                                     json_files=dtensor_json_files(step, world_size, trainer_state, model_config,
-                                                                   run_config),
-                                     rank_state=extra_state, writer=writer, keep_last=keep_last, fault_hook=fault_hook,
-                                     log=log)
+    return save_dcp_checkpoint_async(job.out_dir, checkpoint_root(job.out_dir), job.step, spec.model, spec.optimizer,
+                                     json_files=dtensor_json_files(job), rank_state=job.extra_state, writer=writer,
+                                     keep_last=job.keep_last, fault_hook=job.fault_hook, log=job.log)

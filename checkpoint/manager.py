@@ -31,13 +31,10 @@ from checkpoint.dcp import load_dtensor, save_dtensor
 from checkpoint.dcp_async import save_dtensor_async
 from checkpoint.pipeline import load_stages, save_stages, stages_resume_problem
 from checkpoint.plain import load_replicated, save_replicated
+from checkpoint.protocol import SaveJob
 from checkpoint.reads import is_pipeline_checkpoint, is_sharded_checkpoint, read_pipeline_meta_safe
 from checkpoint.rng import capture_rng_state
 from utils.errors import CheckpointError
-
-
-def _no_barrier() -> None:
-    """One process: nothing to wait for."""
 
 
 class CheckpointManager:
@@ -48,7 +45,7 @@ class CheckpointManager:
                  log: Callable[[str], None] = print, barrier: Optional[Callable[[], None]] = None) -> None:
         self.engine, self.out_dir, self.rank, self.world_size = engine, out_dir, rank, world_size
         self.device = device if device is not None else torch.device("cpu")
-        self.keep_last, self.log, self.barrier = keep_last, log, barrier or _no_barrier
+        self.keep_last, self.log, self.barrier = keep_last, log, barrier or (lambda: None)
         # --async_checkpoint: the background writer and its reused host buffers (checkpoint/async_writer.py)
         self.writer = AsyncCheckpointer(log, rank=rank, world_size=world_size, device=self.device) \
             if async_writes else None
@@ -64,19 +61,18 @@ class CheckpointManager:
         recorded with the step and the world size), published atomically, pruned to keep_last (+ the best by
         val_loss). Returns its path; with --async_checkpoint, where it will appear once the background write
         publishes it. load() returns this rank's {"rng": ..., **rank_state}."""
-        extra = dict(rank_state or {}, rng=capture_rng_state(self.device))
-        kw = dict(rank=self.rank, world_size=self.world_size, model_config=model_config, trainer_state=trainer_state,
-                  run_config=run_config, extra_state=extra,
-                  keep_last=self.keep_last, barrier=self.barrier, fault_hook=fault_hook, log=self.log)
+        job = SaveJob(self.out_dir, step, trainer_state, model_config, run_config,
+                      extra_state=dict(rank_state or {}, rng=capture_rng_state(self.device)), rank=self.rank,
+                      world_size=self.world_size, keep_last=self.keep_last, barrier=self.barrier,
+                      fault_hook=fault_hook, log=self.log)
         layout = self.layout
         if layout == "replicated":
-            return save_replicated(self.engine, self.out_dir, step, writer=self.writer, **kw)
+            return save_replicated(self.engine, job, self.writer)
         if layout == "stages":
-            return save_stages(self.engine, self.out_dir, step, writer=self.writer, **kw)
+            return save_stages(self.engine, job, self.writer)
         if layout == "dtensor":
-            if self.writer is None:
-                return save_dtensor(self.engine, self.out_dir, step, **kw)
-            return save_dtensor_async(self.engine, self.out_dir, step, writer=self.writer, **kw)
+            return save_dtensor(self.engine, job) if self.writer is None else \
+                save_dtensor_async(self.engine, job, self.writer)
         raise ValueError(f"an engine state layout this package has no format for: {layout!r}")
 
     @property

@@ -24,7 +24,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from checkpoint.async_writer import AsyncCheckpointer, save_in_background
-from checkpoint.protocol import SaveGuard, publish_checkpoint_dir, save_guard, step_dir_paths
+from checkpoint.protocol import SaveGuard, SaveJob, publish_checkpoint_dir, save_guard, step_dir_paths
 from checkpoint.reads import (damaged_file_hint, is_pipeline_checkpoint, load_extra_state, read_pipeline_meta_safe,
                               refuse_nonfinite_weights)
 from checkpoint.verify import prune_checkpoints
@@ -105,18 +105,18 @@ def _trainer_state(trainer_state: dict, step: int, world_size: int) -> dict:
     return dict(trainer_state, step=step, world_size=world_size, saved_at=time.time())
 
 
-def save_stages(engine: Any, out_dir: str, step: int, *, rank: int, world_size: int, model_config: dict,
-                trainer_state: dict, run_config: dict, extra_state: dict, keep_last: int,
-                barrier: Callable[[], None], fault_hook: Optional[Callable[[], None]] = None,
-                log: Callable[[str], None] = print, writer: Optional[AsyncCheckpointer] = None) -> str:
+def save_stages(engine: Any, job: SaveJob, writer: Optional[AsyncCheckpointer] = None) -> str:
     """Collective. The stages' files + per-rank RNG into step_N.tmp/, then rank 0 publishes it and prunes.
     Always full stage files (no light LoRA checkpoints). writer: the files written in the background once the
     gathered state is copied to host memory here."""
     stages = engine.state_spec().stages
+    out_dir, step, rank, world_size, barrier = job.out_dir, job.step, job.rank, job.world_size, job.barrier
+    model_config, run_config, trainer_state = job.model_config, job.run_config, job.trainer_state
+    fault_hook = job.fault_hook
     if writer is not None:
         writer.wait()  # at most one save in flight
         sd, extra, model_config, run_config, trainer_state = writer.snapshot(
-            {"stage": engine.state_dict(), "extra": extra_state}, model_config, run_config, trainer_state)
+            {"stage": engine.state_dict(), "extra": job.extra_state}, model_config, run_config, trainer_state)
         global_rank = dist.get_rank()
 
         def write_files(tmp: str, guard: Any) -> None:
@@ -129,7 +129,7 @@ def save_stages(engine: Any, out_dir: str, step: int, *, rank: int, world_size: 
             write_json(guard.file, _trainer_state(trainer_state, step, world_size))
             publish_checkpoint_dir(tmp, final, step)
         return save_in_background(out_dir, step, rank, world_size, writer, write_files, publish, barrier=barrier,
-                                  keep_last=keep_last, log=log)
+                                  keep_last=job.keep_last, log=job.log)
     root = checkpoint_root(out_dir)
     final, tmp = step_dir_paths(root, step)
     # a write that does not fit (disk full, a file-size limit): the partial step_N.tmp removed, exit 7
@@ -140,12 +140,12 @@ def save_stages(engine: Any, out_dir: str, step: int, *, rank: int, world_size: 
         # collective over the mesh (FSDP gathers the stage's tensors), then every rank has written (a barrier)
         write_stage_state(tmp, stages, engine.state_dict(), dist.get_rank())
         dist.barrier()
-        write_extra_and_configs(tmp, rank, extra_state, model_config, run_config, fault_hook)
+        write_extra_and_configs(tmp, rank, job.extra_state, model_config, run_config, fault_hook)
         barrier()  # every rank has written and fsynced its files
         if rank == 0:
             write_json(os.path.join(tmp, TRAINER_STATE), _trainer_state(trainer_state, step, world_size))
             publish_checkpoint_dir(tmp, final, step)
-            prune_checkpoints(out_dir, keep_last=keep_last, keep_best=True, log=log)
+            prune_checkpoints(out_dir, keep_last=job.keep_last, keep_best=True, log=job.log)
     barrier()
     return final
 

@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 
 from checkpoint.async_writer import AsyncCheckpointer, save_in_background
 from checkpoint.files import load_model_state
-from checkpoint.protocol import SaveGuard, publish_checkpoint_dir, save_guard, step_dir_paths
+from checkpoint.protocol import SaveGuard, SaveJob, publish_checkpoint_dir, save_guard, step_dir_paths
 from checkpoint.reads import (agreed_reads, load_errors_named, load_extra_state, load_optimizer_state, load_weights,
                               read_optimizer_state)
 from checkpoint.verify import prune_checkpoints, remember_verified
@@ -135,10 +135,7 @@ def save_checkpoint_async(out_dir: str, req: SaveRequest, writer: AsyncCheckpoin
 
 # ---------------------------------------------------------------------------- the engine's state
 
-def save_replicated(engine: Any, out_dir: str, step: int, *, rank: int, world_size: int, model_config: dict,
-                    trainer_state: dict, run_config: dict, extra_state: dict, keep_last: int,
-                    barrier: Callable[[], None], fault_hook: Optional[Callable[[], None]] = None,
-                    log: Callable[[str], None] = print, writer: Optional[AsyncCheckpointer] = None) -> str:
+def save_replicated(engine: Any, job: SaveJob, writer: Optional[AsyncCheckpointer] = None) -> str:
     """Collective: a "replicated" engine's state as this step's checkpoint. writer (--async_checkpoint): wait for
     the previous save, copy the state into the writer's host buffers here, and let its thread write and publish;
     the path returned is where the checkpoint will appear."""
@@ -146,25 +143,27 @@ def save_replicated(engine: Any, out_dir: str, step: int, *, rank: int, world_si
         writer.wait()  # at most one save in flight: the previous one is published (or its error raised)
     engine.prepare_state()
     spec = engine.state_spec()
-    extra_state = dict(extra_state, **engine.rank_state())
+    extra_state = dict(job.extra_state, **engine.rank_state())
+    trainer_state, run_config, model_config = job.trainer_state, job.run_config, job.model_config
     if spec.lora_base is not None:
         trainer_state = dict(trainer_state, lora_base=spec.lora_base)
     model_state = None
-    if rank == 0:
+    if job.rank == 0:
         model_state = trainable_state(spec.model) if spec.lora_base is not None else spec.model.state_dict()
     # async: the live state's views, copied once into the writer's reused (pinned) buffers just below
-    optimizer_state = spec.optimizer.state_dict(to_host=writer is None) if spec.sharded_optimizer or rank == 0 else None
+    optimizer_state = spec.optimizer.state_dict(to_host=writer is None) \
+        if spec.sharded_optimizer or job.rank == 0 else None
     if writer is not None:  # host copies now, the files in the background
         model_state, optimizer_state, extra_state, trainer_state, run_config, model_config = writer.snapshot(
             {"model": model_state, "optimizer": optimizer_state, "extra": extra_state},
             trainer_state, run_config, model_config)
-    req = SaveRequest(step=step, rank=rank, world_size=world_size, model_state=model_state, model_config=model_config,
-                      optimizer_state=optimizer_state, extra_state=extra_state, trainer_state=trainer_state,
-                      run_config=run_config)
+    req = SaveRequest(step=job.step, rank=job.rank, world_size=job.world_size, model_state=model_state,
+                      model_config=model_config, optimizer_state=optimizer_state, extra_state=extra_state,
+                      trainer_state=trainer_state, run_config=run_config)
+    kw = dict(barrier=job.barrier, keep_last=job.keep_last, fault_hook=job.fault_hook, log=job.log)
     if writer is not None:
-        return save_checkpoint_async(out_dir, req, writer, barrier=barrier, keep_last=keep_last, fault_hook=fault_hook,
-                                     log=log)
-    return save_checkpoint(out_dir, req, barrier=barrier, keep_last=keep_last, fault_hook=fault_hook, log=log)
+        return save_checkpoint_async(job.out_dir, req, writer, **kw)
+    return save_checkpoint(job.out_dir, req, **kw)
 
 
 def load_replicated(engine: Any, ckpt_dir: str, saved_world: int, rank: int, world_size: int,

@@ -16,7 +16,8 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-from typing import Iterator, Optional
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional
 
 from checkpoint.verify import sha256_file
 from utils.checkpoint_json import write_json
@@ -54,6 +55,28 @@ def check_space_for_save(ckpt_root: str, step: int) -> None:
             f"{human(free)} free on {ckpt_root}, the last checkpoint ({os.path.basename(last)}) takes "
             f"{human(need)}; nothing was written and the checkpoints there are intact (free space or move "
             "--out_dir, then resume)")
+
+
+def _no_barrier() -> None:
+    """One process: nothing to wait for."""
+
+
+@dataclass
+class SaveJob:
+    """One save, as every format writes it: where and which step, this rank's place, what the JSON sidecars and this
+    rank's extra file hold, how many checkpoints to keep, and the collective and hooks around it."""
+    out_dir: str
+    step: int
+    trainer_state: dict               # rank 0's view; recorded with the step and the world size
+    model_config: dict
+    run_config: dict
+    extra_state: dict = field(default_factory=dict)  # this rank's RNG (+ rank state): extra_rank{r}.pt
+    rank: int = 0
+    world_size: int = 1
+    keep_last: int = 3
+    barrier: Callable[[], None] = _no_barrier        # every rank of the save
+    fault_hook: Optional[Callable[[], None]] = None  # tests: called on rank 0 mid-save (a kill there)
+    log: Callable[[str], None] = print
 
 
 class SaveGuard:
@@ -98,7 +121,8 @@ def publish_checkpoint_dir(tmp: str, final: str, step: int) -> None:
     """Rank 0, after every rank wrote into `tmp`: manifest (size + sha256 of every file), COMPLETE,
     fsync, then an atomic rename to `final` (an older directory of the same step is moved aside first).
     Shared by every format (checkpoint/plain.py, dcp.py, pipeline.py)."""
-    manifest = {name: {"bytes": os.path.getsize(os.path.join(tmp, name)), "sha256": sha256_file(os.path.join(tmp, name))}
+    manifest = {name: {"bytes": os.path.getsize(os.path.join(tmp, name)),
+                       "sha256": sha256_file(os.path.join(tmp, name))}
                 for name in sorted(os.listdir(tmp))}
     write_json(os.path.join(tmp, MANIFEST), manifest)
     write_json(os.path.join(tmp, COMPLETE_MARKER), {"step": int(step)})

@@ -22,8 +22,8 @@ from checkpoint.files import first_nonfinite, load_rank_file, load_tensor_file
 from checkpoint.rng import rng_state_problem
 from parallel.engine import trainable_state
 from utils.checkpoint_json import read_json
-from utils.checkpoint_layout import (DCP_FILES_DESCRIPTION, DCP_MANIFEST, MODEL_FILE, PIPELINE_META, STAGE_FILES_DESCRIPTION,
-                                     extra_file, optimizer_file)
+from utils.checkpoint_layout import (DCP_FILES_DESCRIPTION, DCP_MANIFEST, MODEL_FILE, PIPELINE_META,
+                                     STAGE_FILES_DESCRIPTION, extra_file, optimizer_file)
 from utils.constants import EXIT_BAD_CHECKPOINT
 from utils.dist import first_error_of_ranks
 from utils.errors import CheckpointError, one_line

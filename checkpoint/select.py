@@ -40,7 +40,8 @@ def saved_run_config(run_dir: str) -> tuple[Optional[dict], Optional[str]]:
 
 
 def resolve_resume_config(defaults: T, argv: Sequence[str], run_dir: str,
-                          log: Callable[[str], None] = print, allow_field: str = "allow_data_change") -> tuple[T, Optional[str]]:
+                          log: Callable[[str], None] = print,
+                          allow_field: str = "allow_data_change") -> tuple[T, Optional[str]]:
     """The configuration of `--init_from=resume`: the saved run's, with argv applied over it.
 
     Returns (config, source file or None when the run saved nothing). Raises ConfigError naming

@@ -166,8 +166,9 @@ def train(cfg: TrainConfig, info: DistInfo, continues: Optional[bool] = None, ma
     if depth:  # the next batches drawn (and pinned for a GPU) on a thread while the step runs; same batches, same cursor
         train_loader = PrefetchLoader(train_loader, depth, pin=is_accelerator(info.device), device=info.device)
     # the engine's, the optimizer's and this loop's state in checkpoints (checkpoint/manager.py)
-    checkpoints = CheckpointManager(engine, cfg.out_dir, rank=info.rank, world_size=info.world_size, device=info.device,
-                                    keep_last=cfg.keep_last, async_writes=cfg.async_checkpoint, log=log, barrier=barrier)
+    checkpoints = CheckpointManager(engine, cfg.out_dir, rank=info.rank, world_size=info.world_size,
+                                    device=info.device, keep_last=cfg.keep_last, async_writes=cfg.async_checkpoint,
+                                    log=log, barrier=barrier)
     progress = restore(cfg, info, engine, checkpoints, train_loader, start, log)
     if cfg.num_train_epochs > 0:  # max_iters from the epochs, unless --max_iters was given (now or when the run began)
         given = max_iters_given or start.saved_state.get("max_iters_from") == "max_iters"

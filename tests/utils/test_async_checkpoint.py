@@ -1,6 +1,6 @@
-"""checkpoint/async_writer.py in one process, through the plain format's save of the ddp engine (our DDP + AdamW, world 1): the snapshot
-is taken before save() returns (an optimizer step while the writer is held open does not reach the files), the
-host buffers are reused (no new buffer and the same addresses over 20 saves), a failed background write is
+"""checkpoint/async_writer.py in one process, through the plain format's save of the ddp engine (our DDP + AdamW,
+world 1): the snapshot is taken before save() returns (an optimizer step while the writer is held open does not
+reach the files), the host buffers are reused (no new buffer and the same addresses over 20 saves), a failed background write is
 logged and raised by the next wait() with the previous checkpoint still the latest, and rank 0's writer
 publishes only after every rank's marker, and another rank's failed write ends this rank with the same kind of error.
 Deterministic: the writer is held open by a threading.Event."""
@@ -19,6 +19,7 @@ from parallel.config import ParallelConfig
 from parallel.engine_ddp import build_ddp_engine
 from checkpoint.files import load_model_state
 from checkpoint.plain import save_replicated
+from checkpoint.protocol import SaveJob
 from checkpoint.rng import capture_rng_state
 from checkpoint.verify import find_latest_valid, list_checkpoints, verify_checkpoint
 from utils.publish import temp_dir_for
@@ -44,10 +45,10 @@ def _train_step(engine, seed: int) -> None:
 
 
 def _save(engine, out, step, writer=None, fault_hook=None, log=print):
-    return save_replicated(engine, str(out), step, rank=0, world_size=1, model_config={"dim": 16},
-                           trainer_state={"x": step}, run_config={"seed": 0},
-                           extra_state={"rng": capture_rng_state(torch.device("cpu"))}, keep_last=3,
-                           barrier=lambda: None, fault_hook=fault_hook, log=log, writer=writer)
+    job = SaveJob(str(out), step, trainer_state={"x": step}, model_config={"dim": 16}, run_config={"seed": 0},
+                  extra_state={"rng": capture_rng_state(torch.device("cpu"))}, keep_last=3, fault_hook=fault_hook,
+                  log=log)
+    return save_replicated(engine, job, writer)
 
 
 def _data_ptrs(buffers: HostBuffers) -> list[int]:
