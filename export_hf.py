@@ -8,7 +8,7 @@ unmerged and the adapters are written in the PEFT layout next to them instead, f
 adapters as PEFT `modules_to_save`, and the base is the run's frozen base (for a run that grew the
 vocabulary of a Hugging Face model, that model grown to the run's tokenizer: same vocabulary size,
 new rows as initialised, model/resize.py). Checkpoints of every engine export the same way: a
-pipeline-parallel run's stage files are merged into one model (parallel.checkpoint_io.checkpoint_model_state),
+pipeline-parallel run's stage files are merged into one model (checkpoint.weights.checkpoint_model_state),
 a sharded FSDP (DCP) one without LoRA is streamed: read and written one safetensors shard at a time
 (`--max_shard_gb`, HF's sharded layout with model.safetensors.index.json), never the whole model in memory. Importing goes the other way with
 `--init_from=<HF dir>` in train_my_ddp.py. Exit 2 for a bad flag or a --checkpoint that names nothing
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     problem = checkpoint_choice_problem(args.ckpt, args.checkpoint)  # names nothing: told before the torch import
     if problem:
         print(f"export_hf: {one_line(problem)}", file=sys.stderr)
-        return 2  # utils.checkpoint.selection_exit_code of the same choice
+        return 2  # checkpoint.verify.selection_exit_code of the same choice
     from utils.errors import report_named
     from utils.writable import UnwritableDirError, check_writable_dir
     try:  # where the export goes (`<out_dir>.tmp/` renamed into place): exit 2 before the checkpoint is read
@@ -53,14 +53,16 @@ def main(argv: list[str] | None = None) -> int:
     from model.hf_interop import export_hf
     from model.lora import merge_lora, save_lora
     from trainer.weights import load_lora_base, model_from_checkpoint
-    from utils import checkpoint as ckpt
-    from utils.run_config import select_checkpoint
+    from checkpoint.verify import selection_exit_code
+    from utils.checkpoint_json import read_trainer_state
+    from utils.errors import CheckpointError, one_line
+    from checkpoint.select import select_checkpoint
 
     try:
         found = select_checkpoint(args.ckpt, args.checkpoint)
-    except ckpt.CheckpointError as e:  # 5: the checkpoint asked for is damaged; 2: it names nothing
-        print(f"export_hf: {ckpt.one_line(e)}", file=sys.stderr)
-        return ckpt.selection_exit_code(e, args.ckpt, args.checkpoint)
+    except CheckpointError as e:  # 5: the checkpoint asked for is damaged; 2: it names nothing
+        print(f"export_hf: {one_line(e)}", file=sys.stderr)
+        return selection_exit_code(e, args.ckpt, args.checkpoint)
     try:
         streamed = _export_sharded_streaming(found, args)
         if streamed is not None:
@@ -84,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if lora and args.adapters_out_dir:
         save_lora(model, args.adapters_out_dir, base_model_name_or_path=os.path.abspath(args.out_dir))
-        lora_base = ckpt.read_trainer_state(found).get("lora_base")
+        lora_base = read_trainer_state(found).get("lora_base")
         if lora_base:  # the frozen base as the run started (grown to the run's tokenizer when it was)
             base = load_lora_base(lora_base, found, log=lambda m: None)
         else:  # the frozen base weights, without the adapters (trained embedding / LM head rows included)
@@ -105,14 +107,14 @@ def _tokenizer_problem(tok_dir: str | None, vocab_size: int) -> tuple[int, str] 
     without a word, exit 3). (exit code, message), or None when it can."""
     from tokenizer.contract import TokenizerMetaError
     from tokenizer.loading import check_tokenizer_files, load_tokenizer_meta
-    from utils import checkpoint as ckpt
+    from utils.checkpoint_json import read_json
     meta_path = os.path.join(tok_dir, "tokenizer_meta.json") if tok_dir else ""
     if meta_path and os.path.isfile(meta_path):
         try:
             check_tokenizer_files(tok_dir, load_tokenizer_meta(tok_dir))
         except (TokenizerMetaError, OSError) as e:
             return 3, f"--tokenizer_dir={tok_dir}: {e}"
-        n_tok = int(ckpt.read_json(meta_path)["vocab_size"])
+        n_tok = int(read_json(meta_path)["vocab_size"])
         if n_tok > vocab_size:
             return 2, (f"--tokenizer_dir={tok_dir} has {n_tok} tokens, more than the model's vocabulary "
                        f"({vocab_size}); export with the tokenizer the run trained with")
@@ -124,15 +126,16 @@ def _export_sharded_streaming(found: str, args) -> int | None:
     directory, never holding the whole model. None when the checkpoint is not of that kind."""
     from model.config import read_model_config
     from model.hf_interop import export_hf_streaming
-    from parallel.checkpoint_io import is_sharded_checkpoint
-    from utils import checkpoint as ckpt
+    from checkpoint.reads import is_sharded_checkpoint
+    from utils.checkpoint_json import read_checkpoint_json
+    from utils.checkpoint_layout import RUN_CONFIG
     if not is_sharded_checkpoint(found):
         return None
-    run_cfg = ckpt.read_checkpoint_json(found, ckpt.RUN_CONFIG)
+    run_cfg = read_checkpoint_json(found, RUN_CONFIG)
     lora_rank = run_cfg.get("lora_rank", 0)
     if not isinstance(lora_rank, int) or lora_rank > 0 or args.adapters_out_dir:
         return None  # adapters are merged or split in memory: the general path below (it names a bad config.json)
-    from parallel.dcp_checkpoint import load_model_tensors, model_tensor_specs
+    from checkpoint.dcp import load_model_tensors, model_tensor_specs
     cfg = read_model_config(found)  # CheckpointError naming model_config.json: exit 5
     tok_dir = args.tokenizer_dir or run_cfg.get("tokenizer_dir")
     tok_dir = tok_dir if isinstance(tok_dir, str) else None

@@ -54,7 +54,7 @@ from utils.configurator import ConfigError, help_text, parse_config  # noqa: E40
 from utils.constants import EXIT_BAD_CONFIG, EXIT_OK  # noqa: E402
 from utils.dist import destroy, init_distributed  # noqa: E402
 from utils.errors import exit_code_for  # noqa: E402
-from utils.run_config import resolve_resume_config  # noqa: E402
+from checkpoint.select import resolve_resume_config  # noqa: E402
 
 
 def main(argv: list[str]) -> int:

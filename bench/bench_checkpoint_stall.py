@@ -7,7 +7,7 @@ Issue 35's goal: "async saves stall the step <= 0.2x of a synchronous save, at a
 dominates". One process on CPU, our DDP engine + AdamW (world size 1, fp32), built the trainer's way
 (parallel/build.build_engine from a TrainConfig). For each mode the same model (same seed) trains
 `--steps_between` optimizer steps (batch 1 x 64 tokens) between saves; the stall of a save is the wall time
-of the `engine.save(...)` call on the training thread, what a step waits for:
+of the save call (checkpoint/plain.py save_replicated) on the training thread, what a step waits for:
   sync   the whole protocol: files, fsync, manifest (sha256 of every file), publish, pruning;
   async  the wait for the previous background write (if it has not finished) + copying the state into the
          reused host buffers + creating step_N.tmp; the files are written by the writer thread meanwhile.
@@ -33,8 +33,12 @@ sys.path.insert(0, ROOT)
 from model import ModelConfig, Transformer  # noqa: E402
 from parallel.build import build_engine  # noqa: E402
 from trainer.config import TrainConfig  # noqa: E402
-from utils import checkpoint as ckpt  # noqa: E402
-from utils.async_checkpoint import AsyncCheckpointer  # noqa: E402
+from checkpoint.async_writer import AsyncCheckpointer  # noqa: E402
+from checkpoint.plain import save_replicated  # noqa: E402
+from checkpoint.protocol import SaveJob  # noqa: E402
+from checkpoint.rng import capture_rng_state  # noqa: E402
+from checkpoint.verify import find_latest_valid  # noqa: E402
+from utils.checkpoint_layout import step_dir_name  # noqa: E402
 from utils.disk_space import tree_bytes  # noqa: E402
 
 
@@ -69,9 +73,10 @@ def run(mode: str, args) -> dict:
     for i in range(1, args.saves + 1):
         step_times += [step(engine, g, args.vocab_size) for _ in range(args.steps_between)]
         t0 = time.perf_counter()
-        engine.save(out, i, rank=0, world_size=1, model_config=mcfg.to_dict(), trainer_state={"bench": i},
-                    run_config={"mode": mode}, extra_state={"rng": ckpt.capture_rng_state(torch.device("cpu"))},
-                    keep_last=2, barrier=lambda: None, log=lambda m: None, writer=writer)
+        save_replicated(engine, SaveJob(out, i, trainer_state={"bench": i}, model_config=mcfg.to_dict(),
+                                        run_config={"mode": mode},
+                                        extra_state={"rng": capture_rng_state(torch.device("cpu"))}, keep_last=2,
+                                        log=lambda m: None), writer)
         stalls.append(time.perf_counter() - t0)
         if writer is not None:
             waits.append(writer.last_wait_s)
@@ -84,8 +89,8 @@ def run(mode: str, args) -> dict:
         final_wait = time.perf_counter() - t0
         writes.append(writer.last_write_s)
         writer.close()
-    latest = ckpt.find_latest_valid(out, log=lambda m: None)
-    assert latest is not None and latest.endswith(ckpt.step_dir_name(args.saves)), latest
+    latest = find_latest_valid(out, log=lambda m: None)
+    assert latest is not None and latest.endswith(step_dir_name(args.saves)), latest
     size = tree_bytes(latest)
     shutil.rmtree(out, ignore_errors=True)
     return {"params": n_params, "stalls": stalls, "steps": step_times, "writes": writes, "waits": waits,

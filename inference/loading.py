@@ -16,16 +16,17 @@ if TYPE_CHECKING:
 def select_for_inference(ckpt_path: str, which: str, log: Callable[[str], None]) -> str:
     """A HF directory as it is, or the run's `which` checkpoint (verified). TrainingError with exit 5
     when what was asked for is damaged, 2 when it names nothing."""
+    from checkpoint.select import select_checkpoint
+    from checkpoint.verify import selection_exit_code
     from trainer.config import TrainingError
     from trainer.weights import is_hf_dir
-    from utils import checkpoint as ckpt
-    from utils.run_config import select_checkpoint
+    from utils.errors import CheckpointError, one_line
     if os.path.isdir(ckpt_path) and is_hf_dir(ckpt_path):
         return ckpt_path
     try:
         return select_checkpoint(ckpt_path, which, log=log)
-    except ckpt.CheckpointError as e:
-        raise TrainingError(ckpt.one_line(e), ckpt.selection_exit_code(e, ckpt_path, which)) from e
+    except CheckpointError as e:
+        raise TrainingError(one_line(e), selection_exit_code(e, ckpt_path, which)) from e
 
 
 def load_for_inference(ckpt_path: str, device: torch.device, which: str = "latest"):
@@ -40,13 +41,14 @@ def load_for_inference(ckpt_path: str, device: torch.device, which: str = "lates
 def recorded_tokenizer_dir(ckpt_path: str, which: str = "latest") -> Optional[str]:
     """The --tokenizer_dir the run trained with (from the checkpoint's config.json), or a HF dir's own."""
     from trainer.weights import is_hf_dir
-    from utils import checkpoint as ckpt
+    from utils.checkpoint_json import read_checkpoint_json
+    from utils.checkpoint_layout import RUN_CONFIG
     found = select_for_inference(ckpt_path, which, log=lambda m: None)
     if is_hf_dir(found):
         return found if os.path.exists(os.path.join(found, "tokenizer_meta.json")) else None
-    if not os.path.exists(os.path.join(found, ckpt.RUN_CONFIG)):
+    if not os.path.exists(os.path.join(found, RUN_CONFIG)):
         return None
-    tok = ckpt.read_checkpoint_json(found, ckpt.RUN_CONFIG).get("tokenizer_dir")
+    tok = read_checkpoint_json(found, RUN_CONFIG).get("tokenizer_dir")
     return tok if isinstance(tok, str) and tok else None
 
 

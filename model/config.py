@@ -103,11 +103,12 @@ def llama_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: Optional[fl
 
 def read_model_config(ckpt_dir: str) -> ModelConfig:
     """The ModelConfig recorded in a checkpoint's model_config.json, every value type-checked against the
-    field it sets (utils.checkpoint.CheckpointError naming the file and the key: never a TypeError from
+    field it sets (utils.errors.CheckpointError naming the file and the key: never a TypeError from
     the config's own checks)."""
     import typing
 
-    from utils.checkpoint import CheckpointError, read_checkpoint_json
+    from utils.checkpoint_json import read_checkpoint_json
+    from utils.errors import CheckpointError
     from utils.checkpoint_layout import MODEL_CONFIG
     from utils.configurator import ConfigError, coerce_value
     from utils.errors import one_line

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from optimizer.adamw import BucketAdamW
 from optimizer.base import GlobalNormOptimizer
 from optimizer.ddp_state import STATE_FORMAT, ddp_state_dict, load_ddp_state_dict  # noqa: F401 (STATE_FORMAT: its
-# readers import it from here, parallel/resume_across_engines.py among them)
+# readers import it from here, checkpoint/convert.py among them)
 from optimizer.muon import MuonState, is_muon_param
 from optimizer.optimizer_config import OptimizerConfig
 from optimizer.step_paths import choose_path

@@ -6,8 +6,8 @@ the one device mesh; transforms/: tensor parallel, activation checkpointing, com
 - distributed_data_parallel/: our DDP (contiguous parameter/gradient buffers, buckets, comm hooks);
   comm_hooks.py and powersgd.py its hooks (their collectives: utils/comm.py). The optimizers over those
   buffers, ZeRO-1/2 included, live in optimizer/, which never imports this package.
-- fsdp.py + dcp_checkpoint.py: torch FSDP2 (`fully_shard`) with its optimizer (optimizer/fsdp_optimizer.py),
-  sharded DCP checkpoints.
+- fsdp.py: torch FSDP2 (`fully_shard`) with its optimizer (optimizer/fsdp_optimizer.py); its sharded
+  DCP checkpoints are checkpoint/dcp.py's.
 - pipeline.py: pipeline stages (the Transformer pruned) on torch.distributed.pipelining, x data parallel.
 
 Importing the package imports no torch (the trainer's pre-check reads parallel/config.py before torch

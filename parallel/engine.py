@@ -10,8 +10,7 @@ parallel/build.py builds the one a ParallelConfig describes, and the trainer nev
     engine.optimizer.step()
     sums = engine.evaluate(batches, loss_fn)   # no gradients
     totals = engine.sum_over_data(values, device)  # each data-parallel replica counted once
-    engine.save(out_dir, step, ...)            # collective: every rank calls it
-    extra = engine.load(ckpt_dir, saved_world) # collective: weights, optimizer, comm-hook state
+    spec = engine.state_spec()                 # what it holds and how it is sharded (checkpoint/ writes the files)
 
 loss_fn(model, batch) -> (sum of the micro-batch's per-unit losses, {stat: sum}) is the task's loss
 (token CE, DPO); the engine decides how micro-batches run and how gradients are normalised (by
@@ -19,8 +18,12 @@ loss_fn(model, batch) -> (sum of the micro-batch's per-unit losses, {stat: sum})
 `engine.dp_rank` / `engine.dp_size` are the data-parallel coordinates the data loader must use;
 `engine.capabilities` what it declares it can do (parallel/config.py CAPABILITIES).
 
+Checkpoints: an engine exposes its state (`state_spec`: the objects holding the weights and the optimizer state
+and how they are sharded; `prepare_state`, `rank_state`), never files: checkpoint/manager.py's CheckpointManager
+saves and loads it in the format the spec's layout calls for.
+
 Owns: the interface, the step statistics' layout (step_fields), the shared micro-batch loop.
-Must never: run the training loop, or decide what the trainer's state holds.
+Must never: run the training loop, decide what the trainer's state holds, or read or write checkpoint files.
 """
 from __future__ import annotations
 
@@ -31,7 +34,6 @@ from typing import Any, Callable, ClassVar, Optional, Protocol, Sequence
 import torch
 from torch import nn
 
-from parallel.checkpoint_io import is_pipeline_checkpoint, read_pipeline_meta_safe
 from utils.dist import all_reduce_sum
 
 # loss_fn(model, batch) -> (sum of the per-unit losses of the micro-batch, {statistic: its sum, ...})
@@ -89,6 +91,36 @@ def zero_stats(stat_keys: Sequence[str] = ()) -> torch.Tensor:
     return torch.zeros(len(step_fields(stat_keys)), dtype=torch.float64)
 
 
+STATE_LAYOUTS = ("replicated", "dtensor", "stages")
+
+
+@dataclass
+class StateSpec:
+    """What an engine holds for a checkpoint and how it is sharded (checkpoint/ turns it into files and back).
+
+    layout "replicated": every rank holds the whole model (`model`, unwrapped); the optimizer's state is whole on
+           every rank or, with sharded_optimizer, one ZeRO shard per rank (our DDP)
+    layout "dtensor": `model` and `optimizer` hold DTensor shards over the mesh the model was wrapped on (FSDP2)
+    layout "stages": this rank holds one pipeline stage; the engine's state_dict() gathers it to full tensors and
+           load_state_dict() re-shards them; `stages` is the split (pipeline.json's fields) and this rank's place
+    """
+    layout: str
+    model: nn.Module                 # the module whose state_dict / load_state_dict are the weights
+    optimizer: Any                   # the optimizer whose state_dict / load_state_dict are its state
+    sharded_optimizer: bool = False  # one optimizer state per rank (ZeRO shards)
+    # LoRA runs whose frozen base is a file ({"source", "fingerprint"}): only the trainable tensors are state
+    lora_base: Optional[dict] = None
+    stages: Optional[dict] = None    # stages: pp_size, dp_size, tp_size, n_layers, layer_ranges, schedule,
+                                     # n_microbatches, dp_engine, sharded_optimizer; stage_index, dp_rank, tp_rank
+
+
+def trainable_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors a LoRA run changes: its trainable parameters (adapters, and the embedding / LM head
+    when they train). Everything else is the frozen base, which a light checkpoint references instead."""
+    trainable = {id(p) for p in module.parameters() if p.requires_grad}
+    return {k: v for k, v in module.state_dict(keep_vars=True).items() if id(v) in trainable}
+
+
 class TrainingEngine(Protocol):
     """What the trainer asks of an engine (one class per engine; parallel/build.py `build_engine` picks it)."""
     kind: str
@@ -108,17 +140,18 @@ class TrainingEngine(Protocol):
     def evaluate(self, batches: Sequence[dict], loss_fn: LossFn, count_units: Callable[[dict], int]) -> torch.Tensor: ...
     def sum_over_data(self, values: "list[float] | torch.Tensor", device: torch.device,
                       to_host: bool = True) -> torch.Tensor: ...
-    def resume_problem(self, ckpt_dir: str, saved_world: int, world_size: int) -> Optional[str]: ...
-    def save(self, out_dir: str, step: int, **kw: Any) -> str: ...
-    def load(self, ckpt_dir: str, saved_world: int, rank: int, world_size: int,
-             log: Callable[[str], None] = print) -> Optional[dict]: ...
+    def state_spec(self) -> StateSpec: ...
+    def prepare_state(self) -> None: ...
+    def rank_state(self) -> dict: ...
+    def load_rank_state(self, state: dict) -> None: ...
 
 
 @dataclass
 class Engine:
     """What every engine shares: micro-batches with gradient accumulation through a DDP-like wrapper
     (`no_sync`), forward-only evaluation, sums over the data-parallel replicas. Subclasses own the
-    reference-model layout and the checkpoint format: DDPEngine, FSDPEngine, PipelineParallelEngine."""
+    reference-model layout and say how their state is laid out (state_spec): DDPEngine, FSDPEngine,
+    PipelineParallelEngine."""
     kind: ClassVar[str] = "engine"
     capabilities: ClassVar[frozenset] = frozenset()  # parallel/config.py CAPABILITIES[kind]
     model: nn.Module                # our DistributedDataParallel (forward, no_sync(), train()) or the fully_shard-ed model
@@ -220,34 +253,18 @@ class Engine:
             values = t.zero_()
         return all_reduce_sum(values, device, to_host=to_host)
 
-    def resume_problem(self, ckpt_dir: str, saved_world: int, world_size: int) -> Optional[str]:
-        """Why this engine cannot resume `ckpt_dir` (saved by `saved_world` processes), or None. ddp and fsdp
-        resume each other's checkpoints (converted per parameter in their `load`); a pipeline checkpoint
-        resumes only under its own layout."""
-        if is_pipeline_checkpoint(ckpt_dir):
-            meta = read_pipeline_meta_safe(ckpt_dir)
-            return (f"{ckpt_dir} was written with --pipeline_parallel_size={meta.get('pp_size')}; resume it with "
-                    "that pipeline layout (or start a new run from it with --init_from=<that checkpoint>)")
-        return None
-
-    # ------------------------------------------------------------------ checkpoints (each engine's own format)
-    def save(self, out_dir: str, step: int, *, rank: int, world_size: int, model_config: dict,
-             trainer_state: dict, run_config: dict, extra_state: dict, keep_last: int,
-             barrier: Callable[[], None], fault_hook: Optional[Callable[[], None]] = None,
-             log: Callable[[str], None] = print, writer: Any = None) -> str:
-        """Collective: this step's checkpoint under out_dir/checkpoints, published atomically; its path.
-        writer (utils/async_checkpoint.AsyncCheckpointer, --async_checkpoint=true): wait for the previous save,
-        copy the state into the writer's host buffers here (collectives included), and let its background
-        thread write and publish; the path returned is where the checkpoint will appear."""
+    # ------------------------------------------------------------------ state (checkpoint/ saves and loads it)
+    def state_spec(self) -> StateSpec:
+        """What this engine holds and how it is sharded."""
         raise NotImplementedError
 
-    def load(self, ckpt_dir: str, saved_world: int, rank: int, world_size: int,
-             log: Callable[[str], None] = print) -> Optional[dict]:
-        """Weights, optimizer and comm-hook state of `ckpt_dir` into this engine; returns this rank's
-        extra state (RNG) or None. The model must already hold the LoRA base when the checkpoint is light.
-        Raises CheckpointError naming the file when a file is damaged, CheckpointMismatchError when an
-        intact checkpoint holds other tensor names or shapes than this model. A missing
-        extra_rank{r}.pt at the same world size is logged (through `log`, on every rank) and returns None."""
-        raise NotImplementedError
+    def prepare_state(self) -> None:
+        """Settle the state before it is read for a save (parameters gathered after an overlapped ZeRO step,
+        FSDP's gathered units freed after a forward-only pass)."""
 
+    def rank_state(self) -> dict:
+        """This rank's state besides the weights and the optimizer's (saved beside its RNG state)."""
+        return {}
 
+    def load_rank_state(self, state: dict) -> None:
+        """The inverse of rank_state()."""

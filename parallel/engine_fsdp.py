@@ -2,18 +2,18 @@
 builder, on the run's one device mesh (parallel/mesh.py): HSDP over ("dp_replicate", "dp_shard") with
 replicas, tensor (+ sequence) parallel inside over "tp" (applied as a transform first).
 
-Checkpoints: torch.distributed.checkpoint, sharded, no gather, loadable at any world size
-(parallel/dcp_checkpoint.py), in the same step_N/ layout, so listing, verification and pruning are shared.
-A --parallel=ddp checkpoint resumes here too: its weights and AdamW state converted per parameter name.
+State: DTensor shards of the weights and the optimizer's state over the mesh (checkpoint/dcp.py saves them with
+torch.distributed.checkpoint, no gather, loadable at any world size; checkpoint/convert.py converts a
+--parallel=ddp checkpoint per parameter name).
 
-Owns: this engine's wrapping, DPO reference layout, and checkpoint format.
+Owns: this engine's wrapping, DPO reference layout, and saying how its state is laid out.
 Must never: hold the micro-batch loop (parallel/engine.py's) or the optimizer's step (optimizer/).
 """
 from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Optional, Sequence
+from typing import Any, ClassVar, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -21,21 +21,16 @@ from torch import nn
 
 from optimizer import OptimizerConfig
 from optimizer.fsdp_optimizer import FSDPOptimizer
-from parallel.checkpoint_io import agreed_reads, is_sharded_checkpoint, load_extra_state, refuse_nonfinite_weights
 from parallel.config import CAPABILITIES, ParallelConfig
-from parallel.dcp_checkpoint import load_dcp_checkpoint, save_dcp_checkpoint
-from parallel.engine import Engine
+from parallel.engine import Engine, StateSpec
 from parallel.fsdp import no_sync, reshard, shard_on_mesh, validate_fsdp_options, wrap_fsdp
 from parallel.mesh import dp_mesh
-from parallel.resume_across_engines import load_full_state_into_fsdp, read_ddp_training_state
-from utils import checkpoint as ckpt
-from utils.checkpoint_layout import MODEL_CONFIG, RUN_CONFIG, TRAINER_STATE
 
 
 @dataclass
 class FSDPEngine(Engine):
-    """torch FSDP2 (`fully_shard` per block + root) + FSDPOptimizer (parallel/fsdp.py). Checkpoints:
-    torch.distributed.checkpoint, sharded, no gather, loadable at any world size (parallel/dcp_checkpoint.py)."""
+    """torch FSDP2 (`fully_shard` per block + root) + FSDPOptimizer (parallel/fsdp.py): DTensor shards of the
+    weights and the optimizer's state (checkpoint/dcp.py's format)."""
     kind: ClassVar[str] = "fsdp"
     capabilities: ClassVar[frozenset] = CAPABILITIES["fsdp"]
 
@@ -55,63 +50,11 @@ class FSDPEngine(Engine):
     def _after_forward_only(self) -> None:
         reshard(self.model)  # no backward follows to free what the forward gathered: free it now
 
-    def save(self, out_dir: str, step: int, *, rank: int, world_size: int, model_config: dict,
-             trainer_state: dict, run_config: dict, extra_state: dict, keep_last: int,
-             barrier: Callable[[], None], fault_hook: Optional[Callable[[], None]] = None,
-             log: Callable[[str], None] = print, writer: Any = None) -> str:
-        state = dict(trainer_state, step=step, world_size=world_size)
-        if writer is not None:  # --async_checkpoint: DCP's collectives here, the files in the background
-            from parallel.async_saves import save_dcp_checkpoint_async
-            return save_dcp_checkpoint_async(out_dir, ckpt.checkpoint_root(out_dir), step, self.model, self.optimizer,
-                                             json_files={TRAINER_STATE: state, MODEL_CONFIG: model_config,
-                                                         RUN_CONFIG: run_config},
-                                             rank_state=extra_state, writer=writer, keep_last=keep_last,
-                                             fault_hook=fault_hook, log=log)
-        path = save_dcp_checkpoint(ckpt.checkpoint_root(out_dir), step, self.model, self.optimizer,
-                                   json_files={TRAINER_STATE: state, MODEL_CONFIG: model_config,
-                                               RUN_CONFIG: run_config},
-                                   rank_state=extra_state, fault_hook=fault_hook)
-        if rank == 0:
-            ckpt.prune_checkpoints(out_dir, keep_last=keep_last, keep_best=True, log=log)
-        barrier()
-        return path
+    def state_spec(self) -> StateSpec:
+        return StateSpec("dtensor", self.model, self.optimizer, sharded_optimizer=True)
 
-    def load(self, ckpt_dir: str, saved_world: int, rank: int, world_size: int,
-             log: Callable[[str], None] = print) -> Optional[dict]:
-        problem = self.resume_problem(ckpt_dir, saved_world, world_size)
-        if problem:
-            raise ckpt.CheckpointError(problem)
-        if not is_sharded_checkpoint(ckpt_dir):
-            return self._load_ddp_checkpoint(ckpt_dir, saved_world, rank, world_size, log)
-        with agreed_reads(self.module):  # this rank's own file, before DCP's collective read
-            extra = load_extra_state(ckpt_dir, rank, saved_world, world_size, log)
-        load_dcp_checkpoint(ckpt_dir, self.model, self.optimizer)
-        refuse_nonfinite_weights(self.module, ckpt_dir)
-        return extra
-
-    def _load_ddp_checkpoint(self, ckpt_dir: str, saved_world: int, rank: int, world_size: int,
-                             log: Callable[[str], None]) -> Optional[dict]:
-        """A --parallel=ddp checkpoint resumed under FSDP2: every rank reads the full weights (the optimizer's
-        fp32 masters) and the AdamW state assembled from every optimizer_rank{r}.pt (ZeRO shards included),
-        and keeps its own shard of each (parallel/resume_across_engines.py)."""
-        with agreed_reads(self.module):
-            if ckpt.read_trainer_state(ckpt_dir).get("lora_base"):
-                raise ckpt.CheckpointError(f"checkpoint {ckpt_dir} holds only a LoRA run's trainable tensors (its "
-                                           "base is a file): resume it with --parallel=ddp")
-            weights, state, scalars = read_ddp_training_state(ckpt_dir)
-            extra = load_extra_state(ckpt_dir, rank, saved_world, world_size, log)
-        if scalars is None:
-            log(f"[resume] warning: {ckpt_dir} (--parallel=ddp) has no optimizer file: resuming its weights under "
-                "--parallel=fsdp with FRESH AdamW moments (the next steps differ from the uninterrupted run's)")
-        load_full_state_into_fsdp(self.model, self.optimizer, weights, state if scalars is not None else None, scalars,
-                                  ckpt_dir)
-        refuse_nonfinite_weights(self.module, ckpt_dir)
-        if scalars is not None:
-            log(f"[resume] {ckpt_dir} was written by --parallel=ddp: its weights and optimizer state (AdamW's "
-                "exp_avg, exp_avg_sq and step, Muon's momentum, per parameter) converted to --parallel=fsdp")
-        return extra
-
-
+    def prepare_state(self) -> None:
+        reshard(self.model)  # gathered parameters (left by a forward-only pass) are freed before the state is read
 
 
 def fsdp_with_optimizer(part: nn.Module, pc: ParallelConfig, opt_cfg: OptimizerConfig, *, dp_mesh: Any,

@@ -15,7 +15,7 @@ The task's loss runs on the last stage: its loss_fn(model, batch) gets, as `mode
 losses (parallel/pipeline.py LastStageOutput); DPO's chosen and rejected rows run through the stages as one
 micro-batch of 2B rows padded to one length, the frozen reference (a full copy on every rank) inside loss_fn.
 
-Owns: this engine's mesh use, stage wrapping, step, evaluation and checkpoint format.
+Owns: this engine's mesh use, stage wrapping, step, evaluation, and its state as full tensors.
 Must never: normalise the loss other than by the global target units (sum over micro-batches and dp
 replicas; ranks of one pp group hold the same data and are counted once), clip with a norm that misses
 another stage's parameters, hold the stage split or build the schedule (parallel/pipeline.py's).
@@ -24,31 +24,22 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import time
 from typing import Any, Callable, ClassVar, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from optimizer import OptimizerConfig
-from parallel.checkpoint_io import (damaged_file_hint, is_pipeline_checkpoint, load_extra_state,
-                                    read_pipeline_meta_safe, refuse_nonfinite_weights)
 from parallel.config import CAPABILITIES, ParallelConfig
-from parallel.engine import Engine, LossFn, stat_row, step_fields
+from parallel.engine import Engine, LossFn, StateSpec, stat_row, step_fields
 from parallel.engine_ddp import ddp_with_optimizer
 from parallel.engine_fsdp import fsdp_with_optimizer
 from parallel.fsdp import reshard
 from parallel.mesh import counts_in_sums
-from parallel.pipeline import (FORMAT, META_FILE, SEGMENTS, LastStageOutput, PipelineStageModule, build_schedule,
-                               pipeline_stage_module, read_pipeline_meta, split_layers, validate_pipeline_options)
-from utils import checkpoint as ckpt
-from utils.checkpoint_layout import TRAINER_STATE, stage_model_file, stage_optimizer_file
+from parallel.pipeline import (SEGMENTS, LastStageOutput, PipelineStageModule, build_schedule, pipeline_stage_module,
+                               split_layers, validate_pipeline_options)
 from utils.constants import IGNORE_INDEX
-from utils.publish import fsync_file, make_temp_dir
 
 
 def _full(t: Any) -> Any:
@@ -251,7 +242,7 @@ class PipelineParallelEngine(Engine):
             dist.broadcast(row, src=dist.get_global_rank(self.pp_group, self.pp_size - 1), group=self.pp_group)
         return row
 
-    # ------------------------------------------------------------------ stage state and files
+    # ------------------------------------------------------------------ stage state (checkpoint/pipeline.py's files)
     def _sharded_files(self, optimizer: Any = None) -> bool:
         """One optimizer file per dp rank (ZeRO's flat shards); FSDP state is gathered to one file."""
         return self.dp_engine == "ddp" and bool(getattr(optimizer or self.optimizer, "sharded", False))
@@ -280,122 +271,14 @@ class PipelineParallelEngine(Engine):
         self.module.load_state_dict(sd["model"])
         self.optimizer.load_state_dict(sd["optimizer"])
 
-    def write_stage_files(self, dir_path: str) -> None:
-        """Collective over the mesh: this stage's files into the existing directory `dir_path` (dp rank 0
-        writes the stage's weights `stage{s}_model.safetensors` and, unless ZeRO shards it,
-        `stage{s}_optimizer_dp0.pt`; ZeRO: every dp rank its own), fsynced; global rank 0 also writes
-        `pipeline.json`. Returns after every rank has written (a barrier). Publishing the directory is `save`'s."""
-        self.write_stage_state(dir_path, self.state_dict(), dist.get_rank())
-        dist.barrier()
-
-    def write_stage_state(self, dir_path: str, sd: dict, global_rank: int, copy: bool = True) -> None:
-        """The files of write_stage_files from a state_dict() (no collective: the background writer of
-        --async_checkpoint calls it with host snapshots, copy=False)."""
-        s = self.stage_index
-        first = self.dp_rank == 0 and self.tp_rank == 0  # one writer per stage (the tensors are gathered)
-        if first:
-            path = os.path.join(dir_path, stage_model_file(s))
-            tensors = {k: v.to("cpu").contiguous().clone() for k, v in sd["model"].items()} if copy else sd["model"]
-            save_file(tensors, path, metadata={"format": "pt", "stage": str(s)})
-            fsync_file(path)
-        if first or self._sharded_files():
-            path = os.path.join(dir_path, stage_optimizer_file(s, self.dp_rank))
-            torch.save(sd["optimizer"], path)
-            fsync_file(path)
-        if global_rank == 0:
-            ckpt.write_json(os.path.join(dir_path, META_FILE), {
-                "format": FORMAT, "pp_size": self.pp_size, "dp_size": self.dp_size, "tp_size": self.tp_size,
-                "n_layers": self.n_layers, "layer_ranges": [list(r) for r in self.layer_ranges],
-                "schedule": self.schedule_name, "n_microbatches": self.n_microbatches,
-                "dp_engine": self.dp_engine, "sharded_optimizer": self._sharded_files()})
-
-    def load_stage_files(self, ckpt_dir: str) -> None:
-        """This stage's weights and optimizer state from a checkpoint of the same pipeline split (pp size,
-        layer ranges) and dp engine, at any dp size (ZeRO shards are re-sharded)."""
-        meta = read_pipeline_meta(ckpt_dir)
-        if meta["pp_size"] != self.pp_size or [tuple(r) for r in meta["layer_ranges"]] != list(self.layer_ranges):
-            raise ValueError(f"checkpoint {ckpt_dir} has {meta['pp_size']} stage(s) with layers "
-                             f"{meta['layer_ranges']}; this run has {self.pp_size} with {self.layer_ranges}: resume "
-                             f"at the same pipeline_parallel_size (or merge_stage_checkpoints() it to one model "
-                             f"and start from that)")
-        if meta.get("dp_engine", "ddp") != self.dp_engine:
-            raise ValueError(f"checkpoint {ckpt_dir} was written with dp engine {meta.get('dp_engine')!r}; this run "
-                             f"uses {self.dp_engine!r} (the optimizer states differ; the weights can be taken with "
-                             f"merge_stage_checkpoints())")
-        sharded = self._sharded_files()
-        if sharded != bool(meta["sharded_optimizer"]):
-            raise ValueError(f"checkpoint {ckpt_dir}: optimizer layout (sharded={meta['sharded_optimizer']}) differs "
-                             f"from this run's (sharded={sharded}): resume with the same --use_distributed_optimizer")
-        s = self.stage_index
-
-        def opt_file(r: int) -> dict:
-            return torch.load(os.path.join(ckpt_dir, stage_optimizer_file(s, r)), map_location="cpu",
-                              weights_only=True)
-        if not sharded:  # one file per stage whatever the dp size (FSDP's state is gathered to it)
-            opt = opt_file(0)
-        elif int(meta["dp_size"]) == self.dp_size:
-            opt = opt_file(self.dp_rank)
-        else:  # ZeRO shards of another dp size: every saved shard, re-sharded by the optimizer
-            opt = [opt_file(r) for r in range(int(meta["dp_size"]))]
-        self.load_state_dict({"model": load_file(os.path.join(ckpt_dir, stage_model_file(s))),
-                              "optimizer": opt})
-
-    # ------------------------------------------------------------------ the trainer's checkpoints
-    def resume_problem(self, ckpt_dir: str, saved_world: int, world_size: int) -> Optional[str]:
-        if not is_pipeline_checkpoint(ckpt_dir):
-            return (f"{ckpt_dir} was written without pipeline parallelism; resume it with --pipeline_parallel_size=1 "
-                    "(or start a new pipeline run from its weights with --init_from=<that checkpoint>)")
-        meta = read_pipeline_meta_safe(ckpt_dir)
-        saved = (meta.get("pp_size"), meta.get("dp_size"), meta.get("dp_engine", "ddp"))
-        if (saved[0], saved[2]) != (self.pp_size, self.dp_engine):
-            return (f"{ckpt_dir} was written on a pipeline mesh of pp={saved[0]} x dp={saved[1]} ({saved[2]}), this "
-                    f"run is pp={self.pp_size} x dp={self.dp_size} ({self.dp_engine}): a pipeline checkpoint resumes "
-                    "with the same number of stages and dp engine, at any dp size (to change the stages, start a "
-                    "new run with --init_from=<that checkpoint>)")
-        return None
-
-    def save(self, out_dir: str, step: int, *, rank: int, world_size: int, model_config: dict,
-             trainer_state: dict, run_config: dict, extra_state: dict, keep_last: int,
-             barrier: Callable[[], None], fault_hook: Optional[Callable[[], None]] = None,
-             log: Callable[[str], None] = print, writer: Any = None) -> str:
-        """Collective. The stages' files + per-rank RNG into step_N.tmp/, then rank 0 publishes it
-        (manifest, COMPLETE, fsync, atomic rename: utils/checkpoint.publish_checkpoint_dir) and prunes.
-        Always full stage files (no light LoRA checkpoints)."""
-        if writer is not None:
-            from parallel.async_saves import save_pipeline_async
-            return save_pipeline_async(self, out_dir, step, rank, world_size, model_config, trainer_state, run_config,
-                                       extra_state, keep_last, barrier, fault_hook, log, writer)
-        root = ckpt.checkpoint_root(out_dir)
-        final, tmp = ckpt.step_dir_paths(root, step)
-        # a write that does not fit (disk full, a file-size limit): the partial step_N.tmp removed, exit 7
-        with ckpt.save_guard(root, step, check_space=rank == 0):
-            if rank == 0:
-                make_temp_dir(final)  # one left by a crash was never complete: dropped
-            barrier()
-            self.write_stage_files(tmp)  # collective over the mesh (FSDP gathers the stage's tensors)
-            ckpt.write_extra_and_configs(tmp, rank, extra_state, model_config, run_config, fault_hook)
-            barrier()  # every rank has written and fsynced its files
-            if rank == 0:
-                ckpt.write_json(os.path.join(tmp, TRAINER_STATE),
-                                dict(trainer_state, step=step, world_size=world_size, saved_at=time.time()))
-                ckpt.publish_checkpoint_dir(tmp, final, step)
-                ckpt.prune_checkpoints(out_dir, keep_last=keep_last, keep_best=True, log=log)
-        barrier()
-        return final
-
-    def load(self, ckpt_dir: str, saved_world: int, rank: int, world_size: int,
-             log: Callable[[str], None] = print) -> Optional[dict]:
-        problem = self.resume_problem(ckpt_dir, saved_world, world_size)
-        if problem:
-            raise ckpt.CheckpointError(problem)
-        try:
-            self.load_stage_files(ckpt_dir)
-        except (ValueError, KeyError, TypeError, OSError, EOFError, RuntimeError, SafetensorError) as e:
-            if isinstance(e, torch.OutOfMemoryError):
-                raise
-            raise ckpt.CheckpointError(f"checkpoint {ckpt_dir}: {damaged_file_hint(ckpt_dir, e)}") from e
-        refuse_nonfinite_weights(self.module, ckpt_dir)
-        return load_extra_state(ckpt_dir, rank, saved_world, world_size, log)
+    def state_spec(self) -> StateSpec:
+        """The stage split (what pipeline.json records) and this rank's place in it; state_dict() gathers."""
+        return StateSpec("stages", self.module, self.optimizer, sharded_optimizer=self._sharded_files(),
+                         stages={"pp_size": self.pp_size, "dp_size": self.dp_size, "tp_size": self.tp_size,
+                                 "n_layers": self.n_layers, "layer_ranges": [list(r) for r in self.layer_ranges],
+                                 "schedule": self.schedule_name, "n_microbatches": self.n_microbatches,
+                                 "dp_engine": self.dp_engine, "sharded_optimizer": self._sharded_files(),
+                                 "stage_index": self.stage_index, "dp_rank": self.dp_rank, "tp_rank": self.tp_rank})
 
 
 def pipeline_stage_of(model: torch.nn.Module, pc: ParallelConfig, opt_cfg: OptimizerConfig, mesh: Any,

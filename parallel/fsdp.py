@@ -12,7 +12,7 @@ trainer's engine is built by parallel/build.py).
 Must never: change the model's dtype (the sharded parameters stay fp32: they ARE the optimizer's
 masters; bf16/fp16 exist only as FSDP's compute copies), or accept options that only our DDP
 implements (comm hooks, ZeRO flags, overlap_optim_step) silently.
-Sharded checkpoints live in parallel/dcp_checkpoint.py.
+Sharded checkpoints of it are checkpoint/dcp.py's.
 """
 from __future__ import annotations
 

@@ -5,15 +5,15 @@ the Transformer pruned as torchtitan does, run by Transformer.forward itself; th
 `embed_tokens`, the last `norm` + `lm_head` and computes the model's per-token losses), the checks of a pipeline's
 options (`validate_pipeline_options`), what the task's loss_fn sees of the last stage's output
 (`LastStageOutput`: per-token losses by row group), building this rank's `PipelineStage` + schedule (`build_schedule`:
-`ScheduleGPipe` / `Schedule1F1B`, by name), and reading per-stage checkpoints (`read_pipeline_meta`) and
-merging them into one full state dict with the model's own key names (for export).
+`ScheduleGPipe` / `Schedule1F1B`, by name), and merging the stages' state dicts into one with the model's own key
+names (`merge_stage_state_dicts`; checkpoint/pipeline.py reads per-stage checkpoint files with it).
 
     stage_module = pipeline_stage_module(model, stage_index, num_stages)
     stage, schedule = build_schedule(wrapped_stage, stage_index, num_stages, device, pp_group,
                                      n_microbatches, "1f1b", loss_fn)
-    full_sd = merge_stage_checkpoints(ckpt_dir)
+    full_sd = merge_stage_state_dicts([stage_0_state_dict, stage_1_state_dict, ...])
 
-The engine that runs them (mesh, DDP / FSDP per stage, optimizer, step, checkpoints) is
+The engine that runs them (mesh, DDP / FSDP per stage, optimizer, step, state) is
 parallel/engine_pipeline.py's `PipelineParallelEngine`.
 
 Must never: hold an optimizer, a mesh or a step, or silently accept a layout it cannot run (tied
@@ -21,19 +21,14 @@ embeddings across stages, a layer count that does not split, fewer micro-batches
 """
 from __future__ import annotations
 
-import json
-import os
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn as nn
 
 from model.llama import Transformer
-from utils.checkpoint_layout import COMPLETE_MARKER, PIPELINE_META, stage_model_file
 
 SCHEDULES = ("gpipe", "1f1b")
-FORMAT = 1
-META_FILE = PIPELINE_META  # utils/checkpoint_layout.py: the layout is written there once
 
 
 # ---------------------------------------------------------------------------- splitting
@@ -190,19 +185,6 @@ def build_schedule(wrapped: nn.Module, stage_index: int, num_stages: int, device
     return stage, sched_cls(stage, n_microbatches, loss_fn=loss_fn, scale_grads=False)
 
 
-# ---------------------------------------------------------------------------- per-stage checkpoints
-
-def read_pipeline_meta(ckpt_dir: str) -> dict:
-    path = os.path.join(ckpt_dir, META_FILE)
-    if not os.path.isfile(os.path.join(ckpt_dir, COMPLETE_MARKER)) or not os.path.isfile(path):
-        raise ValueError(f"{ckpt_dir} is not a complete pipeline checkpoint (no {COMPLETE_MARKER} / {META_FILE})")
-    with open(path) as f:
-        meta = json.load(f)
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{path}: unknown pipeline checkpoint format {meta.get('format')}")
-    return meta
-
-
 def merge_stage_state_dicts(stage_states: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """The stages' state dicts (keys are already the full model's) as one dict; a key held by two
     stages is an error (it would mean a weight shared across stages)."""
@@ -212,17 +194,4 @@ def merge_stage_state_dicts(stage_states: Sequence[dict[str, torch.Tensor]]) -> 
             if k in full:
                 raise ValueError(f"tensor {k} is held by two pipeline stages (stage {s} and an earlier one)")
             full[k] = v
-    return full
-
-
-def merge_stage_checkpoints(ckpt_dir: str) -> dict[str, torch.Tensor]:
-    """One process, no process group: the full model state dict of a pipeline checkpoint, with the
-    Transformer's key names (load it with Transformer.load_state_dict, or export it to HF)."""
-    from safetensors.torch import load_file
-    meta = read_pipeline_meta(ckpt_dir)
-    full = merge_stage_state_dicts([load_file(os.path.join(ckpt_dir, stage_model_file(s)))
-                                    for s in range(meta["pp_size"])])
-    layers = {int(k.split(".")[1]) for k in full if k.startswith("layers.")}
-    if layers != set(range(meta["n_layers"])):
-        raise ValueError(f"{ckpt_dir}: the stages hold layers {sorted(layers)}, expected 0..{meta['n_layers'] - 1}")
     return full

@@ -100,7 +100,7 @@ def build_model(work: str) -> tuple[str, str]:
     from model import ModelConfig, Transformer
     from scripts.corpus_slice import write_corpus_slice
     from tokenizer.train_tokenizer import train_tokenizer
-    from utils import checkpoint as ckpt
+    from checkpoint.plain import SaveRequest, save_checkpoint
     corpus = write_corpus_slice(os.path.join(work, "corpus"), docs=40, chars=1500)
     tok_dir = os.path.join(work, "tok")
     train_tokenizer(corpus, tok_dir, vocab_size=512)
@@ -109,10 +109,10 @@ def build_model(work: str) -> tuple[str, str]:
     m = Transformer(ModelConfig(vocab_size=meta["vocab_size"], dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
                                 hidden_dim=128, max_seq_len=256, initializer_range=0.2))
     run = os.path.join(work, "run")
-    req = ckpt.SaveRequest(step=1, rank=0, world_size=1, model_state=m.state_dict(), model_config=m.cfg.to_dict(),
-                           optimizer_state=None, extra_state={}, trainer_state={},
-                           run_config={"lora_rank": 0, "tokenizer_dir": tok_dir})
-    ckpt.save_checkpoint(run, req, keep_last=1, log=lambda s: None)
+    req = SaveRequest(step=1, rank=0, world_size=1, model_state=m.state_dict(), model_config=m.cfg.to_dict(),
+                      optimizer_state=None, extra_state={}, trainer_state={},
+                      run_config={"lora_rank": 0, "tokenizer_dir": tok_dir})
+    save_checkpoint(run, req, keep_last=1, log=lambda s: None)
     hf = os.path.join(work, "hf")
     assert export_hf.main([f"--ckpt={run}", f"--out_dir={hf}"]) == 0
     return run, hf

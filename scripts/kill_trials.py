@@ -149,8 +149,8 @@ def common_args(data: dict) -> list[str]:
 
 
 def results(out_dir: str) -> tuple[dict[int, float], dict]:
-    from parallel.checkpoint_io import checkpoint_model_state
-    from utils.checkpoint import find_latest_valid
+    from checkpoint.weights import checkpoint_model_state
+    from checkpoint.verify import find_latest_valid
     from utils.metrics import dedupe_by_step, read_metrics
     losses = {s: r["loss"] for s, r in dedupe_by_step(read_metrics(os.path.join(out_dir, "metrics.jsonl"))).items()}
     return losses, checkpoint_model_state(find_latest_valid(out_dir, log=lambda m: None))

@@ -14,6 +14,10 @@ LAYERS = {
     "tokenizer": 1, "model": 1,
     "data_preprocess": 2, "optimizer": 2,  # optimizer/ steps over parallel/'s DDP by duck typing only
     "parallel": 3, "dataset": 3, "evals": 3,
+    # one package owns checkpoint files: it reads the engines' state (parallel/engine.py StateSpec) and the optimizers'
+    # state formats, and the trainer saves through its manager; the torch-free names and sidecar schema that lower
+    # layers read (model/config.py, the supervisor, the pre-checks) stay in utils/checkpoint_layout.py, checkpoint_json.py
+    "checkpoint": 4,
     "trainer": 5,  # the trainer's pieces (config, start, loop, task, weights, samples, faults)
     "monitor": 5,  # the supervisor's pieces under monitor_process.py (torch-free: imports utils/ only)
     # loading a trained model for inference (the checkpoint a --ckpt/--checkpoint names, the recorded tokenizer):

@@ -30,13 +30,15 @@ from trainer.config import TrainConfig, TrainingError, max_iters_for_epochs, one
 from trainer.faults import fire_step_faults, fires, save_fault_hook, spike_fault, spiked, step_fault_due
 from trainer.console import line_due, rank0_log
 from trainer.samples import build_sampler
-from trainer.validation import validate_config
 from trainer.start import (Progress, build_model, choose_trainable, decide_start, dpo_reference, place_on_engine,
                            restore, set_threads)
 from trainer.task import build_data, build_task_evaluator, count_tokens, evaluate, prefetch_depth, task_of
-from utils import checkpoint as ckpt
+from trainer.validation import validate_config
+from checkpoint.files import write_run_start
+from checkpoint.manager import CheckpointManager
+from checkpoint.rng import restore_rng_state
+from utils.checkpoint_layout import RUN_CONFIG
 from utils import run_lock
-from utils.async_checkpoint import AsyncCheckpointer
 from utils.configurator import save_config_json
 from utils.constants import (EXIT_BAD_CONFIG, EXIT_BAD_DATA, EXIT_INTERRUPTED, EXIT_LOSS_SPIKE, EXIT_NONFINITE_LOSS,
                              EXIT_OK)
@@ -85,7 +87,11 @@ def train(cfg: TrainConfig, info: DistInfo, continues: Optional[bool] = None, ma
     depth = prefetch_depth(cfg, info.device)
     if depth:  # the next batches drawn (and pinned for a GPU) on a thread while the step runs; same batches, same cursor
         train_loader = PrefetchLoader(train_loader, depth, pin=is_accelerator(info.device), device=info.device)
-    progress = restore(cfg, info, engine, train_loader, start, log)
+    # the engine's, the optimizer's and this loop's state in checkpoints (checkpoint/manager.py)
+    checkpoints = CheckpointManager(engine, cfg.out_dir, rank=info.rank, world_size=info.world_size,
+                                    device=info.device, keep_last=cfg.keep_last, async_writes=cfg.async_checkpoint,
+                                    log=log, barrier=barrier)
+    progress = restore(cfg, info, engine, checkpoints, train_loader, start, log)
     if cfg.num_train_epochs > 0:  # max_iters from the epochs, unless --max_iters was given (now or when the run began)
         given = max_iters_given or start.saved_state.get("max_iters_from") == "max_iters"
         cfg.max_iters, line = max_iters_for_epochs(cfg.num_train_epochs, train_loader.num_samples,
@@ -96,13 +102,13 @@ def train(cfg: TrainConfig, info: DistInfo, continues: Optional[bool] = None, ma
         cfg.warmup_iters, how = resolve_warmup(cfg.warmup_iters, cfg.warmup_ratio, cfg.max_iters, cfg.task_type)
         log(f"[schedule] warmup {cfg.warmup_iters} steps ({how})")
     if info.is_main:
-        save_config_json(cfg, os.path.join(cfg.out_dir, ckpt.RUN_CONFIG))
+        save_config_json(cfg, os.path.join(cfg.out_dir, RUN_CONFIG))
     metrics = MetricsLogger(cfg.out_dir, enabled=info.is_main, tensorboard=cfg.tensorboard, log=log,
                             wandb=cfg.wandb, wandb_project=cfg.wandb_project, wandb_run_name=cfg.wandb_run_name,
                             run_config=dataclasses.asdict(cfg),
                             resume_step=progress.step if start.continues else None)
-    loop = Loop(cfg, info, engine, ref_model, model_cfg, train_loader, make_val_loader, metrics, progress, init_info,
-                log)
+    loop = Loop(cfg, info, engine, checkpoints, ref_model, model_cfg, train_loader, make_val_loader, metrics, progress,
+                init_info, log)
     loop.tuner = tuner
     loop.quiet_lines = not log_interval_given
     loop.announce(saved_max_iters=int(start.saved_cfg.get("max_iters") or 0))
@@ -118,9 +124,9 @@ def train(cfg: TrainConfig, info: DistInfo, continues: Optional[bool] = None, ma
         signal.signal(sig, on_signal)
 
     if start.run_start is not None and info.is_main:  # only now: a start that fails in set-up leaves no trace
-        ckpt.write_run_start(cfg.out_dir, start.run_start)
+        write_run_start(cfg.out_dir, start.run_start)
     if progress.rng is not None:  # last thing before the loop: set-up above may draw random numbers
-        ckpt.restore_rng_state(progress.rng, info.device)
+        restore_rng_state(progress.rng, info.device)
     engine.model.train()
     try:
         while progress.step < cfg.max_iters:
@@ -171,9 +177,10 @@ class Loop:
     through the engine, the optimizer step, the spike guard, the log line, evaluation, samples and
     checkpoints. The same for every task and engine (parallel/engine.py hides which one runs)."""
 
-    def __init__(self, cfg: TrainConfig, info: DistInfo, engine, ref_model, model_cfg, train_loader, make_val_loader,
-                 metrics: MetricsLogger, progress: Progress, init_info: dict, log) -> None:
+    def __init__(self, cfg: TrainConfig, info: DistInfo, engine, checkpoints: CheckpointManager, ref_model, model_cfg,
+                 train_loader, make_val_loader, metrics: MetricsLogger, progress: Progress, init_info: dict, log) -> None:
         self.cfg, self.info, self.engine, self.ref_model, self.model_cfg = cfg, info, engine, ref_model, model_cfg
+        self.checkpoints = checkpoints
         self.train_loader, self.make_val_loader, self.metrics = train_loader, make_val_loader, metrics
         self.progress, self.init_info, self.log = progress, init_info, log
         self.flops_per_token = flops_per_token(model_cfg, cfg.max_seq_len)
@@ -203,9 +210,6 @@ class Loop:
         self.quiet_lines = True  # time-based lines between the --log_interval ones (when not a terminal)
         self.t_loop_start = time.time()
         self._eta_from: Optional[tuple[float, int]] = None  # (time, step) after the warm-up steps: the ETA's base
-        # --async_checkpoint: the background writer and its reused host buffers (utils/async_checkpoint.py)
-        self.writer = AsyncCheckpointer(log, rank=info.rank, world_size=info.world_size, device=info.device) \
-            if cfg.async_checkpoint else None
 
     def restart_clock(self) -> None:
         """After evaluation, a checkpoint or samples: none of that time is charged to the next step."""
@@ -407,8 +411,8 @@ class Loop:
         return (now - t0) / (step - s0) * max(0, self.cfg.max_iters - step)
 
     def save(self, val_loss: Optional[float]) -> None:
-        """A checkpoint of this step (engine.save: every rank, atomic publish, keep_last)."""
-        cfg, info, p = self.cfg, self.info, self.progress
+        """A checkpoint of this step (CheckpointManager.save: every rank, atomic publish, keep_last)."""
+        cfg, p = self.cfg, self.progress
         state = {"data_cursor": self.train_loader.state_dict(),
                  "best_val_loss": None if p.best_val == float("inf") else p.best_val,
                  "val_loss": val_loss, "tokens_seen": p.tokens_seen, "init_info": self.init_info,
@@ -418,17 +422,15 @@ class Loop:
             state["max_iters_from"] = p.max_iters_from
         if self.guard is not None:  # the running window: a resumed run judges its steps as an uninterrupted one
             state["spike_guard"] = self.guard.state_dict()
-        fault = save_fault_hook(p.step, self.writer is not None, lambda: os.kill(os.getpid(), signal.SIGKILL))
+        background = self.checkpoints.writer is not None
+        fault = save_fault_hook(p.step, background, lambda: os.kill(os.getpid(), signal.SIGKILL))
         t0 = time.perf_counter()
-        path = self.engine.save(cfg.out_dir, p.step, rank=info.rank, world_size=info.world_size,
-                                model_config=self.model_cfg.to_dict(), trainer_state=state,
-                                run_config=dataclasses.asdict(cfg),
-                                extra_state={"rng": ckpt.capture_rng_state(info.device)}, keep_last=cfg.keep_last,
-                                barrier=barrier, fault_hook=fault, log=self.log, writer=self.writer)
-        if self.writer is None:
+        path = self.checkpoints.save(p.step, trainer_state=state, model_config=self.model_cfg.to_dict(),
+                                     run_config=dataclasses.asdict(cfg), fault_hook=fault)
+        if not background:
             self.log(f"[checkpoint] step {p.step} -> {path}")
         else:  # the writer thread logs the publish
-            waited = self.writer.last_wait_s
+            waited = self.checkpoints.last_wait_s
             self.log(f"[checkpoint] step {p.step}: waited {waited:.2f} s for the previous write, state copied to host "
                      f"memory in {time.perf_counter() - t0 - waited:.2f} s, writing {path} in the background")
 
@@ -436,15 +438,13 @@ class Loop:
         """--async_checkpoint: wait for the write in flight (end of the run, SIGTERM); a failed write raises
         here (DiskFullError exit 7, else a crash). failing: the run is already ending on another error, so
         the write is waited for (a newer checkpoint for the restart) and its error only logged."""
-        if self.writer is not None:
-            self.writer.wait(agree=not failing, raise_errors=not failing)
+        self.checkpoints.wait(failing)
 
     def close(self) -> None:
         close_loader = getattr(self.train_loader, "close", None)  # --prefetch_batches: its thread
         if close_loader is not None:
             close_loader()
-        if self.writer is not None:
-            self.writer.close()  # waited for already (finish_saves); frees the host buffers
+        self.checkpoints.close()  # waited for already (finish_saves); frees the host buffers
         if self.pbar is not None:
             self.pbar.close()
         self.metrics.close()

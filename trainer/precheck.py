@@ -127,7 +127,7 @@ def validated_with_torch(cfg: TrainConfig) -> bool:
 
 
 def _saved_config_under(asked: TrainConfig, argv: list[str]) -> Optional[TrainConfig]:
-    """The configuration a continuing run resolves (utils.run_config.resolve_resume_config): the saved
+    """The configuration a continuing run resolves (checkpoint.select.resolve_resume_config): the saved
     one with argv over it, --resume as asked. None when a saved value does not read back: the full
     path names that."""
     import dataclasses

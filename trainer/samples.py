@@ -90,7 +90,7 @@ class TrainSampler:
         import torch
 
         from model.generate import generate
-        from utils.checkpoint import capture_rng_state, restore_rng_state
+        from checkpoint.rng import capture_rng_state, restore_rng_state
         saved = capture_rng_state(device)
         generator = None
         if self.temperature > 0:  # the same samples at this step whenever (and however often) it is run

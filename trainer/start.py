@@ -21,12 +21,16 @@ from model.config import read_model_config
 from model.kernels import describe_choice, flash_attn_functions
 from model.lora import trainable_parameters
 from parallel.build import build_engine, describe_layout
-from parallel.checkpoint_io import base_fingerprint
+from checkpoint.reads import base_fingerprint
 from trainer.config import (KERNEL_CHOICES, TrainConfig, TrainingError, continues_run, existing_run_error,
-                            nothing_to_continue_error, one_line, parallel_section, resume_flag)
+                            nothing_to_continue_error, parallel_section, resume_flag)
 from trainer.tasks import task_class
 from trainer.weights import check_lora_base, load_lora_base, load_weights_from, select_trainable_for
-from utils import checkpoint as ckpt
+from checkpoint.files import read_run_start
+from checkpoint.verify import find_latest_valid, list_checkpoints
+from utils.checkpoint_json import read_json, read_trainer_state
+from utils.checkpoint_layout import RUN_CONFIG, RUN_START, checkpoint_root, parse_step
+from utils.errors import CheckpointError, CheckpointMismatchError, one_line
 from utils.constants import EXIT_BAD_CHECKPOINT, EXIT_BAD_CONFIG
 from utils.device import low_precision_cpu_warning, parse_dtype
 from utils.dist import DistInfo, barrier
@@ -68,28 +72,28 @@ def start_without_checkpoint(cfg: TrainConfig, log) -> tuple[str, str]:
     Returns (what to start from, where that came from, for messages).
     """
     flag = resume_flag(cfg)
-    found = ckpt.list_checkpoints(cfg.out_dir)
+    found = list_checkpoints(cfg.out_dir)
     if found:
         raise TrainingError(f"{flag}: none of the {len(found)} checkpoint(s) in "
-                            f"{ckpt.checkpoint_root(cfg.out_dir)} is complete and undamaged (see the messages "
+                            f"{checkpoint_root(cfg.out_dir)} is complete and undamaged (see the messages "
                             "above); restore one, or start a new run in another --out_dir", EXIT_BAD_CHECKPOINT)
-    record = ckpt.read_run_start(cfg.out_dir)
+    record = read_run_start(cfg.out_dir)
     if record is not None:
         if record.get("task_type", cfg.task_type) != cfg.task_type:
-            raise TrainingError(f"{flag}: {os.path.join(cfg.out_dir, ckpt.RUN_START)} records a "
+            raise TrainingError(f"{flag}: {os.path.join(cfg.out_dir, RUN_START)} records a "
                                 f"{record['task_type']} run, not --task_type={cfg.task_type}", EXIT_BAD_CONFIG)
         log(f"[resume] no checkpoint in {cfg.out_dir} yet: starting as the run did, from {record['init_from']} "
-            f"(recorded in {ckpt.RUN_START}; {flag})")
+            f"(recorded in {RUN_START}; {flag})")
         asked = record.get("requested_init_from")
         same = isinstance(asked, str) and os.path.abspath(asked) == os.path.abspath(cfg.init_from)
         if cfg.init_from != "resume" and isinstance(asked, str) and not same:
             log(f"[resume] note: this command says --init_from={cfg.init_from}, the recorded run started from "
                 f"{asked}; to start over from {cfg.init_from}, pass --resume=never or use another --out_dir")
-        return record["init_from"], f"the start recorded in {os.path.join(cfg.out_dir, ckpt.RUN_START)}:"
+        return record["init_from"], f"the start recorded in {os.path.join(cfg.out_dir, RUN_START)}:"
     if cfg.resume_fallback:
         log(f"[resume] no checkpoint in {cfg.out_dir} yet: starting from --resume_fallback={cfg.resume_fallback}")
         return cfg.resume_fallback, "--resume_fallback"
-    raise nothing_to_continue_error(cfg, ckpt.checkpoint_root(cfg.out_dir))
+    raise nothing_to_continue_error(cfg, checkpoint_root(cfg.out_dir))
 
 
 @dataclasses.dataclass
@@ -125,15 +129,15 @@ def decide_start(cfg: TrainConfig, info: DistInfo, continues: Optional[bool], lo
     barrier()  # every rank has decided before rank 0 records this start (run_start.json)
     start = Start(continues, init_from=cfg.init_from)
     if continues:
-        start.resume_dir = ckpt.find_latest_valid(cfg.out_dir, log=log)
+        start.resume_dir = find_latest_valid(cfg.out_dir, log=log)
         if start.resume_dir is not None:
-            step = ckpt.parse_step(os.path.basename(start.resume_dir))
+            step = parse_step(os.path.basename(start.resume_dir))
             log(f"[resume] continuing {cfg.out_dir} from step {step} ({resume_flag(cfg)})")
             # else exit 5 naming the file
-            start.saved_state = ckpt.read_trainer_state(start.resume_dir, required=("step", "world_size"))
+            start.saved_state = read_trainer_state(start.resume_dir, required=("step", "world_size"))
         else:  # as run_start.json records (or --resume_fallback), else exit 2 / 5
             start.init_from, start.init_flag = start_without_checkpoint(cfg, log)
-    elif ckpt.list_checkpoints(cfg.out_dir):  # --resume=never
+    elif list_checkpoints(cfg.out_dir):  # --resume=never
         raise existing_run_error(cfg)
     else:
         if info.is_main and os.path.exists(os.path.join(cfg.out_dir, "metrics.jsonl")):
@@ -262,17 +266,17 @@ def place_on_engine(cfg: TrainConfig, info: DistInfo, model, ref_model, log, thr
     return engine, ref_model
 
 
-def restore(cfg: TrainConfig, info: DistInfo, engine, train_loader, start: Start, log) -> Progress:
+def restore(cfg: TrainConfig, info: DistInfo, engine, checkpoints, train_loader, start: Start, log) -> Progress:
     """A continued run's weights, optimizer (sharded under ZeRO), comm-hook state, data cursor and the
     loop's counters; a new run's counters at zero. --skip_data_steps joins the saved skip list."""
     progress = Progress()
     if start.resume_dir is not None:
         resume_dir, saved = start.resume_dir, start.saved_state
-        saved_cfg = start.saved_cfg = ckpt.read_json(os.path.join(resume_dir, ckpt.RUN_CONFIG))
+        saved_cfg = start.saved_cfg = read_json(os.path.join(resume_dir, RUN_CONFIG))
         saved_dp = parallel_section(SimpleNamespace(**saved_cfg)).data_parallel_size(int(saved["world_size"]))
         problem = global_batch_problem(saved_cfg, cfg.batch_size, cfg.gradient_accumulation_steps, saved_dp,
                                        engine.dp_size) \
-            or engine.resume_problem(resume_dir, int(saved["world_size"]), info.world_size)
+            or checkpoints.resume_problem(resume_dir, int(saved["world_size"]))
         if problem:
             raise TrainingError(f"cannot resume {resume_dir}: {problem}", EXIT_BAD_CONFIG)
         saved_opt = saved_cfg.get("optimizer", "adamw")  # runs older than --optimizer were AdamW's
@@ -280,7 +284,7 @@ def restore(cfg: TrainConfig, info: DistInfo, engine, train_loader, start: Start
             raise TrainingError(f"cannot resume {resume_dir}: it was trained with --optimizer={saved_opt}, this run "
                                 f"has --optimizer={cfg.optimizer}; switching the optimizer on resume is refused",
                                 EXIT_BAD_CONFIG)
-        extra = _load_checkpoint(cfg, info, engine, resume_dir, saved, saved_cfg)
+        extra = _load_checkpoint(cfg, info, checkpoints, resume_dir, saved, saved_cfg)
         new_data = [k for k in DATA_KEYS if k in saved_cfg and not same_value(k, saved_cfg[k], getattr(cfg, k))]
         saved_n = saved["data_cursor"].get("num_samples") if isinstance(saved.get("data_cursor"), dict) else None
         if not new_data and saved_n is not None and int(saved_n) != train_loader.num_samples:
@@ -325,22 +329,22 @@ def restore(cfg: TrainConfig, info: DistInfo, engine, train_loader, start: Start
     return progress
 
 
-def _load_checkpoint(cfg: TrainConfig, info: DistInfo, engine, resume_dir: str, saved: dict,
+def _load_checkpoint(cfg: TrainConfig, info: DistInfo, checkpoints, resume_dir: str, saved: dict,
                      saved_cfg: dict) -> Optional[dict]:
-    """engine.load of a continued checkpoint; its extra state (RNG), or None when extra_rank{r}.pt is
+    """CheckpointManager.load of a continued checkpoint; its extra state (RNG), or None when extra_rank{r}.pt is
     missing (logged). A damaged file raises CheckpointError naming it (exit 5); weights that do not fit
     the model are exit 5, or exit 2 naming the --lora_* / --trainable flags changed since the run began."""
     try:
-        return engine.load(resume_dir, int(saved["world_size"]), info.rank, info.world_size,
-                           log=lambda m: print(m if info.is_main else f"[rank {info.rank}] {m}", flush=True))
-    except ckpt.CheckpointMismatchError as e:  # other tensor names or shapes than this model's
+        return checkpoints.load(resume_dir, int(saved["world_size"]),
+                                log=lambda m: print(m if info.is_main else f"[rank {info.rank}] {m}", flush=True))
+    except CheckpointMismatchError as e:  # other tensor names or shapes than this model's
         changed = [f"--{k}" for k in ("lora_rank", "lora_targets", "lora_train_embeddings", "trainable")
                    if k in saved_cfg and saved_cfg[k] != getattr(cfg, k)]
         if not changed:  # the run's own configuration builds this model: the file, not the flags, is wrong
-            raise ckpt.CheckpointError(f"{ckpt.one_line(e)} (the model is built from the checkpoint's own "
-                                       "model_config.json and config.json: the file is damaged)") from e
+            raise CheckpointError(f"{one_line(e)} (the model is built from the checkpoint's own "
+                                  "model_config.json and config.json: the file is damaged)") from e
         raise TrainingError(f"the weights in {resume_dir} do not fit the model this configuration builds "
-                            f"({', '.join(changed)} changed since the run started): {ckpt.one_line(e)}",
+                            f"({', '.join(changed)} changed since the run started): {one_line(e)}",
                             EXIT_BAD_CONFIG) from e
 
 

@@ -6,7 +6,7 @@ it extends the model's own), `model_from_checkpoint` (a checkpoint of any engine
 as the run configured them), the LoRA base of a light checkpoint and its fingerprint check, and which
 parameters a run trains (`select_trainable_for`).
 Layer: beside the three commands, above `parallel/` (a checkpoint's weights are read through the
-engine that wrote them: parallel.checkpoint_io.checkpoint_model_state), so it is not in `model/`.
+engine that wrote them: checkpoint.weights.checkpoint_model_state), so it is not in `model/`.
 Must never: import the trainer, write anything, or start a process group.
 """
 from __future__ import annotations
@@ -14,7 +14,10 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
-from utils import checkpoint as ckpt
+from checkpoint.verify import resolve_checkpoint_dir, selection_exit_code
+from utils.checkpoint_json import read_checkpoint_json, read_trainer_state
+from utils.checkpoint_layout import RUN_CONFIG
+from utils.errors import CheckpointError
 from utils.constants import EXIT_BAD_CHECKPOINT, EXIT_BAD_CONFIG
 from utils.errors import TrainingError, one_line
 from utils.run_dir import no_weights_detail
@@ -33,9 +36,10 @@ def model_from_checkpoint(found: str) -> tuple[Any, dict]:
     """
     from model import Transformer
     from model.config import read_model_config
-    from parallel.checkpoint_io import checkpoint_model_state, load_weights
-    run_cfg = ckpt.read_checkpoint_json(found, ckpt.RUN_CONFIG)
-    lora_base = ckpt.read_trainer_state(found).get("lora_base")
+    from checkpoint.reads import load_weights
+    from checkpoint.weights import checkpoint_model_state
+    run_cfg = read_checkpoint_json(found, RUN_CONFIG)
+    lora_base = read_trainer_state(found).get("lora_base")
     if lora_base:  # a light checkpoint: the frozen base comes from where the run took it
         model = load_lora_base(lora_base, found, log=lambda m: None)
     else:
@@ -43,8 +47,8 @@ def model_from_checkpoint(found: str) -> tuple[Any, dict]:
     try:
         select_trainable_for(model, run_cfg)
     except (ValueError, TypeError, AttributeError) as e:
-        raise ckpt.CheckpointError(f"checkpoint {found}: config.json: its LoRA / trainable settings do not apply "
-                                   f"({one_line(e)})") from e
+        raise CheckpointError(f"checkpoint {found}: config.json: its LoRA / trainable settings do not apply "
+                              f"({one_line(e)})") from e
     if lora_base:
         check_lora_base(model, lora_base, found)
     load_weights(model, checkpoint_model_state(found), partial=bool(lora_base), source=found)
@@ -70,10 +74,10 @@ def load_lora_base(lora_base: dict, where: str, log) -> Any:
 
 def check_lora_base(model, lora_base: dict, where: str) -> None:
     """The frozen base under the adapters must be the one the run trained on (same tensors, bit for bit)."""
-    from parallel.checkpoint_io import base_fingerprint
+    from checkpoint.reads import base_fingerprint
     if base_fingerprint(model) != lora_base["fingerprint"]:
-        raise ckpt.CheckpointError(f"checkpoint {where}: the LoRA base at {lora_base['source']} is not the one the run "
-                                   "trained on (its fingerprint changed); restore that base, or re-train the adapters")
+        raise CheckpointError(f"checkpoint {where}: the LoRA base at {lora_base['source']} is not the one the run "
+                              "trained on (its fingerprint changed); restore that base, or re-train the adapters")
 
 
 def load_weights_from(path: str, log, flag: str = "--init_from",
@@ -109,15 +113,15 @@ def load_weights_from(path: str, log, flag: str = "--init_from",
                     "(specials, reserved) from the mean of all rows; old rows unchanged")
         return model, info
     if which != "latest" and os.path.isdir(path):
-        from utils.run_config import select_checkpoint
+        from checkpoint.select import select_checkpoint
         try:
             found = select_checkpoint(path, which, log=log)
-        except ckpt.CheckpointError as e:
+        except CheckpointError as e:
             raise TrainingError(f"{where} --init_checkpoint={which}: {one_line(e)}",
-                                ckpt.selection_exit_code(e, path, which)) from e
+                                selection_exit_code(e, path, which)) from e
         role += f" (--init_checkpoint={which})"
     else:
-        found = ckpt.resolve_checkpoint_dir(path, log=log) if os.path.isdir(path) else None
+        found = resolve_checkpoint_dir(path, log=log) if os.path.isdir(path) else None
     if found is None:
         raise TrainingError(f"{where}: no complete checkpoint or Hugging Face model there"
                             f"{no_weights_detail(path) if os.path.isdir(path) else ''}", EXIT_BAD_CONFIG)

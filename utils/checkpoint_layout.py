@@ -1,8 +1,8 @@
 """The checkpoint directory layout, written once: every name a run directory's checkpoints use.
 
 Owns: the names (and only the names) of `<out_dir>/checkpoints/step_XXXXXXXX/` and the files in it,
-for every engine: our DDP format (utils/checkpoint.py), the sharded DCP format (parallel/dcp_checkpoint.py,
-utils/dcp_files.py) and the pipeline stages' files, plus the run directory's `run_start.json` and
+for every format: plain (checkpoint/plain.py), sharded DCP (checkpoint/dcp.py, checkpoint/dcp_files.py) and
+the pipeline stages' files (checkpoint/pipeline.py), plus the run directory's `run_start.json` and
 `config.json`. The trainer, the monitor, sample.py, eval_lm.py, export_hf.py and the scripts read the
 layout from here; none of them spells a name itself.
 
@@ -25,7 +25,7 @@ layout from here; none of them spells a name itself.
         stage{s}_model.safetensors, stage{s}_optimizer_dp{r}.pt   pipeline: per-stage files
 
 Must never: import torch or anything that does (the commands' pre-checks and the monitor read it
-before torch), touch the filesystem (utils/run_dir.py looks, utils/checkpoint.py reads and writes).
+before torch), touch the filesystem (utils/run_dir.py looks, checkpoint/ reads and writes).
 """
 from __future__ import annotations
 

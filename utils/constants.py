@@ -10,7 +10,7 @@ SAMPLE_TOP_K = 50
 SAMPLE_TOP_P = None
 
 # The most optimizer steps a run may take (--max_iters and the step flags, trainer/config.py) and so the most a
-# checkpoint's trainer_state.json may record (utils/checkpoint.py); --num_train_epochs' bound.
+# checkpoint's trainer_state.json may record (utils/checkpoint_json.py); --num_train_epochs' bound.
 MAX_STEPS = 10 ** 9
 MAX_EPOCHS = 10 ** 6
 

@@ -7,7 +7,7 @@ them a value is a typo or a damaged file, e.g. "n_layers": 1000000 or --dim=1048
 refuses it), `param_count` (the Llama2 formula of model/llama.py, without
 building it) and `fit_problem` (the fp32 weights alone against the memory the device has free: CPU via
 psutil, an accelerator via utils/device.py free_memory_bytes, imported only there).
-Used by trainer.validation.validate_config (the command line: exit 2) and utils/checkpoint.read_checkpoint_json
+Used by trainer.validation.validate_config (the command line: exit 2) and utils/checkpoint_json.read_checkpoint_json
 (a checkpoint's model_config.json: exit 5).
 Must never: import torch at module level or any package above utils/ (the torch-free pre-check uses it).
 """

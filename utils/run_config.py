@@ -1,22 +1,18 @@
-"""What a run directory says about its run: the configuration a resume starts from, and which
-checkpoint a command means by `latest`, `best` or `step_N`.
-
-Owns: rebuilding a run's configuration from the JSON it saved (never executed), applying the
-command line over it, naming every value that changed, and refusing the changes that would break
-an exact resume (the model's shape, the sequence length, the global batch, the data, unless
-allowed). Also `select_checkpoint`, used by sample.py and export_hf.py.
+"""A resumed run's configuration against the one it saved: rebuilding it from the saved JSON (never
+executed), naming every value the command line changed, and refusing the changes that would break an
+exact resume (the model's shape, the sequence length, the global batch, the data, unless allowed).
+Which saved configuration a resume starts from, and which checkpoint `latest`, `best` or `step_N`
+means, are checkpoint/select.py's (it reads the checkpoints).
 Must never: exec a saved file, or silently drop a saved value that the current code still knows.
 """
 from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import typing
-from typing import Any, Callable, Optional, Sequence, TypeVar
+from typing import Any, Callable, Optional, TypeVar
 
-from utils.configurator import ConfigError, coerce_value, parse_config
-from utils import checkpoint as ckpt
+from utils.configurator import coerce_value
 
 T = TypeVar("T")
 
@@ -34,24 +30,6 @@ LORA_SCALE_KEYS = ("lora_alpha",)
 PATH_KEYS = ("data_dir", "tokenizer_dir", "out_dir", "ref_model")
 # Where the run came from is history, not a setting to re-apply: a resume keeps --init_from=resume.
 NOT_RESTORED = ("init_from",)
-
-
-def saved_run_config(run_dir: str) -> tuple[Optional[dict], Optional[str]]:
-    """(the configuration dict a resume should start from, the file it came from).
-
-    The newest valid checkpoint's config.json first (it matches the weights being resumed), else
-    the run directory's config.json (a run that stopped before its first checkpoint)."""
-    found = ckpt.find_latest_valid(run_dir, log=lambda s: None) if os.path.isdir(run_dir) else None
-    for path in ([os.path.join(found, ckpt.RUN_CONFIG)] if found else []) + [os.path.join(run_dir, ckpt.RUN_CONFIG)]:
-        if os.path.isfile(path):
-            try:
-                data = ckpt.read_json(path)
-            except (OSError, ValueError) as e:
-                raise ConfigError(f"{path}: unreadable saved configuration ({e})") from e
-            if not isinstance(data, dict):
-                raise ConfigError(f"{path}: saved configuration is not a JSON object")
-            return data, path
-    return None, None
 
 
 def config_from_saved(defaults: T, saved: dict, source: str, log: Callable[[str], None] = print) -> T:
@@ -123,77 +101,3 @@ def global_batch_problem(saved: dict, new_batch: int, new_accum: int, old_dp: in
                 f"{new_accum} x {new_dp} = {new}; keep the product equal (e.g. halve --batch_size when "
                 "doubling the processes)")
     return None
-
-
-def resolve_resume_config(defaults: T, argv: Sequence[str], run_dir: str,
-                          log: Callable[[str], None] = print, allow_field: str = "allow_data_change") -> tuple[T, Optional[str]]:
-    """The configuration of `--init_from=resume`: the saved run's, with argv applied over it.
-
-    Returns (config, source file or None when the run saved nothing). Raises ConfigError naming
-    each flag whose change would break the resume. Logs one line listing every changed value.
-    """
-    saved, source = saved_run_config(run_dir)
-    fresh = parse_config(defaults, argv)
-    if saved is None:
-        return fresh, None
-    base = config_from_saved(defaults, saved, source, log)
-    cfg = parse_config(base, argv)
-    changes = {k: v for k, v in changed_values(base, cfg).items() if k not in NOT_RESTORED and k != allow_field}
-    problems = resume_problems(changes, bool(getattr(cfg, allow_field, False)))
-    if problems:
-        raise ConfigError("cannot resume " + run_dir + " with these changes: " + "; ".join(problems))
-    if changes:
-        log("[resume] configuration from " + source + "; changed on the command line: " +
-            ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in sorted(changes.items())))
-    else:
-        log(f"[resume] configuration from {source} (nothing changed on the command line)")
-    return cfg, source
-
-
-# ---------------------------------------------------------------- choosing a checkpoint
-
-_STEP = re.compile(r"^step_?(\d+)$")
-
-
-def select_checkpoint(path: str, which: str = "latest", log: Callable[[str], None] = print) -> str:
-    """A verified checkpoint directory of a run: `latest` (newest valid), `best` (lowest validation
-    loss among valid ones) or `step_N` / `N`. `path` may also be a checkpoint directory itself
-    (then `which` must be `latest`). Raises CheckpointError with what exists when none matches."""
-    which = (which or "latest").strip()
-    if os.path.isfile(os.path.join(path, ckpt.MANIFEST)) or os.path.isfile(os.path.join(path, ckpt.COMPLETE_MARKER)):
-        if which != "latest":
-            raise ckpt.CheckpointError(f"{path} is one checkpoint; --checkpoint={which} needs the run directory")
-        found = ckpt.resolve_checkpoint_dir(path, log=log)
-        assert found is not None
-        return found
-    all_ckpts = ckpt.list_checkpoints(path)
-    names = ", ".join(os.path.basename(p) for _, p in all_ckpts) or "none"
-    if which == "latest":
-        found = ckpt.find_latest_valid(path, log=log)
-        if found is None:
-            raise ckpt.CheckpointError(f"{path}: no complete checkpoint (found: {names})")
-        return found
-    if which == "best":
-        best, best_path = float("inf"), None
-        for _, p in all_ckpts:
-            if ckpt.verify_checkpoint(p) is not None:
-                continue
-            v = ckpt.read_json(os.path.join(p, ckpt.TRAINER_STATE)).get("val_loss")
-            if isinstance(v, (int, float)) and v < best:
-                best, best_path = float(v), p
-        if best_path is None:
-            raise ckpt.CheckpointError(f"{path}: no valid checkpoint has a validation loss (found: {names}); "
-                                       "use --checkpoint=latest")
-        log(f"[checkpoint] best: {best_path} (val_loss {best:.4f})")
-        return best_path
-    m = _STEP.match(which) or (re.match(r"^(\d+)$", which))
-    if not m:
-        raise ckpt.CheckpointError(f"--checkpoint={which!r}: expected latest, best or step_N")
-    step = int(m.group(1))
-    for s, p in all_ckpts:
-        if s == step:
-            problem = ckpt.verify_checkpoint(p)
-            if problem:
-                raise ckpt.DamagedCheckpointError(f"checkpoint {p} is not usable: {problem}")
-            return p
-    raise ckpt.CheckpointError(f"{path}: no checkpoint at step {step} (found: {names})")

@@ -4,8 +4,8 @@ how the run started, its saved configuration, and whether a directory is a Huggi
 Owns: the torch-free look at `<out_dir>/checkpoints/step_N/`, `run_start.json` and `config.json` that
 lets the commands answer a mistake before they import torch (train_my_ddp.py's pre-check in
 trainer/config.py, sample.py and export_hf.py): a `--checkpoint=` that names nothing, a `--ckpt` that is
-not there, whether `--resume=auto` continues a run. The names are utils/checkpoint.py's.
-Must never: import torch, verify, load or modify a checkpoint (utils/checkpoint.py does: what exists
+not there, whether `--resume=auto` continues a run. The names are utils/checkpoint_layout.py's.
+Must never: import torch, verify, load or modify a checkpoint (checkpoint/ does: what exists
 but may be damaged is left to it), or decide anything a checkpoint's contents would decide.
 """
 from __future__ import annotations
@@ -45,7 +45,7 @@ def misnamed_step(path: str, step: int) -> Optional[int]:
 
 def listed_checkpoints(out_dir: str) -> list[tuple[int, str]]:
     """(step, path) of every checkpoints/step_N directory, newest first, unverified
-    (utils.checkpoint.list_checkpoints)."""
+    (checkpoint.verify.list_checkpoints)."""
     root = checkpoint_root(out_dir)
     try:
         names = os.listdir(root)
@@ -138,8 +138,8 @@ def saved_config(out_dir: str) -> Optional[dict]:
 
 
 def checkpoint_choice_problem(path: str, which: str) -> Optional[str]:
-    """The message of utils.run_config.select_checkpoint(path, which) when it can be told without
-    opening a checkpoint that the choice names nothing (those are exit 2: utils.checkpoint.
+    """The message of checkpoint.select.select_checkpoint(path, which) when it can be told without
+    opening a checkpoint that the choice names nothing (those are exit 2: checkpoint.verify.
     selection_exit_code): a malformed `which`; `latest`, `best` or `step_N` of a run (or a path) with
     no such checkpoint; anything but `latest` of one checkpoint directory. None when the full path must decide (it verifies
     what exists: a damaged checkpoint is exit 5 there)."""

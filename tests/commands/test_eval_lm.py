@@ -15,7 +15,7 @@ import torch
 import eval_lm
 import export_hf
 from model import ModelConfig, Transformer
-from utils import checkpoint as ckpt
+from checkpoint.plain import SaveRequest, save_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
@@ -35,10 +35,10 @@ def run(tmp_path_factory):
     torch.manual_seed(0)
     m = Transformer(ModelConfig(vocab_size=meta["vocab_size"], dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
                                 hidden_dim=64, max_seq_len=256, initializer_range=0.2))
-    req = ckpt.SaveRequest(step=1, rank=0, world_size=1, model_state=m.state_dict(), model_config=m.cfg.to_dict(),
-                           optimizer_state=None, extra_state={}, trainer_state={},
-                           run_config={"lora_rank": 0, "tokenizer_dir": str(d / "tok")})
-    ckpt.save_checkpoint(str(d / "run"), req, keep_last=1, log=lambda s: None)
+    req = SaveRequest(step=1, rank=0, world_size=1, model_state=m.state_dict(), model_config=m.cfg.to_dict(),
+                      optimizer_state=None, extra_state={}, trainer_state={},
+                      run_config={"lora_rank": 0, "tokenizer_dir": str(d / "tok")})
+    save_checkpoint(str(d / "run"), req, keep_last=1, log=lambda s: None)
     assert export_hf.main([f"--ckpt={d / 'run'}", f"--out_dir={d / 'hf'}"]) == 0
     return d
 
@@ -373,8 +373,8 @@ def test_the_out_destination_is_checked_before_the_model_and_a_missing_directory
 
 def _model(run):
     from model.config import read_model_config
-    from parallel.checkpoint_io import checkpoint_model_state
-    from utils.checkpoint import find_latest_valid
+    from checkpoint.weights import checkpoint_model_state
+    from checkpoint.verify import find_latest_valid
     d = find_latest_valid(str(run / "run"), log=lambda m: None)
     m = Transformer(read_model_config(d))
     m.load_state_dict(checkpoint_model_state(d))

@@ -10,16 +10,18 @@ from safetensors.torch import load_file
 
 import export_hf
 from model import ModelConfig, Transformer
-from utils import checkpoint as ckpt
+from checkpoint.plain import SaveRequest, save_checkpoint
+from checkpoint.verify import list_checkpoints, sha256_file
+from utils.checkpoint_json import read_json, write_json
 
 
 def _save(run, step, val_loss):
     torch.manual_seed(step)
     m = Transformer(ModelConfig(vocab_size=64, dim=16, n_layers=1, n_heads=2, hidden_dim=32, max_seq_len=16))
-    req = ckpt.SaveRequest(step=step, rank=0, world_size=1, model_state=m.state_dict(), model_config=m.cfg.to_dict(),
-                           optimizer_state=None, extra_state={}, trainer_state={"val_loss": val_loss},
-                           run_config={"lora_rank": 0, "tokenizer_dir": ""})
-    ckpt.save_checkpoint(str(run), req, keep_last=10, log=lambda s: None)
+    req = SaveRequest(step=step, rank=0, world_size=1, model_state=m.state_dict(), model_config=m.cfg.to_dict(),
+                      optimizer_state=None, extra_state={}, trainer_state={"val_loss": val_loss},
+                      run_config={"lora_rank": 0, "tokenizer_dir": ""})
+    save_checkpoint(str(run), req, keep_last=10, log=lambda s: None)
     return m.embed_tokens.weight.detach().clone()
 
 
@@ -46,14 +48,14 @@ def test_sample_picks_the_checkpoint_and_the_recorded_tokenizer(tmp_path, monkey
     run = tmp_path / "run"
     w = {s: _save(run, s, v) for s, v in ((10, 3.0), (20, 2.0))}
     # point the runs' recorded tokenizer at a real one
-    for _, p in ckpt.list_checkpoints(str(run)):
-        cfg = ckpt.read_json(os.path.join(p, "config.json"))
+    for _, p in list_checkpoints(str(run)):
+        cfg = read_json(os.path.join(p, "config.json"))
         cfg["tokenizer_dir"] = tiny_pretrain_data["tokenizer_dir"]
-        ckpt.write_json(os.path.join(p, "config.json"), cfg)
-        m = ckpt.read_json(os.path.join(p, "manifest.json"))  # keep the manifest true
+        write_json(os.path.join(p, "config.json"), cfg)
+        m = read_json(os.path.join(p, "manifest.json"))  # keep the manifest true
         m["config.json"] = {"bytes": os.path.getsize(os.path.join(p, "config.json")),
-                            "sha256": ckpt._sha256(os.path.join(p, "config.json"))}
-        ckpt.write_json(os.path.join(p, "manifest.json"), m)
+                            "sha256": sha256_file(os.path.join(p, "config.json"))}
+        write_json(os.path.join(p, "manifest.json"), m)
     assert recorded_tokenizer_dir(str(run)) == tiny_pretrain_data["tokenizer_dir"]
     seen = {}
 
@@ -95,10 +97,10 @@ def _chat_run(tmp_path):
         loss.backward()
         opt.step()
     run = tmp_path / "run"
-    req = ckpt.SaveRequest(step=1, rank=0, world_size=1, model_state=m.state_dict(), model_config=m.cfg.to_dict(),
-                           optimizer_state=None, extra_state={}, trainer_state={},
-                           run_config={"lora_rank": 0, "tokenizer_dir": tok_dir})
-    ckpt.save_checkpoint(str(run), req, keep_last=1, log=lambda s: None)
+    req = SaveRequest(step=1, rank=0, world_size=1, model_state=m.state_dict(), model_config=m.cfg.to_dict(),
+                      optimizer_state=None, extra_state={}, trainer_state={},
+                      run_config={"lora_rank": 0, "tokenizer_dir": tok_dir})
+    save_checkpoint(str(run), req, keep_last=1, log=lambda s: None)
     return run, tok_dir, tok, meta
 
 
@@ -174,7 +176,7 @@ def test_a_tokenizer_file_that_changed_is_named_by_export_and_sample(tmp_path, t
     torch.manual_seed(0)
     m = Transformer(ModelConfig(vocab_size=meta["vocab_size"], dim=16, n_layers=1, n_heads=2, hidden_dim=32,
                                 max_seq_len=16))
-    ckpt.save_checkpoint(str(run), ckpt.SaveRequest(
+    save_checkpoint(str(run), SaveRequest(
         step=1, rank=0, world_size=1, model_state=m.state_dict(), model_config=m.cfg.to_dict(), optimizer_state=None,
         extra_state={}, trainer_state={}, run_config={"lora_rank": 0, "tokenizer_dir": str(tok)}),
         keep_last=1, log=lambda s: None)

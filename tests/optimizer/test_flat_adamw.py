@@ -264,7 +264,8 @@ def test_the_trainer_with_it_resumes_exactly(tiny_pretrain_run_args, tmp_path, m
     import os
 
     from tests.conftest import child_env, run_trainer, train_cmd
-    from utils.checkpoint import find_latest_valid, load_model_state
+    from checkpoint.files import load_model_state
+    from checkpoint.verify import find_latest_valid
     from utils.metrics import dedupe_by_step, read_metrics
     args = [*tiny_pretrain_run_args, "--max_iters=6", "--dtype=bf16", "--grad_clip=0.5",
             f"--optimizer_state_dtype={moments}"]

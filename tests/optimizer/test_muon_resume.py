@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from tests.conftest import child_env, run_cmd, run_trainer, train_cmd
-from utils.checkpoint import find_latest_valid, load_model_state
+from checkpoint.files import load_model_state
+from checkpoint.verify import find_latest_valid
 from utils.constants import EXIT_BAD_CONFIG
 from utils.metrics import dedupe_by_step, read_metrics
 

@@ -10,7 +10,7 @@ import torch
 from tests.conftest import run_cmd, run_trainer
 from tests.trainer.test_end_to_end import _env, final_weights, losses, train_cmd
 from tests.trainer.test_tensor_parallel_runs import _one_line_error
-from utils.checkpoint import find_latest_valid
+from checkpoint.verify import find_latest_valid
 
 
 def test_cp2_follows_one_process_and_resumes_at_cp1_and_back(tiny_pretrain_run_args, tmp_path):

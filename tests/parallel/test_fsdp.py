@@ -1,4 +1,4 @@
-"""FSDP2 engine (parallel/fsdp.py) and DCP sharded checkpoints (parallel/dcp_checkpoint.py), CPU + gloo.
+"""FSDP2 engine (parallel/fsdp.py) and DCP sharded checkpoints (checkpoint/dcp.py), CPU + gloo.
 
 One 4-process spawn does all the distributed work (a world of 4, a sub-group of ranks {0, 1} as a
 world of 2, a sub-group {0} as a world of 1; each FSDP mesh is built from its group) and rank 0
@@ -138,7 +138,7 @@ def _max_diff(a: dict, b: dict) -> float:
 
 def _losses_after_load(group, ckpt_dir: str, resume_step: int) -> list[float]:
     """Fresh objects (different init), load, then [loss of the next step, loss after stepping it]."""
-    from parallel.dcp_checkpoint import load_dcp_checkpoint
+    from checkpoint.dcp import load_dcp_checkpoint
     eng, opt = _build(group, seed=77)
     meta = load_dcp_checkpoint(ckpt_dir, eng, opt)
     assert meta["step"] == resume_step
@@ -150,7 +150,7 @@ def _losses_after_load(group, ckpt_dir: str, resume_step: int) -> list[float]:
 def _trained_then_saved(group, root: str, out: str) -> tuple[list[float], dict, int]:
     """2 steps (bytes measured after the last backward of step 2), DCP save at step 2, then
     ([next-step loss, loss after one more step], bytes, parameter count)."""
-    from parallel.dcp_checkpoint import save_dcp_checkpoint
+    from checkpoint.dcp import save_dcp_checkpoint
     from parallel.fsdp import sharded_bytes
     eng, opt = _build(group)
     nbytes = []
@@ -174,7 +174,7 @@ def _held_param_bytes(eng) -> int:
 
 
 def _evaluate_then_save(group, root: str) -> dict:
-    from parallel.dcp_checkpoint import load_dcp_checkpoint, save_dcp_checkpoint
+    from checkpoint.dcp import load_dcp_checkpoint, save_dcp_checkpoint
     from parallel.engine_fsdp import FSDPEngine
     from torch.distributed.tensor import DTensor
     rank, world = dist.get_rank(group), dist.get_world_size(group)
@@ -208,7 +208,7 @@ def _evaluate_then_save(group, root: str) -> dict:
 # ------------------------------------------------------------------------------ the worker
 
 def _worker(rank: int, world: int, tmp: str) -> None:
-    from parallel.dcp_checkpoint import load_dcp_checkpoint, save_dcp_checkpoint
+    from checkpoint.dcp import load_dcp_checkpoint, save_dcp_checkpoint
     from optimizer.fsdp_optimizer import FSDPOptimizer
     from parallel.fsdp import sharded_bytes
     assert world == 4
@@ -385,9 +385,9 @@ def test_dcp_reshard_gives_equal_losses(results, reference, key, ref):
 
 
 def test_dcp_layout_manifest_and_compat(results):
-    from parallel.dcp_checkpoint import (check_dcp_checkpoint, latest_dcp_checkpoint,
-                                         load_full_model_state_dict, read_dcp_metadata)
-    from utils import checkpoint as ckpt
+    from checkpoint.dcp import check_dcp_checkpoint, latest_dcp_checkpoint, load_full_model_state_dict
+    from checkpoint.dcp_files import read_dcp_metadata
+    from checkpoint.verify import find_latest_valid, verify_checkpoint
     _, tmp = results
     for run, world in (("run2", 2), ("run4", 4)):
         root = os.path.join(tmp, run, "checkpoints")
@@ -399,9 +399,9 @@ def test_dcp_layout_manifest_and_compat(results):
         for name, size in meta["files"].items():
             assert os.path.getsize(os.path.join(path, name)) == size
         assert check_dcp_checkpoint(path, check_hashes=True) is None
-        # utils/checkpoint.py accepts the directory as a complete checkpoint (pruning keeps it)
-        assert ckpt.verify_checkpoint(path) is None
-        assert ckpt.find_latest_valid(os.path.join(tmp, run), log=lambda m: None) == path
+        # checkpoint/verify.py accepts the directory as a complete checkpoint (pruning keeps it)
+        assert verify_checkpoint(path) is None
+        assert find_latest_valid(os.path.join(tmp, run), log=lambda m: None) == path
         # tensors only: nothing in the checkpoint is read through pickle except the allow-listed metadata
         md = read_dcp_metadata(path)
         assert all(k.startswith(("model.", "optim.state.")) for k in md.state_dict_metadata)
@@ -425,8 +425,8 @@ def test_dcp_layout_manifest_and_compat(results):
 def test_evaluation_reshards_and_save_after_it_is_one_checkpoint(results):
     """fsdp with reshard_after_forward=False used to keep every rank's whole model after an evaluation
     and then publish a 'complete' checkpoint written by each rank as a world of one (no .metadata)."""
-    from parallel.dcp_checkpoint import check_dcp_checkpoint
-    from utils import checkpoint as ckpt
+    from checkpoint.dcp import check_dcp_checkpoint
+    from checkpoint.verify import verify_checkpoint
     res, _ = results
     r = res["raf_false"]
     # measured: a bare forward leaves the whole model on the rank (2x the shard at world 2) ...
@@ -438,13 +438,13 @@ def test_evaluation_reshards_and_save_after_it_is_one_checkpoint(results):
     files = sorted(os.listdir(path))
     assert {".metadata", "__0_0.distcp", "__1_0.distcp", "extra_rank0.pt", "extra_rank1.pt"} <= set(files), files
     assert json.load(open(os.path.join(path, "dcp_manifest.json")))["world_size"] == 2
-    assert check_dcp_checkpoint(path, check_hashes=True) is None and ckpt.verify_checkpoint(path) is None
+    assert check_dcp_checkpoint(path, check_hashes=True) is None and verify_checkpoint(path) is None
     assert r["reload_diff"] == 0.0
 
 
 def _republish(path: str, drop: list[str], world: int) -> None:
     """Damage a published DCP checkpoint the way a torn save would, then recompute its manifests."""
-    from utils.checkpoint import publish_checkpoint_dir
+    from checkpoint.protocol import publish_checkpoint_dir
     for name in drop:
         os.remove(os.path.join(path, name))
     for name in ("manifest.json", "COMPLETE"):
@@ -465,8 +465,8 @@ def _republish(path: str, drop: list[str], world: int) -> None:
 ])
 def test_torn_dcp_checkpoint_is_skipped_for_the_older_one(results, tmp_path, drop, world, reason):
     import shutil
-    from parallel.dcp_checkpoint import check_dcp_checkpoint
-    from utils import checkpoint as ckpt
+    from checkpoint.dcp import check_dcp_checkpoint
+    from checkpoint.verify import find_latest_valid, verify_checkpoint
     _, tmp = results
     src = os.path.join(tmp, "raf_false", "checkpoints", "step_00000001")
     root = tmp_path / "run" / "checkpoints"
@@ -480,14 +480,14 @@ def test_torn_dcp_checkpoint_is_skipped_for_the_older_one(results, tmp_path, dro
     json.dump(dict(state, step=2), open(os.path.join(newer, "trainer_state.json"), "w"))  # step 2's, not a copy's
     _republish(newer, drop, world)
     assert reason in check_dcp_checkpoint(newer, check_hashes=True)
-    assert reason in ckpt.verify_checkpoint(newer)
+    assert reason in verify_checkpoint(newer)
     logged: list[str] = []
-    assert ckpt.find_latest_valid(str(tmp_path / "run"), log=logged.append) == str(root / "step_00000001")
+    assert find_latest_valid(str(tmp_path / "run"), log=logged.append) == str(root / "step_00000001")
     assert any(reason in m for m in logged), logged
 
 
 def test_dcp_metadata_reader_refuses_foreign_pickles(tmp_path):
-    from parallel.dcp_checkpoint import SafeFileSystemReader
+    from checkpoint.dcp_files import SafeFileSystemReader
 
     marker = tmp_path / "pwned"
 

@@ -17,10 +17,11 @@ import sys
 import pytest
 import torch
 
-from parallel.dcp_checkpoint import is_dcp_checkpoint, load_full_model_state_dict
+from checkpoint.dcp import is_dcp_checkpoint, load_full_model_state_dict
 from tests.conftest import ROOT
 from tests.dist_helpers import free_port
-from utils.checkpoint import find_latest_valid, load_model_state
+from checkpoint.files import load_model_state
+from checkpoint.verify import find_latest_valid
 
 TRAIN = os.path.join(ROOT, "train_my_ddp.py")
 STEPS = 4

@@ -141,17 +141,21 @@ def _step(eng, step: int) -> tuple[float, float]:
     return float(loss) / _units(batches), norm
 
 
+def _manager(eng, out: str):
+    from checkpoint.manager import CheckpointManager
+    return CheckpointManager(eng, out, rank=dist.get_rank(), world_size=dist.get_world_size(), keep_last=2,
+                             barrier=dist.barrier)
+
+
 def _save(eng, out: str, step: int) -> str:
-    """The engine's trainer-facing save (step_N/ under out/checkpoints, published atomically)."""
-    from utils.checkpoint import capture_rng_state
-    return eng.save(out, step, rank=dist.get_rank(), world_size=dist.get_world_size(), model_config={},
-                    trainer_state={}, run_config={}, keep_last=2, barrier=dist.barrier,
-                    extra_state={"rank": dist.get_rank(), "rng": capture_rng_state(torch.device("cpu"))})
+    """The trainer-facing save (step_N/ under out/checkpoints, published atomically)."""
+    return _manager(eng, out).save(step, model_config={}, trainer_state={}, run_config={},
+                                   rank_state={"rank": dist.get_rank()})
 
 
 def _load_ckpt(eng, out: str) -> None:
-    from utils.checkpoint import find_latest_valid
-    extra = eng.load(find_latest_valid(out), dist.get_world_size(), dist.get_rank(), dist.get_world_size())
+    from checkpoint.verify import find_latest_valid
+    extra = _manager(eng, out).load(find_latest_valid(out), dist.get_world_size())
     assert extra["rank"] == dist.get_rank()
 
 
@@ -296,8 +300,8 @@ def test_pp2_resume_is_bit_exact(pp2):
 
 
 def test_merged_checkpoint_is_the_full_model(pp2, reference):
-    from parallel.pipeline import merge_stage_checkpoints, read_pipeline_meta
-    from utils.checkpoint import find_latest_valid
+    from checkpoint.pipeline import merge_stage_checkpoints, read_pipeline_meta
+    from checkpoint.verify import find_latest_valid
     ckpt = find_latest_valid(os.path.join(pp2, "ckpt_1f1b"))
     assert ckpt.endswith("step_00000002") and not os.path.exists(ckpt + ".tmp")
     meta = read_pipeline_meta(ckpt)
@@ -320,12 +324,12 @@ def test_pp2_dp2_matches_one_process(pp2dp2, reference, name):
 
 
 def test_pp2_dp2_fsdp_resume_is_bit_exact(pp2dp2):
-    from parallel.pipeline import merge_stage_checkpoints
+    from checkpoint.pipeline import merge_stage_checkpoints
     for dp in (0, 1):
         a, _ = _load(pp2dp2, "pp2dp2_1f1b_fsdp", dp)
         b, _ = _load(pp2dp2, "pp2dp2_1f1b_fsdp_resumed", dp)
         assert all(torch.equal(a[k], b[k]) for k in a), _max_diff(a, b)
-    from utils.checkpoint import find_latest_valid
+    from checkpoint.verify import find_latest_valid
     full = merge_stage_checkpoints(find_latest_valid(os.path.join(pp2dp2, "ckpt_fsdp")))  # gathered over dp at save time
     assert set(full) == set(Transformer(_cfg()).state_dict())
 

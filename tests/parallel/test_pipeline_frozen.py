@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from optimizer import OptimizerConfig
 from tests.dist_helpers import one_process_step, spawn
-from tests.parallel.test_pipeline import OPT, _global_batches, _new_model, _pc, _rows, _save, _token_loss, _units
+from tests.parallel.test_pipeline import OPT, _global_batches, _manager, _new_model, _pc, _rows, _save, _token_loss, _units
 
 STEPS = 3
 MODES = {"lora": dict(lora_rank=2, lora_targets="q_proj,v_proj,down_proj"), "embeddings": dict(train_embeddings=True)}
@@ -54,9 +54,9 @@ def _reference(mode: str, dtype: torch.dtype) -> tuple[dict, list[float], list[f
 
 
 def _worker(rank: int, world: int, tmp: str) -> None:
+    from checkpoint.verify import find_latest_valid
     from parallel.build import build_parallel_engine
     from parallel.engine_pipeline import _full
-    from utils.checkpoint import find_latest_valid
     runs = [(m, s, "ddp") for m in MODES for s in ("gpipe", "1f1b")] + [("lora", "1f1b", "fsdp")]
     for mode, schedule, dp_engine in runs:
         eng = build_parallel_engine(_model(mode), _pc(schedule, dp_engine=dp_engine),
@@ -81,7 +81,7 @@ def _worker(rank: int, world: int, tmp: str) -> None:
             out = os.path.join(tmp, "ckpt_lora")
             _save(eng, out, STEPS)
             fresh = build_parallel_engine(_model(mode), _pc(schedule), OptimizerConfig(**OPT))
-            fresh.load(find_latest_valid(out), world, rank, world)
+            _manager(fresh, out).load(find_latest_valid(out), world)
             same = all(torch.equal(p, params[n]) for n, p in fresh.module.named_parameters())
             with open(os.path.join(tmp, f"reload_stage{fresh.stage_index}.json"), "w") as f:
                 json.dump({"same": same}, f)
@@ -125,8 +125,8 @@ def test_frozen_stages_match_one_process(runs, mode, schedule):
 
 
 def test_lora_pipeline_checkpoint_is_full_and_reloads(runs):
-    from parallel.pipeline import merge_stage_checkpoints
-    from utils.checkpoint import find_latest_valid
+    from checkpoint.pipeline import merge_stage_checkpoints
+    from checkpoint.verify import find_latest_valid
     for s in range(2):
         assert json.load(open(os.path.join(runs, f"reload_stage{s}.json")))["same"]
     full = merge_stage_checkpoints(find_latest_valid(os.path.join(runs, "ckpt_lora")))

@@ -108,15 +108,18 @@ def _full_params(engine) -> dict[str, list]:
     return {k: v for part in every for k, v in part.items()}
 
 
+def _manager(engine, root: str):
+    from checkpoint.manager import CheckpointManager
+    return CheckpointManager(engine, root, rank=dist.get_rank(), world_size=dist.get_world_size(), keep_last=5,
+                             barrier=dist.barrier, log=lambda m: None)
+
+
 def _save(engine, root: str, step: int) -> str:
-    from utils.checkpoint import capture_rng_state
-    return engine.save(root, step, rank=dist.get_rank(), world_size=dist.get_world_size(), model_config={},
-                       trainer_state={}, run_config={}, extra_state={"rng": capture_rng_state(torch.device("cpu"))},
-                       keep_last=5, barrier=dist.barrier, log=lambda m: None)
+    return _manager(engine, root).save(step, model_config={}, trainer_state={}, run_config={})
 
 
 def _load(engine, ckpt_dir: str, saved_world: int) -> None:
-    engine.load(ckpt_dir, saved_world, dist.get_rank(), dist.get_world_size(), log=lambda m: None)
+    _manager(engine, os.path.dirname(os.path.dirname(ckpt_dir))).load(ckpt_dir, saved_world)
 
 
 def _train(out: dict, name: str, steps: int, **kw):
@@ -247,7 +250,7 @@ def results(tmp_path_factory) -> dict:
     spawn(_world2, 2, str(d / "w2.json"), str(d))
     with open(d / "w2.json") as f:
         out = json.load(f)
-    from utils.checkpoint import step_dir_name
+    from utils.checkpoint_layout import step_dir_name
     tp2_ckpt = os.path.join(str(d), "tp2", "checkpoints", step_dir_name(STEPS))
     assert os.path.isdir(tp2_ckpt), os.listdir(os.path.join(str(d), "tp2", "checkpoints"))
     spawn(_world4, 4, str(d / "w4.json"), str(d), tp2_ckpt)
@@ -347,7 +350,7 @@ def test_resume_across_layouts_continues_the_run(results, reference, name):
 def test_tp_checkpoint_holds_the_full_model(results, reference):
     """tp=1 x dp=1 (export, sample, --init_from): the checkpoint's weights gathered in one process are
     the tp=2 run's weights, element for element."""
-    from parallel.checkpoint_io import checkpoint_model_state
+    from checkpoint.weights import checkpoint_model_state
     state = checkpoint_model_state(results["tp2_ckpt_dir"])
     got = {n: t.double().reshape(-1).tolist() for n, t in state.items()}
     assert got == results["tp2"]["params"]

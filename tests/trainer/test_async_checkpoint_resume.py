@@ -14,9 +14,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from parallel.checkpoint_io import checkpoint_model_state
+from checkpoint.weights import checkpoint_model_state
 from tests.conftest import ROOT, child_env, run_cmd, sigterm_after_two_steps, train_cmd
-from utils.checkpoint import find_latest_valid, list_checkpoints, load_model_state, verify_checkpoint
+from checkpoint.files import load_model_state
+from checkpoint.verify import find_latest_valid, list_checkpoints, verify_checkpoint
 from utils.metrics import dedupe_by_step, read_metrics
 
 MONITOR = os.path.join(ROOT, "monitor_process.py")

@@ -20,7 +20,8 @@ from trainer.weights import load_weights_from
 from tests.conftest import PY, ROOT, run_cmd, run_trainer, run_python
 from tests.model.test_resize import BASE_VOCAB, prefix_tokenizer, tiny_model, write_corpus
 from tests.trainer.test_end_to_end import _env, final_weights, losses, train_cmd
-from utils.checkpoint import find_latest_valid, read_json
+from checkpoint.verify import find_latest_valid
+from utils.checkpoint_json import read_json
 
 NEW_VOCAB = 640
 

@@ -9,7 +9,7 @@ import pytest
 
 from tests.conftest import run_cmd
 from tests.trainer.test_end_to_end import _env, losses, train_cmd
-from utils import checkpoint as ckpt
+from checkpoint.verify import list_checkpoints, verify_checkpoint
 from utils.checkpoint_layout import MODEL_FILE, dcp_shard_file
 
 NPROC = 2
@@ -50,7 +50,7 @@ def test_resume_across_engines_continues_the_run(tiny_pretrain_run_args, tmp_pat
     # whose first AdamW step moves every weight by about lr, would not stay inside it)
     assert abs(a[6] - a[5]) > 10 * tol, (a, tol)
     # the checkpoints written after the resume are in the resuming engine's format, and verify
-    step6 = dict(ckpt.list_checkpoints(str(run)))[6]
-    assert ckpt.verify_checkpoint(step6) is None
+    step6 = dict(list_checkpoints(str(run)))[6]
+    assert verify_checkpoint(step6) is None
     names = set(os.listdir(step6))
     assert (dcp_shard_file(0) in names) == (engine == "fsdp") and (MODEL_FILE in names) == (engine == "ddp"), names

@@ -6,7 +6,7 @@ never exit 1 or 2 (docs/errors.md, "Damaged checkpoints", lists the same cases).
 One tiny real run per engine kind (ddp: model.safetensors + optimizer_rank0.pt; fsdp at one process:
 DCP's .metadata + __0_0.distcp) is made once for the module, with checkpoints at steps 1 and 2. Each
 case copies it, damages step 2, and, where the case says so, recomputes manifest.json + COMPLETE
-(utils/checkpoint.publish_checkpoint_dir), as a file damaged before hashing or a deliberate tamper
+(checkpoint/protocol.py publish_checkpoint_dir), as a file damaged before hashing or a deliberate tamper
 would leave it: then the sha256 check passes and the reader itself must catch the damage.
 
 The readers run in this process through their `main(argv)` (the return value is the exit code; an
@@ -30,7 +30,8 @@ import export_hf
 import sample
 import train_my_ddp as T
 from tests.conftest import ROOT, child_env, run_python
-from utils import checkpoint as ckpt
+from checkpoint.protocol import publish_checkpoint_dir
+from checkpoint.verify import list_checkpoints, verify_checkpoint
 from utils.constants import EXIT_BAD_CHECKPOINT, EXIT_BAD_CONFIG, EXIT_OK
 
 STEP = "step_00000002"  # the newest checkpoint of each run: the one damaged
@@ -50,7 +51,7 @@ def runs(tiny_pretrain_run_args, tmp_path_factory) -> dict:
         code = T.main([*tiny_pretrain_run_args, f"--out_dir={run}", "--max_iters=2", "--checkpoint_interval=1",
                        f"--parallel={kind}"])
         assert code == EXIT_OK
-        assert [os.path.basename(p) for _, p in ckpt.list_checkpoints(str(run))] == [STEP, OLDER]
+        assert [os.path.basename(p) for _, p in list_checkpoints(str(run))] == [STEP, OLDER]
         out[kind] = run
     return out
 
@@ -75,7 +76,7 @@ def republish(step_dir) -> None:
         json.dump(dm, open(dm_path, "w"))
     tmp = step_dir + ".re"
     os.replace(step_dir, tmp)
-    ckpt.publish_checkpoint_dir(tmp, step_dir, 2)
+    publish_checkpoint_dir(tmp, step_dir, 2)
 
 
 def _edit_json(path, **changes) -> None:
@@ -280,7 +281,7 @@ def test_damaged_checkpoint(runs, tmp_path, capsys, kind, damage, again, what, n
         skipped = [line for line in out.splitlines() if line.startswith(f"[checkpoint] skipping {step}:")]
         assert len(skipped) == 1 and _named(needle, skipped[0]), out[-3000:]
         assert f"[resume] continuing {run} from step 1 (--init_from=resume)" in out  # OLDER
-        assert ckpt.verify_checkpoint(str(step)) is None  # step 2 was trained again and saved over the damage
+        assert verify_checkpoint(str(step)) is None  # step 2 was trained again and saved over the damage
     elif what == "warn":
         warned = [line for line in out.splitlines() if "warning" in line and _named(needle, line)]
         assert len(warned) == 1 and "fresh RNG state" in warned[0], out[-3000:]
@@ -338,7 +339,7 @@ def test_no_dcp_loader_opens_a_path_outside_the_checkpoint(runs, tmp_path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from parallel import dcp_checkpoint as D
+    from checkpoint import dcp as D
     _, step = _damaged_copy(runs, "fsdp", _metadata_outside, True, tmp_path)
     outside = os.path.realpath(step.parent / "outside.distcp")
     sys.addaudithook(_audit)

@@ -12,7 +12,7 @@ import torch
 
 from tests.conftest import PY, ROOT, run_cmd, run_python, run_trainer
 from tests.trainer.test_end_to_end import _env, final_weights, losses, train_cmd
-from utils.checkpoint import find_latest_valid, list_checkpoints
+from checkpoint.verify import find_latest_valid, list_checkpoints
 from utils.constants import EXIT_BAD_CHECKPOINT
 from utils.metrics import dedupe_by_step, read_metrics
 
@@ -127,9 +127,9 @@ def test_fsdp_trains_like_ddp_and_resumes_exactly(tiny_pretrain_run_args, tmp_pa
     assert proc.returncode != 0 and once.exists(), proc.stderr[-2000:]
     run_cmd(train_cmd([f"--out_dir={crashed}", "--init_from=resume"], nproc), env=_env())
     assert losses(crashed) == lf
-    from utils import checkpoint as ckpt
-    for step, path in ckpt.list_checkpoints(str(crashed)):  # steps 3 (after an evaluation) and 5 (final)
-        assert ckpt.verify_checkpoint(path) is None, path
+    from checkpoint.verify import list_checkpoints, verify_checkpoint
+    for step, path in list_checkpoints(str(crashed)):  # steps 3 (after an evaluation) and 5 (final)
+        assert verify_checkpoint(path) is None, path
         assert {f"__{r}_0.distcp" for r in range(nproc)} <= set(os.listdir(path)), os.listdir(path)
 
 
@@ -202,7 +202,7 @@ def test_sharded_checkpoint_exports_to_hf_streaming(tiny_pretrain_run_args, tmp_
     safetensors file: transformers loads it, with exactly the checkpoint's weights."""
     from transformers import LlamaForCausalLM
 
-    from parallel.dcp_checkpoint import load_full_model_state_dict
+    from checkpoint.dcp import load_full_model_state_dict
     run = tmp_path / "run"
     run_cmd(train_cmd([*tiny_pretrain_run_args, f"--out_dir={run}", "--max_iters=2", "--parallel=fsdp",
                        f"--tie_embeddings={str(tied).lower()}"]), env=_env())
@@ -230,11 +230,12 @@ def test_init_checkpoint_chooses_best_or_a_step_of_the_init_from_run(pretrained,
     """--init_from=<run> takes its newest checkpoint; --init_checkpoint=best the one with the lowest validation
     loss, step_N that one; the load line says which. A choice that names nothing is one line, exit 2."""
     import train_my_ddp as T
-    from utils import checkpoint as ckpt
+    from checkpoint.verify import list_checkpoints
+    from utils.checkpoint_json import read_json
     from utils.constants import EXIT_BAD_CONFIG
     run = str(pretrained["out"])
-    found = ckpt.list_checkpoints(run)
-    vals = {p: ckpt.read_json(os.path.join(p, "trainer_state.json")).get("val_loss") for _, p in found}
+    found = list_checkpoints(run)
+    vals = {p: read_json(os.path.join(p, "trainer_state.json")).get("val_loss") for _, p in found}
     best = min((v, p) for p, v in vals.items() if v is not None)[1]
     other = next(p for _, p in found if p != best)
     base = [*pretrained["args"], f"--init_from={run}", "--max_iters=1", "--checkpoint_interval=1"]

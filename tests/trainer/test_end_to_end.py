@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 from trainer.weights import load_weights_from
 from tests.conftest import ROOT, child_env, run_cmd, run_trainer, sigterm_after_two_steps, train_cmd
-from utils.checkpoint import find_latest_valid, load_model_state
+from checkpoint.files import load_model_state
+from checkpoint.verify import find_latest_valid
 from utils.constants import EXIT_BAD_CONFIG, EXIT_INTERRUPTED, EXIT_NONFINITE_LOSS, IGNORE_INDEX
 from utils.metrics import dedupe_by_step, read_metrics
 

@@ -24,8 +24,8 @@ def test_eval_tasks_are_logged_and_equal_the_checkpoints_scores(tiny_pretrain_ru
     from evals.lm_tasks import TaskEvaluator
     from model import Transformer
     from model.config import read_model_config
-    from parallel.checkpoint_io import checkpoint_model_state
-    from utils.checkpoint import find_latest_valid
+    from checkpoint.weights import checkpoint_model_state
+    from checkpoint.verify import find_latest_valid
     task = _task(tmp_path / "numbers.jsonl")
     out = tmp_path / "run"
     assert T.main([*tiny_pretrain_run_args, f"--out_dir={out}", "--max_iters=3", f"--eval_tasks={task}",

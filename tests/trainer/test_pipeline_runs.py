@@ -21,7 +21,7 @@ import torch
 
 from tests.conftest import ROOT, run_cmd, run_trainer
 from tests.trainer.test_end_to_end import _env, train_cmd
-from utils.checkpoint import find_latest_valid
+from checkpoint.verify import find_latest_valid
 from utils.constants import EXIT_BAD_CONFIG
 from utils.metrics import dedupe_by_step, read_metrics
 
@@ -37,7 +37,7 @@ def losses(out_dir) -> dict[int, float]:
 
 
 def final_weights(out_dir) -> dict[str, torch.Tensor]:
-    from parallel.checkpoint_io import checkpoint_model_state
+    from checkpoint.weights import checkpoint_model_state
     return checkpoint_model_state(find_latest_valid(str(out_dir)))
 
 
@@ -88,7 +88,7 @@ def test_pipeline_checkpoint_layout(runs):
     """step_N/ holds one weights file per stage + one optimizer file per stage, the usual manifest,
     COMPLETE, RNG per rank; keep_last pruning applies; the run config records the pipeline."""
     import json
-    from utils.checkpoint import list_checkpoints, verify_checkpoint
+    from checkpoint.verify import list_checkpoints, verify_checkpoint
     found = find_latest_valid(str(runs["1f1b"]))
     names = set(os.listdir(found))
     assert {"stage0_model.safetensors", "stage1_model.safetensors", "stage0_optimizer_dp0.pt",
@@ -130,7 +130,7 @@ def test_resume_at_another_pipeline_layout_is_refused(runs, tmp_path):
 def test_export_hf_of_a_pipeline_checkpoint(runs, tmp_path):
     from safetensors.torch import load_file
     from model.hf_interop import export_hf  # noqa: F401  (the exporter export_hf.py uses)
-    from parallel.pipeline import merge_stage_checkpoints
+    from checkpoint.pipeline import merge_stage_checkpoints
     hf = tmp_path / "hf"
     run_cmd([sys.executable, os.path.join(ROOT, "export_hf.py"), f"--ckpt={runs['1f1b']}", f"--out_dir={hf}"],
             env=_env())

@@ -1,6 +1,6 @@
-"""utils/async_checkpoint.py in one process, through the ddp engine's save (our DDP + AdamW, world 1): the snapshot
-is taken before save() returns (an optimizer step while the writer is held open does not reach the files), the
-host buffers are reused (no new buffer and the same addresses over 20 saves), a failed background write is
+"""checkpoint/async_writer.py in one process, through the plain format's save of the ddp engine (our DDP + AdamW,
+world 1): the snapshot is taken before save() returns (an optimizer step while the writer is held open does not
+reach the files), the host buffers are reused (no new buffer and the same addresses over 20 saves), a failed background write is
 logged and raised by the next wait() with the previous checkpoint still the latest, and rank 0's writer
 publishes only after every rank's marker, and another rank's failed write ends this rank with the same kind of error.
 Deterministic: the writer is held open by a threading.Event."""
@@ -16,10 +16,15 @@ from torch import nn
 
 from optimizer import OptimizerConfig
 from parallel.config import ParallelConfig
+from checkpoint.async_writer import (AsyncCheckpointError, AsyncCheckpointer, HostBuffers, mark_rank_failed,
+                                     mark_rank_written, wait_for_ranks)
+from checkpoint.files import load_model_state
+from checkpoint.plain import save_replicated
+from checkpoint.protocol import SaveJob
+from checkpoint.rng import capture_rng_state
+from checkpoint.verify import find_latest_valid, list_checkpoints, verify_checkpoint
 from parallel.build import build_parallel_engine
-from utils import checkpoint as ckpt
-from utils.async_checkpoint import (AsyncCheckpointError, AsyncCheckpointer, HostBuffers, mark_rank_failed,
-                                    mark_rank_written, wait_for_ranks)
+from utils.publish import temp_dir_for
 from tests.trainer.test_async_checkpoint_resume import bits, checkpoint_contents
 
 
@@ -40,9 +45,10 @@ def _train_step(engine, seed: int) -> None:
 
 
 def _save(engine, out, step, writer=None, fault_hook=None, log=print):
-    return engine.save(str(out), step, rank=0, world_size=1, model_config={"dim": 16}, trainer_state={"x": step},
-                       run_config={"seed": 0}, extra_state={"rng": ckpt.capture_rng_state(torch.device("cpu"))},
-                       keep_last=3, barrier=lambda: None, fault_hook=fault_hook, log=log, writer=writer)
+    job = SaveJob(str(out), step, trainer_state={"x": step}, model_config={"dim": 16}, run_config={"seed": 0},
+                  extra_state={"rng": capture_rng_state(torch.device("cpu"))}, keep_last=3, fault_hook=fault_hook,
+                  log=log)
+    return save_replicated(engine, job, writer)
 
 
 def _data_ptrs(buffers: HostBuffers) -> list[int]:
@@ -83,13 +89,13 @@ def test_snapshot_is_taken_before_save_returns(tmp_path, device):
         # the weights' buffers page-locked (the optimizer's state_dict() is already host tensors: not pinned)
         assert any(b.is_pinned() for b in writer.buffers.tensors())
     assert entered.wait(60) and writer.in_flight()
-    assert ckpt.find_latest_valid(str(tmp_path / "async"), log=lambda m: None) is None  # not published yet
+    assert find_latest_valid(str(tmp_path / "async"), log=lambda m: None) is None  # not published yet
     before = {k: v.clone() for k, v in engine.module.state_dict().items()}
     _train_step(engine, 2)  # the live weights and Adam moments change under the held-open writer
     assert any(not torch.equal(before[k], v) for k, v in engine.module.state_dict().items())
     release.set()
     writer.wait()
-    assert ckpt.verify_checkpoint(path) is None
+    assert verify_checkpoint(path) is None
     a = checkpoint_contents(sync_path)
     b = checkpoint_contents(path)
     assert _same(a, b)
@@ -114,8 +120,8 @@ def test_host_buffers_are_reused_over_20_saves(tmp_path):
     writer.wait()
     assert writer.buffers.allocations == allocations  # no new host buffer after the first save
     assert _data_ptrs(writer.buffers) == ptrs and writer.buffers.nbytes() == nbytes  # the same memory, rewritten
-    assert [s for s, _ in ckpt.list_checkpoints(str(tmp_path))] == [21, 20, 19]  # kept last 3, pruned the rest
-    latest = ckpt.load_model_state(ckpt.find_latest_valid(str(tmp_path)))
+    assert [s for s, _ in list_checkpoints(str(tmp_path))] == [21, 20, 19]  # kept last 3, pruned the rest
+    latest = load_model_state(find_latest_valid(str(tmp_path)))
     live = engine.module.state_dict()
     assert all(torch.equal(latest[k], live[k]) for k in live)  # the last save holds the last step's weights
     writer.close()
@@ -140,7 +146,7 @@ def test_failed_background_write_is_logged_and_raised_by_wait(tmp_path):
     good = _save(engine, tmp_path, 2, writer=writer)
     writer.wait()
 
-    denied = os.path.join(ckpt.temp_dir_for(good), "x")
+    denied = os.path.join(temp_dir_for(good), "x")
 
     def fail():
         raise PermissionError(13, "Permission denied", denied)
@@ -148,18 +154,18 @@ def test_failed_background_write_is_logged_and_raised_by_wait(tmp_path):
     final = _save(engine, tmp_path, 4, writer=writer, fault_hook=fail)
     # the writer's own exception, whole: its type, the file being written, the OSError it wraps (as its cause);
     # not a message of wait()'s own that merely quotes it
-    named = (rf"writing {re.escape(os.path.join(ckpt.temp_dir_for(final), 'config.json'))}: PermissionError: "
+    named = (rf"writing {re.escape(os.path.join(temp_dir_for(final), 'config.json'))}: PermissionError: "
              rf"\[Errno 13\] Permission denied: {re.escape(repr(denied))}")
     with pytest.raises(AsyncCheckpointError) as info:
         writer.wait()
     assert type(info.value) is AsyncCheckpointError and re.fullmatch(named, str(info.value)), str(info.value)
     assert isinstance(info.value.__cause__, PermissionError) and info.value.__cause__.filename == denied
     assert any("error: the background write of checkpoint step 4" in m for m in logged)
-    assert ckpt.find_latest_valid(str(tmp_path), log=lambda m: None) == good  # the previous one is the latest
+    assert find_latest_valid(str(tmp_path), log=lambda m: None) == good  # the previous one is the latest
     writer.wait()  # raised once: the next save may try again
     _save(engine, tmp_path, 4, writer=writer)
     writer.wait()
-    assert ckpt.find_latest_valid(str(tmp_path)).endswith("step_00000004")
+    assert find_latest_valid(str(tmp_path)).endswith("step_00000004")
 
 
 def test_rank0_publishes_only_after_every_rank_marker(tmp_path):

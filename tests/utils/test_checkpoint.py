@@ -1,22 +1,26 @@
-"""utils/checkpoint.py: atomic layout, verification, skipping damaged checkpoints, pruning, RNG."""
+"""checkpoint/ (plain format, protocol, verify, rng): atomic layout, verification, skipping damaged checkpoints, pruning, RNG."""
 import os
 import random
 
 import numpy as np
 import torch
 
-from utils import checkpoint as ckpt
+from checkpoint.files import load_model_state, load_rank_file
+from checkpoint.plain import SaveRequest, save_checkpoint
+from checkpoint.rng import capture_rng_state, restore_rng_state
+from checkpoint.verify import find_latest_valid, list_checkpoints, verify_checkpoint
+from utils.checkpoint_json import read_json
 
 
 def _save(out_dir, step, val_loss=None, keep_last=2, fault_hook=None):
     torch.manual_seed(step)
-    req = ckpt.SaveRequest(step=step, rank=0, world_size=1,
-                           model_state={"w": torch.randn(4, 3), "b": torch.full((3,), float(step))},
-                           model_config={"dim": 3}, optimizer_state={"exp_avg": torch.ones(4), "step": step},
-                           extra_state={"rng": ckpt.capture_rng_state(torch.device("cpu"))},
-                           trainer_state={"data_cursor": {"epoch": 0, "step_in_epoch": step}, "val_loss": val_loss},
-                           run_config={"lr": 0.1})
-    return ckpt.save_checkpoint(str(out_dir), req, keep_last=keep_last, fault_hook=fault_hook)
+    req = SaveRequest(step=step, rank=0, world_size=1,
+                      model_state={"w": torch.randn(4, 3), "b": torch.full((3,), float(step))},
+                      model_config={"dim": 3}, optimizer_state={"exp_avg": torch.ones(4), "step": step},
+                      extra_state={"rng": capture_rng_state(torch.device("cpu"))},
+                      trainer_state={"data_cursor": {"epoch": 0, "step_in_epoch": step}, "val_loss": val_loss},
+                      run_config={"lr": 0.1})
+    return save_checkpoint(str(out_dir), req, keep_last=keep_last, fault_hook=fault_hook)
 
 
 def test_save_load_roundtrip(tmp_path):
@@ -25,11 +29,11 @@ def test_save_load_roundtrip(tmp_path):
     assert sorted(os.listdir(path)) == sorted(["COMPLETE", "config.json", "extra_rank0.pt", "manifest.json",
                                                "model.safetensors", "model_config.json", "optimizer_rank0.pt",
                                                "trainer_state.json"])
-    assert ckpt.find_latest_valid(str(tmp_path)) == path
-    assert torch.equal(ckpt.load_model_state(path)["b"], torch.full((3,), 5.0))
-    opt = ckpt.load_rank_file(path, "optimizer", 0)  # weights_only=True inside
+    assert find_latest_valid(str(tmp_path)) == path
+    assert torch.equal(load_model_state(path)["b"], torch.full((3,), 5.0))
+    opt = load_rank_file(path, "optimizer", 0)  # weights_only=True inside
     assert opt["step"] == 5 and torch.equal(opt["exp_avg"], torch.ones(4))
-    assert ckpt.read_json(os.path.join(path, "trainer_state.json"))["data_cursor"]["step_in_epoch"] == 5
+    assert read_json(os.path.join(path, "trainer_state.json"))["data_cursor"]["step_in_epoch"] == 5
 
 
 def test_damaged_checkpoints_are_skipped_with_a_message(tmp_path):
@@ -40,7 +44,7 @@ def test_damaged_checkpoints_are_skipped_with_a_message(tmp_path):
         f.truncate(10)
     os.remove(os.path.join(missing, "optimizer_rank0.pt"))
     messages = []
-    assert ckpt.find_latest_valid(str(tmp_path), log=messages.append) == good
+    assert find_latest_valid(str(tmp_path), log=messages.append) == good
     assert any("step_00000003" in m and "missing file optimizer_rank0.pt" in m for m in messages)
     assert any("step_00000002" in m and "truncated" in m for m in messages)
     # same size, flipped byte: caught by the hash
@@ -50,7 +54,7 @@ def test_damaged_checkpoints_are_skipped_with_a_message(tmp_path):
         last = f.read(1)
         f.seek(-1, os.SEEK_END)
         f.write(bytes([last[0] ^ 0xFF]))
-    assert ckpt.verify_checkpoint(path4) == "model.safetensors does not match its sha256 (corrupted)"
+    assert verify_checkpoint(path4) == "model.safetensors does not match its sha256 (corrupted)"
 
 
 def test_interrupted_save_leaves_previous(tmp_path):
@@ -66,7 +70,7 @@ def test_interrupted_save_leaves_previous(tmp_path):
     except Died:
         pass
     assert os.path.isdir(os.path.join(tmp_path, "checkpoints", "step_00000002.tmp"))
-    assert ckpt.find_latest_valid(str(tmp_path)) == good
+    assert find_latest_valid(str(tmp_path)) == good
     assert _save(tmp_path, 2).endswith("step_00000002")  # a later save cleans the stale temp dir
     assert not os.path.exists(os.path.join(tmp_path, "checkpoints", "step_00000002.tmp"))
 
@@ -74,7 +78,7 @@ def test_interrupted_save_leaves_previous(tmp_path):
 def test_keep_last_and_best(tmp_path):
     for step, val in ((1, 3.0), (2, 1.0), (3, 2.0), (4, 2.5), (5, 2.2)):
         _save(tmp_path, step, val_loss=val, keep_last=2)
-    steps = [s for s, _ in ckpt.list_checkpoints(str(tmp_path))]
+    steps = [s for s, _ in list_checkpoints(str(tmp_path))]
     assert steps == [5, 4, 2]  # the last two, and the best by validation loss
 
 
@@ -82,12 +86,12 @@ def test_rng_roundtrip(tmp_path):
     dev = torch.device("cpu")
     random.seed(1); np.random.seed(2); torch.manual_seed(3)
     random.gauss(0, 1)
-    state = ckpt.capture_rng_state(dev)
+    state = capture_rng_state(dev)
     a = (random.random(), random.gauss(0, 1), np.random.rand(), torch.rand(2))
     torch.save(state, tmp_path / "rng.pt")
     state = torch.load(tmp_path / "rng.pt", weights_only=True)
     random.seed(9); np.random.seed(9); torch.manual_seed(9)
-    ckpt.restore_rng_state(state, dev)
+    restore_rng_state(state, dev)
     b = (random.random(), random.gauss(0, 1), np.random.rand(), torch.rand(2))
     assert a[:3] == b[:3] and torch.equal(a[3], b[3])
 
@@ -103,11 +107,11 @@ def test_pruning_keeps_the_newest_valid_checkpoint_over_a_damaged_newer_one(tmp_
     s50 = _save(tmp_path, 50, keep_last=5)
     s60 = _save(tmp_path, 60, keep_last=5)
     _damage(s60)
-    assert ckpt.find_latest_valid(str(tmp_path), log=lambda m: None) == s50
+    assert find_latest_valid(str(tmp_path), log=lambda m: None) == s50
     s56 = _save(tmp_path, 56, keep_last=1)
-    assert ckpt.find_latest_valid(str(tmp_path), log=lambda m: None) == s56
-    assert ckpt.verify_checkpoint(s56) is None
-    valid = [p for _, p in ckpt.list_checkpoints(str(tmp_path)) if ckpt.verify_checkpoint(p) is None]
+    assert find_latest_valid(str(tmp_path), log=lambda m: None) == s56
+    assert verify_checkpoint(s56) is None
+    valid = [p for _, p in list_checkpoints(str(tmp_path)) if verify_checkpoint(p) is None]
     assert valid == [s56]
 
 
@@ -118,7 +122,7 @@ def test_damaged_checkpoints_count_neither_as_last_nor_as_best(tmp_path):
     s4 = _save(tmp_path, 4, val_loss=2.5, keep_last=2)
     _damage(s4)  # damaged after the save: the next prune must not count it among the last two
     _save(tmp_path, 5, val_loss=4.0, keep_last=2)
-    kept = [s for s, p in ckpt.list_checkpoints(str(tmp_path)) if ckpt.verify_checkpoint(p) is None]
+    kept = [s for s, p in list_checkpoints(str(tmp_path)) if verify_checkpoint(p) is None]
     assert kept == [5, 3, 2]  # the two newest valid ones, and the best valid one (step 2, val 2.0)
 
 
@@ -145,7 +149,7 @@ def test_full_disk_during_a_save_removes_the_partial_dir_and_keeps_the_previous(
     assert code == 7 and "\n" not in line and line.startswith("disk full: saving checkpoint ")
     assert os.path.join("step_00000002.tmp", "optimizer_rank0.pt") in line and " free on " in line
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_00000001"]  # no step_00000002.tmp left
-    assert ckpt.verify_checkpoint(good) is None and ckpt.find_latest_valid(str(tmp_path)) == good
+    assert verify_checkpoint(good) is None and find_latest_valid(str(tmp_path)) == good
 
 
 def test_full_disk_in_safetensors_and_os_errors_are_recognised():
@@ -172,7 +176,8 @@ def test_a_save_is_refused_before_writing_when_free_space_is_below_the_last_chec
     from utils.disk_space import DiskFullError, tree_bytes
     good = _save(tmp_path, 1)
     size = tree_bytes(good)
-    monkeypatch.setattr(ckpt, "free_bytes", lambda p: size - 1)
+    from checkpoint import protocol
+    monkeypatch.setattr(protocol, "free_bytes", lambda p: size - 1)
     wrote = []
     monkeypatch.setattr(torch, "save", lambda *a, **k: wrote.append(a))
     try:
@@ -184,5 +189,5 @@ def test_a_save_is_refused_before_writing_when_free_space_is_below_the_last_chec
     assert os.path.join("checkpoints", "step_00000002") in msg and "nothing was written" in msg
     assert wrote == [] and sorted(os.listdir(tmp_path / "checkpoints")) == ["step_00000001"]
     monkeypatch.undo()  # torch.save back
-    monkeypatch.setattr(ckpt, "free_bytes", lambda p: size)  # exactly enough: the save goes ahead
-    assert ckpt.verify_checkpoint(_save(tmp_path, 2)) is None
+    monkeypatch.setattr(protocol, "free_bytes", lambda p: size)  # exactly enough: the save goes ahead
+    assert verify_checkpoint(_save(tmp_path, 2)) is None

@@ -175,10 +175,11 @@ def test_trainer_answers_mistakes_before_importing_torch(two_step_run, tmp_path,
 
 def test_sample_and_export_answer_bad_checkpoints_before_importing_torch(two_step_run, tmp_path, capsys):
     """A --checkpoint that names nothing, a --ckpt that is not there, --help: exit 2 (0) with the line
-    the full choice of checkpoint (utils.run_config.select_checkpoint + selection_exit_code) gives."""
+    the full choice of checkpoint (checkpoint.select.select_checkpoint + selection_exit_code) gives."""
+    from checkpoint.select import select_checkpoint
+    from checkpoint.verify import selection_exit_code
     from inference.loading import select_for_inference
-    from utils import checkpoint as ckpt
-    from utils.run_config import select_checkpoint
+    from utils.errors import CheckpointError, one_line
     run = str(two_step_run["out"])
     one = os.path.join(run, "checkpoints", "step_00000001")
     missing = str(tmp_path / "nothing_here")
@@ -188,8 +189,8 @@ def test_sample_and_export_answer_bad_checkpoints_before_importing_torch(two_ste
         try:
             select_checkpoint(path, which, log=lambda m: None)
             raise AssertionError(f"{path} {which} was accepted")
-        except ckpt.CheckpointError as e:
-            full_msg, full_code = ckpt.one_line(e), ckpt.selection_exit_code(e, path, which)
+        except CheckpointError as e:
+            full_msg, full_code = one_line(e), selection_exit_code(e, path, which)
         assert full_code == EXIT_BAD_CONFIG
         with capsys.disabled():
             code, _, err, _ = _run_without_torch([os.path.join(ROOT, "sample.py"), f"--ckpt={path}",

@@ -14,7 +14,7 @@ from data_preprocess.sft_format import RecordError
 from data_preprocess.shard_format import DataError, StaleIndexError
 from tokenizer.corpus import CorpusConfigError, CorpusError, UnreadableFile
 from utils import constants as K
-from utils.checkpoint import CheckpointError, CheckpointMismatchError, DamagedCheckpointError
+from utils.errors import CheckpointError, CheckpointMismatchError, DamagedCheckpointError
 from utils.disk_space import DiskFullError
 from utils.dist import DeviceError
 from utils.errors import TrainingError, exit_code_for
@@ -53,7 +53,7 @@ def test_each_named_error_has_its_documented_code_and_line(exc, code, line):
 def test_dcp_and_safetensors_errors_are_damaged_checkpoints():
     from safetensors import SafetensorError
 
-    from utils.dcp_files import DCPCheckpointError
+    from checkpoint.dcp_files import DCPCheckpointError
     assert exit_code_for(DCPCheckpointError("checkpoint /r/step_1 is not usable: x")) == \
         (5, "checkpoint /r/step_1 is not usable: x")
     assert exit_code_for(SafetensorError("Error while deserializing header")) == \

@@ -51,8 +51,8 @@ def test_temp_names_follow_the_one_convention(tmp_path):
     d = str(tmp_path / "step_00000005")
     assert temp_dir_for(d) == d + ".tmp" == temp_dir_for(d + "/")
     # the writers that name their temp dir use this one
-    from utils import checkpoint as ckpt
-    assert ckpt.temp_dir_for is temp_dir_for
+    from checkpoint import protocol
+    assert protocol.temp_dir_for is temp_dir_for
 
 
 def test_the_module_imports_only_the_standard_library():
@@ -274,17 +274,19 @@ def test_publish_dir_fsyncs_every_file_and_the_dirs(tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------- a checkpoint on top of it
 
 def test_publish_checkpoint_dir_resave_and_failed_swap(tmp_path, monkeypatch):
-    from utils import checkpoint as ckpt
+    from checkpoint.protocol import publish_checkpoint_dir
+    from utils.checkpoint_layout import COMPLETE_MARKER, step_dir_name
+    from utils.run_dir import listed_checkpoints
     root = tmp_path / "checkpoints"
-    final = str(root / ckpt.step_dir_name(3))
+    final = str(root / step_dir_name(3))
 
     def write(text):
         tmp = make_temp_dir(final)
         _fill(tmp, **{"trainer_state.json": json.dumps({"step": 3, "v": text})})
-        ckpt.publish_checkpoint_dir(tmp, final, 3)
+        publish_checkpoint_dir(tmp, final, 3)
 
     write("first")
-    assert json.load(open(os.path.join(final, ckpt.COMPLETE_MARKER))) == {"step": 3}
+    assert json.load(open(os.path.join(final, COMPLETE_MARKER))) == {"step": 3}
     manifest = json.load(open(os.path.join(final, "manifest.json")))
     assert set(manifest) == {"trainer_state.json"}
     write("second")  # re-saving a step swaps the old directory aside, then deletes it
@@ -294,6 +296,6 @@ def test_publish_checkpoint_dir_resave_and_failed_swap(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="injected crash"):
         write("third")
     assert json.load(open(os.path.join(final, "trainer_state.json")))["v"] == "second"
-    assert os.path.exists(os.path.join(final, ckpt.COMPLETE_MARKER))
+    assert os.path.exists(os.path.join(final, COMPLETE_MARKER))
     assert sorted(os.listdir(root)) == ["step_00000003", "step_00000003.tmp"]  # the tmp is never loaded
-    assert [p for _, p in ckpt.listed_checkpoints(str(tmp_path))] == [final]
+    assert [p for _, p in listed_checkpoints(str(tmp_path))] == [final]

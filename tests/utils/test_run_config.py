@@ -11,8 +11,10 @@ import torch
 
 from trainer import config as T
 from utils.configurator import ConfigError
-from utils import checkpoint as ckpt
-from utils.run_config import global_batch_problem, resolve_resume_config, select_checkpoint
+from checkpoint.plain import SaveRequest, save_checkpoint
+from utils.errors import CheckpointError
+from utils.run_config import global_batch_problem
+from checkpoint.select import resolve_resume_config, select_checkpoint
 
 
 def _run_dir(tmp_path, **over):
@@ -86,10 +88,10 @@ def test_global_batch_must_stay_equal():
 
 
 def _save(out_dir, step, val_loss):
-    req = ckpt.SaveRequest(step=step, rank=0, world_size=1, model_state={"w": torch.full((2,), float(step))},
-                           model_config={"dim": 2}, optimizer_state=None, extra_state={},
-                           trainer_state={"val_loss": val_loss}, run_config={})
-    return ckpt.save_checkpoint(str(out_dir), req, keep_last=10, log=lambda s: None)
+    req = SaveRequest(step=step, rank=0, world_size=1, model_state={"w": torch.full((2,), float(step))},
+                      model_config={"dim": 2}, optimizer_state=None, extra_state={},
+                      trainer_state={"val_loss": val_loss}, run_config={})
+    return save_checkpoint(str(out_dir), req, keep_last=10, log=lambda s: None)
 
 
 def test_select_checkpoint_latest_best_and_step(tmp_path):
@@ -99,13 +101,13 @@ def test_select_checkpoint_latest_best_and_step(tmp_path):
     assert select_checkpoint(str(tmp_path), "step_10") == p10
     assert select_checkpoint(str(tmp_path), "20") == p20
     assert select_checkpoint(p10) == p10
-    with pytest.raises(ckpt.CheckpointError, match="no checkpoint at step 15.*step_00000010"):
+    with pytest.raises(CheckpointError, match="no checkpoint at step 15.*step_00000010"):
         select_checkpoint(str(tmp_path), "step_15")
-    with pytest.raises(ckpt.CheckpointError, match="latest, best or step_N"):
+    with pytest.raises(CheckpointError, match="latest, best or step_N"):
         select_checkpoint(str(tmp_path), "newest")
     # a damaged best is never chosen
     with open(os.path.join(p20, "model.safetensors"), "r+b") as f:
         f.truncate(8)
     assert select_checkpoint(str(tmp_path), "best", log=lambda s: None) == p10
-    with pytest.raises(ckpt.CheckpointError, match="not usable"):
+    with pytest.raises(CheckpointError, match="not usable"):
         select_checkpoint(str(tmp_path), "step_20")

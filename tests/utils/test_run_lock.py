@@ -295,7 +295,7 @@ def test_a_checkpoint_copied_under_another_name_is_neither_loaded_nor_pruned(tmp
     import shutil
 
     import train_my_ddp as T
-    from utils.checkpoint import find_latest_valid
+    from checkpoint.verify import find_latest_valid
     out = tmp_path / "run"
     args = [*tiny_pretrain_run_args, f"--out_dir={out}", "--keep_last=1"]
     assert T.main([*args, "--max_iters=3"]) == 0

@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 from data_preprocess.chat_tokens import ChatTokens, read_summary
 from data_preprocess.shard_format import DataError
-from utils import checkpoint as ckpt
+from utils.checkpoint_json import read_json
 
 
 def check_data_tokenizer(data_dir: str, fingerprint: str, vocab_size: int, tokenizer_dir: str, tok_meta: dict) -> None:
@@ -26,7 +26,7 @@ def _check_chat_tokenizer(path: str, meta_name: str, cfg: Any, tok_meta: dict) -
     meta_path = os.path.join(path, meta_name)
     if not os.path.isfile(meta_path):
         return None
-    meta = ckpt.read_json(meta_path)
+    meta = read_json(meta_path)
     check_data_tokenizer(path, str(meta.get("tokenizer_fingerprint", "")),
                          int(meta.get("vocab_size", tok_meta["vocab_size"])), cfg.tokenizer_dir, tok_meta)
     return meta

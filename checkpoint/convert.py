@@ -10,14 +10,16 @@ steps, {name: {"momentum": full tensor, "step": float}}, and the scalars {"lr", 
 - our DDP checkpoint (ZeRO shards included) -> that shape: `read_ddp_training_state`; that shape -> our
   DDP optimizer's state dict (ZeRO re-shards it): `ddp_optimizer_state`.
 
-Owns: the conversion. Must never: write checkpoints, or accept a light (LoRA) or pipeline checkpoint
-(the engines refuse those before calling here).
+`load_dcp_into_replicated` and `load_plain_into_dtensor` load the other format into an engine (CheckpointManager.load
+calls them when the checkpoint's format is not the engine's own).
+
+Owns: the conversion. Must never: write checkpoints, or accept a light (LoRA) or pipeline checkpoint.
 Memory: every rank briefly holds the whole model and both moments while converting.
 """
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
@@ -27,12 +29,14 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from optimizer.fsdp_optimizer import MUON_KEY, MUON_STEPS_KEY
 from optimizer.mixed_precision_optimizer import STATE_FORMAT
-from parallel.dcp_checkpoint import (_MODEL, _OPTIM, _OPTIM_SCALARS, _barrier, _dcp_load, _mesh_group, _model_specs,
-                                     _usable)
-from utils import checkpoint as ckpt
-from utils.checkpoint import CheckpointMismatchError, first_nonfinite
+from checkpoint.dcp import (MODEL_PREFIX, OPTIM_PREFIX, OPTIM_SCALARS, dcp_load, group_barrier, mesh_group, model_specs,
+                            usable_checkpoint)
+from checkpoint.dcp_files import DCPCheckpointError
+from checkpoint.files import first_nonfinite, load_model_state, load_rank_file
+from checkpoint.reads import agreed_reads, load_errors_named, load_extra_state, load_weights, refuse_nonfinite_weights
+from utils.checkpoint_json import read_trainer_state
 from utils.checkpoint_layout import DCP_METADATA, optimizer_file
-from utils.dcp_files import DCPCheckpointError
+from utils.errors import CheckpointError, CheckpointMismatchError, one_line
 
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -44,30 +48,30 @@ def load_full_training_state(ckpt_dir: str) -> tuple[dict[str, torch.Tensor], di
     tensors shaped like the weight, "step": float}} of every parameter that has one, the optimizer's
     scalars {"lr", "scaler", "prev_grad_norm"} from dcp_manifest.json or None when it records none).
     Materialises the model and both moments in this process's memory."""
-    meta, md = _usable(ckpt_dir)
+    meta, md = usable_checkpoint(ckpt_dir)
     specs = {}
     for k, v in md.state_dict_metadata.items():
-        if not k.startswith((_OPTIM + "state.", _OPTIM + MUON_KEY)) and k != _OPTIM + MUON_STEPS_KEY:
+        if not k.startswith((OPTIM_PREFIX + "state.", OPTIM_PREFIX + MUON_KEY)) and k != OPTIM_PREFIX + MUON_STEPS_KEY:
             continue
         dtype, size = getattr(getattr(v, "properties", None), "dtype", None), getattr(v, "size", None)
         if not isinstance(v, TensorStorageMetadata) or not isinstance(dtype, torch.dtype) or size is None:
             raise DCPCheckpointError(f"{os.path.join(ckpt_dir, DCP_METADATA)}: {k} is not described as a tensor "
                                      "(size, dtype)")
         specs[k] = (tuple(size), dtype)
-    out = {_MODEL + k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in _model_specs(ckpt_dir, md).items()}
+    out = {MODEL_PREFIX + k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in model_specs(ckpt_dir, md).items()}
     out.update({k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in specs.items()})
-    _dcp_load(out, ckpt_dir, None)
-    weights = {k[len(_MODEL):]: v for k, v in out.items() if k.startswith(_MODEL)}
+    dcp_load(out, ckpt_dir, None)
+    weights = {k[len(MODEL_PREFIX):]: v for k, v in out.items() if k.startswith(MODEL_PREFIX)}
     bad = first_nonfinite(weights.items())
     if bad is not None:
         raise DCPCheckpointError(f"checkpoint {ckpt_dir}: {bad}")
     per_param: dict[str, dict] = {}
     for k in specs:
-        if k.startswith(_OPTIM + "state."):
-            fqn, kind = k[len(_OPTIM + "state."):].rsplit(".", 1)
+        if k.startswith(OPTIM_PREFIX + "state."):
+            fqn, kind = k[len(OPTIM_PREFIX + "state."):].rsplit(".", 1)
             per_param.setdefault(fqn, {})[kind] = out[k]
-    muon_steps = out.get(_OPTIM + MUON_STEPS_KEY)
-    muon = {k[len(_OPTIM + MUON_KEY):]: out[k] for k in specs if k.startswith(_OPTIM + MUON_KEY)}
+    muon_steps = out.get(OPTIM_PREFIX + MUON_STEPS_KEY)
+    muon = {k[len(OPTIM_PREFIX + MUON_KEY):]: out[k] for k in specs if k.startswith(OPTIM_PREFIX + MUON_KEY)}
     state = {}
     for fqn, entry in per_param.items():
         if fqn not in weights or any(m not in entry for m in (*_MOMENTS, "step")):
@@ -81,7 +85,7 @@ def load_full_training_state(ckpt_dir: str) -> tuple[dict[str, torch.Tensor], di
                                      + ("names no weight" if fqn not in weights else "comes without Muon's step count"))
         state[fqn] = {"momentum": momentum.float(), "step": float(muon_steps.reshape(-1)[0])}
     saved = meta.get("optimizer")
-    scalars = None if not isinstance(saved, dict) or any(k not in saved for k in _OPTIM_SCALARS) else \
+    scalars = None if not isinstance(saved, dict) or any(k not in saved for k in OPTIM_SCALARS) else \
         {**{k: saved[k] for k in ("lr", "scaler", "prev_grad_norm")},
          "optimizer": "muon" if muon_steps is not None else "adamw"}
     return weights, state, scalars
@@ -144,30 +148,30 @@ def load_full_state_into_fsdp(model: nn.Module, optimizer, weights: dict[str, to
             raise CheckpointMismatchError(f"checkpoint {source}: this optimizer keeps {key}, which AdamW's state "
                                           "of another engine does not have")
     optimizer.load_state_dict({**sd, **scalars, "adamw": adamw})
-    _barrier(_mesh_group(model))
+    group_barrier(mesh_group(model))
 
 
 # Both engines keep AdamW over fp32 masters, per parameter name: exp_avg, exp_avg_sq, step. The one exchange
 # shape, {name: {"exp_avg", "exp_avg_sq": full tensors shaped like the weight, "step": float}} + full fp32
-# weights + the scalars {"lr", "scaler", "prev_grad_norm"}, is what parallel/dcp_checkpoint.py
-# load_full_training_state reads and load_full_state_into_fsdp loads; the two below are our DDP format's side.
+# weights + the scalars {"lr", "scaler", "prev_grad_norm"}, is what load_full_training_state reads and
+# load_full_state_into_fsdp loads; the two below are our DDP format's side.
 
 def read_ddp_training_state(ckpt_dir: str) -> tuple[dict[str, torch.Tensor], dict[str, dict], Optional[dict]]:
     """A DDP checkpoint's whole training state in this process: (full weights, fp32: the optimizer's masters
     where it keeps them, else model.safetensors cast; per-parameter AdamW state assembled from every rank's
     optimizer_rank{r}.pt, ZeRO shards included; the scalars or None without an optimizer file)."""
-    weights = {k: v.float() for k, v in ckpt.load_model_state(ckpt_dir).items()}
-    first = ckpt.load_rank_file(ckpt_dir, "optimizer", 0)
+    weights = {k: v.float() for k, v in load_model_state(ckpt_dir).items()}
+    first = load_rank_file(ckpt_dir, "optimizer", 0)
     if first is None:
         return weights, {}, None
     n = first.get("world_size", 1) if first.get("sharded") else 1
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ckpt.CheckpointError(f"checkpoint {ckpt_dir}: {optimizer_file(0)}: world_size={n!r} is not an integer >= 1")
+        raise CheckpointError(f"checkpoint {ckpt_dir}: {optimizer_file(0)}: world_size={n!r} is not an integer >= 1")
     sds = [first]
     for r in range(1, n):
-        sd = ckpt.load_rank_file(ckpt_dir, "optimizer", r)
+        sd = load_rank_file(ckpt_dir, "optimizer", r)
         if sd is None:
-            raise ckpt.CheckpointError(f"checkpoint {ckpt_dir}: {optimizer_file(r)} is missing (the run saved {n} "
+            raise CheckpointError(f"checkpoint {ckpt_dir}: {optimizer_file(r)} is missing (the run saved {n} "
                                        "optimizer shards)")
         sds.append(sd)
     flat: dict[str, dict] = {}
@@ -185,12 +189,12 @@ def read_ddp_training_state(ckpt_dir: str) -> tuple[dict[str, torch.Tensor], dic
             except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as err:
                 if isinstance(err, torch.OutOfMemoryError):
                     raise
-                raise ckpt.CheckpointError(f"checkpoint {ckpt_dir}: {optimizer_file(r)}: the state of {name} does "
-                                           f"not read ({type(err).__name__}: {ckpt.one_line(err)[:200]})") from err
+                raise CheckpointError(f"checkpoint {ckpt_dir}: {optimizer_file(r)}: the state of {name} does "
+                                           f"not read ({type(err).__name__}: {one_line(err)[:200]})") from err
     state = {}
     for name, f in flat.items():
         if f["covered"] != f["main"].numel() or name not in weights:
-            raise ckpt.CheckpointError(f"checkpoint {ckpt_dir}: the optimizer files cover {f['covered']} of the "
+            raise CheckpointError(f"checkpoint {ckpt_dir}: the optimizer files cover {f['covered']} of the "
                                        f"{f['main'].numel()} elements of {name}")
         shape = tuple(f["shape"])
         weights[name] = f["main"].view(shape)  # the fp32 master (the saved weight may be its bf16 copy)
@@ -222,3 +226,55 @@ def ddp_optimizer_state(weights: dict[str, torch.Tensor], state: dict[str, dict]
                         "step": float(e["step"]) if e else 0.0}
     return {"format": STATE_FORMAT, "sharded": 0, "world_size": 1, "rank": 0, "optimizer": "adamw", **scalars,
             "params": params}
+
+
+# ---------------------------------------------------------------------------- into an engine of the other kind
+
+def load_dcp_into_replicated(engine: Any, ckpt_dir: str, saved_world: int, rank: int, world_size: int,
+                             log: Callable[[str], None]) -> Optional[dict]:
+    """A --parallel=fsdp (DCP) checkpoint resumed under our DDP ("replicated"): every rank reads the full weights
+    and AdamW state in one process, converted per parameter name into this optimizer's format (one complete rank;
+    ZeRO re-shards it)."""
+    spec = engine.state_spec()
+    if spec.lora_base is not None:
+        raise CheckpointError(f"checkpoint {ckpt_dir} was written by --parallel=fsdp, which saves whole "
+                              "models; a LoRA run whose base is a file resumes only its own light "
+                              "checkpoints: resume it with --parallel=fsdp")
+    with agreed_reads(spec.model):
+        weights, state, scalars = load_full_training_state(ckpt_dir)
+        extra = load_extra_state(ckpt_dir, rank, saved_world, world_size, log, same_world_only=False)
+    load_weights(spec.model, weights, partial=False, source=ckpt_dir, mismatch=CheckpointMismatchError)
+    if scalars is None:
+        log(f"[resume] warning: {ckpt_dir} (--parallel=fsdp) records no optimizer state: resuming its weights "
+            "under --parallel=ddp with FRESH AdamW moments (the next steps differ from the uninterrupted run's)")
+    else:
+        with load_errors_named(f"checkpoint {ckpt_dir}: its (--parallel=fsdp) optimizer state does not convert to "
+                               "this --parallel=ddp optimizer", CheckpointMismatchError, width=300):
+            spec.optimizer.load_state_dict(ddp_optimizer_state(weights, state, scalars))
+        log(f"[resume] {ckpt_dir} was written by --parallel=fsdp: its weights and optimizer state (AdamW's "
+            "exp_avg, exp_avg_sq and step, Muon's momentum, per parameter) converted to --parallel=ddp")
+    return extra if saved_world == world_size else None
+
+
+def load_plain_into_dtensor(engine: Any, ckpt_dir: str, saved_world: int, rank: int, world_size: int,
+                            log: Callable[[str], None]) -> Optional[dict]:
+    """A --parallel=ddp checkpoint resumed under FSDP2 ("dtensor"): every rank reads the full weights (the
+    optimizer's fp32 masters) and the AdamW state assembled from every optimizer_rank{r}.pt (ZeRO shards
+    included), and keeps its own shard of each."""
+    spec = engine.state_spec()
+    with agreed_reads(spec.model):
+        if read_trainer_state(ckpt_dir).get("lora_base"):
+            raise CheckpointError(f"checkpoint {ckpt_dir} holds only a LoRA run's trainable tensors (its "
+                                  "base is a file): resume it with --parallel=ddp")
+        weights, state, scalars = read_ddp_training_state(ckpt_dir)
+        extra = load_extra_state(ckpt_dir, rank, saved_world, world_size, log)
+    if scalars is None:
+        log(f"[resume] warning: {ckpt_dir} (--parallel=ddp) has no optimizer file: resuming its weights under "
+            "--parallel=fsdp with FRESH AdamW moments (the next steps differ from the uninterrupted run's)")
+    load_full_state_into_fsdp(spec.model, spec.optimizer, weights, state if scalars is not None else None, scalars,
+                              ckpt_dir)
+    refuse_nonfinite_weights(spec.model, ckpt_dir)
+    if scalars is not None:
+        log(f"[resume] {ckpt_dir} was written by --parallel=ddp: its weights and optimizer state (AdamW's "
+            "exp_avg, exp_avg_sq and step, Muon's momentum, per parameter) converted to --parallel=fsdp")
+    return extra

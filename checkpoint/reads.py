@@ -1,10 +1,9 @@
-"""Reading and checking checkpoint files for every engine: each rank's reads agreed on by all ranks before
+"""Reading and checking checkpoint files for every format: each rank's reads agreed on by all ranks before
 any collective (`agreed_reads`), extra (RNG) state, optimizer files in any saved layout, light (LoRA)
-weights, the frozen base's fingerprint, and one process's view of any engine's weights
-(`checkpoint_model_state`: export, sampling, --init_from).
+weights, the frozen base's fingerprint, and which kind of checkpoint a directory is.
 
 Owns: what a checkpoint directory holds and how a damaged or mismatched file is named in one line.
-Must never: write checkpoints (utils/checkpoint.py and each engine's save do) or build engines.
+Must never: write checkpoints (the formats' writers do) or build engines.
 """
 from __future__ import annotations
 
@@ -19,22 +18,24 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
-from utils import checkpoint as ckpt
-from utils.checkpoint_layout import (DCP_FILES_DESCRIPTION, DCP_MANIFEST, MODEL_FILE, PIPELINE_META, STAGE_FILES_DESCRIPTION,
-                                     extra_file, optimizer_file)
+from checkpoint.files import first_nonfinite, load_rank_file, load_tensor_file
+from checkpoint.rng import rng_state_problem
+from parallel.engine import trainable_state
+from utils.checkpoint_json import read_json
+from utils.checkpoint_layout import (DCP_FILES_DESCRIPTION, DCP_MANIFEST, MODEL_FILE, PIPELINE_META,
+                                     STAGE_FILES_DESCRIPTION, extra_file, optimizer_file)
 from utils.constants import EXIT_BAD_CHECKPOINT
 from utils.dist import first_error_of_ranks
-
-PIPELINE_META_FILE = PIPELINE_META  # utils/checkpoint_layout.py (the name parallel/pipeline.py writes)
+from utils.errors import CheckpointError, one_line
 
 
 def is_pipeline_checkpoint(ckpt_dir: str) -> bool:
-    return os.path.isfile(os.path.join(ckpt_dir, PIPELINE_META_FILE))
+    return os.path.isfile(os.path.join(ckpt_dir, PIPELINE_META))
 
 
 def read_pipeline_meta_safe(ckpt_dir: str) -> dict:
     try:
-        return ckpt.read_json(os.path.join(ckpt_dir, PIPELINE_META_FILE))
+        return read_json(os.path.join(ckpt_dir, PIPELINE_META))
     except (OSError, ValueError):
         return {}
 
@@ -53,12 +54,12 @@ def agreed_reads(module: nn.Module):
     verdict = None
     try:
         yield
-    except ckpt.CheckpointError as e:
-        verdict = (EXIT_BAD_CHECKPOINT, ckpt.one_line(e))
+    except CheckpointError as e:
+        verdict = (EXIT_BAD_CHECKPOINT, one_line(e))
     device = next((p.device for p in module.parameters()), None)
     agreed = first_error_of_ranks(verdict, device)
     if agreed is not None:
-        raise ckpt.CheckpointError(agreed[1])
+        raise CheckpointError(agreed[1])
 
 
 def refuse_nonfinite_weights(module: nn.Module, ckpt_dir: str) -> None:
@@ -67,12 +68,12 @@ def refuse_nonfinite_weights(module: nn.Module, ckpt_dir: str) -> None:
     naming the first tensor that holds NaN or inf, when any rank found one."""
 
     params = [(n, p.to_local() if _is_dtensor(p) else p) for n, p in module.named_parameters()]
-    bad = ckpt.first_nonfinite(params)
+    bad = first_nonfinite(params)
     device = params[0][1].device if params else None
     verdict = first_error_of_ranks(None if bad is None else (EXIT_BAD_CHECKPOINT, f"checkpoint {ckpt_dir}: {bad}"),
                                    device)
     if verdict is not None:
-        raise ckpt.CheckpointError(verdict[1])
+        raise CheckpointError(verdict[1])
 
 
 def load_extra_state(ckpt_dir: str, rank: int, saved_world: int, world_size: int,
@@ -84,7 +85,7 @@ def load_extra_state(ckpt_dir: str, rank: int, saved_world: int, world_size: int
     if same_world_only and saved_world != world_size:
         return None
     path = os.path.join(ckpt_dir, extra_file(rank))
-    extra = ckpt.load_rank_file(ckpt_dir, "extra", rank)
+    extra = load_rank_file(ckpt_dir, "extra", rank)
     if extra is None:
         if saved_world == world_size:
             log(f"[resume] warning: rank {rank}: {path} is missing: continuing with fresh RNG state (this process's "
@@ -92,11 +93,11 @@ def load_extra_state(ckpt_dir: str, rank: int, saved_world: int, world_size: int
                 "PowerSGD) differ from the uninterrupted run's")
         return None
     if "rng" in extra:
-        problem = ckpt.rng_state_problem(extra["rng"])
+        problem = rng_state_problem(extra["rng"])
         if problem:
-            raise ckpt.CheckpointError(f"{path}: {problem}")
+            raise CheckpointError(f"{path}: {problem}")
     elif saved_world == world_size:
-        raise ckpt.CheckpointError(f"{path}: holds no RNG state (keys {sorted(map(str, extra))[:5]})")
+        raise CheckpointError(f"{path}: holds no RNG state (keys {sorted(map(str, extra))[:5]})")
     return extra
 
 
@@ -106,9 +107,9 @@ def read_optimizer_state(ckpt_dir: str, sharded: bool, rank: int, world_size: in
     """The optimizer files this rank loads (no collective): (its state dict or the list of every saved rank's,
     the file name(s) for messages). CheckpointError naming a file that is missing or damaged."""
     def read(r: int) -> dict:
-        sd = ckpt.load_rank_file(ckpt_dir, "optimizer", r)
+        sd = load_rank_file(ckpt_dir, "optimizer", r)
         if sd is None:
-            raise ckpt.CheckpointError(f"checkpoint {ckpt_dir}: {optimizer_file(r)} is missing "
+            raise CheckpointError(f"checkpoint {ckpt_dir}: {optimizer_file(r)} is missing "
                                        f"(the run saved {saved_world} rank(s))")
         return sd
     if sharded and saved_world == world_size and os.path.isfile(os.path.join(ckpt_dir, optimizer_file(rank))):
@@ -118,67 +119,37 @@ def read_optimizer_state(ckpt_dir: str, sharded: bool, rank: int, world_size: in
     first = read(0)
     n = first.get("world_size", 1)
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ckpt.CheckpointError(f"checkpoint {ckpt_dir}: {optimizer_file(0)} does not load into this optimizer "
+        raise CheckpointError(f"checkpoint {ckpt_dir}: {optimizer_file(0)} does not load into this optimizer "
                                    f"(ValueError: world_size={n!r} is not an integer >= 1)")
     if not first.get("sharded") or n == 1:
         return first, optimizer_file(0)
     return [first] + [read(r) for r in range(1, n)], f"{optimizer_file(0)} .. {optimizer_file(n - 1)}"
 
 
-def load_optimizer_state(opt, ckpt_dir: str, sharded: bool, rank: int, world_size: int, saved_world: int,
-                         read: Optional[tuple[Any, str]] = None) -> None:
-    """Any saved layout into this optimizer: a ZeRO rank at the same world size reads its own shard;
-    otherwise rank 0's file when it holds everything (an unsharded run, or a ZeRO run of one rank),
-    else every saved rank's file, which the optimizer re-shards to this world size.
-    CheckpointError naming the file when one is missing, damaged, or does not load into this optimizer.
-    `read`: what read_optimizer_state returned (the files already read)."""
-    if read is not None:
-        state, name = read
-        with _naming_a_bad_optimizer_file(ckpt_dir, lambda: name):
-            opt.load_state_dict(state)
-        return
-    reading = {"name": optimizer_file(rank)}
-
-    def read(r: int) -> dict:
-        reading["name"] = optimizer_file(r)
-        sd = ckpt.load_rank_file(ckpt_dir, "optimizer", r)
-        if sd is None:
-            raise ckpt.CheckpointError(f"checkpoint {ckpt_dir}: {optimizer_file(r)} is missing "
-                                       f"(the run saved {saved_world} rank(s))")
-        return sd
-    with _naming_a_bad_optimizer_file(ckpt_dir, lambda: reading["name"]):
-        if sharded and saved_world == world_size and os.path.isfile(os.path.join(ckpt_dir, optimizer_file(rank))):
-            own = read(rank)
-            if own.get("sharded"):
-                opt.load_state_dict(own)
-                return
-        first = read(0)
-        n = first.get("world_size", 1)
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"world_size={n!r} is not an integer >= 1")
-        if not first.get("sharded") or n == 1:
-            opt.load_state_dict(first)
-        else:
-            states = [first] + [read(r) for r in range(1, n)]
-            reading["name"] = f"{optimizer_file(0)} .. {optimizer_file(n - 1)}"
-            opt.load_state_dict(states)
+def load_optimizer_state(opt, ckpt_dir: str, read: tuple[Any, str]) -> None:
+    """What read_optimizer_state read (this rank's ZeRO shard at the same world size; otherwise rank 0's file when
+    it holds everything, else every saved rank's file, which the optimizer re-shards to this world size) into the
+    optimizer; CheckpointError naming the file(s) when the state does not load into it."""
+    state, name = read
+    with _naming_a_bad_optimizer_file(ckpt_dir, lambda: name):
+        opt.load_state_dict(state)
 
 
 LOAD_ERRORS = (ValueError, KeyError, TypeError, IndexError, AttributeError, RuntimeError)
 
 
 @contextlib.contextmanager
-def load_errors_named(message: "str | Callable[[], str]", error: type = ckpt.CheckpointError, width: int = 200):
+def load_errors_named(message: "str | Callable[[], str]", error: type = CheckpointError, width: int = 200):
     """A library's error while state loads (wrong shapes, keys, types) becomes ONE line,
     `error(f"{message} ({type}: {what it said})")`; our CheckpointErrors and out-of-memory pass through.
     `message` may be a function, read when the error happens (the file being read at that moment)."""
     try:
         yield
     except LOAD_ERRORS as e:
-        if isinstance(e, (ckpt.CheckpointError, torch.OutOfMemoryError)):
+        if isinstance(e, (CheckpointError, torch.OutOfMemoryError)):
             raise
         text = message() if callable(message) else message
-        raise error(f"{text} ({type(e).__name__}: {ckpt.one_line(e)[:width]})") from e
+        raise error(f"{text} ({type(e).__name__}: {one_line(e)[:width]})") from e
 
 
 def _naming_a_bad_optimizer_file(ckpt_dir: str, name: Callable[[], str]):
@@ -188,13 +159,6 @@ def _naming_a_bad_optimizer_file(ckpt_dir: str, name: Callable[[], str]):
 
 # ---------------------------------------------------------------------------- light LoRA checkpoints
 
-def trainable_state(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The tensors a LoRA run changes: its trainable parameters (adapters, and the embedding / LM head
-    when they train). Everything else is the frozen base, which the checkpoint references instead."""
-    trainable = {id(p) for p in module.parameters() if p.requires_grad}
-    return {k: v for k, v in module.state_dict(keep_vars=True).items() if id(v) in trainable}
-
-
 def load_weights(module: nn.Module, state: dict[str, torch.Tensor], partial: bool, source: str,
                  mismatch: Optional[type] = None) -> None:
     """Full checkpoints must match the model exactly; a light (LoRA) one must cover exactly the
@@ -202,7 +166,7 @@ def load_weights(module: nn.Module, state: dict[str, torch.Tensor], partial: boo
     Names or shapes that do not fit raise `mismatch` (default CheckpointError: the checkpoint's tensors
     disagree with the model its own model_config.json builds); the trainer's resume passes
     CheckpointMismatchError (a configuration that builds another model)."""
-    mismatch = mismatch or ckpt.CheckpointError
+    mismatch = mismatch or CheckpointError
     where = weights_file_name(source)
     if not partial:
         try:
@@ -210,7 +174,7 @@ def load_weights(module: nn.Module, state: dict[str, torch.Tensor], partial: boo
         except RuntimeError as e:  # missing / unexpected keys, size mismatch
             if isinstance(e, torch.OutOfMemoryError):
                 raise
-            raise mismatch(f"checkpoint {source}: {where} does not fit the model ({ckpt.one_line(e)[:300]})") from e
+            raise mismatch(f"checkpoint {source}: {where} does not fit the model ({one_line(e)[:300]})") from e
         return
     want = set(trainable_state(module))
     have = set(state)
@@ -223,7 +187,7 @@ def load_weights(module: nn.Module, state: dict[str, torch.Tensor], partial: boo
     except RuntimeError as e:
         if isinstance(e, torch.OutOfMemoryError):
             raise
-        raise mismatch(f"checkpoint {source}: {where} does not fit the model ({ckpt.one_line(e)[:300]})") from e
+        raise mismatch(f"checkpoint {source}: {where} does not fit the model ({one_line(e)[:300]})") from e
 
 
 def weights_file_name(ckpt_dir: str) -> str:
@@ -247,31 +211,6 @@ def base_fingerprint(module: nn.Module) -> str:
         h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
 
-def checkpoint_model_state(ckpt_dir: str) -> dict[str, torch.Tensor]:
-    """The weights stored in a checkpoint of any engine, in one process (export, sampling, init);
-    a pipeline checkpoint's stages are merged into one model's state dict."""
-    # the pipeline's and DCP's readers are imported only for their checkpoints: torch.distributed.checkpoint takes
-    # ~1 s to import, which sampling or exporting a plain checkpoint should not pay
-    if is_pipeline_checkpoint(ckpt_dir):
-        from parallel.pipeline import merge_stage_checkpoints
-        try:
-            sd = merge_stage_checkpoints(ckpt_dir)
-        except (ValueError, KeyError, TypeError, OSError, RuntimeError, SafetensorError) as e:
-            if isinstance(e, torch.OutOfMemoryError):
-                raise
-            raise ckpt.CheckpointError(f"checkpoint {ckpt_dir}: {damaged_file_hint(ckpt_dir, e)}") from e
-    elif is_sharded_checkpoint(ckpt_dir):
-        from parallel.dcp_checkpoint import load_full_model_state_dict
-        sd = load_full_model_state_dict(ckpt_dir)
-    else:
-        return ckpt.load_model_state(ckpt_dir)  # checked there
-    bad = ckpt.first_nonfinite(sd.items())
-    if bad is not None:
-        raise ckpt.CheckpointError(f"checkpoint {ckpt_dir}: {bad}")
-    return sd
-
-
-
 def _is_dtensor(t: Any) -> bool:
     """isinstance(t, DTensor) without importing torch.distributed.tensor (~1 s) where nothing has: then no tensor
     can be one (sample.py, eval_lm.py and export load plain checkpoints)."""
@@ -288,10 +227,8 @@ def damaged_file_hint(ckpt_dir: str, e: BaseException) -> str:
             if name.endswith(".safetensors"):
                 load_file(path)
             elif name.endswith(".pt"):
-                ckpt.load_tensor_file(path)
-        except (SafetensorError, OSError, ckpt.CheckpointError) as bad:
-            return f"{name} cannot be read ({ckpt.one_line(bad)[:200]})"
-    return f"{type(e).__name__}: {ckpt.one_line(e)[:300]}"
+                load_tensor_file(path)
+        except (SafetensorError, OSError, CheckpointError) as bad:
+            return f"{name} cannot be read ({one_line(bad)[:200]})"
+    return f"{type(e).__name__}: {one_line(e)[:300]}"
 
-
-# ---------------------------------------------------------------------------- across engines (ddp <-> fsdp)

@@ -3,7 +3,8 @@ returns; one background thread writes the checkpoint with the synchronous protoc
 verification, publish and pruning.
 
     writer = AsyncCheckpointer(log, rank=r, world_size=n, device=device)
-    engine.save(..., writer=writer)   # waits for the previous save, snapshots (collectives here), submits
+    manager.save(step, ...)           # (CheckpointManager(..., async_writes=True)) waits for the previous save,
+                                      # snapshots (collectives here), submits
     ...
     writer.wait()                     # before the next snapshot, at the end of the run, on SIGTERM
 
@@ -39,11 +40,14 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from checkpoint.protocol import save_guard, step_dir_paths
+from checkpoint.verify import prune_checkpoints, remember_verified
+from utils.checkpoint_layout import checkpoint_root
 from utils.constants import EXIT_DISK_FULL
 from utils.device import is_accelerator, synchronize
 from utils.disk_space import DiskFullError
 from utils.errors import exit_code_for, one_line
-from utils.publish import atomic_write_text
+from utils.publish import atomic_write_text, make_temp_dir
 
 RANK_MARKER_TIMEOUT_S = 3600.0  # how long rank 0's writer waits for the other ranks' files (a slow disk, not a hang)
 _WRITTEN, _FAILED = ".rank{}.written", ".rank{}.failed"
@@ -207,7 +211,7 @@ class AsyncCheckpointer:
             named = exit_code_for(err)
             verdict = (named[0] if named else 1, f"{self._what}: {type(err).__name__}: {one_line(err)}")
         if agree and self.world_size > 1:
-            from utils.dist import first_error_of_ranks
+            from utils.dist import first_error_of_ranks  # looked up at the call (the tests stand in for it)
             verdict = first_error_of_ranks(verdict, self.device)
         if verdict is None or not raise_errors:
             return
@@ -235,11 +239,9 @@ def save_in_background(out_dir: str, step: int, rank: int, world_size: int, writ
     `write_files(tmp, guard)` (this rank's files, fsynced; guard.file names the file being written), then this
     rank's marker (ranks > 0), or (rank 0) every rank's marker awaited, `publish(tmp, final, guard)` (sidecars,
     manifest, COMPLETE, rename), verification remembered, pruning. Returns where the checkpoint will appear."""
-    from utils import checkpoint as ckpt
-    from utils.publish import make_temp_dir
-    root = ckpt.checkpoint_root(out_dir)
-    final, tmp = ckpt.step_dir_paths(root, step)
-    with ckpt.save_guard(root, step, check_space=rank == 0):
+    root = checkpoint_root(out_dir)
+    final, tmp = step_dir_paths(root, step)
+    with save_guard(root, step, check_space=rank == 0):
         if rank == 0:
             make_temp_dir(final)  # one left by a crash was never complete: dropped
     if barrier is not None:
@@ -247,7 +249,7 @@ def save_in_background(out_dir: str, step: int, rank: int, world_size: int, writ
 
     def write() -> Optional[str]:
         t0 = time.perf_counter()
-        with ckpt.save_guard(root, step, check_space=False) as guard:
+        with save_guard(root, step, check_space=False) as guard:
             try:
                 write_files(tmp, guard)
             except BaseException as e:
@@ -261,27 +263,13 @@ def save_in_background(out_dir: str, step: int, rank: int, world_size: int, writ
                 return None
             wait_for_ranks(tmp, world_size)
             publish(tmp, final, guard)
-        ckpt.remember_verified(final)
-        ckpt.prune_checkpoints(out_dir, keep_last=keep_last, keep_best=keep_best, log=log)
+        remember_verified(final)
+        prune_checkpoints(out_dir, keep_last=keep_last, keep_best=keep_best, log=log)
         log(f"[checkpoint] step {step} published -> {final} (written in the background in "
             f"{time.perf_counter() - t0:.2f} s)")
         return final
     writer.submit(f"checkpoint step {step} ({final})", write)
     return final
-
-
-def save_checkpoint_async(out_dir: str, req: Any, writer: AsyncCheckpointer,
-                          barrier: Optional[Callable[[], None]] = None, keep_last: int = 3, keep_best: bool = True,
-                          fault_hook: Optional[Callable[[], None]] = None,
-                          log: Callable[[str], None] = print) -> str:
-    """utils/checkpoint.save_checkpoint in the background: `req` (a SaveRequest) holds host snapshots
-    (writer.buffers) that nothing changes afterwards; the files are utils/checkpoint.write_rank_files'."""
-    from utils import checkpoint as ckpt
-    return save_in_background(
-        out_dir, req.step, req.rank, req.world_size, writer,
-        write_files=lambda tmp, guard: ckpt.write_rank_files(tmp, req, guard, fault_hook, copy_weights=False),
-        publish=lambda tmp, final, guard: ckpt.publish_rank0(out_dir, tmp, final, req, guard),
-        barrier=barrier, keep_last=keep_last, keep_best=keep_best, log=log)
 
 
 def json_copy(obj: Any) -> Any:

@@ -5,8 +5,8 @@ Owns: the restricted reader of DCP's pickled `.metadata` (an allow-list of DCP m
 code), the confinement of every data file it names to the checkpoint directory, the naming of a data
 file that does not load, and the layout check that a directory holds what every rank of a save wrote
 (`.metadata`, each data file it names inside the directory and long enough, a shard of every rank).
-It sits in utils so that checkpoint verification (utils/checkpoint.py) can apply it to any directory
-without reaching up into parallel/; the sharded save and load live in parallel/dcp_checkpoint.py.
+Checkpoint verification (checkpoint/verify.py) applies it to any directory, importing it only when a directory
+is sharded; the sharded save and load live in checkpoint/dcp.py.
 
 Must never: unpickle with plain `pickle.load`, or open a path that .metadata names outside the
 checkpoint directory (the reader itself refuses such a .metadata, whoever calls it, verified or not).

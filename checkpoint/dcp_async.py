@@ -1,26 +1,19 @@
-"""--async_checkpoint for the FSDP2 engine and the pipeline engine (the ddp engine's is utils/async_checkpoint.py's
-save_checkpoint_async): what each snapshots on the training thread, and what its background writer writes.
-
-FSDP2 (sharded DCP checkpoints): DCP's save, with its collectives (plans,
-results), runs on the training thread into host memory (an in-memory file system under torch's FileSystemWriter,
-no fsync); the background writer (utils/async_checkpoint.py) then writes those bytes into step_N.tmp/, fsyncs
+"""--async_checkpoint for the sharded (DCP) format: DCP's save, with its collectives (plans, results), runs on the
+training thread into host memory (an in-memory file system under torch's FileSystemWriter, no fsync); the
+background writer (checkpoint/async_writer.py) then writes those bytes into step_N.tmp/, fsyncs
 them, and rank 0 publishes as save_dcp_checkpoint does (sidecars, every rank's shard checked, dcp_manifest.json,
 manifest, COMPLETE, rename), once every rank's marker is there.
 
 The host copy here is DCP's serialized shard (its own bytes per save, dropped once written), not the reused
 buffers of the other engines: DCP serializes while the collectives run, so the bytes are what a snapshot is.
 
-Pipeline: the stage's state gathered (collective under FSDP) and copied into the writer's reused host buffers;
-the writer writes the stage files, the extra file and (rank 0) the sidecars, and publishes.
-
-Owns: the in-memory storage writer and the FSDP and pipeline engines' background saves. Must never: issue a collective from
-the background thread, or publish before every rank's shard is written.
+Owns: the in-memory storage writer and the sharded format's background saves. Must never: issue a collective
+from the background thread, or publish before every rank's shard is written.
 """
 from __future__ import annotations
 
 import io
 import os
-import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
@@ -31,11 +24,12 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemWriter
 
-from parallel.dcp_checkpoint import _MODEL, _group_rank_world, _mesh_group, _state_to_save, publish_dcp_dir
+from checkpoint.async_writer import AsyncCheckpointer, save_in_background
+from checkpoint.dcp import (MODEL_PREFIX, dtensor_json_files, group_rank_world, mesh_group, publish_dcp_dir,
+                            state_to_save)
+from checkpoint.protocol import SaveJob, step_dir_paths
 from parallel.fsdp import reshard
-from utils.async_checkpoint import AsyncCheckpointer, save_in_background
-from utils import checkpoint as ckpt
-from utils.checkpoint_layout import TRAINER_STATE, extra_file
+from utils.checkpoint_layout import checkpoint_root, extra_file
 from utils.publish import fsync_file
 
 
@@ -110,15 +104,15 @@ def save_dcp_checkpoint_async(out_dir: str, ckpt_root: str, step: int, model: nn
     """save_dcp_checkpoint with the writing in the background; collective on the training thread (every rank of
     the model's mesh). Returns where the checkpoint will appear."""
     writer.wait()  # at most one save in flight
-    group = _mesh_group(model)
-    rank, world = _group_rank_world(group)
+    group = mesh_group(model)
+    rank, world = group_rank_world(group)
     reshard(model)
-    _, tmp = ckpt.step_dir_paths(ckpt_root, step)
-    flat, scalars = _state_to_save(model, optimizer)
+    _, tmp = step_dir_paths(ckpt_root, step)
+    flat, scalars = state_to_save(model, optimizer)
     memory = MemoryWriter(tmp)
     dcp.save(flat, storage_writer=memory, process_group=group, no_dist=group is None)  # collectives: here
     files = dict(memory.fs.files)
-    model_keys = sum(1 for k in flat if k.startswith(_MODEL))
+    model_keys = sum(1 for k in flat if k.startswith(MODEL_PREFIX))
     del flat, memory
     extra, json_files, scalars = writer.snapshot({"extra": rank_state}, json_files, scalars)
 
@@ -142,25 +136,9 @@ def save_dcp_checkpoint_async(out_dir: str, ckpt_root: str, step: int, model: nn
                               keep_last=keep_last, log=log)
 
 
-def save_pipeline_async(engine: Any, out_dir: str, step: int, rank: int, world_size: int, model_config: dict,
-                        trainer_state: dict, run_config: dict, extra_state: dict, keep_last: int,
-                        barrier: Callable[[], None], fault_hook: Optional[Callable[[], None]],
-                        log: Callable[[str], None], writer: AsyncCheckpointer) -> str:
-    """PipelineParallelEngine.save with the writing in the background: the stage's state gathered and copied to
-    the writer's host buffers here (collective), its files written and published by the writer thread."""
-    writer.wait()  # at most one save in flight
-    sd, extra, model_config, run_config, trainer_state = writer.snapshot(
-        {"stage": engine.state_dict(), "extra": extra_state}, model_config, run_config, trainer_state)
-    global_rank = dist.get_rank()
-
-    def write_files(tmp: str, guard: Any) -> None:
-        guard.file = tmp
-        engine.write_stage_state(tmp, sd, global_rank, copy=False)
-        ckpt.write_extra_and_configs(tmp, rank, extra, model_config, run_config, fault_hook, guard)
-
-    def publish(tmp: str, final: str, guard: Any) -> None:
-        guard.file = os.path.join(tmp, TRAINER_STATE)
-        ckpt.write_json(guard.file, dict(trainer_state, step=step, world_size=world_size, saved_at=time.time()))
-        ckpt.publish_checkpoint_dir(tmp, final, step)
-    return save_in_background(out_dir, step, rank, world_size, writer, write_files, publish, barrier=barrier,
-                              keep_last=keep_last, log=log)
+def save_dtensor_async(engine: Any, job: SaveJob, writer: AsyncCheckpointer) -> str:
+    """checkpoint/dcp.py's save_dtensor with the files written in the background."""
+    spec = engine.state_spec()
+    return save_dcp_checkpoint_async(job.out_dir, checkpoint_root(job.out_dir), job.step, spec.model, spec.optimizer,
+                                     json_files=dtensor_json_files(job), rank_state=job.extra_state, writer=writer,
+                                     keep_last=job.keep_last, fault_hook=job.fault_hook, log=job.log)

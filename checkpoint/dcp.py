@@ -3,27 +3,28 @@
 Owns: the sharded checkpoint directory (DCP's `.metadata` + `__<rank>_<k>.distcp` files, per-rank
 extras, JSON sidecars, `dcp_manifest.json`, `manifest.json`, `COMPLETE`), its atomic save protocol,
 loading into a model/optimizer of ANY world size (DCP re-shards), a single-process reader of the
-full model weights (for export). The restricted reader of DCP's pickled `.metadata` and the check
-that every rank's shard is present live in utils/dcp_files.py (verification of any checkpoint uses them).
+full model weights (for export), and a "dtensor" engine's state saved and loaded (`save_dtensor`,
+`load_dtensor`). The restricted reader of DCP's pickled `.metadata` and the check that every rank's shard
+is present live in checkpoint/dcp_files.py (verification of any checkpoint uses them).
 
-Layout (compatible with utils/checkpoint.py, so its find_latest_valid / verify_checkpoint /
+Layout (the common step_N/ layout, so checkpoint/verify.py's find_latest_valid / verify_checkpoint /
 prune_checkpoints(keep_last, keep_best) work on these directories unchanged):
   <ckpt_root>/step_XXXXXXXX/
     .metadata, __<r>_0.distcp   DCP: tensors only (model.<fqn>, optim.state.<fqn>.<exp_avg|exp_avg_sq|step>)
     extra_rank{r}.pt            optional per-rank tensors (RNG...), torch.load(weights_only=True)-loadable
     <name>.json                 optional JSON sidecars from the caller (trainer_state.json, model_config.json, ...)
     dcp_manifest.json           step, world size, engine, the file list with sizes, the optimizer's scalars
-    manifest.json               {file: {"bytes", "sha256"}} of every file above (utils/checkpoint format)
+    manifest.json               {file: {"bytes", "sha256"}} of every file above (checkpoint/protocol.py)
     COMPLETE                    {"step": N}, written last
 
 Protocol: rank 0 creates `<ckpt_root>/step_XXXXXXXX.tmp/` (utils/publish.py's temp-dir name, the
-one utils/checkpoint.py uses); barrier; every rank writes its DCP shard (fsynced); barrier; rank 0
+one every format uses); barrier; every rank writes its DCP shard (fsynced); barrier; rank 0
 writes the JSON files, the manifests and COMPLETE, fsyncs and `os.replace`s the directory to
-`step_XXXXXXXX` (utils/checkpoint.publish_checkpoint_dir); barrier. A crash at any instant leaves the
+`step_XXXXXXXX` (checkpoint/protocol.publish_checkpoint_dir); barrier. A crash at any instant leaves the
 older checkpoints untouched and at most a `step_*.tmp` directory that nothing loads (and the next
 save of that step removes). A write that does not fit (a full disk, RLIMIT_FSIZE) removes the
 `.tmp` directory at once and raises DiskFullError (exit 7); a save starts only when the disk has as
-much free space as the last checkpoint takes (utils/checkpoint.save_guard).
+much free space as the last checkpoint takes (checkpoint/protocol.save_guard).
 
 No pickle on load: only tensors go through DCP (so no `BytesStorageMetadata` item, which DCP would
 read with `torch.load(weights_only=False)`); tensor files are read by DCP with
@@ -33,7 +34,7 @@ reads it with an unpickler that can only construct an allow-list of DCP metadata
 `torch.Size`, dtypes/layouts and paths, and refuses any other global (so a crafted file cannot call
 arbitrary code).
 
-Loading: every reader starts with `check_dcp_checkpoint` (the checks of utils/checkpoint.verify_checkpoint,
+Loading: every reader starts with `check_dcp_checkpoint` (the checks of checkpoint/verify.verify_checkpoint,
 .metadata's paths confined to the directory) and reads through SafeFileSystemReader; a file that does
 not load raises DCPCheckpointError (a CheckpointError: exit 5) naming it, never DCP's CheckpointException;
 an intact checkpoint of another model raises CheckpointMismatchError.
@@ -56,25 +57,28 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
+from checkpoint.dcp_files import DCPCheckpointError, SafeFileSystemReader, dcp_layout_problem, read_dcp_metadata
+from checkpoint.files import first_nonfinite
+from checkpoint.protocol import SaveJob, publish_checkpoint_dir, save_guard, step_dir_paths
+from checkpoint.reads import agreed_reads, load_extra_state, refuse_nonfinite_weights
+from checkpoint.verify import prune_checkpoints, verify_checkpoint
 from parallel.fsdp import fsdp_state_group, reshard
-from utils.checkpoint import (CheckpointError, CheckpointMismatchError, first_nonfinite, one_line, publish_checkpoint_dir,
-                              read_json, save_guard, step_dir_paths, verify_checkpoint, write_json)
-from utils.dcp_files import (DCPCheckpointError, SafeFileSystemReader, dcp_dir_problem,  # noqa: F401 (re-exported)
-                             dcp_layout_problem, read_dcp_metadata)
-from utils.checkpoint_layout import (COMPLETE_MARKER, DCP_MANIFEST, DCP_METADATA, MANIFEST,  # noqa: F401 (re-exported)
-                                     dcp_shard_file, extra_file, parse_step, step_dir_name)
+from utils.checkpoint_json import read_json, write_json
+from utils.checkpoint_layout import (COMPLETE_MARKER, DCP_MANIFEST, DCP_METADATA, MANIFEST, MODEL_CONFIG, RUN_CONFIG,
+                                     TRAINER_STATE, checkpoint_root, dcp_shard_file, extra_file, parse_step)
+from utils.errors import CheckpointError, CheckpointMismatchError, one_line
 from utils.publish import fsync_file, make_temp_dir
 from utils.run_dir import misnamed_step
 
 DCP_FORMAT = 1
-_MODEL, _OPTIM = "model.", "optim."
+MODEL_PREFIX, OPTIM_PREFIX = "model.", "optim."
 
 
 
 
 # ---------------------------------------------------------------------------- state <-> flat dict
 
-def _mesh_group(model: nn.Module) -> Optional[dist.ProcessGroup]:
+def mesh_group(model: nn.Module) -> Optional[dist.ProcessGroup]:
     """The process group of the mesh the model was sharded over, as recorded when it was wrapped.
 
     Not read from the parameters: after a forward-only pass, units built with
@@ -92,13 +96,13 @@ def _mesh_group(model: nn.Module) -> Optional[dist.ProcessGroup]:
     return None
 
 
-def _group_rank_world(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
+def group_rank_world(group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
     if group is None:
         return 0, 1
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def _barrier(group: Optional[dist.ProcessGroup]) -> None:
+def group_barrier(group: Optional[dist.ProcessGroup]) -> None:
     if group is not None and dist.get_world_size(group) > 1:
         dist.barrier(group=group)
 
@@ -113,13 +117,13 @@ def _split_optimizer_state(sd: dict) -> tuple[dict[str, torch.Tensor], dict]:
     return tensors, rest
 
 
-def _state_to_save(model: nn.Module, optimizer) -> tuple[dict[str, torch.Tensor], Optional[dict]]:
+def state_to_save(model: nn.Module, optimizer) -> tuple[dict[str, torch.Tensor], Optional[dict]]:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
-    flat = {_MODEL + k: v for k, v in get_model_state_dict(model).items()}
+    flat = {MODEL_PREFIX + k: v for k, v in get_model_state_dict(model).items()}
     scalars = None
     if optimizer is not None:
         tensors, scalars = _split_optimizer_state(optimizer.state_dict())
-        flat.update({_OPTIM + k: v for k, v in tensors.items()})
+        flat.update({OPTIM_PREFIX + k: v for k, v in tensors.items()})
     for k, v in flat.items():
         if not torch.is_tensor(v):
             raise DCPCheckpointError(f"state entry {k} is a {type(v).__name__}, not a tensor")
@@ -141,16 +145,16 @@ def save_dcp_checkpoint(ckpt_root: str, step: int, model: nn.Module, optimizer=N
     fault_hook: called on rank 0 after every shard was written, before the manifest (tests: die
       in the middle of a save).
     """
-    group = _mesh_group(model)
-    rank, world = _group_rank_world(group)
+    group = mesh_group(model)
+    rank, world = group_rank_world(group)
     reshard(model)  # gathered parameters (left by a forward-only pass) are freed before the state is read
     final, tmp = step_dir_paths(ckpt_root, step)
     with save_guard(ckpt_root, step, check_space=rank == 0) as guard:  # a full disk: exit 7, no step_N.tmp left
         if rank == 0:
             make_temp_dir(final)  # one left by a crashed save was never complete: dropped
-        _barrier(group)
+        group_barrier(group)
 
-        flat, scalars = _state_to_save(model, optimizer)
+        flat, scalars = state_to_save(model, optimizer)
         guard.file = os.path.join(tmp, dcp_shard_file(rank))
         dcp.save(flat, storage_writer=FileSystemWriter(tmp, sync_files=True), process_group=group,
                  no_dist=group is None)
@@ -158,14 +162,15 @@ def save_dcp_checkpoint(ckpt_root: str, step: int, model: nn.Module, optimizer=N
             path = guard.file = os.path.join(tmp, extra_file(rank))
             torch.save(rank_state, path)
             fsync_file(path)
-        _barrier(group)  # every shard and every extra file is on disk
+        group_barrier(group)  # every shard and every extra file is on disk
 
         if rank == 0:
             if fault_hook is not None:
                 fault_hook()
-            publish_dcp_dir(tmp, final, step, world, json_files, scalars, sum(1 for k in flat if k.startswith(_MODEL)),
+            publish_dcp_dir(tmp, final, step, world, json_files, scalars,
+                            sum(1 for k in flat if k.startswith(MODEL_PREFIX)),
                             rank_state is not None, guard)
-    _barrier(group)
+    group_barrier(group)
     return final
 
 
@@ -205,7 +210,7 @@ def _read_dcp_manifest(ckpt_dir: str) -> dict:
 def check_dcp_checkpoint(ckpt_dir: str, check_hashes: bool = False) -> Optional[str]:
     """None if the directory is a complete DCP checkpoint matching its manifest, else the reason.
     Sizes only by default (cheap, done on every rank at load); check_hashes=True also compares sha256.
-    The same checks as utils.checkpoint.verify_checkpoint (manifest shape, JSON sidecars, .metadata
+    The same checks as checkpoint/verify.verify_checkpoint (manifest shape, JSON sidecars, .metadata
     readable and confined to the directory, every rank's shard) plus the DCP format."""
     problem = verify_checkpoint(ckpt_dir, check_hashes=check_hashes)
     if problem is not None:
@@ -238,7 +243,7 @@ def latest_dcp_checkpoint(ckpt_root: str, check_hashes: bool = False) -> Optiona
 
 # ---------------------------------------------------------------------------- load
 
-def _usable(ckpt_dir: str) -> tuple[dict, Any]:
+def usable_checkpoint(ckpt_dir: str) -> tuple[dict, Any]:
     """(dcp_manifest.json, DCP metadata) of a checkpoint that passes check_dcp_checkpoint; every
     loading path starts here, so no file is opened before the paths .metadata names are confined."""
     problem = check_dcp_checkpoint(ckpt_dir)
@@ -247,7 +252,7 @@ def _usable(ckpt_dir: str) -> tuple[dict, Any]:
     return _read_dcp_manifest(ckpt_dir), read_dcp_metadata(ckpt_dir)
 
 
-def _dcp_load(state: dict, ckpt_dir: str, group: Optional[dist.ProcessGroup]) -> None:
+def dcp_load(state: dict, ckpt_dir: str, group: Optional[dist.ProcessGroup]) -> None:
     """dcp.load through SafeFileSystemReader; a data file that does not load (on any rank) becomes a
     DCPCheckpointError naming it, not DCP's CheckpointException (a BaseException holding tracebacks)."""
     from torch.distributed.checkpoint.api import CheckpointException
@@ -268,7 +273,7 @@ def _dcp_load(state: dict, ckpt_dir: str, group: Optional[dist.ProcessGroup]) ->
                                  f"{type(cause).__name__}: {one_line(cause)[:200]}") from None
 
 
-_OPTIM_SCALARS = ("format", "lr", "scaler", "prev_grad_norm")
+OPTIM_SCALARS = ("format", "lr", "scaler", "prev_grad_norm")
 
 
 def load_dcp_checkpoint(ckpt_dir: str, model: nn.Module, optimizer=None) -> dict:
@@ -281,14 +286,14 @@ def load_dcp_checkpoint(ckpt_dir: str, model: nn.Module, optimizer=None) -> dict
     than this model and optimizer, DCPCheckpointError (naming the file) when a file is damaged.
     """
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-    meta, md = _usable(ckpt_dir)
-    group = _mesh_group(model)
+    meta, md = usable_checkpoint(ckpt_dir)
+    group = mesh_group(model)
     saved = set(md.state_dict_metadata)
 
     model_sd = get_model_state_dict(model)
-    want = {_MODEL + k: v for k, v in model_sd.items()}
+    want = {MODEL_PREFIX + k: v for k, v in model_sd.items()}
     missing = sorted(k for k in want if k not in saved)
-    unexpected = sorted(k for k in saved if k.startswith(_MODEL) and k not in want)
+    unexpected = sorted(k for k in saved if k.startswith(MODEL_PREFIX) and k not in want)
     if missing or unexpected:
         raise CheckpointMismatchError(f"{os.path.join(ckpt_dir, DCP_METADATA)}: the model does not match the checkpoint "
                                       f"(missing {missing[:5]}, unexpected {unexpected[:5]})")
@@ -299,35 +304,35 @@ def load_dcp_checkpoint(ckpt_dir: str, model: nn.Module, optimizer=None) -> dict
         if scalars is None:
             raise DCPCheckpointError(f"{manifest_path}: records no optimizer state (\"optimizer\": null), "
                                      "so this checkpoint cannot resume training")
-        if not isinstance(scalars, dict) or any(k not in scalars for k in _OPTIM_SCALARS):
+        if not isinstance(scalars, dict) or any(k not in scalars for k in OPTIM_SCALARS):
             raise DCPCheckpointError(f"{manifest_path}: the optimizer's scalars lack "
-                                     f"{[k for k in _OPTIM_SCALARS if not isinstance(scalars, dict) or k not in scalars]}")
+                                     f"{[k for k in OPTIM_SCALARS if not isinstance(scalars, dict) or k not in scalars]}")
         opt_sd = optimizer.state_dict()  # template: zero moments created for a fresh optimizer
         opt_tensors, _ = _split_optimizer_state(opt_sd)
-        absent = sorted(k for k in opt_tensors if _OPTIM + k not in saved)
+        absent = sorted(k for k in opt_tensors if OPTIM_PREFIX + k not in saved)
         if absent:
             raise CheckpointMismatchError(f"{os.path.join(ckpt_dir, DCP_METADATA)}: no saved optimizer state for "
                                           f"{absent[:5]} (a parameter that "
                                           "had no gradient before the save, or a different set of trainable "
                                           "parameters)")
-        want.update({_OPTIM + k: v for k, v in opt_tensors.items()})
+        want.update({OPTIM_PREFIX + k: v for k, v in opt_tensors.items()})
     for k, v in want.items():
         tm = md.state_dict_metadata[k]
         if not isinstance(tm, TensorStorageMetadata) or list(tm.size) != list(v.shape):
             raise CheckpointMismatchError(f"{os.path.join(ckpt_dir, DCP_METADATA)}: {k} has shape "
                                           f"{list(getattr(tm, 'size', []))} in the checkpoint, {list(v.shape)} here")
         saved_dtype = getattr(getattr(tm, "properties", None), "dtype", None)
-        if k.startswith(_OPTIM) and torch.is_tensor(v) and saved_dtype != v.dtype:  # DCP would cast it silently
-            raise DCPCheckpointError(f"{os.path.join(ckpt_dir, DCP_METADATA)}: optimizer state {k[len(_OPTIM):]} is "
+        if k.startswith(OPTIM_PREFIX) and torch.is_tensor(v) and saved_dtype != v.dtype:  # DCP would cast it silently
+            raise DCPCheckpointError(f"{os.path.join(ckpt_dir, DCP_METADATA)}: optimizer state {k[len(OPTIM_PREFIX):]} is "
                                      f"saved as {saved_dtype}, this optimizer keeps {v.dtype}: refused rather than cast")
 
-    _dcp_load(want, ckpt_dir, group)
+    dcp_load(want, ckpt_dir, group)
 
-    set_model_state_dict(model, {k[len(_MODEL):]: v for k, v in want.items() if k.startswith(_MODEL)})
+    set_model_state_dict(model, {k[len(MODEL_PREFIX):]: v for k, v in want.items() if k.startswith(MODEL_PREFIX)})
     if optimizer is not None:
         saved_scalars = meta["optimizer"]
         adamw = dict(opt_sd["adamw"])
-        adamw.update({k[len(_OPTIM):]: v for k, v in want.items() if k.startswith(_OPTIM)})
+        adamw.update({k[len(OPTIM_PREFIX):]: v for k, v in want.items() if k.startswith(OPTIM_PREFIX)})
         try:
             optimizer.load_state_dict({"format": saved_scalars["format"], "lr": saved_scalars["lr"],
                                        "scaler": saved_scalars["scaler"],
@@ -335,14 +340,14 @@ def load_dcp_checkpoint(ckpt_dir: str, model: nn.Module, optimizer=None) -> dict
         except (ValueError, KeyError, TypeError, IndexError, AttributeError) as e:
             raise DCPCheckpointError(f"{os.path.join(ckpt_dir, DCP_MANIFEST)}: the optimizer's saved scalars do "
                                      f"not load ({type(e).__name__}: {one_line(e)[:200]})") from e
-    _barrier(group)
+    group_barrier(group)
     return meta
 
 
-def _model_specs(ckpt_dir: str, md: Any) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def model_specs(ckpt_dir: str, md: Any) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     specs = {}
     for k, v in md.state_dict_metadata.items():
-        if not k.startswith(_MODEL):
+        if not k.startswith(MODEL_PREFIX):
             continue
         dtype = getattr(getattr(v, "properties", None), "dtype", None)
         size = getattr(v, "size", None)
@@ -350,23 +355,23 @@ def _model_specs(ckpt_dir: str, md: Any) -> dict[str, tuple[tuple[int, ...], tor
                 not all(isinstance(n, int) and n >= 0 for n in size):
             raise DCPCheckpointError(f"{os.path.join(ckpt_dir, DCP_METADATA)}: {k} is not described as a tensor "
                                      "(size, dtype)")
-        specs[k[len(_MODEL):]] = (tuple(size), dtype)
+        specs[k[len(MODEL_PREFIX):]] = (tuple(size), dtype)
     return specs
 
 
 def load_full_model_state_dict(ckpt_dir: str) -> dict[str, torch.Tensor]:
     """Full (unsharded) model weights of a DCP checkpoint in ONE process, without a process group
     (export, inspection). It materialises the whole model in this process's memory: not streamed."""
-    _, md = _usable(ckpt_dir)
-    out = {_MODEL + k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in _model_specs(ckpt_dir, md).items()}
-    _dcp_load(out, ckpt_dir, None)
-    return {k[len(_MODEL):]: v for k, v in out.items()}
+    _, md = usable_checkpoint(ckpt_dir)
+    out = {MODEL_PREFIX + k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in model_specs(ckpt_dir, md).items()}
+    dcp_load(out, ckpt_dir, None)
+    return {k[len(MODEL_PREFIX):]: v for k, v in out.items()}
 
 
 def model_tensor_specs(ckpt_dir: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """{name: (shape, dtype)} of the model weights in a DCP checkpoint, from its metadata only."""
-    _, md = _usable(ckpt_dir)
-    return _model_specs(ckpt_dir, md)
+    _, md = usable_checkpoint(ckpt_dir)
+    return model_specs(ckpt_dir, md)
 
 
 def load_model_tensors(ckpt_dir: str, names: list[str]) -> dict[str, torch.Tensor]:
@@ -376,10 +381,42 @@ def load_model_tensors(ckpt_dir: str, names: list[str]) -> dict[str, torch.Tenso
     missing = [n for n in names if n not in specs]
     if missing:
         raise DCPCheckpointError(f"checkpoint {ckpt_dir} has no model tensor(s) {missing[:3]}")
-    out = {_MODEL + n: torch.empty(specs[n][0], dtype=specs[n][1]) for n in names}
-    _dcp_load(out, ckpt_dir, None)
-    out = {k[len(_MODEL):]: v for k, v in out.items()}
+    out = {MODEL_PREFIX + n: torch.empty(specs[n][0], dtype=specs[n][1]) for n in names}
+    dcp_load(out, ckpt_dir, None)
+    out = {k[len(MODEL_PREFIX):]: v for k, v in out.items()}
     bad = first_nonfinite(out.items())
     if bad is not None:
         raise DCPCheckpointError(f"checkpoint {ckpt_dir}: {bad}")
     return out
+
+
+# ---------------------------------------------------------------------------- a "dtensor" engine's state
+
+def dtensor_json_files(job: SaveJob) -> dict:
+    """The JSON sidecars of an engine's sharded checkpoint."""
+    return {TRAINER_STATE: dict(job.trainer_state, step=job.step, world_size=job.world_size),
+            MODEL_CONFIG: job.model_config, RUN_CONFIG: job.run_config}
+
+
+def save_dtensor(engine: Any, job: SaveJob) -> str:
+    """Collective: a "dtensor" engine's shards as this step's sharded checkpoint, pruned to keep_last (+ the
+    best). In the background (--async_checkpoint): checkpoint/dcp_async.py's save_dtensor_async."""
+    spec = engine.state_spec()
+    path = save_dcp_checkpoint(checkpoint_root(job.out_dir), job.step, spec.model, spec.optimizer,
+                               json_files=dtensor_json_files(job), rank_state=job.extra_state,
+                               fault_hook=job.fault_hook)
+    if job.rank == 0:
+        prune_checkpoints(job.out_dir, keep_last=job.keep_last, keep_best=True, log=job.log)
+    job.barrier()
+    return path
+
+
+def load_dtensor(engine: Any, ckpt_dir: str, saved_world: int, rank: int, world_size: int,
+                 log: Callable[[str], None] = print) -> Optional[dict]:
+    """Collective: a sharded checkpoint of any world size into a "dtensor" engine; this rank's extra state."""
+    spec = engine.state_spec()
+    with agreed_reads(spec.model):  # this rank's own file, before DCP's collective read
+        extra = load_extra_state(ckpt_dir, rank, saved_world, world_size, log)
+    load_dcp_checkpoint(ckpt_dir, spec.model, spec.optimizer)
+    refuse_nonfinite_weights(spec.model, ckpt_dir)
+    return extra

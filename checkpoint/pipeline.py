@@ -1,0 +1,216 @@
+"""The pipeline format: a "stages" engine's state (PipelineParallelEngine.state_dict(), each stage gathered to full
+tensors) as per-stage files in the common step_N/ layout, with the common manifest / COMPLETE / atomic rename.
+
+  stage{s}_model.safetensors     stage s's weights, full-model key names (written by its dp rank 0, tp rank 0)
+  stage{s}_optimizer_dp{r}.pt    its optimizer state: one file (dp0), or one per dp rank when ZeRO shards it
+  pipeline.json                  the split: pp_size, dp_size, tp_size, n_layers, layer_ranges, schedule, dp_engine...
+  extra_rank{r}.pt, trainer_state.json, model_config.json, config.json   as in every format
+
+Resumable with the same stages and dp engine at any dp size (ZeRO shards re-sharded by the optimizer);
+`merge_stage_checkpoints` gives one process the full model (export, sampling, --init_from).
+
+Owns: these files, written and read. Must never: gather or re-shard the state itself (the engine's state_dict /
+load_state_dict do), or publish before every rank's files are written.
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from checkpoint.async_writer import AsyncCheckpointer, save_in_background
+from checkpoint.protocol import SaveGuard, SaveJob, publish_checkpoint_dir, save_guard, step_dir_paths
+from checkpoint.reads import (damaged_file_hint, is_pipeline_checkpoint, load_extra_state, read_pipeline_meta_safe,
+                              refuse_nonfinite_weights)
+from checkpoint.verify import prune_checkpoints
+from parallel.pipeline import merge_stage_state_dicts
+from utils.checkpoint_json import read_json, write_json
+from utils.checkpoint_layout import (COMPLETE_MARKER, MODEL_CONFIG, PIPELINE_META, RUN_CONFIG, TRAINER_STATE,
+                                     checkpoint_root, extra_file, stage_model_file, stage_optimizer_file)
+from utils.errors import CheckpointError
+from utils.publish import fsync_file, make_temp_dir
+
+FORMAT = 1
+META_KEYS = ("pp_size", "dp_size", "tp_size", "n_layers", "layer_ranges", "schedule", "n_microbatches", "dp_engine",
+             "sharded_optimizer")
+
+
+# ---------------------------------------------------------------------------- reading in one process
+
+def read_pipeline_meta(ckpt_dir: str) -> dict:
+    path = os.path.join(ckpt_dir, PIPELINE_META)
+    if not os.path.isfile(os.path.join(ckpt_dir, COMPLETE_MARKER)) or not os.path.isfile(path):
+        raise ValueError(f"{ckpt_dir} is not a complete pipeline checkpoint (no {COMPLETE_MARKER} / {PIPELINE_META})")
+    meta = read_json(path)
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path}: unknown pipeline checkpoint format {meta.get('format')}")
+    return meta
+
+
+def merge_stage_checkpoints(ckpt_dir: str) -> dict[str, torch.Tensor]:
+    """One process, no process group: the full model state dict of a pipeline checkpoint, with the
+    Transformer's key names (load it with Transformer.load_state_dict, or export it to HF)."""
+    meta = read_pipeline_meta(ckpt_dir)
+    full = merge_stage_state_dicts([load_file(os.path.join(ckpt_dir, stage_model_file(s)))
+                                    for s in range(meta["pp_size"])])
+    layers = {int(k.split(".")[1]) for k in full if k.startswith("layers.")}
+    if layers != set(range(meta["n_layers"])):
+        raise ValueError(f"{ckpt_dir}: the stages hold layers {sorted(layers)}, expected 0..{meta['n_layers'] - 1}")
+    return full
+
+
+# ---------------------------------------------------------------------------- writing
+
+def write_stage_state(dir_path: str, stages: dict, sd: dict, global_rank: int, copy: bool = True) -> None:
+    """This rank's stage files from the engine's state_dict() (no collective): the stage's dp rank 0 (tp rank 0)
+    writes its weights and, unless ZeRO shards it, its optimizer state; with ZeRO every dp rank its own; global
+    rank 0 also pipeline.json. copy=False: `sd` already holds host copies of its own (the background writer)."""
+    s, dp_rank = stages["stage_index"], stages["dp_rank"]
+    first = dp_rank == 0 and stages["tp_rank"] == 0  # one writer per stage (the tensors are gathered)
+    if first:
+        path = os.path.join(dir_path, stage_model_file(s))
+        tensors = {k: v.to("cpu").contiguous().clone() for k, v in sd["model"].items()} if copy else sd["model"]
+        save_file(tensors, path, metadata={"format": "pt", "stage": str(s)})
+        fsync_file(path)
+    if first or stages["sharded_optimizer"]:
+        path = os.path.join(dir_path, stage_optimizer_file(s, dp_rank))
+        torch.save(sd["optimizer"], path)
+        fsync_file(path)
+    if global_rank == 0:
+        write_json(os.path.join(dir_path, PIPELINE_META), {"format": FORMAT, **{k: stages[k] for k in META_KEYS}})
+
+
+def write_extra_and_configs(tmp: str, rank: int, extra_state: Any, model_config: dict, run_config: dict,
+                            fault_hook: Optional[Callable[[], None]] = None, guard: Any = None) -> None:
+    """A stage checkpoint's per-rank extra (RNG) file, fsynced, and on rank 0 the model and run configs (the
+    synchronous save and the background writer alike); `guard.file` names the file being written."""
+    path = os.path.join(tmp, extra_file(rank))
+    if guard is not None:
+        guard.file = path
+    torch.save(extra_state, path)
+    fsync_file(path)
+    if rank == 0:
+        write_json(os.path.join(tmp, MODEL_CONFIG), model_config)
+        write_json(os.path.join(tmp, RUN_CONFIG), run_config)
+        if fault_hook is not None:
+            fault_hook()  # test hook: die with a half-written checkpoint
+
+
+def _trainer_state(trainer_state: dict, step: int, world_size: int) -> dict:
+    return dict(trainer_state, step=step, world_size=world_size, saved_at=time.time())
+
+
+def save_stages(engine: Any, job: SaveJob, writer: Optional[AsyncCheckpointer] = None) -> str:
+    """Collective. The stages' files + per-rank RNG into step_N.tmp/, then rank 0 publishes it and prunes.
+    Always full stage files (no light LoRA checkpoints). writer: the files written in the background once the
+    gathered state is copied to host memory here."""
+    stages = engine.state_spec().stages
+    out_dir, step, rank, world_size, barrier = job.out_dir, job.step, job.rank, job.world_size, job.barrier
+    model_config, run_config, trainer_state = job.model_config, job.run_config, job.trainer_state
+    fault_hook = job.fault_hook
+    if writer is not None:
+        writer.wait()  # at most one save in flight
+        sd, extra, model_config, run_config, trainer_state = writer.snapshot(
+            {"stage": engine.state_dict(), "extra": job.extra_state}, model_config, run_config, trainer_state)
+        global_rank = dist.get_rank()
+
+        def write_files(tmp: str, guard: Any) -> None:
+            guard.file = tmp
+            write_stage_state(tmp, stages, sd, global_rank, copy=False)
+            write_extra_and_configs(tmp, rank, extra, model_config, run_config, fault_hook, guard)
+
+        def publish(tmp: str, final: str, guard: SaveGuard) -> None:
+            guard.file = os.path.join(tmp, TRAINER_STATE)
+            write_json(guard.file, _trainer_state(trainer_state, step, world_size))
+            publish_checkpoint_dir(tmp, final, step)
+        return save_in_background(out_dir, step, rank, world_size, writer, write_files, publish, barrier=barrier,
+                                  keep_last=job.keep_last, log=job.log)
+    root = checkpoint_root(out_dir)
+    final, tmp = step_dir_paths(root, step)
+    # a write that does not fit (disk full, a file-size limit): the partial step_N.tmp removed, exit 7
+    with save_guard(root, step, check_space=rank == 0):
+        if rank == 0:
+            make_temp_dir(final)  # one left by a crash was never complete: dropped
+        barrier()
+        # collective over the mesh (FSDP gathers the stage's tensors), then every rank has written (a barrier)
+        write_stage_state(tmp, stages, engine.state_dict(), dist.get_rank())
+        dist.barrier()
+        write_extra_and_configs(tmp, rank, job.extra_state, model_config, run_config, fault_hook)
+        barrier()  # every rank has written and fsynced its files
+        if rank == 0:
+            write_json(os.path.join(tmp, TRAINER_STATE), _trainer_state(trainer_state, step, world_size))
+            publish_checkpoint_dir(tmp, final, step)
+            prune_checkpoints(out_dir, keep_last=job.keep_last, keep_best=True, log=job.log)
+    barrier()
+    return final
+
+
+# ---------------------------------------------------------------------------- loading into the engine
+
+def stages_resume_problem(stages: dict, ckpt_dir: str) -> Optional[str]:
+    """Why a pipeline of `stages` cannot resume `ckpt_dir`, or None."""
+    if not is_pipeline_checkpoint(ckpt_dir):
+        return (f"{ckpt_dir} was written without pipeline parallelism; resume it with --pipeline_parallel_size=1 "
+                "(or start a new pipeline run from its weights with --init_from=<that checkpoint>)")
+    meta = read_pipeline_meta_safe(ckpt_dir)
+    saved = (meta.get("pp_size"), meta.get("dp_size"), meta.get("dp_engine", "ddp"))
+    if (saved[0], saved[2]) != (stages["pp_size"], stages["dp_engine"]):
+        return (f"{ckpt_dir} was written on a pipeline mesh of pp={saved[0]} x dp={saved[1]} ({saved[2]}), this "
+                f"run is pp={stages['pp_size']} x dp={stages['dp_size']} ({stages['dp_engine']}): a pipeline "
+                "checkpoint resumes with the same number of stages and dp engine, at any dp size (to change the "
+                "stages, start a new run with --init_from=<that checkpoint>)")
+    return None
+
+
+def read_stage_state(stages: dict, ckpt_dir: str) -> dict:
+    """This stage's {"model", "optimizer"} from a checkpoint of the same pipeline split (pp size, layer ranges) and
+    dp engine, at any dp size (ZeRO shards of another dp size: the list of every saved shard)."""
+    meta = read_pipeline_meta(ckpt_dir)
+    ranges = [tuple(r) for r in stages["layer_ranges"]]
+    if meta["pp_size"] != stages["pp_size"] or [tuple(r) for r in meta["layer_ranges"]] != ranges:
+        raise ValueError(f"checkpoint {ckpt_dir} has {meta['pp_size']} stage(s) with layers "
+                         f"{meta['layer_ranges']}; this run has {stages['pp_size']} with {ranges}: resume "
+                         f"at the same pipeline_parallel_size (or merge_stage_checkpoints() it to one model "
+                         f"and start from that)")
+    if meta.get("dp_engine", "ddp") != stages["dp_engine"]:
+        raise ValueError(f"checkpoint {ckpt_dir} was written with dp engine {meta.get('dp_engine')!r}; this run "
+                         f"uses {stages['dp_engine']!r} (the optimizer states differ; the weights can be taken with "
+                         f"merge_stage_checkpoints())")
+    sharded = stages["sharded_optimizer"]
+    if sharded != bool(meta["sharded_optimizer"]):
+        raise ValueError(f"checkpoint {ckpt_dir}: optimizer layout (sharded={meta['sharded_optimizer']}) differs "
+                         f"from this run's (sharded={sharded}): resume with the same --use_distributed_optimizer")
+    s = stages["stage_index"]
+
+    def opt_file(r: int) -> dict:
+        return torch.load(os.path.join(ckpt_dir, stage_optimizer_file(s, r)), map_location="cpu", weights_only=True)
+    if not sharded:  # one file per stage whatever the dp size (FSDP's state is gathered to it)
+        opt = opt_file(0)
+    elif int(meta["dp_size"]) == stages["dp_size"]:
+        opt = opt_file(stages["dp_rank"])
+    else:  # ZeRO shards of another dp size: every saved shard, re-sharded by the optimizer
+        opt = [opt_file(r) for r in range(int(meta["dp_size"]))]
+    return {"model": load_file(os.path.join(ckpt_dir, stage_model_file(s))), "optimizer": opt}
+
+
+def load_stages(engine: Any, ckpt_dir: str, saved_world: int, rank: int, world_size: int,
+                log: Callable[[str], None] = print) -> Optional[dict]:
+    """Collective: this stage's files into the engine (its load_state_dict re-shards them); this rank's extra
+    state. CheckpointError naming the file when one does not load."""
+    stages = engine.state_spec().stages
+    problem = stages_resume_problem(stages, ckpt_dir)
+    if problem:
+        raise CheckpointError(problem)
+    try:
+        engine.load_state_dict(read_stage_state(stages, ckpt_dir))
+    except (ValueError, KeyError, TypeError, OSError, EOFError, RuntimeError, SafetensorError) as e:
+        if isinstance(e, torch.OutOfMemoryError):
+            raise
+        raise CheckpointError(f"checkpoint {ckpt_dir}: {damaged_file_hint(ckpt_dir, e)}") from e
+    refuse_nonfinite_weights(engine.module, ckpt_dir)
+    return load_extra_state(ckpt_dir, rank, saved_world, world_size, log)
