@@ -216,16 +216,12 @@ def moe_layers(model: nn.Module) -> list[MoEFeedForward]:
     return [m for m in model.modules() if isinstance(m, MoEFeedForward)]
 
 
-def take_aux_losses(layers: Iterable[MoEFeedForward], aux_coef: float, z_coef: float) -> Optional[torch.Tensor]:
-    """aux_coef x balancing loss + z_coef x z-loss, summed over the layers, of the training forwards since the
-    last take (None when there were none or both coefficients are 0). Taking clears them."""
-    total = None
-    for layer in layers:
-        aux = layer.take_aux()
-        if aux is not None and (aux_coef or z_coef):
-            term = aux[0] * aux_coef + aux[1] * z_coef
-            total = term if total is None else total + term
-    return total
+def take_aux_losses(layers: Iterable[MoEFeedForward]) -> Optional[torch.Tensor]:
+    """[L, 2]: each layer's (balancing loss, z-loss) summed over its training forwards since the last take (None
+    when there were none). Taking clears them."""
+    taken = [layer.take_aux() for layer in layers]
+    taken = [t for t in taken if t is not None]
+    return torch.stack(taken) if taken else None
 
 
 @torch.no_grad()

@@ -22,6 +22,7 @@ from parallel.config import ParallelFlags
 from utils.configurator import flag
 from utils.constants import EXIT_BAD_CONFIG, EXIT_BAD_DATA
 from utils.errors import TrainingError, one_line  # noqa: F401  (re-exported: the trainer and tests use them)
+from utils.moe_flags import MoEFlags, moe_problems
 
 
 _f = flag  # utils/configurator.py: a flag's default and help
@@ -152,7 +153,7 @@ class DPOFlags:
 
 
 @dataclass
-class TrainConfig(ParallelFlags, DPOFlags, OptimizationFlags, TrainableFlags, ModelFlags, RunFlags):
+class TrainConfig(ParallelFlags, DPOFlags, OptimizationFlags, TrainableFlags, MoEFlags, ModelFlags, RunFlags):
     """Every training flag, flat (`--key=value`), composed of typed sections in this order: RunFlags,
     ModelFlags, TrainableFlags, OptimizationFlags, DPOFlags, the parallel engine's (parallel/config.py
     ParallelFlags, declared once there), then evaluation, logging, checkpoints and the guard below."""
@@ -583,6 +584,7 @@ def validate_config(cfg: TrainConfig, world_size: Optional[int] = None, torch_fr
     problems.extend(parallel_problems(cfg, world_size))
     _choices_and_combinations(cfg, problems, torch_free)
     _numbers_and_extras(cfg, problems, torch_free)
+    problems.extend(moe_problems(cfg))
     if problems:
         raise TrainingError("bad configuration: " + "; ".join(problems), EXIT_BAD_CONFIG)
 

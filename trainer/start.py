@@ -30,6 +30,7 @@ from utils.constants import EXIT_BAD_CHECKPOINT, EXIT_BAD_CONFIG
 from utils.device import low_precision_cpu_warning, parse_dtype
 from utils.dist import DistInfo, barrier
 from utils.model_bounds import fit_problem, param_count
+from utils.moe_flags import moe_model_fields
 from utils.run_config import DATA_KEYS, global_batch_problem, same_value
 from utils.spike_guard import parse_data_steps
 
@@ -42,7 +43,7 @@ def new_model_config(cfg: TrainConfig, tok_meta: dict):
                        attn_dropout=cfg.dropout, resid_dropout=cfg.dropout, tie_embeddings=cfg.tie_embeddings,
                        gradient_checkpointing=cfg.gradient_checkpointing, fused_rmsnorm=fused,
                        fused_rope=fused, fused_swiglu=fused, fused_qkv=fused, fused_cross_entropy=fused,
-                       kernel_backend=backend)
+                       kernel_backend=backend, **moe_model_fields(cfg))
 
 
 

@@ -60,8 +60,19 @@ def moe_problems(cfg: Any) -> list[str]:
         if cfg.moe_first_dense_layers >= cfg.n_layers:
             p.append(f"--moe_first_dense_layers={cfg.moe_first_dense_layers}: leaves no MoE block of "
                      f"--n_layers={cfg.n_layers}")
+        for name, what in (("pipeline_parallel_size", "pipeline stages"), ("tensor_parallel_size", "tensor parallelism")):
+            if getattr(cfg, name, 1) > 1:
+                p.append(f"--moe_num_experts={cfg.moe_num_experts} cannot be combined with --{name}="
+                         f"{getattr(cfg, name)} yet (MoE blocks under {what} are not built)")
     for name in ("moe_aux_loss_coef", "moe_bias_update_rate", "moe_z_loss_coef"):
         v = getattr(cfg, name)
         if not (math.isfinite(v) and v >= 0):
             p.append(f"--{name}={v}: must be a finite number >= 0")
     return p
+
+
+def moe_model_fields(cfg: Any) -> dict:
+    """The ModelConfig fields of a new model from the trainer's MoE flags."""
+    return {"moe_num_experts": cfg.moe_num_experts, "moe_top_k": cfg.moe_top_k,
+            "moe_shared_experts": cfg.moe_shared_experts, "moe_hidden_dim": cfg.moe_hidden_dim or None,
+            "moe_first_dense_layers": cfg.moe_first_dense_layers, "moe_score": cfg.moe_score}

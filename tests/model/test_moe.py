@@ -148,7 +148,7 @@ def test_training_forward_statistics_taken_once_and_not_recomputed():
         assert len(layers) == 2
         counts = [m.take_counts() for m in layers]
         assert all(c.sum() == 2 * 8 * 2 for c in counts)  # every token x top_k, counted once
-        return take_aux_losses(layers, 0.01, 0.001), counts
+        return take_aux_losses(layers), counts
     plain, with_ckpt = run(False), run(True)
     assert torch.allclose(plain[0], with_ckpt[0]) and all(torch.equal(a, b) for a, b in zip(plain[1], with_ckpt[1]))
     torch.manual_seed(0)
@@ -157,7 +157,7 @@ def test_training_forward_statistics_taken_once_and_not_recomputed():
         model(torch.randint(0, 64, (2, 8)))
     model.eval()
     model(torch.randint(0, 64, (2, 8)))
-    assert take_aux_losses(moe_layers(model), 1.0, 1.0) is None  # no-grad and eval forwards leave nothing
+    assert take_aux_losses(moe_layers(model)) is None  # no-grad and eval forwards leave nothing
 
 
 def test_bad_shapes_refused():

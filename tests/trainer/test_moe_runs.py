@@ -1,0 +1,100 @@
+"""MoE through the trainer: the balancing losses reach the gradient and not the logged loss (trainer/moe.py), the
+bias update of a real run against DeepSeek-V3's rule from the run's own logged loads, the metrics row, and bad MoE
+flags as one line, exit 2."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from model import ModelConfig, Transformer
+from model.moe import moe_layers
+from tests.conftest import run_cmd, train_cmd
+from tests.trainer.test_errors import assert_one_error_line, run_main
+from trainer.moe import MoETraining
+from utils.checkpoint import find_latest_valid, load_model_state
+from utils.constants import EXIT_BAD_CONFIG
+from utils.metrics import dedupe_by_step, read_metrics
+
+MOE = ["--moe_num_experts=4", "--moe_top_k=2", "--moe_hidden_dim=16", "--moe_first_dense_layers=1"]
+
+
+class _OneProcess:
+    @staticmethod
+    def sum_over_data(vec, device, to_host=True):
+        return vec
+
+
+def _cfg(**kw):
+    return type("Cfg", (), {**dict(moe_aux_loss_coef=0.0, moe_z_loss_coef=0.0, moe_bias_update_rate=0.0), **kw})()
+
+
+def test_aux_losses_join_the_gradient_not_the_logged_loss():
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=64, dim=16, n_layers=2, n_heads=2, hidden_dim=24, max_seq_len=16,
+                                    moe_num_experts=4, moe_top_k=2, moe_shared_experts=1))
+    x = torch.randint(0, 64, (2, 8))
+    batch = {"input_ids": x, "labels": x}
+    units = lambda b: int(b["labels"].numel())  # noqa: E731
+    base = lambda m, b: (m(b["input_ids"], labels=b["labels"], reduction="sum"), {})  # noqa: E731
+
+    def grads(loss_fn):
+        model.zero_grad()
+        loss, _ = loss_fn(model, batch)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    moe = MoETraining.of(_cfg(moe_aux_loss_coef=0.1, moe_z_loss_coef=0.01), model)
+    loss, got = grads(moe.wrap_loss(base, units))
+
+    def by_hand(m, b):  # the loss plus the formula's terms, in the open
+        lm = m(b["input_ids"], labels=b["labels"], reduction="sum")
+        extra = 0.0
+        for layer in moe_layers(m):
+            aux = layer.take_aux()
+            extra = extra + 0.1 * aux[0] + 0.01 * aux[1]
+        return lm + extra * units(b), {}
+    _, want = grads(by_hand)
+    plain_loss, plain = grads(base)
+    assert torch.equal(loss, plain_loss)  # the logged value is the task's loss alone
+    router = "layers.0.mlp.router.weight"
+    assert not torch.allclose(got[router], plain[router])  # the balancing terms moved the router's gradient
+    for n in want:
+        assert torch.allclose(got[n], want[n], rtol=1e-5, atol=1e-7), n
+
+
+def test_run_bias_update_and_metrics(tiny_pretrain_run_args, tmp_path):
+    """3 steps with the bias update on: each layer's saved bias is rate x the sum over steps of
+    sign(mean - load) of the loads the run logged; every token counted top_k times."""
+    out = tmp_path / "run"
+    rate = 0.01
+    run_cmd(train_cmd([*tiny_pretrain_run_args, f"--out_dir={out}", "--max_iters=3", "--n_layers=3", *MOE,
+                       "--moe_aux_loss_coef=0.01", "--moe_z_loss_coef=0.001", f"--moe_bias_update_rate={rate}"]))
+    rows = dedupe_by_step(read_metrics(os.path.join(out, "metrics.jsonl")))
+    want = torch.zeros(2, 4)
+    for step in (1, 2, 3):
+        r = rows[step]
+        loads = torch.tensor(r["moe_tokens_per_expert"], dtype=torch.float64)
+        assert loads.shape == (2, 4) and (loads.sum(dim=1) == 4 * 32 * 2).all()  # batch x seq x top_k
+        assert r["moe_load_max_mean"] == pytest.approx(float((loads.max(1).values / loads.mean(1)).max()))
+        assert set(r) >= {"moe_aux_loss", "moe_z_loss", "moe_load_max_mean_l1", "moe_load_max_mean_l2"}
+        assert 0.5 < r["moe_aux_loss"] <= 2  # 1 when balanced, at most E / top_k = 2
+        want += rate * torch.sign(loads.mean(1, keepdim=True) - loads).float()
+    state = load_model_state(find_latest_valid(str(out)))
+    got = torch.stack([state["layers.1.mlp.expert_bias"], state["layers.2.mlp.expert_bias"]])
+    assert torch.allclose(got, want, atol=1e-7), (got, want)
+    assert "layers.0.mlp.gate_proj.weight" in state  # the first block stayed dense
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--moe_num_experts=4", "--moe_top_k=5"], "--moe_top_k=5: must be in [1, --moe_num_experts=4]"),
+    (["--moe_num_experts=4", "--moe_score=relu"], "--moe_score='relu' (softmax | sigmoid)"),
+    (["--moe_num_experts=4", "--moe_first_dense_layers=2"], "--moe_first_dense_layers=2: leaves no MoE block"),
+    (["--moe_num_experts=-1"], "--moe_num_experts=-1: must be >= 0"),
+    (["--moe_bias_update_rate=-0.1"], "--moe_bias_update_rate=-0.1: must be a finite number >= 0"),
+], ids=["top_k", "score", "all_dense", "negative", "rate"])
+def test_bad_moe_flags_one_line_exit_2(tiny_pretrain_run_args, tmp_path, capsys, extra, needle):
+    code, err = run_main([*tiny_pretrain_run_args, f"--out_dir={tmp_path / 'run'}", "--max_iters=1", *extra], capsys)
+    assert code == EXIT_BAD_CONFIG, err
+    assert_one_error_line(err, needle)
