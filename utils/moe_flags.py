@@ -64,6 +64,9 @@ def moe_problems(cfg: Any) -> list[str]:
             if getattr(cfg, name, 1) > 1:
                 p.append(f"--moe_num_experts={cfg.moe_num_experts} cannot be combined with --{name}="
                          f"{getattr(cfg, name)} yet (MoE blocks under {what} are not built)")
+    if cfg.moe_bias_update_rate and getattr(cfg, "lora_rank", 0) > 0:
+        p.append(f"--moe_bias_update_rate={cfg.moe_bias_update_rate} cannot be combined with --lora_rank="
+                 f"{cfg.lora_rank}: the selection biases belong to the frozen base, which LoRA checkpoints leave out")
     for name in ("moe_aux_loss_coef", "moe_bias_update_rate", "moe_z_loss_coef"):
         v = getattr(cfg, name)
         if not (math.isfinite(v) and v >= 0):

@@ -3,6 +3,7 @@ bias update of a real run against DeepSeek-V3's rule from the run's own logged l
 flags as one line, exit 2."""
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 
 from model import ModelConfig, Transformer
 from model.moe import moe_layers
-from tests.conftest import run_cmd, train_cmd
+from tests.conftest import ROOT, run_cmd, train_cmd
 from tests.trainer.test_errors import assert_one_error_line, run_main
 from trainer.moe import MoETraining
 from utils.checkpoint import find_latest_valid, load_model_state
@@ -64,13 +65,22 @@ def test_aux_losses_join_the_gradient_not_the_logged_loss():
         assert torch.allclose(got[n], want[n], rtol=1e-5, atol=1e-7), n
 
 
-def test_run_bias_update_and_metrics(tiny_pretrain_run_args, tmp_path):
-    """3 steps with the bias update on: each layer's saved bias is rate x the sum over steps of
-    sign(mean - load) of the loads the run logged; every token counted top_k times."""
-    out = tmp_path / "run"
-    rate = 0.01
+RATE = 0.01
+
+
+@pytest.fixture(scope="module")
+def moe_run(tiny_pretrain_run_args, tmp_path_factory):
+    """3 pretraining steps of a 3-block MoE (the first dense) with every balancing option on."""
+    out = tmp_path_factory.mktemp("moe") / "run"
     run_cmd(train_cmd([*tiny_pretrain_run_args, f"--out_dir={out}", "--max_iters=3", "--n_layers=3", *MOE,
-                       "--moe_aux_loss_coef=0.01", "--moe_z_loss_coef=0.001", f"--moe_bias_update_rate={rate}"]))
+                       "--moe_aux_loss_coef=0.01", "--moe_z_loss_coef=0.001", f"--moe_bias_update_rate={RATE}"]))
+    return out
+
+
+def test_run_bias_update_and_metrics(moe_run):
+    """Each layer's saved bias is rate x the sum over steps of sign(mean - load) of the loads the run logged;
+    every token counted top_k times."""
+    out, rate = moe_run, RATE
     rows = dedupe_by_step(read_metrics(os.path.join(out, "metrics.jsonl")))
     want = torch.zeros(2, 4)
     for step in (1, 2, 3):
@@ -87,13 +97,58 @@ def test_run_bias_update_and_metrics(tiny_pretrain_run_args, tmp_path):
     assert "layers.0.mlp.gate_proj.weight" in state  # the first block stayed dense
 
 
+def _chat_args(tiny_pretrain_data, init, out, *extra):
+    return [f"--tokenizer_dir={tiny_pretrain_data['tokenizer_dir']}", "--max_seq_len=96", "--device=cpu",
+            "--progress=false", "--peak_flops=1e11", "--log_interval=1", "--eval_interval=0", "--eval_iters=2",
+            "--warmup_iters=1", "--seed=3", "--val_ratio=0.05", f"--init_from={init}", f"--out_dir={out}",
+            "--batch_size=4", "--learning_rate=3e-3", *extra]
+
+
+def test_sft_lora_and_dpo_on_an_moe_model(moe_run, tiny_pretrain_data, tmp_path):
+    """SFT (full, bias update on) trains the experts; LoRA (targets all: the attention projections and the dense
+    block's MLP get adapters, the stacked experts and the router stay frozen) leaves them bit-identical; DPO
+    starts at reward accuracy 0 (policy = reference) and logs the loads of chosen and rejected forwards."""
+    sft_data = os.path.join(ROOT, "data", "sft")
+    base = load_model_state(find_latest_valid(str(moe_run)))
+    sft = tmp_path / "sft"
+    run_cmd(train_cmd(_chat_args(tiny_pretrain_data, moe_run, sft, "--task_type=sft", f"--data_dir={sft_data}",
+                                 "--max_iters=3", "--checkpoint_interval=3", "--moe_bias_update_rate=0.01",
+                                 "--moe_aux_loss_coef=0.01")))
+    after = load_model_state(find_latest_valid(str(sft)))
+    assert not torch.equal(after["layers.1.mlp.experts.gate_proj"], base["layers.1.mlp.experts.gate_proj"])
+    assert not torch.equal(after["layers.1.mlp.expert_bias"], base["layers.1.mlp.expert_bias"])
+    rows = dedupe_by_step(read_metrics(os.path.join(sft, "metrics.jsonl")))
+    assert all(math.isfinite(rows[s]["loss"]) and rows[s]["moe_load_max_mean"] >= 1 for s in (1, 2, 3))
+
+    lora = tmp_path / "lora"
+    run_cmd(train_cmd(_chat_args(tiny_pretrain_data, moe_run, lora, "--task_type=sft", f"--data_dir={sft_data}",
+                                 "--max_iters=2", "--checkpoint_interval=2", "--lora_rank=2", "--lora_targets=all")))
+    saved = load_model_state(find_latest_valid(str(lora)))
+    assert any("self_attn.q_proj.lora_A" in k for k in saved) and any("layers.0.mlp.gate_proj.lora_A" in k
+                                                                       for k in saved)
+    assert not any(".experts." in k or ".router." in k for k in saved)  # frozen: only adapters are saved
+
+    dpo, toy = tmp_path / "dpo", tmp_path / "toy_prefs.jsonl"
+    with open(os.path.join(ROOT, "data", "dpo", "dpo_pairs.jsonl"), encoding="utf-8") as f:
+        toy.write_text("".join(line for _, line in zip(range(16), f)), encoding="utf-8")
+    run_cmd(train_cmd(_chat_args(tiny_pretrain_data, sft, dpo, "--task_type=dpo", f"--data_dir={toy}",
+                                 "--max_iters=2", "--checkpoint_interval=2", "--moe_aux_loss_coef=0.01")))
+    rows = dedupe_by_step(read_metrics(os.path.join(dpo, "metrics.jsonl")))
+    assert rows[1]["reward_acc"] == 0.0 and math.isfinite(rows[2]["loss"])
+    assert sum(rows[1]["moe_tokens_per_expert"][0]) % 2 == 0 and sum(rows[1]["moe_tokens_per_expert"][0]) > 0
+
+
 @pytest.mark.parametrize("extra, needle", [
     (["--moe_num_experts=4", "--moe_top_k=5"], "--moe_top_k=5: must be in [1, --moe_num_experts=4]"),
     (["--moe_num_experts=4", "--moe_score=relu"], "--moe_score='relu' (softmax | sigmoid)"),
     (["--moe_num_experts=4", "--moe_first_dense_layers=2"], "--moe_first_dense_layers=2: leaves no MoE block"),
     (["--moe_num_experts=-1"], "--moe_num_experts=-1: must be >= 0"),
     (["--moe_bias_update_rate=-0.1"], "--moe_bias_update_rate=-0.1: must be a finite number >= 0"),
-], ids=["top_k", "score", "all_dense", "negative", "rate"])
+    (["--moe_num_experts=4", "--moe_bias_update_rate=0.1", "--lora_rank=2"],
+     "--moe_bias_update_rate=0.1 cannot be combined with --lora_rank=2"),
+    (["--moe_num_experts=4", "--tensor_parallel_size=2", "--parallel=fsdp"],
+     "--moe_num_experts=4 cannot be combined with --tensor_parallel_size=2"),
+], ids=["top_k", "score", "all_dense", "negative", "rate", "lora_bias", "tp"])
 def test_bad_moe_flags_one_line_exit_2(tiny_pretrain_run_args, tmp_path, capsys, extra, needle):
     code, err = run_main([*tiny_pretrain_run_args, f"--out_dir={tmp_path / 'run'}", "--max_iters=1", *extra], capsys)
     assert code == EXIT_BAD_CONFIG, err
