@@ -8,7 +8,7 @@ them (tokens to the ranks holding their experts after `dispatch`, back before `c
            choice only) and their weights (the scores of the chosen experts; renormalised to sum 1 when k > 1)
   dispatch the N*k (token, expert) pairs sorted by expert (stable): the token rows in that order and the count
            per expert; dropless (no capacity, every pair computed)
-  experts  the SwiGLU of each expert on its rows: one `torch._grouped_mm` per projection, or a reference loop
+  experts  the SwiGLU of each expert on its rows: one grouped matmul per projection (torch._grouped_mm / F.grouped_mm), or a reference loop
   combine  every row back to its (token, slot), weighted, summed over the k slots
 
 Balancing: the auxiliary loss (Switch/Megatron form, E/(k N) sum_i count_i P_i, 1 when perfectly balanced;
@@ -37,11 +37,12 @@ EXPERT_BACKENDS = ("auto", "grouped_mm", "loop")
 # ------------------------------------------------------------------------------------------ routing
 def route(x: torch.Tensor, router_weight: torch.Tensor, bias: Optional[torch.Tensor], top_k: int,
           score: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [N, D] -> (expert ids [N, k], their weights [N, k] fp32, scores [N, E] fp32, logits [N, E] fp32).
+    """x [N, D] -> (expert ids [N, k], their weights [N, k], scores [N, E], logits [N, E]; fp32, or fp64 for fp64 x).
     The bias (or None) is added to the scores for the choice only; the weights are the unbiased scores."""
-    logits = F.linear(x.float(), router_weight.float())
+    dtype = torch.promote_types(x.dtype, torch.float32)  # fp32 at least: a bf16 router picks by ties
+    logits = F.linear(x.to(dtype), router_weight.to(dtype))
     scores = torch.softmax(logits, dim=-1) if score == "softmax" else torch.sigmoid(logits)
-    choice = scores if bias is None else scores + bias.detach().float()
+    choice = scores if bias is None else scores + bias.detach().to(dtype)
     idx = torch.topk(choice, top_k, dim=-1, sorted=True).indices
     weights = scores.gather(-1, idx)
     if top_k > 1:  # Mixtral / Qwen-MoE norm_topk_prob / DeepSeek-V3; at k=1 (Switch) the raw score keeps a gradient
@@ -69,25 +70,31 @@ def combine(rows: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> t
 
 
 # ------------------------------------------------------------------------------------------ experts
+# torch >= 2.10 names it torch.nn.functional.grouped_mm (and runs it on compute capability 8 too)
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
 def grouped_mm_supported(x: torch.Tensor) -> bool:
-    """Whether torch._grouped_mm runs here: the CPU (any float dtype), CUDA bf16 on compute capability >= 9."""
-    if not hasattr(torch, "_grouped_mm"):
+    """Whether the grouped matmul runs here: the CPU in fp32 / bf16 / fp16, CUDA in bf16 on compute capability
+    >= 9 (>= 8 where torch has the public F.grouped_mm)."""
+    if _GROUPED_MM is None:
         return False
     if x.device.type == "cpu":
-        return True
+        return x.dtype in (torch.float32, torch.bfloat16, torch.float16)
     if x.device.type == "cuda":
-        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9
+        need = 8 if hasattr(F, "grouped_mm") else 9
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= need
     return False
 
 
 def experts_grouped(rows: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
                     w_down: torch.Tensor) -> torch.Tensor:
-    """SwiGLU of each expert's rows by torch._grouped_mm (one launch a projection, no host read).
+    """SwiGLU of each expert's rows by the grouped matmul (one launch a projection, no host read).
     w_gate / w_up [E, I, D], w_down [E, D, I] (nn.Linear's [out, in] per expert)."""
     offs = torch.cumsum(counts, dim=0).to(torch.int32)
-    gate = torch._grouped_mm(rows, w_gate.transpose(-2, -1), offs=offs)
-    up = torch._grouped_mm(rows, w_up.transpose(-2, -1), offs=offs)
-    return torch._grouped_mm(F.silu(gate) * up, w_down.transpose(-2, -1), offs=offs)
+    gate = _GROUPED_MM(rows, w_gate.transpose(-2, -1), offs=offs)
+    up = _GROUPED_MM(rows, w_up.transpose(-2, -1), offs=offs)
+    return _GROUPED_MM(F.silu(gate) * up, w_down.transpose(-2, -1), offs=offs)
 
 
 def experts_loop(rows: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
@@ -107,7 +114,7 @@ def choose_expert_backend(x: torch.Tensor, backend: str) -> str:
     if backend == "auto":
         return "grouped_mm" if x.device.type != "cpu" and grouped_mm_supported(x) else "loop"
     if backend == "grouped_mm" and not grouped_mm_supported(x):
-        raise ValueError(f"torch._grouped_mm does not run on {x.device} in {x.dtype}; use the loop")
+        raise ValueError(f"the grouped matmul does not run on {x.device} in {x.dtype}; use the loop")
     return backend
 
 

@@ -153,3 +153,27 @@ def test_bad_moe_flags_one_line_exit_2(tiny_pretrain_run_args, tmp_path, capsys,
     code, err = run_main([*tiny_pretrain_run_args, f"--out_dir={tmp_path / 'run'}", "--max_iters=1", *extra], capsys)
     assert code == EXIT_BAD_CONFIG, err
     assert_one_error_line(err, needle)
+
+
+def test_export_refuses_what_mixtral_cannot_hold_and_a_mixtral_trains(moe_run, tiny_pretrain_run_args, tmp_path,
+                                                                     capsys):
+    """export_hf.py on the run with a dense first block: exit 2, one line naming it. A Mixtral directory written
+    by export_hf starts a run (--init_from) as an MoE model of that shape."""
+    import export_hf
+    from model.hf_interop import export_hf as write_hf
+    code = export_hf.main([f"--ckpt={moe_run}", f"--out_dir={tmp_path / 'hf'}"])
+    err = capsys.readouterr().err
+    assert code == EXIT_BAD_CONFIG and "moe_first_dense_layers=1 (every Mixtral block is MoE)" in err, err
+    assert len(err.strip().splitlines()) == 1 and not os.path.exists(tmp_path / "hf")
+
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=384, dim=32, n_layers=2, n_heads=4, hidden_dim=48, max_seq_len=32,
+                                    moe_num_experts=4, moe_top_k=2, moe_hidden_dim=16))
+    write_hf(model, str(tmp_path / "mixtral"))
+    out = tmp_path / "from_hf"
+    run_cmd(train_cmd([*tiny_pretrain_run_args, f"--out_dir={out}", "--max_iters=1", "--checkpoint_interval=1",
+                       f"--init_from={tmp_path / 'mixtral'}"]))
+    row = dedupe_by_step(read_metrics(os.path.join(out, "metrics.jsonl")))[1]
+    assert row["moe_tokens_per_expert"] and len(row["moe_tokens_per_expert"]) == 2
+    state = load_model_state(find_latest_valid(str(out)))
+    assert state["layers.1.mlp.experts.down_proj"].shape == (4, 32, 16)
