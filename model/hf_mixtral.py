@@ -7,7 +7,7 @@ shared experts, dense first blocks, sigmoid scores, top_k = 1 (Mixtral renormali
 the raw score at k = 1), and a non-zero selection bias (Mixtral has none: the export would route differently).
 
 Owns: the config.json fields, and the names: ours `layers.N.mlp.router.weight` [E, D] and the stacked
-`layers.N.mlp.experts.{gate,up,down}_proj` [E, I, D] / [E, D, I] <-> the Hub layout
+`layers.N.mlp.experts.gate_up_proj` [E, 2I, D] (gate rows, then up) / `down_proj` [E, D, I] <-> the Hub layout
 `model.layers.N.block_sparse_moe.gate.weight` and `...experts.E.w1 / w3 / w2.weight` (what every Mixtral on the Hub
 holds, read by transformers 4.x and 5.x alike); import also reads transformers 5's own layout
 (`mlp.gate.weight`, `mlp.experts.gate_up_proj` [E, 2I, D], `mlp.experts.down_proj`).
@@ -19,8 +19,7 @@ import re
 
 import torch
 
-_OURS = re.compile(r"layers\.(\d+)\.mlp\.(router\.weight|experts\.(gate|up|down)_proj|expert_bias)$")
-_HUB = {"gate": "w1", "up": "w3", "down": "w2"}
+_OURS = re.compile(r"layers\.(\d+)\.mlp\.(router\.weight|experts\.(gate_up|down)_proj|expert_bias)$")
 
 
 def export_problems(model) -> list[str]:
@@ -66,9 +65,12 @@ def to_mixtral(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         prefix = f"layers.{layer}.block_sparse_moe"
         if what == "router.weight":
             out[f"{prefix}.gate.weight"] = t
-        elif proj is not None:
+        elif proj == "gate_up":
+            for e, (w1, w3) in enumerate(zip(*t.chunk(2, dim=1))):
+                out[f"{prefix}.experts.{e}.w1.weight"], out[f"{prefix}.experts.{e}.w3.weight"] = w1, w3
+        elif proj == "down":
             for e in range(t.shape[0]):
-                out[f"{prefix}.experts.{e}.{_HUB[proj]}.weight"] = t[e]
+                out[f"{prefix}.experts.{e}.w2.weight"] = t[e]
         # expert_bias: not in Mixtral (export_problems refused a non-zero one)
     return out
 
@@ -85,8 +87,8 @@ def from_mixtral(sd: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
         ours = f"layers.{layer}.mlp"
         if rest == "gate.weight":
             out[f"{ours}.router.weight"] = t
-        elif rest == "experts.gate_up_proj":  # transformers 5: [E, 2I, D], gate rows first
-            out[f"{ours}.experts.gate_proj"], out[f"{ours}.experts.up_proj"] = t.chunk(2, dim=1)
+        elif rest == "experts.gate_up_proj":  # transformers 5: [E, 2I, D], gate rows first, as ours
+            out[f"{ours}.experts.gate_up_proj"] = t
         elif rest == "experts.down_proj":
             out[f"{ours}.experts.down_proj"] = t
         else:
@@ -94,11 +96,17 @@ def from_mixtral(sd: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
             if e is None:
                 raise ValueError(f"unexpected tensor {name!r} in a Mixtral checkpoint")
             experts.setdefault((layer, e.group(2)), {})[int(e.group(1))] = t
+    stacked = {}
     for (layer, w), by_expert in experts.items():
         if sorted(by_expert) != list(range(cfg.moe_num_experts)):
             raise ValueError(f"layer {layer}: experts {sorted(by_expert)} of {w}, expected 0..{cfg.moe_num_experts - 1}")
-        proj = {v: k for k, v in _HUB.items()}[w]
-        out[f"layers.{layer}.mlp.experts.{proj}_proj"] = torch.stack([by_expert[i] for i in range(len(by_expert))])
+        stacked[(layer, w)] = torch.stack([by_expert[i] for i in range(len(by_expert))])
+    for layer in sorted({layer for layer, _ in stacked}):
+        missing = [w for w in ("w1", "w2", "w3") if (layer, w) not in stacked]
+        if missing:
+            raise ValueError(f"layer {layer}: no experts' {', '.join(missing)} in the Mixtral checkpoint")
+        out[f"layers.{layer}.mlp.experts.gate_up_proj"] = torch.cat((stacked[(layer, "w1")], stacked[(layer, "w3")]), 1)
+        out[f"layers.{layer}.mlp.experts.down_proj"] = stacked[(layer, "w2")]
     for layer in range(cfg.n_layers):
         out[f"layers.{layer}.mlp.expert_bias"] = torch.zeros(cfg.moe_num_experts)
     return {k: v.contiguous() for k, v in out.items()}

@@ -56,7 +56,7 @@ def dispatch(x: torch.Tensor, idx: torch.Tensor, num_experts: int) -> tuple[torc
     flat = idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=num_experts)
-    return x[order // idx.shape[1]], counts, order
+    return x.index_select(0, order // idx.shape[1]), counts, order  # (its backward: one index_add)
 
 
 def combine(rows: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -65,7 +65,7 @@ def combine(rows: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> t
     n, k = weights.shape
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
-    per_slot = rows[inverse].view(n, k, rows.shape[-1])
+    per_slot = rows.index_select(0, inverse).view(n, k, rows.shape[-1])
     return (per_slot * weights.to(rows.dtype).unsqueeze(-1)).sum(dim=1)
 
 
@@ -87,24 +87,26 @@ def grouped_mm_supported(x: torch.Tensor) -> bool:
     return False
 
 
-def experts_grouped(rows: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+def experts_grouped(rows: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor,
                     w_down: torch.Tensor) -> torch.Tensor:
-    """SwiGLU of each expert's rows by the grouped matmul (one launch a projection, no host read).
-    w_gate / w_up [E, I, D], w_down [E, D, I] (nn.Linear's [out, in] per expert)."""
+    """SwiGLU of each expert's rows by the grouped matmul (two launches: gate and up together, then down; no
+    host read).
+    w_gate_up [E, 2I, D] (gate rows, then up rows), w_down [E, D, I] (nn.Linear's [out, in] per expert)."""
     offs = torch.cumsum(counts, dim=0).to(torch.int32)
-    gate = _GROUPED_MM(rows, w_gate.transpose(-2, -1), offs=offs)
-    up = _GROUPED_MM(rows, w_up.transpose(-2, -1), offs=offs)
+    gate, up = _GROUPED_MM(rows, w_gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
     return _GROUPED_MM(F.silu(gate) * up, w_down.transpose(-2, -1), offs=offs)
 
 
-def experts_loop(rows: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
+def experts_loop(rows: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor,
                  w_down: torch.Tensor) -> torch.Tensor:
     """The reference: one SwiGLU per expert on its slice of the rows (reads the counts to the host). An expert
     with no rows still takes part (an empty matmul), so its weights get a zero gradient, never None."""
     outs = []
-    for e, rows_e in enumerate(torch.split(rows, counts.tolist())):
-        h = F.silu(F.linear(rows_e, w_gate[e])) * F.linear(rows_e, w_up[e])
-        outs.append(F.linear(h, w_down[e]))
+    # unbind: one backward that stacks the E gradients (w[e] would zero-fill a whole [E, ...] gradient per expert)
+    experts = zip(w_gate_up.unbind(0), w_down.unbind(0))
+    for rows_e, (gu, d) in zip(torch.split(rows, counts.tolist()), experts):
+        gate, up = F.linear(rows_e, gu).chunk(2, dim=-1)
+        outs.append(F.linear(F.silu(gate) * up, d))
     return torch.cat(outs)
 
 
@@ -119,24 +121,24 @@ def choose_expert_backend(x: torch.Tensor, backend: str) -> str:
 
 
 class GroupedExperts(nn.Module):
-    """E SwiGLU experts as three stacked parameters (EP shards their first dimension)."""
+    """E SwiGLU experts as two stacked parameters (EP shards their first dimension): gate and up in one
+    [E, 2I, D] (one matmul for both, as transformers 5 and Megatron's fc1 hold them), down [E, D, I]."""
 
     def __init__(self, num_experts: int, dim: int, hidden: int):
         super().__init__()
-        self.gate_proj = nn.Parameter(torch.empty(num_experts, hidden, dim))
-        self.up_proj = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * hidden, dim))
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden))
         self.backend = "auto"  # a plain attribute (tests, benchmarks): never in the config or a checkpoint
 
     def init_weights(self, std: float) -> None:
         """Drawn like the dense linears (normal, std = initializer_range)."""
-        for p in (self.gate_proj, self.up_proj, self.down_proj):
+        for p in (self.gate_up_proj, self.down_proj):
             nn.init.normal_(p, mean=0.0, std=std)
 
     def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         impl = choose_expert_backend(rows, self.backend)
         fn = experts_grouped if impl == "grouped_mm" else experts_loop
-        return fn(rows, counts, self.gate_proj, self.up_proj, self.down_proj)
+        return fn(rows, counts, self.gate_up_proj, self.down_proj)
 
 
 class SharedExperts(nn.Module):
@@ -175,8 +177,8 @@ def in_backward() -> bool:
 
 
 class MoEFeedForward(nn.Module):
-    """The MoE replacement of a block's MLP. Parameters: `router.weight` [E, D], `experts.{gate,up,down}_proj`
-    [E, ...], `shared_experts.*` (when any); buffer `expert_bias` [E] fp32 (saved: a resume keeps the balance)."""
+    """The MoE replacement of a block's MLP. Parameters: `router.weight` [E, D], `experts.gate_up_proj` [E, 2I, D],
+    `experts.down_proj` [E, D, I], `shared_experts.*` (when any); buffer `expert_bias` [E] fp32 (saved: a resume keeps the balance)."""
 
     def __init__(self, cfg):
         super().__init__()

@@ -64,8 +64,7 @@ def test_transformers5_fused_expert_names_import():
     for i in range(2):
         p = f"layers.{i}.mlp"
         fused[f"{p}.gate.weight"] = ours[f"{p}.router.weight"]
-        fused[f"{p}.experts.gate_up_proj"] = torch.cat([ours[f"{p}.experts.gate_proj"],
-                                                        ours[f"{p}.experts.up_proj"]], dim=1)
+        fused[f"{p}.experts.gate_up_proj"] = ours[f"{p}.experts.gate_up_proj"]
         fused[f"{p}.experts.down_proj"] = ours[f"{p}.experts.down_proj"]
     for back in (from_mixtral(hub, model.cfg), from_mixtral(fused, model.cfg)):
         assert back.keys() == ours.keys() and all(torch.equal(back[k], ours[k]) for k in ours)

@@ -40,7 +40,8 @@ def by_hand(m: MoEFeedForward, x: torch.Tensor) -> torch.Tensor:
         if m.top_k > 1:
             w = w / w.sum()
         for e, we in zip(chosen, w):
-            h = F.silu(ex.gate_proj[e] @ t) * (ex.up_proj[e] @ t)
+            gate, up = ex.gate_up_proj[e].chunk(2, dim=0)
+            h = F.silu(gate @ t) * (up @ t)
             out[n] += we * (ex.down_proj[e] @ h)
         if m.shared_experts is not None:
             sh = m.shared_experts
@@ -92,15 +93,16 @@ def test_grouped_mm_equals_loop_values_and_gradients():
         err, own = (g.double() - ref).abs().max(), (l32.double() - ref).abs().max()
         assert err <= 4 * own + 1e-7 * ref.abs().max(), (err, own)
     assert m.take_counts()[5] == 0
-    for p in (m.experts.gate_proj, m.experts.up_proj, m.experts.down_proj):  # zeros, never None (DDP's hooks fire)
+    for p in (m.experts.gate_up_proj, m.experts.down_proj):  # zeros, never None (DDP's hooks fire)
         assert p.grad is not None and torch.count_nonzero(p.grad[5]) == 0 and torch.count_nonzero(p.grad[0]) > 0
 
 
 def test_expert_functions_agree_on_an_empty_expert():
     torch.manual_seed(0)
     w_gate, w_up, w_down = torch.randn(3, 8, 4), torch.randn(3, 8, 4), torch.randn(3, 4, 8)
+    w_gate_up = torch.cat((w_gate, w_up), dim=1)
     rows, counts = torch.randn(5, 4), torch.tensor([2, 0, 3])
-    a, b = experts_grouped(rows, counts, w_gate, w_up, w_down), experts_loop(rows, counts, w_gate, w_up, w_down)
+    a, b = experts_grouped(rows, counts, w_gate_up, w_down), experts_loop(rows, counts, w_gate_up, w_down)
     assert torch.allclose(a, b, atol=1e-5)
     by_rows = [F.linear(F.silu(F.linear(rows[i], w_gate[e])) * F.linear(rows[i], w_up[e]), w_down[e])
                for i, e in enumerate([0, 0, 2, 2, 2])]

@@ -115,7 +115,7 @@ def test_sft_lora_and_dpo_on_an_moe_model(moe_run, tiny_pretrain_data, tmp_path)
                                  "--max_iters=3", "--checkpoint_interval=3", "--moe_bias_update_rate=0.01",
                                  "--moe_aux_loss_coef=0.01")))
     after = load_model_state(find_latest_valid(str(sft)))
-    assert not torch.equal(after["layers.1.mlp.experts.gate_proj"], base["layers.1.mlp.experts.gate_proj"])
+    assert not torch.equal(after["layers.1.mlp.experts.gate_up_proj"], base["layers.1.mlp.experts.gate_up_proj"])
     assert not torch.equal(after["layers.1.mlp.expert_bias"], base["layers.1.mlp.expert_bias"])
     rows = dedupe_by_step(read_metrics(os.path.join(sft, "metrics.jsonl")))
     assert all(math.isfinite(rows[s]["loss"]) and rows[s]["moe_load_max_mean"] >= 1 for s in (1, 2, 3))
@@ -177,3 +177,26 @@ def test_export_refuses_what_mixtral_cannot_hold_and_a_mixtral_trains(moe_run, t
     assert row["moe_tokens_per_expert"] and len(row["moe_tokens_per_expert"]) == 2
     state = load_model_state(find_latest_valid(str(out)))
     assert state["layers.1.mlp.experts.down_proj"].shape == (4, 32, 16)
+
+
+@pytest.mark.parametrize("nproc, extra", [(1, []), (2, ["--batch_size=2", "--parallel=fsdp"])], ids=["1proc", "fsdp2"])
+def test_resume_is_exact_with_the_biases(tiny_pretrain_run_args, tmp_path, nproc, extra):
+    """A crash at the start of step 4 (checkpoint at 2), resumed: the same losses and final weights, selection
+    biases included, as the uninterrupted run (the biases moved every step: a resume that lost them diverges)."""
+    from tests.conftest import run_trainer
+    args = [*tiny_pretrain_run_args, *MOE, "--n_layers=3", "--moe_bias_update_rate=0.01", "--moe_aux_loss_coef=0.01",
+            "--max_iters=5", "--checkpoint_interval=2", *extra]
+    ref, crashed = tmp_path / "ref", tmp_path / "crashed"
+    run_cmd(train_cmd([*args, f"--out_dir={ref}"], nproc))
+    once = tmp_path / "fired"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MYLLM_FAULT="crash@4",
+               MYLLM_FAULT_ONCE_FILE=str(once))
+    proc = run_trainer(train_cmd([*args, f"--out_dir={crashed}"], nproc), env=env)
+    assert proc.returncode != 0 and once.exists()
+    run_cmd(train_cmd([*args, f"--out_dir={crashed}", "--init_from=resume"], nproc))
+    losses = lambda d: {s: r["loss"] for s, r in dedupe_by_step(read_metrics(os.path.join(d, "metrics.jsonl"))).items()}  # noqa: E731
+    assert losses(crashed) == losses(ref) and sorted(losses(ref)) == [1, 2, 3, 4, 5]
+    from parallel.checkpoint_io import checkpoint_model_state  # any engine's checkpoint (DCP for fsdp)
+    a, b = (checkpoint_model_state(find_latest_valid(str(d))) for d in (ref, crashed))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert torch.count_nonzero(a["layers.1.mlp.expert_bias"]) > 0
