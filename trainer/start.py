@@ -30,7 +30,7 @@ from utils.constants import EXIT_BAD_CHECKPOINT, EXIT_BAD_CONFIG
 from utils.device import low_precision_cpu_warning, parse_dtype
 from utils.dist import DistInfo, barrier
 from utils.model_bounds import fit_problem, param_count
-from utils.moe_flags import moe_model_fields
+from utils.moe_flags import moe_model_fields, moe_param_delta
 from utils.run_config import DATA_KEYS, global_batch_problem, same_value
 from utils.spike_guard import parse_data_steps
 
@@ -52,7 +52,7 @@ def _refuse_if_too_big(mcfg, device: str, what: str, code: int) -> None:
     device has free (a checkpoint's model_config.json within the bounds can still describe a model no
     machine holds: it built layers until memory ran out)."""
     n = param_count(mcfg.dim, mcfg.n_layers, mcfg.n_heads, mcfg.vocab_size, mcfg.n_kv_heads, mcfg.hidden_dim,
-                    tie_embeddings=mcfg.tie_embeddings)
+                    tie_embeddings=mcfg.tie_embeddings) + moe_param_delta(mcfg)
     problem = fit_problem(n, device, what)
     if problem:
         raise TrainingError(problem, code)

@@ -79,3 +79,15 @@ def moe_model_fields(cfg: Any) -> dict:
     return {"moe_num_experts": cfg.moe_num_experts, "moe_top_k": cfg.moe_top_k,
             "moe_shared_experts": cfg.moe_shared_experts, "moe_hidden_dim": cfg.moe_hidden_dim or None,
             "moe_first_dense_layers": cfg.moe_first_dense_layers, "moe_score": cfg.moe_score}
+
+
+def moe_param_delta(mcfg: Any) -> int:
+    """Parameters an MoE ModelConfig (hidden_dim resolved) has beyond its dense twin: per MoE block the router and
+    E + shared experts of 3 x dim x width in place of the dense SwiGLU (the memory check counts every expert)."""
+    e = getattr(mcfg, "moe_num_experts", 0)
+    if not e:
+        return 0
+    width = mcfg.moe_hidden_dim or mcfg.hidden_dim
+    blocks = max(0, mcfg.n_layers - mcfg.moe_first_dense_layers)
+    per_block = e * mcfg.dim + (e + mcfg.moe_shared_experts) * 3 * mcfg.dim * width - 3 * mcfg.dim * mcfg.hidden_dim
+    return blocks * per_block

@@ -22,6 +22,9 @@ def test_moe_flops_count_active_parameters():
     active = m.num_params() - m.embed_tokens.weight.numel() - experts + experts * 2 // 8
     assert flops.matmul_params(cfg) == active
     assert flops.flops_per_token(cfg, 16) == 6 * active + 12 * 3 * 32 * 16
+    from utils.model_bounds import param_count
+    from utils.moe_flags import moe_param_delta  # the memory check's count of every parameter
+    assert param_count(32, 3, 4, 100, hidden_dim=64) + moe_param_delta(cfg) == m.num_params()
 
 
 def test_peak_flops_measured_cached_and_overridable(monkeypatch):
