@@ -2,7 +2,7 @@
 #   make demo STEPS=5      # (once) demo_out/tokenizer and demo_out/pretok
 #   python train_my_ddp.py config/moe_demo.py --data_dir=demo_out/pretok --tokenizer_dir=demo_out/tokenizer
 #   python export_hf.py --ckpt=demo_out/moe_run --out_dir=demo_out/moe_hf   # a MixtralForCausalLM directory
-# 8 experts of width 256, 2 per token, in every block: 7.1M parameters, 3.2M active per token.
+# 8 experts of width 256, 2 per token, in every block: 8.4M parameters (vocab 2048), 3.2M of them in a token's matmuls.
 # Balanced by the auxiliary loss and the router z-loss; for DeepSeek-V3's auxiliary-loss-free balancing use
 # --moe_bias_update_rate=0.001 (and --moe_score=sigmoid, --moe_shared_experts=1, --moe_first_dense_layers=1 for
 # its shape; a model with any of those no longer exports to Mixtral).
