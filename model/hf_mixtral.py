@@ -99,7 +99,8 @@ def from_mixtral(sd: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
     stacked = {}
     for (layer, w), by_expert in experts.items():
         if sorted(by_expert) != list(range(cfg.moe_num_experts)):
-            raise ValueError(f"layer {layer}: experts {sorted(by_expert)} of {w}, expected 0..{cfg.moe_num_experts - 1}")
+            raise ValueError(f"layer {layer}: experts {sorted(by_expert)} of {w}, expected 0.."
+                             f"{cfg.moe_num_experts - 1}")
         stacked[(layer, w)] = torch.stack([by_expert[i] for i in range(len(by_expert))])
     for layer in sorted({layer for layer, _ in stacked}):
         missing = [w for w in ("w1", "w2", "w3") if (layer, w) not in stacked]

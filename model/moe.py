@@ -8,7 +8,8 @@ them (tokens to the ranks holding their experts after `dispatch`, back before `c
            choice only) and their weights (the scores of the chosen experts; renormalised to sum 1 when k > 1)
   dispatch the N*k (token, expert) pairs sorted by expert (stable): the token rows in that order and the count
            per expert; dropless (no capacity, every pair computed)
-  experts  the SwiGLU of each expert on its rows: one grouped matmul per projection (torch._grouped_mm / F.grouped_mm), or a reference loop
+  experts  the SwiGLU of each expert on its rows: the grouped matmul (torch._grouped_mm / F.grouped_mm; gate and
+           up in one), or a reference loop
   combine  every row back to its (token, slot), weighted, summed over the k slots
 
 Balancing: the auxiliary loss (Switch/Megatron form, E/(k N) sum_i count_i P_i, 1 when perfectly balanced;
@@ -75,12 +76,13 @@ _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", No
 
 
 def grouped_mm_supported(x: torch.Tensor) -> bool:
-    """Whether the grouped matmul runs here: the CPU in fp32 / bf16 / fp16, CUDA in bf16 on compute capability
-    >= 9 (>= 8 where torch has the public F.grouped_mm)."""
+    """Whether the grouped matmul runs here: the CPU in bf16 (and in fp32 / fp16 when not traced), CUDA in bf16
+    on compute capability >= 9 (>= 8 where torch has the public F.grouped_mm)."""
     if _GROUPED_MM is None:
         return False
-    if x.device.type == "cpu":
-        return x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    if x.device.type == "cpu":  # (traced, torch's shape function of it takes bf16 only)
+        return x.dtype == torch.bfloat16 or (x.dtype in (torch.float32, torch.float16)
+                                             and not torch.compiler.is_compiling())
     if x.device.type == "cuda":
         need = 8 if hasattr(F, "grouped_mm") else 9
         return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= need
@@ -178,7 +180,8 @@ def in_backward() -> bool:
 
 class MoEFeedForward(nn.Module):
     """The MoE replacement of a block's MLP. Parameters: `router.weight` [E, D], `experts.gate_up_proj` [E, 2I, D],
-    `experts.down_proj` [E, D, I], `shared_experts.*` (when any); buffer `expert_bias` [E] fp32 (saved: a resume keeps the balance)."""
+    `experts.down_proj` [E, D, I], `shared_experts.*` (when any); buffer `expert_bias` [E] fp32 (saved: a resume
+    keeps the balance)."""
 
     def __init__(self, cfg):
         super().__init__()

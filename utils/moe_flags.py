@@ -60,7 +60,8 @@ def moe_problems(cfg: Any) -> list[str]:
         if cfg.moe_first_dense_layers >= cfg.n_layers:
             p.append(f"--moe_first_dense_layers={cfg.moe_first_dense_layers}: leaves no MoE block of "
                      f"--n_layers={cfg.n_layers}")
-        for name, what in (("pipeline_parallel_size", "pipeline stages"), ("tensor_parallel_size", "tensor parallelism")):
+        for name, what in (("pipeline_parallel_size", "pipeline stages"),
+                           ("tensor_parallel_size", "tensor parallelism")):
             if getattr(cfg, name, 1) > 1:
                 p.append(f"--moe_num_experts={cfg.moe_num_experts} cannot be combined with --{name}="
                          f"{getattr(cfg, name)} yet (MoE blocks under {what} are not built)")

@@ -167,3 +167,29 @@ def test_bad_shapes_refused():
         cfg(moe_top_k=5)
     with pytest.raises(ValueError, match="moe_score"):
         cfg(moe_score="relu")
+
+
+def test_compiled_model_equals_eager():
+    """torch.compile (aot_eager: Dynamo and AOTAutograd, not Inductor's code generation) through the MoE blocks:
+    the same loss, router gradient, balancing losses and loads as eager (the loop's host read is a graph break)."""
+    import torch._dynamo
+    torch.manual_seed(0)
+    model = Transformer(cfg())
+    x = torch.randint(0, 64, (2, 8))
+
+    def run(m):
+        loss = m(x, labels=x)
+        loss.backward()
+        grad = model.layers[0].mlp.router.weight.grad.clone()
+        model.zero_grad()
+        layers = moe_layers(model)
+        return loss.detach(), grad, take_aux_losses(layers), [layer.take_counts() for layer in layers]
+    eager = run(model)
+    torch._dynamo.reset()
+    try:
+        compiled = run(torch.compile(model, backend="aot_eager"))
+    finally:
+        torch._dynamo.reset()
+    assert torch.allclose(eager[0], compiled[0], atol=1e-6) and torch.allclose(eager[1], compiled[1], atol=1e-6)
+    assert torch.allclose(eager[2], compiled[2], atol=1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(eager[3], compiled[3]))

@@ -194,7 +194,8 @@ def test_resume_is_exact_with_the_biases(tiny_pretrain_run_args, tmp_path, nproc
     proc = run_trainer(train_cmd([*args, f"--out_dir={crashed}"], nproc), env=env)
     assert proc.returncode != 0 and once.exists()
     run_cmd(train_cmd([*args, f"--out_dir={crashed}", "--init_from=resume"], nproc))
-    losses = lambda d: {s: r["loss"] for s, r in dedupe_by_step(read_metrics(os.path.join(d, "metrics.jsonl"))).items()}  # noqa: E731
+    def losses(d):
+        return {s: r["loss"] for s, r in dedupe_by_step(read_metrics(os.path.join(d, "metrics.jsonl"))).items()}
     assert losses(crashed) == losses(ref) and sorted(losses(ref)) == [1, 2, 3, 4, 5]
     from parallel.checkpoint_io import checkpoint_model_state  # any engine's checkpoint (DCP for fsdp)
     a, b = (checkpoint_model_state(find_latest_valid(str(d))) for d in (ref, crashed))
