@@ -113,8 +113,8 @@ def experts_loop(rows: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tens
 
 
 def choose_expert_backend(x: torch.Tensor, backend: str) -> str:
-    """auto: grouped_mm on an accelerator that runs it; the loop on the CPU, where it measured faster
-    (bench/bench_moe.py)."""
+    """auto: grouped_mm on an accelerator that runs it; the loop on the CPU, where it measured no
+    slower (bench/bench_moe.py)."""
     if backend == "auto":
         return "grouped_mm" if x.device.type != "cpu" and grouped_mm_supported(x) else "loop"
     if backend == "grouped_mm" and not grouped_mm_supported(x):
