@@ -96,8 +96,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"export_hf: adapters (PEFT layout) -> {args.adapters_out_dir}")
     elif lora:
         merge_lora(model)
-    out = export_hf(model, args.out_dir, tokenizer_dir=tok_dir)
-    print(f"export_hf: {found} -> {out} (LlamaForCausalLM{', LoRA merged' if lora and not args.adapters_out_dir else ''})")
+    try:
+        out = export_hf(model, args.out_dir, tokenizer_dir=tok_dir)
+    except ValueError as e:  # an MoE model that Mixtral's format cannot hold (model/hf_mixtral.py)
+        print(f"export_hf: {e}", file=sys.stderr)
+        return 2
+    family = "MixtralForCausalLM" if model.cfg.moe_num_experts else "LlamaForCausalLM"
+    print(f"export_hf: {found} -> {out} ({family}{', LoRA merged' if lora and not args.adapters_out_dir else ''})")
     return 0
 
 
@@ -137,6 +142,8 @@ def _export_sharded_streaming(found: str, args) -> int | None:
         return None  # adapters are merged or split in memory: the general path below (it names a bad config.json)
     from checkpoint.dcp import load_model_tensors, model_tensor_specs
     cfg = read_model_config(found)  # CheckpointError naming model_config.json: exit 5
+    if cfg.moe_num_experts:
+        return None  # the experts are regrouped for Mixtral in memory: the general path
     tok_dir = args.tokenizer_dir or run_cfg.get("tokenizer_dir")
     tok_dir = tok_dir if isinstance(tok_dir, str) else None
     problem = _tokenizer_problem(tok_dir, cfg.vocab_size)

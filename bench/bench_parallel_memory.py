@@ -78,10 +78,11 @@ BUCKET = 40_000_000
 
 
 def model_config(a) -> ModelConfig:
+    moe = dict(moe_num_experts=a.moe_experts, moe_top_k=a.moe_top_k) if a.moe_experts else {}  # MoE: every expert
     if a.small:
-        return ModelConfig(vocab_size=32000, dim=384, n_layers=6, n_heads=6, max_seq_len=max(a.seq, a.mem_seq))
+        return ModelConfig(vocab_size=32000, dim=384, n_layers=6, n_heads=6, max_seq_len=max(a.seq, a.mem_seq), **moe)
     return ModelConfig(vocab_size=32000, dim=a.dim, n_layers=a.layers, n_heads=a.dim // 64,
-                       max_seq_len=max(a.seq, a.mem_seq))
+                       max_seq_len=max(a.seq, a.mem_seq), **moe)
 
 
 def build_model(a, dtype: torch.dtype) -> Transformer:
@@ -610,6 +611,8 @@ def spawn_world(world: int, a, plan: dict) -> list:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--small", action="store_true", help="~37M params (dim 384, 6 layers): under a minute")
+    ap.add_argument("--moe-experts", type=int, default=0, help="an MoE model: routed experts per block (0 = dense)")
+    ap.add_argument("--moe-top-k", type=int, default=2)
     ap.add_argument("--dim", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])

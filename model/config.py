@@ -33,6 +33,14 @@ class ModelConfig:
     tie_embeddings: bool = False       # tie_word_embeddings
     initializer_range: float = 0.02
 
+    # --- mixture of experts (model/moe.py; 0 experts = every block dense)
+    moe_num_experts: int = 0           # routed experts per MoE block (HF num_local_experts / num_experts)
+    moe_top_k: int = 2                 # experts per token (num_experts_per_tok)
+    moe_shared_experts: int = 0        # always-on experts, merged into one SwiGLU of this many x the expert width
+    moe_hidden_dim: Optional[int] = None  # expert width (moe_intermediate_size); None = hidden_dim
+    moe_first_dense_layers: int = 0    # the first k blocks keep a dense MLP (DeepSeek's first_k_dense_replace)
+    moe_score: str = "softmax"         # router scores: softmax | sigmoid
+
     # --- kernel switches: each has a pure-PyTorch reference path (model/kernels.py) ---
     fused_rmsnorm: bool = True         # hand-written autograd RMSNorm (saves less, recomputes)
     fused_rope: bool = True            # autograd RoPE whose backward is a rotation by -theta
@@ -66,8 +74,18 @@ class ModelConfig:
             self.rope_scaling = {"type": kind, "factor": factor}
         if self.kernel_backend not in ("auto", "triton", "torch"):
             raise ValueError(f"kernel_backend must be auto, triton or torch, got {self.kernel_backend!r}")
+        if self.moe_num_experts:
+            from utils.moe_flags import moe_shape_problems  # torch-free: the trainer's pre-check asks it too
+            problem = moe_shape_problems(self.moe_num_experts, self.moe_top_k, self.moe_shared_experts,
+                                         self.moe_hidden_dim or 0, self.moe_first_dense_layers, self.moe_score)
+            if problem:
+                raise ValueError("; ".join(problem))
         if self.loss_chunk_size < 1:
             raise ValueError("loss_chunk_size must be >= 1")
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Whether block `layer_idx` has the MoE feed-forward (model/moe.py) instead of the dense MLP."""
+        return self.moe_num_experts > 0 and layer_idx >= self.moe_first_dense_layers
 
     @property
     def head_dim(self) -> int:

@@ -9,7 +9,8 @@ does not know). Only a measured peak is an *estimate*: its MFU is clamped at 100
 
 Formula (training = forward + backward, backward = 2x forward):
     flops_per_token = 6 * N  +  12 * n_layers * dim * seq_len
-- N: parameters that take part in a matmul per token = all layer weights + the LM head
+- N: parameters that take part in a matmul per token = all layer weights + the LM head; of an MoE block
+  the active ones only: router (E x dim) + (top_k + shared) experts x 3 x dim x expert width
   (the embedding lookup is a gather, not a matmul; with tied embeddings the shared matrix counts once,
   as the LM head). Norm weights are included (negligible).
 - 12 * L * d * T: attention scores QK^T and the weighted sum AV, 2 * T * d multiply-adds each per token
@@ -84,11 +85,17 @@ def table_peak_flops(device_name: str, dtype: torch.dtype) -> Optional[float]:
 
 
 def matmul_params(cfg: ModelConfig) -> int:
+    """The parameters a token's matmuls use (the active ones of an MoE block: its router, top_k routed experts
+    and the shared experts; the other experts' weights do no work for that token)."""
     d, hd, kv = cfg.dim, cfg.head_dim, cfg.n_kv_heads
     attn = d * (cfg.n_heads * hd) * 2 + d * (kv * hd) * 2  # q, o, k, v
     mlp = 3 * d * cfg.hidden_dim
     norms = 2 * d
-    return cfg.n_layers * (attn + mlp + norms) + d + cfg.vocab_size * d  # + final norm + LM head
+    n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
+    expert = 3 * d * (cfg.moe_hidden_dim or cfg.hidden_dim)
+    moe = cfg.moe_num_experts * d + (cfg.moe_top_k + cfg.moe_shared_experts) * expert  # router + active experts
+    return (cfg.n_layers * (attn + norms) + (cfg.n_layers - n_moe) * mlp + n_moe * moe
+            + d + cfg.vocab_size * d)  # + final norm + LM head
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:

@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 from safetensors.torch import load_file, save_file
 
+from model import hf_mixtral
 from model.config import ModelConfig
 from model.llama import Transformer
 from utils.publish import staged_dir
@@ -49,6 +50,8 @@ def hf_config_dict(cfg: ModelConfig, torch_dtype: str = "float32", special_ids: 
         "attention_bias": False, "mlp_bias": False, "attention_dropout": cfg.attn_dropout,
         "pretraining_tp": 1, "use_cache": True, "torch_dtype": torch_dtype, "dtype": torch_dtype,
     }
+    if cfg.moe_num_experts:  # an MoE model is a Mixtral (model/hf_mixtral.py)
+        d.update(hf_mixtral.mixtral_config_fields(cfg))
     for key, val in (special_ids or {}).items():
         d[key] = val
     return d
@@ -75,9 +78,10 @@ def generation_config_dict(tokenizer_meta: Optional[dict] = None) -> dict:
 
 
 def config_from_hf(d: dict) -> ModelConfig:
-    """A ModelConfig from an HF Llama config.json dict (transformers 4.x or 5.x spelling)."""
-    if d.get("model_type", "llama") != "llama":
-        raise ValueError(f"only Llama checkpoints are supported, got model_type={d.get('model_type')!r}")
+    """A ModelConfig from an HF Llama or Mixtral config.json dict (transformers 4.x or 5.x spelling)."""
+    if d.get("model_type", "llama") not in ("llama", "mixtral"):
+        raise ValueError(f"only Llama and Mixtral checkpoints are supported, got model_type={d.get('model_type')!r}")
+    moe = hf_mixtral.moe_fields_from_mixtral(d) if d.get("model_type") == "mixtral" else {}
     rp = d.get("rope_parameters") or {}
     rs = d.get("rope_scaling") or {}
     theta = rp.get("rope_theta", d.get("rope_theta", 10000.0))
@@ -99,12 +103,19 @@ def config_from_hf(d: dict) -> ModelConfig:
         n_kv_heads=d.get("num_key_value_heads") or n_heads, hidden_dim=d["intermediate_size"],
         norm_eps=d.get("rms_norm_eps", 1e-6), max_seq_len=d.get("max_position_embeddings", 2048),
         rope_theta=float(theta), rope_scaling=scaling, tie_embeddings=bool(d.get("tie_word_embeddings", False)),
-        initializer_range=d.get("initializer_range", 0.02), attn_dropout=d.get("attention_dropout", 0.0) or 0.0)
+        initializer_range=d.get("initializer_range", 0.02), attn_dropout=d.get("attention_dropout", 0.0) or 0.0,
+        **moe)
 
 
 def to_hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
-    sd = {}
-    for name, t in model.state_dict().items():
+    """HF names -> tensors; an MoE model in the Hub's Mixtral layout (ValueError naming what Mixtral cannot hold)."""
+    sd, ours = {}, model.state_dict()
+    if model.cfg.moe_num_experts:
+        problems = hf_mixtral.export_problems(model)
+        if problems:
+            raise ValueError("this MoE model cannot be written as a Hugging Face Mixtral: " + "; ".join(problems))
+        ours = hf_mixtral.to_mixtral(ours)
+    for name, t in ours.items():
         if name == "lm_head.weight":
             if model.cfg.tie_embeddings:
                 continue  # HF re-ties it from embed_tokens; safetensors refuses shared storage anyway
@@ -125,6 +136,8 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
             out[name] = t
         else:
             raise ValueError(f"unexpected tensor {name!r} in a Llama checkpoint")
+    if cfg.moe_num_experts:
+        out = hf_mixtral.from_mixtral(out, cfg)
     if cfg.tie_embeddings or "lm_head.weight" not in out:
         out["lm_head.weight"] = out["embed_tokens.weight"]
     return out

@@ -26,6 +26,7 @@ from model import attention, kernels
 from model.attention import AttnSpec, documents_from_positions
 from model.config import ModelConfig
 from model.loss import lm_head_loss
+from model.moe import GroupedExperts, MoEFeedForward
 
 
 # -------------------------------------------------------------------------------------- RMSNorm
@@ -215,7 +216,7 @@ class TransformerBlock(nn.Module):
         self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.fused_rmsnorm, cfg.kernel_backend)
         self.self_attn = Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.fused_rmsnorm, cfg.kernel_backend)
-        self.mlp = MLP(cfg)
+        self.mlp = MoEFeedForward(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg)
 
     def forward(self, x, cos, sin, spec: AttnSpec, cache: Optional[KVCache] = None):
         attn = self.self_attn(self.input_layernorm(x), cos, sin, spec, cache)
@@ -281,6 +282,8 @@ class Transformer(nn.Module):
     def _init_weights(self, m: nn.Module) -> None:
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, mean=0.0, std=self.cfg.initializer_range)
+        elif isinstance(m, GroupedExperts):
+            m.init_weights(self.cfg.initializer_range)
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())  # shared (tied) tensors counted once

@@ -100,15 +100,23 @@ CONFIGS: dict[str, tuple[int, list[str]]] = {
                      "--learning_rate=3e-3"]),
     "dpo": (1, ["--task_type=dpo", "@dpo", "@base", "--max_seq_len=96", "--dpo_beta=0.5", "--learning_rate=3e-3"]),
     "muon-async": (1, ["--optimizer=muon", "--async_checkpoint=true", "@slow_writes"]),
+    # issue 55: mixture of experts, every balancing option on (the selection biases travel in the checkpoints)
+    "moe": (1, ["@moe"]),
+    "moe-ddp2-zero1": (2, ["--batch_size=2", "--use_distributed_optimizer=true", "--zero_stage=1", "@moe"]),
+    "moe-fsdp2": (2, ["--batch_size=2", "--parallel=fsdp", "@moe"]),
 }
+MOE_FLAGS = ["--moe_num_experts=4", "--moe_top_k=2", "--moe_hidden_dim=32", "--moe_shared_experts=1",
+             "--moe_aux_loss_coef=0.01", "--moe_z_loss_coef=0.001", "--moe_bias_update_rate=0.01"]
 SLOW_WRITES_S = "2.0"
 
 
 def config_args(common: list[str], flags: list[str], data: dict, base_ref: str) -> list[str]:
     """The common flags with a configuration's over them (a flag given again replaces the common one;
-    `--key=-` drops it); @base / @sft / @dpo name the ddp reference run and the toy SFT / DPO files."""
+    `--key=-` drops it); @base / @sft / @dpo name the ddp reference run and the toy SFT / DPO files, @moe the
+    MoE flags."""
     marks = {"@base": f"--init_from={base_ref}", "@sft": f"--data_dir={data['sft']}", "@dpo": f"--data_dir={data['dpo']}"}
-    flags = [marks.get(f, f) for f in flags if f not in ("@slow_writes", "@flat_adamw")]
+    flags = [g for f in flags if f not in ("@slow_writes", "@flat_adamw")
+             for g in (MOE_FLAGS if f == "@moe" else [marks.get(f, f)])]
     keys = {f.split("=", 1)[0] for f in flags}
     return [f for f in common if f.split("=", 1)[0] not in keys] + [f for f in flags if not f.endswith("=-")]
 

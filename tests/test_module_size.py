@@ -13,7 +13,6 @@ MAX_LINES = 500
 
 # split in flight: modules being split elsewhere, exempt until those splits land (the lead empties this)
 SPLIT_IN_FLIGHT: frozenset = frozenset()
-# split in flight: their imports of parallel/dcp_checkpoint.py's private names go with the checkpoint/ package
 PRIVATE_IMPORTS_IN_FLIGHT: frozenset = frozenset()
 
 

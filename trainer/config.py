@@ -20,6 +20,7 @@ from parallel.config import ParallelFlags
 from utils.configurator import flag
 from utils.constants import EXIT_BAD_CONFIG
 from utils.errors import TrainingError, one_line  # noqa: F401  (re-exported: the trainer and tests use them)
+from utils.moe_flags import MoEFlags
 
 
 _f = flag  # utils/configurator.py: a flag's default and help
@@ -150,7 +151,7 @@ class DPOFlags:
 
 
 @dataclass
-class TrainConfig(ParallelFlags, DPOFlags, OptimizationFlags, TrainableFlags, ModelFlags, RunFlags):
+class TrainConfig(ParallelFlags, DPOFlags, OptimizationFlags, TrainableFlags, MoEFlags, ModelFlags, RunFlags):
     """Every training flag, flat (`--key=value`), composed of typed sections in this order: RunFlags,
     ModelFlags, TrainableFlags, OptimizationFlags, DPOFlags, the parallel engine's (parallel/config.py
     ParallelFlags, declared once there), then evaluation, logging, checkpoints and the guard below."""

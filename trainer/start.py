@@ -35,6 +35,7 @@ from utils.constants import EXIT_BAD_CHECKPOINT, EXIT_BAD_CONFIG
 from utils.device import low_precision_cpu_warning, parse_dtype
 from utils.dist import DistInfo, barrier
 from utils.model_bounds import fit_problem, param_count
+from utils.moe_flags import moe_model_fields, moe_param_delta
 from utils.run_config import DATA_KEYS, global_batch_problem, same_value
 from utils.spike_guard import parse_data_steps
 from utils.threads import ThreadTuner, choose_threads, describe_threads, oversubscription_warning
@@ -48,7 +49,7 @@ def new_model_config(cfg: TrainConfig, tok_meta: dict):
                        attn_dropout=cfg.dropout, resid_dropout=cfg.dropout, tie_embeddings=cfg.tie_embeddings,
                        gradient_checkpointing=cfg.gradient_checkpointing, fused_rmsnorm=fused,
                        fused_rope=fused, fused_swiglu=fused, fused_qkv=fused, fused_cross_entropy=fused,
-                       kernel_backend=backend)
+                       kernel_backend=backend, **moe_model_fields(cfg))
 
 
 
@@ -57,7 +58,7 @@ def _refuse_if_too_big(mcfg, device: str, what: str, code: int) -> None:
     device has free (a checkpoint's model_config.json within the bounds can still describe a model no
     machine holds: it built layers until memory ran out)."""
     n = param_count(mcfg.dim, mcfg.n_layers, mcfg.n_heads, mcfg.vocab_size, mcfg.n_kv_heads, mcfg.hidden_dim,
-                    tie_embeddings=mcfg.tie_embeddings)
+                    tie_embeddings=mcfg.tie_embeddings) + moe_param_delta(mcfg)
     problem = fit_problem(n, device, what)
     if problem:
         raise TrainingError(problem, code)

@@ -17,6 +17,7 @@ from trainer.config import (KERNEL_CHOICES, RESUME_CHOICES, TrainConfig, engine_
                             parallel_section, resume_policy)
 from utils.constants import EXIT_BAD_CONFIG, MAX_EPOCHS, MAX_STEPS
 from utils.errors import TrainingError
+from utils.moe_flags import moe_problems
 
 
 def parallel_problems(cfg: TrainConfig, world_size: Optional[int] = None) -> list[str]:
@@ -105,6 +106,7 @@ def validate_config(cfg: TrainConfig, world_size: Optional[int] = None, torch_fr
     problems.extend(parallel_problems(cfg, world_size))
     _choices_and_combinations(cfg, problems, torch_free)
     _numbers_and_extras(cfg, problems, torch_free)
+    problems.extend(moe_problems(cfg))
     if problems:
         raise TrainingError("bad configuration: " + "; ".join(problems), EXIT_BAD_CONFIG)
 

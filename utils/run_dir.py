@@ -82,7 +82,7 @@ def is_checkpoint_dir(path: str) -> bool:
 
 
 def is_hf_dir(path: str) -> bool:
-    """A Hugging Face Llama directory: config.json with model_type llama and safetensors weights."""
+    """A Hugging Face Llama (or Mixtral) directory: config.json with model_type llama / mixtral and safetensors."""
     cfg_path = os.path.join(path, RUN_CONFIG)  # HF's config.json: the same name
     if not os.path.isfile(cfg_path) or not os.path.isfile(os.path.join(path, MODEL_FILE)) and \
             not any(n.endswith(".safetensors") for n in os.listdir(path)):
@@ -92,7 +92,7 @@ def is_hf_dir(path: str) -> bool:
             cfg = json.load(f)
     except (OSError, ValueError):  # not an HF config; a checkpoint of ours names its damaged file on verification
         return False
-    return isinstance(cfg, dict) and cfg.get("model_type") == "llama"
+    return isinstance(cfg, dict) and cfg.get("model_type") in ("llama", "mixtral")
 
 
 def no_weights_detail(path: str) -> str:

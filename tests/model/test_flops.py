@@ -13,6 +13,20 @@ def test_flops_per_token_formula():
     assert flops.flops_per_token(cfg, 16) == 6 * n_matmul + 12 * 2 * 32 * 16
 
 
+def test_moe_flops_count_active_parameters():
+    """Of an MoE model: every parameter but the embedding and the routed experts not chosen (E - top_k of E)."""
+    cfg = ModelConfig(vocab_size=100, dim=32, n_layers=3, n_heads=4, hidden_dim=64, moe_num_experts=8, moe_top_k=2,
+                      moe_shared_experts=1, moe_hidden_dim=16, moe_first_dense_layers=1)
+    m = Transformer(cfg)
+    experts = sum(p.numel() for n, p in m.named_parameters() if ".experts." in n)
+    active = m.num_params() - m.embed_tokens.weight.numel() - experts + experts * 2 // 8
+    assert flops.matmul_params(cfg) == active
+    assert flops.flops_per_token(cfg, 16) == 6 * active + 12 * 3 * 32 * 16
+    from utils.model_bounds import param_count
+    from utils.moe_flags import moe_param_delta  # the memory check's count of every parameter
+    assert param_count(32, 3, 4, 100, hidden_dim=64) + moe_param_delta(cfg) == m.num_params()
+
+
 def test_peak_flops_measured_cached_and_overridable(monkeypatch):
     monkeypatch.delenv("PEAK_FLOPS", raising=False)
     p = flops.measure_peak_flops("cpu", torch.float32, n=128, seconds=0.05)

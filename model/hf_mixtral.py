@@ -1,0 +1,113 @@
+"""Hugging Face Mixtral checkpoints of our MoE models, both ways (model/hf_interop.py calls these for a config
+with experts or a checkpoint with model_type "mixtral").
+
+Why Mixtral: its attention is exactly our Llama attention (Qwen3-MoE adds q/k norms, Qwen2-MoE q/k/v biases and
+a sigmoid-gated shared expert), so every weight maps one to one. What it cannot hold is refused in one line:
+shared experts, dense first blocks, sigmoid scores, top_k = 1 (Mixtral renormalises the chosen weights, ours keep
+the raw score at k = 1), and a non-zero selection bias (Mixtral has none: the export would route differently).
+
+Owns: the config.json fields, and the names: ours `layers.N.mlp.router.weight` [E, D] and the stacked
+`layers.N.mlp.experts.gate_up_proj` [E, 2I, D] (gate rows, then up) / `down_proj` [E, D, I] <-> the Hub layout
+`model.layers.N.block_sparse_moe.gate.weight` and `...experts.E.w1 / w3 / w2.weight` (what every Mixtral on the Hub
+holds, read by transformers 4.x and 5.x alike); import also reads transformers 5's own layout
+(`mlp.gate.weight`, `mlp.experts.gate_up_proj` [E, 2I, D], `mlp.experts.down_proj`).
+Must never: import transformers (plain dicts and tensors only).
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+
+_OURS = re.compile(r"layers\.(\d+)\.mlp\.(router\.weight|experts\.(gate_up|down)_proj|expert_bias)$")
+
+
+def export_problems(model) -> list[str]:
+    """Why `model` (an MoE Transformer) cannot be written as a Mixtral checkpoint."""
+    cfg, p = model.cfg, []
+    if cfg.moe_shared_experts:
+        p.append(f"moe_shared_experts={cfg.moe_shared_experts} (Mixtral has no shared experts)")
+    if cfg.moe_first_dense_layers:
+        p.append(f"moe_first_dense_layers={cfg.moe_first_dense_layers} (every Mixtral block is MoE)")
+    if cfg.moe_score != "softmax":
+        p.append(f"moe_score={cfg.moe_score} (Mixtral routes on softmax)")
+    if cfg.moe_top_k < 2:
+        p.append("moe_top_k=1 (Mixtral renormalises the chosen weights to 1; ours keep the raw score)")
+    biased = [name for name, t in model.named_buffers() if name.endswith("expert_bias") and bool(t.any())]
+    if biased:
+        p.append(f"non-zero selection biases ({biased[0]}, ...): Mixtral has none, its routing would differ")
+    return p
+
+
+def mixtral_config_fields(cfg) -> dict:
+    """The config.json fields that make a Llama dict a Mixtral one."""
+    return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+            "intermediate_size": cfg.moe_hidden_dim or cfg.hidden_dim, "num_local_experts": cfg.moe_num_experts,
+            "num_experts_per_tok": cfg.moe_top_k, "router_aux_loss_coef": 0.0, "router_jitter_noise": 0.0,
+            "output_router_logits": False, "sliding_window": None}
+
+
+def moe_fields_from_mixtral(d: dict) -> dict:
+    """The ModelConfig MoE fields of a Mixtral config.json dict."""
+    return {"moe_num_experts": int(d["num_local_experts"]), "moe_top_k": int(d.get("num_experts_per_tok", 2)),
+            "moe_hidden_dim": int(d["intermediate_size"]), "moe_score": "softmax"}
+
+
+def to_mixtral(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our state dict (names without `model.`) -> Hub Mixtral names (without `model.`); other tensors kept."""
+    out = {}
+    for name, t in sd.items():
+        m = _OURS.match(name)
+        if m is None:
+            out[name] = t
+            continue
+        layer, what, proj = m.group(1), m.group(2), m.group(3)
+        prefix = f"layers.{layer}.block_sparse_moe"
+        if what == "router.weight":
+            out[f"{prefix}.gate.weight"] = t
+        elif proj == "gate_up":
+            for e, (w1, w3) in enumerate(zip(*t.chunk(2, dim=1))):
+                out[f"{prefix}.experts.{e}.w1.weight"], out[f"{prefix}.experts.{e}.w3.weight"] = w1, w3
+        elif proj == "down":
+            for e in range(t.shape[0]):
+                out[f"{prefix}.experts.{e}.w2.weight"] = t[e]
+        # expert_bias: not in Mixtral (export_problems refused a non-zero one)
+    return out
+
+
+def from_mixtral(sd: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
+    """Hub or transformers-5 Mixtral names (without `model.`) -> ours, with zero selection biases."""
+    out, experts = {}, {}
+    for name, t in sd.items():
+        m = re.match(r"layers\.(\d+)\.(?:block_sparse_moe|mlp)\.(.+)$", name)
+        if m is None:
+            out[name] = t
+            continue
+        layer, rest = int(m.group(1)), m.group(2)
+        ours = f"layers.{layer}.mlp"
+        if rest == "gate.weight":
+            out[f"{ours}.router.weight"] = t
+        elif rest == "experts.gate_up_proj":  # transformers 5: [E, 2I, D], gate rows first, as ours
+            out[f"{ours}.experts.gate_up_proj"] = t
+        elif rest == "experts.down_proj":
+            out[f"{ours}.experts.down_proj"] = t
+        else:
+            e = re.match(r"experts\.(\d+)\.(w1|w2|w3)\.weight$", rest)
+            if e is None:
+                raise ValueError(f"unexpected tensor {name!r} in a Mixtral checkpoint")
+            experts.setdefault((layer, e.group(2)), {})[int(e.group(1))] = t
+    stacked = {}
+    for (layer, w), by_expert in experts.items():
+        if sorted(by_expert) != list(range(cfg.moe_num_experts)):
+            raise ValueError(f"layer {layer}: experts {sorted(by_expert)} of {w}, expected 0.."
+                             f"{cfg.moe_num_experts - 1}")
+        stacked[(layer, w)] = torch.stack([by_expert[i] for i in range(len(by_expert))])
+    for layer in sorted({layer for layer, _ in stacked}):
+        missing = [w for w in ("w1", "w2", "w3") if (layer, w) not in stacked]
+        if missing:
+            raise ValueError(f"layer {layer}: no experts' {', '.join(missing)} in the Mixtral checkpoint")
+        out[f"layers.{layer}.mlp.experts.gate_up_proj"] = torch.cat((stacked[(layer, "w1")], stacked[(layer, "w3")]), 1)
+        out[f"layers.{layer}.mlp.experts.down_proj"] = stacked[(layer, "w2")]
+    for layer in range(cfg.n_layers):
+        out[f"layers.{layer}.mlp.expert_bias"] = torch.zeros(cfg.moe_num_experts)
+    return {k: v.contiguous() for k, v in out.items()}

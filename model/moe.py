@@ -1,0 +1,244 @@
+"""Mixture-of-experts feed-forward: a router, routed experts (stacked SwiGLU weights [E, ...]), optional shared
+experts, dropless token routing, and the statistics that balance the experts' load.
+
+One MoE forward is four steps, each its own function so that expert parallelism can put an all-to-all between
+them (tokens to the ranks holding their experts after `dispatch`, back before `combine`):
+  route    scores [N, E] (softmax or sigmoid of the router's logits, fp32), the top-k experts of each token
+           (chosen on scores + `expert_bias`: DeepSeek-V3's auxiliary-loss-free balancing, the bias steers the
+           choice only) and their weights (the scores of the chosen experts; renormalised to sum 1 when k > 1)
+  dispatch the N*k (token, expert) pairs sorted by expert (stable): the token rows in that order and the count
+           per expert; dropless (no capacity, every pair computed)
+  experts  the SwiGLU of each expert on its rows: the grouped matmul (torch._grouped_mm / F.grouped_mm; gate and
+           up in one), or a reference loop
+  combine  every row back to its (token, slot), weighted, summed over the k slots
+
+Balancing: the auxiliary loss (Switch/Megatron form, E/(k N) sum_i count_i P_i, 1 when perfectly balanced;
+HF Mixtral's load_balancing_loss_func is k times it), the router z-loss (ST-MoE: mean of logsumexp(logits)^2),
+and the bias update (`update_expert_bias`: b_i += rate * sign(mean load - load_i) after each optimizer step).
+The layer keeps what the trainer reads between steps (`take_aux_losses`, `take_step_counts`): the losses of the
+forwards since the last take (training forwards with grad only; never an activation-checkpointing recompute)
+and the step's tokens per expert.
+
+Must never: read a tensor's value to the host on the grouped path (the loop reference does, by design), drop a
+token, or let the selection bias weigh an expert's output.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from model import kernels
+
+EXPERT_BACKENDS = ("auto", "grouped_mm", "loop")
+
+
+# ------------------------------------------------------------------------------------------ routing
+def route(x: torch.Tensor, router_weight: torch.Tensor, bias: Optional[torch.Tensor], top_k: int,
+          score: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [N, D] -> (expert ids [N, k], their weights [N, k], scores [N, E], logits [N, E]; fp32, or fp64 for fp64 x).
+    The bias (or None) is added to the scores for the choice only; the weights are the unbiased scores."""
+    dtype = torch.promote_types(x.dtype, torch.float32)  # fp32 at least: a bf16 router picks by ties
+    logits = F.linear(x.to(dtype), router_weight.to(dtype))
+    scores = torch.softmax(logits, dim=-1) if score == "softmax" else torch.sigmoid(logits)
+    choice = scores if bias is None else scores + bias.detach().to(dtype)
+    idx = torch.topk(choice, top_k, dim=-1, sorted=True).indices
+    weights = scores.gather(-1, idx)
+    if top_k > 1:  # Mixtral / Qwen-MoE norm_topk_prob / DeepSeek-V3; at k=1 (Switch) the raw score keeps a gradient
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return idx, weights, scores, logits
+
+
+def dispatch(x: torch.Tensor, idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The (token, slot) pairs sorted by expert: (rows [N*k, D], counts per expert [E] int64, order [N*k]: the
+    flat (token * k + slot) index of each row). Expert parallelism sends rows and counts to the experts' ranks."""
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    return x.index_select(0, order // idx.shape[1]), counts, order  # (its backward: one index_add)
+
+
+def combine(rows: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The experts' output rows [N*k, D] (in dispatch order) back to [N, D]: each token's k rows times their
+    weights, summed."""
+    n, k = weights.shape
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    per_slot = rows.index_select(0, inverse).view(n, k, rows.shape[-1])
+    return (per_slot * weights.to(rows.dtype).unsqueeze(-1)).sum(dim=1)
+
+
+# ------------------------------------------------------------------------------------------ experts
+# torch >= 2.10 names it torch.nn.functional.grouped_mm (and runs it on compute capability 8 too)
+_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def grouped_mm_supported(x: torch.Tensor) -> bool:
+    """Whether the grouped matmul runs here: the CPU in bf16 (and in fp32 / fp16 when not traced), CUDA in bf16
+    on compute capability >= 9 (>= 8 where torch has the public F.grouped_mm)."""
+    if _GROUPED_MM is None:
+        return False
+    if x.device.type == "cpu":  # (traced, torch's shape function of it takes bf16 only)
+        return x.dtype == torch.bfloat16 or (x.dtype in (torch.float32, torch.float16)
+                                             and not torch.compiler.is_compiling())
+    if x.device.type == "cuda":
+        need = 8 if hasattr(F, "grouped_mm") else 9
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= need
+    return False
+
+
+def experts_grouped(rows: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor,
+                    w_down: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of each expert's rows by the grouped matmul (two launches: gate and up together, then down; no
+    host read).
+    w_gate_up [E, 2I, D] (gate rows, then up rows), w_down [E, D, I] (nn.Linear's [out, in] per expert)."""
+    offs = torch.cumsum(counts, dim=0).to(torch.int32)
+    gate, up = _GROUPED_MM(rows, w_gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
+    return _GROUPED_MM(F.silu(gate) * up, w_down.transpose(-2, -1), offs=offs)
+
+
+def experts_loop(rows: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor,
+                 w_down: torch.Tensor) -> torch.Tensor:
+    """The reference: one SwiGLU per expert on its slice of the rows (reads the counts to the host). An expert
+    with no rows still takes part (an empty matmul), so its weights get a zero gradient, never None."""
+    outs = []
+    # unbind: one backward that stacks the E gradients (w[e] would zero-fill a whole [E, ...] gradient per expert)
+    experts = zip(w_gate_up.unbind(0), w_down.unbind(0))
+    for rows_e, (gu, d) in zip(torch.split(rows, counts.tolist()), experts):
+        gate, up = F.linear(rows_e, gu).chunk(2, dim=-1)
+        outs.append(F.linear(F.silu(gate) * up, d))
+    return torch.cat(outs)
+
+
+def choose_expert_backend(x: torch.Tensor, backend: str) -> str:
+    """auto: grouped_mm on an accelerator that runs it; the loop on the CPU, where it measured no
+    slower (bench/bench_moe.py)."""
+    if backend == "auto":
+        return "grouped_mm" if x.device.type != "cpu" and grouped_mm_supported(x) else "loop"
+    if backend == "grouped_mm" and not grouped_mm_supported(x):
+        raise ValueError(f"the grouped matmul does not run on {x.device} in {x.dtype}; use the loop")
+    return backend
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts as two stacked parameters (EP shards their first dimension): gate and up in one
+    [E, 2I, D] (one matmul for both, as transformers 5 and Megatron's fc1 hold them), down [E, D, I]."""
+
+    def __init__(self, num_experts: int, dim: int, hidden: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * hidden, dim))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        self.backend = "auto"  # a plain attribute (tests, benchmarks): never in the config or a checkpoint
+
+    def init_weights(self, std: float) -> None:
+        """Drawn like the dense linears (normal, std = initializer_range)."""
+        for p in (self.gate_up_proj, self.down_proj):
+            nn.init.normal_(p, mean=0.0, std=std)
+
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        impl = choose_expert_backend(rows, self.backend)
+        fn = experts_grouped if impl == "grouped_mm" else experts_loop
+        return fn(rows, counts, self.gate_up_proj, self.down_proj)
+
+
+class SharedExperts(nn.Module):
+    """The shared experts, always on, merged into one SwiGLU of n x the expert width (DeepSeek-V3)."""
+
+    def __init__(self, dim: int, hidden: int, fused: bool, backend: str):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+        self.fused, self.backend = fused, backend
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(kernels.swiglu(self.gate_proj(x), self.up_proj(x), fused=self.fused,
+                                             backend=self.backend))
+
+
+# ---------------------------------------------------------------------------------------- the layer
+def load_balancing_loss(scores: torch.Tensor, counts: torch.Tensor, top_k: int, score: str) -> torch.Tensor:
+    """Switch / Megatron: E / (k N) * sum_i count_i * P_i, P_i the mean routing probability of expert i (sigmoid
+    scores normalised per token first, as DeepSeek-V3); 1 when the load is uniform. Counts carry no gradient."""
+    n, e = scores.shape
+    probs = scores if score == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
+    return (counts.to(probs.dtype) * probs.mean(dim=0)).sum() * (e / (top_k * n))
+
+
+def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE: mean over tokens of logsumexp(logits)^2."""
+    return torch.logsumexp(logits, dim=-1).square().mean()
+
+
+def in_backward() -> bool:
+    """Whether this forward is activation checkpointing's recompute inside a backward (its statistics were
+    taken when the forward first ran)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class MoEFeedForward(nn.Module):
+    """The MoE replacement of a block's MLP. Parameters: `router.weight` [E, D], `experts.gate_up_proj` [E, 2I, D],
+    `experts.down_proj` [E, D, I], `shared_experts.*` (when any); buffer `expert_bias` [E] fp32 (saved: a resume
+    keeps the balance)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.num_experts, self.top_k, self.score = cfg.moe_num_experts, cfg.moe_top_k, cfg.moe_score
+        hidden = cfg.moe_hidden_dim or cfg.hidden_dim
+        self.router = nn.Linear(cfg.dim, self.num_experts, bias=False)
+        self.experts = GroupedExperts(self.num_experts, cfg.dim, hidden)
+        self.shared_experts = SharedExperts(cfg.dim, hidden * cfg.moe_shared_experts, cfg.fused_swiglu,
+                                            cfg.kernel_backend) if cfg.moe_shared_experts else None
+        self.resid_dropout = nn.Dropout(cfg.resid_dropout)
+        self.register_buffer("expert_bias", torch.zeros(self.num_experts, dtype=torch.float32))
+        self._aux: Optional[torch.Tensor] = None      # [2]: balancing loss, z-loss summed over forwards since a take
+        self._step_counts: Optional[torch.Tensor] = None  # [E] fp32 tokens per expert since the last take
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        idx, weights, scores, logits = route(flat, self.router.weight, self.expert_bias, self.top_k, self.score)
+        rows, counts, order = dispatch(flat, idx, self.num_experts)
+        out = combine(self.experts(rows, counts), order, weights)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(flat)
+        if self.training and torch.is_grad_enabled():
+            # computed in the recompute too (activation checkpointing wants the same saved tensors), kept once
+            aux = torch.stack([load_balancing_loss(scores, counts, self.top_k, self.score), router_z_loss(logits)])
+        if self.training and torch.is_grad_enabled() and not in_backward():
+            self._aux = aux if self._aux is None else self._aux + aux
+            c = counts.detach().float()
+            self._step_counts = c if self._step_counts is None else self._step_counts + c
+        return self.resid_dropout(out.view(shape))
+
+    def take_aux(self) -> Optional[torch.Tensor]:
+        aux, self._aux = self._aux, None
+        return aux
+
+    def take_counts(self) -> torch.Tensor:
+        c, self._step_counts = self._step_counts, None
+        return c if c is not None else torch.zeros(self.num_experts, device=self.expert_bias.device)
+
+
+# ------------------------------------------------------------------------------- the trainer's side
+def moe_layers(model: nn.Module) -> list[MoEFeedForward]:
+    """The MoE layers of a model (through any wrapper: DDP, FSDP2, a compiled module), in module order."""
+    return [m for m in model.modules() if isinstance(m, MoEFeedForward)]
+
+
+def take_aux_losses(layers: Iterable[MoEFeedForward]) -> Optional[torch.Tensor]:
+    """[L, 2]: each layer's (balancing loss, z-loss) summed over its training forwards since the last take (None
+    when there were none). Taking clears them."""
+    taken = [layer.take_aux() for layer in layers]
+    taken = [t for t in taken if t is not None]
+    return torch.stack(taken) if taken else None
+
+
+@torch.no_grad()
+def update_expert_bias(bias: torch.Tensor, counts: torch.Tensor, rate: float) -> None:
+    """DeepSeek-V3's auxiliary-loss-free balancing: each expert's bias moves by `rate` towards balance,
+    b_i += rate * sign(mean_j c_j - c_i) (an overloaded expert is chosen less, an idle one more)."""
+    bias.add_(torch.sign(counts.mean() - counts) * rate)
+

@@ -1,0 +1,195 @@
+"""model/moe.py: routing and combine against every token through its top-k experts by hand, the grouped matmul
+against the loop (values and gradients), an expert that receives no tokens, the balancing losses against their
+formulas (and HF Mixtral's), DeepSeek-V3's bias update rule, and the statistics a training forward leaves."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model import ModelConfig, Transformer
+from model.moe import (MoEFeedForward, combine, dispatch, experts_grouped, experts_loop, load_balancing_loss,
+                       moe_layers, route, router_z_loss, take_aux_losses, update_expert_bias)
+
+DEV = torch.device("cpu")
+
+
+def cfg(**kw):
+    base = dict(vocab_size=64, dim=16, n_layers=2, n_heads=2, hidden_dim=24, max_seq_len=16, moe_num_experts=4,
+                moe_top_k=2, fused_rmsnorm=False, fused_rope=False, fused_swiglu=False, fused_qkv=False)
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def layer(seed=0, **kw):
+    torch.manual_seed(seed)
+    m = MoEFeedForward(cfg(**kw))
+    m.experts.init_weights(0.2)
+    torch.nn.init.normal_(m.router.weight, std=0.5)
+    return m
+
+
+def by_hand(m: MoEFeedForward, x: torch.Tensor) -> torch.Tensor:
+    """Every token through its top-k experts, one token and one expert at a time, in float64."""
+    m = m.double()
+    ex, out = m.experts, torch.zeros(x.shape, dtype=torch.float64)
+    for n in range(x.shape[0]):
+        t = x[n].double()
+        logits = m.router.weight @ t
+        s = torch.softmax(logits, -1) if m.score == "softmax" else torch.sigmoid(logits)
+        chosen = sorted(range(m.num_experts), key=lambda e: -(s[e] + m.expert_bias[e]).item())[:m.top_k]
+        w = torch.stack([s[e] for e in chosen])
+        if m.top_k > 1:
+            w = w / w.sum()
+        for e, we in zip(chosen, w):
+            gate, up = ex.gate_up_proj[e].chunk(2, dim=0)
+            h = F.silu(gate @ t) * (up @ t)
+            out[n] += we * (ex.down_proj[e] @ h)
+        if m.shared_experts is not None:
+            sh = m.shared_experts
+            out[n] += sh.down_proj.weight @ (F.silu(sh.gate_proj.weight @ t) * (sh.up_proj.weight @ t))
+    m.float()
+    return out
+
+
+@pytest.mark.parametrize("score,top_k,shared", [("softmax", 2, 0), ("sigmoid", 3, 1), ("softmax", 1, 2)])
+@pytest.mark.parametrize("backend", ["loop", "grouped_mm"])
+def test_layer_equals_every_token_by_hand(score, top_k, shared, backend):
+    m = layer(moe_score=score, moe_top_k=top_k, moe_shared_experts=shared, moe_hidden_dim=8)
+    m.experts.backend = backend
+    m.expert_bias.copy_(torch.tensor([0.0, 0.05, -0.05, 0.02]))  # the bias steers the choice only
+    x = torch.randn(2, 5, 16)
+    y = m(x).reshape(-1, 16).double()
+    ref = by_hand(m, x.reshape(-1, 16))
+    assert torch.allclose(y, ref, atol=1e-5, rtol=1e-4), (y - ref).abs().max()
+
+
+def test_dispatch_sorts_by_expert_and_combine_inverts_it():
+    idx = torch.tensor([[2, 0], [0, 3], [2, 1]])
+    x = torch.arange(3.0)[:, None].expand(3, 2)
+    rows, counts, order = dispatch(x, idx, 5)
+    assert counts.tolist() == [2, 1, 2, 1, 0]  # expert 4 receives nothing
+    assert rows[:, 0].tolist() == [0.0, 1.0, 2.0, 0.0, 2.0, 1.0]  # expert 0: tokens 0,1; 1: 2; 2: 0,2; 3: 1
+    w = torch.tensor([[0.25, 0.75], [0.5, 0.5], [1.0, 0.0]])
+    assert torch.equal(combine(rows, order, w), x)  # identity experts: weights summing to 1 give the input back
+
+
+def _grads(backend, m, x):
+    m.zero_grad()
+    m.experts.backend = backend
+    xx = x.clone().requires_grad_()
+    y = m(xx)
+    (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+    return [y.detach(), xx.grad] + [p.grad.clone() for p in m.parameters()]
+
+
+def test_grouped_mm_equals_loop_values_and_gradients():
+    m = layer(seed=1, moe_num_experts=6, moe_top_k=2, moe_shared_experts=1)
+    m.expert_bias.copy_(torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, -10.0]))  # expert 5 gets no token
+    x = torch.randn(3, 7, 16)
+    grouped, loop = _grads("grouped_mm", m, x), _grads("loop", m.double(), x.double())
+    m.float()
+    fp32_loop = _grads("loop", m, x)
+    for g, ref, l32 in zip(grouped, loop, fp32_loop):
+        # the grouped path is as close to the float64 loop as the float32 loop is (its own rounding)
+        err, own = (g.double() - ref).abs().max(), (l32.double() - ref).abs().max()
+        assert err <= 4 * own + 1e-7 * ref.abs().max(), (err, own)
+    assert m.take_counts()[5] == 0
+    for p in (m.experts.gate_up_proj, m.experts.down_proj):  # zeros, never None (DDP's hooks fire)
+        assert p.grad is not None and torch.count_nonzero(p.grad[5]) == 0 and torch.count_nonzero(p.grad[0]) > 0
+
+
+def test_expert_functions_agree_on_an_empty_expert():
+    torch.manual_seed(0)
+    w_gate, w_up, w_down = torch.randn(3, 8, 4), torch.randn(3, 8, 4), torch.randn(3, 4, 8)
+    w_gate_up = torch.cat((w_gate, w_up), dim=1)
+    rows, counts = torch.randn(5, 4), torch.tensor([2, 0, 3])
+    a, b = experts_grouped(rows, counts, w_gate_up, w_down), experts_loop(rows, counts, w_gate_up, w_down)
+    assert torch.allclose(a, b, atol=1e-5)
+    by_rows = [F.linear(F.silu(F.linear(rows[i], w_gate[e])) * F.linear(rows[i], w_up[e]), w_down[e])
+               for i, e in enumerate([0, 0, 2, 2, 2])]
+    assert torch.allclose(a, torch.stack(by_rows), atol=1e-5)
+
+
+def test_balancing_loss_is_one_when_uniform_and_hf_mixtral_over_k():
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+    torch.manual_seed(0)
+    x = torch.randn(40, 8)
+    idx, _, scores, logits = route(x, torch.randn(8, 8), None, 2, "softmax")
+    counts = torch.bincount(idx.reshape(-1), minlength=8)
+    ours = load_balancing_loss(scores, counts, 2, "softmax")
+    hf = load_balancing_loss_func((logits,), num_experts=8, top_k=2)
+    assert torch.allclose(ours * 2, hf, rtol=1e-5)
+    uniform = load_balancing_loss(torch.full((10, 4), 0.25), torch.tensor([5, 5, 5, 5]), 2, "softmax")
+    assert torch.allclose(uniform, torch.tensor(1.0))
+    assert torch.allclose(router_z_loss(logits), (torch.log(torch.exp(logits).sum(-1)) ** 2).mean())
+
+
+def test_bias_update_follows_deepseek_v3_rule():
+    bias = torch.tensor([0.1, 0.0, -0.2, 0.0])
+    update_expert_bias(bias, torch.tensor([5.0, 1.0, 3.0, 3.0]), rate=0.01)  # mean 3: over, under, even, even
+    assert torch.allclose(bias, torch.tensor([0.09, 0.01, -0.2, 0.0]))
+
+
+def test_bias_changes_the_choice_not_the_weight():
+    m = layer()
+    x = torch.randn(6, 16)
+    idx0, w0, s0, _ = route(x, m.router.weight, None, 1, "softmax")
+    bias = torch.zeros(4)
+    bias[(idx0[0, 0] + 1) % 4] = 10.0  # every token now picks that expert
+    idx1, w1, s1, _ = route(x, m.router.weight, bias, 1, "softmax")
+    assert (idx1 == (idx0[0, 0] + 1) % 4).all()
+    assert torch.equal(w1, s0.gather(-1, idx1))  # its weight is the unbiased score
+
+
+def test_training_forward_statistics_taken_once_and_not_recomputed():
+    def run(ckpt):
+        torch.manual_seed(0)
+        model = Transformer(cfg(gradient_checkpointing=ckpt, n_layers=3, moe_first_dense_layers=1))
+        x = torch.randint(0, 64, (2, 8))
+        model(x, labels=x).backward()
+        layers = moe_layers(model)
+        assert len(layers) == 2
+        counts = [m.take_counts() for m in layers]
+        assert all(c.sum() == 2 * 8 * 2 for c in counts)  # every token x top_k, counted once
+        return take_aux_losses(layers), counts
+    plain, with_ckpt = run(False), run(True)
+    assert torch.allclose(plain[0], with_ckpt[0]) and all(torch.equal(a, b) for a, b in zip(plain[1], with_ckpt[1]))
+    torch.manual_seed(0)
+    model = Transformer(cfg())
+    with torch.no_grad():
+        model(torch.randint(0, 64, (2, 8)))
+    model.eval()
+    model(torch.randint(0, 64, (2, 8)))
+    assert take_aux_losses(moe_layers(model)) is None  # no-grad and eval forwards leave nothing
+
+
+def test_bad_shapes_refused():
+    with pytest.raises(ValueError, match="moe_top_k=5"):
+        cfg(moe_top_k=5)
+    with pytest.raises(ValueError, match="moe_score"):
+        cfg(moe_score="relu")
+
+
+def test_compiled_model_equals_eager():
+    """torch.compile (aot_eager: Dynamo and AOTAutograd, not Inductor's code generation) through the MoE blocks:
+    the same loss, router gradient, balancing losses and loads as eager (the loop's host read is a graph break)."""
+    import torch._dynamo
+    torch.manual_seed(0)
+    model = Transformer(cfg())
+    x = torch.randint(0, 64, (2, 8))
+
+    def run(m):
+        loss = m(x, labels=x)
+        loss.backward()
+        grad = model.layers[0].mlp.router.weight.grad.clone()
+        model.zero_grad()
+        layers = moe_layers(model)
+        return loss.detach(), grad, take_aux_losses(layers), [layer.take_counts() for layer in layers]
+    eager = run(model)
+    torch._dynamo.reset()
+    try:
+        compiled = run(torch.compile(model, backend="aot_eager"))
+    finally:
+        torch._dynamo.reset()
+    assert torch.allclose(eager[0], compiled[0], atol=1e-6) and torch.allclose(eager[1], compiled[1], atol=1e-6)
+    assert torch.allclose(eager[2], compiled[2], atol=1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(eager[3], compiled[3]))

@@ -1,0 +1,94 @@
+"""The mixture-of-experts flags of the trainer (`MoEFlags`, mixed into trainer/config.py's TrainConfig) and their
+checks: `moe_shape_problems` (the model's MoE shape, as ModelConfig refuses it) and `moe_problems` (every MoE
+flag, one phrase each for the trainer's exit-2 line).
+
+Must never: import torch or any package above utils/ (the torch-free pre-check reads it; model/config.py too).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from utils.configurator import flag
+
+MOE_SCORES = ("softmax", "sigmoid")
+MAX_EXPERTS = 4096
+
+
+@dataclass
+class MoEFlags:
+    """Mixture of experts (model/moe.py; docs/model.md "Mixture of experts")."""
+    moe_num_experts: int = flag(0, "routed experts per MoE block (0 = a dense model)")
+    moe_top_k: int = flag(2, "experts each token is routed to (their weights renormalised to sum 1 when > 1)")
+    moe_shared_experts: int = flag(0, "always-on shared experts per MoE block (DeepSeek), merged into one SwiGLU")
+    moe_hidden_dim: int = flag(0, "expert width (SwiGLU hidden size of one expert; 0 = --hidden_dim's)")
+    moe_first_dense_layers: int = flag(0, "the first k blocks keep a dense MLP (DeepSeek's first_k_dense_replace)")
+    moe_score: str = flag("softmax", "router scores: softmax (Mixtral, Qwen-MoE) | sigmoid (DeepSeek-V3)")
+    moe_aux_loss_coef: float = flag(0.0, "weight of the load-balancing loss (Switch: E/(kN) sum count_i P_i, 1 when "
+                                    "balanced) added to the loss; e.g. 0.01")
+    moe_bias_update_rate: float = flag(0.0, "auxiliary-loss-free balancing (DeepSeek-V3): after each optimizer "
+                                       "step every expert's selection bias moves by this towards balance; e.g. "
+                                       "0.001 (0 = off)")
+    moe_z_loss_coef: float = flag(0.0, "weight of the router z-loss (ST-MoE: mean logsumexp(logits)^2); e.g. 0.001")
+
+
+def moe_shape_problems(num_experts: int, top_k: int, shared: int, hidden: int, first_dense: int,
+                       score: str, prefix: str = "moe_") -> list[str]:
+    """Why an MoE shape cannot be built (num_experts > 0), one phrase per problem."""
+    p = []
+    if not 1 <= num_experts <= MAX_EXPERTS:
+        p.append(f"{prefix}num_experts={num_experts}: must be in [0, {MAX_EXPERTS}]")
+    if not 1 <= top_k <= max(1, num_experts):
+        p.append(f"{prefix}top_k={top_k}: must be in [1, {prefix}num_experts={num_experts}]")
+    for name, v in (("shared_experts", shared), ("hidden_dim", hidden), ("first_dense_layers", first_dense)):
+        if v < 0:
+            p.append(f"{prefix}{name}={v}: must be >= 0")
+    if score not in MOE_SCORES:
+        p.append(f"{prefix}score={score!r} ({' | '.join(MOE_SCORES)})")
+    return p
+
+
+def moe_problems(cfg: Any) -> list[str]:
+    """Every MoE flag of a TrainConfig that a run cannot use, as '--flag=value: why' phrases."""
+    p = []
+    if cfg.moe_num_experts < 0:
+        p.append(f"--moe_num_experts={cfg.moe_num_experts}: must be >= 0 (0 = dense)")
+    elif cfg.moe_num_experts > 0:
+        p.extend(moe_shape_problems(cfg.moe_num_experts, cfg.moe_top_k, cfg.moe_shared_experts, cfg.moe_hidden_dim,
+                                    cfg.moe_first_dense_layers, cfg.moe_score, prefix="--moe_"))
+        if cfg.moe_first_dense_layers >= cfg.n_layers:
+            p.append(f"--moe_first_dense_layers={cfg.moe_first_dense_layers}: leaves no MoE block of "
+                     f"--n_layers={cfg.n_layers}")
+        for name, what in (("pipeline_parallel_size", "pipeline stages"),
+                           ("tensor_parallel_size", "tensor parallelism")):
+            if getattr(cfg, name, 1) > 1:
+                p.append(f"--moe_num_experts={cfg.moe_num_experts} cannot be combined with --{name}="
+                         f"{getattr(cfg, name)} yet (MoE blocks under {what} are not built)")
+    if cfg.moe_bias_update_rate and getattr(cfg, "lora_rank", 0) > 0:
+        p.append(f"--moe_bias_update_rate={cfg.moe_bias_update_rate} cannot be combined with --lora_rank="
+                 f"{cfg.lora_rank}: the selection biases belong to the frozen base, which LoRA checkpoints leave out")
+    for name in ("moe_aux_loss_coef", "moe_bias_update_rate", "moe_z_loss_coef"):
+        v = getattr(cfg, name)
+        if not (math.isfinite(v) and v >= 0):
+            p.append(f"--{name}={v}: must be a finite number >= 0")
+    return p
+
+
+def moe_model_fields(cfg: Any) -> dict:
+    """The ModelConfig fields of a new model from the trainer's MoE flags."""
+    return {"moe_num_experts": cfg.moe_num_experts, "moe_top_k": cfg.moe_top_k,
+            "moe_shared_experts": cfg.moe_shared_experts, "moe_hidden_dim": cfg.moe_hidden_dim or None,
+            "moe_first_dense_layers": cfg.moe_first_dense_layers, "moe_score": cfg.moe_score}
+
+
+def moe_param_delta(mcfg: Any) -> int:
+    """Parameters an MoE ModelConfig (hidden_dim resolved) has beyond its dense twin: per MoE block the router and
+    E + shared experts of 3 x dim x width in place of the dense SwiGLU (the memory check counts every expert)."""
+    e = getattr(mcfg, "moe_num_experts", 0)
+    if not e:
+        return 0
+    width = mcfg.moe_hidden_dim or mcfg.hidden_dim
+    blocks = max(0, mcfg.n_layers - mcfg.moe_first_dense_layers)
+    per_block = e * mcfg.dim + (e + mcfg.moe_shared_experts) * 3 * mcfg.dim * width - 3 * mcfg.dim * mcfg.hidden_dim
+    return blocks * per_block
