@@ -7,6 +7,7 @@ import os
 import pytest
 
 from trainer import config as T
+from trainer.validation import validate_config
 from utils.configurator import parse_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -27,7 +28,7 @@ def test_config_parses_and_validates(name):
     if "task_type" in text:
         extra.append("--init_from=out/some_run")
     cfg = parse_config(T.TrainConfig(), [path, *extra])
-    T.validate_config(cfg)
+    validate_config(cfg)
     defaults = T.TrainConfig()
     assert cfg != defaults  # the file was applied
     # the command line wins over the file

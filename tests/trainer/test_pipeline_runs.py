@@ -191,15 +191,16 @@ def test_pp2_x_dp2_matches_one_process(runs, base_args, tmp_path, dp_engine):
 ])
 def test_bad_combinations_are_named(flags, world, expect):
     from trainer import config as T
+    from trainer.validation import validate_config
     cfg = T.TrainConfig(data_dir="d", tokenizer_dir="t", n_layers=4, gradient_accumulation_steps=2,
                         pipeline_parallel_size=2)
     for k, v in flags.items():
         setattr(cfg, k, v)
     with pytest.raises(T.TrainingError) as e:
-        T.validate_config(cfg, world_size=world)
+        validate_config(cfg, world_size=world)
     assert e.value.code == EXIT_BAD_CONFIG and expect in str(e.value), str(e.value)
-    T.validate_config(T.TrainConfig(data_dir="d", tokenizer_dir="t", n_layers=4, gradient_accumulation_steps=2,
-                                    pipeline_parallel_size=2), world_size=4)  # and the good layout passes
+    validate_config(T.TrainConfig(data_dir="d", tokenizer_dir="t", n_layers=4, gradient_accumulation_steps=2,
+                                  pipeline_parallel_size=2), world_size=4)  # and the good layout passes
 
 
 @pytest.mark.parametrize("flags", [{"lora_rank": 4}, {"trainable": "embeddings"},
@@ -210,9 +211,10 @@ def test_frozen_parameters_and_dpo_are_accepted_without_light_checkpoints(flags)
     test_pipeline_dpo.py); its checkpoints stay full stage files: it declares no light checkpoints."""
     from parallel.config import ParallelConfig
     from trainer import config as T
+    from trainer.validation import validate_config
     cfg = T.TrainConfig(data_dir="d", tokenizer_dir="t", n_layers=4, gradient_accumulation_steps=2,
                         pipeline_parallel_size=2, **flags)
-    T.validate_config(cfg, world_size=2)
+    validate_config(cfg, world_size=2)
     assert not ParallelConfig.from_flags(cfg).saves_light_checkpoints()
 
 
