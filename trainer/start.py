@@ -23,7 +23,7 @@ from parallel.checkpoint_io import base_fingerprint
 from parallel.config import ParallelConfig
 from trainer.config import (KERNEL_CHOICES, TrainConfig, TrainingError, continues_run, existing_run_error,
                             nothing_to_continue_error, one_line, resume_flag)
-from trainer.tasks import task_class
+from trainer.tasks import get_task
 from trainer.weights import check_lora_base, load_lora_base, load_weights_from, select_trainable_for
 from utils import checkpoint as ckpt
 from utils.constants import EXIT_BAD_CHECKPOINT, EXIT_BAD_CONFIG
@@ -213,11 +213,11 @@ def choose_trainable(cfg: TrainConfig, model, init_info: dict, start: Start, log
 def dpo_reference(cfg: TrainConfig, init_info: dict, log) -> Optional[Any]:
     """The frozen reference model of a task that needs one (DPO: --ref_model, else the policy's starting weights);
     None otherwise."""
-    if not task_class(cfg.task_type).needs_reference:
+    if not get_task(cfg).needs_reference:  # an instance: GRPO needs one only with --beta > 0
         return None
     ref_src = cfg.ref_model or init_info.get("ref_source") or init_info["source"]
     if ref_src == "scratch":
-        raise TrainingError("--task_type=dpo needs a frozen reference model, and this run started from scratch: "
+        raise TrainingError(f"--task_type={cfg.task_type} needs a frozen reference model, and this run started from scratch: "
                             "pass --ref_model=<run, checkpoint or Hugging Face dir>", EXIT_BAD_CONFIG)
     ref_model, _ = load_weights_from(ref_src, log, flag="--ref_model" if cfg.ref_model else "reference model",
                                      tokenizer_dir=cfg.tokenizer_dir)
@@ -247,7 +247,7 @@ def place_on_engine(cfg: TrainConfig, info: DistInfo, model, ref_model, log, thr
         engine = build_engine(model, cfg, device=info.device)
     except ValueError as e:  # a layout that cannot run (e.g. a checkpoint's layers do not split into stages)
         raise TrainingError(f"bad parallel configuration: {one_line(e)}", EXIT_BAD_CONFIG) from e
-    engine.stat_keys = tuple(task_class(cfg.task_type).stat_keys)  # the task's statistics ride in every step row
+    engine.stat_keys = tuple(get_task(cfg).stat_keys)  # the task's statistics ride in every step row
     log(describe_layout(cfg, engine, info.world_size) + (f"; {threads}" if threads else ""))
     if cfg.optimizer == "muon":
         log(f"[optimizer] muon on the blocks' 2-D matrices (lr {cfg.muon_lr or cfg.learning_rate:g}, momentum "

@@ -73,7 +73,7 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, max_c
     tokens (grpo), its sum over L_max (dr_grpo); the sum over every token (dapo). mask [B, T]: 1 on completion
     tokens."""
     m = mask.to(per_token.dtype)
-    summed = (per_token * m).sum(dim=-1)
+    summed = torch.where(m > 0, per_token, torch.zeros_like(per_token)).sum(dim=-1)  # padding never leaks a nan
     if loss_type == "grpo":
         return (summed / m.sum(dim=-1).clamp(min=1.0)).sum()
     if loss_type == "dr_grpo":
