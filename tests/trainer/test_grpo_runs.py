@@ -46,3 +46,65 @@ def test_grpo_run_logs_rewards_parity_and_samples(pretrained, tmp_path):
     samples = [json.loads(s) for s in (out / "samples.jsonl").read_text().splitlines()]
     assert [s["step"] for s in samples] == [1] * 4 + [2] * 4 + [3] * 4
     assert all(s["prompt"] in PROMPTS and isinstance(s["reward"], float) for s in samples)
+
+
+def _losses(out) -> dict:
+    return {s: r["loss"] for s, r in _rows(out).items()}
+
+
+def test_two_ranks_equal_one_process(pretrained, tmp_path):
+    """The same global batch (2 prompts x 4 completions) at 2 gloo ranks x 1 prompt and at 1 process x 2 prompts:
+    the same completions (rewards to the last bit of their sums), losses and weights up to float summation order."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_cmd(train_cmd(_args(pretrained, tmp_path, "--max_iters=2", f"--out_dir={one}", "--batch_size=2")),
+            env=child_env())
+    run_cmd(train_cmd(_args(pretrained, tmp_path, "--max_iters=2", f"--out_dir={two}", "--batch_size=1"), nproc=2),
+            env=child_env())
+    a, b = _rows(one), _rows(two)
+    for s in (1, 2):
+        for k in ("reward", "reward_std", "completion_length"):  # float64 sums of host values
+            assert abs(a[s][k] - b[s][k]) <= 1e-12 * max(1.0, abs(a[s][k])), (s, k, a[s][k], b[s][k])
+        assert abs(a[s]["entropy"] - b[s]["entropy"]) < 1e-6 * a[s]["entropy"]  # fp32 sums, in another order
+        assert abs(a[s]["loss"] - b[s]["loss"]) < 1e-6
+    assert a[2]["reward"] != a[1]["reward"]  # step 2 drew other completions
+    wa, wb = final_weights(one), final_weights(two)
+    for k in wa:  # as test_grad_accumulation_equals_big_batch: Adam's 1/sqrt(v) magnifies summation-order noise
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5)
+    assert any(not torch.equal(wa[k], final_weights_start(pretrained)[k]) for k in wa)
+
+
+def final_weights_start(pretrained) -> dict:
+    return final_weights(pretrained["out"])
+
+
+def test_crash_and_resume_draws_the_same_completions(pretrained, tmp_path):
+    """A crash at step 3 resumed from the step-2 checkpoint: the same losses, rewards and weights, bit for bit
+    (the rollouts of step 3 and 4 are a function of seed, step and prompt; nothing about them is saved)."""
+    ref, crashed = tmp_path / "ref", tmp_path / "crashed"
+    base = _args(pretrained, tmp_path, "--max_iters=4", "--num_iterations=2", "--temperature=0.8", "--top_p=0.9",
+                 "--beta=0.05", "--loss_type=grpo")
+    run_cmd(train_cmd([*base, f"--out_dir={ref}"]), env=child_env())
+    proc = run_trainer(train_cmd([*base, f"--out_dir={crashed}"]),
+                       env=child_env(MYLLM_FAULT="crash@3", MYLLM_FAULT_ONCE_FILE=str(tmp_path / "fired")))
+    assert proc.returncode != 0 and max(_losses(crashed)) == 2
+    run_cmd(train_cmd([*base, f"--out_dir={crashed}", "--init_from=resume"]), env=child_env())
+    a, b = _rows(ref), _rows(crashed)
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    for s in a:
+        for k in ("loss", "reward", "kl", "clip_ratio", "grad_norm"):
+            assert a[s][k] == b[s][k], (s, k)
+    assert a[2]["kl"] > 0  # beta > 0: the reference is the initial weights, the policy moved
+    wa, wb = final_weights(ref), final_weights(crashed)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    steps = [json.loads(s)["step"] for s in (ref / "samples.jsonl").read_text().splitlines()]
+    assert sorted(set(steps)) == [1, 3]  # num_iterations=2: rollouts at steps 1 and 3, reused at 2 and 4
+
+
+def test_a_reward_that_raises_stops_the_run_with_one_line(pretrained, tmp_path):
+    out = tmp_path / "run"
+    proc = run_trainer(train_cmd(_args(pretrained, tmp_path, "--max_iters=2", f"--out_dir={out}",
+                                       "--reward_fn=tests.trainer.grpo_toy_rewards:broken")), env=child_env())
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    want = ("reward tests.trainer.grpo_toy_rewards.broken raised ZeroDivisionError (no score for "
+            f"{PROMPTS[0]}) on the record at")
+    assert want in proc.stderr + proc.stdout, proc.stderr[-2000:]

@@ -67,6 +67,10 @@ class GRPOTask(Task):
         cfg, p = self.cfg, loop.progress
         if self._rollout is not None and p.step % cfg.num_iterations != 0:
             return self._mark(self._rollout, loop), []
+        if p.step % cfg.num_iterations != 0:  # a resume inside a cycle: the policy that sampled it is gone
+            loop.log(f"[grpo] step {p.step + 1} is inside a --num_iterations={cfg.num_iterations} cycle whose "
+                     "rollouts were not saved: new rollouts from the resumed weights (an uninterrupted run reused "
+                     "the old ones); periodic checkpoints fall on cycle boundaries, a stop signal may not")
         batches, skipped = draw()
         if self._tok is None:
             from tokenizer import load_tokenizer, load_tokenizer_meta

@@ -119,6 +119,9 @@ def grpo_problems(cfg: Any, resume_policy: str) -> list[str]:
     need(math.isfinite(cfg.epsilon) and 0 < cfg.epsilon < 1, "epsilon", "must be in (0, 1)")
     need(math.isfinite(cfg.epsilon_high) and cfg.epsilon_high >= 0, "epsilon_high", "must be >= 0 (0 = --epsilon)")
     need(cfg.num_iterations >= 1, "num_iterations", "must be >= 1")
+    if cfg.num_iterations > 1 and cfg.checkpoint_interval % cfg.num_iterations:
+        out.append(f"--checkpoint_interval={cfg.checkpoint_interval} must be a multiple of --num_iterations="
+                   f"{cfg.num_iterations}: a checkpoint inside a cycle would resume without its rollouts")
     need(cfg.loss_type in LOSS_TYPES, "loss_type", " | ".join(LOSS_TYPES))
     need(cfg.scale_rewards in SCALE_REWARDS, "scale_rewards", " | ".join(SCALE_REWARDS))
     need(math.isfinite(cfg.numeric_tolerance) and cfg.numeric_tolerance >= 0, "numeric_tolerance", "must be >= 0")
