@@ -108,3 +108,17 @@ def test_a_reward_that_raises_stops_the_run_with_one_line(pretrained, tmp_path):
     want = ("reward tests.trainer.grpo_toy_rewards.broken raised ZeroDivisionError (no score for "
             f"{PROMPTS[0]}) on the record at")
     assert want in proc.stderr + proc.stdout, proc.stderr[-2000:]
+
+
+def test_lora_and_zero_at_two_ranks(pretrained, tmp_path):
+    """GRPO on LoRA adapters under ZeRO-1 at 2 ranks runs its steps with gradients (the rollouts sample from the
+    adapted model, ZeRO's updated weights gathered before them); FSDP is refused in one line."""
+    out = tmp_path / "lora"
+    run_cmd(train_cmd(_args(pretrained, tmp_path, "--max_iters=2", f"--out_dir={out}", "--batch_size=1",
+                            "--lora_rank=4", "--use_distributed_optimizer=true"), nproc=2), env=child_env())
+    rows = _rows(out)
+    assert sorted(rows) == [1, 2] and all(r["grad_norm"] > 0 for r in rows.values())
+    proc = run_trainer(train_cmd(_args(pretrained, tmp_path, "--max_iters=1", f"--out_dir={tmp_path / 'f'}",
+                                       "--parallel=fsdp")), env=child_env())
+    assert proc.returncode == 2
+    assert "--task_type=grpo cannot be combined with --parallel=fsdp (no rank holds the whole model)" in proc.stderr
