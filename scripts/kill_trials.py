@@ -35,6 +35,10 @@ sys.path.insert(0, ROOT)
 from utils.proc_tree import descendants  # noqa: E402
 PY = sys.executable
 
+# issue 54: GRPO runs on toy prompts with a toy reward (tests/trainer/grpo_toy_rewards.py); a rollout is a function of
+# (seed, step, prompt), nothing of it is checkpointed, so kills that land mid-rollout must resume to the same completions
+GRPO = ["--task_type=grpo", "@grpo", "@base", "--reward_funcs=", "--reward_fn=tests.trainer.grpo_toy_rewards:vowels",
+        "--num_generations=4", "--max_prompt_length=12", "--max_completion_length=8", "--learning_rate=1e-3"]
 # name -> (processes, flags); every run: fp32, CPU, 16 steps, evaluation and checkpoint every 2 steps
 CONFIGS: dict[str, tuple[int, list[str]]] = {
     "ddp": (1, []),
@@ -100,14 +104,19 @@ CONFIGS: dict[str, tuple[int, list[str]]] = {
                      "--learning_rate=3e-3"]),
     "dpo": (1, ["--task_type=dpo", "@dpo", "@base", "--max_seq_len=96", "--dpo_beta=0.5", "--learning_rate=3e-3"]),
     "muon-async": (1, ["--optimizer=muon", "--async_checkpoint=true", "@slow_writes"]),
+    "grpo": (1, [*GRPO, "--batch_size=2"]),
+    "ddp2-zero1-grpo": (2, [*GRPO, "--batch_size=1", "--use_distributed_optimizer=true", "--zero_stage=1"]),
+    "grpo-mu2-kl": (1, [*GRPO, "--batch_size=2", "--num_iterations=2", "--beta=0.05", "--loss_type=grpo",
+                        "--generation_kv_cache=false"]),
 }
 SLOW_WRITES_S = "2.0"
 
 
 def config_args(common: list[str], flags: list[str], data: dict, base_ref: str) -> list[str]:
     """The common flags with a configuration's over them (a flag given again replaces the common one;
-    `--key=-` drops it); @base / @sft / @dpo name the ddp reference run and the toy SFT / DPO files."""
-    marks = {"@base": f"--init_from={base_ref}", "@sft": f"--data_dir={data['sft']}", "@dpo": f"--data_dir={data['dpo']}"}
+    `--key=-` drops it); @base / @sft / @dpo / @grpo name the ddp reference run and the toy SFT / DPO / GRPO files."""
+    marks = {"@base": f"--init_from={base_ref}", "@sft": f"--data_dir={data['sft']}", "@dpo": f"--data_dir={data['dpo']}",
+             "@grpo": f"--data_dir={data['grpo']}"}
     flags = [marks.get(f, f) for f in flags if f not in ("@slow_writes", "@flat_adamw")]
     keys = {f.split("=", 1)[0] for f in flags}
     return [f for f in common if f.split("=", 1)[0] not in keys] + [f for f in flags if not f.endswith("=-")]
@@ -130,6 +139,10 @@ def build_data(base: str) -> dict:
         toys[key] = os.path.join(base, f"toy_{key}.jsonl")
         with open(os.path.join(ROOT, src), encoding="utf-8") as f, open(toys[key], "w", encoding="utf-8") as out:
             out.write("".join(line for _, line in zip(range(n), f)))
+    toys["grpo"] = os.path.join(base, "toy_grpo.jsonl")
+    with open(toys["grpo"], "w", encoding="utf-8") as out:
+        out.write("".join(json.dumps({"prompt": f"{a} plus {b} is", "answer": str(a + b)}) + "\n"
+                          for a in range(1, 9) for b in range(1, 5)))
     return {"tok": tok, "shards": shards, **toys}
 
 
