@@ -43,7 +43,7 @@ class GRPOFlags:
     loss_type: str = _f("dapo", "grpo: how token losses are averaged: grpo = per completion, then over completions "
                         "(DeepSeekMath, Shao et al. 2024; length-biased) | dr_grpo = summed per completion over "
                         "max_completion_length (Dr. GRPO, Liu et al. 2025) | dapo = over every completion token of "
-                        "the step, all ranks (DAPO, Yu et al. 2025; TRL's default)")
+                        "the step, all ranks (DAPO, Yu et al. 2025; the default of recent TRL releases)")
     scale_rewards: str = _f("group", "grpo: group = advantages divided by the group's reward std (GRPO) | none = "
                             "not (Dr. GRPO, Liu et al. 2025: the division favours too easy and too hard prompts)")
     reward_funcs: str = _f("exact_match", "grpo: comma-separated rewards: exact_match (the text after "

@@ -18,6 +18,7 @@ so the recorded values equal the trainer's bit for bit on the CPU.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -47,6 +48,22 @@ class Group:
     logps: torch.Tensor
 
 
+@contextlib.contextmanager
+def separate_projections(model):
+    """q/k/v and gate/up as separate matmuls while decoding: the blocks' one-matmul path concatenates the weights
+    on every call (model/kernels.py concat_linear), which costs more than the matmul for a few rows. Only for the
+    KV-cache path, whose values differ from the trainer's by rounding anyway; whole-row sampling keeps the
+    trainer's kernels."""
+    mods = [m for m in model.modules() if getattr(m, "fused_qkv", False)]
+    for m in mods:
+        m.fused_qkv = False
+    try:
+        yield
+    finally:
+        for m in mods:
+            m.fused_qkv = True
+
+
 @torch.no_grad()
 def sample_group(model, prompt_ids: Sequence[int], group_size: int, max_new_tokens: int, *, temperature: float,
                  top_p: float, stop_ids: Sequence[int], pad_id: int, generator: torch.Generator,
@@ -56,7 +73,9 @@ def sample_group(model, prompt_ids: Sequence[int], group_size: int, max_new_toke
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
+    fast = separate_projections(model) if use_cache else contextlib.nullcontext()
     try:
+        fast.__enter__()
         P = len(prompt_ids)
         prompt = torch.tensor(list(prompt_ids), dtype=torch.long, device=device)[None].expand(group_size, P)
         stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
@@ -91,6 +110,7 @@ def sample_group(model, prompt_ids: Sequence[int], group_size: int, max_new_toke
                 break
         return torch.stack(toks, 1), torch.stack(masks, 1), torch.stack(lps, 1)
     finally:
+        fast.__exit__(None, None, None)
         model.train(was_training)
 
 
