@@ -429,7 +429,7 @@ def engine_needs(cfg: TrainConfig) -> dict[str, str]:
     """What this run asks of the engine, {the flag that asks: capability} (parallel/config.py CAPABILITIES):
     the engine's declarations decide what is refused, never a test of the engine's name here."""
     asked = ((cfg.task_type == "dpo", "--task_type=dpo", "dpo"),
-             (cfg.task_type == "grpo", "--task_type=grpo", "whole_model_on_one_rank"),  # rollouts: a KV cache per rank
+             (cfg.task_type == "grpo", "--task_type=grpo", "grpo"),
              (cfg.lora_rank > 0, f"--lora_rank={cfg.lora_rank}", "frozen_parameters"),
              (cfg.trainable != "all", f"--trainable={cfg.trainable}", "frozen_parameters"),
              (cfg.tie_embeddings, "--tie_embeddings=true", "tied_embeddings"),

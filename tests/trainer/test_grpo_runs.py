@@ -112,13 +112,35 @@ def test_a_reward_that_raises_stops_the_run_with_one_line(pretrained, tmp_path):
 
 def test_lora_and_zero_at_two_ranks(pretrained, tmp_path):
     """GRPO on LoRA adapters under ZeRO-1 at 2 ranks runs its steps with gradients (the rollouts sample from the
-    adapted model, ZeRO's updated weights gathered before them); FSDP is refused in one line."""
+    adapted model, ZeRO's updated weights gathered before them); pipeline stages are refused in one line."""
     out = tmp_path / "lora"
     run_cmd(train_cmd(_args(pretrained, tmp_path, "--max_iters=2", f"--out_dir={out}", "--batch_size=1",
                             "--lora_rank=4", "--use_distributed_optimizer=true"), nproc=2), env=child_env())
     rows = _rows(out)
     assert sorted(rows) == [1, 2] and all(r["grad_norm"] > 0 for r in rows.values())
     proc = run_trainer(train_cmd(_args(pretrained, tmp_path, "--max_iters=1", f"--out_dir={tmp_path / 'f'}",
-                                       "--parallel=fsdp")), env=child_env())
+                                       "--pipeline_parallel_size=2"), nproc=2), env=child_env())
     assert proc.returncode == 2
-    assert "--task_type=grpo cannot be combined with --parallel=fsdp (no rank holds the whole model)" in proc.stderr
+    assert "--task_type=grpo cannot be combined with --pipeline_parallel_size=2 (GRPO's rollouts run a forward per " \
+           "generated token on every rank" in proc.stderr
+
+
+def test_fsdp_two_ranks_equal_one_process(pretrained, tmp_path):
+    """FSDP2 at 2 ranks: every rank decodes as many tokens (its forward all-gathers), and the step equals one
+    process's with the same global batch."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_cmd(train_cmd(_args(pretrained, tmp_path, "--max_iters=2", f"--out_dir={one}", "--batch_size=2")),
+            env=child_env())
+    run_cmd(train_cmd(_args(pretrained, tmp_path, "--max_iters=2", f"--out_dir={two}", "--batch_size=1",
+                            "--parallel=fsdp"), nproc=2), env=child_env())
+    a, b = _rows(one), _rows(two)
+    for s in (1, 2):
+        for k in ("reward", "reward_std", "completion_length"):  # float64 sums of host values, in another order
+            assert abs(a[s][k] - b[s][k]) <= 1e-12 * max(1.0, abs(a[s][k])), (s, k, a[s][k], b[s][k])
+        assert abs(a[s]["loss"] - b[s]["loss"]) < 1e-6
+    from parallel.checkpoint_io import checkpoint_model_state
+    from utils.checkpoint import find_latest_valid
+    wa, wb = final_weights(one), checkpoint_model_state(find_latest_valid(str(two), log=lambda m: None))
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5)

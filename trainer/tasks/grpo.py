@@ -80,7 +80,11 @@ class GRPOTask(Task):
         loop.engine.optimizer.finish_param_sync()  # ZeRO's all-gather of the updated weights has landed
         model, device = loop.engine.module, loop.info.device
         samples = []
-        rollout = [self._roll(model, device, b, p.step, samples) for b in batches]
+        all_done = None
+        if loop.info.world_size > 1:  # every rank decodes as many tokens (a forward may all-gather: FSDP)
+            engine = loop.engine
+            all_done = lambda done: float(engine.sum_over_data([0.0 if done else 1.0], device)[0]) == 0.0  # noqa: E731
+        rollout = [self._roll(model, device, b, p.step, samples, all_done) for b in batches]
         if cfg.num_iterations > 1:  # the ratio of the later steps is taken against the policy that sampled
             with torch.no_grad():
                 for rows in rollout:
@@ -91,7 +95,7 @@ class GRPOTask(Task):
             loop.metrics.write_samples(samples[:cfg.num_completions_to_print])
         return self._mark(rollout, loop), skipped
 
-    def _roll(self, model, device, batch: dict, step: int, samples: list) -> dict:
+    def _roll(self, model, device, batch: dict, step: int, samples: list, all_done=None) -> dict:
         """One micro-batch of prompts -> its training rows (G per prompt) with rewards and advantages."""
         cfg, sp = self.cfg, self._special
         stop_ids = [int(sp[n]["id"]) for n in STOP_TOKENS]
@@ -103,7 +107,7 @@ class GRPOTask(Task):
             toks, mask, lps = sample_group(model, prompt.ids, cfg.num_generations, cfg.max_completion_length,
                                            temperature=cfg.temperature, top_p=cfg.top_p, stop_ids=stop_ids,
                                            pad_id=pad, generator=gen, use_cache=cfg.generation_kv_cache,
-                                           row_len=self.row_len)
+                                           row_len=self.row_len, all_done=all_done)
             groups.append(Group(idx, toks, mask, lps))
             for row, m in zip(toks.tolist(), mask.tolist()):
                 new = [t for t, keep in zip(row, m) if keep and t not in stop_ids]

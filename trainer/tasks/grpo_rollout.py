@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -67,9 +67,12 @@ def separate_projections(model):
 @torch.no_grad()
 def sample_group(model, prompt_ids: Sequence[int], group_size: int, max_new_tokens: int, *, temperature: float,
                  top_p: float, stop_ids: Sequence[int], pad_id: int, generator: torch.Generator,
-                 use_cache: bool = True, row_len: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 use_cache: bool = True, row_len: int = 0, all_done: Optional[Callable[[bool], bool]] = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(tokens [G, n], mask [G, n], logps [G, n]) with n <= max_new_tokens: G completions of one prompt.
-    row_len (use_cache=False): the length of the whole-row forward (the training rows' length)."""
+    row_len (use_cache=False): the length of the whole-row forward (the training rows' length).
+    all_done(this group is done) -> whether every rank's group is (several ranks: a forward that all-gathers, FSDP's,
+    must run as often on every rank); a group that finished first decodes on with its rows masked, the same tokens."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -106,7 +109,8 @@ def sample_group(model, prompt_ids: Sequence[int], group_size: int, max_new_toke
                 step_input = toks[-1][:, None]
             else:
                 row[:, P + t] = toks[-1]
-            if bool(finished.all()):
+            done = bool(finished.all())
+            if all_done(done) if all_done is not None else done:
                 break
         return torch.stack(toks, 1), torch.stack(masks, 1), torch.stack(lps, 1)
     finally:
