@@ -45,6 +45,21 @@ def test_prompts_file_counts_and_names_bad_records(tiny_pretrain_data, tmp_path)
     assert [p.text for p in other] == ["1+1?", "wrong field"]
 
 
+def test_a_saved_datasets_folder_reads_as_its_jsonl(tiny_pretrain_data, tmp_path):
+    datasets = pytest.importorskip("datasets")
+    from tokenizer import load_tokenizer, load_tokenizer_meta
+    tok_dir = tiny_pretrain_data["tokenizer_dir"]
+    tok, meta = load_tokenizer(tok_dir), load_tokenizer_meta(tok_dir)
+    rows = [{"prompt": "2+3=", "answer": "5"}, {"prompt": "", "answer": "1"}, {"prompt": "4+4=", "answer": "8"}]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
+    a = read_prompts_file(str(tmp_path / "p.jsonl"), _cfg(), tok, meta, needs_answer=True, log=None)
+    lines = []
+    b = read_prompts_file(str(tmp_path / "ds"), _cfg(), tok, meta, needs_answer=True, log=lines.append)
+    assert [(p.ids, p.answer) for p in a] == [(p.ids, p.answer) for p in b] and len(b) == 2
+    assert "3 records -> 2 prompts, skipped 1 (bad prompt 1)" in lines[0] and b[1].where.endswith("row 3")
+
+
 def test_builtin_rewards():
     assert exact_match("think... #### 42", "42", "####") == 1.0
     assert exact_match("#### 41 then #### 42\nmore", "42", "####") == 1.0  # the last marker, its first line

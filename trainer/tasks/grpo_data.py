@@ -1,4 +1,5 @@
-"""GRPO's prompts: records read from a .jsonl / .json / .parquet file or a folder of them (the SFT reader's inputs),
+"""GRPO's prompts: records read from a .jsonl / .json / .parquet file or a folder of them (the SFT reader's inputs), or
+a Hugging Face `datasets` save_to_disk folder (its train split),
 each a prompt (plain text, encoded after <s>, or chat messages rendered with the chat template up to the
 assistant's header, as SFT renders them) and a reference answer; the field names are flags.
 
@@ -8,6 +9,7 @@ Must never: drop a record without counting it, or tokenize a prompt differently 
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -55,13 +57,25 @@ def _messages(turns: Any) -> list:
     return out
 
 
+def _inputs(path: str) -> list:
+    """The files of `path`, or a Hugging Face `datasets` save_to_disk folder's train split as one input."""
+    if any(os.path.isfile(os.path.join(path, n)) for n in ("state.json", "dataset_dict.json")):
+        from tokenizer.corpus import CorpusConfigError, CorpusError
+        from tokenizer.dataset_source import open_dataset_source
+        try:
+            return [open_dataset_source(path, "train")]
+        except (CorpusError, CorpusConfigError) as e:
+            raise DataError(str(e)) from None
+    return find_input_files(path, kinds=RECORD_KINDS, what="GRPO prompt")
+
+
 def read_prompts_file(path: str, cfg: Any, tok: Any, tok_meta: dict, needs_answer: bool,
                       log: Optional[Callable[[str], None]]) -> list:
     """Every usable record of `path` as a Prompt, in file order. A record without the prompt field(s), with a
     prompt longer than --max_prompt_length tokens, or (when a built-in answer reward runs) without an answer is
     a counted skip, the first ones named in the log; the account is one [data] line."""
     from tokenizer import encode_chat, encode_texts
-    files = find_input_files(path, kinds=RECORD_KINDS, what="GRPO prompt")
+    files = _inputs(path)
     if not files:
         raise DataError(f"{path}: no prompt records (.jsonl, .json or .parquet)")
     bos = int(tok_meta["special_tokens"]["bos"]["id"])
