@@ -96,7 +96,7 @@ def pass_at_1(run_dir: str, tok_dir: str, heldout: str, limit: int = 0) -> float
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--work", default="/tmp/grpo_demo")
-    p.add_argument("--grpo_steps", type=int, default=40)
+    p.add_argument("--grpo_steps", type=int, default=100)
     p.add_argument("--sft_steps", type=int, default=150)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
@@ -122,7 +122,7 @@ def main(argv: list[str]) -> int:
     t0 = time.time()
     run([PY, "train_my_ddp.py", *common, "--task_type=grpo", f"--init_from={sft}", f"--data_dir={paths['grpo']}",
          f"--out_dir={rl}", f"--max_iters={a.grpo_steps}", "--batch_size=4", "--num_generations=8",
-         "--max_prompt_length=24", "--max_completion_length=8", "--learning_rate=3e-4", "--lr_schedule=constant",
+         "--max_prompt_length=24", "--max_completion_length=8", "--learning_rate=1e-3", "--lr_schedule=constant",
          "--temperature=0.8", "--log_interval=5",
          "--reward_funcs=exact_match", "--eval_interval=0", f"--checkpoint_interval={a.grpo_steps}"], "GRPO", env)
     after, after_train = pass_at_1(rl, tok, paths["heldout"]), pass_at_1(rl, tok, paths["grpo"], limit=20)

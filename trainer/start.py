@@ -217,8 +217,8 @@ def dpo_reference(cfg: TrainConfig, init_info: dict, log) -> Optional[Any]:
         return None
     ref_src = cfg.ref_model or init_info.get("ref_source") or init_info["source"]
     if ref_src == "scratch":
-        raise TrainingError(f"--task_type={cfg.task_type} needs a frozen reference model, and this run started from scratch: "
-                            "pass --ref_model=<run, checkpoint or Hugging Face dir>", EXIT_BAD_CONFIG)
+        raise TrainingError(f"--task_type={cfg.task_type} needs a frozen reference model, and this run started from "
+                            "scratch: pass --ref_model=<run, checkpoint or Hugging Face dir>", EXIT_BAD_CONFIG)
     ref_model, _ = load_weights_from(ref_src, log, flag="--ref_model" if cfg.ref_model else "reference model",
                                      tokenizer_dir=cfg.tokenizer_dir)
     init_info["ref_source"] = ref_src
@@ -255,7 +255,7 @@ def place_on_engine(cfg: TrainConfig, info: DistInfo, model, ref_model, log, thr
             "adamw on the embedding, LM head and norms")
     if ref_model is not None:  # DPO: the frozen reference, sharded like the policy under fsdp
         ref_model = engine.place_reference(ref_model, info.device, dtype)
-        log(f"[dpo] reference model: {engine.reference_layout()} on each of {engine.dp_size} rank(s), "
+        log(f"[{cfg.task_type}] reference model: {engine.reference_layout()} on each of {engine.dp_size} rank(s), "
             f"{cfg.dtype}, frozen")
     return engine, ref_model
 

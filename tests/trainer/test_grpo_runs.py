@@ -144,3 +144,11 @@ def test_fsdp_two_ranks_equal_one_process(pretrained, tmp_path):
     assert wa.keys() == wb.keys()
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5)
+
+
+def test_rows_longer_than_the_model_are_refused(pretrained, tmp_path):
+    proc = run_trainer(train_cmd(_args(pretrained, tmp_path, "--max_iters=1", f"--out_dir={tmp_path / 'r'}",
+                                       "--max_prompt_length=20", "--max_completion_length=20")), env=child_env())
+    assert proc.returncode == 2
+    assert ("--max_prompt_length=20 + --max_completion_length=20 = 40 tokens per row, more than the model's "
+            "max_seq_len 32") in proc.stderr, proc.stderr[-2000:]

@@ -25,7 +25,9 @@ from trainer.tasks.grpo_data import PromptSet, read_prompts_file
 from trainer.tasks.grpo_loss import aggregate, group_advantages, per_token_terms, units_of
 from trainer.tasks.grpo_rewards import build_rewards
 from trainer.tasks.grpo_rollout import Group, rollout_seed, sample_group, token_logps, training_rows
+from utils.constants import EXIT_BAD_CONFIG
 from utils.device import to_device
+from utils.errors import TrainingError
 
 STOP_TOKENS = ("eos", "im_end")  # a completion ends at </s> or <|im_end|> (trained on), as samples and sample.py stop
 _STEP_KEYS = ("completions", "completion_tokens", "reward", "reward_sq", "clipped", "kl", "entropy", "lp_diff_sum",
@@ -79,6 +81,10 @@ class GRPOTask(Task):
             self._rewards = build_rewards(cfg)
         loop.engine.optimizer.finish_param_sync()  # ZeRO's all-gather of the updated weights has landed
         model, device = loop.engine.module, loop.info.device
+        if self.row_len > model.cfg.max_seq_len:  # the model's own length (a checkpoint's model_config wins)
+            raise TrainingError(f"--max_prompt_length={cfg.max_prompt_length} + --max_completion_length="
+                                f"{cfg.max_completion_length} = {self.row_len} tokens per row, more than the model's "
+                                f"max_seq_len {model.cfg.max_seq_len}", EXIT_BAD_CONFIG)
         samples = []
         all_done = None
         if loop.info.world_size > 1:  # every rank decodes as many tokens (a forward may all-gather: FSDP)
