@@ -40,6 +40,7 @@ def test_grpo_run_logs_rewards_parity_and_samples(pretrained, tmp_path):
     assert sorted(rows) == [1, 2, 3]
     for r in rows.values():
         assert 0 <= r["reward"] <= 1 and r["reward"] == r["reward_tests.trainer.grpo_toy_rewards.vowels"]
+        assert r["reward_std"] == r["reward_tests.trainer.grpo_toy_rewards.vowels_std"] > 0
         assert 1 <= r["completion_length"] <= 8 and r["reward_std"] > 0 and r["entropy"] > 0
         assert r["logprob_diff_max"] == 0.0 and r["logprob_diff_mean"] == 0.0  # whole-row sampling: bit-equal
         assert r["clip_ratio"] == 0.0  # one update per rollout: the ratio is exactly 1

@@ -43,7 +43,7 @@ class GRPOTask(Task):
         from trainer.tasks.grpo_flags import reward_specs
         self.reward_names = [n if ":" not in n else n.replace(":", ".") for n, _ in reward_specs(cfg)]
         self.units = "completion tokens" if cfg.loss_type == "dapo" else "completions"
-        self.stat_keys = _STEP_KEYS + tuple(f"reward_{n}" for n in self.reward_names)
+        self.stat_keys = _STEP_KEYS + tuple(f"{k}_{n}" for n in self.reward_names for k in ("reward", "reward_sq"))
         self.needs_reference = cfg.beta > 0
         self.row_len = cfg.max_prompt_length + cfg.max_completion_length
         self._rollout = None  # the batches of the last rollout (reused by num_iterations - 1 steps)
@@ -170,8 +170,9 @@ class GRPOTask(Task):
                  "reward": batch["reward"].sum().item(), "reward_sq": (batch["reward"] ** 2).sum().item(),
                  "clipped": (terms["clipped"] * mask).sum(), "kl": (terms["kl"] * mask).sum(),
                  "entropy": (entropy * mask).sum(), "lp_diff_sum": diff.sum(), "lp_diff_max": 0.0, "one": 0.0}
-        for k, n in enumerate(self.reward_names):
-            stats[f"reward_{n}"] = batch["rewards"][:, k].sum().item()  # host values: no device read
+        for k, n in enumerate(self.reward_names):  # host values: no device read
+            stats[f"reward_{n}"] = batch["rewards"][:, k].sum().item()
+            stats[f"reward_sq_{n}"] = (batch["rewards"][:, k] ** 2).sum().item()
         if batch.get("_last", True):
             mx = self._lp_max.detach().float().reshape(1)
             self._lp_max = None
@@ -192,7 +193,10 @@ class GRPOTask(Task):
         n, t = max(per_unit["completions"], 1e-30), max(per_unit["completion_tokens"], 1e-30)
         mean = per_unit["reward"] / n
         out = {"reward": mean, "reward_std": math.sqrt(max(0.0, per_unit["reward_sq"] / n - mean * mean))}
-        out.update({f"reward_{k}": per_unit[f"reward_{k}"] / n for k in self.reward_names})
+        for k in self.reward_names:
+            m = per_unit[f"reward_{k}"] / n
+            out[f"reward_{k}"] = m
+            out[f"reward_{k}_std"] = math.sqrt(max(0.0, per_unit[f"reward_sq_{k}"] / n - m * m))
         out.update(completion_length=per_unit["completion_tokens"] / n, clip_ratio=per_unit["clipped"] / t,
                    entropy=per_unit["entropy"] / t, logprob_diff_mean=per_unit["lp_diff_sum"] / t,
                    logprob_diff_max=per_unit["lp_diff_max"] / per_unit["one"] if per_unit["one"] else float("nan"))
