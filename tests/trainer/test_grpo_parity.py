@@ -4,6 +4,7 @@ rounding only: its error against a float64 forward is of the order of the traine
 function of (seed, step, prompt index) only."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from model import ModelConfig, Transformer
@@ -95,3 +96,31 @@ def test_importance_sampling_correction_weights_each_token():
     assert abs(loss(importance_sampling_correction=True)[0] - 1.5 * plain) < 1e-5 * abs(plain)
     capped = loss(importance_sampling_correction=True, importance_sampling_cap=1.2)[0]
     assert abs(capped - 1.2 * plain) < 1e-5 * abs(plain)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bf16_kv_cache_decoding_on_a_gpu_is_within_the_trainers_own_bf16_error():
+    """On a GPU in bf16 (the DDP engine's parameter dtype): the sampler's recorded log-probabilities are as far from
+    an fp32 forward of the same weights as the trainer's bf16 forward is (4x), i.e. they differ by bf16 rounding."""
+    cuda = torch.device("cuda")
+    exact_model = _model().to(cuda)
+    model = _model().to(cuda, torch.bfloat16)
+    groups = []
+    for i, ids in enumerate(PROMPTS):
+        g = torch.Generator(device=cuda).manual_seed(rollout_seed(11, 0, i))
+        toks, mask, lps = sample_group(model, ids, 4, MAX_NEW, temperature=0.9, top_p=1.0, stop_ids=[STOP],
+                                       pad_id=PAD, generator=g, use_cache=True, row_len=ROW)
+        groups.append(Group(i, toks, mask, lps))
+    rows = training_rows(PROMPTS, groups, ROW, PAD)
+    on = rows["completion_mask"] > 0
+    x = rows["input_ids"].to(cuda)
+    with torch.no_grad():
+        trainer = token_logps(model(x), x, 0.9)[0].cpu()[on].double()
+        exact = token_logps(exact_model(x), x, 0.9)[0].cpu()[on].double()
+    decoded = rows["gen_logps"][on].double()
+    err_trainer, err_decode = (trainer - exact).abs().max().item(), (decoded - exact).abs().max().item()
+    print(f"[parity] bf16 on {torch.cuda.get_device_name()}: trainer vs fp32 {err_trainer:.3g}, decode vs fp32 "
+          f"{err_decode:.3g}, decode vs trainer {(decoded - trainer).abs().max().item():.3g}")
+    assert 0 < err_trainer < 0.5
+    assert err_decode <= 4 * err_trainer, (err_decode, err_trainer)
