@@ -124,3 +124,13 @@ def test_bf16_kv_cache_decoding_on_a_gpu_is_within_the_trainers_own_bf16_error()
           f"{err_decode:.3g}, decode vs trainer {(decoded - trainer).abs().max().item():.3g}")
     assert 0 < err_trainer < 0.5
     assert err_decode <= 4 * err_trainer, (err_decode, err_trainer)
+
+
+def test_truncated_completions_can_be_left_out():
+    """--mask_truncated_completions: a row without a stop token (cut at the length limit) trains on nothing; a row
+    that stopped keeps its mask, stop token included."""
+    from trainer.tasks.grpo_rollout import drop_truncated
+    toks = torch.tensor([[7, 8, STOP, PAD], [7, 8, 9, 10], [STOP, PAD, PAD, PAD]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]], dtype=torch.bool)
+    assert drop_truncated(toks, mask, [STOP]).tolist() == [[True, True, True, False], [False] * 4,
+                                                           [True, False, False, False]]

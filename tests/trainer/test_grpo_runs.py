@@ -83,7 +83,7 @@ def test_crash_and_resume_draws_the_same_completions(pretrained, tmp_path):
     (the rollouts of step 3 and 4 are a function of seed, step and prompt; nothing about them is saved)."""
     ref, crashed = tmp_path / "ref", tmp_path / "crashed"
     base = _args(pretrained, tmp_path, "--max_iters=4", "--num_iterations=2", "--temperature=0.8", "--top_p=0.9",
-                 "--beta=0.05", "--loss_type=grpo")
+                 "--beta=0.05", "--loss_type=grpo", "--mask_truncated_completions=true")
     run_cmd(train_cmd([*base, f"--out_dir={ref}"]), env=child_env())
     proc = run_trainer(train_cmd([*base, f"--out_dir={crashed}"]),
                        env=child_env(MYLLM_FAULT="crash@3", MYLLM_FAULT_ONCE_FILE=str(tmp_path / "fired")))

@@ -24,7 +24,7 @@ from trainer.tasks.base import Task, TaskData
 from trainer.tasks.grpo_data import PromptSet, read_prompts_file
 from trainer.tasks.grpo_loss import aggregate, group_advantages, per_token_terms, units_of
 from trainer.tasks.grpo_rewards import build_rewards
-from trainer.tasks.grpo_rollout import Group, rollout_seed, sample_group, token_logps, training_rows
+from trainer.tasks.grpo_rollout import Group, drop_truncated, rollout_seed, sample_group, token_logps, training_rows
 from utils.constants import EXIT_BAD_CONFIG
 from utils.device import to_device
 from utils.errors import TrainingError
@@ -114,7 +114,8 @@ class GRPOTask(Task):
                                            temperature=cfg.temperature, top_p=cfg.top_p, stop_ids=stop_ids,
                                            pad_id=pad, generator=gen, use_cache=cfg.generation_kv_cache,
                                            row_len=self.row_len, all_done=all_done)
-            groups.append(Group(idx, toks, mask, lps))
+            trained = drop_truncated(toks, mask, stop_ids) if cfg.mask_truncated_completions else mask
+            groups.append(Group(idx, toks, trained, lps))
             for row, m in zip(toks.tolist(), mask.tolist()):
                 new = [t for t, keep in zip(row, m) if keep and t not in stop_ids]
                 text = self._tok.decode(new, skip_special_tokens=True)

@@ -66,6 +66,9 @@ class GRPOFlags:
                              "applied as in SFT, ending with the assistant's header); used when present")
     answer_field: str = _f("answer", "grpo: the record's field holding the reference answer (a record without one is a "
                            "counted skip when a built-in answer reward is used)")
+    mask_truncated_completions: bool = _f(False, "grpo: completions cut at --max_completion_length (no stop token) are "
+                                          "left out of the loss (DAPO's overlong filtering, Yu et al. 2025); their "
+                                          "rewards still count in their group's advantages")
     importance_sampling_correction: bool = _f(False, "grpo: weight each token's loss by min(p_trainer / p_sampler, "
                                               "--importance_sampling_cap), the truncated importance-sampling "
                                               "correction for a generator whose probabilities differ from the "

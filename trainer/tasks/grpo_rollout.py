@@ -118,6 +118,14 @@ def sample_group(model, prompt_ids: Sequence[int], group_size: int, max_new_toke
         model.train(was_training)
 
 
+def drop_truncated(tokens: torch.Tensor, mask: torch.Tensor, stop_ids: Sequence[int]) -> torch.Tensor:
+    """The mask with the rows that never emitted a stop id (cut at max_completion_length) zeroed: DAPO's overlong
+    filtering, a truncated completion is no evidence of a bad answer."""
+    stops = torch.tensor(sorted(set(stop_ids)), dtype=tokens.dtype, device=tokens.device)
+    ended = (torch.isin(tokens, stops) & mask.bool()).any(dim=1, keepdim=True)
+    return mask & ended if mask.dtype == torch.bool else mask * ended.to(mask.dtype)
+
+
 def training_rows(prompts: Sequence[Sequence[int]], groups: Sequence[Group], row_len: int, pad_id: int
                   ) -> dict[str, torch.Tensor]:
     """The training batch of some groups: input_ids [R, row_len] (prompt, completion, pad), completion_mask and
