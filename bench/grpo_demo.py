@@ -8,7 +8,8 @@ run, and the evaluation (greedy decoding of every held-out prompt with the proje
 "####" compared with the sum).
 Must never: assert (it prints; the reward's rise is a bench, not a timed test), download anything.
 
-    .venv/bin/python bench/grpo_demo.py [--work=/tmp/grpo_demo] [--grpo_steps=60] [--sft_steps=150] [--threads=2]
+    .venv/bin/python bench/grpo_demo.py [--work=/tmp/grpo_demo] [--grpo_steps=100] [--sft_steps=150] [--threads=2]
+        [--dim=64] [--n_layers=2] [--reuse_sft]
 """
 from __future__ import annotations
 
@@ -100,12 +101,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("--sft_steps", type=int, default=150)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--n_layers", type=int, default=2)
     p.add_argument("--reuse_sft", action="store_true", help="keep --work's task, tokenizer and SFT run (GRPO again)")
     a = p.parse_args(argv)
     tok, shards = os.path.join(a.work, "tok"), os.path.join(a.work, "shards")
     pre, sft, rl = (os.path.join(a.work, n) for n in ("pretrain", "sft", "grpo"))
     env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), PYTHONUNBUFFERED="1")
-    model = ["--dim=64", "--n_layers=2", "--n_heads=4", "--multiple_of=16", "--max_seq_len=32"]
+    model = [f"--dim={a.dim}", f"--n_layers={a.n_layers}", "--n_heads=4", "--multiple_of=16", "--max_seq_len=32"]
     common = [f"--tokenizer_dir={tok}", "--device=cpu", "--progress=false", "--peak_flops=1e11", "--log_interval=20",
               f"--threads={a.threads}", f"--seed={a.seed}", "--warmup_iters=5"]
     if a.reuse_sft and os.path.isdir(os.path.join(sft, "checkpoints")):
