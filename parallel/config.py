@@ -34,15 +34,17 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 # no_process_group are read, not asked for). A pipeline's capabilities are those of "pipeline" AND of the dp
 # engine that runs its stages.
 CAPABILITIES: dict[str, frozenset] = {
-    "ddp": frozenset({"compile", "dpo", "frozen_parameters", "light_checkpoints", "whole_model_on_one_rank",
+    "ddp": frozenset({"compile", "dpo", "grpo", "frozen_parameters", "light_checkpoints", "whole_model_on_one_rank",
                       "comm_hooks", "overlap_optim_step", "zero", "tied_embeddings", "no_process_group", "float8",
                       "context_parallel", "low_precision_optimizer_states"}),
-    "fsdp": frozenset({"compile", "dpo", "frozen_parameters", "tensor_parallel", "sequence_parallel", "hsdp",
+    "fsdp": frozenset({"compile", "dpo", "grpo", "frozen_parameters", "tensor_parallel", "sequence_parallel", "hsdp",
                        "cpu_offload", "tied_embeddings", "float8", "context_parallel"}),
     "pipeline": frozenset({"zero", "tensor_parallel", "cpu_offload", "frozen_parameters", "dpo"}),
 }
 WHY_NOT: dict[str, str] = {
     "compile": "not supported yet",
+    "grpo": "GRPO's rollouts run a forward per generated token on every rank; pipeline stages would pass each "
+            "token's hidden state between ranks: not built",
     "whole_model_on_one_rank": "no rank holds the whole model",
     "comm_hooks": "only the engine's own gradient reduction runs there",
     "overlap_optim_step": "its per-bucket step needs our DDP's buckets and one stage's gradients",
@@ -63,6 +65,7 @@ CP_REFUSES: dict[str, str] = {
            "are causal over one whole sequence and do not apply a document or padding mask yet",
     "dpo": "DPO sums log-probabilities per sequence on one rank (reduction='none'); the split sequence would "
            "need them summed over the cp group first",
+    "grpo": "GRPO's rollouts decode whole prompts through a KV cache; the model under cp takes split sequences only",
     "whole_model_on_one_rank": "samples and task evaluation run whole prompts through a KV cache on one rank; "
                                "the model under cp takes split sequences only",
 }
@@ -320,6 +323,9 @@ class ParallelConfig(ParallelFlags):
         if self.cp > 1 and self.sequence_parallel:
             out.append(f"--sequence_parallel=true cannot be combined with --context_parallel_size={self.cp} yet (both "
                        "split the sequence: the tensor ranks would split each cp rank's two chunks again, untested)")
+        if self.task_type == "grpo" and self.tp > 1:
+            out.append(f"--task_type=grpo cannot be combined with --tensor_parallel_size={self.tp} yet (the rollouts' "
+                       "KV cache holds every head; a tensor rank computes its share of them)")
         if self.sequence_parallel and self.tp == 1:
             out.append("--sequence_parallel=true splits the sequence over tensor-parallel ranks: it needs "
                        "--tensor_parallel_size > 1")

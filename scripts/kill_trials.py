@@ -35,6 +35,10 @@ sys.path.insert(0, ROOT)
 from utils.proc_tree import descendants  # noqa: E402
 PY = sys.executable
 
+# issue 54: GRPO runs on toy prompts with a toy reward (tests/trainer/grpo_toy_rewards.py); a rollout is a function of
+# (seed, step, prompt), nothing of it is checkpointed, so kills that land mid-rollout must resume to the same completions
+GRPO = ["--task_type=grpo", "@grpo", "@base", "--reward_funcs=", "--reward_fn=tests.trainer.grpo_toy_rewards:vowels",
+        "--num_generations=4", "--max_prompt_length=12", "--max_completion_length=8", "--learning_rate=1e-3"]
 # name -> (processes, flags); every run: fp32, CPU, 16 steps, evaluation and checkpoint every 2 steps
 CONFIGS: dict[str, tuple[int, list[str]]] = {
     "ddp": (1, []),
@@ -104,6 +108,10 @@ CONFIGS: dict[str, tuple[int, list[str]]] = {
     "moe": (1, ["@moe"]),
     "moe-ddp2-zero1": (2, ["--batch_size=2", "--use_distributed_optimizer=true", "--zero_stage=1", "@moe"]),
     "moe-fsdp2": (2, ["--batch_size=2", "--parallel=fsdp", "@moe"]),
+    "grpo": (1, [*GRPO, "--batch_size=2"]),
+    "ddp2-zero1-grpo": (2, [*GRPO, "--batch_size=1", "--use_distributed_optimizer=true", "--zero_stage=1"]),
+    "grpo-mu2-kl": (1, [*GRPO, "--batch_size=2", "--num_iterations=2", "--beta=0.05", "--loss_type=grpo",
+                        "--generation_kv_cache=false"]),
 }
 MOE_FLAGS = ["--moe_num_experts=4", "--moe_top_k=2", "--moe_hidden_dim=32", "--moe_shared_experts=1",
              "--moe_aux_loss_coef=0.01", "--moe_z_loss_coef=0.001", "--moe_bias_update_rate=0.01"]
@@ -112,9 +120,10 @@ SLOW_WRITES_S = "2.0"
 
 def config_args(common: list[str], flags: list[str], data: dict, base_ref: str) -> list[str]:
     """The common flags with a configuration's over them (a flag given again replaces the common one;
-    `--key=-` drops it); @base / @sft / @dpo name the ddp reference run and the toy SFT / DPO files, @moe the
-    MoE flags."""
-    marks = {"@base": f"--init_from={base_ref}", "@sft": f"--data_dir={data['sft']}", "@dpo": f"--data_dir={data['dpo']}"}
+    `--key=-` drops it); @base / @sft / @dpo / @grpo name the ddp reference run and the toy SFT / DPO / GRPO files,
+    @moe the MoE flags."""
+    marks = {"@base": f"--init_from={base_ref}", "@sft": f"--data_dir={data['sft']}", "@dpo": f"--data_dir={data['dpo']}",
+             "@grpo": f"--data_dir={data['grpo']}"}
     flags = [g for f in flags if f not in ("@slow_writes", "@flat_adamw")
              for g in (MOE_FLAGS if f == "@moe" else [marks.get(f, f)])]
     keys = {f.split("=", 1)[0] for f in flags}
@@ -138,6 +147,10 @@ def build_data(base: str) -> dict:
         toys[key] = os.path.join(base, f"toy_{key}.jsonl")
         with open(os.path.join(ROOT, src), encoding="utf-8") as f, open(toys[key], "w", encoding="utf-8") as out:
             out.write("".join(line for _, line in zip(range(n), f)))
+    toys["grpo"] = os.path.join(base, "toy_grpo.jsonl")
+    with open(toys["grpo"], "w", encoding="utf-8") as out:
+        out.write("".join(json.dumps({"prompt": f"{a} plus {b} is", "answer": str(a + b)}) + "\n"
+                          for a in range(1, 9) for b in range(1, 5)))
     return {"tok": tok, "shards": shards, **toys}
 
 

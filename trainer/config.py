@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from parallel.config import ParallelFlags
+from trainer.tasks.grpo_flags import GRPOFlags
 from utils.configurator import flag
 from utils.constants import EXIT_BAD_CONFIG
 from utils.errors import TrainingError, one_line  # noqa: F401  (re-exported: the trainer and tests use them)
@@ -31,7 +32,7 @@ class RunFlags:
     """Where the run writes, what it reads, where it starts."""
     # ---- run and data
     out_dir: str = _f("out/run", "run directory: metrics.jsonl, checkpoints/, config.json")
-    task_type: str = _f("pretrain", "pretrain | sft | dpo")
+    task_type: str = _f("pretrain", "pretrain | sft | dpo | grpo (online RL from --data_dir prompts: docs/grpo.md)")
     data_dir: str = _f("", "pretrain: directory of token shards + index_L<L>/; sft/dpo: a .jsonl file or a directory of them")
     data_mix: str = _f("", 'pretrain: JSON {"name": weight} (shard dirs under --data_dir) or {"name": {"path": dir, "weight": w}}')
     tokenizer_dir: str = _f("", "tokenizer directory (tokenizer_meta.json gives the vocab size and special ids)")
@@ -151,7 +152,8 @@ class DPOFlags:
 
 
 @dataclass
-class TrainConfig(ParallelFlags, DPOFlags, OptimizationFlags, TrainableFlags, MoEFlags, ModelFlags, RunFlags):
+class TrainConfig(GRPOFlags, ParallelFlags, DPOFlags, OptimizationFlags, TrainableFlags, MoEFlags, ModelFlags,
+                  RunFlags):
     """Every training flag, flat (`--key=value`), composed of typed sections in this order: RunFlags,
     ModelFlags, TrainableFlags, OptimizationFlags, DPOFlags, the parallel engine's (parallel/config.py
     ParallelFlags, declared once there), then evaluation, logging, checkpoints and the guard below."""
@@ -289,6 +291,7 @@ def engine_needs(cfg: TrainConfig) -> dict[str, str]:
     """What this run asks of the engine, {the flag that asks: capability} (parallel/config.py CAPABILITIES):
     the engine's declarations decide what is refused, never a test of the engine's name here."""
     asked = ((cfg.task_type == "dpo", "--task_type=dpo", "dpo"),
+             (cfg.task_type == "grpo", "--task_type=grpo", "grpo"),
              (cfg.lora_rank > 0, f"--lora_rank={cfg.lora_rank}", "frozen_parameters"),
              (cfg.trainable != "all", f"--trainable={cfg.trainable}", "frozen_parameters"),
              (cfg.tie_embeddings, "--tie_embeddings=true", "tied_embeddings"),

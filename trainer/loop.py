@@ -267,7 +267,7 @@ class Loop:
             torch.set_num_threads(self.tuner.threads_for_next_step())
         lr = lr_at(p.step, **self.lr_kw)
         engine.optimizer.set_lr(lr)
-        batches, skipped = self._draw()
+        batches, skipped = self.task.before_step(self, self._draw)  # GRPO's rollouts; others: the data drawn
         counts = engine.sum_over_data([float(sum(self.task.count_units(b) for b in batches)),
                                        float(sum(count_tokens(b) for b in batches))], info.device)
         global_units, step_tokens = max(1.0, float(counts[0])), float(counts[1])

@@ -24,7 +24,7 @@ from parallel.build import build_engine, describe_layout
 from checkpoint.reads import base_fingerprint
 from trainer.config import (KERNEL_CHOICES, TrainConfig, TrainingError, continues_run, existing_run_error,
                             nothing_to_continue_error, parallel_section, resume_flag)
-from trainer.tasks import task_class
+from trainer.tasks import get_task
 from trainer.weights import check_lora_base, load_lora_base, load_weights_from, select_trainable_for
 from checkpoint.files import read_run_start
 from checkpoint.verify import find_latest_valid, list_checkpoints
@@ -220,12 +220,12 @@ def choose_trainable(cfg: TrainConfig, model, init_info: dict, start: Start, log
 def dpo_reference(cfg: TrainConfig, init_info: dict, log) -> Optional[Any]:
     """The frozen reference model of a task that needs one (DPO: --ref_model, else the policy's starting weights);
     None otherwise."""
-    if not task_class(cfg.task_type).needs_reference:
+    if not get_task(cfg).needs_reference:  # an instance: GRPO needs one only with --beta > 0
         return None
     ref_src = cfg.ref_model or init_info.get("ref_source") or init_info["source"]
     if ref_src == "scratch":
-        raise TrainingError("--task_type=dpo needs a frozen reference model, and this run started from scratch: "
-                            "pass --ref_model=<run, checkpoint or Hugging Face dir>", EXIT_BAD_CONFIG)
+        raise TrainingError(f"--task_type={cfg.task_type} needs a frozen reference model, and this run started from "
+                            "scratch: pass --ref_model=<run, checkpoint or Hugging Face dir>", EXIT_BAD_CONFIG)
     ref_model, _ = load_weights_from(ref_src, log, flag="--ref_model" if cfg.ref_model else "reference model",
                                      tokenizer_dir=cfg.tokenizer_dir)
     init_info["ref_source"] = ref_src
@@ -254,7 +254,7 @@ def place_on_engine(cfg: TrainConfig, info: DistInfo, model, ref_model, log, thr
         engine = build_engine(model, cfg, device=info.device)
     except ValueError as e:  # a layout that cannot run (e.g. a checkpoint's layers do not split into stages)
         raise TrainingError(f"bad parallel configuration: {one_line(e)}", EXIT_BAD_CONFIG) from e
-    engine.stat_keys = tuple(task_class(cfg.task_type).stat_keys)  # the task's statistics ride in every step row
+    engine.stat_keys = tuple(get_task(cfg).stat_keys)  # the task's statistics ride in every step row
     log(describe_layout(cfg, engine, info.world_size) + (f"; {threads}" if threads else ""))
     if cfg.optimizer == "muon":
         log(f"[optimizer] muon on the blocks' 2-D matrices (lr {cfg.muon_lr or cfg.learning_rate:g}, momentum "
@@ -262,7 +262,7 @@ def place_on_engine(cfg: TrainConfig, info: DistInfo, model, ref_model, log, thr
             "adamw on the embedding, LM head and norms")
     if ref_model is not None:  # DPO: the frozen reference, sharded like the policy under fsdp
         ref_model = engine.place_reference(ref_model, info.device, dtype)
-        log(f"[dpo] reference model: {engine.reference_layout()} on each of {engine.dp_size} rank(s), "
+        log(f"[{cfg.task_type}] reference model: {engine.reference_layout()} on each of {engine.dp_size} rank(s), "
             f"{cfg.dtype}, frozen")
     return engine, ref_model
 

@@ -15,6 +15,7 @@ from typing import Optional
 from optimizer.optimizer_config import bf16_state_conflicts
 from trainer.config import (KERNEL_CHOICES, RESUME_CHOICES, TrainConfig, engine_needs, eval_task_paths,
                             parallel_section, resume_policy)
+from trainer.tasks.grpo_flags import grpo_problems
 from utils.constants import EXIT_BAD_CONFIG, MAX_EPOCHS, MAX_STEPS
 from utils.errors import TrainingError
 from utils.moe_flags import moe_problems
@@ -107,6 +108,7 @@ def validate_config(cfg: TrainConfig, world_size: Optional[int] = None, torch_fr
     _choices_and_combinations(cfg, problems, torch_free)
     _numbers_and_extras(cfg, problems, torch_free)
     problems.extend(moe_problems(cfg))
+    problems.extend(grpo_problems(cfg, resume_policy(cfg)))
     if problems:
         raise TrainingError("bad configuration: " + "; ".join(problems), EXIT_BAD_CONFIG)
 

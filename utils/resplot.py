@@ -1,7 +1,8 @@
 """`python -m utils.resplot RUN_DIR [RUN_DIR ...] [-o out.png]`: plot runs' curves to PNG.
 
 Owns: reading metrics.jsonl of one or several runs and drawing, on linear axes, train and validation
-loss, lr and throughput (the windowed average bold, each step's raw rate faint); DPO runs get their
+loss, lr and throughput (the windowed average bold, each step's raw rate faint); GRPO runs get their loss,
+reward and completion length; DPO runs get their
 own panels (DPO loss, reward accuracy, train and validation, and the chosen - rejected margin) so a
 DPO loss never shares an axis with an LM loss; restarts (from monitor_summary.json and the rows a
 resume set aside) are dotted vertical lines. Must never modify a run directory except to write the
@@ -23,6 +24,8 @@ COMMON_PANELS = (("learning rate", "lr"), ("tokens / s (windowed average; raw pe
 DPO_PANELS = (("DPO loss (train line, validation dots)", ("loss", "val_loss")),
               ("DPO reward accuracy (train line, validation dots)", ("reward_acc", "val_reward_acc")),
               ("DPO reward margin (chosen - rejected)", ("reward_margin",)))
+GRPO_PANELS = (("GRPO loss", ("loss",)), ("GRPO reward (mean over the step's completions)", ("reward",)),
+               ("GRPO completion length (tokens)", ("completion_length",)))
 
 
 def moving_average(values: list[float], window: int = 20) -> list[float]:
@@ -63,8 +66,11 @@ def restart_steps(run_dir: str) -> list[int]:
     return sorted(steps)
 
 
-def _is_dpo(records: list[dict]) -> bool:
-    return any("reward_acc" in r or "val_reward_acc" in r for r in records)
+def _kind(records: list[dict]) -> str:
+    """"dpo", "grpo" (its rows log completion_length) or "lm": which panels a run's curves go to."""
+    if any("reward_acc" in r or "val_reward_acc" in r for r in records):
+        return "dpo"
+    return "grpo" if any("completion_length" in r for r in records) else "lm"
 
 
 def plot_runs(run_dirs: list[str], out_path: str) -> str:
@@ -80,20 +86,22 @@ def plot_runs(run_dirs: list[str], out_path: str) -> str:
         if not os.path.isfile(path):
             raise FileNotFoundError(f"{path}: no metrics.jsonl (is {run} a run directory?)")
         records = read_metrics(path)
-        runs.append((os.path.basename(os.path.normpath(run)), records, _is_dpo(records), restart_steps(run)))
-    any_lm, any_dpo = any(not r[2] for r in runs), any(r[2] for r in runs)
-    panels: list[tuple[str, str, tuple]] = []  # (title, for "lm" / "dpo" / "all", keys)
-    if any_lm:
+        runs.append((os.path.basename(os.path.normpath(run)), records, _kind(records), restart_steps(run)))
+    kinds = {r[2] for r in runs}
+    panels: list[tuple[str, str, tuple]] = []  # (title, for "lm" / "dpo" / "grpo" / "all", keys)
+    if "lm" in kinds:
         panels += [(t, "lm", (k,)) for t, k in LM_PANELS]
-    if any_dpo:
+    if "dpo" in kinds:
         panels += [(t, "dpo", ks) for t, ks in DPO_PANELS]
+    if "grpo" in kinds:
+        panels += [(t, "grpo", ks) for t, ks in GRPO_PANELS]
     panels += [(t, "all", (k,)) for t, k in COMMON_PANELS]
     rows = -(-len(panels) // 2)
     fig, axes = plt.subplots(rows, 2, figsize=(12, 4 * rows), squeeze=False)
-    for run_index, (label, records, dpo, restarts) in enumerate(runs):
+    for run_index, (label, records, run_kind, restarts) in enumerate(runs):
         color = f"C{run_index % 10}"  # one colour per run on every panel
         for ax, (title, kind, keys) in zip(axes.flat, panels):
-            if kind == ("lm" if dpo else "dpo"):
+            if kind not in ("all", run_kind):
                 continue
             for i, key in enumerate(keys):
                 steps, values = _series(records, key)

@@ -9,6 +9,7 @@ TASKS: dict[str, str] = {  # --task_type -> "module:class"
     "pretrain": "trainer.tasks.pretrain:PretrainTask",
     "sft": "trainer.tasks.sft:SFTTask",
     "dpo": "trainer.tasks.dpo:DPOTask",
+    "grpo": "trainer.tasks.grpo:GRPOTask",
 }
 
 

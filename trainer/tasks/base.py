@@ -46,6 +46,13 @@ class Task:
                  log: Optional[Callable[[str], None]]) -> TaskData:
         raise NotImplementedError
 
+    def before_step(self, loop: Any, draw: Callable[[], tuple]) -> tuple[list, list]:
+        """The phase before a step: (this rank's micro-batches, data steps skipped). `draw()` gives the next data
+        step's micro-batches (and the skipped ones); a task that makes its training rows from them (GRPO's rollouts)
+        does it here, with the loop's engine, progress and metrics. Every rank must make the same number of forward
+        calls here (FSDP all-gathers in forward). By default: the data drawn."""
+        return draw()
+
     def micro_batch_loss(self, model: Any, ref_model: Any, batch: dict, device: Any) -> tuple[torch.Tensor, dict]:
         """(sum of the per-unit losses of this micro-batch, {stat key: its sum}); the caller divides by the step's
         units over all micro-batches and ranks, so that every unit weighs the same."""

@@ -1,0 +1,11 @@
+"""Reward functions the GRPO tests name with --reward_fn (importable from the repository root)."""
+from __future__ import annotations
+
+
+def vowels(prompt, completion, record):
+    """Share of the completion's characters that are vowels: varies between completions, so advantages do too."""
+    return sum(c in "aeiou" for c in completion) / max(1, len(completion))
+
+
+def broken(prompt, completion, record):
+    raise ZeroDivisionError("no score for " + record.get("prompt", "?"))

@@ -1,0 +1,155 @@
+"""GRPO runs of train_my_ddp.py (--task_type=grpo) from the suite's tiny pretrained model: a run logs rewards,
+lengths and the logprob parity, and writes its rollouts to samples.jsonl; one step at 2 gloo ranks equals one
+process with the same global batch (same completions, same weights); a run stopped and resumed draws the same
+completions and ends with the same weights, bit for bit; a reward that raises stops the run with one line."""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from tests.conftest import child_env, run_cmd, run_trainer, train_cmd
+from tests.trainer.test_end_to_end import final_weights
+from utils.metrics import dedupe_by_step, read_metrics
+
+PROMPTS = [f"{a} plus {b} is" for a in range(1, 7) for b in range(1, 3)]
+
+
+def _args(pretrained, tmp_path, *extra) -> list[str]:
+    prompts = tmp_path / "prompts.jsonl"
+    if not prompts.exists():
+        prompts.write_text("".join(json.dumps({"prompt": p, "answer": "x"}) + "\n" for p in PROMPTS), encoding="utf-8")
+    d = dict(a.split("=", 1) for a in pretrained["args"] if a.startswith("--tokenizer_dir"))
+    return [f"--init_from={pretrained['out']}", "--task_type=grpo", f"--data_dir={prompts}", *[f"{k}={v}" for k, v in d.items()],
+            "--reward_funcs=", "--reward_fn=tests.trainer.grpo_toy_rewards:vowels", "--num_generations=4",
+            "--max_prompt_length=12", "--max_completion_length=8", "--batch_size=2", "--learning_rate=1e-3",
+            "--lr_schedule=constant", "--warmup_iters=0", "--eval_interval=0", "--log_interval=1", "--device=cpu",
+            "--progress=false", "--peak_flops=1e11", "--seed=3", "--checkpoint_interval=2", "--threads=1", *extra]
+
+
+def _rows(out) -> dict:
+    return dedupe_by_step(read_metrics(os.path.join(out, "metrics.jsonl")))
+
+
+def test_grpo_run_logs_rewards_parity_and_samples(pretrained, tmp_path):
+    out = tmp_path / "run"
+    run_cmd(train_cmd(_args(pretrained, tmp_path, "--max_iters=3", f"--out_dir={out}",
+                            "--generation_kv_cache=false")), env=child_env())
+    rows = _rows(out)
+    assert sorted(rows) == [1, 2, 3]
+    for r in rows.values():
+        assert 0 <= r["reward"] <= 1 and r["reward"] == r["reward_tests.trainer.grpo_toy_rewards.vowels"]
+        assert r["reward_std"] == r["reward_tests.trainer.grpo_toy_rewards.vowels_std"] > 0
+        assert 1 <= r["completion_length"] <= 8 and r["reward_std"] > 0 and r["entropy"] > 0
+        assert r["logprob_diff_max"] == 0.0 and r["logprob_diff_mean"] == 0.0  # whole-row sampling: bit-equal
+        assert r["clip_ratio"] == 0.0  # one update per rollout: the ratio is exactly 1
+    samples = [json.loads(s) for s in (out / "samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [1] * 4 + [2] * 4 + [3] * 4
+    assert all(s["prompt"] in PROMPTS and isinstance(s["reward"], float) for s in samples)
+
+
+def _losses(out) -> dict:
+    return {s: r["loss"] for s, r in _rows(out).items()}
+
+
+def test_two_ranks_equal_one_process(pretrained, tmp_path):
+    """The same global batch (2 prompts x 4 completions) at 2 gloo ranks x 1 prompt and at 1 process x 2 prompts:
+    the same completions (rewards to the last bit of their sums), losses and weights up to float summation order."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_cmd(train_cmd(_args(pretrained, tmp_path, "--max_iters=2", f"--out_dir={one}", "--batch_size=2")),
+            env=child_env())
+    run_cmd(train_cmd(_args(pretrained, tmp_path, "--max_iters=2", f"--out_dir={two}", "--batch_size=1"), nproc=2),
+            env=child_env())
+    a, b = _rows(one), _rows(two)
+    for s in (1, 2):
+        for k in ("reward", "reward_std", "completion_length"):  # float64 sums of host values
+            assert abs(a[s][k] - b[s][k]) <= 1e-12 * max(1.0, abs(a[s][k])), (s, k, a[s][k], b[s][k])
+        assert abs(a[s]["entropy"] - b[s]["entropy"]) < 1e-6 * a[s]["entropy"]  # fp32 sums, in another order
+        assert abs(a[s]["loss"] - b[s]["loss"]) < 1e-6
+    assert a[2]["reward"] != a[1]["reward"]  # step 2 drew other completions
+    wa, wb = final_weights(one), final_weights(two)
+    for k in wa:  # as test_grad_accumulation_equals_big_batch: Adam's 1/sqrt(v) magnifies summation-order noise
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5)
+    assert any(not torch.equal(wa[k], final_weights_start(pretrained)[k]) for k in wa)
+
+
+def final_weights_start(pretrained) -> dict:
+    return final_weights(pretrained["out"])
+
+
+def test_crash_and_resume_draws_the_same_completions(pretrained, tmp_path):
+    """A crash at step 3 resumed from the step-2 checkpoint: the same losses, rewards and weights, bit for bit
+    (the rollouts of step 3 and 4 are a function of seed, step and prompt; nothing about them is saved)."""
+    ref, crashed = tmp_path / "ref", tmp_path / "crashed"
+    base = _args(pretrained, tmp_path, "--max_iters=4", "--num_iterations=2", "--temperature=0.8", "--top_p=0.9",
+                 "--beta=0.05", "--loss_type=grpo", "--mask_truncated_completions=true")
+    run_cmd(train_cmd([*base, f"--out_dir={ref}"]), env=child_env())
+    proc = run_trainer(train_cmd([*base, f"--out_dir={crashed}"]),
+                       env=child_env(MYLLM_FAULT="crash@3", MYLLM_FAULT_ONCE_FILE=str(tmp_path / "fired")))
+    assert proc.returncode != 0 and max(_losses(crashed)) == 2
+    run_cmd(train_cmd([*base, f"--out_dir={crashed}", "--init_from=resume"]), env=child_env())
+    a, b = _rows(ref), _rows(crashed)
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    for s in a:
+        for k in ("loss", "reward", "kl", "clip_ratio", "grad_norm"):
+            assert a[s][k] == b[s][k], (s, k)
+    assert a[2]["kl"] > 0  # beta > 0: the reference is the initial weights, the policy moved
+    wa, wb = final_weights(ref), final_weights(crashed)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    steps = [json.loads(s)["step"] for s in (ref / "samples.jsonl").read_text().splitlines()]
+    assert sorted(set(steps)) == [1, 3]  # num_iterations=2: rollouts at steps 1 and 3, reused at 2 and 4
+
+
+def test_a_reward_that_raises_stops_the_run_with_one_line(pretrained, tmp_path):
+    out = tmp_path / "run"
+    proc = run_trainer(train_cmd(_args(pretrained, tmp_path, "--max_iters=2", f"--out_dir={out}",
+                                       "--reward_fn=tests.trainer.grpo_toy_rewards:broken")), env=child_env())
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    want = ("reward tests.trainer.grpo_toy_rewards.broken raised ZeroDivisionError (no score for "
+            f"{PROMPTS[0]}) on the record at")
+    assert want in proc.stderr + proc.stdout, proc.stderr[-2000:]
+
+
+def test_lora_and_zero_at_two_ranks(pretrained, tmp_path):
+    """GRPO on LoRA adapters under ZeRO-1 at 2 ranks runs its steps with gradients (the rollouts sample from the
+    adapted model, ZeRO's updated weights gathered before them); pipeline stages are refused in one line."""
+    out = tmp_path / "lora"
+    run_cmd(train_cmd(_args(pretrained, tmp_path, "--max_iters=2", f"--out_dir={out}", "--batch_size=1",
+                            "--lora_rank=4", "--use_distributed_optimizer=true"), nproc=2), env=child_env())
+    rows = _rows(out)
+    assert sorted(rows) == [1, 2] and all(r["grad_norm"] > 0 for r in rows.values())
+    proc = run_trainer(train_cmd(_args(pretrained, tmp_path, "--max_iters=1", f"--out_dir={tmp_path / 'f'}",
+                                       "--pipeline_parallel_size=2"), nproc=2), env=child_env())
+    assert proc.returncode == 2
+    assert "--task_type=grpo cannot be combined with --pipeline_parallel_size=2 (GRPO's rollouts run a forward per " \
+           "generated token on every rank" in proc.stderr
+
+
+def test_fsdp_two_ranks_equal_one_process(pretrained, tmp_path):
+    """FSDP2 at 2 ranks: every rank decodes as many tokens (its forward all-gathers), and the step equals one
+    process's with the same global batch."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_cmd(train_cmd(_args(pretrained, tmp_path, "--max_iters=2", f"--out_dir={one}", "--batch_size=2")),
+            env=child_env())
+    run_cmd(train_cmd(_args(pretrained, tmp_path, "--max_iters=2", f"--out_dir={two}", "--batch_size=1",
+                            "--parallel=fsdp"), nproc=2), env=child_env())
+    a, b = _rows(one), _rows(two)
+    for s in (1, 2):
+        for k in ("reward", "reward_std", "completion_length"):  # float64 sums of host values, in another order
+            assert abs(a[s][k] - b[s][k]) <= 1e-12 * max(1.0, abs(a[s][k])), (s, k, a[s][k], b[s][k])
+        assert abs(a[s]["loss"] - b[s]["loss"]) < 1e-6
+    from checkpoint.verify import find_latest_valid
+    from checkpoint.weights import checkpoint_model_state
+    wa, wb = final_weights(one), checkpoint_model_state(find_latest_valid(str(two), log=lambda m: None))
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5)
+
+
+def test_rows_longer_than_the_model_are_refused(pretrained, tmp_path):
+    proc = run_trainer(train_cmd(_args(pretrained, tmp_path, "--max_iters=1", f"--out_dir={tmp_path / 'r'}",
+                                       "--max_prompt_length=20", "--max_completion_length=20")), env=child_env())
+    assert proc.returncode == 2
+    assert ("--max_prompt_length=20 + --max_completion_length=20 = 40 tokens per row, more than the model's "
+            "max_seq_len 32") in proc.stderr, proc.stderr[-2000:]

@@ -1,0 +1,206 @@
+"""Online RL with GRPO (--task_type=grpo): before each step every rank samples G completions of each of its prompts
+from the current policy (trainer/tasks/grpo_rollout.py), scores them (grpo_rewards.py), turns the group-normalised
+rewards into advantages, and the step trains on those rows with the clipped policy-gradient loss (grpo_loss.py).
+
+Owns: `GRPOTask` (its prompt data, the rollout phase before the step, the micro-batch loss, units and statistics),
+what a rollout step writes to the samples file.
+Must never: draw a completion from anything but (seed, step, prompt index) (a rollout never depends on the rank or
+the layout: 2 ranks train what one process trains, a resumed run draws what the uninterrupted one drew), or read a
+device value per micro-batch outside the rollout phase (which reads tokens to decode them anyway).
+
+Statistics ride in the step row as sums (trainer/tasks/base.py): the rollout's (rewards, lengths) enter through each
+rank's rows; the maximum logprob difference, which a sum cannot carry, is reduced with MAX over the ranks at the
+step's last micro-batch and entered once (rank 0's last micro-batch, beside a 1 that says by what the row divided it).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from trainer.tasks.base import Task, TaskData
+from trainer.tasks.grpo_data import PromptSet, read_prompts_file
+from trainer.tasks.grpo_loss import aggregate, group_advantages, per_token_terms, units_of
+from trainer.tasks.grpo_rewards import build_rewards
+from trainer.tasks.grpo_rollout import Group, drop_truncated, rollout_seed, sample_group, token_logps, training_rows
+from utils.constants import EXIT_BAD_CONFIG
+from utils.device import to_device
+from utils.errors import TrainingError
+
+STOP_TOKENS = ("eos", "im_end")  # a completion ends at </s> or <|im_end|> (trained on), as samples and sample.py stop
+_STEP_KEYS = ("completions", "completion_tokens", "reward", "reward_sq", "clipped", "kl", "entropy", "lp_diff_sum",
+              "lp_diff_max", "one")
+
+
+class GRPOTask(Task):
+    name = "grpo"
+    chat = True  # --sample_prompts of a GRPO run are user turns (the policy is an SFT'd chat model)
+
+    def __init__(self, cfg: Any) -> None:
+        super().__init__(cfg)
+        from trainer.tasks.grpo_flags import reward_specs
+        self.reward_names = [n if ":" not in n else n.replace(":", ".") for n, _ in reward_specs(cfg)]
+        self.units = "completion tokens" if cfg.loss_type == "dapo" else "completions"
+        self.stat_keys = _STEP_KEYS + tuple(f"{k}_{n}" for n in self.reward_names for k in ("reward", "reward_sq"))
+        self.needs_reference = cfg.beta > 0
+        self.row_len = cfg.max_prompt_length + cfg.max_completion_length
+        self._rollout = None  # the batches of the last rollout (reused by num_iterations - 1 steps)
+        self._tok = self._special = None
+        self._rewards = None
+        self._lp_max = None  # this step's running max |trainer - sampler| logprob, on the device
+
+    # ------------------------------------------------------------------ data
+    def datasets(self, tok_meta, val_ratio, fixed_shape, log):
+        from tokenizer import load_tokenizer
+        cfg = self.cfg
+        rewards = build_rewards(cfg)
+        prompts = read_prompts_file(cfg.data_dir, cfg, load_tokenizer(cfg.tokenizer_dir), tok_meta,
+                                    rewards.needs_answer, log)
+        train = PromptSet(prompts)
+        return TaskData(train, PromptSet([]), train.collate, "prompts", "none (the reward of each step's rollouts)",
+                        "")
+
+    # ------------------------------------------------------------------ the rollout phase
+    def before_step(self, loop: Any, draw: Callable[[], tuple]) -> tuple[list, list]:
+        """(this rank's training micro-batches, data steps skipped): the prompts drawn and rolled out, or, inside a
+        --num_iterations cycle, the last rollout again."""
+        cfg, p = self.cfg, loop.progress
+        if self._rollout is not None and p.step % cfg.num_iterations != 0:
+            return self._mark(self._rollout, loop), []
+        if p.step % cfg.num_iterations != 0:  # a resume inside a cycle: the policy that sampled it is gone
+            loop.log(f"[grpo] step {p.step + 1} is inside a --num_iterations={cfg.num_iterations} cycle whose "
+                     "rollouts were not saved: new rollouts from the resumed weights (an uninterrupted run reused "
+                     "the old ones); periodic checkpoints fall on cycle boundaries, a stop signal may not")
+        batches, skipped = draw()
+        if self._tok is None:
+            from tokenizer import load_tokenizer, load_tokenizer_meta
+            self._tok = load_tokenizer(cfg.tokenizer_dir)
+            self._special = load_tokenizer_meta(cfg.tokenizer_dir)["special_tokens"]
+            self._rewards = build_rewards(cfg)
+        loop.engine.optimizer.finish_param_sync()  # ZeRO's all-gather of the updated weights has landed
+        model, device = loop.engine.module, loop.info.device
+        if self.row_len > model.cfg.max_seq_len:  # the model's own length (a checkpoint's model_config wins)
+            raise TrainingError(f"--max_prompt_length={cfg.max_prompt_length} + --max_completion_length="
+                                f"{cfg.max_completion_length} = {self.row_len} tokens per row, more than the model's "
+                                f"max_seq_len {model.cfg.max_seq_len}", EXIT_BAD_CONFIG)
+        samples = []
+        all_done = None
+        if loop.info.world_size > 1:  # every rank decodes as many tokens (a forward may all-gather: FSDP)
+            engine = loop.engine
+            all_done = lambda done: float(engine.sum_over_data([0.0 if done else 1.0], device)[0]) == 0.0  # noqa: E731
+        rollout = [self._roll(model, device, b, p.step, samples, all_done) for b in batches]
+        if cfg.num_iterations > 1:  # the ratio of the later steps is taken against the policy that sampled
+            with torch.no_grad():
+                for rows in rollout:
+                    x = to_device(rows["input_ids"], device)
+                    rows["old_logps"] = token_logps(model(x), x, cfg.temperature)[0].float().cpu()
+        self._rollout = rollout
+        if cfg.log_completions and loop.info.is_main and (p.step + 1) % cfg.log_interval == 0 and samples:
+            loop.metrics.write_samples(samples[:cfg.num_completions_to_print])
+        return self._mark(rollout, loop), skipped
+
+    def _roll(self, model, device, batch: dict, step: int, samples: list, all_done=None) -> dict:
+        """One micro-batch of prompts -> its training rows (G per prompt) with rewards and advantages."""
+        cfg, sp = self.cfg, self._special
+        stop_ids = [int(sp[n]["id"]) for n in STOP_TOKENS]
+        pad = int(sp["pad"]["id"])
+        groups, values = [], []
+        for idx, prompt in zip(batch["prompt_index"].tolist(), batch["prompts"]):
+            gen = torch.Generator(device=device)
+            gen.manual_seed(rollout_seed(cfg.seed, step, idx))
+            toks, mask, lps = sample_group(model, prompt.ids, cfg.num_generations, cfg.max_completion_length,
+                                           temperature=cfg.temperature, top_p=cfg.top_p, stop_ids=stop_ids,
+                                           pad_id=pad, generator=gen, use_cache=cfg.generation_kv_cache,
+                                           row_len=self.row_len, all_done=all_done)
+            trained = drop_truncated(toks, mask, stop_ids) if cfg.mask_truncated_completions else mask
+            groups.append(Group(idx, toks, trained, lps))
+            for row, m in zip(toks.tolist(), mask.tolist()):
+                new = [t for t, keep in zip(row, m) if keep and t not in stop_ids]
+                text = self._tok.decode(new, skip_special_tokens=True)
+                vals = self._rewards.score(prompt.text, text, prompt.record, prompt.answer, prompt.where)
+                values.append(vals)
+                if len(samples) < cfg.num_completions_to_print:
+                    samples.append({"step": step + 1, "prompt": prompt.text, "completion": text,
+                                    "reward": self._rewards.total(vals),
+                                    **{f"reward_{n}": v for n, v in zip(self.reward_names, vals)}})
+        rows = training_rows([pr.ids for pr in batch["prompts"]], groups, self.row_len, pad)
+        per_fn = torch.tensor(values, dtype=torch.float64)
+        total = (per_fn * torch.tensor(self._rewards.weights, dtype=torch.float64)).sum(1)
+        rows["rewards"], rows["reward"] = per_fn, total
+        rows["advantages"] = group_advantages(total, cfg.num_generations, cfg.scale_rewards).float()
+        lengths = torch.tensor([len(pr.ids) for pr in batch["prompts"] for _ in range(cfg.num_generations)])
+        real = rows["completion_mask"].sum(1) + lengths  # prompt + completion tokens: what count_tokens counts
+        rows["attention_mask"] = (torch.arange(self.row_len)[None] < real[:, None]).long()
+        return rows
+
+    @staticmethod
+    def _mark(batches: list, loop: Any) -> list:
+        """Which micro-batch ends the step, and whether this rank enters the step's maxima (data-parallel rank 0)."""
+        out = []
+        for i, b in enumerate(batches):
+            out.append(dict(b, _last=i == len(batches) - 1, _enters_max=loop.engine.dp_rank == 0,
+                            _dp_size=loop.engine.dp_size))
+        return out
+
+    # ------------------------------------------------------------------ the step
+    def micro_batch_loss(self, model, ref_model, batch, device):
+        cfg = self.cfg
+        x = to_device(batch["input_ids"], device)
+        mask = to_device(batch["completion_mask"], device)
+        gen = to_device(batch["gen_logps"], device)
+        adv = to_device(batch["advantages"], device)
+        logps, entropy = token_logps(model(x), x, cfg.temperature, with_entropy=True)
+        old = to_device(batch["old_logps"], device) if "old_logps" in batch else logps.detach()
+        ref = None
+        if cfg.beta > 0:
+            with torch.no_grad():
+                ref = token_logps(ref_model(x), x, cfg.temperature)[0]
+        is_w = None
+        if cfg.importance_sampling_correction:  # truncated importance sampling: trainer / sampler, capped
+            is_w = torch.exp(old - gen).clamp(max=cfg.importance_sampling_cap)
+        terms = per_token_terms(logps, old, adv, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high or cfg.epsilon,
+                                beta=cfg.beta, ref_logps=ref, is_weights=is_w)
+        loss = aggregate(terms["loss"], mask, cfg.loss_type, cfg.max_completion_length)
+        on = mask > 0
+        diff = torch.where(on, (old - gen).abs(), torch.zeros_like(gen))  # trainer vs sampler, same policy
+        m = diff.max() if diff.numel() else diff.new_zeros(())
+        self._lp_max = m if self._lp_max is None else torch.maximum(self._lp_max, m)
+        stats = {"completions": float(x.shape[0]), "completion_tokens": mask.sum(),
+                 "reward": batch["reward"].sum().item(), "reward_sq": (batch["reward"] ** 2).sum().item(),
+                 "clipped": (terms["clipped"] * mask).sum(), "kl": (terms["kl"] * mask).sum(),
+                 "entropy": (entropy * mask).sum(), "lp_diff_sum": diff.sum(), "lp_diff_max": 0.0, "one": 0.0}
+        for k, n in enumerate(self.reward_names):  # host values: no device read
+            stats[f"reward_{n}"] = batch["rewards"][:, k].sum().item()
+            stats[f"reward_sq_{n}"] = (batch["rewards"][:, k] ** 2).sum().item()
+        if batch.get("_last", True):
+            mx = self._lp_max.detach().float().reshape(1)
+            self._lp_max = None
+            if batch.get("_dp_size", 1) > 1 and dist.is_available() and dist.is_initialized():
+                dist.all_reduce(mx, op=dist.ReduceOp.MAX)
+            if batch.get("_enters_max", True):
+                stats["lp_diff_max"], stats["one"] = mx[0], 1.0
+        return loss, stats
+
+    def count_units(self, batch):
+        return units_of(self.cfg.loss_type, int(batch["input_ids"].shape[0]), int(batch["completion_mask"].sum()))
+
+    def tokens_seen(self, units, tokens):
+        """The tokens trained on (prompt and completion, padding excluded)."""
+        return int(tokens)
+
+    def step_metrics(self, per_unit: dict) -> dict:
+        n, t = max(per_unit["completions"], 1e-30), max(per_unit["completion_tokens"], 1e-30)
+        mean = per_unit["reward"] / n
+        out = {"reward": mean, "reward_std": math.sqrt(max(0.0, per_unit["reward_sq"] / n - mean * mean))}
+        for k in self.reward_names:
+            m = per_unit[f"reward_{k}"] / n
+            out[f"reward_{k}"] = m
+            out[f"reward_{k}_std"] = math.sqrt(max(0.0, per_unit[f"reward_sq_{k}"] / n - m * m))
+        out.update(completion_length=per_unit["completion_tokens"] / n, clip_ratio=per_unit["clipped"] / t,
+                   entropy=per_unit["entropy"] / t, logprob_diff_mean=per_unit["lp_diff_sum"] / t,
+                   logprob_diff_max=per_unit["lp_diff_max"] / per_unit["one"] if per_unit["one"] else float("nan"))
+        if self.cfg.beta > 0:
+            out["kl"] = per_unit["kl"] / t
+        return out

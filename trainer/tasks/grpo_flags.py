@@ -1,0 +1,154 @@
+"""GRPO's flags (--task_type=grpo), named as TRL's GRPOConfig names them where it has the knob, and their checks.
+
+Owns: `GRPOFlags` (mixed into trainer/config.py's TrainConfig), `grpo_problems` (what validate_config adds for a
+GRPO run), `reward_specs` (the reward functions and weights the flags name, without importing them).
+Must never: import torch or a user's reward module (the trainer's pre-check runs it without torch).
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from utils.configurator import flag as _f
+
+BUILTIN_REWARDS = ("exact_match", "numeric_match", "format")
+LOSS_TYPES = ("grpo", "dr_grpo", "dapo")  # trainer/tasks/grpo_loss.py (kept here torch-free)
+SCALE_REWARDS = ("group", "none")
+
+
+@dataclass
+class GRPOFlags:
+    """Online RL with group-relative advantages (--task_type=grpo)."""
+    num_generations: int = _f(4, "grpo: completions sampled per prompt (G, the group whose rewards are normalised); "
+                              "--batch_size counts prompts, so a micro-batch trains batch_size x G completions")
+    max_prompt_length: int = _f(128, "grpo: prompt tokens at most (a longer prompt is a counted, named skip); every "
+                                "training row is max_prompt_length + max_completion_length tokens (<= --max_seq_len)")
+    max_completion_length: int = _f(64, "grpo: tokens generated per completion at most (it stops earlier at "
+                                    "<|im_end|> or </s>, which is trained on)")
+    temperature: float = _f(1.0, "grpo: sampling temperature of the rollouts (> 0); the log-probabilities trained "
+                            "on are those of logits / temperature, as in TRL")
+    top_p: float = _f(1.0, "grpo: nucleus sampling of the rollouts (1 = off)")
+    beta: float = _f(0.0, "grpo: weight of the KL penalty to the frozen reference model (the initial weights, or "
+                     "--ref_model), k3 estimator (DeepSeekMath, Shao et al. 2024); 0 = no reference (DAPO, Dr. GRPO "
+                     "and current practice drop it)")
+    epsilon: float = _f(0.2, "grpo: clip range of the probability ratio, 1 - epsilon .. 1 + epsilon_high (PPO, "
+                        "Schulman et al. 2017)")
+    epsilon_high: float = _f(0.0, "grpo: upper clip bound 1 + epsilon_high (0 = epsilon); DAPO's clip-higher (Yu "
+                             "et al. 2025) uses 0.28")
+    num_iterations: int = _f(1, "grpo: optimizer steps per rollout batch (GRPO's mu): the rollouts of a step are "
+                             "reused by the next num_iterations - 1 steps, the ratio taken against the policy that "
+                             "sampled them (those steps draw no prompts of their own)")
+    loss_type: str = _f("dapo", "grpo: how token losses are averaged: grpo = per completion, then over completions "
+                        "(DeepSeekMath, Shao et al. 2024; length-biased) | dr_grpo = summed per completion over "
+                        "max_completion_length (Dr. GRPO, Liu et al. 2025) | dapo = over every completion token of "
+                        "the step, all ranks (DAPO, Yu et al. 2025; the default of recent TRL releases)")
+    scale_rewards: str = _f("group", "grpo: group = advantages divided by the group's reward std (GRPO) | none = "
+                            "not (Dr. GRPO, Liu et al. 2025: the division favours too easy and too hard prompts)")
+    reward_funcs: str = _f("exact_match", "grpo: comma-separated rewards: exact_match (the text after "
+                           "--answer_marker equals the record's answer) | numeric_match (the first number after the "
+                           "marker within --numeric_tolerance of the answer) | format (--format_regex matches the "
+                           "completion) | module:function (your own, see --reward_fn)")
+    reward_weights: str = _f("", "grpo: comma-separated weight per reward function, in order (default: 1 each); the "
+                             "reward is their weighted sum")
+    reward_fn: str = _f("", "grpo: your reward, module:function (importable from the working directory), called as "
+                        "fn(prompt=str, completion=str, record=dict) and returning a finite number; appended to "
+                        "--reward_funcs. A reward that raises or returns a non-number stops the run (exit 3) with "
+                        "one line naming the function and the record")
+    answer_marker: str = _f("####", "grpo: exact_match / numeric_match read the text after the last occurrence of "
+                            "this in the completion (empty: the whole completion)")
+    numeric_tolerance: float = _f(1e-6, "grpo: numeric_match accepts |x - answer| <= tolerance x max(1, |answer|)")
+    format_regex: str = _f(r"(?s).*####\s*-?\d+.*", "grpo: the format reward is 1 when this regex matches the whole "
+                           "completion (re.fullmatch), else 0")
+    prompt_field: str = _f("prompt", "grpo: the record's field holding the prompt as plain text (encoded after <s>)")
+    messages_field: str = _f("messages", "grpo: the record's field holding the prompt as chat messages (chat template "
+                             "applied as in SFT, ending with the assistant's header); used when present")
+    answer_field: str = _f("answer", "grpo: the record's field holding the reference answer (a record without one is a "
+                           "counted skip when a built-in answer reward is used)")
+    mask_truncated_completions: bool = _f(False, "grpo: completions cut at --max_completion_length (no stop token) are "
+                                          "left out of the loss (DAPO's overlong filtering, Yu et al. 2025); their "
+                                          "rewards still count in their group's advantages")
+    importance_sampling_correction: bool = _f(False, "grpo: weight each token's loss by min(p_trainer / p_sampler, "
+                                              "--importance_sampling_cap), the truncated importance-sampling "
+                                              "correction for a generator whose probabilities differ from the "
+                                              "trainer's (Yao et al. 2025, TRL's vllm_importance_sampling_correction)")
+    importance_sampling_cap: float = _f(2.0, "grpo: the cap of that weight (> 0)")
+    generation_kv_cache: bool = _f(True, "grpo: rollouts decode with the KV cache (fast); false = each new token from "
+                                   "a whole-row forward of the training shape: the recorded log-probabilities then "
+                                   "equal the trainer's bit for bit in fp32 on the CPU (docs/grpo.md)")
+    log_completions: bool = _f(True, "grpo: write prompts, completions and rewards to <out_dir>/samples.jsonl every "
+                               "--log_interval steps (rank 0's first --num_completions_to_print)")
+    num_completions_to_print: int = _f(4, "grpo: completions written per logged step")
+
+
+def reward_specs(cfg: Any) -> list[tuple[str, float]]:
+    """[(reward name, weight)] in order: --reward_funcs then --reward_fn; ValueError naming the flag when the
+    weights do not match the functions."""
+    names = [n.strip() for n in str(cfg.reward_funcs).split(",") if n.strip()]
+    if str(cfg.reward_fn).strip():
+        names.append(str(cfg.reward_fn).strip())
+    raw = [w.strip() for w in str(cfg.reward_weights).split(",") if w.strip()]
+    if not raw:
+        return [(n, 1.0) for n in names]
+    try:
+        weights = [float(w) for w in raw]
+    except ValueError:
+        raise ValueError(f"--reward_weights={cfg.reward_weights!r}: not a comma-separated list of numbers") from None
+    if len(weights) != len(names) or not all(math.isfinite(w) for w in weights):
+        raise ValueError(f"--reward_weights={cfg.reward_weights!r}: {len(weights)} finite weights for "
+                         f"{len(names)} reward functions ({', '.join(names)})")
+    return list(zip(names, weights))
+
+
+def grpo_problems(cfg: Any, resume_policy: str) -> list[str]:
+    """What a --task_type=grpo run cannot work with (none for another task)."""
+    if cfg.task_type != "grpo":
+        return []
+    out = []
+
+    def need(ok: bool, name: str, rule: str) -> None:
+        if not ok:
+            out.append(f"--{name}={getattr(cfg, name)}: {rule}")
+    need(cfg.num_generations >= 2, "num_generations", "must be >= 2 (advantages compare completions of a group)")
+    need(cfg.max_prompt_length >= 1, "max_prompt_length", "must be >= 1")
+    need(cfg.max_completion_length >= 1, "max_completion_length", "must be >= 1")
+    if cfg.max_prompt_length + cfg.max_completion_length > cfg.max_seq_len:
+        out.append(f"--max_prompt_length={cfg.max_prompt_length} + --max_completion_length="
+                   f"{cfg.max_completion_length} must be <= --max_seq_len={cfg.max_seq_len}")
+    need(math.isfinite(cfg.temperature) and cfg.temperature > 0, "temperature", "must be a finite number > 0")
+    need(math.isfinite(cfg.top_p) and 0 < cfg.top_p <= 1, "top_p", "must be in (0, 1]")
+    need(math.isfinite(cfg.beta) and cfg.beta >= 0, "beta", "must be a finite number >= 0")
+    need(math.isfinite(cfg.epsilon) and 0 < cfg.epsilon < 1, "epsilon", "must be in (0, 1)")
+    need(math.isfinite(cfg.epsilon_high) and cfg.epsilon_high >= 0, "epsilon_high", "must be >= 0 (0 = --epsilon)")
+    need(cfg.num_iterations >= 1, "num_iterations", "must be >= 1")
+    if cfg.num_iterations > 1 and cfg.checkpoint_interval % cfg.num_iterations:
+        out.append(f"--checkpoint_interval={cfg.checkpoint_interval} must be a multiple of --num_iterations="
+                   f"{cfg.num_iterations}: a checkpoint inside a cycle would resume without its rollouts")
+    need(cfg.loss_type in LOSS_TYPES, "loss_type", " | ".join(LOSS_TYPES))
+    need(cfg.scale_rewards in SCALE_REWARDS, "scale_rewards", " | ".join(SCALE_REWARDS))
+    need(math.isfinite(cfg.numeric_tolerance) and cfg.numeric_tolerance >= 0, "numeric_tolerance", "must be >= 0")
+    need(math.isfinite(cfg.importance_sampling_cap) and cfg.importance_sampling_cap > 0, "importance_sampling_cap",
+         "must be a finite number > 0")
+    need(cfg.num_completions_to_print >= 0, "num_completions_to_print", "must be >= 0")
+    for name in ("prompt_field", "messages_field", "answer_field"):
+        need(bool(str(getattr(cfg, name)).strip()), name, "must name a record field")
+    try:
+        specs = reward_specs(cfg)
+    except ValueError as e:
+        out.append(str(e))
+        specs = []
+    if not specs:
+        out.append("--reward_funcs / --reward_fn: name at least one reward function")
+    for name, _ in specs:
+        if name not in BUILTIN_REWARDS and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", name):
+            out.append(f"--reward_funcs: {name!r} is neither a built-in reward ({' | '.join(BUILTIN_REWARDS)}) nor "
+                       "module:function")
+    if any(n == "format" for n, _ in specs):
+        try:
+            re.compile(cfg.format_regex)
+        except re.error as e:
+            out.append(f"--format_regex={cfg.format_regex!r}: not a regular expression ({e})")
+    if cfg.init_from == "scratch" and resume_policy != "always":
+        out.append("--task_type=grpo starts from pretrained (SFT) weights: pass --init_from=<run dir>")
+    return out

@@ -1,0 +1,89 @@
+"""GRPO's loss as pure tensor math: group-normalised advantages, the clipped policy-gradient term per token, the
+optional KL penalty to a frozen reference, and the three ways of averaging tokens into the loss.
+
+Owns: `group_advantages`, `per_token_terms`, `aggregate` (the loss summed over the task's units, which the
+trainer divides by the step's units over all micro-batches and ranks), `units_of`.
+Must never: read a device value to the host, or know where the log-probabilities came from.
+
+The objective (DeepSeekMath, Shao et al. 2024, eq. 3), per completion o_i of a group of G for one prompt:
+    ratio_t = pi_theta(o_t) / pi_old(o_t),  A_i = (r_i - mean(r)) / (std(r) + eps)
+    l_t = -min(ratio_t A_i, clip(ratio_t, 1 - epsilon, 1 + epsilon_high) A_i) + beta KL_t
+    KL_t = pi_ref / pi_theta - log(pi_ref / pi_theta) - 1          (the k3 estimator, always >= 0)
+Averaged by --loss_type:
+    grpo:    (1/G) sum_i (1/|o_i|) sum_t l_t              (the paper: each completion weighs the same)
+    dr_grpo: (1/G) sum_i (1/L_max) sum_t l_t              (Dr. GRPO, Liu et al. 2025: no length bias; L_max =
+                                                          --max_completion_length, a constant)
+    dapo:    (1/sum_i |o_i|) sum_i sum_t l_t              (DAPO, Yu et al. 2025: token-level, every token weighs
+                                                          the same; TRL's "bnpo" is this over a local batch)
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
+SCALE_REWARDS = ("group", "none")
+ADV_EPS = 1e-4  # TRL's: a group whose rewards all agree has std 0 and advantage 0, never a division by zero
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group") -> torch.Tensor:
+    """rewards [N] (N = groups x group_size, each group's completions contiguous) -> advantages [N]:
+    the reward minus its group's mean, divided by the group's (unbiased) std + ADV_EPS when scale="group"
+    (GRPO), left unscaled when scale="none" (Dr. GRPO: the std division biases towards easy / hard prompts)."""
+    if scale not in SCALE_REWARDS:
+        raise ValueError(f"scale_rewards={scale!r}: expected {' | '.join(SCALE_REWARDS)}")
+    r = rewards.to(torch.promote_types(rewards.dtype, torch.float32)).reshape(-1, group_size)
+    adv = r - r.mean(dim=1, keepdim=True)
+    if scale == "group":
+        std = r.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(r[:, :1])
+        adv = adv / (std + ADV_EPS)
+    return adv.reshape(-1)
+
+
+def per_token_terms(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, *, epsilon: float,
+                    epsilon_high: Optional[float] = None, beta: float = 0.0,
+                    ref_logps: Optional[torch.Tensor] = None,
+                    is_weights: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
+    """Per-token terms, all [B, T] (padding included; `aggregate` masks it):
+    loss (the l_t above, times `is_weights` when given: the truncated importance-sampling correction),
+    kl (0 without a reference), clipped (1.0 where the clip took effect: ratio below 1 - epsilon with A < 0,
+    or above 1 + epsilon_high with A > 0), ratio."""
+    eps_high = epsilon if epsilon_high is None else epsilon_high
+    ratio = torch.exp(logps - old_logps)
+    adv = advantages[:, None].to(logps.dtype)
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1.0 - epsilon, 1.0 + eps_high) * adv
+    loss = -torch.min(unclipped, clipped)
+    if is_weights is not None:
+        loss = loss * is_weights
+    kl = torch.zeros_like(logps)
+    if beta != 0.0:
+        if ref_logps is None:
+            raise ValueError("beta != 0 needs the reference model's log-probabilities")
+        d = ref_logps - logps
+        kl = torch.exp(d) - d - 1.0
+        loss = loss + beta * kl
+    was_clipped = ((ratio < 1.0 - epsilon) & (adv < 0)) | ((ratio > 1.0 + eps_high) & (adv > 0))
+    return {"loss": loss, "kl": kl, "clipped": was_clipped.to(logps.dtype), "ratio": ratio}
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, max_completion_length: int) -> torch.Tensor:
+    """The loss of these rows summed over the task's units (`units_of`): per completion the mean over its
+    tokens (grpo), its sum over L_max (dr_grpo); the sum over every token (dapo). mask [B, T]: 1 on completion
+    tokens."""
+    m = mask.to(per_token.dtype)
+    summed = torch.where(m > 0, per_token, torch.zeros_like(per_token)).sum(dim=-1)  # padding never leaks a nan
+    if loss_type == "grpo":
+        return (summed / m.sum(dim=-1).clamp(min=1.0)).sum()
+    if loss_type == "dr_grpo":
+        return summed.sum() / float(max_completion_length)
+    if loss_type == "dapo":
+        return summed.sum()
+    raise ValueError(f"loss_type={loss_type!r}: expected {' | '.join(LOSS_TYPES)}")
+
+
+def units_of(loss_type: str, completions: int, completion_tokens: int) -> int:
+    """What `aggregate`'s sum is divided by over the whole step: completions (grpo, dr_grpo) or completion
+    tokens (dapo)."""
+    return int(completion_tokens) if loss_type == "dapo" else int(completions)

@@ -1,0 +1,128 @@
+"""GRPO's rewards: the built-in verifiable ones (exact match after a marker, numeric match with a tolerance, a format
+regex), a user's own `module:function`, and their weighted sum.
+
+Owns: `build_rewards` (the flags' functions, imported and checked once at the start), `RewardSet.score` (every
+function on one completion, each value checked), `RewardError` (a reward that raised or gave a non-number: one line
+naming the function and the record, exit 3 as bad data).
+Must never: turn a failing reward into a silent 0, or import torch (rewards are host Python on decoded text).
+"""
+from __future__ import annotations
+
+import importlib
+import math
+import numbers
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from trainer.tasks.grpo_flags import BUILTIN_REWARDS, reward_specs
+from utils.constants import EXIT_BAD_DATA
+
+_NUMBER = re.compile(r"[-+]?(?:\d+(?:[.,]\d+)*(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
+
+
+class RewardError(ValueError):
+    """A reward function failed on a record; the message names both."""
+    exit_code, exit_prefix = EXIT_BAD_DATA, "data: "
+
+
+def after_marker(completion: str, marker: str) -> Optional[str]:
+    """The text after the last `marker` (stripped), the whole completion when the marker is empty, None when absent."""
+    if not marker:
+        return completion.strip()
+    i = completion.rfind(marker)
+    return None if i < 0 else completion[i + len(marker):].strip()
+
+
+def first_number(text: Optional[str]) -> Optional[float]:
+    """The first number in `text` (thousands commas allowed: "1,234" is 1234), None when there is none."""
+    if text is None:
+        return None
+    m = _NUMBER.search(text)
+    if m is None:
+        return None
+    try:
+        return float(m.group(0).replace(",", ""))
+    except ValueError:
+        return None
+
+
+def exact_match(completion: str, answer: str, marker: str) -> float:
+    got = after_marker(completion, marker)
+    if got is None:
+        return 0.0
+    got = got.splitlines()[0].strip() if got else got
+    return 1.0 if got == str(answer).strip() else 0.0
+
+
+def numeric_match(completion: str, answer: Any, marker: str, tolerance: float) -> float:
+    got = first_number(after_marker(completion, marker))
+    want = answer if isinstance(answer, numbers.Real) else first_number(str(answer))
+    if got is None or want is None:
+        return 0.0
+    return 1.0 if abs(got - float(want)) <= tolerance * max(1.0, abs(float(want))) else 0.0
+
+
+def format_reward(completion: str, pattern: "re.Pattern") -> float:
+    return 1.0 if pattern.fullmatch(completion) else 0.0
+
+
+def load_reward_fn(spec: str) -> Callable:
+    """`module:function` imported (ValueError naming it when it cannot be)."""
+    module, _, name = spec.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"--reward_fn / --reward_funcs {spec!r}: cannot import it ({type(e).__name__}: {e})") from e
+    if not callable(fn):
+        raise ValueError(f"--reward_fn / --reward_funcs {spec!r}: {type(fn).__name__}, not a function")
+    return fn
+
+
+@dataclass
+class RewardSet:
+    """The run's reward functions in order, with their weights."""
+    names: list
+    weights: list
+    fns: list  # fn(prompt, completion, record, answer) -> raw value (checked in `score`)
+    needs_answer: bool
+
+    def score(self, prompt: str, completion: str, record: dict, answer: Any, where: str) -> list[float]:
+        """Each function's value on one completion; RewardError naming the function and `where` (file:line of the
+        record) when one raises or returns anything but a finite real number."""
+        out = []
+        for name, fn in zip(self.names, self.fns):
+            try:
+                v = fn(prompt, completion, record, answer)
+            except Exception as e:  # noqa: BLE001 - any failure of the user's code is reported, never a silent 0
+                msg = " ".join(str(e).split())[:200]
+                raise RewardError(f"reward {name} raised {type(e).__name__} ({msg}) on the record at {where}") from e
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(float(v)):
+                raise RewardError(f"reward {name} returned {v!r:.80} ({type(v).__name__}), not a finite number, on "
+                                  f"the record at {where}")
+            out.append(float(v))
+        return out
+
+    def total(self, values: list[float]) -> float:
+        return sum(w * v for w, v in zip(self.weights, values))
+
+
+def build_rewards(cfg: Any) -> RewardSet:
+    """The functions --reward_funcs / --reward_fn / --reward_weights name (ValueError naming a flag otherwise)."""
+    names, weights, fns = [], [], []
+    marker, tol = cfg.answer_marker, float(cfg.numeric_tolerance)
+    for spec, w in reward_specs(cfg):
+        if spec == "exact_match":
+            fn = lambda p, c, r, a: exact_match(c, a, marker)  # noqa: E731
+        elif spec == "numeric_match":
+            fn = lambda p, c, r, a: numeric_match(c, a, marker, tol)  # noqa: E731
+        elif spec == "format":
+            pattern = re.compile(cfg.format_regex)
+            fn = lambda p, c, r, a, pattern=pattern: format_reward(c, pattern)  # noqa: E731
+        else:
+            user = load_reward_fn(spec)
+            fn = lambda p, c, r, a, user=user: user(prompt=p, completion=c, record=r)  # noqa: E731
+        names.append(spec if spec in BUILTIN_REWARDS else spec.replace(":", "."))
+        weights.append(float(w))
+        fns.append(fn)
+    return RewardSet(names, weights, fns, any(n in ("exact_match", "numeric_match") for n in names))

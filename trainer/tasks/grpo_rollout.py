@@ -1,0 +1,160 @@
+"""GRPO's rollouts: G completions of one prompt sampled from the current policy with the model's KV cache (or, for
+exact parity, whole-row forwards of the training shape), the log-probability of every sampled token recorded.
+
+Owns: `rollout_seed` (a completion group is a function of (seed, step, prompt index) only: never of the rank, the
+number of ranks or the micro-batch layout), `sample_group` (one prompt's G completions, a private generator), and
+`Group` (what the task builds training rows from).
+Must never: touch the training's random number generators, track gradients, or leave the model in eval mode.
+
+Why one group at a time: every rank then runs the same shapes for the same prompt, so the numbers, and the tokens
+drawn, do not depend on which rank holds the prompt or which prompts share its batch. The log-probabilities are
+those of logits / temperature (the distribution before top-p truncation), as the trainer computes them.
+
+Parity (docs/grpo.md): with the KV cache the new token's logits come from a one-row matmul and attention over the
+cache, a different summation order than the trainer's whole-row forward; in fp32 they differ by rounding (~1e-7).
+With generation_kv_cache=False each step runs the whole [G, max_prompt + max_completion] row, the training shape;
+a position's value does not depend on the tokens after it (causal mask, same kernel blocking for the same shape),
+so the recorded values equal the trainer's bit for bit on the CPU.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from model.generate import sample_next
+from model.llama import KVCache
+
+_MIX = 0x9E3779B97F4A7C15  # splitmix64's constant: distinct (seed, step, prompt) give unrelated streams
+
+
+def rollout_seed(seed: int, step: int, prompt_index: int) -> int:
+    """The seed of the generator of one prompt's group at one rollout step (a 63-bit int)."""
+    x = (int(seed) * 1_000_003 + int(step)) * _MIX + int(prompt_index) * 0xBF58476D1CE4E5B9
+    x ^= x >> 31
+    return x & 0x7FFF_FFFF_FFFF_FFFF
+
+
+@dataclass
+class Group:
+    """One prompt's G completions: tokens [G, n] (after a row's stop token: the pad id), mask [G, n] (1 on the
+    tokens trained on: up to and including the stop token), logps [G, n] (the sampler's log-probabilities of the
+    sampled tokens, 0 where mask is 0)."""
+    prompt_index: int
+    tokens: torch.Tensor
+    mask: torch.Tensor
+    logps: torch.Tensor
+
+
+@contextlib.contextmanager
+def separate_projections(model):
+    """q/k/v and gate/up as separate matmuls while decoding: the blocks' one-matmul path concatenates the weights
+    on every call (model/kernels.py concat_linear), which costs more than the matmul for a few rows. Only for the
+    KV-cache path, whose values differ from the trainer's by rounding anyway; whole-row sampling keeps the
+    trainer's kernels."""
+    mods = [m for m in model.modules() if getattr(m, "fused_qkv", False)]
+    for m in mods:
+        m.fused_qkv = False
+    try:
+        yield
+    finally:
+        for m in mods:
+            m.fused_qkv = True
+
+
+@torch.no_grad()
+def sample_group(model, prompt_ids: Sequence[int], group_size: int, max_new_tokens: int, *, temperature: float,
+                 top_p: float, stop_ids: Sequence[int], pad_id: int, generator: torch.Generator,
+                 use_cache: bool = True, row_len: int = 0, all_done: Optional[Callable[[bool], bool]] = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens [G, n], mask [G, n], logps [G, n]) with n <= max_new_tokens: G completions of one prompt.
+    row_len (use_cache=False): the length of the whole-row forward (the training rows' length).
+    all_done(this group is done) -> whether every rank's group is (several ranks: a forward that all-gathers, FSDP's,
+    must run as often on every rank); a group that finished first decodes on with its rows masked, the same tokens."""
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    fast = separate_projections(model) if use_cache else contextlib.nullcontext()
+    try:
+        fast.__enter__()
+        P = len(prompt_ids)
+        prompt = torch.tensor(list(prompt_ids), dtype=torch.long, device=device)[None].expand(group_size, P)
+        stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
+        finished = torch.zeros(group_size, dtype=torch.bool, device=device)
+        toks, masks, lps = [], [], []
+        if use_cache:
+            dtype = model.embed_tokens.weight.dtype
+            if torch.is_autocast_enabled(device.type):
+                dtype = torch.get_autocast_dtype(device.type)
+            cache = KVCache(model.cfg, group_size, P + max_new_tokens, device, dtype)
+            step_input = prompt
+        else:
+            row = torch.full((group_size, max(row_len, P + max_new_tokens)), pad_id, dtype=torch.long, device=device)
+            row[:, :P] = prompt
+        for t in range(max_new_tokens):
+            if use_cache:
+                logits = model(step_input, cache=cache, logits_to_keep=1)[:, -1]
+            else:
+                logits = model(row)[:, P + t - 1]
+            logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
+            nxt = sample_next(logits, temperature, None, top_p if top_p < 1.0 else None, generator)
+            live = ~finished
+            toks.append(torch.where(live, nxt, torch.full_like(nxt, pad_id)))
+            masks.append(live)
+            lps.append(torch.where(live, logp_all.gather(1, nxt[:, None])[:, 0], torch.zeros_like(logp_all[:, 0])))
+            finished = finished | torch.isin(nxt, stops)
+            if use_cache:
+                step_input = toks[-1][:, None]
+            else:
+                row[:, P + t] = toks[-1]
+            done = bool(finished.all())
+            if all_done(done) if all_done is not None else done:
+                break
+        return torch.stack(toks, 1), torch.stack(masks, 1), torch.stack(lps, 1)
+    finally:
+        fast.__exit__(None, None, None)
+        model.train(was_training)
+
+
+def drop_truncated(tokens: torch.Tensor, mask: torch.Tensor, stop_ids: Sequence[int]) -> torch.Tensor:
+    """The mask with the rows that never emitted a stop id (cut at max_completion_length) zeroed: DAPO's overlong
+    filtering, a truncated completion is no evidence of a bad answer."""
+    stops = torch.tensor(sorted(set(stop_ids)), dtype=tokens.dtype, device=tokens.device)
+    ended = (torch.isin(tokens, stops) & mask.bool()).any(dim=1, keepdim=True)
+    return mask & ended if mask.dtype == torch.bool else mask * ended.to(mask.dtype)
+
+
+def training_rows(prompts: Sequence[Sequence[int]], groups: Sequence[Group], row_len: int, pad_id: int
+                  ) -> dict[str, torch.Tensor]:
+    """The training batch of some groups: input_ids [R, row_len] (prompt, completion, pad), completion_mask and
+    gen_logps [R, row_len - 1] aligned with the next-token targets input_ids[:, 1:] (R = groups x G)."""
+    rows, masks, lps = [], [], []
+    for ids, g in zip(prompts, groups):
+        G, n = g.tokens.shape
+        P = len(ids)
+        x = torch.full((G, row_len), pad_id, dtype=torch.long)
+        x[:, :P] = torch.tensor(list(ids), dtype=torch.long)
+        x[:, P:P + n] = g.tokens.cpu()
+        m = torch.zeros((G, row_len - 1), dtype=torch.float32)
+        m[:, P - 1:P - 1 + n] = g.mask.cpu().float()
+        lp = torch.zeros((G, row_len - 1), dtype=torch.float32)
+        lp[:, P - 1:P - 1 + n] = g.logps.cpu().float()
+        rows.append(x)
+        masks.append(m)
+        lps.append(lp)
+    return {"input_ids": torch.cat(rows), "completion_mask": torch.cat(masks), "gen_logps": torch.cat(lps)}
+
+
+def token_logps(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float,
+                with_entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Log-probabilities [B, T-1] of input_ids[:, 1:] under logits[:, :-1] / temperature (fp32), and the entropy
+    of those distributions when asked."""
+    logp_all = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+    logps = logp_all.gather(-1, input_ids[:, 1:, None])[..., 0]
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logps, entropy
