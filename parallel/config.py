@@ -4,7 +4,7 @@ pre-check answers with the same lines before torch is loaded.
 
     pc = ParallelConfig.from_flags(train_cfg)          # the fields are the flag names (--parallel, ...)
     pc.engine_kinds()                                  # ("ddp",) | ("fsdp",) | ("pipeline", "ddp") ...
-    pc.problems(world_size=8, needs={"--task_type=dpo": "dpo"})   # one line per refusal
+    pc.problems(world_size=8, needs={"--task_type=dpo": "sequence_logprobs"})   # one line per refusal
 
 `needs` says what the run asks of the engine, as {the flag that asks: capability}; a capability
 that an engine of this layout does not declare is refused with one line naming both flags and why.
@@ -30,20 +30,22 @@ FLOAT8_CHOICES = ("off", "tensorwise", "rowwise")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 # What each engine can do: a capability a run asks for that is missing here is refused (`problems`) with the
-# reason given in WHY_NOT (every engine declares dpo and frozen_parameters today; light_checkpoints and
-# no_process_group are read, not asked for). A pipeline's capabilities are those of "pipeline" AND of the dp
+# reason given in WHY_NOT (light_checkpoints and no_process_group are read, not asked for). A task asks for what it
+# needs beyond a plain forward/backward (trainer/tasks/__init__.py TASKS): padded_batches (SFT's padding or packed
+# documents), sequence_logprobs (DPO's per-sequence sums), rollouts (GRPO's token-by-token generation). A pipeline's capabilities are those of "pipeline" AND of the dp
 # engine that runs its stages.
 CAPABILITIES: dict[str, frozenset] = {
-    "ddp": frozenset({"compile", "dpo", "grpo", "frozen_parameters", "light_checkpoints", "whole_model_on_one_rank",
+    "ddp": frozenset({"compile", "padded_batches", "sequence_logprobs", "rollouts", "frozen_parameters", "light_checkpoints", "whole_model_on_one_rank",
                       "comm_hooks", "overlap_optim_step", "zero", "tied_embeddings", "no_process_group", "float8",
                       "context_parallel", "low_precision_optimizer_states"}),
-    "fsdp": frozenset({"compile", "dpo", "grpo", "frozen_parameters", "tensor_parallel", "sequence_parallel", "hsdp",
+    "fsdp": frozenset({"compile", "padded_batches", "sequence_logprobs", "rollouts", "frozen_parameters", "tensor_parallel", "sequence_parallel", "hsdp",
                        "cpu_offload", "tied_embeddings", "float8", "context_parallel"}),
-    "pipeline": frozenset({"zero", "tensor_parallel", "cpu_offload", "frozen_parameters", "dpo"}),
+    "pipeline": frozenset({"zero", "tensor_parallel", "cpu_offload", "frozen_parameters", "padded_batches",
+                           "sequence_logprobs"}),
 }
 WHY_NOT: dict[str, str] = {
     "compile": "not supported yet",
-    "grpo": "GRPO's rollouts run a forward per generated token on every rank; pipeline stages would pass each "
+    "rollouts": "GRPO's rollouts run a forward per generated token on every rank; pipeline stages would pass each "
             "token's hidden state between ranks: not built",
     "whole_model_on_one_rank": "no rank holds the whole model",
     "comm_hooks": "only the engine's own gradient reduction runs there",
@@ -59,15 +61,19 @@ WHY_NOT: dict[str, str] = {
     "low_precision_optimizer_states": "the bf16 moments live in our DDP's one-launch AdamW over its flat buffers "
                                       "(one stage's gradient norm only)",
 }
-# what context parallelism refuses of a run, and why (one line each)
+# what a dimension of the mesh refuses of a run's needs (a task's, or the trainer's), and why (one line each)
 CP_REFUSES: dict[str, str] = {
-    "sft": "SFT batches carry padding (attention_mask) or packed documents (position_ids); the ring's blocks "
-           "are causal over one whole sequence and do not apply a document or padding mask yet",
-    "dpo": "DPO sums log-probabilities per sequence on one rank (reduction='none'); the split sequence would "
-           "need them summed over the cp group first",
-    "grpo": "GRPO's rollouts decode whole prompts through a KV cache; the model under cp takes split sequences only",
+    "padded_batches": "SFT batches carry padding (attention_mask) or packed documents (position_ids); the ring's "
+                      "blocks are causal over one whole sequence and do not apply a document or padding mask yet",
+    "sequence_logprobs": "DPO sums log-probabilities per sequence on one rank (reduction='none'); the split sequence "
+                         "would need them summed over the cp group first",
+    "rollouts": "GRPO's rollouts decode whole prompts through a KV cache; the model under cp takes split sequences "
+                "only",
     "whole_model_on_one_rank": "samples and task evaluation run whole prompts through a KV cache on one rank; "
                                "the model under cp takes split sequences only",
+}
+TP_REFUSES: dict[str, str] = {
+    "rollouts": "the rollouts' KV cache holds every head; a tensor rank computes its share of them",
 }
 
 
@@ -138,7 +144,6 @@ class ParallelConfig(ParallelFlags):
     gradient_checkpointing: bool = False   # the activation checkpointing transform
     gradient_accumulation_steps: int = 1   # a pipeline's micro-batches per step
     seed: int = 1337                       # PowerSGD's random projections
-    task_type: str = "pretrain"            # context parallelism refuses sft / dpo (CP_REFUSES)
 
     @classmethod
     def from_flags(cls, flags: Any) -> "ParallelConfig":
@@ -270,14 +275,13 @@ class ParallelConfig(ParallelFlags):
             if problem:
                 out.append(problem)
         out.extend(self._combination_problems())
-        if self.cp > 1:
-            asked = {f"--task_type={self.task_type}": self.task_type, **(needs or {})}
-            for asked_by, what in asked.items():
-                if what in CP_REFUSES:
-                    out.append(f"{asked_by} cannot be combined with --context_parallel_size={self.cp} "
-                               f"({CP_REFUSES[what]})")
+        for size, flag_name, refuses in ((self.cp, "context_parallel_size", CP_REFUSES),
+                                         (self.tp, "tensor_parallel_size", TP_REFUSES)):
+            for asked_by, what in (needs or {}).items() if size > 1 else ():
+                if what in refuses:
+                    out.append(f"{asked_by} cannot be combined with --{flag_name}={size} ({refuses[what]})")
         for asked_by, cap in {**self.layout_needs(), **(needs or {})}.items():
-            engine = self.engine_lacking(cap)
+            engine = self.engine_lacking(cap) if cap else None  # "": nothing beyond a plain forward/backward
             if engine is not None:
                 out.append(f"{asked_by} cannot be combined with {engine} ({WHY_NOT.get(cap, 'not supported')})")
         return out
@@ -323,9 +327,6 @@ class ParallelConfig(ParallelFlags):
         if self.cp > 1 and self.sequence_parallel:
             out.append(f"--sequence_parallel=true cannot be combined with --context_parallel_size={self.cp} yet (both "
                        "split the sequence: the tensor ranks would split each cp rank's two chunks again, untested)")
-        if self.task_type == "grpo" and self.tp > 1:
-            out.append(f"--task_type=grpo cannot be combined with --tensor_parallel_size={self.tp} yet (the rollouts' "
-                       "KV cache holds every head; a tensor rank computes its share of them)")
         if self.sequence_parallel and self.tp == 1:
             out.append("--sequence_parallel=true splits the sequence over tensor-parallel ranks: it needs "
                        "--tensor_parallel_size > 1")

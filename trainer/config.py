@@ -290,8 +290,9 @@ def parallel_section(cfg: TrainConfig):
 def engine_needs(cfg: TrainConfig) -> dict[str, str]:
     """What this run asks of the engine, {the flag that asks: capability} (parallel/config.py CAPABILITIES):
     the engine's declarations decide what is refused, never a test of the engine's name here."""
-    asked = ((cfg.task_type == "dpo", "--task_type=dpo", "dpo"),
-             (cfg.task_type == "grpo", "--task_type=grpo", "grpo"),
+    from trainer.tasks import TASKS, task_entry  # torch-free: the registrations only
+    task_needs = task_entry(cfg.task_type).needs if cfg.task_type in TASKS else ""
+    asked = ((bool(task_needs), f"--task_type={cfg.task_type}", task_needs),
              (cfg.lora_rank > 0, f"--lora_rank={cfg.lora_rank}", "frozen_parameters"),
              (cfg.trainable != "all", f"--trainable={cfg.trainable}", "frozen_parameters"),
              (cfg.tie_embeddings, "--tie_embeddings=true", "tied_embeddings"),

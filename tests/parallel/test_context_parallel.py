@@ -248,9 +248,12 @@ def test_refusals_name_the_flag_and_why():
     pc = lambda **kw: ParallelConfig(context_parallel_size=2, **kw)  # noqa: E731
     assert pc().problems(2) == [] and pc().problems(4) == [] and pc(compile=True).problems(2) == []
     assert "is not a multiple of pipeline 1 x dp_replicate 1 x context 2" in pc().problems(3)[0]
-    for kw, words in (({"task_type": "sft"}, "--task_type=sft cannot be combined with --context_parallel_size=2"),
-                      ({"task_type": "dpo"}, "--task_type=dpo cannot be combined with --context_parallel_size=2"),
-                      ({"parallel": "fsdp", "tensor_parallel_size": 2, "sequence_parallel": True},
+    # what the tasks need (trainer/tasks/__init__.py TASKS), as the trainer asks (trainer/config.py engine_needs)
+    for task, need in (("sft", "padded_batches"), ("dpo", "sequence_logprobs"), ("grpo", "rollouts")):
+        lines = pc().problems(4, needs={f"--task_type={task}": need})
+        assert any(f"--task_type={task} cannot be combined with --context_parallel_size=2" in ln for ln in lines), lines
+    assert pc().problems(4, needs={"--task_type=pretrain": ""}) == []
+    for kw, words in (({"parallel": "fsdp", "tensor_parallel_size": 2, "sequence_parallel": True},
                        "--sequence_parallel=true cannot be combined with --context_parallel_size=2"),
                       ({"pipeline_parallel_size": 2}, "cannot be combined with --pipeline_parallel_size=2")):
         lines = pc(**kw).problems(4)

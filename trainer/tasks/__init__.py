@@ -1,23 +1,37 @@
 """The training tasks, by --task_type. Adding one: a module with a `Task` subclass (trainer/tasks/base.py) and its
-line in TASKS. Torch-free: the trainer's pre-check reads the names; a task's module is imported when a run uses it."""
+line in TASKS: "module:Class", or a TaskEntry that also names the engine capability the task needs
+(parallel/config.py CAPABILITIES; an engine or a layout without it refuses the run in one line). Torch-free: the
+trainer's pre-check reads the names and needs; a task's module is imported when a run uses it."""
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import Any, NamedTuple, Union
 
-TASKS: dict[str, str] = {  # --task_type -> "module:class"
+
+class TaskEntry(NamedTuple):
+    path: str        # "module:Class"
+    needs: str = ""  # the engine capability the task needs beyond a plain forward/backward ("" = none)
+
+
+TASKS: dict[str, Union[str, TaskEntry]] = {  # --task_type -> its entry
     "pretrain": "trainer.tasks.pretrain:PretrainTask",
-    "sft": "trainer.tasks.sft:SFTTask",
-    "dpo": "trainer.tasks.dpo:DPOTask",
-    "grpo": "trainer.tasks.grpo:GRPOTask",
+    "sft": TaskEntry("trainer.tasks.sft:SFTTask", needs="padded_batches"),
+    "dpo": TaskEntry("trainer.tasks.dpo:DPOTask", needs="sequence_logprobs"),
+    "grpo": TaskEntry("trainer.tasks.grpo:GRPOTask", needs="rollouts"),
 }
+
+
+def task_entry(name: str) -> TaskEntry:
+    """The registration of `name` (ValueError naming the known ones otherwise)."""
+    if name not in TASKS:
+        raise ValueError(f"--task_type={name!r}: expected {' | '.join(TASKS)}")
+    entry = TASKS[name]
+    return entry if isinstance(entry, TaskEntry) else TaskEntry(entry)
 
 
 def task_class(name: str) -> Any:
     """The Task subclass registered as `name` (ValueError naming the known ones otherwise)."""
-    if name not in TASKS:
-        raise ValueError(f"--task_type={name!r}: expected {' | '.join(TASKS)}")
-    module, cls = TASKS[name].split(":")
+    module, cls = task_entry(name).path.split(":")
     return getattr(importlib.import_module(module), cls)
 
 
