@@ -24,10 +24,11 @@ import os
 import sys
 import time
 from concurrent.futures import Future, ProcessPoolExecutor
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
-from data_preprocess.readers import (FileFieldCheck, SkipCounter, collect_inputs, extract_text, iter_records,
-                                     parse_text_fields, skip_counter, split_long_text, text_fields_spec)
+from data_preprocess.readers import (FileFieldCheck, SkipCounter, collect_inputs, extract_text, input_paths,
+                                     inputs_name, iter_records, parse_text_fields, root_of, skip_counter,
+                                     split_long_text, text_fields_spec)
 from tokenizer.corpus import input_kind, is_dataset_source, source_size
 from tokenizer.documents import TEXT_FIELDS_HELP
 from tokenizer.dataset_source import add_hf_dataset_flags, hf_dataset_from_args
@@ -65,7 +66,13 @@ def _hash_documents(path: Any, alternatives: list[list[str]], seen: set[bytes]) 
 
 # ----------------------------------------------------------------------------- driver
 
-def pretokenize_pretrain(data_dir: str, tokenizer_dir: Optional[str], output_dir: Optional[str] = None,
+def default_pretrain_out_dir(items: Sequence[str]) -> str:
+    """out/pretrain_tokenized/<name of the input(s)> under the working directory: a folder named for what it holds,
+    not a sibling dropped next to the user's raw data (as the SFT / DPO pretokenizers' default)."""
+    return os.path.join("out", "pretrain_tokenized", inputs_name(items) or "corpus")
+
+
+def pretokenize_pretrain(data_dir: Union[None, str, Sequence[str]], tokenizer_dir: Optional[str], output_dir: Optional[str] = None,
                          num_workers: int = 2, text_fields: str | Sequence[str] = "text",
                          shard_size_tokens: int = DEFAULT_SHARD_TOKENS, strict: bool = False,
                          progress: bool = True, encode_fn: Optional[Callable] = None,
@@ -78,6 +85,8 @@ def pretokenize_pretrain(data_dir: str, tokenizer_dir: Optional[str], output_dir
     "duplicate_documents"; `dedup` drops them, keeping the first. With `dedup` an input redone makes every later
     input redone too (which of their documents are repeats depends on it).
 
+    `data_dir`: one input path or several (folders searched recursively, files); the shards go to `output_dir`,
+    by default out/pretrain_tokenized/<the input's name> under the working directory (never beside the input).
     `hf_dataset` (a tokenizer.dataset_source.DatasetSource: a Hugging Face dataset's split) is one more input,
     read with the same `text_fields`, its shards `hf_<name>_<split>_<k>.bin`; `data_dir` may then be None
     (output_dir is required).
@@ -94,8 +103,8 @@ def pretokenize_pretrain(data_dir: str, tokenizer_dir: Optional[str], output_dir
         raise ValueError("no input: give --data_dir and/or --hf_dataset")
     if not data_dir and not output_dir:
         raise ValueError("--hf_dataset without --data_dir needs --out_dir")
-    data_dir = os.path.abspath(data_dir) if data_dir else None
-    output_dir = os.path.abspath(output_dir or data_dir.rstrip(os.sep) + "_tokenized")
+    items = input_paths(data_dir)
+    output_dir = os.path.abspath(output_dir or default_pretrain_out_dir(items))
     if tokenizer_meta is None:
         from tokenizer import load_tokenizer_meta
         tokenizer_meta = load_tokenizer_meta(tokenizer_dir)
@@ -106,10 +115,10 @@ def pretokenize_pretrain(data_dir: str, tokenizer_dir: Optional[str], output_dir
     check_writable_dir(output_dir, "--out_dir")  # exit 2 before any input is read
     os.makedirs(output_dir, exist_ok=True)
     remove_temp_files(output_dir)
-    inputs = collect_inputs(data_dir, exclude_dir=output_dir) if data_dir else None
+    inputs = collect_inputs(items, exclude_dir=output_dir) if items else None
     files: list[Any] = list(inputs.files) if inputs else []
     if inputs and not files and hf_dataset is None:
-        raise DataError(f"{data_dir}: no .txt/.jsonl/.json/.parquet inputs (any case)"
+        raise DataError(f"{', '.join(items)}: no .txt/.jsonl/.json/.parquet inputs (any case)"
                         + (f"; ignored {len(inputs.ignored)} other file(s)" if inputs.ignored else ""))
     if hf_dataset is not None:
         files.append(hf_dataset)
@@ -128,9 +137,9 @@ def pretokenize_pretrain(data_dir: str, tokenizer_dir: Optional[str], output_dir
     complete_tokens = 0
     t0 = time.time()
     taken: set[str] = set()
-    jobs = [(p, stem_for(p, data_dir, taken)) for p in files]  # a dataset source: its own stem
+    jobs = [(p, stem_for(p, root_of(p, items) if isinstance(p, str) else None, taken)) for p in files]
     # what messages call the inputs: --data_dir and/or the dataset (hf:<spec>[<split>])
-    named = " and ".join([data_dir] * bool(data_dir) + [str(hf_dataset)] * (hf_dataset is not None))
+    named = " and ".join(items + [str(hf_dataset)] * (hf_dataset is not None))
     foreign = sorted({m.group("stem") for n in os.listdir(output_dir) if (m := SHARD_RE.match(n))} - taken)
     if foreign:  # readers take every shard of the folder: say so rather than mix corpora silently
         log.warning("%s holds shards of inputs not in %s (%s); readers will include them",
@@ -343,11 +352,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                                  description="Tokenize raw text into <stem>_<k:05d>.bin token shards "
                                              "with JSON sidecars; each document is <s> ids </s>.",
                                  epilog=HELP_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data_dir", default=None,
-                    help="folder (searched recursively) or one file (required unless --hf_dataset is given)")
+    ap.add_argument("--data_dir", nargs="+", action="extend", default=None,
+                    help="one or more folders (searched recursively), files or glob patterns, as train_tokenizer "
+                         "takes them (required unless --hf_dataset is given)")
     add_hf_dataset_flags(ap)
     ap.add_argument("--tokenizer_dir", required=True)
-    add_out_dir(ap, "where the shards go (default: <data_dir>_tokenized)")
+    add_out_dir(ap, "where the shards go (default: out/pretrain_tokenized/<name of the first --data_dir>, under "
+                    "the working directory)")
     ap.add_argument("--num_workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
     ap.add_argument("--text_fields", default="text", help=TEXT_FIELDS_HELP)
     ap.add_argument("--shard_size_tokens", type=int, default=DEFAULT_SHARD_TOKENS)

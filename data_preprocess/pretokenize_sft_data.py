@@ -30,13 +30,13 @@ import logging
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 
 from data_preprocess.chat_tokens import (SFT, ChatKind, ChatTokens, check_not_other_kind, is_pretokenized,
                                          write_tokenized)
-from data_preprocess.readers import RECORD_KINDS, find_input_files, skip_counter
+from data_preprocess.readers import RECORD_KINDS, find_input_files, input_paths, inputs_name, skip_counter
 from data_preprocess.sft_format import (ChatRenderer, Encode, apply_overlong,
                                         encode_file_records, labels_from_mask, make_chat_encoder,
                                         sft_messages)
@@ -61,14 +61,14 @@ def check_vocab(ids: np.ndarray, vocab: int) -> None:
         raise DataError(f"token id {int(ids.max())} outside vocab_size {vocab}")
 
 
-def default_out_dir(kind: ChatKind, data_dir: str, max_seq_len: int) -> str:
-    """`out/<kind>_tokenized/<name of the input>_L<max_seq_len>` under the working directory: a folder
+def default_out_dir(kind: ChatKind, data_dir: Union[str, Sequence[str]], max_seq_len: int) -> str:
+    """`out/<kind>_tokenized/<name of the input(s)>_L<max_seq_len>` under the working directory: a folder
     named for what it holds, not a sibling dropped next to the user's raw data."""
-    name = os.path.splitext(os.path.basename(os.path.abspath(data_dir).rstrip(os.sep)))[0] or kind.kind
+    name = inputs_name(input_paths(data_dir)) or kind.kind
     return os.path.join("out", f"{kind.kind}_tokenized", f"{name}_L{max_seq_len}")
 
 
-def chat_inputs(kind: ChatKind, data_dir: Optional[str], output_dir: Optional[str], max_seq_len: int,
+def chat_inputs(kind: ChatKind, data_dir: Union[None, str, Sequence[str]], output_dir: Optional[str], max_seq_len: int,
                 hf_dataset: Any) -> tuple[str, list]:
     """(output dir, inputs) of the SFT / DPO pretokenizers: the record files under `data_dir`, then `hf_dataset`
     (a tokenizer.dataset_source.DatasetSource: a Hugging Face dataset's split, read as one more input)."""
@@ -76,13 +76,13 @@ def chat_inputs(kind: ChatKind, data_dir: Optional[str], output_dir: Optional[st
         raise CorpusConfigError("no input: give --data_dir and/or --hf_dataset")
     if not data_dir and not output_dir:
         raise CorpusConfigError("--hf_dataset without --data_dir needs --out_dir")
-    data_dir = os.path.abspath(data_dir) if data_dir else None
-    out = os.path.abspath(output_dir or default_out_dir(kind, data_dir, max_seq_len))
+    items = input_paths(data_dir)
+    out = os.path.abspath(output_dir or default_out_dir(kind, items, max_seq_len))
     check_writable_dir(out, "--out_dir")  # exit 2 before any record is tokenized
-    files: list = (find_input_files(data_dir, exclude_dir=out, kinds=RECORD_KINDS, what=kind.kind.upper())
-                   if data_dir else [])
-    if data_dir and not files and hf_dataset is None:
-        raise DataError(f"{data_dir}: no .jsonl/.json/.parquet inputs (any case)")
+    files: list = (find_input_files(items, exclude_dir=out, kinds=RECORD_KINDS, what=kind.kind.upper())
+                   if items else [])
+    if items and not files and hf_dataset is None:
+        raise DataError(f"{', '.join(items)}: no .jsonl/.json/.parquet inputs (any case)")
     return out, files + ([hf_dataset] if hf_dataset is not None else [])
 
 
@@ -162,7 +162,7 @@ class ChatTask:
         labels = np.concatenate(lab_chunks) if lab_chunks else np.empty(0, np.int32)
         return ids, labels, index, stats
 
-    def pretokenize(self, data_dir: Optional[str], tokenizer_dir: str, max_seq_len: int,
+    def pretokenize(self, data_dir: Union[None, str, Sequence[str]], tokenizer_dir: str, max_seq_len: int,
                     output_dir: Optional[str] = None, overlong: str = "truncate", strict: bool = False,
                     num_workers: int = 1, encode_fn: Optional[Encode] = None, hf_dataset: Any = None) -> dict:
         """Write the pretokenized folder of this kind for every input under `data_dir` (and `hf_dataset`, a
@@ -177,7 +177,7 @@ class ChatTask:
                           encode_fn=encode_fn) as renderer:
             ids, labels, index, stats = self.tokenize_files(files, renderer, max_seq_len, overlong, strict)
         if len(index) == 0:
-            raise DataError(f"{data_dir or hf_dataset}: no usable {kind.unit} ({self.empty_detail(stats)})")
+            raise DataError(f"{', '.join(input_paths(data_dir)) or hf_dataset}: no usable {kind.unit} ({self.empty_detail(stats)})")
         vocab = int(tmeta["vocab_size"])
         check_vocab(ids, vocab)
         dtype = dtype_for_vocab(vocab)
@@ -252,8 +252,9 @@ def chat_pretokenize_cli(prog: str, description: str, epilog: str, what: str, de
     from utils.constants import EXIT_BAD_CONFIG, EXIT_OK
     from utils.errors import exit_code_for
     ap = Parser(prog=prog, description=description, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data_dir", default=None,
-                    help="folder (searched recursively) or one file (required unless --hf_dataset is given)")
+    ap.add_argument("--data_dir", nargs="+", action="extend", default=None,
+                    help="one or more folders (searched recursively), files or glob patterns, as train_tokenizer "
+                         "takes them (required unless --hf_dataset is given)")
     add_hf_dataset_flags(ap)
     ap.add_argument("--tokenizer_dir", required=True)
     ap.add_argument("--max_seq_len", type=int, required=True)

@@ -20,7 +20,7 @@ import logging
 import os
 import re
 import unicodedata
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence, Union
 
 from data_preprocess.shard_format import DataError
 from tokenizer.corpus import (SUPPORTED_EXTENSIONS, CorpusConfigError, CorpusError, InputFiles, SkipCounter,
@@ -182,3 +182,25 @@ def split_long_text(text: str, max_chars: int) -> Iterator[str]:
         yield text[start:p]
         start = p
     yield text[start:]
+
+
+def input_paths(data_dir: Union[None, str, Sequence[str]]) -> list[str]:
+    """--data_dir as the pretokenizers take it, like the tokenizer trainer's: one path or several (folders searched
+    recursively, files, glob patterns), absolute, in the order given; [] for none."""
+    items = [data_dir] if isinstance(data_dir, (str, os.PathLike)) else list(data_dir or [])
+    return [os.path.abspath(os.fspath(p)) for p in items if os.fspath(p)]
+
+
+def inputs_name(paths: Sequence[str]) -> str:
+    """What messages and default output folders call the inputs: the one path's name, or the first one's with how
+    many more."""
+    first = os.path.splitext(os.path.basename(paths[0].rstrip(os.sep)))[0] if paths else ""
+    return first + (f"_and_{len(paths) - 1}_more" if len(paths) > 1 else "")
+
+
+def root_of(path: str, roots: Sequence[str]) -> Optional[str]:
+    """The input folder `path` was found under (its shard stem is relative to it), or None for a file given as is."""
+    for root in roots:
+        if os.path.isdir(root) and os.path.abspath(path).startswith(root.rstrip(os.sep) + os.sep):
+            return root
+    return None

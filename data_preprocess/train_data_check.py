@@ -9,7 +9,8 @@ Must never: import torch, read more than the directory listing (a bounded walk f
 from __future__ import annotations
 
 import os
-from typing import Optional
+import shlex
+from typing import Optional, Sequence
 
 from data_preprocess.shard_format import SHARD_RE
 from tokenizer.corpus import input_kind
@@ -40,12 +41,21 @@ def _has_shards(path: str) -> bool:
         return False
 
 
-def pretokenize_hint(raw: str, tokenizer_dir: str, max_seq_len: int) -> str:
-    out = raw.rstrip(os.sep) if os.path.isdir(raw) else os.path.splitext(raw)[0]
-    out += "_tokenized"
-    return (f"pretokenize them first: python -m data_preprocess.pretokenize_pretrain_data --data_dir={raw} "
-            f"--tokenizer_dir={tokenizer_dir} --out_dir={out}; python -m data_preprocess.build_pretrain_sample_index_map "
-            f"--data_dir={out} --max_seq_len={max_seq_len}; then train with --data_dir={out}")
+MAX_NAMED_FILES = 5  # a hint names the raw files themselves up to this many (else their folder)
+
+
+def pretokenize_hint(raw: str, tokenizer_dir: str, max_seq_len: int, files: Sequence[str] = ()) -> str:
+    """The commands that make token shards of `raw`, safe to paste: every path quoted for the shell, the raw files
+    named one by one when they are few (a folder may also hold other tasks' files: the list shows what would be
+    read), the output under out/ in the working directory (the pretokenizer's default), never beside the input."""
+    from data_preprocess.pretokenize_pretrain_data import default_pretrain_out_dir
+    q = shlex.quote
+    inputs = list(files) if files and len(files) <= MAX_NAMED_FILES else [raw]
+    out = default_pretrain_out_dir([raw])
+    return (f"pretokenize them first: python -m data_preprocess.pretokenize_pretrain_data --data_dir "
+            f"{' '.join(map(q, inputs))} --tokenizer_dir={q(tokenizer_dir)} --out_dir={q(out)}; python -m "
+            f"data_preprocess.build_pretrain_sample_index_map --data_dir={q(out)} --max_seq_len={max_seq_len}; then "
+            f"train with --data_dir={q(out)}")
 
 
 def training_data_problem(task_type: str, data_dir: str, tokenizer_dir: str, max_seq_len: int,
@@ -68,11 +78,11 @@ def training_data_problem(task_type: str, data_dir: str, tokenizer_dir: str, max
     if os.path.isfile(data_dir):
         what = "a raw text file" if raw else "a file"
         return (f"data: {data_dir}: not a directory of token shards: it is {what}"
-                + (f"; {pretokenize_hint(data_dir, tokenizer_dir, max_seq_len)}" if raw else ""))
+                + (f"; {pretokenize_hint(data_dir, tokenizer_dir, max_seq_len, raw)}" if raw else ""))
     if raw:
         names = ", ".join(os.path.relpath(p, data_dir) for p in raw[:3]) + (", ..." if len(raw) > 3 else "")
         return (f"data: {data_dir}: no token shards, but {len(raw)}{'+' if len(raw) >= MAX_LISTED else ''} raw "
-                f"text file(s) ({names}); {pretokenize_hint(data_dir, tokenizer_dir, max_seq_len)}")
+                f"text file(s) ({names}); {pretokenize_hint(data_dir, tokenizer_dir, max_seq_len, raw)}")
     return None  # the full path names what is missing (no shards, orphans, ...)
 
 

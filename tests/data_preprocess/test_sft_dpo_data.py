@@ -181,13 +181,18 @@ def test_pretrain_cli_end_to_end_with_real_tokenizer(tmp_path, tok_dir):
     src = tmp_path / "raw"
     src.mkdir()
     texts = [f"the quick brown fox {i} 你好" for i in range(40)]
-    _jsonl(src / "a.jsonl", [{"text": t} for t in texts])
+    _jsonl(src / "a.jsonl", [{"text": t} for t in texts[:30]])
+    (tmp_path / "more").mkdir()
+    _jsonl(tmp_path / "more" / "b.jsonl", [{"text": t} for t in texts[30:]])
     env = dict(os.environ, PYTHONPATH=ROOT)
-    r = run_python([sys.executable, "-m", "data_preprocess.pretokenize_pretrain_data", f"--data_dir={src}",
-                    f"--tokenizer_dir={tok_dir}", "--num_workers=2", "--shard_size_tokens=200", "--no_progress"],
-                   cwd=ROOT, env=env, timeout=120)
+    # --data_dir takes several paths (a folder and a file), as train_tokenizer does; with no --out_dir the shards go
+    # under out/ in the working directory, named for the inputs, never beside them
+    r = run_python([sys.executable, "-m", "data_preprocess.pretokenize_pretrain_data", "--data_dir", str(src),
+                    str(tmp_path / "more" / "b.jsonl"), f"--tokenizer_dir={tok_dir}", "--num_workers=2",
+                    "--shard_size_tokens=200", "--no_progress"], cwd=str(tmp_path), env=env, timeout=120)
     assert r.returncode == 0, r.stderr
-    out = str(src) + "_tokenized"
+    out = str(tmp_path / "out" / "pretrain_tokenized" / "raw_and_1_more")
+    assert sorted(os.listdir(tmp_path)) == ["more", "out", "raw"]
     shards = list_shards(out)
     meta = load_tokenizer_meta(tok_dir)
     assert shards[0].fingerprint == meta["fingerprint"] and shards[0].vocab_size == meta["vocab_size"]

@@ -29,10 +29,10 @@ def test_data_dir_and_head_mistakes_are_answered_before_torch(tiny_pretrain_run_
                     f"[rank 0] error: data: {tmp_path / 'nope'}: not a directory of token shards: it does not exist"),
         "raw_jsonl": (_with(tiny_pretrain_run_args, data_dir=raw), EXIT_BAD_DATA,
                       f"[rank 0] error: data: {raw}: no token shards, but 1 raw text file(s) (zh.jsonl); pretokenize "
-                      f"them first: python -m data_preprocess.pretokenize_pretrain_data --data_dir={raw} "
-                      f"--tokenizer_dir={tok} --out_dir={raw}_tokenized; python -m "
-                      f"data_preprocess.build_pretrain_sample_index_map --data_dir={raw}_tokenized --max_seq_len=32; "
-                      f"then train with --data_dir={raw}_tokenized"),
+                      f"them first: python -m data_preprocess.pretokenize_pretrain_data --data_dir {raw / 'zh.jsonl'} "
+                      f"--tokenizer_dir={tok} --out_dir=out/pretrain_tokenized/raw; python -m "
+                      f"data_preprocess.build_pretrain_sample_index_map --data_dir=out/pretrain_tokenized/raw "
+                      f"--max_seq_len=32; then train with --data_dir=out/pretrain_tokenized/raw"),
         "no_index": (_with(tiny_pretrain_run_args, max_seq_len=48), EXIT_BAD_DATA,
                      f"[rank 0] error: data: {shards}/index_L48/index_meta.json: no index for max_seq_len=48 (found "
                      "['index_L32']; build one with build_pretrain_sample_index_map --max_seq_len=48)"),
