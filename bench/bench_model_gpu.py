@@ -21,8 +21,8 @@ device by CUDA events at the steps' ends (the trainer's way: the host queues ahe
 after the first step (timed alone: the compile, or eagerly the Triton JIT / cuBLAS start-up) and --warmup
 untimed steps; the first-step time minus one steady step is reported apart as "compile s" (eager rows:
 first-call overhead). --window N times windows of N steps by the host clock with a device sync at each
-window's end instead: reports of 2026-11-27 up to 95d7ba0 used --window 4 (the trainer then ran 1.09x its
-bench row on an H200), earlier ones --window 1 (a sync after every step). Ratios are printed, never asserted.
+window's end instead (--window 1: a sync after every step; windows make the bench slower than the trainer, whose
+host never waits for the device between steps). Ratios are printed, never asserted.
 
     python bench/bench_model_gpu.py                                 # 124m and 1b, all rows (eager first)
     python bench/bench_model_gpu.py --configs 124m --modes eager --precisions trainer
@@ -39,8 +39,8 @@ hf-liger (the same with Liger-Kernel's RMSNorm/RoPE/SwiGLU/fused linear-CE patch
 through torchao; on CPU torchao's emulation, so only its GPU rows say anything about speed; reported apart from
 bf16, not in the GPU report's verdict rows: `--bench-rows ours-fp8:trainer:compile` asks for it), ours-torchadam
 (ours with torch's fused AdamW instead of the one-launch kernel, OptimizerConfig.one_launch="off": the A/B of that
-kernel; trainer precision only), ours-concat (ours with what kernel_backend=auto chose under torch.compile before
-2026-11-27: q/k/v and gate/up as one matmul each and the chunked Triton linear+CE; the A/B of that choice),
+kernel; trainer precision only), ours-concat (ours with the other compiled choice of kernel_backend=auto:
+q/k/v and gate/up as one matmul each and the chunked Triton linear+CE; the A/B of that choice),
 ours-gradbuf (ours with the gradients copied into DDP's fp32 buffers, OptimizerConfig.grads_on_params=False, where
 one process with one micro-batch a step reads them from the parameters: the A/B of that; trainer precision only),
 ours-tce (compiled, the loss as the Triton linear+CE op in one chunk instead of Inductor's full-logits fusion: the
@@ -49,7 +49,7 @@ Inductor's two kernels took 1.35 ms per 124M step on an H200; the A/B of that), 
 op's softmax kernel in 4096-element tiles with 8 warps instead of 16384 with 16: compiled for sm_90 the default
 tile takes 64 registers a thread, two rows an SM, the 4096 tile 32, eight; the end-to-end A/B of
 bench/bench_kernels_gpu.py's triton-4k), ours-sync (ours with each step's
-optimizer verdict read inside the step, the host waiting for the gradient norm every step as before 2026-11-27;
+optimizer verdict read inside the step, the host waiting for the gradient norm every step;
 ours leaves it unread, as the trainer reads it a step later: the A/B of that; trainer precision only), ours-bf16m
 (ours with --optimizer_state_dtype=bf16: AdamW's moments in bf16 with stochastic rounding, 8 bytes a parameter less
 for the one-launch AdamW to stream; a numerics choice, reported apart from bf16 like FP8, beside ours; trainer
@@ -212,7 +212,7 @@ def make_step(config: str, model_name: str, mode: str, precision: str, device):
                       learning_rate=LR, batch_size=B, max_seq_len=T,
                       float8="tensorwise" if model_name == "ours-fp8" else "off",
                       optimizer_state_dtype="bf16" if model_name == "ours-bf16m" else "fp32")
-    if model_name == "ours-concat":  # the compiled choice before 2026-11-27 (model/kernels.py AUTO_UNDER_COMPILE)
+    if model_name == "ours-concat":  # the other compiled choice (model/kernels.py AUTO_UNDER_COMPILE)
         from model import kernels
         kernels.AUTO_UNDER_COMPILE.update(cross_entropy="triton", concat_linear="torch")
     # the optimizer's A/B rows: its step path given explicitly (OptimizerConfig's fields that no trainer flag sets)
@@ -487,7 +487,7 @@ def planned_rows(args) -> list[tuple[str, str, str, str]]:
     """(config, model, precision, mode) in the order they run: per config, eager rows then compile rows,
     each in PRIORITY order; --rows (model:precision:mode,...) replaces the matrix. When every --rows entry names
     its config (config:model:precision:mode) they run in the order listed (the GPU report's A/B rows, most
-    wanted first: config by config, the 1B row it wanted second ran seventh, in 17 s of budget, on 2026-11-27)."""
+    wanted first: config by config would run a 1B row it wants early only after every 124M row)."""
     rows = []
     if args.rows and all(r.count(":") == 3 for r in args.rows):  # every row config-prefixed: the order listed
         return [tuple(r.split(":")) for r in args.rows if r.split(":")[0] in args.configs]
@@ -723,7 +723,7 @@ def main(argv=None) -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--window", type=int, default=0, help="0: no device sync until the last timed step, each "
                    "step timed by CUDA events (the trainer's way); N: timed steps per device sync, by the host clock "
-                   "(4 up to 95d7ba0; 1: a sync after every step, as before 2026-11-27)")
+                   "(1: a sync after every step)")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="dense bf16 peak of the GPU (default: model/flops.py's table for this GPU, else 989)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per row subprocess")

@@ -9,7 +9,7 @@ One process, one microbenchmark each, every row's time the median of --iters CUD
   copy written back: less than our step does) and our one-launch AdamW reading bf16 gradients at their
   addresses and writing the bf16 parameters, with fp32 and with bf16 moments (one table row a program: 4 ran
   at 0.84-0.89x of it on an H200, same report);
-- the A/B of our two kernels' 16-byte vector accesses (GradAddresses.aligned, since 2026-11-27): each also run
+- the A/B of our two kernels' 16-byte vector accesses (GradAddresses.aligned): each also run
   told nothing about alignment, one element an access, as every figure before that date was measured.
 
     python bench/bench_optimizer_gpu.py                      # the 1B shapes (886M parameters), then 124M
@@ -86,9 +86,9 @@ def run_config(config: str, device_name: str, iters: int, warmup: int) -> list[d
             f"squared norm {abs(got - want) / want:.1e} from the float64 sum"
             + ("" if addrs.aligned else "; NOT aligned: one element an access"))
         # the A/B of the 16-byte vector accesses (GradAddresses.aligned): the same kernel told nothing, one
-        # element an access, as every step ran before 2026-11-27
+        # element an access, as the kernels run when nothing is known aligned
         scalar = GradAddresses(addrs.tensor, False)
-        row("grad norm", f"ours, {SUMSQ_ROWS} rows a program, scalar accesses (before 2026-11-27)", time_call(
+        row("grad norm", f"ours, {SUMSQ_ROWS} rows a program, scalar accesses (unaligned)", time_call(
             lambda: sumsq_param_grads(pg, scalar), iters, warmup), 2 * n)
 
     # --- the update. torch's fused AdamW (torch.optim.AdamW(fused=True), what a torch user steps with): fp32
@@ -125,7 +125,7 @@ def run_config(config: str, device_name: str, iters: int, warmup: int) -> list[d
                     step[0] += 1
                     adamw_param_grads(master, pg, scalar, m, v, out, sumsq, lr=1e-4, beta1=0.9, beta2=0.95,
                                       eps=1e-8, weight_decay=0.1, max_norm=1.0, step=step[0])
-                row("AdamW", "ours, one launch, fp32 moments, scalar accesses (before 2026-11-27)",
+                row("AdamW", "ours, one launch, fp32 moments, scalar accesses (unaligned)",
                     time_call(ours_scalar, iters, warmup), per_param * n)
             del m, v
     return rows
@@ -143,7 +143,7 @@ def ratios(rows: list[dict]) -> list[str]:
             out.append(f"| {r['config']} | {r['kernel']} | {r['impl']} / {ref['impl']} | {ref['ms'] / r['ms']:.2f}x |")
         # the vector accesses' A/B: the row against its scalar twin (> 1: the vectors faster)
         twin = next((x for x in rows if x["config"] == r["config"] and x["kernel"] == r["kernel"]
-                     and x["impl"] == r["impl"] + ", scalar accesses (before 2026-11-27)"), None)
+                     and x["impl"] == r["impl"] + ", scalar accesses (unaligned)"), None)
         if twin:
             out.append(f"| {r['config']} | {r['kernel']} | {r['impl']} / {twin['impl']} | "
                        f"{twin['ms'] / r['ms']:.2f}x |")

@@ -7,9 +7,9 @@ specialisation the model launches at real sizes (dtypes, constexpr flags, block 
 counts computed by the launchers' own rules), through Triton's full pipeline: TTIR -> TTGIR -> LLVM
 -> PTX -> cubin with the ptxas bundled in the triton wheel, for the chosen architectures (default
 sm_90 = H100, sm_80 = A100), with pointer arguments 16-byte aligned and integer arguments multiples of 16, as
-Triton's launcher specializes them for torch's allocations and the model's sizes (compiled without that, as this
-script did before 2026-11-27, nothing is known aligned: every access is one element and the register counts differ,
-e.g. 123 instead of 64 for the softmax kernel). It prints one row per kernel variant: registers per thread, spill
+Triton's launcher specializes them for torch's allocations and the model's sizes (compiled without that, nothing
+is known aligned: every access is one element and the register counts differ, e.g. 123 instead of 64 for the
+softmax kernel). It prints one row per kernel variant: registers per thread, spill
 bytes and static shared memory from `ptxas -v`, and the PTX's global loads and stores that are vectors
 (ld.global.v4.b32, ...) and those that move one element. Exit status 1 if any variant fails to compile.
 
