@@ -3,8 +3,8 @@ process: the first step's every gradient (expert gradients gathered from their e
 gradient norm, the parameters after 3 steps, within 10x the one-process reference's own fp32 rounding (its fp32
 run against its fp64 run), the selection biases exactly. A second model whose selection bias sends every token to
 rank 0's experts: rank 1's experts receive no rows (zero gradients, never None) and the run still follows one
-process. Bad flags: one line, exit 2 (tests/parallel/test_expert_parallel_flags.py is not needed: the refusals are
-parallel/config.py's lines, checked here without a process group)."""
+process. Bad flags: parallel/config.py's lines (checked at 8 ranks without a process group) and the trainer's one
+line, exit 2."""
 from __future__ import annotations
 
 import dataclasses
@@ -155,3 +155,42 @@ def test_ep2_follows_one_process(results, case):
         assert g[2:].abs().max() == 0 and g[:2].abs().max() > 0
     else:
         assert any(torch.count_nonzero(b) for b in r32["bias"])  # the rule moved them
+
+
+@pytest.mark.parametrize("flags, model, needle", [
+    (dict(parallel="fsdp"), dict(moe_num_experts=6), "--moe_num_experts=6 is not divisible by --expert_parallel_size=4"),
+    (dict(parallel="fsdp"), dict(moe_num_experts=0), "--expert_parallel_size=4 needs an MoE model"),
+    (dict(parallel="ddp"), dict(moe_num_experts=8), "--expert_parallel_size=4 cannot be combined with --parallel=ddp"),
+    (dict(parallel="fsdp", context_parallel_size=2), dict(moe_num_experts=8),
+     "--expert_parallel_size=4 cannot be combined with --context_parallel_size=2"),
+    (dict(parallel="fsdp", pipeline_parallel_size=2, gradient_accumulation_steps=2), dict(moe_num_experts=8),
+     "--expert_parallel_size=4 cannot be combined with --pipeline_parallel_size=2"),
+    (dict(parallel="fsdp", dp_replicate_size=4), dict(moe_num_experts=8),
+     "--expert_parallel_size=4 does not divide the data-parallel shard dimension 2"),
+], ids=["experts", "dense", "ddp", "cp", "pp", "shard"])
+def test_refusals_name_the_flags(flags, model, needle):
+    """parallel/config.py's lines at 8 ranks (what the trainer prints, one line, exit 2)."""
+    from parallel.config import ParallelConfig
+    pc = ParallelConfig(expert_parallel_size=4, **flags)
+    lines = pc.problems(8) + pc.model_problems(n_layers=2, n_heads=2, n_kv_heads=2, max_seq_len=16, dropout=0.0,
+                                               **model)
+    assert any(needle in line for line in lines), lines
+    assert all("\n" not in line for line in lines)
+
+
+def test_good_layout_has_no_problem():
+    from parallel.config import ParallelConfig
+    from parallel.mesh import MeshLayout
+    pc = ParallelConfig(parallel="fsdp", expert_parallel_size=2, dp_replicate_size=2)
+    assert pc.problems(8) == [] and pc.model_problems(n_layers=2, n_heads=2, n_kv_heads=2, max_seq_len=16,
+                                                      dropout=0.0, moe_num_experts=4) == []
+    assert pc.layout(8) == MeshLayout(1, 2, 4, 1, 1, 2) and pc.data_parallel_size(8) == 8
+
+
+def test_trainer_refuses_in_one_line_exit_2(tiny_pretrain_run_args, tmp_path, capsys):
+    from tests.trainer.test_errors import assert_one_error_line, run_main
+    from utils.constants import EXIT_BAD_CONFIG
+    code, err = run_main([*tiny_pretrain_run_args, f"--out_dir={tmp_path / 'run'}", "--max_iters=1",
+                          "--moe_num_experts=3", "--parallel=fsdp", "--expert_parallel_size=2"], capsys)
+    assert code == EXIT_BAD_CONFIG, err
+    assert_one_error_line(err, "--moe_num_experts=3 is not divisible by --expert_parallel_size=2")
