@@ -194,3 +194,37 @@ def test_trainer_refuses_in_one_line_exit_2(tiny_pretrain_run_args, tmp_path, ca
                           "--moe_num_experts=3", "--parallel=fsdp", "--expert_parallel_size=2"], capsys)
     assert code == EXIT_BAD_CONFIG, err
     assert_one_error_line(err, "--moe_num_experts=3 is not divisible by --expert_parallel_size=2")
+
+
+def test_resume_across_ep_sizes(tiny_pretrain_run_args, tmp_path):
+    """FSDP2 at 2 ranks, 6 steps, a checkpoint every 2: ep=2 crashes at step 3, resumes at ep=1 (torch DCP reshards
+    the experts from their ep shards), crashes at step 5, resumes at ep=2. Its losses equal the uninterrupted ep=2
+    run's within 10x the difference between the uninterrupted ep=1 and ep=2 runs (the same sums, reduced in
+    another order), and steps 1-2 exactly."""
+    import os
+
+    from tests.conftest import run_cmd, run_trainer, train_cmd
+    from utils.metrics import dedupe_by_step, read_metrics
+    args = [*tiny_pretrain_run_args, "--moe_num_experts=4", "--moe_top_k=2", "--moe_hidden_dim=16",
+            "--moe_first_dense_layers=1", "--n_layers=3", "--moe_bias_update_rate=0.01", "--moe_aux_loss_coef=0.01",
+            "--parallel=fsdp", "--batch_size=2", "--max_iters=6", "--checkpoint_interval=2"]
+
+    def losses(d):
+        return {s: r["loss"] for s, r in dedupe_by_step(read_metrics(os.path.join(d, "metrics.jsonl"))).items()}
+
+    ref2, ref1, moved = tmp_path / "ep2", tmp_path / "ep1", tmp_path / "moved"
+    run_cmd(train_cmd([*args, f"--out_dir={ref2}", "--expert_parallel_size=2"], 2))
+    run_cmd(train_cmd([*args, f"--out_dir={ref1}", "--expert_parallel_size=1"], 2))
+    for ep, fault, resume in ((2, "crash@3", []), (1, "crash@5", ["--init_from=resume"])):
+        once = tmp_path / f"fired{ep}"
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MYLLM_FAULT=fault,
+                   MYLLM_FAULT_ONCE_FILE=str(once))
+        proc = run_trainer(train_cmd([*args, f"--out_dir={moved}", f"--expert_parallel_size={ep}", *resume], 2),
+                           env=env)
+        assert proc.returncode != 0 and once.exists(), proc.stderr[-2000:]
+    run_cmd(train_cmd([*args, f"--out_dir={moved}", "--expert_parallel_size=2", "--init_from=resume"], 2))
+    want, other, got = losses(ref2), losses(ref1), losses(moved)
+    assert sorted(got) == sorted(want) == list(range(1, 7))
+    tol = 10 * max(abs(want[s] - other[s]) for s in want) + 1e-7
+    assert [got[1], got[2]] == [want[1], want[2]]
+    assert max(abs(got[s] - want[s]) for s in want) <= tol, (got, want, tol)
