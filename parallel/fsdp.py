@@ -188,6 +188,10 @@ def wrap_fsdp(model: nn.Module, *, mesh_or_group: Union[DeviceMesh, dist.Process
     for unit in own:
         fully_shard(unit, reshard_after_forward=reshard_after_forward, **{**kw, "mesh": getattr(unit, SHARD_MESH_ATTR)})
         unit.set_gradient_divide_factor(getattr(unit, GRAD_DIVIDE_ATTR))
+        shard_mesh = getattr(unit, SHARD_MESH_ATTR)
+        if shard_mesh.size(shard_mesh.ndim - 1) > 1 and dist.get_backend(shard_mesh.get_group(0)) == "gloo":
+            # gloo has no PREMUL_SUM: sum, then divide (a 1-rank shard dimension divides in FSDP's copy already)
+            unit.set_force_sum_reduction_for_comms(True)
         if gloo_collectives:
             _use_gloo_collectives([unit], getattr(unit, SHARD_MESH_ATTR))
     for block in blocks:

@@ -55,7 +55,9 @@ def apply(model: nn.Module, mesh: Any, config: Any) -> None:
         if layer.num_experts % ep:
             raise ValueError(f"--moe_num_experts={layer.num_experts} is not divisible by --expert_parallel_size={ep}")
         shard_experts(layer.experts, ep_mesh)
-        setattr(layer.experts, SHARD_MESH_ATTR, mesh["efsdp"])
+        # FSDP of the experts over the dp ranks that hold the same ones (HSDP: across the replicas too)
+        setattr(layer.experts, SHARD_MESH_ATTR,
+                mesh["dp_replicate", "efsdp"] if mesh["dp_replicate"].size() > 1 else mesh["efsdp"])
         setattr(layer.experts, GRAD_DIVIDE_ATTR, float(dp_size))
 
 

@@ -1,5 +1,5 @@
-"""Expert parallelism (parallel/transforms/expert_parallel.py) at ep=2 on 2 gloo ranks under FSDP2 follows one
-process: the first step's every gradient (expert gradients gathered from their ep shards), each step's loss and
+"""Expert parallelism (parallel/transforms/expert_parallel.py) at ep=2 under FSDP2 on gloo (2 ranks; 4 ranks with
+FSDP over the experts' efsdp=2 and with HSDP replicas) follows one process: the first step's every gradient (expert gradients gathered from their ep shards), each step's loss and
 gradient norm, the parameters after 3 steps, within 10x the one-process reference's own fp32 rounding (its fp32
 run against its fp64 run), the selection biases exactly. A second model whose selection bias sends every token to
 rank 0's experts: rank 1's experts receive no rows (zero gradients, never None) and the run still follows one
@@ -83,13 +83,13 @@ def _full(t) -> list:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().double().reshape(-1).tolist()
 
 
-def train(starve: bool) -> dict:
+def train(starve: bool, **layout) -> dict:
     from parallel.build import build_engine
     from trainer.config import TrainConfig
     from trainer.moe import MoETraining
     moe = dict(MOE, moe_bias_update_rate=0.0) if starve else MOE
     cfg = dataclasses.replace(TrainConfig(), parallel="fsdp", expert_parallel_size=2, dtype="fp32", device="cpu",
-                              gradient_accumulation_steps=2, **OPT, **moe)
+                              gradient_accumulation_steps=2, **OPT, **moe, **layout)
     engine = build_engine(new_model(starve), cfg, device=torch.device("cpu"))
     training = MoETraining.of(cfg, engine.module)
     loss_fn = training.wrap_loss(lambda m, b: (m(b["input_ids"], labels=b["labels"], reduction="sum"), {}),
@@ -115,8 +115,14 @@ def train(starve: bool) -> dict:
     return rec
 
 
+# the layouts each world runs: 2 ranks: ep=2 (experts left to the ep sharding); 4 ranks: ep=2 with FSDP over the 2
+# ranks that hold the same experts (efsdp=2), and ep=2 under HSDP (2 replicas of dp_shard=2, efsdp=1)
+CASES = {2: {"plain": (False, {}), "starved": (True, {})},
+         4: {"efsdp2": (False, {}), "hsdp": (False, {"dp_replicate_size": 2})}}
+
+
 def _world(rank: int, world: int, out_path: str) -> None:
-    out = {"plain": train(False), "starved": train(True)}
+    out = {name: train(starve, **layout) for name, (starve, layout) in CASES[world].items()}
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(out, f)
@@ -124,9 +130,12 @@ def _world(rank: int, world: int, out_path: str) -> None:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
-    path = tmp_path_factory.mktemp("ep") / "ep2.json"
-    spawn(_world, 2, str(path))
-    return json.loads(path.read_text())
+    out = {}
+    for world in CASES:
+        path = tmp_path_factory.mktemp("ep") / f"ep_w{world}.json"
+        spawn(_world, world, str(path))
+        out.update(json.loads(path.read_text()))
+    return out
 
 
 def _close(got: dict, r32: dict, r64: dict, key: str) -> None:
@@ -137,12 +146,13 @@ def _close(got: dict, r32: dict, r64: dict, key: str) -> None:
         assert diff <= 10 * noise + 1e-7, (key, n, diff, noise)
 
 
-@pytest.mark.parametrize("case", ["plain", "starved"])
+@pytest.mark.parametrize("case", ["plain", "starved", "efsdp2", "hsdp"])
 def test_ep2_follows_one_process(results, case):
     starve = case == "starved"
     r32, r64 = reference(torch.float32, starve), reference(torch.float64, starve)
     rec = results[case]
-    assert rec["local_experts"] == [2, 2]  # E/ep experts on each rank
+    # E/ep = 2 experts on each rank, FSDP-sharded again over efsdp=2 (one expert's rows per rank)
+    assert rec["local_experts"] == ([1, 1] if case == "efsdp2" else [2, 2])
     for key in ("losses", "norms"):
         tol = 10 * max(abs(a - b) for a, b in zip(r32[key], r64[key])) + 1e-6
         assert max(abs(a - b) for a, b in zip(rec[key], r32[key])) <= tol, (key, rec[key], r32[key])
