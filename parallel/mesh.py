@@ -123,11 +123,13 @@ def build_device_mesh(layout: MeshLayout, device_type: str) -> Any:
     world = dist.get_world_size()
     if world != layout.world_size:
         raise ValueError(f"the mesh {layout.describe()} needs {layout.world_size} processes, the world has {world}")
-    if layout.ep == 1:
-        return init_device_mesh(device_type, layout.sizes(), mesh_dim_names=MESH_DIMS)
-    sizes = (layout.pp, layout.dp_replicate, layout.dp_shard // layout.ep, layout.ep, layout.cp, layout.tp)
-    mesh = init_device_mesh(device_type, sizes, mesh_dim_names=("pp", "dp_replicate") + EP_DIMS + ("cp", "tp"))
-    mesh[EP_DIMS]._flatten("dp_shard")  # rank order unchanged: dp_shard index = efsdp x ep + ep index
+    sizes, names = layout.sizes(), MESH_DIMS
+    if layout.ep > 1:  # dp_shard as efsdp x ep, flattened back below (rank order unchanged: efsdp x ep + ep index)
+        sizes = (layout.pp, layout.dp_replicate, layout.dp_shard // layout.ep, layout.ep, layout.cp, layout.tp)
+        names = ("pp", "dp_replicate") + EP_DIMS + ("cp", "tp")
+    mesh = init_device_mesh(device_type, sizes, mesh_dim_names=names)
+    if layout.ep > 1:
+        mesh[EP_DIMS]._flatten("dp_shard")
     return mesh
 
 
