@@ -344,6 +344,9 @@ class ParallelConfig(ParallelFlags):
             what = f"--context_parallel_size={self.cp}" if self.cp > 1 else f"--tensor_parallel_size={self.tp}"
             out.append(f"--expert_parallel_size={self.ep} cannot be combined with {what} yet (the ep ranks split "
                        "the data-parallel shard dimension only; torchtitan's ep over dp_shard x cp x tp is not built)")
+        if self.ep > 1 and self.compile:
+            out.append(f"--compile=true cannot be combined with --expert_parallel_size={self.ep} yet (untested: the "
+                       "all-to-all's split sizes are read to the host inside the forward)")
         if self.cp > 1 and self.sequence_parallel:
             out.append(f"--sequence_parallel=true cannot be combined with --context_parallel_size={self.cp} yet (both "
                        "split the sequence: the tensor ranks would split each cp rank's two chunks again, untested)")

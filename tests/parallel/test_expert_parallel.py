@@ -115,9 +115,10 @@ def train(starve: bool, **layout) -> dict:
     return rec
 
 
-# the layouts each world runs: 2 ranks: ep=2 (experts left to the ep sharding); 4 ranks: ep=2 with FSDP over the 2
+# the layouts each world runs: 2 ranks: ep=2 (experts left to the ep sharding; also with activation checkpointing,
+# whose recompute runs the all-to-alls again in the backward); 4 ranks: ep=2 with FSDP over the 2
 # ranks that hold the same experts (efsdp=2), and ep=2 under HSDP (2 replicas of dp_shard=2, efsdp=1)
-CASES = {2: {"plain": (False, {}), "starved": (True, {})},
+CASES = {2: {"plain": (False, {}), "starved": (True, {}), "recompute": (False, {"gradient_checkpointing": True})},
          4: {"efsdp2": (False, {}), "hsdp": (False, {"dp_replicate_size": 2})}}
 
 
@@ -146,7 +147,7 @@ def _close(got: dict, r32: dict, r64: dict, key: str) -> None:
         assert diff <= 10 * noise + 1e-7, (key, n, diff, noise)
 
 
-@pytest.mark.parametrize("case", ["plain", "starved", "efsdp2", "hsdp"])
+@pytest.mark.parametrize("case", ["plain", "starved", "recompute", "efsdp2", "hsdp"])
 def test_ep2_follows_one_process(results, case):
     starve = case == "starved"
     r32, r64 = reference(torch.float32, starve), reference(torch.float64, starve)
@@ -177,7 +178,9 @@ def test_ep2_follows_one_process(results, case):
      "--expert_parallel_size=4 cannot be combined with --pipeline_parallel_size=2"),
     (dict(parallel="fsdp", dp_replicate_size=4), dict(moe_num_experts=8),
      "--expert_parallel_size=4 does not divide the data-parallel shard dimension 2"),
-], ids=["experts", "dense", "ddp", "cp", "pp", "shard"])
+    (dict(parallel="fsdp", compile=True), dict(moe_num_experts=8),
+     "--compile=true cannot be combined with --expert_parallel_size=4"),
+], ids=["experts", "dense", "ddp", "cp", "pp", "shard", "compile"])
 def test_refusals_name_the_flags(flags, model, needle):
     """parallel/config.py's lines at 8 ranks (what the trainer prints, one line, exit 2)."""
     from parallel.config import ParallelConfig
