@@ -243,34 +243,35 @@ def test_resume_across_ep_sizes(tiny_pretrain_run_args, tmp_path):
     assert max(abs(got[s] - want[s]) for s in want) <= tol, (got, want, tol)
 
 
-def test_ep_checkpoint_resumes_under_our_ddp(tiny_pretrain_run_args, tmp_path):
-    """An ep=2 FSDP2 run's DCP checkpoint (experts in ep shards) resumes under our DDP at 2 ranks
-    (checkpoint/convert.py reads every tensor whole by name; from then on the plain format): the losses after the
-    resume equal the uninterrupted ep=2 run's within 10x the difference of an uninterrupted ddp run from it (the
-    same micro-batches, the same sums in another order)."""
+def test_ep_checkpoints_cross_to_our_ddp_and_back(tiny_pretrain_run_args, tmp_path):
+    """6 steps at 2 ranks, a checkpoint every 2: ep=2 under FSDP2 crashes at step 3; its DCP checkpoint (experts in
+    ep shards) resumes under --parallel=ddp (checkpoint/convert.py reads each tensor whole by name), which crashes
+    at step 5 after writing the plain format at step 4; that resumes at ep=2 again. The losses equal the
+    uninterrupted ep=2 run's within 10x the difference of an uninterrupted ddp run from it (the same
+    micro-batches, the same sums in another order)."""
     import os
 
     from tests.conftest import run_cmd, run_trainer, train_cmd
     from utils.metrics import dedupe_by_step, read_metrics
     args = [*tiny_pretrain_run_args, "--moe_num_experts=4", "--moe_top_k=2", "--moe_hidden_dim=16",
             "--moe_first_dense_layers=1", "--n_layers=3", "--moe_bias_update_rate=0.01", "--moe_aux_loss_coef=0.01",
-            "--max_iters=4", "--checkpoint_interval=2"]
-    ep2 = ["--parallel=fsdp", "--expert_parallel_size=2", "--batch_size=2"]
+            "--max_iters=6", "--checkpoint_interval=2", "--batch_size=2"]
+    ep2, ddp = ["--parallel=fsdp", "--expert_parallel_size=2"], ["--parallel=ddp", "--expert_parallel_size=1"]
 
     def losses(d):
         return {s: r["loss"] for s, r in dedupe_by_step(read_metrics(os.path.join(d, "metrics.jsonl"))).items()}
 
-    ref, one, moved = tmp_path / "ep2", tmp_path / "ddp2", tmp_path / "moved"
+    ref, other_run, moved = tmp_path / "ep2", tmp_path / "ddp2", tmp_path / "moved"
     run_cmd(train_cmd([*args, *ep2, f"--out_dir={ref}"], 2))
-    run_cmd(train_cmd([*args, "--batch_size=2", f"--out_dir={one}"], 2))
-    once = tmp_path / "fired"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MYLLM_FAULT="crash@3",
-               MYLLM_FAULT_ONCE_FILE=str(once))
-    proc = run_trainer(train_cmd([*args, *ep2, f"--out_dir={moved}"], 2), env=env)
-    assert proc.returncode != 0 and once.exists(), proc.stderr[-2000:]
-    run_cmd(train_cmd([*args, "--batch_size=2", "--parallel=ddp", "--expert_parallel_size=1", f"--out_dir={moved}",
-                       "--init_from=resume"], 2))
-    want, other, got = losses(ref), losses(one), losses(moved)
-    assert sorted(got) == sorted(want) == [1, 2, 3, 4]
+    run_cmd(train_cmd([*args, *ddp, f"--out_dir={other_run}"], 2))
+    for layout, fault, resume in ((ep2, "crash@3", []), (ddp, "crash@5", ["--init_from=resume"])):
+        once = tmp_path / f"fired_{fault}"
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MYLLM_FAULT=fault,
+                   MYLLM_FAULT_ONCE_FILE=str(once))
+        proc = run_trainer(train_cmd([*args, *layout, f"--out_dir={moved}", *resume], 2), env=env)
+        assert proc.returncode != 0 and once.exists(), proc.stderr[-2000:]
+    run_cmd(train_cmd([*args, *ep2, f"--out_dir={moved}", "--init_from=resume"], 2))
+    want, other, got = losses(ref), losses(other_run), losses(moved)
+    assert sorted(got) == sorted(want) == list(range(1, 7))
     tol = 10 * max(abs(want[s] - other[s]) for s in want) + 1e-7
     assert max(abs(got[s] - want[s]) for s in want) <= tol, (got, want, other, tol)
