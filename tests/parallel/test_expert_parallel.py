@@ -191,6 +191,16 @@ def test_refusals_name_the_flags(flags, model, needle):
     assert all("\n" not in line for line in lines)
 
 
+def test_moe_is_a_capability_pipeline_stages_lack():
+    """The trainer asks for "moe" (trainer/config.py engine_needs); pipeline stages do not declare it."""
+    from parallel.config import ParallelConfig
+    needs = {"--moe_num_experts=4": "moe"}
+    pp = ParallelConfig(pipeline_parallel_size=2, gradient_accumulation_steps=2)
+    assert pp.problems(2, needs=needs) == ["--moe_num_experts=4 cannot be combined with --pipeline_parallel_size=2 "
+                                          "(MoE blocks under pipeline stages are not built yet)"]
+    assert ParallelConfig(parallel="fsdp").problems(2, needs=needs) == ParallelConfig().problems(2, needs=needs) == []
+
+
 def test_good_layout_has_no_problem():
     from parallel.config import ParallelConfig
     from parallel.mesh import MeshLayout
