@@ -116,9 +116,10 @@ def train(starve: bool, **layout) -> dict:
 
 
 # the layouts each world runs: 2 ranks: ep=2 (experts left to the ep sharding; also with activation checkpointing,
-# whose recompute runs the all-to-alls again in the backward); 4 ranks: ep=2 with FSDP over the 2
+# whose recompute runs the all-to-alls again in the backward, and with FSDP2's CPU offload); 4 ranks: ep=2 with FSDP over the 2
 # ranks that hold the same experts (efsdp=2), and ep=2 under HSDP (2 replicas of dp_shard=2, efsdp=1)
-CASES = {2: {"plain": (False, {}), "starved": (True, {}), "recompute": (False, {"gradient_checkpointing": True})},
+CASES = {2: {"plain": (False, {}), "starved": (True, {}), "recompute": (False, {"gradient_checkpointing": True}),
+             "offload": (False, {"cpu_offload": True})},
          4: {"efsdp2": (False, {}), "hsdp": (False, {"dp_replicate_size": 2})}}
 
 
@@ -147,7 +148,7 @@ def _close(got: dict, r32: dict, r64: dict, key: str) -> None:
         assert diff <= 10 * noise + 1e-7, (key, n, diff, noise)
 
 
-@pytest.mark.parametrize("case", ["plain", "starved", "recompute", "efsdp2", "hsdp"])
+@pytest.mark.parametrize("case", ["plain", "starved", "recompute", "offload", "efsdp2", "hsdp"])
 def test_ep2_follows_one_process(results, case):
     starve = case == "starved"
     r32, r64 = reference(torch.float32, starve), reference(torch.float64, starve)
