@@ -140,7 +140,10 @@ class GroupedExperts(nn.Module):
     def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         impl = choose_expert_backend(rows, self.backend)
         fn = experts_grouped if impl == "grouped_mm" else experts_loop
-        return fn(rows, counts, self.gate_up_proj, self.down_proj)
+        # under expert parallelism the weights are DTensors over the ep ranks: this rank computes its own experts
+        # (parallel/transforms/expert_parallel.py hands it their rows and counts)
+        return fn(rows, counts, *(w.to_local() if hasattr(w, "to_local") else w
+                                  for w in (self.gate_up_proj, self.down_proj)))
 
 
 class SharedExperts(nn.Module):

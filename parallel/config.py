@@ -32,14 +32,16 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 # What each engine can do: a capability a run asks for that is missing here is refused (`problems`) with the
 # reason given in WHY_NOT (light_checkpoints and no_process_group are read, not asked for). A task asks for what it
 # needs beyond a plain forward/backward (trainer/tasks/__init__.py TASKS): padded_batches (SFT's padding or packed
-# documents), sequence_logprobs (DPO's per-sequence sums), rollouts (GRPO's token-by-token generation). A pipeline's capabilities are those of "pipeline" AND of the dp
-# engine that runs its stages.
+# documents), sequence_logprobs (DPO's per-sequence sums), rollouts (GRPO's token-by-token generation). A pipeline's
+# capabilities are those of "pipeline" AND of the dp engine that runs its stages.
 CAPABILITIES: dict[str, frozenset] = {
-    "ddp": frozenset({"compile", "padded_batches", "sequence_logprobs", "rollouts", "frozen_parameters", "light_checkpoints", "whole_model_on_one_rank",
-                      "comm_hooks", "overlap_optim_step", "zero", "tied_embeddings", "no_process_group", "float8",
-                      "context_parallel", "low_precision_optimizer_states"}),
-    "fsdp": frozenset({"compile", "padded_batches", "sequence_logprobs", "rollouts", "frozen_parameters", "tensor_parallel", "sequence_parallel", "hsdp",
-                       "cpu_offload", "tied_embeddings", "float8", "context_parallel"}),
+    "ddp": frozenset({"compile", "padded_batches", "sequence_logprobs", "rollouts", "frozen_parameters",
+                      "light_checkpoints", "whole_model_on_one_rank", "comm_hooks", "overlap_optim_step", "zero",
+                      "tied_embeddings", "no_process_group", "float8", "context_parallel",
+                      "low_precision_optimizer_states", "moe"}),
+    "fsdp": frozenset({"compile", "padded_batches", "sequence_logprobs", "rollouts", "frozen_parameters",
+                       "tensor_parallel", "sequence_parallel", "hsdp", "cpu_offload", "tied_embeddings", "float8",
+                       "context_parallel", "moe", "expert_parallel"}),
     "pipeline": frozenset({"zero", "tensor_parallel", "cpu_offload", "frozen_parameters", "padded_batches",
                            "sequence_logprobs"}),
 }
@@ -58,6 +60,9 @@ WHY_NOT: dict[str, str] = {
     "tied_embeddings": "the embedding on the first stage and the LM head on the last would be one weight on two ranks",
     "float8": "FP8 layers are not tested under pipeline stages yet",
     "context_parallel": "pipeline stages would pass split hidden states between ranks: not built yet",
+    "moe": "MoE blocks under pipeline stages are not built yet",
+    "expert_parallel": "experts sharded over ep ranks run on FSDP2's mesh (our DDP / ZeRO over the non-expert "
+                       "weights with expert-parallel groups is not built yet): needs --parallel=fsdp",
     "low_precision_optimizer_states": "the bf16 moments live in our DDP's one-launch AdamW over its flat buffers "
                                       "(one stage's gradient norm only)",
 }
@@ -127,6 +132,10 @@ class ParallelFlags:
                                     "gradients reduced over dp x C (WORLD_SIZE = dp x C); --max_seq_len a multiple "
                                     "of 2C; pretraining, --parallel=ddp or fsdp (+ tensor parallel), not pipeline stages "
                                     "(see docs/parallel.md)")
+    expert_parallel_size: int = _f(1, "expert-parallel ranks (1 = off): the routed experts of every MoE block split "
+                                   "over ep data-parallel ranks (each holds E/ep; tokens sent to their experts' "
+                                   "ranks and back by all-to-all); ep divides the data-parallel shard dimension; "
+                                   "--parallel=fsdp, which shards the rest (see docs/parallel.md)")
     compile_mode: str = _f("default", "with --compile=true: torch.compile's mode (default | reduce-overhead | max-autotune | "
                            "max-autotune-no-cudagraphs); reduce-overhead and max-autotune replay the compiled forward "
                            "and backward as CUDA graphs on a GPU (Inductor's cudagraph trees; no effect on CPU); the "
@@ -164,10 +173,14 @@ class ParallelConfig(ParallelFlags):
     def cp(self) -> int:
         return int(self.context_parallel_size)
 
+    @property
+    def ep(self) -> int:
+        return int(self.expert_parallel_size)
+
     def layout(self, world_size: int) -> MeshLayout:
         """The mesh sizes for `world_size` processes; ValueError (one line) when they do not fit."""
         return MeshLayout.from_sizes(world_size, pp=self.pp, dp_replicate=int(self.dp_replicate_size), tp=self.tp,
-                                     cp=self.cp)
+                                     cp=self.cp, ep=self.ep)
 
     def data_parallel_size(self, world_size: int) -> int:
         """How many slices the global batch is split into at `world_size`: the ranks of one pipeline, of one
@@ -224,7 +237,8 @@ class ParallelConfig(ParallelFlags):
     def needs_mesh(self) -> bool:
         """Whether the layout runs on parallel/mesh.py's device mesh: FSDP2, pipeline stages and every dimension
         past data parallelism do; our DDP / ZeRO alone reduces over a process group."""
-        return self.parallel == "fsdp" or self.pp > 1 or self.cp > 1 or self.tp > 1 or int(self.dp_replicate_size) > 1
+        return (self.parallel == "fsdp" or self.pp > 1 or self.cp > 1 or self.tp > 1 or int(self.dp_replicate_size) > 1
+                or self.ep > 1)
 
     def saves_light_checkpoints(self) -> bool:
         return "light_checkpoints" in self.capabilities()
@@ -241,7 +255,8 @@ class ParallelConfig(ParallelFlags):
                  (self.use_distributed_optimizer, "--use_distributed_optimizer=true", "zero"),
                  (self.compile, "--compile=true", "compile"),
                  (self.float8 != "off", f"--float8={self.float8}", "float8"),
-                 (self.cp > 1, f"--context_parallel_size={self.cp}", "context_parallel"))
+                 (self.cp > 1, f"--context_parallel_size={self.cp}", "context_parallel"),
+                 (self.ep > 1, f"--expert_parallel_size={self.ep}", "expert_parallel"))
         return {asked_by: cap for on, asked_by, cap in asked if on}
 
     def problems(self, world_size: Optional[int] = None, needs: Optional[dict[str, str]] = None) -> list[str]:
@@ -249,7 +264,8 @@ class ParallelConfig(ParallelFlags):
         out as pp x dp_replicate x dp_shard x tp, and each capability asked for (`needs` and the layout's
         own flags) that an engine of this layout does not declare."""
         out = []
-        for name in ("pipeline_parallel_size", "tensor_parallel_size", "dp_replicate_size", "context_parallel_size"):
+        for name in ("pipeline_parallel_size", "tensor_parallel_size", "dp_replicate_size", "context_parallel_size",
+                     "expert_parallel_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 out.append(f"--{name}={v!r}: must be an integer >= 1")
@@ -271,7 +287,7 @@ class ParallelConfig(ParallelFlags):
             return out
         if world_size is not None:
             problem = layout_problem(world_size, pp=self.pp, dp_replicate=int(self.dp_replicate_size), tp=self.tp,
-                                     cp=self.cp)
+                                     cp=self.cp, ep=self.ep)
             if problem:
                 out.append(problem)
         out.extend(self._combination_problems())
@@ -287,10 +303,19 @@ class ParallelConfig(ParallelFlags):
         return out
 
     def model_problems(self, *, n_layers: int, n_heads: int, n_kv_heads: int, max_seq_len: int,
-                       dropout: float) -> list[str]:
+                       dropout: float, moe_num_experts: int = 0) -> list[str]:
         """What a model of this shape cannot do on this layout: layers that do not split into the pipeline's
-        stages, heads that do not split over the tensor-parallel ranks, a sequence that does not."""
+        stages, heads that do not split over the tensor-parallel ranks, a sequence that does not, experts
+        that do not split over the expert-parallel ranks (or none to split)."""
         out = []
+        if self.ep > 1 and not moe_num_experts:
+            out.append(f"--expert_parallel_size={self.ep} needs an MoE model (--moe_num_experts > 0)")
+        elif self.ep > 1 and moe_num_experts % self.ep:
+            out.append(f"--moe_num_experts={moe_num_experts} is not divisible by --expert_parallel_size={self.ep} "
+                       f"(each rank holds experts/{self.ep})")
+        if moe_num_experts and self.tp > 1:
+            out.append(f"--moe_num_experts={moe_num_experts} cannot be combined with --tensor_parallel_size={self.tp} "
+                       "yet (MoE blocks under tensor parallelism are not built)")
         if self.pp > 1 and n_layers % self.pp:
             out.append(f"--pipeline_parallel_size={self.pp}: --n_layers={n_layers} does not split into {self.pp} "
                        "equal stages (choose a divisor of n_layers)")
@@ -324,6 +349,13 @@ class ParallelConfig(ParallelFlags):
             what = f"--tensor_parallel_size={self.tp}" if self.tp > 1 else f"--pipeline_parallel_size={self.pp}"
             out.append(f"--compile_mode={self.compile_mode} cannot be combined with {what} yet (CUDA graphs are "
                        "marked per micro-batch of the whole-model compile; per-block and per-stage compiles are not)")
+        if self.ep > 1 and (self.cp > 1 or self.tp > 1):
+            what = f"--context_parallel_size={self.cp}" if self.cp > 1 else f"--tensor_parallel_size={self.tp}"
+            out.append(f"--expert_parallel_size={self.ep} cannot be combined with {what} yet (the ep ranks split "
+                       "the data-parallel shard dimension only; torchtitan's ep over dp_shard x cp x tp is not built)")
+        if self.ep > 1 and self.compile:
+            out.append(f"--compile=true cannot be combined with --expert_parallel_size={self.ep} yet (untested: the "
+                       "all-to-all's split sizes are read to the host inside the forward)")
         if self.cp > 1 and self.sequence_parallel:
             out.append(f"--sequence_parallel=true cannot be combined with --context_parallel_size={self.cp} yet (both "
                        "split the sequence: the tensor ranks would split each cp rank's two chunks again, untested)")
@@ -364,4 +396,6 @@ class ParallelConfig(ParallelFlags):
             kind += f", FP8 block matmuls ({self.float8}{', every layer' if self.float8_layers == 'all' else ''})"
         if self.cp > 1:
             kind += f" + context parallel {self.cp} (ring attention)"
+        if self.ep > 1:
+            kind += f" + expert parallel {self.ep} (all-to-all)"
         return kind

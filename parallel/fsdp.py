@@ -31,6 +31,7 @@ from optimizer.fsdp_optimizer import MESH_ATTR, WRAP_CONFIG_ATTR, FSDPOptimizer,
 from optimizer.optimizer_config import OptimizerConfig
 from parallel.config import ParallelConfig
 from parallel.mesh import MESH_DIMS, dp_mesh
+from parallel.transforms.expert_parallel import GRAD_DIVIDE_ATTR, SHARD_MESH_ATTR
 from parallel.transforms.tensor_parallel import apply_tensor_parallel
 
 _GROUP_ATTR = "_fsdp_engine_state_group"  # set on the wrapped root: every rank holding a part of its state
@@ -181,6 +182,18 @@ def wrap_fsdp(model: nn.Module, *, mesh_or_group: Union[DeviceMesh, dist.Process
     kw: dict[str, Any] = dict(mesh=mesh, mp_policy=mp)
     if offload is not None:
         kw["offload_policy"] = offload
+    # modules a transform laid out on a mesh of their own (expert parallel's experts: FSDP over "efsdp"), first,
+    # so that their blocks leave them out; their gradients divided by the factor the transform gives
+    own = [m for m in model.modules() if getattr(m, SHARD_MESH_ATTR, None) is not None]
+    for unit in own:
+        fully_shard(unit, reshard_after_forward=reshard_after_forward, **{**kw, "mesh": getattr(unit, SHARD_MESH_ATTR)})
+        unit.set_gradient_divide_factor(getattr(unit, GRAD_DIVIDE_ATTR))
+        shard_mesh = getattr(unit, SHARD_MESH_ATTR)
+        if shard_mesh.size(shard_mesh.ndim - 1) > 1 and dist.get_backend(shard_mesh.get_group(0)) == "gloo":
+            # gloo has no PREMUL_SUM: sum, then divide (a 1-rank shard dimension divides in FSDP's copy already)
+            unit.set_force_sum_reduction_for_comms(True)
+        if gloo_collectives:
+            _use_gloo_collectives([unit], getattr(unit, SHARD_MESH_ATTR))
     for block in blocks:
         fully_shard(block, reshard_after_forward=reshard_after_forward, **kw)
     # The root unit holds everything outside the blocks: embedding, final norm, LM head; a tied

@@ -11,6 +11,11 @@ these ranks, keys/values passed around them: model/ring_attention.py; as in torc
 and the tensor dimensions), tensor parallel (the model's matmuls split over these ranks). Tensor parallel is innermost, so its ranks are neighbours (one node, NVLink), as in
 Megatron-LM and torchtitan. Every dimension is present, size 1 when unused, so `mesh["tp"]` always works.
 
+Expert parallel (ep > 1): as in torchtitan, ep ranks are data-parallel shard ranks (they read different batches),
+so ep splits dp_shard: the mesh is built with ("pp", "dp_replicate", "efsdp", "ep", "cp", "tp"), dp_shard =
+efsdp x ep, and "dp_shard" is their flattened dimension (everything that shards over dp_shard is unchanged);
+experts are sharded over "ep" (parallel/transforms/expert_parallel.py) and FSDP-sharded over "efsdp".
+
 Owns: the layout arithmetic and its one-line error (`layout_problem`), the mesh, the data-parallel
 coordinates of a rank (which slice of the global batch it reads: ranks that differ only in pp or tp read
 the same one), and the start-up description.
@@ -22,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+EP_DIMS = ("efsdp", "ep")  # dp_shard's split where ep > 1: FSDP of the experts x expert parallel
 # the dimensions whose ranks read the same batch (they split the model, not the data): a rank counts in the
 # sums over the data only when it is the first of them (context-parallel ranks read the same batch and each keeps
 # its part of every sequence: the model's loss is already summed over them)
@@ -35,6 +41,7 @@ class MeshLayout:
     dp_shard: int = 1
     tp: int = 1
     cp: int = 1
+    ep: int = 1  # expert parallel: a split of dp_shard (dp_shard = efsdp x ep), not a factor of the world
 
     @property
     def world_size(self) -> int:
@@ -51,13 +58,13 @@ class MeshLayout:
 
     @classmethod
     def from_sizes(cls, world_size: int, *, pp: int = 1, dp_replicate: int = 1, tp: int = 1,
-                   cp: int = 1) -> "MeshLayout":
+                   cp: int = 1, ep: int = 1) -> "MeshLayout":
         """The layout with dp_shard = world / (pp x dp_replicate x cp x tp); ValueError (one line) when that
-        is not a whole number >= 1."""
-        problem = layout_problem(world_size, pp=pp, dp_replicate=dp_replicate, tp=tp, cp=cp)
+        is not a whole number >= 1, or when ep does not divide it."""
+        problem = layout_problem(world_size, pp=pp, dp_replicate=dp_replicate, tp=tp, cp=cp, ep=ep)
         if problem:
             raise ValueError(problem)
-        return cls(pp, dp_replicate, world_size // (pp * dp_replicate * cp * tp), tp, cp)
+        return cls(pp, dp_replicate, world_size // (pp * dp_replicate * cp * tp), tp, cp, ep)
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """This rank's index on every dimension (the layout `build_device_mesh` gives torch)."""
@@ -82,15 +89,17 @@ class MeshLayout:
         dp = f"data-parallel {self.dp}"
         if self.dp_replicate > 1:
             dp += f" (replicate {self.dp_replicate} x shard {self.dp_shard})"
+        if self.ep > 1:
+            dp += f" (experts over {self.ep} of them)"
         cp = f" x context {self.cp}" if self.cp > 1 else ""
         return f"world {self.world_size} = pipeline {self.pp} x {dp}{cp} x tensor {self.tp}"
 
 
 def layout_problem(world_size: int, *, pp: int = 1, dp_replicate: int = 1, tp: int = 1,
-                   cp: int = 1) -> Optional[str]:
+                   cp: int = 1, ep: int = 1) -> Optional[str]:
     """Why these sizes do not lay out `world_size` ranks (one line naming the product), or None."""
     for name, v in (("pipeline_parallel_size", pp), ("dp_replicate_size", dp_replicate),
-                    ("tensor_parallel_size", tp), ("context_parallel_size", cp)):
+                    ("tensor_parallel_size", tp), ("context_parallel_size", cp), ("expert_parallel_size", ep)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             return f"--{name}={v!r}: must be an integer >= 1"
     fixed = pp * dp_replicate * cp * tp
@@ -99,6 +108,10 @@ def layout_problem(world_size: int, *, pp: int = 1, dp_replicate: int = 1, tp: i
         return (f"world size {world_size} is not a multiple of pipeline {pp} x dp_replicate {dp_replicate} x "
                 f"{ctx}tensor {tp} = {fixed} (the data-parallel shard dimension is world / {fixed}; launch a multiple "
                 f"of {fixed} processes)")
+    shard = world_size // fixed
+    if shard % ep:
+        return (f"--expert_parallel_size={ep} does not divide the data-parallel shard dimension {shard} (world "
+                f"{world_size} / {fixed}): expert-parallel ranks are data-parallel shard ranks")
     return None
 
 
@@ -110,7 +123,14 @@ def build_device_mesh(layout: MeshLayout, device_type: str) -> Any:
     world = dist.get_world_size()
     if world != layout.world_size:
         raise ValueError(f"the mesh {layout.describe()} needs {layout.world_size} processes, the world has {world}")
-    return init_device_mesh(device_type, layout.sizes(), mesh_dim_names=MESH_DIMS)
+    sizes, names = layout.sizes(), MESH_DIMS
+    if layout.ep > 1:  # dp_shard as efsdp x ep, flattened back below (rank order unchanged: efsdp x ep + ep index)
+        sizes = (layout.pp, layout.dp_replicate, layout.dp_shard // layout.ep, layout.ep, layout.cp, layout.tp)
+        names = ("pp", "dp_replicate") + EP_DIMS + ("cp", "tp")
+    mesh = init_device_mesh(device_type, sizes, mesh_dim_names=names)
+    if layout.ep > 1:
+        mesh[EP_DIMS]._flatten("dp_shard")
+    return mesh
 
 
 def counts_in_sums(mesh: Any) -> bool:

@@ -112,6 +112,7 @@ CONFIGS: dict[str, tuple[int, list[str]]] = {
     "ddp2-zero1-grpo": (2, [*GRPO, "--batch_size=1", "--use_distributed_optimizer=true", "--zero_stage=1"]),
     "grpo-mu2-kl": (1, [*GRPO, "--batch_size=2", "--num_iterations=2", "--beta=0.05", "--loss_type=grpo",
                         "--generation_kv_cache=false"]),
+    "moe-ep2": (2, ["--batch_size=2", "--parallel=fsdp", "--expert_parallel_size=2", "@moe"]),
 }
 MOE_FLAGS = ["--moe_num_experts=4", "--moe_top_k=2", "--moe_hidden_dim=32", "--moe_shared_experts=1",
              "--moe_aux_loss_coef=0.01", "--moe_z_loss_coef=0.001", "--moe_bias_update_rate=0.01"]

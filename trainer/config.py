@@ -299,7 +299,8 @@ def engine_needs(cfg: TrainConfig) -> dict[str, str]:
              (cfg.sample_every > 0, f"--sample_every={cfg.sample_every}", "whole_model_on_one_rank"),
              (bool(cfg.eval_tasks.strip(" ,")), "--eval_tasks", "whole_model_on_one_rank"),
              (cfg.optimizer_state_dtype != "fp32", f"--optimizer_state_dtype={cfg.optimizer_state_dtype}",
-              "low_precision_optimizer_states"))
+              "low_precision_optimizer_states"),
+             (cfg.moe_num_experts > 0, f"--moe_num_experts={cfg.moe_num_experts}", "moe"))
     return {asked_by: cap for on, asked_by, cap in asked if on}
 
 

@@ -30,7 +30,7 @@ def parallel_problems(cfg: TrainConfig, world_size: Optional[int] = None) -> lis
     if cfg.init_from in ("scratch", "resume") and sizes_valid:
         out.extend(section.model_problems(n_layers=cfg.n_layers, n_heads=cfg.n_heads,
                                           n_kv_heads=cfg.n_kv_heads or cfg.n_heads, max_seq_len=cfg.max_seq_len,
-                                          dropout=cfg.dropout))
+                                          dropout=cfg.dropout, moe_num_experts=cfg.moe_num_experts))
     return out
 
 

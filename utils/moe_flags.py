@@ -60,11 +60,6 @@ def moe_problems(cfg: Any) -> list[str]:
         if cfg.moe_first_dense_layers >= cfg.n_layers:
             p.append(f"--moe_first_dense_layers={cfg.moe_first_dense_layers}: leaves no MoE block of "
                      f"--n_layers={cfg.n_layers}")
-        for name, what in (("pipeline_parallel_size", "pipeline stages"),
-                           ("tensor_parallel_size", "tensor parallelism")):
-            if getattr(cfg, name, 1) > 1:
-                p.append(f"--moe_num_experts={cfg.moe_num_experts} cannot be combined with --{name}="
-                         f"{getattr(cfg, name)} yet (MoE blocks under {what} are not built)")
     if cfg.moe_bias_update_rate and getattr(cfg, "lora_rank", 0) > 0:
         p.append(f"--moe_bias_update_rate={cfg.moe_bias_update_rate} cannot be combined with --lora_rank="
                  f"{cfg.lora_rank}: the selection biases belong to the frozen base, which LoRA checkpoints leave out")

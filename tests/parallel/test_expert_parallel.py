@@ -1,0 +1,288 @@
+"""Expert parallelism (parallel/transforms/expert_parallel.py) at ep=2 under FSDP2 on gloo (2 ranks; 4 ranks with
+FSDP over the experts' efsdp=2 and with HSDP replicas) follows one process: the first step's every gradient (expert gradients gathered from their ep shards), each step's loss and
+gradient norm, the parameters after 3 steps, within 10x the one-process reference's own fp32 rounding (its fp32
+run against its fp64 run), the selection biases exactly. A second model whose selection bias sends every token to
+rank 0's experts: rank 1's experts receive no rows (zero gradients, never None) and the run still follows one
+process. Bad flags: parallel/config.py's lines (checked at 8 ranks without a process group) and the trainer's one
+line, exit 2."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from model import ModelConfig, Transformer
+from model.moe import moe_layers, take_aux_losses, update_expert_bias
+from tests.dist_helpers import spawn
+
+VOCAB, SEQ, CHUNKS, ROWS, STEPS = 64, 8, 4, 2, 3
+OPT = dict(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_clip=0.3)
+MOE = dict(moe_aux_loss_coef=0.05, moe_z_loss_coef=0.01, moe_bias_update_rate=0.02)
+
+
+def new_model(starve: bool) -> Transformer:
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=VOCAB, dim=16, n_layers=3, n_heads=2, hidden_dim=32, max_seq_len=16,
+                                    moe_num_experts=4, moe_top_k=2, moe_shared_experts=1, moe_hidden_dim=8,
+                                    moe_first_dense_layers=1))
+    if starve:  # every token of the first MoE layer to experts 0 and 1 (rank 0's at ep=2)
+        moe_layers(model)[0].expert_bias.copy_(torch.tensor([10.0, 10.0, 0.0, 0.0]))
+    return model
+
+
+def batches(step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(100 + step)
+    out = []
+    for _ in range(CHUNKS):
+        x = torch.randint(0, VOCAB, (ROWS, SEQ), generator=g)
+        y = torch.randint(0, VOCAB, (ROWS, SEQ), generator=g)
+        y[torch.rand(ROWS, SEQ, generator=g) < 0.25] = -100
+        out.append((x, y))
+    return out
+
+
+def reference(dtype: torch.dtype, starve: bool) -> dict:
+    """One process: torch AdamW + clip_grad_norm_, the balancing terms written out, the bias rule applied (with
+    `starve` the bias update is off, so the starved experts stay starved)."""
+    model = new_model(starve).to(dtype)
+    params = list(model.parameters())
+    opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": OPT["weight_decay"]},
+                             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
+                            lr=OPT["learning_rate"], betas=(OPT["beta1"], OPT["beta2"]), eps=OPT["eps"],
+                            foreach=False)
+    layers = moe_layers(model)
+    rate = 0.0 if starve else MOE["moe_bias_update_rate"]
+    rec = {"losses": [], "norms": []}
+    for step in range(1, STEPS + 1):
+        chunks = batches(step)
+        units = sum(int((y != -100).sum()) for _, y in chunks)
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for x, y in chunks:
+            lm = model(x, labels=y, reduction="sum")
+            aux = take_aux_losses(layers)
+            extra = aux[:, 0].sum() * MOE["moe_aux_loss_coef"] + aux[:, 1].sum() * MOE["moe_z_loss_coef"]
+            ((lm + extra * int((y != -100).sum())) / units).backward()
+            total += float(lm.detach())
+        if step == 1:
+            rec["grads"] = {n: p.grad.detach().double().clone() for n, p in model.named_parameters()}
+        rec["norms"].append(float(torch.nn.utils.clip_grad_norm_(params, OPT["grad_clip"])))
+        opt.step()
+        for layer in layers:
+            update_expert_bias(layer.expert_bias, layer.take_counts(), rate)
+        rec["losses"].append(total / units)
+    rec["params"] = {n: p.detach().double().clone() for n, p in model.named_parameters()}
+    rec["bias"] = [layer.expert_bias.clone() for layer in layers]
+    return rec
+
+
+def _full(t) -> list:
+    from torch.distributed.tensor import DTensor
+    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().double().reshape(-1).tolist()
+
+
+def train(starve: bool, **layout) -> dict:
+    from parallel.build import build_engine
+    from trainer.config import TrainConfig
+    from trainer.moe import MoETraining
+    moe = dict(MOE, moe_bias_update_rate=0.0) if starve else MOE
+    cfg = dataclasses.replace(TrainConfig(), parallel="fsdp", expert_parallel_size=2, dtype="fp32", device="cpu",
+                              gradient_accumulation_steps=2, **OPT, **moe, **layout)
+    engine = build_engine(new_model(starve), cfg, device=torch.device("cpu"))
+    training = MoETraining.of(cfg, engine.module)
+    loss_fn = training.wrap_loss(lambda m, b: (m(b["input_ids"], labels=b["labels"], reduction="sum"), {}),
+                                 lambda b: int((b["labels"] != -100).sum()))
+    rec = {"losses": [], "norms": [], "local_experts": []}
+    for layer in training.layers:
+        rec["local_experts"].append(layer.experts.gate_up_proj.to_local().shape[0])
+    for step in range(1, STEPS + 1):
+        chunks = batches(step)
+        units = sum(int((y != -100).sum()) for _, y in chunks)
+        per = CHUNKS // engine.dp_size
+        mine = [{"input_ids": x, "labels": y} for x, y in chunks[engine.dp_rank * per:(engine.dp_rank + 1) * per]]
+        engine.optimizer.zero_grad()
+        total = engine.sum_over_data(engine.forward_backward(mine, loss_fn, units), torch.device("cpu"))
+        if step == 1:
+            rec["grads"] = {n: _full(p.grad) for n, p in engine.module.named_parameters()}
+        stepped, norm = engine.optimizer.step()
+        training.after_step(engine, torch.device("cpu"))
+        rec["losses"].append(float(total[0]) / units)
+        rec["norms"].append(float(norm))
+    rec["params"] = {n: _full(p) for n, p in engine.module.named_parameters()}
+    rec["bias"] = [layer.expert_bias.tolist() for layer in training.layers]
+    return rec
+
+
+# the layouts each world runs: 2 ranks: ep=2 (experts left to the ep sharding; also with activation checkpointing,
+# whose recompute runs the all-to-alls again in the backward, and with FSDP2's CPU offload); 4 ranks: ep=2 with FSDP over the 2
+# ranks that hold the same experts (efsdp=2), and ep=2 under HSDP (2 replicas of dp_shard=2, efsdp=1)
+CASES = {2: {"plain": (False, {}), "starved": (True, {}), "recompute": (False, {"gradient_checkpointing": True}),
+             "offload": (False, {"cpu_offload": True})},
+         4: {"efsdp2": (False, {}), "hsdp": (False, {"dp_replicate_size": 2})}}
+
+
+def _world(rank: int, world: int, out_path: str) -> None:
+    out = {name: train(starve, **layout) for name, (starve, layout) in CASES[world].items()}
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(out, f)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    out = {}
+    for world in CASES:
+        path = tmp_path_factory.mktemp("ep") / f"ep_w{world}.json"
+        spawn(_world, world, str(path))
+        out.update(json.loads(path.read_text()))
+    return out
+
+
+def _close(got: dict, r32: dict, r64: dict, key: str) -> None:
+    noise = max(float((r32[key][n] - r64[key][n]).abs().max()) for n in r32[key])
+    assert sorted(got[key]) == sorted(r32[key])
+    for n, want in r32[key].items():
+        diff = float((torch.tensor(got[key][n], dtype=torch.float64) - want.reshape(-1)).abs().max())
+        assert diff <= 10 * noise + 1e-7, (key, n, diff, noise)
+
+
+@pytest.mark.parametrize("case", ["plain", "starved", "recompute", "offload", "efsdp2", "hsdp"])
+def test_ep2_follows_one_process(results, case):
+    starve = case == "starved"
+    r32, r64 = reference(torch.float32, starve), reference(torch.float64, starve)
+    rec = results[case]
+    # E/ep = 2 experts on each rank, FSDP-sharded again over efsdp=2 (one expert's rows per rank)
+    assert rec["local_experts"] == ([1, 1] if case == "efsdp2" else [2, 2])
+    for key in ("losses", "norms"):
+        tol = 10 * max(abs(a - b) for a, b in zip(r32[key], r64[key])) + 1e-6
+        assert max(abs(a - b) for a, b in zip(rec[key], r32[key])) <= tol, (key, rec[key], r32[key])
+    _close(rec, r32, r64, "grads")
+    _close(rec, r32, r64, "params")
+    for got, want in zip(rec["bias"], r32["bias"]):
+        assert torch.equal(torch.tensor(got), want), (got, want)
+    if starve:  # rank 1's experts (2, 3) of the first MoE layer saw no token: their gradient is zero, not None
+        g = torch.tensor(rec["grads"]["layers.1.mlp.experts.gate_up_proj"]).view(4, -1)
+        assert g[2:].abs().max() == 0 and g[:2].abs().max() > 0
+    else:
+        assert any(torch.count_nonzero(b) for b in r32["bias"])  # the rule moved them
+
+
+@pytest.mark.parametrize("flags, model, needle", [
+    (dict(parallel="fsdp"), dict(moe_num_experts=6), "--moe_num_experts=6 is not divisible by --expert_parallel_size=4"),
+    (dict(parallel="fsdp"), dict(moe_num_experts=0), "--expert_parallel_size=4 needs an MoE model"),
+    (dict(parallel="ddp"), dict(moe_num_experts=8), "--expert_parallel_size=4 cannot be combined with --parallel=ddp"),
+    (dict(parallel="fsdp", context_parallel_size=2), dict(moe_num_experts=8),
+     "--expert_parallel_size=4 cannot be combined with --context_parallel_size=2"),
+    (dict(parallel="fsdp", pipeline_parallel_size=2, gradient_accumulation_steps=2), dict(moe_num_experts=8),
+     "--expert_parallel_size=4 cannot be combined with --pipeline_parallel_size=2"),
+    (dict(parallel="fsdp", dp_replicate_size=4), dict(moe_num_experts=8),
+     "--expert_parallel_size=4 does not divide the data-parallel shard dimension 2"),
+    (dict(parallel="fsdp", compile=True), dict(moe_num_experts=8),
+     "--compile=true cannot be combined with --expert_parallel_size=4"),
+], ids=["experts", "dense", "ddp", "cp", "pp", "shard", "compile"])
+def test_refusals_name_the_flags(flags, model, needle):
+    """parallel/config.py's lines at 8 ranks (what the trainer prints, one line, exit 2)."""
+    from parallel.config import ParallelConfig
+    pc = ParallelConfig(expert_parallel_size=4, **flags)
+    lines = pc.problems(8) + pc.model_problems(n_layers=2, n_heads=2, n_kv_heads=2, max_seq_len=16, dropout=0.0,
+                                               **model)
+    assert any(needle in line for line in lines), lines
+    assert all("\n" not in line for line in lines)
+
+
+def test_moe_is_a_capability_pipeline_stages_lack():
+    """The trainer asks for "moe" (trainer/config.py engine_needs); pipeline stages do not declare it."""
+    from parallel.config import ParallelConfig
+    needs = {"--moe_num_experts=4": "moe"}
+    pp = ParallelConfig(pipeline_parallel_size=2, gradient_accumulation_steps=2)
+    assert pp.problems(2, needs=needs) == ["--moe_num_experts=4 cannot be combined with --pipeline_parallel_size=2 "
+                                          "(MoE blocks under pipeline stages are not built yet)"]
+    assert ParallelConfig(parallel="fsdp").problems(2, needs=needs) == ParallelConfig().problems(2, needs=needs) == []
+
+
+def test_good_layout_has_no_problem():
+    from parallel.config import ParallelConfig
+    from parallel.mesh import MeshLayout
+    pc = ParallelConfig(parallel="fsdp", expert_parallel_size=2, dp_replicate_size=2)
+    assert pc.problems(8) == [] and pc.model_problems(n_layers=2, n_heads=2, n_kv_heads=2, max_seq_len=16,
+                                                      dropout=0.0, moe_num_experts=4) == []
+    assert pc.layout(8) == MeshLayout(1, 2, 4, 1, 1, 2) and pc.data_parallel_size(8) == 8
+
+
+def test_trainer_refuses_in_one_line_exit_2(tiny_pretrain_run_args, tmp_path, capsys):
+    from tests.trainer.test_errors import assert_one_error_line, run_main
+    from utils.constants import EXIT_BAD_CONFIG
+    code, err = run_main([*tiny_pretrain_run_args, f"--out_dir={tmp_path / 'run'}", "--max_iters=1",
+                          "--moe_num_experts=3", "--parallel=fsdp", "--expert_parallel_size=2"], capsys)
+    assert code == EXIT_BAD_CONFIG, err
+    assert_one_error_line(err, "--moe_num_experts=3 is not divisible by --expert_parallel_size=2")
+
+
+def test_resume_across_ep_sizes(tiny_pretrain_run_args, tmp_path):
+    """FSDP2 at 2 ranks, 6 steps, a checkpoint every 2: ep=2 crashes at step 3, resumes at ep=1 (torch DCP reshards
+    the experts from their ep shards), crashes at step 5, resumes at ep=2. Its losses equal the uninterrupted ep=2
+    run's within 10x the difference between the uninterrupted ep=1 and ep=2 runs (the same sums, reduced in
+    another order), and steps 1-2 exactly."""
+    import os
+
+    from tests.conftest import run_cmd, run_trainer, train_cmd
+    from utils.metrics import dedupe_by_step, read_metrics
+    args = [*tiny_pretrain_run_args, "--moe_num_experts=4", "--moe_top_k=2", "--moe_hidden_dim=16",
+            "--moe_first_dense_layers=1", "--n_layers=3", "--moe_bias_update_rate=0.01", "--moe_aux_loss_coef=0.01",
+            "--parallel=fsdp", "--batch_size=2", "--max_iters=6", "--checkpoint_interval=2"]
+
+    def losses(d):
+        return {s: r["loss"] for s, r in dedupe_by_step(read_metrics(os.path.join(d, "metrics.jsonl"))).items()}
+
+    ref2, ref1, moved = tmp_path / "ep2", tmp_path / "ep1", tmp_path / "moved"
+    run_cmd(train_cmd([*args, f"--out_dir={ref2}", "--expert_parallel_size=2"], 2))
+    run_cmd(train_cmd([*args, f"--out_dir={ref1}", "--expert_parallel_size=1"], 2))
+    for ep, fault, resume in ((2, "crash@3", []), (1, "crash@5", ["--init_from=resume"])):
+        once = tmp_path / f"fired{ep}"
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MYLLM_FAULT=fault,
+                   MYLLM_FAULT_ONCE_FILE=str(once))
+        proc = run_trainer(train_cmd([*args, f"--out_dir={moved}", f"--expert_parallel_size={ep}", *resume], 2),
+                           env=env)
+        assert proc.returncode != 0 and once.exists(), proc.stderr[-2000:]
+    run_cmd(train_cmd([*args, f"--out_dir={moved}", "--expert_parallel_size=2", "--init_from=resume"], 2))
+    want, other, got = losses(ref2), losses(ref1), losses(moved)
+    assert sorted(got) == sorted(want) == list(range(1, 7))
+    tol = 10 * max(abs(want[s] - other[s]) for s in want) + 1e-7
+    assert [got[1], got[2]] == [want[1], want[2]]
+    assert max(abs(got[s] - want[s]) for s in want) <= tol, (got, want, tol)
+
+
+def test_ep_checkpoints_cross_to_our_ddp_and_back(tiny_pretrain_run_args, tmp_path):
+    """6 steps at 2 ranks, a checkpoint every 2: ep=2 under FSDP2 crashes at step 3; its DCP checkpoint (experts in
+    ep shards) resumes under --parallel=ddp (checkpoint/convert.py reads each tensor whole by name), which crashes
+    at step 5 after writing the plain format at step 4; that resumes at ep=2 again. The losses equal the
+    uninterrupted ep=2 run's within 10x the difference of an uninterrupted ddp run from it (the same
+    micro-batches, the same sums in another order)."""
+    import os
+
+    from tests.conftest import run_cmd, run_trainer, train_cmd
+    from utils.metrics import dedupe_by_step, read_metrics
+    args = [*tiny_pretrain_run_args, "--moe_num_experts=4", "--moe_top_k=2", "--moe_hidden_dim=16",
+            "--moe_first_dense_layers=1", "--n_layers=3", "--moe_bias_update_rate=0.01", "--moe_aux_loss_coef=0.01",
+            "--max_iters=6", "--checkpoint_interval=2", "--batch_size=2"]
+    ep2, ddp = ["--parallel=fsdp", "--expert_parallel_size=2"], ["--parallel=ddp", "--expert_parallel_size=1"]
+
+    def losses(d):
+        return {s: r["loss"] for s, r in dedupe_by_step(read_metrics(os.path.join(d, "metrics.jsonl"))).items()}
+
+    ref, other_run, moved = tmp_path / "ep2", tmp_path / "ddp2", tmp_path / "moved"
+    run_cmd(train_cmd([*args, *ep2, f"--out_dir={ref}"], 2))
+    run_cmd(train_cmd([*args, *ddp, f"--out_dir={other_run}"], 2))
+    for layout, fault, resume in ((ep2, "crash@3", []), (ddp, "crash@5", ["--init_from=resume"])):
+        once = tmp_path / f"fired_{fault}"
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MYLLM_FAULT=fault,
+                   MYLLM_FAULT_ONCE_FILE=str(once))
+        proc = run_trainer(train_cmd([*args, *layout, f"--out_dir={moved}", *resume], 2), env=env)
+        assert proc.returncode != 0 and once.exists(), proc.stderr[-2000:]
+    run_cmd(train_cmd([*args, *ep2, f"--out_dir={moved}", "--init_from=resume"], 2))
+    want, other, got = losses(ref), losses(other_run), losses(moved)
+    assert sorted(got) == sorted(want) == list(range(1, 7))
+    tol = 10 * max(abs(want[s] - other[s]) for s in want) + 1e-7
+    assert max(abs(got[s] - want[s]) for s in want) <= tol, (got, want, other, tol)
