@@ -34,7 +34,7 @@ from parallel.engine_ddp import wrap_ddp_engine
 from parallel.engine_fsdp import wrap_fsdp_engine
 from parallel.engine_pipeline import pipeline_stage_of, wrap_pipeline_engine
 from parallel.fsdp import broadcast_from_first
-from parallel.mesh import MeshLayout, build_device_mesh
+from parallel.mesh import build_device_mesh
 from parallel.transforms import ORDER, compile as compile_transform
 from utils.device import parse_dtype
 
@@ -125,8 +125,7 @@ def describe_layout(flags: Any, engine: TrainingEngine, world_size: int) -> str:
     activation checkpointing and the global batch (samples and tokens per optimizer step)."""
     pc = engine.parallel
     parts = [f"engine {pc.describe_engine()}",
-             MeshLayout.from_sizes(world_size, pp=pc.pp, dp_replicate=pc.dp_replicate_size, tp=pc.tp,
-                                   cp=pc.cp).describe()]
+             pc.layout(world_size).describe()]
     if "comm_hooks" in pc.capabilities():  # the engine's declared capabilities
         hook = pc.comm_hook
         if hook == "powersgd":

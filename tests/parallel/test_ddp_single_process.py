@@ -182,6 +182,9 @@ def test_startup_layout_line_names_engine_mesh_communication_and_global_batch():
     assert "tensor parallel 2 (DTensor, sequence parallel), HSDP over 2 replicas" in line, line
     assert "world 8 = pipeline 1 x data-parallel 4 (replicate 2 x shard 2) x tensor 2" in line, line
     assert "global batch 4 x 8 x 4 = 128 samples" in line
+    line = describe_layout(dataclasses.replace(base, parallel="fsdp", expert_parallel_size=2), SimpleNamespace(dp_size=4),
+                           world_size=4)  # expert parallel splits the data-parallel shard ranks
+    assert "world 4 = pipeline 1 x data-parallel 4 (experts over 2 of them) x tensor 1" in line, line
 
 
 class _Branchy(nn.Module):
