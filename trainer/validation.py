@@ -115,7 +115,7 @@ def validate_config(cfg: TrainConfig, world_size: Optional[int] = None, torch_fr
 
 def _choices_and_combinations(cfg: TrainConfig, p: _Problems, torch_free: bool) -> None:
     """Choices, required paths, and flags that cannot be combined."""
-    from trainer.tasks import TASKS  # (torch-free: the names only)
+    from trainer.tasks import TASKS, task_entry  # (torch-free: the registrations only)
     p.choice("task_type", tuple(TASKS))
     if not str(cfg.out_dir).strip():
         p.append(f"--out_dir={cfg.out_dir!r}: must name the run directory (it holds the checkpoints)")
@@ -150,9 +150,10 @@ def _choices_and_combinations(cfg: TrainConfig, p: _Problems, torch_free: bool) 
     p.choice("resume", RESUME_CHOICES)
     if cfg.init_from == "resume" and cfg.resume == "never":
         p.append("--init_from=resume (= --resume=always) contradicts --resume=never")
-    if cfg.task_type in ("sft", "dpo") and cfg.init_from == "scratch" and resume_policy(cfg) != "always":
+    pretrained = cfg.task_type in TASKS and task_entry(cfg.task_type).from_pretrained  # SFT, DPO
+    if pretrained and cfg.init_from == "scratch" and resume_policy(cfg) != "always":
         p.append(f"--task_type={cfg.task_type} starts from pretrained weights: pass --init_from=<run dir>")
-    if cfg.task_type in ("sft", "dpo") and resume_policy(cfg) == "always" and cfg.resume_fallback == "scratch":
+    if pretrained and resume_policy(cfg) == "always" and cfg.resume_fallback == "scratch":
         p.append(f"--task_type={cfg.task_type} starts from pretrained weights: --resume_fallback=scratch "
                  "cannot be used")
 

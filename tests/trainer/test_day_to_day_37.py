@@ -87,3 +87,25 @@ def test_tensor_parallel_run_without_parallel_flag_trains_on_fsdp(tiny_pretrain_
                                   "--tensor_parallel_size=2"], nproc=2), env=_env())
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "--parallel=fsdp chosen" in proc.stdout and "engine fsdp (FSDP2" in proc.stdout
+
+
+def test_tasks_that_start_from_trained_weights_refuse_scratch_by_their_registration(monkeypatch):
+    """SFT and DPO are registered from_pretrained (trainer/tasks/__init__.py): --init_from=scratch is one exit-2
+    line naming the task, as is --resume_fallback=scratch; pretraining and GRPO start anywhere. A task registered
+    with the flag gets the same refusal without a test of its name."""
+    import pytest
+    from trainer import tasks
+    base = dict(data_dir="d", tokenizer_dir="t", init_from="scratch")
+    for task in ("sft", "dpo"):
+        with pytest.raises(TrainingError) as e:
+            validate_config(TrainConfig(task_type=task, **base))
+        assert f"--task_type={task} starts from pretrained weights: pass --init_from=<run dir>" in str(e.value)
+        with pytest.raises(TrainingError) as e:
+            validate_config(TrainConfig(task_type=task, data_dir="d", tokenizer_dir="t", resume="always",
+                                        resume_fallback="scratch"))
+        assert "--resume_fallback=scratch cannot be used" in str(e.value)
+    validate_config(TrainConfig(task_type="pretrain", **base))
+    monkeypatch.setitem(tasks.TASKS, "pretrain", tasks.TaskEntry("trainer.tasks.pretrain:PretrainTask",
+                                                                 from_pretrained=True))
+    with pytest.raises(TrainingError, match="--task_type=pretrain starts from pretrained weights"):
+        validate_config(TrainConfig(task_type="pretrain", **base))

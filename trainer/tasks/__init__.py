@@ -9,14 +9,15 @@ from typing import Any, NamedTuple, Union
 
 
 class TaskEntry(NamedTuple):
-    path: str        # "module:Class"
-    needs: str = ""  # the engine capability the task needs beyond a plain forward/backward ("" = none)
+    path: str                 # "module:Class"
+    needs: str = ""           # the engine capability the task needs beyond a plain forward/backward ("" = none)
+    from_pretrained: bool = False  # starts from trained weights: --init_from=scratch is refused
 
 
 TASKS: dict[str, Union[str, TaskEntry]] = {  # --task_type -> its entry
     "pretrain": "trainer.tasks.pretrain:PretrainTask",
-    "sft": TaskEntry("trainer.tasks.sft:SFTTask", needs="padded_batches"),
-    "dpo": TaskEntry("trainer.tasks.dpo:DPOTask", needs="sequence_logprobs"),
+    "sft": TaskEntry("trainer.tasks.sft:SFTTask", needs="padded_batches", from_pretrained=True),
+    "dpo": TaskEntry("trainer.tasks.dpo:DPOTask", needs="sequence_logprobs", from_pretrained=True),
     "grpo": TaskEntry("trainer.tasks.grpo:GRPOTask", needs="rollouts"),
 }
 
