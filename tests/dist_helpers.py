@@ -28,15 +28,29 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, args: tuple) -> 
     dist.destroy_process_group()
 
 
-def spawn(fn: Callable, world_size: int, *args) -> None:
+def spawn(fn: Callable, world_size: int, *args, retries_on_signal: int = 0) -> None:
     """Run fn(rank, world_size, *args) in `world_size` processes with gloo initialised. The processes are
     forked from the server of tests/forked_ranks.py, which has imported torch and the trainer once per
     pytest worker (a fresh "spawn" interpreter pays ~2 s of imports per rank); `fn` must be importable
-    (a module-level function), as with spawn."""
+    (a module-level function), as with spawn.
+
+    retries_on_signal: run again (on a new port), at most this many times, when a rank was killed by a signal
+    (SIGABRT, SIGSEGV: not an exception or an assertion in `fn`, which always fail at once), printing the first
+    death on stderr. Only for an `fn` whose only output is written at its end, so that a second run starts from
+    nothing: a crash that repeats still fails."""
     from tests.forked_ranks import forkserver_context
     forkserver_context()  # the server's preload list, whoever starts it first
-    mp.start_processes(_entry, args=(fn, world_size, free_port(), args), nprocs=world_size,
-                       join=True, start_method="forkserver")
+    for attempt in range(retries_on_signal + 1):
+        try:
+            mp.start_processes(_entry, args=(fn, world_size, free_port(), args), nprocs=world_size,
+                               join=True, start_method="forkserver")
+            return
+        except mp.ProcessExitedException as e:
+            if e.exit_code >= 0 or attempt == retries_on_signal:
+                raise
+            import sys
+            print(f"[spawn] {getattr(fn, '__name__', fn)} at world {world_size}: {e}; running it again",
+                  file=sys.stderr, flush=True)
 
 
 def one_process_step(model, opt, params, batches, units: float, grad_clip: float) -> tuple[float, float]:

@@ -1,5 +1,6 @@
 """tests/forked_ranks.py's wait: a run's exit code is the first failing rank's, judged from one reading of
 the exit codes per pass (processes stand in for ranks: their exit codes come from a list, one per read)."""
+import os
 import time
 
 from tests.forked_ranks import wait_for
@@ -50,3 +51,34 @@ def test_nothing_is_forked_on_a_cuda_machine(monkeypatch):
     assert proc.stdout.strip() == "fresh"
     proc = C.run_python([C.PY, "sample.py", "--help"])
     assert proc.returncode == 0 and not called
+
+
+def _abort_once(rank: int, world: int, marker: str) -> None:
+    """Rank 1 dies by SIGABRT the first time (no marker yet), then both ranks write their marker."""
+    import os
+    if rank == 1 and not os.path.exists(marker):
+        open(marker, "w").close()
+        os.abort()
+    open(f"{marker}.{rank}", "w").close()
+
+
+def _abort_always(rank: int, world: int) -> None:
+    import os
+    if rank == 1:
+        os.abort()
+
+
+def test_spawn_runs_again_only_after_a_rank_was_killed_by_a_signal(tmp_path, capfd):
+    """tests/dist_helpers.py spawn(retries_on_signal=1): a rank killed by a signal once is run again (and said so on
+    stderr); one killed every time still fails; without the option the first death fails."""
+    import pytest
+    import torch.multiprocessing as mp
+    from tests.dist_helpers import spawn
+    marker = str(tmp_path / "m")
+    spawn(_abort_once, 2, marker, retries_on_signal=1)
+    assert all(os.path.exists(f"{marker}.{r}") for r in (0, 1))
+    assert "_abort_once at world 2: process 1 terminated with signal SIGABRT; running it again" in capfd.readouterr().err
+    with pytest.raises(mp.ProcessExitedException, match="SIGABRT"):
+        spawn(_abort_always, 2, retries_on_signal=1)
+    with pytest.raises(mp.ProcessExitedException, match="SIGABRT"):
+        spawn(_abort_once, 2, str(tmp_path / "n"))

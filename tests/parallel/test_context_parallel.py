@@ -176,7 +176,9 @@ def results(tmp_path_factory) -> dict:
     d = tmp_path_factory.mktemp("cp")
     out = {}
     for world in (2, 4):
-        spawn(_world, world, str(d / f"w{world}.json"))
+        # its only output is the JSON its rank 0 writes at the end: a rank killed by a signal (seen once, a
+        # SIGABRT in a loaded CI run, not reproduced alone) is run again; a crash that repeats still fails
+        spawn(_world, world, str(d / f"w{world}.json"), retries_on_signal=1)
         with open(d / f"w{world}.json") as f:
             out[world] = json.load(f)
     return out
