@@ -13,69 +13,8 @@ import json
 import pytest
 import torch
 
-from model import ModelConfig, Transformer
-from model.moe import moe_layers, take_aux_losses, update_expert_bias
 from tests.dist_helpers import spawn
-
-VOCAB, SEQ, CHUNKS, ROWS, STEPS = 64, 8, 4, 2, 3
-OPT = dict(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_clip=0.3)
-MOE = dict(moe_aux_loss_coef=0.05, moe_z_loss_coef=0.01, moe_bias_update_rate=0.02)
-
-
-def new_model(starve: bool) -> Transformer:
-    torch.manual_seed(0)
-    model = Transformer(ModelConfig(vocab_size=VOCAB, dim=16, n_layers=3, n_heads=2, hidden_dim=32, max_seq_len=16,
-                                    moe_num_experts=4, moe_top_k=2, moe_shared_experts=1, moe_hidden_dim=8,
-                                    moe_first_dense_layers=1))
-    if starve:  # every token of the first MoE layer to experts 0 and 1 (rank 0's at ep=2)
-        moe_layers(model)[0].expert_bias.copy_(torch.tensor([10.0, 10.0, 0.0, 0.0]))
-    return model
-
-
-def batches(step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(100 + step)
-    out = []
-    for _ in range(CHUNKS):
-        x = torch.randint(0, VOCAB, (ROWS, SEQ), generator=g)
-        y = torch.randint(0, VOCAB, (ROWS, SEQ), generator=g)
-        y[torch.rand(ROWS, SEQ, generator=g) < 0.25] = -100
-        out.append((x, y))
-    return out
-
-
-def reference(dtype: torch.dtype, starve: bool) -> dict:
-    """One process: torch AdamW + clip_grad_norm_, the balancing terms written out, the bias rule applied (with
-    `starve` the bias update is off, so the starved experts stay starved)."""
-    model = new_model(starve).to(dtype)
-    params = list(model.parameters())
-    opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": OPT["weight_decay"]},
-                             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
-                            lr=OPT["learning_rate"], betas=(OPT["beta1"], OPT["beta2"]), eps=OPT["eps"],
-                            foreach=False)
-    layers = moe_layers(model)
-    rate = 0.0 if starve else MOE["moe_bias_update_rate"]
-    rec = {"losses": [], "norms": []}
-    for step in range(1, STEPS + 1):
-        chunks = batches(step)
-        units = sum(int((y != -100).sum()) for _, y in chunks)
-        opt.zero_grad(set_to_none=True)
-        total = 0.0
-        for x, y in chunks:
-            lm = model(x, labels=y, reduction="sum")
-            aux = take_aux_losses(layers)
-            extra = aux[:, 0].sum() * MOE["moe_aux_loss_coef"] + aux[:, 1].sum() * MOE["moe_z_loss_coef"]
-            ((lm + extra * int((y != -100).sum())) / units).backward()
-            total += float(lm.detach())
-        if step == 1:
-            rec["grads"] = {n: p.grad.detach().double().clone() for n, p in model.named_parameters()}
-        rec["norms"].append(float(torch.nn.utils.clip_grad_norm_(params, OPT["grad_clip"])))
-        opt.step()
-        for layer in layers:
-            update_expert_bias(layer.expert_bias, layer.take_counts(), rate)
-        rec["losses"].append(total / units)
-    rec["params"] = {n: p.detach().double().clone() for n, p in model.named_parameters()}
-    rec["bias"] = [layer.expert_bias.clone() for layer in layers]
-    return rec
+from tests.parallel.test_moe_engines import CHUNKS, MOE, OPT, STEPS, batches, new_model, one_process_reference
 
 
 def _full(t) -> list:
@@ -151,7 +90,7 @@ def _close(got: dict, r32: dict, r64: dict, key: str) -> None:
 @pytest.mark.parametrize("case", ["plain", "starved", "recompute", "offload", "efsdp2", "hsdp"])
 def test_ep2_follows_one_process(results, case):
     starve = case == "starved"
-    r32, r64 = reference(torch.float32, starve), reference(torch.float64, starve)
+    r32, r64 = one_process_reference(torch.float32, starve), one_process_reference(torch.float64, starve)
     rec = results[case]
     # E/ep = 2 experts on each rank, FSDP-sharded again over efsdp=2 (one expert's rows per rank)
     assert rec["local_experts"] == ([1, 1] if case == "efsdp2" else [2, 2])

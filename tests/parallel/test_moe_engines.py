@@ -12,7 +12,6 @@ import json
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from model import ModelConfig, Transformer
 from model.moe import moe_layers, take_aux_losses, update_expert_bias
@@ -23,14 +22,19 @@ OPT = dict(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1
 MOE = dict(moe_aux_loss_coef=0.05, moe_z_loss_coef=0.01, moe_bias_update_rate=0.02)
 
 
-def _new_model() -> Transformer:
+def new_model(starve: bool = False) -> Transformer:
+    """The tiny MoE model (first layer dense, 4 experts, top 2, one shared); with `starve` every token of the first
+    MoE layer goes to experts 0 and 1 (rank 0's at ep=2: tests/parallel/test_expert_parallel.py)."""
     torch.manual_seed(0)
-    return Transformer(ModelConfig(vocab_size=VOCAB, dim=16, n_layers=3, n_heads=2, hidden_dim=32, max_seq_len=16,
-                                   moe_num_experts=4, moe_top_k=2, moe_shared_experts=1, moe_hidden_dim=8,
-                                   moe_first_dense_layers=1))
+    model = Transformer(ModelConfig(vocab_size=VOCAB, dim=16, n_layers=3, n_heads=2, hidden_dim=32, max_seq_len=16,
+                                    moe_num_experts=4, moe_top_k=2, moe_shared_experts=1, moe_hidden_dim=8,
+                                    moe_first_dense_layers=1))
+    if starve:
+        moe_layers(model)[0].expert_bias.copy_(torch.tensor([10.0, 10.0, 0.0, 0.0]))
+    return model
 
 
-def _chunks(step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def batches(step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(100 + step)
     out = []
     for _ in range(CHUNKS):
@@ -45,34 +49,39 @@ def _units(b) -> int:
     return int((b["labels"] != -100).sum())
 
 
-def _reference(dtype: torch.dtype) -> dict:
-    """One process, torch AdamW + clip_grad_norm_, the balancing terms written out, the bias rule applied."""
-    model = _new_model().to(dtype)
+def one_process_reference(dtype: torch.dtype, starve: bool = False) -> dict:
+    """One process: torch AdamW + clip_grad_norm_, the balancing terms written out, the bias rule applied (with
+    `starve` the bias update is off, so the starved experts stay starved); step 1's gradients are kept."""
+    model = new_model(starve).to(dtype)
     params = list(model.parameters())
     opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": OPT["weight_decay"]},
                              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
                             lr=OPT["learning_rate"], betas=(OPT["beta1"], OPT["beta2"]), eps=OPT["eps"],
                             foreach=False)
     layers = moe_layers(model)
-    losses, norms = [], []
+    rate = 0.0 if starve else MOE["moe_bias_update_rate"]
+    rec = {"losses": [], "norms": []}
     for step in range(1, STEPS + 1):
-        chunks = _chunks(step)
+        chunks = batches(step)
         units = sum(int((y != -100).sum()) for _, y in chunks)
         opt.zero_grad(set_to_none=True)
         total = 0.0
         for x, y in chunks:
             lm = model(x, labels=y, reduction="sum")
             aux = take_aux_losses(layers)
-            extra = (aux[:, 0].sum() * MOE["moe_aux_loss_coef"] + aux[:, 1].sum() * MOE["moe_z_loss_coef"])
+            extra = aux[:, 0].sum() * MOE["moe_aux_loss_coef"] + aux[:, 1].sum() * MOE["moe_z_loss_coef"]
             ((lm + extra * int((y != -100).sum())) / units).backward()
             total += float(lm.detach())
-        norms.append(float(torch.nn.utils.clip_grad_norm_(params, OPT["grad_clip"])))
+        if step == 1:
+            rec["grads"] = {n: p.grad.detach().double().clone() for n, p in model.named_parameters()}
+        rec["norms"].append(float(torch.nn.utils.clip_grad_norm_(params, OPT["grad_clip"])))
         opt.step()
         for layer in layers:
-            update_expert_bias(layer.expert_bias, layer.take_counts(), MOE["moe_bias_update_rate"])
-        losses.append(total / units)
-    return {"params": {n: p.detach().double().clone() for n, p in model.named_parameters()}, "losses": losses,
-            "norms": norms, "bias": [layer.expert_bias.clone() for layer in layers]}
+            update_expert_bias(layer.expert_bias, layer.take_counts(), rate)
+        rec["losses"].append(total / units)
+    rec["params"] = {n: p.detach().double().clone() for n, p in model.named_parameters()}
+    rec["bias"] = [layer.expert_bias.clone() for layer in layers]
+    return rec
 
 
 def _train(parallel: str, zero: bool = False) -> dict:
@@ -83,12 +92,12 @@ def _train(parallel: str, zero: bool = False) -> dict:
     from trainer.moe import MoETraining
     cfg = dataclasses.replace(TrainConfig(), parallel=parallel, dtype="fp32", device="cpu", bucket_size=500,
                               use_distributed_optimizer=zero, gradient_accumulation_steps=2, **OPT, **MOE)
-    engine = build_engine(_new_model(), cfg, device=torch.device("cpu"))
+    engine = build_engine(new_model(), cfg, device=torch.device("cpu"))
     moe = MoETraining.of(cfg, engine.module)
     loss_fn = moe.wrap_loss(lambda m, b: (m(b["input_ids"], labels=b["labels"], reduction="sum"), {}), _units)
     rec = {"losses": [], "norms": []}
     for step in range(1, STEPS + 1):
-        chunks = _chunks(step)
+        chunks = batches(step)
         units = sum(int((y != -100).sum()) for _, y in chunks)
         per = CHUNKS // engine.dp_size
         mine = [{"input_ids": x, "labels": y} for x, y in chunks[engine.dp_rank * per:(engine.dp_rank + 1) * per]]
@@ -121,7 +130,7 @@ def results(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def reference() -> dict:
-    r32, r64 = _reference(torch.float32), _reference(torch.float64)
+    r32, r64 = one_process_reference(torch.float32), one_process_reference(torch.float64)
     noise = max(float((r32["params"][n] - r64["params"][n]).abs().max()) for n in r32["params"])
     r32["tol"] = 10 * noise + 1e-7
     r32["loss_tol"] = 10 * max(abs(a - b) for a, b in zip(r32["losses"], r64["losses"])) + 1e-6
