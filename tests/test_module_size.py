@@ -11,10 +11,6 @@ from tests.test_layering import ROOT, project_files
 
 MAX_LINES = 500
 
-# split in flight: modules being split elsewhere, exempt until those splits land (the lead empties this)
-SPLIT_IN_FLIGHT: frozenset = frozenset()
-PRIVATE_IMPORTS_IN_FLIGHT: frozenset = frozenset()
-
 
 def line_count(path: str) -> int:
     with open(path, "rb") as f:
@@ -33,15 +29,7 @@ def oversized(root: str = ROOT, limit: int = MAX_LINES, exempt: frozenset = froz
 
 
 def test_no_project_module_is_over_500_lines():
-    assert oversized(exempt=SPLIT_IN_FLIGHT) == []
-
-
-def test_every_exemption_is_still_a_module_over_the_limit():
-    """An exemption whose split has landed (the file gone, or back under the limit) is taken off the list, so
-    that the rule covers the module again."""
-    stale = sorted(p for p in SPLIT_IN_FLIGHT
-                   if not os.path.exists(os.path.join(ROOT, p)) or line_count(os.path.join(ROOT, p)) <= MAX_LINES)
-    assert stale == [], f"take these off SPLIT_IN_FLIGHT in {__file__}: {stale}"
+    assert oversized() == []
 
 
 def test_the_checker_sees_an_oversized_module(tmp_path):
@@ -86,7 +74,7 @@ def private_imports(root: str = ROOT, exempt: frozenset = frozenset()) -> list[s
 
 
 def test_no_module_imports_another_modules_private_names():
-    assert private_imports(exempt=PRIVATE_IMPORTS_IN_FLIGHT) == []
+    assert private_imports() == []
 
 
 def test_the_checker_sees_a_private_import(tmp_path):
