@@ -25,7 +25,9 @@ choice's value (jsonl).
 
 Scoring is batched: every request (one per choice, one per perplexity window) sorted longest first, --batch_size
 per forward, right-padded (the model is causal: a row's padding never changes its log-likelihood; the values equal
-one-forward-per-request scoring up to float32 rounding). A progress bar (requests/s) goes to stderr.
+one-forward-per-request scoring up to float32 rounding). A progress bar (requests/s) goes to stderr. On the CPU,
+unless --threads or OMP_NUM_THREADS fixes the count, the batches run on the usable cores or on one thread, whichever
+is measured faster now (utils/threads.py: on cores other processes hold, spinning threads collapse), as the trainer.
 
 Owns: the command, the formats above and their scoring. The numbers equal those of the exported model under
 transformers (export_hf.py; tests/commands/test_eval_lm.py) and lm-evaluation-harness's on the export
@@ -120,14 +122,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="write the results (JSON) here (a missing directory is created)")
     p.add_argument("--loglikelihoods_out", default=None, help="write every choice's log-likelihood here (jsonl)")
     p.add_argument("--device", default="auto")
+    p.add_argument("--threads", type=int, default=0,
+                   help="CPU threads (0 = automatic: the usable cores, or 1 while that is measured faster)")
     args = p.parse_args(argv)
     tasks = [t for spec in args.tasks for t in spec.split(",") if t]
     from inference.loading import precheck
     problem = precheck(args)
     if not problem and not (tasks or args.perplexity_files):
         problem = "nothing to evaluate: give --tasks and/or --perplexity_files"
-    if not problem and (args.num_fewshot < 0 or args.max_seq_len < 0 or args.batch_size < 1):
-        problem = "--num_fewshot and --max_seq_len must be >= 0, --batch_size >= 1"
+    if not problem and (args.num_fewshot < 0 or args.max_seq_len < 0 or args.batch_size < 1
+                        or args.threads < 0):
+        problem = "--num_fewshot, --max_seq_len and --threads must be >= 0, --batch_size >= 1"
     for path in tasks:
         problem = problem or task_file_problem(path)
     for path in args.perplexity_files:
@@ -165,7 +170,12 @@ def _load_and_score(args, read: list, bar) -> int:
     from tokenizer.loading import load_tokenizer_and_meta
     from utils.device import resolve_device
     from utils.errors import report_named
+    from utils.threads import plan_threads
     device = resolve_device(args.device)
+    threads = plan_threads(args.threads, cpu=device.type == "cpu")
+    torch.set_num_threads(threads.start)
+    if threads.warning:
+        bar.write(f"[eval] warning: threads: {threads.warning}", file=sys.stderr)
     try:
         tok_dir = args.tokenizer_dir or recorded_tokenizer_dir(args.ckpt, args.checkpoint)
         if not tok_dir or not os.path.isdir(tok_dir):
@@ -184,7 +194,7 @@ def _load_and_score(args, read: list, bar) -> int:
         lines: list = []
         for (path, reqs, _), enc in zip(read, encoded):
             flat = [r for item in enc for r in item]
-            values = loglikelihoods(model, flat, max_len, device, args.batch_size, bar)
+            values = loglikelihoods(model, flat, max_len, device, args.batch_size, bar, threads.tuner)
             lls, k = [], 0
             for item in enc:
                 lls.append(values[k:k + len(item)])
@@ -196,8 +206,8 @@ def _load_and_score(args, read: list, bar) -> int:
                       f"{r['num_fewshot']}-shot)", file=sys.stdout)
         if ppl:
             reqs, docs, skipped = ppl
-            r = perplexity_result(reqs, loglikelihoods(model, reqs, max_len, device, args.batch_size, bar), docs,
-                                  skipped)
+            values = loglikelihoods(model, reqs, max_len, device, args.batch_size, bar, threads.tuner)
+            r = perplexity_result(reqs, values, docs, skipped)
             results["perplexity"] = r
             bar.write(f"[eval] perplexity {r['ppl']:.4f} over {r['tokens']:,} tokens of {r['documents']} "
                       "documents", file=sys.stdout)
@@ -208,6 +218,9 @@ def _load_and_score(args, read: list, bar) -> int:
             raise
         return code
     del torch
+    for _, old, new, r_old, r_new in threads.tuner.changes if threads.tuner else ():
+        bar.write(f"[eval] threads {old} -> {new}: {r_new:,.0f} tokens/s measured against {r_old:,.0f}",
+                  file=sys.stderr)
     bar.close()
     from utils.publish import atomic_write_json, atomic_write_text
     try:  # checked writable up front; a disk that filled or a directory removed since is still one line

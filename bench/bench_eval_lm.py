@@ -1,18 +1,21 @@
-"""Benchmark eval_lm.py's scoring: one forward per request (the unbatched reference, `choice_loglikelihood`)
-against the batched scoring (`loglikelihoods`: sorted longest first, --batch_size rows per forward, right-padded),
-side by side in one run on the same model and the same requests.
+"""Benchmark eval_lm.py's scoring: one forward per request (the unbatched reference, `choice_loglikelihood`, as
+eval_lm.py scored before batching, on the thread count it then kept: the usable cores) against the batched scoring
+(`loglikelihoods`: sorted longest first, --batch_size rows per forward, right-padded) on that fixed count, and the
+batched scoring as eval_lm.py runs it now (the thread count chosen by measuring, utils/threads.plan_threads), side
+by side in one run on the same model and the same requests.
 
 Owns: building its inputs in a temp dir from the repo's data/pretrain files: a byte-level BPE tokenizer trained on
 them, --items multiple-choice records (4 choices each; a paragraph's opening as the context, the openings of other
 paragraphs' next sentences as the choices) and --docs short documents (paragraphs of 100..600 characters) for
 perplexity; a Transformer with random weights of the given shape. Both paths score the same encoded requests
-(tokenization is left out of both timings), after one warm-up forward each, interleaved chunk by chunk (a shared
-machine's load weighs on both alike); it prints both times, the ratio, the largest per-request log-likelihood
-difference and whether the accuracies and the perplexity agree.
-Must never: assert anything (it prints), download anything, or write outside its temp dir.
+(tokenization is left out of the timings), after one warm-up forward each, interleaved chunk by chunk (a shared
+machine's load weighs on all alike); it prints the times, the ratios, the largest per-request log-likelihood
+difference and whether the accuracies and the perplexity agree. --busy=N runs N busy loops (other processes
+holding cores, as on the shared machine the slow evaluation was reported from) for the whole timing.
+Must never: assert anything (it prints), download anything, write outside its temp dir, or leave a busy loop running.
 
     .venv/bin/python bench/bench_eval_lm.py [--items=40] [--docs=400] [--batch_size=16] [--dim=256] [--n_layers=4]
-        [--device=cpu] [--threads=0]
+        [--device=cpu] [--threads=0] [--busy=0]
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import argparse
 import json
 import os
 import random
+import subprocess
 import sys
 import tempfile
 import time
@@ -66,17 +70,29 @@ def main() -> None:
     ap.add_argument("--vocab_size", type=int, default=4096)
     ap.add_argument("--max_seq_len", type=int, default=256)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="fix every path's thread count (0 = as eval_lm.py: the usable cores, measured for the last)")
+    ap.add_argument("--busy", type=int, default=0, help="busy loops running beside the timing")
     args = ap.parse_args()
+    loops = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
+    try:
+        run(args)
+    finally:
+        for p in loops:
+            p.kill()
+            p.wait()
 
+
+def run(args: argparse.Namespace) -> None:
     import torch
 
     from evals import lm_tasks
     from model import ModelConfig, Transformer
     from tokenizer import load_tokenizer, load_tokenizer_meta
     from tokenizer.train_tokenizer import train_tokenizer
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    from utils.threads import plan_threads
+    fixed = plan_threads(args.threads, fixed=True).start  # what eval_lm.py kept before it measured
+    torch.set_num_threads(fixed)
     rng = random.Random(0)
     paras = paragraphs()
     with tempfile.TemporaryDirectory() as d:
@@ -103,7 +119,7 @@ def main() -> None:
     lengths = [len(ids) - 1 for ids, _ in flat + windows]
     print(f"model: dim {args.dim}, {args.n_layers} layers, vocab {meta['vocab_size']}, "
           f"{sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, {args.device}, "
-          f"{torch.get_num_threads()} threads")
+          f"{fixed} threads ({args.busy} busy loops beside it; load average {os.getloadavg()[0]:.1f} at the start)")
     print(f"requests: {args.items} multiple-choice items ({len(flat)} choices) + {docs} documents ({len(windows)} "
           f"windows); input lengths {min(lengths)}..{max(lengths)} tokens, mean {sum(lengths) / len(lengths):.0f}")
 
@@ -113,30 +129,35 @@ def main() -> None:
 
     lm_tasks.choice_loglikelihood(model, flat[0][0], flat[0][1], args.max_seq_len, device)  # warm-up
     lm_tasks.loglikelihoods(model, flat[:args.batch_size], args.max_seq_len, device, args.batch_size)
-    # Interleaved, so that a load that changes during the run (a shared machine) weighs on both alike: the
-    # requests in loglikelihoods' order (longest first), cut into chunks of 4 batches (the batched path's batches
-    # are then exactly those of one call over everything), each chunk timed by both paths, which goes first
-    # alternating.
+    # Interleaved, so that a load that changes during the run (a shared machine) weighs on all alike: the
+    # requests in loglikelihoods' order (longest first), cut into chunks of 4 batches (the batched paths' batches
+    # are then exactly those of one call over everything), each chunk timed by every path, which goes first
+    # rotating. The measured thread choice keeps one tuner for the whole run, as one eval_lm.py call does; it is
+    # planned now, when the busy loops (if any) already run.
+    plan = plan_threads(args.threads, cpu=device.type == "cpu")
     every = flat + windows
     order = sorted(range(len(every)), key=lambda i: -len(every[i][0][:-1][-args.max_seq_len:]))
     chunk = 4 * args.batch_size
-    old, new = [0.0] * len(every), [0.0] * len(every)
-    t_old = t_new = 0.0
+    names = ("unbatched", "batched", "batched+threads")
+    vals_of = {k: [0.0] * len(every) for k in names}
+    secs = dict.fromkeys(names, 0.0)
     for c, start in enumerate(range(0, len(order), chunk)):
         rows = order[start:start + chunk]
-        for which in ((0, 1) if c % 2 == 0 else (1, 0)):
+        for which in names[c % 3:] + names[:c % 3]:
+            torch.set_num_threads(fixed if which != "batched+threads" else plan.tuner.current if plan.tuner
+                                  else plan.start)
             sync()
             t0 = time.perf_counter()
-            if which == 0:
+            if which == "unbatched":
                 vals = [lm_tasks.choice_loglikelihood(model, *every[i], args.max_seq_len, device) for i in rows]
             else:
                 vals = lm_tasks.loglikelihoods(model, [every[i] for i in rows], args.max_seq_len, device,
-                                               args.batch_size)
+                                               args.batch_size, tuner=plan.tuner if which != "batched" else None)
             sync()
-            dt = time.perf_counter() - t0
+            secs[which] += time.perf_counter() - t0
             for i, v in zip(rows, vals):
-                (old if which == 0 else new)[i] = v
-            t_old, t_new = (t_old + dt, t_new) if which == 0 else (t_old, t_new + dt)
+                vals_of[which][i] = v
+    old, new = vals_of["unbatched"], vals_of["batched+threads"]
     old_mc, old_ppl, new_mc, new_ppl = old[:len(flat)], old[len(flat):], new[:len(flat)], new[len(flat):]
 
     def per_item(values: list[float]) -> list[list[float]]:
@@ -146,14 +167,20 @@ def main() -> None:
             k += len(item)
         return out
 
-    diff = max(abs(a - b) for a, b in zip(old_mc + old_ppl, new_mc + new_ppl))
     acc_old, acc_new = lm_tasks.tally(reqs, per_item(old_mc)), lm_tasks.tally(reqs, per_item(new_mc))
     ppl_old = lm_tasks.perplexity_result(windows, old_ppl, docs, 0)["ppl"]
     ppl_new = lm_tasks.perplexity_result(windows, new_ppl, docs, 0)["ppl"]
     n = len(flat) + len(windows)
-    print(f"unbatched (one forward per request): {t_old:8.2f} s  ({n / t_old:7.1f} requests/s)")
-    print(f"batched (--batch_size={args.batch_size}):            {t_new:8.2f} s  ({n / t_new:7.1f} requests/s)")
-    print(f"speed-up: {t_old / t_new:.1f}x")
+    t_old = secs["unbatched"]
+    for which, label in zip(names, ("one forward per request (before batching)",
+                                    f"batched (--batch_size={args.batch_size})",
+                                    "batched + measured thread count (eval_lm.py now)")):
+        print(f"{label:52s} {secs[which]:8.2f} s  ({n / secs[which]:7.1f} requests/s)  speed-up "
+              f"{t_old / secs[which]:.1f}x")
+    if plan.tuner is not None:
+        print(f"thread count of the last path: started on {plan.start}, ended on {plan.tuner.current}; "
+              f"switches {[(old_n, new_n) for _, old_n, new_n, _, _ in plan.tuner.changes]}")
+    diff = max(abs(a - b) for batched in (vals_of["batched"], new) for a, b in zip(old, batched))
     print(f"max |loglikelihood difference| {diff:.2e}; acc/acc_norm {acc_old['acc']:.4f}/{acc_old['acc_norm']:.4f} "
           f"vs {acc_new['acc']:.4f}/{acc_new['acc_norm']:.4f} ({'same' if acc_old == acc_new else 'DIFFERENT'}); "
           f"ppl {ppl_old:.4f} vs {ppl_new:.4f}")

@@ -261,12 +261,17 @@ def choice_loglikelihood(model: Any, ids: list[int], n_cont: int, max_len: int, 
 
 
 def loglikelihoods(model: Any, requests: list[tuple[list[int], int]], max_len: int, device: Any,
-                   batch_size: int = DEFAULT_BATCH_SIZE, progress: Any = None) -> list[float]:
+                   batch_size: int = DEFAULT_BATCH_SIZE, progress: Any = None, tuner: Any = None) -> list[float]:
     """choice_loglikelihood of every (ids, n) request, batched: the inputs (ids[:-1] left-truncated to max_len)
     sorted longest first (as lm-eval's Collator), `batch_size` per forward, right-padded to the batch's longest.
     The model is causal, so a row's real positions never see its padding; each row's sum is taken over its own
-    last n real positions, so the values equal the unbatched ones up to float32 rounding (matrix products of
-    other shapes). Returned in the requests' order; `progress.update(k)` after each batch (a tqdm bar)."""
+    last n real positions (the LM head runs on those alone: logits_to_keep as a mask), so the values equal the
+    unbatched ones up to float32 rounding (matrix products of other shapes). Returned in the requests' order;
+    `progress.update(k)` after each batch (a tqdm bar).
+    `tuner` (utils/threads.ThreadTuner): the CPU thread count of each batch, chosen by measuring (the values
+    differ by float32 rounding between counts, as between batch sizes)."""
+    import time
+
     import torch
     inputs = [ids[:-1][-max_len:] for ids, _ in requests]
     for (ids, n), inp in zip(requests, inputs):
@@ -277,19 +282,28 @@ def loglikelihoods(model: Any, requests: list[tuple[list[int], int]], max_len: i
     with torch.no_grad():
         for start in range(0, len(order), max(1, int(batch_size))):
             rows = order[start:start + max(1, int(batch_size))]
+            if tuner is not None and tuner.threads_for_next_step() != torch.get_num_threads():
+                torch.set_num_threads(tuner.threads_for_next_step())
+            t0 = time.perf_counter()
             width = len(inputs[rows[0]])
             x = torch.zeros((len(rows), width), dtype=torch.long)
-            for r, i in enumerate(rows):
-                x[r, :len(inputs[i])] = torch.tensor(inputs[i], dtype=torch.long)
-            logits = model(x.to(device))
-            sums = []
+            keep = torch.zeros((len(rows), width), dtype=torch.bool)
+            targets = []
             for r, i in enumerate(rows):
                 (ids, n), length = requests[i], len(inputs[i])
-                logp = torch.log_softmax(logits[r, length - n:length].float(), dim=-1)
-                targets = torch.tensor(ids[-n:], dtype=torch.long, device=logp.device)
-                sums.append(logp.gather(1, targets[:, None]).sum())
+                x[r, :length] = torch.tensor(inputs[i], dtype=torch.long)
+                keep[r, length - n:length] = True
+                targets.extend(ids[-n:])
+            # the LM head on the scored positions only ([sum n, V], row by row): a multiple-choice context's
+            # positions and the padding need no logits
+            logits = model(x.to(device), logits_to_keep=keep.to(device))
+            nll = torch.nn.functional.cross_entropy(logits.float(), torch.tensor(targets, device=logits.device),
+                                                    reduction="none")
+            sums = [-part.sum() for part in nll.split([requests[i][1] for i in rows])]
             for i, v in zip(rows, torch.stack(sums).tolist()):  # one device-to-host copy per batch
                 out[i] = v
+            if tuner is not None:
+                tuner.record(time.perf_counter() - t0, sum(len(inputs[i]) for i in rows))
             if progress is not None:
                 progress.update(len(rows))
     return out

@@ -317,7 +317,7 @@ class Transformer(nn.Module):
     def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 reduction: str = "mean", attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None, *, cache: Optional[KVCache] = None,
-                logits_to_keep: int = 0, doc_ids: Optional[torch.Tensor] = None,
+                logits_to_keep: "int | torch.Tensor" = 0, doc_ids: Optional[torch.Tensor] = None,
                 cu_seqlens: Optional[torch.Tensor] = None, max_seqlen=None) -> torch.Tensor:
         """Logits [B, T, V] without labels; the loss of the chunked linear+CE with labels.
         Pruned (`pruned`): input_ids is the hidden state [B, T, D] when there is no embedding, and the
@@ -330,7 +330,9 @@ class Transformer(nn.Module):
         over the flattened batch) with max_seqlen (a Python int) select flash-attn varlen where it runs
         (dataset/dataset_sft.py's packed_collate makes all three). Which attention runs is decided from
         which of these are present, never from their values (model/attention.py).
-        cache / logits_to_keep are for generation (logits of the last `logits_to_keep` positions).
+        cache / logits_to_keep are for generation (logits of the last `logits_to_keep` positions); a bool
+        logits_to_keep [B, T] returns the logits of its True positions only, [N, V] in row-major order (scoring
+        a few positions of each row: the LM head, often most of a small model's FLOPs, runs on those alone).
         """
         B, T = input_ids.shape[0], input_ids.shape[1]
         past = cache.pos if cache is not None else 0
@@ -372,7 +374,9 @@ class Transformer(nn.Module):
         h = self.norm(h)
 
         if labels is None:
-            if logits_to_keep:
+            if isinstance(logits_to_keep, torch.Tensor):
+                h = h[logits_to_keep]
+            elif logits_to_keep:
                 h = h[:, -logits_to_keep:]
             return self.lm_head(h)
         if cp is not None and cp.size > 1:

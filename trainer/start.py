@@ -38,7 +38,7 @@ from utils.model_bounds import fit_problem, param_count
 from utils.moe_flags import moe_model_fields, moe_param_delta
 from utils.run_config import DATA_KEYS, global_batch_problem, same_value
 from utils.spike_guard import parse_data_steps
-from utils.threads import ThreadTuner, choose_threads, describe_threads, oversubscription_warning
+from utils.threads import describe_threads, plan_threads
 
 def new_model_config(cfg: TrainConfig, tok_meta: dict):
     vocab = cfg.vocab_size or int(tok_meta["vocab_size"])
@@ -354,17 +354,8 @@ def set_threads(cfg: TrainConfig, info: DistInfo, log) -> tuple[str, Any]:
     as torchrun sets it, else the usable cores, and then (CPU runs, not --deterministic) a ThreadTuner that
     trains on one thread while that is measured faster (other processes compete for the cores). Warns once
     (rank 0) when the machine is oversubscribed. Returns (the words of the [layout] line, the tuner or None)."""
-    choice = choose_threads(cfg.threads)
-    torch.set_num_threads(choice.threads)
-    fixed = choice.source in ("--threads", "OMP_NUM_THREADS") or cfg.deterministic
-    busy = oversubscription_warning(choice.threads)
-    tuner = None
-    if not fixed and choice.threads > 1 and info.device.type == "cpu":
-        # on a machine already busy, spinning threads collapse: start on one and let the tuner try more
-        tuner = ThreadTuner(choice.threads, start=1 if busy else None)
-        if busy:
-            torch.set_num_threads(1)
-            busy += "; starting on 1 thread, the automatic choice measures more later"
-    if busy:
-        log(f"[warning] threads: {busy}")
-    return describe_threads(choice, adaptive=tuner is not None), tuner
+    plan = plan_threads(cfg.threads, cpu=info.device.type == "cpu", fixed=cfg.deterministic)
+    torch.set_num_threads(plan.start)
+    if plan.warning:
+        log(f"[warning] threads: {plan.warning}")
+    return describe_threads(plan.choice, adaptive=plan.tuner is not None), plan.tuner

@@ -2,7 +2,8 @@
 
 Owns: `usable_cores` (the cores this process may run on: its affinity mask, not the machine's count),
 `choose_threads` (--threads, else OMP_NUM_THREADS as torchrun sets it per rank, else the usable cores
-shared among the node's local ranks), `ThreadTuner` (an automatic choice that measures: the chosen count
+shared among the node's local ranks), `plan_threads` (that choice, the tuner when nothing fixed it, the count to
+start on and the warning: what the trainer and eval_lm.py both set), `ThreadTuner` (an automatic choice that measures: the chosen count
 or one thread, whichever trains faster now), `describe_threads` (the words of the trainer's [layout] line)
 and `oversubscription_warning` (the load average against the usable cores).
 Must never: import torch (the trainer's pre-check path stays torch-free) or anything above utils/.
@@ -98,6 +99,32 @@ def oversubscription_warning(threads: int, cores: Optional[int] = None, load: Op
     return (f"the 1-minute load average is {load:.1f} on {cores} usable core{'s' if cores != 1 else ''}: other "
             f"processes compete for them, so this run is slower than its {threads} thread{'s' if threads != 1 else ''} "
             f"can be ({advice}; see docs/training.md \"CPU threads\")")
+
+
+@dataclass
+class ThreadPlan:
+    choice: ThreadChoice
+    start: int                         # the count to set now
+    tuner: Optional["ThreadTuner"]     # None when the count is fixed
+    warning: Optional[str]             # the oversubscription warning, with what the plan does about it
+
+
+def plan_threads(requested: int = 0, cpu: bool = True, fixed: bool = False,
+                 env: Optional[Mapping[str, str]] = None, load: Optional[float] = None,
+                 cores: Optional[int] = None, **tuner_kw) -> ThreadPlan:
+    """The thread count to start on and whether to keep measuring: the `choose_threads` count, fixed when
+    --threads or OMP_NUM_THREADS chose it (or `fixed`: --deterministic); otherwise, on the CPU and with more
+    than one thread, a ThreadTuner that starts on one thread when the machine is already oversubscribed
+    (spinning threads collapse there) and measures the other count later. `tuner_kw` go to the tuner."""
+    choice = choose_threads(requested, env, cores)
+    fixed = fixed or choice.source in ("--threads", "OMP_NUM_THREADS")
+    busy = oversubscription_warning(choice.threads, cores, load, env)
+    if fixed or choice.threads <= 1 or not cpu:
+        return ThreadPlan(choice, choice.threads, None, busy)
+    tuner = ThreadTuner(choice.threads, start=1 if busy else None, **tuner_kw)
+    if busy:
+        busy += "; starting on 1 thread, the automatic choice measures more later"
+    return ThreadPlan(choice, tuner.current, tuner, busy)
 
 
 class ThreadTuner:

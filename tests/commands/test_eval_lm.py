@@ -384,7 +384,8 @@ def _model(run):
 def test_batched_scoring_equals_one_forward_per_request(run, tmp_path):
     """Every format's choices (contexts left-truncated at MAX_LEN, 2-shot) and perplexity windows of other
     lengths, scored in padded batches of 1, 3, 16 and 64: each log-likelihood equals the unbatched
-    choice_loglikelihood's up to float32 rounding, and acc / acc_norm / the perplexity are the same."""
+    choice_loglikelihood's up to float32 rounding (even at 1 row per forward the LM head runs on the scored
+    positions alone, a matrix product of another shape), and acc / acc_norm / the perplexity are the same."""
     from evals import lm_tasks
     from tokenizer import load_tokenizer
     tok = load_tokenizer(str(run / "tok"))
@@ -403,13 +404,61 @@ def test_batched_scoring_equals_one_forward_per_request(run, tmp_path):
         got = lm_tasks.score_encoded(model, encoded, MAX_LEN, "cpu", batch_size=bs)
         for g, w in zip(got, want):
             assert g == pytest.approx(w, rel=1e-5, abs=1e-4), bs
-        if bs == 1:  # one row per forward: the unbatched values themselves
-            assert got == want
         assert lm_tasks.tally(reqs, got) == lm_tasks.tally(reqs, want)
         got_ppl = lm_tasks.loglikelihoods(model, windows, 24, "cpu", batch_size=bs)
         assert got_ppl == pytest.approx(want_ppl, rel=1e-5, abs=1e-4), bs
         assert lm_tasks.perplexity_result(windows, got_ppl, docs, 0)["ppl"] == pytest.approx(
             lm_tasks.perplexity_result(windows, want_ppl, docs, 0)["ppl"], rel=1e-6)
+
+
+def test_a_bool_logits_to_keep_returns_the_logits_of_its_positions_only(run):
+    import torch
+    model = _model(run)
+    x = torch.randint(3, 200, (3, 11))
+    keep = torch.zeros(3, 11, dtype=torch.bool)
+    keep[0, 2:5], keep[2, 10] = True, True  # row 1: none
+    with torch.no_grad():
+        got, full = model(x, logits_to_keep=keep), model(x)
+    assert got.shape == (4, full.shape[-1])
+    torch.testing.assert_close(got, full[keep])  # float32 rounding: the head's product has fewer rows
+
+
+def test_batched_scoring_runs_each_batch_on_the_tuners_thread_count(run, tmp_path):
+    """With a ThreadTuner the batches run on the count it asks for (set before each batch, here alternating
+    1 and 2), it is told each batch's input tokens, and the values are those of the fixed count's scoring up to
+    float32 rounding (other counts sum in another order)."""
+    import torch
+
+    from evals import lm_tasks
+    from tokenizer import load_tokenizer
+    model = _model(run)
+    held = tmp_path / "held.jsonl"
+    held.write_text("".join(json.dumps({"text": _sentence(i, 5 + 9 * i)}) + "\n" for i in range(8)))
+    windows, _, _ = lm_tasks.perplexity_requests(load_tokenizer(str(run / "tok")), 1, 2, [str(held)], "text", 24)
+
+    class Alternating:
+        def __init__(self):
+            self.asked, self.records, self.ran = 0, [], []
+
+        def threads_for_next_step(self):
+            return 1 + len(self.records) % 2
+
+        def record(self, seconds, tokens):
+            self.ran.append(torch.get_num_threads())
+            self.records.append((seconds, tokens))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        want = lm_tasks.loglikelihoods(model, windows, 24, "cpu", batch_size=3)
+        tuner = Alternating()
+        got = lm_tasks.loglikelihoods(model, windows, 24, "cpu", batch_size=3, tuner=tuner)
+    finally:
+        torch.set_num_threads(before)
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-4)
+    batches = -(-len(windows) // 3)
+    assert tuner.ran == [1 + k % 2 for k in range(batches)]
+    assert sum(t for _, t in tuner.records) == sum(len(w[:-1][-24:]) for w, _ in windows)
+    assert all(s > 0 for s, _ in tuner.records)
 
 
 def choice_ll(model, ids, n, max_len=MAX_LEN):

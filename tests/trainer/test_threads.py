@@ -115,3 +115,18 @@ def test_a_trainer_without_thread_settings_uses_every_usable_core_and_tunes(tiny
                              "--deterministic=true"]), env=env).stdout
     assert _layout(det).endswith(f"; threads {cores} ({cores} usable cores; OpenMP threads spin while waiting "
                                  "(libgomp's default))")  # a fixed count: the run is reproducible
+
+
+def test_plan_threads_fixes_what_a_flag_or_the_environment_chose_and_tunes_the_rest():
+    idle, busy = {"load": 0.5, "cores": 2}, {"load": 3.5, "cores": 2}
+    auto = threads.plan_threads(0, env={}, **idle)
+    assert auto.start == 2 and auto.tuner is not None and auto.tuner.current == 2 and auto.warning is None
+    crowded = threads.plan_threads(0, env={}, **busy)
+    assert crowded.start == 1 and crowded.tuner.current == 1 and crowded.tuner.choices == (2, 1)
+    assert "starting on 1 thread" in crowded.warning
+    for fixed in (threads.plan_threads(2, env={}, **busy), threads.plan_threads(0, env={"OMP_NUM_THREADS": "2"}, **busy),
+                  threads.plan_threads(0, env={}, fixed=True, **busy), threads.plan_threads(0, cpu=False, env={}, **busy)):
+        assert fixed.start == 2 and fixed.tuner is None  # a count someone chose (or a GPU run) is kept
+        assert "starting on 1 thread" not in fixed.warning and "the 1-minute load average is 3.5" in fixed.warning
+    one = threads.plan_threads(0, env={}, load=0.1, cores=1)
+    assert one.start == 1 and one.tuner is None  # nothing to choose between
