@@ -76,13 +76,15 @@ def train(cfg: TrainConfig, info: DistInfo, continues: Optional[bool] = None, ma
     model, init_info = build_model(cfg, info, start, tok_meta, log)
     model_cfg = model.cfg
     lora_base = choose_trainable(cfg, model, init_info, start, log)
-    engine, ref_model = place_on_engine(cfg, info, model, dpo_reference(cfg, init_info, log), log, threads)
+    task = task_of(cfg)  # trainer/tasks/: the loss, units and statistics of --task_type; one instance for the run
+    engine, ref_model = place_on_engine(cfg, info, model, dpo_reference(cfg, init_info, log, task), log, threads,
+                                        task=task)
     del model  # the engine holds what this rank runs (under pp the other stages' layers are freed)
     engine.lora_base = lora_base
     optimizer = engine.optimizer
     try:
         train_loader, make_val_loader = build_data(cfg, engine.dp_rank, engine.dp_size, tok_meta,
-                                                   fixed_shape=engine.fixed_batch_shape, log=log)
+                                                   fixed_shape=engine.fixed_batch_shape, log=log, task=task)
     except (DataError, ValueError, OSError) as e:  # DataError includes StaleIndexError
         raise TrainingError(f"data: {' '.join(str(e).split())}", EXIT_BAD_DATA) from e
     depth = prefetch_depth(cfg, info.device)
@@ -109,7 +111,7 @@ def train(cfg: TrainConfig, info: DistInfo, continues: Optional[bool] = None, ma
                             run_config=dataclasses.asdict(cfg),
                             resume_step=progress.step if start.continues else None)
     loop = Loop(cfg, info, engine, checkpoints, ref_model, model_cfg, train_loader, make_val_loader, metrics, progress,
-                init_info, log)
+                init_info, log, task)
     loop.tuner = tuner
     loop.quiet_lines = not log_interval_given
     loop.announce(saved_max_iters=int(start.saved_cfg.get("max_iters") or 0))
@@ -180,7 +182,8 @@ class Loop:
     checkpoints. The same for every task and engine (parallel/engine.py hides which one runs)."""
 
     def __init__(self, cfg: TrainConfig, info: DistInfo, engine, checkpoints: CheckpointManager, ref_model, model_cfg,
-                 train_loader, make_val_loader, metrics: MetricsLogger, progress: Progress, init_info: dict, log) -> None:
+                 train_loader, make_val_loader, metrics: MetricsLogger, progress: Progress, init_info: dict, log,
+                 task) -> None:
         self.cfg, self.info, self.engine, self.ref_model, self.model_cfg = cfg, info, engine, ref_model, model_cfg
         self.checkpoints = checkpoints
         self.train_loader, self.make_val_loader, self.metrics = train_loader, make_val_loader, metrics
@@ -201,7 +204,7 @@ class Loop:
         self.sampler = build_sampler(cfg)  # --sample_every: prompts and tokenizer checked on every rank
         self.task_eval = build_task_evaluator(cfg) if info.is_main else None  # --eval_tasks: files read now
         self.resumed_from = {"step": progress.step, "data_step": progress.data_step}
-        self.task = task = task_of(cfg)  # trainer/tasks/: the loss, units and statistics of --task_type
+        self.task = task
         self.loss_fn = lambda model, batch: task.micro_batch_loss(model, ref_model, batch, info.device)  # noqa: E731
         self.moe = MoETraining.of(cfg, engine.module)  # MoE: balancing losses, bias update, load metrics
         if self.moe is not None:
@@ -385,7 +388,7 @@ class Loop:
         `rec` is the row of step rec["step"]: the step queued last, or (finished a step later) the one before."""
         p, step = self.progress, rec["step"]
         if do_eval:
-            ev = evaluate(self.cfg, self.engine, self.ref_model, self.make_val_loader, self.info)
+            ev = evaluate(self.cfg, self.engine, self.ref_model, self.make_val_loader, self.info, self.task)
             if ev is not None:
                 rec.update(ev)
                 p.last_val = ev["val_loss"]

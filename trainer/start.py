@@ -217,10 +217,10 @@ def choose_trainable(cfg: TrainConfig, model, init_info: dict, start: Start, log
     return lora_base
 
 
-def dpo_reference(cfg: TrainConfig, init_info: dict, log) -> Optional[Any]:
+def dpo_reference(cfg: TrainConfig, init_info: dict, log, task=None) -> Optional[Any]:
     """The frozen reference model of a task that needs one (DPO: --ref_model, else the policy's starting weights);
-    None otherwise."""
-    if not get_task(cfg).needs_reference:  # an instance: GRPO needs one only with --beta > 0
+    None otherwise. `task`: the run's task object (built from cfg when not given)."""
+    if not (task or get_task(cfg)).needs_reference:  # an instance: GRPO needs one only with --beta > 0
         return None
     ref_src = cfg.ref_model or init_info.get("ref_source") or init_info["source"]
     if ref_src == "scratch":
@@ -232,7 +232,8 @@ def dpo_reference(cfg: TrainConfig, init_info: dict, log) -> Optional[Any]:
     return ref_model.requires_grad_(False).eval()
 
 
-def place_on_engine(cfg: TrainConfig, info: DistInfo, model, ref_model, log, threads: str = "") -> tuple[Any, Any]:
+def place_on_engine(cfg: TrainConfig, info: DistInfo, model, ref_model, log, threads: str = "",
+                    task=None) -> tuple[Any, Any]:
     """(engine, reference model laid out like the policy): the precision policy, the kernel and layout
     lines (the layout line ends with `threads`, set_threads' words), and our DDP / FSDP / pipeline stages
     behind one interface (parallel/engine.py)."""
@@ -254,7 +255,7 @@ def place_on_engine(cfg: TrainConfig, info: DistInfo, model, ref_model, log, thr
         engine = build_engine(model, cfg, device=info.device)
     except ValueError as e:  # a layout that cannot run (e.g. a checkpoint's layers do not split into stages)
         raise TrainingError(f"bad parallel configuration: {one_line(e)}", EXIT_BAD_CONFIG) from e
-    engine.stat_keys = tuple(get_task(cfg).stat_keys)  # the task's statistics ride in every step row
+    engine.stat_keys = tuple((task or get_task(cfg)).stat_keys)  # the task's statistics ride in every step row
     log(describe_layout(cfg, engine, info.world_size) + (f"; {threads}" if threads else ""))
     if cfg.optimizer == "muon":
         log(f"[optimizer] muon on the blocks' 2-D matrices (lr {cfg.muon_lr or cfg.learning_rate:g}, momentum "

@@ -36,7 +36,7 @@ def task_of(cfg: TrainConfig):
 
 
 def build_data(cfg: TrainConfig, dp_rank: int, dp_size: int, tok_meta: dict, fixed_shape: bool = False,
-               log: Optional[Callable[[str], None]] = None):
+               log: Optional[Callable[[str], None]] = None, task=None):
     """(train_loader, make_val_loader) for the task; loaders yield dicts of tensors.
 
     dp_rank / dp_size: this rank's data-parallel coordinates (the engine's: the ranks of one pipeline
@@ -46,7 +46,7 @@ def build_data(cfg: TrainConfig, dp_rank: int, dp_size: int, tok_meta: dict, fix
     --data_dir. `log` (rank 0's) gets what was read (SFT / DPO), the split's sizes, and a warning when
     validation has fewer than MIN_VAL_SAMPLES samples."""
     val_ratio = 0.0 if cfg.eval_data_dir else cfg.val_ratio  # a separate validation set: all of --data_dir trains
-    d = task_of(cfg).datasets(tok_meta, val_ratio, fixed_shape, log)
+    d = (task or task_of(cfg)).datasets(tok_meta, val_ratio, fixed_shape, log)
     train, val, collate, unit, val_from, more = d.train, d.val, d.collate, d.unit, d.val_from, d.more
     if log is not None:
         log(f"[data] {cfg.task_type}: {len(train)} training / {len(val)} validation {unit} (validation: {val_from})")
@@ -92,7 +92,7 @@ def count_tokens(batch: dict) -> int:
 
 
 @torch.no_grad()
-def evaluate(cfg: TrainConfig, engine, ref_model, make_val_loader, info: DistInfo) -> Optional[dict]:
+def evaluate(cfg: TrainConfig, engine, ref_model, make_val_loader, info: DistInfo, task=None) -> Optional[dict]:
     """Mean validation loss over all data-parallel ranks: all-reduce of loss sums and unit counts.
     Reads --eval_iters batches (rounded up to whole groups when the engine runs them in groups: a
     pipeline's micro-batches), or one pass over the split when that is shorter."""
@@ -106,7 +106,7 @@ def evaluate(cfg: TrainConfig, engine, ref_model, make_val_loader, info: DistInf
         batches.append(next(it))
         if loader.state_dict().get("epoch", 0) > 0 and len(batches) % group == 0:  # one pass is enough
             break
-    task = task_of(cfg)
+    task = task or task_of(cfg)
     sums = engine.evaluate(batches, lambda model, batch: task.micro_batch_loss(model, ref_model, batch, info.device),
                            task.count_units)
     per_unit = StepStats.from_tensor(engine.sum_over_data(sums, info.device), engine.stat_keys).per_unit()
