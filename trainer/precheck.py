@@ -22,7 +22,7 @@ def precheck(argv: list[str], title: str, prog: str) -> None:
     """train_my_ddp.py's answers that need no torch, given before it imports torch (a second, not a minute on a
     busy machine): --help (exit 0); a flag, value or config file that does not parse, a value validate_config
     refuses, a --tokenizer_dir without tokenizer_meta.json, --resume=never on an --out_dir with checkpoints,
-    --resume=always with nothing to continue, and an --init_from, --resume_fallback or (DPO) --ref_model path
+    --resume=always with nothing to continue, and an --init_from, --resume_fallback or --ref_model path
     that is not there, an --out_dir that cannot be created or whose checkpoints/ cannot be written, a new model
     whose --dim does not split into --n_heads (exit 2), an --eval_tasks file that cannot be scored (exit 3 naming
     file:line; exit 2 for a path that is no task file), a --data_dir (or --eval_data_dir) that does not exist or
@@ -106,7 +106,7 @@ def precheck(argv: list[str], title: str, prog: str) -> None:
         choice = init_checkpoint_problem(cfg)
         if choice:
             fail(error + choice)
-    if cfg.task_type == "dpo" and cfg.ref_model and not os.path.isdir(cfg.ref_model):
+    if cfg.ref_model and not os.path.isdir(cfg.ref_model):  # whichever task reads it (DPO, GRPO with --beta)
         fail(error + no_weights_message("--ref_model", cfg.ref_model))
     if int(os.environ.get("RANK", "0")) == 0:  # an --out_dir that cannot be made, or one another run holds
         from utils import run_lock

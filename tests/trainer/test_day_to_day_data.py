@@ -139,3 +139,15 @@ def test_precheck_refuses_a_missing_eval_data_dir(tok_dir, tmp_path, capsys):
     assert capsys.readouterr().err.strip() == \
         f"[rank 0] error: data: --eval_data_dir={tmp_path / 'nope.jsonl'}: no such file or directory"
     assert not (tmp_path / "run").exists()
+
+
+def test_precheck_refuses_a_missing_ref_model_for_grpo_as_for_dpo(tok_dir, tmp_path, capsys):
+    prompts = _write(tmp_path / "p.jsonl", [json.dumps({"prompt": "1+1=", "answer": "2"})])
+    argv = ["--task_type=grpo", f"--data_dir={prompts}", f"--tokenizer_dir={tok_dir}", f"--out_dir={tmp_path / 'run'}",
+            f"--init_from={tmp_path}", "--beta=0.1", f"--ref_model={tmp_path / 'no_ref'}"]
+    with pytest.raises(SystemExit) as e:
+        precheck(argv, "t", "train_my_ddp.py")
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--ref_model" in err and str(tmp_path / "no_ref") in err and err.count("\n") == 1
+    assert not (tmp_path / "run").exists()
