@@ -134,7 +134,6 @@ def pretokenize_pretrain(data_dir: Union[None, str, Sequence[str]], tokenizer_di
                                "ignored_files": list(inputs.ignored) if inputs else [], "failed": {}, "tokens": 0,
                                "documents": 0, "split_documents": 0, "skips": {}, "duplicate_documents": 0,
                                "dedup": bool(dedup)}
-    complete_tokens = 0
     t0 = time.time()
     taken: set[str] = set()
     jobs = [(p, stem_for(p, root_of(p, items) if isinstance(p, str) else None, taken)) for p in files]
@@ -147,7 +146,22 @@ def pretokenize_pretrain(data_dir: Union[None, str, Sequence[str]], tokenizer_di
     from tqdm import tqdm
     bar = tqdm(total=sum(source_size(p) for p, _ in jobs), unit="B", unit_scale=True,
                desc="pretokenize", disable=not progress, file=sys.stderr)
-    plan = []  # (path, stem, meta, (tokens, duplicates) of its complete shards or None)
+    plan = _plan(jobs, output_dir, base_meta, dedup)
+    complete_tokens = _tokenize(plan, summary, bar, output_dir, alternatives, shard_size_tokens, strict, vocab_size,
+                                num_workers, max_doc_chars, dedup, tokenizer_dir, encode_fn)
+    bar.close()
+    summary["seconds"] = time.time() - t0
+    raise_failed(summary["failed"])
+    if summary["tokens"] + complete_tokens == 0:
+        raise DataError(f"{named}: no tokens: none of the {len(files)} input file(s) holds a usable document "
+                        f"(skips: {summary['skips'] or 'none'}; see the warnings above for file:line)")
+    return summary
+
+
+def _plan(jobs: list, output_dir: str, base_meta: dict, dedup: bool) -> list:
+    """(path, stem, meta, done) per input, in order: done = (tokens, duplicates) of its complete shards, or None
+    when it is to be tokenized (no shards, stale ones, or with `dedup` an earlier input redone)."""
+    plan = []
     redo_rest = False
     for path, stem in jobs:
         if is_dataset_source(path):
@@ -161,6 +175,15 @@ def pretokenize_pretrain(data_dir: Union[None, str, Sequence[str]], tokenizer_di
             done = None  # an earlier input is redone: which documents here repeat one of it is decided again
         redo_rest = redo_rest or done is None
         plan.append((path, stem, meta, done))
+    return plan
+
+
+def _tokenize(plan: list, summary: dict, bar, output_dir: str, alternatives, shard_size_tokens: int, strict: bool,
+              vocab_size: int, num_workers: int, max_doc_chars: int, dedup: bool, tokenizer_dir: Optional[str],
+              encode_fn: Optional[Callable]) -> int:
+    """Tokenize the inputs the plan marks, count the complete ones, add each input's figures (or its failure)
+    to `summary`; the tokens of the inputs whose shards were complete already."""
+    complete_tokens = 0
     last_todo = max((i for i, (*_, d) in enumerate(plan) if d is None), default=-1)
     seen: set[bytes] = set()  # hashes of the documents so far, in input order
     todo_bytes = sum(source_size(path) for path, _, meta, done in plan if done is None)
@@ -195,13 +218,7 @@ def pretokenize_pretrain(data_dir: Union[None, str, Sequence[str]], tokenizer_di
                 for k, v in stats["skips"].items():
                     summary["skips"][k] = summary["skips"].get(k, 0) + v
             bar.update(source_size(path))
-    bar.close()
-    summary["seconds"] = time.time() - t0
-    raise_failed(summary["failed"])
-    if summary["tokens"] + complete_tokens == 0:
-        raise DataError(f"{named}: no tokens: none of the {len(files)} input file(s) holds a usable document "
-                        f"(skips: {summary['skips'] or 'none'}; see the warnings above for file:line)")
-    return summary
+    return complete_tokens
 
 
 def _pieces(text: str, max_chars: int) -> Iterator[tuple[str, bool, bool]]:
