@@ -22,20 +22,50 @@ def _full(t) -> list:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().double().reshape(-1).tolist()
 
 
+def _ddp_full(engine, p: torch.Tensor, t=None) -> list:
+    """Our DDP's tensor `t` (default: the parameter `p`) of a parameter, gathered over the ep ranks where `p` is an
+    expert-parallel shard."""
+    from parallel.distributed_data_parallel import DistributedDataParallel
+    t = p if t is None else t
+    if DistributedDataParallel.shard_of(p) is None:
+        return t.detach().double().reshape(-1).tolist()
+    group = engine.model.expert_parallel_group
+    out = t.new_empty((torch.distributed.get_world_size(group) * t.shape[0], *t.shape[1:]))
+    torch.distributed.all_gather_into_tensor(out, t.detach().contiguous(), group=group)
+    return out.double().reshape(-1).tolist()
+
+
+def _ddp_grads(engine) -> dict:
+    """Step 1's reduced gradients of our DDP, every one whole: the buckets' shards all-gathered where ZeRO-1
+    reduce-scattered them (over each buffer's own group), the expert shards over the ep ranks."""
+    from utils import comm
+    ddp, opt = engine.model, engine.optimizer
+    ddp.finish_grad_sync()  # (the step's own call then reduces nothing again)
+    if opt.sharded:
+        for b in ddp.buckets:
+            lo, hi = opt.owned_range(b)
+            comm.all_gather(b.grad_data, b.grad_data[lo:hi].clone(), b.buffer.group, b.buffer.world_size,
+                            async_op=False)
+    return {n: _ddp_full(engine, p, p.main_grad) for n, p in engine.module.named_parameters()}
+
+
 def train(starve: bool, **layout) -> dict:
     from parallel.build import build_engine
     from trainer.config import TrainConfig
     from trainer.moe import MoETraining
     moe = dict(MOE, moe_bias_update_rate=0.0) if starve else MOE
-    cfg = dataclasses.replace(TrainConfig(), parallel="fsdp", expert_parallel_size=2, dtype="fp32", device="cpu",
-                              gradient_accumulation_steps=2, **OPT, **moe, **layout)
+    cfg = dataclasses.replace(TrainConfig(), **{**dict(parallel="fsdp", expert_parallel_size=2, dtype="fp32",
+                                                       device="cpu", gradient_accumulation_steps=2, bucket_size=500),
+                                                **OPT, **moe, **layout})
     engine = build_engine(new_model(starve), cfg, device=torch.device("cpu"))
+    ddp = cfg.parallel == "ddp"
     training = MoETraining.of(cfg, engine.module)
     loss_fn = training.wrap_loss(lambda m, b: (m(b["input_ids"], labels=b["labels"], reduction="sum"), {}),
                                  lambda b: int((b["labels"] != -100).sum()))
     rec = {"losses": [], "norms": [], "local_experts": []}
     for layer in training.layers:
-        rec["local_experts"].append(layer.experts.gate_up_proj.to_local().shape[0])
+        w = layer.experts.gate_up_proj
+        rec["local_experts"].append((w if ddp else w.to_local()).shape[0])
     for step in range(1, STEPS + 1):
         chunks = batches(step)
         units = sum(int((y != -100).sum()) for _, y in chunks)
@@ -43,13 +73,13 @@ def train(starve: bool, **layout) -> dict:
         mine = [{"input_ids": x, "labels": y} for x, y in chunks[engine.dp_rank * per:(engine.dp_rank + 1) * per]]
         engine.optimizer.zero_grad()
         total = engine.sum_over_data(engine.forward_backward(mine, loss_fn, units), torch.device("cpu"))
-        if step == 1:
-            rec["grads"] = {n: _full(p.grad) for n, p in engine.module.named_parameters()}
+        if step == 1 and not (ddp and cfg.zero_stage == 2):  # (ZeRO-2 frees what it does not own)
+            rec["grads"] = _ddp_grads(engine) if ddp else {n: _full(p.grad) for n, p in engine.module.named_parameters()}
         stepped, norm = engine.optimizer.step()
         training.after_step(engine, torch.device("cpu"))
         rec["losses"].append(float(total[0]) / units)
         rec["norms"].append(float(norm))
-    rec["params"] = {n: _full(p) for n, p in engine.module.named_parameters()}
+    rec["params"] = {n: _ddp_full(engine, p) if ddp else _full(p) for n, p in engine.module.named_parameters()}
     rec["bias"] = [layer.expert_bias.tolist() for layer in training.layers]
     return rec
 
@@ -57,9 +87,14 @@ def train(starve: bool, **layout) -> dict:
 # the layouts each world runs: 2 ranks: ep=2 (experts left to the ep sharding; also with activation checkpointing,
 # whose recompute runs the all-to-alls again in the backward, and with FSDP2's CPU offload); 4 ranks: ep=2 with FSDP over the 2
 # ranks that hold the same experts (efsdp=2), and ep=2 under HSDP (2 replicas of dp_shard=2, efsdp=1)
+# Our DDP (2 ranks: ep=2, the experts' group of one rank; ZeRO-1 and ZeRO-2 shard the experts' state over it; 4 ranks:
+# the experts reduced, and ZeRO-1-sharded, over the 2 ranks that hold the same ones)
+DDP, ZERO1 = dict(parallel="ddp"), dict(parallel="ddp", use_distributed_optimizer=True)
 CASES = {2: {"plain": (False, {}), "starved": (True, {}), "recompute": (False, {"gradient_checkpointing": True}),
-             "offload": (False, {"cpu_offload": True})},
-         4: {"efsdp2": (False, {}), "hsdp": (False, {"dp_replicate_size": 2})}}
+             "offload": (False, {"cpu_offload": True}), "ddp": (False, DDP), "ddp_starved": (True, DDP),
+             "zero1": (False, ZERO1), "zero2": (False, dict(ZERO1, zero_stage=2))},
+         4: {"efsdp2": (False, {}), "hsdp": (False, {"dp_replicate_size": 2}), "ddp_edp2": (False, DDP),
+             "zero1_edp2": (False, ZERO1)}}
 
 
 def _world(rank: int, world: int, out_path: str) -> None:
@@ -87,17 +122,22 @@ def _close(got: dict, r32: dict, r64: dict, key: str) -> None:
         assert diff <= 10 * noise + 1e-7, (key, n, diff, noise)
 
 
-@pytest.mark.parametrize("case", ["plain", "starved", "recompute", "offload", "efsdp2", "hsdp"])
+@pytest.mark.parametrize("case", ["plain", "starved", "recompute", "offload", "efsdp2", "hsdp", "ddp", "ddp_starved",
+                                  "zero1", "zero2", "ddp_edp2", "zero1_edp2"])
 def test_ep2_follows_one_process(results, case):
-    starve = case == "starved"
+    starve = case.endswith("starved")
     r32, r64 = one_process_reference(torch.float32, starve), one_process_reference(torch.float64, starve)
     rec = results[case]
     # E/ep = 2 experts on each rank, FSDP-sharded again over efsdp=2 (one expert's rows per rank)
     assert rec["local_experts"] == ([1, 1] if case == "efsdp2" else [2, 2])
+    # the clip matters: every step's norm is above --grad_clip, so a norm that missed the other ranks' experts
+    # (or counted them twice) would scale every update differently
+    assert min(r32["norms"]) > 1.5 * OPT["grad_clip"]
     for key in ("losses", "norms"):
         tol = 10 * max(abs(a - b) for a, b in zip(r32[key], r64[key])) + 1e-6
         assert max(abs(a - b) for a, b in zip(rec[key], r32[key])) <= tol, (key, rec[key], r32[key])
-    _close(rec, r32, r64, "grads")
+    if case != "zero2":  # (ZeRO-2 keeps no whole gradient to compare: its norm and parameters follow them)
+        _close(rec, r32, r64, "grads")
     _close(rec, r32, r64, "params")
     for got, want in zip(rec["bias"], r32["bias"]):
         assert torch.equal(torch.tensor(got), want), (got, want)
