@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import pytest
 import torch
@@ -97,8 +98,71 @@ CASES = {2: {"plain": (False, {}), "starved": (True, {}), "recompute": (False, {
              "zero1_edp2": (False, ZERO1)}}
 
 
+def _ddp_run(ep: int, zero: bool):
+    """Our DDP engine at `ep` (ZeRO-1 with `zero`), its MoE training and loss: (engine, one step's function)."""
+    from parallel.build import build_engine
+    from trainer.config import TrainConfig
+    from trainer.moe import MoETraining
+    cfg = dataclasses.replace(TrainConfig(), parallel="ddp", expert_parallel_size=ep, use_distributed_optimizer=zero,
+                              dtype="fp32", device="cpu", gradient_accumulation_steps=2, bucket_size=500, **OPT, **MOE)
+    engine = build_engine(new_model(), cfg, device=torch.device("cpu"))
+    training = MoETraining.of(cfg, engine.module)
+    loss_fn = training.wrap_loss(lambda m, b: (m(b["input_ids"], labels=b["labels"], reduction="sum"), {}),
+                                 lambda b: int((b["labels"] != -100).sum()))
+
+    def step(n: int) -> float:
+        chunks = batches(n)
+        units = sum(int((y != -100).sum()) for _, y in chunks)
+        per = CHUNKS // engine.dp_size
+        mine = [{"input_ids": x, "labels": y} for x, y in chunks[engine.dp_rank * per:(engine.dp_rank + 1) * per]]
+        engine.optimizer.zero_grad()
+        total = engine.sum_over_data(engine.forward_backward(mine, loss_fn, units), torch.device("cpu"))
+        engine.optimizer.step()
+        training.after_step(engine, torch.device("cpu"))
+        return float(total[0]) / units
+    return engine, step
+
+
+def resume_across_ep(rank: int, world: int, out_dir: str) -> dict:
+    """Uninterrupted ep=2 and ep=1 runs of 8 steps under our DDP; then ep=2 DDP for steps 1-2 -> its plain checkpoint
+    resumed at ep=1 ZeRO-1 for 3-4 -> resumed at ep=2 ZeRO-1 for 5-6, which goes on to 7-8; its step-6 checkpoint
+    resumed at ep=2 ZeRO-1 again (each rank its own optimizer file) for 7-8."""
+    import torch.distributed as dist
+
+    from checkpoint.manager import CheckpointManager
+
+    def manager(engine):
+        return CheckpointManager(engine, out_dir, rank=rank, world_size=world, barrier=dist.barrier, keep_last=10)
+
+    def save(engine, n: int) -> str:
+        return manager(engine).save(n, trainer_state={}, model_config={}, run_config={})
+
+    rec = {}
+    for name, ep in (("ep2", 2), ("ep1", 1)):
+        _, step = _ddp_run(ep, False)
+        rec[name] = [step(n) for n in range(1, 9)]
+    engine, step = _ddp_run(2, False)
+    got = [step(n) for n in (1, 2)]
+    ckpt = save(engine, 2)
+    for ep, steps in ((1, (3, 4)), (2, (5, 6))):
+        engine, step = _ddp_run(ep, True)
+        manager(engine).load(ckpt, world)
+        got += [step(n) for n in steps]
+        ckpt = save(engine, steps[-1])
+    rec["moved"], rec["continued"] = got, [step(n) for n in (7, 8)]
+    engine, step = _ddp_run(2, True)
+    manager(engine).load(ckpt, world)
+    rec["resumed"] = [step(n) for n in (7, 8)]
+    with open(f"{ckpt}/optimizer_rank1.pt", "rb") as f:  # what rank 1 saved: its experts' ranges of the full tensors
+        state = torch.load(f, weights_only=True)
+    rec["rank1_expert_range"] = [state["params"]["layers.1.mlp.experts.down_proj"][k] for k in ("lo", "hi", "numel")]
+    return rec
+
+
 def _world(rank: int, world: int, out_path: str) -> None:
     out = {name: train(starve, **layout) for name, (starve, layout) in CASES[world].items()}
+    if world == 2:
+        out["resume"] = resume_across_ep(rank, world, os.path.join(os.path.dirname(out_path), "resume"))
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(out, f)
@@ -148,10 +212,28 @@ def test_ep2_follows_one_process(results, case):
         assert any(torch.count_nonzero(b) for b in r32["bias"])  # the rule moved them
 
 
+def test_ddp_resume_across_ep_sizes(results):
+    """Our DDP's plain checkpoints: ep=2 -> ep=1 (ZeRO-1) -> ep=2 (ZeRO-1) follows the uninterrupted ep=2 run within
+    10x its difference from the uninterrupted ep=1 run (the same sums, reduced in another order), steps 1-2 exactly;
+    a resume at the same layout continues exactly as the run that saved it."""
+    rec = results["resume"]
+    want, other, got = rec["ep2"], rec["ep1"], rec["moved"]
+    tol = 10 * max(abs(a - b) for a, b in zip(want, other)) + 1e-7
+    assert got[:2] == want[:2]
+    assert max(abs(a - b) for a, b in zip(got, want[:6])) <= tol, (got, want, tol)
+    assert rec["resumed"] == rec["continued"]
+    assert max(abs(a - b) for a, b in zip(rec["resumed"], want[6:])) <= tol
+    # down_proj [4 experts, D=16, I=8] of the first MoE layer: rank 1 holds experts 2-3 (ZeRO over its 1-rank group)
+    assert rec["rank1_expert_range"] == [2 * 16 * 8, 4 * 16 * 8, 4 * 16 * 8]
+
+
 @pytest.mark.parametrize("flags, model, needle", [
     (dict(parallel="fsdp"), dict(moe_num_experts=6), "--moe_num_experts=6 is not divisible by --expert_parallel_size=4"),
     (dict(parallel="fsdp"), dict(moe_num_experts=0), "--expert_parallel_size=4 needs an MoE model"),
-    (dict(parallel="ddp"), dict(moe_num_experts=8), "--expert_parallel_size=4 cannot be combined with --parallel=ddp"),
+    (dict(parallel="ddp", overlap_optim_step=True), dict(moe_num_experts=8),
+     "--overlap_optim_step=true cannot be combined with --expert_parallel_size=4 under --parallel=ddp"),
+    (dict(parallel="ddp", comm_hook="powersgd"), dict(moe_num_experts=8),
+     "--comm_hook=powersgd cannot be combined with --expert_parallel_size=4"),
     (dict(parallel="fsdp", context_parallel_size=2), dict(moe_num_experts=8),
      "--expert_parallel_size=4 cannot be combined with --context_parallel_size=2"),
     (dict(parallel="fsdp", pipeline_parallel_size=2, gradient_accumulation_steps=2), dict(moe_num_experts=8),
@@ -160,7 +242,7 @@ def test_ep2_follows_one_process(results, case):
      "--expert_parallel_size=4 does not divide the data-parallel shard dimension 2"),
     (dict(parallel="fsdp", compile=True), dict(moe_num_experts=8),
      "--compile=true cannot be combined with --expert_parallel_size=4"),
-], ids=["experts", "dense", "ddp", "cp", "pp", "shard", "compile"])
+], ids=["experts", "dense", "ddp_overlap_step", "ddp_powersgd", "cp", "pp", "shard", "compile"])
 def test_refusals_name_the_flags(flags, model, needle):
     """parallel/config.py's lines at 8 ranks (what the trainer prints, one line, exit 2)."""
     from parallel.config import ParallelConfig
@@ -188,6 +270,18 @@ def test_good_layout_has_no_problem():
     assert pc.problems(8) == [] and pc.model_problems(n_layers=2, n_heads=2, n_kv_heads=2, max_seq_len=16,
                                                       dropout=0.0, moe_num_experts=4) == []
     assert pc.layout(8) == MeshLayout(1, 2, 4, 1, 1, 2) and pc.data_parallel_size(8) == 8
+    for zero in (dict(), dict(use_distributed_optimizer=True, zero_stage=1),
+                 dict(use_distributed_optimizer=True, zero_stage=2, comm_hook="bf16")):
+        assert ParallelConfig(expert_parallel_size=2, **zero).problems(8, needs={"--task_type=dpo": "sequence_logprobs"}) == []
+
+
+def test_ddp_refuses_what_needs_the_whole_model_on_one_rank():
+    from parallel.config import ParallelConfig
+    lines = ParallelConfig(expert_parallel_size=2).problems(4, needs={"--sample_every=10": "whole_model_on_one_rank",
+                                                                      "--lora_rank=8": "frozen_parameters"})
+    assert [line.split(" (")[0] for line in lines] == [
+        "--sample_every=10 cannot be combined with --expert_parallel_size=2 under --parallel=ddp",
+        "--lora_rank=8 cannot be combined with --expert_parallel_size=2 under --parallel=ddp"]
 
 
 def test_trainer_refuses_in_one_line_exit_2(tiny_pretrain_run_args, tmp_path, capsys):
