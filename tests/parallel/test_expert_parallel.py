@@ -98,12 +98,13 @@ CASES = {2: {"plain": (False, {}), "starved": (True, {}), "recompute": (False, {
              "zero1_edp2": (False, ZERO1)}}
 
 
-def _ddp_run(ep: int, zero: bool):
-    """Our DDP engine at `ep` (ZeRO-1 with `zero`), its MoE training and loss: (engine, one step's function)."""
+def _ddp_run(ep: int, zero: bool, parallel: str = "ddp"):
+    """Our DDP engine at `ep` (ZeRO-1 with `zero`; or FSDP2), its MoE training and loss: (engine, one step's
+    function)."""
     from parallel.build import build_engine
     from trainer.config import TrainConfig
     from trainer.moe import MoETraining
-    cfg = dataclasses.replace(TrainConfig(), parallel="ddp", expert_parallel_size=ep, use_distributed_optimizer=zero,
+    cfg = dataclasses.replace(TrainConfig(), parallel=parallel, expert_parallel_size=ep, use_distributed_optimizer=zero,
                               dtype="fp32", device="cpu", gradient_accumulation_steps=2, bucket_size=500, **OPT, **MOE)
     engine = build_engine(new_model(), cfg, device=torch.device("cpu"))
     training = MoETraining.of(cfg, engine.module)
@@ -124,9 +125,10 @@ def _ddp_run(ep: int, zero: bool):
 
 
 def resume_across_ep(rank: int, world: int, out_dir: str) -> dict:
-    """Uninterrupted ep=2 and ep=1 runs of 8 steps under our DDP; then ep=2 DDP for steps 1-2 -> its plain checkpoint
+    """Uninterrupted ep=2 and ep=1 runs of 10 steps under our DDP; then ep=2 DDP for steps 1-2 -> its plain checkpoint
     resumed at ep=1 ZeRO-1 for 3-4 -> resumed at ep=2 ZeRO-1 for 5-6, which goes on to 7-8; its step-6 checkpoint
-    resumed at ep=2 ZeRO-1 again (each rank its own optimizer file) for 7-8."""
+    resumed at ep=2 ZeRO-1 again (each rank its own optimizer file) for 7-8, and under FSDP2 at ep=2 for 7-8, whose
+    DCP checkpoint our DDP at ep=2 resumes for 9-10."""
     import torch.distributed as dist
 
     from checkpoint.manager import CheckpointManager
@@ -140,7 +142,7 @@ def resume_across_ep(rank: int, world: int, out_dir: str) -> dict:
     rec = {}
     for name, ep in (("ep2", 2), ("ep1", 1)):
         _, step = _ddp_run(ep, False)
-        rec[name] = [step(n) for n in range(1, 9)]
+        rec[name] = [step(n) for n in range(1, 11)]
     engine, step = _ddp_run(2, False)
     got = [step(n) for n in (1, 2)]
     ckpt = save(engine, 2)
@@ -153,6 +155,13 @@ def resume_across_ep(rank: int, world: int, out_dir: str) -> dict:
     engine, step = _ddp_run(2, True)
     manager(engine).load(ckpt, world)
     rec["resumed"] = [step(n) for n in (7, 8)]
+    engine, step = _ddp_run(2, False, "fsdp")
+    manager(engine).load(ckpt, world)
+    rec["fsdp"] = [step(n) for n in (7, 8)]
+    dcp = save(engine, 8)
+    engine, step = _ddp_run(2, False)
+    manager(engine).load(dcp, world)
+    rec["back"] = [step(n) for n in (9, 10)]
     with open(f"{ckpt}/optimizer_rank1.pt", "rb") as f:  # what rank 1 saved: its experts' ranges of the full tensors
         state = torch.load(f, weights_only=True)
     rec["rank1_expert_range"] = [state["params"]["layers.1.mlp.experts.down_proj"][k] for k in ("lo", "hi", "numel")]
@@ -213,16 +222,17 @@ def test_ep2_follows_one_process(results, case):
 
 
 def test_ddp_resume_across_ep_sizes(results):
-    """Our DDP's plain checkpoints: ep=2 -> ep=1 (ZeRO-1) -> ep=2 (ZeRO-1) follows the uninterrupted ep=2 run within
-    10x its difference from the uninterrupted ep=1 run (the same sums, reduced in another order), steps 1-2 exactly;
-    a resume at the same layout continues exactly as the run that saved it."""
+    """Our DDP's plain checkpoints: ep=2 -> ep=1 (ZeRO-1) -> ep=2 (ZeRO-1) -> FSDP2 ep=2 -> our DDP ep=2 follows the
+    uninterrupted ep=2 run within 10x its difference from the uninterrupted ep=1 run (the same sums, reduced in
+    another order), steps 1-2 exactly; a resume at the same layout continues exactly as the run that saved it."""
     rec = results["resume"]
     want, other, got = rec["ep2"], rec["ep1"], rec["moved"]
     tol = 10 * max(abs(a - b) for a, b in zip(want, other)) + 1e-7
     assert got[:2] == want[:2]
     assert max(abs(a - b) for a, b in zip(got, want[:6])) <= tol, (got, want, tol)
     assert rec["resumed"] == rec["continued"]
-    assert max(abs(a - b) for a, b in zip(rec["resumed"], want[6:])) <= tol
+    crossed = rec["resumed"] + rec["fsdp"] + rec["back"]  # (and through FSDP2's DCP format and back)
+    assert max(abs(a - b) for a, b in zip(crossed, want[6:8] * 2 + want[8:])) <= tol, (crossed, want, tol)
     # down_proj [4 experts, D=16, I=8] of the first MoE layer: rank 1 holds experts 2-3 (ZeRO over its 1-rank group)
     assert rec["rank1_expert_range"] == [2 * 16 * 8, 4 * 16 * 8, 4 * 16 * 8]
 
