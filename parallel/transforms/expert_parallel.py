@@ -52,7 +52,7 @@ def apply(model: nn.Module, mesh: Any, config: Any) -> None:
     if ep == 1:
         return
     if mesh is None:
-        raise ValueError(f"--expert_parallel_size={ep} runs on the device mesh (--parallel=fsdp)")
+        raise ValueError(f"--expert_parallel_size={ep} runs on the device mesh (parallel/build.py builds it)")
     layers = moe_layers(model)
     if not layers:
         raise ValueError(f"--expert_parallel_size={ep} needs an MoE model (--moe_num_experts > 0)")

@@ -1,9 +1,11 @@
 """Expert parallelism (parallel/transforms/expert_parallel.py) at ep=2 under FSDP2 on gloo (2 ranks; 4 ranks with
-FSDP over the experts' efsdp=2 and with HSDP replicas) follows one process: the first step's every gradient (expert gradients gathered from their ep shards), each step's loss and
+FSDP over the experts' efsdp=2 and with HSDP replicas) and under our DDP, ZeRO-1 and ZeRO-2 (2 ranks; 4 ranks with
+the experts reduced over the 2 ranks holding the same ones) follows one process: the first step's every gradient (expert gradients gathered from their ep shards), each step's loss and
 gradient norm, the parameters after 3 steps, within 10x the one-process reference's own fp32 rounding (its fp32
 run against its fp64 run), the selection biases exactly. A second model whose selection bias sends every token to
 rank 0's experts: rank 1's experts receive no rows (zero gradients, never None) and the run still follows one
-process. Bad flags: parallel/config.py's lines (checked at 8 ranks without a process group) and the trainer's one
+process. Our DDP's plain checkpoints resume across ep sizes (and cross to FSDP2 and back). Bad flags:
+parallel/config.py's lines (checked at 8 ranks without a process group) and the trainer's one
 line, exit 2."""
 from __future__ import annotations
 
@@ -89,13 +91,14 @@ def train(starve: bool, **layout) -> dict:
 # whose recompute runs the all-to-alls again in the backward, and with FSDP2's CPU offload); 4 ranks: ep=2 with FSDP over the 2
 # ranks that hold the same experts (efsdp=2), and ep=2 under HSDP (2 replicas of dp_shard=2, efsdp=1)
 # Our DDP (2 ranks: ep=2, the experts' group of one rank; ZeRO-1 and ZeRO-2 shard the experts' state over it; 4 ranks:
-# the experts reduced, and ZeRO-1-sharded, over the 2 ranks that hold the same ones)
+# the experts reduced, and ZeRO-1-sharded, over the 2 ranks that hold the same ones; the ZeRO-1 one all-gathers
+# the updated parameters during the next forward)
 DDP, ZERO1 = dict(parallel="ddp"), dict(parallel="ddp", use_distributed_optimizer=True)
 CASES = {2: {"plain": (False, {}), "starved": (True, {}), "recompute": (False, {"gradient_checkpointing": True}),
              "offload": (False, {"cpu_offload": True}), "ddp": (False, DDP), "ddp_starved": (True, DDP),
              "zero1": (False, ZERO1), "zero2": (False, dict(ZERO1, zero_stage=2))},
          4: {"efsdp2": (False, {}), "hsdp": (False, {"dp_replicate_size": 2}), "ddp_edp2": (False, DDP),
-             "zero1_edp2": (False, ZERO1)}}
+             "zero1_edp2": (False, dict(ZERO1, overlap_param_gather=True))}}
 
 
 def _ddp_run(ep: int, zero: bool, parallel: str = "ddp"):
