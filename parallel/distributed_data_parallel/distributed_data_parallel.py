@@ -82,6 +82,11 @@ class DistributedDataParallel(nn.Module):
                                      first_bucket_index=len(self.buckets), group=group, rank=rank, expert=expert)
             self.buffers_.append(buf)
             self.buckets.extend(buf.buckets)
+        if any(expert for _, expert in by_dtype):  # launch order = backward order across the experts' buffers too
+            at = {id(p): i for i, (_, p) in enumerate(named)}
+            self.buckets.sort(key=lambda b: min(at[id(s.param)] for s in b.slots))
+            for i, b in enumerate(self.buckets):
+                b.index = i
         self.param_to_bucket: dict[nn.Parameter, Bucket] = {
             s.param: b for b in self.buckets for s in b.slots}
 

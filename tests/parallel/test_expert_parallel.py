@@ -82,6 +82,9 @@ def train(starve: bool, **layout) -> dict:
         training.after_step(engine, torch.device("cpu"))
         rec["losses"].append(float(total[0]) / units)
         rec["norms"].append(float(norm))
+    if ddp:  # the buckets in launch order: which hold experts, and the first parameter of each in backward order
+        order = {n: i for i, n in enumerate(reversed([n for n, _ in engine.module.named_parameters()]))}
+        rec["buckets"] = [(b.buffer.expert, min(order[s.name] for s in b.slots)) for b in engine.model.buckets]
     rec["params"] = {n: _ddp_full(engine, p) if ddp else _full(p) for n, p in engine.module.named_parameters()}
     rec["bias"] = [layer.expert_bias.tolist() for layer in training.layers]
     return rec
@@ -212,6 +215,9 @@ def test_ep2_follows_one_process(results, case):
     for key in ("losses", "norms"):
         tol = 10 * max(abs(a - b) for a, b in zip(r32[key], r64[key])) + 1e-6
         assert max(abs(a - b) for a, b in zip(rec[key], r32[key])) <= tol, (key, rec[key], r32[key])
+    if "buckets" in rec:  # our DDP launches the experts' buckets in backward order with the others, not after them
+        firsts = [first for _, first in rec["buckets"]]
+        assert firsts == sorted(firsts) and rec["buckets"][-1][0] is False and any(e for e, _ in rec["buckets"])
     if case != "zero2":  # (ZeRO-2 keeps no whole gradient to compare: its norm and parameters follow them)
         _close(rec, r32, r64, "grads")
     _close(rec, r32, r64, "params")
