@@ -26,8 +26,8 @@ import torch.distributed as dist
 
 from optimizer.adamw import BucketAdamW
 from optimizer.base import GlobalNormOptimizer
-from optimizer.ddp_state import STATE_FORMAT, ddp_state_dict, load_ddp_state_dict, own_state_fits  # noqa: F401 (STATE_FORMAT: its
-# readers import it from here, checkpoint/convert.py among them)
+from optimizer.ddp_state import (STATE_FORMAT, ddp_state_dict, load_ddp_state_dict,  # noqa: F401 (STATE_FORMAT: its
+                                  own_state_fits)  # readers import it from here, checkpoint/convert.py among them
 from optimizer.muon import MuonState, is_muon_param
 from optimizer.optimizer_config import OptimizerConfig
 from optimizer.step_paths import choose_path

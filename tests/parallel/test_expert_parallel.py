@@ -1,7 +1,7 @@
 """Expert parallelism (parallel/transforms/expert_parallel.py) at ep=2 under FSDP2 on gloo (2 ranks; 4 ranks with
 FSDP over the experts' efsdp=2 and with HSDP replicas) and under our DDP, ZeRO-1 and ZeRO-2 (2 ranks; 4 ranks with
-the experts reduced over the 2 ranks holding the same ones) follows one process: the first step's every gradient (expert gradients gathered from their ep shards), each step's loss and
-gradient norm, the parameters after 3 steps, within 10x the one-process reference's own fp32 rounding (its fp32
+the experts reduced over the 2 ranks holding the same ones) follows one process: the first step's every gradient
+(expert gradients gathered from their ep shards), each step's loss and gradient norm, the parameters after 3 steps, within 10x the one-process reference's own fp32 rounding (its fp32
 run against its fp64 run), the selection biases exactly. A second model whose selection bias sends every token to
 rank 0's experts: rank 1's experts receive no rows (zero gradients, never None) and the run still follows one
 process. Our DDP's plain checkpoints resume across ep sizes (and cross to FSDP2 and back). Bad flags:
@@ -77,7 +77,8 @@ def train(starve: bool, **layout) -> dict:
         engine.optimizer.zero_grad()
         total = engine.sum_over_data(engine.forward_backward(mine, loss_fn, units), torch.device("cpu"))
         if step == 1 and not (ddp and cfg.zero_stage == 2):  # (ZeRO-2 frees what it does not own)
-            rec["grads"] = _ddp_grads(engine) if ddp else {n: _full(p.grad) for n, p in engine.module.named_parameters()}
+            rec["grads"] = _ddp_grads(engine) if ddp else \
+                {n: _full(p.grad) for n, p in engine.module.named_parameters()}
         stepped, norm = engine.optimizer.step()
         training.after_step(engine, torch.device("cpu"))
         rec["losses"].append(float(total[0]) / units)
@@ -291,7 +292,8 @@ def test_good_layout_has_no_problem():
     assert pc.layout(8) == MeshLayout(1, 2, 4, 1, 1, 2) and pc.data_parallel_size(8) == 8
     for zero in (dict(), dict(use_distributed_optimizer=True, zero_stage=1),
                  dict(use_distributed_optimizer=True, zero_stage=2, comm_hook="bf16")):
-        assert ParallelConfig(expert_parallel_size=2, **zero).problems(8, needs={"--task_type=dpo": "sequence_logprobs"}) == []
+        pc = ParallelConfig(expert_parallel_size=2, **zero)
+        assert pc.problems(8, needs={"--task_type=dpo": "sequence_logprobs"}) == []
 
 
 def test_ddp_refuses_what_needs_the_whole_model_on_one_rank():
