@@ -180,11 +180,12 @@ def read_ddp_training_state(ckpt_dir: str) -> tuple[dict[str, torch.Tensor], dic
             try:
                 numel, lo, hi = int(e["numel"]), int(e["lo"]), int(e["hi"])
                 kinds = ("main", "momentum") if "momentum" in e else ("main", "exp_avg", "exp_avg_sq")  # Muon's
-                f = flat.setdefault(name, {"shape": list(e["shape"]), "covered": 0, "step": 0.0,
+                f = flat.setdefault(name, {"shape": list(e["shape"]), "step": 0.0,
+                                           "covered": torch.zeros(numel, dtype=torch.bool),
                                            **{k: torch.zeros(numel) for k in kinds}})
                 for k in kinds:
                     f[k][lo:hi] = e[k].reshape(-1).float()
-                f["covered"] += hi - lo
+                f["covered"][lo:hi] = True  # ranges of replicated state saved by several ranks may overlap
                 f["step"] = max(f["step"], float(e["step"]))
             except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as err:
                 if isinstance(err, torch.OutOfMemoryError):
@@ -193,9 +194,9 @@ def read_ddp_training_state(ckpt_dir: str) -> tuple[dict[str, torch.Tensor], dic
                                            f"not read ({type(err).__name__}: {one_line(err)[:200]})") from err
     state = {}
     for name, f in flat.items():
-        if f["covered"] != f["main"].numel() or name not in weights:
-            raise CheckpointError(f"checkpoint {ckpt_dir}: the optimizer files cover {f['covered']} of the "
-                                       f"{f['main'].numel()} elements of {name}")
+        if not bool(f["covered"].all()) or name not in weights:
+            raise CheckpointError(f"checkpoint {ckpt_dir}: the optimizer files cover {int(f['covered'].sum())} of "
+                                  f"the {f['main'].numel()} elements of {name}")
         shape = tuple(f["shape"])
         weights[name] = f["main"].view(shape)  # the fp32 master (the saved weight may be its bf16 copy)
         if "momentum" in f:

@@ -1,9 +1,11 @@
 """The plain format: a "replicated" engine's state (our DDP / ZeRO: parallel/engine_ddp.py) as files.
 
-  model.safetensors           full model weights (rank 0), or only the trainable tensors of a LoRA run whose base is
+  model.safetensors           full model weights (rank 0; expert-parallel shards gathered by the engine's
+                              prepare_state, every rank), or only the trainable tensors of a LoRA run whose base is
                               a file (trainer_state.json's lora_base names the base and its fingerprint)
   model_config.json           the architecture, so a checkpoint is self-describing
-  optimizer_rank{r}.pt        optimizer (+ loss scaler) state: rank 0's, or one per rank when ZeRO shards it
+  optimizer_rank{r}.pt        optimizer (+ loss scaler) state: rank 0's, or one per rank when ZeRO shards it or
+                              experts are split over expert-parallel ranks (ranges of the full tensors)
   extra_rank{r}.pt            RNG states of rank r and its comm-hook (PowerSGD) state
   trainer_state.json          step, data cursor, schedule position, best val loss, world size...
   config.json                 the resolved run configuration (read as JSON, never executed)
@@ -175,7 +177,8 @@ def load_replicated(engine: Any, ckpt_dir: str, saved_world: int, rank: int, wor
     # rank's verdict, so that a file damaged at one rank is the same line at all of them
     with agreed_reads(spec.model):
         weights = load_model_state(ckpt_dir)
-        opt_state = read_optimizer_state(ckpt_dir, spec.sharded_optimizer, rank, world_size, saved_world)
+        opt_state = read_optimizer_state(ckpt_dir, spec.sharded_optimizer, rank, world_size, saved_world,
+                                         own_fits=getattr(spec.optimizer, "fits_own_state", None))
         extra = load_extra_state(ckpt_dir, rank, saved_world, world_size, log, same_world_only=False)
     load_weights(spec.model, weights, partial=spec.lora_base is not None, source=ckpt_dir,
                  mismatch=CheckpointMismatchError)

@@ -103,9 +103,11 @@ def load_extra_state(ckpt_dir: str, rank: int, saved_world: int, world_size: int
 
 
 def read_optimizer_state(ckpt_dir: str, sharded: bool, rank: int, world_size: int,
-                         saved_world: int) -> tuple[Any, str]:
+                         saved_world: int, own_fits: Optional[Callable[[dict], bool]] = None) -> tuple[Any, str]:
     """The optimizer files this rank loads (no collective): (its state dict or the list of every saved rank's,
-    the file name(s) for messages). CheckpointError naming a file that is missing or damaged."""
+    the file name(s) for messages). `own_fits(sd)`: whether this rank's own file of a run of the same world size is
+    all it needs (the optimizer's answer: saved with the same ZeRO-ness and expert-parallel size).
+    CheckpointError naming a file that is missing or damaged."""
     def read(r: int) -> dict:
         sd = load_rank_file(ckpt_dir, "optimizer", r)
         if sd is None:
@@ -114,7 +116,7 @@ def read_optimizer_state(ckpt_dir: str, sharded: bool, rank: int, world_size: in
         return sd
     if sharded and saved_world == world_size and os.path.isfile(os.path.join(ckpt_dir, optimizer_file(rank))):
         own = read(rank)
-        if isinstance(own, dict) and own.get("sharded"):
+        if isinstance(own, dict) and own.get("sharded") and (own_fits is None or own_fits(own)):
             return own, optimizer_file(rank)
     first = read(0)
     n = first.get("world_size", 1)

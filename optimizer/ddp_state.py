@@ -3,7 +3,10 @@ and the re-sharding on load.
 
 Format (STATE_FORMAT 1): {"format", "optimizer" ("adamw" | "muon"), "sharded", "world_size", "rank", "lr",
 "scaler", "prev_grad_norm", "params": {name: {"shape", "numel", "lo", "hi", "main", <the update's entries>,
-"step"}}}, every tensor flat over the piece's [lo, hi): AdamW's "exp_avg" / "exp_avg_sq" (fp32, or bf16 with
+"step"}}, and with expert-parallel shards "zero" (0 | 1), "expert_parallel_size"}, every tensor flat over the
+piece's [lo, hi) of the whole tensor (an expert-parallel shard's range moved to its place in the full tensor, whose
+shape and numel are given: "sharded" is then 1, every rank saving what it holds; ranges of replicated state may
+overlap between ranks, holding the same values): AdamW's "exp_avg" / "exp_avg_sq" (fp32, or bf16 with
 --optimizer_state_dtype=bf16), Muon's "momentum". Tensors, ints, floats and strings only
 (torch.load(weights_only=True)). A piece's entries are its update's (optimizer/adamw.py BucketAdamW,
 optimizer/muon.py MuonState: `piece_state` / `load_piece`).
@@ -14,6 +17,7 @@ without every rank's shard.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Union
 
 import torch
@@ -29,11 +33,20 @@ def ddp_state_dict(opt, to_host: bool = True) -> dict:
     own = (lambda t: t.cpu().clone()) if to_host else (lambda t: t)  # noqa: E731
     params = {}
     for pc in opt.pieces:
-        params[pc.name] = {"shape": list(pc.param.shape), "numel": pc.param.numel(), "lo": pc.lo, "hi": pc.hi,
+        shape, lo, hi = opt.full_layout(pc)
+        params[pc.name] = {"shape": shape, "numel": math.prod(shape), "lo": lo, "hi": hi,
                            "main": own(pc.main.detach().reshape(-1).float()),
                            **opt.update_of(pc).piece_state(pc, own)}
-    return {"format": STATE_FORMAT, "optimizer": opt.config.optimizer, "sharded": int(opt.sharded),
-            "world_size": opt.world_size, "rank": opt.rank, **opt.scaling_state(), "params": params}
+    experts = {"zero": int(opt.sharded), "expert_parallel_size": opt.expert_parallel_size} if opt.has_experts else {}
+    return {"format": STATE_FORMAT, "optimizer": opt.config.optimizer, "sharded": int(opt.sharded or opt.has_experts),
+            "world_size": opt.world_size, "rank": opt.rank, **experts, **opt.scaling_state(), "params": params}
+
+
+def own_state_fits(opt, sd: dict) -> bool:
+    """Whether this rank's own saved state dict (same world size) holds everything its pieces need: saved with the
+    same ZeRO-ness and expert-parallel size (so the same ranges)."""
+    zero = bool(sd.get("zero", sd.get("sharded")))
+    return zero == bool(opt.sharded) and int(sd.get("expert_parallel_size", 1)) == opt.expert_parallel_size
 
 
 def _check_states(opt, sds: list[dict]) -> None:
@@ -92,8 +105,9 @@ def load_ddp_state_dict(opt, state: Union[dict, list[dict]]) -> None:
         entries = saved.get(pc.name)
         if not entries:
             raise KeyError(f"optimizer state has no entry for parameter {pc.name!r}")
-        if list(entries[0]["shape"]) != list(pc.param.shape):
-            raise ValueError(f"{pc.name}: saved shape {entries[0]['shape']} != {list(pc.param.shape)}")
+        shape, lo, hi = opt.full_layout(pc)
+        if list(entries[0]["shape"]) != shape:
+            raise ValueError(f"{pc.name}: saved shape {entries[0]['shape']} != {shape}")
         for e in entries:  # saved as fp32 (the moments: as kept, fp32 or bf16): another dtype is refused
             for key in ("main", "exp_avg", "exp_avg_sq", "momentum"):
                 t = e.get(key)
@@ -102,7 +116,7 @@ def load_ddp_state_dict(opt, state: Union[dict, list[dict]]) -> None:
                     raise ValueError(f"{pc.name}: its {key} is saved as {t.dtype}, but this optimizer keeps "
                                      f"{' or '.join(map(str, ok))} (and saves it so): refused rather than cast")
         update = opt.update_of(pc)
-        parts = {k: _assemble(pc, entries, k) for k in ("main", *update.state_keys)}
+        parts = {k: _assemble(pc.name, lo, hi, pc.main.device, entries, k) for k in ("main", *update.state_keys)}
         step = max(float(e["step"]) for e in entries)
         with torch.no_grad():
             pc.main.view(-1).copy_(parts["main"])
@@ -114,16 +128,21 @@ def load_ddp_state_dict(opt, state: Union[dict, list[dict]]) -> None:
     opt.load_scaling_state(sds[0])
 
 
-def _assemble(pc, entries: list[dict], key: str) -> torch.Tensor:
-    """The piece's [lo, hi) of `key`, from whichever saved ranges cover it."""
-    out = torch.empty(pc.hi - pc.lo, dtype=torch.float32, device=pc.main.device)
-    covered = 0
+def _assemble(name: str, lo: int, hi: int, device: torch.device, entries: list[dict], key: str) -> torch.Tensor:
+    """The piece's [lo, hi) (of its whole tensor) of `key`, from whichever saved ranges cover it (ranges of
+    replicated state saved by several ranks may overlap: the same values)."""
+    out = torch.empty(hi - lo, dtype=torch.float32, device=device)
+    spans = []
     for e in entries:
-        s, t = max(pc.lo, e["lo"]), min(pc.hi, e["hi"])
+        s, t = max(lo, e["lo"]), min(hi, e["hi"])
         if s < t:
-            out[s - pc.lo:t - pc.lo].copy_(e[key][s - e["lo"]:t - e["lo"]])
-            covered += t - s
-    if covered != pc.hi - pc.lo:
-        raise ValueError(f"{pc.name}: saved state covers {covered} of the {pc.hi - pc.lo} elements "
-                         f"[{pc.lo}, {pc.hi}) this rank needs; pass every rank's state dict")
+            out[s - lo:t - lo].copy_(e[key][s - e["lo"]:t - e["lo"]])
+            spans.append((s, t))
+    covered, end = 0, lo
+    for s, t in sorted(spans):  # the union's length
+        covered += max(0, t - max(s, end))
+        end = max(end, t)
+    if covered != hi - lo:
+        raise ValueError(f"{name}: saved state covers {covered} of the {hi - lo} elements "
+                         f"[{lo}, {hi}) this rank needs; pass every rank's state dict")
     return out

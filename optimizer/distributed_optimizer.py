@@ -1,6 +1,7 @@
 """ZeRO-1/2 distributed optimizer over DDP's bucketed buffers (Megatron's DistributedOptimizer).
 
-Owns: which contiguous 1/world shard of every bucket this rank updates; fp32 masters and Adam
+Owns: which contiguous 1/world shard of every bucket this rank updates (of an expert-parallel buffer: 1/its group's
+size, the ranks holding the same experts); fp32 masters and Adam
 state for that shard only; the all-reduce of the squared grad norm (the clip norm is global
 across ranks and shards, trap 8); the parameter all-gather after the step, in an order fixed at
 construction (optionally overlapped with the next forward via forward pre-hooks); and for ZeRO-2
@@ -62,7 +63,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             ddp.register_pre_forward_callback(self._ddp_pre_forward)
 
     def owned_range(self, bucket) -> tuple[int, int]:
-        return bucket.shard_range(self.rank, self.world_size)
+        # an expert-parallel buffer is sharded over its own group (the ranks holding the same experts)
+        buf = bucket.buffer
+        return bucket.shard_range(buf.rank, buf.world_size) if getattr(buf, "expert", False) else \
+            bucket.shard_range(self.rank, self.world_size)
 
     def _keep_grad_store(self, param: torch.Tensor) -> bool:
         # ZeRO-2 keeps no persistent copy: each bucket's shard is copied out when it is reduced.
@@ -106,6 +110,10 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         comm.all_reduce_sum_blocking(sumsq, self.group, self.world_size)
         return sumsq
 
+    def reduce_expert_sumsq(self, sumsq: torch.Tensor) -> torch.Tensor:
+        # each element of every expert is owned by one rank of the world: reduce_sumsq's SUM counts it once
+        return sumsq
+
     def after_grads_loaded(self) -> None:
         if self.zero_stage == 2:
             for buf in self.ddp.buffers_:
@@ -138,10 +146,12 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     def _gather_bucket(self, idx: int) -> None:
         b = self.ddp.buckets[idx]
-        lo, hi = b.shard_range(self.rank, self.world_size)
+        lo, hi = self.owned_range(b)
         data = b.param_data
-        work = comm.all_gather(data, data[lo:hi], self.group, self.world_size)
-        if self.world_size > 1:
+        group, world = (b.buffer.group, b.buffer.world_size) if getattr(b.buffer, "expert", False) else \
+            (self.group, self.world_size)
+        work = comm.all_gather(data, data[lo:hi], group, world)
+        if world > 1:
             self.param_gather_bytes += data.numel() * data.element_size()
         self._gather_handles[idx] = comm.CommHandle([work])
 

@@ -26,8 +26,8 @@ import torch.distributed as dist
 
 from optimizer.adamw import BucketAdamW
 from optimizer.base import GlobalNormOptimizer
-from optimizer.ddp_state import STATE_FORMAT, ddp_state_dict, load_ddp_state_dict  # noqa: F401 (STATE_FORMAT: its
-# readers import it from here, checkpoint/convert.py among them)
+from optimizer.ddp_state import (STATE_FORMAT, ddp_state_dict, load_ddp_state_dict,  # noqa: F401 (STATE_FORMAT: its
+                                  own_state_fits)  # readers import it from here, checkpoint/convert.py among them
 from optimizer.muon import MuonState, is_muon_param
 from optimizer.optimizer_config import OptimizerConfig
 from optimizer.step_paths import choose_path
@@ -68,6 +68,7 @@ class FlatBucket:
 
 class MixedPrecisionOptimizer(GlobalNormOptimizer):
     sharded = False
+    has_experts = False
 
     def __init__(self, ddp, config: OptimizerConfig, norm_groups: Sequence = (), *, path: Optional[str] = None):
         """norm_groups: more process groups whose ranks hold OTHER parameters of the same model (a
@@ -100,6 +101,13 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
         self.adamw = BucketAdamW({b: [pc for pc in ps if id(pc) not in self._muon_pieces]
                                   for b, ps in self.pieces_by_bucket.items()}, config, self.device().type)
         self.updates = [u for u in (self.muon, self.adamw) if u is not None]
+        # expert-parallel shards (our DDP keeps them in buffers of their own): each rank's are distinct from the
+        # other expert-parallel ranks', so their squared gradient norm is summed over those ranks
+        self.has_experts = any(getattr(b.buffer, "expert", False) for b in ddp.buckets)  # the same on every rank
+        self.expert_parallel_group = getattr(ddp, "expert_parallel_group", None)
+        self.expert_parallel_size = comm.group_rank_and_size(self.expert_parallel_group)[1] if self.has_experts else 1
+        self._expert_pieces = {id(pc) for pc in self.pieces if ddp.buckets[pc.bucket_index].buffer.expert} \
+            if self.has_experts else set()
         self.path = choose_path(self, path)
 
     # ------------------------------------------------------------------ construction
@@ -235,7 +243,11 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
     def _sumsq(self) -> torch.Tensor:
         # the local sum of squares, non-finite iff this rank's grads hold an inf/nan; its reduction is the
         # local one itself when every rank holds the same reduced gradients, one SUM all-reduce in ZeRO
-        return self.reduce_sumsq(self.local_sumsq(self.pieces))
+        if not self.has_experts:
+            return self.reduce_sumsq(self.local_sumsq(self.pieces))
+        dense = self.local_sumsq([pc for pc in self.pieces if id(pc) not in self._expert_pieces])
+        experts = self.local_sumsq([pc for pc in self.pieces if id(pc) in self._expert_pieces])
+        return self.reduce_sumsq(dense.reshape(()) + self.reduce_expert_sumsq(experts).reshape(()))
 
     def _update(self, norm: float) -> None:
         self._update_on_device(None)  # the host decided: nothing to skip on the device
@@ -283,6 +295,21 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
         Unsharded: every rank holds the same fully reduced gradient, so the local sum IS the
         global one (and a non-finite value is seen by every rank): no collective needed."""
         return sumsq
+
+    def reduce_expert_sumsq(self, sumsq: torch.Tensor) -> torch.Tensor:
+        """The expert shards' squared norm over every expert: unsharded, each rank holds its experts' whole reduced
+        gradients (the same on the ranks holding the same experts), so one SUM over the expert-parallel ranks."""
+        sumsq = sumsq.detach().clone().reshape(1)
+        comm.all_reduce_sum_blocking(sumsq, self.expert_parallel_group, self.expert_parallel_size)
+        return sumsq
+
+    def full_layout(self, pc: Piece) -> tuple[list, int, int]:
+        """(shape, lo, hi) of a piece in its whole tensor: an expert-parallel shard's range is moved to its place in
+        the full tensor (the state dict names those elements, so it loads at any expert-parallel size)."""
+        shard = getattr(self.ddp, "shard_of", lambda p: None)(pc.param)
+        if shard is None:
+            return list(pc.param.shape), pc.lo, pc.hi
+        return list(shard[0]), shard[1] + pc.lo, shard[1] + pc.hi
 
     def non_finite_anywhere(self, local_sumsq: torch.Tensor) -> bool:
         """True on every rank iff some rank's `local_sumsq` is inf/nan: a blocking MAX all-reduce
@@ -338,6 +365,10 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
         list of ALL ranks' state dicts of a run with any world size (re-sharding: each piece is
         assembled from whichever saved ranges cover it)."""
         load_ddp_state_dict(self, state)
+
+    def fits_own_state(self, sd: dict) -> bool:
+        """Whether this rank's own saved state dict (a run of the same world size) is all it needs to load."""
+        return own_state_fits(self, sd)
 
     def after_load(self) -> None:
         """Hook for ZeRO: re-gather parameters after loading masters."""

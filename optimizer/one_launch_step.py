@@ -32,6 +32,8 @@ def one_launch_unfit(opt, mode: str) -> str:
                     (getattr(opt, "zero_stage", 1) == 2, "ZeRO-2"),
                     (opt.muon is not None, "--optimizer=muon"), (cfg.overlap_optim_step, "overlap_optim_step"),
                     (bool(opt.norm_groups), "pipeline stages (the norm is summed over them)"),
+                    (getattr(opt, "has_experts", False), "expert-parallel shards (their norm is summed over the "
+                                                         "expert-parallel ranks)"),
                     (cfg.precision == "fp16", "fp16 loss scaling"),
                     (not opt.adamw.optimizers or not opt.pieces, "no parameter to step"),
                     (any(o.defaults.get("amsgrad") for o in opt.adamw.optimizers.values()), "amsgrad"),

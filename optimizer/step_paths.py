@@ -111,6 +111,9 @@ def choose_path(opt, name: Optional[str] = None):
     if name is not None and (name == "overlapped") != overlapped:
         raise ValueError(f"the {name} step path {'needs' if name == 'overlapped' else 'cannot run with'} "
                          "overlap_optim_step=True")
+    if overlapped and getattr(opt, "has_experts", False):
+        raise ValueError("overlap_optim_step cannot step expert-parallel shards (their norm is summed over the "
+                         "expert-parallel ranks, not per bucket)")
     if overlapped:
         opt.attach_grad_stores()
         return OverlappedStep(opt)

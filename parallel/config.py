@@ -38,7 +38,7 @@ CAPABILITIES: dict[str, frozenset] = {
     "ddp": frozenset({"compile", "padded_batches", "sequence_logprobs", "rollouts", "frozen_parameters",
                       "light_checkpoints", "whole_model_on_one_rank", "comm_hooks", "overlap_optim_step", "zero",
                       "tied_embeddings", "no_process_group", "float8", "context_parallel",
-                      "low_precision_optimizer_states", "moe"}),
+                      "low_precision_optimizer_states", "moe", "expert_parallel"}),
     "fsdp": frozenset({"compile", "padded_batches", "sequence_logprobs", "rollouts", "frozen_parameters",
                        "tensor_parallel", "sequence_parallel", "hsdp", "cpu_offload", "tied_embeddings", "float8",
                        "context_parallel", "moe", "expert_parallel"}),
@@ -61,8 +61,7 @@ WHY_NOT: dict[str, str] = {
     "float8": "FP8 layers are not tested under pipeline stages yet",
     "context_parallel": "pipeline stages would pass split hidden states between ranks: not built yet",
     "moe": "MoE blocks under pipeline stages are not built yet",
-    "expert_parallel": "experts sharded over ep ranks run on FSDP2's mesh (our DDP / ZeRO over the non-expert "
-                       "weights with expert-parallel groups is not built yet): needs --parallel=fsdp",
+    "expert_parallel": "experts sharded over ep ranks under pipeline stages are not built yet",
     "low_precision_optimizer_states": "the bf16 moments live in our DDP's one-launch AdamW over its flat buffers "
                                       "(one stage's gradient norm only)",
 }
@@ -76,6 +75,17 @@ CP_REFUSES: dict[str, str] = {
                 "only",
     "whole_model_on_one_rank": "samples and task evaluation run whole prompts through a KV cache on one rank; "
                                "the model under cp takes split sequences only",
+}
+# what expert parallelism under our DDP refuses (--parallel=ddp --expert_parallel_size > 1), and why
+EP_DDP_REFUSES: dict[str, str] = {
+    "whole_model_on_one_rank": "samples and task evaluation run the model on rank 0 alone; each rank holds only "
+                               "its experts and every forward exchanges tokens with the other expert-parallel ranks",
+    "frozen_parameters": "frozen expert shards (LoRA, --trainable) are not built under our DDP yet: use "
+                         "--parallel=fsdp",
+    "overlap_optim_step": "its per-bucket step clips by a norm per bucket; the experts' norm is summed over the "
+                          "expert-parallel ranks",
+    "low_precision_optimizer_states": "the bf16 moments live in the one-launch AdamW, which does not step "
+                                      "expert-parallel shards",
 }
 TP_REFUSES: dict[str, str] = {
     "rollouts": "the rollouts' KV cache holds every head; a tensor rank computes its share of them",
@@ -135,7 +145,8 @@ class ParallelFlags:
     expert_parallel_size: int = _f(1, "expert-parallel ranks (1 = off): the routed experts of every MoE block split "
                                    "over ep data-parallel ranks (each holds E/ep; tokens sent to their experts' "
                                    "ranks and back by all-to-all); ep divides the data-parallel shard dimension; "
-                                   "--parallel=fsdp, which shards the rest (see docs/parallel.md)")
+                                   "--parallel=ddp (+ ZeRO-1/2: the experts reduced and sharded over the ranks "
+                                   "holding the same ones) or fsdp (see docs/parallel.md)")
     compile_mode: str = _f("default", "with --compile=true: torch.compile's mode (default | reduce-overhead | max-autotune | "
                            "max-autotune-no-cudagraphs); reduce-overhead and max-autotune replay the compiled forward "
                            "and backward as CUDA graphs on a GPU (Inductor's cudagraph trees; no effect on CPU); the "
@@ -296,6 +307,11 @@ class ParallelConfig(ParallelFlags):
             for asked_by, what in (needs or {}).items() if size > 1 else ():
                 if what in refuses:
                     out.append(f"{asked_by} cannot be combined with --{flag_name}={size} ({refuses[what]})")
+        if self.ep > 1 and self.parallel == "ddp":
+            for asked_by, what in {**self.layout_needs(), **(needs or {})}.items():
+                if what in EP_DDP_REFUSES:
+                    out.append(f"{asked_by} cannot be combined with --expert_parallel_size={self.ep} under "
+                               f"--parallel=ddp ({EP_DDP_REFUSES[what]})")
         for asked_by, cap in {**self.layout_needs(), **(needs or {})}.items():
             engine = self.engine_lacking(cap) if cap else None  # "": nothing beyond a plain forward/backward
             if engine is not None:
@@ -353,6 +369,10 @@ class ParallelConfig(ParallelFlags):
             what = f"--context_parallel_size={self.cp}" if self.cp > 1 else f"--tensor_parallel_size={self.tp}"
             out.append(f"--expert_parallel_size={self.ep} cannot be combined with {what} yet (the ep ranks split "
                        "the data-parallel shard dimension only; torchtitan's ep over dp_shard x cp x tp is not built)")
+        if self.ep > 1 and self.parallel == "ddp" and self.comm_hook == "powersgd":
+            out.append(f"--comm_hook=powersgd cannot be combined with --expert_parallel_size={self.ep} yet (its "
+                       "low-rank state is per bucket over the whole data-parallel group; the experts' buckets are "
+                       "reduced over the ranks holding the same experts)")
         if self.ep > 1 and self.compile:
             out.append(f"--compile=true cannot be combined with --expert_parallel_size={self.ep} yet (untested: the "
                        "all-to-all's split sizes are read to the host inside the forward)")

@@ -3,7 +3,10 @@ DistributedOptimizer (--use_distributed_optimizer), as the trainer's engine: `DD
 
 State (checkpoint/plain.py writes it): the whole model on every rank (rank 0's copy is saved; a LoRA run whose
 base is a file holds only its trainable tensors), the optimizer's state whole or one ZeRO shard per rank, and the
-comm hook's (PowerSGD) state per rank.
+comm hook's (PowerSGD) state per rank. With expert parallelism (--expert_parallel_size > 1) each rank holds E/ep
+experts of every MoE block: our DDP reduces their gradients over the ranks holding the same ones (mesh["efsdp"]),
+ZeRO shards their state there, every rank saves its optimizer state (ranges of the full tensors) and the weights
+are saved whole (parallel/expert_state.py gathers the shards in prepare_state).
 
 Owns: wrapping a model in our DDP with the configured comm hook, and saying how its state is laid out.
 Must never: hold the micro-batch loop (parallel/engine.py's) or the optimizer's step (optimizer/).
@@ -22,6 +25,7 @@ from parallel.comm_hooks import allreduce_hook, bf16_compress_wrapper, fp16_comp
 from parallel.config import CAPABILITIES, ParallelConfig
 from parallel.distributed_data_parallel import DDPConfig, DistributedDataParallel
 from parallel.engine import Engine, StateSpec
+from parallel.expert_state import ExpertShardedState
 from parallel.powersgd import PowerSGDState, powersgd_hook
 
 
@@ -32,12 +36,16 @@ class DDPEngine(Engine):
     kind: ClassVar[str] = "ddp"
     capabilities: ClassVar[frozenset] = CAPABILITIES["ddp"]
 
+    expert_state: Optional[ExpertShardedState] = None  # expert parallelism: the model's state with whole experts
+
     def state_spec(self) -> StateSpec:
-        return StateSpec("replicated", self.module, self.optimizer, sharded_optimizer=self.sharded_optimizer,
-                         lora_base=self.lora_base)
+        return StateSpec("replicated", self.expert_state or self.module, self.optimizer,
+                         sharded_optimizer=self.sharded_optimizer, lora_base=self.lora_base)
 
     def prepare_state(self) -> None:
         self.optimizer.finish_param_sync()  # ZeRO + overlapped gather: parameters complete before reading them
+        if self.expert_state is not None:
+            self.expert_state.gather()  # collective: rank 0 saves every expert
 
     def rank_state(self) -> dict:
         hook_state = self.model.comm_hook_state_dict()  # PowerSGD's error feedback and step count
@@ -54,10 +62,11 @@ def ddp_config(pc: ParallelConfig) -> DDPConfig:
                      grad_reduce_in_fp32=pc.grad_reduce_in_fp32, use_distributed_optimizer=pc.use_distributed_optimizer)
 
 
-def wrap_ddp(model: nn.Module, pc: ParallelConfig, group: Any = None) -> DistributedDataParallel:
+def wrap_ddp(model: nn.Module, pc: ParallelConfig, group: Any = None, **expert_groups: Any) -> DistributedDataParallel:
     """`model` in our DDP over `group` (None: the world), dp rank 0's weights broadcast, the configured comm
-    hook registered. "reduce_scatter" is what the distributed optimizer registers itself."""
-    ddp = DistributedDataParallel(model, ddp_config(pc), process_group=group)
+    hook registered. "reduce_scatter" is what the distributed optimizer registers itself. `expert_groups`:
+    DistributedDataParallel's expert_group and expert_parallel_group (expert parallelism)."""
+    ddp = DistributedDataParallel(model, ddp_config(pc), process_group=group, **expert_groups)
     ddp.broadcast_params()
     if pc.comm_hook == "powersgd":
         ddp.register_comm_hook(PowerSGDState(matrix_approximation_rank=pc.powersgd_rank,
@@ -71,13 +80,13 @@ def wrap_ddp(model: nn.Module, pc: ParallelConfig, group: Any = None) -> Distrib
 
 
 def ddp_with_optimizer(part: nn.Module, pc: ParallelConfig, opt_cfg: OptimizerConfig, *, group: Any = None,
-                       norm_groups: Sequence = ()) -> tuple[DistributedDataParallel, Any]:
+                       norm_groups: Sequence = (), **expert_groups: Any) -> tuple[DistributedDataParallel, Any]:
     """`part` in our DDP over `group` (None: the world) and its optimizer (ZeRO-1/2 with
     --use_distributed_optimizer): the data-parallel wrap of --parallel=ddp, and of a pipeline stage
     (parallel/engine_pipeline.py), whose `norm_groups` (the other stages) the gradient norm spans too."""
     if pc.use_distributed_optimizer != opt_cfg.use_distributed_optimizer:
         raise ValueError("ParallelConfig.use_distributed_optimizer must equal OptimizerConfig's")
-    ddp = wrap_ddp(part, pc, group)
+    ddp = wrap_ddp(part, pc, group, **expert_groups)
     return ddp, build_optimizer(ddp, opt_cfg, norm_groups=norm_groups)
 
 
@@ -91,13 +100,20 @@ def wrap_ddp_engine(model: nn.Module, pc: ParallelConfig, opt_cfg: OptimizerConf
     cp = pc.cp
     if cp > 1 and group is not None:
         raise ValueError("--context_parallel_size > 1 lays out the whole world: build it without a process group")
-    ddp, optimizer = ddp_with_optimizer(model, pc, opt_cfg, group=group)
+    experts: dict[str, Any] = {}
+    if pc.ep > 1:  # (parallel/mesh.py: dp_shard = efsdp x ep; no replicas, cp, tp or stages under our DDP)
+        if group is not None or mesh is None:
+            raise ValueError("--expert_parallel_size > 1 lays out the whole world on the mesh: build it without a "
+                             "process group")
+        experts = dict(expert_group=mesh["efsdp"].get_group(), expert_parallel_group=mesh["ep"].get_group())
+    ddp, optimizer = ddp_with_optimizer(model, pc, opt_cfg, group=group, **experts)
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if dist.is_available() and dist.is_initialized() \
         else (0, 1)
     if world == 1 and pc.gradient_accumulation_steps == 1:
         # one process, one micro-batch a step: nothing to reduce or accumulate, so no gradient buffer (where the
         # optimizer can read the gradients from the parameters: optimizer/mixed_precision_optimizer.py)
         optimizer.keep_grads_on_params()
-    return DDPEngine(ddp, optimizer, model, sharded_optimizer=pc.use_distributed_optimizer,
+    return DDPEngine(ddp, optimizer, model, sharded_optimizer=pc.use_distributed_optimizer or pc.ep > 1,
                      dp_rank=rank // cp, dp_size=world // cp, grad_ranks=world, counts_in_sums=rank % cp == 0,
-                     mesh=mesh)
+                     mesh=mesh, expert_state=ExpertShardedState(model, experts["expert_parallel_group"])
+                     if experts else None)

@@ -113,6 +113,10 @@ CONFIGS: dict[str, tuple[int, list[str]]] = {
     "grpo-mu2-kl": (1, [*GRPO, "--batch_size=2", "--num_iterations=2", "--beta=0.05", "--loss_type=grpo",
                         "--generation_kv_cache=false"]),
     "moe-ep2": (2, ["--batch_size=2", "--parallel=fsdp", "--expert_parallel_size=2", "@moe"]),
+    # expert parallelism under our DDP: the experts' shards reduced (and ZeRO-sharded) over their own group
+    "moe-ep2-ddp": (2, ["--batch_size=2", "--expert_parallel_size=2", "@moe"]),
+    "moe-ep2-zero1": (2, ["--batch_size=2", "--use_distributed_optimizer=true", "--zero_stage=1",
+                          "--expert_parallel_size=2", "@moe"]),
 }
 MOE_FLAGS = ["--moe_num_experts=4", "--moe_top_k=2", "--moe_hidden_dim=32", "--moe_shared_experts=1",
              "--moe_aux_loss_coef=0.01", "--moe_z_loss_coef=0.001", "--moe_bias_update_rate=0.01"]

@@ -12,6 +12,10 @@ It must never change the model's dtype, step an optimizer, or scale a loss.
 Gradient convention: autograd still writes `param.grad`; our hook adds it into `param.main_grad`
 (a view into the gradient buffer) and sets `param.grad = None`. So after backward the
 gradients live ONLY in `main_grad`; the optimizers in optimizer/ read them from there.
+Expert parallelism: a parameter marked with SHARD_OF_ATTR (parallel/transforms/expert_parallel.py) is this rank's
+slice of a tensor split over the expert-parallel ranks; such parameters get buffers of their own, reduced (ZeRO:
+sharded) over `expert_group`, the ranks holding the same slice, but divided by the same world size as every other
+gradient (the all-to-all's backward already summed the expert-parallel ranks' tokens into them).
 Except after `keep_grads_on_params()` (one process, one micro-batch per step, asked for by the
 optimizer that reads `.grad` itself): then there are no hooks, the gradient buffers hold no memory and
 the gradients stay in `param.grad`, until `restore_grad_buffers()`.
@@ -32,15 +36,25 @@ from parallel.distributed_data_parallel.ddp_config import DDPConfig
 from parallel.distributed_data_parallel.param_and_grad_buffer import (Bucket, GradBucket,
                                                                       ParamAndGradBuffer)
 
+# on a parameter that is this rank's slice of a larger tensor (an expert-parallel shard): (the full tensor's shape,
+# the slice's first element in the full tensor's flat view)
+SHARD_OF_ATTR = "shard_of"
+
 
 class DistributedDataParallel(nn.Module):
     def __init__(self, module: nn.Module, config: Optional[DDPConfig] = None,
-                 process_group: Optional[dist.ProcessGroup] = None):
+                 process_group: Optional[dist.ProcessGroup] = None, expert_group: Optional[dist.ProcessGroup] = None,
+                 expert_parallel_group: Optional[dist.ProcessGroup] = None):
+        """expert_group: the ranks that hold the same expert-parallel shards (SHARD_OF_ATTR), which their gradients
+        are reduced over; expert_parallel_group: the ranks holding the other shards (the optimizer sums the
+        shards' gradient norms over it)."""
         super().__init__()
         self.module = module
         self.config = config or DDPConfig()
         self.process_group = process_group
         self.rank, self.world_size = comm.group_rank_and_size(process_group)
+        self.expert_group, self.expert_parallel_group = expert_group, expert_parallel_group
+        expert_rank, expert_world = comm.group_rank_and_size(expert_group)
 
         # Unique trainable params in reverse registration order: backward roughly visits them
         # in that order, so the first bucket completes first.
@@ -52,18 +66,27 @@ class DistributedDataParallel(nn.Module):
                 named.append((name, p))
         named.reverse()
         self.param_names = {p: n for n, p in named}
-        by_dtype: dict[torch.dtype, list[tuple[str, nn.Parameter]]] = {}
-        for n, p in named:
-            by_dtype.setdefault(p.dtype, []).append((n, p))
+        by_dtype: dict[tuple[torch.dtype, bool], list[tuple[str, nn.Parameter]]] = {}
+        for n, p in named:  # expert-parallel shards in buffers of their own
+            by_dtype.setdefault((p.dtype, self.shard_of(p) is not None), []).append((n, p))
+        if any(expert for _, expert in by_dtype) and expert_group is None and self.world_size > 1:
+            raise ValueError("expert-parallel shards (SHARD_OF_ATTR) need the expert_group they are reduced over")
         self.buffers_: list[ParamAndGradBuffer] = []
         self.buckets: list[Bucket] = []
-        for dtype, params in by_dtype.items():
+        for (dtype, expert), params in by_dtype.items():
             grad_dtype = torch.float32 if self.config.grad_reduce_in_fp32 else dtype
-            buf = ParamAndGradBuffer(params, grad_dtype, self.config.bucket_size, self.world_size,
+            group, rank, world = (expert_group, expert_rank, expert_world) if expert else \
+                (process_group, self.rank, self.world_size)
+            buf = ParamAndGradBuffer(params, grad_dtype, self.config.bucket_size, world,
                                      self.config.pad_alignment, self.config.param_alignment,
-                                     first_bucket_index=len(self.buckets))
+                                     first_bucket_index=len(self.buckets), group=group, rank=rank, expert=expert)
             self.buffers_.append(buf)
             self.buckets.extend(buf.buckets)
+        if any(expert for _, expert in by_dtype):  # launch order = backward order across the experts' buffers too
+            at = {id(p): i for i, (_, p) in enumerate(named)}
+            self.buckets.sort(key=lambda b: min(at[id(s.param)] for s in b.slots))
+            for i, b in enumerate(self.buckets):
+                b.index = i
         self.param_to_bucket: dict[nn.Parameter, Bucket] = {
             s.param: b for b in self.buckets for s in b.slots}
 
@@ -144,6 +167,11 @@ class DistributedDataParallel(nn.Module):
                              "reduced; it needs DDPConfig(use_distributed_optimizer=True) and the "
                              "distributed optimizer (an unsharded optimizer would use unreduced grads)")
         self._hook, self._hook_state = hook, (state if state is not None else CommHookState())
+
+    @staticmethod
+    def shard_of(param: torch.Tensor) -> Optional[tuple]:
+        """(the full tensor's shape, this slice's first flat element) of an expert-parallel shard, else None."""
+        return getattr(param, SHARD_OF_ATTR, None)
 
     def plain_reduction(self) -> bool:
         """Whether the gradient communication is the default all-reduce / reduce-scatter: it writes nothing but
@@ -288,9 +316,13 @@ class DistributedDataParallel(nn.Module):
         if self.world_size == 1:
             return
         src = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
-        for buf in self.buffers_:
-            dist.broadcast(buf.param_data, src=src, group=self.process_group)
+        for buf in self.buffers_:  # expert shards: from the first rank holding the same ones
+            if buf.world_size > 1:
+                first = dist.get_global_rank(buf.group, 0) if buf.group is not None else src
+                dist.broadcast(buf.param_data, src=first, group=buf.group)
         rest = [p for p in self.module.parameters() if p not in self.param_to_bucket]
+        if any(self.shard_of(p) is not None for p in rest):
+            raise ValueError("frozen expert-parallel shards are not broadcast (each rank holds its own)")
         rest += list(self.module.buffers())
         _broadcast_coalesced([t.data for t in rest], src, self.process_group, coalesce_bytes)
 
@@ -387,9 +419,11 @@ class DistributedDataParallel(nn.Module):
                     slot.param.main_grad.zero_()
                     self._graded.add(id(slot.param))
         if self.world_size > 1:
-            # Average like torch DDP: divide first, then every hook SUMs.
+            # Average like torch DDP: divide first, then every hook SUMs (expert shards too: over fewer ranks,
+            # their gradients already summed over the expert-parallel ones)
             bucket.grad_data.mul_(1.0 / self.world_size)
-        gb = GradBucket(bucket, self.process_group, self.rank, self.world_size)
+        buf = bucket.buffer
+        gb = GradBucket(bucket, buf.group, buf.rank, buf.world_size)
         self._handles[bucket.index] = self._hook(self._hook_state, gb)
         self._launch_order.append(bucket.index)
         self._next_launch = bucket.index + 1

@@ -124,12 +124,16 @@ class GradBucket:
 
 
 class ParamAndGradBuffer:
-    """Flat buffers for parameters of one dtype, cut into buckets of ~bucket_size elements."""
+    """Flat buffers for parameters of one dtype, cut into buckets of ~bucket_size elements, reduced (and ZeRO-
+    sharded) over `group` (rank `rank` of `world_size`; None: the DDP's). `expert`: it holds expert-parallel
+    shards, reduced over the ranks that hold the same experts (DistributedDataParallel's expert_group)."""
 
     def __init__(self, named_params: list[tuple[str, torch.nn.Parameter]], grad_dtype: torch.dtype,
                  bucket_size: Optional[int], world_size: int, pad_alignment: int, param_alignment: int,
-                 first_bucket_index: int):
+                 first_bucket_index: int, group: Optional[dist.ProcessGroup] = None, rank: int = 0,
+                 expert: bool = False):
         assert named_params, "a buffer needs at least one parameter"
+        self.group, self.rank, self.world_size, self.expert = group, rank, world_size, expert
         self.param_dtype = named_params[0][1].dtype
         self.grad_dtype = grad_dtype
         self.device = named_params[0][1].device

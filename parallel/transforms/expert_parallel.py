@@ -1,13 +1,18 @@
 """Expert parallelism (--expert_parallel_size > 1): the routed experts of every MoE block sharded over mesh["ep"],
 tokens sent to the ranks that hold their experts and back by all-to-all (torchtitan's expert_parallel shape).
 
-    apply(model, mesh, config)     # after the first rank's weights are broadcast, before FSDP2's wrap
+    apply(model, mesh, config)     # after the first rank's weights are broadcast, before the data-parallel wrap
 
 What it does to each MoE layer (model/moe.py MoEFeedForward):
-  weights  experts.gate_up_proj [E, 2I, D] and experts.down_proj [E, D, I] become DTensors Shard(0) on mesh["ep"]:
-           this rank keeps experts [r E/ep, (r+1) E/ep); FSDP2 then shards them again over mesh["efsdp"] (the dp
-           ranks that hold the same experts, parallel/fsdp.py), and torch DCP reshards them at load, so a
+  weights  experts.gate_up_proj [E, 2I, D] and experts.down_proj [E, D, I]: this rank keeps experts
+           [r E/ep, (r+1) E/ep) of mesh["ep"].
+           --parallel=fsdp: DTensors Shard(0) on mesh["ep"]; FSDP2 then shards them again over mesh["efsdp"] (the
+           dp ranks that hold the same experts, parallel/fsdp.py), and torch DCP reshards them at load, so a
            checkpoint resumes at any ep.
+           --parallel=ddp: plain parameters [E/ep, ...] (the same names), each marked with its place in the full
+           tensor (SHARD_OF_ATTR: our DDP keeps them in buffers of their own, reduced over mesh["efsdp"]; the
+           optimizer's state and parallel/expert_state.py's checkpoints name the full tensor's elements, so a
+           checkpoint loads at any ep).
   forward  a pre-hook on `experts` takes the dispatch's rows (sorted by expert) and counts [E], exchanges the
            counts (all-to-all), sends each rank the rows of its experts (differentiable all-to-all), reorders the
            received rows from (source rank, expert) to (expert, source rank) so that the local experts see their
@@ -23,6 +28,7 @@ The counts are read to the host for the all-to-all's split sizes (one sync per M
 torchtitan).
 
 Must never: change a parameter's name (checkpoints and the HF export key on them), or run without a mesh.
+Under our DDP the ranks must hold the same full weights before the split: rank 0's are broadcast here.
 """
 from __future__ import annotations
 
@@ -33,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from model.moe import moe_layers
+from parallel.distributed_data_parallel import SHARD_OF_ATTR
 
 # set on a module by a transform, read by parallel/fsdp.py's wrap: fully_shard it on its own mesh first, dividing
 # its reduced gradients by this factor
@@ -45,7 +52,7 @@ def apply(model: nn.Module, mesh: Any, config: Any) -> None:
     if ep == 1:
         return
     if mesh is None:
-        raise ValueError(f"--expert_parallel_size={ep} runs on the device mesh (--parallel=fsdp)")
+        raise ValueError(f"--expert_parallel_size={ep} runs on the device mesh (parallel/build.py builds it)")
     layers = moe_layers(model)
     if not layers:
         raise ValueError(f"--expert_parallel_size={ep} needs an MoE model (--moe_num_experts > 0)")
@@ -54,6 +61,9 @@ def apply(model: nn.Module, mesh: Any, config: Any) -> None:
     for layer in layers:
         if layer.num_experts % ep:
             raise ValueError(f"--moe_num_experts={layer.num_experts} is not divisible by --expert_parallel_size={ep}")
+        if getattr(config, "parallel", "fsdp") == "ddp":
+            shard_experts_local(layer.experts, ep_mesh)
+            continue
         shard_experts(layer.experts, ep_mesh)
         # FSDP of the experts over the dp ranks that hold the same ones (HSDP: across the replicas too)
         setattr(layer.experts, SHARD_MESH_ATTR,
@@ -71,7 +81,29 @@ def shard_experts(experts: nn.Module, ep_mesh: Any) -> None:
         local = full.detach().chunk(ep, dim=0)[rank].clone()
         setattr(experts, name, nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False),
                                             requires_grad=full.requires_grad))
-    group = ep_mesh.get_group()
+    _exchange_around(experts, ep_mesh)
+
+
+def shard_experts_local(experts: nn.Module, ep_mesh: Any) -> None:
+    """Our DDP's layout: this rank's E/ep experts as plain parameters of the same names, cut from rank 0's full
+    weights (broadcast here: the ranks may have initialised differently), each marked with (the full shape, the
+    first element of its slice in the full tensor's flat view: Shard(0) of a contiguous tensor is one flat
+    range); the all-to-all hooks around the module's forward."""
+    rank, ep = ep_mesh.get_local_rank(), ep_mesh.size()
+    for name in ("gate_up_proj", "down_proj"):
+        full = getattr(experts, name)
+        data = full.detach().clone()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast(data, src=0)
+        local = data.chunk(ep, dim=0)[rank].clone()
+        param = nn.Parameter(local, requires_grad=full.requires_grad)
+        setattr(param, SHARD_OF_ATTR, (tuple(full.shape), rank * local.numel()))
+        setattr(experts, name, param)
+    _exchange_around(experts, ep_mesh)
+
+
+def _exchange_around(experts: nn.Module, ep_mesh: Any) -> None:
+    group, ep = ep_mesh.get_group(), ep_mesh.size()
     experts.register_forward_pre_hook(lambda m, args: _to_expert_ranks(m, args, group, ep))
     experts.register_forward_hook(lambda m, args, out: _from_expert_ranks(m, out, group))
 

@@ -1,14 +1,17 @@
 """Expert parallelism (parallel/transforms/expert_parallel.py) at ep=2 under FSDP2 on gloo (2 ranks; 4 ranks with
-FSDP over the experts' efsdp=2 and with HSDP replicas) follows one process: the first step's every gradient (expert gradients gathered from their ep shards), each step's loss and
-gradient norm, the parameters after 3 steps, within 10x the one-process reference's own fp32 rounding (its fp32
+FSDP over the experts' efsdp=2 and with HSDP replicas) and under our DDP, ZeRO-1 and ZeRO-2 (2 ranks; 4 ranks with
+the experts reduced over the 2 ranks holding the same ones) follows one process: the first step's every gradient
+(expert gradients gathered from their ep shards), each step's loss and gradient norm, the parameters after 3 steps, within 10x the one-process reference's own fp32 rounding (its fp32
 run against its fp64 run), the selection biases exactly. A second model whose selection bias sends every token to
 rank 0's experts: rank 1's experts receive no rows (zero gradients, never None) and the run still follows one
-process. Bad flags: parallel/config.py's lines (checked at 8 ranks without a process group) and the trainer's one
+process. Our DDP's plain checkpoints resume across ep sizes (and cross to FSDP2 and back). Bad flags:
+parallel/config.py's lines (checked at 8 ranks without a process group) and the trainer's one
 line, exit 2."""
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import pytest
 import torch
@@ -22,20 +25,50 @@ def _full(t) -> list:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().double().reshape(-1).tolist()
 
 
+def _ddp_full(engine, p: torch.Tensor, t=None) -> list:
+    """Our DDP's tensor `t` (default: the parameter `p`) of a parameter, gathered over the ep ranks where `p` is an
+    expert-parallel shard."""
+    from parallel.distributed_data_parallel import DistributedDataParallel
+    t = p if t is None else t
+    if DistributedDataParallel.shard_of(p) is None:
+        return t.detach().double().reshape(-1).tolist()
+    group = engine.model.expert_parallel_group
+    out = t.new_empty((torch.distributed.get_world_size(group) * t.shape[0], *t.shape[1:]))
+    torch.distributed.all_gather_into_tensor(out, t.detach().contiguous(), group=group)
+    return out.double().reshape(-1).tolist()
+
+
+def _ddp_grads(engine) -> dict:
+    """Step 1's reduced gradients of our DDP, every one whole: the buckets' shards all-gathered where ZeRO-1
+    reduce-scattered them (over each buffer's own group), the expert shards over the ep ranks."""
+    from utils import comm
+    ddp, opt = engine.model, engine.optimizer
+    ddp.finish_grad_sync()  # (the step's own call then reduces nothing again)
+    if opt.sharded:
+        for b in ddp.buckets:
+            lo, hi = opt.owned_range(b)
+            comm.all_gather(b.grad_data, b.grad_data[lo:hi].clone(), b.buffer.group, b.buffer.world_size,
+                            async_op=False)
+    return {n: _ddp_full(engine, p, p.main_grad) for n, p in engine.module.named_parameters()}
+
+
 def train(starve: bool, **layout) -> dict:
     from parallel.build import build_engine
     from trainer.config import TrainConfig
     from trainer.moe import MoETraining
     moe = dict(MOE, moe_bias_update_rate=0.0) if starve else MOE
-    cfg = dataclasses.replace(TrainConfig(), parallel="fsdp", expert_parallel_size=2, dtype="fp32", device="cpu",
-                              gradient_accumulation_steps=2, **OPT, **moe, **layout)
+    cfg = dataclasses.replace(TrainConfig(), **{**dict(parallel="fsdp", expert_parallel_size=2, dtype="fp32",
+                                                       device="cpu", gradient_accumulation_steps=2, bucket_size=500),
+                                                **OPT, **moe, **layout})
     engine = build_engine(new_model(starve), cfg, device=torch.device("cpu"))
+    ddp = cfg.parallel == "ddp"
     training = MoETraining.of(cfg, engine.module)
     loss_fn = training.wrap_loss(lambda m, b: (m(b["input_ids"], labels=b["labels"], reduction="sum"), {}),
                                  lambda b: int((b["labels"] != -100).sum()))
     rec = {"losses": [], "norms": [], "local_experts": []}
     for layer in training.layers:
-        rec["local_experts"].append(layer.experts.gate_up_proj.to_local().shape[0])
+        w = layer.experts.gate_up_proj
+        rec["local_experts"].append((w if ddp else w.to_local()).shape[0])
     for step in range(1, STEPS + 1):
         chunks = batches(step)
         units = sum(int((y != -100).sum()) for _, y in chunks)
@@ -43,13 +76,17 @@ def train(starve: bool, **layout) -> dict:
         mine = [{"input_ids": x, "labels": y} for x, y in chunks[engine.dp_rank * per:(engine.dp_rank + 1) * per]]
         engine.optimizer.zero_grad()
         total = engine.sum_over_data(engine.forward_backward(mine, loss_fn, units), torch.device("cpu"))
-        if step == 1:
-            rec["grads"] = {n: _full(p.grad) for n, p in engine.module.named_parameters()}
+        if step == 1 and not (ddp and cfg.zero_stage == 2):  # (ZeRO-2 frees what it does not own)
+            rec["grads"] = _ddp_grads(engine) if ddp else \
+                {n: _full(p.grad) for n, p in engine.module.named_parameters()}
         stepped, norm = engine.optimizer.step()
         training.after_step(engine, torch.device("cpu"))
         rec["losses"].append(float(total[0]) / units)
         rec["norms"].append(float(norm))
-    rec["params"] = {n: _full(p) for n, p in engine.module.named_parameters()}
+    if ddp:  # the buckets in launch order: which hold experts, and the first parameter of each in backward order
+        order = {n: i for i, n in enumerate(reversed([n for n, _ in engine.module.named_parameters()]))}
+        rec["buckets"] = [(b.buffer.expert, min(order[s.name] for s in b.slots)) for b in engine.model.buckets]
+    rec["params"] = {n: _ddp_full(engine, p) if ddp else _full(p) for n, p in engine.module.named_parameters()}
     rec["bias"] = [layer.expert_bias.tolist() for layer in training.layers]
     return rec
 
@@ -57,13 +94,91 @@ def train(starve: bool, **layout) -> dict:
 # the layouts each world runs: 2 ranks: ep=2 (experts left to the ep sharding; also with activation checkpointing,
 # whose recompute runs the all-to-alls again in the backward, and with FSDP2's CPU offload); 4 ranks: ep=2 with FSDP over the 2
 # ranks that hold the same experts (efsdp=2), and ep=2 under HSDP (2 replicas of dp_shard=2, efsdp=1)
+# Our DDP (2 ranks: ep=2, the experts' group of one rank; ZeRO-1 and ZeRO-2 shard the experts' state over it; 4 ranks:
+# the experts reduced, and ZeRO-1-sharded, over the 2 ranks that hold the same ones; the ZeRO-1 one all-gathers
+# the updated parameters during the next forward)
+DDP, ZERO1 = dict(parallel="ddp"), dict(parallel="ddp", use_distributed_optimizer=True)
 CASES = {2: {"plain": (False, {}), "starved": (True, {}), "recompute": (False, {"gradient_checkpointing": True}),
-             "offload": (False, {"cpu_offload": True})},
-         4: {"efsdp2": (False, {}), "hsdp": (False, {"dp_replicate_size": 2})}}
+             "offload": (False, {"cpu_offload": True}), "ddp": (False, DDP), "ddp_starved": (True, DDP),
+             "zero1": (False, ZERO1), "zero2": (False, dict(ZERO1, zero_stage=2))},
+         4: {"efsdp2": (False, {}), "hsdp": (False, {"dp_replicate_size": 2}), "ddp_edp2": (False, DDP),
+             "zero1_edp2": (False, dict(ZERO1, overlap_param_gather=True))}}
+
+
+def _ddp_run(ep: int, zero: bool, parallel: str = "ddp"):
+    """Our DDP engine at `ep` (ZeRO-1 with `zero`; or FSDP2), its MoE training and loss: (engine, one step's
+    function)."""
+    from parallel.build import build_engine
+    from trainer.config import TrainConfig
+    from trainer.moe import MoETraining
+    cfg = dataclasses.replace(TrainConfig(), parallel=parallel, expert_parallel_size=ep, use_distributed_optimizer=zero,
+                              dtype="fp32", device="cpu", gradient_accumulation_steps=2, bucket_size=500, **OPT, **MOE)
+    engine = build_engine(new_model(), cfg, device=torch.device("cpu"))
+    training = MoETraining.of(cfg, engine.module)
+    loss_fn = training.wrap_loss(lambda m, b: (m(b["input_ids"], labels=b["labels"], reduction="sum"), {}),
+                                 lambda b: int((b["labels"] != -100).sum()))
+
+    def step(n: int) -> float:
+        chunks = batches(n)
+        units = sum(int((y != -100).sum()) for _, y in chunks)
+        per = CHUNKS // engine.dp_size
+        mine = [{"input_ids": x, "labels": y} for x, y in chunks[engine.dp_rank * per:(engine.dp_rank + 1) * per]]
+        engine.optimizer.zero_grad()
+        total = engine.sum_over_data(engine.forward_backward(mine, loss_fn, units), torch.device("cpu"))
+        engine.optimizer.step()
+        training.after_step(engine, torch.device("cpu"))
+        return float(total[0]) / units
+    return engine, step
+
+
+def resume_across_ep(rank: int, world: int, out_dir: str) -> dict:
+    """Uninterrupted ep=2 and ep=1 runs of 10 steps under our DDP; then ep=2 DDP for steps 1-2 -> its plain checkpoint
+    resumed at ep=1 ZeRO-1 for 3-4 -> resumed at ep=2 ZeRO-1 for 5-6, which goes on to 7-8; its step-6 checkpoint
+    resumed at ep=2 ZeRO-1 again (each rank its own optimizer file) for 7-8, and under FSDP2 at ep=2 for 7-8, whose
+    DCP checkpoint our DDP at ep=2 resumes for 9-10."""
+    import torch.distributed as dist
+
+    from checkpoint.manager import CheckpointManager
+
+    def manager(engine):
+        return CheckpointManager(engine, out_dir, rank=rank, world_size=world, barrier=dist.barrier, keep_last=10)
+
+    def save(engine, n: int) -> str:
+        return manager(engine).save(n, trainer_state={}, model_config={}, run_config={})
+
+    rec = {}
+    for name, ep in (("ep2", 2), ("ep1", 1)):
+        _, step = _ddp_run(ep, False)
+        rec[name] = [step(n) for n in range(1, 11)]
+    engine, step = _ddp_run(2, False)
+    got = [step(n) for n in (1, 2)]
+    ckpt = save(engine, 2)
+    for ep, steps in ((1, (3, 4)), (2, (5, 6))):
+        engine, step = _ddp_run(ep, True)
+        manager(engine).load(ckpt, world)
+        got += [step(n) for n in steps]
+        ckpt = save(engine, steps[-1])
+    rec["moved"], rec["continued"] = got, [step(n) for n in (7, 8)]
+    engine, step = _ddp_run(2, True)
+    manager(engine).load(ckpt, world)
+    rec["resumed"] = [step(n) for n in (7, 8)]
+    engine, step = _ddp_run(2, False, "fsdp")
+    manager(engine).load(ckpt, world)
+    rec["fsdp"] = [step(n) for n in (7, 8)]
+    dcp = save(engine, 8)
+    engine, step = _ddp_run(2, False)
+    manager(engine).load(dcp, world)
+    rec["back"] = [step(n) for n in (9, 10)]
+    with open(f"{ckpt}/optimizer_rank1.pt", "rb") as f:  # what rank 1 saved: its experts' ranges of the full tensors
+        state = torch.load(f, weights_only=True)
+    rec["rank1_expert_range"] = [state["params"]["layers.1.mlp.experts.down_proj"][k] for k in ("lo", "hi", "numel")]
+    return rec
 
 
 def _world(rank: int, world: int, out_path: str) -> None:
     out = {name: train(starve, **layout) for name, (starve, layout) in CASES[world].items()}
+    if world == 2:
+        out["resume"] = resume_across_ep(rank, world, os.path.join(os.path.dirname(out_path), "resume"))
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(out, f)
@@ -87,17 +202,25 @@ def _close(got: dict, r32: dict, r64: dict, key: str) -> None:
         assert diff <= 10 * noise + 1e-7, (key, n, diff, noise)
 
 
-@pytest.mark.parametrize("case", ["plain", "starved", "recompute", "offload", "efsdp2", "hsdp"])
+@pytest.mark.parametrize("case", ["plain", "starved", "recompute", "offload", "efsdp2", "hsdp", "ddp", "ddp_starved",
+                                  "zero1", "zero2", "ddp_edp2", "zero1_edp2"])
 def test_ep2_follows_one_process(results, case):
-    starve = case == "starved"
+    starve = case.endswith("starved")
     r32, r64 = one_process_reference(torch.float32, starve), one_process_reference(torch.float64, starve)
     rec = results[case]
     # E/ep = 2 experts on each rank, FSDP-sharded again over efsdp=2 (one expert's rows per rank)
     assert rec["local_experts"] == ([1, 1] if case == "efsdp2" else [2, 2])
+    # the clip matters: every step's norm is above --grad_clip, so a norm that missed the other ranks' experts
+    # (or counted them twice) would scale every update differently
+    assert min(r32["norms"]) > 1.5 * OPT["grad_clip"]
     for key in ("losses", "norms"):
         tol = 10 * max(abs(a - b) for a, b in zip(r32[key], r64[key])) + 1e-6
         assert max(abs(a - b) for a, b in zip(rec[key], r32[key])) <= tol, (key, rec[key], r32[key])
-    _close(rec, r32, r64, "grads")
+    if "buckets" in rec:  # our DDP launches the experts' buckets in backward order with the others, not after them
+        firsts = [first for _, first in rec["buckets"]]
+        assert firsts == sorted(firsts) and rec["buckets"][-1][0] is False and any(e for e, _ in rec["buckets"])
+    if case != "zero2":  # (ZeRO-2 keeps no whole gradient to compare: its norm and parameters follow them)
+        _close(rec, r32, r64, "grads")
     _close(rec, r32, r64, "params")
     for got, want in zip(rec["bias"], r32["bias"]):
         assert torch.equal(torch.tensor(got), want), (got, want)
@@ -108,10 +231,29 @@ def test_ep2_follows_one_process(results, case):
         assert any(torch.count_nonzero(b) for b in r32["bias"])  # the rule moved them
 
 
+def test_ddp_resume_across_ep_sizes(results):
+    """Our DDP's plain checkpoints: ep=2 -> ep=1 (ZeRO-1) -> ep=2 (ZeRO-1) -> FSDP2 ep=2 -> our DDP ep=2 follows the
+    uninterrupted ep=2 run within 10x its difference from the uninterrupted ep=1 run (the same sums, reduced in
+    another order), steps 1-2 exactly; a resume at the same layout continues exactly as the run that saved it."""
+    rec = results["resume"]
+    want, other, got = rec["ep2"], rec["ep1"], rec["moved"]
+    tol = 10 * max(abs(a - b) for a, b in zip(want, other)) + 1e-7
+    assert got[:2] == want[:2]
+    assert max(abs(a - b) for a, b in zip(got, want[:6])) <= tol, (got, want, tol)
+    assert rec["resumed"] == rec["continued"]
+    crossed = rec["resumed"] + rec["fsdp"] + rec["back"]  # (and through FSDP2's DCP format and back)
+    assert max(abs(a - b) for a, b in zip(crossed, want[6:8] * 2 + want[8:])) <= tol, (crossed, want, tol)
+    # down_proj [4 experts, D=16, I=8] of the first MoE layer: rank 1 holds experts 2-3 (ZeRO over its 1-rank group)
+    assert rec["rank1_expert_range"] == [2 * 16 * 8, 4 * 16 * 8, 4 * 16 * 8]
+
+
 @pytest.mark.parametrize("flags, model, needle", [
     (dict(parallel="fsdp"), dict(moe_num_experts=6), "--moe_num_experts=6 is not divisible by --expert_parallel_size=4"),
     (dict(parallel="fsdp"), dict(moe_num_experts=0), "--expert_parallel_size=4 needs an MoE model"),
-    (dict(parallel="ddp"), dict(moe_num_experts=8), "--expert_parallel_size=4 cannot be combined with --parallel=ddp"),
+    (dict(parallel="ddp", overlap_optim_step=True), dict(moe_num_experts=8),
+     "--overlap_optim_step=true cannot be combined with --expert_parallel_size=4 under --parallel=ddp"),
+    (dict(parallel="ddp", comm_hook="powersgd"), dict(moe_num_experts=8),
+     "--comm_hook=powersgd cannot be combined with --expert_parallel_size=4"),
     (dict(parallel="fsdp", context_parallel_size=2), dict(moe_num_experts=8),
      "--expert_parallel_size=4 cannot be combined with --context_parallel_size=2"),
     (dict(parallel="fsdp", pipeline_parallel_size=2, gradient_accumulation_steps=2), dict(moe_num_experts=8),
@@ -120,7 +262,7 @@ def test_ep2_follows_one_process(results, case):
      "--expert_parallel_size=4 does not divide the data-parallel shard dimension 2"),
     (dict(parallel="fsdp", compile=True), dict(moe_num_experts=8),
      "--compile=true cannot be combined with --expert_parallel_size=4"),
-], ids=["experts", "dense", "ddp", "cp", "pp", "shard", "compile"])
+], ids=["experts", "dense", "ddp_overlap_step", "ddp_powersgd", "cp", "pp", "shard", "compile"])
 def test_refusals_name_the_flags(flags, model, needle):
     """parallel/config.py's lines at 8 ranks (what the trainer prints, one line, exit 2)."""
     from parallel.config import ParallelConfig
@@ -148,6 +290,19 @@ def test_good_layout_has_no_problem():
     assert pc.problems(8) == [] and pc.model_problems(n_layers=2, n_heads=2, n_kv_heads=2, max_seq_len=16,
                                                       dropout=0.0, moe_num_experts=4) == []
     assert pc.layout(8) == MeshLayout(1, 2, 4, 1, 1, 2) and pc.data_parallel_size(8) == 8
+    for zero in (dict(), dict(use_distributed_optimizer=True, zero_stage=1),
+                 dict(use_distributed_optimizer=True, zero_stage=2, comm_hook="bf16")):
+        pc = ParallelConfig(expert_parallel_size=2, **zero)
+        assert pc.problems(8, needs={"--task_type=dpo": "sequence_logprobs"}) == []
+
+
+def test_ddp_refuses_what_needs_the_whole_model_on_one_rank():
+    from parallel.config import ParallelConfig
+    lines = ParallelConfig(expert_parallel_size=2).problems(4, needs={"--sample_every=10": "whole_model_on_one_rank",
+                                                                      "--lora_rank=8": "frozen_parameters"})
+    assert [line.split(" (")[0] for line in lines] == [
+        "--sample_every=10 cannot be combined with --expert_parallel_size=2 under --parallel=ddp",
+        "--lora_rank=8 cannot be combined with --expert_parallel_size=2 under --parallel=ddp"]
 
 
 def test_trainer_refuses_in_one_line_exit_2(tiny_pretrain_run_args, tmp_path, capsys):
