@@ -196,7 +196,13 @@ class _FusedLoop(torch.autograd.Function):
 
 def experts_fused_loop(rows: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor,
                        w_down: torch.Tensor) -> torch.Tensor:
-    """The loop with its backward written out (`_FusedLoop`); reads the counts to the host, like the loop."""
+    """The loop with its backward written out (`_FusedLoop`); reads the counts to the host, like the loop. Under
+    autocast it computes in the autocast dtype, as the loop's F.linear does (matmuls with out= are not autocast)."""
+    device = rows.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        with torch.autocast(device, enabled=False):
+            return _FusedLoop.apply(rows.to(dtype), w_gate_up.to(dtype), w_down.to(dtype), counts.tolist())
     return _FusedLoop.apply(rows, w_gate_up, w_down, counts.tolist())
 
 

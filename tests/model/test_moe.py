@@ -132,6 +132,25 @@ def test_fused_loop_gradients_of_what_requires_them(frozen):
         assert torch.count_nonzero(results[1][1][1]) == 0 and torch.count_nonzero(results[1][2][1]) == 0
 
 
+def test_fused_loop_under_autocast_computes_as_the_loop():
+    """CPU bf16 autocast: the loop's F.linear runs in bf16; the fused loop casts once and gives the same output and
+    the same fp32 weight gradients (bf16 matmuls, then cast back)."""
+    torch.manual_seed(0)
+    w_gate_up, w_down = torch.randn(3, 16, 8), torch.randn(3, 8, 8)
+    rows, counts, grad = torch.randn(9, 8), torch.tensor([4, 0, 5]), torch.randn(9, 8)
+    results = []
+    for fn in (experts_loop, experts_fused_loop):
+        leaves = [t.clone().requires_grad_() for t in (rows, w_gate_up, w_down)]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = fn(leaves[0], counts, leaves[1], leaves[2])
+        out.backward(grad.to(out.dtype))
+        results.append([out.detach()] + [t.grad for t in leaves])
+    assert results[0][0].dtype == results[1][0].dtype == torch.bfloat16
+    for a, b in zip(*results):  # the same bf16 matmuls: within one bf16 rounding (2^-8) of the largest value
+        err = (a.float() - b.float()).abs().max()
+        assert a.dtype == b.dtype and err <= 2 ** -8 * a.float().abs().max(), err
+
+
 def test_auto_backend_on_the_cpu():
     x = torch.zeros(2, 4)
     assert choose_expert_backend(x, "auto") == "fused_loop"
