@@ -9,7 +9,8 @@ them (tokens to the ranks holding their experts after `dispatch`, back before `c
   dispatch the N*k (token, expert) pairs sorted by expert (stable): the token rows in that order and the count
            per expert; dropless (no capacity, every pair computed)
   experts  the SwiGLU of each expert on its rows: the grouped matmul (torch._grouped_mm / F.grouped_mm; gate and
-           up in one), or a reference loop
+           up in one), the fused loop (the loop's matmuls with the backward written out: no cat or stack, less
+           saved for backward), or the reference loop
   combine  every row back to its (token, slot), weighted, summed over the k slots
 
 Balancing: the auxiliary loss (Switch/Megatron form, E/(k N) sum_i count_i P_i, 1 when perfectly balanced;
@@ -63,33 +64,11 @@ def dispatch(x: torch.Tensor, idx: torch.Tensor, num_experts: int) -> tuple[torc
 def combine(rows: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """The experts' output rows [N*k, D] (in dispatch order) back to [N, D]: each token's k rows times their
     weights, summed."""
-    return _Combine.apply(rows, order, weights.to(rows.dtype))
-
-
-class _Combine(torch.autograd.Function):
-    """`combine` with its backward written out: the rows' gradient is gathered through `order` (a permutation),
-    where autograd's backward of the gather zero-fills a [N*k, D] tensor and scatter-adds into it. The same
-    values as autograd's graph of the forward (index_select, mul, sum)."""
-
-    @staticmethod
-    def forward(ctx, rows: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        n, k = weights.shape
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
-        per_slot = rows.index_select(0, inverse).view(n, k, rows.shape[-1])
-        ctx.save_for_backward(per_slot, order, weights)
-        return (per_slot * weights.unsqueeze(-1)).sum(dim=1)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad: torch.Tensor):
-        per_slot, order, weights = ctx.saved_tensors
-        g_rows = g_weights = None
-        if ctx.needs_input_grad[0]:
-            g_rows = (grad.unsqueeze(1) * weights.unsqueeze(-1)).view(-1, grad.shape[-1]).index_select(0, order)
-        if ctx.needs_input_grad[2]:
-            g_weights = (per_slot * grad.unsqueeze(1)).sum(dim=-1)
-        return g_rows, None, g_weights
+    n, k = weights.shape
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    per_slot = rows.index_select(0, inverse).view(n, k, rows.shape[-1])
+    return (per_slot * weights.to(rows.dtype).unsqueeze(-1)).sum(dim=1)
 
 
 # ------------------------------------------------------------------------------------------ experts
@@ -138,12 +117,15 @@ class _FusedLoop(torch.autograd.Function):
     """The loop's computation with its backward written out: each expert's matmuls write straight into slices of
     one output (no cat; the weight gradients into one [E, ...] tensor, no stack), and each expert's SwiGLU, forward
     and backward, runs on its own rows right after their matmul, while they are in cache. Saved for backward: the
-    rows and the gate/up pre-activations (the activation is recomputed per expert). The same matmuls as the loop's
-    autograd graph, in the same layouts, so the values and gradients are the loop's bit for bit."""
+    rows and the gate/up pre-activations (the activation is recomputed per expert), where the loop's graph also keeps
+    each expert's silu and activation. The same matmuls as the loop's autograd graph, in the same layouts (on the
+    CPU the values and gradients compare equal bit for bit; the tests allow rounding)."""
 
     @staticmethod
     def forward(ctx, rows: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                 sizes: list[int]) -> torch.Tensor:
+        if sum(sizes) != rows.shape[0]:
+            raise ValueError(f"the experts' counts sum to {sum(sizes)}, but {rows.shape[0]} rows were dispatched")
         hidden = w_down.shape[-1]
         gate_up = rows.new_empty(rows.shape[0], 2 * hidden)
         out = rows.new_empty(rows.shape[0], w_down.shape[1])

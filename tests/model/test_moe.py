@@ -107,6 +107,8 @@ def test_expert_functions_agree_on_an_empty_expert():
     a, b = experts_grouped(rows, counts, w_gate_up, w_down), experts_loop(rows, counts, w_gate_up, w_down)
     assert torch.allclose(a, b, atol=1e-5)
     assert torch.allclose(experts_fused_loop(rows, counts, w_gate_up, w_down), b, atol=1e-5)
+    with pytest.raises(ValueError, match="counts sum to 4, but 5 rows"):
+        experts_fused_loop(rows, torch.tensor([2, 0, 2]), w_gate_up, w_down)
     by_rows = [F.linear(F.silu(F.linear(rows[i], w_gate[e])) * F.linear(rows[i], w_up[e]), w_down[e])
                for i, e in enumerate([0, 0, 2, 2, 2])]
     assert torch.allclose(a, torch.stack(by_rows), atol=1e-5)
