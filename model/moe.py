@@ -189,8 +189,9 @@ def experts_fused_loop(rows: torch.Tensor, counts: torch.Tensor, w_gate_up: torc
 
 
 def choose_expert_backend(x: torch.Tensor, backend: str) -> str:
-    """auto: grouped_mm on an accelerator that runs it; elsewhere (the CPU, where it measured faster:
-    bench/bench_moe.py) the fused loop, or the plain loop under torch.compile (traced as the graph it is)."""
+    """auto: grouped_mm on an accelerator that runs it; elsewhere the fused loop (on the CPU the three measured the
+    same speed, bench/bench_moe.py, and it saves the least for backward), or the plain loop under torch.compile
+    (traced as the graph it is)."""
     if backend == "auto":
         if x.device.type != "cpu" and grouped_mm_supported(x):
             return "grouped_mm"
