@@ -9,7 +9,8 @@ them (tokens to the ranks holding their experts after `dispatch`, back before `c
   dispatch the N*k (token, expert) pairs sorted by expert (stable): the token rows in that order and the count
            per expert; dropless (no capacity, every pair computed)
   experts  the SwiGLU of each expert on its rows: the grouped matmul (torch._grouped_mm / F.grouped_mm; gate and
-           up in one), or a reference loop
+           up in one), the fused loop (the loop's matmuls with the backward written out: no cat or stack, less
+           saved for backward), or the reference loop
   combine  every row back to its (token, slot), weighted, summed over the k slots
 
 Balancing: the auxiliary loss (Switch/Megatron form, E/(k N) sum_i count_i P_i, 1 when perfectly balanced;
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 
 from model import kernels
 
-EXPERT_BACKENDS = ("auto", "grouped_mm", "loop")
+EXPERT_BACKENDS = ("auto", "grouped_mm", "fused_loop", "loop")
 
 
 # ------------------------------------------------------------------------------------------ routing
@@ -112,14 +113,97 @@ def experts_loop(rows: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tens
     return torch.cat(outs)
 
 
+class _FusedLoop(torch.autograd.Function):
+    """The loop's computation with its backward written out: each expert's matmuls write straight into slices of
+    one output (no cat; the weight gradients into one [E, ...] tensor, no stack), and each expert's SwiGLU, forward
+    and backward, runs on its own rows right after their matmul, while they are in cache. Saved for backward: the
+    rows and the gate/up pre-activations (the activation is recomputed per expert), where the loop's graph also keeps
+    each expert's silu and activation. The same matmuls as the loop's autograd graph, in the same layouts (on the
+    CPU the values and gradients compare equal bit for bit; the tests allow rounding)."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                sizes: list[int]) -> torch.Tensor:
+        if sum(sizes) != rows.shape[0]:
+            raise ValueError(f"the experts' counts sum to {sum(sizes)}, but {rows.shape[0]} rows were dispatched")
+        hidden = w_down.shape[-1]
+        gate_up = rows.new_empty(rows.shape[0], 2 * hidden)
+        out = rows.new_empty(rows.shape[0], w_down.shape[1])
+        act = rows.new_empty(max(sizes, default=0), hidden)  # one expert's at a time
+        s = 0
+        for e, n in enumerate(sizes):
+            if n:
+                h = torch.mm(rows[s:s + n], w_gate_up[e].t(), out=gate_up[s:s + n])
+                a = torch.mul(F.silu(h[:, :hidden]), h[:, hidden:], out=act[:n])
+                torch.mm(a, w_down[e].t(), out=out[s:s + n])
+            s += n
+        ctx.save_for_backward(rows, w_gate_up, w_down, gate_up)
+        ctx.sizes = sizes
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        rows, w_gate_up, w_down, gate_up = ctx.saved_tensors
+        need_rows, need_gate_up, need_down = ctx.needs_input_grad[:3]
+        hidden, grad = w_down.shape[-1], grad.contiguous()
+        g_rows = torch.empty_like(rows) if need_rows else None
+        g_gate_up = torch.empty_like(w_gate_up) if need_gate_up else None
+        g_down = torch.empty_like(w_down) if need_down else None
+        most = max(ctx.sizes, default=0)
+        g_act, g_h = rows.new_empty(most, hidden), rows.new_empty(most, 2 * hidden)  # one expert's at a time
+        s = 0
+        for e, n in enumerate(ctx.sizes):
+            if n == 0:  # no rows: a zero gradient, as the loop's empty matmul gives
+                for g in (g_gate_up, g_down):
+                    if g is not None:
+                        g[e].zero_()
+                continue
+            g_e, gate, up = grad[s:s + n], gate_up[s:s + n, :hidden], gate_up[s:s + n, hidden:]
+            silu = F.silu(gate)
+            if need_down:  # autograd's layout: (act^T grad) written transposed into [D, I]
+                torch.mm((silu * up).t(), g_e, out=g_down[e].t())
+            if need_rows or need_gate_up:
+                ga = torch.mm(g_e, w_down[e], out=g_act[:n])
+                gh = g_h[:n]
+                torch.mul(ga, silu, out=gh[:, hidden:])
+                torch.ops.aten.silu_backward.grad_input(ga * up, gate, grad_input=gh[:, :hidden])
+                if need_gate_up:
+                    torch.mm(rows[s:s + n].t(), gh, out=g_gate_up[e].t())
+                if need_rows:
+                    torch.mm(gh, w_gate_up[e], out=g_rows[s:s + n])
+            s += n
+        return g_rows, g_gate_up, g_down, None
+
+
+def experts_fused_loop(rows: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor,
+                       w_down: torch.Tensor) -> torch.Tensor:
+    """The loop with its backward written out (`_FusedLoop`); reads the counts to the host, like the loop. Under
+    autocast it computes in the autocast dtype, as the loop's F.linear does (matmuls with out= are not autocast)."""
+    device = rows.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        with torch.autocast(device, enabled=False):
+            return _FusedLoop.apply(rows.to(dtype), w_gate_up.to(dtype), w_down.to(dtype), counts.tolist())
+    return _FusedLoop.apply(rows, w_gate_up, w_down, counts.tolist())
+
+
 def choose_expert_backend(x: torch.Tensor, backend: str) -> str:
-    """auto: grouped_mm on an accelerator that runs it; the loop on the CPU, where it measured no
-    slower (bench/bench_moe.py)."""
+    """auto: grouped_mm on an accelerator that runs it; elsewhere the fused loop (on the CPU the three measured the
+    same speed, bench/bench_moe.py, and it saves the least for backward), or the plain loop under torch.compile
+    (traced as the graph it is)."""
     if backend == "auto":
-        return "grouped_mm" if x.device.type != "cpu" and grouped_mm_supported(x) else "loop"
+        if x.device.type != "cpu" and grouped_mm_supported(x):
+            return "grouped_mm"
+        return "loop" if torch.compiler.is_compiling() else "fused_loop"
+    if backend not in EXPERT_BACKENDS:
+        raise ValueError(f"expert backend must be one of {EXPERT_BACKENDS}, got {backend!r}")
     if backend == "grouped_mm" and not grouped_mm_supported(x):
         raise ValueError(f"the grouped matmul does not run on {x.device} in {x.dtype}; use the loop")
     return backend
+
+
+_EXPERT_FUNCTIONS = {"grouped_mm": experts_grouped, "fused_loop": experts_fused_loop, "loop": experts_loop}
 
 
 class GroupedExperts(nn.Module):
@@ -138,8 +222,7 @@ class GroupedExperts(nn.Module):
             nn.init.normal_(p, mean=0.0, std=std)
 
     def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        impl = choose_expert_backend(rows, self.backend)
-        fn = experts_grouped if impl == "grouped_mm" else experts_loop
+        fn = _EXPERT_FUNCTIONS[choose_expert_backend(rows, self.backend)]
         # under expert parallelism the weights are DTensors over the ep ranks: this rank computes its own experts
         # (parallel/transforms/expert_parallel.py hands it their rows and counts)
         return fn(rows, counts, *(w.to_local() if hasattr(w, "to_local") else w

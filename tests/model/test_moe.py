@@ -1,13 +1,14 @@
 """model/moe.py: routing and combine against every token through its top-k experts by hand, the grouped matmul
-against the loop (values and gradients), an expert that receives no tokens, the balancing losses against their
+and the fused loop against the loop (values and gradients; frozen experts), an expert that receives no tokens, the balancing losses against their
 formulas (and HF Mixtral's), DeepSeek-V3's bias update rule, and the statistics a training forward leaves."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 from model import ModelConfig, Transformer
-from model.moe import (MoEFeedForward, combine, dispatch, experts_grouped, experts_loop, load_balancing_loss,
-                       moe_layers, route, router_z_loss, take_aux_losses, update_expert_bias)
+from model.moe import (MoEFeedForward, choose_expert_backend, combine, dispatch, experts_fused_loop, experts_grouped,
+                       experts_loop, load_balancing_loss, moe_layers, route, router_z_loss, take_aux_losses,
+                       update_expert_bias)
 
 DEV = torch.device("cpu")
 
@@ -51,7 +52,7 @@ def by_hand(m: MoEFeedForward, x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("score,top_k,shared", [("softmax", 2, 0), ("sigmoid", 3, 1), ("softmax", 1, 2)])
-@pytest.mark.parametrize("backend", ["loop", "grouped_mm"])
+@pytest.mark.parametrize("backend", ["loop", "fused_loop", "grouped_mm"])
 def test_layer_equals_every_token_by_hand(score, top_k, shared, backend):
     m = layer(moe_score=score, moe_top_k=top_k, moe_shared_experts=shared, moe_hidden_dim=8)
     m.experts.backend = backend
@@ -81,15 +82,16 @@ def _grads(backend, m, x):
     return [y.detach(), xx.grad] + [p.grad.clone() for p in m.parameters()]
 
 
-def test_grouped_mm_equals_loop_values_and_gradients():
+@pytest.mark.parametrize("backend", ["grouped_mm", "fused_loop"])
+def test_backend_equals_loop_values_and_gradients(backend):
     m = layer(seed=1, moe_num_experts=6, moe_top_k=2, moe_shared_experts=1)
     m.expert_bias.copy_(torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, -10.0]))  # expert 5 gets no token
     x = torch.randn(3, 7, 16)
-    grouped, loop = _grads("grouped_mm", m, x), _grads("loop", m.double(), x.double())
+    fast, loop = _grads(backend, m, x), _grads("loop", m.double(), x.double())
     m.float()
     fp32_loop = _grads("loop", m, x)
-    for g, ref, l32 in zip(grouped, loop, fp32_loop):
-        # the grouped path is as close to the float64 loop as the float32 loop is (its own rounding)
+    for g, ref, l32 in zip(fast, loop, fp32_loop):
+        # as close to the float64 loop as the float32 loop is (its own rounding)
         err, own = (g.double() - ref).abs().max(), (l32.double() - ref).abs().max()
         assert err <= 4 * own + 1e-7 * ref.abs().max(), (err, own)
     assert m.take_counts()[5] == 0
@@ -104,9 +106,58 @@ def test_expert_functions_agree_on_an_empty_expert():
     rows, counts = torch.randn(5, 4), torch.tensor([2, 0, 3])
     a, b = experts_grouped(rows, counts, w_gate_up, w_down), experts_loop(rows, counts, w_gate_up, w_down)
     assert torch.allclose(a, b, atol=1e-5)
+    assert torch.allclose(experts_fused_loop(rows, counts, w_gate_up, w_down), b, atol=1e-5)
+    with pytest.raises(ValueError, match="counts sum to 4, but 5 rows"):
+        experts_fused_loop(rows, torch.tensor([2, 0, 2]), w_gate_up, w_down)
     by_rows = [F.linear(F.silu(F.linear(rows[i], w_gate[e])) * F.linear(rows[i], w_up[e]), w_down[e])
                for i, e in enumerate([0, 0, 2, 2, 2])]
     assert torch.allclose(a, torch.stack(by_rows), atol=1e-5)
+
+
+@pytest.mark.parametrize("frozen", ["experts", "rows"])
+def test_fused_loop_gradients_of_what_requires_them(frozen):
+    """Frozen expert weights (LoRA on an MoE model) or input rows: the fused loop returns the gradients of the rest,
+    the loop's, an empty expert's zero."""
+    torch.manual_seed(0)
+    w_gate_up, w_down = torch.randn(3, 16, 4, dtype=torch.float64), torch.randn(3, 4, 8, dtype=torch.float64)
+    rows, counts = torch.randn(7, 4, dtype=torch.float64), torch.tensor([4, 0, 3])
+    grad = torch.randn(7, 4, dtype=torch.float64)
+    results = []
+    for fn in (experts_loop, experts_fused_loop):
+        leaves = [t.clone().requires_grad_(frozen != ("rows" if t is rows else "experts"))
+                  for t in (rows, w_gate_up, w_down)]
+        fn(leaves[0], counts, leaves[1], leaves[2]).backward(grad)
+        results.append([t.grad for t in leaves])
+    for a, b in zip(*results):
+        assert (a is None) == (b is None) and (a is None or torch.allclose(a, b, rtol=1e-12, atol=1e-12))
+    if frozen == "rows":
+        assert torch.count_nonzero(results[1][1][1]) == 0 and torch.count_nonzero(results[1][2][1]) == 0
+
+
+def test_fused_loop_under_autocast_computes_as_the_loop():
+    """CPU bf16 autocast: the loop's F.linear runs in bf16; the fused loop casts once and gives the same output and
+    the same fp32 weight gradients (bf16 matmuls, then cast back)."""
+    torch.manual_seed(0)
+    w_gate_up, w_down = torch.randn(3, 16, 8), torch.randn(3, 8, 8)
+    rows, counts, grad = torch.randn(9, 8), torch.tensor([4, 0, 5]), torch.randn(9, 8)
+    results = []
+    for fn in (experts_loop, experts_fused_loop):
+        leaves = [t.clone().requires_grad_() for t in (rows, w_gate_up, w_down)]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = fn(leaves[0], counts, leaves[1], leaves[2])
+        out.backward(grad.to(out.dtype))
+        results.append([out.detach()] + [t.grad for t in leaves])
+    assert results[0][0].dtype == results[1][0].dtype == torch.bfloat16
+    for a, b in zip(*results):  # the same bf16 matmuls: within one bf16 rounding (2^-8) of the largest value
+        err = (a.float() - b.float()).abs().max()
+        assert a.dtype == b.dtype and err <= 2 ** -8 * a.float().abs().max(), err
+
+
+def test_auto_backend_on_the_cpu():
+    x = torch.zeros(2, 4)
+    assert choose_expert_backend(x, "auto") == "fused_loop"
+    with pytest.raises(ValueError, match="expert backend"):
+        choose_expert_backend(x, "bmm")
 
 
 def test_balancing_loss_is_one_when_uniform_and_hf_mixtral_over_k():
