@@ -1,6 +1,7 @@
 """Autoregressive generation with a KV cache.
 
-Owns: `generate(...)` and the token-sampling rule (greedy, temperature, top-k, top-p, stop ids).
+Owns: `generate(...)` and the token-sampling rule (greedy, temperature, top-k, top-p, stop ids; `sample_scaled` /
+`multinomial_one`, which GRPO's rollouts share). The KV-cache forward is model/decode.py's `Decoder`.
 With use_cache=False every step re-runs the whole sequence: the slow reference that the KV-cache path
 must equal (greedy, and sampled under a fixed seed, since both draw the same random numbers).
 
@@ -12,7 +13,8 @@ from typing import Iterable, Optional
 
 import torch
 
-from model.llama import KVCache, Transformer
+from model.decode import Decoder
+from model.llama import Transformer
 
 
 def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[int] = None,
@@ -20,19 +22,34 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[
     """logits [B, V] -> next ids [B]. temperature == 0 is greedy (argmax)."""
     if temperature == 0:
         return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
+    return sample_scaled(logits.float() / temperature, top_k, top_p, generator)
+
+
+def sample_scaled(logits: torch.Tensor, top_k: Optional[int] = None, top_p: Optional[float] = None,
+                  generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """`sample_next` of logits already divided by the temperature (fp32 [B, V]): the same draws, for a caller
+    that needs the scaled logits too (the rollout's log-probabilities)."""
     if top_k is not None and 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None and 0.0 < top_p < 1.0:
         sorted_logits, idx = torch.sort(logits, dim=-1, descending=True)
-        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        sorted_probs = sorted_logits.softmax(dim=-1)
         # drop a token when the tokens ranked before it already hold top_p of the mass (keeps >= 1)
-        drop_sorted = (cum - sorted_logits.softmax(dim=-1)) >= top_p
+        drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
         drop = torch.zeros_like(drop_sorted).scatter(1, idx, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
-    probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
+    return multinomial_one(logits.softmax(dim=-1), generator)
+
+
+def multinomial_one(probs: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """One draw per row of probs [B, V] -> [B]: the draws of torch.multinomial(probs, 1, generator=generator),
+    computed as torch computes them for one sample (argmax(probs / q), q ~ Exp(1) from the generator: the
+    exponential race), without its input checks: two host syncs per call on an accelerator, and on the CPU a
+    tenth of a small model's decode step. Probabilities that are not finite (NaN logits) are not caught here: the
+    caller checks what it records (trainer/tasks/grpo_rollout.py)."""
+    q = torch.empty_like(probs).exponential_(1, generator=generator)
+    return (probs / q).argmax(dim=-1)
 
 
 @torch.no_grad()
@@ -54,16 +71,16 @@ def generate(model: Transformer, input_ids: torch.Tensor, max_new_tokens: int, t
         finished = torch.zeros(B, dtype=torch.bool, device=device)
         fill = torch.zeros(B, dtype=torch.long, device=device)
         out = input_ids
-        cache = None
+        decoder = None
         if use_cache:
             dtype = model.embed_tokens.weight.dtype
             if torch.is_autocast_enabled(device.type):
                 dtype = torch.get_autocast_dtype(device.type)
-            cache = KVCache(model.cfg, B, T + max_new_tokens, device, dtype)
-        step_input = input_ids
-        for _ in range(max_new_tokens):
-            if use_cache:
-                logits = model(step_input, cache=cache, logits_to_keep=1)[:, -1]
+            decoder = Decoder(model, B, T + max_new_tokens, device, dtype)
+        nxt = input_ids
+        for t in range(max_new_tokens):
+            if decoder is not None:
+                logits = decoder.prefill(input_ids) if t == 0 else decoder.step(nxt)
             else:
                 logits = model(out, logits_to_keep=1)[:, -1]
             nxt = sample_next(logits, temperature, top_k, top_p, generator)
@@ -73,7 +90,6 @@ def generate(model: Transformer, input_ids: torch.Tensor, max_new_tokens: int, t
                 fill = torch.where(hit, nxt, fill)
                 finished = finished | hit
             out = torch.cat((out, nxt[:, None]), dim=1)
-            step_input = nxt[:, None]
             if stops.numel() and bool(finished.all()):
                 break
         return out
