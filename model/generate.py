@@ -44,10 +44,10 @@ def sample_scaled(logits: torch.Tensor, top_k: Optional[int] = None, top_p: Opti
 
 def multinomial_one(probs: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """One draw per row of probs [B, V] -> [B]: the draws of torch.multinomial(probs, 1, generator=generator),
-    computed as torch computes them for one sample (argmax(probs / q), q ~ Exp(1) from the generator: the
-    exponential race), without its input checks: two host syncs per call on an accelerator, and on the CPU a
-    tenth of a small model's decode step. Probabilities that are not finite (NaN logits) are not caught here: the
-    caller checks what it records (trainer/tasks/grpo_rollout.py)."""
+    computed as torch computes one sample (argmax(probs / q), q ~ Exp(1) from the generator: the exponential race;
+    tests/model/test_decode.py holds the equality), without its input checks (min/max/sum passes over probs and
+    asserts on every call). Probabilities that are not finite (NaN logits) are not caught here: the caller checks
+    what it records (trainer/tasks/grpo_rollout.py)."""
     q = torch.empty_like(probs).exponential_(1, generator=generator)
     return (probs / q).argmax(dim=-1)
 
@@ -71,6 +71,7 @@ def generate(model: Transformer, input_ids: torch.Tensor, max_new_tokens: int, t
         finished = torch.zeros(B, dtype=torch.bool, device=device)
         fill = torch.zeros(B, dtype=torch.long, device=device)
         out = input_ids
+        finite = torch.ones((), dtype=torch.bool, device=device)  # torch.multinomial's check, read once at the end
         decoder = None
         if use_cache:
             dtype = model.embed_tokens.weight.dtype
@@ -83,6 +84,7 @@ def generate(model: Transformer, input_ids: torch.Tensor, max_new_tokens: int, t
                 logits = decoder.prefill(input_ids) if t == 0 else decoder.step(nxt)
             else:
                 logits = model(out, logits_to_keep=1)[:, -1]
+            finite &= torch.isfinite(logits).all()
             nxt = sample_next(logits, temperature, top_k, top_p, generator)
             nxt = torch.where(finished, fill, nxt)
             if stops.numel():
@@ -92,6 +94,8 @@ def generate(model: Transformer, input_ids: torch.Tensor, max_new_tokens: int, t
             out = torch.cat((out, nxt[:, None]), dim=1)
             if stops.numel() and bool(finished.all()):
                 break
+        if not bool(finite):
+            raise ValueError("generate: the model's logits are not finite (NaN or inf)")
         return out
     finally:
         model.train(was_training)

@@ -9,7 +9,7 @@ import torch
 import model.decode as decode
 from model import KVCache, ModelConfig, Transformer
 from model.decode import Decoder, fast_path_applies
-from model.generate import multinomial_one
+from model.generate import generate, multinomial_one
 
 V, T, PREFILL = 96, 14, 6
 
@@ -137,3 +137,5 @@ def test_nan_logits_stop_a_rollout_with_one_line():
     with pytest.raises(ValueError, match="not finite"):
         sample_group(model, [1, 2, 3], 2, 4, temperature=1.0, top_p=1.0, stop_ids=[5], pad_id=0,
                      generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="not finite"):
+        generate(model, torch.tensor([[1, 2, 3]]), 3)
