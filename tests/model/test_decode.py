@@ -2,7 +2,8 @@
 a whole-sequence forward by rounding only (their error against a float64 forward of the same weights is of the
 order of the model's own fp32 error), with packed and plain weights, GQA, LoRA-wrapped projections, MoE blocks,
 dynamic RoPE and several tokens over a non-empty cache; a prompt shared by every row is prefilled once with the
-same result; the sampler draws what torch.multinomial draws; NaN logits stop a rollout with one line."""
+same result; the sampler draws what torch.multinomial draws (its exponentials, computed faster, are torch's own);
+NaN logits stop a rollout with one line."""
 import pytest
 import torch
 
@@ -127,6 +128,29 @@ def test_the_sampler_draws_what_torch_multinomial_draws():
             want = torch.multinomial(probs, 1, generator=g1)[:, 0]
             assert torch.equal(multinomial_one(probs, g2), want)
             assert torch.equal(g1.get_state(), g2.get_state())  # the generator consumed alike
+
+
+def test_the_exponential_draws_are_torchs_with_the_rare_boundary_values_recomputed(monkeypatch):
+    import model.generate as gen
+
+    def draws(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g1, g2 = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+        want = torch.empty(8, 4096).exponential_(1, generator=g1)
+        got = gen.exponential(torch.empty(8, 4096), g2)
+        assert torch.equal(g1.get_state(), g2.get_state())
+        return got, want
+
+    for seed in range(5):
+        assert torch.equal(*draws(seed))
+    # a vectorised log1p off by 2^-32 (relative) rounds ~1/256 of the values to the other float32: the values near a
+    # boundary (here within 2^-30) must be the ones recomputed, and then every draw is torch's again
+    real_log1p = torch.log1p
+    monkeypatch.setattr(torch, "log1p", lambda x: real_log1p(x) * (1 + 2.0 ** -32))
+    monkeypatch.setattr(gen, "_LOG1P_MARGIN", 2.0 ** -30)
+    assert torch.equal(*draws(0))
+    monkeypatch.setattr(gen, "_LOG1P_MARGIN", 0.0)  # nothing recomputed: the off values show
+    got, want = draws(0)
+    assert 0 < int((got != want).sum()) < 1000
 
 
 def test_nan_logits_stop_a_rollout_with_one_line():
