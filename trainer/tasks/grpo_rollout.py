@@ -10,8 +10,9 @@ Why one group at a time: every rank then runs the same shapes for the same promp
 drawn, do not depend on which rank holds the prompt or which prompts share its batch. The log-probabilities are
 those of logits / temperature (the distribution before top-p truncation), as the trainer computes them.
 
-Parity (docs/grpo.md): with the KV cache the new token's logits come from a one-row matmul and attention over the
-cache, a different summation order than the trainer's whole-row forward; in fp32 they differ by rounding (~1e-7).
+Parity (docs/grpo.md): with the KV cache the new token's logits come from model/decode.py's Decoder (the prompt
+prefilled once for the group, then one-row matmuls and attention over the cache), a different summation order than
+the trainer's whole-row forward; in fp32 they differ by rounding (~1e-7).
 With generation_kv_cache=False each step runs the whole [G, max_prompt + max_completion] row, the training shape;
 a position's value does not depend on the tokens after it (causal mask, same kernel blocking for the same shape),
 so the recorded values equal the trainer's bit for bit on the CPU.
