@@ -70,7 +70,7 @@ def main(argv: list[str]) -> int:
     run_ours(), run_hf()  # warm-up
     tps_ours, tps_hf = [], []
     for _ in range(a.repeats):
-        for side, run, tps in (("ours", run_ours, tps_ours), ("hf", run_hf, tps_hf)):
+        for run, tps in ((run_ours, tps_ours), (run_hf, tps_hf)):
             t0 = time.perf_counter()
             out = run()
             tps.append(out.numel() / (time.perf_counter() - t0))  # rows x steps decoded

@@ -51,7 +51,8 @@ def fast_path_applies(model: nn.Module) -> bool:
         return False
     if any(hasattr(p, "placements") for p in model.parameters()):  # DTensor: sharded (FSDP2, TP, EP)
         return False
-    return all(type(b.self_attn) is Attention and hasattr(b, "post_attention_layernorm") for b in model.layers)
+    return all(type(getattr(b, "self_attn", None)) is Attention and hasattr(b, "post_attention_layernorm")
+               for b in model.layers)
 
 
 # The smallest weight (elements) worth oneDNN's blocked layout. A oneDNN call costs ~15 us more than F.linear's,
@@ -68,9 +69,9 @@ def _onednn_packs(weight: torch.Tensor) -> bool:
 
 
 class _Projection:
-    """Several projections of the same input as one matmul: x [..., K] -> a tuple of [..., N_i]. Plain nn.Linear
-    layers without bias get one concatenated weight (oneDNN-packed on the CPU in fp32); anything else (LoRA,
-    FP8 layers) is called as its module."""
+    """Several projections of the same input as one matmul: x [..., K] -> their outputs side by side [..., sum N_i].
+    Plain nn.Linear layers without bias get one concatenated weight (oneDNN-packed on the CPU in fp32 when large);
+    anything else (LoRA, FP8 layers) is called as its module."""
 
     def __init__(self, modules: Sequence[nn.Module], rows: int, pack: bool):
         self.modules = list(modules)
@@ -163,7 +164,8 @@ class Decoder:
         if self.rope is not None:
             return self.rope[0][past:past + T, None], self.rope[1][past:past + T, None]
         # dynamic RoPE scaling: the tables depend on the length, computed as the model's forward does
-        cos, sin = (t[0, :, 0].to(self.dtype) for t in self.model.rotary(torch.arange(past, past + T, device=device)[None]))
+        positions = torch.arange(past, past + T, device=device)[None]
+        cos, sin = (t[0, :, 0].to(self.dtype) for t in self.model.rotary(positions))
         return torch.cat((cos, cos), -1)[:, None], torch.cat((-sin, sin), -1)[:, None]
 
     def _forward(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:

@@ -32,7 +32,10 @@ def _decoded(model, x: torch.Tensor, pack, shared: bool = False) -> torch.Tensor
     step per token."""
     d = Decoder(model, x.shape[0], x.shape[1], x.device, torch.float32, pack=pack)
     packed = [p.packed is not None for layer in d.layers for p in layer[1:] if p is not None]
-    assert not any(packed) if pack is False or decode.PACK_MIN > 0 else all(packed) == torch.backends.mkldnn.is_available()
+    if pack is False or decode.PACK_MIN > 0:  # (the tiny model's weights are all below PACK_MIN)
+        assert not any(packed)
+    else:
+        assert all(packed) == torch.backends.mkldnn.is_available()
     out = [d.prefill_shared(x[0, :PREFILL]) if shared else d.prefill(x[:, :PREFILL])]
     for t in range(PREFILL, x.shape[1]):
         out.append(d.step(x[:, t]))
