@@ -3,14 +3,18 @@ KV cache, temperature / top-p sampling, every sampled token's log-probability re
 `LlamaForCausalLM.generate(do_sample=True)` on the same weights (model/hf_interop.py), the same prompt and batch,
 side by side in one run.
 
-Owns: a Transformer with random weights of the given shape, its HF copy, and the timing: each path generates
-exactly --new_tokens per row (no stop id: HF's min_new_tokens and ours without stop ids), after one warm-up each,
+Owns: a Transformer with random weights of the given shape, its HF copy, and the timing. Both sides get the same
+sampling (temperature 1, no top-k, top-p 1), the same stop id (HF's config's eos id: ours as stop_ids, HF's as its
+eos_token_id) and the same --new_tokens limit; HF runs as it runs by default on the CPU (SDPA attention, its dynamic
+KV cache: its static cache and eager attention measured no faster here). Tokens/s counts the positions each side
+decoded (steps x rows: a finished row is decoded on by both, masked). After one warm-up each, the two run
 interleaved --repeats times (a shared machine's load weighs on both alike); it prints the median tokens/s of each,
-the ratio, and whether greedy decoding (temperature 0 on both) gives the same tokens.
+the median and the range of the per-pair ratios, the load average before and after, and whether greedy decoding
+(temperature 0 on both) gives the same tokens.
 Must never: assert anything (it prints), download anything, or write files.
 
     .venv/bin/python bench/bench_grpo_generate.py [--dim=256] [--n_layers=4] [--vocab=4096] [--group=8]
-        [--prompt_len=32] [--new_tokens=64] [--repeats=3] [--threads=0] [--device=cpu]
+        [--prompt_len=32] [--new_tokens=64] [--repeats=5] [--threads=0] [--device=cpu]
 """
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ sys.path.insert(0, ROOT)
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name, default in (("dim", 256), ("n_layers", 4), ("vocab", 4096), ("group", 8), ("prompt_len", 32),
-                          ("new_tokens", 64), ("repeats", 3), ("threads", 0)):
+                          ("new_tokens", 64), ("repeats", 5), ("threads", 0)):
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--device", default="cpu")
     a = p.parse_args(argv)
@@ -47,35 +51,37 @@ def main(argv: list[str]) -> int:
     hf.load_state_dict(to_hf_state_dict(ours), strict=False)
     prompt = torch.randint(3, a.vocab, (a.prompt_len,)).tolist()
     x = torch.tensor([prompt] * a.group, device=device)
+    eos = hf.generation_config.eos_token_id
+    stop_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    load_before = os.getloadavg()[0]
 
     def run_ours(temperature: float = 1.0):
         g = torch.Generator(device=device).manual_seed(1)
         return sample_group(ours, prompt, a.group, a.new_tokens, temperature=temperature or 1e-6, top_p=1.0,
-                            stop_ids=[], pad_id=0, generator=g)[0]
+                            stop_ids=stop_ids, pad_id=0, generator=g)[0]
 
     def run_hf(greedy: bool = False):
         with torch.no_grad():
             kw = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0)
             out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=a.new_tokens,
-                              min_new_tokens=a.new_tokens, pad_token_id=0, **kw)
+                              eos_token_id=stop_ids, pad_token_id=0, **kw)
         return out[:, a.prompt_len:]
 
     run_ours(), run_hf()  # warm-up
-    t_ours, t_hf = [], []
+    tps_ours, tps_hf = [], []
     for _ in range(a.repeats):
-        t0 = time.perf_counter()
-        run_ours()
-        t_ours.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        run_hf()
-        t_hf.append(time.perf_counter() - t0)
-    tokens = a.group * a.new_tokens
-    ours_tps, hf_tps = tokens / statistics.median(t_ours), tokens / statistics.median(t_hf)
+        for run, tps in ((run_ours, tps_ours), (run_hf, tps_hf)):
+            t0 = time.perf_counter()
+            out = run()
+            tps.append(out.numel() / (time.perf_counter() - t0))  # rows x steps decoded
+    ratios = sorted(o / h for o, h in zip(tps_ours, tps_hf))
     greedy_same = bool(torch.equal(run_ours(temperature=0.0).cpu(), run_hf(greedy=True).cpu()))
     print(f"[bench_grpo_generate] dim {a.dim} x {a.n_layers} layers, vocab {a.vocab}, group {a.group}, prompt "
-          f"{a.prompt_len}, {a.new_tokens} new tokens, {torch.get_num_threads()} threads, {device}")
-    print(f"ours (KV cache, logprobs recorded): {ours_tps:,.0f} tokens/s; HF generate: {hf_tps:,.0f} tokens/s; "
-          f"ratio {ours_tps / hf_tps:.2f}x; near-greedy (T=1e-6) tokens equal to HF greedy: {greedy_same}")
+          f"{a.prompt_len}, {a.new_tokens} new tokens, {torch.get_num_threads()} threads, {device}, "
+          f"{a.repeats} interleaved repeats, load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}")
+    print(f"ours (KV cache, logprobs recorded): {statistics.median(tps_ours):,.0f} tokens/s; HF generate: "
+          f"{statistics.median(tps_hf):,.0f} tokens/s; ratio {statistics.median(ratios):.2f}x (per repeat "
+          f"{ratios[0]:.2f}-{ratios[-1]:.2f}); near-greedy (T=1e-6) tokens equal to HF greedy: {greedy_same}")
     return 0
 
 

@@ -1,6 +1,7 @@
 """Autoregressive generation with a KV cache.
 
-Owns: `generate(...)` and the token-sampling rule (greedy, temperature, top-k, top-p, stop ids).
+Owns: `generate(...)` and the token-sampling rule (greedy, temperature, top-k, top-p, stop ids; `sample_scaled` /
+`multinomial_one`, which GRPO's rollouts share). The KV-cache forward is model/decode.py's `Decoder`.
 With use_cache=False every step re-runs the whole sequence: the slow reference that the KV-cache path
 must equal (greedy, and sampled under a fixed seed, since both draw the same random numbers).
 
@@ -8,11 +9,13 @@ Must never: change the model's train/eval mode permanently, or track gradients.
 """
 from __future__ import annotations
 
+import math
 from typing import Iterable, Optional
 
 import torch
 
-from model.llama import KVCache, Transformer
+from model.decode import Decoder
+from model.llama import Transformer
 
 
 def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[int] = None,
@@ -20,19 +23,63 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[
     """logits [B, V] -> next ids [B]. temperature == 0 is greedy (argmax)."""
     if temperature == 0:
         return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
+    return sample_scaled(logits.float() / temperature, top_k, top_p, generator)
+
+
+def sample_scaled(logits: torch.Tensor, top_k: Optional[int] = None, top_p: Optional[float] = None,
+                  generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """`sample_next` of logits already divided by the temperature (fp32 [B, V]): the same draws, for a caller
+    that needs the scaled logits too (the rollout's log-probabilities)."""
     if top_k is not None and 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None and 0.0 < top_p < 1.0:
         sorted_logits, idx = torch.sort(logits, dim=-1, descending=True)
-        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        sorted_probs = sorted_logits.softmax(dim=-1)
         # drop a token when the tokens ranked before it already hold top_p of the mass (keeps >= 1)
-        drop_sorted = (cum - sorted_logits.softmax(dim=-1)) >= top_p
+        drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
         drop = torch.zeros_like(drop_sorted).scatter(1, idx, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
-    probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
+    return multinomial_one(logits.softmax(dim=-1), generator)
+
+
+def multinomial_one(probs: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """One draw per row of probs [B, V] -> [B]: the draws of torch.multinomial(probs, 1, generator=generator),
+    computed as torch computes one sample (argmax(probs / q), q ~ Exp(1) from the generator: the exponential race;
+    tests/model/test_decode.py holds the equality), without its input checks (min/max/sum passes over probs and
+    asserts on every call). Probabilities that are not finite (NaN logits) are not caught here: the caller checks
+    what it records (trainer/tasks/grpo_rollout.py)."""
+    return (probs / exponential(probs, generator)).argmax(dim=-1)
+
+
+# relative distance within which torch's vectorised log1p and the C library's agree (a few units in the last
+# place of a double: 2^-50 is 4 of them), see `exponential`
+_LOG1P_MARGIN = 2.0 ** -50
+
+
+def exponential(like: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """Exp(1) draws shaped like `like`: the values, and the generator's consumption, of
+    torch.empty_like(like).exponential_(1, generator=generator).
+
+    Why not that call on the CPU: torch draws them one element at a time, a 53-bit uniform u from the generator's
+    64-bit Mersenne Twister and -log1p(-u) by the C library, in float64, rounded to the tensor's dtype (~20 ns an
+    element here: 0.65 ms for [8, 4096], a seventh of a dim-256 decode step). The same uniforms come from
+    `uniform_` on a float64 tensor (the same generator calls, a fifth of the time) and the vectorised log1p, which
+    differs from the C library's by a unit or two in the last place of a double; rounding to float32 absorbs that
+    except for values within that distance of a float32 rounding boundary (about 2^-25 of them): those are
+    recomputed with `math.log1p`. tests/model/test_decode.py holds the equality, those recomputed ones included.
+    Elsewhere (an accelerator, another dtype): torch's own call."""
+    if like.device.type != "cpu" or like.dtype != torch.float32:
+        return torch.empty_like(like).exponential_(1, generator=generator)
+    u = torch.empty(like.shape, dtype=torch.float64).uniform_(generator=generator)
+    y = torch.log1p(-u).neg_()
+    q = y.float()
+    near = (y * (1.0 - _LOG1P_MARGIN)).float() != (y * (1.0 + _LOG1P_MARGIN)).float()
+    if bool(near.any()):
+        idx = near.nonzero()
+        exact = [-math.log1p(-v) for v in u[near].tolist()]
+        q[tuple(idx.t())] = torch.tensor(exact, dtype=torch.float64).float()
+    return q
 
 
 @torch.no_grad()
@@ -54,18 +101,20 @@ def generate(model: Transformer, input_ids: torch.Tensor, max_new_tokens: int, t
         finished = torch.zeros(B, dtype=torch.bool, device=device)
         fill = torch.zeros(B, dtype=torch.long, device=device)
         out = input_ids
-        cache = None
+        finite = torch.ones((), dtype=torch.bool, device=device)  # torch.multinomial's check, read once at the end
+        decoder = None
         if use_cache:
             dtype = model.embed_tokens.weight.dtype
             if torch.is_autocast_enabled(device.type):
                 dtype = torch.get_autocast_dtype(device.type)
-            cache = KVCache(model.cfg, B, T + max_new_tokens, device, dtype)
-        step_input = input_ids
-        for _ in range(max_new_tokens):
-            if use_cache:
-                logits = model(step_input, cache=cache, logits_to_keep=1)[:, -1]
+            decoder = Decoder(model, B, T + max_new_tokens, device, dtype)
+        nxt = input_ids
+        for t in range(max_new_tokens):
+            if decoder is not None:
+                logits = decoder.prefill(input_ids) if t == 0 else decoder.step(nxt)
             else:
                 logits = model(out, logits_to_keep=1)[:, -1]
+            finite &= torch.isfinite(logits).all()
             nxt = sample_next(logits, temperature, top_k, top_p, generator)
             nxt = torch.where(finished, fill, nxt)
             if stops.numel():
@@ -73,9 +122,10 @@ def generate(model: Transformer, input_ids: torch.Tensor, max_new_tokens: int, t
                 fill = torch.where(hit, nxt, fill)
                 finished = finished | hit
             out = torch.cat((out, nxt[:, None]), dim=1)
-            step_input = nxt[:, None]
             if stops.numel() and bool(finished.all()):
                 break
+        if not bool(finite):
+            raise ValueError("generate: the model's logits are not finite (NaN or inf)")
         return out
     finally:
         model.train(was_training)

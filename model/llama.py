@@ -117,8 +117,9 @@ class KVCache:
 
     def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int, device, dtype: torch.dtype):
         shape = (batch_size, cfg.n_kv_heads, max_len, cfg.head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
+        # uninitialised: a position is read only after it is written (attention over [:pos + T])
+        self.k = [torch.empty(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
+        self.v = [torch.empty(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
         self.pos = 0
         self.max_len = max_len
 

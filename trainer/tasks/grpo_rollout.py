@@ -10,22 +10,22 @@ Why one group at a time: every rank then runs the same shapes for the same promp
 drawn, do not depend on which rank holds the prompt or which prompts share its batch. The log-probabilities are
 those of logits / temperature (the distribution before top-p truncation), as the trainer computes them.
 
-Parity (docs/grpo.md): with the KV cache the new token's logits come from a one-row matmul and attention over the
-cache, a different summation order than the trainer's whole-row forward; in fp32 they differ by rounding (~1e-7).
+Parity (docs/grpo.md): with the KV cache the new token's logits come from model/decode.py's Decoder (the prompt
+prefilled once for the group, then one-row matmuls and attention over the cache), a different summation order than
+the trainer's whole-row forward; in fp32 they differ by rounding (~1e-7).
 With generation_kv_cache=False each step runs the whole [G, max_prompt + max_completion] row, the training shape;
 a position's value does not depend on the tokens after it (causal mask, same kernel blocking for the same shape),
 so the recorded values equal the trainer's bit for bit on the CPU.
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
 import torch
 
-from model.generate import sample_next
-from model.llama import KVCache
+from model.decode import Decoder
+from model.generate import sample_scaled
 
 _MIX = 0x9E3779B97F4A7C15  # splitmix64's constant: distinct (seed, step, prompt) give unrelated streams
 
@@ -48,22 +48,6 @@ class Group:
     logps: torch.Tensor
 
 
-@contextlib.contextmanager
-def separate_projections(model):
-    """q/k/v and gate/up as separate matmuls while decoding: the blocks' one-matmul path concatenates the weights
-    on every call (model/kernels.py concat_linear), which costs more than the matmul for a few rows. Only for the
-    KV-cache path, whose values differ from the trainer's by rounding anyway; whole-row sampling keeps the
-    trainer's kernels."""
-    mods = [m for m in model.modules() if getattr(m, "fused_qkv", False)]
-    for m in mods:
-        m.fused_qkv = False
-    try:
-        yield
-    finally:
-        for m in mods:
-            m.fused_qkv = True
-
-
 @torch.no_grad()
 def sample_group(model, prompt_ids: Sequence[int], group_size: int, max_new_tokens: int, *, temperature: float,
                  top_p: float, stop_ids: Sequence[int], pad_id: int, generator: torch.Generator,
@@ -76,45 +60,50 @@ def sample_group(model, prompt_ids: Sequence[int], group_size: int, max_new_toke
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
-    fast = separate_projections(model) if use_cache else contextlib.nullcontext()
     try:
-        fast.__enter__()
-        P = len(prompt_ids)
-        prompt = torch.tensor(list(prompt_ids), dtype=torch.long, device=device)[None].expand(group_size, P)
+        G, P = group_size, len(prompt_ids)
+        prompt = torch.tensor(list(prompt_ids), dtype=torch.long, device=device)
         stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
-        finished = torch.zeros(group_size, dtype=torch.bool, device=device)
-        toks, masks, lps = [], [], []
+        finished = torch.zeros(G, dtype=torch.bool, device=device)
+        # preallocated outputs, column t written at step t; `ended` (the row had finished before step t) masks the
+        # log-probabilities and gives the mask once, at the end
+        toks = torch.full((G, max_new_tokens), pad_id, dtype=torch.long, device=device)
+        ended = torch.ones((G, max_new_tokens), dtype=torch.bool, device=device)
+        lps = torch.zeros((G, max_new_tokens), dtype=torch.float32, device=device)
         if use_cache:
             dtype = model.embed_tokens.weight.dtype
             if torch.is_autocast_enabled(device.type):
                 dtype = torch.get_autocast_dtype(device.type)
-            cache = KVCache(model.cfg, group_size, P + max_new_tokens, device, dtype)
-            step_input = prompt
+            decoder = Decoder(model, G, P + max_new_tokens, device, dtype)
         else:
-            row = torch.full((group_size, max(row_len, P + max_new_tokens)), pad_id, dtype=torch.long, device=device)
+            row = torch.full((G, max(row_len, P + max_new_tokens)), pad_id, dtype=torch.long, device=device)
             row[:, :P] = prompt
+        n = 0
         for t in range(max_new_tokens):
             if use_cache:
-                logits = model(step_input, cache=cache, logits_to_keep=1)[:, -1]
+                logits = decoder.prefill_shared(prompt) if t == 0 else decoder.step(toks[:, t - 1])
             else:
                 logits = model(row)[:, P + t - 1]
-            logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
-            nxt = sample_next(logits, temperature, None, top_p if top_p < 1.0 else None, generator)
-            live = ~finished
-            toks.append(torch.where(live, nxt, torch.full_like(nxt, pad_id)))
-            masks.append(live)
-            lps.append(torch.where(live, logp_all.gather(1, nxt[:, None])[:, 0], torch.zeros_like(logp_all[:, 0])))
-            finished = finished | torch.isin(nxt, stops)
-            if use_cache:
-                step_input = toks[-1][:, None]
-            else:
-                row[:, P + t] = toks[-1]
-            done = bool(finished.all())
+            scaled = logits.float()
+            if temperature != 1.0:  # x / 1.0 is x: skipping it changes no bit
+                scaled = scaled / temperature
+            logp_all = torch.log_softmax(scaled, dim=-1)
+            nxt = sample_scaled(scaled, None, top_p if top_p < 1.0 else None, generator)
+            toks[:, t] = nxt.masked_fill(finished, pad_id)
+            ended[:, t] = finished
+            lps[:, t] = logp_all.gather(1, nxt[:, None])[:, 0]
+            finished |= torch.isin(nxt, stops)
+            if not use_cache:
+                row[:, P + t] = toks[:, t]
+            n = t + 1
+            done = bool(finished.all()) if stops.numel() else False  # without stop ids no row ever finishes
             if all_done(done) if all_done is not None else done:
                 break
-        return torch.stack(toks, 1), torch.stack(masks, 1), torch.stack(lps, 1)
+        lps.masked_fill_(ended, 0.0)
+        if not bool(torch.isfinite(lps).all()):  # torch.multinomial's check, once per group (model/generate.py)
+            raise ValueError("sampling a rollout: the policy's logits are not finite (NaN or inf): the model diverged")
+        return toks[:, :n].contiguous(), ~ended[:, :n], lps[:, :n].contiguous()
     finally:
-        fast.__exit__(None, None, None)
         model.train(was_training)
 
 

@@ -1,0 +1,207 @@
+"""Decoding over a KV cache: the generators' forward (a prompt's prefill, then one new token per row), with the
+projection weights laid out once per generation call for few-row matmuls.
+
+Owns: `Decoder` (a model, its `KVCache`, the weights prepared for decoding; `prefill`, `step`), `fast_path_applies`.
+Used by model/generate.py `generate` and trainer/tasks/grpo_rollout.py `sample_group`.
+
+Why a second forward: a decode step multiplies a few rows ([G, dim], G ~ 8) by every weight, so per-op overhead and
+the matmuls' handling of the weight dominate, not arithmetic; the model's forward pays there for what training
+needs (autograd Functions, the attention spec, dropout modules, three q/k/v matmuls or a weight concatenation per
+call). Here, per generation call:
+- q/k/v and gate/up are each one matmul, their weights concatenated once (not per step, as model/kernels.py
+  concat_linear does for training, where the concatenation is a small part of a large matmul);
+- on the CPU (fp32 weights, no autocast) the large projections and the LM head (`PACK_MIN`) run through oneDNN
+  with the weight reordered once into its blocked layout (`torch.ops.mkldnn._linear_pointwise`, what Inductor's CPU
+  weight prepacking calls): F.linear's MKL sgemm re-reads the [N, K] weight in its plain layout on every call, which
+  for 8 rows costs about twice the packed multiply (the matmuls of a dim-256 decode step: 4.0 ms -> 2.1 ms);
+- RoPE rotates q and k in one pass; RMSNorm in fp32 skips its casts (the same arithmetic); no dropout modules;
+- under torch.inference_mode (no version counters or autograd metadata per op).
+A prompt shared by every row (GRPO's group) is prefilled once, as one row, and its keys/values copied to the rows.
+
+Numerics: the model's operations in the same dtypes (RoPE, SwiGLU, the residual adds, SDPA over the cache), but
+matmul blocking and reduction order differ, so values differ from a whole-row forward by rounding: the KV-cache
+path's contract (docs/grpo.md; tests/model/test_decode.py, tests/trainer/test_grpo_parity.py).
+Falls back to the model's own forward on the same cache where the fast path does not apply (`fast_path_applies`):
+a pruned model, context parallelism, DTensor parameters (FSDP2 / tensor parallel: their all-gathers run in the
+blocks' forward hooks), blocks other than the model's own. A LoRA-wrapped or non-Linear projection is called as
+its module (no concatenation, no packing).
+Must never: track gradients, change the model or its parameters, or keep prepared weights past the `Decoder`.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from model import attention, kernels
+from model.attention import AttnSpec
+from model.llama import MLP, Attention, KVCache, Transformer, blocks_of
+
+
+def fast_path_applies(model: nn.Module) -> bool:
+    """Whether `Decoder` computes the blocks itself (else it calls the model's forward)."""
+    if not isinstance(model, Transformer) or model.embed_tokens is None or model.lm_head is None:
+        return False
+    if not isinstance(model.layers, nn.ModuleList):
+        return False
+    cp = getattr(model, "context_parallel", None)
+    if cp is not None and cp.size > 1:
+        return False
+    if any(hasattr(p, "placements") for p in model.parameters()):  # DTensor: sharded (FSDP2, TP, EP)
+        return False
+    return all(type(getattr(b, "self_attn", None)) is Attention and hasattr(b, "post_attention_layernorm")
+               for b in model.layers)
+
+
+# The smallest weight (elements) worth oneDNN's blocked layout. A oneDNN call costs ~15 us more than F.linear's,
+# which its faster multiply repays only on large weights: [8, K] x [K, N] with the weight out of cache, F.linear /
+# packed: K 256, N 256: 44 / 69 us; N 768: 104 / 94; N 4096: 869 / 401; K 128, N 1024: 72 / 166; K 128, N 4096:
+# 643 / 359. In whole rollouts (bench/bench_grpo_generate.py, 1 thread): dim 64 and 128 models decode fastest
+# with nothing packed (dim 64: 42 ms vs 62 ms a group), dim 256 with every weight from 196K elements up packed.
+PACK_MIN = 1 << 17
+
+
+def _onednn_packs(weight: torch.Tensor) -> bool:
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+class _Projection:
+    """Several projections of the same input as one matmul: x [..., K] -> their outputs side by side [..., sum N_i].
+    Plain nn.Linear layers without bias get one concatenated weight (oneDNN-packed on the CPU in fp32 when large);
+    anything else (LoRA, FP8 layers) is called as its module."""
+
+    def __init__(self, modules: Sequence[nn.Module], rows: int, pack: bool):
+        self.modules = list(modules)
+        self.plain = all(type(m) is nn.Linear and m.bias is None for m in self.modules)
+        self.weight = self.packed = None
+        if not self.plain:
+            return
+        ws = [m.weight.detach() for m in self.modules]
+        self.weight = ws[0] if len(ws) == 1 else torch.cat(ws)
+        if pack and _onednn_packs(self.weight) and self.weight.numel() >= PACK_MIN:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.contiguous(), rows)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The projections' outputs side by side [..., sum N_i]."""
+        if not self.plain:
+            ys = [m(x) for m in self.modules]
+            return ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        return F.linear(x, self.weight)
+
+
+def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if x.dtype == torch.float32:  # the model's arithmetic (model/kernels.py rms_norm_ref: no casts in fp32), fewer ops
+        return x * torch.rsqrt(x.square().mean(-1, keepdim=True).add_(norm.eps)) * norm.weight
+    return norm(x)
+
+
+class Decoder:
+    """A model's generation state: its KV cache for `batch_size` rows of up to `max_len` positions, and (fast path)
+    its projection weights prepared once. `prefill` / `prefill_shared` run the prompt, `step` one token per row; each
+    returns the logits of the last position [B, V]. pack: None = oneDNN packing where it applies (CPU, fp32,
+    weights of PACK_MIN elements or more); False = never (tests). The fast path runs under torch.inference_mode
+    (~10% of a small model's step); the fallback under no_grad: FSDP2 keeps buffers its forward allocates, which
+    inference mode would make unusable in training."""
+
+    def __init__(self, model: nn.Module, batch_size: int, max_len: int, device: torch.device, dtype: torch.dtype,
+                 pack: Optional[bool] = None):
+        self.model, self.rows, self.max_len, self.dtype = model, batch_size, max_len, dtype
+        self.cache = KVCache(model.cfg, batch_size, max_len, device, dtype)
+        self.fast = fast_path_applies(model)
+        self.layers, self.rope = [], None
+        if not self.fast:
+            return
+        pack = pack is not False
+        for block in blocks_of(model.layers):
+            a, mlp = block.self_attn, block.mlp
+            plain_mlp = type(mlp) is MLP
+            self.layers.append((
+                block, _Projection((a.q_proj, a.k_proj, a.v_proj), batch_size, pack),
+                _Projection((a.o_proj,), batch_size, pack),
+                _Projection((mlp.gate_proj, mlp.up_proj), batch_size, pack) if plain_mlp else None,
+                _Projection((mlp.down_proj,), batch_size, pack) if plain_mlp else None))
+        self.head = _Projection((model.lm_head,), batch_size, pack)
+        # SDPA in the cache's dtype unless the model's attention casts it (model/kernels.py sdpa_dtype: CPU bf16)
+        self.sdpa_direct = kernels.sdpa_dtype(device, dtype, model.cfg.head_dim) == dtype
+        table = model.rotary.table(0, max_len)
+        if table is not None:
+            with torch.no_grad():
+                cos, sin = (t[0, :, 0].to(dtype) for t in table)  # [L, D/2], cast as the model's RoPE casts them
+                self.rope = (torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1))  # [L, D]
+
+    def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B, T] (B = batch_size) from position 0 -> logits [B, V] of the last position."""
+        with self._mode():
+            return self._forward(tokens, self.cache)
+
+    def prefill_shared(self, prompt: torch.Tensor) -> torch.Tensor:
+        """One prompt [T] for every row: computed once, as one row, its keys/values copied to every row of the
+        cache -> logits [B, V] (the one row's, expanded)."""
+        T = prompt.shape[0]
+        with self._mode():
+            one = KVCache(self.model.cfg, 1, T, prompt.device, self.dtype)
+            logits = self._forward(prompt[None], one)
+            for dst, src in zip(self.cache.k + self.cache.v, one.k + one.v):
+                dst[:, :, :T] = src
+        self.cache.pos = T
+        return logits.expand(self.rows, -1)
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B] (one new token per row) -> logits [B, V]."""
+        with self._mode():
+            return self._forward(tokens[:, None], self.cache)
+
+    def _mode(self):
+        return torch.inference_mode() if self.fast else torch.no_grad()
+
+    def _rope(self, past: int, T: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cat(cos, cos), cat(-sin, sin)) [T, 1, D] of positions past .. past+T-1."""
+        if self.rope is not None:
+            return self.rope[0][past:past + T, None], self.rope[1][past:past + T, None]
+        # dynamic RoPE scaling: the tables depend on the length, computed as the model's forward does
+        positions = torch.arange(past, past + T, device=device)[None]
+        cos, sin = (t[0, :, 0].to(self.dtype) for t in self.model.rotary(positions))
+        return torch.cat((cos, cos), -1)[:, None], torch.cat((-sin, sin), -1)[:, None]
+
+    def _forward(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        if not self.fast:
+            return self.model(tokens, cache=cache, logits_to_keep=1)[:, -1]
+        m = self.model
+        B, T = tokens.shape
+        past = cache.pos
+        if past + T > cache.max_len:
+            raise ValueError(f"KV cache overflow: {past + T} > {cache.max_len}")
+        cos2, sin2 = self._rope(past, T, tokens.device)
+        spec = None
+        if T > 1 and past > 0:  # several new tokens over a cache: the model's masked attention
+            positions = torch.arange(past, past + T, device=tokens.device)[None].expand(B, T)
+            spec = attention.build_spec(B, T, positions, past=past, head_dim=m.cfg.head_dim)
+        h = m.embed_tokens(tokens)
+        for i, (block, qkv, o, gate_up, down) in enumerate(self.layers):
+            a = block.self_attn
+            nq, nk, D = a.n_heads, a.n_kv_heads, a.head_dim
+            y = qkv(_rms_norm(block.input_layernorm, h)).view(B, T, -1, D)  # q, k, v heads side by side
+            # RoPE on q and k in one pass, the model's arithmetic (x1 cos - x2 sin, x2 cos + x1 sin) as
+            # x * cat(cos, cos) + swap_halves(x) * cat(-sin, sin): a + (-b) is a - b exactly
+            qk = y[:, :, :nq + nk]
+            qk = qk * cos2 + qk.unflatten(-1, (2, -1)).flip(-2).flatten(-2) * sin2
+            q, k, v = qk[:, :, :nq].transpose(1, 2), qk[:, :, nq:].transpose(1, 2), y[:, :, nq + nk:].transpose(1, 2)
+            kc, vc = cache.update(i, k, v)
+            if spec is not None or not self.sdpa_direct:
+                att = attention.sdpa_attention(q, kc, vc, spec or AttnSpec("sdpa", is_causal=past == 0))
+            else:  # one new token sees the whole cache; a prefill from position 0 is causal
+                att = F.scaled_dot_product_attention(q, kc, vc, is_causal=past == 0 and T > 1, enable_gqa=nq != nk)
+            h = o(att.transpose(1, 2).reshape(B, T, -1)) + h  # the model's order: attn + x
+            x = _rms_norm(block.post_attention_layernorm, h)
+            if gate_up is not None:
+                g, u = gate_up(x).chunk(2, dim=-1)
+                h = h + down(F.silu(g) * u)
+            else:
+                h = h + block.mlp(x)
+        cache.pos += T
+        return self.head(_rms_norm(m.norm, h[:, -1]))
