@@ -385,9 +385,10 @@ class Loop:
         `rec` is the row of step rec["step"]: the step queued last, or (finished a step later) the one before."""
         p, step = self.progress, rec["step"]
         if do_eval:
-            ev = evaluate(self.cfg, self.engine, self.ref_model, self.make_val_loader, self.info)
+            ev = evaluate(self.cfg, self.engine, self.ref_model, self.make_val_loader, self.info, self.task)
             if ev is not None:
                 rec.update(ev)
+            if ev is not None and "val_loss" in ev:  # a task's own validation may have no loss (GRPO's rewards)
                 p.last_val = ev["val_loss"]
                 p.best_val = min(p.best_val, p.last_val)
             if self.task_eval is not None:  # rank 0, the whole model (validate_config refuses fsdp / pipeline)
