@@ -1,14 +1,16 @@
-"""GRPO demo on the CPU: a generated addition task with a checkable answer, a tiny model that learned the sums in
-pretraining and a bad habit in SFT (a sloppy teacher's replies are one too high most of the time), then GRPO with the
-exact-match reward on the training prompts; the greedy pass@1 on held-out prompts (never trained on, in any stage) is
-printed before and after, and logged during GRPO (--eval_data_dir: val_reward).
+"""GRPO demo on the CPU: a generated addition task with a checkable answer (`a+b=` for a, b in 0..29, as a chat user
+turn; the reply `#### <sum>`), a tiny model that learns the sums in pretraining and a bad habit in SFT (a sloppy
+teacher's replies are one too high 60% of the time), then GRPO with the exact-match reward on the training prompts.
+The greedy pass@1 on held-out prompts (pairs no stage ever trains on) is printed before and after, and logged
+during GRPO by the trainer's own held-out evaluation (--eval_data_dir: val_reward).
 
-Owns: its work directory (--work): the task's records (train prompts and held-out prompts), a character-level
-tokenizer (byte-level BPE without merges: one token per digit), the pretraining shards and run, the SFT run, the
-GRPO run, and the evaluation (trainer/tasks/grpo_eval.py, the trainer's own held-out evaluation).
+Owns: its work directory (--work): the task's records (training and held-out prompts), a character-level tokenizer
+(byte-level BPE without merges: one token per digit), the pretraining text (the true sums of the training pairs,
+written as a user / assistant exchange in plain text, the reply where the chat template puts it) and run, the SFT
+run, the GRPO run, and the evaluation (trainer/tasks/grpo_eval.py's `greedy_sums`, what the trainer logs).
 Must never: assert (it prints; the reward's rise is a bench, not a timed test), download anything.
 
-    .venv/bin/python bench/grpo_demo.py [--work=/tmp/grpo_demo] [--seed=0] [--grpo_steps=...] [--reuse=pretrain|sft]
+    .venv/bin/python bench/grpo_demo.py [--work=/tmp/grpo_demo] [--seed=0] [--grpo_steps=150] [--reuse=pretrain|sft]
 """
 from __future__ import annotations
 
@@ -50,9 +52,17 @@ def write_task(work: str, a: argparse.Namespace) -> dict:
         for _ in range(a.pretrain_copies):
             rng.shuffle(train)
             for x, y in train:
-                f.write(json.dumps({"text": f"{question(x, y)}{x + y}"}) + "\n")
+                f.write(json.dumps({"text": pretraining_text(x, y, a.pretrain_format)}) + "\n")
     paths["corpus"] = corpus
     return paths
+
+
+def pretraining_text(x: int, y: int, fmt: str) -> str:
+    """One pretraining document: the true sum, as an equation (plain) or as a dialogue in plain text whose reply
+    sits where the chat template puts the assistant's (chat: the special tokens are SFT's to teach)."""
+    if fmt == "plain":
+        return f"{question(x, y)}{x + y}"
+    return f"user\n{question(x, y)}\nassistant\n#### {x + y}"
 
 
 def write_sft(path: str, train: list, a: argparse.Namespace) -> None:
@@ -109,12 +119,13 @@ def main(argv: list[str]) -> int:
     p.add_argument("--held_out", type=int, default=150, help="pairs held out of every stage (scored only)")
     p.add_argument("--sft_right", type=float, default=0.4, help="the SFT teacher's reply is right this often")
     p.add_argument("--sft_copies", type=int, default=4)
+    p.add_argument("--pretrain_format", choices=("chat", "plain"), default="chat")
     p.add_argument("--pretrain_copies", type=int, default=20)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--n_layers", type=int, default=2)
     p.add_argument("--pretrain_steps", type=int, default=800)
     p.add_argument("--sft_steps", type=int, default=400)
-    p.add_argument("--sft_lr", type=float, default=3e-3)
+    p.add_argument("--sft_lr", type=float, default=1e-3)
     p.add_argument("--grpo_steps", type=int, default=150)
     p.add_argument("--grpo_lr", type=float, default=1e-4)
     p.add_argument("--num_generations", type=int, default=8)
@@ -148,7 +159,8 @@ def main(argv: list[str]) -> int:
         prepare(a, paths, tok, shards, pre, sft, model, common, env)
     before = greedy_pass_at_1(sft, tok, paths["heldout"], max_new)
     before_train = greedy_pass_at_1(sft, tok, paths["grpo"], max_new, a.held_out)
-    print(f"[demo] greedy pass@1 after SFT: held-out {before:.3f}, first {a.held_out} training prompts {before_train:.3f}", flush=True)
+    print(f"[demo] greedy pass@1 after SFT: held-out {before:.3f}, first {a.held_out} training prompts "
+          f"{before_train:.3f}", flush=True)
     t0 = time.time()
     run([PY, "train_my_ddp.py", *common, "--task_type=grpo", f"--init_from={sft}", f"--data_dir={paths['grpo']}",
          f"--eval_data_dir={paths['heldout']}", f"--out_dir={rl}", f"--max_iters={a.grpo_steps}",

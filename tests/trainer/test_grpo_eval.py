@@ -35,7 +35,8 @@ def chain_model() -> Transformer:
 
 
 def prompts(pairs) -> list:
-    return [Prompt([1] + [ord(c) for c in q], q, a, {"q": q}, f"heldout.jsonl:{i + 1}") for i, (q, a) in enumerate(pairs)]
+    return [Prompt([1] + [ord(c) for c in q], q, a, {"q": q}, f"heldout.jsonl:{i + 1}")
+            for i, (q, a) in enumerate(pairs)]
 
 
 RECORDS = [("12=", "789"), ("3=", "788"), ("4?", "56789"), ("77?", "5"), ("9=", "789")]
