@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 import torch
 
 from tests.conftest import child_env, run_cmd, run_trainer, train_cmd
@@ -77,15 +78,17 @@ def _losses(out) -> dict:
     return {s: r["loss"] for s, r in _rows(out).items()}
 
 
-def test_two_ranks_equal_one_process(pretrained, tmp_path):
+@pytest.mark.parametrize("scale", ["group", "batch"])
+def test_two_ranks_equal_one_process(pretrained, tmp_path, scale):
     """The same global batch (2 prompts x 4 completions) at 2 gloo ranks x 1 prompt and at 1 process x 2 prompts:
-    the same completions (rewards to the last bit of their sums), losses and weights up to float summation order."""
+    the same completions (rewards to the last bit of their sums), losses and weights up to float summation order;
+    --scale_rewards=batch divides by the std of both ranks' rewards."""
     one, two = tmp_path / "one", tmp_path / "two"
     held = f"--eval_data_dir={tmp_path / 'prompts.jsonl'}"  # the training prompts: _args writes them
-    run_cmd(train_cmd(_args(pretrained, tmp_path, "--max_iters=2", f"--out_dir={one}", "--batch_size=2", held)),
-            env=child_env())
-    run_cmd(train_cmd(_args(pretrained, tmp_path, "--max_iters=2", f"--out_dir={two}", "--batch_size=1", held),
-                      nproc=2), env=child_env())
+    run_cmd(train_cmd(_args(pretrained, tmp_path, "--max_iters=2", f"--out_dir={one}", "--batch_size=2", held,
+                            f"--scale_rewards={scale}")), env=child_env())
+    run_cmd(train_cmd(_args(pretrained, tmp_path, "--max_iters=2", f"--out_dir={two}", "--batch_size=1", held,
+                            f"--scale_rewards={scale}"), nproc=2), env=child_env())
     a, b = _rows(one), _rows(two)
     assert a[2]["val_prompts"] == b[2]["val_prompts"] == len(PROMPTS)  # split over the ranks, each scored once
     # the same prompts, batches and greedy tokens; the weights differ by summation order (below), so a near tie

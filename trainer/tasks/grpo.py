@@ -2,8 +2,9 @@
 from the current policy (trainer/tasks/grpo_rollout.py), scores them (grpo_rewards.py), turns the group-normalised
 rewards into advantages, and the step trains on those rows with the clipped policy-gradient loss (grpo_loss.py).
 
-Owns: `GRPOTask` (its prompt data, the rollout phase before the step, the micro-batch loss, units and statistics),
-what a rollout step writes to the samples file.
+Owns: `GRPOTask` (its prompt data and held-out prompts, the rollout phase before the step, the advantages, the
+micro-batch loss, units and statistics, the held-out evaluation through grpo_eval.py), what a rollout step writes
+to the samples file.
 Must never: draw a completion from anything but (seed, step, prompt index) (a rollout never depends on the rank or
 the layout: 2 ranks train what one process trains, a resumed run draws what the uninterrupted one drew), or read a
 device value per micro-batch outside the rollout phase (which reads tokens to decode them anyway).
