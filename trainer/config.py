@@ -42,7 +42,9 @@ class RunFlags:
                             "it: sft/dpo: a records file or folder, or a pretokenized folder (--val_ratio is then "
                             "unused: every record of --data_dir trains); pretrain: a folder of token shards, every "
                             "L+1-token sample of it (no index needed; with --data_dir's index its val split is "
-                            "unused). The start warns when validation has fewer than 20 samples")
+                            "unused); grpo: held-out prompts (as --data_dir's), answered greedily at each "
+                            "evaluation and scored by the rewards: val_reward (greedy pass@1 for a 0/1 reward). The "
+                            "start warns when validation has fewer than 20 samples")
     prefetch_batches: int = _f(-1, "training batches drawn ahead on a background thread (collated, and pinned for "
                                "a GPU) while the step runs; -1 = auto: 2 on an accelerator, 0 (off) on the CPU, where "
                                "the thread would compete with the compute threads. Batches and checkpoints are the "

@@ -391,6 +391,7 @@ class Loop:
             ev = evaluate(self.cfg, self.engine, self.ref_model, self.make_val_loader, self.info, self.task)
             if ev is not None:
                 rec.update(ev)
+            if ev is not None and "val_loss" in ev:  # a task's own validation may have no loss (GRPO's rewards)
                 p.last_val = ev["val_loss"]
                 p.best_val = min(p.best_val, p.last_val)
             if self.task_eval is not None:  # rank 0, the whole model (validate_config refuses fsdp / pipeline)

@@ -95,10 +95,16 @@ def count_tokens(batch: dict) -> int:
 def evaluate(cfg: TrainConfig, engine, ref_model, make_val_loader, info: DistInfo, task=None) -> Optional[dict]:
     """Mean validation loss over all data-parallel ranks: all-reduce of loss sums and unit counts.
     Reads --eval_iters batches (rounded up to whole groups when the engine runs them in groups: a
-    pipeline's micro-batches), or one pass over the split when that is shorter."""
+    pipeline's micro-batches), or one pass over the split when that is shorter. A task with its own
+    validation (Task.evaluate: GRPO's greedy rewards) gives its values instead. `task`: the run's task object
+    (default: a new one)."""
     loader = make_val_loader()
     if loader is None:
         return None
+    task = task if task is not None else task_of(cfg)
+    own = task.evaluate(engine, loader.dataset, info)
+    if own is not None:
+        return own
     group = engine.micro_batches_per_call
     batches: list = []
     it = iter(loader)
@@ -106,7 +112,6 @@ def evaluate(cfg: TrainConfig, engine, ref_model, make_val_loader, info: DistInf
         batches.append(next(it))
         if loader.state_dict().get("epoch", 0) > 0 and len(batches) % group == 0:  # one pass is enough
             break
-    task = task or task_of(cfg)
     sums = engine.evaluate(batches, lambda model, batch: task.micro_batch_loss(model, ref_model, batch, info.device),
                            task.count_units)
     per_unit = StepStats.from_tensor(engine.sum_over_data(sums, info.device), engine.stat_keys).per_unit()

@@ -2,7 +2,7 @@
 
 Owns: reading metrics.jsonl of one or several runs and drawing, on linear axes, train and validation
 loss, lr and throughput (the windowed average bold, each step's raw rate faint); GRPO runs get their loss,
-reward and completion length; DPO runs get their
+reward (--eval_data_dir's held-out val_reward as dots) and completion length; DPO runs get their
 own panels (DPO loss, reward accuracy, train and validation, and the chosen - rejected margin) so a
 DPO loss never shares an axis with an LM loss; restarts (from monitor_summary.json and the rows a
 resume set aside) are dotted vertical lines. Must never modify a run directory except to write the
@@ -24,7 +24,8 @@ COMMON_PANELS = (("learning rate", "lr"), ("tokens / s (windowed average; raw pe
 DPO_PANELS = (("DPO loss (train line, validation dots)", ("loss", "val_loss")),
               ("DPO reward accuracy (train line, validation dots)", ("reward_acc", "val_reward_acc")),
               ("DPO reward margin (chosen - rejected)", ("reward_margin",)))
-GRPO_PANELS = (("GRPO loss", ("loss",)), ("GRPO reward (mean over the step's completions)", ("reward",)),
+GRPO_PANELS = (("GRPO loss", ("loss",)),
+               ("GRPO reward (step's completions line, held-out greedy dots)", ("reward", "val_reward")),
                ("GRPO completion length (tokens)", ("completion_length",)))
 
 

@@ -129,12 +129,15 @@ def test_resplot_draws_grpo_reward(tmp_path, monkeypatch):
         d.mkdir()
     (lm / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 7.0 - 0.1 * s}) + "\n" for s in range(1, 5)))
     (rl / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 0.01, "reward": 0.1 * s,
-                                                          "completion_length": 8.0}) + "\n" for s in range(1, 5)))
+                                                          "completion_length": 8.0, **({"val_reward": 0.5} if s % 2
+                                                                                       else {})}) + "\n"
+                                              for s in range(1, 5)))
     saved = {}
     monkeypatch.setattr(plt.Figure, "savefig", lambda self, *a, **k: saved.setdefault("fig", self))
     plot_runs([str(lm), str(rl)], str(tmp_path / "c.png"))
     axes = {ax.get_title(): ax for ax in saved["fig"].axes if ax.get_visible()}
-    reward = axes["GRPO reward (mean over the step's completions)"]
-    assert [list(ln.get_ydata()) for ln in reward.get_lines()] == [[0.1, 0.2, 0.30000000000000004, 0.4]]
+    reward = axes["GRPO reward (step's completions line, held-out greedy dots)"]
+    assert [list(ln.get_ydata()) for ln in reward.get_lines()] == [[0.1, 0.2, 0.30000000000000004, 0.4], [0.5, 0.5]]
+    assert [list(ln.get_xdata()) for ln in reward.get_lines()][1] == [1, 3]
     assert [ln.get_label() for ln in axes["train loss"].get_lines()] == ["lm"]  # the GRPO loss is not an LM loss
     assert [ln.get_label() for ln in axes["GRPO loss"].get_lines()] == ["rl"]

@@ -4,11 +4,12 @@ mutation of one term of that formula is told apart on the same tensors (the test
 from __future__ import annotations
 
 import math
+import statistics
 
 import pytest
 import torch
 
-from trainer.tasks.grpo_loss import aggregate, group_advantages, per_token_terms, units_of
+from trainer.tasks.grpo_loss import aggregate, batch_std, group_advantages, per_token_terms, units_of
 
 G, L_MAX = 3, 5
 REWARDS = [1.0, 0.0, 0.5, 2.0, 2.0, -1.0]  # two groups of three
@@ -94,3 +95,51 @@ def test_clip_fraction_kl_and_equal_rewards():
     assert t["clipped"].tolist() == [[0.0, 0.0, 1.0]] and torch.equal(t["kl"], torch.zeros(1, 3))
     with pytest.raises(ValueError, match="reference"):
         per_token_terms(logps, old, torch.tensor([1.0]), epsilon=0.2, beta=0.1)
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_scale_rewards_equals_its_formula(scale):
+    """A_i = r_i - mean(group), divided by the group's std (group), the std of every reward of the step (batch, TRL's
+    and Lite PPO's), or nothing (none, Dr. GRPO); stds unbiased, + 1e-4; written out in python floats."""
+    groups = [REWARDS[g * G:(g + 1) * G] for g in range(len(REWARDS) // G)]
+    mean_all = sum(REWARDS) / len(REWARDS)
+    std_all = math.sqrt(sum((x - mean_all) ** 2 for x in REWARDS) / (len(REWARDS) - 1))
+    want = []
+    for r in groups:
+        mean = sum(r) / G
+        std = math.sqrt(sum((x - mean) ** 2 for x in r) / (G - 1))
+        scale_by = {"group": std + 1e-4, "batch": std_all + 1e-4, "none": 1.0}[scale]
+        want += [(x - mean) / scale_by for x in r]
+    dev = sum((x - mean_all) ** 2 for x in REWARDS)
+    got = group_advantages(torch.tensor(REWARDS, dtype=torch.float64), G, scale,
+                           batch_std(len(REWARDS), dev) if scale == "batch" else None)
+    assert got.tolist() == pytest.approx(want, rel=1e-12, abs=1e-12)
+    assert batch_std(len(REWARDS), dev) == pytest.approx(std_all, rel=1e-12)
+
+
+def test_batch_scale_needs_the_steps_std_and_unknown_scales_are_refused():
+    with pytest.raises(ValueError, match="batch_std"):
+        group_advantages(torch.tensor(REWARDS), G, "batch")
+    with pytest.raises(ValueError, match="group | batch | none"):
+        group_advantages(torch.tensor(REWARDS), G, "global")
+    assert batch_std(1, 0.0) == 0.0
+
+
+def test_the_tasks_batch_scale_spans_every_micro_batch_of_the_step():
+    """GRPOTask: --scale_rewards=batch divides by the std of the whole step's rewards, whichever micro-batches
+    they fell in: two micro-batches of one group each give what one micro-batch of both groups gives."""
+    from types import SimpleNamespace
+
+    from trainer.tasks.grpo import GRPOTask
+    cfg = SimpleNamespace(scale_rewards="batch", num_generations=G, reward_funcs="exact_match", reward_fn="",
+                          reward_weights="", loss_type="dapo", beta=0.0, max_prompt_length=4, max_completion_length=4)
+    task = GRPOTask(cfg)
+    loop = SimpleNamespace(info=SimpleNamespace(world_size=1))
+    r = torch.tensor(REWARDS, dtype=torch.float64)
+    split = [{"reward": r[:G]}, {"reward": r[G:]}]
+    whole = [{"reward": r}]
+    task._advantages(split, loop, torch.device("cpu"))
+    task._advantages(whole, loop, torch.device("cpu"))
+    want = group_advantages(r, G, "batch", statistics.stdev(REWARDS)).float()
+    assert torch.equal(torch.cat([b["advantages"] for b in split]), whole[0]["advantages"])
+    assert whole[0]["advantages"].tolist() == pytest.approx(want.tolist(), rel=1e-6)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
 import torch
 
 from tests.conftest import child_env, run_cmd, run_trainer, train_cmd
@@ -35,9 +36,13 @@ def _rows(out) -> dict:
 def test_grpo_run_logs_rewards_parity_and_samples(pretrained, tmp_path):
     out = tmp_path / "run"
     run_cmd(train_cmd(_args(pretrained, tmp_path, "--max_iters=3", f"--out_dir={out}",
-                            "--generation_kv_cache=false")), env=child_env())
+                            "--generation_kv_cache=false", f"--eval_data_dir={tmp_path / 'prompts.jsonl'}",
+                            "--eval_interval=2")), env=child_env())
     rows = _rows(out)
     assert sorted(rows) == [1, 2, 3]
+    assert "val_reward" not in rows[1] and rows[2]["val_prompts"] == rows[3]["val_prompts"] == len(PROMPTS)
+    assert rows[3]["val_reward"] == rows[3]["val_reward_tests.trainer.grpo_toy_rewards.vowels"]
+    assert abs(rows[3]["val_reward"] - greedy_reference(out, pretrained)) < 1e-12
     for r in rows.values():
         assert 0 <= r["reward"] <= 1 and r["reward"] == r["reward_tests.trainer.grpo_toy_rewards.vowels"]
         assert r["reward_std"] == r["reward_tests.trainer.grpo_toy_rewards.vowels_std"] > 0
@@ -49,19 +54,46 @@ def test_grpo_run_logs_rewards_parity_and_samples(pretrained, tmp_path):
     assert all(s["prompt"] in PROMPTS and isinstance(s["reward"], float) for s in samples)
 
 
+def greedy_reference(out, pretrained) -> float:
+    """The mean vowels reward of each prompt's greedy completion by the run's final weights, one prompt at a time
+    (the evaluation batches prompts of equal length): tokens up to the first stop id, at most 8."""
+    from model.generate import generate
+    from tokenizer import encode_texts, load_tokenizer, load_tokenizer_meta
+    from tests.trainer.grpo_toy_rewards import vowels
+    from trainer.weights import load_weights_from
+    tok_dir = next(a.split("=", 1)[1] for a in pretrained["args"] if a.startswith("--tokenizer_dir"))
+    model, _ = load_weights_from(str(out), lambda m: None, tokenizer_dir=tok_dir)
+    tok, sp = load_tokenizer(tok_dir), load_tokenizer_meta(tok_dir)["special_tokens"]
+    stops = [int(sp["eos"]["id"]), int(sp["im_end"]["id"])]
+    total = 0.0
+    for p in PROMPTS:
+        ids = [int(sp["bos"]["id"])] + encode_texts(tok, [p])[0]
+        new = generate(model, torch.tensor([ids]), 8, temperature=0.0, stop_ids=stops)[0, len(ids):].tolist()
+        new = new[:next((j for j, t in enumerate(new) if t in stops), len(new))]
+        total += vowels(p, tok.decode(new, skip_special_tokens=True), {})
+    return total / len(PROMPTS)
+
+
 def _losses(out) -> dict:
     return {s: r["loss"] for s, r in _rows(out).items()}
 
 
-def test_two_ranks_equal_one_process(pretrained, tmp_path):
+@pytest.mark.parametrize("scale", ["group", "batch"])
+def test_two_ranks_equal_one_process(pretrained, tmp_path, scale):
     """The same global batch (2 prompts x 4 completions) at 2 gloo ranks x 1 prompt and at 1 process x 2 prompts:
-    the same completions (rewards to the last bit of their sums), losses and weights up to float summation order."""
+    the same completions (rewards to the last bit of their sums), losses and weights up to float summation order;
+    --scale_rewards=batch divides by the std of both ranks' rewards."""
     one, two = tmp_path / "one", tmp_path / "two"
-    run_cmd(train_cmd(_args(pretrained, tmp_path, "--max_iters=2", f"--out_dir={one}", "--batch_size=2")),
-            env=child_env())
-    run_cmd(train_cmd(_args(pretrained, tmp_path, "--max_iters=2", f"--out_dir={two}", "--batch_size=1"), nproc=2),
-            env=child_env())
+    held = f"--eval_data_dir={tmp_path / 'prompts.jsonl'}"  # the training prompts: _args writes them
+    run_cmd(train_cmd(_args(pretrained, tmp_path, "--max_iters=2", f"--out_dir={one}", "--batch_size=2", held,
+                            f"--scale_rewards={scale}")), env=child_env())
+    run_cmd(train_cmd(_args(pretrained, tmp_path, "--max_iters=2", f"--out_dir={two}", "--batch_size=1", held,
+                            f"--scale_rewards={scale}"), nproc=2), env=child_env())
     a, b = _rows(one), _rows(two)
+    assert a[2]["val_prompts"] == b[2]["val_prompts"] == len(PROMPTS)  # split over the ranks, each scored once
+    # the same prompts, batches and greedy tokens; the weights differ by summation order (below), so a near tie
+    # could flip one token: within one prompt's reward (vowels is in [0, 1])
+    assert abs(a[2]["val_reward"] - b[2]["val_reward"]) <= 1 / len(PROMPTS)
     for s in (1, 2):
         for k in ("reward", "reward_std", "completion_length"):  # float64 sums of host values
             assert abs(a[s][k] - b[s][k]) <= 1e-12 * max(1.0, abs(a[s][k])), (s, k, a[s][k], b[s][k])
@@ -127,14 +159,16 @@ def test_lora_and_zero_at_two_ranks(pretrained, tmp_path):
 
 
 def test_fsdp_two_ranks_equal_one_process(pretrained, tmp_path):
-    """FSDP2 at 2 ranks: every rank decodes as many tokens (its forward all-gathers), and the step equals one
-    process's with the same global batch."""
+    """FSDP2 at 2 ranks: every rank decodes as many tokens (its forward all-gathers), in the rollouts and in the
+    held-out evaluation, and the step equals one process's with the same global batch."""
     one, two = tmp_path / "one", tmp_path / "two"
     run_cmd(train_cmd(_args(pretrained, tmp_path, "--max_iters=2", f"--out_dir={one}", "--batch_size=2")),
             env=child_env())
     run_cmd(train_cmd(_args(pretrained, tmp_path, "--max_iters=2", f"--out_dir={two}", "--batch_size=1",
-                            "--parallel=fsdp"), nproc=2), env=child_env())
+                            "--parallel=fsdp", f"--eval_data_dir={tmp_path / 'prompts.jsonl'}"), nproc=2),
+            env=child_env())
     a, b = _rows(one), _rows(two)
+    assert b[2]["val_prompts"] == len(PROMPTS)  # FSDP: both ranks decoded as many batches (no hang)
     for s in (1, 2):
         for k in ("reward", "reward_std", "completion_length"):  # float64 sums of host values, in another order
             assert abs(a[s][k] - b[s][k]) <= 1e-12 * max(1.0, abs(a[s][k])), (s, k, a[s][k], b[s][k])

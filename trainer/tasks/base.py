@@ -60,6 +60,12 @@ class Task:
         kw = {k: to_device(batch[k], device) for k in ("attention_mask", "position_ids") if k in batch}
         return model(x, labels=y, reduction="sum", **kw), {}
 
+    def evaluate(self, engine: Any, val: Any, info: Any) -> Optional[dict]:
+        """The task's own validation of `val` (its TaskData.val), on every rank at each evaluation, the same
+        {"val_<name>": value} on every rank; None (the default): the mean loss of --eval_iters validation batches
+        (trainer/task.py evaluate). Without a val_loss no checkpoint is chosen as the best."""
+        return None
+
     def count_units(self, batch: dict) -> int:
         """The units of a host batch (no device read)."""
         return int((batch["labels"] != IGNORE_INDEX).sum())

@@ -2,8 +2,9 @@
 from the current policy (trainer/tasks/grpo_rollout.py), scores them (grpo_rewards.py), turns the group-normalised
 rewards into advantages, and the step trains on those rows with the clipped policy-gradient loss (grpo_loss.py).
 
-Owns: `GRPOTask` (its prompt data, the rollout phase before the step, the micro-batch loss, units and statistics),
-what a rollout step writes to the samples file.
+Owns: `GRPOTask` (its prompt data and held-out prompts, the rollout phase before the step, the advantages, the
+micro-batch loss, units and statistics, the held-out evaluation through grpo_eval.py), what a rollout step writes
+to the samples file.
 Must never: draw a completion from anything but (seed, step, prompt index) (a rollout never depends on the rank or
 the layout: 2 ranks train what one process trains, a resumed run draws what the uninterrupted one drew), or read a
 device value per micro-batch outside the rollout phase (which reads tokens to decode them anyway).
@@ -22,7 +23,7 @@ import torch.distributed as dist
 
 from trainer.tasks.base import Task, TaskData
 from trainer.tasks.grpo_data import PromptSet, read_prompts_file
-from trainer.tasks.grpo_loss import aggregate, group_advantages, per_token_terms, units_of
+from trainer.tasks.grpo_loss import aggregate, batch_std, group_advantages, per_token_terms, units_of
 from trainer.tasks.grpo_rewards import build_rewards
 from trainer.tasks.grpo_rollout import Group, drop_truncated, rollout_seed, sample_group, token_logps, training_rows
 from utils.constants import EXIT_BAD_CONFIG
@@ -59,8 +60,39 @@ class GRPOTask(Task):
         prompts = read_prompts_file(cfg.data_dir, cfg, load_tokenizer(cfg.tokenizer_dir), tok_meta,
                                     rewards.needs_answer, log)
         train = PromptSet(prompts)
-        return TaskData(train, PromptSet([]), train.collate, "prompts", "none (the reward of each step's rollouts)",
-                        "")
+        if not cfg.eval_data_dir:
+            return TaskData(train, PromptSet([]), train.collate, "prompts",
+                            "none (the reward of each step's rollouts; --eval_data_dir: greedy rewards)", "")
+        held = read_prompts_file(cfg.eval_data_dir, cfg, load_tokenizer(cfg.tokenizer_dir), tok_meta,
+                                 rewards.needs_answer, log)
+        return TaskData(train, PromptSet(held), train.collate, "prompts",
+                        f"--eval_data_dir={cfg.eval_data_dir}, answered greedily: val_reward",
+                        "give more held-out prompts in --eval_data_dir")
+
+    def evaluate(self, engine, val, info):
+        """The held-out prompts answered greedily, scored by the run's rewards (trainer/tasks/grpo_eval.py): the
+        prompts dealt to the data-parallel ranks, their sums added over the ranks."""
+        from trainer.tasks.grpo_eval import greedy_sums, held_out_metrics
+        cfg = self.cfg
+        self._load_tools()
+        engine.optimizer.finish_param_sync()  # ZeRO's all-gather of the updated weights has landed
+        sp = self._special
+        sums = greedy_sums(engine.module, val.prompts, self._rewards,
+                           lambda ids: self._tok.decode(ids, skip_special_tokens=True),
+                           rows=cfg.batch_size * cfg.num_generations, max_new_tokens=cfg.max_completion_length,
+                           stop_ids=[int(sp[n]["id"]) for n in STOP_TOKENS], device=info.device,
+                           rank=engine.dp_rank, world=engine.dp_size)
+        if engine.dp_size > 1:
+            sums = engine.sum_over_data(sums, info.device).tolist()
+        return held_out_metrics(sums, self.reward_names)
+
+    def _load_tools(self) -> None:
+        """The tokenizer, its special ids and the reward functions, once."""
+        if self._tok is None:
+            from tokenizer import load_tokenizer, load_tokenizer_meta
+            self._tok = load_tokenizer(self.cfg.tokenizer_dir)
+            self._special = load_tokenizer_meta(self.cfg.tokenizer_dir)["special_tokens"]
+            self._rewards = build_rewards(self.cfg)
 
     # ------------------------------------------------------------------ the rollout phase
     def before_step(self, loop: Any, draw: Callable[[], tuple]) -> tuple[list, list]:
@@ -74,11 +106,7 @@ class GRPOTask(Task):
                      "rollouts were not saved: new rollouts from the resumed weights (an uninterrupted run reused "
                      "the old ones); periodic checkpoints fall on cycle boundaries, a stop signal may not")
         batches, skipped = draw()
-        if self._tok is None:
-            from tokenizer import load_tokenizer, load_tokenizer_meta
-            self._tok = load_tokenizer(cfg.tokenizer_dir)
-            self._special = load_tokenizer_meta(cfg.tokenizer_dir)["special_tokens"]
-            self._rewards = build_rewards(cfg)
+        self._load_tools()
         loop.engine.optimizer.finish_param_sync()  # ZeRO's all-gather of the updated weights has landed
         model, device = loop.engine.module, loop.info.device
         if self.row_len > model.cfg.max_seq_len:  # the model's own length (a checkpoint's model_config wins)
@@ -91,6 +119,7 @@ class GRPOTask(Task):
             engine = loop.engine
             all_done = lambda done: float(engine.sum_over_data([0.0 if done else 1.0], device)[0]) == 0.0  # noqa: E731
         rollout = [self._roll(model, device, b, p.step, samples, all_done) for b in batches]
+        self._advantages(rollout, loop, device)
         if cfg.num_iterations > 1:  # the ratio of the later steps is taken against the policy that sampled
             with torch.no_grad():
                 for rows in rollout:
@@ -129,11 +158,29 @@ class GRPOTask(Task):
         per_fn = torch.tensor(values, dtype=torch.float64)
         total = (per_fn * torch.tensor(self._rewards.weights, dtype=torch.float64)).sum(1)
         rows["rewards"], rows["reward"] = per_fn, total
-        rows["advantages"] = group_advantages(total, cfg.num_generations, cfg.scale_rewards).float()
         lengths = torch.tensor([len(pr.ids) for pr in batch["prompts"] for _ in range(cfg.num_generations)])
         real = rows["completion_mask"].sum(1) + lengths  # prompt + completion tokens: what count_tokens counts
         rows["attention_mask"] = (torch.arange(self.row_len)[None] < real[:, None]).long()
         return rows
+
+    def _advantages(self, rollout: list, loop: Any, device) -> None:
+        """Each row's advantage (grpo_loss.group_advantages); --scale_rewards=batch divides by the std of every
+        reward of the step, all micro-batches and ranks: its mean, then the squared deviations from it, each
+        summed over the ranks in float64."""
+        cfg, std = self.cfg, None
+        if cfg.scale_rewards == "batch":
+            rewards = [rows["reward"] for rows in rollout]
+            n, total = float(sum(r.numel() for r in rewards)), sum(float(r.sum()) for r in rewards)
+            if loop.info.world_size > 1:
+                n, total = loop.engine.sum_over_data([n, total], device).tolist()
+            mean = total / max(n, 1.0)
+            dev = sum(float(((r - mean) ** 2).sum()) for r in rewards)
+            if loop.info.world_size > 1:
+                dev = float(loop.engine.sum_over_data([dev], device)[0])
+            std = batch_std(n, dev)
+        for rows in rollout:
+            rows["advantages"] = group_advantages(rows["reward"], cfg.num_generations, cfg.scale_rewards,
+                                                  std).float()
 
     @staticmethod
     def _mark(batches: list, loop: Any) -> list:

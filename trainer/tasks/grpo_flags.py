@@ -15,7 +15,7 @@ from utils.configurator import flag as _f
 
 BUILTIN_REWARDS = ("exact_match", "numeric_match", "format")
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo")  # trainer/tasks/grpo_loss.py (kept here torch-free)
-SCALE_REWARDS = ("group", "none")
+SCALE_REWARDS = ("group", "batch", "none")
 
 
 @dataclass
@@ -44,8 +44,11 @@ class GRPOFlags:
                         "(DeepSeekMath, Shao et al. 2024; length-biased) | dr_grpo = summed per completion over "
                         "max_completion_length (Dr. GRPO, Liu et al. 2025) | dapo = over every completion token of "
                         "the step, all ranks (DAPO, Yu et al. 2025; the default of recent TRL releases)")
-    scale_rewards: str = _f("group", "grpo: group = advantages divided by the group's reward std (GRPO) | none = "
-                            "not (Dr. GRPO, Liu et al. 2025: the division favours too easy and too hard prompts)")
+    scale_rewards: str = _f("group", "grpo: the advantage is the reward minus its group's mean, divided by: group = "
+                            "the group's reward std (GRPO, DeepSeekMath; TRL's default) | batch = the std of every "
+                            "reward of the step, all micro-batches and ranks (TRL's batch; Liu et al. 2025, 'Tricks "
+                            "or Traps?') | none = nothing (Dr. GRPO, Liu et al. 2025: the division favours too easy "
+                            "and too hard prompts)")
     reward_funcs: str = _f("exact_match", "grpo: comma-separated rewards: exact_match (the text after "
                            "--answer_marker equals the record's answer) | numeric_match (the first number after the "
                            "marker within --numeric_tolerance of the answer) | format (--format_regex matches the "

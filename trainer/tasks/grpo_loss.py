@@ -1,7 +1,7 @@
 """GRPO's loss as pure tensor math: group-normalised advantages, the clipped policy-gradient term per token, the
 optional KL penalty to a frozen reference, and the three ways of averaging tokens into the loss.
 
-Owns: `group_advantages`, `per_token_terms`, `aggregate` (the loss summed over the task's units, which the
+Owns: `group_advantages`, `batch_std`, `per_token_terms`, `aggregate` (the loss summed over the task's units, which the
 trainer divides by the step's units over all micro-batches and ranks), `units_of`.
 Must never: read a device value to the host, or know where the log-probabilities came from.
 
@@ -18,19 +18,25 @@ Averaged by --loss_type:
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
-SCALE_REWARDS = ("group", "none")
+SCALE_REWARDS = ("group", "batch", "none")
 ADV_EPS = 1e-4  # TRL's: a group whose rewards all agree has std 0 and advantage 0, never a division by zero
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group") -> torch.Tensor:
-    """rewards [N] (N = groups x group_size, each group's completions contiguous) -> advantages [N]:
-    the reward minus its group's mean, divided by the group's (unbiased) std + ADV_EPS when scale="group"
-    (GRPO), left unscaled when scale="none" (Dr. GRPO: the std division biases towards easy / hard prompts)."""
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group",
+                     batch_std: Optional[float] = None) -> torch.Tensor:
+    """rewards [N] (N = groups x group_size, each group's completions contiguous) -> advantages [N]: the reward
+    minus its group's mean, divided by
+      group: the group's (unbiased) std + ADV_EPS (GRPO, DeepSeekMath),
+      batch: `batch_std` + ADV_EPS, the (unbiased) std of every reward of the step over all micro-batches and
+             ranks (TRL's scale_rewards="batch", after "Tricks or Traps? A Deep Dive into RL for LLM Reasoning",
+             Liu et al. 2025: the group mean, a robust scale),
+      none:  nothing (Dr. GRPO, Liu et al. 2025: the std division biases towards too easy and too hard prompts)."""
     if scale not in SCALE_REWARDS:
         raise ValueError(f"scale_rewards={scale!r}: expected {' | '.join(SCALE_REWARDS)}")
     r = rewards.to(torch.promote_types(rewards.dtype, torch.float32)).reshape(-1, group_size)
@@ -38,7 +44,17 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
     if scale == "group":
         std = r.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(r[:, :1])
         adv = adv / (std + ADV_EPS)
+    elif scale == "batch":
+        if batch_std is None:
+            raise ValueError("scale_rewards='batch' needs the std of the step's rewards (batch_std)")
+        adv = adv / (float(batch_std) + ADV_EPS)
     return adv.reshape(-1)
+
+
+def batch_std(count: float, sum_sq_dev: float) -> float:
+    """The unbiased std of a step's rewards from their count and the sum of their squared deviations from their
+    mean, both over every micro-batch and rank (0 for fewer than 2 rewards)."""
+    return math.sqrt(sum_sq_dev / (count - 1)) if count > 1 else 0.0
 
 
 def per_token_terms(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, *, epsilon: float,

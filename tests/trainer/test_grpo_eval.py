@@ -1,0 +1,108 @@
+"""GRPO's held-out evaluation (trainer/tasks/grpo_eval.py, GRPOTask.evaluate) on a model whose greedy output is known
+by construction: its blocks add nothing and its head maps each token to a fixed next token, so the greedy completion
+of a prompt is a chain read off a table. The logged values equal the hand count; the prompts split over ranks are
+each scored once, with every rank decoding as many batches."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from model import ModelConfig, Transformer
+from trainer.tasks.grpo_data import Prompt
+from trainer.tasks.grpo_eval import eval_plan, greedy_sums, held_out_metrics
+from trainer.tasks.grpo_rewards import build_rewards
+
+V, STOP = 128, 3
+NEXT = {ord("="): ord("7"), ord("7"): ord("8"), ord("8"): ord("9"), ord("9"): STOP,  # "=" -> "789", stop
+        ord("?"): ord("5"), ord("5"): ord("6"), ord("6"): ord("7")}                     # "?" -> "56789", stop
+
+
+def chain_model() -> Transformer:
+    """Greedy decoding continues token t with NEXT[t] (t itself otherwise): one-hot embeddings, blocks whose
+    output projections are zero (the residual stream stays the embedding), a head that is the table."""
+    torch.manual_seed(0)
+    m = Transformer(ModelConfig(vocab_size=V, dim=V, n_layers=1, n_heads=4, multiple_of=16, max_seq_len=32))
+    with torch.no_grad():
+        m.embed_tokens.weight.copy_(torch.eye(V))
+        for layer in m.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        head = torch.eye(V)[[NEXT.get(t, t) for t in range(V)]].T  # row n: 1 at every t with NEXT[t] = n
+        m.lm_head.weight.copy_(head)
+    return m.train()
+
+
+def prompts(pairs) -> list:
+    return [Prompt([1] + [ord(c) for c in q], q, a, {"q": q}, f"heldout.jsonl:{i + 1}")
+            for i, (q, a) in enumerate(pairs)]
+
+
+RECORDS = [("12=", "789"), ("3=", "788"), ("4?", "56789"), ("77?", "5"), ("9=", "789")]
+# greedy: "=" gives 7 8 9 STOP (4 tokens, the stop counted); "?" gives 5 6 7 8 9 and is cut at 5 tokens
+HAND = {"val_reward": 3 / 5, "val_reward_exact_match": 3 / 5, "val_completion_length": (4 + 4 + 5 + 5 + 4) / 5,
+        "val_prompts": 5.0}
+
+
+def rewards():
+    return build_rewards(SimpleNamespace(reward_funcs="exact_match", reward_fn="", reward_weights="",
+                                         answer_marker="", numeric_tolerance=0.0, format_regex=""))
+
+
+def decode(ids) -> str:
+    return "".join(chr(t) for t in ids)
+
+
+def test_the_logged_values_equal_the_hand_count():
+    model, rs = chain_model(), rewards()
+    answers: list = []
+    sums = greedy_sums(model, prompts(RECORDS), rs, decode, rows=2, max_new_tokens=5, stop_ids=[STOP],
+                       device=torch.device("cpu"), answers=answers)
+    assert held_out_metrics(sums, rs.names) == pytest.approx(HAND, abs=1e-12)
+    assert sorted(answers) == [(0, "789", [1.0]), (1, "789", [0.0]), (2, "56789", [1.0]), (3, "56789", [0.0]),
+                               (4, "789", [1.0])]
+    assert model.training  # generate restores the mode
+
+
+def test_the_tasks_evaluate_splits_the_prompts_over_ranks_and_sums_them():
+    """GRPOTask.evaluate at 1 rank, and each of 2 ranks' shares summed (what sum_over_data does), give the hand
+    count; with 2 ranks both decode the same number of batches, the full length (no early stop)."""
+    from trainer.tasks.grpo import GRPOTask
+    cfg = SimpleNamespace(scale_rewards="group", num_generations=2, batch_size=1, reward_funcs="exact_match",
+                          reward_fn="", reward_weights="", loss_type="dapo", beta=0.0, max_prompt_length=8,
+                          max_completion_length=5, answer_marker="", numeric_tolerance=0.0, format_regex="")
+    model, val = chain_model(), SimpleNamespace(prompts=prompts(RECORDS))
+    forwards = []
+    model.register_forward_hook(lambda mod, args, out: forwards.append(1))
+
+    def evaluate(rank: int, world: int, total=None) -> dict:
+        task = GRPOTask(cfg)
+        task._tok = SimpleNamespace(decode=lambda ids, skip_special_tokens: decode(ids))
+        task._special, task._rewards = {"eos": {"id": STOP}, "im_end": {"id": STOP}}, rewards()
+        engine = SimpleNamespace(module=model, dp_rank=rank, dp_size=world,
+                                 optimizer=SimpleNamespace(finish_param_sync=lambda: None),
+                                 sum_over_data=lambda v, device: torch.tensor(total or v, dtype=torch.float64))
+        return task.evaluate(engine, val, SimpleNamespace(device=torch.device("cpu")))
+
+    assert evaluate(0, 1) == pytest.approx(HAND, abs=1e-12)
+    one_rank = len(forwards)
+    shares = []
+    for rank in (0, 1):
+        forwards.clear()
+        shares.append(greedy_sums(model, val.prompts, rewards(), decode, rows=2, max_new_tokens=5,
+                                  stop_ids=[STOP], device=torch.device("cpu"), rank=rank, world=2))
+        assert len(forwards) == 2 * 5, rank  # 2 batches each (one a filler on rank 1), 5 tokens each
+    total = [a + b for a, b in zip(*shares)]
+    assert evaluate(0, 2, total) == pytest.approx(HAND, abs=1e-12)
+    assert one_rank < 3 * 5  # one process stops early once every row of a batch has stopped
+
+
+def test_the_plan_deals_equal_length_batches_to_every_rank_alike():
+    lengths = [4, 3, 4, 5, 3, 4]
+    assert eval_plan(lengths, rows=2) == [([1, 4], True), ([0, 2], True), ([5], True), ([3], True)]
+    r0, r1, r2 = (eval_plan(lengths, rows=2, rank=r, world=3) for r in range(3))
+    assert r0 == [([1, 4], True), ([3], True)] and r1 == [([0, 2], True), ([1, 4], False)]
+    assert r2 == [([5], True), ([1, 4], False)]
+    assert sorted(i for plan in (r0, r1, r2) for b, counted in plan if counted for i in b) == list(range(6))
+    assert eval_plan([], rows=2) == []
