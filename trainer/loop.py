@@ -160,8 +160,12 @@ def train(cfg: TrainConfig, info: DistInfo, continues: Optional[bool] = None, ma
     optimizer.finish_param_sync()
     synchronize(info.device)
     barrier()  # let the last asynchronous collectives drain before the process group goes away
-    last = progress.last_val if progress.last_val is not None else float("nan")
-    log(f"[train] done: {progress.step} steps, final val_loss {last:.4f}, best {progress.best_val:.4f}")
+    if progress.last_val is None and loop.last_eval:  # a task whose validation has no loss (GRPO's rewards)
+        log(f"[train] done: {progress.step} steps, final " + ", ".join(
+            f"{k} {v:.4f}" for k, v in loop.last_eval.items() if isinstance(v, (int, float))))
+    else:
+        last = progress.last_val if progress.last_val is not None else float("nan")
+        log(f"[train] done: {progress.step} steps, final val_loss {last:.4f}, best {progress.best_val:.4f}")
     return EXIT_OK
 
 
@@ -205,6 +209,7 @@ class Loop:
         self.task_eval = build_task_evaluator(cfg) if info.is_main else None  # --eval_tasks: files read now
         self.resumed_from = {"step": progress.step, "data_step": progress.data_step}
         self.task = task
+        self.last_eval: dict = {}  # the last validation's values (the final line names them when there is no loss)
         self.loss_fn = lambda model, batch: task.micro_batch_loss(model, ref_model, batch, info.device)  # noqa: E731
         self.moe = MoETraining.of(cfg, engine.module)  # MoE: balancing losses, bias update, load metrics
         if self.moe is not None:
@@ -391,6 +396,7 @@ class Loop:
             ev = evaluate(self.cfg, self.engine, self.ref_model, self.make_val_loader, self.info, self.task)
             if ev is not None:
                 rec.update(ev)
+                self.last_eval = ev
             if ev is not None and "val_loss" in ev:  # a task's own validation may have no loss (GRPO's rewards)
                 p.last_val = ev["val_loss"]
                 p.best_val = min(p.best_val, p.last_val)

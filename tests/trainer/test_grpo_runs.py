@@ -35,10 +35,11 @@ def _rows(out) -> dict:
 
 def test_grpo_run_logs_rewards_parity_and_samples(pretrained, tmp_path):
     out = tmp_path / "run"
-    run_cmd(train_cmd(_args(pretrained, tmp_path, "--max_iters=3", f"--out_dir={out}",
-                            "--generation_kv_cache=false", f"--eval_data_dir={tmp_path / 'prompts.jsonl'}",
-                            "--eval_interval=2")), env=child_env())
+    proc = run_cmd(train_cmd(_args(pretrained, tmp_path, "--max_iters=3", f"--out_dir={out}",
+                                   "--generation_kv_cache=false", f"--eval_data_dir={tmp_path / 'prompts.jsonl'}",
+                                   "--eval_interval=2")), env=child_env())
     rows = _rows(out)
+    assert f"done: 3 steps, final val_reward {rows[3]['val_reward']:.4f}," in proc.stdout, proc.stdout[-1500:]
     assert sorted(rows) == [1, 2, 3]
     assert "val_reward" not in rows[1] and rows[2]["val_prompts"] == rows[3]["val_prompts"] == len(PROMPTS)
     assert rows[3]["val_reward"] == rows[3]["val_reward_tests.trainer.grpo_toy_rewards.vowels"]
