@@ -112,6 +112,8 @@ CONFIGS: dict[str, tuple[int, list[str]]] = {
     "ddp2-zero1-grpo": (2, [*GRPO, "--batch_size=1", "--use_distributed_optimizer=true", "--zero_stage=1"]),
     "grpo-mu2-kl": (1, [*GRPO, "--batch_size=2", "--num_iterations=2", "--beta=0.05", "--loss_type=grpo",
                         "--generation_kv_cache=false"]),
+    # the step's reward std over both ranks, and the held-out greedy evaluation split over them every 2 steps
+    "ddp2-grpo-batch-eval": (2, [*GRPO, "--batch_size=1", "--scale_rewards=batch", "@grpo_eval"]),
     "moe-ep2": (2, ["--batch_size=2", "--parallel=fsdp", "--expert_parallel_size=2", "@moe"]),
     # expert parallelism under our DDP: the experts' shards reduced (and ZeRO-sharded) over their own group
     "moe-ep2-ddp": (2, ["--batch_size=2", "--expert_parallel_size=2", "@moe"]),
@@ -125,10 +127,10 @@ SLOW_WRITES_S = "2.0"
 
 def config_args(common: list[str], flags: list[str], data: dict, base_ref: str) -> list[str]:
     """The common flags with a configuration's over them (a flag given again replaces the common one;
-    `--key=-` drops it); @base / @sft / @dpo / @grpo name the ddp reference run and the toy SFT / DPO / GRPO files,
-    @moe the MoE flags."""
+    `--key=-` drops it); @base / @sft / @dpo / @grpo name the ddp reference run and the toy SFT / DPO / GRPO files
+    (@grpo_eval: the GRPO prompts as held-out prompts), @moe the MoE flags."""
     marks = {"@base": f"--init_from={base_ref}", "@sft": f"--data_dir={data['sft']}", "@dpo": f"--data_dir={data['dpo']}",
-             "@grpo": f"--data_dir={data['grpo']}"}
+             "@grpo": f"--data_dir={data['grpo']}", "@grpo_eval": f"--eval_data_dir={data['grpo']}"}
     flags = [g for f in flags if f not in ("@slow_writes", "@flat_adamw")
              for g in (MOE_FLAGS if f == "@moe" else [marks.get(f, f)])]
     keys = {f.split("=", 1)[0] for f in flags}
