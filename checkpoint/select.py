@@ -1,5 +1,5 @@
 """Which checkpoint a command means, and the configuration a resume starts from: `select_checkpoint` (`latest`,
-`best` by validation loss, `step_N`; sample.py, export_hf.py, --init_from), `saved_run_config` (the newest valid
+`best` by validation loss or reward, `step_N`; sample.py, export_hf.py, --init_from), `saved_run_config` (the newest valid
 checkpoint's config.json, else the run directory's) and `resolve_resume_config` (that configuration with the
 command line over it, utils/run_config.py's checks applied).
 
@@ -11,7 +11,8 @@ import os
 import re
 from typing import Callable, Optional, Sequence, TypeVar
 
-from checkpoint.verify import find_latest_valid, list_checkpoints, resolve_checkpoint_dir, verify_checkpoint
+from checkpoint.verify import (find_latest_valid, list_checkpoints, resolve_checkpoint_dir, selection_score,
+                               verify_checkpoint)
 from utils.checkpoint_json import read_json
 from utils.checkpoint_layout import COMPLETE_MARKER, MANIFEST, RUN_CONFIG, TRAINER_STATE
 from utils.configurator import ConfigError, parse_config
@@ -87,17 +88,17 @@ def select_checkpoint(path: str, which: str = "latest", log: Callable[[str], Non
             raise CheckpointError(f"{path}: no complete checkpoint (found: {names})")
         return found
     if which == "best":
-        best, best_path = float("inf"), None
+        best, best_path, words = float("inf"), None, ""
         for _, p in all_ckpts:
             if verify_checkpoint(p) is not None:
                 continue
-            v = read_json(os.path.join(p, TRAINER_STATE)).get("val_loss")
-            if isinstance(v, (int, float)) and v < best:
-                best, best_path = float(v), p
+            score = selection_score(read_json(os.path.join(p, TRAINER_STATE)))
+            if score is not None and score[0] < best:
+                (best, words), best_path = score, p
         if best_path is None:
-            raise CheckpointError(f"{path}: no valid checkpoint has a validation loss (found: {names}); "
-                                       "use --checkpoint=latest")
-        log(f"[checkpoint] best: {best_path} (val_loss {best:.4f})")
+            raise CheckpointError(f"{path}: no valid checkpoint has a validation loss or reward (found: {names}); "
+                                  "use --checkpoint=latest")
+        log(f"[checkpoint] best: {best_path} ({words})")
         return best_path
     m = _STEP.match(which) or (re.match(r"^(\d+)$", which))
     if not m:

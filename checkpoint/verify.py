@@ -30,9 +30,21 @@ def list_checkpoints(out_dir: str) -> list[tuple[int, str]]:
     return listed_checkpoints(out_dir)
 
 
+def selection_score(trainer_state: dict) -> Optional[tuple[float, str]]:
+    """What `best` means for a checkpoint, lower is better, and its words: the validation loss, else (a task
+    whose validation has no loss: GRPO's held-out greedy rewards) the negated validation reward; None when the
+    checkpoint was saved without an evaluation."""
+    loss, reward = trainer_state.get("val_loss"), trainer_state.get("val_reward")
+    if isinstance(loss, (int, float)) and not isinstance(loss, bool):
+        return float(loss), f"val_loss {loss:.4f}"
+    if isinstance(reward, (int, float)) and not isinstance(reward, bool):
+        return -float(reward), f"val_reward {reward:.4f}"
+    return None
+
+
 def prune_checkpoints(out_dir: str, keep_last: int, keep_best: bool,
                       log: Callable[[str], None] = print) -> None:
-    """Keep the `keep_last` newest *valid* checkpoints and the valid one with the best val_loss.
+    """Keep the `keep_last` newest *valid* checkpoints and the valid best one (`selection_score`).
 
     Only checkpoints that pass `verify_checkpoint` count: a damaged directory (torn, truncated,
     corrupted) can never be loaded, so it is removed and never takes the place of a good one. The
@@ -48,11 +60,11 @@ def prune_checkpoints(out_dir: str, keep_last: int, keep_best: bool,
         best, best_path = float("inf"), None
         for p, _ in valid:
             try:
-                v = read_json(os.path.join(p, TRAINER_STATE)).get("val_loss")
+                score = selection_score(read_json(os.path.join(p, TRAINER_STATE)))
             except (OSError, ValueError):
                 continue
-            if v is not None and v < best:
-                best, best_path = v, p
+            if score is not None and score[0] < best:
+                best, best_path = score[0], p
         if best_path:
             keep.add(best_path)
     for p, problem in damaged:

@@ -53,7 +53,8 @@ class RunFlags:
     init_from: str = _f("scratch", "what a new run starts from: scratch | <our run or checkpoint dir> | <Hugging Face "
                         "model dir> (a run that continues, see --resume, ignores it); resume = --resume=always")
     init_checkpoint: str = _f("latest", "which checkpoint of the --init_from run to start from: latest | best (the "
-                              "lowest validation loss among its valid checkpoints) | step_N; the load line names it")
+                              "lowest validation loss among its valid checkpoints; a GRPO run's: the highest "
+                              "val_reward) | step_N; the load line names it")
     resume: str = _f("auto", "auto: continue the run in --out_dir from its newest valid checkpoint, or, with none yet, "
                      "as its run_start.json records it started; a new run from --init_from when --out_dir holds "
                      "neither | always: continue, exit 2 when there is nothing to continue (unless "
@@ -164,7 +165,7 @@ class TrainConfig(GRPOFlags, ParallelFlags, DPOFlags, OptimizationFlags, Trainab
     eval_iters: int = _f(20, "validation micro-batches per rank per evaluation (>= 1)")
     log_interval: int = _f(10, "log a line every N steps")
     checkpoint_interval: int = _f(100, "checkpoint every N steps (and at the end)")
-    keep_last: int = _f(3, "keep this many newest checkpoints (plus the best by validation loss)")
+    keep_last: int = _f(3, "keep this many newest checkpoints (plus the best by validation loss, GRPO: reward)")
     async_checkpoint: bool = _f(False, "save checkpoints in the background: the saving step copies the state to host "
                                 "memory (pinned on a GPU, reused) and goes on; one writer thread writes, verifies, "
                                 "publishes and prunes as a synchronous save does. One save in flight (the next save, "

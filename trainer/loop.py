@@ -144,7 +144,7 @@ def train(cfg: TrainConfig, info: DistInfo, continues: Optional[bool] = None, ma
             if do_eval or save_now or not loop.may_defer(progress.step):
                 loop.finish(do_eval)  # read now: evaluation, samples and checkpoints see a finished step
             if save_now:
-                loop.save(progress.last_val if do_eval else None)
+                loop.save(progress.last_val if do_eval else None, loop.last_eval if do_eval else None)
             loop.restart_clock()  # evaluation and checkpoint time is not charged to the next step's tokens/s
             if stop_now:
                 loop.finish_saves()  # --async_checkpoint: the checkpoint is on disk before the exit
@@ -428,14 +428,18 @@ class Loop:
             return None
         return (now - t0) / (step - s0) * max(0, self.cfg.max_iters - step)
 
-    def save(self, val_loss: Optional[float]) -> None:
-        """A checkpoint of this step (CheckpointManager.save: every rank, atomic publish, keep_last)."""
+    def save(self, val_loss: Optional[float], evaluated: Optional[dict] = None) -> None:
+        """A checkpoint of this step (CheckpointManager.save: every rank, atomic publish, keep_last). `evaluated`:
+        this step's validation values; a held-out reward among them is saved too (`best` of a run without a
+        validation loss, checkpoint/verify.py selection_score)."""
         cfg, p = self.cfg, self.progress
         state = {"data_cursor": self.train_loader.state_dict(),
                  "best_val_loss": None if p.best_val == float("inf") else p.best_val,
                  "val_loss": val_loss, "tokens_seen": p.tokens_seen, "init_info": self.init_info,
                  "lr": lr_at(max(0, p.step - 1), **self.lr_kw), "task_type": cfg.task_type,
                  "data_step": p.data_step, "skip_data_steps": sorted(p.skip_steps)}  # a resume skips them too
+        if evaluated and isinstance(evaluated.get("val_reward"), (int, float)):
+            state["val_reward"] = float(evaluated["val_reward"])
         if p.max_iters_from is not None:  # which flag set max_iters: a resume decides the same way
             state["max_iters_from"] = p.max_iters_from
         if self.guard is not None:  # the running window: a resumed run judges its steps as an uninterrupted one

@@ -40,6 +40,12 @@ def test_grpo_run_logs_rewards_parity_and_samples(pretrained, tmp_path):
                                    "--eval_interval=2")), env=child_env())
     rows = _rows(out)
     assert f"done: 3 steps, final val_reward {rows[3]['val_reward']:.4f}," in proc.stdout, proc.stdout[-1500:]
+    from checkpoint.select import select_checkpoint
+    best = select_checkpoint(str(out), "best", log=lambda m: None)  # a run without val_loss: the highest val_reward
+    saved = {s: json.loads((out / "checkpoints" / f"step_{s:08d}" / "trainer_state.json").read_text())
+             for s in (2, 3)}
+    assert saved[2]["val_reward"] == rows[2]["val_reward"] and saved[3]["val_reward"] == rows[3]["val_reward"]
+    assert best.endswith(f"step_{max((2, 3), key=lambda s: (rows[s]['val_reward'], s)):08d}")  # a tie: the newer
     assert sorted(rows) == [1, 2, 3]
     assert "val_reward" not in rows[1] and rows[2]["val_prompts"] == rows[3]["val_prompts"] == len(PROMPTS)
     assert rows[3]["val_reward"] == rows[3]["val_reward_tests.trainer.grpo_toy_rewards.vowels"]

@@ -15,6 +15,7 @@ from checkpoint.plain import SaveRequest, save_checkpoint
 from utils.errors import CheckpointError
 from utils.run_config import global_batch_problem
 from checkpoint.select import resolve_resume_config, select_checkpoint
+from checkpoint.verify import list_checkpoints, prune_checkpoints, selection_score
 
 
 def _run_dir(tmp_path, **over):
@@ -87,11 +88,29 @@ def test_global_batch_must_stay_equal():
     assert msg and "16 samples per step" in msg and "32" in msg
 
 
-def _save(out_dir, step, val_loss):
+def _save(out_dir, step, val_loss, **state):
     req = SaveRequest(step=step, rank=0, world_size=1, model_state={"w": torch.full((2,), float(step))},
                       model_config={"dim": 2}, optimizer_state=None, extra_state={},
-                      trainer_state={"val_loss": val_loss}, run_config={})
+                      trainer_state={"val_loss": val_loss, **state}, run_config={})
     return save_checkpoint(str(out_dir), req, keep_last=10, log=lambda s: None)
+
+
+def test_best_of_a_run_without_a_validation_loss_is_the_highest_validation_reward(tmp_path):
+    """GRPO's evaluation is a held-out reward (higher is better), saved beside a val_loss of None."""
+    run, other = tmp_path / "run", tmp_path / "other"
+    _, p2, _ = (_save(run, 1, None, val_reward=0.25), _save(run, 2, None, val_reward=0.75),
+                _save(run, 3, None, val_reward=0.5))
+    _save(run, 4, None)  # saved without an evaluation
+    lines = []
+    assert select_checkpoint(str(run), "best", log=lines.append) == p2
+    assert lines == [f"[checkpoint] best: {p2} (val_reward 0.7500)"]
+    prune_checkpoints(str(run), keep_last=1, keep_best=True, log=lambda s: None)
+    assert [s for s, _ in list_checkpoints(str(run))] == [4, 2]  # the newest, and the best by reward
+    assert selection_score({"val_loss": 2.0, "val_reward": 0.9}) == (2.0, "val_loss 2.0000")  # a loss decides
+    assert selection_score({"val_loss": None, "val_reward": True}) is None  # not a number
+    _save(other, 1, None)
+    with pytest.raises(CheckpointError, match="no valid checkpoint has a validation loss or reward"):
+        select_checkpoint(str(other), "best")
 
 
 def test_select_checkpoint_latest_best_and_step(tmp_path):
