@@ -153,7 +153,7 @@ def checkpoint_choice_problem(path: str, which: str) -> Optional[str]:
     if which == "latest":
         return None if found else f"{path}: no complete checkpoint (found: {names})"
     if which == "best":
-        return None if found else (f"{path}: no valid checkpoint has a validation loss (found: {names}); "
+        return None if found else (f"{path}: no valid checkpoint has a validation loss or reward (found: {names}); "
                                    "use --checkpoint=latest")
     m = _STEP.match(which) or re.match(r"^(\d+)$", which)
     if not m:
