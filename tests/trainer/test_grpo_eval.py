@@ -65,16 +65,19 @@ def test_the_logged_values_equal_the_hand_count():
     assert model.training  # generate restores the mode
 
 
-def test_the_tasks_evaluate_splits_the_prompts_over_ranks_and_sums_them():
+def test_the_tasks_evaluate_splits_the_prompts_over_ranks_and_sums_them(monkeypatch):
     """GRPOTask.evaluate at 1 rank, and each of 2 ranks' shares summed (what sum_over_data does), give the hand
     count; with 2 ranks both decode the same number of batches, the full length (no early stop)."""
+    from model.decode import Decoder
     from trainer.tasks.grpo import GRPOTask
     cfg = SimpleNamespace(scale_rewards="group", num_generations=2, batch_size=1, reward_funcs="exact_match",
                           reward_fn="", reward_weights="", loss_type="dapo", beta=0.0, max_prompt_length=8,
                           max_completion_length=5, answer_marker="", numeric_tolerance=0.0, format_regex="")
     model, val = chain_model(), SimpleNamespace(prompts=prompts(RECORDS))
-    forwards = []
-    model.register_forward_hook(lambda mod, args, out: forwards.append(1))
+    forwards = []  # the decode forwards (generate's prefill and each step through model/decode.py's Decoder)
+    for name in ("prefill", "step"):
+        real = getattr(Decoder, name)
+        monkeypatch.setattr(Decoder, name, lambda self, x, _real=real: forwards.append(1) or _real(self, x))
 
     def evaluate(rank: int, world: int, total=None) -> dict:
         task = GRPOTask(cfg)
