@@ -6,7 +6,9 @@ summation-order noise that differs between CPUs, and torch DDP shows the same ga
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 
@@ -25,7 +27,12 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 # What the launcher prints when its TCP store connection drops (seen once with both cores saturated by other
 # jobs: one agent aborted at shutdown, after training): an infrastructure failure, retried once with a new port.
 # A wrong result is never retried: the assertions below run on whichever launch completed.
-_LAUNCHER_FAILURES = ("DistNetworkError", "terminate called without an active exception")
+# A launch that never ends is retried once too: the port is chosen free and then released, so another test's
+# store can take it before the launcher binds it, and both agents then wait on a rendezvous that never completes
+# (one hang in a full-suite run, not reproduced alone). A hang that repeats still fails.
+TIMED_OUT = "[test] the launch timed out and was killed"
+LAUNCH_TIMEOUT_S = 180  # ~8 s alone on 2 idle cores
+_LAUNCHER_FAILURES = ("DistNetworkError", "terminate called without an active exception", TIMED_OUT)
 
 
 def _launch_two_nodes(out_dir) -> tuple[list[int], list[str]]:
@@ -36,15 +43,26 @@ def _launch_two_nodes(out_dir) -> tuple[list[int], list[str]]:
         [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
          f"--node_rank={i}", "--master_addr=127.0.0.1", f"--master_port={port}",
          "-m", "parallel.examples.train_tiny_ddp", f"--out={out_dir}", "--device=cpu", "--torch_ddp_reference"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
-    outs = [p.communicate(timeout=300)[0] for p in procs]
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=LAUNCH_TIMEOUT_S)[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        # the launchers, and their workers, which torch's launcher starts in sessions of their own: found by the
+        # --out directory on their command line, unique to this test
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+        with contextlib.suppress(FileNotFoundError):  # no procps: the workers end with their store's timeout
+            subprocess.run(["pkill", "-9", "-f", "--", f"train_tiny_ddp --out={out_dir} "], check=False)
+        outs = [p.communicate(timeout=60)[0] + f"\n{TIMED_OUT}" for p in procs]
     return [p.returncode for p in procs], outs
 
 
 def test_two_node_torchrun_trains_identically(tmp_path):
     codes, outs = _launch_two_nodes(tmp_path)
     if codes != [0, 0] and any(m in o for o in outs for m in _LAUNCHER_FAILURES):
-        print("the launch failed in the launcher's store connection; retried once:", outs)
+        print("the launch failed in the launcher (its store connection, or a hang); retried once:", outs)
         codes, outs = _launch_two_nodes(tmp_path)
     assert codes == [0, 0], outs
     ours = [torch.load(tmp_path / f"params_rank{r}.pt", weights_only=True) for r in range(2)]
