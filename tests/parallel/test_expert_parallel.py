@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from tests.dist_helpers import spawn
-from tests.parallel.test_moe_engines import CHUNKS, MOE, OPT, STEPS, batches, new_model, one_process_reference
+from tests.parallel.test_moe_engines import (MOE, OPT, STEPS, moe_loss, new_model, one_process_reference,
+                                             rank_batches)
 
 
 def _full(t) -> list:
@@ -63,17 +64,13 @@ def train(starve: bool, **layout) -> dict:
     engine = build_engine(new_model(starve), cfg, device=torch.device("cpu"))
     ddp = cfg.parallel == "ddp"
     training = MoETraining.of(cfg, engine.module)
-    loss_fn = training.wrap_loss(lambda m, b: (m(b["input_ids"], labels=b["labels"], reduction="sum"), {}),
-                                 lambda b: int((b["labels"] != -100).sum()))
+    loss_fn = moe_loss(training)
     rec = {"losses": [], "norms": [], "local_experts": []}
     for layer in training.layers:
         w = layer.experts.gate_up_proj
         rec["local_experts"].append((w if ddp else w.to_local()).shape[0])
     for step in range(1, STEPS + 1):
-        chunks = batches(step)
-        units = sum(int((y != -100).sum()) for _, y in chunks)
-        per = CHUNKS // engine.dp_size
-        mine = [{"input_ids": x, "labels": y} for x, y in chunks[engine.dp_rank * per:(engine.dp_rank + 1) * per]]
+        mine, units = rank_batches(engine, step)
         engine.optimizer.zero_grad()
         total = engine.sum_over_data(engine.forward_backward(mine, loss_fn, units), torch.device("cpu"))
         if step == 1 and not (ddp and cfg.zero_stage == 2):  # (ZeRO-2 frees what it does not own)
@@ -115,14 +112,10 @@ def _ddp_run(ep: int, zero: bool, parallel: str = "ddp"):
                               dtype="fp32", device="cpu", gradient_accumulation_steps=2, bucket_size=500, **OPT, **MOE)
     engine = build_engine(new_model(), cfg, device=torch.device("cpu"))
     training = MoETraining.of(cfg, engine.module)
-    loss_fn = training.wrap_loss(lambda m, b: (m(b["input_ids"], labels=b["labels"], reduction="sum"), {}),
-                                 lambda b: int((b["labels"] != -100).sum()))
+    loss_fn = moe_loss(training)
 
     def step(n: int) -> float:
-        chunks = batches(n)
-        units = sum(int((y != -100).sum()) for _, y in chunks)
-        per = CHUNKS // engine.dp_size
-        mine = [{"input_ids": x, "labels": y} for x, y in chunks[engine.dp_rank * per:(engine.dp_rank + 1) * per]]
+        mine, units = rank_batches(engine, n)
         engine.optimizer.zero_grad()
         total = engine.sum_over_data(engine.forward_backward(mine, loss_fn, units), torch.device("cpu"))
         engine.optimizer.step()

@@ -49,6 +49,19 @@ def _units(b) -> int:
     return int((b["labels"] != -100).sum())
 
 
+def moe_loss(training):
+    """The summed-loss function of the engines' forward_backward, with MoETraining's balancing terms."""
+    return training.wrap_loss(lambda m, b: (m(b["input_ids"], labels=b["labels"], reduction="sum"), {}), _units)
+
+
+def rank_batches(engine, step: int) -> tuple[list[dict], int]:
+    """(this rank's micro-batches of batches(step): its dp_rank's contiguous share, the whole step's target units)."""
+    chunks = batches(step)
+    units = sum(int((y != -100).sum()) for _, y in chunks)
+    per = CHUNKS // engine.dp_size
+    return [{"input_ids": x, "labels": y} for x, y in chunks[engine.dp_rank * per:(engine.dp_rank + 1) * per]], units
+
+
 def one_process_reference(dtype: torch.dtype, starve: bool = False) -> dict:
     """One process: torch AdamW + clip_grad_norm_, the balancing terms written out, the bias rule applied (with
     `starve` the bias update is off, so the starved experts stay starved); step 1's gradients are kept."""
@@ -94,13 +107,10 @@ def _train(parallel: str, zero: bool = False) -> dict:
                               use_distributed_optimizer=zero, gradient_accumulation_steps=2, **OPT, **MOE)
     engine = build_engine(new_model(), cfg, device=torch.device("cpu"))
     moe = MoETraining.of(cfg, engine.module)
-    loss_fn = moe.wrap_loss(lambda m, b: (m(b["input_ids"], labels=b["labels"], reduction="sum"), {}), _units)
+    loss_fn = moe_loss(moe)
     rec = {"losses": [], "norms": []}
     for step in range(1, STEPS + 1):
-        chunks = batches(step)
-        units = sum(int((y != -100).sum()) for _, y in chunks)
-        per = CHUNKS // engine.dp_size
-        mine = [{"input_ids": x, "labels": y} for x, y in chunks[engine.dp_rank * per:(engine.dp_rank + 1) * per]]
+        mine, units = rank_batches(engine, step)
         engine.optimizer.zero_grad()
         sums = engine.forward_backward(mine, loss_fn, units)
         total = engine.sum_over_data(sums, torch.device("cpu"))
