@@ -83,16 +83,12 @@ def main() -> None:
             p.wait()
 
 
-def run(args: argparse.Namespace) -> None:
-    import torch
-
+def encoded_inputs(args: argparse.Namespace) -> tuple[list, list, list, int, dict]:
+    """(multiple-choice records, their encoded requests, perplexity windows, documents, tokenizer meta), built in a
+    temp dir: a tokenizer trained on the paragraphs, --items records and --docs documents."""
     from evals import lm_tasks
-    from model import ModelConfig, Transformer
     from tokenizer import load_tokenizer, load_tokenizer_meta
     from tokenizer.train_tokenizer import train_tokenizer
-    from utils.threads import plan_threads
-    fixed = plan_threads(args.threads, fixed=True).start  # what eval_lm.py kept before it measured
-    torch.set_num_threads(fixed)
     rng = random.Random(0)
     paras = paragraphs()
     with tempfile.TemporaryDirectory() as d:
@@ -111,6 +107,18 @@ def run(args: argparse.Namespace) -> None:
         reqs = lm_tasks.read_task(task)
         encoded = lm_tasks.encode_requests(tok, bos, reqs, args.max_seq_len)
         windows, docs, _ = lm_tasks.perplexity_requests(tok, bos, eos, [held], "text", args.max_seq_len)
+    return reqs, encoded, windows, docs, meta
+
+
+def run(args: argparse.Namespace) -> None:
+    import torch
+
+    from evals import lm_tasks
+    from model import ModelConfig, Transformer
+    from utils.threads import plan_threads
+    fixed = plan_threads(args.threads, fixed=True).start  # what eval_lm.py kept before it measured
+    torch.set_num_threads(fixed)
+    reqs, encoded, windows, docs, meta = encoded_inputs(args)
     torch.manual_seed(0)
     model = Transformer(ModelConfig(vocab_size=meta["vocab_size"], dim=args.dim, n_layers=args.n_layers,
                                     n_heads=args.n_heads, max_seq_len=args.max_seq_len)).to(args.device).eval()
