@@ -5,13 +5,16 @@ in the two precision setups that matter:
 - `trainer` = "bf16 params + fp32 master (trainer)": what `train_my_ddp.py --dtype=bf16` runs. The model's
   parameters are bf16 (no autocast), wrapped by `parallel.build.build_engine` with the trainer's own
   TrainConfig defaults: our DDP (world size 1, contiguous fp32 gradient buffer) + MixedPrecisionOptimizer
-  (torch fused AdamW over fp32 master copies, global-norm clipping at 1.0), the token-summed loss
-  divided by the target count as the trainer does, and `--compile` as the trainer compiles
-  (`torch.compile` of the wrapped model). HF models run inside the same engine, so their
-  "trainer" rows are bf16 parameters with torch AdamW on fp32 master copies, the same optimizer as ours.
+  (fp32 master copies, global-norm clipping at 1.0; on CUDA the one-launch Triton AdamW of
+  optimizer/one_launch_step.py, elsewhere torch's fused AdamW), the token-summed loss divided by the target
+  count as the trainer does, and `--compile` as the trainer compiles (`torch.compile` of the wrapped model).
+  HF models run inside the same engine, so their "trainer" rows (`hf:trainer`) are HF with bf16 weights and
+  the same optimizer as ours: HF at its fastest precision, not how its Trainer runs it.
 - `autocast` = "autocast (fp32 params)": fp32 parameters, bf16 autocast, torch fused AdamW on the fp32
-  parameters. This is what Hugging Face's Trainer does with `--bf16` (autocast over fp32 weights), so the
-  HF autocast rows are the fair "HF as its users run it" baseline.
+  parameters, the gradients clipped to global norm 1.0 before each step (`clip_grad_norm_`, foreach). This is
+  what Hugging Face's Trainer does with `--bf16` (autocast over fp32 weights, `max_grad_norm=1.0` by default),
+  so the HF autocast rows are the fair "HF as its users run it" baseline; every peer row clips as its trainer
+  does by default.
 
 Every model gets the same config, the same weights and the same batch; a step is forward + backward +
 optimizer step. Each (config, model, precision, mode) runs in its own subprocess, so a compile failure or
@@ -35,9 +38,9 @@ Models: ours (kernel_backend=auto: Triton kernels on CUDA), ours-ref (every fuse
 plain-PyTorch references, = --fused_kernels=false), ours-triton (kernel_backend=triton: our Triton kernels
 under torch.compile too, where auto lets Inductor fuse the references), hf (LlamaForCausalLM, attn_implementation="sdpa"),
 hf-liger (the same with Liger-Kernel's RMSNorm/RoPE/SwiGLU/fused linear-CE patched in; a row saying
-"not installed" when liger-kernel is absent), ours-fp8 (ours with --float8=tensorwise: the blocks' matmuls in FP8
-through torchao; on CPU torchao's emulation, so only its GPU rows say anything about speed; reported apart from
-bf16, not in the GPU report's verdict rows: `--bench-rows ours-fp8:trainer:compile` asks for it), ours-torchadam
+"not installed" when liger-kernel is absent), ours-fp8 / ours-fp8r (ours with --float8=tensorwise / rowwise: the
+blocks' matmuls in FP8 through torchao; on CPU torchao's emulation, so only their GPU rows say anything about speed;
+reported apart from bf16, in tokens/s: MFU is not defined for them), ours-torchadam
 (ours with torch's fused AdamW instead of the one-launch kernel, OptimizerConfig.one_launch="off": the A/B of that
 kernel; trainer precision only), ours-concat (ours with the other compiled choice of kernel_backend=auto:
 q/k/v and gate/up as one matmul each and the chunked Triton linear+CE; the A/B of that choice),
@@ -56,7 +59,14 @@ for the one-launch AdamW to stream; a numerics choice, reported apart from bf16 
 precision only). Rows run in priority order, all eager rows of a config
 before its compile rows, so a --budget-s that runs out drops the least informative rows ("not run").
 MFU uses model/flops.py's formula against the dense bf16 peak of the GPU (model/flops.py's table; H100
-SXM 989 TFLOP/s; --peak-tflops overrides) and against the bf16 matmul peak measured in the same run.
+SXM 989 TFLOP/s; --peak-tflops overrides) and against the bf16 matmul peak measured in the same run, with the
+attention FLOPs counted whole (PaLM / nanoGPT; what the project's MFU goals use) and, in a column beside it,
+counted at half (what a causal kernel computes). FP8 rows print no MFU.
+
+Loss curves: every row keeps its timed steps' losses (read after the last step: no sync between steps);
+`--curve-steps N --curve-models ours,ours-fp8,ours-fp8r` gives those models N timed steps, and the tables then
+compare each FP8 row's curve with the bf16 `ours` row of the same config and mode (the same batch every step:
+the loss falls as the model fits it, so a recipe that diverges or stalls shows).
 
 Settings (the same in every row, printed at start): TF32 for fp32 matmuls and cuDNN on CUDA
 (`torch.set_float32_matmul_precision("high")`, `torch.backends.cudnn.allow_tf32`: it touches only fp32
@@ -93,8 +103,10 @@ CONFIGS = {
     "tiny": dict(model=dict(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=64),
                  batch=2, seq=64),
 }
-MODELS = ("ours", "ours-ref", "ours-triton", "hf", "hf-liger", "ours-fp8", "ours-torchadam", "ours-concat",
-          "ours-gradbuf", "ours-tce", "ours-tce4k", "ours-sync", "ours-bf16m")
+MODELS = ("ours", "ours-ref", "ours-triton", "hf", "hf-liger", "ours-fp8", "ours-fp8r", "ours-torchadam",
+          "ours-concat", "ours-gradbuf", "ours-tce", "ours-tce4k", "ours-sync", "ours-bf16m")
+FP8_MODELS = {"ours-fp8": "tensorwise", "ours-fp8r": "rowwise"}  # --float8 recipe of each FP8 row
+MAX_GRAD_NORM = 1.0  # the trainer's --grad_clip and HF Trainer's max_grad_norm default
 PRECISIONS = {"trainer": "bf16 params + fp32 master (trainer)", "autocast": "autocast (fp32 params)"}
 MODES = ("eager", "compile", "compile-cg", "compile-mat", "compile-cdt")
 DEFAULT_MODES = ("eager", "compile")
@@ -138,8 +150,8 @@ def _build(model_name: str, mcfg: dict, device):
     with torch.device(device):  # initialise on the GPU: a 1B model's CPU init takes tens of seconds
         cfg = ModelConfig(**mcfg)
         ours = Transformer(cfg)
-        if model_name in ("ours", "ours-fp8", "ours-torchadam", "ours-concat", "ours-gradbuf", "ours-tce",
-                          "ours-tce4k", "ours-sync", "ours-bf16m"):  # make_step
+        if model_name in ("ours", "ours-fp8", "ours-fp8r", "ours-torchadam", "ours-concat", "ours-gradbuf",
+                          "ours-tce", "ours-tce4k", "ours-sync", "ours-bf16m"):  # make_step
             return ours
         if model_name == "ours-triton":  # our Triton kernels also under torch.compile (auto: references there)
             return Transformer(ModelConfig(**mcfg, kernel_backend="triton"))
@@ -178,18 +190,18 @@ def make_step(config: str, model_name: str, mode: str, precision: str, device):
         from optimizer.adamw import build_adamw
         from parallel.transforms.compile import compile_in_place
         from utils.device import autocast_context
-        if model_name == "ours-fp8":  # the trainer's transform, before compile (parallel/transforms/float8.py)
+        if model_name in FP8_MODELS:  # the trainer's transform, before compile (parallel/transforms/float8.py)
             from types import SimpleNamespace
 
             from parallel.transforms import float8
-            float8.apply(model, None, SimpleNamespace(float8="tensorwise"), device=torch.device(device))
+            float8.apply(model, None, SimpleNamespace(float8=FP8_MODELS[model_name]), device=torch.device(device))
         if COMPILE_KW[mode] is not None:
             if ours:
                 compile_in_place(model, **COMPILE_KW[mode])
             else:
                 model.compile(**COMPILE_KW[mode])
-        opt = build_adamw(list(model.parameters()), [], OptimizerConfig(lr=LR, weight_decay=0.0, fused=True),
-                          torch.device(device).type)
+        params = list(model.parameters())
+        opt = build_adamw(params, [], OptimizerConfig(lr=LR, weight_decay=0.0, fused=True), torch.device(device).type)
 
         def step() -> torch.Tensor:
             if mode == "compile-cg":
@@ -198,6 +210,7 @@ def make_step(config: str, model_name: str, mode: str, precision: str, device):
             with autocast_context(device, torch.bfloat16):
                 loss = model(x, labels=y) if ours else model(input_ids=x, labels=x).loss
             loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, MAX_GRAD_NORM, foreach=True)  # HF Trainer's default clip
             opt.step()
             return loss.detach().clone()  # compile-cg: the graph's output is overwritten by the next replay
         return step, model
@@ -210,7 +223,7 @@ def make_step(config: str, model_name: str, mode: str, precision: str, device):
                       compile_mode=COMPILE_KW[mode].get("mode", "default") if COMPILE_KW[mode] else "default",
                       compile_tuning=mode == "compile-cdt",
                       learning_rate=LR, batch_size=B, max_seq_len=T,
-                      float8="tensorwise" if model_name == "ours-fp8" else "off",
+                      float8=FP8_MODELS.get(model_name, "off"), grad_clip=MAX_GRAD_NORM,
                       optimizer_state_dtype="bf16" if model_name == "ours-bf16m" else "fp32")
     if model_name == "ours-concat":  # the other compiled choice (model/kernels.py AUTO_UNDER_COMPILE)
         from model import kernels
@@ -304,12 +317,12 @@ def run_one(config: str, model_name: str, mode: str, precision: str, device_name
     synchronize(device)
     warm_s = time.perf_counter() - t0
     times = []  # seconds per step: one value per step (window 0 on a GPU), else one per window
-    loss = None
+    losses = []  # each timed step's loss tensor, read after the last step (reading one is a sync)
     if window <= 0 and device.type == "cuda":  # no sync until the end; each step's device time, as the trainer's
         ends = [torch.cuda.Event(enable_timing=True)]  # StepTimer takes it (utils/device.py); the first step's
         ends[0].record()                                 # interval starts on the idle device after the warm-up
         for _ in range(steps):
-            loss = step()
+            losses.append(step())
             ends.append(torch.cuda.Event(enable_timing=True))
             ends[-1].record()
         synchronize(device)
@@ -318,10 +331,11 @@ def run_one(config: str, model_name: str, mode: str, precision: str, device_name
         for k in _windows(steps, window if window > 0 else steps):
             t0 = time.perf_counter()
             for _ in range(k):
-                loss = step()
+                losses.append(step())
             synchronize(device)
             times.append((time.perf_counter() - t0) / k)
-    last = float(loss) if loss is not None else first
+    losses = [round(float(v), 4) for v in losses]
+    last = losses[-1] if losses else first
     med = statistics.median(times) if times else first_s
     peak_mem = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     row = dict(config=config, model=model_name, mode=mode, precision=precision,
@@ -330,8 +344,9 @@ def run_one(config: str, model_name: str, mode: str, precision: str, device_name
                compile_s=round(max(0.0, first_s - med), 2), first_step_s=round(first_s, 2),
                warmup_s=round(warm_s, 2), build_s=round(build_s, 2), first_loss=round(first, 4),
                last_loss=round(last, 4), peak_mem_gib=round(peak_mem / 2**30, 2),
-               flops_per_token=flops_per_token(ModelConfig(**spec["model"]), T), steps=steps, warmup=warmup,
-               window=window)
+               flops_per_token=flops_per_token(ModelConfig(**spec["model"]), T),
+               flops_per_token_causal_half=flops_per_token(ModelConfig(**spec["model"]), T, causal_half=True),
+               fp8=model_name in FP8_MODELS, losses=losses, steps=steps, warmup=warmup, window=window)
     if mode != "eager":
         row.update(_dynamo_counts())
     return row
@@ -509,21 +524,40 @@ def planned_rows(args) -> list[tuple[str, str, str, str]]:
     return rows
 
 
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package missing (find_spec imports it) or broken
+        return False
+
+
+# the rows that need an optional package, and the line a row says without it
+EXTRAS = {"hf-liger": ("liger_kernel", "liger-kernel not installed"),
+          "ours-nofa4": ("flash_attn.cute", "flash-attn-4 not installed: ours runs without it already")}
+
+
+def missing_extra(model_name: str) -> str:
+    """Why the row of `model_name` cannot run here ("" when it can): its optional package is not installed."""
+    module, why = EXTRAS.get(model_name, ("", ""))
+    return why if module and not _importable(module) else ""
+
+
 def child_rows(args) -> list[dict]:
     rows = []
     t_start = time.perf_counter()
     plan = planned_rows(args)
-    liger = importlib.util.find_spec("liger_kernel") is not None
     for i, (config, model_name, precision, mode) in enumerate(plan):
         key = dict(config=config, model=model_name, mode=mode, precision=precision)
         left = args.budget_s - (time.perf_counter() - t_start) if args.budget_s else None
+        missing = missing_extra(model_name)
         if left is not None and left < 5:
             row = dict(key, skipped=f"not run: the {args.budget_s:.0f} s budget was spent")
-        elif model_name == "hf-liger" and not liger:
-            row = dict(key, skipped="liger-kernel not installed")
+        elif missing:
+            row = dict(key, skipped=missing)
         else:
+            steps = args.curve_steps if args.curve_steps and model_name in args.curve_models else args.steps
             cmd = [sys.executable, os.path.abspath(__file__), "--one", f"{config},{model_name},{mode},{precision}",
-                   "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup),
+                   "--device", args.device, "--steps", str(steps), "--warmup", str(args.warmup),
                    "--window", str(args.window)]
             timeout = min(args.timeout, left) if left is not None else args.timeout
             t0 = time.perf_counter()
@@ -589,7 +623,7 @@ def prewarm_rows(args) -> list[dict]:
 
     try:
         for config, model_name, precision, mode in plan:
-            if model_name == "hf-liger" and importlib.util.find_spec("liger_kernel") is None:
+            if missing_extra(model_name):
                 continue
             while len(running) >= max(1, args.parallel):
                 reap(block=False)
@@ -616,6 +650,10 @@ def _write_json(path: str, obj: dict) -> None:
     atomic_write_text(path, json.dumps(obj, indent=1))
 
 
+# our bf16 rows a user gets from a flag (the goals take the best of them); FP8 and bf16 moments are reported apart
+BF16_OURS = ("ours", "ours-nofa4")
+
+
 def _ratio(a, b) -> str:
     return f"{a / b:.2f}x" if a and b else "-"
 
@@ -623,20 +661,25 @@ def _ratio(a, b) -> str:
 def markdown_tables(rows: list[dict], peak_table: float, peak_measured: float) -> str:
     """The rows table and the ratios the issue's goals are stated in, as markdown."""
     out = ["| config | model | precision | mode | tokens/s | step ms | MFU (table peak) | MFU (measured peak) | "
-           "compile s (eager: first call) | peak GiB | first loss |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+           "MFU, causal half (table peak) | compile s (eager: first call) | peak GiB | first loss |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         head = f"| {r['config']} | {r['model']} | {PRECISIONS.get(r['precision'], r['precision'])} | {r['mode']} |"
         if "tokens_per_s" not in r:
             why = r.get("skipped") or f"failed: {r.get('error', '?')}"
-            out.append(f"{head} {why} | | | | | | |")
+            out.append(f"{head} {why} | | | | | | | |")
             continue
         f = r["flops_per_token"] * r["tokens_per_s"]
-        mfu_m = f"{f / peak_measured:.1%}" if peak_measured else "-"
+        f_half = r.get("flops_per_token_causal_half", 0) * r["tokens_per_s"]
+        if r.get("fp8") or r.get("model") in FP8_MODELS:  # FP8 matmuls: no bf16 peak to divide by
+            mfu_t = mfu_m = mfu_h = "FP8: -"
+        else:
+            mfu_t, mfu_h = f"{f / peak_table:.1%}", (f"{f_half / peak_table:.1%}" if f_half else "-")
+            mfu_m = f"{f / peak_measured:.1%}" if peak_measured else "-"
         graphs = f" ({r['graphs']} graph(s), {r['graph_breaks']} break(s))" if "graphs" in r else ""
         if r.get("mode") == "compile-cg" and "cudagraph_skips" in r:
             graphs = graphs[:-1] + f", {r['cudagraph_skips']} not replayed as CUDA graphs)"
-        out.append(f"{head} {r['tokens_per_s']:,} | {r['step_ms']} | {f / peak_table:.1%} | {mfu_m} | "
+        out.append(f"{head} {r['tokens_per_s']:,} | {r['step_ms']} | {mfu_t} | {mfu_m} | {mfu_h} | "
                    f"{r['compile_s']}{graphs} | {r['peak_mem_gib']} | {r['first_loss']} |")
     tps = {(r["config"], r["model"], r["precision"], r["mode"]): r.get("tokens_per_s", 0) for r in rows}
     mem = {(r["config"], r["model"], r["precision"], r["mode"]): r.get("peak_mem_gib", 0) for r in rows}
@@ -646,11 +689,20 @@ def markdown_tables(rows: list[dict], peak_table: float, peak_measured: float) -
         # the goals' ratio: our best bf16 row (any precision and mode) over the best peer row; FP8 apart
         best = lambda models: max((get(m, p, md) for m in models for p in PRECISIONS for md in MODES),  # noqa: E731
                                   default=0)
-        ratios.append(f"| {c} | GOAL: best ours (bf16) / best of HF and HF+Liger | "
-                      f"{_ratio(best(('ours',)), best(('hf', 'hf-liger')))} |")
-        ratios.append(f"| {c} | GOAL, FP8 apart: best ours with FP8 / best of HF and HF+Liger | "
-                      f"{_ratio(best(('ours-fp8',)), best(('hf', 'hf-liger')))} |")
-        ratios.append(f"| {c} | ours with FP8 / ours bf16 (best rows) | {_ratio(best(('ours-fp8',)), best(('ours',)))} |")
+        compiled = lambda models: max((get(m, p, md) for m in models for p in PRECISIONS  # noqa: E731
+                                       for md in MODES if md != "eager"), default=0)
+        ours_bf16 = best(BF16_OURS)
+        ratios.append(f"| {c} | GOAL (>= 1.15x): best ours (bf16) / torchtitan | {_ratio(ours_bf16, best(('titan',)))} |")
+        ratios.append(f"| {c} | GOAL (>= 1.5x at 124m): best ours (bf16) / best HF compiled (HF, HF+Liger) | "
+                      f"{_ratio(ours_bf16, compiled(('hf', 'hf-liger')))} |")
+        ratios.append(f"| {c} | GOAL (>= 1.25x at 1b): best ours with FP8 (either recipe) / best ours bf16 | "
+                      f"{_ratio(best(tuple(FP8_MODELS)), ours_bf16)} |")
+        ratios.append(f"| {c} | FP8 rowwise / FP8 tensorwise (best rows) | "
+                      f"{_ratio(best(('ours-fp8r',)), best(('ours-fp8',)))} |")
+        ratios.append(f"| {c} | ours / ours-nofa4 (FlashAttention-4's gain where --fused_kernels=auto picks it; best "
+                      f"rows) | {_ratio(best(('ours',)), best(('ours-nofa4',)))} |")
+        ratios.append(f"| {c} | best ours (bf16) / best of HF and HF+Liger, any mode | "
+                      f"{_ratio(ours_bf16, best(('hf', 'hf-liger')))} |")
         ratios.append(f"| {c} | ours / ours with torch's fused AdamW (the one-launch AdamW's gain; best rows) | "
                       f"{_ratio(best(('ours',)), best(('ours-torchadam',)))} |")
         ratios.append(f"| {c} | ours / ours-concat (separate projections + full-logits loss when compiled; best rows) | "
@@ -693,7 +745,45 @@ def markdown_tables(rows: list[dict], peak_table: float, peak_measured: float) -
     ratios = [r for r in ratios if not r.endswith("| - |")]  # only the ratios both of whose rows ran
     out += [""] + (["| config | ratio (tokens/s unless memory) | value |", "| --- | --- | --- |"] + ratios
                    if ratios else ["(no ratio: none of the row pairs it compares ran)"])
+    curves = loss_curves(rows)
+    if curves:
+        out += ["", curves]
     return "\n".join(out)
+
+
+CURVE_MIN_STEPS = 20  # rows with fewer timed steps are not compared as curves
+
+
+def curve_summary(curve: list[float], ref: list[float]) -> dict:
+    """How `curve` (an FP8 row's timed losses) follows `ref` (bf16's, the same batch and steps): the largest
+    relative gap over the common steps, the gap at the last common step, and whether every loss is finite."""
+    n = min(len(curve), len(ref))
+    gaps = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(curve[:n], ref[:n])]
+    finite = all(v == v and abs(v) != float("inf") for v in curve)
+    return dict(steps=n, max_rel_gap=max(gaps) if gaps else float("nan"),
+                last_rel_gap=gaps[-1] if gaps else float("nan"), finite=finite,
+                first=curve[0] if curve else None, last=curve[n - 1] if n else None,
+                ref_first=ref[0] if ref else None, ref_last=ref[n - 1] if n else None)
+
+
+def loss_curves(rows: list[dict]) -> str:
+    """Each FP8 row's loss curve against the bf16 `ours` row of its config, precision and mode, as markdown
+    ("" when no pair has CURVE_MIN_STEPS timed steps)."""
+    by_key = {(r["config"], r["model"], r["precision"], r["mode"]): r for r in rows if r.get("losses")}
+    lines = []
+    for (c, m, p, md), r in by_key.items():
+        ref = by_key.get((c, "ours", p, md))
+        if m not in FP8_MODELS or ref is None or min(len(r["losses"]), len(ref["losses"])) < CURVE_MIN_STEPS:
+            continue
+        s = curve_summary(r["losses"], ref["losses"])
+        lines.append(f"| {c} | {m} ({FP8_MODELS[m]}) | {md} | {s['steps']} | {s['ref_first']} -> {s['ref_last']} | "
+                     f"{s['first']} -> {s['last']} | {s['max_rel_gap']:.2%} | {s['last_rel_gap']:.2%} | "
+                     f"{'yes' if s['finite'] else 'NO'} |")
+    if not lines:
+        return ""
+    return "\n".join(["| config | FP8 row | mode | timed steps | bf16 loss first -> last | FP8 loss first -> last | "
+                      "largest gap to bf16 | gap at the last step | all finite |",
+                      "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"] + lines)
 
 
 def resolve_peak(device: str, override_tflops) -> tuple[float, str]:
@@ -724,6 +814,9 @@ def main(argv=None) -> None:
     p.add_argument("--window", type=int, default=0, help="0: no device sync until the last timed step, each "
                    "step timed by CUDA events (the trainer's way); N: timed steps per device sync, by the host clock "
                    "(1: a sync after every step)")
+    p.add_argument("--curve-steps", type=int, default=0, help="timed steps of the --curve-models rows (0: --steps), "
+                   "whose losses the tables compare as curves")
+    p.add_argument("--curve-models", default="ours,ours-fp8,ours-fp8r", help="comma list: the rows --curve-steps applies to")
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="dense bf16 peak of the GPU (default: model/flops.py's table for this GPU, else 989)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per row subprocess")
@@ -757,6 +850,7 @@ def main(argv=None) -> None:
     args.configs, args.models, args.modes, args.precisions = (
         [s for s in v.split(",") if s] for v in (args.configs, args.models, args.modes, args.precisions))
     args.rows = [r for r in args.rows.split(",") if r]
+    args.curve_models = [m for m in args.curve_models.split(",") if m]
     for c in args.configs:
         if c not in CONFIGS:
             p.error(f"unknown config {c!r}")

@@ -15,7 +15,9 @@ Formula (training = forward + backward, backward = 2x forward):
   as the LM head). Norm weights are included (negligible).
 - 12 * L * d * T: attention scores QK^T and the weighted sum AV, 2 * T * d multiply-adds each per token
   per layer forward (4 * T * d FLOPs), times 3 for forward + backward. As in PaLM/nanoGPT the causal
-  half is not discounted, so MFU is comparable with those reports.
+  half is not discounted, so MFU is comparable with those reports. `causal_half=True` counts the attention
+  term at half (6 * L * d * T: the FLOPs a causal kernel actually does, the convention of FlashAttention's and
+  torchtitan's papers), which gives a lower MFU at long sequences; benchmarks print both.
 
 Must never: assert speed, or run the benchmark at import time.
 """
@@ -98,9 +100,11 @@ def matmul_params(cfg: ModelConfig) -> int:
             + d + cfg.vocab_size * d)  # + final norm + LM head
 
 
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward) of `cfg` at sequence length `seq_len`."""
-    return 6.0 * matmul_params(cfg) + 12.0 * cfg.n_layers * cfg.dim * seq_len
+def flops_per_token(cfg: ModelConfig, seq_len: int, causal_half: bool = False) -> float:
+    """Training FLOPs per token (forward + backward) of `cfg` at sequence length `seq_len`; causal_half: the
+    attention term halved (the masked half of the scores is not computed by a causal kernel)."""
+    attention = (6.0 if causal_half else 12.0) * cfg.n_layers * cfg.dim * seq_len
+    return 6.0 * matmul_params(cfg) + attention
 
 
 def measure_peak_flops(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,

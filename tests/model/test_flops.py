@@ -13,6 +13,19 @@ def test_flops_per_token_formula():
     assert flops.flops_per_token(cfg, 16) == 6 * n_matmul + 12 * 2 * 32 * 16
 
 
+def test_causal_half_counts_the_keys_a_causal_query_sees():
+    """causal_half: the attention term is what a causal kernel computes: query t scores t + 1 keys and sums t + 1
+    values (2 matmuls x 2 FLOPs x dim each), forward + backward = 3x, per layer; averaged over the T positions it
+    is 6 * L * d * (T + 1), which the formula writes as 6 * L * d * T (within 1/T)."""
+    cfg = ModelConfig(vocab_size=100, dim=32, n_layers=2, n_heads=4, hidden_dim=64)
+    T = 64
+    exact = 3 * cfg.n_layers * sum(2 * 2 * cfg.dim * (t + 1) for t in range(T)) / T
+    attn = flops.flops_per_token(cfg, T, causal_half=True) - 6 * flops.matmul_params(cfg)
+    assert abs(attn - exact) / exact <= 1 / T
+    full = flops.flops_per_token(cfg, T) - 6 * flops.matmul_params(cfg)
+    assert abs(full - 2 * exact) / (2 * exact) <= 1 / T  # the default (PaLM / nanoGPT) counts every key
+
+
 def test_moe_flops_count_active_parameters():
     """Of an MoE model: every parameter but the embedding and the routed experts not chosen (E - top_k of E)."""
     cfg = ModelConfig(vocab_size=100, dim=32, n_layers=3, n_heads=4, hidden_dim=64, moe_num_experts=8, moe_top_k=2,
