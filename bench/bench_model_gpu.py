@@ -56,7 +56,9 @@ optimizer verdict read inside the step, the host waiting for the gradient norm e
 ours leaves it unread, as the trainer reads it a step later: the A/B of that; trainer precision only), ours-bf16m
 (ours with --optimizer_state_dtype=bf16: AdamW's moments in bf16 with stochastic rounding, 8 bytes a parameter less
 for the one-launch AdamW to stream; a numerics choice, reported apart from bf16 like FP8, beside ours; trainer
-precision only). Rows run in priority order, all eager rows of a config
+precision only), ours-overlap (ours with --overlap_optim_step: each bucket's AdamW step as soon as its
+gradients are ready, clipped with the previous step's norm; torch's AdamW per bucket, the host reading each step's
+norm: the A/B of taking the optimizer off the end of the step; trainer precision only). Rows run in priority order, all eager rows of a config
 before its compile rows, so a --budget-s that runs out drops the least informative rows ("not run").
 MFU uses model/flops.py's formula against the dense bf16 peak of the GPU (model/flops.py's table; H100
 SXM 989 TFLOP/s; --peak-tflops overrides) and against the bf16 matmul peak measured in the same run, with the
@@ -104,7 +106,7 @@ CONFIGS = {
                  batch=2, seq=64),
 }
 MODELS = ("ours", "ours-ref", "ours-triton", "hf", "hf-liger", "ours-fp8", "ours-fp8r", "ours-torchadam",
-          "ours-concat", "ours-gradbuf", "ours-tce", "ours-tce4k", "ours-sync", "ours-bf16m")
+          "ours-concat", "ours-gradbuf", "ours-tce", "ours-tce4k", "ours-sync", "ours-bf16m", "ours-overlap")
 FP8_MODELS = {"ours-fp8": "tensorwise", "ours-fp8r": "rowwise"}  # --float8 recipe of each FP8 row
 MAX_GRAD_NORM = 1.0  # the trainer's --grad_clip and HF Trainer's max_grad_norm default
 PRECISIONS = {"trainer": "bf16 params + fp32 master (trainer)", "autocast": "autocast (fp32 params)"}
@@ -151,7 +153,7 @@ def _build(model_name: str, mcfg: dict, device):
         cfg = ModelConfig(**mcfg)
         ours = Transformer(cfg)
         if model_name in ("ours", "ours-fp8", "ours-fp8r", "ours-torchadam", "ours-concat", "ours-gradbuf",
-                          "ours-tce", "ours-tce4k", "ours-sync", "ours-bf16m"):  # make_step
+                          "ours-tce", "ours-tce4k", "ours-sync", "ours-bf16m", "ours-overlap"):  # make_step
             return ours
         if model_name == "ours-triton":  # our Triton kernels also under torch.compile (auto: references there)
             return Transformer(ModelConfig(**mcfg, kernel_backend="triton"))
@@ -224,6 +226,7 @@ def make_step(config: str, model_name: str, mode: str, precision: str, device):
                       compile_tuning=mode == "compile-cdt",
                       learning_rate=LR, batch_size=B, max_seq_len=T,
                       float8=FP8_MODELS.get(model_name, "off"), grad_clip=MAX_GRAD_NORM,
+                      overlap_optim_step=model_name == "ours-overlap",
                       optimizer_state_dtype="bf16" if model_name == "ours-bf16m" else "fp32")
     if model_name == "ours-concat":  # the other compiled choice (model/kernels.py AUTO_UNDER_COMPILE)
         from model import kernels
@@ -713,6 +716,8 @@ def markdown_tables(rows: list[dict], peak_table: float, peak_measured: float) -
                       f"8 warps; best rows) | {_ratio(best(('ours',)), best(('ours-tce4k',)))} |")
         ratios.append(f"| {c} | ours / ours-gradbuf (gradients read from the parameters, not copied into fp32 "
                       f"buffers; best rows) | {_ratio(best(('ours',)), best(('ours-gradbuf',)))} |")
+        ratios.append(f"| {c} | ours-overlap / ours (each bucket stepped when its gradients are ready, clipped with "
+                      f"the previous norm; best rows) | {_ratio(best(('ours-overlap',)), best(('ours',)))} |")
         ratios.append(f"| {c} | ours / ours-sync (the step's gradient norm read a step later vs inside the step; "
                       f"best rows) | {_ratio(best(('ours',)), best(('ours-sync',)))} |")
         ratios.append(f"| {c} | GOAL, bf16 moments apart: best ours-bf16m / best of HF and HF+Liger | "

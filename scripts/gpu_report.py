@@ -129,12 +129,15 @@ CURVE_STEPS = 200  # timed steps of the 1B bf16 and FP8 rows: the FP8 loss curve
 # sizes: 98,671 vs 97,537 at 1B) and ours-gradbuf at 1B (ours 1.03x) (docs/benchmarks.md). In order: FA4's A/B at
 # 1B (attention is a smaller part of the 1B step, 9.7 of 82 ms, than of the 124M one); ours at 1B with CUDA graphs
 # (compile-cg, never measured at 1B: the device sat idle 1.66 ms of the 1B step in gaps between kernels, what CUDA
-# graphs remove); HF compiled at 1B (the second peer there); the Triton linear+CE with its softmax kernel in
+# graphs remove); the optimizer off the end of the 1B step (ours-overlap = --overlap_optim_step: each bucket's
+# AdamW as its gradients are ready, clipped with the previous step's norm; AdamW and the norm were 7.5 of the 82 ms
+# step's kernels); HF compiled at 1B (the second peer there); the Triton linear+CE with its softmax kernel in
 # 4096-element tiles at 124M (ours-tce4k: the end-to-end side of the kernels stage's tile A/B); ours compiled with
 # Inductor's coordinate-descent tuning (compile-cdt = --compile_tuning=true); last the Triton linear+CE under
 # compile at 1B.
-AB_BENCH_ROWS = ("1b:ours-nofa4:trainer:compile,1b:ours:trainer:compile-cg,1b:hf:autocast:compile,"
-                 "124m:ours-tce4k:trainer:compile,124m:ours:trainer:compile-cdt,1b:ours-tce:trainer:compile")
+AB_BENCH_ROWS = ("1b:ours-nofa4:trainer:compile,1b:ours:trainer:compile-cg,1b:ours-overlap:trainer:compile,"
+                 "1b:hf:autocast:compile,124m:ours-tce4k:trainer:compile,124m:ours:trainer:compile-cdt,"
+                 "1b:ours-tce:trainer:compile")
 DRY_AB_ROWS = "tiny:ours-gradbuf:trainer:eager"
 DRY_TIMEOUTS = {"tests": 240, "bench-124m": 300, "bench-1b": 400, "train": 600, "profile": 240, "profile-1b": 240,
                 "bench-ab": 300, "optimizer": 240, "kernels": 300}
