@@ -58,6 +58,11 @@ before its compile rows, so a --budget-s that runs out drops the least informati
 MFU uses model/flops.py's formula against the dense bf16 peak of the GPU (model/flops.py's table; H100
 SXM 989 TFLOP/s; --peak-tflops overrides) and against the bf16 matmul peak measured in the same run.
 
+Peer: titan (torchtitan 0.3.0's Llama3 on our weights with its trainer's own recipe, precision `titan`: FSDP2 on one
+rank for its bf16 mixed precision over fp32 parameters, per-block and loss compile in mode compile, FlexAttention,
+chunked loss, fused AdamW, clipping, CUDA graphs; bench/titan_peer.py says exactly what runs and what differs; the
+row says "torchtitan not installed" without requirements-peers.txt).
+
 Settings (the same in every row, printed at start): TF32 for fp32 matmuls and cuDNN on CUDA
 (`torch.set_float32_matmul_precision("high")`, `torch.backends.cudnn.allow_tf32`: it touches only fp32
 matmuls, e.g. the autocast rows' fp32 ops and the loss's fp32 weight-gradient accumulation). And
@@ -94,8 +99,9 @@ CONFIGS = {
                  batch=2, seq=64),
 }
 MODELS = ("ours", "ours-ref", "ours-triton", "hf", "hf-liger", "ours-fp8", "ours-torchadam", "ours-concat",
-          "ours-gradbuf", "ours-tce", "ours-tce4k", "ours-sync", "ours-bf16m")
-PRECISIONS = {"trainer": "bf16 params + fp32 master (trainer)", "autocast": "autocast (fp32 params)"}
+          "ours-gradbuf", "ours-tce", "ours-tce4k", "ours-sync", "ours-bf16m", "titan")
+PRECISIONS = {"trainer": "bf16 params + fp32 master (trainer)", "autocast": "autocast (fp32 params)",
+              "titan": "torchtitan's recipe (FSDP2 bf16 compute, fp32 params)"}  # model titan only
 MODES = ("eager", "compile", "compile-cg", "compile-mat", "compile-cdt")
 DEFAULT_MODES = ("eager", "compile")
 # compile-cg: torch.compile(mode="reduce-overhead") = the trainer's --compile_mode=reduce-overhead (the forward
@@ -115,7 +121,7 @@ TIMED_AT_COMPILE = ("compile-mat", "compile-cdt")
 # (model, precision) in the order rows run within a mode: the trainer's own setup and HF's default first
 PRIORITY = (("ours", "trainer"), ("hf", "autocast"), ("ours", "autocast"), ("ours-ref", "trainer"),
             ("hf", "trainer"), ("hf-liger", "autocast"), ("ours-ref", "autocast"), ("hf-liger", "trainer"),
-            ("ours-fp8", "trainer"))
+            ("ours-fp8", "trainer"), ("titan", "titan"))
 LR = 1e-4
 
 
@@ -139,7 +145,7 @@ def _build(model_name: str, mcfg: dict, device):
         cfg = ModelConfig(**mcfg)
         ours = Transformer(cfg)
         if model_name in ("ours", "ours-fp8", "ours-torchadam", "ours-concat", "ours-gradbuf", "ours-tce",
-                          "ours-tce4k", "ours-sync", "ours-bf16m"):  # make_step
+                          "ours-tce4k", "ours-sync", "ours-bf16m", "titan"):  # make_step (titan: bench/titan_peer.py)
             return ours
         if model_name == "ours-triton":  # our Triton kernels also under torch.compile (auto: references there)
             return Transformer(ModelConfig(**mcfg, kernel_backend="triton"))
@@ -173,6 +179,16 @@ def make_step(config: str, model_name: str, mode: str, precision: str, device):
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, spec["model"]["vocab_size"], (B, T), generator=g).to(device)
     y = torch.cat((x[:, 1:], torch.full((B, 1), -100, device=device)), dim=1)  # = HF's own shift
+    if "titan" in (model_name, precision):  # torchtitan's model and trainer recipe, nothing of ours but the weights
+        if (model_name, precision) != ("titan", "titan"):
+            raise ValueError(f"model titan runs only at precision titan (its own recipe), got {model_name}:{precision}")
+        from bench import titan_peer
+        why = titan_peer.titan_unavailable()
+        if why:
+            raise RuntimeError(why)
+        step, titan = titan_peer.make_titan_step(model, x, y, mode, device, LR)
+        del model
+        return step, titan
     if precision == "autocast":
         from optimizer import OptimizerConfig
         from optimizer.adamw import build_adamw
@@ -514,6 +530,7 @@ def child_rows(args) -> list[dict]:
     t_start = time.perf_counter()
     plan = planned_rows(args)
     liger = importlib.util.find_spec("liger_kernel") is not None
+    titan = importlib.util.find_spec("torchtitan") is not None
     for i, (config, model_name, precision, mode) in enumerate(plan):
         key = dict(config=config, model=model_name, mode=mode, precision=precision)
         left = args.budget_s - (time.perf_counter() - t_start) if args.budget_s else None
@@ -521,6 +538,8 @@ def child_rows(args) -> list[dict]:
             row = dict(key, skipped=f"not run: the {args.budget_s:.0f} s budget was spent")
         elif model_name == "hf-liger" and not liger:
             row = dict(key, skipped="liger-kernel not installed")
+        elif model_name == "titan" and not titan:
+            row = dict(key, skipped="torchtitan not installed (pip install --no-deps -r requirements-peers.txt)")
         else:
             cmd = [sys.executable, os.path.abspath(__file__), "--one", f"{config},{model_name},{mode},{precision}",
                    "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup),
@@ -591,6 +610,8 @@ def prewarm_rows(args) -> list[dict]:
         for config, model_name, precision, mode in plan:
             if model_name == "hf-liger" and importlib.util.find_spec("liger_kernel") is None:
                 continue
+            if model_name == "titan" and importlib.util.find_spec("torchtitan") is None:
+                continue
             while len(running) >= max(1, args.parallel):
                 reap(block=False)
                 time.sleep(0.5)
@@ -648,6 +669,8 @@ def markdown_tables(rows: list[dict], peak_table: float, peak_measured: float) -
                                   default=0)
         ratios.append(f"| {c} | GOAL: best ours (bf16) / best of HF and HF+Liger | "
                       f"{_ratio(best(('ours',)), best(('hf', 'hf-liger')))} |")
+        ratios.append(f"| {c} | best ours (bf16) / torchtitan with its recipe (best row) | "
+                      f"{_ratio(best(('ours',)), best(('titan',)))} |")
         ratios.append(f"| {c} | GOAL, FP8 apart: best ours with FP8 / best of HF and HF+Liger | "
                       f"{_ratio(best(('ours-fp8',)), best(('hf', 'hf-liger')))} |")
         ratios.append(f"| {c} | ours with FP8 / ours bf16 (best rows) | {_ratio(best(('ours-fp8',)), best(('ours',)))} |")
