@@ -127,9 +127,12 @@ def start_one_rank_group(device) -> bool:
             raise RuntimeError("titan_peer: a process group of more than one rank is already running")
         return False
     store = dist.FileStore(os.path.join(tempfile.mkdtemp(prefix="titan_pg_"), "store"), 1)
-    backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
-    dist.init_process_group(backend, store=store, rank=0, world_size=1,
-                            device_id=torch.device(device) if backend == "nccl" else None)
+    device = torch.device(device)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+        torch.cuda.set_device(device)  # its Trainer sets the device before the process group
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=store, rank=0, world_size=1,
+                            device_id=device if device.type == "cuda" else None)
     return True
 
 
