@@ -89,9 +89,9 @@ def pin_lines(dists: dict[str, metadata.Distribution], markers: dict[str, str]) 
 
 def check_installed(roots: list[Requirement]) -> list[str]:
     """What differs between this venv and the locks (requirements-peers.txt's exact pins with them): a locked
-    package missing or at another version, or a package
-    the .in files pull in that no lock names. Exempt: what torch's own wheel pins exactly (its CUDA build's nvidia
-    libraries and triton on a GPU machine), which the torch pin already decides."""
+    package missing or at another version, or a package the .in files pull in that no lock names. Exempt: what
+    torch's own wheel pins exactly (its CUDA build's nvidia libraries and triton on a GPU machine), which the torch
+    pin already decides."""
     locked: dict[str, str] = {}
     for name in ("requirements.txt", "requirements-dev.txt", "requirements-peers.txt"):
         for line in (ROOT / name).read_text(encoding="utf-8").splitlines():
