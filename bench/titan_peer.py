@@ -45,9 +45,6 @@ from __future__ import annotations
 import os
 import tempfile
 
-TITAN_VERSION = "0.3.0"  # requirements-peers.txt
-LOSS_CHUNKS = 8  # ChunkedLossWrapper.Config.num_chunks default
-
 
 def titan_unavailable() -> str | None:
     """None when torchtitan's modules the row needs import; else one line saying why not."""
@@ -136,7 +133,7 @@ def start_one_rank_group(device) -> bool:
     return True
 
 
-def make_titan_step(ours, x, y, mode: str, device, lr: float, compile_kw=None):
+def make_titan_step(ours, x, y, mode: str, device, lr: float):
     """(step() -> loss tensor, model) for the titan row: its model on our weights, its trainer's recipe (see the
     module docstring). `ours` is our fp32 Transformer (freed by the caller after this returns); x, y the batch
     (y[t] = x[t+1], -100 ignored)."""
@@ -145,8 +142,10 @@ def make_titan_step(ours, x, y, mode: str, device, lr: float, compile_kw=None):
     from torchtitan.components.optimizer import default_adamw
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import parallel_dims as parallel_dims_module
     from torchtitan.distributed import utils as dist_utils
     from torchtitan.distributed.cudagraph import wrap_with_cuda_graph
+    from torchtitan.distributed.spmd_types import annotate_input_spmd_types
     from torchtitan.models.llama3 import parallelize_llama
     if mode not in ("eager", "compile"):
         raise ValueError(f"titan row: mode {mode!r} is not its recipe (eager or compile)")
@@ -156,9 +155,8 @@ def make_titan_step(ours, x, y, mode: str, device, lr: float, compile_kw=None):
     torch.autograd.set_multithreading_enabled(False)  # its init_distributed does (spmd_types + AC)
     parallelism, training = ParallelismConfig(), TrainingConfig(local_batch_size=x.shape[0], seq_len=x.shape[1])
     compile_config = CompileConfig(enable=mode == "compile")
-    from torchtitan.distributed import parallel_dims as pd_module
     # its meshes are built on the accelerator it found at import ("cuda" when none): the row's device type here
-    pd_module.device_type = torch.device(device).type
+    parallel_dims_module.device_type = torch.device(device).type
     parallel_dims = ParallelDims.from_config(parallelism, 1)
     parallel_dims.build_mesh()
     dist_utils.set_spmd_backend(parallelism.spmd_backend)
@@ -173,7 +171,6 @@ def make_titan_step(ours, x, y, mode: str, device, lr: float, compile_kw=None):
     optimizers = default_adamw(lr=lr).build(model_parts=[model])
     train_context = dist_utils.get_spmd_context(parallel_dims=parallel_dims)
     positions = positions_for(x)
-    global_valid_tokens = (y != -100).sum()
 
     def fwd_bwd(inputs, labels, gvt, extra_kwargs):  # Trainer._forward_backward_body
         with train_context():
@@ -188,10 +185,12 @@ def make_titan_step(ours, x, y, mode: str, device, lr: float, compile_kw=None):
 
     def step() -> torch.Tensor:  # Trainer.train_step, one micro-batch
         optimizers.zero_grad(set_to_none=False)  # its trainer: set_to_none only with CUDA graphs disabled
+        global_valid_tokens = (y != -100).sum()
         extra = {"positions": positions}  # its post_dataloading_process: a mask for the masked backends
         if attention == "flex":
             extra["attention_masks"] = model.get_attention_masks(positions=positions)
-        loss = fwd_bwd_fn(x, y, global_valid_tokens, extra)
+        inputs, labels, extra = annotate_input_spmd_types(parallel_dims, x, y, extra)
+        loss = fwd_bwd_fn(inputs, labels, global_valid_tokens, extra)
         dist_utils.clip_grad_norm_(params, training.max_norm, foreach=True)
         optimizers.step()
         return loss.detach().clone()  # graph-owned under CUDA graphs: the next replay overwrites it
