@@ -140,3 +140,15 @@ def test_titan_runs_only_its_own_recipe(bench):
     for model_name, precision in (("titan", "trainer"), ("ours", "titan")):
         with pytest.raises(ValueError, match="model titan runs only at precision titan"):
             bench.make_step("tiny", model_name, "eager", precision, "cpu")
+
+
+def test_without_torchtitan_the_row_says_not_installed(monkeypatch, bench):
+    from types import SimpleNamespace
+    real = bench.importlib.util.find_spec
+    monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name, *a: None if name == "torchtitan"
+                        else real(name, *a))
+    args = SimpleNamespace(configs=["tiny"], models=list(bench.MODELS), modes=["eager"], precisions=["titan"],
+                           rows=["titan:titan:eager"], budget_s=0, json_out="", device="cpu", steps=1, warmup=0,
+                           window=0, timeout=60, meta={})
+    (row,) = bench.child_rows(args)
+    assert row["skipped"].startswith("torchtitan not installed") and "tokens_per_s" not in row
