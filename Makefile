@@ -22,8 +22,10 @@ $(STAMP): requirements.txt
 	$(VPY) -m pip install --disable-pip-version-check --progress-bar on -r requirements.txt
 	touch $(STAMP)
 
-$(DEV_STAMP): $(STAMP) requirements-dev.txt
+# requirements-peers.txt: the peer frameworks the benches compare with, exact and --no-deps (its header says why)
+$(DEV_STAMP): $(STAMP) requirements-dev.txt requirements-peers.txt
 	$(VPY) -m pip install --disable-pip-version-check --progress-bar on -r requirements-dev.txt
+	$(VPY) -m pip install --disable-pip-version-check --progress-bar on --no-deps -r requirements-peers.txt
 	touch $(DEV_STAMP)
 
 # the locks are what the venv holds (run after editing a .in file and reinstalling; see the script)

@@ -70,6 +70,11 @@ Loss curves: every row keeps its timed steps' losses (read after the last step: 
 compare each FP8 row's curve with the bf16 `ours` row of the same config and mode (the same batch every step:
 the loss falls as the model fits it, so a recipe that diverges or stalls shows).
 
+Peer: titan (torchtitan 0.3.0's Llama3 on our weights with its trainer's own recipe, precision `titan`: FSDP2 on one
+rank for its bf16 mixed precision over fp32 parameters, per-block and loss compile in mode compile, FlexAttention,
+chunked loss, fused AdamW, clipping, CUDA graphs; bench/titan_peer.py says exactly what runs and what differs; the
+row says "torchtitan not installed" without requirements-peers.txt).
+
 Settings (the same in every row, printed at start): TF32 for fp32 matmuls and cuDNN on CUDA
 (`torch.set_float32_matmul_precision("high")`, `torch.backends.cudnn.allow_tf32`: it touches only fp32
 matmuls, e.g. the autocast rows' fp32 ops and the loss's fp32 weight-gradient accumulation). And
@@ -106,10 +111,11 @@ CONFIGS = {
                  batch=2, seq=64),
 }
 MODELS = ("ours", "ours-ref", "ours-triton", "hf", "hf-liger", "ours-fp8", "ours-fp8r", "ours-torchadam",
-          "ours-concat", "ours-gradbuf", "ours-tce", "ours-tce4k", "ours-sync", "ours-bf16m", "ours-overlap")
+          "ours-concat", "ours-gradbuf", "ours-tce", "ours-tce4k", "ours-sync", "ours-bf16m", "ours-overlap", "titan")
 FP8_MODELS = {"ours-fp8": "tensorwise", "ours-fp8r": "rowwise"}  # --float8 recipe of each FP8 row
 MAX_GRAD_NORM = 1.0  # the trainer's --grad_clip and HF Trainer's max_grad_norm default
-PRECISIONS = {"trainer": "bf16 params + fp32 master (trainer)", "autocast": "autocast (fp32 params)"}
+PRECISIONS = {"trainer": "bf16 params + fp32 master (trainer)", "autocast": "autocast (fp32 params)",
+              "titan": "torchtitan's recipe (FSDP2 bf16 compute, fp32 params)"}  # model titan only
 MODES = ("eager", "compile", "compile-cg", "compile-mat", "compile-cdt")
 DEFAULT_MODES = ("eager", "compile")
 # compile-cg: torch.compile(mode="reduce-overhead") = the trainer's --compile_mode=reduce-overhead (the forward
@@ -129,7 +135,7 @@ TIMED_AT_COMPILE = ("compile-mat", "compile-cdt")
 # (model, precision) in the order rows run within a mode: the trainer's own setup and HF's default first
 PRIORITY = (("ours", "trainer"), ("hf", "autocast"), ("ours", "autocast"), ("ours-ref", "trainer"),
             ("hf", "trainer"), ("hf-liger", "autocast"), ("ours-ref", "autocast"), ("hf-liger", "trainer"),
-            ("ours-fp8", "trainer"))
+            ("titan", "titan"), ("ours-fp8", "trainer"))
 LR = 1e-4
 
 
@@ -153,7 +159,8 @@ def _build(model_name: str, mcfg: dict, device):
         cfg = ModelConfig(**mcfg)
         ours = Transformer(cfg)
         if model_name in ("ours", "ours-fp8", "ours-fp8r", "ours-torchadam", "ours-concat", "ours-gradbuf",
-                          "ours-tce", "ours-tce4k", "ours-sync", "ours-bf16m", "ours-overlap"):  # make_step
+                          "ours-tce", "ours-tce4k", "ours-sync", "ours-bf16m", "ours-overlap",
+                          "titan"):  # make_step (titan: bench/titan_peer.py)
             return ours
         if model_name == "ours-triton":  # our Triton kernels also under torch.compile (auto: references there)
             return Transformer(ModelConfig(**mcfg, kernel_backend="triton"))
@@ -187,6 +194,16 @@ def make_step(config: str, model_name: str, mode: str, precision: str, device):
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, spec["model"]["vocab_size"], (B, T), generator=g).to(device)
     y = torch.cat((x[:, 1:], torch.full((B, 1), -100, device=device)), dim=1)  # = HF's own shift
+    if "titan" in (model_name, precision):  # torchtitan's model and trainer recipe, nothing of ours but the weights
+        if (model_name, precision) != ("titan", "titan"):
+            raise ValueError(f"model titan runs only at precision titan (its own recipe), got {model_name}:{precision}")
+        from bench import titan_peer
+        why = titan_peer.titan_unavailable()
+        if why:
+            raise RuntimeError(why)
+        step, titan = titan_peer.make_titan_step(model, x, y, mode, device, LR)
+        del model
+        return step, titan
     if precision == "autocast":
         from optimizer import OptimizerConfig
         from optimizer.adamw import build_adamw
@@ -536,7 +553,8 @@ def _importable(module: str) -> bool:
 
 # the rows that need an optional package, and the line a row says without it
 EXTRAS = {"hf-liger": ("liger_kernel", "liger-kernel not installed"),
-          "ours-nofa4": ("flash_attn.cute", "flash-attn-4 not installed: ours runs without it already")}
+          "ours-nofa4": ("flash_attn.cute", "flash-attn-4 not installed: ours runs without it already"),
+          "titan": ("torchtitan", "torchtitan not installed (pip install --no-deps -r requirements-peers.txt)")}
 
 
 def missing_extra(model_name: str) -> str:

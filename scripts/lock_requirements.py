@@ -6,6 +6,9 @@
     ->  requirements.txt      every package the demo imports, direct or not, at the exact version installed
         requirements-dev.txt  `-r requirements.txt` plus every further package the tests need, exact
 
+requirements-peers.txt (the peer frameworks the benches compare with, installed with --no-deps: their own pins
+conflict with ours) is written by hand, not by this script; --check also holds the venv to its exact versions.
+
 Updating a pin is a change of its own: edit the .in file, install it into a fresh venv, run this script with that
 venv's python, run `make test`, and commit the two .txt files alone with the suite's result in the message:
 
@@ -85,11 +88,12 @@ def pin_lines(dists: dict[str, metadata.Distribution], markers: dict[str, str]) 
 
 
 def check_installed(roots: list[Requirement]) -> list[str]:
-    """What differs between this venv and the locks: a locked package missing or at another version, or a package
-    the .in files pull in that no lock names. Exempt: what torch's own wheel pins exactly (its CUDA build's nvidia
-    libraries and triton on a GPU machine), which the torch pin already decides."""
+    """What differs between this venv and the locks (requirements-peers.txt's exact pins with them): a locked
+    package missing or at another version, or a package the .in files pull in that no lock names. Exempt: what
+    torch's own wheel pins exactly (its CUDA build's nvidia libraries and triton on a GPU machine), which the torch
+    pin already decides."""
     locked: dict[str, str] = {}
-    for name in ("requirements.txt", "requirements-dev.txt"):
+    for name in ("requirements.txt", "requirements-dev.txt", "requirements-peers.txt"):
         for line in (ROOT / name).read_text(encoding="utf-8").splitlines():
             line = line.split(" #", 1)[0].strip()
             if not line or line.startswith(("#", "-r ")):

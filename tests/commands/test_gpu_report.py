@@ -351,8 +351,8 @@ def test_bench_runs_eager_rows_first_and_the_trainer_setup_first(monkeypatch):
         configs, models, modes, precisions, rows = ["124m"], list(bench.MODELS), ["compile", "eager"], \
             list(bench.PRECISIONS), []
     plan = bench.planned_rows(A)
-    n = len(bench.PRIORITY)  # 9: the 8 bf16 rows, then ours with FP8 (reported apart)
-    assert len(plan) == 2 * n == 18 and plan[0] == ("124m", "ours", "trainer", "eager")
+    n = len(bench.PRIORITY)  # 10: the 8 bf16 rows, torchtitan with its recipe, then ours with FP8 (reported apart)
+    assert len(plan) == 2 * n == 20 and plan[0] == ("124m", "ours", "trainer", "eager")
     assert plan[1] == ("124m", "hf", "autocast", "eager")
     assert [p[3] for p in plan] == ["eager"] * n + ["compile"] * n
     assert plan[n - 1] == ("124m", "ours-fp8", "trainer", "eager")  # the least informative row of a mode: last
