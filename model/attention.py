@@ -204,11 +204,12 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Att
 
 # ---------------------------------------------------------------------------------- reference
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
-    """The textbook computation in fp32 with GQA materialised (repeat_interleave) and an explicit mask:
-    what every backend is tested against. q [B, H, Tq, D], k/v [B, Hkv, Tk, D], mask bool broadcastable
-    to [B, H, Tq, Tk] (None = causal)."""
+    """The textbook computation in fp32 (fp64 for fp64 inputs) with GQA materialised (repeat_interleave) and an
+    explicit mask: what every backend is tested against. q [B, H, Tq, D], k/v [B, Hkv, Tk, D], mask bool
+    broadcastable to [B, H, Tq, Tk] (None = causal)."""
     rep = q.shape[1] // k.shape[1]
-    qf, kf, vf = q.float(), k.float().repeat_interleave(rep, dim=1), v.float().repeat_interleave(rep, dim=1)
+    ct = torch.promote_types(q.dtype, torch.float32)
+    qf, kf, vf = q.to(ct), k.to(ct).repeat_interleave(rep, dim=1), v.to(ct).repeat_interleave(rep, dim=1)
     s = qf @ kf.transpose(-1, -2) / math.sqrt(q.shape[-1])
     if mask is None:
         mask = dense_mask(q.shape[2], k.shape[2] - q.shape[2], q.device)
