@@ -198,6 +198,22 @@ def test_batch_kinds_with_fa4_active():
     assert kind(fa4=fa4.FA4Plan(None), cu_seqlens=cu, max_seqlen=7) == "sdpa_masked"  # no varlen_attn in torch
 
 
+def test_trainer_flag(tmp_path, tiny_pretrain_run_args):
+    """--fa4 reaches the new model's config; =true where FA4 cannot run is exit 2 with one line naming why; a value
+    outside auto|true|false is the pre-check's exit 2."""
+    from tests.conftest import run_trainer, train_cmd
+    from trainer.config import TrainConfig
+    from trainer.start import new_model_config
+    assert new_model_config(TrainConfig(fa4="false"), {"vocab_size": 128}).fa4 == "false"
+    assert new_model_config(TrainConfig(), {"vocab_size": 128}).fa4 == "auto"
+    for i, (flag, msg) in enumerate([
+            ("--fa4=true", "fa4=true (--fa4=true) but FlashAttention-4 cannot run here: not a CUDA device (cpu)"),
+            ("--fa4=maybe", "--fa4='maybe' (auto | true | false)")]):
+        proc = run_trainer(train_cmd([*tiny_pretrain_run_args, flag, "--max_iters=1", f"--out_dir={tmp_path / str(i)}"]))
+        err = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(err) == 1 and msg in err[0], proc.stderr[-2000:]
+
+
 # --------------------------------------------------------------------------------- varlen wrapper
 @pytest.mark.parametrize("hkv", [4, 2])
 def test_varlen_wrapper_equals_document_masked_reference(hkv):
