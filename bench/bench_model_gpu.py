@@ -53,7 +53,8 @@ optimizer verdict read inside the step, the host waiting for the gradient norm e
 ours leaves it unread, as the trainer reads it a step later: the A/B of that; trainer precision only), ours-bf16m
 (ours with --optimizer_state_dtype=bf16: AdamW's moments in bf16 with stochastic rounding, 8 bytes a parameter less
 for the one-launch AdamW to stream; a numerics choice, reported apart from bf16 like FP8, beside ours; trainer
-precision only). Rows run in priority order, all eager rows of a config
+precision only), ours-nofa4 (ours with FlashAttention-4 off, ModelConfig.fa4="false": the A/B of FA4; = ours where FA4
+cannot run). Rows run in priority order, all eager rows of a config
 before its compile rows, so a --budget-s that runs out drops the least informative rows ("not run").
 MFU uses model/flops.py's formula against the dense bf16 peak of the GPU (model/flops.py's table; H100
 SXM 989 TFLOP/s; --peak-tflops overrides) and against the bf16 matmul peak measured in the same run.
@@ -94,7 +95,7 @@ CONFIGS = {
                  batch=2, seq=64),
 }
 MODELS = ("ours", "ours-ref", "ours-triton", "hf", "hf-liger", "ours-fp8", "ours-torchadam", "ours-concat",
-          "ours-gradbuf", "ours-tce", "ours-tce4k", "ours-sync", "ours-bf16m")
+          "ours-gradbuf", "ours-tce", "ours-tce4k", "ours-sync", "ours-bf16m", "ours-nofa4")
 PRECISIONS = {"trainer": "bf16 params + fp32 master (trainer)", "autocast": "autocast (fp32 params)"}
 MODES = ("eager", "compile", "compile-cg", "compile-mat", "compile-cdt")
 DEFAULT_MODES = ("eager", "compile")
@@ -136,10 +137,11 @@ def _build(model_name: str, mcfg: dict, device):
     from model.hf_interop import hf_config_dict, to_hf_state_dict
     torch.manual_seed(0)
     with torch.device(device):  # initialise on the GPU: a 1B model's CPU init takes tens of seconds
-        cfg = ModelConfig(**mcfg)
+        # FA4, once activated, runs every SDPA flash call of the process (model/fa4.py): HF rows never activate it
+        cfg = ModelConfig(**mcfg, fa4="auto" if model_name.startswith("ours") and model_name != "ours-nofa4" else "false")
         ours = Transformer(cfg)
         if model_name in ("ours", "ours-fp8", "ours-torchadam", "ours-concat", "ours-gradbuf", "ours-tce",
-                          "ours-tce4k", "ours-sync", "ours-bf16m"):  # make_step
+                          "ours-tce4k", "ours-sync", "ours-bf16m", "ours-nofa4"):  # make_step
             return ours
         if model_name == "ours-triton":  # our Triton kernels also under torch.compile (auto: references there)
             return Transformer(ModelConfig(**mcfg, kernel_backend="triton"))

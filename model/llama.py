@@ -7,7 +7,7 @@ model/generate.py, activation checkpointing, and pruning (`Transformer.pruned`: 
 some of a model's own submodules, which parallel/pipeline.py's stages are; one forward serves both).
 Which attention kernel runs, and how padding and packed documents are masked, is model/attention.py's
 (`AttnSpec`, built once per forward from which inputs are present, never from their values: no host
-sync, no graph break).
+sync, no graph break); FlashAttention-4's activation is model/fa4.py's, asked once here when a model is built.
 
 Must never: register a full causal-mask buffer (trap 12: masks are built per batch only when padding or
 packing needs one, otherwise SDPA's is_causal), let parameter names depend on which kernel ran (trap 11),
