@@ -174,10 +174,12 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attn
     if spec.kind == "fa4":  # FA4 is the flash backend's kernel: cuDNN or efficient attention must not take it
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
-    y = F.scaled_dot_product_attention(q.to(adt), k.to(adt), v.to(adt), attn_mask=spec.mask, dropout_p=dropout_p,
-                                       is_causal=spec.is_causal and spec.mask is None,
-                                       enable_gqa=q.shape[1] != k.shape[1])
-    return y.to(out_dtype)
+    args = dict(attn_mask=spec.mask, dropout_p=dropout_p, is_causal=spec.is_causal and spec.mask is None,
+                enable_gqa=q.shape[1] != k.shape[1])
+    if dropout_p > 0 and is_accelerator(q.device) and fa4_mod.active():  # FA4 (the flash kernel) has no dropout
+        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+            return F.scaled_dot_product_attention(q.to(adt), k.to(adt), v.to(adt), **args).to(out_dtype)
+    return F.scaled_dot_product_attention(q.to(adt), k.to(adt), v.to(adt), **args).to(out_dtype)
 
 
 # ---------------------------------------------------------------------------------- flash-attn

@@ -169,11 +169,16 @@ def problem(cfg: Any, device: torch.device, dtype: torch.dtype, dropout: bool = 
     return None
 
 
+def active() -> bool:
+    """FA4 overrides the flash kernels in this process (pure: safe in a traced forward)."""
+    return bool(_STATE.get("active"))
+
+
 def plan(cfg: Any, device: torch.device, dtype: torch.dtype, dropout: bool) -> Optional[FA4Plan]:
     """The FA4 kernels a batch may use, or None. Pure (no import, no device query): safe in a traced forward."""
     if problem(cfg, device, dtype, dropout, check=False) is not None:
         return None
-    return FA4Plan(_STATE.get("varlen"))
+    return _STATE["plan"]  # made at activation: nothing is constructed while Dynamo traces
 
 
 def forced_error(cfg: Any, device: torch.device, dtype: torch.dtype, dropout: bool = False,
@@ -200,8 +205,8 @@ def prepare(cfg: Any) -> Optional[str]:
         try:
             if _current_impl() != "FA4":
                 _activate("FA4")
-            _STATE["active"] = True
             varlen = _STATE.get("varlen")
+            _STATE.update(active=True, plan=FA4Plan(varlen))
             log.info("FlashAttention-4 active: SDPA's flash backend%s run FA4's kernels",
                      "" if varlen is None else " and varlen_attn" + ("" if varlen.gqa else " (not for GQA)"))
         except Exception as e:  # e.g. torch's override refusing this flash_attn.cute

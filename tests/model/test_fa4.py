@@ -358,7 +358,9 @@ def test_gpu_fa4_dense_matches_sdpa_math(monkeypatch, shape_q, hkv):
 @pytest.mark.parametrize("hkv", [12, 4])
 def test_gpu_fa4_varlen_matches_sdpa_math_with_document_mask(monkeypatch, hkv):
     fa4.prepare(tiny(dim=768, n_heads=12, n_kv_heads=hkv))
-    call = fa4.plan(tiny(dim=768, n_heads=12, n_kv_heads=hkv), CUDA, torch.bfloat16, False).varlen
+    plan = fa4.plan(tiny(dim=768, n_heads=12, n_kv_heads=hkv), CUDA, torch.bfloat16, False)
+    assert plan is not None
+    call = plan.varlen
     if call is None or (hkv != 12 and not call.gqa):
         pytest.skip(f"this torch's varlen_attn cannot take this batch ({call})")
     counted = _CountFA4(monkeypatch)
