@@ -2,8 +2,8 @@
 and torch's `varlen_attn`, through torch's flash-attention registry.
 
 Owns: whether FA4 can run for a model, a device and a compute dtype, and the one-line reason when it cannot
-(`problem`); activating it once per process (`prepare`, from Transformer.__init__); and what a batch may use
-(`plan`: None, or how to call `varlen_attn`). model/attention.py runs the kernels and model/llama.py asks.
+(`problem`); activating it once per process (`prepare`, from Transformer.__init__ and Transformer._apply); and
+what a batch may use (`plan`: None, or how to call `varlen_attn`). model/attention.py runs the kernels.
 
 How FA4 is reached: `torch.nn.attention.activate_flash_attention_impl("FA4")` registers FA4's forward and
 backward as the CUDA implementations of aten's flash-attention ops (`_scaled_dot_product_flash_attention`,
@@ -14,10 +14,12 @@ The override is process-wide and has no fallback of its own: once active, every 
 flash backend on CUDA runs FA4, whichever model makes it (FA4 refuses dropout and head dims it lacks; the
 model never activates it for those). The model's switch is `ModelConfig.fa4` (auto | true | false).
 
-Checks, cheapest first, so a machine without FA4 never initialises CUDA here: a CUDA device; "FA4" in torch's
-registry (torch 2.11 may lack it); `flash_attn.cute` found; compute capability 9.x or 10.x of the current
-device; `flash_attn.cute` imports. Then per model: the head_dim FA4 compiles for that architecture, and no
-attention dropout. Per batch: a CUDA tensor in fp16/bf16, no dropout while training.
+Checks, cheapest first: a CUDA device; "FA4" in torch's registry (torch 2.11 may lack it); `flash_attn.cute`
+found; then the GPU is queried only where this process has initialised CUDA or the caller says the model runs on
+the GPU (a model built and run on the CPU of a GPU machine never initialises CUDA; one built on the CPU is checked
+again when it moves, DESIGN.md trap 17): compute capability 9.x or 10.x of the current device; `flash_attn.cute`
+imports. Then per model: a head_dim FA4 compiles for that architecture, no attention dropout. Per batch: a CUDA
+tensor in fp16/bf16, no dropout while training.
 
 Must never: import a package, query a device or activate inside a forward (`plan` and `problem(...,
 check=False)` only read what `prepare` cached, so they are safe while Dynamo traces), activate for a model
@@ -76,6 +78,10 @@ def _cute_found() -> bool:
         return False
 
 
+def _cuda_ready() -> bool:
+    return torch.cuda.is_initialized()  # False in a child forked from a CUDA process, too
+
+
 def _capability() -> tuple:
     return tuple(torch.cuda.get_device_capability())  # the current device: the process's GPU
 
@@ -110,33 +116,43 @@ def _varlen_call() -> Optional[VarlenCall]:
 
 
 # ---------------------------------------------------------------------------------------- checks
-def machine_problem(check: bool = True) -> Optional[str]:
+def machine_problem(check: bool = True, on_gpu: bool = False) -> Optional[str]:
     """Why this process cannot run FA4 (one line), or None. Probed once (`check`=False: only read the
-    result, "not checked" when nothing was probed yet)."""
+    result, "not checked" when nothing was probed yet). on_gpu: the caller runs a model on the GPU, so
+    querying it may initialise CUDA."""
     if "problem" not in _STATE:
         if not check:
             return "not checked"
-        _STATE["problem"] = _probe()
+        why, final = _probe(on_gpu)
+        if not final:  # asked again when the model reaches the GPU
+            return why
+        _STATE["problem"] = why
     return _STATE["problem"]
 
 
-def _probe() -> Optional[str]:
+def _probe(on_gpu: bool) -> tuple[Optional[str], bool]:
+    """(why not or None, whether that is final for the process)."""
     if not accelerator_available():
-        return "no CUDA device"
+        return "no CUDA device", True
     if "FA4" not in _registry_impls():
-        return f"torch {torch.__version__} has no FA4 in torch.nn.attention's flash-attention registry"
+        return f"torch {torch.__version__} has no FA4 in torch.nn.attention's flash-attention registry", True
     if not _cute_found():
-        return "flash_attn.cute is not installed (the flash-attn-4 wheel: scripts/gpu_wheels.py)"
-    major, minor = _capability()[:2]
+        return "flash_attn.cute is not installed (the flash-attn-4 wheel: scripts/gpu_wheels.py)", True
+    if not on_gpu and not _cuda_ready():  # a model built on the CPU: querying the GPU here would initialise CUDA for nothing
+        return "CUDA not initialised in this process yet (checked again when the model moves to the GPU)", False
+    try:
+        major, minor = _capability()[:2]
+    except Exception as e:  # e.g. a process forked from one that used CUDA
+        return f"the GPU cannot be queried: {one_line(e)}", False
     _STATE["major"] = major
     if major not in ARCHS:
-        return f"compute capability {major}.{minor}: FA4 runs on Hopper (9.x) and Blackwell (10.x)"
+        return f"compute capability {major}.{minor}: FA4 runs on Hopper (9.x) and Blackwell (10.x)", True
     try:
         _import_cute()
     except Exception as e:  # a broken install (CUDA bindings, cutlass DSL) must not break the model
-        return f"flash_attn.cute does not import: {one_line(e)}"
+        return f"flash_attn.cute does not import: {one_line(e)}", True
     _STATE["varlen"] = _varlen_call()
-    return None
+    return None, True
 
 
 def model_problem(head_dim: int, attn_dropout: float) -> Optional[str]:
@@ -159,7 +175,9 @@ def problem(cfg: Any, device: torch.device, dtype: torch.dtype, dropout: bool = 
         return "turned off (fa4=false)"
     if not is_accelerator(device):
         return f"not a CUDA device ({torch.device(device).type})"
-    why = machine_problem(check) or model_problem(cfg.head_dim, cfg.attn_dropout if dropout else 0.0)
+    if check:  # the model runs on this GPU: check (and activate) now, even before CUDA was initialised
+        prepare(cfg, on_gpu=True)
+    why = machine_problem(check=False) or model_problem(cfg.head_dim, cfg.attn_dropout if dropout else 0.0)
     if why:
         return why
     if dtype not in HALF:
@@ -191,16 +209,19 @@ def forced_error(cfg: Any, device: torch.device, dtype: torch.dtype, dropout: bo
 
 
 # ------------------------------------------------------------------------------------- activation
-def prepare(cfg: Any) -> Optional[str]:
-    """Called when a model is built: activate FA4 in this process once if the model would use it (switch not
-    "false", this machine and the model's head_dim and dropout allow it). Returns why not, or None. Never
-    raises: a forced switch that cannot be honoured is an error at the model's first batch and at the
-    trainer's start, which know the device and dtype (`forced_error`)."""
+def prepare(cfg: Any, on_gpu: bool = False) -> Optional[str]:
+    """Called when a model is built and whenever it is moved or cast (Transformer._apply): activate FA4 in this
+    process once if the model would use it (switch not "false", this machine and the model's head_dim and
+    dropout allow it). Returns why not, or None. The GPU is queried only once this process has initialised
+    CUDA (a model built on the CPU is checked when it moves to the GPU) or `on_gpu` says the model runs on
+    one (`problem`'s callers: the trainer's start, the start-up line). Never raises: a forced switch that
+    cannot be honoured is an error at the model's first batch and at the trainer's start, which know the device
+    and dtype (`forced_error`)."""
     if cfg.fa4 not in CHOICES:
         raise ValueError(f"fa4 must be one of {CHOICES}, got {cfg.fa4!r}")
     if cfg.fa4 == "false":
         return "turned off (fa4=false)"
-    why = machine_problem() or model_problem(cfg.head_dim, cfg.attn_dropout)
+    why = machine_problem(on_gpu=on_gpu) or model_problem(cfg.head_dim, cfg.attn_dropout)
     if why is None and not _STATE.get("active"):
         try:
             if _current_impl() != "FA4":

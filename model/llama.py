@@ -261,6 +261,12 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
+    def _apply(self, fn, recurse=True):
+        """After a move or cast: FA4 is checked (and activated) once the model is on a GPU (model/fa4.py)."""
+        super()._apply(fn, recurse)
+        fa4.prepare(self.cfg)
+        return self
+
     @classmethod
     def pruned(cls, model: "Transformer", layer_ids: Iterable[int], *, embedding: bool,
                head: bool) -> "Transformer":

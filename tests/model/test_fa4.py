@@ -35,6 +35,7 @@ def fake_machine(monkeypatch, capability=(9, 0), found=True, impls=("FA3", "FA4"
     monkeypatch.setattr(fa4, "accelerator_available", lambda: capability is not None)
     monkeypatch.setattr(fa4, "_registry_impls", lambda: list(impls))
     monkeypatch.setattr(fa4, "_cute_found", lambda: found)
+    monkeypatch.setattr(fa4, "_cuda_ready", lambda: True)
     monkeypatch.setattr(fa4, "_capability", lambda: capability)
 
     def imp():
@@ -156,6 +157,28 @@ def test_activated_exactly_once_and_never_when_off(monkeypatch):
     calls = fake_machine(monkeypatch, current="FA4")  # already active (the user or another library did it)
     Transformer(tiny())
     assert calls == [] and fa4.problem(tiny(), CUDA, torch.bfloat16) is None
+
+
+def test_checked_when_the_model_reaches_the_gpu(monkeypatch):
+    """A model built on the CPU of a GPU machine queries nothing (CUDA stays uninitialised); moving it (any
+    `_apply`: .to, .cuda, to_empty) asks again, and then FA4 is activated."""
+    calls = fake_machine(monkeypatch)
+    ready = [False]
+    monkeypatch.setattr(fa4, "_cuda_ready", lambda: ready[0])
+    monkeypatch.setattr(fa4, "_capability", lambda: pytest.fail("the GPU was queried before CUDA was initialised"))
+    m = Transformer(tiny())
+    assert calls == [] and fa4.prepare(m.cfg).startswith("CUDA not initialised")
+    assert fa4.plan(m.cfg, CUDA, torch.bfloat16, False) is None
+    ready[0] = True
+    monkeypatch.setattr(fa4, "_capability", lambda: (10, 0))
+    m.to(torch.float32)  # stands for .to("cuda") here
+    assert calls == ["FA4"] and fa4.problem(m.cfg, CUDA, torch.bfloat16) is None
+    m.float()
+    assert calls == ["FA4"]
+    # the trainer's start and the start-up line ask for a model that will run on the GPU: checked right away
+    calls = fake_machine(monkeypatch)
+    monkeypatch.setattr(fa4, "_cuda_ready", lambda: False)
+    assert fa4.problem(tiny(), CUDA, torch.bfloat16) is None and calls == ["FA4"]
 
 
 def test_head_dims_fa4_compiles(monkeypatch):
@@ -283,7 +306,7 @@ def test_model_runs_fa4_kinds_and_matches_sdpa(monkeypatch):
 # ---------------------------------------------------------------------------------------------- GPU
 def _fa4_runs() -> bool:
     """FA4 can run in this process (probed once, as the model does)."""
-    return torch.cuda.is_available() and fa4.machine_problem() is None
+    return torch.cuda.is_available() and fa4.machine_problem(on_gpu=True) is None
 
 
 # evaluated when a test is set up, never at collection (the CPU suite queries no device)
