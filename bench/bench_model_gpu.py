@@ -58,7 +58,9 @@ ours leaves it unread, as the trainer reads it a step later: the A/B of that; tr
 for the one-launch AdamW to stream; a numerics choice, reported apart from bf16 like FP8, beside ours; trainer
 precision only), ours-overlap (ours with --overlap_optim_step: each bucket's AdamW step as soon as its
 gradients are ready, clipped with the previous step's norm; torch's AdamW per bucket, the host reading each step's
-norm: the A/B of taking the optimizer off the end of the step; trainer precision only). Rows run in priority order, all eager rows of a config
+norm: the A/B of taking the optimizer off the end of the step; trainer precision only), ours-nofa4 (ours with
+FlashAttention-4 off, ModelConfig.fa4="false": the A/B of FA4; = ours where FA4 cannot run, and then skipped).
+Rows run in priority order, all eager rows of a config
 before its compile rows, so a --budget-s that runs out drops the least informative rows ("not run").
 MFU uses model/flops.py's formula against the dense bf16 peak of the GPU (model/flops.py's table; H100
 SXM 989 TFLOP/s; --peak-tflops overrides) and against the bf16 matmul peak measured in the same run, with the
@@ -111,7 +113,8 @@ CONFIGS = {
                  batch=2, seq=64),
 }
 MODELS = ("ours", "ours-ref", "ours-triton", "hf", "hf-liger", "ours-fp8", "ours-fp8r", "ours-torchadam",
-          "ours-concat", "ours-gradbuf", "ours-tce", "ours-tce4k", "ours-sync", "ours-bf16m", "ours-overlap", "titan")
+          "ours-concat", "ours-gradbuf", "ours-tce", "ours-tce4k", "ours-sync", "ours-bf16m", "ours-overlap",
+          "ours-nofa4", "titan")
 FP8_MODELS = {"ours-fp8": "tensorwise", "ours-fp8r": "rowwise"}  # --float8 recipe of each FP8 row
 MAX_GRAD_NORM = 1.0  # the trainer's --grad_clip and HF Trainer's max_grad_norm default
 PRECISIONS = {"trainer": "bf16 params + fp32 master (trainer)", "autocast": "autocast (fp32 params)",
@@ -156,10 +159,11 @@ def _build(model_name: str, mcfg: dict, device):
     from model.hf_interop import hf_config_dict, to_hf_state_dict
     torch.manual_seed(0)
     with torch.device(device):  # initialise on the GPU: a 1B model's CPU init takes tens of seconds
-        cfg = ModelConfig(**mcfg)
+        # FA4, once activated, runs every SDPA flash call of the process (model/fa4.py): HF rows never activate it
+        cfg = ModelConfig(**mcfg, fa4="auto" if model_name.startswith("ours") and model_name != "ours-nofa4" else "false")
         ours = Transformer(cfg)
         if model_name in ("ours", "ours-fp8", "ours-fp8r", "ours-torchadam", "ours-concat", "ours-gradbuf",
-                          "ours-tce", "ours-tce4k", "ours-sync", "ours-bf16m", "ours-overlap",
+                          "ours-tce", "ours-tce4k", "ours-sync", "ours-bf16m", "ours-overlap", "ours-nofa4",
                           "titan"):  # make_step (titan: bench/titan_peer.py)
             return ours
         if model_name == "ours-triton":  # our Triton kernels also under torch.compile (auto: references there)
@@ -720,7 +724,7 @@ def markdown_tables(rows: list[dict], peak_table: float, peak_measured: float) -
                       f"{_ratio(best(tuple(FP8_MODELS)), ours_bf16)} |")
         ratios.append(f"| {c} | FP8 rowwise / FP8 tensorwise (best rows) | "
                       f"{_ratio(best(('ours-fp8r',)), best(('ours-fp8',)))} |")
-        ratios.append(f"| {c} | ours / ours-nofa4 (FlashAttention-4's gain where --fused_kernels=auto picks it; best "
+        ratios.append(f"| {c} | ours / ours-nofa4 (FlashAttention-4's gain where --fa4=auto picks it; best "
                       f"rows) | {_ratio(best(('ours',)), best(('ours-nofa4',)))} |")
         ratios.append(f"| {c} | best ours (bf16) / best of HF and HF+Liger, any mode | "
                       f"{_ratio(ours_bf16, best(('hf', 'hf-liger')))} |")

@@ -8,6 +8,10 @@ query always sees itself so no row is empty), and one function per backend besid
 | ------------- | ----------------- | ------------------------------------------------------------------------ |
 | `flash`       | `flash_attention` | flash-attn installed, accelerator, fp16/bf16, no padding or documents    |
 | `flash_varlen`| `flash_attention` | as above, and the batch carries `cu_seqlens` (+ `max_seqlen`) from the data pipeline |
+| `fa4`         | `sdpa_attention`  | FlashAttention-4 active (model/fa4.py), fp16/bf16, no dropout, no padding or documents: |
+|               |                   | SDPA restricted to its flash backend, which FA4 overrides (wins over flash-attn 2) |
+| `fa4_varlen`  | `flash_attention` | FA4 active and the batch carries `cu_seqlens`: torch's `varlen_attn` (GQA only where |
+|               |                   | this torch's varlen_attn takes `enable_gqa`; else flash-attn 2 varlen or the masks) |
 | `sdpa`        | `sdpa_attention`  | no padding or documents (is_causal), and every KV-cache (generation) step |
 | `flex`        | `flex_attention_` | padding or documents on an accelerator: FlexAttention with a BlockMask  |
 | `sdpa_masked` | `sdpa_attention`  | padding or documents elsewhere (CPU: FlexAttention has no CPU backward); |
@@ -23,7 +27,7 @@ flash-attn varlen is used only with `cu_seqlens`/`max_seqlen` from the caller: t
 `max_seqlen` depend on the data, so deriving them on the device would be a sync. Its padding is the
 collate's own segment (real tokens never see it), so `attention_mask` is not needed there.
 
-GQA: keys/values keep their n_kv_heads; SDPA (`enable_gqa`), FlexAttention (`enable_gqa`) and flash-attn
+GQA: keys/values keep their n_kv_heads; SDPA (`enable_gqa`), FlexAttention (`enable_gqa`), flash-attn and FA4
 share each kv head across its query heads inside the kernel. No backend materialises [B, H, T, D] copies.
 
 FlexAttention outside torch.compile is an unfused reference that materialises the [B, H, T, T] scores,
@@ -45,7 +49,9 @@ from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from model import fa4 as fa4_mod
 from model import kernels
 from utils.device import is_accelerator
 
@@ -63,13 +69,14 @@ HALF = (torch.float16, torch.bfloat16)
 @dataclass
 class AttnSpec:
     """How this batch attends: built once per forward, shared by all layers."""
-    kind: str = "sdpa"                          # flash | flash_varlen | sdpa | sdpa_masked | flex
+    kind: str = "sdpa"                          # flash | flash_varlen | fa4 | fa4_varlen | sdpa | sdpa_masked | flex
     is_causal: bool = True                      # sdpa without a mask: causal or (one query over a cache) full
     mask: Optional[torch.Tensor] = None         # sdpa_masked: bool [B or 1, 1, Tq, Tk], True = attend
     block_mask: Optional[Any] = None            # flex: BlockMask of `allowed`
     cu_seqlens: Optional[torch.Tensor] = None   # flash_varlen: int32 boundaries over the flattened batch
     max_seqlen: int = 0                         # flash_varlen
     flash: Optional[tuple] = None               # (flash_attn_func, flash_attn_varlen_func)
+    varlen: Optional[Any] = None                # fa4_varlen: model.fa4.VarlenCall (torch's varlen_attn)
     group: Any = None                           # ring: the context-parallel process group (model/ring_attention.py)
 
 
@@ -164,16 +171,29 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attn
     across its query heads inside the kernel (CPU's flash kernel and CUDA's flash backend do it natively)."""
     out_dtype = q.dtype
     adt = kernels.sdpa_dtype(q.device, q.dtype, q.shape[-1])
-    y = F.scaled_dot_product_attention(q.to(adt), k.to(adt), v.to(adt), attn_mask=spec.mask, dropout_p=dropout_p,
-                                       is_causal=spec.is_causal and spec.mask is None,
-                                       enable_gqa=q.shape[1] != k.shape[1])
-    return y.to(out_dtype)
+    if spec.kind == "fa4":  # FA4 is the flash backend's kernel: cuDNN or efficient attention must not take it
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+    args = dict(attn_mask=spec.mask, dropout_p=dropout_p, is_causal=spec.is_causal and spec.mask is None,
+                enable_gqa=q.shape[1] != k.shape[1])
+    if dropout_p > 0 and is_accelerator(q.device) and fa4_mod.active():  # FA4 (the flash kernel) has no dropout
+        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+            return F.scaled_dot_product_attention(q.to(adt), k.to(adt), v.to(adt), **args).to(out_dtype)
+    return F.scaled_dot_product_attention(q.to(adt), k.to(adt), v.to(adt), **args).to(out_dtype)
 
 
 # ---------------------------------------------------------------------------------- flash-attn
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec,
                     dropout_p: float = 0.0) -> torch.Tensor:
-    """q [B, T, H, D], k/v [B, T, Hkv, D] (flash-attn's layout) -> [B, T, H, D]; GQA native."""
+    """q [B, T, H, D], k/v [B, T, Hkv, D] (flash-attn's layout) -> [B, T, H, D]; GQA native. `fa4_varlen`:
+    torch's varlen_attn over the flattened batch [B*T, heads, D], causal within each cu_seqlens segment."""
+    if spec.kind == "fa4_varlen":
+        B, T, H, D = q.shape
+        hkv, call = k.shape[2], spec.varlen
+        gqa = {"enable_gqa": True} if hkv != H else {}
+        y = call.fn(q.reshape(B * T, H, D), k.reshape(B * T, hkv, D), v.reshape(B * T, hkv, D),
+                    spec.cu_seqlens, spec.cu_seqlens, spec.max_seqlen, spec.max_seqlen, **call.causal, **gqa)
+        return y.view(B, T, H, D)
     flash_func, flash_varlen = spec.flash
     if spec.kind == "flash_varlen":
         B, T, H, D = q.shape
@@ -186,11 +206,12 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Att
 
 # ---------------------------------------------------------------------------------- reference
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
-    """The textbook computation in fp32 with GQA materialised (repeat_interleave) and an explicit mask:
-    what every backend is tested against. q [B, H, Tq, D], k/v [B, Hkv, Tk, D], mask bool broadcastable
-    to [B, H, Tq, Tk] (None = causal)."""
+    """The textbook computation in fp32 (fp64 for fp64 inputs) with GQA materialised (repeat_interleave) and an
+    explicit mask: what every backend is tested against. q [B, H, Tq, D], k/v [B, Hkv, Tk, D], mask bool
+    broadcastable to [B, H, Tq, Tk] (None = causal)."""
     rep = q.shape[1] // k.shape[1]
-    qf, kf, vf = q.float(), k.float().repeat_interleave(rep, dim=1), v.float().repeat_interleave(rep, dim=1)
+    ct = torch.promote_types(q.dtype, torch.float32)
+    qf, kf, vf = q.to(ct), k.to(ct).repeat_interleave(rep, dim=1), v.to(ct).repeat_interleave(rep, dim=1)
     s = qf @ kf.transpose(-1, -2) / math.sqrt(q.shape[-1])
     if mask is None:
         mask = dense_mask(q.shape[2], k.shape[2] - q.shape[2], q.device)
@@ -203,11 +224,14 @@ def build_spec(B: int, T: int, positions: torch.Tensor, *, attention_mask: Optio
                position_ids_given: bool = False, doc_ids: Optional[torch.Tensor] = None,
                cu_seqlens: Optional[torch.Tensor] = None, max_seqlen: Any = None,
                past: Optional[int] = None, flash: Optional[tuple] = None, dropout: bool = False,
-               head_dim: int = 64, backend: str = "auto") -> AttnSpec:
+               head_dim: int = 64, backend: str = "auto", fa4: Optional[Any] = None,
+               gqa: bool = False) -> AttnSpec:
     """The AttnSpec of one batch, from which inputs are present (never their values).
 
     past: None without a KV cache, else the number of cached positions (generation: always SDPA).
     flash: flash-attn's functions when usable for this batch (installed, accelerator, half precision).
+    fa4: model.fa4.plan()'s FA4Plan when FlashAttention-4 is active and usable for this batch (it wins over
+    flash-attn 2 with backend "auto"); gqa: the model has fewer kv heads than query heads.
     dropout: attention dropout is active (FlexAttention has none: the masked path then uses SDPA).
     head_dim: FlexAttention's GPU kernel needs >= 16 (smaller: the masked path uses SDPA).
     backend: "auto", or force "sdpa" | "flex" | "flash" for tests and benchmarks.
@@ -226,6 +250,12 @@ def build_spec(B: int, T: int, positions: torch.Tensor, *, attention_mask: Optio
     if backend == "flash" and flash is None:
         raise ValueError("attention backend 'flash' forced, but flash-attn is not usable here "
                          "(not installed, not an accelerator, or not fp16/bf16)")
+    use_fa4 = fa4 is not None and backend == "auto"
+    if (use_fa4 and cu_seqlens is not None and fa4.varlen is not None and (fa4.varlen.gqa or not gqa)):
+        if max_seqlen is None:
+            raise ValueError("cu_seqlens needs max_seqlen (a Python int from the collate function)")
+        return AttnSpec("fa4_varlen", cu_seqlens=cu_seqlens.to(device=device, dtype=torch.int32),
+                        max_seqlen=int(max_seqlen), varlen=fa4.varlen)
     use_flash = flash is not None and backend in ("auto", "flash")
     if use_flash and cu_seqlens is not None and flash[1] is not None:
         if max_seqlen is None:
@@ -242,6 +272,8 @@ def build_spec(B: int, T: int, positions: torch.Tensor, *, attention_mask: Optio
     else:
         docs = None
     if docs is None and real is None:
+        if use_fa4:
+            return AttnSpec("fa4")
         if use_flash:
             return AttnSpec("flash", flash=flash)
         if backend == "flex":  # forced: plain causal through FlexAttention
@@ -262,7 +294,9 @@ def build_spec(B: int, T: int, positions: torch.Tensor, *, attention_mask: Optio
 def describe_attention(device: torch.device, cfg: Any, dtype: torch.dtype, compiled: bool = False) -> str:
     """One line for the start-up log: which attention each kind of batch gets on `device`."""
     flash = (cfg.flash_attn and dtype in HALF and kernels.flash_attn_functions(device) is not None)
-    plain = "flash-attn" if flash else "SDPA (is_causal, enable_gqa)"
+    no_fa4 = fa4_mod.problem(cfg, device, dtype, dropout=cfg.attn_dropout > 0)
+    plain = ("FlashAttention-4 (SDPA, flash backend only)" if no_fa4 is None else
+             "flash-attn" if flash else "SDPA (is_causal, enable_gqa)")
     if flex_usable(device, cfg.head_dim) and not cfg.attn_dropout:
         how = "torch.compile'd with the model" if compiled else "compiled once per process"
         masked = f"FlexAttention ({how}; block mask: causal & same document & real key)"
@@ -272,4 +306,13 @@ def describe_attention(device: torch.device, cfg: Any, dtype: torch.dtype, compi
                "attention dropout" if cfg.attn_dropout else "head_dim < 16")
         masked = f"SDPA with a dense [B,1,T,T] mask ({why})"
     varlen = "; packed batches with cu_seqlens: flash-attn varlen" if flash else ""
+    if no_fa4 is None:
+        call = fa4_mod.plan(cfg, device, dtype, cfg.attn_dropout > 0).varlen
+        if call is not None and (call.gqa or cfg.n_kv_heads == cfg.n_heads):
+            varlen = "; packed batches with cu_seqlens: FlashAttention-4 (varlen_attn)"
+        else:
+            why = "no varlen_attn in this torch" if call is None else "this torch's varlen_attn has no enable_gqa"
+            varlen = f"{varlen or '; packed batches with cu_seqlens: as packed/padded'} (FA4 varlen: {why})"
+    elif is_accelerator(device) and cfg.fa4 != "false":
+        varlen += f" (FlashAttention-4 not used: {no_fa4})"
     return f"unmasked {plain}; packed/padded {masked}{varlen}"

@@ -47,7 +47,8 @@ class ModelConfig:
     fused_swiglu: bool = True          # hand-written autograd silu(g)*u
     fused_qkv: bool = True             # one matmul for q,k,v and one for gate,up (parameters stay separate)
     fused_cross_entropy: bool = True   # chunked linear+CE (model/loss.py); False = full logits + F.cross_entropy
-    flash_attn: bool = True            # use flash-attn functions when installed and on an accelerator
+    flash_attn: bool = True            # use flash-attn (2) functions when installed and on an accelerator
+    fa4: str = "auto"                  # auto | true | false: FlashAttention-4 on Hopper/Blackwell (model/fa4.py)
     kernel_backend: str = "auto"       # auto | triton | torch: which implementation of the fused ops (model/kernels.py)
 
     # --- memory / speed ---
@@ -74,6 +75,8 @@ class ModelConfig:
             self.rope_scaling = {"type": kind, "factor": factor}
         if self.kernel_backend not in ("auto", "triton", "torch"):
             raise ValueError(f"kernel_backend must be auto, triton or torch, got {self.kernel_backend!r}")
+        if self.fa4 not in ("auto", "true", "false"):
+            raise ValueError(f"fa4 must be auto, true or false, got {self.fa4!r}")
         if self.moe_num_experts:
             from utils.moe_flags import moe_shape_problems  # torch-free: the trainer's pre-check asks it too
             problem = moe_shape_problems(self.moe_num_experts, self.moe_top_k, self.moe_shared_experts,

@@ -7,7 +7,7 @@ model/generate.py, activation checkpointing, and pruning (`Transformer.pruned`: 
 some of a model's own submodules, which parallel/pipeline.py's stages are; one forward serves both).
 Which attention kernel runs, and how padding and packed documents are masked, is model/attention.py's
 (`AttnSpec`, built once per forward from which inputs are present, never from their values: no host
-sync, no graph break).
+sync, no graph break); FlashAttention-4's activation is model/fa4.py's, asked once here when a model is built.
 
 Must never: register a full causal-mask buffer (trap 12: masks are built per batch only when padding or
 packing needs one, otherwise SDPA's is_causal), let parameter names depend on which kernel ran (trap 11),
@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from model import attention, kernels
+from model import attention, fa4, kernels
 from model.attention import AttnSpec, documents_from_positions
 from model.config import ModelConfig
 from model.loss import lm_head_loss
@@ -169,7 +169,7 @@ class Attention(nn.Module):
         v = v.view(B, T, -1, self.head_dim)
         q, k = kernels.apply_rope_qk(q, k, cos, sin, fused=self.fused_rope, backend=self.backend)
         dropout = self.attn_dropout if self.training else 0.0
-        if spec.kind in ("flash", "flash_varlen"):  # flash-attn's [B, T, H, D] layout, GQA native
+        if spec.kind in ("flash", "flash_varlen", "fa4_varlen"):  # flash-attn's [B, T, H, D] layout, GQA native
             y = attention.flash_attention(q, k, v, spec, dropout)
         else:
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H(kv), T, D]
@@ -256,9 +256,16 @@ class Transformer(nn.Module):
         self.context_parallel = None
         if cfg.flash_attn:  # imported here, never inside a (compiled) forward
             kernels.detect_flash_attn()
+        fa4.prepare(cfg)  # FlashAttention-4 activated once per process where this model would use it
         self.apply(self._init_weights)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def _apply(self, fn, recurse=True):
+        """After a move or cast: FA4 is checked (and activated) once the model is on a GPU (model/fa4.py)."""
+        super()._apply(fn, recurse)
+        fa4.prepare(self.cfg)
+        return self
 
     @classmethod
     def pruned(cls, model: "Transformer", layer_ids: Iterable[int], *, embedding: bool,
@@ -304,16 +311,20 @@ class Transformer(nn.Module):
                    cu_seqlens: Optional[torch.Tensor] = None, max_seqlen=None) -> AttnSpec:
         """This batch's AttnSpec (model/attention.py), decided from which inputs are present and static
         facts (device, compute dtype, training, cache), never from tensor values."""
-        device = positions.device
-        flash = kernels.flash_attn_functions(device) if self.cfg.flash_attn else None
-        if flash is not None and self._compute_dtype(device) not in attention.HALF:
+        device, dtype, cfg = positions.device, self._compute_dtype(positions.device), self.cfg
+        flash = kernels.flash_attn_functions(device) if cfg.flash_attn else None
+        if flash is not None and dtype not in attention.HALF:
             flash = None  # flash-attn kernels exist for half precisions only
+        dropout = self.training and cfg.attn_dropout > 0
+        forced = fa4.forced_error(cfg, device, dtype, dropout, check=False) if cache is None else None
+        if forced:
+            raise ValueError(forced)
         return attention.build_spec(
             B, T, positions, attention_mask=attention_mask, position_ids_given=position_ids_given,
             doc_ids=doc_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-            past=cache.pos if cache is not None else None, flash=flash,
-            dropout=self.training and self.cfg.attn_dropout > 0, head_dim=self.cfg.head_dim,
-            backend=getattr(self, "attn_backend", "auto"))
+            past=cache.pos if cache is not None else None, flash=flash, dropout=dropout, head_dim=cfg.head_dim,
+            backend=getattr(self, "attn_backend", "auto"), fa4=fa4.plan(cfg, device, dtype, dropout),
+            gqa=cfg.n_kv_heads != cfg.n_heads)
 
     def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 reduction: str = "mean", attention_mask: Optional[torch.Tensor] = None,

@@ -14,7 +14,7 @@ that follows bf16's, 0 GPU test failures. The verdict:
               runs it (bf16 params + fp32 master) compiled, torchtitan with its own recipe, HF compiled (autocast
               = HF Trainer --bf16, gradients clipped at 1.0 as its Trainer does), HF + Liger-Kernel compiled,
               HF with bf16 weights in our engine, and ours without FlashAttention-4 (its A/B: where FA4 is
-              installed `--fused_kernels=auto` uses it)
+              installed `--fa4=auto`, the default, uses it)
   bench-1b    ours compiled, ours with FP8 tensorwise and rowwise (CURVE_STEPS timed steps each: the FP8 rows'
               loss curves against bf16's), torchtitan
 then, in the time the deadline leaves:

@@ -87,6 +87,10 @@ class ModelFlags:
     fused_kernels: str = _f("auto", "auto|true (per device: Triton kernels on CUDA, Inductor-fused references for the "
                             "norms/RoPE/SwiGLU under --compile; hand-written autograd kernels on CPU) | triton | torch "
                             "(force one implementation) | false (plain PyTorch references, as HF)")
+    fa4: str = _f("auto", "auto (FlashAttention-4 for causal and cu_seqlens-packed batches in fp16/bf16 where it runs: "
+                  "CUDA sm90/sm100 with flash-attn-4 installed and torch's FA4 override; else the other kernels) | "
+                  "true (exit 2 naming why where it cannot run) | false (never; recorded in model_config.json like "
+                  "--fused_kernels: a new run's choice)")
     compile: bool = _f(False, "torch.compile the model")
 
 

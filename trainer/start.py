@@ -18,6 +18,7 @@ import torch
 from model import ModelConfig, Transformer
 from model.attention import describe_attention
 from model.config import read_model_config
+from model.fa4 import forced_error as fa4_forced_error
 from model.kernels import describe_choice, flash_attn_functions
 from model.lora import trainable_parameters
 from parallel.build import build_engine, describe_layout
@@ -49,7 +50,7 @@ def new_model_config(cfg: TrainConfig, tok_meta: dict):
                        attn_dropout=cfg.dropout, resid_dropout=cfg.dropout, tie_embeddings=cfg.tie_embeddings,
                        gradient_checkpointing=cfg.gradient_checkpointing, fused_rmsnorm=fused,
                        fused_rope=fused, fused_swiglu=fused, fused_qkv=fused, fused_cross_entropy=fused,
-                       kernel_backend=backend, **moe_model_fields(cfg))
+                       kernel_backend=backend, fa4=cfg.fa4, **moe_model_fields(cfg))
 
 
 
@@ -244,6 +245,9 @@ def place_on_engine(cfg: TrainConfig, info: DistInfo, model, ref_model, log, thr
     model_cfg = model.cfg
     if model_cfg.flash_attn:
         flash_attn_functions(info.device)  # detected (and logged) once
+    forced = fa4_forced_error(model_cfg, info.device, dtype)  # model_config's fa4=true where FA4 cannot run
+    if forced:
+        raise TrainingError(forced, EXIT_BAD_CONFIG)
     log(f"[kernels] attention: {describe_attention(info.device, model_cfg, dtype, cfg.compile)}; "
         f"{describe_choice(info.device, model_cfg.kernel_backend, cfg.compile, fused=model_cfg.fused_rmsnorm)}")
     n_params = sum(p.numel() for p in model.parameters())

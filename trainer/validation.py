@@ -147,6 +147,8 @@ def _choices_and_combinations(cfg: TrainConfig, p: _Problems, torch_free: bool) 
                      "the one-launch AdamW, which does not step that)")
     cfg.fused_kernels = str(cfg.fused_kernels).lower()
     p.choice("fused_kernels", tuple(KERNEL_CHOICES))
+    cfg.fa4 = str(cfg.fa4).lower()
+    p.choice("fa4", ("auto", "true", "false"))
     p.choice("resume", RESUME_CHOICES)
     if cfg.init_from == "resume" and cfg.resume == "never":
         p.append("--init_from=resume (= --resume=always) contradicts --resume=never")
