@@ -306,7 +306,8 @@ def install_wheels(args, log: Log) -> dict:
         return {}
     from scripts import gpu_wheels
     try:
-        res = gpu_wheels.install(os.path.abspath(src), os.path.join(args.work_dir, "site"), log=log)
+        res = gpu_wheels.install(os.path.abspath(src), os.path.join(args.work_dir, "site"), log=log,
+                                 imports=gpu_wheels.CHECK_IMPORTS)
     except gpu_wheels.WheelsError as e:
         log(f"[gpu-report] install: gpu-wheels: {e}")
         return {"extras": f"install failed: {e}"[:300]}
@@ -315,7 +316,8 @@ def install_wheels(args, log: Log) -> dict:
     os.environ["PYTHONPATH"] = os.pathsep.join(res["pythonpath"] + old)
     sys.path[1:1] = res["pythonpath"]
     return {"extras": f"{len(res['packages'])} from {os.path.relpath(os.path.abspath(src), ROOT)}, installed in "
-                      f"{res['seconds']:.1f} s: " + ", ".join(res["packages"])}
+                      f"{res['seconds']:.1f} s: " + ", ".join(res["packages"]) +
+                      f"; imports: {gpu_wheels.imports_text(res)}"}
 
 
 def git_revision() -> str:

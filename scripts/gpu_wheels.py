@@ -52,8 +52,25 @@ TARGET_PYTHON = "3.12"
 # the platform tags pip matches exactly (README of the device tool); 2_24 and 2_28: apache-tvm-ffi, the cutlass libs
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64", "manylinux1_x86_64")
+# what gpu_report.py imports after the install (its header says whether each loads): FA4's kernels (they load
+# the CuTe DSL's compiler, the cu13 .so), torchtitan's Llama 3, Liger-Kernel, quack
+CHECK_IMPORTS = ("flash_attn.cute", "torchtitan.models.llama3", "liger_kernel", "quack")
 NEVER = {"torch", "triton"}  # the image's own: a wheel of either here would replace the measured stack
 CHUNK = 1 << 20
+CARRY_MIB = 64  # the device tool's limit on what travels: the tree it sends and the carried folders together
+
+
+def default_budget_mib() -> float:
+    """What the carry leaves for the wheels: 64 MiB less the files the device tool sends with them (git's
+    tracked and untracked-not-ignored files here), less 1 MiB for the tree to grow; 56 outside a git checkout."""
+    try:
+        r = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                           capture_output=True, timeout=60, check=True)
+        tree = sum(os.path.getsize(os.path.join(ROOT, f)) for f in r.stdout.decode().split("\0")
+                   if f and os.path.isfile(os.path.join(ROOT, f)))
+        return round(CARRY_MIB - tree / 2**20 - 1, 1)
+    except (OSError, subprocess.SubprocessError, UnicodeDecodeError):
+        return 56.0
 
 
 class WheelsError(Exception):
@@ -148,8 +165,9 @@ def content_sha256(path: str) -> str:
 def _xz_filters(total: int) -> list[dict]:
     # a dictionary as large as the data (up to 256 MiB): the big .so files share code far apart
     dict_size = max(1 << 20, min(256 << 20, 1 << max(0, total - 1).bit_length()))
+    # lc=4, pb=0: x86 code is byte-aligned (0.4% smaller than preset 9e's lc=3, pb=2 on the cu13 .so)
     return [{"id": lzma.FILTER_X86}, {"id": lzma.FILTER_LZMA2, "preset": 9 | lzma.PRESET_EXTREME,
-                                       "dict_size": dict_size}]
+                                       "dict_size": dict_size, "lc": 4, "lp": 0, "pb": 0}]
 
 
 def repack(wheel: str, out: str, xz_filters: Optional[list] = None) -> dict:
@@ -277,7 +295,7 @@ def check_budget(dest: str, budget_mib: float) -> int:
     return total
 
 
-def pack(dest: str, repack_over_mib: float = 20.0, budget_mib: float = 56.0,
+def pack(dest: str, repack_over_mib: float = 0.0, budget_mib: float = 56.0,
          log: Callable[[str], None] = print) -> dict:
     """Repack the large wheels in dest, write manifest.json (entries of wheels packed earlier kept), check the
     budget. Returns the manifest."""
@@ -347,7 +365,7 @@ def pip_download_cmd(dest: str, specs: list[str]) -> list[str]:
     return cmd + ["-d", dest] + specs
 
 
-def download(dest: str, requirements: str = REQUIREMENTS, repack_over_mib: float = 20.0, budget_mib: float = 56.0,
+def download(dest: str, requirements: str = REQUIREMENTS, repack_over_mib: float = 0.0, budget_mib: float = 56.0,
              log: Callable[[str], None] = print) -> dict:
     reqs = read_requirements(requirements)
     os.makedirs(dest, exist_ok=True)
@@ -434,9 +452,29 @@ def site_paths(target: str, python: str = sys.executable) -> list[str]:
     return [target] + [p for p in extra if os.path.abspath(p) != os.path.abspath(target)]
 
 
-def install(src: str, target: str, cross: bool = False, log: Callable[[str], None] = print) -> dict:
-    """Rebuild + check + one pip install into target. Returns {packages: [name==version], pythonpath: [...],
-    seconds, rebuild_s}. cross: install wheels built for the GPU machine's CPython 3.12 here (a plumbing check)."""
+def check_imports(modules, pythonpath: list[str]) -> dict:
+    """{module: "ok" or "ErrorType: message"}, each imported in one fresh interpreter on pythonpath."""
+    if not modules:
+        return {}
+    code = ("import importlib, json, sys\nout = {}\nfor m in sys.argv[1:]:\n    try:\n"
+            "        importlib.import_module(m)\n        out[m] = 'ok'\n    except BaseException as e:\n"
+            "        out[m] = (type(e).__name__ + ': ' + str(e).splitlines()[0] if str(e) else type(e).__name__)[:160]\n"
+            "print(json.dumps(out))")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(pythonpath + [p for p in os.environ.get(
+        "PYTHONPATH", "").split(os.pathsep) if p]))
+    r = subprocess.run([sys.executable, "-c", code, *modules], capture_output=True, text=True, timeout=300, env=env)
+    try:
+        return json.loads(r.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        return {m: "the import check crashed: " + ((r.stderr.strip().splitlines() or ["?"])[-1])[:160]
+                for m in modules}
+
+
+def install(src: str, target: str, cross: bool = False, log: Callable[[str], None] = print,
+            imports=()) -> dict:
+    """Rebuild + check + one pip install into target, then import each of imports there. Returns {packages:
+    [name==version], pythonpath: [...], imports: {module: ok or error}, seconds, rebuild_s}. cross: install
+    wheels built for the GPU machine's CPython 3.12 here (a plumbing check)."""
     t0 = time.perf_counter()
     manifest = load_manifest(src)
     os.makedirs(target, exist_ok=True)
@@ -452,13 +490,19 @@ def install(src: str, target: str, cross: bool = False, log: Callable[[str], Non
         raise WheelsError(f"pip install --target {target} failed: {err[0]}")
     pythonpath = site_paths(target)
     packages = [f"{w['name']}=={w['version']}" for w in manifest["wheels"]]
-    return {"packages": packages, "pythonpath": pythonpath, "seconds": round(time.perf_counter() - t0, 1),
-            "rebuild_s": round(rebuild_s, 1), "src": src, "target": target}
+    return {"packages": packages, "pythonpath": pythonpath, "imports": check_imports(imports, pythonpath),
+            "seconds": round(time.perf_counter() - t0, 1), "rebuild_s": round(rebuild_s, 1), "src": src,
+            "target": target}
+
+
+def imports_text(res: dict) -> str:
+    return ", ".join(f"{m} {'ok' if v == 'ok' else 'FAILED (' + v + ')'}" for m, v in res.get("imports", {}).items())
 
 
 def summary_line(res: dict) -> str:
+    imports = f"; imports: {imports_text(res)}" if res.get("imports") else ""
     return (f"gpu-wheels: installed {len(res['packages'])} wheels into {res['target']} in {res['seconds']:.1f} s "
-            f"(rebuild + checks {res['rebuild_s']:.1f} s): {' '.join(res['packages'])}; "
+            f"(rebuild + checks {res['rebuild_s']:.1f} s): {' '.join(res['packages'])}{imports}; "
             f"export PYTHONPATH={os.pathsep.join(res['pythonpath'])}")
 
 
@@ -469,8 +513,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         s = sub.add_parser(name, help="fetch requirements-gpu.txt, then pack" if name == "download"
                            else "repack the large wheels in --dest, write manifest.json, check the budget")
         s.add_argument("--dest", default=os.path.join(ROOT, ".whl"))
-        s.add_argument("--budget-mib", type=float, default=56.0, help="the folder's total at most (default 56)")
-        s.add_argument("--repack-over-mib", type=float, default=20.0, help="repack wheels larger than this")
+        s.add_argument("--budget-mib", type=float, default=None, help="the folder's total at most (default: "
+                       "64 MiB less the tree that travels with it, less 1 MiB; 56 outside git)")
+        s.add_argument("--repack-over-mib", type=float, default=0.0, help="repack the wheels larger than this "
+                       "(default 0: all; xz of the files is 40%% smaller than the wheels' deflate, and it is needed)")
         if name == "download":
             s.add_argument("--requirements", default=REQUIREMENTS)
     s = sub.add_parser("install", help="on the GPU machine: rebuild, check, pip install --target")
@@ -478,14 +524,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     s.add_argument("--target", default="/tmp/site")
     s.add_argument("--cross", action="store_true", help="install CPython 3.12 manylinux wheels with another "
                    "python (pip's --python-version/--platform): a check of the step, not a usable install")
+    s.add_argument("--check-imports", default="", metavar="MODULES", help="comma list of modules to import after "
+                   "the install (a failure is reported, not fatal); gpu_report.py checks " + ",".join(CHECK_IMPORTS))
     args = p.parse_args(argv)
+    if getattr(args, "budget_mib", 0) is None:
+        args.budget_mib = default_budget_mib()
     try:
         if args.cmd == "download":
             download(args.dest, args.requirements, args.repack_over_mib, args.budget_mib)
         elif args.cmd == "pack":
             pack(args.dest, args.repack_over_mib, args.budget_mib)
         else:
-            print(summary_line(install(args.src, args.target, args.cross)), flush=True)
+            imports = [m for m in args.check_imports.split(",") if m]
+            print(summary_line(install(args.src, args.target, args.cross, imports=imports)), flush=True)
     except WheelsError as e:
         print(f"gpu-wheels: {e}", file=sys.stderr)
         return 1

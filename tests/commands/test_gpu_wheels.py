@@ -115,10 +115,11 @@ def test_pack_then_install_imports_the_modules(wheels, tmp_path):
     assert (wa["version"], wa["sha256"], wa["size"]) == ("1.2.3", sha_a, size_a)
     assert wa["packed_size"] == os.path.getsize(src / wa["packed"]) < size_a
     target = tmp_path / "site"
-    r = _run("install", "--src", str(src), "--target", str(target))
+    r = _run("install", "--src", str(src), "--target", str(target), "--check-imports", "tinya_inner,nosuchmod")
     assert r.returncode == 0, r.stderr
     line = r.stdout.strip().splitlines()[-1]
     assert "tinya==1.2.3" in line and "tinyb==0.1" in line
+    assert "imports: tinya_inner ok, nosuchmod FAILED (ModuleNotFoundError" in line
     pythonpath = line.split("export PYTHONPATH=", 1)[1]
     assert pythonpath.split(os.pathsep) == [str(target), os.path.join(str(target), "tinya", "pkgs")]
     code = "import tinya, tinyb, tinya_inner; print(tinya.VALUE, tinyb.NAME, tinya_inner.INNER)"
@@ -213,12 +214,14 @@ def test_the_report_installs_the_wheels_and_puts_them_on_every_stage_path(wheels
     gr = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gr)
     src, _ = _packed(wheels)
+    monkeypatch.setattr(gw, "CHECK_IMPORTS", ("tinya_inner",))
     monkeypatch.setenv("PYTHONPATH", "/already/there")
     monkeypatch.setattr(sys, "path", list(sys.path))
     args = gr.argparse.Namespace(wheels=str(src), dry_run_cpu=True, work_dir=str(tmp_path / "work"))
     extras = gr.install_wheels(args, gr.Log(None))
     site = str(tmp_path / "work" / "site")
-    assert extras["extras"].endswith("tinya==1.2.3, tinyb==0.1") and extras["extras"].startswith("2 from ")
+    assert extras["extras"].startswith("2 from ") and "tinya==1.2.3, tinyb==0.1; imports: tinya_inner ok" in \
+        extras["extras"]
     env = gr.child_env()
     assert env["PYTHONPATH"].split(os.pathsep) == [site, os.path.join(site, "tinya", "pkgs"), "/already/there"]
     assert sys.path[1] == site
