@@ -299,6 +299,9 @@ def pack(dest: str, repack_over_mib: float = 0.0, budget_mib: float = 56.0,
          log: Callable[[str], None] = print) -> dict:
     """Repack the large wheels in dest, write manifest.json (entries of wheels packed earlier kept), check the
     budget. Returns the manifest."""
+    for name in os.listdir(dest):
+        if name.endswith(".part"):  # a repack that was stopped
+            os.remove(os.path.join(dest, name))
     old = {}
     if os.path.exists(os.path.join(dest, MANIFEST)):
         old = {w["file"]: w for w in load_manifest(dest)["wheels"]}
