@@ -1,28 +1,31 @@
 r"""The GPU report's extras as wheels that travel with the working tree (the GPU machine has no network).
 
-    python scripts/gpu_wheels.py download [--dest .whl] [--budget-mib 56]   # here (`make gpu-wheels`)
-    python scripts/gpu_wheels.py pack [--dest DIR]                          # repack + manifest what DIR holds
-    python3 scripts/gpu_wheels.py install [--src .whl] [--target /tmp/site] # there (gpu_report.py --wheels)
+    python scripts/gpu_wheels.py download [--dest .whl] [--budget-mib M]  # here, with pip (`make gpu-wheels`)
+    python scripts/gpu_wheels.py pack [--dest DIR]                         # repack + manifest what DIR holds
+    python3 scripts/gpu_wheels.py install [--src .whl] [--target /tmp/site] [--check-imports MODS]  # there
 
 download: `pip download --no-deps` of exactly requirements-gpu.txt for CPython 3.12 on manylinux x86_64 (the GPU
 machine's python), then `pack`. A requirement already packed in the manifest at its pinned version is not fetched
 again; files in the folder that no requirement names are removed (two versions of one package stop the install).
 
-pack: a wheel over --repack-over-mib becomes `<wheel>.tar.xz` (its .whl deleted): the zip's members' data,
-uncompressed, and its "skeleton" (every byte of the zip that is not a member's data: headers, central directory),
-compressed with xz (the x86 filter, LZMA2 preset 9e, a dictionary as large as the data). A wheel is a zip of
-deflate streams that zlib reproduces byte for byte at the level it was written with (found here per member), so
-the rebuild there is the original wheel, and its sha256 is checked against the manifest. manifest.json records
-each wheel's name, version, file, sha256, size and packed size, and the zlib that packed it. The folder must fit
-the carry budget (the device tool carries at most 64 MiB with the tracked tree): over it is a one-line error
-naming the largest files.
+pack: each wheel over --repack-over-mib (default 0: every one) becomes `<wheel>.tar.xz` (its .whl deleted): the
+zip's members' data, uncompressed, and its "skeleton" (every other byte of the zip: headers, central directory),
+in xz (the x86 filter, LZMA2 preset 9e, a dictionary as large as the data: 40% smaller than the wheels' deflate;
+nvidia-cutlass-dsl-libs-cu13's 87.7 MiB wheel is 49.3 MiB, ~4 min of one core). zlib redeflates each member to
+the wheel's own bytes at the level it was written with (found here per member; a member it does not reproduce
+stays in the skeleton as it is), so the rebuild is the original wheel: checked here before its .whl goes, and
+there against the manifest's sha256. manifest.json records each wheel's name, version, file, sha256, size, packed
+size and content digest, and the zlib that packed it. The folder must fit what the device tool's 64 MiB carry
+leaves beside the tree it sends (default --budget-mib: 64 less git's files here, less 1): over it is a one-line
+error naming the largest files.
 
 install: rebuild each packed wheel and check its sha256 (a mismatch: a one-line error naming the file; only where
-this zlib differs from the packer's, whose deflate may differ, the members' contents are checked instead), then
-one `pip install --no-index --no-deps --no-compile --target T` of every wheel, and one line: what is installed
-(name==version) and the PYTHONPATH to export (the target and the folders its .pth files add, which a --target
-install does not process: nvidia-cutlass-dsl's `cutlass` lives in one). Never installs or replaces torch.
-Exit status: 0, 1 with a one-line error, 2 for bad arguments.
+this zlib differs from the packer's, whose deflate may differ in bytes and lengths, a new zip of the same members
+is written and their contents checked instead), then one `pip install --no-index --no-deps --no-compile --target
+T` of every wheel, an import of each --check-imports module in a fresh interpreter (reported, not fatal), and one
+line: what is installed (name==version), the imports, and the PYTHONPATH to export (the target and the folders its
+.pth files add, which a --target install does not process: nvidia-cutlass-dsl's `cutlass` lives in one). Never
+installs torch or triton. Exit status: 0, 1 with a one-line error, 2 for bad arguments.
 """
 from __future__ import annotations
 
@@ -461,7 +464,8 @@ def check_imports(modules, pythonpath: list[str]) -> dict:
         return {}
     code = ("import importlib, json, sys\nout = {}\nfor m in sys.argv[1:]:\n    try:\n"
             "        importlib.import_module(m)\n        out[m] = 'ok'\n    except BaseException as e:\n"
-            "        out[m] = (type(e).__name__ + ': ' + str(e).splitlines()[0] if str(e) else type(e).__name__)[:160]\n"
+            "        msg = str(e).splitlines()[0] if str(e) else ''\n"
+            "        out[m] = (type(e).__name__ + (': ' + msg if msg else ''))[:240]\n"
             "print(json.dumps(out))")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(pythonpath + [p for p in os.environ.get(
         "PYTHONPATH", "").split(os.pathsep) if p]))
@@ -485,7 +489,8 @@ def install(src: str, target: str, cross: bool = False, log: Callable[[str], Non
         paths = verified_wheels(src, manifest, work, log)
         rebuild_s = time.perf_counter() - t0
         cmd = [sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-index", "--no-deps",
-               "--no-compile", "--no-cache-dir", "--upgrade", "--target", target] + (CROSS_ARGS if cross else []) + paths
+               "--no-compile", "--no-cache-dir", "--upgrade", "--target", target]
+        cmd += (CROSS_ARGS if cross else []) + paths
         r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         err = [ln for ln in (r.stderr + r.stdout).splitlines() if ln.startswith("ERROR")] or \
