@@ -8,7 +8,7 @@ PIP_VERSION := 26.3
 STEPS ?=
 LONG ?=
 
-.PHONY: demo test test-gpu gpu-report venv venv-dev lock-check bench clean
+.PHONY: demo test test-gpu gpu-report gpu-wheels venv venv-dev lock-check bench clean
 
 # Two pinned locks (scripts/lock_requirements.py writes them): requirements.txt is what the demo and the pipeline
 # need (~1.5 GB with torch, a minute or more the first time), requirements-dev.txt adds the tests and every optional
@@ -56,6 +56,12 @@ test-gpu: venv-dev
 # Without CUDA it says so in one line and exits 0. No venv/pip step: it runs with .venv's python when there is one, else python3 (a GPU machine's own torch).
 gpu-report:
 	@$(if $(wildcard $(VPY)),$(VPY),$(PY)) scripts/gpu_report.py $(if $(PART),--only $(PART))
+
+# here, with pip's registry: the extras the GPU machine's image lacks (requirements-gpu.txt: FlashAttention-4,
+# torchtitan, Liger-Kernel) as cp312 wheels in .whl/ (ignored), the large ones repacked to fit the device tool's
+# 64 MiB carry; `gpu-report` installs them first there (docs/benchmarks.md "Carrying the extras").
+gpu-wheels:
+	$(if $(wildcard $(VPY)),$(VPY),$(PY)) scripts/gpu_wheels.py download --dest .whl
 
 clean:
 	rm -rf demo_out .pytest_cache

@@ -259,7 +259,8 @@ def ver(name):
         return md.version(name)
     except md.PackageNotFoundError:
         return "not installed"
-for name in ("torch", "triton", "transformers", "liger-kernel"):
+for name in ("torch", "triton", "transformers", "liger-kernel", "flash-attn-4", "nvidia-cutlass-dsl", "quack-kernels",
+             "torchtitan"):
     out[name] = ver(name)
 import torch
 out["cuda_runtime"] = torch.version.cuda
@@ -303,6 +304,32 @@ def collect_meta(args, env: dict) -> dict:
         meta["gpu"] = "none (CPU dry run)"
         meta["dry_compile"] = args.dry_compile
     return meta
+
+
+def install_wheels(args, log: Log) -> dict:
+    """The extras carried as wheels (scripts/gpu_wheels.py; `make gpu-wheels` fills .whl): installed into
+    --work-dir/site before anything is measured (seconds) and put on PYTHONPATH for this process and every command
+    it starts (child_env copies os.environ). A failed install is logged and shown in the header; the stages then
+    run without the extras. Returns the header's "extras" entry ({} when no wheels are given)."""
+    src = args.wheels
+    if src is None:  # a GPU run takes .whl when it is there; a dry run installs only what it is given
+        src = os.path.join(ROOT, ".whl") if not args.dry_run_cpu and os.path.isdir(os.path.join(ROOT, ".whl")) else ""
+    if not src or src == "none":
+        return {}
+    from scripts import gpu_wheels
+    try:
+        res = gpu_wheels.install(os.path.abspath(src), os.path.join(args.work_dir, "site"), log=log,
+                                 imports=gpu_wheels.CHECK_IMPORTS)
+    except gpu_wheels.WheelsError as e:
+        log(f"[gpu-report] install: gpu-wheels: {e}")
+        return {"extras": f"install failed: {e}"[:300]}
+    log(f"[gpu-report] install: {gpu_wheels.summary_line(res)}")
+    old = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    os.environ["PYTHONPATH"] = os.pathsep.join(res["pythonpath"] + old)
+    sys.path[1:1] = res["pythonpath"]
+    return {"extras": f"{len(res['packages'])} from {os.path.relpath(os.path.abspath(src), ROOT)}, installed in "
+                      f"{res['seconds']:.1f} s: " + ", ".join(res["packages"]) +
+                      f"; imports: {gpu_wheels.imports_text(res)}"}
 
 
 def git_revision() -> str:
@@ -878,7 +905,9 @@ def render(report: dict) -> str:
     keys = [("date", "date"), ("gpu", "GPU"), ("capability", "compute capability"),
             ("gpu_memory_gib", "GPU memory GiB"), ("driver", "driver"), ("cuda_driver", "CUDA (driver)"),
             ("cuda_runtime", "CUDA (torch build)"), ("torch", "torch"), ("triton", "triton"),
-            ("transformers", "transformers"), ("liger-kernel", "liger-kernel"), ("python", "python"),
+            ("transformers", "transformers"), ("liger-kernel", "liger-kernel"), ("flash-attn-4", "flash-attn-4"),
+            ("nvidia-cutlass-dsl", "nvidia-cutlass-dsl"), ("quack-kernels", "quack-kernels"),
+            ("torchtitan", "torchtitan"), ("extras", "carried wheels (--wheels)"), ("python", "python"),
             ("git", "git revision"), ("host", "host"), ("triton_default_fp_fusion", "TRITON_DEFAULT_FP_FUSION"),
             ("tf32", "TF32"), ("dry_compile", "dry run: compile"), ("seconds", "invocation wall s"),
             ("argv", "arguments")]
@@ -1238,6 +1267,9 @@ def main(argv: Optional[list[str]] = None, supervise: bool = False) -> int:
                    "or per config: '124m=ROWS;1b=ROWS'")
     p.add_argument("--bench-row-timeout", type=float, default=300, help="seconds per bench row")
     p.add_argument("--git-rev", default="", help="the revision to print when this tree has no .git")
+    p.add_argument("--wheels", default=None, metavar="DIR", help="install the wheels in DIR first "
+                   "(scripts/gpu_wheels.py install: into WORK_DIR/site, on PYTHONPATH for every stage); default: "
+                   ".whl when it exists (`make gpu-wheels`; a dry run: none); `none`: skip")
     p.add_argument("--full", action="store_true", help="every bench row (ours/ours-ref/HF/HF+Liger x precision x "
                    "mode) and four trainer runs, with the longer timeouts (~24 min); default: the verdict in <= 9 min")
     args = p.parse_args(argv)
@@ -1277,13 +1309,15 @@ def main(argv: Optional[list[str]] = None, supervise: bool = False) -> int:
     if supervise and not become_subreaper():  # (Linux): the stages' orphans are adopted here (end_strays)
         log("[gpu-report] could not become the subreaper of its commands (not Linux?): an orphan of a command "
             "is not found after its stage")
-    env = child_env(args.dry_compile if args.dry_run_cpu else "inductor")
     t0 = time.perf_counter()
+    extras = install_wheels(args, log)  # before child_env: every command gets the extras' PYTHONPATH
+    env = child_env(args.dry_compile if args.dry_run_cpu else "inductor")
     log(f"[gpu-report] {now()}: stages {', '.join(names)} (timeouts "
         f"{', '.join(f'{n} {timeouts[n]:.0f} s' for n in names)}; "
         f"at most {sum(timeouts[n] for n in names) / 60:.1f} min"
         f"{f', deadline {args.deadline_s:.0f} s' if args.deadline_s else ''}); report in {args.out_dir}")
     meta = collect_meta(args, env)
+    meta.update(extras)
     log(f"[gpu-report] {meta.get('gpu', '?')}, driver {meta.get('driver', '-')}, torch {meta.get('torch')} "
         f"(CUDA {meta.get('cuda_runtime')}), triton {meta.get('triton')}, transformers {meta.get('transformers')}, "
         f"liger-kernel {meta.get('liger-kernel')}, git {meta.get('git')}")
