@@ -51,11 +51,14 @@ out/gpu_report_work), never to --out-dir. Running a part again merges into the r
 
 Without CUDA (and without --dry-run-cpu / --merge) it prints one line saying so and exits 0.
 
-On a device lent for minutes (each call may start from a bare machine with an empty $OUT): one call,
-    PYTHONUNBUFFERED=1 python3 scripts/gpu_report.py --out-dir $OUT/r --work-dir /tmp/grw --deadline-s 540 \
-        --git-rev REV
+On a device lent for minutes (each call may start from a bare machine with an empty $OUT): `make gpu-wheels`
+here first (the extras as carried wheels, .whl/: docs/benchmarks.md), then one call of the device tool with
+carry [".whl"] and timeout_s 600:
+    PYTHONUNBUFFERED=1 python3 scripts/gpu_report.py --wheels .whl --out-dir $OUT/r --work-dir /tmp/grw \
+        --deadline-s 570 --git-rev REV
 (REV: `git rev-parse --short HEAD` here: the device's copy of the tree may have no .git). --deadline-s ends
-the last stage in time to write the report. `--full` splits over calls with --only, and the reports merge
+the last stage in time to write the report (the report is rewritten after every stage: a call killed at its
+limit still returns what ran). A lent GPU's 15 minutes hold one such call and its start-up, not two. `--full` splits over calls with --only, and the reports merge
 here with --merge. Two calls on one warm machine can share one report: give both `--out-dir /tmp/grr` (it
 stays on the machine between calls) and copy it under $OUT after each (`cp -r /tmp/grr $OUT/r`); the second
 (`--only bench-ab,kernels`) then leaves out the A/B rows the first measured.
