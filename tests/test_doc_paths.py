@@ -45,7 +45,8 @@ def _ignored_top_level() -> set[str]:
             line = line.strip()
             if line and not line.startswith("#") and not line.startswith("!"):
                 patterns.append(line.strip("/"))
-    names = {".git"}
+    # a literal name is ignored whether or not this checkout has it (`.whl/`: made by `make gpu-wheels`)
+    names = {".git"} | {p for p in patterns if "/" not in p and not any(c in p for c in "*?[")}
     for name in os.listdir(ROOT):
         if any(fnmatch.fnmatch(name, p) for p in patterns):
             names.add(name)
