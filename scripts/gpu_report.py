@@ -241,6 +241,9 @@ def tail(text: str, n: int = 15) -> list[str]:
 def child_env(dry_compile: str = "inductor") -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # see bench/bench_model_gpu.py's docstring
+    # FlashAttention-4 compiles its kernels at a process's first call and keeps them only when asked: on disk, the
+    # prewarm's and the tests' compiles serve every later bench row (each its own process)
+    env.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
     if dry_compile == "off":
         env["TORCH_COMPILE_DISABLE"] = "1"
     return env
