@@ -623,7 +623,7 @@ def prewarm_rows(args) -> list[dict]:
     run in plan order (smaller configs first), or with config-prefixed --rows in the order listed (the GPU
     report lists first what is needed first and compiles longest); an error (an out-of-memory beside other
     rows) only means that row compiles cold later."""
-    from utils.proc_tree import kill_tree
+    from utils.proc_tree import kill_tree, process_table
     plan = prewarm_plan(args)
     t_start = T_SCRIPT  # the budget counts from the process's start: its caller's timeout does too
     running: list = []
@@ -667,6 +667,11 @@ def prewarm_rows(args) -> list[dict]:
         for proc, _, _ in running:
             if proc.poll() is None:
                 kill_tree(proc.pid)
+        # and a row the signal came upon between its Popen and `running.append` (the handler runs at the next
+        # bytecode): every child of this process is a row
+        for pid, info in process_table().items():
+            if info.ppid == os.getpid() and info.state != "Z":
+                kill_tree(pid)
     return done
 
 
