@@ -162,10 +162,8 @@ def _build(model_name: str, mcfg: dict, device):
         # FA4, once activated, runs every SDPA flash call of the process (model/fa4.py): HF rows never activate it
         cfg = ModelConfig(**mcfg, fa4="auto" if model_name.startswith("ours") and model_name != "ours-nofa4" else "false")
         ours = Transformer(cfg)
-        if model_name in ("ours", "ours-fp8", "ours-fp8r", "ours-torchadam", "ours-concat", "ours-gradbuf",
-                          "ours-tce", "ours-tce4k", "ours-sync", "ours-bf16m", "ours-overlap", "ours-nofa4",
-                          "titan"):  # make_step (titan: bench/titan_peer.py)
-            return ours
+        if model_name == "titan" or (model_name.startswith("ours") and model_name not in ("ours-triton", "ours-ref")):
+            return ours  # our model as it is: make_step sets the row's variant (titan: bench/titan_peer.py)
         if model_name == "ours-triton":  # our Triton kernels also under torch.compile (auto: references there)
             return Transformer(ModelConfig(**mcfg, kernel_backend="triton"))
         if model_name == "ours-ref":
@@ -185,6 +183,41 @@ def _build(model_name: str, mcfg: dict, device):
         hf.load_state_dict(to_hf_state_dict(ours), strict=True)
         del ours
         return hf
+
+
+def _autocast_step(model, model_name: str, mode: str, x, y, device):
+    """step() of an autocast row (HF Trainer's --bf16): fp32 parameters, bf16 autocast, torch's fused AdamW, the
+    gradients clipped to MAX_GRAD_NORM; FP8 rows converted and compiled rows compiled first."""
+    import torch
+    from optimizer import OptimizerConfig
+    from optimizer.adamw import build_adamw
+    from parallel.transforms.compile import compile_in_place
+    from utils.device import autocast_context
+    ours = model_name.startswith("ours")
+    if model_name in FP8_MODELS:  # the trainer's transform, before compile (parallel/transforms/float8.py)
+        from types import SimpleNamespace
+
+        from parallel.transforms import float8
+        float8.apply(model, None, SimpleNamespace(float8=FP8_MODELS[model_name]), device=torch.device(device))
+    if COMPILE_KW[mode] is not None:
+        if ours:
+            compile_in_place(model, **COMPILE_KW[mode])
+        else:
+            model.compile(**COMPILE_KW[mode])
+    params = list(model.parameters())
+    opt = build_adamw(params, [], OptimizerConfig(lr=LR, weight_decay=0.0, fused=True), torch.device(device).type)
+
+    def step() -> torch.Tensor:
+        if mode == "compile-cg":
+            torch.compiler.cudagraph_mark_step_begin()
+        opt.zero_grad(set_to_none=True)
+        with autocast_context(device, torch.bfloat16):
+            loss = model(x, labels=y) if ours else model(input_ids=x, labels=x).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, MAX_GRAD_NORM, foreach=True)  # HF Trainer's default clip
+        opt.step()
+        return loss.detach().clone()  # compile-cg: the graph's output is overwritten by the next replay
+    return step
 
 
 def make_step(config: str, model_name: str, mode: str, precision: str, device):
@@ -209,34 +242,7 @@ def make_step(config: str, model_name: str, mode: str, precision: str, device):
         del model
         return step, titan
     if precision == "autocast":
-        from optimizer import OptimizerConfig
-        from optimizer.adamw import build_adamw
-        from parallel.transforms.compile import compile_in_place
-        from utils.device import autocast_context
-        if model_name in FP8_MODELS:  # the trainer's transform, before compile (parallel/transforms/float8.py)
-            from types import SimpleNamespace
-
-            from parallel.transforms import float8
-            float8.apply(model, None, SimpleNamespace(float8=FP8_MODELS[model_name]), device=torch.device(device))
-        if COMPILE_KW[mode] is not None:
-            if ours:
-                compile_in_place(model, **COMPILE_KW[mode])
-            else:
-                model.compile(**COMPILE_KW[mode])
-        params = list(model.parameters())
-        opt = build_adamw(params, [], OptimizerConfig(lr=LR, weight_decay=0.0, fused=True), torch.device(device).type)
-
-        def step() -> torch.Tensor:
-            if mode == "compile-cg":
-                torch.compiler.cudagraph_mark_step_begin()
-            opt.zero_grad(set_to_none=True)
-            with autocast_context(device, torch.bfloat16):
-                loss = model(x, labels=y) if ours else model(input_ids=x, labels=x).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, MAX_GRAD_NORM, foreach=True)  # HF Trainer's default clip
-            opt.step()
-            return loss.detach().clone()  # compile-cg: the graph's output is overwritten by the next replay
-        return step, model
+        return _autocast_step(model, model_name, mode, x, y, device), model
 
     # precision == "trainer": the objects train_my_ddp.py builds for --dtype=bf16 (parallel/build.py)
     from parallel.build import build_engine

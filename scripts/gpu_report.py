@@ -1251,9 +1251,7 @@ def parse_timeouts(spec: str, base: dict) -> dict:
     return out
 
 
-def main(argv: Optional[list[str]] = None, supervise: bool = False) -> int:
-    """supervise (the command line): adopt the stages' orphans and kill what a stage left running before the
-    next one starts (end_strays); an in-process caller (a test) keeps its own children."""
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", default="", help="comma list of parts: " + ", ".join(PARTS) + " (default: all)")
     p.add_argument("--out-dir", default="", help="report.md, report.json, log.txt (default out/gpu_report; "
@@ -1278,6 +1276,13 @@ def main(argv: Optional[list[str]] = None, supervise: bool = False) -> int:
                    ".whl when it exists (`make gpu-wheels`; a dry run: none); `none`: skip")
     p.add_argument("--full", action="store_true", help="every bench row (ours/ours-ref/HF/HF+Liger x precision x "
                    "mode) and four trainer runs, with the longer timeouts (~24 min); default: the verdict in <= 9 min")
+    return p
+
+
+def main(argv: Optional[list[str]] = None, supervise: bool = False) -> int:
+    """supervise (the command line): adopt the stages' orphans and kill what a stage left running before the
+    next one starts (end_strays); an in-process caller (a test) keeps its own children."""
+    p = build_parser()
     args = p.parse_args(argv)
     if args.deadline_s is None:  # the verdict fits the 9 minutes a lent GPU allows; --full and dry runs take longer
         args.deadline_s = 0 if args.full or args.dry_run_cpu else 540

@@ -47,6 +47,10 @@ import zlib
 from typing import Callable, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from checkpoint.verify import sha256_file  # noqa: E402
+from scripts.lock_requirements import canonical  # noqa: E402
+
 REQUIREMENTS = os.path.join(ROOT, "requirements-gpu.txt")
 MANIFEST = "manifest.json"
 PACKED = ".tar.xz"
@@ -78,18 +82,6 @@ def default_budget_mib() -> float:
 
 class WheelsError(Exception):
     """One line for the user, naming the file at fault."""
-
-
-def canonical(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
-def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(CHUNK), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def read_requirements(path: str = REQUIREMENTS) -> list[tuple[str, str]]:
