@@ -2,7 +2,6 @@
 after it, and the paths that follow from the command's --out_dir. Parses only: starts nothing."""
 from __future__ import annotations
 
-import argparse
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -31,8 +30,10 @@ class MonitorConfig:
 
 def parse_args(argv: list[str]) -> tuple[MonitorConfig, list[str]]:
     """Split argv at the first `--`: monitor options before it, the command (kept verbatim) after."""
-    from utils.cli import DefaultsHelpFormatter
-    p = argparse.ArgumentParser(
+    from utils.cli import DefaultsHelpFormatter, Parser, add_bool
+    # the commands' convention (utils/cli.py): no prefix guessing (`--max_restart=2` is refused with a hint, not
+    # taken as --max_restarts), `--a-b` == `--a_b`, booleans as --name[=true|false]
+    p = Parser(
         prog="monitor_process.py", usage="%(prog)s [options] -- <training command ...>",
         formatter_class=DefaultsHelpFormatter,
         epilog="example: python monitor_process.py --max_restarts=20 --hang_timeout=900 -- "
@@ -46,9 +47,9 @@ def parse_args(argv: list[str]) -> tuple[MonitorConfig, list[str]]:
     p.add_argument("--log_file", help="tee file for the output (default: <out_dir>/monitor.log)")
     p.add_argument("--summary_file", help="default: <out_dir>/monitor_summary.json")
     p.add_argument("--max_restarts", type=int, default=10)
-    p.add_argument("--count_only_stalled_restarts", action="store_true",
-                   help="count a restart against --max_restarts only if the attempt before it made no "
-                        "progress (no new step in metrics.jsonl, no newer checkpoint)")
+    add_bool(p, "count_only_stalled_restarts", False,
+             "count a restart against --max_restarts only if the attempt before it made no progress (no new step "
+             "in metrics.jsonl, no newer checkpoint)")
     p.add_argument("--backoff_base", type=float, default=5.0, help="seconds before the first restart")
     p.add_argument("--backoff_max", type=float, default=300.0, help="cap of the doubling backoff")
     p.add_argument("--hang_timeout", type=float, default=600.0,

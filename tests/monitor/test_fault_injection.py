@@ -104,6 +104,18 @@ def test_command_must_follow_double_dash():
     assert cfg.log_file == os.path.join("/o d", "monitor.log")
 
 
+def test_monitor_flags_follow_the_commands_convention(capsys):
+    """No prefix guessing (a misspelt flag is refused with the right name, never taken for another), dashes as
+    underscores, booleans as --name[=true|false]; the command after `--` is not read."""
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--max_restart=2", "--", "python", "t.py"])
+    assert e.value.code == 2 and "did you mean --max_restarts" in capsys.readouterr().err
+    cfg, cmd = parse_args(["--max-restarts=3", "--count_only_stalled_restarts", "--", "python", "t.py", "--max_restart=9"])
+    assert (cfg.max_restarts, cfg.count_only_stalled_restarts, cmd[-1]) == (3, True, "--max_restart=9")
+    assert parse_args(["--count_only_stalled_restarts=false", "--", "x"])[0].count_only_stalled_restarts is False
+    assert parse_args(["--", "x"])[0].count_only_stalled_restarts is False
+
+
 # --- fault injection ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("fault, resumed_from, cause", [("crash@7", 5, "crash"),
