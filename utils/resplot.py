@@ -10,7 +10,6 @@ PNG when no output path is given.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -137,7 +136,8 @@ def plot_runs(run_dirs: list[str], out_path: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from utils.cli import Parser
+    p = Parser(description=__doc__.splitlines()[0])  # the commands' convention: no prefix guessing, hints
     p.add_argument("runs", nargs="+", help="run directories holding metrics.jsonl")
     p.add_argument("-o", "--output", default=None, help="PNG path (default: <first run>/curves.png)")
     args = p.parse_args(argv)
