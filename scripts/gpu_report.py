@@ -266,7 +266,7 @@ def ver(name):
     except md.PackageNotFoundError:
         return "not installed"
 for name in ("torch", "triton", "transformers", "liger-kernel", "flash-attn-4", "nvidia-cutlass-dsl", "quack-kernels",
-             "torchtitan"):
+             "torchtitan", "torchao"):
     out[name] = ver(name)
 import torch
 out["cuda_runtime"] = torch.version.cuda
@@ -913,7 +913,7 @@ def render(report: dict) -> str:
             ("cuda_runtime", "CUDA (torch build)"), ("torch", "torch"), ("triton", "triton"),
             ("transformers", "transformers"), ("liger-kernel", "liger-kernel"), ("flash-attn-4", "flash-attn-4"),
             ("nvidia-cutlass-dsl", "nvidia-cutlass-dsl"), ("quack-kernels", "quack-kernels"),
-            ("torchtitan", "torchtitan"), ("extras", "carried wheels (--wheels)"), ("python", "python"),
+            ("torchtitan", "torchtitan"), ("torchao", "torchao"), ("extras", "carried wheels (--wheels)"), ("python", "python"),
             ("git", "git revision"), ("host", "host"), ("triton_default_fp_fusion", "TRITON_DEFAULT_FP_FUSION"),
             ("tf32", "TF32"), ("dry_compile", "dry run: compile"), ("seconds", "invocation wall s"),
             ("argv", "arguments")]

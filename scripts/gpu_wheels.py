@@ -60,22 +60,25 @@ TARGET_PYTHON = "3.12"
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64", "manylinux1_x86_64")
 # what gpu_report.py imports after the install (its header says whether each loads): FA4's kernels (they load
-# the CuTe DSL's compiler, the cu13 .so), torchtitan's Llama 3, Liger-Kernel, quack
-CHECK_IMPORTS = ("flash_attn.cute", "torchtitan.models.llama3", "liger_kernel", "quack")
+# the CuTe DSL's compiler, the cu13 .so), torchtitan's Llama 3, Liger-Kernel, quack, torchao's float8 training (the
+# FP8 rows)
+CHECK_IMPORTS = ("flash_attn.cute", "torchtitan.models.llama3", "liger_kernel", "quack", "torchao.float8")
 NEVER = {"torch", "triton"}  # the image's own: a wheel of either here would replace the measured stack
 CHUNK = 1 << 20
 CARRY_MIB = 64  # the device tool's limit on what travels: the tree it sends and the carried folders together
+TREE_GROWTH_MIB = 0.5  # kept free for the tree to grow between `make gpu-wheels` and the GPU call
 
 
 def default_budget_mib() -> float:
     """What the carry leaves for the wheels: 64 MiB less the files the device tool sends with them (git's
-    tracked and untracked-not-ignored files here), less 1 MiB for the tree to grow; 56 outside a git checkout."""
+    tracked and untracked-not-ignored files here), less TREE_GROWTH_MIB for the tree to grow; 56 outside a git
+    checkout."""
     try:
         r = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
                            capture_output=True, timeout=60, check=True)
         tree = sum(os.path.getsize(os.path.join(ROOT, f)) for f in r.stdout.decode().split("\0")
                    if f and os.path.isfile(os.path.join(ROOT, f)))
-        return round(CARRY_MIB - tree / 2**20 - 1, 1)
+        return round(CARRY_MIB - tree / 2**20 - TREE_GROWTH_MIB, 1)
     except (OSError, subprocess.SubprocessError, UnicodeDecodeError):
         return 56.0
 
@@ -514,7 +517,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                            else "repack the large wheels in --dest, write manifest.json, check the budget")
         s.add_argument("--dest", default=os.path.join(ROOT, ".whl"))
         s.add_argument("--budget-mib", type=float, default=None, help="the folder's total at most (default: "
-                       "64 MiB less the tree that travels with it, less 1 MiB; 56 outside git)")
+                       f"64 MiB less the tree that travels with it, less {TREE_GROWTH_MIB:g} MiB; 56 outside git)")
         s.add_argument("--repack-over-mib", type=float, default=0.0, help="repack the wheels larger than this "
                        "(default 0: all; xz of the files is 40%% smaller than the wheels' deflate, and it is needed)")
         if name == "download":
