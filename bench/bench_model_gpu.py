@@ -72,9 +72,9 @@ Loss curves: every row keeps its timed steps' losses (read after the last step: 
 compare each FP8 row's curve with the bf16 `ours` row of the same config and mode (the same batch every step:
 the loss falls as the model fits it, so a recipe that diverges or stalls shows).
 
-Peer: titan (torchtitan 0.3.0's Llama3 on our weights with its trainer's own recipe, precision `titan`: FSDP2 on one
-rank for its bf16 mixed precision over fp32 parameters, per-block and loss compile in mode compile, FlexAttention,
-chunked loss, fused AdamW, clipping, CUDA graphs; bench/titan_peer.py says exactly what runs and what differs; the
+Peer: titan (torchtitan 0.2.2's Llama 3 on our weights with its trainer's own recipe, precision `titan`: on one GPU
+no FSDP, bf16 autocast over fp32 parameters, per-block and loss compile in mode compile, causal SDPA, full-logit
+cross-entropy, fused AdamW, clipping; bench/titan_peer.py says exactly what runs, what differs and why not 0.3.0; the
 row says "torchtitan not installed" without requirements-peers.txt).
 
 Settings (the same in every row, printed at start): TF32 for fp32 matmuls and cuDNN on CUDA
@@ -118,7 +118,7 @@ MODELS = ("ours", "ours-ref", "ours-triton", "hf", "hf-liger", "ours-fp8", "ours
 FP8_MODELS = {"ours-fp8": "tensorwise", "ours-fp8r": "rowwise"}  # --float8 recipe of each FP8 row
 MAX_GRAD_NORM = 1.0  # the trainer's --grad_clip and HF Trainer's max_grad_norm default
 PRECISIONS = {"trainer": "bf16 params + fp32 master (trainer)", "autocast": "autocast (fp32 params)",
-              "titan": "torchtitan's recipe (FSDP2 bf16 compute, fp32 params)"}  # model titan only
+              "titan": "torchtitan's recipe (bf16 autocast, fp32 params)"}  # model titan only
 MODES = ("eager", "compile", "compile-cg", "compile-mat", "compile-cdt")
 DEFAULT_MODES = ("eager", "compile")
 # compile-cg: torch.compile(mode="reduce-overhead") = the trainer's --compile_mode=reduce-overhead (the forward

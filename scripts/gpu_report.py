@@ -109,9 +109,9 @@ FULL_TIMEOUTS = {"tests": 280, "bench-124m": 380, "bench-1b": 330, "train": 360,
                  "bench-ab": 300, "optimizer": 120, "kernels": 120}  # --full: 35 min
 # the bench rows that decide the goals, per config, in the order they run (a row the stage's budget does not reach
 # is "not run"): ours as the trainer runs it compiled (with FlashAttention-4 where it is installed), torchtitan with
-# its own recipe on one GPU (TITAN_ROW, bench/titan_peer.py: FSDP2 on a one-rank mesh for its bf16 compute over
-# fp32 parameters, FlexAttention (its default; compiled with max-autotune, so its kernels are tuned during the
-# prewarm, beside the GPU tests), per-block and loss compile, fused AdamW, clipping at 1.0, CUDA graphs), HF compiled (the 1.5x goal's peer), HF + Liger-Kernel compiled (its fused linear-CE failed
+# its own recipe on one GPU (TITAN_ROW, bench/titan_peer.py: torchtitan 0.2.2, the newest that imports on the GPU
+# image's torch 2.11; bf16 autocast over fp32 parameters, causal SDPA, per-block and loss compile, fused AdamW,
+# clipping at 1.0), HF compiled (the 1.5x goal's peer), HF + Liger-Kernel compiled (its fused linear-CE failed
 # under compile with torch 2.11 in an earlier pass: the row then says why), HF with bf16 weights in our engine,
 # and ours without FA4 (the A/B that decides whether `auto` keeps FA4; "not installed" without it, in no time).
 # At 1B: ours, ours with FP8 tensorwise and rowwise (each CURVE_STEPS timed steps, their loss curves against

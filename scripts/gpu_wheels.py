@@ -60,9 +60,10 @@ TARGET_PYTHON = "3.12"
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64", "manylinux1_x86_64")
 # what gpu_report.py imports after the install (its header says whether each loads): FA4's kernels (they load
-# the CuTe DSL's compiler, the cu13 .so), torchtitan's Llama 3, Liger-Kernel, quack, torchao's float8 training (the
+# the CuTe DSL's compiler, the cu13 .so), torchtitan (its optimizer module: its llama3 package imports `datasets`,
+# which the image lacks and bench/titan_peer.py stands in for), Liger-Kernel, quack, torchao's float8 training (the
 # FP8 rows)
-CHECK_IMPORTS = ("flash_attn.cute", "torchtitan.models.llama3", "liger_kernel", "quack", "torchao.float8")
+CHECK_IMPORTS = ("flash_attn.cute", "torchtitan.components.optimizer", "liger_kernel", "quack", "torchao.float8")
 NEVER = {"torch", "triton"}  # the image's own: a wheel of either here would replace the measured stack
 CHUNK = 1 << 20
 CARRY_MIB = 64  # the device tool's limit on what travels: the tree it sends and the carried folders together

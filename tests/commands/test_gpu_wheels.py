@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import zipfile
@@ -196,9 +197,17 @@ def test_over_the_budget_is_a_one_line_error_naming_the_largest_file(wheels):
 def test_the_requirements_are_pinned_and_a_bad_line_names_itself(tmp_path):
     reqs = dict(gw.read_requirements())
     for name in ("flash-attn-4", "nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-cu13", "quack-kernels", "torchtitan",
-                 "liger-kernel"):
+                 "liger-kernel", "torchao"):
         assert name in reqs
-    assert reqs["flash-attn-4"] == "4.0.0b36" and reqs["torchtitan"] == "0.3.0"
+    assert reqs["flash-attn-4"] == "4.0.0b36"
+    # what the GPU runs is what the CPU tests check: torchtitan (and its torchdata, tyro) as requirements-peers.txt
+    # pins them, torchao as requirements-dev.txt does
+    here = {}
+    for f in ("requirements-peers.txt", "requirements-dev.txt"):
+        with open(os.path.join(gw.ROOT, f), encoding="utf-8") as fh:
+            here.update(m.groups() for m in (re.match(r"([A-Za-z0-9._-]+)==([^\s;#]+)", ln) for ln in fh) if m)
+    for name in ("torchtitan", "torchdata", "tyro", "torchao"):
+        assert reqs[name] == here[name], (name, reqs[name], here[name])
     assert not {"torch", "triton"} & {gw.canonical(n) for n in reqs}
     bad = tmp_path / "r.txt"
     bad.write_text("# ok\nliger-kernel>=0.8\n")

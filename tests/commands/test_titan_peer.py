@@ -1,8 +1,8 @@
-"""The torchtitan peer row (bench/titan_peer.py, model `titan` of bench/bench_model_gpu.py) on the CPU: its Llama3
-built at our tiny config holds our weights (the parameter count equal, the logits, loss and every gradient equal to
-our model's within what fp32 rounding gives against a float64 run of ours, the same batch), and the bench row runs
-its trainer's recipe (FSDP2 bf16 compute, chunked loss, fused AdamW, clipping) for a few steps. Skipped, saying why,
-where torchtitan is not importable (`make venv-dev` installs it: requirements-peers.txt)."""
+"""The torchtitan peer row (bench/titan_peer.py, model `titan` of bench/bench_model_gpu.py) on the CPU: torchtitan
+0.2.2's Llama 3 built at our tiny config holds our weights (the parameter count equal, the logits, loss and every
+gradient equal to our model's within what fp32 rounding gives against a float64 run of ours, the same batch), and the
+bench row runs its trainer's recipe (bf16 autocast over fp32 parameters, fused AdamW, clipping) for a few steps.
+Skipped, saying why, where torchtitan is not importable (`make venv-dev` installs it: requirements-peers.txt)."""
 import copy
 import json
 import os
@@ -58,34 +58,29 @@ def _ours_loss_and_grads(model, x, y):
 
 
 def test_titan_holds_our_weights_and_matches_our_logits_loss_and_gradients(bench):
-    from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+    from torchtitan.components.loss import cross_entropy_loss
     from torchtitan.models.llama3 import Llama3StateDictAdapter
     ours, x, y = _ours_and_batch(bench)
-    T, vocab = x.shape[1], ours.cfg.vocab_size
+    T = x.shape[1]
     ours64 = copy.deepcopy(ours).double()
-    titan = titan_peer.build_titan(ours, T, "cpu", attention="sdpa")
+    titan = titan_peer.build_titan(ours, T, "cpu")
     assert sum(p.numel() for p in titan.parameters()) == sum(p.numel() for p in ours.parameters())
-    pos = titan_peer.positions_for(x)
 
     with torch.no_grad():
-        truth, ours32, got = ours64(x), ours(x), titan(x, positions=pos)
+        truth, ours32, got = ours64(x), ours(x), titan(x)
     tol = (ours32.double() - truth).abs().max().item()  # what fp32 rounding alone gives
     assert 0 < tol < 1e-4
     assert (got.double() - truth).abs().max().item() <= 4 * tol
 
-    # its loss as its trainer runs it: the model stops before lm_head, the chunked loss runs lm_head + CE, the sum
-    # over tokens divided by the count of target tokens, a backward per chunk then through the decoder
-    loss_fn = ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=vocab)).build()
-    loss_fn.set_lm_head(titan.lm_head)
-    titan._skip_lm_head = True
-    loss, _ = loss_fn(titan(x, positions=pos), y, (y != -100).sum(), positions=pos)
+    # its loss as its trainer computes it: the sum over tokens divided by the count of target tokens
+    loss = cross_entropy_loss(titan(x), y) / (y != -100).sum().float()
     loss.backward()
     holder = copy.deepcopy(titan)
     with torch.no_grad():
         for (_, p), (_, q) in zip(titan.named_parameters(), holder.named_parameters()):
             q.copy_(p.grad)
-    cfg = titan_peer.titan_config(ours.cfg, T, "sdpa")
-    titan_grads = Llama3StateDictAdapter(cfg, None).to_hf(holder.state_dict())  # fused wqkv split, q/k permuted
+    args = titan_peer.titan_args(ours.cfg, T)
+    titan_grads = Llama3StateDictAdapter(args, None).to_hf(holder.state_dict())  # q/k permuted back to HF's
 
     loss64, grads64 = _ours_loss_and_grads(ours64, x, y)
     loss32, grads32 = _ours_loss_and_grads(ours, x, y)
@@ -98,26 +93,50 @@ def test_titan_holds_our_weights_and_matches_our_logits_loss_and_gradients(bench
         assert err <= 4 * gtol + 4 * EPS32 * g64.abs().max().item(), (name, err, gtol)
 
 
-def test_titan_flex_attention_forward_matches_ours(monkeypatch, bench):
-    """Its default attention (FlexAttention with the block-causal mask its trainer builds from the positions) gives
-    our logits; flex_attention runs uncompiled here (its compiled kernel takes tens of seconds to build on a CPU,
-    and the CPU has no FlexAttention backward)."""
-    from torch.nn.attention.flex_attention import flex_attention
-    from torchtitan.models.common.attention import FlexAttention
-    monkeypatch.setattr(FlexAttention, "_compiled_flex_attn", staticmethod(flex_attention))
+def test_its_rope_scaling_is_off_and_a_wrong_permutation_would_show(bench):
+    """Its Llama 3 RoPE scales long wavelengths by default (Llama 3.1's scaling_factor 8); the row switches that off,
+    and the logit check above would see it on, as it would see q/k loaded without its un-permutation."""
+    from torchtitan.models.llama3 import Transformer
+    from torchtitan.models.llama3.model.args import RoPEScalingArgs
     ours, x, _ = _ours_and_batch(bench)
-    titan = titan_peer.build_titan(ours, x.shape[1], "cpu", attention="flex")
-    pos = titan_peer.positions_for(x)
     with torch.no_grad():
-        truth, ours32 = copy.deepcopy(ours).double()(x), ours(x)
-        got = titan(x, positions=pos, attention_masks=titan.get_attention_masks(positions=pos))
-    tol = (ours32.double() - truth).abs().max().item()
-    assert (got.double() - truth).abs().max().item() <= 4 * tol
+        truth = copy.deepcopy(ours).double()(x)
+        tol = (ours(x).double() - truth).abs().max().item()
+        scaled_args = titan_peer.titan_args(ours.cfg, x.shape[1])
+        scaled_args.rope_scaling_args = RoPEScalingArgs(scaling_factor=8.0, original_max_position_embeddings=8)
+        scaled = Transformer(scaled_args)
+        scaled.load_state_dict(titan_peer.build_titan(ours, x.shape[1], "cpu").state_dict())
+        assert (scaled(x).double() - truth).abs().max().item() > 100 * tol
+        unpermuted = titan_peer.build_titan(ours, x.shape[1], "cpu")
+        from model.hf_interop import to_hf_state_dict
+        hf = to_hf_state_dict(ours)
+        unpermuted.layers["0"].attention.wq.weight.copy_(hf["model.layers.0.self_attn.q_proj.weight"])
+        assert (unpermuted(x).double() - truth).abs().max().item() > 100 * tol
+
+
+def test_without_datasets_it_imports_through_a_stand_in():
+    """The GPU image has no `datasets`; torchtitan 0.2's llama3 package imports it. In a fresh interpreter where
+    importing `datasets` fails, the row's modules import (the stand-in), and calling the stand-in raises."""
+    code = ("import sys, importlib.abc\n"
+            "class Block(importlib.abc.MetaPathFinder):\n"
+            "    def find_spec(self, name, path, target=None):\n"
+            "        if name == 'datasets' or name.startswith('datasets.'): raise ImportError('blocked: ' + name)\n"
+            "sys.meta_path.insert(0, Block())\n"
+            "from bench import titan_peer\n"
+            "assert titan_peer.titan_unavailable() is None, titan_peer.titan_unavailable()\n"
+            "import datasets\n"
+            "try:\n"
+            "    datasets.load_dataset('x')\n"
+            "except RuntimeError as e:\n"
+            "    print('raised:', e)\n")
+    r = subprocess.run([PY, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "raised: bench/titan_peer.py: `datasets` is not installed" in r.stdout
 
 
 def test_the_titan_bench_row_runs_its_recipe(tmp_path, bench):
     """`--rows titan:titan:eager` on the CPU: a row with a speed, whose first loss is our model's on the same
-    weights and batch within bf16 rounding (its FSDP2 mixed precision computes in bf16: one bf16 step of the loss
+    weights and batch within bf16 rounding (its trainer's autocast computes in bf16: one bf16 step of the loss
     value, 2**-8 relative), and whose loss falls over the steps (its AdamW steps)."""
     ours, x, y = _ours_and_batch(bench)
     with torch.no_grad():
