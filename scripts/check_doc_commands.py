@@ -247,7 +247,8 @@ def _argparse_args(path: str, args: list[str]) -> list[str]:
     for a in args:
         key, val = _split_flag(a)
         if a.startswith("--") and val is not None and PLACEHOLDER_VALUE.search(val):
-            action = parser._option_string_actions.get(key.replace("-", "_").replace("__", "--", 1))
+            actions = parser._option_string_actions  # the flag as written, or in the snake_case utils.cli reads
+            action = actions.get(key) or actions.get("--" + key[2:].replace("-", "_"))
             a = f"{key}={_stand_in(action)}"
         out.append(a)
     return out
