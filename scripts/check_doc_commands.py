@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import glob
 import io
 import os
@@ -158,24 +159,24 @@ def program_of(words: list[str], root: str = ROOT) -> tuple[Optional[str], list[
 
 
 class _Parsed(Exception):
-    def __init__(self, parser: argparse.ArgumentParser, namespace=None) -> None:
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
         super().__init__("parsed")
-        self.parser, self.namespace = parser, namespace
+        self.parser = parser
 
 
 @contextlib.contextmanager
 def _parse_only(capture_parser_only: bool):
-    """While inside: a parser's parse_args raises _Parsed (with the namespace, or before parsing when only the
-    parser is wanted) instead of returning, so the command stops right after reading its flags."""
+    """While inside: a parser's parse_args raises _Parsed (after parsing, or before it when only the parser is
+    wanted) instead of returning, so the command stops right after reading its flags."""
     import utils.cli
     classes = [argparse.ArgumentParser, utils.cli.Parser]
     saved = [c.__dict__["parse_args"] for c in classes]
 
     def make(orig: Callable):
         def parse_args(self, *a, **k):
-            if capture_parser_only:
-                raise _Parsed(self)
-            raise _Parsed(self, orig(self, *a, **k))
+            if not capture_parser_only:
+                orig(self, *a, **k)  # argparse's errors: SystemExit with the message on stderr
+            raise _Parsed(self)
         return parse_args
     for c, orig in zip(classes, saved):
         c.parse_args = make(orig)
@@ -189,10 +190,10 @@ def _parse_only(capture_parser_only: bool):
 def _run_until_parsed(path: str, args: list[str], parser_only: bool) -> _Parsed:
     """Run a repo file as __main__ with `args` until it parses them. SystemExit (argparse's error) propagates
     with the message on stderr; a file that never parses is an error of its own."""
-    argv, cwd, stdout = sys.argv, os.getcwd(), io.StringIO()
+    argv, cwd = sys.argv, os.getcwd()
     sys.argv = [path] + args
     try:
-        with _parse_only(parser_only), contextlib.redirect_stdout(stdout):
+        with _parse_only(parser_only), contextlib.redirect_stdout(io.StringIO()):
             runpy.run_path(path, run_name="__main__")
     except _Parsed as p:
         return p
@@ -238,42 +239,47 @@ def _stand_in(action: Optional[argparse.Action]) -> str:
     return "1" if action.type in (int, float) else "true" if action.nargs == "?" else "x"
 
 
+def _placeholders(args: list[str]) -> list[str]:
+    """The flags (`--key`) of `args` whose value is a placeholder."""
+    return [key for key, val in map(_split_flag, args) if key.startswith("--") and val is not None
+            and PLACEHOLDER_VALUE.search(val)]
+
+
+def _with_stand_ins(args: list[str], stand_in: Callable[[str], str]) -> list[str]:
+    """`args` with each placeholder value replaced by `stand_in(--key)`."""
+    keys, out = set(_placeholders(args)), []
+    for a in args:
+        key = _split_flag(a)[0]
+        out.append(f"{key}={stand_in(key)}" if key in keys else a)
+    return out
+
+
 def _argparse_args(path: str, args: list[str]) -> list[str]:
     """`args` with each placeholder value replaced by a stand-in of its flag's type (the parser read first)."""
-    if not any(PLACEHOLDER_VALUE.search(_split_flag(a)[1] or "") for a in args if a.startswith("--")):
+    if not _placeholders(args):
         return args
-    parser = _run_until_parsed(path, [], parser_only=True).parser
-    out = []
-    for a in args:
-        key, val = _split_flag(a)
-        if a.startswith("--") and val is not None and PLACEHOLDER_VALUE.search(val):
-            actions = parser._option_string_actions  # the flag as written, or in the snake_case utils.cli reads
-            action = actions.get(key) or actions.get("--" + key[2:].replace("-", "_"))
-            a = f"{key}={_stand_in(action)}"
-        out.append(a)
-    return out
+    actions = _run_until_parsed(path, [], parser_only=True).parser._option_string_actions
+    # the flag as written, or in the snake_case utils.cli reads
+    return _with_stand_ins(args, lambda key: _stand_in(actions.get(key) or actions.get(
+        "--" + key[2:].replace("-", "_"))))
 
 
 def _trainer_args(args: list[str]) -> list[str]:
     from trainer.config import TrainConfig
     from utils.configurator import _aliases_for, _field_types
-    fields = _field_types(TrainConfig)
-    aliases = _aliases_for(fields)
-    defaults = TrainConfig()
-    out = []
-    for a in args:
-        key, val = _split_flag(a)
-        if a.startswith("--") and val is not None and PLACEHOLDER_VALUE.search(val):
-            name = aliases.get(key[2:].replace("-", "_"), key[2:].replace("-", "_"))
-            stand_in = getattr(defaults, name, "x")
-            a = f"{key}={str(stand_in).lower() if isinstance(stand_in, bool) else stand_in}"
-        out.append(a)
-    return out
+    aliases, defaults = _aliases_for(_field_types(TrainConfig)), TrainConfig()
+
+    def stand_in(key: str) -> str:
+        name = key[2:].replace("-", "_")
+        value = getattr(defaults, aliases.get(name, name), "x")
+        return str(value).lower() if isinstance(value, bool) else str(value)
+    return _with_stand_ins(args, stand_in)
 
 
-def make_targets(root: str = ROOT) -> set[str]:
+@functools.lru_cache(maxsize=None)
+def make_targets(root: str = ROOT) -> frozenset[str]:
     text = open(os.path.join(root, "Makefile"), encoding="utf-8").read()
-    return set(re.findall(r"^([A-Za-z0-9_.-]+):(?!=)", text, re.M))
+    return frozenset(re.findall(r"^([A-Za-z0-9_.-]+):(?!=)", text, re.M))
 
 
 def check(program: str, args: list[str], root: str = ROOT) -> Optional[str]:

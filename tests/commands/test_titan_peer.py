@@ -104,14 +104,13 @@ def test_its_rope_scaling_is_off_and_a_wrong_permutation_would_show(bench):
         tol = (ours(x).double() - truth).abs().max().item()
         scaled_args = titan_peer.titan_args(ours.cfg, x.shape[1])
         scaled_args.rope_scaling_args = RoPEScalingArgs(scaling_factor=8.0, original_max_position_embeddings=8)
+        titan = titan_peer.build_titan(ours, x.shape[1], "cpu")
         scaled = Transformer(scaled_args)
-        scaled.load_state_dict(titan_peer.build_titan(ours, x.shape[1], "cpu").state_dict())
+        scaled.load_state_dict(titan.state_dict())
         assert (scaled(x).double() - truth).abs().max().item() > 100 * tol
-        unpermuted = titan_peer.build_titan(ours, x.shape[1], "cpu")
         from model.hf_interop import to_hf_state_dict
-        hf = to_hf_state_dict(ours)
-        unpermuted.layers["0"].attention.wq.weight.copy_(hf["model.layers.0.self_attn.q_proj.weight"])
-        assert (unpermuted(x).double() - truth).abs().max().item() > 100 * tol
+        titan.layers["0"].attention.wq.weight.copy_(to_hf_state_dict(ours)["model.layers.0.self_attn.q_proj.weight"])
+        assert (titan(x).double() - truth).abs().max().item() > 100 * tol
 
 
 def test_without_datasets_it_imports_through_a_stand_in():
