@@ -40,7 +40,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from checkpoint.protocol import save_guard, step_dir_paths
+from checkpoint.protocol import (agreed_phase, check_space_for_save, every_rank, save_guard, step_dir_paths,
+                                 this_rank_only)
 from checkpoint.verify import prune_checkpoints, remember_verified
 from utils.checkpoint_layout import checkpoint_root
 from utils.constants import EXIT_DISK_FULL
@@ -235,17 +236,19 @@ def save_in_background(out_dir: str, step: int, rank: int, world_size: int, writ
                        log: Callable[[str], None] = print) -> str:
     """The synchronous save's protocol with its writing on the writer thread; every rank calls it on the training
     thread once the state is snapshotted (what `write_files` and `publish` read never changes afterwards).
-    Here: rank 0 checks the space and creates step_N.tmp, one barrier. On the writer thread:
+    Here: rank 0 checks the space and creates step_N.tmp, one verdict of every rank. On the writer thread:
     `write_files(tmp, guard)` (this rank's files, fsynced; guard.file names the file being written), then this
     rank's marker (ranks > 0), or (rank 0) every rank's marker awaited, `publish(tmp, final, guard)` (sidecars,
     manifest, COMPLETE, rename), verification remembered, pruning. Returns where the checkpoint will appear."""
     root = checkpoint_root(out_dir)
     final, tmp = step_dir_paths(root, step)
-    with save_guard(root, step, check_space=rank == 0):
-        if rank == 0:
-            make_temp_dir(final)  # one left by a crash was never complete: dropped
-    if barrier is not None:
-        barrier()  # step_N.tmp exists for every rank's writer
+    # step_N.tmp exists for every rank's writer, or a full disk there is exit 7 at every rank (one verdict of
+    # every rank in place of a barrier: checkpoint/protocol.agreed_phase)
+    with save_guard(root, step, check_space=False) as guard:
+        with agreed_phase(guard, every_rank if barrier is not None else this_rank_only):
+            if rank == 0:
+                check_space_for_save(root, step)
+                make_temp_dir(final)  # one left by a crash was never complete: dropped
 
     def write() -> Optional[str]:
         t0 = time.perf_counter()

@@ -44,6 +44,7 @@ has written, write into a live checkpoint directory, or read a checkpoint with p
 """
 from __future__ import annotations
 
+import functools
 import os
 import time
 import warnings
@@ -59,7 +60,8 @@ from torch.distributed.tensor import DTensor
 
 from checkpoint.dcp_files import DCPCheckpointError, SafeFileSystemReader, dcp_layout_problem, read_dcp_metadata
 from checkpoint.files import first_nonfinite
-from checkpoint.protocol import SaveJob, publish_checkpoint_dir, save_guard, step_dir_paths
+from checkpoint.protocol import (SaveJob, agreed_phase, check_space_for_save, every_rank, publish_checkpoint_dir,
+                                 save_guard, step_dir_paths, this_rank_only)
 from checkpoint.reads import agreed_reads, load_extra_state, refuse_nonfinite_weights
 from checkpoint.verify import prune_checkpoints, verify_checkpoint
 from parallel.fsdp import fsdp_state_group, reshard
@@ -132,6 +134,22 @@ def state_to_save(model: nn.Module, optimizer) -> tuple[dict[str, torch.Tensor],
 
 # ---------------------------------------------------------------------------- save
 
+def _write_shards(flat: dict, tmp: str, group: Optional[dist.ProcessGroup]) -> None:
+    """DCP's save of every rank's shard into `tmp` (collective). A write that failed at any rank reaches every rank
+    as DCP's CheckpointException, a BaseException that no `except Exception` sees: it is raised again as a
+    RuntimeError with its one line (naming the failing rank's error), so that save_guard turns a shard that did not
+    fit into DiskFullError (exit 7) with step_N.tmp removed, instead of a traceback (exit 1, retried on the same
+    full disk) that left the partial directory behind."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    try:
+        dcp.save(flat, storage_writer=FileSystemWriter(tmp, sync_files=True), process_group=group,
+                 no_dist=group is None)
+    except CheckpointException as e:
+        failures = "; ".join(f"rank {r}: {type(x[0]).__name__}: {one_line(x[0])}"
+                             for r, x in sorted(e.failures.items()))
+        raise RuntimeError(f"DCP's save failed at {failures or one_line(e)}"[:400]) from e
+
+
 def save_dcp_checkpoint(ckpt_root: str, step: int, model: nn.Module, optimizer=None, *,
                         json_files: Optional[dict[str, Any]] = None,
                         rank_state: Optional[dict[str, Any]] = None,
@@ -149,27 +167,31 @@ def save_dcp_checkpoint(ckpt_root: str, step: int, model: nn.Module, optimizer=N
     rank, world = group_rank_world(group)
     reshard(model)  # gathered parameters (left by a forward-only pass) are freed before the state is read
     final, tmp = step_dir_paths(ckpt_root, step)
-    with save_guard(ckpt_root, step, check_space=rank == 0) as guard:  # a full disk: exit 7, no step_N.tmp left
-        if rank == 0:
-            make_temp_dir(final)  # one left by a crashed save was never complete: dropped
-        group_barrier(group)
+    agree = functools.partial(every_rank, group=group) if group is not None else this_rank_only
+    # a full disk at any rank: exit 7 at every rank, no step_N.tmp left (each phase ends in one verdict of every
+    # rank: checkpoint/protocol.agreed_phase)
+    with save_guard(ckpt_root, step, check_space=False) as guard:
+        with agreed_phase(guard, agree):
+            if rank == 0:
+                check_space_for_save(ckpt_root, step)
+                make_temp_dir(final)  # one left by a crashed save was never complete: dropped
 
         flat, scalars = state_to_save(model, optimizer)
         guard.file = os.path.join(tmp, dcp_shard_file(rank))
-        dcp.save(flat, storage_writer=FileSystemWriter(tmp, sync_files=True), process_group=group,
-                 no_dist=group is None)
-        if rank_state is not None:
-            path = guard.file = os.path.join(tmp, extra_file(rank))
-            torch.save(rank_state, path)
-            fsync_file(path)
-        group_barrier(group)  # every shard and every extra file is on disk
+        _write_shards(flat, tmp, group)  # DCP's own collective: a shard that did not fit fails every rank
+        with agreed_phase(guard, agree):  # every shard and every extra file is on disk
+            if rank_state is not None:
+                path = guard.file = os.path.join(tmp, extra_file(rank))
+                torch.save(rank_state, path)
+                fsync_file(path)
 
-        if rank == 0:
-            if fault_hook is not None:
-                fault_hook()
-            publish_dcp_dir(tmp, final, step, world, json_files, scalars,
-                            sum(1 for k in flat if k.startswith(MODEL_PREFIX)),
-                            rank_state is not None, guard)
+        with agreed_phase(guard, agree):
+            if rank == 0:
+                if fault_hook is not None:
+                    fault_hook()
+                publish_dcp_dir(tmp, final, step, world, json_files, scalars,
+                                sum(1 for k in flat if k.startswith(MODEL_PREFIX)),
+                                rank_state is not None, guard)
     group_barrier(group)
     return final
 

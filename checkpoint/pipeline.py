@@ -24,7 +24,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from checkpoint.async_writer import AsyncCheckpointer, save_in_background
-from checkpoint.protocol import SaveGuard, SaveJob, publish_checkpoint_dir, save_guard, step_dir_paths
+from checkpoint.protocol import (SaveGuard, SaveJob, agreed_phase, check_space_for_save, publish_checkpoint_dir,
+                                 save_guard, step_dir_paths)
 from checkpoint.reads import (damaged_file_hint, is_pipeline_checkpoint, load_extra_state, read_pipeline_meta_safe,
                               refuse_nonfinite_weights)
 from checkpoint.verify import prune_checkpoints
@@ -66,23 +67,27 @@ def merge_stage_checkpoints(ckpt_dir: str) -> dict[str, torch.Tensor]:
 
 # ---------------------------------------------------------------------------- writing
 
-def write_stage_state(dir_path: str, stages: dict, sd: dict, global_rank: int, copy: bool = True) -> None:
+def write_stage_state(dir_path: str, stages: dict, sd: dict, global_rank: int, copy: bool = True,
+                      guard: Any = None) -> None:
     """This rank's stage files from the engine's state_dict() (no collective): the stage's dp rank 0 (tp rank 0)
     writes its weights and, unless ZeRO shards it, its optimizer state; with ZeRO every dp rank its own; global
-    rank 0 also pipeline.json. copy=False: `sd` already holds host copies of its own (the background writer)."""
+    rank 0 also pipeline.json. copy=False: `sd` already holds host copies of its own (the background writer).
+    `guard.file` names the file being written."""
+    guard = guard if guard is not None else SaveGuard()
     s, dp_rank = stages["stage_index"], stages["dp_rank"]
     first = dp_rank == 0 and stages["tp_rank"] == 0  # one writer per stage (the tensors are gathered)
     if first:
-        path = os.path.join(dir_path, stage_model_file(s))
+        path = guard.file = os.path.join(dir_path, stage_model_file(s))
         tensors = {k: v.to("cpu").contiguous().clone() for k, v in sd["model"].items()} if copy else sd["model"]
         save_file(tensors, path, metadata={"format": "pt", "stage": str(s)})
         fsync_file(path)
     if first or stages["sharded_optimizer"]:
-        path = os.path.join(dir_path, stage_optimizer_file(s, dp_rank))
+        path = guard.file = os.path.join(dir_path, stage_optimizer_file(s, dp_rank))
         torch.save(sd["optimizer"], path)
         fsync_file(path)
     if global_rank == 0:
-        write_json(os.path.join(dir_path, PIPELINE_META), {"format": FORMAT, **{k: stages[k] for k in META_KEYS}})
+        guard.file = os.path.join(dir_path, PIPELINE_META)
+        write_json(guard.file, {"format": FORMAT, **{k: stages[k] for k in META_KEYS}})
 
 
 def write_extra_and_configs(tmp: str, rank: int, extra_state: Any, model_config: dict, run_config: dict,
@@ -120,8 +125,7 @@ def save_stages(engine: Any, job: SaveJob, writer: Optional[AsyncCheckpointer] =
         global_rank = dist.get_rank()
 
         def write_files(tmp: str, guard: Any) -> None:
-            guard.file = tmp
-            write_stage_state(tmp, stages, sd, global_rank, copy=False)
+            write_stage_state(tmp, stages, sd, global_rank, copy=False, guard=guard)
             write_extra_and_configs(tmp, rank, extra, model_config, run_config, fault_hook, guard)
 
         def publish(tmp: str, final: str, guard: SaveGuard) -> None:
@@ -132,20 +136,24 @@ def save_stages(engine: Any, job: SaveJob, writer: Optional[AsyncCheckpointer] =
                                   keep_last=job.keep_last, log=job.log)
     root = checkpoint_root(out_dir)
     final, tmp = step_dir_paths(root, step)
-    # a write that does not fit (disk full, a file-size limit): the partial step_N.tmp removed, exit 7
-    with save_guard(root, step, check_space=rank == 0):
-        if rank == 0:
-            make_temp_dir(final)  # one left by a crash was never complete: dropped
-        barrier()
-        # collective over the mesh (FSDP gathers the stage's tensors), then every rank has written (a barrier)
-        write_stage_state(tmp, stages, engine.state_dict(), dist.get_rank())
-        dist.barrier()
-        write_extra_and_configs(tmp, rank, job.extra_state, model_config, run_config, fault_hook)
-        barrier()  # every rank has written and fsynced its files
-        if rank == 0:
-            write_json(os.path.join(tmp, TRAINER_STATE), _trainer_state(trainer_state, step, world_size))
-            publish_checkpoint_dir(tmp, final, step)
-            prune_checkpoints(out_dir, keep_last=job.keep_last, keep_best=True, log=job.log)
+    # a write that does not fit (disk full, a file-size limit) at any rank: the partial step_N.tmp removed, exit 7
+    # at every rank (each phase ends in one verdict of every rank: checkpoint/protocol.agreed_phase)
+    with save_guard(root, step, check_space=False) as guard:
+        with agreed_phase(guard):
+            if rank == 0:
+                check_space_for_save(root, step)
+                make_temp_dir(final)  # one left by a crash was never complete: dropped
+        sd = engine.state_dict()  # collective over the mesh (FSDP gathers the stage's tensors)
+        with agreed_phase(guard):  # every rank has written and fsynced its files
+            write_stage_state(tmp, stages, sd, dist.get_rank(), guard=guard)
+            del sd
+            write_extra_and_configs(tmp, rank, job.extra_state, model_config, run_config, fault_hook, guard)
+        with agreed_phase(guard):
+            if rank == 0:
+                guard.file = os.path.join(tmp, TRAINER_STATE)
+                write_json(guard.file, _trainer_state(trainer_state, step, world_size))
+                publish_checkpoint_dir(tmp, final, step)
+                prune_checkpoints(out_dir, keep_last=job.keep_last, keep_best=True, log=job.log)
     barrier()
     return final
 

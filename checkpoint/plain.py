@@ -29,7 +29,8 @@ from safetensors.torch import save_file
 
 from checkpoint.async_writer import AsyncCheckpointer, save_in_background
 from checkpoint.files import load_model_state
-from checkpoint.protocol import SaveGuard, SaveJob, publish_checkpoint_dir, save_guard, step_dir_paths
+from checkpoint.protocol import (SaveGuard, SaveJob, agreed_phase, check_space_for_save, every_rank,
+                                 publish_checkpoint_dir, save_guard, step_dir_paths, this_rank_only)
 from checkpoint.reads import (agreed_reads, load_errors_named, load_extra_state, load_optimizer_state, load_weights,
                               read_optimizer_state)
 from checkpoint.verify import prune_checkpoints, remember_verified
@@ -103,17 +104,22 @@ def save_checkpoint(out_dir: str, req: SaveRequest, barrier: Optional[Callable[[
                     keep_last: int = 3, keep_best: bool = True,
                     fault_hook: Optional[Callable[[], None]] = None,
                     log: Callable[[str], None] = print) -> str:
-    """Collective: every rank calls this with its own SaveRequest. Returns the final directory."""
+    """Collective (`barrier` given: every rank calls this with its own SaveRequest), or one process alone (no
+    barrier). Each phase ends in one verdict of every rank (checkpoint/protocol.agreed_phase): a write that does
+    not fit at any rank is exit 7 at every rank. Returns the final directory."""
     root = checkpoint_root(out_dir)
     final, tmp = step_dir_paths(root, req.step)
-    with save_guard(root, req.step, check_space=req.rank == 0) as guard:
-        if req.rank == 0:
-            make_temp_dir(final)  # one left by a crash was never complete: dropped
-        _barrier(barrier)
-        write_rank_files(tmp, req, guard, fault_hook)
-        _barrier(barrier)  # every rank has written and fsynced its files
-        if req.rank == 0:
-            publish_rank0(out_dir, tmp, final, req, guard)
+    agree = every_rank if barrier is not None else this_rank_only
+    with save_guard(root, req.step, check_space=False) as guard:
+        with agreed_phase(guard, agree):
+            if req.rank == 0:
+                check_space_for_save(root, req.step)
+                make_temp_dir(final)  # one left by a crash was never complete: dropped
+        with agreed_phase(guard, agree):  # every rank has written and fsynced its files
+            write_rank_files(tmp, req, guard, fault_hook)
+        with agreed_phase(guard, agree):
+            if req.rank == 0:
+                publish_rank0(out_dir, tmp, final, req, guard)
     if req.rank == 0:
         remember_verified(final)
         prune_checkpoints(out_dir, keep_last=keep_last, keep_best=keep_best, log=log)

@@ -6,7 +6,8 @@ sha256, COMPLETE, fsync, atomic rename; utils/publish.py's convention).
 Protocol: all ranks write into `step_N.tmp/`; barrier; rank 0 writes the manifest and COMPLETE, fsyncs, then
 `os.replace`s the directory into place (a re-saved step swaps the old directory aside to `step_N.old` first).
 A crash at any instant leaves either the previous checkpoints untouched or a `.tmp` directory that loading
-ignores.
+ignores. In the synchronous saves each barrier of a save is a verdict of every rank (`agreed_phase`): a write
+that does not fit at one rank ends every rank alike.
 
 Owns: the protocol. Must never: choose what a format's files hold, or mark a checkpoint complete before every
 rank wrote.
@@ -17,11 +18,12 @@ import contextlib
 import os
 import shutil
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Tuple
 
 from checkpoint.verify import sha256_file
 from utils.checkpoint_json import write_json
 from utils.checkpoint_layout import COMPLETE_MARKER, MANIFEST, parse_step, step_dir_name
+from utils.constants import EXIT_DISK_FULL
 from utils.disk_space import DiskFullError, free_bytes, human, is_disk_full, tree_bytes
 from utils.errors import one_line
 from utils.publish import publish_dir, temp_dir_for
@@ -80,8 +82,21 @@ class SaveJob:
 
 
 class SaveGuard:
-    """What `save_guard` yields: the writer sets `file` before each write, for the message."""
+    """What `save_guard` yields: the step's directories, and the file being written (the writer sets `file`
+    before each write, for the message)."""
     file: Optional[str] = None
+
+    def __init__(self, ckpt_root: str = "", step: int = 0) -> None:
+        self.root = ckpt_root
+        self.final, self.tmp = step_dir_paths(ckpt_root, step)
+
+    def did_not_fit(self, e: BaseException) -> str:
+        """The one line of a write of this save that did not fit (`is_disk_full(e)`)."""
+        if isinstance(e, DiskFullError):  # already one line (the free-space check, a write translated earlier)
+            return str(e)
+        return (f"saving checkpoint {self.final} failed: writing {self.file or self.tmp} did not fit (disk full or a "
+                f"file-size limit: {one_line(e)[:160]}); {human(free_bytes(self.root))} free on {self.root}; the "
+                f"partial {os.path.basename(self.tmp)} was removed and the earlier checkpoints are intact")
 
 
 def step_dir_paths(ckpt_root: str, step: int) -> tuple[str, str]:
@@ -97,24 +112,64 @@ def save_guard(ckpt_root: str, step: int, check_space: bool = True) -> Iterator[
     rank that creates step_N.tmp). During: a write that does not fit (disk or quota full, RLIMIT_FSIZE;
     `is_disk_full`) removes the partial step_N.tmp, which can then never be published, and becomes one
     DiskFullError naming the file and the free space (exit 7); the published checkpoints are untouched."""
-    final, tmp = step_dir_paths(ckpt_root, step)
     if check_space:
         check_space_for_save(ckpt_root, step)
-    guard = SaveGuard()
+    guard = SaveGuard(ckpt_root, step)
     try:
         yield guard
     except DiskFullError:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(guard.tmp, ignore_errors=True)
         raise
     except Exception as e:  # noqa: BLE001 - only a disk-full write is translated; anything else re-raises
         if not is_disk_full(e):
             raise
-        shutil.rmtree(tmp, ignore_errors=True)
-        free = free_bytes(ckpt_root)
-        raise DiskFullError(
-            f"saving checkpoint {final} failed: writing {guard.file or tmp} did not fit (disk full or a file-size "
-            f"limit: {one_line(e)[:160]}); {human(free)} free on {ckpt_root}; the partial {os.path.basename(tmp)} "
-            "was removed and the earlier checkpoints are intact") from e
+        shutil.rmtree(guard.tmp, ignore_errors=True)
+        raise DiskFullError(guard.did_not_fit(e)) from e
+
+
+Verdict = Optional[Tuple[int, str]]  # None (this rank is fine) or (exit code, one line)
+
+
+def every_rank(verdict: Verdict, group=None) -> Verdict:
+    """The collective of `agreed_phase` over `group` (None: the world): utils/dist.first_error_of_ranks. One
+    process (or no process group) gets its own verdict back."""
+    from utils.dist import first_error_of_ranks
+    return first_error_of_ranks(verdict, group=group)
+
+
+def this_rank_only(verdict: Verdict) -> Verdict:
+    """A save by one process alone (no collective)."""
+    return verdict
+
+
+@contextlib.contextmanager
+def agreed_phase(guard: SaveGuard, agree: Callable[[Verdict], Verdict] = every_rank) -> Iterator[None]:
+    """One phase of a collective save (rank 0 checking the space and making step_N.tmp; every rank writing its
+    files; rank 0 publishing) ended by ONE verdict of every rank in place of a barrier (`agree`: `every_rank`,
+    or `this_rank_only` for a save by one process). A write that does not fit at ANY rank ends EVERY rank with
+    a DiskFullError (exit 7): the failing rank's own line, the others the failing rank's line, and the partial
+    step_N.tmp removed (save_guard). Any other error is raised as itself at its rank and as "failed at another
+    rank" at the others. Without the verdict, the failing rank exited 7 and the others waited in the barrier
+    until its death broke the connection (a gloo traceback, exit 1)."""
+    err: Optional[Exception] = None
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - every rank hears of it, then it is raised again below
+        err = e
+    mine: Verdict = None
+    if err is not None:
+        mine = (EXIT_DISK_FULL, guard.did_not_fit(err)) if is_disk_full(err) else \
+            (1, f"{type(err).__name__}: {one_line(err)[:300]}")
+    verdict = agree(mine)
+    if err is not None:
+        if is_disk_full(err) and not isinstance(err, DiskFullError):
+            raise DiskFullError(mine[1]) from err
+        raise err
+    if verdict is None:
+        return
+    if verdict[0] == EXIT_DISK_FULL:
+        raise DiskFullError(verdict[1])
+    raise RuntimeError(f"saving checkpoint {guard.final} failed at another rank: {verdict[1]}")
 
 
 def publish_checkpoint_dir(tmp: str, final: str, step: int) -> None:
