@@ -117,8 +117,9 @@ def test_every_rank_exits_7_with_the_failing_ranks_line(results, fmt, failing):
                "pipeline": f"stage{failing}_model.safetensors"}[fmt]
         assert f"step_00000002.tmp/{own} did not fit" in line, line
         assert rows[1 - failing]["line"] == line
-    else:  # DCP's own collective write: both ranks learn it from DCP and name their own shard
-        assert all(r["line"].startswith("saving checkpoint ") for r in rows)
+    else:  # DCP's own collective write: both ranks learn it from DCP (each names its own shard) and say which
+        for row in rows:  # rank's write failed, and how
+            assert row["line"].startswith("saving checkpoint ") and f"rank {failing}: OSError" in row["line"], row
 
 
 @pytest.mark.parametrize("case", [f"{f}-{r}" for f, r in CASES])
