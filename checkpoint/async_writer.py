@@ -40,15 +40,14 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from checkpoint.protocol import (agreed_phase, check_space_for_save, every_rank, save_guard, step_dir_paths,
-                                 this_rank_only)
+from checkpoint.protocol import every_rank, prepare_step_dir, save_guard, step_dir_paths, this_rank_only
 from checkpoint.verify import prune_checkpoints, remember_verified
 from utils.checkpoint_layout import checkpoint_root
 from utils.constants import EXIT_DISK_FULL
 from utils.device import is_accelerator, synchronize
 from utils.disk_space import DiskFullError
 from utils.errors import exit_code_for, one_line
-from utils.publish import atomic_write_text, make_temp_dir
+from utils.publish import atomic_write_text
 
 RANK_MARKER_TIMEOUT_S = 3600.0  # how long rank 0's writer waits for the other ranks' files (a slow disk, not a hang)
 _WRITTEN, _FAILED = ".rank{}.written", ".rank{}.failed"
@@ -244,15 +243,12 @@ def save_in_background(out_dir: str, step: int, rank: int, world_size: int, writ
     final, tmp = step_dir_paths(root, step)
     # step_N.tmp exists for every rank's writer, or a full disk there is exit 7 at every rank (one verdict of
     # every rank in place of a barrier: checkpoint/protocol.agreed_phase)
-    with save_guard(root, step, check_space=False) as guard:
-        with agreed_phase(guard, every_rank if barrier is not None else this_rank_only):
-            if rank == 0:
-                check_space_for_save(root, step)
-                make_temp_dir(final)  # one left by a crash was never complete: dropped
+    with save_guard(root, step) as guard:
+        prepare_step_dir(guard, rank, every_rank if barrier is not None else this_rank_only)
 
     def write() -> Optional[str]:
         t0 = time.perf_counter()
-        with save_guard(root, step, check_space=False) as guard:
+        with save_guard(root, step) as guard:
             try:
                 write_files(tmp, guard)
             except BaseException as e:

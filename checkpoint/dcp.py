@@ -60,7 +60,7 @@ from torch.distributed.tensor import DTensor
 
 from checkpoint.dcp_files import DCPCheckpointError, SafeFileSystemReader, dcp_layout_problem, read_dcp_metadata
 from checkpoint.files import first_nonfinite
-from checkpoint.protocol import (SaveJob, agreed_phase, check_space_for_save, every_rank, publish_checkpoint_dir,
+from checkpoint.protocol import (SaveJob, agreed_phase, every_rank, prepare_step_dir, publish_checkpoint_dir,
                                  save_guard, step_dir_paths, this_rank_only)
 from checkpoint.reads import agreed_reads, load_extra_state, refuse_nonfinite_weights
 from checkpoint.verify import prune_checkpoints, verify_checkpoint
@@ -69,7 +69,7 @@ from utils.checkpoint_json import read_json, write_json
 from utils.checkpoint_layout import (COMPLETE_MARKER, DCP_MANIFEST, DCP_METADATA, MANIFEST, MODEL_CONFIG, RUN_CONFIG,
                                      TRAINER_STATE, checkpoint_root, dcp_shard_file, extra_file, parse_step)
 from utils.errors import CheckpointError, CheckpointMismatchError, one_line
-from utils.publish import fsync_file, make_temp_dir
+from utils.publish import fsync_file
 from utils.run_dir import misnamed_step
 
 DCP_FORMAT = 1
@@ -170,12 +170,8 @@ def save_dcp_checkpoint(ckpt_root: str, step: int, model: nn.Module, optimizer=N
     agree = functools.partial(every_rank, group=group) if group is not None else this_rank_only
     # a full disk at any rank: exit 7 at every rank, no step_N.tmp left (each phase ends in one verdict of every
     # rank: checkpoint/protocol.agreed_phase)
-    with save_guard(ckpt_root, step, check_space=False) as guard:
-        with agreed_phase(guard, agree):
-            if rank == 0:
-                check_space_for_save(ckpt_root, step)
-                make_temp_dir(final)  # one left by a crashed save was never complete: dropped
-
+    with save_guard(ckpt_root, step) as guard:
+        prepare_step_dir(guard, rank, agree)
         flat, scalars = state_to_save(model, optimizer)
         guard.file = os.path.join(tmp, dcp_shard_file(rank))
         _write_shards(flat, tmp, group)  # DCP's own collective: a shard that did not fit fails every rank

@@ -24,8 +24,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from checkpoint.async_writer import AsyncCheckpointer, save_in_background
-from checkpoint.protocol import (SaveGuard, SaveJob, agreed_phase, check_space_for_save, publish_checkpoint_dir,
-                                 save_guard, step_dir_paths)
+from checkpoint.protocol import (SaveGuard, SaveJob, agreed_phase, prepare_step_dir, publish_checkpoint_dir, save_guard,
+                                 step_dir_paths)
 from checkpoint.reads import (damaged_file_hint, is_pipeline_checkpoint, load_extra_state, read_pipeline_meta_safe,
                               refuse_nonfinite_weights)
 from checkpoint.verify import prune_checkpoints
@@ -34,7 +34,7 @@ from utils.checkpoint_json import read_json, write_json
 from utils.checkpoint_layout import (COMPLETE_MARKER, MODEL_CONFIG, PIPELINE_META, RUN_CONFIG, TRAINER_STATE,
                                      checkpoint_root, extra_file, stage_model_file, stage_optimizer_file)
 from utils.errors import CheckpointError
-from utils.publish import fsync_file, make_temp_dir
+from utils.publish import fsync_file
 
 FORMAT = 1
 META_KEYS = ("pp_size", "dp_size", "tp_size", "n_layers", "layer_ranges", "schedule", "n_microbatches", "dp_engine",
@@ -67,13 +67,12 @@ def merge_stage_checkpoints(ckpt_dir: str) -> dict[str, torch.Tensor]:
 
 # ---------------------------------------------------------------------------- writing
 
-def write_stage_state(dir_path: str, stages: dict, sd: dict, global_rank: int, copy: bool = True,
-                      guard: Any = None) -> None:
+def write_stage_state(dir_path: str, stages: dict, sd: dict, global_rank: int, guard: SaveGuard,
+                      copy: bool = True) -> None:
     """This rank's stage files from the engine's state_dict() (no collective): the stage's dp rank 0 (tp rank 0)
     writes its weights and, unless ZeRO shards it, its optimizer state; with ZeRO every dp rank its own; global
     rank 0 also pipeline.json. copy=False: `sd` already holds host copies of its own (the background writer).
     `guard.file` names the file being written."""
-    guard = guard if guard is not None else SaveGuard()
     s, dp_rank = stages["stage_index"], stages["dp_rank"]
     first = dp_rank == 0 and stages["tp_rank"] == 0  # one writer per stage (the tensors are gathered)
     if first:
@@ -125,7 +124,7 @@ def save_stages(engine: Any, job: SaveJob, writer: Optional[AsyncCheckpointer] =
         global_rank = dist.get_rank()
 
         def write_files(tmp: str, guard: Any) -> None:
-            write_stage_state(tmp, stages, sd, global_rank, copy=False, guard=guard)
+            write_stage_state(tmp, stages, sd, global_rank, guard, copy=False)
             write_extra_and_configs(tmp, rank, extra, model_config, run_config, fault_hook, guard)
 
         def publish(tmp: str, final: str, guard: SaveGuard) -> None:
@@ -138,14 +137,11 @@ def save_stages(engine: Any, job: SaveJob, writer: Optional[AsyncCheckpointer] =
     final, tmp = step_dir_paths(root, step)
     # a write that does not fit (disk full, a file-size limit) at any rank: the partial step_N.tmp removed, exit 7
     # at every rank (each phase ends in one verdict of every rank: checkpoint/protocol.agreed_phase)
-    with save_guard(root, step, check_space=False) as guard:
-        with agreed_phase(guard):
-            if rank == 0:
-                check_space_for_save(root, step)
-                make_temp_dir(final)  # one left by a crash was never complete: dropped
+    with save_guard(root, step) as guard:
+        prepare_step_dir(guard, rank)
         sd = engine.state_dict()  # collective over the mesh (FSDP gathers the stage's tensors)
         with agreed_phase(guard):  # every rank has written and fsynced its files
-            write_stage_state(tmp, stages, sd, dist.get_rank(), guard=guard)
+            write_stage_state(tmp, stages, sd, dist.get_rank(), guard)
             del sd
             write_extra_and_configs(tmp, rank, job.extra_state, model_config, run_config, fault_hook, guard)
         with agreed_phase(guard):

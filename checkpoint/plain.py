@@ -29,8 +29,8 @@ from safetensors.torch import save_file
 
 from checkpoint.async_writer import AsyncCheckpointer, save_in_background
 from checkpoint.files import load_model_state
-from checkpoint.protocol import (SaveGuard, SaveJob, agreed_phase, check_space_for_save, every_rank,
-                                 publish_checkpoint_dir, save_guard, step_dir_paths, this_rank_only)
+from checkpoint.protocol import (SaveGuard, SaveJob, agreed_phase, every_rank, prepare_step_dir, publish_checkpoint_dir,
+                                 save_guard, step_dir_paths, this_rank_only)
 from checkpoint.reads import (agreed_reads, load_errors_named, load_extra_state, load_optimizer_state, load_weights,
                               read_optimizer_state)
 from checkpoint.verify import prune_checkpoints, remember_verified
@@ -39,7 +39,7 @@ from utils.checkpoint_json import write_json
 from utils.checkpoint_layout import (MANIFEST, MODEL_CONFIG, MODEL_FILE, RUN_CONFIG, TRAINER_STATE, checkpoint_root,
                                      extra_file, optimizer_file)
 from utils.errors import CheckpointMismatchError
-from utils.publish import fsync_file, make_temp_dir
+from utils.publish import fsync_file
 
 
 @dataclass
@@ -110,11 +110,8 @@ def save_checkpoint(out_dir: str, req: SaveRequest, barrier: Optional[Callable[[
     root = checkpoint_root(out_dir)
     final, tmp = step_dir_paths(root, req.step)
     agree = every_rank if barrier is not None else this_rank_only
-    with save_guard(root, req.step, check_space=False) as guard:
-        with agreed_phase(guard, agree):
-            if req.rank == 0:
-                check_space_for_save(root, req.step)
-                make_temp_dir(final)  # one left by a crash was never complete: dropped
+    with save_guard(root, req.step) as guard:
+        prepare_step_dir(guard, req.rank, agree)
         with agreed_phase(guard, agree):  # every rank has written and fsynced its files
             write_rank_files(tmp, req, guard, fault_hook)
         with agreed_phase(guard, agree):

@@ -26,7 +26,7 @@ from utils.checkpoint_layout import COMPLETE_MARKER, MANIFEST, parse_step, step_
 from utils.constants import EXIT_DISK_FULL
 from utils.disk_space import DiskFullError, free_bytes, human, is_disk_full, tree_bytes
 from utils.errors import one_line
-from utils.publish import publish_dir, temp_dir_for
+from utils.publish import make_temp_dir, publish_dir, temp_dir_for
 
 
 def newest_complete(ckpt_root: str) -> Optional[str]:
@@ -87,7 +87,7 @@ class SaveGuard:
     file: Optional[str] = None
 
     def __init__(self, ckpt_root: str = "", step: int = 0) -> None:
-        self.root = ckpt_root
+        self.root, self.step = ckpt_root, step
         self.final, self.tmp = step_dir_paths(ckpt_root, step)
 
     def did_not_fit(self, e: BaseException) -> str:
@@ -107,13 +107,11 @@ def step_dir_paths(ckpt_root: str, step: int) -> tuple[str, str]:
 
 
 @contextlib.contextmanager
-def save_guard(ckpt_root: str, step: int, check_space: bool = True) -> Iterator[SaveGuard]:
-    """Wrap one rank's part of a checkpoint save. Before: `check_space_for_save` (check_space=True, the
-    rank that creates step_N.tmp). During: a write that does not fit (disk or quota full, RLIMIT_FSIZE;
+def save_guard(ckpt_root: str, step: int) -> Iterator[SaveGuard]:
+    """Wrap one rank's part of a checkpoint save: a write that does not fit (disk or quota full, RLIMIT_FSIZE;
     `is_disk_full`) removes the partial step_N.tmp, which can then never be published, and becomes one
-    DiskFullError naming the file and the free space (exit 7); the published checkpoints are untouched."""
-    if check_space:
-        check_space_for_save(ckpt_root, step)
+    DiskFullError naming the file and the free space (exit 7); the published checkpoints are untouched. (The
+    free-space check before a save is `prepare_step_dir`'s.)"""
     guard = SaveGuard(ckpt_root, step)
     try:
         yield guard
@@ -170,6 +168,16 @@ def agreed_phase(guard: SaveGuard, agree: Callable[[Verdict], Verdict] = every_r
     if verdict[0] == EXIT_DISK_FULL:
         raise DiskFullError(verdict[1])
     raise RuntimeError(f"saving checkpoint {guard.final} failed at another rank: {verdict[1]}")
+
+
+def prepare_step_dir(guard: SaveGuard, rank: int, agree: Callable[[Verdict], Verdict] = every_rank) -> None:
+    """The first phase of every save: rank 0 checks the free space (`check_space_for_save`) and makes a fresh
+    step_N.tmp (one left by a crash was never complete: dropped), then every rank's verdict (`agreed_phase`):
+    step_N.tmp exists for every rank's writes, or every rank ends alike."""
+    with agreed_phase(guard, agree):
+        if rank == 0:
+            check_space_for_save(guard.root, guard.step)
+            make_temp_dir(guard.final)
 
 
 def publish_checkpoint_dir(tmp: str, final: str, step: int) -> None:
