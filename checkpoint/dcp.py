@@ -134,6 +134,12 @@ def state_to_save(model: nn.Module, optimizer) -> tuple[dict[str, torch.Tensor],
 
 # ---------------------------------------------------------------------------- save
 
+def _dcp_failures(e: BaseException) -> list[tuple[int, BaseException]]:
+    """(rank, its exception) of each rank a DCP CheckpointException reports, lowest rank first (an entry is the
+    exception with its traceback summary, or the bare exception)."""
+    return [(r, f[0] if isinstance(f, tuple) else f) for r, f in sorted(e.failures.items())]
+
+
 def _write_shards(flat: dict, tmp: str, group: Optional[dist.ProcessGroup]) -> None:
     """DCP's save of every rank's shard into `tmp` (collective). A write that failed at any rank reaches every rank
     as DCP's CheckpointException, a BaseException that no `except Exception` sees: it is raised again as a
@@ -145,8 +151,7 @@ def _write_shards(flat: dict, tmp: str, group: Optional[dist.ProcessGroup]) -> N
         dcp.save(flat, storage_writer=FileSystemWriter(tmp, sync_files=True), process_group=group,
                  no_dist=group is None)
     except CheckpointException as e:
-        failures = "; ".join(f"rank {r}: {type(x[0]).__name__}: {one_line(x[0])}"
-                             for r, x in sorted(e.failures.items()))
+        failures = "; ".join(f"rank {r}: {type(x).__name__}: {one_line(x)}" for r, x in _dcp_failures(e))
         raise RuntimeError(f"DCP's save failed at {failures or one_line(e)}"[:400]) from e
 
 
@@ -280,7 +285,7 @@ def dcp_load(state: dict, ckpt_dir: str, group: Optional[dist.ProcessGroup]) -> 
             dcp.load(state, storage_reader=SafeFileSystemReader(ckpt_dir), process_group=group,
                      no_dist=group is None)
     except CheckpointException as e:
-        causes = [f[0] if isinstance(f, tuple) else f for _, f in sorted(e.failures.items())]
+        causes = [f for _, f in _dcp_failures(e)]
         named = next((c for c in causes if isinstance(c, CheckpointError)), None)
         if named is not None:
             raise DCPCheckpointError(one_line(named)) from None
