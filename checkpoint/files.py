@@ -22,9 +22,13 @@ from utils.errors import CheckpointError, one_line
 
 
 def load_model_state(ckpt_dir: str) -> dict[str, torch.Tensor]:
-    """model.safetensors of a checkpoint; CheckpointError naming the file when it cannot be read or a
+    """model.safetensors of a checkpoint, checked as `load_weights_file` does."""
+    return load_weights_file(os.path.join(ckpt_dir, MODEL_FILE))
+
+
+def load_weights_file(path: str) -> dict[str, torch.Tensor]:
+    """A checkpoint's safetensors file of weights; CheckpointError naming the file when it cannot be read or a
     tensor holds NaN or inf (a finite run never saves one: the file was damaged or tampered with)."""
-    path = os.path.join(ckpt_dir, MODEL_FILE)
     try:
         sd = load_file(path)
     except (SafetensorError, OSError, ValueError) as e:

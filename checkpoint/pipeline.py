@@ -20,14 +20,14 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
-from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from checkpoint.async_writer import AsyncCheckpointer, save_in_background
 from checkpoint.protocol import (SaveGuard, SaveJob, agreed_phase, prepare_step_dir, publish_checkpoint_dir, save_guard,
                                  step_dir_paths)
-from checkpoint.reads import (damaged_file_hint, is_pipeline_checkpoint, load_extra_state, read_pipeline_meta_safe,
-                              refuse_nonfinite_weights)
+from checkpoint.files import load_tensor_file, load_weights_file
+from checkpoint.reads import (agreed_reads, check_optimizer_state, check_weights_fit, is_pipeline_checkpoint,
+                              load_errors_named, load_extra_state, read_pipeline_meta_safe)
 from checkpoint.verify import prune_checkpoints
 from parallel.pipeline import merge_stage_state_dicts
 from utils.checkpoint_json import read_json, write_json
@@ -171,50 +171,60 @@ def stages_resume_problem(stages: dict, ckpt_dir: str) -> Optional[str]:
     return None
 
 
-def read_stage_state(stages: dict, ckpt_dir: str) -> dict:
+def read_stage_state(stages: dict, ckpt_dir: str) -> tuple[dict, str]:
     """This stage's {"model", "optimizer"} from a checkpoint of the same pipeline split (pp size, layer ranges) and
-    dp engine, at any dp size (ZeRO shards of another dp size: the list of every saved shard)."""
+    dp engine, at any dp size (ZeRO shards of another dp size: the list of every saved shard), and the name(s) of
+    the optimizer file(s) read. No collective; CheckpointError naming a file that cannot be read or a split that
+    differs."""
     meta = read_pipeline_meta(ckpt_dir)
     ranges = [tuple(r) for r in stages["layer_ranges"]]
     if meta["pp_size"] != stages["pp_size"] or [tuple(r) for r in meta["layer_ranges"]] != ranges:
-        raise ValueError(f"checkpoint {ckpt_dir} has {meta['pp_size']} stage(s) with layers "
-                         f"{meta['layer_ranges']}; this run has {stages['pp_size']} with {ranges}: resume "
-                         f"at the same pipeline_parallel_size (or merge_stage_checkpoints() it to one model "
-                         f"and start from that)")
+        raise CheckpointError(f"checkpoint {ckpt_dir} has {meta['pp_size']} stage(s) with layers "
+                              f"{meta['layer_ranges']}; this run has {stages['pp_size']} with {ranges}: resume "
+                              f"at the same pipeline_parallel_size (or merge_stage_checkpoints() it to one model "
+                              f"and start from that)")
     if meta.get("dp_engine", "ddp") != stages["dp_engine"]:
-        raise ValueError(f"checkpoint {ckpt_dir} was written with dp engine {meta.get('dp_engine')!r}; this run "
-                         f"uses {stages['dp_engine']!r} (the optimizer states differ; the weights can be taken with "
-                         f"merge_stage_checkpoints())")
+        raise CheckpointError(f"checkpoint {ckpt_dir} was written with dp engine {meta.get('dp_engine')!r}; this "
+                              f"run uses {stages['dp_engine']!r} (the optimizer states differ; the weights can be "
+                              f"taken with merge_stage_checkpoints())")
     sharded = stages["sharded_optimizer"]
     if sharded != bool(meta["sharded_optimizer"]):
-        raise ValueError(f"checkpoint {ckpt_dir}: optimizer layout (sharded={meta['sharded_optimizer']}) differs "
-                         f"from this run's (sharded={sharded}): resume with the same --use_distributed_optimizer")
+        raise CheckpointError(f"checkpoint {ckpt_dir}: optimizer layout (sharded={meta['sharded_optimizer']}) "
+                              f"differs from this run's (sharded={sharded}): resume with the same "
+                              "--use_distributed_optimizer")
     s = stages["stage_index"]
-
-    def opt_file(r: int) -> dict:
-        return torch.load(os.path.join(ckpt_dir, stage_optimizer_file(s, r)), map_location="cpu", weights_only=True)
     if not sharded:  # one file per stage whatever the dp size (FSDP's state is gathered to it)
-        opt = opt_file(0)
+        dp_ranks = [0]
     elif int(meta["dp_size"]) == stages["dp_size"]:
-        opt = opt_file(stages["dp_rank"])
+        dp_ranks = [stages["dp_rank"]]
     else:  # ZeRO shards of another dp size: every saved shard, re-sharded by the optimizer
-        opt = [opt_file(r) for r in range(int(meta["dp_size"]))]
-    return {"model": load_file(os.path.join(ckpt_dir, stage_model_file(s))), "optimizer": opt}
+        dp_ranks = list(range(int(meta["dp_size"])))
+    opts = [load_tensor_file(os.path.join(ckpt_dir, stage_optimizer_file(s, r))) for r in dp_ranks]
+    names = ", ".join(stage_optimizer_file(s, r) for r in dp_ranks)
+    model = load_weights_file(os.path.join(ckpt_dir, stage_model_file(s)))
+    resharded = sharded and int(meta["dp_size"]) != stages["dp_size"]
+    return {"model": model, "optimizer": opts if resharded else opts[0]}, names
 
 
 def load_stages(engine: Any, ckpt_dir: str, saved_world: int, rank: int, world_size: int,
                 log: Callable[[str], None] = print) -> Optional[dict]:
     """Collective: this stage's files into the engine (its load_state_dict re-shards them); this rank's extra
-    state. CheckpointError naming the file when one does not load."""
+    state. Every file this rank reads is read and checked against its stage and optimizer before any collective,
+    then one collective of every rank's verdict (checkpoint/reads.agreed_reads): a stage's file damaged at one
+    rank is the same line at every rank. CheckpointError naming the file."""
     stages = engine.state_spec().stages
     problem = stages_resume_problem(stages, ckpt_dir)
     if problem:
         raise CheckpointError(problem)
-    try:
-        engine.load_state_dict(read_stage_state(stages, ckpt_dir))
-    except (ValueError, KeyError, TypeError, OSError, EOFError, RuntimeError, SafetensorError) as e:
-        if isinstance(e, torch.OutOfMemoryError):
-            raise
-        raise CheckpointError(f"checkpoint {ckpt_dir}: {damaged_file_hint(ckpt_dir, e)}") from e
-    refuse_nonfinite_weights(engine.module, ckpt_dir)
-    return load_extra_state(ckpt_dir, rank, saved_world, world_size, log)
+    with agreed_reads(engine.module):
+        state, opt_names = read_stage_state(stages, ckpt_dir)
+        model_name = stage_model_file(stages["stage_index"])
+        with load_errors_named(f"checkpoint {ckpt_dir}: {model_name} does not fit this stage"):
+            check_weights_fit(engine.module, state["model"])
+        check_optimizer_state(engine.optimizer, ckpt_dir, (state["optimizer"], opt_names))
+        extra = load_extra_state(ckpt_dir, rank, saved_world, world_size, log)
+    with load_errors_named(f"checkpoint {ckpt_dir}: {model_name} / {opt_names} do not load into this stage"):
+        engine.load_state_dict(state)
+    return extra
+
+

@@ -31,8 +31,8 @@ from checkpoint.async_writer import AsyncCheckpointer, save_in_background
 from checkpoint.files import load_model_state
 from checkpoint.protocol import (SaveGuard, SaveJob, agreed_phase, every_rank, prepare_step_dir, publish_checkpoint_dir,
                                  save_guard, step_dir_paths, this_rank_only)
-from checkpoint.reads import (agreed_reads, load_errors_named, load_extra_state, load_optimizer_state, load_weights,
-                              read_optimizer_state)
+from checkpoint.reads import (agreed_reads, check_optimizer_state, load_errors_named, load_extra_state,
+                              load_optimizer_state, load_weights, read_optimizer_state)
 from checkpoint.verify import prune_checkpoints, remember_verified
 from parallel.engine import trainable_state
 from utils.checkpoint_json import write_json
@@ -183,8 +183,12 @@ def load_replicated(engine: Any, ckpt_dir: str, saved_world: int, rank: int, wor
         opt_state = read_optimizer_state(ckpt_dir, spec.sharded_optimizer, rank, world_size, saved_world,
                                          own_fits=getattr(spec.optimizer, "fits_own_state", None))
         extra = load_extra_state(ckpt_dir, rank, saved_world, world_size, log, same_world_only=False)
+    # the weights (one file, the same at every rank: the same verdict everywhere); a configuration that builds
+    # another model is CheckpointMismatchError (exit 2) here, before the optimizer could call it a damaged file
     load_weights(spec.model, weights, partial=spec.lora_base is not None, source=ckpt_dir,
                  mismatch=CheckpointMismatchError)
+    with agreed_reads(spec.model):  # what this rank's optimizer file(s) would refuse, before ZeRO's re-gather
+        check_optimizer_state(spec.optimizer, ckpt_dir, opt_state)
     load_optimizer_state(spec.optimizer, ckpt_dir, opt_state)
     if extra is not None and extra.get("comm_hook"):
         with load_errors_named(f"{os.path.join(ckpt_dir, extra_file(rank))}: its comm-hook (PowerSGD) state "

@@ -47,10 +47,11 @@ def is_sharded_checkpoint(ckpt_dir: str) -> bool:
 
 @contextlib.contextmanager
 def agreed_reads(module: nn.Module):
-    """Reads of one rank's own checkpoint files, then ONE collective of every rank's verdict: when any rank
-    raised a CheckpointError (a damaged file, named), every rank raises the same one (the lowest rank's),
-    so each prints the same line and exits with the same code; no rank goes on into a collective that the
-    failed rank never joins (which ended the others with gloo's "Connection closed by peer")."""
+    """Reads and checks of one rank's own checkpoint files (no collective inside), then ONE collective of every
+    rank's verdict: when any rank raised a CheckpointError (a damaged file, named), every rank raises the same
+    one (the lowest rank's), so each prints the same line and exits with the same code; no rank goes on into a
+    collective that the failed rank never joins (which ended the others with gloo's "Connection closed by
+    peer")."""
     verdict = None
     try:
         yield
@@ -126,6 +127,30 @@ def read_optimizer_state(ckpt_dir: str, sharded: bool, rank: int, world_size: in
     if not first.get("sharded") or n == 1:
         return first, optimizer_file(0)
     return [first] + [read(r) for r in range(1, n)], f"{optimizer_file(0)} .. {optimizer_file(n - 1)}"
+
+
+def check_optimizer_state(opt, ckpt_dir: str, read: tuple[Any, str]) -> None:
+    """What load_optimizer_state(opt, ckpt_dir, read) would refuse (another dtype, a missing parameter, a range
+    that does not fit), found at this rank with no collective and nothing loaded: called inside `agreed_reads`, so
+    that a file that reads but does not load at ONE rank is the same line at every rank (the others would
+    otherwise be in ZeRO's parameter re-gather when it fails). CheckpointError naming the file(s)."""
+    state, name = read
+    with _naming_a_bad_optimizer_file(ckpt_dir, lambda: name):
+        opt.check_state_dict(state)
+
+
+def check_weights_fit(module: nn.Module, state: dict) -> None:
+    """What a strict `module.load_state_dict(state)` would refuse, found without loading or a collective (a
+    DTensor's shape is its full one): ValueError naming missing or unexpected tensors, or the first whose
+    shape differs."""
+    own = module.state_dict()
+    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    if missing or unexpected:
+        raise ValueError(f"missing tensors {missing[:3]}{' ...' if len(missing) > 3 else ''}, unexpected tensors "
+                         f"{unexpected[:3]}{' ...' if len(unexpected) > 3 else ''}")
+    for name, t in own.items():
+        if list(state[name].shape) != list(t.shape):
+            raise ValueError(f"{name}: saved shape {list(state[name].shape)}, this model's {list(t.shape)}")
 
 
 def load_optimizer_state(opt, ckpt_dir: str, read: tuple[Any, str]) -> None:

@@ -296,12 +296,30 @@ class GlobalNormOptimizer:
     def state_dict(self) -> dict:
         raise NotImplementedError
 
+    def check_state_dict(self, state) -> None:
+        """Raise what load_state_dict(state) would refuse in this process (ValueError, KeyError, ...) without a
+        collective and without changing the optimizer: a checkpoint's loader asks every rank first and gathers
+        the verdicts, so that no rank enters the load's collectives while another has already failed."""
+        raise NotImplementedError
+
     def _moment_bytes(self) -> int:
         return moment_bytes(self._adamws())
 
     def scaling_state(self) -> dict:
         return {"lr": self.lr, "scaler": self.scaler.state_dict(),
                 "prev_grad_norm": -1.0 if self.prev_grad_norm is None else float(self.prev_grad_norm)}
+
+    @staticmethod
+    def check_scaling_state(sd: dict) -> None:
+        """What load_scaling_state(sd) needs: the learning rate and the last gradient norm (numbers), the loss
+        scaler's state (a dict); KeyError / ValueError naming the one that is not there or not one."""
+        for key, kind in (("lr", "a number"), ("prev_grad_norm", "a number"), ("scaler", "a dict")):
+            if key not in sd:
+                raise KeyError(f"optimizer state has no {key!r}")
+            v = sd[key]
+            ok = isinstance(v, dict) if key == "scaler" else isinstance(v, (int, float)) and not isinstance(v, bool)
+            if not ok:
+                raise ValueError(f"optimizer state: {key}={v!r} is not {kind}")
 
     def load_scaling_state(self, sd: dict) -> None:
         self.scaler.load_state_dict(sd["scaler"])

@@ -84,15 +84,49 @@ def _check_states(opt, sds: list[dict]) -> None:
             f"{sds[0]['world_size']} ranks' state dicts to re-shard")
 
 
-def load_ddp_state_dict(opt, state: Union[dict, list[dict]]) -> None:
-    """`opt.load_state_dict(state)`: this rank's own dict, a complete one, or every rank's (re-sharding)."""
-    opt.settle_steps()  # a verdict read after the load would count its step into the loaded count
+def check_ddp_state_dict(opt, state: Union[dict, list[dict]]) -> tuple[list[dict], dict[str, list[dict]]]:
+    """Everything `load_ddp_state_dict` would refuse, found without changing the optimizer and without a
+    collective (so that a checkpoint layer can gather every rank's verdict before any rank loads): the dicts'
+    format and --optimizer, a missing rank, each piece's saved entries (present, its shape, every tensor the
+    update keeps, of a kept dtype and of its range's length), that they cover the piece's range, and the
+    scalars. ValueError / KeyError naming the parameter. Returns (the dicts, each piece name's saved entries)."""
     sds = [state] if isinstance(state, dict) or state is None else list(state)
     _check_states(opt, sds)
     saved: dict[str, list[dict]] = {}
     for sd in sds:
         for name, e in sd["params"].items():
             saved.setdefault(name, []).append(e)
+    for pc in opt.pieces:
+        entries = saved.get(pc.name)
+        if not entries:
+            raise KeyError(f"optimizer state has no entry for parameter {pc.name!r}")
+        shape, lo, hi = opt.full_layout(pc)
+        if list(entries[0]["shape"]) != shape:
+            raise ValueError(f"{pc.name}: saved shape {entries[0]['shape']} != {shape}")
+        for e in entries:  # saved as fp32 (the moments: as kept, fp32 or bf16): another dtype is refused
+            for key in ("main", *opt.update_of(pc).state_keys):
+                t = e.get(key)
+                ok = (torch.float32, torch.bfloat16) if key in ("exp_avg", "exp_avg_sq") else (torch.float32,)
+                if not torch.is_tensor(t):
+                    raise KeyError(f"{pc.name}: its saved entry has no {key} tensor")
+                if t.dtype not in ok:
+                    raise ValueError(f"{pc.name}: its {key} is saved as {t.dtype}, but this optimizer keeps "
+                                     f"{' or '.join(map(str, ok))} (and saves it so): refused rather than cast")
+                if t.numel() != int(e["hi"]) - int(e["lo"]):
+                    raise ValueError(f"{pc.name}: its {key} holds {t.numel()} values for the saved range "
+                                     f"[{e['lo']}, {e['hi']})")
+        _check_coverage(pc.name, lo, hi, entries)
+    opt.check_scaling_state(sds[0])
+    return sds, saved
+
+
+
+def load_ddp_state_dict(opt, state: Union[dict, list[dict]]) -> None:
+    """`opt.load_state_dict(state)`: this rank's own dict, a complete one, or every rank's (re-sharding). Checked
+    in full first (`check_ddp_state_dict`): nothing is changed when it is refused, and the only collective,
+    the parameter re-gather of ZeRO (`after_load`), comes after every local step."""
+    opt.settle_steps()  # a verdict read after the load would count its step into the loaded count
+    sds, saved = check_ddp_state_dict(opt, state)
     kept = torch.bfloat16 if opt.config.state_dtype == "bf16" else torch.float32
     stored = {e["exp_avg"].dtype for es in saved.values() for e in es if torch.is_tensor(e.get("exp_avg"))}
     if stored - {kept}:
@@ -102,47 +136,40 @@ def load_ddp_state_dict(opt, state: Union[dict, list[dict]]) -> None:
     for update in opt.updates:
         update.begin_load()
     for pc in opt.pieces:
-        entries = saved.get(pc.name)
-        if not entries:
-            raise KeyError(f"optimizer state has no entry for parameter {pc.name!r}")
-        shape, lo, hi = opt.full_layout(pc)
-        if list(entries[0]["shape"]) != shape:
-            raise ValueError(f"{pc.name}: saved shape {entries[0]['shape']} != {shape}")
-        for e in entries:  # saved as fp32 (the moments: as kept, fp32 or bf16): another dtype is refused
-            for key in ("main", "exp_avg", "exp_avg_sq", "momentum"):
-                t = e.get(key)
-                ok = (torch.float32, torch.bfloat16) if key in ("exp_avg", "exp_avg_sq") else (torch.float32,)
-                if torch.is_tensor(t) and t.dtype not in ok:
-                    raise ValueError(f"{pc.name}: its {key} is saved as {t.dtype}, but this optimizer keeps "
-                                     f"{' or '.join(map(str, ok))} (and saves it so): refused rather than cast")
+        entries = saved[pc.name]
+        _, lo, hi = opt.full_layout(pc)
         update = opt.update_of(pc)
-        parts = {k: _assemble(pc.name, lo, hi, pc.main.device, entries, k) for k in ("main", *update.state_keys)}
+        parts = {k: _assemble(lo, hi, pc.main.device, entries, k) for k in ("main", *update.state_keys)}
         step = max(float(e["step"]) for e in entries)
         with torch.no_grad():
             pc.main.view(-1).copy_(parts["main"])
         update.load_piece(pc, parts, step)
     for update in opt.updates:
         update.end_load()
+    opt.load_scaling_state(sds[0])
     opt.copy_main_to_model(opt.pieces)
     opt.after_load()
-    opt.load_scaling_state(sds[0])
 
 
-def _assemble(name: str, lo: int, hi: int, device: torch.device, entries: list[dict], key: str) -> torch.Tensor:
+def _assemble(lo: int, hi: int, device: torch.device, entries: list[dict], key: str) -> torch.Tensor:
     """The piece's [lo, hi) (of its whole tensor) of `key`, from whichever saved ranges cover it (ranges of
-    replicated state saved by several ranks may overlap: the same values)."""
+    replicated state saved by several ranks may overlap: the same values; `_check_coverage` found them whole)."""
     out = torch.empty(hi - lo, dtype=torch.float32, device=device)
-    spans = []
     for e in entries:
         s, t = max(lo, e["lo"]), min(hi, e["hi"])
         if s < t:
             out[s - lo:t - lo].copy_(e[key][s - e["lo"]:t - e["lo"]])
-            spans.append((s, t))
+    return out
+
+
+def _check_coverage(name: str, lo: int, hi: int, entries: list[dict]) -> None:
+    """ValueError unless the saved ranges of `entries` cover [lo, hi) (the piece's range of its whole tensor)."""
+    spans = sorted((max(lo, int(e["lo"])), min(hi, int(e["hi"]))) for e in entries)
     covered, end = 0, lo
-    for s, t in sorted(spans):  # the union's length
-        covered += max(0, t - max(s, end))
-        end = max(end, t)
+    for s, t in spans:  # the union's length
+        if s < t:
+            covered += max(0, t - max(s, end))
+            end = max(end, t)
     if covered != hi - lo:
         raise ValueError(f"{name}: saved state covers {covered} of the {hi - lo} elements "
                          f"[{lo}, {hi}) this rank needs; pass every rank's state dict")
-    return out

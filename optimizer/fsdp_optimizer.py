@@ -211,15 +211,10 @@ class FSDPOptimizer(GlobalNormOptimizer):
         """Load a dict shaped like state_dict() (its DTensors may come from any world size via DCP).
         Hyper-parameters other than lr (betas, eps, weight decay) stay those of this run's config."""
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
-        if sd.get("format") != STATE_FORMAT:
-            raise ValueError(f"unknown FSDP optimizer state format {sd.get('format')!r}")
+        self.check_state_dict(sd)
         adamw = dict(sd["adamw"])
         saved_muon = {k[len(MUON_KEY):]: adamw.pop(k) for k in list(adamw) if k.startswith(MUON_KEY)}
         saved_steps = adamw.pop(MUON_STEPS_KEY, None)
-        if (self.muon is not None) != (saved_steps is not None):
-            saved_kind = "adamw" if saved_steps is None else "muon"
-            raise ValueError(f"the checkpoint's optimizer state is {saved_kind}'s but this run has "
-                             f"--optimizer={self.config.optimizer}: switching optimizers on resume is refused")
         current = {k: v for k, v in self.adamw.param_groups[0].items() if k != "params"}
         for k in list(adamw):
             if k.startswith("param_groups."):
@@ -234,6 +229,21 @@ class FSDPOptimizer(GlobalNormOptimizer):
                         m.copy_(saved_muon[name])
             self.muon.steps = int(float(saved_steps))
         self.load_scaling_state(sd)
+
+    def check_state_dict(self, sd: dict) -> None:
+        """The refusals of load_state_dict that need no collective: the format, another --optimizer, and the
+        scalars. (Whether each tensor fits is found by DCP's or the FSDP state-dict API's collective load.)"""
+        if not isinstance(sd, dict) or sd.get("format") != STATE_FORMAT:
+            saved = sd.get("format") if isinstance(sd, dict) else sd
+            raise ValueError(f"unknown FSDP optimizer state format {saved!r}")
+        if not isinstance(sd.get("adamw"), dict):
+            raise ValueError(f"the FSDP optimizer state's 'adamw' is {type(sd.get('adamw')).__name__}, not a dict")
+        saved_muon = MUON_STEPS_KEY in sd["adamw"]
+        if (self.muon is not None) != saved_muon:
+            saved_kind = "muon" if saved_muon else "adamw"
+            raise ValueError(f"the checkpoint's optimizer state is {saved_kind}'s but this run has "
+                             f"--optimizer={self.config.optimizer}: switching optimizers on resume is refused")
+        self.check_scaling_state(sd)
 
     def _group_of(self, flat_key: str) -> dict:
         fqn = flat_key[len("param_groups."):].rsplit(".", 1)[0]

@@ -26,8 +26,8 @@ import torch.distributed as dist
 
 from optimizer.adamw import BucketAdamW
 from optimizer.base import GlobalNormOptimizer
-from optimizer.ddp_state import (STATE_FORMAT, ddp_state_dict, load_ddp_state_dict,  # noqa: F401 (STATE_FORMAT: its
-                                  own_state_fits)  # readers import it from here, checkpoint/convert.py among them
+from optimizer.ddp_state import (STATE_FORMAT, check_ddp_state_dict, ddp_state_dict,  # noqa: F401 (STATE_FORMAT: its
+                                  load_ddp_state_dict, own_state_fits)  # readers import it from here
 from optimizer.muon import MuonState, is_muon_param
 from optimizer.optimizer_config import OptimizerConfig
 from optimizer.step_paths import choose_path
@@ -365,6 +365,10 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
         list of ALL ranks' state dicts of a run with any world size (re-sharding: each piece is
         assembled from whichever saved ranges cover it)."""
         load_ddp_state_dict(self, state)
+
+    def check_state_dict(self, state: Union[dict, list[dict]]) -> None:
+        """What load_state_dict(state) would refuse, raised without a collective and without changing anything."""
+        check_ddp_state_dict(self, state)
 
     def fits_own_state(self, sd: dict) -> bool:
         """Whether this rank's own saved state dict (a run of the same world size) is all it needs to load."""

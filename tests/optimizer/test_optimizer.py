@@ -130,6 +130,53 @@ def test_state_dict_roundtrip_weights_only(tmp_path):
     assert all(torch.equal(p, q) for p, q in zip(m.parameters(), m2.parameters()))
 
 
+def _tensors_of(sd: dict) -> dict:
+    """Every tensor and number of an optimizer state dict, flattened to {path: value}."""
+    out = {}
+    for name, e in sd["params"].items():
+        out.update({f"{name}.{k}": (v.clone() if torch.is_tensor(v) else v) for k, v in e.items()})
+    out.update({k: sd[k] for k in ("lr", "prev_grad_norm")})
+    return out
+
+
+def _damage_last_piece(key, edit):
+    def damage(sd, last):
+        sd["params"][last][key] = edit(sd["params"][last][key])
+    return damage
+
+
+@pytest.mark.parametrize("damage, match", [
+    (_damage_last_piece("exp_avg", lambda t: t.half()), "saved as torch.float16"),
+    (_damage_last_piece("exp_avg_sq", lambda t: t[:-1]), "holds"),
+    (_damage_last_piece("main", lambda t: "x"), "no main tensor"),
+    (lambda sd, last: sd.pop("prev_grad_norm"), "prev_grad_norm"),
+    (lambda sd, last: sd.update(lr="0.1"), "lr='0.1' is not a number"),
+], ids=["fp16_moment", "short_range", "main_not_a_tensor", "no_prev_grad_norm", "lr_a_string"])
+@pytest.mark.parametrize("zero", [False, True], ids=["plain", "zero"])
+def test_a_refused_state_changes_nothing(zero, damage, match):
+    """check_state_dict refuses what load_state_dict refuses, before any change: a state damaged in the LAST
+    parameter (loaded after the others) used to leave the earlier ones loaded. Nothing of the optimizer or the
+    model differs afterwards from before the load."""
+    _, ddp, opt = _bf16_engine(zero)
+    _train(ddp, opt)
+    _, ddp2, other = _bf16_engine(zero)
+    _train(ddp2, other, steps=5)  # another state than opt's
+    saved = other.state_dict()
+    damage(saved, opt.pieces[-1].name)
+    before = _tensors_of(opt.state_dict())
+    weights = [p.detach().clone() for p in ddp.module.parameters()]
+    with pytest.raises((ValueError, KeyError), match=match):
+        opt.check_state_dict(saved)
+    with pytest.raises((ValueError, KeyError), match=match):
+        opt.load_state_dict(saved)
+    after = _tensors_of(opt.state_dict())
+    assert before.keys() == after.keys()
+    changed = [k for k in before if not (torch.equal(before[k], after[k]) if torch.is_tensor(before[k])
+                                         else before[k] == after[k])]
+    assert changed == [], changed
+    assert all(torch.equal(p, q) for p, q in zip(weights, ddp.module.parameters()))
+
+
 # ------------------------------------------------------------------ re-sharding across world sizes
 
 def _bf16_engine(zero: bool):

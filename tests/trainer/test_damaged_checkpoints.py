@@ -147,12 +147,13 @@ def _nan_weight(d) -> None:
     os.remove(flat)
 
 
-def _fp16_optimizer_state(d) -> None:
-    """One Adam moment saved as fp16 (ddp): it used to be cast to fp32 without a word."""
-    sd = torch.load(d / "optimizer_rank0.pt", weights_only=True)
+def fp16_moment(path) -> None:
+    """One Adam moment of an optimizer file of our DDP's format saved as fp16: it used to be cast to fp32 without
+    a word."""
+    sd = torch.load(path, weights_only=True)
     name = sorted(sd["params"])[0]
     sd["params"][name]["exp_avg"] = sd["params"][name]["exp_avg"].half()
-    torch.save(sd, d / "optimizer_rank0.pt")
+    torch.save(sd, path)
 
 
 def _link_outside(d) -> None:
@@ -198,7 +199,7 @@ CASES = [
     ("trainer_state_world_size_huge", ("ddp",), lambda d: _edit_json(d / "trainer_state.json", world_size=10 ** 12),
      True, VERIFY, ("trainer_state.json", "world_size=")),
     ("weight_nan", ("ddp", "fsdp"), _nan_weight, True, LOAD, ("layers.0.mlp.down_proj.weight", "NaN/inf")),
-    ("optimizer_fp16", ("ddp",), _fp16_optimizer_state, True, RESUME_ONLY,
+    ("optimizer_fp16", ("ddp",), lambda d: fp16_moment(d / "optimizer_rank0.pt"), True, RESUME_ONLY,
      ("optimizer_rank0.pt", "torch.float16", "refused")),
     # symbolic links that leave the checkpoint (issue 33 item 10): refused, not followed
     ("safetensors_linked_outside", ("ddp",), _link_outside, True, VERIFY, ("model.safetensors", "symbolic link")),

@@ -1,5 +1,5 @@
 """Errors at several ranks (issue 33 item 9): when one rank finds a damaged file, every rank prints the same
-one line naming that file and exits with the same code (today the others died with a gloo "Connection closed
+one line naming that file and exits with the same code (before, the others died with a gloo "Connection closed
 by peer" traceback, or blamed their own intact file). Two gloo ranks, a tiny real run per engine made once
 for the module (checkpoints at steps 1 and 2), each case damages a copy of step 2 and recomputes its
 manifest (tests/trainer/test_damaged_checkpoints.republish), so that the reader itself must catch it.
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.conftest import child_env, run_trainer, train_cmd
-from tests.trainer.test_damaged_checkpoints import _truncate, republish
+from tests.trainer.test_damaged_checkpoints import _random_bytes, _truncate, fp16_moment, republish
 from utils.constants import EXIT_BAD_CHECKPOINT, EXIT_OK
 
 STEP = "step_00000002"
@@ -23,10 +23,12 @@ _env = child_env  # tests/conftest.py: one thread per process, unbuffered output
 
 @pytest.fixture(scope="module")
 def runs2(tiny_pretrain_run_args, tmp_path_factory) -> dict:
-    """{"ddp": a ZeRO-1 run at 2 ranks (optimizer_rank0/1.pt), "fsdp": an FSDP run at 2 ranks, "args"}."""
+    """{"ddp": a ZeRO-1 run at 2 ranks (optimizer_rank0/1.pt), "fsdp": an FSDP run at 2 ranks, "pp": a 2-stage
+    pipeline (stage0/1_*), "args"}."""
     base = tmp_path_factory.mktemp("two_ranks")
     out = {"args": tiny_pretrain_run_args}
-    for kind, extra in (("ddp", ["--use_distributed_optimizer=true"]), ("fsdp", ["--parallel=fsdp"])):
+    for kind, extra in (("ddp", ["--use_distributed_optimizer=true"]), ("fsdp", ["--parallel=fsdp"]),
+                        ("pp", ["--pipeline_parallel_size=2", "--gradient_accumulation_steps=2"])):
         run = base / kind
         proc = run_trainer(train_cmd([*tiny_pretrain_run_args, f"--out_dir={run}", "--max_iters=2",
                                       "--checkpoint_interval=1", "--batch_size=2", *extra], nproc=2), env=_env())
@@ -56,6 +58,12 @@ CASES = [
     ("extra_rank1_rng_broken", "fsdp",
      lambda d: torch.save({"rng": {"torch_cpu": torch.zeros(3, dtype=torch.uint8)}}, d / "extra_rank1.pt"),
      "extra_rank1.pt"),
+    ("optimizer_rank1_fp16", "ddp", lambda d: fp16_moment(d / "optimizer_rank1.pt"), "optimizer_rank1.pt"),
+    ("distcp_rank1_random", "fsdp", lambda d: _random_bytes(d / "__1_0.distcp"), "__1_0.distcp"),
+    ("stage1_model_random", "pp", lambda d: _random_bytes(d / "stage1_model.safetensors"), "stage1_model.safetensors"),
+    ("stage1_model_truncated", "pp", lambda d: _truncate(d / "stage1_model.safetensors"), "stage1_model.safetensors"),
+    ("stage1_optimizer_fp16", "pp", lambda d: fp16_moment(d / "stage1_optimizer_dp0.pt"), "stage1_optimizer_dp0.pt"),
+    ("stage1_extra_truncated", "pp", lambda d: _truncate(d / "extra_rank1.pt"), "extra_rank1.pt"),
 ]
 
 
