@@ -135,7 +135,10 @@ def describe_layout(flags: Any, engine: TrainingEngine, world_size: int) -> str:
                                          ("optimizer step", pc.overlap_optim_step)) if on]
         parts.append(f"gradients {hook}, buckets of {pc.bucket_size:,} elements, overlap "
                      f"{', '.join(overlap) if overlap else 'off'}")
-    parts.append(f"compile {'on' if pc.compile else 'off'}")
+    if pc.compile:
+        parts.append(f"compile on ({'per block' if compile_transform.per_block(engine, pc) else 'whole model'})")
+    else:
+        parts.append("compile off")
     parts.append(f"activation checkpointing {'on' if pc.gradient_checkpointing else 'off'}")
     samples = flags.batch_size * flags.gradient_accumulation_steps * engine.dp_size
     parts.append(f"global batch {flags.batch_size} x {flags.gradient_accumulation_steps} x {engine.dp_size} = "

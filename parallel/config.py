@@ -42,11 +42,10 @@ CAPABILITIES: dict[str, frozenset] = {
     "fsdp": frozenset({"compile", "padded_batches", "sequence_logprobs", "rollouts", "frozen_parameters",
                        "tensor_parallel", "sequence_parallel", "hsdp", "cpu_offload", "tied_embeddings", "float8",
                        "context_parallel", "moe", "expert_parallel"}),
-    "pipeline": frozenset({"zero", "tensor_parallel", "cpu_offload", "frozen_parameters", "padded_batches",
-                           "sequence_logprobs"}),
+    "pipeline": frozenset({"compile", "zero", "tensor_parallel", "cpu_offload", "frozen_parameters",
+                           "padded_batches", "sequence_logprobs"}),
 }
 WHY_NOT: dict[str, str] = {
-    "compile": "not supported yet",
     "rollouts": "GRPO's rollouts run a forward per generated token on every rank; pipeline stages would pass each "
             "token's hidden state between ranks: not built",
     "whole_model_on_one_rank": "no rank holds the whole model",

@@ -93,7 +93,7 @@ def per_block(engine: Any, config: Any) -> bool:
     backward: the communication could not overlap any of it. Per block, a block's gradients arrive as its
     backward graph ends, and its bucket communicates while the blocks below it run theirs (torchtitan
     compiles per block for the same reason). One process has nothing to overlap: it keeps the one graph."""
-    if int(getattr(config, "tensor_parallel_size", 1)) > 1:
+    if int(getattr(config, "tensor_parallel_size", 1)) > 1 or getattr(engine, "kind", "") == "pipeline":
         return True
     if _mode(config) in CUDA_GRAPH_MODES:
         return False

@@ -96,8 +96,10 @@ def test_whole_model_compile_in_one_process_and_per_block_rules():
     ddp2 = SimpleNamespace(kind="ddp", model=SimpleNamespace(world_size=2))
     ddp1 = SimpleNamespace(kind="ddp", model=SimpleNamespace(world_size=1))
     fsdp2 = SimpleNamespace(kind="fsdp", model=SimpleNamespace(world_size=2))
+    stages = SimpleNamespace(kind="pipeline", model=SimpleNamespace(world_size=2))
     cfg = SimpleNamespace(tensor_parallel_size=1, compile_mode="default")
     assert per_block(ddp2, cfg) and not per_block(ddp1, cfg) and not per_block(fsdp2, cfg)
+    assert per_block(stages, cfg)  # a stage's blocks; its schedule never calls a whole-model forward
     assert not per_block(ddp2, SimpleNamespace(tensor_parallel_size=1, compile_mode="reduce-overhead"))
     assert per_block(fsdp2, SimpleNamespace(tensor_parallel_size=2, compile_mode="default"))
     engine = _engine(True)

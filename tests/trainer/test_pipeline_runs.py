@@ -8,6 +8,7 @@ real data, in real trainer subprocesses (torch.distributed.run, gloo, CPU):
 - SFT, LoRA and DPO under pp=2 follow one process (DPO's later steps and weights with AdamW's amplification
   of rounding allowed for; the tight DPO comparison is tests/parallel/test_pipeline_dpo.py);
 - LoRA, --trainable=embeddings and DPO are accepted at pp=2 (no light checkpoints);
+- --compile=true (per block) with activation checkpointing follows the eager pp=2 run;
 - bad combinations exit 2 with one clear line; resuming at another pipeline layout is refused;
 - export_hf.py of a pipeline checkpoint writes the merged weights.
 """
@@ -82,6 +83,26 @@ def test_pp2_matches_one_process(runs, schedule):
         assert abs(ref[s]["val_loss"] - pp[s]["val_loss"]) <= TOL, (s, ref[s]["val_loss"], pp[s]["val_loss"])
     assert ref[6]["loss"] < ref[1]["loss"] - 0.1  # it learns (so the comparison is not of two idle runs)
     assert_weights_close(final_weights(runs["ref"]), final_weights(runs[schedule]))
+
+
+def test_pp2_with_compile_follows_eager_pp2(runs, base_args, tmp_path):
+    """--compile=true under pp=2 compiles each block of a stage (torchtitan's per-block compile; the stage's
+    embedding, norm, head and loss and the schedule's sends run eagerly), here around activation-checkpointed
+    blocks: it trains like the eager 1F1B run (Inductor's fused kernels round differently: summation-order
+    noise, 1e-7 on the losses and 7e-6 on the weights after 6 steps when written)."""
+    out = tmp_path / "compiled"
+    proc = run_trainer(train_cmd([*base_args, f"--out_dir={out}", "--pipeline_parallel_size=2",
+                                  "--pipeline_schedule=1f1b", "--compile=true", "--gradient_checkpointing=true"],
+                                 nproc=2), env=_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "compile on (per block)" in proc.stdout, proc.stdout[-3000:]
+    ref, got = records(runs["1f1b"]), records(out)
+    assert sorted(ref) == sorted(got) == [1, 2, 3, 4, 5, 6]
+    for s in ref:
+        assert abs(ref[s]["loss"] - got[s]["loss"]) <= 1e-4 * abs(ref[s]["loss"]), (s, ref[s]["loss"], got[s]["loss"])
+    for s in (3, 6):  # evaluation through the compiled blocks (no_grad) too
+        assert abs(ref[s]["val_loss"] - got[s]["val_loss"]) <= 1e-4 * abs(ref[s]["val_loss"])
+    assert_weights_close(final_weights(runs["1f1b"]), final_weights(out), tol=1e-4)
 
 
 def test_pipeline_checkpoint_layout(runs):
@@ -184,7 +205,6 @@ def test_pp2_x_dp2_matches_one_process(runs, base_args, tmp_path, dp_engine):
     ({"tie_embeddings": True}, 2, "--tie_embeddings=true cannot be combined with --pipeline_parallel_size=2"),
     ({"comm_hook": "powersgd"}, 2, "--comm_hook=powersgd cannot be combined with --pipeline_parallel_size=2"),
     ({"overlap_optim_step": True}, 2, "--overlap_optim_step=true cannot be combined with --pipeline_parallel_size=2"),
-    ({"compile": True}, 2, "--compile=true cannot be combined with --pipeline_parallel_size=2"),
     ({"gradient_accumulation_steps": 1}, 2, "the 1F1B schedule needs at least as many micro-batches as stages"),
     ({"pipeline_schedule": "zigzag"}, 2, "--pipeline_schedule='zigzag' (gpipe | 1f1b)"),
     ({"pipeline_parallel_size": 0}, 2, "--pipeline_parallel_size=0: must be an integer >= 1"),
