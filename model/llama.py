@@ -254,6 +254,10 @@ class Transformer(nn.Module):
         # context parallelism: a model.ring_attention.ContextParallel set by parallel/transforms/context_parallel.py
         # (None: the whole sequence on this rank). A plain attribute, like attn_backend.
         self.context_parallel = None
+        # a pruned part without the embedding (a later pipeline stage) under sequence parallelism receives each
+        # tensor rank's 1/N of the positions: N, set by parallel/transforms/tensor_parallel.py (positions, masks
+        # and rotary tables are the whole sequence's). A plain attribute, like attn_backend.
+        self.hidden_input_seq_split = 1
         if cfg.flash_attn:  # imported here, never inside a (compiled) forward
             kernels.detect_flash_attn()
         fa4.prepare(cfg)  # FlashAttention-4 activated once per process where this model would use it
@@ -347,6 +351,8 @@ class Transformer(nn.Module):
         a few positions of each row: the LM head, often most of a small model's FLOPs, runs on those alone).
         """
         B, T = input_ids.shape[0], input_ids.shape[1]
+        if self.embed_tokens is None:
+            T *= self.hidden_input_seq_split  # the whole sequence of which the hidden input is this rank's slice
         past = cache.pos if cache is not None else 0
         cp = getattr(self, "context_parallel", None)
         if cp is not None and cp.size > 1:

@@ -42,8 +42,8 @@ CAPABILITIES: dict[str, frozenset] = {
     "fsdp": frozenset({"compile", "padded_batches", "sequence_logprobs", "rollouts", "frozen_parameters",
                        "tensor_parallel", "sequence_parallel", "hsdp", "cpu_offload", "tied_embeddings", "float8",
                        "context_parallel", "moe", "expert_parallel"}),
-    "pipeline": frozenset({"compile", "zero", "tensor_parallel", "cpu_offload", "frozen_parameters",
-                           "padded_batches", "sequence_logprobs", "float8"}),
+    "pipeline": frozenset({"compile", "zero", "tensor_parallel", "sequence_parallel", "cpu_offload",
+                           "frozen_parameters", "padded_batches", "sequence_logprobs", "float8"}),
 }
 WHY_NOT: dict[str, str] = {
     "rollouts": "GRPO's rollouts run a forward per generated token on every rank; pipeline stages would pass each "
@@ -391,9 +391,9 @@ class ParallelConfig(ParallelFlags):
                 out.append(f"the 1F1B schedule needs at least as many micro-batches as stages: "
                            f"--gradient_accumulation_steps={self.gradient_accumulation_steps} < "
                            f"--pipeline_parallel_size={self.pp} (raise it or use --pipeline_schedule=gpipe)")
-            if self.dp_replicate_size > 1 or self.sequence_parallel:
-                out.append(f"--pipeline_parallel_size={self.pp} combines with --tensor_parallel_size, not yet with "
-                           "--dp_replicate_size or --sequence_parallel=true")
+            if self.dp_replicate_size > 1:
+                out.append(f"--pipeline_parallel_size={self.pp} cannot be combined with --dp_replicate_size="
+                           f"{self.dp_replicate_size} yet (a stage's dp ranks shard it: FSDP2 over dp_shard only)")
         return out
 
     # ------------------------------------------------------------------ the start-up line

@@ -126,7 +126,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: boo
         model.lm_head.weight = model.embed_tokens.weight
     if not sequence_parallel:
         return []
-    model.register_forward_pre_hook(_sequence_length_check(tp), with_kwargs=True)
+    if getattr(model, "embed_tokens", None) is not None:  # where the token ids come in
+        model.register_forward_pre_hook(_sequence_length_check(tp), with_kwargs=True)
+    else:  # a later pipeline stage: its hidden input is this rank's slice of the sequence (the previous stage's)
+        model.hidden_input_seq_split = tp
     from optimizer.fsdp_optimizer import TP_PARTIAL_ATTR
     partial = [n for n, p in model.named_parameters() if "norm" in n.rsplit(".", 2)[-2]]
     # recorded on the model for the optimizer, which all-reduces these gradients over the tensor group
