@@ -29,10 +29,11 @@ from checkpoint.async_writer import AsyncCheckpointer
 from checkpoint.convert import load_dcp_into_replicated, load_plain_into_dtensor
 from checkpoint.dcp import load_dtensor, save_dtensor
 from checkpoint.dcp_async import save_dtensor_async
-from checkpoint.pipeline import load_stages, save_stages, stages_resume_problem
+from checkpoint.pipeline import (load_pipeline_into_replicated, load_stages, other_layout_problem, save_stages,
+                                 stages_resume_problem)
 from checkpoint.plain import load_replicated, save_replicated
 from checkpoint.protocol import SaveJob
-from checkpoint.reads import is_pipeline_checkpoint, is_sharded_checkpoint, read_pipeline_meta_safe
+from checkpoint.reads import is_pipeline_checkpoint, is_sharded_checkpoint
 from checkpoint.rng import capture_rng_state
 from utils.errors import CheckpointError
 
@@ -97,10 +98,8 @@ class CheckpointManager:
         spec = self.engine.state_spec()
         if spec.layout == "stages":
             return stages_resume_problem(spec.stages, ckpt_dir)
-        if is_pipeline_checkpoint(ckpt_dir):
-            meta = read_pipeline_meta_safe(ckpt_dir)
-            return (f"{ckpt_dir} was written with --pipeline_parallel_size={meta.get('pp_size')}; resume it with "
-                    "that pipeline layout (or start a new run from it with --init_from=<that checkpoint>)")
+        if is_pipeline_checkpoint(ckpt_dir):  # our DDP resumes a pipeline of our DDP's stages
+            return other_layout_problem(ckpt_dir, "this run (no pipeline)" if spec.layout == "replicated" else None)
         return None
 
     def load(self, ckpt_dir: str, saved_world: int, log: Optional[Callable[[str], None]] = None) -> Optional[dict]:
@@ -118,6 +117,8 @@ class CheckpointManager:
         if layout == "stages":
             return load_stages(*args)
         sharded = is_sharded_checkpoint(ckpt_dir)
+        if layout == "replicated" and is_pipeline_checkpoint(ckpt_dir):
+            return load_pipeline_into_replicated(*args)
         if layout == "replicated":
             return load_dcp_into_replicated(*args) if sharded else load_replicated(*args)
         if layout == "dtensor":

@@ -25,15 +25,18 @@ from safetensors.torch import load_file, save_file
 from checkpoint.async_writer import AsyncCheckpointer, save_in_background
 from checkpoint.protocol import (SaveGuard, SaveJob, agreed_phase, prepare_step_dir, publish_checkpoint_dir, save_guard,
                                  step_dir_paths)
-from checkpoint.files import load_tensor_file, load_weights_file
+from checkpoint.files import load_model_state, load_rank_file, load_tensor_file, load_weights_file
 from checkpoint.reads import (agreed_reads, check_optimizer_state, check_weights_fit, is_pipeline_checkpoint,
-                              load_errors_named, load_extra_state, read_pipeline_meta_safe)
+                              is_sharded_checkpoint, load_errors_named, load_extra_state, load_optimizer_state,
+                              load_weights, read_pipeline_meta_safe)
 from checkpoint.verify import prune_checkpoints
+from parallel.config import CAPABILITIES
 from parallel.pipeline import merge_stage_state_dicts
-from utils.checkpoint_json import read_json, write_json
+from utils.checkpoint_json import read_json, read_trainer_state, write_json
 from utils.checkpoint_layout import (COMPLETE_MARKER, MODEL_CONFIG, PIPELINE_META, RUN_CONFIG, TRAINER_STATE,
-                                     checkpoint_root, extra_file, stage_model_file, stage_optimizer_file)
-from utils.errors import CheckpointError
+                                     checkpoint_root, extra_file, optimizer_file, stage_model_file,
+                                     stage_optimizer_file)
+from utils.errors import CheckpointError, CheckpointMismatchError
 from utils.publish import fsync_file
 
 FORMAT = 1
@@ -157,18 +160,85 @@ def save_stages(engine: Any, job: SaveJob, writer: Optional[AsyncCheckpointer] =
 # ---------------------------------------------------------------------------- loading into the engine
 
 def stages_resume_problem(stages: dict, ckpt_dir: str) -> Optional[str]:
-    """Why a pipeline of `stages` cannot resume `ckpt_dir`, or None."""
+    """Why a pipeline of `stages` cannot resume `ckpt_dir`, or None. Our DDP's stages resume any pipeline split of
+    our DDP's stages, and a plain (DDP / ZeRO) checkpoint, since both keep the optimizer state per parameter name
+    (`other_layout_problem`); under FSDP stages only the same split and dp engine."""
     if not is_pipeline_checkpoint(ckpt_dir):
-        return (f"{ckpt_dir} was written without pipeline parallelism; resume it with --pipeline_parallel_size=1 "
-                "(or start a new pipeline run from its weights with --init_from=<that checkpoint>)")
+        return other_layout_problem(ckpt_dir, "this pipeline" if state_per_name(stages["dp_engine"]) else None)
     meta = read_pipeline_meta_safe(ckpt_dir)
     saved = (meta.get("pp_size"), meta.get("dp_size"), meta.get("dp_engine", "ddp"))
-    if (saved[0], saved[2]) != (stages["pp_size"], stages["dp_engine"]):
+    if saved[2] != stages["dp_engine"] or not state_per_name(saved[2]) and not same_split(meta, stages):
         return (f"{ckpt_dir} was written on a pipeline mesh of pp={saved[0]} x dp={saved[1]} ({saved[2]}), this "
                 f"run is pp={stages['pp_size']} x dp={stages['dp_size']} ({stages['dp_engine']}): a pipeline "
-                "checkpoint resumes with the same number of stages and dp engine, at any dp size (to change the "
-                "stages, start a new run with --init_from=<that checkpoint>)")
+                "checkpoint resumes with the same dp engine, and under --parallel=fsdp with the same stages too, at "
+                "any dp size (otherwise start a new run from its weights with --init_from=<that checkpoint>)")
     return None
+
+
+def state_per_name(dp_engine: str) -> bool:
+    """Whether the stages' dp engine keeps the optimizer state per parameter name over ranges of the whole tensors
+    (our DDP's; parallel/config.py CAPABILITIES), so that its files fill any other split of the parameters."""
+    return "state_per_parameter_name" in CAPABILITIES.get(dp_engine, frozenset())
+
+
+def same_split(meta: dict, stages: dict) -> bool:
+    """Whether a pipeline checkpoint's pipeline.json has this run's stages (number and layer ranges)."""
+    return meta.get("pp_size") == stages["pp_size"] and \
+        [tuple(r) for r in meta.get("layer_ranges") or []] == [tuple(r) for r in stages["layer_ranges"]]
+
+
+def other_layout_problem(ckpt_dir: str, engine: Optional[str]) -> Optional[str]:
+    """Why `engine` (our DDP's stages, or our DDP without stages: its name for messages; None when it runs
+    FSDP) cannot resume `ckpt_dir` of the other layout (plain <-> pipeline, or another pipeline split), or None:
+    the checkpoint must be our DDP's (a pipeline of our DDP's stages, or a plain DDP / ZeRO one with its optimizer
+    files) and whole (not a light LoRA checkpoint)."""
+    if is_pipeline_checkpoint(ckpt_dir):
+        meta = read_pipeline_meta_safe(ckpt_dir)
+        ours = state_per_name(meta.get("dp_engine", "ddp"))
+        what = f"a pipeline checkpoint (pp={meta.get('pp_size')}, {meta.get('dp_engine', 'ddp')} stages)"
+    else:
+        light = bool(read_trainer_state(ckpt_dir).get("lora_base"))
+        ours = not is_sharded_checkpoint(ckpt_dir) and not light
+        what = ("a light (LoRA) checkpoint" if light else
+                "an FSDP (DCP) checkpoint" if is_sharded_checkpoint(ckpt_dir) else "a DDP checkpoint")
+    if engine is not None and ours:
+        return None
+    return (f"{ckpt_dir} is {what}; {engine or 'an FSDP engine'} resumes another pipeline layout only from our DDP's "
+            "whole checkpoints (a plain DDP / ZeRO one, or a pipeline of --parallel=ddp stages): resume it with "
+            "its own layout, or start a new run from its weights with --init_from=<that checkpoint>")
+
+
+def layout_of(ckpt_dir: str) -> str:
+    """A checkpoint's layout in words, for log lines: "pp=2 x dp=1, ddp stages" or "no pipeline"."""
+    if not is_pipeline_checkpoint(ckpt_dir):
+        return "no pipeline"
+    meta = read_pipeline_meta_safe(ckpt_dir)
+    return f"pp={meta.get('pp_size')} x dp={meta.get('dp_size')}, {meta.get('dp_engine', 'ddp')} stages"
+
+
+def whole_ddp_training_files(ckpt_dir: str) -> tuple[dict[str, torch.Tensor], list[dict], str]:
+    """One process, no collective: (the whole model's weights, every optimizer file's state dict, their names)
+    of our DDP's checkpoint of either layout, a pipeline (every stage's files; every dp rank's with ZeRO) or a
+    plain one (optimizer_rank{r}.pt of every rank with ZeRO). Each optimizer dict holds its parameters' entries by
+    name over ranges of the whole tensors, so together they fill any stage split and any ZeRO sharding (the
+    optimizer's load assembles each of its pieces from them). CheckpointError naming a file that cannot be read."""
+    if is_pipeline_checkpoint(ckpt_dir):
+        meta = read_pipeline_meta(ckpt_dir)
+        pp, dp = int(meta["pp_size"]), int(meta["dp_size"]) if meta["sharded_optimizer"] else 1
+        weights: dict[str, torch.Tensor] = {}
+        for s in range(pp):
+            weights.update(load_weights_file(os.path.join(ckpt_dir, stage_model_file(s))))
+        names = [stage_optimizer_file(s, r) for s in range(pp) for r in range(dp)]
+    else:
+        weights = load_model_state(ckpt_dir)
+        first = load_rank_file(ckpt_dir, "optimizer", 0)
+        if first is None:
+            raise CheckpointError(f"checkpoint {ckpt_dir}: {optimizer_file(0)} is missing: it records no optimizer "
+                                  "state to resume")
+        n = first.get("world_size", 1) if first.get("sharded") else 1
+        names = [optimizer_file(r) for r in range(n if isinstance(n, int) and n >= 1 else 1)]
+    states = [load_tensor_file(os.path.join(ckpt_dir, name)) for name in names]
+    return weights, states, names[0] if len(names) == 1 else f"{names[0]} .. {names[-1]}"
 
 
 def read_stage_state(stages: dict, ckpt_dir: str) -> tuple[dict, str]:
@@ -216,15 +286,43 @@ def load_stages(engine: Any, ckpt_dir: str, saved_world: int, rank: int, world_s
     problem = stages_resume_problem(stages, ckpt_dir)
     if problem:
         raise CheckpointError(problem)
+    ours = is_pipeline_checkpoint(ckpt_dir) and same_split(read_pipeline_meta_safe(ckpt_dir), stages)
     with agreed_reads(engine.module):
-        state, opt_names = read_stage_state(stages, ckpt_dir)
-        model_name = stage_model_file(stages["stage_index"])
+        if ours:
+            state, opt_names = read_stage_state(stages, ckpt_dir)
+            model_name = stage_model_file(stages["stage_index"])
+        else:  # another split, or a plain checkpoint: this stage's tensors of the whole state
+            weights, opt_states, opt_names = whole_ddp_training_files(ckpt_dir)
+            state = {"model": {k: weights[k] for k in engine.module.state_dict() if k in weights},
+                     "optimizer": opt_states}
+            model_name = "its weights"
         with load_errors_named(f"checkpoint {ckpt_dir}: {model_name} does not fit this stage"):
             check_weights_fit(engine.module, state["model"])
         check_optimizer_state(engine.optimizer, ckpt_dir, (state["optimizer"], opt_names))
-        extra = load_extra_state(ckpt_dir, rank, saved_world, world_size, log)
+        # the RNG of rank r of the same layout only (rank r held another part before)
+        extra = load_extra_state(ckpt_dir, rank, saved_world, world_size, log) if ours else None
     with load_errors_named(f"checkpoint {ckpt_dir}: {model_name} / {opt_names} do not load into this stage"):
         engine.load_state_dict(state)
+    if not ours:
+        log(f"[resume] {ckpt_dir} was written with another layout ({layout_of(ckpt_dir)}): this stage's "
+            "weights and optimizer state taken from it per parameter name; the RNG state starts fresh (this "
+            "process's own, seeded by --seed)")
     return extra
 
 
+def load_pipeline_into_replicated(engine: Any, ckpt_dir: str, saved_world: int, rank: int, world_size: int,
+                                  log: Callable[[str], None] = print) -> None:
+    """A pipeline checkpoint of our DDP's stages resumed by our DDP / ZeRO without stages: the stages' weights as
+    one model, every stage's optimizer files as the state dicts the optimizer assembles its pieces from (ZeRO
+    re-shards them). Collective; CheckpointError naming a file that cannot be read or does not load. The RNG
+    state starts fresh (a stage's rank r held another part of the model)."""
+    spec = engine.state_spec()
+    with agreed_reads(spec.model):
+        weights, opt_states, opt_names = whole_ddp_training_files(ckpt_dir)
+    # the same files at every rank: the same verdict everywhere; another model is CheckpointMismatchError (exit 2)
+    load_weights(spec.model, weights, partial=False, source=ckpt_dir, mismatch=CheckpointMismatchError)
+    with agreed_reads(spec.model):
+        check_optimizer_state(spec.optimizer, ckpt_dir, (opt_states, opt_names))
+    load_optimizer_state(spec.optimizer, ckpt_dir, (opt_states, opt_names))
+    log(f"[resume] {ckpt_dir} was written with another layout ({layout_of(ckpt_dir)}): its weights and optimizer "
+        "state taken per parameter name; the RNG state starts fresh (this process's own, seeded by --seed)")

@@ -30,13 +30,15 @@ FLOAT8_CHOICES = ("off", "tensorwise", "rowwise")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 # What each engine can do: a capability a run asks for that is missing here is refused (`problems`) with the
-# reason given in WHY_NOT (light_checkpoints and no_process_group are read, not asked for). A task asks for what it
+# reason given in WHY_NOT (light_checkpoints, no_process_group and state_per_parameter_name are read, not asked for;
+# state_per_parameter_name: the optimizer keeps each parameter's state by name over ranges of the whole tensor, so
+# its checkpoints load at any split of the parameters over ranks: ZeRO shards, pipeline stages). A task asks for what it
 # needs beyond a plain forward/backward (trainer/tasks/__init__.py TASKS): padded_batches (SFT's padding or packed
 # documents), sequence_logprobs (DPO's per-sequence sums), rollouts (GRPO's token-by-token generation). A pipeline's
 # capabilities are those of "pipeline" AND of the dp engine that runs its stages.
 CAPABILITIES: dict[str, frozenset] = {
     "ddp": frozenset({"compile", "padded_batches", "sequence_logprobs", "rollouts", "frozen_parameters",
-                      "light_checkpoints", "whole_model_on_one_rank", "comm_hooks", "overlap_optim_step", "zero",
+                      "light_checkpoints", "state_per_parameter_name", "whole_model_on_one_rank", "comm_hooks", "overlap_optim_step", "zero",
                       "tied_embeddings", "no_process_group", "float8", "context_parallel",
                       "low_precision_optimizer_states", "moe", "expert_parallel"}),
     "fsdp": frozenset({"compile", "padded_batches", "sequence_logprobs", "rollouts", "frozen_parameters",

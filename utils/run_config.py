@@ -21,8 +21,6 @@ T = TypeVar("T")
 MODEL_SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim", "multiple_of", "vocab_size",
                     "rope_theta", "tie_embeddings", "lora_rank", "lora_targets", "lora_train_embeddings", "trainable")
 SEQ_KEYS = ("max_seq_len",)
-# The pipeline split fixes which stage file holds which layer, and its optimizer state: resume at the same P.
-MESH_KEYS = ("pipeline_parallel_size",)
 DATA_KEYS = ("task_type", "data_dir", "data_mix", "tokenizer_dir", "seed", "val_ratio", "sft_packing")
 # LoRA's scale alpha / r multiplies what the adapters learned: another alpha is another model.
 LORA_SCALE_KEYS = ("lora_alpha",)
@@ -76,9 +74,6 @@ def resume_problems(changes: dict[str, tuple[Any, Any]], allow_data_change: bool
         elif k in LORA_SCALE_KEYS:
             out.append(f"--{k}={b!r} (the run used {a!r}): it scales what the adapters were trained to; the "
                        "resumed model would not be the saved one")
-        elif k in MESH_KEYS:
-            out.append(f"--{k}={b!r} (the run used {a!r}): a pipeline checkpoint resumes only at the pipeline "
-                       "layout it was saved with (to change it, start a new run with --init_from=<this run>)")
         elif k in SEQ_KEYS:
             out.append(f"--{k}={b!r} (the run used {a!r}): the data index and the position of every sample "
                        "depend on it")

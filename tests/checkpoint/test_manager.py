@@ -82,7 +82,7 @@ def test_rng_and_rank_state_come_back_from_load(tmp_path):
     assert (random.random(), float(torch.rand(1))) == expected
 
 
-def test_the_layout_chooses_the_format_and_a_pipeline_checkpoint_is_refused(tmp_path):
+def test_the_layout_chooses_the_format_and_a_pipeline_of_fsdp_stages_is_refused(tmp_path):
     engine = _engine(0)
     manager = CheckpointManager(engine, str(tmp_path), keep_last=1, log=lambda m: None)
     _step(engine, 1)
@@ -90,10 +90,12 @@ def test_the_layout_chooses_the_format_and_a_pipeline_checkpoint_is_refused(tmp_
     assert verify_checkpoint(path) is None and find_latest_valid(str(tmp_path), log=lambda m: None) == path
     assert {"model.safetensors", "optimizer_rank0.pt", "extra_rank0.pt"} <= set(os.listdir(path))  # plain format
     (tmp_path / "pp").mkdir()
-    (tmp_path / "pp" / "pipeline.json").write_text(json.dumps({"pp_size": 2}))
+    (tmp_path / "pp" / "pipeline.json").write_text(json.dumps({"pp_size": 2, "dp_engine": "ddp"}))
+    assert manager.resume_problem(str(tmp_path / "pp"), saved_world=2) is None  # our DDP's stages: per name
+    (tmp_path / "pp" / "pipeline.json").write_text(json.dumps({"pp_size": 2, "dp_engine": "fsdp"}))
     problem = manager.resume_problem(str(tmp_path / "pp"), saved_world=2)
-    assert problem is not None and "--pipeline_parallel_size=2" in problem
-    with pytest.raises(CheckpointError, match="--pipeline_parallel_size=2"):
+    assert problem is not None and "a pipeline checkpoint (pp=2, fsdp stages)" in problem
+    with pytest.raises(CheckpointError, match="fsdp stages"):
         manager.load(str(tmp_path / "pp"), saved_world=2)
 
     class Odd:  # an engine whose state layout no format knows

@@ -9,7 +9,8 @@ real data, in real trainer subprocesses (torch.distributed.run, gloo, CPU):
   of rounding allowed for; the tight DPO comparison is tests/parallel/test_pipeline_dpo.py);
 - LoRA, --trainable=embeddings and DPO are accepted at pp=2 (no light checkpoints);
 - --compile=true (per block) with activation checkpointing follows the eager pp=2 run; --float8 runs in the stages;
-- bad combinations exit 2 with one clear line; resuming at another pipeline layout is refused;
+- bad combinations exit 2 with one clear line; our DDP's checkpoints resume across the pipeline layout (pp=2 <->
+  one process), a pipeline of FSDP stages only at its own split;
 - export_hf.py of a pipeline checkpoint writes the merged weights.
 """
 from __future__ import annotations
@@ -159,14 +160,42 @@ def test_crash_and_resume_is_bit_exact(runs, base_args, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_resume_at_another_pipeline_layout_is_refused(runs, tmp_path):
+@pytest.mark.parametrize("source, flags, nproc", [("1f1b", ["--pipeline_parallel_size=1"], 1),
+                                                  ("ref", ["--pipeline_parallel_size=2"], 2)],
+                         ids=["pp2_to_one_process", "one_process_to_pp2"])
+def test_resume_at_another_pipeline_layout_continues_the_run(runs, tmp_path, source, flags, nproc):
+    """Our DDP's checkpoints resume across the pipeline layout: a pp=2 run's step 3 resumed by one process
+    without stages (the stages' weights as one model, every stage's optimizer file assembled per parameter name),
+    and a one-process run's step 3 resumed at pp=2 (each stage takes its tensors). Steps 4-6 and the final
+    weights follow the uninterrupted one-process run to the pipeline's tolerance."""
     import shutil
     moved = tmp_path / "moved"
-    shutil.copytree(runs["gpipe"], moved)
-    proc = run_trainer(train_cmd([f"--out_dir={moved}", "--init_from=resume", "--pipeline_parallel_size=1",
-                                     "--max_iters=8"]), env=_env())
-    assert proc.returncode == EXIT_BAD_CONFIG, proc.stderr[-2000:]
-    assert "--pipeline_parallel_size=1 (the run used 2)" in proc.stderr
+    shutil.copytree(runs[source], moved)
+    shutil.rmtree(moved / "checkpoints" / "step_00000006")
+    proc = run_trainer(train_cmd([f"--out_dir={moved}", "--init_from=resume", *flags], nproc=nproc), env=_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "was written with another layout" in proc.stdout, proc.stdout[-3000:]
+    ref, got = losses(runs["ref"]), losses(moved)
+    assert sorted(got) == [1, 2, 3, 4, 5, 6]
+    for s in (4, 5, 6):
+        assert abs(ref[s] - got[s]) <= TOL, (s, ref[s], got[s])
+    assert_weights_close(final_weights(runs["ref"]), final_weights(moved))
+
+
+def test_a_pipeline_of_fsdp_stages_resumes_only_its_own_split(tiny_pretrain_run_args, tmp_path):
+    """FSDP stages keep FSDP's optimizer state, which is not kept per whole tensor range: another layout is refused
+    in one line (exit 2, a layout this checkpoint cannot resume at, named) rather than loaded wrongly."""
+    args = [*tiny_pretrain_run_args, "--max_iters=1", "--checkpoint_interval=1", "--batch_size=2",
+            "--gradient_accumulation_steps=2"]
+    run = tmp_path / "fsdp_pp"
+    proc = run_trainer(train_cmd([*args, f"--out_dir={run}", "--pipeline_parallel_size=2", "--parallel=fsdp"],
+                                 nproc=2), env=_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_trainer(train_cmd([*args, f"--out_dir={run}", "--init_from=resume", "--max_iters=2",
+                                  "--pipeline_parallel_size=1", "--parallel=ddp"]), env=_env())
+    assert proc.returncode == EXIT_BAD_CONFIG, (proc.returncode, proc.stderr[-3000:])
+    line = [x for x in proc.stderr.splitlines() if "error" in x]
+    assert line and "a pipeline checkpoint (pp=2, fsdp stages)" in line[-1], proc.stderr[-3000:]
 
 
 def test_export_hf_of_a_pipeline_checkpoint(runs, tmp_path):
