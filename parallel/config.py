@@ -44,7 +44,7 @@ CAPABILITIES: dict[str, frozenset] = {
     "fsdp": frozenset({"compile", "padded_batches", "sequence_logprobs", "rollouts", "frozen_parameters",
                        "tensor_parallel", "sequence_parallel", "hsdp", "cpu_offload", "tied_embeddings", "float8",
                        "context_parallel", "moe", "expert_parallel"}),
-    "pipeline": frozenset({"compile", "zero", "tensor_parallel", "sequence_parallel", "cpu_offload",
+    "pipeline": frozenset({"compile", "zero", "tensor_parallel", "sequence_parallel", "hsdp", "cpu_offload",
                            "frozen_parameters", "padded_batches", "sequence_logprobs", "float8"}),
 }
 WHY_NOT: dict[str, str] = {
@@ -393,9 +393,6 @@ class ParallelConfig(ParallelFlags):
                 out.append(f"the 1F1B schedule needs at least as many micro-batches as stages: "
                            f"--gradient_accumulation_steps={self.gradient_accumulation_steps} < "
                            f"--pipeline_parallel_size={self.pp} (raise it or use --pipeline_schedule=gpipe)")
-            if self.dp_replicate_size > 1:
-                out.append(f"--pipeline_parallel_size={self.pp} cannot be combined with --dp_replicate_size="
-                           f"{self.dp_replicate_size} yet (a stage's dp ranks shard it: FSDP2 over dp_shard only)")
         return out
 
     # ------------------------------------------------------------------ the start-up line

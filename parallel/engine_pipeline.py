@@ -1,5 +1,6 @@
 """Pipeline stages as the trainer's engine: `PipelineParallelEngine`, this rank's stage (parallel/pipeline.py's
-split and schedule) on the run's one mesh (parallel/mesh.py: "pp" x "dp_shard" x "tp"; dp_replicate is 1),
+split and schedule) on the run's one mesh (parallel/mesh.py: "pp" x "dp_replicate" x "dp_shard" x "tp"; replicas of
+sharded stages, HSDP, under FSDP2 only),
 our DDP (engine_ddp.ddp_with_optimizer; ZeRO-1/2) or FSDP2 (engine_fsdp.fsdp_with_optimizer) per stage over the dp dimension (tensor parallel inside a
 stage over FSDP2), and an optimizer whose global-norm clip and fp16 overflow decision span ALL stages (the
 squared norm is all-reduced over the pp group too). Checkpoints: per-stage files (stage{s}_model.safetensors,
@@ -36,7 +37,7 @@ from parallel.engine import Engine, LossFn, StateSpec, stat_row, step_fields
 from parallel.engine_ddp import ddp_with_optimizer
 from parallel.engine_fsdp import fsdp_with_optimizer
 from parallel.fsdp import reshard
-from parallel.mesh import counts_in_sums
+from parallel.mesh import counts_in_sums, dp_mesh
 from parallel.pipeline import (SEGMENTS, LastStageOutput, PipelineStageModule, build_schedule, pipeline_stage_module,
                                split_layers, validate_pipeline_options)
 from utils.constants import IGNORE_INDEX
@@ -75,9 +76,13 @@ class PipelineParallelEngine(Engine):
     def __init__(self, stage_module: PipelineStageModule, wrapped: Any, optimizer: Any, *, mesh: Any,
                  device: torch.device, schedule: str, n_microbatches: int, layer_ranges: list[tuple[int, int]],
                  dp_engine: str = "ddp") -> None:
-        self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp_shard")
-        self.pp_size, self.dp_size, self.tp_size = (mesh[d].size() for d in ("pp", "dp_shard", "tp"))
-        self.stage_index, self.dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp_shard")
+        self.pp_group = mesh.get_group("pp")
+        self.pp_size, self.tp_size = mesh["pp"].size(), mesh["tp"].size()
+        # the data-parallel coordinates over dp_replicate x dp_shard (HSDP under FSDP2 stages; replicate is 1 else)
+        shard = mesh["dp_shard"].size()
+        self.dp_size = mesh["dp_replicate"].size() * shard
+        self.dp_rank = mesh.get_local_rank("dp_replicate") * shard + mesh.get_local_rank("dp_shard")
+        self.stage_index = mesh.get_local_rank("pp")
         self.tp_rank = mesh.get_local_rank("tp")
         self.dp_engine, self.schedule_name, self.n_microbatches = dp_engine, schedule.lower(), n_microbatches
         self.layer_ranges, self.n_layers = layer_ranges, stage_module.cfg.n_layers
@@ -294,8 +299,8 @@ def pipeline_stage_of(model: torch.nn.Module, pc: ParallelConfig, opt_cfg: Optim
                               overlap_optim_step=opt_cfg.overlap_optim_step)
     if pc.tp > 1 and pc.parallel != "fsdp":
         raise ValueError("tensor parallelism under pipeline stages runs on FSDP2 per stage: --parallel=fsdp")
-    if mesh["dp_replicate"].size() != 1:
-        raise ValueError("pipeline stages replicate over the dp_shard dimension only: --dp_replicate_size=1")
+    if mesh["dp_replicate"].size() != 1 and pc.parallel != "fsdp":
+        raise ValueError("replicas of sharded pipeline stages (HSDP) run on FSDP2 per stage: --parallel=fsdp")
     stage = pipeline_stage_module(model, mesh.get_local_rank("pp"), pc.pp, allow_uneven_split)
     stage.layer_ranges = split_layers(model.cfg.n_layers, pc.pp, allow_uneven_split)
     return stage
@@ -310,7 +315,8 @@ def wrap_pipeline_engine(stage: PipelineStageModule, pc: ParallelConfig, opt_cfg
     schedule."""
     norm_groups = [mesh.get_group("pp")] if pc.pp > 1 else []  # the global norm and fp16 skip span the stages
     if pc.parallel == "fsdp":
-        wrapped, opt = fsdp_with_optimizer(stage, pc, opt_cfg, dp_mesh=mesh["dp_shard"], param_dtype=param_dtype,
+        # over dp_shard, or dp_replicate x dp_shard (HSDP: sharded within a replica, all-reduced between them)
+        wrapped, opt = fsdp_with_optimizer(stage, pc, opt_cfg, dp_mesh=dp_mesh(mesh), param_dtype=param_dtype,
                                            gloo_collectives=False, norm_groups=norm_groups)
     else:  # dp rank 0's weights everywhere (our DDP broadcasts them)
         wrapped, opt = ddp_with_optimizer(stage, pc, opt_cfg, group=mesh.get_group("dp_shard"),

@@ -136,9 +136,8 @@ def _step(eng, step: int) -> tuple[float, float]:
     row = eng.forward_backward(mbs, _token_loss, _units(batches))
     stepped, norm = eng.optimizer.step()
     assert stepped
-    loss = row[:1].clone()
-    dist.all_reduce(loss, group=eng.dp_group)  # the replicas' sums
-    return float(loss) / _units(batches), norm
+    loss = eng.sum_over_data(row[:1].clone(), torch.device("cpu"))  # the replicas' sums (each pipeline once)
+    return float(loss[0]) / _units(batches), norm
 
 
 def _manager(eng, out: str):

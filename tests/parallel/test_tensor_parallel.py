@@ -8,7 +8,8 @@ Two spawns do the distributed work and write what they measured to JSON; the tes
            values and gradients), a DCP save at tp=2, and its resume at tp=1 x dp=2;
   world 4: tp=2 x fsdp=2 (saved, resumed at the same layout), the same with sequence parallelism and
            activation checkpointing, the same with sequence parallelism and LoRA, HSDP 2 x 2, pp=2 x tp=2
-           with sequence parallelism (the stages exchange sequence-split hidden states), pp=2 x tp=2
+           with sequence parallelism (the stages exchange sequence-split hidden states), pp=2 x HSDP
+           replicate 2, pp=2 x tp=2
            (saved, resumed at the same layout and at pp=2 x dp=2), and the tp=2 checkpoint resumed at
            tp=1 x dp=4 and at tp=2 x dp=2.
 Every run trains the same model on the same global batch as a one-process reference (torch AdamW +
@@ -230,6 +231,7 @@ def _world4(rank: int, world: int, out_path: str, root: str, tp2_ckpt: str) -> N
     # 3-D: pipeline stages x tensor parallel (FSDP per stage over dp = 1), saved and resumed at the same
     # layout and at pp=2 x dp=2 (the stage files hold whole tensors: any tp / dp split loads them)
     _train(out, "pp2_tp2_sp", STEPS, pp=2, tp=2, sp=True)  # the stages exchange sequence-split hidden states
+    _train(out, "pp2_hsdp", STEPS, pp=2, rep=2)  # 2 replicas of each stage (HSDP's replicate dimension)
     engine = _train(out, "pp2_tp2", STEPS, pp=2, tp=2)
     path = _save(engine, os.path.join(root, "pp2_tp2"), STEPS)
     out["pp2_tp2"]["next_loss"] = _step(engine, STEPS + 1)[0]
@@ -294,7 +296,7 @@ def test_vocab_parallel_loss_matches_full_vocabulary(results, reduction):
 @pytest.mark.parametrize("name,tied", [("tp2", False), ("tp2_tied", True), ("tp2_ckpt", False),
                                        ("tp2_sp", False), ("tp2_sp_tied", True), ("tp2_fsdp2", False),
                                        ("tp2_sp_fsdp2", False), ("hsdp", False), ("pp2_tp2", False),
-                                       ("pp2_tp2_sp", False),
+                                       ("pp2_tp2_sp", False), ("pp2_hsdp", False),
                                        ("tp2_lora", "lora"), ("tp2_sp_fsdp2_lora", "lora"),
                                        ("tp2_sp_compile", False)])
 def test_parallel_layouts_match_one_process(results, reference, name, tied):

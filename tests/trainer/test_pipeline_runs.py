@@ -256,8 +256,7 @@ def test_pp2_x_dp2_matches_one_process(runs, base_args, tmp_path, dp_engine):
     ({"comm_hook": "powersgd"}, 2, "--comm_hook=powersgd cannot be combined with --pipeline_parallel_size=2"),
     ({"overlap_optim_step": True}, 2, "--overlap_optim_step=true cannot be combined with --pipeline_parallel_size=2"),
     ({"gradient_accumulation_steps": 1}, 2, "the 1F1B schedule needs at least as many micro-batches as stages"),
-    ({"parallel": "fsdp", "dp_replicate_size": 2}, 4,
-     "--pipeline_parallel_size=2 cannot be combined with --dp_replicate_size=2 yet"),
+    ({"dp_replicate_size": 2}, 4, "--dp_replicate_size=2 cannot be combined with --parallel=ddp"),
     ({"pipeline_schedule": "zigzag"}, 2, "--pipeline_schedule='zigzag' (gpipe | 1f1b)"),
     ({"pipeline_parallel_size": 0}, 2, "--pipeline_parallel_size=0: must be an integer >= 1"),
 ])
