@@ -182,6 +182,26 @@ def test_resume_at_another_pipeline_layout_continues_the_run(runs, tmp_path, sou
     assert_weights_close(final_weights(runs["ref"]), final_weights(moved))
 
 
+def test_a_zero_pipeline_resumes_without_stages_at_two_zero_ranks(runs, base_args, tmp_path):
+    """ZeRO on both sides: a pp=2 run with --use_distributed_optimizer (its stage files are ZeRO shards) resumed
+    from step 3 by 2 data-parallel ZeRO ranks without stages (the same global batch: half the accumulation), whose
+    shards cut the parameters elsewhere: each rank assembles its pieces from every stage's file. Steps 4-6 and the
+    final weights follow the one-process run."""
+    import shutil
+    run = tmp_path / "zero_pp"
+    zero = ["--use_distributed_optimizer=true"]
+    run_cmd(train_cmd([*base_args, f"--out_dir={run}", "--pipeline_parallel_size=2", *zero], nproc=2), env=_env())
+    shutil.rmtree(run / "checkpoints" / "step_00000006")
+    proc = run_trainer(train_cmd([f"--out_dir={run}", "--init_from=resume", "--pipeline_parallel_size=1",
+                                  "--gradient_accumulation_steps=2", *zero], nproc=2), env=_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "was written with another layout (pp=2 x dp=1, ddp stages)" in proc.stdout, proc.stdout[-3000:]
+    ref, got = losses(runs["ref"]), losses(run)
+    for s in (4, 5, 6):
+        assert abs(ref[s] - got[s]) <= TOL, (s, ref[s], got[s])
+    assert_weights_close(final_weights(runs["ref"]), final_weights(run))
+
+
 def test_a_pipeline_of_fsdp_stages_resumes_only_its_own_split(tiny_pretrain_run_args, tmp_path):
     """FSDP stages keep FSDP's optimizer state, which is not kept per whole tensor range: another layout is refused
     in one line (exit 2, a layout this checkpoint cannot resume at, named) rather than loaded wrongly."""
