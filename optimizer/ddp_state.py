@@ -115,10 +115,11 @@ def check_ddp_state_dict(opt, state: Union[dict, list[dict]]) -> tuple[list[dict
                 if t.numel() != int(e["hi"]) - int(e["lo"]):
                     raise ValueError(f"{pc.name}: its {key} holds {t.numel()} values for the saved range "
                                      f"[{e['lo']}, {e['hi']})")
+            if not isinstance(e.get("step"), (int, float)) or isinstance(e.get("step"), bool):
+                raise ValueError(f"{pc.name}: its saved step is {e.get('step')!r}, not a number")
         _check_coverage(pc.name, lo, hi, entries)
     opt.check_scaling_state(sds[0])
     return sds, saved
-
 
 
 def load_ddp_state_dict(opt, state: Union[dict, list[dict]]) -> None:

@@ -151,7 +151,8 @@ def _damage_last_piece(key, edit):
     (_damage_last_piece("main", lambda t: "x"), "no main tensor"),
     (lambda sd, last: sd.pop("prev_grad_norm"), "prev_grad_norm"),
     (lambda sd, last: sd.update(lr="0.1"), "lr='0.1' is not a number"),
-], ids=["fp16_moment", "short_range", "main_not_a_tensor", "no_prev_grad_norm", "lr_a_string"])
+    (_damage_last_piece("step", lambda v: None), "saved step is None"),
+], ids=["fp16_moment", "short_range", "main_not_a_tensor", "no_prev_grad_norm", "lr_a_string", "step_none"])
 @pytest.mark.parametrize("zero", [False, True], ids=["plain", "zero"])
 def test_a_refused_state_changes_nothing(zero, damage, match):
     """check_state_dict refuses what load_state_dict refuses, before any change: a state damaged in the LAST
