@@ -83,6 +83,9 @@ def train(starve: bool, **layout) -> dict:
     if ddp:  # the buckets in launch order: which hold experts, and the first parameter of each in backward order
         order = {n: i for i, n in enumerate(reversed([n for n, _ in engine.module.named_parameters()]))}
         rec["buckets"] = [(b.buffer.expert, min(order[s.name] for s in b.slots)) for b in engine.model.buckets]
+    # --overlap_param_gather leaves the last step's parameter all-gathers in flight (the next forward's pre-hooks
+    # wait for them): wait here, as a save does, before reading the parameters (a read raced them: stale values)
+    engine.optimizer.finish_param_sync()
     rec["params"] = {n: _ddp_full(engine, p) if ddp else _full(p) for n, p in engine.module.named_parameters()}
     rec["bias"] = [layer.expert_bias.tolist() for layer in training.layers]
     return rec
