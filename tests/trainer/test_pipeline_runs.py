@@ -9,6 +9,7 @@ real data, in real trainer subprocesses (torch.distributed.run, gloo, CPU):
   of rounding allowed for; the tight DPO comparison is tests/parallel/test_pipeline_dpo.py);
 - LoRA, --trainable=embeddings and DPO are accepted at pp=2 (no light checkpoints);
 - --compile=true (per block) with activation checkpointing follows the eager pp=2 run; --float8 runs in the stages;
+  fp16 follows one process in fp16, an overflow skipped at every stage;
 - bad combinations exit 2 with one clear line; our DDP's checkpoints resume across the pipeline layout (pp=2 <->
   one process), a pipeline of FSDP stages only at its own split;
 - export_hf.py of a pipeline checkpoint writes the merged weights.
@@ -125,6 +126,29 @@ def test_pp2_with_fp8_follows_one_process_with_fp8(runs, base_args, tmp_path):
     assert abs(ref[1] - got[1]) <= TOL, (ref[1], got[1])
     assert got[1] != eager[1]  # the FP8 casts changed the forward
     assert all(abs(ref[s] - got[s]) < 2 ** -3 * abs(ref[s]) for s in ref), (ref, got)
+
+
+def test_fp16_pp2_follows_one_process_and_skips_an_overflow_at_every_stage(base_args, tmp_path):
+    """--dtype=fp16 (loss scaling) under pp=2 against one process in fp16, with a NaN loss injected at step 2:
+    both skip step 2 (the overflow is found in the norm over every stage, so no stage steps alone) and go on
+    alike. Bounds: fp16's own rounding (2^-10 relative) on the losses; on the weights the relative L2 difference
+    per tensor, 2^-8: AdamW turns the fp16 rounding of a near-zero gradient (the layouts sum in another order)
+    into up to ~lr on that element (measured: 4.7e-4 on one of 4096; 6.3e-4 relative L2 at worst), while a step
+    taken or skipped differently moves every element by ~lr, ~0.2 relative here."""
+    env = dict(_env(), MYLLM_FAULT="nan_loss@2")
+    one, pp = tmp_path / "one", tmp_path / "pp"
+    run_cmd(train_cmd([*base_args, f"--out_dir={one}", "--dtype=fp16"]), env=env)
+    run_cmd(train_cmd([*base_args, f"--out_dir={pp}", "--dtype=fp16", "--pipeline_parallel_size=2"], nproc=2), env=env)
+    ref, got = records(one), records(pp)
+    assert [ref[s]["stepped"] for s in sorted(ref)] == [got[s]["stepped"] for s in sorted(got)] == \
+        [True, False, True, True, True, True]
+    for s in (1, 3, 4, 5, 6):
+        assert abs(ref[s]["loss"] - got[s]["loss"]) <= 2 ** -10 * ref[s]["loss"], (s, ref[s]["loss"], got[s]["loss"])
+    a, b = final_weights(one), final_weights(pp)
+    assert a.keys() == b.keys()
+    for k in a:
+        rel = float((b[k].float() - a[k].float()).norm() / a[k].float().norm())
+        assert rel <= 2 ** -8, (k, rel)
 
 
 def test_pipeline_checkpoint_layout(runs):
