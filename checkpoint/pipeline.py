@@ -6,7 +6,10 @@ tensors) as per-stage files in the common step_N/ layout, with the common manife
   pipeline.json                  the split: pp_size, dp_size, tp_size, n_layers, layer_ranges, schedule, dp_engine...
   extra_rank{r}.pt, trainer_state.json, model_config.json, config.json   as in every format
 
-Resumable with the same stages and dp engine at any dp size (ZeRO shards re-sharded by the optimizer);
+Resumable with the same stages and dp engine at any dp size (ZeRO shards re-sharded by the optimizer); under our
+DDP also at another split of the stages, and across the pipeline layout (a plain DDP / ZeRO checkpoint into stages,
+`load_pipeline_into_replicated` the other way): our DDP's optimizer files hold each parameter's state by name over
+ranges of the whole tensor, so every file of the checkpoint fills any split (`whole_ddp_training_files`).
 `merge_stage_checkpoints` gives one process the full model (export, sampling, --init_from).
 
 Owns: these files, written and read. Must never: gather or re-shard the state itself (the engine's state_dict /

@@ -5,7 +5,8 @@ our DDP (engine_ddp.ddp_with_optimizer; ZeRO-1/2) or FSDP2 (engine_fsdp.fsdp_wit
 stage over FSDP2), and an optimizer whose global-norm clip and fp16 overflow decision span ALL stages (the
 squared norm is all-reduced over the pp group too). Checkpoints: per-stage files (stage{s}_model.safetensors,
 stage{s}_optimizer_dp{r}.pt, pipeline.json) in the same step_N/ layout with the same manifest / COMPLETE /
-atomic rename; resumable with the same stages at any dp size; merge_stage_checkpoints() gives the full model.
+atomic rename; resumable at any dp size, and under our DDP at another split of the stages or without them
+(checkpoint/pipeline.py); merge_stage_checkpoints() gives the full model.
 
     engine = build_parallel_engine(model, parallel_config, opt_cfg, device=device)   # parallel/build.py
     engine.optimizer.zero_grad()
