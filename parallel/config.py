@@ -38,9 +38,9 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 # capabilities are those of "pipeline" AND of the dp engine that runs its stages.
 CAPABILITIES: dict[str, frozenset] = {
     "ddp": frozenset({"compile", "padded_batches", "sequence_logprobs", "rollouts", "frozen_parameters",
-                      "light_checkpoints", "state_per_parameter_name", "whole_model_on_one_rank", "comm_hooks", "overlap_optim_step", "zero",
-                      "tied_embeddings", "no_process_group", "float8", "context_parallel",
-                      "low_precision_optimizer_states", "moe", "expert_parallel"}),
+                      "light_checkpoints", "state_per_parameter_name", "whole_model_on_one_rank", "comm_hooks",
+                      "overlap_optim_step", "zero", "tied_embeddings", "no_process_group", "float8",
+                      "context_parallel", "low_precision_optimizer_states", "moe", "expert_parallel"}),
     "fsdp": frozenset({"compile", "padded_batches", "sequence_logprobs", "rollouts", "frozen_parameters",
                        "tensor_parallel", "sequence_parallel", "hsdp", "cpu_offload", "tied_embeddings", "float8",
                        "context_parallel", "moe", "expert_parallel"}),

@@ -38,7 +38,7 @@ from parallel.engine import Engine, LossFn, StateSpec, stat_row, step_fields
 from parallel.engine_ddp import ddp_with_optimizer
 from parallel.engine_fsdp import fsdp_with_optimizer
 from parallel.fsdp import reshard
-from parallel.mesh import counts_in_sums, dp_mesh
+from parallel.mesh import counts_in_sums, dp_coordinates, dp_mesh
 from parallel.pipeline import (SEGMENTS, LastStageOutput, PipelineStageModule, build_schedule, pipeline_stage_module,
                                split_layers, validate_pipeline_options)
 from utils.constants import IGNORE_INDEX
@@ -79,10 +79,8 @@ class PipelineParallelEngine(Engine):
                  dp_engine: str = "ddp") -> None:
         self.pp_group = mesh.get_group("pp")
         self.pp_size, self.tp_size = mesh["pp"].size(), mesh["tp"].size()
-        # the data-parallel coordinates over dp_replicate x dp_shard (HSDP under FSDP2 stages; replicate is 1 else)
-        shard = mesh["dp_shard"].size()
-        self.dp_size = mesh["dp_replicate"].size() * shard
-        self.dp_rank = mesh.get_local_rank("dp_replicate") * shard + mesh.get_local_rank("dp_shard")
+        # over dp_replicate x dp_shard (HSDP under FSDP2 stages; replicate is 1 else)
+        self.dp_rank, self.dp_size = dp_coordinates(mesh)
         self.stage_index = mesh.get_local_rank("pp")
         self.tp_rank = mesh.get_local_rank("tp")
         self.dp_engine, self.schedule_name, self.n_microbatches = dp_engine, schedule.lower(), n_microbatches

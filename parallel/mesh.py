@@ -138,6 +138,14 @@ def counts_in_sums(mesh: Any) -> bool:
     return all(mesh.get_local_rank(d) == 0 for d in SAME_BATCH_DIMS)
 
 
+def dp_coordinates(mesh: Any) -> tuple[int, int]:
+    """MeshLayout.dp_coordinates for this rank of a built mesh: (data-parallel rank, size) over dp_replicate x
+    dp_shard."""
+    shard = mesh["dp_shard"].size()
+    return (mesh.get_local_rank("dp_replicate") * shard + mesh.get_local_rank("dp_shard"),
+            mesh["dp_replicate"].size() * shard)
+
+
 def dp_mesh(mesh: Any) -> Any:
     """The data-parallel sub-mesh FSDP2 shards over: ("dp_replicate", "dp_shard") when replicas exist
     (HSDP: sharded within a replica, replicated across), else the 1-D ("dp_shard"). With context parallelism
