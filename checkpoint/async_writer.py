@@ -40,7 +40,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from checkpoint.protocol import every_rank, prepare_step_dir, save_guard, step_dir_paths, this_rank_only
+from checkpoint.protocol import agreement, prepare_step_dir, save_guard, step_dir_paths
 from checkpoint.verify import prune_checkpoints, remember_verified
 from utils.checkpoint_layout import checkpoint_root
 from utils.constants import EXIT_DISK_FULL
@@ -244,7 +244,7 @@ def save_in_background(out_dir: str, step: int, rank: int, world_size: int, writ
     # step_N.tmp exists for every rank's writer, or a full disk there is exit 7 at every rank (one verdict of
     # every rank in place of a barrier: checkpoint/protocol.agreed_phase)
     with save_guard(root, step) as guard:
-        prepare_step_dir(guard, rank, every_rank if barrier is not None else this_rank_only)
+        prepare_step_dir(guard, rank, agreement(barrier is not None))
 
     def write() -> Optional[str]:
         t0 = time.perf_counter()

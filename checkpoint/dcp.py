@@ -44,7 +44,6 @@ has written, write into a live checkpoint directory, or read a checkpoint with p
 """
 from __future__ import annotations
 
-import functools
 import os
 import time
 import warnings
@@ -60,8 +59,8 @@ from torch.distributed.tensor import DTensor
 
 from checkpoint.dcp_files import DCPCheckpointError, SafeFileSystemReader, dcp_layout_problem, read_dcp_metadata
 from checkpoint.files import first_nonfinite
-from checkpoint.protocol import (SaveJob, agreed_phase, every_rank, prepare_step_dir, publish_checkpoint_dir,
-                                 save_guard, step_dir_paths, this_rank_only)
+from checkpoint.protocol import (SaveJob, agreed_phase, agreement, prepare_step_dir, publish_checkpoint_dir,
+                                 save_guard, step_dir_paths)
 from checkpoint.reads import agreed_reads, load_extra_state, refuse_nonfinite_weights
 from checkpoint.verify import prune_checkpoints, verify_checkpoint
 from parallel.fsdp import fsdp_state_group, reshard
@@ -172,7 +171,7 @@ def save_dcp_checkpoint(ckpt_root: str, step: int, model: nn.Module, optimizer=N
     rank, world = group_rank_world(group)
     reshard(model)  # gathered parameters (left by a forward-only pass) are freed before the state is read
     final, tmp = step_dir_paths(ckpt_root, step)
-    agree = functools.partial(every_rank, group=group) if group is not None else this_rank_only
+    agree = agreement(group is not None, group)
     # a full disk at any rank: exit 7 at every rank, no step_N.tmp left (each phase ends in one verdict of every
     # rank: checkpoint/protocol.agreed_phase)
     with save_guard(ckpt_root, step) as guard:

@@ -29,8 +29,8 @@ from safetensors.torch import save_file
 
 from checkpoint.async_writer import AsyncCheckpointer, save_in_background
 from checkpoint.files import load_model_state
-from checkpoint.protocol import (SaveGuard, SaveJob, agreed_phase, every_rank, prepare_step_dir, publish_checkpoint_dir,
-                                 save_guard, step_dir_paths, this_rank_only)
+from checkpoint.protocol import (SaveGuard, SaveJob, agreed_phase, agreement, prepare_step_dir, publish_checkpoint_dir,
+                                 save_guard, step_dir_paths)
 from checkpoint.reads import (agreed_reads, check_optimizer_state, load_errors_named, load_extra_state,
                               load_optimizer_state, load_weights, read_optimizer_state)
 from checkpoint.verify import prune_checkpoints, remember_verified
@@ -109,7 +109,7 @@ def save_checkpoint(out_dir: str, req: SaveRequest, barrier: Optional[Callable[[
     not fit at any rank is exit 7 at every rank. Returns the final directory."""
     root = checkpoint_root(out_dir)
     final, tmp = step_dir_paths(root, req.step)
-    agree = every_rank if barrier is not None else this_rank_only
+    agree = agreement(barrier is not None)
     with save_guard(root, req.step) as guard:
         prepare_step_dir(guard, req.rank, agree)
         with agreed_phase(guard, agree):  # every rank has written and fsynced its files

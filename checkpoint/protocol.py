@@ -15,6 +15,7 @@ rank wrote.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -138,6 +139,14 @@ def every_rank(verdict: Verdict, group=None) -> Verdict:
 def this_rank_only(verdict: Verdict) -> Verdict:
     """A save by one process alone (no collective)."""
     return verdict
+
+
+def agreement(collective: bool, group=None) -> Callable[[Verdict], Verdict]:
+    """How the phases of a save agree: `every_rank` over `group` (None: the world) for a collective save,
+    `this_rank_only` for a save by one process."""
+    if not collective:
+        return this_rank_only
+    return every_rank if group is None else functools.partial(every_rank, group=group)
 
 
 @contextlib.contextmanager
