@@ -228,9 +228,9 @@ def whole_ddp_training_files(ckpt_dir: str) -> tuple[dict[str, torch.Tensor], li
     if is_pipeline_checkpoint(ckpt_dir):
         meta = read_pipeline_meta(ckpt_dir)
         pp, dp = int(meta["pp_size"]), int(meta["dp_size"]) if meta["sharded_optimizer"] else 1
-        weights: dict[str, torch.Tensor] = {}
-        for s in range(pp):
-            weights.update(load_weights_file(os.path.join(ckpt_dir, stage_model_file(s))))
+        stage_weights = [load_weights_file(os.path.join(ckpt_dir, stage_model_file(s))) for s in range(pp)]
+        with load_errors_named(f"checkpoint {ckpt_dir}: its stages' weights do not make one model"):
+            weights = merge_stage_state_dicts(stage_weights)  # as merge_stage_checkpoints: no tensor in two stages
         names = [stage_optimizer_file(s, r) for s in range(pp) for r in range(dp)]
     else:
         weights = load_model_state(ckpt_dir)
