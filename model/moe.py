@@ -16,18 +16,21 @@ them (tokens to the ranks holding their experts after `dispatch`, back before `c
 Balancing: the auxiliary loss (Switch/Megatron form, E/(k N) sum_i count_i P_i, 1 when perfectly balanced;
 HF Mixtral's load_balancing_loss_func is k times it), the router z-loss (ST-MoE: mean of logsumexp(logits)^2),
 and the bias update (`update_expert_bias`: b_i += rate * sign(mean load - load_i) after each optimizer step).
-The layer keeps what the trainer reads between steps (`take_aux_losses`, `take_step_counts`): the losses of the
-forwards since the last take (training forwards with grad only; never an activation-checkpointing recompute)
-and the step's tokens per expert.
+Under context parallelism (`sequence_group`) the losses are the whole sequences', each rank computing its own
+tokens' part of them from the loads summed over the group (`balancing_losses`): the parts sum to what one process
+computes on the whole sequence. The layer keeps what the trainer reads between steps (`take_aux_losses`,
+`take_counts`): the losses and number of forwards since the last take (training forwards with grad only; never an
+activation-checkpointing recompute) and the tokens per expert.
 
 Must never: read a tensor's value to the host on the grouped path (the loop reference does, by design), drop a
 token, or let the selection bias weigh an expert's output.
 """
 from __future__ import annotations
 
-from typing import Iterable, Optional
+from typing import Any, Iterable, Optional
 
 import torch
+import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -258,6 +261,26 @@ def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, dim=-1).square().mean()
 
 
+def balancing_losses(scores: torch.Tensor, counts: torch.Tensor, logits: torch.Tensor, top_k: int, score: str,
+                     group: Any = None) -> torch.Tensor:
+    """[3]: the balancing loss, the z-loss and 1 (a forward) of these N tokens. With `group` (context parallel:
+    the ranks whose tokens together are the sequences) this rank's parts of the whole sequences' values, which
+    sum over the group to them: the loads and token count are summed over the group first (no gradient), the
+    balancing loss is E / (k N^2) sum_i load_i * (sum over this rank's tokens of p_i), the z-loss and the forward
+    this rank's tokens' share."""
+    if group is None:
+        return torch.stack([load_balancing_loss(scores, counts, top_k, score), router_z_loss(logits),
+                            scores.new_ones(())])
+    n, e = scores.shape
+    total = torch.cat([counts.detach().to(scores.dtype), scores.new_full((1,), float(n))])
+    total = funcol.all_reduce(total, "sum", group)
+    loads, n_all = total[:e], total[e]
+    probs = scores if score == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
+    balance = (loads * probs.sum(dim=0)).sum() * e / (top_k * n_all * n_all)
+    z = torch.logsumexp(logits, dim=-1).square().sum() / n_all
+    return torch.stack([balance, z, n / n_all])
+
+
 def in_backward() -> bool:
     """Whether this forward is activation checkpointing's recompute inside a backward (its statistics were
     taken when the forward first ran)."""
@@ -279,7 +302,11 @@ class MoEFeedForward(nn.Module):
                                             cfg.kernel_backend) if cfg.moe_shared_experts else None
         self.resid_dropout = nn.Dropout(cfg.resid_dropout)
         self.register_buffer("expert_bias", torch.zeros(self.num_experts, dtype=torch.float32))
-        self._aux: Optional[torch.Tensor] = None      # [2]: balancing loss, z-loss summed over forwards since a take
+        # context parallelism's group (parallel/transforms/context_parallel.py): its ranks' tokens are one sequence,
+        # and the balancing losses are the whole sequence's, each rank holding its own tokens' part of them
+        self.sequence_group: Any = None
+        # [3]: balancing loss, z-loss and the number of forwards, summed over the forwards since the last take
+        self._aux: Optional[torch.Tensor] = None
         self._step_counts: Optional[torch.Tensor] = None  # [E] fp32 tokens per expert since the last take
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -291,8 +318,9 @@ class MoEFeedForward(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         if self.training and torch.is_grad_enabled():
-            # computed in the recompute too (activation checkpointing wants the same saved tensors), kept once
-            aux = torch.stack([load_balancing_loss(scores, counts, self.top_k, self.score), router_z_loss(logits)])
+            # computed in the recompute too (activation checkpointing wants the same saved tensors), kept once;
+            # (balancing loss, z-loss, forwards): under context parallelism this rank's parts of them
+            aux = balancing_losses(scores, counts, logits, self.top_k, self.score, self.sequence_group)
         if self.training and torch.is_grad_enabled() and not in_backward():
             self._aux = aux if self._aux is None else self._aux + aux
             c = counts.detach().float()
@@ -315,8 +343,8 @@ def moe_layers(model: nn.Module) -> list[MoEFeedForward]:
 
 
 def take_aux_losses(layers: Iterable[MoEFeedForward]) -> Optional[torch.Tensor]:
-    """[L, 2]: each layer's (balancing loss, z-loss) summed over its training forwards since the last take (None
-    when there were none). Taking clears them."""
+    """[L, 3]: each layer's (balancing loss, z-loss, forwards) summed over its training forwards since the last take
+    (None when there were none). Taking clears them."""
     taken = [layer.take_aux() for layer in layers]
     taken = [t for t in taken if t is not None]
     return torch.stack(taken) if taken else None

@@ -45,7 +45,7 @@ CAPABILITIES: dict[str, frozenset] = {
                        "tensor_parallel", "sequence_parallel", "hsdp", "cpu_offload", "tied_embeddings", "float8",
                        "context_parallel", "moe", "expert_parallel"}),
     "pipeline": frozenset({"compile", "zero", "tensor_parallel", "sequence_parallel", "hsdp", "cpu_offload",
-                           "frozen_parameters", "padded_batches", "sequence_logprobs", "float8"}),
+                           "frozen_parameters", "padded_batches", "sequence_logprobs", "float8", "moe"}),
 }
 WHY_NOT: dict[str, str] = {
     "rollouts": "GRPO's rollouts run a forward per generated token on every rank; pipeline stages would pass each "
@@ -60,7 +60,6 @@ WHY_NOT: dict[str, str] = {
     "cpu_offload": "offloading is FSDP2's: needs --parallel=fsdp",
     "tied_embeddings": "the embedding on the first stage and the LM head on the last would be one weight on two ranks",
     "context_parallel": "pipeline stages would pass split hidden states between ranks: not built yet",
-    "moe": "MoE blocks under pipeline stages are not built yet",
     "expert_parallel": "experts sharded over ep ranks under pipeline stages are not built yet",
     "low_precision_optimizer_states": "the bf16 moments live in our DDP's one-launch AdamW over its flat buffers "
                                       "(one stage's gradient norm only)",

@@ -140,6 +140,7 @@ class TrainingEngine(Protocol):
     def evaluate(self, batches: Sequence[dict], loss_fn: LossFn, count_units: Callable[[dict], int]) -> torch.Tensor: ...
     def sum_over_data(self, values: "list[float] | torch.Tensor", device: torch.device,
                       to_host: bool = True) -> torch.Tensor: ...
+    def sum_statistics(self, values: torch.Tensor, device: torch.device, to_host: bool = True) -> torch.Tensor: ...
     def state_spec(self) -> StateSpec: ...
     def prepare_state(self) -> None: ...
     def rank_state(self) -> dict: ...
@@ -169,6 +170,9 @@ class Engine:
     # False on ranks whose sums repeat another rank's (pipeline stages after the first, tensor-parallel
     # ranks after the first hold the same batch): they add zeros in sum_over_data
     counts_in_sums: bool = True
+    # False on ranks that repeat another rank's forwards through the same layers (tensor-parallel ranks after the
+    # first): they add zeros in sum_statistics
+    counts_in_statistics: bool = True
     mesh: Any = None                 # the run's DeviceMesh (parallel/mesh.py), where the engine built one
     # the ranks the gradient reduction averages over when they are more than dp_size (context parallel: dp x cp,
     # each cp rank holding part of every sequence); 0 = dp_size
@@ -177,6 +181,22 @@ class Engine:
     # set by the trainer after the build, the same on every rank (a pipeline's stages broadcast rows of this size)
     stat_keys: tuple = ()
     parallel: Any = None             # the layout's ParallelConfig (parallel/config.py), set by parallel/build.py
+    # losses the model's layers add beside the task's (MoE balancing: trainer/moe.py MoETraining), set by the
+    # trainer: side_loss.take(key) after a micro-batch's forwards on this rank (its statistics filed under `key`)
+    # gives a tensor or None, which joins that micro-batch's backward times side_loss.units(batch), scaled as its
+    # loss is; here added to the loss, under pipeline stages to each stage's output (engine_pipeline.py)
+    side_loss: Any = None
+    _forwards: int = field(default=0, repr=False)  # the keys this engine gives side_loss.take
+
+    def _with_side_loss(self, loss_sum: torch.Tensor, batch: dict) -> torch.Tensor:
+        """What a micro-batch backpropagates: its loss sum plus the side loss of its forwards (in loss units)."""
+        if self.side_loss is None:
+            return loss_sum
+        self._forwards += 1
+        extra = self.side_loss.take(self._forwards)
+        if extra is None:
+            return loss_sum
+        return loss_sum + (extra * self.side_loss.units(batch)).to(loss_sum.dtype)
 
     def __post_init__(self) -> None:
         if self.forward_model is None:
@@ -212,13 +232,14 @@ class Engine:
             with sync:
                 begin_micro_batch(self.forward_model)
                 loss_sum, stats = loss_fn(self.forward_model, batch)
+                back = self._with_side_loss(loss_sum, batch)
                 if poison:
-                    loss_sum = loss_sum * float("nan")
+                    loss_sum, back = loss_sum * float("nan"), back * float("nan")
                 # our DDP averages gradients over ranks; * world / global_units makes the result the
                 # gradient of (sum of all ranks' losses) / (all ranks' target units). Under context parallelism
                 # loss_sum is already the cp group's (model/ring_attention.py: identity backward), each cp rank's
                 # gradient is its part of it, and the average runs over dp x cp ranks (grad_ranks)
-                self.optimizer.scale_loss(loss_sum * ((self.grad_ranks or self.dp_size) / global_units)).backward()
+                self.optimizer.scale_loss(back * ((self.grad_ranks or self.dp_size) / global_units)).backward()
             row = stat_row(loss_sum, stats, self.stat_keys)
             acc = row if acc is None else acc + row
         return acc if acc is not None else zero_stats(self.stat_keys)
@@ -251,6 +272,15 @@ class Engine:
         if not self.counts_in_sums:
             t = values.clone() if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.float64)
             values = t.zero_()
+        return all_reduce_sum(values, device, to_host=to_host)
+
+    def sum_statistics(self, values: torch.Tensor, device: torch.device, to_host: bool = True) -> torch.Tensor:
+        """Sum a float64 vector of per-layer statistics (MoE loads) over every rank: each fills the entries of the
+        layers it holds from the tokens its forwards saw (data-parallel replicas, pipeline stages and
+        context-parallel ranks all add their own); ranks that repeat another's forwards through the same layers
+        (counts_in_statistics False: tensor-parallel ranks after the first) add zeros."""
+        if not self.counts_in_statistics:
+            values = values.clone().zero_()
         return all_reduce_sum(values, device, to_host=to_host)
 
     # ------------------------------------------------------------------ state (checkpoint/ saves and loads it)

@@ -38,9 +38,10 @@ from parallel.engine import Engine, LossFn, StateSpec, stat_row, step_fields
 from parallel.engine_ddp import ddp_with_optimizer
 from parallel.engine_fsdp import fsdp_with_optimizer
 from parallel.fsdp import reshard
-from parallel.mesh import counts_in_sums, dp_coordinates, dp_mesh
+from parallel.mesh import counts_in_statistics, counts_in_sums, dp_coordinates, dp_mesh
 from parallel.pipeline import (SEGMENTS, LastStageOutput, PipelineStageModule, build_schedule, pipeline_stage_module,
                                split_layers, validate_pipeline_options)
+from model.moe import in_backward
 from utils.constants import IGNORE_INDEX
 
 
@@ -69,6 +70,22 @@ def _like(full: Any, template: Any) -> Any:
     return full
 
 
+class JoinGradient(torch.autograd.Function):
+    """`out` unchanged; its backward also gives the scalar `side` a gradient of 1, as if `side` were added to the
+    loss: how a stage that does not compute the loss backpropagates its own layers' losses (Megatron-LM's
+    MoEAuxLossAutoScaler does the same for MoE balancing losses)."""
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, side: torch.Tensor) -> torch.Tensor:
+        ctx.side = (side.shape, side.dtype, side.device)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        shape, dtype, device = ctx.side
+        return grad, torch.ones(shape, dtype=dtype, device=device)
+
+
 class PipelineParallelEngine(Engine):
     """This rank's stage (wrapped over the dp group), its schedule and its optimizer."""
     kind: ClassVar[str] = "pipeline"
@@ -89,7 +106,8 @@ class PipelineParallelEngine(Engine):
         # same broadcast loss: only the first of them counts (parallel/mesh.py SAME_BATCH_DIMS)
         super().__init__(wrapped, optimizer, stage_module, dp_rank=self.dp_rank, dp_size=self.dp_size,
                          fixed_batch_shape=True, micro_batches_per_call=n_microbatches,
-                         counts_in_sums=counts_in_sums(mesh), mesh=mesh,
+                         counts_in_sums=counts_in_sums(mesh), counts_in_statistics=counts_in_statistics(mesh),
+                         mesh=mesh,
                          sharded_optimizer=self._sharded_files(optimizer))
         self.is_first, self.is_last = stage_module.is_first, stage_module.is_last
         self._loss_mult, self._poison = 1.0, False
@@ -100,8 +118,11 @@ class PipelineParallelEngine(Engine):
         self._task_loss: Optional[LossFn] = None
         self._count_units: Optional[Callable[[dict], int]] = None
         self._rows: dict[int, torch.Tensor] = {}
+        self._side_units: list[float] = []  # this call's micro-batches' units (side_loss.units)
+        stage_module.after_forward = self._after_stage_forward
         self.stage, self.schedule = build_schedule(wrapped, self.stage_index, self.pp_size, device, self.pp_group,
-                                                   n_microbatches, self.schedule_name, self._schedule_loss)
+                                                   n_microbatches, self.schedule_name, self._schedule_loss,
+                                                   stage_module=stage_module)
 
     # ------------------------------------------------------------------ one step
     def _schedule_loss(self, output: torch.Tensor, target: Any) -> torch.Tensor:
@@ -119,6 +140,18 @@ class PipelineParallelEngine(Engine):
         # micro-batch 0 before its real forward, which overwrites it
         self._rows[i] = stat_row(loss_sum, stats, self.stat_keys, units=units)
         return self.optimizer.scale_loss(loss_sum * self._loss_mult)
+
+    def _after_stage_forward(self, out: torch.Tensor) -> torch.Tensor:
+        """A training forward's output of this stage, with the side loss of the stage's own layers (MoE balancing)
+        joined to its backward: times the micro-batch's units and the loss's own scaling, as the one-stage engines
+        add it to the loss. The schedule's shape-inference forward (no micro-batch) has its statistics dropped."""
+        if self.side_loss is None or in_backward():
+            return out
+        i = self.module.micro_batch
+        extra = self.side_loss.take(i)
+        if i is None or extra is None or i >= len(self._side_units):
+            return out
+        return JoinGradient.apply(out, self.optimizer.scale_loss(extra * (self._side_units[i] * self._loss_mult)))
 
     def _start(self, mbs: list, loss_fn: LossFn, count_units: Optional[Callable[[dict], int]]) -> tuple:
         """The micro-batches as the stages' inputs (row groups stacked, checked to be of one shape), and the
@@ -146,6 +179,7 @@ class PipelineParallelEngine(Engine):
                              f"(gradient_accumulation_steps), got {len(mbs)}")
         args, target, kwargs = self._start(mbs, loss_fn, None)
         self._loss_mult, self._poison = self.dp_size / max(1.0, float(global_units)), poison
+        self._side_units = [self.side_loss.units(mb) for mb in mbs] if self.side_loss is not None else []
         self.module.train()
         # one dp reduction per step: our DDP's in optimizer.step(); FSDP's reduce-scatter is run by the
         # schedule after the last backward (PipelineStage turns FSDP's per-backward sync off itself)

@@ -80,6 +80,11 @@ class MeshLayout:
         c = self.coordinates(rank)
         return all(c[d] == 0 for d in SAME_BATCH_DIMS)
 
+    def counts_in_statistics(self, rank: int) -> bool:
+        """Whether `rank`'s forwards are its own (tensor index 0): the tensor ranks after the first repeat its
+        tokens through the same layers and add zeros to per-layer statistics (Engine.sum_statistics)."""
+        return self.coordinates(rank)["tp"] == 0
+
     def dp_coordinates(self, rank: int) -> tuple[int, int]:
         """(data-parallel rank, data-parallel size) of a global rank: which slice of the global batch it reads."""
         c = self.coordinates(rank)
@@ -136,6 +141,11 @@ def build_device_mesh(layout: MeshLayout, device_type: str) -> Any:
 def counts_in_sums(mesh: Any) -> bool:
     """MeshLayout.counts_in_sums for this rank of a built mesh."""
     return all(mesh.get_local_rank(d) == 0 for d in SAME_BATCH_DIMS)
+
+
+def counts_in_statistics(mesh: Any) -> bool:
+    """MeshLayout.counts_in_statistics for this rank of a built mesh."""
+    return mesh.get_local_rank("tp") == 0
 
 
 def dp_coordinates(mesh: Any) -> tuple[int, int]:

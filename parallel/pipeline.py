@@ -70,6 +70,11 @@ class PipelineStageModule(Transformer):
     stage_index: int
     num_stages: int
     reduction: str = "sum"
+    # the schedule's micro-batch this forward runs (set by build_schedule's stage around each forward; None for a
+    # forward outside one: the schedule's shape inference), and what the engine does to each training output
+    # (parallel/engine_pipeline.py: the MoE balancing losses of the stage's own layers join its backward)
+    micro_batch: Optional[int] = None
+    after_forward: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
 
     @property
     def is_first(self) -> bool:
@@ -88,12 +93,16 @@ class PipelineStageModule(Transformer):
                 attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self.lm_head is None:
-            return super().forward(x, attention_mask=attention_mask, position_ids=position_ids)
-        if labels is None:
+            out = super().forward(x, attention_mask=attention_mask, position_ids=position_ids)
+        elif labels is None:
             raise ValueError("the last pipeline stage computes the loss: it needs labels")
-        loss = super().forward(x, labels, self.reduction, attention_mask, position_ids).float()
-        # "sum": [1] (and not a view of the 0-d loss), as the schedule merges micro-batches along dim 0
-        return torch.stack([loss]) if self.reduction == "sum" else loss
+        else:
+            loss = super().forward(x, labels, self.reduction, attention_mask, position_ids).float()
+            # "sum": [1] (and not a view of the 0-d loss), as the schedule merges micro-batches along dim 0
+            out = torch.stack([loss]) if self.reduction == "sum" else loss
+        if self.after_forward is not None and self.training and torch.is_grad_enabled():
+            out = self.after_forward(out)
+        return out
 
 
 SEGMENTS = ("", "chosen_", "rejected_")  # the row groups a micro-batch may hold: tokens, or DPO's pairs
@@ -174,13 +183,28 @@ def validate_pipeline_options(*, pp_size: int, n_microbatches: int, schedule: st
 
 
 def build_schedule(wrapped: nn.Module, stage_index: int, num_stages: int, device: torch.device, pp_group: Any,
-                   n_microbatches: int, schedule: str, loss_fn: Callable[[torch.Tensor, Any], torch.Tensor]):
+                   n_microbatches: int, schedule: str, loss_fn: Callable[[torch.Tensor, Any], torch.Tensor],
+                   stage_module: Optional[PipelineStageModule] = None):
     """(PipelineStage, schedule) of this rank: `wrapped` is the stage module in its dp wrapper (our DDP, or the
     FSDPModule, which torch's PipelineStage recognises: no gradient sync per micro-batch, one reduce-scatter
     after the last backward). loss_fn(last stage output, target) -> the tensor to backpropagate;
-    scale_grads=False: the engine's loss_fn already normalises by the global units."""
+    scale_grads=False: the engine's loss_fn already normalises by the global units. `stage_module` (the stage
+    inside `wrapped`) is told the micro-batch of each forward the schedule runs (`micro_batch`)."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-    stage = PipelineStage(wrapped, stage_index, num_stages, device, group=pp_group)
+
+    class _Stage(PipelineStage):
+        """torch's stage, telling the stage module which micro-batch each of its forwards runs."""
+
+        def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+            if stage_module is None:
+                return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+            stage_module.micro_batch = fwd_chunk_id
+            try:
+                return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+            finally:
+                stage_module.micro_batch = None
+
+    stage = _Stage(wrapped, stage_index, num_stages, device, group=pp_group)
     sched_cls = ScheduleGPipe if schedule.lower() == "gpipe" else Schedule1F1B
     return stage, sched_cls(stage, n_microbatches, loss_fn=loss_fn, scale_grads=False)
 

@@ -211,9 +211,9 @@ class Loop:
         self.task = task
         self.last_eval: dict = {}  # the last validation's values (the final line names them when there is no loss)
         self.loss_fn = lambda model, batch: task.micro_batch_loss(model, ref_model, batch, info.device)  # noqa: E731
-        self.moe = MoETraining.of(cfg, engine.module)  # MoE: balancing losses, bias update, load metrics
-        if self.moe is not None:
-            self.loss_fn = self.moe.wrap_loss(self.loss_fn, task.count_units)
+        # MoE: balancing losses (the engine's side loss), bias update, load metrics
+        self.moe = MoETraining.of(cfg, engine.module, task.count_units)
+        engine.side_loss = self.moe
         self.pbar = None
         # the step queued last, not read yet (`step` leaves it for one step, `finish` reads it): its metrics row
         # without the device's values, the copies of those values on their way to the host, the optimizer's verdict

@@ -1,18 +1,21 @@
-"""The trainer's side of a mixture-of-experts model: the balancing losses added to each micro-batch's loss, the
+"""The trainer's side of a mixture-of-experts model: the balancing losses of each micro-batch's forwards, the
 DeepSeek-V3 bias update after each optimizer step, and the step's MoE metrics.
 
-Owns: `MoETraining.of` (None for a dense model), `wrap_loss` (the loss function the engine calls, with
-aux_coef x balancing loss + z_coef x z-loss of that micro-batch's forwards added to its gradient, times its units:
-divided by the step's units like the loss, it is their unit-weighted mean; the loss value logged stays the task's
-own), `after_step` (the step's tokens per expert summed over every rank, the bias update from them, the metrics
-vector copied to the host behind the step) and `read` (that vector as metrics-row fields).
+Owns: `MoETraining.of` (None for a dense model), the engine's side loss (`units`, `take`: the engine calls `take`
+after each micro-batch's forwards on this rank's part of the model and adds aux_coef x balancing loss + z_coef x
+z-loss, times the micro-batch's units, to what that micro-batch backpropagates; divided by the step's units like
+the loss, it is their unit-weighted mean; the loss value logged stays the task's own. parallel/engine.py
+Engine.side_loss says where each engine adds it: to the loss, or under pipeline stages to each stage's output),
+`after_step` (the step's statistics of every MoE layer of the model, each rank filling the rows of the layers it
+holds, summed over the ranks by `Engine.sum_statistics`; each layer's bias moved from its tokens per expert; the
+metrics vector copied to the host behind the step) and `read` (that vector as metrics-row fields).
 Must never: read a device value to the host before `read` (the loop reads a step's row a step late), or branch on
-the engine (its `sum_over_data` sums over the ranks whichever runs).
+the engine.
 """
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Hashable, Optional
 
 import torch
 
@@ -21,60 +24,82 @@ from utils.device import HostCopy
 
 
 class MoETraining:
-    def __init__(self, cfg: Any, layers: list, layer_ids: list[int]) -> None:
-        self.layers, self.layer_ids = layers, layer_ids  # the MoE blocks and their global layer numbers
+    def __init__(self, cfg: Any, layers: list, layer_ids: list[int], all_ids: list[int],
+                 count_units: Optional[Callable[[dict], int]] = None) -> None:
+        self.layers, self.layer_ids = layers, layer_ids  # this rank's MoE blocks and their global layer numbers
+        self.all_ids = all_ids  # the model's MoE layer numbers (a pipeline stage holds some of them)
+        self.rows = [all_ids.index(i) for i in layer_ids]
         self.aux_coef, self.z_coef, self.rate = cfg.moe_aux_loss_coef, cfg.moe_z_loss_coef, cfg.moe_bias_update_rate
-        self._aux_sum: Optional[torch.Tensor] = None  # [L, 2] raw losses summed over this step's micro-batches
-        self._micro_batches = 0
+        self.count_units = count_units
+        # this step's statistics by micro-batch key (a later take of the same key replaces the earlier one: a
+        # pipeline schedule's shape inference runs micro-batch 0's forward once more): ([L, 3] losses, [L, E] counts)
+        self._filed: dict[Hashable, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
-    def of(cls, cfg: Any, model: torch.nn.Module) -> Optional["MoETraining"]:
+    def of(cls, cfg: Any, model: torch.nn.Module,
+           count_units: Optional[Callable[[dict], int]] = None) -> Optional["MoETraining"]:
         named = [(name, m) for name, m in model.named_modules() if isinstance(m, MoEFeedForward)]
+        if not named:
+            return None
         ids = [int(re.search(r"layers\.(\d+)\.", name + ".").group(1)) for name, _ in named]
-        return cls(cfg, [m for _, m in named], ids) if named else None
+        model_cfg = getattr(model, "cfg", None)
+        all_ids = ([i for i in range(model_cfg.n_layers) if model_cfg.is_moe_layer(i)]
+                   if hasattr(model_cfg, "is_moe_layer") else ids)
+        return cls(cfg, [m for _, m in named], ids, all_ids, count_units)
 
-    def wrap_loss(self, loss_fn: Callable, count_units: Callable[[dict], int]) -> Callable:
-        def loss_with_aux(model, batch):
-            loss_sum, stats = loss_fn(model, batch)
-            aux = take_aux_losses(self.layers)
-            if aux is None:  # a forward without grad (evaluation)
-                return loss_sum, stats
-            self._aux_sum = aux.detach() if self._aux_sum is None else self._aux_sum + aux.detach()
-            self._micro_batches += 1
-            if self.aux_coef or self.z_coef:
-                extra = (aux[:, 0].sum() * self.aux_coef + aux[:, 1].sum() * self.z_coef) * count_units(batch)
-                # the gradient of loss + extra, the value of loss: the logged loss stays the task's
-                loss_sum = loss_sum + (extra - extra.detach()).to(loss_sum.dtype)
-            return loss_sum, stats
-        return loss_with_aux
+    # ------------------------------------------------------------------ the engine's side loss
+    def units(self, batch: dict) -> float:
+        """The micro-batch's target units (the task's count): what its balancing terms are weighted by."""
+        if self.count_units is None:
+            raise ValueError("MoETraining.of(..., count_units) is needed to weigh the balancing losses")
+        return float(self.count_units(batch))
 
+    def take(self, key: Optional[Hashable]) -> Optional[torch.Tensor]:
+        """This rank's MoE layers' statistics of the forwards since the last take, filed under micro-batch `key`
+        (None: dropped), and aux_coef x balancing + z_coef x z-loss summed over them, with its gradient (None when
+        no forward with grad ran, or both coefficients are 0)."""
+        aux = take_aux_losses(self.layers)
+        if aux is None:
+            return None
+        counts = torch.stack([layer.take_counts() for layer in self.layers])
+        if key is not None:
+            self._filed[key] = (aux.detach(), counts)
+        if not (self.aux_coef or self.z_coef):
+            return None
+        return aux[:, 0].sum() * self.aux_coef + aux[:, 1].sum() * self.z_coef
+
+    # ------------------------------------------------------------------ after the step
     def after_step(self, engine: Any, device: torch.device) -> HostCopy:
-        """After the optimizer step: the step's counts [L, E] and losses summed over every rank, each layer's bias
-        moved by --moe_bias_update_rate from them; the metrics vector on its way to the host."""
-        counts = torch.stack([layer.take_counts().to(device) for layer in self.layers])
-        aux = self._aux_sum if self._aux_sum is not None else torch.zeros(len(self.layers), 2, device=device)
-        vec = torch.cat([counts.reshape(-1).double(), aux.to(device).reshape(-1).double(),
-                         torch.tensor([float(self._micro_batches)], dtype=torch.float64, device=device)])
-        self._aux_sum, self._micro_batches = None, 0
-        vec = engine.sum_over_data(vec, device, to_host=False)
+        """After the optimizer step: the step's counts [L, E], losses and forwards of every MoE layer of the model,
+        summed over the ranks; this rank's layers' biases moved by --moe_bias_update_rate from their counts; the
+        metrics vector on its way to the host."""
+        n_all, n_exp = len(self.all_ids), self.layers[0].num_experts
+        counts = torch.zeros(n_all, n_exp, dtype=torch.float64, device=device)
+        aux = torch.zeros(n_all, 3, dtype=torch.float64, device=device)
+        rows = torch.tensor(self.rows, device=device)
+        for a, c in self._filed.values():
+            aux.index_add_(0, rows, a.to(device, torch.float64))
+            counts.index_add_(0, rows, c.to(device, torch.float64))
+        self._filed = {}
+        vec = engine.sum_statistics(torch.cat([counts.reshape(-1), aux.reshape(-1)]), device, to_host=False)
         if self.rate:
             total = vec[:counts.numel()].view_as(counts)
-            for layer, c in zip(self.layers, total):
-                update_expert_bias(layer.expert_bias, c.to(layer.expert_bias.device).float(), self.rate)
+            for layer, r in zip(self.layers, self.rows):
+                update_expert_bias(layer.expert_bias, total[r].to(layer.expert_bias.device).float(), self.rate)
         return HostCopy(vec)
 
     def read(self, copy: HostCopy) -> dict:
-        """The metrics-row fields of a step: moe_aux_loss / moe_z_loss (raw, mean over layers and micro-batches),
+        """The metrics-row fields of a step: moe_aux_loss / moe_z_loss (raw, mean over layers and forwards),
         moe_load_max_mean (the worst layer's max/mean tokens per expert) and per layer, tokens per expert."""
         vec = copy.get().double().cpu()
-        n_layers, n_exp = len(self.layers), self.layers[0].num_experts
+        n_layers, n_exp = len(self.all_ids), self.layers[0].num_experts
         counts = vec[:n_layers * n_exp].view(n_layers, n_exp)
-        aux = vec[n_layers * n_exp:-1].view(n_layers, 2)
-        micro = max(1.0, float(vec[-1]))
+        aux = vec[n_layers * n_exp:].view(n_layers, 3)
+        forwards = max(1e-12, float(aux[:, 2].sum()))
         load = (counts.max(dim=1).values / counts.mean(dim=1).clamp_min(1e-12)).tolist()
-        rec = {"moe_aux_loss": float(aux[:, 0].sum()) / (micro * n_layers),
-               "moe_z_loss": float(aux[:, 1].sum()) / (micro * n_layers),
+        rec = {"moe_aux_loss": float(aux[:, 0].sum()) / forwards,
+               "moe_z_loss": float(aux[:, 1].sum()) / forwards,
                "moe_load_max_mean": max(load)}
-        rec.update({f"moe_load_max_mean_l{i}": v for i, v in zip(self.layer_ids, load)})
+        rec.update({f"moe_load_max_mean_l{i}": v for i, v in zip(self.all_ids, load)})
         rec["moe_tokens_per_expert"] = [[int(round(c)) for c in row] for row in counts.tolist()]
         return rec

@@ -203,6 +203,7 @@ def test_training_forward_statistics_taken_once_and_not_recomputed():
         assert all(c.sum() == 2 * 8 * 2 for c in counts)  # every token x top_k, counted once
         return take_aux_losses(layers), counts
     plain, with_ckpt = run(False), run(True)
+    assert plain[0][:, 2].tolist() == with_ckpt[0][:, 2].tolist() == [1.0, 1.0]  # one forward each, not two
     assert torch.allclose(plain[0], with_ckpt[0]) and all(torch.equal(a, b) for a, b in zip(plain[1], with_ckpt[1]))
     torch.manual_seed(0)
     model = Transformer(cfg())

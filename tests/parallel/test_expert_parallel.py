@@ -56,15 +56,13 @@ def _ddp_grads(engine) -> dict:
 def train(starve: bool, **layout) -> dict:
     from parallel.build import build_engine
     from trainer.config import TrainConfig
-    from trainer.moe import MoETraining
     moe = dict(MOE, moe_bias_update_rate=0.0) if starve else MOE
     cfg = dataclasses.replace(TrainConfig(), **{**dict(parallel="fsdp", expert_parallel_size=2, dtype="fp32",
                                                        device="cpu", gradient_accumulation_steps=2, bucket_size=500),
                                                 **OPT, **moe, **layout})
     engine = build_engine(new_model(starve), cfg, device=torch.device("cpu"))
     ddp = cfg.parallel == "ddp"
-    training = MoETraining.of(cfg, engine.module)
-    loss_fn = moe_loss(training)
+    training, loss_fn = moe_loss(cfg, engine)
     rec = {"losses": [], "norms": [], "local_experts": []}
     for layer in training.layers:
         w = layer.experts.gate_up_proj
@@ -110,12 +108,10 @@ def _ddp_run(ep: int, zero: bool, parallel: str = "ddp"):
     function)."""
     from parallel.build import build_engine
     from trainer.config import TrainConfig
-    from trainer.moe import MoETraining
     cfg = dataclasses.replace(TrainConfig(), parallel=parallel, expert_parallel_size=ep, use_distributed_optimizer=zero,
                               dtype="fp32", device="cpu", gradient_accumulation_steps=2, bucket_size=500, **OPT, **MOE)
     engine = build_engine(new_model(), cfg, device=torch.device("cpu"))
-    training = MoETraining.of(cfg, engine.module)
-    loss_fn = moe_loss(training)
+    training, loss_fn = moe_loss(cfg, engine)
 
     def step(n: int) -> float:
         mine, units = rank_batches(engine, n)
@@ -269,14 +265,19 @@ def test_refusals_name_the_flags(flags, model, needle):
     assert all("\n" not in line for line in lines)
 
 
-def test_moe_is_a_capability_pipeline_stages_lack():
-    """The trainer asks for "moe" (trainer/config.py engine_needs); pipeline stages do not declare it."""
+def test_moe_is_a_capability_of_every_engine_and_expert_parallel_not_of_stages():
+    """The trainer asks for "moe" (trainer/config.py engine_needs): every engine declares it, pipeline stages
+    included; experts sharded over ep ranks under stages are refused in one line."""
     from parallel.config import ParallelConfig
     needs = {"--moe_num_experts=4": "moe"}
-    pp = ParallelConfig(pipeline_parallel_size=2, gradient_accumulation_steps=2)
-    assert pp.problems(2, needs=needs) == ["--moe_num_experts=4 cannot be combined with --pipeline_parallel_size=2 "
-                                          "(MoE blocks under pipeline stages are not built yet)"]
-    assert ParallelConfig(parallel="fsdp").problems(2, needs=needs) == ParallelConfig().problems(2, needs=needs) == []
+    for pc in (ParallelConfig(pipeline_parallel_size=2, gradient_accumulation_steps=2),
+               ParallelConfig(pipeline_parallel_size=2, gradient_accumulation_steps=2, parallel="fsdp"),
+               ParallelConfig(parallel="fsdp"), ParallelConfig()):
+        assert pc.problems(2, needs=needs) == []
+    ep = ParallelConfig(pipeline_parallel_size=2, gradient_accumulation_steps=2, expert_parallel_size=2)
+    assert ep.problems(4, needs=needs) == ["--expert_parallel_size=2 cannot be combined with "
+                                           "--pipeline_parallel_size=2 (experts sharded over ep ranks under pipeline "
+                                           "stages are not built yet)"]
 
 
 def test_good_layout_has_no_problem():

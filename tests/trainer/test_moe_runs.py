@@ -22,17 +22,14 @@ from utils.metrics import dedupe_by_step, read_metrics
 MOE = ["--moe_num_experts=4", "--moe_top_k=2", "--moe_hidden_dim=16", "--moe_first_dense_layers=1"]
 
 
-class _OneProcess:
-    @staticmethod
-    def sum_over_data(vec, device, to_host=True):
-        return vec
-
-
 def _cfg(**kw):
     return type("Cfg", (), {**dict(moe_aux_loss_coef=0.0, moe_z_loss_coef=0.0, moe_bias_update_rate=0.0), **kw})()
 
 
 def test_aux_losses_join_the_gradient_not_the_logged_loss():
+    """Through Engine.forward_backward with MoETraining as its side loss: the gradient is that of the loss plus
+    the balancing terms times the units, written out by hand; the row it returns holds the task's loss alone."""
+    from parallel.engine import Engine
     torch.manual_seed(0)
     model = Transformer(ModelConfig(vocab_size=64, dim=16, n_layers=2, n_heads=2, hidden_dim=24, max_seq_len=16,
                                     moe_num_experts=4, moe_top_k=2, moe_shared_experts=1))
@@ -47,8 +44,11 @@ def test_aux_losses_join_the_gradient_not_the_logged_loss():
         loss.backward()
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
-    moe = MoETraining.of(_cfg(moe_aux_loss_coef=0.1, moe_z_loss_coef=0.01), model)
-    loss, got = grads(moe.wrap_loss(base, units))
+    engine = Engine(model, type("Unscaled", (), {"scale_loss": staticmethod(lambda t: t)})(), model)
+    engine.side_loss = MoETraining.of(_cfg(moe_aux_loss_coef=0.1, moe_z_loss_coef=0.01), model, units)
+    model.zero_grad()
+    row = engine.forward_backward([batch], base, global_units=1.0)
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
 
     def by_hand(m, b):  # the loss plus the formula's terms, in the open
         lm = m(b["input_ids"], labels=b["labels"], reduction="sum")
@@ -59,7 +59,7 @@ def test_aux_losses_join_the_gradient_not_the_logged_loss():
         return lm + extra * units(b), {}
     _, want = grads(by_hand)
     plain_loss, plain = grads(base)
-    assert torch.equal(loss, plain_loss)  # the logged value is the task's loss alone
+    assert float(row[0]) == pytest.approx(float(plain_loss), rel=1e-6)  # the logged value is the task's loss alone
     router = "layers.0.mlp.router.weight"
     assert not torch.allclose(got[router], plain[router])  # the balancing terms moved the router's gradient
     for n in want:
@@ -180,12 +180,16 @@ def test_export_refuses_what_mixtral_cannot_hold_and_a_mixtral_trains(moe_run, t
     assert state["layers.1.mlp.experts.down_proj"].shape == (4, 32, 16)
 
 
-@pytest.mark.parametrize("nproc, extra", [(1, []), (2, ["--batch_size=2", "--parallel=fsdp"])], ids=["1proc", "fsdp2"])
+@pytest.mark.parametrize("nproc, extra", [
+    (1, ["--n_layers=3"]), (2, ["--n_layers=3", "--batch_size=2", "--parallel=fsdp"]),
+    (2, ["--n_layers=4", "--pipeline_parallel_size=2", "--gradient_accumulation_steps=2"]),
+], ids=["1proc", "fsdp2", "pp2"])
 def test_resume_is_exact_with_the_biases(tiny_pretrain_run_args, tmp_path, nproc, extra):
     """A crash at the start of step 4 (checkpoint at 2), resumed: the same losses and final weights, selection
-    biases included, as the uninterrupted run (the biases moved every step: a resume that lost them diverges)."""
+    biases included, as the uninterrupted run (the biases moved every step: a resume that lost them diverges).
+    Under 2 pipeline stages the metrics row holds every stage's MoE layers, each token counted top_k times."""
     from tests.conftest import run_trainer
-    args = [*tiny_pretrain_run_args, *MOE, "--n_layers=3", "--moe_bias_update_rate=0.01", "--moe_aux_loss_coef=0.01",
+    args = [*tiny_pretrain_run_args, *MOE, "--moe_bias_update_rate=0.01", "--moe_aux_loss_coef=0.01",
             "--max_iters=5", "--checkpoint_interval=2", *extra]
     ref, crashed = tmp_path / "ref", tmp_path / "crashed"
     run_cmd(train_cmd([*args, f"--out_dir={ref}"], nproc))
@@ -202,3 +206,9 @@ def test_resume_is_exact_with_the_biases(tiny_pretrain_run_args, tmp_path, nproc
     a, b = (checkpoint_model_state(find_latest_valid(str(d))) for d in (ref, crashed))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert torch.count_nonzero(a["layers.1.mlp.expert_bias"]) > 0
+    rows = dedupe_by_step(read_metrics(os.path.join(crashed, "metrics.jsonl")))
+    n_moe = (4 if "--n_layers=4" in extra else 3) - 1
+    for r in rows.values():
+        loads = torch.tensor(r["moe_tokens_per_expert"])
+        assert loads.shape == (n_moe, 4) and len(set(loads.sum(dim=1).tolist())) == 1, loads
+        assert 0.5 < r["moe_aux_loss"] <= 2 and f"moe_load_max_mean_l{n_moe}" in r
