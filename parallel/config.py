@@ -45,7 +45,8 @@ CAPABILITIES: dict[str, frozenset] = {
                        "tensor_parallel", "sequence_parallel", "hsdp", "cpu_offload", "tied_embeddings", "float8",
                        "context_parallel", "moe", "expert_parallel"}),
     "pipeline": frozenset({"compile", "zero", "tensor_parallel", "sequence_parallel", "hsdp", "cpu_offload",
-                           "frozen_parameters", "padded_batches", "sequence_logprobs", "float8", "moe"}),
+                           "frozen_parameters", "padded_batches", "sequence_logprobs", "float8", "moe",
+                           "expert_parallel"}),
 }
 WHY_NOT: dict[str, str] = {
     "rollouts": "GRPO's rollouts run a forward per generated token on every rank; pipeline stages would pass each "
@@ -60,7 +61,6 @@ WHY_NOT: dict[str, str] = {
     "cpu_offload": "offloading is FSDP2's: needs --parallel=fsdp",
     "tied_embeddings": "the embedding on the first stage and the LM head on the last would be one weight on two ranks",
     "context_parallel": "pipeline stages would pass split hidden states between ranks: not built yet",
-    "expert_parallel": "experts sharded over ep ranks under pipeline stages are not built yet",
     "low_precision_optimizer_states": "the bf16 moments live in our DDP's one-launch AdamW over its flat buffers "
                                       "(one stage's gradient norm only)",
 }
@@ -368,6 +368,10 @@ class ParallelConfig(ParallelFlags):
             what = f"--context_parallel_size={self.cp}" if self.cp > 1 else f"--tensor_parallel_size={self.tp}"
             out.append(f"--expert_parallel_size={self.ep} cannot be combined with {what} yet (the ep ranks split "
                        "the data-parallel shard dimension only; torchtitan's ep over dp_shard x cp x tp is not built)")
+        if self.ep > 1 and self.pp > 1 and self.parallel == "ddp":
+            out.append(f"--expert_parallel_size={self.ep} cannot be combined with --pipeline_parallel_size={self.pp} "
+                       "under --parallel=ddp yet (a stage's files would hold each rank's expert shards; FSDP2 stages "
+                       "gather them: use --parallel=fsdp)")
         if self.ep > 1 and self.parallel == "ddp" and self.comm_hook == "powersgd":
             out.append(f"--comm_hook=powersgd cannot be combined with --expert_parallel_size={self.ep} yet (its "
                        "low-rank state is per bucket over the whole data-parallel group; the experts' buckets are "

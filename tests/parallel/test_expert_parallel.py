@@ -248,8 +248,8 @@ def test_ddp_resume_across_ep_sizes(results):
      "--comm_hook=powersgd cannot be combined with --expert_parallel_size=4"),
     (dict(parallel="fsdp", context_parallel_size=2), dict(moe_num_experts=8),
      "--expert_parallel_size=4 cannot be combined with --context_parallel_size=2"),
-    (dict(parallel="fsdp", pipeline_parallel_size=2, gradient_accumulation_steps=2), dict(moe_num_experts=8),
-     "--expert_parallel_size=4 cannot be combined with --pipeline_parallel_size=2"),
+    (dict(parallel="ddp", pipeline_parallel_size=2, gradient_accumulation_steps=2), dict(moe_num_experts=8),
+     "--expert_parallel_size=4 cannot be combined with --pipeline_parallel_size=2 under --parallel=ddp"),
     (dict(parallel="fsdp", dp_replicate_size=4), dict(moe_num_experts=8),
      "--expert_parallel_size=4 does not divide the data-parallel shard dimension 2"),
     (dict(parallel="fsdp", compile=True), dict(moe_num_experts=8),
@@ -265,19 +265,20 @@ def test_refusals_name_the_flags(flags, model, needle):
     assert all("\n" not in line for line in lines)
 
 
-def test_moe_is_a_capability_of_every_engine_and_expert_parallel_not_of_stages():
+def test_moe_is_a_capability_of_every_engine_and_expert_parallel_not_of_ddp_stages():
     """The trainer asks for "moe" (trainer/config.py engine_needs): every engine declares it, pipeline stages
-    included; experts sharded over ep ranks under stages are refused in one line."""
+    included; experts sharded over ep ranks run under FSDP2 stages, and are refused in one line under our DDP's."""
     from parallel.config import ParallelConfig
     needs = {"--moe_num_experts=4": "moe"}
     for pc in (ParallelConfig(pipeline_parallel_size=2, gradient_accumulation_steps=2),
                ParallelConfig(pipeline_parallel_size=2, gradient_accumulation_steps=2, parallel="fsdp"),
                ParallelConfig(parallel="fsdp"), ParallelConfig()):
         assert pc.problems(2, needs=needs) == []
-    ep = ParallelConfig(pipeline_parallel_size=2, gradient_accumulation_steps=2, expert_parallel_size=2)
-    assert ep.problems(4, needs=needs) == ["--expert_parallel_size=2 cannot be combined with "
-                                           "--pipeline_parallel_size=2 (experts sharded over ep ranks under pipeline "
-                                           "stages are not built yet)"]
+    ep = dict(pipeline_parallel_size=2, gradient_accumulation_steps=2, expert_parallel_size=2)
+    assert ParallelConfig(parallel="fsdp", **ep).problems(4, needs=needs) == []
+    assert ParallelConfig(**ep).problems(4, needs=needs) == [
+        "--expert_parallel_size=2 cannot be combined with --pipeline_parallel_size=2 under --parallel=ddp yet (a "
+        "stage's files would hold each rank's expert shards; FSDP2 stages gather them: use --parallel=fsdp)"]
 
 
 def test_good_layout_has_no_problem():

@@ -125,7 +125,9 @@ def _train(parallel: str, zero: bool = False, **layout) -> dict:
                                                                  **layout})
     engine = build_engine(new_model(n_layers=4 if pp > 1 else 3), cfg, device=torch.device("cpu"))
     moe, loss_fn = moe_loss(cfg, engine)
-    rec = {"losses": [], "norms": [], "loads": [], "aux_loss": []}
+    rec = {"losses": [], "norms": [], "loads": [], "aux_loss": [],
+           "on_ep": [hasattr(w, "device_mesh") and "ep" in (w.device_mesh.mesh_dim_names or ())
+                     for w in (layer.experts.down_proj for layer in moe.layers)]}
     for step in range(1, STEPS + 1):
         mine, units = rank_batches(engine, step)
         engine.optimizer.zero_grad()
@@ -160,7 +162,8 @@ def _world(rank: int, world: int, out_path: str) -> None:
                "cp2": _train("ddp", context_parallel_size=2), "cp2_fsdp": _train("fsdp", context_parallel_size=2)}
     else:  # 2 stages x 2 replicas: each replica's schedule runs 2 micro-batches
         pp2 = dict(PP, gradient_accumulation_steps=2)
-        out = {"pp_dp2_zero1": _train("ddp", zero=True, **pp2), "pp_dp2_fsdp": _train("fsdp", **pp2)}
+        out = {"pp_dp2_zero1": _train("ddp", zero=True, **pp2), "pp_dp2_fsdp": _train("fsdp", **pp2),
+               "pp_ep2_fsdp": _train("fsdp", expert_parallel_size=2, **pp2)}
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(out, f)
@@ -198,7 +201,7 @@ def reference4() -> dict:
 
 
 @pytest.mark.parametrize("engine", ["ddp", "zero1", "fsdp", "pp_ddp", "pp_fsdp_gpipe", "pp_dp2_zero1",
-                                    "pp_dp2_fsdp", "cp2", "cp2_fsdp"])
+                                    "pp_dp2_fsdp", "pp_ep2_fsdp", "cp2", "cp2_fsdp"])
 def test_two_ranks_follow_one_process(results, reference, reference4, engine):
     """Also pipeline stages (2, and 2 x 2 data-parallel replicas): the balancing losses of the first stage's
     layers join its backward (parallel/engine_pipeline.py JoinGradient); the loads and balancing loss of the
@@ -207,6 +210,8 @@ def test_two_ranks_follow_one_process(results, reference, reference4, engine):
     rank backpropagating its own tokens' part of it, and the loads logged are every cp rank's tokens."""
     rec = results[engine]
     reference = reference4 if engine.startswith("pp") else reference
+    # the experts of each of this rank's MoE layers laid out over the expert-parallel ranks, where asked
+    assert rec["on_ep"] == ["ep2" in engine] * (1 if engine.startswith("pp") else 2)
     assert rec["loads"] == reference["loads"]  # integers: exactly
     assert max(abs(a - b) for a, b in zip(rec["aux_loss"], reference["aux_loss"])) <= reference["aux_tol"]
     assert max(abs(a - b) for a, b in zip(rec["losses"], reference["losses"])) <= reference["loss_tol"]
