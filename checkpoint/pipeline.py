@@ -80,7 +80,8 @@ def write_stage_state(dir_path: str, stages: dict, sd: dict, global_rank: int, g
     rank 0 also pipeline.json. copy=False: `sd` already holds host copies of its own (the background writer).
     `guard.file` names the file being written."""
     s, dp_rank = stages["stage_index"], stages["dp_rank"]
-    first = dp_rank == 0 and stages["tp_rank"] == 0  # one writer per stage (the tensors are gathered)
+    # one writer per stage (the tensors are gathered; the cp ranks of a stage hold the same state)
+    first = dp_rank == 0 and stages["tp_rank"] == 0 and stages.get("cp_rank", 0) == 0
     if first:
         path = guard.file = os.path.join(dir_path, stage_model_file(s))
         tensors = {k: v.to("cpu").contiguous().clone() for k, v in sd["model"].items()} if copy else sd["model"]

@@ -359,12 +359,16 @@ class Transformer(nn.Module):
             # whole sequences in, this rank's two chunks kept (model/ring_attention.py); the loss comes back summed
             # over the cp group, the logits (labels None) are this rank's positions only
             if any(t is not None for t in (attention_mask, position_ids, doc_ids, cu_seqlens, cache)) \
-                    or self.embed_tokens is None or (labels is not None and reduction not in ("sum", "mean")):
+                    or self.hidden_input_seq_split != 1 or (labels is not None and reduction not in ("sum", "mean")):
                 raise ValueError("context parallelism takes whole causal sequences of token ids with a summed or "
                                  "mean loss: no attention_mask, position_ids, doc_ids, cu_seqlens, KV cache, "
-                                 "reduction='none' or pipeline stage (docs/parallel.md)")
+                                 "reduction='none' or sequence-parallel input (docs/parallel.md)")
+            if self.embed_tokens is None:  # a later pipeline stage: the hidden input is this rank's chunks already
+                T *= cp.size
+            else:
+                input_ids = cp.shard(input_ids)
             positions = cp.positions(B, T, input_ids.device)
-            input_ids, labels, T = cp.shard(input_ids), cp.shard(labels), T // cp.size
+            labels, T = cp.shard(labels), T // cp.size
             spec = AttnSpec("ring", group=cp.group)
         elif position_ids is None:
             positions = torch.arange(past, past + T, device=input_ids.device)[None].expand(B, T)

@@ -46,7 +46,7 @@ CAPABILITIES: dict[str, frozenset] = {
                        "context_parallel", "moe", "expert_parallel"}),
     "pipeline": frozenset({"compile", "zero", "tensor_parallel", "sequence_parallel", "hsdp", "cpu_offload",
                            "frozen_parameters", "padded_batches", "sequence_logprobs", "float8", "moe",
-                           "expert_parallel"}),
+                           "expert_parallel", "context_parallel"}),
 }
 WHY_NOT: dict[str, str] = {
     "rollouts": "GRPO's rollouts run a forward per generated token on every rank; pipeline stages would pass each "
@@ -60,7 +60,6 @@ WHY_NOT: dict[str, str] = {
     "hsdp": "it runs on FSDP2's 2-D mesh: needs --parallel=fsdp",
     "cpu_offload": "offloading is FSDP2's: needs --parallel=fsdp",
     "tied_embeddings": "the embedding on the first stage and the LM head on the last would be one weight on two ranks",
-    "context_parallel": "pipeline stages would pass split hidden states between ranks: not built yet",
     "low_precision_optimizer_states": "the bf16 moments live in our DDP's one-launch AdamW over its flat buffers "
                                       "(one stage's gradient norm only)",
 }
@@ -368,6 +367,10 @@ class ParallelConfig(ParallelFlags):
             what = f"--context_parallel_size={self.cp}" if self.cp > 1 else f"--tensor_parallel_size={self.tp}"
             out.append(f"--expert_parallel_size={self.ep} cannot be combined with {what} yet (the ep ranks split "
                        "the data-parallel shard dimension only; torchtitan's ep over dp_shard x cp x tp is not built)")
+        if self.cp > 1 and self.pp > 1 and self.parallel == "ddp" and self.use_distributed_optimizer:
+            out.append(f"--use_distributed_optimizer=true cannot be combined with --context_parallel_size={self.cp} "
+                       f"and --pipeline_parallel_size={self.pp} yet (ZeRO would shard a stage's state over dp x cp "
+                       "ranks; its files are per dp rank): use plain DDP or --parallel=fsdp stages")
         if self.ep > 1 and self.pp > 1 and self.parallel == "ddp":
             out.append(f"--expert_parallel_size={self.ep} cannot be combined with --pipeline_parallel_size={self.pp} "
                        "under --parallel=ddp yet (a stage's files would hold each rank's expert shards; FSDP2 stages "

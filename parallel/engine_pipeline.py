@@ -99,7 +99,7 @@ class PipelineParallelEngine(Engine):
         # over dp_replicate x dp_shard (HSDP under FSDP2 stages; replicate is 1 else)
         self.dp_rank, self.dp_size = dp_coordinates(mesh)
         self.stage_index = mesh.get_local_rank("pp")
-        self.tp_rank = mesh.get_local_rank("tp")
+        self.tp_rank, self.cp_rank, cp = mesh.get_local_rank("tp"), mesh.get_local_rank("cp"), mesh["cp"].size()
         self.dp_engine, self.schedule_name, self.n_microbatches = dp_engine, schedule.lower(), n_microbatches
         self.layer_ranges, self.n_layers = layer_ranges, stage_module.cfg.n_layers
         # the P ranks of a pipeline (and the T ranks of a stage's tensor group) hold the same batch and the
@@ -107,7 +107,7 @@ class PipelineParallelEngine(Engine):
         super().__init__(wrapped, optimizer, stage_module, dp_rank=self.dp_rank, dp_size=self.dp_size,
                          fixed_batch_shape=True, micro_batches_per_call=n_microbatches,
                          counts_in_sums=counts_in_sums(mesh), counts_in_statistics=counts_in_statistics(mesh),
-                         mesh=mesh,
+                         mesh=mesh, grad_ranks=self.dp_size * cp,
                          sharded_optimizer=self._sharded_files(optimizer))
         self.is_first, self.is_last = stage_module.is_first, stage_module.is_last
         self._loss_mult, self._poison = 1.0, False
@@ -178,7 +178,9 @@ class PipelineParallelEngine(Engine):
             raise ValueError(f"the pipeline schedule was built for {self.n_microbatches} micro-batches "
                              f"(gradient_accumulation_steps), got {len(mbs)}")
         args, target, kwargs = self._start(mbs, loss_fn, None)
-        self._loss_mult, self._poison = self.dp_size / max(1.0, float(global_units)), poison
+        # the gradients are averaged over the dp wrap's ranks: dp, or dp x cp (each cp rank backpropagates its part
+        # of the cp group's summed loss, model/ring_attention.py)
+        self._loss_mult, self._poison = (self.grad_ranks or self.dp_size) / max(1.0, float(global_units)), poison
         self._side_units = [self.side_loss.units(mb) for mb in mbs] if self.side_loss is not None else []
         self.module.train()
         # one dp reduction per step: our DDP's in optimizer.step(); FSDP's reduce-scatter is run by the
@@ -316,7 +318,8 @@ class PipelineParallelEngine(Engine):
                                  "n_layers": self.n_layers, "layer_ranges": [list(r) for r in self.layer_ranges],
                                  "schedule": self.schedule_name, "n_microbatches": self.n_microbatches,
                                  "dp_engine": self.dp_engine, "sharded_optimizer": self._sharded_files(),
-                                 "stage_index": self.stage_index, "dp_rank": self.dp_rank, "tp_rank": self.tp_rank})
+                                 "stage_index": self.stage_index, "dp_rank": self.dp_rank, "tp_rank": self.tp_rank,
+                                 "cp_rank": self.cp_rank})
 
 
 def pipeline_stage_of(model: torch.nn.Module, pc: ParallelConfig, opt_cfg: OptimizerConfig, mesh: Any,
@@ -351,8 +354,8 @@ def wrap_pipeline_engine(stage: PipelineStageModule, pc: ParallelConfig, opt_cfg
         # over dp_shard, or dp_replicate x dp_shard (HSDP: sharded within a replica, all-reduced between them)
         wrapped, opt = fsdp_with_optimizer(stage, pc, opt_cfg, dp_mesh=dp_mesh(mesh), param_dtype=param_dtype,
                                            gloo_collectives=False, norm_groups=norm_groups)
-    else:  # dp rank 0's weights everywhere (our DDP broadcasts them)
-        wrapped, opt = ddp_with_optimizer(stage, pc, opt_cfg, group=mesh.get_group("dp_shard"),
+    else:  # dp rank 0's weights everywhere (our DDP broadcasts them); over dp_shard, or dp_shard x cp
+        wrapped, opt = ddp_with_optimizer(stage, pc, opt_cfg, group=dp_mesh(mesh).get_group(),
                                           norm_groups=norm_groups)
     device = torch.device(device if device is not None else next(stage.parameters()).device)
     return PipelineParallelEngine(stage, wrapped, opt, mesh=mesh, device=device, schedule=pc.pipeline_schedule,

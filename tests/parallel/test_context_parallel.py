@@ -130,9 +130,11 @@ def _engine(cp: int, zero: bool = False, parallel: str = "ddp", tp: int = 1, com
 
 def _train(cp: int, zero: bool = False, parallel: str = "ddp", tp: int = 1, compile: bool = False) -> dict:
     engine = _engine(cp, zero, parallel, tp, compile)
-    rec = {"losses": [], "dp": [engine.dp_rank, engine.dp_size], "counts": engine.counts_in_sums}
+    rec = {"losses": [], "norms": [], "dp": [engine.dp_rank, engine.dp_size], "counts": engine.counts_in_sums}
     for step in range(1, STEPS + 1):
-        rec["losses"].append(_step(engine, step)[0])
+        loss, norm = _step(engine, step)
+        rec["losses"].append(loss)
+        rec["norms"].append(norm)
     rec["params"] = _full_params(engine)
     every = [None] * dist.get_world_size()
     dist.all_gather_object(every, [rec["dp"], rec["counts"]])
@@ -186,11 +188,12 @@ def results(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def reference() -> dict:
-    p32, l32 = _reference(STEPS, torch.float32)
-    p64, l64 = _reference(STEPS, torch.float64)
+    p32, l32, n32 = _reference(STEPS, torch.float32)
+    p64, l64, n64 = _reference(STEPS, torch.float64)
     noise = max(float((p32[n] - p64[n]).abs().max()) for n in p32)
-    return {"params": p32, "losses": l32, "tol": 10 * noise + 1e-7,
-            "loss_tol": 10 * max(abs(a - b) for a, b in zip(l32, l64)) + 1e-6 * max(l32)}
+    return {"params": p32, "losses": l32, "norms": n32, "tol": 10 * noise + 1e-7,
+            "loss_tol": 10 * max(abs(a - b) for a, b in zip(l32, l64)) + 1e-6 * max(l32),
+            "norm_tol": 10 * max(abs(a - b) for a, b in zip(n32, n64)) + 1e-6 * max(n32)}
 
 
 # ------------------------------------------------------------------------------ tests
@@ -224,11 +227,13 @@ def test_model_loss_and_every_gradient_match_one_process(results, world, kind):
 def test_engine_steps_follow_one_process(results, reference, world, name):
     """3 optimizer steps (2 micro-batches each, clipping, AdamW) of our DDP / ZeRO-1 / FSDP2 (sharded over
     dp x cp) / FSDP2 + tensor parallel 2, with context parallelism, follow one process on the global batch:
-    each step's loss and the final parameters."""
+    each step's loss and gradient norm (the gradients' scale: AdamW and clipping would hide a factor), and the
+    final parameters."""
     rec = results[world][name]
     if name.endswith("compiled"):
         assert rec["graphs"] >= 2  # compiled, in pieces around the ring (not silently eager)
     assert max(abs(a - b) for a, b in zip(rec["losses"], reference["losses"])) <= reference["loss_tol"]
+    assert max(abs(a - b) for a, b in zip(rec["norms"], reference["norms"])) <= reference["norm_tol"], rec["norms"]
     diff = max(float((torch.tensor(rec["params"][n], dtype=torch.float64) - reference["params"][n].reshape(-1))
                      .abs().max()) for n in reference["params"])
     assert diff <= reference["tol"], diff
@@ -255,9 +260,13 @@ def test_refusals_name_the_flag_and_why():
         lines = pc().problems(4, needs={f"--task_type={task}": need})
         assert any(f"--task_type={task} cannot be combined with --context_parallel_size=2" in ln for ln in lines), lines
     assert pc().problems(4, needs={"--task_type=pretrain": ""}) == []
+    for dp in ("ddp", "fsdp"):  # pipeline stages x cp (tests/parallel/test_tensor_parallel.py runs them)
+        assert pc(pipeline_parallel_size=2, gradient_accumulation_steps=2, parallel=dp).problems(4) == []
     for kw, words in (({"parallel": "fsdp", "tensor_parallel_size": 2, "sequence_parallel": True},
                        "--sequence_parallel=true cannot be combined with --context_parallel_size=2"),
-                      ({"pipeline_parallel_size": 2}, "cannot be combined with --pipeline_parallel_size=2")):
+                      ({"pipeline_parallel_size": 2, "use_distributed_optimizer": True},
+                       "--use_distributed_optimizer=true cannot be combined with --context_parallel_size=2 and "
+                       "--pipeline_parallel_size=2")):
         lines = pc(**kw).problems(4)
         assert any(words in ln for ln in lines), (kw, lines)
     assert pc().model_problems(n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=30, dropout=0.0) == [

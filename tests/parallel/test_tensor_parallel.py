@@ -53,29 +53,35 @@ def _new_model(tied: bool = False, ckpt: bool = False, dropout: float = 0.0, lor
 
 # ------------------------------------------------------------------------------ reference (1 process)
 
-def _reference(steps: int, dtype: torch.dtype, tied: bool = False, lora: bool = False) -> tuple[dict, list[float]]:
+def _reference(steps: int, dtype: torch.dtype, tied: bool = False,
+               lora: bool = False) -> tuple[dict, list[float], list[float]]:
+    """(parameters, losses, gradient norms before clipping) of `steps` one-process steps."""
     model = _new_model(tied, lora=lora).to(dtype)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": OPT["weight_decay"]},
                              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
                             lr=OPT["learning_rate"], betas=(OPT["beta1"], OPT["beta2"]), eps=OPT["eps"],
                             foreach=False)
-    losses = []
+    losses, norms = [], []
     for step in range(1, steps + 1):
         batches = _global_batches(step)
-        losses.append(one_process_step(model, opt, params, batches, _units(batches), OPT["grad_clip"])[0])
-    return {n: p.detach().double().clone() for n, p in model.named_parameters()}, losses
+        loss, norm = one_process_step(model, opt, params, batches, _units(batches), OPT["grad_clip"])
+        losses.append(loss)
+        norms.append(norm)
+    return {n: p.detach().double().clone() for n, p in model.named_parameters()}, losses, norms
 
 
 # ------------------------------------------------------------------------------ in the workers
 
 def _engine(tp: int = 1, rep: int = 1, tied: bool = False, ckpt: bool = False, sp: bool = False,
-            dtype: str = "fp32", pp: int = 1, dropout: float = 0.0, lora: bool = False, compile: bool = False):
+            dtype: str = "fp32", pp: int = 1, dropout: float = 0.0, lora: bool = False, compile: bool = False,
+            cp: int = 1, parallel: str = "fsdp"):
     from parallel.build import build_engine
     from trainer.config import TrainConfig
-    cfg = dataclasses.replace(TrainConfig(), parallel="fsdp", dtype=dtype, device="cpu",
+    cfg = dataclasses.replace(TrainConfig(), parallel=parallel, dtype=dtype, device="cpu",
                               tensor_parallel_size=tp, dp_replicate_size=rep, sequence_parallel=sp,
-                              pipeline_parallel_size=pp, gradient_accumulation_steps=GAS, compile=compile, **OPT)
+                              pipeline_parallel_size=pp, gradient_accumulation_steps=GAS, compile=compile,
+                              context_parallel_size=cp, **OPT)
     return build_engine(_new_model(tied, ckpt, dropout, lora), cfg, device=torch.device("cpu"))
 
 
@@ -241,6 +247,18 @@ def _world4(rank: int, world: int, out_path: str, root: str, tp2_ckpt: str) -> N
         e = _engine(pp=2, tp=tp)
         _load(e, path, 4)
         out[name] = {"loss": _step(e, STEPS + 1)[0], "params": _full_params(e)}
+    # pipeline stages x context parallel: each cp rank's stages pass its chunks of the hidden states; FSDP2
+    # stages shard over dp_shard x cp, our DDP's reduce over it (saved and resumed at the same layout: one
+    # writer per stage of the cp ranks that hold the same state)
+    _train(out, "pp2_cp2", STEPS, pp=2, cp=2, ckpt=True)
+    engine = _train(out, "pp2_cp2_ddp", STEPS, pp=2, cp=2, parallel="ddp")
+    path = _save(engine, os.path.join(root, "pp2_cp2_ddp"), STEPS)
+    out["pp2_cp2_ddp"]["next_loss"] = _step(engine, STEPS + 1)[0]
+    out["pp2_cp2_ddp"]["next_params"] = _full_params(engine)
+    del engine
+    e = _engine(pp=2, cp=2, parallel="ddp")
+    _load(e, path, 4)
+    out["pp2_cp2_ddp_resumed"] = {"loss": _step(e, STEPS + 1)[0], "params": _full_params(e)}
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(out, f)
@@ -270,12 +288,14 @@ def reference() -> dict:
     out = {}
     for tied, lora in ((False, False), (True, False), (False, True)):
         for steps in (STEPS, STEPS + 1) if not lora else (STEPS,):
-            p32, l32 = _reference(steps, torch.float32, tied, lora)
-            p64, l64 = _reference(steps, torch.float64, tied, lora)
+            p32, l32, n32 = _reference(steps, torch.float32, tied, lora)
+            p64, l64, n64 = _reference(steps, torch.float64, tied, lora)
             noise = max(float((p32[n] - p64[n]).abs().max()) for n in p32)
             # the loss: a mean of ~100 fp32 token losses, whose own rounding is ~1e-6 relative at worst
-            out[(tied, steps) if not lora else ("lora", steps)] = {"params": p32, "losses": l32, "tol": 10 * noise + 1e-7,
-                                  "loss_tol": 10 * max(abs(a - b) for a, b in zip(l32, l64)) + 1e-6 * max(l32)}
+            out[(tied, steps) if not lora else ("lora", steps)] = {
+                "params": p32, "losses": l32, "tol": 10 * noise + 1e-7, "norms": n32,
+                "loss_tol": 10 * max(abs(a - b) for a, b in zip(l32, l64)) + 1e-6 * max(l32),
+                "norm_tol": 10 * max(abs(a - b) for a, b in zip(n32, n64)) + 1e-6 * max(n32)}
     return out
 
 
@@ -296,13 +316,16 @@ def test_vocab_parallel_loss_matches_full_vocabulary(results, reduction):
 @pytest.mark.parametrize("name,tied", [("tp2", False), ("tp2_tied", True), ("tp2_ckpt", False),
                                        ("tp2_sp", False), ("tp2_sp_tied", True), ("tp2_fsdp2", False),
                                        ("tp2_sp_fsdp2", False), ("hsdp", False), ("pp2_tp2", False),
-                                       ("pp2_tp2_sp", False), ("pp2_hsdp", False),
+                                       ("pp2_tp2_sp", False), ("pp2_hsdp", False), ("pp2_cp2", False),
+                                       ("pp2_cp2_ddp", False),
                                        ("tp2_lora", "lora"), ("tp2_sp_fsdp2_lora", "lora"),
                                        ("tp2_sp_compile", False)])
 def test_parallel_layouts_match_one_process(results, reference, name, tied):
     ref = reference[(tied, STEPS)]
     rec = results[name]
     assert max(abs(a - b) for a, b in zip(rec["losses"], ref["losses"])) <= ref["loss_tol"], (rec["losses"], ref["losses"])
+    # the gradient's scale too (AdamW and clipping would hide a factor on every gradient)
+    assert max(abs(a - b) for a, b in zip(rec["norms"], ref["norms"])) <= ref["norm_tol"], (rec["norms"], ref["norms"])
     assert _max_param_diff(rec["params"], ref["params"]) <= ref["tol"], name
 
 
@@ -336,7 +359,7 @@ def test_mesh_layout_and_data_coordinates(results):
     assert results["tp2_to_dp2"]["dp"][1] == 2 and results["tp2_to_dp4"]["dp"][1] == 4
 
 
-@pytest.mark.parametrize("run", ["tp2_fsdp2", "pp2_tp2"])
+@pytest.mark.parametrize("run", ["tp2_fsdp2", "pp2_tp2", "pp2_cp2_ddp"])
 def test_resume_at_the_same_layout_is_bit_exact(results, run):
     a, b = results[run], results[f"{run}_resumed"]
     assert a["next_loss"] == b["loss"]
