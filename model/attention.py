@@ -78,6 +78,7 @@ class AttnSpec:
     flash: Optional[tuple] = None               # (flash_attn_func, flash_attn_varlen_func)
     varlen: Optional[Any] = None                # fa4_varlen: model.fa4.VarlenCall (torch's varlen_attn)
     group: Any = None                           # ring: the context-parallel process group (model/ring_attention.py)
+    docs: Optional[torch.Tensor] = None         # ring: the whole sequences' document ids [B, T] (None: one per row)
 
 
 # ------------------------------------------------------------------------------------ the rule

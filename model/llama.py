@@ -180,7 +180,7 @@ class Attention(nn.Module):
                 # imported here: its torch.compiler.disable imports torch._dynamo (~2 s), which sample.py and
                 # eval_lm.py should not pay for; a context-parallel run has loaded it when it set the spec up
                 from model.ring_attention import ring_attention
-                y = ring_attention(q, k, v, spec.group)
+                y = ring_attention(q, k, v, spec.group, spec.docs)
             elif spec.kind == "flex":
                 y = attention.flex_attention_(q, k, v, spec)
             else:
@@ -356,20 +356,24 @@ class Transformer(nn.Module):
         past = cache.pos if cache is not None else 0
         cp = getattr(self, "context_parallel", None)
         if cp is not None and cp.size > 1:
-            # whole sequences in, this rank's two chunks kept (model/ring_attention.py); the loss comes back summed
-            # over the cp group, the logits (labels None) are this rank's positions only
-            if any(t is not None for t in (attention_mask, position_ids, doc_ids, cu_seqlens, cache)) \
-                    or self.hidden_input_seq_split != 1 or (labels is not None and reduction not in ("sum", "mean")):
-                raise ValueError("context parallelism takes whole causal sequences of token ids with a summed or "
-                                 "mean loss: no attention_mask, position_ids, doc_ids, cu_seqlens, KV cache, "
+            # whole sequences in (and their attention_mask / position_ids / doc_ids: padding and packed documents),
+            # this rank's two chunks kept (model/ring_attention.py); the loss comes back summed over the cp group,
+            # the logits (labels None) are this rank's positions only. cu_seqlens (flash varlen) is not needed: the
+            # ring masks by the document ids
+            if cache is not None or self.hidden_input_seq_split != 1 \
+                    or (labels is not None and reduction not in ("sum", "mean")):
+                raise ValueError("context parallelism takes whole sequences with a summed or mean loss: no KV cache, "
                                  "reduction='none' or sequence-parallel input (docs/parallel.md)")
             if self.embed_tokens is None:  # a later pipeline stage: the hidden input is this rank's chunks already
                 T *= cp.size
             else:
                 input_ids = cp.shard(input_ids)
-            positions = cp.positions(B, T, input_ids.device)
+            from model.ring_attention import sequence_documents  # (loaded already: the cp switch's module)
+            docs = sequence_documents(B, T, input_ids.device, attention_mask, position_ids, doc_ids)
+            positions = cp.positions(B, T, input_ids.device) if position_ids is None else \
+                cp.shard(position_ids.expand(B, T))
             labels, T = cp.shard(labels), T // cp.size
-            spec = AttnSpec("ring", group=cp.group)
+            spec = AttnSpec("ring", group=cp.group, docs=docs)
         elif position_ids is None:
             positions = torch.arange(past, past + T, device=input_ids.device)[None].expand(B, T)
         else:

@@ -89,15 +89,33 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 ROW_TILE = 1024
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, row0: int = 0) -> torch.Tensor:
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, row0: int = 0,
+            same_doc: Optional[torch.Tensor] = None) -> torch.Tensor:
     """q [B, G, R, n, D] (G kv heads x R query heads each; rows row0.. of their chunk), k [B, G, m, D] ->
-    scores [B, G, R, n, m], -inf where the key is in the query's future when `causal` (a diagonal block)."""
+    scores [B, G, R, n, m], -inf where the key is in the query's future when `causal` (a diagonal block), and where
+    `same_doc` [B, n, m] (these rows' and keys' document ids equal) is False."""
     s = torch.einsum("bgrid,bgjd->bgrij", q, k) * scale
     if causal:
         rows = torch.arange(row0, row0 + q.shape[-2], device=q.device)
         future = torch.arange(k.shape[-2], device=q.device)[None, :] > rows[:, None]
         s = s.masked_fill(future, float("-inf"))
+    if same_doc is not None:
+        s = s.masked_fill(~same_doc[:, None, None], float("-inf"))
     return s
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """lse with the -inf of rows that see no key in a block (another document's keys only) replaced by 0, to
+    subtract from their -inf scores: their probabilities are then 0, never NaN."""
+    return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+
+
+def _same_doc(docs: Optional[tuple], r0: int, r1: int, n: int) -> Optional[torch.Tensor]:
+    """[B, r1 - r0, n]: whether query rows r0..r1 and keys ..n of a block are in one document (None: no ids)."""
+    if docs is None:
+        return None
+    q_docs, k_docs = docs
+    return q_docs[:, r0:r1, None] == k_docs[:, None, :n]
 
 
 def _tiles(rows: int, causal: bool, keys: int):
@@ -107,24 +125,28 @@ def _tiles(rows: int, causal: bool, keys: int):
         yield r0, r1, (r1 if causal else keys)
 
 
-def block_forward(q, k, v, causal: bool, scale: float):
-    """One block: (out [B, G, R, c, D], lse [B, G, R, c]) in the accumulation dtype, ROW_TILE query rows at a time."""
+def block_forward(q, k, v, causal: bool, scale: float, docs: Optional[tuple] = None):
+    """One block: (out [B, G, R, c, D], lse [B, G, R, c]) in the accumulation dtype, ROW_TILE query rows at a time.
+    docs: (the query rows' document ids [B, c], the keys' [B, m]) or None; a row that sees no key here gets out 0
+    and lse -inf."""
     outs, lses = [], []
     for r0, r1, n in _tiles(q.shape[-2], causal, k.shape[-2]):
-        s = _scores(q[..., r0:r1, :], k[..., :n, :], causal, scale, r0)
+        s = _scores(q[..., r0:r1, :], k[..., :n, :], causal, scale, r0, _same_doc(docs, r0, r1, n))
         lse = torch.logsumexp(s, dim=-1)
-        outs.append(torch.einsum("bgrij,bgjd->bgrid", torch.exp(s - lse[..., None]), v[..., :n, :]))
+        outs.append(torch.einsum("bgrij,bgjd->bgrid", torch.exp(s - _finite(lse)[..., None]), v[..., :n, :]))
         lses.append(lse)
     return torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
 
 
-def block_backward(q, k, v, dout, lse, delta, causal: bool, scale: float):
-    """One block's (dq, dk, dv) given the merged row lse and delta = rowsum(dout * out), ROW_TILE rows at a time."""
+def block_backward(q, k, v, dout, lse, delta, causal: bool, scale: float, docs: Optional[tuple] = None):
+    """One block's (dq, dk, dv) given the merged row lse and delta = rowsum(dout * out), ROW_TILE rows at a time.
+    (The merged lse is finite: every row sees itself.)"""
     dq = torch.empty_like(q)
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     for r0, r1, n in _tiles(q.shape[-2], causal, k.shape[-2]):
         qt, dot = q[..., r0:r1, :], dout[..., r0:r1, :]
-        p = torch.exp(_scores(qt, k[..., :n, :], causal, scale, r0) - lse[..., r0:r1, None])
+        s = _scores(qt, k[..., :n, :], causal, scale, r0, _same_doc(docs, r0, r1, n))
+        p = torch.exp(s - lse[..., r0:r1, None])
         dv[..., :n, :] += torch.einsum("bgrij,bgrid->bgjd", p, dot)
         ds = p * (torch.einsum("bgrid,bgjd->bgrij", dot, v[..., :n, :]) - delta[..., r0:r1, None])
         dq[..., r0:r1, :] = torch.einsum("bgrij,bgjd->bgrid", ds, k[..., :n, :]) * scale
@@ -137,7 +159,8 @@ def _merge(out, lse, b_out, b_lse):
     if out is None:
         return b_out, b_lse
     new = torch.logaddexp(lse, b_lse)
-    return out * torch.exp(lse - new)[..., None] + b_out * torch.exp(b_lse - new)[..., None], new
+    base = _finite(new)  # both -inf (no key seen yet): both factors 0
+    return out * torch.exp(lse - base)[..., None] + b_out * torch.exp(b_lse - base)[..., None], new
 
 
 def step_pairs(rank: int, src: int) -> tuple[tuple[int, int, bool], ...]:
@@ -180,11 +203,20 @@ def _split_heads(q: torch.Tensor, n_kv: int) -> torch.Tensor:
     return q.view(B, n_kv, H // n_kv, T, D)
 
 
+def _pair_docs(docs: Optional[torch.Tensor], rank: int, src: int, size: int, qi: int, ki: int) -> Optional[tuple]:
+    """(document ids of this rank's query chunk qi, of rank src's key chunk ki) from the whole sequences' [B, T]."""
+    if docs is None:
+        return None
+    chunks = docs.chunk(2 * size, dim=1)
+    return chunks[chunk_ids(rank, size)[qi]], chunks[chunk_ids(src, size)[ki]]
+
+
 class RingAttentionFunction(torch.autograd.Function):
-    """Causal attention of this rank's two chunks over the whole sequence, around the cp group's ring."""
+    """Causal attention of this rank's two chunks over the whole sequence, around the cp group's ring; with
+    `docs` (the whole sequences' document ids [B, T], the same on every rank) only within a document."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group):
+    def forward(ctx, q, k, v, group, docs=None):
         acc = _acc_dtype(q.dtype)
         ring = _Ring(group)
         n_kv, scale = k.shape[1], 1.0 / math.sqrt(q.shape[-1])
@@ -194,8 +226,10 @@ class RingAttentionFunction(torch.autograd.Function):
         for s in range(ring.size):
             pending = ring.start(kv) if s < ring.size - 1 else None
             ks, vs = (t.to(acc).chunk(2, dim=-2) for t in kv)
-            for qi, ki, causal in step_pairs(ring.rank, (ring.rank - s) % ring.size):
-                o, l = block_forward(qs[qi], ks[ki], vs[ki], causal, scale)
+            src = (ring.rank - s) % ring.size
+            for qi, ki, causal in step_pairs(ring.rank, src):
+                o, l = block_forward(qs[qi], ks[ki], vs[ki], causal, scale,
+                                     _pair_docs(docs, ring.rank, src, ring.size, qi, ki))
                 outs[qi], lses[qi] = _merge(outs[qi], lses[qi], o, l)
             if pending is not None:
                 _Ring.wait(pending)
@@ -207,7 +241,7 @@ class RingAttentionFunction(torch.autograd.Function):
         # same storage rather than a copy
         y = out.reshape(q.shape).to(q.dtype).transpose(1, 2).contiguous().transpose(1, 2)
         ctx.save_for_backward(q, k, v, y, lse)
-        ctx.group = group
+        ctx.group, ctx.docs = group, docs
         return y
 
     @staticmethod
@@ -228,8 +262,10 @@ class RingAttentionFunction(torch.autograd.Function):
             pending = ring.start(kv) if s < ring.size - 1 else None
             ks, vs = (t.to(acc).chunk(2, dim=-2) for t in kv)
             dks, dvs = dkv[0].chunk(2, dim=-2), dkv[1].chunk(2, dim=-2)   # views: written in place
-            for qi, ki, causal in step_pairs(ring.rank, (ring.rank - s) % ring.size):
-                g_q, g_k, g_v = block_backward(qs[qi], ks[ki], vs[ki], dys[qi], lses[qi], deltas[qi], causal, scale)
+            src = (ring.rank - s) % ring.size
+            for qi, ki, causal in step_pairs(ring.rank, src):
+                g_q, g_k, g_v = block_backward(qs[qi], ks[ki], vs[ki], dys[qi], lses[qi], deltas[qi], causal, scale,
+                                               _pair_docs(ctx.docs, ring.rank, src, ring.size, qi, ki))
                 dq[qi] += g_q
                 dks[ki].add_(g_k)
                 dvs[ki].add_(g_v)
@@ -241,31 +277,53 @@ class RingAttentionFunction(torch.autograd.Function):
                 _Ring.wait(pending)
                 kv = pending[0]
         dq_full = torch.cat(dq, dim=-2).reshape(q.shape).to(q.dtype)
-        return dq_full, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+        return dq_full, dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any) -> torch.Tensor:
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Any,
+                   docs: Optional[torch.Tensor] = None) -> torch.Tensor:
     """q [B, H, T/C, D], k/v [B, Hkv, T/C, D]: this cp rank's tokens (shard_sequence's order) -> [B, H, T/C, D],
-    causal attention over the whole sequence of the cp `group` (C = its size; None or size 1: local causal)."""
+    causal attention over the whole sequence of the cp `group` (C = its size; None or size 1: local causal).
+    docs: the whole sequences' document ids [B, T] (every rank passes the same; `sequence_documents`): a query
+    sees the earlier keys of its own document only. None: one document per row."""
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"{q.shape[1]} query heads do not share {k.shape[1]} key/value heads evenly")
     if group is None or dist.get_world_size(group) == 1:
-        return _local(q, k, v)
-    return _ring_eager(q, k, v, group)
+        return _local(q, k, v, docs)
+    return _ring_eager(q, k, v, group, docs)
 
 
 @torch.compiler.disable
-def _ring_eager(q, k, v, group):
+def _ring_eager(q, k, v, group, docs=None):
     """The ring outside any compiled graph: under --compile each block is compiled in the pieces before and
     after attention (a graph break here), and the exchanges run eagerly with this rank's process group."""
-    return RingAttentionFunction.apply(q, k, v, group)
+    return RingAttentionFunction.apply(q, k, v, group, docs)
 
 
-def _local(q, k, v):
+def _local(q, k, v, docs=None):
     """C = 1: the whole sequence on this rank, one causal block of the same block math."""
     acc = _acc_dtype(q.dtype)
-    y, _ = block_forward(_split_heads(q.to(acc), k.shape[1]), k.to(acc), v.to(acc), True, 1.0 / math.sqrt(q.shape[-1]))
+    y, _ = block_forward(_split_heads(q.to(acc), k.shape[1]), k.to(acc), v.to(acc), True, 1.0 / math.sqrt(q.shape[-1]),
+                         None if docs is None else (docs, docs))
     return y.reshape(q.shape).to(q.dtype)
+
+
+def sequence_documents(B: int, T: int, device: Any, attention_mask: Optional[torch.Tensor] = None,
+                       position_ids: Optional[torch.Tensor] = None,
+                       doc_ids: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """The whole sequences' document ids [B, T] for the ring (None: every row one causal document), from what a
+    batch carries: doc_ids, else documents where position_ids restart (packed rows), and padding (attention_mask
+    0) one document per pad token, so that no query sees a pad but itself (model/attention.py's `allowed` rule)."""
+    from model.attention import documents_from_positions
+    docs = doc_ids
+    if docs is None and position_ids is not None:
+        docs = documents_from_positions(position_ids.expand(B, T))
+    if attention_mask is not None:
+        if docs is None:
+            docs = torch.zeros(B, T, dtype=torch.long, device=device)
+        pad_ids = -1 - torch.arange(T, device=device)[None].expand(B, T)
+        docs = torch.where(attention_mask[:, -T:].bool(), docs.to(torch.long), pad_ids)
+    return docs
 
 
 # ------------------------------------------------------------------------ the model's cp switch

@@ -165,7 +165,9 @@ class Engine:
     dp_rank: int = 0                # data-parallel coordinates: which slice of the global batch this rank reads
     dp_size: int = 1
     forward_model: Optional[nn.Module] = None  # what runs the forward (torch.compile(model) with --compile)
-    fixed_batch_shape: bool = False  # every micro-batch must have one [batch, seq] shape (pipeline stages)
+    # every micro-batch must have one [batch, max_seq_len] shape (pipeline stages; context parallel, whose ring
+    # splits whole rows into 2 x cp chunks: SFT rows are padded to --max_seq_len, a multiple of 2 x cp)
+    fixed_batch_shape: bool = False
     micro_batches_per_call: int = 1  # evaluate() takes a multiple of this many batches
     # False on ranks whose sums repeat another rank's (pipeline stages after the first, tensor-parallel
     # ranks after the first hold the same batch): they add zeros in sum_over_data

@@ -115,5 +115,6 @@ def wrap_ddp_engine(model: nn.Module, pc: ParallelConfig, opt_cfg: OptimizerConf
         optimizer.keep_grads_on_params()
     return DDPEngine(ddp, optimizer, model, sharded_optimizer=pc.use_distributed_optimizer or pc.ep > 1,
                      dp_rank=rank // cp, dp_size=world // cp, grad_ranks=world, counts_in_sums=rank % cp == 0,
+                     fixed_batch_shape=cp > 1,
                      mesh=mesh, expert_state=ExpertShardedState(model, experts["expert_parallel_group"])
                      if experts else None)

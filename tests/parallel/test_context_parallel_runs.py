@@ -11,6 +11,7 @@ from tests.conftest import run_cmd, run_trainer
 from tests.trainer.test_end_to_end import _env, final_weights, losses, train_cmd
 from tests.trainer.test_tensor_parallel_runs import _one_line_error
 from checkpoint.verify import find_latest_valid
+from utils.metrics import dedupe_by_step, read_metrics
 
 
 def test_cp2_follows_one_process_and_resumes_at_cp1_and_back(tiny_pretrain_run_args, tmp_path):
@@ -48,6 +49,31 @@ def test_cp2_resumes_bit_exact_after_sigkill(tiny_pretrain_run_args, tmp_path):
     assert losses(killed) == losses(ref)  # bit-identical floats, steps 1..6
     a, b = final_weights(ref), final_weights(killed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_sft_at_cp2_follows_one_process_padded_and_packed(pretrained, tiny_pretrain_data, tmp_path):
+    """SFT at cp=2 (each row split over 2 ranks; the ring masks padding and, with --sft_packing, each packed
+    conversation to itself) logs the one-process run's losses and validation loss; padded rows are padded to
+    --max_seq_len there (whole chunks), to the longest row in one process, which the masks make no difference.
+    (The bundled conversations are ~400-500 tokens of the tiny tokenizer: rows of 1024 pack 2-4 of them.)"""
+    from tests.conftest import ROOT
+    common = [f"--tokenizer_dir={tiny_pretrain_data['tokenizer_dir']}", "--device=cpu",
+              "--progress=false", "--peak_flops=1e11", "--log_interval=1", "--eval_interval=3", "--eval_iters=1",
+              "--warmup_iters=1", "--seed=3", "--val_ratio=0.1", "--task_type=sft",
+              f"--data_dir={os.path.join(ROOT, 'data', 'sft')}", f"--init_from={pretrained['out']}", "--max_iters=3",
+              "--learning_rate=3e-3", "--checkpoint_interval=3"]
+    for packing, shape in (("false", ["--max_seq_len=96", "--batch_size=4"]),
+                           ("true", ["--max_seq_len=1024", "--batch_size=2"])):
+        args = [*common, *shape, f"--sft_packing={packing}"]
+        one, cp = tmp_path / f"one_{packing}", tmp_path / f"cp_{packing}"
+        run_cmd(train_cmd([*args, f"--out_dir={one}"], 1), env=_env())
+        run_cmd(train_cmd([*args, f"--out_dir={cp}", "--context_parallel_size=2"], 2), env=_env())
+        a, b = losses(one), losses(cp)
+        assert sorted(a) == sorted(b) == [1, 2, 3], (a, b)
+        for s in a:
+            assert abs(a[s] - b[s]) <= 1e-4 * abs(a[s]), (packing, s, a[s], b[s])
+        va, vb = (dedupe_by_step(read_metrics(os.path.join(d, "metrics.jsonl")))[3]["val_loss"] for d in (one, cp))
+        assert abs(va - vb) <= 1e-4 * abs(va), (packing, va, vb)
 
 
 def test_cp_layouts_that_cannot_run_exit_2_with_one_line(tiny_pretrain_run_args, tmp_path):
