@@ -53,11 +53,12 @@ class DPODataset(ChatTokenDataset):
         return out
 
 
-def dpo_collate(pad_id: int) -> Callable[[list[dict]], dict[str, torch.Tensor]]:
+def dpo_collate(pad_id: int, pad_to: Optional[int] = None) -> Callable[[list[dict]], dict[str, torch.Tensor]]:
     """Pad chosen and rejected to one common length T (so they can be concatenated into one
-    forward pass): *_input_ids with pad_id, *_labels with -100, *_attention_mask 1/0."""
+    forward pass), at least `pad_to`: *_input_ids with pad_id, *_labels with -100, *_attention_mask 1/0."""
     def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         T = max(max(it["chosen_input_ids"].numel(), it["rejected_input_ids"].numel()) for it in items)
+        T = max(T, pad_to or 0)
         out: dict[str, torch.Tensor] = {}
         for side in ("chosen", "rejected"):
             ids = torch.full((len(items), T), pad_id, dtype=torch.long)
@@ -72,8 +73,9 @@ def dpo_collate(pad_id: int) -> Callable[[list[dict]], dict[str, torch.Tensor]]:
 
 
 def build_dpo_splits(data: "str | ChatTokens", max_seq_len: int, val_ratio: float = 0.01,
-                     seed: int = 0) -> tuple[Dataset, Dataset, Callable]:
-    """(train, val, collate_fn) for the trainer; `data` a pretokenized folder or in-memory `ChatTokens`."""
+                     seed: int = 0, pad_to: Optional[int] = None) -> tuple[Dataset, Dataset, Callable]:
+    """(train, val, collate_fn) for the trainer; `data` a pretokenized folder or in-memory `ChatTokens`; rows
+    padded to at least `pad_to`."""
     ds = DPODataset(data, max_seq_len)
     tr, va = split_indices(len(ds), val_ratio, seed)
-    return IndexedSubset(ds, tr), IndexedSubset(ds, va), dpo_collate(ds.pad_id)
+    return IndexedSubset(ds, tr), IndexedSubset(ds, va), dpo_collate(ds.pad_id, pad_to)

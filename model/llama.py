@@ -360,10 +360,9 @@ class Transformer(nn.Module):
             # this rank's two chunks kept (model/ring_attention.py); the loss comes back summed over the cp group,
             # the logits (labels None) are this rank's positions only. cu_seqlens (flash varlen) is not needed: the
             # ring masks by the document ids
-            if cache is not None or self.hidden_input_seq_split != 1 \
-                    or (labels is not None and reduction not in ("sum", "mean")):
-                raise ValueError("context parallelism takes whole sequences with a summed or mean loss: no KV cache, "
-                                 "reduction='none' or sequence-parallel input (docs/parallel.md)")
+            if cache is not None or self.hidden_input_seq_split != 1:
+                raise ValueError("context parallelism takes whole sequences: no KV cache or sequence-parallel input "
+                                 "(docs/parallel.md)")
             if self.embed_tokens is None:  # a later pipeline stage: the hidden input is this rank's chunks already
                 T *= cp.size
             else:
@@ -406,5 +405,7 @@ class Transformer(nn.Module):
                 h = h[:, -logits_to_keep:]
             return self.lm_head(h)
         if cp is not None and cp.size > 1:
+            if reduction == "none":  # the whole rows' per-token losses on every cp rank
+                return cp.gather_tokens(lm_head_loss(h, self.lm_head.weight, labels, "none", self.cfg))
             return cp.reduce_loss(lm_head_loss(h, self.lm_head.weight, labels, "sum", self.cfg), labels, reduction)
         return lm_head_loss(h, self.lm_head.weight, labels, reduction, self.cfg)

@@ -342,6 +342,23 @@ class _SumOverGroup(torch.autograd.Function):
         return g, None
 
 
+class _GatherSequence(torch.autograd.Function):
+    """This rank's [B, T/C] values of its tokens -> the whole rows' [B, T] (all-gathered over the cp group, in
+    sequence order); backward: this rank's positions of the gradient (every rank computes the same function of
+    the whole rows, as with _SumOverGroup: each seeds its own tokens' part)."""
+
+    @staticmethod
+    def forward(ctx, t, group):
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, t.contiguous(), group=group)
+        ctx.rank, ctx.size = dist.get_rank(group), len(parts)
+        return unshard_sequence(parts, dim=1)
+
+    @staticmethod
+    def backward(ctx, g):
+        return shard_sequence(g, ctx.rank, ctx.size, dim=1), None
+
+
 class ContextParallel:
     """What the model needs to run context parallel: its cp group, this rank's place in it, and the split.
     Set on the model by parallel/transforms/context_parallel.py (`model.context_parallel`)."""
@@ -357,6 +374,11 @@ class ContextParallel:
     def positions(self, B: int, T: int, device: Any) -> torch.Tensor:
         """The global positions [B, T / C] of this rank's tokens of a length-T sequence."""
         return local_positions(T, self.rank, self.size, device)[None].expand(B, T // self.size)
+
+    @torch.compiler.disable  # eager, like reduce_loss
+    def gather_tokens(self, per_token: torch.Tensor) -> torch.Tensor:
+        """This rank's per-token values [B, T/C] as the whole rows' [B, T] on every rank (DPO's sequence sums)."""
+        return _GatherSequence.apply(per_token, self.group)
 
     @torch.compiler.disable  # its all-reduces run eagerly (a graph break under --compile, like the ring's)
     def reduce_loss(self, loss_sum: torch.Tensor, labels: torch.Tensor, reduction: str,

@@ -211,8 +211,16 @@ class Engine:
     # ------------------------------------------------------------------ DPO's reference model
     def place_reference(self, ref: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
         """DPO's frozen reference model, laid out like the trained one: here a full copy in `dtype` on
-        every rank (FSDPEngine shards it)."""
-        return ref.to(device=device, dtype=dtype)
+        every rank (FSDPEngine shards it), its sequences split over the cp ranks like the policy's."""
+        return self._split_sequences(ref.to(device=device, dtype=dtype))
+
+    def _split_sequences(self, ref: nn.Module) -> nn.Module:
+        """Context parallel: the reference takes whole rows and keeps this rank's chunks, as the policy does
+        (parallel/transforms/context_parallel.py), so its activations are 1/cp too."""
+        if self.mesh is not None and self.parallel is not None and self.parallel.cp > 1:
+            from parallel.transforms import context_parallel
+            context_parallel.apply(ref, self.mesh, self.parallel)
+        return ref
 
     def reference_layout(self) -> str:
         """How place_reference lays out DPO's reference model, for the start-up log."""

@@ -37,8 +37,8 @@ class FSDPEngine(Engine):
     def place_reference(self, ref: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
         """DPO's reference laid out on the same mesh (tensor-parallel like the policy, fp32 shards, each
         block gathered in `dtype` for its forward and freed after it), so it costs 1/world of its bytes."""
-        return shard_on_mesh(ref.to(device=device, dtype=torch.float32), self.mesh, param_dtype=dtype,
-                             reshard_after_forward=True)
+        return self._split_sequences(shard_on_mesh(ref.to(device=device, dtype=torch.float32), self.mesh,
+                                                   param_dtype=dtype, reshard_after_forward=True))
 
     def reference_layout(self) -> str:
         tp = self.mesh["tp"].size() if self.mesh is not None else 1
@@ -87,4 +87,5 @@ def wrap_fsdp_engine(model: nn.Module, pc: ParallelConfig, opt_cfg: OptimizerCon
     # split over dp only
     return FSDPEngine(wrapped, opt, wrapped, sharded_optimizer=True, dp_rank=rank, dp_size=world, mesh=mesh,
                       counts_in_sums=layout.counts_in_sums(dist.get_rank()), grad_ranks=world * layout.cp,
-                      counts_in_statistics=layout.counts_in_statistics(dist.get_rank()), fixed_batch_shape=layout.cp > 1)
+                      counts_in_statistics=layout.counts_in_statistics(dist.get_rank()),
+                      fixed_batch_shape=layout.cp > 1)

@@ -117,6 +117,8 @@ def _model_run(dtype, cp_group=None, ckpt: bool = False, kind: str = "plain"):
     if "attention_mask" in extra:
         y = y.masked_fill(extra["attention_mask"] == 0, -100)
     mean = float(model(x, labels=y, reduction="mean", **extra).detach())
+    with torch.no_grad():  # the whole rows' per-token losses (DPO's), on every cp rank
+        per_token = model(x, labels=y, reduction="none", **extra).double()
     loss = model(x, labels=y, reduction="sum", **extra)
     loss.backward()
     grads = {}
@@ -125,17 +127,19 @@ def _model_run(dtype, cp_group=None, ckpt: bool = False, kind: str = "plain"):
         if cp_group is not None:
             dist.all_reduce(gr, group=cp_group)
         grads[n] = gr.double()
-    return float(loss.detach()), mean, grads
+    return float(loss.detach()), mean, grads, per_token
 
 
 def _model_check(cp: int, ckpt: bool, kind: str = "plain") -> dict:
-    s64, m64, g64 = _model_run(torch.float64, kind=kind)
-    s32, m32, g32 = _model_run(torch.float32, kind=kind)
-    sc, mc, gc = _model_run(torch.float32, dist.group.WORLD, ckpt, kind)
+    s64, m64, g64, t64 = _model_run(torch.float64, kind=kind)
+    s32, m32, g32, t32 = _model_run(torch.float32, kind=kind)
+    sc, mc, gc, tc = _model_run(torch.float32, dist.group.WORLD, ckpt, kind)
     err = lambda g: max(float((g[n] - g64[n]).abs().max()) for n in g64)  # noqa: E731
     top = max(float(g.abs().max()) for g in g64.values())
-    return {"ref": [abs(s32 - s64), abs(m32 - m64), err(g32)], "cp": [abs(sc - s64), abs(mc - m64), err(gc)],
-            "size": [abs(s64), abs(m64), top], "names": sorted(gc) == sorted(g64)}
+    tok = lambda t: float((t - t64).abs().max())  # noqa: E731
+    return {"ref": [abs(s32 - s64), abs(m32 - m64), err(g32), tok(t32)],
+            "cp": [abs(sc - s64), abs(mc - m64), err(gc), tok(tc)],
+            "size": [abs(s64), abs(m64), top, float(t64.abs().max())], "names": sorted(gc) == sorted(g64)}
 
 
 def _engine(cp: int, zero: bool = False, parallel: str = "ddp", tp: int = 1, compile: bool = False):
@@ -235,10 +239,11 @@ def test_model_loss_and_every_gradient_match_one_process(results, world, kind):
     """The tiny model (GQA) at cp = world, with/without activation checkpointing, on whole causal rows, packed
     documents (position_ids) and padded rows (attention_mask, right and left): the loss (sum and mean, every cp
     rank returns the whole sequence's) and every parameter gradient (summed over cp) within 4x the fp32
-    one-process reference's distance from fp64 (the reference masks with model/attention.py's own rule)."""
+    one-process reference's distance from fp64 (the reference masks with model/attention.py's own rule); and the
+    per-token losses of reduction='none' (DPO's), gathered over the cp group into whole rows."""
     r = results[world][kind]
     assert r["names"]
-    for what, got, ref, size in zip(("sum", "mean", "grads"), r["cp"], r["ref"], r["size"]):
+    for what, got, ref, size in zip(("sum", "mean", "grads", "per-token"), r["cp"], r["ref"], r["size"]):
         # (+ 4 fp32 ulps of the value: the reference's own error may happen to be 0, the ring sums in another order)
         assert got <= 4 * ref + 4 * 2 ** -23 * size + 1e-6, (what, got, ref)
 
@@ -278,11 +283,11 @@ def test_refusals_name_the_flag_and_why():
     assert pc().problems(2) == [] and pc().problems(4) == [] and pc(compile=True).problems(2) == []
     assert "is not a multiple of pipeline 1 x dp_replicate 1 x context 2" in pc().problems(3)[0]
     # what the tasks need (trainer/tasks/__init__.py TASKS), as the trainer asks (trainer/config.py engine_needs)
-    for task, need in (("dpo", "sequence_logprobs"), ("grpo", "rollouts")):
-        lines = pc().problems(4, needs={f"--task_type={task}": need})
-        assert any(f"--task_type={task} cannot be combined with --context_parallel_size=2" in ln for ln in lines), lines
+    lines = pc().problems(4, needs={"--task_type=grpo": "rollouts"})
+    assert any("--task_type=grpo cannot be combined with --context_parallel_size=2" in ln for ln in lines), lines
     assert pc().problems(4, needs={"--task_type=pretrain": ""}) == []
     assert pc().problems(4, needs={"--task_type=sft": "padded_batches"}) == []  # the ring masks documents
+    assert pc().problems(4, needs={"--task_type=dpo": "sequence_logprobs"}) == []  # per-token losses gathered
     for dp in ("ddp", "fsdp"):  # pipeline stages x cp (tests/parallel/test_tensor_parallel.py runs them)
         assert pc(pipeline_parallel_size=2, gradient_accumulation_steps=2, parallel=dp).problems(4) == []
     for kw, words in (({"parallel": "fsdp", "tensor_parallel_size": 2, "sequence_parallel": True},

@@ -76,10 +76,34 @@ def test_sft_at_cp2_follows_one_process_padded_and_packed(pretrained, tiny_pretr
         assert abs(va - vb) <= 1e-4 * abs(va), (packing, va, vb)
 
 
+def test_dpo_at_cp2_follows_one_process(pretrained, tiny_pretrain_data, tmp_path):
+    """DPO at cp=2 (chosen and rejected rows split over 2 ranks, their per-token log-probabilities gathered into
+    whole rows for the sequence sums; the reference model split the same way) logs the one-process run's losses
+    and rewards."""
+    from tests.conftest import ROOT
+    toy = tmp_path / "prefs.jsonl"
+    with open(os.path.join(ROOT, "data", "dpo", "dpo_pairs.jsonl"), encoding="utf-8") as f:
+        toy.write_text("".join(line for _, line in zip(range(24), f)), encoding="utf-8")
+    args = [f"--tokenizer_dir={tiny_pretrain_data['tokenizer_dir']}", "--max_seq_len=96", "--device=cpu",
+            "--progress=false", "--peak_flops=1e11", "--log_interval=1", "--eval_interval=0", "--eval_iters=1",
+            "--warmup_iters=1", "--seed=3", "--val_ratio=0.05", "--task_type=dpo", f"--data_dir={toy}",
+            f"--init_from={pretrained['out']}", "--max_iters=3", "--batch_size=4", "--learning_rate=3e-3",
+            "--dpo_beta=0.5", "--checkpoint_interval=3"]
+    one, cp = tmp_path / "one", tmp_path / "cp"
+    run_cmd(train_cmd([*args, f"--out_dir={one}"], 1), env=_env())
+    run_cmd(train_cmd([*args, f"--out_dir={cp}", "--context_parallel_size=2"], 2), env=_env())
+    a, b = (dedupe_by_step(read_metrics(os.path.join(d, "metrics.jsonl"))) for d in (one, cp))
+    assert sorted(a) == sorted(b) == [1, 2, 3]
+    for s in a:
+        for key in ("loss", "chosen_reward", "rejected_reward"):
+            assert abs(a[s][key] - b[s][key]) <= 1e-4 * max(1.0, abs(a[s][key])), (s, key, a[s][key], b[s][key])
+    assert a[3]["chosen_reward"] != 0.0  # the policy moved away from the reference
+
+
 def test_cp_layouts_that_cannot_run_exit_2_with_one_line(tiny_pretrain_run_args, tmp_path):
     base = [*tiny_pretrain_run_args, "--max_iters=1", f"--out_dir={tmp_path / 'x'}"]
     line = _one_line_error([*base, "--context_parallel_size=2"])
     assert "world size 1 is not a multiple of" in line and "context 2" in line, line
-    line = _one_line_error([*base, "--context_parallel_size=2", "--task_type=dpo"])
-    assert "--task_type=dpo cannot be combined with --context_parallel_size=2" in line, line
+    line = _one_line_error([*base, "--context_parallel_size=2", "--task_type=grpo"])
+    assert "--task_type=grpo cannot be combined with --context_parallel_size=2" in line, line
     assert not os.path.exists(tmp_path / "x" / "checkpoints")  # refused before anything ran

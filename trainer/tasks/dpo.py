@@ -55,7 +55,9 @@ class DPOTask(Task):
     def datasets(self, tok_meta, val_ratio, fixed_shape, log):
         cfg = self.cfg
         data = chat_data(cfg, cfg.data_dir, tokenize_dpo_records, DPO, tok_meta, "train", log)
-        train, val, collate = build_dpo_splits(data, cfg.max_seq_len, val_ratio=val_ratio, seed=cfg.seed)
+        # fixed_shape: rows of --max_seq_len (context parallel's whole chunks; pipeline stages' one shape)
+        train, val, collate = build_dpo_splits(data, cfg.max_seq_len, val_ratio=val_ratio, seed=cfg.seed,
+                                               pad_to=cfg.max_seq_len if fixed_shape else None)
         if cfg.eval_data_dir:
             ev = chat_data(cfg, cfg.eval_data_dir, tokenize_dpo_records, DPO, tok_meta, "validation", log)
             val = build_dpo_splits(ev, cfg.max_seq_len, val_ratio=0.0, seed=cfg.seed)[0]
