@@ -261,23 +261,26 @@ def read_stage_state(stages: dict, ckpt_dir: str) -> tuple[dict, str]:
         raise CheckpointError(f"checkpoint {ckpt_dir} was written with dp engine {meta.get('dp_engine')!r}; this "
                               f"run uses {stages['dp_engine']!r} (the optimizer states differ; the weights can be "
                               f"taken with merge_stage_checkpoints())")
-    sharded = stages["sharded_optimizer"]
-    if sharded != bool(meta["sharded_optimizer"]):
+    sharded, saved_sharded = stages["sharded_optimizer"], bool(meta["sharded_optimizer"])
+    # our DDP's optimizer keeps its state per parameter name over ranges of whole tensors: it assembles its pieces
+    # from files of any split (ZeRO or not, expert-parallel shards of any ep)
+    by_name = stages["dp_engine"] == "ddp"
+    if sharded != saved_sharded and not by_name:
         raise CheckpointError(f"checkpoint {ckpt_dir}: optimizer layout (sharded={meta['sharded_optimizer']}) "
                               f"differs from this run's (sharded={sharded}): resume with the same "
                               "--use_distributed_optimizer")
     s = stages["stage_index"]
-    if not sharded:  # one file per stage whatever the dp size (FSDP's state is gathered to it)
+    same = sharded == saved_sharded and int(meta["dp_size"]) == stages["dp_size"]
+    if not saved_sharded:  # one file per stage whatever the dp size (FSDP's state is gathered to it)
         dp_ranks = [0]
-    elif int(meta["dp_size"]) == stages["dp_size"]:
+    elif same:
         dp_ranks = [stages["dp_rank"]]
-    else:  # ZeRO shards of another dp size: every saved shard, re-sharded by the optimizer
+    else:  # shards of another dp size or layout: every saved shard, re-assembled by the optimizer
         dp_ranks = list(range(int(meta["dp_size"])))
     opts = [load_tensor_file(os.path.join(ckpt_dir, stage_optimizer_file(s, r))) for r in dp_ranks]
     names = ", ".join(stage_optimizer_file(s, r) for r in dp_ranks)
     model = load_weights_file(os.path.join(ckpt_dir, stage_model_file(s)))
-    resharded = sharded and int(meta["dp_size"]) != stages["dp_size"]
-    return {"model": model, "optimizer": opts if resharded else opts[0]}, names
+    return {"model": model, "optimizer": opts[0] if same or not saved_sharded else opts}, names
 
 
 def load_stages(engine: Any, ckpt_dir: str, saved_world: int, rank: int, world_size: int,

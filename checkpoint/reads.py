@@ -141,16 +141,19 @@ def check_optimizer_state(opt, ckpt_dir: str, read: tuple[Any, str]) -> None:
 
 def check_weights_fit(module: nn.Module, state: dict) -> None:
     """What a strict `module.load_state_dict(state)` would refuse, found without loading or a collective (a
-    DTensor's shape is its full one): ValueError naming missing or unexpected tensors, or the first whose
-    shape differs."""
-    own = module.state_dict()
+    DTensor's shape is its full one, and so is an expert-parallel shard's under our DDP: the files hold every
+    expert): ValueError naming missing or unexpected tensors, or the first whose shape differs."""
+    from parallel.distributed_data_parallel import SHARD_OF_ATTR
+    own = {k: list(t.shape) for k, t in module.state_dict().items()}
+    own.update({n: list(getattr(p, SHARD_OF_ATTR)[0]) for n, p in module.named_parameters()
+                if getattr(p, SHARD_OF_ATTR, None) is not None})
     missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
     if missing or unexpected:
         raise ValueError(f"missing tensors {missing[:3]}{' ...' if len(missing) > 3 else ''}, unexpected tensors "
                          f"{unexpected[:3]}{' ...' if len(unexpected) > 3 else ''}")
-    for name, t in own.items():
-        if list(state[name].shape) != list(t.shape):
-            raise ValueError(f"{name}: saved shape {list(state[name].shape)}, this model's {list(t.shape)}")
+    for name, shape in own.items():
+        if list(state[name].shape) != shape:
+            raise ValueError(f"{name}: saved shape {list(state[name].shape)}, this model's {shape}")
 
 
 def load_optimizer_state(opt, ckpt_dir: str, read: tuple[Any, str]) -> None:

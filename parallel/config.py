@@ -367,10 +367,6 @@ class ParallelConfig(ParallelFlags):
             out.append(f"--use_distributed_optimizer=true cannot be combined with --context_parallel_size={self.cp} "
                        f"and --pipeline_parallel_size={self.pp} yet (ZeRO would shard a stage's state over dp x cp "
                        "ranks; its files are per dp rank): use plain DDP or --parallel=fsdp stages")
-        if self.ep > 1 and self.pp > 1 and self.parallel == "ddp":
-            out.append(f"--expert_parallel_size={self.ep} cannot be combined with --pipeline_parallel_size={self.pp} "
-                       "under --parallel=ddp yet (a stage's files would hold each rank's expert shards; FSDP2 stages "
-                       "gather them: use --parallel=fsdp)")
         if self.ep > 1 and self.parallel == "ddp" and self.comm_hook == "powersgd":
             out.append(f"--comm_hook=powersgd cannot be combined with --expert_parallel_size={self.ep} yet (its "
                        "low-rank state is per bucket over the whole data-parallel group; the experts' buckets are "

@@ -39,6 +39,7 @@ from parallel.engine_ddp import ddp_with_optimizer
 from parallel.engine_fsdp import fsdp_with_optimizer
 from parallel.fsdp import reshard
 from parallel.mesh import counts_in_statistics, counts_in_sums, dp_coordinates, dp_mesh
+from parallel.distributed_data_parallel import SHARD_OF_ATTR
 from parallel.pipeline import (SEGMENTS, LastStageOutput, PipelineStageModule, build_schedule, pipeline_stage_module,
                                split_layers, validate_pipeline_options)
 from model.moe import in_backward
@@ -102,6 +103,7 @@ class PipelineParallelEngine(Engine):
         self.tp_rank, self.cp_rank, cp = mesh.get_local_rank("tp"), mesh.get_local_rank("cp"), mesh["cp"].size()
         self.dp_engine, self.schedule_name, self.n_microbatches = dp_engine, schedule.lower(), n_microbatches
         self.layer_ranges, self.n_layers = layer_ranges, stage_module.cfg.n_layers
+        self._stage_module = stage_module  # (read by _sharded_files before Engine's fields are set)
         # the P ranks of a pipeline (and the T ranks of a stage's tensor group) hold the same batch and the
         # same broadcast loss: only the first of them counts (parallel/mesh.py SAME_BATCH_DIMS)
         super().__init__(wrapped, optimizer, stage_module, dp_rank=self.dp_rank, dp_size=self.dp_size,
@@ -284,8 +286,14 @@ class PipelineParallelEngine(Engine):
 
     # ------------------------------------------------------------------ stage state (checkpoint/pipeline.py's files)
     def _sharded_files(self, optimizer: Any = None) -> bool:
-        """One optimizer file per dp rank (ZeRO's flat shards); FSDP state is gathered to one file."""
-        return self.dp_engine == "ddp" and bool(getattr(optimizer or self.optimizer, "sharded", False))
+        """One optimizer file per dp rank (ZeRO's flat shards; expert-parallel shards: each rank's experts' state);
+        FSDP state is gathered to one file."""
+        return self.dp_engine == "ddp" and (bool(getattr(optimizer or self.optimizer, "sharded", False))
+                                            or self._expert_shards() != {})
+
+    def _expert_shards(self) -> dict:
+        """Our DDP's expert-parallel shards of this stage: {name: parameter} (transforms/expert_parallel.py)."""
+        return {n: p for n, p in self._stage_module.named_parameters() if getattr(p, SHARD_OF_ATTR, None) is not None}
 
     def state_dict(self) -> dict:
         """{"model": this stage's weights (full-model key names), "optimizer": its optimizer state}. Under FSDP
@@ -293,6 +301,7 @@ class PipelineParallelEngine(Engine):
         dp engine's sharding."""
         self.optimizer.finish_param_sync()
         model = {k: _full(v).detach() for k, v in self.module.state_dict().items()}
+        model.update(self._gather_expert_shards())
         opt = self.optimizer.state_dict()
         if self.dp_engine == "fsdp":
             opt = dict(opt, adamw={k: _full(v) for k, v in opt["adamw"].items()})
@@ -308,8 +317,27 @@ class PipelineParallelEngine(Engine):
             opt["adamw"] = {k: _like(v, template.get(k)) for k, v in opt["adamw"].items()}
             self.optimizer.load_state_dict(opt)
             return
-        self.module.load_state_dict(sd["model"])
+        model = dict(sd["model"])
+        for name, p in self._expert_shards().items():  # this rank's slice of each whole expert tensor
+            shape, first = getattr(p, SHARD_OF_ATTR)
+            t = model.get(name)
+            if t is not None and tuple(t.shape) == tuple(shape):
+                model[name] = t.reshape(-1)[first:first + p.numel()].view(p.shape)
+        self.module.load_state_dict(model)
         self.optimizer.load_state_dict(sd["optimizer"])
+
+    def _gather_expert_shards(self) -> dict:
+        """Our DDP's expert-parallel shards of this stage all-gathered over the ep ranks (collective over them):
+        the stage file holds every expert, so it loads at any ep."""
+        out = {}
+        shards = self._expert_shards()
+        if shards:
+            group = self.mesh["ep"].get_group()
+            for name, p in shards.items():
+                full = p.new_empty((dist.get_world_size(group) * p.shape[0], *p.shape[1:]))
+                dist.all_gather_into_tensor(full, p.detach().contiguous(), group=group)
+                out[name] = full
+        return out
 
     def state_spec(self) -> StateSpec:
         """The stage split (what pipeline.json records) and this rank's place in it; state_dict() gathers."""
@@ -355,8 +383,11 @@ def wrap_pipeline_engine(stage: PipelineStageModule, pc: ParallelConfig, opt_cfg
         wrapped, opt = fsdp_with_optimizer(stage, pc, opt_cfg, dp_mesh=dp_mesh(mesh), param_dtype=param_dtype,
                                            gloo_collectives=False, norm_groups=norm_groups)
     else:  # dp rank 0's weights everywhere (our DDP broadcasts them); over dp_shard, or dp_shard x cp
+        # expert parallelism: the experts' own buffers, reduced over the ranks holding the same ones
+        experts = dict(expert_group=mesh["efsdp"].get_group(), expert_parallel_group=mesh["ep"].get_group()) \
+            if pc.ep > 1 else {}
         wrapped, opt = ddp_with_optimizer(stage, pc, opt_cfg, group=dp_mesh(mesh).get_group(),
-                                          norm_groups=norm_groups)
+                                          norm_groups=norm_groups, **experts)
     device = torch.device(device if device is not None else next(stage.parameters()).device)
     return PipelineParallelEngine(stage, wrapped, opt, mesh=mesh, device=device, schedule=pc.pipeline_schedule,
                                   n_microbatches=pc.gradient_accumulation_steps, dp_engine=pc.parallel,

@@ -62,7 +62,8 @@ def apply(model: nn.Module, mesh: Any, config: Any) -> None:
         if layer.num_experts % ep:
             raise ValueError(f"--moe_num_experts={layer.num_experts} is not divisible by --expert_parallel_size={ep}")
         if getattr(config, "parallel", "fsdp") == "ddp":
-            shard_experts_local(layer.experts, ep_mesh)
+            # rank 0 of the data-parallel group (the world, or this pipeline stage's dp ranks) broadcasts
+            shard_experts_local(layer.experts, ep_mesh, mesh["dp_shard"].get_group())
             continue
         shard_experts(layer.experts, ep_mesh)
         # FSDP of the experts over the dp ranks that hold the same ones (HSDP: across the replicas too)
@@ -84,17 +85,18 @@ def shard_experts(experts: nn.Module, ep_mesh: Any) -> None:
     _exchange_around(experts, ep_mesh)
 
 
-def shard_experts_local(experts: nn.Module, ep_mesh: Any) -> None:
-    """Our DDP's layout: this rank's E/ep experts as plain parameters of the same names, cut from rank 0's full
-    weights (broadcast here: the ranks may have initialised differently), each marked with (the full shape, the
-    first element of its slice in the full tensor's flat view: Shard(0) of a contiguous tensor is one flat
-    range); the all-to-all hooks around the module's forward."""
+def shard_experts_local(experts: nn.Module, ep_mesh: Any, dp_group: Any = None) -> None:
+    """Our DDP's layout: this rank's E/ep experts as plain parameters of the same names, cut from the full weights
+    of the first rank of `dp_group` (the world when None; broadcast here: the ranks may have initialised
+    differently), each marked with (the full shape, the first element of its slice in the full tensor's flat view:
+    Shard(0) of a contiguous tensor is one flat range); the all-to-all hooks around the module's forward."""
     rank, ep = ep_mesh.get_local_rank(), ep_mesh.size()
     for name in ("gate_up_proj", "down_proj"):
         full = getattr(experts, name)
         data = full.detach().clone()
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast(data, src=0)
+        if dist.is_initialized() and dist.get_world_size(dp_group) > 1:
+            src = dist.get_global_rank(dp_group, 0) if dp_group is not None else 0
+            dist.broadcast(data, src=src, group=dp_group)
         local = data.chunk(ep, dim=0)[rank].clone()
         param = nn.Parameter(local, requires_grad=full.requires_grad)
         setattr(param, SHARD_OF_ATTR, (tuple(full.shape), rank * local.numel()))

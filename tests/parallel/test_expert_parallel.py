@@ -248,13 +248,11 @@ def test_ddp_resume_across_ep_sizes(results):
      "--comm_hook=powersgd cannot be combined with --expert_parallel_size=4"),
     (dict(parallel="fsdp", context_parallel_size=2), dict(moe_num_experts=8),
      "--expert_parallel_size=4 cannot be combined with --context_parallel_size=2"),
-    (dict(parallel="ddp", pipeline_parallel_size=2, gradient_accumulation_steps=2), dict(moe_num_experts=8),
-     "--expert_parallel_size=4 cannot be combined with --pipeline_parallel_size=2 under --parallel=ddp"),
     (dict(parallel="fsdp", dp_replicate_size=4), dict(moe_num_experts=8),
      "--expert_parallel_size=4 does not divide the data-parallel shard dimension 2"),
     (dict(parallel="fsdp", compile=True), dict(moe_num_experts=8),
      "--compile=true cannot be combined with --expert_parallel_size=4"),
-], ids=["experts", "dense", "ddp_overlap_step", "ddp_powersgd", "cp", "pp", "shard", "compile"])
+], ids=["experts", "dense", "ddp_overlap_step", "ddp_powersgd", "cp", "shard", "compile"])
 def test_refusals_name_the_flags(flags, model, needle):
     """parallel/config.py's lines at 8 ranks (what the trainer prints, one line, exit 2)."""
     from parallel.config import ParallelConfig
@@ -265,9 +263,9 @@ def test_refusals_name_the_flags(flags, model, needle):
     assert all("\n" not in line for line in lines)
 
 
-def test_moe_is_a_capability_of_every_engine_and_expert_parallel_not_of_ddp_stages():
+def test_moe_and_expert_parallel_are_capabilities_of_every_engine():
     """The trainer asks for "moe" (trainer/config.py engine_needs): every engine declares it, pipeline stages
-    included; experts sharded over ep ranks run under FSDP2 stages, and are refused in one line under our DDP's."""
+    included, and experts sharded over ep ranks run under pipeline stages of either dp engine."""
     from parallel.config import ParallelConfig
     needs = {"--moe_num_experts=4": "moe"}
     for pc in (ParallelConfig(pipeline_parallel_size=2, gradient_accumulation_steps=2),
@@ -275,10 +273,9 @@ def test_moe_is_a_capability_of_every_engine_and_expert_parallel_not_of_ddp_stag
                ParallelConfig(parallel="fsdp"), ParallelConfig()):
         assert pc.problems(2, needs=needs) == []
     ep = dict(pipeline_parallel_size=2, gradient_accumulation_steps=2, expert_parallel_size=2)
-    assert ParallelConfig(parallel="fsdp", **ep).problems(4, needs=needs) == []
-    assert ParallelConfig(**ep).problems(4, needs=needs) == [
-        "--expert_parallel_size=2 cannot be combined with --pipeline_parallel_size=2 under --parallel=ddp yet (a "
-        "stage's files would hold each rank's expert shards; FSDP2 stages gather them: use --parallel=fsdp)"]
+    for dp in ("fsdp", "ddp"):
+        assert ParallelConfig(parallel=dp, **ep).problems(4, needs=needs) == []
+    assert ParallelConfig(use_distributed_optimizer=True, **ep).problems(4, needs=needs) == []
 
 
 def test_good_layout_has_no_problem():

@@ -118,6 +118,7 @@ def _train(parallel: str, zero: bool = False, **layout) -> dict:
     from torch.distributed.tensor import DTensor
 
     from parallel.build import build_engine
+    from parallel.distributed_data_parallel import SHARD_OF_ATTR
     from trainer.config import TrainConfig
     pp = layout.get("pipeline_parallel_size", 1)
     cfg = dataclasses.replace(TrainConfig(), parallel=parallel, dtype="fp32", device="cpu", bucket_size=500,
@@ -126,7 +127,8 @@ def _train(parallel: str, zero: bool = False, **layout) -> dict:
     engine = build_engine(new_model(n_layers=4 if pp > 1 else 3), cfg, device=torch.device("cpu"))
     moe, loss_fn = moe_loss(cfg, engine)
     rec = {"losses": [], "norms": [], "loads": [], "aux_loss": [],
-           "on_ep": [hasattr(w, "device_mesh") and "ep" in (w.device_mesh.mesh_dim_names or ())
+           "on_ep": [(hasattr(w, "device_mesh") and "ep" in (w.device_mesh.mesh_dim_names or ()))
+                     or getattr(w, SHARD_OF_ATTR, None) is not None  # our DDP's expert shards
                      for w in (layer.experts.down_proj for layer in moe.layers)]}
     for step in range(1, STEPS + 1):
         mine, units = rank_batches(engine, step)
@@ -141,6 +143,9 @@ def _train(parallel: str, zero: bool = False, **layout) -> dict:
         rec["aux_loss"].append(row["moe_aux_loss"])
     params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().double().reshape(-1).tolist()
               for n, p in engine.module.named_parameters()}
+    if pp > 1:  # the stage's state as its files hold it: our DDP's expert shards gathered (collective)
+        whole = engine.state_dict()["model"]
+        params = {n: whole[n].double().reshape(-1).tolist() for n in params}
     bias = {i: layer.expert_bias.tolist() for i, layer in zip(moe.layer_ids, moe.layers)}
     if pp > 1:  # every stage's, on every rank
         for part in (params, bias):
@@ -163,7 +168,9 @@ def _world(rank: int, world: int, out_path: str) -> None:
     else:  # 2 stages x 2 replicas: each replica's schedule runs 2 micro-batches
         pp2 = dict(PP, gradient_accumulation_steps=2)
         out = {"pp_dp2_zero1": _train("ddp", zero=True, **pp2), "pp_dp2_fsdp": _train("fsdp", **pp2),
-               "pp_ep2_fsdp": _train("fsdp", expert_parallel_size=2, **pp2)}
+               "pp_ep2_fsdp": _train("fsdp", expert_parallel_size=2, **pp2),
+               "pp_ep2_ddp": _train("ddp", expert_parallel_size=2, **pp2),
+               "pp_ep2_zero1": _train("ddp", zero=True, expert_parallel_size=2, **pp2)}
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(out, f)
@@ -201,7 +208,7 @@ def reference4() -> dict:
 
 
 @pytest.mark.parametrize("engine", ["ddp", "zero1", "fsdp", "pp_ddp", "pp_fsdp_gpipe", "pp_dp2_zero1",
-                                    "pp_dp2_fsdp", "pp_ep2_fsdp", "cp2", "cp2_fsdp"])
+                                    "pp_dp2_fsdp", "pp_ep2_fsdp", "pp_ep2_ddp", "pp_ep2_zero1", "cp2", "cp2_fsdp"])
 def test_two_ranks_follow_one_process(results, reference, reference4, engine):
     """Also pipeline stages (2, and 2 x 2 data-parallel replicas): the balancing losses of the first stage's
     layers join its backward (parallel/engine_pipeline.py JoinGradient); the loads and balancing loss of the
