@@ -44,7 +44,14 @@ from utils.publish import fsync_file
 
 FORMAT = 1
 META_KEYS = ("pp_size", "dp_size", "tp_size", "n_layers", "layer_ranges", "schedule", "n_microbatches", "dp_engine",
-             "sharded_optimizer")
+             "sharded_optimizer", "optimizer_files")
+
+
+def optimizer_files(meta: dict) -> int:
+    """How many optimizer files each stage of a sharded (ZeRO / expert-parallel) checkpoint holds (pipeline.json's
+    meta), or a run writes (the engine's stages spec): one per rank of its dp wrap (dp, or dp x cp; older
+    checkpoints: dp)."""
+    return int(meta.get("optimizer_files", meta["dp_size"]))
 
 
 # ---------------------------------------------------------------------------- reading in one process
@@ -87,13 +94,14 @@ def write_stage_state(dir_path: str, stages: dict, sd: dict, global_rank: int, g
         tensors = {k: v.to("cpu").contiguous().clone() for k, v in sd["model"].items()} if copy else sd["model"]
         save_file(tensors, path, metadata={"format": "pt", "stage": str(s)})
         fsync_file(path)
-    if first or stages["sharded_optimizer"]:
-        path = guard.file = os.path.join(dir_path, stage_optimizer_file(s, dp_rank))
+    if first or stages["sharded_optimizer"]:  # (its rank in the dp wrap: dp, or dp x cp)
+        path = guard.file = os.path.join(dir_path, stage_optimizer_file(s, stages.get("optimizer_rank", dp_rank)))
         torch.save(sd["optimizer"], path)
         fsync_file(path)
     if global_rank == 0:
         guard.file = os.path.join(dir_path, PIPELINE_META)
-        write_json(guard.file, {"format": FORMAT, **{k: stages[k] for k in META_KEYS}})
+        write_json(guard.file, {"format": FORMAT, **{k: stages[k] for k in META_KEYS if k in stages},
+                                "optimizer_files": optimizer_files(stages)})
 
 
 def write_extra_and_configs(tmp: str, rank: int, extra_state: Any, model_config: dict, run_config: dict,
@@ -228,7 +236,7 @@ def whole_ddp_training_files(ckpt_dir: str) -> tuple[dict[str, torch.Tensor], li
     optimizer's load assembles each of its pieces from them). CheckpointError naming a file that cannot be read."""
     if is_pipeline_checkpoint(ckpt_dir):
         meta = read_pipeline_meta(ckpt_dir)
-        pp, dp = int(meta["pp_size"]), int(meta["dp_size"]) if meta["sharded_optimizer"] else 1
+        pp, dp = int(meta["pp_size"]), optimizer_files(meta) if meta["sharded_optimizer"] else 1
         stage_weights = [load_weights_file(os.path.join(ckpt_dir, stage_model_file(s))) for s in range(pp)]
         with load_errors_named(f"checkpoint {ckpt_dir}: its stages' weights do not make one model"):
             weights = merge_stage_state_dicts(stage_weights)  # as merge_stage_checkpoints: no tensor in two stages
@@ -270,13 +278,13 @@ def read_stage_state(stages: dict, ckpt_dir: str) -> tuple[dict, str]:
                               f"differs from this run's (sharded={sharded}): resume with the same "
                               "--use_distributed_optimizer")
     s = stages["stage_index"]
-    same = sharded == saved_sharded and int(meta["dp_size"]) == stages["dp_size"]
+    same = sharded == saved_sharded and optimizer_files(meta) == optimizer_files(stages)
     if not saved_sharded:  # one file per stage whatever the dp size (FSDP's state is gathered to it)
         dp_ranks = [0]
     elif same:
-        dp_ranks = [stages["dp_rank"]]
+        dp_ranks = [stages.get("optimizer_rank", stages["dp_rank"])]
     else:  # shards of another dp size or layout: every saved shard, re-assembled by the optimizer
-        dp_ranks = list(range(int(meta["dp_size"])))
+        dp_ranks = list(range(optimizer_files(meta)))
     opts = [load_tensor_file(os.path.join(ckpt_dir, stage_optimizer_file(s, r))) for r in dp_ranks]
     names = ", ".join(stage_optimizer_file(s, r) for r in dp_ranks)
     model = load_weights_file(os.path.join(ckpt_dir, stage_model_file(s)))

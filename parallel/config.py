@@ -363,10 +363,6 @@ class ParallelConfig(ParallelFlags):
             what = f"--context_parallel_size={self.cp}" if self.cp > 1 else f"--tensor_parallel_size={self.tp}"
             out.append(f"--expert_parallel_size={self.ep} cannot be combined with {what} yet (the ep ranks split "
                        "the data-parallel shard dimension only; torchtitan's ep over dp_shard x cp x tp is not built)")
-        if self.cp > 1 and self.pp > 1 and self.parallel == "ddp" and self.use_distributed_optimizer:
-            out.append(f"--use_distributed_optimizer=true cannot be combined with --context_parallel_size={self.cp} "
-                       f"and --pipeline_parallel_size={self.pp} yet (ZeRO would shard a stage's state over dp x cp "
-                       "ranks; its files are per dp rank): use plain DDP or --parallel=fsdp stages")
         if self.ep > 1 and self.parallel == "ddp" and self.comm_hook == "powersgd":
             out.append(f"--comm_hook=powersgd cannot be combined with --expert_parallel_size={self.ep} yet (its "
                        "low-rank state is per bucket over the whole data-parallel group; the experts' buckets are "

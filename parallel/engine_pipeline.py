@@ -104,6 +104,10 @@ class PipelineParallelEngine(Engine):
         self.dp_engine, self.schedule_name, self.n_microbatches = dp_engine, schedule.lower(), n_microbatches
         self.layer_ranges, self.n_layers = layer_ranges, stage_module.cfg.n_layers
         self._stage_module = stage_module  # (read by _sharded_files before Engine's fields are set)
+        # this rank's place among the ranks its dp wrap reduces over (dp, or dp x cp): its sharded optimizer file
+        group = dp_mesh(mesh).get_group() if dp_engine == "ddp" else None
+        self.optimizer_rank, self.optimizer_files = (dist.get_rank(group), dist.get_world_size(group)) \
+            if group is not None else (self.dp_rank, self.dp_size)
         # the P ranks of a pipeline (and the T ranks of a stage's tensor group) hold the same batch and the
         # same broadcast loss: only the first of them counts (parallel/mesh.py SAME_BATCH_DIMS)
         super().__init__(wrapped, optimizer, stage_module, dp_rank=self.dp_rank, dp_size=self.dp_size,
@@ -347,7 +351,8 @@ class PipelineParallelEngine(Engine):
                                  "schedule": self.schedule_name, "n_microbatches": self.n_microbatches,
                                  "dp_engine": self.dp_engine, "sharded_optimizer": self._sharded_files(),
                                  "stage_index": self.stage_index, "dp_rank": self.dp_rank, "tp_rank": self.tp_rank,
-                                 "cp_rank": self.cp_rank})
+                                 "cp_rank": self.cp_rank, "optimizer_rank": self.optimizer_rank,
+                                 "optimizer_files": self.optimizer_files})
 
 
 def pipeline_stage_of(model: torch.nn.Module, pc: ParallelConfig, opt_cfg: OptimizerConfig, mesh: Any,

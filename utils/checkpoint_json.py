@@ -98,8 +98,9 @@ def pipeline_meta_problem(meta: Any) -> Optional[str]:
         v = meta.get(key)
         if not is_int(v) or not 1 <= v <= MAX_WORLD:
             return f"{PIPELINE_META}: {key}={v!r} is not an integer >= 1"
-    if "tp_size" in meta and (not is_int(meta["tp_size"]) or not 1 <= meta["tp_size"] <= MAX_WORLD):
-        return f"{PIPELINE_META}: tp_size={meta['tp_size']!r} is not an integer >= 1"
+    for key in ("tp_size", "optimizer_files"):  # (optional: older checkpoints have neither)
+        if key in meta and (not is_int(meta[key]) or not 1 <= meta[key] <= MAX_WORLD):
+            return f"{PIPELINE_META}: {key}={meta[key]!r} is not an integer >= 1"
     ranges = meta.get("layer_ranges")
     if not isinstance(ranges, list) or len(ranges) != meta["pp_size"] or not all(
             isinstance(r, list) and len(r) == 2 and all(is_int(x) for x in r) and 0 <= r[0] <= r[1] for r in ranges):

@@ -288,13 +288,11 @@ def test_refusals_name_the_flag_and_why():
     assert pc().problems(4, needs={"--task_type=pretrain": ""}) == []
     assert pc().problems(4, needs={"--task_type=sft": "padded_batches"}) == []  # the ring masks documents
     assert pc().problems(4, needs={"--task_type=dpo": "sequence_logprobs"}) == []  # per-token losses gathered
-    for dp in ("ddp", "fsdp"):  # pipeline stages x cp (tests/parallel/test_tensor_parallel.py runs them)
-        assert pc(pipeline_parallel_size=2, gradient_accumulation_steps=2, parallel=dp).problems(4) == []
+    for kw in ({"parallel": "ddp"}, {"parallel": "fsdp"}, {"use_distributed_optimizer": True}):
+        # pipeline stages x cp (tests/parallel/test_tensor_parallel.py runs them)
+        assert pc(pipeline_parallel_size=2, gradient_accumulation_steps=2, **kw).problems(4) == []
     for kw, words in (({"parallel": "fsdp", "tensor_parallel_size": 2, "sequence_parallel": True},
-                       "--sequence_parallel=true cannot be combined with --context_parallel_size=2"),
-                      ({"pipeline_parallel_size": 2, "use_distributed_optimizer": True},
-                       "--use_distributed_optimizer=true cannot be combined with --context_parallel_size=2 and "
-                       "--pipeline_parallel_size=2")):
+                       "--sequence_parallel=true cannot be combined with --context_parallel_size=2"),):
         lines = pc(**kw).problems(4)
         assert any(words in ln for ln in lines), (kw, lines)
     assert pc().model_problems(n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=30, dropout=0.0) == [

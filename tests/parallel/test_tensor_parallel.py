@@ -75,13 +75,13 @@ def _reference(steps: int, dtype: torch.dtype, tied: bool = False,
 
 def _engine(tp: int = 1, rep: int = 1, tied: bool = False, ckpt: bool = False, sp: bool = False,
             dtype: str = "fp32", pp: int = 1, dropout: float = 0.0, lora: bool = False, compile: bool = False,
-            cp: int = 1, parallel: str = "fsdp"):
+            cp: int = 1, parallel: str = "fsdp", zero: bool = False):
     from parallel.build import build_engine
     from trainer.config import TrainConfig
     cfg = dataclasses.replace(TrainConfig(), parallel=parallel, dtype=dtype, device="cpu",
                               tensor_parallel_size=tp, dp_replicate_size=rep, sequence_parallel=sp,
                               pipeline_parallel_size=pp, gradient_accumulation_steps=GAS, compile=compile,
-                              context_parallel_size=cp, **OPT)
+                              context_parallel_size=cp, use_distributed_optimizer=zero, **OPT)
     return build_engine(_new_model(tied, ckpt, dropout, lora), cfg, device=torch.device("cpu"))
 
 
@@ -251,14 +251,18 @@ def _world4(rank: int, world: int, out_path: str, root: str, tp2_ckpt: str) -> N
     # stages shard over dp_shard x cp, our DDP's reduce over it (saved and resumed at the same layout: one
     # writer per stage of the cp ranks that hold the same state)
     _train(out, "pp2_cp2", STEPS, pp=2, cp=2, ckpt=True)
-    engine = _train(out, "pp2_cp2_ddp", STEPS, pp=2, cp=2, parallel="ddp")
-    path = _save(engine, os.path.join(root, "pp2_cp2_ddp"), STEPS)
-    out["pp2_cp2_ddp"]["next_loss"] = _step(engine, STEPS + 1)[0]
-    out["pp2_cp2_ddp"]["next_params"] = _full_params(engine)
-    del engine
-    e = _engine(pp=2, cp=2, parallel="ddp")
+    for name, zero in (("pp2_cp2_ddp", False), ("pp2_cp2_zero1", True)):  # ZeRO: shards over dp x cp
+        engine = _train(out, name, STEPS, pp=2, cp=2, parallel="ddp", zero=zero)
+        path = _save(engine, os.path.join(root, name), STEPS)
+        out[name]["next_loss"] = _step(engine, STEPS + 1)[0]
+        out[name]["next_params"] = _full_params(engine)
+        del engine
+        e = _engine(pp=2, cp=2, parallel="ddp", zero=zero)
+        _load(e, path, 4)
+        out[f"{name}_resumed"] = {"loss": _step(e, STEPS + 1)[0], "params": _full_params(e)}
+    e = _engine(pp=2, cp=1, parallel="ddp")  # the ZeRO x cp checkpoint at pp=2 x dp=2 without ZeRO
     _load(e, path, 4)
-    out["pp2_cp2_ddp_resumed"] = {"loss": _step(e, STEPS + 1)[0], "params": _full_params(e)}
+    out["pp2_cp2_zero1_to_pp2_dp2"] = {"loss": _step(e, STEPS + 1)[0], "params": _full_params(e)}
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(out, f)
@@ -317,7 +321,7 @@ def test_vocab_parallel_loss_matches_full_vocabulary(results, reduction):
                                        ("tp2_sp", False), ("tp2_sp_tied", True), ("tp2_fsdp2", False),
                                        ("tp2_sp_fsdp2", False), ("hsdp", False), ("pp2_tp2", False),
                                        ("pp2_tp2_sp", False), ("pp2_hsdp", False), ("pp2_cp2", False),
-                                       ("pp2_cp2_ddp", False),
+                                       ("pp2_cp2_ddp", False), ("pp2_cp2_zero1", False),
                                        ("tp2_lora", "lora"), ("tp2_sp_fsdp2_lora", "lora"),
                                        ("tp2_sp_compile", False)])
 def test_parallel_layouts_match_one_process(results, reference, name, tied):
@@ -359,14 +363,15 @@ def test_mesh_layout_and_data_coordinates(results):
     assert results["tp2_to_dp2"]["dp"][1] == 2 and results["tp2_to_dp4"]["dp"][1] == 4
 
 
-@pytest.mark.parametrize("run", ["tp2_fsdp2", "pp2_tp2", "pp2_cp2_ddp"])
+@pytest.mark.parametrize("run", ["tp2_fsdp2", "pp2_tp2", "pp2_cp2_ddp", "pp2_cp2_zero1"])
 def test_resume_at_the_same_layout_is_bit_exact(results, run):
     a, b = results[run], results[f"{run}_resumed"]
     assert a["next_loss"] == b["loss"]
     assert a["next_params"] == b["params"]
 
 
-@pytest.mark.parametrize("name", ["tp2_to_dp2", "tp2_to_dp4", "tp2_to_tp2_dp2", "pp2_tp2_to_pp2_dp2"])
+@pytest.mark.parametrize("name", ["tp2_to_dp2", "tp2_to_dp4", "tp2_to_tp2_dp2", "pp2_tp2_to_pp2_dp2",
+                                  "pp2_cp2_zero1_to_pp2_dp2"])
 def test_resume_across_layouts_continues_the_run(results, reference, name):
     """The tp=2 checkpoint of step 3, resumed at another tensor / data-parallel split, takes step 4 as
     the one-process reference does (weights and Adam moments resharded by DCP)."""
