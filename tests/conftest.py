@@ -62,6 +62,13 @@ def child_env(**extra: str) -> dict:
     return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
 
 
+def toy_dpo_pairs(path, n: int = 24):
+    """The first `n` preference pairs of the bundled DPO data written to `path` (a Path): a toy set for short runs."""
+    with open(os.path.join(ROOT, "data", "dpo", "dpo_pairs.jsonl"), encoding="utf-8") as f:
+        path.write_text("".join(line for _, line in zip(range(n), f)), encoding="utf-8")
+    return path
+
+
 def train_cmd(args: list[str], nproc: int = 1) -> TrainCommand:
     return TrainCommand(args, nproc)
 

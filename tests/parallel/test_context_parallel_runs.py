@@ -80,10 +80,8 @@ def test_dpo_at_cp2_follows_one_process(pretrained, tiny_pretrain_data, tmp_path
     """DPO at cp=2 (chosen and rejected rows split over 2 ranks, their per-token log-probabilities gathered into
     whole rows for the sequence sums; the reference model split the same way) logs the one-process run's losses
     and rewards."""
-    from tests.conftest import ROOT
-    toy = tmp_path / "prefs.jsonl"
-    with open(os.path.join(ROOT, "data", "dpo", "dpo_pairs.jsonl"), encoding="utf-8") as f:
-        toy.write_text("".join(line for _, line in zip(range(24), f)), encoding="utf-8")
+    from tests.conftest import toy_dpo_pairs
+    toy = toy_dpo_pairs(tmp_path / "prefs.jsonl")
     args = [f"--tokenizer_dir={tiny_pretrain_data['tokenizer_dir']}", "--max_seq_len=96", "--device=cpu",
             "--progress=false", "--peak_flops=1e11", "--log_interval=1", "--eval_interval=0", "--eval_iters=1",
             "--warmup_iters=1", "--seed=3", "--val_ratio=0.05", "--task_type=dpo", f"--data_dir={toy}",

@@ -22,7 +22,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import ROOT, run_cmd, run_trainer
+from tests.conftest import ROOT, run_cmd, run_trainer, toy_dpo_pairs
 from tests.trainer.test_end_to_end import _env, train_cmd
 from checkpoint.verify import find_latest_valid
 from utils.constants import EXIT_BAD_CONFIG
@@ -355,9 +355,7 @@ def test_lora_pp2_matches_one_process(runs, base_args, tmp_path):
 def test_dpo_pp2_matches_one_process(runs, tiny_pretrain_data, tmp_path):
     """DPO (chosen and rejected rows through the stages, the frozen reference on every rank) follows one
     process: losses, rewards, reward accuracy and the final weights; both start from the pipeline run."""
-    toy = tmp_path / "toy_prefs.jsonl"
-    with open(os.path.join(ROOT, "data", "dpo", "dpo_pairs.jsonl"), encoding="utf-8") as f:
-        toy.write_text("".join(line for _, line in zip(range(24), f)), encoding="utf-8")
+    toy = toy_dpo_pairs(tmp_path / "toy_prefs.jsonl")
     common = [f"--tokenizer_dir={tiny_pretrain_data['tokenizer_dir']}", "--max_seq_len=64", "--device=cpu",
               "--progress=false", "--peak_flops=1e11", "--log_interval=1", "--eval_interval=0", "--eval_iters=2",
               "--warmup_iters=1", "--seed=3", "--val_ratio=0.1", "--task_type=dpo", f"--data_dir={toy}",
