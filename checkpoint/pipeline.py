@@ -272,7 +272,7 @@ def read_stage_state(stages: dict, ckpt_dir: str) -> tuple[dict, str]:
     sharded, saved_sharded = stages["sharded_optimizer"], bool(meta["sharded_optimizer"])
     # our DDP's optimizer keeps its state per parameter name over ranges of whole tensors: it assembles its pieces
     # from files of any split (ZeRO or not, expert-parallel shards of any ep)
-    by_name = stages["dp_engine"] == "ddp"
+    by_name = state_per_name(stages["dp_engine"])
     if sharded != saved_sharded and not by_name:
         raise CheckpointError(f"checkpoint {ckpt_dir}: optimizer layout (sharded={meta['sharded_optimizer']}) "
                               f"differs from this run's (sharded={sharded}): resume with the same "
