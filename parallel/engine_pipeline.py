@@ -40,6 +40,7 @@ from parallel.engine_fsdp import fsdp_with_optimizer
 from parallel.fsdp import reshard
 from parallel.mesh import counts_in_statistics, counts_in_sums, dp_coordinates, dp_mesh
 from parallel.distributed_data_parallel import SHARD_OF_ATTR
+from parallel.expert_state import ExpertShardedState
 from parallel.pipeline import (SEGMENTS, LastStageOutput, PipelineStageModule, build_schedule, pipeline_stage_module,
                                split_layers, validate_pipeline_options)
 from model.moe import in_backward
@@ -321,13 +322,8 @@ class PipelineParallelEngine(Engine):
             opt["adamw"] = {k: _like(v, template.get(k)) for k, v in opt["adamw"].items()}
             self.optimizer.load_state_dict(opt)
             return
-        model = dict(sd["model"])
-        for name, p in self._expert_shards().items():  # this rank's slice of each whole expert tensor
-            shape, first = getattr(p, SHARD_OF_ATTR)
-            t = model.get(name)
-            if t is not None and tuple(t.shape) == tuple(shape):
-                model[name] = t.reshape(-1)[first:first + p.numel()].view(p.shape)
-        self.module.load_state_dict(model)
+        # (our DDP's expert-parallel shards: this rank's slice of each whole expert tensor; else a plain load)
+        ExpertShardedState(self.module, None).load_state_dict(sd["model"])
         self.optimizer.load_state_dict(sd["optimizer"])
 
     def _gather_expert_shards(self) -> dict:
