@@ -218,6 +218,10 @@ class GroupedExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * hidden, dim))
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden))
         self.backend = "auto"  # a plain attribute (tests, benchmarks): never in the config or a checkpoint
+        # expert parallelism under FSDP2 (parallel/transforms/expert_parallel.py shard_experts): the weights are
+        # DTensors over the ep ranks and the forward computes this rank's experts, their local shards. A plain flag
+        # (not a type test of the weights): torch.compile traces it, and sample.py never imports DTensor
+        self.weights_on_ep_mesh = False
 
     def init_weights(self, std: float) -> None:
         """Drawn like the dense linears (normal, std = initializer_range)."""
@@ -226,10 +230,12 @@ class GroupedExperts(nn.Module):
 
     def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         fn = _EXPERT_FUNCTIONS[choose_expert_backend(rows, self.backend)]
-        # under expert parallelism the weights are DTensors over the ep ranks: this rank computes its own experts
-        # (parallel/transforms/expert_parallel.py hands it their rows and counts)
-        return fn(rows, counts, *(w.to_local() if hasattr(w, "to_local") else w
-                                  for w in (self.gate_up_proj, self.down_proj)))
+        # under expert parallelism this rank computes its own experts (parallel/transforms/expert_parallel.py hands
+        # it their rows and counts)
+        weights = (self.gate_up_proj, self.down_proj)
+        if self.weights_on_ep_mesh:
+            weights = tuple(w.to_local() for w in weights)
+        return fn(rows, counts, *weights)
 
 
 class SharedExperts(nn.Module):

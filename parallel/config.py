@@ -367,9 +367,6 @@ class ParallelConfig(ParallelFlags):
             out.append(f"--comm_hook=powersgd cannot be combined with --expert_parallel_size={self.ep} yet (its "
                        "low-rank state is per bucket over the whole data-parallel group; the experts' buckets are "
                        "reduced over the ranks holding the same experts)")
-        if self.ep > 1 and self.compile:
-            out.append(f"--compile=true cannot be combined with --expert_parallel_size={self.ep} yet (untested: the "
-                       "all-to-all's split sizes are read to the host inside the forward)")
         if self.cp > 1 and self.sequence_parallel:
             out.append(f"--sequence_parallel=true cannot be combined with --context_parallel_size={self.cp} yet (both "
                        "split the sequence: the tensor ranks would split each cp rank's two chunks again, untested)")

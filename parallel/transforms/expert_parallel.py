@@ -82,6 +82,7 @@ def shard_experts(experts: nn.Module, ep_mesh: Any) -> None:
         local = full.detach().chunk(ep, dim=0)[rank].clone()
         setattr(experts, name, nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False),
                                             requires_grad=full.requires_grad))
+    experts.weights_on_ep_mesh = True  # (model/moe.py GroupedExperts: its forward takes the local shards)
     _exchange_around(experts, ep_mesh)
 
 
