@@ -67,3 +67,22 @@ def one_process_step(model, opt, params, batches, units: float, grad_clip: float
     norm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip))
     opt.step()
     return total / units, norm
+
+
+def traced_with_aot_eager(fn, *args, **kwargs) -> tuple:
+    """(fn(*args, **kwargs), the number of graphs Dynamo compiled meanwhile) with every torch.compile traced by the
+    aot_eager backend (Dynamo and AOTAutograd, no Inductor code generation: the compile tests' subject, and ~1 min
+    per process on a CPU). 0 graphs would mean the run went silently eager."""
+    import torch
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    real = torch.compile
+    torch.compile = lambda model=None, **kw: real(model, **{**kw, "backend": "aot_eager"})
+    try:
+        torch._dynamo.reset()
+        counters.clear()
+        out = fn(*args, **kwargs)
+        return out, int(counters["stats"].get("unique_graphs", 0))
+    finally:
+        torch.compile = real
+        torch._dynamo.reset()

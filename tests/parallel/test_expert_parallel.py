@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 
-from tests.dist_helpers import spawn
+from tests.dist_helpers import spawn, traced_with_aot_eager
 from tests.parallel.test_moe_engines import (MOE, OPT, STEPS, moe_loss, new_model, one_process_reference,
                                              rank_batches)
 
@@ -168,21 +168,9 @@ def resume_across_ep(rank: int, world: int, out_dir: str) -> dict:
 
 
 def _compiled(**layout) -> dict:
-    """train() with --compile, traced by Dynamo and AOTAutograd (the aot_eager backend: Inductor's code generation
-    is the compile tests' subject); the number of graphs it compiled (0 would mean silently eager)."""
-    import torch._dynamo
-    from torch._dynamo.utils import counters
-    real = torch.compile
-    torch.compile = lambda model=None, **kw: real(model, **{**kw, "backend": "aot_eager"})
-    try:
-        torch._dynamo.reset()
-        counters.clear()
-        rec = train(False, compile=True, **layout)
-        rec["graphs"] = int(counters["stats"].get("unique_graphs", 0))
-        return rec
-    finally:
-        torch.compile = real
-        torch._dynamo.reset()
+    """train() with --compile, traced with the aot_eager backend; the number of graphs it compiled."""
+    rec, graphs = traced_with_aot_eager(train, False, compile=True, **layout)
+    return dict(rec, graphs=graphs)
 
 
 def _world(rank: int, world: int, out_path: str) -> None:

@@ -17,7 +17,7 @@ import torch
 
 from model import ModelConfig, Transformer
 from model.moe import moe_layers, take_aux_losses, update_expert_bias
-from tests.dist_helpers import spawn
+from tests.dist_helpers import spawn, traced_with_aot_eager
 
 VOCAB, SEQ, CHUNKS, ROWS, STEPS = 64, 8, 4, 2, 3
 OPT = dict(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_clip=0.3)
@@ -160,6 +160,12 @@ def _train(parallel: str, zero: bool = False, **layout) -> dict:
 PP = dict(pipeline_parallel_size=2, gradient_accumulation_steps=4)
 
 
+def _compiled(parallel: str, **layout) -> dict:
+    """_train with --compile (each block of a stage), traced with the aot_eager backend; the graphs it compiled."""
+    rec, graphs = traced_with_aot_eager(_train, parallel, compile=True, **layout)
+    return dict(rec, graphs=graphs)
+
+
 def _world(rank: int, world: int, out_path: str) -> None:
     if world == 2:
         out = {"ddp": _train("ddp"), "zero1": _train("ddp", zero=True), "fsdp": _train("fsdp"),
@@ -170,7 +176,8 @@ def _world(rank: int, world: int, out_path: str) -> None:
         out = {"pp_dp2_zero1": _train("ddp", zero=True, **pp2), "pp_dp2_fsdp": _train("fsdp", **pp2),
                "pp_ep2_fsdp": _train("fsdp", expert_parallel_size=2, **pp2),
                "pp_ep2_ddp": _train("ddp", expert_parallel_size=2, **pp2),
-               "pp_ep2_zero1": _train("ddp", zero=True, expert_parallel_size=2, **pp2)}
+               "pp_ep2_zero1": _train("ddp", zero=True, expert_parallel_size=2, **pp2),
+               "pp_ep2_compiled": _compiled("fsdp", expert_parallel_size=2, **pp2)}
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(out, f)
@@ -208,7 +215,8 @@ def reference4() -> dict:
 
 
 @pytest.mark.parametrize("engine", ["ddp", "zero1", "fsdp", "pp_ddp", "pp_fsdp_gpipe", "pp_dp2_zero1",
-                                    "pp_dp2_fsdp", "pp_ep2_fsdp", "pp_ep2_ddp", "pp_ep2_zero1", "cp2", "cp2_fsdp"])
+                                    "pp_dp2_fsdp", "pp_ep2_fsdp", "pp_ep2_ddp", "pp_ep2_zero1", "pp_ep2_compiled",
+                                    "cp2", "cp2_fsdp"])
 def test_two_ranks_follow_one_process(results, reference, reference4, engine):
     """Also pipeline stages (2, and 2 x 2 data-parallel replicas): the balancing losses of the first stage's
     layers join its backward (parallel/engine_pipeline.py JoinGradient); the loads and balancing loss of the
@@ -217,6 +225,8 @@ def test_two_ranks_follow_one_process(results, reference, reference4, engine):
     rank backpropagating its own tokens' part of it, and the loads logged are every cp rank's tokens."""
     rec = results[engine]
     reference = reference4 if engine.startswith("pp") else reference
+    if engine.endswith("compiled"):  # (FSDP2 stages, each block compiled; expert parallel 2)
+        assert rec["graphs"] >= 1
     # the experts of each of this rank's MoE layers laid out over the expert-parallel ranks, where asked
     assert rec["on_ep"] == ["ep2" in engine] * (1 if engine.startswith("pp") else 2)
     assert rec["loads"] == reference["loads"]  # integers: exactly
