@@ -109,6 +109,20 @@ def documents_from_cu_seqlens(cu_seqlens: torch.Tensor, B: int, T: int) -> torch
     return torch.searchsorted(cu_seqlens, idx, right=True).view(B, T)
 
 
+def batch_documents(B: int, T: int, device: torch.device, position_ids: Optional[torch.Tensor] = None,
+                    doc_ids: Optional[torch.Tensor] = None,
+                    cu_seqlens: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """Document number per token [B, T] of a batch's packed rows, from what it carries: doc_ids, else where
+    position_ids restart, else flash-attn's cu_seqlens; None when it carries none (every row one document)."""
+    if doc_ids is not None:
+        return doc_ids
+    if position_ids is not None:
+        return documents_from_positions(position_ids.expand(B, T))
+    if cu_seqlens is not None:
+        return documents_from_cu_seqlens(cu_seqlens.to(device), B, T)
+    return None
+
+
 def dense_mask(T: int, past: int, device: torch.device, docs: Optional[torch.Tensor] = None,
                real: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The rule as a bool [B or 1, 1, T, past + T] tensor (queries are positions past..past+T-1)."""
@@ -264,14 +278,7 @@ def build_spec(B: int, T: int, positions: torch.Tensor, *, attention_mask: Optio
         # a 0-d tensor from the collate is read on the host, before it is moved: no device sync then
         return AttnSpec("flash_varlen", cu_seqlens=cu_seqlens.to(device=device, dtype=torch.int32),
                         max_seqlen=int(max_seqlen), flash=flash)
-    if doc_ids is not None:
-        docs = doc_ids
-    elif position_ids_given:
-        docs = documents_from_positions(positions)
-    elif cu_seqlens is not None:
-        docs = documents_from_cu_seqlens(cu_seqlens.to(device), B, T)
-    else:
-        docs = None
+    docs = batch_documents(B, T, device, positions if position_ids_given else None, doc_ids, cu_seqlens)
     if docs is None and real is None:
         if use_fa4:
             return AttnSpec("fa4")

@@ -356,10 +356,9 @@ class Transformer(nn.Module):
         past = cache.pos if cache is not None else 0
         cp = getattr(self, "context_parallel", None)
         if cp is not None and cp.size > 1:
-            # whole sequences in (and their attention_mask / position_ids / doc_ids: padding and packed documents),
-            # this rank's two chunks kept (model/ring_attention.py); the loss comes back summed over the cp group,
-            # the logits (labels None) are this rank's positions only. cu_seqlens (flash varlen) is not needed: the
-            # ring masks by the document ids
+            # whole sequences in (with their attention_mask / position_ids / doc_ids / cu_seqlens: padding and packed
+            # documents), this rank's two chunks kept (model/ring_attention.py); the loss comes back summed over the
+            # cp group, the logits (labels None) are this rank's positions only
             if cache is not None or self.hidden_input_seq_split != 1:
                 raise ValueError("context parallelism takes whole sequences: no KV cache or sequence-parallel input "
                                  "(docs/parallel.md)")
@@ -368,7 +367,7 @@ class Transformer(nn.Module):
             else:
                 input_ids = cp.shard(input_ids)
             from model.ring_attention import sequence_documents  # (loaded already: the cp switch's module)
-            docs = sequence_documents(B, T, input_ids.device, attention_mask, position_ids, doc_ids)
+            docs = sequence_documents(B, T, input_ids.device, attention_mask, position_ids, doc_ids, cu_seqlens)
             positions = cp.positions(B, T, input_ids.device) if position_ids is None else \
                 cp.shard(position_ids.expand(B, T))
             labels, T = cp.shard(labels), T // cp.size

@@ -309,15 +309,13 @@ def _local(q, k, v, docs=None):
 
 
 def sequence_documents(B: int, T: int, device: Any, attention_mask: Optional[torch.Tensor] = None,
-                       position_ids: Optional[torch.Tensor] = None,
-                       doc_ids: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-    """The whole sequences' document ids [B, T] for the ring (None: every row one causal document), from what a
-    batch carries: doc_ids, else documents where position_ids restart (packed rows), and padding (attention_mask
-    0) one document per pad token, so that no query sees a pad but itself (model/attention.py's `allowed` rule)."""
-    from model.attention import documents_from_positions
-    docs = doc_ids
-    if docs is None and position_ids is not None:
-        docs = documents_from_positions(position_ids.expand(B, T))
+                       position_ids: Optional[torch.Tensor] = None, doc_ids: Optional[torch.Tensor] = None,
+                       cu_seqlens: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """The whole sequences' document ids [B, T] for the ring (None: every row one causal document): the packed
+    documents a batch carries (model/attention.py batch_documents, as the one-rank masks take them), and padding
+    (attention_mask 0) one document per pad token, so that no query sees a pad but itself (the `allowed` rule)."""
+    from model.attention import batch_documents
+    docs = batch_documents(B, T, device, position_ids, doc_ids, cu_seqlens)
     if attention_mask is not None:
         if docs is None:
             docs = torch.zeros(B, T, dtype=torch.long, device=device)
