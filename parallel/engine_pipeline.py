@@ -306,7 +306,8 @@ class PipelineParallelEngine(Engine):
         dp engine's sharding."""
         self.optimizer.finish_param_sync()
         model = {k: _full(v).detach() for k, v in self.module.state_dict().items()}
-        model.update(self._gather_expert_shards())
+        if self._expert_shards():  # our DDP's expert-parallel shards whole (collective over ep): any ep loads them
+            model.update(ExpertShardedState(self.module, self.mesh["ep"].get_group()).full_shards())
         opt = self.optimizer.state_dict()
         if self.dp_engine == "fsdp":
             opt = dict(opt, adamw={k: _full(v) for k, v in opt["adamw"].items()})
@@ -326,18 +327,6 @@ class PipelineParallelEngine(Engine):
         ExpertShardedState(self.module, None).load_state_dict(sd["model"])
         self.optimizer.load_state_dict(sd["optimizer"])
 
-    def _gather_expert_shards(self) -> dict:
-        """Our DDP's expert-parallel shards of this stage all-gathered over the ep ranks (collective over them):
-        the stage file holds every expert, so it loads at any ep."""
-        out = {}
-        shards = self._expert_shards()
-        if shards:
-            group = self.mesh["ep"].get_group()
-            for name, p in shards.items():
-                full = p.new_empty((dist.get_world_size(group) * p.shape[0], *p.shape[1:]))
-                dist.all_gather_into_tensor(full, p.detach().contiguous(), group=group)
-                out[name] = full
-        return out
 
     def state_spec(self) -> StateSpec:
         """The stage split (what pipeline.json records) and this rank's place in it; state_dict() gathers."""

@@ -40,8 +40,13 @@ class ExpertShardedState:
     def gather(self) -> None:
         """Collective: every shard all-gathered over its expert-parallel group; global rank 0 keeps the result for
         its next state_dict()."""
+        full = self.full_shards()
+        self._gathered = full if dist.get_rank() == 0 else None
+
+    def full_shards(self) -> dict[str, torch.Tensor]:
+        """Collective over the expert-parallel group: {name: the whole tensor} of every shard, on every rank of it
+        (a pipeline stage's writer need not be global rank 0)."""
         world = dist.get_world_size(self.group)
-        keep = dist.get_rank() == 0
         full = {}
         for name, p in self.shards.items():
             out = p.new_empty((world * p.shape[0], *p.shape[1:]))
@@ -50,7 +55,7 @@ class ExpertShardedState:
                 raise RuntimeError(f"{name}: the gathered shards make {tuple(out.shape)}, not the full "
                                    f"{DistributedDataParallel.shard_of(p)[0]}")
             full[name] = out
-        self._gathered = full if keep else None
+        return full
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
         if self._gathered is None:
