@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from model import ModelConfig, Transformer
 from model.ring_attention import ContextParallel, ring_attention, shard_sequence, unshard_sequence
-from tests.dist_helpers import spawn
+from tests.dist_helpers import spawn, traced_with_aot_eager
 from tests.parallel.test_tensor_parallel import OPT, STEPS, _full_params, _new_model as _tp_model, _reference, _step
 
 VOCAB, SEQ, B = 64, 16, 2
@@ -171,20 +171,10 @@ def _world(rank: int, world: int, out_path: str) -> None:
            "model_padded": _model_check(world, True, "padded")}
     if world == 2:
         out["engine_cp2"] = _train(2)
-        # --compile through the compile transform, traced by Dynamo and AOTAutograd (the aot_eager backend:
-        # Inductor's code generation is the compile tests' subject, and costs ~1 min per process here); the ring
-        # and the loss's all-reduces are graph breaks that run eagerly
-        real_compile = torch.compile
-        torch.compile = lambda model=None, **kw: real_compile(model, **{**kw, "backend": "aot_eager"})
-        try:
-            torch._dynamo.reset()
-            from torch._dynamo.utils import counters
-            counters.clear()
-            out["engine_cp2_compiled"] = _train(2, compile=True)
-            out["engine_cp2_compiled"]["graphs"] = int(counters["stats"].get("unique_graphs", 0))
-        finally:
-            torch.compile = real_compile
-            torch._dynamo.reset()
+        # --compile through the compile transform, traced with the aot_eager backend; the ring and the loss's
+        # all-reduces are graph breaks that run eagerly
+        rec, graphs = traced_with_aot_eager(_train, 2, compile=True)
+        out["engine_cp2_compiled"] = dict(rec, graphs=graphs)
         out["fsdp_cp2"] = _train(2, parallel="fsdp")
     else:
         out["engine_cp4"] = _train(4)
