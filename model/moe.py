@@ -16,9 +16,12 @@ them (tokens to the ranks holding their experts after `dispatch`, back before `c
 Balancing: the auxiliary loss (Switch/Megatron form, E/(k N) sum_i count_i P_i, 1 when perfectly balanced;
 HF Mixtral's load_balancing_loss_func is k times it), the router z-loss (ST-MoE: mean of logsumexp(logits)^2),
 and the bias update (`update_expert_bias`: b_i += rate * sign(mean load - load_i) after each optimizer step).
-Under context parallelism (`sequence_group`) the losses are the whole sequences', each rank computing its own
-tokens' part of them from the loads summed over the group (`balancing_losses`): the parts sum to what one process
-computes on the whole sequence. The layer keeps what the trainer reads between steps (`take_aux_losses`,
+Under context or tensor parallelism (`sequence_group`) the losses are the whole sequences', each rank computing its
+own tokens' part of them from the loads summed over the group (`balancing_losses`): the parts sum to what one
+process computes on the whole sequence. Under tensor parallelism each tensor rank runs the layer on its share of
+the tokens (`token_split_group`: the replicated rows split over the ranks on the way in and all-gathered on the way
+out; under sequence parallelism they arrive split) with the layer's weights whole on every tensor rank: the same
+FLOPs per rank as splitting every expert's width, and no partial sums to all-reduce. The layer keeps what the trainer reads between steps (`take_aux_losses`,
 `take_counts`): the losses and number of forwards since the last take (training forwards with grad only; never an
 activation-checkpointing recompute) and the tokens per expert.
 
@@ -30,6 +33,7 @@ from __future__ import annotations
 from typing import Any, Iterable, Optional
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 import torch.nn.functional as F
@@ -287,6 +291,58 @@ def balancing_losses(scores: torch.Tensor, counts: torch.Tensor, logits: torch.T
     return torch.stack([balance, z, n / n_all])
 
 
+def _gather_rows(part: torch.Tensor, group: Any, n: int) -> torch.Tensor:
+    """Every rank's share of n rows (torch.tensor_split's shares, in rank order), concatenated: [n, ...]."""
+    size = dist.get_world_size(group)
+    most = -(-n // size)
+    padded = part if part.shape[0] == most else torch.cat([part, part.new_zeros(most - part.shape[0],
+                                                                               *part.shape[1:])])
+    shares = [torch.empty_like(padded) for _ in range(size)]
+    dist.all_gather(shares, padded.contiguous(), group=group)
+    sizes = [n // size + (i < n % size) for i in range(size)]
+    return torch.cat([s[:k] for s, k in zip(shares, sizes)])
+
+
+class _TakeShare(torch.autograd.Function):
+    """This rank's share of rows every rank of the group holds alike; the backward all-gathers every rank's share of
+    the gradient (the rows' gradient is the sum of what each rank's tokens sent back: each share is one rank's)."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group, ctx.n = group, rows.shape[0]
+        return rows.tensor_split(dist.get_world_size(group))[dist.get_rank(group)].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _gather_rows(grad, ctx.group, ctx.n), None
+
+
+class _GatherShares(torch.autograd.Function):
+    """Every rank's share of the rows, all-gathered; the backward keeps this rank's share of the gradient (every rank
+    backpropagates the same replicated loss through the gathered rows)."""
+
+    @staticmethod
+    def forward(ctx, part: torch.Tensor, group: Any, n: int) -> torch.Tensor:
+        ctx.group = group
+        return _gather_rows(part, group, n)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.tensor_split(dist.get_world_size(ctx.group))[dist.get_rank(ctx.group)].contiguous(), None, None
+
+
+@torch.compiler.disable
+def take_share(rows: torch.Tensor, group: Any) -> torch.Tensor:
+    """[N, D] rows alike on every rank of `group` -> this rank's share (torch.tensor_split over the group)."""
+    return _TakeShare.apply(rows, group)
+
+
+@torch.compiler.disable
+def gather_shares(part: torch.Tensor, group: Any, n: int) -> torch.Tensor:
+    """This rank's share of N rows -> all N rows, on every rank of `group` (the inverse of take_share)."""
+    return _GatherShares.apply(part, group, n)
+
+
 def in_backward() -> bool:
     """Whether this forward is activation checkpointing's recompute inside a backward (its statistics were
     taken when the forward first ran)."""
@@ -308,9 +364,13 @@ class MoEFeedForward(nn.Module):
                                             cfg.kernel_backend) if cfg.moe_shared_experts else None
         self.resid_dropout = nn.Dropout(cfg.resid_dropout)
         self.register_buffer("expert_bias", torch.zeros(self.num_experts, dtype=torch.float32))
-        # context parallelism's group (parallel/transforms/context_parallel.py): its ranks' tokens are one sequence,
-        # and the balancing losses are the whole sequence's, each rank holding its own tokens' part of them
+        # the group whose ranks' tokens together are the sequences (context parallelism's, or the tensor-parallel
+        # one: parallel/transforms/): the balancing losses are the whole sequences', each rank holding its tokens'
+        # part of them
         self.sequence_group: Any = None
+        # tensor parallelism without sequence parallelism (parallel/transforms/tensor_parallel.py): the rows arrive
+        # alike on these ranks; each runs the layer on its share of them, all-gathered on the way out
+        self.token_split_group: Any = None
         # [3]: balancing loss, z-loss and the number of forwards, summed over the forwards since the last take
         self._aux: Optional[torch.Tensor] = None
         self._step_counts: Optional[torch.Tensor] = None  # [E] fp32 tokens per expert since the last take
@@ -318,11 +378,15 @@ class MoEFeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
+        if self.token_split_group is not None:
+            flat = take_share(flat, self.token_split_group)
         idx, weights, scores, logits = route(flat, self.router.weight, self.expert_bias, self.top_k, self.score)
         rows, counts, order = dispatch(flat, idx, self.num_experts)
         out = combine(self.experts(rows, counts), order, weights)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
+        if self.token_split_group is not None:
+            out = gather_shares(out, self.token_split_group, shape[:-1].numel())
         if self.training and torch.is_grad_enabled():
             # computed in the recompute too (activation checkpointing wants the same saved tensors), kept once;
             # (balancing loss, z-loss, forwards): under context parallelism this rank's parts of them

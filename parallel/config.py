@@ -323,9 +323,6 @@ class ParallelConfig(ParallelFlags):
         elif self.ep > 1 and moe_num_experts % self.ep:
             out.append(f"--moe_num_experts={moe_num_experts} is not divisible by --expert_parallel_size={self.ep} "
                        f"(each rank holds experts/{self.ep})")
-        if moe_num_experts and self.tp > 1:
-            out.append(f"--moe_num_experts={moe_num_experts} cannot be combined with --tensor_parallel_size={self.tp} "
-                       "yet (MoE blocks under tensor parallelism are not built)")
         if self.pp > 1 and n_layers % self.pp:
             out.append(f"--pipeline_parallel_size={self.pp}: --n_layers={n_layers} does not split into {self.pp} "
                        "equal stages (choose a divisor of n_layers)")

@@ -172,9 +172,6 @@ class Engine:
     # False on ranks whose sums repeat another rank's (pipeline stages after the first, tensor-parallel
     # ranks after the first hold the same batch): they add zeros in sum_over_data
     counts_in_sums: bool = True
-    # False on ranks that repeat another rank's forwards through the same layers (tensor-parallel ranks after the
-    # first): they add zeros in sum_statistics
-    counts_in_statistics: bool = True
     mesh: Any = None                 # the run's DeviceMesh (parallel/mesh.py), where the engine built one
     # the ranks the gradient reduction averages over when they are more than dp_size (context parallel: dp x cp,
     # each cp rank holding part of every sequence); 0 = dp_size
@@ -286,11 +283,9 @@ class Engine:
 
     def sum_statistics(self, values: torch.Tensor, device: torch.device, to_host: bool = True) -> torch.Tensor:
         """Sum a float64 vector of per-layer statistics (MoE loads) over every rank: each fills the entries of the
-        layers it holds from the tokens its forwards saw (data-parallel replicas, pipeline stages and
-        context-parallel ranks all add their own); ranks that repeat another's forwards through the same layers
-        (counts_in_statistics False: tensor-parallel ranks after the first) add zeros."""
-        if not self.counts_in_statistics:
-            values = values.clone().zero_()
+        layers it holds from the tokens its forwards saw (data-parallel replicas, pipeline stages, context-parallel
+        ranks and tensor-parallel ranks, each of which runs an MoE layer on its own share of the tokens, all add
+        their own)."""
         return all_reduce_sum(values, device, to_host=to_host)
 
     # ------------------------------------------------------------------ state (checkpoint/ saves and loads it)

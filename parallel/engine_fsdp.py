@@ -87,5 +87,4 @@ def wrap_fsdp_engine(model: nn.Module, pc: ParallelConfig, opt_cfg: OptimizerCon
     # split over dp only
     return FSDPEngine(wrapped, opt, wrapped, sharded_optimizer=True, dp_rank=rank, dp_size=world, mesh=mesh,
                       counts_in_sums=layout.counts_in_sums(dist.get_rank()), grad_ranks=world * layout.cp,
-                      counts_in_statistics=layout.counts_in_statistics(dist.get_rank()),
                       fixed_batch_shape=layout.cp > 1)

@@ -38,7 +38,7 @@ from parallel.engine import Engine, LossFn, StateSpec, stat_row, step_fields
 from parallel.engine_ddp import ddp_with_optimizer
 from parallel.engine_fsdp import fsdp_with_optimizer
 from parallel.fsdp import reshard
-from parallel.mesh import counts_in_statistics, counts_in_sums, dp_coordinates, dp_mesh
+from parallel.mesh import counts_in_sums, dp_coordinates, dp_mesh
 from parallel.distributed_data_parallel import SHARD_OF_ATTR
 from parallel.expert_state import ExpertShardedState
 from parallel.pipeline import (SEGMENTS, LastStageOutput, PipelineStageModule, build_schedule, pipeline_stage_module,
@@ -113,7 +113,7 @@ class PipelineParallelEngine(Engine):
         # same broadcast loss: only the first of them counts (parallel/mesh.py SAME_BATCH_DIMS)
         super().__init__(wrapped, optimizer, stage_module, dp_rank=self.dp_rank, dp_size=self.dp_size,
                          fixed_batch_shape=True, micro_batches_per_call=n_microbatches,
-                         counts_in_sums=counts_in_sums(mesh), counts_in_statistics=counts_in_statistics(mesh),
+                         counts_in_sums=counts_in_sums(mesh),
                          mesh=mesh, grad_ranks=self.dp_size * cp,
                          sharded_optimizer=self._sharded_files(optimizer))
         self.is_first, self.is_last = stage_module.is_first, stage_module.is_last

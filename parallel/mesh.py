@@ -80,11 +80,6 @@ class MeshLayout:
         c = self.coordinates(rank)
         return all(c[d] == 0 for d in SAME_BATCH_DIMS)
 
-    def counts_in_statistics(self, rank: int) -> bool:
-        """Whether `rank`'s forwards are its own (tensor index 0): the tensor ranks after the first repeat its
-        tokens through the same layers and add zeros to per-layer statistics (Engine.sum_statistics)."""
-        return self.coordinates(rank)["tp"] == 0
-
     def dp_coordinates(self, rank: int) -> tuple[int, int]:
         """(data-parallel rank, data-parallel size) of a global rank: which slice of the global batch it reads."""
         c = self.coordinates(rank)
@@ -143,17 +138,31 @@ def counts_in_sums(mesh: Any) -> bool:
     return all(mesh.get_local_rank(d) == 0 for d in SAME_BATCH_DIMS)
 
 
-def counts_in_statistics(mesh: Any) -> bool:
-    """MeshLayout.counts_in_statistics for this rank of a built mesh."""
-    return mesh.get_local_rank("tp") == 0
-
-
 def dp_coordinates(mesh: Any) -> tuple[int, int]:
     """MeshLayout.dp_coordinates for this rank of a built mesh: (data-parallel rank, size) over dp_replicate x
     dp_shard."""
     shard = mesh["dp_shard"].size()
     return (mesh.get_local_rank("dp_replicate") * shard + mesh.get_local_rank("dp_shard"),
             mesh["dp_replicate"].size() * shard)
+
+
+def _flattened(mesh: Any, dims: tuple[str, ...]) -> Any:
+    """The sub-mesh of `dims` flattened into one dimension named "_".join(dims), made once per mesh."""
+    name = "_".join(dims)
+    try:
+        return mesh[name]
+    except (KeyError, RuntimeError, ValueError):
+        return mesh[dims]._flatten(name)
+
+
+def token_group(mesh: Any) -> Any:
+    """The ranks of one data-parallel replica whose tokens together are its sequences, each running an MoE layer on
+    its own share (model/moe.py sequence_group): the context-parallel ranks, the tensor-parallel ones, or both
+    flattened ("cp_tp"); None when neither splits the tokens."""
+    dims = tuple(d for d in ("cp", "tp") if mesh[d].size() > 1)
+    if not dims:
+        return None
+    return (mesh[dims[0]] if len(dims) == 1 else _flattened(mesh, dims)).get_group()
 
 
 def dp_mesh(mesh: Any) -> Any:
@@ -164,10 +173,7 @@ def dp_mesh(mesh: Any) -> Any:
     shard = "dp_shard"
     if mesh["cp"].size() > 1:
         shard = "dp_shard_cp"
-        try:
-            mesh[shard]
-        except (KeyError, RuntimeError, ValueError):
-            mesh["dp_shard", "cp"]._flatten(shard)
+        _flattened(mesh, ("dp_shard", "cp"))
     if mesh["dp_replicate"].size() > 1:
         return mesh["dp_replicate", shard]
     return mesh[shard]

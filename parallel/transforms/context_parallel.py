@@ -8,8 +8,9 @@ What the engines do around it: the cp ranks of one data-parallel replica read th
 dp x cp (our DDP over the whole world, parallel/engine_ddp.py; FSDP2 sharded over dp_shard x cp,
 parallel/mesh.py dp_mesh), normalised by the global target count (Engine.grad_ranks).
 
-Owns: turning the switch on for --context_parallel_size > 1, and giving the MoE blocks the cp group (their
-balancing losses are the whole sequences', model/moe.py balancing_losses).
+Owns: turning the switch on for --context_parallel_size > 1, and giving the MoE blocks the group of the ranks
+that split each sequence's tokens (cp, or cp x tp: their balancing losses are the whole sequences', model/moe.py
+balancing_losses).
 Must never: split the data itself (the model does, from the whole batch) or build process groups (the mesh does).
 """
 from __future__ import annotations
@@ -27,5 +28,6 @@ def apply(model: nn.Module, mesh: Any, config: Any) -> None:
         raise ValueError("--context_parallel_size > 1 needs the project's Transformer (model/llama.py)")
     model.context_parallel = ContextParallel(mesh["cp"].get_group())
     from model.moe import moe_layers
-    for layer in moe_layers(model):  # the balancing losses are the whole sequences' (model/moe.py)
-        layer.sequence_group = mesh["cp"].get_group()
+    from parallel.mesh import token_group
+    for layer in moe_layers(model):  # the balancing losses are the whole sequences' (model/moe.py), whose tokens
+        layer.sequence_group = token_group(mesh)  # are split over the cp ranks (and the tensor ranks, tp > 1)

@@ -75,7 +75,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: boo
     sequence parallelism; the row-parallel all-reduce becomes that reduce-scatter). The final norm's
     output is all-gathered for the LM head. Every batch's length must be a multiple of tp.
     Returns the names of the parameters whose gradients are partial sums over the tensor ranks (the
-    norms under sequence parallelism: each rank saw T/tp positions): the optimizer all-reduces those
+    norms under sequence parallelism: each rank saw T/tp positions; the MoE layers' router and experts, each
+    rank having run its share of the tokens): the optimizer all-reduces those
     over the tensor group (FSDPOptimizer's `tp_partial`, read from the model's TP_PARTIAL_ATTR set here)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
@@ -84,6 +85,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: boo
     problems = tensor_parallel_problems(model.cfg, tp, sequence_parallel)
     if problems:
         raise ValueError("cannot split the model for tensor parallelism: " + "; ".join(problems))
+    from model.moe import MoEFeedForward
     # a full model's ModuleList, or a pipeline stage's ModuleDict (Transformer.pruned)
     blocks = blocks_of(model.layers)
     for block in blocks:
@@ -95,23 +97,34 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: boo
     tied = model.cfg.tie_embeddings
     seq = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout between regions
     colwise, rowwise = _styles()
-    for block in blocks:
+    moe_params: list[str] = []  # the MoE layers' parameters: whole on every tensor rank, partial gradients
+    for block_name, block in model.named_modules():
+        if not any(block is b for b in blocks):
+            continue
+        moe = isinstance(block.mlp, MoEFeedForward)
         plan = {
             "self_attn.q_proj": colwise(), "self_attn.k_proj": colwise(),
             "self_attn.v_proj": colwise(), "self_attn.o_proj": rowwise(output_layouts=seq),
-            "mlp.gate_proj": colwise(), "mlp.up_proj": colwise(),
-            "mlp.down_proj": rowwise(output_layouts=seq),
         }
+        if not moe:
+            plan.update({"mlp.gate_proj": colwise(), "mlp.up_proj": colwise(),
+                         "mlp.down_proj": rowwise(output_layouts=seq)})
         if sequence_parallel:
             # one all-gather of the normed input per region, kept a DTensor so that the q/k/v (gate/up)
             # input gradients add up as one partial sum, reduce-scattered once in backward
             plan["self_attn"] = PrepareModuleInput(input_layouts=(Shard(1), None, None, None, None),
                                                    desired_input_layouts=(Replicate(), None, None, None, None))
-            plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+            if not moe:
+                plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
         parallelize_module(block, tp_mesh, plan)
         # the fused q/k/v and gate/up matmul concatenates full weights: on shards each projection runs alone
         block.self_attn.fused_qkv = False
-        block.mlp.fused_qkv = False
+        if moe:  # each tensor rank routes and computes its share of the tokens (already its own under SP)
+            block.mlp.sequence_group = tp_mesh.get_group()
+            block.mlp.token_split_group = None if sequence_parallel else tp_mesh.get_group()
+            moe_params += [f"{block_name}.mlp.{n}" for n, _ in block.mlp.named_parameters()]
+        else:
+            block.mlp.fused_qkv = False
     root = {
         "embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),  # vocabulary-parallel lookup
         "lm_head": ColwiseParallel(output_layouts=Replicate()),  # logits gathered only when asked for
@@ -124,16 +137,17 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: boo
         parallelize_module(model, tp_mesh, root)
     if tied:  # one weight, sharded the same way (on the vocabulary) for both uses
         model.lm_head.weight = model.embed_tokens.weight
-    if not sequence_parallel:
-        return []
-    if getattr(model, "embed_tokens", None) is not None:  # where the token ids come in
-        model.register_forward_pre_hook(_sequence_length_check(tp), with_kwargs=True)
-    else:  # a later pipeline stage: its hidden input is this rank's slice of the sequence (the previous stage's)
-        model.hidden_input_seq_split = tp
-    from optimizer.fsdp_optimizer import TP_PARTIAL_ATTR
-    partial = [n for n, p in model.named_parameters() if "norm" in n.rsplit(".", 2)[-2]]
-    # recorded on the model for the optimizer, which all-reduces these gradients over the tensor group
-    setattr(model, TP_PARTIAL_ATTR, (tuple(partial), tp_mesh.get_group()))
+    partial = list(moe_params)
+    if sequence_parallel:
+        if getattr(model, "embed_tokens", None) is not None:  # where the token ids come in
+            model.register_forward_pre_hook(_sequence_length_check(tp), with_kwargs=True)
+        else:  # a later pipeline stage: its hidden input is this rank's slice of the sequence (the previous stage's)
+            model.hidden_input_seq_split = tp
+        partial += [n for n, p in model.named_parameters() if "norm" in n.rsplit(".", 2)[-2]]
+    if partial:
+        from optimizer.fsdp_optimizer import TP_PARTIAL_ATTR
+        # recorded on the model for the optimizer, which all-reduces these gradients over the tensor group
+        setattr(model, TP_PARTIAL_ATTR, (tuple(partial), tp_mesh.get_group()))
     return partial
 
 

@@ -170,14 +170,19 @@ def _world(rank: int, world: int, out_path: str) -> None:
     if world == 2:
         out = {"ddp": _train("ddp"), "zero1": _train("ddp", zero=True), "fsdp": _train("fsdp"),
                "pp_ddp": _train("ddp", **PP), "pp_fsdp_gpipe": _train("fsdp", **PP, pipeline_schedule="gpipe"),
-               "cp2": _train("ddp", context_parallel_size=2), "cp2_fsdp": _train("fsdp", context_parallel_size=2)}
+               "cp2": _train("ddp", context_parallel_size=2), "cp2_fsdp": _train("fsdp", context_parallel_size=2),
+               "tp2": _train("fsdp", tensor_parallel_size=2),
+               "tp2_sp": _train("fsdp", tensor_parallel_size=2, sequence_parallel=True),
+               "tp2_compiled": _compiled("fsdp", tensor_parallel_size=2)}
     else:  # 2 stages x 2 replicas: each replica's schedule runs 2 micro-batches
         pp2 = dict(PP, gradient_accumulation_steps=2)
         out = {"pp_dp2_zero1": _train("ddp", zero=True, **pp2), "pp_dp2_fsdp": _train("fsdp", **pp2),
                "pp_ep2_fsdp": _train("fsdp", expert_parallel_size=2, **pp2),
                "pp_ep2_ddp": _train("ddp", expert_parallel_size=2, **pp2),
                "pp_ep2_zero1": _train("ddp", zero=True, expert_parallel_size=2, **pp2),
-               "pp_ep2_compiled": _compiled("fsdp", expert_parallel_size=2, **pp2)}
+               "pp_ep2_compiled": _compiled("fsdp", expert_parallel_size=2, **pp2),
+               "pp_tp2": _train("fsdp", tensor_parallel_size=2, **PP),
+               "cp2_tp2": _train("fsdp", tensor_parallel_size=2, context_parallel_size=2)}
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(out, f)
@@ -216,7 +221,8 @@ def reference4() -> dict:
 
 @pytest.mark.parametrize("engine", ["ddp", "zero1", "fsdp", "pp_ddp", "pp_fsdp_gpipe", "pp_dp2_zero1",
                                     "pp_dp2_fsdp", "pp_ep2_fsdp", "pp_ep2_ddp", "pp_ep2_zero1", "pp_ep2_compiled",
-                                    "cp2", "cp2_fsdp"])
+                                    "cp2", "cp2_fsdp", "tp2", "tp2_sp", "tp2_compiled", "pp_tp2",
+                                    "cp2_tp2"])
 def test_two_ranks_follow_one_process(results, reference, reference4, engine):
     """Also pipeline stages (2, and 2 x 2 data-parallel replicas): the balancing losses of the first stage's
     layers join its backward (parallel/engine_pipeline.py JoinGradient); the loads and balancing loss of the
@@ -225,7 +231,7 @@ def test_two_ranks_follow_one_process(results, reference, reference4, engine):
     rank backpropagating its own tokens' part of it, and the loads logged are every cp rank's tokens."""
     rec = results[engine]
     reference = reference4 if engine.startswith("pp") else reference
-    if engine.endswith("compiled"):  # (FSDP2 stages, each block compiled; expert parallel 2)
+    if engine.endswith("compiled"):  # (each block compiled: FSDP2 stages x expert parallel 2; tensor parallel 2)
         assert rec["graphs"] >= 1
     # the experts of each of this rank's MoE layers laid out over the expert-parallel ranks, where asked
     assert rec["on_ep"] == ["ep2" in engine] * (1 if engine.startswith("pp") else 2)

@@ -147,9 +147,7 @@ def test_sft_lora_and_dpo_on_an_moe_model(moe_run, tiny_pretrain_data, tmp_path)
     (["--moe_bias_update_rate=-0.1"], "--moe_bias_update_rate=-0.1: must be a finite number >= 0"),
     (["--moe_num_experts=4", "--moe_bias_update_rate=0.1", "--lora_rank=2"],
      "--moe_bias_update_rate=0.1 cannot be combined with --lora_rank=2"),
-    (["--moe_num_experts=4", "--tensor_parallel_size=2", "--parallel=fsdp"],
-     "--moe_num_experts=4 cannot be combined with --tensor_parallel_size=2"),
-], ids=["top_k", "score", "all_dense", "negative", "rate", "lora_bias", "tp"])
+], ids=["top_k", "score", "all_dense", "negative", "rate", "lora_bias"])
 def test_bad_moe_flags_one_line_exit_2(tiny_pretrain_run_args, tmp_path, capsys, extra, needle):
     code, err = run_main([*tiny_pretrain_run_args, f"--out_dir={tmp_path / 'run'}", "--max_iters=1", *extra], capsys)
     assert code == EXIT_BAD_CONFIG, err
@@ -189,7 +187,8 @@ def test_export_refuses_what_mixtral_cannot_hold_and_a_mixtral_trains(moe_run, t
          "--expert_parallel_size=2", "--batch_size=2"]),
     (4, ["--n_layers=4", "--pipeline_parallel_size=2", "--gradient_accumulation_steps=2",
          "--expert_parallel_size=2", "--batch_size=2", "--use_distributed_optimizer=true"]),
-], ids=["1proc", "fsdp2", "pp2", "pp2_ep2", "pp2_ep2_ddp", "pp2_ep2_zero1"])
+    (2, ["--n_layers=3", "--parallel=fsdp", "--tensor_parallel_size=2", "--sequence_parallel=true"]),
+], ids=["1proc", "fsdp2", "pp2", "pp2_ep2", "pp2_ep2_ddp", "pp2_ep2_zero1", "tp2_sp"])
 def test_resume_is_exact_with_the_biases(tiny_pretrain_run_args, tmp_path, nproc, extra):
     """A crash at the start of step 4 (checkpoint at 2), resumed: the same losses and final weights, selection
     biases included, as the uninterrupted run (the biases moved every step: a resume that lost them diverges).
