@@ -356,10 +356,6 @@ class ParallelConfig(ParallelFlags):
             what = f"--tensor_parallel_size={self.tp}" if self.tp > 1 else f"--pipeline_parallel_size={self.pp}"
             out.append(f"--compile_mode={self.compile_mode} cannot be combined with {what} yet (CUDA graphs are "
                        "marked per micro-batch of the whole-model compile; per-block and per-stage compiles are not)")
-        if self.ep > 1 and (self.cp > 1 or self.tp > 1):
-            what = f"--context_parallel_size={self.cp}" if self.cp > 1 else f"--tensor_parallel_size={self.tp}"
-            out.append(f"--expert_parallel_size={self.ep} cannot be combined with {what} yet (the ep ranks split "
-                       "the data-parallel shard dimension only; torchtitan's ep over dp_shard x cp x tp is not built)")
         if self.ep > 1 and self.parallel == "ddp" and self.comm_hook == "powersgd":
             out.append(f"--comm_hook=powersgd cannot be combined with --expert_parallel_size={self.ep} yet (its "
                        "low-rank state is per bucket over the whole data-parallel group; the experts' buckets are "

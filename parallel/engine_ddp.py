@@ -26,6 +26,7 @@ from parallel.config import CAPABILITIES, ParallelConfig
 from parallel.distributed_data_parallel import DDPConfig, DistributedDataParallel
 from parallel.engine import Engine, StateSpec
 from parallel.expert_state import ExpertShardedState
+from parallel.mesh import expert_dp_mesh
 from parallel.powersgd import PowerSGDState, powersgd_hook
 
 
@@ -101,11 +102,11 @@ def wrap_ddp_engine(model: nn.Module, pc: ParallelConfig, opt_cfg: OptimizerConf
     if cp > 1 and group is not None:
         raise ValueError("--context_parallel_size > 1 lays out the whole world: build it without a process group")
     experts: dict[str, Any] = {}
-    if pc.ep > 1:  # (parallel/mesh.py: dp_shard = efsdp x ep; no replicas, cp, tp or stages under our DDP)
+    if pc.ep > 1:  # (parallel/mesh.py: dp_shard = efsdp x ep; no replicas, tp or stages under our DDP)
         if group is not None or mesh is None:
             raise ValueError("--expert_parallel_size > 1 lays out the whole world on the mesh: build it without a "
                              "process group")
-        experts = dict(expert_group=mesh["efsdp"].get_group(), expert_parallel_group=mesh["ep"].get_group())
+        experts = dict(expert_group=expert_dp_mesh(mesh).get_group(), expert_parallel_group=mesh["ep"].get_group())
     ddp, optimizer = ddp_with_optimizer(model, pc, opt_cfg, group=group, **experts)
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if dist.is_available() and dist.is_initialized() \
         else (0, 1)

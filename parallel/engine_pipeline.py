@@ -38,7 +38,7 @@ from parallel.engine import Engine, LossFn, StateSpec, stat_row, step_fields
 from parallel.engine_ddp import ddp_with_optimizer
 from parallel.engine_fsdp import fsdp_with_optimizer
 from parallel.fsdp import reshard
-from parallel.mesh import counts_in_sums, dp_coordinates, dp_mesh
+from parallel.mesh import counts_in_sums, expert_dp_mesh, dp_coordinates, dp_mesh
 from parallel.distributed_data_parallel import SHARD_OF_ATTR
 from parallel.expert_state import ExpertShardedState
 from parallel.pipeline import (SEGMENTS, LastStageOutput, PipelineStageModule, build_schedule, pipeline_stage_module,
@@ -374,7 +374,7 @@ def wrap_pipeline_engine(stage: PipelineStageModule, pc: ParallelConfig, opt_cfg
                                            gloo_collectives=False, norm_groups=norm_groups)
     else:  # dp rank 0's weights everywhere (our DDP broadcasts them); over dp_shard, or dp_shard x cp
         # expert parallelism: the experts' own buffers, reduced over the ranks holding the same ones
-        experts = dict(expert_group=mesh["efsdp"].get_group(), expert_parallel_group=mesh["ep"].get_group()) \
+        experts = dict(expert_group=expert_dp_mesh(mesh).get_group(), expert_parallel_group=mesh["ep"].get_group()) \
             if pc.ep > 1 else {}
         wrapped, opt = ddp_with_optimizer(stage, pc, opt_cfg, group=dp_mesh(mesh).get_group(),
                                           norm_groups=norm_groups, **experts)

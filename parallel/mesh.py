@@ -155,6 +155,16 @@ def _flattened(mesh: Any, dims: tuple[str, ...]) -> Any:
         return mesh[dims]._flatten(name)
 
 
+def expert_dp_mesh(mesh: Any) -> Any:
+    """The ranks that hold the same experts under expert parallelism and reduce (FSDP2: shard) them together:
+    "efsdp", with context parallelism "efsdp" x "cp" flattened ("efsdp_cp": each cp rank's tokens reach the experts
+    too), with replicas "dp_replicate" in front (HSDP)."""
+    inner = _flattened(mesh, ("efsdp", "cp")) if mesh["cp"].size() > 1 else mesh["efsdp"]
+    if mesh["dp_replicate"].size() > 1:
+        return mesh["dp_replicate", "efsdp_cp" if mesh["cp"].size() > 1 else "efsdp"]
+    return inner
+
+
 def token_group(mesh: Any) -> Any:
     """The ranks of one data-parallel replica whose tokens together are its sequences, each running an MoE layer on
     its own share (model/moe.py sequence_group): the context-parallel ranks, the tensor-parallel ones, or both

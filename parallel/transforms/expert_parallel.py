@@ -56,19 +56,20 @@ def apply(model: nn.Module, mesh: Any, config: Any) -> None:
     layers = moe_layers(model)
     if not layers:
         raise ValueError(f"--expert_parallel_size={ep} needs an MoE model (--moe_num_experts > 0)")
+    from parallel.mesh import dp_mesh, expert_dp_mesh
     ep_mesh = mesh["ep"]
-    dp_size = mesh["dp_replicate"].size() * mesh["dp_shard"].size()
+    # the gradients' divisor: every rank the engine's loss scale averages over (data parallel x context parallel)
+    dp_size = mesh["dp_replicate"].size() * mesh["dp_shard"].size() * mesh["cp"].size()
     for layer in layers:
         if layer.num_experts % ep:
             raise ValueError(f"--moe_num_experts={layer.num_experts} is not divisible by --expert_parallel_size={ep}")
         if getattr(config, "parallel", "fsdp") == "ddp":
-            # rank 0 of the data-parallel group (the world, or this pipeline stage's dp ranks) broadcasts
-            shard_experts_local(layer.experts, ep_mesh, mesh["dp_shard"].get_group())
+            # rank 0 of the data-parallel group (the world, or this pipeline stage's dp (x cp) ranks) broadcasts
+            shard_experts_local(layer.experts, ep_mesh, dp_mesh(mesh).get_group())
             continue
         shard_experts(layer.experts, ep_mesh)
-        # FSDP of the experts over the dp ranks that hold the same ones (HSDP: across the replicas too)
-        setattr(layer.experts, SHARD_MESH_ATTR,
-                mesh["dp_replicate", "efsdp"] if mesh["dp_replicate"].size() > 1 else mesh["efsdp"])
+        # FSDP of the experts over the dp (x cp) ranks that hold the same ones (HSDP: across the replicas too)
+        setattr(layer.experts, SHARD_MESH_ATTR, expert_dp_mesh(mesh))
         setattr(layer.experts, GRAD_DIVIDE_ATTR, float(dp_size))
 
 

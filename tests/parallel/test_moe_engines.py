@@ -146,6 +146,9 @@ def _train(parallel: str, zero: bool = False, **layout) -> dict:
     if pp > 1:  # the stage's state as its files hold it: our DDP's expert shards gathered (collective)
         whole = engine.state_dict()["model"]
         params = {n: whole[n].double().reshape(-1).tolist() for n in params}
+    elif getattr(engine, "expert_state", None) is not None:  # our DDP's expert shards gathered (collective)
+        whole = {**dict(engine.module.named_parameters()), **engine.expert_state.full_shards()}
+        params = {n: whole[n].double().reshape(-1).tolist() for n in params}
     bias = {i: layer.expert_bias.tolist() for i, layer in zip(moe.layer_ids, moe.layers)}
     if pp > 1:  # every stage's, on every rank
         for part in (params, bias):
@@ -182,6 +185,10 @@ def _world(rank: int, world: int, out_path: str) -> None:
                "pp_ep2_zero1": _train("ddp", zero=True, expert_parallel_size=2, **pp2),
                "pp_ep2_compiled": _compiled("fsdp", expert_parallel_size=2, **pp2),
                "pp_tp2": _train("fsdp", tensor_parallel_size=2, **PP),
+               "tp2_ep2": _train("fsdp", tensor_parallel_size=2, expert_parallel_size=2),
+               "cp2_ep2": _train("fsdp", context_parallel_size=2, expert_parallel_size=2),
+               "cp2_ep2_ddp": _train("ddp", context_parallel_size=2, expert_parallel_size=2),
+               "cp2_ep2_zero1": _train("ddp", zero=True, context_parallel_size=2, expert_parallel_size=2),
                "cp2_tp2": _train("fsdp", tensor_parallel_size=2, context_parallel_size=2)}
     if rank == 0:
         with open(out_path, "w") as f:
@@ -221,7 +228,8 @@ def reference4() -> dict:
 
 @pytest.mark.parametrize("engine", ["ddp", "zero1", "fsdp", "pp_ddp", "pp_fsdp_gpipe", "pp_dp2_zero1",
                                     "pp_dp2_fsdp", "pp_ep2_fsdp", "pp_ep2_ddp", "pp_ep2_zero1", "pp_ep2_compiled",
-                                    "cp2", "cp2_fsdp", "tp2", "tp2_sp", "tp2_compiled", "pp_tp2",
+                                    "cp2", "cp2_fsdp", "tp2", "tp2_sp", "tp2_compiled", "pp_tp2", "tp2_ep2", "cp2_ep2",
+                                    "cp2_ep2_ddp", "cp2_ep2_zero1",
                                     "cp2_tp2"])
 def test_two_ranks_follow_one_process(results, reference, reference4, engine):
     """Also pipeline stages (2, and 2 x 2 data-parallel replicas): the balancing losses of the first stage's

@@ -188,7 +188,9 @@ def test_export_refuses_what_mixtral_cannot_hold_and_a_mixtral_trains(moe_run, t
     (4, ["--n_layers=4", "--pipeline_parallel_size=2", "--gradient_accumulation_steps=2",
          "--expert_parallel_size=2", "--batch_size=2", "--use_distributed_optimizer=true"]),
     (2, ["--n_layers=3", "--parallel=fsdp", "--tensor_parallel_size=2", "--sequence_parallel=true"]),
-], ids=["1proc", "fsdp2", "pp2", "pp2_ep2", "pp2_ep2_ddp", "pp2_ep2_zero1", "tp2_sp"])
+    (4, ["--n_layers=3", "--context_parallel_size=2", "--expert_parallel_size=2", "--batch_size=2",
+         "--use_distributed_optimizer=true"]),
+], ids=["1proc", "fsdp2", "pp2", "pp2_ep2", "pp2_ep2_ddp", "pp2_ep2_zero1", "tp2_sp", "cp2_ep2_zero1"])
 def test_resume_is_exact_with_the_biases(tiny_pretrain_run_args, tmp_path, nproc, extra):
     """A crash at the start of step 4 (checkpoint at 2), resumed: the same losses and final weights, selection
     biases included, as the uninterrupted run (the biases moved every step: a resume that lost them diverges).
