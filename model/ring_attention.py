@@ -39,7 +39,8 @@ Must never: read a tensor's value on the host, or know about the trainer, the me
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -357,6 +358,19 @@ class _GatherSequence(torch.autograd.Function):
         return shard_sequence(g, ctx.rank, ctx.size, dim=1), None
 
 
+@contextmanager
+def whole_sequences(model: Any) -> Iterator[Any]:
+    """Context parallelism switched off on `model` (the project's Transformer) inside the block: every rank runs whole
+    sequences (generation with a KV cache: GRPO's rollouts and held-out answers, which the cp ranks of a replica
+    decode alike). Yields the model's ContextParallel (None without it)."""
+    cp = getattr(model, "context_parallel", None)
+    model.context_parallel = None
+    try:
+        yield cp
+    finally:
+        model.context_parallel = cp
+
+
 class ContextParallel:
     """What the model needs to run context parallel: its cp group, this rank's place in it, and the split.
     Set on the model by parallel/transforms/context_parallel.py (`model.context_parallel`)."""
@@ -372,6 +386,14 @@ class ContextParallel:
     def positions(self, B: int, T: int, device: Any) -> torch.Tensor:
         """The global positions [B, T / C] of this rank's tokens of a length-T sequence."""
         return local_positions(T, self.rank, self.size, device)[None].expand(B, T // self.size)
+
+    def next_token_values(self, values: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """From this rank's [B, T/C, V] of the whole rows (logits, log-probabilities), the value of each next token
+        (input_ids[:, t + 1] at position t) as the whole rows' [B, T - 1] on every rank, differentiable through
+        this rank's positions (GRPO's per-token log-probabilities)."""
+        nxt = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1)  # (the last position's is dropped below)
+        mine = values.gather(-1, self.shard(nxt)[..., None])[..., 0]
+        return self.gather_tokens(mine)[:, :-1]
 
     @torch.compiler.disable  # eager, like reduce_loss
     def gather_tokens(self, per_token: torch.Tensor) -> torch.Tensor:

@@ -65,8 +65,6 @@ WHY_NOT: dict[str, str] = {
 }
 # what a dimension of the mesh refuses of a run's needs (a task's, or the trainer's), and why (one line each)
 CP_REFUSES: dict[str, str] = {
-    "rollouts": "GRPO's rollouts decode whole prompts through a KV cache; the model under cp takes split sequences "
-                "only",
     "whole_model_on_one_rank": "samples and task evaluation run whole prompts through a KV cache on one rank; "
                                "the model under cp takes split sequences only",
 }

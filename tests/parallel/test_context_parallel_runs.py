@@ -102,6 +102,6 @@ def test_cp_layouts_that_cannot_run_exit_2_with_one_line(tiny_pretrain_run_args,
     base = [*tiny_pretrain_run_args, "--max_iters=1", f"--out_dir={tmp_path / 'x'}"]
     line = _one_line_error([*base, "--context_parallel_size=2"])
     assert "world size 1 is not a multiple of" in line and "context 2" in line, line
-    line = _one_line_error([*base, "--context_parallel_size=2", "--task_type=grpo"])
-    assert "--task_type=grpo cannot be combined with --context_parallel_size=2" in line, line
+    line = _one_line_error([*base, "--context_parallel_size=2", "--sample_every=1"])
+    assert "--sample_every=1 cannot be combined with --context_parallel_size=2" in line, line
     assert not os.path.exists(tmp_path / "x" / "checkpoints")  # refused before anything ran

@@ -188,6 +188,31 @@ def test_fsdp_two_ranks_equal_one_process(pretrained, tmp_path):
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5)
 
 
+def test_context_parallel_two_ranks_equal_one_process(pretrained, tmp_path):
+    """--context_parallel_size=2: both ranks roll out the replica's prompts alike on whole sequences (the cp switch
+    off while decoding, held-out answers too), then each trains on its chunks of the rows (19 tokens padded to 20,
+    whole 2 x cp chunks), the per-token log-probabilities, the reference's (--beta) and the sampling policy's
+    (--num_iterations=2) gathered into whole rows: the losses, rewards, KL and entropy of one process."""
+    one, cp = tmp_path / "one", tmp_path / "cp"
+    extra = ["--max_iters=2", "--max_prompt_length=11", "--beta=0.04", "--num_iterations=2",
+             f"--eval_data_dir={tmp_path / 'prompts.jsonl'}", "--eval_interval=2"]
+    run_cmd(train_cmd(_args(pretrained, tmp_path, *extra, f"--out_dir={one}")), env=child_env())
+    proc = run_cmd(train_cmd(_args(pretrained, tmp_path, *extra, f"--out_dir={cp}", "--context_parallel_size=2"),
+                             nproc=2), env=child_env())
+    assert "context 2" in proc.stdout, proc.stdout[-2000:]
+    a, b = _rows(one), _rows(cp)
+    assert sorted(a) == sorted(b) == [1, 2]
+    for s in (1, 2):
+        for k in ("reward", "reward_std", "completion_length"):  # the same completions
+            assert a[s][k] == b[s][k], (s, k, a[s][k], b[s][k])
+        for k in ("loss", "kl", "entropy"):
+            assert abs(a[s][k] - b[s][k]) <= 1e-5 * max(1.0, abs(a[s][k])), (s, k, a[s][k], b[s][k])
+    assert a[2]["kl"] > 0 and a[2]["val_reward"] == b[2]["val_reward"]
+    wa, wb = final_weights(one), final_weights(cp)
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5)
+
+
 def test_rows_longer_than_the_model_are_refused(pretrained, tmp_path):
     proc = run_trainer(train_cmd(_args(pretrained, tmp_path, "--max_iters=1", f"--out_dir={tmp_path / 'r'}",
                                        "--max_prompt_length=20", "--max_completion_length=20")), env=child_env())

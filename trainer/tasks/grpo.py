@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from model.ring_attention import whole_sequences
 from trainer.tasks.base import Task, TaskData
 from trainer.tasks.grpo_data import PromptSet, read_prompts_file
 from trainer.tasks.grpo_loss import aggregate, batch_std, group_advantages, per_token_terms, units_of
@@ -47,6 +48,10 @@ class GRPOTask(Task):
         self.stat_keys = _STEP_KEYS + tuple(f"{k}_{n}" for n in self.reward_names for k in ("reward", "reward_sq"))
         self.needs_reference = cfg.beta > 0
         self.row_len = cfg.max_prompt_length + cfg.max_completion_length
+        cp = int(getattr(cfg, "context_parallel_size", 1))
+        if cp > 1:  # context parallelism splits each training row into 2 x cp chunks: padded to whole ones
+            self.row_len = -(-self.row_len // (2 * cp)) * (2 * cp)
+        self._cp = None  # the model's ContextParallel (--context_parallel_size > 1), read at each rollout
         self._rollout = None  # the batches of the last rollout (reused by num_iterations - 1 steps)
         self._tok = self._special = None
         self._rewards = None
@@ -77,11 +82,12 @@ class GRPOTask(Task):
         self._load_tools()
         engine.optimizer.finish_param_sync()  # ZeRO's all-gather of the updated weights has landed
         sp = self._special
-        sums = greedy_sums(engine.module, val.prompts, self._rewards,
-                           lambda ids: self._tok.decode(ids, skip_special_tokens=True),
-                           rows=cfg.batch_size * cfg.num_generations, max_new_tokens=cfg.max_completion_length,
-                           stop_ids=[int(sp[n]["id"]) for n in STOP_TOKENS], device=info.device,
-                           rank=engine.dp_rank, world=engine.dp_size)
+        with whole_sequences(engine.module):  # (the cp ranks of a replica answer its prompts alike)
+            sums = greedy_sums(engine.module, val.prompts, self._rewards,
+                               lambda ids: self._tok.decode(ids, skip_special_tokens=True),
+                               rows=cfg.batch_size * cfg.num_generations, max_new_tokens=cfg.max_completion_length,
+                               stop_ids=[int(sp[n]["id"]) for n in STOP_TOKENS], device=info.device,
+                               rank=engine.dp_rank, world=engine.dp_size)
         if engine.dp_size > 1:
             sums = engine.sum_over_data(sums, info.device).tolist()
         return held_out_metrics(sums, self.reward_names)
@@ -118,13 +124,16 @@ class GRPOTask(Task):
         if loop.info.world_size > 1:  # every rank decodes as many tokens (a forward may all-gather: FSDP)
             engine = loop.engine
             all_done = lambda done: float(engine.sum_over_data([0.0 if done else 1.0], device)[0]) == 0.0  # noqa: E731
-        rollout = [self._roll(model, device, b, p.step, samples, all_done) for b in batches]
+        # whole sequences on every rank while decoding (context parallelism: the cp ranks of a replica roll out its
+        # prompts alike, from the same seeds); the training rows are split again
+        with whole_sequences(model) as self._cp:
+            rollout = [self._roll(model, device, b, p.step, samples, all_done) for b in batches]
         self._advantages(rollout, loop, device)
         if cfg.num_iterations > 1:  # the ratio of the later steps is taken against the policy that sampled
             with torch.no_grad():
                 for rows in rollout:
                     x = to_device(rows["input_ids"], device)
-                    rows["old_logps"] = token_logps(model(x), x, cfg.temperature)[0].float().cpu()
+                    rows["old_logps"] = token_logps(model(x), x, cfg.temperature, cp=self._cp)[0].float().cpu()
         self._rollout = rollout
         if cfg.log_completions and loop.info.is_main and (p.step + 1) % cfg.log_interval == 0 and samples:
             loop.metrics.write_samples(samples[:cfg.num_completions_to_print])
@@ -198,12 +207,12 @@ class GRPOTask(Task):
         mask = to_device(batch["completion_mask"], device)
         gen = to_device(batch["gen_logps"], device)
         adv = to_device(batch["advantages"], device)
-        logps, entropy = token_logps(model(x), x, cfg.temperature, with_entropy=True)
+        logps, entropy = token_logps(model(x), x, cfg.temperature, with_entropy=True, cp=self._cp)
         old = to_device(batch["old_logps"], device) if "old_logps" in batch else logps.detach()
         ref = None
         if cfg.beta > 0:
             with torch.no_grad():
-                ref = token_logps(ref_model(x), x, cfg.temperature)[0]
+                ref = token_logps(ref_model(x), x, cfg.temperature, cp=self._cp)[0]
         is_w = None
         if cfg.importance_sampling_correction:  # truncated importance sampling: trainer / sampler, capped
             is_w = torch.exp(old - gen).clamp(max=cfg.importance_sampling_cap)

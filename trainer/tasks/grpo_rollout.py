@@ -20,7 +20,7 @@ so the recorded values equal the trainer's bit for bit on the CPU.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -137,13 +137,21 @@ def training_rows(prompts: Sequence[Sequence[int]], groups: Sequence[Group], row
 
 
 def token_logps(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float,
-                with_entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                with_entropy: bool = False, cp: Any = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-probabilities [B, T-1] of input_ids[:, 1:] under logits[:, :-1] / temperature (fp32), and the entropy
-    of those distributions when asked."""
-    logp_all = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
-    logps = logp_all.gather(-1, input_ids[:, 1:, None])[..., 0]
+    of those distributions when asked. cp (the model's ContextParallel, model/ring_attention.py): the logits are
+    this rank's positions of the whole rows; the values come back as the whole rows' on every cp rank, each rank's
+    gradient flowing through its own positions."""
+    if cp is not None:
+        logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)
+        logps = cp.next_token_values(logp_all, input_ids)
+    else:
+        logp_all = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
+        logps = logp_all.gather(-1, input_ids[:, 1:, None])[..., 0]
     entropy = None
     if with_entropy:
         with torch.no_grad():
             entropy = -(logp_all.exp() * logp_all).sum(-1)
+            if cp is not None:
+                entropy = cp.gather_tokens(entropy)[:, :-1]
     return logps, entropy
