@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from model import attention, kernels
 from model.attention import AttnSpec
-from model.llama import MLP, Attention, KVCache, Transformer, blocks_of
+from model.llama import MLP, Attention, KVCache, Transformer, blocks_of, kv_heads_of
 
 
 def fast_path_applies(model: nn.Module) -> bool:
@@ -111,7 +111,7 @@ class Decoder:
     def __init__(self, model: nn.Module, batch_size: int, max_len: int, device: torch.device, dtype: torch.dtype,
                  pack: Optional[bool] = None):
         self.model, self.rows, self.max_len, self.dtype = model, batch_size, max_len, dtype
-        self.cache = KVCache(model.cfg, batch_size, max_len, device, dtype)
+        self.cache = KVCache(model.cfg, batch_size, max_len, device, dtype, kv_heads_of(model))
         self.fast = fast_path_applies(model)
         self.layers, self.rope = [], None
         if not self.fast:
@@ -144,7 +144,7 @@ class Decoder:
         cache -> logits [B, V] (the one row's, expanded)."""
         T = prompt.shape[0]
         with self._mode():
-            one = KVCache(self.model.cfg, 1, T, prompt.device, self.dtype)
+            one = KVCache(self.model.cfg, 1, T, prompt.device, self.dtype, kv_heads_of(self.model))
             logits = self._forward(prompt[None], one)
             for dst, src in zip(self.cache.k + self.cache.v, one.k + one.v):
                 dst[:, :, :T] = src

@@ -112,11 +112,18 @@ class RotaryEmbedding(nn.Module):
 
 
 # ------------------------------------------------------------------------------------ attention
-class KVCache:
-    """Preallocated keys/values per layer ([B, n_kv_heads, max_len, head_dim]) for generation."""
+def kv_heads_of(model: nn.Module) -> int:
+    """The key/value heads of `model`'s attention on this rank (fewer under tensor parallelism)."""
+    return model.cfg.n_kv_heads // int(getattr(model, "tensor_parallel_size", 1))
 
-    def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int, device, dtype: torch.dtype):
-        shape = (batch_size, cfg.n_kv_heads, max_len, cfg.head_dim)
+
+class KVCache:
+    """Preallocated keys/values per layer ([B, n_kv_heads, max_len, head_dim]) for generation; `kv_heads`: this
+    rank's key/value heads when they are fewer (tensor parallelism: n_kv_heads / tp, `kv_heads_of`)."""
+
+    def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int, device, dtype: torch.dtype,
+                 kv_heads: Optional[int] = None):
+        shape = (batch_size, kv_heads or cfg.n_kv_heads, max_len, cfg.head_dim)
         # uninitialised: a position is read only after it is written (attention over [:pos + T])
         self.k = [torch.empty(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
         self.v = [torch.empty(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
@@ -258,6 +265,9 @@ class Transformer(nn.Module):
         # tensor rank's 1/N of the positions: N, set by parallel/transforms/tensor_parallel.py (positions, masks
         # and rotary tables are the whole sequence's). A plain attribute, like attn_backend.
         self.hidden_input_seq_split = 1
+        # tensor parallelism's size (parallel/transforms/tensor_parallel.py): each rank's attention holds
+        # n_kv_heads / N key/value heads, and so does a KV cache for it. A plain attribute, like attn_backend.
+        self.tensor_parallel_size = 1
         if cfg.flash_attn:  # imported here, never inside a (compiled) forward
             kernels.detect_flash_attn()
         fa4.prepare(cfg)  # FlashAttention-4 activated once per process where this model would use it

@@ -79,8 +79,10 @@ EP_DDP_REFUSES: dict[str, str] = {
     "low_precision_optimizer_states": "the bf16 moments live in the one-launch AdamW, which does not step "
                                       "expert-parallel shards",
 }
-TP_REFUSES: dict[str, str] = {
-    "rollouts": "the rollouts' KV cache holds every head; a tensor rank computes its share of them",
+# what sequence parallelism refuses (--sequence_parallel=true)
+SP_REFUSES: dict[str, str] = {
+    "rollouts": "decoding feeds one position per row at a time, which sequence parallelism cannot split over the "
+                "tensor ranks",
 }
 
 
@@ -294,11 +296,12 @@ class ParallelConfig(ParallelFlags):
             if problem:
                 out.append(problem)
         out.extend(self._combination_problems())
-        for size, flag_name, refuses in ((self.cp, "context_parallel_size", CP_REFUSES),
-                                         (self.tp, "tensor_parallel_size", TP_REFUSES)):
-            for asked_by, what in (needs or {}).items() if size > 1 else ():
+        for on, engine_flag, refuses in ((self.cp > 1, f"--context_parallel_size={self.cp}", CP_REFUSES),
+                                         (self.sequence_parallel and self.tp > 1, "--sequence_parallel=true",
+                                          SP_REFUSES)):
+            for asked_by, what in (needs or {}).items() if on else ():
                 if what in refuses:
-                    out.append(f"{asked_by} cannot be combined with --{flag_name}={size} ({refuses[what]})")
+                    out.append(f"{asked_by} cannot be combined with {engine_flag} ({refuses[what]})")
         if self.ep > 1 and self.parallel == "ddp":
             for asked_by, what in {**self.layout_needs(), **(needs or {})}.items():
                 if what in EP_DDP_REFUSES:

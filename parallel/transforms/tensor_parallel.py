@@ -137,6 +137,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: boo
         parallelize_module(model, tp_mesh, root)
     if tied:  # one weight, sharded the same way (on the vocabulary) for both uses
         model.lm_head.weight = model.embed_tokens.weight
+    model.tensor_parallel_size = tp  # (a KV cache holds this rank's key/value heads: model/llama.py kv_heads_of)
     partial = list(moe_params)
     if sequence_parallel:
         if getattr(model, "embed_tokens", None) is not None:  # where the token ids come in

@@ -152,7 +152,8 @@ def test_a_reward_that_raises_stops_the_run_with_one_line(pretrained, tmp_path):
 
 def test_lora_and_zero_at_two_ranks(pretrained, tmp_path):
     """GRPO on LoRA adapters under ZeRO-1 at 2 ranks runs its steps with gradients (the rollouts sample from the
-    adapted model, ZeRO's updated weights gathered before them); pipeline stages are refused in one line."""
+    adapted model, ZeRO's updated weights gathered before them); pipeline stages and sequence parallelism are
+    refused in one line."""
     out = tmp_path / "lora"
     run_cmd(train_cmd(_args(pretrained, tmp_path, "--max_iters=2", f"--out_dir={out}", "--batch_size=1",
                             "--lora_rank=4", "--use_distributed_optimizer=true"), nproc=2), env=child_env())
@@ -163,6 +164,12 @@ def test_lora_and_zero_at_two_ranks(pretrained, tmp_path):
     assert proc.returncode == 2
     assert "--task_type=grpo cannot be combined with --pipeline_parallel_size=2 (GRPO's rollouts run a forward per " \
            "generated token on every rank" in proc.stderr
+    proc = run_trainer(train_cmd(_args(pretrained, tmp_path, "--max_iters=1", f"--out_dir={tmp_path / 's'}",
+                                       "--parallel=fsdp", "--tensor_parallel_size=2", "--sequence_parallel=true"),
+                                 nproc=2), env=child_env())
+    assert proc.returncode == 2
+    assert "--task_type=grpo cannot be combined with --sequence_parallel=true (decoding feeds one position" \
+        in proc.stderr, proc.stderr[-2000:]
 
 
 def test_fsdp_two_ranks_equal_one_process(pretrained, tmp_path):
@@ -188,19 +195,23 @@ def test_fsdp_two_ranks_equal_one_process(pretrained, tmp_path):
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5)
 
 
-def test_context_parallel_two_ranks_equal_one_process(pretrained, tmp_path):
+@pytest.mark.parametrize("layout", [["--context_parallel_size=2"], ["--parallel=fsdp", "--tensor_parallel_size=2"]],
+                         ids=["cp2", "tp2"])
+def test_context_and_tensor_parallel_two_ranks_equal_one_process(pretrained, tmp_path, layout):
     """--context_parallel_size=2: both ranks roll out the replica's prompts alike on whole sequences (the cp switch
     off while decoding, held-out answers too), then each trains on its chunks of the rows (19 tokens padded to 20,
     whole 2 x cp chunks), the per-token log-probabilities, the reference's (--beta) and the sampling policy's
-    (--num_iterations=2) gathered into whole rows: the losses, rewards, KL and entropy of one process."""
-    one, cp = tmp_path / "one", tmp_path / "cp"
+    (--num_iterations=2) gathered into whole rows. --tensor_parallel_size=2: each rank decodes with its half of the
+    heads (a KV cache of its key/value heads) and the gathered logits, so both draw the same tokens. Either way: the
+    completions, losses, rewards, KL and entropy of one process."""
+    one, two = tmp_path / "one", tmp_path / "two"
     extra = ["--max_iters=2", "--max_prompt_length=11", "--beta=0.04", "--num_iterations=2",
              f"--eval_data_dir={tmp_path / 'prompts.jsonl'}", "--eval_interval=2"]
     run_cmd(train_cmd(_args(pretrained, tmp_path, *extra, f"--out_dir={one}")), env=child_env())
-    proc = run_cmd(train_cmd(_args(pretrained, tmp_path, *extra, f"--out_dir={cp}", "--context_parallel_size=2"),
-                             nproc=2), env=child_env())
-    assert "context 2" in proc.stdout, proc.stdout[-2000:]
-    a, b = _rows(one), _rows(cp)
+    proc = run_cmd(train_cmd(_args(pretrained, tmp_path, *extra, f"--out_dir={two}", *layout), nproc=2),
+                   env=child_env())
+    assert ("context 2" if "context" in layout[0] else "tensor 2") in proc.stdout, proc.stdout[-2000:]
+    a, b = _rows(one), _rows(two)
     assert sorted(a) == sorted(b) == [1, 2]
     for s in (1, 2):
         for k in ("reward", "reward_std", "completion_length"):  # the same completions
@@ -208,7 +219,10 @@ def test_context_parallel_two_ranks_equal_one_process(pretrained, tmp_path):
         for k in ("loss", "kl", "entropy"):
             assert abs(a[s][k] - b[s][k]) <= 1e-5 * max(1.0, abs(a[s][k])), (s, k, a[s][k], b[s][k])
     assert a[2]["kl"] > 0 and a[2]["val_reward"] == b[2]["val_reward"]
-    wa, wb = final_weights(one), final_weights(cp)
+    from checkpoint.verify import find_latest_valid
+    from checkpoint.weights import checkpoint_model_state
+    wa, wb = final_weights(one), checkpoint_model_state(find_latest_valid(str(two), log=lambda m: None))
+    assert wa.keys() == wb.keys()
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5)
 
