@@ -33,7 +33,6 @@ from __future__ import annotations
 from typing import Any, Iterable, Optional
 
 import torch
-import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 import torch.nn.functional as F
@@ -291,58 +290,6 @@ def balancing_losses(scores: torch.Tensor, counts: torch.Tensor, logits: torch.T
     return torch.stack([balance, z, n / n_all])
 
 
-def _gather_rows(part: torch.Tensor, group: Any, n: int) -> torch.Tensor:
-    """Every rank's share of n rows (torch.tensor_split's shares, in rank order), concatenated: [n, ...]."""
-    size = dist.get_world_size(group)
-    most = -(-n // size)
-    padded = part if part.shape[0] == most else torch.cat([part, part.new_zeros(most - part.shape[0],
-                                                                               *part.shape[1:])])
-    shares = [torch.empty_like(padded) for _ in range(size)]
-    dist.all_gather(shares, padded.contiguous(), group=group)
-    sizes = [n // size + (i < n % size) for i in range(size)]
-    return torch.cat([s[:k] for s, k in zip(shares, sizes)])
-
-
-class _TakeShare(torch.autograd.Function):
-    """This rank's share of rows every rank of the group holds alike; the backward all-gathers every rank's share of
-    the gradient (the rows' gradient is the sum of what each rank's tokens sent back: each share is one rank's)."""
-
-    @staticmethod
-    def forward(ctx, rows: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group, ctx.n = group, rows.shape[0]
-        return rows.tensor_split(dist.get_world_size(group))[dist.get_rank(group)].contiguous()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _gather_rows(grad, ctx.group, ctx.n), None
-
-
-class _GatherShares(torch.autograd.Function):
-    """Every rank's share of the rows, all-gathered; the backward keeps this rank's share of the gradient (every rank
-    backpropagates the same replicated loss through the gathered rows)."""
-
-    @staticmethod
-    def forward(ctx, part: torch.Tensor, group: Any, n: int) -> torch.Tensor:
-        ctx.group = group
-        return _gather_rows(part, group, n)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad.tensor_split(dist.get_world_size(ctx.group))[dist.get_rank(ctx.group)].contiguous(), None, None
-
-
-@torch.compiler.disable
-def take_share(rows: torch.Tensor, group: Any) -> torch.Tensor:
-    """[N, D] rows alike on every rank of `group` -> this rank's share (torch.tensor_split over the group)."""
-    return _TakeShare.apply(rows, group)
-
-
-@torch.compiler.disable
-def gather_shares(part: torch.Tensor, group: Any, n: int) -> torch.Tensor:
-    """This rank's share of N rows -> all N rows, on every rank of `group` (the inverse of take_share)."""
-    return _GatherShares.apply(part, group, n)
-
-
 def in_backward() -> bool:
     """Whether this forward is activation checkpointing's recompute inside a backward (its statistics were
     taken when the forward first ran)."""
@@ -379,6 +326,9 @@ class MoEFeedForward(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         if self.token_split_group is not None:
+            # imported here: its torch.compiler.disable imports torch._dynamo (~2 s), which sample.py and
+            # export_hf.py should not pay for; a tensor-parallel run loaded it when its transform ran
+            from model.token_shares import gather_shares, take_share
             flat = take_share(flat, self.token_split_group)
         idx, weights, scores, logits = route(flat, self.router.weight, self.expert_bias, self.top_k, self.score)
         rows, counts, order = dispatch(flat, idx, self.num_experts)

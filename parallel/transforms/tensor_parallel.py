@@ -120,6 +120,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: boo
         # the fused q/k/v and gate/up matmul concatenates full weights: on shards each projection runs alone
         block.self_attn.fused_qkv = False
         if moe:  # each tensor rank routes and computes its share of the tokens (already its own under SP)
+            from model import token_shares  # noqa: F401 (loaded before any compile traces the import in forward)
             block.mlp.sequence_group = tp_mesh.get_group()
             block.mlp.token_split_group = None if sequence_parallel else tp_mesh.get_group()
             moe_params += [f"{block_name}.mlp.{n}" for n, _ in block.mlp.named_parameters()]

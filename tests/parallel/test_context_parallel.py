@@ -273,8 +273,9 @@ def test_refusals_name_the_flag_and_why():
     assert pc().problems(2) == [] and pc().problems(4) == [] and pc(compile=True).problems(2) == []
     assert "is not a multiple of pipeline 1 x dp_replicate 1 x context 2" in pc().problems(3)[0]
     # what the tasks need (trainer/tasks/__init__.py TASKS), as the trainer asks (trainer/config.py engine_needs)
-    lines = pc().problems(4, needs={"--task_type=grpo": "rollouts"})
-    assert any("--task_type=grpo cannot be combined with --context_parallel_size=2" in ln for ln in lines), lines
+    lines = pc().problems(4, needs={"--sample_every=2": "whole_model_on_one_rank"})
+    assert any("--sample_every=2 cannot be combined with --context_parallel_size=2" in ln for ln in lines), lines
+    assert pc().problems(4, needs={"--task_type=grpo": "rollouts"}) == []  # decoded on whole sequences
     assert pc().problems(4, needs={"--task_type=pretrain": ""}) == []
     assert pc().problems(4, needs={"--task_type=sft": "padded_batches"}) == []  # the ring masks documents
     assert pc().problems(4, needs={"--task_type=dpo": "sequence_logprobs"}) == []  # per-token losses gathered

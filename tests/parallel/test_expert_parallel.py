@@ -257,11 +257,11 @@ def test_ddp_resume_across_ep_sizes(results):
      "--overlap_optim_step=true cannot be combined with --expert_parallel_size=4 under --parallel=ddp"),
     (dict(parallel="ddp", comm_hook="powersgd"), dict(moe_num_experts=8),
      "--comm_hook=powersgd cannot be combined with --expert_parallel_size=4"),
-    (dict(parallel="fsdp", context_parallel_size=2), dict(moe_num_experts=8),
-     "--expert_parallel_size=4 cannot be combined with --context_parallel_size=2"),
+    (dict(parallel="fsdp", context_parallel_size=4), dict(moe_num_experts=8),
+     "--expert_parallel_size=4 does not divide the data-parallel shard dimension 2"),
     (dict(parallel="fsdp", dp_replicate_size=4), dict(moe_num_experts=8),
      "--expert_parallel_size=4 does not divide the data-parallel shard dimension 2"),
-], ids=["experts", "dense", "ddp_overlap_step", "ddp_powersgd", "cp", "shard"])
+], ids=["experts", "dense", "ddp_overlap_step", "ddp_powersgd", "cp_shard", "shard"])
 def test_refusals_name_the_flags(flags, model, needle):
     """parallel/config.py's lines at 8 ranks (what the trainer prints, one line, exit 2)."""
     from parallel.config import ParallelConfig
