@@ -1,7 +1,8 @@
 """Muon (momentum + Newton-Schulz orthogonalisation) for the hidden 2-D matrices, over our flat fp32 masters.
 
 Owns: which parameters are Muon's (`is_muon_param`: every 2-D weight inside the transformer blocks -
-q/k/v/o, gate/up/down and LoRA adapters; never the token embedding, the LM head or a norm), the Muon
+q/k/v/o, gate/up/down and LoRA adapters - and an MoE block's stacked experts, each expert's matrices apart
+(`matrices_of`); never the token embedding, the LM head or a norm), the Muon
 math (`MuonState.step`), its momentum state, and the collectives that bring each sharded matrix together
 for its orthogonalisation under ZeRO-1/2. AdamW (optimizer/adamw.py) keeps every other parameter.
 
@@ -46,30 +47,61 @@ ADJUST_LR_CHOICES = ("match_rms_adamw", "original")
 
 
 def is_muon_param(name: str, shape: Sequence[int]) -> bool:
-    """A hidden matrix: 2-D and inside a transformer block (`layers.<i>.`); the embedding, the LM head
-    and every norm / bias are AdamW's."""
-    return len(shape) == 2 and (".layers." in f".{name}")
+    """A hidden matrix: 2-D and inside a transformer block (`layers.<i>.`), or an MoE block's stacked expert weights
+    (3-D, `.experts.`: a stack of matrices, `matrices_of`); the embedding, the LM head and every norm / bias are
+    AdamW's."""
+    return (len(shape) == 2 and ".layers." in f".{name}") or (len(shape) == 3 and ".experts." in f".{name}")
+
+
+def matrices_of(name: str, shape: Sequence[int]) -> tuple[int, int, int]:
+    """A Muon parameter as (count, rows, cols): a stack of `count` matrices [rows, cols], each orthogonalised on its
+    own. A 2-D weight is one matrix; stacked expert weights [E, R, C] are E (model/moe.py GroupedExperts), and
+    `experts.gate_up_proj` [E, 2I, D] is 2E of [I, D]: each expert's gate and up apart, as a dense block's
+    gate_proj and up_proj are (and as Mixtral's w1 / w3)."""
+    if len(shape) == 2:
+        return 1, int(shape[0]), int(shape[1])
+    e, r, c = (int(s) for s in shape)
+    if name.endswith("gate_up_proj"):
+        return 2 * e, r // 2, c
+    return e, r, c
+
+
+def orthogonalise(u: torch.Tensor, name: str, shape: Sequence[int]) -> torch.Tensor:
+    """Newton-Schulz of every matrix of a Muon parameter (`matrices_of`), from its update with that many elements
+    in the parameter's layout; bf16, in the parameter's shape."""
+    count, rows, cols = matrices_of(name, shape)
+    m = u.reshape(rows, cols) if count == 1 else u.reshape(count, rows, cols)
+    return zeropower_via_newtonschulz(m).view(tuple(shape))
 
 
 def zeropower_via_newtonschulz(g: torch.Tensor, coefficients=NS_COEFFICIENTS, steps: int = NS_STEPS,
                                eps: float = NS_EPS) -> torch.Tensor:
     """torch.optim.Muon's orthogonalisation of a 2-D matrix (bf16, transposed to wide), the same ops in the
-    same order: the result's bits are torch's for the same input."""
+    same order: the result's bits are torch's for the same input. A 3-D input is a stack of matrices, each
+    orthogonalised on its own by the batched forms of the same ops (one launch per op for the stack)."""
     a, b, c = coefficients
     x = g.bfloat16()
-    tall = g.size(0) > g.size(1)
+    tall = g.size(-2) > g.size(-1)
     if tall:
-        x = x.T
-    x.div_(x.norm().clamp(min=eps))
-    for _ in range(steps):
-        gram = x @ x.T
-        gram_update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
-        x = torch.addmm(x, gram_update, x, beta=a)
-    return x.T if tall else x
+        x = x.mT
+    if x.ndim == 2:
+        x.div_(x.norm().clamp(min=eps))
+        for _ in range(steps):
+            gram = x @ x.T
+            gram_update = torch.addmm(gram, gram, gram, beta=b, alpha=c)
+            x = torch.addmm(x, gram_update, x, beta=a)
+    else:
+        x.div_(torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp(min=eps))
+        for _ in range(steps):
+            gram = x @ x.mT
+            gram_update = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+            x = torch.baddbmm(x, gram_update, x, beta=a)
+    return x.mT if tall else x
 
 
 def adjusted_lr(lr: float, shape: Sequence[int], convention: str) -> float:
-    """The learning rate a matrix of `shape` is updated with (torch.optim.Muon's _adjust_lr)."""
+    """The learning rate a matrix of `shape` ([rows, cols]: one of a stack's, `matrices_of`) is updated with
+    (torch.optim.Muon's _adjust_lr)."""
     rows, cols = shape[0], shape[1]
     if convention == "original":
         return lr * math.sqrt(max(1, rows / cols))
@@ -87,13 +119,29 @@ class MuonMatrix:
     shape: tuple
     bucket_index: int
     slot_start: int  # bucket-local offset of the parameter's element 0
-    owner: int
+    owner: int  # (ZeRO: a rank of the matrix's domain, MuonDomain)
     piece: object = None  # the optimizer's Piece (main, lo, hi) when this rank holds a part
     momentum: Optional[torch.Tensor] = None
 
     @property
     def numel(self) -> int:
-        return self.shape[0] * self.shape[1]
+        return math.prod(self.shape)
+
+
+@dataclass
+class MuonDomain:
+    """The ranks a ZeRO-sharded Muon matrix is cut over, and the exchanges among them: the data-parallel group for
+    the dense buffers, the ranks holding the same experts for an expert-parallel buffer (whose matrices are other
+    experts on the other expert-parallel ranks). `layout[r]`: the (matrix, lo, hi) parts rank r of the domain
+    holds, in matrix order; `send[o]` / `recv[r]`: this rank's parts of owner o's matrices / rank r's parts of
+    this rank's matrices, the two all-to-alls' order."""
+    group: object
+    rank: int
+    world_size: int
+    matrices: list  # indices into MuonState.matrices
+    layout: list
+    send: list
+    recv: list
 
 
 class MuonState:
@@ -123,33 +171,49 @@ class MuonState:
                     m.momentum = torch.zeros(m.piece.hi - m.piece.lo, dtype=torch.float32,
                                              device=m.piece.main.device)
                 self.matrices.append(m)
-        # ZeRO: which part [lo, hi) of each matrix every rank's shards hold (in matrix order), and from it the
-        # order of both all-to-alls: what this rank sends to each owner (`send`), what it receives from each
-        # rank for the matrices it owns (`recv`), as (matrix, lo, hi) lists per peer rank
-        self.layout: list[list[tuple[int, int, int]]] = [[] for _ in range(world_size)]
+        # ZeRO: per domain (the dense buffers' data-parallel group; an expert-parallel buffer's own group), which
+        # part [lo, hi) of each matrix every rank's shards hold (in matrix order), and from it the order of both
+        # all-to-alls: what this rank sends to each owner (`send`), what it receives from each rank for the
+        # matrices it owns (`recv`), as (matrix, lo, hi) lists per peer rank
+        self.domains: list[MuonDomain] = []
         if sharded:
-            for r in range(world_size):
-                for i, m in enumerate(self.matrices):
-                    olo, ohi = ddp.buckets[m.bucket_index].shard_range(r, world_size)
-                    lo, hi = max(olo, m.slot_start) - m.slot_start, min(ohi, m.slot_start + m.numel) - m.slot_start
-                    if lo < hi:
-                        self.layout[r].append((i, lo, hi))
-            # the owner: the rank whose shards already hold the most of the matrix (a matrix inside one shard
-            # moves nowhere); ties go round-robin from the matrix's index
-            held = [[0] * world_size for _ in self.matrices]
-            for r, lay in enumerate(self.layout):
-                for i, lo, hi in lay:
-                    held[i][r] += hi - lo
+            by_group: dict[int, list[int]] = {}
             for i, m in enumerate(self.matrices):
-                m.owner = max(range(world_size), key=lambda r: (held[i][r], -((r - i) % world_size)))
-            have = [(i, m.piece.lo, m.piece.hi) for i, m in enumerate(self.matrices) if m.piece is not None]
-            if self.layout[rank] != have:
-                raise RuntimeError(f"Muon's shard layout {self.layout[rank][:3]} disagrees with the optimizer's "
-                                   f"pieces {have[:3]}")
-        self.send = [[e for e in self.layout[rank] if self.matrices[e[0]].owner == o] for o in range(world_size)]
-        self.recv = [[e for e in self.layout[r] if self.matrices[e[0]].owner == rank] for r in range(world_size)]
+                buf = ddp.buckets[m.bucket_index].buffer
+                by_group.setdefault(id(buf.group) if getattr(buf, "expert", False) else 0, []).append(i)
+            for key, idx in by_group.items():  # dense first (matrix order), the same on every rank
+                buf = ddp.buckets[self.matrices[idx[0]].bucket_index].buffer
+                g, me, w = (buf.group, buf.rank, buf.world_size) if key else (group, rank, world_size)
+                self.domains.append(self._domain(ddp, idx, g, me, w))
         self.comm_bytes = 0  # cumulative payload bytes of Muon's collectives
         self.steps = 0
+
+    def _domain(self, ddp, idx: list[int], group, rank: int, world_size: int) -> MuonDomain:
+        """The layout, owners and exchange order of the matrices `idx`, cut over `world_size` ranks."""
+        layout: list[list[tuple[int, int, int]]] = [[] for _ in range(world_size)]
+        for r in range(world_size):
+            for i in idx:
+                m = self.matrices[i]
+                olo, ohi = ddp.buckets[m.bucket_index].shard_range(r, world_size)
+                lo, hi = max(olo, m.slot_start) - m.slot_start, min(ohi, m.slot_start + m.numel) - m.slot_start
+                if lo < hi:
+                    layout[r].append((i, lo, hi))
+        # the owner: the rank whose shards already hold the most of the matrix (a matrix inside one shard
+        # moves nowhere); ties go round-robin from the matrix's index
+        held = {i: [0] * world_size for i in idx}
+        for r, lay in enumerate(layout):
+            for i, lo, hi in lay:
+                held[i][r] += hi - lo
+        for i in idx:
+            self.matrices[i].owner = max(range(world_size), key=lambda r: (held[i][r], -((r - i) % world_size)))
+        have = [(i, self.matrices[i].piece.lo, self.matrices[i].piece.hi) for i in idx
+                if self.matrices[i].piece is not None]
+        if layout[rank] != have:
+            raise RuntimeError(f"Muon's shard layout {layout[rank][:3]} disagrees with the optimizer's "
+                               f"pieces {have[:3]}")
+        send = [[e for e in layout[rank] if self.matrices[e[0]].owner == o] for o in range(world_size)]
+        recv = [[e for e in layout[r] if self.matrices[e[0]].owner == rank] for r in range(world_size)]
+        return MuonDomain(group, rank, world_size, idx, layout, send, recv)
 
     def current_lr(self) -> float:
         return self.lr * self.lr_scale
@@ -169,58 +233,65 @@ class MuonState:
             g = m.piece.main.grad.reshape(-1)
             m.momentum.lerp_(g, 1 - mu)
             updates[i] = g.lerp(m.momentum, mu) if cfg.muon_nesterov else m.momentum
-        ortho = self._orthogonalise_sharded(updates) if self.sharded else {
-            i: zeropower_via_newtonschulz(u.view(self.matrices[i].shape)) for i, u in updates.items()}
+        if self.sharded:
+            ortho = {}
+            for d in self.domains:
+                ortho.update(self._orthogonalise_sharded(d, {i: updates[i] for i in d.matrices if i in updates}))
+        else:
+            ortho = {i: orthogonalise(u, self.matrices[i].name, self.matrices[i].shape) for i, u in updates.items()}
         lr = self.current_lr()
         for i, o in ortho.items():
             m = self.matrices[i]
             main = m.piece.main
             main.mul_(1 - lr * cfg.muon_weight_decay)
-            main.add_(o.view(main.shape), alpha=-adjusted_lr(lr, m.shape, cfg.muon_adjust_lr))
+            main.add_(o.view(main.shape), alpha=-adjusted_lr(lr, matrices_of(m.name, m.shape)[1:],
+                                                            cfg.muon_adjust_lr))
         self.steps += 1
 
-    def _orthogonalise_sharded(self, updates: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-        """ZeRO: an all-to-all brings each owner the bf16 pieces of its matrices, it orthogonalises them, a second
-        all-to-all returns each piece's result to the rank holding it (module docstring). Returns each local
-        piece's orthogonalised part (bf16, the orthogonalisation's own result: added to the fp32 master as one
-        process adds it)."""
+    def _orthogonalise_sharded(self, d: MuonDomain, updates: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """ZeRO, over one domain's ranks: an all-to-all brings each owner the bf16 pieces of its matrices, it
+        orthogonalises them, a second all-to-all returns each piece's result to the rank holding it (module
+        docstring). Returns each local piece's orthogonalised part (bf16, the orthogonalisation's own result: added
+        to the fp32 master as one process adds it)."""
         dev = next(iter(self.ddp.param_to_bucket)).device
-        sizes_out = [sum(hi - lo for _, lo, hi in peer) for peer in self.send]
-        sizes_in = [sum(hi - lo for _, lo, hi in peer) for peer in self.recv]
+        sizes_out = [sum(hi - lo for _, lo, hi in peer) for peer in d.send]
+        sizes_in = [sum(hi - lo for _, lo, hi in peer) for peer in d.recv]
         send = torch.empty(sum(sizes_out), dtype=torch.bfloat16, device=dev)
         at = 0
-        for peer in self.send:
+        for peer in d.send:
             for i, lo, hi in peer:
                 send[at:at + hi - lo].copy_(updates[i])  # the same rounding as NS's own .bfloat16()
                 at += hi - lo
-        recv = self._all_to_all(send, sizes_in, sizes_out)
+        recv = self._all_to_all(d, send, sizes_in, sizes_out)
         full: dict[int, torch.Tensor] = {}
         at = 0
-        for peer in self.recv:
+        for peer in d.recv:
             for i, lo, hi in peer:
                 m = self.matrices[i]
                 dst = full.setdefault(i, torch.empty(m.numel, dtype=torch.bfloat16, device=dev))
                 dst[lo:hi].copy_(recv[at:at + hi - lo])
                 at += hi - lo
-        ortho = {i: zeropower_via_newtonschulz(f.view(self.matrices[i].shape)).reshape(-1) for i, f in full.items()}
-        back = torch.cat([ortho[i][lo:hi] for peer in self.recv for i, lo, hi in peer]) if sum(sizes_in) else \
+        ortho = {i: orthogonalise(f, self.matrices[i].name, self.matrices[i].shape).reshape(-1)
+                 for i, f in full.items()}
+        back = torch.cat([ortho[i][lo:hi] for peer in d.recv for i, lo, hi in peer]) if sum(sizes_in) else \
             torch.empty(0, dtype=torch.bfloat16, device=dev)
-        mine = self._all_to_all(back, sizes_out, sizes_in)
+        mine = self._all_to_all(d, back, sizes_out, sizes_in)
         out, at = {}, 0
-        for peer in self.send:
+        for peer in d.send:
             for i, lo, hi in peer:
                 out[i] = mine[at:at + hi - lo]
                 at += hi - lo
         return out
 
-    def _all_to_all(self, inp: torch.Tensor, out_sizes: list[int], in_sizes: list[int]) -> torch.Tensor:
-        """dist.all_to_all_single with uneven splits (in_sizes[r] elements of `inp` go to rank r, out_sizes[r]
-        come from it); a copy on one rank. Counts the bytes sent to other ranks."""
-        if self.world_size == 1:
+    def _all_to_all(self, d: MuonDomain, inp: torch.Tensor, out_sizes: list[int], in_sizes: list[int]
+                    ) -> torch.Tensor:
+        """dist.all_to_all_single over the domain's ranks with uneven splits (in_sizes[r] elements of `inp` go to
+        rank r, out_sizes[r] come from it); a copy on one rank. Counts the bytes sent to other ranks."""
+        if d.world_size == 1:
             return inp.clone()
         out = torch.empty(sum(out_sizes), dtype=inp.dtype, device=inp.device)
-        dist.all_to_all_single(out, inp, out_sizes, in_sizes, group=self.group)
-        self.comm_bytes += sum(n for r, n in enumerate(in_sizes) if r != self.rank) * inp.element_size()
+        dist.all_to_all_single(out, inp, out_sizes, in_sizes, group=d.group)
+        self.comm_bytes += sum(n for r, n in enumerate(in_sizes) if r != d.rank) * inp.element_size()
         return out
 
     # ------------------------------------------------------------------ state
@@ -308,17 +379,19 @@ class DTensorMuon:
         for group in by_mesh.values():
             ortho.update(self._orthogonalise_rows(group))
         for i, o in ortho.items():
-            p = self.params[i][1]
+            name, p = self.params[i]
             local = p.to_local()
             local.mul_(1 - lr * cfg.muon_weight_decay)
-            local.add_(o.view(local.shape), alpha=-adjusted_lr(lr, tuple(p.shape), cfg.muon_adjust_lr))
+            local.add_(o.view(local.shape), alpha=-adjusted_lr(lr, matrices_of(name, tuple(p.shape))[1:],
+                                                             cfg.muon_adjust_lr))
         self.steps += 1
 
     def _orthogonalise_any(self, i: int, p, u: torch.Tensor) -> torch.Tensor:
         from torch.distributed.tensor import DTensor, Partial
         mesh = p.device_mesh
         full = DTensor.from_local(u, mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
-        o = zeropower_via_newtonschulz(full) if self._mesh_index(mesh) == i % mesh.size() else torch.zeros_like(full)
+        o = orthogonalise(full, self.params[i][0], tuple(p.shape)) if self._mesh_index(mesh) == i % mesh.size() \
+            else torch.zeros_like(full)
         if mesh.size() > 1:
             self.comm_bytes += 2 * full.numel() * full.element_size()
         return DTensor.from_local(o, mesh, [Partial()] * mesh.ndim).redistribute(mesh, p.placements).to_local()
@@ -332,7 +405,7 @@ class DTensorMuon:
             if u.shape[0] != rows[i][me]:
                 raise RuntimeError(f"{self.params[i][0]}: {u.shape[0]} local rows, torch.chunk's split gives "
                                    f"{rows[i][me]}")
-        cols = {i: p.shape[1] for i, p, _ in group}
+        cols = {i: math.prod(p.shape[1:]) for i, p, _ in group}  # (elements per row: a stack's per expert)
         owned = [(i, p) for i, p, _ in group if self.owner(i, p) == me]
         # what goes to owner o: this rank's rows of o's matrices, in parameter order
         send = [u.reshape(-1) for o in range(W) for i, p, u in group if self.owner(i, p) == o]
@@ -347,7 +420,7 @@ class DTensorMuon:
                 pieces[i].append(recv[at:at + n])
                 at += n
         back = []
-        results = {i: zeropower_via_newtonschulz(torch.cat(pieces[i]).view(p.shape)) for i, p in owned}
+        results = {i: orthogonalise(torch.cat(pieces[i]), self.params[i][0], tuple(p.shape)) for i, p in owned}
         for r in range(W):
             start = {i: sum(rows[i][:r]) for i, _ in owned}
             back += [results[i][start[i]:start[i] + rows[i][r]].reshape(-1) for i, _ in owned]

@@ -133,7 +133,8 @@ class OptimizationFlags:
     eps: float = _f(1e-8, "AdamW epsilon")
     grad_clip: float = _f(1.0, "clip by the global norm over all ranks (0 = off)")
     optimizer: str = _f("adamw", "adamw | muon: Muon on the hidden 2-D matrices of the blocks (q/k/v/o, gate/up/down, "
-                        "LoRA adapters), AdamW (the flags above) on embeddings, LM head and norms (docs/optimizer.md)")
+                        "LoRA adapters; an MoE block's router and each expert's matrices), AdamW (the flags above) on "
+                        "embeddings, LM head and norms (docs/optimizer.md)")
     muon_lr: float = _f(0.0, "Muon's peak learning rate (0 = --learning_rate: with --muon_adjust_lr=match_rms_adamw an "
                         "AdamW-tuned rate carries over); the schedule scales it like --learning_rate")
     muon_momentum: float = _f(0.95, "Muon's momentum (Nesterov)")

@@ -17,10 +17,13 @@ STEPS = 5
 VOCAB = 64
 
 
-def tiny_model(dtype=torch.float64) -> Transformer:
+def tiny_model(dtype=torch.float64, moe: bool = False) -> Transformer:
+    """2 blocks; with `moe` the second is an MoE block (4 experts of width 16, top 2, one shared expert)."""
     torch.manual_seed(0)
+    extra = dict(moe_num_experts=4, moe_top_k=2, moe_hidden_dim=16, moe_shared_experts=1,
+                 moe_first_dense_layers=1) if moe else {}
     cfg = ModelConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=64,
-                      max_seq_len=16)
+                      max_seq_len=16, **extra)
     return Transformer(cfg).to(dtype)
 
 
@@ -38,10 +41,19 @@ def muon_config(**kw) -> OptimizerConfig:
 
 def reference_run(model: Transformer, cfg: OptimizerConfig, data, kind: str = "muon") -> dict:
     """torch.optim.Muon on the Muon matrices and torch.optim.AdamW on the rest (kind="adamw": AdamW on
-    everything), stepping the plain model's own parameters in their dtype; clipped by clip_grad_norm_."""
+    everything), stepping the plain model's own parameters in their dtype; clipped by clip_grad_norm_. A stacked
+    expert weight (3-D) is stepped as Mixtral's separate matrices (each expert's gate [I, D] and up [I, D], down
+    [D, I]), each a 2-D tensor of its own for torch.optim.Muon: their gradients cut from the stack's, their results
+    written back into it."""
+    def matrices_of(name: str, shape) -> tuple:
+        e, r, c = shape
+        return (2 * e, r // 2, c) if name.endswith("experts.gate_up_proj") else (e, r, c)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     muon = [p for n, p in named if kind == "muon" and is_muon_param(n, p.shape)]
     rest = [(n, p) for n, p in named if not any(p is q for q in muon)]
+    stacks = [(p, matrices_of(n, p.shape)) for n, p in named if any(p is q for q in muon) and p.ndim == 3]
+    cut = {id(p): [m.clone().requires_grad_() for m in p.detach().reshape(shape)] for p, shape in stacks}
+    muon = [p for p in muon if p.ndim == 2] + [m for ms in cut.values() for m in ms]
     adamw = torch.optim.AdamW([{"params": [p for _, p in rest if p.ndim >= 2], "weight_decay": cfg.weight_decay},
                                {"params": [p for _, p in rest if p.ndim < 2], "weight_decay": 0.0}],
                               lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=False)
@@ -56,8 +68,14 @@ def reference_run(model: Transformer, cfg: OptimizerConfig, data, kind: str = "m
         model(x, labels=y).backward()
         if cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_([p for _, p in named], cfg.grad_clip)
+        for p, shape in stacks:
+            for m, g in zip(cut[id(p)], p.grad.reshape(shape)):
+                m.grad = g.clone()
         for o in opts:
             o.step()
+        with torch.no_grad():
+            for p, _ in stacks:
+                p.copy_(torch.stack(cut[id(p)]).view(p.shape))
     return {n: p.detach().double().clone() for n, p in model.named_parameters()}
 
 
@@ -86,6 +104,44 @@ def test_muon_parameters_are_the_hidden_matrices():
     lora = {n for n, p in m.named_parameters() if p.requires_grad and is_muon_param(n, p.shape)}
     assert "layers.0.self_attn.q_proj.lora_A.weight" in lora and "layers.1.self_attn.v_proj.lora_B.weight" in lora
     assert not is_muon_param("module.embed_tokens.weight", (64, 32)) and not is_muon_param("lm_head.weight", (64, 32))
+
+
+def bf16_step_bound(cfg: OptimizerConfig, name: str, shape) -> float:
+    """What one bf16 rounding of the Newton-Schulz output can move a weight in one Muon step: 2 bf16 spacings
+    (2^-7 each, relative) of its largest entry, which for these small matrices is below 2, times the matrix's
+    adjusted learning rate."""
+    from optimizer.muon import adjusted_lr, matrices_of
+    return 2 * 2.0 ** -7 * 2.0 * adjusted_lr(cfg.muon_lr, matrices_of(name, shape)[1:], cfg.muon_adjust_lr)
+
+
+def test_moe_experts_are_muons_stacks_of_matrices():
+    """The stacked expert weights are Muon's: gate_up_proj [E, 2I, D] as 2E matrices [I, D] (each expert's gate and
+    up apart), down_proj as E; the router and the shared expert are plain matrices. The stack is orthogonalised by
+    batched matmuls (one launch per op for all of a layer's experts), torch.optim.Muon's matrices one by one by 2-D
+    ones, which may round a bf16 product differently: from the same start, one step equals torch.optim.Muon
+    stepping each matrix as a tensor of its own (+ AdamW on the rest) bit for bit on every other weight and within
+    a bf16 rounding of the orthogonalised update on the experts; AdamW on the experts lands far outside that."""
+    from optimizer.muon import matrices_of, orthogonalise, zeropower_via_newtonschulz
+    m = tiny_model(torch.float32, moe=True)
+    names = {n for n, p in m.named_parameters() if is_muon_param(n, p.shape)}
+    assert {"layers.1.mlp.experts.gate_up_proj", "layers.1.mlp.experts.down_proj", "layers.1.mlp.router.weight",
+            "layers.1.mlp.shared_experts.up_proj.weight", "layers.0.mlp.gate_proj.weight"} <= names
+    assert matrices_of("layers.1.mlp.experts.gate_up_proj", (4, 32, 32)) == (8, 16, 32)
+    assert matrices_of("layers.1.mlp.experts.down_proj", (4, 32, 16)) == (4, 32, 16)
+    g = torch.randn(4, 32, 32, generator=torch.Generator().manual_seed(0))
+    one_by_one = torch.stack([zeropower_via_newtonschulz(x) for x in g.view(8, 16, 32)]).view(4, 32, 32)
+    torch.testing.assert_close(orthogonalise(g, "x.experts.gate_up_proj", (4, 32, 32)).float(), one_by_one.float(),
+                               atol=2 * 2.0 ** -7 * float(one_by_one.abs().max()), rtol=0)
+    cfg, data = muon_config(grad_clip=0.0), batches(1)
+    ref = reference_run(tiny_model(torch.float32, moe=True), cfg, data)
+    ours, _, opt = our_run(tiny_model(torch.float32, moe=True), cfg, data)
+    assert {mm.name for mm in opt.muon.matrices} == names
+    stacks = {n: tuple(p.shape) for n, p in m.named_parameters() if p.ndim == 3}
+    for n in ref:
+        bound = bf16_step_bound(cfg, n, stacks[n]) if n in stacks else 0.0
+        assert float((ours[n] - ref[n]).abs().max()) <= bound, (n, float((ours[n] - ref[n]).abs().max()), bound)
+    adamw = reference_run(tiny_model(torch.float32, moe=True), cfg, data, kind="adamw")
+    assert all(float((adamw[n] - ref[n]).abs().max()) > 10 * bf16_step_bound(cfg, n, s) for n, s in stacks.items())
 
 
 @pytest.mark.parametrize("adjust", ["match_rms_adamw", "original"])

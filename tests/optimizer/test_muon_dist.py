@@ -135,3 +135,60 @@ def test_zero_world2_equals_one_process(tmp_path):
             assert torch.equal(m.momentum, full[(m.name, "momentum")]), m.name
             assert torch.equal(m.piece.main.detach().reshape(-1), full[(m.name, "main")]), m.name
         assert opt.muon.steps == STEPS
+
+
+MOE_LAYOUTS = {2: {"zero1": dict(parallel="ddp", use_distributed_optimizer=True), "fsdp": dict(parallel="fsdp"),
+                   "ep2_zero1": dict(parallel="ddp", use_distributed_optimizer=True, expert_parallel_size=2),
+                   "ep2_fsdp": dict(parallel="fsdp", expert_parallel_size=2)},
+               # the experts' ZeRO shards cut over the 2 ranks holding the same ones (Muon's expert domain)
+               4: {"ep2_zero1": dict(parallel="ddp", use_distributed_optimizer=True, expert_parallel_size=2,
+                                     bucket_size=3000)}}
+
+
+def _moe_step(layout: dict) -> dict:
+    """One Muon step of the MoE model through the trainer's engine (clipping off), every weight gathered whole."""
+    import dataclasses
+    from torch.distributed.tensor import DTensor
+    from parallel.build import build_engine
+    from tests.optimizer.test_muon_fsdp import FLAGS
+    from trainer.config import TrainConfig
+    cfg = dataclasses.replace(TrainConfig(), dtype="fp32", device="cpu", **FLAGS, **layout)
+    engine = build_engine(tiny_model(torch.float32, moe=True), cfg, device=torch.device("cpu"))
+    for x, y in batches(1):
+        n = x.shape[0] // engine.dp_size
+        rows = slice(engine.dp_rank * n, (engine.dp_rank + 1) * n)
+        engine.optimizer.zero_grad()
+        engine.forward_backward([{"input_ids": x[rows], "labels": y[rows]}],
+                                lambda m, b: (m(b["input_ids"], labels=b["labels"], reduction="sum"), {}),
+                                float(y.numel()))
+        assert engine.optimizer.step()[0]
+    whole = dict(engine.module.named_parameters())
+    if getattr(engine, "expert_state", None) is not None:  # our DDP's expert shards gathered (collective)
+        whole.update(engine.expert_state.full_shards())
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().double().clone() for n, p in whole.items()}
+
+
+def _moe_worker(rank: int, ws: int, d: str) -> None:
+    res = {name: _moe_step(layout) for name, layout in MOE_LAYOUTS[ws].items()}
+    if rank == 0:
+        torch.save(res, os.path.join(d, f"moe{ws}.pt"))
+
+
+def test_moe_experts_under_zero_fsdp2_and_expert_parallel_equal_one_process(tmp_path):
+    """Muon on the stacked experts (tests/optimizer/test_muon.py) under ZeRO-1 (the stacks cut between the ranks,
+    assembled on their owner), FSDP2 (row shards: whole experts per rank), expert parallelism 2 with ZeRO-1 (the
+    experts' matrices exchanged only among the ranks holding the same experts: at 4 ranks 2 of them) and with
+    FSDP2: one step equals one process's within one bf16 rounding of each orthogonalised update (the reduced
+    gradients' last bits may round Newton-Schulz's bf16 products differently), AdamW's weights within fp32's."""
+    from tests.dist_helpers import spawn
+    from tests.optimizer.test_muon import bf16_step_bound
+    from optimizer.muon import is_muon_param
+    cfg = muon_config(grad_clip=0.0)
+    one, _, _ = our_run(tiny_model(torch.float32, moe=True), cfg, batches(1))
+    for ws in (2, 4):
+        spawn(_moe_worker, ws, str(tmp_path))
+        for name, got in torch.load(tmp_path / f"moe{ws}.pt", weights_only=True).items():
+            assert got.keys() == one.keys()
+            for n, want in one.items():
+                bound = bf16_step_bound(cfg, n, tuple(want.shape)) if is_muon_param(n, want.shape) else 1e-6
+                assert float((got[n] - want).abs().max()) <= bound, (ws, name, n, float((got[n] - want).abs().max()))

@@ -190,7 +190,10 @@ def test_export_refuses_what_mixtral_cannot_hold_and_a_mixtral_trains(moe_run, t
     (2, ["--n_layers=3", "--parallel=fsdp", "--tensor_parallel_size=2", "--sequence_parallel=true"]),
     (4, ["--n_layers=3", "--context_parallel_size=2", "--expert_parallel_size=2", "--batch_size=2",
          "--use_distributed_optimizer=true"]),
-], ids=["1proc", "fsdp2", "pp2", "pp2_ep2", "pp2_ep2_ddp", "pp2_ep2_zero1", "tp2_sp", "cp2_ep2_zero1"])
+    (4, ["--n_layers=3", "--expert_parallel_size=2", "--batch_size=1", "--use_distributed_optimizer=true",
+         "--optimizer=muon"]),
+], ids=["1proc", "fsdp2", "pp2", "pp2_ep2", "pp2_ep2_ddp", "pp2_ep2_zero1", "tp2_sp", "cp2_ep2_zero1",
+        "ep2_zero1_muon"])
 def test_resume_is_exact_with_the_biases(tiny_pretrain_run_args, tmp_path, nproc, extra):
     """A crash at the start of step 4 (checkpoint at 2), resumed: the same losses and final weights, selection
     biases included, as the uninterrupted run (the biases moved every step: a resume that lost them diverges).
