@@ -108,7 +108,10 @@ def check_ddp_state_dict(opt, state: Union[dict, list[dict]]) -> tuple[list[dict
                 t = e.get(key)
                 ok = (torch.float32, torch.bfloat16) if key in ("exp_avg", "exp_avg_sq") else (torch.float32,)
                 if not torch.is_tensor(t):
-                    raise KeyError(f"{pc.name}: its saved entry has no {key} tensor")
+                    other = {"momentum": "AdamW", "exp_avg": "Muon"}.get(key)
+                    hint = f" (it was stepped by {other} there: see --muon_experts)" \
+                        if other and ".experts." in pc.name else ""
+                    raise KeyError(f"{pc.name}: its saved entry has no {key} tensor{hint}")
                 if t.dtype not in ok:
                     raise ValueError(f"{pc.name}: its {key} is saved as {t.dtype}, but this optimizer keeps "
                                      f"{' or '.join(map(str, ok))} (and saves it so): refused rather than cast")

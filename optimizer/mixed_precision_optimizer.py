@@ -97,7 +97,8 @@ class MixedPrecisionOptimizer(GlobalNormOptimizer):
             self.muon = MuonState(ddp, self.pieces, config, sharded=self.sharded, group=self.group,
                                   rank=self.rank, world_size=self.world_size)
         self._muon_pieces = {id(pc) for pc in self.pieces
-                             if self.muon is not None and is_muon_param(pc.name, tuple(pc.param.shape))}
+                             if self.muon is not None and is_muon_param(pc.name, tuple(pc.param.shape),
+                                                                        config.muon_experts)}
         self.adamw = BucketAdamW({b: [pc for pc in ps if id(pc) not in self._muon_pieces]
                                   for b, ps in self.pieces_by_bucket.items()}, config, self.device().type)
         self.updates = [u for u in (self.muon, self.adamw) if u is not None]

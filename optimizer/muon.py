@@ -46,11 +46,12 @@ NS_EPS = 1e-7
 ADJUST_LR_CHOICES = ("match_rms_adamw", "original")
 
 
-def is_muon_param(name: str, shape: Sequence[int]) -> bool:
-    """A hidden matrix: 2-D and inside a transformer block (`layers.<i>.`), or an MoE block's stacked expert weights
-    (3-D, `.experts.`: a stack of matrices, `matrices_of`); the embedding, the LM head and every norm / bias are
-    AdamW's."""
-    return (len(shape) == 2 and ".layers." in f".{name}") or (len(shape) == 3 and ".experts." in f".{name}")
+def is_muon_param(name: str, shape: Sequence[int], experts: bool = True) -> bool:
+    """A hidden matrix: 2-D and inside a transformer block (`layers.<i>.`), or (`experts`: OptimizerConfig.
+    muon_experts) an MoE block's stacked expert weights (3-D, `.experts.`: a stack of matrices, `matrices_of`); the
+    embedding, the LM head and every norm / bias are AdamW's."""
+    return (len(shape) == 2 and ".layers." in f".{name}") or \
+        (experts and len(shape) == 3 and ".experts." in f".{name}")
 
 
 def matrices_of(name: str, shape: Sequence[int]) -> tuple[int, int, int]:
@@ -163,7 +164,7 @@ class MuonState:
         self.matrices: list[MuonMatrix] = []
         for bucket in ddp.buckets:  # model order, the same on every rank: owners and collectives agree
             for slot in bucket.slots:
-                if not is_muon_param(slot.name, tuple(slot.param.shape)):
+                if not is_muon_param(slot.name, tuple(slot.param.shape), config.muon_experts):
                     continue
                 m = MuonMatrix(slot.name, tuple(slot.param.shape), bucket.index, slot.start,
                                owner=len(self.matrices) % world_size, piece=by_param.get(id(slot.param)))
@@ -337,7 +338,7 @@ class DTensorMuon:
         self.config = config
         self.lr = float(config.muon_lr or config.lr)
         self.lr_scale = 1.0
-        self.params = [(n, p) for n, p in named_params if is_muon_param(n, tuple(p.shape))]
+        self.params = [(n, p) for n, p in named_params if is_muon_param(n, tuple(p.shape), config.muon_experts)]
         self.momentum = {n: torch.zeros_like(p.detach(), dtype=torch.float32) for n, p in self.params}
         # decided from the placements alone: the same on every rank (the collectives must match)
         self.row_sharded = [p.device_mesh.ndim == 1 and tuple(p.placements) == (Shard(0),) for _, p in self.params]

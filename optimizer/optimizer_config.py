@@ -31,6 +31,7 @@ class OptimizerConfig:
     muon_nesterov: bool = True
     muon_weight_decay: float = 0.1  # decoupled: p <- p (1 - lr wd), as torch.optim.Muon
     muon_adjust_lr: str = "match_rms_adamw"  # | "original" (optimizer/muon.py says why)
+    muon_experts: bool = True  # Muon on an MoE block's stacked experts (False: AdamW on them)
     # AdamW's moments (exp_avg, exp_avg_sq): "fp32", or "bf16" (stochastic rounding; the one-launch AdamW only:
     # optimizer/flat_adamw.py says why and how)
     state_dtype: str = "fp32"

@@ -56,6 +56,7 @@ def optimizer_config(flags: Any) -> OptimizerConfig:
         overlap_optim_step=flags.overlap_optim_step, fused=flags.device != "cpu",
         optimizer=flags.optimizer, muon_lr=flags.muon_lr, muon_momentum=flags.muon_momentum,
         muon_weight_decay=flags.muon_weight_decay, muon_adjust_lr=flags.muon_adjust_lr,
+        muon_experts=getattr(flags, "muon_experts", True),
         state_dtype=getattr(flags, "optimizer_state_dtype", "fp32"))
 
 

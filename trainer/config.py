@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 from parallel.config import ParallelFlags
 from trainer.tasks.grpo_flags import GRPOFlags
@@ -141,6 +141,9 @@ class OptimizationFlags:
     muon_weight_decay: float = _f(0.1, "Muon's decoupled weight decay: p <- p (1 - lr x wd)")
     muon_adjust_lr: str = _f("match_rms_adamw", "match_rms_adamw (Moonlight: update RMS 0.2, AdamW's lr carries "
                              "over) | original (Keller Jordan: sqrt(max(1, rows/cols)))")
+    muon_experts: bool = _f(True, "--optimizer=muon with an MoE model: Muon on the stacked routed experts too (each "
+                            "expert's gate, up and down apart); false keeps AdamW on them, as Muon runs saved before "
+                            "it stepped experts did (resume those with false)")
     optimizer_state_dtype: str = _f("fp32", "fp32 | bf16: AdamW's moments (exp_avg, exp_avg_sq) in bf16 with "
                                     "stochastic rounding, as DeepSeek-V3 keeps them: 8 bytes a parameter less to "
                                     "keep and to stream each step (--parallel=ddp's one-launch AdamW; "
@@ -165,6 +168,9 @@ class TrainConfig(GRPOFlags, ParallelFlags, DPOFlags, OptimizationFlags, Trainab
     """Every training flag, flat (`--key=value`), composed of typed sections in this order: RunFlags,
     ModelFlags, TrainableFlags, OptimizationFlags, DPOFlags, the parallel engine's (parallel/config.py
     ParallelFlags, declared once there), then evaluation, logging, checkpoints and the guard below."""
+    # a flag added after runs were saved without it, whose default changed what those runs did: the value they ran
+    # with, which a resume of such a run takes (utils/run_config.py config_from_saved)
+    BEFORE_THE_FLAG: ClassVar[dict] = {"muon_experts": False}
     # ---- evaluation, logging, checkpoints
     eval_interval: int = _f(100, "evaluate every N steps (0 = only at the end)")
     eval_iters: int = _f(20, "validation micro-batches per rank per evaluation (>= 1)")

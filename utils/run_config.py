@@ -44,6 +44,11 @@ def config_from_saved(defaults: T, saved: dict, source: str, log: Callable[[str]
         values[k] = coerce_value(k, v, types_[k], source)
     if dropped:
         log(f"[resume] {source}: ignoring saved keys this version does not know: {', '.join(sorted(dropped))}")
+    # a flag the saved run predates, whose default is not what that run did (BEFORE_THE_FLAG): what it did
+    for k, v in getattr(type(defaults), "BEFORE_THE_FLAG", {}).items():
+        if k in fields and k not in saved and getattr(defaults, k) != v:
+            values[k] = v
+            log(f"[resume] {source} predates --{k}: {k}={v!r}, as that run ran")
     return dataclasses.replace(defaults, **values)
 
 

@@ -16,7 +16,7 @@ from tests.trainer.test_errors import assert_one_error_line, run_main
 from trainer.moe import MoETraining
 from checkpoint.files import load_model_state
 from checkpoint.verify import find_latest_valid
-from utils.constants import EXIT_BAD_CONFIG
+from utils.constants import EXIT_BAD_CHECKPOINT, EXIT_BAD_CONFIG
 from utils.metrics import dedupe_by_step, read_metrics
 
 MOE = ["--moe_num_experts=4", "--moe_top_k=2", "--moe_hidden_dim=16", "--moe_first_dense_layers=1"]
@@ -248,3 +248,33 @@ def test_pipeline_stages_resume_at_another_ep_and_zero(tiny_pretrain_run_args, t
     assert sorted(b) == [1, 2, 3, 4]
     for s in (3, 4):  # another reduction order of the experts' gradients: rounding only
         assert abs(a[s] - b[s]) <= 1e-5 * abs(a[s]), (s, a[s], b[s])
+
+
+def test_a_muon_run_saved_before_muon_stepped_experts_resumes_as_it_ran(tiny_pretrain_run_args, tmp_path, capsys):
+    """A Muon run whose config.json predates --muon_experts (AdamW stepped its experts) resumes with
+    --muon_experts=false (trainer/config.py BEFORE_THE_FLAG), logged; asked to switch the experts to Muon, the resume
+    is one exit-5 line naming the flag, never a silently reset state."""
+    import json
+    out = tmp_path / "run"
+    args = [*tiny_pretrain_run_args, *MOE, "--optimizer=muon", f"--out_dir={out}", "--checkpoint_interval=2"]
+    run_cmd(train_cmd([*args, "--max_iters=2", "--muon_experts=false"]))
+    from checkpoint.verify import sha256_file
+    for path in (out / "config.json", out / "checkpoints" / "step_00000002" / "config.json"):  # as saved before
+        saved = json.loads(path.read_text())
+        saved.pop("muon_experts")
+        path.write_text(json.dumps(saved))
+    manifest = out / "checkpoints" / "step_00000002" / "manifest.json"  # (its record of the file, updated)
+    entries = json.loads(manifest.read_text())
+    entries["config.json"] = {"bytes": os.path.getsize(path), "sha256": sha256_file(str(path))}
+    manifest.write_text(json.dumps(entries))
+    code, err = run_main([*args, "--max_iters=3", "--init_from=resume", "--muon_experts=true"], capsys)
+    assert code == EXIT_BAD_CHECKPOINT, err
+    assert_one_error_line(err, "experts.down_proj: its saved entry has no momentum tensor (it was stepped by "
+                               "AdamW there: see --muon_experts)")
+    proc = run_cmd(train_cmd([*args, "--max_iters=3", "--init_from=resume"]))
+    assert "predates --muon_experts: muon_experts=False, as that run ran" in proc.stdout, proc.stdout[-2000:]
+    rows = dedupe_by_step(read_metrics(os.path.join(out, "metrics.jsonl")))
+    assert sorted(rows) == [1, 2, 3]
+    saved = torch.load(os.path.join(find_latest_valid(str(out)), "optimizer_rank0.pt"), weights_only=True)
+    assert "exp_avg" in saved["params"]["layers.1.mlp.experts.down_proj"]
+    assert "momentum" in saved["params"]["layers.1.mlp.router.weight"]
