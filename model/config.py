@@ -40,6 +40,9 @@ class ModelConfig:
     moe_hidden_dim: Optional[int] = None  # expert width (moe_intermediate_size); None = hidden_dim
     moe_first_dense_layers: int = 0    # the first k blocks keep a dense MLP (DeepSeek's first_k_dense_replace)
     moe_score: str = "softmax"         # router scores: softmax | sigmoid
+    moe_n_groups: int = 1              # DeepSeek-V3's group-limited routing: experts in this many groups (n_group) ...
+    moe_topk_groups: int = 1           # ... a token's experts chosen from its best this many groups (topk_group)
+    moe_routed_scaling: float = 1.0    # the routed experts' weights times this (routed_scaling_factor)
 
     # --- kernel switches: each has a pure-PyTorch reference path (model/kernels.py) ---
     fused_rmsnorm: bool = True         # hand-written autograd RMSNorm (saves less, recomputes)
@@ -80,7 +83,9 @@ class ModelConfig:
         if self.moe_num_experts:
             from utils.moe_flags import moe_shape_problems  # torch-free: the trainer's pre-check asks it too
             problem = moe_shape_problems(self.moe_num_experts, self.moe_top_k, self.moe_shared_experts,
-                                         self.moe_hidden_dim or 0, self.moe_first_dense_layers, self.moe_score)
+                                         self.moe_hidden_dim or 0, self.moe_first_dense_layers, self.moe_score,
+                                         n_groups=self.moe_n_groups, topk_groups=self.moe_topk_groups,
+                                         routed_scaling=self.moe_routed_scaling)
             if problem:
                 raise ValueError("; ".join(problem))
         if self.loss_chunk_size < 1:

@@ -31,6 +31,10 @@ def export_problems(model) -> list[str]:
         p.append(f"moe_first_dense_layers={cfg.moe_first_dense_layers} (every Mixtral block is MoE)")
     if cfg.moe_score != "softmax":
         p.append(f"moe_score={cfg.moe_score} (Mixtral routes on softmax)")
+    if cfg.moe_n_groups != 1:
+        p.append(f"moe_n_groups={cfg.moe_n_groups} (Mixtral routes over every expert)")
+    if cfg.moe_routed_scaling != 1.0:
+        p.append(f"moe_routed_scaling={cfg.moe_routed_scaling} (Mixtral does not scale the experts' output)")
     if cfg.moe_top_k < 2:
         p.append("moe_top_k=1 (Mixtral renormalises the chosen weights to 1; ours keep the raw score)")
     biased = [name for name, t in model.named_buffers() if name.endswith("expert_bias") and bool(t.any())]

@@ -44,17 +44,30 @@ EXPERT_BACKENDS = ("auto", "grouped_mm", "fused_loop", "loop")
 
 # ------------------------------------------------------------------------------------------ routing
 def route(x: torch.Tensor, router_weight: torch.Tensor, bias: Optional[torch.Tensor], top_k: int,
-          score: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+          score: str, n_groups: int = 1, topk_groups: int = 1,
+          scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [N, D] -> (expert ids [N, k], their weights [N, k], scores [N, E], logits [N, E]; fp32, or fp64 for fp64 x).
-    The bias (or None) is added to the scores for the choice only; the weights are the unbiased scores."""
+    The bias (or None) is added to the scores for the choice only; the weights are the unbiased scores.
+    n_groups > 1 (DeepSeek-V3's group-limited routing): the E experts are n_groups consecutive groups, each ranked
+    for a token by the sum of its 2 best choice scores; the token's experts come from its best topk_groups groups
+    only (the others' scores masked to -inf for the choice). `scaling`: the weights times it
+    (routed_scaling_factor), after the renormalisation."""
     dtype = torch.promote_types(x.dtype, torch.float32)  # fp32 at least: a bf16 router picks by ties
     logits = F.linear(x.to(dtype), router_weight.to(dtype))
     scores = torch.softmax(logits, dim=-1) if score == "softmax" else torch.sigmoid(logits)
     choice = scores if bias is None else scores + bias.detach().to(dtype)
+    if n_groups > 1:
+        grouped = choice.detach().unflatten(-1, (n_groups, -1))  # [N, G, E/G]
+        rank = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [N, G]
+        best = rank.topk(topk_groups, dim=-1, sorted=False).indices
+        keep = torch.zeros_like(rank, dtype=torch.bool).scatter_(-1, best, True)
+        choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(-2)
     idx = torch.topk(choice, top_k, dim=-1, sorted=True).indices
     weights = scores.gather(-1, idx)
     if top_k > 1:  # Mixtral / Qwen-MoE norm_topk_prob / DeepSeek-V3; at k=1 (Switch) the raw score keeps a gradient
         weights = weights / weights.sum(dim=-1, keepdim=True)
+    if scaling != 1.0:
+        weights = weights * scaling
     return idx, weights, scores, logits
 
 
@@ -304,6 +317,8 @@ class MoEFeedForward(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.num_experts, self.top_k, self.score = cfg.moe_num_experts, cfg.moe_top_k, cfg.moe_score
+        self.n_groups, self.topk_groups = cfg.moe_n_groups, cfg.moe_topk_groups
+        self.routed_scaling = cfg.moe_routed_scaling
         hidden = cfg.moe_hidden_dim or cfg.hidden_dim
         self.router = nn.Linear(cfg.dim, self.num_experts, bias=False)
         self.experts = GroupedExperts(self.num_experts, cfg.dim, hidden)
@@ -330,7 +345,8 @@ class MoEFeedForward(nn.Module):
             # export_hf.py should not pay for; a tensor-parallel run loaded it when its transform ran
             from model.token_shares import gather_shares, take_share
             flat = take_share(flat, self.token_split_group)
-        idx, weights, scores, logits = route(flat, self.router.weight, self.expert_bias, self.top_k, self.score)
+        idx, weights, scores, logits = route(flat, self.router.weight, self.expert_bias, self.top_k, self.score,
+                                             self.n_groups, self.topk_groups, self.routed_scaling)
         rows, counts, order = dispatch(flat, idx, self.num_experts)
         out = combine(self.experts(rows, counts), order, weights)
         if self.shared_experts is not None:

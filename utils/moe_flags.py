@@ -25,6 +25,12 @@ class MoEFlags:
     moe_hidden_dim: int = flag(0, "expert width (SwiGLU hidden size of one expert; 0 = --hidden_dim's)")
     moe_first_dense_layers: int = flag(0, "the first k blocks keep a dense MLP (DeepSeek's first_k_dense_replace)")
     moe_score: str = flag("softmax", "router scores: softmax (Mixtral, Qwen-MoE) | sigmoid (DeepSeek-V3)")
+    moe_n_groups: int = flag(1, "group-limited routing (DeepSeek-V3's n_group; 1 = off): the experts in this many "
+                             "equal groups, each token's top-k chosen only from its best --moe_topk_groups of them "
+                             "(a group ranked by its 2 best scores; under expert parallelism: fewer ranks per token)")
+    moe_topk_groups: int = flag(1, "with --moe_n_groups > 1: the groups a token's experts come from (topk_group)")
+    moe_routed_scaling: float = flag(1.0, "the routed experts' combined output times this (DeepSeek-V3's "
+                                     "routed_scaling_factor, 2.5 there); the shared experts' is not scaled")
     moe_aux_loss_coef: float = flag(0.0, "weight of the load-balancing loss (Switch: E/(kN) sum count_i P_i, 1 when "
                                     "balanced) added to the loss; e.g. 0.01")
     moe_bias_update_rate: float = flag(0.0, "auxiliary-loss-free balancing (DeepSeek-V3): after each optimizer "
@@ -34,9 +40,24 @@ class MoEFlags:
 
 
 def moe_shape_problems(num_experts: int, top_k: int, shared: int, hidden: int, first_dense: int,
-                       score: str, prefix: str = "moe_") -> list[str]:
+                       score: str, prefix: str = "moe_", *, n_groups: int = 1, topk_groups: int = 1,
+                       routed_scaling: float = 1.0) -> list[str]:
     """Why an MoE shape cannot be built (num_experts > 0), one phrase per problem."""
     p = []
+    if n_groups < 1 or num_experts % max(1, n_groups):
+        p.append(f"{prefix}n_groups={n_groups}: must be >= 1 and divide {prefix}num_experts={num_experts}")
+    elif n_groups > 1:
+        per = num_experts // n_groups
+        if per < 2:
+            p.append(f"{prefix}n_groups={n_groups}: leaves {per} expert per group (a group is ranked by its 2 best "
+                     "scores)")
+        if not 1 <= topk_groups <= n_groups:
+            p.append(f"{prefix}topk_groups={topk_groups}: must be in [1, {prefix}n_groups={n_groups}]")
+        elif top_k > topk_groups * per:
+            p.append(f"{prefix}top_k={top_k}: more than the {topk_groups} x {per} experts of "
+                     f"{prefix}topk_groups={topk_groups} groups")
+    if not (math.isfinite(routed_scaling) and routed_scaling > 0):
+        p.append(f"{prefix}routed_scaling={routed_scaling}: must be a finite number > 0")
     if not 1 <= num_experts <= MAX_EXPERTS:
         p.append(f"{prefix}num_experts={num_experts}: must be in [0, {MAX_EXPERTS}]")
     if not 1 <= top_k <= max(1, num_experts):
@@ -56,7 +77,9 @@ def moe_problems(cfg: Any) -> list[str]:
         p.append(f"--moe_num_experts={cfg.moe_num_experts}: must be >= 0 (0 = dense)")
     elif cfg.moe_num_experts > 0:
         p.extend(moe_shape_problems(cfg.moe_num_experts, cfg.moe_top_k, cfg.moe_shared_experts, cfg.moe_hidden_dim,
-                                    cfg.moe_first_dense_layers, cfg.moe_score, prefix="--moe_"))
+                                    cfg.moe_first_dense_layers, cfg.moe_score, prefix="--moe_",
+                                    n_groups=cfg.moe_n_groups, topk_groups=cfg.moe_topk_groups,
+                                    routed_scaling=cfg.moe_routed_scaling))
         if cfg.moe_first_dense_layers >= cfg.n_layers:
             p.append(f"--moe_first_dense_layers={cfg.moe_first_dense_layers}: leaves no MoE block of "
                      f"--n_layers={cfg.n_layers}")
@@ -74,7 +97,9 @@ def moe_model_fields(cfg: Any) -> dict:
     """The ModelConfig fields of a new model from the trainer's MoE flags."""
     return {"moe_num_experts": cfg.moe_num_experts, "moe_top_k": cfg.moe_top_k,
             "moe_shared_experts": cfg.moe_shared_experts, "moe_hidden_dim": cfg.moe_hidden_dim or None,
-            "moe_first_dense_layers": cfg.moe_first_dense_layers, "moe_score": cfg.moe_score}
+            "moe_first_dense_layers": cfg.moe_first_dense_layers, "moe_score": cfg.moe_score,
+            "moe_n_groups": cfg.moe_n_groups, "moe_topk_groups": cfg.moe_topk_groups,
+            "moe_routed_scaling": cfg.moe_routed_scaling}
 
 
 def moe_param_delta(mcfg: Any) -> int:

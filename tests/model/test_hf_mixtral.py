@@ -75,8 +75,10 @@ def test_transformers5_fused_expert_names_import():
     ({"moe_first_dense_layers": 1}, "moe_first_dense_layers=1"),
     ({"moe_score": "sigmoid"}, "moe_score=sigmoid"),
     ({"moe_top_k": 1}, "moe_top_k=1"),
+    ({"moe_n_groups": 2}, "moe_n_groups=2"),
+    ({"moe_routed_scaling": 2.5}, "moe_routed_scaling=2.5"),
     ({}, "non-zero selection biases"),
-], ids=["shared", "first_dense", "sigmoid", "top1", "bias"])
+], ids=["shared", "first_dense", "sigmoid", "top1", "groups", "scaling", "bias"])
 def test_what_mixtral_cannot_hold_is_refused(tmp_path, kw, needle):
     model = _model(**kw)
     if not kw:

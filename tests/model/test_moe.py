@@ -191,6 +191,43 @@ def test_bias_changes_the_choice_not_the_weight():
     assert torch.equal(w1, s0.gather(-1, idx1))  # its weight is the unbiased score
 
 
+def _group_limited_reference(scores: torch.Tensor, bias: torch.Tensor, k: int, groups: int, top_groups: int,
+                             scaling: float) -> tuple[list, list]:
+    """DeepSeek-V3's routing written out token by token: the groups ranked by their 2 best biased scores, the k best
+    experts of the best `top_groups` groups, weighted by their unbiased scores renormalised, times `scaling`."""
+    ids, weights = [], []
+    per = scores.shape[1] // groups
+    for s in scores.tolist():
+        biased = [v + b for v, b in zip(s, bias.tolist())]
+        rank = [sum(sorted(biased[g * per:(g + 1) * per], reverse=True)[:2]) for g in range(groups)]
+        best = sorted(range(groups), key=lambda g: -rank[g])[:top_groups]
+        allowed = [e for g in best for e in range(g * per, (g + 1) * per)]
+        chosen = sorted(allowed, key=lambda e: -biased[e])[:k]
+        total = sum(s[e] for e in chosen)
+        ids.append(sorted(chosen))
+        weights.append(sorted(s[e] / total * scaling for e in chosen))
+    return ids, weights
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+def test_group_limited_routing_and_scaling_follow_deepseek_v3(score):
+    """--moe_n_groups / --moe_topk_groups / --moe_routed_scaling: the experts each token gets and their weights
+    equal DeepSeek-V3's rule written out (fp64, a selection bias on); with every group allowed the choice is the
+    ungrouped one; and the routing really is limited: the chosen experts span at most topk_groups groups, where the
+    ungrouped choice spans more."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(64, 16, generator=g, dtype=torch.float64), torch.randn(8, 16, generator=g, dtype=torch.float64)
+    bias = torch.randn(8, generator=g, dtype=torch.float64) * 0.1
+    idx, weights, scores, _ = route(x, w, bias, 3, score, n_groups=4, topk_groups=2, scaling=2.5)
+    want_ids, want_w = _group_limited_reference(scores, bias, 3, 4, 2, 2.5)
+    assert sorted(map(sorted, idx.tolist())) == sorted(want_ids) and [sorted(r) for r in idx.tolist()] == want_ids
+    assert torch.allclose(weights.sort(dim=-1).values, torch.tensor(want_w, dtype=torch.float64))
+    assert max(len({e // 2 for e in row}) for row in idx.tolist()) <= 2
+    plain = route(x, w, bias, 3, score)[0]
+    assert max(len({e // 2 for e in row}) for row in plain.tolist()) == 3  # (the limit changed some tokens' choice)
+    assert torch.equal(route(x, w, bias, 3, score, n_groups=4, topk_groups=4)[0], plain)
+
+
 def test_training_forward_statistics_taken_once_and_not_recomputed():
     def run(ckpt):
         torch.manual_seed(0)

@@ -147,7 +147,14 @@ def test_sft_lora_and_dpo_on_an_moe_model(moe_run, tiny_pretrain_data, tmp_path)
     (["--moe_bias_update_rate=-0.1"], "--moe_bias_update_rate=-0.1: must be a finite number >= 0"),
     (["--moe_num_experts=4", "--moe_bias_update_rate=0.1", "--lora_rank=2"],
      "--moe_bias_update_rate=0.1 cannot be combined with --lora_rank=2"),
-], ids=["top_k", "score", "all_dense", "negative", "rate", "lora_bias"])
+    (["--moe_num_experts=6", "--moe_n_groups=4"], "--moe_n_groups=4: must be >= 1 and divide --moe_num_experts=6"),
+    (["--moe_num_experts=8", "--moe_n_groups=4", "--moe_topk_groups=5"],
+     "--moe_topk_groups=5: must be in [1, --moe_n_groups=4]"),
+    (["--moe_num_experts=8", "--moe_n_groups=4", "--moe_topk_groups=1", "--moe_top_k=3"],
+     "--moe_top_k=3: more than the 1 x 2 experts of --moe_topk_groups=1 groups"),
+    (["--moe_num_experts=4", "--moe_routed_scaling=0"], "--moe_routed_scaling=0.0: must be a finite number > 0"),
+], ids=["top_k", "score", "all_dense", "negative", "rate", "lora_bias", "groups", "topk_groups", "group_top_k",
+        "scaling"])
 def test_bad_moe_flags_one_line_exit_2(tiny_pretrain_run_args, tmp_path, capsys, extra, needle):
     code, err = run_main([*tiny_pretrain_run_args, f"--out_dir={tmp_path / 'run'}", "--max_iters=1", *extra], capsys)
     assert code == EXIT_BAD_CONFIG, err
@@ -179,7 +186,8 @@ def test_export_refuses_what_mixtral_cannot_hold_and_a_mixtral_trains(moe_run, t
 
 
 @pytest.mark.parametrize("nproc, extra", [
-    (1, ["--n_layers=3"]), (2, ["--n_layers=3", "--batch_size=2", "--parallel=fsdp"]),
+    (1, ["--n_layers=3", "--moe_n_groups=2", "--moe_topk_groups=1", "--moe_routed_scaling=2.0"]),
+    (2, ["--n_layers=3", "--batch_size=2", "--parallel=fsdp"]),
     (2, ["--n_layers=4", "--pipeline_parallel_size=2", "--gradient_accumulation_steps=2"]),
     (4, ["--n_layers=4", "--pipeline_parallel_size=2", "--gradient_accumulation_steps=2", "--parallel=fsdp",
          "--expert_parallel_size=2", "--batch_size=2"]),
@@ -217,6 +225,10 @@ def test_resume_is_exact_with_the_biases(tiny_pretrain_run_args, tmp_path, nproc
     a, b = (checkpoint_model_state(find_latest_valid(str(d))) for d in (ref, crashed))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert torch.count_nonzero(a["layers.1.mlp.expert_bias"]) > 0
+    if "--moe_n_groups=2" in extra:  # the routing's shape is the model's: saved with it, resumed with it
+        import json
+        saved = json.loads((crashed / "checkpoints" / "step_00000004" / "model_config.json").read_text())
+        assert (saved["moe_n_groups"], saved["moe_topk_groups"], saved["moe_routed_scaling"]) == (2, 1, 2.0)
     rows = dedupe_by_step(read_metrics(os.path.join(crashed, "metrics.jsonl")))
     n_moe = (4 if "--n_layers=4" in extra else 3) - 1
     for r in rows.values():
