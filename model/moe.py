@@ -21,9 +21,9 @@ own tokens' part of them from the loads summed over the group (`balancing_losses
 process computes on the whole sequence. Under tensor parallelism each tensor rank runs the layer on its share of
 the tokens (`token_split_group`: the replicated rows split over the ranks on the way in and all-gathered on the way
 out; under sequence parallelism they arrive split) with the layer's weights whole on every tensor rank: the same
-FLOPs per rank as splitting every expert's width, and no partial sums to all-reduce. The layer keeps what the trainer reads between steps (`take_aux_losses`,
-`take_counts`): the losses and number of forwards since the last take (training forwards with grad only; never an
-activation-checkpointing recompute) and the tokens per expert.
+FLOPs per rank as splitting every expert's width, and no partial sums to all-reduce. The layer keeps what the
+trainer reads between steps (`take_aux_losses`, `take_counts`): the losses and number of forwards since the last
+take (training forwards with grad only; never an activation-checkpointing recompute) and the tokens per expert.
 
 Must never: read a tensor's value to the host on the grouped path (the loop reference does, by design), drop a
 token, or let the selection bias weigh an expert's output.
