@@ -262,9 +262,11 @@ def place_on_engine(cfg: TrainConfig, info: DistInfo, model, ref_model, log, thr
     engine.stat_keys = tuple((task or get_task(cfg)).stat_keys)  # the task's statistics ride in every step row
     log(describe_layout(cfg, engine, info.world_size) + (f"; {threads}" if threads else ""))
     if cfg.optimizer == "muon":
-        log(f"[optimizer] muon on the blocks' 2-D matrices (lr {cfg.muon_lr or cfg.learning_rate:g}, momentum "
-            f"{cfg.muon_momentum:g}, weight decay {cfg.muon_weight_decay:g}, --muon_adjust_lr={cfg.muon_adjust_lr}); "
-            "adamw on the embedding, LM head and norms")
+        experts = "" if not getattr(getattr(engine.module, "cfg", None), "moe_num_experts", 0) else \
+            (" and each MoE expert's" if cfg.muon_experts else "; adamw on the MoE experts (--muon_experts=false)")
+        log(f"[optimizer] muon on the blocks' 2-D matrices{experts} (lr {cfg.muon_lr or cfg.learning_rate:g}, "
+            f"momentum {cfg.muon_momentum:g}, weight decay {cfg.muon_weight_decay:g}, --muon_adjust_lr="
+            f"{cfg.muon_adjust_lr}); adamw on the embedding, LM head and norms")
     if ref_model is not None:  # DPO: the frozen reference, sharded like the policy under fsdp
         ref_model = engine.place_reference(ref_model, info.device, dtype)
         log(f"[{cfg.task_type}] reference model: {engine.reference_layout()} on each of {engine.dp_size} rank(s), "

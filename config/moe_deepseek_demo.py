@@ -1,0 +1,39 @@
+# A small DeepSeek-V3-shaped mixture of experts on the CPU (docs/model.md "Mixture of experts"), on the demo's data:
+#   make demo STEPS=5      # (once) demo_out/tokenizer and demo_out/pretok
+#   python train_my_ddp.py config/moe_deepseek_demo.py --data_dir=demo_out/pretok --tokenizer_dir=demo_out/tokenizer
+# DeepSeek-V3's choices at toy scale: the first block dense, then 16 fine-grained routed experts (4 per token) and
+# one shared expert per block; sigmoid scores; group-limited routing (4 groups, a token's experts from its best 2);
+# the routed output scaled (2.5); balanced without an auxiliary loss by the selection bias, plus a tiny one.
+# Muon steps the hidden matrices, each expert's apart (docs/optimizer.md). A model of this shape does not export
+# to Mixtral (shared experts, sigmoid, groups, scaling); sample.py and the plain checkpoint read it.
+# Several ranks: torchrun --nproc_per_node=2 train_my_ddp.py config/moe_deepseek_demo.py ... --expert_parallel_size=2
+# A .py config is executed as Python (nanoGPT style): only use config files you trust.
+out_dir = "demo_out/moe_deepseek_run"
+max_seq_len = 128
+dim = 256
+n_layers = 4
+n_heads = 8
+hidden_dim = 512
+moe_num_experts = 16
+moe_top_k = 4
+moe_hidden_dim = 64
+moe_shared_experts = 1
+moe_first_dense_layers = 1
+moe_score = "sigmoid"
+moe_n_groups = 4
+moe_topk_groups = 2
+moe_routed_scaling = 2.5
+moe_bias_update_rate = 0.001
+moe_aux_loss_coef = 0.0001
+optimizer = "muon"
+batch_size = 16
+max_iters = 300
+eval_interval = 100
+eval_iters = 10
+log_interval = 50
+checkpoint_interval = 100
+learning_rate = 3e-3
+min_lr = 3e-4
+warmup_iters = 30
+weight_decay = 0.1
+device = "cpu"
