@@ -283,13 +283,39 @@ def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, dim=-1).square().mean()
 
 
+def sequence_balancing_loss(scores: torch.Tensor, idx: torch.Tensor, seq: torch.Tensor, n_seqs: int, top_k: int,
+                            score: str, group: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's complementary sequence-wise balance loss (Megatron's seq_aux_loss): the Switch loss of each
+    sequence's own tokens, E / (k T_b) sum_i count_bi P_bi, averaged over the n_seqs sequences; seq [N]: each
+    token's sequence, idx [N, k] its experts. Returns (the loss, or with `group` this rank's part of it: the loads
+    and token counts per sequence summed over the group, the probabilities this rank's; the tokens of all the
+    sequences)."""
+    n, e = scores.shape
+    probs = scores if score == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
+    ones = probs.new_ones(idx.numel())
+    loads = probs.new_zeros(n_seqs * e).index_add_(0, seq.repeat_interleave(idx.shape[1]) * e + idx.reshape(-1),
+                                                   ones)
+    tokens = probs.new_zeros(n_seqs).index_add_(0, seq, ones[:n])
+    if group is not None:
+        both = funcol.all_reduce(torch.cat([loads, tokens]), "sum", group)
+        loads, tokens = both[:n_seqs * e], both[n_seqs * e:]
+    per_seq = probs.new_zeros(n_seqs, e).index_add_(0, seq, probs)  # (with its gradient)
+    each = (loads.view(n_seqs, e) * per_seq).sum(dim=-1) * e / (top_k * tokens.clamp(min=1) ** 2)
+    return each.sum() / n_seqs, tokens.sum()
+
+
 def balancing_losses(scores: torch.Tensor, counts: torch.Tensor, logits: torch.Tensor, top_k: int, score: str,
-                     group: Any = None) -> torch.Tensor:
+                     group: Any = None, sequences: Optional[tuple] = None) -> torch.Tensor:
     """[3]: the balancing loss, the z-loss and 1 (a forward) of these N tokens. With `group` (context parallel:
     the ranks whose tokens together are the sequences) this rank's parts of the whole sequences' values, which
     sum over the group to them: the loads and token count are summed over the group first (no gradient), the
     balancing loss is E / (k N^2) sum_i load_i * (sum over this rank's tokens of p_i), the z-loss and the forward
-    this rank's tokens' share."""
+    this rank's tokens' share. `sequences` (idx [N, k], each token's sequence [N], their number): the balancing
+    loss is the sequence-wise one (`sequence_balancing_loss`)."""
+    if sequences is not None:
+        balance, n_all = sequence_balancing_loss(scores, *sequences, top_k, score, group)
+        z = torch.logsumexp(logits, dim=-1).square().sum() / n_all
+        return torch.stack([balance, z, scores.new_full((), float(scores.shape[0])) / n_all])
     if group is None:
         return torch.stack([load_balancing_loss(scores, counts, top_k, score), router_z_loss(logits),
                             scores.new_ones(())])
@@ -333,6 +359,9 @@ class MoEFeedForward(nn.Module):
         # tensor parallelism without sequence parallelism (parallel/transforms/tensor_parallel.py): the rows arrive
         # alike on these ranks; each runs the layer on its share of them, all-gathered on the way out
         self.token_split_group: Any = None
+        # the balancing loss per sequence (DeepSeek-V3's sequence-wise loss), set by the trainer (trainer/moe.py
+        # from --moe_aux_loss_type); a plain attribute: training behaviour, not the model's shape
+        self.aux_per_sequence = False
         # [3]: balancing loss, z-loss and the number of forwards, summed over the forwards since the last take
         self._aux: Optional[torch.Tensor] = None
         self._step_counts: Optional[torch.Tensor] = None  # [E] fp32 tokens per expert since the last take
@@ -340,11 +369,15 @@ class MoEFeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
+        n_seqs = shape[0] if x.ndim == 3 else 1
+        seq = torch.arange(flat.shape[0], device=x.device) // max(1, flat.shape[0] // n_seqs) \
+            if self.aux_per_sequence and self.training else None
         if self.token_split_group is not None:
             # imported here: its torch.compiler.disable imports torch._dynamo (~2 s), which sample.py and
             # export_hf.py should not pay for; a tensor-parallel run loaded it when its transform ran
-            from model.token_shares import gather_shares, take_share
+            from model.token_shares import gather_shares, share_of, take_share
             flat = take_share(flat, self.token_split_group)
+            seq = None if seq is None else share_of(seq, self.token_split_group)
         idx, weights, scores, logits = route(flat, self.router.weight, self.expert_bias, self.top_k, self.score,
                                              self.n_groups, self.topk_groups, self.routed_scaling)
         rows, counts, order = dispatch(flat, idx, self.num_experts)
@@ -356,7 +389,8 @@ class MoEFeedForward(nn.Module):
         if self.training and torch.is_grad_enabled():
             # computed in the recompute too (activation checkpointing wants the same saved tensors), kept once;
             # (balancing loss, z-loss, forwards): under context parallelism this rank's parts of them
-            aux = balancing_losses(scores, counts, logits, self.top_k, self.score, self.sequence_group)
+            aux = balancing_losses(scores, counts, logits, self.top_k, self.score, self.sequence_group,
+                                   None if seq is None else (idx, seq, n_seqs))
         if self.training and torch.is_grad_enabled() and not in_backward():
             self._aux = aux if self._aux is None else self._aux + aux
             c = counts.detach().float()

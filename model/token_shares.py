@@ -25,6 +25,11 @@ def _gather_rows(part: torch.Tensor, group: Any, n: int) -> torch.Tensor:
     return torch.cat([s[:k] for s, k in zip(shares, sizes)])
 
 
+def share_of(rows: torch.Tensor, group: Any) -> torch.Tensor:
+    """This rank's share of rows every rank of the group holds alike (no gradient: e.g. each row's sequence)."""
+    return rows.tensor_split(dist.get_world_size(group))[dist.get_rank(group)]
+
+
 class _TakeShare(torch.autograd.Function):
     """This rank's share of rows every rank of the group holds alike; the backward all-gathers every rank's share of
     the gradient (the rows' gradient is the sum of what each rank's tokens sent back: each share is one rank's)."""
@@ -32,7 +37,7 @@ class _TakeShare(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows: torch.Tensor, group: Any) -> torch.Tensor:
         ctx.group, ctx.n = group, rows.shape[0]
-        return rows.tensor_split(dist.get_world_size(group))[dist.get_rank(group)].contiguous()
+        return share_of(rows, group).contiguous()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

@@ -45,6 +45,8 @@ class MoETraining:
         model_cfg = getattr(model, "cfg", None)
         all_ids = ([i for i in range(model_cfg.n_layers) if model_cfg.is_moe_layer(i)]
                    if hasattr(model_cfg, "is_moe_layer") else ids)
+        for _, layer in named:  # --moe_aux_loss_type=sequence: each layer's balancing loss per sequence
+            layer.aux_per_sequence = getattr(cfg, "moe_aux_loss_type", "batch") == "sequence"
         return cls(cfg, [m for _, m in named], ids, all_ids, count_units)
 
     # ------------------------------------------------------------------ the engine's side loss

@@ -13,6 +13,7 @@ from typing import Any
 from utils.configurator import flag
 
 MOE_SCORES = ("softmax", "sigmoid")
+MOE_AUX_LOSS_TYPES = ("batch", "sequence")
 MAX_EXPERTS = 4096
 
 
@@ -33,6 +34,10 @@ class MoEFlags:
                                      "routed_scaling_factor, 2.5 there); the shared experts' is not scaled")
     moe_aux_loss_coef: float = flag(0.0, "weight of the load-balancing loss (Switch: E/(kN) sum count_i P_i, 1 when "
                                     "balanced) added to the loss; e.g. 0.01")
+    moe_aux_loss_type: str = flag("batch", "batch (the load-balancing loss over each forward's tokens: Switch, "
+                                  "Megatron's aux_loss) | sequence (per sequence, averaged: DeepSeek-V3's "
+                                  "complementary sequence-wise loss, Megatron's seq_aux_loss; e.g. with "
+                                  "--moe_aux_loss_coef=0.0001 beside --moe_bias_update_rate)")
     moe_bias_update_rate: float = flag(0.0, "auxiliary-loss-free balancing (DeepSeek-V3): after each optimizer "
                                        "step every expert's selection bias moves by this towards balance; e.g. "
                                        "0.001 (0 = off)")
@@ -86,6 +91,8 @@ def moe_problems(cfg: Any) -> list[str]:
     if cfg.moe_bias_update_rate and getattr(cfg, "lora_rank", 0) > 0:
         p.append(f"--moe_bias_update_rate={cfg.moe_bias_update_rate} cannot be combined with --lora_rank="
                  f"{cfg.lora_rank}: the selection biases belong to the frozen base, which LoRA checkpoints leave out")
+    if cfg.moe_aux_loss_type not in MOE_AUX_LOSS_TYPES:
+        p.append(f"--moe_aux_loss_type={cfg.moe_aux_loss_type!r} ({' | '.join(MOE_AUX_LOSS_TYPES)})")
     for name in ("moe_aux_loss_coef", "moe_bias_update_rate", "moe_z_loss_coef"):
         v = getattr(cfg, name)
         if not (math.isfinite(v) and v >= 0):

@@ -228,6 +228,34 @@ def test_group_limited_routing_and_scaling_follow_deepseek_v3(score):
     assert torch.equal(route(x, w, bias, 3, score, n_groups=4, topk_groups=4)[0], plain)
 
 
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+def test_sequence_wise_balancing_loss_is_each_sequences_switch_loss_averaged(score):
+    """aux_per_sequence (--moe_aux_loss_type=sequence): the layer's balancing loss is the Switch loss of each
+    sequence's own tokens (its own counts and mean probabilities) averaged over the sequences, computed here one
+    sequence at a time by load_balancing_loss; it differs from the batch's loss (the sequences route differently),
+    and its gradient reaches the router."""
+    m = layer(moe_score=score).double()
+    m.train()
+    x = torch.randn(3, 5, 16, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    want = []
+    for row in x:  # one sequence at a time
+        idx, _, scores, _ = route(row, m.router.weight, m.expert_bias, 2, score)
+        want.append(load_balancing_loss(scores, torch.bincount(idx.reshape(-1), minlength=4), 2, score))
+    m.aux_per_sequence = True
+    m(x)
+    got = m.take_aux()
+    assert torch.allclose(got[0], torch.stack(want).mean(), rtol=1e-12) and got[2] == 1.0
+    m.aux_per_sequence = False
+    m(x)
+    batch = m.take_aux()
+    assert not torch.allclose(batch[0], got[0]) and torch.allclose(batch[1], got[1])  # (the z-loss is the same)
+    m.aux_per_sequence = True
+    m.router.weight.grad = None
+    m(x)
+    m.take_aux()[0].backward()
+    assert m.router.weight.grad is not None and m.router.weight.grad.abs().sum() > 0
+
+
 def test_training_forward_statistics_taken_once_and_not_recomputed():
     def run(ckpt):
         torch.manual_seed(0)

@@ -6,7 +6,9 @@ whole steps of the rate, from integer loads), and the metrics row's loads (exact
 
 Every forward sees the same 2 rows in every layout (the global batch is 4 micro-batches of 2 rows: one process
 takes all 4, each of 2 ranks 2), so the per-micro-batch balancing loss is the same function everywhere; context
-parallelism splits each row's tokens over its ranks and computes the whole sequence's balancing loss."""
+parallelism splits each row's tokens over its ranks and computes the whole sequence's balancing loss; so does tensor
+parallelism (each tensor rank runs the MoE layer on its share of the tokens); and the sequence-wise balancing loss
+(--moe_aux_loss_type=sequence) under tp and tp x cp equals one process's."""
 from __future__ import annotations
 
 import dataclasses
@@ -70,11 +72,14 @@ def rank_batches(engine, step: int) -> tuple[list[dict], int]:
     return [{"input_ids": x, "labels": y} for x, y in chunks[engine.dp_rank * per:(engine.dp_rank + 1) * per]], units
 
 
-def one_process_reference(dtype: torch.dtype, starve: bool = False, n_layers: int = 3) -> dict:
+def one_process_reference(dtype: torch.dtype, starve: bool = False, n_layers: int = 3,
+                          per_sequence: bool = False) -> dict:
     """One process: torch AdamW + clip_grad_norm_, the balancing terms written out, the bias rule applied (with
     `starve` the bias update is off, so the starved experts stay starved); step 1's gradients are kept, and each
     step's tokens per expert and mean balancing loss (the metrics row's)."""
     model = new_model(starve, n_layers).to(dtype)
+    for layer in moe_layers(model):  # --moe_aux_loss_type=sequence (tests/model/test_moe.py checks the function)
+        layer.aux_per_sequence = per_sequence
     params = list(model.parameters())
     opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": OPT["weight_decay"]},
                              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
@@ -176,7 +181,8 @@ def _world(rank: int, world: int, out_path: str) -> None:
                "cp2": _train("ddp", context_parallel_size=2), "cp2_fsdp": _train("fsdp", context_parallel_size=2),
                "tp2": _train("fsdp", tensor_parallel_size=2),
                "tp2_sp": _train("fsdp", tensor_parallel_size=2, sequence_parallel=True),
-               "tp2_compiled": _compiled("fsdp", tensor_parallel_size=2)}
+               "tp2_compiled": _compiled("fsdp", tensor_parallel_size=2),
+               "seq_tp2": _train("fsdp", tensor_parallel_size=2, moe_aux_loss_type="sequence")}
     else:  # 2 stages x 2 replicas: each replica's schedule runs 2 micro-batches
         pp2 = dict(PP, gradient_accumulation_steps=2)
         out = {"pp_dp2_zero1": _train("ddp", zero=True, **pp2), "pp_dp2_fsdp": _train("fsdp", **pp2),
@@ -189,7 +195,9 @@ def _world(rank: int, world: int, out_path: str) -> None:
                "cp2_ep2": _train("fsdp", context_parallel_size=2, expert_parallel_size=2),
                "cp2_ep2_ddp": _train("ddp", context_parallel_size=2, expert_parallel_size=2),
                "cp2_ep2_zero1": _train("ddp", zero=True, context_parallel_size=2, expert_parallel_size=2),
-               "cp2_tp2": _train("fsdp", tensor_parallel_size=2, context_parallel_size=2)}
+               "cp2_tp2": _train("fsdp", tensor_parallel_size=2, context_parallel_size=2),
+               "seq_cp2_tp2": _train("fsdp", tensor_parallel_size=2, context_parallel_size=2,
+                                     moe_aux_loss_type="sequence")}
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(out, f)
@@ -205,9 +213,9 @@ def results(tmp_path_factory) -> dict:
     return out
 
 
-def _reference(n_layers: int) -> dict:
-    r32, r64 = one_process_reference(torch.float32, n_layers=n_layers), one_process_reference(torch.float64,
-                                                                                            n_layers=n_layers)
+def _reference(n_layers: int, per_sequence: bool = False) -> dict:
+    r32, r64 = (one_process_reference(dtype, n_layers=n_layers, per_sequence=per_sequence)
+                for dtype in (torch.float32, torch.float64))
     noise = max(float((r32["params"][n] - r64["params"][n]).abs().max()) for n in r32["params"])
     r32["tol"] = 10 * noise + 1e-7
     r32["loss_tol"] = 10 * max(abs(a - b) for a, b in zip(r32["losses"], r64["losses"])) + 1e-6
@@ -226,19 +234,24 @@ def reference4() -> dict:
     return _reference(4)
 
 
+@pytest.fixture(scope="module")
+def reference_seq() -> dict:
+    return _reference(3, per_sequence=True)
+
+
 @pytest.mark.parametrize("engine", ["ddp", "zero1", "fsdp", "pp_ddp", "pp_fsdp_gpipe", "pp_dp2_zero1",
                                     "pp_dp2_fsdp", "pp_ep2_fsdp", "pp_ep2_ddp", "pp_ep2_zero1", "pp_ep2_compiled",
                                     "cp2", "cp2_fsdp", "tp2", "tp2_sp", "tp2_compiled", "pp_tp2", "tp2_ep2", "cp2_ep2",
-                                    "cp2_ep2_ddp", "cp2_ep2_zero1",
+                                    "cp2_ep2_ddp", "cp2_ep2_zero1", "seq_tp2", "seq_cp2_tp2",
                                     "cp2_tp2"])
-def test_two_ranks_follow_one_process(results, reference, reference4, engine):
+def test_two_ranks_follow_one_process(results, reference, reference4, reference_seq, engine):
     """Also pipeline stages (2, and 2 x 2 data-parallel replicas): the balancing losses of the first stage's
     layers join its backward (parallel/engine_pipeline.py JoinGradient); the loads and balancing loss of the
     metrics row are every stage's, summed over the replicas. And context parallelism (each of 2 ranks holds half
     of every sequence): the balancing loss is the whole sequence's (its loads summed over the cp group), each
     rank backpropagating its own tokens' part of it, and the loads logged are every cp rank's tokens."""
     rec = results[engine]
-    reference = reference4 if engine.startswith("pp") else reference
+    reference = reference4 if engine.startswith("pp") else reference_seq if engine.startswith("seq") else reference
     if engine.endswith("compiled"):  # (each block compiled: FSDP2 stages x expert parallel 2; tensor parallel 2)
         assert rec["graphs"] >= 1
     # the experts of each of this rank's MoE layers laid out over the expert-parallel ranks, where asked

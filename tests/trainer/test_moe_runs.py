@@ -153,8 +153,9 @@ def test_sft_lora_and_dpo_on_an_moe_model(moe_run, tiny_pretrain_data, tmp_path)
     (["--moe_num_experts=8", "--moe_n_groups=4", "--moe_topk_groups=1", "--moe_top_k=3"],
      "--moe_top_k=3: more than the 1 x 2 experts of --moe_topk_groups=1 groups"),
     (["--moe_num_experts=4", "--moe_routed_scaling=0"], "--moe_routed_scaling=0.0: must be a finite number > 0"),
+    (["--moe_num_experts=4", "--moe_aux_loss_type=token"], "--moe_aux_loss_type='token' (batch | sequence)"),
 ], ids=["top_k", "score", "all_dense", "negative", "rate", "lora_bias", "groups", "topk_groups", "group_top_k",
-        "scaling"])
+        "scaling", "aux_type"])
 def test_bad_moe_flags_one_line_exit_2(tiny_pretrain_run_args, tmp_path, capsys, extra, needle):
     code, err = run_main([*tiny_pretrain_run_args, f"--out_dir={tmp_path / 'run'}", "--max_iters=1", *extra], capsys)
     assert code == EXIT_BAD_CONFIG, err
