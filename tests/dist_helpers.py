@@ -11,6 +11,37 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+def computed_once(tmp_path_factory, name: str, compute: Callable) -> dict:
+    """`compute(directory)`'s JSON-able result, computed by one pytest worker of this session and read by the
+    others: a module fixture of several multi-rank runs, whose tests xdist's worksteal shares out over workers as
+    they free up, would otherwise run again in every worker that got one of them (seen: 3 times). The directory
+    (compute's scratch space, kept for the session: a checkpoint it writes can be named in the result) and the
+    result live under the session's temporary directory, which its workers share, behind a file lock; a compute
+    that fails leaves no result (the next worker tries, and fails, again)."""
+    import fcntl
+    import json
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # (xdist: each worker's basetemp is a directory of the session's)
+    root = base / f"once-{name}"
+    root.mkdir(exist_ok=True)
+    with open(root / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            done = root / "result.json"
+            if done.exists():
+                return json.loads(done.read_text())
+            work = root / "work"
+            work.mkdir(exist_ok=True)
+            out = compute(work)
+            tmp = root / "result.json.tmp"
+            tmp.write_text(json.dumps(out))
+            os.replace(tmp, done)
+            return json.loads(done.read_text())  # (every worker gets the same JSON round trip)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

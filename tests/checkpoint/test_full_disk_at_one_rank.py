@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.dist_helpers import spawn
+from tests.dist_helpers import computed_once, spawn
 
 LIMIT = 1024  # bytes: every case's failing file is larger (the smallest, an RNG-state file, is ~6 KiB)
 CASES = [("plain", 1), ("plain", 0), ("pipeline", 1), ("dcp", 1)]  # (format, the rank whose disk is full)
@@ -94,11 +94,11 @@ def _every_case(rank: int, world: int, tmp: str, result_file: str) -> None:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
-    d = tmp_path_factory.mktemp("full_disk")
-    spawn(_every_case, 2, str(d), str(d / "result.json"))
-    out = {r: json.loads((d / f"result.json.{r}").read_text()) for r in (0, 1)}
-    out["dir"] = str(d)
-    return out
+    def run(d) -> dict:
+        spawn(_every_case, 2, str(d), str(d / "result.json"))
+        return {"ranks": [json.loads((d / f"result.json.{r}").read_text()) for r in (0, 1)], "dir": str(d)}
+    out = computed_once(tmp_path_factory, "full_disk_at_one_rank", run)
+    return {0: out["ranks"][0], 1: out["ranks"][1], "dir": out["dir"]}
 
 
 @pytest.mark.parametrize("fmt,failing", CASES, ids=[f"{f}-rank{r}" for f, r in CASES])

@@ -18,7 +18,7 @@ from torch import nn
 
 from optimizer import OptimizerConfig, build_optimizer
 from parallel import DDPConfig, DistributedDataParallel, PowerSGDState, powersgd_hook
-from tests.dist_helpers import spawn
+from tests.dist_helpers import computed_once, spawn
 
 STEPS, BATCH, DIM = 6, 8, 32
 
@@ -146,8 +146,7 @@ def _worker(rank, ws, out_dir):
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("overflow"))
-    spawn(_worker, 2, out)
+    out = computed_once(tmp_path_factory, "overflow_on_one_rank", lambda d: spawn(_worker, 2, str(d)) or str(d))
     return [torch.load(os.path.join(out, f"overflow_rank{r}.pt"), weights_only=True) for r in range(2)]
 
 

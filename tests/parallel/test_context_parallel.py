@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from model import ModelConfig, Transformer
 from model.ring_attention import ContextParallel, ring_attention, shard_sequence, unshard_sequence
-from tests.dist_helpers import spawn, traced_with_aot_eager
+from tests.dist_helpers import computed_once, spawn, traced_with_aot_eager
 from tests.parallel.test_tensor_parallel import OPT, STEPS, _full_params, _new_model as _tp_model, _reference, _step
 
 VOCAB, SEQ, B = 64, 16, 2
@@ -187,17 +187,20 @@ def _world(rank: int, world: int, out_path: str) -> None:
             json.dump(out, f)
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict:
-    d = tmp_path_factory.mktemp("cp")
+def _results(d) -> dict:
     out = {}
     for world in (2, 4):
         # its only output is the JSON its rank 0 writes at the end: a rank killed by a signal (seen once, a
         # SIGABRT in a loaded CI run, not reproduced alone) is run again; a crash that repeats still fails
         spawn(_world, world, str(d / f"w{world}.json"), retries_on_signal=1)
         with open(d / f"w{world}.json") as f:
-            out[world] = json.load(f)
+            out[str(world)] = json.load(f)
     return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    return {int(w): r for w, r in computed_once(tmp_path_factory, "context_parallel", _results).items()}
 
 
 @pytest.fixture(scope="module")

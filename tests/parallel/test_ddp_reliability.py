@@ -23,7 +23,7 @@ from torch import nn
 
 from optimizer import OptimizerConfig, build_optimizer
 from parallel import DDPConfig, DistributedDataParallel
-from tests.dist_helpers import spawn
+from tests.dist_helpers import computed_once, spawn
 
 DEV = torch.device("cpu")
 
@@ -282,8 +282,7 @@ def _worker(rank, ws, out_dir):
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("ddp_reliability"))
-    spawn(_worker, 2, out)
+    out = computed_once(tmp_path_factory, "ddp_reliability", lambda d: spawn(_worker, 2, str(d)) or str(d))
     return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=True) for r in range(2)]
 
 

@@ -17,7 +17,7 @@ from optimizer import OptimizerConfig, build_optimizer
 from parallel import (CommHookState, DDPConfig, DistributedDataParallel, PowerSGDState,
                       allreduce_hook, fp16_compress_wrapper, powersgd_hook)
 from parallel.powersgd import compression_plan
-from tests.dist_helpers import spawn
+from tests.dist_helpers import computed_once, spawn
 
 STEPS, LR, WD, CLIP, GLOBAL_BATCH = 4, 1e-2, 0.1, 0.5, 8
 
@@ -270,8 +270,7 @@ def _worker(rank, ws, out_dir):
 
 @pytest.fixture(scope="module")
 def dist_results(tmp_path_factory):
-    out = str(tmp_path_factory.mktemp("dist"))
-    spawn(_worker, 2, out)
+    out = computed_once(tmp_path_factory, "ddp_two_processes", lambda d: spawn(_worker, 2, str(d)) or str(d))
     return out, [torch.load(os.path.join(out, f"results_rank{r}.pt"), weights_only=True) for r in range(2)]
 
 

@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 
-from tests.dist_helpers import spawn, traced_with_aot_eager
+from tests.dist_helpers import computed_once, spawn, traced_with_aot_eager
 from tests.parallel.test_moe_engines import (MOE, OPT, STEPS, moe_loss, new_model, one_process_reference,
                                              rank_batches)
 
@@ -183,14 +183,17 @@ def _world(rank: int, world: int, out_path: str) -> None:
             json.dump(out, f)
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict:
+def _results(d) -> dict:
     out = {}
     for world in CASES:
-        path = tmp_path_factory.mktemp("ep") / f"ep_w{world}.json"
-        spawn(_world, world, str(path))
-        out.update(json.loads(path.read_text()))
+        spawn(_world, world, str(d / f"ep_w{world}.json"))
+        out.update(json.loads((d / f"ep_w{world}.json").read_text()))
     return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    return computed_once(tmp_path_factory, "expert_parallel", _results)
 
 
 def _close(got: dict, r32: dict, r64: dict, key: str) -> None:

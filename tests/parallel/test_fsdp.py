@@ -29,7 +29,7 @@ import torch.distributed as dist
 from model import ModelConfig, Transformer
 from optimizer import OptimizerConfig
 from parallel.fsdp import no_sync
-from tests.dist_helpers import spawn
+from tests.dist_helpers import computed_once, spawn
 
 VOCAB, SEQ, GLOBAL_B, GAS = 64, 8, 4, 2
 OPT = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, grad_clip=0.3)
@@ -316,12 +316,13 @@ def _worker(rank: int, world: int, tmp: str) -> None:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> tuple[dict, str]:
-    tmp = str(tmp_path_factory.mktemp("fsdp"))
-    spawn(_worker, 4, tmp)
-    with open(os.path.join(tmp, "results.json")) as f:
-        res = json.load(f)
-    print("fsdp results:", json.dumps(res))  # the measured numbers (pytest -s shows them)
-    return res, tmp
+    def run(d) -> dict:
+        spawn(_worker, 4, str(d))
+        with open(os.path.join(str(d), "results.json")) as f:
+            return {"res": json.load(f), "tmp": str(d)}
+    out = computed_once(tmp_path_factory, "fsdp", run)
+    print("fsdp results:", json.dumps(out["res"]))  # the measured numbers (pytest -s shows them)
+    return out["res"], out["tmp"]
 
 
 @pytest.fixture(scope="module")

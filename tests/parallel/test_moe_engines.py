@@ -19,7 +19,7 @@ import torch
 
 from model import ModelConfig, Transformer
 from model.moe import moe_layers, take_aux_losses, update_expert_bias
-from tests.dist_helpers import spawn, traced_with_aot_eager
+from tests.dist_helpers import computed_once, spawn, traced_with_aot_eager
 
 VOCAB, SEQ, CHUNKS, ROWS, STEPS = 64, 8, 4, 2, 3
 OPT = dict(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_clip=0.3)
@@ -203,14 +203,17 @@ def _world(rank: int, world: int, out_path: str) -> None:
             json.dump(out, f)
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict:
+def _results(d) -> dict:
     out = {}
     for world in (2, 4):
-        path = tmp_path_factory.mktemp("moe") / f"w{world}.json"
-        spawn(_world, world, str(path))
-        out.update(json.loads(path.read_text()))
+        spawn(_world, world, str(d / f"w{world}.json"))
+        out.update(json.loads((d / f"w{world}.json").read_text()))
     return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    return computed_once(tmp_path_factory, "moe_engines", _results)
 
 
 def _reference(n_layers: int, per_sequence: bool = False) -> dict:

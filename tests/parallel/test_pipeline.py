@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from model import ModelConfig, Transformer
 from optimizer import OptimizerConfig
-from tests.dist_helpers import one_process_step, spawn
+from tests.dist_helpers import computed_once, one_process_step, spawn
 
 VOCAB, SEQ, GLOBAL_B, GAS, STEPS = 64, 8, 4, 2, 3
 OPT = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, grad_clip=0.3)
@@ -232,16 +232,12 @@ def _worker_pp2_dp2(rank: int, world: int, tmp: str) -> None:
 
 @pytest.fixture(scope="module")
 def pp2(tmp_path_factory) -> str:
-    tmp = str(tmp_path_factory.mktemp("pp2"))
-    spawn(_worker_pp2, 2, tmp)
-    return tmp
+    return computed_once(tmp_path_factory, "pipeline_pp2", lambda d: spawn(_worker_pp2, 2, str(d)) or str(d))
 
 
 @pytest.fixture(scope="module")
 def pp2dp2(tmp_path_factory) -> str:
-    tmp = str(tmp_path_factory.mktemp("pp2dp2"))
-    spawn(_worker_pp2_dp2, 4, tmp)
-    return tmp
+    return computed_once(tmp_path_factory, "pipeline_pp2dp2", lambda d: spawn(_worker_pp2_dp2, 4, str(d)) or str(d))
 
 
 def _load(tmp: str, name: str, dp: int = 0) -> tuple[dict, list[dict]]:

@@ -18,7 +18,7 @@ import torch
 from trainer.tasks.dpo import DPOTask
 
 from optimizer import OptimizerConfig
-from tests.dist_helpers import spawn
+from tests.dist_helpers import computed_once, spawn
 from tests.parallel.test_pipeline import GAS, OPT, VOCAB, _new_model, _pc
 
 STEPS, PAIRS = 3, 4
@@ -103,9 +103,7 @@ def _worker(rank: int, world: int, tmp: str) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> str:
-    tmp = str(tmp_path_factory.mktemp("pp_dpo"))
-    spawn(_worker, 2, tmp)
-    return tmp
+    return computed_once(tmp_path_factory, "pp_dpo", lambda d: spawn(_worker, 2, str(d)) or str(d))
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from optimizer import OptimizerConfig
-from tests.dist_helpers import one_process_step, spawn
+from tests.dist_helpers import computed_once, one_process_step, spawn
 from tests.parallel.test_pipeline import OPT, _global_batches, _manager, _new_model, _pc, _rows, _save, _token_loss, _units
 
 STEPS = 3
@@ -90,9 +90,7 @@ def _worker(rank: int, world: int, tmp: str) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> str:
-    tmp = str(tmp_path_factory.mktemp("pp_frozen"))
-    spawn(_worker, 2, tmp)
-    return tmp
+    return computed_once(tmp_path_factory, "pp_frozen", lambda d: spawn(_worker, 2, str(d)) or str(d))
 
 
 @pytest.mark.parametrize("mode,schedule", [("lora", "gpipe"), ("lora", "1f1b"), ("embeddings", "gpipe"),

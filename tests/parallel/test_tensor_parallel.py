@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from model import ModelConfig, Transformer
-from tests.dist_helpers import one_process_step, spawn
+from tests.dist_helpers import computed_once, one_process_step, spawn
 # the same global batches as the FSDP tests: GAS micro-batches of GLOBAL_B x SEQ, ~25 % of labels ignored
 from tests.parallel.test_fsdp import GAS, GLOBAL_B, VOCAB, _global_batches, _units
 
@@ -272,7 +272,10 @@ def _world4(rank: int, world: int, out_path: str, root: str, tp2_ckpt: str) -> N
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
-    d = tmp_path_factory.mktemp("tp")
+    return computed_once(tmp_path_factory, "tensor_parallel", _results)
+
+
+def _results(d) -> dict:
     spawn(_world2, 2, str(d / "w2.json"), str(d))
     with open(d / "w2.json") as f:
         out = json.load(f)
