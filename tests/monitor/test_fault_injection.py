@@ -287,7 +287,10 @@ def test_second_signal_kills_a_stuck_run(tmp_path):
     # parked in hang@3, the trainer only sets a flag on SIGTERM; the second SIGINT kills the tree
     out = tmp_path / "run"
     proc = start_monitor(fake_cmd(out), ["--hang_timeout=0"], {"MYLLM_FAULT": "hang@3"})
-    wait_for(lambda: os.path.exists(out / "metrics.jsonl") and len(losses(out)) == 2)
+    # wait until the child is parked (its "[fault] hang@3" line teed into monitor.log): two logged losses are not
+    # enough, a signal landing between step 2's metrics line and its stop-flag check ends the run cleanly (75)
+    wait_for(lambda: os.path.exists(out / "monitor.log") and "[fault] hang@3" in open(out / "monitor.log").read())
+    assert len(losses(out)) == 2
     proc.send_signal(signal.SIGINT)
     # the monitor has taken the first signal (it says so) and keeps waiting for a save that never comes
     wait_for(lambda: "received SIGINT: forwarded" in open(out / "monitor.log").read())
