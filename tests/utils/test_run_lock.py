@@ -242,7 +242,9 @@ def test_a_sigkilled_supervisors_attempt_keeps_the_directory_then_stops(tmp_path
         "deadline = time.time() + 60\n"
         "while time.time() < deadline and not watch.gone():\n"
         "    time.sleep(0.05)\n"
-        "time.sleep(0.5)  # still writing for a while after it noticed\n"
+        "open(os.path.join(sys.argv[1], 'noticed'), 'w').write('x')\n"
+        "while time.time() < deadline and not os.path.exists(os.path.join(sys.argv[1], 'go')):\n"
+        "    time.sleep(0.05)  # still writing after it noticed: until the test has tried the directory\n"
         "open(os.path.join(sys.argv[1], 'stopped'), 'w').write('x')\n")
     mon = subprocess.Popen([PY, "monitor_process.py", f"--out_dir={out}", "--", PY, str(script), str(out)],
                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -256,6 +258,10 @@ def test_a_sigkilled_supervisors_attempt_keeps_the_directory_then_stops(tmp_path
         mon.wait()
         with pytest.raises(run_lock.RunDirBusy, match=rf"pid {mon.pid} .*has exited; a process it started"):
             run_lock.acquire(str(out))  # the orphan is still there: the directory is still its
+        while not (out / "noticed").exists() and time.time() < deadline:
+            time.sleep(0.05)
+        assert (out / "noticed").exists(), "the attempt did not notice its supervisor was gone"
+        (out / "go").write_text("x")  # (it waits for this: a busy machine cannot make the refusal above racy)
         while not (out / "stopped").exists() and time.time() < deadline:
             time.sleep(0.05)
         assert (out / "stopped").exists(), "the attempt did not notice its supervisor was gone"
