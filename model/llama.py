@@ -27,6 +27,7 @@ from model.attention import AttnSpec, documents_from_positions
 from model.config import ModelConfig
 from model.loss import lm_head_loss
 from model.moe import GroupedExperts, MoEFeedForward
+from model.token_logprobs import token_logprobs
 
 
 # -------------------------------------------------------------------------------------- RMSNorm
@@ -344,8 +345,11 @@ class Transformer(nn.Module):
                 reduction: str = "mean", attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None, *, cache: Optional[KVCache] = None,
                 logits_to_keep: "int | torch.Tensor" = 0, doc_ids: Optional[torch.Tensor] = None,
-                cu_seqlens: Optional[torch.Tensor] = None, max_seqlen=None) -> torch.Tensor:
-        """Logits [B, T, V] without labels; the loss of the chunked linear+CE with labels.
+                cu_seqlens: Optional[torch.Tensor] = None, max_seqlen=None,
+                logprobs_of: Optional[torch.Tensor] = None, temperature: float = 1.0) -> torch.Tensor:
+        """Logits [B, T, V] without labels; the loss of the chunked linear+CE with labels; with logprobs_of (token
+        ids [B, T], shifted as labels, every one a real id) the pair (log p(logprobs_of), entropy), each [B, T], of
+        the logits / temperature, computed chunk by chunk without the whole logits (model/token_logprobs.py; RL).
         Pruned (`pruned`): input_ids is the hidden state [B, T, D] when there is no embedding, and the
         hidden state after the blocks (before the norm) is returned when there is no LM head.
 
@@ -380,7 +384,7 @@ class Transformer(nn.Module):
             docs = sequence_documents(B, T, input_ids.device, attention_mask, position_ids, doc_ids, cu_seqlens)
             positions = cp.positions(B, T, input_ids.device) if position_ids is None else \
                 cp.shard(position_ids.expand(B, T))
-            labels, T = cp.shard(labels), T // cp.size
+            labels, logprobs_of, T = cp.shard(labels), cp.shard(logprobs_of), T // cp.size
             spec = AttnSpec("ring", group=cp.group, docs=docs)
         elif position_ids is None:
             positions = torch.arange(past, past + T, device=input_ids.device)[None].expand(B, T)
@@ -407,6 +411,11 @@ class Transformer(nn.Module):
             return h
         h = self.norm(h)
 
+        if logprobs_of is not None:
+            logp, entropy = token_logprobs(h, self.lm_head.weight, logprobs_of, temperature, self.cfg.loss_chunk_size)
+            if cp_on:  # the whole rows' values on every cp rank, gradients through this rank's positions
+                return cp.gather_tokens(logp), cp.gather_tokens(entropy)
+            return logp, entropy
         if labels is None:
             if isinstance(logits_to_keep, torch.Tensor):
                 h = h[logits_to_keep]

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from utils.constants import IGNORE_INDEX
 
 
-def _shard_bounds(weight) -> tuple[torch.Tensor, int, dist.ProcessGroup]:
+def shard_bounds(weight) -> tuple[torch.Tensor, int, dist.ProcessGroup]:
     """(this rank's rows, the first row's global index, the tensor group) of a vocabulary-sharded DTensor."""
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -120,5 +120,5 @@ def vocab_parallel_lm_head_loss(hidden: torch.Tensor, weight, labels: torch.Tens
     `hidden` [..., D] is the same (replicated) tensor on every rank of the group."""
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be mean, sum or none, got {reduction!r}")
-    local, start, group = _shard_bounds(weight)
+    local, start, group = shard_bounds(weight)
     return _VocabParallelCE.apply(hidden, local, labels, reduction, max(1, int(chunk_size)), start, group)

@@ -195,23 +195,35 @@ def test_fsdp_two_ranks_equal_one_process(pretrained, tmp_path):
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("layout", [["--context_parallel_size=2"], ["--parallel=fsdp", "--tensor_parallel_size=2"]],
-                         ids=["cp2", "tp2"])
-def test_context_and_tensor_parallel_two_ranks_equal_one_process(pretrained, tmp_path, layout):
+_CP_TP_RUN = ["--max_iters=2", "--max_prompt_length=11", "--beta=0.04", "--num_iterations=2", "--eval_interval=2"]
+
+
+@pytest.fixture(scope="module")
+def one_process_cp_tp(pretrained, tmp_path_factory) -> tuple:
+    """The one-process run (whole logits) the cp / tp layouts below are compared with: (rows, final weights)."""
+    d = tmp_path_factory.mktemp("grpo_one")
+    run_cmd(train_cmd(_args(pretrained, d, *_CP_TP_RUN, f"--eval_data_dir={d / 'prompts.jsonl'}",
+                            f"--out_dir={d / 'one'}")), env=child_env())
+    return _rows(d / "one"), final_weights(d / "one")
+
+
+@pytest.mark.parametrize("layout", [["--context_parallel_size=2"], ["--parallel=fsdp", "--tensor_parallel_size=2"],
+                                    ["--context_parallel_size=2", "--chunked_logprobs=true"],
+                                    ["--parallel=fsdp", "--tensor_parallel_size=2", "--chunked_logprobs=true"]],
+                         ids=["cp2", "tp2", "cp2_chunked", "tp2_chunked"])
+def test_context_and_tensor_parallel_two_ranks_equal_one_process(pretrained, one_process_cp_tp, tmp_path, layout):
     """--context_parallel_size=2: both ranks roll out the replica's prompts alike on whole sequences (the cp switch
     off while decoding, held-out answers too), then each trains on its chunks of the rows (19 tokens padded to 20,
     whole 2 x cp chunks), the per-token log-probabilities, the reference's (--beta) and the sampling policy's
     (--num_iterations=2) gathered into whole rows. --tensor_parallel_size=2: each rank decodes with its half of the
     heads (a KV cache of its key/value heads) and the gathered logits, so both draw the same tokens. Either way: the
-    completions, losses, rewards, KL and entropy of one process."""
-    one, two = tmp_path / "one", tmp_path / "two"
-    extra = ["--max_iters=2", "--max_prompt_length=11", "--beta=0.04", "--num_iterations=2",
-             f"--eval_data_dir={tmp_path / 'prompts.jsonl'}", "--eval_interval=2"]
-    run_cmd(train_cmd(_args(pretrained, tmp_path, *extra, f"--out_dir={one}")), env=child_env())
-    proc = run_cmd(train_cmd(_args(pretrained, tmp_path, *extra, f"--out_dir={two}", *layout), nproc=2),
-                   env=child_env())
+    completions, losses, rewards, KL and entropy of one process. --chunked_logprobs: the trainer's log-probabilities
+    and entropies chunk by chunk in the head (under tp from each rank's vocabulary shard), the same values."""
+    two = tmp_path / "two"
+    proc = run_cmd(train_cmd(_args(pretrained, tmp_path, *_CP_TP_RUN, f"--eval_data_dir={tmp_path / 'prompts.jsonl'}",
+                                   f"--out_dir={two}", *layout), nproc=2), env=child_env())
     assert ("context 2" if "context" in layout[0] else "tensor 2") in proc.stdout, proc.stdout[-2000:]
-    a, b = _rows(one), _rows(two)
+    (a, wa), b = one_process_cp_tp, _rows(two)
     assert sorted(a) == sorted(b) == [1, 2]
     for s in (1, 2):
         for k in ("reward", "reward_std", "completion_length"):  # the same completions
@@ -221,7 +233,7 @@ def test_context_and_tensor_parallel_two_ranks_equal_one_process(pretrained, tmp
     assert a[2]["kl"] > 0 and a[2]["val_reward"] == b[2]["val_reward"]
     from checkpoint.verify import find_latest_valid
     from checkpoint.weights import checkpoint_model_state
-    wa, wb = final_weights(one), checkpoint_model_state(find_latest_valid(str(two), log=lambda m: None))
+    wb = checkpoint_model_state(find_latest_valid(str(two), log=lambda m: None))
     assert wa.keys() == wb.keys()
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5)

@@ -133,7 +133,7 @@ class GRPOTask(Task):
             with torch.no_grad():
                 for rows in rollout:
                     x = to_device(rows["input_ids"], device)
-                    rows["old_logps"] = token_logps(model(x), x, cfg.temperature, cp=self._cp)[0].float().cpu()
+                    rows["old_logps"] = self._token_logps(model, x)[0].float().cpu()
         self._rollout = rollout
         if cfg.log_completions and loop.info.is_main and (p.step + 1) % cfg.log_interval == 0 and samples:
             loop.metrics.write_samples(samples[:cfg.num_completions_to_print])
@@ -201,18 +201,28 @@ class GRPOTask(Task):
         return out
 
     # ------------------------------------------------------------------ the step
+    def _token_logps(self, model, x: torch.Tensor, with_entropy: bool = False) -> tuple:
+        """log p(x[:, t + 1]) [R, T - 1] under `model`'s logits / temperature at t, and the entropies when asked:
+        from the whole logits, or chunk by chunk in the model's head (--chunked_logprobs)."""
+        cfg = self.cfg
+        if not cfg.chunked_logprobs:
+            return token_logps(model(x), x, cfg.temperature, with_entropy=with_entropy, cp=self._cp)
+        nxt = torch.cat([x[:, 1:], x[:, :1]], dim=1)  # shifted as labels (the last position's value is dropped)
+        logps, entropy = model(x, logprobs_of=nxt, temperature=cfg.temperature)
+        return logps[:, :-1], (entropy[:, :-1] if with_entropy else None)
+
     def micro_batch_loss(self, model, ref_model, batch, device):
         cfg = self.cfg
         x = to_device(batch["input_ids"], device)
         mask = to_device(batch["completion_mask"], device)
         gen = to_device(batch["gen_logps"], device)
         adv = to_device(batch["advantages"], device)
-        logps, entropy = token_logps(model(x), x, cfg.temperature, with_entropy=True, cp=self._cp)
+        logps, entropy = self._token_logps(model, x, with_entropy=True)
         old = to_device(batch["old_logps"], device) if "old_logps" in batch else logps.detach()
         ref = None
         if cfg.beta > 0:
             with torch.no_grad():
-                ref = token_logps(ref_model(x), x, cfg.temperature, cp=self._cp)[0]
+                ref = self._token_logps(ref_model, x)[0]
         is_w = None
         if cfg.importance_sampling_correction:  # truncated importance sampling: trainer / sampler, capped
             is_w = torch.exp(old - gen).clamp(max=cfg.importance_sampling_cap)

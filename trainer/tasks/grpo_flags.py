@@ -80,6 +80,12 @@ class GRPOFlags:
     generation_kv_cache: bool = _f(True, "grpo: rollouts decode with the KV cache (fast); false = each new token from "
                                    "a whole-row forward of the training shape: the recorded log-probabilities then "
                                    "equal the trainer's bit for bit in fp32 on the CPU (docs/grpo.md)")
+    chunked_logprobs: bool = _f(False, "grpo: the trainer's per-token log-probabilities and entropies (policy, "
+                                "reference, old policy) computed --loss_chunk_size tokens at a time from the LM head, "
+                                "never the whole [rows x tokens x vocabulary] logits; under tensor parallelism on "
+                                "each rank's vocabulary shard, never gathered (model/token_logprobs.py). Equal to "
+                                "the whole-logits values within fp32 rounding, so not bit-equal to the sampler's "
+                                "with --generation_kv_cache=false")
     log_completions: bool = _f(True, "grpo: write prompts, completions and rewards to <out_dir>/samples.jsonl every "
                                "--log_interval steps (rank 0's first --num_completions_to_print)")
     num_completions_to_print: int = _f(4, "grpo: completions written per logged step")

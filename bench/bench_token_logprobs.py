@@ -1,0 +1,103 @@
+"""Benchmark: GRPO's per-token log-probabilities (and entropies) from the whole logits vs chunk by chunk.
+
+    .venv/bin/python bench/bench_token_logprobs.py                       # rows 8 x 256 tokens, vocab 32000, dim 512
+    .venv/bin/python bench/bench_token_logprobs.py --rows 16 --seq 512 --device cuda
+
+What `--chunked_logprobs=false` (trainer/tasks/grpo_rollout.py token_logps on the model's logits) and `=true`
+(model/token_logprobs.py, `--loss_chunk_size` tokens at a time) cost for one forward + backward of the LM head and the
+log-probabilities of the targets, plus the entropies (what the training micro-batch computes). Each path runs in a
+fresh process of its own, so its peak memory is its own: on the CPU the rise of the peak resident set over the set-up
+(ru_maxrss), on CUDA torch.cuda.max_memory_allocated over the set-up. Prints both paths' peak memory and seconds per
+call (median of --iters), and the ratios. Nothing is asserted.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _one(path: str, a: argparse.Namespace) -> dict:
+    sys.path.insert(0, ROOT)
+    import torch
+
+    from model.token_logprobs import token_logprobs
+    from trainer.tasks.grpo_rollout import token_logps
+    dev = torch.device(a.device)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    h = (torch.randn(a.rows, a.seq, a.dim, generator=g) * 0.5).to(dev).requires_grad_()
+    w = (torch.randn(a.vocab, a.dim, generator=g) * a.dim ** -0.5).to(dev).requires_grad_()
+    x = torch.randint(0, a.vocab, (a.rows, a.seq), generator=g).to(dev)
+
+    def run() -> float:
+        if path == "whole":
+            logp, ent = token_logps(torch.nn.functional.linear(h, w), x, a.temperature, with_entropy=True)
+        else:
+            nxt = torch.cat([x[:, 1:], x[:, :1]], dim=1)
+            logp, ent = token_logprobs(h, w, nxt, a.temperature, a.chunk)
+            logp, ent = logp[:, :-1], ent[:, :-1]
+        logp.sum().backward()
+        h.grad = w.grad = None
+        return float(ent.sum())
+
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    times = []
+    for _ in range(a.iters):
+        t0 = time.perf_counter()
+        run()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    if dev.type == "cuda":
+        peak = torch.cuda.max_memory_allocated() - base
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+    return {"path": path, "peak_bytes": peak, "seconds": statistics.median(times)}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, default=8, help="completions in the micro-batch (prompts x G)")
+    p.add_argument("--seq", type=int, default=256, help="tokens per row (prompt + completion)")
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--dim", type=int, default=512)
+    p.add_argument("--chunk", type=int, default=512, help="--loss_chunk_size")
+    p.add_argument("--temperature", type=float, default=0.9)
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--one", choices=("whole", "chunked"), help=argparse.SUPPRESS)  # the child process
+    a = p.parse_args(argv)
+    if a.one:
+        print("RESULT " + json.dumps(_one(a.one, a)), flush=True)
+        return
+    rows = {}
+    for path in ("whole", "chunked"):
+        r = subprocess.run([sys.executable, os.path.abspath(__file__), *(argv if argv is not None else sys.argv[1:]),
+                            "--one", path], capture_output=True, text=True, check=True)
+        rows[path] = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
+    logits_mib = a.rows * a.seq * a.vocab * 4 / 2 ** 20
+    print(f"rows {a.rows} x {a.seq} tokens, vocab {a.vocab}, dim {a.dim}, chunk {a.chunk}, {a.device} "
+          f"(one fp32 copy of the logits: {logits_mib:,.0f} MiB)")
+    print("| path | peak memory over set-up (MiB) | seconds per forward + backward |")
+    print("| --- | --- | --- |")
+    for path, r in rows.items():
+        print(f"| {path} | {r['peak_bytes'] / 2 ** 20:,.0f} | {r['seconds']:.3f} |")
+    w, c = rows["whole"], rows["chunked"]
+    print(f"chunked / whole: memory {c['peak_bytes'] / max(1, w['peak_bytes']):.3f}x, "
+          f"time {c['seconds'] / w['seconds']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""Per-token log-probabilities and entropies of the LM head's distribution, chunk by chunk: never the [tokens x
+vocabulary] logits at once, and under tensor parallelism never gathered (RL losses: GRPO's policy, reference and
+old-policy log-probabilities).
+
+Owns: `token_logprobs(hidden, weight, targets, temperature, chunk_size)`, called by model/llama.py's forward
+(`logprobs_of=`), which returns (log p(target), entropy) per token of logits / temperature.
+
+Each chunk of `chunk_size` tokens: this rank's logits [c, V] (or [c, V/tp] when the weight is a DTensor sharded on
+the vocabulary, parallel/transforms/tensor_parallel.py) in fp32, divided by the temperature; the softmax's max
+(all-reduced MAX over the tensor group), then in one all-reduce (SUM) the sum of exp(z - max), the target's z (0 on
+the shards that do not hold it) and the sum of exp(z - max) * (z - max): log p = z_target - lse, entropy = log S -
+that sum / S (S the sum of exp(z - max); both terms >= 0, so nothing large cancels). Only
+the per-token lse is kept for the backward, which recomputes each chunk's logits: d z = g (one-hot - softmax) /
+temperature; this shard's weight gradient and d hidden (all-reduced over the group: the hidden state is replicated).
+The entropy is a statistic: no gradient flows through it.
+
+Under torch.compile (a whole-model graph) the reference from whole logits is traced instead: Inductor fuses it, and
+the Function's Python loop and collectives would not trace. Tensor parallelism compiles the blocks only (the head
+runs eagerly, chunked).
+
+Must never: materialise the full logits (eagerly), or give ranks of one tensor group different values.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+def _logits(h: torch.Tensor, w: torch.Tensor, temperature: float) -> torch.Tensor:
+    z = torch.mm(h, w.t()).to(torch.promote_types(h.dtype, torch.float32))
+    return z if temperature == 1.0 else z / temperature  # x / 1.0 is x: skipping it changes no bit
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
+                chunk_size: int, vocab_start: int, group: Optional[dist.ProcessGroup]):
+        h = hidden.reshape(-1, hidden.shape[-1])
+        y = targets.reshape(-1)
+        n, v_local = h.shape[0], weight.shape[0]
+        acc = torch.promote_types(h.dtype, torch.float32)
+        lse, logp, entropy = (torch.empty(n, dtype=acc, device=h.device) for _ in range(3))
+        w = weight.to(h.dtype)
+        for s in range(0, n, chunk_size):
+            z = _logits(h[s:s + chunk_size], w, temperature)
+            m = z.amax(dim=1)
+            if group is not None:
+                dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+            local_y = y[s:s + chunk_size] - vocab_start
+            inside = (local_y >= 0) & (local_y < v_local)
+            d = z - m[:, None]
+            e = torch.exp(d)
+            sums = torch.stack([e.sum(dim=1), z.gather(1, local_y.clamp(0, v_local - 1)[:, None])[:, 0] * inside,
+                                (e * d).sum(dim=1)])
+            if group is not None:
+                dist.all_reduce(sums, group=group)  # over the whole vocabulary
+            log_s = sums[0].log()
+            lse[s:s + chunk_size] = m + log_s
+            logp[s:s + chunk_size] = sums[1] - lse[s:s + chunk_size]
+            # -sum p log p = log S - sum e (z - max) / S: two terms >= 0, no cancellation between large numbers
+            entropy[s:s + chunk_size] = log_s - sums[2] / sums[0]
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.temperature, ctx.chunk_size, ctx.vocab_start, ctx.group = temperature, chunk_size, vocab_start, group
+        logp, entropy = logp.reshape(targets.shape), entropy.reshape(targets.shape)
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor, _g_entropy: Optional[torch.Tensor]):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        h = hidden.reshape(-1, hidden.shape[-1])
+        y = targets.reshape(-1)
+        v_local = weight.shape[0]
+        acc = lse.dtype
+        g = g.reshape(-1).to(acc) / ctx.temperature  # d z / d logits = 1 / temperature
+        w = weight.to(h.dtype)
+        d_h = torch.empty_like(h)
+        d_w = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+        c = ctx.chunk_size
+        for s in range(0, h.shape[0], c):
+            h_c = h[s:s + c]
+            grad_z = -torch.exp(_logits(h_c, w, ctx.temperature) - lse[s:s + c, None])  # - softmax, this shard
+            local_y = y[s:s + c] - ctx.vocab_start
+            inside = (local_y >= 0) & (local_y < v_local)
+            rows = torch.arange(h_c.shape[0], device=h.device)
+            grad_z[rows, local_y.clamp(0, v_local - 1)] += inside.to(acc)  # + one-hot where this shard holds it
+            grad_z *= g[s:s + c, None]
+            d_h[s:s + c] = (grad_z.to(h.dtype) @ w).to(d_h.dtype)
+            d_w += grad_z.t() @ h_c.to(acc)
+        if ctx.group is not None:
+            dist.all_reduce(d_h, group=ctx.group)  # the replicated hidden state's gradient: the sum over shards
+        return d_h.view_as(hidden), d_w.to(weight.dtype), None, None, None, None, None
+
+
+def token_logprobs(hidden: torch.Tensor, weight, targets: torch.Tensor, temperature: float = 1.0,
+                   chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log p(targets), entropy), each shaped like `targets`, of softmax(hidden @ weight.T / temperature): hidden
+    [..., D], targets [...] token ids (every one a valid id). `weight` may be a DTensor sharded on the vocabulary
+    (tensor parallelism; hidden replicated over its group): then no rank holds more than its shard's logits."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if torch.compiler.is_compiling():  # traced (--compile of the whole model): the whole logits, which Inductor
+        return token_logprobs_ref(torch.nn.functional.linear(hidden, weight), targets, temperature)  # fuses
+    from torch.distributed.tensor import DTensor
+    if isinstance(weight, DTensor):
+        from model.vocab_parallel_loss import shard_bounds
+        local, start, group = shard_bounds(weight)
+    else:
+        local, start, group = weight, 0, None
+    return _TokenLogprobs.apply(hidden, local, targets, float(temperature), max(1, int(chunk_size)), start, group)
+
+
+def token_logprobs_ref(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same from whole logits [..., V] (the reference the chunked function is tested against)."""
+    z = logits.float()
+    if temperature != 1.0:
+        z = z / temperature
+    logp_all = torch.log_softmax(z, dim=-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp_all.gather(-1, targets[..., None])[..., 0], entropy.detach()
