@@ -29,8 +29,8 @@ import torch.distributed as dist
 
 
 def _logits(h: torch.Tensor, w: torch.Tensor, temperature: float) -> torch.Tensor:
-    z = torch.mm(h, w.t()).to(torch.promote_types(h.dtype, torch.float32))
-    return z if temperature == 1.0 else z / temperature  # x / 1.0 is x: skipping it changes no bit
+    z = torch.mm(h, w.t()).to(torch.promote_types(h.dtype, torch.float32))  # a new tensor: changed in place below
+    return z if temperature == 1.0 else z.div_(temperature)  # x / 1.0 is x: skipping it changes no bit
 
 
 class _TokenLogprobs(torch.autograd.Function):
@@ -50,10 +50,10 @@ class _TokenLogprobs(torch.autograd.Function):
                 dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
             local_y = y[s:s + chunk_size] - vocab_start
             inside = (local_y >= 0) & (local_y < v_local)
-            d = z - m[:, None]
+            target = z.gather(1, local_y.clamp(0, v_local - 1)[:, None])[:, 0] * inside
+            d = z.sub_(m[:, None])  # (in place: one [chunk x vocabulary] buffer less)
             e = torch.exp(d)
-            sums = torch.stack([e.sum(dim=1), z.gather(1, local_y.clamp(0, v_local - 1)[:, None])[:, 0] * inside,
-                                (e * d).sum(dim=1)])
+            sums = torch.stack([e.sum(dim=1), target, e.mul_(d).sum(dim=1)])
             if group is not None:
                 dist.all_reduce(sums, group=group)  # over the whole vocabulary
             log_s = sums[0].log()
@@ -81,7 +81,7 @@ class _TokenLogprobs(torch.autograd.Function):
         c = ctx.chunk_size
         for s in range(0, h.shape[0], c):
             h_c = h[s:s + c]
-            grad_z = -torch.exp(_logits(h_c, w, ctx.temperature) - lse[s:s + c, None])  # - softmax, this shard
+            grad_z = _logits(h_c, w, ctx.temperature).sub_(lse[s:s + c, None]).exp_().neg_()  # - softmax (shard)
             local_y = y[s:s + c] - ctx.vocab_start
             inside = (local_y >= 0) & (local_y < v_local)
             rows = torch.arange(h_c.shape[0], device=h.device)
