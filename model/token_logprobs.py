@@ -27,6 +27,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from model.loss_precision import compute_dtype
+
 
 def _logits(h: torch.Tensor, w: torch.Tensor, temperature: float) -> torch.Tensor:
     z = torch.mm(h, w.t()).to(torch.promote_types(h.dtype, torch.float32))  # a new tensor: changed in place below
@@ -36,15 +38,15 @@ def _logits(h: torch.Tensor, w: torch.Tensor, temperature: float) -> torch.Tenso
 class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
-                chunk_size: int, vocab_start: int, group: Optional[dist.ProcessGroup]):
+                chunk_size: int, vocab_start: int, group: Optional[dist.ProcessGroup], cdtype: torch.dtype):
         h = hidden.reshape(-1, hidden.shape[-1])
         y = targets.reshape(-1)
         n, v_local = h.shape[0], weight.shape[0]
-        acc = torch.promote_types(h.dtype, torch.float32)
+        acc = torch.promote_types(cdtype, torch.float32)
         lse, logp, entropy = (torch.empty(n, dtype=acc, device=h.device) for _ in range(3))
-        w = weight.to(h.dtype)
+        w = weight.to(cdtype)
         for s in range(0, n, chunk_size):
-            z = _logits(h[s:s + chunk_size], w, temperature)
+            z = _logits(h[s:s + chunk_size].to(cdtype), w, temperature)
             m = z.amax(dim=1)
             if group is not None:
                 dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
@@ -63,6 +65,7 @@ class _TokenLogprobs(torch.autograd.Function):
             entropy[s:s + chunk_size] = log_s - sums[2] / sums[0]
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.temperature, ctx.chunk_size, ctx.vocab_start, ctx.group = temperature, chunk_size, vocab_start, group
+        ctx.cdtype = cdtype
         logp, entropy = logp.reshape(targets.shape), entropy.reshape(targets.shape)
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
@@ -75,23 +78,23 @@ class _TokenLogprobs(torch.autograd.Function):
         v_local = weight.shape[0]
         acc = lse.dtype
         g = g.reshape(-1).to(acc) / ctx.temperature  # d z / d logits = 1 / temperature
-        w = weight.to(h.dtype)
+        w = weight.to(ctx.cdtype)  # the forward's matmul dtype (autocast's), also where autocast is off
         d_h = torch.empty_like(h)
         d_w = torch.zeros(weight.shape, dtype=acc, device=weight.device)
         c = ctx.chunk_size
         for s in range(0, h.shape[0], c):
-            h_c = h[s:s + c]
+            h_c = h[s:s + c].to(ctx.cdtype)
             grad_z = _logits(h_c, w, ctx.temperature).sub_(lse[s:s + c, None]).exp_().neg_()  # - softmax (shard)
             local_y = y[s:s + c] - ctx.vocab_start
             inside = (local_y >= 0) & (local_y < v_local)
             rows = torch.arange(h_c.shape[0], device=h.device)
             grad_z[rows, local_y.clamp(0, v_local - 1)] += inside.to(acc)  # + one-hot where this shard holds it
             grad_z *= g[s:s + c, None]
-            d_h[s:s + c] = (grad_z.to(h.dtype) @ w).to(d_h.dtype)
+            d_h[s:s + c] = (grad_z.to(ctx.cdtype) @ w).to(d_h.dtype)
             d_w += grad_z.t() @ h_c.to(acc)
         if ctx.group is not None:
             dist.all_reduce(d_h, group=ctx.group)  # the replicated hidden state's gradient: the sum over shards
-        return d_h.view_as(hidden), d_w.to(weight.dtype), None, None, None, None, None
+        return d_h.view_as(hidden), d_w.to(weight.dtype), None, None, None, None, None, None
 
 
 def token_logprobs(hidden: torch.Tensor, weight, targets: torch.Tensor, temperature: float = 1.0,
@@ -109,13 +112,16 @@ def token_logprobs(hidden: torch.Tensor, weight, targets: torch.Tensor, temperat
         local, start, group = shard_bounds(weight)
     else:
         local, start, group = weight, 0, None
-    return _TokenLogprobs.apply(hidden, local, targets, float(temperature), max(1, int(chunk_size)), start, group)
+    # the matmuls' dtype: autocast's where it is on (bf16 logits, as the whole-logits path's), in the forward and in
+    # the backward's recompute alike (autocast is off there)
+    return _TokenLogprobs.apply(hidden, local, targets, float(temperature), max(1, int(chunk_size)), start, group,
+                                compute_dtype(hidden))
 
 
 def token_logprobs_ref(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """The same from whole logits [..., V] (the reference the chunked function is tested against)."""
-    z = logits.float()
+    z = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if temperature != 1.0:
         z = z / temperature
     logp_all = torch.log_softmax(z, dim=-1)

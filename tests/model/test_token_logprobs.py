@@ -88,3 +88,26 @@ def test_model_forward_logprobs_of_equals_the_whole_logits_path():
     _within(c_ent, w_ent, t_ent, "entropy")
     for n in t_grads:
         _within(c_grads[n], w_grads[n], t_grads[n], n)
+
+
+def test_under_autocast_values_and_gradients_are_within_the_whole_logits_bf16_error():
+    """Under CPU autocast (bf16) the chunked values and gradients are within 4x the whole-logits path's bf16 error
+    against float64, fp32 values and gradients in the parameters' dtypes."""
+    torch.manual_seed(0)
+    h, w = torch.randn(2, 9, 32), torch.randn(70, 32) * 0.3
+    y = torch.randint(0, 70, (2, 9))
+    g = torch.randn(2, 9)
+
+    def in_bf16(fn):
+        def run(h_, w_, y_):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return fn(h_, w_, y_)
+        return run
+
+    got = _values_and_grads(in_bf16(lambda *a: token_logprobs(*a, temperature=0.9, chunk_size=4)), h, w, y, g)
+    ref = _values_and_grads(in_bf16(lambda h_, w_, y_: token_logprobs_ref(h_ @ w_.t(), y_, 0.9)), h, w, y, g)
+    truth = _values_and_grads(lambda h_, w_, y_: token_logprobs_ref(h_ @ w_.t(), y_, 0.9), h.double(), w.double(),
+                              y, g.double())
+    assert got[0].dtype == torch.float32 and got[2].dtype == h.dtype and got[3].dtype == w.dtype
+    for name, a, b, t in zip(("logp", "entropy", "d hidden", "d weight"), got, ref, truth):
+        _within(a, b, t, name)
