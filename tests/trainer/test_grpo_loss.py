@@ -143,3 +143,111 @@ def test_the_tasks_batch_scale_spans_every_micro_batch_of_the_step():
     want = group_advantages(r, G, "batch", statistics.stdev(REWARDS)).float()
     assert torch.equal(torch.cat([b["advantages"] for b in split]), whole[0]["advantages"])
     assert whole[0]["advantages"].tolist() == pytest.approx(want.tolist(), rel=1e-6)
+
+
+# --- CISPO, two-sided clipping (delta), sequence-level ratios (GSPO) ----------------------------------------------
+
+def _advantages() -> list[float]:
+    groups = [REWARDS[g * G:(g + 1) * G] for g in range(len(REWARDS) // G)]
+    adv = []
+    for r in groups:
+        mean = sum(r) / G
+        std = math.sqrt(sum((x - mean) ** 2 for x in r) / (G - 1))
+        adv += [(x - mean) / (std + 1e-4) for x in r]
+    return adv
+
+
+def variant_loss(logp: list, loss_type: str, eps: float, eps_high: float, delta: float = 0.0, level: str = "token",
+                 beta: float = 0.0) -> float:
+    """The variants' objectives written out per completion and token (python floats), token-level average (dapo's
+    and cispo's) unless loss_type is grpo. `logp` [row][t]: pi_theta's log-probabilities."""
+    adv, tokens = _advantages(), sum(LENGTHS)
+    per_completion = []
+    for i, n in enumerate(LENGTHS):
+        seq = math.exp(sum(logp[i][t] - OLD[i][t] for t in range(n)) / n)  # GSPO's s_i
+        s = 0.0
+        for t in range(n):
+            r = seq if level == "sequence" else math.exp(logp[i][t] - OLD[i][t])
+            if loss_type == "cispo":
+                term = -min(r, 1 + eps_high) * adv[i] * logp[i][t]  # the value; its gradient is the weight's alone
+            else:
+                unclipped = (min(r, delta) if delta > 0 else r) * adv[i]
+                term = -min(unclipped, min(max(r, 1 - eps), 1 + eps_high) * adv[i])
+            ref = OLD[i][t] + DELTAS[i][t] + REF_SHIFT[i][t]  # the frozen reference's: fixed when logp moves
+            s += term + beta * (math.exp(ref - logp[i][t]) - (ref - logp[i][t]) - 1)
+        per_completion.append(s)
+    if loss_type == "grpo":
+        return sum(s / n for s, n in zip(per_completion, LENGTHS)) / len(LENGTHS)
+    return sum(per_completion) / tokens
+
+
+def ours_variant(logps: torch.Tensor, loss_type: str, eps: float, eps_high: float, delta: float = 0.0,
+                 level: str = "token", beta: float = 0.0) -> torch.Tensor:
+    old = torch.tensor(OLD, dtype=torch.float64)
+    mask = torch.tensor([[1.0] * n + [0.0] * (L_MAX - n) for n in LENGTHS], dtype=torch.float64)
+    adv = group_advantages(torch.tensor(REWARDS, dtype=torch.float64), G, "group").double()
+    terms = per_token_terms(logps, old, adv, epsilon=eps, epsilon_high=eps_high, beta=beta,
+                            ref_logps=(logps + torch.tensor(REF_SHIFT, dtype=torch.float64)).detach() if beta else None,
+                            loss_type=loss_type, delta=delta, level=level, mask=mask)
+    return aggregate(terms["loss"], mask, loss_type, L_MAX) / units_of(loss_type, len(LENGTHS), sum(LENGTHS))
+
+
+VARIANTS = [("cispo", 0.2, 0.28, 0.0, "token", 0.0), ("cispo", 0.2, 0.1, 0.0, "sequence", 0.04),
+            ("dapo", 0.2, 0.28, 1.3, "token", 0.0), ("grpo", 0.2, 0.28, 1.3, "token", 0.05),
+            ("dapo", 0.05, 0.06, 0.0, "sequence", 0.0), ("grpo", 0.1, 0.2, 1.25, "sequence", 0.0)]
+
+
+def _logps() -> torch.Tensor:
+    return (torch.tensor(OLD, dtype=torch.float64) + torch.tensor(DELTAS, dtype=torch.float64)).requires_grad_()
+
+
+@pytest.mark.parametrize("loss_type,eps,eps_high,delta,level,beta", VARIANTS)
+def test_variants_equal_their_formulas_value_and_gradient(loss_type, eps, eps_high, delta, level, beta):
+    """The loss equals its formula; its gradient equals the formula's (central differences of the written-out
+    loss; CISPO: the detached capped weight times -A over the step's tokens, the KL's derivative beside it)."""
+    logps = _logps()
+    loss = ours_variant(logps, loss_type, eps, eps_high, delta, level, beta)
+    base = logps.detach().tolist()
+    assert float(loss.detach()) == pytest.approx(variant_loss(base, loss_type, eps, eps_high, delta, level, beta),
+                                        rel=1e-12, abs=1e-12)
+    loss.backward()
+    adv, tokens, h = _advantages(), sum(LENGTHS), 1e-6
+    for i, n in enumerate(LENGTHS):
+        for t in range(L_MAX):
+            if t >= n:
+                assert logps.grad[i, t] == 0  # padding
+                continue
+            if loss_type == "cispo":
+                r = math.exp(base[i][t] - OLD[i][t]) if level == "token" else \
+                    math.exp(sum(base[i][k] - OLD[i][k] for k in range(n)) / n)
+                # + the KL's: e^d - d - 1 with d = ref - logp, d/dlogp = 1 - e^d (d = REF_SHIFT here)
+                want = (-min(r, 1 + eps_high) * adv[i] + beta * (1 - math.exp(REF_SHIFT[i][t]))) / tokens
+            else:
+                up, down = [row[:] for row in base], [row[:] for row in base]
+                up[i][t] += h
+                down[i][t] -= h
+                want = (variant_loss(up, loss_type, eps, eps_high, delta, level, beta)
+                        - variant_loss(down, loss_type, eps, eps_high, delta, level, beta)) / (2 * h)
+            assert float(logps.grad[i, t]) == pytest.approx(want, rel=1e-6, abs=1e-9), (i, t)
+
+
+@pytest.mark.parametrize("variant,mutated", [(VARIANTS[2], ("dapo", 0.2, 0.28, 0.0, "token", 0.0)),
+                                             (VARIANTS[4], ("dapo", 0.05, 0.06, 0.0, "token", 0.0)),
+                                             (VARIANTS[0], ("cispo", 0.2, 0.5, 0.0, "token", 0.0))])
+def test_each_option_changes_the_loss(variant, mutated):
+    """delta, the sequence level and CISPO's cap each move the loss on these tensors (the tests above can fail)."""
+    a, b = (float(ours_variant(_logps(), *v).detach()) for v in (variant, mutated))
+    assert abs(a - b) > 1e-3
+
+
+def test_sequence_level_clip_counts_whole_completions_and_options_are_checked():
+    logps = torch.log(torch.tensor([[0.5, 0.9, 0.1], [0.5, 0.5, 0.5]]))
+    old = torch.log(torch.tensor([[0.5, 0.5, 0.5], [0.5, 0.5, 0.5]]))
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])  # row 0's mean log-ratio: log(1.8) / 2
+    t = per_token_terms(logps, old, torch.tensor([1.0, 1.0]), epsilon=0.2, level="sequence", mask=mask)
+    assert t["ratio"][0].tolist() == pytest.approx([1.8 ** 0.5] * 3) and t["ratio"][1].tolist() == [1.0] * 3
+    assert t["clipped"].tolist() == [[1.0] * 3, [0.0] * 3]  # 1.34 > 1.2 with A > 0: the whole completion
+    with pytest.raises(ValueError, match="completion mask"):
+        per_token_terms(logps, old, torch.tensor([1.0, 1.0]), epsilon=0.2, level="sequence")
+    with pytest.raises(ValueError, match="token | sequence"):
+        per_token_terms(logps, old, torch.tensor([1.0, 1.0]), epsilon=0.2, level="turn")

@@ -5,6 +5,7 @@ completions and ends with the same weights, bit for bit; a reward that raises st
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -237,6 +238,23 @@ def test_context_and_tensor_parallel_two_ranks_equal_one_process(pretrained, one
     assert wa.keys() == wb.keys()
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", [["--loss_type=cispo", "--importance_sampling_level=sequence"],
+                                     ["--delta=1.3", "--importance_sampling_level=sequence"]], ids=["cispo", "delta"])
+def test_loss_variants_reach_the_step(pretrained, one_process_cp_tp, tmp_path, variant):
+    """--loss_type=cispo, --delta and --importance_sampling_level=sequence (their math: test_grpo_loss.py) run
+    through the trainer: the completions of the default objective's run, another loss where the objective differs
+    (CISPO's -A log p from the first step; the sequence-level clip once the reused rollout's ratios move, step 2)."""
+    out = tmp_path / "run"
+    run_cmd(train_cmd(_args(pretrained, tmp_path, *_CP_TP_RUN, f"--eval_data_dir={tmp_path / 'prompts.jsonl'}",
+                            f"--out_dir={out}", *variant)), env=child_env())
+    (a, _), b = one_process_cp_tp, _rows(out)
+    for s in (1, 2):
+        assert a[s]["reward"] == b[s]["reward"] and math.isfinite(b[s]["loss"]), (s, b[s])
+    assert abs(b[2]["loss"] - a[2]["loss"]) > 1e-6 * max(1.0, abs(a[2]["loss"])), (a[2]["loss"], b[2]["loss"])
+    if "--loss_type=cispo" in variant:
+        assert abs(b[1]["loss"] - a[1]["loss"]) > 1e-6 * max(1.0, abs(a[1]["loss"])), (a[1]["loss"], b[1]["loss"])
 
 
 def test_rows_longer_than_the_model_are_refused(pretrained, tmp_path):

@@ -44,7 +44,7 @@ class GRPOTask(Task):
         super().__init__(cfg)
         from trainer.tasks.grpo_flags import reward_specs
         self.reward_names = [n if ":" not in n else n.replace(":", ".") for n, _ in reward_specs(cfg)]
-        self.units = "completion tokens" if cfg.loss_type == "dapo" else "completions"
+        self.units = "completion tokens" if cfg.loss_type in ("dapo", "cispo") else "completions"
         self.stat_keys = _STEP_KEYS + tuple(f"{k}_{n}" for n in self.reward_names for k in ("reward", "reward_sq"))
         self.needs_reference = cfg.beta > 0
         self.row_len = cfg.max_prompt_length + cfg.max_completion_length
@@ -227,7 +227,8 @@ class GRPOTask(Task):
         if cfg.importance_sampling_correction:  # truncated importance sampling: trainer / sampler, capped
             is_w = torch.exp(old - gen).clamp(max=cfg.importance_sampling_cap)
         terms = per_token_terms(logps, old, adv, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high or cfg.epsilon,
-                                beta=cfg.beta, ref_logps=ref, is_weights=is_w)
+                                beta=cfg.beta, ref_logps=ref, is_weights=is_w, loss_type=cfg.loss_type,
+                                delta=cfg.delta, level=cfg.importance_sampling_level, mask=mask)
         loss = aggregate(terms["loss"], mask, cfg.loss_type, cfg.max_completion_length)
         on = mask > 0
         diff = torch.where(on, (old - gen).abs(), torch.zeros_like(gen))  # trainer vs sampler, same policy

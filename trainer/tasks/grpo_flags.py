@@ -14,7 +14,8 @@ from typing import Any
 from utils.configurator import flag as _f
 
 BUILTIN_REWARDS = ("exact_match", "numeric_match", "format")
-LOSS_TYPES = ("grpo", "dr_grpo", "dapo")  # trainer/tasks/grpo_loss.py (kept here torch-free)
+LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "cispo")  # trainer/tasks/grpo_loss.py (kept here torch-free)
+IS_LEVELS = ("token", "sequence")
 SCALE_REWARDS = ("group", "batch", "none")
 
 
@@ -43,7 +44,16 @@ class GRPOFlags:
     loss_type: str = _f("dapo", "grpo: how token losses are averaged: grpo = per completion, then over completions "
                         "(DeepSeekMath, Shao et al. 2024; length-biased) | dr_grpo = summed per completion over "
                         "max_completion_length (Dr. GRPO, Liu et al. 2025) | dapo = over every completion token of "
-                        "the step, all ranks (DAPO, Yu et al. 2025; the default of recent TRL releases)")
+                        "the step, all ranks (DAPO, Yu et al. 2025; the default of recent TRL releases) | cispo = "
+                        "dapo's average of CISPO's term: the importance weight capped at 1 + epsilon_high and "
+                        "detached, times the log-probability (MiniMax-M1, Chen et al. 2025; no token's gradient "
+                        "is dropped)")
+    delta: float = _f(0.0, "grpo: two-sided clipping: the unclipped term's ratio is capped at delta too (INTELLECT-2; "
+                      "TRL's delta), > 1 + epsilon_high; 0 = off")
+    importance_sampling_level: str = _f("token", "grpo: token = one probability ratio per token | sequence = one per "
+                                        "completion, exp of the mean of its tokens' log-ratios, clipped as a whole "
+                                        "(GSPO, Zheng et al. 2025; use its small epsilons, e.g. --epsilon=3e-4 "
+                                        "--epsilon_high=4e-4)")
     scale_rewards: str = _f("group", "grpo: the advantage is the reward minus its group's mean, divided by: group = "
                             "the group's reward std (GRPO, DeepSeekMath; TRL's default) | batch = the std of every "
                             "reward of the step, all micro-batches and ranks (TRL's batch; Liu et al. 2025, 'Tricks "
@@ -135,6 +145,13 @@ def grpo_problems(cfg: Any, resume_policy: str) -> list[str]:
         out.append(f"--checkpoint_interval={cfg.checkpoint_interval} must be a multiple of --num_iterations="
                    f"{cfg.num_iterations}: a checkpoint inside a cycle would resume without its rollouts")
     need(cfg.loss_type in LOSS_TYPES, "loss_type", " | ".join(LOSS_TYPES))
+    need(cfg.importance_sampling_level in IS_LEVELS, "importance_sampling_level", " | ".join(IS_LEVELS))
+    high = 1 + (cfg.epsilon_high or cfg.epsilon)
+    need(math.isfinite(cfg.delta) and (cfg.delta == 0 or cfg.delta > high), "delta",
+         f"must be 0 (off) or > 1 + epsilon_high = {high:g}")
+    if cfg.delta and cfg.loss_type == "cispo":
+        out.append("--delta: two-sided clipping is the clipped objective's; --loss_type=cispo caps its weight at "
+                   "1 + epsilon_high already")
     need(cfg.scale_rewards in SCALE_REWARDS, "scale_rewards", " | ".join(SCALE_REWARDS))
     need(math.isfinite(cfg.numeric_tolerance) and cfg.numeric_tolerance >= 0, "numeric_tolerance", "must be >= 0")
     need(math.isfinite(cfg.importance_sampling_cap) and cfg.importance_sampling_cap > 0, "importance_sampling_cap",

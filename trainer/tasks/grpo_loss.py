@@ -15,6 +15,14 @@ Averaged by --loss_type:
                                                           --max_completion_length, a constant)
     dapo:    (1/sum_i |o_i|) sum_i sum_t l_t              (DAPO, Yu et al. 2025: token-level, every token weighs
                                                           the same; TRL's "bnpo" is this over a local batch)
+    cispo:   dapo's average of CISPO's token term (MiniMax-M1, Chen et al. 2025): the importance weight capped and
+             detached multiplies the log-probability, l_t = -sg(min(ratio_t, 1 + epsilon_high)) A_i log pi_theta(o_t)
+             + beta KL_t: no token's gradient is dropped, the large weights are bounded instead
+Two options of the clipped objective (TRL's names):
+    delta > 0 (two-sided clipping, INTELLECT-2): the unclipped term's ratio is capped at delta too, bounding the
+              loss of a negative-advantage token whose ratio ran away (delta > 1 + epsilon_high)
+    importance_sampling_level = "sequence" (GSPO, Zheng et al. 2025): ratio_t is one number per completion, the
+              exponential of the mean of its tokens' log-ratios, clipped as a whole (GSPO's epsilons are ~3e-4)
 """
 from __future__ import annotations
 
@@ -23,7 +31,8 @@ from typing import Optional
 
 import torch
 
-LOSS_TYPES = ("grpo", "dr_grpo", "dapo")
+LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "cispo")
+IS_LEVELS = ("token", "sequence")
 SCALE_REWARDS = ("group", "batch", "none")
 ADV_EPS = 1e-4  # TRL's: a group whose rewards all agree has std 0 and advantage 0, never a division by zero
 
@@ -60,17 +69,37 @@ def batch_std(count: float, sum_sq_dev: float) -> float:
 def per_token_terms(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor, *, epsilon: float,
                     epsilon_high: Optional[float] = None, beta: float = 0.0,
                     ref_logps: Optional[torch.Tensor] = None,
-                    is_weights: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
+                    is_weights: Optional[torch.Tensor] = None, loss_type: str = "dapo", delta: float = 0.0,
+                    level: str = "token", mask: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
     """Per-token terms, all [B, T] (padding included; `aggregate` masks it):
     loss (the l_t above, times `is_weights` when given: the truncated importance-sampling correction),
     kl (0 without a reference), clipped (1.0 where the clip took effect: ratio below 1 - epsilon with A < 0,
-    or above 1 + epsilon_high with A > 0), ratio."""
+    above 1 + epsilon_high with A > 0, above delta with A < 0; cispo: above its cap), ratio.
+    level "sequence" needs `mask` (1 on completion tokens: whose log-ratios are averaged)."""
+    if level not in IS_LEVELS:
+        raise ValueError(f"importance_sampling_level={level!r}: expected {' | '.join(IS_LEVELS)}")
     eps_high = epsilon if epsilon_high is None else epsilon_high
-    ratio = torch.exp(logps - old_logps)
+    log_ratio = logps - old_logps
+    if level == "sequence":
+        if mask is None:
+            raise ValueError("importance_sampling_level='sequence' needs the completion mask")
+        on = mask > 0
+        log_ratio = torch.where(on, log_ratio, torch.zeros_like(log_ratio)).sum(-1, keepdim=True) / \
+            on.sum(-1, keepdim=True).clamp(min=1).to(log_ratio.dtype)
+    ratio = torch.exp(log_ratio)  # [B, T], or [B, 1] per completion (sequence)
     adv = advantages[:, None].to(logps.dtype)
-    unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1.0 - epsilon, 1.0 + eps_high) * adv
-    loss = -torch.min(unclipped, clipped)
+    if loss_type == "cispo":
+        cap = 1.0 + eps_high
+        loss = -torch.clamp(ratio, max=cap).detach() * adv * logps
+        was_clipped = (ratio > cap).expand_as(logps)
+    else:
+        unclipped = (torch.clamp(ratio, max=delta) if delta > 0 else ratio) * adv
+        clipped = torch.clamp(ratio, 1.0 - epsilon, 1.0 + eps_high) * adv
+        loss = -torch.min(unclipped, clipped).expand_as(logps)
+        was_clipped = ((ratio < 1.0 - epsilon) & (adv < 0)) | ((ratio > 1.0 + eps_high) & (adv > 0))
+        if delta > 0:
+            was_clipped = was_clipped | ((ratio > delta) & (adv < 0))
+        was_clipped = was_clipped.expand_as(logps)
     if is_weights is not None:
         loss = loss * is_weights
     kl = torch.zeros_like(logps)
@@ -80,8 +109,7 @@ def per_token_terms(logps: torch.Tensor, old_logps: torch.Tensor, advantages: to
         d = ref_logps - logps
         kl = torch.exp(d) - d - 1.0
         loss = loss + beta * kl
-    was_clipped = ((ratio < 1.0 - epsilon) & (adv < 0)) | ((ratio > 1.0 + eps_high) & (adv > 0))
-    return {"loss": loss, "kl": kl, "clipped": was_clipped.to(logps.dtype), "ratio": ratio}
+    return {"loss": loss, "kl": kl, "clipped": was_clipped.to(logps.dtype), "ratio": ratio.expand_as(logps)}
 
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, max_completion_length: int) -> torch.Tensor:
@@ -94,12 +122,12 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, max_c
         return (summed / m.sum(dim=-1).clamp(min=1.0)).sum()
     if loss_type == "dr_grpo":
         return summed.sum() / float(max_completion_length)
-    if loss_type == "dapo":
+    if loss_type in ("dapo", "cispo"):
         return summed.sum()
     raise ValueError(f"loss_type={loss_type!r}: expected {' | '.join(LOSS_TYPES)}")
 
 
 def units_of(loss_type: str, completions: int, completion_tokens: int) -> int:
     """What `aggregate`'s sum is divided by over the whole step: completions (grpo, dr_grpo) or completion
-    tokens (dapo)."""
-    return int(completion_tokens) if loss_type == "dapo" else int(completions)
+    tokens (dapo, cispo)."""
+    return int(completion_tokens) if loss_type in ("dapo", "cispo") else int(completions)
