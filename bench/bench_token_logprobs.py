@@ -30,6 +30,7 @@ def _one(path: str, a: argparse.Namespace) -> dict:
 
     from model.token_logprobs import token_logprobs
     from trainer.tasks.grpo_rollout import token_logps
+    from utils.device import is_accelerator, synchronize
     dev = torch.device(a.device)
     g = torch.Generator(device="cpu").manual_seed(0)
     h = (torch.randn(a.rows, a.seq, a.dim, generator=g) * 0.5).to(dev).requires_grad_()
@@ -47,23 +48,24 @@ def _one(path: str, a: argparse.Namespace) -> dict:
         h.grad = w.grad = None
         return float(ent.sum())
 
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    else:
-        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    accel = is_accelerator(dev)
+
+    def peak_so_far() -> int:  # the allocator's peak on the accelerator, the resident set's on the CPU
+        if accel:
+            return torch.cuda.max_memory_allocated(dev)
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    synchronize(dev)
+    if accel:
+        torch.cuda.reset_peak_memory_stats(dev)
+    base = torch.cuda.memory_allocated(dev) if accel else peak_so_far()
     times = []
     for _ in range(a.iters):
         t0 = time.perf_counter()
         run()
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
+        synchronize(dev)
         times.append(time.perf_counter() - t0)
-    if dev.type == "cuda":
-        peak = torch.cuda.max_memory_allocated() - base
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+    peak = peak_so_far() - base
     return {"path": path, "peak_bytes": peak, "seconds": statistics.median(times)}
 
 

@@ -21,14 +21,19 @@ OLD = [[-1.0, -2.0, -0.5, -3.0, -1.5]] * 6
 REF_SHIFT = [[1.0, -0.8, 0.5, 0.0, 1.2]] * 6
 
 
-def paper_loss(loss_type: str, eps: float, eps_high: float, beta: float, scale: str = "group", mutate: str = "") -> float:
-    """The objective written out term by term (python floats, per completion i and token t)."""
-    groups = [REWARDS[g * G:(g + 1) * G] for g in range(len(REWARDS) // G)]
+def _advantages(by_std: bool = True) -> list[float]:
+    """Each reward minus its group's mean, divided by the group's (unbiased) std + 1e-4 when `by_std`."""
     adv = []
-    for r in groups:
+    for r in [REWARDS[g * G:(g + 1) * G] for g in range(len(REWARDS) // G)]:
         mean = sum(r) / G
         std = math.sqrt(sum((x - mean) ** 2 for x in r) / (G - 1))
-        adv += [(x - mean) / (std + 1e-4) if scale == "group" and mutate != "no_std" else x - mean for x in r]
+        adv += [(x - mean) / (std + 1e-4) if by_std else x - mean for x in r]
+    return adv
+
+
+def paper_loss(loss_type: str, eps: float, eps_high: float, beta: float, scale: str = "group", mutate: str = "") -> float:
+    """The objective written out term by term (python floats, per completion i and token t)."""
+    adv = _advantages(by_std=scale == "group" and mutate != "no_std")
     total, tokens = 0.0, sum(LENGTHS)
     per_completion = []
     for i, n in enumerate(LENGTHS):
@@ -146,16 +151,6 @@ def test_the_tasks_batch_scale_spans_every_micro_batch_of_the_step():
 
 
 # --- CISPO, two-sided clipping (delta), sequence-level ratios (GSPO) ----------------------------------------------
-
-def _advantages() -> list[float]:
-    groups = [REWARDS[g * G:(g + 1) * G] for g in range(len(REWARDS) // G)]
-    adv = []
-    for r in groups:
-        mean = sum(r) / G
-        std = math.sqrt(sum((x - mean) ** 2 for x in r) / (G - 1))
-        adv += [(x - mean) / (std + 1e-4) for x in r]
-    return adv
-
 
 def variant_loss(logp: list, loss_type: str, eps: float, eps_high: float, delta: float = 0.0, level: str = "token",
                  beta: float = 0.0) -> float:

@@ -33,6 +33,7 @@ import torch
 
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "cispo")
 IS_LEVELS = ("token", "sequence")
+TOKEN_AVERAGED = ("dapo", "cispo")  # the loss types whose units are the step's completion tokens
 SCALE_REWARDS = ("group", "batch", "none")
 ADV_EPS = 1e-4  # TRL's: a group whose rewards all agree has std 0 and advantage 0, never a division by zero
 
@@ -122,7 +123,7 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, max_c
         return (summed / m.sum(dim=-1).clamp(min=1.0)).sum()
     if loss_type == "dr_grpo":
         return summed.sum() / float(max_completion_length)
-    if loss_type in ("dapo", "cispo"):
+    if loss_type in TOKEN_AVERAGED:
         return summed.sum()
     raise ValueError(f"loss_type={loss_type!r}: expected {' | '.join(LOSS_TYPES)}")
 
@@ -130,4 +131,4 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, max_c
 def units_of(loss_type: str, completions: int, completion_tokens: int) -> int:
     """What `aggregate`'s sum is divided by over the whole step: completions (grpo, dr_grpo) or completion
     tokens (dapo, cispo)."""
-    return int(completion_tokens) if loss_type in ("dapo", "cispo") else int(completions)
+    return int(completion_tokens) if loss_type in TOKEN_AVERAGED else int(completions)
