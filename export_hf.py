@@ -103,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     family = "MixtralForCausalLM" if model.cfg.moe_num_experts else "LlamaForCausalLM"
     print(f"export_hf: {found} -> {out} ({family}{', LoRA merged' if lora and not args.adapters_out_dir else ''})")
+    _say_mtp_left_out(model.cfg)
     return 0
 
 
@@ -155,7 +156,14 @@ def _export_sharded_streaming(found: str, args) -> int | None:
                                  tokenizer_dir=tok_dir, max_shard_bytes=int(args.max_shard_gb * 2**30))
     print(f"export_hf: {found} -> {out} (LlamaForCausalLM, streamed from the sharded checkpoint: {n} safetensors "
           f"shard(s) of <= {args.max_shard_gb:g} GiB, one in memory at a time)")
+    _say_mtp_left_out(cfg)
     return 0
+
+
+def _say_mtp_left_out(cfg) -> None:
+    if cfg.mtp_num_layers:
+        print(f"export_hf: the {cfg.mtp_num_layers} multi-token prediction depth(s) (mtp.*) are not part of a "
+              "Hugging Face Llama / Mixtral checkpoint: left out (the export is the next-token model)")
 
 
 if __name__ == "__main__":

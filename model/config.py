@@ -44,6 +44,9 @@ class ModelConfig:
     moe_topk_groups: int = 1           # ... a token's experts chosen from its best this many groups (topk_group)
     moe_routed_scaling: float = 1.0    # the routed experts' weights times this (routed_scaling_factor)
 
+    # --- multi-token prediction (model/mtp.py; DeepSeek-V3's sequential MTP, num_nextn_predict_layers)
+    mtp_num_layers: int = 0            # extra blocks, depth k predicting the token k + 1 after the next (0 = off)
+
     # --- kernel switches: each has a pure-PyTorch reference path (model/kernels.py) ---
     fused_rmsnorm: bool = True         # hand-written autograd RMSNorm (saves less, recomputes)
     fused_rope: bool = True            # autograd RoPE whose backward is a rotation by -theta
@@ -88,6 +91,8 @@ class ModelConfig:
                                          routed_scaling=self.moe_routed_scaling)
             if problem:
                 raise ValueError("; ".join(problem))
+        if not 0 <= self.mtp_num_layers <= 16:
+            raise ValueError(f"mtp_num_layers must be in [0, 16], got {self.mtp_num_layers}")
         if self.loss_chunk_size < 1:
             raise ValueError("loss_chunk_size must be >= 1")
 

@@ -88,22 +88,26 @@ def table_peak_flops(device_name: str, dtype: torch.dtype) -> Optional[float]:
 
 def matmul_params(cfg: ModelConfig) -> int:
     """The parameters a token's matmuls use (the active ones of an MoE block: its router, top_k routed experts
-    and the shared experts; the other experts' weights do no work for that token)."""
+    and the shared experts; the other experts' weights do no work for that token). Multi-token prediction's
+    depths (model/mtp.py) count as blocks n_layers.. with their projection, norms and a pass of the LM head each."""
     d, hd, kv = cfg.dim, cfg.head_dim, cfg.n_kv_heads
     attn = d * (cfg.n_heads * hd) * 2 + d * (kv * hd) * 2  # q, o, k, v
     mlp = 3 * d * cfg.hidden_dim
     norms = 2 * d
-    n_moe = sum(cfg.is_moe_layer(i) for i in range(cfg.n_layers))
+    mtp = getattr(cfg, "mtp_num_layers", 0)
+    blocks = cfg.n_layers + mtp
+    n_moe = sum(cfg.is_moe_layer(i) for i in range(blocks))
     expert = 3 * d * (cfg.moe_hidden_dim or cfg.hidden_dim)
     moe = cfg.moe_num_experts * d + (cfg.moe_top_k + cfg.moe_shared_experts) * expert  # router + active experts
-    return (cfg.n_layers * (attn + norms) + (cfg.n_layers - n_moe) * mlp + n_moe * moe
-            + d + cfg.vocab_size * d)  # + final norm + LM head
+    head = d + cfg.vocab_size * d  # a final norm + the LM head
+    return (blocks * (attn + norms) + (blocks - n_moe) * mlp + n_moe * moe + head
+            + mtp * (2 * d * d + 2 * d + head))  # per depth: eh_proj, enorm + hnorm, its norm and the head
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int, causal_half: bool = False) -> float:
     """Training FLOPs per token (forward + backward) of `cfg` at sequence length `seq_len`; causal_half: the
     attention term halved (the masked half of the scores is not computed by a causal kernel)."""
-    attention = (6.0 if causal_half else 12.0) * cfg.n_layers * cfg.dim * seq_len
+    attention = (6.0 if causal_half else 12.0) * (cfg.n_layers + getattr(cfg, "mtp_num_layers", 0)) * cfg.dim * seq_len
     return 6.0 * matmul_params(cfg) + attention
 
 

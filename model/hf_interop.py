@@ -107,9 +107,17 @@ def config_from_hf(d: dict) -> ModelConfig:
         **moe)
 
 
+def is_mtp_name(name: str) -> bool:
+    """Whether a state-dict name is one of multi-token prediction's (left out of a Hugging Face export)."""
+    return name.startswith("mtp.")
+
+
 def to_hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
-    """HF names -> tensors; an MoE model in the Hub's Mixtral layout (ValueError naming what Mixtral cannot hold)."""
-    sd, ours = {}, model.state_dict()
+    """HF names -> tensors; an MoE model in the Hub's Mixtral layout (ValueError naming what Mixtral cannot hold).
+    Multi-token prediction's depths (`mtp.*`, model/mtp.py) are left out: Llama and Mixtral have no place for
+    them (the exported model is the next-token model, as DeepSeek-V3's MTP is dropped for plain inference)."""
+    sd = {}
+    ours = {k: v for k, v in model.state_dict().items() if not is_mtp_name(k)}
     if model.cfg.moe_num_experts:
         problems = hf_mixtral.export_problems(model)
         if problems:
@@ -226,7 +234,7 @@ def export_hf_streaming(cfg: ModelConfig, specs: dict[str, tuple[tuple[int, ...]
     reading the weights one shard's worth at a time: `load_group(names) -> {name: tensor}` of our
     names, `specs` {name: (shape, dtype)}. Peak memory is one shard (<= max_shard_bytes, or one
     tensor larger than that), never the whole model. Returns (out_dir, number of shards)."""
-    names = [n for n in specs if not (cfg.tie_embeddings and n == "lm_head.weight")]
+    names = [n for n in specs if not (cfg.tie_embeddings and n == "lm_head.weight") and not is_mtp_name(n)]
     dtypes = {specs[n][1] for n in names}
     if len(dtypes) != 1:
         raise ValueError(f"mixed weight dtypes {sorted(map(str, dtypes))}: export needs one")

@@ -27,6 +27,7 @@ from model.attention import AttnSpec, documents_from_positions
 from model.config import ModelConfig
 from model.loss import lm_head_loss
 from model.moe import GroupedExperts, MoEFeedForward
+from model.mtp import MultiTokenPrediction
 from model.token_logprobs import token_logprobs
 
 
@@ -273,6 +274,11 @@ class Transformer(nn.Module):
             kernels.detect_flash_attn()
         fa4.prepare(cfg)  # FlashAttention-4 activated once per process where this model would use it
         self.apply(self._init_weights)
+        # multi-token prediction's extra blocks (model/mtp.py), built and initialised after the rest, so that a seed
+        # gives the model the same weights with and without them; absent without them (no `mtp.*` state dict keys)
+        if cfg.mtp_num_layers:
+            self.mtp = MultiTokenPrediction(cfg)
+            self.mtp.apply(self._init_weights)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -300,6 +306,8 @@ class Transformer(nn.Module):
         part.norm = model.norm if head else None
         part.lm_head = model.lm_head if head else None
         part.rotary = model.rotary
+        if embedding and head and getattr(model, "mtp", None) is not None:
+            part.mtp = model.mtp
         return part
 
     def _init_weights(self, m: nn.Module) -> None:
@@ -369,6 +377,12 @@ class Transformer(nn.Module):
             T *= self.hidden_input_seq_split  # the whole sequence of which the hidden input is this rank's slice
         past = cache.pos if cache is not None else 0
         cp = getattr(self, "context_parallel", None)
+        mtp = getattr(self, "mtp", None)
+        if (mtp is None or labels is None or reduction == "none" or not self.training or not torch.is_grad_enabled()
+                or self.embed_tokens is None or self.lm_head is None):
+            mtp = None  # multi-token prediction trains beside a training loss only (model/mtp.py)
+        else:  # its shifted inputs and targets from the whole sequences (before a context-parallel split)
+            shifted = mtp.targets(input_ids, labels, position_ids, doc_ids, attention_mask)
         if cp is not None and cp.size > 1:
             # whole sequences in (with their attention_mask / position_ids / doc_ids / cu_seqlens: padding and packed
             # documents), this rank's two chunks kept (model/ring_attention.py); the loss comes back summed over the
@@ -385,6 +399,8 @@ class Transformer(nn.Module):
             positions = cp.positions(B, T, input_ids.device) if position_ids is None else \
                 cp.shard(position_ids.expand(B, T))
             labels, logprobs_of, T = cp.shard(labels), cp.shard(logprobs_of), T // cp.size
+            if mtp is not None:
+                shifted = [(cp.shard(ids), cp.shard(lab)) for ids, lab in shifted]
             spec = AttnSpec("ring", group=cp.group, docs=docs)
         elif position_ids is None:
             positions = torch.arange(past, past + T, device=input_ids.device)[None].expand(B, T)
@@ -409,6 +425,8 @@ class Transformer(nn.Module):
             cache.pos += T
         if self.lm_head is None:  # a pruned model without the head: the next part's input
             return h
+        if mtp is not None:  # records its losses for the trainer (the returned loss stays the next-token one)
+            mtp(h, self.embed_tokens, self.lm_head.weight, cos, sin, spec, shifted, ckpt)
         h = self.norm(h)
 
         if logprobs_of is not None:

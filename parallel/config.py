@@ -40,10 +40,11 @@ CAPABILITIES: dict[str, frozenset] = {
     "ddp": frozenset({"compile", "padded_batches", "sequence_logprobs", "rollouts", "frozen_parameters",
                       "light_checkpoints", "state_per_parameter_name", "whole_model_on_one_rank", "comm_hooks",
                       "overlap_optim_step", "zero", "tied_embeddings", "no_process_group", "float8",
-                      "context_parallel", "low_precision_optimizer_states", "moe", "expert_parallel"}),
+                      "context_parallel", "low_precision_optimizer_states", "moe", "expert_parallel",
+                      "multi_token_prediction"}),
     "fsdp": frozenset({"compile", "padded_batches", "sequence_logprobs", "rollouts", "frozen_parameters",
                        "tensor_parallel", "sequence_parallel", "hsdp", "cpu_offload", "tied_embeddings", "float8",
-                       "context_parallel", "moe", "expert_parallel"}),
+                       "context_parallel", "moe", "expert_parallel", "multi_token_prediction"}),
     "pipeline": frozenset({"compile", "zero", "tensor_parallel", "sequence_parallel", "hsdp", "cpu_offload",
                            "frozen_parameters", "padded_batches", "sequence_logprobs", "float8", "moe",
                            "expert_parallel", "context_parallel"}),
@@ -62,6 +63,8 @@ WHY_NOT: dict[str, str] = {
     "tied_embeddings": "the embedding on the first stage and the LM head on the last would be one weight on two ranks",
     "low_precision_optimizer_states": "the bf16 moments live in our DDP's one-launch AdamW over its flat buffers "
                                       "(one stage's gradient norm only)",
+    "multi_token_prediction": "the MTP blocks need the token embedding and the last block's output on one rank, "
+                              "which are on the first and the last stage: not built",
 }
 # what a dimension of the mesh refuses of a run's needs (a task's, or the trainer's), and why (one line each)
 CP_REFUSES: dict[str, str] = {
@@ -78,6 +81,10 @@ EP_DDP_REFUSES: dict[str, str] = {
                           "expert-parallel ranks",
     "low_precision_optimizer_states": "the bf16 moments live in the one-launch AdamW, which does not step "
                                       "expert-parallel shards",
+}
+# what tensor parallelism refuses (--tensor_parallel_size > 1)
+TP_REFUSES: dict[str, str] = {
+    "multi_token_prediction": "the tensor-parallel plan does not lay out the MTP blocks yet",
 }
 # what sequence parallelism refuses (--sequence_parallel=true)
 SP_REFUSES: dict[str, str] = {
@@ -297,6 +304,7 @@ class ParallelConfig(ParallelFlags):
                 out.append(problem)
         out.extend(self._combination_problems())
         for on, engine_flag, refuses in ((self.cp > 1, f"--context_parallel_size={self.cp}", CP_REFUSES),
+                                         (self.tp > 1, f"--tensor_parallel_size={self.tp}", TP_REFUSES),
                                          (self.sequence_parallel and self.tp > 1, "--sequence_parallel=true",
                                           SP_REFUSES)):
             for asked_by, what in (needs or {}).items() if on else ():

@@ -180,10 +180,11 @@ class Engine:
     # set by the trainer after the build, the same on every rank (a pipeline's stages broadcast rows of this size)
     stat_keys: tuple = ()
     parallel: Any = None             # the layout's ParallelConfig (parallel/config.py), set by parallel/build.py
-    # losses the model's layers add beside the task's (MoE balancing: trainer/moe.py MoETraining), set by the
-    # trainer: side_loss.take(key) after a micro-batch's forwards on this rank (its statistics filed under `key`)
-    # gives a tensor or None, which joins that micro-batch's backward times side_loss.units(batch), scaled as its
-    # loss is; here added to the loss, under pipeline stages to each stage's output (engine_pipeline.py)
+    # losses the model's layers add beside the task's (MoE balancing, multi-token prediction: trainer/
+    # side_losses.py), set by the trainer: side_loss.take(key, batch) after a micro-batch's forwards on this rank
+    # (its statistics filed under `key`) gives a tensor in the task's loss units or None, which joins that
+    # micro-batch's backward scaled as its loss is; here added to the loss, under pipeline stages to each stage's
+    # output (engine_pipeline.py)
     side_loss: Any = None
     _forwards: int = field(default=0, repr=False)  # the keys this engine gives side_loss.take
 
@@ -192,10 +193,10 @@ class Engine:
         if self.side_loss is None:
             return loss_sum
         self._forwards += 1
-        extra = self.side_loss.take(self._forwards)
+        extra = self.side_loss.take(self._forwards, batch)
         if extra is None:
             return loss_sum
-        return loss_sum + (extra * self.side_loss.units(batch)).to(loss_sum.dtype)
+        return loss_sum + extra.to(loss_sum.dtype)
 
     def __post_init__(self) -> None:
         if self.forward_model is None:

@@ -125,7 +125,6 @@ class PipelineParallelEngine(Engine):
         self._task_loss: Optional[LossFn] = None
         self._count_units: Optional[Callable[[dict], int]] = None
         self._rows: dict[int, torch.Tensor] = {}
-        self._side_units: list[float] = []  # this call's micro-batches' units (side_loss.units)
         stage_module.after_forward = self._after_stage_forward
         self.stage, self.schedule = build_schedule(wrapped, self.stage_index, self.pp_size, device, self.pp_group,
                                                    n_microbatches, self.schedule_name, self._schedule_loss,
@@ -155,10 +154,11 @@ class PipelineParallelEngine(Engine):
         if self.side_loss is None or in_backward():
             return out
         i = self.module.micro_batch
-        extra = self.side_loss.take(i)
-        if i is None or extra is None or i >= len(self._side_units):
+        batch = self._pending[i][0] if i is not None and i < len(self._pending) else None
+        extra = self.side_loss.take(i, batch)
+        if extra is None:
             return out
-        return JoinGradient.apply(out, self.optimizer.scale_loss(extra * (self._side_units[i] * self._loss_mult)))
+        return JoinGradient.apply(out, self.optimizer.scale_loss(extra * self._loss_mult))
 
     def _start(self, mbs: list, loss_fn: LossFn, count_units: Optional[Callable[[dict], int]]) -> tuple:
         """The micro-batches as the stages' inputs (row groups stacked, checked to be of one shape), and the
@@ -188,7 +188,6 @@ class PipelineParallelEngine(Engine):
         # the gradients are averaged over the dp wrap's ranks: dp, or dp x cp (each cp rank backpropagates its part
         # of the cp group's summed loss, model/ring_attention.py)
         self._loss_mult, self._poison = (self.grad_ranks or self.dp_size) / max(1.0, float(global_units)), poison
-        self._side_units = [self.side_loss.units(mb) for mb in mbs] if self.side_loss is not None else []
         self.module.train()
         # one dp reduction per step: our DDP's in optimizer.step(); FSDP's reduce-scatter is run by the
         # schedule after the last backward (PipelineStage turns FSDP's per-backward sync off itself)

@@ -194,6 +194,7 @@ def wrap_fsdp(model: nn.Module, *, mesh_or_group: Union[DeviceMesh, dist.Process
             unit.set_force_sum_reduction_for_comms(True)
         if gloo_collectives:
             _use_gloo_collectives([unit], getattr(unit, SHARD_MESH_ATTR))
+    blocks = blocks + list(getattr(getattr(model, "mtp", None), "depths", []))  # multi-token prediction's depths
     for block in blocks:
         fully_shard(block, reshard_after_forward=reshard_after_forward, **kw)
     # The root unit holds everything outside the blocks: embedding, final norm, LM head; a tied

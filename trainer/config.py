@@ -84,6 +84,12 @@ class ModelFlags:
     dropout: float = _f(0.0, "attention and residual dropout")
     tie_embeddings: bool = _f(False, "share the embedding and LM-head weights")
     gradient_checkpointing: bool = _f(False, "recompute each layer in backward to save activation memory")
+    mtp_num_layers: int = _f(0, "multi-token prediction (DeepSeek-V3's MTP, model/mtp.py): this many extra blocks, "
+                             "depth k predicting the token k + 1 after the next from the previous depth's hidden "
+                             "state and the next token's embedding, trained beside the loss (pretrain, sft); 0 = off")
+    mtp_loss_weight: float = _f(0.1, "weight of the MTP loss: weight x the mean over depths of each depth's loss is "
+                                "added to what backpropagates (Megatron's mtp_loss_scaling_factor; DeepSeek-V3 used "
+                                "0.3, then 0.1); the logged loss stays the next-token one, mtp_loss is logged beside")
     fused_kernels: str = _f("auto", "auto|true (per device: Triton kernels on CUDA, Inductor-fused references for the "
                             "norms/RoPE/SwiGLU under --compile; hand-written autograd kernels on CPU) | triton | torch "
                             "(force one implementation) | false (plain PyTorch references, as HF)")
@@ -314,7 +320,8 @@ def engine_needs(cfg: TrainConfig) -> dict[str, str]:
              (bool(cfg.eval_tasks.strip(" ,")), "--eval_tasks", "whole_model_on_one_rank"),
              (cfg.optimizer_state_dtype != "fp32", f"--optimizer_state_dtype={cfg.optimizer_state_dtype}",
               "low_precision_optimizer_states"),
-             (cfg.moe_num_experts > 0, f"--moe_num_experts={cfg.moe_num_experts}", "moe"))
+             (cfg.moe_num_experts > 0, f"--moe_num_experts={cfg.moe_num_experts}", "moe"),
+             (cfg.mtp_num_layers > 0, f"--mtp_num_layers={cfg.mtp_num_layers}", "multi_token_prediction"))
     return {asked_by: cap for on, asked_by, cap in asked if on}
 
 

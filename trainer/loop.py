@@ -29,7 +29,7 @@ from tokenizer import load_tokenizer_meta
 from trainer.config import TrainConfig, TrainingError, max_iters_for_epochs, one_line, resolve_warmup
 from trainer.faults import fire_step_faults, fires, save_fault_hook, spike_fault, spiked, step_fault_due
 from trainer.console import line_due, rank0_log
-from trainer.moe import MoETraining
+from trainer.side_losses import SideLosses
 from trainer.samples import build_sampler
 from trainer.start import (Progress, build_model, choose_trainable, decide_start, dpo_reference, place_on_engine,
                            restore, set_threads)
@@ -177,7 +177,7 @@ class _Pending:
     verdict: Any  # the optimizer's (stepped, grad_norm): a tuple, or a StepVerdict read when unpacked
     global_units: float
     data_step: int  # the data it trained on
-    moe: Any = None  # MoE models: the step's expert loads and balancing losses on their way to the host
+    side: Any = None  # the model's side losses (MoE, MTP): the step's statistics on their way to the host
 
 
 class Loop:
@@ -211,9 +211,10 @@ class Loop:
         self.task = task
         self.last_eval: dict = {}  # the last validation's values (the final line names them when there is no loss)
         self.loss_fn = lambda model, batch: task.micro_batch_loss(model, ref_model, batch, info.device)  # noqa: E731
-        # MoE: balancing losses (the engine's side loss), bias update, load metrics
-        self.moe = MoETraining.of(cfg, engine.module, task.count_units)
-        engine.side_loss = self.moe
+        # the model's own losses (the engine's side loss): MoE balancing (bias update, load metrics) and multi-token
+        # prediction, each with its step metrics
+        self.side = SideLosses.of(cfg, engine.module, task.count_units)
+        engine.side_loss = self.side
         self.pbar = None
         # the step queued last, not read yet (`step` leaves it for one step, `finish` reads it): its metrics row
         # without the device's values, the copies of those values on their way to the host, the optimizer's verdict
@@ -289,7 +290,7 @@ class Loop:
         # the step's sums, reduced and copied to the host behind the backward, read in `finish`
         sums_copy = HostCopy(engine.sum_over_data(sums, info.device, to_host=False))
         verdict = engine.optimizer.step()  # clips, skips and steps on the device; its verdict is read in `finish`
-        moe = self.moe.after_step(engine, info.device) if self.moe is not None else None
+        side = self.side.after_step(engine, info.device) if self.side is not None else None
         p.step += 1
         p.tokens_seen += self.task.tokens_seen(global_units, step_tokens)  # target tokens, or the tokens read (DPO)
         self.metrics.heartbeat()
@@ -314,7 +315,7 @@ class Loop:
         previous, self.pending = self.pending, None
         if previous is not None:  # queued a step ago: reading it now waits for nothing
             self._finish(previous, do_eval=False)  # (a spike there: this step, after it, gets no row either)
-        self.pending = _Pending(rec, sums_copy, verdict, global_units, p.data_step, moe)
+        self.pending = _Pending(rec, sums_copy, verdict, global_units, p.data_step, side)
 
     def may_defer(self, step: int) -> bool:
         """Whether step `step`, just queued, may be finished a step later: not when samples are due after it
@@ -341,8 +342,8 @@ class Loop:
         stats = StepStats.from_tensor(pending.sums.get(), self.engine.stat_keys).per_unit(pending.global_units)
         stepped, grad_norm = pending.verdict
         rec.update(loss=stats["loss"], grad_norm=grad_norm, stepped=bool(stepped), **self.task.step_metrics(stats))
-        if pending.moe is not None:
-            rec.update(self.moe.read(pending.moe))
+        if pending.side is not None:
+            rec.update(self.side.read(pending.side))
         return rec
 
     def write_pending_row(self) -> None:

@@ -23,6 +23,15 @@ from model.moe import MoEFeedForward, take_aux_losses, update_expert_bias
 from utils.device import HostCopy
 
 
+def layer_number(name: str, model_cfg: Any) -> int:
+    """The block number of an MoE layer from its module name: `layers.<i>.` (a model's block i), or
+    `mtp.depths.<k>.` (multi-token prediction's depth k: block n_layers + k, model/mtp.py)."""
+    found = re.search(r"(?:^|\.)mtp\.depths\.(\d+)\.", name + ".")
+    if found is not None:
+        return model_cfg.n_layers + int(found.group(1))
+    return int(re.search(r"layers\.(\d+)\.", name + ".").group(1))
+
+
 class MoETraining:
     def __init__(self, cfg: Any, layers: list, layer_ids: list[int], all_ids: list[int],
                  count_units: Optional[Callable[[dict], int]] = None) -> None:
@@ -41,9 +50,10 @@ class MoETraining:
         named = [(name, m) for name, m in model.named_modules() if isinstance(m, MoEFeedForward)]
         if not named:
             return None
-        ids = [int(re.search(r"layers\.(\d+)\.", name + ".").group(1)) for name, _ in named]
         model_cfg = getattr(model, "cfg", None)
-        all_ids = ([i for i in range(model_cfg.n_layers) if model_cfg.is_moe_layer(i)]
+        ids = [layer_number(name, model_cfg) for name, _ in named]
+        blocks = model_cfg.n_layers + getattr(model_cfg, "mtp_num_layers", 0) if model_cfg is not None else 0
+        all_ids = ([i for i in range(blocks) if model_cfg.is_moe_layer(i)]
                    if hasattr(model_cfg, "is_moe_layer") else ids)
         for _, layer in named:  # --moe_aux_loss_type=sequence: each layer's balancing loss per sequence
             layer.aux_per_sequence = getattr(cfg, "moe_aux_loss_type", "batch") == "sequence"
@@ -56,19 +66,19 @@ class MoETraining:
             raise ValueError("MoETraining.of(..., count_units) is needed to weigh the balancing losses")
         return float(self.count_units(batch))
 
-    def take(self, key: Optional[Hashable]) -> Optional[torch.Tensor]:
+    def take(self, key: Optional[Hashable], batch: Optional[dict]) -> Optional[torch.Tensor]:
         """This rank's MoE layers' statistics of the forwards since the last take, filed under micro-batch `key`
-        (None: dropped), and aux_coef x balancing + z_coef x z-loss summed over them, with its gradient (None when
-        no forward with grad ran, or both coefficients are 0)."""
+        (None: dropped), and aux_coef x balancing + z_coef x z-loss summed over them times the micro-batch's units,
+        with its gradient (None when no forward with grad ran, for no batch, or when both coefficients are 0)."""
         aux = take_aux_losses(self.layers)
         if aux is None:
             return None
         counts = torch.stack([layer.take_counts() for layer in self.layers])
         if key is not None:
             self._filed[key] = (aux.detach(), counts)
-        if not (self.aux_coef or self.z_coef):
+        if batch is None or not (self.aux_coef or self.z_coef):
             return None
-        return aux[:, 0].sum() * self.aux_coef + aux[:, 1].sum() * self.z_coef
+        return (aux[:, 0].sum() * self.aux_coef + aux[:, 1].sum() * self.z_coef) * self.units(batch)
 
     # ------------------------------------------------------------------ after the step
     def after_step(self, engine: Any, device: torch.device) -> HostCopy:

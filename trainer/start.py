@@ -50,7 +50,8 @@ def new_model_config(cfg: TrainConfig, tok_meta: dict):
                        attn_dropout=cfg.dropout, resid_dropout=cfg.dropout, tie_embeddings=cfg.tie_embeddings,
                        gradient_checkpointing=cfg.gradient_checkpointing, fused_rmsnorm=fused,
                        fused_rope=fused, fused_swiglu=fused, fused_qkv=fused, fused_cross_entropy=fused,
-                       kernel_backend=backend, fa4=cfg.fa4, **moe_model_fields(cfg))
+                       kernel_backend=backend, fa4=cfg.fa4, mtp_num_layers=cfg.mtp_num_layers,
+                       **moe_model_fields(cfg))
 
 
 
@@ -58,7 +59,7 @@ def _refuse_if_too_big(mcfg, device: str, what: str, code: int) -> None:
     """TrainingError before anything is allocated when the model's fp32 weights alone exceed the memory the
     device has free (a checkpoint's model_config.json within the bounds can still describe a model no
     machine holds: it built layers until memory ran out)."""
-    n = param_count(mcfg.dim, mcfg.n_layers, mcfg.n_heads, mcfg.vocab_size, mcfg.n_kv_heads, mcfg.hidden_dim,
+    n = param_count(mcfg.dim, mcfg.n_layers + mcfg.mtp_num_layers, mcfg.n_heads, mcfg.vocab_size, mcfg.n_kv_heads, mcfg.hidden_dim,
                     tie_embeddings=mcfg.tie_embeddings) + moe_param_delta(mcfg)
     problem = fit_problem(n, device, what)
     if problem:

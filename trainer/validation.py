@@ -234,6 +234,15 @@ def _numbers_and_extras(cfg: TrainConfig, p: _Problems, torch_free: bool) -> Non
         parse_data_steps(cfg.skip_data_steps)
     except ValueError as e:
         p.append(f"--skip_data_steps={cfg.skip_data_steps!r}: {e}")
+    if not 0 <= cfg.mtp_num_layers <= 16:
+        p.append(f"--mtp_num_layers={cfg.mtp_num_layers}: must be in [0, 16]")
+    p.number("mtp_loss_weight", 0.0)
+    if cfg.mtp_num_layers > 0 and cfg.task_type not in ("pretrain", "sft"):
+        p.append(f"--mtp_num_layers={cfg.mtp_num_layers} trains beside a language-model loss: --task_type=pretrain "
+                 f"or sft, not {cfg.task_type} (its per-sequence log-probabilities never run the MTP blocks)")
+    if cfg.mtp_num_layers > 0 and cfg.lora_rank > 0:
+        p.append(f"--mtp_num_layers={cfg.mtp_num_layers} cannot be combined with --lora_rank={cfg.lora_rank} (the "
+                 "MTP blocks have no place in a PEFT adapter of a Llama model)")
     if cfg.lora_train_embeddings and cfg.lora_rank == 0:
         p.append("--lora_train_embeddings=true needs --lora_rank>0 (to train only the embedding and LM head, "
                  "use --trainable=embeddings)")

@@ -116,6 +116,6 @@ def moe_param_delta(mcfg: Any) -> int:
     if not e:
         return 0
     width = mcfg.moe_hidden_dim or mcfg.hidden_dim
-    blocks = max(0, mcfg.n_layers - mcfg.moe_first_dense_layers)
+    blocks = max(0, mcfg.n_layers + getattr(mcfg, "mtp_num_layers", 0) - mcfg.moe_first_dense_layers)  # + MTP's
     per_block = e * mcfg.dim + (e + mcfg.moe_shared_experts) * 3 * mcfg.dim * width - 3 * mcfg.dim * mcfg.hidden_dim
     return blocks * per_block

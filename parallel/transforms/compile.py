@@ -80,7 +80,7 @@ def compile_blocks(model: nn.Module, **compile_kw: Any) -> None:
             return graph(h, *args, **kwargs)
         return run
 
-    for block in blocks_of(model.layers):
+    for block in blocks_of(model.layers) + [d.block for d in getattr(getattr(model, "mtp", None), "depths", [])]:
         block.forward = compiled(block.forward)
 
 

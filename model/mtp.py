@@ -1,0 +1,122 @@
+"""Multi-token prediction (MTP): DeepSeek-V3's sequential MTP modules (DeepSeek-AI 2024, section 2.2; Megatron's
+--mtp-num-layers; HF's num_nextn_predict_layers), trained beside the next-token loss.
+
+Depth k (1..D) is one more transformer block after the model's. At position i it combines the previous depth's
+hidden state there (the model's last block output for k = 1, before the final norm) with the embedding of token
+i + k, and predicts token i + k + 1:
+    x_i = eh_proj([enorm(embed(t[i + k])); hnorm(h_i^(k-1))])      (a [2D -> D] projection, HF's order)
+    h^k = block_k(x)                                               (causal attention over the same sequence)
+    loss_k = cross-entropy(lm_head(norm_k(h_i^k)), t[i + k + 1])   (the model's embedding and LM head, shared)
+The causal chain is kept: h_i^k sees tokens up to i + k, never its target. A target is trained on only where the
+next-token loss trains on it (its label is not ignored) and it lies in the same sample as position i (packed
+samples: the same document, from position_ids restarting or doc_ids; padding: the attention mask); the shifted
+inputs and targets are built from whole sequences before context parallelism splits them (`targets`).
+
+What the forward records (training forwards with grad only): each depth's summed loss (with its gradient) and its
+number of targets, taken by the trainer (`take`, trainer/mtp.py), which adds weight / D x the sum of the depths'
+losses to what the micro-batch backpropagates, normalised like the next-token loss (Megatron's scaling); the
+logged loss stays the next-token one. Evaluation, generation, DPO's and GRPO's per-token paths never run it.
+
+Must never: let a depth see its target, train on a target the next-token loss ignores, or change the parameter
+names of a model without MTP (state dict keys `mtp.depths.K.*` exist only when mtp_num_layers > 0).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from model.loss import lm_head_loss
+from utils.constants import IGNORE_INDEX
+
+
+def shift_left(t: torch.Tensor, k: int, fill: int) -> torch.Tensor:
+    """[B, T] -> [B, T]: t[:, i + k] at i, `fill` where i + k >= T."""
+    out = torch.full_like(t, fill)
+    if k < t.shape[1]:
+        out[:, :t.shape[1] - k] = t[:, k:]
+    return out
+
+
+def targets(depths: int, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+            doc_ids: Optional[torch.Tensor] = None,
+            attention_mask: Optional[torch.Tensor] = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """[(the input ids of depth k [B, T], its labels [B, T])] for k = 1..depths, from whole sequences: at i the
+    token i + k (0 past the end) and the label of position i + k (labels are already shifted: labels[i] is token
+    i + 1), ignored where that label is, past the end, or in another sample than position i."""
+    B, T = input_ids.shape
+    out = []
+    for k in range(1, depths + 1):
+        ids = shift_left(input_ids, k, 0)
+        lab = shift_left(labels, k, IGNORE_INDEX)
+        keep = torch.ones_like(lab, dtype=torch.bool)
+        if position_ids is not None:  # packed samples restart their positions: i + k is in i's sample iff +k
+            pos = position_ids.expand(B, T)
+            keep &= shift_left(pos, k, -1) == pos + k
+        if doc_ids is not None:
+            keep &= shift_left(doc_ids, k, -1) == doc_ids
+        if attention_mask is not None and attention_mask.shape == (B, T):
+            keep &= shift_left(attention_mask.long(), k, 0) != 0
+        out.append((ids, lab.masked_fill(~keep, IGNORE_INDEX)))
+    return out
+
+
+class MTPDepth(nn.Module):
+    """One MTP module: the two input norms, the [2D -> D] projection, a transformer block (dense or MoE by the
+    model's rule for block n_layers + k) and its own final norm; the embedding and LM head are the model's."""
+
+    def __init__(self, cfg: Any, k: int) -> None:
+        super().__init__()
+        from model.llama import RMSNorm, TransformerBlock  # (model/llama.py builds this module: no import cycle)
+        norm = (cfg.dim, cfg.norm_eps, cfg.fused_rmsnorm, cfg.kernel_backend)
+        self.enorm, self.hnorm = RMSNorm(*norm), RMSNorm(*norm)
+        self.eh_proj = nn.Linear(2 * cfg.dim, cfg.dim, bias=False)
+        self.block = TransformerBlock(cfg, cfg.n_layers + k)
+        self.norm = RMSNorm(*norm)
+        self.cfg = cfg
+
+    def forward(self, h: torch.Tensor, e: torch.Tensor, head_weight: torch.Tensor, cos, sin, spec,
+                labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this depth's hidden state, its summed loss) from the previous depth's hidden state h and the embedded
+        shifted tokens e (one module call: FSDP2 gathers a depth's parameters around it)."""
+        h = self.block(self.eh_proj(torch.cat([self.enorm(e), self.hnorm(h)], dim=-1)), cos, sin, spec, None)
+        return h, lm_head_loss(self.norm(h), head_weight, labels, "sum", self.cfg)
+
+
+class MultiTokenPrediction(nn.Module):
+    """The D MTP modules (`depths`) and what their training forwards recorded since the last `take`."""
+
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.depths = nn.ModuleList(MTPDepth(cfg, k) for k in range(cfg.mtp_num_layers))
+        self._loss: Optional[torch.Tensor] = None   # sum over forwards of the depths' summed losses, with grad
+        self._stats: Optional[torch.Tensor] = None  # [D, 2] fp64: (summed loss, targets) per depth, detached
+
+    def targets(self, *args, **kwargs) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return targets(len(self.depths), *args, **kwargs)
+
+    def forward(self, h: torch.Tensor, embed: nn.Module, head_weight: torch.Tensor, cos, sin, spec,
+                shifted: list[tuple[torch.Tensor, torch.Tensor]], checkpointing: bool = False) -> torch.Tensor:
+        """h: the model's hidden state after its blocks (before the final norm), this rank's positions; `shifted`:
+        `targets` (split like h under context parallelism). Records and returns the summed loss over depths
+        (this rank's positions' part)."""
+        total, stats = None, []
+        for depth, (ids, lab) in zip(self.depths, shifted):
+            args = (h, embed(ids), head_weight, cos, sin, spec, lab)
+            h, loss = checkpoint(depth, *args, use_reentrant=False) if checkpointing else depth(*args)
+            total = loss if total is None else total + loss
+            stats.append(torch.stack([loss.detach().double(), (lab != IGNORE_INDEX).sum().double()]))
+        s = torch.stack(stats)
+        self._loss = total if self._loss is None else self._loss + total
+        self._stats = s if self._stats is None else self._stats + s
+        return total
+
+    def take(self) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """(the summed loss of the training forwards since the last take, with its gradient; their [D, 2]
+        (summed loss, targets) per depth), both None when none ran. Taking clears them."""
+        out = (self._loss, self._stats)
+        self._loss = self._stats = None
+        return out
