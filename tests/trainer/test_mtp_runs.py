@@ -1,0 +1,154 @@
+"""Multi-token prediction through the trainer (trainer/mtp.py, trainer/side_losses.py): the MTP term joins the
+gradient and not the logged loss (beside MoE's balancing terms, written out by hand), real runs (a weight of 0 trains
+the trunk as a run without MTP; MTP changes the trunk's training; an exact resume), context parallelism and FSDP at 2
+ranks against one process, the export without the depths, and the refusals as one line, exit 2."""
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from model import ModelConfig, Transformer
+from model.moe import moe_layers
+from tests.conftest import run_cmd, run_trainer, train_cmd
+from tests.trainer.test_end_to_end import _env, final_weights, losses
+from tests.trainer.test_errors import assert_one_error_line, run_main
+from trainer.side_losses import SideLosses
+from utils.constants import EXIT_BAD_CONFIG
+from utils.metrics import dedupe_by_step, read_metrics
+
+
+def _rows(out) -> dict:
+    return dedupe_by_step(read_metrics(os.path.join(out, "metrics.jsonl")))
+
+
+def test_mtp_and_balancing_join_the_gradient_not_the_logged_loss():
+    """Engine.forward_backward with the side losses of an MoE model with 2 MTP depths: the gradient is that of the
+    loss + weight / 2 x the depths' summed losses + the balancing terms x units, written out; the row holds the
+    task's loss alone."""
+    from parallel.engine import Engine
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=64, dim=16, n_layers=2, n_heads=2, hidden_dim=24, max_seq_len=16,
+                                    moe_num_experts=4, moe_top_k=2, mtp_num_layers=2))
+    x = torch.randint(0, 64, (2, 8))
+    batch = {"input_ids": x, "labels": torch.roll(x, -1, 1)}
+    units = lambda b: int(b["labels"].numel())  # noqa: E731
+    base = lambda m, b: (m(b["input_ids"], labels=b["labels"], reduction="sum"), {})  # noqa: E731
+    knobs = dict(moe_aux_loss_coef=0.1, moe_z_loss_coef=0.0, moe_bias_update_rate=0.0, mtp_loss_weight=0.3)
+    engine = Engine(model, type("Unscaled", (), {"scale_loss": staticmethod(lambda t: t)})(), model)
+    engine.side_loss = SideLosses.of(type("Cfg", (), knobs)(), model, units)
+    model.zero_grad()
+    row = engine.forward_backward([batch], base, global_units=1.0)
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    model.zero_grad()
+    lm = model(x, labels=batch["labels"], reduction="sum")
+    mtp, _ = model.mtp.take()
+    aux = sum(layer.take_aux()[0] for layer in moe_layers(model))
+    (lm + 0.3 / 2 * mtp + 0.1 * aux * units(batch)).backward()
+    assert float(row[0]) == pytest.approx(float(lm), rel=1e-6)  # the logged value is the task's loss alone
+    for n, p in model.named_parameters():
+        assert torch.allclose(got[n], p.grad, rtol=1e-5, atol=1e-7), n
+    assert got["mtp.depths.1.eh_proj.weight"].abs().sum() > 0
+
+
+@pytest.fixture(scope="module")
+def mtp_runs(tiny_pretrain_run_args, tmp_path_factory):
+    """4 pretraining steps without MTP, with 2 depths at weight 0, and at weight 0.3 (checkpoints at 2 and 4)."""
+    base = tmp_path_factory.mktemp("mtp")
+    args = [*tiny_pretrain_run_args, "--max_iters=4", "--checkpoint_interval=2", "--grad_clip=0"]
+    outs = {}
+    for name, extra in (("plain", []), ("w0", ["--mtp_num_layers=2", "--mtp_loss_weight=0"]),
+                        ("w3", ["--mtp_num_layers=2", "--mtp_loss_weight=0.3"])):
+        outs[name] = base / name
+        run_cmd(train_cmd([*args, f"--out_dir={outs[name]}", *extra]), env=_env())
+    outs["args"] = args
+    return outs
+
+
+def test_weight_zero_trains_the_trunk_as_without_mtp(mtp_runs):
+    """Same seed: the trunk starts from the same weights with or without MTP (model/mtp.py is built after it),
+    so step 1's loss is the same in all three runs; at weight 0 the trunk trains as without MTP (its logged losses
+    follow the plain run's), at 0.3 it trains otherwise. mtp_loss is logged per depth, the mean of the two."""
+    plain, w0, w3 = (losses(mtp_runs[k]) for k in ("plain", "w0", "w3"))
+    assert plain[1] == w0[1] == w3[1]
+    for s in (2, 3, 4):
+        assert abs(w0[s] - plain[s]) <= 1e-6 * abs(plain[s]), (s, w0[s], plain[s])
+    assert max(abs(w3[s] - plain[s]) for s in (2, 3, 4)) > 1e-3
+    r0, r3 = _rows(mtp_runs["w0"]), _rows(mtp_runs["w3"])
+    assert r0[1]["mtp_loss"] == pytest.approx(r3[1]["mtp_loss"], rel=1e-6)  # the same weights at step 1
+    for r in (r0, r3):
+        assert r[1]["mtp_loss"] == pytest.approx((r[1]["mtp_loss_1"] + r[1]["mtp_loss_2"]) / 2, rel=1e-12)
+        assert abs(r[1]["mtp_loss"] - math.log(384)) < 1.0  # about uniform over the tiny vocabulary at the start
+    assert r3[4]["mtp_loss"] < r0[4]["mtp_loss"] - 0.01  # the depths learn at weight 0.3 (at 0 they do not)
+    assert "mtp_loss" not in _rows(mtp_runs["plain"])[1]
+
+
+def test_mtp_run_resumes_exactly(mtp_runs, tmp_path):
+    """A crash after step 3 (step 2's checkpoint holds the depths and their optimizer state): the resumed run
+    logs the uninterrupted run's losses and MTP losses and ends on its weights, bit for bit."""
+    out = tmp_path / "crashed"
+    args = [*mtp_runs["args"], f"--out_dir={out}", "--mtp_num_layers=2", "--mtp_loss_weight=0.3"]
+    proc = run_trainer(train_cmd(args), env=_env(MYLLM_FAULT="crash@3"))
+    assert proc.returncode != 0, proc.stdout[-2000:]
+    run_cmd(train_cmd([f"--out_dir={out}", "--init_from=resume"]), env=_env())
+    assert losses(out) == losses(mtp_runs["w3"])
+    assert [_rows(out)[s]["mtp_loss"] for s in (1, 2, 3, 4)] == [_rows(mtp_runs["w3"])[s]["mtp_loss"]
+                                                                  for s in (1, 2, 3, 4)]
+    a, b = final_weights(mtp_runs["w3"]), final_weights(out)
+    assert any(k.startswith("mtp.depths.1.") for k in a)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_export_leaves_the_depths_out(mtp_runs, tmp_path, capsys):
+    import export_hf
+    from safetensors import safe_open
+    out = tmp_path / "hf"
+    assert export_hf.main([f"--ckpt={mtp_runs['w3']}", f"--out_dir={out}"]) == 0
+    said = capsys.readouterr().out
+    assert "the 2 multi-token prediction depth(s) (mtp.*)" in said, said
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+    assert "model.layers.1.mlp.down_proj.weight" in keys and not any("mtp" in k for k in keys)
+
+
+@pytest.mark.parametrize("nproc, extra", [
+    (2, ["--context_parallel_size=2"]),
+    (2, ["--parallel=fsdp", "--batch_size=2"]),
+], ids=["cp2", "fsdp2"])
+def test_two_ranks_follow_one_process(mtp_runs, tmp_path, nproc, extra):
+    """fp32, the run at weight 0.3 over 2 gloo ranks: sequences split over 2 context-parallel ranks (the shifted
+    targets built from whole rows first), or FSDP over 2 data-parallel ranks (the depths their own units) with the
+    same global batch; every step's loss and MTP loss follow the one-process run (summation order only)."""
+    args = [a for a in mtp_runs["args"] if not a.startswith("--max_iters")]
+    out = tmp_path / "run"
+    run_cmd(train_cmd([*args, "--max_iters=3", "--lr_decay_iters=4", f"--out_dir={out}", "--mtp_num_layers=2",
+                       "--mtp_loss_weight=0.3", *extra], nproc), env=_env())
+    ref, got = _rows(mtp_runs["w3"]), _rows(out)
+    for s in (1, 2, 3):
+        for key in ("loss", "mtp_loss", "mtp_loss_1", "mtp_loss_2"):
+            assert abs(got[s][key] - ref[s][key]) <= 1e-4 * abs(ref[s][key]), (s, key, got[s][key], ref[s][key])
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--mtp_num_layers=-1"], "--mtp_num_layers=-1: must be in [0, 16]"),
+    (["--mtp_num_layers=1", "--mtp_loss_weight=-1"], "--mtp_loss_weight=-1.0: must be a finite number >= 0"),
+    (["--mtp_num_layers=1", "--lora_rank=2"], "--mtp_num_layers=1 cannot be combined with --lora_rank=2"),
+    (["--mtp_num_layers=1", "--pipeline_parallel_size=2"],
+     "--mtp_num_layers=1 cannot be combined with --pipeline_parallel_size"),
+    (["--mtp_num_layers=1", "--parallel=fsdp", "--tensor_parallel_size=2"],
+     "--mtp_num_layers=1 cannot be combined with --tensor_parallel_size=2"),
+], ids=["negative", "weight", "lora", "pp", "tp"])
+def test_bad_mtp_flags_one_line_exit_2(tiny_pretrain_run_args, tmp_path, capsys, extra, needle):
+    code, err = run_main([*tiny_pretrain_run_args, f"--out_dir={tmp_path / 'run'}", "--max_iters=1", *extra], capsys)
+    assert code == EXIT_BAD_CONFIG, err
+    assert_one_error_line(err, needle)
+
+
+def test_dpo_with_mtp_is_refused(pretrained, tmp_path, capsys):
+    code, err = run_main([*pretrained["args"], f"--out_dir={tmp_path / 'run'}", "--max_iters=1", "--task_type=dpo",
+                          f"--init_from={pretrained['out']}", "--mtp_num_layers=1"], capsys)
+    assert code == EXIT_BAD_CONFIG, err
+    assert_one_error_line(err, "--mtp_num_layers=1 trains beside a language-model loss: --task_type=pretrain or sft")
