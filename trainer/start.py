@@ -26,6 +26,7 @@ from checkpoint.reads import base_fingerprint
 from trainer.config import (KERNEL_CHOICES, TrainConfig, TrainingError, continues_run, existing_run_error,
                             nothing_to_continue_error, parallel_section, resume_flag)
 from trainer.tasks import get_task
+from trainer.validation import loaded_mtp_problems
 from trainer.weights import check_lora_base, load_lora_base, load_weights_from, select_trainable_for
 from checkpoint.files import read_run_start
 from checkpoint.verify import find_latest_valid, list_checkpoints
@@ -181,6 +182,11 @@ def build_model(cfg: TrainConfig, info: DistInfo, start: Start, tok_meta: dict, 
     if start.resume_dir is None:  # written right before the first step (train): a restart begins the same way
         start.run_start = {"init_from": init_info["source"], "requested_init_from": start.init_from,
                            "kind": init_info["kind"], "task_type": cfg.task_type, "started_at": time.time()}
+    depths = getattr(model.cfg, "mtp_num_layers", 0)
+    if depths and depths != cfg.mtp_num_layers:  # the weights brought depths the flags did not ask for
+        problems = loaded_mtp_problems(cfg, depths, start.resume_dir or start.init_from)
+        if problems:
+            raise TrainingError("bad configuration: " + "; ".join(problems), EXIT_BAD_CONFIG)
     if model.cfg.vocab_size < int(tok_meta["vocab_size"]):
         hint = ("; to grow the vocabulary to an extended tokenizer, start from a Hugging Face directory holding the "
                 "model's own tokenizer (export this one with export_hf.py)" if init_info["kind"] == "ours" else "")

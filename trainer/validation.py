@@ -99,6 +99,20 @@ class _Problems(list):
             self.append(f"--{name}={v}: {rule}")
 
 
+def loaded_mtp_problems(cfg: TrainConfig, depths: int, source: str) -> list[str]:
+    """What a run cannot do with a model whose multi-token prediction depths came from its weights (`source`'s
+    model_config.json) rather than from --mtp_num_layers, which validate_config checked: the layouts and adapters
+    that would leave the depths out (a pipeline stage's or LoRA's checkpoint would lose them) or unsharded."""
+    out = []
+    for on, flag in ((cfg.pipeline_parallel_size > 1, f"--pipeline_parallel_size={cfg.pipeline_parallel_size}"),
+                     (cfg.tensor_parallel_size > 1, f"--tensor_parallel_size={cfg.tensor_parallel_size}"),
+                     (cfg.lora_rank > 0, f"--lora_rank={cfg.lora_rank}")):
+        if on:
+            out.append(f"the model of {source} has {depths} multi-token prediction depth(s) (mtp_num_layers), which "
+                       f"{flag} cannot run (docs/model.md, \"Multi-token prediction\")")
+    return out
+
+
 def validate_config(cfg: TrainConfig, world_size: Optional[int] = None, torch_free: bool = False) -> None:
     """Every value the run cannot work with, as one exit-2 error listing all of them.
     world_size (when known) also checks that the processes form a pp x dp mesh. torch_free: only the

@@ -152,3 +152,12 @@ def test_dpo_with_mtp_is_refused(pretrained, tmp_path, capsys):
                           f"--init_from={pretrained['out']}", "--mtp_num_layers=1"], capsys)
     assert code == EXIT_BAD_CONFIG, err
     assert_one_error_line(err, "--mtp_num_layers=1 trains beside a language-model loss: --task_type=pretrain or sft")
+
+
+def test_a_checkpoints_depths_are_refused_where_they_would_be_lost(mtp_runs, tmp_path, capsys):
+    """Depths that come with the weights (--init_from a run with MTP, the flag left at 0): LoRA would leave them
+    out of its checkpoints, so the run stops before its first step with one line naming the checkpoint."""
+    code, err = run_main([*mtp_runs["args"], f"--out_dir={tmp_path / 'run'}", "--max_iters=1",
+                          f"--init_from={mtp_runs['w3']}", "--lora_rank=2"], capsys)
+    assert code == EXIT_BAD_CONFIG, err
+    assert_one_error_line(err, "has 2 multi-token prediction depth(s) (mtp_num_layers), which --lora_rank=2 cannot")
