@@ -203,3 +203,21 @@ def test_an_moe_model_has_moe_depths_numbered_after_its_blocks():
     assert training.layer_ids == [1, 2] and training.all_ids == [1, 2]
     with pytest.raises(ValueError, match="mtp_num_layers"):
         _cfg(mtp_num_layers=-1)
+
+
+def test_a_compiled_model_records_the_same_losses_and_gradients():
+    """The whole model traced (aot_eager: the graph capture and its backward, without Inductor's compile time):
+    the depths' recorded losses and every gradient are the eager model's."""
+    x, y = _batch()
+    runs = []
+    for compiled in (False, True):
+        model = _model(n_layers=1, mtp_num_layers=1)
+        if compiled:
+            model.compile(backend="aot_eager")  # in place: model.mtp is the traced model's own
+        main = model(x, labels=y, reduction="sum")
+        total, stats = model.mtp.take()
+        (main + total).backward()
+        runs.append((stats, {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (s0, g0), (s1, g1) = runs
+    assert torch.allclose(s0, s1, rtol=1e-12)
+    assert g0.keys() == g1.keys() and all(torch.allclose(g0[n], g1[n], rtol=1e-10, atol=1e-14) for n in g0)

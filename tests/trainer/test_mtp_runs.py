@@ -161,3 +161,21 @@ def test_a_checkpoints_depths_are_refused_where_they_would_be_lost(mtp_runs, tmp
                           f"--init_from={mtp_runs['w3']}", "--lora_rank=2"], capsys)
     assert code == EXIT_BAD_CONFIG, err
     assert_one_error_line(err, "has 2 multi-token prediction depth(s) (mtp_num_layers), which --lora_rank=2 cannot")
+
+
+def test_moe_depths_under_expert_parallelism_follow_one_process(mtp_runs, tmp_path):
+    """An MoE model (its MTP depth an MoE block, logged as layer n_layers) with its experts split over 2
+    expert-parallel ranks of our DDP, 2 rows each: the losses, the MTP loss and every layer's expert loads (the
+    depth's included) follow the one-process run of the same 4 rows."""
+    args = [*[a for a in mtp_runs["args"] if not a.startswith("--max_iters")], "--max_iters=3", "--lr_decay_iters=4",
+            "--mtp_num_layers=1", "--mtp_loss_weight=0.3", "--moe_num_experts=4", "--moe_top_k=2",
+            "--moe_hidden_dim=16"]  # (no balancing loss: of 2 rows per rank it is not that of the 4 rows)
+    one, ep = tmp_path / "one", tmp_path / "ep"
+    run_cmd(train_cmd([*args, f"--out_dir={one}"]), env=_env())
+    run_cmd(train_cmd([*args, f"--out_dir={ep}", "--expert_parallel_size=2", "--batch_size=2"], 2), env=_env())
+    a, b = _rows(one), _rows(ep)
+    for s in (1, 2, 3):
+        for key in ("loss", "mtp_loss"):
+            assert abs(a[s][key] - b[s][key]) <= 1e-4 * abs(a[s][key]), (s, key, a[s][key], b[s][key])
+        assert len(a[s]["moe_tokens_per_expert"]) == 3 and "moe_load_max_mean_l2" in a[s]  # blocks 0, 1 + depth 2
+    assert a[1]["moe_tokens_per_expert"] == b[1]["moe_tokens_per_expert"]  # the same routing before any update
