@@ -277,7 +277,7 @@ class Transformer(nn.Module):
         # multi-token prediction's extra blocks (model/mtp.py), built and initialised after the rest, so that a seed
         # gives the model the same weights with and without them; absent without them (no `mtp.*` state dict keys)
         if cfg.mtp_num_layers:
-            self.mtp = MultiTokenPrediction(cfg)
+            self.mtp = MultiTokenPrediction(cfg, RMSNorm, TransformerBlock)
             self.mtp.apply(self._init_weights)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight

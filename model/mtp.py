@@ -67,14 +67,13 @@ class MTPDepth(nn.Module):
     """One MTP module: the two input norms, the [2D -> D] projection, a transformer block (dense or MoE by the
     model's rule for block n_layers + k) and its own final norm; the embedding and LM head are the model's."""
 
-    def __init__(self, cfg: Any, k: int) -> None:
+    def __init__(self, cfg: Any, k: int, norm_cls: type, block_cls: type) -> None:
         super().__init__()
-        from model.llama import RMSNorm, TransformerBlock  # (model/llama.py builds this module: no import cycle)
         norm = (cfg.dim, cfg.norm_eps, cfg.fused_rmsnorm, cfg.kernel_backend)
-        self.enorm, self.hnorm = RMSNorm(*norm), RMSNorm(*norm)
+        self.enorm, self.hnorm = norm_cls(*norm), norm_cls(*norm)
         self.eh_proj = nn.Linear(2 * cfg.dim, cfg.dim, bias=False)
-        self.block = TransformerBlock(cfg, cfg.n_layers + k)
-        self.norm = RMSNorm(*norm)
+        self.block = block_cls(cfg, cfg.n_layers + k)
+        self.norm = norm_cls(*norm)
         self.cfg = cfg
 
     def forward(self, h: torch.Tensor, e: torch.Tensor, head_weight: torch.Tensor, cos, sin, spec,
@@ -86,12 +85,13 @@ class MTPDepth(nn.Module):
 
 
 class MultiTokenPrediction(nn.Module):
-    """The D MTP modules (`depths`) and what their training forwards recorded since the last `take`."""
+    """The D MTP modules (`depths`) and what their training forwards recorded since the last `take`. `norm_cls` and
+    `block_cls` are the model's RMSNorm and TransformerBlock (model/llama.py passes its own: no import cycle)."""
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Any, norm_cls: type, block_cls: type) -> None:
         super().__init__()
         self.cfg = cfg
-        self.depths = nn.ModuleList(MTPDepth(cfg, k) for k in range(cfg.mtp_num_layers))
+        self.depths = nn.ModuleList(MTPDepth(cfg, k, norm_cls, block_cls) for k in range(cfg.mtp_num_layers))
         self._loss: Optional[torch.Tensor] = None   # sum over forwards of the depths' summed losses, with grad
         self._stats: Optional[torch.Tensor] = None  # [D, 2] fp64: (summed loss, targets) per depth, detached
 

@@ -101,15 +101,14 @@ class _Problems(list):
 
 def loaded_mtp_problems(cfg: TrainConfig, depths: int, source: str) -> list[str]:
     """What a run cannot do with a model whose multi-token prediction depths came from its weights (`source`'s
-    model_config.json) rather than from --mtp_num_layers, which validate_config checked: the layouts and adapters
-    that would leave the depths out (a pipeline stage's or LoRA's checkpoint would lose them) or unsharded."""
-    out = []
-    for on, flag in ((cfg.pipeline_parallel_size > 1, f"--pipeline_parallel_size={cfg.pipeline_parallel_size}"),
-                     (cfg.tensor_parallel_size > 1, f"--tensor_parallel_size={cfg.tensor_parallel_size}"),
-                     (cfg.lora_rank > 0, f"--lora_rank={cfg.lora_rank}")):
-        if on:
-            out.append(f"the model of {source} has {depths} multi-token prediction depth(s) (mtp_num_layers), which "
-                       f"{flag} cannot run (docs/model.md, \"Multi-token prediction\")")
+    model_config.json) rather than from --mtp_num_layers, which validate_config checked: the layouts that cannot
+    hold the depths (the engines' declarations decide, parallel/config.py) and LoRA, whose checkpoints would
+    lose them."""
+    asked_by = f"the model of {source} with {depths} multi-token prediction depth(s) (mtp_num_layers)"
+    out = parallel_section(cfg).problems(needs={asked_by: "multi_token_prediction"})
+    if cfg.lora_rank > 0:
+        out.append(f"{asked_by} cannot be combined with --lora_rank={cfg.lora_rank} (the depths have no place in a "
+                   "PEFT adapter of a Llama model)")
     return out
 
 

@@ -160,7 +160,8 @@ def test_a_checkpoints_depths_are_refused_where_they_would_be_lost(mtp_runs, tmp
     code, err = run_main([*mtp_runs["args"], f"--out_dir={tmp_path / 'run'}", "--max_iters=1",
                           f"--init_from={mtp_runs['w3']}", "--lora_rank=2"], capsys)
     assert code == EXIT_BAD_CONFIG, err
-    assert_one_error_line(err, "has 2 multi-token prediction depth(s) (mtp_num_layers), which --lora_rank=2 cannot")
+    assert_one_error_line(err, "with 2 multi-token prediction depth(s) (mtp_num_layers) cannot be combined with "
+                                "--lora_rank=2")
 
 
 def test_moe_depths_under_expert_parallelism_follow_one_process(mtp_runs, tmp_path):
@@ -179,3 +180,17 @@ def test_moe_depths_under_expert_parallelism_follow_one_process(mtp_runs, tmp_pa
             assert abs(a[s][key] - b[s][key]) <= 1e-4 * abs(a[s][key]), (s, key, a[s][key], b[s][key])
         assert len(a[s]["moe_tokens_per_expert"]) == 3 and "moe_load_max_mean_l2" in a[s]  # blocks 0, 1 + depth 2
     assert a[1]["moe_tokens_per_expert"] == b[1]["moe_tokens_per_expert"]  # the same routing before any update
+
+
+def test_layouts_that_cannot_hold_a_checkpoints_depths_are_named():
+    """loaded_mtp_problems asks the engines' declarations (parallel/config.py): pipeline stages and tensor
+    parallelism cannot hold the depths; our DDP, FSDP and context parallelism can."""
+    from trainer.config import TrainConfig
+    from trainer.validation import loaded_mtp_problems
+    asked = "the model of ckpt with 1 multi-token prediction depth(s) (mtp_num_layers) cannot be combined with"
+    for kw, flag in (({"pipeline_parallel_size": 2, "gradient_accumulation_steps": 2}, "--pipeline_parallel_size=2"),
+                     ({"parallel": "fsdp", "tensor_parallel_size": 2}, "--tensor_parallel_size=2")):
+        got = loaded_mtp_problems(TrainConfig(**kw), 1, "ckpt")
+        assert len(got) == 1 and got[0].startswith(f"{asked} {flag} ("), got
+    for kw in ({}, {"parallel": "fsdp"}, {"context_parallel_size": 2}, {"expert_parallel_size": 2}):
+        assert loaded_mtp_problems(TrainConfig(**kw), 1, "ckpt") == [], kw
