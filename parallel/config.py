@@ -82,10 +82,6 @@ EP_DDP_REFUSES: dict[str, str] = {
     "low_precision_optimizer_states": "the bf16 moments live in the one-launch AdamW, which does not step "
                                       "expert-parallel shards",
 }
-# what tensor parallelism refuses (--tensor_parallel_size > 1)
-TP_REFUSES: dict[str, str] = {
-    "multi_token_prediction": "the tensor-parallel plan does not lay out the MTP blocks yet",
-}
 # what sequence parallelism refuses (--sequence_parallel=true)
 SP_REFUSES: dict[str, str] = {
     "rollouts": "decoding feeds one position per row at a time, which sequence parallelism cannot split over the "
@@ -304,7 +300,6 @@ class ParallelConfig(ParallelFlags):
                 out.append(problem)
         out.extend(self._combination_problems())
         for on, engine_flag, refuses in ((self.cp > 1, f"--context_parallel_size={self.cp}", CP_REFUSES),
-                                         (self.tp > 1, f"--tensor_parallel_size={self.tp}", TP_REFUSES),
                                          (self.sequence_parallel and self.tp > 1, "--sequence_parallel=true",
                                           SP_REFUSES)):
             for asked_by, what in (needs or {}).items() if on else ():

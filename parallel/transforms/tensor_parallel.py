@@ -8,7 +8,9 @@ and Triton RMSNorm, RoPE and SwiGLU see plain local tensors). The embedding is v
 (rows of the table per rank, torch's masked lookup + all-reduce), the LM head is sharded on the
 vocabulary, and its loss (model/vocab_parallel_loss.py) all-reduces the softmax's max and sum over
 the tensor group instead of gathering logits; without labels (evaluation of logits, generation) the
-logits are all-gathered. The norms and the residual stream are replicated on the tensor ranks.
+logits are all-gathered. The norms and the residual stream are replicated on the tensor ranks. Multi-token
+prediction's depths (model/mtp.py) are split the same way: their blocks as blocks, their projection and norms
+replicated (partial gradients under sequence parallelism), their final norm's output gathered like the model's.
 
 Built on `torch.distributed.tensor.parallel.parallelize_module` (ColwiseParallel / RowwiseParallel):
 the collectives are torch's (NCCL on CUDA, gloo on CPU). FSDP2 then shards the result over the
@@ -86,8 +88,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: boo
     if problems:
         raise ValueError("cannot split the model for tensor parallelism: " + "; ".join(problems))
     from model.moe import MoEFeedForward
-    # a full model's ModuleList, or a pipeline stage's ModuleDict (Transformer.pruned)
-    blocks = blocks_of(model.layers)
+    # a full model's ModuleList, or a pipeline stage's ModuleDict (Transformer.pruned); multi-token prediction's
+    # depths (model/mtp.py) hold one block each, split like the others
+    depths = list(getattr(getattr(model, "mtp", None), "depths", []))
+    blocks = blocks_of(model.layers) + [d.block for d in depths]
     for block in blocks:
         wrapped = [n for n, m in block.named_modules()
                    if n.endswith("_proj") and type(m) not in (nn.Linear, LoRALinear)]
@@ -132,8 +136,12 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: boo
     }
     if sequence_parallel:  # the LM head (and its vocabulary-parallel loss) reads the whole sequence
         root["norm"] = PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate())
+        for k in range(len(depths)):  # so do the depths' (their projection and norms work on the local positions)
+            root[f"mtp.depths.{k}.norm"] = PrepareModuleOutput(output_layouts=Shard(1),
+                                                               desired_output_layouts=Replicate())
     # a pipeline stage holds the embedding only on the first stage, norm + head only on the last
-    root = {name: style for name, style in root.items() if getattr(model, name, None) is not None}
+    root = {name: style for name, style in root.items() if name.startswith("mtp.") or
+            getattr(model, name, None) is not None}
     if root:
         parallelize_module(model, tp_mesh, root)
     if tied:  # one weight, sharded the same way (on the vocabulary) for both uses
@@ -145,7 +153,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: boo
             model.register_forward_pre_hook(_sequence_length_check(tp), with_kwargs=True)
         else:  # a later pipeline stage: its hidden input is this rank's slice of the sequence (the previous stage's)
             model.hidden_input_seq_split = tp
-        partial += [n for n, p in model.named_parameters() if "norm" in n.rsplit(".", 2)[-2]]
+        partial += [n for n, p in model.named_parameters() if "norm" in n.rsplit(".", 2)[-2]
+                    or n.endswith(".eh_proj.weight")]  # (MTP's projection too: each rank saw its positions)
     if partial:
         from optimizer.fsdp_optimizer import TP_PARTIAL_ATTR
         # recorded on the model for the optimizer, which all-reduces these gradients over the tensor group

@@ -117,11 +117,15 @@ def test_export_leaves_the_depths_out(mtp_runs, tmp_path, capsys):
 @pytest.mark.parametrize("nproc, extra", [
     (2, ["--context_parallel_size=2"]),
     (2, ["--parallel=fsdp", "--batch_size=2"]),
-], ids=["cp2", "fsdp2"])
+    (2, ["--parallel=fsdp", "--tensor_parallel_size=2"]),
+    (2, ["--parallel=fsdp", "--tensor_parallel_size=2", "--sequence_parallel=true"]),
+], ids=["cp2", "fsdp2", "tp2", "tp2_sp"])
 def test_two_ranks_follow_one_process(mtp_runs, tmp_path, nproc, extra):
     """fp32, the run at weight 0.3 over 2 gloo ranks: sequences split over 2 context-parallel ranks (the shifted
-    targets built from whole rows first), or FSDP over 2 data-parallel ranks (the depths their own units) with the
-    same global batch; every step's loss and MTP loss follow the one-process run (summation order only)."""
+    targets built from whole rows first), FSDP over 2 data-parallel ranks (the depths their own units) with the
+    same global batch, or the depths' blocks split over 2 tensor-parallel ranks like the model's (with sequence
+    parallelism: their projections and norms on each rank's positions, the norm's output gathered for the
+    vocabulary-parallel loss); every step's loss and MTP loss follow the one-process run (summation order only)."""
     args = [a for a in mtp_runs["args"] if not a.startswith("--max_iters")]
     out = tmp_path / "run"
     run_cmd(train_cmd([*args, "--max_iters=3", "--lr_decay_iters=4", f"--out_dir={out}", "--mtp_num_layers=2",
@@ -138,9 +142,7 @@ def test_two_ranks_follow_one_process(mtp_runs, tmp_path, nproc, extra):
     (["--mtp_num_layers=1", "--lora_rank=2"], "--mtp_num_layers=1 cannot be combined with --lora_rank=2"),
     (["--mtp_num_layers=1", "--pipeline_parallel_size=2"],
      "--mtp_num_layers=1 cannot be combined with --pipeline_parallel_size"),
-    (["--mtp_num_layers=1", "--parallel=fsdp", "--tensor_parallel_size=2"],
-     "--mtp_num_layers=1 cannot be combined with --tensor_parallel_size=2"),
-], ids=["negative", "weight", "lora", "pp", "tp"])
+], ids=["negative", "weight", "lora", "pp"])
 def test_bad_mtp_flags_one_line_exit_2(tiny_pretrain_run_args, tmp_path, capsys, extra, needle):
     code, err = run_main([*tiny_pretrain_run_args, f"--out_dir={tmp_path / 'run'}", "--max_iters=1", *extra], capsys)
     assert code == EXIT_BAD_CONFIG, err
@@ -183,14 +185,53 @@ def test_moe_depths_under_expert_parallelism_follow_one_process(mtp_runs, tmp_pa
 
 
 def test_layouts_that_cannot_hold_a_checkpoints_depths_are_named():
-    """loaded_mtp_problems asks the engines' declarations (parallel/config.py): pipeline stages and tensor
-    parallelism cannot hold the depths; our DDP, FSDP and context parallelism can."""
+    """loaded_mtp_problems asks the engines' declarations (parallel/config.py): pipeline stages cannot hold the
+    depths; our DDP, FSDP, tensor, context and expert parallelism can."""
     from trainer.config import TrainConfig
     from trainer.validation import loaded_mtp_problems
     asked = "the model of ckpt with 1 multi-token prediction depth(s) (mtp_num_layers) cannot be combined with"
-    for kw, flag in (({"pipeline_parallel_size": 2, "gradient_accumulation_steps": 2}, "--pipeline_parallel_size=2"),
-                     ({"parallel": "fsdp", "tensor_parallel_size": 2}, "--tensor_parallel_size=2")):
-        got = loaded_mtp_problems(TrainConfig(**kw), 1, "ckpt")
-        assert len(got) == 1 and got[0].startswith(f"{asked} {flag} ("), got
-    for kw in ({}, {"parallel": "fsdp"}, {"context_parallel_size": 2}, {"expert_parallel_size": 2}):
+    got = loaded_mtp_problems(TrainConfig(pipeline_parallel_size=2, gradient_accumulation_steps=2), 1, "ckpt")
+    assert len(got) == 1 and got[0].startswith(f"{asked} --pipeline_parallel_size=2 ("), got
+    for kw in ({}, {"parallel": "fsdp"}, {"parallel": "fsdp", "tensor_parallel_size": 2},
+               {"context_parallel_size": 2}, {"expert_parallel_size": 2}):
         assert loaded_mtp_problems(TrainConfig(**kw), 1, "ckpt") == [], kw
+
+
+def _tp_layout(rank: int, world: int, out_path: str) -> None:
+    """The tensor-parallel transform on a model with 2 depths, on 2 gloo ranks: how each depth is laid out."""
+    import json
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from parallel.transforms.tensor_parallel import apply_tensor_parallel
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4, hidden_dim=48, max_seq_len=16,
+                                    mtp_num_layers=2))
+    partial = apply_tensor_parallel(model, init_device_mesh("cpu", (world,)), sequence_parallel=True)
+    depth = model.mtp.depths[1]
+    got = {"q": [str(p) for p in depth.block.self_attn.q_proj.weight.placements],
+           "q_local": list(depth.block.self_attn.q_proj.weight.to_local().shape),
+           "down": [str(p) for p in depth.block.mlp.down_proj.weight.placements],
+           "eh_proj_plain": not isinstance(depth.eh_proj.weight, DTensor),
+           "partial": sorted(n for n in partial if n.startswith("mtp.depths.1."))}
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(got, f)
+
+
+def test_tensor_parallelism_splits_the_depths_blocks(tmp_path):
+    """Under tp 2 with sequence parallelism each depth's block is split as the model's are (q column-parallel,
+    down row-parallel: half the rows / columns per rank); its projection and norms stay whole on every rank and
+    their gradients are summed over the tensor group (each rank saw half the positions)."""
+    import json
+
+    from tests.dist_helpers import spawn
+    out = tmp_path / "layout.json"
+    spawn(_tp_layout, 2, str(out))
+    got = json.loads(out.read_text())
+    assert got["q"] == ["S(0)"] and got["q_local"] == [16, 32] and got["down"] == ["S(1)"]
+    assert got["eh_proj_plain"]
+    assert got["partial"] == ["mtp.depths.1.block.input_layernorm.weight", "mtp.depths.1.block.post_attention_layernorm"
+                              ".weight", "mtp.depths.1.eh_proj.weight", "mtp.depths.1.enorm.weight",
+                              "mtp.depths.1.hnorm.weight", "mtp.depths.1.norm.weight"]
