@@ -3,7 +3,9 @@
 #   python train_my_ddp.py config/moe_deepseek_demo.py --data_dir=demo_out/pretok --tokenizer_dir=demo_out/tokenizer
 # DeepSeek-V3's choices at toy scale: the first block dense, then 16 fine-grained routed experts (4 per token) and
 # one shared expert per block; sigmoid scores; group-limited routing (4 groups, a token's experts from its best 2);
-# the routed output scaled (2.5); balanced by the selection bias, plus a tiny sequence-wise auxiliary loss.
+# the routed output scaled (2.5); balanced by the selection bias, plus a tiny sequence-wise auxiliary loss; one
+# multi-token prediction depth (an MoE block too) trained beside the loss at weight 0.3 (docs/model.md
+# "Multi-token prediction"; left out of exports).
 # Muon steps the hidden matrices, each expert's apart (docs/optimizer.md). A model of this shape does not export
 # to Mixtral (shared experts, sigmoid, groups, scaling); sample.py and the plain checkpoint read it.
 # Several ranks: torchrun --nproc_per_node=2 train_my_ddp.py config/moe_deepseek_demo.py ... --expert_parallel_size=2
@@ -26,6 +28,8 @@ moe_routed_scaling = 2.5
 moe_bias_update_rate = 0.001
 moe_aux_loss_coef = 0.0001
 moe_aux_loss_type = "sequence"
+mtp_num_layers = 1
+mtp_loss_weight = 0.3
 optimizer = "muon"
 batch_size = 16
 max_iters = 300
