@@ -111,7 +111,7 @@ def test_flag_checks():
     msg = str(e.value)
     for part in ("--reward_weights='1,2': 2 finite weights for 1 reward functions (exact_match)",
                  "--max_prompt_length=60 + --max_completion_length=8 must be <= --max_seq_len=64",
-                 "--temperature=0.0: must be a finite number > 0", "--loss_type=ppo: grpo | dr_grpo | dapo | cispo",
+                 "--temperature=0.0: must be a finite number > 0", "--loss_type=ppo: grpo | dr_grpo | dapo | cispo | sapo",
                  "--epsilon=1.5: must be in (0, 1)"):
         assert part in msg
     with pytest.raises(TrainingError) as e:
@@ -121,6 +121,11 @@ def test_flag_checks():
         assert part in str(e.value)
     with pytest.raises(TrainingError, match="--loss_type=cispo caps its weight"):
         validate_config(_cfg(delta=1.5, loss_type="cispo"), torch_free=True)
+    with pytest.raises(TrainingError) as e:
+        validate_config(_cfg(delta=1.5, loss_type="sapo", sapo_temperature_neg=0.0), torch_free=True)
+    for part in ("--loss_type=sapo has no clip (its gate is soft)",
+                 "--sapo_temperature_neg=0.0: must be a finite number > 0"):
+        assert part in str(e.value)
     validate_config(_cfg(), torch_free=True)  # the defaults are a valid GRPO run
     validate_config(_cfg(delta=1.5, importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4),
                     torch_free=True)

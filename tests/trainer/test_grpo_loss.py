@@ -152,6 +152,9 @@ def test_the_tasks_batch_scale_spans_every_micro_batch_of_the_step():
 
 # --- CISPO, two-sided clipping (delta), sequence-level ratios (GSPO) ----------------------------------------------
 
+SAPO_TAUS = (0.8, 1.6)  # (positive, negative advantage): not TRL's defaults, so that a swap shows
+
+
 def variant_loss(logp: list, loss_type: str, eps: float, eps_high: float, delta: float = 0.0, level: str = "token",
                  beta: float = 0.0) -> float:
     """The variants' objectives written out per completion and token (python floats), token-level average (dapo's
@@ -165,13 +168,16 @@ def variant_loss(logp: list, loss_type: str, eps: float, eps_high: float, delta:
             r = seq if level == "sequence" else math.exp(logp[i][t] - OLD[i][t])
             if loss_type == "cispo":
                 term = -min(r, 1 + eps_high) * adv[i] * logp[i][t]  # the value; its gradient is the weight's alone
+            elif loss_type == "sapo":
+                tau = SAPO_TAUS[0] if adv[i] > 0 else SAPO_TAUS[1]
+                term = -(4 / tau) / (1 + math.exp(-tau * (r - 1))) * adv[i]
             else:
                 unclipped = (min(r, delta) if delta > 0 else r) * adv[i]
                 term = -min(unclipped, min(max(r, 1 - eps), 1 + eps_high) * adv[i])
             ref = OLD[i][t] + DELTAS[i][t] + REF_SHIFT[i][t]  # the frozen reference's: fixed when logp moves
             s += term + beta * (math.exp(ref - logp[i][t]) - (ref - logp[i][t]) - 1)
         per_completion.append(s)
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         return sum(s / n for s, n in zip(per_completion, LENGTHS)) / len(LENGTHS)
     return sum(per_completion) / tokens
 
@@ -183,13 +189,14 @@ def ours_variant(logps: torch.Tensor, loss_type: str, eps: float, eps_high: floa
     adv = group_advantages(torch.tensor(REWARDS, dtype=torch.float64), G, "group").double()
     terms = per_token_terms(logps, old, adv, epsilon=eps, epsilon_high=eps_high, beta=beta,
                             ref_logps=(logps + torch.tensor(REF_SHIFT, dtype=torch.float64)).detach() if beta else None,
-                            loss_type=loss_type, delta=delta, level=level, mask=mask)
+                            loss_type=loss_type, delta=delta, level=level, mask=mask, sapo_temperatures=SAPO_TAUS)
     return aggregate(terms["loss"], mask, loss_type, L_MAX) / units_of(loss_type, len(LENGTHS), sum(LENGTHS))
 
 
 VARIANTS = [("cispo", 0.2, 0.28, 0.0, "token", 0.0), ("cispo", 0.2, 0.1, 0.0, "sequence", 0.04),
             ("dapo", 0.2, 0.28, 1.3, "token", 0.0), ("grpo", 0.2, 0.28, 1.3, "token", 0.05),
-            ("dapo", 0.05, 0.06, 0.0, "sequence", 0.0), ("grpo", 0.1, 0.2, 1.25, "sequence", 0.0)]
+            ("dapo", 0.05, 0.06, 0.0, "sequence", 0.0), ("grpo", 0.1, 0.2, 1.25, "sequence", 0.0),
+            ("sapo", 0.2, 0.28, 0.0, "token", 0.0), ("sapo", 0.2, 0.28, 0.0, "sequence", 0.04)]
 
 
 def _logps() -> torch.Tensor:
@@ -228,9 +235,11 @@ def test_variants_equal_their_formulas_value_and_gradient(loss_type, eps, eps_hi
 
 @pytest.mark.parametrize("variant,mutated", [(VARIANTS[2], ("dapo", 0.2, 0.28, 0.0, "token", 0.0)),
                                              (VARIANTS[4], ("dapo", 0.05, 0.06, 0.0, "token", 0.0)),
-                                             (VARIANTS[0], ("cispo", 0.2, 0.5, 0.0, "token", 0.0))])
+                                             (VARIANTS[0], ("cispo", 0.2, 0.5, 0.0, "token", 0.0)),
+                                             (VARIANTS[6], ("grpo", 0.2, 0.28, 0.0, "token", 0.0))])
 def test_each_option_changes_the_loss(variant, mutated):
-    """delta, the sequence level and CISPO's cap each move the loss on these tensors (the tests above can fail)."""
+    """delta, the sequence level, CISPO's cap and SAPO's gate each move the loss on these tensors (the tests above
+    can fail)."""
     a, b = (float(ours_variant(_logps(), *v).detach()) for v in (variant, mutated))
     assert abs(a - b) > 1e-3
 

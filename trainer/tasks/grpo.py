@@ -228,7 +228,8 @@ class GRPOTask(Task):
             is_w = torch.exp(old - gen).clamp(max=cfg.importance_sampling_cap)
         terms = per_token_terms(logps, old, adv, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high or cfg.epsilon,
                                 beta=cfg.beta, ref_logps=ref, is_weights=is_w, loss_type=cfg.loss_type,
-                                delta=cfg.delta, level=cfg.importance_sampling_level, mask=mask)
+                                delta=cfg.delta, level=cfg.importance_sampling_level, mask=mask,
+                                sapo_temperatures=(cfg.sapo_temperature_pos, cfg.sapo_temperature_neg))
         loss = aggregate(terms["loss"], mask, cfg.loss_type, cfg.max_completion_length)
         on = mask > 0
         diff = torch.where(on, (old - gen).abs(), torch.zeros_like(gen))  # trainer vs sampler, same policy

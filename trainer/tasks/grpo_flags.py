@@ -14,7 +14,7 @@ from typing import Any
 from utils.configurator import flag as _f
 
 BUILTIN_REWARDS = ("exact_match", "numeric_match", "format")
-LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "cispo")  # trainer/tasks/grpo_loss.py (kept here torch-free)
+LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "cispo", "sapo")  # trainer/tasks/grpo_loss.py (kept here torch-free)
 IS_LEVELS = ("token", "sequence")
 SCALE_REWARDS = ("group", "batch", "none")
 
@@ -47,7 +47,12 @@ class GRPOFlags:
                         "the step, all ranks (DAPO, Yu et al. 2025; the default of recent TRL releases) | cispo = "
                         "dapo's average of CISPO's term: the importance weight capped at 1 + epsilon_high and "
                         "detached, times the log-probability (MiniMax-M1, Chen et al. 2025; no token's gradient "
-                        "is dropped)")
+                        "is dropped) | sapo = grpo's average of SAPO's soft gate in place of the clip, "
+                        "-(4/tau) sigmoid(tau (ratio - 1)) A (Gao et al. 2025; --sapo_temperature_pos / _neg)")
+    sapo_temperature_pos: float = _f(1.0, "grpo: SAPO's gate temperature for tokens of positive advantage (TRL's; "
+                                     "larger = a narrower trust region)")
+    sapo_temperature_neg: float = _f(1.05, "grpo: SAPO's gate temperature for tokens of negative advantage (the "
+                                     "paper keeps it above the positive one: negative updates fade sooner)")
     delta: float = _f(0.0, "grpo: two-sided clipping: the unclipped term's ratio is capped at delta too (INTELLECT-2; "
                       "TRL's delta), > 1 + epsilon_high; 0 = off")
     importance_sampling_level: str = _f("token", "grpo: token = one probability ratio per token | sequence = one per "
@@ -149,9 +154,12 @@ def grpo_problems(cfg: Any, resume_policy: str) -> list[str]:
     high = 1 + (cfg.epsilon_high or cfg.epsilon)
     need(math.isfinite(cfg.delta) and (cfg.delta == 0 or cfg.delta > high), "delta",
          f"must be 0 (off) or > 1 + epsilon_high = {high:g}")
-    if cfg.delta and cfg.loss_type == "cispo":
-        out.append("--delta: two-sided clipping is the clipped objective's; --loss_type=cispo caps its weight at "
-                   "1 + epsilon_high already")
+    if cfg.delta and cfg.loss_type in ("cispo", "sapo"):
+        out.append(f"--delta: two-sided clipping is the clipped objective's; --loss_type={cfg.loss_type} "
+                   + ("caps its weight at 1 + epsilon_high already" if cfg.loss_type == "cispo" else
+                      "has no clip (its gate is soft)"))
+    for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
+        need(math.isfinite(getattr(cfg, name)) and getattr(cfg, name) > 0, name, "must be a finite number > 0")
     need(cfg.scale_rewards in SCALE_REWARDS, "scale_rewards", " | ".join(SCALE_REWARDS))
     need(math.isfinite(cfg.numeric_tolerance) and cfg.numeric_tolerance >= 0, "numeric_tolerance", "must be >= 0")
     need(math.isfinite(cfg.importance_sampling_cap) and cfg.importance_sampling_cap > 0, "importance_sampling_cap",

@@ -18,6 +18,10 @@ Averaged by --loss_type:
     cispo:   dapo's average of CISPO's token term (MiniMax-M1, Chen et al. 2025): the importance weight capped and
              detached multiplies the log-probability, l_t = -sg(min(ratio_t, 1 + epsilon_high)) A_i log pi_theta(o_t)
              + beta KL_t: no token's gradient is dropped, the large weights are bounded instead
+    sapo:    grpo's average (each completion weighs the same) of SAPO's soft gate in place of the clip (Gao et al.
+             2025, "Soft Adaptive Policy Optimization"; TRL's loss_type="sapo"): l_t = -(4 / tau) sigmoid(tau
+             (ratio_t - 1)) A_i + beta KL_t, tau = sapo_temperature_pos where A_i > 0, else _neg: the gradient is
+             the policy gradient's at ratio 1 and fades smoothly as the ratio leaves 1 (no hard cut)
 Two options of the clipped objective (TRL's names):
     delta > 0 (two-sided clipping, INTELLECT-2): the unclipped term's ratio is capped at delta too, bounding the
               loss of a negative-advantage token whose ratio ran away (delta > 1 + epsilon_high)
@@ -31,9 +35,10 @@ from typing import Optional
 
 import torch
 
-LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "cispo")
+LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "cispo", "sapo")
 IS_LEVELS = ("token", "sequence")
 TOKEN_AVERAGED = ("dapo", "cispo")  # the loss types whose units are the step's completion tokens
+PER_COMPLETION_MEAN = ("grpo", "sapo")  # the loss types averaging each completion's tokens, then the completions
 SCALE_REWARDS = ("group", "batch", "none")
 ADV_EPS = 1e-4  # TRL's: a group whose rewards all agree has std 0 and advantage 0, never a division by zero
 
@@ -71,11 +76,13 @@ def per_token_terms(logps: torch.Tensor, old_logps: torch.Tensor, advantages: to
                     epsilon_high: Optional[float] = None, beta: float = 0.0,
                     ref_logps: Optional[torch.Tensor] = None,
                     is_weights: Optional[torch.Tensor] = None, loss_type: str = "dapo", delta: float = 0.0,
-                    level: str = "token", mask: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
+                    level: str = "token", mask: Optional[torch.Tensor] = None,
+                    sapo_temperatures: tuple[float, float] = (1.0, 1.05)) -> dict[str, torch.Tensor]:
     """Per-token terms, all [B, T] (padding included; `aggregate` masks it):
     loss (the l_t above, times `is_weights` when given: the truncated importance-sampling correction),
     kl (0 without a reference), clipped (1.0 where the clip took effect: ratio below 1 - epsilon with A < 0,
-    above 1 + epsilon_high with A > 0, above delta with A < 0; cispo: above its cap), ratio.
+    above 1 + epsilon_high with A > 0, above delta with A < 0; cispo: above its cap; sapo: never, its gate is
+    soft), ratio. sapo_temperatures: SAPO's (tau for A > 0, tau for A <= 0).
     level "sequence" needs `mask` (1 on completion tokens: whose log-ratios are averaged)."""
     if level not in IS_LEVELS:
         raise ValueError(f"importance_sampling_level={level!r}: expected {' | '.join(IS_LEVELS)}")
@@ -93,6 +100,11 @@ def per_token_terms(logps: torch.Tensor, old_logps: torch.Tensor, advantages: to
         cap = 1.0 + eps_high
         loss = -torch.clamp(ratio, max=cap).detach() * adv * logps
         was_clipped = (ratio > cap).expand_as(logps)
+    elif loss_type == "sapo":
+        pos, neg = sapo_temperatures
+        tau = torch.where(adv > 0, torch.full_like(adv, pos), torch.full_like(adv, neg))
+        loss = -(torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau) * adv).expand_as(logps)
+        was_clipped = torch.zeros_like(logps, dtype=torch.bool)
     else:
         unclipped = (torch.clamp(ratio, max=delta) if delta > 0 else ratio) * adv
         clipped = torch.clamp(ratio, 1.0 - epsilon, 1.0 + eps_high) * adv
@@ -115,11 +127,11 @@ def per_token_terms(logps: torch.Tensor, old_logps: torch.Tensor, advantages: to
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, max_completion_length: int) -> torch.Tensor:
     """The loss of these rows summed over the task's units (`units_of`): per completion the mean over its
-    tokens (grpo), its sum over L_max (dr_grpo); the sum over every token (dapo). mask [B, T]: 1 on completion
-    tokens."""
+    tokens (grpo, sapo), its sum over L_max (dr_grpo); the sum over every token (dapo, cispo). mask [B, T]: 1 on
+    completion tokens."""
     m = mask.to(per_token.dtype)
     summed = torch.where(m > 0, per_token, torch.zeros_like(per_token)).sum(dim=-1)  # padding never leaks a nan
-    if loss_type == "grpo":
+    if loss_type in PER_COMPLETION_MEAN:
         return (summed / m.sum(dim=-1).clamp(min=1.0)).sum()
     if loss_type == "dr_grpo":
         return summed.sum() / float(max_completion_length)
