@@ -13,6 +13,16 @@ def test_flops_per_token_formula():
     assert flops.flops_per_token(cfg, 16) == 6 * n_matmul + 12 * 2 * 32 * 16
 
 
+def test_mtp_depths_count_as_blocks_with_a_pass_of_the_lm_head_each():
+    """Each multi-token prediction depth adds its own parameters (norms, projection, block; counted from the built
+    model) and one more pass of the shared LM head, and its block's attention term."""
+    cfg = ModelConfig(vocab_size=100, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=64, mtp_num_layers=2)
+    plain = ModelConfig(**{**cfg.to_dict(), "mtp_num_layers": 0})
+    depths = sum(p.numel() for n, p in Transformer(cfg).named_parameters() if n.startswith("mtp."))
+    assert flops.matmul_params(cfg) == flops.matmul_params(plain) + depths + 2 * 100 * 32
+    assert flops.flops_per_token(cfg, 16) == 6 * flops.matmul_params(cfg) + 12 * (2 + 2) * 32 * 16
+
+
 def test_causal_half_counts_the_keys_a_causal_query_sees():
     """causal_half: the attention term is what a causal kernel computes: query t scores t + 1 keys and sums t + 1
     values (2 matmuls x 2 FLOPs x dim each), forward + backward = 3x, per layer; averaged over the T positions it
