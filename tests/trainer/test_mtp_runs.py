@@ -86,9 +86,10 @@ def test_weight_zero_trains_the_trunk_as_without_mtp(mtp_runs):
     assert "mtp_loss" not in _rows(mtp_runs["plain"])[1]
 
 
-def test_mtp_run_resumes_exactly(mtp_runs, tmp_path):
+def test_mtp_run_resumes_exactly(mtp_runs, tmp_path, capsys):
     """A crash after step 3 (step 2's checkpoint holds the depths and their optimizer state): the resumed run
-    logs the uninterrupted run's losses and MTP losses and ends on its weights, bit for bit."""
+    logs the uninterrupted run's losses and MTP losses and ends on its weights, bit for bit. Resuming it with
+    another number of depths is refused (the model's shape is its checkpoint's)."""
     out = tmp_path / "crashed"
     args = [*mtp_runs["args"], f"--out_dir={out}", "--mtp_num_layers=2", "--mtp_loss_weight=0.3"]
     proc = run_trainer(train_cmd(args), env=_env(MYLLM_FAULT="crash@3"))
@@ -100,6 +101,9 @@ def test_mtp_run_resumes_exactly(mtp_runs, tmp_path):
     a, b = final_weights(mtp_runs["w3"]), final_weights(out)
     assert any(k.startswith("mtp.depths.1.") for k in a)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    code, err = run_main([f"--out_dir={out}", "--init_from=resume", "--max_iters=6", "--mtp_num_layers=1"], capsys)
+    assert code == EXIT_BAD_CONFIG, err
+    assert_one_error_line(err, "--mtp_num_layers=1 (the run used 2): the model's shape is fixed by its checkpoint")
 
 
 def test_export_leaves_the_depths_out(mtp_runs, tmp_path, capsys):
