@@ -43,6 +43,8 @@ class ModelConfig:
     moe_n_groups: int = 1              # DeepSeek-V3's group-limited routing: experts in this many groups (n_group) ...
     moe_topk_groups: int = 1           # ... a token's experts chosen from its best this many groups (topk_group)
     moe_routed_scaling: float = 1.0    # the routed experts' weights times this (routed_scaling_factor)
+    moe_capacity_factor: float = 0.0   # training: rows per expert at most ceil(f N k / E), padded (0 = dropless)
+    moe_token_drop_policy: str = "probs"  # past capacity drop the smallest weights (probs) or the latest (position)
 
     # --- multi-token prediction (model/mtp.py; DeepSeek-V3's sequential MTP, num_nextn_predict_layers)
     mtp_num_layers: int = 0            # extra blocks, depth k predicting the token k + 1 after the next (0 = off)
@@ -88,7 +90,9 @@ class ModelConfig:
             problem = moe_shape_problems(self.moe_num_experts, self.moe_top_k, self.moe_shared_experts,
                                          self.moe_hidden_dim or 0, self.moe_first_dense_layers, self.moe_score,
                                          n_groups=self.moe_n_groups, topk_groups=self.moe_topk_groups,
-                                         routed_scaling=self.moe_routed_scaling)
+                                         routed_scaling=self.moe_routed_scaling,
+                                         capacity_factor=self.moe_capacity_factor,
+                                         drop_policy=self.moe_token_drop_policy)
             if problem:
                 raise ValueError("; ".join(problem))
         if not 0 <= self.mtp_num_layers <= 16:

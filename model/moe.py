@@ -7,7 +7,11 @@ them (tokens to the ranks holding their experts after `dispatch`, back before `c
            (chosen on scores + `expert_bias`: DeepSeek-V3's auxiliary-loss-free balancing, the bias steers the
            choice only) and their weights (the scores of the chosen experts; renormalised to sum 1 when k > 1)
   dispatch the N*k (token, expert) pairs sorted by expert (stable): the token rows in that order and the count
-           per expert; dropless (no capacity, every pair computed)
+           per expert; dropless (no capacity, every pair computed) by default. With a capacity factor
+           (`dispatch_capacity`, training forwards only) each expert takes at most C = ceil(factor N k / E) rows,
+           padded to exactly C (static shapes: E x C rows whatever the routing), the pairs past C dropped by
+           routing weight or by position (GShard, Switch; Megatron's moe_expert_capacity_factor with
+           moe_pad_expert_input_to_capacity): a dropped pair adds nothing to its token (the residual carries it)
   experts  the SwiGLU of each expert on its rows: the grouped matmul (torch._grouped_mm / F.grouped_mm; gate and
            up in one), the fused loop (the loop's matmuls with the backward written out: no cat or stack, less
            saved for backward), or the reference loop
@@ -26,10 +30,11 @@ trainer reads between steps (`take_aux_losses`, `take_counts`): the losses and n
 take (training forwards with grad only; never an activation-checkpointing recompute) and the tokens per expert.
 
 Must never: read a tensor's value to the host on the grouped path (the loop reference does, by design), drop a
-token, or let the selection bias weigh an expert's output.
+token without a capacity factor, or let the selection bias weigh an expert's output.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Iterable, Optional
 
 import torch
@@ -40,6 +45,7 @@ import torch.nn.functional as F
 from model import kernels
 
 EXPERT_BACKENDS = ("auto", "grouped_mm", "fused_loop", "loop")
+DROP_POLICIES = ("probs", "position")  # utils/moe_flags.py (torch-free) has them too
 
 
 # ------------------------------------------------------------------------------------------ routing
@@ -78,6 +84,50 @@ def dispatch(x: torch.Tensor, idx: torch.Tensor, num_experts: int) -> tuple[torc
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=num_experts)
     return x.index_select(0, order // idx.shape[1]), counts, order  # (its backward: one index_add)
+
+
+def expert_capacity(n_tokens: int, top_k: int, num_experts: int, factor: float) -> int:
+    """The rows each expert takes per forward at capacity `factor`: ceil(factor x N k / E), at least 1 (from shapes:
+    no device read)."""
+    return max(1, math.ceil(factor * n_tokens * top_k / num_experts))
+
+
+def dispatch_capacity(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, num_experts: int, capacity: int,
+                      policy: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The pairs laid out in E x `capacity` rows: (rows [E*C, D], expert e's in rows e*C .. e*C + C - 1, the unused
+    ones zero; counts [E], C each; slot [N*k]: each (token * k + slot) pair's row, E*C where it was dropped). An
+    expert chosen by more than C pairs keeps the C of largest routing weight (policy "probs", ties by position) or
+    the first C in token order ("position"). No host read: every shape comes from N, k, E and C."""
+    n, k = idx.shape
+    flat = idx.reshape(-1)
+    if policy == "probs":
+        by_weight = torch.argsort(weights.detach().reshape(-1), descending=True, stable=True)
+        order = by_weight[torch.argsort(flat[by_weight], stable=True)]
+    elif policy == "position":
+        order = torch.argsort(flat, stable=True)
+    else:
+        raise ValueError(f"token drop policy must be one of {DROP_POLICIES}, got {policy!r}")
+    counts = torch.bincount(flat, minlength=num_experts)
+    expert = flat[order]
+    rank = torch.arange(flat.numel(), device=flat.device) - (torch.cumsum(counts, 0) - counts)[expert]
+    full = num_experts * capacity
+    slot = torch.empty_like(flat)
+    slot[order] = torch.where(rank < capacity, expert * capacity + rank, full)
+    # which pair fills each row (n * k: none, the zero row); the dropped pairs all land on the discarded entry `full`
+    src = torch.full((full + 1,), n * k, dtype=torch.long, device=flat.device)
+    src.scatter_(0, slot, torch.arange(n * k, device=flat.device))
+    token = torch.where(src[:full] < n * k, src[:full] // k, n)
+    rows = torch.cat([x, x.new_zeros(1, x.shape[-1])]).index_select(0, token)
+    return rows, torch.full_like(counts, capacity), slot
+
+
+def combine_capacity(rows: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """`dispatch_capacity`'s expert output rows [E*C, D] back to [N, D]: each token's kept rows times their weights,
+    summed; a dropped pair reads a zero row (no value, no gradient to its weight)."""
+    n, k = weights.shape
+    padded = torch.cat([rows, rows.new_zeros(1, rows.shape[-1])])
+    per_slot = padded.index_select(0, slot).view(n, k, rows.shape[-1])
+    return (per_slot * weights.to(rows.dtype).unsqueeze(-1)).sum(dim=1)
 
 
 def combine(rows: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -345,6 +395,8 @@ class MoEFeedForward(nn.Module):
         self.num_experts, self.top_k, self.score = cfg.moe_num_experts, cfg.moe_top_k, cfg.moe_score
         self.n_groups, self.topk_groups = cfg.moe_n_groups, cfg.moe_topk_groups
         self.routed_scaling = cfg.moe_routed_scaling
+        # training forwards only: evaluation and generation route dropless (as an exported Mixtral does)
+        self.capacity_factor, self.drop_policy = cfg.moe_capacity_factor, cfg.moe_token_drop_policy
         hidden = cfg.moe_hidden_dim or cfg.hidden_dim
         self.router = nn.Linear(cfg.dim, self.num_experts, bias=False)
         self.experts = GroupedExperts(self.num_experts, cfg.dim, hidden)
@@ -365,6 +417,7 @@ class MoEFeedForward(nn.Module):
         # [3]: balancing loss, z-loss and the number of forwards, summed over the forwards since the last take
         self._aux: Optional[torch.Tensor] = None
         self._step_counts: Optional[torch.Tensor] = None  # [E] fp32 tokens per expert since the last take
+        self._step_dropped: Optional[torch.Tensor] = None  # pairs dropped at capacity since the last take
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -380,8 +433,16 @@ class MoEFeedForward(nn.Module):
             seq = None if seq is None else share_of(seq, self.token_split_group)
         idx, weights, scores, logits = route(flat, self.router.weight, self.expert_bias, self.top_k, self.score,
                                              self.n_groups, self.topk_groups, self.routed_scaling)
-        rows, counts, order = dispatch(flat, idx, self.num_experts)
-        out = combine(self.experts(rows, counts), order, weights)
+        dropped = None
+        if self.capacity_factor > 0 and self.training:
+            cap = expert_capacity(flat.shape[0], self.top_k, self.num_experts, self.capacity_factor)
+            rows, padded, slot = dispatch_capacity(flat, idx, weights, self.num_experts, cap, self.drop_policy)
+            out = combine_capacity(self.experts(rows, padded), slot, weights)
+            counts = torch.bincount(idx.reshape(-1), minlength=self.num_experts)  # as routed: the loads, balancing
+            dropped = (slot == self.num_experts * cap).sum()
+        else:
+            rows, counts, order = dispatch(flat, idx, self.num_experts)
+            out = combine(self.experts(rows, counts), order, weights)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         if self.token_split_group is not None:
@@ -395,6 +456,9 @@ class MoEFeedForward(nn.Module):
             self._aux = aux if self._aux is None else self._aux + aux
             c = counts.detach().float()
             self._step_counts = c if self._step_counts is None else self._step_counts + c
+            if dropped is not None:
+                d = dropped.float()
+                self._step_dropped = d if self._step_dropped is None else self._step_dropped + d
         return self.resid_dropout(out.view(shape))
 
     def take_aux(self) -> Optional[torch.Tensor]:
@@ -404,6 +468,11 @@ class MoEFeedForward(nn.Module):
     def take_counts(self) -> torch.Tensor:
         c, self._step_counts = self._step_counts, None
         return c if c is not None else torch.zeros(self.num_experts, device=self.expert_bias.device)
+
+    def take_dropped(self) -> torch.Tensor:
+        """The (token, expert) pairs dropped at capacity since the last take (0 without a capacity factor)."""
+        d, self._step_dropped = self._step_dropped, None
+        return d if d is not None else torch.zeros((), device=self.expert_bias.device)
 
 
 # ------------------------------------------------------------------------------- the trainer's side

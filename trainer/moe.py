@@ -41,8 +41,10 @@ class MoETraining:
         self.aux_coef, self.z_coef, self.rate = cfg.moe_aux_loss_coef, cfg.moe_z_loss_coef, cfg.moe_bias_update_rate
         self.count_units = count_units
         # this step's statistics by micro-batch key (a later take of the same key replaces the earlier one: a
-        # pipeline schedule's shape inference runs micro-batch 0's forward once more): ([L, 3] losses, [L, E] counts)
-        self._filed: dict[Hashable, tuple[torch.Tensor, torch.Tensor]] = {}
+        # pipeline schedule's shape inference runs micro-batch 0's forward once more): ([L, 3] losses, [L, E] counts,
+        # [L] pairs dropped at capacity)
+        self._filed: dict[Hashable, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.capacity = any(getattr(layer, "capacity_factor", 0) > 0 for layer in layers)
 
     @classmethod
     def of(cls, cfg: Any, model: torch.nn.Module,
@@ -74,8 +76,9 @@ class MoETraining:
         if aux is None:
             return None
         counts = torch.stack([layer.take_counts() for layer in self.layers])
+        dropped = torch.stack([layer.take_dropped().to(counts.device) for layer in self.layers])
         if key is not None:
-            self._filed[key] = (aux.detach(), counts)
+            self._filed[key] = (aux.detach(), counts, dropped)
         if batch is None or not (self.aux_coef or self.z_coef):
             return None
         return (aux[:, 0].sum() * self.aux_coef + aux[:, 1].sum() * self.z_coef) * self.units(batch)
@@ -88,12 +91,15 @@ class MoETraining:
         n_all, n_exp = len(self.all_ids), self.layers[0].num_experts
         counts = torch.zeros(n_all, n_exp, dtype=torch.float64, device=device)
         aux = torch.zeros(n_all, 3, dtype=torch.float64, device=device)
+        dropped = torch.zeros(n_all, dtype=torch.float64, device=device)
         rows = torch.tensor(self.rows, device=device)
-        for a, c in self._filed.values():
+        for a, c, d in self._filed.values():
             aux.index_add_(0, rows, a.to(device, torch.float64))
             counts.index_add_(0, rows, c.to(device, torch.float64))
+            dropped.index_add_(0, rows, d.to(device, torch.float64))
         self._filed = {}
-        vec = engine.sum_statistics(torch.cat([counts.reshape(-1), aux.reshape(-1)]), device, to_host=False)
+        vec = engine.sum_statistics(torch.cat([counts.reshape(-1), aux.reshape(-1), dropped]), device,
+                                    to_host=False)
         if self.rate:
             total = vec[:counts.numel()].view_as(counts)
             for layer, r in zip(self.layers, self.rows):
@@ -102,11 +108,13 @@ class MoETraining:
 
     def read(self, copy: HostCopy) -> dict:
         """The metrics-row fields of a step: moe_aux_loss / moe_z_loss (raw, mean over layers and forwards),
-        moe_load_max_mean (the worst layer's max/mean tokens per expert) and per layer, tokens per expert."""
+        moe_load_max_mean (the worst layer's max/mean tokens per expert) and per layer, tokens per expert (as
+        routed); with a capacity factor moe_dropped_frac (the routed pairs dropped, all layers)."""
         vec = copy.get().double().cpu()
         n_layers, n_exp = len(self.all_ids), self.layers[0].num_experts
         counts = vec[:n_layers * n_exp].view(n_layers, n_exp)
-        aux = vec[n_layers * n_exp:].view(n_layers, 3)
+        aux = vec[n_layers * n_exp:n_layers * (n_exp + 3)].view(n_layers, 3)
+        dropped = vec[n_layers * (n_exp + 3):]
         forwards = max(1e-12, float(aux[:, 2].sum()))
         load = (counts.max(dim=1).values / counts.mean(dim=1).clamp_min(1e-12)).tolist()
         rec = {"moe_aux_loss": float(aux[:, 0].sum()) / forwards,
@@ -114,4 +122,6 @@ class MoETraining:
                "moe_load_max_mean": max(load)}
         rec.update({f"moe_load_max_mean_l{i}": v for i, v in zip(self.all_ids, load)})
         rec["moe_tokens_per_expert"] = [[int(round(c)) for c in row] for row in counts.tolist()]
+        if self.capacity:  # the share of the routed (token, expert) pairs dropped at capacity, all layers
+            rec["moe_dropped_frac"] = float(dropped.sum()) / max(1.0, float(counts.sum()))
         return rec

@@ -14,6 +14,7 @@ from utils.configurator import flag
 
 MOE_SCORES = ("softmax", "sigmoid")
 MOE_AUX_LOSS_TYPES = ("batch", "sequence")
+MOE_DROP_POLICIES = ("probs", "position")  # model/moe.py DROP_POLICIES
 MAX_EXPERTS = 4096
 
 
@@ -32,6 +33,14 @@ class MoEFlags:
     moe_topk_groups: int = flag(1, "with --moe_n_groups > 1: the groups a token's experts come from (topk_group)")
     moe_routed_scaling: float = flag(1.0, "the routed experts' combined output times this (DeepSeek-V3's "
                                      "routed_scaling_factor, 2.5 there); the shared experts' is not scaled")
+    moe_capacity_factor: float = flag(0.0, "training: each expert takes at most ceil(factor x tokens x top_k / "
+                                      "experts) rows per forward, padded to exactly that (static shapes; GShard, "
+                                      "Switch, Megatron's moe_expert_capacity_factor with "
+                                      "moe_pad_expert_input_to_capacity); the pairs past it are dropped (the "
+                                      "residual carries the token); 0 = dropless. Evaluation and generation route "
+                                      "dropless")
+    moe_token_drop_policy: str = flag("probs", "past capacity: probs (drop the pairs of smallest routing weight) | "
+                                      "position (drop the latest tokens)")
     moe_aux_loss_coef: float = flag(0.0, "weight of the load-balancing loss (Switch: E/(kN) sum count_i P_i, 1 when "
                                     "balanced) added to the loss; e.g. 0.01")
     moe_aux_loss_type: str = flag("batch", "batch (the load-balancing loss over each forward's tokens: Switch, "
@@ -46,7 +55,8 @@ class MoEFlags:
 
 def moe_shape_problems(num_experts: int, top_k: int, shared: int, hidden: int, first_dense: int,
                        score: str, prefix: str = "moe_", *, n_groups: int = 1, topk_groups: int = 1,
-                       routed_scaling: float = 1.0) -> list[str]:
+                       routed_scaling: float = 1.0, capacity_factor: float = 0.0,
+                       drop_policy: str = "probs") -> list[str]:
     """Why an MoE shape cannot be built (num_experts > 0), one phrase per problem."""
     p = []
     if n_groups < 1 or num_experts % max(1, n_groups):
@@ -61,6 +71,10 @@ def moe_shape_problems(num_experts: int, top_k: int, shared: int, hidden: int, f
         elif top_k > topk_groups * per:
             p.append(f"{prefix}top_k={top_k}: more than the {topk_groups} x {per} experts of "
                      f"{prefix}topk_groups={topk_groups} groups")
+    if not (math.isfinite(capacity_factor) and capacity_factor >= 0):
+        p.append(f"{prefix}capacity_factor={capacity_factor}: must be a finite number >= 0 (0 = dropless)")
+    if drop_policy not in MOE_DROP_POLICIES:
+        p.append(f"{prefix}token_drop_policy={drop_policy!r} ({' | '.join(MOE_DROP_POLICIES)})")
     if not (math.isfinite(routed_scaling) and routed_scaling > 0):
         p.append(f"{prefix}routed_scaling={routed_scaling}: must be a finite number > 0")
     if not 1 <= num_experts <= MAX_EXPERTS:
@@ -84,7 +98,8 @@ def moe_problems(cfg: Any) -> list[str]:
         p.extend(moe_shape_problems(cfg.moe_num_experts, cfg.moe_top_k, cfg.moe_shared_experts, cfg.moe_hidden_dim,
                                     cfg.moe_first_dense_layers, cfg.moe_score, prefix="--moe_",
                                     n_groups=cfg.moe_n_groups, topk_groups=cfg.moe_topk_groups,
-                                    routed_scaling=cfg.moe_routed_scaling))
+                                    routed_scaling=cfg.moe_routed_scaling,
+                                    capacity_factor=cfg.moe_capacity_factor, drop_policy=cfg.moe_token_drop_policy))
         if cfg.moe_first_dense_layers >= cfg.n_layers:
             p.append(f"--moe_first_dense_layers={cfg.moe_first_dense_layers}: leaves no MoE block of "
                      f"--n_layers={cfg.n_layers}")
@@ -106,7 +121,8 @@ def moe_model_fields(cfg: Any) -> dict:
             "moe_shared_experts": cfg.moe_shared_experts, "moe_hidden_dim": cfg.moe_hidden_dim or None,
             "moe_first_dense_layers": cfg.moe_first_dense_layers, "moe_score": cfg.moe_score,
             "moe_n_groups": cfg.moe_n_groups, "moe_topk_groups": cfg.moe_topk_groups,
-            "moe_routed_scaling": cfg.moe_routed_scaling}
+            "moe_routed_scaling": cfg.moe_routed_scaling, "moe_capacity_factor": cfg.moe_capacity_factor,
+            "moe_token_drop_policy": cfg.moe_token_drop_policy}
 
 
 def moe_param_delta(mcfg: Any) -> int:

@@ -154,8 +154,11 @@ def test_sft_lora_and_dpo_on_an_moe_model(moe_run, tiny_pretrain_data, tmp_path)
      "--moe_top_k=3: more than the 1 x 2 experts of --moe_topk_groups=1 groups"),
     (["--moe_num_experts=4", "--moe_routed_scaling=0"], "--moe_routed_scaling=0.0: must be a finite number > 0"),
     (["--moe_num_experts=4", "--moe_aux_loss_type=token"], "--moe_aux_loss_type='token' (batch | sequence)"),
+    (["--moe_num_experts=4", "--moe_capacity_factor=-1"],
+     "--moe_capacity_factor=-1.0: must be a finite number >= 0 (0 = dropless)"),
+    (["--moe_num_experts=4", "--moe_token_drop_policy=random"], "--moe_token_drop_policy='random' (probs | position)"),
 ], ids=["top_k", "score", "all_dense", "negative", "rate", "lora_bias", "groups", "topk_groups", "group_top_k",
-        "scaling", "aux_type"])
+        "scaling", "aux_type", "capacity", "drop_policy"])
 def test_bad_moe_flags_one_line_exit_2(tiny_pretrain_run_args, tmp_path, capsys, extra, needle):
     code, err = run_main([*tiny_pretrain_run_args, f"--out_dir={tmp_path / 'run'}", "--max_iters=1", *extra], capsys)
     assert code == EXIT_BAD_CONFIG, err
@@ -291,3 +294,19 @@ def test_a_muon_run_saved_before_muon_stepped_experts_resumes_as_it_ran(tiny_pre
     saved = torch.load(os.path.join(find_latest_valid(str(out)), "optimizer_rank0.pt"), weights_only=True)
     assert "exp_avg" in saved["params"]["layers.1.mlp.experts.down_proj"]
     assert "momentum" in saved["params"]["layers.1.mlp.router.weight"]
+
+
+def test_capacity_drops_are_logged_and_expert_parallel_follows_data_parallel(tiny_pretrain_run_args, tmp_path):
+    """--moe_capacity_factor=0.5 at 2 ranks, 2 rows each: every rank caps its own forward's pairs (before any
+    exchange), so 2 expert-parallel ranks give the losses, the loads and the dropped share of 2 data-parallel ranks
+    without expert parallelism; some pairs are dropped, not all."""
+    args = [*tiny_pretrain_run_args, "--max_iters=3", "--checkpoint_interval=3", "--batch_size=2", *MOE,
+            "--moe_capacity_factor=0.5"]
+    dp, ep = tmp_path / "dp", tmp_path / "ep"
+    run_cmd(train_cmd([*args, f"--out_dir={dp}"], 2))
+    run_cmd(train_cmd([*args, f"--out_dir={ep}", "--expert_parallel_size=2"], 2))
+    a, b = (dedupe_by_step(read_metrics(os.path.join(d, "metrics.jsonl"))) for d in (dp, ep))
+    for s in (1, 2, 3):
+        assert abs(a[s]["loss"] - b[s]["loss"]) <= 1e-4 * abs(a[s]["loss"]), (s, a[s]["loss"], b[s]["loss"])
+        assert 0 < a[s]["moe_dropped_frac"] < 1 and a[s]["moe_dropped_frac"] == b[s]["moe_dropped_frac"], s
+    assert a[1]["moe_tokens_per_expert"] == b[1]["moe_tokens_per_expert"]
