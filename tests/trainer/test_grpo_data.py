@@ -122,9 +122,11 @@ def test_flag_checks():
     with pytest.raises(TrainingError, match="--loss_type=cispo caps its weight"):
         validate_config(_cfg(delta=1.5, loss_type="cispo"), torch_free=True)
     with pytest.raises(TrainingError) as e:
-        validate_config(_cfg(delta=1.5, loss_type="sapo", sapo_temperature_neg=0.0), torch_free=True)
+        validate_config(_cfg(delta=1.5, loss_type="sapo", sapo_temperature_neg=0.0, top_entropy_quantile=0.0),
+                        torch_free=True)
     for part in ("--loss_type=sapo has no clip (its gate is soft)",
-                 "--sapo_temperature_neg=0.0: must be a finite number > 0"):
+                 "--sapo_temperature_neg=0.0: must be a finite number > 0",
+                 "--top_entropy_quantile=0.0: must be in (0, 1]"):
         assert part in str(e.value)
     validate_config(_cfg(), torch_free=True)  # the defaults are a valid GRPO run
     validate_config(_cfg(delta=1.5, importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4),

@@ -255,3 +255,20 @@ def test_sequence_level_clip_counts_whole_completions_and_options_are_checked():
         per_token_terms(logps, old, torch.tensor([1.0, 1.0]), epsilon=0.2, level="sequence")
     with pytest.raises(ValueError, match="token | sequence"):
         per_token_terms(logps, old, torch.tensor([1.0, 1.0]), epsilon=0.2, level="turn")
+
+
+@pytest.mark.parametrize("quantile", [0.2, 0.5, 0.9, 1.0])
+def test_high_entropy_mask_keeps_the_top_quantile_as_torch_quantile_picks_it(quantile):
+    """The mask against torch.quantile of the completion tokens' entropies picked out on the host (padding's
+    entropies are large here: they must not count), on rows of several lengths."""
+    from trainer.tasks.grpo_loss import high_entropy_mask
+    g = torch.Generator().manual_seed(3)
+    entropy = torch.rand(4, 9, generator=g, dtype=torch.float64)
+    mask = torch.tensor([[1.0] * n + [0.0] * (9 - n) for n in (9, 5, 2, 7)], dtype=torch.float64)
+    entropy = torch.where(mask > 0, entropy, entropy + 10.0)
+    got = high_entropy_mask(entropy, mask, quantile)
+    threshold = torch.quantile(entropy[mask > 0].float(), 1.0 - quantile)
+    want = ((mask > 0) & (entropy.float() >= threshold)).double()
+    assert torch.equal(got, want)
+    assert int(got.sum()) == int((entropy[mask > 0].float() >= threshold).sum()) > 0
+    assert abs(float(got.sum()) - quantile * float(mask.sum())) <= 1.0  # about the top-q share

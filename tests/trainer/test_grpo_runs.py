@@ -242,13 +242,14 @@ def test_context_and_tensor_parallel_two_ranks_equal_one_process(pretrained, one
 
 @pytest.mark.parametrize("variant", [["--loss_type=cispo", "--importance_sampling_level=sequence"],
                                      ["--delta=1.3", "--importance_sampling_level=sequence"],
-                                     ["--loss_type=sapo", "--sapo_temperature_pos=2", "--sapo_temperature_neg=2"]],
-                         ids=["cispo", "delta", "sapo"])
+                                     ["--loss_type=sapo", "--sapo_temperature_pos=2", "--sapo_temperature_neg=2"],
+                                     ["--top_entropy_quantile=0.2"]],
+                         ids=["cispo", "delta", "sapo", "top_entropy"])
 def test_loss_variants_reach_the_step(pretrained, one_process_cp_tp, tmp_path, variant):
-    """--loss_type=cispo / sapo, --delta and --importance_sampling_level=sequence (their math: test_grpo_loss.py)
-    run through the trainer: the completions of the default objective's run, another loss where the objective
-    differs (CISPO's -A log p from the first step; the sequence-level clip once the reused rollout's ratios move,
-    step 2). SAPO at temperature 2 on both sides: at ratio 1 (step 1) every token's term is -(4/2) sigmoid(0) A =
+    """--loss_type=cispo / sapo, --delta, --importance_sampling_level=sequence and --top_entropy_quantile (their
+    math: test_grpo_loss.py) run through the trainer: the completions of the default objective's run, another loss
+    where the objective differs (CISPO's -A log p and the top-entropy tokens' share from the first step; the
+    sequence-level clip once the reused rollout's ratios move, step 2). SAPO at temperature 2 on both sides: at ratio 1 (step 1) every token's term is -(4/2) sigmoid(0) A =
     -A, and the mean over completions of their advantages is 0 (each group's sum to 0): the step's loss is 0 (with
     the default temperatures, 1 and 1.05, this run's step 1 logs -0.037: the temperatures reach the loss)."""
     out = tmp_path / "run"
@@ -258,7 +259,7 @@ def test_loss_variants_reach_the_step(pretrained, one_process_cp_tp, tmp_path, v
     for s in (1, 2):
         assert a[s]["reward"] == b[s]["reward"] and math.isfinite(b[s]["loss"]), (s, b[s])
     assert abs(b[2]["loss"] - a[2]["loss"]) > 1e-6 * max(1.0, abs(a[2]["loss"])), (a[2]["loss"], b[2]["loss"])
-    if "--loss_type=cispo" in variant:
+    if "--loss_type=cispo" in variant or "--top_entropy_quantile=0.2" in variant:
         assert abs(b[1]["loss"] - a[1]["loss"]) > 1e-6 * max(1.0, abs(a[1]["loss"])), (a[1]["loss"], b[1]["loss"])
     if "--loss_type=sapo" in variant:
         assert abs(b[1]["loss"]) < 1e-6 and b[1]["reward_std"] > 0, b[1]

@@ -24,7 +24,8 @@ import torch.distributed as dist
 from model.ring_attention import whole_sequences
 from trainer.tasks.base import Task, TaskData
 from trainer.tasks.grpo_data import PromptSet, read_prompts_file
-from trainer.tasks.grpo_loss import TOKEN_AVERAGED, aggregate, batch_std, group_advantages, per_token_terms, units_of
+from trainer.tasks.grpo_loss import (TOKEN_AVERAGED, aggregate, batch_std, group_advantages, high_entropy_mask,
+                                     per_token_terms, units_of)
 from trainer.tasks.grpo_rewards import build_rewards
 from trainer.tasks.grpo_rollout import Group, drop_truncated, rollout_seed, sample_group, token_logps, training_rows
 from utils.constants import EXIT_BAD_CONFIG
@@ -226,6 +227,9 @@ class GRPOTask(Task):
         is_w = None
         if cfg.importance_sampling_correction:  # truncated importance sampling: trainer / sampler, capped
             is_w = torch.exp(old - gen).clamp(max=cfg.importance_sampling_cap)
+        if cfg.top_entropy_quantile < 1.0:  # the policy term on the most uncertain tokens only (the KL on all)
+            keep = high_entropy_mask(entropy, mask, cfg.top_entropy_quantile)
+            is_w = keep if is_w is None else is_w * keep
         terms = per_token_terms(logps, old, adv, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high or cfg.epsilon,
                                 beta=cfg.beta, ref_logps=ref, is_weights=is_w, loss_type=cfg.loss_type,
                                 delta=cfg.delta, level=cfg.importance_sampling_level, mask=mask,

@@ -87,6 +87,10 @@ class GRPOFlags:
     mask_truncated_completions: bool = _f(False, "grpo: completions cut at --max_completion_length (no stop token) are "
                                           "left out of the loss (DAPO's overlong filtering, Yu et al. 2025); their "
                                           "rewards still count in their group's advantages")
+    top_entropy_quantile: float = _f(1.0, "grpo: the policy term trains on this share of each micro-batch's "
+                                     "completion tokens, those of highest entropy (Wang et al. 2025, 'Beyond the "
+                                     "80/20 Rule': 0.2; TRL's name, which takes the quantile over every process's "
+                                     "tokens, ours over this rank's); the KL term keeps every token; 1 = all")
     importance_sampling_correction: bool = _f(False, "grpo: weight each token's loss by min(p_trainer / p_sampler, "
                                               "--importance_sampling_cap), the truncated importance-sampling "
                                               "correction for a generator whose probabilities differ from the "
@@ -158,6 +162,8 @@ def grpo_problems(cfg: Any, resume_policy: str) -> list[str]:
         out.append(f"--delta: two-sided clipping is the clipped objective's; --loss_type={cfg.loss_type} "
                    + ("caps its weight at 1 + epsilon_high already" if cfg.loss_type == "cispo" else
                       "has no clip (its gate is soft)"))
+    need(math.isfinite(cfg.top_entropy_quantile) and 0 < cfg.top_entropy_quantile <= 1, "top_entropy_quantile",
+         "must be in (0, 1]")
     for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
         need(math.isfinite(getattr(cfg, name)) and getattr(cfg, name) > 0, name, "must be a finite number > 0")
     need(cfg.scale_rewards in SCALE_REWARDS, "scale_rewards", " | ".join(SCALE_REWARDS))

@@ -1,7 +1,7 @@
 """GRPO's loss as pure tensor math: group-normalised advantages, the clipped policy-gradient term per token, the
 optional KL penalty to a frozen reference, and the three ways of averaging tokens into the loss.
 
-Owns: `group_advantages`, `batch_std`, `per_token_terms`, `aggregate` (the loss summed over the task's units, which the
+Owns: `group_advantages`, `batch_std`, `per_token_terms`, `high_entropy_mask`, `aggregate` (the loss summed over the task's units, which the
 trainer divides by the step's units over all micro-batches and ranks), `units_of`.
 Must never: read a device value to the host, or know where the log-probabilities came from.
 
@@ -22,6 +22,9 @@ Averaged by --loss_type:
              2025, "Soft Adaptive Policy Optimization"; TRL's loss_type="sapo"): l_t = -(4 / tau) sigmoid(tau
              (ratio_t - 1)) A_i + beta KL_t, tau = sapo_temperature_pos where A_i > 0, else _neg: the gradient is
              the policy gradient's at ratio 1 and fades smoothly as the ratio leaves 1 (no hard cut)
+--top_entropy_quantile=q < 1 (Wang et al. 2025, "Beyond the 80/20 Rule"; TRL's name): the policy term trains on
+    the micro-batch's top-q share of completion tokens by entropy only (`high_entropy_mask`), the KL on every token;
+    the averages keep their denominators
 Two options of the clipped objective (TRL's names):
     delta > 0 (two-sided clipping, INTELLECT-2): the unclipped term's ratio is capped at delta too, bounding the
               loss of a negative-advantage token whose ratio ran away (delta > 1 + epsilon_high)
@@ -123,6 +126,20 @@ def per_token_terms(logps: torch.Tensor, old_logps: torch.Tensor, advantages: to
         kl = torch.exp(d) - d - 1.0
         loss = loss + beta * kl
     return {"loss": loss, "kl": kl, "clipped": was_clipped.to(logps.dtype), "ratio": ratio.expand_as(logps)}
+
+
+def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float) -> torch.Tensor:
+    """[B, T] 1.0 on the completion tokens whose entropy is at least the (1 - quantile) quantile of these rows'
+    completion-token entropies (torch.quantile's linear interpolation), else 0: the top `quantile` share of the
+    most uncertain tokens ("Beyond the 80/20 Rule", Wang et al. 2025; TRL's top_entropy_quantile). No host read
+    (the quantile's position is a device value)."""
+    on = mask > 0
+    values = torch.where(on, entropy.detach().float(), torch.full_like(entropy, float("inf"), dtype=torch.float32))
+    ranked = values.reshape(-1).sort().values  # the completion tokens' entropies first, ascending
+    pos = (1.0 - quantile) * (on.sum() - 1).clamp(min=0).float()
+    lo, hi = pos.floor().long(), pos.ceil().long()
+    threshold = ranked[lo] + (ranked[hi] - ranked[lo]) * (pos - lo.float())
+    return (on & (entropy.detach().float() >= threshold)).to(entropy.dtype)
 
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, max_completion_length: int) -> torch.Tensor:
