@@ -119,6 +119,11 @@ CONFIGS: dict[str, tuple[int, list[str]]] = {
     "moe-ep2-ddp": (2, ["--batch_size=2", "--expert_parallel_size=2", "@moe"]),
     "moe-ep2-zero1": (2, ["--batch_size=2", "--use_distributed_optimizer=true", "--zero_stage=1",
                           "--expert_parallel_size=2", "@moe"]),
+    # multi-token prediction: two depths (their weights and optimizer state in the checkpoints)
+    "mtp": (1, ["--mtp_num_layers=2", "--mtp_loss_weight=0.3"]),
+    # an MoE model with an MTP depth (an MoE block too) and a capacity factor, experts over 2 ep ranks of our DDP
+    "mtp-moe-capacity-ep2": (2, ["--batch_size=2", "--expert_parallel_size=2", "@moe", "--mtp_num_layers=1",
+                                 "--moe_capacity_factor=0.75"]),
 }
 MOE_FLAGS = ["--moe_num_experts=4", "--moe_top_k=2", "--moe_hidden_dim=32", "--moe_shared_experts=1",
              "--moe_aux_loss_coef=0.01", "--moe_z_loss_coef=0.001", "--moe_bias_update_rate=0.01"]
