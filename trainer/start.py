@@ -60,8 +60,8 @@ def _refuse_if_too_big(mcfg, device: str, what: str, code: int) -> None:
     """TrainingError before anything is allocated when the model's fp32 weights alone exceed the memory the
     device has free (a checkpoint's model_config.json within the bounds can still describe a model no
     machine holds: it built layers until memory ran out)."""
-    n = param_count(mcfg.dim, mcfg.n_layers + mcfg.mtp_num_layers, mcfg.n_heads, mcfg.vocab_size, mcfg.n_kv_heads, mcfg.hidden_dim,
-                    tie_embeddings=mcfg.tie_embeddings) + moe_param_delta(mcfg)
+    n = param_count(mcfg.dim, mcfg.n_layers + mcfg.mtp_num_layers, mcfg.n_heads, mcfg.vocab_size, mcfg.n_kv_heads,
+                    mcfg.hidden_dim, tie_embeddings=mcfg.tie_embeddings) + moe_param_delta(mcfg)  # (MTP: as blocks)
     problem = fit_problem(n, device, what)
     if problem:
         raise TrainingError(problem, code)
