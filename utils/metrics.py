@@ -287,7 +287,8 @@ def format_line(rec: dict[str, Any], total: Optional[int] = None, elapsed: Optio
     over an estimated (measured) peak is printed as `mfu~`."""
     parts = [f"step {rec['step']}" + (f"/{total}" if total else "")]
     tps = "tokens_per_sec_avg" if isinstance(rec.get("tokens_per_sec_avg"), (int, float)) else "tokens_per_sec"
-    for key, fmt in (("loss", "{:.4f}"), ("mtp_loss", "{:.4f}"), ("val_loss", "{:.4f}"), ("lr", "{:.2e}"), ("grad_norm", "{:.3f}"),
+    for key, fmt in (("loss", "{:.4f}"), ("mtp_loss", "{:.4f}"), ("val_loss", "{:.4f}"), ("lr", "{:.2e}"),
+                     ("grad_norm", "{:.3f}"),
                      (tps, "{:.0f}"), ("mfu", "{:.2%}"), ("reward_acc", "{:.3f}"), ("val_reward_acc", "{:.3f}"),
                      ("val_reward", "{:.3f}"),
                      ("mem_peak_mib", "{:.0f}MiB"), ("rss_mib", "{:.0f}MiB")):

@@ -111,7 +111,8 @@ def test_flag_checks():
     msg = str(e.value)
     for part in ("--reward_weights='1,2': 2 finite weights for 1 reward functions (exact_match)",
                  "--max_prompt_length=60 + --max_completion_length=8 must be <= --max_seq_len=64",
-                 "--temperature=0.0: must be a finite number > 0", "--loss_type=ppo: grpo | dr_grpo | dapo | cispo | sapo",
+                 "--temperature=0.0: must be a finite number > 0",
+                 "--loss_type=ppo: grpo | dr_grpo | dapo | cispo | sapo",
                  "--epsilon=1.5: must be in (0, 1)"):
         assert part in msg
     with pytest.raises(TrainingError) as e:

@@ -249,9 +249,10 @@ def test_loss_variants_reach_the_step(pretrained, one_process_cp_tp, tmp_path, v
     """--loss_type=cispo / sapo, --delta, --importance_sampling_level=sequence and --top_entropy_quantile (their
     math: test_grpo_loss.py) run through the trainer: the completions of the default objective's run, another loss
     where the objective differs (CISPO's -A log p and the top-entropy tokens' share from the first step; the
-    sequence-level clip once the reused rollout's ratios move, step 2). SAPO at temperature 2 on both sides: at ratio 1 (step 1) every token's term is -(4/2) sigmoid(0) A =
-    -A, and the mean over completions of their advantages is 0 (each group's sum to 0): the step's loss is 0 (with
-    the default temperatures, 1 and 1.05, this run's step 1 logs -0.037: the temperatures reach the loss)."""
+    sequence-level clip once the reused rollout's ratios move, step 2). SAPO at temperature 2 on both sides: at
+    ratio 1 (step 1) every token's term is -(4/2) sigmoid(0) A = -A, and the mean over completions of their
+    advantages is 0 (each group's sum to 0): the step's loss is 0 (with the default temperatures, 1 and 1.05, this
+    run's step 1 logs -0.037: the temperatures reach the loss)."""
     out = tmp_path / "run"
     run_cmd(train_cmd(_args(pretrained, tmp_path, *_CP_TP_RUN, f"--eval_data_dir={tmp_path / 'prompts.jsonl'}",
                             f"--out_dir={out}", *variant)), env=child_env())

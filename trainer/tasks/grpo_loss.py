@@ -1,8 +1,8 @@
 """GRPO's loss as pure tensor math: group-normalised advantages, the clipped policy-gradient term per token, the
-optional KL penalty to a frozen reference, and the three ways of averaging tokens into the loss.
+optional KL penalty to a frozen reference, and the ways of averaging tokens into the loss.
 
-Owns: `group_advantages`, `batch_std`, `per_token_terms`, `high_entropy_mask`, `aggregate` (the loss summed over the task's units, which the
-trainer divides by the step's units over all micro-batches and ranks), `units_of`.
+Owns: `group_advantages`, `batch_std`, `per_token_terms`, `high_entropy_mask`, `aggregate` (the loss summed over the
+task's units, which the trainer divides by the step's units over all micro-batches and ranks), `units_of`.
 Must never: read a device value to the host, or know where the log-probabilities came from.
 
 The objective (DeepSeekMath, Shao et al. 2024, eq. 3), per completion o_i of a group of G for one prompt:
