@@ -43,9 +43,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from model import kernels
+from utils.moe_flags import MOE_DROP_POLICIES
 
 EXPERT_BACKENDS = ("auto", "grouped_mm", "fused_loop", "loop")
-DROP_POLICIES = ("probs", "position")  # utils/moe_flags.py (torch-free) has them too
 
 
 # ------------------------------------------------------------------------------------------ routing
@@ -93,9 +93,10 @@ def expert_capacity(n_tokens: int, top_k: int, num_experts: int, factor: float) 
 
 
 def dispatch_capacity(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor, num_experts: int, capacity: int,
-                      policy: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      policy: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The pairs laid out in E x `capacity` rows: (rows [E*C, D], expert e's in rows e*C .. e*C + C - 1, the unused
-    ones zero; counts [E], C each; slot [N*k]: each (token * k + slot) pair's row, E*C where it was dropped). An
+    ones zero; counts [E], C each; slot [N*k]: each (token * k + slot) pair's row, E*C where it was dropped; the
+    counts as routed [E], before the drop). An
     expert chosen by more than C pairs keeps the C of largest routing weight (policy "probs", ties by position) or
     the first C in token order ("position"). No host read: every shape comes from N, k, E and C."""
     n, k = idx.shape
@@ -106,7 +107,7 @@ def dispatch_capacity(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
     elif policy == "position":
         order = torch.argsort(flat, stable=True)
     else:
-        raise ValueError(f"token drop policy must be one of {DROP_POLICIES}, got {policy!r}")
+        raise ValueError(f"token drop policy must be one of {MOE_DROP_POLICIES}, got {policy!r}")
     counts = torch.bincount(flat, minlength=num_experts)
     expert = flat[order]
     rank = torch.arange(flat.numel(), device=flat.device) - (torch.cumsum(counts, 0) - counts)[expert]
@@ -118,7 +119,7 @@ def dispatch_capacity(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
     src.scatter_(0, slot, torch.arange(n * k, device=flat.device))
     token = torch.where(src[:full] < n * k, src[:full] // k, n)
     rows = torch.cat([x, x.new_zeros(1, x.shape[-1])]).index_select(0, token)
-    return rows, torch.full_like(counts, capacity), slot
+    return rows, torch.full_like(counts, capacity), slot, counts
 
 
 def combine_capacity(rows: torch.Tensor, slot: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -436,9 +437,9 @@ class MoEFeedForward(nn.Module):
         dropped = None
         if self.capacity_factor > 0 and self.training:
             cap = expert_capacity(flat.shape[0], self.top_k, self.num_experts, self.capacity_factor)
-            rows, padded, slot = dispatch_capacity(flat, idx, weights, self.num_experts, cap, self.drop_policy)
+            rows, padded, slot, counts = dispatch_capacity(flat, idx, weights, self.num_experts, cap,
+                                                           self.drop_policy)  # counts as routed: loads, balancing
             out = combine_capacity(self.experts(rows, padded), slot, weights)
-            counts = torch.bincount(idx.reshape(-1), minlength=self.num_experts)  # as routed: the loads, balancing
             dropped = (slot == self.num_experts * cap).sum()
         else:
             rows, counts, order = dispatch(flat, idx, self.num_experts)

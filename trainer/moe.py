@@ -44,7 +44,7 @@ class MoETraining:
         # pipeline schedule's shape inference runs micro-batch 0's forward once more): ([L, 3] losses, [L, E] counts,
         # [L] pairs dropped at capacity)
         self._filed: dict[Hashable, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self.capacity = any(getattr(layer, "capacity_factor", 0) > 0 for layer in layers)
+        self.capacity = any(layer.capacity_factor > 0 for layer in layers)
 
     @classmethod
     def of(cls, cfg: Any, model: torch.nn.Module,

@@ -14,7 +14,7 @@ from utils.configurator import flag
 
 MOE_SCORES = ("softmax", "sigmoid")
 MOE_AUX_LOSS_TYPES = ("batch", "sequence")
-MOE_DROP_POLICIES = ("probs", "position")  # model/moe.py DROP_POLICIES
+MOE_DROP_POLICIES = ("probs", "position")  # model/moe.py dispatch_capacity's
 MAX_EXPERTS = 4096
 
 

@@ -118,7 +118,7 @@ def test_rows_are_static_whatever_the_routing():
         idx = torch.randint(0, E, (10, K), generator=g)
         w = torch.rand(10, K, generator=g)
         cap = expert_capacity(10, K, E, 1.0)
-        rows, counts, slot = dispatch_capacity(x, idx, w, E, cap, "position")
+        rows, counts, slot, _ = dispatch_capacity(x, idx, w, E, cap, "position")
         assert rows.shape == (E * cap, D) and counts.tolist() == [cap] * E
         routed = torch.bincount(idx.reshape(-1), minlength=E)
         assert int((slot == E * cap).sum()) == int((routed - cap).clamp(min=0).sum())

@@ -14,7 +14,7 @@ from typing import Any
 from utils.configurator import flag as _f
 
 BUILTIN_REWARDS = ("exact_match", "numeric_match", "format")
-LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "cispo", "sapo")  # trainer/tasks/grpo_loss.py (kept here torch-free)
+LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "cispo", "sapo")  # (trainer/tasks/grpo_loss.py reads these three)
 IS_LEVELS = ("token", "sequence")
 SCALE_REWARDS = ("group", "batch", "none")
 

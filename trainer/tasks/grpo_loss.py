@@ -38,11 +38,10 @@ from typing import Optional
 
 import torch
 
-LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "cispo", "sapo")
-IS_LEVELS = ("token", "sequence")
+from trainer.tasks.grpo_flags import IS_LEVELS, LOSS_TYPES, SCALE_REWARDS  # the choices, defined torch-free
+
 TOKEN_AVERAGED = ("dapo", "cispo")  # the loss types whose units are the step's completion tokens
 PER_COMPLETION_MEAN = ("grpo", "sapo")  # the loss types averaging each completion's tokens, then the completions
-SCALE_REWARDS = ("group", "batch", "none")
 ADV_EPS = 1e-4  # TRL's: a group whose rewards all agree has std 0 and advantage 0, never a division by zero
 
 
