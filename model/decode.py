@@ -116,16 +116,9 @@ class Decoder:
         self.layers, self.rope = [], None
         if not self.fast:
             return
-        pack = pack is not False
-        for block in blocks_of(model.layers):
-            a, mlp = block.self_attn, block.mlp
-            plain_mlp = type(mlp) is MLP
-            self.layers.append((
-                block, _Projection((a.q_proj, a.k_proj, a.v_proj), batch_size, pack),
-                _Projection((a.o_proj,), batch_size, pack),
-                _Projection((mlp.gate_proj, mlp.up_proj), batch_size, pack) if plain_mlp else None,
-                _Projection((mlp.down_proj,), batch_size, pack) if plain_mlp else None))
-        self.head = _Projection((model.lm_head,), batch_size, pack)
+        self.pack = pack is not False
+        self.layers = [self.prepare(block) for block in blocks_of(model.layers)]
+        self.head = _Projection((model.lm_head,), batch_size, self.pack)
         # SDPA in the cache's dtype unless the model's attention casts it (model/kernels.py sdpa_dtype: CPU bf16)
         self.sdpa_direct = kernels.sdpa_dtype(device, dtype, model.cfg.head_dim) == dtype
         table = model.rotary.table(0, max_len)
@@ -133,6 +126,17 @@ class Decoder:
             with torch.no_grad():
                 cos, sin = (t[0, :, 0].to(dtype) for t in table)  # [L, D/2], cast as the model's RoPE casts them
                 self.rope = (torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1))  # [L, D]
+
+    def prepare(self, block: nn.Module) -> tuple:
+        """A transformer block's weights laid out for decoding (fast path): (block, qkv, o, gate_up, down), the
+        MLP's projections None for an MoE block (called as its module). Also used for multi-token prediction's
+        block (model/speculative.py)."""
+        a, mlp = block.self_attn, block.mlp
+        plain_mlp = type(mlp) is MLP
+        return (block, _Projection((a.q_proj, a.k_proj, a.v_proj), self.rows, self.pack),
+                _Projection((a.o_proj,), self.rows, self.pack),
+                _Projection((mlp.gate_proj, mlp.up_proj), self.rows, self.pack) if plain_mlp else None,
+                _Projection((mlp.down_proj,), self.rows, self.pack) if plain_mlp else None)
 
     def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [B, T] (B = batch_size) from position 0 -> logits [B, V] of the last position."""
@@ -171,18 +175,27 @@ class Decoder:
     def _forward(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         if not self.fast:
             return self.model(tokens, cache=cache, logits_to_keep=1)[:, -1]
-        m = self.model
-        B, T = tokens.shape
+        return self.logits(self.hidden(self.model.embed_tokens(tokens), self.layers, cache)[:, -1])
+
+    def logits(self, h: torch.Tensor, norm: Optional[nn.Module] = None) -> torch.Tensor:
+        """The LM head's logits [..., V] of hidden states h [..., D] before the final norm (the model's, or
+        `norm`) (fast path)."""
+        return self.head(_rms_norm(self.model.norm if norm is None else norm, h))
+
+    def hidden(self, h: torch.Tensor, layers: list, cache: KVCache) -> torch.Tensor:
+        """Embedded inputs h [B, T, D] at positions cache.pos .. + T - 1 through `layers` (`prepare`d blocks, the
+        cache's layer i for the i-th) -> their hidden states [B, T, D] (before any final norm); advances
+        cache.pos (fast path)."""
+        B, T = h.shape[:2]
         past = cache.pos
         if past + T > cache.max_len:
             raise ValueError(f"KV cache overflow: {past + T} > {cache.max_len}")
-        cos2, sin2 = self._rope(past, T, tokens.device)
+        cos2, sin2 = self._rope(past, T, h.device)
         spec = None
         if T > 1 and past > 0:  # several new tokens over a cache: the model's masked attention
-            positions = torch.arange(past, past + T, device=tokens.device)[None].expand(B, T)
-            spec = attention.build_spec(B, T, positions, past=past, head_dim=m.cfg.head_dim)
-        h = m.embed_tokens(tokens)
-        for i, (block, qkv, o, gate_up, down) in enumerate(self.layers):
+            positions = torch.arange(past, past + T, device=h.device)[None].expand(B, T)
+            spec = attention.build_spec(B, T, positions, past=past, head_dim=self.model.cfg.head_dim)
+        for i, (block, qkv, o, gate_up, down) in enumerate(layers):
             a = block.self_attn
             nq, nk, D = a.n_heads, a.n_kv_heads, a.head_dim
             y = qkv(_rms_norm(block.input_layernorm, h)).view(B, T, -1, D)  # q, k, v heads side by side
@@ -204,4 +217,4 @@ class Decoder:
             else:
                 h = h + block.mlp(x)
         cache.pos += T
-        return self.head(_rms_norm(m.norm, h[:, -1]))
+        return h

@@ -30,6 +30,12 @@ def sample_scaled(logits: torch.Tensor, top_k: Optional[int] = None, top_p: Opti
                   generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """`sample_next` of logits already divided by the temperature (fp32 [B, V]): the same draws, for a caller
     that needs the scaled logits too (the rollout's log-probabilities)."""
+    return multinomial_one(truncate(logits, top_k, top_p).softmax(dim=-1), generator)
+
+
+def truncate(logits: torch.Tensor, top_k: Optional[int] = None, top_p: Optional[float] = None) -> torch.Tensor:
+    """Scaled logits [B, V] with the tokens top-k / top-p leave out set to -inf: their softmax is the
+    distribution `sample_scaled` draws from (speculative decoding compares two such distributions)."""
     if top_k is not None and 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -40,7 +46,7 @@ def sample_scaled(logits: torch.Tensor, top_k: Optional[int] = None, top_p: Opti
         drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
         drop = torch.zeros_like(drop_sorted).scatter(1, idx, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
-    return multinomial_one(logits.softmax(dim=-1), generator)
+    return logits
 
 
 def multinomial_one(probs: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:

@@ -121,14 +121,16 @@ def kv_heads_of(model: nn.Module) -> int:
 
 class KVCache:
     """Preallocated keys/values per layer ([B, n_kv_heads, max_len, head_dim]) for generation; `kv_heads`: this
-    rank's key/value heads when they are fewer (tensor parallelism: n_kv_heads / tp, `kv_heads_of`)."""
+    rank's key/value heads when they are fewer (tensor parallelism: n_kv_heads / tp, `kv_heads_of`). Positions
+    past `pos` are free: moving `pos` back forgets them (speculative decoding's rejected drafts)."""
 
     def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int, device, dtype: torch.dtype,
-                 kv_heads: Optional[int] = None):
+                 kv_heads: Optional[int] = None, n_layers: Optional[int] = None):
         shape = (batch_size, kv_heads or cfg.n_kv_heads, max_len, cfg.head_dim)
+        n_layers = cfg.n_layers if n_layers is None else n_layers  # fewer: a multi-token prediction depth's own
         # uninitialised: a position is read only after it is written (attention over [:pos + T])
-        self.k = [torch.empty(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
-        self.v = [torch.empty(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
+        self.k = [torch.empty(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        self.v = [torch.empty(shape, device=device, dtype=dtype) for _ in range(n_layers)]
         self.pos = 0
         self.max_len = max_len
 
