@@ -358,17 +358,19 @@ def imply_engine(cfg: TrainConfig, given: set) -> Optional[str]:
 
 
 def max_iters_for_epochs(num_train_epochs: float, num_samples: int, samples_per_step: int, max_iters: int,
-                         max_iters_given: bool) -> tuple[int, str]:
+                         max_iters_given: bool, steps_per_draw: int = 1) -> tuple[int, str]:
     """--num_train_epochs: (the run's max_iters, the start-up line that says how it was set).
 
-    An epoch is num_samples // samples_per_step optimizer steps (dataset/loader.py drops the < one global
-    batch left over), samples_per_step = batch_size x gradient_accumulation_steps x data-parallel ranks: a
-    resume at another split of the same global batch (a resume must keep it) gets the same number. A
+    An epoch is num_samples // samples_per_step data steps (dataset/loader.py drops the < one global batch left
+    over), samples_per_step = batch_size x gradient_accumulation_steps x data-parallel ranks: a resume at another
+    split of the same global batch (a resume must keep it) gets the same number. Each data step is trained on for
+    `steps_per_draw` optimizer steps (GRPO's --num_iterations reuses a rollout: trainer/tasks/base.py). A
     fractional last step counts as a step (ceil). A --max_iters given explicitly wins (and the line says so)."""
-    per_epoch = max(1, num_samples // samples_per_step)
+    per_epoch = max(1, num_samples // samples_per_step) * steps_per_draw
     steps = max(1, math.ceil(round(num_train_epochs * per_epoch, 6)))  # round: 0.1 x 30 is 3, not 4
+    each = f", each trained on for {steps_per_draw} steps" if steps_per_draw > 1 else ""
     head = (f"[schedule] --num_train_epochs={num_train_epochs:g}: 1 epoch = {per_epoch} steps of {samples_per_step} "
-            f"samples ({num_samples} training samples)")
+            f"samples{each} ({num_samples} training samples)")
     if max_iters_given:
         return max_iters, f"{head} -> {steps} steps, but --max_iters={max_iters} was given and wins"
     return steps, f"{head} -> max_iters={steps}"

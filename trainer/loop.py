@@ -98,7 +98,8 @@ def train(cfg: TrainConfig, info: DistInfo, continues: Optional[bool] = None, ma
     if cfg.num_train_epochs > 0:  # max_iters from the epochs, unless --max_iters was given (now or when the run began)
         given = max_iters_given or start.saved_state.get("max_iters_from") == "max_iters"
         cfg.max_iters, line = max_iters_for_epochs(cfg.num_train_epochs, train_loader.num_samples,
-                                                   train_loader.samples_per_step, cfg.max_iters, given)
+                                                   train_loader.samples_per_step, cfg.max_iters, given,
+                                                   task.steps_per_draw())
         progress.max_iters_from = "max_iters" if given else "num_train_epochs"
         log(line)
     if cfg.warmup_iters < 0:  # auto: resolved once max_iters is final, then saved (a resume keeps these steps)

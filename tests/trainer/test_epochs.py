@@ -29,6 +29,10 @@ def test_max_iters_for_epochs():
     assert max_iters_for_epochs(0.001, 100, 10, 1000, False)[0] == 1  # never 0 steps
     steps, line = max_iters_for_epochs(2.5, 2600, 64, 7, max_iters_given=True)
     assert steps == 7 and line.endswith("-> 100 steps, but --max_iters=7 was given and wins")
+    # GRPO's --num_iterations=3: each batch of prompts trains 3 steps, an epoch is 3 x 40 steps
+    steps, line = max_iters_for_epochs(2.5, 2600, 64, 1000, max_iters_given=False, steps_per_draw=3)
+    assert (steps, line) == (300, "[schedule] --num_train_epochs=2.5: 1 epoch = 120 steps of 64 samples, each trained "
+                                  "on for 3 steps (2600 training samples) -> max_iters=300")
 
 
 def test_an_epoch_is_the_same_for_any_split_of_the_global_batch():

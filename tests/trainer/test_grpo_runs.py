@@ -120,11 +120,15 @@ def final_weights_start(pretrained) -> dict:
 
 def test_crash_and_resume_draws_the_same_completions(pretrained, tmp_path):
     """A crash at step 3 resumed from the step-2 checkpoint: the same losses, rewards and weights, bit for bit
-    (the rollouts of step 3 and 4 are a function of seed, step and prompt; nothing about them is saved)."""
+    (the rollouts of step 3 and 4 are a function of seed, step and prompt; nothing about them is saved). The
+    length is --num_train_epochs: each rollout trains --num_iterations=2 steps, so an epoch is twice the prompt
+    batches (TRL's count), 1/3 of an epoch 4 steps."""
     ref, crashed = tmp_path / "ref", tmp_path / "crashed"
-    base = _args(pretrained, tmp_path, "--max_iters=4", "--num_iterations=2", "--temperature=0.8", "--top_p=0.9",
-                 "--beta=0.05", "--loss_type=grpo", "--mask_truncated_completions=true")
-    run_cmd(train_cmd([*base, f"--out_dir={ref}"]), env=child_env())
+    base = _args(pretrained, tmp_path, "--num_train_epochs=0.3333333", "--num_iterations=2", "--temperature=0.8",
+                 "--top_p=0.9", "--beta=0.05", "--loss_type=grpo", "--mask_truncated_completions=true")
+    proc = run_cmd(train_cmd([*base, f"--out_dir={ref}"]), env=child_env())
+    assert ("--num_train_epochs=0.333333: 1 epoch = 12 steps of 2 samples, each trained on for 2 steps (12 training "
+            "samples) -> max_iters=4") in proc.stdout, proc.stdout[-3000:]
     proc = run_trainer(train_cmd([*base, f"--out_dir={crashed}"]),
                        env=child_env(MYLLM_FAULT="crash@3", MYLLM_FAULT_ONCE_FILE=str(tmp_path / "fired")))
     assert proc.returncode != 0 and max(_losses(crashed)) == 2

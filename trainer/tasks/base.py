@@ -53,6 +53,11 @@ class Task:
         calls here (FSDP all-gathers in forward). By default: the data drawn."""
         return draw()
 
+    def steps_per_draw(self) -> int:
+        """How many optimizer steps train on each data step's batches (`before_step` draws every that many
+        steps): an epoch is that many times the data steps (trainer/config.py max_iters_for_epochs)."""
+        return 1
+
     def micro_batch_loss(self, model: Any, ref_model: Any, batch: dict, device: Any) -> tuple[torch.Tensor, dict]:
         """(sum of the per-unit losses of this micro-batch, {stat key: its sum}); the caller divides by the step's
         units over all micro-batches and ranks, so that every unit weighs the same."""

@@ -102,6 +102,9 @@ class GRPOTask(Task):
             self._rewards = build_rewards(self.cfg)
 
     # ------------------------------------------------------------------ the rollout phase
+    def steps_per_draw(self) -> int:
+        return self.cfg.num_iterations  # a rollout trains num_iterations steps (TRL repeats its batch as many times)
+
     def before_step(self, loop: Any, draw: Callable[[], tuple]) -> tuple[list, list]:
         """(this rank's training micro-batches, data steps skipped): the prompts drawn and rolled out, or, inside a
         --num_iterations cycle, the last rollout again."""
