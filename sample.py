@@ -5,10 +5,9 @@ recorded (its --tokenizer_dir), unless `--tokenizer_dir` is given (required for 
 
 Owns: the command-line wrapper around model.generate (KV cache, temperature / top-k / top-p
 sampling, stop at </s> or <|im_end|>) and `build_prompt_ids`. `--chat` wraps the prompt in the ChatML
-template as a user turn (for SFT/DPO models). `--speculative`: a model trained with multi-token prediction drafts
-the token after next with its first depth and verifies it in the next forward (model/speculative.py; `auto`, the
-default, wherever the checkpoint has depths; greedy output unchanged, sampling the same distribution). The
-checkpoint, the model and the recorded tokenizer are loaded by inference/loading.py (shared with eval_lm.py).
+template as a user turn (for SFT/DPO models). `--speculative=mtp`: a model trained with multi-token prediction
+drafts the token after next with its first depth and verifies it in the next forward (model/speculative.py; greedy
+output unchanged, sampling the same distribution; it pays only where the drafts are mostly right). The checkpoint, the model and the recorded tokenizer are loaded by inference/loading.py (shared with eval_lm.py).
 Exit 2 for a bad flag or a --checkpoint that names nothing, 5 for a damaged checkpoint (one line naming the file;
 docs/errors.md). Flags, a --ckpt that is not there and a --checkpoint that names nothing are answered before torch
 is imported. Must never modify the checkpoint, or turn text the user typed (`<|im_end|>`, `</s>`, ...) into special
@@ -57,9 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num_samples", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
-    p.add_argument("--speculative", default="auto", choices=("auto", "mtp", "off"),
+    p.add_argument("--speculative", default="off", choices=("off", "mtp"),
                    help="mtp: the model's first multi-token prediction depth drafts the token after next (two "
-                        "tokens per forward where it is right); auto: mtp when the checkpoint has depths")
+                        "tokens per forward where it is right; faster only where most drafts are)")
     args = p.parse_args(argv)
     problem = precheck(args)
     if problem:
@@ -111,16 +110,19 @@ def main(argv: list[str] | None = None) -> int:
             raise
         return code
     from model.speculative import generate_mtp, why_not
-    cannot = why_not(model) if args.speculative != "off" else None
+    cannot = why_not(model)
     if args.speculative == "mtp" and cannot:
         print(f"sample.py: --speculative=mtp: {cannot}", file=sys.stderr)
         return 2  # bad configuration (utils.constants.EXIT_BAD_CONFIG)
+    if args.speculative == "off" and not cannot:
+        print(f"sample.py: the model has {len(model.mtp.depths)} multi-token prediction depth(s): --speculative=mtp "
+              "drafts with the first", file=sys.stderr)
     torch.manual_seed(args.seed)
     x = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=device)
     stop_ids = [special["eos"]["id"], special["im_end"]["id"]]
     knobs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
                  top_p=args.top_p, stop_ids=stop_ids)
-    if args.speculative != "off" and not cannot:
+    if args.speculative == "mtp":
         out, stats = generate_mtp(model, x, **knobs)
         print(f"sample.py: {stats.summary()}", file=sys.stderr)
     else:

@@ -138,6 +138,15 @@ class Decoder:
                 _Projection((mlp.gate_proj, mlp.up_proj), self.rows, self.pack) if plain_mlp else None,
                 _Projection((mlp.down_proj,), self.rows, self.pack) if plain_mlp else None)
 
+    def project(self, modules: Sequence[nn.Module]) -> "_Projection":
+        """Projections of the same input as one prepared matmul (fast path; model/speculative.py's eh_proj)."""
+        return _Projection(modules, self.rows, self.pack)
+
+    @staticmethod
+    def norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """An RMSNorm module's output, in fp32 without its casts (the decode path's)."""
+        return _rms_norm(norm, x)
+
     def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [B, T] (B = batch_size) from position 0 -> logits [B, V] of the last position."""
         with self._mode():

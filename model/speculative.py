@@ -29,7 +29,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from model.decode import Decoder, _Projection, _rms_norm, fast_path_applies
+from model.decode import Decoder, fast_path_applies
 from model.generate import multinomial_one, sample_next, truncate
 from model.llama import KVCache, Transformer, kv_heads_of
 
@@ -71,7 +71,7 @@ class MTPDraft:
         model = decoder.model
         self.dec, self.depth = decoder, model.mtp.depths[0]
         self.layers = [decoder.prepare(self.depth.block)]
-        self.proj = _Projection((self.depth.eh_proj,), decoder.rows, decoder.pack)
+        self.proj = decoder.project((self.depth.eh_proj,))
         self.cache = KVCache(model.cfg, decoder.rows, max_len, device, decoder.dtype, kv_heads_of(model), n_layers=1)
 
     def extend(self, h: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
@@ -79,7 +79,7 @@ class MTPDraft:
         them -> the draft logits [B, V] of the token after the last one."""
         d = self.depth
         e = self.dec.model.embed_tokens(next_tokens)
-        x = self.proj(torch.cat([_rms_norm(d.enorm, e), _rms_norm(d.hnorm, h)], dim=-1))
+        x = self.proj(torch.cat([self.dec.norm(d.enorm, e), self.dec.norm(d.hnorm, h)], dim=-1))
         return self.dec.logits(self.dec.hidden(x, self.layers, self.cache)[:, -1], d.norm)
 
 
