@@ -88,6 +88,35 @@ def test_a_mutated_term_is_told_apart(mutate, case):
     assert abs(ours(*case) - paper_loss(*case, mutate=mutate)) > 1e-3
 
 
+def test_bnpo_is_the_mean_of_each_micro_batchs_token_average():
+    """bnpo (TRL's): the step split in two micro-batches (rows 0-2: 11 tokens, rows 3-5: 9) is the mean of each
+    micro-batch's token average, one unit each; over one micro-batch it is dapo; split, it is not dapo (the
+    micro-batches' tokens weigh 1/22 and 1/18, not 1/20)."""
+    old = torch.tensor(OLD, dtype=torch.float64)
+    logps = old + torch.tensor(DELTAS, dtype=torch.float64)
+    mask = torch.tensor([[1.0] * n + [0.0] * (L_MAX - n) for n in LENGTHS], dtype=torch.float64)
+    adv = group_advantages(torch.tensor(REWARDS, dtype=torch.float64), G).double()
+    per_token = per_token_terms(logps, old, adv, epsilon=0.2, epsilon_high=0.28, beta=0.0)["loss"]
+    parts = [slice(0, 3), slice(3, 6)]
+    got = sum(float(aggregate(per_token[p], mask[p], "bnpo", L_MAX)) for p in parts) / sum(
+        units_of("bnpo", 3, int(mask[p].sum())) for p in parts)
+    want = []
+    for p in parts:
+        rows = range(6)[p]
+        want.append(sum(float(per_token[i, t]) for i in rows for t in range(LENGTHS[i])) / sum(LENGTHS[i] for i in rows))
+    assert got == pytest.approx(sum(want) / 2, rel=1e-12)
+    dapo = ours("dapo", 0.2, 0.28, 0.0)
+    assert float(aggregate(per_token, mask, "bnpo", L_MAX)) / units_of("bnpo", 6, 20) == pytest.approx(dapo, rel=1e-12)
+    assert abs(got - dapo) > 1e-4
+    from types import SimpleNamespace
+
+    from trainer.tasks.grpo import GRPOTask  # the trainer divides by the step's units: one per micro-batch
+    task = GRPOTask(SimpleNamespace(num_generations=G, reward_funcs="exact_match", reward_fn="", reward_weights="",
+                                    loss_type="bnpo", beta=0.0, max_prompt_length=4, max_completion_length=4))
+    assert task.units == "micro-batches"
+    assert task.count_units({"input_ids": torch.zeros(3, 9), "completion_mask": mask[:3]}) == 1
+
+
 def test_clip_fraction_kl_and_equal_rewards():
     adv = group_advantages(torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 2.0]), 3)
     assert torch.equal(adv[:3], torch.zeros(3))  # no signal from a group that agrees, and no division by 0

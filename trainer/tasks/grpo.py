@@ -24,8 +24,8 @@ import torch.distributed as dist
 from model.ring_attention import whole_sequences
 from trainer.tasks.base import Task, TaskData
 from trainer.tasks.grpo_data import PromptSet, read_prompts_file
-from trainer.tasks.grpo_loss import (TOKEN_AVERAGED, aggregate, batch_std, group_advantages, high_entropy_mask,
-                                     per_token_terms, units_of)
+from trainer.tasks.grpo_loss import (MICRO_BATCH_MEAN, TOKEN_AVERAGED, aggregate, batch_std, group_advantages,
+                                     high_entropy_mask, per_token_terms, units_of)
 from trainer.tasks.grpo_rewards import build_rewards
 from trainer.tasks.grpo_rollout import Group, drop_truncated, rollout_seed, sample_group, token_logps, training_rows
 from utils.constants import EXIT_BAD_CONFIG
@@ -45,7 +45,8 @@ class GRPOTask(Task):
         super().__init__(cfg)
         from trainer.tasks.grpo_flags import reward_specs
         self.reward_names = [n if ":" not in n else n.replace(":", ".") for n, _ in reward_specs(cfg)]
-        self.units = "completion tokens" if cfg.loss_type in TOKEN_AVERAGED else "completions"
+        self.units = ("completion tokens" if cfg.loss_type in TOKEN_AVERAGED else
+                      "micro-batches" if cfg.loss_type in MICRO_BATCH_MEAN else "completions")
         self.stat_keys = _STEP_KEYS + tuple(f"{k}_{n}" for n in self.reward_names for k in ("reward", "reward_sq"))
         self.needs_reference = cfg.beta > 0
         self.row_len = cfg.max_prompt_length + cfg.max_completion_length

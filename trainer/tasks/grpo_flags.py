@@ -14,7 +14,7 @@ from typing import Any
 from utils.configurator import flag as _f
 
 BUILTIN_REWARDS = ("exact_match", "numeric_match", "format")
-LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "cispo", "sapo")  # (trainer/tasks/grpo_loss.py reads these three)
+LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo")  # (trainer/tasks/grpo_loss.py reads these three)
 IS_LEVELS = ("token", "sequence")
 SCALE_REWARDS = ("group", "batch", "none")
 
@@ -44,7 +44,9 @@ class GRPOFlags:
     loss_type: str = _f("dapo", "grpo: how token losses are averaged: grpo = per completion, then over completions "
                         "(DeepSeekMath, Shao et al. 2024; length-biased) | dr_grpo = summed per completion over "
                         "max_completion_length (Dr. GRPO, Liu et al. 2025) | dapo = over every completion token of "
-                        "the step, all ranks (DAPO, Yu et al. 2025; the default of recent TRL releases) | cispo = "
+                        "the step, all ranks (DAPO, Yu et al. 2025; the default of recent TRL releases) | bnpo = "
+                        "over each micro-batch's completion tokens, then the mean over micro-batches (TRL's; depends "
+                        "on --batch_size) | cispo = "
                         "dapo's average of CISPO's term: the importance weight capped at 1 + epsilon_high and "
                         "detached, times the log-probability (MiniMax-M1, Chen et al. 2025; no token's gradient "
                         "is dropped) | sapo = grpo's average of SAPO's soft gate in place of the clip, "

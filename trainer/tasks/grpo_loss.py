@@ -13,8 +13,10 @@ Averaged by --loss_type:
     grpo:    (1/G) sum_i (1/|o_i|) sum_t l_t              (the paper: each completion weighs the same)
     dr_grpo: (1/G) sum_i (1/L_max) sum_t l_t              (Dr. GRPO, Liu et al. 2025: no length bias; L_max =
                                                           --max_completion_length, a constant)
-    dapo:    (1/sum_i |o_i|) sum_i sum_t l_t              (DAPO, Yu et al. 2025: token-level, every token weighs
-                                                          the same; TRL's "bnpo" is this over a local batch)
+    dapo:    (1/sum_i |o_i|) sum_i sum_t l_t              (DAPO, Yu et al. 2025: token-level, every token of the
+                                                          step weighs the same, over all micro-batches and ranks)
+    bnpo:    dapo's average within each micro-batch, then the mean over the step's micro-batches (TRL's "bnpo":
+             normalised by the tokens of the local batch, so it depends on how the step is split)
     cispo:   dapo's average of CISPO's token term (MiniMax-M1, Chen et al. 2025): the importance weight capped and
              detached multiplies the log-probability, l_t = -sg(min(ratio_t, 1 + epsilon_high)) A_i log pi_theta(o_t)
              + beta KL_t: no token's gradient is dropped, the large weights are bounded instead
@@ -42,6 +44,7 @@ from trainer.tasks.grpo_flags import IS_LEVELS, LOSS_TYPES, SCALE_REWARDS  # the
 
 TOKEN_AVERAGED = ("dapo", "cispo")  # the loss types whose units are the step's completion tokens
 PER_COMPLETION_MEAN = ("grpo", "sapo")  # the loss types averaging each completion's tokens, then the completions
+MICRO_BATCH_MEAN = ("bnpo",)  # the loss types averaging each micro-batch's tokens, then the micro-batches
 ADV_EPS = 1e-4  # TRL's: a group whose rewards all agree has std 0 and advantage 0, never a division by zero
 
 
@@ -143,8 +146,8 @@ def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, max_completion_length: int) -> torch.Tensor:
     """The loss of these rows summed over the task's units (`units_of`): per completion the mean over its
-    tokens (grpo, sapo), its sum over L_max (dr_grpo); the sum over every token (dapo, cispo). mask [B, T]: 1 on
-    completion tokens."""
+    tokens (grpo, sapo), its sum over L_max (dr_grpo); the sum over every token (dapo, cispo); the mean over these
+    rows' tokens (bnpo: one unit, the micro-batch). mask [B, T]: 1 on completion tokens."""
     m = mask.to(per_token.dtype)
     summed = torch.where(m > 0, per_token, torch.zeros_like(per_token)).sum(dim=-1)  # padding never leaks a nan
     if loss_type in PER_COMPLETION_MEAN:
@@ -153,10 +156,14 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, max_c
         return summed.sum() / float(max_completion_length)
     if loss_type in TOKEN_AVERAGED:
         return summed.sum()
+    if loss_type in MICRO_BATCH_MEAN:
+        return summed.sum() / m.sum().clamp(min=1.0)
     raise ValueError(f"loss_type={loss_type!r}: expected {' | '.join(LOSS_TYPES)}")
 
 
 def units_of(loss_type: str, completions: int, completion_tokens: int) -> int:
-    """What `aggregate`'s sum is divided by over the whole step: completions (grpo, dr_grpo) or completion
-    tokens (dapo, cispo)."""
+    """What `aggregate`'s sum is divided by over the whole step: completions (grpo, dr_grpo, sapo), completion
+    tokens (dapo, cispo) or micro-batches (bnpo: each counts 1)."""
+    if loss_type in MICRO_BATCH_MEAN:
+        return 1
     return int(completion_tokens) if loss_type in TOKEN_AVERAGED else int(completions)
