@@ -7,7 +7,7 @@ during GRPO by the trainer's own held-out evaluation (--eval_data_dir: val_rewar
 Owns: its work directory (--work): the task's records (training and held-out prompts), a character-level tokenizer
 (byte-level BPE without merges: one token per digit), the pretraining text (the true sums of the training pairs,
 written as a user / assistant exchange in plain text, the reply where the chat template puts it) and run, the SFT
-run, the GRPO run, and the evaluation (trainer/tasks/grpo_eval.py's `greedy_sums`, what the trainer logs).
+run, the GRPO run, and the evaluation (trainer/tasks/grpo_eval.py's `held_out_sums`, what the trainer logs).
 Must never: assert (it prints; the reward's rise is a bench, not a timed test), download anything.
 
     .venv/bin/python bench/grpo_demo.py [--work=/tmp/grpo_demo] [--seed=0] [--grpo_steps=150] [--reuse=pretrain|sft]
@@ -95,7 +95,7 @@ def greedy_pass_at_1(run_dir: str, tok_dir: str, records: str, max_new: int, lim
     from tokenizer import load_tokenizer, load_tokenizer_meta
     from trainer.config import TrainConfig
     from trainer.tasks.grpo_data import read_prompts_file
-    from trainer.tasks.grpo_eval import greedy_sums, held_out_metrics
+    from trainer.tasks.grpo_eval import held_out_sums, held_out_metrics
     from trainer.tasks.grpo_rewards import build_rewards
     from trainer.weights import load_weights_from
     model, _ = load_weights_from(run_dir, lambda m: None, tokenizer_dir=tok_dir)
@@ -105,7 +105,7 @@ def greedy_pass_at_1(run_dir: str, tok_dir: str, records: str, max_new: int, lim
     rewards = build_rewards(cfg)
     prompts = read_prompts_file(records, cfg, tok, meta, True, None)[:limit or None]
     stops = [int(meta["special_tokens"][n]["id"]) for n in ("eos", "im_end")]
-    sums = greedy_sums(model, prompts, rewards, lambda ids: tok.decode(ids, skip_special_tokens=True), rows=64,
+    sums = held_out_sums(model, prompts, rewards, lambda ids: tok.decode(ids, skip_special_tokens=True), rows=64,
                        max_new_tokens=max_new, stop_ids=stops, device=torch.device("cpu"))
     return held_out_metrics(sums, rewards.names)["val_reward"]
 

@@ -1,7 +1,9 @@
 """GRPO's held-out evaluation (trainer/tasks/grpo_eval.py, GRPOTask.evaluate) on a model whose greedy output is known
 by construction: its blocks add nothing and its head maps each token to a fixed next token, so the greedy completion
 of a prompt is a chain read off a table. The logged values equal the hand count; the prompts split over ranks are
-each scored once, with every rank decoding as many batches."""
+each scored once, with every rank decoding as many batches. Sampled (--eval_num_generations): the logged means and
+bests equal those of the answers themselves, the same answers at 1 and 2 ranks and at every call, none drawn from
+the training's generator."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -11,7 +13,7 @@ import torch
 
 from model import ModelConfig, Transformer
 from trainer.tasks.grpo_data import Prompt
-from trainer.tasks.grpo_eval import eval_plan, greedy_sums, held_out_metrics
+from trainer.tasks.grpo_eval import eval_plan, held_out_sums, held_out_metrics
 from trainer.tasks.grpo_rewards import build_rewards
 
 V, STOP = 128, 3
@@ -57,7 +59,7 @@ def decode(ids) -> str:
 def test_the_logged_values_equal_the_hand_count():
     model, rs = chain_model(), rewards()
     answers: list = []
-    sums = greedy_sums(model, prompts(RECORDS), rs, decode, rows=2, max_new_tokens=5, stop_ids=[STOP],
+    sums = held_out_sums(model, prompts(RECORDS), rs, decode, rows=2, max_new_tokens=5, stop_ids=[STOP],
                        device=torch.device("cpu"), answers=answers)
     assert held_out_metrics(sums, rs.names) == pytest.approx(HAND, abs=1e-12)
     assert sorted(answers) == [(0, "789", [1.0]), (1, "789", [0.0]), (2, "56789", [1.0]), (3, "56789", [0.0]),
@@ -72,7 +74,8 @@ def test_the_tasks_evaluate_splits_the_prompts_over_ranks_and_sums_them(monkeypa
     from trainer.tasks.grpo import GRPOTask
     cfg = SimpleNamespace(scale_rewards="group", num_generations=2, batch_size=1, reward_funcs="exact_match",
                           reward_fn="", reward_weights="", loss_type="dapo", beta=0.0, max_prompt_length=8,
-                          max_completion_length=5, answer_marker="", numeric_tolerance=0.0, format_regex="")
+                          max_completion_length=5, answer_marker="", numeric_tolerance=0.0, format_regex="",
+                          eval_num_generations=0, temperature=1.0, top_p=1.0, seed=0)
     model, val = chain_model(), SimpleNamespace(prompts=prompts(RECORDS))
     forwards = []  # the decode forwards (generate's prefill and each step through model/decode.py's Decoder)
     for name in ("prefill", "step"):
@@ -93,7 +96,7 @@ def test_the_tasks_evaluate_splits_the_prompts_over_ranks_and_sums_them(monkeypa
     shares = []
     for rank in (0, 1):
         forwards.clear()
-        shares.append(greedy_sums(model, val.prompts, rewards(), decode, rows=2, max_new_tokens=5,
+        shares.append(held_out_sums(model, val.prompts, rewards(), decode, rows=2, max_new_tokens=5,
                                   stop_ids=[STOP], device=torch.device("cpu"), rank=rank, world=2))
         assert len(forwards) == 2 * 5, rank  # 2 batches each (one a filler on rank 1), 5 tokens each
     total = [a + b for a, b in zip(*shares)]
@@ -109,3 +112,41 @@ def test_the_plan_deals_equal_length_batches_to_every_rank_alike():
     assert r2 == [([5], True), ([1, 4], False)]
     assert sorted(i for plan in (r0, r1, r2) for b, counted in plan if counted for i in b) == list(range(6))
     assert eval_plan([], rows=2) == []
+
+
+def test_sampled_answers_are_a_function_of_seed_and_prompt_and_their_best_is_logged():
+    """k = 4 answers per prompt at temperature 2 (the chain's next token ~69% likely, so answers differ): the row's
+    val_reward / val_reward_best / val_completion_length are the mean / best / mean length over each prompt's 4
+    answers, averaged over prompts (recomputed here from the answers themselves); 2 ranks' shares summed give the
+    same values and the same answers; a second call the same; another seed other answers; the global generator
+    untouched (training draws the same with or without evaluation). At temperature 0.001 the samples are greedy's."""
+    model, rs = chain_model(), rewards()
+    kw = dict(rows=8, max_new_tokens=5, stop_ids=[STOP], device=torch.device("cpu"), samples=4, temperature=2.0)
+    state = torch.random.get_rng_state()
+    answers: list = []
+    sums = held_out_sums(model, prompts(RECORDS), rs, decode, answers=answers, seed=3, **kw)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    got = held_out_metrics(sums, rs.names, samples=4)
+    by_prompt = {i: [a for a in answers if a[0] == i] for i in range(len(RECORDS))}
+    assert all(len(v) == 4 for v in by_prompt.values())
+    texts = {a[1] for a in answers}
+    assert len(texts) > 3  # sampled: the answers differ
+    mean = sum(sum(a[2][0] for a in v) / 4 for v in by_prompt.values()) / len(RECORDS)
+    best = sum(max(a[2][0] for a in v) for v in by_prompt.values()) / len(RECORDS)
+    length = sum(sum(min(len(a[1]) + 1, 5) for a in v) / 4 for v in by_prompt.values()) / len(RECORDS)
+    assert got["val_reward"] == pytest.approx(mean, abs=1e-12) and got["val_reward_best"] == pytest.approx(best)
+    assert got["val_completion_length"] == pytest.approx(length) and best > mean
+    shares, split = [], []
+    for rank in (0, 1):
+        shares.append(held_out_sums(model, prompts(RECORDS), rs, decode, answers=split, seed=3, rank=rank, world=2,
+                                    **kw))
+    assert held_out_metrics([a + b for a, b in zip(*shares)], rs.names, 4) == pytest.approx(got, abs=1e-12)
+    assert sorted(split) == sorted(answers)
+    again: list = []
+    held_out_sums(model, prompts(RECORDS), rs, decode, answers=again, seed=3, **kw)
+    other: list = []
+    held_out_sums(model, prompts(RECORDS), rs, decode, answers=other, seed=4, **kw)
+    assert again == answers and other != answers
+    cold = held_out_metrics(held_out_sums(model, prompts(RECORDS), rs, decode, seed=3, **{**kw, "temperature": 1e-3}),
+                            rs.names, samples=4)
+    assert cold == pytest.approx({**HAND, "val_reward_best": HAND["val_reward"]}, abs=1e-12)

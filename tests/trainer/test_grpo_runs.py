@@ -200,7 +200,8 @@ def test_fsdp_two_ranks_equal_one_process(pretrained, tmp_path):
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5)
 
 
-_CP_TP_RUN = ["--max_iters=2", "--max_prompt_length=11", "--beta=0.04", "--num_iterations=2", "--eval_interval=2"]
+_CP_TP_RUN = ["--max_iters=2", "--max_prompt_length=11", "--beta=0.04", "--num_iterations=2", "--eval_interval=2",
+              "--eval_num_generations=2"]
 
 
 @pytest.fixture(scope="module")
@@ -222,7 +223,8 @@ def test_context_and_tensor_parallel_two_ranks_equal_one_process(pretrained, one
     whole 2 x cp chunks), the per-token log-probabilities, the reference's (--beta) and the sampling policy's
     (--num_iterations=2) gathered into whole rows. --tensor_parallel_size=2: each rank decodes with its half of the
     heads (a KV cache of its key/value heads) and the gathered logits, so both draw the same tokens. Either way: the
-    completions, losses, rewards, KL and entropy of one process. --chunked_logprobs: the trainer's log-probabilities
+    completions, losses, rewards, KL and entropy of one process, and its sampled held-out answers
+    (--eval_num_generations=2: their mean and best reward). --chunked_logprobs: the trainer's log-probabilities
     and entropies chunk by chunk in the head (under tp from each rank's vocabulary shard), the same values."""
     two = tmp_path / "two"
     proc = run_cmd(train_cmd(_args(pretrained, tmp_path, *_CP_TP_RUN, f"--eval_data_dir={tmp_path / 'prompts.jsonl'}",
@@ -235,7 +237,8 @@ def test_context_and_tensor_parallel_two_ranks_equal_one_process(pretrained, one
             assert a[s][k] == b[s][k], (s, k, a[s][k], b[s][k])
         for k in ("loss", "kl", "entropy"):
             assert abs(a[s][k] - b[s][k]) <= 1e-5 * max(1.0, abs(a[s][k])), (s, k, a[s][k], b[s][k])
-    assert a[2]["kl"] > 0 and a[2]["val_reward"] == b[2]["val_reward"]
+    assert a[2]["kl"] > 0 and a[2]["val_reward"] == b[2]["val_reward"]  # 2 sampled answers per held-out prompt
+    assert a[2]["val_reward_best"] == b[2]["val_reward_best"] >= b[2]["val_reward"]
     from checkpoint.verify import find_latest_valid
     from checkpoint.weights import checkpoint_model_state
     wb = checkpoint_model_state(find_latest_valid(str(two), log=lambda m: None))

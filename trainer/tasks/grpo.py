@@ -77,22 +77,25 @@ class GRPOTask(Task):
                         "give more held-out prompts in --eval_data_dir")
 
     def evaluate(self, engine, val, info):
-        """The held-out prompts answered greedily, scored by the run's rewards (trainer/tasks/grpo_eval.py): the
-        prompts dealt to the data-parallel ranks, their sums added over the ranks."""
-        from trainer.tasks.grpo_eval import greedy_sums, held_out_metrics
+        """The held-out prompts answered (greedily, or --eval_num_generations samples each), scored by the run's
+        rewards (trainer/tasks/grpo_eval.py): the prompts dealt to the data-parallel ranks, their sums added over the
+        ranks."""
+        from trainer.tasks.grpo_eval import held_out_metrics, held_out_sums
         cfg = self.cfg
         self._load_tools()
         engine.optimizer.finish_param_sync()  # ZeRO's all-gather of the updated weights has landed
         sp = self._special
+        samples = cfg.eval_num_generations
         with whole_sequences(engine.module):  # (the cp ranks of a replica answer its prompts alike)
-            sums = greedy_sums(engine.module, val.prompts, self._rewards,
-                               lambda ids: self._tok.decode(ids, skip_special_tokens=True),
-                               rows=cfg.batch_size * cfg.num_generations, max_new_tokens=cfg.max_completion_length,
-                               stop_ids=[int(sp[n]["id"]) for n in STOP_TOKENS], device=info.device,
-                               rank=engine.dp_rank, world=engine.dp_size)
+            sums = held_out_sums(engine.module, val.prompts, self._rewards,
+                                 lambda ids: self._tok.decode(ids, skip_special_tokens=True),
+                                 rows=cfg.batch_size * cfg.num_generations, max_new_tokens=cfg.max_completion_length,
+                                 stop_ids=[int(sp[n]["id"]) for n in STOP_TOKENS], device=info.device,
+                                 rank=engine.dp_rank, world=engine.dp_size, samples=samples,
+                                 temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed)
         if engine.dp_size > 1:
             sums = engine.sum_over_data(sums, info.device).tolist()
-        return held_out_metrics(sums, self.reward_names)
+        return held_out_metrics(sums, self.reward_names, samples)
 
     def _load_tools(self) -> None:
         """The tokenizer, its special ids and the reward functions, once."""

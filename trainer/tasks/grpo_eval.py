@@ -1,19 +1,23 @@
-"""GRPO's held-out evaluation (--eval_data_dir): every held-out prompt answered greedily (temperature 0) with
-model/generate.py's `generate`, each answer scored by the run's reward functions. The step row gets `val_reward`
-(the mean weighted reward), `val_reward_<function>` and `val_completion_length`; with a 0/1 reward such as
-exact_match, `val_reward` is the greedy pass@1.
+"""GRPO's held-out evaluation (--eval_data_dir): every held-out prompt answered with model/generate.py's `generate`,
+each answer scored by the run's reward functions. By default one greedy answer (temperature 0) per prompt: the step
+row gets `val_reward` (the mean weighted reward), `val_reward_<function>` and `val_completion_length`; with a 0/1
+reward such as exact_match, `val_reward` is the greedy pass@1. With --eval_num_generations=k, k answers sampled at
+the rollouts' --temperature / --top_p (TRL samples its eval completions so): the means over each prompt's k, and
+`val_reward_best`, the mean over prompts of the best of their k (pass@k for a 0/1 reward).
 
-Owns: `eval_plan` (the prompts in batches of equal length, dealt to the data-parallel ranks), `greedy_sums` (one
-rank's sums), `held_out_metrics` (the sums of every rank as the row's values).
-Must never: draw a random number (greedy decoding draws none, so a run trains the same with or without
-evaluation), or let one rank run fewer forwards than another (FSDP all-gathers in every forward).
+Owns: `eval_plan` (the prompts in batches of equal length, dealt to the data-parallel ranks), `held_out_sums` (one
+rank's sums), `held_out_metrics` (the sums of every rank as the row's values), `batch_seed`.
+Must never: draw from the training's random generators (greedy decoding draws nothing; sampling draws from its own
+generator per batch, seeded by the run's seed and the batch's first prompt: the same answers at any number of ranks,
+at every evaluation, and a run trains the same with or without evaluation), or let one rank run fewer forwards than
+another (FSDP all-gathers in every forward).
 
 Why batches of equal length: `generate` continues equal-length prompts (no padding, no attention mask). The batches
 are made from the whole held-out set in (length, index) order and dealt round-robin, so a prompt is decoded in the
 same batch, with the same numbers, at any number of ranks. With several ranks every batch decodes the full
 --max_completion_length tokens (no early stop at the stop ids: every rank then runs the same forwards) and a rank
 short of a batch decodes a filler batch it does not count; the tokens before a row's first stop id are those a
-single process, which stops early, decodes.
+single process, which stops early, decodes (a sampled step draws for every row, finished or not).
 """
 from __future__ import annotations
 
@@ -42,44 +46,69 @@ def first_stop(row: Sequence[int], stop_ids: Sequence[int]) -> Optional[int]:
     return next((j for j, t in enumerate(row) if t in stop_ids), None)
 
 
+def batch_seed(seed: int, first_prompt: int) -> int:
+    """The seed of a sampled evaluation batch's generator: a function of the run's seed and the batch's first prompt
+    (its index in the held-out set), never of the rank or the step."""
+    return (int(seed) * 1_000_003 + 7919 * int(first_prompt) + 0x5EED) % (2 ** 63)
+
+
 @torch.no_grad()
-def greedy_sums(model: Any, prompts: Sequence[Any], rewards: Any, decode: Any, *, rows: int, max_new_tokens: int,
-                stop_ids: Sequence[int], device: Any, rank: int = 0, world: int = 1,
-                answers: Optional[list] = None) -> list[float]:
-    """[prompts scored, sum of the weighted rewards, sum of each function's reward..., sum of completion tokens]
-    over this rank's share of `prompts` (grpo_data.Prompt: ids, text, answer, record, where). `rewards`: a
-    grpo_rewards.RewardSet; `decode(ids) -> text`. A completion is its tokens before the first stop id (the stop
-    token counts in its length, as in training); one without a stop id is the whole --max_completion_length.
-    `answers`, when given a list, gets (prompt index, completion text, [each function's reward]) per prompt."""
+def held_out_sums(model: Any, prompts: Sequence[Any], rewards: Any, decode: Any, *, rows: int, max_new_tokens: int,
+                  stop_ids: Sequence[int], device: Any, rank: int = 0, world: int = 1,
+                  answers: Optional[list] = None, samples: int = 0, temperature: float = 1.0, top_p: float = 1.0,
+                  seed: int = 0) -> list[float]:
+    """[prompts scored, sum of the weighted rewards, sum of each function's reward..., sum of completion tokens, sum
+    of the best weighted reward] over this rank's share of `prompts` (grpo_data.Prompt: ids, text, answer, record,
+    where); with `samples` = k >= 1 each prompt's values are the means over its k sampled answers (the best: their
+    maximum), else its one greedy answer's. `rows`: the answers decoded together at most (a batch holds
+    max(1, rows // k) prompts). `rewards`: a grpo_rewards.RewardSet; `decode(ids) -> text`. A completion is its tokens
+    before the first stop id (the stop token counts in its length, as in training); one without a stop id is the
+    whole max_new_tokens. `answers`, when given a list, gets (prompt index, completion text, [each function's
+    reward]) per answer."""
     stops = [int(s) for s in stop_ids]
-    sums = [0.0] * (3 + len(rewards.names))
-    for batch, counted in eval_plan([len(p.ids) for p in prompts], rows, rank, world):
+    k = max(1, samples)
+    sums = [0.0] * (4 + len(rewards.names))
+    for batch, counted in eval_plan([len(p.ids) for p in prompts], max(1, rows // k), rank, world):
         P = len(prompts[batch[0]].ids)
-        x = torch.tensor([list(prompts[i].ids) for i in batch], dtype=torch.long, device=device)
-        out = generate(model, x, max_new_tokens, temperature=0.0, stop_ids=stops if world == 1 else None)
+        x = torch.tensor([list(prompts[i].ids) for i in batch for _ in range(k)], dtype=torch.long, device=device)
+        stop = stops if world == 1 else None
+        if samples:
+            g = torch.Generator(device=device).manual_seed(batch_seed(seed, batch[0]))
+            out = generate(model, x, max_new_tokens, temperature=temperature, top_p=top_p, stop_ids=stop, generator=g)
+        else:
+            out = generate(model, x, max_new_tokens, temperature=0.0, stop_ids=stop)
         if not counted:
             continue
-        for i, row in zip(batch, out[:, P:].tolist()):
-            end = first_stop(row, stops)
-            text = decode(row[:end] if end is not None else row)
+        done = out[:, P:].tolist()
+        for n, i in enumerate(batch):
             p = prompts[i]
-            vals = rewards.score(p.text, text, p.record, p.answer, p.where)
+            totals, per_function, length = [], [0.0] * len(rewards.names), 0.0
+            for row in done[n * k:(n + 1) * k]:
+                end = first_stop(row, stops)
+                text = decode(row[:end] if end is not None else row)
+                vals = rewards.score(p.text, text, p.record, p.answer, p.where)
+                totals.append(rewards.total(vals))
+                per_function = [a + v for a, v in zip(per_function, vals)]
+                length += float(end + 1 if end is not None else len(row))
+                if answers is not None:
+                    answers.append((i, text, vals))
             sums[0] += 1.0
-            sums[1] += rewards.total(vals)
-            for k, v in enumerate(vals):
-                sums[2 + k] += v
-            sums[-1] += float(end + 1 if end is not None else len(row))
-            if answers is not None:
-                answers.append((i, text, vals))
+            sums[1] += sum(totals) / k
+            for f, v in enumerate(per_function):
+                sums[2 + f] += v / k
+            sums[-2] += length / k
+            sums[-1] += max(totals)
     return sums
 
 
-def held_out_metrics(sums: Sequence[float], reward_names: Sequence[str]) -> dict:
-    """The row's values from the sums of every rank (`greedy_sums`, summed)."""
+def held_out_metrics(sums: Sequence[float], reward_names: Sequence[str], samples: int = 0) -> dict:
+    """The row's values from the sums of every rank (`held_out_sums`, summed); `val_reward_best` with samples."""
     n = max(float(sums[0]), 1e-30)
     out = {"val_reward": float(sums[1]) / n}
     for k, name in enumerate(reward_names):
         out[f"val_reward_{name}"] = float(sums[2 + k]) / n
-    out["val_completion_length"] = float(sums[-1]) / n
+    out["val_completion_length"] = float(sums[-2]) / n
     out["val_prompts"] = float(sums[0])
+    if samples:
+        out["val_reward_best"] = float(sums[-1]) / n
     return out

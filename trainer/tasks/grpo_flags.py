@@ -31,6 +31,9 @@ class GRPOFlags:
     temperature: float = _f(1.0, "grpo: sampling temperature of the rollouts (> 0); the log-probabilities trained "
                             "on are those of logits / temperature, as in TRL")
     top_p: float = _f(1.0, "grpo: nucleus sampling of the rollouts (1 = off)")
+    eval_num_generations: int = _f(0, "grpo: held-out answers per prompt (--eval_data_dir): 0 = one greedy answer "
+                                   "(val_reward is pass@1 for a 0/1 reward); k >= 1 = k sampled at --temperature / "
+                                   "--top_p, the means logged and val_reward_best, the best of the k (pass@k)")
     beta: float = _f(0.0, "grpo: weight of the KL penalty to the frozen reference model (the initial weights, or "
                      "--ref_model), k3 estimator (DeepSeekMath, Shao et al. 2024); 0 = no reference (DAPO, Dr. GRPO "
                      "and current practice drop it)")
@@ -148,6 +151,7 @@ def grpo_problems(cfg: Any, resume_policy: str) -> list[str]:
                    f"{cfg.max_completion_length} must be <= --max_seq_len={cfg.max_seq_len}")
     need(math.isfinite(cfg.temperature) and cfg.temperature > 0, "temperature", "must be a finite number > 0")
     need(math.isfinite(cfg.top_p) and 0 < cfg.top_p <= 1, "top_p", "must be in (0, 1]")
+    need(0 <= cfg.eval_num_generations <= 1024, "eval_num_generations", "must be in [0, 1024] (0 = one greedy answer)")
     need(math.isfinite(cfg.beta) and cfg.beta >= 0, "beta", "must be a finite number >= 0")
     need(math.isfinite(cfg.epsilon) and 0 < cfg.epsilon < 1, "epsilon", "must be in (0, 1)")
     need(math.isfinite(cfg.epsilon_high) and cfg.epsilon_high >= 0, "epsilon_high", "must be >= 0 (0 = --epsilon)")
