@@ -112,7 +112,7 @@ def test_flag_checks():
     for part in ("--reward_weights='1,2': 2 finite weights for 1 reward functions (exact_match)",
                  "--max_prompt_length=60 + --max_completion_length=8 must be <= --max_seq_len=64",
                  "--temperature=0.0: must be a finite number > 0",
-                 "--loss_type=ppo: grpo | dr_grpo | dapo | cispo | sapo",
+                 "--loss_type=ppo: grpo | dr_grpo | dapo | bnpo | cispo | sapo",
                  "--epsilon=1.5: must be in (0, 1)"):
         assert part in msg
     with pytest.raises(TrainingError) as e:
@@ -123,9 +123,10 @@ def test_flag_checks():
     with pytest.raises(TrainingError, match="--loss_type=cispo caps its weight"):
         validate_config(_cfg(delta=1.5, loss_type="cispo"), torch_free=True)
     with pytest.raises(TrainingError) as e:
-        validate_config(_cfg(delta=1.5, loss_type="sapo", sapo_temperature_neg=0.0, top_entropy_quantile=0.0),
-                        torch_free=True)
+        validate_config(_cfg(delta=1.5, loss_type="sapo", sapo_temperature_neg=0.0, top_entropy_quantile=0.0,
+                             eval_num_generations=-1), torch_free=True)
     for part in ("--loss_type=sapo has no clip (its gate is soft)",
+                 "--eval_num_generations=-1: must be in [0, 1024] (0 = one greedy answer)",
                  "--sapo_temperature_neg=0.0: must be a finite number > 0",
                  "--top_entropy_quantile=0.0: must be in (0, 1]"):
         assert part in str(e.value)
