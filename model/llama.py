@@ -308,7 +308,7 @@ class Transformer(nn.Module):
         part.norm = model.norm if head else None
         part.lm_head = model.lm_head if head else None
         part.rotary = model.rotary
-        if embedding and head and getattr(model, "mtp", None) is not None:
+        if head and getattr(model, "mtp", None) is not None:  # the depths live with the LM head (the last stage)
             part.mtp = model.mtp
         return part
 
@@ -356,12 +356,15 @@ class Transformer(nn.Module):
                 position_ids: Optional[torch.Tensor] = None, *, cache: Optional[KVCache] = None,
                 logits_to_keep: "int | torch.Tensor" = 0, doc_ids: Optional[torch.Tensor] = None,
                 cu_seqlens: Optional[torch.Tensor] = None, max_seqlen=None,
-                logprobs_of: Optional[torch.Tensor] = None, temperature: float = 1.0) -> torch.Tensor:
+                logprobs_of: Optional[torch.Tensor] = None, temperature: float = 1.0,
+                mtp_embedded: Optional[list] = None) -> torch.Tensor:
         """Logits [B, T, V] without labels; the loss of the chunked linear+CE with labels; with logprobs_of (token
         ids [B, T], shifted as labels, every one a real id) the pair (log p(logprobs_of), entropy), each [B, T], of
         the logits / temperature, computed chunk by chunk without the whole logits (model/token_logprobs.py; RL).
         Pruned (`pruned`): input_ids is the hidden state [B, T, D] when there is no embedding, and the
-        hidden state after the blocks (before the norm) is returned when there is no LM head.
+        hidden state after the blocks (before the norm) is returned when there is no LM head; a pruned last stage's
+        multi-token prediction depths take their inputs embedded by the first stage (`mtp_embedded`, model/mtp.py
+        shifted_embeddings).
 
         labels are already shifted (labels[t] is the token after input_ids[t]), -100 = ignored.
         attention_mask [B, T(+cached)] marks real tokens (1) vs padding (0). position_ids [B, T] of
@@ -381,10 +384,11 @@ class Transformer(nn.Module):
         cp = getattr(self, "context_parallel", None)
         mtp = getattr(self, "mtp", None)
         if (mtp is None or labels is None or reduction == "none" or not self.training or not torch.is_grad_enabled()
-                or self.embed_tokens is None or self.lm_head is None):
+                or (self.embed_tokens is None and mtp_embedded is None) or self.lm_head is None):
             mtp = None  # multi-token prediction trains beside a training loss only (model/mtp.py)
         else:  # its shifted inputs and targets from the whole sequences (before a context-parallel split)
-            shifted = mtp.targets(input_ids, labels, position_ids, doc_ids, attention_mask)
+            ids = input_ids if mtp_embedded is None else None
+            shifted = mtp.targets(ids, labels, position_ids, doc_ids, attention_mask)
         if cp is not None and cp.size > 1:
             # whole sequences in (with their attention_mask / position_ids / doc_ids / cu_seqlens: padding and packed
             # documents), this rank's two chunks kept (model/ring_attention.py); the loss comes back summed over the
@@ -402,7 +406,7 @@ class Transformer(nn.Module):
                 cp.shard(position_ids.expand(B, T))
             labels, logprobs_of, T = cp.shard(labels), cp.shard(logprobs_of), T // cp.size
             if mtp is not None:
-                shifted = [(cp.shard(ids), cp.shard(lab)) for ids, lab in shifted]
+                shifted = [(None if ids is None else cp.shard(ids), cp.shard(lab)) for ids, lab in shifted]
             spec = AttnSpec("ring", group=cp.group, docs=docs)
         elif position_ids is None:
             positions = torch.arange(past, past + T, device=input_ids.device)[None].expand(B, T)
@@ -428,7 +432,7 @@ class Transformer(nn.Module):
         if self.lm_head is None:  # a pruned model without the head: the next part's input
             return h
         if mtp is not None:  # records its losses for the trainer (the returned loss stays the next-token one)
-            mtp(h, self.embed_tokens, self.lm_head.weight, cos, sin, spec, shifted, ckpt)
+            mtp(h, self.embed_tokens, self.lm_head.weight, cos, sin, spec, shifted, ckpt, mtp_embedded)
         h = self.norm(h)
 
         if logprobs_of is not None:

@@ -40,16 +40,17 @@ def shift_left(t: torch.Tensor, k: int, fill: int) -> torch.Tensor:
     return out
 
 
-def targets(depths: int, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
-            doc_ids: Optional[torch.Tensor] = None,
-            attention_mask: Optional[torch.Tensor] = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def targets(depths: int, input_ids: Optional[torch.Tensor], labels: torch.Tensor,
+            position_ids: Optional[torch.Tensor] = None, doc_ids: Optional[torch.Tensor] = None,
+            attention_mask: Optional[torch.Tensor] = None) -> list[tuple[Optional[torch.Tensor], torch.Tensor]]:
     """[(the input ids of depth k [B, T], its labels [B, T])] for k = 1..depths, from whole sequences: at i the
     token i + k (0 past the end) and the label of position i + k (labels are already shifted: labels[i] is token
-    i + 1), ignored where that label is, past the end, or in another sample than position i."""
-    B, T = input_ids.shape
+    i + 1), ignored where that label is, past the end, or in another sample than position i. input_ids None (a
+    pipeline's last stage, whose depths get their inputs embedded by the first: `shifted_embeddings`): ids None."""
+    B, T = labels.shape
     out = []
     for k in range(1, depths + 1):
-        ids = shift_left(input_ids, k, 0)
+        ids = shift_left(input_ids, k, 0) if input_ids is not None else None
         lab = shift_left(labels, k, IGNORE_INDEX)
         keep = torch.ones_like(lab, dtype=torch.bool)
         if position_ids is not None:  # packed samples restart their positions: i + k is in i's sample iff +k
@@ -61,6 +62,12 @@ def targets(depths: int, input_ids: torch.Tensor, labels: torch.Tensor, position
             keep &= shift_left(attention_mask.long(), k, 0) != 0
         out.append((ids, lab.masked_fill(~keep, IGNORE_INDEX)))
     return out
+
+
+def shifted_embeddings(depths: int, input_ids: torch.Tensor, embed: nn.Module) -> list[torch.Tensor]:
+    """[embed(the input ids of depth k)] for k = 1..depths (`targets`' ids): what a pipeline's first stage sends on
+    beside the hidden state, for the depths on the last stage (parallel/pipeline.py)."""
+    return [embed(shift_left(input_ids, k, 0)) for k in range(1, depths + 1)]
 
 
 class MTPDepth(nn.Module):
@@ -98,14 +105,16 @@ class MultiTokenPrediction(nn.Module):
     def targets(self, *args, **kwargs) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return targets(len(self.depths), *args, **kwargs)
 
-    def forward(self, h: torch.Tensor, embed: nn.Module, head_weight: torch.Tensor, cos, sin, spec,
-                shifted: list[tuple[torch.Tensor, torch.Tensor]], checkpointing: bool = False) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, embed: Optional[nn.Module], head_weight: torch.Tensor, cos, sin, spec,
+                shifted: list[tuple[Optional[torch.Tensor], torch.Tensor]], checkpointing: bool = False,
+                embedded: Optional[list[torch.Tensor]] = None) -> torch.Tensor:
         """h: the model's hidden state after its blocks (before the final norm), this rank's positions; `shifted`:
-        `targets` (split like h under context parallelism). Records and returns the summed loss over depths
-        (this rank's positions' part)."""
+        `targets` (split like h under context parallelism); `embedded`: the depths' inputs already embedded
+        (`shifted_embeddings`, a pipeline's first stage), else embed(ids). Records and returns the summed loss over
+        depths (this rank's positions' part)."""
         total, stats = None, []
-        for depth, (ids, lab) in zip(self.depths, shifted):
-            args = (h, embed(ids), head_weight, cos, sin, spec, lab)
+        for k, (depth, (ids, lab)) in enumerate(zip(self.depths, shifted)):
+            args = (h, embed(ids) if embedded is None else embedded[k], head_weight, cos, sin, spec, lab)
             h, loss = checkpoint(depth, *args, use_reentrant=False) if checkpointing else depth(*args)
             total = loss if total is None else total + loss
             stats.append(torch.stack([loss.detach().double(), (lab != IGNORE_INDEX).sum().double()]))

@@ -47,7 +47,7 @@ CAPABILITIES: dict[str, frozenset] = {
                        "context_parallel", "moe", "expert_parallel", "multi_token_prediction"}),
     "pipeline": frozenset({"compile", "zero", "tensor_parallel", "sequence_parallel", "hsdp", "cpu_offload",
                            "frozen_parameters", "padded_batches", "sequence_logprobs", "float8", "moe",
-                           "expert_parallel", "context_parallel"}),
+                           "expert_parallel", "context_parallel", "multi_token_prediction"}),
 }
 WHY_NOT: dict[str, str] = {
     "rollouts": "GRPO's rollouts run a forward per generated token on every rank; pipeline stages would pass each "
@@ -63,8 +63,6 @@ WHY_NOT: dict[str, str] = {
     "tied_embeddings": "the embedding on the first stage and the LM head on the last would be one weight on two ranks",
     "low_precision_optimizer_states": "the bf16 moments live in our DDP's one-launch AdamW over its flat buffers "
                                       "(one stage's gradient norm only)",
-    "multi_token_prediction": "the MTP blocks need the token embedding and the last block's output on one rank, "
-                              "which are on the first and the last stage: not built",
 }
 # what a dimension of the mesh refuses of a run's needs (a task's, or the trainer's), and why (one line each)
 CP_REFUSES: dict[str, str] = {
@@ -81,6 +79,11 @@ EP_DDP_REFUSES: dict[str, str] = {
                           "expert-parallel ranks",
     "low_precision_optimizer_states": "the bf16 moments live in the one-launch AdamW, which does not step "
                                       "expert-parallel shards",
+}
+# what pipeline stages refuse beside context or tensor parallelism (the stages' activations split over cp or tp)
+PP_SPLIT_REFUSES: dict[str, str] = {
+    "multi_token_prediction": "the depths' embedded inputs travel between the stages beside the hidden state, "
+                              "which is built for whole sequences and whole hidden states: not built",
 }
 # what sequence parallelism refuses (--sequence_parallel=true)
 SP_REFUSES: dict[str, str] = {
@@ -299,9 +302,12 @@ class ParallelConfig(ParallelFlags):
             if problem:
                 out.append(problem)
         out.extend(self._combination_problems())
+        pp_split = f"--pipeline_parallel_size={self.pp} with " + (f"--context_parallel_size={self.cp}" if self.cp > 1
+                                                                   else f"--tensor_parallel_size={self.tp}")
         for on, engine_flag, refuses in ((self.cp > 1, f"--context_parallel_size={self.cp}", CP_REFUSES),
                                          (self.sequence_parallel and self.tp > 1, "--sequence_parallel=true",
-                                          SP_REFUSES)):
+                                          SP_REFUSES),
+                                         (self.pp > 1 and (self.cp > 1 or self.tp > 1), pp_split, PP_SPLIT_REFUSES)):
             for asked_by, what in (needs or {}).items() if on else ():
                 if what in refuses:
                     out.append(f"{asked_by} cannot be combined with {engine_flag} ({refuses[what]})")

@@ -89,15 +89,32 @@ class PipelineStageModule(Transformer):
         ids = [int(k) for k in self.layers]
         return ids[0], ids[-1] + 1
 
+    @property
+    def carried_depths(self) -> int:
+        """Multi-token prediction's depths whose inputs travel with the hidden state: the first stage embeds each
+        depth's shifted tokens (model/mtp.py shifted_embeddings) and sends them on beside it, [B, T, (1 + D) dim],
+        every stage passes them through untouched (their gradients flow back to the embedding), and the last
+        stage's depths take them: the embedding stays on the first stage alone (no tied copy to keep in sync)."""
+        return int(getattr(self.cfg, "mtp_num_layers", 0)) if self.num_stages > 1 else 0
+
     def forward(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None,
                 position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        D, extras = self.carried_depths, None
+        if D and self.is_first:
+            from model.mtp import shifted_embeddings
+            extras = shifted_embeddings(D, x, self.embed_tokens)
+        elif D:  # the hidden state, then the depths' embedded inputs
+            x, *extras = x.split(self.cfg.dim, dim=-1)
         if self.lm_head is None:
             out = super().forward(x, attention_mask=attention_mask, position_ids=position_ids)
+            if extras:
+                out = torch.cat([out, *extras], dim=-1)
         elif labels is None:
             raise ValueError("the last pipeline stage computes the loss: it needs labels")
         else:
-            loss = super().forward(x, labels, self.reduction, attention_mask, position_ids).float()
+            loss = super().forward(x, labels, self.reduction, attention_mask, position_ids,
+                                   mtp_embedded=extras).float()
             # "sum": [1] (and not a view of the 0-d loss), as the schedule merges micro-batches along dim 0
             out = torch.stack([loss]) if self.reduction == "sum" else loss
         if self.after_forward is not None and self.training and torch.is_grad_enabled():

@@ -20,19 +20,24 @@ from utils.device import HostCopy
 
 
 class MTPTraining:
-    def __init__(self, cfg: Any, module: MultiTokenPrediction) -> None:
-        self.module, self.depths = module, len(module.depths)
+    def __init__(self, cfg: Any, module: Optional[MultiTokenPrediction], depths: int) -> None:
+        self.module, self.depths = module, depths  # module None: a pipeline stage without the depths
         self.weight = float(cfg.mtp_loss_weight)
         self._filed: dict[Hashable, torch.Tensor] = {}  # this step's [D, 2] (summed loss, targets) by micro-batch
 
     @classmethod
     def of(cls, cfg: Any, model: torch.nn.Module) -> Optional["MTPTraining"]:
+        """For a model with depths, and for every pipeline stage of one (the stages without them take nothing but
+        join the step's statistics sum, a collective)."""
         found = [m for m in model.modules() if isinstance(m, MultiTokenPrediction)]
-        return cls(cfg, found[0]) if found else None
+        depths = len(found[0].depths) if found else int(getattr(getattr(model, "cfg", None), "mtp_num_layers", 0))
+        return cls(cfg, found[0] if found else None, depths) if depths else None
 
     def take(self, key: Optional[Hashable], batch: Optional[dict]) -> Optional[torch.Tensor]:
         """The MTP losses of the forwards since the last take: filed under `key` (None: dropped), and weight / D
         x their sum with its gradient (None when no training forward ran, for no batch, or at weight 0)."""
+        if self.module is None:
+            return None
         loss, stats = self.module.take()
         if loss is None:
             return None

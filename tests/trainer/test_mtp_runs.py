@@ -142,13 +142,19 @@ def test_sample_drafts_with_the_depth(mtp_runs, capsys):
     (2, ["--parallel=fsdp", "--batch_size=2"]),
     (2, ["--parallel=fsdp", "--tensor_parallel_size=2"]),
     (2, ["--parallel=fsdp", "--tensor_parallel_size=2", "--sequence_parallel=true"]),
-], ids=["cp2", "fsdp2", "tp2", "tp2_sp"])
+    (2, ["--pipeline_parallel_size=2", "--batch_size=2", "--gradient_accumulation_steps=2"]),
+    (2, ["--pipeline_parallel_size=2", "--batch_size=2", "--gradient_accumulation_steps=2", "--parallel=fsdp",
+         "--pipeline_schedule=gpipe"]),
+], ids=["cp2", "fsdp2", "tp2", "tp2_sp", "pp2", "pp2_fsdp"])
 def test_two_ranks_follow_one_process(mtp_runs, tmp_path, nproc, extra):
     """fp32, the run at weight 0.3 over 2 gloo ranks: sequences split over 2 context-parallel ranks (the shifted
     targets built from whole rows first), FSDP over 2 data-parallel ranks (the depths their own units) with the
     same global batch, or the depths' blocks split over 2 tensor-parallel ranks like the model's (with sequence
     parallelism: their projections and norms on each rank's positions, the norm's output gathered for the
-    vocabulary-parallel loss); every step's loss and MTP loss follow the one-process run (summation order only)."""
+    vocabulary-parallel loss), or 2 pipeline stages (our DDP with 1F1B, FSDP2 with GPipe; the first stage sends the
+    depths' embedded inputs on beside the hidden state: fails when their gradient does not reach the embedding);
+    every step's loss and MTP loss follow the one-process run (summation order only), and the stages' checkpoint
+    its weights, the depths' included."""
     args = [a for a in mtp_runs["args"] if not a.startswith("--max_iters")]
     out = tmp_path / "run"
     run_cmd(train_cmd([*args, "--max_iters=3", "--lr_decay_iters=4", f"--out_dir={out}", "--mtp_num_layers=2",
@@ -157,15 +163,22 @@ def test_two_ranks_follow_one_process(mtp_runs, tmp_path, nproc, extra):
     for s in (1, 2, 3):
         for key in ("loss", "mtp_loss", "mtp_loss_1", "mtp_loss_2"):
             assert abs(got[s][key] - ref[s][key]) <= 1e-4 * abs(ref[s][key]), (s, key, got[s][key], ref[s][key])
+    if "--pipeline_parallel_size=2" in extra:  # the stages' files hold the depths (the last stage's) at step 2
+        from checkpoint.weights import checkpoint_model_state
+        a, b = (checkpoint_model_state(str(d / "checkpoints" / "step_00000002")) for d in (mtp_runs["w3"], out))
+        assert a.keys() == b.keys() and any(k.startswith("mtp.depths.1.") for k in b)
+        for k in a:
+            torch.testing.assert_close(b[k], a[k], rtol=1e-3, atol=1e-5, msg=k)
 
 
 @pytest.mark.parametrize("extra, needle", [
     (["--mtp_num_layers=-1"], "--mtp_num_layers=-1: must be in [0, 16]"),
     (["--mtp_num_layers=1", "--mtp_loss_weight=-1"], "--mtp_loss_weight=-1.0: must be a finite number >= 0"),
     (["--mtp_num_layers=1", "--lora_rank=2"], "--mtp_num_layers=1 cannot be combined with --lora_rank=2"),
-    (["--mtp_num_layers=1", "--pipeline_parallel_size=2"],
-     "--mtp_num_layers=1 cannot be combined with --pipeline_parallel_size"),
-], ids=["negative", "weight", "lora", "pp"])
+    (["--mtp_num_layers=1", "--pipeline_parallel_size=2", "--context_parallel_size=2",
+      "--gradient_accumulation_steps=2"],
+     "--mtp_num_layers=1 cannot be combined with --pipeline_parallel_size=2 with --context_parallel_size=2"),
+], ids=["negative", "weight", "lora", "pp_cp"])
 def test_bad_mtp_flags_one_line_exit_2(tiny_pretrain_run_args, tmp_path, capsys, extra, needle):
     code, err = run_main([*tiny_pretrain_run_args, f"--out_dir={tmp_path / 'run'}", "--max_iters=1", *extra], capsys)
     assert code == EXIT_BAD_CONFIG, err
@@ -208,15 +221,19 @@ def test_moe_depths_under_expert_parallelism_follow_one_process(mtp_runs, tmp_pa
 
 
 def test_layouts_that_cannot_hold_a_checkpoints_depths_are_named():
-    """loaded_mtp_problems asks the engines' declarations (parallel/config.py): pipeline stages cannot hold the
-    depths; our DDP, FSDP, tensor, context and expert parallelism can."""
+    """loaded_mtp_problems asks the engines' declarations (parallel/config.py): pipeline stages beside tensor or
+    context parallelism cannot hold the depths; our DDP, FSDP, pipeline stages, tensor, context and expert
+    parallelism can."""
     from trainer.config import TrainConfig
     from trainer.validation import loaded_mtp_problems
     asked = "the model of ckpt with 1 multi-token prediction depth(s) (mtp_num_layers) cannot be combined with"
-    got = loaded_mtp_problems(TrainConfig(pipeline_parallel_size=2, gradient_accumulation_steps=2), 1, "ckpt")
-    assert len(got) == 1 and got[0].startswith(f"{asked} --pipeline_parallel_size=2 ("), got
+    got = loaded_mtp_problems(TrainConfig(pipeline_parallel_size=2, gradient_accumulation_steps=2, parallel="fsdp",
+                                          tensor_parallel_size=2), 1, "ckpt")
+    assert len(got) == 1 and got[0].startswith(f"{asked} --pipeline_parallel_size=2 with --tensor_parallel_size=2 ("), \
+        got
     for kw in ({}, {"parallel": "fsdp"}, {"parallel": "fsdp", "tensor_parallel_size": 2},
-               {"context_parallel_size": 2}, {"expert_parallel_size": 2}):
+               {"context_parallel_size": 2}, {"expert_parallel_size": 2},
+               {"pipeline_parallel_size": 2, "gradient_accumulation_steps": 2}):
         assert loaded_mtp_problems(TrainConfig(**kw), 1, "ckpt") == [], kw
 
 
