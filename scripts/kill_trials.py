@@ -124,6 +124,9 @@ CONFIGS: dict[str, tuple[int, list[str]]] = {
     # an MoE model with an MTP depth (an MoE block too) and a capacity factor, experts over 2 ep ranks of our DDP
     "mtp-moe-capacity-ep2": (2, ["--batch_size=2", "--expert_parallel_size=2", "@moe", "--mtp_num_layers=1",
                                  "--moe_capacity_factor=0.75"]),
+    # 2 pipeline stages with an MoE model's MTP depth on the last (its inputs sent on from the first stage)
+    "mtp-moe-pipeline2": (2, ["--pipeline_parallel_size=2", "--gradient_accumulation_steps=2", "@moe",
+                              "--mtp_num_layers=1", "--mtp_loss_weight=0.3"]),
 }
 MOE_FLAGS = ["--moe_num_experts=4", "--moe_top_k=2", "--moe_hidden_dim=32", "--moe_shared_experts=1",
              "--moe_aux_loss_coef=0.01", "--moe_z_loss_coef=0.001", "--moe_bias_update_rate=0.01"]
