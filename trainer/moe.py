@@ -34,7 +34,8 @@ def layer_number(name: str, model_cfg: Any) -> int:
 
 class MoETraining:
     def __init__(self, cfg: Any, layers: list, layer_ids: list[int], all_ids: list[int],
-                 count_units: Optional[Callable[[dict], int]] = None) -> None:
+                 count_units: Optional[Callable[[dict], int]] = None, *, experts: int = 0,
+                 capacity: bool = False) -> None:
         self.layers, self.layer_ids = layers, layer_ids  # this rank's MoE blocks and their global layer numbers
         self.all_ids = all_ids  # the model's MoE layer numbers (a pipeline stage holds some of them)
         self.rows = [all_ids.index(i) for i in layer_ids]
@@ -44,22 +45,26 @@ class MoETraining:
         # pipeline schedule's shape inference runs micro-batch 0's forward once more): ([L, 3] losses, [L, E] counts,
         # [L] pairs dropped at capacity)
         self._filed: dict[Hashable, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self.capacity = any(layer.capacity_factor > 0 for layer in layers)
+        self.capacity = capacity or any(layer.capacity_factor > 0 for layer in layers)
+        self.experts = experts or layers[0].num_experts
 
     @classmethod
     def of(cls, cfg: Any, model: torch.nn.Module,
            count_units: Optional[Callable[[dict], int]] = None) -> Optional["MoETraining"]:
         named = [(name, m) for name, m in model.named_modules() if isinstance(m, MoEFeedForward)]
-        if not named:
-            return None
         model_cfg = getattr(model, "cfg", None)
         ids = [layer_number(name, model_cfg) for name, _ in named]
         blocks = model_cfg.n_layers + getattr(model_cfg, "mtp_num_layers", 0) if model_cfg is not None else 0
         all_ids = ([i for i in range(blocks) if model_cfg.is_moe_layer(i)]
                    if hasattr(model_cfg, "is_moe_layer") else ids)
+        if not all_ids:
+            return None  # (a pipeline stage of an MoE model without MoE blocks of its own still joins the step's
+            # statistics sum, a collective: it gets an instance with no layers)
         for _, layer in named:  # --moe_aux_loss_type=sequence: each layer's balancing loss per sequence
             layer.aux_per_sequence = getattr(cfg, "moe_aux_loss_type", "batch") == "sequence"
-        return cls(cfg, [m for _, m in named], ids, all_ids, count_units)
+        return cls(cfg, [m for _, m in named], ids, all_ids, count_units,
+                   experts=int(getattr(model_cfg, "moe_num_experts", 0)) or named[0][1].num_experts,
+                   capacity=float(getattr(model_cfg, "moe_capacity_factor", 0.0)) > 0)
 
     # ------------------------------------------------------------------ the engine's side loss
     def units(self, batch: dict) -> float:
@@ -88,11 +93,11 @@ class MoETraining:
         """After the optimizer step: the step's counts [L, E], losses and forwards of every MoE layer of the model,
         summed over the ranks; this rank's layers' biases moved by --moe_bias_update_rate from their counts; the
         metrics vector on its way to the host."""
-        n_all, n_exp = len(self.all_ids), self.layers[0].num_experts
+        n_all, n_exp = len(self.all_ids), self.experts
         counts = torch.zeros(n_all, n_exp, dtype=torch.float64, device=device)
         aux = torch.zeros(n_all, 3, dtype=torch.float64, device=device)
         dropped = torch.zeros(n_all, dtype=torch.float64, device=device)
-        rows = torch.tensor(self.rows, device=device)
+        rows = torch.tensor(self.rows, dtype=torch.long, device=device)
         for a, c, d in self._filed.values():
             aux.index_add_(0, rows, a.to(device, torch.float64))
             counts.index_add_(0, rows, c.to(device, torch.float64))
@@ -111,7 +116,7 @@ class MoETraining:
         moe_load_max_mean (the worst layer's max/mean tokens per expert) and per layer, tokens per expert (as
         routed); with a capacity factor moe_dropped_frac (the routed pairs dropped, all layers)."""
         vec = copy.get().double().cpu()
-        n_layers, n_exp = len(self.all_ids), self.layers[0].num_experts
+        n_layers, n_exp = len(self.all_ids), self.experts
         counts = vec[:n_layers * n_exp].view(n_layers, n_exp)
         aux = vec[n_layers * n_exp:n_layers * (n_exp + 3)].view(n_layers, 3)
         dropped = vec[n_layers * (n_exp + 3):]
