@@ -50,10 +50,11 @@ def worth_fp8(recipe: str, out_features: int, in_features: int) -> bool:
 
 
 def converts(fqn: str, module: nn.Module, recipe: str = "tensorwise", layers: str = "all") -> bool:
-    """Whether the transform converts this module: a block's linear layer (not the LM head, not a LoRA
-    adapter) with both dimensions multiples of 16, and with layers="auto" large enough (`worth_fp8`)."""
-    leaf = fqn.rsplit(".", 1)[-1]
-    return (type(module) is nn.Linear and leaf in BLOCK_LINEARS and ".layers." in f".{fqn}"
+    """Whether the transform converts this module: a block's linear layer, the multi-token prediction depths'
+    blocks included (not their eh_proj, not the LM head, not a LoRA adapter), with both dimensions multiples of 16,
+    and with layers="auto" large enough (`worth_fp8`)."""
+    leaf, path = fqn.rsplit(".", 1)[-1], f".{fqn}"
+    return (type(module) is nn.Linear and leaf in BLOCK_LINEARS and (".layers." in path or ".mtp.depths." in path)
             and module.in_features % 16 == 0 and module.out_features % 16 == 0
             and (layers == "all" or worth_fp8(recipe, module.out_features, module.in_features)))
 

@@ -322,6 +322,28 @@ def test_a_converted_model_matches_torchao_and_stays_within_fp8s_first_order_bou
     assert likely / loss.item() < 2 ** -10, likely / loss.item()
 
 
+def test_the_mtp_depths_blocks_are_converted_and_train():
+    """A model with a multi-token prediction depth (DeepSeek-V3 ran its MTP modules in FP8 like the trunk): the
+    depth's 7 block linears become Float8Linear like the model's, its [2 dim -> dim] projection and the LM head stay
+    nn.Linear; a training forward records the depth's loss and every depth weight gets a finite gradient."""
+    from torchao.float8.float8_linear import Float8Linear
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=2, hidden_dim=64, max_seq_len=16,
+                                    mtp_num_layers=1))
+    assert float8.apply(model, None, SimpleNamespace(float8="tensorwise", float8_layers="all"),
+                        device=torch.device("cpu")) == 14
+    depth = model.mtp.depths[0]
+    assert all(type(getattr(depth.block.self_attn, k)) is Float8Linear for k in ("q_proj", "k_proj", "v_proj",
+                                                                                  "o_proj"))
+    assert all(type(getattr(depth.block.mlp, k)) is Float8Linear for k in ("gate_proj", "up_proj", "down_proj"))
+    assert type(depth.eh_proj) is nn.Linear and type(model.lm_head) is nn.Linear
+    x = torch.randint(0, 64, (2, 12))
+    loss = model(x, labels=torch.roll(x, -1, 1), reduction="sum")
+    mtp_sum, stats = model.mtp.take()
+    (loss + mtp_sum).backward()
+    assert stats[0, 1] > 0 and all(p.grad is not None and torch.isfinite(p.grad).all() for p in depth.parameters())
+
+
 def test_a_layer_whose_dimensions_are_not_multiples_of_16_is_never_converted(caplog):
     """The FP8 matmul needs both dimensions of a weight to be multiples of 16: such a layer is left in full
     precision (skipped, not refused: it is not counted among the candidates either), with --float8_layers=all and
