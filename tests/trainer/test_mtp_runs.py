@@ -140,16 +140,17 @@ def test_sample_drafts_with_the_depth(mtp_runs, capsys):
 @pytest.mark.parametrize("nproc, extra", [
     (2, ["--context_parallel_size=2"]),
     (2, ["--parallel=fsdp", "--batch_size=2"]),
+    (2, ["--batch_size=2", "--use_distributed_optimizer=true", "--zero_stage=1"]),
     (2, ["--parallel=fsdp", "--tensor_parallel_size=2"]),
     (2, ["--parallel=fsdp", "--tensor_parallel_size=2", "--sequence_parallel=true"]),
     (2, ["--pipeline_parallel_size=2", "--batch_size=2", "--gradient_accumulation_steps=2"]),
     (2, ["--pipeline_parallel_size=2", "--batch_size=2", "--gradient_accumulation_steps=2", "--parallel=fsdp",
          "--pipeline_schedule=gpipe"]),
-], ids=["cp2", "fsdp2", "tp2", "tp2_sp", "pp2", "pp2_fsdp"])
+], ids=["cp2", "fsdp2", "zero1", "tp2", "tp2_sp", "pp2", "pp2_fsdp"])
 def test_two_ranks_follow_one_process(mtp_runs, tmp_path, nproc, extra):
     """fp32, the run at weight 0.3 over 2 gloo ranks: sequences split over 2 context-parallel ranks (the shifted
-    targets built from whole rows first), FSDP over 2 data-parallel ranks (the depths their own units) with the
-    same global batch, or the depths' blocks split over 2 tensor-parallel ranks like the model's (with sequence
+    targets built from whole rows first), FSDP over 2 data-parallel ranks (the depths their own units) or our DDP
+    with ZeRO-1 (the depths' optimizer state sharded with the rest) with the same global batch, or the depths' blocks split over 2 tensor-parallel ranks like the model's (with sequence
     parallelism: their projections and norms on each rank's positions, the norm's output gathered for the
     vocabulary-parallel loss), or 2 pipeline stages (our DDP with 1F1B, FSDP2 with GPipe; the first stage sends the
     depths' embedded inputs on beside the hidden state: fails when their gradient does not reach the embedding);
