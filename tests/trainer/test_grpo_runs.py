@@ -279,3 +279,25 @@ def test_rows_longer_than_the_model_are_refused(pretrained, tmp_path):
     assert proc.returncode == 2
     assert ("--max_prompt_length=20 + --max_completion_length=20 = 40 tokens per row, more than the model's "
             "max_seq_len 32") in proc.stderr, proc.stderr[-2000:]
+
+
+def test_an_moe_policy_trains_and_counts_only_its_training_forwards(tiny_pretrain_run_args, tmp_path):
+    """GRPO on a mixture-of-experts policy (4 experts, top 2, every block MoE; DeepSeek and Qwen3 RL MoE models):
+    the run trains and logs the balancing metrics, and each step's expert loads are those of its training forward
+    alone, 8 rows x 20 positions x top 2 = 320 per layer (the rollouts' decoding and the held-out answers route
+    tokens too, but must neither count nor move the selection biases); the biases moved."""
+    moe = ["--moe_num_experts=4", "--moe_top_k=2", "--moe_hidden_dim=16"]
+    base = tmp_path / "base"
+    run_cmd(train_cmd([*tiny_pretrain_run_args, *moe, "--max_iters=4", f"--out_dir={base}"]), env=child_env())
+    out = tmp_path / "grpo"
+    run_cmd(train_cmd(_args({"out": base, "args": tiny_pretrain_run_args}, tmp_path, "--max_iters=2",
+                            f"--out_dir={out}", "--moe_aux_loss_coef=0.01", "--moe_bias_update_rate=0.01",
+                            f"--eval_data_dir={tmp_path / 'prompts.jsonl'}", "--eval_interval=1")), env=child_env())
+    rows = _rows(out)
+    assert sorted(rows) == [1, 2]
+    for r in rows.values():
+        assert math.isfinite(r["loss"]) and 0 <= r["reward"] <= 1 and "val_reward" in r
+        assert [sum(layer) for layer in r["moe_tokens_per_expert"]] == [2 * 4 * 20 * 2] * 2, r["moe_tokens_per_expert"]
+        assert 0.5 < r["moe_aux_loss"] <= 2
+    start, end = final_weights(base), final_weights(out)
+    assert not torch.equal(start["layers.0.mlp.expert_bias"], end["layers.0.mlp.expert_bias"])
