@@ -1,7 +1,8 @@
 """Autoregressive generation with a KV cache.
 
 Owns: `generate(...)` and the token-sampling rule (greedy, temperature, top-k, top-p, stop ids; `sample_scaled` /
-`multinomial_one`, which GRPO's rollouts share). The KV-cache forward is model/decode.py's `Decoder`.
+`multinomial_one`, which GRPO's rollouts share; `truncate`, `StopRule`, `decode_dtype`, which speculative decoding
+shares). The KV-cache forward is model/decode.py's `Decoder`.
 With use_cache=False every step re-runs the whole sequence: the slow reference that the KV-cache path
 must equal (greedy, and sampled under a fixed seed, since both draw the same random numbers).
 
@@ -88,6 +89,38 @@ def exponential(like: torch.Tensor, generator: Optional[torch.Generator] = None)
     return q
 
 
+class StopRule:
+    """The emitted tokens of a batch under the stop rule: a row that emits one of `stop_ids` is finished and repeats
+    that id (`generate`'s, and model/speculative.py's)."""
+
+    def __init__(self, batch_size: int, device: torch.device, stop_ids: Optional[Iterable[int]]):
+        self.stops = torch.tensor(sorted(set(stop_ids or [])), dtype=torch.long, device=device)
+        self.finished = torch.zeros(batch_size, dtype=torch.bool, device=device)
+        self.fill = torch.zeros(batch_size, dtype=torch.long, device=device)
+        self.tokens: list[torch.Tensor] = []
+
+    def emit(self, nxt: torch.Tensor) -> torch.Tensor:
+        """Record the next token of every row [B] (a finished row's is its stop id) and return it."""
+        nxt = torch.where(self.finished, self.fill, nxt)
+        if self.stops.numel():
+            hit = torch.isin(nxt, self.stops) & ~self.finished
+            self.fill = torch.where(hit, nxt, self.fill)
+            self.finished = self.finished | hit
+        self.tokens.append(nxt)
+        return nxt
+
+    def done(self) -> bool:
+        """Every row has stopped (a host read; never with no stop ids)."""
+        return bool(self.stops.numel()) and bool(self.finished.all())
+
+
+def decode_dtype(model: Transformer, device: torch.device) -> torch.dtype:
+    """The dtype of a KV cache for `model`: its weights', or autocast's when autocast is on."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return model.embed_tokens.weight.dtype
+
+
 @torch.no_grad()
 def generate(model: Transformer, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
              top_k: Optional[int] = None, top_p: Optional[float] = None,
@@ -103,17 +136,10 @@ def generate(model: Transformer, input_ids: torch.Tensor, max_new_tokens: int, t
     try:
         B, T = input_ids.shape
         device = input_ids.device
-        stops = torch.tensor(sorted(set(stop_ids or [])), dtype=torch.long, device=device)
-        finished = torch.zeros(B, dtype=torch.bool, device=device)
-        fill = torch.zeros(B, dtype=torch.long, device=device)
+        rows = StopRule(B, device, stop_ids)
         out = input_ids
         finite = torch.ones((), dtype=torch.bool, device=device)  # torch.multinomial's check, read once at the end
-        decoder = None
-        if use_cache:
-            dtype = model.embed_tokens.weight.dtype
-            if torch.is_autocast_enabled(device.type):
-                dtype = torch.get_autocast_dtype(device.type)
-            decoder = Decoder(model, B, T + max_new_tokens, device, dtype)
+        decoder = Decoder(model, B, T + max_new_tokens, device, decode_dtype(model, device)) if use_cache else None
         nxt = input_ids
         for t in range(max_new_tokens):
             if decoder is not None:
@@ -121,14 +147,9 @@ def generate(model: Transformer, input_ids: torch.Tensor, max_new_tokens: int, t
             else:
                 logits = model(out, logits_to_keep=1)[:, -1]
             finite &= torch.isfinite(logits).all()
-            nxt = sample_next(logits, temperature, top_k, top_p, generator)
-            nxt = torch.where(finished, fill, nxt)
-            if stops.numel():
-                hit = torch.isin(nxt, stops) & ~finished
-                fill = torch.where(hit, nxt, fill)
-                finished = finished | hit
+            nxt = rows.emit(sample_next(logits, temperature, top_k, top_p, generator))
             out = torch.cat((out, nxt[:, None]), dim=1)
-            if stops.numel() and bool(finished.all()):
+            if rows.done():
                 break
         if not bool(finite):
             raise ValueError("generate: the model's logits are not finite (NaN or inf)")

@@ -30,7 +30,7 @@ from typing import Iterable, Optional
 import torch
 
 from model.decode import Decoder, fast_path_applies
-from model.generate import multinomial_one, sample_next, truncate
+from model.generate import StopRule, decode_dtype, multinomial_one, sample_next, truncate
 from model.llama import KVCache, Transformer, kv_heads_of
 
 
@@ -83,29 +83,6 @@ class MTPDraft:
         return self.dec.logits(self.dec.hidden(x, self.layers, self.cache)[:, -1], d.norm)
 
 
-class _Rows:
-    """The emitted tokens and the stop rule of `model/generate.py generate`: a row that emits a stop id is finished
-    and repeats it."""
-
-    def __init__(self, B: int, device: torch.device, stop_ids: Optional[Iterable[int]]):
-        self.stops = torch.tensor(sorted(set(stop_ids or [])), dtype=torch.long, device=device)
-        self.finished = torch.zeros(B, dtype=torch.bool, device=device)
-        self.fill = torch.zeros(B, dtype=torch.long, device=device)
-        self.tokens: list[torch.Tensor] = []
-
-    def emit(self, nxt: torch.Tensor) -> torch.Tensor:
-        nxt = torch.where(self.finished, self.fill, nxt)
-        if self.stops.numel():
-            hit = torch.isin(nxt, self.stops) & ~self.finished
-            self.fill = torch.where(hit, nxt, self.fill)
-            self.finished = self.finished | hit
-        self.tokens.append(nxt)
-        return nxt
-
-    def done(self) -> bool:
-        return bool(self.stops.numel()) and bool(self.finished.all())
-
-
 @torch.no_grad()
 def generate_mtp(model: Transformer, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: Optional[int] = None, top_p: Optional[float] = None,
@@ -131,12 +108,9 @@ def _generate(model, input_ids, max_new_tokens, temperature, top_k, top_p, stop_
     stats = SpecStats()
     if max_new_tokens <= 0:
         return input_ids, stats
-    dtype = model.embed_tokens.weight.dtype
-    if torch.is_autocast_enabled(device.type):
-        dtype = torch.get_autocast_dtype(device.type)
-    dec = Decoder(model, B, T + max_new_tokens, device, dtype, pack)
+    dec = Decoder(model, B, T + max_new_tokens, device, decode_dtype(model, device), pack)
     draft = MTPDraft(dec, T + max_new_tokens, device)
-    rows = _Rows(B, device, stop_ids)
+    rows = StopRule(B, device, stop_ids)
     finite = torch.ones((), dtype=torch.bool, device=device)  # read once at the end, as generate does
 
     def pick(logits: torch.Tensor) -> torch.Tensor:
