@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 
 from model.llama import Transformer
+from model.mtp import shifted_embeddings
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -102,7 +103,6 @@ class PipelineStageModule(Transformer):
                 position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         D, extras = self.carried_depths, None
         if D and self.is_first:
-            from model.mtp import shifted_embeddings
             extras = shifted_embeddings(D, x, self.embed_tokens)
         elif D:  # the hidden state, then the depths' embedded inputs
             x, *extras = x.split(self.cfg.dim, dim=-1)
