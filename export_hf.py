@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         return report_named(e, "export_hf")
 
     from model import Transformer
-    from model.hf_interop import export_hf
+    from model.hf_interop import export_hf, hf_family
     from model.lora import merge_lora, save_lora
     from trainer.weights import load_lora_base, model_from_checkpoint
     from checkpoint.verify import selection_exit_code
@@ -98,10 +98,10 @@ def main(argv: list[str] | None = None) -> int:
         merge_lora(model)
     try:
         out = export_hf(model, args.out_dir, tokenizer_dir=tok_dir)
-    except ValueError as e:  # an MoE model that Mixtral's format cannot hold (model/hf_mixtral.py)
+    except ValueError as e:  # an MoE model that its family's format cannot hold (model/hf_interop.py moe_family)
         print(f"export_hf: {e}", file=sys.stderr)
         return 2
-    family = "MixtralForCausalLM" if model.cfg.moe_num_experts else "LlamaForCausalLM"
+    family = hf_family(model.cfg)
     print(f"export_hf: {found} -> {out} ({family}{', LoRA merged' if lora and not args.adapters_out_dir else ''})")
     _say_mtp_left_out(model.cfg)
     return 0
@@ -144,7 +144,7 @@ def _export_sharded_streaming(found: str, args) -> int | None:
     from checkpoint.dcp import load_model_tensors, model_tensor_specs
     cfg = read_model_config(found)  # CheckpointError naming model_config.json: exit 5
     if cfg.moe_num_experts:
-        return None  # the experts are regrouped for Mixtral in memory: the general path
+        return None  # the experts are regrouped for Mixtral / GLM-4-MoE in memory: the general path
     tok_dir = args.tokenizer_dir or run_cfg.get("tokenizer_dir")
     tok_dir = tok_dir if isinstance(tok_dir, str) else None
     problem = _tokenizer_problem(tok_dir, cfg.vocab_size)
@@ -163,7 +163,7 @@ def _export_sharded_streaming(found: str, args) -> int | None:
 def _say_mtp_left_out(cfg) -> None:
     if cfg.mtp_num_layers:
         print(f"export_hf: the {cfg.mtp_num_layers} multi-token prediction depth(s) (mtp.*) are not part of a "
-              "Hugging Face Llama / Mixtral checkpoint: left out (the export is the next-token model)")
+              "Hugging Face Llama / Mixtral / GLM-4-MoE checkpoint: left out (the export is the next-token model)")
 
 
 if __name__ == "__main__":

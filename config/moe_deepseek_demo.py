@@ -6,8 +6,9 @@
 # the routed output scaled (2.5); balanced by the selection bias, plus a tiny sequence-wise auxiliary loss; one
 # multi-token prediction depth (an MoE block too) trained beside the loss at weight 0.3 (docs/model.md
 # "Multi-token prediction"; left out of exports).
-# Muon steps the hidden matrices, each expert's apart (docs/optimizer.md). A model of this shape does not export
-# to Mixtral (shared experts, sigmoid, groups, scaling); sample.py and the plain checkpoint read it.
+# Muon steps the hidden matrices, each expert's apart (docs/optimizer.md). A model of this shape exports to Hugging
+# Face as GLM-4-MoE (DeepSeek-V3's MoE on Llama attention): python export_hf.py --ckpt=demo_out/moe_deepseek_run
+# --out_dir=demo_out/moe_deepseek_hf, then transformers' Glm4MoeForCausalLM or sample.py --ckpt=<that dir> read it.
 # Several ranks: torchrun --nproc_per_node=2 train_my_ddp.py config/moe_deepseek_demo.py ... --expert_parallel_size=2
 # A .py config is executed as Python (nanoGPT style): only use config files you trust.
 out_dir = "demo_out/moe_deepseek_run"

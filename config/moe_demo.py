@@ -5,7 +5,7 @@
 # 8 experts of width 256, 2 per token, in every block: 8.4M parameters (vocab 2048), 3.2M of them in a token's matmuls.
 # Balanced by the auxiliary loss and the router z-loss; for DeepSeek-V3's auxiliary-loss-free balancing use
 # --moe_bias_update_rate=0.001 (and --moe_score=sigmoid, --moe_shared_experts=1, --moe_first_dense_layers=1 for
-# its shape; a model with any of those no longer exports to Mixtral).
+# its shape; a sigmoid router's model exports as GLM-4-MoE instead of Mixtral: config/moe_deepseek_demo.py).
 # A .py config is executed as Python (nanoGPT style): only use config files you trust.
 out_dir = "demo_out/moe_run"
 max_seq_len = 128

@@ -1,4 +1,5 @@
-"""Hugging Face Llama checkpoints, both ways, with no custom code on the HF side.
+"""Hugging Face Llama checkpoints, both ways, with no custom code on the HF side (an MoE model as a Mixtral or a
+GLM-4-MoE: `moe_family`, model/hf_mixtral.py and model/hf_glm4_moe.py).
 
 Owns: the mapping ModelConfig <-> LlamaConfig (config.json) and our parameter names <-> HF names
 (ours + the `model.` prefix, `lm_head.weight` as is). Both use the half-split RoPE layout, so weights
@@ -21,10 +22,11 @@ from typing import Optional
 import torch
 from safetensors.torch import load_file, save_file
 
-from model import hf_mixtral
+from model import hf_glm4_moe, hf_mixtral
 from model.config import ModelConfig
 from model.llama import Transformer
 from utils.publish import staged_dir
+from utils.run_dir import HF_MODEL_TYPES
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
                    "special_tokens_map.json", "added_tokens.json", "tokenizer_meta.json")
@@ -50,8 +52,10 @@ def hf_config_dict(cfg: ModelConfig, torch_dtype: str = "float32", special_ids: 
         "attention_bias": False, "mlp_bias": False, "attention_dropout": cfg.attn_dropout,
         "pretraining_tp": 1, "use_cache": True, "torch_dtype": torch_dtype, "dtype": torch_dtype,
     }
-    if cfg.moe_num_experts:  # an MoE model is a Mixtral (model/hf_mixtral.py)
-        d.update(hf_mixtral.mixtral_config_fields(cfg))
+    if cfg.moe_num_experts:  # a Mixtral or a GLM-4-MoE (`moe_family`)
+        d.update(moe_family(cfg)[0].config_fields(cfg))
+        if "partial_rotary_factor" in d:  # (GLM's rotary reads it from rope_parameters)
+            d["rope_parameters"] = dict(rope_parameters, partial_rotary_factor=d["partial_rotary_factor"])
     for key, val in (special_ids or {}).items():
         d[key] = val
     return d
@@ -77,11 +81,25 @@ def generation_config_dict(tokenizer_meta: Optional[dict] = None) -> dict:
     return d
 
 
+def moe_family(cfg: ModelConfig):
+    """The Hugging Face family an MoE model is written as: (its module, its class name); a softmax router's is
+    Mixtral (model/hf_mixtral.py), a sigmoid router's (DeepSeek-V3's) GLM-4-MoE (model/hf_glm4_moe.py)."""
+    if cfg.moe_score == "sigmoid":
+        return hf_glm4_moe, "Glm4MoeForCausalLM"
+    return hf_mixtral, "MixtralForCausalLM"
+
+
+def hf_family(cfg: ModelConfig) -> str:
+    """The transformers class an export of `cfg` loads as."""
+    return moe_family(cfg)[1] if cfg.moe_num_experts else "LlamaForCausalLM"
+
+
 def config_from_hf(d: dict) -> ModelConfig:
-    """A ModelConfig from an HF Llama or Mixtral config.json dict (transformers 4.x or 5.x spelling)."""
-    if d.get("model_type", "llama") not in ("llama", "mixtral"):
-        raise ValueError(f"only Llama and Mixtral checkpoints are supported, got model_type={d.get('model_type')!r}")
-    moe = hf_mixtral.moe_fields_from_mixtral(d) if d.get("model_type") == "mixtral" else {}
+    """A ModelConfig from an HF Llama, Mixtral or GLM-4-MoE config.json dict (transformers 4.x or 5.x spelling)."""
+    kind = d.get("model_type", "llama")
+    if kind not in HF_MODEL_TYPES:
+        raise ValueError(f"only Llama, Mixtral and GLM-4-MoE checkpoints are supported, got model_type={kind!r}")
+    moe = {"mixtral": hf_mixtral, "glm4_moe": hf_glm4_moe}[kind].moe_fields(d) if kind != "llama" else {}
     rp = d.get("rope_parameters") or {}
     rs = d.get("rope_scaling") or {}
     theta = rp.get("rope_theta", d.get("rope_theta", 10000.0))
@@ -113,16 +131,18 @@ def is_mtp_name(name: str) -> bool:
 
 
 def to_hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
-    """HF names -> tensors; an MoE model in the Hub's Mixtral layout (ValueError naming what Mixtral cannot hold).
-    Multi-token prediction's depths (`mtp.*`, model/mtp.py) are left out: Llama and Mixtral have no place for
-    them (the exported model is the next-token model, as DeepSeek-V3's MTP is dropped for plain inference)."""
+    """HF names -> tensors; an MoE model in the Hub's Mixtral or GLM-4-MoE layout (`moe_family`; ValueError naming
+    what that family cannot hold). Multi-token prediction's depths (`mtp.*`, model/mtp.py) are left out: the export
+    is the next-token model, as DeepSeek-V3's MTP is dropped for plain inference."""
     sd = {}
     ours = {k: v for k, v in model.state_dict().items() if not is_mtp_name(k)}
     if model.cfg.moe_num_experts:
-        problems = hf_mixtral.export_problems(model)
+        family, name = moe_family(model.cfg)
+        problems = family.export_problems(model)
         if problems:
-            raise ValueError("this MoE model cannot be written as a Hugging Face Mixtral: " + "; ".join(problems))
-        ours = hf_mixtral.to_mixtral(ours)
+            raise ValueError(f"this MoE model cannot be written as a Hugging Face {name[:-len('ForCausalLM')]}: "
+                             + "; ".join(problems))
+        ours = family.to_hub(ours)
     for name, t in ours.items():
         if name == "lm_head.weight":
             if model.cfg.tie_embeddings:
@@ -145,7 +165,7 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
         else:
             raise ValueError(f"unexpected tensor {name!r} in a Llama checkpoint")
     if cfg.moe_num_experts:
-        out = hf_mixtral.from_mixtral(out, cfg)
+        out = moe_family(cfg)[0].from_hub(out, cfg)
     if cfg.tie_embeddings or "lm_head.weight" not in out:
         out["lm_head.weight"] = out["embed_tokens.weight"]
     return out

@@ -6,6 +6,8 @@ a sigmoid-gated shared expert), so every weight maps one to one. What it cannot 
 shared experts, dense first blocks, sigmoid scores, top_k = 1 (Mixtral renormalises the chosen weights, ours keep
 the raw score at k = 1), and a non-zero selection bias (Mixtral has none: the export would route differently).
 
+The interface both MoE families share (model/hf_glm4_moe.py has the same five functions): `export_problems`,
+`config_fields`, `moe_fields`, `to_hub`, `from_hub`.
 Owns: the config.json fields, and the names: ours `layers.N.mlp.router.weight` [E, D] and the stacked
 `layers.N.mlp.experts.gate_up_proj` [E, 2I, D] (gate rows, then up) / `down_proj` [E, D, I] <-> the Hub layout
 `model.layers.N.block_sparse_moe.gate.weight` and `...experts.E.w1 / w3 / w2.weight` (what every Mixtral on the Hub
@@ -43,7 +45,7 @@ def export_problems(model) -> list[str]:
     return p
 
 
-def mixtral_config_fields(cfg) -> dict:
+def config_fields(cfg) -> dict:
     """The config.json fields that make a Llama dict a Mixtral one."""
     return {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
             "intermediate_size": cfg.moe_hidden_dim or cfg.hidden_dim, "num_local_experts": cfg.moe_num_experts,
@@ -51,13 +53,13 @@ def mixtral_config_fields(cfg) -> dict:
             "output_router_logits": False, "sliding_window": None}
 
 
-def moe_fields_from_mixtral(d: dict) -> dict:
+def moe_fields(d: dict) -> dict:
     """The ModelConfig MoE fields of a Mixtral config.json dict."""
     return {"moe_num_experts": int(d["num_local_experts"]), "moe_top_k": int(d.get("num_experts_per_tok", 2)),
             "moe_hidden_dim": int(d["intermediate_size"]), "moe_score": "softmax"}
 
 
-def to_mixtral(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def to_hub(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Our state dict (names without `model.`) -> Hub Mixtral names (without `model.`); other tensors kept."""
     out = {}
     for name, t in sd.items():
@@ -79,7 +81,7 @@ def to_mixtral(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def from_mixtral(sd: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
+def from_hub(sd: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
     """Hub or transformers-5 Mixtral names (without `model.`) -> ours, with zero selection biases."""
     out, experts = {}, {}
     for name, t in sd.items():

@@ -81,8 +81,13 @@ def is_checkpoint_dir(path: str) -> bool:
     return os.path.isfile(os.path.join(path, MANIFEST)) or os.path.isfile(os.path.join(path, COMPLETE_MARKER))
 
 
+# the transformers model types whose directories our model reads (model/hf_interop.py config_from_hf)
+HF_MODEL_TYPES = ("llama", "mixtral", "glm4_moe")
+
+
 def is_hf_dir(path: str) -> bool:
-    """A Hugging Face Llama (or Mixtral) directory: config.json with model_type llama / mixtral and safetensors."""
+    """A Hugging Face Llama, Mixtral or GLM-4-MoE directory: config.json with one of HF_MODEL_TYPES, and
+    safetensors."""
     cfg_path = os.path.join(path, RUN_CONFIG)  # HF's config.json: the same name
     if not os.path.isfile(cfg_path) or not os.path.isfile(os.path.join(path, MODEL_FILE)) and \
             not any(n.endswith(".safetensors") for n in os.listdir(path)):
@@ -92,7 +97,7 @@ def is_hf_dir(path: str) -> bool:
             cfg = json.load(f)
     except (OSError, ValueError):  # not an HF config; a checkpoint of ours names its damaged file on verification
         return False
-    return isinstance(cfg, dict) and cfg.get("model_type") in ("llama", "mixtral")
+    return isinstance(cfg, dict) and cfg.get("model_type") in HF_MODEL_TYPES
 
 
 def no_weights_detail(path: str) -> str:

@@ -1,6 +1,7 @@
 """An MoE model of ours to a Hugging Face Mixtral directory and back (model/hf_mixtral.py through
 model/hf_interop.py): transformers' MixtralForCausalLM gives our logits (float64: equal to rounding), the import
-gives back the very tensors; transformers 5's own saved layout imports too; what Mixtral cannot hold is refused."""
+gives back the very tensors; transformers 5's own saved layout imports too; what Mixtral cannot hold is refused (a
+sigmoid router's model is a GLM-4-MoE: tests/model/test_hf_glm4_moe.py)."""
 import json
 import os
 
@@ -55,10 +56,10 @@ def test_round_trip_through_transformers_mixtral(tmp_path):
 
 
 def test_transformers5_fused_expert_names_import():
-    from model.hf_mixtral import from_mixtral, to_mixtral
+    from model.hf_mixtral import from_hub, to_hub
     model = _model()
     ours = model.state_dict()
-    hub = to_mixtral(ours)
+    hub = to_hub(ours)
     assert "layers.0.block_sparse_moe.experts.3.w2.weight" in hub and not any("expert_bias" in k for k in hub)
     fused = {k: v for k, v in ours.items() if ".mlp." not in k}
     for i in range(2):
@@ -66,19 +67,18 @@ def test_transformers5_fused_expert_names_import():
         fused[f"{p}.gate.weight"] = ours[f"{p}.router.weight"]
         fused[f"{p}.experts.gate_up_proj"] = ours[f"{p}.experts.gate_up_proj"]
         fused[f"{p}.experts.down_proj"] = ours[f"{p}.experts.down_proj"]
-    for back in (from_mixtral(hub, model.cfg), from_mixtral(fused, model.cfg)):
+    for back in (from_hub(hub, model.cfg), from_hub(fused, model.cfg)):
         assert back.keys() == ours.keys() and all(torch.equal(back[k], ours[k]) for k in ours)
 
 
 @pytest.mark.parametrize("kw, needle", [
     ({"moe_shared_experts": 1}, "moe_shared_experts=1"),
     ({"moe_first_dense_layers": 1}, "moe_first_dense_layers=1"),
-    ({"moe_score": "sigmoid"}, "moe_score=sigmoid"),
     ({"moe_top_k": 1}, "moe_top_k=1"),
     ({"moe_n_groups": 2}, "moe_n_groups=2"),
     ({"moe_routed_scaling": 2.5}, "moe_routed_scaling=2.5"),
     ({}, "non-zero selection biases"),
-], ids=["shared", "first_dense", "sigmoid", "top1", "groups", "scaling", "bias"])
+], ids=["shared", "first_dense", "top1", "groups", "scaling", "bias"])
 def test_what_mixtral_cannot_hold_is_refused(tmp_path, kw, needle):
     model = _model(**kw)
     if not kw:

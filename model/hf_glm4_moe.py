@@ -1,0 +1,144 @@
+"""Hugging Face GLM-4-MoE (`Glm4MoeForCausalLM`) checkpoints of our sigmoid-routed MoE models, both ways
+(model/hf_interop.py calls these for an MoE config with sigmoid scores or a checkpoint with model_type "glm4_moe").
+
+Why GLM-4-MoE: it is DeepSeek-V3's mixture of experts (sigmoid scores, the selection bias
+`e_score_correction_bias`, group-limited routing ranked by each group's two best scores, `routed_scaling_factor`,
+shared experts merged into one SwiGLU, dense first blocks) on plain Llama attention (GQA, half-split RoPE; its
+q/k norms, q/k/v biases and partial rotary are switches, set off here). DeepSeek-V3's own transformers class needs
+multi-head latent attention, which our model does not have. So every weight of ours maps one to one. What it
+cannot hold is refused in one line: softmax scores (GLM routes on the sigmoid; a softmax model is a Mixtral,
+model/hf_mixtral.py); on import, GLM-4.5's own settings our attention lacks (partial rotary, q/k/v biases, q/k
+norms) and a renormalisation switch ours does not have (ours renormalises the chosen weights when k > 1, never at
+k = 1).
+
+The interface of model/hf_mixtral.py (`export_problems`, `config_fields`, `moe_fields`, `to_hub`, `from_hub`), plus
+`import_problems`.
+Owns: the config.json fields, and the names: ours `layers.N.mlp.router.weight` [E, D], `...mlp.expert_bias` [E],
+the stacked `...mlp.experts.gate_up_proj` [E, 2I, D] (gate rows, then up) / `down_proj` [E, D, I] <-> the Hub
+layout `model.layers.N.mlp.gate.weight`, `...mlp.gate.e_score_correction_bias` and
+`...mlp.experts.E.gate_proj / up_proj / down_proj.weight` (what GLM-4.5 on the Hub holds, and what transformers 5
+regroups on load); import also reads transformers 5's own stacked layout (`mlp.experts.gate_up_proj`,
+`mlp.experts.down_proj`). The shared experts (`mlp.shared_experts.*_proj`) and dense blocks (`mlp.*_proj`) have
+the same names on both sides.
+Must never: import transformers (plain dicts and tensors only).
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+
+_OURS = re.compile(r"layers\.(\d+)\.mlp\.(router\.weight|expert_bias|experts\.(gate_up|down)_proj)$")
+_PROJ = ("gate_proj", "up_proj", "down_proj")
+
+
+def export_problems(model) -> list[str]:
+    """Why `model` (an MoE Transformer) cannot be written as a GLM-4-MoE checkpoint."""
+    cfg = model.cfg
+    return [] if cfg.moe_score == "sigmoid" else [
+        f"moe_score={cfg.moe_score} (GLM-4-MoE routes on the sigmoid; a softmax model exports as a Mixtral)"]
+
+
+def config_fields(cfg) -> dict:
+    """The config.json fields that make a Llama dict a GLM-4-MoE one (rope_parameters gains partial_rotary_factor
+    1.0: transformers' default for GLM is 0.5)."""
+    return {"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe",
+            "n_routed_experts": cfg.moe_num_experts, "num_experts_per_tok": cfg.moe_top_k,
+            "moe_intermediate_size": cfg.moe_hidden_dim or cfg.hidden_dim, "n_shared_experts": cfg.moe_shared_experts,
+            "first_k_dense_replace": cfg.moe_first_dense_layers, "n_group": cfg.moe_n_groups,
+            "topk_group": cfg.moe_topk_groups, "routed_scaling_factor": float(cfg.moe_routed_scaling),
+            "norm_topk_prob": cfg.moe_top_k > 1, "use_qk_norm": False, "partial_rotary_factor": 1.0,
+            "num_mtp_layers": 0, "output_router_logits": False}
+
+
+def import_problems(d: dict) -> list[str]:
+    """Why a GLM-4-MoE config.json dict cannot be our model (GLM-4.5's own checkpoints among them)."""
+    rp = d.get("rope_parameters") or {}
+    partial = rp.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.5))
+    p = []
+    if float(partial) != 1.0:
+        p.append(f"partial_rotary_factor={partial} (our attention rotates every dimension of a head)")
+    if d.get("attention_bias"):
+        p.append("attention_bias=true (our q/k/v projections have no bias)")
+    if d.get("use_qk_norm"):
+        p.append("use_qk_norm=true (our attention has no q/k norms)")
+    k = int(d.get("num_experts_per_tok", 8))
+    if bool(d.get("norm_topk_prob", True)) != (k > 1):
+        p.append(f"norm_topk_prob={d.get('norm_topk_prob', True)} with num_experts_per_tok={k} (ours renormalises "
+                 "the chosen weights exactly when k > 1)")
+    return p
+
+
+def moe_fields(d: dict) -> dict:
+    """The ModelConfig MoE fields of a GLM-4-MoE config.json dict (ValueError naming what ours cannot hold)."""
+    problems = import_problems(d)
+    if problems:
+        raise ValueError("this GLM-4-MoE checkpoint cannot be loaded into our model: " + "; ".join(problems))
+    return {"moe_num_experts": int(d["n_routed_experts"]), "moe_top_k": int(d.get("num_experts_per_tok", 8)),
+            "moe_hidden_dim": int(d["moe_intermediate_size"]), "moe_shared_experts": int(d.get("n_shared_experts", 1)),
+            "moe_first_dense_layers": int(d.get("first_k_dense_replace", 1)), "moe_score": "sigmoid",
+            "moe_n_groups": int(d.get("n_group", 1)), "moe_topk_groups": int(d.get("topk_group", 1)),
+            "moe_routed_scaling": float(d.get("routed_scaling_factor", 1.0))}
+
+
+def to_hub(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our state dict (names without `model.`) -> Hub GLM-4-MoE names (without `model.`); other tensors kept."""
+    out = {}
+    for name, t in sd.items():
+        m = _OURS.match(name)
+        if m is None:
+            out[name] = t
+            continue
+        prefix, what, proj = f"layers.{m.group(1)}.mlp", m.group(2), m.group(3)
+        if what == "router.weight":
+            out[f"{prefix}.gate.weight"] = t
+        elif what == "expert_bias":
+            out[f"{prefix}.gate.e_score_correction_bias"] = t
+        elif proj == "gate_up":
+            for e, (gate, up) in enumerate(zip(*t.chunk(2, dim=1))):
+                out[f"{prefix}.experts.{e}.gate_proj.weight"], out[f"{prefix}.experts.{e}.up_proj.weight"] = gate, up
+        else:
+            for e in range(t.shape[0]):
+                out[f"{prefix}.experts.{e}.down_proj.weight"] = t[e]
+    return out
+
+
+def from_hub(sd: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
+    """Hub or transformers-5 GLM-4-MoE names (without `model.`) -> ours. A checkpoint's layers past the model's
+    (GLM-4.5 keeps its MTP layer as layer `num_hidden_layers`) are left out, as transformers leaves them."""
+    out, experts = {}, {}
+    for name, t in sd.items():
+        m = re.match(r"layers\.(\d+)\.mlp\.(gate\.weight|gate\.e_score_correction_bias|experts\..+)$", name)
+        layer = re.match(r"layers\.(\d+)\.", name)
+        if layer is not None and int(layer.group(1)) >= cfg.n_layers:
+            continue
+        if m is None:
+            out[name] = t
+            continue
+        layer_i, rest = int(m.group(1)), m.group(2)
+        ours = f"layers.{layer_i}.mlp"
+        if rest == "gate.weight":
+            out[f"{ours}.router.weight"] = t
+        elif rest == "gate.e_score_correction_bias":
+            out[f"{ours}.expert_bias"] = t
+        elif rest in ("experts.gate_up_proj", "experts.down_proj"):  # transformers 5: stacked, gate rows first
+            out[f"{ours}.{rest}"] = t
+        else:
+            e = re.match(r"experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$", rest)
+            if e is None:
+                raise ValueError(f"unexpected tensor {name!r} in a GLM-4-MoE checkpoint")
+            experts.setdefault((layer_i, e.group(2)), {})[int(e.group(1))] = t
+    layers = sorted({layer_i for layer_i, _ in experts})
+    for layer_i in layers:
+        stacked = {}
+        for proj in _PROJ:
+            by_expert = experts.get((layer_i, proj), {})
+            if sorted(by_expert) != list(range(cfg.moe_num_experts)):
+                raise ValueError(f"layer {layer_i}: experts {sorted(by_expert)} of {proj}, expected 0.."
+                                 f"{cfg.moe_num_experts - 1}")
+            stacked[proj] = torch.stack([by_expert[i] for i in range(cfg.moe_num_experts)])
+        out[f"layers.{layer_i}.mlp.experts.gate_up_proj"] = torch.cat((stacked["gate_proj"], stacked["up_proj"]), 1)
+        out[f"layers.{layer_i}.mlp.experts.down_proj"] = stacked["down_proj"]
+    for layer_i in range(cfg.moe_first_dense_layers, cfg.n_layers):  # a checkpoint without biases: zero ones
+        out.setdefault(f"layers.{layer_i}.mlp.expert_bias", torch.zeros(cfg.moe_num_experts))
+    return {k: v.contiguous() for k, v in out.items()}
