@@ -260,12 +260,13 @@ def experts_fused_loop(rows: torch.Tensor, counts: torch.Tensor, w_gate_up: torc
 
 def choose_expert_backend(x: torch.Tensor, backend: str) -> str:
     """auto: grouped_mm on an accelerator that runs it; elsewhere the fused loop (on the CPU the three measured the
-    same speed, bench/bench_moe.py, and it saves the least for backward), or the plain loop under torch.compile
-    (traced as the graph it is)."""
+    same speed, bench/bench_moe.py, and it saves the least for backward), under torch.compile run outside the graph
+    ("eager_fused_loop", model/moe_eager.py: traced, every new split of the tokens over the experts recompiled it).
+    "loop" under compile is traced as the graph it is."""
     if backend == "auto":
         if x.device.type != "cpu" and grouped_mm_supported(x):
             return "grouped_mm"
-        return "loop" if torch.compiler.is_compiling() else "fused_loop"
+        return "eager_fused_loop" if torch.compiler.is_compiling() else "fused_loop"
     if backend not in EXPERT_BACKENDS:
         raise ValueError(f"expert backend must be one of {EXPERT_BACKENDS}, got {backend!r}")
     if backend == "grouped_mm" and not grouped_mm_supported(x):
@@ -273,7 +274,15 @@ def choose_expert_backend(x: torch.Tensor, backend: str) -> str:
     return backend
 
 
-_EXPERT_FUNCTIONS = {"grouped_mm": experts_grouped, "fused_loop": experts_fused_loop, "loop": experts_loop}
+def experts_eager_fused_loop(rows: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor,
+                             w_down: torch.Tensor) -> torch.Tensor:
+    """The fused loop outside torch.compile's graph (model/moe_eager.py; imported here, under compile only)."""
+    from model.moe_eager import experts_outside_graph
+    return experts_outside_graph(rows, counts, w_gate_up, w_down)
+
+
+_EXPERT_FUNCTIONS = {"grouped_mm": experts_grouped, "fused_loop": experts_fused_loop, "loop": experts_loop,
+                     "eager_fused_loop": experts_eager_fused_loop}
 
 
 class GroupedExperts(nn.Module):

@@ -286,6 +286,38 @@ def test_bad_shapes_refused():
         cfg(moe_score="relu")
 
 
+def test_compiled_experts_do_not_recompile_for_each_split_of_the_tokens():
+    """Under torch.compile (aot_eager) on the CPU the experts run outside the graph (model/moe_eager.py): batches
+    that split their tokens differently over the experts compile nothing new after the second (traced, the loop
+    after the counts' host read was specialised on them: every new split compiled another graph until torch's
+    limit). The compiled steps equal eager ones."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    torch.manual_seed(0)
+    model = Transformer(cfg(moe_num_experts=8))
+    compiled = torch.compile(model, backend="aot_eager")
+    g = torch.Generator().manual_seed(1)
+    torch._dynamo.reset()
+    counters.clear()
+    graphs, splits = [], set()
+    try:
+        for _ in range(6):
+            x = torch.randint(0, 64, (2, 8), generator=g)
+            loss = compiled(x, labels=x)
+            take_aux_losses(moe_layers(model))  # (they sum over the forwards since the last take: as the trainer)
+            loss.backward()
+            with torch.no_grad():
+                assert torch.allclose(loss, model(x, labels=x), atol=1e-6)
+            take_aux_losses(moe_layers(model))
+            splits.add(tuple(moe_layers(model)[0].take_counts().tolist()))
+            graphs.append(int(counters["stats"].get("unique_graphs", 0)))
+    finally:
+        torch._dynamo.reset()
+    assert len(splits) == 6  # every batch split its tokens another way
+    # (the second batch may compile once more: the loads' running sum is None only before a layer's first forward)
+    assert graphs[0] >= 1 and graphs[-1] == graphs[1], graphs
+
+
 def test_compiled_model_equals_eager():
     """torch.compile (aot_eager: Dynamo and AOTAutograd, not Inductor's code generation) through the MoE blocks:
     the same loss, router gradient, balancing losses and loads as eager (the loop's host read is a graph break)."""
