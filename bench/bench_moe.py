@@ -34,7 +34,8 @@ import torch  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
 from model.flops import flops_per_token  # noqa: E402
 from model.hf_interop import export_hf  # noqa: E402
-from model.moe import GroupedExperts, choose_expert_backend, moe_layers, take_aux_losses  # noqa: E402
+from model.moe import moe_layers, take_aux_losses  # noqa: E402
+from model.moe_experts import GroupedExperts, choose_expert_backend  # noqa: E402
 
 EXPERT_BACKENDS = ("grouped_mm", "fused_loop", "loop")
 

@@ -26,7 +26,8 @@ from model import attention, fa4, kernels
 from model.attention import AttnSpec, documents_from_positions
 from model.config import ModelConfig
 from model.loss import lm_head_loss
-from model.moe import GroupedExperts, MoEFeedForward
+from model.moe import MoEFeedForward
+from model.moe_experts import GroupedExperts
 from model.mtp import MultiTokenPrediction
 from model.token_logprobs import token_logprobs
 

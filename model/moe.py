@@ -12,9 +12,9 @@ them (tokens to the ranks holding their experts after `dispatch`, back before `c
            padded to exactly C (static shapes: E x C rows whatever the routing), the pairs past C dropped by
            routing weight or by position (GShard, Switch; Megatron's moe_expert_capacity_factor with
            moe_pad_expert_input_to_capacity): a dropped pair adds nothing to its token (the residual carries it)
-  experts  the SwiGLU of each expert on its rows: the grouped matmul (torch._grouped_mm / F.grouped_mm; gate and
-           up in one), the fused loop (the loop's matmuls with the backward written out: no cat or stack, less
-           saved for backward), or the reference loop
+  experts  the SwiGLU of each expert on its rows (model/moe_experts.py): the grouped matmul (torch._grouped_mm /
+           F.grouped_mm; gate and up in one), the fused loop (the loop's matmuls with the backward written out: no
+           cat or stack, less saved for backward), or the reference loop
   combine  every row back to its (token, slot), weighted, summed over the k slots
 
 Balancing: the auxiliary loss (Switch/Megatron form, E/(k N) sum_i count_i P_i, 1 when perfectly balanced;
@@ -42,11 +42,8 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import kernels
+from model.moe_experts import GroupedExperts, SharedExperts
 from utils.moe_flags import MOE_DROP_POLICIES
-
-EXPERT_BACKENDS = ("auto", "grouped_mm", "fused_loop", "loop")
-
 
 # ------------------------------------------------------------------------------------------ routing
 def route(x: torch.Tensor, router_weight: torch.Tensor, bias: Optional[torch.Tensor], top_k: int,
@@ -139,194 +136,6 @@ def combine(rows: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> t
     inverse[order] = torch.arange(order.numel(), device=order.device)
     per_slot = rows.index_select(0, inverse).view(n, k, rows.shape[-1])
     return (per_slot * weights.to(rows.dtype).unsqueeze(-1)).sum(dim=1)
-
-
-# ------------------------------------------------------------------------------------------ experts
-# torch >= 2.10 names it torch.nn.functional.grouped_mm (and runs it on compute capability 8 too)
-_GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-
-
-def grouped_mm_supported(x: torch.Tensor) -> bool:
-    """Whether the grouped matmul runs here: the CPU in bf16 (and in fp32 / fp16 when not traced), CUDA in bf16
-    on compute capability >= 9 (>= 8 where torch has the public F.grouped_mm)."""
-    if _GROUPED_MM is None:
-        return False
-    if x.device.type == "cpu":  # (traced, torch's shape function of it takes bf16 only)
-        return x.dtype == torch.bfloat16 or (x.dtype in (torch.float32, torch.float16)
-                                             and not torch.compiler.is_compiling())
-    if x.device.type == "cuda":
-        need = 8 if hasattr(F, "grouped_mm") else 9
-        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= need
-    return False
-
-
-def experts_grouped(rows: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor,
-                    w_down: torch.Tensor) -> torch.Tensor:
-    """SwiGLU of each expert's rows by the grouped matmul (two launches: gate and up together, then down; no
-    host read).
-    w_gate_up [E, 2I, D] (gate rows, then up rows), w_down [E, D, I] (nn.Linear's [out, in] per expert)."""
-    offs = torch.cumsum(counts, dim=0).to(torch.int32)
-    gate, up = _GROUPED_MM(rows, w_gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
-    return _GROUPED_MM(F.silu(gate) * up, w_down.transpose(-2, -1), offs=offs)
-
-
-def experts_loop(rows: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor,
-                 w_down: torch.Tensor) -> torch.Tensor:
-    """The reference: one SwiGLU per expert on its slice of the rows (reads the counts to the host). An expert
-    with no rows still takes part (an empty matmul), so its weights get a zero gradient, never None."""
-    outs = []
-    # unbind: one backward that stacks the E gradients (w[e] would zero-fill a whole [E, ...] gradient per expert)
-    experts = zip(w_gate_up.unbind(0), w_down.unbind(0))
-    for rows_e, (gu, d) in zip(torch.split(rows, counts.tolist()), experts):
-        gate, up = F.linear(rows_e, gu).chunk(2, dim=-1)
-        outs.append(F.linear(F.silu(gate) * up, d))
-    return torch.cat(outs)
-
-
-class _FusedLoop(torch.autograd.Function):
-    """The loop's computation with its backward written out: each expert's matmuls write straight into slices of
-    one output (no cat; the weight gradients into one [E, ...] tensor, no stack), and each expert's SwiGLU, forward
-    and backward, runs on its own rows right after their matmul, while they are in cache. Saved for backward: the
-    rows and the gate/up pre-activations (the activation is recomputed per expert), where the loop's graph also keeps
-    each expert's silu and activation. The same matmuls as the loop's autograd graph, in the same layouts (on the
-    CPU the values and gradients compare equal bit for bit; the tests allow rounding)."""
-
-    @staticmethod
-    def forward(ctx, rows: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-                sizes: list[int]) -> torch.Tensor:
-        if sum(sizes) != rows.shape[0]:
-            raise ValueError(f"the experts' counts sum to {sum(sizes)}, but {rows.shape[0]} rows were dispatched")
-        hidden = w_down.shape[-1]
-        gate_up = rows.new_empty(rows.shape[0], 2 * hidden)
-        out = rows.new_empty(rows.shape[0], w_down.shape[1])
-        act = rows.new_empty(max(sizes, default=0), hidden)  # one expert's at a time
-        s = 0
-        for e, n in enumerate(sizes):
-            if n:
-                h = torch.mm(rows[s:s + n], w_gate_up[e].t(), out=gate_up[s:s + n])
-                a = torch.mul(F.silu(h[:, :hidden]), h[:, hidden:], out=act[:n])
-                torch.mm(a, w_down[e].t(), out=out[s:s + n])
-            s += n
-        ctx.save_for_backward(rows, w_gate_up, w_down, gate_up)
-        ctx.sizes = sizes
-        return out
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad: torch.Tensor):
-        rows, w_gate_up, w_down, gate_up = ctx.saved_tensors
-        need_rows, need_gate_up, need_down = ctx.needs_input_grad[:3]
-        hidden, grad = w_down.shape[-1], grad.contiguous()
-        g_rows = torch.empty_like(rows) if need_rows else None
-        g_gate_up = torch.empty_like(w_gate_up) if need_gate_up else None
-        g_down = torch.empty_like(w_down) if need_down else None
-        most = max(ctx.sizes, default=0)
-        g_act, g_h = rows.new_empty(most, hidden), rows.new_empty(most, 2 * hidden)  # one expert's at a time
-        s = 0
-        for e, n in enumerate(ctx.sizes):
-            if n == 0:  # no rows: a zero gradient, as the loop's empty matmul gives
-                for g in (g_gate_up, g_down):
-                    if g is not None:
-                        g[e].zero_()
-                continue
-            g_e, gate, up = grad[s:s + n], gate_up[s:s + n, :hidden], gate_up[s:s + n, hidden:]
-            silu = F.silu(gate)
-            if need_down:  # autograd's layout: (act^T grad) written transposed into [D, I]
-                torch.mm((silu * up).t(), g_e, out=g_down[e].t())
-            if need_rows or need_gate_up:
-                ga = torch.mm(g_e, w_down[e], out=g_act[:n])
-                gh = g_h[:n]
-                torch.mul(ga, silu, out=gh[:, hidden:])
-                torch.ops.aten.silu_backward.grad_input(ga * up, gate, grad_input=gh[:, :hidden])
-                if need_gate_up:
-                    torch.mm(rows[s:s + n].t(), gh, out=g_gate_up[e].t())
-                if need_rows:
-                    torch.mm(gh, w_gate_up[e], out=g_rows[s:s + n])
-            s += n
-        return g_rows, g_gate_up, g_down, None
-
-
-def experts_fused_loop(rows: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor,
-                       w_down: torch.Tensor) -> torch.Tensor:
-    """The loop with its backward written out (`_FusedLoop`); reads the counts to the host, like the loop. Under
-    autocast it computes in the autocast dtype, as the loop's F.linear does (matmuls with out= are not autocast)."""
-    device = rows.device.type
-    if torch.is_autocast_enabled(device):
-        dtype = torch.get_autocast_dtype(device)
-        with torch.autocast(device, enabled=False):
-            return _FusedLoop.apply(rows.to(dtype), w_gate_up.to(dtype), w_down.to(dtype), counts.tolist())
-    return _FusedLoop.apply(rows, w_gate_up, w_down, counts.tolist())
-
-
-def choose_expert_backend(x: torch.Tensor, backend: str) -> str:
-    """auto: grouped_mm on an accelerator that runs it; elsewhere the fused loop (on the CPU the three measured the
-    same speed, bench/bench_moe.py, and it saves the least for backward), under torch.compile run outside the graph
-    ("eager_fused_loop", model/moe_eager.py: traced, every new split of the tokens over the experts recompiled it).
-    "loop" under compile is traced as the graph it is."""
-    if backend == "auto":
-        if x.device.type != "cpu" and grouped_mm_supported(x):
-            return "grouped_mm"
-        return "eager_fused_loop" if torch.compiler.is_compiling() else "fused_loop"
-    if backend not in EXPERT_BACKENDS:
-        raise ValueError(f"expert backend must be one of {EXPERT_BACKENDS}, got {backend!r}")
-    if backend == "grouped_mm" and not grouped_mm_supported(x):
-        raise ValueError(f"the grouped matmul does not run on {x.device} in {x.dtype}; use the loop")
-    return backend
-
-
-def experts_eager_fused_loop(rows: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor,
-                             w_down: torch.Tensor) -> torch.Tensor:
-    """The fused loop outside torch.compile's graph (model/moe_eager.py; imported here, under compile only)."""
-    from model.moe_eager import experts_outside_graph
-    return experts_outside_graph(rows, counts, w_gate_up, w_down)
-
-
-_EXPERT_FUNCTIONS = {"grouped_mm": experts_grouped, "fused_loop": experts_fused_loop, "loop": experts_loop,
-                     "eager_fused_loop": experts_eager_fused_loop}
-
-
-class GroupedExperts(nn.Module):
-    """E SwiGLU experts as two stacked parameters (EP shards their first dimension): gate and up in one
-    [E, 2I, D] (one matmul for both, as transformers 5 and Megatron's fc1 hold them), down [E, D, I]."""
-
-    def __init__(self, num_experts: int, dim: int, hidden: int):
-        super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * hidden, dim))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden))
-        self.backend = "auto"  # a plain attribute (tests, benchmarks): never in the config or a checkpoint
-        # expert parallelism under FSDP2 (parallel/transforms/expert_parallel.py shard_experts): the weights are
-        # DTensors over the ep ranks and the forward computes this rank's experts, their local shards. A plain flag
-        # (not a type test of the weights): torch.compile traces it, and sample.py never imports DTensor
-        self.weights_on_ep_mesh = False
-
-    def init_weights(self, std: float) -> None:
-        """Drawn like the dense linears (normal, std = initializer_range)."""
-        for p in (self.gate_up_proj, self.down_proj):
-            nn.init.normal_(p, mean=0.0, std=std)
-
-    def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        fn = _EXPERT_FUNCTIONS[choose_expert_backend(rows, self.backend)]
-        # under expert parallelism this rank computes its own experts (parallel/transforms/expert_parallel.py hands
-        # it their rows and counts)
-        weights = (self.gate_up_proj, self.down_proj)
-        if self.weights_on_ep_mesh:
-            weights = tuple(w.to_local() for w in weights)
-        return fn(rows, counts, *weights)
-
-
-class SharedExperts(nn.Module):
-    """The shared experts, always on, merged into one SwiGLU of n x the expert width (DeepSeek-V3)."""
-
-    def __init__(self, dim: int, hidden: int, fused: bool, backend: str):
-        super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=False)
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
-        self.fused, self.backend = fused, backend
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(kernels.swiglu(self.gate_proj(x), self.up_proj(x), fused=self.fused,
-                                             backend=self.backend))
 
 
 # ---------------------------------------------------------------------------------------- the layer

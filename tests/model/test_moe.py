@@ -6,9 +6,9 @@ import torch
 import torch.nn.functional as F
 
 from model import ModelConfig, Transformer
-from model.moe import (MoEFeedForward, choose_expert_backend, combine, dispatch, experts_fused_loop, experts_grouped,
-                       experts_loop, load_balancing_loss, moe_layers, route, router_z_loss, take_aux_losses,
-                       update_expert_bias)
+from model.moe import (MoEFeedForward, combine, dispatch, load_balancing_loss, moe_layers, route, router_z_loss,
+                       take_aux_losses, update_expert_bias)
+from model.moe_experts import choose_expert_backend, experts_fused_loop, experts_grouped, experts_loop
 
 DEV = torch.device("cpu")
 
@@ -287,10 +287,10 @@ def test_bad_shapes_refused():
 
 
 def test_compiled_experts_do_not_recompile_for_each_split_of_the_tokens():
-    """Under torch.compile (aot_eager) on the CPU the experts run outside the graph (model/moe_eager.py): batches
-    that split their tokens differently over the experts compile nothing new after the second (traced, the loop
-    after the counts' host read was specialised on them: every new split compiled another graph until torch's
-    limit). The compiled steps equal eager ones."""
+    """Under torch.compile (aot_eager) on the CPU the experts run outside the graph (model/moe_experts.py
+    experts_eager_fused_loop): batches that split their tokens differently over the experts compile nothing new
+    after the second (traced, the loop after the counts' host read was specialised on them: every new split compiled
+    another graph until torch's limit). The compiled steps equal eager ones."""
     import torch._dynamo
     from torch._dynamo.utils import counters
     torch.manual_seed(0)
