@@ -131,7 +131,7 @@ def _export_sharded_streaming(found: str, args) -> int | None:
     """A DCP (--parallel=fsdp) checkpoint without LoRA: stream it shard by shard into a sharded HF
     directory, never holding the whole model. None when the checkpoint is not of that kind."""
     from model.config import read_model_config
-    from model.hf_interop import export_hf_streaming
+    from model.hf_interop import export_hf_streaming, hf_family
     from checkpoint.reads import is_sharded_checkpoint
     from utils.checkpoint_json import read_checkpoint_json
     from utils.checkpoint_layout import RUN_CONFIG
@@ -143,8 +143,6 @@ def _export_sharded_streaming(found: str, args) -> int | None:
         return None  # adapters are merged or split in memory: the general path below (it names a bad config.json)
     from checkpoint.dcp import load_model_tensors, model_tensor_specs
     cfg = read_model_config(found)  # CheckpointError naming model_config.json: exit 5
-    if cfg.moe_num_experts:
-        return None  # the experts are regrouped for Mixtral / GLM-4-MoE in memory: the general path
     tok_dir = args.tokenizer_dir or run_cfg.get("tokenizer_dir")
     tok_dir = tok_dir if isinstance(tok_dir, str) else None
     problem = _tokenizer_problem(tok_dir, cfg.vocab_size)
@@ -152,9 +150,13 @@ def _export_sharded_streaming(found: str, args) -> int | None:
         print(f"export_hf: {problem[1]}", file=sys.stderr)
         return problem[0]
     specs = model_tensor_specs(found)  # a damaged file raises DCPCheckpointError naming it (caught by main: 5)
-    out, n = export_hf_streaming(cfg, specs, lambda names: load_model_tensors(found, names), args.out_dir,
-                                 tokenizer_dir=tok_dir, max_shard_bytes=int(args.max_shard_gb * 2**30))
-    print(f"export_hf: {found} -> {out} (LlamaForCausalLM, streamed from the sharded checkpoint: {n} safetensors "
+    try:
+        out, n = export_hf_streaming(cfg, specs, lambda names: load_model_tensors(found, names), args.out_dir,
+                                     tokenizer_dir=tok_dir, max_shard_bytes=int(args.max_shard_gb * 2**30))
+    except ValueError as e:  # an MoE model that its family's format cannot hold (model/hf_interop.py moe_family)
+        print(f"export_hf: {e}", file=sys.stderr)
+        return 2
+    print(f"export_hf: {found} -> {out} ({hf_family(cfg)}, streamed from the sharded checkpoint: {n} safetensors "
           f"shard(s) of <= {args.max_shard_gb:g} GiB, one in memory at a time)")
     _say_mtp_left_out(cfg)
     return 0

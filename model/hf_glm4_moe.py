@@ -28,13 +28,13 @@ import re
 
 import torch
 
+HOLDS_SELECTION_BIASES = True  # (e_score_correction_bias)
 _OURS = re.compile(r"layers\.(\d+)\.mlp\.(router\.weight|expert_bias|experts\.(gate_up|down)_proj)$")
 _PROJ = ("gate_proj", "up_proj", "down_proj")
 
 
-def export_problems(model) -> list[str]:
-    """Why `model` (an MoE Transformer) cannot be written as a GLM-4-MoE checkpoint."""
-    cfg = model.cfg
+def export_problems(cfg, biases: dict[str, torch.Tensor]) -> list[str]:
+    """Why an MoE model of config `cfg` cannot be written as a GLM-4-MoE checkpoint (any selection biases can)."""
     return [] if cfg.moe_score == "sigmoid" else [
         f"moe_score={cfg.moe_score} (GLM-4-MoE routes on the sigmoid; a softmax model exports as a Mixtral)"]
 

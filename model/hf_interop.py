@@ -137,11 +137,7 @@ def to_hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
     sd = {}
     ours = {k: v for k, v in model.state_dict().items() if not is_mtp_name(k)}
     if model.cfg.moe_num_experts:
-        family, name = moe_family(model.cfg)
-        problems = family.export_problems(model)
-        if problems:
-            raise ValueError(f"this MoE model cannot be written as a Hugging Face {name[:-len('ForCausalLM')]}: "
-                             + "; ".join(problems))
+        family = _moe_export_family(model.cfg, {n: t for n, t in ours.items() if is_expert_bias_name(n)})
         ours = family.to_hub(ours)
     for name, t in ours.items():
         if name == "lm_head.weight":
@@ -151,6 +147,21 @@ def to_hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
         else:
             sd["model." + name] = t
     return {k: v.detach().contiguous().clone() for k, v in sd.items()}
+
+
+def is_expert_bias_name(name: str) -> bool:
+    """Whether a state-dict name is an MoE layer's selection bias (model/moe.py `expert_bias`)."""
+    return name.endswith(".mlp.expert_bias")
+
+
+def _moe_export_family(cfg: ModelConfig, biases: dict[str, torch.Tensor]):
+    """The family module an MoE model is written as (`moe_family`); ValueError naming what it cannot hold."""
+    family, name = moe_family(cfg)
+    problems = family.export_problems(cfg, biases)
+    if problems:
+        raise ValueError(f"this MoE model cannot be written as a Hugging Face {name[:-len('ForCausalLM')]}: "
+                         + "; ".join(problems))
+    return family
 
 
 def from_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -253,9 +264,15 @@ def export_hf_streaming(cfg: ModelConfig, specs: dict[str, tuple[tuple[int, ...]
     """Write an HF directory as sharded safetensors (model-0000i-of-0000N.safetensors + index.json),
     reading the weights one shard's worth at a time: `load_group(names) -> {name: tensor}` of our
     names, `specs` {name: (shape, dtype)}. Peak memory is one shard (<= max_shard_bytes, or one
-    tensor larger than that), never the whole model. Returns (out_dir, number of shards)."""
+    tensor larger than that), never the whole model. An MoE model is written as its family (`moe_family`), each
+    tensor of a group renamed or split per expert as it is read. Returns (out_dir, number of shards)."""
     names = [n for n in specs if not (cfg.tie_embeddings and n == "lm_head.weight") and not is_mtp_name(n)]
-    dtypes = {specs[n][1] for n in names}
+    # an MoE model's tensors map one by one onto its family's (split per expert, renamed): each group as it is read
+    biases = [n for n in names if is_expert_bias_name(n)]
+    family = _moe_export_family(cfg, load_group(biases) if biases else {}) if cfg.moe_num_experts else None
+    if family is not None and not family.HOLDS_SELECTION_BIASES:  # (never a shard file with nothing in it)
+        names = [n for n in names if not is_expert_bias_name(n)]
+    dtypes = {specs[n][1] for n in names if not is_expert_bias_name(n)}  # (the biases: fp32 buffers)
     if len(dtypes) != 1:
         raise ValueError(f"mixed weight dtypes {sorted(map(str, dtypes))}: export needs one")
     dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtypes.pop()]
@@ -270,7 +287,6 @@ def export_hf_streaming(cfg: ModelConfig, specs: dict[str, tuple[tuple[int, ...]
         cur_bytes += nbytes
     if cur:
         groups.append(cur)
-    hf_name = {n: n if n == "lm_head.weight" else "model." + n for n in names}
     out_dir = os.path.abspath(out_dir)
     with staged_dir(out_dir, replace=True) as tmp:  # `<out_dir>.tmp/`, renamed over an old export
         with open(os.path.join(tmp, "config.json"), "w") as f:
@@ -279,7 +295,9 @@ def export_hf_streaming(cfg: ModelConfig, specs: dict[str, tuple[tuple[int, ...]
         for i, group in enumerate(groups):
             fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
             tensors = load_group(group)
-            sd = {hf_name[n]: tensors[n].contiguous() for n in group}
+            if family is not None:
+                tensors = family.to_hub(tensors)
+            sd = {(n if n == "lm_head.weight" else "model." + n): t.contiguous() for n, t in tensors.items()}
             total += sum(t.numel() * t.element_size() for t in sd.values())
             save_file(sd, os.path.join(tmp, fname), metadata={"format": "pt"})
             weight_map.update({k: fname for k in sd})

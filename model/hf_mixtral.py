@@ -21,12 +21,14 @@ import re
 
 import torch
 
+HOLDS_SELECTION_BIASES = False  # (a zero one is left out: export_problems refuses any other)
 _OURS = re.compile(r"layers\.(\d+)\.mlp\.(router\.weight|experts\.(gate_up|down)_proj|expert_bias)$")
 
 
-def export_problems(model) -> list[str]:
-    """Why `model` (an MoE Transformer) cannot be written as a Mixtral checkpoint."""
-    cfg, p = model.cfg, []
+def export_problems(cfg, biases: dict[str, torch.Tensor]) -> list[str]:
+    """Why an MoE model of config `cfg` and selection biases `biases` ({name: tensor}) cannot be written as a
+    Mixtral checkpoint."""
+    p = []
     if cfg.moe_shared_experts:
         p.append(f"moe_shared_experts={cfg.moe_shared_experts} (Mixtral has no shared experts)")
     if cfg.moe_first_dense_layers:
@@ -39,7 +41,7 @@ def export_problems(model) -> list[str]:
         p.append(f"moe_routed_scaling={cfg.moe_routed_scaling} (Mixtral does not scale the experts' output)")
     if cfg.moe_top_k < 2:
         p.append("moe_top_k=1 (Mixtral renormalises the chosen weights to 1; ours keep the raw score)")
-    biased = [name for name, t in model.named_buffers() if name.endswith("expert_bias") and bool(t.any())]
+    biased = [name for name, t in biases.items() if bool(t.any())]
     if biased:
         p.append(f"non-zero selection biases ({biased[0]}, ...): Mixtral has none, its routing would differ")
     return p

@@ -226,6 +226,62 @@ def test_sharded_checkpoint_exports_to_hf_streaming(tiny_pretrain_run_args, tmp_
                                                                              want["embed_tokens.weight"])
 
 
+@pytest.mark.parametrize("family, flags", [
+    ("Glm4MoeForCausalLM", ["--moe_score=sigmoid", "--moe_shared_experts=1", "--moe_first_dense_layers=1",
+                            "--moe_bias_update_rate=0.01"]),
+    ("MixtralForCausalLM", []),
+], ids=["glm4_moe", "mixtral"])
+def test_sharded_moe_checkpoint_exports_to_hf_streaming(tiny_pretrain_run_args, tmp_path, family, flags):
+    """An MoE run's DCP checkpoint streams into its Hugging Face family too (model/hf_interop.py moe_family), each
+    stacked expert tensor split per expert as its group is read: transformers loads it as that family, with
+    exactly the checkpoint's weights (the selection biases too, which the run moved, for GLM-4-MoE)."""
+    import transformers
+
+    from checkpoint.dcp import load_full_model_state_dict
+    from model.config import ModelConfig
+    from model.hf_interop import moe_family
+    run = tmp_path / "run"
+    run_cmd(train_cmd([*tiny_pretrain_run_args, f"--out_dir={run}", "--max_iters=2", "--parallel=fsdp",
+                       "--n_layers=2", "--moe_num_experts=4", "--moe_top_k=2", "--moe_hidden_dim=16", *flags]),
+            env=_env())
+    found = find_latest_valid(str(run))
+    hf_dir = tmp_path / "hf"
+    out = run_cmd([sys.executable, os.path.join(ROOT, "export_hf.py"), f"--ckpt={run}", f"--out_dir={hf_dir}",
+                   "--max_shard_gb=0.00002"], env=_env()).stdout
+    assert f"({family}, streamed from the sharded checkpoint" in out, out
+    shards = sorted(p.name for p in hf_dir.glob("model-*.safetensors"))
+    index = json.loads((hf_dir / "model.safetensors.index.json").read_text())
+    assert len(shards) > 2 and sorted(set(index["weight_map"].values())) == shards
+    want = load_full_model_state_dict(found)
+    biases = [v for k, v in want.items() if k.endswith("expert_bias")]
+    assert any(bool(b.any()) for b in biases) == (family == "Glm4MoeForCausalLM")  # (the run moved them)
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    hub = moe_family(ModelConfig(moe_num_experts=4, moe_score="sigmoid" if flags else "softmax"))[0].to_hub(
+        {k: v for k, v in want.items() if not k.startswith("mtp.")})
+    got = getattr(transformers, family).from_pretrained(str(hf_dir), experts_implementation="eager").state_dict()
+    assert cfg["architectures"] == [family]
+    for k, v in hub.items():
+        hf_key = k if k == "lm_head.weight" else "model." + k
+        mine = (got[hf_key.replace(".block_sparse_moe.", ".mlp.")] if ".experts." not in k
+                else _expert_weight(got, hf_key))
+        assert hf_key in index["weight_map"] and torch.equal(mine, v), k
+
+
+def _expert_weight(state: dict, hub_key: str) -> torch.Tensor:
+    """One expert's Hub-layout weight out of transformers 5's stacked parameters (`mlp.experts.gate_up_proj`
+    [E, 2I, D], gate rows first; Mixtral's w1 / w3 / w2 named as GLM's gate / up / down, its block_sparse_moe
+    as mlp)."""
+    import re
+    m = re.match(r"(.*\.experts)\.(\d+)\.(w1|w3|w2|gate_proj|up_proj|down_proj)\.weight$", hub_key)
+    stem, e, w = m.group(1), int(m.group(2)), {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}.get(
+        m.group(3), m.group(3))
+    stem = stem.replace("block_sparse_moe", "mlp")
+    if w == "down_proj":
+        return state[f"{stem}.down_proj"][e]
+    gate, up = state[f"{stem}.gate_up_proj"][e].chunk(2, dim=0)
+    return gate if w == "gate_proj" else up
+
+
 def test_init_checkpoint_chooses_best_or_a_step_of_the_init_from_run(pretrained, tmp_path, capsys):
     """--init_from=<run> takes its newest checkpoint; --init_checkpoint=best the one with the lowest validation
     loss, step_N that one; the load line says which. A choice that names nothing is one line, exit 2."""
