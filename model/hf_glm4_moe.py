@@ -11,26 +11,23 @@ model/hf_mixtral.py); on import, GLM-4.5's own settings our attention lacks (par
 norms) and a renormalisation switch ours does not have (ours renormalises the chosen weights when k > 1, never at
 k = 1).
 
-The interface of model/hf_mixtral.py (`export_problems`, `config_fields`, `moe_fields`, `to_hub`, `from_hub`), plus
-`import_problems`.
-Owns: the config.json fields, and the names: ours `layers.N.mlp.router.weight` [E, D], `...mlp.expert_bias` [E],
-the stacked `...mlp.experts.gate_up_proj` [E, 2I, D] (gate rows, then up) / `down_proj` [E, D, I] <-> the Hub
-layout `model.layers.N.mlp.gate.weight`, `...mlp.gate.e_score_correction_bias` and
+The interface of model/hf_mixtral.py (`export_problems`, `config_fields`, `moe_fields`, `to_hub`, `from_hub`, a
+LAYOUT), plus `import_problems`.
+Owns: the config.json fields, and its `LAYOUT` of the experts' names (moved by model/hf_moe_layout.py): the Hub's
+`model.layers.N.mlp.gate.weight`, `...mlp.gate.e_score_correction_bias` and
 `...mlp.experts.E.gate_proj / up_proj / down_proj.weight` (what GLM-4.5 on the Hub holds, and what transformers 5
-regroups on load); import also reads transformers 5's own stacked layout (`mlp.experts.gate_up_proj`,
-`mlp.experts.down_proj`). The shared experts (`mlp.shared_experts.*_proj`) and dense blocks (`mlp.*_proj`) have
-the same names on both sides.
+regroups on load); import also reads transformers 5's own stacked layout. The shared experts
+(`mlp.shared_experts.*_proj`) and dense blocks (`mlp.*_proj`) have the same names on both sides.
 Must never: import transformers (plain dicts and tensors only).
 """
 from __future__ import annotations
 
-import re
-
 import torch
 
-HOLDS_SELECTION_BIASES = True  # (e_score_correction_bias)
-_OURS = re.compile(r"layers\.(\d+)\.mlp\.(router\.weight|expert_bias|experts\.(gate_up|down)_proj)$")
-_PROJ = ("gate_proj", "up_proj", "down_proj")
+from model import hf_moe_layout as hub_layout
+
+LAYOUT = hub_layout.HubLayout("GLM-4-MoE", block="mlp", bias="gate.e_score_correction_bias",
+                              projections=("gate_proj", "up_proj", "down_proj"), mtp_layers_follow=True)
 
 
 def export_problems(cfg, biases: dict[str, torch.Tensor]) -> list[str]:
@@ -83,62 +80,10 @@ def moe_fields(d: dict) -> dict:
 
 def to_hub(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Our state dict (names without `model.`) -> Hub GLM-4-MoE names (without `model.`); other tensors kept."""
-    out = {}
-    for name, t in sd.items():
-        m = _OURS.match(name)
-        if m is None:
-            out[name] = t
-            continue
-        prefix, what, proj = f"layers.{m.group(1)}.mlp", m.group(2), m.group(3)
-        if what == "router.weight":
-            out[f"{prefix}.gate.weight"] = t
-        elif what == "expert_bias":
-            out[f"{prefix}.gate.e_score_correction_bias"] = t
-        elif proj == "gate_up":
-            for e, (gate, up) in enumerate(zip(*t.chunk(2, dim=1))):
-                out[f"{prefix}.experts.{e}.gate_proj.weight"], out[f"{prefix}.experts.{e}.up_proj.weight"] = gate, up
-        else:
-            for e in range(t.shape[0]):
-                out[f"{prefix}.experts.{e}.down_proj.weight"] = t[e]
-    return out
+    return hub_layout.to_hub(sd, LAYOUT)
 
 
 def from_hub(sd: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
     """Hub or transformers-5 GLM-4-MoE names (without `model.`) -> ours. A checkpoint's layers past the model's
     (GLM-4.5 keeps its MTP layer as layer `num_hidden_layers`) are left out, as transformers leaves them."""
-    out, experts = {}, {}
-    for name, t in sd.items():
-        m = re.match(r"layers\.(\d+)\.mlp\.(gate\.weight|gate\.e_score_correction_bias|experts\..+)$", name)
-        layer = re.match(r"layers\.(\d+)\.", name)
-        if layer is not None and int(layer.group(1)) >= cfg.n_layers:
-            continue
-        if m is None:
-            out[name] = t
-            continue
-        layer_i, rest = int(m.group(1)), m.group(2)
-        ours = f"layers.{layer_i}.mlp"
-        if rest == "gate.weight":
-            out[f"{ours}.router.weight"] = t
-        elif rest == "gate.e_score_correction_bias":
-            out[f"{ours}.expert_bias"] = t
-        elif rest in ("experts.gate_up_proj", "experts.down_proj"):  # transformers 5: stacked, gate rows first
-            out[f"{ours}.{rest}"] = t
-        else:
-            e = re.match(r"experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$", rest)
-            if e is None:
-                raise ValueError(f"unexpected tensor {name!r} in a GLM-4-MoE checkpoint")
-            experts.setdefault((layer_i, e.group(2)), {})[int(e.group(1))] = t
-    layers = sorted({layer_i for layer_i, _ in experts})
-    for layer_i in layers:
-        stacked = {}
-        for proj in _PROJ:
-            by_expert = experts.get((layer_i, proj), {})
-            if sorted(by_expert) != list(range(cfg.moe_num_experts)):
-                raise ValueError(f"layer {layer_i}: experts {sorted(by_expert)} of {proj}, expected 0.."
-                                 f"{cfg.moe_num_experts - 1}")
-            stacked[proj] = torch.stack([by_expert[i] for i in range(cfg.moe_num_experts)])
-        out[f"layers.{layer_i}.mlp.experts.gate_up_proj"] = torch.cat((stacked["gate_proj"], stacked["up_proj"]), 1)
-        out[f"layers.{layer_i}.mlp.experts.down_proj"] = stacked["down_proj"]
-    for layer_i in range(cfg.moe_first_dense_layers, cfg.n_layers):  # a checkpoint without biases: zero ones
-        out.setdefault(f"layers.{layer_i}.mlp.expert_bias", torch.zeros(cfg.moe_num_experts))
-    return {k: v.contiguous() for k, v in out.items()}
+    return hub_layout.from_hub(sd, cfg, LAYOUT)

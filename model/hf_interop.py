@@ -270,7 +270,7 @@ def export_hf_streaming(cfg: ModelConfig, specs: dict[str, tuple[tuple[int, ...]
     # an MoE model's tensors map one by one onto its family's (split per expert, renamed): each group as it is read
     biases = [n for n in names if is_expert_bias_name(n)]
     family = _moe_export_family(cfg, load_group(biases) if biases else {}) if cfg.moe_num_experts else None
-    if family is not None and not family.HOLDS_SELECTION_BIASES:  # (never a shard file with nothing in it)
+    if family is not None and not family.LAYOUT.holds_biases():  # (never a shard file with nothing in it)
         names = [n for n in names if not is_expert_bias_name(n)]
     dtypes = {specs[n][1] for n in names if not is_expert_bias_name(n)}  # (the biases: fp32 buffers)
     if len(dtypes) != 1:

@@ -6,23 +6,22 @@ a sigmoid-gated shared expert), so every weight maps one to one. What it cannot 
 shared experts, dense first blocks, sigmoid scores, top_k = 1 (Mixtral renormalises the chosen weights, ours keep
 the raw score at k = 1), and a non-zero selection bias (Mixtral has none: the export would route differently).
 
-The interface both MoE families share (model/hf_glm4_moe.py has the same five functions): `export_problems`,
-`config_fields`, `moe_fields`, `to_hub`, `from_hub`.
-Owns: the config.json fields, and the names: ours `layers.N.mlp.router.weight` [E, D] and the stacked
-`layers.N.mlp.experts.gate_up_proj` [E, 2I, D] (gate rows, then up) / `down_proj` [E, D, I] <-> the Hub layout
+The interface both MoE families share (model/hf_glm4_moe.py has the same five functions, and a LAYOUT):
+`export_problems`, `config_fields`, `moe_fields`, `to_hub`, `from_hub`.
+Owns: the config.json fields, and its `LAYOUT` of the experts' names (moved by model/hf_moe_layout.py): the Hub's
 `model.layers.N.block_sparse_moe.gate.weight` and `...experts.E.w1 / w3 / w2.weight` (what every Mixtral on the Hub
-holds, read by transformers 4.x and 5.x alike); import also reads transformers 5's own layout
-(`mlp.gate.weight`, `mlp.experts.gate_up_proj` [E, 2I, D], `mlp.experts.down_proj`).
+holds, read by transformers 4.x and 5.x alike); import also reads transformers 5's own layout (`mlp.gate.weight`,
+`mlp.experts.gate_up_proj` [E, 2I, D], `mlp.experts.down_proj`).
 Must never: import transformers (plain dicts and tensors only).
 """
 from __future__ import annotations
 
-import re
-
 import torch
 
-HOLDS_SELECTION_BIASES = False  # (a zero one is left out: export_problems refuses any other)
-_OURS = re.compile(r"layers\.(\d+)\.mlp\.(router\.weight|experts\.(gate_up|down)_proj|expert_bias)$")
+from model import hf_moe_layout as hub_layout
+
+# no selection bias: a zero one is left out (export_problems refuses any other)
+LAYOUT = hub_layout.HubLayout("Mixtral", block="block_sparse_moe", bias=None, projections=("w1", "w3", "w2"))
 
 
 def export_problems(cfg, biases: dict[str, torch.Tensor]) -> list[str]:
@@ -63,59 +62,9 @@ def moe_fields(d: dict) -> dict:
 
 def to_hub(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Our state dict (names without `model.`) -> Hub Mixtral names (without `model.`); other tensors kept."""
-    out = {}
-    for name, t in sd.items():
-        m = _OURS.match(name)
-        if m is None:
-            out[name] = t
-            continue
-        layer, what, proj = m.group(1), m.group(2), m.group(3)
-        prefix = f"layers.{layer}.block_sparse_moe"
-        if what == "router.weight":
-            out[f"{prefix}.gate.weight"] = t
-        elif proj == "gate_up":
-            for e, (w1, w3) in enumerate(zip(*t.chunk(2, dim=1))):
-                out[f"{prefix}.experts.{e}.w1.weight"], out[f"{prefix}.experts.{e}.w3.weight"] = w1, w3
-        elif proj == "down":
-            for e in range(t.shape[0]):
-                out[f"{prefix}.experts.{e}.w2.weight"] = t[e]
-        # expert_bias: not in Mixtral (export_problems refused a non-zero one)
-    return out
+    return hub_layout.to_hub(sd, LAYOUT)
 
 
 def from_hub(sd: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
     """Hub or transformers-5 Mixtral names (without `model.`) -> ours, with zero selection biases."""
-    out, experts = {}, {}
-    for name, t in sd.items():
-        m = re.match(r"layers\.(\d+)\.(?:block_sparse_moe|mlp)\.(.+)$", name)
-        if m is None:
-            out[name] = t
-            continue
-        layer, rest = int(m.group(1)), m.group(2)
-        ours = f"layers.{layer}.mlp"
-        if rest == "gate.weight":
-            out[f"{ours}.router.weight"] = t
-        elif rest == "experts.gate_up_proj":  # transformers 5: [E, 2I, D], gate rows first, as ours
-            out[f"{ours}.experts.gate_up_proj"] = t
-        elif rest == "experts.down_proj":
-            out[f"{ours}.experts.down_proj"] = t
-        else:
-            e = re.match(r"experts\.(\d+)\.(w1|w2|w3)\.weight$", rest)
-            if e is None:
-                raise ValueError(f"unexpected tensor {name!r} in a Mixtral checkpoint")
-            experts.setdefault((layer, e.group(2)), {})[int(e.group(1))] = t
-    stacked = {}
-    for (layer, w), by_expert in experts.items():
-        if sorted(by_expert) != list(range(cfg.moe_num_experts)):
-            raise ValueError(f"layer {layer}: experts {sorted(by_expert)} of {w}, expected 0.."
-                             f"{cfg.moe_num_experts - 1}")
-        stacked[(layer, w)] = torch.stack([by_expert[i] for i in range(len(by_expert))])
-    for layer in sorted({layer for layer, _ in stacked}):
-        missing = [w for w in ("w1", "w2", "w3") if (layer, w) not in stacked]
-        if missing:
-            raise ValueError(f"layer {layer}: no experts' {', '.join(missing)} in the Mixtral checkpoint")
-        out[f"layers.{layer}.mlp.experts.gate_up_proj"] = torch.cat((stacked[(layer, "w1")], stacked[(layer, "w3")]), 1)
-        out[f"layers.{layer}.mlp.experts.down_proj"] = stacked[(layer, "w2")]
-    for layer in range(cfg.n_layers):
-        out[f"layers.{layer}.mlp.expert_bias"] = torch.zeros(cfg.moe_num_experts)
-    return {k: v.contiguous() for k, v in out.items()}
+    return hub_layout.from_hub(sd, cfg, LAYOUT)

@@ -89,7 +89,7 @@ def test_hub_and_stacked_expert_names_import_and_extra_layers_are_left_out():
     for back in (from_hub(hub, model.cfg), from_hub(stacked, model.cfg), from_hub({**hub, **mtp_layer}, model.cfg)):
         assert back.keys() == ours.keys() and all(torch.equal(back[k], ours[k]) for k in ours)
     missing = {k: v for k, v in hub.items() if k != "layers.2.mlp.experts.5.up_proj.weight"}
-    with pytest.raises(ValueError, match=r"layer 2: experts \[0, 1, 2, 3, 4, 6, 7\] of up_proj"):
+    with pytest.raises(ValueError, match=r"layer 2: experts \[0, 1, 2, 3, 4, 6, 7\] of up_proj in the GLM-4-MoE"):
         from_hub(missing, model.cfg)
 
 

@@ -1,0 +1,100 @@
+"""The Hugging Face Hub layout of an MoE model's expert weights, both ways, for the families model/hf_interop.py
+writes (model/hf_mixtral.py, model/hf_glm4_moe.py): each family is one `HubLayout` (its names), and `to_hub` /
+`from_hub` move tensors between ours and it.
+
+Ours: `layers.N.mlp.router.weight` [E, D], `layers.N.mlp.expert_bias` [E], the stacked
+`layers.N.mlp.experts.gate_up_proj` [E, 2I, D] (gate rows, then up) and `...experts.down_proj` [E, D, I].
+The Hub's: the router and the bias under the family's block name, and one [I, D] / [D, I] weight per expert and
+projection (`experts.E.<gate|up|down>.weight`: what checkpoints on the Hub hold, read by transformers 4.x and 5.x);
+transformers 5's own stacked names (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`, gate rows first as ours)
+import too. Every other tensor passes through unchanged (the model's strict load names what does not fit).
+Must never: import transformers (plain dicts and tensors only), or drop a tensor the layout has a place for.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+_OURS = re.compile(r"layers\.(\d+)\.mlp\.(router\.weight|expert_bias|experts\.(gate_up|down)_proj)$")
+
+
+@dataclass(frozen=True)
+class HubLayout:
+    family: str  # in messages: "Mixtral"
+    block: str  # the MoE module's name on the Hub: layers.N.<block>
+    bias: Optional[str]  # the selection bias's name under the block (None: the family has none; a zero one is left out)
+    projections: tuple[str, str, str]  # the per-expert gate, up and down weights' names
+    mtp_layers_follow: bool = False  # the checkpoint may hold MTP layers numbered after the model's (left out)
+
+    def holds_biases(self) -> bool:
+        return self.bias is not None
+
+
+def to_hub(sd: dict[str, torch.Tensor], layout: HubLayout) -> dict[str, torch.Tensor]:
+    """Our state dict (names without `model.`) -> the layout's Hub names (without `model.`); other tensors kept.
+    Each tensor maps on its own, so a streaming export converts any group of them."""
+    out = {}
+    gate_name, up_name, down_name = layout.projections
+    for name, t in sd.items():
+        m = _OURS.match(name)
+        if m is None:
+            out[name] = t
+            continue
+        prefix, what, proj = f"layers.{m.group(1)}.{layout.block}", m.group(2), m.group(3)
+        if what == "router.weight":
+            out[f"{prefix}.gate.weight"] = t
+        elif what == "expert_bias":
+            if layout.bias is not None:
+                out[f"{prefix}.{layout.bias}"] = t
+        elif proj == "gate_up":
+            for e, (gate, up) in enumerate(zip(*t.chunk(2, dim=1))):
+                out[f"{prefix}.experts.{e}.{gate_name}.weight"] = gate
+                out[f"{prefix}.experts.{e}.{up_name}.weight"] = up
+        else:
+            for e in range(t.shape[0]):
+                out[f"{prefix}.experts.{e}.{down_name}.weight"] = t[e]
+    return out
+
+
+def from_hub(sd: dict[str, torch.Tensor], cfg, layout: HubLayout) -> dict[str, torch.Tensor]:
+    """The layout's Hub names, or transformers 5's stacked ones (without `model.`) -> ours; a layer with experts but
+    no bias in the checkpoint gets zero selection biases. ValueError naming a layer whose experts are incomplete."""
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
+    per_expert = re.compile(r"experts\.(\d+)\.(" + "|".join(map(re.escape, layout.projections)) + r")\.weight$")
+    blocks = "|".join(sorted({re.escape(layout.block), "mlp"}))
+    for name, t in sd.items():
+        layer = re.match(r"layers\.(\d+)\.", name)
+        if layout.mtp_layers_follow and layer is not None and int(layer.group(1)) >= cfg.n_layers:
+            continue  # (transformers leaves them out too)
+        m = re.match(rf"layers\.(\d+)\.(?:{blocks})\.(.+)$", name)
+        rest = m.group(2) if m is not None else ""
+        e = per_expert.match(rest)
+        ours = f"layers.{m.group(1)}.mlp" if m is not None else ""
+        if rest == "gate.weight":
+            out[f"{ours}.router.weight"] = t
+        elif layout.bias is not None and rest == layout.bias:
+            out[f"{ours}.expert_bias"] = t
+        elif rest in ("experts.gate_up_proj", "experts.down_proj"):  # transformers 5: stacked, gate rows first
+            out[f"{ours}.{rest}"] = t
+        elif e is not None:
+            experts.setdefault((int(m.group(1)), e.group(2)), {})[int(e.group(1))] = t
+        else:
+            out[name] = t
+    gate_name, up_name, down_name = layout.projections
+    for layer in sorted({layer for layer, _ in experts}):
+        stacked = {}
+        for proj in layout.projections:
+            by_expert = experts.get((layer, proj), {})
+            if sorted(by_expert) != list(range(cfg.moe_num_experts)):
+                raise ValueError(f"layer {layer}: experts {sorted(by_expert)} of {proj} in the {layout.family} "
+                                 f"checkpoint, expected 0..{cfg.moe_num_experts - 1}")
+            stacked[proj] = torch.stack([by_expert[i] for i in range(cfg.moe_num_experts)])
+        out[f"layers.{layer}.mlp.experts.gate_up_proj"] = torch.cat((stacked[gate_name], stacked[up_name]), 1)
+        out[f"layers.{layer}.mlp.experts.down_proj"] = stacked[down_name]
+    for name in [n for n in out if n.endswith(".mlp.router.weight")]:
+        out.setdefault(name[:-len("router.weight")] + "expert_bias", torch.zeros(cfg.moe_num_experts))
+    return {k: v.contiguous() for k, v in out.items()}
