@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from model import Transformer
     from model.hf_interop import export_hf, hf_family
-    from model.lora import merge_lora, save_lora
+    from model.lora import merge_lora, peft_moe_caveat, save_lora
     from trainer.weights import load_lora_base, model_from_checkpoint
     from checkpoint.verify import selection_exit_code
     from utils.checkpoint_json import read_trainer_state
@@ -86,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if lora and args.adapters_out_dir:
         save_lora(model, args.adapters_out_dir, base_model_name_or_path=os.path.abspath(args.out_dir))
+        caveat = peft_moe_caveat(model)
+        if caveat:
+            print(f"export_hf: note: {caveat}", file=sys.stderr)
         lora_base = read_trainer_state(found).get("lora_base")
         if lora_base:  # the frozen base as the run started (grown to the run's tokenizer when it was)
             base = load_lora_base(lora_base, found, log=lambda m: None)

@@ -173,6 +173,19 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().contiguous().clone() for k, v in out.items()}
 
 
+def peft_moe_caveat(model: nn.Module) -> Optional[str]:
+    """Why `peft.PeftModel` (0.21, on transformers 5) will not reproduce this MoE model's adapters on its Hugging Face
+    export, or None: for the MLP targets (gate_proj / up_proj / down_proj: the dense blocks' and shared experts'
+    linears here) it also wraps the routed experts' stacked weights of the same names and does not give our
+    outputs (tests/model/test_hf_glm4_moe.py); attention adapters load exactly."""
+    mlp = sorted(t for t in model.lora_config["target_modules"] if t in ("gate_proj", "up_proj", "down_proj"))
+    if not getattr(model.cfg, "moe_num_experts", 0) or not mlp:
+        return None
+    return (f"peft.PeftModel on transformers' MoE families also wraps the routed experts for the MLP targets "
+            f"({', '.join(mlp)}) and does not reproduce these adapters' outputs: our tools load them (sample.py "
+            "--ckpt=<the run>), or export merged (without --adapters_out_dir)")
+
+
 def save_lora(model: nn.Module, out_dir: str, base_model_name_or_path: Optional[str] = None) -> None:
     """adapter_config.json + adapter_model.safetensors in the PEFT layout."""
     cfg = model.lora_config
