@@ -53,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=c.SAMPLE_TEMPERATURE, help="0 = greedy")
     p.add_argument("--top_k", type=int, default=c.SAMPLE_TOP_K)
     p.add_argument("--top_p", type=float, default=c.SAMPLE_TOP_P)
+    p.add_argument("--min_p", type=float, default=None,
+                   help="drop tokens less probable than min_p x the most probable one (after top-k / top-p; off)")
     p.add_argument("--num_samples", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
@@ -121,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     x = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=device)
     stop_ids = [special["eos"]["id"], special["im_end"]["id"]]
     knobs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
-                 top_p=args.top_p, stop_ids=stop_ids)
+                 top_p=args.top_p, min_p=args.min_p, stop_ids=stop_ids)
     if args.speculative == "mtp":
         out, stats = generate_mtp(model, x, **knobs)
         print(f"sample.py: {stats.summary()}", file=sys.stderr)

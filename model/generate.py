@@ -20,23 +20,27 @@ from model.llama import Transformer
 
 
 def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[int] = None,
-                top_p: Optional[float] = None, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+                top_p: Optional[float] = None, generator: Optional[torch.Generator] = None,
+                min_p: Optional[float] = None) -> torch.Tensor:
     """logits [B, V] -> next ids [B]. temperature == 0 is greedy (argmax)."""
     if temperature == 0:
         return logits.argmax(dim=-1)
-    return sample_scaled(logits.float() / temperature, top_k, top_p, generator)
+    return sample_scaled(logits.float() / temperature, top_k, top_p, generator, min_p)
 
 
 def sample_scaled(logits: torch.Tensor, top_k: Optional[int] = None, top_p: Optional[float] = None,
-                  generator: Optional[torch.Generator] = None) -> torch.Tensor:
+                  generator: Optional[torch.Generator] = None, min_p: Optional[float] = None) -> torch.Tensor:
     """`sample_next` of logits already divided by the temperature (fp32 [B, V]): the same draws, for a caller
     that needs the scaled logits too (the rollout's log-probabilities)."""
-    return multinomial_one(truncate(logits, top_k, top_p).softmax(dim=-1), generator)
+    return multinomial_one(truncate(logits, top_k, top_p, min_p).softmax(dim=-1), generator)
 
 
-def truncate(logits: torch.Tensor, top_k: Optional[int] = None, top_p: Optional[float] = None) -> torch.Tensor:
-    """Scaled logits [B, V] with the tokens top-k / top-p leave out set to -inf: their softmax is the
-    distribution `sample_scaled` draws from (speculative decoding compares two such distributions)."""
+def truncate(logits: torch.Tensor, top_k: Optional[int] = None, top_p: Optional[float] = None,
+             min_p: Optional[float] = None) -> torch.Tensor:
+    """Scaled logits [B, V] with the tokens top-k, top-p and min-p leave out set to -inf, in that order (as
+    transformers' warpers): their softmax is the distribution `sample_scaled` draws from (speculative decoding
+    compares two such distributions). min-p (Nguyen et al. 2024) drops a token less probable than min_p times the
+    most probable one (which always stays)."""
     if top_k is not None and 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -47,6 +51,9 @@ def truncate(logits: torch.Tensor, top_k: Optional[int] = None, top_p: Optional[
         drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
         drop = torch.zeros_like(drop_sorted).scatter(1, idx, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
+    if min_p is not None and 0.0 < min_p:
+        probs = logits.softmax(dim=-1)
+        logits = logits.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
     return logits
 
 
@@ -125,7 +132,7 @@ def decode_dtype(model: Transformer, device: torch.device) -> torch.dtype:
 def generate(model: Transformer, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
              top_k: Optional[int] = None, top_p: Optional[float] = None,
              stop_ids: Optional[Iterable[int]] = None, use_cache: bool = True,
-             generator: Optional[torch.Generator] = None) -> torch.Tensor:
+             generator: Optional[torch.Generator] = None, min_p: Optional[float] = None) -> torch.Tensor:
     """Continue a batch of equal-length prompts [B, T]; returns [B, T + n] with n <= max_new_tokens.
 
     A row that emits one of `stop_ids` is finished: its later positions repeat that stop id. Generation
@@ -147,7 +154,7 @@ def generate(model: Transformer, input_ids: torch.Tensor, max_new_tokens: int, t
             else:
                 logits = model(out, logits_to_keep=1)[:, -1]
             finite &= torch.isfinite(logits).all()
-            nxt = rows.emit(sample_next(logits, temperature, top_k, top_p, generator))
+            nxt = rows.emit(sample_next(logits, temperature, top_k, top_p, generator, min_p))
             out = torch.cat((out, nxt[:, None]), dim=1)
             if rows.done():
                 break

@@ -87,7 +87,7 @@ class MTPDraft:
 def generate_mtp(model: Transformer, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: Optional[int] = None, top_p: Optional[float] = None,
                  stop_ids: Optional[Iterable[int]] = None, generator: Optional[torch.Generator] = None,
-                 pack: Optional[bool] = None) -> tuple[torch.Tensor, SpecStats]:
+                 pack: Optional[bool] = None, min_p: Optional[float] = None) -> tuple[torch.Tensor, SpecStats]:
     """`model/generate.py generate`'s contract (a batch of equal-length prompts [B, T] -> [B, T + n], n <=
     max_new_tokens, stop ids) with the first MTP depth drafting the token after next; returns the tokens and
     what the drafts saved. ValueError where `why_not` names a reason."""
@@ -97,12 +97,14 @@ def generate_mtp(model: Transformer, input_ids: torch.Tensor, max_new_tokens: in
     was_training = model.training
     model.eval()
     try:
-        return _generate(model, input_ids, max_new_tokens, temperature, top_k, top_p, stop_ids, generator, pack)
+        return _generate(model, input_ids, max_new_tokens, temperature, (top_k, top_p, min_p), stop_ids, generator,
+                         pack)
     finally:
         model.train(was_training)
 
 
-def _generate(model, input_ids, max_new_tokens, temperature, top_k, top_p, stop_ids, generator, pack):
+def _generate(model, input_ids, max_new_tokens, temperature, cuts, stop_ids, generator, pack):
+    top_k, top_p, min_p = cuts
     B, T = input_ids.shape
     device = input_ids.device
     stats = SpecStats()
@@ -116,10 +118,10 @@ def _generate(model, input_ids, max_new_tokens, temperature, top_k, top_p, stop_
     def pick(logits: torch.Tensor) -> torch.Tensor:
         nonlocal finite
         finite &= torch.isfinite(logits).all()
-        return sample_next(logits, temperature, top_k, top_p, generator)
+        return sample_next(logits, temperature, top_k, top_p, generator, min_p)
 
     def probs(logits: torch.Tensor) -> torch.Tensor:
-        return truncate(logits.float() / temperature, top_k, top_p).softmax(dim=-1)
+        return truncate(logits.float() / temperature, top_k, top_p, min_p).softmax(dim=-1)
 
     def drafts_left() -> bool:  # a draft is worth computing while two or more tokens are still to come
         return max_new_tokens - len(rows.tokens) >= 2

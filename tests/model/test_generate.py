@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from model import ModelConfig, Transformer
-from model.generate import generate, sample_next
+from model.generate import generate, sample_next, truncate
 
 
 @pytest.fixture(scope="module")
@@ -72,3 +72,33 @@ def test_kv_cache_chunked_prefill_matches_full_forward(model):
     model.train()
     got = torch.cat((a, b, c, d), dim=1)
     assert cache.pos == 11 and torch.allclose(got, full, atol=1e-5)
+
+
+@pytest.mark.parametrize("top_k, top_p, min_p", [(None, None, 0.1), (None, None, 0.6), (20, 0.9, 0.05),
+                                                  (5, None, 0.3), (None, 0.8, 0.2)])
+def test_min_p_and_its_order_after_top_k_and_top_p_are_transformers_warpers(top_k, top_p, min_p):
+    """`truncate` keeps exactly the tokens transformers' TopK -> TopP -> MinP warpers keep (its sampling order), on
+    random scaled logits; the most probable token always stays."""
+    from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 64, generator=g) * 3
+    theirs = logits.clone()
+    for warp in ([TopKLogitsWarper(top_k)] if top_k else []) + ([TopPLogitsWarper(top_p)] if top_p else []) + [
+            MinPLogitsWarper(min_p)]:
+        theirs = warp(None, theirs)
+    ours = truncate(logits, top_k, top_p, min_p)
+    assert torch.equal(torch.isinf(ours), torch.isinf(theirs))
+    assert torch.equal(ours[~torch.isinf(ours)], logits[~torch.isinf(ours)])
+    assert not torch.isinf(ours.gather(1, logits.argmax(dim=1, keepdim=True))).any()
+    kept = (~torch.isinf(ours)).sum(dim=1)
+    assert (kept > 1).any() and (kept < 64).all()  # (a cut that does something, on some row)
+
+
+def test_min_p_sampling_draws_only_kept_tokens(model):
+    x = torch.randint(0, 128, (3, 4))
+    g = torch.Generator().manual_seed(5)
+    out = generate(model, x, 6, temperature=1.0, min_p=0.999, generator=g)  # only the most probable: greedy
+    assert torch.equal(out, generate(model, x, 6, temperature=0.0))
+    g = torch.Generator().manual_seed(5)
+    loose = generate(model, x, 6, temperature=1.0, min_p=0.01, generator=g)
+    assert not torch.equal(loose, out)  # (the model's predictions are varied: a loose cut samples others)

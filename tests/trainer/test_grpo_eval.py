@@ -75,7 +75,7 @@ def test_the_tasks_evaluate_splits_the_prompts_over_ranks_and_sums_them(monkeypa
     cfg = SimpleNamespace(scale_rewards="group", num_generations=2, batch_size=1, reward_funcs="exact_match",
                           reward_fn="", reward_weights="", loss_type="dapo", beta=0.0, max_prompt_length=8,
                           max_completion_length=5, answer_marker="", numeric_tolerance=0.0, format_regex="",
-                          eval_num_generations=0, temperature=1.0, top_p=1.0, seed=0)
+                          eval_num_generations=0, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, seed=0)
     model, val = chain_model(), SimpleNamespace(prompts=prompts(RECORDS))
     forwards = []  # the decode forwards (generate's prefill and each step through model/decode.py's Decoder)
     for name in ("prefill", "step"):
@@ -150,3 +150,7 @@ def test_sampled_answers_are_a_function_of_seed_and_prompt_and_their_best_is_log
     cold = held_out_metrics(held_out_sums(model, prompts(RECORDS), rs, decode, seed=3, **{**kw, "temperature": 1e-3}),
                             rs.names, samples=4)
     assert cold == pytest.approx({**HAND, "val_reward_best": HAND["val_reward"]}, abs=1e-12)
+    for cut in (dict(top_k=1), dict(min_p=0.9999)):  # the rollouts' cuts reach the sampled answers: only greedy's
+        hot_cut = held_out_metrics(held_out_sums(model, prompts(RECORDS), rs, decode, seed=3, cuts=cut, **kw),
+                                   rs.names, samples=4)
+        assert hot_cut == pytest.approx({**HAND, "val_reward_best": HAND["val_reward"]}, abs=1e-12), cut

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from model import ModelConfig, Transformer
+from model.generate import generate
 from trainer.tasks.grpo_rollout import Group, rollout_seed, sample_group, token_logps, training_rows
 
 V, PAD, STOP = 96, 0, 5
@@ -134,3 +135,24 @@ def test_truncated_completions_can_be_left_out():
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]], dtype=torch.bool)
     assert drop_truncated(toks, mask, [STOP]).tolist() == [[True, True, True, False], [False] * 4,
                                                            [True, False, False, False]]
+
+
+def test_top_k_and_min_p_cut_the_rollouts_but_not_the_log_probabilities():
+    """--top_k 1 (or --min_p near 1) leaves the rollouts only each step's most probable token: every row of a group
+    is the greedy continuation; the recorded log-probabilities stay those of the whole distribution of
+    logits / temperature (as TRL trains them), equal to the trainer's forward."""
+    model = _model()
+    ids = PROMPTS[0]
+    greedy = generate(model.eval(), torch.tensor([ids]), MAX_NEW, temperature=0.0)[0, len(ids):]
+    model.train()
+    for cut in (dict(top_k=1), dict(min_p=0.9999)):
+        g = torch.Generator().manual_seed(rollout_seed(11, 0, 0))
+        toks, mask, lps = sample_group(model, ids, 4, MAX_NEW, temperature=0.9, top_p=1.0, stop_ids=[STOP],
+                                       pad_id=PAD, generator=g, use_cache=False, row_len=ROW, **cut)
+        for row, m in zip(toks, mask):
+            n = int(m.sum())
+            assert torch.equal(row[:n], greedy[:n]), cut
+        rows = training_rows([ids], [Group(0, toks, mask, lps)], ROW, PAD)
+        on = rows["completion_mask"] > 0
+        assert torch.equal(_trainer_logps(model, rows)[on], rows["gen_logps"][on])
+        assert (rows["gen_logps"][on] < -1e-3).any()  # not the cut distribution's log 1 = 0

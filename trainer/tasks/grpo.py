@@ -92,7 +92,8 @@ class GRPOTask(Task):
                                  rows=cfg.batch_size * cfg.num_generations, max_new_tokens=cfg.max_completion_length,
                                  stop_ids=[int(sp[n]["id"]) for n in STOP_TOKENS], device=info.device,
                                  rank=engine.dp_rank, world=engine.dp_size, samples=samples,
-                                 temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed)
+                                 temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed,
+                                 cuts=dict(top_k=cfg.top_k or None, min_p=cfg.min_p or None))
         if engine.dp_size > 1:
             sums = engine.sum_over_data(sums, info.device).tolist()
         return held_out_metrics(sums, self.reward_names, samples)
@@ -157,7 +158,8 @@ class GRPOTask(Task):
             gen = torch.Generator(device=device)
             gen.manual_seed(rollout_seed(cfg.seed, step, idx))
             toks, mask, lps = sample_group(model, prompt.ids, cfg.num_generations, cfg.max_completion_length,
-                                           temperature=cfg.temperature, top_p=cfg.top_p, stop_ids=stop_ids,
+                                           temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                                           min_p=cfg.min_p, stop_ids=stop_ids,
                                            pad_id=pad, generator=gen, use_cache=cfg.generation_kv_cache,
                                            row_len=self.row_len, all_done=all_done)
             trained = drop_truncated(toks, mask, stop_ids) if cfg.mask_truncated_completions else mask

@@ -56,7 +56,7 @@ def batch_seed(seed: int, first_prompt: int) -> int:
 def held_out_sums(model: Any, prompts: Sequence[Any], rewards: Any, decode: Any, *, rows: int, max_new_tokens: int,
                   stop_ids: Sequence[int], device: Any, rank: int = 0, world: int = 1,
                   answers: Optional[list] = None, samples: int = 0, temperature: float = 1.0, top_p: float = 1.0,
-                  seed: int = 0) -> list[float]:
+                  seed: int = 0, cuts: Optional[dict] = None) -> list[float]:
     """[prompts scored, sum of the weighted rewards, sum of each function's reward..., sum of completion tokens, sum
     of the best weighted reward] over this rank's share of `prompts` (grpo_data.Prompt: ids, text, answer, record,
     where); with `samples` = k >= 1 each prompt's values are the means over its k sampled answers (the best: their
@@ -64,7 +64,7 @@ def held_out_sums(model: Any, prompts: Sequence[Any], rewards: Any, decode: Any,
     max(1, rows // k) prompts). `rewards`: a grpo_rewards.RewardSet; `decode(ids) -> text`. A completion is its tokens
     before the first stop id (the stop token counts in its length, as in training); one without a stop id is the
     whole max_new_tokens. `answers`, when given a list, gets (prompt index, completion text, [each function's
-    reward]) per answer."""
+    reward]) per answer. `cuts`: the sampled answers' other truncations (generate's top_k, min_p), as the rollouts'."""
     stops = [int(s) for s in stop_ids]
     k = max(1, samples)
     sums = [0.0] * (4 + len(rewards.names))
@@ -74,7 +74,8 @@ def held_out_sums(model: Any, prompts: Sequence[Any], rewards: Any, decode: Any,
         stop = stops if world == 1 else None
         if samples:
             g = torch.Generator(device=device).manual_seed(batch_seed(seed, batch[0]))
-            out = generate(model, x, max_new_tokens, temperature=temperature, top_p=top_p, stop_ids=stop, generator=g)
+            out = generate(model, x, max_new_tokens, temperature=temperature, top_p=top_p, stop_ids=stop, generator=g,
+                           **(cuts or {}))
         else:
             out = generate(model, x, max_new_tokens, temperature=0.0, stop_ids=stop)
         if not counted:

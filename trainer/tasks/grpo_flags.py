@@ -31,6 +31,9 @@ class GRPOFlags:
     temperature: float = _f(1.0, "grpo: sampling temperature of the rollouts (> 0); the log-probabilities trained "
                             "on are those of logits / temperature, as in TRL")
     top_p: float = _f(1.0, "grpo: nucleus sampling of the rollouts (1 = off)")
+    top_k: int = _f(0, "grpo: the rollouts sample from the k most probable tokens only (0 = off)")
+    min_p: float = _f(0.0, "grpo: the rollouts drop tokens less probable than min_p x the most probable one, after "
+                      "top-k / top-p (0 = off; TRL's min_p)")
     eval_num_generations: int = _f(0, "grpo: held-out answers per prompt (--eval_data_dir): 0 = one greedy answer "
                                    "(val_reward is pass@1 for a 0/1 reward); k >= 1 = k sampled at --temperature / "
                                    "--top_p, the means logged and val_reward_best, the best of the k (pass@k)")
@@ -151,6 +154,8 @@ def grpo_problems(cfg: Any, resume_policy: str) -> list[str]:
                    f"{cfg.max_completion_length} must be <= --max_seq_len={cfg.max_seq_len}")
     need(math.isfinite(cfg.temperature) and cfg.temperature > 0, "temperature", "must be a finite number > 0")
     need(math.isfinite(cfg.top_p) and 0 < cfg.top_p <= 1, "top_p", "must be in (0, 1]")
+    need(cfg.top_k >= 0, "top_k", "must be >= 0 (0 = off)")
+    need(math.isfinite(cfg.min_p) and 0 <= cfg.min_p <= 1, "min_p", "must be in [0, 1] (0 = off)")
     need(0 <= cfg.eval_num_generations <= 1024, "eval_num_generations", "must be in [0, 1024] (0 = one greedy answer)")
     need(math.isfinite(cfg.beta) and cfg.beta >= 0, "beta", "must be a finite number >= 0")
     need(math.isfinite(cfg.epsilon) and 0 < cfg.epsilon < 1, "epsilon", "must be in (0, 1)")

@@ -8,7 +8,7 @@ Must never: touch the training's random number generators, track gradients, or l
 
 Why one group at a time: every rank then runs the same shapes for the same prompt, so the numbers, and the tokens
 drawn, do not depend on which rank holds the prompt or which prompts share its batch. The log-probabilities are
-those of logits / temperature (the distribution before top-p truncation), as the trainer computes them.
+those of logits / temperature (the distribution before top-k / top-p / min-p truncation), as the trainer computes them.
 
 Parity (docs/grpo.md): with the KV cache the new token's logits come from model/decode.py's Decoder (the prompt
 prefilled once for the group, then one-row matmuls and attention over the cache), a different summation order than
@@ -51,6 +51,7 @@ class Group:
 @torch.no_grad()
 def sample_group(model, prompt_ids: Sequence[int], group_size: int, max_new_tokens: int, *, temperature: float,
                  top_p: float, stop_ids: Sequence[int], pad_id: int, generator: torch.Generator,
+                 top_k: int = 0, min_p: float = 0.0,
                  use_cache: bool = True, row_len: int = 0, all_done: Optional[Callable[[bool], bool]] = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(tokens [G, n], mask [G, n], logps [G, n]) with n <= max_new_tokens: G completions of one prompt.
@@ -88,7 +89,7 @@ def sample_group(model, prompt_ids: Sequence[int], group_size: int, max_new_toke
             if temperature != 1.0:  # x / 1.0 is x: skipping it changes no bit
                 scaled = scaled / temperature
             logp_all = torch.log_softmax(scaled, dim=-1)
-            nxt = sample_scaled(scaled, None, top_p if top_p < 1.0 else None, generator)
+            nxt = sample_scaled(scaled, top_k or None, top_p if top_p < 1.0 else None, generator, min_p or None)
             toks[:, t] = nxt.masked_fill(finished, pad_id)
             ended[:, t] = finished
             lps[:, t] = logp_all.gather(1, nxt[:, None])[:, 0]
