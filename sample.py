@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="mtp: the model's first multi-token prediction depth drafts the token after next (two "
                         "tokens per forward where it is right; faster only where most drafts are)")
     args = p.parse_args(argv)
-    problem = precheck(args)
+    problem = (f"--min_p={args.min_p}: must be in [0, 1]" if args.min_p is not None and not 0 <= args.min_p <= 1
+               else precheck(args))
     if problem:
         print(f"sample.py: {problem}", file=sys.stderr)
         return 2  # bad configuration (utils.constants.EXIT_BAD_CONFIG)

@@ -121,3 +121,11 @@ def test_a_tokenizer_dir_that_does_not_load_is_one_line_exit_2(tok_dir, tmp_path
     assert len(lines) == 1 and lines[0].startswith(f"sample.py: {named}: "), proc.stderr[-3000:]
     if case == "remote_code":
         assert "asks for remote code (auto_map" in lines[0]
+
+
+@pytest.mark.parametrize("value", ["1.5", "-0.1"])
+def test_a_min_p_outside_0_1_is_one_line_exit_2(value, capsys, tmp_path):
+    import sample
+    assert sample.main([f"--ckpt={tmp_path}", f"--min_p={value}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"sample.py: --min_p={float(value)}: must be in [0, 1]"
