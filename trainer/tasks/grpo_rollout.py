@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from model.decode import Decoder
-from model.generate import sample_scaled
+from model.generate import decode_dtype, sample_scaled
 
 _MIX = 0x9E3779B97F4A7C15  # splitmix64's constant: distinct (seed, step, prompt) give unrelated streams
 
@@ -72,10 +72,7 @@ def sample_group(model, prompt_ids: Sequence[int], group_size: int, max_new_toke
         ended = torch.ones((G, max_new_tokens), dtype=torch.bool, device=device)
         lps = torch.zeros((G, max_new_tokens), dtype=torch.float32, device=device)
         if use_cache:
-            dtype = model.embed_tokens.weight.dtype
-            if torch.is_autocast_enabled(device.type):
-                dtype = torch.get_autocast_dtype(device.type)
-            decoder = Decoder(model, G, P + max_new_tokens, device, dtype)
+            decoder = Decoder(model, G, P + max_new_tokens, device, decode_dtype(model, device))
         else:
             row = torch.full((G, max(row_len, P + max_new_tokens)), pad_id, dtype=torch.long, device=device)
             row[:, :P] = prompt
