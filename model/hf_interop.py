@@ -156,10 +156,10 @@ def is_expert_bias_name(name: str) -> bool:
 
 def _moe_export_family(cfg: ModelConfig, biases: dict[str, torch.Tensor]):
     """The family module an MoE model is written as (`moe_family`); ValueError naming what it cannot hold."""
-    family, name = moe_family(cfg)
+    family = moe_family(cfg)[0]
     problems = family.export_problems(cfg, biases)
     if problems:
-        raise ValueError(f"this MoE model cannot be written as a Hugging Face {name[:-len('ForCausalLM')]}: "
+        raise ValueError(f"this MoE model cannot be written as a Hugging Face {family.LAYOUT.family}: "
                          + "; ".join(problems))
     return family
 
