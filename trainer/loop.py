@@ -1,5 +1,6 @@
-"""The training loop: `train()` reads top to bottom (configuration -> start -> model -> engine -> data ->
-resumed state -> steps -> the end), and `Loop` runs one optimizer step at a time.
+"""The training loop: `train()` checks the configuration, `_set_up` builds what a run needs top to bottom (start ->
+model -> engine -> data -> resumed state -> schedule -> loggers), `_run_steps` steps to the end or a graceful stop,
+and `Loop` runs one optimizer step at a time.
 
 Owns: the order of a step (lr, micro-batches, token-normalised loss through the engine, optimizer step,
 spike guard), the log line, evaluation, samples, checkpoints, the graceful stop on SIGTERM/SIGINT; and when a
@@ -54,23 +55,31 @@ TIMING_WARMUP_STEPS = 2  # steps of each process left out of the logged rate and
 
 def train(cfg: TrainConfig, info: DistInfo, continues: Optional[bool] = None, max_iters_given: bool = False,
           log_interval_given: bool = False) -> int:
-    """One run (main() has parsed and resolved `cfg`). max_iters_given: --max_iters was set explicitly
-    (command line or config file), so it wins over --num_train_epochs; log_interval_given: --log_interval
-    too, so no extra time-based lines are printed between the lines it asks for."""
+    """One run (main() has parsed and resolved `cfg`): set up, then step until --max_iters or a stop. max_iters_given:
+    --max_iters was set explicitly (command line or config file), so it wins over --num_train_epochs;
+    log_interval_given: --log_interval too, so no extra time-based lines are printed between the lines it asks for."""
     log = rank0_log(info)
     if info.is_main:  # library modules report optional-accelerator detection through logging
         logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
     validate_config(cfg, world_size=info.world_size)
     if cfg.deterministic:
         torch.use_deterministic_algorithms(True)
+    loop, start = _set_up(cfg, info, continues, max_iters_given, log)
+    loop.quiet_lines = not log_interval_given
+    loop.announce(saved_max_iters=int(start.saved_cfg.get("max_iters") or 0))
+    return _run_steps(loop, start, log)
+
+
+def _set_up(cfg: TrainConfig, info: DistInfo, continues: Optional[bool], max_iters_given: bool, log):
+    """Where from, the model, what trains, DPO's reference, the engine, the data, the resumed state, the final
+    schedule and the loggers, in that order: (the Loop ready to step, the start decision)."""
     threads, tuner = set_threads(cfg, info, log)
     os.makedirs(cfg.out_dir, exist_ok=True)
     try:
         tok_meta = load_tokenizer_meta(cfg.tokenizer_dir)
     except (OSError, ValueError, KeyError) as e:  # a damaged tokenizer_meta.json (TokenizerMetaError) is data: 3
-        raise TrainingError(f"--tokenizer_dir={cfg.tokenizer_dir}: {e}", getattr(e, "exit_code", EXIT_BAD_CONFIG)) from e
-
-    # ---- where from, the model, what trains, DPO's reference, the engine, the data, the resumed state
+        code = getattr(e, "exit_code", EXIT_BAD_CONFIG)
+        raise TrainingError(f"--tokenizer_dir={cfg.tokenizer_dir}: {e}", code) from e
     start = decide_start(cfg, info, continues, log)
     seed_everything(cfg.seed)  # identical initial weights on every rank (and DDP broadcasts anyway)
     model, init_info = build_model(cfg, info, start, tok_meta, log)
@@ -81,14 +90,14 @@ def train(cfg: TrainConfig, info: DistInfo, continues: Optional[bool] = None, ma
                                         task=task)
     del model  # the engine holds what this rank runs (under pp the other stages' layers are freed)
     engine.lora_base = lora_base
-    optimizer = engine.optimizer
     try:
         train_loader, make_val_loader = build_data(cfg, engine.dp_rank, engine.dp_size, tok_meta,
                                                    fixed_shape=engine.fixed_batch_shape, log=log, task=task)
     except (DataError, ValueError, OSError) as e:  # DataError includes StaleIndexError
         raise TrainingError(f"data: {' '.join(str(e).split())}", EXIT_BAD_DATA) from e
     depth = prefetch_depth(cfg, info.device)
-    if depth:  # the next batches drawn (and pinned for a GPU) on a thread while the step runs; same batches, same cursor
+    if depth:  # the next batches drawn (and pinned for a GPU) on a thread while the step runs: same batches,
+        # same cursor
         train_loader = PrefetchLoader(train_loader, depth, pin=is_accelerator(info.device), device=info.device)
     # the engine's, the optimizer's and this loop's state in checkpoints (checkpoint/manager.py)
     checkpoints = CheckpointManager(engine, cfg.out_dir, rank=info.rank, world_size=info.world_size,
@@ -114,11 +123,14 @@ def train(cfg: TrainConfig, info: DistInfo, continues: Optional[bool] = None, ma
     loop = Loop(cfg, info, engine, checkpoints, ref_model, model_cfg, train_loader, make_val_loader, metrics, progress,
                 init_info, log, task)
     loop.tuner = tuner
-    loop.quiet_lines = not log_interval_given
-    loop.announce(saved_max_iters=int(start.saved_cfg.get("max_iters") or 0))
+    return loop, start
 
-    # ---- graceful stop: finish the step, save, exit 75 (on SIGTERM/SIGINT, or when the supervisor whose attempt
-    # this is has exited: utils/run_lock.py, a run never goes on writing its directory unsupervised)
+
+def _run_steps(loop: "Loop", start, log) -> int:
+    """The steps until --max_iters (exit 0) or a graceful stop: on SIGTERM/SIGINT, or when the supervisor whose
+    attempt this is has exited (utils/run_lock.py: a run never goes on writing its directory unsupervised), the
+    step finishes, is saved, and the run exits 75."""
+    cfg, info, progress, engine = loop.cfg, loop.info, loop.progress, loop.engine
     stop = {"requested": False, "why": "signal"}
     supervisor = run_lock.SupervisorWatch()
 
@@ -149,7 +161,8 @@ def train(cfg: TrainConfig, info: DistInfo, continues: Optional[bool] = None, ma
             loop.restart_clock()  # evaluation and checkpoint time is not charged to the next step's tokens/s
             if stop_now:
                 loop.finish_saves()  # --async_checkpoint: the checkpoint is on disk before the exit
-                log(f"[train] stop requested by {stop['why']}: saved step {progress.step}, exiting with {EXIT_INTERRUPTED}")
+                log(f"[train] stop requested by {stop['why']}: saved step {progress.step}, "
+                    f"exiting with {EXIT_INTERRUPTED}")
                 loop.close()
                 return EXIT_INTERRUPTED
         loop.finish_saves()
@@ -158,7 +171,7 @@ def train(cfg: TrainConfig, info: DistInfo, continues: Optional[bool] = None, ma
         loop.finish_saves(failing=True)
         raise
     loop.close()
-    optimizer.finish_param_sync()
+    engine.optimizer.finish_param_sync()
     synchronize(info.device)
     barrier()  # let the last asynchronous collectives drain before the process group goes away
     if progress.last_val is None and loop.last_eval:  # a task whose validation has no loss (GRPO's rewards)
