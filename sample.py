@@ -3,8 +3,8 @@
 `--checkpoint=latest|best|step_N` picks the checkpoint of the run; the tokenizer is the one the run
 recorded (its --tokenizer_dir), unless `--tokenizer_dir` is given (required for a Hugging Face dir).
 
-Owns: the command-line wrapper around model.generate (KV cache, temperature / top-k / top-p
-sampling, stop at </s> or <|im_end|>) and `build_prompt_ids`. `--chat` wraps the prompt in the ChatML
+Owns: the command-line wrapper around model.generate (KV cache, temperature / top-k / top-p / min-p
+sampling, the repetition penalty, stop at </s> or <|im_end|>) and `build_prompt_ids`. `--chat` wraps the prompt in the ChatML
 template as a user turn (for SFT/DPO models). `--speculative=mtp`: a model trained with multi-token prediction
 drafts the token after next with its first depth and verifies it in the next forward (model/speculative.py; greedy
 output unchanged, sampling the same distribution; it pays only where the drafts are mostly right). The checkpoint, the model and the recorded tokenizer are loaded by inference/loading.py (shared with eval_lm.py).
@@ -55,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top_p", type=float, default=c.SAMPLE_TOP_P)
     p.add_argument("--min_p", type=float, default=None,
                    help="drop tokens less probable than min_p x the most probable one (after top-k / top-p; off)")
+    p.add_argument("--repetition_penalty", type=float, default=1.0,
+                   help="> 1 discourages tokens already in the prompt or the output (transformers' rule; 1 = off)")
     p.add_argument("--num_samples", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
@@ -63,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
                         "tokens per forward where it is right; faster only where most drafts are)")
     args = p.parse_args(argv)
     problem = (f"--min_p={args.min_p}: must be in [0, 1]" if args.min_p is not None and not 0 <= args.min_p <= 1
+               else f"--repetition_penalty={args.repetition_penalty}: must be > 0" if not args.repetition_penalty > 0
+               else "--repetition_penalty is not applied by --speculative=mtp (use --speculative=off)"
+               if args.speculative == "mtp" and args.repetition_penalty != 1
                else precheck(args))
     if problem:
         print(f"sample.py: {problem}", file=sys.stderr)
@@ -129,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         out, stats = generate_mtp(model, x, **knobs)
         print(f"sample.py: {stats.summary()}", file=sys.stderr)
     else:
-        out = generate(model, x, use_cache=True, **knobs)
+        out = generate(model, x, use_cache=True, repetition_penalty=args.repetition_penalty, **knobs)
     for row in out.tolist():
         new = [t for t in row[len(ids):] if t not in stop_ids]
         print("---")

@@ -1,6 +1,7 @@
 """Autoregressive generation with a KV cache.
 
-Owns: `generate(...)` and the token-sampling rule (greedy, temperature, top-k, top-p, stop ids; `sample_scaled` /
+Owns: `generate(...)` and the token-sampling rule (greedy, temperature, top-k, top-p, min-p, the repetition penalty,
+stop ids; `sample_scaled` /
 `multinomial_one`, which GRPO's rollouts share; `truncate`, `StopRule`, `decode_dtype`, which speculative decoding
 shares). The KV-cache forward is model/decode.py's `Decoder`.
 With use_cache=False every step re-runs the whole sequence: the slow reference that the KV-cache path
@@ -55,6 +56,16 @@ def truncate(logits: torch.Tensor, top_k: Optional[int] = None, top_p: Optional[
         probs = logits.softmax(dim=-1)
         logits = logits.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
     return logits
+
+
+def penalize_repeats(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """The repetition penalty of CTRL (Keskar et al. 2019), as transformers' RepetitionPenaltyLogitsProcessor: the
+    logit of every token in `seen` [B, T] (the prompt and what was generated) divided by `penalty` where positive,
+    multiplied by it where negative (> 1 discourages repeats, < 1 encourages them); fp32 logits [B, V] back. It
+    applies to the raw logits, before the temperature and the cuts (and before greedy's argmax)."""
+    logits = logits.float()
+    got = logits.gather(1, seen)
+    return logits.scatter(1, seen, torch.where(got < 0, got * penalty, got / penalty))
 
 
 def multinomial_one(probs: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
@@ -132,12 +143,15 @@ def decode_dtype(model: Transformer, device: torch.device) -> torch.dtype:
 def generate(model: Transformer, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
              top_k: Optional[int] = None, top_p: Optional[float] = None,
              stop_ids: Optional[Iterable[int]] = None, use_cache: bool = True,
-             generator: Optional[torch.Generator] = None, min_p: Optional[float] = None) -> torch.Tensor:
+             generator: Optional[torch.Generator] = None, min_p: Optional[float] = None,
+             repetition_penalty: float = 1.0) -> torch.Tensor:
     """Continue a batch of equal-length prompts [B, T]; returns [B, T + n] with n <= max_new_tokens.
 
     A row that emits one of `stop_ids` is finished: its later positions repeat that stop id. Generation
-    ends early once every row has finished.
+    ends early once every row has finished. repetition_penalty != 1: `penalize_repeats` over each row's ids so far.
     """
+    if not repetition_penalty > 0:
+        raise ValueError(f"generate: repetition_penalty must be > 0, got {repetition_penalty}")
     was_training = model.training
     model.eval()
     try:
@@ -154,6 +168,8 @@ def generate(model: Transformer, input_ids: torch.Tensor, max_new_tokens: int, t
             else:
                 logits = model(out, logits_to_keep=1)[:, -1]
             finite &= torch.isfinite(logits).all()
+            if repetition_penalty != 1.0:
+                logits = penalize_repeats(logits, out, repetition_penalty)
             nxt = rows.emit(sample_next(logits, temperature, top_k, top_p, generator, min_p))
             out = torch.cat((out, nxt[:, None]), dim=1)
             if rows.done():

@@ -129,3 +129,31 @@ def test_a_min_p_outside_0_1_is_one_line_exit_2(value, capsys, tmp_path):
     assert sample.main([f"--ckpt={tmp_path}", f"--min_p={value}"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"sample.py: --min_p={float(value)}: must be in [0, 1]"
+
+
+def test_the_repetition_penalty_reaches_generate(tok_dir, monkeypatch, capsys):
+    import model.generate
+    import sample
+    seen = {}
+
+    def fake_generate(model, x, max_new_tokens, **kw):
+        seen.update(kw)
+        return x
+
+    monkeypatch.setattr(sample, "precheck", lambda args: None)
+    monkeypatch.setattr(sample, "load_for_inference", lambda path, device, which="latest": (torch.nn.Identity(), {}))
+    monkeypatch.setattr(model.generate, "generate", fake_generate)
+    assert sample.main(["--ckpt", "unused", "--tokenizer_dir", tok_dir, "--prompt", "hi", "--device", "cpu",
+                        "--repetition_penalty=1.3"]) == 0
+    assert seen["repetition_penalty"] == 1.3
+
+
+@pytest.mark.parametrize("flags, line", [
+    (["--repetition_penalty=0"], "--repetition_penalty=0.0: must be > 0"),
+    (["--repetition_penalty=-1.5"], "--repetition_penalty=-1.5: must be > 0"),
+    (["--repetition_penalty=1.2", "--speculative=mtp"],
+     "--repetition_penalty is not applied by --speculative=mtp (use --speculative=off)")])
+def test_a_bad_repetition_penalty_is_one_line_exit_2(flags, line, capsys, tmp_path):
+    import sample
+    assert sample.main([f"--ckpt={tmp_path}", *flags]) == 2
+    assert capsys.readouterr().err.strip() == f"sample.py: {line}"

@@ -102,3 +102,45 @@ def test_min_p_sampling_draws_only_kept_tokens(model):
     g = torch.Generator().manual_seed(5)
     loose = generate(model, x, 6, temperature=1.0, min_p=0.01, generator=g)
     assert not torch.equal(loose, out)  # (the model's predictions are varied: a loose cut samples others)
+
+
+@pytest.mark.parametrize("penalty", [1.3, 0.7])
+def test_repetition_penalty_is_transformers_processor(penalty):
+    """`penalize_repeats` changes exactly the logits transformers' RepetitionPenaltyLogitsProcessor changes, by the
+    same rule (divide a positive logit, multiply a negative one), a token seen twice penalised once."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    from model.generate import penalize_repeats
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, 40, generator=g) * 3
+    seen = torch.tensor([[1, 2, 2, 9, 30], [0, 0, 0, 0, 0], [39, 5, 17, 5, 1]])
+    want = RepetitionPenaltyLogitsProcessor(penalty)(seen, logits.clone())
+    got = penalize_repeats(logits, seen, penalty)
+    assert torch.equal(got, want)
+    assert int((got != logits).sum()) == sum(len(set(r)) for r in seen.tolist())  # only the seen tokens moved
+
+
+def test_greedy_with_a_repetition_penalty_is_transformers_generate(model, tmp_path):
+    """Our greedy decoding with the penalty over the prompt and the output so far picks transformers' tokens
+    (LlamaForCausalLM.generate(repetition_penalty=...) on the exported weights), with and without the KV cache;
+    the penalty changes the output (this model repeats tokens without it)."""
+    from transformers import LlamaForCausalLM
+
+    from model.hf_interop import export_hf
+    export_hf(model, str(tmp_path / "hf"))
+    hf = LlamaForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    x = torch.randint(0, 128, (2, 6), generator=torch.Generator().manual_seed(7))
+    x = generate(model, x, 2, temperature=0.0)  # a prompt ending in its own greedy tokens: the prompt is penalised
+    plain = generate(model, x, 16, temperature=0.0)
+    ours = generate(model, x, 16, temperature=0.0, repetition_penalty=1.8)
+    assert torch.equal(ours, generate(model, x, 16, temperature=0.0, repetition_penalty=1.8, use_cache=False))
+    with torch.no_grad():
+        theirs = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=16, do_sample=False,
+                             repetition_penalty=1.8, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(ours, theirs)
+    assert not torch.equal(plain, ours)
+    assert not torch.equal(plain[:, 8], ours[:, 8])  # the first new token already: a prompt token is penalised
+    distinct = [[len(set(r)) for r in out[:, 8:].tolist()] for out in (plain, ours)]  # fewer repeats
+    assert all(a <= b for a, b in zip(*distinct)) and sum(distinct[0]) < sum(distinct[1]), distinct
+    with pytest.raises(ValueError, match="repetition_penalty must be > 0"):
+        generate(model, x, 2, repetition_penalty=0.0)
