@@ -124,12 +124,14 @@ def test_flag_checks():
         validate_config(_cfg(delta=1.5, loss_type="cispo"), torch_free=True)
     with pytest.raises(TrainingError) as e:
         validate_config(_cfg(delta=1.5, loss_type="sapo", sapo_temperature_neg=0.0, top_entropy_quantile=0.0,
-                             eval_num_generations=-1, top_k=-1, min_p=1.5), torch_free=True)
+                             eval_num_generations=-1, top_k=-1, min_p=1.5, repetition_penalty=0.0),
+                        torch_free=True)
     for part in ("--loss_type=sapo has no clip (its gate is soft)",
                  "--eval_num_generations=-1: must be in [0, 1024] (0 = one greedy answer)",
                  "--sapo_temperature_neg=0.0: must be a finite number > 0",
                  "--top_entropy_quantile=0.0: must be in (0, 1]", "--top_k=-1: must be >= 0 (0 = off)",
-                 "--min_p=1.5: must be in [0, 1] (0 = off)"):
+                 "--min_p=1.5: must be in [0, 1] (0 = off)",
+                 "--repetition_penalty=0.0: must be a finite number > 0 (1 = off)"):
         assert part in str(e.value)
     validate_config(_cfg(), torch_free=True)  # the defaults are a valid GRPO run
     validate_config(_cfg(delta=1.5, importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4),

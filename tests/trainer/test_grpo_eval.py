@@ -75,7 +75,8 @@ def test_the_tasks_evaluate_splits_the_prompts_over_ranks_and_sums_them(monkeypa
     cfg = SimpleNamespace(scale_rewards="group", num_generations=2, batch_size=1, reward_funcs="exact_match",
                           reward_fn="", reward_weights="", loss_type="dapo", beta=0.0, max_prompt_length=8,
                           max_completion_length=5, answer_marker="", numeric_tolerance=0.0, format_regex="",
-                          eval_num_generations=0, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, seed=0)
+                          eval_num_generations=0, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, seed=0,
+                          repetition_penalty=1.0)
     model, val = chain_model(), SimpleNamespace(prompts=prompts(RECORDS))
     forwards = []  # the decode forwards (generate's prefill and each step through model/decode.py's Decoder)
     for name in ("prefill", "step"):
@@ -93,6 +94,15 @@ def test_the_tasks_evaluate_splits_the_prompts_over_ranks_and_sums_them(monkeypa
 
     assert evaluate(0, 1) == pytest.approx(HAND, abs=1e-12)
     one_rank = len(forwards)
+    import trainer.tasks.grpo_eval as grpo_eval
+    seen = []  # the sampled answers (k >= 1) draw with the rollouts' cuts and repetition penalty
+    real_generate = grpo_eval.generate
+    monkeypatch.setattr(grpo_eval, "generate", lambda *a, **kw: seen.append(kw) or real_generate(*a, **kw))
+    cfg.eval_num_generations, cfg.top_k, cfg.min_p, cfg.repetition_penalty = 2, 3, 0.01, 1.3
+    evaluate(0, 1)
+    assert seen and all((kw["top_k"], kw["min_p"], kw["repetition_penalty"]) == (3, 0.01, 1.3) for kw in seen)
+    cfg.eval_num_generations, cfg.top_k, cfg.min_p, cfg.repetition_penalty = 0, 0, 0.0, 1.0
+    forwards.clear()
     shares = []
     for rank in (0, 1):
         forwards.clear()

@@ -156,3 +156,31 @@ def test_top_k_and_min_p_cut_the_rollouts_but_not_the_log_probabilities():
         on = rows["completion_mask"] > 0
         assert torch.equal(_trainer_logps(model, rows)[on], rows["gen_logps"][on])
         assert (rows["gen_logps"][on] < -1e-3).any()  # not the cut distribution's log 1 = 0
+
+
+@pytest.mark.parametrize("use_cache", [False, True])
+def test_a_repetition_penalty_changes_the_draws_but_not_the_log_probabilities(use_cache):
+    """--repetition_penalty (0.2: < 1 favours repeats) with --top_k 1: every row of a group is generate()'s greedy
+    continuation under the same penalty (the prompt's tokens and the completion's so far, transformers' rule), not
+    the plain greedy one; the recorded log-probabilities stay those of logits / temperature (TRL's), equal to the
+    trainer's forward."""
+    model = _model()
+    ids = PROMPTS[0]
+    x = torch.tensor([ids])
+    plain = generate(model.eval(), x, MAX_NEW, temperature=0.0)[0, len(ids):]
+    penalised = generate(model, x, MAX_NEW, temperature=0.0, repetition_penalty=0.2)[0, len(ids):]
+    model.train()
+    assert not torch.equal(plain, penalised)  # the penalty matters on this model and prompt
+    g = torch.Generator().manual_seed(rollout_seed(11, 0, 0))
+    toks, mask, lps = sample_group(model, ids, 4, MAX_NEW, temperature=0.9, top_p=1.0, stop_ids=[STOP], pad_id=PAD,
+                                   generator=g, use_cache=use_cache, row_len=ROW, top_k=1, repetition_penalty=0.2)
+    for row, m in zip(toks, mask):
+        n = int(m.sum())
+        assert torch.equal(row[:n], penalised[:n])
+    rows = training_rows([ids], [Group(0, toks, mask, lps)], ROW, PAD)
+    on = rows["completion_mask"] > 0
+    want = _trainer_logps(model, rows)[on]
+    if use_cache:  # (KV-cache decoding: rounding apart, test_kv_cache_decoding_differs_by_rounding_only)
+        assert torch.allclose(want, rows["gen_logps"][on], atol=1e-4)
+    else:
+        assert torch.equal(want, rows["gen_logps"][on])

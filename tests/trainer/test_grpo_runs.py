@@ -125,7 +125,7 @@ def test_crash_and_resume_draws_the_same_completions(pretrained, tmp_path):
     batches (TRL's count), 1/3 of an epoch 4 steps."""
     ref, crashed = tmp_path / "ref", tmp_path / "crashed"
     base = _args(pretrained, tmp_path, "--num_train_epochs=0.3333333", "--num_iterations=2", "--temperature=0.8",
-                 "--top_p=0.9", "--min_p=0.001", "--beta=0.05", "--loss_type=grpo",
+                 "--top_p=0.9", "--min_p=0.001", "--repetition_penalty=1.1", "--beta=0.05", "--loss_type=grpo",
                  "--mask_truncated_completions=true")
     proc = run_cmd(train_cmd([*base, f"--out_dir={ref}"]), env=child_env())
     assert ("--num_train_epochs=0.333333: 1 epoch = 12 steps of 2 samples, each trained on for 2 steps (12 training "

@@ -93,7 +93,8 @@ class GRPOTask(Task):
                                  stop_ids=[int(sp[n]["id"]) for n in STOP_TOKENS], device=info.device,
                                  rank=engine.dp_rank, world=engine.dp_size, samples=samples,
                                  temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed,
-                                 cuts=dict(top_k=cfg.top_k or None, min_p=cfg.min_p or None))
+                                 cuts=dict(top_k=cfg.top_k or None, min_p=cfg.min_p or None,
+                                           repetition_penalty=cfg.repetition_penalty))
         if engine.dp_size > 1:
             sums = engine.sum_over_data(sums, info.device).tolist()
         return held_out_metrics(sums, self.reward_names, samples)
@@ -159,7 +160,8 @@ class GRPOTask(Task):
             gen.manual_seed(rollout_seed(cfg.seed, step, idx))
             toks, mask, lps = sample_group(model, prompt.ids, cfg.num_generations, cfg.max_completion_length,
                                            temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                                           min_p=cfg.min_p, stop_ids=stop_ids,
+                                           min_p=cfg.min_p, repetition_penalty=cfg.repetition_penalty,
+                                           stop_ids=stop_ids,
                                            pad_id=pad, generator=gen, use_cache=cfg.generation_kv_cache,
                                            row_len=self.row_len, all_done=all_done)
             trained = drop_truncated(toks, mask, stop_ids) if cfg.mask_truncated_completions else mask

@@ -34,6 +34,9 @@ class GRPOFlags:
     top_k: int = _f(0, "grpo: the rollouts sample from the k most probable tokens only (0 = off)")
     min_p: float = _f(0.0, "grpo: the rollouts drop tokens less probable than min_p x the most probable one, after "
                       "top-k / top-p (0 = off; TRL's min_p)")
+    repetition_penalty: float = _f(1.0, "grpo: the rollouts' draws penalise tokens already in the prompt or the "
+                                   "completion (transformers' rule, > 1 discourages; 1 = off; TRL's "
+                                   "repetition_penalty); the log-probabilities trained on stay logits / temperature's")
     eval_num_generations: int = _f(0, "grpo: held-out answers per prompt (--eval_data_dir): 0 = one greedy answer "
                                    "(val_reward is pass@1 for a 0/1 reward); k >= 1 = k sampled at --temperature / "
                                    "--top_p, the means logged and val_reward_best, the best of the k (pass@k)")
@@ -156,6 +159,8 @@ def grpo_problems(cfg: Any, resume_policy: str) -> list[str]:
     need(math.isfinite(cfg.top_p) and 0 < cfg.top_p <= 1, "top_p", "must be in (0, 1]")
     need(cfg.top_k >= 0, "top_k", "must be >= 0 (0 = off)")
     need(math.isfinite(cfg.min_p) and 0 <= cfg.min_p <= 1, "min_p", "must be in [0, 1] (0 = off)")
+    need(math.isfinite(cfg.repetition_penalty) and cfg.repetition_penalty > 0, "repetition_penalty",
+         "must be a finite number > 0 (1 = off)")
     need(0 <= cfg.eval_num_generations <= 1024, "eval_num_generations", "must be in [0, 1024] (0 = one greedy answer)")
     need(math.isfinite(cfg.beta) and cfg.beta >= 0, "beta", "must be a finite number >= 0")
     need(math.isfinite(cfg.epsilon) and 0 < cfg.epsilon < 1, "epsilon", "must be in (0, 1)")

@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from model.decode import Decoder
-from model.generate import decode_dtype, sample_scaled
+from model.generate import decode_dtype, penalize_repeats, sample_scaled
 
 _MIX = 0x9E3779B97F4A7C15  # splitmix64's constant: distinct (seed, step, prompt) give unrelated streams
 
@@ -51,13 +51,15 @@ class Group:
 @torch.no_grad()
 def sample_group(model, prompt_ids: Sequence[int], group_size: int, max_new_tokens: int, *, temperature: float,
                  top_p: float, stop_ids: Sequence[int], pad_id: int, generator: torch.Generator,
-                 top_k: int = 0, min_p: float = 0.0,
+                 top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0,
                  use_cache: bool = True, row_len: int = 0, all_done: Optional[Callable[[bool], bool]] = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(tokens [G, n], mask [G, n], logps [G, n]) with n <= max_new_tokens: G completions of one prompt.
     row_len (use_cache=False): the length of the whole-row forward (the training rows' length).
     all_done(this group is done) -> whether every rank's group is (several ranks: a forward that all-gathers, FSDP's,
-    must run as often on every rank); a group that finished first decodes on with its rows masked, the same tokens."""
+    must run as often on every rank); a group that finished first decodes on with its rows masked, the same tokens.
+    repetition_penalty != 1 penalises the draws (model/generate.py penalize_repeats over the prompt and the row's
+    completion so far), not the recorded log-probabilities (TRL's)."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -86,7 +88,12 @@ def sample_group(model, prompt_ids: Sequence[int], group_size: int, max_new_toke
             if temperature != 1.0:  # x / 1.0 is x: skipping it changes no bit
                 scaled = scaled / temperature
             logp_all = torch.log_softmax(scaled, dim=-1)
-            nxt = sample_scaled(scaled, top_k or None, top_p if top_p < 1.0 else None, generator, min_p or None)
+            draw = scaled
+            if repetition_penalty != 1.0:  # the draws only: the recorded log-probabilities stay logits / temperature's
+                seen = torch.cat((prompt.expand(G, P), toks[:, :t]), dim=1)
+                draw = penalize_repeats(logits, seen, repetition_penalty)
+                draw = draw / temperature if temperature != 1.0 else draw
+            nxt = sample_scaled(draw, top_k or None, top_p if top_p < 1.0 else None, generator, min_p or None)
             toks[:, t] = nxt.masked_fill(finished, pad_id)
             ended[:, t] = finished
             lps[:, t] = logp_all.gather(1, nxt[:, None])[:, 0]
