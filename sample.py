@@ -4,8 +4,8 @@
 recorded (its --tokenizer_dir), unless `--tokenizer_dir` is given (required for a Hugging Face dir).
 
 Owns: the command-line wrapper around model.generate (KV cache, temperature / top-k / top-p / min-p
-sampling, the repetition penalty, stop at </s> or <|im_end|>) and `build_prompt_ids`. `--chat` wraps the prompt in the ChatML
-template as a user turn (for SFT/DPO models). `--speculative=mtp`: a model trained with multi-token prediction
+sampling, the repetition penalty, stop at </s> or <|im_end|>) and `build_prompt_ids`. `--chat` wraps the
+prompt in the ChatML template as a user turn (for SFT/DPO models). `--speculative=mtp`: a model trained with multi-token prediction
 drafts the token after next with its first depth and verifies it in the next forward (model/speculative.py; greedy
 output unchanged, sampling the same distribution; it pays only where the drafts are mostly right). The checkpoint, the model and the recorded tokenizer are loaded by inference/loading.py (shared with eval_lm.py).
 Exit 2 for a bad flag or a --checkpoint that names nothing, 5 for a damaged checkpoint (one line naming the file;

@@ -1,9 +1,8 @@
 """Autoregressive generation with a KV cache.
 
 Owns: `generate(...)` and the token-sampling rule (greedy, temperature, top-k, top-p, min-p, the repetition penalty,
-stop ids; `sample_scaled` /
-`multinomial_one`, which GRPO's rollouts share; `truncate`, `StopRule`, `decode_dtype`, which speculative decoding
-shares). The KV-cache forward is model/decode.py's `Decoder`.
+stop ids; `sample_scaled` / `multinomial_one` / `penalize_repeats`, which GRPO's rollouts share; `truncate`,
+`StopRule`, `decode_dtype`, which speculative decoding shares). The KV-cache forward is model/decode.py's `Decoder`.
 With use_cache=False every step re-runs the whole sequence: the slow reference that the KV-cache path
 must equal (greedy, and sampled under a fixed seed, since both draw the same random numbers).
 
