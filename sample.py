@@ -65,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
                         "tokens per forward where it is right; faster only where most drafts are)")
     args = p.parse_args(argv)
     problem = (f"--min_p={args.min_p}: must be in [0, 1]" if args.min_p is not None and not 0 <= args.min_p <= 1
-               else f"--repetition_penalty={args.repetition_penalty}: must be > 0" if not args.repetition_penalty > 0
+               else f"--repetition_penalty={args.repetition_penalty}: must be a finite number > 0"
+               if not 0 < args.repetition_penalty < float("inf")
                else "--repetition_penalty is not applied by --speculative=mtp (use --speculative=off)"
                if args.speculative == "mtp" and args.repetition_penalty != 1
                else precheck(args))

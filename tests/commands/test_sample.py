@@ -149,8 +149,10 @@ def test_the_repetition_penalty_reaches_generate(tok_dir, monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("flags, line", [
-    (["--repetition_penalty=0"], "--repetition_penalty=0.0: must be > 0"),
-    (["--repetition_penalty=-1.5"], "--repetition_penalty=-1.5: must be > 0"),
+    (["--repetition_penalty=0"], "--repetition_penalty=0.0: must be a finite number > 0"),
+    (["--repetition_penalty=-1.5"], "--repetition_penalty=-1.5: must be a finite number > 0"),
+    (["--repetition_penalty=inf"], "--repetition_penalty=inf: must be a finite number > 0"),
+    (["--repetition_penalty=nan"], "--repetition_penalty=nan: must be a finite number > 0"),
     (["--repetition_penalty=1.2", "--speculative=mtp"],
      "--repetition_penalty is not applied by --speculative=mtp (use --speculative=off)")])
 def test_a_bad_repetition_penalty_is_one_line_exit_2(flags, line, capsys, tmp_path):
