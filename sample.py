@@ -39,7 +39,7 @@ def build_prompt_ids(tok: Any, tokenizer_meta: dict, prompt: str, chat: bool) ->
     return [int(tokenizer_meta["special_tokens"]["bos"]["id"])] + encode_texts(tok, [prompt])[0]
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser():
     from utils.cli import Parser, add_bool
     p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--ckpt", required=True, help="run dir, checkpoint dir or Hugging Face model dir")
@@ -63,13 +63,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--speculative", default="off", choices=("off", "mtp"),
                    help="mtp: the model's first multi-token prediction depth drafts the token after next (two "
                         "tokens per forward where it is right; faster only where most drafts are)")
-    args = p.parse_args(argv)
-    problem = (f"--min_p={args.min_p}: must be in [0, 1]" if args.min_p is not None and not 0 <= args.min_p <= 1
-               else f"--repetition_penalty={args.repetition_penalty}: must be a finite number > 0"
-               if not 0 < args.repetition_penalty < float("inf")
-               else "--repetition_penalty is not applied by --speculative=mtp (use --speculative=off)"
-               if args.speculative == "mtp" and args.repetition_penalty != 1
-               else precheck(args))
+    return p
+
+
+def _flag_problem(args) -> Optional[str]:
+    """The first sampling flag out of its range (one line), else precheck's verdict on the paths; before torch."""
+    if args.min_p is not None and not 0 <= args.min_p <= 1:
+        return f"--min_p={args.min_p}: must be in [0, 1]"
+    if not 0 < args.repetition_penalty < float("inf"):
+        return f"--repetition_penalty={args.repetition_penalty}: must be a finite number > 0"
+    if args.speculative == "mtp" and args.repetition_penalty != 1:
+        return "--repetition_penalty is not applied by --speculative=mtp (use --speculative=off)"
+    return precheck(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    problem = _flag_problem(args)
     if problem:
         print(f"sample.py: {problem}", file=sys.stderr)
         return 2  # bad configuration (utils.constants.EXIT_BAD_CONFIG)
