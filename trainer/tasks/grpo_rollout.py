@@ -78,21 +78,21 @@ def sample_group(model, prompt_ids: Sequence[int], group_size: int, max_new_toke
         else:
             row = torch.full((G, max(row_len, P + max_new_tokens)), pad_id, dtype=torch.long, device=device)
             row[:, :P] = prompt
+        def by_temperature(x: torch.Tensor) -> torch.Tensor:
+            return x / temperature if temperature != 1.0 else x  # x / 1.0 is x: skipping it changes no bit
+
         n = 0
         for t in range(max_new_tokens):
             if use_cache:
                 logits = decoder.prefill_shared(prompt) if t == 0 else decoder.step(toks[:, t - 1])
             else:
                 logits = model(row)[:, P + t - 1]
-            scaled = logits.float()
-            if temperature != 1.0:  # x / 1.0 is x: skipping it changes no bit
-                scaled = scaled / temperature
+            scaled = by_temperature(logits.float())
             logp_all = torch.log_softmax(scaled, dim=-1)
             draw = scaled
             if repetition_penalty != 1.0:  # the draws only: the recorded log-probabilities stay logits / temperature's
                 seen = torch.cat((prompt.expand(G, P), toks[:, :t]), dim=1)
-                draw = penalize_repeats(logits, seen, repetition_penalty)
-                draw = draw / temperature if temperature != 1.0 else draw
+                draw = by_temperature(penalize_repeats(logits, seen, repetition_penalty))
             nxt = sample_scaled(draw, top_k or None, top_p if top_p < 1.0 else None, generator, min_p or None)
             toks[:, t] = nxt.masked_fill(finished, pad_id)
             ended[:, t] = finished
