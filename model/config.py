@@ -27,7 +27,7 @@ class ModelConfig:
     norm_eps: float = 1e-5             # rms_norm_eps
     max_seq_len: int = 2048            # max_position_embeddings
     rope_theta: float = 10000.0
-    rope_scaling: Optional[dict] = None  # {"type": "linear"|"dynamic", "factor": float}
+    rope_scaling: Optional[dict] = None  # {"type": linear|dynamic|llama3|yarn, "factor": f, ...} (HF semantics)
     attn_dropout: float = 0.0          # dropout on attention probabilities (training only)
     resid_dropout: float = 0.0         # dropout on each residual branch output (training only)
     tie_embeddings: bool = False       # tie_word_embeddings
@@ -72,15 +72,9 @@ class ModelConfig:
             raise ValueError(problem)
         if self.hidden_dim is None:
             self.hidden_dim = llama_hidden_dim(self.dim, self.multiple_of, self.ffn_dim_multiplier)
-        if self.rope_scaling is not None:
-            rs = dict(self.rope_scaling)
-            kind = rs.get("type", rs.get("rope_type"))
-            if kind not in ("linear", "dynamic"):
-                raise ValueError(f"rope_scaling type must be 'linear' or 'dynamic', got {kind!r}")
-            factor = float(rs.get("factor", 1.0))
-            if factor < 1.0:
-                raise ValueError(f"rope_scaling factor must be >= 1, got {factor}")
-            self.rope_scaling = {"type": kind, "factor": factor}
+        # linear | dynamic | llama3 | yarn, completed to its canonical dict (utils/rope_config.py)
+        from utils.rope_config import normalize_rope_scaling  # torch-free
+        self.rope_scaling = normalize_rope_scaling(self.rope_scaling, self.max_seq_len)
         if self.kernel_backend not in ("auto", "triton", "torch"):
             raise ValueError(f"kernel_backend must be auto, triton or torch, got {self.kernel_backend!r}")
         if self.fa4 not in ("auto", "true", "false"):

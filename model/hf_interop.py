@@ -26,6 +26,7 @@ from model import hf_glm4_moe, hf_mixtral
 from model.config import ModelConfig
 from model.llama import Transformer
 from utils.publish import staged_dir
+from utils.rope_config import rope_scaling_from_hf, rope_scaling_to_hf
 from utils.run_dir import HF_MODEL_TYPES
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
@@ -34,10 +35,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
 
 
 def hf_config_dict(cfg: ModelConfig, torch_dtype: str = "float32", special_ids: Optional[dict] = None) -> dict:
-    rope_parameters = {"rope_type": "default", "rope_theta": float(cfg.rope_theta)}
-    if cfg.rope_scaling:
-        rope_parameters = {"rope_type": cfg.rope_scaling["type"], "factor": float(cfg.rope_scaling["factor"]),
-                           "rope_theta": float(cfg.rope_theta)}
+    kind = cfg.rope_scaling["type"] if cfg.rope_scaling else "default"
+    scaling = rope_scaling_to_hf(cfg.rope_scaling)  # every field transformers reads for the kind
+    rope_parameters = {"rope_type": kind, **scaling, "rope_theta": float(cfg.rope_theta)}
     d = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "intermediate_size": cfg.hidden_dim,
@@ -47,8 +47,7 @@ def hf_config_dict(cfg: ModelConfig, torch_dtype: str = "float32", special_ids: 
         "initializer_range": cfg.initializer_range, "tie_word_embeddings": cfg.tie_embeddings,
         # both spellings: transformers >= 5 reads rope_parameters, 4.x reads rope_theta/rope_scaling
         "rope_theta": float(cfg.rope_theta), "rope_parameters": rope_parameters,
-        "rope_scaling": ({"type": cfg.rope_scaling["type"], "rope_type": cfg.rope_scaling["type"],
-                          "factor": float(cfg.rope_scaling["factor"])} if cfg.rope_scaling else None),
+        "rope_scaling": {"type": kind, "rope_type": kind, **scaling} if scaling else None,
         "attention_bias": False, "mlp_bias": False, "attention_dropout": cfg.attn_dropout,
         "pretraining_tp": 1, "use_cache": True, "torch_dtype": torch_dtype, "dtype": torch_dtype,
     }
@@ -100,16 +99,8 @@ def config_from_hf(d: dict) -> ModelConfig:
     if kind not in HF_MODEL_TYPES:
         raise ValueError(f"only Llama, Mixtral and GLM-4-MoE checkpoints are supported, got model_type={kind!r}")
     moe = {"mixtral": hf_mixtral, "glm4_moe": hf_glm4_moe}[kind].moe_fields(d) if kind != "llama" else {}
-    rp = d.get("rope_parameters") or {}
-    rs = d.get("rope_scaling") or {}
-    theta = rp.get("rope_theta", d.get("rope_theta", 10000.0))
-    kind = rp.get("rope_type", rp.get("type")) or rs.get("rope_type", rs.get("type"))
-    factor = rp.get("factor", rs.get("factor"))
-    scaling = None
-    if kind not in (None, "default"):
-        if kind not in ("linear", "dynamic"):
-            raise ValueError(f"rope scaling {kind!r} is not supported (linear or dynamic only)")
-        scaling = {"type": kind, "factor": float(factor)}
+    theta = (d.get("rope_parameters") or {}).get("rope_theta", d.get("rope_theta", 10000.0))
+    scaling = rope_scaling_from_hf(d)  # linear, dynamic, llama3 (Llama 3.1+), yarn; ValueError for others
     n_heads = d["num_attention_heads"]
     head_dim = d.get("head_dim") or d["hidden_size"] // n_heads
     if head_dim * n_heads != d["hidden_size"]:

@@ -23,12 +23,13 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from model import attention, fa4, kernels
-from model.attention import AttnSpec, documents_from_positions
+from model.attention import AttnSpec
 from model.config import ModelConfig
 from model.loss import lm_head_loss
 from model.moe import MoEFeedForward
 from model.moe_experts import GroupedExperts
 from model.mtp import MultiTokenPrediction
+from model.rope_scaling import attention_factor, base_inv_freq, scaled_inv_freq
 from model.token_logprobs import token_logprobs
 
 
@@ -56,6 +57,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim, self.theta, self.max_seq_len = cfg.head_dim, cfg.rope_theta, cfg.max_seq_len
         self.scaling = cfg.rope_scaling or {}
+        self.attention_factor = attention_factor(self.scaling)  # YaRN's cos / sin factor, else 1
         # non-persistent: derived from the config, so never part of a checkpoint
         self.register_buffer("inv_freq", self._inv_freq(self.theta), persistent=False)
         self._build_tables()
@@ -94,24 +96,24 @@ class RotaryEmbedding(nn.Module):
                 self.sin_table[start:start + length][None, :, None, :])
 
     def _inv_freq(self, theta: float, device=None) -> torch.Tensor:
-        d = self.head_dim
-        return 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
+        """The frequencies at base `theta` with the static scaling (linear, llama3, yarn) applied."""
+        return scaled_inv_freq(self.head_dim, theta, self.scaling, device)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         inv_freq = self.inv_freq
-        kind, factor = self.scaling.get("type"), self.scaling.get("factor", 1.0)
-        if kind == "linear":
-            inv_freq = inv_freq / factor  # positions stretched by `factor`
-        elif kind == "dynamic":
+        if self.scaling.get("type") == "dynamic":
             # dynamic NTK (as HF): grow the base once the sequence exceeds the trained length
-            seq_len = int(positions.max().item()) + 1
+            factor, seq_len = self.scaling["factor"], int(positions.max().item()) + 1
             if seq_len > self.max_seq_len:
                 d = self.head_dim
                 base = self.theta * ((factor * seq_len / self.max_seq_len) - (factor - 1)) ** (d / (d - 2))
-                inv_freq = self._inv_freq(base, device=positions.device)
+                inv_freq = base_inv_freq(d, base, device=positions.device)
         with torch.autocast(device_type=positions.device.type, enabled=False):
             freqs = positions[..., None].float() * inv_freq.float()  # [B, T, D/2], fp32
-            return freqs.cos()[:, :, None, :], freqs.sin()[:, :, None, :]
+            cos, sin = freqs.cos(), freqs.sin()
+            if self.attention_factor != 1.0:  # YaRN: cos and sin scaled, as transformers does
+                cos, sin = cos * self.attention_factor, sin * self.attention_factor
+            return cos[:, :, None, :], sin[:, :, None, :]
 
 
 # ------------------------------------------------------------------------------------ attention
@@ -312,6 +314,13 @@ class Transformer(nn.Module):
         if head and getattr(model, "mtp", None) is not None:  # the depths live with the LM head (the last stage)
             part.mtp = model.mtp
         return part
+
+    def set_rope(self, rope_scaling: Optional[dict], max_seq_len: int) -> None:
+        """Another RoPE scaling and length for this (full, not yet parallelised) model: context extension of
+        loaded weights. The config changes with it (checkpoints record it); the frequencies are rebuilt."""
+        import dataclasses
+        self.cfg = dataclasses.replace(self.cfg, rope_scaling=rope_scaling, max_seq_len=max_seq_len)
+        self.rotary = RotaryEmbedding(self.cfg).to(self.rotary.inv_freq.device)
 
     def _init_weights(self, m: nn.Module) -> None:
         if isinstance(m, (nn.Linear, nn.Embedding)):

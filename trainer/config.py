@@ -81,6 +81,11 @@ class ModelFlags:
     max_seq_len: int = _f(256, "tokens per training sample")
     vocab_size: int = _f(0, "0 = from the tokenizer (padded to a multiple of 64)")
     rope_theta: float = _f(10000.0, "RoPE base")
+    rope_scaling: str = _f("", "RoPE scaling, transformers' kinds and fields: TYPE:FACTOR (yarn:4, linear:2, "
+                           "dynamic:2) or JSON ({\"type\": \"llama3\", \"factor\": 8, \"low_freq_factor\": 1, "
+                           "\"high_freq_factor\": 4}). A new model gets it; weights from --init_from get it in place "
+                           "of their own (context extension: their trained length becomes "
+                           "original_max_position_embeddings and max_seq_len grows to --max_seq_len)")
     dropout: float = _f(0.0, "attention and residual dropout")
     tie_embeddings: bool = _f(False, "share the embedding and LM-head weights")
     gradient_checkpointing: bool = _f(False, "recompute each layer in backward to save activation memory")

@@ -27,7 +27,8 @@ from trainer.config import (KERNEL_CHOICES, TrainConfig, TrainingError, continue
                             nothing_to_continue_error, parallel_section, resume_flag)
 from trainer.tasks import get_task
 from trainer.validation import loaded_mtp_problems
-from trainer.weights import check_lora_base, load_lora_base, load_weights_from, select_trainable_for
+from trainer.weights import (apply_rope_flag, check_lora_base, load_lora_base, load_weights_from,
+                             select_trainable_for)
 from checkpoint.files import read_run_start
 from checkpoint.verify import find_latest_valid, list_checkpoints
 from utils.checkpoint_json import read_json, read_trainer_state
@@ -38,6 +39,7 @@ from utils.device import low_precision_cpu_warning, parse_dtype
 from utils.dist import DistInfo, barrier
 from utils.model_bounds import fit_problem, param_count
 from utils.moe_flags import moe_model_fields, moe_param_delta
+from utils.rope_config import parse_rope_flag
 from utils.run_config import DATA_KEYS, global_batch_problem, same_value
 from utils.spike_guard import parse_data_steps
 from utils.threads import describe_threads, plan_threads
@@ -52,7 +54,7 @@ def new_model_config(cfg: TrainConfig, tok_meta: dict):
                        gradient_checkpointing=cfg.gradient_checkpointing, fused_rmsnorm=fused,
                        fused_rope=fused, fused_swiglu=fused, fused_qkv=fused, fused_cross_entropy=fused,
                        kernel_backend=backend, fa4=cfg.fa4, mtp_num_layers=cfg.mtp_num_layers,
-                       **moe_model_fields(cfg))
+                       rope_scaling=parse_rope_flag(cfg.rope_scaling), **moe_model_fields(cfg))
 
 
 
@@ -170,6 +172,8 @@ def build_model(cfg: TrainConfig, info: DistInfo, start: Start, tok_meta: dict, 
         model, init_info = load_weights_from(start.init_from, log, flag=start.init_flag,
                                              tokenizer_dir=cfg.tokenizer_dir,
                                              which=cfg.init_checkpoint if start.init_flag == "--init_from" else "latest")
+        if cfg.rope_scaling:  # context extension of the loaded weights
+            apply_rope_flag(model, cfg.rope_scaling, cfg.max_seq_len, log)
     else:
         try:
             mcfg = new_model_config(cfg, tok_meta)
@@ -236,6 +240,8 @@ def dpo_reference(cfg: TrainConfig, init_info: dict, log, task=None) -> Optional
                             "scratch: pass --ref_model=<run, checkpoint or Hugging Face dir>", EXIT_BAD_CONFIG)
     ref_model, _ = load_weights_from(ref_src, log, flag="--ref_model" if cfg.ref_model else "reference model",
                                      tokenizer_dir=cfg.tokenizer_dir)
+    if cfg.rope_scaling and not cfg.ref_model:  # the policy's starting weights: extended as the policy was
+        apply_rope_flag(ref_model, cfg.rope_scaling, cfg.max_seq_len, log, who=" (reference model)")
     init_info["ref_source"] = ref_src
     return ref_model.requires_grad_(False).eval()
 

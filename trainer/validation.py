@@ -19,6 +19,7 @@ from trainer.tasks.grpo_flags import grpo_problems
 from utils.constants import EXIT_BAD_CONFIG, MAX_EPOCHS, MAX_STEPS
 from utils.errors import TrainingError
 from utils.moe_flags import moe_problems
+from utils.rope_config import parse_rope_flag
 
 
 def parallel_problems(cfg: TrainConfig, world_size: Optional[int] = None) -> list[str]:
@@ -219,6 +220,10 @@ def _numbers_and_extras(cfg: TrainConfig, p: _Problems, torch_free: bool) -> Non
     for name in ("beta1", "beta2", "dropout", "lora_dropout", "val_ratio"):
         p.number(name, 0.0, 1.0)
     p.number("rope_theta", 0.0, low_open=True)
+    try:
+        parse_rope_flag(cfg.rope_scaling)
+    except ValueError as e:
+        p.append(f"--rope_scaling={cfg.rope_scaling!r}: {e}")
     _model_size_problems(cfg, p, torch_free)
     p.number("lora_alpha", 0.0, low_open=True)
     p.number("dpo_beta", 0.0, low_open=True)

@@ -66,10 +66,36 @@ def select_trainable_for(model, run: dict) -> str:
 
 
 def load_lora_base(lora_base: dict, where: str, log) -> Any:
-    """The frozen base of a light checkpoint, grown to the run's tokenizer when the run grew it."""
+    """The frozen base of a light checkpoint, grown to the run's tokenizer when the run grew it, with the RoPE
+    the run trained it at (the checkpoint's model_config.json: a --rope_scaling context extension)."""
+    from model.config import read_model_config
     model, _ = load_weights_from(lora_base["source"], log, flag="the LoRA base of " + where,
                                  tokenizer_dir=lora_base.get("tokenizer_dir"))
+    saved = read_model_config(where)
+    if (saved.rope_scaling, saved.max_seq_len) != (model.cfg.rope_scaling, model.cfg.max_seq_len):
+        model.set_rope(saved.rope_scaling, saved.max_seq_len)
     return model
+
+
+def apply_rope_flag(model, flag: str, max_seq_len: int, log, who: str = "") -> None:
+    """--rope_scaling on loaded weights, in place of their own RoPE scaling: the weights' trained length
+    (their max_seq_len) becomes the setting's original_max_position_embeddings where the kind has one (llama3,
+    yarn; YaRN's factor, when not given, the extension ratio), and max_seq_len grows to the run's (dynamic NTK
+    keeps it: it is the length past which the base grows). TrainingError (exit 2) for a setting that does not
+    apply to these weights. `who`: the log line's name of the model ("" = the one trained)."""
+    from utils.rope_config import normalize_rope_scaling, parse_rope_flag
+    setting = dict(parse_rope_flag(flag))
+    old = model.cfg
+    kind = setting.get("type", setting.get("rope_type"))
+    if kind in ("llama3", "yarn"):
+        setting.setdefault("original_max_position_embeddings", old.max_seq_len)
+    length = old.max_seq_len if kind == "dynamic" else max(old.max_seq_len, max_seq_len)
+    try:
+        model.set_rope(normalize_rope_scaling(setting, length), length)
+    except ValueError as e:
+        raise TrainingError(f"--rope_scaling={flag!r}: {e}", EXIT_BAD_CONFIG) from e
+    log(f"[rope]{who} --rope_scaling: {old.rope_scaling or 'plain RoPE'} at max_seq_len {old.max_seq_len} -> "
+        f"{model.cfg.rope_scaling} at max_seq_len {length}")
 
 
 def check_lora_base(model, lora_base: dict, where: str) -> None:

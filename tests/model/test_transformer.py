@@ -27,7 +27,7 @@ def test_config_json_round_trip_and_validation():
     with pytest.raises(ValueError):
         tiny(n_kv_heads=3)
     with pytest.raises(ValueError):
-        tiny(rope_scaling={"type": "yarn", "factor": 2})
+        tiny(rope_scaling={"type": "longrope", "factor": 2})
 
 
 def test_param_names_hf_style_and_independent_of_kernels():
