@@ -94,11 +94,19 @@ def hf_family(cfg: ModelConfig) -> str:
 
 
 def config_from_hf(d: dict) -> ModelConfig:
-    """A ModelConfig from an HF Llama, Mixtral or GLM-4-MoE config.json dict (transformers 4.x or 5.x spelling)."""
+    """A ModelConfig from an HF Llama, Mistral, Mixtral or GLM-4-MoE config.json dict (transformers 4.x or 5.x
+    spelling). A Mistral is a Llama whose attention may slide: read where it does not (v0.2 on: sliding_window null)."""
     kind = d.get("model_type", "llama")
     if kind not in HF_MODEL_TYPES:
-        raise ValueError(f"only Llama, Mixtral and GLM-4-MoE checkpoints are supported, got model_type={kind!r}")
-    moe = {"mixtral": hf_mixtral, "glm4_moe": hf_glm4_moe}[kind].moe_fields(d) if kind != "llama" else {}
+        raise ValueError(f"only Llama, Mistral, Mixtral and GLM-4-MoE checkpoints are supported, got "
+                         f"model_type={kind!r}")
+    window = d.get("sliding_window")
+    if window is not None and window < d.get("max_position_embeddings", 2048) and d.get("use_sliding_window", True):
+        raise ValueError(f"sliding-window attention (sliding_window={window} < max_position_embeddings="
+                         f"{d.get('max_position_embeddings', 2048)}) is not supported: our attention sees every "
+                         "earlier position")
+    families = {"mixtral": hf_mixtral, "glm4_moe": hf_glm4_moe}
+    moe = families[kind].moe_fields(d) if kind in families else {}
     theta = (d.get("rope_parameters") or {}).get("rope_theta", d.get("rope_theta", 10000.0))
     scaling = rope_scaling_from_hf(d)  # linear, dynamic, llama3 (Llama 3.1+), yarn; ValueError for others
     n_heads = d["num_attention_heads"]

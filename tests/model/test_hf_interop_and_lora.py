@@ -142,3 +142,27 @@ def test_compiled_model_matches_eager():
     assert torch.allclose(le, lc, atol=1e-5)
     for (n, p), q in zip(eager.named_parameters(), comp.parameters()):
         assert torch.allclose(p.grad, q.grad, atol=1e-5), n
+
+
+def test_a_mistral_without_a_sliding_window_imports_as_a_llama_and_one_with_it_is_refused(tmp_path):
+    """Mistral v0.2 on (sliding_window null) is a Llama: its logits, and its export loads as LlamaForCausalLM.
+    A window shorter than max_position_embeddings (v0.1: 4096 of 32768) would differ past it: refused."""
+    from transformers import MistralConfig, MistralForCausalLM
+    from model.hf_interop import config_from_hf
+    torch.manual_seed(0)
+    kw = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, rope_theta=1e6, max_position_embeddings=32, initializer_range=0.1)
+    hf = MistralForCausalLM(MistralConfig(**kw, sliding_window=None)).eval()
+    hf.save_pretrained(tmp_path / "mistral")
+    ours = import_hf(str(tmp_path / "mistral")).eval()
+    x = torch.randint(0, 128, (2, 24))
+    with torch.no_grad():
+        ref = hf(x).logits
+        assert torch.allclose(ours(x), ref, atol=1e-5, rtol=0)
+        export_hf(ours, str(tmp_path / "out"))
+        assert torch.allclose(LlamaForCausalLM.from_pretrained(str(tmp_path / "out")).eval()(x).logits, ref,
+                              atol=1e-5, rtol=0)
+    windowed = MistralConfig(**kw, sliding_window=8).to_dict()
+    with pytest.raises(ValueError, match=r"sliding-window attention \(sliding_window=8 < max_position_embeddings=32\)"):
+        config_from_hf(windowed)
+    assert config_from_hf({**windowed, "sliding_window": 32}).n_kv_heads == 2  # a window as long as the model: none
