@@ -31,6 +31,7 @@ class ModelConfig:
     attn_dropout: float = 0.0          # dropout on attention probabilities (training only)
     resid_dropout: float = 0.0         # dropout on each residual branch output (training only)
     tie_embeddings: bool = False       # tie_word_embeddings
+    qkv_bias: bool = False             # biases on the q/k/v projections (Qwen2's attention; o_proj has none)
     initializer_range: float = 0.02
 
     # --- mixture of experts (model/moe.py; 0 experts = every block dense)

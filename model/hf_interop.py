@@ -51,6 +51,14 @@ def hf_config_dict(cfg: ModelConfig, torch_dtype: str = "float32", special_ids: 
         "attention_bias": False, "mlp_bias": False, "attention_dropout": cfg.attn_dropout,
         "pretraining_tp": 1, "use_cache": True, "torch_dtype": torch_dtype, "dtype": torch_dtype,
     }
+    if cfg.qkv_bias:  # q/k/v biases, none on o_proj: a Qwen2 (Llama's attention_bias would put one there too)
+        if cfg.moe_num_experts:
+            raise ValueError("an MoE model with q/k/v biases has no transformers family here (Mixtral and GLM-4-MoE "
+                             "have no attention biases)")
+        d.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=False,
+                 sliding_window=None, max_window_layers=cfg.n_layers)
+        for key in ("attention_bias", "mlp_bias", "pretraining_tp"):
+            d.pop(key)
     if cfg.moe_num_experts:  # a Mixtral or a GLM-4-MoE (`moe_family`)
         d.update(moe_family(cfg)[0].config_fields(cfg))
         if "partial_rotary_factor" in d:  # (GLM's rotary reads it from rope_parameters)
@@ -94,11 +102,12 @@ def hf_family(cfg: ModelConfig) -> str:
 
 
 def config_from_hf(d: dict) -> ModelConfig:
-    """A ModelConfig from an HF Llama, Mistral, Mixtral or GLM-4-MoE config.json dict (transformers 4.x or 5.x
-    spelling). A Mistral is a Llama whose attention may slide: read where it does not (v0.2 on: sliding_window null)."""
+    """A ModelConfig from an HF Llama, Mistral, Qwen2, Mixtral or GLM-4-MoE config.json dict (transformers 4.x or 5.x
+    spelling). A Mistral is a Llama whose attention may slide: read where it does not (v0.2 on: sliding_window null);
+    a Qwen2 a Llama with q/k/v biases (and a sliding window its configs leave off: use_sliding_window false)."""
     kind = d.get("model_type", "llama")
     if kind not in HF_MODEL_TYPES:
-        raise ValueError(f"only Llama, Mistral, Mixtral and GLM-4-MoE checkpoints are supported, got "
+        raise ValueError(f"only Llama, Mistral, Qwen2, Mixtral and GLM-4-MoE checkpoints are supported, got "
                          f"model_type={kind!r}")
     window = d.get("sliding_window")
     if window is not None and window < d.get("max_position_embeddings", 2048) and d.get("use_sliding_window", True):
@@ -113,7 +122,7 @@ def config_from_hf(d: dict) -> ModelConfig:
     head_dim = d.get("head_dim") or d["hidden_size"] // n_heads
     if head_dim * n_heads != d["hidden_size"]:
         raise ValueError("head_dim * num_attention_heads != hidden_size is not supported")
-    if d.get("attention_bias") or d.get("mlp_bias"):
+    if d.get("attention_bias") or d.get("mlp_bias"):  # (Llama's attention_bias: o_proj's too)
         raise ValueError("Llama checkpoints with biases are not supported")
     return ModelConfig(
         vocab_size=d["vocab_size"], dim=d["hidden_size"], n_layers=d["num_hidden_layers"], n_heads=n_heads,
@@ -121,7 +130,7 @@ def config_from_hf(d: dict) -> ModelConfig:
         norm_eps=d.get("rms_norm_eps", 1e-6), max_seq_len=d.get("max_position_embeddings", 2048),
         rope_theta=float(theta), rope_scaling=scaling, tie_embeddings=bool(d.get("tie_word_embeddings", False)),
         initializer_range=d.get("initializer_range", 0.02), attn_dropout=d.get("attention_dropout", 0.0) or 0.0,
-        **moe)
+        qkv_bias=kind == "qwen2", **moe)
 
 
 def is_mtp_name(name: str) -> bool:

@@ -151,9 +151,9 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         self.attn_dropout = cfg.attn_dropout
         self.resid_dropout = nn.Dropout(cfg.resid_dropout)
@@ -167,6 +167,8 @@ class Attention(nn.Module):
         if (self.fused_qkv and all(type(m) is nn.Linear for m in (self.q_proj, self.k_proj, self.v_proj))
                 and kernels.concat_projections(x, self.backend)):
             qkv = kernels.concat_linear(x, (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight))
+            if self.q_proj.bias is not None:  # (Qwen2's q/k/v biases)
+                qkv = qkv + torch.cat((self.q_proj.bias, self.k_proj.bias, self.v_proj.bias))
             nq, nkv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
             q, k, v = qkv.split((nq, nkv, nkv), dim=-1)
             return q, k, v.contiguous()
@@ -325,6 +327,8 @@ class Transformer(nn.Module):
     def _init_weights(self, m: nn.Module) -> None:
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, mean=0.0, std=self.cfg.initializer_range)
+            if getattr(m, "bias", None) is not None:  # q/k/v biases start at 0 (as transformers' Qwen2)
+                nn.init.zeros_(m.bias)
         elif isinstance(m, GroupedExperts):
             m.init_weights(self.cfg.initializer_range)
 

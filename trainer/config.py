@@ -88,6 +88,7 @@ class ModelFlags:
                            "original_max_position_embeddings and max_seq_len grows to --max_seq_len)")
     dropout: float = _f(0.0, "attention and residual dropout")
     tie_embeddings: bool = _f(False, "share the embedding and LM-head weights")
+    qkv_bias: bool = _f(False, "biases on the q/k/v projections (Qwen2's attention; exported as Qwen2ForCausalLM)")
     gradient_checkpointing: bool = _f(False, "recompute each layer in backward to save activation memory")
     mtp_num_layers: int = _f(0, "multi-token prediction (DeepSeek-V3's MTP, model/mtp.py): this many extra blocks, "
                              "depth k predicting the token k + 1 after the next from the previous depth's hidden "

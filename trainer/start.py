@@ -54,7 +54,8 @@ def new_model_config(cfg: TrainConfig, tok_meta: dict):
                        gradient_checkpointing=cfg.gradient_checkpointing, fused_rmsnorm=fused,
                        fused_rope=fused, fused_swiglu=fused, fused_qkv=fused, fused_cross_entropy=fused,
                        kernel_backend=backend, fa4=cfg.fa4, mtp_num_layers=cfg.mtp_num_layers,
-                       rope_scaling=parse_rope_flag(cfg.rope_scaling), **moe_model_fields(cfg))
+                       rope_scaling=parse_rope_flag(cfg.rope_scaling), qkv_bias=cfg.qkv_bias,
+                       **moe_model_fields(cfg))
 
 
 

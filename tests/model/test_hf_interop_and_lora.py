@@ -166,3 +166,64 @@ def test_a_mistral_without_a_sliding_window_imports_as_a_llama_and_one_with_it_i
     with pytest.raises(ValueError, match=r"sliding-window attention \(sliding_window=8 < max_position_embeddings=32\)"):
         config_from_hf(windowed)
     assert config_from_hf({**windowed, "sliding_window": 32}).n_kv_heads == 2  # a window as long as the model: none
+
+
+def _qwen2(tmp_path, tie: bool = True):
+    """A tiny Qwen2ForCausalLM (q/k/v biases, none on o_proj) with nonzero biases, saved."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(0)
+    hf = Qwen2ForCausalLM(Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, rope_theta=1e6,
+                                      max_position_embeddings=32, tie_word_embeddings=tie,
+                                      initializer_range=0.1)).eval()
+    with torch.no_grad():  # transformers starts them at 0: a released model's are not
+        for layer in hf.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    hf.save_pretrained(tmp_path / "qwen2")
+    return hf, str(tmp_path / "qwen2")
+
+
+@pytest.mark.parametrize("fused_qkv", [True, False])
+def test_a_qwen2_imports_with_its_qkv_biases_and_exports_as_a_qwen2(tmp_path, fused_qkv):
+    """Qwen2 (TRL's GRPO examples' model family) is a Llama with q/k/v biases: its logits through our model, the
+    q/k/v as one matmul or three, the KV cache, and the export loading as Qwen2ForCausalLM."""
+    from transformers import Qwen2ForCausalLM
+    from model.generate import generate
+    hf, path = _qwen2(tmp_path)
+    ours = import_hf(path, fused_qkv=fused_qkv).eval()
+    assert ours.cfg.qkv_bias and ours.layers[0].self_attn.o_proj.bias is None
+    assert float(ours.layers[1].self_attn.k_proj.bias.detach().abs().max()) > 0.1
+    x = torch.randint(0, 128, (2, 24))
+    with torch.no_grad():
+        ref = hf(x).logits
+        assert torch.allclose(ours(x), ref, atol=1e-5, rtol=0)
+        without = import_hf(path)  # the biases matter: zeroed, the logits move
+        for layer in without.layers:
+            layer.self_attn.q_proj.bias.zero_()
+        assert not torch.allclose(without.eval()(x), ref, atol=1e-3)
+        export_hf(ours, str(tmp_path / "out"))
+        back = Qwen2ForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
+        assert back.config.model_type == "qwen2" and torch.allclose(back(x).logits, ref, atol=1e-5, rtol=0)
+    prompt = x[:1, :6]
+    assert torch.equal(generate(ours, prompt, 12, temperature=0.0, use_cache=True),
+                       generate(ours, prompt, 12, temperature=0.0, use_cache=False))
+
+
+def test_qwen2_biases_train_under_lora_and_the_fused_qkv_gradients_equal_the_three_matmuls(tmp_path):
+    from model.lora import apply_lora
+    _, path = _qwen2(tmp_path, tie=False)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randint(0, 128, (2, 16), generator=g), torch.randint(0, 128, (2, 16), generator=g)
+    grads = []
+    for fused in (True, False):
+        model = import_hf(path, fused_qkv=fused)
+        model(x, labels=y).backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    assert "layers.0.self_attn.v_proj.bias" in grads[0]
+    for name, g0 in grads[0].items():
+        assert torch.allclose(g0, grads[1][name], atol=1e-6, rtol=1e-5), name
+    lora = import_hf(path)
+    apply_lora(lora, r=2, alpha=4.0, target_modules="all")
+    with torch.no_grad():  # adapters start at 0: the base's logits, biases included
+        assert torch.allclose(lora(x), import_hf(path)(x), atol=1e-6)

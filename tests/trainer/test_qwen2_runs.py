@@ -1,0 +1,65 @@
+"""Qwen2-shaped models in the trainer: `--init_from=<Qwen2 dir>` trains its q/k/v biases (also split over 2 tensor
+ranks, whose run follows the one-process run), and `--qkv_bias=true` builds a new one."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from checkpoint.verify import find_latest_valid
+from model.config import read_model_config
+from tests.conftest import run_cmd, train_cmd
+from tests.trainer.test_end_to_end import _env, final_weights, losses
+
+
+@pytest.fixture(scope="module")
+def qwen2_dir(tiny_pretrain_data, tmp_path_factory) -> str:
+    """A tiny Qwen2 (nonzero q/k/v biases) as a Hugging Face directory with the run's tokenizer."""
+    from model import ModelConfig, Transformer
+    from model.hf_interop import export_hf
+    with open(os.path.join(tiny_pretrain_data["tokenizer_dir"], "tokenizer_meta.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=vocab, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=64,
+                                    max_seq_len=64, initializer_range=0.1, qkv_bias=True))
+    with torch.no_grad():
+        for layer in model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.5)
+    out = export_hf(model, str(tmp_path_factory.mktemp("qwen2") / "hf"),
+                    tokenizer_dir=tiny_pretrain_data["tokenizer_dir"])
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f)["model_type"] == "qwen2"
+    return out
+
+
+def test_a_qwen2_trains_its_biases_and_two_tensor_ranks_follow_one_process(tiny_pretrain_run_args, qwen2_dir, tmp_path):
+    args = [a for a in tiny_pretrain_run_args if not a.startswith(("--dim", "--n_layers", "--n_heads", "--multiple"))]
+    args += [f"--init_from={qwen2_dir}", "--max_iters=3", "--checkpoint_interval=3"]
+    one, tp = tmp_path / "one", tmp_path / "tp"
+    run_cmd(train_cmd([*args, f"--out_dir={one}"], 1), env=_env())
+    run_cmd(train_cmd([*args, f"--out_dir={tp}", "--parallel=fsdp", "--tensor_parallel_size=2"], 2), env=_env())
+    assert read_model_config(find_latest_valid(str(one))).qkv_bias
+    a, b = losses(one), losses(tp)
+    assert sorted(a) == sorted(b) == [1, 2, 3]
+    for s in a:  # the same sums in another order (as tests/trainer/test_tensor_parallel_runs.py)
+        assert abs(a[s] - b[s]) <= 1e-4 * abs(a[s]), (s, a[s], b[s])
+    from model.hf_interop import import_hf
+    from trainer.weights import load_weights_from
+    start = import_hf(qwen2_dir).state_dict()
+    split = load_weights_from(str(tp), log=lambda m: None)[0].state_dict()  # the DCP shards gathered
+    biases = [n for n in final_weights(one) if n.endswith("_proj.bias")]
+    assert len(biases) == 6
+    for name in biases:  # trained in both (the losses of steps 2 and 3 above are computed with them)
+        assert not torch.equal(final_weights(one)[name], start[name]) and not torch.equal(split[name], start[name])
+
+
+def test_qkv_bias_builds_a_new_model_with_biases(tiny_pretrain_run_args, tmp_path):
+    out = tmp_path / "new"
+    run_cmd(train_cmd([*tiny_pretrain_run_args, f"--out_dir={out}", "--max_iters=2", "--checkpoint_interval=2",
+                       "--qkv_bias=true"]), env=_env())
+    names = set(final_weights(out))
+    assert {"layers.0.self_attn.q_proj.bias", "layers.1.self_attn.v_proj.bias"} <= names
+    assert "layers.0.self_attn.o_proj.bias" not in names
