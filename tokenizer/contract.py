@@ -35,6 +35,19 @@ CHATML_TEMPLATE = (
 )
 
 
+def special_ids(meta: dict[str, Any], roles: tuple[str, ...], what: str) -> dict[str, int]:
+    """role -> id of the tokenizer meta's special tokens `roles` (unk/bos/eos/pad/im_start/im_end); ValueError
+    naming the missing ones and `what` needs them (an adopted tokenizer without, say, a bos token: name one with
+    `python -m tokenizer.extend_tokenizer --num_new_tokens=0 --bos_token=...`)."""
+    st = meta.get("special_tokens") or {}
+    missing = [r for r in roles if r not in st]
+    if missing:
+        raise ValueError(f"the tokenizer has no {' / '.join(missing)} token, which {what} needs; name one of its "
+                         f"tokens for the role when adopting it (python -m tokenizer.extend_tokenizer "
+                         f"--num_new_tokens=0 {' '.join(f'--{r}_token=...' for r in missing)})")
+    return {r: int(st[r]["id"]) for r in roles}
+
+
 def reserved_token(k: int) -> str:
     return f"<|reserved_{k}|>"
 

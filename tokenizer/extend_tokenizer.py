@@ -1,6 +1,7 @@
 """Extend an existing tokenizer with pieces learned on a new corpus (continued pretraining on a new language).
 
-Owns: the ``python -m tokenizer.extend_tokenizer`` command and ``extend_tokenizer(...)``: reading the base
+Owns: the ``python -m tokenizer.extend_tokenizer`` command and ``extend_tokenizer(...)`` (with 0 new pieces: the base
+adopted as it is, a released model's tokenizer for our pipeline): reading the base
 tokenizer (extend_base.py: a sentencepiece-model Llama directory with ``tokenizer.model``, or any BPE
 ``tokenizer.json``), training pieces on the corpus with the same streaming readers as train_tokenizer
 (extend_pieces.py), appending the ones the base lacks (and their merges) after ALL existing ids, padding to a
@@ -39,30 +40,38 @@ from utils.publish import staged_dir
 from utils.writable import check_writable_dir
 
 log = logging.getLogger("tokenizer.extend_tokenizer")
+ROLE_FLAGS = ("bos", "eos", "pad")  # --bos_token, ...: the roles our data layouts need (tokenizer/contract.py)
 
 POLICY = """\
 base: a directory with tokenizer.model (sentencepiece Llama; tokenizer.json, if present, is extended too)
   or a BPE tokenizer.json (byte-level or byte-fallback). Every base id keeps its string; new pieces get
   the ids after ALL base ids (specials, reserved and added tokens included); <|reserved_k|> pad the total
-  to a multiple of 64.
+  to a multiple of 64. --num_new_tokens=0 (no --data_dir): the base adopted as it is, for our pipeline
+  (a released model's tokenizer with its ids, specials and chat template, and a tokenizer_meta.json).
 held-out text: every --heldout_every-th document (in file order) is never used for training; up to
   --heldout_chars characters of it measure tokens per character before and after.
 bad input: the corpus follows train_tokenizer's policy (bad records skipped and counted, --strict makes
-  them errors). Exit 2: no tokenizer in the base dir, --num_new_tokens <= 0, unusable options.
+  them errors). Exit 2: no tokenizer in the base dir, --num_new_tokens < 0 (or > 0 without --data_dir),
+  unusable options.
   Exit 3: missing/unreadable corpus, no usable documents (e.g. no record has the --text_fields).
 """
 
 
-def extend_tokenizer(base_tokenizer_dir: str, data_dir_or_files: str | Sequence[str], num_new_tokens: int,
+def extend_tokenizer(base_tokenizer_dir: str, data_dir_or_files: str | Sequence[str] | None, num_new_tokens: int,
                      output_dir: str, text_fields: Sequence[str] | str = ("text",),
                      max_train_bytes: int | None = None, seed: int = 0, min_frequency: int = 2,
                      heldout_every: int = 10, heldout_chars: int = 1_000_000, num_threads: int | None = None,
                      file_glob: str = "**/*", recursive: bool = True, strict: bool = False,
-                     overwrite: bool = True) -> dict[str, Any]:
-    """Extend the base tokenizer with up to ``num_new_tokens`` pieces learned on the corpus; save; return the meta."""
+                     overwrite: bool = True, roles: dict[str, str] | None = None) -> dict[str, Any]:
+    """Extend the base tokenizer with up to ``num_new_tokens`` pieces learned on the corpus; save; return the meta.
+    ``num_new_tokens=0`` adopts the base as it is (no corpus): a released model's tokenizer for our pipeline.
+    ``roles``: meta role (bos, eos, pad) -> a base token to play it, where the base's config names none (Qwen2's
+    tokenizer has no bos) or another one is wanted; the tokenizer files are unchanged."""
     t0 = time.time()
-    if num_new_tokens <= 0:
-        raise ValueError(f"--num_new_tokens must be positive, got {num_new_tokens}")
+    if num_new_tokens < 0:
+        raise ValueError(f"--num_new_tokens must be >= 0 (0 adopts the base as it is), got {num_new_tokens}")
+    if num_new_tokens and not data_dir_or_files:
+        raise ValueError("--data_dir is required to learn new pieces (--num_new_tokens=0 adopts the base as it is)")
     text_fields = parse_text_fields(text_fields)  # the one grammar (tokenizer.documents): ValueError when empty
     if max_train_bytes is not None and max_train_bytes <= 0:
         raise ValueError("max_train_bytes must be positive")
@@ -74,8 +83,17 @@ def extend_tokenizer(base_tokenizer_dir: str, data_dir_or_files: str | Sequence[
     if os.path.abspath(output_dir) == os.path.abspath(base_tokenizer_dir):
         raise ValueError(f"--out_dir {output_dir} is the base tokenizer directory; write the extension elsewhere")
     kind, tj, proto = load_base(base_tokenizer_dir)
+    for role, token in (roles or {}).items():
+        if token not in all_ids(tj):
+            raise ValueError(f"--{role}_token={token!r} is not a token of the base tokenizer {base_tokenizer_dir}")
     threads = num_threads or os.cpu_count() or 1
     os.environ.setdefault("RAYON_NUM_THREADS", str(threads))
+    if num_new_tokens == 0:  # adopted: every base id, special and template kept; reserved ids pad the vocabulary
+        ext, start, total, reserved = build_extended_json(tj, [], {})
+        ext_str = json.dumps(ext, ensure_ascii=False)
+        check_extended_ids(ext_str, all_ids(tj), [], start, total)
+        return _save(base_tokenizer_dir, output_dir, kind, tj, proto, ext, ext_str, [], reserved, start, total,
+                     None, {"characters": 0, "tokens_per_char_before": None, "tokens_per_char_after": None}, roles)
 
     found = collect_input_files(data_dir_or_files, file_glob, recursive, exclude_dir=output_dir)
     if not found.files:
@@ -86,7 +104,32 @@ def extend_tokenizer(base_tokenizer_dir: str, data_dir_or_files: str | Sequence[
                  f"{corpus.stats.first_locations}" if corpus.stats.total else ""
         raise CorpusError(f"no usable training documents in {len(found.files)} file(s) "
                           f"({', '.join(found.files[:3])}){detail}")
+    new_tokens, primary = _learn_pieces(kind, tj, proto, corpus, num_new_tokens, seed, threads, min_frequency)
+    ext, start, total, reserved = build_extended_json(tj, new_tokens, primary)
+    ext_str = json.dumps(ext, ensure_ascii=False)
+    check_extended_ids(ext_str, all_ids(tj), new_tokens, start, total)
 
+    before = tokens_per_char(json.dumps(tj, ensure_ascii=False), corpus.heldout)
+    after = tokens_per_char(ext_str, corpus.heldout)
+    training = {
+        "files": [os.path.abspath(f) for f in found.files], "text_fields": text_fields_spec(text_fields),
+        "max_train_bytes": max_train_bytes, "seed": seed, "min_frequency": min_frequency,
+        "train_documents": corpus.train_docs, "heldout_documents": corpus.heldout_docs,
+        "sampled_documents": corpus.sampled_docs, "sampled_characters": corpus.sampled_chars,
+        "heldout_every": heldout_every, "seconds": round(time.time() - t0, 2), **corpus.stats.summary(),
+    }
+    meta = _save(base_tokenizer_dir, output_dir, kind, tj, proto, ext, ext_str, new_tokens, reserved,
+                 start, total, training, {"characters": sum(len(t) for t in corpus.heldout),
+                                          "tokens_per_char_before": before, "tokens_per_char_after": after}, roles)
+    if corpus.stats.total:
+        log.warning("skipped %d bad records: %s (first: %s)", corpus.stats.total, dict(corpus.stats.counts),
+                    "; ".join(corpus.stats.first_locations))
+    return meta
+
+
+def _learn_pieces(kind: str, tj: dict[str, Any], proto: Any, corpus: Corpus, num_new_tokens: int, seed: int,
+                  threads: int, min_frequency: int) -> tuple[list[str], dict[str, tuple[str, str]]]:
+    """(up to num_new_tokens new pieces in learned order, each one's primary merge)."""
     base_ids = all_ids(tj)
     forbidden = {t["content"] for t in tj.get("added_tokens", [])}
     if proto is not None:
@@ -114,32 +157,13 @@ def extend_tokenizer(base_tokenizer_dir: str, data_dir_or_files: str | Sequence[
         request *= 2
     if len(new_tokens) < num_new_tokens:
         log.warning("the corpus supports only %d new tokens (asked for %d)", len(new_tokens), num_new_tokens)
-    primary = {t: m for t, m in cands if m is not None}
-    ext, start, total, reserved = build_extended_json(tj, new_tokens, primary)
-    ext_str = json.dumps(ext, ensure_ascii=False)
-    check_extended_ids(ext_str, base_ids if proto is None else all_ids(tj), new_tokens, start, total)
-
-    before = tokens_per_char(json.dumps(tj, ensure_ascii=False), corpus.heldout)
-    after = tokens_per_char(ext_str, corpus.heldout)
-    training = {
-        "files": [os.path.abspath(f) for f in found.files], "text_fields": text_fields_spec(text_fields),
-        "max_train_bytes": max_train_bytes, "seed": seed, "min_frequency": min_frequency,
-        "train_documents": corpus.train_docs, "heldout_documents": corpus.heldout_docs,
-        "sampled_documents": corpus.sampled_docs, "sampled_characters": corpus.sampled_chars,
-        "heldout_every": heldout_every, "seconds": round(time.time() - t0, 2), **corpus.stats.summary(),
-    }
-    meta = _save(base_tokenizer_dir, output_dir, kind, tj, proto, ext, ext_str, new_tokens, reserved,
-                 start, total, training, {"characters": sum(len(t) for t in corpus.heldout),
-                                          "tokens_per_char_before": before, "tokens_per_char_after": after})
-    if corpus.stats.total:
-        log.warning("skipped %d bad records: %s (first: %s)", corpus.stats.total, dict(corpus.stats.counts),
-                    "; ".join(corpus.stats.first_locations))
-    return meta
+    return new_tokens, {t: m for t, m in cands if m is not None}
 
 
 def _save(base_dir: str, output_dir: str, kind: str, tj: dict[str, Any], proto: Any, ext: dict[str, Any],
           ext_str: str, new_tokens: list[str], reserved: list[str], start: int, total: int,
-          training: dict[str, Any], heldout: dict[str, Any]) -> dict[str, Any]:
+          training: dict[str, Any] | None, heldout: dict[str, Any],
+          roles: dict[str, str] | None = None) -> dict[str, Any]:
     # `<output_dir>.tmp/`, fsynced and renamed into place (an old output_dir is swapped aside, then
     # deleted): utils/publish.py. A failure leaves output_dir as it was.
     with staged_dir(os.path.abspath(output_dir), replace=True) as tmp:
@@ -172,7 +196,8 @@ def _save(base_dir: str, output_dir: str, kind: str, tj: dict[str, Any], proto: 
             "tokenizer_type": "extended_" + (base_meta or {}).get("tokenizer_type", kind),
             "vocab_size": total,
             "learned_vocab_size": total - len(ext.get("added_tokens", [])),  # ids that are not added/special tokens
-            "special_tokens": special_tokens_meta(ext, config),
+            "special_tokens": {**special_tokens_meta(ext, config),
+                               **{r: {"token": t, "id": all_ids(ext)[t]} for r, t in (roles or {}).items()}},
             "fingerprint": fingerprint_dir(tmp),
             "files": file_hashes(tmp),
             "extension": {
@@ -202,9 +227,11 @@ def build_arg_parser() -> argparse.ArgumentParser:
                            "per character of held-out corpus text before and after.",
                epilog=POLICY, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base_tokenizer_dir", required=True, help="HF tokenizer (or model) directory to extend")
-    p.add_argument("--data_dir", required=True, nargs="+", action="extend",
-                   help="directories, files or glob patterns (.txt, .json, .jsonl, .parquet); repeatable")
-    p.add_argument("--num_new_tokens", type=int, required=True, help="how many new pieces to add (at most)")
+    p.add_argument("--data_dir", default=None, nargs="+", action="extend",
+                   help="directories, files or glob patterns (.txt, .json, .jsonl, .parquet); repeatable (not "
+                        "read with --num_new_tokens=0)")
+    p.add_argument("--num_new_tokens", type=int, required=True,
+                   help="how many new pieces to add (at most); 0 adopts the base as it is")
     add_out_dir(p, "the extended tokenizer directory to write", required=True)
     p.add_argument("--text_fields", default="text", help=TEXT_FIELDS_HELP)
     p.add_argument("--max_train_bytes", type=parse_byte_size, default=None,
@@ -218,6 +245,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--file_glob", default="**/*")
     add_bool(p, "recursive", True, "descend into subdirectories")
     add_bool(p, "strict", False, "bad records are errors instead of counted skips")
+    for role in ROLE_FLAGS:
+        p.add_argument(f"--{role}_token", default=None,
+                       help=f"a token of the base to be the {role} token of our pipeline (where its config names "
+                            "none, e.g. Qwen2's bos, or another is wanted); the tokenizer files are unchanged")
     add_bool(p, "overwrite", False, "replace a non-empty --out_dir (default: refuse it, exit 2, as the trainer "
              "refuses a second run in one --out_dir)")
     return p
@@ -232,13 +263,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         meta = extend_tokenizer(args.base_tokenizer_dir, args.data_dir, args.num_new_tokens, args.out_dir,
                                 args.text_fields, args.max_train_bytes, args.seed, args.min_frequency,
                                 args.heldout_every, args.heldout_chars, args.num_threads, args.file_glob,
-                                args.recursive, args.strict, args.overwrite)
+                                args.recursive, args.strict, args.overwrite,
+                                {r: getattr(args, f"{r}_token") for r in ROLE_FLAGS if getattr(args, f"{r}_token")})
     except Exception as e:  # noqa: BLE001 - a named error's code or a bad value's (2); anything else re-raised
         code = command_exit_code(e, log)
         if code is None:
             raise
         return code
     x = meta["extension"]
+    if x["num_new_tokens"] == 0 and meta["training"] is None:
+        specials = ", ".join(f"{k}={v['id']}" for k, v in meta["special_tokens"].items()) or "none"
+        print(f"adopted {args.base_tokenizer_dir} as {args.out_dir}: vocab_size {meta['vocab_size']} (base "
+              f"{x['base_vocab_size']}, {x['reserved_tokens']} reserved ids), specials {specials}")
+        return 0
     h = x["heldout"]
 
     def fmt(v: float | None) -> str:

@@ -321,9 +321,10 @@ def test_cli_bad_input(bases, zh_corpus, tmp_path, caplog):
     assert "no tokenizer.json or tokenizer.model" in _err(caplog)
     assert run(f"--base_tokenizer_dir={tmp_path / 'missing'}", f"--data_dir={zh_corpus}", "--num_new_tokens=10") == 2
     assert "not a directory" in _err(caplog)
-    for n in ("0", "-5"):
-        assert run(f"--base_tokenizer_dir={base}", f"--data_dir={zh_corpus}", f"--num_new_tokens={n}") == 2
-        assert "--num_new_tokens must be positive" in _err(caplog)
+    assert run(f"--base_tokenizer_dir={base}", f"--data_dir={zh_corpus}", "--num_new_tokens=-5") == 2
+    assert "--num_new_tokens must be >= 0 (0 adopts the base as it is), got -5" in _err(caplog)
+    assert run(f"--base_tokenizer_dir={base}", "--num_new_tokens=5") == 2
+    assert "--data_dir is required to learn new pieces" in _err(caplog)
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "a.jsonl").write_text('{"content": "光合作用"}\n{"content": "植物"}\n')
@@ -418,3 +419,44 @@ def test_extended_meta_contract_rules():
         check_meta(dict(meta, vocab_size=630))
     with pytest.raises(ValueError, match="do not follow"):
         check_meta(dict(meta, extension={"base_vocab_size": 600, "new_token_ids": [500, 630]}))
+
+
+@pytest.mark.parametrize("name", BASES)
+def test_zero_new_pieces_adopts_the_base_as_it_is(bases, name, tmp_path, capsys):
+    """A released model's tokenizer made ours: no corpus, every base id and special kept (the same ids for any text,
+    the chat template too), reserved ids up to a multiple of 64, a meta the project's loader accepts."""
+    from transformers import AutoTokenizer
+
+    from tokenizer import load_tokenizer
+    from tokenizer.contract import VOCAB_MULTIPLE
+    base = bases[name]
+    out = tmp_path / "adopted"
+    assert main([f"--base_tokenizer_dir={base}", "--num_new_tokens=0", f"--out_dir={out}"]) == 0
+    assert f"adopted {base} as {out}: vocab_size" in capsys.readouterr().out
+    with open(out / META_FILENAME, encoding="utf-8") as f:
+        meta = json.load(f)
+    x = meta["extension"]
+    assert x["num_new_tokens"] == 0 and x["new_token_ids"] == [x["base_vocab_size"]] * 2 and meta["training"] is None
+    assert meta["vocab_size"] % VOCAB_MULTIPLE == 0 and meta["vocab_size"] - x["reserved_tokens"] == x["base_vocab_size"]
+    was, now = AutoTokenizer.from_pretrained(base), AutoTokenizer.from_pretrained(str(out))
+    assert len(now) == meta["vocab_size"]
+    texts = ["Hello, world! 123", "def f(x):\n    return x ** 2", "光合作用 🙂", "<|im_start|>user plain text"]
+    for text in texts:
+        assert now(text, add_special_tokens=False).input_ids == was(text, add_special_tokens=False).input_ids
+    assert now.eos_token_id == was.eos_token_id and now.chat_template == was.chat_template
+    tok = load_tokenizer(str(out))  # the project's loader: the contract's rules for an extension hold
+    assert encode_texts(tok, texts[:2]) == [was(t, add_special_tokens=False).input_ids for t in texts[:2]]
+
+
+def test_a_role_named_at_adoption_is_in_the_meta_and_a_token_the_base_lacks_is_refused(bases, tmp_path, caplog):
+    base = bases["llama_sp"]  # its config names <s> / </s>; pad none
+    out = tmp_path / "adopted"
+    assert main([f"--base_tokenizer_dir={base}", "--num_new_tokens=0", f"--out_dir={out}", "--pad_token=</s>"]) == 0
+    with open(out / META_FILENAME, encoding="utf-8") as f:
+        sp = json.load(f)["special_tokens"]
+    assert sp["pad"] == sp["eos"] == {"token": "</s>", "id": 2} and sp["bos"] == {"token": "<s>", "id": 1}
+    caplog.clear()
+    assert main([f"--base_tokenizer_dir={base}", "--num_new_tokens=0", f"--out_dir={tmp_path / 'no'}",
+                 "--bos_token=<|begin_of_text|>"]) == 2
+    assert "--bos_token='<|begin_of_text|>' is not a token of the base tokenizer" in _err(caplog)
+    assert not (tmp_path / "no").exists()

@@ -191,3 +191,30 @@ def test_export_refuses_a_tokenizer_larger_than_the_model(cpt, tiny_pretrain_run
     assert proc.returncode == 2 and len(err) == 1 and f"has {NEW_VOCAB} tokens, more than the model's" in err[0], \
         proc.stderr[-2000:]
     assert not (tmp_path / "hf").exists()
+
+
+def test_an_adopted_tokenizer_trains_the_released_model_at_its_own_vocabulary(cpt, tmp_path):
+    """The released model's own tokenizer made ours (`extend_tokenizer --num_new_tokens=0`, no corpus): the data
+    pretokenizes with it and the model trains at its own vocabulary (no growth: every id is the base's). The base
+    names no bos / eos (as Qwen2's names no bos): pretokenizing says so in one line until the adoption names them."""
+    from model.config import read_model_config
+    adopted, shards, out = tmp_path / "adopted", tmp_path / "shards", tmp_path / "run"
+    adopt = [PY, "-m", "tokenizer.extend_tokenizer", f"--base_tokenizer_dir={cpt['base_tok']}", "--num_new_tokens=0",
+             f"--out_dir={adopted}", "--overwrite=true"]
+    pretokenize = [PY, "-m", "data_preprocess.pretokenize_pretrain_data", f"--data_dir={cpt['dir'] / 'corpus'}",
+                   f"--tokenizer_dir={adopted}", f"--output_dir={shards}", "--num_workers=1", "--no_progress"]
+    run_cmd(adopt)
+    r = run_python(pretokenize)
+    assert r.returncode == 2 and "the tokenizer has no bos / eos token, which the shards' document layout" in r.stderr
+    assert "--bos_token=... --eos_token=..." in r.stderr and "Traceback" not in r.stderr
+    run_cmd([*adopt, "--bos_token=\u010a", "--eos_token=\u010a"])  # "Ċ", the byte-level newline
+    run_cmd(pretokenize)
+    run_cmd([PY, "-m", "data_preprocess.build_pretrain_sample_index_map", f"--data_dir={shards}",
+             "--max_seq_len=32", "--val_ratio=0.1"])
+    args = [a for a in cpt["args"] if not a.startswith(("--data_dir", "--tokenizer_dir"))]
+    log = run_cmd(train_cmd([*args, f"--data_dir={shards}", f"--tokenizer_dir={adopted}", f"--out_dir={out}",
+                             "--max_iters=4"]), env=_env()).stdout
+    assert "[init] imported Hugging Face model" in log and "[init] vocabulary" not in log
+    assert read_model_config(find_latest_valid(str(out))).vocab_size == BASE_VOCAB
+    ls = losses(out)
+    assert ls[4] < ls[1], ls
