@@ -35,6 +35,12 @@ CHATML_TEMPLATE = (
 )
 
 
+class MissingSpecialTokenError(ValueError):
+    """A tokenizer without a special token a data layout needs (an adopted Hub tokenizer: Qwen2's has no bos):
+    a choice the user makes when adopting it, exit 2 (utils.errors reads the class's code)."""
+    exit_code = 2
+
+
 def special_ids(meta: dict[str, Any], roles: tuple[str, ...], what: str) -> dict[str, int]:
     """role -> id of the tokenizer meta's special tokens `roles` (unk/bos/eos/pad/im_start/im_end); ValueError
     naming the missing ones and `what` needs them (an adopted tokenizer without, say, a bos token: name one with
@@ -42,9 +48,10 @@ def special_ids(meta: dict[str, Any], roles: tuple[str, ...], what: str) -> dict
     st = meta.get("special_tokens") or {}
     missing = [r for r in roles if r not in st]
     if missing:
-        raise ValueError(f"the tokenizer has no {' / '.join(missing)} token, which {what} needs; name one of its "
-                         f"tokens for the role when adopting it (python -m tokenizer.extend_tokenizer "
-                         f"--num_new_tokens=0 {' '.join(f'--{r}_token=...' for r in missing)})")
+        flags = " ".join(f"--{r}_token=..." for r in missing)
+        raise MissingSpecialTokenError(f"the tokenizer has no {' / '.join(missing)} token, which {what} needs; name "
+                                       "one of its tokens for the role when adopting it (python -m "
+                                       f"tokenizer.extend_tokenizer --num_new_tokens=0 {flags})")
     return {r: int(st[r]["id"]) for r in roles}
 
 

@@ -35,6 +35,7 @@ from trainer.samples import build_sampler
 from trainer.start import (Progress, build_model, choose_trainable, decide_start, dpo_reference, place_on_engine,
                            restore, set_threads)
 from trainer.task import build_data, build_task_evaluator, count_tokens, evaluate, prefetch_depth, task_of
+from trainer.tasks import tokenizer_roles_problem
 from trainer.validation import validate_config
 from checkpoint.files import write_run_start
 from checkpoint.manager import CheckpointManager
@@ -80,6 +81,9 @@ def _set_up(cfg: TrainConfig, info: DistInfo, continues: Optional[bool], max_ite
     except (OSError, ValueError, KeyError) as e:  # a damaged tokenizer_meta.json (TokenizerMetaError) is data: 3
         code = getattr(e, "exit_code", EXIT_BAD_CONFIG)
         raise TrainingError(f"--tokenizer_dir={cfg.tokenizer_dir}: {e}", code) from e
+    roles = tokenizer_roles_problem(cfg, tok_meta)
+    if roles:
+        raise TrainingError(roles, EXIT_BAD_CONFIG)
     start = decide_start(cfg, info, continues, log)
     seed_everything(cfg.seed)  # identical initial weights on every rank (and DDP broadcasts anyway)
     model, init_info = build_model(cfg, info, start, tok_meta, log)

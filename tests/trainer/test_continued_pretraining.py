@@ -218,3 +218,8 @@ def test_an_adopted_tokenizer_trains_the_released_model_at_its_own_vocabulary(cp
     assert read_model_config(find_latest_valid(str(out))).vocab_size == BASE_VOCAB
     ls = losses(out)
     assert ls[4] < ls[1], ls
+    # SFT pads its batches: without a pad token the trainer says so in one line before loading anything
+    r = run_trainer(train_cmd([*args, "--task_type=sft", f"--data_dir={ROOT}/data/sft", f"--tokenizer_dir={adopted}",
+                               f"--out_dir={tmp_path / 'sft'}", "--max_iters=1"]), env=_env())
+    assert r.returncode == 2 and f"--tokenizer_dir={adopted}: the tokenizer has no pad token, which --task_type=sft " \
+        "needs" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]

@@ -5,21 +5,35 @@ trainer's pre-check reads the names and needs; a task's module is imported when 
 from __future__ import annotations
 
 import importlib
-from typing import Any, NamedTuple, Union
+from typing import Any, NamedTuple, Optional, Union
 
 
 class TaskEntry(NamedTuple):
     path: str                 # "module:Class"
     needs: str = ""           # the engine capability the task needs beyond a plain forward/backward ("" = none)
     from_pretrained: bool = False  # starts from trained weights: --init_from=scratch is refused
+    tokens: tuple = ()        # the tokenizer's special tokens (tokenizer_meta.json roles) the task reads itself
 
 
 TASKS: dict[str, Union[str, TaskEntry]] = {  # --task_type -> its entry
     "pretrain": "trainer.tasks.pretrain:PretrainTask",
-    "sft": TaskEntry("trainer.tasks.sft:SFTTask", needs="padded_batches", from_pretrained=True),
+    "sft": TaskEntry("trainer.tasks.sft:SFTTask", needs="padded_batches", from_pretrained=True, tokens=("pad",)),
     "dpo": TaskEntry("trainer.tasks.dpo:DPOTask", needs="sequence_logprobs", from_pretrained=True),
-    "grpo": TaskEntry("trainer.tasks.grpo:GRPOTask", needs="rollouts"),
+    "grpo": TaskEntry("trainer.tasks.grpo:GRPOTask", needs="rollouts", tokens=("bos", "pad")),
 }
+
+
+def tokenizer_roles_problem(cfg: Any, tok_meta: dict) -> Optional[str]:
+    """Why the run's tokenizer cannot serve it (a special token its task or --sample_every reads is not one of its
+    roles: an adopted Hub tokenizer without a pad or bos token), or None."""
+    from tokenizer.contract import MissingSpecialTokenError, special_ids
+    roles = tuple(dict.fromkeys(task_entry(cfg.task_type).tokens + (("bos",) if cfg.sample_every else ())))
+    try:
+        special_ids(tok_meta, roles, f"--task_type={cfg.task_type}" + (" with --sample_every" if cfg.sample_every
+                                                                        else ""))
+    except MissingSpecialTokenError as e:
+        return f"--tokenizer_dir={cfg.tokenizer_dir}: {e}"
+    return None
 
 
 def task_entry(name: str) -> TaskEntry:
