@@ -171,9 +171,10 @@ def apply_overlong(ids: np.ndarray, labels: np.ndarray, max_seq_len: int,
 def make_chat_encoder(tokenizer_dir: str) -> tuple[Callable[[list[dict]], tuple[Any, Any]], dict]:
     """(encode(messages) -> (ids, assistant_mask), tokenizer meta) for a tokenizer directory."""
     from tokenizer import load_tokenizer, load_tokenizer_meta
-    from tokenizer.chat import encode_chat
+    from tokenizer.chat import chat_marker_ids, encode_chat
     tok = load_tokenizer(tokenizer_dir)
     meta = load_tokenizer_meta(tokenizer_dir)
+    chat_marker_ids(tok)  # a tokenizer without ChatML's markers: one line, exit 2, before any input is read
     return (lambda msgs: encode_chat(tok, msgs)), meta
 
 

@@ -11,14 +11,17 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
+from tokenizer.contract import MissingSpecialTokenError
 from tokenizer.loading import safe_backend
 
 
-def _marker_ids(tok: Any) -> tuple[int, int]:
+def chat_marker_ids(tok: Any) -> tuple[int, int]:
+    """The ids of <|im_start|> and <|im_end|> (MissingSpecialTokenError, exit 2, when the tokenizer lacks them)."""
     backend = safe_backend(tok)
     ids = backend.token_to_id("<|im_start|>"), backend.token_to_id("<|im_end|>")
-    if None in ids:
-        raise ValueError("tokenizer has no <|im_start|>/<|im_end|> tokens")
+    if None in ids:  # (a Llama 3 tokenizer: its chats use header tokens, not ChatML)
+        raise MissingSpecialTokenError("the tokenizer has no <|im_start|>/<|im_end|> tokens, which our chat "
+                                       "renderer (ChatML) needs for SFT, DPO and GRPO conversations")
     return ids  # type: ignore[return-value]
 
 
@@ -33,7 +36,7 @@ def encode_chat(tok: Any, messages: Sequence[Mapping[str, str]], add_generation_
     for i, m in enumerate(messages):
         if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise ValueError(f"message {i}: 'role' and 'content' must be strings, got {dict(m)!r}")
-    im_start, im_end = _marker_ids(tok)
+    im_start, im_end = chat_marker_ids(tok)
     backend = safe_backend(tok)
     headers = [m["role"] + "\n" for m in messages]
     segments = [h + m["content"] for h, m in zip(headers, messages)] + ["\n", "assistant\n"]

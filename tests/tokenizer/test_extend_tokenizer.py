@@ -460,3 +460,17 @@ def test_a_role_named_at_adoption_is_in_the_meta_and_a_token_the_base_lacks_is_r
                  "--bos_token=<|begin_of_text|>"]) == 2
     assert "--bos_token='<|begin_of_text|>' is not a token of the base tokenizer" in _err(caplog)
     assert not (tmp_path / "no").exists()
+
+
+def test_sft_with_a_tokenizer_without_chatml_markers_is_one_line(bases, tmp_path):
+    """Our chat renderer writes ChatML: an adopted tokenizer without <|im_start|> / <|im_end|> (Llama's) is refused
+    in one line, exit 2 (was a traceback)."""
+    import sys
+    out = tmp_path / "adopted"
+    assert main([f"--base_tokenizer_dir={bases['llama_sp']}", "--num_new_tokens=0", f"--out_dir={out}",
+                 "--pad_token=</s>"]) == 0
+    r = run_python([sys.executable, "-m", "data_preprocess.pretokenize_sft_data", "--data_dir=data/sft",
+                    f"--tokenizer_dir={out}", "--max_seq_len=64", f"--out_dir={tmp_path / 'sft'}", "--num_workers=1"])
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "the tokenizer has no <|im_start|>/<|im_end|> tokens, which our chat renderer (ChatML) needs" in r.stderr
+    assert "Traceback" not in r.stderr
