@@ -77,6 +77,8 @@ def normalize_rope_scaling(rs: Optional[dict], max_seq_len: int) -> Optional[dic
         out["factor"] = _number(kind, "factor", given["factor"], 1.0)
         return out
     original = given.get("original_max_position_embeddings", max_seq_len)
+    if isinstance(original, float) and original.is_integer():  # 8192.0 in a config written by another tool
+        original = int(original)
     if isinstance(original, bool) or not isinstance(original, int) or original < 1:
         raise ValueError(f"rope_scaling {kind}: original_max_position_embeddings must be an integer >= 1, "
                          f"got {original!r}")

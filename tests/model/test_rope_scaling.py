@@ -184,4 +184,6 @@ def test_canonical_settings_are_complete_and_read_back_unchanged():
     cfg = _tiny(got)
     assert cfg.rope_scaling == got and ModelConfig.from_json(cfg.to_json()) == cfg
     assert normalize_rope_scaling({"type": "default"}, 32) is None
+    assert normalize_rope_scaling({"type": "yarn", "factor": 2, "original_max_position_embeddings": 16.0}, 32) == \
+        normalize_rope_scaling({"type": "yarn", "factor": 2, "original_max_position_embeddings": 16}, 32)
     assert normalize_rope_scaling({"type": "linear", "factor": 2}, 32) == {"type": "linear", "factor": 2.0}
