@@ -437,7 +437,8 @@ def test_zero_new_pieces_adopts_the_base_as_it_is(bases, name, tmp_path, capsys)
         meta = json.load(f)
     x = meta["extension"]
     assert x["num_new_tokens"] == 0 and x["new_token_ids"] == [x["base_vocab_size"]] * 2 and meta["training"] is None
-    assert meta["vocab_size"] % VOCAB_MULTIPLE == 0 and meta["vocab_size"] - x["reserved_tokens"] == x["base_vocab_size"]
+    assert meta["vocab_size"] % VOCAB_MULTIPLE == 0
+    assert meta["vocab_size"] - x["reserved_tokens"] == x["base_vocab_size"]
     was, now = AutoTokenizer.from_pretrained(base), AutoTokenizer.from_pretrained(str(out))
     assert len(now) == meta["vocab_size"]
     texts = ["Hello, world! 123", "def f(x):\n    return x ** 2", "光合作用 🙂", "<|im_start|>user plain text"]
