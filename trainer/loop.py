@@ -26,7 +26,6 @@ from data_preprocess.shard_format import DataError
 from dataset.prefetch import PrefetchLoader
 from model.flops import flops_per_token, mfu_from, resolve_peak_flops
 from parallel.engine import StepStats
-from tokenizer import load_tokenizer_meta
 from trainer.config import TrainConfig, TrainingError, max_iters_for_epochs, one_line, resolve_warmup
 from trainer.faults import fire_step_faults, fires, save_fault_hook, spike_fault, spiked, step_fault_due
 from trainer.console import line_due, rank0_log
@@ -35,15 +34,14 @@ from trainer.samples import build_sampler
 from trainer.start import (Progress, build_model, choose_trainable, decide_start, dpo_reference, place_on_engine,
                            restore, set_threads)
 from trainer.task import build_data, build_task_evaluator, count_tokens, evaluate, prefetch_depth, task_of
-from trainer.tasks import tokenizer_roles_problem
-from trainer.validation import validate_config
+from trainer.validation import run_tokenizer_meta, validate_config
 from checkpoint.files import write_run_start
 from checkpoint.manager import CheckpointManager
 from checkpoint.rng import restore_rng_state
 from utils.checkpoint_layout import RUN_CONFIG
 from utils import run_lock
 from utils.configurator import save_config_json
-from utils.constants import (EXIT_BAD_CONFIG, EXIT_BAD_DATA, EXIT_INTERRUPTED, EXIT_LOSS_SPIKE, EXIT_NONFINITE_LOSS,
+from utils.constants import (EXIT_BAD_DATA, EXIT_INTERRUPTED, EXIT_LOSS_SPIKE, EXIT_NONFINITE_LOSS,
                              EXIT_OK)
 from utils.device import HostCopy, StepTimer, is_accelerator, memory_stats, parse_dtype, seed_everything, synchronize
 from utils.dist import DistInfo, all_reduce_max, barrier
@@ -76,14 +74,7 @@ def _set_up(cfg: TrainConfig, info: DistInfo, continues: Optional[bool], max_ite
     schedule and the loggers, in that order: (the Loop ready to step, the start decision)."""
     threads, tuner = set_threads(cfg, info, log)
     os.makedirs(cfg.out_dir, exist_ok=True)
-    try:
-        tok_meta = load_tokenizer_meta(cfg.tokenizer_dir)
-    except (OSError, ValueError, KeyError) as e:  # a damaged tokenizer_meta.json (TokenizerMetaError) is data: 3
-        code = getattr(e, "exit_code", EXIT_BAD_CONFIG)
-        raise TrainingError(f"--tokenizer_dir={cfg.tokenizer_dir}: {e}", code) from e
-    roles = tokenizer_roles_problem(cfg, tok_meta)
-    if roles:
-        raise TrainingError(roles, EXIT_BAD_CONFIG)
+    tok_meta = run_tokenizer_meta(cfg)  # TrainingError: a damaged file (3), a missing one or role (2)
     start = decide_start(cfg, info, continues, log)
     seed_everything(cfg.seed)  # identical initial weights on every rank (and DDP broadcasts anyway)
     model, init_info = build_model(cfg, info, start, tok_meta, log)

@@ -13,8 +13,7 @@ from typing import Optional
 
 from trainer.config import (TrainConfig, continues_run, existing_run_error, imply_engine, init_checkpoint_problem,
                             no_weights_message, nothing_to_continue_error)
-from trainer.tasks import tokenizer_roles_problem
-from trainer.validation import eval_tasks_content_error, validate_config
+from trainer.validation import eval_tasks_content_error, run_tokenizer_meta, validate_config
 from utils.constants import EXIT_BAD_CONFIG, EXIT_BAD_DATA
 from utils.errors import TrainingError, one_line
 
@@ -68,15 +67,10 @@ def precheck(argv: list[str], title: str, prog: str) -> None:
         if validated_with_torch(cfg):  # the full path's one message lists those problems too: let it
             return
         fail(error + one_line(e))
-    from tokenizer import load_tokenizer_meta
     try:
-        tok_meta = load_tokenizer_meta(cfg.tokenizer_dir)
-    except (OSError, ValueError, KeyError) as e:  # a damaged tokenizer_meta.json (TokenizerMetaError) is data: 3
-        fail(error + one_line(TrainingError(f"--tokenizer_dir={cfg.tokenizer_dir}: {e}", EXIT_BAD_CONFIG)),
-             getattr(e, "exit_code", EXIT_BAD_CONFIG))  # the same line and code as trainer/loop.py train
-    roles = tokenizer_roles_problem(cfg, tok_meta)
-    if roles:  # (the same line as trainer/loop.py)
-        fail(error + roles)
+        run_tokenizer_meta(cfg)
+    except TrainingError as e:  # the same line and code as trainer/loop.py train
+        fail(error + one_line(e), e.exit_code)
     bad_task = eval_tasks_content_error(cfg)
     if bad_task is not None:  # the line and code the full path gives (trainer/task.py build_task_evaluator)
         from utils.errors import exit_code_for

@@ -113,6 +113,26 @@ def loaded_mtp_problems(cfg: TrainConfig, depths: int, source: str) -> list[str]
     return out
 
 
+def run_tokenizer_meta(cfg: TrainConfig) -> dict:
+    """The run's tokenizer_meta.json, holding the special tokens its task (trainer/tasks TaskEntry.tokens) and
+    --sample_every read; TrainingError otherwise, the one line and code both the torch-free pre-check and the full
+    start-up give (a damaged file, TokenizerMetaError: 3; a missing file, or a role the tokenizer lacks: 2)."""
+    from tokenizer import load_tokenizer_meta
+    from tokenizer.contract import MissingSpecialTokenError, special_ids
+    from trainer.tasks import task_entry
+    try:
+        tok_meta = load_tokenizer_meta(cfg.tokenizer_dir)
+    except (OSError, ValueError, KeyError) as e:
+        raise TrainingError(f"--tokenizer_dir={cfg.tokenizer_dir}: {e}",
+                            getattr(e, "exit_code", EXIT_BAD_CONFIG)) from e
+    roles = tuple(dict.fromkeys(task_entry(cfg.task_type).tokens + (("bos",) if cfg.sample_every else ())))
+    try:
+        special_ids(tok_meta, roles, f"--task_type={cfg.task_type}" + " with --sample_every" * bool(cfg.sample_every))
+    except MissingSpecialTokenError as e:
+        raise TrainingError(f"--tokenizer_dir={cfg.tokenizer_dir}: {e}", EXIT_BAD_CONFIG) from e
+    return tok_meta
+
+
 def validate_config(cfg: TrainConfig, world_size: Optional[int] = None, torch_free: bool = False) -> None:
     """Every value the run cannot work with, as one exit-2 error listing all of them.
     world_size (when known) also checks that the processes form a pp x dp mesh. torch_free: only the

@@ -12,32 +12,27 @@ from checkpoint.verify import find_latest_valid
 from model.config import read_model_config
 from tests.conftest import run_cmd, train_cmd
 from tests.trainer.test_end_to_end import _env, final_weights, losses
+from tests.trainer.test_rope_extension import from_weights, released_model
 
 
 @pytest.fixture(scope="module")
 def qwen2_dir(tiny_pretrain_data, tmp_path_factory) -> str:
     """A tiny Qwen2 (nonzero q/k/v biases) as a Hugging Face directory with the run's tokenizer."""
-    from model import ModelConfig, Transformer
-    from model.hf_interop import export_hf
-    with open(os.path.join(tiny_pretrain_data["tokenizer_dir"], "tokenizer_meta.json")) as f:
-        vocab = json.load(f)["vocab_size"]
-    torch.manual_seed(0)
-    model = Transformer(ModelConfig(vocab_size=vocab, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=64,
-                                    max_seq_len=64, initializer_range=0.1, qkv_bias=True))
-    with torch.no_grad():
-        for layer in model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                proj.bias.normal_(0, 0.5)
-    out = export_hf(model, str(tmp_path_factory.mktemp("qwen2") / "hf"),
-                    tokenizer_dir=tiny_pretrain_data["tokenizer_dir"])
+    def biases(model):
+        with torch.no_grad():
+            for layer in model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+
+    out = released_model(tiny_pretrain_data, tmp_path_factory.mktemp("qwen2") / "hf", biases, n_kv_heads=2,
+                         max_seq_len=64, qkv_bias=True)
     with open(os.path.join(out, "config.json")) as f:
         assert json.load(f)["model_type"] == "qwen2"
     return out
 
 
 def test_a_qwen2_trains_its_biases_and_two_tensor_ranks_follow_one_process(tiny_pretrain_run_args, qwen2_dir, tmp_path):
-    args = [a for a in tiny_pretrain_run_args if not a.startswith(("--dim", "--n_layers", "--n_heads", "--multiple"))]
-    args += [f"--init_from={qwen2_dir}", "--max_iters=3", "--checkpoint_interval=3"]
+    args = from_weights(tiny_pretrain_run_args, qwen2_dir, "--max_iters=3", "--checkpoint_interval=3")
     one, tp = tmp_path / "one", tmp_path / "tp"
     run_cmd(train_cmd([*args, f"--out_dir={one}"], 1), env=_env())
     run_cmd(train_cmd([*args, f"--out_dir={tp}", "--parallel=fsdp", "--tensor_parallel_size=2"], 2), env=_env())

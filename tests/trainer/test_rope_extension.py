@@ -22,9 +22,9 @@ YARN = {"type": "yarn", "factor": 2.0, "original_max_position_embeddings": RELEA
         "beta_slow": 1.0, "attention_factor": 0.1 * math.log(2.0) + 1.0, "truncate": True}
 
 
-@pytest.fixture(scope="module")
-def released(tiny_pretrain_data, tmp_path_factory) -> str:
-    """A tiny model "released" as a Hugging Face directory with the run's tokenizer, trained length 16."""
+def released_model(tiny_pretrain_data, out_dir, edit=None, **model) -> str:
+    """A tiny model of the run tokenizer's vocabulary "released" as a Hugging Face directory with that tokenizer
+    (`model`: ModelConfig fields over dim 32, 2 layers, 4 heads; `edit(model)` before the export)."""
     import json
 
     from model import ModelConfig, Transformer
@@ -32,15 +32,27 @@ def released(tiny_pretrain_data, tmp_path_factory) -> str:
     with open(os.path.join(tiny_pretrain_data["tokenizer_dir"], "tokenizer_meta.json")) as f:
         vocab = json.load(f)["vocab_size"]
     torch.manual_seed(0)
-    model = Transformer(ModelConfig(vocab_size=vocab, dim=32, n_layers=2, n_heads=4, hidden_dim=64,
-                                    max_seq_len=RELEASED_LEN, initializer_range=0.1))
-    return export_hf(model, str(tmp_path_factory.mktemp("released") / "hf"),
-                     tokenizer_dir=tiny_pretrain_data["tokenizer_dir"])
+    net = Transformer(ModelConfig(**{**dict(vocab_size=vocab, dim=32, n_layers=2, n_heads=4, hidden_dim=64,
+                                            initializer_range=0.1), **model}))
+    if edit is not None:
+        edit(net)
+    return export_hf(net, str(out_dir), tokenizer_dir=tiny_pretrain_data["tokenizer_dir"])
+
+
+@pytest.fixture(scope="module")
+def released(tiny_pretrain_data, tmp_path_factory) -> str:
+    """Trained length 16."""
+    return released_model(tiny_pretrain_data, tmp_path_factory.mktemp("released") / "hf", max_seq_len=RELEASED_LEN)
+
+
+def from_weights(tiny_pretrain_run_args, weights, *extra) -> list[str]:
+    """The tiny run's flags starting from `weights` (their shape is theirs: the shape flags left out)."""
+    args = [a for a in tiny_pretrain_run_args if not a.startswith(("--dim", "--n_layers", "--n_heads", "--multiple"))]
+    return [*args, f"--init_from={weights}", *extra]
 
 
 def _args(tiny_pretrain_run_args, released, *extra) -> list[str]:
-    args = [a for a in tiny_pretrain_run_args if not a.startswith(("--dim", "--n_layers", "--n_heads", "--multiple"))]
-    return [*args, f"--init_from={released}", "--checkpoint_interval=2", *extra]
+    return from_weights(tiny_pretrain_run_args, released, "--checkpoint_interval=2", *extra)
 
 
 def test_hf_weights_continue_at_twice_their_length_with_yarn_and_resume_exactly(

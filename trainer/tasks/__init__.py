@@ -5,7 +5,7 @@ trainer's pre-check reads the names and needs; a task's module is imported when 
 from __future__ import annotations
 
 import importlib
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, NamedTuple, Union
 
 
 class TaskEntry(NamedTuple):
@@ -21,19 +21,6 @@ TASKS: dict[str, Union[str, TaskEntry]] = {  # --task_type -> its entry
     "dpo": TaskEntry("trainer.tasks.dpo:DPOTask", needs="sequence_logprobs", from_pretrained=True),
     "grpo": TaskEntry("trainer.tasks.grpo:GRPOTask", needs="rollouts", tokens=("bos", "pad")),
 }
-
-
-def tokenizer_roles_problem(cfg: Any, tok_meta: dict) -> Optional[str]:
-    """Why the run's tokenizer cannot serve it (a special token its task or --sample_every reads is not one of its
-    roles: an adopted Hub tokenizer without a pad or bos token), or None."""
-    from tokenizer.contract import MissingSpecialTokenError, special_ids
-    roles = tuple(dict.fromkeys(task_entry(cfg.task_type).tokens + (("bos",) if cfg.sample_every else ())))
-    try:
-        special_ids(tok_meta, roles, f"--task_type={cfg.task_type}" + (" with --sample_every" if cfg.sample_every
-                                                                        else ""))
-    except MissingSpecialTokenError as e:
-        return f"--tokenizer_dir={cfg.tokenizer_dir}: {e}"
-    return None
 
 
 def task_entry(name: str) -> TaskEntry:
