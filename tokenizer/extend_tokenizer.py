@@ -83,15 +83,16 @@ def extend_tokenizer(base_tokenizer_dir: str, data_dir_or_files: str | Sequence[
     if os.path.abspath(output_dir) == os.path.abspath(base_tokenizer_dir):
         raise ValueError(f"--out_dir {output_dir} is the base tokenizer directory; write the extension elsewhere")
     kind, tj, proto = load_base(base_tokenizer_dir)
+    base_ids = all_ids(tj)
     for role, token in (roles or {}).items():
-        if token not in all_ids(tj):
+        if token not in base_ids:
             raise ValueError(f"--{role}_token={token!r} is not a token of the base tokenizer {base_tokenizer_dir}")
     threads = num_threads or os.cpu_count() or 1
     os.environ.setdefault("RAYON_NUM_THREADS", str(threads))
     if num_new_tokens == 0:  # adopted: every base id, special and template kept; reserved ids pad the vocabulary
         ext, start, total, reserved = build_extended_json(tj, [], {})
         ext_str = json.dumps(ext, ensure_ascii=False)
-        check_extended_ids(ext_str, all_ids(tj), [], start, total)
+        check_extended_ids(ext_str, base_ids, [], start, total)
         return _save(base_tokenizer_dir, output_dir, kind, tj, proto, ext, ext_str, [], reserved, start, total,
                      None, {"characters": 0, "tokens_per_char_before": None, "tokens_per_char_after": None}, roles)
 
@@ -107,7 +108,7 @@ def extend_tokenizer(base_tokenizer_dir: str, data_dir_or_files: str | Sequence[
     new_tokens, primary = _learn_pieces(kind, tj, proto, corpus, num_new_tokens, seed, threads, min_frequency)
     ext, start, total, reserved = build_extended_json(tj, new_tokens, primary)
     ext_str = json.dumps(ext, ensure_ascii=False)
-    check_extended_ids(ext_str, all_ids(tj), new_tokens, start, total)
+    check_extended_ids(ext_str, base_ids, new_tokens, start, total)
 
     before = tokens_per_char(json.dumps(tj, ensure_ascii=False), corpus.heldout)
     after = tokens_per_char(ext_str, corpus.heldout)
@@ -192,12 +193,13 @@ def _save(base_dir: str, output_dir: str, kind: str, tj: dict[str, Any], proto: 
         if os.path.exists(os.path.join(base_dir, META_FILENAME)):
             with open(os.path.join(base_dir, META_FILENAME), encoding="utf-8") as f:
                 base_meta = json.load(f)
+        ext_ids = all_ids(ext)
         meta = {
             "tokenizer_type": "extended_" + (base_meta or {}).get("tokenizer_type", kind),
             "vocab_size": total,
             "learned_vocab_size": total - len(ext.get("added_tokens", [])),  # ids that are not added/special tokens
             "special_tokens": {**special_tokens_meta(ext, config),
-                               **{r: {"token": t, "id": all_ids(ext)[t]} for r, t in (roles or {}).items()}},
+                               **{r: {"token": t, "id": ext_ids[t]} for r, t in (roles or {}).items()}},
             "fingerprint": fingerprint_dir(tmp),
             "files": file_hashes(tmp),
             "extension": {
