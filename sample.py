@@ -4,9 +4,9 @@
 recorded (its --tokenizer_dir), unless `--tokenizer_dir` is given (required for a Hugging Face dir).
 
 Owns: the command-line wrapper around model.generate (KV cache, temperature / top-k / top-p / min-p
-sampling, the repetition penalty, stop at </s> or <|im_end|>) and `build_prompt_ids`. `--chat` wraps the
-prompt in the ChatML template as a user turn (for SFT/DPO models). `--speculative=mtp`: a model trained with multi-token prediction
-drafts the token after next with its first depth and verifies it in the next forward (model/speculative.py; greedy
+sampling, the repetition penalty, stop at eos or the chat's end of turn) and `build_prompt_ids`. `--chat` wraps
+the prompt in the tokenizer's chat template as a user turn (for SFT/DPO models; ChatML for ours).
+`--speculative=mtp`: a model trained with multi-token prediction drafts the token after next with its first depth and verifies it in the next forward (model/speculative.py; greedy
 output unchanged, sampling the same distribution; it pays only where the drafts are mostly right). The checkpoint, the model and the recorded tokenizer are loaded by inference/loading.py (shared with eval_lm.py).
 Exit 2 for a bad flag or a --checkpoint that names nothing, 5 for a damaged checkpoint (one line naming the file;
 docs/errors.md). Flags, a --ckpt that is not there and a --checkpoint that names nothing are answered before torch
@@ -25,9 +25,9 @@ from inference.loading import load_for_inference, no_tokenizer_message, precheck
 def build_prompt_ids(tok: Any, tokenizer_meta: dict, prompt: str, chat: bool) -> list[int]:
     """Model input ids for a prompt, encoded injection-safe.
 
-    chat: `<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n` via `encode_chat`, which inserts
-    the marker ids itself; else `<s>` + the prompt's ids (`encode_texts`). Either way special-token text
-    in the prompt stays ordinary text. ValueError for a prompt that cannot be encoded (lone surrogate)."""
+    chat: the prompt as a user turn and the assistant's header, in the tokenizer's chat template (ours:
+    `<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n`) via `encode_chat`; else `<s>` (if the tokenizer has one) + the prompt's
+    ids (`encode_texts`). Either way special-token text in the prompt stays ordinary text. ValueError for a prompt that cannot be encoded (lone surrogate)."""
     from tokenizer import encode_chat, encode_texts
     bad = next((i for i, c in enumerate(prompt) if "\ud800" <= c <= "\udfff"), None)
     if bad is not None:  # e.g. undecodable bytes on the command line (surrogateescape)
@@ -36,7 +36,8 @@ def build_prompt_ids(tok: Any, tokenizer_meta: dict, prompt: str, chat: bool) ->
     if chat:
         ids, _ = encode_chat(tok, [{"role": "user", "content": prompt}], add_generation_prompt=True)
         return list(ids)
-    return [int(tokenizer_meta["special_tokens"]["bos"]["id"])] + encode_texts(tok, [prompt])[0]
+    bos = tokenizer_meta["special_tokens"].get("bos")  # (a tokenizer without one, Qwen2's: the text alone)
+    return ([int(bos["id"])] if bos else []) + encode_texts(tok, [prompt])[0]
 
 
 def _parser():
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from model.generate import generate
-
+    from tokenizer.chat import chat_stop_ids
     from tokenizer.loading import load_tokenizer_and_meta
     from utils.device import resolve_device
     from utils.errors import report_named
@@ -138,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
               "drafts with the first", file=sys.stderr)
     torch.manual_seed(args.seed)
     x = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=device)
-    stop_ids = [special["eos"]["id"], special["im_end"]["id"]]
+    stop_ids = chat_stop_ids(tok, special)
     knobs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
                  top_p=args.top_p, min_p=args.min_p, stop_ids=stop_ids)
     if args.speculative == "mtp":

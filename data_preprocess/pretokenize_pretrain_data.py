@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 from data_preprocess.readers import (FileFieldCheck, SkipCounter, collect_inputs, extract_text, input_paths,
                                      inputs_name, iter_records, parse_text_fields, root_of, skip_counter,
                                      split_long_text, text_fields_spec)
-from tokenizer.contract import special_ids
+from tokenizer.contract import optional_special_id, special_ids
 from tokenizer.corpus import input_kind, is_dataset_source, source_size
 from tokenizer.documents import TEXT_FIELDS_HELP
 from tokenizer.dataset_source import add_hf_dataset_flags, hf_dataset_from_args
@@ -109,7 +109,8 @@ def pretokenize_pretrain(data_dir: Union[None, str, Sequence[str]], tokenizer_di
     if tokenizer_meta is None:
         from tokenizer import load_tokenizer_meta
         tokenizer_meta = load_tokenizer_meta(tokenizer_dir)
-    ends = special_ids(tokenizer_meta, ("bos", "eos"), "the shards' document layout <s> ids </s>")
+    ends = special_ids(tokenizer_meta, ("eos",), "the shards' document layout [<s>] ids </s>")
+    bos = optional_special_id(tokenizer_meta, "bos")  # None: documents are `ids </s>` (Qwen's tokenizer has no bos)
     vocab_size = int(tokenizer_meta["vocab_size"])
     alternatives = parse_text_fields(text_fields)
     spec = text_fields_spec(alternatives)
@@ -125,10 +126,10 @@ def pretokenize_pretrain(data_dir: Union[None, str, Sequence[str]], tokenizer_di
         files.append(hf_dataset)
     base_meta = {
         "dtype": dtype_for_vocab(vocab_size).str, "vocab_size": vocab_size,
-        "bos_id": ends["bos"], "eos_id": ends["eos"],
+        "bos_id": bos, "eos_id": ends["eos"],
         "tokenizer_fingerprint": str(tokenizer_meta.get("fingerprint", "")),
         "tokenizer_type": tokenizer_meta.get("tokenizer_type"), "text_fields": spec,
-        "document_layout": "<s> ids </s>", "max_doc_chars": int(max_doc_chars),
+        "document_layout": "<s> ids </s>" if bos is not None else "ids </s>", "max_doc_chars": int(max_doc_chars),
         **({"dedup": True} if dedup else {}),  # absent = repeats kept (shards made before the flag stay complete)
     }
     summary: dict[str, Any] = {"output_dir": output_dir, "files": {}, "skipped_complete": [],

@@ -42,7 +42,7 @@ from data_preprocess.sft_format import (ChatRenderer, Encode, apply_overlong,
                                         sft_messages)
 from data_preprocess.shard_format import DataError, dtype_for_vocab
 from data_preprocess.worker_tokenizer import FileFailed, raise_failed
-from tokenizer.contract import special_ids
+from tokenizer.contract import optional_special_id, special_ids
 from tokenizer.corpus import CorpusConfigError
 from tokenizer.dataset_source import add_hf_dataset_flags, hf_dataset_from_args
 from utils.writable import check_writable_dir
@@ -174,7 +174,7 @@ class ChatTask:
         kind = self.kind
         out, files = chat_inputs(kind, data_dir, output_dir, max_seq_len, hf_dataset)
         encode, tmeta = make_chat_encoder(tokenizer_dir)  # loads here first: a bad tokenizer dir fails early
-        sp = special_ids(tmeta, ("pad", "bos", "eos"), f"the {kind.kind} files' layout")  # before any input is read
+        sp = special_ids(tmeta, ("pad", "eos"), f"the {kind.kind} files' layout")  # before any input is read
         with ChatRenderer(tokenizer_dir, num_workers, encode=encode if num_workers <= 1 and encode_fn is None else None,
                           encode_fn=encode_fn) as renderer:
             ids, labels, index, stats = self.tokenize_files(files, renderer, max_seq_len, overlong, strict)
@@ -185,7 +185,7 @@ class ChatTask:
         dtype = dtype_for_vocab(vocab)
         meta = {
             "format_version": kind.format_version, "kind": kind.kind, "dtype": dtype.str, "labels_dtype": "<i4",
-            "vocab_size": vocab, "pad_id": sp["pad"], "bos_id": sp["bos"],
+            "vocab_size": vocab, "pad_id": sp["pad"], "bos_id": optional_special_id(tmeta, "bos"),
             "eos_id": sp["eos"], "tokenizer_fingerprint": tmeta.get("fingerprint", ""),
             "max_seq_len": int(max_seq_len), "overlong": overlong, kind.count_key: int(len(index)),
             "num_tokens": int(ids.size), "num_target_tokens": int((labels != -100).sum()), **self.extra_meta,

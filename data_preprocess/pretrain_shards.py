@@ -41,7 +41,8 @@ class ShardWriter:
             self._flush(final=False)  # flushed lazily so the final shard is never an empty one
         self.doc_starts.append(self.fill)
         self.docs += 1
-        self.extend(np.asarray([self.meta["bos_id"]]))
+        if self.meta["bos_id"] is not None:  # (a tokenizer without a bos: `ids </s>`)
+            self.extend(np.asarray([self.meta["bos_id"]]))
 
     def end_doc(self) -> None:
         self.extend(np.asarray([self.meta["eos_id"]]))

@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator, Optional
 import numpy as np
 
 from data_preprocess.readers import SkipCounter, iter_records, lone_surrogate
-from data_preprocess.worker_tokenizer import FileFailed, WorkerTokenizer, backend_json, worker_result
+from data_preprocess.worker_tokenizer import FileFailed, WorkerTokenizer, backend_json, chat_attrs, worker_result
 from utils.constants import EXIT_BAD_DATA, IGNORE_INDEX
 
 ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
@@ -171,10 +171,10 @@ def apply_overlong(ids: np.ndarray, labels: np.ndarray, max_seq_len: int,
 def make_chat_encoder(tokenizer_dir: str) -> tuple[Callable[[list[dict]], tuple[Any, Any]], dict]:
     """(encode(messages) -> (ids, assistant_mask), tokenizer meta) for a tokenizer directory."""
     from tokenizer import load_tokenizer, load_tokenizer_meta
-    from tokenizer.chat import chat_marker_ids, encode_chat
+    from tokenizer.chat import check_chat, encode_chat
     tok = load_tokenizer(tokenizer_dir)
     meta = load_tokenizer_meta(tokenizer_dir)
-    chat_marker_ids(tok)  # a tokenizer without ChatML's markers: one line, exit 2, before any input is read
+    check_chat(tok)  # no template and no ChatML markers, or an unusable template: one line, exit 2, before any input
     return (lambda msgs: encode_chat(tok, msgs)), meta
 
 
@@ -185,7 +185,7 @@ Encode = Callable[[list[dict]], tuple[Any, Any]]
 _WORKER_ENCODE: Optional[Encode] = None
 
 
-def _init_chat_worker(backend: Optional[str], encode_fn: Optional[Encode]) -> None:
+def _init_chat_worker(backend: Optional[str], encode_fn: Optional[Encode], chat: Optional[dict] = None) -> None:
     """The parent's tokenizer backend as JSON (`backend`): no transformers/torch import here
     (seconds per worker), and `encode_chat` encodes exactly as on the parent's tokenizer."""
     global _WORKER_ENCODE
@@ -194,7 +194,7 @@ def _init_chat_worker(backend: Optional[str], encode_fn: Optional[Encode]) -> No
         _WORKER_ENCODE = encode_fn
         return
     from tokenizer.chat import encode_chat
-    tok = WorkerTokenizer(backend)
+    tok = WorkerTokenizer(backend, chat)
     _WORKER_ENCODE = lambda msgs: encode_chat(tok, msgs)  # noqa: E731
 
 
@@ -231,12 +231,13 @@ class ChatRenderer:
         if encode is not None or self.num_workers == 1:
             self._encode = encode or encode_fn or make_chat_encoder(tokenizer_dir)[0]
         else:
-            backend = None
+            backend, chat = None, None
             if encode_fn is None:  # loaded once here; workers rebuild the backend from its JSON
                 from tokenizer import load_tokenizer
-                backend = backend_json(load_tokenizer(tokenizer_dir))
+                tok = load_tokenizer(tokenizer_dir)
+                backend, chat = backend_json(tok), chat_attrs(tok)
             self._pool = ProcessPoolExecutor(max_workers=self.num_workers, initializer=_init_chat_worker,
-                                             initargs=(backend, encode_fn))
+                                             initargs=(backend, encode_fn, chat))
 
     def submit(self, convs: list[list[dict]]) -> Future:
         if self._pool is not None:

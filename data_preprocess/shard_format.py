@@ -166,7 +166,7 @@ def token_dtype_field(path: str, meta: dict, key: str = "dtype") -> np.dtype:
 
 
 def read_sidecar(json_path: str) -> dict:
-    """A shard's sidecar, its fields checked for type: dtype, num_tokens, vocab_size, bos_id, eos_id
+    """A shard's sidecar, its fields checked for type: dtype, num_tokens, vocab_size, bos_id (null: no bos), eos_id
     (and shard_index, final, tokenizer_fingerprint when present)."""
     meta = read_json_object(json_path, "shard sidecar")
     token_dtype_field(json_path, meta)
@@ -175,6 +175,8 @@ def read_sidecar(json_path: str) -> dict:
     if vocab > 2 ** 32:
         raise DataError(f"{json_path}: field 'vocab_size' is {vocab}, more ids than uint32 holds")
     for key in ("bos_id", "eos_id"):
+        if key == "bos_id" and meta.get(key, 0) is None:  # documents without a bos (`ids </s>`)
+            continue
         if int_field(json_path, meta, key) >= vocab:
             raise DataError(f"{json_path}: field '{key}' is {meta[key]}, outside the vocabulary of {vocab}")
     if "shard_index" in meta:

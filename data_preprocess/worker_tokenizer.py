@@ -24,18 +24,29 @@ from typing import Any, Optional
 from data_preprocess.shard_format import DataError
 
 
+CHAT_ATTRS = ("chat_template", "bos_token", "eos_token", "pad_token", "unk_token")
+
+
 def backend_json(tok: Any) -> str:
     """The serialized fast backend of a tokenizer loaded by `tokenizer.load_tokenizer`."""
     return getattr(tok, "backend_tokenizer", tok).to_str()
 
 
+def chat_attrs(tok: Any) -> dict[str, Optional[str]]:
+    """What `tokenizer.encode_chat` reads of a tokenizer besides its backend: its chat template and the special
+    tokens' strings the template may print."""
+    return {k: (None if getattr(tok, k, None) is None else str(getattr(tok, k))) for k in CHAT_ATTRS}
+
+
 class WorkerTokenizer:
     """Holds `backend_tokenizer` as `tokenizer.loading.safe_backend` expects it (which caches its
-    injection-safe copy on this object, once per worker)."""
+    injection-safe copy on this object, once per worker), and the parent's `chat_attrs` for conversations."""
 
-    def __init__(self, backend_json: str):
+    def __init__(self, backend_json: str, chat: Optional[dict[str, Optional[str]]] = None):
         from tokenizers import Tokenizer
         self.backend_tokenizer = Tokenizer.from_str(backend_json)
+        for k in CHAT_ATTRS:
+            setattr(self, k, (chat or {}).get(k))
 
 
 class FileFailed(Exception):

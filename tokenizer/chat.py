@@ -1,17 +1,19 @@
-"""ChatML conversations to token ids with an assistant mask, for SFT/DPO preprocessing.
+"""Conversations to token ids with an assistant mask, for SFT / DPO preprocessing, GRPO prompts and sampling.
 
-Owns: ``encode_chat``, which builds ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message by
-inserting the marker ids itself and encoding the text with the injection-safe backend, and marks the
-tokens a model should learn (assistant content and its ``<|im_end|>``).
-Must never: let message text produce special ids (a user writing "<|im_end|>" stays plain text), or
-drift from the stored chat template: for benign content the ids equal
-``tok.apply_chat_template(messages, tokenize=True)``.
+Owns: ``encode_chat``, the one entry point, and what a chat stops at (``chat_stop_ids``). A tokenizer whose chat
+template is ours (ChatML, what tokenizer.train_tokenizer writes), or that has none but ChatML's markers, is encoded
+here directly: ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message, the marker ids inserted, the text encoded
+with the injection-safe backend, the mask on assistant content and its ``<|im_end|>``. Any other template (an adopted
+Llama 3, Qwen2.5, Gemma tokenizer's) is rendered as it is by ``tokenizer.chat_template``.
+Must never: let message text produce special ids (a user writing "<|im_end|>" stays plain text), or drift from the
+stored chat template: for benign content the ids equal ``tok.apply_chat_template(messages, tokenize=True)``.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
-from tokenizer.contract import MissingSpecialTokenError
+from tokenizer.chat_template import TemplateChat, template_chat
+from tokenizer.contract import CHATML_TEMPLATE, MissingSpecialTokenError
 from tokenizer.loading import safe_backend
 
 
@@ -19,23 +21,63 @@ def chat_marker_ids(tok: Any) -> tuple[int, int]:
     """The ids of <|im_start|> and <|im_end|> (MissingSpecialTokenError, exit 2, when the tokenizer lacks them)."""
     backend = safe_backend(tok)
     ids = backend.token_to_id("<|im_start|>"), backend.token_to_id("<|im_end|>")
-    if None in ids:  # (a Llama 3 tokenizer: its chats use header tokens, not ChatML)
-        raise MissingSpecialTokenError("the tokenizer has no <|im_start|>/<|im_end|> tokens, which our chat "
-                                       "renderer (ChatML) needs for SFT, DPO and GRPO conversations")
+    if None in ids:
+        raise MissingSpecialTokenError("the tokenizer has no chat template and no <|im_start|>/<|im_end|> tokens "
+                                       "(ChatML, what our renderer writes without a template), which SFT, DPO and "
+                                       "GRPO conversations need; add a chat_template to its tokenizer_config.json")
     return ids  # type: ignore[return-value]
+
+
+def own_template(tok: Any) -> Optional[TemplateChat]:
+    """The tokenizer's template to render with, or None where ChatML is written directly (ours, or no template)."""
+    source = getattr(tok, "chat_template", None)
+    if source is None or source == CHATML_TEMPLATE:
+        return None
+    return template_chat(tok, safe_backend(tok))
+
+
+def check_chat(tok: Any) -> None:
+    """Raise before any input is read when conversations cannot be encoded with `tok`: no template and no ChatML
+    markers (MissingSpecialTokenError, exit 2), or a template that cannot render a user / assistant exchange
+    (ValueError naming what it did)."""
+    chat = own_template(tok)
+    if chat is None:
+        chat_marker_ids(tok)
+        return
+    try:
+        chat.encode([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}])
+    except ValueError as e:
+        raise MissingSpecialTokenError(f"the tokenizer's chat template cannot be used for training: {e}") from None
+
+
+def chat_stop_ids(tok: Any, special: Mapping[str, Mapping[str, Any]]) -> list[int]:
+    """What a generated reply ends at: the tokenizer meta's eos and the token closing an assistant turn (ChatML's
+    <|im_end|>, Llama 3's <|eot_id|>, ...), each once."""
+    out = [int(special["eos"]["id"])]
+    chat = own_template(tok)
+    if chat is not None:
+        end = chat.end_of_turn_id()
+    else:
+        end = safe_backend(tok).token_to_id("<|im_end|>")
+    if end is not None and end not in out:
+        out.append(int(end))
+    return out
 
 
 def encode_chat(tok: Any, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = False,
                 train_roles: Sequence[str] = ("assistant",)) -> tuple[list[int], list[int]]:
-    """Return (input_ids, assistant_mask), mask 1 on content tokens of ``train_roles`` and their <|im_end|>.
+    """Return (input_ids, assistant_mask), mask 1 on content tokens of ``train_roles`` and what closes their turns.
 
-    Role header and content are encoded as ONE segment ("{role}\\n{content}", exactly the text the
+    ChatML, directly: role header and content are encoded as ONE segment ("{role}\\n{content}", exactly the text the
     template puts between the markers) so BPE merges match apply_chat_template; token offsets then
     tell header from content. A token straddling the boundary counts as content (it holds content bytes).
     """
     for i, m in enumerate(messages):
         if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise ValueError(f"message {i}: 'role' and 'content' must be strings, got {dict(m)!r}")
+    chat = own_template(tok)
+    if chat is not None:
+        return chat.encode(messages, add_generation_prompt, train_roles)
     im_start, im_end = chat_marker_ids(tok)
     backend = safe_backend(tok)
     headers = [m["role"] + "\n" for m in messages]

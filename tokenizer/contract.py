@@ -55,6 +55,13 @@ def special_ids(meta: dict[str, Any], roles: tuple[str, ...], what: str) -> dict
     return {r: int(st[r]["id"]) for r in roles}
 
 
+def optional_special_id(meta: dict[str, Any], role: str) -> int | None:
+    """The id of the tokenizer meta's special token `role`, or None when it has none (an adopted tokenizer without a
+    bos, Qwen2's: its documents and prompts start with their text)."""
+    entry = (meta.get("special_tokens") or {}).get(role)
+    return None if entry is None else int(entry["id"])
+
+
 def reserved_token(k: int) -> str:
     return f"<|reserved_{k}|>"
 

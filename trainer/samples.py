@@ -22,7 +22,6 @@ from utils.constants import EXIT_BAD_CONFIG
 from utils.errors import TrainingError, one_line
 
 DEFAULT_PROMPT = "Once upon a time"
-STOP_TOKENS = ("eos", "im_end")  # a continuation ends at </s> or <|im_end|> (not shown), as in sample.py
 
 
 def _looks_like_path(spec: str) -> bool:
@@ -67,9 +66,10 @@ class TrainSampler:
     def __init__(self, prompts: list[str], tokenizer_dir: str, task_type: str, every: int, max_new_tokens: int,
                  temperature: float = 0.0, seed: int = 0) -> None:
         from tokenizer import encode_chat, encode_texts, load_tokenizer, load_tokenizer_meta
+        from tokenizer.chat import chat_stop_ids
         self.tok = load_tokenizer(tokenizer_dir)
         special = load_tokenizer_meta(tokenizer_dir)["special_tokens"]
-        self.stop_ids = [int(special[name]["id"]) for name in STOP_TOKENS]
+        self.stop_ids = chat_stop_ids(self.tok, special)  # eos, the chat's end of turn (not shown), as sample.py
         from trainer.tasks import task_class
         self.chat = bool(task_class(task_type).chat)  # the model learned replies to user turns
         self.prompts, self.every, self.max_new_tokens = list(prompts), int(every), int(max_new_tokens)
@@ -78,8 +78,8 @@ class TrainSampler:
             self.ids = [list(encode_chat(self.tok, [{"role": "user", "content": p}], add_generation_prompt=True)[0])
                         for p in self.prompts]
         else:
-            bos = int(special["bos"]["id"])
-            self.ids = [[bos] + ids for ids in encode_texts(self.tok, self.prompts)]
+            bos = [int(special["bos"]["id"])] if "bos" in special else []  # (a tokenizer without one: none)
+            self.ids = [bos + ids for ids in encode_texts(self.tok, self.prompts)]
 
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0

@@ -125,7 +125,7 @@ def run_tokenizer_meta(cfg: TrainConfig) -> dict:
     except (OSError, ValueError, KeyError) as e:
         raise TrainingError(f"--tokenizer_dir={cfg.tokenizer_dir}: {e}",
                             getattr(e, "exit_code", EXIT_BAD_CONFIG)) from e
-    roles = tuple(dict.fromkeys(task_entry(cfg.task_type).tokens + (("bos",) if cfg.sample_every else ())))
+    roles = tuple(dict.fromkeys(task_entry(cfg.task_type).tokens + (("eos",) if cfg.sample_every else ())))
     try:
         special_ids(tok_meta, roles, f"--task_type={cfg.task_type}" + " with --sample_every" * bool(cfg.sample_every))
     except MissingSpecialTokenError as e:

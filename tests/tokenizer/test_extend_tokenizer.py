@@ -463,15 +463,24 @@ def test_a_role_named_at_adoption_is_in_the_meta_and_a_token_the_base_lacks_is_r
     assert not (tmp_path / "no").exists()
 
 
-def test_sft_with_a_tokenizer_without_chatml_markers_is_one_line(bases, tmp_path):
-    """Our chat renderer writes ChatML: an adopted tokenizer without <|im_start|> / <|im_end|> (Llama's) is refused
-    in one line, exit 2 (was a traceback)."""
+def test_sft_with_a_tokenizer_without_a_chat_template_or_chatml_markers_is_one_line(bases, tmp_path):
+    """An adopted tokenizer's own chat template renders its conversations (tests/tokenizer/test_chat_templates.py);
+    one with no template and no ChatML markers is refused in one line, exit 2, before any input is read."""
     import sys
+    base = tmp_path / "base"
+    shutil.copytree(bases["llama_sp"], base)
+    for name in ("chat_template.jinja", "chat_template.json"):
+        if (base / name).exists():
+            os.remove(base / name)
+    with open(base / "tokenizer_config.json", encoding="utf-8") as f:
+        cfg = json.load(f)
+    cfg.pop("chat_template", None)
+    with open(base / "tokenizer_config.json", "w", encoding="utf-8") as f:
+        json.dump(cfg, f)
     out = tmp_path / "adopted"
-    assert main([f"--base_tokenizer_dir={bases['llama_sp']}", "--num_new_tokens=0", f"--out_dir={out}",
-                 "--pad_token=</s>"]) == 0
+    assert main([f"--base_tokenizer_dir={base}", "--num_new_tokens=0", f"--out_dir={out}", "--pad_token=</s>"]) == 0
     r = run_python([sys.executable, "-m", "data_preprocess.pretokenize_sft_data", "--data_dir=data/sft",
                     f"--tokenizer_dir={out}", "--max_seq_len=64", f"--out_dir={tmp_path / 'sft'}", "--num_workers=1"])
     assert r.returncode == 2, r.stderr[-2000:]
-    assert "the tokenizer has no <|im_start|>/<|im_end|> tokens, which our chat renderer (ChatML) needs" in r.stderr
-    assert "Traceback" not in r.stderr
+    assert "the tokenizer has no chat template and no <|im_start|>/<|im_end|> tokens" in r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "sft").exists()

@@ -196,7 +196,8 @@ def test_export_refuses_a_tokenizer_larger_than_the_model(cpt, tiny_pretrain_run
 def test_an_adopted_tokenizer_trains_the_released_model_at_its_own_vocabulary(cpt, tmp_path):
     """The released model's own tokenizer made ours (`extend_tokenizer --num_new_tokens=0`, no corpus): the data
     pretokenizes with it and the model trains at its own vocabulary (no growth: every id is the base's). The base
-    names no bos / eos (as Qwen2's names no bos): pretokenizing says so in one line until the adoption names them."""
+    names no eos: pretokenizing says so in one line until the adoption names one; it names no bos either, and keeps
+    none (as Qwen2's): its documents are `ids <eos>`."""
     from model.config import read_model_config
     adopted, shards, out = tmp_path / "adopted", tmp_path / "shards", tmp_path / "run"
     adopt = [PY, "-m", "tokenizer.extend_tokenizer", f"--base_tokenizer_dir={cpt['base_tok']}", "--num_new_tokens=0",
@@ -205,10 +206,12 @@ def test_an_adopted_tokenizer_trains_the_released_model_at_its_own_vocabulary(cp
                    f"--tokenizer_dir={adopted}", f"--output_dir={shards}", "--num_workers=1", "--no_progress"]
     run_cmd(adopt)
     r = run_python(pretokenize)
-    assert r.returncode == 2 and "the tokenizer has no bos / eos token, which the shards' document layout" in r.stderr
-    assert "--bos_token=... --eos_token=..." in r.stderr and "Traceback" not in r.stderr
-    run_cmd([*adopt, "--bos_token=\u010a", "--eos_token=\u010a"])  # "Ċ", the byte-level newline
+    assert r.returncode == 2 and "the tokenizer has no eos token, which the shards' document layout" in r.stderr
+    assert "--eos_token=..." in r.stderr and "Traceback" not in r.stderr
+    run_cmd([*adopt, "--eos_token=\u010a"])  # "Ċ", the byte-level newline
     run_cmd(pretokenize)
+    sidecar = json.loads(next(p for p in shards.iterdir() if p.suffix == ".json" and p.stem[-1].isdigit()).read_text())
+    assert sidecar["bos_id"] is None and sidecar["document_layout"] == "ids </s>"
     run_cmd([PY, "-m", "data_preprocess.build_pretrain_sample_index_map", f"--data_dir={shards}",
              "--max_seq_len=32", "--val_ratio=0.1"])
     args = [a for a in cpt["args"] if not a.startswith(("--data_dir", "--tokenizer_dir"))]

@@ -87,6 +87,7 @@ def test_the_tasks_evaluate_splits_the_prompts_over_ranks_and_sums_them(monkeypa
         task = GRPOTask(cfg)
         task._tok = SimpleNamespace(decode=lambda ids, skip_special_tokens: decode(ids))
         task._special, task._rewards = {"eos": {"id": STOP}, "im_end": {"id": STOP}}, rewards()
+        task._stop_ids = [STOP]  # what _load_tools finds (tokenizer.chat.chat_stop_ids)
         engine = SimpleNamespace(module=model, dp_rank=rank, dp_size=world,
                                  optimizer=SimpleNamespace(finish_param_sync=lambda: None),
                                  sum_over_data=lambda v, device: torch.tensor(total or v, dtype=torch.float64))

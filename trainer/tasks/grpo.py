@@ -32,7 +32,6 @@ from utils.constants import EXIT_BAD_CONFIG
 from utils.device import to_device
 from utils.errors import TrainingError
 
-STOP_TOKENS = ("eos", "im_end")  # a completion ends at </s> or <|im_end|> (trained on), as samples and sample.py stop
 _STEP_KEYS = ("completions", "completion_tokens", "reward", "reward_sq", "clipped", "kl", "entropy", "lp_diff_sum",
               "lp_diff_max", "one")
 
@@ -56,6 +55,7 @@ class GRPOTask(Task):
         self._cp = None  # the model's ContextParallel (--context_parallel_size > 1), read at each rollout
         self._rollout = None  # the batches of the last rollout (reused by num_iterations - 1 steps)
         self._tok = self._special = None
+        self._stop_ids: list[int] = []  # a completion ends at eos or the chat's end of turn (trained on)
         self._rewards = None
         self._lp_max = None  # this step's running max |trainer - sampler| logprob, on the device
 
@@ -84,13 +84,12 @@ class GRPOTask(Task):
         cfg = self.cfg
         self._load_tools()
         engine.optimizer.finish_param_sync()  # ZeRO's all-gather of the updated weights has landed
-        sp = self._special
         samples = cfg.eval_num_generations
         with whole_sequences(engine.module):  # (the cp ranks of a replica answer its prompts alike)
             sums = held_out_sums(engine.module, val.prompts, self._rewards,
                                  lambda ids: self._tok.decode(ids, skip_special_tokens=True),
                                  rows=cfg.batch_size * cfg.num_generations, max_new_tokens=cfg.max_completion_length,
-                                 stop_ids=[int(sp[n]["id"]) for n in STOP_TOKENS], device=info.device,
+                                 stop_ids=self._stop_ids, device=info.device,
                                  rank=engine.dp_rank, world=engine.dp_size, samples=samples,
                                  temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed,
                                  cuts=dict(top_k=cfg.top_k or None, min_p=cfg.min_p or None,
@@ -103,8 +102,10 @@ class GRPOTask(Task):
         """The tokenizer, its special ids and the reward functions, once."""
         if self._tok is None:
             from tokenizer import load_tokenizer, load_tokenizer_meta
+            from tokenizer.chat import chat_stop_ids
             self._tok = load_tokenizer(self.cfg.tokenizer_dir)
             self._special = load_tokenizer_meta(self.cfg.tokenizer_dir)["special_tokens"]
+            self._stop_ids = chat_stop_ids(self._tok, self._special)
             self._rewards = build_rewards(self.cfg)
 
     # ------------------------------------------------------------------ the rollout phase
@@ -152,7 +153,7 @@ class GRPOTask(Task):
     def _roll(self, model, device, batch: dict, step: int, samples: list, all_done=None) -> dict:
         """One micro-batch of prompts -> its training rows (G per prompt) with rewards and advantages."""
         cfg, sp = self.cfg, self._special
-        stop_ids = [int(sp[n]["id"]) for n in STOP_TOKENS]
+        stop_ids = self._stop_ids
         pad = int(sp["pad"]["id"])
         groups, values = [], []
         for idx, prompt in zip(batch["prompt_index"].tolist(), batch["prompts"]):

@@ -1,0 +1,228 @@
+"""A tokenizer's own chat template (Llama 3's header tokens, Qwen's default system prompt, Gemma's turns ...) rendered
+and tokenized as ``apply_chat_template`` does, with the mask of the tokens a model learns.
+
+Owns: `TemplateChat`, built once per tokenizer (`template_chat`, cached on the tokenizer object): the template
+compiled in a sandboxed Jinja environment set up as transformers sets it up (trim_blocks, lstrip_blocks, loop
+controls, a `{% generation %}` block that renders its body, `tojson`, `raise_exception`, `strftime_now`), so the text
+equals ``tok.apply_chat_template(messages, tokenize=False)``; then the ids, where message text is encoded with the
+injection-safe backend (a user writing "<|eot_id|>" stays plain text) and only the template's own text is split at
+the tokenizer's added tokens. For benign content the ids equal ``apply_chat_template(tokenize=True)``.
+
+How the content is found in the rendered text: the template is rendered once with each message's content replaced by
+a marker and once with the real content; the marked render gives the template's text around each content, the real one
+says what the template made of it (as it is, or trimmed: Llama 3 trims every message). A template that writes a
+content twice, or changes it beyond trimming whitespace (Qwen3's reasoning stripped from history), is a ValueError for
+that conversation (the pretokenizers count and name it).
+
+The mask: the tokens of a trained role's content, and what closes its turn: the template's text that follows up to
+and including the next added token, when that text is only whitespace (Llama 3's <|eot_id|>, ChatML's <|im_end|>,
+Llama 2's " </s>", Gemma's <end_of_turn>). A template that prints today's date (Llama 3.2's) gets a fixed one,
+26 Jul 2024 (Llama 3.1's own default), so the ids of a run never depend on the day it started or resumed.
+
+Must never import transformers or torch: the pretokenizer's workers build it from a backend and strings.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import re
+from typing import Any, Mapping, Optional, Sequence
+
+FIXED_DATE = datetime.datetime(2024, 7, 26)
+_MARK = "\ue000{}\ue001"  # private-use characters around a message's number
+_MARK_RE = re.compile("\ue000([0-9]+)\ue001")
+_TOKEN_VARS = ("bos_token", "eos_token", "pad_token", "unk_token")
+_CACHE_ATTR = "_template_chat"
+
+
+def compile_template(source: str) -> Any:
+    """The template in a sandboxed Jinja environment with what transformers' chat templates may use."""
+    import jinja2
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Generation(Extension):
+        """`{% generation %}...{% endgeneration %}` (templates marking assistant text): the body as it is."""
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Any) -> str:
+            return caller()
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
+               sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=FIXED_DATE.strftime)
+    return env.from_string(source)
+
+
+class TemplateChat:
+    """One tokenizer's chat template, ready to encode conversations (see the module docstring)."""
+
+    def __init__(self, source: str, backend: Any, token_strings: Mapping[str, Optional[str]]):
+        """`backend`: the injection-safe `tokenizers.Tokenizer`; `token_strings`: bos_token, eos_token, ... as the
+        template reads them (None where the tokenizer has none)."""
+        self.template = compile_template(source)
+        self.backend = backend
+        self.added = {t.content: i for i, t in backend.get_added_tokens_decoder().items()}
+        names = sorted(self.added, key=len, reverse=True)
+        self.split_re = re.compile("|".join(re.escape(n) for n in names)) if names else None
+        self.variables = {k: v for k, v in token_strings.items() if k in _TOKEN_VARS}
+        self.variables["date_string"] = FIXED_DATE.strftime("%d %b %Y")
+
+    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = False) -> str:
+        import jinja2
+        try:
+            return self.template.render(messages=[dict(m) for m in messages],
+                                        add_generation_prompt=add_generation_prompt, **self.variables)
+        except jinja2.exceptions.TemplateError as e:  # the template's own refusal (roles must alternate ...)
+            raise ValueError(f"the tokenizer's chat template refused the conversation: {e}") from None
+
+    def pieces(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool
+               ) -> list[tuple[str, int]]:
+        """The rendered text as (text, owner) pieces in order: owner -1 for the template's text, i for message i's
+        content as the template wrote it."""
+        for i, m in enumerate(messages):
+            if "\ue000" in m["content"] or "\ue001" in m["content"]:
+                raise ValueError(f"message {i}: holds U+E000 / U+E001, which the chat renderer reserves")
+        marked = self.render([dict(m, content=_MARK.format(i)) for i, m in enumerate(messages)],
+                             add_generation_prompt)
+        real = self.render(messages, add_generation_prompt)
+        parts = _MARK_RE.split(marked)  # text, index, text, index, ..., text
+        literals, owners = parts[0::2], [int(k) for k in parts[1::2]]
+        if len(set(owners)) != len(owners):
+            raise ValueError("the chat template writes a message's content more than once")
+        out: list[tuple[str, int]] = []
+        pos = 0
+        for j, lit in enumerate(literals):
+            if not real.startswith(lit, pos):
+                raise ValueError("the chat template renders its text differently around the messages' content")
+            out.append((lit, -1))
+            pos += len(lit)
+            if j == len(owners):
+                break
+            k, content, nxt = owners[j], messages[owners[j]]["content"], literals[j + 1]
+            for cand in dict.fromkeys((content, content.strip(), content.lstrip(), content.rstrip())):
+                if real.startswith(cand + nxt, pos):
+                    out.append((cand, k))
+                    pos += len(cand)
+                    break
+            else:
+                raise ValueError(f"the chat template changes message {k}'s content beyond trimming whitespace, "
+                                 "so its tokens cannot be told from the template's")
+        if pos != len(real):
+            raise ValueError("the chat template renders its text differently around the messages' content")
+        return [(t, o) for t, o in out if t]
+
+    def encode(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = False,
+               train_roles: Sequence[str] = ("assistant",)) -> tuple[list[int], list[int]]:
+        """(input_ids, mask): mask 1 on the content of `train_roles` messages and what closes their turns."""
+        # items: ("id", token id, -1) for an added token of the template's text, ("text", segment, spans) otherwise,
+        # a segment being the text between two added tokens (the template's and the contents' together, encoded as
+        # one piece so BPE merges match apply_chat_template) and spans its contents' (start, end, message index)
+        items: list[tuple[str, Any, Any]] = []
+        seg: list[str] = []
+        spans: list[tuple[int, int, int]] = []
+        seg_len = 0
+
+        def close() -> None:
+            nonlocal seg, spans, seg_len
+            if seg:
+                items.append(("text", "".join(seg), spans))
+            seg, spans, seg_len = [], [], 0
+
+        for text, owner in self.pieces(messages, add_generation_prompt):
+            if owner >= 0:
+                seg.append(text)
+                spans.append((seg_len, seg_len + len(text), owner))
+                seg_len += len(text)
+                continue
+            pos = 0
+            for m in (self.split_re.finditer(text) if self.split_re is not None else ()):
+                if m.start() > pos:
+                    seg.append(text[pos:m.start()])
+                    seg_len += m.start() - pos
+                close()
+                items.append(("id", self.added[m.group()], -1))
+                pos = m.end()
+            if pos < len(text):
+                seg.append(text[pos:])
+                seg_len += len(text) - pos
+        close()
+        encs = iter(self.backend.encode_batch([it[1] for it in items if it[0] == "text"], add_special_tokens=False))
+        ids: list[int] = []
+        owner_of: list[int] = []  # per token: message index of the content it holds, -1 for the template's
+        for kind, value, sp in items:
+            if kind == "id":
+                ids.append(value)
+                owner_of.append(-1)
+                continue
+            enc = next(encs)
+            for tid, (start, end) in zip(enc.ids, enc.offsets):
+                ids.append(tid)
+                owner_of.append(_owner(start, end, sp))
+        trained = {i for i, m in enumerate(messages) if m["role"] in train_roles}
+        return ids, self._mask(ids, owner_of, trained)
+
+    def _mask(self, ids: list[int], owner_of: list[int], trained: set[int]) -> list[int]:
+        mask = [1 if o in trained else 0 for o in owner_of]
+        added_ids = set(self.added.values())
+        for t in range(len(ids) - 1):
+            if owner_of[t] in trained and owner_of[t + 1] != owner_of[t]:  # the last token of a trained content
+                j = t + 1  # the template's whitespace, then the added token closing the turn
+                while j < len(ids) and owner_of[j] == -1 and ids[j] not in added_ids \
+                        and not self.backend.decode([ids[j]], skip_special_tokens=False).strip():
+                    j += 1
+                if j < len(ids) and owner_of[j] == -1 and ids[j] in added_ids:
+                    for q in range(t + 1, j + 1):
+                        mask[q] = 1
+        return mask
+
+    def end_of_turn_id(self) -> Optional[int]:
+        """The added token that closes an assistant turn (what generation stops at), or None."""
+        ids, mask = self.encode([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}])
+        last = max((t for t, m in enumerate(mask) if m), default=None)
+        if last is None or ids[last] not in set(self.added.values()):
+            return None
+        return ids[last]
+
+
+def _owner(start: int, end: int, spans: Sequence[tuple[int, int, int]]) -> int:
+    """The message whose content the token at [start, end) of its segment holds bytes of (a token straddling the
+    template's text and a content counts as content), or -1."""
+    for s, e, k in spans:
+        if (start < e and end > s) or (start == end and s < end <= e):
+            return k
+    return -1
+
+
+def template_chat(tok: Any, backend: Any) -> Optional[TemplateChat]:
+    """The tokenizer's `TemplateChat`, built once and cached on it; None when it has no chat template."""
+    cached = getattr(tok, _CACHE_ATTR, None)
+    if cached is not None:
+        return cached
+    source = getattr(tok, "chat_template", None)
+    if isinstance(source, dict):  # named templates: the default one
+        source = source.get("default")
+    if not isinstance(source, str) or not source:
+        return None
+    chat = TemplateChat(source, backend, {k: _token_string(getattr(tok, k, None)) for k in _TOKEN_VARS})
+    try:
+        setattr(tok, _CACHE_ATTR, chat)
+    except AttributeError:
+        pass
+    return chat
+
+
+def _token_string(value: Any) -> Optional[str]:
+    return None if value is None else str(value)
