@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     elif lora:
         merge_lora(model)
     try:
-        out = export_hf(model, args.out_dir, tokenizer_dir=tok_dir)
+        out = export_hf(model, args.out_dir, tokenizer_dir=tok_dir, stop_ids=_stop_ids(tok_dir))
     except ValueError as e:  # an MoE model that its family's format cannot hold (model/hf_interop.py moe_family)
         print(f"export_hf: {e}", file=sys.stderr)
         return 2
@@ -130,6 +130,17 @@ def _tokenizer_problem(tok_dir: str | None, vocab_size: int) -> tuple[int, str] 
     return None
 
 
+def _stop_ids(tok_dir: str | None) -> list[int] | None:
+    """What the export's generation_config.json stops at: the tokenizer's eos and its chat template's end of turn
+    (Llama 3's <|eot_id|>, ChatML's <|im_end|>); None without a tokenizer of ours (no ids are written then)."""
+    if not tok_dir or not os.path.isfile(os.path.join(tok_dir, "tokenizer_meta.json")):
+        return None
+    from tokenizer.chat import chat_stop_ids
+    from tokenizer.loading import load_tokenizer_and_meta
+    tok, meta = load_tokenizer_and_meta(tok_dir)
+    return chat_stop_ids(tok, meta["special_tokens"]) if "eos" in meta["special_tokens"] else None
+
+
 def _export_sharded_streaming(found: str, args) -> int | None:
     """A DCP (--parallel=fsdp) checkpoint without LoRA: stream it shard by shard into a sharded HF
     directory, never holding the whole model. None when the checkpoint is not of that kind."""
@@ -155,7 +166,8 @@ def _export_sharded_streaming(found: str, args) -> int | None:
     specs = model_tensor_specs(found)  # a damaged file raises DCPCheckpointError naming it (caught by main: 5)
     try:
         out, n = export_hf_streaming(cfg, specs, lambda names: load_model_tensors(found, names), args.out_dir,
-                                     tokenizer_dir=tok_dir, max_shard_bytes=int(args.max_shard_gb * 2**30))
+                                     tokenizer_dir=tok_dir, max_shard_bytes=int(args.max_shard_gb * 2**30),
+                                     stop_ids=_stop_ids(tok_dir))
     except ValueError as e:  # an MoE model that its family's format cannot hold (model/hf_interop.py moe_family)
         print(f"export_hf: {e}", file=sys.stderr)
         return 2

@@ -68,9 +68,10 @@ def hf_config_dict(cfg: ModelConfig, torch_dtype: str = "float32", special_ids: 
     return d
 
 
-def generation_config_dict(tokenizer_meta: Optional[dict] = None) -> dict:
-    """generation_config.json: sample.py's sampling defaults and its stop ids (</s> and <|im_end|>), read
-    from a tokenizer_meta.json dict (no ids without one). transformers reads it in from_pretrained."""
+def generation_config_dict(tokenizer_meta: Optional[dict] = None, stop_ids: Optional[list[int]] = None) -> dict:
+    """generation_config.json: sample.py's sampling defaults and its stop ids, `stop_ids` where the caller read
+    them from the tokenizer (tokenizer.chat.chat_stop_ids: eos and the chat template's end of turn), else </s> and
+    <|im_end|> of a tokenizer_meta.json dict (no ids without one). transformers reads it in from_pretrained."""
     from utils import constants as c
     d: dict = {"do_sample": c.SAMPLE_TEMPERATURE > 0, "temperature": c.SAMPLE_TEMPERATURE,
                "top_k": c.SAMPLE_TOP_K, "top_p": 1.0 if c.SAMPLE_TOP_P is None else c.SAMPLE_TOP_P,
@@ -80,7 +81,7 @@ def generation_config_dict(tokenizer_meta: Optional[dict] = None) -> dict:
            if isinstance(st.get(k), dict) and isinstance(st[k].get("id"), int)}
     if "bos" in ids:
         d["bos_token_id"] = ids["bos"]
-    stops = [ids[k] for k in ("eos", "im_end") if k in ids]
+    stops = [int(i) for i in stop_ids] if stop_ids else [ids[k] for k in ("eos", "im_end") if k in ids]
     if stops:
         d["eos_token_id"] = stops if len(stops) > 1 else stops[0]
     if "pad" in ids:
@@ -191,11 +192,12 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
 
 
 def export_hf(model: Transformer, out_dir: str, tokenizer_dir: Optional[str] = None,
-              special_ids: Optional[dict] = None) -> str:
+              special_ids: Optional[dict] = None, stop_ids: Optional[list[int]] = None) -> str:
     """Write an HF LlamaForCausalLM directory (config.json, model.safetensors, tokenizer files).
 
     special_ids: optional {"bos_token_id", "eos_token_id", "pad_token_id"}; read from the tokenizer's
-    tokenizer_meta.json when omitted and a tokenizer_dir is given.
+    tokenizer_meta.json when omitted and a tokenizer_dir is given. stop_ids: what generation_config.json stops
+    at (`generation_config_dict`).
     """
     sd = to_hf_state_dict(model)
     dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[
@@ -208,7 +210,7 @@ def export_hf(model: Transformer, out_dir: str, tokenizer_dir: Optional[str] = N
             json.dump(hf_config_dict(model.cfg, dtype, special_ids), f, indent=2)
         save_file(sd, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         _copy_tokenizer(tokenizer_dir, tmp)
-        _write_generation_config(tokenizer_dir, tmp)
+        _write_generation_config(tokenizer_dir, tmp, stop_ids)
         _plain_file_modes(tmp)
     return out_dir
 
@@ -222,9 +224,9 @@ def _tokenizer_meta(tokenizer_dir: Optional[str]) -> Optional[dict]:
     return None
 
 
-def _write_generation_config(tokenizer_dir: Optional[str], dst: str) -> None:
+def _write_generation_config(tokenizer_dir: Optional[str], dst: str, stop_ids: Optional[list[int]]) -> None:
     with open(os.path.join(dst, "generation_config.json"), "w") as f:
-        json.dump(generation_config_dict(_tokenizer_meta(tokenizer_dir)), f, indent=2)
+        json.dump(generation_config_dict(_tokenizer_meta(tokenizer_dir), stop_ids), f, indent=2)
 
 
 def _plain_file_modes(d: str) -> None:
@@ -268,7 +270,7 @@ def _copy_tokenizer(tokenizer_dir: Optional[str], dst: str) -> None:
 
 def export_hf_streaming(cfg: ModelConfig, specs: dict[str, tuple[tuple[int, ...], torch.dtype]], load_group,
                         out_dir: str, tokenizer_dir: Optional[str] = None,
-                        max_shard_bytes: int = 2 * 2**30) -> tuple[str, int]:
+                        max_shard_bytes: int = 2 * 2**30, stop_ids: Optional[list[int]] = None) -> tuple[str, int]:
     """Write an HF directory as sharded safetensors (model-0000i-of-0000N.safetensors + index.json),
     reading the weights one shard's worth at a time: `load_group(names) -> {name: tensor}` of our
     names, `specs` {name: (shape, dtype)}. Peak memory is one shard (<= max_shard_bytes, or one
@@ -313,7 +315,7 @@ def export_hf_streaming(cfg: ModelConfig, specs: dict[str, tuple[tuple[int, ...]
         with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
         _copy_tokenizer(tokenizer_dir, tmp)
-        _write_generation_config(tokenizer_dir, tmp)
+        _write_generation_config(tokenizer_dir, tmp, stop_ids)
         _plain_file_modes(tmp)
     return out_dir, len(groups)
 

@@ -215,7 +215,7 @@ def test_generation_blocks_render_their_body(toks):
 
 # ------------------------------------------------------------------ the same tokenizers adopted, in the pipeline
 
-PADS = {"llama3.2": "<|finetune_right_pad_id|>", "qwen2.5": "<|endoftext|>"}
+PADS = {"llama3": "<|finetune_right_pad_id|>", "llama3.2": "<|finetune_right_pad_id|>", "qwen2.5": "<|endoftext|>"}
 
 
 @pytest.fixture(scope="module")
@@ -328,3 +328,16 @@ def test_pretraining_shards_of_a_tokenizer_without_a_bos_are_ids_then_eos(adopte
     eos = toks["qwen2.5"].convert_tokens_to_ids("<|im_end|>")
     want = [t for d in docs for t in toks["qwen2.5"](d, add_special_tokens=False).input_ids + [eos]]
     assert tokens.tolist() == want
+
+
+def test_an_export_stops_where_its_chats_end(adopted, toks):
+    """generation_config.json of an export: eos and the template's end of turn (Llama 3 base: <|end_of_text|> and
+    <|eot_id|>, as the released Instruct models' configs list them), so transformers' generate stops at a reply's end."""
+    from export_hf import _stop_ids
+    from model.hf_interop import generation_config_dict
+    from tokenizer import load_tokenizer_meta
+    for name, want in (("llama3", ["<|end_of_text|>", "<|eot_id|>"]), ("llama3.2", ["<|eot_id|>"]),
+                       ("qwen2.5", ["<|im_end|>"])):
+        got = generation_config_dict(load_tokenizer_meta(adopted[name]), _stop_ids(adopted[name]))["eos_token_id"]
+        ids = [toks[name].convert_tokens_to_ids(t) for t in want]
+        assert got == (ids if len(ids) > 1 else ids[0]), name
