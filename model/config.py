@@ -32,6 +32,8 @@ class ModelConfig:
     resid_dropout: float = 0.0         # dropout on each residual branch output (training only)
     tie_embeddings: bool = False       # tie_word_embeddings
     qkv_bias: bool = False             # biases on the q/k/v projections (Qwen2's attention; o_proj has none)
+    attn_head_dim: Optional[int] = None  # head_dim where n_heads x head_dim != dim (Qwen3); None = dim // n_heads
+    qk_norm: bool = False              # RMSNorm over each head's q and k before RoPE (Qwen3's q_norm / k_norm)
     initializer_range: float = 0.02
 
     # --- mixture of experts (model/moe.py; 0 experts = every block dense)
@@ -68,7 +70,7 @@ class ModelConfig:
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         from utils.model_bounds import head_shape_problem  # torch-free: the trainer's pre-check asks it too
-        problem = head_shape_problem(self.dim, self.n_heads, self.n_kv_heads)
+        problem = head_shape_problem(self.dim, self.n_heads, self.n_kv_heads, self.attn_head_dim)
         if problem:
             raise ValueError(problem)
         if self.hidden_dim is None:
@@ -101,7 +103,7 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.attn_head_dim or self.dim // self.n_heads
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

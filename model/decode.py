@@ -211,6 +211,8 @@ class Decoder:
             # RoPE on q and k in one pass, the model's arithmetic (x1 cos - x2 sin, x2 cos + x1 sin) as
             # x * cat(cos, cos) + swap_halves(x) * cat(-sin, sin): a + (-b) is a - b exactly
             qk = y[:, :, :nq + nk]
+            if a.qk_norm:  # (Qwen3: each head's q and k normalised before RoPE)
+                qk = torch.cat((_rms_norm(a.q_norm, qk[:, :, :nq]), _rms_norm(a.k_norm, qk[:, :, nq:])), dim=2)
             qk = qk * cos2 + qk.unflatten(-1, (2, -1)).flip(-2).flatten(-2) * sin2
             q, k, v = qk[:, :, :nq].transpose(1, 2), qk[:, :, nq:].transpose(1, 2), y[:, :, nq + nk:].transpose(1, 2)
             kc, vc = cache.update(i, k, v)

@@ -93,7 +93,7 @@ def matmul_params(cfg: ModelConfig) -> int:
     d, hd, kv = cfg.dim, cfg.head_dim, cfg.n_kv_heads
     attn = d * (cfg.n_heads * hd) * 2 + d * (kv * hd) * 2  # q, o, k, v
     mlp = 3 * d * cfg.hidden_dim
-    norms = 2 * d
+    norms = 2 * d + (2 * hd if getattr(cfg, "qk_norm", False) else 0)  # (Qwen3's q / k norms)
     mtp = getattr(cfg, "mtp_num_layers", 0)
     blocks = cfg.n_layers + mtp
     n_moe = sum(cfg.is_moe_layer(i) for i in range(blocks))
@@ -107,7 +107,8 @@ def matmul_params(cfg: ModelConfig) -> int:
 def flops_per_token(cfg: ModelConfig, seq_len: int, causal_half: bool = False) -> float:
     """Training FLOPs per token (forward + backward) of `cfg` at sequence length `seq_len`; causal_half: the
     attention term halved (the masked half of the scores is not computed by a causal kernel)."""
-    attention = (6.0 if causal_half else 12.0) * (cfg.n_layers + getattr(cfg, "mtp_num_layers", 0)) * cfg.dim * seq_len
+    width = cfg.n_heads * cfg.head_dim  # (dim, unless the heads are sized on their own: Qwen3)
+    attention = (6.0 if causal_half else 12.0) * (cfg.n_layers + getattr(cfg, "mtp_num_layers", 0)) * width * seq_len
     return 6.0 * matmul_params(cfg) + attention
 
 

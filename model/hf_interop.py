@@ -51,13 +51,17 @@ def hf_config_dict(cfg: ModelConfig, torch_dtype: str = "float32", special_ids: 
         "attention_bias": False, "mlp_bias": False, "attention_dropout": cfg.attn_dropout,
         "pretraining_tp": 1, "use_cache": True, "torch_dtype": torch_dtype, "dtype": torch_dtype,
     }
-    if cfg.qkv_bias:  # q/k/v biases, none on o_proj: a Qwen2 (Llama's attention_bias would put one there too)
-        if cfg.moe_num_experts:
-            raise ValueError("an MoE model with q/k/v biases has no transformers family here (Mixtral and GLM-4-MoE "
-                             "have no attention biases)")
-        d.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=False,
+    if cfg.qkv_bias or cfg.qk_norm:  # a Qwen2 (q/k/v biases, none on o_proj), a Qwen3 (q / k norms, no biases)
+        if cfg.moe_num_experts or (cfg.qkv_bias and cfg.qk_norm):
+            raise ValueError("a model with " + " and ".join(
+                w for w, on in (("MoE blocks", cfg.moe_num_experts), ("q/k/v biases", cfg.qkv_bias),
+                                ("q / k norms", cfg.qk_norm)) if on)
+                + " has no transformers family here (Qwen2 has the biases, Qwen3 the norms, Mixtral and "
+                "GLM-4-MoE neither)")
+        qwen = "qwen2" if cfg.qkv_bias else "qwen3"
+        d.update(architectures=[hf_family(cfg)], model_type=qwen, use_sliding_window=False,
                  sliding_window=None, max_window_layers=cfg.n_layers)
-        for key in ("attention_bias", "mlp_bias", "pretraining_tp"):
+        for key in ("mlp_bias", "pretraining_tp") + (("attention_bias",) if cfg.qkv_bias else ()):
             d.pop(key)
     if cfg.moe_num_experts:  # a Mixtral or a GLM-4-MoE (`moe_family`)
         d.update(moe_family(cfg)[0].config_fields(cfg))
@@ -99,16 +103,19 @@ def moe_family(cfg: ModelConfig):
 
 def hf_family(cfg: ModelConfig) -> str:
     """The transformers class an export of `cfg` loads as."""
-    return moe_family(cfg)[1] if cfg.moe_num_experts else "LlamaForCausalLM"
+    if cfg.moe_num_experts:
+        return moe_family(cfg)[1]
+    return "Qwen2ForCausalLM" if cfg.qkv_bias else "Qwen3ForCausalLM" if cfg.qk_norm else "LlamaForCausalLM"
 
 
 def config_from_hf(d: dict) -> ModelConfig:
-    """A ModelConfig from an HF Llama, Mistral, Qwen2, Mixtral or GLM-4-MoE config.json dict (transformers 4.x or 5.x
-    spelling). A Mistral is a Llama whose attention may slide: read where it does not (v0.2 on: sliding_window null);
-    a Qwen2 a Llama with q/k/v biases (and a sliding window its configs leave off: use_sliding_window false)."""
+    """A ModelConfig from an HF Llama, Mistral, Qwen2, Qwen3, Mixtral or GLM-4-MoE config.json dict (transformers 4.x
+    or 5.x spelling). A Mistral is a Llama whose attention may slide: read where it does not (v0.2 on: sliding_window
+    null); a Qwen2 a Llama with q/k/v biases (and a sliding window its configs leave off: use_sliding_window false); a
+    Qwen3 a Llama with q / k norms and heads sized on their own (head_dim: 16 x 128 at hidden_size 1024)."""
     kind = d.get("model_type", "llama")
     if kind not in HF_MODEL_TYPES:
-        raise ValueError(f"only Llama, Mistral, Qwen2, Mixtral and GLM-4-MoE checkpoints are supported, got "
+        raise ValueError(f"only Llama, Mistral, Qwen2, Qwen3, Mixtral and GLM-4-MoE checkpoints are supported, got "
                          f"model_type={kind!r}")
     window = d.get("sliding_window")
     if window is not None and window < d.get("max_position_embeddings", 2048) and d.get("use_sliding_window", True):
@@ -121,9 +128,7 @@ def config_from_hf(d: dict) -> ModelConfig:
     scaling = rope_scaling_from_hf(d)  # linear, dynamic, llama3 (Llama 3.1+), yarn; ValueError for others
     n_heads = d["num_attention_heads"]
     head_dim = d.get("head_dim") or d["hidden_size"] // n_heads
-    if head_dim * n_heads != d["hidden_size"]:
-        raise ValueError("head_dim * num_attention_heads != hidden_size is not supported")
-    if d.get("attention_bias") or d.get("mlp_bias"):  # (Llama's attention_bias: o_proj's too)
+    if d.get("attention_bias") or d.get("mlp_bias"):  # (Llama's and Qwen3's attention_bias: o_proj's too)
         raise ValueError("Llama checkpoints with biases are not supported")
     return ModelConfig(
         vocab_size=d["vocab_size"], dim=d["hidden_size"], n_layers=d["num_hidden_layers"], n_heads=n_heads,
@@ -131,7 +136,8 @@ def config_from_hf(d: dict) -> ModelConfig:
         norm_eps=d.get("rms_norm_eps", 1e-6), max_seq_len=d.get("max_position_embeddings", 2048),
         rope_theta=float(theta), rope_scaling=scaling, tie_embeddings=bool(d.get("tie_word_embeddings", False)),
         initializer_range=d.get("initializer_range", 0.02), attn_dropout=d.get("attention_dropout", 0.0) or 0.0,
-        qkv_bias=kind == "qwen2", **moe)
+        qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3",
+        attn_head_dim=head_dim if head_dim * n_heads != d["hidden_size"] else None, **moe)
 
 
 def is_mtp_name(name: str) -> bool:

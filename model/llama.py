@@ -155,6 +155,10 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        if cfg.qk_norm:  # Qwen3: each head's q and k RMS-normalised (one weight over head_dim, shared by the heads)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.fused_rmsnorm, cfg.kernel_backend)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.fused_rmsnorm, cfg.kernel_backend)
+        self.qk_norm = cfg.qk_norm
         self.attn_dropout = cfg.attn_dropout
         self.resid_dropout = nn.Dropout(cfg.resid_dropout)
         self.fused_rope, self.fused_qkv, self.backend = cfg.fused_rope, cfg.fused_qkv, cfg.kernel_backend
@@ -183,6 +187,8 @@ class Attention(nn.Module):
         q = q.view(B, T, -1, self.head_dim)
         k = k.view(B, T, -1, self.head_dim)
         v = v.view(B, T, -1, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = kernels.apply_rope_qk(q, k, cos, sin, fused=self.fused_rope, backend=self.backend)
         dropout = self.attn_dropout if self.training else 0.0
         if spec.kind in ("flash", "flash_varlen", "fa4_varlen"):  # flash-attn's [B, T, H, D] layout, GQA native

@@ -89,6 +89,10 @@ class ModelFlags:
     dropout: float = _f(0.0, "attention and residual dropout")
     tie_embeddings: bool = _f(False, "share the embedding and LM-head weights")
     qkv_bias: bool = _f(False, "biases on the q/k/v projections (Qwen2's attention; exported as Qwen2ForCausalLM)")
+    head_dim: int = _f(0, "width of each attention head where n_heads x head_dim is not --dim (Qwen3's 128 at "
+                       "--dim=1024 --n_heads=16); 0 = dim / n_heads")
+    qk_norm: bool = _f(False, "RMSNorm over each head's q and k before RoPE (Qwen3's attention; exported as "
+                       "Qwen3ForCausalLM)")
     gradient_checkpointing: bool = _f(False, "recompute each layer in backward to save activation memory")
     mtp_num_layers: int = _f(0, "multi-token prediction (DeepSeek-V3's MTP, model/mtp.py): this many extra blocks, "
                              "depth k predicting the token k + 1 after the next from the previous depth's hidden "

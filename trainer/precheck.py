@@ -79,7 +79,7 @@ def precheck(argv: list[str], title: str, prog: str) -> None:
     checkpoints = listed_checkpoints(cfg.out_dir)
     if not continues and cfg.init_from == "scratch":  # the model is built from these flags: do they split?
         from utils.model_bounds import head_shape_problem
-        shape = head_shape_problem(cfg.dim, cfg.n_heads, cfg.n_kv_heads or None)
+        shape = head_shape_problem(cfg.dim, cfg.n_heads, cfg.n_kv_heads or None, cfg.head_dim or None)
         if shape:
             fail(error + f"bad model configuration: {shape}")  # as build_model says it, 14 s later
     from data_preprocess.train_data_check import training_data_problem

@@ -55,7 +55,7 @@ def new_model_config(cfg: TrainConfig, tok_meta: dict):
                        fused_rope=fused, fused_swiglu=fused, fused_qkv=fused, fused_cross_entropy=fused,
                        kernel_backend=backend, fa4=cfg.fa4, mtp_num_layers=cfg.mtp_num_layers,
                        rope_scaling=parse_rope_flag(cfg.rope_scaling), qkv_bias=cfg.qkv_bias,
-                       **moe_model_fields(cfg))
+                       attn_head_dim=cfg.head_dim or None, qk_norm=cfg.qk_norm, **moe_model_fields(cfg))
 
 
 
@@ -64,7 +64,8 @@ def _refuse_if_too_big(mcfg, device: str, what: str, code: int) -> None:
     device has free (a checkpoint's model_config.json within the bounds can still describe a model no
     machine holds: it built layers until memory ran out)."""
     n = param_count(mcfg.dim, mcfg.n_layers + mcfg.mtp_num_layers, mcfg.n_heads, mcfg.vocab_size, mcfg.n_kv_heads,
-                    mcfg.hidden_dim, tie_embeddings=mcfg.tie_embeddings) + moe_param_delta(mcfg)  # (MTP: as blocks)
+                    mcfg.hidden_dim, tie_embeddings=mcfg.tie_embeddings, head_dim=mcfg.head_dim, qk_norm=mcfg.qk_norm,
+                    qkv_bias=mcfg.qkv_bias) + moe_param_delta(mcfg)  # (MTP: as blocks)
     problem = fit_problem(n, device, what)
     if problem:
         raise TrainingError(problem, code)

@@ -208,7 +208,8 @@ def _model_size_problems(cfg: TrainConfig, p: _Problems, torch_free: bool) -> No
     if bounds or torch_free or min(cfg.dim, cfg.n_layers, cfg.n_heads, cfg.multiple_of) < 1:
         return
     n = param_count(cfg.dim, cfg.n_layers, cfg.n_heads, cfg.vocab_size, cfg.n_kv_heads or None,
-                    cfg.hidden_dim or None, cfg.multiple_of, None, cfg.tie_embeddings)
+                    cfg.hidden_dim or None, cfg.multiple_of, None, cfg.tie_embeddings, cfg.head_dim or None,
+                    cfg.qk_norm, cfg.qkv_bias)
     problem = fit_problem(n, cfg.device, f"--dim={cfg.dim} --n_layers={cfg.n_layers}")
     if problem:
         p.append(problem)

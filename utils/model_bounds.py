@@ -51,17 +51,20 @@ def bound_problems(fields: dict[str, Any], prefix: str = "") -> list[str]:
 
 def param_count(dim: int, n_layers: int, n_heads: int, vocab_size: int, n_kv_heads: Optional[int] = None,
                 hidden_dim: Optional[int] = None, multiple_of: int = 256,
-                ffn_dim_multiplier: Optional[float] = None, tie_embeddings: bool = False) -> int:
+                ffn_dim_multiplier: Optional[float] = None, tie_embeddings: bool = False,
+                head_dim: Optional[int] = None, qk_norm: bool = False, qkv_bias: bool = False) -> int:
     """Parameters of the Llama2-style model (model/llama.py) with these sizes: embedding (+ a separate
-    head), per layer q/k/v/o, the SwiGLU's three matrices and two norms, and the final norm."""
+    head), per layer q/k/v/o (their biases, Qwen2's; the q / k norms, Qwen3's), the SwiGLU's three matrices and two
+    norms, and the final norm."""
     kv = n_kv_heads or n_heads
-    head_dim = dim // max(1, n_heads)
+    head_dim = head_dim or dim // max(1, n_heads)
     if not hidden_dim:  # model/config.llama_hidden_dim
         hidden = int(2 * 4 * dim / 3)
         if ffn_dim_multiplier is not None:
             hidden = int(ffn_dim_multiplier * hidden)
         hidden_dim = multiple_of * math.ceil(hidden / multiple_of)
-    attn = dim * dim * 2 + 2 * dim * kv * head_dim
+    attn = 2 * dim * n_heads * head_dim + 2 * dim * kv * head_dim
+    attn += (2 * head_dim if qk_norm else 0) + ((n_heads + 2 * kv) * head_dim if qkv_bias else 0)
     layer = attn + 3 * dim * hidden_dim + 2 * dim
     embed = vocab_size * dim * (1 if tie_embeddings else 2)
     return embed + n_layers * layer + dim
@@ -107,12 +110,20 @@ def fit_problem(n_params: int, device: str, what: str) -> Optional[str]:
             "choose smaller --dim / --n_layers / --vocab_size")
 
 
-def head_shape_problem(dim: int, n_heads: int, n_kv_heads: Optional[int] = None) -> Optional[str]:
-    """What is wrong with how dim splits into attention heads, or None: model.config.ModelConfig raises it,
-    and the trainer's pre-check asks it before torch is imported."""
+def head_shape_problem(dim: int, n_heads: int, n_kv_heads: Optional[int] = None,
+                       head_dim: Optional[int] = None) -> Optional[str]:
+    """What is wrong with how dim splits into attention heads (or, with an explicit `head_dim`, Qwen3's, with the
+    heads themselves), or None: model.config.ModelConfig raises it, and the trainer's pre-check asks it before torch
+    is imported."""
     n_kv_heads = n_kv_heads or n_heads
     if n_heads < 1 or n_kv_heads < 1:
         return f"n_heads={n_heads} and n_kv_heads={n_kv_heads} must be >= 1"
+    if head_dim is not None:
+        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2:
+            return f"head_dim={head_dim!r} must be an even integer >= 2 (RoPE rotates pairs)"
+        if n_heads % n_kv_heads:
+            return f"n_heads={n_heads} is not a multiple of n_kv_heads={n_kv_heads}"
+        return None
     if dim % n_heads:
         return f"dim={dim} is not divisible by n_heads={n_heads}"
     if n_heads % n_kv_heads:

@@ -77,8 +77,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: boo
     sequence parallelism; the row-parallel all-reduce becomes that reduce-scatter). The final norm's
     output is all-gathered for the LM head. Every batch's length must be a multiple of tp.
     Returns the names of the parameters whose gradients are partial sums over the tensor ranks (the
-    norms under sequence parallelism: each rank saw T/tp positions; the MoE layers' router and experts, each
-    rank having run its share of the tokens): the optimizer all-reduces those
+    norms under sequence parallelism: each rank saw T/tp positions; Qwen3's q / k norms, each rank's heads; the MoE
+    layers' router and experts, each rank having run its share of the tokens): the optimizer all-reduces those
     over the tensor group (FSDPOptimizer's `tp_partial`, read from the model's TP_PARTIAL_ATTR set here)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
@@ -148,12 +148,14 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: boo
         model.lm_head.weight = model.embed_tokens.weight
     model.tensor_parallel_size = tp  # (a KV cache holds this rank's key/value heads: model/llama.py kv_heads_of)
     partial = list(moe_params)
+    # Qwen3's q / k norms: one weight shared by the heads, each rank normalising its own heads' q and k
+    partial += [n for n, _ in model.named_parameters() if n.endswith((".q_norm.weight", ".k_norm.weight"))]
     if sequence_parallel:
         if getattr(model, "embed_tokens", None) is not None:  # where the token ids come in
             model.register_forward_pre_hook(_sequence_length_check(tp), with_kwargs=True)
         else:  # a later pipeline stage: its hidden input is this rank's slice of the sequence (the previous stage's)
             model.hidden_input_seq_split = tp
-        partial += [n for n, p in model.named_parameters() if "norm" in n.rsplit(".", 2)[-2]
+        partial += [n for n, p in model.named_parameters() if ("norm" in n.rsplit(".", 2)[-2] and n not in partial)
                     or n.endswith(".eh_proj.weight")]  # (MTP's projection too: each rank saw its positions)
     if partial:
         from optimizer.fsdp_optimizer import TP_PARTIAL_ATTR

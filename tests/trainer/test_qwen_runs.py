@@ -1,5 +1,6 @@
-"""Qwen2-shaped models in the trainer: `--init_from=<Qwen2 dir>` trains its q/k/v biases (also split over 2 tensor
-ranks, whose run follows the one-process run), and `--qkv_bias=true` builds a new one."""
+"""Qwen2- and Qwen3-shaped models in the trainer: `--init_from=<Qwen2 dir>` trains its q/k/v biases and
+`--init_from=<Qwen3 dir>` its q / k norms (each also split over 2 tensor ranks, whose run follows the one-process
+run); `--qkv_bias=true` and `--qk_norm=true --head_dim=N` build new ones."""
 from __future__ import annotations
 
 import json
@@ -58,3 +59,49 @@ def test_qkv_bias_builds_a_new_model_with_biases(tiny_pretrain_run_args, tmp_pat
     names = set(final_weights(out))
     assert {"layers.0.self_attn.q_proj.bias", "layers.1.self_attn.v_proj.bias"} <= names
     assert "layers.0.self_attn.o_proj.bias" not in names
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tiny_pretrain_data, tmp_path_factory) -> str:
+    """A tiny Qwen3 (4 heads of 16 at dim 32, q / k norm weights not ones) as a Hugging Face directory."""
+    def norms(model):
+        with torch.no_grad():
+            for layer in model.layers:
+                layer.self_attn.q_norm.weight.normal_(1.0, 0.3)
+                layer.self_attn.k_norm.weight.normal_(1.0, 0.3)
+
+    out = released_model(tiny_pretrain_data, tmp_path_factory.mktemp("qwen3") / "hf", norms, n_kv_heads=2,
+                         max_seq_len=64, qk_norm=True, attn_head_dim=16)
+    with open(os.path.join(out, "config.json")) as f:
+        cfg = json.load(f)
+    assert cfg["model_type"] == "qwen3" and cfg["head_dim"] == 16 and cfg["hidden_size"] == 32
+    return out
+
+
+def test_a_qwen3_trains_its_qk_norms_and_two_tensor_ranks_follow_one_process(tiny_pretrain_run_args, qwen3_dir,
+                                                                            tmp_path):
+    args = from_weights(tiny_pretrain_run_args, qwen3_dir, "--max_iters=3", "--checkpoint_interval=3")
+    one, tp = tmp_path / "one", tmp_path / "tp"
+    run_cmd(train_cmd([*args, f"--out_dir={one}"], 1), env=_env())
+    run_cmd(train_cmd([*args, f"--out_dir={tp}", "--parallel=fsdp", "--tensor_parallel_size=2"], 2), env=_env())
+    saved = read_model_config(find_latest_valid(str(one)))
+    assert saved.qk_norm and saved.head_dim == 16
+    a, b = losses(one), losses(tp)
+    assert sorted(a) == sorted(b) == [1, 2, 3]
+    for s in a:  # the same sums in another order (as tests/trainer/test_tensor_parallel_runs.py)
+        assert abs(a[s] - b[s]) <= 1e-4 * abs(a[s]), (s, a[s], b[s])
+    from model.hf_interop import import_hf
+    start = import_hf(qwen3_dir).state_dict()
+    norms = [n for n in final_weights(one) if n.endswith(("q_norm.weight", "k_norm.weight"))]
+    assert len(norms) == 4 and all(not torch.equal(final_weights(one)[n], start[n]) for n in norms)
+
+
+def test_qk_norm_and_head_dim_build_a_new_qwen3_shaped_model(tiny_pretrain_run_args, tmp_path):
+    out = tmp_path / "new"
+    run_cmd(train_cmd([*tiny_pretrain_run_args, f"--out_dir={out}", "--max_iters=2", "--checkpoint_interval=2",
+                       "--qk_norm=true", "--head_dim=16"]), env=_env())
+    weights = final_weights(out)
+    assert weights["layers.0.self_attn.q_norm.weight"].shape == (16,)
+    cfg = read_model_config(find_latest_valid(str(out)))
+    assert weights["layers.1.self_attn.q_proj.weight"].shape == (cfg.n_heads * 16, cfg.dim)
+    assert cfg.dim != cfg.n_heads * 16
