@@ -1,11 +1,13 @@
-"""Hugging Face Llama checkpoints, both ways, with no custom code on the HF side (an MoE model as a Mixtral or a
-GLM-4-MoE: `moe_family`, model/hf_mixtral.py and model/hf_glm4_moe.py).
+"""Hugging Face Llama checkpoints, both ways, with no custom code on the HF side (Qwen2 / Qwen3-shaped ones as their
+family; an MoE model as a Mixtral, a Qwen3-MoE or a GLM-4-MoE: `moe_family`, model/hf_mixtral.py,
+model/hf_qwen3_moe.py and model/hf_glm4_moe.py).
 
 Owns: the mapping ModelConfig <-> LlamaConfig (config.json) and our parameter names <-> HF names
 (ours + the `model.` prefix, `lm_head.weight` as is). Both use the half-split RoPE layout, so weights
 are copied unpermuted. `export_hf` writes config.json + model.safetensors + generation_config.json (+ tokenizer files) atomically,
 every file with the mode a plain `open` gives it (0644 under umask 022; safetensors alone would write 0600);
-generation_config.json stops at both end ids (</s> and <|im_end|>) and samples with sample.py's defaults
+generation_config.json stops at the end ids (</s> and <|im_end|>, or what the caller read from the tokenizer's chat
+template) and samples with sample.py's defaults
 (utils/constants.py), so `transformers` generate / pipeline stop and sample where sample.py does;
 `import_hf` reads such a directory (single or sharded safetensors, or a weights_only torch .bin).
 
@@ -22,7 +24,7 @@ from typing import Optional
 import torch
 from safetensors.torch import load_file, save_file
 
-from model import hf_glm4_moe, hf_mixtral
+from model import hf_glm4_moe, hf_mixtral, hf_qwen3_moe
 from model.config import ModelConfig
 from model.llama import Transformer
 from utils.publish import staged_dir
@@ -51,19 +53,17 @@ def hf_config_dict(cfg: ModelConfig, torch_dtype: str = "float32", special_ids: 
         "attention_bias": False, "mlp_bias": False, "attention_dropout": cfg.attn_dropout,
         "pretraining_tp": 1, "use_cache": True, "torch_dtype": torch_dtype, "dtype": torch_dtype,
     }
-    if cfg.qkv_bias or cfg.qk_norm:  # a Qwen2 (q/k/v biases, none on o_proj), a Qwen3 (q / k norms, no biases)
-        if cfg.moe_num_experts or (cfg.qkv_bias and cfg.qk_norm):
-            raise ValueError("a model with " + " and ".join(
-                w for w, on in (("MoE blocks", cfg.moe_num_experts), ("q/k/v biases", cfg.qkv_bias),
-                                ("q / k norms", cfg.qk_norm)) if on)
-                + " has no transformers family here (Qwen2 has the biases, Qwen3 the norms, Mixtral and "
-                "GLM-4-MoE neither)")
-        qwen = "qwen2" if cfg.qkv_bias else "qwen3"
-        d.update(architectures=[hf_family(cfg)], model_type=qwen, use_sliding_window=False,
-                 sliding_window=None, max_window_layers=cfg.n_layers)
+    if cfg.qkv_bias and (cfg.qk_norm or cfg.moe_num_experts):
+        raise ValueError("a model with q/k/v biases and " + ("q / k norms" if cfg.qk_norm else "MoE blocks")
+                         + " has no transformers family here (Qwen2 has the biases; Qwen3, Qwen3-MoE the norms; "
+                         "Mixtral and GLM-4-MoE no biases)")
+    if (cfg.qkv_bias or cfg.qk_norm) and not cfg.moe_num_experts:
+        # a Qwen2 (q/k/v biases, none on o_proj), a Qwen3 (q / k norms, no biases); an MoE Qwen3: below
+        d.update(architectures=[hf_family(cfg)], model_type="qwen2" if cfg.qkv_bias else "qwen3",
+                 use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers)
         for key in ("mlp_bias", "pretraining_tp") + (("attention_bias",) if cfg.qkv_bias else ()):
             d.pop(key)
-    if cfg.moe_num_experts:  # a Mixtral or a GLM-4-MoE (`moe_family`)
+    if cfg.moe_num_experts:  # a Mixtral, a Qwen3-MoE or a GLM-4-MoE (`moe_family`)
         d.update(moe_family(cfg)[0].config_fields(cfg))
         if "partial_rotary_factor" in d:  # (GLM's rotary reads it from rope_parameters)
             d["rope_parameters"] = dict(rope_parameters, partial_rotary_factor=d["partial_rotary_factor"])
@@ -95,9 +95,12 @@ def generation_config_dict(tokenizer_meta: Optional[dict] = None, stop_ids: Opti
 
 def moe_family(cfg: ModelConfig):
     """The Hugging Face family an MoE model is written as: (its module, its class name); a softmax router's is
-    Mixtral (model/hf_mixtral.py), a sigmoid router's (DeepSeek-V3's) GLM-4-MoE (model/hf_glm4_moe.py)."""
+    Mixtral (model/hf_mixtral.py), or Qwen3-MoE with q / k norms (model/hf_qwen3_moe.py), a sigmoid router's
+    (DeepSeek-V3's) GLM-4-MoE (model/hf_glm4_moe.py)."""
     if cfg.moe_score == "sigmoid":
         return hf_glm4_moe, "Glm4MoeForCausalLM"
+    if cfg.qk_norm:
+        return hf_qwen3_moe, "Qwen3MoeForCausalLM"
     return hf_mixtral, "MixtralForCausalLM"
 
 
@@ -109,20 +112,20 @@ def hf_family(cfg: ModelConfig) -> str:
 
 
 def config_from_hf(d: dict) -> ModelConfig:
-    """A ModelConfig from an HF Llama, Mistral, Qwen2, Qwen3, Mixtral or GLM-4-MoE config.json dict (transformers 4.x
-    or 5.x spelling). A Mistral is a Llama whose attention may slide: read where it does not (v0.2 on: sliding_window
+    """A ModelConfig from an HF Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE or GLM-4-MoE config.json dict
+    (transformers 4.x or 5.x spelling). A Mistral is a Llama whose attention may slide: read where it does not (v0.2 on: sliding_window
     null); a Qwen2 a Llama with q/k/v biases (and a sliding window its configs leave off: use_sliding_window false); a
     Qwen3 a Llama with q / k norms and heads sized on their own (head_dim: 16 x 128 at hidden_size 1024)."""
     kind = d.get("model_type", "llama")
     if kind not in HF_MODEL_TYPES:
-        raise ValueError(f"only Llama, Mistral, Qwen2, Qwen3, Mixtral and GLM-4-MoE checkpoints are supported, got "
-                         f"model_type={kind!r}")
+        raise ValueError("only Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE and GLM-4-MoE checkpoints are "
+                         f"supported, got model_type={kind!r}")
     window = d.get("sliding_window")
     if window is not None and window < d.get("max_position_embeddings", 2048) and d.get("use_sliding_window", True):
         raise ValueError(f"sliding-window attention (sliding_window={window} < max_position_embeddings="
                          f"{d.get('max_position_embeddings', 2048)}) is not supported: our attention sees every "
                          "earlier position")
-    families = {"mixtral": hf_mixtral, "glm4_moe": hf_glm4_moe}
+    families = {"mixtral": hf_mixtral, "glm4_moe": hf_glm4_moe, "qwen3_moe": hf_qwen3_moe}
     moe = families[kind].moe_fields(d) if kind in families else {}
     theta = (d.get("rope_parameters") or {}).get("rope_theta", d.get("rope_theta", 10000.0))
     scaling = rope_scaling_from_hf(d)  # linear, dynamic, llama3 (Llama 3.1+), yarn; ValueError for others
@@ -136,7 +139,7 @@ def config_from_hf(d: dict) -> ModelConfig:
         norm_eps=d.get("rms_norm_eps", 1e-6), max_seq_len=d.get("max_position_embeddings", 2048),
         rope_theta=float(theta), rope_scaling=scaling, tie_embeddings=bool(d.get("tie_word_embeddings", False)),
         initializer_range=d.get("initializer_range", 0.02), attn_dropout=d.get("attention_dropout", 0.0) or 0.0,
-        qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3",
+        qkv_bias=kind == "qwen2", qk_norm=kind in ("qwen3", "qwen3_moe") or bool(d.get("use_qk_norm")),
         attn_head_dim=head_dim if head_dim * n_heads != d["hidden_size"] else None, **moe)
 
 
@@ -146,9 +149,9 @@ def is_mtp_name(name: str) -> bool:
 
 
 def to_hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
-    """HF names -> tensors; an MoE model in the Hub's Mixtral or GLM-4-MoE layout (`moe_family`; ValueError naming
-    what that family cannot hold). Multi-token prediction's depths (`mtp.*`, model/mtp.py) are left out: the export
-    is the next-token model, as DeepSeek-V3's MTP is dropped for plain inference."""
+    """HF names -> tensors; an MoE model in the Hub's Mixtral, Qwen3-MoE or GLM-4-MoE layout (`moe_family`;
+    ValueError naming what that family cannot hold). Multi-token prediction's depths (`mtp.*`, model/mtp.py) are left
+    out: the export is the next-token model, as DeepSeek-V3's MTP is dropped for plain inference."""
     sd = {}
     ours = {k: v for k, v in model.state_dict().items() if not is_mtp_name(k)}
     if model.cfg.moe_num_experts:

@@ -82,11 +82,11 @@ def is_checkpoint_dir(path: str) -> bool:
 
 
 # the transformers model types whose directories our model reads (model/hf_interop.py config_from_hf)
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "glm4_moe")  # Mistral, Qwen2, Qwen3: Llama-shaped
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "glm4_moe")  # (Llama-shaped)
 
 
 def is_hf_dir(path: str) -> bool:
-    """A Hugging Face Llama, Mistral, Qwen2, Qwen3, Mixtral or GLM-4-MoE directory: config.json with one of
+    """A Hugging Face Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE or GLM-4-MoE directory: config.json with one of
     HF_MODEL_TYPES, and
     safetensors."""
     cfg_path = os.path.join(path, RUN_CONFIG)  # HF's config.json: the same name

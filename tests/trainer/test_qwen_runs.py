@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -105,3 +106,21 @@ def test_qk_norm_and_head_dim_build_a_new_qwen3_shaped_model(tiny_pretrain_run_a
     cfg = read_model_config(find_latest_valid(str(out)))
     assert weights["layers.1.self_attn.q_proj.weight"].shape == (cfg.n_heads * 16, cfg.dim)
     assert cfg.dim != cfg.n_heads * 16
+
+
+def test_a_qwen3_moe_trains_and_exports_back_as_one(tiny_pretrain_data, tiny_pretrain_run_args, tmp_path):
+    """Qwen3-MoE (Qwen3's attention over softmax-routed experts, a dense first block): `--init_from=<its dir>` trains
+    it and export_hf.py writes a Qwen3MoeForCausalLM back."""
+    from tests.conftest import run_python
+    hf = released_model(tiny_pretrain_data, tmp_path / "hf", n_layers=2, n_kv_heads=2, max_seq_len=64, qk_norm=True,
+                        attn_head_dim=16, moe_num_experts=4, moe_top_k=2, moe_hidden_dim=24, moe_first_dense_layers=1)
+    out = tmp_path / "run"
+    run_cmd(train_cmd([*from_weights(tiny_pretrain_run_args, hf, "--max_iters=2", "--checkpoint_interval=2"),
+                       f"--out_dir={out}"]), env=_env())
+    saved = read_model_config(find_latest_valid(str(out)))
+    assert saved.qk_norm and saved.moe_num_experts == 4 and saved.moe_first_dense_layers == 1
+    r = run_python([sys.executable, "export_hf.py", f"--ckpt={out}", f"--out_dir={tmp_path / 'back'}"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    with open(tmp_path / "back" / "config.json") as f:
+        cfg = json.load(f)
+    assert cfg["architectures"] == ["Qwen3MoeForCausalLM"] and cfg["mlp_only_layers"] == [0]
