@@ -224,8 +224,10 @@ tokenize_sft_records = SFT_TASK.tokenize_records  # what dataset_sft.SFTDataset 
 
 HELP_EPILOG = """\
 records: {"instruction","input"?,"output","system"?} or {"conversations"|"messages": [{"role"|"from",
-  "content"|"value"}], "system"?}; human->user, gpt->assistant. Labels are the ids of assistant
-  content and its <|im_end|>; everything else is -100.
+  "content"|"value", "reasoning_content"?}], "system"?}; human->user, gpt->assistant; reasoning becomes a
+  <think> block before the content. Labels are the ids of what the assistant says (its content
+  and the token closing its turn, <|im_end|> in ChatML; the tokenizer's own chat template where it has
+  one); everything else is -100.
 over-long policy (--overlong): a sample may hold max_seq_len+1 tokens (the model sees len-1 after the
   shift). truncate (default) keeps the first max_seq_len+1 tokens; drop drops the sample. Samples with
   no target token left are dropped. All are counted per file in sft_meta.json and the log.

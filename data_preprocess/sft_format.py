@@ -76,8 +76,27 @@ def _messages_from_list(turns: Any) -> list[dict[str, str]]:
         if not isinstance(content, str):
             raise RecordError(f"turn content is {type(content).__name__}, not a string")
         _encodable(content, "a conversation turn")
-        out.append({"role": ROLE_MAP[role.lower()], "content": content})
+        out.append({"role": ROLE_MAP[role.lower()], "content": _with_reasoning(t, content)})
     return out
+
+
+REASONING_FIELDS = ("reasoning_content", "reasoning", "thinking")  # a turn's reasoning, as transformers reads them
+
+
+def _with_reasoning(turn: dict, content: str) -> str:
+    """The content of a turn with a reasoning field (`reasoning_content`, ...: distilled reasoning data) as one
+    `<think>\n{reasoning}\n</think>\n\n{content}` block, the text Qwen3's template writes for it; without one, the
+    content."""
+    field = next((f for f in REASONING_FIELDS if turn.get(f) is not None), None)
+    if field is None:
+        return content
+    reasoning = turn[field]
+    if not isinstance(reasoning, str):
+        raise RecordError(f"turn '{field}' is {type(reasoning).__name__}, not a string")
+    if "</think>" in content:
+        raise RecordError(f"turn has '{field}' and a <think> block in its content: give the reasoning once")
+    _encodable(reasoning, f"'{field}'")
+    return f"<think>\n{reasoning.strip(chr(10))}\n</think>\n\n{content.lstrip(chr(10))}"
 
 
 def _with_system(rec: dict, msgs: list[dict[str, str]]) -> list[dict[str, str]]:

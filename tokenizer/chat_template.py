@@ -10,13 +10,17 @@ the tokenizer's added tokens. For benign content the ids equal ``apply_chat_temp
 
 How the content is found in the rendered text: the template is rendered once with each message's content replaced by
 a marker and once with the real content; the marked render gives the template's text around each content, the real one
-says what the template made of it (as it is, or trimmed: Llama 3 trims every message). A template that writes a
-content twice, or changes it beyond trimming whitespace (Qwen3's reasoning stripped from history), is a ValueError for
-that conversation (the pretokenizers count and name it).
+says what the template made of it (as it is, or trimmed: Llama 3 trims every message). A content holding one
+reasoning block, `<think>reasoning</think>answer`, is marked part by part, the `<think>` / `</think>` markers left as
+they are, so a template that rewrites the block (Qwen3 and DeepSeek-R1's) or drops it from earlier turns (Qwen3's) is
+followed too. A template that writes a content twice, or changes it otherwise beyond trimming whitespace, is a
+ValueError for that conversation (the pretokenizers count and name it).
 
-The mask: the tokens of a trained role's content, and what closes its turn: the template's text that follows up to
-and including the next added token, when that text is only whitespace (Llama 3's <|eot_id|>, ChatML's <|im_end|>,
-Llama 2's " </s>", Gemma's <end_of_turn>). A template that prints today's date (Llama 3.2's) gets a fixed one,
+The mask: what the model says in a trained turn, from the end of its generation prompt (the text of
+`messages[:i]` rendered with add_generation_prompt, where the conversation's text begins so: Qwen3's `<think>` block
+is then learned as the model writes it) or else the content's first token, through what closes the turn: the
+template's text after the content up to and including the next added token, when that text is only whitespace
+(Llama 3's <|eot_id|>, ChatML's <|im_end|>, Llama 2's " </s>", Gemma's <end_of_turn>). A template that prints today's date (Llama 3.2's) gets a fixed one,
 26 Jul 2024 (Llama 3.1's own default), so the ids of a run never depend on the day it started or resumed.
 
 Must never import transformers or torch: the pretokenizer's workers build it from a backend and strings.
@@ -89,18 +93,31 @@ class TemplateChat:
             raise ValueError(f"the tokenizer's chat template refused the conversation: {e}") from None
 
     def pieces(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool
-               ) -> list[tuple[str, int]]:
-        """The rendered text as (text, owner) pieces in order: owner -1 for the template's text, i for message i's
-        content as the template wrote it."""
+               ) -> tuple[list[tuple[str, int]], str]:
+        """(pieces, text): the rendered text, and it as (text, owner) pieces in order: owner -1 for the template's
+        text, i for (a part of) message i's content as the template wrote it. A content holding one reasoning block
+        (`<think>...</think>answer`, what Qwen3's and DeepSeek-R1's templates split apart) is marked part by part."""
         for i, m in enumerate(messages):
             if "\ue000" in m["content"] or "\ue001" in m["content"]:
                 raise ValueError(f"message {i}: holds U+E000 / U+E001, which the chat renderer reserves")
-        marked = self.render([dict(m, content=_MARK.format(i)) for i, m in enumerate(messages)],
-                             add_generation_prompt)
+        texts: list[str] = []  # the marked parts' own text
+        owner_of: list[int] = []  # the message each marked part belongs to
+        marked_msgs = []
+        for i, m in enumerate(messages):
+            marked = []
+            for text, literal in _content_parts(m["content"]):
+                if literal:
+                    marked.append(text)
+                else:
+                    marked.append(_MARK.format(len(texts)))
+                    texts.append(text)
+                    owner_of.append(i)
+            marked_msgs.append(dict(m, content="".join(marked)))
+        marked = self.render(marked_msgs, add_generation_prompt)
         real = self.render(messages, add_generation_prompt)
         parts = _MARK_RE.split(marked)  # text, index, text, index, ..., text
-        literals, owners = parts[0::2], [int(k) for k in parts[1::2]]
-        if len(set(owners)) != len(owners):
+        literals, marks = parts[0::2], [int(k) for k in parts[1::2]]
+        if len(set(marks)) != len(marks):
             raise ValueError("the chat template writes a message's content more than once")
         out: list[tuple[str, int]] = []
         pos = 0
@@ -109,84 +126,121 @@ class TemplateChat:
                 raise ValueError("the chat template renders its text differently around the messages' content")
             out.append((lit, -1))
             pos += len(lit)
-            if j == len(owners):
+            if j == len(marks):
                 break
-            k, content, nxt = owners[j], messages[owners[j]]["content"], literals[j + 1]
-            for cand in dict.fromkeys((content, content.strip(), content.lstrip(), content.rstrip())):
+            k, nxt = marks[j], literals[j + 1]
+            t = texts[k]
+            for cand in dict.fromkeys((t, t.strip(), t.lstrip(), t.rstrip(), t.strip("\n"), t.lstrip("\n"),
+                                       t.rstrip("\n"))):
                 if real.startswith(cand + nxt, pos):
-                    out.append((cand, k))
+                    out.append((cand, owner_of[k]))
                     pos += len(cand)
                     break
             else:
-                raise ValueError(f"the chat template changes message {k}'s content beyond trimming whitespace, "
-                                 "so its tokens cannot be told from the template's")
+                raise ValueError(f"the chat template changes message {owner_of[k]}'s content beyond trimming "
+                                 "whitespace, so its tokens cannot be told from the template's")
         if pos != len(real):
             raise ValueError("the chat template renders its text differently around the messages' content")
-        return [(t, o) for t, o in out if t]
+        return [(t, o) for t, o in out if t], real
 
     def encode(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = False,
                train_roles: Sequence[str] = ("assistant",)) -> tuple[list[int], list[int]]:
-        """(input_ids, mask): mask 1 on the content of `train_roles` messages and what closes their turns."""
-        # items: ("id", token id, -1) for an added token of the template's text, ("text", segment, spans) otherwise,
-        # a segment being the text between two added tokens (the template's and the contents' together, encoded as
-        # one piece so BPE merges match apply_chat_template) and spans its contents' (start, end, message index)
+        """(input_ids, mask): mask 1 on what the model says in `train_roles` turns (see `_mask`)."""
+        # items: ("id", token id, its offset) for an added token of the template's text, ("text", segment, (its offset,
+        # spans)) otherwise, a segment being the text between two added tokens (the template's and the contents'
+        # together, encoded as one piece so BPE merges match apply_chat_template) and spans its contents' (start,
+        # end, message index); offsets are in the rendered text
+        pieces, real = self.pieces(messages, add_generation_prompt)
         items: list[tuple[str, Any, Any]] = []
         seg: list[str] = []
         spans: list[tuple[int, int, int]] = []
-        seg_len = 0
+        seg_len, seg_at, pos = 0, 0, 0
 
         def close() -> None:
-            nonlocal seg, spans, seg_len
+            nonlocal seg, spans, seg_len, seg_at
             if seg:
-                items.append(("text", "".join(seg), spans))
-            seg, spans, seg_len = [], [], 0
+                items.append(("text", "".join(seg), (seg_at, spans)))
+            seg, spans, seg_len, seg_at = [], [], 0, pos
 
-        for text, owner in self.pieces(messages, add_generation_prompt):
+        for text, owner in pieces:
             if owner >= 0:
                 seg.append(text)
                 spans.append((seg_len, seg_len + len(text), owner))
                 seg_len += len(text)
+                pos += len(text)
                 continue
-            pos = 0
+            start = 0
             for m in (self.split_re.finditer(text) if self.split_re is not None else ()):
-                if m.start() > pos:
-                    seg.append(text[pos:m.start()])
-                    seg_len += m.start() - pos
+                if m.start() > start:
+                    seg.append(text[start:m.start()])
+                    seg_len += m.start() - start
+                pos += m.start() - start
                 close()
-                items.append(("id", self.added[m.group()], -1))
-                pos = m.end()
-            if pos < len(text):
-                seg.append(text[pos:])
-                seg_len += len(text) - pos
+                items.append(("id", self.added[m.group()], pos))
+                pos += m.end() - m.start()
+                seg_at = pos
+                start = m.end()
+            if start < len(text):
+                seg.append(text[start:])
+                seg_len += len(text) - start
+                pos += len(text) - start
         close()
         encs = iter(self.backend.encode_batch([it[1] for it in items if it[0] == "text"], add_special_tokens=False))
         ids: list[int] = []
         owner_of: list[int] = []  # per token: message index of the content it holds, -1 for the template's
-        for kind, value, sp in items:
+        ends: list[int] = []  # per token: where it ends in the rendered text
+        for kind, value, where in items:
             if kind == "id":
                 ids.append(value)
                 owner_of.append(-1)
+                ends.append(where + len(self.backend.id_to_token(value) or ""))
                 continue
+            at, sp = where
             enc = next(encs)
             for tid, (start, end) in zip(enc.ids, enc.offsets):
                 ids.append(tid)
                 owner_of.append(_owner(start, end, sp))
-        trained = {i for i, m in enumerate(messages) if m["role"] in train_roles}
-        return ids, self._mask(ids, owner_of, trained)
+                ends.append(at + end)
+        trained = [i for i, m in enumerate(messages) if m["role"] in train_roles]
+        return ids, self._mask(messages, real, ids, owner_of, ends, trained)
 
-    def _mask(self, ids: list[int], owner_of: list[int], trained: set[int]) -> list[int]:
-        mask = [1 if o in trained else 0 for o in owner_of]
+    def _mask(self, messages: Sequence[Mapping[str, Any]], real: str, ids: list[int], owner_of: list[int],
+              ends: list[int], trained: list[int]) -> list[int]:
+        """1 on what the model says in each trained turn: from the end of the turn's generation prompt (the text of
+        `render(messages[:i], add_generation_prompt=True)`, where that is how the conversation's text begins: Qwen3's
+        `<think>` is then the model's, as it is when it generates) or else its content's first token, through the
+        token closing the turn (the template's whitespace after the content, then the next added token: Llama 3's
+        <|eot_id|>, ChatML's <|im_end|>, Llama 2 / Mistral's " </s>", Gemma's <end_of_turn>)."""
+        mask = [0] * len(ids)
         added_ids = set(self.added.values())
-        for t in range(len(ids) - 1):
-            if owner_of[t] in trained and owner_of[t + 1] != owner_of[t]:  # the last token of a trained content
-                j = t + 1  # the template's whitespace, then the added token closing the turn
-                while j < len(ids) and owner_of[j] == -1 and ids[j] not in added_ids \
-                        and not self.backend.decode([ids[j]], skip_special_tokens=False).strip():
-                    j += 1
-                if j < len(ids) and owner_of[j] == -1 and ids[j] in added_ids:
-                    for q in range(t + 1, j + 1):
-                        mask[q] = 1
+        for i in trained:
+            own = [t for t, o in enumerate(owner_of) if o == i]
+            if not own:
+                continue  # (the template left this turn's content out)
+            first, last = own[0], own[-1]
+            start = first
+            prompt = self._prompt_text(messages[:i])
+            if prompt is not None and real.startswith(prompt) and 0 < len(prompt) < ends[first]:
+                start = next(t for t in range(first + 1) if ends[t] > len(prompt))  # (a straddling token: the turn's)
+                if any(owner_of[t] not in (-1, i) for t in range(start, first)):
+                    start = first  # (another message's content in between: the prompt text is not this turn's)
+            j = last + 1  # the template's whitespace, then the added token closing the turn
+            while j < len(ids) and owner_of[j] == -1 and ids[j] not in added_ids \
+                    and not self.backend.decode([ids[j]], skip_special_tokens=False).strip():
+                j += 1
+            end = j if j < len(ids) and owner_of[j] == -1 and ids[j] in added_ids else last
+            for t in range(start, end + 1):
+                mask[t] = 1
         return mask
+
+    def _prompt_text(self, messages: Sequence[Mapping[str, Any]]) -> Optional[str]:
+        """The rendered text of `messages` with the generation prompt, or None where the template refuses it."""
+        if not messages:
+            return None
+        try:
+            return self.render(messages, add_generation_prompt=True)
+        except ValueError:
+            return None
 
     def end_of_turn_id(self) -> Optional[int]:
         """The added token that closes an assistant turn (what generation stops at), or None."""
@@ -195,6 +249,18 @@ class TemplateChat:
         if last is None or ids[last] not in set(self.added.values()):
             return None
         return ids[last]
+
+
+def _content_parts(content: str) -> list[tuple[str, bool]]:
+    """A message's content as (text, literal) parts: one unmarked part, or for one reasoning block
+    `pre<think>reasoning</think>answer` the three texts around the literal markers (which templates split on)."""
+    if content.count("</think>") != 1:
+        return [(content, False)]
+    head, _, answer = content.partition("</think>")
+    if head.count("<think>") > 1:
+        return [(content, False)]
+    pre, opened, reasoning = head.rpartition("<think>") if "<think>" in head else ("", "", head)
+    return [(pre, False), (opened, True), (reasoning, False), ("</think>", True), (answer, False)]
 
 
 def _owner(start: int, end: int, spans: Sequence[tuple[int, int, int]]) -> int:

@@ -62,6 +62,56 @@ QWEN25 = """{%- if messages[0]['role'] == 'system' %}
     {{- '<|im_start|>assistant\n' }}
 {%- endif %}
 """
+# Qwen3's template without its tool-call branches: the reasoning of the turns after the last user turn written in a
+# <think> block (an empty one when there is none), taken out of the earlier turns
+QWEN3 = """{%- if messages[0].role == 'system' %}
+    {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if ns.multi_step_tool and message.role == "user" and message.content is string and not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
+        {%- set ns.multi_step_tool = false %}
+        {%- set ns.last_query_index = index %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- if message.content is string %}
+        {%- set content = message.content %}
+    {%- else %}
+        {%- set content = '' %}
+    {%- endif %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {%- set reasoning_content = '' %}
+        {%- if message.reasoning_content is string %}
+            {%- set reasoning_content = message.reasoning_content %}
+        {%- else %}
+            {%- if '</think>' in content %}
+                {%- set reasoning_content = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}
+                {%- set content = content.split('</think>')[-1].lstrip('\n') %}
+            {%- endif %}
+        {%- endif %}
+        {%- if loop.index0 > ns.last_query_index %}
+            {%- if loop.last or (not loop.last and reasoning_content) %}
+                {{- '<|im_start|>' + message.role + '\n<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}
+            {%- else %}
+                {{- '<|im_start|>' + message.role + '\n' + content }}
+            {%- endif %}
+        {%- else %}
+            {{- '<|im_start|>' + message.role + '\n' + content }}
+        {%- endif %}
+        {{- '<|im_end|>\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\n\n</think>\n\n' }}
+    {%- endif %}
+{%- endif %}
+"""
 GEMMA = ("{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
          "{% endif %}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
          "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
@@ -78,6 +128,7 @@ FAMILIES = {
     "llama3": (LLAMA3, "<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", True, LLAMA3_SPECIALS),
     "llama3.2": (LLAMA32, "<|begin_of_text|>", "<|eot_id|>", "<|eot_id|>", True, LLAMA3_SPECIALS),
     "qwen2.5": (QWEN25, None, "<|im_end|>", "<|im_end|>", True, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]),
+    "qwen3": (QWEN3, None, "<|im_end|>", "<|im_end|>", True, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]),
     "gemma": (GEMMA, "<bos>", "<eos>", "<end_of_turn>", False,
               ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]),
     "mistral": (MISTRAL, "<s>", "</s>", "</s>", False, ["<unk>", "<s>", "</s>"]),
@@ -101,6 +152,9 @@ def _backend(specials):
     t.decoder = decoders.ByteLevel()
     t.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=800, special_tokens=specials,
                                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    if "<|im_start|>" in specials:  # (Qwen3's reasoning markers: added tokens, not special ones)
+        from tokenizers import AddedToken
+        t.add_tokens([AddedToken("<think>", special=False), AddedToken("</think>", special=False)])
     return t
 
 
@@ -139,8 +193,10 @@ def test_ids_equal_apply_chat_template_and_the_mask_is_the_replies_and_their_clo
         assert prompt == _reference(tok, conv[:k], add_generation_prompt=True)
     # the learned tokens: each reply as the template wrote it, then the token closing its turn (Mistral's " </s>"
     # has no space: the reply runs into </s>), nothing else
-    trim = name not in ("qwen2.5", "mistral")
+    trim = name not in ("qwen2.5", "qwen3", "mistral")
     replies = [m["content"].strip() if trim else m["content"] for m in conv if m["role"] == "assistant"]
+    if name == "qwen3":  # the last turn's (empty) reasoning block: the model writes it after the generation prompt
+        replies[-1] = "<think>\n\n</think>\n\n" + replies[-1]
     assert tok.decode([t for t, m in zip(ids, mask) if m]) == "".join(r + closing for r in replies)
     runs = np.flatnonzero(np.diff(np.concatenate([[0], mask, [0]])) == 1)
     assert len(runs) == len(replies)  # two separate runs: nothing between the replies is learned
@@ -159,6 +215,24 @@ def test_content_never_makes_control_tokens_and_the_stop_ids(toks, name):
     assert tok.decode(ids, skip_special_tokens=False).count(closing) >= 1  # the text is there, as text
     stop = chat_stop_ids(tok, {"eos": {"id": tok.convert_tokens_to_ids(eos)}})
     assert stop == list(dict.fromkeys([tok.convert_tokens_to_ids(eos), tok.convert_tokens_to_ids(closing)]))
+
+
+def test_reasoning_in_replies_under_qwen3s_template(toks):
+    """Replies holding `<think>...</think>` (distilled reasoning): Qwen3's template rewrites the block of the turns
+    after the last user turn and drops it from earlier ones; the ids are still apply_chat_template's, and the learned
+    tokens are what the model says after each generation prompt: the whole block and the answer for the last turn
+    (`<think>` included, as the model writes it), the answer alone for an earlier one."""
+    tok = toks["qwen3"]
+    one = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<think>\nadd them\n</think>\n\n4"}]
+    two = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<think>add</think>4"},
+           {"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "<think>\n\nadd again</think>6"}]
+    for conv, learned in ((one, "<think>\nadd them\n</think>\n\n4<|im_end|>"),
+                          (two, "4<|im_end|><think>\nadd again\n</think>\n\n6<|im_end|>")):
+        ids, mask = encode_chat(tok, conv)
+        assert ids == _reference(tok, conv)
+        assert tok.decode([t for t, m in zip(ids, mask) if m]) == learned
+    prompt, _ = encode_chat(tok, two[:3], add_generation_prompt=True)
+    assert prompt == _reference(tok, two[:3], add_generation_prompt=True)
 
 
 def test_a_template_printing_today_gets_a_fixed_date(toks):
@@ -215,7 +289,8 @@ def test_generation_blocks_render_their_body(toks):
 
 # ------------------------------------------------------------------ the same tokenizers adopted, in the pipeline
 
-PADS = {"llama3": "<|finetune_right_pad_id|>", "llama3.2": "<|finetune_right_pad_id|>", "qwen2.5": "<|endoftext|>"}
+PADS = {"llama3": "<|finetune_right_pad_id|>", "llama3.2": "<|finetune_right_pad_id|>", "qwen2.5": "<|endoftext|>",
+        "qwen3": "<|endoftext|>"}
 
 
 @pytest.fixture(scope="module")
@@ -245,7 +320,7 @@ def _rows(folder, index_name):
     return meta, ids, labels, np.load(os.path.join(folder, index_name))
 
 
-@pytest.mark.parametrize("name", PADS)
+@pytest.mark.parametrize("name", ["llama3.2", "qwen2.5"])
 def test_sft_and_dpo_files_hold_the_templates_ids_in_worker_processes_too(adopted, toks, name, tmp_path):
     """The pretokenizers' samples are apply_chat_template's ids, labels on the replies and their closing tokens, the
     same files from 2 worker processes (which rebuild the tokenizer from its backend and its template) as from one."""
@@ -287,7 +362,7 @@ def test_sft_and_dpo_files_hold_the_templates_ids_in_worker_processes_too(adopte
             assert tok.decode(learned[learned != -100]) == (reply.strip() if name != "qwen2.5" else reply) + closing
 
 
-@pytest.mark.parametrize("name", PADS)
+@pytest.mark.parametrize("name", ["llama3.2", "qwen2.5"])
 def test_grpo_prompts_and_sample_py_use_the_template_and_no_bos_where_there_is_none(adopted, toks, name, tmp_path):
     from types import SimpleNamespace
 
@@ -341,3 +416,27 @@ def test_an_export_stops_where_its_chats_end(adopted, toks):
         got = generation_config_dict(load_tokenizer_meta(adopted[name]), _stop_ids(adopted[name]))["eos_token_id"]
         ids = [toks[name].convert_tokens_to_ids(t) for t in want]
         assert got == (ids if len(ids) > 1 else ids[0]), name
+
+
+def test_sft_records_with_reasoning_under_qwen3(adopted, toks, tmp_path):
+    """Distilled reasoning in SFT records, as a `reasoning_content` field or a <think> block in the reply: the samples
+    hold apply_chat_template's ids for them (transformers reads the field itself), the block and the answer learned."""
+    from data_preprocess.pretokenize_sft_data import tokenize_sft_records
+    recs = [{"conversations": [{"role": "user", "content": "2+2?"},
+                               {"role": "assistant", "content": "4", "reasoning_content": "add them"}]},
+            {"conversations": [{"role": "user", "content": "3+3?"},
+                               {"role": "assistant", "content": "<think>\nadd\n</think>\n\n6"}]},
+            {"conversations": [{"role": "user", "content": "1+1?"},  # the reasoning twice: a counted skip
+                               {"role": "assistant", "content": "<think>x</think>2", "reasoning_content": "x"}]}]
+    (tmp_path / "r").mkdir()
+    with open(tmp_path / "r" / "r.jsonl", "w", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in recs)
+    got = tokenize_sft_records(str(tmp_path / "r"), adopted["qwen3"], 256)
+    assert got.meta["num_samples"] == 2 and got.meta["files"][0]["skipped"] == {
+        "turn has 'reasoning_content' and a <think> block in its content: give the reasoning once": 1}
+    tok = toks["qwen3"]
+    for rec, (off, length, *_), learned in zip(recs, got.index, ("<think>\nadd them\n</think>\n\n4<|im_end|>",
+                                                                 "<think>\nadd\n</think>\n\n6<|im_end|>")):
+        assert got.ids[off:off + length].tolist() == _reference(tok, rec["conversations"])
+        labels = got.labels[off:off + length]
+        assert tok.decode(labels[labels != -100]) == learned
