@@ -22,7 +22,8 @@ from typing import Any, Optional
 from inference.loading import load_for_inference, no_tokenizer_message, precheck, recorded_tokenizer_dir
 
 
-def build_prompt_ids(tok: Any, tokenizer_meta: dict, prompt: str, chat: bool) -> list[int]:
+def build_prompt_ids(tok: Any, tokenizer_meta: dict, prompt: str, chat: bool,
+                     template_kwargs: Optional[dict] = None) -> list[int]:
     """Model input ids for a prompt, encoded injection-safe.
 
     chat: the prompt as a user turn and the assistant's header, in the tokenizer's chat template (ours:
@@ -34,7 +35,8 @@ def build_prompt_ids(tok: Any, tokenizer_meta: dict, prompt: str, chat: bool) ->
         raise ValueError(f"the prompt is not valid Unicode: lone surrogate U+{ord(prompt[bad]):04X} "
                          f"at character {bad}")
     if chat:
-        ids, _ = encode_chat(tok, [{"role": "user", "content": prompt}], add_generation_prompt=True)
+        ids, _ = encode_chat(tok, [{"role": "user", "content": prompt}], add_generation_prompt=True,
+                             template_kwargs=template_kwargs)
         return list(ids)
     bos = tokenizer_meta["special_tokens"].get("bos")  # (a tokenizer without one, Qwen2's: the text alone)
     return ([int(bos["id"])] if bos else []) + encode_texts(tok, [prompt])[0]
@@ -48,6 +50,8 @@ def _parser():
     p.add_argument("--tokenizer_dir", default=None, help="default: the tokenizer the run recorded")
     p.add_argument("--prompt", default="")
     add_bool(p, "chat", False, "render the prompt as a user turn of the chat template")
+    p.add_argument("--chat_template_kwargs", default="", help="--chat: a JSON object of extra variables for the "
+                   "tokenizer's chat template (Qwen3's '{\"enable_thinking\": false}')")
     from utils import constants as c
     # the same defaults go into an export's generation_config.json (model/hf_interop.generation_config_dict)
     p.add_argument("--max_new_tokens", type=int, default=c.SAMPLE_MAX_NEW_TOKENS)
@@ -75,6 +79,11 @@ def _flag_problem(args) -> Optional[str]:
         return f"--repetition_penalty={args.repetition_penalty}: must be a finite number > 0"
     if args.speculative == "mtp" and args.repetition_penalty != 1:
         return "--repetition_penalty is not applied by --speculative=mtp (use --speculative=off)"
+    from tokenizer.chat_template import parse_template_kwargs  # (torch-free)
+    try:
+        args.template_kwargs = parse_template_kwargs(args.chat_template_kwargs)
+    except ValueError as e:
+        return str(e)
     return precheck(args)
 
 
@@ -118,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         return code
     special = meta["special_tokens"]
     try:
-        ids = build_prompt_ids(tok, meta, args.prompt, args.chat)
+        ids = build_prompt_ids(tok, meta, args.prompt, args.chat, args.template_kwargs)
     except ValueError as e:
         print(f"sample.py: --prompt: {e}", file=sys.stderr)
         return 2  # bad configuration (utils.constants.EXIT_BAD_CONFIG)

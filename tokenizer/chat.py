@@ -65,8 +65,10 @@ def chat_stop_ids(tok: Any, special: Mapping[str, Mapping[str, Any]]) -> list[in
 
 
 def encode_chat(tok: Any, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = False,
-                train_roles: Sequence[str] = ("assistant",)) -> tuple[list[int], list[int]]:
+                train_roles: Sequence[str] = ("assistant",), template_kwargs: Optional[Mapping[str, Any]] = None
+                ) -> tuple[list[int], list[int]]:
     """Return (input_ids, assistant_mask), mask 1 on content tokens of ``train_roles`` and what closes their turns.
+    `template_kwargs`: extra variables for a tokenizer's own template (Qwen3's enable_thinking; ChatML reads none).
 
     ChatML, directly: role header and content are encoded as ONE segment ("{role}\\n{content}", exactly the text the
     template puts between the markers) so BPE merges match apply_chat_template; token offsets then
@@ -77,7 +79,7 @@ def encode_chat(tok: Any, messages: Sequence[Mapping[str, str]], add_generation_
             raise ValueError(f"message {i}: 'role' and 'content' must be strings, got {dict(m)!r}")
     chat = own_template(tok)
     if chat is not None:
-        return chat.encode(messages, add_generation_prompt, train_roles)
+        return chat.encode(messages, add_generation_prompt, train_roles, template_kwargs)
     im_start, im_end = chat_marker_ids(tok)
     backend = safe_backend(tok)
     headers = [m["role"] + "\n" for m in messages]

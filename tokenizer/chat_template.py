@@ -20,8 +20,10 @@ The mask: what the model says in a trained turn, from the end of its generation 
 `messages[:i]` rendered with add_generation_prompt, where the conversation's text begins so: Qwen3's `<think>` block
 is then learned as the model writes it) or else the content's first token, through what closes the turn: the
 template's text after the content up to and including the next added token, when that text is only whitespace
-(Llama 3's <|eot_id|>, ChatML's <|im_end|>, Llama 2's " </s>", Gemma's <end_of_turn>). A template that prints today's date (Llama 3.2's) gets a fixed one,
-26 Jul 2024 (Llama 3.1's own default), so the ids of a run never depend on the day it started or resumed.
+(Llama 3's <|eot_id|>, ChatML's <|im_end|>, Llama 2's " </s>", Gemma's <end_of_turn>). A template that prints
+today's date (Llama 3.2's) gets a fixed one, 26 Jul 2024 (Llama 3.1's own default), so the ids of a run never depend
+on the day it started or resumed. Extra variables (`parse_template_kwargs`: TRL's chat_template_kwargs, Qwen3's
+enable_thinking) go to every render of a call.
 
 Must never import transformers or torch: the pretokenizer's workers build it from a backend and strings.
 """
@@ -84,16 +86,20 @@ class TemplateChat:
         self.variables = {k: v for k, v in token_strings.items() if k in _TOKEN_VARS}
         self.variables["date_string"] = FIXED_DATE.strftime("%d %b %Y")
 
-    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = False) -> str:
+    def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = False,
+               extra: Optional[Mapping[str, Any]] = None) -> str:
+        """The template's text; `extra`: more variables for it (TRL's chat_template_kwargs: Qwen3's
+        enable_thinking), over the tokenizer's."""
         import jinja2
         try:
+            variables = {**self.variables, **(extra or {})}
             return self.template.render(messages=[dict(m) for m in messages],
-                                        add_generation_prompt=add_generation_prompt, **self.variables)
+                                        add_generation_prompt=add_generation_prompt, **variables)
         except jinja2.exceptions.TemplateError as e:  # the template's own refusal (roles must alternate ...)
             raise ValueError(f"the tokenizer's chat template refused the conversation: {e}") from None
 
-    def pieces(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool
-               ) -> tuple[list[tuple[str, int]], str]:
+    def pieces(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool,
+               extra: Optional[Mapping[str, Any]] = None) -> tuple[list[tuple[str, int]], str]:
         """(pieces, text): the rendered text, and it as (text, owner) pieces in order: owner -1 for the template's
         text, i for (a part of) message i's content as the template wrote it. A content holding one reasoning block
         (`<think>...</think>answer`, what Qwen3's and DeepSeek-R1's templates split apart) is marked part by part."""
@@ -113,8 +119,8 @@ class TemplateChat:
                     texts.append(text)
                     owner_of.append(i)
             marked_msgs.append(dict(m, content="".join(marked)))
-        marked = self.render(marked_msgs, add_generation_prompt)
-        real = self.render(messages, add_generation_prompt)
+        marked = self.render(marked_msgs, add_generation_prompt, extra)
+        real = self.render(messages, add_generation_prompt, extra)
         parts = _MARK_RE.split(marked)  # text, index, text, index, ..., text
         literals, marks = parts[0::2], [int(k) for k in parts[1::2]]
         if len(set(marks)) != len(marks):
@@ -144,13 +150,14 @@ class TemplateChat:
         return [(t, o) for t, o in out if t], real
 
     def encode(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = False,
-               train_roles: Sequence[str] = ("assistant",)) -> tuple[list[int], list[int]]:
+               train_roles: Sequence[str] = ("assistant",), extra: Optional[Mapping[str, Any]] = None
+               ) -> tuple[list[int], list[int]]:
         """(input_ids, mask): mask 1 on what the model says in `train_roles` turns (see `_mask`)."""
         # items: ("id", token id, its offset) for an added token of the template's text, ("text", segment, (its offset,
         # spans)) otherwise, a segment being the text between two added tokens (the template's and the contents'
         # together, encoded as one piece so BPE merges match apply_chat_template) and spans its contents' (start,
         # end, message index); offsets are in the rendered text
-        pieces, real = self.pieces(messages, add_generation_prompt)
+        pieces, real = self.pieces(messages, add_generation_prompt, extra)
         items: list[tuple[str, Any, Any]] = []
         seg: list[str] = []
         spans: list[tuple[int, int, int]] = []
@@ -202,10 +209,10 @@ class TemplateChat:
                 owner_of.append(_owner(start, end, sp))
                 ends.append(at + end)
         trained = [i for i, m in enumerate(messages) if m["role"] in train_roles]
-        return ids, self._mask(messages, real, ids, owner_of, ends, trained)
+        return ids, self._mask(messages, real, ids, owner_of, ends, trained, extra)
 
     def _mask(self, messages: Sequence[Mapping[str, Any]], real: str, ids: list[int], owner_of: list[int],
-              ends: list[int], trained: list[int]) -> list[int]:
+              ends: list[int], trained: list[int], extra: Optional[Mapping[str, Any]] = None) -> list[int]:
         """1 on what the model says in each trained turn: from the end of the turn's generation prompt (the text of
         `render(messages[:i], add_generation_prompt=True)`, where that is how the conversation's text begins: Qwen3's
         `<think>` is then the model's, as it is when it generates) or else its content's first token, through the
@@ -219,7 +226,7 @@ class TemplateChat:
                 continue  # (the template left this turn's content out)
             first, last = own[0], own[-1]
             start = first
-            prompt = self._prompt_text(messages[:i])
+            prompt = self._prompt_text(messages[:i], extra)
             if prompt is not None and real.startswith(prompt) and 0 < len(prompt) < ends[first]:
                 start = next(t for t in range(first + 1) if ends[t] > len(prompt))  # (a straddling token: the turn's)
                 if any(owner_of[t] not in (-1, i) for t in range(start, first)):
@@ -233,12 +240,13 @@ class TemplateChat:
                 mask[t] = 1
         return mask
 
-    def _prompt_text(self, messages: Sequence[Mapping[str, Any]]) -> Optional[str]:
+    def _prompt_text(self, messages: Sequence[Mapping[str, Any]], extra: Optional[Mapping[str, Any]] = None
+                     ) -> Optional[str]:
         """The rendered text of `messages` with the generation prompt, or None where the template refuses it."""
         if not messages:
             return None
         try:
-            return self.render(messages, add_generation_prompt=True)
+            return self.render(messages, True, extra)
         except ValueError:
             return None
 
@@ -261,6 +269,23 @@ def _content_parts(content: str) -> list[tuple[str, bool]]:
         return [(content, False)]
     pre, opened, reasoning = head.rpartition("<think>") if "<think>" in head else ("", "", head)
     return [(pre, False), (opened, True), (reasoning, False), ("</think>", True), (answer, False)]
+
+
+def parse_template_kwargs(spec: str, flag: str = "--chat_template_kwargs") -> dict[str, Any]:
+    """A flag's JSON object of extra chat-template variables ('' = none); ValueError naming the flag otherwise."""
+    if not spec.strip():
+        return {}
+    try:
+        value = json.loads(spec)
+    except ValueError as e:
+        raise ValueError(f"{flag}={spec!r}: not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag}={spec!r}: a JSON object of template variables, such as "
+                         '\'{"enable_thinking": false}\'')
+    reserved = sorted(set(value) & {"messages", "add_generation_prompt"})
+    if reserved:
+        raise ValueError(f"{flag}: {', '.join(reserved)} are set by the renderer, not by the flag")
+    return value
 
 
 def _owner(start: int, end: int, spans: Sequence[tuple[int, int, int]]) -> int:

@@ -64,7 +64,7 @@ class TrainSampler:
     tokenizer stops every rank alike); only rank 0 calls `sample`."""
 
     def __init__(self, prompts: list[str], tokenizer_dir: str, task_type: str, every: int, max_new_tokens: int,
-                 temperature: float = 0.0, seed: int = 0) -> None:
+                 temperature: float = 0.0, seed: int = 0, template_kwargs: str = "") -> None:
         from tokenizer import encode_chat, encode_texts, load_tokenizer, load_tokenizer_meta
         from tokenizer.chat import chat_stop_ids
         self.tok = load_tokenizer(tokenizer_dir)
@@ -75,8 +75,10 @@ class TrainSampler:
         self.prompts, self.every, self.max_new_tokens = list(prompts), int(every), int(max_new_tokens)
         self.temperature, self.seed = float(temperature), int(seed)
         if self.chat:
-            self.ids = [list(encode_chat(self.tok, [{"role": "user", "content": p}], add_generation_prompt=True)[0])
-                        for p in self.prompts]
+            from tokenizer.chat_template import parse_template_kwargs
+            extra = parse_template_kwargs(template_kwargs)  # (GRPO's --chat_template_kwargs: as its prompts)
+            self.ids = [list(encode_chat(self.tok, [{"role": "user", "content": p}], add_generation_prompt=True,
+                                         template_kwargs=extra)[0]) for p in self.prompts]
         else:
             bos = [int(special["bos"]["id"])] if "bos" in special else []  # (a tokenizer without one: none)
             self.ids = [bos + ids for ids in encode_texts(self.tok, self.prompts)]
@@ -121,7 +123,7 @@ def build_sampler(cfg: TrainConfig):
         raise TrainingError(f"--sample_prompts={cfg.sample_prompts!r}: {e}", EXIT_BAD_CONFIG) from e
     try:
         return TrainSampler(prompts, cfg.tokenizer_dir, cfg.task_type, cfg.sample_every, cfg.sample_max_new_tokens,
-                            cfg.sample_temperature, cfg.seed)
+                            cfg.sample_temperature, cfg.seed, str(getattr(cfg, "chat_template_kwargs", "")))
     except (OSError, ValueError, KeyError) as e:
         raise TrainingError(f"--sample_every={cfg.sample_every}: cannot load the tokenizer of --tokenizer_dir="
                             f"{cfg.tokenizer_dir} to encode the prompts ({one_line(e)})", EXIT_BAD_CONFIG) from e

@@ -22,7 +22,8 @@ MODEL_SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim", "m
                     "rope_theta", "tie_embeddings", "lora_rank", "lora_targets", "lora_train_embeddings", "trainable",
                     "mtp_num_layers", "rope_scaling", "qkv_bias", "head_dim", "qk_norm")
 SEQ_KEYS = ("max_seq_len",)
-DATA_KEYS = ("task_type", "data_dir", "data_mix", "tokenizer_dir", "seed", "val_ratio", "sft_packing")
+DATA_KEYS = ("task_type", "data_dir", "data_mix", "tokenizer_dir", "seed", "val_ratio", "sft_packing",
+             "chat_template_kwargs")  # (the last: GRPO's prompts, re-encoded on resume)
 # LoRA's scale alpha / r multiplies what the adapters learned: another alpha is another model.
 LORA_SCALE_KEYS = ("lora_alpha",)
 # Directories: `shards/`, `shards` and its absolute path name the same data.

@@ -440,3 +440,35 @@ def test_sft_records_with_reasoning_under_qwen3(adopted, toks, tmp_path):
         assert got.ids[off:off + length].tolist() == _reference(tok, rec["conversations"])
         labels = got.labels[off:off + length]
         assert tok.decode(labels[labels != -100]) == learned
+
+
+def test_chat_template_kwargs_reach_the_template(adopted, toks, tmp_path):
+    """GRPO's --chat_template_kwargs (TRL's chat_template_kwargs) and sample.py's: Qwen3's enable_thinking=false
+    closes an empty <think> block in the generation prompt, as apply_chat_template does with it; bad values name
+    the flag."""
+    from types import SimpleNamespace
+
+    from sample import build_prompt_ids
+    from tokenizer import load_tokenizer, load_tokenizer_meta
+    from tokenizer.chat_template import parse_template_kwargs
+    from trainer.tasks.grpo_data import read_prompts_file
+    tok, ref = load_tokenizer(adopted["qwen3"]), toks["qwen3"]
+    chat = [{"role": "user", "content": "What is 7 * 6?"}]
+    with open(tmp_path / "p.jsonl", "w", encoding="utf-8") as f:
+        f.write(json.dumps({"messages": chat}) + "\n")
+    cfg = SimpleNamespace(messages_field="messages", prompt_field="prompt", answer_field="answer",
+                          max_prompt_length=512, chat_template_kwargs='{"enable_thinking": false}')
+    got = read_prompts_file(str(tmp_path / "p.jsonl"), cfg, tok, load_tokenizer_meta(adopted["qwen3"]),
+                            needs_answer=False, log=None)
+    want = _reference(ref, chat, add_generation_prompt=True, enable_thinking=False)
+    assert got[0].ids == want and want != _reference(ref, chat, add_generation_prompt=True)
+    assert ref.decode(want).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert build_prompt_ids(tok, {}, chat[0]["content"], True, {"enable_thinking": False}) == want
+    for bad, why in (("{", "not JSON"), ("[1]", "a JSON object of template variables"),
+                     ('{"messages": []}', "messages are set by the renderer")):
+        with pytest.raises(ValueError, match=why):
+            parse_template_kwargs(bad)
+    from trainer.config import TrainConfig
+    from trainer.tasks.grpo_flags import grpo_problems
+    problems = grpo_problems(TrainConfig(task_type="grpo", init_from="x", chat_template_kwargs="[1]"), "never")
+    assert any(p.startswith("--chat_template_kwargs='[1]': a JSON object") for p in problems), problems

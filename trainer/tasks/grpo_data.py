@@ -75,7 +75,9 @@ def read_prompts_file(path: str, cfg: Any, tok: Any, tok_meta: dict, needs_answe
     prompt longer than --max_prompt_length tokens, or (when a built-in answer reward runs) without an answer is
     a counted skip, the first ones named in the log; the account is one [data] line."""
     from tokenizer import encode_chat, encode_texts
+    from tokenizer.chat_template import parse_template_kwargs
     from tokenizer.contract import optional_special_id
+    extra = parse_template_kwargs(str(getattr(cfg, "chat_template_kwargs", "")))
     files = _inputs(path)
     if not files:
         raise DataError(f"{path}: no prompt records (.jsonl, .json or .parquet)")
@@ -95,7 +97,7 @@ def read_prompts_file(path: str, cfg: Any, tok: Any, tok_meta: dict, needs_answe
                     messages = _messages(msgs)
                     if any(lone_surrogate(m["content"]) is not None for m in messages):
                         raise ValueError("holds a lone surrogate (cannot be encoded)")
-                    ids = list(encode_chat(tok, messages, add_generation_prompt=True)[0])
+                    ids = list(encode_chat(tok, messages, add_generation_prompt=True, template_kwargs=extra)[0])
                     shown = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
                 elif isinstance(text, str) and text.strip():
                     if lone_surrogate(text) is not None:

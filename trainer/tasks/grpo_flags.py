@@ -93,6 +93,9 @@ class GRPOFlags:
     prompt_field: str = _f("prompt", "grpo: the record's field holding the prompt as plain text (encoded after <s>)")
     messages_field: str = _f("messages", "grpo: the record's field holding the prompt as chat messages (chat template "
                              "applied as in SFT, ending with the assistant's header); used when present")
+    chat_template_kwargs: str = _f("", "grpo: a JSON object of extra variables for the tokenizer's chat template "
+                                   "when it renders the prompts (TRL's chat_template_kwargs; Qwen3's "
+                                   "'{\"enable_thinking\": false}' asks for answers without reasoning)")
     answer_field: str = _f("answer", "grpo: the record's field holding the reference answer (a record without one is a "
                            "counted skip when a built-in answer reward is used)")
     mask_truncated_completions: bool = _f(False, "grpo: completions cut at --max_completion_length (no stop token) are "
@@ -189,6 +192,11 @@ def grpo_problems(cfg: Any, resume_policy: str) -> list[str]:
     need(cfg.num_completions_to_print >= 0, "num_completions_to_print", "must be >= 0")
     for name in ("prompt_field", "messages_field", "answer_field"):
         need(bool(str(getattr(cfg, name)).strip()), name, "must name a record field")
+    from tokenizer.chat_template import parse_template_kwargs  # (torch-free, like this module)
+    try:
+        parse_template_kwargs(str(cfg.chat_template_kwargs))
+    except ValueError as e:
+        out.append(str(e))
     try:
         specs = reward_specs(cfg)
     except ValueError as e:
