@@ -472,3 +472,20 @@ def test_chat_template_kwargs_reach_the_template(adopted, toks, tmp_path):
     from trainer.tasks.grpo_flags import grpo_problems
     problems = grpo_problems(TrainConfig(task_type="grpo", init_from="x", chat_template_kwargs="[1]"), "never")
     assert any(p.startswith("--chat_template_kwargs='[1]': a JSON object") for p in problems), problems
+
+
+def test_grpo_chat_prompts_with_a_tokenizer_that_cannot_render_them_stop_in_one_line(toks, tmp_path):
+    """No chat template and no ChatML markers: the first chat record stops the reader (exit 2's error), rather than
+    every record being skipped as a bad prompt."""
+    from types import SimpleNamespace
+
+    from trainer.tasks.grpo_data import read_prompts_file
+    tok = _with_template(toks["gemma"], None)
+    with open(tmp_path / "p.jsonl", "w", encoding="utf-8") as f:
+        f.write(json.dumps({"prompt": "plain"}) + "\n" + json.dumps({"messages": [{"role": "user", "content": "x"}]})
+                + "\n")
+    cfg = SimpleNamespace(messages_field="messages", prompt_field="prompt", answer_field="answer",
+                          max_prompt_length=64, chat_template_kwargs="")
+    meta = {"special_tokens": {"eos": {"token": "<eos>", "id": tok.eos_token_id}}}
+    with pytest.raises(MissingSpecialTokenError, match="no chat template and no <\\|im_start\\|>"):
+        read_prompts_file(str(tmp_path / "p.jsonl"), cfg, tok, meta, needs_answer=False, log=None)

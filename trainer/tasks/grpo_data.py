@@ -75,6 +75,7 @@ def read_prompts_file(path: str, cfg: Any, tok: Any, tok_meta: dict, needs_answe
     prompt longer than --max_prompt_length tokens, or (when a built-in answer reward runs) without an answer is
     a counted skip, the first ones named in the log; the account is one [data] line."""
     from tokenizer import encode_chat, encode_texts
+    from tokenizer.chat import check_chat
     from tokenizer.chat_template import parse_template_kwargs
     from tokenizer.contract import optional_special_id
     extra = parse_template_kwargs(str(getattr(cfg, "chat_template_kwargs", "")))
@@ -83,7 +84,7 @@ def read_prompts_file(path: str, cfg: Any, tok: Any, tok_meta: dict, needs_answe
         raise DataError(f"{path}: no prompt records (.jsonl, .json or .parquet)")
     bos = [] if (b := optional_special_id(tok_meta, "bos")) is None else [b]  # (a tokenizer without one: none)
     skips = skip_counter()
-    out, read = [], 0
+    out, read, chat_checked = [], 0, False
     for f in files:
         for where, _, rec in iter_records(f, skips):
             read += 1
@@ -92,6 +93,9 @@ def read_prompts_file(path: str, cfg: Any, tok: Any, tok_meta: dict, needs_answe
                 continue
             msgs = rec.get(cfg.messages_field)
             text = rec.get(cfg.prompt_field)
+            if msgs is not None and not chat_checked:  # a tokenizer that cannot render chats: one line, exit 2
+                check_chat(tok)
+                chat_checked = True
             try:
                 if msgs is not None:
                     messages = _messages(msgs)
