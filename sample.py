@@ -6,8 +6,10 @@ recorded (its --tokenizer_dir), unless `--tokenizer_dir` is given (required for 
 Owns: the command-line wrapper around model.generate (KV cache, temperature / top-k / top-p / min-p
 sampling, the repetition penalty, stop at eos or the chat's end of turn) and `build_prompt_ids`. `--chat` wraps
 the prompt in the tokenizer's chat template as a user turn (for SFT/DPO models; ChatML for ours).
-`--speculative=mtp`: a model trained with multi-token prediction drafts the token after next with its first depth and verifies it in the next forward (model/speculative.py; greedy
-output unchanged, sampling the same distribution; it pays only where the drafts are mostly right). The checkpoint, the model and the recorded tokenizer are loaded by inference/loading.py (shared with eval_lm.py).
+`--speculative=mtp`: a model trained with multi-token prediction drafts the token after next with its first depth
+and verifies it in the next forward (model/speculative.py; greedy output unchanged, sampling the same distribution;
+it pays only where the drafts are mostly right). The checkpoint, the model and the recorded tokenizer are loaded by
+inference/loading.py (shared with eval_lm.py).
 Exit 2 for a bad flag or a --checkpoint that names nothing, 5 for a damaged checkpoint (one line naming the file;
 docs/errors.md). Flags, a --ckpt that is not there and a --checkpoint that names nothing are answered before torch
 is imported. Must never modify the checkpoint, or turn text the user typed (`<|im_end|>`, `</s>`, ...) into special
@@ -27,8 +29,9 @@ def build_prompt_ids(tok: Any, tokenizer_meta: dict, prompt: str, chat: bool,
     """Model input ids for a prompt, encoded injection-safe.
 
     chat: the prompt as a user turn and the assistant's header, in the tokenizer's chat template (ours:
-    `<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n`) via `encode_chat`; else `<s>` (if the tokenizer has one) + the prompt's
-    ids (`encode_texts`). Either way special-token text in the prompt stays ordinary text. ValueError for a prompt that cannot be encoded (lone surrogate)."""
+    `<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n`) via `encode_chat`, `template_kwargs` its extra
+    variables; else `<s>` (if the tokenizer has one) + the prompt's ids (`encode_texts`). Either way special-token
+    text in the prompt stays ordinary text. ValueError for a prompt that cannot be encoded (lone surrogate)."""
     from tokenizer import encode_chat, encode_texts
     bad = next((i for i, c in enumerate(prompt) if "\ud800" <= c <= "\udfff"), None)
     if bad is not None:  # e.g. undecodable bytes on the command line (surrogateescape)
