@@ -43,6 +43,7 @@ repeat/expand keys and values for GQA, or create parameters (checkpoints never d
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -79,15 +80,20 @@ class AttnSpec:
     varlen: Optional[Any] = None                # fa4_varlen: model.fa4.VarlenCall (torch's varlen_attn)
     group: Any = None                           # ring: the context-parallel process group (model/ring_attention.py)
     docs: Optional[torch.Tensor] = None         # ring: the whole sequences' document ids [B, T] (None: one per row)
+    window: int = 0                             # flash / flash_varlen: a sliding window's width (0: none)
+    windowed: Optional["AttnSpec"] = None       # the spec of the model's sliding-window layers (None: this one)
 
 
 # ------------------------------------------------------------------------------------ the rule
 def allowed(q_idx: torch.Tensor, kv_idx: torch.Tensor, same_doc: Optional[torch.Tensor] = None,
-            kv_real: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """May query q attend to key kv? Causal, within one document, and only to real (non-pad) keys; a
+            kv_real: Optional[torch.Tensor] = None, window: int = 0) -> torch.Tensor:
+    """May query q attend to key kv? Causal, within one document, only to real (non-pad) keys, and with a sliding
+    `window` (> 0) only to the last `window` positions, itself included (Mistral's and transformers' rule); a
     query always sees itself, so a padded query row is never empty (no NaN, no NaN gradients).
     Written once for broadcast index tensors (the dense mask) and scalar ones (FlexAttention's mask_mod)."""
     ok = kv_idx <= q_idx
+    if window:
+        ok = ok & (kv_idx > q_idx - window)
     if same_doc is not None:
         ok = ok & same_doc
     if kv_real is not None:
@@ -124,13 +130,13 @@ def batch_documents(B: int, T: int, device: torch.device, position_ids: Optional
 
 
 def dense_mask(T: int, past: int, device: torch.device, docs: Optional[torch.Tensor] = None,
-               real: Optional[torch.Tensor] = None) -> torch.Tensor:
+               real: Optional[torch.Tensor] = None, window: int = 0) -> torch.Tensor:
     """The rule as a bool [B or 1, 1, T, past + T] tensor (queries are positions past..past+T-1)."""
     q = torch.arange(past, past + T, device=device)[None, None, :, None]
     k = torch.arange(past + T, device=device)[None, None, None, :]
     same = None if docs is None else docs[:, None, :, None] == docs[:, None, None, :]
     kv_real = None if real is None else real[:, None, None, :]
-    return allowed(q, k, same, kv_real)
+    return allowed(q, k, same, kv_real, window)
 
 
 # ------------------------------------------------------------------------------ FlexAttention
@@ -148,14 +154,15 @@ def _flex_functions(device: torch.device):
 
 
 def block_mask(B: int, T: int, device: torch.device, docs: Optional[torch.Tensor],
-               attention_mask: Optional[torch.Tensor]):
+               attention_mask: Optional[torch.Tensor], window: int = 0):
     """FlexAttention BlockMask of `allowed` for a [B, T] batch (heads broadcast). The mask_mod captures the
     caller's attention_mask itself (compared with 0 inside) rather than a converted copy: Inductor's CPU
     lowering of FlexAttention (torch 2.13) fails on a captured tensor that is an unrealised pointwise
     result (`NotImplementedError: Pointwise`); graph inputs and cumsum results are fine."""
     def mask_mod(b, h, q_idx, kv_idx):
         same = None if docs is None else docs[b, q_idx] == docs[b, kv_idx]
-        return allowed(q_idx, kv_idx, same, None if attention_mask is None else attention_mask[b, kv_idx] != 0)
+        return allowed(q_idx, kv_idx, same, None if attention_mask is None else attention_mask[b, kv_idx] != 0,
+                       window)
     cbm, _ = _flex_functions(device)
     return cbm(mask_mod, B, None, T, T, device=device)
 
@@ -210,13 +217,14 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Att
                     spec.cu_seqlens, spec.cu_seqlens, spec.max_seqlen, spec.max_seqlen, **call.causal, **gqa)
         return y.view(B, T, H, D)
     flash_func, flash_varlen = spec.flash
+    window = {"window_size": (spec.window - 1, 0)} if spec.window else {}  # (flash-attn: keys i-left .. i)
     if spec.kind == "flash_varlen":
         B, T, H, D = q.shape
         y = flash_varlen(q.reshape(B * T, H, D), k.reshape(B * T, k.shape[2], D), v.reshape(B * T, v.shape[2], D),
                          spec.cu_seqlens, spec.cu_seqlens, spec.max_seqlen, spec.max_seqlen,
-                         dropout_p=dropout_p, causal=True)
+                         dropout_p=dropout_p, causal=True, **window)
         return y.view(B, T, H, D)
-    return flash_func(q, k, v, dropout_p=dropout_p, causal=True)
+    return flash_func(q, k, v, dropout_p=dropout_p, causal=True, **window)
 
 
 # ---------------------------------------------------------------------------------- reference
@@ -235,12 +243,42 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optio
 
 
 # ------------------------------------------------------------------------------------- choice
-def build_spec(B: int, T: int, positions: torch.Tensor, *, attention_mask: Optional[torch.Tensor] = None,
-               position_ids_given: bool = False, doc_ids: Optional[torch.Tensor] = None,
-               cu_seqlens: Optional[torch.Tensor] = None, max_seqlen: Any = None,
-               past: Optional[int] = None, flash: Optional[tuple] = None, dropout: bool = False,
-               head_dim: int = 64, backend: str = "auto", fa4: Optional[Any] = None,
-               gqa: bool = False) -> AttnSpec:
+def build_spec(B: int, T: int, positions: torch.Tensor, *, window: Optional[int] = None, **kw) -> AttnSpec:
+    """The AttnSpec of one batch (`full_spec`'s arguments, below); with a sliding `window` (the model's sliding layers'
+    width), its `windowed` spec for those layers as well, where the window is shorter than the keys (else they attend
+    as the others do). The windowed layers run flash-attn with its window_size where flash-attn runs, else
+    FlexAttention's or SDPA's masks with the window in the rule (`allowed`)."""
+    spec = full_spec(B, T, positions, **kw)
+    past = kw.get("past")
+    if not window or T + (past or 0) <= window:
+        return spec
+    device = positions.device
+    mask = kw.get("attention_mask")
+    real = None if mask is None else mask.to(torch.bool)
+    if past is not None:  # KV-cache generation: the cache's last `window` positions
+        spec.windowed = AttnSpec("sdpa_masked", is_causal=False, mask=dense_mask(T, past, device, None, real, window))
+        return spec
+    backend = kw.get("backend", "auto")
+    if kw.get("flash") is not None and backend in ("auto", "flash"):
+        alt = full_spec(B, T, positions, **{**kw, "fa4": None})  # (FA4's kernels here take no window)
+        if alt.kind in ("flash", "flash_varlen"):
+            spec.windowed = dataclasses.replace(alt, window=int(window))
+            return spec
+    docs = batch_documents(B, T, device, positions if kw.get("position_ids_given") else None, kw.get("doc_ids"),
+                           kw.get("cu_seqlens"))
+    if backend != "sdpa" and flex_usable(device, kw.get("head_dim", 64)) and not kw.get("dropout"):
+        spec.windowed = AttnSpec("flex", block_mask=block_mask(B, T, device, docs, mask, int(window)))
+    else:
+        spec.windowed = AttnSpec("sdpa_masked", is_causal=False, mask=dense_mask(T, 0, device, docs, real, window))
+    return spec
+
+
+def full_spec(B: int, T: int, positions: torch.Tensor, *, attention_mask: Optional[torch.Tensor] = None,
+              position_ids_given: bool = False, doc_ids: Optional[torch.Tensor] = None,
+              cu_seqlens: Optional[torch.Tensor] = None, max_seqlen: Any = None,
+              past: Optional[int] = None, flash: Optional[tuple] = None, dropout: bool = False,
+              head_dim: int = 64, backend: str = "auto", fa4: Optional[Any] = None,
+              gqa: bool = False) -> AttnSpec:
     """The AttnSpec of one batch, from which inputs are present (never their values).
 
     past: None without a KV cache, else the number of cached positions (generation: always SDPA).

@@ -34,6 +34,8 @@ class ModelConfig:
     qkv_bias: bool = False             # biases on the q/k/v projections (Qwen2's attention; o_proj has none)
     attn_head_dim: Optional[int] = None  # head_dim where n_heads x head_dim != dim (Qwen3); None = dim // n_heads
     qk_norm: bool = False              # RMSNorm over each head's q and k before RoPE (Qwen3's q_norm / k_norm)
+    sliding_window: Optional[int] = None  # sliding-window attention: a query sees its last this many positions
+    sliding_layers: Optional[list] = None  # the layers that slide (layer_types' "sliding_attention"); None = all
     initializer_range: float = 0.02
 
     # --- mixture of experts (model/moe.py; 0 experts = every block dense)
@@ -92,10 +94,20 @@ class ModelConfig:
                                          drop_policy=self.moe_token_drop_policy)
             if problem:
                 raise ValueError("; ".join(problem))
+        if self.sliding_window is not None or self.sliding_layers is not None:
+            from utils.model_bounds import window_problem  # torch-free: the trainer's pre-check asks it too
+            problem = window_problem(self.sliding_window, self.sliding_layers, self.n_layers)
+            if problem:
+                raise ValueError(problem)
         if not 0 <= self.mtp_num_layers <= 16:
             raise ValueError(f"mtp_num_layers must be in [0, 16], got {self.mtp_num_layers}")
         if self.loss_chunk_size < 1:
             raise ValueError("loss_chunk_size must be >= 1")
+
+    def slides(self, layer_idx: int) -> bool:
+        """Whether block `layer_idx` attends through the sliding window (multi-token prediction's depths, past the
+        layers, slide when every layer does)."""
+        return bool(self.sliding_window) and (self.sliding_layers is None or layer_idx in self.sliding_layers)
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         """Whether block `layer_idx` has the MoE feed-forward (model/moe.py) instead of the dense MLP."""

@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from model import hf_glm4_moe, hf_mixtral, hf_qwen3_moe
+from model.hf_window import window_from_hf, window_to_hf
 from model.config import ModelConfig
 from model.llama import Transformer
 from utils.publish import staged_dir
@@ -67,6 +68,7 @@ def hf_config_dict(cfg: ModelConfig, torch_dtype: str = "float32", special_ids: 
         d.update(moe_family(cfg)[0].config_fields(cfg))
         if "partial_rotary_factor" in d:  # (GLM's rotary reads it from rope_parameters)
             d["rope_parameters"] = dict(rope_parameters, partial_rotary_factor=d["partial_rotary_factor"])
+    d.update(window_to_hf(cfg, d["model_type"]))  # (a Llama whose every layer slides: a Mistral)
     for key, val in (special_ids or {}).items():
         d[key] = val
     return d
@@ -113,18 +115,13 @@ def hf_family(cfg: ModelConfig) -> str:
 
 def config_from_hf(d: dict) -> ModelConfig:
     """A ModelConfig from an HF Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE or GLM-4-MoE config.json dict
-    (transformers 4.x or 5.x spelling). A Mistral is a Llama whose attention may slide: read where it does not (v0.2 on: sliding_window
-    null); a Qwen2 a Llama with q/k/v biases (and a sliding window its configs leave off: use_sliding_window false); a
-    Qwen3 a Llama with q / k norms and heads sized on their own (head_dim: 16 x 128 at hidden_size 1024)."""
+    (transformers 4.x or 5.x spelling). A Mistral is a Llama whose attention may slide; a Qwen2 a Llama with q/k/v
+    biases; a Qwen3 a Llama with q / k norms and heads sized on their own (head_dim: 16 x 128 at hidden_size 1024); a
+    sliding window where one is on (model/hf_window.py)."""
     kind = d.get("model_type", "llama")
     if kind not in HF_MODEL_TYPES:
         raise ValueError("only Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE and GLM-4-MoE checkpoints are "
                          f"supported, got model_type={kind!r}")
-    window = d.get("sliding_window")
-    if window is not None and window < d.get("max_position_embeddings", 2048) and d.get("use_sliding_window", True):
-        raise ValueError(f"sliding-window attention (sliding_window={window} < max_position_embeddings="
-                         f"{d.get('max_position_embeddings', 2048)}) is not supported: our attention sees every "
-                         "earlier position")
     families = {"mixtral": hf_mixtral, "glm4_moe": hf_glm4_moe, "qwen3_moe": hf_qwen3_moe}
     moe = families[kind].moe_fields(d) if kind in families else {}
     theta = (d.get("rope_parameters") or {}).get("rope_theta", d.get("rope_theta", 10000.0))
@@ -140,7 +137,8 @@ def config_from_hf(d: dict) -> ModelConfig:
         rope_theta=float(theta), rope_scaling=scaling, tie_embeddings=bool(d.get("tie_word_embeddings", False)),
         initializer_range=d.get("initializer_range", 0.02), attn_dropout=d.get("attention_dropout", 0.0) or 0.0,
         qkv_bias=kind == "qwen2", qk_norm=kind in ("qwen3", "qwen3_moe") or bool(d.get("use_qk_norm")),
-        attn_head_dim=head_dim if head_dim * n_heads != d["hidden_size"] else None, **moe)
+        attn_head_dim=head_dim if head_dim * n_heads != d["hidden_size"] else None,
+        **window_from_hf(d, kind, d["num_hidden_layers"]), **moe)
 
 
 def is_mtp_name(name: str) -> bool:

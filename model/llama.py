@@ -158,7 +158,7 @@ class Attention(nn.Module):
         if cfg.qk_norm:  # Qwen3: each head's q and k RMS-normalised (one weight over head_dim, shared by the heads)
             self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.fused_rmsnorm, cfg.kernel_backend)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.fused_rmsnorm, cfg.kernel_backend)
-        self.qk_norm = cfg.qk_norm
+        self.qk_norm, self.sliding = cfg.qk_norm, cfg.slides(layer_idx)
         self.attn_dropout = cfg.attn_dropout
         self.resid_dropout = nn.Dropout(cfg.resid_dropout)
         self.fused_rope, self.fused_qkv, self.backend = cfg.fused_rope, cfg.fused_qkv, cfg.kernel_backend
@@ -181,6 +181,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: AttnSpec,
                 cache: Optional[KVCache] = None) -> torch.Tensor:
         B, T, _ = x.shape
+        if self.sliding and spec.windowed is not None:  # (the batch is longer than the window)
+            spec = spec.windowed
         q, k, v = self._qkv(x)
         # heads from the shapes: under tensor parallelism (parallel/transforms/tensor_parallel.py) q/k/v hold this
         # rank's heads only (n_heads / tp and n_kv_heads / tp, contiguous, so GQA's grouping stays local)
@@ -369,7 +371,7 @@ class Transformer(nn.Module):
             doc_ids=doc_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
             past=cache.pos if cache is not None else None, flash=flash, dropout=dropout, head_dim=cfg.head_dim,
             backend=getattr(self, "attn_backend", "auto"), fa4=fa4.plan(cfg, device, dtype, dropout),
-            gqa=cfg.n_kv_heads != cfg.n_heads)
+            gqa=cfg.n_kv_heads != cfg.n_heads, window=cfg.sliding_window)
 
     def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 reduction: str = "mean", attention_mask: Optional[torch.Tensor] = None,

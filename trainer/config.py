@@ -93,6 +93,8 @@ class ModelFlags:
                        "--dim=1024 --n_heads=16); 0 = dim / n_heads")
     qk_norm: bool = _f(False, "RMSNorm over each head's q and k before RoPE (Qwen3's attention; exported as "
                        "Qwen3ForCausalLM)")
+    sliding_window: int = _f(0, "sliding-window attention in every layer: a query sees its last this many positions "
+                             "(Mistral v0.1's 4096; exported as MistralForCausalLM); 0 = the whole sequence")
     gradient_checkpointing: bool = _f(False, "recompute each layer in backward to save activation memory")
     mtp_num_layers: int = _f(0, "multi-token prediction (DeepSeek-V3's MTP, model/mtp.py): this many extra blocks, "
                              "depth k predicting the token k + 1 after the next from the previous depth's hidden "

@@ -55,7 +55,8 @@ def new_model_config(cfg: TrainConfig, tok_meta: dict):
                        fused_rope=fused, fused_swiglu=fused, fused_qkv=fused, fused_cross_entropy=fused,
                        kernel_backend=backend, fa4=cfg.fa4, mtp_num_layers=cfg.mtp_num_layers,
                        rope_scaling=parse_rope_flag(cfg.rope_scaling), qkv_bias=cfg.qkv_bias,
-                       attn_head_dim=cfg.head_dim or None, qk_norm=cfg.qk_norm, **moe_model_fields(cfg))
+                       attn_head_dim=cfg.head_dim or None, qk_norm=cfg.qk_norm,
+                       sliding_window=cfg.sliding_window or None, **moe_model_fields(cfg))
 
 
 

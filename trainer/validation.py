@@ -222,8 +222,11 @@ def _numbers_and_extras(cfg: TrainConfig, p: _Problems, torch_free: bool) -> Non
                  "bucket_size", "powersgd_rank"):
         p.at_least(name, 1)
     for name in ("eval_interval", "lr_decay_iters", "n_kv_heads", "hidden_dim", "vocab_size",
-                 "lora_rank", "powersgd_start_iter"):
+                 "lora_rank", "powersgd_start_iter", "head_dim", "sliding_window"):
         p.at_least(name, 0)
+    if cfg.sliding_window and cfg.context_parallel_size > 1:
+        p.append(f"--sliding_window={cfg.sliding_window}: not in the ring attention of --context_parallel_size="
+                 f"{cfg.context_parallel_size}")
     if cfg.warmup_iters < -1:
         p.append(f"--warmup_iters={cfg.warmup_iters}: must be >= 0 (or -1 = auto, see --help)")
     p.number("warmup_ratio", 0.0, 1.0)

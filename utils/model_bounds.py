@@ -110,6 +110,18 @@ def fit_problem(n_params: int, device: str, what: str) -> Optional[str]:
             "choose smaller --dim / --n_layers / --vocab_size")
 
 
+def window_problem(window: Any, layers: Any, n_layers: int) -> Optional[str]:
+    """What is wrong with a sliding window (an integer >= 1) and its layers (None = all, or a list of distinct layer
+    indices), or None."""
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        return f"sliding_window={window!r} must be an integer >= 1 (positions a query sees, itself included)"
+    if layers is not None and not (isinstance(layers, (list, tuple)) and all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < n_layers for i in layers)
+            and len(set(layers)) == len(layers)):
+        return f"sliding_layers={layers!r} must list distinct layer indices in [0, {n_layers})"
+    return None
+
+
 def head_shape_problem(dim: int, n_heads: int, n_kv_heads: Optional[int] = None,
                        head_dim: Optional[int] = None) -> Optional[str]:
     """What is wrong with how dim splits into attention heads (or, with an explicit `head_dim`, Qwen3's, with the

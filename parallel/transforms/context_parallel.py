@@ -26,6 +26,9 @@ def apply(model: nn.Module, mesh: Any, config: Any) -> None:
     from model.ring_attention import ContextParallel
     if not hasattr(model, "context_parallel"):
         raise ValueError("--context_parallel_size > 1 needs the project's Transformer (model/llama.py)")
+    if getattr(model.cfg, "sliding_window", None):
+        raise ValueError(f"--context_parallel_size > 1: the model's sliding-window attention (sliding_window="
+                         f"{model.cfg.sliding_window}) is not in the ring attention (model/ring_attention.py)")
     model.context_parallel = ContextParallel(mesh["cp"].get_group())
     from model.moe import moe_layers
     from parallel.mesh import token_group

@@ -144,9 +144,9 @@ def test_compiled_model_matches_eager():
         assert torch.allclose(p.grad, q.grad, atol=1e-5), n
 
 
-def test_a_mistral_without_a_sliding_window_imports_as_a_llama_and_one_with_it_is_refused(tmp_path):
+def test_a_mistral_without_a_sliding_window_imports_as_a_llama(tmp_path):
     """Mistral v0.2 on (sliding_window null) is a Llama: its logits, and its export loads as LlamaForCausalLM.
-    A window shorter than max_position_embeddings (v0.1: 4096 of 32768) would differ past it: refused."""
+    (One with a window: tests/model/test_sliding_window.py.)"""
     from transformers import MistralConfig, MistralForCausalLM
     from model.hf_interop import config_from_hf
     torch.manual_seed(0)
@@ -163,9 +163,8 @@ def test_a_mistral_without_a_sliding_window_imports_as_a_llama_and_one_with_it_i
         assert torch.allclose(LlamaForCausalLM.from_pretrained(str(tmp_path / "out")).eval()(x).logits, ref,
                               atol=1e-5, rtol=0)
     windowed = MistralConfig(**kw, sliding_window=8).to_dict()
-    with pytest.raises(ValueError, match=r"sliding-window attention \(sliding_window=8 < max_position_embeddings=32\)"):
-        config_from_hf(windowed)
-    assert config_from_hf({**windowed, "sliding_window": 32}).n_kv_heads == 2  # a window as long as the model: none
+    assert config_from_hf(windowed).sliding_window == 8
+    assert config_from_hf({**windowed, "sliding_window": 32}).sliding_window is None  # as long as the model: none
 
 
 def _qwen2(tmp_path, tie: bool = True):
