@@ -175,9 +175,12 @@ class OptimizationFlags:
 class DPOFlags:
     """DPO's loss."""
     # ---- DPO
-    dpo_beta: float = _f(0.1, "DPO temperature")
-    dpo_loss: str = _f("sigmoid", "sigmoid | ipo | hinge")
-    dpo_label_smoothing: float = _f(0.0, "conservative DPO label smoothing (sigmoid loss)")
+    dpo_beta: float = _f(0.1, "DPO temperature (orpo: the odds-ratio term's weight lambda; simpo: its beta, "
+                              "2 to 10 in the SimPO paper)")
+    dpo_loss: str = _f("sigmoid", "sigmoid | ipo | hinge (against the frozen reference model) | simpo | orpo "
+                                  "(reference-free: none is loaded)")
+    dpo_label_smoothing: float = _f(0.0, "conservative DPO label smoothing (sigmoid and simpo losses)")
+    simpo_gamma: float = _f(0.5, "dpo_loss=simpo: the target reward margin gamma (TRL's simpo_gamma)")
 
 
 @dataclass

@@ -144,6 +144,28 @@ def test_sft_then_dpo(pretrained, tiny_pretrain_data, tmp_path):
     assert state["init_info"]["ref_source"].startswith(str(sft))  # frozen reference = initial weights
 
 
+@pytest.mark.parametrize("loss,beta", [("simpo", "2.0"), ("orpo", "0.1")])
+def test_reference_free_preference_losses_load_no_reference_and_learn(pretrained, tiny_pretrain_data, tmp_path, loss,
+                                                                    beta):
+    """--dpo_loss=simpo / orpo: no reference model is loaded (none recorded in the trainer state), the loss falls and
+    the chosen replies' mean log-probability pulls ahead of the rejected ones'."""
+    toy, out = tmp_path / "toy_prefs.jsonl", tmp_path / loss
+    with open(os.path.join(ROOT, "data", "dpo", "dpo_pairs.jsonl"), encoding="utf-8") as f:
+        toy.write_text("".join(line for _, line in zip(range(16), f)), encoding="utf-8")
+    run_cmd(train_cmd([f"--tokenizer_dir={tiny_pretrain_data['tokenizer_dir']}", "--max_seq_len=96", "--device=cpu",
+                       "--progress=false", "--peak_flops=1e11", "--log_interval=1", "--eval_interval=0",
+                       "--warmup_iters=2", "--seed=3", "--val_ratio=0.0", "--task_type=dpo", f"--data_dir={toy}",
+                       f"--init_from={pretrained['out']}", f"--out_dir={out}", "--max_iters=10", "--batch_size=8",
+                       "--learning_rate=3e-3", f"--dpo_loss={loss}", f"--dpo_beta={beta}",
+                       "--checkpoint_interval=10"]), env=_env())
+    recs = dedupe_by_step(read_metrics(os.path.join(out, "metrics.jsonl")))
+    assert sum(recs[s]["loss"] for s in (8, 9, 10)) < sum(recs[s]["loss"] for s in (1, 2, 3)), recs
+    margin = lambda s: recs[s]["chosen_reward"] - recs[s]["rejected_reward"]  # noqa: E731
+    assert sum(margin(s) for s in (8, 9, 10)) > sum(margin(s) for s in (1, 2, 3))
+    state = json.loads(open(os.path.join(find_latest_valid(str(out)), "trainer_state.json")).read())
+    assert "ref_source" not in state["init_info"]
+
+
 def _raw_losses(out_dir, name: str = "metrics.jsonl") -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in read_metrics(os.path.join(out_dir, name))]
 

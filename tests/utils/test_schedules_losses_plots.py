@@ -98,3 +98,26 @@ def test_schedule_warnings_name_what_no_longer_makes_sense():
     assert any("steps 1001-2000 run at --min_lr" in s for s in w)
     assert schedule_warnings(max_iters=2000, warmup_iters=10, lr_decay_iters=0, schedule="constant",
                              resumed_at=900, saved_max_iters=1000) == []
+
+
+def test_reference_free_losses_values():
+    """SimPO and ORPO on hand-picked sums and lengths, against the papers' formulas evaluated in Python floats."""
+
+    from trainer.tasks.dpo import reference_free_loss
+    pc, nc = torch.tensor([-4.0, -6.0]), torch.tensor([2, 3])    # chosen mean log-probs -2, -2
+    pr, nr = torch.tensor([-9.0, -2.0]), torch.tensor([3, 1])    # rejected -3, -2
+    logsig = lambda z: -math.log1p(math.exp(-z))  # noqa: E731
+    simpo, cr, rj = reference_free_loss(pc, pr, nc, nr, beta=2.0, loss_type="simpo", gamma=0.5)
+    want = [-logsig(2.0 * (-2 + 3) - 0.5), -logsig(2.0 * (-2 + 2) - 0.5)]
+    assert torch.allclose(simpo, torch.tensor(want)) and torch.allclose(cr, torch.tensor([-4.0, -4.0]))
+    smooth, _, _ = reference_free_loss(pc, pr, nc, nr, beta=2.0, loss_type="simpo", gamma=0.5, label_smoothing=0.2)
+    assert torch.allclose(smooth, torch.tensor([0.8 * -logsig(1.5) + 0.2 * -logsig(-1.5),
+                                                0.8 * -logsig(-0.5) + 0.2 * -logsig(0.5)]))
+    orpo, _, rj = reference_free_loss(pc, pr, nc, nr, beta=0.1, loss_type="orpo")
+    odds = lambda x: x - math.log(1 - math.exp(x))  # noqa: E731
+    want = [2.0 - 0.1 * logsig(odds(-2) - odds(-3)), 2.0 - 0.1 * logsig(odds(-2) - odds(-2))]
+    assert torch.allclose(orpo, torch.tensor(want)) and torch.allclose(rj, torch.tensor([-0.3, -0.2]))
+    with pytest.raises(ValueError):
+        reference_free_loss(pc, pr, nc, nr, loss_type="sigmoid")
+    with pytest.raises(ValueError):
+        dpo_loss(pc, pr, pc, pr, loss_type="simpo")  # (not against a reference)

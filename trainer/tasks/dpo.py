@@ -1,6 +1,7 @@
 """Direct Preference Optimization: a frozen reference model (the initial weights, or --ref_model), sequence
 log-probabilities of the chosen and rejected replies, a sigmoid / IPO / hinge loss per pair, and the implicit rewards
-logged. The loss functions are pure tensor math (`dpo_loss`)."""
+logged; or a reference-free preference loss (SimPO, ORPO: no reference model is loaded) on the replies' mean
+log-probabilities. The loss functions are pure tensor math (`dpo_loss`, `reference_free_loss`)."""
 from __future__ import annotations
 
 import torch
@@ -14,7 +15,8 @@ from trainer.tasks.data import chat_data
 from trainer.tasks.sft import chat_val_words
 from utils.device import to_device
 
-DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
+DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "simpo", "orpo")
+REFERENCE_FREE = ("simpo", "orpo")  # no reference model: the policy's mean log-probabilities alone
 
 
 def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor,
@@ -30,7 +32,7 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor,
     hinge:   relu(1 - beta*h)                                     (SLiC)
     where h = (log pi(c) - log pi(r)) - (log ref(c) - log ref(r)).
     """
-    if loss_type not in DPO_LOSS_TYPES:
+    if loss_type not in DPO_LOSS_TYPES or loss_type in REFERENCE_FREE:
         raise ValueError(f"unknown dpo loss {loss_type!r}; expected one of {DPO_LOSS_TYPES}")
     h = (policy_chosen - policy_rejected) - (ref_chosen - ref_rejected)
     if loss_type == "sigmoid":
@@ -44,6 +46,33 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor,
     return losses, chosen_rewards, rejected_rewards
 
 
+def reference_free_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, chosen_tokens: torch.Tensor,
+                        rejected_tokens: torch.Tensor, *, beta: float = 0.1, loss_type: str = "simpo",
+                        label_smoothing: float = 0.0, gamma: float = 0.5
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-pair losses of a preference loss without a reference model, and the rewards beta * (mean log pi).
+
+    Inputs: summed log-probabilities of the reply tokens and the replies' token counts, shape [P]; with
+    c, r = the chosen / rejected replies' mean log-probabilities (a sum over its tokens / their number):
+    simpo: -(1-eps) log sigma(beta (c - r) - gamma) - eps log sigma(-(beta (c - r) - gamma))   (Meng et al. 2024;
+           TRL's CPOTrainer loss_type="simpo" with cpo_alpha=0)
+    orpo:  -c - beta log sigma(log odds(c) - log odds(r)), log odds(x) = x - log(1 - e^x): the chosen reply's
+           negative log-likelihood (per token) plus the odds-ratio term (Hong et al. 2024; TRL's ORPOTrainer, whose
+           likelihood term also counts the prompt's tokens, over the batch's tokens)
+    """
+    if loss_type not in REFERENCE_FREE:
+        raise ValueError(f"unknown reference-free loss {loss_type!r}; expected one of {REFERENCE_FREE}")
+    c = policy_chosen / chosen_tokens.clamp(min=1)
+    r = policy_rejected / rejected_tokens.clamp(min=1)
+    if loss_type == "simpo":
+        z = beta * (c - r) - gamma
+        losses = -(1 - label_smoothing) * F.logsigmoid(z) - label_smoothing * F.logsigmoid(-z)
+    else:
+        log_odds = (c - r) - (torch.log(-torch.expm1(c)) - torch.log(-torch.expm1(r)))  # (log(1-e^x), stably)
+        losses = -c - beta * F.logsigmoid(log_odds)
+    return losses, beta * c.detach(), beta * r.detach()
+
+
 class DPOTask(Task):
     name = "dpo"
     units = "preference pairs"
@@ -51,6 +80,10 @@ class DPOTask(Task):
     val_stat_keys = ("reward_acc",)
     needs_reference = True
     chat = True
+
+    def __init__(self, cfg) -> None:
+        super().__init__(cfg)
+        self.needs_reference = cfg.dpo_loss not in REFERENCE_FREE  # (SimPO, ORPO: no reference model is loaded)
 
     def datasets(self, tok_meta, val_ratio, fixed_shape, log):
         cfg = self.cfg
@@ -74,10 +107,15 @@ class DPOTask(Task):
 
         cfg = self.cfg
         pc, pr = seq_logps(model, "chosen"), seq_logps(model, "rejected")
-        with torch.no_grad():
-            rc, rr = seq_logps(ref_model, "chosen"), seq_logps(ref_model, "rejected")
-        losses, ch_r, rj_r = dpo_loss(pc, pr, rc, rr, beta=cfg.dpo_beta, loss_type=cfg.dpo_loss,
-                                      label_smoothing=cfg.dpo_label_smoothing)
+        if cfg.dpo_loss in REFERENCE_FREE:
+            tokens = [(to_device(batch[f"{p}_labels"], device) != -100).sum(dim=-1) for p in ("chosen", "rejected")]
+            losses, ch_r, rj_r = reference_free_loss(pc, pr, *tokens, beta=cfg.dpo_beta, loss_type=cfg.dpo_loss,
+                                                     label_smoothing=cfg.dpo_label_smoothing, gamma=cfg.simpo_gamma)
+        else:
+            with torch.no_grad():
+                rc, rr = seq_logps(ref_model, "chosen"), seq_logps(ref_model, "rejected")
+            losses, ch_r, rj_r = dpo_loss(pc, pr, rc, rr, beta=cfg.dpo_beta, loss_type=cfg.dpo_loss,
+                                          label_smoothing=cfg.dpo_label_smoothing)
         stats = {"chosen_reward": ch_r.detach().sum(), "rejected_reward": rj_r.detach().sum(),  # on the device
                  "reward_acc": (ch_r > rj_r).float().sum()}
         return losses.sum(), stats
