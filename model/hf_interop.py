@@ -120,9 +120,12 @@ def config_from_hf(d: dict) -> ModelConfig:
     sliding window where one is on (model/hf_window.py)."""
     kind = d.get("model_type", "llama")
     if kind not in HF_MODEL_TYPES:
-        raise ValueError("only Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE and GLM-4-MoE checkpoints are "
+        raise ValueError("only Llama, Mistral, Phi-3, Qwen2, Qwen3, Mixtral, Qwen3-MoE and GLM-4-MoE checkpoints are "
                          f"supported, got model_type={kind!r}")
     families = {"mixtral": hf_mixtral, "glm4_moe": hf_glm4_moe, "qwen3_moe": hf_qwen3_moe}
+    partial = (d.get("rope_parameters") or {}).get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
+    if kind == "phi3" and float(partial) != 1.0:  # (Phi-4-mini's 0.75)
+        raise ValueError(f"partial_rotary_factor={partial}: our attention rotates every dimension of a head")
     moe = families[kind].moe_fields(d) if kind in families else {}
     theta = (d.get("rope_parameters") or {}).get("rope_theta", d.get("rope_theta", 10000.0))
     scaling = rope_scaling_from_hf(d)  # linear, dynamic, llama3 (Llama 3.1+), yarn; ValueError for others
@@ -181,8 +184,10 @@ def _moe_export_family(cfg: ModelConfig, biases: dict[str, torch.Tensor]):
 
 
 def from_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """HF names -> ours; Phi-3's fused `qkv_proj` (q, k, v rows) and `gate_up_proj` (gate, up rows) split into the
+    Llama projections they hold."""
     out = {}
-    for name, t in sd.items():
+    for name, t in _split_fused(sd, cfg).items():
         if name.endswith("rotary_emb.inv_freq"):
             continue  # derived buffer some old checkpoints saved
         if name.startswith("model."):
@@ -195,6 +200,22 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
         out = moe_family(cfg)[0].from_hub(out, cfg)
     if cfg.tie_embeddings or "lm_head.weight" not in out:
         out["lm_head.weight"] = out["embed_tokens.weight"]
+    return out
+
+
+def _split_fused(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    out = {}
+    nq, nkv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    for name, t in sd.items():
+        if name.endswith(".self_attn.qkv_proj.weight"):
+            base = name[:-len("qkv_proj.weight")]
+            for proj, part in zip(("q_proj", "k_proj", "v_proj"), t.split((nq, nkv, nkv), dim=0)):
+                out[f"{base}{proj}.weight"] = part
+        elif name.endswith(".mlp.gate_up_proj.weight") and t.dim() == 2:
+            base = name[:-len("gate_up_proj.weight")]
+            out[f"{base}gate_proj.weight"], out[f"{base}up_proj.weight"] = t.chunk(2, dim=0)
+        else:
+            out[name] = t
     return out
 
 

@@ -124,3 +124,28 @@ def test_the_flag_builds_a_sliding_model_and_context_parallelism_is_refused():
                      (dict(sliding_window=8, context_parallel_size=2), "not in the ring attention")):
         with pytest.raises(TrainingError, match=why):
             validate_config(TrainConfig(data_dir="d", tokenizer_dir="t", **bad), world_size=2, torch_free=True)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_a_phi3_imports_as_the_llama_it_is(tmp_path, window):
+    """Phi-3 / Phi-4 (Phi3ForCausalLM): a Llama whose q/k/v and gate/up weights are stored fused; Phi-3-mini's window
+    too. Its logits through our model, exported back as a Llama (a Mistral with the window) with the same logits;
+    a partial rotary factor (Phi-4-mini's) is refused in one line."""
+    from transformers import AutoModelForCausalLM, Phi3Config, Phi3ForCausalLM
+    torch.manual_seed(0)
+    hf = Phi3ForCausalLM(Phi3Config(**SHAPE, sliding_window=window, pad_token_id=0)).eval()
+    hf.save_pretrained(tmp_path / "phi3")
+    ours = import_hf(str(tmp_path / "phi3")).eval()
+    assert ours.cfg.sliding_window == window
+    x = torch.randint(0, 128, (2, 20))
+    with torch.no_grad():
+        ref = hf(x).logits
+        assert torch.allclose(ours(x), ref, atol=1e-5, rtol=0)
+        export_hf(ours, str(tmp_path / "out"))
+        back = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
+        assert type(back).__name__ == ("MistralForCausalLM" if window else "LlamaForCausalLM")
+        assert torch.allclose(back(x).logits, ref, atol=1e-5, rtol=0)
+    d = Phi3Config(**SHAPE, pad_token_id=0).to_dict()
+    d["rope_parameters"] = dict(d["rope_parameters"], partial_rotary_factor=0.75)
+    with pytest.raises(ValueError, match="partial_rotary_factor=0.75"):
+        config_from_hf(d)
