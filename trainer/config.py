@@ -177,10 +177,14 @@ class DPOFlags:
     # ---- DPO
     dpo_beta: float = _f(0.1, "DPO temperature (orpo: the odds-ratio term's weight lambda; simpo: its beta, "
                               "2 to 10 in the SimPO paper)")
-    dpo_loss: str = _f("sigmoid", "sigmoid | ipo | hinge (against the frozen reference model) | simpo | orpo "
-                                  "(reference-free: none is loaded)")
+    dpo_loss: str = _f("sigmoid", "sigmoid | ipo | hinge | robust | exo_pair | nca_pair | sppo_hard | apo_zero | "
+                                  "apo_down | discopop (against the frozen reference model; TRL's loss_type of the "
+                                  "same name) | simpo | orpo (reference-free: none is loaded)")
     dpo_label_smoothing: float = _f(0.0, "conservative DPO label smoothing (sigmoid and simpo losses)")
     simpo_gamma: float = _f(0.5, "dpo_loss=simpo: the target reward margin gamma (TRL's simpo_gamma)")
+    discopop_tau: float = _f(0.05, "dpo_loss=discopop: its temperature tau (TRL's discopop_tau)")
+    rpo_alpha: float = _f(0.0, "DPO + this weight x the chosen reply's per-token NLL (RPO, TRL's rpo_alpha; the "
+                          "reference-based losses); 0 = off")
 
 
 @dataclass

@@ -22,6 +22,11 @@ from utils.moe_flags import moe_problems
 from utils.rope_config import parse_rope_flag
 
 
+# --dpo_loss's choices (trainer/tasks/dpo.py DPO_LOSS_TYPES, which imports torch: tests keep the two equal)
+DPO_LOSSES = ("sigmoid", "ipo", "hinge", "robust", "exo_pair", "nca_pair", "sppo_hard", "apo_zero", "apo_down",
+              "discopop", "simpo", "orpo")
+
+
 def parallel_problems(cfg: TrainConfig, world_size: Optional[int] = None) -> list[str]:
     """parallel/config.py's refusals of this run's layout (sizes, the world, capabilities), plus the model
     shape's split over the stages and tensor ranks when the model is built from these flags."""
@@ -161,7 +166,7 @@ def _choices_and_combinations(cfg: TrainConfig, p: _Problems, torch_free: bool) 
         p.append("--tokenizer_dir is required")
     p.choice("dtype", ("fp32", "bf16", "fp16"))
     p.choice("lr_schedule", ("cosine", "linear", "wsd", "constant"))
-    p.choice("dpo_loss", ("sigmoid", "ipo", "hinge", "simpo", "orpo"))
+    p.choice("dpo_loss", DPO_LOSSES)
     if cfg.ref_model and cfg.dpo_loss in ("simpo", "orpo"):
         p.append(f"--ref_model: --dpo_loss={cfg.dpo_loss} is reference-free (no reference model is loaded)")
     p.choice("trainable", ("all", "embeddings"))
@@ -255,6 +260,10 @@ def _numbers_and_extras(cfg: TrainConfig, p: _Problems, torch_free: bool) -> Non
     p.number("dpo_beta", 0.0, low_open=True)
     p.number("dpo_label_smoothing", 0.0, 0.5)
     p.number("simpo_gamma", 0.0)
+    p.number("discopop_tau", 0.0, low_open=True)
+    p.number("rpo_alpha", 0.0)
+    if cfg.rpo_alpha and cfg.dpo_loss in ("simpo", "orpo"):
+        p.append(f"--rpo_alpha: --dpo_loss={cfg.dpo_loss} is reference-free (orpo has its own NLL term)")
     p.number("powersgd_min_compression_rate", 0.0)
     p.number("peak_flops", 0.0, what="must be a finite number >= 0 (0 = measure)")
     p.number("spike_factor", 1.0, low_open=True)

@@ -121,3 +121,58 @@ def test_reference_free_losses_values():
         reference_free_loss(pc, pr, nc, nr, loss_type="sigmoid")
     with pytest.raises(ValueError):
         dpo_loss(pc, pr, pc, pr, loss_type="simpo")  # (not against a reference)
+
+
+def test_trls_other_dpo_losses_values():
+    """robust, exo_pair, nca_pair, sppo_hard, apo_zero, apo_down, discopop on hand values, against their papers'
+    formulas (as TRL's DPOTrainer writes them) evaluated in Python floats; the trainer accepts exactly these."""
+    import math
+
+    from trainer.tasks.dpo import DPO_LOSS_TYPES
+    from trainer.validation import DPO_LOSSES
+    assert DPO_LOSS_TYPES == DPO_LOSSES
+    pc, pr = torch.tensor([-1.0, -3.0]), torch.tensor([-2.0, -1.0])
+    rc, rr = torch.tensor([-1.5, -2.0]), torch.tensor([-1.2, -2.5])
+    beta, eps = 0.5, 0.1
+    sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
+    ls = lambda x: math.log(sig(x))  # noqa: E731
+    for i in range(2):
+        a, b = beta * (pc[i] - rc[i]).item(), beta * (pr[i] - rr[i]).item()
+        z = a - b
+        want = {
+            "robust": (-(1 - eps) * ls(z) + eps * ls(-z)) / (1 - 2 * eps),
+            "exo_pair": sig(z) * (ls(z) - math.log(1 - eps)) + sig(-z) * (ls(-z) - math.log(eps)),
+            "nca_pair": -ls(a) - 0.5 * ls(-a) - 0.5 * ls(-b),
+            "sppo_hard": (a / beta - 1 / (2 * beta)) ** 2 + (b / beta + 1 / (2 * beta)) ** 2,
+            "apo_zero": 1 - sig(a) + sig(b),
+            "apo_down": sig(a) + 1 - sig(a - b),
+            "discopop": -ls(z) * (1 - sig(z / 0.05)) + math.exp(-z) * sig(z / 0.05),
+        }
+        for kind, value in want.items():
+            got = dpo_loss(pc, pr, rc, rr, beta=beta, loss_type=kind, label_smoothing=eps)[0][i].item()
+            assert abs(got - value) < 1e-5 * max(1.0, abs(value)), (kind, got, value)
+
+
+def test_rpo_adds_the_chosen_replys_per_token_nll():
+    """--rpo_alpha: each pair's loss grows by alpha x the chosen reply's mean token NLL (computed here from the
+    model's own cross-entropy)."""
+    from types import SimpleNamespace
+
+    from model import ModelConfig, Transformer
+    from trainer.tasks.dpo import DPOTask
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=32, dim=16, n_layers=1, n_heads=2, multiple_of=16, max_seq_len=16))
+    ids = torch.randint(0, 32, (2, 10))
+    labels = ids.clone()
+    labels[:, :4] = -100
+    labels[1, 8:] = -100
+    batch = {"chosen_input_ids": ids, "chosen_labels": labels, "rejected_input_ids": ids.flip(1),
+             "rejected_labels": labels.flip(1)}
+    cfg = dict(dpo_beta=0.1, dpo_loss="sigmoid", dpo_label_smoothing=0.0, discopop_tau=0.05, simpo_gamma=0.5)
+    plain, _ = DPOTask(SimpleNamespace(**cfg, rpo_alpha=0.0)).micro_batch_loss(model, model, batch, "cpu")
+    rpo, _ = DPOTask(SimpleNamespace(**cfg, rpo_alpha=2.0)).micro_batch_loss(model, model, batch, "cpu")
+    with torch.no_grad():
+        logits = model(ids)
+    nll = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view(2, 10)
+    per_pair = nll.sum(1) / (labels != -100).sum(1)
+    assert abs(float(rpo - plain) - 2.0 * float(per_pair.sum())) < 1e-4

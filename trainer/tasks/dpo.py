@@ -4,6 +4,8 @@ logged; or a reference-free preference loss (SimPO, ORPO: no reference model is 
 log-probabilities. The loss functions are pure tensor math (`dpo_loss`, `reference_free_loss`)."""
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -15,13 +17,14 @@ from trainer.tasks.data import chat_data
 from trainer.tasks.sft import chat_val_words
 from utils.device import to_device
 
-DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "simpo", "orpo")
+DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "exo_pair", "nca_pair", "sppo_hard", "apo_zero", "apo_down",
+                  "discopop", "simpo", "orpo")
 REFERENCE_FREE = ("simpo", "orpo")  # no reference model: the policy's mean log-probabilities alone
 
 
 def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor,
              ref_chosen: torch.Tensor, ref_rejected: torch.Tensor, *, beta: float = 0.1,
-             loss_type: str = "sigmoid", label_smoothing: float = 0.0,
+             loss_type: str = "sigmoid", label_smoothing: float = 0.0, discopop_tau: float = 0.05,
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-pair losses and the implicit rewards beta * (log pi - log pi_ref).
 
@@ -30,7 +33,15 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor,
     sigmoid: -(1-eps) log sigma(beta*h) - eps log sigma(-beta*h)  (eps = label smoothing, cDPO)
     ipo:     (h - 1/(2 beta))^2                                   (Azar et al. 2023)
     hinge:   relu(1 - beta*h)                                     (SLiC)
-    where h = (log pi(c) - log pi(r)) - (log ref(c) - log ref(r)).
+    robust:  (-(1-eps) log sigma(beta*h) + eps log sigma(-beta*h)) / (1 - 2 eps)   (rDPO, Chowdhury et al. 2024)
+    exo_pair: sigma(beta*h) (log sigma(beta*h) - log(1-eps)) + sigma(-beta*h) (log sigma(-beta*h) - log eps),
+             eps 1e-3 when 0                                      (EXO, Ji et al. 2024)
+    nca_pair: -log sigma(a) - log sigma(-a) / 2 - log sigma(-b) / 2   (NCA, Chen et al. 2024)
+    sppo_hard: (a/beta - 1/(2 beta))^2 + (b/beta + 1/(2 beta))^2  (SPPO, Wu et al. 2024, hard labels)
+    apo_zero: 1 - sigma(a) + sigma(b);  apo_down: sigma(a) + 1 - sigma(a - b)   (APO, D'Oosterlinck et al. 2024)
+    discopop: -log sigma(beta*h) (1 - m) + exp(-beta*h) m, m = sigma(beta*h / tau)   (DiscoPOP, Chris Lu et al. 2024)
+    where h = (log pi(c) - log pi(r)) - (log ref(c) - log ref(r)), a = beta (log pi(c) - log ref(c)),
+    b = beta (log pi(r) - log ref(r)): TRL's DPOTrainer loss_type of the same name.
     """
     if loss_type not in DPO_LOSS_TYPES or loss_type in REFERENCE_FREE:
         raise ValueError(f"unknown dpo loss {loss_type!r}; expected one of {DPO_LOSS_TYPES}")
@@ -39,11 +50,34 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor,
         losses = -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
     elif loss_type == "ipo":
         losses = (h - 1.0 / (2.0 * beta)) ** 2
-    else:
+    elif loss_type == "hinge":
         losses = torch.relu(1.0 - beta * h)
+    else:
+        losses = _more_losses(loss_type, beta * h, beta * (policy_chosen - ref_chosen),
+                              beta * (policy_rejected - ref_rejected), beta, label_smoothing, discopop_tau)
     chosen_rewards = beta * (policy_chosen - ref_chosen).detach()
     rejected_rewards = beta * (policy_rejected - ref_rejected).detach()
     return losses, chosen_rewards, rejected_rewards
+
+
+def _more_losses(loss_type: str, z: torch.Tensor, a: torch.Tensor, b: torch.Tensor, beta: float, eps: float,
+                 tau: float) -> torch.Tensor:
+    """The other reference-based losses of `dpo_loss` (z = beta * h; a, b the chosen / rejected rewards)."""
+    if loss_type == "robust":
+        return (-(1 - eps) * F.logsigmoid(z) + eps * F.logsigmoid(-z)) / (1 - 2 * eps)
+    if loss_type == "exo_pair":
+        eps = eps or 1e-3
+        return z.sigmoid() * (F.logsigmoid(z) - math.log(1 - eps)) + (-z).sigmoid() * (F.logsigmoid(-z) - math.log(eps))
+    if loss_type == "nca_pair":
+        return -F.logsigmoid(a) - 0.5 * F.logsigmoid(-a) - 0.5 * F.logsigmoid(-b)
+    if loss_type == "sppo_hard":
+        return (a / beta - 0.5 / beta) ** 2 + (b / beta + 0.5 / beta) ** 2
+    if loss_type == "apo_zero":
+        return 1 - torch.sigmoid(a) + torch.sigmoid(b)
+    if loss_type == "apo_down":
+        return torch.sigmoid(a) + 1 - torch.sigmoid(a - b)
+    mod = torch.sigmoid(z / tau)  # discopop
+    return -F.logsigmoid(z) * (1 - mod) + torch.exp(-z) * mod
 
 
 def reference_free_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, chosen_tokens: torch.Tensor,
@@ -107,15 +141,17 @@ class DPOTask(Task):
 
         cfg = self.cfg
         pc, pr = seq_logps(model, "chosen"), seq_logps(model, "rejected")
+        tokens = [(to_device(batch[f"{p}_labels"], device) != -100).sum(dim=-1) for p in ("chosen", "rejected")]
         if cfg.dpo_loss in REFERENCE_FREE:
-            tokens = [(to_device(batch[f"{p}_labels"], device) != -100).sum(dim=-1) for p in ("chosen", "rejected")]
             losses, ch_r, rj_r = reference_free_loss(pc, pr, *tokens, beta=cfg.dpo_beta, loss_type=cfg.dpo_loss,
                                                      label_smoothing=cfg.dpo_label_smoothing, gamma=cfg.simpo_gamma)
         else:
             with torch.no_grad():
                 rc, rr = seq_logps(ref_model, "chosen"), seq_logps(ref_model, "rejected")
             losses, ch_r, rj_r = dpo_loss(pc, pr, rc, rr, beta=cfg.dpo_beta, loss_type=cfg.dpo_loss,
-                                          label_smoothing=cfg.dpo_label_smoothing)
+                                          label_smoothing=cfg.dpo_label_smoothing, discopop_tau=cfg.discopop_tau)
+            if cfg.rpo_alpha:  # RPO (Pang et al. 2024): the chosen reply's per-token NLL beside the preference loss
+                losses = losses + cfg.rpo_alpha * (-pc / tokens[0].clamp(min=1))
         stats = {"chosen_reward": ch_r.detach().sum(), "rejected_reward": rj_r.detach().sum(),  # on the device
                  "reward_acc": (ch_r > rj_r).float().sum()}
         return losses.sum(), stats
