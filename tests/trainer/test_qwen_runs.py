@@ -1,6 +1,6 @@
-"""Qwen2- and Qwen3-shaped models in the trainer: `--init_from=<Qwen2 dir>` trains its q/k/v biases and
-`--init_from=<Qwen3 dir>` its q / k norms (each also split over 2 tensor ranks, whose run follows the one-process
-run); `--qkv_bias=true` and `--qk_norm=true --head_dim=N` build new ones."""
+"""Qwen2- and Qwen3-shaped models in the trainer: `--init_from=<Qwen2 dir>` trains its q/k/v biases (also split over
+2 tensor ranks, whose run follows the one-process run) and `--init_from=<Qwen3 dir>` its q / k norms; a Qwen3-MoE
+trains and exports back; `--qkv_bias=true` and `--qk_norm=true --head_dim=N` build new ones."""
 from __future__ import annotations
 
 import json
@@ -79,18 +79,15 @@ def qwen3_dir(tiny_pretrain_data, tmp_path_factory) -> str:
     return out
 
 
-def test_a_qwen3_trains_its_qk_norms_and_two_tensor_ranks_follow_one_process(tiny_pretrain_run_args, qwen3_dir,
-                                                                            tmp_path):
+def test_a_qwen3_trains_its_qk_norms(tiny_pretrain_run_args, qwen3_dir, tmp_path):
+    """(Under tensor parallelism the norms' partial gradients are summed over the tensor ranks: tested against one
+    process in tests/parallel/test_tensor_parallel.py, the `tp2_qwen3` layouts.)"""
     args = from_weights(tiny_pretrain_run_args, qwen3_dir, "--max_iters=3", "--checkpoint_interval=3")
-    one, tp = tmp_path / "one", tmp_path / "tp"
+    one = tmp_path / "one"
     run_cmd(train_cmd([*args, f"--out_dir={one}"], 1), env=_env())
-    run_cmd(train_cmd([*args, f"--out_dir={tp}", "--parallel=fsdp", "--tensor_parallel_size=2"], 2), env=_env())
     saved = read_model_config(find_latest_valid(str(one)))
     assert saved.qk_norm and saved.head_dim == 16
-    a, b = losses(one), losses(tp)
-    assert sorted(a) == sorted(b) == [1, 2, 3]
-    for s in a:  # the same sums in another order (as tests/trainer/test_tensor_parallel_runs.py)
-        assert abs(a[s] - b[s]) <= 1e-4 * abs(a[s]), (s, a[s], b[s])
+    assert sorted(losses(one)) == [1, 2, 3]
     from model.hf_interop import import_hf
     start = import_hf(qwen3_dir).state_dict()
     norms = [n for n in final_weights(one) if n.endswith(("q_norm.weight", "k_norm.weight"))]
