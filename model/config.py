@@ -36,6 +36,7 @@ class ModelConfig:
     qk_norm: bool = False              # RMSNorm over each head's q and k before RoPE (Qwen3's q_norm / k_norm)
     sliding_window: Optional[int] = None  # sliding-window attention: a query sees its last this many positions
     sliding_layers: Optional[list] = None  # the layers that slide (layer_types' "sliding_attention"); None = all
+    nope_layers: Optional[list] = None  # the layers whose attention has no RoPE (SmolLM3's no_rope_layers zeros)
     initializer_range: float = 0.02
 
     # --- mixture of experts (model/moe.py; 0 experts = every block dense)
@@ -99,6 +100,9 @@ class ModelConfig:
             problem = window_problem(self.sliding_window, self.sliding_layers, self.n_layers)
             if problem:
                 raise ValueError(problem)
+        if self.nope_layers is not None and not (isinstance(self.nope_layers, (list, tuple)) and all(
+                isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.n_layers for i in self.nope_layers)):
+            raise ValueError(f"nope_layers={self.nope_layers!r} must list layer indices in [0, {self.n_layers})")
         if not 0 <= self.mtp_num_layers <= 16:
             raise ValueError(f"mtp_num_layers must be in [0, 16], got {self.mtp_num_layers}")
         if self.loss_chunk_size < 1:

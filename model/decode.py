@@ -215,7 +215,8 @@ class Decoder:
             qk = y[:, :, :nq + nk]
             if a.qk_norm:  # (Qwen3: each head's q and k normalised before RoPE)
                 qk = torch.cat((_rms_norm(a.q_norm, qk[:, :, :nq]), _rms_norm(a.k_norm, qk[:, :, nq:])), dim=2)
-            qk = qk * cos2 + qk.unflatten(-1, (2, -1)).flip(-2).flatten(-2) * sin2
+            if a.rope:  # (SmolLM3's NoPE layers: none)
+                qk = qk * cos2 + qk.unflatten(-1, (2, -1)).flip(-2).flatten(-2) * sin2
             q, k, v = qk[:, :, :nq].transpose(1, 2), qk[:, :, nq:].transpose(1, 2), y[:, :, nq + nk:].transpose(1, 2)
             kc, vc = cache.update(i, k, v)
             if spec is not None or not self.sdpa_direct:

@@ -58,6 +58,13 @@ def hf_config_dict(cfg: ModelConfig, torch_dtype: str = "float32", special_ids: 
         raise ValueError("a model with q/k/v biases and " + ("q / k norms" if cfg.qk_norm else "MoE blocks")
                          + " has no transformers family here (Qwen2 has the biases; Qwen3, Qwen3-MoE the norms; "
                          "Mixtral and GLM-4-MoE no biases)")
+    if cfg.nope_layers is not None:  # SmolLM3: a Llama with layers without RoPE (no_rope_layers: 1 = rotate)
+        if cfg.qkv_bias or cfg.qk_norm or cfg.moe_num_experts:
+            raise ValueError("a model with layers without RoPE has no transformers family here with q/k/v biases, "
+                             "q / k norms or experts (SmolLM3 has none)")
+        d.update(architectures=["SmolLM3ForCausalLM"], model_type="smollm3", use_sliding_window=False,
+                 sliding_window=None, no_rope_layers=[int(i not in cfg.nope_layers) for i in range(cfg.n_layers)])
+        d.pop("pretraining_tp")
     if (cfg.qkv_bias or cfg.qk_norm) and not cfg.moe_num_experts:
         # a Qwen2 (q/k/v biases, none on o_proj), a Qwen3 (q / k norms, no biases); an MoE Qwen3: below
         d.update(architectures=[hf_family(cfg)], model_type="qwen2" if cfg.qkv_bias else "qwen3",
@@ -110,6 +117,8 @@ def hf_family(cfg: ModelConfig) -> str:
     """The transformers class an export of `cfg` loads as."""
     if cfg.moe_num_experts:
         return moe_family(cfg)[1]
+    if cfg.nope_layers is not None:
+        return "SmolLM3ForCausalLM"
     return "Qwen2ForCausalLM" if cfg.qkv_bias else "Qwen3ForCausalLM" if cfg.qk_norm else "LlamaForCausalLM"
 
 
@@ -120,8 +129,8 @@ def config_from_hf(d: dict) -> ModelConfig:
     sliding window where one is on (model/hf_window.py)."""
     kind = d.get("model_type", "llama")
     if kind not in HF_MODEL_TYPES:
-        raise ValueError("only Llama, Mistral, Phi-3, Qwen2, Qwen3, Mixtral, Qwen3-MoE and GLM-4-MoE checkpoints are "
-                         f"supported, got model_type={kind!r}")
+        raise ValueError("only Llama, Mistral, Phi-3, Qwen2, Qwen3, SmolLM3, Mixtral, Qwen3-MoE and GLM-4-MoE "
+                         f"checkpoints are supported, got model_type={kind!r}")
     families = {"mixtral": hf_mixtral, "glm4_moe": hf_glm4_moe, "qwen3_moe": hf_qwen3_moe}
     partial = (d.get("rope_parameters") or {}).get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
     if kind == "phi3" and float(partial) != 1.0:  # (Phi-4-mini's 0.75)
@@ -141,7 +150,18 @@ def config_from_hf(d: dict) -> ModelConfig:
         initializer_range=d.get("initializer_range", 0.02), attn_dropout=d.get("attention_dropout", 0.0) or 0.0,
         qkv_bias=kind == "qwen2", qk_norm=kind in ("qwen3", "qwen3_moe") or bool(d.get("use_qk_norm")),
         attn_head_dim=head_dim if head_dim * n_heads != d["hidden_size"] else None,
-        **window_from_hf(d, kind, d["num_hidden_layers"]), **moe)
+        nope_layers=_nope_layers(d, kind), **window_from_hf(d, kind, d["num_hidden_layers"]), **moe)
+
+
+def _nope_layers(d: dict, kind: str) -> Optional[list]:
+    """SmolLM3's layers without RoPE (its no_rope_layers: 1 = rotate, 0 = not), or None."""
+    if kind != "smollm3":
+        return None
+    flags = d.get("no_rope_layers")
+    if flags is None:  # transformers' default: every `no_rope_layer_interval`-th layer
+        interval = int(d.get("no_rope_layer_interval", 4))
+        flags = [int((i + 1) % interval != 0) for i in range(d["num_hidden_layers"])]
+    return [i for i, f in enumerate(flags) if not f]
 
 
 def is_mtp_name(name: str) -> bool:

@@ -159,6 +159,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.fused_rmsnorm, cfg.kernel_backend)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.fused_rmsnorm, cfg.kernel_backend)
         self.qk_norm, self.sliding = cfg.qk_norm, cfg.slides(layer_idx)
+        self.rope = layer_idx not in (cfg.nope_layers or ())  # (SmolLM3's NoPE layers: no rotation)
         self.attn_dropout = cfg.attn_dropout
         self.resid_dropout = nn.Dropout(cfg.resid_dropout)
         self.fused_rope, self.fused_qkv, self.backend = cfg.fused_rope, cfg.fused_qkv, cfg.kernel_backend
@@ -191,7 +192,8 @@ class Attention(nn.Module):
         v = v.view(B, T, -1, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = kernels.apply_rope_qk(q, k, cos, sin, fused=self.fused_rope, backend=self.backend)
+        if self.rope:
+            q, k = kernels.apply_rope_qk(q, k, cos, sin, fused=self.fused_rope, backend=self.backend)
         dropout = self.attn_dropout if self.training else 0.0
         if spec.kind in ("flash", "flash_varlen", "fa4_varlen"):  # flash-attn's [B, T, H, D] layout, GQA native
             y = attention.flash_attention(q, k, v, spec, dropout)
