@@ -176,3 +176,15 @@ def test_rpo_adds_the_chosen_replys_per_token_nll():
     nll = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view(2, 10)
     per_pair = nll.sum(1) / (labels != -100).sum(1)
     assert abs(float(rpo - plain) - 2.0 * float(per_pair.sum())) < 1e-4
+
+
+def test_reference_free_losses_refuse_a_reference_and_rpo():
+    from trainer.config import TrainConfig, TrainingError
+    from trainer.validation import validate_config
+    base = dict(data_dir="d", tokenizer_dir="t", task_type="dpo", init_from="x")
+    validate_config(TrainConfig(**base, dpo_loss="simpo"), torch_free=True)
+    for bad, why in ((dict(dpo_loss="simpo", ref_model="r"), "--ref_model: --dpo_loss=simpo is reference-free"),
+                     (dict(dpo_loss="orpo", rpo_alpha=1.0), "--rpo_alpha: --dpo_loss=orpo is reference-free"),
+                     (dict(dpo_loss="kto"), "--dpo_loss='kto'")):
+        with pytest.raises(TrainingError, match=why):
+            validate_config(TrainConfig(**base, **bad), torch_free=True)
