@@ -25,21 +25,22 @@ from inference.loading import load_for_inference, no_tokenizer_message, precheck
 
 
 def build_prompt_ids(tok: Any, tokenizer_meta: dict, prompt: str, chat: bool,
-                     template_kwargs: Optional[dict] = None) -> list[int]:
+                     template_kwargs: Optional[dict] = None, system: str = "") -> list[int]:
     """Model input ids for a prompt, encoded injection-safe.
 
     chat: the prompt as a user turn and the assistant's header, in the tokenizer's chat template (ours:
     `<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n`) via `encode_chat`, `template_kwargs` its extra
-    variables; else `<s>` (if the tokenizer has one) + the prompt's ids (`encode_texts`). Either way special-token
-    text in the prompt stays ordinary text. ValueError for a prompt that cannot be encoded (lone surrogate)."""
+    variables, `system` a system turn before it; else `<s>` (if the tokenizer has one) + the prompt's ids
+    (`encode_texts`). Either way special-token text in the prompt stays ordinary text. ValueError for a prompt that
+    cannot be encoded (lone surrogate)."""
     from tokenizer import encode_chat, encode_texts
     bad = next((i for i, c in enumerate(prompt) if "\ud800" <= c <= "\udfff"), None)
     if bad is not None:  # e.g. undecodable bytes on the command line (surrogateescape)
         raise ValueError(f"the prompt is not valid Unicode: lone surrogate U+{ord(prompt[bad]):04X} "
                          f"at character {bad}")
     if chat:
-        ids, _ = encode_chat(tok, [{"role": "user", "content": prompt}], add_generation_prompt=True,
-                             template_kwargs=template_kwargs)
+        turns = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        ids, _ = encode_chat(tok, turns, add_generation_prompt=True, template_kwargs=template_kwargs)
         return list(ids)
     bos = tokenizer_meta["special_tokens"].get("bos")  # (a tokenizer without one, Qwen2's: the text alone)
     return ([int(bos["id"])] if bos else []) + encode_texts(tok, [prompt])[0]
@@ -53,6 +54,7 @@ def _parser():
     p.add_argument("--tokenizer_dir", default=None, help="default: the tokenizer the run recorded")
     p.add_argument("--prompt", default="")
     add_bool(p, "chat", False, "render the prompt as a user turn of the chat template")
+    p.add_argument("--system", default="", help="--chat: a system turn before the prompt")
     p.add_argument("--chat_template_kwargs", default="", help="--chat: a JSON object of extra variables for the "
                    "tokenizer's chat template (Qwen3's '{\"enable_thinking\": false}')")
     from utils import constants as c
@@ -82,6 +84,8 @@ def _flag_problem(args) -> Optional[str]:
         return f"--repetition_penalty={args.repetition_penalty}: must be a finite number > 0"
     if args.speculative == "mtp" and args.repetition_penalty != 1:
         return "--repetition_penalty is not applied by --speculative=mtp (use --speculative=off)"
+    if args.system and not args.chat:
+        return "--system is a chat turn: give --chat too"
     from tokenizer.chat_template import parse_template_kwargs  # (torch-free)
     try:
         args.template_kwargs = parse_template_kwargs(args.chat_template_kwargs)
@@ -130,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         return code
     special = meta["special_tokens"]
     try:
-        ids = build_prompt_ids(tok, meta, args.prompt, args.chat, args.template_kwargs)
+        ids = build_prompt_ids(tok, meta, args.prompt, args.chat, args.template_kwargs, args.system)
     except ValueError as e:
         print(f"sample.py: --prompt: {e}", file=sys.stderr)
         return 2  # bad configuration (utils.constants.EXIT_BAD_CONFIG)

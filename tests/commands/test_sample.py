@@ -159,3 +159,13 @@ def test_a_bad_repetition_penalty_is_one_line_exit_2(flags, line, capsys, tmp_pa
     import sample
     assert sample.main([f"--ckpt={tmp_path}", *flags]) == 2
     assert capsys.readouterr().err.strip() == f"sample.py: {line}"
+
+
+def test_a_system_turn_comes_before_the_chat_prompt(tok_dir, capsys, tmp_path):
+    from sample import build_prompt_ids, main
+    tok, meta = load_tokenizer(tok_dir), load_tokenizer_meta(tok_dir)
+    ids = build_prompt_ids(tok, meta, "hi", chat=True, system="Be brief.")
+    assert tok.decode(ids) == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+                               "<|im_start|>assistant\n")
+    assert main([f"--ckpt={tmp_path}", "--prompt=x", "--system=s"]) == 2
+    assert "--system is a chat turn: give --chat too" in capsys.readouterr().err
