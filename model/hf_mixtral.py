@@ -27,22 +27,9 @@ LAYOUT = hub_layout.HubLayout("Mixtral", block="block_sparse_moe", bias=None, pr
 def export_problems(cfg, biases: dict[str, torch.Tensor]) -> list[str]:
     """Why an MoE model of config `cfg` and selection biases `biases` ({name: tensor}) cannot be written as a
     Mixtral checkpoint."""
-    p = []
-    if cfg.moe_shared_experts:
-        p.append(f"moe_shared_experts={cfg.moe_shared_experts} (Mixtral has no shared experts)")
+    p = hub_layout.softmax_family_problems(cfg, biases, "Mixtral")
     if cfg.moe_first_dense_layers:
         p.append(f"moe_first_dense_layers={cfg.moe_first_dense_layers} (every Mixtral block is MoE)")
-    if cfg.moe_score != "softmax":
-        p.append(f"moe_score={cfg.moe_score} (Mixtral routes on softmax)")
-    if cfg.moe_n_groups != 1:
-        p.append(f"moe_n_groups={cfg.moe_n_groups} (Mixtral routes over every expert)")
-    if cfg.moe_routed_scaling != 1.0:
-        p.append(f"moe_routed_scaling={cfg.moe_routed_scaling} (Mixtral does not scale the experts' output)")
-    if cfg.moe_top_k < 2:
-        p.append("moe_top_k=1 (Mixtral renormalises the chosen weights to 1; ours keep the raw score)")
-    biased = [name for name, t in biases.items() if bool(t.any())]
-    if biased:
-        p.append(f"non-zero selection biases ({biased[0]}, ...): Mixtral has none, its routing would differ")
     return p
 
 

@@ -33,6 +33,27 @@ class HubLayout:
         return self.bias is not None
 
 
+def softmax_family_problems(cfg, biases: dict[str, torch.Tensor], family: str) -> list[str]:
+    """Why an MoE model of config `cfg` and selection biases `biases` cannot be written as `family`, a family that
+    routes on a softmax over every expert, renormalises its top k (> 1) weights and has no shared experts, no routed
+    scaling and no selection bias (Mixtral, Qwen3-MoE)."""
+    p = []
+    if cfg.moe_shared_experts:
+        p.append(f"moe_shared_experts={cfg.moe_shared_experts} ({family} has no shared experts)")
+    if cfg.moe_score != "softmax":
+        p.append(f"moe_score={cfg.moe_score} ({family} routes on softmax)")
+    if cfg.moe_n_groups != 1:
+        p.append(f"moe_n_groups={cfg.moe_n_groups} ({family} routes over every expert)")
+    if cfg.moe_routed_scaling != 1.0:
+        p.append(f"moe_routed_scaling={cfg.moe_routed_scaling} ({family} does not scale the experts' output)")
+    if cfg.moe_top_k < 2:
+        p.append(f"moe_top_k=1 ({family} renormalises the chosen weights to 1; ours keep the raw score)")
+    biased = [name for name, t in biases.items() if bool(t.any())]
+    if biased:
+        p.append(f"non-zero selection biases ({biased[0]}, ...): {family} has none, its routing would differ")
+    return p
+
+
 def to_hub(sd: dict[str, torch.Tensor], layout: HubLayout) -> dict[str, torch.Tensor]:
     """Our state dict (names without `model.`) -> the layout's Hub names (without `model.`); other tensors kept.
     Each tensor maps on its own, so a streaming export converts any group of them."""

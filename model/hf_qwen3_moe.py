@@ -28,22 +28,9 @@ LAYOUT = hub_layout.HubLayout("Qwen3-MoE", block="mlp", bias=None, projections=(
 
 def export_problems(cfg, biases: dict[str, torch.Tensor]) -> list[str]:
     """Why an MoE model of config `cfg` and selection biases `biases` cannot be written as a Qwen3-MoE checkpoint."""
-    p = []
-    if cfg.moe_shared_experts:
-        p.append(f"moe_shared_experts={cfg.moe_shared_experts} (Qwen3-MoE has no shared experts)")
-    if cfg.moe_score != "softmax":
-        p.append(f"moe_score={cfg.moe_score} (Qwen3-MoE routes on softmax)")
-    if cfg.moe_n_groups != 1:
-        p.append(f"moe_n_groups={cfg.moe_n_groups} (Qwen3-MoE routes over every expert)")
-    if cfg.moe_routed_scaling != 1.0:
-        p.append(f"moe_routed_scaling={cfg.moe_routed_scaling} (Qwen3-MoE does not scale the experts' output)")
-    if cfg.moe_top_k < 2:
-        p.append("moe_top_k=1 (Qwen3-MoE renormalises the chosen weights to 1; ours keep the raw score)")
+    p = hub_layout.softmax_family_problems(cfg, biases, "Qwen3-MoE")
     if cfg.qkv_bias:
         p.append("qkv_bias (Qwen3-MoE's attention has no biases)")
-    biased = [name for name, t in biases.items() if bool(t.any())]
-    if biased:
-        p.append(f"non-zero selection biases ({biased[0]}, ...): Qwen3-MoE has none, its routing would differ")
     return p
 
 

@@ -45,10 +45,15 @@ def test_round_trip_through_transformers_mixtral(tmp_path):
     # its weights carry fp32 rounding, ~1.2e-7 relative; everything else is fp64 on both sides
     tol = 16 * torch.finfo(torch.float32).eps * float(ours.abs().max())
     assert torch.allclose(theirs, ours, atol=tol, rtol=0), ((theirs - ours).abs().max(), tol)
+    imports_back(model, out, hf, tmp_path, x, ours)
+
+
+def imports_back(model, out, hf, tmp_path, x, ours) -> None:
+    """The export `out` of `model` imports as the very tensors, and transformers' own saved layout of `hf` (the
+    export loaded in fp64) gives `ours`, the model's fp64 logits of `x`, through our model."""
     back = import_hf(out)
     a, b = model.float().state_dict(), back.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
     hf.save_pretrained(str(tmp_path / "hf5"))  # transformers' own layout on disk, whichever it writes
     again = import_hf(str(tmp_path / "hf5"), dtype=torch.float64).eval()
     with torch.no_grad():

@@ -9,6 +9,7 @@ import torch
 
 from model import ModelConfig, Transformer
 from model.hf_interop import config_from_hf, export_hf, import_hf
+from tests.model.test_hf_mixtral import imports_back
 
 QWEN3_MOE = dict(qk_norm=True, attn_head_dim=16, moe_num_experts=8, moe_top_k=2, moe_hidden_dim=24,
                  moe_first_dense_layers=1)
@@ -52,13 +53,7 @@ def test_round_trip_through_transformers_qwen3_moe(tmp_path):
         assert torch.allclose(theirs, ours, atol=_tol(ours), rtol=0), ((theirs - ours).abs().max(), _tol(ours))
         plain = _model(qk_norm=False).double()  # (the same seed: the q / k norms are what moves the logits)
         assert not torch.allclose(plain(x), ours, atol=1e-3)
-    back = import_hf(out)
-    a, b = model.float().state_dict(), back.state_dict()
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    hf.save_pretrained(str(tmp_path / "hf5"))  # transformers' own layout on disk, whichever it writes
-    again = import_hf(str(tmp_path / "hf5"), dtype=torch.float64).eval()
-    with torch.no_grad():
-        assert torch.allclose(again(x), ours, atol=1e-12, rtol=0)
+    imports_back(model, out, hf, tmp_path, x, ours)
 
 
 @pytest.mark.parametrize("kw, needle", [
