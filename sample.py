@@ -31,9 +31,9 @@ def build_prompt_ids(tok: Any, tokenizer_meta: dict, prompt: str, chat: bool,
     chat: the prompt as a user turn and the assistant's header, in the tokenizer's chat template (ours:
     `<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n`) via `encode_chat`, `template_kwargs` its extra
     variables, `system` a system turn before it; else `<s>` (if the tokenizer has one) + the prompt's ids
-    (`encode_texts`). Either way special-token text in the prompt stays ordinary text. ValueError for a prompt that
+    (`encode_prompts`). Either way special-token text in the prompt stays ordinary text. ValueError for a prompt that
     cannot be encoded (lone surrogate)."""
-    from tokenizer import encode_chat, encode_texts
+    from tokenizer import encode_chat, encode_prompts
     bad = next((i for i, c in enumerate(prompt) if "\ud800" <= c <= "\udfff"), None)
     if bad is not None:  # e.g. undecodable bytes on the command line (surrogateescape)
         raise ValueError(f"the prompt is not valid Unicode: lone surrogate U+{ord(prompt[bad]):04X} "
@@ -42,8 +42,7 @@ def build_prompt_ids(tok: Any, tokenizer_meta: dict, prompt: str, chat: bool,
         turns = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         ids, _ = encode_chat(tok, turns, add_generation_prompt=True, template_kwargs=template_kwargs)
         return list(ids)
-    bos = tokenizer_meta["special_tokens"].get("bos")  # (a tokenizer without one, Qwen2's: the text alone)
-    return ([int(bos["id"])] if bos else []) + encode_texts(tok, [prompt])[0]
+    return encode_prompts(tok, tokenizer_meta, [prompt])[0]
 
 
 def _parser():

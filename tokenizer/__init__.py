@@ -7,9 +7,9 @@ from typing import Any
 
 from tokenizer.chat import encode_chat
 from tokenizer.contract import SPECIAL_TOKENS, padded_vocab_size
-from tokenizer.loading import encode_texts, load_tokenizer, load_tokenizer_meta
+from tokenizer.loading import encode_prompts, encode_texts, load_tokenizer, load_tokenizer_meta
 
-__all__ = ["SPECIAL_TOKENS", "encode_chat", "encode_texts", "load_tokenizer", "load_tokenizer_meta",
+__all__ = ["SPECIAL_TOKENS", "encode_chat", "encode_prompts", "encode_texts", "load_tokenizer", "load_tokenizer_meta",
            "padded_vocab_size", "train_tokenizer"]
 
 

@@ -15,7 +15,8 @@ import json
 import os
 from typing import Any, Sequence
 
-from tokenizer.contract import META_FILENAME, TokenizerMetaError, check_meta, check_meta_fields, fingerprint_dir
+from tokenizer.contract import (META_FILENAME, TokenizerMetaError, check_meta, check_meta_fields, fingerprint_dir,
+                                optional_special_id)
 from utils.constants import EXIT_BAD_CONFIG
 
 _SAFE_BACKEND_ATTR = "_injection_safe_backend"
@@ -168,3 +169,10 @@ def encode_texts(tok: Any, texts: Sequence[str]) -> list[list[int]]:
         return []
     encs = safe_backend(tok).encode_batch(list(texts), add_special_tokens=False)
     return [e.ids for e in encs]
+
+
+def encode_prompts(tok: Any, tokenizer_meta: dict[str, Any], texts: Sequence[str]) -> list[list[int]]:
+    """Plain-text prompts as a model continues them: the tokenizer's bos (none for a tokenizer without one, Qwen2's),
+    then each text's ids as `encode_texts` encodes user text."""
+    bos = optional_special_id(tokenizer_meta, "bos")
+    return [([bos] if bos is not None else []) + ids for ids in encode_texts(tok, texts)]

@@ -65,11 +65,11 @@ class TrainSampler:
 
     def __init__(self, prompts: list[str], tokenizer_dir: str, task_type: str, every: int, max_new_tokens: int,
                  temperature: float = 0.0, seed: int = 0, template_kwargs: str = "") -> None:
-        from tokenizer import encode_chat, encode_texts, load_tokenizer, load_tokenizer_meta
+        from tokenizer import encode_chat, encode_prompts, load_tokenizer, load_tokenizer_meta
         from tokenizer.chat import chat_stop_ids
         self.tok = load_tokenizer(tokenizer_dir)
-        special = load_tokenizer_meta(tokenizer_dir)["special_tokens"]
-        self.stop_ids = chat_stop_ids(self.tok, special)  # eos, the chat's end of turn (not shown), as sample.py
+        meta = load_tokenizer_meta(tokenizer_dir)
+        self.stop_ids = chat_stop_ids(self.tok, meta["special_tokens"])  # eos, the chat's end of turn (not shown), as sample.py
         from trainer.tasks import task_class
         self.chat = bool(task_class(task_type).chat)  # the model learned replies to user turns
         self.prompts, self.every, self.max_new_tokens = list(prompts), int(every), int(max_new_tokens)
@@ -80,8 +80,7 @@ class TrainSampler:
             self.ids = [list(encode_chat(self.tok, [{"role": "user", "content": p}], add_generation_prompt=True,
                                          template_kwargs=extra)[0]) for p in self.prompts]
         else:
-            bos = [int(special["bos"]["id"])] if "bos" in special else []  # (a tokenizer without one: none)
-            self.ids = [bos + ids for ids in encode_texts(self.tok, self.prompts)]
+            self.ids = encode_prompts(self.tok, meta, self.prompts)
 
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0

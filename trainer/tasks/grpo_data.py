@@ -74,15 +74,13 @@ def read_prompts_file(path: str, cfg: Any, tok: Any, tok_meta: dict, needs_answe
     """Every usable record of `path` as a Prompt, in file order. A record without the prompt field(s), with a
     prompt longer than --max_prompt_length tokens, or (when a built-in answer reward runs) without an answer is
     a counted skip, the first ones named in the log; the account is one [data] line."""
-    from tokenizer import encode_chat, encode_texts
+    from tokenizer import encode_chat, encode_prompts
     from tokenizer.chat import check_chat
     from tokenizer.chat_template import parse_template_kwargs
-    from tokenizer.contract import optional_special_id
     extra = parse_template_kwargs(str(getattr(cfg, "chat_template_kwargs", "")))
     files = _inputs(path)
     if not files:
         raise DataError(f"{path}: no prompt records (.jsonl, .json or .parquet)")
-    bos = [] if (b := optional_special_id(tok_meta, "bos")) is None else [b]  # (a tokenizer without one: none)
     skips = skip_counter()
     out, read, chat_checked = [], 0, False
     for f in files:
@@ -106,7 +104,7 @@ def read_prompts_file(path: str, cfg: Any, tok: Any, tok_meta: dict, needs_answe
                 elif isinstance(text, str) and text.strip():
                     if lone_surrogate(text) is not None:
                         raise ValueError("holds a lone surrogate (cannot be encoded)")
-                    ids, shown = bos + encode_texts(tok, [text])[0], text
+                    ids, shown = encode_prompts(tok, tok_meta, [text])[0], text
                 else:
                     raise ValueError(f"no '{cfg.messages_field}' list and no non-empty '{cfg.prompt_field}' string")
             except ValueError as e:
