@@ -171,6 +171,12 @@ class OptimizationFlags:
     deterministic: bool = _f(False, "torch.use_deterministic_algorithms (bit-exact resume on GPU)")
 
 
+# --dpo_loss's choices (trainer/tasks/dpo.py computes them); the reference-free ones load no reference model
+DPO_LOSSES = ("sigmoid", "ipo", "hinge", "robust", "exo_pair", "nca_pair", "sppo_hard", "apo_zero", "apo_down",
+              "discopop", "simpo", "orpo")
+REFERENCE_FREE_LOSSES = ("simpo", "orpo")
+
+
 @dataclass
 class DPOFlags:
     """DPO's loss."""

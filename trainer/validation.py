@@ -13,18 +13,13 @@ import math
 from typing import Optional
 
 from optimizer.optimizer_config import bf16_state_conflicts
-from trainer.config import (KERNEL_CHOICES, RESUME_CHOICES, TrainConfig, engine_needs, eval_task_paths,
-                            parallel_section, resume_policy)
+from trainer.config import (DPO_LOSSES, KERNEL_CHOICES, REFERENCE_FREE_LOSSES, RESUME_CHOICES, TrainConfig,
+                            engine_needs, eval_task_paths, parallel_section, resume_policy)
 from trainer.tasks.grpo_flags import grpo_problems
 from utils.constants import EXIT_BAD_CONFIG, MAX_EPOCHS, MAX_STEPS
 from utils.errors import TrainingError
 from utils.moe_flags import moe_problems
 from utils.rope_config import parse_rope_flag
-
-
-# --dpo_loss's choices (trainer/tasks/dpo.py DPO_LOSS_TYPES, which imports torch: tests keep the two equal)
-DPO_LOSSES = ("sigmoid", "ipo", "hinge", "robust", "exo_pair", "nca_pair", "sppo_hard", "apo_zero", "apo_down",
-              "discopop", "simpo", "orpo")
 
 
 def parallel_problems(cfg: TrainConfig, world_size: Optional[int] = None) -> list[str]:
@@ -167,7 +162,7 @@ def _choices_and_combinations(cfg: TrainConfig, p: _Problems, torch_free: bool) 
     p.choice("dtype", ("fp32", "bf16", "fp16"))
     p.choice("lr_schedule", ("cosine", "linear", "wsd", "constant"))
     p.choice("dpo_loss", DPO_LOSSES)
-    if cfg.ref_model and cfg.dpo_loss in ("simpo", "orpo"):
+    if cfg.ref_model and cfg.dpo_loss in REFERENCE_FREE_LOSSES:
         p.append(f"--ref_model: --dpo_loss={cfg.dpo_loss} is reference-free (no reference model is loaded)")
     p.choice("trainable", ("all", "embeddings"))
     p.choice("optimizer", ("adamw", "muon"))
@@ -262,7 +257,7 @@ def _numbers_and_extras(cfg: TrainConfig, p: _Problems, torch_free: bool) -> Non
     p.number("simpo_gamma", 0.0)
     p.number("discopop_tau", 0.0, low_open=True)
     p.number("rpo_alpha", 0.0)
-    if cfg.rpo_alpha and cfg.dpo_loss in ("simpo", "orpo"):
+    if cfg.rpo_alpha and cfg.dpo_loss in REFERENCE_FREE_LOSSES:
         p.append(f"--rpo_alpha: --dpo_loss={cfg.dpo_loss} is reference-free (orpo has its own NLL term)")
     p.number("powersgd_min_compression_rate", 0.0)
     p.number("peak_flops", 0.0, what="must be a finite number >= 0 (0 = measure)")

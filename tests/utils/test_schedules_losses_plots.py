@@ -128,11 +128,14 @@ def test_trls_other_dpo_losses_values():
     formulas (as TRL's DPOTrainer writes them) evaluated in Python floats; the trainer accepts exactly these."""
     import math
 
-    from trainer.tasks.dpo import DPO_LOSS_TYPES
-    from trainer.validation import DPO_LOSSES
-    assert DPO_LOSS_TYPES == DPO_LOSSES
+    from trainer.config import DPO_LOSSES, REFERENCE_FREE_LOSSES
+    from trainer.tasks.dpo import reference_free_loss
     pc, pr = torch.tensor([-1.0, -3.0]), torch.tensor([-2.0, -1.0])
     rc, rr = torch.tensor([-1.5, -2.0]), torch.tensor([-1.2, -2.5])
+    for kind in DPO_LOSSES:  # every choice of the flag is computed, finite, by one of the two functions
+        got = reference_free_loss(pc, pr, torch.tensor([2, 3]), torch.tensor([3, 1]), loss_type=kind)[0] \
+            if kind in REFERENCE_FREE_LOSSES else dpo_loss(pc, pr, rc, rr, loss_type=kind)[0]
+        assert got.shape == (2,) and bool(torch.isfinite(got).all()), kind
     beta, eps = 0.5, 0.1
     sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
     ls = lambda x: math.log(sig(x))  # noqa: E731

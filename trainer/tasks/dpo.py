@@ -12,14 +12,14 @@ import torch.nn.functional as F
 from data_preprocess.chat_tokens import DPO
 from data_preprocess.pretokenize_dpo_data import tokenize_dpo_records
 from dataset.dataset_dpo import build_dpo_splits
+from trainer.config import DPO_LOSSES, REFERENCE_FREE_LOSSES
 from trainer.tasks.base import Task, TaskData
 from trainer.tasks.data import chat_data
 from trainer.tasks.sft import chat_val_words
 from utils.device import to_device
 
-DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust", "exo_pair", "nca_pair", "sppo_hard", "apo_zero", "apo_down",
-                  "discopop", "simpo", "orpo")
-REFERENCE_FREE = ("simpo", "orpo")  # no reference model: the policy's mean log-probabilities alone
+DPO_LOSS_TYPES = DPO_LOSSES  # (trainer/config.py, torch-free: the flag's choices)
+REFERENCE_FREE = REFERENCE_FREE_LOSSES  # no reference model: the policy's mean log-probabilities alone
 
 
 def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor,
