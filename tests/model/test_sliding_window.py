@@ -63,6 +63,22 @@ def test_a_mistral_with_a_window_imports_with_its_logits_and_exports_as_a_mistra
                        generate(ours, prompt, 14, temperature=0.0, use_cache=False))
 
 
+def _through_ours_and_back(hf, tmp_path, T: int):
+    """`hf` saved and imported, then our export loaded back by transformers (whichever class its config names): both
+    give hf's logits on T positions (atol 1e-5). Returns (ours, back)."""
+    from transformers import AutoModelForCausalLM
+    hf.save_pretrained(tmp_path / "hf")
+    ours = import_hf(str(tmp_path / "hf")).eval()
+    x = torch.randint(0, 128, (2, T))
+    with torch.no_grad():
+        ref = hf(x).logits
+        assert torch.allclose(ours(x), ref, atol=1e-5, rtol=0)
+        export_hf(ours, str(tmp_path / "out"))
+        back = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
+        assert torch.allclose(back(x).logits, ref, atol=1e-5, rtol=0)
+    return ours, back
+
+
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 def test_a_qwen_whose_last_layers_slide(tmp_path, family):
     """use_sliding_window with max_window_layers=1: layers 1 and 2 slide, layer 0 sees everything."""
@@ -73,17 +89,10 @@ def test_a_qwen_whose_last_layers_slide(tmp_path, family):
     extra = {"head_dim": 32} if family == "qwen3" else {}
     hf = model_cls(config_cls(**SHAPE, **extra, use_sliding_window=True, sliding_window=5,
                               max_window_layers=1)).eval()
-    hf.save_pretrained(tmp_path / family)
-    ours = import_hf(str(tmp_path / family)).eval()
+    ours, back = _through_ours_and_back(hf, tmp_path, 16)
     assert ours.cfg.sliding_window == 5 and ours.cfg.sliding_layers == [1, 2]
-    x = torch.randint(0, 128, (2, 16))
-    with torch.no_grad():
-        ref = hf(x).logits
-        assert torch.allclose(ours(x), ref, atol=1e-5, rtol=0)
-        export_hf(ours, str(tmp_path / "out"))
-        back = model_cls.from_pretrained(str(tmp_path / "out")).eval()
-        assert back.config.layer_types == ["full_attention", "sliding_attention", "sliding_attention"]
-        assert torch.allclose(back(x).logits, ref, atol=1e-5, rtol=0)
+    assert type(back) is model_cls
+    assert back.config.layer_types == ["full_attention", "sliding_attention", "sliding_attention"]
 
 
 def test_packed_documents_slide_within_themselves():
@@ -131,20 +140,12 @@ def test_a_phi3_imports_as_the_llama_it_is(tmp_path, window):
     """Phi-3 / Phi-4 (Phi3ForCausalLM): a Llama whose q/k/v and gate/up weights are stored fused; Phi-3-mini's window
     too. Its logits through our model, exported back as a Llama (a Mistral with the window) with the same logits;
     a partial rotary factor (Phi-4-mini's) is refused in one line."""
-    from transformers import AutoModelForCausalLM, Phi3Config, Phi3ForCausalLM
+    from transformers import Phi3Config, Phi3ForCausalLM
     torch.manual_seed(0)
     hf = Phi3ForCausalLM(Phi3Config(**SHAPE, sliding_window=window, pad_token_id=0)).eval()
-    hf.save_pretrained(tmp_path / "phi3")
-    ours = import_hf(str(tmp_path / "phi3")).eval()
+    ours, back = _through_ours_and_back(hf, tmp_path, 20)
     assert ours.cfg.sliding_window == window
-    x = torch.randint(0, 128, (2, 20))
-    with torch.no_grad():
-        ref = hf(x).logits
-        assert torch.allclose(ours(x), ref, atol=1e-5, rtol=0)
-        export_hf(ours, str(tmp_path / "out"))
-        back = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
-        assert type(back).__name__ == ("MistralForCausalLM" if window else "LlamaForCausalLM")
-        assert torch.allclose(back(x).logits, ref, atol=1e-5, rtol=0)
+    assert type(back).__name__ == ("MistralForCausalLM" if window else "LlamaForCausalLM")
     d = Phi3Config(**SHAPE, pad_token_id=0).to_dict()
     d["rope_parameters"] = dict(d["rope_parameters"], partial_rotary_factor=0.75)
     with pytest.raises(ValueError, match="partial_rotary_factor=0.75"):
