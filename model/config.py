@@ -37,6 +37,13 @@ class ModelConfig:
     sliding_window: Optional[int] = None  # sliding-window attention: a query sees its last this many positions
     sliding_layers: Optional[list] = None  # the layers that slide (layer_types' "sliding_attention"); None = all
     nope_layers: Optional[list] = None  # the layers whose attention has no RoPE (SmolLM3's no_rope_layers zeros)
+    # Gemma 3's block (model/hf_gemma3.py), each off in a Llama; its RMSNorms' (1 + w) are stored as the w' = 1 + w ours
+    # multiplies by (the same model: norm weights take no weight decay, and the gradient of w' is the gradient of w)
+    scale_embeddings: bool = False     # the embedding's output times sqrt(dim) (Gemma's normalizer)
+    sandwich_norms: bool = False       # an RMSNorm on each sublayer's output before the residual add (Gemma 2 / 3)
+    mlp_act: str = "silu"              # the gated MLP's activation: silu (SwiGLU) | gelu_tanh (GeGLU, Gemma's)
+    query_scale: Optional[float] = None  # attention scores are q.k / sqrt(this) (query_pre_attn_scalar); None: head_dim
+    rope_local_theta: Optional[float] = None  # the sliding layers' RoPE base, unscaled (rope_local_base_freq)
     initializer_range: float = 0.02
 
     # --- mixture of experts (model/moe.py; 0 experts = every block dense)
@@ -103,10 +110,36 @@ class ModelConfig:
         if self.nope_layers is not None and not (isinstance(self.nope_layers, (list, tuple)) and all(
                 isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.n_layers for i in self.nope_layers)):
             raise ValueError(f"nope_layers={self.nope_layers!r} must list layer indices in [0, {self.n_layers})")
+        problem = self._gemma_problem()
+        if problem:
+            raise ValueError(problem)
         if not 0 <= self.mtp_num_layers <= 16:
             raise ValueError(f"mtp_num_layers must be in [0, 16], got {self.mtp_num_layers}")
         if self.loss_chunk_size < 1:
             raise ValueError("loss_chunk_size must be >= 1")
+
+    def _gemma_problem(self) -> Optional[str]:
+        """What is wrong with the Gemma block's fields (or their mix with the rest), or None."""
+        if self.mlp_act not in ("silu", "gelu_tanh"):
+            return f"mlp_act must be silu or gelu_tanh, got {self.mlp_act!r}"
+        if self.mlp_act != "silu" and self.moe_num_experts:
+            return "mlp_act=gelu_tanh: the MoE experts are SwiGLU (no Gemma MoE)"
+        for name in ("query_scale", "rope_local_theta"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
+                return f"{name}={v!r} must be a number > 0"
+        if self.rope_local_theta is not None and not self.sliding_window:
+            return "rope_local_theta is the sliding layers' RoPE base: it needs sliding_window"
+        if self.mtp_num_layers and (self.scale_embeddings or self.sandwich_norms or self.rope_local_theta is not None
+                                    or self.mlp_act != "silu" or self.query_scale is not None):
+            return "multi-token prediction's depths are Llama / DeepSeek blocks: not with Gemma's block fields"
+        return None
+
+    @property
+    def llama_block(self) -> bool:
+        """Whether the blocks are Llama's (none of Gemma's fields set): model/decode.py's fast path computes those."""
+        return not (self.scale_embeddings or self.sandwich_norms or self.mlp_act != "silu"
+                    or self.query_scale is not None or self.rope_local_theta is not None)
 
     def slides(self, layer_idx: int) -> bool:
         """Whether block `layer_idx` attends through the sliding window (multi-token prediction's depths, past the

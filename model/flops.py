@@ -94,6 +94,7 @@ def matmul_params(cfg: ModelConfig) -> int:
     attn = d * (cfg.n_heads * hd) * 2 + d * (kv * hd) * 2  # q, o, k, v
     mlp = 3 * d * cfg.hidden_dim
     norms = 2 * d + (2 * hd if getattr(cfg, "qk_norm", False) else 0)  # (Qwen3's q / k norms)
+    norms += 2 * d if getattr(cfg, "sandwich_norms", False) else 0  # (Gemma's norms of the sublayers' outputs)
     mtp = getattr(cfg, "mtp_num_layers", 0)
     blocks = cfg.n_layers + mtp
     n_moe = sum(cfg.is_moe_layer(i) for i in range(blocks))

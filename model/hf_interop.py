@@ -1,6 +1,6 @@
 """Hugging Face Llama checkpoints, both ways, with no custom code on the HF side (Qwen2 / Qwen3-shaped ones as their
-family; an MoE model as a Mixtral, a Qwen3-MoE or a GLM-4-MoE: `moe_family`, model/hf_mixtral.py,
-model/hf_qwen3_moe.py and model/hf_glm4_moe.py).
+family, Gemma 3's text model as its own: model/hf_gemma3.py; an MoE model as a Mixtral, a Qwen3-MoE or a GLM-4-MoE:
+`moe_family`, model/hf_mixtral.py, model/hf_qwen3_moe.py and model/hf_glm4_moe.py).
 
 Owns: the mapping ModelConfig <-> LlamaConfig (config.json) and our parameter names <-> HF names
 (ours + the `model.` prefix, `lm_head.weight` as is). Both use the half-split RoPE layout, so weights
@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 from safetensors.torch import load_file, save_file
 
-from model import hf_glm4_moe, hf_mixtral, hf_qwen3_moe
+from model import hf_gemma3, hf_glm4_moe, hf_mixtral, hf_qwen3_moe
 from model.hf_window import window_from_hf, window_to_hf
 from model.config import ModelConfig
 from model.llama import Transformer
@@ -32,6 +32,13 @@ from utils.publish import staged_dir
 from utils.rope_config import rope_scaling_from_hf, rope_scaling_to_hf
 from utils.run_dir import HF_MODEL_TYPES
 
+# families transformers has that our model does not hold: why, in the refusal
+REFUSED_TYPES = {
+    "gemma2": "Gemma 2's attention and final logit soft-capping are not in our model (Gemma 3's text model is read)",
+    "gemma3": "a Gemma 3 vision-language checkpoint (4B-27B): only the text model, model_type gemma3_text (270M, 1B), "
+              "is read",
+    "gemma": "Gemma 1 is not read (Gemma 3's text model is)",
+}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
                    "special_tokens_map.json", "added_tokens.json", "tokenizer_meta.json")
 # not copied from the tokenizer directory (a Hugging Face model's own, say): export writes its own
@@ -54,6 +61,15 @@ def hf_config_dict(cfg: ModelConfig, torch_dtype: str = "float32", special_ids: 
         "attention_bias": False, "mlp_bias": False, "attention_dropout": cfg.attn_dropout,
         "pretraining_tp": 1, "use_cache": True, "torch_dtype": torch_dtype, "dtype": torch_dtype,
     }
+    if hf_gemma3.is_gemma(cfg):  # (Gemma 3's block: written as its own family, the Llama's sizes kept)
+        d.update(hf_gemma3.config_fields(cfg, rope_parameters))
+        for key in ("hidden_act", "mlp_bias", "pretraining_tp"):
+            d.pop(key)
+        d.update(special_ids or {})
+        return d
+    if not cfg.llama_block:
+        raise ValueError("a model with some of Gemma's block fields (scale_embeddings, mlp_act, query_scale, "
+                         "rope_local_theta) but not its sublayer output norms has no transformers family here")
     if cfg.qkv_bias and (cfg.qk_norm or cfg.moe_num_experts):
         raise ValueError("a model with q/k/v biases and " + ("q / k norms" if cfg.qk_norm else "MoE blocks")
                          + " has no transformers family here (Qwen2 has the biases; Qwen3, Qwen3-MoE the norms; "
@@ -117,32 +133,38 @@ def hf_family(cfg: ModelConfig) -> str:
     """The transformers class an export of `cfg` loads as."""
     if cfg.moe_num_experts:
         return moe_family(cfg)[1]
+    if hf_gemma3.is_gemma(cfg):
+        return hf_gemma3.ARCHITECTURE
     if cfg.nope_layers is not None:
         return "SmolLM3ForCausalLM"
     return "Qwen2ForCausalLM" if cfg.qkv_bias else "Qwen3ForCausalLM" if cfg.qk_norm else "LlamaForCausalLM"
 
 
 def config_from_hf(d: dict) -> ModelConfig:
-    """A ModelConfig from an HF Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE or GLM-4-MoE config.json dict
-    (transformers 4.x or 5.x spelling). A Mistral is a Llama whose attention may slide; a Qwen2 a Llama with q/k/v
-    biases; a Qwen3 a Llama with q / k norms and heads sized on their own (head_dim: 16 x 128 at hidden_size 1024); a
-    sliding window where one is on (model/hf_window.py)."""
+    """A ModelConfig from an HF Llama, Mistral, Phi-3, Qwen2, Qwen3, SmolLM3, Gemma 3 (text), Mixtral, Qwen3-MoE or
+    GLM-4-MoE config.json dict (transformers 4.x or 5.x spelling). A Mistral is a Llama whose attention may slide; a
+    Qwen2 a Llama with q/k/v biases; a Qwen3 a Llama with q / k norms and heads sized on their own (head_dim: 16 x 128
+    at hidden_size 1024); a Gemma 3 our block with Gemma's switches (model/hf_gemma3.py); a sliding window where one
+    is on (model/hf_window.py)."""
     kind = d.get("model_type", "llama")
+    if kind in REFUSED_TYPES:
+        raise ValueError(f"model_type={kind!r}: {REFUSED_TYPES[kind]}")
     if kind not in HF_MODEL_TYPES:
-        raise ValueError("only Llama, Mistral, Phi-3, Qwen2, Qwen3, SmolLM3, Mixtral, Qwen3-MoE and GLM-4-MoE "
-                         f"checkpoints are supported, got model_type={kind!r}")
+        raise ValueError("only Llama, Mistral, Phi-3, Qwen2, Qwen3, SmolLM3, Gemma 3 (text), Mixtral, Qwen3-MoE and "
+                         f"GLM-4-MoE checkpoints are supported, got model_type={kind!r}")
     families = {"mixtral": hf_mixtral, "glm4_moe": hf_glm4_moe, "qwen3_moe": hf_qwen3_moe}
     partial = (d.get("rope_parameters") or {}).get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
     if kind == "phi3" and float(partial) != 1.0:  # (Phi-4-mini's 0.75)
         raise ValueError(f"partial_rotary_factor={partial}: our attention rotates every dimension of a head")
     moe = families[kind].moe_fields(d) if kind in families else {}
     theta = (d.get("rope_parameters") or {}).get("rope_theta", d.get("rope_theta", 10000.0))
-    scaling = rope_scaling_from_hf(d)  # linear, dynamic, llama3 (Llama 3.1+), yarn; ValueError for others
+    # linear, dynamic, llama3 (Llama 3.1+), yarn; ValueError for others (Gemma 3: its full layers' rope dict)
+    scaling = rope_scaling_from_hf(hf_gemma3.full_rope_dict(d) if kind == hf_gemma3.MODEL_TYPE else d)
     n_heads = d["num_attention_heads"]
     head_dim = d.get("head_dim") or d["hidden_size"] // n_heads
     if d.get("attention_bias") or d.get("mlp_bias"):  # (Llama's and Qwen3's attention_bias: o_proj's too)
         raise ValueError("Llama checkpoints with biases are not supported")
-    return ModelConfig(
+    fields = dict(
         vocab_size=d["vocab_size"], dim=d["hidden_size"], n_layers=d["num_hidden_layers"], n_heads=n_heads,
         n_kv_heads=d.get("num_key_value_heads") or n_heads, hidden_dim=d["intermediate_size"],
         norm_eps=d.get("rms_norm_eps", 1e-6), max_seq_len=d.get("max_position_embeddings", 2048),
@@ -150,7 +172,12 @@ def config_from_hf(d: dict) -> ModelConfig:
         initializer_range=d.get("initializer_range", 0.02), attn_dropout=d.get("attention_dropout", 0.0) or 0.0,
         qkv_bias=kind == "qwen2", qk_norm=kind in ("qwen3", "qwen3_moe") or bool(d.get("use_qk_norm")),
         attn_head_dim=head_dim if head_dim * n_heads != d["hidden_size"] else None,
-        nope_layers=_nope_layers(d, kind), **window_from_hf(d, kind, d["num_hidden_layers"]), **moe)
+        nope_layers=_nope_layers(d, kind), **moe)
+    if kind == hf_gemma3.MODEL_TYPE:
+        fields.update(hf_gemma3.fields_from_hf(d, n_heads, head_dim))
+    else:
+        fields.update(window_from_hf(d, kind, d["num_hidden_layers"]))
+    return ModelConfig(**fields)
 
 
 def _nope_layers(d: dict, kind: str) -> Optional[list]:
@@ -178,6 +205,8 @@ def to_hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
     if model.cfg.moe_num_experts:
         family = _moe_export_family(model.cfg, {n: t for n, t in ours.items() if is_expert_bias_name(n)})
         ours = family.to_hub(ours)
+    if hf_gemma3.is_gemma(model.cfg):
+        ours = hf_gemma3.to_hub(ours)
     for name, t in ours.items():
         if name == "lm_head.weight":
             if model.cfg.tie_embeddings:
@@ -218,6 +247,8 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
             raise ValueError(f"unexpected tensor {name!r} in a Llama checkpoint")
     if cfg.moe_num_experts:
         out = moe_family(cfg)[0].from_hub(out, cfg)
+    if hf_gemma3.is_gemma(cfg):
+        out = hf_gemma3.from_hub(out)
     if cfg.tie_embeddings or "lm_head.weight" not in out:
         out["lm_head.weight"] = out["embed_tokens.weight"]
     return out
@@ -355,6 +386,8 @@ def export_hf_streaming(cfg: ModelConfig, specs: dict[str, tuple[tuple[int, ...]
             tensors = load_group(group)
             if family is not None:
                 tensors = family.to_hub(tensors)
+            if hf_gemma3.is_gemma(cfg):
+                tensors = hf_gemma3.to_hub(tensors)
             sd = {(n if n == "lm_head.weight" else "model." + n): t.contiguous() for n, t in tensors.items()}
             total += sum(t.numel() * t.element_size() for t in sd.values())
             save_file(sd, os.path.join(tmp, fname), metadata={"format": "pt"})

@@ -197,6 +197,12 @@ def swiglu_packed(gate_up: torch.Tensor, fused: bool = True, backend: str = "aut
     return swiglu(gate, up, fused=fused, backend=backend)
 
 
+def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up: Gemma's gated MLP (transformers' gelu_pytorch_tanh), plain PyTorch (no hand-written
+    kernel: torch.compile fuses it, and no custom op stands in its graph)."""
+    return F.gelu(gate, approximate="tanh") * up
+
+
 # ------------------------------------------------------------------- q/k/v (gate/up) in one matmul
 class _ConcatLinearFn(torch.autograd.Function):
     """x @ cat(weights).T in one matmul, saving x and the weights themselves (parameters, alive anyway).

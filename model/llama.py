@@ -1,10 +1,11 @@
 """The Llama2 model in one file: embedding -> N x (RMSNorm, GQA attention with RoPE, RMSNorm, SwiGLU) -> RMSNorm -> LM head.
 
 Owns: the module tree and its parameter names (HF Llama names without the `model.` prefix, e.g.
-`layers.0.self_attn.q_proj.weight`, `embed_tokens.weight`, `norm.weight`, `lm_head.weight`), rotary
-embeddings (half-split layout as HF, linear and dynamic-NTK scaling), the KV cache used by
-model/generate.py, activation checkpointing, and pruning (`Transformer.pruned`: a Transformer holding
-some of a model's own submodules, which parallel/pipeline.py's stages are; one forward serves both).
+`layers.0.self_attn.q_proj.weight`, `embed_tokens.weight`, `norm.weight`, `lm_head.weight`), where rotary
+embeddings apply (half-split layout as HF; their tables are model/rotary.py's), Gemma 3's block switches
+(model/config.py), the KV cache used by model/generate.py, activation checkpointing, and pruning
+(`Transformer.pruned`: a Transformer holding some of a model's own submodules, which parallel/pipeline.py's stages
+are; one forward serves both).
 Which attention kernel runs, and how padding and packed documents are masked, is model/attention.py's
 (`AttnSpec`, built once per forward from which inputs are present, never from their values: no host
 sync, no graph break); FlashAttention-4's activation is model/fa4.py's, asked once here when a model is built.
@@ -29,7 +30,7 @@ from model.loss import lm_head_loss
 from model.moe import MoEFeedForward
 from model.moe_experts import GroupedExperts
 from model.mtp import MultiTokenPrediction
-from model.rope_scaling import attention_factor, base_inv_freq, scaled_inv_freq
+from model.rotary import RotaryEmbedding
 from model.token_logprobs import token_logprobs
 
 
@@ -46,74 +47,6 @@ class RMSNorm(nn.Module):
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual), fused into one kernel where Triton runs."""
         return kernels.add_rms_norm(x, residual, self.weight, self.eps, fused=self.fused, backend=self.backend)
-
-
-# ----------------------------------------------------------------------------------------- RoPE
-class RotaryEmbedding(nn.Module):
-    """cos/sin tables for the positions of this batch ([B, T, 1, head_dim/2]), computed on the fly:
-    they are tiny, and computing them per call makes packed-sample positions free."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.head_dim, self.theta, self.max_seq_len = cfg.head_dim, cfg.rope_theta, cfg.max_seq_len
-        self.scaling = cfg.rope_scaling or {}
-        self.attention_factor = attention_factor(self.scaling)  # YaRN's cos / sin factor, else 1
-        # non-persistent: derived from the config, so never part of a checkpoint
-        self.register_buffer("inv_freq", self._inv_freq(self.theta), persistent=False)
-        self._build_tables()
-
-    def _apply(self, fn, recurse=True):
-        """`model.to(torch.bfloat16)` would cast inv_freq too: bf16 keeps 8 bits of it, so the angle
-        position x inv_freq is off by up to ~0.4% (radians at positions in the hundreds). The frequencies
-        are rebuilt in fp32 on the buffer's (new) device after any cast or move (also after `to_empty`)."""
-        super()._apply(fn, recurse)
-        self.inv_freq = self._inv_freq(self.theta, device=self.inv_freq.device)
-        self._build_tables()
-        return self
-
-    def _build_tables(self) -> None:
-        """cos/sin of positions 0 .. max_seq_len-1 ([L, D/2] fp32, non-persistent): `table` slices them.
-        Read from memory instead of computed per call: under torch.compile Inductor fused the cos/sin
-        computation into every layer's RoPE kernel, forward and backward (24 transcendental-bound kernels
-        per 124M step on the H200, ~65 us each where the copy floor is ~25 us)."""
-        if self.scaling.get("type") == "dynamic":
-            self.cos_table = self.sin_table = None  # the base depends on the batch's length
-            return
-        device = self.inv_freq.device
-        if device.type == "meta":  # shapes only: `to_empty` / `to` rebuild them (`_apply`)
-            cos = sin = torch.empty(self.max_seq_len, self.head_dim // 2, device=device)
-        else:
-            cos, sin = (t[0, :, 0, :].contiguous() for t in self(torch.arange(self.max_seq_len, device=device)[None]))
-        self.register_buffer("cos_table", cos, persistent=False)
-        self.register_buffer("sin_table", sin, persistent=False)
-
-    def table(self, start: int, length: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """cos/sin [1, length, 1, D/2] of positions start .. start+length-1 (the same values `forward`
-        computes for them), or None where the table does not hold them (dynamic scaling, past max_seq_len)."""
-        if self.cos_table is None or start + length > self.cos_table.shape[0]:
-            return None
-        return (self.cos_table[start:start + length][None, :, None, :],
-                self.sin_table[start:start + length][None, :, None, :])
-
-    def _inv_freq(self, theta: float, device=None) -> torch.Tensor:
-        """The frequencies at base `theta` with the static scaling (linear, llama3, yarn) applied."""
-        return scaled_inv_freq(self.head_dim, theta, self.scaling, device)
-
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        inv_freq = self.inv_freq
-        if self.scaling.get("type") == "dynamic":
-            # dynamic NTK (as HF): grow the base once the sequence exceeds the trained length
-            factor, seq_len = self.scaling["factor"], int(positions.max().item()) + 1
-            if seq_len > self.max_seq_len:
-                d = self.head_dim
-                base = self.theta * ((factor * seq_len / self.max_seq_len) - (factor - 1)) ** (d / (d - 2))
-                inv_freq = base_inv_freq(d, base, device=positions.device)
-        with torch.autocast(device_type=positions.device.type, enabled=False):
-            freqs = positions[..., None].float() * inv_freq.float()  # [B, T, D/2], fp32
-            cos, sin = freqs.cos(), freqs.sin()
-            if self.attention_factor != 1.0:  # YaRN: cos and sin scaled, as transformers does
-                cos, sin = cos * self.attention_factor, sin * self.attention_factor
-            return cos[:, :, None, :], sin[:, :, None, :]
 
 
 # ------------------------------------------------------------------------------------ attention
@@ -160,6 +93,9 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.fused_rmsnorm, cfg.kernel_backend)
         self.qk_norm, self.sliding = cfg.qk_norm, cfg.slides(layer_idx)
         self.rope = layer_idx not in (cfg.nope_layers or ())  # (SmolLM3's NoPE layers: no rotation)
+        # Gemma's query_pre_attn_scalar: scores q.k / sqrt(query_scale), as q x sqrt(head_dim / query_scale) before the
+        # kernels' 1 / sqrt(head_dim) (every attention path unchanged)
+        self.q_scale = (cfg.head_dim / cfg.query_scale) ** 0.5 if cfg.query_scale not in (None, cfg.head_dim) else None
         self.attn_dropout = cfg.attn_dropout
         self.resid_dropout = nn.Dropout(cfg.resid_dropout)
         self.fused_rope, self.fused_qkv, self.backend = cfg.fused_rope, cfg.fused_qkv, cfg.kernel_backend
@@ -194,6 +130,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope:
             q, k = kernels.apply_rope_qk(q, k, cos, sin, fused=self.fused_rope, backend=self.backend)
+        if self.q_scale is not None:
+            q = q * self.q_scale
         dropout = self.attn_dropout if self.training else 0.0
         if spec.kind in ("flash", "flash_varlen", "fa4_varlen"):  # flash-attn's [B, T, H, D] layout, GQA native
             y = attention.flash_attention(q, k, v, spec, dropout)
@@ -225,14 +163,20 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.hidden_dim, cfg.dim, bias=False)
         self.resid_dropout = nn.Dropout(cfg.resid_dropout)
         self.fused_swiglu, self.fused_qkv, self.backend = cfg.fused_swiglu, cfg.fused_qkv, cfg.kernel_backend
+        self.act = cfg.mlp_act  # silu (SwiGLU) or gelu_tanh (Gemma's GeGLU: plain PyTorch, which compile fuses)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (self.fused_qkv and type(self.gate_proj) is nn.Linear and type(self.up_proj) is nn.Linear
                 and kernels.concat_projections(x, self.backend)):
             gate_up = kernels.concat_linear(x, (self.gate_proj.weight, self.up_proj.weight))
-            y = kernels.swiglu_packed(gate_up, fused=self.fused_swiglu, backend=self.backend)
-        else:
+            if self.act == "silu":
+                y = kernels.swiglu_packed(gate_up, fused=self.fused_swiglu, backend=self.backend)
+            else:
+                y = kernels.geglu(*gate_up.chunk(2, dim=-1))
+        elif self.act == "silu":
             y = kernels.swiglu(self.gate_proj(x), self.up_proj(x), fused=self.fused_swiglu, backend=self.backend)
+        else:
+            y = kernels.geglu(self.gate_proj(x), self.up_proj(x))
         return self.resid_dropout(self.down_proj(y))
 
 
@@ -244,11 +188,20 @@ class TransformerBlock(nn.Module):
         self.self_attn = Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.fused_rmsnorm, cfg.kernel_backend)
         self.mlp = MoEFeedForward(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg)
+        if cfg.sandwich_norms:  # Gemma's norms of the attention's and the MLP's outputs (post_attention_layernorm and
+            # post_feedforward_layernorm in its checkpoints; its pre_feedforward_layernorm: our post_attention_layernorm)
+            self.attn_output_norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.fused_rmsnorm, cfg.kernel_backend)
+            self.mlp_output_norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.fused_rmsnorm, cfg.kernel_backend)
+        self.sandwich = cfg.sandwich_norms
+        self.local_rope = cfg.rope_local_theta is not None and cfg.slides(layer_idx)  # (Gemma 3: `rotary_local`'s)
 
     def forward(self, x, cos, sin, spec: AttnSpec, cache: Optional[KVCache] = None):
         attn = self.self_attn(self.input_layernorm(x), cos, sin, spec, cache)
+        if self.sandwich:
+            attn = self.attn_output_norm(attn)
         y, x = self.post_attention_layernorm.add_forward(attn, x)  # x + attn, and its norm (one kernel on GPU)
-        return x + self.mlp(y)
+        y = self.mlp(y)
+        return x + (self.mlp_output_norm(y) if self.sandwich else y)
 
 
 # ---------------------------------------------------------------------------------- transformer
@@ -274,6 +227,8 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.fused_rmsnorm, cfg.kernel_backend)
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg)
+        # Gemma 3: the sliding layers rotate at their own base (blocks' `local_rope`)
+        self.rotary_local = RotaryEmbedding(cfg, local=True) if cfg.rope_local_theta is not None else None
         # attention backend: "auto" (model/attention.py picks per batch), or "sdpa" | "flex" | "flash" to
         # force one (tests, benchmarks). A plain attribute: never in the config or a checkpoint.
         self.attn_backend = "auto"
@@ -322,7 +277,7 @@ class Transformer(nn.Module):
         part.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
         part.norm = model.norm if head else None
         part.lm_head = model.lm_head if head else None
-        part.rotary = model.rotary
+        part.rotary, part.rotary_local = model.rotary, model.rotary_local
         if head and getattr(model, "mtp", None) is not None:  # the depths live with the LM head (the last stage)
             part.mtp = model.mtp
         return part
@@ -332,7 +287,7 @@ class Transformer(nn.Module):
         loaded weights. The config changes with it (checkpoints record it); the frequencies are rebuilt."""
         import dataclasses
         self.cfg = dataclasses.replace(self.cfg, rope_scaling=rope_scaling, max_seq_len=max_seq_len)
-        self.rotary = RotaryEmbedding(self.cfg).to(self.rotary.inv_freq.device)
+        self.rotary = RotaryEmbedding(self.cfg).to(self.rotary.inv_freq.device)  # (Gemma's local table: unscaled)
 
     def _init_weights(self, m: nn.Module) -> None:
         if isinstance(m, (nn.Linear, nn.Embedding)):
@@ -374,6 +329,21 @@ class Transformer(nn.Module):
             past=cache.pos if cache is not None else None, flash=flash, dropout=dropout, head_dim=cfg.head_dim,
             backend=getattr(self, "attn_backend", "auto"), fa4=fa4.plan(cfg, device, dtype, dropout),
             gqa=cfg.n_kv_heads != cfg.n_heads, window=cfg.sliding_window)
+
+    @staticmethod
+    def _rope(rotary: RotaryEmbedding, positions: torch.Tensor, past: int, T: int, contiguous: bool):
+        """cos / sin of this batch's positions: the cached tables of past .. past+T-1 where the positions are those
+        (no position_ids, no cp split: `contiguous`) and the table holds them, else computed."""
+        cached = rotary.table(past, T) if contiguous else None
+        return cached if cached is not None else rotary(positions)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The token embeddings of input_ids [B, T] -> [B, T, D] (Gemma's x sqrt(dim) where `scale_embeddings`,
+        the factor in the embedding's dtype as transformers rounds it)."""
+        h = self.embed_tokens(input_ids)
+        if self.cfg.scale_embeddings:
+            h = h * torch.tensor(self.cfg.dim ** 0.5, dtype=h.dtype)
+        return h
 
     def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 reduction: str = "mean", attention_mask: Optional[torch.Tensor] = None,
@@ -440,17 +410,18 @@ class Transformer(nn.Module):
         if not cp_on:
             spec = self._attn_spec(B, T, positions, attention_mask, position_ids is not None, cache,
                                    doc_ids=doc_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
-        # no position_ids (and no cp split): the cached cos/sin tables of positions past .. past+T-1
-        cached = self.rotary.table(past, T) if position_ids is None and not cp_on else None
-        cos, sin = cached if cached is not None else self.rotary(positions)
+        cos, sin = self._rope(self.rotary, positions, past, T, position_ids is None and not cp_on)
+        local = None if self.rotary_local is None else \
+            self._rope(self.rotary_local, positions, past, T, position_ids is None and not cp_on)
 
-        h = input_ids if self.embed_tokens is None else self.embed_tokens(input_ids)
+        h = input_ids if self.embed_tokens is None else self.embed(input_ids)
         ckpt = self.cfg.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for layer in blocks_of(self.layers):
+            c, s = local if local is not None and layer.local_rope else (cos, sin)
             if ckpt:
-                h = checkpoint(layer, h, cos, sin, spec, cache, use_reentrant=False)
+                h = checkpoint(layer, h, c, s, spec, cache, use_reentrant=False)
             else:
-                h = layer(h, cos, sin, spec, cache)
+                h = layer(h, c, s, spec, cache)
         if cache is not None:
             cache.pos += T
         if self.lm_head is None:  # a pruned model without the head: the next part's input

@@ -3,7 +3,7 @@
 Owns: the inverse frequencies of a head of `head_dim` at base `theta`, and the static scalings' changes to them
 (linear, llama3, yarn) and YaRN's cos / sin factor, computed in fp32 in transformers' order of operations so that an
 imported checkpoint rotates by the same angles (tests/model/test_rope_scaling.py compares them bit for bit).
-Dynamic NTK depends on the batch's length: model/llama.py RotaryEmbedding computes it per call with `base_inv_freq`.
+Dynamic NTK depends on the batch's length: model/rotary.py RotaryEmbedding computes it per call with `base_inv_freq`.
 """
 from __future__ import annotations
 

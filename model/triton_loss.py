@@ -35,7 +35,6 @@ a NaN loss (and NaN gradients) instead of reading out of bounds or being silentl
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 from typing import Optional
 

@@ -52,10 +52,11 @@ def bound_problems(fields: dict[str, Any], prefix: str = "") -> list[str]:
 def param_count(dim: int, n_layers: int, n_heads: int, vocab_size: int, n_kv_heads: Optional[int] = None,
                 hidden_dim: Optional[int] = None, multiple_of: int = 256,
                 ffn_dim_multiplier: Optional[float] = None, tie_embeddings: bool = False,
-                head_dim: Optional[int] = None, qk_norm: bool = False, qkv_bias: bool = False) -> int:
+                head_dim: Optional[int] = None, qk_norm: bool = False, qkv_bias: bool = False,
+                sandwich_norms: bool = False) -> int:
     """Parameters of the Llama2-style model (model/llama.py) with these sizes: embedding (+ a separate
     head), per layer q/k/v/o (their biases, Qwen2's; the q / k norms, Qwen3's), the SwiGLU's three matrices and two
-    norms, and the final norm."""
+    norms (four: Gemma's `sandwich_norms`), and the final norm."""
     kv = n_kv_heads or n_heads
     head_dim = head_dim or dim // max(1, n_heads)
     if not hidden_dim:  # model/config.llama_hidden_dim
@@ -65,7 +66,7 @@ def param_count(dim: int, n_layers: int, n_heads: int, vocab_size: int, n_kv_hea
         hidden_dim = multiple_of * math.ceil(hidden / multiple_of)
     attn = 2 * dim * n_heads * head_dim + 2 * dim * kv * head_dim
     attn += (2 * head_dim if qk_norm else 0) + ((n_heads + 2 * kv) * head_dim if qkv_bias else 0)
-    layer = attn + 3 * dim * hidden_dim + 2 * dim
+    layer = attn + 3 * dim * hidden_dim + (4 if sandwich_norms else 2) * dim
     embed = vocab_size * dim * (1 if tie_embeddings else 2)
     return embed + n_layers * layer + dim
 

@@ -8,7 +8,7 @@ import torch
 
 from model import ModelConfig, Transformer
 from model.hf_interop import config_from_hf, export_hf, hf_config_dict, import_hf
-from model.llama import RotaryEmbedding
+from model.rotary import RotaryEmbedding
 from utils.rope_config import normalize_rope_scaling, rope_scaling_from_hf
 
 transformers = pytest.importorskip("transformers")

@@ -78,7 +78,7 @@ def check_against_reference(name, triton_fn, ref_fn, inputs, grads_out, dtypes):
 
 
 def rope_tables(positions: torch.Tensor, head_dim: int, theta: float = 10000.0):
-    """cos/sin [B, T, 1, D/2] fp32 as model.llama.RotaryEmbedding builds them."""
+    """cos/sin [B, T, 1, D/2] fp32 as model.rotary.RotaryEmbedding builds them."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim))
     ang = positions.float()[..., None] * inv_freq
     return ang.cos()[:, :, None, :], ang.sin()[:, :, None, :]

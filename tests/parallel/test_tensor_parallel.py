@@ -36,18 +36,25 @@ STEPS = 3
 OPT = dict(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, grad_clip=0.3)
 
 
-def _cfg(tied: bool = False, ckpt: bool = False, dropout: float = 0.0, qwen3: bool = False) -> ModelConfig:
+# Gemma 3's block on the Qwen3 shape: the sublayers' output norms (replicated, under sequence parallelism each rank's
+# positions' part of their gradients), GeGLU, scaled embeddings and scores, a sliding first layer at its own RoPE base
+GEMMA3 = dict(sandwich_norms=True, scale_embeddings=True, mlp_act="gelu_tanh", query_scale=6.0, sliding_window=5,
+              sliding_layers=[0], rope_local_theta=100.0)
+
+
+def _cfg(tied: bool = False, ckpt: bool = False, dropout: float = 0.0, family: str = "llama") -> ModelConfig:
     # 4 query heads over 2 key/value heads (GQA), so each tensor rank holds 2 query heads and 1 kv head; qwen3: the
     # heads 8 wide at dim 16 and q / k norms (one weight over the heads, whose gradient each tensor rank has a part of)
     return ModelConfig(vocab_size=VOCAB, dim=16, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=16,
                        max_seq_len=16, tie_embeddings=tied, gradient_checkpointing=ckpt, attn_dropout=dropout,
-                       resid_dropout=dropout, qk_norm=qwen3, attn_head_dim=8 if qwen3 else None)
+                       resid_dropout=dropout, qk_norm=family != "llama", attn_head_dim=8 if family != "llama" else None,
+                       **(GEMMA3 if family == "gemma3" else {}))
 
 
 def _new_model(tied: bool = False, ckpt: bool = False, dropout: float = 0.0, lora: bool = False,
-               qwen3: bool = False) -> Transformer:
+               family: str = "llama") -> Transformer:
     torch.manual_seed(0)
-    model = Transformer(_cfg(tied, ckpt, dropout, qwen3))
+    model = Transformer(_cfg(tied, ckpt, dropout, family))
     if lora:  # rank-2 adapters on every projection (A drawn from the same seed on every rank), the rest frozen
         from model.lora import apply_lora
         apply_lora(model, r=2, alpha=4.0, target_modules="all")
@@ -57,9 +64,9 @@ def _new_model(tied: bool = False, ckpt: bool = False, dropout: float = 0.0, lor
 # ------------------------------------------------------------------------------ reference (1 process)
 
 def _reference(steps: int, dtype: torch.dtype, tied: bool = False,
-               lora: bool = False, qwen3: bool = False) -> tuple[dict, list[float], list[float]]:
+               lora: bool = False, family: str = "llama") -> tuple[dict, list[float], list[float]]:
     """(parameters, losses, gradient norms before clipping) of `steps` one-process steps."""
-    model = _new_model(tied, lora=lora, qwen3=qwen3).to(dtype)
+    model = _new_model(tied, lora=lora, family=family).to(dtype)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": OPT["weight_decay"]},
                              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
@@ -78,14 +85,14 @@ def _reference(steps: int, dtype: torch.dtype, tied: bool = False,
 
 def _engine(tp: int = 1, rep: int = 1, tied: bool = False, ckpt: bool = False, sp: bool = False,
             dtype: str = "fp32", pp: int = 1, dropout: float = 0.0, lora: bool = False, compile: bool = False,
-            cp: int = 1, parallel: str = "fsdp", zero: bool = False, qwen3: bool = False):
+            cp: int = 1, parallel: str = "fsdp", zero: bool = False, family: str = "llama"):
     from parallel.build import build_engine
     from trainer.config import TrainConfig
     cfg = dataclasses.replace(TrainConfig(), parallel=parallel, dtype=dtype, device="cpu",
                               tensor_parallel_size=tp, dp_replicate_size=rep, sequence_parallel=sp,
                               pipeline_parallel_size=pp, gradient_accumulation_steps=GAS, compile=compile,
                               context_parallel_size=cp, use_distributed_optimizer=zero, **OPT)
-    return build_engine(_new_model(tied, ckpt, dropout, lora, qwen3), cfg, device=torch.device("cpu"))
+    return build_engine(_new_model(tied, ckpt, dropout, lora, family), cfg, device=torch.device("cpu"))
 
 
 def _loss_fn(model, batch):
@@ -195,8 +202,8 @@ def _world2(rank: int, world: int, out_path: str, root: str) -> None:
     _train(out, "tp2_sp", STEPS, tp=2, sp=True)
     _train(out, "tp2_sp_tied", STEPS, tp=2, sp=True, tied=True)
     _train(out, "tp2_sp_compile", STEPS, tp=2, sp=True, compile=True)  # each block torch.compile-d (inductor)
-    _train(out, "tp2_qwen3", STEPS, tp=2, qwen3=True)
-    _train(out, "tp2_sp_qwen3", STEPS, tp=2, sp=True, qwen3=True)
+    _train(out, "tp2_qwen3", STEPS, tp=2, family="qwen3")
+    _train(out, "tp2_sp_gemma3", STEPS, tp=2, sp=True, family="gemma3")  # (Qwen3's q / k norms as well)
     engine = _train(out, "tp2_lora", STEPS, tp=2, lora=True)
     # the tensor dim's placement of each projection's tensors: S(0), S(1) or R
     out["tp2_lora"]["placements"] = {n: str(p.placements[-1]) for n, p in engine.module.named_parameters()
@@ -298,14 +305,14 @@ def _results(d) -> dict:
 def reference() -> dict:
     """fp32 and fp64 references for STEPS and STEPS + 1 steps, and the tolerance between them."""
     out = {}
-    for tied, lora, qwen3 in ((False, False, False), (True, False, False), (False, True, False),
-                              (False, False, True)):
-        for steps in (STEPS, STEPS + 1) if not (lora or qwen3) else (STEPS,):
-            p32, l32, n32 = _reference(steps, torch.float32, tied, lora, qwen3)
-            p64, l64, n64 = _reference(steps, torch.float64, tied, lora, qwen3)
+    for tied, lora, family in ((False, False, "llama"), (True, False, "llama"), (False, True, "llama"),
+                               (False, False, "qwen3"), (False, False, "gemma3")):
+        for steps in (STEPS, STEPS + 1) if not (lora or family != "llama") else (STEPS,):
+            p32, l32, n32 = _reference(steps, torch.float32, tied, lora, family)
+            p64, l64, n64 = _reference(steps, torch.float64, tied, lora, family)
             noise = max(float((p32[n] - p64[n]).abs().max()) for n in p32)
             # the loss: a mean of ~100 fp32 token losses, whose own rounding is ~1e-6 relative at worst
-            out[("lora", steps) if lora else ("qwen3", steps) if qwen3 else (tied, steps)] = {
+            out[("lora", steps) if lora else (family, steps) if family != "llama" else (tied, steps)] = {
                 "params": p32, "losses": l32, "tol": 10 * noise + 1e-7, "norms": n32,
                 "loss_tol": 10 * max(abs(a - b) for a, b in zip(l32, l64)) + 1e-6 * max(l32),
                 "norm_tol": 10 * max(abs(a - b) for a, b in zip(n32, n64)) + 1e-6 * max(n32)}
@@ -333,7 +340,7 @@ def test_vocab_parallel_loss_matches_full_vocabulary(results, reduction):
                                        ("pp2_cp2_ddp", False), ("pp2_cp2_zero1", False),
                                        ("tp2_lora", "lora"), ("tp2_sp_fsdp2_lora", "lora"),
                                        ("tp2_sp_compile", False), ("tp2_qwen3", "qwen3"),
-                                       ("tp2_sp_qwen3", "qwen3")])
+                                       ("tp2_sp_gemma3", "gemma3")])
 def test_parallel_layouts_match_one_process(results, reference, name, tied):
     ref = reference[(tied, STEPS)]
     rec = results[name]
