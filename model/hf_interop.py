@@ -35,8 +35,6 @@ from utils.run_dir import HF_MODEL_TYPES
 # families transformers has that our model does not hold: why, in the refusal
 REFUSED_TYPES = {
     "gemma2": "Gemma 2's attention and final logit soft-capping are not in our model (Gemma 3's text model is read)",
-    "gemma3": "a Gemma 3 vision-language checkpoint (4B-27B): only the text model, model_type gemma3_text (270M, 1B), "
-              "is read",
     "gemma": "Gemma 1 is not read (Gemma 3's text model is)",
 }
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
@@ -147,6 +145,9 @@ def config_from_hf(d: dict) -> ModelConfig:
     at hidden_size 1024); a Gemma 3 our block with Gemma's switches (model/hf_gemma3.py); a sliding window where one
     is on (model/hf_window.py)."""
     kind = d.get("model_type", "llama")
+    if kind in (hf_gemma3.MODEL_TYPE, hf_gemma3.MULTIMODAL_TYPE):  # (a vision-language one: its text model)
+        d = hf_gemma3.text_config(d)
+        kind = hf_gemma3.MODEL_TYPE
     if kind in REFUSED_TYPES:
         raise ValueError(f"model_type={kind!r}: {REFUSED_TYPES[kind]}")
     if kind not in HF_MODEL_TYPES:
@@ -426,12 +427,16 @@ def import_hf(hf_dir: str, dtype: Optional[torch.dtype] = torch.float32, **overr
     the checkpoint's dtype). `overrides` set non-architectural ModelConfig fields (kernel switches,
     gradient_checkpointing, loss_chunk_size)."""
     with open(os.path.join(hf_dir, "config.json")) as f:
-        cfg = config_from_hf(json.load(f))
+        raw = json.load(f)
+    cfg = config_from_hf(raw)
     for k, v in overrides.items():
         if k not in cfg.to_dict():
             raise ValueError(f"unknown ModelConfig field {k!r}")
         setattr(cfg, k, v)
-    sd = from_hf_state_dict(_load_weights(hf_dir), cfg)
+    weights = _load_weights(hf_dir)
+    if raw.get("model_type") == hf_gemma3.MULTIMODAL_TYPE:  # Gemma 3 4B-27B: the text model (no vision tower)
+        weights = hf_gemma3.text_weights(weights)[0]
+    sd = from_hf_state_dict(weights, cfg)
     with torch.device("meta"):
         model = Transformer(cfg)
     model = model.to_empty(device="cpu")

@@ -152,8 +152,7 @@ def test_transformers_4_configs_and_refusals():
     for bad, why in ((dict(final_logit_softcapping=30.0), "soft-capping"),
                      (dict(use_bidirectional_attention=True), "bidirectional"),
                      (dict(hidden_activation="gelu"), "hidden_activation='gelu'"),
-                     (dict(model_type="gemma2"), "Gemma 2's attention and final logit soft-capping"),
-                     (dict(model_type="gemma3"), "vision-language")):
+                     (dict(model_type="gemma2"), "Gemma 2's attention and final logit soft-capping")):
         with pytest.raises(ValueError, match=why):
             config_from_hf({**hub, **bad})
 
@@ -215,3 +214,71 @@ def test_a_streamed_export_writes_the_same_tensors(tmp_path):
     assert all(torch.equal(streamed[n], whole[n]) for n in whole)
     with open(tmp_path / "streamed" / "config.json") as f, open(tmp_path / "whole" / "config.json") as g:
         assert json.load(f) == json.load(g)
+
+
+def _vision_language(tmp_path):
+    """A tiny Gemma3ForConditionalGeneration (Gemma 3 4B-27B's class) over SHAPE's text model, saved."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+    torch.manual_seed(0)
+    cfg = Gemma3Config(text_config=dict(SHAPE, model_type="gemma3_text"), mm_tokens_per_image=4,
+                       vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                          num_attention_heads=2, image_size=28, patch_size=14),
+                       image_token_index=100, boi_token_index=98, eoi_token_index=99)
+    hf = Gemma3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name and "language" in name:
+                p.normal_(0.0, 0.3)
+    hf.save_pretrained(tmp_path / "vl")
+    return hf, tmp_path / "vl"
+
+
+def test_a_vision_language_checkpoint_gives_its_text_model(tmp_path):
+    """Gemma 3 4B-27B are Gemma3ForConditionalGeneration checkpoints: the text model is read (the vision tower left
+    out) from transformers' saved layout (`language_model.model.`) and from 5.x's (`model.language_model.`,
+    `lm_head`), with the vision-language model's logits on text; the export is a text-only Gemma3ForCausalLM."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Gemma3ForCausalLM
+    hf, path = _vision_language(tmp_path)
+    saved = load_file(str(path / "model.safetensors"))
+    assert any(n.startswith("vision_tower.") for n in saved)  # (what is left out)
+    renamed = tmp_path / "vl5"
+    renamed.mkdir()
+    (renamed / "config.json").write_text((path / "config.json").read_text())
+    moves = (("language_model.model.", "model.language_model."), ("vision_tower.", "model.vision_tower."),
+             ("multi_modal_projector.", "model.multi_modal_projector."))
+    for old, new in moves:
+        saved = {(new + n[len(old):] if n.startswith(old) else n): t for n, t in saved.items()}
+    save_file(saved, str(renamed / "model.safetensors"))
+    x = torch.randint(0, 97, (2, 20))  # text only (no image token ids)
+    with torch.no_grad():
+        ref = hf(input_ids=x).logits
+        for d in (path, renamed):
+            ours = import_hf(str(d)).eval()
+            assert ours.cfg.sliding_layers == [0, 1, 3] and ours.cfg.query_scale == 24.0
+            assert torch.allclose(ours(x), ref, atol=1e-5, rtol=0), d
+        export_hf(ours, str(tmp_path / "text"))
+        back = Gemma3ForCausalLM.from_pretrained(str(tmp_path / "text")).eval()
+        assert torch.allclose(back(x).logits, ref, atol=1e-5, rtol=0)
+
+
+def test_a_text_config_of_only_what_differs_takes_transformers_defaults():
+    """Gemma 3 4B's config.json sets only what differs from Gemma3TextConfig's defaults in its text_config: ours reads
+    what transformers' config object holds."""
+    from transformers import Gemma3Config
+    text = {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text", "num_hidden_layers": 34,
+            "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024}
+    theirs = Gemma3Config(text_config=text).text_config
+    ours = config_from_hf({"model_type": "gemma3", "text_config": text, "vision_config": {}})
+    assert (ours.vocab_size, ours.dim, ours.n_layers, ours.n_heads, ours.n_kv_heads, ours.head_dim, ours.hidden_dim) \
+        == (theirs.vocab_size, theirs.hidden_size, theirs.num_hidden_layers, theirs.num_attention_heads,
+            theirs.num_key_value_heads, theirs.head_dim, theirs.intermediate_size)
+    assert ours.sliding_layers == [i for i, t in enumerate(theirs.layer_types) if t == "sliding_attention"]
+    assert ours.sliding_window == theirs.sliding_window and ours.tie_embeddings == theirs.tie_word_embeddings
+    rope = theirs.rope_parameters
+    assert ours.rope_theta == rope["full_attention"]["rope_theta"]
+    assert ours.rope_local_theta == rope["sliding_attention"]["rope_theta"]
+    full = rope["full_attention"]
+    assert ours.rope_scaling == {"type": full["rope_type"], "factor": full["factor"]}
+    assert (ours.query_scale or ours.head_dim) == theirs.query_pre_attn_scalar
+    assert (ours.norm_eps, ours.max_seq_len) == (theirs.rms_norm_eps, theirs.max_position_embeddings)
