@@ -44,6 +44,9 @@ class ModelConfig:
     mlp_act: str = "silu"              # the gated MLP's activation: silu (SwiGLU) | gelu_tanh (GeGLU, Gemma's)
     query_scale: Optional[float] = None  # attention scores are q.k / sqrt(this) (query_pre_attn_scalar); None: head_dim
     rope_local_theta: Optional[float] = None  # the sliding layers' RoPE base, unscaled (rope_local_base_freq)
+    # OLMo 2 / 3's block (model/hf_olmo.py): only the sublayers' output norms, and q / k norms over all the heads
+    pre_norms: bool = True             # the RMSNorms before attention and MLP (False: OLMo's, with sandwich_norms)
+    qk_norm_full: bool = False         # with qk_norm: one norm over all heads' q (and all k), before the heads split
     initializer_range: float = 0.02
 
     # --- mixture of experts (model/moe.py; 0 experts = every block dense)
@@ -130,6 +133,10 @@ class ModelConfig:
                 return f"{name}={v!r} must be a number > 0"
         if self.rope_local_theta is not None and not self.sliding_window:
             return "rope_local_theta is the sliding layers' RoPE base: it needs sliding_window"
+        if not self.pre_norms and not self.sandwich_norms:
+            return "pre_norms=false leaves the blocks no norm: it needs sandwich_norms (OLMo 2's block)"
+        if self.qk_norm_full and not self.qk_norm:
+            return "qk_norm_full is the width of the q / k norms: it needs qk_norm"
         if self.mtp_num_layers and (self.scale_embeddings or self.sandwich_norms or self.rope_local_theta is not None
                                     or self.mlp_act != "silu" or self.query_scale is not None):
             return "multi-token prediction's depths are Llama / DeepSeek blocks: not with Gemma's block fields"
@@ -137,9 +144,10 @@ class ModelConfig:
 
     @property
     def llama_block(self) -> bool:
-        """Whether the blocks are Llama's (none of Gemma's fields set): model/decode.py's fast path computes those."""
-        return not (self.scale_embeddings or self.sandwich_norms or self.mlp_act != "silu"
-                    or self.query_scale is not None or self.rope_local_theta is not None)
+        """Whether the blocks are Llama's (none of Gemma's or OLMo's fields set): model/decode.py's fast path computes
+        those."""
+        return not (self.scale_embeddings or self.sandwich_norms or self.mlp_act != "silu" or self.qk_norm_full
+                    or self.query_scale is not None or self.rope_local_theta is not None or not self.pre_norms)
 
     def slides(self, layer_idx: int) -> bool:
         """Whether block `layer_idx` attends through the sliding window (multi-token prediction's depths, past the

@@ -93,8 +93,9 @@ def matmul_params(cfg: ModelConfig) -> int:
     d, hd, kv = cfg.dim, cfg.head_dim, cfg.n_kv_heads
     attn = d * (cfg.n_heads * hd) * 2 + d * (kv * hd) * 2  # q, o, k, v
     mlp = 3 * d * cfg.hidden_dim
-    norms = 2 * d + (2 * hd if getattr(cfg, "qk_norm", False) else 0)  # (Qwen3's q / k norms)
-    norms += 2 * d if getattr(cfg, "sandwich_norms", False) else 0  # (Gemma's norms of the sublayers' outputs)
+    qk = (cfg.n_heads + kv) * hd if getattr(cfg, "qk_norm_full", False) else 2 * hd  # (OLMo 2's; Qwen3's per head)
+    norms = (2 * d if getattr(cfg, "pre_norms", True) else 0) + (qk if getattr(cfg, "qk_norm", False) else 0)
+    norms += 2 * d if getattr(cfg, "sandwich_norms", False) else 0  # (Gemma's, OLMo's norms of the sublayers' outputs)
     mtp = getattr(cfg, "mtp_num_layers", 0)
     blocks = cfg.n_layers + mtp
     n_moe = sum(cfg.is_moe_layer(i) for i in range(blocks))

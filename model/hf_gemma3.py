@@ -42,8 +42,8 @@ _NORM = re.compile(r"(^norm|_norm|_layernorm)\.weight$")
 
 
 def is_gemma(cfg: Any) -> bool:
-    """Whether a model config is written as Gemma 3 (its block: the sublayers' output norms)."""
-    return bool(cfg.sandwich_norms)
+    """Whether a model config is written as Gemma 3 (its block: norms of the sublayers' inputs and outputs)."""
+    return bool(cfg.sandwich_norms and cfg.pre_norms)
 
 
 def text_config(d: dict) -> dict:

@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 from safetensors.torch import load_file, save_file
 
-from model import hf_gemma3, hf_glm4_moe, hf_mixtral, hf_qwen3_moe
+from model import hf_gemma3, hf_glm4_moe, hf_mixtral, hf_olmo, hf_qwen3_moe
 from model.hf_window import window_from_hf, window_to_hf
 from model.config import ModelConfig
 from model.llama import Transformer
@@ -62,6 +62,12 @@ def hf_config_dict(cfg: ModelConfig, torch_dtype: str = "float32", special_ids: 
     if hf_gemma3.is_gemma(cfg):  # (Gemma 3's block: written as its own family, the Llama's sizes kept)
         d.update(hf_gemma3.config_fields(cfg, rope_parameters))
         for key in ("hidden_act", "mlp_bias", "pretraining_tp"):
+            d.pop(key)
+        d.update(special_ids or {})
+        return d
+    if hf_olmo.is_olmo(cfg):  # (OLMo 2 / 3: the output norms only)
+        d.update(hf_olmo.config_fields(cfg, rope_parameters))
+        for key in ("mlp_bias", "pretraining_tp", "head_dim"):
             d.pop(key)
         d.update(special_ids or {})
         return d
@@ -133,6 +139,8 @@ def hf_family(cfg: ModelConfig) -> str:
         return moe_family(cfg)[1]
     if hf_gemma3.is_gemma(cfg):
         return hf_gemma3.ARCHITECTURE
+    if hf_olmo.is_olmo(cfg):
+        return "Olmo3ForCausalLM" if cfg.sliding_window else "Olmo2ForCausalLM"
     if cfg.nope_layers is not None:
         return "SmolLM3ForCausalLM"
     return "Qwen2ForCausalLM" if cfg.qkv_bias else "Qwen3ForCausalLM" if cfg.qk_norm else "LlamaForCausalLM"
@@ -151,8 +159,8 @@ def config_from_hf(d: dict) -> ModelConfig:
     if kind in REFUSED_TYPES:
         raise ValueError(f"model_type={kind!r}: {REFUSED_TYPES[kind]}")
     if kind not in HF_MODEL_TYPES:
-        raise ValueError("only Llama, Mistral, Phi-3, Qwen2, Qwen3, SmolLM3, Gemma 3 (text), Mixtral, Qwen3-MoE and "
-                         f"GLM-4-MoE checkpoints are supported, got model_type={kind!r}")
+        raise ValueError("only Llama, Mistral, Phi-3, Qwen2, Qwen3, SmolLM3, Gemma 3 (text), OLMo 2 / 3, Mixtral, "
+                         f"Qwen3-MoE and GLM-4-MoE checkpoints are supported, got model_type={kind!r}")
     families = {"mixtral": hf_mixtral, "glm4_moe": hf_glm4_moe, "qwen3_moe": hf_qwen3_moe}
     partial = (d.get("rope_parameters") or {}).get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
     if kind == "phi3" and float(partial) != 1.0:  # (Phi-4-mini's 0.75)
@@ -160,7 +168,7 @@ def config_from_hf(d: dict) -> ModelConfig:
     moe = families[kind].moe_fields(d) if kind in families else {}
     theta = (d.get("rope_parameters") or {}).get("rope_theta", d.get("rope_theta", 10000.0))
     # linear, dynamic, llama3 (Llama 3.1+), yarn; ValueError for others (Gemma 3: its full layers' rope dict)
-    scaling = rope_scaling_from_hf(hf_gemma3.full_rope_dict(d) if kind == hf_gemma3.MODEL_TYPE else d)
+    scaling = rope_scaling_from_hf(hf_gemma3.full_rope_dict(d) if kind in (hf_gemma3.MODEL_TYPE, "olmo3") else d)
     n_heads = d["num_attention_heads"]
     head_dim = d.get("head_dim") or d["hidden_size"] // n_heads
     if d.get("attention_bias") or d.get("mlp_bias"):  # (Llama's and Qwen3's attention_bias: o_proj's too)
@@ -176,6 +184,8 @@ def config_from_hf(d: dict) -> ModelConfig:
         nope_layers=_nope_layers(d, kind), **moe)
     if kind == hf_gemma3.MODEL_TYPE:
         fields.update(hf_gemma3.fields_from_hf(d, n_heads, head_dim))
+    elif kind in hf_olmo.MODEL_TYPES:
+        fields.update(hf_olmo.fields_from_hf(d, kind))
     else:
         fields.update(window_from_hf(d, kind, d["num_hidden_layers"]))
     return ModelConfig(**fields)
@@ -208,6 +218,8 @@ def to_hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
         ours = family.to_hub(ours)
     if hf_gemma3.is_gemma(model.cfg):
         ours = hf_gemma3.to_hub(ours)
+    if hf_olmo.is_olmo(model.cfg):
+        ours = hf_olmo.to_hub(ours)
     for name, t in ours.items():
         if name == "lm_head.weight":
             if model.cfg.tie_embeddings:
@@ -250,6 +262,8 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
         out = moe_family(cfg)[0].from_hub(out, cfg)
     if hf_gemma3.is_gemma(cfg):
         out = hf_gemma3.from_hub(out)
+    if hf_olmo.is_olmo(cfg):
+        out = hf_olmo.from_hub(out)
     if cfg.tie_embeddings or "lm_head.weight" not in out:
         out["lm_head.weight"] = out["embed_tokens.weight"]
     return out
@@ -389,6 +403,8 @@ def export_hf_streaming(cfg: ModelConfig, specs: dict[str, tuple[tuple[int, ...]
                 tensors = family.to_hub(tensors)
             if hf_gemma3.is_gemma(cfg):
                 tensors = hf_gemma3.to_hub(tensors)
+            if hf_olmo.is_olmo(cfg):
+                tensors = hf_olmo.to_hub(tensors)
             sd = {(n if n == "lm_head.weight" else "model." + n): t.contiguous() for n, t in tensors.items()}
             total += sum(t.numel() * t.element_size() for t in sd.values())
             save_file(sd, os.path.join(tmp, fname), metadata={"format": "pt"})

@@ -88,10 +88,14 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
-        if cfg.qk_norm:  # Qwen3: each head's q and k RMS-normalised (one weight over head_dim, shared by the heads)
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.fused_rmsnorm, cfg.kernel_backend)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.fused_rmsnorm, cfg.kernel_backend)
-        self.qk_norm, self.sliding = cfg.qk_norm, cfg.slides(layer_idx)
+        if cfg.qk_norm:  # Qwen3: each head's q and k RMS-normalised (one weight over head_dim, shared by the heads);
+            # OLMo 2 (qk_norm_full): one norm over all the heads' q, one over all k, before they split into heads
+            q_width, k_width = (cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim) if cfg.qk_norm_full \
+                else (cfg.head_dim, cfg.head_dim)
+            self.q_norm = RMSNorm(q_width, cfg.norm_eps, cfg.fused_rmsnorm, cfg.kernel_backend)
+            self.k_norm = RMSNorm(k_width, cfg.norm_eps, cfg.fused_rmsnorm, cfg.kernel_backend)
+        self.qk_norm, self.sliding = cfg.qk_norm and not cfg.qk_norm_full, cfg.slides(layer_idx)
+        self.qk_norm_full = cfg.qk_norm_full
         self.rope = layer_idx not in (cfg.nope_layers or ())  # (SmolLM3's NoPE layers: no rotation)
         # Gemma's query_pre_attn_scalar: scores q.k / sqrt(query_scale), as q x sqrt(head_dim / query_scale) before the
         # kernels' 1 / sqrt(head_dim) (every attention path unchanged)
@@ -121,6 +125,8 @@ class Attention(nn.Module):
         if self.sliding and spec.windowed is not None:  # (the batch is longer than the window)
             spec = spec.windowed
         q, k, v = self._qkv(x)
+        if self.qk_norm_full:
+            q, k = self.q_norm(q), self.k_norm(k)
         # heads from the shapes: under tensor parallelism (parallel/transforms/tensor_parallel.py) q/k/v hold this
         # rank's heads only (n_heads / tp and n_kv_heads / tp, contiguous, so GQA's grouping stays local)
         q = q.view(B, T, -1, self.head_dim)
@@ -184,22 +190,28 @@ class MLP(nn.Module):
 class TransformerBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.fused_rmsnorm, cfg.kernel_backend)
+        if cfg.pre_norms:  # (OLMo 2 has none: its norms are the sublayers' output norms below)
+            self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.fused_rmsnorm, cfg.kernel_backend)
         self.self_attn = Attention(cfg, layer_idx)
-        self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.fused_rmsnorm, cfg.kernel_backend)
+        if cfg.pre_norms:
+            self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.fused_rmsnorm, cfg.kernel_backend)
         self.mlp = MoEFeedForward(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg)
-        if cfg.sandwich_norms:  # Gemma's norms of the attention's and the MLP's outputs (post_attention_layernorm and
-            # post_feedforward_layernorm in its checkpoints; its pre_feedforward_layernorm: our post_attention_layernorm)
+        if cfg.sandwich_norms:  # Gemma's and OLMo's norms of the attention's and the MLP's outputs (their checkpoints'
+            # post_attention_layernorm, post_feedforward_layernorm; Gemma's pre_feedforward_layernorm is our
+            # post_attention_layernorm)
             self.attn_output_norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.fused_rmsnorm, cfg.kernel_backend)
             self.mlp_output_norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.fused_rmsnorm, cfg.kernel_backend)
-        self.sandwich = cfg.sandwich_norms
+        self.sandwich, self.pre_norms = cfg.sandwich_norms, cfg.pre_norms
         self.local_rope = cfg.rope_local_theta is not None and cfg.slides(layer_idx)  # (Gemma 3: `rotary_local`'s)
 
     def forward(self, x, cos, sin, spec: AttnSpec, cache: Optional[KVCache] = None):
-        attn = self.self_attn(self.input_layernorm(x), cos, sin, spec, cache)
+        attn = self.self_attn(self.input_layernorm(x) if self.pre_norms else x, cos, sin, spec, cache)
         if self.sandwich:
             attn = self.attn_output_norm(attn)
-        y, x = self.post_attention_layernorm.add_forward(attn, x)  # x + attn, and its norm (one kernel on GPU)
+        if self.pre_norms:
+            y, x = self.post_attention_layernorm.add_forward(attn, x)  # x + attn, and its norm (one kernel on GPU)
+        else:
+            x = y = x + attn
         y = self.mlp(y)
         return x + (self.mlp_output_norm(y) if self.sandwich else y)
 

@@ -66,7 +66,8 @@ def _refuse_if_too_big(mcfg, device: str, what: str, code: int) -> None:
     machine holds: it built layers until memory ran out)."""
     n = param_count(mcfg.dim, mcfg.n_layers + mcfg.mtp_num_layers, mcfg.n_heads, mcfg.vocab_size, mcfg.n_kv_heads,
                     mcfg.hidden_dim, tie_embeddings=mcfg.tie_embeddings, head_dim=mcfg.head_dim, qk_norm=mcfg.qk_norm,
-                    qkv_bias=mcfg.qkv_bias, sandwich_norms=mcfg.sandwich_norms)
+                    qkv_bias=mcfg.qkv_bias, sandwich_norms=mcfg.sandwich_norms, pre_norms=mcfg.pre_norms,
+                    qk_norm_full=mcfg.qk_norm_full)
     n += moe_param_delta(mcfg)  # (MTP: as blocks)
     problem = fit_problem(n, device, what)
     if problem:

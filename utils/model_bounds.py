@@ -53,10 +53,11 @@ def param_count(dim: int, n_layers: int, n_heads: int, vocab_size: int, n_kv_hea
                 hidden_dim: Optional[int] = None, multiple_of: int = 256,
                 ffn_dim_multiplier: Optional[float] = None, tie_embeddings: bool = False,
                 head_dim: Optional[int] = None, qk_norm: bool = False, qkv_bias: bool = False,
-                sandwich_norms: bool = False) -> int:
+                sandwich_norms: bool = False, pre_norms: bool = True, qk_norm_full: bool = False) -> int:
     """Parameters of the Llama2-style model (model/llama.py) with these sizes: embedding (+ a separate
     head), per layer q/k/v/o (their biases, Qwen2's; the q / k norms, Qwen3's), the SwiGLU's three matrices and two
-    norms (four: Gemma's `sandwich_norms`), and the final norm."""
+    norms (four: Gemma's `sandwich_norms`; OLMo's: its two output norms only, `pre_norms` off, and q / k norms over all
+    the heads, `qk_norm_full`), and the final norm."""
     kv = n_kv_heads or n_heads
     head_dim = head_dim or dim // max(1, n_heads)
     if not hidden_dim:  # model/config.llama_hidden_dim
@@ -65,8 +66,9 @@ def param_count(dim: int, n_layers: int, n_heads: int, vocab_size: int, n_kv_hea
             hidden = int(ffn_dim_multiplier * hidden)
         hidden_dim = multiple_of * math.ceil(hidden / multiple_of)
     attn = 2 * dim * n_heads * head_dim + 2 * dim * kv * head_dim
-    attn += (2 * head_dim if qk_norm else 0) + ((n_heads + 2 * kv) * head_dim if qkv_bias else 0)
-    layer = attn + 3 * dim * hidden_dim + (4 if sandwich_norms else 2) * dim
+    qk = (n_heads + kv) * head_dim if qk_norm_full else 2 * head_dim
+    attn += (qk if qk_norm else 0) + ((n_heads + 2 * kv) * head_dim if qkv_bias else 0)
+    layer = attn + 3 * dim * hidden_dim + (2 * pre_norms + 2 * sandwich_norms) * dim
     embed = vocab_size * dim * (1 if tie_embeddings else 2)
     return embed + n_layers * layer + dim
 

@@ -50,6 +50,9 @@ def tensor_parallel_problems(model_cfg: Any, tp: int, sequence_parallel: bool = 
     hidden = model_cfg.hidden_dim
     if hidden is not None and hidden % tp:
         out.append(f"the MLP's hidden_dim={hidden} is not divisible by tensor_parallel_size={tp}")
+    if getattr(model_cfg, "qk_norm_full", False):
+        out.append("the q / k norms run over all the heads' width (OLMo 2's qk_norm_full): each tensor rank holds some "
+                   "heads only")
     if sequence_parallel and (model_cfg.attn_dropout > 0 or model_cfg.resid_dropout > 0):
         out.append("dropout > 0 is not supported with sequence parallelism yet (each rank's positions would need "
                    "their own random stream); set --dropout=0 or --sequence_parallel=false")

@@ -1,6 +1,6 @@
-"""A Gemma 3 (text) in the trainer: `--init_from=<Gemma3ForCausalLM dir>` trains Gemma's block (its sublayer output
-norms among the trained weights), and export_hf.py writes a Gemma3ForCausalLM that transformers loads with the
-checkpoint's logits."""
+"""Gemma 3 (text) and OLMo 3 in the trainer: `--init_from=<Gemma3ForCausalLM / Olmo3ForCausalLM dir>` trains the
+family's block (its sublayer output norms among the trained weights), and export_hf.py writes the family back, which
+transformers loads with the checkpoint's logits."""
 from __future__ import annotations
 
 import json
@@ -15,28 +15,34 @@ from tests.conftest import run_cmd, run_python, train_cmd
 from tests.trainer.test_end_to_end import _env, final_weights, losses
 from tests.trainer.test_rope_extension import from_weights, released_model
 
-GEMMA3 = dict(n_kv_heads=2, max_seq_len=64, qk_norm=True, attn_head_dim=16, sandwich_norms=True,
-              scale_embeddings=True, mlp_act="gelu_tanh", query_scale=12.0, sliding_window=5, sliding_layers=[0],
-              rope_local_theta=1000.0, rope_theta=1e5, tie_embeddings=True)
+FAMILIES = {
+    "Gemma3ForCausalLM": dict(n_kv_heads=2, max_seq_len=64, qk_norm=True, attn_head_dim=16, sandwich_norms=True,
+                              scale_embeddings=True, mlp_act="gelu_tanh", query_scale=12.0, sliding_window=5,
+                              sliding_layers=[0], rope_local_theta=1000.0, rope_theta=1e5, tie_embeddings=True),
+    "Olmo3ForCausalLM": dict(n_kv_heads=2, max_seq_len=64, qk_norm=True, qk_norm_full=True, pre_norms=False,
+                             sandwich_norms=True, sliding_window=5, sliding_layers=[0], rope_theta=5e5),
+}
 
 
-def test_a_gemma3_trains_and_exports_back_as_one(tiny_pretrain_data, tiny_pretrain_run_args, tmp_path):
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_family_trains_and_exports_back_as_itself(tiny_pretrain_data, tiny_pretrain_run_args, tmp_path, family):
     transformers = pytest.importorskip("transformers")
 
-    def norms(model):  # away from Gemma's 0 (our 1): a released model's are
+    def norms(model):  # away from transformers' initial values (a released model's are)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if "norm" in name:
                     p.normal_(1.0, 0.3)
 
-    hf = released_model(tiny_pretrain_data, tmp_path / "hf", norms, **GEMMA3)
+    fields = FAMILIES[family]
+    hf = released_model(tiny_pretrain_data, tmp_path / "hf", norms, **fields)
     with open(f"{hf}/config.json") as f:
-        assert json.load(f)["model_type"] == "gemma3_text"
+        assert json.load(f)["architectures"] == [family]
     out = tmp_path / "run"
     run_cmd(train_cmd([*from_weights(tiny_pretrain_run_args, hf, "--max_iters=3", "--checkpoint_interval=3"),
                        f"--out_dir={out}"]), env=_env())
     saved = read_model_config(find_latest_valid(str(out)))
-    assert saved.sandwich_norms and saved.mlp_act == "gelu_tanh" and saved.rope_local_theta == 1000.0
+    assert all(getattr(saved, k) == v for k, v in fields.items() if k != "max_seq_len"), saved
     assert sorted(losses(out)) == [1, 2, 3]
     from model.hf_interop import import_hf
     start, end = import_hf(hf).state_dict(), final_weights(out)
@@ -45,7 +51,7 @@ def test_a_gemma3_trains_and_exports_back_as_one(tiny_pretrain_data, tiny_pretra
     r = run_python([sys.executable, "export_hf.py", f"--ckpt={out}", f"--out_dir={tmp_path / 'back'}"])
     assert r.returncode == 0, r.stderr[-2000:]
     back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "back")).eval()
-    assert type(back).__name__ == "Gemma3ForCausalLM"
+    assert type(back).__name__ == family
     ours = import_hf(str(tmp_path / "back")).eval()
     for name, t in ours.state_dict().items():  # the checkpoint's weights, through Gemma's (1 + w) and back
         assert torch.allclose(t, end[name], atol=1e-6, rtol=0), name
