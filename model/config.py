@@ -122,7 +122,7 @@ class ModelConfig:
             raise ValueError("loss_chunk_size must be >= 1")
 
     def _gemma_problem(self) -> Optional[str]:
-        """What is wrong with the Gemma block's fields (or their mix with the rest), or None."""
+        """What is wrong with Gemma's and OLMo's block fields (or their mix with the rest), or None."""
         if self.mlp_act not in ("silu", "gelu_tanh"):
             return f"mlp_act must be silu or gelu_tanh, got {self.mlp_act!r}"
         if self.mlp_act != "silu" and self.moe_num_experts:
@@ -137,9 +137,8 @@ class ModelConfig:
             return "pre_norms=false leaves the blocks no norm: it needs sandwich_norms (OLMo 2's block)"
         if self.qk_norm_full and not self.qk_norm:
             return "qk_norm_full is the width of the q / k norms: it needs qk_norm"
-        if self.mtp_num_layers and (self.scale_embeddings or self.sandwich_norms or self.rope_local_theta is not None
-                                    or self.mlp_act != "silu" or self.query_scale is not None):
-            return "multi-token prediction's depths are Llama / DeepSeek blocks: not with Gemma's block fields"
+        if self.mtp_num_layers and not self.llama_block:
+            return "multi-token prediction's depths are Llama / DeepSeek blocks: not with Gemma's or OLMo's block fields"
         return None
 
     @property
