@@ -133,14 +133,18 @@ class ChatTokenDataset(Dataset):
 
     def branches(self, i: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(input_ids, labels) of every branch of row i, shifted: labels[t] is the target of position t."""
+        return [(x[:-1], y[1:]) for x, y in self.token_spans(i)]
+
+    def token_spans(self, i: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(ids, labels) of every branch of row i as stored (unshifted: labels[t] is token t's own id where it is a
+        target, -100 elsewhere)."""
         row = [int(v) for v in self.index[i]]
         ids, labels = self._arrays()
         out = []
         for o, n in self.kind.spans:
             off, length = row[o], row[n]
-            x = torch.from_numpy(np.asarray(ids[off:off + length], dtype=np.int64))
-            y = torch.from_numpy(np.asarray(labels[off:off + length], dtype=np.int64))
-            out.append((x[:-1], y[1:]))
+            out.append((torch.from_numpy(np.asarray(ids[off:off + length], dtype=np.int64)),
+                        torch.from_numpy(np.asarray(labels[off:off + length], dtype=np.int64))))
         return out
 
 

@@ -32,7 +32,8 @@ class RunFlags:
     """Where the run writes, what it reads, where it starts."""
     # ---- run and data
     out_dir: str = _f("out/run", "run directory: metrics.jsonl, checkpoints/, config.json")
-    task_type: str = _f("pretrain", "pretrain | sft | dpo | grpo (online RL from --data_dir prompts: docs/grpo.md)")
+    task_type: str = _f("pretrain", "pretrain | sft | dpo | kto (KTO on the pairs' replies, unpaired) | grpo "
+                                    "(online RL from --data_dir prompts: docs/grpo.md)")
     data_dir: str = _f("", "pretrain: directory of token shards + index_L<L>/; sft/dpo: a .jsonl file or a directory of them")
     data_mix: str = _f("", 'pretrain: JSON {"name": weight} (shard dirs under --data_dir) or {"name": {"path": dir, "weight": w}}')
     tokenizer_dir: str = _f("", "tokenizer directory (tokenizer_meta.json gives the vocab size and special ids)")
@@ -172,6 +173,7 @@ class OptimizationFlags:
 
 
 # --dpo_loss's choices (trainer/tasks/dpo.py computes them); the reference-free ones load no reference model
+KTO_LOSSES = ("kto", "apo_zero_unpaired")  # --kto_loss's choices (trainer/tasks/kto.py computes them)
 DPO_LOSSES = ("sigmoid", "ipo", "hinge", "robust", "exo_pair", "nca_pair", "sppo_hard", "apo_zero", "apo_down",
               "discopop", "simpo", "orpo")
 REFERENCE_FREE_LOSSES = ("simpo", "orpo")
@@ -191,6 +193,11 @@ class DPOFlags:
     discopop_tau: float = _f(0.05, "dpo_loss=discopop: its temperature tau (TRL's discopop_tau)")
     rpo_alpha: float = _f(0.0, "DPO + this weight x the chosen reply's per-token NLL (RPO, TRL's rpo_alpha; the "
                           "reference-based losses); 0 = off")
+    # ---- KTO (--task_type=kto; its beta is --dpo_beta)
+    kto_loss: str = _f("kto", "kto (with the KL estimate of each micro-batch's mismatched rows) | apo_zero_unpaired "
+                              "(TRL's loss_type of the same name)")
+    kto_desirable_weight: float = _f(1.0, "KTO's lambda_D: the desirable (chosen) examples' weight")
+    kto_undesirable_weight: float = _f(1.0, "KTO's lambda_U: the undesirable (rejected) examples' weight")
 
 
 @dataclass

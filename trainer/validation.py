@@ -13,7 +13,7 @@ import math
 from typing import Optional
 
 from optimizer.optimizer_config import bf16_state_conflicts
-from trainer.config import (DPO_LOSSES, KERNEL_CHOICES, REFERENCE_FREE_LOSSES, RESUME_CHOICES, TrainConfig,
+from trainer.config import (DPO_LOSSES, KERNEL_CHOICES, KTO_LOSSES, REFERENCE_FREE_LOSSES, RESUME_CHOICES, TrainConfig,
                             engine_needs, eval_task_paths, parallel_section, resume_policy)
 from trainer.tasks.grpo_flags import grpo_problems
 from utils.constants import EXIT_BAD_CONFIG, MAX_EPOCHS, MAX_STEPS
@@ -162,6 +162,7 @@ def _choices_and_combinations(cfg: TrainConfig, p: _Problems, torch_free: bool) 
     p.choice("dtype", ("fp32", "bf16", "fp16"))
     p.choice("lr_schedule", ("cosine", "linear", "wsd", "constant"))
     p.choice("dpo_loss", DPO_LOSSES)
+    p.choice("kto_loss", KTO_LOSSES)
     if cfg.ref_model and cfg.dpo_loss in REFERENCE_FREE_LOSSES:
         p.append(f"--ref_model: --dpo_loss={cfg.dpo_loss} is reference-free (no reference model is loaded)")
     p.choice("trainable", ("all", "embeddings"))
@@ -255,6 +256,8 @@ def _numbers_and_extras(cfg: TrainConfig, p: _Problems, torch_free: bool) -> Non
     p.number("dpo_beta", 0.0, low_open=True)
     p.number("dpo_label_smoothing", 0.0, 0.5)
     p.number("simpo_gamma", 0.0)
+    p.number("kto_desirable_weight", 0.0, low_open=True)
+    p.number("kto_undesirable_weight", 0.0, low_open=True)
     p.number("discopop_tau", 0.0, low_open=True)
     p.number("rpo_alpha", 0.0)
     if cfg.rpo_alpha and cfg.dpo_loss in REFERENCE_FREE_LOSSES:

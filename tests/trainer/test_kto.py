@@ -1,0 +1,148 @@
+"""KTO (--task_type=kto): the loss against its formula in Python floats, the unpaired examples and mismatched KL rows
+the collate makes of DPO pairs, the micro-batch's KL estimate against the two models' own log-probabilities, and runs
+from the pretrained tiny model: the margin between desirable and undesirable rewards grows, and two data-parallel
+ranks give the one-process run's steps."""
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from tests.conftest import ROOT, run_cmd, train_cmd
+from tests.trainer.test_end_to_end import _env
+from utils.constants import IGNORE_INDEX
+from utils.metrics import dedupe_by_step, read_metrics
+
+
+def _sigmoid(x: float) -> float:
+    return 1 / (1 + math.exp(-x))
+
+
+def test_kto_loss_is_the_papers_formula():
+    from trainer.tasks.kto import kto_loss
+    policy, ref = [-3.0, -5.5, -2.0, -7.25], [-3.5, -5.0, -2.5, -6.0]
+    desirable = [True, True, False, False]
+    beta, kl, wd, wu = 0.3, 0.4, 1.5, 0.75
+    losses, rewards = kto_loss(torch.tensor(policy, dtype=torch.float64), torch.tensor(ref, dtype=torch.float64),
+                               torch.tensor(desirable), torch.tensor(kl, dtype=torch.float64), beta=beta,
+                               desirable_weight=wd, undesirable_weight=wu)
+    for i, (p, r, d) in enumerate(zip(policy, ref, desirable)):
+        want = wd * (1 - _sigmoid(beta * (p - r - kl))) if d else wu * (1 - _sigmoid(beta * (kl - (p - r))))
+        assert abs(float(losses[i]) - want) < 1e-12 and abs(float(rewards[i]) - beta * (p - r)) < 1e-12
+    apo, _ = kto_loss(torch.tensor(policy), torch.tensor(ref), torch.tensor(desirable), torch.tensor(kl), beta=beta,
+                      loss_type="apo_zero_unpaired")
+    for i, (p, r, d) in enumerate(zip(policy, ref, desirable)):
+        want = 1 - _sigmoid(beta * (p - r)) if d else _sigmoid(beta * (p - r))  # (no KL, no weights)
+        assert abs(float(apo[i]) - want) < 1e-6
+
+
+def _items():
+    """Three pairs as KTODataset gives them: (ids, labels) unshifted, the reply labelled."""
+    def side(prompt, reply):
+        ids = torch.tensor(prompt + reply)
+        return ids, torch.cat((torch.full((len(prompt),), IGNORE_INDEX), torch.tensor(reply)))
+    pairs = [([1, 2, 3], [10, 11], [20]), ([4, 5], [12, 13, 14], [21, 22]), ([6, 7, 8, 9], [15], [23, 24, 25])]
+    out = []
+    for prompt, chosen, rejected in pairs:
+        (ci, cl), (ri, rl) = side(prompt, chosen), side(prompt, rejected)
+        out.append({"chosen_ids": ci, "chosen_labels": cl, "rejected_ids": ri, "rejected_labels": rl})
+    return pairs, out
+
+
+def test_the_collate_unpairs_and_builds_the_mismatched_rows():
+    from dataset.dataset_kto import kto_collate
+    pairs, items = _items()
+    batch = kto_collate(pad_id=0, max_seq_len=6)(items)
+    rows = [(p, c) for p, c, _ in pairs] + [(p, r) for p, _, r in pairs]  # the chosen, then the rejected
+    assert batch["desirable"].tolist() == [True] * 3 + [False] * 3
+    for k, (prompt, reply) in enumerate(rows):
+        n = len(prompt) + len(reply) - 1
+        assert batch["input_ids"][k, :n].tolist() == (prompt + reply)[:-1]
+        assert batch["labels"][k, :n].tolist() == [IGNORE_INDEX] * (len(prompt) - 1) + reply
+        assert batch["attention_mask"][k].sum() == n
+        # example k's prompt with example k+1's reply (the last with the first's), at most max_seq_len + 1 tokens
+        other = rows[(k + 1) % len(rows)][1]
+        kl = (prompt + other)[:7]
+        kl_targets = kl[len(prompt):]
+        m = len(kl) - 1
+        assert batch["kl_input_ids"][k, :m].tolist() == kl[:-1]
+        assert batch["kl_labels"][k, :m].tolist() == [IGNORE_INDEX] * (len(prompt) - 1) + kl_targets
+        assert int(batch["kl_attention_mask"][k].sum()) == m
+    assert "kl_input_ids" not in kto_collate(0, 6, kl_rows=False)(items)
+
+
+def test_the_micro_batch_kl_is_the_mean_log_ratio_of_the_mismatched_rows():
+    """micro_batch_loss's loss equals kto_loss evaluated on the two models' log-probabilities computed here, with
+    z = max(0, mean over the KL rows of log pi - log ref)."""
+    from model import ModelConfig, Transformer
+    from dataset.dataset_kto import kto_collate
+    from trainer.config import TrainConfig
+    from trainer.tasks.kto import KTOTask, kto_loss
+    _, items = _items()
+    batch = kto_collate(pad_id=0, max_seq_len=6)(items)
+    torch.manual_seed(0)
+    policy = Transformer(ModelConfig(vocab_size=32, dim=16, n_layers=1, n_heads=2, multiple_of=16, max_seq_len=16))
+    torch.manual_seed(2)
+    ref = Transformer(ModelConfig(vocab_size=32, dim=16, n_layers=1, n_heads=2, multiple_of=16, max_seq_len=16))
+    cfg = TrainConfig(task_type="kto", dpo_beta=0.5, kto_desirable_weight=1.2)
+
+    def logps(model, prefix=""):
+        logits = model(batch[f"{prefix}input_ids"], attention_mask=batch[f"{prefix}attention_mask"]).float()
+        y = batch[f"{prefix}labels"]
+        lp = torch.log_softmax(logits, -1).gather(-1, y.clamp(min=0)[..., None])[..., 0]
+        return (lp * (y != IGNORE_INDEX)).sum(-1)
+
+    loss, stats = KTOTask(cfg).micro_batch_loss(policy, ref, batch, torch.device("cpu"))
+    with torch.no_grad():
+        z = max(0.0, float((logps(policy, "kl_") - logps(ref, "kl_")).mean()))
+        assert z > 0.01  # (these two models' estimate is not clamped: the loss depends on it)
+        want, _ = kto_loss(logps(policy), logps(ref), batch["desirable"], torch.tensor(z), beta=0.5,
+                           desirable_weight=1.2)
+    assert abs(float(loss) - float(want.sum())) < 1e-5 and abs(float(stats["kl"]) / 6 - z) < 1e-5
+    assert float(stats["desirable"]) == 3
+
+
+def _toy(tmp_path, n: int):
+    toy = tmp_path / "toy_prefs.jsonl"
+    with open(os.path.join(ROOT, "data", "dpo", "dpo_pairs.jsonl"), encoding="utf-8") as f:
+        toy.write_text("".join(line for _, line in zip(range(n), f)), encoding="utf-8")
+    return toy
+
+
+def _args(tiny_pretrain_data, toy, init, out, *extra):
+    return [f"--tokenizer_dir={tiny_pretrain_data['tokenizer_dir']}", "--max_seq_len=96", "--device=cpu",
+            "--progress=false", "--peak_flops=1e11", "--log_interval=1", "--eval_interval=0", "--warmup_iters=2",
+            "--seed=3", "--val_ratio=0.0", "--task_type=kto", f"--data_dir={toy}", f"--init_from={init}",
+            f"--out_dir={out}", "--learning_rate=3e-3", "--dpo_beta=0.5", *extra]
+
+
+def test_kto_learns_the_preferences(pretrained, tiny_pretrain_data, tmp_path):
+    out = tmp_path / "kto"
+    run_cmd(train_cmd(_args(tiny_pretrain_data, _toy(tmp_path, 16), pretrained["out"], out, "--max_iters=10",
+                            "--batch_size=8", "--checkpoint_interval=10")), env=_env())
+    recs = dedupe_by_step(read_metrics(os.path.join(out, "metrics.jsonl")))
+    assert recs[1]["reward_margin"] == 0.0 and recs[1]["kl"] == 0.0  # policy == reference at step 1
+    assert sum(recs[s]["reward_margin"] for s in (8, 9, 10)) > 0.5, recs
+    assert sum(recs[s]["loss"] for s in (8, 9, 10)) < sum(recs[s]["loss"] for s in (1, 2, 3))
+    assert all(recs[s]["kl"] >= 0 for s in recs)
+
+
+@pytest.mark.parametrize("loss", ["kto", "apo_zero_unpaired"])
+def test_two_ranks_follow_one_process(pretrained, tiny_pretrain_data, tmp_path, loss):
+    """Our DDP at 2 ranks of 2 pairs each against one process accumulating the same two micro-batches: the KL
+    estimate is each micro-batch's, so the steps are the same (to fp32 summation order)."""
+    toy = _toy(tmp_path, 12)
+    common = ["--max_iters=3", "--batch_size=2", "--checkpoint_interval=100", f"--kto_loss={loss}"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_cmd(train_cmd(_args(tiny_pretrain_data, toy, pretrained["out"], one, *common,
+                            "--gradient_accumulation_steps=2")), env=_env())
+    run_cmd(train_cmd(_args(tiny_pretrain_data, toy, pretrained["out"], two, *common), 2), env=_env())
+    a = dedupe_by_step(read_metrics(os.path.join(one, "metrics.jsonl")))
+    b = dedupe_by_step(read_metrics(os.path.join(two, "metrics.jsonl")))
+    assert sorted(a) == sorted(b) == [1, 2, 3]
+    for s in a:
+        for key in ("loss", "kl", "reward_margin"):
+            assert abs(a[s][key] - b[s][key]) <= 1e-5 * max(1.0, abs(a[s][key])), (s, key, a[s][key], b[s][key])
+    assert a[3]["reward_margin"] != 0.0

@@ -1,0 +1,106 @@
+"""Kahneman-Tversky Optimization (Ethayarajh et al. 2024; TRL's KTOTrainer): preference pairs unpaired into desirable
+and undesirable examples (dataset/dataset_kto.py), each judged alone against the frozen reference model.
+
+Per example, with r = log pi(y|x) - log ref(y|x) (summed over the reply's tokens) and z the KL estimate of the
+micro-batch, the mean over its mismatched rows (prompt of one example, reply of the next) of
+log pi - log ref, clamped at 0 and detached:
+  kto:                desirable  lambda_D (1 - sigma(beta (r - z)));  undesirable  lambda_U (1 - sigma(beta (z - r)))
+  apo_zero_unpaired:  desirable  1 - sigma(beta r);                   undesirable  sigma(beta r)   (no KL rows)
+averaged over the step's examples (TRL's loss is their mean). TRL averages z over every process's micro-batch; here
+z is each micro-batch's own, so that data-parallel ranks and gradient accumulation over the same micro-batches give
+the same steps. The loss is pure tensor math (`kto_loss`).
+"""
+from __future__ import annotations
+
+import torch
+
+from data_preprocess.chat_tokens import DPO
+from data_preprocess.pretokenize_dpo_data import tokenize_dpo_records
+from dataset.dataset_kto import build_kto_splits
+from trainer.config import KTO_LOSSES
+from trainer.tasks.base import Task, TaskData
+from trainer.tasks.data import chat_data
+from trainer.tasks.sft import chat_val_words
+from utils.device import to_device
+
+
+def kto_loss(policy: torch.Tensor, ref: torch.Tensor, desirable: torch.Tensor, kl: torch.Tensor, *, beta: float,
+             loss_type: str = "kto", desirable_weight: float = 1.0, undesirable_weight: float = 1.0
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-example losses [N] and rewards beta * (log pi - log ref) [N] (detached) of summed reply log-probabilities
+    `policy`, `ref` [N], `desirable` [N] bool, `kl` the micro-batch's estimate (a 0-d tensor; unused by
+    apo_zero_unpaired)."""
+    if loss_type not in KTO_LOSSES:
+        raise ValueError(f"unknown kto loss {loss_type!r}; expected one of {KTO_LOSSES}")
+    r = policy - ref
+    if loss_type == "kto":
+        good, bad = 1 - torch.sigmoid(beta * (r - kl)), 1 - torch.sigmoid(beta * (kl - r))
+    else:
+        good, bad = 1 - torch.sigmoid(beta * r), torch.sigmoid(beta * r)
+    losses = torch.where(desirable, desirable_weight * good, undesirable_weight * bad)
+    return losses, beta * r.detach()
+
+
+def sequence_logps(model, batch: dict, device, prefix: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed log-probability of each row's labelled tokens [N], their count [N]) of a padded batch's rows."""
+    y = to_device(batch[f"{prefix}labels"], device)
+    per_token = model(to_device(batch[f"{prefix}input_ids"], device), labels=y, reduction="none",
+                      attention_mask=to_device(batch[f"{prefix}attention_mask"], device))  # -log p, 0 where ignored
+    return -per_token.float().sum(dim=-1), (y != -100).sum(dim=-1)
+
+
+class KTOTask(Task):
+    name = "kto"
+    units = "examples"
+    stat_keys = ("desirable", "desirable_reward", "undesirable_reward", "kl")
+    needs_reference = True
+    chat = True
+
+    def datasets(self, tok_meta, val_ratio, fixed_shape, log):
+        cfg = self.cfg
+        kl_rows = cfg.kto_loss == "kto"
+        data = chat_data(cfg, cfg.data_dir, tokenize_dpo_records, DPO, tok_meta, "train", log)
+        train, val, collate = build_kto_splits(data, cfg.max_seq_len, val_ratio=val_ratio, seed=cfg.seed,
+                                               pad_to=cfg.max_seq_len if fixed_shape else None, kl_rows=kl_rows)
+        if cfg.eval_data_dir:
+            ev = chat_data(cfg, cfg.eval_data_dir, tokenize_dpo_records, DPO, tok_meta, "validation", log)
+            val = build_kto_splits(ev, cfg.max_seq_len, val_ratio=0.0, seed=cfg.seed, kl_rows=kl_rows)[0]
+        return TaskData(train, val, collate, "examples (two per pair)", *chat_val_words(cfg))
+
+    def micro_batch_loss(self, model, ref_model, batch, device):
+        cfg = self.cfg
+        policy, _ = sequence_logps(model, batch, device)
+        with torch.no_grad():
+            ref, _ = sequence_logps(ref_model, batch, device)
+            if cfg.kto_loss == "kto":  # the KL estimate on the mismatched rows (no gradient, as TRL's)
+                kl_policy, n = sequence_logps(model, batch, device, "kl_")
+                kl_ref, _ = sequence_logps(ref_model, batch, device, "kl_")
+                has = n > 0  # (a row whose prompt alone filled it has no reply token: left out)
+                kl = ((kl_policy - kl_ref) * has).sum() / has.sum().clamp(min=1)
+                kl = kl.clamp(min=0)
+            else:
+                kl = torch.zeros((), device=policy.device)
+        desirable = to_device(batch["desirable"], device)
+        losses, rewards = kto_loss(policy, ref, desirable, kl, beta=cfg.dpo_beta, loss_type=cfg.kto_loss,
+                                   desirable_weight=cfg.kto_desirable_weight,
+                                   undesirable_weight=cfg.kto_undesirable_weight)
+        good = desirable.float()
+        stats = {"desirable": good.sum(), "desirable_reward": (rewards * good).sum(),  # on the device
+                 "undesirable_reward": (rewards * (1 - good)).sum(), "kl": kl.detach() * len(good)}
+        return losses.sum(), stats
+
+    def count_units(self, batch):
+        return int(batch["input_ids"].shape[0])
+
+    def tokens_seen(self, units, tokens):
+        """An example is the unit: the tokens read (padding excluded) are what it saw."""
+        return int(tokens)
+
+    def step_metrics(self, per_unit: dict) -> dict:
+        """The rewards as means over the desirable and the undesirable examples, their margin, and the KL estimate
+        (the examples' mean of their micro-batch's)."""
+        share = per_unit["desirable"]
+        good = per_unit["desirable_reward"] / share if share > 0 else 0.0
+        bad = per_unit["undesirable_reward"] / (1 - share) if share < 1 else 0.0
+        return {"desirable_reward": good, "undesirable_reward": bad, "reward_margin": good - bad,
+                "kl": per_unit["kl"]}
