@@ -1,7 +1,7 @@
-"""The pretokenized SFT / DPO format: the folders the pretokenizers write and the same data in memory.
+"""The pretokenized SFT / DPO / KTO format: the folders the pretokenizers write and the same data in memory.
 
-Owns: what tells the two kinds apart (`ChatKind`: meta file, index file, its columns, count keys; `SFT`,
-`DPO`), the in-memory form `ChatTokens` (what `pretokenize_sft_data.tokenize_sft_records` /
+Owns: what tells the kinds apart (`ChatKind`: meta file, index file, its columns, count keys; `SFT`, `DPO`,
+`KTO`: unpaired examples, each with its desirable flag), the in-memory form `ChatTokens` (what `pretokenize_sft_data.tokenize_sft_records` /
 `pretokenize_dpo_data.tokenize_dpo_records` make of raw records: the arrays and meta fields a folder
 holds), recognizing a pretokenized folder of either kind (`is_pretokenized`, `check_not_other_kind`),
 writing a folder atomically with its meta last (`write_tokenized`), the totals of the per-file counts
@@ -25,10 +25,11 @@ from utils.publish import atomic_write_bytes
 
 @dataclass(frozen=True)
 class ChatKind:
-    """One kind of pretokenized chat data: SFT samples (one token span a row) or DPO pairs (two)."""
+    """One kind of pretokenized chat data: SFT samples (one token span a row), DPO pairs (two) or KTO examples (one,
+    and its label: a tag column)."""
     kind: str                 # the --task_type, and meta["kind"]
     meta_name: str            # written last: its presence marks a complete folder
-    index_name: str           # int64 [n, cols]: (offset, length) per branch, file id, position in the file
+    index_name: str           # int64 [n, cols]: (offset, length) per branch, tags, file id, position in the file
     count_key: str            # meta / per-file count: num_samples, num_pairs
     first_key: str            # per-file: the file's first row
     unit: str                 # one row, in messages: "SFT sample", "DPO pair"
@@ -36,10 +37,11 @@ class ChatKind:
     branches: int             # token spans a row: 1 (SFT), 2 (DPO: chosen, rejected)
     meta_kind_required: bool  # the readers refuse a meta whose "kind" is not this kind
     format_version: int = 1
+    tags: int = 0             # integer columns a row holds after its spans (KTO: 1 = desirable, 0 = undesirable)
 
     @property
     def cols(self) -> int:
-        return 2 * self.branches + 2
+        return 2 * self.branches + self.tags + 2
 
     @property
     def spans(self) -> tuple[tuple[int, int], ...]:
@@ -55,6 +57,9 @@ SFT = ChatKind("sft", "sft_meta.json", "samples.npy", "num_samples", "first_samp
                meta_kind_required=False)
 DPO = ChatKind("dpo", "dpo_meta.json", "pairs.npy", "num_pairs", "first_pair", "DPO pair", "pairs", 2,
                meta_kind_required=True)
+KTO = ChatKind("kto", "kto_meta.json", "examples.npy", "num_examples", "first_example", "KTO example",
+               "labelled examples", 1, meta_kind_required=True, tags=1)
+KINDS = (SFT, DPO, KTO)
 
 
 @dataclass
@@ -73,9 +78,8 @@ def is_pretokenized(path: str, kind: ChatKind) -> bool:
 
 
 def check_not_other_kind(path: str, kind: ChatKind) -> None:
-    """DataError when `path` is a pretokenized folder of the other kind (SFT given for DPO, or back)."""
-    other = DPO if kind is SFT else SFT
-    if is_pretokenized(path, other):
+    """DataError when `path` is a pretokenized folder of another kind (SFT given for DPO, or back)."""
+    for other in (k for k in KINDS if k is not kind and is_pretokenized(path, k)):
         raise DataError(f"{path} holds pretokenized {other.units}, not {kind.units} (--task_type={other.kind}, or "
                         f"pretokenize the {kind.raw_units} with data_preprocess.pretokenize_{kind.kind}_data)")
 

@@ -126,7 +126,7 @@ class ChatTask:
                   "truncated": 0, "dropped_overlong": 0}
             st.setdefault(no_target_key, 0)
             try:
-                for _, recno, branches in encode_file_records(path, skips, self.to_convs, renderer):
+                for _, recno, branches, tags in encode_file_records(path, skips, self.to_convs, renderer):
                     kept = [(ids, apply_overlong(ids, labels_from_mask(ids, self.label_mask(mask)), max_seq_len,
                                                  overlong)) for ids, mask in branches]
                     if any(k is None for _, k in kept):
@@ -141,7 +141,7 @@ class ChatTask:
                         id_chunks.append(ids)
                         lab_chunks.append(labels)
                         offset += ids.size
-                    rows.append((*row, file_id, recno))
+                    rows.append((*row, *tags, file_id, recno))
                     st[kind.count_key] += 1
             except FileFailed as e:
                 failed[path] = e.errors

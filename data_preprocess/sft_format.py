@@ -127,25 +127,45 @@ def sft_messages(rec: Any) -> list[dict[str, str]]:
 
 def dpo_messages(rec: Any) -> tuple[list[dict[str, str]], str, str]:
     """(prompt messages, chosen reply, rejected reply) of a DPO record."""
+    prompt = _prompt_messages(rec)
+    return prompt, _reply(rec, "chosen"), _reply(rec, "rejected")
+
+
+def _prompt_messages(rec: Any) -> list[dict[str, str]]:
+    """The prompt of a DPO / KTO record: "conversations" or "prompt" as a list (turns), or "prompt" a string (one user
+    turn), with its system."""
     if not isinstance(rec, dict):
         raise RecordError("record is not an object")
     if "conversations" in rec:
         prompt = _messages_from_list(rec["conversations"])
+    elif isinstance(rec.get("prompt"), list):  # (TRL's conversational shape: the prompt's messages)
+        prompt = _messages_from_list(rec["prompt"])
     else:
         prompt = [{"role": "user", "content": _str(rec, "prompt")}]
-    prompt = _with_system(rec, prompt)
+    return _with_system(rec, prompt)
 
-    def reply(key: str) -> str:
-        v = rec.get(key)
-        if isinstance(v, list) and v:
-            v = v[-1]
-        if isinstance(v, dict):
-            v = v.get("content", v.get("value"))
-        if not isinstance(v, str) or not v:
-            raise RecordError(f"'{key}' must be a non-empty string (or assistant message)")
-        return _encodable(v, f"'{key}'")
 
-    return prompt, reply("chosen"), reply("rejected")
+def _reply(rec: dict, key: str) -> str:
+    """A record's reply field: a string, an assistant message, or a list of messages ending with one."""
+    v = rec.get(key)
+    if isinstance(v, list) and v:
+        v = v[-1]
+    if isinstance(v, dict):
+        v = v.get("content", v.get("value"))
+    if not isinstance(v, str) or not v:
+        raise RecordError(f"'{key}' must be a non-empty string (or assistant message)")
+    return _encodable(v, f"'{key}'")
+
+
+def kto_messages(rec: Any) -> tuple[list[dict[str, str]], str, bool]:
+    """(prompt messages, completion, desirable) of a KTO record (TRL's unpaired preference shape: "prompt" or
+    "conversations", "completion" a string or an assistant message, "label" a bool)."""
+    prompt = _prompt_messages(rec)
+    reply = _reply(rec, "completion")
+    label = rec.get("label")
+    if not isinstance(label, bool):
+        raise RecordError(f"'label' must be true or false, got {label!r}")
+    return prompt, reply, label
 
 
 def labels_from_mask(ids: list[int] | np.ndarray, mask: list[bool] | np.ndarray) -> np.ndarray:
@@ -280,21 +300,30 @@ class ChatRenderer:
         self.close()
 
 
+class TaggedConversations(list):
+    """A record's conversations with integer tags the row keeps beside its token spans (KTO's desirable flag)."""
+
+    def __init__(self, convs: list, tags: tuple[int, ...]):
+        super().__init__(convs)
+        self.tags = tuple(int(t) for t in tags)
+
+
 def encode_file_records(path: str, skips: SkipCounter, to_convs: Callable[[Any], list[list[dict]]],
-                        renderer: ChatRenderer) -> Iterator[tuple[str, int, list[tuple[np.ndarray, np.ndarray]]]]:
-    """Yield (location, position, [(ids, assistant mask) per conversation]) for every record of
-    `path` that `to_convs` accepts, in file order. `to_convs` raises RecordError for a bad record:
-    a counted skip (error under strict). A failed batch (worker exception) is collected; once one
-    failed, nothing more of the file is yielded and FileFailed lists every failure at the end."""
+                        renderer: ChatRenderer) -> Iterator[tuple[str, int, list[tuple[np.ndarray, np.ndarray]], tuple]]:
+    """Yield (location, position, [(ids, assistant mask) per conversation], tags) for every record of
+    `path` that `to_convs` accepts, in file order (tags: what a `TaggedConversations` carries, else ()).
+    `to_convs` raises RecordError for a bad record: a counted skip (error under strict). A failed batch
+    (worker exception) is collected; once one failed, nothing more of the file is yielded and FileFailed
+    lists every failure at the end."""
     errors: list[str] = []
     pending: deque = deque()
     convs: list[list[dict]] = []
-    where_n: list[tuple[str, int, int]] = []
+    where_n: list[tuple[str, int, int, tuple]] = []
 
-    def span(items: list[tuple[str, int, int]]) -> str:
+    def span(items: list[tuple[str, int, int, tuple]]) -> str:
         return items[0][0] if len(items) == 1 else f"{items[0][0]} .. {items[-1][0].rsplit(':', 1)[-1]}"
 
-    def results(limit: int) -> Iterator[tuple[str, int, list[tuple[np.ndarray, np.ndarray]]]]:
+    def results(limit: int) -> Iterator[tuple[str, int, list[tuple[np.ndarray, np.ndarray]], tuple]]:
         while len(pending) > limit:
             items, fut = pending.popleft()
             result = worker_result(fut, span(items), errors)
@@ -303,9 +332,9 @@ def encode_file_records(path: str, skips: SkipCounter, to_convs: Callable[[Any],
             flat_ids, flat_mask, lengths = result
             bounds = np.concatenate([[0], np.cumsum(lengths)])
             k = 0
-            for where, recno, n in items:
+            for where, recno, n, tags in items:
                 yield where, recno, [(flat_ids[bounds[j]:bounds[j + 1]], flat_mask[bounds[j]:bounds[j + 1]])
-                                     for j in range(k, k + n)]
+                                     for j in range(k, k + n)], tags
                 k += n
 
     for where, recno, rec in iter_records(path, skips):
@@ -315,7 +344,7 @@ def encode_file_records(path: str, skips: SkipCounter, to_convs: Callable[[Any],
             skips.skip(where, str(e))
             continue
         convs.extend(rec_convs)
-        where_n.append((where, recno, len(rec_convs)))
+        where_n.append((where, recno, len(rec_convs), getattr(rec_convs, "tags", ())))
         if len(convs) >= BATCH_CONVERSATIONS:
             pending.append((where_n, renderer.submit(convs)))
             convs, where_n = [], []

@@ -39,7 +39,7 @@ def test_kto_loss_is_the_papers_formula():
 
 
 def _items():
-    """Three pairs as KTODataset gives them: (ids, labels) unshifted, the reply labelled."""
+    """Three pairs as KTOPairs gives them: (ids, labels) unshifted, the reply labelled."""
     def side(prompt, reply):
         ids = torch.tensor(prompt + reply)
         return ids, torch.cat((torch.full((len(prompt),), IGNORE_INDEX), torch.tensor(reply)))
@@ -146,3 +146,63 @@ def test_two_ranks_follow_one_process(pretrained, tiny_pretrain_data, tmp_path, 
         for key in ("loss", "kl", "reward_margin"):
             assert abs(a[s][key] - b[s][key]) <= 1e-5 * max(1.0, abs(a[s][key])), (s, key, a[s][key], b[s][key])
     assert a[3]["reward_margin"] != 0.0
+
+
+def _labelled(tmp_path, n: int, bad: bool = False):
+    """The first n pairs as TRL's unpaired examples: the chosen reply labelled true, the rejected false (one record
+    each, interleaved); `bad` adds records a reader must skip: a label that is not a bool, a missing completion."""
+    import json
+    out = tmp_path / "labelled.jsonl"
+    lines = []
+    with open(os.path.join(ROOT, "data", "dpo", "dpo_pairs.jsonl"), encoding="utf-8") as f:
+        for _, line in zip(range(n), f):
+            rec = json.loads(line)
+            lines += [json.dumps({"prompt": rec["prompt"], "completion": rec["chosen"], "label": True}),
+                      json.dumps({"prompt": [{"role": "user", "content": rec["prompt"]}],
+                                  "completion": [{"role": "assistant", "content": rec["rejected"]}], "label": False})]
+    if bad:
+        lines.insert(1, json.dumps({"prompt": "p", "completion": "c", "label": "yes"}))
+        lines.insert(3, json.dumps({"prompt": "p", "label": True}))
+    out.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return out
+
+
+def test_labelled_examples_pretokenize_as_the_trainer_reads_them(tiny_pretrain_data, tmp_path):
+    """pretokenize_kto_data's folder holds what the trainer makes of the raw records in memory (ids, labels, the
+    desirable column), bad records counted and skipped with their line; the reader tells the two data shapes apart."""
+    import numpy as np
+
+    from data_preprocess.chat_tokens import KTO
+    from data_preprocess.pretokenize_kto_data import holds_pairs, main, tokenize_kto_records
+    from dataset.dataset_kto import KTOExamples
+    tok = tiny_pretrain_data["tokenizer_dir"]
+    raw = _labelled(tmp_path, 6, bad=True)
+    out = tmp_path / "kto_tok"
+    assert main([f"--data_dir={raw}", f"--tokenizer_dir={tok}", "--max_seq_len=64", f"--out_dir={out}",
+                 "--num_workers=1"]) == 0
+    mem = tokenize_kto_records(str(raw), tok, 64)
+    assert mem.kind is KTO and sum(mem.meta["files"][0]["skipped"].values()) == 2, mem.meta["files"][0]
+    folder, memory = KTOExamples(str(out)), KTOExamples(mem)
+    assert len(folder) == len(memory) == 12
+    for i in range(12):
+        a, b = folder[i], memory[i]
+        assert torch.equal(a["ids"], b["ids"]) and torch.equal(a["labels"], b["labels"])
+        assert a["desirable"] == b["desirable"] == (i % 2 == 0)
+        # labels on the completion only: one run of its ids (the prompt's turns before it are -100)
+        lab = a["labels"].numpy()
+        on = np.flatnonzero(lab != IGNORE_INDEX)
+        assert on.size >= 2 and (np.diff(on) == 1).all() and (lab[on] == a["ids"].numpy()[on]).all()
+    assert not holds_pairs(str(raw)) and not holds_pairs(str(out))
+    assert holds_pairs(os.path.join(ROOT, "data", "dpo"))
+    strict = main([f"--data_dir={raw}", f"--tokenizer_dir={tok}", "--max_seq_len=64",
+                   f"--out_dir={tmp_path / 'strict'}", "--num_workers=1", "--strict=true"])
+    assert strict == 3
+
+
+def test_kto_learns_from_labelled_examples(pretrained, tiny_pretrain_data, tmp_path):
+    out = tmp_path / "kto"
+    run_cmd(train_cmd(_args(tiny_pretrain_data, _labelled(tmp_path, 16), pretrained["out"], out, "--max_iters=10",
+                            "--batch_size=16", "--checkpoint_interval=10")), env=_env())
+    recs = dedupe_by_step(read_metrics(os.path.join(out, "metrics.jsonl")))
+    assert sum(recs[s]["reward_margin"] for s in (8, 9, 10)) > 0.5, recs
+    assert sum(recs[s]["loss"] for s in (8, 9, 10)) < sum(recs[s]["loss"] for s in (1, 2, 3))

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from data_preprocess.chat_tokens import DPO
+from data_preprocess.chat_tokens import DPO, KTO
 from data_preprocess.pretokenize_dpo_data import tokenize_dpo_records
+from data_preprocess.pretokenize_kto_data import holds_pairs, tokenize_kto_records
 from dataset.dataset_kto import build_kto_splits
 from trainer.config import KTO_LOSSES
 from trainer.tasks.base import Task, TaskData
@@ -59,13 +60,22 @@ class KTOTask(Task):
     def datasets(self, tok_meta, val_ratio, fixed_shape, log):
         cfg = self.cfg
         kl_rows = cfg.kto_loss == "kto"
-        data = chat_data(cfg, cfg.data_dir, tokenize_dpo_records, DPO, tok_meta, "train", log)
+
+        def read(path: str, what: str):  # labelled examples, or DPO pairs (each a desirable + an undesirable one)
+            paired = holds_pairs(path)
+            tokenize, kind = (tokenize_dpo_records, DPO) if paired else (tokenize_kto_records, KTO)
+            return chat_data(cfg, path, tokenize, kind, tok_meta, what, log), paired
+
+        data, paired = read(cfg.data_dir, "train")
         train, val, collate = build_kto_splits(data, cfg.max_seq_len, val_ratio=val_ratio, seed=cfg.seed,
-                                               pad_to=cfg.max_seq_len if fixed_shape else None, kl_rows=kl_rows)
+                                               pad_to=cfg.max_seq_len if fixed_shape else None, kl_rows=kl_rows,
+                                               paired=paired)
         if cfg.eval_data_dir:
-            ev = chat_data(cfg, cfg.eval_data_dir, tokenize_dpo_records, DPO, tok_meta, "validation", log)
-            val = build_kto_splits(ev, cfg.max_seq_len, val_ratio=0.0, seed=cfg.seed, kl_rows=kl_rows)[0]
-        return TaskData(train, val, collate, "examples (two per pair)", *chat_val_words(cfg))
+            ev, ev_paired = read(cfg.eval_data_dir, "validation")
+            val = build_kto_splits(ev, cfg.max_seq_len, val_ratio=0.0, seed=cfg.seed, kl_rows=kl_rows,
+                                   paired=ev_paired)[0]
+        return TaskData(train, val, collate, "DPO pairs (two examples each)" if paired else "KTO examples",
+                        *chat_val_words(cfg))
 
     def micro_batch_loss(self, model, ref_model, batch, device):
         cfg = self.cfg
