@@ -37,14 +37,15 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 # documents), sequence_logprobs (DPO's per-sequence sums), rollouts (GRPO's token-by-token generation). A pipeline's
 # capabilities are those of "pipeline" AND of the dp engine that runs its stages.
 CAPABILITIES: dict[str, frozenset] = {
-    "ddp": frozenset({"compile", "padded_batches", "sequence_logprobs", "rollouts", "frozen_parameters",
-                      "light_checkpoints", "state_per_parameter_name", "whole_model_on_one_rank", "comm_hooks",
-                      "overlap_optim_step", "zero", "tied_embeddings", "no_process_group", "float8",
+    "ddp": frozenset({"compile", "padded_batches", "sequence_logprobs", "rollouts", "task_forwards",
+                      "frozen_parameters", "light_checkpoints", "state_per_parameter_name", "whole_model_on_one_rank",
+                      "comm_hooks", "overlap_optim_step", "zero", "tied_embeddings", "no_process_group", "float8",
                       "context_parallel", "low_precision_optimizer_states", "moe", "expert_parallel",
                       "multi_token_prediction"}),
-    "fsdp": frozenset({"compile", "padded_batches", "sequence_logprobs", "rollouts", "frozen_parameters",
-                       "tensor_parallel", "sequence_parallel", "hsdp", "cpu_offload", "tied_embeddings", "float8",
-                       "context_parallel", "moe", "expert_parallel", "multi_token_prediction"}),
+    "fsdp": frozenset({"compile", "padded_batches", "sequence_logprobs", "rollouts", "task_forwards",
+                       "frozen_parameters", "tensor_parallel", "sequence_parallel", "hsdp", "cpu_offload",
+                       "tied_embeddings", "float8", "context_parallel", "moe", "expert_parallel",
+                       "multi_token_prediction"}),
     "pipeline": frozenset({"compile", "zero", "tensor_parallel", "sequence_parallel", "hsdp", "cpu_offload",
                            "frozen_parameters", "padded_batches", "sequence_logprobs", "float8", "moe",
                            "expert_parallel", "context_parallel", "multi_token_prediction"}),
@@ -53,6 +54,8 @@ WHY_NOT: dict[str, str] = {
     "rollouts": "GRPO's rollouts run a forward per generated token on every rank; pipeline stages would pass each "
             "token's hidden state between ranks: not built",
     "whole_model_on_one_rank": "no rank holds the whole model",
+    "task_forwards": "KTO's KL rows are forwards of the task's own beside the training ones; pipeline stages run the "
+                     "schedule's forwards only: not built",
     "comm_hooks": "only the engine's own gradient reduction runs there",
     "overlap_optim_step": "its per-bucket step needs our DDP's buckets and one stage's gradients",
     "zero": "ZeRO-1/2 belongs to our DDP; FSDP already shards parameters, gradients and optimizer state",

@@ -129,23 +129,27 @@ def test_kto_learns_the_preferences(pretrained, tiny_pretrain_data, tmp_path):
     assert all(recs[s]["kl"] >= 0 for s in recs)
 
 
-@pytest.mark.parametrize("loss", ["kto", "apo_zero_unpaired"])
-def test_two_ranks_follow_one_process(pretrained, tiny_pretrain_data, tmp_path, loss):
-    """Our DDP at 2 ranks of 2 pairs each against one process accumulating the same two micro-batches: the KL
-    estimate is each micro-batch's, so the steps are the same (to fp32 summation order)."""
+@pytest.mark.parametrize("loss,engines", [("kto", ("ddp", "fsdp")), ("apo_zero_unpaired", ("ddp",))])
+def test_two_ranks_follow_one_process(pretrained, tiny_pretrain_data, tmp_path, loss, engines):
+    """Our DDP (and FSDP2) at 2 ranks of 2 pairs each against one process accumulating the same two micro-batches:
+    the KL estimate is each micro-batch's, so the steps are the same (to fp32 summation order)."""
     toy = _toy(tmp_path, 12)
     common = ["--max_iters=3", "--batch_size=2", "--checkpoint_interval=100", f"--kto_loss={loss}"]
-    one, two = tmp_path / "one", tmp_path / "two"
+    one = tmp_path / "one"
     run_cmd(train_cmd(_args(tiny_pretrain_data, toy, pretrained["out"], one, *common,
                             "--gradient_accumulation_steps=2")), env=_env())
-    run_cmd(train_cmd(_args(tiny_pretrain_data, toy, pretrained["out"], two, *common), 2), env=_env())
     a = dedupe_by_step(read_metrics(os.path.join(one, "metrics.jsonl")))
-    b = dedupe_by_step(read_metrics(os.path.join(two, "metrics.jsonl")))
-    assert sorted(a) == sorted(b) == [1, 2, 3]
-    for s in a:
-        for key in ("loss", "kl", "reward_margin"):
-            assert abs(a[s][key] - b[s][key]) <= 1e-5 * max(1.0, abs(a[s][key])), (s, key, a[s][key], b[s][key])
-    assert a[3]["reward_margin"] != 0.0
+    assert sorted(a) == [1, 2, 3] and a[3]["reward_margin"] != 0.0
+    for engine in engines:
+        two = tmp_path / engine
+        run_cmd(train_cmd(_args(tiny_pretrain_data, toy, pretrained["out"], two, *common, f"--parallel={engine}"), 2),
+                env=_env())
+        b = dedupe_by_step(read_metrics(os.path.join(two, "metrics.jsonl")))
+        assert sorted(b) == [1, 2, 3]
+        for s in a:
+            for key in ("loss", "kl", "reward_margin"):
+                assert abs(a[s][key] - b[s][key]) <= 1e-5 * max(1.0, abs(a[s][key])), (engine, s, key, a[s][key],
+                                                                                      b[s][key])
 
 
 def _labelled(tmp_path, n: int, bad: bool = False):
@@ -206,3 +210,17 @@ def test_kto_learns_from_labelled_examples(pretrained, tiny_pretrain_data, tmp_p
     recs = dedupe_by_step(read_metrics(os.path.join(out, "metrics.jsonl")))
     assert sum(recs[s]["reward_margin"] for s in (8, 9, 10)) > 0.5, recs
     assert sum(recs[s]["loss"] for s in (8, 9, 10)) < sum(recs[s]["loss"] for s in (1, 2, 3))
+
+
+def test_pipeline_stages_are_refused_in_one_line():
+    """The KL rows are forwards of the task's own: pipeline stages run their schedule's only (task_forwards)."""
+    import dataclasses
+
+    from parallel.config import ParallelConfig
+    from trainer.config import TrainConfig, engine_needs
+    cfg = dataclasses.replace(TrainConfig(), task_type="kto", pipeline_parallel_size=2, gradient_accumulation_steps=2)
+    problems = ParallelConfig.from_flags(cfg).problems(world_size=2, needs=engine_needs(cfg))
+    assert any(p.startswith("--task_type=kto cannot be combined with --pipeline_parallel_size=2 (KTO's KL rows")
+               for p in problems), problems
+    ddp = dataclasses.replace(cfg, pipeline_parallel_size=1)
+    assert not ParallelConfig.from_flags(ddp).problems(world_size=2, needs=engine_needs(ddp))

@@ -19,7 +19,7 @@ TASKS: dict[str, Union[str, TaskEntry]] = {  # --task_type -> its entry
     "pretrain": "trainer.tasks.pretrain:PretrainTask",
     "sft": TaskEntry("trainer.tasks.sft:SFTTask", needs="padded_batches", from_pretrained=True, tokens=("pad",)),
     "dpo": TaskEntry("trainer.tasks.dpo:DPOTask", needs="sequence_logprobs", from_pretrained=True),
-    "kto": TaskEntry("trainer.tasks.kto:KTOTask", needs="sequence_logprobs", from_pretrained=True),
+    "kto": TaskEntry("trainer.tasks.kto:KTOTask", needs="task_forwards", from_pretrained=True),  # (and DPO's)
     "grpo": TaskEntry("trainer.tasks.grpo:GRPOTask", needs="rollouts", tokens=("eos", "pad")),
 }
 
