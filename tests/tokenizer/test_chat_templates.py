@@ -12,6 +12,7 @@ import pytest
 from tokenizer import encode_chat
 from tokenizer.chat import chat_stop_ids, check_chat
 from tokenizer.contract import MissingSpecialTokenError
+from utils.constants import IGNORE_INDEX
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DATE = "26 Jul 2024"  # what our renderer gives a template that prints today's date
@@ -489,3 +490,56 @@ def test_grpo_chat_prompts_with_a_tokenizer_that_cannot_render_them_stop_in_one_
     meta = {"special_tokens": {"eos": {"token": "<eos>", "id": tok.eos_token_id}}}
     with pytest.raises(MissingSpecialTokenError, match="no chat template and no <\\|im_start\\|>"):
         read_prompts_file(str(tmp_path / "p.jsonl"), cfg, tok, meta, needs_answer=False, log=None)
+
+
+def _sentencepiece_style_backend():
+    """Gemma's tokenizer.json shape: BPE over text whose spaces are `▁` (a normalizer, no pre-tokenizer), byte
+    fallback (`<0x00>`..`<0xFF>` plain vocabulary pieces), `<bos>` added by the post-processor."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, processors, trainers
+    with open(os.path.join(ROOT, "data", "pretrain", "en_python_docs.jsonl"), encoding="utf-8") as f:
+        texts = [json.loads(line)["text"].replace(" ", "▁") for line in f][:40]
+    byte_pieces = [f"<0x{b:02X}>" for b in range(256)]
+    t = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    t.normalizer = normalizers.Replace(" ", "▁")
+    t.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    t.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=900, special_tokens=["<pad>", "<eos>", "<bos>", "<unk>"]
+                                                     + byte_pieces))
+    d = json.loads(t.to_str())
+    d["added_tokens"] = [a for a in d["added_tokens"] if a["content"] not in byte_pieces]
+    t = Tokenizer.from_str(json.dumps(d))
+    t.add_special_tokens([AddedToken("<start_of_turn>", special=True), AddedToken("<end_of_turn>", special=True)])
+    t.post_processor = processors.TemplateProcessing(single="<bos> $A",
+                                                     special_tokens=[("<bos>", t.token_to_id("<bos>"))])
+    return t
+
+
+def test_a_gemma_style_tokenizer_adopts_and_its_sft_ids_are_the_templates(tmp_path):
+    """Gemma 3's tokenizer kind (SentencePiece-style BPE with byte fallback, not byte-level) made ours: SFT records
+    (Chinese text through the byte pieces among them) pretokenize to apply_chat_template's ids under Gemma's template,
+    labels on the model turns and their <end_of_turn>."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from data_preprocess.pretokenize_sft_data import tokenize_sft_records
+    from data_preprocess.sft_format import sft_messages
+    from tokenizer.extend_tokenizer import main
+    hub = PreTrainedTokenizerFast(tokenizer_object=_sentencepiece_style_backend(), bos_token="<bos>",
+                                  eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
+    hub.chat_template = GEMMA
+    hub.save_pretrained(str(tmp_path / "hub"))
+    hub = AutoTokenizer.from_pretrained(str(tmp_path / "hub"))
+    assert main([f"--base_tokenizer_dir={tmp_path / 'hub'}", "--num_new_tokens=0", f"--out_dir={tmp_path / 'ours'}",
+                 "--pad_token=<pad>"]) == 0
+    recs = [r for r in _records(os.path.join(ROOT, "data", "sft", "sft_conversations.jsonl"), 12)
+            if all(m["role"] != "system" for m in sft_messages(r))][:5]  # (Gemma's template has no system role)
+    assert any(any(ord(c) > 0x3000 for m in sft_messages(r) for c in m["content"]) for r in recs)
+    raw = tmp_path / "r.jsonl"
+    raw.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs), encoding="utf-8")
+    data = tokenize_sft_records(str(raw), str(tmp_path / "ours"), 512)
+    assert len(data.index) == len(recs)
+    end = hub.convert_tokens_to_ids("<end_of_turn>")
+    for row, rec in zip(data.index, recs):
+        ids, labels = data.ids[row[0]:row[0] + row[1]], data.labels[row[0]:row[0] + row[1]]
+        assert ids.tolist() == list(_reference(hub, sft_messages(rec)))
+        learned = labels[labels != IGNORE_INDEX]
+        replies = [m["content"] for m in sft_messages(rec) if m["role"] == "assistant"]
+        assert (learned == end).sum() == len(replies) and hub.decode(learned[learned != end]) == "".join(replies)
