@@ -37,6 +37,7 @@ class ModelConfig:
     sliding_window: Optional[int] = None  # sliding-window attention: a query sees its last this many positions
     sliding_layers: Optional[list] = None  # the layers that slide (layer_types' "sliding_attention"); None = all
     nope_layers: Optional[list] = None  # the layers whose attention has no RoPE (SmolLM3's no_rope_layers zeros)
+    partial_rotary_factor: float = 1.0  # RoPE turns the first int(head_dim x this) dimensions of a head (GLM-4.5: 0.5)
     # Gemma 3's block (model/hf_gemma3.py), each off in a Llama; its RMSNorms' (1 + w) are stored as the w' = 1 + w ours
     # multiplies by (the same model: norm weights take no weight decay, and the gradient of w' is the gradient of w)
     scale_embeddings: bool = False     # the embedding's output times sqrt(dim) (Gemma's normalizer)
@@ -133,20 +134,33 @@ class ModelConfig:
                 return f"{name}={v!r} must be a number > 0"
         if self.rope_local_theta is not None and not self.sliding_window:
             return "rope_local_theta is the sliding layers' RoPE base: it needs sliding_window"
+        f = self.partial_rotary_factor
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1 or self.rotary_dim < 2 \
+                or self.rotary_dim % 2:
+            return (f"partial_rotary_factor={f!r} must be in (0, 1] and turn an even number >= 2 of a head's "
+                    f"{self.head_dim} dimensions")
         if not self.pre_norms and not self.sandwich_norms:
             return "pre_norms=false leaves the blocks no norm: it needs sandwich_norms (OLMo 2's block)"
         if self.qk_norm_full and not self.qk_norm:
             return "qk_norm_full is the width of the q / k norms: it needs qk_norm"
         if self.mtp_num_layers and not self.llama_block:
-            return "multi-token prediction's depths are Llama / DeepSeek blocks: not with Gemma's or OLMo's block fields"
+            return ("multi-token prediction's depths are Llama / DeepSeek blocks: not with Gemma's or OLMo's block "
+                    "fields or a partial rotary")
         return None
 
     @property
+    def block_fields(self) -> tuple[str, ...]:
+        """The fields set that make the blocks other than Llama's (Gemma's, OLMo's, a partial rotary)."""
+        changed = {"scale_embeddings": self.scale_embeddings, "sandwich_norms": self.sandwich_norms,
+                   "mlp_act": self.mlp_act != "silu", "qk_norm_full": self.qk_norm_full,
+                   "query_scale": self.query_scale is not None, "rope_local_theta": self.rope_local_theta is not None,
+                   "pre_norms": not self.pre_norms, "partial_rotary_factor": self.partial_rotary_factor != 1.0}
+        return tuple(k for k, v in changed.items() if v)
+
+    @property
     def llama_block(self) -> bool:
-        """Whether the blocks are Llama's (none of Gemma's or OLMo's fields set): model/decode.py's fast path computes
-        those."""
-        return not (self.scale_embeddings or self.sandwich_norms or self.mlp_act != "silu" or self.qk_norm_full
-                    or self.query_scale is not None or self.rope_local_theta is not None or not self.pre_norms)
+        """Whether the blocks are Llama's (`block_fields` empty): model/decode.py's fast path computes those."""
+        return not self.block_fields
 
     def slides(self, layer_idx: int) -> bool:
         """Whether block `layer_idx` attends through the sliding window (multi-token prediction's depths, past the
@@ -160,6 +174,11 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.attn_head_dim or self.dim // self.n_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dimensions of a head RoPE turns (the first ones; transformers' int(head_dim x partial_rotary_factor))."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -4,12 +4,12 @@
 Why GLM-4-MoE: it is DeepSeek-V3's mixture of experts (sigmoid scores, the selection bias
 `e_score_correction_bias`, group-limited routing ranked by each group's two best scores, `routed_scaling_factor`,
 shared experts merged into one SwiGLU, dense first blocks) on plain Llama attention (GQA, half-split RoPE; its
-q/k norms, q/k/v biases and partial rotary are switches: the q/k norms are ours too (`qk_norm`), the others set off
-here). DeepSeek-V3's own transformers class needs
-multi-head latent attention, which our model does not have. So every weight of ours maps one to one. What it
+q/k norms, q/k/v biases and partial rotary are switches, ours too: `qk_norm`, `qkv_bias`, `partial_rotary_factor`,
+GLM-4.5's half-rotated heads). DeepSeek-V3's own transformers class needs multi-head latent attention, which our
+model does not have. So every weight of ours maps one to one. What it
 cannot hold is refused in one line: softmax scores (GLM routes on the sigmoid; a softmax model is a Mixtral,
-model/hf_mixtral.py); on import, GLM-4.5's own settings our attention lacks (partial rotary, q/k/v biases) and a
-renormalisation switch ours does not have (ours renormalises the chosen weights when k > 1, never at k = 1).
+model/hf_mixtral.py); on import, a renormalisation switch ours does not have (ours renormalises the chosen weights
+when k > 1, never at k = 1).
 
 The interface of model/hf_mixtral.py (`export_problems`, `config_fields`, `moe_fields`, `to_hub`, `from_hub`, a
 LAYOUT), plus `import_problems`.
@@ -37,26 +37,21 @@ def export_problems(cfg, biases: dict[str, torch.Tensor]) -> list[str]:
 
 
 def config_fields(cfg) -> dict:
-    """The config.json fields that make a Llama dict a GLM-4-MoE one (rope_parameters gains partial_rotary_factor
-    1.0: transformers' default for GLM is 0.5)."""
+    """The config.json fields that make a Llama dict a GLM-4-MoE one (rope_parameters gains partial_rotary_factor,
+    written even at 1.0: transformers' default for GLM is 0.5; attention_bias: GLM-4.5's q/k/v biases)."""
     return {"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe",
             "n_routed_experts": cfg.moe_num_experts, "num_experts_per_tok": cfg.moe_top_k,
             "moe_intermediate_size": cfg.moe_hidden_dim or cfg.hidden_dim, "n_shared_experts": cfg.moe_shared_experts,
             "first_k_dense_replace": cfg.moe_first_dense_layers, "n_group": cfg.moe_n_groups,
             "topk_group": cfg.moe_topk_groups, "routed_scaling_factor": float(cfg.moe_routed_scaling),
-            "norm_topk_prob": cfg.moe_top_k > 1, "use_qk_norm": bool(cfg.qk_norm), "partial_rotary_factor": 1.0,
+            "norm_topk_prob": cfg.moe_top_k > 1, "use_qk_norm": bool(cfg.qk_norm),
+            "partial_rotary_factor": float(cfg.partial_rotary_factor), "attention_bias": bool(cfg.qkv_bias),
             "num_mtp_layers": 0, "output_router_logits": False}
 
 
 def import_problems(d: dict) -> list[str]:
     """Why a GLM-4-MoE config.json dict cannot be our model (GLM-4.5's own checkpoints among them)."""
-    rp = d.get("rope_parameters") or {}
-    partial = rp.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.5))
     p = []
-    if float(partial) != 1.0:
-        p.append(f"partial_rotary_factor={partial} (our attention rotates every dimension of a head)")
-    if d.get("attention_bias"):
-        p.append("attention_bias=true (our q/k/v projections have no bias)")
     k = int(d.get("num_experts_per_tok", 8))
     if bool(d.get("norm_topk_prob", True)) != (k > 1):
         p.append(f"norm_topk_prob={d.get('norm_topk_prob', True)} with num_experts_per_tok={k} (ours renormalises "

@@ -71,10 +71,13 @@ def hf_config_dict(cfg: ModelConfig, torch_dtype: str = "float32", special_ids: 
             d.pop(key)
         d.update(special_ids or {})
         return d
-    if not cfg.llama_block:
-        raise ValueError("a model with some of Gemma's block fields (scale_embeddings, mlp_act, query_scale, "
-                         "rope_local_theta) but not its sublayer output norms has no transformers family here")
-    if cfg.qkv_bias and (cfg.qk_norm or cfg.moe_num_experts):
+    glm = bool(cfg.moe_num_experts) and cfg.moe_score == "sigmoid"  # (GLM-4-MoE: biases, partial rotary too)
+    odd = [f for f in cfg.block_fields if not (glm and f == "partial_rotary_factor")]
+    if odd:
+        raise ValueError(f"a model with {', '.join(odd)} (but not Gemma's or OLMo's whole block) has no transformers "
+                         "family here" + (" (a partial rotary is written as GLM-4-MoE only)"
+                                          if "partial_rotary_factor" in odd else ""))
+    if cfg.qkv_bias and not glm and (cfg.qk_norm or cfg.moe_num_experts):
         raise ValueError("a model with q/k/v biases and " + ("q / k norms" if cfg.qk_norm else "MoE blocks")
                          + " has no transformers family here (Qwen2 has the biases; Qwen3, Qwen3-MoE the norms; "
                          "Mixtral and GLM-4-MoE no biases)")
@@ -163,15 +166,16 @@ def config_from_hf(d: dict) -> ModelConfig:
                          f"Qwen3-MoE and GLM-4-MoE checkpoints are supported, got model_type={kind!r}")
     families = {"mixtral": hf_mixtral, "glm4_moe": hf_glm4_moe, "qwen3_moe": hf_qwen3_moe}
     partial = (d.get("rope_parameters") or {}).get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
-    if kind == "phi3" and float(partial) != 1.0:  # (Phi-4-mini's 0.75)
-        raise ValueError(f"partial_rotary_factor={partial}: our attention rotates every dimension of a head")
+    if kind == "phi3" and float(partial) != 1.0:  # (Phi-4-mini's 0.75, with longrope)
+        raise ValueError(f"partial_rotary_factor={partial}: a Phi-3 with a partial rotary is not read (GLM-4-MoE's "
+                         "is)")
     moe = families[kind].moe_fields(d) if kind in families else {}
     theta = (d.get("rope_parameters") or {}).get("rope_theta", d.get("rope_theta", 10000.0))
     # linear, dynamic, llama3 (Llama 3.1+), yarn; ValueError for others (Gemma 3: its full layers' rope dict)
     scaling = rope_scaling_from_hf(hf_gemma3.full_rope_dict(d) if kind in (hf_gemma3.MODEL_TYPE, "olmo3") else d)
     n_heads = d["num_attention_heads"]
     head_dim = d.get("head_dim") or d["hidden_size"] // n_heads
-    if d.get("attention_bias") or d.get("mlp_bias"):  # (Llama's and Qwen3's attention_bias: o_proj's too)
+    if (d.get("attention_bias") and kind != "glm4_moe") or d.get("mlp_bias"):  # (Llama's, Qwen3's: o_proj's too)
         raise ValueError("Llama checkpoints with biases are not supported")
     fields = dict(
         vocab_size=d["vocab_size"], dim=d["hidden_size"], n_layers=d["num_hidden_layers"], n_heads=n_heads,
@@ -179,7 +183,11 @@ def config_from_hf(d: dict) -> ModelConfig:
         norm_eps=d.get("rms_norm_eps", 1e-6), max_seq_len=d.get("max_position_embeddings", 2048),
         rope_theta=float(theta), rope_scaling=scaling, tie_embeddings=bool(d.get("tie_word_embeddings", False)),
         initializer_range=d.get("initializer_range", 0.02), attn_dropout=d.get("attention_dropout", 0.0) or 0.0,
-        qkv_bias=kind == "qwen2", qk_norm=kind in ("qwen3", "qwen3_moe") or bool(d.get("use_qk_norm")),
+        qkv_bias=kind == "qwen2" or (kind == "glm4_moe" and bool(d.get("attention_bias"))),  # (GLM-4.5's: q/k/v's)
+        qk_norm=kind in ("qwen3", "qwen3_moe") or bool(d.get("use_qk_norm")),
+        partial_rotary_factor=float(partial if kind != "glm4_moe" else  # (transformers' GLM default: 0.5)
+                                    (d.get("rope_parameters") or {}).get("partial_rotary_factor",
+                                                                         d.get("partial_rotary_factor", 0.5))),
         attn_head_dim=head_dim if head_dim * n_heads != d["hidden_size"] else None,
         nope_layers=_nope_layers(d, kind), **moe)
     if kind == hf_gemma3.MODEL_TYPE:

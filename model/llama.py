@@ -97,6 +97,7 @@ class Attention(nn.Module):
         self.qk_norm, self.sliding = cfg.qk_norm and not cfg.qk_norm_full, cfg.slides(layer_idx)
         self.qk_norm_full = cfg.qk_norm_full
         self.rope = layer_idx not in (cfg.nope_layers or ())  # (SmolLM3's NoPE layers: no rotation)
+        self.rotary_dim = cfg.rotary_dim  # (GLM-4.5: half of each head turns, the rest passes through)
         # Gemma's query_pre_attn_scalar: scores q.k / sqrt(query_scale), as q x sqrt(head_dim / query_scale) before the
         # kernels' 1 / sqrt(head_dim) (every attention path unchanged)
         self.q_scale = (cfg.head_dim / cfg.query_scale) ** 0.5 if cfg.query_scale not in (None, cfg.head_dim) else None
@@ -134,7 +135,12 @@ class Attention(nn.Module):
         v = v.view(B, T, -1, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.rope:
+        if self.rope and self.rotary_dim < self.head_dim:
+            r = self.rotary_dim
+            qr, kr = kernels.apply_rope_qk(q[..., :r].contiguous(), k[..., :r].contiguous(), cos, sin,
+                                           fused=self.fused_rope, backend=self.backend)
+            q, k = torch.cat((qr, q[..., r:]), dim=-1), torch.cat((kr, k[..., r:]), dim=-1)
+        elif self.rope:
             q, k = kernels.apply_rope_qk(q, k, cos, sin, fused=self.fused_rope, backend=self.backend)
         if self.q_scale is not None:
             q = q * self.q_scale

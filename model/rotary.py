@@ -22,7 +22,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, cfg: ModelConfig, local: bool = False):
         """local: the sliding layers' table (Gemma 3's `rope_local_theta`, unscaled), else the model's."""
         super().__init__()
-        self.head_dim, self.max_seq_len = cfg.head_dim, cfg.max_seq_len
+        self.head_dim, self.max_seq_len = cfg.rotary_dim, cfg.max_seq_len  # (the rotated dimensions of a head)
         self.theta = cfg.rope_local_theta if local else cfg.rope_theta
         self.scaling = {} if local else (cfg.rope_scaling or {})
         self.attention_factor = attention_factor(self.scaling)  # YaRN's cos / sin factor, else 1

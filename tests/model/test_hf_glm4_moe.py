@@ -21,6 +21,11 @@ def _model(**kw) -> Transformer:
                rope_theta=500000.0, **DEEPSEEK)
     cfg.update(kw)
     m = Transformer(ModelConfig(**cfg))
+    if m.cfg.qkv_bias:  # (GLM-4.5's q/k/v biases: zero at init, not after training)
+        with torch.no_grad():
+            for n, p in m.named_parameters():
+                if n.endswith("_proj.bias"):
+                    p.normal_(0, 0.5)
     for layer in m.layers:
         if hasattr(layer.mlp, "router"):  # a router sharp enough that the choice is not a near tie, and biases
             torch.nn.init.normal_(layer.mlp.router.weight, std=0.3)  # that move it (as training leaves them)
@@ -41,15 +46,18 @@ def _tol(ours: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("kw", [{}, {"moe_top_k": 1, "moe_n_groups": 1, "moe_topk_groups": 1,
-                                     "moe_shared_experts": 2, "tie_embeddings": True}],
-                         ids=["deepseek-v3", "top1-2shared-tied"])
+                                     "moe_shared_experts": 2, "tie_embeddings": True},
+                                {"partial_rotary_factor": 0.5, "qkv_bias": True}],
+                         ids=["deepseek-v3", "top1-2shared-tied", "glm45-half-rotary-qkv-bias"])
 def test_round_trip_through_transformers_glm4_moe(tmp_path, kw):
     model = _model(**kw)
     x = torch.randint(0, 96, (2, 12))
     out = export_hf(model, str(tmp_path / "hf"))
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert cfg["architectures"] == ["Glm4MoeForCausalLM"] and cfg["n_routed_experts"] == 8
-    assert cfg["rope_parameters"]["partial_rotary_factor"] == 1.0  # (transformers' default for GLM: 0.5)
+    # (written even at 1.0: transformers' default for GLM is 0.5)
+    assert cfg["rope_parameters"]["partial_rotary_factor"] == model.cfg.partial_rotary_factor
+    assert cfg["attention_bias"] == model.cfg.qkv_bias
     hf = _hf(out)
     assert type(hf.model.layers[0].mlp).__name__ == "Glm4MoeMLP"  # the dense first block
     assert hf.model.layers[1].mlp.gate.e_score_correction_bias.abs().sum() > 0  # the biases travelled
@@ -103,15 +111,15 @@ def _glm45_like(**kw) -> dict:
     return d
 
 
-@pytest.mark.parametrize("kw, needle", [
-    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}, "partial_rotary_factor=0.5"),
-    ({"attention_bias": True}, "attention_bias=true"),
-    ({"norm_topk_prob": False}, "norm_topk_prob=False with num_experts_per_tok=2"),
-], ids=["glm45-partial-rotary", "qkv-bias", "no-renormalisation"])
-def test_what_our_model_cannot_hold_is_refused_on_import(kw, needle):
-    assert config_from_hf(_glm45_like()).moe_shared_experts == 1  # the plain one loads
-    with pytest.raises(ValueError, match=needle):
-        config_from_hf(_glm45_like(**kw))
+def test_glm45s_own_attention_reads_and_what_ours_cannot_hold_is_refused():
+    """GLM-4.5's config: transformers' default partial rotary (0.5) and q/k/v biases are read as ours; a
+    renormalisation switch ours lacks is refused."""
+    assert config_from_hf(_glm45_like()).moe_shared_experts == 1
+    glm45 = config_from_hf(_glm45_like(rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                                       attention_bias=True))
+    assert glm45.partial_rotary_factor == 0.5 and glm45.rotary_dim == 4 and glm45.qkv_bias
+    with pytest.raises(ValueError, match="norm_topk_prob=False with num_experts_per_tok=2"):
+        config_from_hf(_glm45_like(norm_topk_prob=False))
 
 
 def test_a_sigmoid_model_without_shared_experts_is_a_glm_and_a_softmax_one_goes_to_mixtral(tmp_path):
@@ -127,9 +135,10 @@ def test_a_sigmoid_model_without_shared_experts_is_a_glm_and_a_softmax_one_goes_
     assert not os.path.exists(tmp_path / "no")
 
 
-def test_init_from_and_sample_read_the_directory_and_a_glm45_one_is_one_line(tmp_path):
+def test_init_from_and_sample_read_the_directory_and_one_ours_cannot_hold_is_one_line(tmp_path):
     """What --init_from, sample.py and eval_lm.py load (trainer/weights.py load_weights_from): the exported
-    directory as the model it came from; one with GLM-4.5's partial rotary refused in one line (exit 5)."""
+    directory as the model it came from; one ours cannot hold (no renormalisation at k = 2) refused in one line
+    (exit 5)."""
     from utils.errors import TrainingError
     from trainer.weights import load_weights_from
     from utils.run_dir import is_hf_dir
@@ -142,9 +151,9 @@ def test_init_from_and_sample_read_the_directory_and_a_glm45_one_is_one_line(tmp
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     path = tmp_path / "hf" / "config.json"
     d = json.loads(path.read_text())
-    d["rope_parameters"]["partial_rotary_factor"] = d["partial_rotary_factor"] = 0.5
+    d["norm_topk_prob"] = False
     path.write_text(json.dumps(d))
-    with pytest.raises(TrainingError, match="partial_rotary_factor=0.5") as e:
+    with pytest.raises(TrainingError, match="norm_topk_prob=False") as e:
         load_weights_from(out, log=lambda m: None)
     assert e.value.code == 5 and "\n" not in str(e.value)
 
