@@ -89,7 +89,7 @@ class ModelConfig:
             raise ValueError(problem)
         if self.hidden_dim is None:
             self.hidden_dim = llama_hidden_dim(self.dim, self.multiple_of, self.ffn_dim_multiplier)
-        # linear | dynamic | llama3 | yarn, completed to its canonical dict (utils/rope_config.py)
+        # linear | dynamic | llama3 | yarn | longrope, completed to its canonical dict (utils/rope_config.py)
         from utils.rope_config import normalize_rope_scaling  # torch-free
         self.rope_scaling = normalize_rope_scaling(self.rope_scaling, self.max_seq_len)
         if self.kernel_backend not in ("auto", "triton", "torch"):

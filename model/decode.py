@@ -51,8 +51,9 @@ def fast_path_applies(model: nn.Module) -> bool:
         return False
     if any(hasattr(p, "placements") for p in model.parameters()):  # DTensor: sharded (FSDP2, TP, EP)
         return False
-    if model.cfg.sliding_window or not model.cfg.llama_block:  # (the model's forward masks the cache to the window;
-        return False  # Gemma's block: its forward)
+    # the model's forward: a window (it masks the cache to it), Gemma's or OLMo's block, longrope's two tables
+    if model.cfg.sliding_window or not model.cfg.llama_block or getattr(model, "rotary_long", None) is not None:
+        return False
     return all(type(getattr(b, "self_attn", None)) is Attention and hasattr(b, "post_attention_layernorm")
                for b in model.layers)
 

@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 from safetensors.torch import load_file, save_file
 
-from model import hf_gemma3, hf_glm4_moe, hf_mixtral, hf_olmo, hf_qwen3_moe
+from model import hf_gemma3, hf_glm4_moe, hf_mixtral, hf_olmo, hf_phi3, hf_qwen3_moe
 from model.hf_window import window_from_hf, window_to_hf
 from model.config import ModelConfig
 from model.llama import Transformer
@@ -72,11 +72,18 @@ def hf_config_dict(cfg: ModelConfig, torch_dtype: str = "float32", special_ids: 
         d.update(special_ids or {})
         return d
     glm = bool(cfg.moe_num_experts) and cfg.moe_score == "sigmoid"  # (GLM-4-MoE: biases, partial rotary too)
-    odd = [f for f in cfg.block_fields if not (glm and f == "partial_rotary_factor")]
+    odd = [f for f in cfg.block_fields if f != "partial_rotary_factor"]  # (GLM-4-MoE and Phi-3 hold a partial one)
     if odd:
         raise ValueError(f"a model with {', '.join(odd)} (but not Gemma's or OLMo's whole block) has no transformers "
-                         "family here" + (" (a partial rotary is written as GLM-4-MoE only)"
-                                          if "partial_rotary_factor" in odd else ""))
+                         "family here")
+    if hf_phi3.needs_phi3(cfg):  # LongRoPE or a partial rotary (Phi-3.5, Phi-4-mini): a Phi-3
+        d.update(hf_phi3.config_fields(cfg, rope_parameters))
+        for key in ("mlp_bias", "pretraining_tp", "head_dim", "attention_bias"):
+            d.pop(key)
+        d.update(special_ids or {})
+        return d
+    if cfg.partial_rotary_factor != 1.0 and not glm:
+        raise ValueError("a partial rotary with MoE blocks is written as GLM-4-MoE (a sigmoid router) only")
     if cfg.qkv_bias and not glm and (cfg.qk_norm or cfg.moe_num_experts):
         raise ValueError("a model with q/k/v biases and " + ("q / k norms" if cfg.qk_norm else "MoE blocks")
                          + " has no transformers family here (Qwen2 has the biases; Qwen3, Qwen3-MoE the norms; "
@@ -144,6 +151,8 @@ def hf_family(cfg: ModelConfig) -> str:
         return hf_gemma3.ARCHITECTURE
     if hf_olmo.is_olmo(cfg):
         return "Olmo3ForCausalLM" if cfg.sliding_window else "Olmo2ForCausalLM"
+    if hf_phi3.needs_phi3(cfg):
+        return "Phi3ForCausalLM"
     if cfg.nope_layers is not None:
         return "SmolLM3ForCausalLM"
     return "Qwen2ForCausalLM" if cfg.qkv_bias else "Qwen3ForCausalLM" if cfg.qk_norm else "LlamaForCausalLM"
@@ -166,9 +175,6 @@ def config_from_hf(d: dict) -> ModelConfig:
                          f"Qwen3-MoE and GLM-4-MoE checkpoints are supported, got model_type={kind!r}")
     families = {"mixtral": hf_mixtral, "glm4_moe": hf_glm4_moe, "qwen3_moe": hf_qwen3_moe}
     partial = (d.get("rope_parameters") or {}).get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
-    if kind == "phi3" and float(partial) != 1.0:  # (Phi-4-mini's 0.75, with longrope)
-        raise ValueError(f"partial_rotary_factor={partial}: a Phi-3 with a partial rotary is not read (GLM-4-MoE's "
-                         "is)")
     moe = families[kind].moe_fields(d) if kind in families else {}
     theta = (d.get("rope_parameters") or {}).get("rope_theta", d.get("rope_theta", 10000.0))
     # linear, dynamic, llama3 (Llama 3.1+), yarn; ValueError for others (Gemma 3: its full layers' rope dict)
@@ -228,6 +234,8 @@ def to_hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
         ours = hf_gemma3.to_hub(ours)
     if hf_olmo.is_olmo(model.cfg):
         ours = hf_olmo.to_hub(ours)
+    if hf_phi3.needs_phi3(model.cfg):
+        ours = hf_phi3.fuse(ours)
     for name, t in ours.items():
         if name == "lm_head.weight":
             if model.cfg.tie_embeddings:
@@ -257,7 +265,7 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
     """HF names -> ours; Phi-3's fused `qkv_proj` (q, k, v rows) and `gate_up_proj` (gate, up rows) split into the
     Llama projections they hold."""
     out = {}
-    for name, t in _split_fused(sd, cfg).items():
+    for name, t in hf_phi3.split(sd, cfg).items():
         if name.endswith("rotary_emb.inv_freq"):
             continue  # derived buffer some old checkpoints saved
         if name.startswith("model."):
@@ -274,22 +282,6 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
         out = hf_olmo.from_hub(out)
     if cfg.tie_embeddings or "lm_head.weight" not in out:
         out["lm_head.weight"] = out["embed_tokens.weight"]
-    return out
-
-
-def _split_fused(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    out = {}
-    nq, nkv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    for name, t in sd.items():
-        if name.endswith(".self_attn.qkv_proj.weight"):
-            base = name[:-len("qkv_proj.weight")]
-            for proj, part in zip(("q_proj", "k_proj", "v_proj"), t.split((nq, nkv, nkv), dim=0)):
-                out[f"{base}{proj}.weight"] = part
-        elif name.endswith(".mlp.gate_up_proj.weight") and t.dim() == 2:
-            base = name[:-len("gate_up_proj.weight")]
-            out[f"{base}gate_proj.weight"], out[f"{base}up_proj.weight"] = t.chunk(2, dim=0)
-        else:
-            out[name] = t
     return out
 
 
@@ -389,10 +381,11 @@ def export_hf_streaming(cfg: ModelConfig, specs: dict[str, tuple[tuple[int, ...]
         raise ValueError(f"mixed weight dtypes {sorted(map(str, dtypes))}: export needs one")
     dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtypes.pop()]
     groups, cur, cur_bytes = [], [], 0
+    together = hf_phi3.group_key if hf_phi3.needs_phi3(cfg) else (lambda n: n)  # (Phi-3's fused weights)
     for n in names:
         shape, dt = specs[n]
         nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dt).element_size()
-        if cur and cur_bytes + nbytes > max_shard_bytes:
+        if cur and cur_bytes + nbytes > max_shard_bytes and together(n) != together(cur[-1]):
             groups.append(cur)
             cur, cur_bytes = [], 0
         cur.append(n)
@@ -413,6 +406,8 @@ def export_hf_streaming(cfg: ModelConfig, specs: dict[str, tuple[tuple[int, ...]
                 tensors = hf_gemma3.to_hub(tensors)
             if hf_olmo.is_olmo(cfg):
                 tensors = hf_olmo.to_hub(tensors)
+            if hf_phi3.needs_phi3(cfg):
+                tensors = hf_phi3.fuse(tensors)
             sd = {(n if n == "lm_head.weight" else "model." + n): t.contiguous() for n, t in tensors.items()}
             total += sum(t.numel() * t.element_size() for t in sd.values())
             save_file(sd, os.path.join(tmp, fname), metadata={"format": "pt"})

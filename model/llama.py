@@ -225,6 +225,10 @@ class TransformerBlock(nn.Module):
 # ---------------------------------------------------------------------------------- transformer
 
 
+def _longrope(cfg: ModelConfig) -> bool:
+    return (cfg.rope_scaling or {}).get("type") == "longrope"
+
+
 def blocks_of(layers: nn.Module) -> list[nn.Module]:
     """The transformer blocks of a `layers` container in order: a full model's nn.ModuleList, or a pruned
     model's (a pipeline stage's) nn.ModuleDict keyed by global layer index."""
@@ -247,6 +251,8 @@ class Transformer(nn.Module):
         self.rotary = RotaryEmbedding(cfg)
         # Gemma 3: the sliding layers rotate at their own base (blocks' `local_rope`)
         self.rotary_local = RotaryEmbedding(cfg, local=True) if cfg.rope_local_theta is not None else None
+        # longrope (Phi-3.5, Phi-4-mini): the long factors' table for sequences past the pretraining length
+        self.rotary_long = RotaryEmbedding(cfg, long=True) if _longrope(cfg) else None
         # attention backend: "auto" (model/attention.py picks per batch), or "sdpa" | "flex" | "flash" to
         # force one (tests, benchmarks). A plain attribute: never in the config or a checkpoint.
         self.attn_backend = "auto"
@@ -295,7 +301,7 @@ class Transformer(nn.Module):
         part.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
         part.norm = model.norm if head else None
         part.lm_head = model.lm_head if head else None
-        part.rotary, part.rotary_local = model.rotary, model.rotary_local
+        part.rotary, part.rotary_local, part.rotary_long = model.rotary, model.rotary_local, model.rotary_long
         if head and getattr(model, "mtp", None) is not None:  # the depths live with the LM head (the last stage)
             part.mtp = model.mtp
         return part
@@ -306,6 +312,8 @@ class Transformer(nn.Module):
         import dataclasses
         self.cfg = dataclasses.replace(self.cfg, rope_scaling=rope_scaling, max_seq_len=max_seq_len)
         self.rotary = RotaryEmbedding(self.cfg).to(self.rotary.inv_freq.device)  # (Gemma's local table: unscaled)
+        self.rotary_long = RotaryEmbedding(self.cfg, long=True).to(self.rotary.inv_freq.device) \
+            if _longrope(self.cfg) else None
 
     def _init_weights(self, m: nn.Module) -> None:
         if isinstance(m, (nn.Linear, nn.Embedding)):
@@ -428,7 +436,10 @@ class Transformer(nn.Module):
         if not cp_on:
             spec = self._attn_spec(B, T, positions, attention_mask, position_ids is not None, cache,
                                    doc_ids=doc_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
-        cos, sin = self._rope(self.rotary, positions, past, T, position_ids is None and not cp_on)
+        # longrope: the long factors once the sequence passes the pretraining length (transformers': its positions)
+        long = self.rotary_long is not None and past + T > self.cfg.rope_scaling["original_max_position_embeddings"]
+        cos, sin = self._rope(self.rotary_long if long else self.rotary, positions, past, T,
+                              position_ids is None and not cp_on)
         local = None if self.rotary_local is None else \
             self._rope(self.rotary_local, positions, past, T, position_ids is None and not cp_on)
 

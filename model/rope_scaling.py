@@ -48,12 +48,21 @@ def _yarn(head_dim: int, theta: float, s: dict, device) -> torch.Tensor:
     return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
 
 
-def scaled_inv_freq(head_dim: int, theta: float, scaling: Optional[dict], device=None) -> torch.Tensor:
+def scaled_inv_freq(head_dim: int, theta: float, scaling: Optional[dict], device=None,
+                    long: bool = False) -> torch.Tensor:
     """The inverse frequencies positions rotate at: theta's, changed by a static scaling (none and dynamic:
-    unchanged here)."""
+    unchanged here); longrope's (Phi-3's): theta's divided per frequency by its short factors, or by its long ones
+    (`long`: for sequences past original_max_position_embeddings), in transformers' order of operations."""
     kind = (scaling or {}).get("type")
     if kind == "yarn":
         return _yarn(head_dim, theta, scaling, device)
+    if kind == "longrope":
+        factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32, device=device)
+        if factors.numel() != head_dim // 2:
+            raise ValueError(f"rope_scaling longrope: {factors.numel()} factors for the {head_dim // 2} frequencies "
+                             f"of the {head_dim} rotated dimensions")
+        return 1.0 / (factors * theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float()
+                                          / head_dim))
     inv_freq = base_inv_freq(head_dim, theta, device)
     if kind == "linear":
         return inv_freq / scaling["factor"]
@@ -63,5 +72,6 @@ def scaled_inv_freq(head_dim: int, theta: float, scaling: Optional[dict], device
 
 
 def attention_factor(scaling: Optional[dict]) -> float:
-    """What cos and sin are multiplied by: YaRN's attention factor, 1 otherwise."""
-    return float((scaling or {}).get("attention_factor", 1.0)) if (scaling or {}).get("type") == "yarn" else 1.0
+    """What cos and sin are multiplied by: YaRN's and longrope's attention factor, 1 otherwise."""
+    kind = (scaling or {}).get("type")
+    return float((scaling or {}).get("attention_factor", 1.0)) if kind in ("yarn", "longrope") else 1.0

@@ -19,9 +19,11 @@ class RotaryEmbedding(nn.Module):
     """cos/sin tables for the positions of this batch ([B, T, 1, head_dim/2]), computed on the fly:
     they are tiny, and computing them per call makes packed-sample positions free."""
 
-    def __init__(self, cfg: ModelConfig, local: bool = False):
-        """local: the sliding layers' table (Gemma 3's `rope_local_theta`, unscaled), else the model's."""
+    def __init__(self, cfg: ModelConfig, local: bool = False, long: bool = False):
+        """local: the sliding layers' table (Gemma 3's `rope_local_theta`, unscaled), else the model's; long:
+        longrope's long factors (the table of sequences past original_max_position_embeddings), else its short."""
         super().__init__()
+        self.long = long
         self.head_dim, self.max_seq_len = cfg.rotary_dim, cfg.max_seq_len  # (the rotated dimensions of a head)
         self.theta = cfg.rope_local_theta if local else cfg.rope_theta
         self.scaling = {} if local else (cfg.rope_scaling or {})
@@ -64,8 +66,8 @@ class RotaryEmbedding(nn.Module):
                 self.sin_table[start:start + length][None, :, None, :])
 
     def _inv_freq(self, theta: float, device=None) -> torch.Tensor:
-        """The frequencies at base `theta` with the static scaling (linear, llama3, yarn) applied."""
-        return scaled_inv_freq(self.head_dim, theta, self.scaling, device)
+        """The frequencies at base `theta` with the static scaling (linear, llama3, yarn, longrope) applied."""
+        return scaled_inv_freq(self.head_dim, theta, self.scaling, device, long=self.long)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         inv_freq = self.inv_freq

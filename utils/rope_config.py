@@ -1,7 +1,7 @@
 """RoPE scaling settings: what `ModelConfig.rope_scaling` may hold, checked and completed in one place, and their
 Hugging Face spelling (config.json's `rope_parameters` / `rope_scaling`) both ways.
 
-Four kinds, with transformers' names and meanings (transformers/modeling_rope_utils.py), so that a Llama 3.x or
+Five kinds, with transformers' names and meanings (transformers/modeling_rope_utils.py), so that a Llama 3.x or
 a YaRN checkpoint imports with the frequencies it was trained at:
   linear   every frequency divided by `factor` (position interpolation)
   dynamic  NTK-aware: the base grows once a sequence is longer than max_seq_len (computed per batch)
@@ -10,6 +10,9 @@ a YaRN checkpoint imports with the frequencies it was trained at:
   yarn     YaRN (Peng et al. 2023): a ramp between interpolated and original frequencies over the dimensions
            whose rotations at `original_max_position_embeddings` fall between `beta_slow` and `beta_fast`, and
            cos / sin scaled by `attention_factor` (from `factor`, or `mscale` / `mscale_all_dim`, when not given)
+  longrope LongRoPE (Phi-3.5, Phi-4-mini): each frequency divided by its own `short_factor` (sequences up to
+           `original_max_position_embeddings`) or `long_factor` (longer ones), cos / sin scaled by `attention_factor`
+           (sqrt(1 + ln(factor) / ln(original)) when not given; factor defaults to max_seq_len / original)
 
 `normalize_rope_scaling` returns the canonical dict ModelConfig keeps (and model_config.json saves): "type", then
 every field the kind uses, defaults filled in as transformers fills them, YaRN's attention factor resolved.
@@ -21,7 +24,7 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
-ROPE_SCALING_TYPES = ("linear", "dynamic", "llama3", "yarn")
+ROPE_SCALING_TYPES = ("linear", "dynamic", "llama3", "yarn", "longrope")
 # per kind: the fields besides "type" (required ones first); transformers' defaults for the optional ones
 _FIELDS = {
     "linear": ("factor",),
@@ -29,9 +32,10 @@ _FIELDS = {
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor",
              "mscale", "mscale_all_dim", "truncate"),
+    "longrope": ("short_factor", "long_factor", "original_max_position_embeddings", "factor", "attention_factor"),
 }
 _REQUIRED = {"linear": ("factor",), "dynamic": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
-             "yarn": ()}
+             "yarn": (), "longrope": ("short_factor", "long_factor")}
 # keys a Hugging Face rope dict carries that are not scaling settings (read elsewhere: rope_theta, GLM's partial rotary)
 HF_NON_SCALING_KEYS = ("rope_type", "type", "rope_theta", "partial_rotary_factor")
 
@@ -91,6 +95,8 @@ def normalize_rope_scaling(rs: Optional[dict], max_seq_len: int) -> Optional[dic
                              f"({low:g})")
         out.update(low_freq_factor=low, high_freq_factor=high, original_max_position_embeddings=original)
         return out
+    if kind == "longrope":
+        return _longrope(given, original, max_seq_len)
     factor = _number(kind, "factor", given.get("factor", max_seq_len / original), 1.0)
     beta_fast = _number(kind, "beta_fast", given.get("beta_fast", 32), 0.0, low_open=True)
     beta_slow = _number(kind, "beta_slow", given.get("beta_slow", 1), 0.0, low_open=True)
@@ -112,6 +118,27 @@ def normalize_rope_scaling(rs: Optional[dict], max_seq_len: int) -> Optional[dic
     return out
 
 
+def _longrope(given: dict, original: int, max_seq_len: int) -> dict:
+    """The canonical longrope dict: its two factor lists (numbers > 0, as many of each), its pretraining length, and
+    the attention factor transformers derives from factor = max_seq_len / original when none is given."""
+    lists = {}
+    for key in ("short_factor", "long_factor"):
+        v = given[key]
+        if not isinstance(v, (list, tuple)) or not v:
+            raise ValueError(f"rope_scaling longrope: {key} must be a non-empty list of numbers, got {v!r}")
+        lists[key] = [_number("longrope", f"{key}[{i}]", x, 0.0, low_open=True) for i, x in enumerate(v)]
+    if len(lists["short_factor"]) != len(lists["long_factor"]):
+        raise ValueError(f"rope_scaling longrope: {len(lists['short_factor'])} short factors, "
+                         f"{len(lists['long_factor'])} long ones")
+    factor = _number("longrope", "factor", given.get("factor", max_seq_len / original), 0.0, low_open=True)
+    if "attention_factor" in given:
+        attention = _number("longrope", "attention_factor", given["attention_factor"], 0.0, low_open=True)
+    else:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return {"type": "longrope", **lists, "original_max_position_embeddings": original, "factor": factor,
+            "attention_factor": attention}
+
+
 def rope_scaling_from_hf(d: dict) -> Optional[dict]:
     """The scaling settings of a Hugging Face config.json dict (5.x `rope_parameters` or 4.x `rope_scaling`),
     canonical (normalize_rope_scaling); None for plain RoPE. ValueError for a kind we do not implement."""
@@ -122,9 +149,10 @@ def rope_scaling_from_hf(d: dict) -> Optional[dict]:
     kind = src.get("rope_type", src.get("type"))
     if kind in (None, "default"):
         return None
+    kind = "longrope" if kind == "su" else kind  # (Phi-3's first name for it, as transformers reads it)
     if kind not in ROPE_SCALING_TYPES:
         raise ValueError(f"rope scaling {kind!r} is not supported ({', '.join(ROPE_SCALING_TYPES)})")
-    if kind in ("llama3", "yarn") and "original_max_position_embeddings" not in settings \
+    if kind in ("llama3", "yarn", "longrope") and "original_max_position_embeddings" not in settings \
             and d.get("original_max_position_embeddings"):  # Phi-3 keeps it beside the rope dict
         settings["original_max_position_embeddings"] = d["original_max_position_embeddings"]
     return normalize_rope_scaling({"type": kind, **settings}, d.get("max_position_embeddings", 2048))

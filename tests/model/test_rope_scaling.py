@@ -159,7 +159,8 @@ def test_kv_cache_decoding_equals_the_whole_sequence(scaling):
 
 
 @pytest.mark.parametrize("setting,phrase", [
-    ({"type": "longrope", "factor": 2.0}, "rope_scaling type must be one of linear, dynamic, llama3, yarn"),
+    ({"type": "mrope", "factor": 2.0}, "rope_scaling type must be one of linear, dynamic, llama3, yarn, longrope"),
+    ({"type": "longrope", "factor": 2.0}, "rope_scaling longrope: missing short_factor, long_factor"),
     ({"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0}, "rope_scaling llama3: missing high_freq_factor"),
     ({"type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0}, "must be above"),
     ({"type": "linear", "factor": 0.5}, "rope_scaling linear: factor must be a finite number >= 1"),

@@ -138,15 +138,12 @@ def test_the_flag_builds_a_sliding_model_and_context_parallelism_is_refused():
 @pytest.mark.parametrize("window", [None, 6])
 def test_a_phi3_imports_as_the_llama_it_is(tmp_path, window):
     """Phi-3 / Phi-4 (Phi3ForCausalLM): a Llama whose q/k/v and gate/up weights are stored fused; Phi-3-mini's window
-    too. Its logits through our model, exported back as a Llama (a Mistral with the window) with the same logits;
-    a partial rotary factor (Phi-4-mini's) is refused in one line."""
+    too. Its logits through our model, exported back as a Llama (a Mistral with the window) with the same logits
+    (Phi-4-mini's partial rotary and LongRoPE: tests/model/test_phi4_mini.py)."""
     from transformers import Phi3Config, Phi3ForCausalLM
     torch.manual_seed(0)
     hf = Phi3ForCausalLM(Phi3Config(**SHAPE, sliding_window=window, pad_token_id=0)).eval()
     ours, back = _through_ours_and_back(hf, tmp_path, 20)
     assert ours.cfg.sliding_window == window
     assert type(back).__name__ == ("MistralForCausalLM" if window else "LlamaForCausalLM")
-    d = Phi3Config(**SHAPE, pad_token_id=0).to_dict()
-    d["rope_parameters"] = dict(d["rope_parameters"], partial_rotary_factor=0.75)
-    with pytest.raises(ValueError, match="partial_rotary_factor=0.75"):
-        config_from_hf(d)
+

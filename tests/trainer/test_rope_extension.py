@@ -123,7 +123,7 @@ def test_a_new_model_takes_the_setting_and_bad_ones_are_one_line(tiny_pretrain_r
         "type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": RUN_LEN}
     for flag, phrase in (("yarn:0.5", "factor must be a finite number >= 1"),
-                         ("longrope:2", "rope_scaling type must be one of"),
+                         ("longrope:2", "rope_scaling longrope: missing short_factor, long_factor"),
                          ('{"type": "llama3", "factor": 8}', "missing low_freq_factor, high_freq_factor")):
         r = run_trainer(train_cmd([*tiny_pretrain_run_args, f"--out_dir={tmp_path / 'bad'}", f"--rope_scaling={flag}"]),
                         env=_env())
