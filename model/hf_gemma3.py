@@ -142,6 +142,8 @@ def export_problems(cfg: Any) -> list[str]:
         p.append("MoE blocks")
     if cfg.nope_layers is not None:
         p.append("layers without RoPE")
+    if cfg.partial_rotary_factor != 1.0 or cfg.qk_norm_full:
+        p.append("a partial rotary" if cfg.partial_rotary_factor != 1.0 else "q / k norms over all the heads")
     return p
 
 

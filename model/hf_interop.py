@@ -1,6 +1,7 @@
-"""Hugging Face Llama checkpoints, both ways, with no custom code on the HF side (Qwen2 / Qwen3-shaped ones as their
-family, Gemma 3's text model as its own: model/hf_gemma3.py; an MoE model as a Mixtral, a Qwen3-MoE or a GLM-4-MoE:
-`moe_family`, model/hf_mixtral.py, model/hf_qwen3_moe.py and model/hf_glm4_moe.py).
+"""Hugging Face Llama checkpoints, both ways, with no custom code on the HF side (Qwen2 / Qwen3 / SmolLM3-shaped ones
+as their family; Gemma 3, OLMo 2 / 3 and Phi-3 / Phi-4 as theirs: model/hf_gemma3.py, model/hf_olmo.py,
+model/hf_phi3.py; an MoE model as a Mixtral, a Qwen3-MoE or a GLM-4-MoE: `moe_family`, model/hf_mixtral.py,
+model/hf_qwen3_moe.py and model/hf_glm4_moe.py).
 
 Owns: the mapping ModelConfig <-> LlamaConfig (config.json) and our parameter names <-> HF names
 (ours + the `model.` prefix, `lm_head.weight` as is). Both use the half-split RoPE layout, so weights
@@ -159,11 +160,11 @@ def hf_family(cfg: ModelConfig) -> str:
 
 
 def config_from_hf(d: dict) -> ModelConfig:
-    """A ModelConfig from an HF Llama, Mistral, Phi-3, Qwen2, Qwen3, SmolLM3, Gemma 3 (text), Mixtral, Qwen3-MoE or
-    GLM-4-MoE config.json dict (transformers 4.x or 5.x spelling). A Mistral is a Llama whose attention may slide; a
-    Qwen2 a Llama with q/k/v biases; a Qwen3 a Llama with q / k norms and heads sized on their own (head_dim: 16 x 128
-    at hidden_size 1024); a Gemma 3 our block with Gemma's switches (model/hf_gemma3.py); a sliding window where one
-    is on (model/hf_window.py)."""
+    """A ModelConfig from an HF Llama, Mistral, Phi-3, Qwen2, Qwen3, SmolLM3, Gemma 3 (text), OLMo 2 / 3, Mixtral,
+    Qwen3-MoE or GLM-4-MoE config.json dict (transformers 4.x or 5.x spelling). A Mistral is a Llama whose attention
+    may slide; a Qwen2 a Llama with q/k/v biases; a Qwen3 a Llama with q / k norms and heads sized on their own
+    (head_dim: 16 x 128 at hidden_size 1024); a Gemma 3 or an OLMo our block with their switches (model/hf_gemma3.py,
+    model/hf_olmo.py); a sliding window where one is on (model/hf_window.py)."""
     kind = d.get("model_type", "llama")
     if kind in (hf_gemma3.MODEL_TYPE, hf_gemma3.MULTIMODAL_TYPE):  # (a vision-language one: its text model)
         d = hf_gemma3.text_config(d)

@@ -66,6 +66,7 @@ def export_problems(cfg: Any) -> list[str]:
     if not (cfg.qk_norm and cfg.qk_norm_full):
         p.append("no q / k norms over all the heads (qk_norm_full)")
     for name, bad in (("q/k/v biases", cfg.qkv_bias), ("MoE blocks", cfg.moe_num_experts),
+                      ("a partial rotary", cfg.partial_rotary_factor != 1.0),
                       ("layers without RoPE", cfg.nope_layers is not None), ("scale_embeddings", cfg.scale_embeddings),
                       (f"mlp_act={cfg.mlp_act}", cfg.mlp_act != "silu"), ("query_scale", cfg.query_scale is not None),
                       (f"head_dim={cfg.head_dim} x {cfg.n_heads} heads != dim {cfg.dim}",

@@ -2,8 +2,8 @@
 
 Owns: the module tree and its parameter names (HF Llama names without the `model.` prefix, e.g.
 `layers.0.self_attn.q_proj.weight`, `embed_tokens.weight`, `norm.weight`, `lm_head.weight`), where rotary
-embeddings apply (half-split layout as HF; their tables are model/rotary.py's), Gemma 3's block switches
-(model/config.py), the KV cache used by model/generate.py, activation checkpointing, and pruning
+embeddings apply (half-split layout as HF, or on a head's first dimensions only: a partial rotary; their tables are
+model/rotary.py's), Gemma 3's and OLMo's block switches (model/config.py), the KV cache used by model/generate.py, activation checkpointing, and pruning
 (`Transformer.pruned`: a Transformer holding some of a model's own submodules, which parallel/pipeline.py's stages
 are; one forward serves both).
 Which attention kernel runs, and how padding and packed documents are masked, is model/attention.py's
@@ -436,8 +436,10 @@ class Transformer(nn.Module):
         if not cp_on:
             spec = self._attn_spec(B, T, positions, attention_mask, position_ids is not None, cache,
                                    doc_ids=doc_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
-        # longrope: the long factors once the sequence passes the pretraining length (transformers': its positions)
-        long = self.rotary_long is not None and past + T > self.cfg.rope_scaling["original_max_position_embeddings"]
+        # longrope: the long factors once the (whole) sequence passes the pretraining length (transformers': its
+        # largest position)
+        whole = past + T * (cp.size if cp_on else 1)
+        long = self.rotary_long is not None and whole > self.cfg.rope_scaling["original_max_position_embeddings"]
         cos, sin = self._rope(self.rotary_long if long else self.rotary, positions, past, T,
                               position_ids is None and not cp_on)
         local = None if self.rotary_local is None else \
