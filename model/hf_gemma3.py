@@ -10,9 +10,9 @@ Owns: the config.json fields, and the names and values of the weights: Gemma's R
 multiplies by w, so every norm weight is read as 1 + w and written as w - 1 (in fp32); its layer norms are named
 input_layernorm, post_attention_layernorm (ours: attn_output_norm), pre_feedforward_layernorm (ours:
 post_attention_layernorm, the MLP's input norm in a Llama) and post_feedforward_layernorm (ours: mlp_output_norm).
-Gemma 3's vision-language checkpoints (model_type `gemma3`: 4B, 12B, 27B) hold the same text model in `text_config`
-(whose unset fields take transformers' Gemma3TextConfig defaults) and its weights under `language_model.` (4.x) or
-`model.language_model.` (5.x): the text model is read, the vision tower and projector are left out.
+Gemma 3's vision-language checkpoints (model_type `gemma3`: 4B, 12B, 27B) hold the same text model
+(model/hf_vision_language.py reads it), whose `text_config` sets only what differs from transformers'
+Gemma3TextConfig defaults (`with_defaults`).
 What our model lacks is a ValueError naming it: logit soft-capping (Gemma 2), bidirectional attention (EmbeddingGemma),
 biases.
 Must never: import transformers (plain dicts and tensors only).
@@ -25,15 +25,12 @@ from typing import Any, Optional
 import torch
 
 MODEL_TYPE = "gemma3_text"
-MULTIMODAL_TYPE = "gemma3"  # (Gemma3ForConditionalGeneration: its text model is read)
 # transformers' Gemma3TextConfig defaults: a multimodal checkpoint's text_config sets only what differs from them
 TEXT_DEFAULTS = {"vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
                  "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
                  "hidden_activation": "gelu_pytorch_tanh", "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6,
                  "query_pre_attn_scalar": 256, "sliding_window": 4096, "rope_theta": 1_000_000.0,
                  "rope_local_base_freq": 10_000.0, "tie_word_embeddings": True, "initializer_range": 0.02}
-_TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
-                  ("language_model.lm_head.", "lm_head."))  # a vision-language checkpoint's (4.x, 5.x) -> a text one's
 ARCHITECTURE = "Gemma3ForCausalLM"
 _RENAMES = (("post_attention_layernorm", "attn_output_norm"), ("pre_feedforward_layernorm", "post_attention_layernorm"),
             ("post_feedforward_layernorm", "mlp_output_norm"))  # hub -> ours (in this order: no chain)
@@ -46,32 +43,9 @@ def is_gemma(cfg: Any) -> bool:
     return bool(cfg.sandwich_norms and cfg.pre_norms)
 
 
-def text_config(d: dict) -> dict:
-    """The text model's config.json dict of a gemma3_text or a (vision-language) gemma3 config, transformers' defaults
-    filled in."""
-    if d.get("model_type") == MULTIMODAL_TYPE:
-        text = dict(d.get("text_config") or {})
-        text.setdefault("tie_word_embeddings", d.get("tie_word_embeddings", True))
-    else:
-        text = dict(d)
-    return {**TEXT_DEFAULTS, **text, "model_type": MODEL_TYPE}
-
-
-def text_weights(sd: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], int]:
-    """A vision-language checkpoint's text-model tensors under a text checkpoint's names (`model.`, `lm_head.`), and
-    how many tensors (the vision tower's, the projector's) were left out."""
-    out, left_out = {}, 0
-    for name, t in sd.items():
-        for old, new in _TEXT_PREFIXES:
-            if name.startswith(old):
-                out[new + name[len(old):]] = t
-                break
-        else:
-            if name == "lm_head.weight":
-                out[name] = t
-            else:
-                left_out += 1
-    return out, left_out
+def with_defaults(d: dict) -> dict:
+    """A gemma3_text config.json dict with transformers' Gemma3TextConfig defaults filled in."""
+    return {**TEXT_DEFAULTS, **d}
 
 
 def fields_from_hf(d: dict, n_heads: int, head_dim: int) -> dict[str, Any]:

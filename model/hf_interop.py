@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 from safetensors.torch import load_file, save_file
 
-from model import hf_gemma3, hf_glm4_moe, hf_mixtral, hf_olmo, hf_phi3, hf_qwen3_moe
+from model import hf_gemma3, hf_glm4_moe, hf_mixtral, hf_olmo, hf_phi3, hf_qwen3_moe, hf_vision_language
 from model.hf_window import window_from_hf, window_to_hf
 from model.config import ModelConfig
 from model.llama import Transformer
@@ -166,9 +166,11 @@ def config_from_hf(d: dict) -> ModelConfig:
     (head_dim: 16 x 128 at hidden_size 1024); a Gemma 3 or an OLMo our block with their switches (model/hf_gemma3.py,
     model/hf_olmo.py); a sliding window where one is on (model/hf_window.py)."""
     kind = d.get("model_type", "llama")
-    if kind in (hf_gemma3.MODEL_TYPE, hf_gemma3.MULTIMODAL_TYPE):  # (a vision-language one: its text model)
-        d = hf_gemma3.text_config(d)
-        kind = hf_gemma3.MODEL_TYPE
+    if hf_vision_language.is_wrapper(d):  # (a vision-language checkpoint: its text model)
+        d = hf_vision_language.text_config(d)
+        kind = d["model_type"]
+    if kind == hf_gemma3.MODEL_TYPE:
+        d = hf_gemma3.with_defaults(d)
     if kind in REFUSED_TYPES:
         raise ValueError(f"model_type={kind!r}: {REFUSED_TYPES[kind]}")
     if kind not in HF_MODEL_TYPES:
@@ -454,8 +456,8 @@ def import_hf(hf_dir: str, dtype: Optional[torch.dtype] = torch.float32, **overr
             raise ValueError(f"unknown ModelConfig field {k!r}")
         setattr(cfg, k, v)
     weights = _load_weights(hf_dir)
-    if raw.get("model_type") == hf_gemma3.MULTIMODAL_TYPE:  # Gemma 3 4B-27B: the text model (no vision tower)
-        weights = hf_gemma3.text_weights(weights)[0]
+    if hf_vision_language.is_wrapper(raw):  # Gemma 3 4B-27B, Mistral Small 3.x, LLaVA: the text model alone
+        weights = hf_vision_language.text_weights(weights)[0]
     sd = from_hf_state_dict(weights, cfg)
     with torch.device("meta"):
         model = Transformer(cfg)
