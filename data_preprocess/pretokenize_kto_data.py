@@ -77,10 +77,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     code, meta = chat_pretokenize_cli(
         "python -m data_preprocess.pretokenize_kto_data",
         "Render KTO's labelled examples with the chat template and store their ids + labels (int32, -100 outside "
-        "the completion) and desirable flags.", HELP_EPILOG, "examples", "out/kto_tokenized/<input name>_L<max_seq_len>",
-        pretokenize_kto, argv)
+        "the completion) and desirable flags.", HELP_EPILOG, "examples",
+        "out/kto_tokenized/<input name>_L<max_seq_len>", pretokenize_kto, argv)
     if meta is None:
         return code
+    log.info("%d examples, %d tokens (%d targets)", meta["num_examples"], meta["num_tokens"],
+             meta["num_target_tokens"])
     print(f"wrote {meta['num_examples']} KTO examples to {meta['out_dir']} "
           f"(train with --task_type=kto --data_dir={meta['out_dir']})")
     return code

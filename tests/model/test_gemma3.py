@@ -11,6 +11,8 @@ import torch
 
 from model import ModelConfig, Transformer
 from model.hf_interop import config_from_hf, export_hf, hf_config_dict, import_hf
+from tests.model.hf_family_checks import (each_switch_moves_the_logits, gradients_equal_transformers,
+                                          streamed_export_equals_whole)
 
 transformers = pytest.importorskip("transformers")
 
@@ -91,34 +93,16 @@ def test_each_of_gemmas_switches_moves_the_logits(tmp_path):
         "rope_local_theta": lambda m: [setattr(b, "local_rope", False) for b in m.layers],
         "sliding_window": lambda m: [setattr(b.self_attn, "sliding", False) for b in m.layers],
     }
-    for name, mutate in mutations.items():
-        ours = import_hf(path).eval()
-        mutate(ours)
-        with torch.no_grad():
-            assert not torch.allclose(ours(x), ref, atol=1e-3), name
+    each_switch_moves_the_logits(path, ref, x, mutations)
 
 
 def test_gemma3_gradients_equal_transformers(tmp_path):
     """Through the sandwich norms, GeGLU, the scaled embedding and scores, against transformers' autograd on the same
     weights and batch (untied: the embedding's gradient alone); fp32 rounding of the two orders."""
-    hf, path = _gemma3(tmp_path, tie=False)
-    hf.train()
-    ours = import_hf(path)
-    g = torch.Generator().manual_seed(1)
-    x, y = torch.randint(0, VOCAB, (2, 16), generator=g), torch.randint(0, VOCAB, (2, 16), generator=g)
-    loss = ours(x, labels=y)
-    ref_loss = torch.nn.functional.cross_entropy(hf(x).logits.flatten(0, 1), y.flatten())
-    assert abs(float(loss) - float(ref_loss)) < 1e-5
-    loss.backward()
-    ref_loss.backward()
     from model.hf_gemma3 import to_hub
-    names = {n: n for n in dict(ours.named_parameters())}
-    hub_names = {ours_name: hub for ours_name, hub in zip(names, to_hub({n: torch.zeros(1) for n in names}))}
-    theirs = {n: p.grad for n, p in hf.named_parameters()}
-    for name, p in ours.named_parameters():
-        hub = hub_names[name]
-        ref = theirs[hub if hub == "lm_head.weight" else "model." + hub]
-        assert torch.allclose(p.grad, ref, atol=1e-6 * float(ref.abs().max()) + 1e-8, rtol=1e-4), name
+    hf, path = _gemma3(tmp_path, tie=False)
+    ours = import_hf(path)
+    gradients_equal_transformers(hf, ours, to_hub, VOCAB)
     assert float(ours.layers[0].mlp_output_norm.weight.grad.abs().max()) > 0
 
 
@@ -196,24 +180,8 @@ def test_pipeline_parts_compose_to_the_model():
 def test_a_streamed_export_writes_the_same_tensors(tmp_path):
     """export_hf_streaming (a sharded run's export, a few tensors at a time, here over several safetensors shards)
     renames and shifts Gemma's norms as the whole-model export does."""
-    from safetensors.torch import load_file
-
-    from model.hf_interop import export_hf_streaming
     _, path = _gemma3(tmp_path, tie=False)
-    ours = import_hf(path)
-    sd = ours.state_dict()
-    specs = {n: (tuple(t.shape), t.dtype) for n, t in sd.items()}
-    out, shards = export_hf_streaming(ours.cfg, specs, lambda names: {n: sd[n] for n in names},
-                                      str(tmp_path / "streamed"), max_shard_bytes=40_000)
-    export_hf(ours, str(tmp_path / "whole"))
-    whole = load_file(str(tmp_path / "whole" / "model.safetensors"))
-    streamed = {}
-    for f in (tmp_path / "streamed").glob("model-*.safetensors"):
-        streamed.update(load_file(str(f)))
-    assert shards > 1 and streamed.keys() == whole.keys()
-    assert all(torch.equal(streamed[n], whole[n]) for n in whole)
-    with open(tmp_path / "streamed" / "config.json") as f, open(tmp_path / "whole" / "config.json") as g:
-        assert json.load(f) == json.load(g)
+    streamed_export_equals_whole(import_hf(path), tmp_path, 40_000)
 
 
 def _vision_language(tmp_path):

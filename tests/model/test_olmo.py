@@ -10,6 +10,7 @@ import torch
 
 from model import ModelConfig, Transformer
 from model.hf_interop import config_from_hf, export_hf, hf_config_dict, import_hf
+from tests.model.hf_family_checks import each_switch_moves_the_logits, gradients_equal_transformers
 
 transformers = pytest.importorskip("transformers")
 
@@ -76,33 +77,16 @@ def test_each_switch_moves_the_logits(tmp_path):
         "rope_local_theta": lambda m: [setattr(b, "local_rope", False) for b in m.layers],
         "sliding_window": lambda m: [setattr(b.self_attn, "sliding", False) for b in m.layers],
     }
-    for name, mutate in mutations.items():
-        ours = import_hf(path).eval()
-        mutate(ours)
-        with torch.no_grad():
-            assert not torch.allclose(ours(x), ref, atol=1e-3), name
+    each_switch_moves_the_logits(path, ref, x, mutations)
 
 
 def test_olmo2_gradients_equal_transformers(tmp_path):
     """Through the full-width q / k norms and the output norms, against transformers' autograd on the same weights
     and batch; fp32 rounding of the two orders."""
     hf, path = _olmo(tmp_path, "olmo2")
-    hf.train()
-    ours = import_hf(path)
-    g = torch.Generator().manual_seed(1)
-    x, y = torch.randint(0, VOCAB, (2, 16), generator=g), torch.randint(0, VOCAB, (2, 16), generator=g)
-    loss = ours(x, labels=y)
-    ref_loss = torch.nn.functional.cross_entropy(hf(x).logits.flatten(0, 1), y.flatten())
-    assert abs(float(loss) - float(ref_loss)) < 1e-5
-    loss.backward()
-    ref_loss.backward()
     from model.hf_olmo import to_hub
-    names = list(dict(ours.named_parameters()))
-    hub = dict(zip(names, to_hub({n: torch.zeros(1) for n in names})))
-    theirs = {n: p.grad for n, p in hf.named_parameters()}
-    for name, p in ours.named_parameters():
-        ref = theirs[hub[name] if hub[name] == "lm_head.weight" else "model." + hub[name]]
-        assert torch.allclose(p.grad, ref, atol=1e-6 * float(ref.abs().max()) + 1e-8, rtol=1e-4), name
+    ours = import_hf(path)
+    gradients_equal_transformers(hf, ours, to_hub, VOCAB)
     assert float(ours.layers[1].self_attn.q_norm.weight.grad.abs().max()) > 0
 
 

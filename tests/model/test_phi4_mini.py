@@ -2,13 +2,13 @@
 the long ones for sequences past original_max_position_embeddings, cos / sin scaled) and a partial rotary (the first
 0.75 of each head turns). Tiny transformers models give their logits through ours on both sides of the pretraining
 length, and export back as a Phi-3 (fused projections) with the same logits, also streamed."""
-import json
 import math
 
 import pytest
 import torch
 
 from model.hf_interop import config_from_hf, export_hf, import_hf
+from tests.model.hf_family_checks import streamed_export_equals_whole
 from utils.rope_config import normalize_rope_scaling
 
 transformers = pytest.importorskip("transformers")
@@ -78,23 +78,8 @@ def test_the_long_factors_are_what_turn_long_sequences(tmp_path):
 def test_a_streamed_export_keeps_the_fused_projections_whole(tmp_path):
     """A sharded run's export, a few tensors per safetensors shard: a layer's q/k/v (gate/up) stay in one shard, so
     the fused weights equal the whole-model export's."""
-    from safetensors.torch import load_file
-
-    from model.hf_interop import export_hf_streaming
     _, path = _phi(tmp_path, tie=False)
-    ours = import_hf(path)
-    sd = ours.state_dict()
-    specs = {n: (tuple(t.shape), t.dtype) for n, t in sd.items()}
-    _, shards = export_hf_streaming(ours.cfg, specs, lambda names: {n: sd[n] for n in names},
-                                    str(tmp_path / "streamed"), max_shard_bytes=20_000)
-    export_hf(ours, str(tmp_path / "whole"))
-    whole = load_file(str(tmp_path / "whole" / "model.safetensors"))
-    streamed = {}
-    for f in (tmp_path / "streamed").glob("model-*.safetensors"):
-        streamed.update(load_file(str(f)))
-    assert shards > 2 and streamed.keys() == whole.keys() and all(torch.equal(streamed[n], whole[n]) for n in whole)
-    with open(tmp_path / "streamed" / "config.json") as f:
-        assert json.load(f)["architectures"] == ["Phi3ForCausalLM"]
+    assert streamed_export_equals_whole(import_hf(path), tmp_path, 20_000)["architectures"] == ["Phi3ForCausalLM"]
 
 
 def test_longrope_settings_are_checked_and_completed():

@@ -1,0 +1,62 @@
+"""Checks the Hugging Face family tests share (test_gemma3.py, test_olmo.py, test_phi4_mini.py): a model's gradients
+against transformers' autograd, each block switch moving the logits, a streamed export against the whole one."""
+from __future__ import annotations
+
+import json
+from typing import Callable
+
+import torch
+
+from model.hf_interop import export_hf, export_hf_streaming, import_hf
+
+
+def gradients_equal_transformers(hf, ours, to_hub: Callable[[dict], dict], vocab: int) -> None:
+    """One loss and backward through both on the same batch: our loss equals transformers' cross-entropy (1e-5), and
+    every gradient of ours equals transformers' for the parameter `to_hub` names (fp32 rounding of the two orders:
+    rtol 1e-4 beside 1e-6 of the largest)."""
+    hf.train()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randint(0, vocab, (2, 16), generator=g), torch.randint(0, vocab, (2, 16), generator=g)
+    loss = ours(x, labels=y)
+    ref_loss = torch.nn.functional.cross_entropy(hf(x).logits.flatten(0, 1), y.flatten())
+    assert abs(float(loss) - float(ref_loss)) < 1e-5
+    loss.backward()
+    ref_loss.backward()
+    names = list(dict(ours.named_parameters()))
+    hub = dict(zip(names, to_hub({n: torch.zeros(1) for n in names})))  # (to_hub keeps the order, one name each)
+    theirs = {n: p.grad for n, p in hf.named_parameters()}
+    for name, p in ours.named_parameters():
+        ref = theirs[hub[name] if hub[name] == "lm_head.weight" else "model." + hub[name]]
+        assert torch.allclose(p.grad, ref, atol=1e-6 * float(ref.abs().max()) + 1e-8, rtol=1e-4), name
+
+
+def each_switch_moves_the_logits(path: str, ref: torch.Tensor, x: torch.Tensor,
+                                 mutations: dict[str, Callable]) -> None:
+    """Each mutation (a switch turned off on a freshly imported model) moves the logits away from transformers'
+    (`ref` on `x`): a switch the forward ignored would leave them."""
+    for name, mutate in mutations.items():
+        ours = import_hf(path).eval()
+        mutate(ours)
+        with torch.no_grad():
+            assert not torch.allclose(ours(x), ref, atol=1e-3), name
+
+
+def streamed_export_equals_whole(model, tmp_path, max_shard_bytes: int) -> dict:
+    """export_hf_streaming of `model`'s state dict (a sharded run's export, a few tensors at a time) writes the
+    tensors and config.json export_hf writes, over more than one shard; returns the config."""
+    from safetensors.torch import load_file
+    sd = model.state_dict()
+    specs = {n: (tuple(t.shape), t.dtype) for n, t in sd.items()}
+    _, shards = export_hf_streaming(model.cfg, specs, lambda names: {n: sd[n] for n in names},
+                                    str(tmp_path / "streamed"), max_shard_bytes=max_shard_bytes)
+    export_hf(model, str(tmp_path / "whole"))
+    whole = load_file(str(tmp_path / "whole" / "model.safetensors"))
+    streamed = {}
+    for f in (tmp_path / "streamed").glob("model-*.safetensors"):
+        streamed.update(load_file(str(f)))
+    assert shards > 1 and streamed.keys() == whole.keys()
+    assert all(torch.equal(streamed[n], whole[n]) for n in whole)
+    with open(tmp_path / "streamed" / "config.json") as f, open(tmp_path / "whole" / "config.json") as g:
+        config = json.load(f)
+        assert config == json.load(g)
+    return config
