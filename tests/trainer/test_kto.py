@@ -205,8 +205,10 @@ def test_labelled_examples_pretokenize_as_the_trainer_reads_them(tiny_pretrain_d
 
 def test_kto_learns_from_labelled_examples(pretrained, tiny_pretrain_data, tmp_path):
     out = tmp_path / "kto"
-    run_cmd(train_cmd(_args(tiny_pretrain_data, _labelled(tmp_path, 16), pretrained["out"], out, "--max_iters=10",
-                            "--batch_size=16", "--checkpoint_interval=10")), env=_env())
+    r = run_cmd(train_cmd(_args(tiny_pretrain_data, _labelled(tmp_path, 16), pretrained["out"], out, "--max_iters=10",
+                                "--batch_size=16", "--checkpoint_interval=10", "--kto_desirable_weight=1.2")),
+                env=_env())
+    assert "[data] kto: 16 desirable and 16 undesirable examples; " in r.stdout and "= 1.20 (" in r.stdout
     recs = dedupe_by_step(read_metrics(os.path.join(out, "metrics.jsonl")))
     assert sum(recs[s]["reward_margin"] for s in (8, 9, 10)) > 0.5, recs
     assert sum(recs[s]["loss"] for s in (8, 9, 10)) < sum(recs[s]["loss"] for s in (1, 2, 3))

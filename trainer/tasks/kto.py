@@ -70,12 +70,26 @@ class KTOTask(Task):
         train, val, collate = build_kto_splits(data, cfg.max_seq_len, val_ratio=val_ratio, seed=cfg.seed,
                                                pad_to=cfg.max_seq_len if fixed_shape else None, kl_rows=kl_rows,
                                                paired=paired)
+        if log is not None:
+            log(self._balance(train, paired))
         if cfg.eval_data_dir:
             ev, ev_paired = read(cfg.eval_data_dir, "validation")
             val = build_kto_splits(ev, cfg.max_seq_len, val_ratio=0.0, seed=cfg.seed, kl_rows=kl_rows,
                                    paired=ev_paired)[0]
         return TaskData(train, val, collate, "DPO pairs (two examples each)" if paired else "KTO examples",
                         *chat_val_words(cfg))
+
+    def _balance(self, train, paired: bool) -> str:
+        """The [data] line of the training examples' kinds and their weighted ratio (TRL's advice: 1 to 4/3)."""
+        if paired:
+            good = bad = len(train)
+        else:
+            good = int(train.base.index[train.indices, 2].sum())
+            bad = len(train) - good
+        wd, wu = self.cfg.kto_desirable_weight, self.cfg.kto_undesirable_weight
+        ratio = f"{wd * good / (wu * bad):.2f}" if bad else "inf"
+        return (f"[data] kto: {good} desirable and {bad} undesirable examples; --kto_desirable_weight x desirable / "
+                f"(--kto_undesirable_weight x undesirable) = {ratio} (the KTO paper and TRL advise 1 to 4/3)")
 
     def micro_batch_loss(self, model, ref_model, batch, device):
         cfg = self.cfg
