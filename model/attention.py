@@ -82,6 +82,7 @@ class AttnSpec:
     docs: Optional[torch.Tensor] = None         # ring: the whole sequences' document ids [B, T] (None: one per row)
     window: int = 0                             # flash / flash_varlen: a sliding window's width (0: none)
     windowed: Optional["AttnSpec"] = None       # the spec of the model's sliding-window layers (None: this one)
+    q_factor: Optional[torch.Tensor] = None     # [B, T] per-position query factor (Ministral 3's; None: none)
 
 
 # ------------------------------------------------------------------------------------ the rule

@@ -38,6 +38,10 @@ class ModelConfig:
     sliding_layers: Optional[list] = None  # the layers that slide (layer_types' "sliding_attention"); None = all
     nope_layers: Optional[list] = None  # the layers whose attention has no RoPE (SmolLM3's no_rope_layers zeros)
     partial_rotary_factor: float = 1.0  # RoPE turns the first int(head_dim x this) dimensions of a head (GLM-4.5: 0.5)
+    # Ministral 3's position-dependent query scale: q x (1 + beta ln(1 + floor(position / length))), beta its
+    # llama_4_scaling_beta
+    query_pos_scale_beta: Optional[float] = None
+    query_pos_scale_length: int = 16384  # (its rope_parameters' original_max_position_embeddings)
     # Gemma 3's block (model/hf_gemma3.py), each off in a Llama; its RMSNorms' (1 + w) are stored as the w' = 1 + w ours
     # multiplies by (the same model: norm weights take no weight decay, and the gradient of w' is the gradient of w)
     scale_embeddings: bool = False     # the embedding's output times sqrt(dim) (Gemma's normalizer)
@@ -139,6 +143,9 @@ class ModelConfig:
                 or self.rotary_dim % 2:
             return (f"partial_rotary_factor={f!r} must be in (0, 1] and turn an even number >= 2 of a head's "
                     f"{self.head_dim} dimensions")
+        if self.query_pos_scale_beta is not None and not (isinstance(self.query_pos_scale_length, int)
+                                                          and self.query_pos_scale_length >= 1):
+            return f"query_pos_scale_length={self.query_pos_scale_length!r} must be an integer >= 1"
         if not self.pre_norms and not self.sandwich_norms:
             return "pre_norms=false leaves the blocks no norm: it needs sandwich_norms (OLMo 2's block)"
         if self.qk_norm_full and not self.qk_norm:
@@ -154,7 +161,8 @@ class ModelConfig:
         changed = {"scale_embeddings": self.scale_embeddings, "sandwich_norms": self.sandwich_norms,
                    "mlp_act": self.mlp_act != "silu", "qk_norm_full": self.qk_norm_full,
                    "query_scale": self.query_scale is not None, "rope_local_theta": self.rope_local_theta is not None,
-                   "pre_norms": not self.pre_norms, "partial_rotary_factor": self.partial_rotary_factor != 1.0}
+                   "pre_norms": not self.pre_norms, "partial_rotary_factor": self.partial_rotary_factor != 1.0,
+                   "query_pos_scale_beta": self.query_pos_scale_beta is not None}
         return tuple(k for k, v in changed.items() if v)
 
     @property

@@ -25,7 +25,8 @@ from typing import Optional
 import torch
 from safetensors.torch import load_file, save_file
 
-from model import hf_gemma3, hf_glm4_moe, hf_mixtral, hf_olmo, hf_phi3, hf_qwen3_moe, hf_vision_language
+from model import (hf_gemma3, hf_glm4_moe, hf_ministral3, hf_mixtral, hf_olmo, hf_phi3, hf_qwen3_moe,
+                   hf_vision_language)
 from model.hf_window import window_from_hf, window_to_hf
 from model.config import ModelConfig
 from model.llama import Transformer
@@ -73,6 +74,16 @@ def hf_config_dict(cfg: ModelConfig, torch_dtype: str = "float32", special_ids: 
         d.update(special_ids or {})
         return d
     glm = bool(cfg.moe_num_experts) and cfg.moe_score == "sigmoid"  # (GLM-4-MoE: biases, partial rotary too)
+    if cfg.query_pos_scale_beta is not None and not cfg.moe_num_experts:  # (Ministral 3's query scale)
+        if [f for f in cfg.block_fields if f != "query_pos_scale_beta"] or cfg.qkv_bias or cfg.qk_norm:
+            raise ValueError("a model with a position-dependent query scale is written as Ministral 3, which holds "
+                             "none of its other switches")
+        d.update(hf_ministral3.config_fields(cfg, rope_parameters), **window_to_hf(cfg, "llama"))
+        d.update(architectures=["Ministral3ForCausalLM"], model_type=hf_ministral3.MODEL_TYPE)
+        for key in ("mlp_bias", "pretraining_tp", "attention_bias"):
+            d.pop(key)
+        d.update(special_ids or {})
+        return d
     odd = [f for f in cfg.block_fields if f != "partial_rotary_factor"]  # (GLM-4-MoE and Phi-3 hold a partial one)
     if odd:
         raise ValueError(f"a model with {', '.join(odd)} (but not Gemma's or OLMo's whole block) has no transformers "
@@ -154,6 +165,8 @@ def hf_family(cfg: ModelConfig) -> str:
         return "Olmo3ForCausalLM" if cfg.sliding_window else "Olmo2ForCausalLM"
     if hf_phi3.needs_phi3(cfg):
         return "Phi3ForCausalLM"
+    if cfg.query_pos_scale_beta is not None:
+        return "Ministral3ForCausalLM"
     if cfg.nope_layers is not None:
         return "SmolLM3ForCausalLM"
     return "Qwen2ForCausalLM" if cfg.qkv_bias else "Qwen3ForCausalLM" if cfg.qk_norm else "LlamaForCausalLM"
@@ -171,6 +184,9 @@ def config_from_hf(d: dict) -> ModelConfig:
         kind = d["model_type"]
     if kind == hf_gemma3.MODEL_TYPE:
         d = hf_gemma3.with_defaults(d)
+    query_scale = hf_ministral3.fields_from_hf(d) if kind == hf_ministral3.MODEL_TYPE else {}
+    if kind == hf_ministral3.MODEL_TYPE:
+        d = hf_ministral3.rope_dict(d)
     if kind in REFUSED_TYPES:
         raise ValueError(f"model_type={kind!r}: {REFUSED_TYPES[kind]}")
     if kind not in HF_MODEL_TYPES:
@@ -204,7 +220,7 @@ def config_from_hf(d: dict) -> ModelConfig:
     elif kind in hf_olmo.MODEL_TYPES:
         fields.update(hf_olmo.fields_from_hf(d, kind))
     else:
-        fields.update(window_from_hf(d, kind, d["num_hidden_layers"]))
+        fields.update(window_from_hf(d, kind, d["num_hidden_layers"]), **query_scale)
     return ModelConfig(**fields)
 
 

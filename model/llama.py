@@ -3,9 +3,9 @@
 Owns: the module tree and its parameter names (HF Llama names without the `model.` prefix, e.g.
 `layers.0.self_attn.q_proj.weight`, `embed_tokens.weight`, `norm.weight`, `lm_head.weight`), where rotary
 embeddings apply (half-split layout as HF, or on a head's first dimensions only: a partial rotary; their tables are
-model/rotary.py's), Gemma 3's and OLMo's block switches (model/config.py), the KV cache used by model/generate.py, activation checkpointing, and pruning
-(`Transformer.pruned`: a Transformer holding some of a model's own submodules, which parallel/pipeline.py's stages
-are; one forward serves both).
+model/rotary.py's), Gemma 3's, OLMo's and Ministral 3's block switches (model/config.py), the KV cache used by
+model/generate.py, activation checkpointing, and pruning (`Transformer.pruned`: a Transformer holding some of a
+model's own submodules, which parallel/pipeline.py's stages are; one forward serves both).
 Which attention kernel runs, and how padding and packed documents are masked, is model/attention.py's
 (`AttnSpec`, built once per forward from which inputs are present, never from their values: no host
 sync, no graph break); FlashAttention-4's activation is model/fa4.py's, asked once here when a model is built.
@@ -17,6 +17,7 @@ on a tensor's value in the forward (DESIGN.md, host syncs).
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Iterable, Optional
 
 import torch
@@ -123,6 +124,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: AttnSpec,
                 cache: Optional[KVCache] = None) -> torch.Tensor:
         B, T, _ = x.shape
+        q_factor = spec.q_factor  # (Ministral 3's per-position query scale: every layer's)
         if self.sliding and spec.windowed is not None:  # (the batch is longer than the window)
             spec = spec.windowed
         q, k, v = self._qkv(x)
@@ -144,6 +146,8 @@ class Attention(nn.Module):
             q, k = kernels.apply_rope_qk(q, k, cos, sin, fused=self.fused_rope, backend=self.backend)
         if self.q_scale is not None:
             q = q * self.q_scale
+        if q_factor is not None:
+            q = q * q_factor[:, :, None, None].to(q.dtype)
         dropout = self.attn_dropout if self.training else 0.0
         if spec.kind in ("flash", "flash_varlen", "fa4_varlen"):  # flash-attn's [B, T, H, D] layout, GQA native
             y = attention.flash_attention(q, k, v, spec, dropout)
@@ -309,7 +313,6 @@ class Transformer(nn.Module):
     def set_rope(self, rope_scaling: Optional[dict], max_seq_len: int) -> None:
         """Another RoPE scaling and length for this (full, not yet parallelised) model: context extension of
         loaded weights. The config changes with it (checkpoints record it); the frequencies are rebuilt."""
-        import dataclasses
         self.cfg = dataclasses.replace(self.cfg, rope_scaling=rope_scaling, max_seq_len=max_seq_len)
         self.rotary = RotaryEmbedding(self.cfg).to(self.rotary.inv_freq.device)  # (Gemma's local table: unscaled)
         self.rotary_long = RotaryEmbedding(self.cfg, long=True).to(self.rotary.inv_freq.device) \
@@ -436,6 +439,9 @@ class Transformer(nn.Module):
         if not cp_on:
             spec = self._attn_spec(B, T, positions, attention_mask, position_ids is not None, cache,
                                    doc_ids=doc_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+        if self.cfg.query_pos_scale_beta is not None:  # (Ministral 3: 1 up to the pretraining length)
+            spec = dataclasses.replace(spec, q_factor=1 + self.cfg.query_pos_scale_beta * torch.log1p(
+                torch.floor(positions.float() / self.cfg.query_pos_scale_length)))
         # longrope: the long factors once the (whole) sequence passes the pretraining length (transformers': its
         # largest position)
         whole = past + T * (cp.size if cp_on else 1)
