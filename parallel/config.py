@@ -34,7 +34,8 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 # state_per_parameter_name: the optimizer keeps each parameter's state by name over ranges of the whole tensor, so
 # its checkpoints load at any split of the parameters over ranks: ZeRO shards, pipeline stages). A task asks for what it
 # needs beyond a plain forward/backward (trainer/tasks/__init__.py TASKS): padded_batches (SFT's padding or packed
-# documents), sequence_logprobs (DPO's per-sequence sums), rollouts (GRPO's token-by-token generation). A pipeline's
+# documents), sequence_logprobs (DPO's per-sequence sums), rollouts (GRPO's token-by-token generation), task_forwards
+# (forwards of the task's own beside the training ones: KTO's KL rows). A pipeline's
 # capabilities are those of "pipeline" AND of the dp engine that runs its stages.
 CAPABILITIES: dict[str, frozenset] = {
     "ddp": frozenset({"compile", "padded_batches", "sequence_logprobs", "rollouts", "task_forwards",

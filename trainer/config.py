@@ -32,8 +32,8 @@ class RunFlags:
     """Where the run writes, what it reads, where it starts."""
     # ---- run and data
     out_dir: str = _f("out/run", "run directory: metrics.jsonl, checkpoints/, config.json")
-    task_type: str = _f("pretrain", "pretrain | sft | dpo | kto (KTO on the pairs' replies, unpaired) | grpo "
-                                    "(online RL from --data_dir prompts: docs/grpo.md)")
+    task_type: str = _f("pretrain", "pretrain | sft | dpo | kto (replies judged good or bad: labelled examples or DPO "
+                                    "pairs) | grpo (online RL from --data_dir prompts: docs/grpo.md)")
     data_dir: str = _f("", "pretrain: directory of token shards + index_L<L>/; sft/dpo: a .jsonl file or a directory of them")
     data_mix: str = _f("", 'pretrain: JSON {"name": weight} (shard dirs under --data_dir) or {"name": {"path": dir, "weight": w}}')
     tokenizer_dir: str = _f("", "tokenizer directory (tokenizer_meta.json gives the vocab size and special ids)")
@@ -173,10 +173,10 @@ class OptimizationFlags:
 
 
 # --dpo_loss's choices (trainer/tasks/dpo.py computes them); the reference-free ones load no reference model
-KTO_LOSSES = ("kto", "apo_zero_unpaired")  # --kto_loss's choices (trainer/tasks/kto.py computes them)
 DPO_LOSSES = ("sigmoid", "ipo", "hinge", "robust", "exo_pair", "nca_pair", "sppo_hard", "apo_zero", "apo_down",
               "discopop", "simpo", "orpo")
 REFERENCE_FREE_LOSSES = ("simpo", "orpo")
+KTO_LOSSES = ("kto", "apo_zero_unpaired")  # --kto_loss's choices (trainer/tasks/kto.py computes them)
 
 
 @dataclass
