@@ -366,6 +366,20 @@ class Transformer(nn.Module):
         cached = rotary.table(past, T) if contiguous else None
         return cached if cached is not None else rotary(positions)
 
+    def _position_terms(self, spec: AttnSpec, positions: torch.Tensor, past: int, T: int, whole: int,
+                        contiguous: bool) -> tuple[AttnSpec, tuple, Optional[tuple]]:
+        """This batch's position-dependent terms: `spec` with Ministral 3's query factor (1 up to its length), the
+        cos / sin of the model's table (longrope's long one once the `whole` sequence passes the pretraining length;
+        transformers': its largest position), and those of Gemma 3's local table (None without one)."""
+        cfg = self.cfg
+        if cfg.query_pos_scale_beta is not None:
+            spec = dataclasses.replace(spec, q_factor=1 + cfg.query_pos_scale_beta * torch.log1p(
+                torch.floor(positions.float() / cfg.query_pos_scale_length)))
+        long = self.rotary_long is not None and whole > cfg.rope_scaling["original_max_position_embeddings"]
+        rope = self._rope(self.rotary_long if long else self.rotary, positions, past, T, contiguous)
+        local = None if self.rotary_local is None else self._rope(self.rotary_local, positions, past, T, contiguous)
+        return spec, rope, local
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The token embeddings of input_ids [B, T] -> [B, T, D] (Gemma's x sqrt(dim) where `scale_embeddings`,
         the factor in the embedding's dtype as transformers rounds it)."""
@@ -439,17 +453,8 @@ class Transformer(nn.Module):
         if not cp_on:
             spec = self._attn_spec(B, T, positions, attention_mask, position_ids is not None, cache,
                                    doc_ids=doc_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
-        if self.cfg.query_pos_scale_beta is not None:  # (Ministral 3: 1 up to the pretraining length)
-            spec = dataclasses.replace(spec, q_factor=1 + self.cfg.query_pos_scale_beta * torch.log1p(
-                torch.floor(positions.float() / self.cfg.query_pos_scale_length)))
-        # longrope: the long factors once the (whole) sequence passes the pretraining length (transformers': its
-        # largest position)
-        whole = past + T * (cp.size if cp_on else 1)
-        long = self.rotary_long is not None and whole > self.cfg.rope_scaling["original_max_position_embeddings"]
-        cos, sin = self._rope(self.rotary_long if long else self.rotary, positions, past, T,
-                              position_ids is None and not cp_on)
-        local = None if self.rotary_local is None else \
-            self._rope(self.rotary_local, positions, past, T, position_ids is None and not cp_on)
+        spec, (cos, sin), local = self._position_terms(spec, positions, past, T, past + T * (cp.size if cp_on else 1),
+                                                       position_ids is None and not cp_on)
 
         h = input_ids if self.embed_tokens is None else self.embed(input_ids)
         ckpt = self.cfg.gradient_checkpointing and self.training and torch.is_grad_enabled()
