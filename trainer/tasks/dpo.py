@@ -107,6 +107,17 @@ def reference_free_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tens
     return losses, beta * c.detach(), beta * r.detach()
 
 
+def sequence_logps(model, batch: dict, device, prefix: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed log-probability of each row's labelled tokens [N], their count [N]) of a batch's `<prefix>input_ids` /
+    `<prefix>labels` rows (with `<prefix>attention_mask` where the batch has one): DPO's chosen / rejected rows, KTO's
+    examples and KL rows."""
+    y = to_device(batch[f"{prefix}labels"], device)
+    mask = f"{prefix}attention_mask"
+    kw = {"attention_mask": to_device(batch[mask], device)} if mask in batch else {}
+    per_token = model(to_device(batch[f"{prefix}input_ids"], device), labels=y, reduction="none", **kw)  # -log p
+    return -per_token.float().sum(dim=-1), (y != -100).sum(dim=-1)
+
+
 class DPOTask(Task):
     name = "dpo"
     units = "preference pairs"
@@ -131,23 +142,15 @@ class DPOTask(Task):
         return TaskData(train, val, collate, DPO.units, *chat_val_words(cfg))
 
     def micro_batch_loss(self, model, ref_model, batch, device):
-        def seq_logps(m, prefix: str) -> torch.Tensor:
-            x = to_device(batch[f"{prefix}_input_ids"], device)
-            y = to_device(batch[f"{prefix}_labels"], device)
-            kw = {"attention_mask": to_device(batch[f"{prefix}_attention_mask"], device)} \
-                if f"{prefix}_attention_mask" in batch else {}
-            per_token = m(x, labels=y, reduction="none", **kw)  # -log p, 0 at ignored positions
-            return -per_token.float().sum(dim=-1)
-
         cfg = self.cfg
-        pc, pr = seq_logps(model, "chosen"), seq_logps(model, "rejected")
-        tokens = [(to_device(batch[f"{p}_labels"], device) != -100).sum(dim=-1) for p in ("chosen", "rejected")]
+        (pc, chosen_n), (pr, rejected_n) = (sequence_logps(model, batch, device, p) for p in ("chosen_", "rejected_"))
+        tokens = [chosen_n, rejected_n]
         if cfg.dpo_loss in REFERENCE_FREE:
             losses, ch_r, rj_r = reference_free_loss(pc, pr, *tokens, beta=cfg.dpo_beta, loss_type=cfg.dpo_loss,
                                                      label_smoothing=cfg.dpo_label_smoothing, gamma=cfg.simpo_gamma)
         else:
             with torch.no_grad():
-                rc, rr = seq_logps(ref_model, "chosen"), seq_logps(ref_model, "rejected")
+                rc, rr = (sequence_logps(ref_model, batch, device, p)[0] for p in ("chosen_", "rejected_"))
             losses, ch_r, rj_r = dpo_loss(pc, pr, rc, rr, beta=cfg.dpo_beta, loss_type=cfg.dpo_loss,
                                           label_smoothing=cfg.dpo_label_smoothing, discopop_tau=cfg.discopop_tau)
             if cfg.rpo_alpha:  # RPO (Pang et al. 2024): the chosen reply's per-token NLL beside the preference loss

@@ -21,6 +21,7 @@ from dataset.dataset_kto import build_kto_splits
 from trainer.config import KTO_LOSSES
 from trainer.tasks.base import Task, TaskData
 from trainer.tasks.data import chat_data
+from trainer.tasks.dpo import sequence_logps
 from trainer.tasks.sft import chat_val_words
 from utils.device import to_device
 
@@ -40,14 +41,6 @@ def kto_loss(policy: torch.Tensor, ref: torch.Tensor, desirable: torch.Tensor, k
         good, bad = 1 - torch.sigmoid(beta * r), torch.sigmoid(beta * r)
     losses = torch.where(desirable, desirable_weight * good, undesirable_weight * bad)
     return losses, beta * r.detach()
-
-
-def sequence_logps(model, batch: dict, device, prefix: str = "") -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed log-probability of each row's labelled tokens [N], their count [N]) of a padded batch's rows."""
-    y = to_device(batch[f"{prefix}labels"], device)
-    per_token = model(to_device(batch[f"{prefix}input_ids"], device), labels=y, reduction="none",
-                      attention_mask=to_device(batch[f"{prefix}attention_mask"], device))  # -log p, 0 where ignored
-    return -per_token.float().sum(dim=-1), (y != -100).sum(dim=-1)
 
 
 class KTOTask(Task):
