@@ -62,38 +62,23 @@ def hf_config_dict(cfg: ModelConfig, torch_dtype: str = "float32", special_ids: 
         "pretraining_tp": 1, "use_cache": True, "torch_dtype": torch_dtype, "dtype": torch_dtype,
     }
     if hf_gemma3.is_gemma(cfg):  # (Gemma 3's block: written as its own family, the Llama's sizes kept)
-        d.update(hf_gemma3.config_fields(cfg, rope_parameters))
-        for key in ("hidden_act", "mlp_bias", "pretraining_tp"):
-            d.pop(key)
-        d.update(special_ids or {})
-        return d
+        return _own_family(d, hf_gemma3.config_fields(cfg, rope_parameters), ("hidden_act",), special_ids)
     if hf_olmo.is_olmo(cfg):  # (OLMo 2 / 3: the output norms only)
-        d.update(hf_olmo.config_fields(cfg, rope_parameters))
-        for key in ("mlp_bias", "pretraining_tp", "head_dim"):
-            d.pop(key)
-        d.update(special_ids or {})
-        return d
+        return _own_family(d, hf_olmo.config_fields(cfg, rope_parameters), ("head_dim",), special_ids)
     glm = bool(cfg.moe_num_experts) and cfg.moe_score == "sigmoid"  # (GLM-4-MoE: biases, partial rotary too)
     if cfg.query_pos_scale_beta is not None and not cfg.moe_num_experts:  # (Ministral 3's query scale)
         if [f for f in cfg.block_fields if f != "query_pos_scale_beta"] or cfg.qkv_bias or cfg.qk_norm:
             raise ValueError("a model with a position-dependent query scale is written as Ministral 3, which holds "
                              "none of its other switches")
-        d.update(hf_ministral3.config_fields(cfg, rope_parameters), **window_to_hf(cfg, "llama"))
-        d.update(architectures=["Ministral3ForCausalLM"], model_type=hf_ministral3.MODEL_TYPE)
-        for key in ("mlp_bias", "pretraining_tp", "attention_bias"):
-            d.pop(key)
-        d.update(special_ids or {})
-        return d
+        fields = {**window_to_hf(cfg, "llama"), **hf_ministral3.config_fields(cfg, rope_parameters)}
+        return _own_family(d, fields, ("attention_bias",), special_ids)
     odd = [f for f in cfg.block_fields if f != "partial_rotary_factor"]  # (GLM-4-MoE and Phi-3 hold a partial one)
     if odd:
         raise ValueError(f"a model with {', '.join(odd)} (but not Gemma's or OLMo's whole block) has no transformers "
                          "family here")
     if hf_phi3.needs_phi3(cfg):  # LongRoPE or a partial rotary (Phi-3.5, Phi-4-mini): a Phi-3
-        d.update(hf_phi3.config_fields(cfg, rope_parameters))
-        for key in ("mlp_bias", "pretraining_tp", "head_dim", "attention_bias"):
-            d.pop(key)
-        d.update(special_ids or {})
-        return d
+        return _own_family(d, hf_phi3.config_fields(cfg, rope_parameters), ("head_dim", "attention_bias"),
+                           special_ids)
     if cfg.partial_rotary_factor != 1.0 and not glm:
         raise ValueError("a partial rotary with MoE blocks is written as GLM-4-MoE (a sigmoid router) only")
     if cfg.qkv_bias and not glm and (cfg.qk_norm or cfg.moe_num_experts):
@@ -120,6 +105,16 @@ def hf_config_dict(cfg: ModelConfig, torch_dtype: str = "float32", special_ids: 
     d.update(window_to_hf(cfg, d["model_type"]))  # (a Llama whose every layer slides: a Mistral)
     for key, val in (special_ids or {}).items():
         d[key] = val
+    return d
+
+
+def _own_family(d: dict, fields: dict, drop: tuple, special_ids: Optional[dict]) -> dict:
+    """A Llama config dict made another family's: its `fields` over it, the Llama-only keys (mlp_bias, pretraining_tp
+    and `drop`) removed, the tokenizer's ids last."""
+    d.update(fields)
+    for key in ("mlp_bias", "pretraining_tp") + drop:
+        d.pop(key)
+    d.update(special_ids or {})
     return d
 
 
