@@ -53,6 +53,9 @@ class ModelConfig:
     pre_norms: bool = True             # the RMSNorms before attention and MLP (False: OLMo's, with sandwich_norms)
     qk_norm_full: bool = False         # with qk_norm: one norm over all heads' q (and all k), before the heads split
     initializer_range: float = 0.02
+    # a reward model (model/score_head.py): the head gives this many scores per position instead of the vocabulary's
+    # logits (HF *ForSequenceClassification's `score`, num_labels); 0 = a language model
+    num_labels: int = 0
 
     # --- mixture of experts (model/moe.py; 0 experts = every block dense)
     moe_num_experts: int = 0           # routed experts per MoE block (HF num_local_experts / num_experts)
@@ -123,6 +126,11 @@ class ModelConfig:
             raise ValueError(problem)
         if not 0 <= self.mtp_num_layers <= 16:
             raise ValueError(f"mtp_num_layers must be in [0, 16], got {self.mtp_num_layers}")
+        if isinstance(self.num_labels, bool) or not isinstance(self.num_labels, int) or self.num_labels < 0:
+            raise ValueError(f"num_labels={self.num_labels!r} must be an integer >= 0")
+        if self.num_labels and (self.tie_embeddings or self.mtp_num_layers):
+            raise ValueError("num_labels > 0 (a reward model's score head) has no LM head to tie to the embedding or "
+                             "to predict further tokens with (tie_embeddings, mtp_num_layers)")
         if self.loss_chunk_size < 1:
             raise ValueError("loss_chunk_size must be >= 1")
 

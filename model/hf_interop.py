@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 from safetensors.torch import load_file, save_file
 
-from model import (hf_gemma3, hf_glm4_moe, hf_ministral3, hf_mixtral, hf_olmo, hf_phi3, hf_qwen3_moe,
+from model import (hf_gemma3, hf_glm4_moe, hf_ministral3, hf_mixtral, hf_olmo, hf_phi3, hf_qwen3_moe, hf_score,
                    hf_vision_language)
 from model.hf_window import window_from_hf, window_to_hf
 from model.config import ModelConfig
@@ -45,6 +45,12 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
 
 
 def hf_config_dict(cfg: ModelConfig, torch_dtype: str = "float32", special_ids: Optional[dict] = None) -> dict:
+    """The config.json of `cfg`'s family (a reward model: its *ForSequenceClassification, model/hf_score.py)."""
+    d = _causal_config_dict(cfg, torch_dtype, special_ids)
+    return hf_score.score_config(d, cfg.num_labels, special_ids) if cfg.num_labels else d
+
+
+def _causal_config_dict(cfg: ModelConfig, torch_dtype: str, special_ids: Optional[dict]) -> dict:
     kind = cfg.rope_scaling["type"] if cfg.rope_scaling else "default"
     scaling = rope_scaling_to_hf(cfg.rope_scaling)  # every field transformers reads for the kind
     rope_parameters = {"rope_type": kind, **scaling, "rope_theta": float(cfg.rope_theta)}
@@ -151,7 +157,12 @@ def moe_family(cfg: ModelConfig):
 
 
 def hf_family(cfg: ModelConfig) -> str:
-    """The transformers class an export of `cfg` loads as."""
+    """The transformers class an export of `cfg` loads as (a reward model: its family's *ForSequenceClassification)."""
+    causal = _causal_family(cfg)
+    return hf_score.architecture(causal) if cfg.num_labels else causal
+
+
+def _causal_family(cfg: ModelConfig) -> str:
     if cfg.moe_num_experts:
         return moe_family(cfg)[1]
     if hf_gemma3.is_gemma(cfg):
@@ -173,7 +184,7 @@ def config_from_hf(d: dict) -> ModelConfig:
     may slide; a Qwen2 a Llama with q/k/v biases; a Qwen3 a Llama with q / k norms and heads sized on their own
     (head_dim: 16 x 128 at hidden_size 1024); a Gemma 3 or an OLMo our block with their switches (model/hf_gemma3.py,
     model/hf_olmo.py); a sliding window where one is on (model/hf_window.py)."""
-    kind = d.get("model_type", "llama")
+    kind, score = d.get("model_type", "llama"), hf_score.fields_from_hf(d)  # (a *ForSequenceClassification's)
     if hf_vision_language.is_wrapper(d):  # (a vision-language checkpoint: its text model)
         d = hf_vision_language.text_config(d)
         kind = d["model_type"]
@@ -216,7 +227,7 @@ def config_from_hf(d: dict) -> ModelConfig:
         fields.update(hf_olmo.fields_from_hf(d, kind))
     else:
         fields.update(window_from_hf(d, kind, d["num_hidden_layers"]), **query_scale)
-    return ModelConfig(**fields)
+    return ModelConfig(**{**fields, **score})
 
 
 def _nope_layers(d: dict, kind: str) -> Optional[list]:
@@ -251,12 +262,9 @@ def to_hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
     if hf_phi3.needs_phi3(model.cfg):
         ours = hf_phi3.fuse(ours)
     for name, t in ours.items():
-        if name == "lm_head.weight":
-            if model.cfg.tie_embeddings:
-                continue  # HF re-ties it from embed_tokens; safetensors refuses shared storage anyway
-            sd[name] = t
-        else:
-            sd["model." + name] = t
+        if name == "lm_head.weight" and model.cfg.tie_embeddings:
+            continue  # HF re-ties it from embed_tokens; safetensors refuses shared storage anyway
+        sd[hf_score.hub_name(name, model.cfg.num_labels)] = t  # (a reward model's head: score.weight)
     return {k: v.detach().contiguous().clone() for k, v in sd.items()}
 
 
@@ -284,8 +292,8 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
             continue  # derived buffer some old checkpoints saved
         if name.startswith("model."):
             out[name[len("model."):]] = t
-        elif name == "lm_head.weight":
-            out[name] = t
+        elif name in ("lm_head.weight", hf_score.HUB_HEAD):  # (score.weight: a reward model's head)
+            out["lm_head.weight"] = t
         else:
             raise ValueError(f"unexpected tensor {name!r} in a Llama checkpoint")
     if cfg.moe_num_experts:
@@ -422,7 +430,7 @@ def export_hf_streaming(cfg: ModelConfig, specs: dict[str, tuple[tuple[int, ...]
                 tensors = hf_olmo.to_hub(tensors)
             if hf_phi3.needs_phi3(cfg):
                 tensors = hf_phi3.fuse(tensors)
-            sd = {(n if n == "lm_head.weight" else "model." + n): t.contiguous() for n, t in tensors.items()}
+            sd = {hf_score.hub_name(n, cfg.num_labels): t.contiguous() for n, t in tensors.items()}
             total += sum(t.numel() * t.element_size() for t in sd.values())
             save_file(sd, os.path.join(tmp, fname), metadata={"format": "pt"})
             weight_map.update({k: fname for k in sd})

@@ -251,7 +251,7 @@ class Transformer(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.fused_rmsnorm, cfg.kernel_backend)
-        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.dim, cfg.num_labels or cfg.vocab_size, bias=False)  # (a reward model's score)
         self.rotary = RotaryEmbedding(cfg)
         # Gemma 3: the sliding layers rotate at their own base (blocks' `local_rope`)
         self.rotary_local = RotaryEmbedding(cfg, local=True) if cfg.rope_local_theta is not None else None

@@ -117,10 +117,12 @@ def select_trainable(model: nn.Module, lora_rank: int = 0, lora_alpha: float = 1
     """Set which parameters train, and say so: full fine-tuning (everything), the embedding + LM head
     only, LoRA adapters, or adapters + embedding + LM head. Returns a description for the log line."""
     if lora_rank > 0:
+        score = bool(getattr(model.cfg, "num_labels", 0))  # a reward model's new score head trains (PEFT's SEQ_CLS)
         apply_lora(model, r=lora_rank, alpha=lora_alpha, dropout=lora_dropout, target_modules=lora_targets,
-                   train_embeddings=train_embeddings, train_lm_head=train_embeddings)
+                   train_embeddings=train_embeddings, train_lm_head=train_embeddings or score)
         names = lora_targets if isinstance(lora_targets, str) else ",".join(lora_targets)
-        return f"[lora] rank {lora_rank} on {names}{' + embedding and LM head' if train_embeddings else ''}"
+        extra = " + embedding and LM head" if train_embeddings else " + the score head" if score else ""
+        return f"[lora] rank {lora_rank} on {names}{extra}"
     if train_embeddings:
         train_only_embeddings(model)
         return "[trainable] embedding and LM head only"

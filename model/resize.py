@@ -94,20 +94,22 @@ def grow_rows(weight: torch.Tensor, pieces: Sequence[Sequence[int]]) -> torch.Te
 
 
 def resize_token_embeddings(model: nn.Module, pieces: Sequence[Sequence[int]]) -> nn.Module:
-    """Grow `model.embed_tokens` and `model.lm_head` (our Transformer) in place by len(pieces) rows,
-    keeping requires_grad and weight tying; updates model.cfg.vocab_size."""
+    """Grow `model.embed_tokens` and `model.lm_head` (our Transformer; a reward model's score head stays) in place by
+    len(pieces) rows, keeping requires_grad and weight tying; updates model.cfg.vocab_size."""
     if not pieces:
         return model
     emb = model.embed_tokens
     tied = model.lm_head.weight is emb.weight
+    score = bool(getattr(model.cfg, "num_labels", 0))  # a reward model's score head has no vocabulary rows
     with torch.no_grad():
         new_emb = nn.Parameter(grow_rows(emb.weight, pieces), requires_grad=emb.weight.requires_grad)
-        new_head = None if tied else nn.Parameter(grow_rows(model.lm_head.weight, pieces),
-                                                  requires_grad=model.lm_head.weight.requires_grad)
+        new_head = None if tied or score else nn.Parameter(grow_rows(model.lm_head.weight, pieces),
+                                                           requires_grad=model.lm_head.weight.requires_grad)
     emb.weight = new_emb
     emb.num_embeddings = new_emb.shape[0]
-    model.lm_head.weight = new_emb if tied else new_head
-    model.lm_head.out_features = new_emb.shape[0]
+    if not score:
+        model.lm_head.weight = new_emb if tied else new_head
+        model.lm_head.out_features = new_emb.shape[0]
     model.cfg.vocab_size = new_emb.shape[0]
     return model
 

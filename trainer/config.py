@@ -33,7 +33,8 @@ class RunFlags:
     # ---- run and data
     out_dir: str = _f("out/run", "run directory: metrics.jsonl, checkpoints/, config.json")
     task_type: str = _f("pretrain", "pretrain | sft | dpo | kto (replies judged good or bad: labelled examples or DPO "
-                                    "pairs) | grpo (online RL from --data_dir prompts: docs/grpo.md)")
+                                    "pairs) | reward (a reward model from DPO pairs: docs/training.md) | grpo (online "
+                                    "RL from --data_dir prompts: docs/grpo.md)")
     data_dir: str = _f("", "pretrain: directory of token shards + index_L<L>/; sft/dpo: a .jsonl file or a directory of them")
     data_mix: str = _f("", 'pretrain: JSON {"name": weight} (shard dirs under --data_dir) or {"name": {"path": dir, "weight": w}}')
     tokenizer_dir: str = _f("", "tokenizer directory (tokenizer_meta.json gives the vocab size and special ids)")
@@ -198,6 +199,10 @@ class DPOFlags:
                               "(TRL's loss_type of the same name)")
     kto_desirable_weight: float = _f(1.0, "KTO's lambda_D: the desirable (chosen) examples' weight")
     kto_undesirable_weight: float = _f(1.0, "KTO's lambda_U: the undesirable (rejected) examples' weight")
+    # ---- reward modelling (--task_type=reward)
+    reward_center_coef: float = _f(0.0, "reward: + this x (r_chosen + r_rejected)^2 per pair, keeping the scores "
+                                        "centred on 0 (TRL's center_rewards_coefficient; 0.01 in Eisenstein et al. "
+                                        "2023); 0 = off")
 
 
 @dataclass

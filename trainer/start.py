@@ -21,11 +21,12 @@ from model.config import read_model_config
 from model.fa4 import forced_error as fa4_forced_error
 from model.kernels import describe_choice, flash_attn_functions
 from model.lora import trainable_parameters
+from model.score_head import add_score_head
 from parallel.build import build_engine, describe_layout
 from checkpoint.reads import base_fingerprint
 from trainer.config import (KERNEL_CHOICES, TrainConfig, TrainingError, continues_run, existing_run_error,
                             nothing_to_continue_error, parallel_section, resume_flag)
-from trainer.tasks import get_task
+from trainer.tasks import get_task, task_entry
 from trainer.validation import loaded_mtp_problems
 from trainer.weights import (apply_rope_flag, check_lora_base, load_lora_base, load_weights_from,
                              select_trainable_for)
@@ -191,6 +192,7 @@ def build_model(cfg: TrainConfig, info: DistInfo, start: Start, tok_meta: dict, 
     if start.resume_dir is None:  # written right before the first step (train): a restart begins the same way
         start.run_start = {"init_from": init_info["source"], "requested_init_from": start.init_from,
                            "kind": init_info["kind"], "task_type": cfg.task_type, "started_at": time.time()}
+    _score_head_for(cfg, model, start, init_info, log)
     depths = getattr(model.cfg, "mtp_num_layers", 0)
     if depths and depths != cfg.mtp_num_layers:  # the weights brought depths the flags did not ask for
         problems = loaded_mtp_problems(cfg, depths, start.resume_dir or start.init_from)
@@ -202,6 +204,28 @@ def build_model(cfg: TrainConfig, info: DistInfo, start: Start, tok_meta: dict, 
         raise TrainingError(f"model vocab {model.cfg.vocab_size} < tokenizer vocab {tok_meta['vocab_size']}{hint}",
                             EXIT_BAD_CONFIG)
     return model, init_info
+
+
+def _score_head_for(cfg: TrainConfig, model, start: Start, init_info: dict, log) -> None:
+    """A reward model's task on a language model's weights: its LM head replaced by a new score head
+    (model/score_head.py); a language-model task on a reward model's weights: refused (exit 2)."""
+    want, have = task_entry(cfg.task_type).score_head, model.cfg.num_labels
+    if want == have:
+        return
+    source = start.resume_dir or init_info["source"]
+    if have:
+        raise TrainingError(f"{source} is a reward model (a score head of {have} output(s), no LM head): "
+                            f"--task_type={cfg.task_type} trains a language model; start it from one",
+                            EXIT_BAD_CONFIG)
+    if start.resume_dir is not None:
+        raise TrainingError(f"checkpoint {source} holds a language model: --task_type={cfg.task_type} continues "
+                            "a reward model's run", EXIT_BAD_CONFIG)
+    try:
+        add_score_head(model, want)
+    except ValueError as e:
+        raise TrainingError(f"--task_type={cfg.task_type} on {source}: {e}", EXIT_BAD_CONFIG) from e
+    log(f"[init] reward model: the blocks of {source} with a new score head ({want} output, N(0, "
+        f"{model.cfg.initializer_range:g})) in place of its LM head")
 
 
 def choose_trainable(cfg: TrainConfig, model, init_info: dict, start: Start, log) -> Optional[dict]:

@@ -192,6 +192,12 @@ def _choices_and_combinations(cfg: TrainConfig, p: _Problems, torch_free: bool) 
     pretrained = cfg.task_type in TASKS and task_entry(cfg.task_type).from_pretrained  # SFT, DPO
     if pretrained and cfg.init_from == "scratch" and resume_policy(cfg) != "always":
         p.append(f"--task_type={cfg.task_type} starts from pretrained weights: pass --init_from=<run dir>")
+    if cfg.task_type in TASKS and task_entry(cfg.task_type).score_head:  # (a reward model: no LM head)
+        for on, flag in ((cfg.sample_every > 0, f"--sample_every={cfg.sample_every}"),
+                         (bool(cfg.eval_tasks.strip(" ,")), "--eval_tasks")):
+            if on:
+                p.append(f"{flag} generates text: --task_type={cfg.task_type} trains a reward model, whose head "
+                         "scores sequences (no LM head to generate with)")
     if pretrained and resume_policy(cfg) == "always" and cfg.resume_fallback == "scratch":
         p.append(f"--task_type={cfg.task_type} starts from pretrained weights: --resume_fallback=scratch "
                  "cannot be used")
@@ -258,6 +264,7 @@ def _numbers_and_extras(cfg: TrainConfig, p: _Problems, torch_free: bool) -> Non
     p.number("simpo_gamma", 0.0)
     p.number("kto_desirable_weight", 0.0, low_open=True)
     p.number("kto_undesirable_weight", 0.0, low_open=True)
+    p.number("reward_center_coef", 0.0)
     p.number("discopop_tau", 0.0, low_open=True)
     p.number("rpo_alpha", 0.0)
     if cfg.rpo_alpha and cfg.dpo_loss in REFERENCE_FREE_LOSSES:

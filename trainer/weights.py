@@ -67,13 +67,17 @@ def select_trainable_for(model, run: dict) -> str:
 
 def load_lora_base(lora_base: dict, where: str, log) -> Any:
     """The frozen base of a light checkpoint, grown to the run's tokenizer when the run grew it, with the RoPE
-    the run trained it at (the checkpoint's model_config.json: a --rope_scaling context extension)."""
+    the run trained it at (the checkpoint's model_config.json: a --rope_scaling context extension) and a reward
+    model's score head where the run added one."""
     from model.config import read_model_config
     model, _ = load_weights_from(lora_base["source"], log, flag="the LoRA base of " + where,
                                  tokenizer_dir=lora_base.get("tokenizer_dir"))
     saved = read_model_config(where)
     if (saved.rope_scaling, saved.max_seq_len) != (model.cfg.rope_scaling, model.cfg.max_seq_len):
         model.set_rope(saved.rope_scaling, saved.max_seq_len)
+    if saved.num_labels and not model.cfg.num_labels:  # a reward model's run: its score head (trained, in the
+        from model.score_head import add_score_head    # checkpoint) in place of the base's LM head
+        add_score_head(model, saved.num_labels)
     return model
 
 

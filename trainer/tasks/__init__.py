@@ -13,6 +13,8 @@ class TaskEntry(NamedTuple):
     needs: str = ""           # the engine capability the task needs beyond a plain forward/backward ("" = none)
     from_pretrained: bool = False  # starts from trained weights: --init_from=scratch is refused
     tokens: tuple = ()        # the tokenizer's special tokens (tokenizer_meta.json roles) the task reads itself
+    score_head: int = 0       # a reward model's: the model's head gives this many scores (model/score_head.py), not
+    #                           the vocabulary's logits (0 = a language model)
 
 
 TASKS: dict[str, Union[str, TaskEntry]] = {  # --task_type -> its entry
@@ -20,6 +22,8 @@ TASKS: dict[str, Union[str, TaskEntry]] = {  # --task_type -> its entry
     "sft": TaskEntry("trainer.tasks.sft:SFTTask", needs="padded_batches", from_pretrained=True, tokens=("pad",)),
     "dpo": TaskEntry("trainer.tasks.dpo:DPOTask", needs="sequence_logprobs", from_pretrained=True),
     "kto": TaskEntry("trainer.tasks.kto:KTOTask", needs="task_forwards", from_pretrained=True),  # (and DPO's)
+    "reward": TaskEntry("trainer.tasks.reward:RewardTask", needs="sequence_scores", from_pretrained=True,
+                        score_head=1),
     "grpo": TaskEntry("trainer.tasks.grpo:GRPOTask", needs="rollouts", tokens=("eos", "pad")),
 }
 
