@@ -106,6 +106,8 @@ def precheck(argv: list[str], title: str, prog: str) -> None:
             fail(error + choice)
     if cfg.ref_model and not os.path.isdir(cfg.ref_model):  # whichever task reads it (DPO, GRPO with --beta)
         fail(error + no_weights_message("--ref_model", cfg.ref_model))
+    if cfg.reward_model and not os.path.isdir(cfg.reward_model):  # (GRPO's reward model)
+        fail(error + no_weights_message("--reward_model", cfg.reward_model))
     if int(os.environ.get("RANK", "0")) == 0:  # an --out_dir that cannot be made, or one another run holds
         from utils import run_lock
         from utils.errors import exit_code_for

@@ -26,10 +26,11 @@ from trainer.tasks.base import Task, TaskData
 from trainer.tasks.grpo_data import PromptSet, read_prompts_file
 from trainer.tasks.grpo_loss import (MICRO_BATCH_MEAN, TOKEN_AVERAGED, aggregate, batch_std, group_advantages,
                                      high_entropy_mask, per_token_terms, units_of)
+from trainer.tasks.grpo_flags import needs_answer
 from trainer.tasks.grpo_rewards import build_rewards
 from trainer.tasks.grpo_rollout import Group, drop_truncated, rollout_seed, sample_group, token_logps, training_rows
 from utils.constants import EXIT_BAD_CONFIG
-from utils.device import to_device
+from utils.device import is_accelerator, parse_dtype, to_device
 from utils.errors import TrainingError
 
 _STEP_KEYS = ("completions", "completion_tokens", "reward", "reward_sq", "clipped", "kl", "entropy", "lp_diff_sum",
@@ -57,21 +58,21 @@ class GRPOTask(Task):
         self._tok = self._special = None
         self._stop_ids: list[int] = []  # a completion ends at eos or the chat's end of turn (trained on)
         self._rewards = None
+        self._log = lambda line: None  # the run's log (rank 0's lines), set by `datasets`
         self._lp_max = None  # this step's running max |trainer - sampler| logprob, on the device
 
     # ------------------------------------------------------------------ data
     def datasets(self, tok_meta, val_ratio, fixed_shape, log):
         from tokenizer import load_tokenizer
         cfg = self.cfg
-        rewards = build_rewards(cfg)
-        prompts = read_prompts_file(cfg.data_dir, cfg, load_tokenizer(cfg.tokenizer_dir), tok_meta,
-                                    rewards.needs_answer, log)
+        self._log = log or self._log
+        answers = needs_answer(cfg)
+        prompts = read_prompts_file(cfg.data_dir, cfg, load_tokenizer(cfg.tokenizer_dir), tok_meta, answers, log)
         train = PromptSet(prompts)
         if not cfg.eval_data_dir:
             return TaskData(train, PromptSet([]), train.collate, "prompts",
                             "none (the reward of each step's rollouts; --eval_data_dir: greedy rewards)", "")
-        held = read_prompts_file(cfg.eval_data_dir, cfg, load_tokenizer(cfg.tokenizer_dir), tok_meta,
-                                 rewards.needs_answer, log)
+        held = read_prompts_file(cfg.eval_data_dir, cfg, load_tokenizer(cfg.tokenizer_dir), tok_meta, answers, log)
         return TaskData(train, PromptSet(held), train.collate, "prompts",
                         f"--eval_data_dir={cfg.eval_data_dir}, answered greedily: val_reward",
                         "give more held-out prompts in --eval_data_dir")
@@ -82,7 +83,7 @@ class GRPOTask(Task):
         ranks."""
         from trainer.tasks.grpo_eval import held_out_metrics, held_out_sums
         cfg = self.cfg
-        self._load_tools()
+        self._load_tools(info.device)
         engine.optimizer.finish_param_sync()  # ZeRO's all-gather of the updated weights has landed
         samples = cfg.eval_num_generations
         with whole_sequences(engine.module):  # (the cp ranks of a replica answer its prompts alike)
@@ -98,15 +99,22 @@ class GRPOTask(Task):
             sums = engine.sum_over_data(sums, info.device).tolist()
         return held_out_metrics(sums, self.reward_names, samples)
 
-    def _load_tools(self) -> None:
-        """The tokenizer, its special ids and the reward functions, once."""
+    def _load_tools(self, device) -> None:
+        """The tokenizer, its special ids and the reward functions (--reward_model's loaded on `device`), once."""
         if self._tok is None:
             from tokenizer import load_tokenizer, load_tokenizer_meta
             from tokenizer.chat import chat_stop_ids
-            self._tok = load_tokenizer(self.cfg.tokenizer_dir)
-            self._special = load_tokenizer_meta(self.cfg.tokenizer_dir)["special_tokens"]
+            cfg = self.cfg
+            self._tok = load_tokenizer(cfg.tokenizer_dir)
+            self._special = load_tokenizer_meta(cfg.tokenizer_dir)["special_tokens"]
             self._stop_ids = chat_stop_ids(self._tok, self._special)
-            self._rewards = build_rewards(self.cfg)
+            scorer = None
+            if cfg.reward_model:
+                from trainer.tasks.grpo_reward_model import load_model_reward
+                dtype = parse_dtype(cfg.dtype) if is_accelerator(device) else torch.float32
+                scorer = load_model_reward(cfg.reward_model, self._tok, self.row_len, device, dtype,
+                                           int(self._special["pad"]["id"]), self._log)
+            self._rewards = build_rewards(cfg, scorer)
 
     # ------------------------------------------------------------------ the rollout phase
     def steps_per_draw(self) -> int:
@@ -123,7 +131,7 @@ class GRPOTask(Task):
                      "rollouts were not saved: new rollouts from the resumed weights (an uninterrupted run reused "
                      "the old ones); periodic checkpoints fall on cycle boundaries, a stop signal may not")
         batches, skipped = draw()
-        self._load_tools()
+        self._load_tools(loop.info.device)
         loop.engine.optimizer.finish_param_sync()  # ZeRO's all-gather of the updated weights has landed
         model, device = loop.engine.module, loop.info.device
         if self.row_len > model.cfg.max_seq_len:  # the model's own length (a checkpoint's model_config wins)
@@ -167,10 +175,10 @@ class GRPOTask(Task):
                                            row_len=self.row_len, all_done=all_done)
             trained = drop_truncated(toks, mask, stop_ids) if cfg.mask_truncated_completions else mask
             groups.append(Group(idx, toks, trained, lps))
-            for row, m in zip(toks.tolist(), mask.tolist()):
-                new = [t for t, keep in zip(row, m) if keep and t not in stop_ids]
-                text = self._tok.decode(new, skip_special_tokens=True)
-                vals = self._rewards.score(prompt.text, text, prompt.record, prompt.answer, prompt.where)
+            kept = [[t for t, keep in zip(row, m) if keep] for row, m in zip(toks.tolist(), mask.tolist())]
+            texts = [self._tok.decode([t for t in c if t not in stop_ids], skip_special_tokens=True) for c in kept]
+            for text, vals in zip(texts, self._rewards.score_many(prompt.text, texts, prompt.record, prompt.answer,
+                                                                  prompt.where, prompt.ids, kept)):
                 values.append(vals)
                 if len(samples) < cfg.num_completions_to_print:
                     samples.append({"step": step + 1, "prompt": prompt.text, "completion": text,

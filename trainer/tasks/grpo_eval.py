@@ -84,13 +84,14 @@ def held_out_sums(model: Any, prompts: Sequence[Any], rewards: Any, decode: Any,
         for n, i in enumerate(batch):
             p = prompts[i]
             totals, per_function, length = [], [0.0] * len(rewards.names), 0.0
-            for row in done[n * k:(n + 1) * k]:
-                end = first_stop(row, stops)
-                text = decode(row[:end] if end is not None else row)
-                vals = rewards.score(p.text, text, p.record, p.answer, p.where)
+            ends = [first_stop(row, stops) for row in done[n * k:(n + 1) * k]]
+            kept = [row[:end + 1] if end is not None else row for row, end in zip(done[n * k:(n + 1) * k], ends)]
+            texts = [decode(c[:-1] if end is not None else c) for c, end in zip(kept, ends)]
+            for text, c, vals in zip(texts, kept, rewards.score_many(p.text, texts, p.record, p.answer, p.where,
+                                                                     p.ids, kept)):
                 totals.append(rewards.total(vals))
                 per_function = [a + v for a, v in zip(per_function, vals)]
-                length += float(end + 1 if end is not None else len(row))
+                length += float(len(c))  # (through the stop token, which counts as in training)
                 if answers is not None:
                     answers.append((i, text, vals))
             sums[0] += 1.0

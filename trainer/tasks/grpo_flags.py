@@ -14,6 +14,7 @@ from typing import Any
 from utils.configurator import flag as _f
 
 BUILTIN_REWARDS = ("exact_match", "numeric_match", "format")
+MODEL_REWARD = "reward_model"  # --reward_model's reward (trainer/tasks/grpo_reward_model.py)
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo")  # (trainer/tasks/grpo_loss.py reads these three)
 IS_LEVELS = ("token", "sequence")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -81,6 +82,9 @@ class GRPOFlags:
                            "completion) | module:function (your own, see --reward_fn)")
     reward_weights: str = _f("", "grpo: comma-separated weight per reward function, in order (default: 1 each); the "
                              "reward is their weighted sum")
+    reward_model: str = _f("", "grpo: a reward model scoring each prompt + completion (a --task_type=reward run or "
+                           "checkpoint, or a Hugging Face *ForSequenceClassification directory) with the run's "
+                           "tokenizer; a reward named reward_model, after --reward_funcs and --reward_fn")
     reward_fn: str = _f("", "grpo: your reward, module:function (importable from the working directory), called as "
                         "fn(prompt=str, completion=str, record=dict) and returning a finite number; appended to "
                         "--reward_funcs. A reward that raises or returns a non-number stops the run (exit 3) with "
@@ -125,11 +129,13 @@ class GRPOFlags:
 
 
 def reward_specs(cfg: Any) -> list[tuple[str, float]]:
-    """[(reward name, weight)] in order: --reward_funcs then --reward_fn; ValueError naming the flag when the
-    weights do not match the functions."""
+    """[(reward name, weight)] in order: --reward_funcs, then --reward_fn, then --reward_model's (named
+    reward_model); ValueError naming the flag when the weights do not match the functions."""
     names = [n.strip() for n in str(cfg.reward_funcs).split(",") if n.strip()]
     if str(cfg.reward_fn).strip():
         names.append(str(cfg.reward_fn).strip())
+    if str(getattr(cfg, "reward_model", "")).strip():
+        names.append(MODEL_REWARD)
     raw = [w.strip() for w in str(cfg.reward_weights).split(",") if w.strip()]
     if not raw:
         return [(n, 1.0) for n in names]
@@ -143,10 +149,17 @@ def reward_specs(cfg: Any) -> list[tuple[str, float]]:
     return list(zip(names, weights))
 
 
+def needs_answer(cfg: Any) -> bool:
+    """Whether a reward reads the record's reference answer (exact_match, numeric_match): a prompt without one is
+    then a counted skip."""
+    return any(n in ("exact_match", "numeric_match") for n, _ in reward_specs(cfg))
+
+
 def grpo_problems(cfg: Any, resume_policy: str) -> list[str]:
     """What a --task_type=grpo run cannot work with (none for another task)."""
-    if cfg.task_type != "grpo":
-        return []
+    if cfg.task_type != "grpo":  # (--reward_model belongs to GRPO)
+        model = str(getattr(cfg, "reward_model", "")).strip()
+        return [f"--reward_model={model}: scores GRPO's completions; it needs --task_type=grpo"] if model else []
     out = []
 
     def need(ok: bool, name: str, rule: str) -> None:
@@ -203,9 +216,13 @@ def grpo_problems(cfg: Any, resume_policy: str) -> list[str]:
         out.append(str(e))
         specs = []
     if not specs:
-        out.append("--reward_funcs / --reward_fn: name at least one reward function")
-    for name, _ in specs:
-        if name not in BUILTIN_REWARDS and not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", name):
+        out.append("--reward_funcs / --reward_fn / --reward_model: name at least one reward")
+    model = bool(str(getattr(cfg, "reward_model", "")).strip())
+    for k, (name, _) in enumerate(specs):
+        if name == MODEL_REWARD and (not model or k < len(specs) - 1):  # (only the flag's, appended last)
+            out.append(f"--reward_funcs: {MODEL_REWARD} is --reward_model's reward: pass --reward_model=<dir> alone")
+        elif name not in BUILTIN_REWARDS and name != MODEL_REWARD and not re.fullmatch(
+                r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", name):
             out.append(f"--reward_funcs: {name!r} is neither a built-in reward ({' | '.join(BUILTIN_REWARDS)}) nor "
                        "module:function")
     if any(n == "format" for n, _ in specs):

@@ -1,8 +1,8 @@
 """GRPO's rewards: the built-in verifiable ones (exact match after a marker, numeric match with a tolerance, a format
-regex), a user's own `module:function`, and their weighted sum.
+regex), a user's own `module:function`, a reward model's score (--reward_model), and their weighted sum.
 
-Owns: `build_rewards` (the flags' functions, imported and checked once at the start), `RewardSet.score` (every
-function on one completion, each value checked), `RewardError` (a reward that raised or gave a non-number: one line
+Owns: `build_rewards` (the flags' functions, imported and checked once at the start), `RewardSet.score_many` (every
+function on a prompt's completions, each value checked), `RewardError` (a reward that raised or gave a non-number: one line
 naming the function and the record, exit 3 as bad data).
 Must never: turn a failing reward into a silent 0, or import torch (rewards are host Python on decoded text).
 """
@@ -13,9 +13,9 @@ import math
 import numbers
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
-from trainer.tasks.grpo_flags import BUILTIN_REWARDS, reward_specs
+from trainer.tasks.grpo_flags import BUILTIN_REWARDS, MODEL_REWARD, needs_answer, reward_specs
 from utils.constants import EXIT_BAD_DATA
 
 _NUMBER = re.compile(r"[-+]?(?:\d+(?:[.,]\d+)*(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
@@ -81,34 +81,48 @@ def load_reward_fn(spec: str) -> Callable:
 
 @dataclass
 class RewardSet:
-    """The run's reward functions in order, with their weights."""
+    """The run's reward functions in order, with their weights. A function is fn(prompt, completion, record, answer)
+    on decoded text, or an object with `many(prompt_ids, completion_ids) -> [value]` scoring a prompt's completions
+    together from their token ids (--reward_model: trainer/tasks/grpo_reward_model.py)."""
     names: list
     weights: list
-    fns: list  # fn(prompt, completion, record, answer) -> raw value (checked in `score`)
+    fns: list
     needs_answer: bool
 
-    def score(self, prompt: str, completion: str, record: dict, answer: Any, where: str) -> list[float]:
-        """Each function's value on one completion; RewardError naming the function and `where` (file:line of the
-        record) when one raises or returns anything but a finite real number."""
-        out = []
+    def score(self, prompt: str, completion: str, record: dict, answer: Any, where: str,
+              prompt_ids: Sequence[int] = (), completion_ids: Sequence[int] = ()) -> list[float]:
+        """Each function's value on one completion (`score_many` of one)."""
+        return self.score_many(prompt, [completion], record, answer, where, prompt_ids, [completion_ids])[0]
+
+    def score_many(self, prompt: str, completions: Sequence[str], record: dict, answer: Any, where: str,
+                   prompt_ids: Sequence[int] = (), completion_ids: Sequence[Sequence[int]] = ()) -> list[list[float]]:
+        """Each function's value on each of a prompt's completions (text, and token ids through the stop token for a
+        model's reward); RewardError naming the function and `where` (file:line of the record) when one raises or
+        returns anything but a finite real number."""
+        out: list[list[float]] = [[] for _ in completions]
         for name, fn in zip(self.names, self.fns):
             try:
-                v = fn(prompt, completion, record, answer)
+                if hasattr(fn, "many"):
+                    values = list(fn.many(prompt_ids, completion_ids))
+                else:
+                    values = [fn(prompt, c, record, answer) for c in completions]
             except Exception as e:  # noqa: BLE001 - any failure of the user's code is reported, never a silent 0
                 msg = " ".join(str(e).split())[:200]
                 raise RewardError(f"reward {name} raised {type(e).__name__} ({msg}) on the record at {where}") from e
-            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(float(v)):
-                raise RewardError(f"reward {name} returned {v!r:.80} ({type(v).__name__}), not a finite number, on "
-                                  f"the record at {where}")
-            out.append(float(v))
+            for row, v in zip(out, values):
+                if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(float(v)):
+                    raise RewardError(f"reward {name} returned {v!r:.80} ({type(v).__name__}), not a finite number, "
+                                      f"on the record at {where}")
+                row.append(float(v))
         return out
 
     def total(self, values: list[float]) -> float:
         return sum(w * v for w, v in zip(self.weights, values))
 
 
-def build_rewards(cfg: Any) -> RewardSet:
-    """The functions --reward_funcs / --reward_fn / --reward_weights name (ValueError naming a flag otherwise)."""
+def build_rewards(cfg: Any, model_reward: Any = None) -> RewardSet:
+    """The functions --reward_funcs / --reward_fn / --reward_model / --reward_weights name (ValueError naming a flag
+    otherwise); `model_reward`: --reward_model's scorer, loaded by the caller (it needs torch and the device)."""
     names, weights, fns = [], [], []
     marker, tol = cfg.answer_marker, float(cfg.numeric_tolerance)
     for spec, w in reward_specs(cfg):
@@ -119,10 +133,14 @@ def build_rewards(cfg: Any) -> RewardSet:
         elif spec == "format":
             pattern = re.compile(cfg.format_regex)
             fn = lambda p, c, r, a, pattern=pattern: format_reward(c, pattern)  # noqa: E731
+        elif spec == MODEL_REWARD:
+            if model_reward is None:
+                raise ValueError("--reward_model: its scorer was not loaded")
+            fn = model_reward
         else:
             user = load_reward_fn(spec)
             fn = lambda p, c, r, a, user=user: user(prompt=p, completion=c, record=r)  # noqa: E731
-        names.append(spec if spec in BUILTIN_REWARDS else spec.replace(":", "."))
+        names.append(spec if spec in BUILTIN_REWARDS or spec == MODEL_REWARD else spec.replace(":", "."))
         weights.append(float(w))
         fns.append(fn)
-    return RewardSet(names, weights, fns, any(n in ("exact_match", "numeric_match") for n in names))
+    return RewardSet(names, weights, fns, needs_answer(cfg))
