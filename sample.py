@@ -144,11 +144,6 @@ def main(argv: list[str] | None = None) -> int:
         if code is None:
             raise
         return code
-    if model.cfg.num_labels:  # (model/score_head.py: its head scores sequences)
-        print(f"sample.py: {args.ckpt} is a reward model ({model.cfg.num_labels} score(s) per sequence, no LM head): "
-              "it cannot generate; export_hf.py writes it as a *ForSequenceClassification to score text with",
-              file=sys.stderr)
-        return 2
     from model.speculative import generate_mtp, why_not
     cannot = why_not(model)
     if args.speculative == "mtp" and cannot:

@@ -30,11 +30,18 @@ def select_for_inference(ckpt_path: str, which: str, log: Callable[[str], None])
 
 
 def load_for_inference(ckpt_path: str, device: torch.device, which: str = "latest"):
-    """(model in eval mode on `device`, info) from a HF directory, or a run's `which` checkpoint.
-    TrainingError (with its exit code) or CheckpointError (exit 5, naming the file) when it cannot."""
+    """(language model in eval mode on `device`, info) from a HF directory, or a run's `which` checkpoint.
+    TrainingError (with its exit code: 2 for a reward model, which has no LM head to generate or score tokens with)
+    or CheckpointError (exit 5, naming the file) when it cannot."""
+    from trainer.config import TrainingError
     from trainer.weights import load_weights_from
+    from utils.constants import EXIT_BAD_CONFIG
     log = lambda m: print(m, file=sys.stderr)  # noqa: E731
     model, info = load_weights_from(select_for_inference(ckpt_path, which, log), log=log)
+    if model.cfg.num_labels:  # (model/score_head.py)
+        raise TrainingError(f"{ckpt_path} is a reward model ({model.cfg.num_labels} score(s) per sequence, no LM "
+                            "head): it neither generates nor scores tokens; export_hf.py writes it as a "
+                            "*ForSequenceClassification to score text with", EXIT_BAD_CONFIG)
     return model.to(device).eval(), info
 
 

@@ -234,7 +234,7 @@ def test_a_lora_reward_run_resumes_exactly_and_language_model_uses_are_refused(p
                                                                                tmp_path):
     """LoRA on a reward model (light checkpoints: the adapters and the new score head over the language model's frozen
     base): a crash at step 3, the resume from step 2 gives the uninterrupted run's losses bit for bit. Then SFT from
-    the reward model: one line, exit 2; sample.py refuses to generate with it; its adapters export merged only."""
+    the reward model: one line, exit 2; sample.py and eval_lm.py refuse it; its adapters export merged only."""
     from tests.trainer.test_end_to_end import losses
     toy = _toy(tmp_path, 8)
     args = ["--max_iters=4", "--batch_size=4", "--checkpoint_interval=2", "--lora_rank=2"]
@@ -254,7 +254,10 @@ def test_a_lora_reward_run_resumes_exactly_and_language_model_uses_are_refused(p
         in r.stdout + r.stderr
     s = run_python([sys.executable, os.path.join(ROOT, "sample.py"), f"--ckpt={rm}", "--prompt=hi", "--device=cpu"],
                    env=_env())
-    assert s.returncode == 2 and "is a reward model" in s.stderr
+    assert s.returncode == 2 and f"{rm} is a reward model (1 score(s) per sequence, no LM head)" in s.stderr
+    ev = run_python([sys.executable, os.path.join(ROOT, "eval_lm.py"), f"--ckpt={rm}", "--device=cpu",
+                     f"--perplexity_files={toy}"], env=_env())
+    assert ev.returncode == 2 and f"{rm} is a reward model" in ev.stderr, ev.stderr[-2000:]
     e = run_python([sys.executable, os.path.join(ROOT, "export_hf.py"), f"--ckpt={rm}", f"--out_dir={tmp_path / 'x'}",
                     f"--adapters_out_dir={tmp_path / 'ad'}"], env=_env())
     assert e.returncode == 2 and "a reward model's adapters are exported merged" in e.stderr
