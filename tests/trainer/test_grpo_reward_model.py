@@ -31,21 +31,27 @@ def _grpo(pretrained, tmp_path, rm, *extra):
     return args + [f"--reward_model={rm}"]
 
 
-def test_rollout_rewards_are_the_reward_models_scores_of_the_rows(pretrained, reward_model, tmp_path):
-    """GRPOTask's rollout of two prompts (4 completions each): every row's reward is what the reward model gives the
-    row's real tokens (its attention mask: prompt + completion through the stop token), scored here one row at a time
-    from the training rows' layout, not the scorer's own batches."""
-    from model.score_head import last_token_scores
+def _rollout(pretrained, tmp_path, rm):
+    """GRPOTask's rollout of two prompts (4 completions each) scored by `rm` alone: (the task, its rows, the prompts)."""
     from trainer.config import TrainConfig
     from trainer.tasks.grpo import GRPOTask
     from trainer.weights import load_weights_from
     from utils.configurator import parse_config
-    cfg = parse_config(TrainConfig(), _grpo(pretrained, tmp_path, reward_model))
-    task = GRPOTask(cfg)
+    task = GRPOTask(parse_config(TrainConfig(), _grpo(pretrained, tmp_path, rm)))
     data = task.datasets({}, 0.0, False, None)
     task._load_tools(torch.device("cpu"))
     policy, _ = load_weights_from(str(pretrained["out"]), lambda m: None)
-    rows = task._roll(policy.eval(), torch.device("cpu"), data.collate([0, 5]), 0, [])
+    batch = data.collate([0, 5])
+    return task, task._roll(policy.eval(), torch.device("cpu"), batch, 0, []), batch["prompts"]
+
+
+def test_rollout_rewards_are_the_reward_models_scores_of_the_rows(pretrained, reward_model, tmp_path):
+    """With the run's tokenizer: every row's reward is what the reward model gives the row's real tokens (its
+    attention mask: prompt + completion through the stop token), scored here one row at a time from the training
+    rows' layout, not the scorer's own batches."""
+    from model.score_head import last_token_scores
+    from trainer.weights import load_weights_from
+    _, rows, _ = _rollout(pretrained, tmp_path, reward_model)
     rm, _ = load_weights_from(str(reward_model), lambda m: None)
     with torch.no_grad():
         want = torch.stack([last_token_scores(rm.eval(), rows["input_ids"][i:i + 1],
@@ -66,22 +72,33 @@ def test_a_grpo_run_logs_the_reward_models_scores(pretrained, reward_model, tmp_
     assert rows[2]["val_reward"] == rows[2]["val_reward_reward_model"] and rows[2]["val_prompts"] == 12
 
 
-def test_a_language_model_or_another_tokenizer_is_refused(pretrained, reward_model, tmp_path):
-    """--reward_model=<a language model>: one line, exit 2. A reward model exported with a tokenizer whose vocabulary
-    differs from the run's (two pieces' ids swapped): one line naming it, exit 2."""
-    r = run_trainer(train_cmd(_grpo(pretrained, tmp_path, pretrained["out"], "--max_iters=1",
-                                    f"--out_dir={tmp_path / 'a'}")), env=child_env())
-    assert r.returncode == 2 and "a language model (no score head); a reward model" in r.stderr, r.stderr[-2000:]
+def test_another_tokenizer_scores_the_text_and_a_language_model_is_refused(pretrained, reward_model, tmp_path):
+    """A reward model exported with a tokenizer whose vocabulary differs from the run's (two pieces' ids swapped):
+    each row's reward is transformers' AutoModelForSequenceClassification score of its own tokenizer's encoding of
+    prompt + completion text. --reward_model=<a language model>: one line, exit 2."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
     hf = tmp_path / "rm_hf"
     run_cmd([sys.executable, "export_hf.py", f"--ckpt={reward_model}", f"--out_dir={hf}"])
     (hf / "tokenizer_meta.json").unlink()
     tj = json.loads((hf / "tokenizer.json").read_text(encoding="utf-8"))
     vocab = tj["model"]["vocab"]
-    a, b = sorted(vocab)[:2]
+    a, b = AutoTokenizer.from_pretrained(hf).tokenize(" plus 1")[:2]  # pieces every prompt holds
     vocab[a], vocab[b] = vocab[b], vocab[a]
     (hf / "tokenizer.json").write_text(json.dumps(tj), encoding="utf-8")
-    r = run_trainer(train_cmd(_grpo(pretrained, tmp_path, hf, "--max_iters=1", f"--out_dir={tmp_path / 'b'}")),
-                    env=child_env())
-    assert r.returncode == 2 and f"--reward_model={hf}: its tokenizer ({hf}) is not the run's --tokenizer_dir" \
-        in r.stderr, r.stderr[-2000:]
-    assert os.path.isdir(hf)
+    task, rows, prompts = _rollout(pretrained, tmp_path, hf)
+    tok, model = AutoTokenizer.from_pretrained(hf), AutoModelForSequenceClassification.from_pretrained(hf).eval()
+    want = []
+    for i in range(8):
+        p = prompts[i // 4]
+        done = rows["input_ids"][i, len(p.ids):int(rows["attention_mask"][i].sum())].tolist()
+        text = task._tok.decode([t for t in done if t not in task._stop_ids], skip_special_tokens=True)
+        with torch.no_grad():
+            want.append(float(model(**tok(p.text + text, return_tensors="pt")).logits[0, 0]))
+    assert torch.allclose(rows["reward"].float(), torch.tensor(want), atol=1e-5), (rows["reward"], want)
+    from model.score_head import last_token_scores
+    with torch.no_grad():  # (the run's own ids would have scored otherwise: the text path is what ran)
+        ids = last_token_scores(task._rewards.fns[0].model, rows["input_ids"], rows["attention_mask"])[:, 0]
+    assert (ids - torch.tensor(want)).abs().max() > 1e-3
+    r = run_trainer(train_cmd(_grpo(pretrained, tmp_path, pretrained["out"], "--max_iters=1",
+                                    f"--out_dir={tmp_path / 'a'}")), env=child_env())
+    assert r.returncode == 2 and "a language model (no score head); a reward model" in r.stderr, r.stderr[-2000:]

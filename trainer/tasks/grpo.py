@@ -113,7 +113,7 @@ class GRPOTask(Task):
                 from trainer.tasks.grpo_reward_model import load_model_reward
                 dtype = parse_dtype(cfg.dtype) if is_accelerator(device) else torch.float32
                 scorer = load_model_reward(cfg.reward_model, self._tok, self.row_len, device, dtype,
-                                           int(self._special["pad"]["id"]), self._log)
+                                           int(self._special["pad"]["id"]), self._log, cfg.messages_field)
             self._rewards = build_rewards(cfg, scorer)
 
     # ------------------------------------------------------------------ the rollout phase

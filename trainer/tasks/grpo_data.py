@@ -44,7 +44,8 @@ class PromptSet:
         return {"prompt_index": torch.tensor(items, dtype=torch.long), "prompts": [self.prompts[i] for i in items]}
 
 
-def _messages(turns: Any) -> list:
+def prompt_messages(turns: Any) -> list:
+    """A record's chat messages normalised to {"role", "content"} (ValueError naming what is wrong)."""
     if not isinstance(turns, list) or not turns:
         raise ValueError("must be a non-empty list of messages")
     out = []
@@ -96,7 +97,7 @@ def read_prompts_file(path: str, cfg: Any, tok: Any, tok_meta: dict, needs_answe
                 chat_checked = True
             try:
                 if msgs is not None:
-                    messages = _messages(msgs)
+                    messages = prompt_messages(msgs)
                     if any(lone_surrogate(m["content"]) is not None for m in messages):
                         raise ValueError("holds a lone surrogate (cannot be encoded)")
                     ids = list(encode_chat(tok, messages, add_generation_prompt=True, template_kwargs=extra)[0])

@@ -82,8 +82,8 @@ def load_reward_fn(spec: str) -> Callable:
 @dataclass
 class RewardSet:
     """The run's reward functions in order, with their weights. A function is fn(prompt, completion, record, answer)
-    on decoded text, or an object with `many(prompt_ids, completion_ids) -> [value]` scoring a prompt's completions
-    together from their token ids (--reward_model: trainer/tasks/grpo_reward_model.py)."""
+    on decoded text, or an object with `many(prompt, completions, record, prompt_ids, completion_ids) -> [value]`
+    scoring a prompt's completions together (--reward_model: trainer/tasks/grpo_reward_model.py)."""
     names: list
     weights: list
     fns: list
@@ -103,7 +103,7 @@ class RewardSet:
         for name, fn in zip(self.names, self.fns):
             try:
                 if hasattr(fn, "many"):
-                    values = list(fn.many(prompt_ids, completion_ids))
+                    values = list(fn.many(prompt, completions, record, prompt_ids, completion_ids))
                 else:
                     values = [fn(prompt, c, record, answer) for c in completions]
             except Exception as e:  # noqa: BLE001 - any failure of the user's code is reported, never a silent 0
