@@ -4,7 +4,6 @@ language model or a reward model with another tokenizer is refused in one line."
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import pytest
