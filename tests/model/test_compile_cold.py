@@ -71,8 +71,11 @@ def test_every_fused_kernels_value_compiles_fullgraph_as_first_call():
 
 @pytest.mark.slow
 def test_inductor_first_call_matches_eager():
-    """The same through Inductor (what `--compile` runs): the CPU default path and the Triton custom ops."""
-    values = ("auto", "triton")
+    """The same through Inductor (what `--compile` runs) for the Triton custom ops, whose lowering only this test
+    compiles. The CPU default path ("auto": the autograd Functions + the chunked CE op) through Inductor is
+    tests/model/test_hf_interop_and_lora.py::test_compiled_model_matches_eager's, its first call the test above's
+    (a cold Inductor compile of it here cost ~50 s of CPU on 2 cores and checked nothing those two do not)."""
+    values = ("triton",)
     _check(_run_cold("inductor", values), values)
 
 

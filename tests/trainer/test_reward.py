@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import ROOT, run_cmd, run_python, run_trainer, train_cmd
+from tests.conftest import ROOT, run_cmd, run_python, run_trainer, toy_dpo_pairs, train_cmd
 from tests.trainer.test_end_to_end import _env
 from utils.constants import IGNORE_INDEX
 from utils.metrics import dedupe_by_step, read_metrics
@@ -30,16 +30,15 @@ def test_reward_loss_is_bradley_terry_with_the_centring_term():
 
 
 def _pairs():
-    """Three pairs as the DPO collate gets them (shifted: input t, label t = token t + 1; the reply labelled)."""
-    def side(prompt, reply):
-        ids = torch.tensor(prompt + reply)
-        labels = torch.cat((torch.full((len(prompt),), IGNORE_INDEX), torch.tensor(reply)))
-        return ids[:-1], labels[1:]
-    raw = [([1, 2, 3], [10, 11], [20]), ([4, 5], [12, 13, 14], [21, 22]), ([6, 7, 8, 9], [15], [23, 24, 25])]
+    """test_kto's three pairs as the DPO collate gets them (shifted: input t, label t = token t + 1; the reply
+    labelled)."""
+    from tests.trainer.test_kto import _items
+    raw, unshifted = _items()
     items = []
-    for prompt, chosen, rejected in raw:
-        (ci, cl), (ri, rl) = side(prompt, chosen), side(prompt, rejected)
-        items.append({"chosen_input_ids": ci, "chosen_labels": cl, "rejected_input_ids": ri, "rejected_labels": rl})
+    for it in unshifted:
+        items.append({})
+        for side in ("chosen", "rejected"):
+            items[-1].update({f"{side}_input_ids": it[f"{side}_ids"][:-1], f"{side}_labels": it[f"{side}_labels"][1:]})
     return raw, items
 
 
@@ -139,10 +138,7 @@ def test_the_export_is_transformers_sequence_classifier_with_our_scores(tmp_path
 
 
 def _toy(tmp_path, n: int):
-    toy = tmp_path / "toy_prefs.jsonl"
-    with open(os.path.join(ROOT, "data", "dpo", "dpo_pairs.jsonl"), encoding="utf-8") as f:
-        toy.write_text("".join(line for _, line in zip(range(n), f)), encoding="utf-8")
-    return toy
+    return toy_dpo_pairs(tmp_path / "toy_prefs.jsonl", n)
 
 
 def _args(tiny_pretrain_data, toy, init, out, *extra):
