@@ -205,6 +205,18 @@ def test_two_ranks_follow_one_process(pretrained, tiny_pretrain_data, tmp_path, 
     for s in a:
         for key in ("loss", "reward_margin", "chosen_reward"):
             assert abs(a[s][key] - b[s][key]) <= 1e-5 * max(1.0, abs(a[s][key])), (s, key, a[s][key], b[s][key])
+    if engine == "fsdp":  # a sharded checkpoint exports shard by shard (export_hf_streaming): the same reward model
+        from transformers import AutoModelForSequenceClassification
+        for d in (one, two):
+            run_cmd([sys.executable, os.path.join(ROOT, "export_hf.py"), f"--ckpt={d}", f"--out_dir={d}_hf",
+                     "--max_shard_gb=0.00005"], env=_env())
+        assert (tmp_path / "fsdp_hf" / "model.safetensors.index.json").exists()
+        ids = torch.tensor([[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 0, 0]])
+        mask = torch.tensor([[1] * 6, [1] * 4 + [0] * 2])
+        with torch.no_grad():
+            got = [AutoModelForSequenceClassification.from_pretrained(f"{d}_hf").eval()(
+                input_ids=ids, attention_mask=mask).logits for d in (one, two)]
+        assert torch.allclose(got[0], got[1], atol=1e-4), got
 
 
 def test_layouts_and_flags_a_reward_model_cannot_take_are_refused_in_one_line():
