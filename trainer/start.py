@@ -213,6 +213,9 @@ def _score_head_for(cfg: TrainConfig, model, start: Start, init_info: dict, log)
     if want == have:
         return
     source = start.resume_dir or init_info["source"]
+    if have and want:
+        raise TrainingError(f"{source} gives {have} scores per sequence: --task_type={cfg.task_type} trains a reward "
+                            f"model of {want}", EXIT_BAD_CONFIG)
     if have:
         raise TrainingError(f"{source} is a reward model (a score head of {have} output(s), no LM head): "
                             f"--task_type={cfg.task_type} trains a language model; start it from one",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import sys
 
 import pytest
@@ -269,3 +270,25 @@ def test_a_lora_reward_run_resumes_exactly_and_language_model_uses_are_refused(p
     e = run_python([sys.executable, os.path.join(ROOT, "export_hf.py"), f"--ckpt={rm}", f"--out_dir={tmp_path / 'x'}",
                     f"--adapters_out_dir={tmp_path / 'ad'}"], env=_env())
     assert e.returncode == 2 and "a reward model's adapters are exported merged" in e.stderr
+
+
+def test_the_start_adds_a_head_to_a_language_model_and_refuses_other_heads():
+    """trainer/start.py: a reward run on a language model's weights gets the new head; on a model of 2 scores, or a
+    language-model run on a reward model, one line each (exit 2)."""
+    from types import SimpleNamespace
+
+    from model import ModelConfig, Transformer
+    from trainer.config import TrainConfig, TrainingError
+    from trainer.start import _score_head_for
+    start, info = SimpleNamespace(resume_dir=None), {"source": "src"}
+    lm = Transformer(ModelConfig(vocab_size=32, dim=16, n_layers=1, n_heads=2, multiple_of=16, max_seq_len=16))
+    lines = []
+    _score_head_for(TrainConfig(task_type="reward"), lm, start, info, lines.append)
+    assert lm.cfg.num_labels == 1 and lm.lm_head.weight.shape == (1, 16) and "[init] reward model" in lines[0]
+    two = Transformer(ModelConfig(vocab_size=32, dim=16, n_layers=1, n_heads=2, multiple_of=16, max_seq_len=16,
+                                  num_labels=2))
+    for task, words in (("reward", "src gives 2 scores per sequence: --task_type=reward trains a reward model of 1"),
+                        ("sft", "src is a reward model (a score head of 2 output(s), no LM head): --task_type=sft")):
+        with pytest.raises(TrainingError, match=re.escape(words)) as e:
+            _score_head_for(TrainConfig(task_type=task), two, start, info, lines.append)
+        assert e.value.exit_code == 2
