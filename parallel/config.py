@@ -36,17 +36,17 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 # needs beyond a plain forward/backward (trainer/tasks/__init__.py TASKS): padded_batches (SFT's padding or packed
 # documents), sequence_logprobs (DPO's per-sequence sums), rollouts (GRPO's token-by-token generation), task_forwards
 # (forwards of the task's own beside the training ones: KTO's KL rows), sequence_scores (a reward model's score head
-# read at each row's last token). A pipeline's
-# capabilities are those of "pipeline" AND of the dp engine that runs its stages.
+# read at each row's last token), token_logits (the whole vocabulary's logits at chosen positions: distillation). A
+# pipeline's capabilities are those of "pipeline" AND of the dp engine that runs its stages.
 CAPABILITIES: dict[str, frozenset] = {
     "ddp": frozenset({"compile", "padded_batches", "sequence_logprobs", "rollouts", "task_forwards", "sequence_scores",
-                      "frozen_parameters", "light_checkpoints", "state_per_parameter_name", "whole_model_on_one_rank",
-                      "comm_hooks", "overlap_optim_step", "zero", "tied_embeddings", "no_process_group", "float8",
-                      "context_parallel", "low_precision_optimizer_states", "moe", "expert_parallel",
-                      "multi_token_prediction"}),
+                      "token_logits", "frozen_parameters", "light_checkpoints", "state_per_parameter_name",
+                      "whole_model_on_one_rank", "comm_hooks", "overlap_optim_step", "zero", "tied_embeddings",
+                      "no_process_group", "float8", "context_parallel", "low_precision_optimizer_states", "moe",
+                      "expert_parallel", "multi_token_prediction"}),
     "fsdp": frozenset({"compile", "padded_batches", "sequence_logprobs", "rollouts", "task_forwards", "sequence_scores",
-                       "frozen_parameters", "tensor_parallel", "sequence_parallel", "hsdp", "cpu_offload",
-                       "tied_embeddings", "float8", "context_parallel", "moe", "expert_parallel",
+                       "token_logits", "frozen_parameters", "tensor_parallel", "sequence_parallel", "hsdp",
+                       "cpu_offload", "tied_embeddings", "float8", "context_parallel", "moe", "expert_parallel",
                        "multi_token_prediction"}),
     "pipeline": frozenset({"compile", "zero", "tensor_parallel", "sequence_parallel", "hsdp", "cpu_offload",
                            "frozen_parameters", "padded_batches", "sequence_logprobs", "float8", "moe",
@@ -60,6 +60,8 @@ WHY_NOT: dict[str, str] = {
                      "schedule's forwards only: not built",
     "sequence_scores": "a reward model's scores are read at each row's last token of the last stage's output, which "
                        "the schedule's loss does not see: not built",
+    "token_logits": "distillation compares the teacher's and the student's logits at the target positions of the last "
+                    "stage's output, which the schedule's loss does not see: not built",
     "comm_hooks": "only the engine's own gradient reduction runs there",
     "overlap_optim_step": "its per-bucket step needs our DDP's buckets and one stage's gradients",
     "zero": "ZeRO-1/2 belongs to our DDP; FSDP already shards parameters, gradients and optimizer state",
@@ -76,11 +78,14 @@ CP_REFUSES: dict[str, str] = {
     "whole_model_on_one_rank": "samples and task evaluation run whole prompts through a KV cache on one rank; "
                                "the model under cp takes split sequences only",
     "sequence_scores": "a row's score is read at its last token, which one rank's chunk holds: not built",
+    "token_logits": "the logits at chosen positions of the whole rows are not gathered over the cp ranks: not built",
 }
 # what tensor parallelism refuses (--tensor_parallel_size > 1)
 TP_REFUSES: dict[str, str] = {
     "sequence_scores": "the LM head is split over the tensor ranks by vocabulary rows; a reward model's score head "
                        "has one output",
+    "token_logits": "the LM head's logits are split over the tensor ranks by vocabulary rows; distillation's KL needs "
+                    "the whole rows: not built",
 }
 # what expert parallelism under our DDP refuses (--parallel=ddp --expert_parallel_size > 1), and why
 EP_DDP_REFUSES: dict[str, str] = {

@@ -33,8 +33,9 @@ class RunFlags:
     # ---- run and data
     out_dir: str = _f("out/run", "run directory: metrics.jsonl, checkpoints/, config.json")
     task_type: str = _f("pretrain", "pretrain | sft | dpo | kto (replies judged good or bad: labelled examples or DPO "
-                                    "pairs) | reward (a reward model from DPO pairs: docs/training.md) | grpo (online "
-                                    "RL from --data_dir prompts: docs/grpo.md)")
+                                    "pairs) | reward (a reward model from DPO pairs: docs/training.md) | distill (SFT "
+                                    "data, a --ref_model teacher's distributions) | grpo (online RL from --data_dir "
+                                    "prompts: docs/grpo.md)")
     data_dir: str = _f("", "pretrain: directory of token shards + index_L<L>/; sft/dpo: a .jsonl file or a directory of them")
     data_mix: str = _f("", 'pretrain: JSON {"name": weight} (shard dirs under --data_dir) or {"name": {"path": dir, "weight": w}}')
     tokenizer_dir: str = _f("", "tokenizer directory (tokenizer_meta.json gives the vocab size and special ids)")
@@ -199,6 +200,13 @@ class DPOFlags:
                               "(TRL's loss_type of the same name)")
     kto_desirable_weight: float = _f(1.0, "KTO's lambda_D: the desirable (chosen) examples' weight")
     kto_undesirable_weight: float = _f(1.0, "KTO's lambda_U: the undesirable (rejected) examples' weight")
+    # ---- distillation (--task_type=distill; the teacher is --ref_model)
+    distill_loss: str = _f("forward_kl", "distill: forward_kl (KL(teacher || student), Hinton's) | reverse_kl "
+                                         "(KL(student || teacher)) per target token")
+    distill_temperature: float = _f(1.0, "distill: both models' logits divided by this; the KL term is multiplied by "
+                                         "its square")
+    distill_alpha: float = _f(0.0, "distill: the loss is alpha x the student's cross-entropy on the reference token + "
+                                   "(1 - alpha) x the KL term")
     # ---- reward modelling (--task_type=reward)
     reward_center_coef: float = _f(0.0, "reward: + this x (r_chosen + r_rejected)^2 per pair, keeping the scores "
                                         "centred on 0 (TRL's center_rewards_coefficient; 0.01 in Eisenstein et al. "

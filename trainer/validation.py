@@ -163,6 +163,10 @@ def _choices_and_combinations(cfg: TrainConfig, p: _Problems, torch_free: bool) 
     p.choice("lr_schedule", ("cosine", "linear", "wsd", "constant"))
     p.choice("dpo_loss", DPO_LOSSES)
     p.choice("kto_loss", KTO_LOSSES)
+    p.choice("distill_loss", ("forward_kl", "reverse_kl"))
+    if cfg.task_type == "distill" and not cfg.ref_model:
+        p.append("--task_type=distill learns from a teacher: pass --ref_model=<the teacher's run, checkpoint or "
+                 "Hugging Face dir>")
     if cfg.ref_model and cfg.dpo_loss in REFERENCE_FREE_LOSSES:
         p.append(f"--ref_model: --dpo_loss={cfg.dpo_loss} is reference-free (no reference model is loaded)")
     p.choice("trainable", ("all", "embeddings"))
@@ -265,6 +269,8 @@ def _numbers_and_extras(cfg: TrainConfig, p: _Problems, torch_free: bool) -> Non
     p.number("kto_desirable_weight", 0.0, low_open=True)
     p.number("kto_undesirable_weight", 0.0, low_open=True)
     p.number("reward_center_coef", 0.0)
+    p.number("distill_temperature", 0.0, low_open=True)
+    p.number("distill_alpha", 0.0, 1.0, high_open=False)
     p.number("discopop_tau", 0.0, low_open=True)
     p.number("rpo_alpha", 0.0)
     if cfg.rpo_alpha and cfg.dpo_loss in REFERENCE_FREE_LOSSES:

@@ -24,6 +24,8 @@ TASKS: dict[str, Union[str, TaskEntry]] = {  # --task_type -> its entry
     "kto": TaskEntry("trainer.tasks.kto:KTOTask", needs="task_forwards", from_pretrained=True),  # (and DPO's)
     "reward": TaskEntry("trainer.tasks.reward:RewardTask", needs="sequence_scores", from_pretrained=True,
                         score_head=1),
+    "distill": TaskEntry("trainer.tasks.distill:DistillTask", needs="token_logits", from_pretrained=True,
+                         tokens=("pad",)),
     "grpo": TaskEntry("trainer.tasks.grpo:GRPOTask", needs="rollouts", tokens=("eos", "pad")),
 }
 

@@ -46,6 +46,11 @@ class Task:
                  log: Optional[Callable[[str], None]]) -> TaskData:
         raise NotImplementedError
 
+    def reference_problem(self, model_cfg: Any, ref_cfg: Any) -> Optional[str]:
+        """Why the loaded reference model (ModelConfig `ref_cfg`) cannot serve this task's model (`model_cfg`), one
+        line (exit 2), or None (the default: any)."""
+        return None
+
     def before_step(self, loop: Any, draw: Callable[[], tuple]) -> tuple[list, list]:
         """The phase before a step: (this rank's micro-batches, data steps skipped). `draw()` gives the next data
         step's micro-batches (and the skipped ones); a task that makes its training rows from them (GRPO's rollouts)

@@ -1,0 +1,129 @@
+"""Distillation (--task_type=distill): the loss against its formula in Python floats, a micro-batch's loss against
+both models' full logits computed apart (every position, the targets selected afterwards), a run from the pretrained
+model towards an SFT'd teacher whose KL falls, two data-parallel ranks against one process, and the refusals."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+import pytest
+import torch
+
+from tests.conftest import ROOT, run_cmd, run_trainer, train_cmd
+from tests.trainer.test_end_to_end import _env
+from utils.constants import IGNORE_INDEX
+from utils.metrics import dedupe_by_step, read_metrics
+
+
+def test_distill_loss_is_the_kl_of_the_tempered_distributions():
+    from trainer.tasks.distill import distill_loss
+    student, teacher, target = [1.0, -0.5, 2.0], [0.25, 0.75, 1.5], 2
+    for loss_type in ("forward_kl", "reverse_kl"):
+        for temp, alpha in ((1.0, 0.0), (2.0, 0.25)):
+            got, kl, ce = distill_loss(torch.tensor([student], dtype=torch.float64),
+                                       torch.tensor([teacher], dtype=torch.float64), torch.tensor([target]),
+                                       temperature=temp, alpha=alpha, loss_type=loss_type)
+
+            def softmax(z):
+                e = [math.exp(v / temp) for v in z]
+                return [v / sum(e) for v in e]
+            q, p = softmax(student), softmax(teacher)
+            a, b = (p, q) if loss_type == "forward_kl" else (q, p)
+            want_kl = sum(x * (math.log(x) - math.log(y)) for x, y in zip(a, b))
+            want_ce = -math.log(math.exp(student[target]) / sum(math.exp(v) for v in student))
+            assert abs(float(kl[0]) - want_kl) < 1e-12 and abs(float(ce[0]) - want_ce) < 1e-12
+            assert abs(float(got[0]) - (alpha * want_ce + (1 - alpha) * temp ** 2 * want_kl)) < 1e-12
+
+
+def test_a_micro_batch_is_the_loss_of_both_models_full_logits_at_the_targets(tiny_pretrain_data):
+    from data_preprocess.pretokenize_sft_data import tokenize_sft_records
+    from dataset.dataset_sft import build_sft_splits
+    from model import ModelConfig, Transformer
+    from trainer.config import TrainConfig
+    from trainer.tasks.distill import DistillTask, distill_loss
+    records = tokenize_sft_records(os.path.join(ROOT, "data", "sft"), tiny_pretrain_data["tokenizer_dir"], 64)
+    train, _, collate = build_sft_splits(records, 64, val_ratio=0.0, seed=0)
+    batch = collate([train[i] for i in range(3)])
+    kw = dict(vocab_size=448, dim=32, n_layers=1, n_heads=4, multiple_of=16, max_seq_len=64)
+    torch.manual_seed(0)
+    student = Transformer(ModelConfig(**kw))
+    torch.manual_seed(1)
+    teacher = Transformer(ModelConfig(**kw)).requires_grad_(False)
+    cfg = TrainConfig(task_type="distill", distill_temperature=2.0, distill_alpha=0.3)
+    loss, stats = DistillTask(cfg).micro_batch_loss(student, teacher, batch, torch.device("cpu"))
+    with torch.no_grad():
+        mask = {k: batch[k] for k in ("attention_mask",) if k in batch}
+        s, t = student(batch["input_ids"], **mask), teacher(batch["input_ids"], **mask)  # [B, T, V]: every position
+        y = batch["labels"]
+        keep = y != IGNORE_INDEX
+        want, kl, _ = distill_loss(s[keep], t[keep], y[keep], temperature=2.0, alpha=0.3)
+    assert int(keep.sum()) > 10 and abs(float(loss.detach()) - float(want.sum())) < 1e-4 * float(want.sum())
+    assert abs(float(stats["kl"]) - float(kl.sum())) < 1e-4 * float(kl.sum())
+    loss.backward()
+    assert student.lm_head.weight.grad.abs().sum() > 0 and teacher.lm_head.weight.grad is None
+
+
+def _args(tiny_pretrain_data, init, out, *extra):
+    return [f"--tokenizer_dir={tiny_pretrain_data['tokenizer_dir']}", "--max_seq_len=96", "--device=cpu",
+            "--progress=false", "--peak_flops=1e11", "--log_interval=1", "--eval_interval=0", "--warmup_iters=2",
+            "--seed=3", "--val_ratio=0.0", f"--data_dir={os.path.join(ROOT, 'data', 'sft')}", f"--init_from={init}",
+            f"--out_dir={out}", "--learning_rate=3e-3", *extra]
+
+
+@pytest.fixture(scope="module")
+def teacher(pretrained, tiny_pretrain_data, tmp_path_factory):
+    """A 10-step SFT run from the pretrained model: its distributions on the SFT replies differ from the student's."""
+    out = tmp_path_factory.mktemp("distill") / "teacher"
+    run_cmd(train_cmd(_args(tiny_pretrain_data, pretrained["out"], out, "--task_type=sft", "--max_iters=10",
+                            "--batch_size=8", "--checkpoint_interval=10")), env=_env())
+    return out
+
+
+def test_the_student_comes_to_the_teachers_distributions(pretrained, tiny_pretrain_data, teacher, tmp_path):
+    out = tmp_path / "student"
+    run_cmd(train_cmd(_args(tiny_pretrain_data, pretrained["out"], out, "--task_type=distill", f"--ref_model={teacher}",
+                            "--max_iters=10", "--batch_size=8", "--checkpoint_interval=10")), env=_env())
+    recs = dedupe_by_step(read_metrics(os.path.join(out, "metrics.jsonl")))
+    assert recs[1]["kl"] > 0, recs[1]  # (the teacher is not the student)
+    assert sum(recs[s]["kl"] for s in (8, 9, 10)) < 0.5 * sum(recs[s]["kl"] for s in (1, 2, 3)), recs
+    assert all(abs(r["loss"] - r["kl"]) < 1e-5 * max(1.0, r["kl"]) for r in recs.values())  # alpha 0, T 1
+
+
+@pytest.mark.parametrize("engine", ["ddp", "fsdp"])
+def test_two_ranks_follow_one_process(pretrained, tiny_pretrain_data, teacher, tmp_path, engine):
+    common = ["--task_type=distill", f"--ref_model={teacher}", "--max_iters=3", "--batch_size=2",
+              "--checkpoint_interval=100", "--distill_alpha=0.5", "--distill_temperature=2"]
+    one, two = tmp_path / "one", tmp_path / engine
+    run_cmd(train_cmd(_args(tiny_pretrain_data, pretrained["out"], one, *common, "--gradient_accumulation_steps=2")),
+            env=_env())
+    run_cmd(train_cmd(_args(tiny_pretrain_data, pretrained["out"], two, *common, f"--parallel={engine}"), 2),
+            env=_env())
+    a, b = (dedupe_by_step(read_metrics(os.path.join(d, "metrics.jsonl"))) for d in (one, two))
+    assert sorted(a) == sorted(b) == [1, 2, 3]
+    for s in a:
+        for key in ("loss", "kl", "ce"):
+            assert abs(a[s][key] - b[s][key]) <= 1e-5 * max(1.0, abs(a[s][key])), (s, key, a[s][key], b[s][key])
+
+
+def test_refusals_name_the_flag(pretrained, tiny_pretrain_data, tmp_path):
+    from model import ModelConfig
+    from parallel.config import ParallelConfig
+    from trainer.config import TrainConfig, engine_needs
+    from trainer.tasks.distill import DistillTask
+    r = run_trainer(train_cmd(_args(tiny_pretrain_data, pretrained["out"], tmp_path / "x", "--task_type=distill",
+                                    "--max_iters=1")), env=_env())
+    assert r.returncode == 2 and "--task_type=distill learns from a teacher: pass --ref_model=" in r.stderr
+    small, big = (ModelConfig(vocab_size=v, dim=16, n_layers=1, n_heads=2, max_seq_len=16) for v in (64, 128))
+    task = DistillTask(TrainConfig(task_type="distill"))
+    assert task.reference_problem(small, small) is None
+    assert "has 128 outputs, the student 64" in task.reference_problem(small, big)
+    base = dataclasses.replace(TrainConfig(), task_type="distill")
+    for flags, words in (({"tensor_parallel_size": 2, "parallel": "fsdp"}, "--tensor_parallel_size=2 (the LM head"),
+                         ({"context_parallel_size": 2}, "--context_parallel_size=2 (the logits at chosen"),
+                         ({"pipeline_parallel_size": 2, "gradient_accumulation_steps": 2},
+                          "--pipeline_parallel_size=2 (distillation compares")):
+        cfg = dataclasses.replace(base, **flags)
+        problems = ParallelConfig.from_flags(cfg).problems(world_size=2, needs=engine_needs(cfg))
+        assert sum(p.startswith(f"--task_type=distill cannot be combined with {words}") for p in problems) == 1, \
+            problems
