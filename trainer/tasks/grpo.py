@@ -26,13 +26,13 @@ from trainer.tasks.base import Task, TaskData
 from trainer.tasks.grpo_data import PromptSet, read_prompts_file
 from trainer.tasks.grpo_loss import (MICRO_BATCH_MEAN, TOKEN_AVERAGED, aggregate, batch_std, group_advantages,
                                      high_entropy_mask, per_token_terms, units_of)
-from trainer.tasks.grpo_flags import needs_answer
 from trainer.tasks.grpo_rewards import build_rewards
 from trainer.tasks.grpo_rollout import Group, drop_truncated, rollout_seed, sample_group, token_logps, training_rows
 from utils.constants import EXIT_BAD_CONFIG
 from utils.device import is_accelerator, parse_dtype, to_device
 from utils.errors import TrainingError
 
+_LOADED_LATER = object()  # --reward_model's place in the reward functions checked by `datasets`
 _STEP_KEYS = ("completions", "completion_tokens", "reward", "reward_sq", "clipped", "kl", "entropy", "lp_diff_sum",
               "lp_diff_max", "one")
 
@@ -66,7 +66,8 @@ class GRPOTask(Task):
         from tokenizer import load_tokenizer
         cfg = self.cfg
         self._log = log or self._log
-        answers = needs_answer(cfg)
+        # the reward functions imported and checked now, at the start (--reward_model's loads with the tools)
+        answers = build_rewards(cfg, model_reward=_LOADED_LATER).needs_answer
         prompts = read_prompts_file(cfg.data_dir, cfg, load_tokenizer(cfg.tokenizer_dir), tok_meta, answers, log)
         train = PromptSet(prompts)
         if not cfg.eval_data_dir:
