@@ -2,8 +2,8 @@
 regex), a user's own `module:function`, a reward model's score (--reward_model), and their weighted sum.
 
 Owns: `build_rewards` (the flags' functions, imported and checked once at the start), `RewardSet.score_many` (every
-function on a prompt's completions, each value checked), `RewardError` (a reward that raised or gave a non-number: one line
-naming the function and the record, exit 3 as bad data).
+function on a prompt's completions, each value checked), `RewardError` (a reward that raised or gave a non-number:
+one line naming the function and the record, exit 3 as bad data).
 Must never: turn a failing reward into a silent 0, or import torch (rewards are host Python on decoded text).
 """
 from __future__ import annotations
