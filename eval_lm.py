@@ -23,6 +23,11 @@ context + gold continuation followed by a blank line (lm-eval's "\\n\\n" few-sho
 examples from a few-shot split instead, and MMLU's adds a description line). --loglikelihoods_out writes every
 choice's value (jsonl).
 
+A reward model (--task_type=reward's, or a Hugging Face *ForSequenceClassification): --preferences=pairs.jsonl (DPO's
+{"prompt" | "conversations", "chosen", "rejected"} records, rendered as the trainer renders them) reports the share of
+pairs whose chosen reply scores higher (RewardBench's accuracy) and the mean margin (evals/preferences.py); a reward
+model takes no --tasks or --perplexity_files, a language model no --preferences.
+
 Scoring is batched: every request (one per choice, one per perplexity window) sorted longest first, --batch_size
 per forward, right-padded (the model is causal: a row's padding never changes its log-likelihood; the values equal
 one-forward-per-request scoring up to float32 rounding). A progress bar (requests/s) goes to stderr. On the CPU,
@@ -101,6 +106,15 @@ def start_scoring(bar, total: int) -> None:
     bar.reset(total=total)  # the rate counts from here, the loading left out
 
 
+def _preference_accuracy(model, path: str, tok_dir: str, max_len: int, batch_size: int, device) -> dict:
+    """evals/preferences.py's result for the pairs of `path`, read as the trainer reads DPO records."""
+    from data_preprocess.pretokenize_dpo_data import tokenize_dpo_records
+    from dataset.dataset_dpo import DPODataset, dpo_collate
+    from evals.preferences import score_preferences
+    pairs = DPODataset(tokenize_dpo_records(path, tok_dir, max_len), max_len)
+    return score_preferences(model, pairs, dpo_collate(pairs.pad_id), path, max_len, batch_size, device)
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -115,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--text_fields", default="text", help=TEXT_FIELDS_HELP)
     p.add_argument("--tasks", nargs="+", action="extend", default=[],
                    help="multiple-choice jsonl files (HellaSwag / ARC / PIQA / MMLU-style or generic); comma-separated or repeated")
+    p.add_argument("--preferences", nargs="+", action="extend", default=[],
+                   help="a reward model's accuracy on preference pairs ({prompt | conversations, chosen, rejected} "
+                        "records, DPO's): the share whose chosen reply scores higher (evals/preferences.py)")
     p.add_argument("--num_fewshot", type=int, default=0)
     p.add_argument("--max_seq_len", type=int, default=0, help="0 = the model's max_seq_len")
     p.add_argument("--batch_size", type=int, default=DEFAULT_BATCH_SIZE,
@@ -128,14 +145,17 @@ def main(argv: list[str] | None = None) -> int:
     tasks = [t for spec in args.tasks for t in spec.split(",") if t]
     from inference.loading import precheck
     problem = precheck(args)
-    if not problem and not (tasks or args.perplexity_files):
-        problem = "nothing to evaluate: give --tasks and/or --perplexity_files"
+    if not problem and not (tasks or args.perplexity_files or args.preferences):
+        problem = "nothing to evaluate: give --tasks and/or --perplexity_files (a language model), or --preferences"
+    if not problem and args.preferences and (tasks or args.perplexity_files):
+        problem = ("--preferences measures a reward model, --tasks / --perplexity_files a language model: one kind "
+                   "per run")
     if not problem and (args.num_fewshot < 0 or args.max_seq_len < 0 or args.batch_size < 1
                         or args.threads < 0):
         problem = "--num_fewshot, --max_seq_len and --threads must be >= 0, --batch_size >= 1"
     for path in tasks:
         problem = problem or task_file_problem(path)
-    for path in args.perplexity_files:
+    for path in args.perplexity_files + args.preferences:
         problem = problem or input_problem(path)
     for flag, path in (("--out", args.out), ("--loglikelihoods_out", args.loglikelihoods_out)):
         if path and not problem:
@@ -184,13 +204,18 @@ def _load_and_score(args, read: list, bar) -> int:
             return 2
         tok, meta = load_tokenizer_and_meta(tok_dir)  # one line naming the file when it does not load
         bos, eos = (int(meta["special_tokens"][k]["id"]) for k in ("bos", "eos"))
-        model, _ = load_for_inference(args.ckpt, device, args.checkpoint)
+        model, _ = load_for_inference(args.ckpt, device, args.checkpoint, reward=bool(args.preferences))
         max_len = args.max_seq_len or model.cfg.max_seq_len
+        results: dict = {"ckpt": args.ckpt, "tasks": [], "perplexity": None, "preferences": []}
+        for path in args.preferences:  # (a reward model: nothing else is asked of it)
+            r = _preference_accuracy(model, path, tok_dir, max_len, args.batch_size, device)
+            results["preferences"].append(r)
+            bar.write(f"[eval] {os.path.basename(path)}: reward accuracy {r['acc']:.4f}  margin {r['margin']:.4f}  "
+                      f"(n={r['n']}; skipped {r['skipped']}, dropped {r['dropped']})", file=sys.stdout)
         encoded = [encode_requests(tok, bos, reqs, max_len, where) for _, reqs, where in read]
         ppl = perplexity_requests(tok, bos, eos, args.perplexity_files, args.text_fields, max_len) \
             if args.perplexity_files else None
         start_scoring(bar, sum(len(item) for enc in encoded for item in enc) + (len(ppl[0]) if ppl else 0))
-        results: dict = {"ckpt": args.ckpt, "tasks": [], "perplexity": None}
         lines: list = []
         for (path, reqs, _), enc in zip(read, encoded):
             flat = [r for item in enc for r in item]

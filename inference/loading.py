@@ -29,19 +29,22 @@ def select_for_inference(ckpt_path: str, which: str, log: Callable[[str], None])
         raise TrainingError(one_line(e), selection_exit_code(e, ckpt_path, which)) from e
 
 
-def load_for_inference(ckpt_path: str, device: torch.device, which: str = "latest"):
-    """(language model in eval mode on `device`, info) from a HF directory, or a run's `which` checkpoint.
-    TrainingError (with its exit code: 2 for a reward model, which has no LM head to generate or score tokens with)
-    or CheckpointError (exit 5, naming the file) when it cannot."""
+def load_for_inference(ckpt_path: str, device: torch.device, which: str = "latest", reward: bool = False):
+    """(language model in eval mode on `device`, info) from a HF directory, or a run's `which` checkpoint; a reward
+    model (model/score_head.py) with `reward`. TrainingError (with its exit code: 2 for the other kind of model) or
+    CheckpointError (exit 5, naming the file) when it cannot."""
     from trainer.config import TrainingError
     from trainer.weights import load_weights_from
     from utils.constants import EXIT_BAD_CONFIG
     log = lambda m: print(m, file=sys.stderr)  # noqa: E731
     model, info = load_weights_from(select_for_inference(ckpt_path, which, log), log=log)
-    if model.cfg.num_labels:  # (model/score_head.py)
+    if reward and not model.cfg.num_labels:
+        raise TrainingError(f"{ckpt_path} is a language model: --preferences scores pairs with a reward model "
+                            "(--task_type=reward's, or a Hugging Face *ForSequenceClassification)", EXIT_BAD_CONFIG)
+    if model.cfg.num_labels and not reward:  # (model/score_head.py)
         raise TrainingError(f"{ckpt_path} is a reward model ({model.cfg.num_labels} score(s) per sequence, no LM "
-                            "head): it neither generates nor scores tokens; export_hf.py writes it as a "
-                            "*ForSequenceClassification to score text with", EXIT_BAD_CONFIG)
+                            "head): it neither generates nor scores tokens (eval_lm.py --preferences measures it; "
+                            "export_hf.py writes it as a *ForSequenceClassification)", EXIT_BAD_CONFIG)
     return model.to(device).eval(), info
 
 

@@ -6,6 +6,7 @@ refusals."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import re
@@ -187,6 +188,23 @@ def test_a_reward_model_learns_the_preferences_and_exports(pretrained, tiny_pret
         ours = last_token_scores(model.eval(), ids, mask)
         theirs = hf(input_ids=ids, attention_mask=mask).logits.float()
     assert torch.allclose(ours, theirs, atol=1e-4), (ours, theirs)
+    # eval_lm.py --preferences: the accuracy and margin of each pair scored alone here (unpadded, one row a forward)
+    res = tmp_path / "eval.json"
+    run_cmd([sys.executable, os.path.join(ROOT, "eval_lm.py"), f"--ckpt={out}", f"--preferences={toy}",
+             "--device=cpu", f"--out={res}", "--batch_size=3", "--max_seq_len=96"], env=_env())
+    got = json.loads(res.read_text())["preferences"][0]
+    margins = []
+    with torch.no_grad():
+        for i in range(len(train)):
+            side = []
+            for s in ("chosen", "rejected"):
+                x, y = train[i][f"{s}_input_ids"], train[i][f"{s}_labels"]
+                grow = int(y[-1]) != IGNORE_INDEX and len(x) < 96  # (the reply's last token, within the length)
+                side.append(torch.cat([x, y[-1:]]) if grow else x)
+            c, r = (float(model(x[None])[0, -1, 0]) for x in side)
+            margins.append(c - r)
+    assert got["n"] == len(train) == 16 and got["acc"] == sum(m > 0 for m in margins) / 16, (got, margins)
+    assert abs(got["margin"] - sum(margins) / 16) < 1e-4, (got, margins)
 
 
 @pytest.mark.parametrize("engine", ["ddp", "fsdp"])
@@ -267,6 +285,9 @@ def test_a_lora_reward_run_resumes_exactly_and_language_model_uses_are_refused(p
     ev = run_python([sys.executable, os.path.join(ROOT, "eval_lm.py"), f"--ckpt={rm}", "--device=cpu",
                      f"--perplexity_files={toy}"], env=_env())
     assert ev.returncode == 2 and f"{rm} is a reward model" in ev.stderr, ev.stderr[-2000:]
+    lm = run_python([sys.executable, os.path.join(ROOT, "eval_lm.py"), f"--ckpt={pretrained['out']}", "--device=cpu",
+                     f"--preferences={toy}"], env=_env())
+    assert lm.returncode == 2 and "is a language model: --preferences scores pairs with a reward model" in lm.stderr
     e = run_python([sys.executable, os.path.join(ROOT, "export_hf.py"), f"--ckpt={rm}", f"--out_dir={tmp_path / 'x'}",
                     f"--adapters_out_dir={tmp_path / 'ad'}"], env=_env())
     assert e.returncode == 2 and "a reward model's adapters are exported merged" in e.stderr

@@ -14,10 +14,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from model.score_head import last_token_scores, whole_rows
+from evals.preferences import pair_scores
 from trainer.tasks.base import Task
 from trainer.tasks.dpo import preference_data
-from utils.device import to_device
 
 
 def reward_loss(chosen: torch.Tensor, rejected: torch.Tensor, center_coef: float = 0.0) -> torch.Tensor:
@@ -27,16 +26,6 @@ def reward_loss(chosen: torch.Tensor, rejected: torch.Tensor, center_coef: float
     if center_coef:
         losses = losses + center_coef * (chosen + rejected) ** 2
     return losses
-
-
-def pair_scores(model, batch: dict, device, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(chosen scores [P], rejected scores [P]) of a DPO-collated batch, both sides in one forward (2P rows: the
-    collate pads them to one length), each row whole (model/score_head.py whole_rows) within `max_len` tokens."""
-    sides = [[to_device(batch[f"{side}_{k}"], device) for k in ("input_ids", "labels", "attention_mask")]
-             for side in ("chosen", "rejected")]
-    ids, mask = whole_rows(*(torch.cat([a, b]) for a, b in zip(*sides)), max_len=max_len)
-    scores = last_token_scores(model, ids, mask)[:, 0]
-    return scores[:ids.shape[0] // 2], scores[ids.shape[0] // 2:]
 
 
 class RewardTask(Task):
