@@ -84,10 +84,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.adapters_out_dir and not lora:
         print("export_hf: --adapters_out_dir given but the run did not train LoRA adapters", file=sys.stderr)
         return 2
-    if lora and args.adapters_out_dir and model.cfg.num_labels:
-        print("export_hf: --adapters_out_dir: a reward model's adapters are exported merged (without "
-              "--adapters_out_dir); PEFT's sequence-classification adapter layout is not written", file=sys.stderr)
-        return 2
     if lora and args.adapters_out_dir:
         save_lora(model, args.adapters_out_dir, base_model_name_or_path=os.path.abspath(args.out_dir))
         caveat = peft_moe_caveat(model)

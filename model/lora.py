@@ -156,9 +156,17 @@ def merge_lora(model: nn.Module) -> nn.Module:
     return model
 
 
-def _peft_prefix(name: str) -> str:
-    # our `layers.0...` is HF's `model.layers.0...`; PEFT wraps the HF model as base_model.model
-    return "base_model.model." + (name if name.startswith("lm_head") else "model." + name)
+def _peft_prefix(name: str, score: bool = False) -> str:
+    # our `layers.0...` is HF's `model.layers.0...`; PEFT wraps the HF model as base_model.model; a reward model's
+    # head is HF's `score` (its *ForSequenceClassification: model/hf_score.py)
+    if name.startswith("lm_head"):
+        return "base_model.model." + ("score" + name[len("lm_head"):] if score else name)
+    return "base_model.model.model." + name
+
+
+def _peft_modules(modules: Iterable[str], score: bool) -> list:
+    """modules_to_save under transformers' names (a reward model's head: `score`)."""
+    return ["score" if score and m == "lm_head" else m for m in modules]
 
 
 def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -167,11 +175,12 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     if cfg is None:
         raise ValueError("model has no LoRA adapters (call apply_lora first)")
     out = {}
+    score = bool(getattr(model.cfg, "num_labels", 0))
     for name, t in model.state_dict().items():
         if ".lora_A." in name or ".lora_B." in name:
             out[_peft_prefix(name)] = t
     for mod in cfg["modules_to_save"] or []:
-        out[_peft_prefix(f"{mod}.weight")] = model.state_dict()[f"{mod}.weight"]
+        out[_peft_prefix(f"{mod}.weight", score)] = model.state_dict()[f"{mod}.weight"]
     return {k: v.detach().contiguous().clone() for k, v in out.items()}
 
 
@@ -192,10 +201,12 @@ def save_lora(model: nn.Module, out_dir: str, base_model_name_or_path: Optional[
     """adapter_config.json + adapter_model.safetensors in the PEFT layout."""
     cfg = model.lora_config
     os.makedirs(out_dir, exist_ok=True)
+    score = bool(getattr(model.cfg, "num_labels", 0))  # a reward model: PEFT's sequence-classification adapters
     adapter_cfg = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg["r"], "lora_alpha": cfg["lora_alpha"],
-        "lora_dropout": cfg["lora_dropout"], "target_modules": cfg["target_modules"], "bias": "none",
-        "modules_to_save": cfg["modules_to_save"], "fan_in_fan_out": False, "inference_mode": True,
+        "peft_type": "LORA", "task_type": "SEQ_CLS" if score else "CAUSAL_LM", "r": cfg["r"],
+        "lora_alpha": cfg["lora_alpha"], "lora_dropout": cfg["lora_dropout"], "target_modules": cfg["target_modules"],
+        "bias": "none", "modules_to_save": _peft_modules(cfg["modules_to_save"] or [], score) or None,
+        "fan_in_fan_out": False, "inference_mode": True,
         "init_lora_weights": True, "use_rslora": False, "use_dora": False,
         "base_model_name_or_path": base_model_name_or_path,
     }
@@ -212,12 +223,13 @@ def load_lora(model: nn.Module, adapter_dir: str) -> nn.Module:
     mts = c.get("modules_to_save") or []
     apply_lora(model, r=c["r"], alpha=c["lora_alpha"], dropout=c.get("lora_dropout", 0.0),
                target_modules=c["target_modules"], train_embeddings="embed_tokens" in mts,
-               train_lm_head="lm_head" in mts)
+               train_lm_head="lm_head" in mts or "score" in mts)
     sd = load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
     ours = {}
     for k, v in sd.items():
         name = k[len("base_model.model."):] if k.startswith("base_model.model.") else k
         name = name[len("model."):] if name.startswith("model.") else name
+        name = "lm_head" + name[len("score"):] if name.startswith("score.") else name  # (a reward model's head)
         ours[name.replace(".default.", ".")] = v
     missing, unexpected = model.load_state_dict(ours, strict=False)
     if unexpected:

@@ -261,7 +261,7 @@ def test_a_lora_reward_run_resumes_exactly_and_language_model_uses_are_refused(p
                                                                                tmp_path):
     """LoRA on a reward model (light checkpoints: the adapters and the new score head over the language model's frozen
     base): a crash at step 3, the resume from step 2 gives the uninterrupted run's losses bit for bit. Then SFT from
-    the reward model: one line, exit 2; sample.py and eval_lm.py refuse it; its adapters export merged only."""
+    the reward model: one line, exit 2; sample.py and eval_lm.py refuse it; its adapters load in PEFT over the export."""
     from tests.trainer.test_end_to_end import losses
     toy = _toy(tmp_path, 8)
     args = ["--max_iters=4", "--batch_size=4", "--checkpoint_interval=2", "--lora_rank=2"]
@@ -288,9 +288,21 @@ def test_a_lora_reward_run_resumes_exactly_and_language_model_uses_are_refused(p
     lm = run_python([sys.executable, os.path.join(ROOT, "eval_lm.py"), f"--ckpt={pretrained['out']}", "--device=cpu",
                      f"--preferences={toy}"], env=_env())
     assert lm.returncode == 2 and "is a language model: --preferences scores pairs with a reward model" in lm.stderr
-    e = run_python([sys.executable, os.path.join(ROOT, "export_hf.py"), f"--ckpt={rm}", f"--out_dir={tmp_path / 'x'}",
-                    f"--adapters_out_dir={tmp_path / 'ad'}"], env=_env())
-    assert e.returncode == 2 and "a reward model's adapters are exported merged" in e.stderr
+    # the adapters in PEFT's sequence-classification layout over the exported base: PEFT gives our scores
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForSequenceClassification
+
+    from model.score_head import last_token_scores
+    from trainer.weights import load_weights_from
+    base, ad = tmp_path / "base", tmp_path / "ad"
+    run_cmd([sys.executable, os.path.join(ROOT, "export_hf.py"), f"--ckpt={rm}", f"--out_dir={base}",
+             f"--adapters_out_dir={ad}"], env=_env())
+    assert json.loads((ad / "adapter_config.json").read_text())["task_type"] == "SEQ_CLS"
+    ours, _ = load_weights_from(str(rm), lambda m: None)  # (the adapters merged)
+    pm = peft.PeftModel.from_pretrained(AutoModelForSequenceClassification.from_pretrained(base), str(ad)).eval()
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11], [12, 13, 14, 15, 16, 17, 18]])
+    with torch.no_grad():
+        assert torch.allclose(pm(input_ids=ids).logits, last_token_scores(ours.eval(), ids), atol=1e-5)
 
 
 def test_the_start_adds_a_head_to_a_language_model_and_refuses_other_heads():
