@@ -105,8 +105,8 @@ def test_lora_keeps_the_new_score_head_trainable():
 
 
 def test_the_export_is_transformers_sequence_classifier_with_our_scores(tmp_path):
-    """export_hf writes a LlamaForSequenceClassification (Qwen3's for a Qwen3 block) whose scores of a right-padded
-    batch equal ours; import_hf reads it (and one transformers built) back as the same reward model."""
+    """export_hf writes a LlamaForSequenceClassification (Qwen3's for a Qwen3 block, Qwen3-MoE's for its MoE) whose
+    scores of a right-padded batch equal ours; import_hf reads it (and one transformers built) back as the same reward model."""
     from transformers import AutoModelForSequenceClassification, LlamaConfig, LlamaForSequenceClassification
 
     from model.hf_interop import export_hf, import_hf
@@ -114,8 +114,10 @@ def test_the_export_is_transformers_sequence_classifier_with_our_scores(tmp_path
     pad = 31
     ids = torch.tensor([[3, 4, 5, 6, 7, 8], [9, 10, 11, pad, pad, pad]])
     mask = (ids != pad).long()
+    moe = {"qk_norm": True, "moe_num_experts": 4, "moe_top_k": 2, "moe_hidden_dim": 8, "hidden_dim": 32}
     for kw, family in (({}, "LlamaForSequenceClassification"), ({"qk_norm": True, "attn_head_dim": 8},
-                                                                  "Qwen3ForSequenceClassification")):
+                                                                  "Qwen3ForSequenceClassification"),
+                       (moe, "Qwen3MoeForSequenceClassification")):
         ours = _tiny_reward_model(**kw).eval()
         out = export_hf(ours, str(tmp_path / family), special_ids={"pad_token_id": pad, "eos_token_id": 2})
         hf = AutoModelForSequenceClassification.from_pretrained(out).eval()
