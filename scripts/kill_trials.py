@@ -119,6 +119,13 @@ CONFIGS: dict[str, tuple[int, list[str]]] = {
     "moe-ep2-ddp": (2, ["--batch_size=2", "--expert_parallel_size=2", "@moe"]),
     "moe-ep2-zero1": (2, ["--batch_size=2", "--use_distributed_optimizer=true", "--zero_stage=1",
                           "--expert_parallel_size=2", "@moe"]),
+    # a reward model (a new score head on the reference run's blocks; under LoRA its light checkpoints rebuild the
+    # head over the frozen base) and distillation towards the reference run (the student moves off it by its CE term)
+    "reward": (1, ["--task_type=reward", "@dpo", "@base", "--max_seq_len=96", "--learning_rate=3e-3"]),
+    "reward-lora-ddp2": (2, ["--task_type=reward", "@dpo", "@base", "--max_seq_len=96", "--lora_rank=4",
+                             "--batch_size=2", "--learning_rate=3e-3"]),
+    "distill-fsdp2": (2, ["--task_type=distill", "@sft", "@base", "@teacher", "--max_seq_len=96", "--batch_size=2",
+                          "--parallel=fsdp", "--distill_alpha=0.5", "--learning_rate=3e-3"]),
     # multi-token prediction: two depths (their weights and optimizer state in the checkpoints)
     "mtp": (1, ["--mtp_num_layers=2", "--mtp_loss_weight=0.3"]),
     # an MoE model with an MTP depth (an MoE block too) and a capacity factor, experts over 2 ep ranks of our DDP
@@ -136,9 +143,11 @@ SLOW_WRITES_S = "2.0"
 def config_args(common: list[str], flags: list[str], data: dict, base_ref: str) -> list[str]:
     """The common flags with a configuration's over them (a flag given again replaces the common one;
     `--key=-` drops it); @base / @sft / @dpo / @grpo name the ddp reference run and the toy SFT / DPO / GRPO files
-    (@grpo_eval: the GRPO prompts as held-out prompts), @moe the MoE flags."""
+    (@grpo_eval: the GRPO prompts as held-out prompts; @teacher: the reference run as a distillation teacher), @moe
+    the MoE flags."""
     marks = {"@base": f"--init_from={base_ref}", "@sft": f"--data_dir={data['sft']}", "@dpo": f"--data_dir={data['dpo']}",
-             "@grpo": f"--data_dir={data['grpo']}", "@grpo_eval": f"--eval_data_dir={data['grpo']}"}
+             "@grpo": f"--data_dir={data['grpo']}", "@grpo_eval": f"--eval_data_dir={data['grpo']}",
+             "@teacher": f"--ref_model={base_ref}"}
     flags = [g for f in flags if f not in ("@slow_writes", "@flat_adamw")
              for g in (MOE_FLAGS if f == "@moe" else [marks.get(f, f)])]
     keys = {f.split("=", 1)[0] for f in flags}
