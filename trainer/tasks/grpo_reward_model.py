@@ -32,7 +32,7 @@ class ModelReward:
                  log: Callable[[str], None] = lambda line: None) -> None:
         self.model, self.device, self.pad_id = model, device, int(pad_id)
         self.tok, self.messages_field, self.log = tok, messages_field, log
-        self.cut = 0  # text rows longer than the reward model's max_seq_len, scored on their last tokens
+        self.cut = 0  # text rows longer than the reward model's max_seq_len (the first one logged)
 
     @torch.no_grad()
     def many(self, prompt: str, completions: Sequence[str], record: dict, prompt_ids: Sequence[int],
@@ -67,7 +67,7 @@ class ModelReward:
             self.cut += 1
             if self.cut == 1:
                 self.log(f"[grpo] reward model: a prompt + completion of {len(ids)} of its tokens is longer than its "
-                         f"max_seq_len {limit}: scored on its last {limit} (so is every such row; counted)")
+                         f"max_seq_len {limit}: scored on its last {limit} tokens, as is every such row after it")
             ids = ids[-limit:]
         return list(ids)
 
