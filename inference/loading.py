@@ -51,15 +51,11 @@ def load_for_inference(ckpt_path: str, device: torch.device, which: str = "lates
 def recorded_tokenizer_dir(ckpt_path: str, which: str = "latest") -> Optional[str]:
     """The --tokenizer_dir the run trained with (from the checkpoint's config.json), or a HF dir's own."""
     from trainer.weights import is_hf_dir
-    from utils.checkpoint_json import read_checkpoint_json
-    from utils.checkpoint_layout import RUN_CONFIG
+    from utils.checkpoint_json import recorded_tokenizer
     found = select_for_inference(ckpt_path, which, log=lambda m: None)
     if is_hf_dir(found):
         return found if os.path.exists(os.path.join(found, "tokenizer_meta.json")) else None
-    if not os.path.exists(os.path.join(found, RUN_CONFIG)):
-        return None
-    tok = read_checkpoint_json(found, RUN_CONFIG).get("tokenizer_dir")
-    return tok if isinstance(tok, str) and tok else None
+    return recorded_tokenizer(found)
 
 
 def no_tokenizer_message(tok_dir: Optional[str], given: Optional[str]) -> str:

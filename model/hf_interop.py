@@ -100,7 +100,7 @@ def _causal_config_dict(cfg: ModelConfig, torch_dtype: str, special_ids: Optiona
         d.pop("pretraining_tp")
     if (cfg.qkv_bias or cfg.qk_norm) and not cfg.moe_num_experts:
         # a Qwen2 (q/k/v biases, none on o_proj), a Qwen3 (q / k norms, no biases); an MoE Qwen3: below
-        d.update(architectures=[hf_family(cfg)], model_type="qwen2" if cfg.qkv_bias else "qwen3",
+        d.update(architectures=[_causal_family(cfg)], model_type="qwen2" if cfg.qkv_bias else "qwen3",
                  use_sliding_window=False, sliding_window=None, max_window_layers=cfg.n_layers)
         for key in ("mlp_bias", "pretraining_tp") + (("attention_bias",) if cfg.qkv_bias else ()):
             d.pop(key)

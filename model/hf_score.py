@@ -35,8 +35,6 @@ def fields_from_hf(d: dict) -> dict:
 def architecture(causal: str) -> str:
     """The reward-model class of the family whose language model is `causal` (ValueError where transformers has
     none)."""
-    if causal.endswith(SCORE):
-        return causal
     if causal in NO_SCORE_CLASS:
         raise ValueError(f"transformers has no sequence-classification class for {causal}: a reward model of this "
                          "family cannot be exported")

@@ -14,7 +14,7 @@ import math
 import os
 from typing import Any, Optional
 
-from utils.checkpoint_layout import MODEL_CONFIG, PIPELINE_META, TRAINER_STATE
+from utils.checkpoint_layout import MODEL_CONFIG, PIPELINE_META, RUN_CONFIG, TRAINER_STATE
 from utils.constants import MAX_STEPS
 from utils.errors import CheckpointError, one_line
 from utils.model_bounds import bound_problems
@@ -125,6 +125,15 @@ def read_checkpoint_json(ckpt_dir: str, name: str) -> dict:
     if problem:
         raise CheckpointError(f"checkpoint {ckpt_dir}: {problem}")
     return data
+
+
+def recorded_tokenizer(ckpt_dir: str) -> Optional[str]:
+    """The --tokenizer_dir the run of checkpoint `ckpt_dir` recorded (its config.json), or None (no record, or no
+    path in it)."""
+    if not os.path.exists(os.path.join(ckpt_dir, RUN_CONFIG)):
+        return None
+    tok = read_checkpoint_json(ckpt_dir, RUN_CONFIG).get("tokenizer_dir")
+    return tok if isinstance(tok, str) and tok else None
 
 
 def read_trainer_state(ckpt_dir: str, required: tuple[str, ...] = ()) -> dict:

@@ -71,9 +71,9 @@ def test_builtin_rewards():
     assert numeric_match("#### none", "3", "####", 1e-4) == 0.0 and first_number("x -2.5e1 y") == -25.0
     cfg = _cfg(reward_funcs="exact_match,format", reward_weights="1,0.5")
     rs = build_rewards(cfg)
-    vals = rs.score("p", "so #### 7", {}, "7", "f:1")
+    vals = rs.score_many("p", ["so #### 7"], {}, "7", "f:1")[0]
     assert vals == [1.0, 1.0] and rs.total(vals) == 1.5
-    assert rs.score("p", "seven", {}, "7", "f:1") == [0.0, 0.0]
+    assert rs.score_many("p", ["seven"], {}, "7", "f:1") == [[0.0, 0.0]]
 
 
 def _user_rewards(tmp_path, monkeypatch):
@@ -89,13 +89,13 @@ def _user_rewards(tmp_path, monkeypatch):
 def test_user_reward_function_and_its_failures(tmp_path, monkeypatch):
     _user_rewards(tmp_path, monkeypatch)
     rs = build_rewards(_cfg(reward_funcs="", reward_fn="my_rewards:length"))
-    assert rs.names == ["my_rewards.length"] and rs.score("p", "abcde", {}, None, "f:3") == [0.5]
+    assert rs.names == ["my_rewards.length"] and rs.score_many("p", ["abcde"], {}, None, "f:3") == [[0.5]]
     assert not rs.needs_answer
     for fn, said in (("boom", "raised KeyError ('score')"), ("text", "returned 'high' (str), not a finite number,"),
                      ("nan", "returned nan (float), not a finite number,")):
         rs = build_rewards(_cfg(reward_funcs="exact_match", reward_fn=f"my_rewards:{fn}"))
         with pytest.raises(RewardError) as e:
-            rs.score("p", "c", {"prompt": "p"}, "1", "data/prompts.jsonl:7")
+            rs.score_many("p", ["c"], {"prompt": "p"}, "1", "data/prompts.jsonl:7")
         assert str(e.value) == f"reward my_rewards.{fn} {said} on the record at data/prompts.jsonl:7"
         assert e.value.exit_code == 3
     with pytest.raises(ValueError, match="cannot import it"):

@@ -29,6 +29,13 @@ class TaskData:
     more: str = ""
 
 
+def lm_inputs(batch: dict, device: Any) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(input_ids, labels, {attention_mask, position_ids where the batch has them}) of a language-model batch on
+    `device` (pinned host tensors move asynchronously)."""
+    x, y = to_device(batch["input_ids"], device), to_device(batch["labels"], device)
+    return x, y, {k: to_device(batch[k], device) for k in ("attention_mask", "position_ids") if k in batch}
+
+
 class Task:
     """One kind of training (pretrain, SFT, DPO, ...). Subclasses set the class attributes and `datasets`; the
     defaults are a language-model loss over the batch's labels, summed over target tokens."""
@@ -66,8 +73,7 @@ class Task:
     def micro_batch_loss(self, model: Any, ref_model: Any, batch: dict, device: Any) -> tuple[torch.Tensor, dict]:
         """(sum of the per-unit losses of this micro-batch, {stat key: its sum}); the caller divides by the step's
         units over all micro-batches and ranks, so that every unit weighs the same."""
-        x, y = to_device(batch["input_ids"], device), to_device(batch["labels"], device)  # pinned, async
-        kw = {k: to_device(batch[k], device) for k in ("attention_mask", "position_ids") if k in batch}
+        x, y, kw = lm_inputs(batch, device)
         return model(x, labels=y, reduction="sum", **kw), {}
 
     def evaluate(self, engine: Any, val: Any, info: Any) -> Optional[dict]:

@@ -18,9 +18,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from trainer.tasks.base import lm_inputs
 from trainer.tasks.sft import SFTTask
 from utils.constants import IGNORE_INDEX
-from utils.device import to_device
 
 DISTILL_LOSSES = ("forward_kl", "reverse_kl")
 
@@ -54,8 +54,7 @@ class DistillTask(SFTTask):
 
     def micro_batch_loss(self, model, ref_model, batch, device):
         cfg = self.cfg
-        x, y = to_device(batch["input_ids"], device), to_device(batch["labels"], device)
-        kw = {k: to_device(batch[k], device) for k in ("attention_mask", "position_ids") if k in batch}
+        x, y, kw = lm_inputs(batch, device)
         keep = y != IGNORE_INDEX
         student = model(x, logits_to_keep=keep, **kw)  # [N, V]: the target positions in row-major order
         with torch.no_grad():

@@ -14,7 +14,6 @@ Must never: train the reward model, or feed it ids of a tokenizer other than its
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Callable, Sequence
 
 import torch
@@ -75,14 +74,9 @@ class ModelReward:
 def _tokenizer_dir_of(info: dict) -> str:
     """Where the reward model's tokenizer is: our checkpoint's recorded --tokenizer_dir, else the directory itself (a
     Hugging Face model's own files)."""
-    from utils.checkpoint_json import read_checkpoint_json
-    from utils.checkpoint_layout import RUN_CONFIG
+    from utils.checkpoint_json import recorded_tokenizer
     src = info["source"]
-    if info["kind"] == "ours" and os.path.exists(os.path.join(src, RUN_CONFIG)):
-        recorded = read_checkpoint_json(src, RUN_CONFIG).get("tokenizer_dir")
-        if isinstance(recorded, str) and recorded:
-            return recorded
-    return src
+    return (recorded_tokenizer(src) if info["kind"] == "ours" else None) or src
 
 
 def load_model_reward(path: str, policy_tok: Any, row_len: int, device: Any, dtype: torch.dtype,

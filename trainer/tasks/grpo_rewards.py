@@ -89,11 +89,6 @@ class RewardSet:
     fns: list
     needs_answer: bool
 
-    def score(self, prompt: str, completion: str, record: dict, answer: Any, where: str,
-              prompt_ids: Sequence[int] = (), completion_ids: Sequence[int] = ()) -> list[float]:
-        """Each function's value on one completion (`score_many` of one)."""
-        return self.score_many(prompt, [completion], record, answer, where, prompt_ids, [completion_ids])[0]
-
     def score_many(self, prompt: str, completions: Sequence[str], record: dict, answer: Any, where: str,
                    prompt_ids: Sequence[int] = (), completion_ids: Sequence[Sequence[int]] = ()) -> list[list[float]]:
         """Each function's value on each of a prompt's completions (text, and token ids through the stop token for a
