@@ -1,6 +1,8 @@
 """Online RL with GRPO (--task_type=grpo): before each step every rank samples G completions of each of its prompts
 from the current policy (trainer/tasks/grpo_rollout.py), scores them (grpo_rewards.py), turns the group-normalised
 rewards into advantages, and the step trains on those rows with the clipped policy-gradient loss (grpo_loss.py).
+With --teacher_kl_coef the frozen reference (a teacher) scores the rows too and each completion token's advantage
+gains minus coef x the sampled reverse KL to it (on-policy distillation).
 
 Owns: `GRPOTask` (its prompt data and held-out prompts, the rollout phase before the step, the advantages, the
 micro-batch loss, units and statistics, the held-out evaluation through grpo_eval.py), what a rollout step writes
@@ -48,7 +50,10 @@ class GRPOTask(Task):
         self.units = ("completion tokens" if cfg.loss_type in TOKEN_AVERAGED else
                       "micro-batches" if cfg.loss_type in MICRO_BATCH_MEAN else "completions")
         self.stat_keys = _STEP_KEYS + tuple(f"{k}_{n}" for n in self.reward_names for k in ("reward", "reward_sq"))
-        self.needs_reference = cfg.beta > 0
+        self.teacher_kl = getattr(cfg, "teacher_kl_coef", 0.0) > 0  # on-policy distillation: the reference teaches
+        if self.teacher_kl:
+            self.stat_keys += ("teacher_kl",)
+        self.needs_reference = cfg.beta > 0 or self.teacher_kl
         self.row_len = cfg.max_prompt_length + cfg.max_completion_length
         cp = int(getattr(cfg, "context_parallel_size", 1))
         if cp > 1:  # context parallelism splits each training row into 2 x cp chunks: padded to whole ones
@@ -149,6 +154,8 @@ class GRPOTask(Task):
         with whole_sequences(model) as self._cp:
             rollout = [self._roll(model, device, b, p.step, samples, all_done) for b in batches]
         self._advantages(rollout, loop, device)
+        if self.teacher_kl:
+            self._teacher_advantages(rollout, loop.ref_model, device)
         if cfg.num_iterations > 1:  # the ratio of the later steps is taken against the policy that sampled
             with torch.no_grad():
                 for rows in rollout:
@@ -213,6 +220,26 @@ class GRPOTask(Task):
             rows["advantages"] = group_advantages(rows["reward"], cfg.num_generations, cfg.scale_rewards,
                                                   std).float()
 
+    def _teacher_advantages(self, rollout: list, teacher, device) -> None:
+        """On-policy distillation (--teacher_kl_coef): each completion token's advantage [R, T - 1] is the row's
+        minus coef x (log p_sampler(o_t) - log p_teacher(o_t)), the sampled estimate of the per-token reverse KL to
+        the teacher (the frozen reference), 0 off the completion; that estimate is kept for the statistics."""
+        coef = self.cfg.teacher_kl_coef
+        for rows in rollout:
+            with torch.no_grad():
+                teacher_logps = self._token_logps(teacher, to_device(rows["input_ids"], device))[0].float().cpu()
+            mask = rows["completion_mask"].float()
+            rkl = (rows["gen_logps"].float() - teacher_logps) * mask
+            rows["teacher_kl"] = rkl
+            rows["advantages"] = rows["advantages"][:, None] * mask - coef * rkl
+
+    def reference_problem(self, model_cfg, ref_cfg):
+        if ref_cfg.vocab_size != model_cfg.vocab_size or ref_cfg.num_labels:
+            return (f"--ref_model has {ref_cfg.num_labels or ref_cfg.vocab_size} outputs, the policy "
+                    f"{model_cfg.vocab_size}: its log-probabilities of the policy's tokens need one tokenizer's "
+                    "vocabulary")
+        return None
+
     @staticmethod
     def _mark(batches: list, loop: Any) -> list:
         """Which micro-batch ends the step, and whether this rank enters the step's maxima (data-parallel rank 0)."""
@@ -264,6 +291,8 @@ class GRPOTask(Task):
                  "reward": batch["reward"].sum().item(), "reward_sq": (batch["reward"] ** 2).sum().item(),
                  "clipped": (terms["clipped"] * mask).sum(), "kl": (terms["kl"] * mask).sum(),
                  "entropy": (entropy * mask).sum(), "lp_diff_sum": diff.sum(), "lp_diff_max": 0.0, "one": 0.0}
+        if self.teacher_kl:
+            stats["teacher_kl"] = batch["teacher_kl"].sum().item()  # a host value
         for k, n in enumerate(self.reward_names):  # host values: no device read
             stats[f"reward_{n}"] = batch["rewards"][:, k].sum().item()
             stats[f"reward_sq_{n}"] = (batch["rewards"][:, k] ** 2).sum().item()
@@ -296,4 +325,6 @@ class GRPOTask(Task):
                    logprob_diff_max=per_unit["lp_diff_max"] / per_unit["one"] if per_unit["one"] else float("nan"))
         if self.cfg.beta > 0:
             out["kl"] = per_unit["kl"] / t
+        if self.teacher_kl:  # the mean per-token reverse KL to the teacher on the rollouts (sampled estimate)
+            out["teacher_kl"] = per_unit["teacher_kl"] / t
         return out

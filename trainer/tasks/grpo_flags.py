@@ -44,6 +44,12 @@ class GRPOFlags:
     beta: float = _f(0.0, "grpo: weight of the KL penalty to the frozen reference model (the initial weights, or "
                      "--ref_model), k3 estimator (DeepSeekMath, Shao et al. 2024); 0 = no reference (DAPO, Dr. GRPO "
                      "and current practice drop it)")
+    teacher_kl_coef: float = _f(0.0, "grpo: on-policy distillation / KL in the reward: each completion token's "
+                                "advantage gains -coef x (log p_sampler(o_t) - log p_ref(o_t)), the per-token reverse KL "
+                                "to the frozen --ref_model (the teacher; else the starting weights, InstructGPT's "
+                                "per-token KL reward) on the policy's own samples (Agarwal et al. 2024; Thinking "
+                                "Machines' on-policy distillation, 2025); the reward functions are then optional; "
+                                "0 = off")
     epsilon: float = _f(0.2, "grpo: clip range of the probability ratio, 1 - epsilon .. 1 + epsilon_high (PPO, "
                         "Schulman et al. 2017)")
     epsilon_high: float = _f(0.0, "grpo: upper clip bound 1 + epsilon_high (0 = epsilon); DAPO's clip-higher (Yu "
@@ -165,7 +171,16 @@ def grpo_problems(cfg: Any, resume_policy: str) -> list[str]:
     def need(ok: bool, name: str, rule: str) -> None:
         if not ok:
             out.append(f"--{name}={getattr(cfg, name)}: {rule}")
-    need(cfg.num_generations >= 2, "num_generations", "must be >= 2 (advantages compare completions of a group)")
+    distill = math.isfinite(cfg.teacher_kl_coef) and cfg.teacher_kl_coef > 0
+    try:
+        specs = reward_specs(cfg)
+    except ValueError as e:
+        out.append(str(e))
+        specs = []
+    if specs or not distill:  # (a teacher's KL alone compares each completion with the teacher, not with its group)
+        need(cfg.num_generations >= 2, "num_generations", "must be >= 2 (advantages compare completions of a group)")
+    else:
+        need(cfg.num_generations >= 1, "num_generations", "must be >= 1")
     need(cfg.max_prompt_length >= 1, "max_prompt_length", "must be >= 1")
     need(cfg.max_completion_length >= 1, "max_completion_length", "must be >= 1")
     if cfg.max_prompt_length + cfg.max_completion_length > cfg.max_seq_len:
@@ -179,6 +194,14 @@ def grpo_problems(cfg: Any, resume_policy: str) -> list[str]:
          "must be a finite number > 0 (1 = off)")
     need(0 <= cfg.eval_num_generations <= 1024, "eval_num_generations", "must be in [0, 1024] (0 = one greedy answer)")
     need(math.isfinite(cfg.beta) and cfg.beta >= 0, "beta", "must be a finite number >= 0")
+    need(math.isfinite(cfg.teacher_kl_coef) and cfg.teacher_kl_coef >= 0, "teacher_kl_coef",
+         "must be a finite number >= 0 (0 = off)")
+    if distill and cfg.beta > 0:
+        out.append(f"--beta={cfg.beta:g} with --teacher_kl_coef={cfg.teacher_kl_coef:g}: both penalise the KL to "
+                   "--ref_model (beta in the loss, teacher_kl_coef in each token's advantage): choose one")
+    if distill and not specs and cfg.eval_data_dir:
+        out.append(f"--eval_data_dir={cfg.eval_data_dir}: the held-out answers are scored by the reward functions, and "
+                   "this run has none (--teacher_kl_coef alone): drop it, or name a reward")
     need(math.isfinite(cfg.epsilon) and 0 < cfg.epsilon < 1, "epsilon", "must be in (0, 1)")
     need(math.isfinite(cfg.epsilon_high) and cfg.epsilon_high >= 0, "epsilon_high", "must be >= 0 (0 = --epsilon)")
     need(cfg.num_iterations >= 1, "num_iterations", "must be >= 1")
@@ -210,13 +233,9 @@ def grpo_problems(cfg: Any, resume_policy: str) -> list[str]:
         parse_template_kwargs(str(cfg.chat_template_kwargs))
     except ValueError as e:
         out.append(str(e))
-    try:
-        specs = reward_specs(cfg)
-    except ValueError as e:
-        out.append(str(e))
-        specs = []
-    if not specs:
-        out.append("--reward_funcs / --reward_fn / --reward_model: name at least one reward")
+    if not specs and not distill:
+        out.append("--reward_funcs / --reward_fn / --reward_model: name at least one reward (or distil from a teacher: "
+                   "--teacher_kl_coef)")
     model = bool(str(getattr(cfg, "reward_model", "")).strip())
     for k, (name, _) in enumerate(specs):
         if name == MODEL_REWARD and (not model or k < len(specs) - 1):  # (only the flag's, appended last)

@@ -87,7 +87,8 @@ def per_token_terms(logps: torch.Tensor, old_logps: torch.Tensor, advantages: to
     loss (the l_t above, times `is_weights` when given: the truncated importance-sampling correction),
     kl (0 without a reference), clipped (1.0 where the clip took effect: ratio below 1 - epsilon with A < 0,
     above 1 + epsilon_high with A > 0, above delta with A < 0; cispo: above its cap; sapo: never, its gate is
-    soft), ratio. sapo_temperatures: SAPO's (tau for A > 0, tau for A <= 0).
+    soft), ratio. sapo_temperatures: SAPO's (tau for A > 0, tau for A <= 0). advantages: [B] (one per row) or
+    [B, T] (one per token: on-policy distillation's, trainer/tasks/grpo.py).
     level "sequence" needs `mask` (1 on completion tokens: whose log-ratios are averaged)."""
     if level not in IS_LEVELS:
         raise ValueError(f"importance_sampling_level={level!r}: expected {' | '.join(IS_LEVELS)}")
@@ -100,7 +101,7 @@ def per_token_terms(logps: torch.Tensor, old_logps: torch.Tensor, advantages: to
         log_ratio = torch.where(on, log_ratio, torch.zeros_like(log_ratio)).sum(-1, keepdim=True) / \
             on.sum(-1, keepdim=True).clamp(min=1).to(log_ratio.dtype)
     ratio = torch.exp(log_ratio)  # [B, T], or [B, 1] per completion (sequence)
-    adv = advantages[:, None].to(logps.dtype)
+    adv = (advantages[:, None] if advantages.dim() == 1 else advantages).to(logps.dtype)  # per row, or per token
     if loss_type == "cispo":
         cap = 1.0 + eps_high
         loss = -torch.clamp(ratio, max=cap).detach() * adv * logps
