@@ -126,6 +126,9 @@ CONFIGS: dict[str, tuple[int, list[str]]] = {
                              "--batch_size=2", "--learning_rate=3e-3"]),
     "distill-fsdp2": (2, ["--task_type=distill", "@sft", "@base", "@teacher", "--max_seq_len=96", "--batch_size=2",
                           "--parallel=fsdp", "--distill_alpha=0.5", "--learning_rate=3e-3"]),
+    # GRPO with each token's reverse KL to a frozen model in its advantage (on-policy distillation's term; the
+    # reference run, where the policy starts, as the teacher), beside the toy reward, at 2 ranks
+    "grpo-teacher-ddp2": (2, [*GRPO, "--batch_size=1", "--teacher_kl_coef=0.5", "@teacher"]),
     # multi-token prediction: two depths (their weights and optimizer state in the checkpoints)
     "mtp": (1, ["--mtp_num_layers=2", "--mtp_loss_weight=0.3"]),
     # an MoE model with an MTP depth (an MoE block too) and a capacity factor, experts over 2 ep ranks of our DDP

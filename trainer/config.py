@@ -179,6 +179,7 @@ DPO_LOSSES = ("sigmoid", "ipo", "hinge", "robust", "exo_pair", "nca_pair", "sppo
               "discopop", "simpo", "orpo")
 REFERENCE_FREE_LOSSES = ("simpo", "orpo")
 KTO_LOSSES = ("kto", "apo_zero_unpaired")  # --kto_loss's choices (trainer/tasks/kto.py computes them)
+DISTILL_LOSSES = ("forward_kl", "reverse_kl", "jsd")  # --distill_loss's choices (trainer/tasks/distill.py)
 
 
 @dataclass
@@ -202,7 +203,11 @@ class DPOFlags:
     kto_undesirable_weight: float = _f(1.0, "KTO's lambda_U: the undesirable (rejected) examples' weight")
     # ---- distillation (--task_type=distill; the teacher is --ref_model)
     distill_loss: str = _f("forward_kl", "distill: forward_kl (KL(teacher || student), Hinton's) | reverse_kl "
-                                         "(KL(student || teacher)) per target token")
+                                         "(KL(student || teacher)) | jsd (the generalized Jensen-Shannon divergence of "
+                                         "GKD, Agarwal et al. 2024, TRL's GKDTrainer: --distill_beta) per target token")
+    distill_beta: float = _f(0.5, "distill: jsd's interpolation, in (0, 1): beta KL(teacher || M) + (1 - beta) "
+                                  "KL(student || M), M = beta teacher + (1 - beta) student (TRL's beta; near 0 it "
+                                  "behaves as forward_kl, near 1 as reverse_kl)")
     distill_temperature: float = _f(1.0, "distill: both models' logits divided by this; the KL term is multiplied by "
                                          "its square")
     distill_alpha: float = _f(0.0, "distill: the loss is alpha x the student's cross-entropy on the reference token + "

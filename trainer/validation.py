@@ -13,8 +13,8 @@ import math
 from typing import Optional
 
 from optimizer.optimizer_config import bf16_state_conflicts
-from trainer.config import (DPO_LOSSES, KERNEL_CHOICES, KTO_LOSSES, REFERENCE_FREE_LOSSES, RESUME_CHOICES, TrainConfig,
-                            engine_needs, eval_task_paths, parallel_section, resume_policy)
+from trainer.config import (DISTILL_LOSSES, DPO_LOSSES, KERNEL_CHOICES, KTO_LOSSES, REFERENCE_FREE_LOSSES,
+                            RESUME_CHOICES, TrainConfig, engine_needs, eval_task_paths, parallel_section, resume_policy)
 from trainer.tasks.grpo_flags import grpo_problems
 from utils.constants import EXIT_BAD_CONFIG, MAX_EPOCHS, MAX_STEPS
 from utils.errors import TrainingError
@@ -163,7 +163,10 @@ def _choices_and_combinations(cfg: TrainConfig, p: _Problems, torch_free: bool) 
     p.choice("lr_schedule", ("cosine", "linear", "wsd", "constant"))
     p.choice("dpo_loss", DPO_LOSSES)
     p.choice("kto_loss", KTO_LOSSES)
-    p.choice("distill_loss", ("forward_kl", "reverse_kl"))
+    p.choice("distill_loss", DISTILL_LOSSES)
+    if cfg.distill_loss == "jsd":
+        p.number("distill_beta", 0.0, 1.0, low_open=True, what="must be in (0, 1) (--distill_loss=forward_kl or "
+                 "reverse_kl are its two ends)")
     if cfg.task_type == "distill" and not cfg.ref_model:
         p.append("--task_type=distill learns from a teacher: pass --ref_model=<the teacher's run, checkpoint or "
                  "Hugging Face dir>")

@@ -19,11 +19,11 @@ from utils.metrics import dedupe_by_step, read_metrics
 def test_distill_loss_is_the_kl_of_the_tempered_distributions():
     from trainer.tasks.distill import distill_loss
     student, teacher, target = [1.0, -0.5, 2.0], [0.25, 0.75, 1.5], 2
-    for loss_type in ("forward_kl", "reverse_kl"):
+    for loss_type in ("forward_kl", "reverse_kl", "jsd"):
         for temp, alpha in ((1.0, 0.0), (2.0, 0.25)):
             got, kl, ce = distill_loss(torch.tensor([student], dtype=torch.float64),
                                        torch.tensor([teacher], dtype=torch.float64), torch.tensor([target]),
-                                       temperature=temp, alpha=alpha, loss_type=loss_type)
+                                       temperature=temp, alpha=alpha, loss_type=loss_type, beta=0.3)
 
             def softmax(z):
                 e = [math.exp(v / temp) for v in z]
@@ -31,6 +31,9 @@ def test_distill_loss_is_the_kl_of_the_tempered_distributions():
             q, p = softmax(student), softmax(teacher)
             a, b = (p, q) if loss_type == "forward_kl" else (q, p)
             want_kl = sum(x * (math.log(x) - math.log(y)) for x, y in zip(a, b))
+            if loss_type == "jsd":  # beta 0.3: 0.3 KL(p || m) + 0.7 KL(q || m), m = 0.3 p + 0.7 q
+                m = [0.3 * x + 0.7 * y for x, y in zip(p, q)]
+                want_kl = sum(0.3 * x * math.log(x / z) + 0.7 * y * math.log(y / z) for x, y, z in zip(p, q, m))
             want_ce = -math.log(math.exp(student[target]) / sum(math.exp(v) for v in student))
             assert abs(float(kl[0]) - want_kl) < 1e-12 and abs(float(ce[0]) - want_ce) < 1e-12
             assert abs(float(got[0]) - (alpha * want_ce + (1 - alpha) * temp ** 2 * want_kl)) < 1e-12
@@ -92,8 +95,11 @@ def test_the_student_comes_to_the_teachers_distributions(pretrained, tiny_pretra
 
 @pytest.mark.parametrize("engine", ["ddp", "fsdp"])
 def test_two_ranks_follow_one_process(pretrained, tiny_pretrain_data, teacher, tmp_path, engine):
+    """(Our DDP runs GKD's generalized JSD, FSDP2 the forward KL: each divergence through a whole run once.)"""
+    loss = {"ddp": "jsd", "fsdp": "forward_kl"}[engine]
     common = ["--task_type=distill", f"--ref_model={teacher}", "--max_iters=3", "--batch_size=2",
-              "--checkpoint_interval=100", "--distill_alpha=0.5", "--distill_temperature=2"]
+              "--checkpoint_interval=100", "--distill_alpha=0.5", "--distill_temperature=2", f"--distill_loss={loss}",
+              "--distill_beta=0.3"]
     one, two = tmp_path / "one", tmp_path / engine
     run_cmd(train_cmd(_args(tiny_pretrain_data, pretrained["out"], one, *common, "--gradient_accumulation_steps=2")),
             env=_env())
@@ -114,6 +120,12 @@ def test_refusals_name_the_flag(pretrained, tiny_pretrain_data, tmp_path):
     r = run_trainer(train_cmd(_args(tiny_pretrain_data, pretrained["out"], tmp_path / "x", "--task_type=distill",
                                     "--max_iters=1")), env=_env())
     assert r.returncode == 2 and "--task_type=distill learns from a teacher: pass --ref_model=" in r.stderr
+    from trainer.validation import validate_config
+    from utils.errors import TrainingError
+    for beta in (0.0, 1.0, float("nan")):
+        cfg = TrainConfig(task_type="distill", ref_model="t", tokenizer_dir="tok", distill_loss="jsd", distill_beta=beta)
+        with pytest.raises(TrainingError, match=r"--distill_beta=.*: must be in \(0, 1\)"):
+            validate_config(cfg, torch_free=True)
     small, big = (ModelConfig(vocab_size=v, dim=16, n_layers=1, n_heads=2, max_seq_len=16) for v in (64, 128))
     task = DistillTask(TrainConfig(task_type="distill"))
     assert task.reference_problem(small, small) is None
