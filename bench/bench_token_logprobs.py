@@ -6,31 +6,26 @@
 What `--chunked_logprobs=false` (trainer/tasks/grpo_rollout.py token_logps on the model's logits) and `=true`
 (model/token_logprobs.py, `--loss_chunk_size` tokens at a time) cost for one forward + backward of the LM head and the
 log-probabilities of the targets, plus the entropies (what the training micro-batch computes). Each path runs in a
-fresh process of its own, so its peak memory is its own: on the CPU the rise of the peak resident set over the set-up
-(ru_maxrss), on CUDA torch.cuda.max_memory_allocated over the set-up. Prints both paths' peak memory and seconds per
-call (median of --iters), and the ratios. Nothing is asserted.
+fresh process of its own, so its peak memory is its own (bench/head_paths.py). Prints both paths' peak memory and
+seconds per call (median of --iters), and the ratios. Nothing is asserted.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import resource
-import statistics
-import subprocess
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from bench.head_paths import PATHS, in_fresh_processes, measure, print_comparison  # noqa: E402
 
 
 def _one(path: str, a: argparse.Namespace) -> dict:
-    sys.path.insert(0, ROOT)
     import torch
 
     from model.token_logprobs import token_logprobs
     from trainer.tasks.grpo_rollout import token_logps
-    from utils.device import is_accelerator, synchronize
     dev = torch.device(a.device)
     g = torch.Generator(device="cpu").manual_seed(0)
     h = (torch.randn(a.rows, a.seq, a.dim, generator=g) * 0.5).to(dev).requires_grad_()
@@ -48,25 +43,7 @@ def _one(path: str, a: argparse.Namespace) -> dict:
         h.grad = w.grad = None
         return float(ent.sum())
 
-    accel = is_accelerator(dev)
-
-    def peak_so_far() -> int:  # the allocator's peak on the accelerator, the resident set's on the CPU
-        if accel:
-            return torch.cuda.max_memory_allocated(dev)
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-    synchronize(dev)
-    if accel:
-        torch.cuda.reset_peak_memory_stats(dev)
-    base = torch.cuda.memory_allocated(dev) if accel else peak_so_far()
-    times = []
-    for _ in range(a.iters):
-        t0 = time.perf_counter()
-        run()
-        synchronize(dev)
-        times.append(time.perf_counter() - t0)
-    peak = peak_so_far() - base
-    return {"path": path, "peak_bytes": peak, "seconds": statistics.median(times)}
+    return {"path": path, **measure(run, dev, a.iters)}
 
 
 def main(argv=None) -> None:
@@ -79,26 +56,15 @@ def main(argv=None) -> None:
     p.add_argument("--temperature", type=float, default=0.9)
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--one", choices=("whole", "chunked"), help=argparse.SUPPRESS)  # the child process
+    p.add_argument("--one", choices=PATHS, help=argparse.SUPPRESS)  # the child process
     a = p.parse_args(argv)
     if a.one:
         print("RESULT " + json.dumps(_one(a.one, a)), flush=True)
         return
-    rows = {}
-    for path in ("whole", "chunked"):
-        r = subprocess.run([sys.executable, os.path.abspath(__file__), *(argv if argv is not None else sys.argv[1:]),
-                            "--one", path], capture_output=True, text=True, check=True)
-        rows[path] = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
+    rows = in_fresh_processes(__file__, argv if argv is not None else sys.argv[1:])
     logits_mib = a.rows * a.seq * a.vocab * 4 / 2 ** 20
-    print(f"rows {a.rows} x {a.seq} tokens, vocab {a.vocab}, dim {a.dim}, chunk {a.chunk}, {a.device} "
-          f"(one fp32 copy of the logits: {logits_mib:,.0f} MiB)")
-    print("| path | peak memory over set-up (MiB) | seconds per forward + backward |")
-    print("| --- | --- | --- |")
-    for path, r in rows.items():
-        print(f"| {path} | {r['peak_bytes'] / 2 ** 20:,.0f} | {r['seconds']:.3f} |")
-    w, c = rows["whole"], rows["chunked"]
-    print(f"chunked / whole: memory {c['peak_bytes'] / max(1, w['peak_bytes']):.3f}x, "
-          f"time {c['seconds'] / w['seconds']:.2f}x")
+    print_comparison(f"rows {a.rows} x {a.seq} tokens, vocab {a.vocab}, dim {a.dim}, chunk {a.chunk}, {a.device} "
+                     f"(one fp32 copy of the logits: {logits_mib:,.0f} MiB)", rows)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ on a tensor's value in the forward (DESIGN.md, host syncs).
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.nn as nn
@@ -394,10 +394,13 @@ class Transformer(nn.Module):
                 logits_to_keep: "int | torch.Tensor" = 0, doc_ids: Optional[torch.Tensor] = None,
                 cu_seqlens: Optional[torch.Tensor] = None, max_seqlen=None,
                 logprobs_of: Optional[torch.Tensor] = None, temperature: float = 1.0,
-                mtp_embedded: Optional[list] = None) -> torch.Tensor:
+                mtp_embedded: Optional[list] = None, head: Optional[Callable] = None) -> torch.Tensor:
         """Logits [B, T, V] without labels; the loss of the chunked linear+CE with labels; with logprobs_of (token
         ids [B, T], shifted as labels, every one a real id) the pair (log p(logprobs_of), entropy), each [B, T], of
         the logits / temperature, computed chunk by chunk without the whole logits (model/token_logprobs.py; RL).
+        With head (a function of the final normed hidden state [B, T, D], the LM head's weight and --loss_chunk_size)
+        its result instead: a loss computed in the head without the whole logits (model/distill_head.py; the weight
+        is whole here under FSDP2 too).
         Pruned (`pruned`): input_ids is the hidden state [B, T, D] when there is no embedding, and the
         hidden state after the blocks (before the norm) is returned when there is no LM head; a pruned last stage's
         multi-token prediction depths take their inputs embedded by the first stage (`mtp_embedded`, model/mtp.py
@@ -472,6 +475,10 @@ class Transformer(nn.Module):
             mtp(h, self.embed_tokens, self.lm_head.weight, cos, sin, spec, shifted, ckpt, mtp_embedded)
         h = self.norm(h)
 
+        if head is not None:
+            if cp_on:
+                raise ValueError("a loss in the head takes whole sequences: no context parallelism")
+            return head(h, self.lm_head.weight, self.cfg.loss_chunk_size)
         if logprobs_of is not None:
             logp, entropy = token_logprobs(h, self.lm_head.weight, logprobs_of, temperature, self.cfg.loss_chunk_size)
             if cp_on:  # the whole rows' values on every cp rank, gradients through this rank's positions

@@ -179,7 +179,6 @@ DPO_LOSSES = ("sigmoid", "ipo", "hinge", "robust", "exo_pair", "nca_pair", "sppo
               "discopop", "simpo", "orpo")
 REFERENCE_FREE_LOSSES = ("simpo", "orpo")
 KTO_LOSSES = ("kto", "apo_zero_unpaired")  # --kto_loss's choices (trainer/tasks/kto.py computes them)
-DISTILL_LOSSES = ("forward_kl", "reverse_kl", "jsd")  # --distill_loss's choices (trainer/tasks/distill.py)
 
 
 @dataclass

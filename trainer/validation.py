@@ -13,10 +13,10 @@ import math
 from typing import Optional
 
 from optimizer.optimizer_config import bf16_state_conflicts
-from trainer.config import (DISTILL_LOSSES, DPO_LOSSES, KERNEL_CHOICES, KTO_LOSSES, REFERENCE_FREE_LOSSES,
-                            RESUME_CHOICES, TrainConfig, engine_needs, eval_task_paths, parallel_section, resume_policy)
+from trainer.config import (DPO_LOSSES, KERNEL_CHOICES, KTO_LOSSES, REFERENCE_FREE_LOSSES, RESUME_CHOICES, TrainConfig,
+                            engine_needs, eval_task_paths, parallel_section, resume_policy)
 from trainer.tasks.grpo_flags import grpo_problems
-from utils.constants import EXIT_BAD_CONFIG, MAX_EPOCHS, MAX_STEPS
+from utils.constants import DISTILL_LOSSES, EXIT_BAD_CONFIG, MAX_EPOCHS, MAX_STEPS
 from utils.errors import TrainingError
 from utils.moe_flags import moe_problems
 from utils.rope_config import parse_rope_flag

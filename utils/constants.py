@@ -9,6 +9,9 @@ SAMPLE_TEMPERATURE = 0.8
 SAMPLE_TOP_K = 50
 SAMPLE_TOP_P = None
 
+# --distill_loss's divergences (model/distill_head.py computes them; trainer/config.py checks the flag)
+DISTILL_LOSSES = ("forward_kl", "reverse_kl", "jsd")
+
 # The most optimizer steps a run may take (--max_iters and the step flags, trainer/config.py) and so the most a
 # checkpoint's trainer_state.json may record (utils/checkpoint_json.py); --num_train_epochs' bound.
 MAX_STEPS = 10 ** 9

@@ -17,7 +17,7 @@ from utils.metrics import dedupe_by_step, read_metrics
 
 
 def test_distill_loss_is_the_kl_of_the_tempered_distributions():
-    from trainer.tasks.distill import distill_loss
+    from model.distill_head import distill_loss
     student, teacher, target = [1.0, -0.5, 2.0], [0.25, 0.75, 1.5], 2
     for loss_type in ("forward_kl", "reverse_kl", "jsd"):
         for temp, alpha in ((1.0, 0.0), (2.0, 0.25)):
@@ -43,8 +43,9 @@ def test_a_micro_batch_is_the_loss_of_both_models_full_logits_at_the_targets(tin
     from data_preprocess.pretokenize_sft_data import tokenize_sft_records
     from dataset.dataset_sft import build_sft_splits
     from model import ModelConfig, Transformer
+    from model.distill_head import distill_loss
     from trainer.config import TrainConfig
-    from trainer.tasks.distill import DistillTask, distill_loss
+    from trainer.tasks.distill import DistillTask
     records = tokenize_sft_records(os.path.join(ROOT, "data", "sft"), tiny_pretrain_data["tokenizer_dir"], 64)
     train, _, collate = build_sft_splits(records, 64, val_ratio=0.0, seed=0)
     batch = collate([train[i] for i in range(3)])

@@ -9,50 +9,21 @@ Per target token t (labels != -100), with p = softmax(teacher logits / T) and q 
                          generalized Jensen-Shannon divergence, Agarwal et al. 2024, as TRL's GKDTrainer computes
                          it; --distill_beta, 0.5 by default as TRL's)
   loss = --distill_alpha x CE(student, the reference token) + (1 - alpha) x that KL
-summed over the step's target tokens and averaged as SFT's loss is. Only the target positions' logits are computed
-(the model's boolean logits_to_keep: [N, V] for N target tokens, both models), so memory grows with N x V: a smaller
---batch_size (with --gradient_accumulation_steps) bounds it. The teacher must share the student's tokenizer (the same
-vocabulary size, checked at the start).
+summed over the step's target tokens and averaged as SFT's loss is (model/distill_head.py has the formulas). The
+teacher's logits are computed at the target positions only (its boolean logits_to_keep: [N, V] for N target tokens,
+in its compute dtype); the student's in its LM head, --loss_chunk_size tokens at a time, never whole (their softmax and
+gradient neither). The teacher must share the student's tokenizer (the same vocabulary size, checked at the start).
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
-from trainer.config import DISTILL_LOSSES
+from model.distill_head import distill_head
 from trainer.tasks.base import lm_inputs
 from trainer.tasks.sft import SFTTask
 from utils.constants import IGNORE_INDEX
-
-
-
-def distill_loss(student: torch.Tensor, teacher: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
-                 alpha: float = 0.0, loss_type: str = "forward_kl",
-                 beta: float = 0.5) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token losses [N] of the student's and the teacher's logits [N, V] at N target tokens `targets` [N] (fp32
-    inside), and the two terms: (alpha CE + (1 - alpha) T^2 D, D [N] detached, CE [N] detached), D the divergence
-    `loss_type` names (jsd: `beta`'s generalized Jensen-Shannon divergence)."""
-    if loss_type not in DISTILL_LOSSES:
-        raise ValueError(f"unknown distillation loss {loss_type!r}; expected one of {DISTILL_LOSSES}")
-    dtype = torch.promote_types(student.dtype, torch.float32)  # (at least fp32; the tests' fp64 stays fp64)
-    student, teacher = student.to(dtype), teacher.to(dtype)
-    s = F.log_softmax(student / temperature, dim=-1)
-    t = F.log_softmax(teacher / temperature, dim=-1)
-    if loss_type == "forward_kl":
-        kl = (t.exp() * (t - s)).sum(-1)
-    elif loss_type == "reverse_kl":
-        kl = (s.exp() * (s - t)).sum(-1)
-    else:
-        if not 0.0 < beta < 1.0:
-            raise ValueError(f"jsd needs 0 < beta < 1, got {beta}")
-        m = torch.logaddexp(t + math.log(beta), s + math.log(1.0 - beta))  # log of the mixture
-        kl = beta * (t.exp() * (t - m)).sum(-1) + (1.0 - beta) * (s.exp() * (s - m)).sum(-1)
-    ce = F.cross_entropy(student, targets, reduction="none")
-    losses = alpha * ce + (1 - alpha) * temperature ** 2 * kl
-    return losses, kl.detach(), ce.detach()
 
 
 class DistillTask(SFTTask):
@@ -67,12 +38,12 @@ class DistillTask(SFTTask):
         cfg = self.cfg
         x, y, kw = lm_inputs(batch, device)
         keep = y != IGNORE_INDEX
-        student = model(x, logits_to_keep=keep, **kw)  # [N, V]: the target positions in row-major order
-        with torch.no_grad():
+        with torch.no_grad():  # [N, V]: the target positions in row-major order
             teacher = ref_model(x, logits_to_keep=keep, **kw)
-        losses, kl, ce = distill_loss(student, teacher, y[keep], temperature=cfg.distill_temperature,
-                                      alpha=cfg.distill_alpha, loss_type=cfg.distill_loss, beta=cfg.distill_beta)
-        return losses.sum(), {"kl": kl.sum(), "ce": ce.sum()}
+        head = distill_head(keep, teacher, y[keep], temperature=cfg.distill_temperature, alpha=cfg.distill_alpha,
+                            loss_type=cfg.distill_loss, beta=cfg.distill_beta)
+        loss, kl, ce = model(x, head=head, **kw)  # the student's logits chunk by chunk in its head
+        return loss, {"kl": kl, "ce": ce}
 
     def reference_problem(self, student_cfg, teacher_cfg) -> Optional[str]:
         if teacher_cfg.vocab_size != student_cfg.vocab_size or teacher_cfg.num_labels:

@@ -1,0 +1,66 @@
+"""What the LM-head benchmarks share (bench/bench_token_logprobs.py, bench/bench_distill_head.py): each path of a
+head computation (the whole logits vs chunk by chunk) timed and measured in a fresh process of its own, so that its
+peak memory is its own: on the CPU the rise of the peak resident set over the set-up (ru_maxrss), on CUDA
+torch.cuda.max_memory_allocated over the set-up; the table and the ratios printed alike.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from typing import Callable
+
+PATHS = ("whole", "chunked")
+
+
+def measure(run: Callable[[], object], device, iters: int) -> dict:
+    """{peak_bytes, seconds}: `run` called `iters` times on `device` (a torch.device): the peak memory over what was
+    there before the first call, and the median seconds per call."""
+    import torch
+
+    from utils.device import is_accelerator, synchronize
+    accel = is_accelerator(device)
+
+    def peak_so_far() -> int:  # the allocator's peak on the accelerator, the resident set's on the CPU
+        if accel:
+            return torch.cuda.max_memory_allocated(device)
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    synchronize(device)
+    if accel:
+        torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device) if accel else peak_so_far()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        run()
+        synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return {"peak_bytes": peak_so_far() - base, "seconds": statistics.median(times)}
+
+
+def in_fresh_processes(script: str, argv: list[str]) -> dict:
+    """{path: measure's result} of `script` re-run with `argv` + `--one <path>` for each path (the child prints one
+    `RESULT {json}` line)."""
+    rows = {}
+    for path in PATHS:
+        r = subprocess.run([sys.executable, os.path.abspath(script), *argv, "--one", path], capture_output=True,
+                           text=True, check=True)
+        rows[path] = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
+    return rows
+
+
+def print_comparison(title: str, rows: dict) -> None:
+    """The shape line, a markdown table of both paths, and chunked / whole for memory and time."""
+    print(title)
+    print("| path | peak memory over set-up (MiB) | seconds per forward + backward |")
+    print("| --- | --- | --- |")
+    for path, r in rows.items():
+        print(f"| {path} | {r['peak_bytes'] / 2 ** 20:,.0f} | {r['seconds']:.3f} |")
+    w, c = rows["whole"], rows["chunked"]
+    print(f"chunked / whole: memory {c['peak_bytes'] / max(1, w['peak_bytes']):.3f}x, "
+          f"time {c['seconds'] / w['seconds']:.2f}x")

@@ -1,0 +1,156 @@
+"""Distillation's loss in the student's LM head, chunk by chunk: the student's [target tokens x vocabulary] logits,
+their softmax and their gradient are never whole (--task_type=distill, trainer/tasks/distill.py).
+
+Owns: `distill_loss` (per-token losses from whole student and teacher logits: the formulas, and the reference the
+chunked path is tested against), `chunked_distill_loss` and `distill_head` (the callable the task hands to
+`Transformer.forward(head=...)`, which calls it with the final normed hidden state and the LM head's weight: whole
+there, under FSDP2 too, as the root unit holds the head).
+
+Per target token, with p = softmax(teacher logits / T), q = softmax(student logits / T), z the student's logits:
+  forward_kl  D = KL(p || q)                                         dD/d(z/T) = q - p
+  reverse_kl  D = KL(q || p)                                         dD/d(z/T) = q (log q - log p - D)
+  jsd         D = beta KL(p || m) + (1 - beta) KL(q || m),           dD/d(z/T) = q (g - sum q g),
+              m = beta p + (1 - beta) q                              g = (1 - beta) (log q - log m)
+  loss = alpha CE(z, target) + (1 - alpha) T^2 D     (so d loss / dz = alpha (softmax(z) - onehot) + (1 - alpha) T dD/d(z/T))
+The loss is a sum over tokens, so its gradients are computed in the forward, chunk by chunk while each chunk's logits
+are live (two matmuls per chunk besides the logits', as the chunked cross-entropy's "sum", model/loss.py), and the
+backward only scales them: the fp32 weight-gradient accumulator [V, D] and the hidden state's gradient [N, D] are
+what is kept. The teacher's logits [N, V] arrive whole (the teacher's own forward made them, in its compute dtype).
+
+Under torch.compile (a whole-model graph) the reference from whole logits is traced instead (the Function's loop would
+not trace), as model/token_logprobs.py does.
+
+Must never: materialise the student's logits for every target token at once (eagerly), or run under tensor
+parallelism (the weight would be a vocabulary shard: refused).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+
+from model.loss_precision import compute_dtype
+from utils.constants import DISTILL_LOSSES
+
+
+def _mixture(t: torch.Tensor, s: torch.Tensor, beta: float) -> torch.Tensor:
+    """log(beta exp(t) + (1 - beta) exp(s)), the log of the JSD's mixture (TRL's generalized_jsd_loss)."""
+    if not 0.0 < beta < 1.0:
+        raise ValueError(f"jsd needs 0 < beta < 1, got {beta}")
+    return torch.logaddexp(t + math.log(beta), s + math.log(1.0 - beta))
+
+
+def distill_loss(student: torch.Tensor, teacher: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,
+                 alpha: float = 0.0, loss_type: str = "forward_kl",
+                 beta: float = 0.5) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token losses [N] of the student's and the teacher's logits [N, V] at N target tokens `targets` [N] (fp32
+    inside), and the two terms: (alpha CE + (1 - alpha) T^2 D, D [N] detached, CE [N] detached), D the divergence
+    `loss_type` names (jsd: `beta`'s generalized Jensen-Shannon divergence)."""
+    if loss_type not in DISTILL_LOSSES:
+        raise ValueError(f"unknown distillation loss {loss_type!r}; expected one of {DISTILL_LOSSES}")
+    dtype = torch.promote_types(student.dtype, torch.float32)  # (at least fp32; the tests' fp64 stays fp64)
+    student, teacher = student.to(dtype), teacher.to(dtype)
+    s = F.log_softmax(student / temperature, dim=-1)
+    t = F.log_softmax(teacher / temperature, dim=-1)
+    if loss_type == "forward_kl":
+        div = (t.exp() * (t - s)).sum(-1)
+    elif loss_type == "reverse_kl":
+        div = (s.exp() * (s - t)).sum(-1)
+    else:
+        m = _mixture(t, s, beta)
+        div = beta * (t.exp() * (t - m)).sum(-1) + (1.0 - beta) * (s.exp() * (s - m)).sum(-1)
+    ce = F.cross_entropy(student, targets, reduction="none")
+    losses = alpha * ce + (1 - alpha) * temperature ** 2 * div
+    return losses, div.detach(), ce.detach()
+
+
+def _divergence_and_grad(u: torch.Tensor, u_teacher: torch.Tensor, loss_type: str,
+                         beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(D [c], dD/du [c, V]) of a chunk's student and teacher logits / T (u, both [c, V] in the accumulation dtype)."""
+    s = F.log_softmax(u, dim=-1)
+    t = F.log_softmax(u_teacher, dim=-1)
+    q = s.exp()
+    if loss_type == "forward_kl":
+        p = t.exp()
+        return t.sub_(s).mul_(p).sum(-1), q.sub_(p)  # (in place: a chunk's [c, V] buffers are the memory here)
+    if loss_type == "reverse_kl":
+        d = s.sub_(t)  # log q - log p (s is not needed after this)
+        div = (q * d).sum(-1)
+        return div, q.mul_(d.sub_(div[:, None]))
+    m = _mixture(t, s, beta)
+    div = beta * (t.exp() * (t - m)).sum(-1) + (1.0 - beta) * (q * (s - m)).sum(-1)
+    g = s.sub_(m).mul_(1.0 - beta)
+    return div, q.mul_(g.sub_((q * g).sum(-1, keepdim=True)))
+
+
+class _ChunkedDistill(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, teacher: torch.Tensor, targets: torch.Tensor,
+                temperature: float, alpha: float, loss_type: str, beta: float, chunk_size: int, cdtype: torch.dtype):
+        n = hidden.shape[0]
+        acc = torch.promote_types(cdtype, torch.float32)
+        w = weight.to(cdtype)
+        d_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
+        d_w = torch.zeros(weight.shape, dtype=acc, device=weight.device)
+        sums = torch.zeros(3, dtype=acc, device=hidden.device)  # loss, divergence, cross-entropy
+        for s in range(0, n, chunk_size):
+            h_c = hidden[s:s + chunk_size].to(cdtype)
+            z = torch.mm(h_c, w.t()).to(acc)
+            y = targets[s:s + chunk_size, None]
+            zt = teacher[s:s + chunk_size].to(acc)
+            div, d_u = _divergence_and_grad(z if temperature == 1.0 else z / temperature,
+                                            zt if temperature == 1.0 else zt / temperature, loss_type, beta)
+            d_z = d_u.mul_((1.0 - alpha) * temperature)
+            lse = torch.logsumexp(z, dim=-1)
+            ce = lse - z.gather(1, y)[:, 0]
+            if alpha:
+                d_z.add_(torch.exp(z.sub_(lse[:, None])).scatter_add_(1, y, -torch.ones_like(y, dtype=acc)),
+                         alpha=alpha)
+            sums += torch.stack([(alpha * ce + (1.0 - alpha) * temperature ** 2 * div).sum(), div.sum(), ce.sum()])
+            d_h[s:s + chunk_size] = (d_z.to(cdtype) @ w).to(d_h.dtype)
+            d_w += d_z.t() @ h_c.to(acc)
+        ctx.save_for_backward(d_h, d_w)
+        ctx.weight_dtype = weight.dtype
+        loss, div_sum, ce_sum = sums.unbind()
+        ctx.mark_non_differentiable(div_sum, ce_sum)
+        return loss, div_sum, ce_sum
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor, _g_div, _g_ce):
+        d_h, d_w = ctx.saved_tensors
+        return (d_h * g.to(d_h.dtype), (d_w * g.to(d_w.dtype)).to(ctx.weight_dtype),
+                None, None, None, None, None, None, None, None)
+
+
+def chunked_distill_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher: torch.Tensor, targets: torch.Tensor, *,
+                         temperature: float = 1.0, alpha: float = 0.0, loss_type: str = "forward_kl",
+                         beta: float = 0.5, chunk_size: int = 512) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the loss summed over the N target tokens, D summed, CE summed) of the student's hidden states [N, D] through
+    the head `weight` [V, D] against the teacher's logits [N, V]: `distill_loss`'s values, `chunk_size` tokens at a
+    time; D and CE carry no gradient."""
+    if loss_type not in DISTILL_LOSSES:
+        raise ValueError(f"unknown distillation loss {loss_type!r}; expected one of {DISTILL_LOSSES}")
+    from torch.distributed.tensor import DTensor
+    if isinstance(weight, DTensor):
+        raise ValueError("distillation's loss in the head takes the whole LM head weight (no tensor parallelism)")
+    if torch.compiler.is_compiling():  # traced: the whole logits, which Inductor fuses
+        losses, div, ce = distill_loss(F.linear(hidden, weight), teacher, targets, temperature=temperature,
+                                       alpha=alpha, loss_type=loss_type, beta=beta)
+        return losses.sum(), div.sum(), ce.sum()
+    # the matmuls' dtype: autocast's where it is on (the logits as the whole-logits path's)
+    return _ChunkedDistill.apply(hidden, weight, teacher, targets, float(temperature), float(alpha), loss_type,
+                                 float(beta), max(1, int(chunk_size)), compute_dtype(hidden))
+
+
+def _head(h: torch.Tensor, weight: torch.Tensor, chunk_size: int, *, keep: torch.Tensor, teacher: torch.Tensor,
+          targets: torch.Tensor, **kw) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return chunked_distill_loss(h[keep], weight, teacher, targets, chunk_size=chunk_size, **kw)
+
+
+def distill_head(keep: torch.Tensor, teacher: torch.Tensor, targets: torch.Tensor, **kw):
+    """The `head` for Transformer.forward: the student's final hidden states at the True positions of `keep` [B, T]
+    (row-major, as the teacher's boolean `logits_to_keep` orders its logits [N, V]) through `chunked_distill_loss`
+    with the model's --loss_chunk_size; kw: temperature, alpha, loss_type, beta."""
+    return functools.partial(_head, keep=keep, teacher=teacher, targets=targets, **kw)

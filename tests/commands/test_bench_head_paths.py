@@ -1,0 +1,24 @@
+"""The LM-head benches' plumbing at a tiny shape (bench/bench_token_logprobs.py, bench/bench_distill_head.py): both
+paths run in processes of their own and the table and ratios come out (the figures themselves are docs/grpo.md's and
+docs/training.md's, measured at the benches' default shapes)."""
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.mark.parametrize("bench, shape", [
+    ("bench_token_logprobs.py", ["--rows", "2", "--seq", "16"]),
+    ("bench_distill_head.py", ["--tokens", "24", "--loss", "jsd"])])
+def test_the_bench_prints_both_paths_and_their_ratios(bench, shape):
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", bench), *shape, "--vocab", "300", "--dim", "16",
+                        "--chunk", "8", "--iters", "1"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = {m.group(1): float(m.group(2)) for m in re.finditer(r"^\| (whole|chunked) \| [\d,]+ \| ([\d.]+) \|$",
+                                                               r.stdout, re.M)}
+    assert sorted(rows) == ["chunked", "whole"] and all(v > 0 for v in rows.values()), r.stdout
+    assert re.search(r"chunked / whole: memory [\d.]+x, time [\d.]+x", r.stdout), r.stdout

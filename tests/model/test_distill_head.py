@@ -1,0 +1,87 @@
+"""model/distill_head.py: distillation's loss chunk by chunk in the LM head, against the whole logits.
+
+The truth is `distill_loss` on whole logits in float64 (its formulas are checked on hand values in
+tests/trainer/test_distill.py); the chunked fp32 loss and its gradients (hidden state, head weight) may be at most 4x
+the whole-logits fp32 path's error against it, plus 8 fp32 ulps of the value's scale. Through a model: the `head`
+hook gets the final normed hidden state and the head weight, and its loss and every parameter's gradient equal those
+of the model's logits at the kept positions put through the reference."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model import ModelConfig, Transformer
+from model.distill_head import chunked_distill_loss, distill_head, distill_loss
+
+EPS = torch.finfo(torch.float32).eps
+
+
+def _within(got: torch.Tensor, whole: torch.Tensor, truth: torch.Tensor, what: str) -> None:
+    scale = truth.abs().max().item()
+    err, ref_err = (got.double() - truth).abs().max().item(), (whole.double() - truth).abs().max().item()
+    assert err <= 4 * ref_err + 8 * EPS * scale, (what, err, ref_err, scale)
+
+
+def _loss_and_grads(fn, h, w, teacher, y):
+    h, w = h.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    loss, div, ce = fn(h, w, teacher, y)
+    (loss * 0.37).backward()  # an upstream gradient other than 1 (the trainer's 1 / units)
+    return loss.detach(), div, ce, h.grad, w.grad
+
+
+def _whole(**kw):
+    def fn(h, w, teacher, y):
+        losses, div, ce = distill_loss(h @ w.t(), teacher, y, **kw)
+        return losses.sum(), div.sum(), ce.sum()
+    return fn
+
+
+@pytest.mark.parametrize("loss_type, temperature, alpha, chunk", [
+    ("forward_kl", 1.0, 0.0, 7), ("forward_kl", 2.0, 0.3, 64), ("reverse_kl", 1.0, 0.0, 1),
+    ("reverse_kl", 0.7, 0.5, 5), ("jsd", 1.0, 0.0, 4), ("jsd", 1.5, 0.2, 100)])
+def test_chunked_equals_whole_logits_loss_and_gradients(loss_type, temperature, alpha, chunk):
+    torch.manual_seed(0)
+    h, w = torch.randn(23, 16) * 2, torch.randn(50, 16)
+    teacher = torch.randn(23, 50) * 3
+    y = torch.randint(0, 50, (23,))
+    kw = dict(temperature=temperature, alpha=alpha, loss_type=loss_type, beta=0.3)
+    got = _loss_and_grads(lambda *a: chunked_distill_loss(*a, chunk_size=chunk, **kw), h, w, teacher, y)
+    ref = _loss_and_grads(_whole(**kw), h, w, teacher, y)
+    truth = _loss_and_grads(_whole(**kw), h.double(), w.double(), teacher.double(), y)
+    for name, a, b, t in zip(("loss", "divergence", "cross-entropy", "d hidden", "d weight"), got, ref, truth):
+        _within(a, b, t, name)
+    assert got[1] > 0 and not got[1].requires_grad and not got[2].requires_grad
+
+
+def test_the_models_head_hook_equals_its_logits_through_the_reference():
+    """Transformer.forward(head=distill_head(...)): the student's kept positions in row-major order, its final norm
+    applied, the chunk size its own; the loss and every parameter's gradient as from the model's logits."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=16, max_seq_len=16,
+                      loss_chunk_size=5)
+    model = Transformer(cfg)
+    x = torch.randint(0, 61, (3, 12))
+    keep = torch.rand(3, 12) > 0.4
+    teacher = torch.randn(int(keep.sum()), 61)
+    y = torch.randint(0, 61, (int(keep.sum()),))
+    kw = dict(temperature=1.5, alpha=0.25, loss_type="reverse_kl")
+    loss, div, ce = model(x, head=distill_head(keep, teacher, y, **kw))
+    loss.backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    want, want_div, want_ce = distill_loss(model(x, logits_to_keep=keep), teacher, y, **kw)
+    want.sum().backward()
+    torch.testing.assert_close(loss, want.sum(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(div, want_div.sum(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ce, want_ce.sum(), rtol=1e-5, atol=1e-6)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(got[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_bad_arguments_are_refused():
+    h, w = torch.randn(4, 8), torch.randn(11, 8)
+    teacher, y = torch.randn(4, 11), torch.arange(4)
+    with pytest.raises(ValueError, match="unknown distillation loss 'kl'"):
+        chunked_distill_loss(h, w, teacher, y, loss_type="kl")
+    with pytest.raises(ValueError, match="jsd needs 0 < beta < 1"):
+        chunked_distill_loss(h, w, teacher, y, loss_type="jsd", beta=1.0)
