@@ -5,7 +5,8 @@ layout, read through memmaps that each DataLoader worker opens for itself, every
 once: a damaged file is a DataError naming it) or of the same arrays in memory (`ChatTokens`, which
 `data_preprocess.pretokenize_{sft,dpo}_data.tokenize_{sft,dpo}_records` make of raw records); each
 branch of a row shifted (input_ids = ids[:-1], labels = labels[1:]); `IndexedSubset` and
-`split_indices` (disjoint train/val sample ids).
+`split_indices` (disjoint train/val sample ids); `right_pad`, the one padding of token rows into a batch (the SFT,
+DPO and KTO collates, GRPO's reward model).
 
 Must never: tokenize or render a chat (raw records are `data_preprocess/`'s), read labels from the ids
 (trap 2), or invent a pad id.
@@ -13,7 +14,7 @@ Must never: tokenize or render a chat (raw records are `data_preprocess/`'s), re
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
@@ -21,6 +22,7 @@ from torch.utils.data import Dataset
 
 from data_preprocess.chat_tokens import ChatKind, ChatTokens, check_not_other_kind, is_pretokenized
 from data_preprocess.shard_format import DataError, int_field, read_json_object, token_dtype_field
+from utils.constants import IGNORE_INDEX
 
 
 def read_pretokenized_meta(path: str, meta_name: str, count_key: str) -> dict:
@@ -169,3 +171,21 @@ def split_indices(n: int, val_ratio: float, seed: int) -> tuple[np.ndarray, np.n
     n_val = min(n_val, n - 1)
     perm = np.random.Generator(np.random.PCG64(seed)).permutation(n)
     return np.sort(perm[n_val:]), np.sort(perm[:n_val])
+
+
+def right_pad(ids: Sequence, labels: Optional[Sequence] = None, pad_id: int = 0, pad_to: Optional[int] = None
+              ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """(input_ids, labels, attention_mask), each [rows, T] long: rows of token ids (1-D tensors or lists) and their
+    labels (None: no labels) right-padded to T, the longest row's length and at least `pad_to`; ids with `pad_id`,
+    labels with -100, the mask 1 on the real tokens."""
+    T = max([len(r) for r in ids] + [pad_to or 0])
+    out = torch.full((len(ids), T), int(pad_id), dtype=torch.long)
+    lab = torch.full((len(ids), T), IGNORE_INDEX, dtype=torch.long) if labels is not None else None
+    mask = torch.zeros((len(ids), T), dtype=torch.long)
+    for b, row in enumerate(ids):
+        n = len(row)
+        out[b, :n] = torch.as_tensor(row, dtype=torch.long)
+        mask[b, :n] = 1
+        if lab is not None:
+            lab[b, :n] = torch.as_tensor(labels[b], dtype=torch.long)
+    return out, lab, mask

@@ -21,8 +21,7 @@ from torch.utils.data import Dataset
 
 from data_preprocess.chat_tokens import DPO, ChatTokens, drop_totals
 from data_preprocess.shard_format import DataError
-from dataset.chat_dataset import ChatTokenDataset, IndexedSubset, split_indices
-from utils.constants import IGNORE_INDEX
+from dataset.chat_dataset import ChatTokenDataset, IndexedSubset, right_pad, split_indices
 
 log = logging.getLogger(__name__)
 
@@ -61,13 +60,8 @@ def dpo_collate(pad_id: int, pad_to: Optional[int] = None) -> Callable[[list[dic
         T = max(T, pad_to or 0)
         out: dict[str, torch.Tensor] = {}
         for side in ("chosen", "rejected"):
-            ids = torch.full((len(items), T), pad_id, dtype=torch.long)
-            lab = torch.full((len(items), T), IGNORE_INDEX, dtype=torch.long)
-            mask = torch.zeros((len(items), T), dtype=torch.long)
-            for b, it in enumerate(items):
-                n = it[f"{side}_input_ids"].numel()
-                ids[b, :n], lab[b, :n], mask[b, :n] = it[f"{side}_input_ids"], it[f"{side}_labels"], 1
-            out[f"{side}_input_ids"], out[f"{side}_labels"], out[f"{side}_attention_mask"] = ids, lab, mask
+            out[f"{side}_input_ids"], out[f"{side}_labels"], out[f"{side}_attention_mask"] = right_pad(
+                [it[f"{side}_input_ids"] for it in items], [it[f"{side}_labels"] for it in items], pad_id, T)
         return out
     return collate
 

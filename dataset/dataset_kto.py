@@ -17,7 +17,7 @@ from torch.utils.data import Dataset
 
 from data_preprocess.chat_tokens import KTO, drop_totals
 from data_preprocess.shard_format import DataError
-from dataset.chat_dataset import ChatTokenDataset, IndexedSubset, split_indices
+from dataset.chat_dataset import ChatTokenDataset, IndexedSubset, right_pad, split_indices
 from dataset.dataset_dpo import DPODataset
 from utils.constants import IGNORE_INDEX
 
@@ -65,13 +65,8 @@ def _pad(rows: list[tuple[torch.Tensor, torch.Tensor]], pad_id: int, pad_to: Opt
          ) -> dict[str, torch.Tensor]:
     """Unshifted (ids, labels) rows -> shifted, padded `<prefix>input_ids`, `<prefix>labels`, `<prefix>attention_mask`
     [N, T] (T the longest row less one, at least pad_to)."""
-    T = max(max(ids.numel() - 1 for ids, _ in rows), pad_to or 0)
-    ids_out = torch.full((len(rows), T), pad_id, dtype=torch.long)
-    lab_out = torch.full((len(rows), T), IGNORE_INDEX, dtype=torch.long)
-    mask = torch.zeros((len(rows), T), dtype=torch.long)
-    for b, (ids, labels) in enumerate(rows):
-        n = ids.numel() - 1
-        ids_out[b, :n], lab_out[b, :n], mask[b, :n] = ids[:-1], labels[1:], 1
+    ids_out, lab_out, mask = right_pad([ids[:-1] for ids, _ in rows], [labels[1:] for _, labels in rows], pad_id,
+                                       pad_to)
     return {f"{prefix}input_ids": ids_out, f"{prefix}labels": lab_out, f"{prefix}attention_mask": mask}
 
 

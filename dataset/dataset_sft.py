@@ -28,7 +28,7 @@ from torch.utils.data import Dataset
 
 from data_preprocess.chat_tokens import SFT, ChatTokens
 from data_preprocess.shard_format import DataError
-from dataset.chat_dataset import ChatTokenDataset, IndexedSubset, split_indices
+from dataset.chat_dataset import ChatTokenDataset, IndexedSubset, right_pad, split_indices
 from utils.constants import IGNORE_INDEX
 
 
@@ -59,15 +59,8 @@ class SFTDataset(ChatTokenDataset):
 def pad_collate(pad_id: int, pad_to: Optional[int] = None) -> Callable[[list[dict]], dict[str, torch.Tensor]]:
     """Right-pad variable-length items: ids with pad_id, labels with -100, attention_mask 1/0."""
     def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        T = max(int(it["input_ids"].numel()) for it in items)
-        T = max(T, pad_to or 0)
-        B = len(items)
-        ids = torch.full((B, T), pad_id, dtype=torch.long)
-        labels = torch.full((B, T), IGNORE_INDEX, dtype=torch.long)
-        mask = torch.zeros((B, T), dtype=torch.long)
-        for b, it in enumerate(items):
-            n = it["input_ids"].numel()
-            ids[b, :n], labels[b, :n], mask[b, :n] = it["input_ids"], it["labels"], 1
+        ids, labels, mask = right_pad([it["input_ids"] for it in items], [it["labels"] for it in items], pad_id,
+                                      pad_to)
         return {"input_ids": ids, "labels": labels, "attention_mask": mask}
     return collate
 

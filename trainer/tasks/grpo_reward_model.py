@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from dataset.chat_dataset import right_pad
 from model.score_head import last_token_scores
 from trainer.config import TrainingError
 from utils.constants import EXIT_BAD_CONFIG
@@ -41,12 +42,7 @@ class ModelReward:
             rows = [list(prompt_ids) + list(c) for c in completion_ids]
         else:
             rows = [self._text_ids(prompt, c, record) for c in completions]
-        width = max(len(r) for r in rows)
-        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, r in enumerate(rows):
-            ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
-            mask[i, :len(r)] = 1
+        ids, _, mask = right_pad(rows, pad_id=self.pad_id)
         scores = last_token_scores(self.model, ids.to(self.device), mask.to(self.device))[:, 0]
         return [float(v) for v in scores.cpu()]
 
