@@ -11,6 +11,7 @@ run, the GRPO run, and the evaluation (trainer/tasks/grpo_eval.py's `held_out_su
 Must never: assert (it prints; the reward's rise is a bench, not a timed test), download anything.
 
     .venv/bin/python bench/grpo_demo.py [--work=/tmp/grpo_demo] [--seed=0] [--grpo_steps=150] [--reuse=pretrain|sft]
+        [--distill_steps=N]   # then the SFT model distilled on-policy from the GRPO one (--teacher_kl_coef)
 """
 from __future__ import annotations
 
@@ -131,6 +132,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--num_generations", type=int, default=8)
     p.add_argument("--grpo_batch", type=int, default=8, help="prompts per GRPO step")
     p.add_argument("--grpo_args", default="", help="more trainer flags for the GRPO run, space-separated")
+    p.add_argument("--distill_steps", type=int, default=0,
+                   help="then on-policy distillation (--teacher_kl_coef, no reward) of the SFT model towards the GRPO "
+                        "one for this many steps, its held-out pass@1 printed beside GRPO's (0 = off)")
     p.add_argument("--reuse", choices=("", "pretrain", "sft"), default="",
                    help="keep --work's task, tokenizer and pretraining (SFT and GRPO again), or its SFT run too")
     a = p.parse_args(argv)
@@ -184,7 +188,34 @@ def main(argv: list[str]) -> int:
     print(f"[demo] greedy pass@1, {a.held_out} held-out prompts: {before:.3f} -> {after:.3f} "
           f"({after - before:+.3f}); first {a.held_out} training prompts {before_train:.3f} -> {after_train:.3f}; "
           f"total {time.time() - t_start:.0f} s", flush=True)
+    if a.distill_steps:
+        distill(a, paths, common, env, sft, rl, max_new, before)
     return 0
+
+
+def distill(a, paths: dict, common: list, env: dict, sft: str, teacher: str, max_new: int, before: float) -> None:
+    """On-policy distillation: the SFT model samples the training prompts and learns, token by token, the GRPO
+    model's log-probabilities of its own samples (no reward; exact_match at weight 0 is only watched)."""
+    out = os.path.join(a.work, "distill")
+    shutil.rmtree(out, ignore_errors=True)
+    t0 = time.time()
+    run([PY, "train_my_ddp.py", *common, "--task_type=grpo", f"--init_from={sft}", f"--data_dir={paths['grpo']}",
+         f"--ref_model={teacher}", "--teacher_kl_coef=1", "--reward_funcs=exact_match", "--reward_weights=0",
+         f"--out_dir={out}", f"--max_iters={a.distill_steps}", f"--batch_size={a.grpo_batch}",
+         f"--num_generations={a.num_generations}", "--max_prompt_length=32", f"--max_completion_length={max_new}",
+         f"--learning_rate={a.grpo_lr}", "--lr_schedule=constant", "--temperature=1.0", "--weight_decay=0",
+         "--log_interval=25", "--eval_interval=0", f"--checkpoint_interval={a.distill_steps}"], "distillation", env)
+    from utils.metrics import dedupe_by_step, read_metrics
+    rows = dedupe_by_step(read_metrics(os.path.join(out, "metrics.jsonl")))
+    steps = sorted(rows)
+    k = max(1, len(steps) // 5)
+    kl = [sum(rows[s]["teacher_kl"] for s in part) / len(part) for part in (steps[:k], steps[-k:])]
+    watched = [sum(rows[s]["reward_exact_match"] for s in part) / len(part) for part in (steps[:k], steps[-k:])]
+    after = greedy_pass_at_1(out, os.path.join(a.work, "tok"), paths["heldout"], max_new)
+    print(f"[demo] on-policy distillation towards the GRPO model, {len(steps)} steps in {time.time() - t0:.0f} s: "
+          f"teacher_kl {kl[0]:.3f} (first {k} steps) -> {kl[1]:.3f} (last {k}); sampled exact_match (watched, "
+          f"weight 0) {watched[0]:.3f} -> {watched[1]:.3f}; held-out greedy pass@1 {before:.3f} -> {after:.3f} "
+          f"({after - before:+.3f})", flush=True)
 
 
 def prepare(a, paths: dict, tok: str, shards: str, pre: str, sft: str, model: list, common: list, env: dict) -> None:

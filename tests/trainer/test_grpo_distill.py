@@ -48,7 +48,7 @@ def test_flag_checks():
     assert "--teacher_kl_coef=-1.0: must be a finite number >= 0" in problems(teacher_kl_coef=-1.0)
     assert "both penalise the KL to --ref_model" in problems(beta=0.04)
     assert "this run has none (--teacher_kl_coef alone)" in problems(eval_data_dir="held.jsonl")
-    assert problems(eval_data_dir="held.jsonl", reward_funcs="exact_match") == ""
+    assert problems(eval_data_dir="held.jsonl", reward_funcs="exact_match", reward_weights="0") == ""  # watched
 
 
 def test_per_token_advantages_give_each_tokens_policy_gradient():

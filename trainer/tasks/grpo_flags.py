@@ -201,7 +201,8 @@ def grpo_problems(cfg: Any, resume_policy: str) -> list[str]:
                    "--ref_model (beta in the loss, teacher_kl_coef in each token's advantage): choose one")
     if distill and not specs and cfg.eval_data_dir:
         out.append(f"--eval_data_dir={cfg.eval_data_dir}: the held-out answers are scored by the reward functions, and "
-                   "this run has none (--teacher_kl_coef alone): drop it, or name a reward")
+                   "this run has none (--teacher_kl_coef alone): drop it, or name a reward (at weight 0 it is "
+                   "watched, not trained on: --reward_funcs=exact_match --reward_weights=0)")
     need(math.isfinite(cfg.epsilon) and 0 < cfg.epsilon < 1, "epsilon", "must be in (0, 1)")
     need(math.isfinite(cfg.epsilon_high) and cfg.epsilon_high >= 0, "epsilon_high", "must be >= 0 (0 = --epsilon)")
     need(cfg.num_iterations >= 1, "num_iterations", "must be >= 1")
