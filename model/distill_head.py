@@ -11,7 +11,8 @@ Per target token, with p = softmax(teacher logits / T), q = softmax(student logi
   reverse_kl  D = KL(q || p)                                         dD/d(z/T) = q (log q - log p - D)
   jsd         D = beta KL(p || m) + (1 - beta) KL(q || m),           dD/d(z/T) = q (g - sum q g),
               m = beta p + (1 - beta) q                              g = (1 - beta) (log q - log m)
-  loss = alpha CE(z, target) + (1 - alpha) T^2 D     (so d loss / dz = alpha (softmax(z) - onehot) + (1 - alpha) T dD/d(z/T))
+  loss = alpha CE(z, target) + (1 - alpha) T^2 D,
+  d loss / dz = alpha (softmax(z) - onehot(target)) + (1 - alpha) T dD/d(z/T)
 The loss is a sum over tokens, so its gradients are computed in the forward, chunk by chunk while each chunk's logits
 are live (two matmuls per chunk besides the logits', as the chunked cross-entropy's "sum", model/loss.py), and the
 backward only scales them: the fp32 weight-gradient accumulator [V, D] and the hidden state's gradient [N, D] are
@@ -146,11 +147,14 @@ def chunked_distill_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher: to
 
 def _head(h: torch.Tensor, weight: torch.Tensor, chunk_size: int, *, keep: torch.Tensor, teacher: torch.Tensor,
           targets: torch.Tensor, **kw) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return chunked_distill_loss(h[keep], weight, teacher, targets, chunk_size=chunk_size, **kw)
+    common = min(weight.shape[0], teacher.shape[-1])  # vocabularies padded differently beyond the tokenizer's ids
+    return chunked_distill_loss(h[keep], weight[:common], teacher[:, :common], targets, chunk_size=chunk_size, **kw)
 
 
 def distill_head(keep: torch.Tensor, teacher: torch.Tensor, targets: torch.Tensor, **kw):
     """The `head` for Transformer.forward: the student's final hidden states at the True positions of `keep` [B, T]
-    (row-major, as the teacher's boolean `logits_to_keep` orders its logits [N, V]) through `chunked_distill_loss`
-    with the model's --loss_chunk_size; kw: temperature, alpha, loss_type, beta."""
+    (row-major, as the teacher's boolean `logits_to_keep` orders its logits [N, V']) through `chunked_distill_loss`
+    with the model's --loss_chunk_size; kw: temperature, alpha, loss_type, beta. Vocabularies of other sizes (the
+    same tokenizer, padded differently) are compared over their first min(V, V') entries (the trainer checks that
+    every id of the tokenizer is among them)."""
     return functools.partial(_head, keep=keep, teacher=teacher, targets=targets, **kw)

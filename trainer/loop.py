@@ -81,7 +81,8 @@ def _set_up(cfg: TrainConfig, info: DistInfo, continues: Optional[bool], max_ite
     model_cfg = model.cfg
     lora_base = choose_trainable(cfg, model, init_info, start, log)
     task = task_of(cfg)  # trainer/tasks/: the loss, units and statistics of --task_type; one instance for the run
-    ref = dpo_reference(cfg, init_info, log, task, model_cfg)  # (DPO's reference, distillation's teacher)
+    ref = dpo_reference(cfg, init_info, log, task, model_cfg,  # (DPO's reference, distillation's teacher)
+                        vocab=int(tok_meta["vocab_size"]))
     engine, ref_model = place_on_engine(cfg, info, model, ref, log, threads, task=task)
     del model, ref  # the engine holds what this rank runs (under pp the other stages' layers are freed)
     engine.lora_base = lora_base

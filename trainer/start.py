@@ -261,10 +261,11 @@ def choose_trainable(cfg: TrainConfig, model, init_info: dict, start: Start, log
     return lora_base
 
 
-def dpo_reference(cfg: TrainConfig, init_info: dict, log, task=None, model_cfg=None) -> Optional[Any]:
+def dpo_reference(cfg: TrainConfig, init_info: dict, log, task=None, model_cfg=None, vocab: int = 0) -> Optional[Any]:
     """The frozen reference model of a task that needs one (DPO: --ref_model, else the policy's starting weights;
     distillation's teacher); None otherwise. `task`: the run's task object (built from cfg when not given);
-    `model_cfg`: the trained model's, which the task checks the reference against (exit 2)."""
+    `model_cfg`: the trained model's, which the task checks the reference against (exit 2) given `vocab`, the run
+    tokenizer's number of ids."""
     task = task or get_task(cfg)
     if not task.needs_reference:  # an instance: GRPO needs one only with --beta > 0
         return None
@@ -276,7 +277,7 @@ def dpo_reference(cfg: TrainConfig, init_info: dict, log, task=None, model_cfg=N
                                      tokenizer_dir=cfg.tokenizer_dir)
     if cfg.rope_scaling and not cfg.ref_model:  # the policy's starting weights: extended as the policy was
         apply_rope_flag(ref_model, cfg.rope_scaling, cfg.max_seq_len, log, who=" (reference model)")
-    problem = task.reference_problem(model_cfg, ref_model.cfg) if model_cfg is not None else None
+    problem = task.reference_problem(model_cfg, ref_model.cfg, vocab) if model_cfg is not None else None
     if problem:
         raise TrainingError(problem, EXIT_BAD_CONFIG)
     init_info["ref_source"] = ref_src

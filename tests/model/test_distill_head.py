@@ -85,3 +85,26 @@ def test_bad_arguments_are_refused():
         chunked_distill_loss(h, w, teacher, y, loss_type="kl")
     with pytest.raises(ValueError, match="jsd needs 0 < beta < 1"):
         chunked_distill_loss(h, w, teacher, y, loss_type="jsd", beta=1.0)
+
+
+@pytest.mark.parametrize("teacher_vocab", [64, 58])
+def test_vocabularies_padded_differently_are_compared_over_their_common_rows(teacher_vocab):
+    """A teacher of the same tokenizer whose vocabulary is padded to another size: both distributions over the first
+    min(V, V') entries; the student's head rows beyond them get no gradient."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=61, dim=32, n_layers=1, n_heads=4, multiple_of=16, max_seq_len=16, loss_chunk_size=4)
+    model = Transformer(cfg)
+    x = torch.randint(0, 50, (2, 9))
+    keep = torch.ones(2, 9, dtype=torch.bool)
+    teacher = torch.randn(18, teacher_vocab)
+    y = torch.randint(0, 50, (18,))
+    common = min(61, teacher_vocab)
+    loss, _, _ = model(x, head=distill_head(keep, teacher, y, alpha=0.5, loss_type="jsd"))
+    loss.backward()
+    got = model.lm_head.weight.grad.clone()
+    model.zero_grad(set_to_none=True)
+    want, _, _ = distill_loss(model(x)[keep][:, :common], teacher[:, :common], y, alpha=0.5, loss_type="jsd")
+    want.sum().backward()
+    torch.testing.assert_close(loss, want.sum(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got, model.lm_head.weight.grad, rtol=1e-4, atol=1e-6)
+    assert float(got[common:].abs().sum()) == 0.0

@@ -129,8 +129,15 @@ def test_refusals_name_the_flag(pretrained, tiny_pretrain_data, tmp_path):
             validate_config(cfg, torch_free=True)
     small, big = (ModelConfig(vocab_size=v, dim=16, n_layers=1, n_heads=2, max_seq_len=16) for v in (64, 128))
     task = DistillTask(TrainConfig(task_type="distill"))
-    assert task.reference_problem(small, small) is None
-    assert "has 128 outputs, the student 64" in task.reference_problem(small, big)
+    assert task.reference_problem(small, small) is None and task.reference_problem(small, big) is None
+    assert "has 64 outputs, the student 128" in task.reference_problem(big, small)  # (the tokenizer's size unknown)
+    # the same tokenizer (60 ids) under vocabularies padded differently: compared over the first 64 entries
+    assert task.reference_problem(big, small, vocab=60) is None
+    assert "has 64 outputs, the student 128 and the tokenizer 100 ids" in task.reference_problem(big, small, 100)
+    from trainer.tasks.dpo import DPOTask  # the default check (DPO's reference): a row for every tokenizer id
+    dpo = DPOTask(TrainConfig(task_type="dpo"))
+    assert dpo.reference_problem(big, small, 64) is None
+    assert "--ref_model has 64 outputs and the tokenizer 100 ids" in dpo.reference_problem(big, small, 100)
     base = dataclasses.replace(TrainConfig(), task_type="distill")
     for flags, words in (({"tensor_parallel_size": 2, "parallel": "fsdp"}, "--tensor_parallel_size=2 (the LM head"),
                          ({"context_parallel_size": 2}, "--context_parallel_size=2 (the logits at chosen"),

@@ -170,5 +170,6 @@ def test_a_teacher_of_another_kind_is_refused():
     kw = dict(vocab_size=448, dim=32, n_layers=1, n_heads=4, multiple_of=16, max_seq_len=64)
     assert "--ref_model has 1 outputs, the policy 448" in task.reference_problem(ModelConfig(**kw),
                                                                                   ModelConfig(**kw, num_labels=1))
-    assert "--ref_model has 512 outputs" in task.reference_problem(ModelConfig(**kw),
-                                                                   ModelConfig(**dict(kw, vocab_size=512)))
+    assert task.reference_problem(ModelConfig(**kw), ModelConfig(**dict(kw, vocab_size=512))) is None  # padded
+    assert "--ref_model has 448 outputs, the policy 512" in task.reference_problem(
+        ModelConfig(**dict(kw, vocab_size=512)), ModelConfig(**kw), 400)  # the policy could draw an id it lacks

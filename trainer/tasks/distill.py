@@ -45,10 +45,13 @@ class DistillTask(SFTTask):
         loss, kl, ce = model(x, head=head, **kw)  # the student's logits chunk by chunk in its head
         return loss, {"kl": kl, "ce": ce}
 
-    def reference_problem(self, student_cfg, teacher_cfg) -> Optional[str]:
-        if teacher_cfg.vocab_size != student_cfg.vocab_size or teacher_cfg.num_labels:
+    def reference_problem(self, student_cfg, teacher_cfg, vocab: int = 0) -> Optional[str]:
+        """A teacher of the student's tokenizer: its vocabulary may differ from the student's by padding rows beyond
+        the tokenizer's ids (Qwen2.5 7B's 152,064 against 0.5B's 151,936), then both distributions are compared over
+        the first min(V_student, V_teacher) entries (model/distill_head.py)."""
+        if teacher_cfg.num_labels or teacher_cfg.vocab_size < (vocab or student_cfg.vocab_size):
             return (f"--ref_model (the teacher) has {teacher_cfg.num_labels or teacher_cfg.vocab_size} outputs, the "
-                    f"student {student_cfg.vocab_size}: distillation compares their distributions over one "
-                    "tokenizer's vocabulary")
+                    f"student {student_cfg.vocab_size}" + (f" and the tokenizer {vocab} ids" if vocab else "") +
+                    ": distillation compares their distributions over one tokenizer's vocabulary")
         return None
 

@@ -233,11 +233,13 @@ class GRPOTask(Task):
             rows["teacher_kl"] = rkl
             rows["advantages"] = rows["advantages"][:, None] * mask - coef * rkl
 
-    def reference_problem(self, model_cfg, ref_cfg):
-        if ref_cfg.vocab_size != model_cfg.vocab_size or ref_cfg.num_labels:
+    def reference_problem(self, model_cfg, ref_cfg, vocab: int = 0):
+        """The reference scores the policy's sampled ids: it needs a row for every id the policy can draw (its
+        vocabulary at least the policy's: padding rows beyond the tokenizer's ids may differ)."""
+        if ref_cfg.vocab_size < model_cfg.vocab_size or ref_cfg.num_labels:
             return (f"--ref_model has {ref_cfg.num_labels or ref_cfg.vocab_size} outputs, the policy "
-                    f"{model_cfg.vocab_size}: its log-probabilities of the policy's tokens need one tokenizer's "
-                    "vocabulary")
+                    f"{model_cfg.vocab_size}: its log-probabilities of the policy's tokens need the policy's "
+                    "vocabulary (one tokenizer's; a larger one padded beyond it serves)")
         return None
 
     @staticmethod
