@@ -14,13 +14,12 @@ Nothing is asserted.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from bench.head_paths import PATHS, in_fresh_processes, measure, print_comparison  # noqa: E402
+from bench.head_paths import add_common_args, child_or_parent, measure, print_comparison  # noqa: E402
 
 
 def _one(path: str, a: argparse.Namespace) -> dict:
@@ -51,20 +50,13 @@ def _one(path: str, a: argparse.Namespace) -> dict:
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=4096, help="target tokens in the micro-batch (N)")
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--dim", type=int, default=512)
-    p.add_argument("--chunk", type=int, default=512, help="--loss_chunk_size")
     p.add_argument("--loss", default="forward_kl", choices=("forward_kl", "reverse_kl", "jsd"))
-    p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--alpha", type=float, default=0.1)
-    p.add_argument("--iters", type=int, default=3)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--one", choices=PATHS, help=argparse.SUPPRESS)  # the child process
+    add_common_args(p, temperature=1.0)
     a = p.parse_args(argv)
-    if a.one:
-        print("RESULT " + json.dumps(_one(a.one, a)), flush=True)
+    rows = child_or_parent(__file__, a, argv, _one)
+    if rows is None:
         return
-    rows = in_fresh_processes(__file__, argv if argv is not None else sys.argv[1:])
     logits_mib = a.tokens * a.vocab * 4 / 2 ** 20
     print_comparison(f"{a.tokens} target tokens, vocab {a.vocab}, dim {a.dim}, chunk {a.chunk}, --distill_loss="
                      f"{a.loss}, alpha {a.alpha:g}, {a.device} (one fp32 copy of the logits: {logits_mib:,.0f} MiB)",

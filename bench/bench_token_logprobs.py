@@ -12,13 +12,12 @@ seconds per call (median of --iters), and the ratios. Nothing is asserted.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from bench.head_paths import PATHS, in_fresh_processes, measure, print_comparison  # noqa: E402
+from bench.head_paths import add_common_args, child_or_parent, measure, print_comparison  # noqa: E402
 
 
 def _one(path: str, a: argparse.Namespace) -> dict:
@@ -50,18 +49,11 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, default=8, help="completions in the micro-batch (prompts x G)")
     p.add_argument("--seq", type=int, default=256, help="tokens per row (prompt + completion)")
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--dim", type=int, default=512)
-    p.add_argument("--chunk", type=int, default=512, help="--loss_chunk_size")
-    p.add_argument("--temperature", type=float, default=0.9)
-    p.add_argument("--iters", type=int, default=3)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--one", choices=PATHS, help=argparse.SUPPRESS)  # the child process
+    add_common_args(p, temperature=0.9)
     a = p.parse_args(argv)
-    if a.one:
-        print("RESULT " + json.dumps(_one(a.one, a)), flush=True)
+    rows = child_or_parent(__file__, a, argv, _one)
+    if rows is None:
         return
-    rows = in_fresh_processes(__file__, argv if argv is not None else sys.argv[1:])
     logits_mib = a.rows * a.seq * a.vocab * 4 / 2 ** 20
     print_comparison(f"rows {a.rows} x {a.seq} tokens, vocab {a.vocab}, dim {a.dim}, chunk {a.chunk}, {a.device} "
                      f"(one fp32 copy of the logits: {logits_mib:,.0f} MiB)", rows)

@@ -5,6 +5,7 @@ torch.cuda.max_memory_allocated over the set-up; the table and the ratios printe
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import resource
@@ -12,7 +13,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 PATHS = ("whole", "chunked")
 
@@ -41,6 +42,28 @@ def measure(run: Callable[[], object], device, iters: int) -> dict:
         synchronize(device)
         times.append(time.perf_counter() - t0)
     return {"peak_bytes": peak_so_far() - base, "seconds": statistics.median(times)}
+
+
+def add_common_args(p: argparse.ArgumentParser, temperature: float) -> None:
+    """The flags both benches take: the head's shape, the chunk, the temperature, the repeats, the device, and the
+    hidden --one <path> of a child process."""
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--dim", type=int, default=512)
+    p.add_argument("--chunk", type=int, default=512, help="--loss_chunk_size")
+    p.add_argument("--temperature", type=float, default=temperature)
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--one", choices=PATHS, help=argparse.SUPPRESS)  # the child process
+
+
+def child_or_parent(script: str, a: argparse.Namespace, argv: Optional[list],
+                    one: Callable[[str, argparse.Namespace], dict]) -> Optional[dict]:
+    """In a child (--one): print its path's RESULT line and give None; in the parent: every path's result, each
+    measured in a fresh process of `script`."""
+    if a.one:
+        print("RESULT " + json.dumps(one(a.one, a)), flush=True)
+        return None
+    return in_fresh_processes(script, argv if argv is not None else sys.argv[1:])
 
 
 def in_fresh_processes(script: str, argv: list[str]) -> dict:
