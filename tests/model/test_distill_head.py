@@ -12,14 +12,7 @@ import torch
 
 from model import ModelConfig, Transformer
 from model.distill_head import chunked_distill_loss, distill_head, distill_loss
-
-EPS = torch.finfo(torch.float32).eps
-
-
-def _within(got: torch.Tensor, whole: torch.Tensor, truth: torch.Tensor, what: str) -> None:
-    scale = truth.abs().max().item()
-    err, ref_err = (got.double() - truth).abs().max().item(), (whole.double() - truth).abs().max().item()
-    assert err <= 4 * ref_err + 8 * EPS * scale, (what, err, ref_err, scale)
+from tests.model.test_token_logprobs import _within  # (the same bound: 4x the whole path's error + 8 fp32 ulps)
 
 
 def _loss_and_grads(fn, h, w, teacher, y):
