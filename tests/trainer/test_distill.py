@@ -124,7 +124,8 @@ def test_refusals_name_the_flag(pretrained, tiny_pretrain_data, tmp_path):
     from trainer.validation import validate_config
     from utils.errors import TrainingError
     for beta in (0.0, 1.0, float("nan")):
-        cfg = TrainConfig(task_type="distill", ref_model="t", tokenizer_dir="tok", distill_loss="jsd", distill_beta=beta)
+        cfg = TrainConfig(task_type="distill", ref_model="t", tokenizer_dir="tok", distill_loss="jsd",
+                          distill_beta=beta)
         with pytest.raises(TrainingError, match=r"--distill_beta=.*: must be in \(0, 1\)"):
             validate_config(cfg, torch_free=True)
     small, big = (ModelConfig(vocab_size=v, dim=16, n_layers=1, n_heads=2, max_seq_len=16) for v in (64, 128))

@@ -58,8 +58,8 @@ class Task:
         data of a tokenizer of `vocab` ids, one line (exit 2), or None. The default: a language model with a row for
         every id of the tokenizer (it scores the data's tokens)."""
         if ref_cfg.num_labels or ref_cfg.vocab_size < vocab:
-            return (f"--ref_model has {ref_cfg.num_labels or ref_cfg.vocab_size} outputs and the tokenizer {vocab} ids: "
-                    "the reference scores the data's tokens with a language model's head over that vocabulary")
+            return (f"--ref_model has {ref_cfg.num_labels or ref_cfg.vocab_size} outputs and the tokenizer {vocab} "
+                    "ids: the reference scores the data's tokens with a language model's head over that vocabulary")
         return None
 
     def before_step(self, loop: Any, draw: Callable[[], tuple]) -> tuple[list, list]:

@@ -12,7 +12,8 @@ Per target token t (labels != -100), with p = softmax(teacher logits / T) and q 
 summed over the step's target tokens and averaged as SFT's loss is (model/distill_head.py has the formulas). The
 teacher's logits are computed at the target positions only (its boolean logits_to_keep: [N, V] for N target tokens,
 in its compute dtype); the student's in its LM head, --loss_chunk_size tokens at a time, never whole (their softmax and
-gradient neither). The teacher must share the student's tokenizer (the same vocabulary size, checked at the start).
+gradient neither). The teacher must share the student's tokenizer, checked at the start (reference_problem: a row
+for each of the tokenizer's ids; vocabularies padded to other sizes are compared over their common rows).
 """
 from __future__ import annotations
 

@@ -45,8 +45,8 @@ class GRPOFlags:
                      "--ref_model), k3 estimator (DeepSeekMath, Shao et al. 2024); 0 = no reference (DAPO, Dr. GRPO "
                      "and current practice drop it)")
     teacher_kl_coef: float = _f(0.0, "grpo: on-policy distillation / KL in the reward: each completion token's "
-                                "advantage gains -coef x (log p_sampler(o_t) - log p_ref(o_t)), the per-token reverse KL "
-                                "to the frozen --ref_model (the teacher; else the starting weights, InstructGPT's "
+                                "advantage gains -coef x (log p_sampler(o_t) - log p_ref(o_t)), the per-token reverse "
+                                "KL to the frozen --ref_model (the teacher; else the starting weights, InstructGPT's "
                                 "per-token KL reward) on the policy's own samples (Agarwal et al. 2024; Thinking "
                                 "Machines' on-policy distillation, 2025); the reward functions are then optional; "
                                 "0 = off")
