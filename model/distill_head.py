@@ -16,7 +16,8 @@ Per target token, with p = softmax(teacher logits / T), q = softmax(student logi
 The loss is a sum over tokens, so its gradients are computed in the forward, chunk by chunk while each chunk's logits
 are live (two matmuls per chunk besides the logits', as the chunked cross-entropy's "sum", model/loss.py), and the
 backward only scales them: the fp32 weight-gradient accumulator [V, D] and the hidden state's gradient [N, D] are
-what is kept. The teacher's logits [N, V] arrive whole (the teacher's own forward made them, in its compute dtype).
+what is kept. The matmuls run in the compute dtype (autocast's: bf16 on a GPU), the softmaxes, the divergence and
+the weight gradient's sum in fp32. The teacher's logits [N, V] arrive whole (the teacher's own forward made them, in its compute dtype).
 
 Under torch.compile (a whole-model graph) the reference from whole logits is traced instead (the Function's loop would
 not trace), as model/token_logprobs.py does.
@@ -32,7 +33,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from model.loss_precision import compute_dtype
+from model.loss_precision import accumulate_fp32_, compute_dtype
 from utils.constants import DISTILL_LOSSES
 
 
@@ -110,8 +111,12 @@ class _ChunkedDistill(torch.autograd.Function):
                 d_z.add_(torch.exp(z.sub_(lse[:, None])).scatter_add_(1, y, -torch.ones_like(y, dtype=acc)),
                          alpha=alpha)
             sums += torch.stack([(alpha * ce + (1.0 - alpha) * temperature ** 2 * div).sum(), div.sum(), ce.sum()])
-            d_h[s:s + chunk_size] = (d_z.to(cdtype) @ w).to(d_h.dtype)
-            d_w += d_z.t() @ h_c.to(acc)
+            g_z = d_z.to(cdtype)  # (the matmuls in the compute dtype, as the logits')
+            d_h[s:s + chunk_size] = (g_z @ w).to(d_h.dtype)
+            if acc == torch.float32:  # summed in fp32 (one mixed GEMM on an accelerator: model/loss_precision.py)
+                accumulate_fp32_(d_w, g_z.t(), h_c, first=s == 0)
+            else:
+                d_w += d_z.t() @ h_c.to(acc)
         ctx.save_for_backward(d_h, d_w)
         ctx.weight_dtype = weight.dtype
         loss, div_sum, ce_sum = sums.unbind()
