@@ -398,9 +398,7 @@ class Transformer(nn.Module):
         """Logits [B, T, V] without labels; the loss of the chunked linear+CE with labels; with logprobs_of (token
         ids [B, T], shifted as labels, every one a real id) the pair (log p(logprobs_of), entropy), each [B, T], of
         the logits / temperature, computed chunk by chunk without the whole logits (model/token_logprobs.py; RL).
-        With head (a function of the final normed hidden state [B, T, D], the LM head's weight and --loss_chunk_size)
-        its result instead: a loss computed in the head without the whole logits (model/distill_head.py; the weight
-        is whole here under FSDP2 too).
+        With head: its result instead, on the final normed hidden state (`_outputs`; distillation's loss).
         Pruned (`pruned`): input_ids is the hidden state [B, T, D] when there is no embedding, and the
         hidden state after the blocks (before the norm) is returned when there is no LM head; a pruned last stage's
         multi-token prediction depths take their inputs embedded by the first stage (`mtp_embedded`, model/mtp.py
@@ -433,9 +431,9 @@ class Transformer(nn.Module):
             # whole sequences in (with their attention_mask / position_ids / doc_ids / cu_seqlens: padding and packed
             # documents), this rank's two chunks kept (model/ring_attention.py); the loss comes back summed over the
             # cp group, the logits (labels None) are this rank's positions only
-            if cache is not None or self.hidden_input_seq_split != 1:
-                raise ValueError("context parallelism takes whole sequences: no KV cache or sequence-parallel input "
-                                 "(docs/parallel.md)")
+            if cache is not None or self.hidden_input_seq_split != 1 or head is not None:
+                raise ValueError("context parallelism takes whole sequences: no KV cache, sequence-parallel input or "
+                                 "loss in the head (docs/parallel.md)")
             if self.embed_tokens is None:  # a later pipeline stage: the hidden input is this rank's chunks already
                 T *= cp.size
             else:
@@ -473,15 +471,18 @@ class Transformer(nn.Module):
             return h
         if mtp is not None:  # records its losses for the trainer (the returned loss stays the next-token one)
             mtp(h, self.embed_tokens, self.lm_head.weight, cos, sin, spec, shifted, ckpt, mtp_embedded)
-        h = self.norm(h)
+        return self._outputs(self.norm(h), labels, reduction, logits_to_keep, logprobs_of, temperature, head,
+                             cp if cp_on else None)
 
+    def _outputs(self, h: torch.Tensor, labels, reduction, logits_to_keep, logprobs_of, temperature, head, cp):
+        """forward's result from the final normed hidden state: head(h, the LM head's weight, --loss_chunk_size) (a
+        loss computed in the head, the weight whole here under FSDP2 too: model/distill_head.py), the chunked
+        log-probabilities, the logits or the loss; `cp` the ContextParallel when it splits the sequences."""
         if head is not None:
-            if cp_on:
-                raise ValueError("a loss in the head takes whole sequences: no context parallelism")
             return head(h, self.lm_head.weight, self.cfg.loss_chunk_size)
         if logprobs_of is not None:
             logp, entropy = token_logprobs(h, self.lm_head.weight, logprobs_of, temperature, self.cfg.loss_chunk_size)
-            if cp_on:  # the whole rows' values on every cp rank, gradients through this rank's positions
+            if cp is not None:  # the whole rows' values on every cp rank, gradients through this rank's positions
                 return cp.gather_tokens(logp), cp.gather_tokens(entropy)
             return logp, entropy
         if labels is None:
@@ -490,7 +491,7 @@ class Transformer(nn.Module):
             elif logits_to_keep:
                 h = h[:, -logits_to_keep:]
             return self.lm_head(h)
-        if cp is not None and cp.size > 1:
+        if cp is not None:
             if reduction == "none":  # the whole rows' per-token losses on every cp rank
                 return cp.gather_tokens(lm_head_loss(h, self.lm_head.weight, labels, "none", self.cfg))
             return cp.reduce_loss(lm_head_loss(h, self.lm_head.weight, labels, "sum", self.cfg), labels, reduction)
