@@ -53,8 +53,8 @@ CAPABILITIES: dict[str, frozenset] = {
                            "expert_parallel", "context_parallel", "multi_token_prediction"}),
 }
 WHY_NOT: dict[str, str] = {
-    "rollouts": "GRPO's rollouts run a forward per generated token on every rank; pipeline stages would pass each "
-            "token's hidden state between ranks: not built",
+    "rollouts": "sampling (GRPO's rollouts, on-policy distillation's replies) runs a forward per generated token on "
+                "every rank; pipeline stages would pass each token's hidden state between ranks: not built",
     "whole_model_on_one_rank": "no rank holds the whole model",
     "task_forwards": "KTO's KL rows are forwards of the task's own beside the training ones; pipeline stages run the "
                      "schedule's forwards only: not built",

@@ -211,6 +211,11 @@ class DPOFlags:
                                          "its square")
     distill_alpha: float = _f(0.0, "distill: the loss is alpha x the student's cross-entropy on the reference token + "
                                    "(1 - alpha) x the KL term")
+    distill_lmbda: float = _f(0.0, "distill: the share of steps trained on replies the student samples itself from "
+                                   "each row's prompt (GKD's on-policy lambda, Agarwal et al. 2024; TRL's lmbda), the "
+                                   "teacher scoring the student's own tokens; each step draws from (seed, step); "
+                                   "sampled as GRPO's rollouts (--max_completion_length, --temperature, --top_p, "
+                                   "--top_k, --min_p, --repetition_penalty); 0 = the data's replies only")
     # ---- reward modelling (--task_type=reward)
     reward_center_coef: float = _f(0.0, "reward: + this x (r_chosen + r_rejected)^2 per pair, keeping the scores "
                                         "centred on 0 (TRL's center_rewards_coefficient; 0.01 in Eisenstein et al. "
@@ -370,7 +375,8 @@ def engine_needs(cfg: TrainConfig) -> dict[str, str]:
              (cfg.optimizer_state_dtype != "fp32", f"--optimizer_state_dtype={cfg.optimizer_state_dtype}",
               "low_precision_optimizer_states"),
              (cfg.moe_num_experts > 0, f"--moe_num_experts={cfg.moe_num_experts}", "moe"),
-             (cfg.mtp_num_layers > 0, f"--mtp_num_layers={cfg.mtp_num_layers}", "multi_token_prediction"))
+             (cfg.mtp_num_layers > 0, f"--mtp_num_layers={cfg.mtp_num_layers}", "multi_token_prediction"),
+             (cfg.distill_lmbda > 0, f"--distill_lmbda={cfg.distill_lmbda:g}", "rollouts"))
     return {asked_by: cap for on, asked_by, cap in asked if on}
 
 

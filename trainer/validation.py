@@ -15,7 +15,7 @@ from typing import Optional
 from optimizer.optimizer_config import bf16_state_conflicts
 from trainer.config import (DPO_LOSSES, KERNEL_CHOICES, KTO_LOSSES, REFERENCE_FREE_LOSSES, RESUME_CHOICES, TrainConfig,
                             engine_needs, eval_task_paths, parallel_section, resume_policy)
-from trainer.tasks.grpo_flags import grpo_problems
+from trainer.tasks.grpo_flags import grpo_problems, sampling_problems
 from utils.constants import DISTILL_LOSSES, EXIT_BAD_CONFIG, MAX_EPOCHS, MAX_STEPS
 from utils.errors import TrainingError
 from utils.moe_flags import moe_problems
@@ -125,7 +125,8 @@ def run_tokenizer_meta(cfg: TrainConfig) -> dict:
     except (OSError, ValueError, KeyError) as e:
         raise TrainingError(f"--tokenizer_dir={cfg.tokenizer_dir}: {e}",
                             getattr(e, "exit_code", EXIT_BAD_CONFIG)) from e
-    roles = tuple(dict.fromkeys(task_entry(cfg.task_type).tokens + (("eos",) if cfg.sample_every else ())))
+    samples = cfg.sample_every or cfg.distill_lmbda > 0  # (a sampled reply stops at eos)
+    roles = tuple(dict.fromkeys(task_entry(cfg.task_type).tokens + (("eos",) if samples else ())))
     try:
         special_ids(tok_meta, roles, f"--task_type={cfg.task_type}" + " with --sample_every" * bool(cfg.sample_every))
     except MissingSpecialTokenError as e:
@@ -145,6 +146,19 @@ def validate_config(cfg: TrainConfig, world_size: Optional[int] = None, torch_fr
     problems.extend(grpo_problems(cfg, resume_policy(cfg)))
     if problems:
         raise TrainingError("bad configuration: " + "; ".join(problems), EXIT_BAD_CONFIG)
+
+
+def _on_policy_distill_checks(cfg: TrainConfig, p: _Problems) -> None:
+    """--distill_lmbda: a share of steps, distillation's, on padded rows, with the rollouts' sampling flags."""
+    p.number("distill_lmbda", 0.0, 1.0, high_open=False, what="must be in [0, 1] (the share of steps trained on the "
+             "student's own replies)")
+    if cfg.task_type != "distill":
+        p.append(f"--distill_lmbda={cfg.distill_lmbda:g}: the student's own replies are distillation's: it needs "
+                 "--task_type=distill")
+    elif cfg.sft_packing:
+        p.append(f"--distill_lmbda={cfg.distill_lmbda:g} with --sft_packing=true: the student replaces each row's last "
+                 "reply with its own, a conversation a row: drop the packing")
+    p.extend(sampling_problems(cfg))
 
 
 def _choices_and_combinations(cfg: TrainConfig, p: _Problems, torch_free: bool) -> None:
@@ -167,6 +181,8 @@ def _choices_and_combinations(cfg: TrainConfig, p: _Problems, torch_free: bool) 
     if cfg.distill_loss == "jsd":
         p.number("distill_beta", 0.0, 1.0, low_open=True, what="must be in (0, 1) (--distill_loss=forward_kl or "
                  "reverse_kl are its two ends)")
+    if cfg.distill_lmbda != 0:  # (nan too)
+        _on_policy_distill_checks(cfg, p)
     if cfg.task_type == "distill" and not cfg.ref_model:
         p.append("--task_type=distill learns from a teacher: pass --ref_model=<the teacher's run, checkpoint or "
                  "Hugging Face dir>")

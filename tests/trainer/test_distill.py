@@ -96,11 +96,14 @@ def test_the_student_comes_to_the_teachers_distributions(pretrained, tiny_pretra
 
 @pytest.mark.parametrize("engine", ["ddp", "fsdp"])
 def test_two_ranks_follow_one_process(pretrained, tiny_pretrain_data, teacher, tmp_path, engine):
-    """(Our DDP runs GKD's generalized JSD, FSDP2 the forward KL: each divergence through a whole run once.)"""
+    """(Our DDP runs GKD's generalized JSD, FSDP2 the forward KL: each divergence through a whole run once.) The
+    second step trains on the student's own replies (--distill_lmbda=0.5 draws it at seed 3), sampled on each rank
+    from the rows it holds (FSDP2: every rank forwarding as often), the first and third on the data's."""
+    from trainer.tasks.distill import replies_from_student
     loss = {"ddp": "jsd", "fsdp": "forward_kl"}[engine]
     common = ["--task_type=distill", f"--ref_model={teacher}", "--max_iters=3", "--batch_size=2",
               "--checkpoint_interval=100", "--distill_alpha=0.5", "--distill_temperature=2", f"--distill_loss={loss}",
-              "--distill_beta=0.3"]
+              "--distill_beta=0.3", "--distill_lmbda=0.5", "--max_completion_length=16"]
     one, two = tmp_path / "one", tmp_path / engine
     run_cmd(train_cmd(_args(tiny_pretrain_data, pretrained["out"], one, *common, "--gradient_accumulation_steps=2")),
             env=_env())
@@ -108,8 +111,9 @@ def test_two_ranks_follow_one_process(pretrained, tiny_pretrain_data, teacher, t
             env=_env())
     a, b = (dedupe_by_step(read_metrics(os.path.join(d, "metrics.jsonl"))) for d in (one, two))
     assert sorted(a) == sorted(b) == [1, 2, 3]
+    assert [a[s]["on_policy"] for s in a] == [float(replies_from_student(3, s - 1, 0.5)) for s in a] == [0, 1, 0]
     for s in a:
-        for key in ("loss", "kl", "ce"):
+        for key in ("loss", "kl", "ce", "on_policy", "reply_length"):
             assert abs(a[s][key] - b[s][key]) <= 1e-5 * max(1.0, abs(a[s][key])), (s, key, a[s][key], b[s][key])
 
 
@@ -128,6 +132,21 @@ def test_refusals_name_the_flag(pretrained, tiny_pretrain_data, tmp_path):
                           distill_beta=beta)
         with pytest.raises(TrainingError, match=r"--distill_beta=.*: must be in \(0, 1\)"):
             validate_config(cfg, torch_free=True)
+    for flags, words in (({"distill_lmbda": 1.5}, "--distill_lmbda=1.5: must be in [0, 1]"),
+                         ({"distill_lmbda": float("nan")}, "--distill_lmbda=nan: must be in [0, 1]"),
+                         ({"sft_packing": True}, "--distill_lmbda=0.5 with --sft_packing=true: the student replaces"),
+                         ({"temperature": 0.0}, "--temperature=0.0: must be a finite number > 0"),
+                         ({"max_completion_length": 0}, "--max_completion_length=0: must be >= 1"),
+                         ({"task_type": "sft"}, "--distill_lmbda=0.5: the student's own replies are distillation's")):
+        cfg = TrainConfig(**{"task_type": "distill", "ref_model": "t", "tokenizer_dir": "tok", "distill_lmbda": 0.5,
+                             **flags})
+        with pytest.raises(TrainingError) as err:
+            validate_config(cfg, torch_free=True)
+        assert words in str(err.value), (flags, str(err.value))
+    on_pp = dataclasses.replace(TrainConfig(), task_type="distill", distill_lmbda=0.5, pipeline_parallel_size=2,
+                                gradient_accumulation_steps=2)
+    assert any(p.startswith("--distill_lmbda=0.5 cannot be combined with --pipeline_parallel_size=2 (sampling")
+               for p in ParallelConfig.from_flags(on_pp).problems(world_size=2, needs=engine_needs(on_pp)))
     small, big = (ModelConfig(vocab_size=v, dim=16, n_layers=1, n_heads=2, max_seq_len=16) for v in (64, 128))
     task = DistillTask(TrainConfig(task_type="distill"))
     assert task.reference_problem(small, small) is None and task.reference_problem(small, big) is None
@@ -148,3 +167,17 @@ def test_refusals_name_the_flag(pretrained, tiny_pretrain_data, tmp_path):
         problems = ParallelConfig.from_flags(cfg).problems(world_size=2, needs=engine_needs(cfg))
         assert sum(p.startswith(f"--task_type=distill cannot be combined with {words}") for p in problems) == 1, \
             problems
+
+
+def test_on_policy_steps_train_on_the_students_own_replies_and_the_kl_there_falls(pretrained, tiny_pretrain_data,
+                                                                                  teacher, tmp_path):
+    """--distill_lmbda=1: every step on replies the student sampled (GKD's on-policy distillation); the KL is then
+    the divergence at the student's own tokens, which it learns to bring down."""
+    out = tmp_path / "on_policy"
+    run_cmd(train_cmd(_args(tiny_pretrain_data, pretrained["out"], out, "--task_type=distill", f"--ref_model={teacher}",
+                            "--max_iters=10", "--batch_size=8", "--checkpoint_interval=10", "--distill_lmbda=1",
+                            "--max_completion_length=32")), env=_env())
+    recs = dedupe_by_step(read_metrics(os.path.join(out, "metrics.jsonl")))
+    print({s: (round(r["kl"], 4), r["on_policy"], round(r["reply_length"], 1)) for s, r in recs.items()})
+    assert all(r["on_policy"] == 1.0 and 1 <= r["reply_length"] <= 32 for r in recs.values()), recs
+    assert sum(recs[s]["kl"] for s in (8, 9, 10)) < 0.5 * sum(recs[s]["kl"] for s in (1, 2, 3)), recs

@@ -168,8 +168,8 @@ def test_lora_and_zero_at_two_ranks(pretrained, tmp_path):
     proc = run_trainer(train_cmd(_args(pretrained, tmp_path, "--max_iters=1", f"--out_dir={tmp_path / 'f'}",
                                        "--pipeline_parallel_size=2"), nproc=2), env=child_env())
     assert proc.returncode == 2
-    assert "--task_type=grpo cannot be combined with --pipeline_parallel_size=2 (GRPO's rollouts run a forward per " \
-           "generated token on every rank" in proc.stderr
+    assert "--task_type=grpo cannot be combined with --pipeline_parallel_size=2 (sampling (GRPO's rollouts, " \
+           "on-policy distillation's replies) runs a forward per generated token on every rank" in proc.stderr
     proc = run_trainer(train_cmd(_args(pretrained, tmp_path, "--max_iters=1", f"--out_dir={tmp_path / 's'}",
                                        "--parallel=fsdp", "--tensor_parallel_size=2", "--sequence_parallel=true"),
                                  nproc=2), env=child_env())

@@ -14,17 +14,57 @@ teacher's logits are computed at the target positions only (its boolean logits_t
 in its compute dtype); the student's in its LM head, --loss_chunk_size tokens at a time, never whole (their softmax and
 gradient neither). The teacher must share the student's tokenizer, checked at the start (reference_problem: a row
 for each of the tokenizer's ids; vocabularies padded to other sizes are compared over their common rows).
+
+On-policy (GKD, Agarwal et al. 2024; TRL's GKDTrainer lmbda): with --distill_lmbda = l, a step is trained on the
+student's own replies with probability l (a draw from (seed, step), every rank alike): before the step each row's last
+assistant reply is replaced by one the student samples from the row's prompt (everything before that reply; earlier
+replies become context, untrained), sampled as GRPO's rollouts are (trainer/tasks/grpo_rollout.py sample_group, from a
+generator seeded by (seed, step, the row's tokens): the same reply whichever rank or micro-batch holds the row), up to
+--max_completion_length tokens and the row's --max_seq_len; the loss is then the same divergence at the sampled
+tokens: the teacher's whole distribution where the student actually goes.
 """
 from __future__ import annotations
 
-from typing import Optional
+import random
+import zlib
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from dataset.chat_dataset import right_pad
 from model.distill_head import distill_head
 from trainer.tasks.base import lm_inputs
+from trainer.tasks.grpo_rollout import every_rank_done, rollout_seed, sample_group
 from trainer.tasks.sft import SFTTask
 from utils.constants import IGNORE_INDEX
+
+
+def replies_from_student(seed: int, step: int, lmbda: float) -> bool:
+    """Whether step `step` trains on the student's own replies: a draw from (seed, step) below `lmbda`."""
+    if lmbda <= 0 or lmbda >= 1:
+        return lmbda >= 1
+    return random.Random(rollout_seed(seed, step, -1)).random() < lmbda
+
+
+def last_reply_prompt(input_ids: torch.Tensor, labels: torch.Tensor, length: int) -> list[int]:
+    """The tokens of a padded row (its first `length`) before its last reply: input_ids[:s + 1], s the position
+    whose target is the last reply's first token (the whole row where it has no target)."""
+    on = (labels[:length] != IGNORE_INDEX).nonzero().flatten().tolist()
+    if not on:
+        return input_ids[:length].tolist()
+    i = len(on) - 1
+    while i > 0 and on[i - 1] == on[i] - 1:
+        i -= 1
+    return input_ids[:on[i] + 1].tolist()
+
+
+def reply_rows(rows: Sequence[tuple[list[int], list[int]]], pad_id: int, pad_to: Optional[int] = None) -> dict:
+    """A micro-batch of (prompt, reply) rows shifted as SFT's (input_ids = (prompt + reply)[:-1], labels the next
+    tokens, -100 on the prompt's), right-padded."""
+    ids = [(p + r)[:-1] for p, r in rows]
+    labels = [[IGNORE_INDEX] * (len(p) - 1) + list(r) for p, r in rows]
+    x, y, mask = right_pad(ids, labels, pad_id, pad_to)
+    return {"input_ids": x, "labels": y, "attention_mask": mask}
 
 
 class DistillTask(SFTTask):
@@ -35,6 +75,57 @@ class DistillTask(SFTTask):
     val_stat_keys = ("kl", "ce")
     needs_reference = True
 
+    def __init__(self, cfg: Any) -> None:
+        super().__init__(cfg)
+        self.lmbda = float(getattr(cfg, "distill_lmbda", 0.0))
+        if self.lmbda > 0:  # the share of rows on the student's replies, and the target tokens per row
+            self.stat_keys = ("kl", "ce", "rows", "student_rows")
+        self._pad_to, self._pad_id, self._stop_ids, self._vocab = None, 0, [], 2**62
+
+    def datasets(self, tok_meta, val_ratio, fixed_shape, log):
+        cfg = self.cfg
+        self._pad_id = int(tok_meta["special_tokens"]["pad"]["id"])
+        self._pad_to = cfg.max_seq_len if fixed_shape else None
+        self._vocab = int(tok_meta.get("vocab_size") or self._vocab)
+        if self.lmbda > 0:
+            from tokenizer import load_tokenizer
+            from tokenizer.chat import chat_stop_ids
+            self._stop_ids = chat_stop_ids(load_tokenizer(cfg.tokenizer_dir), tok_meta["special_tokens"])
+        return super().datasets(tok_meta, val_ratio, fixed_shape, log)
+
+    def before_step(self, loop: Any, draw: Callable[[], tuple]) -> tuple[list, list]:
+        """The data's micro-batches, or, on a step drawn for it (--distill_lmbda), the same rows with the student's
+        own last replies."""
+        batches, skipped = draw()
+        if not replies_from_student(self.cfg.seed, loop.progress.step, self.lmbda):
+            return batches, skipped
+        loop.engine.optimizer.finish_param_sync()  # ZeRO's all-gather of the updated weights has landed
+        model, device = loop.engine.module, loop.info.device
+        all_done = every_rank_done(loop.engine, device) if loop.info.world_size > 1 else None
+        return [self._student_replies(model, b, loop.progress.step, device, all_done) for b in batches], skipped
+
+    def _student_replies(self, model, batch: dict, step: int, device, all_done) -> dict:
+        """One micro-batch with each row's last reply sampled by the student (one `sample_group` call per row on
+        every rank, each generating --max_completion_length tokens at most, so that FSDP's ranks forward alike)."""
+        cfg = self.cfg
+        x, y = batch["input_ids"], batch["labels"]
+        lengths = batch["attention_mask"].sum(1).tolist() if "attention_mask" in batch else [x.shape[1]] * len(x)
+        room = min(cfg.max_seq_len, model.cfg.max_seq_len)  # a training row's positions
+        rows = []
+        for r, n in enumerate(lengths):
+            prompt = last_reply_prompt(x[r], y[r], int(n))
+            gen = torch.Generator(device=device)
+            gen.manual_seed(rollout_seed(cfg.seed, step, zlib.crc32(x[r, :int(n)].numpy().tobytes())))
+            toks, mask, _ = sample_group(model, prompt, 1, cfg.max_completion_length, temperature=cfg.temperature,
+                                         top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p,
+                                         repetition_penalty=cfg.repetition_penalty, stop_ids=self._stop_ids,
+                                         pad_id=self._pad_id, generator=gen, all_done=all_done)
+            reply = toks[0][mask[0]].tolist()[:room + 1 - len(prompt)]
+            # an id past the tokenizer's (a vocabulary padded beyond it) is no token: the reply ends before it
+            cut = next((k for k, t in enumerate(reply) if t >= self._vocab), len(reply))
+            rows.append((prompt, reply[:cut]))
+        return dict(reply_rows(rows, self._pad_id, self._pad_to), _student=True)
+
     def micro_batch_loss(self, model, ref_model, batch, device):
         cfg = self.cfg
         x, y, kw = lm_inputs(batch, device)
@@ -44,7 +135,16 @@ class DistillTask(SFTTask):
         head = distill_head(keep, teacher, y[keep], temperature=cfg.distill_temperature, alpha=cfg.distill_alpha,
                             loss_type=cfg.distill_loss, beta=cfg.distill_beta)
         loss, kl, ce = model(x, head=head, **kw)  # the student's logits chunk by chunk in its head
-        return loss, {"kl": kl, "ce": ce}
+        stats = {"kl": kl, "ce": ce}
+        if self.lmbda > 0:  # host values
+            stats.update(rows=float(x.shape[0]), student_rows=float(x.shape[0]) if batch.get("_student") else 0.0)
+        return loss, stats
+
+    def step_metrics(self, per_unit: dict) -> dict:
+        out = {"kl": per_unit["kl"], "ce": per_unit["ce"]}
+        if self.lmbda > 0:  # (per_unit: sums over the step's target tokens)
+            out.update(on_policy=per_unit["student_rows"] / per_unit["rows"], reply_length=1.0 / per_unit["rows"])
+        return out
 
     def reference_problem(self, student_cfg, teacher_cfg, vocab: int = 0) -> Optional[str]:
         """A teacher of the student's tokenizer: its vocabulary may differ from the student's by padding rows beyond

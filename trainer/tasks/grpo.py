@@ -29,7 +29,8 @@ from trainer.tasks.grpo_data import PromptSet, read_prompts_file
 from trainer.tasks.grpo_loss import (MICRO_BATCH_MEAN, TOKEN_AVERAGED, aggregate, batch_std, group_advantages,
                                      high_entropy_mask, per_token_terms, units_of)
 from trainer.tasks.grpo_rewards import build_rewards
-from trainer.tasks.grpo_rollout import Group, drop_truncated, rollout_seed, sample_group, token_logps, training_rows
+from trainer.tasks.grpo_rollout import (Group, drop_truncated, every_rank_done, rollout_seed, sample_group, token_logps,
+                                        training_rows)
 from utils.constants import EXIT_BAD_CONFIG
 from utils.device import is_accelerator, parse_dtype, to_device
 from utils.errors import TrainingError
@@ -147,8 +148,7 @@ class GRPOTask(Task):
         samples = []
         all_done = None
         if loop.info.world_size > 1:  # every rank decodes as many tokens (a forward may all-gather: FSDP)
-            engine = loop.engine
-            all_done = lambda done: float(engine.sum_over_data([0.0 if done else 1.0], device)[0]) == 0.0  # noqa: E731
+            all_done = every_rank_done(loop.engine, device)
         # whole sequences on every rank while decoding (context parallelism: the cp ranks of a replica roll out its
         # prompts alike, from the same seeds); the training rows are split again
         with whole_sequences(model) as self._cp:

@@ -27,16 +27,16 @@ class GRPOFlags:
                               "--batch_size counts prompts, so a micro-batch trains batch_size x G completions")
     max_prompt_length: int = _f(128, "grpo: prompt tokens at most (a longer prompt is a counted, named skip); every "
                                 "training row is max_prompt_length + max_completion_length tokens (<= --max_seq_len)")
-    max_completion_length: int = _f(64, "grpo: tokens generated per completion at most (it stops earlier at "
-                                    "<|im_end|> or </s>, which is trained on)")
-    temperature: float = _f(1.0, "grpo: sampling temperature of the rollouts (> 0); the log-probabilities trained "
-                            "on are those of logits / temperature, as in TRL")
-    top_p: float = _f(1.0, "grpo: nucleus sampling of the rollouts (1 = off)")
-    top_k: int = _f(0, "grpo: the rollouts sample from the k most probable tokens only (0 = off)")
-    min_p: float = _f(0.0, "grpo: the rollouts drop tokens less probable than min_p x the most probable one, after "
-                      "top-k / top-p (0 = off; TRL's min_p)")
-    repetition_penalty: float = _f(1.0, "grpo: the rollouts' draws penalise tokens already in the prompt or the "
-                                   "completion (transformers' rule, > 1 discourages; 1 = off; TRL's "
+    max_completion_length: int = _f(64, "grpo, --distill_lmbda: tokens generated per completion at most (it stops "
+                                    "earlier at <|im_end|> or </s>, which is trained on)")
+    temperature: float = _f(1.0, "grpo, --distill_lmbda: sampling temperature of the rollouts (> 0); GRPO's "
+                            "log-probabilities trained on are those of logits / temperature, as in TRL")
+    top_p: float = _f(1.0, "grpo, --distill_lmbda: nucleus sampling of the rollouts (1 = off)")
+    top_k: int = _f(0, "grpo, --distill_lmbda: the rollouts sample from the k most probable tokens only (0 = off)")
+    min_p: float = _f(0.0, "grpo, --distill_lmbda: the rollouts drop tokens less probable than min_p x the most "
+                      "probable one, after top-k / top-p (0 = off; TRL's min_p)")
+    repetition_penalty: float = _f(1.0, "grpo, --distill_lmbda: the rollouts' draws penalise tokens already in the "
+                                   "prompt or the completion (transformers' rule, > 1 discourages; 1 = off; TRL's "
                                    "repetition_penalty); the log-probabilities trained on stay logits / temperature's")
     eval_num_generations: int = _f(0, "grpo: held-out answers per prompt (--eval_data_dir): 0 = one greedy answer "
                                    "(val_reward is pass@1 for a 0/1 reward); k >= 1 = k sampled at --temperature / "
@@ -161,6 +161,23 @@ def needs_answer(cfg: Any) -> bool:
     return any(n in ("exact_match", "numeric_match") for n, _ in reward_specs(cfg))
 
 
+def sampling_problems(cfg: Any) -> list[str]:
+    """The checks of the flags that sample completions from the policy: GRPO's rollouts, on-policy distillation's
+    replies (--distill_lmbda)."""
+    out = []
+    for ok, name, rule in (
+            (cfg.max_completion_length >= 1, "max_completion_length", "must be >= 1"),
+            (math.isfinite(cfg.temperature) and cfg.temperature > 0, "temperature", "must be a finite number > 0"),
+            (math.isfinite(cfg.top_p) and 0 < cfg.top_p <= 1, "top_p", "must be in (0, 1]"),
+            (cfg.top_k >= 0, "top_k", "must be >= 0 (0 = off)"),
+            (math.isfinite(cfg.min_p) and 0 <= cfg.min_p <= 1, "min_p", "must be in [0, 1] (0 = off)"),
+            (math.isfinite(cfg.repetition_penalty) and cfg.repetition_penalty > 0, "repetition_penalty",
+             "must be a finite number > 0 (1 = off)")):
+        if not ok:
+            out.append(f"--{name}={getattr(cfg, name)}: {rule}")
+    return out
+
+
 def grpo_problems(cfg: Any, resume_policy: str) -> list[str]:
     """What a --task_type=grpo run cannot work with (none for another task)."""
     if cfg.task_type != "grpo":  # (--reward_model belongs to GRPO)
@@ -182,16 +199,10 @@ def grpo_problems(cfg: Any, resume_policy: str) -> list[str]:
     else:
         need(cfg.num_generations >= 1, "num_generations", "must be >= 1")
     need(cfg.max_prompt_length >= 1, "max_prompt_length", "must be >= 1")
-    need(cfg.max_completion_length >= 1, "max_completion_length", "must be >= 1")
+    out += sampling_problems(cfg)
     if cfg.max_prompt_length + cfg.max_completion_length > cfg.max_seq_len:
         out.append(f"--max_prompt_length={cfg.max_prompt_length} + --max_completion_length="
                    f"{cfg.max_completion_length} must be <= --max_seq_len={cfg.max_seq_len}")
-    need(math.isfinite(cfg.temperature) and cfg.temperature > 0, "temperature", "must be a finite number > 0")
-    need(math.isfinite(cfg.top_p) and 0 < cfg.top_p <= 1, "top_p", "must be in (0, 1]")
-    need(cfg.top_k >= 0, "top_k", "must be >= 0 (0 = off)")
-    need(math.isfinite(cfg.min_p) and 0 <= cfg.min_p <= 1, "min_p", "must be in [0, 1] (0 = off)")
-    need(math.isfinite(cfg.repetition_penalty) and cfg.repetition_penalty > 0, "repetition_penalty",
-         "must be a finite number > 0 (1 = off)")
     need(0 <= cfg.eval_num_generations <= 1024, "eval_num_generations", "must be in [0, 1024] (0 = one greedy answer)")
     need(math.isfinite(cfg.beta) and cfg.beta >= 0, "beta", "must be a finite number >= 0")
     need(math.isfinite(cfg.teacher_kl_coef) and cfg.teacher_kl_coef >= 0, "teacher_kl_coef",

@@ -112,6 +112,12 @@ def sample_group(model, prompt_ids: Sequence[int], group_size: int, max_new_toke
         model.train(was_training)
 
 
+def every_rank_done(engine: Any, device: Any) -> Callable[[bool], bool]:
+    """`sample_group`'s all_done over the data-parallel ranks: whether every rank's group is done (one all-reduce
+    per generated token)."""
+    return lambda done: float(engine.sum_over_data([0.0 if done else 1.0], device)[0]) == 0.0
+
+
 def drop_truncated(tokens: torch.Tensor, mask: torch.Tensor, stop_ids: Sequence[int]) -> torch.Tensor:
     """The mask with the rows that never emitted a stop id (cut at max_completion_length) zeroed: DAPO's overlong
     filtering, a truncated completion is no evidence of a bad answer."""
