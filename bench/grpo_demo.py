@@ -12,6 +12,7 @@ Must never: assert (it prints; the reward's rise is a bench, not a timed test), 
 
     .venv/bin/python bench/grpo_demo.py [--work=/tmp/grpo_demo] [--seed=0] [--grpo_steps=150] [--reuse=pretrain|sft]
         [--distill_steps=N]   # then the SFT model distilled on-policy from the GRPO one (--teacher_kl_coef)
+        [--gkd_steps=N]       # and by GKD, whole distributions at its own replies (--distill_lmbda=1)
 """
 from __future__ import annotations
 
@@ -135,6 +136,10 @@ def main(argv: list[str]) -> int:
     p.add_argument("--distill_steps", type=int, default=0,
                    help="then on-policy distillation (--teacher_kl_coef, no reward) of the SFT model towards the GRPO "
                         "one for this many steps, its held-out pass@1 printed beside GRPO's (0 = off)")
+    p.add_argument("--gkd_steps", type=int, default=0,
+                   help="then GKD (--task_type=distill --distill_lmbda=1, the JSD of TRL's defaults) of the SFT model "
+                        "towards the GRPO one on the SFT conversations, their replies the student's own, for this "
+                        "many steps of as many sampled replies as a GRPO step (0 = off)")
     p.add_argument("--reuse", choices=("", "pretrain", "sft"), default="",
                    help="keep --work's task, tokenizer and pretraining (SFT and GRPO again), or its SFT run too")
     a = p.parse_args(argv)
@@ -190,31 +195,41 @@ def main(argv: list[str]) -> int:
           f"total {time.time() - t_start:.0f} s", flush=True)
     if a.distill_steps:
         distill(a, paths, common, env, sft, rl, max_new, before)
+    if a.gkd_steps:
+        distill(a, paths, common, env, sft, rl, max_new, before, gkd=True)
     return 0
 
 
-def distill(a, paths: dict, common: list, env: dict, sft: str, teacher: str, max_new: int, before: float) -> None:
-    """On-policy distillation: the SFT model samples the training prompts and learns, token by token, the GRPO
-    model's log-probabilities of its own samples (no reward; exact_match at weight 0 is only watched)."""
-    out = os.path.join(a.work, "distill")
+def distill(a, paths: dict, common: list, env: dict, sft: str, teacher: str, max_new: int, before: float,
+            gkd: bool = False) -> None:
+    """On-policy distillation: the SFT model samples and learns the GRPO model's distributions at its own tokens.
+    Sampled (GRPO's --teacher_kl_coef): on the training prompts, each token's log-probability under the teacher in
+    its advantage (no reward; exact_match at weight 0 is only watched). GKD (gkd): on the SFT conversations, each
+    reply replaced by the student's own, the teacher's whole distribution at every token of it (the JSD)."""
+    out, steps_n = os.path.join(a.work, "gkd" if gkd else "distill"), a.gkd_steps if gkd else a.distill_steps
     shutil.rmtree(out, ignore_errors=True)
     t0 = time.time()
-    run([PY, "train_my_ddp.py", *common, "--task_type=grpo", f"--init_from={sft}", f"--data_dir={paths['grpo']}",
-         f"--ref_model={teacher}", "--teacher_kl_coef=1", "--reward_funcs=exact_match", "--reward_weights=0",
-         f"--out_dir={out}", f"--max_iters={a.distill_steps}", f"--batch_size={a.grpo_batch}",
-         f"--num_generations={a.num_generations}", "--max_prompt_length=32", f"--max_completion_length={max_new}",
-         f"--learning_rate={a.grpo_lr}", "--lr_schedule=constant", "--temperature=1.0", "--weight_decay=0",
-         "--log_interval=25", "--eval_interval=0", f"--checkpoint_interval={a.distill_steps}"], "distillation", env)
+    how = (["--task_type=distill", f"--data_dir={paths['sft']}", "--distill_lmbda=1", "--distill_loss=jsd",
+            f"--batch_size={a.grpo_batch * a.num_generations}"] if gkd else
+           ["--task_type=grpo", f"--data_dir={paths['grpo']}", "--teacher_kl_coef=1", "--reward_funcs=exact_match",
+            "--reward_weights=0", f"--batch_size={a.grpo_batch}", f"--num_generations={a.num_generations}",
+            "--max_prompt_length=32"])
+    run([PY, "train_my_ddp.py", *common, *how, f"--init_from={sft}", f"--ref_model={teacher}", f"--out_dir={out}",
+         f"--max_iters={steps_n}", f"--max_completion_length={max_new}", f"--learning_rate={a.grpo_lr}",
+         "--lr_schedule=constant", "--temperature=1.0", "--weight_decay=0", "--log_interval=25", "--eval_interval=0",
+         f"--checkpoint_interval={steps_n}"], "GKD" if gkd else "distillation", env)
     from utils.metrics import dedupe_by_step, read_metrics
     rows = dedupe_by_step(read_metrics(os.path.join(out, "metrics.jsonl")))
     steps = sorted(rows)
     k = max(1, len(steps) // 5)
-    kl = [sum(rows[s]["teacher_kl"] for s in part) / len(part) for part in (steps[:k], steps[-k:])]
-    watched = [sum(rows[s]["reward_exact_match"] for s in part) / len(part) for part in (steps[:k], steps[-k:])]
+    key = "kl" if gkd else "teacher_kl"
+    kl = [sum(rows[s][key] for s in part) / len(part) for part in (steps[:k], steps[-k:])]
+    watched = "" if gkd else "; sampled exact_match (watched, weight 0) {:.3f} -> {:.3f}".format(
+        *(sum(rows[s]["reward_exact_match"] for s in part) / len(part) for part in (steps[:k], steps[-k:])))
     after = greedy_pass_at_1(out, os.path.join(a.work, "tok"), paths["heldout"], max_new)
-    print(f"[demo] on-policy distillation towards the GRPO model, {len(steps)} steps in {time.time() - t0:.0f} s: "
-          f"teacher_kl {kl[0]:.3f} (first {k} steps) -> {kl[1]:.3f} (last {k}); sampled exact_match (watched, "
-          f"weight 0) {watched[0]:.3f} -> {watched[1]:.3f}; held-out greedy pass@1 {before:.3f} -> {after:.3f} "
+    print(f"[demo] {'GKD (whole distributions, JSD)' if gkd else 'on-policy distillation (sampled)'} towards the "
+          f"GRPO model, {len(steps)} steps in {time.time() - t0:.0f} s: {key} {kl[0]:.3f} (first {k} steps) -> "
+          f"{kl[1]:.3f} (last {k}){watched}; held-out greedy pass@1 {before:.3f} -> {after:.3f} "
           f"({after - before:+.3f})", flush=True)
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -87,13 +88,33 @@ def _divergence_and_grad(u: torch.Tensor, u_teacher: torch.Tensor, loss_type: st
     return div, q.mul_(g.sub_((q * g).sum(-1, keepdim=True)))
 
 
+class TeacherHidden(NamedTuple):
+    """The teacher's side as its final normed hidden states at the N target tokens [N, D'] and its LM head's weight
+    [V', D']: its logits hidden @ weight.T formed chunk by chunk beside the student's, never [N, V'] at once."""
+    hidden: torch.Tensor
+    weight: torch.Tensor
+
+    def logits(self, start: int = 0, end: Optional[int] = None, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """Rows start..end of the teacher's logits, the matmul in `dtype` (the hidden state's by default)."""
+        h = self.hidden[start:end]
+        dtype = dtype or h.dtype
+        return torch.mm(h.to(dtype), self.weight.to(dtype).t())
+
+
+def _teacher_rows(teacher, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows start..end of the teacher's logits [c, V']: a slice of whole logits, or a chunk of TeacherHidden's."""
+    return teacher.logits(start, end, dtype) if isinstance(teacher, TeacherHidden) else teacher[start:end]
+
+
 class _ChunkedDistill(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, teacher: torch.Tensor, targets: torch.Tensor,
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, teacher, targets: torch.Tensor,
                 temperature: float, alpha: float, loss_type: str, beta: float, chunk_size: int, cdtype: torch.dtype):
         n = hidden.shape[0]
         acc = torch.promote_types(cdtype, torch.float32)
         w = weight.to(cdtype)
+        if isinstance(teacher, TeacherHidden):  # (its weight cast once, as the student's)
+            teacher = TeacherHidden(teacher.hidden, teacher.weight.to(cdtype))
         d_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
         d_w = torch.zeros(weight.shape, dtype=acc, device=weight.device)
         sums = torch.zeros(3, dtype=acc, device=hidden.device)  # loss, divergence, cross-entropy
@@ -101,7 +122,7 @@ class _ChunkedDistill(torch.autograd.Function):
             h_c = hidden[s:s + chunk_size].to(cdtype)
             z = torch.mm(h_c, w.t()).to(acc)
             y = targets[s:s + chunk_size, None]
-            zt = teacher[s:s + chunk_size].to(acc)
+            zt = _teacher_rows(teacher, s, s + chunk_size, cdtype).to(acc)
             div, d_u = _divergence_and_grad(z if temperature == 1.0 else z / temperature,
                                             zt if temperature == 1.0 else zt / temperature, loss_type, beta)
             d_z = d_u.mul_((1.0 - alpha) * temperature)
@@ -130,19 +151,20 @@ class _ChunkedDistill(torch.autograd.Function):
                 None, None, None, None, None, None, None, None)
 
 
-def chunked_distill_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher: torch.Tensor, targets: torch.Tensor, *,
+def chunked_distill_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher, targets: torch.Tensor, *,
                          temperature: float = 1.0, alpha: float = 0.0, loss_type: str = "forward_kl",
                          beta: float = 0.5, chunk_size: int = 512) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(the loss summed over the N target tokens, D summed, CE summed) of the student's hidden states [N, D] through
-    the head `weight` [V, D] against the teacher's logits [N, V]: `distill_loss`'s values, `chunk_size` tokens at a
-    time; D and CE carry no gradient."""
+    the head `weight` [V, D] against the teacher's logits [N, V] (or its `TeacherHidden`, of V rows):
+    `distill_loss`'s values, `chunk_size` tokens at a time; D and CE carry no gradient."""
     if loss_type not in DISTILL_LOSSES:
         raise ValueError(f"unknown distillation loss {loss_type!r}; expected one of {DISTILL_LOSSES}")
     from torch.distributed.tensor import DTensor
     if isinstance(weight, DTensor):
         raise ValueError("distillation's loss in the head takes the whole LM head weight (no tensor parallelism)")
     if torch.compiler.is_compiling():  # traced: the whole logits, which Inductor fuses
-        losses, div, ce = distill_loss(F.linear(hidden, weight), teacher, targets, temperature=temperature,
+        whole = teacher.logits(dtype=compute_dtype(hidden)) if isinstance(teacher, TeacherHidden) else teacher
+        losses, div, ce = distill_loss(F.linear(hidden, weight), whole, targets, temperature=temperature,
                                        alpha=alpha, loss_type=loss_type, beta=beta)
         return losses.sum(), div.sum(), ce.sum()
     # the matmuls' dtype: autocast's where it is on (the logits as the whole-logits path's)
@@ -150,16 +172,32 @@ def chunked_distill_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher: to
                                  float(beta), max(1, int(chunk_size)), compute_dtype(hidden))
 
 
-def _head(h: torch.Tensor, weight: torch.Tensor, chunk_size: int, *, keep: torch.Tensor, teacher: torch.Tensor,
+def _head(h: torch.Tensor, weight: torch.Tensor, chunk_size: int, *, keep: torch.Tensor, teacher,
           targets: torch.Tensor, **kw) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    common = min(weight.shape[0], teacher.shape[-1])  # vocabularies padded differently beyond the tokenizer's ids
-    return chunked_distill_loss(h[keep], weight[:common], teacher[:, :common], targets, chunk_size=chunk_size, **kw)
+    if isinstance(teacher, TeacherHidden):  # vocabularies padded differently beyond the tokenizer's ids
+        common = min(weight.shape[0], teacher.weight.shape[0])
+        teacher = TeacherHidden(teacher.hidden, teacher.weight[:common])
+    else:
+        common = min(weight.shape[0], teacher.shape[-1])
+        teacher = teacher[:, :common]
+    return chunked_distill_loss(h[keep], weight[:common], teacher, targets, chunk_size=chunk_size, **kw)
 
 
-def distill_head(keep: torch.Tensor, teacher: torch.Tensor, targets: torch.Tensor, **kw):
+def distill_head(keep: torch.Tensor, teacher, targets: torch.Tensor, **kw):
     """The `head` for Transformer.forward: the student's final hidden states at the True positions of `keep` [B, T]
-    (row-major, as the teacher's boolean `logits_to_keep` orders its logits [N, V']) through `chunked_distill_loss`
-    with the model's --loss_chunk_size; kw: temperature, alpha, loss_type, beta. Vocabularies of other sizes (the
-    same tokenizer, padded differently) are compared over their first min(V, V') entries (the trainer checks that
-    every id of the tokenizer is among them)."""
+    (row-major, as the teacher's boolean `logits_to_keep` orders its logits [N, V'], or `teacher_hidden` its hidden
+    states) through `chunked_distill_loss` with the model's --loss_chunk_size; kw: temperature, alpha, loss_type,
+    beta. Vocabularies of other sizes (the same tokenizer, padded differently) are compared over their first
+    min(V, V') entries (the trainer checks that every id of the tokenizer is among them)."""
     return functools.partial(_head, keep=keep, teacher=teacher, targets=targets, **kw)
+
+
+def teacher_hidden(teacher_model, x: torch.Tensor, keep: torch.Tensor, **kw):
+    """The teacher's side of the loss at the True positions of `keep`: `TeacherHidden` (its final normed hidden
+    states there and its LM head's weight, so that its logits are formed chunk by chunk beside the student's) where
+    that weight is a plain tensor that outlives the forward; its logits [N, V'] (`logits_to_keep`) where FSDP2 shards
+    it (its forward gathers the weight and frees it after). Call under no_grad."""
+    from torch.distributed.tensor import DTensor
+    if isinstance(teacher_model.lm_head.weight, DTensor):
+        return teacher_model(x, logits_to_keep=keep, **kw)
+    return teacher_model(x, head=lambda h, w, _chunk: TeacherHidden(h[keep], w), **kw)

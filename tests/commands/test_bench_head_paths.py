@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 @pytest.mark.parametrize("bench, shape", [
     ("bench_token_logprobs.py", ["--rows", "2", "--seq", "16"]),
-    ("bench_distill_head.py", ["--tokens", "24", "--loss", "jsd"])])
+    ("bench_distill_head.py", ["--tokens", "24", "--loss", "jsd", "--teacher", "hidden"])])
 def test_the_bench_prints_both_paths_and_their_ratios(bench, shape):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", bench), *shape, "--vocab", "300", "--dim", "16",
                         "--chunk", "8", "--iters", "1"], capture_output=True, text=True, timeout=300, cwd=ROOT)

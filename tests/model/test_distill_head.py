@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from model import ModelConfig, Transformer
-from model.distill_head import chunked_distill_loss, distill_head, distill_loss
+from model.distill_head import TeacherHidden, chunked_distill_loss, distill_head, distill_loss, teacher_hidden
 from tests.model.test_token_logprobs import _within  # (the same bound: 4x the whole path's error + 8 fp32 ulps)
 
 
@@ -80,19 +80,59 @@ def test_bad_arguments_are_refused():
         chunked_distill_loss(h, w, teacher, y, loss_type="jsd", beta=1.0)
 
 
-@pytest.mark.parametrize("teacher_vocab", [64, 58])
-def test_vocabularies_padded_differently_are_compared_over_their_common_rows(teacher_vocab):
+@pytest.mark.parametrize("loss_type, temperature, alpha, chunk, compiling", [
+    ("forward_kl", 1.0, 0.0, 7, False), ("reverse_kl", 0.7, 0.5, 1, False), ("jsd", 1.5, 0.2, 100, False),
+    ("jsd", 1.0, 0.3, 4, True)])
+def test_a_teacher_given_by_its_hidden_states_equals_its_logits(loss_type, temperature, alpha, chunk, compiling,
+                                                                monkeypatch):
+    """TeacherHidden (the teacher's hidden states [N, D'] and head weight [V, D'], of another width than the
+    student's): its logits formed chunk by chunk beside the student's; the loss and gradients within the bound of
+    the whole-logits path with the teacher's logits hidden @ weight.T. compiling: the traced branch (the whole
+    logits of both, as torch.compile sees it), run eagerly."""
+    torch.manual_seed(1)
+    h, w = torch.randn(23, 16) * 2, torch.randn(50, 16)
+    ht, wt = torch.randn(23, 24), torch.randn(50, 24) * 0.5
+    y = torch.randint(0, 50, (23,))
+    kw = dict(temperature=temperature, alpha=alpha, loss_type=loss_type, beta=0.3)
+    if compiling:
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    got = _loss_and_grads(lambda *a: chunked_distill_loss(*a, chunk_size=chunk, **kw), h, w, TeacherHidden(ht, wt), y)
+    monkeypatch.undo()
+    ref = _loss_and_grads(_whole(**kw), h, w, ht @ wt.t(), y)
+    truth = _loss_and_grads(_whole(**kw), h.double(), w.double(), ht.double() @ wt.double().t(), y)
+    for name, a, b, t in zip(("loss", "divergence", "cross-entropy", "d hidden", "d weight"), got, ref, truth):
+        _within(a, b, t, name)
+
+
+def test_teacher_hidden_is_the_teachers_normed_hidden_state_at_the_kept_positions():
+    torch.manual_seed(0)
+    teacher = Transformer(ModelConfig(vocab_size=64, dim=24, n_layers=2, n_heads=4, multiple_of=16, max_seq_len=16))
+    x = torch.randint(0, 61, (3, 12))
+    keep = torch.rand(3, 12) > 0.4
+    with torch.no_grad():
+        got = teacher_hidden(teacher, x, keep)
+        want = teacher(x, logits_to_keep=keep)
+    assert isinstance(got, TeacherHidden) and got.hidden.shape == (int(keep.sum()), 24)
+    assert got.weight is teacher.lm_head.weight
+    torch.testing.assert_close(got.logits(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("teacher_vocab, form", [(64, "logits"), (58, "logits"), (64, "hidden"), (58, "hidden")])
+def test_vocabularies_padded_differently_are_compared_over_their_common_rows(teacher_vocab, form):
     """A teacher of the same tokenizer whose vocabulary is padded to another size: both distributions over the first
-    min(V, V') entries; the student's head rows beyond them get no gradient."""
+    min(V, V') entries; the student's head rows beyond them get no gradient (the teacher as logits or hidden
+    states)."""
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=61, dim=32, n_layers=1, n_heads=4, multiple_of=16, max_seq_len=16, loss_chunk_size=4)
     model = Transformer(cfg)
     x = torch.randint(0, 50, (2, 9))
     keep = torch.ones(2, 9, dtype=torch.bool)
-    teacher = torch.randn(18, teacher_vocab)
+    side = TeacherHidden(torch.randn(18, 12), torch.randn(teacher_vocab, 12))
+    teacher = side.logits()
     y = torch.randint(0, 50, (18,))
     common = min(61, teacher_vocab)
-    loss, _, _ = model(x, head=distill_head(keep, teacher, y, alpha=0.5, loss_type="jsd"))
+    loss, _, _ = model(x, head=distill_head(keep, teacher if form == "logits" else side, y, alpha=0.5,
+                                            loss_type="jsd"))
     loss.backward()
     got = model.lm_head.weight.grad.clone()
     model.zero_grad(set_to_none=True)

@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from dataset.chat_dataset import right_pad
-from model.distill_head import distill_head
+from model.distill_head import distill_head, teacher_hidden
 from trainer.tasks.base import lm_inputs
 from trainer.tasks.grpo_rollout import every_rank_done, rollout_seed, sample_group
 from trainer.tasks.sft import SFTTask
@@ -130,8 +130,8 @@ class DistillTask(SFTTask):
         cfg = self.cfg
         x, y, kw = lm_inputs(batch, device)
         keep = y != IGNORE_INDEX
-        with torch.no_grad():  # [N, V]: the target positions in row-major order
-            teacher = ref_model(x, logits_to_keep=keep, **kw)
+        with torch.no_grad():  # its hidden states at the target positions in row-major order (FSDP2: its logits)
+            teacher = teacher_hidden(ref_model, x, keep, **kw)
         head = distill_head(keep, teacher, y[keep], temperature=cfg.distill_temperature, alpha=cfg.distill_alpha,
                             loss_type=cfg.distill_loss, beta=cfg.distill_beta)
         loss, kl, ce = model(x, head=head, **kw)  # the student's logits chunk by chunk in its head
