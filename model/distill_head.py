@@ -17,7 +17,9 @@ The loss is a sum over tokens, so its gradients are computed in the forward, chu
 are live (two matmuls per chunk besides the logits', as the chunked cross-entropy's "sum", model/loss.py), and the
 backward only scales them: the fp32 weight-gradient accumulator [V, D] and the hidden state's gradient [N, D] are
 what is kept. The matmuls run in the compute dtype (autocast's: bf16 on a GPU), the softmaxes, the divergence and
-the weight gradient's sum in fp32. The teacher's logits [N, V] arrive whole (the teacher's own forward made them, in its compute dtype).
+the weight gradient's sum in fp32. The teacher's side is either its logits [N, V] (whole: its own forward made them,
+under FSDP2) or `TeacherHidden`, its hidden states [N, D'] and head weight, whose logits each chunk forms beside the
+student's (`teacher_hidden` picks).
 
 Under torch.compile (a whole-model graph) the reference from whole logits is traced instead (the Function's loop would
 not trace), as model/token_logprobs.py does.

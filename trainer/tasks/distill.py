@@ -10,9 +10,10 @@ Per target token t (labels != -100), with p = softmax(teacher logits / T) and q 
                          it; --distill_beta, 0.5 by default as TRL's)
   loss = --distill_alpha x CE(student, the reference token) + (1 - alpha) x that KL
 summed over the step's target tokens and averaged as SFT's loss is (model/distill_head.py has the formulas). The
-teacher's logits are computed at the target positions only (its boolean logits_to_keep: [N, V] for N target tokens,
-in its compute dtype); the student's in its LM head, --loss_chunk_size tokens at a time, never whole (their softmax and
-gradient neither). The teacher must share the student's tokenizer, checked at the start (reference_problem: a row
+teacher's final hidden states are taken at the target positions only, and its logits formed from them chunk by chunk
+beside the student's in the student's LM head, --loss_chunk_size tokens at a time, neither side's [N, V] ever whole
+(nor their softmaxes and gradient); under FSDP2, whose teacher's head weight lives only inside its forward, the
+teacher's logits at the targets come whole ([N, V], its boolean logits_to_keep, in its compute dtype). The teacher must share the student's tokenizer, checked at the start (reference_problem: a row
 for each of the tokenizer's ids; vocabularies padded to other sizes are compared over their common rows).
 
 On-policy (GKD, Agarwal et al. 2024; TRL's GKDTrainer lmbda): with --distill_lmbda = l, a step is trained on the
