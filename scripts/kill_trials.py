@@ -126,10 +126,11 @@ CONFIGS: dict[str, tuple[int, list[str]]] = {
                              "--batch_size=2", "--learning_rate=3e-3"]),
     "distill-fsdp2": (2, ["--task_type=distill", "@sft", "@base", "@teacher", "--max_seq_len=96", "--batch_size=2",
                           "--parallel=fsdp", "--distill_alpha=0.5", "--learning_rate=3e-3"]),
-    # half the steps on replies the student samples itself (GKD's lambda), at 2 ranks of our DDP
+    # half the steps on replies the student samples itself (GKD's lambda), the others on the teacher's samples
+    # (sequence-level KD), at 2 ranks of our DDP
     "distill-onpolicy-ddp2": (2, ["--task_type=distill", "@sft", "@base", "@teacher", "--max_seq_len=96",
                                   "--batch_size=2", "--distill_alpha=0.5", "--learning_rate=3e-3",
-                                  "--distill_lmbda=0.5", "--max_completion_length=24"]),
+                                  "--distill_lmbda=0.5", "--max_completion_length=24", "--distill_seq_kd=true"]),
     # GRPO with each token's reverse KL to a frozen model in its advantage (on-policy distillation's term; the
     # reference run, where the policy starts, as the teacher), beside the toy reward, at 2 ranks
     "grpo-teacher-ddp2": (2, [*GRPO, "--batch_size=1", "--teacher_kl_coef=0.5", "@teacher"]),

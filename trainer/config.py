@@ -216,6 +216,9 @@ class DPOFlags:
                                    "teacher scoring the student's own tokens; each step draws from (seed, step); "
                                    "sampled as GRPO's rollouts (--max_completion_length, --temperature, --top_p, "
                                    "--top_k, --min_p, --repetition_penalty); 0 = the data's replies only")
+    distill_seq_kd: bool = _f(False, "distill: the steps not on the student's own replies train on replies the teacher "
+                                     "samples from each row's prompt (sequence-level KD, Kim & Rush 2016; TRL's "
+                                     "seq_kd), sampled as --distill_lmbda's; false = the data's replies")
     # ---- reward modelling (--task_type=reward)
     reward_center_coef: float = _f(0.0, "reward: + this x (r_chosen + r_rejected)^2 per pair, keeping the scores "
                                         "centred on 0 (TRL's center_rewards_coefficient; 0.01 in Eisenstein et al. "
@@ -376,7 +379,8 @@ def engine_needs(cfg: TrainConfig) -> dict[str, str]:
               "low_precision_optimizer_states"),
              (cfg.moe_num_experts > 0, f"--moe_num_experts={cfg.moe_num_experts}", "moe"),
              (cfg.mtp_num_layers > 0, f"--mtp_num_layers={cfg.mtp_num_layers}", "multi_token_prediction"),
-             (cfg.distill_lmbda > 0, f"--distill_lmbda={cfg.distill_lmbda:g}", "rollouts"))
+             (cfg.distill_lmbda > 0, f"--distill_lmbda={cfg.distill_lmbda:g}", "rollouts"),
+             (cfg.distill_seq_kd, "--distill_seq_kd=true", "rollouts"))
     return {asked_by: cap for on, asked_by, cap in asked if on}
 
 

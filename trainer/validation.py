@@ -125,7 +125,7 @@ def run_tokenizer_meta(cfg: TrainConfig) -> dict:
     except (OSError, ValueError, KeyError) as e:
         raise TrainingError(f"--tokenizer_dir={cfg.tokenizer_dir}: {e}",
                             getattr(e, "exit_code", EXIT_BAD_CONFIG)) from e
-    samples = cfg.sample_every or cfg.distill_lmbda > 0  # (a sampled reply stops at eos)
+    samples = cfg.sample_every or cfg.distill_lmbda > 0 or cfg.distill_seq_kd  # (a sampled reply stops at eos)
     roles = tuple(dict.fromkeys(task_entry(cfg.task_type).tokens + (("eos",) if samples else ())))
     try:
         special_ids(tok_meta, roles, f"--task_type={cfg.task_type}" + " with --sample_every" * bool(cfg.sample_every))
@@ -148,16 +148,17 @@ def validate_config(cfg: TrainConfig, world_size: Optional[int] = None, torch_fr
         raise TrainingError("bad configuration: " + "; ".join(problems), EXIT_BAD_CONFIG)
 
 
-def _on_policy_distill_checks(cfg: TrainConfig, p: _Problems) -> None:
-    """--distill_lmbda: a share of steps, distillation's, on padded rows, with the rollouts' sampling flags."""
+def _sampled_replies_checks(cfg: TrainConfig, p: _Problems) -> None:
+    """--distill_lmbda (a share of steps) and --distill_seq_kd: distillation's, on padded rows, with the rollouts'
+    sampling flags."""
     p.number("distill_lmbda", 0.0, 1.0, high_open=False, what="must be in [0, 1] (the share of steps trained on the "
              "student's own replies)")
+    flag = f"--distill_lmbda={cfg.distill_lmbda:g}" if cfg.distill_lmbda != 0 else "--distill_seq_kd=true"
     if cfg.task_type != "distill":
-        p.append(f"--distill_lmbda={cfg.distill_lmbda:g}: the student's own replies are distillation's: it needs "
-                 "--task_type=distill")
+        p.append(f"{flag}: sampled replies are distillation's: it needs --task_type=distill")
     elif cfg.sft_packing:
-        p.append(f"--distill_lmbda={cfg.distill_lmbda:g} with --sft_packing=true: the student replaces each row's last "
-                 "reply with its own, a conversation a row: drop the packing")
+        p.append(f"{flag} with --sft_packing=true: each row's last reply is replaced by a sampled one, a conversation "
+                 "a row: drop the packing")
     p.extend(sampling_problems(cfg))
 
 
@@ -181,8 +182,8 @@ def _choices_and_combinations(cfg: TrainConfig, p: _Problems, torch_free: bool) 
     if cfg.distill_loss == "jsd":
         p.number("distill_beta", 0.0, 1.0, low_open=True, what="must be in (0, 1) (--distill_loss=forward_kl or "
                  "reverse_kl are its two ends)")
-    if cfg.distill_lmbda != 0:  # (nan too)
-        _on_policy_distill_checks(cfg, p)
+    if cfg.distill_lmbda != 0 or cfg.distill_seq_kd:  # (nan too)
+        _sampled_replies_checks(cfg, p)
     if cfg.task_type == "distill" and not cfg.ref_model:
         p.append("--task_type=distill learns from a teacher: pass --ref_model=<the teacher's run, checkpoint or "
                  "Hugging Face dir>")

@@ -98,12 +98,15 @@ def test_the_student_comes_to_the_teachers_distributions(pretrained, tiny_pretra
 def test_two_ranks_follow_one_process(pretrained, tiny_pretrain_data, teacher, tmp_path, engine):
     """(Our DDP runs GKD's generalized JSD, FSDP2 the forward KL: each divergence through a whole run once.) The
     second step trains on the student's own replies (--distill_lmbda=0.5 draws it at seed 3), sampled on each rank
-    from the rows it holds (FSDP2: every rank forwarding as often), the first and third on the data's."""
+    from the rows it holds (FSDP2: every rank forwarding as often), the first and third on the data's (our DDP) or
+    on the teacher's samples (FSDP2, --distill_seq_kd: the sharded teacher sampling)."""
     from trainer.tasks.distill import replies_from_student
     loss = {"ddp": "jsd", "fsdp": "forward_kl"}[engine]
+    seq_kd = engine == "fsdp"
     common = ["--task_type=distill", f"--ref_model={teacher}", "--max_iters=3", "--batch_size=2",
               "--checkpoint_interval=100", "--distill_alpha=0.5", "--distill_temperature=2", f"--distill_loss={loss}",
-              "--distill_beta=0.3", "--distill_lmbda=0.5", "--max_completion_length=16"]
+              "--distill_beta=0.3", "--distill_lmbda=0.5", "--max_completion_length=16",
+              f"--distill_seq_kd={str(seq_kd).lower()}"]
     one, two = tmp_path / "one", tmp_path / engine
     run_cmd(train_cmd(_args(tiny_pretrain_data, pretrained["out"], one, *common, "--gradient_accumulation_steps=2")),
             env=_env())
@@ -112,8 +115,9 @@ def test_two_ranks_follow_one_process(pretrained, tiny_pretrain_data, teacher, t
     a, b = (dedupe_by_step(read_metrics(os.path.join(d, "metrics.jsonl"))) for d in (one, two))
     assert sorted(a) == sorted(b) == [1, 2, 3]
     assert [a[s]["on_policy"] for s in a] == [float(replies_from_student(3, s - 1, 0.5)) for s in a] == [0, 1, 0]
+    assert [a[s].get("teacher_replies") for s in a] == ([1, 0, 1] if seq_kd else [None] * 3)
     for s in a:
-        for key in ("loss", "kl", "ce", "on_policy", "reply_length"):
+        for key in ("loss", "kl", "ce", "on_policy", "reply_length") + (("teacher_replies",) if seq_kd else ()):
             assert abs(a[s][key] - b[s][key]) <= 1e-5 * max(1.0, abs(a[s][key])), (s, key, a[s][key], b[s][key])
 
 
@@ -134,10 +138,12 @@ def test_refusals_name_the_flag(pretrained, tiny_pretrain_data, tmp_path):
             validate_config(cfg, torch_free=True)
     for flags, words in (({"distill_lmbda": 1.5}, "--distill_lmbda=1.5: must be in [0, 1]"),
                          ({"distill_lmbda": float("nan")}, "--distill_lmbda=nan: must be in [0, 1]"),
-                         ({"sft_packing": True}, "--distill_lmbda=0.5 with --sft_packing=true: the student replaces"),
+                         ({"sft_packing": True}, "--distill_lmbda=0.5 with --sft_packing=true: each row's last reply"),
                          ({"temperature": 0.0}, "--temperature=0.0: must be a finite number > 0"),
                          ({"max_completion_length": 0}, "--max_completion_length=0: must be >= 1"),
-                         ({"task_type": "sft"}, "--distill_lmbda=0.5: the student's own replies are distillation's")):
+                         ({"task_type": "sft"}, "--distill_lmbda=0.5: sampled replies are distillation's"),
+                         ({"task_type": "sft", "distill_lmbda": 0.0, "distill_seq_kd": True},
+                          "--distill_seq_kd=true: sampled replies are distillation's")):
         cfg = TrainConfig(**{"task_type": "distill", "ref_model": "t", "tokenizer_dir": "tok", "distill_lmbda": 0.5,
                              **flags})
         with pytest.raises(TrainingError) as err:

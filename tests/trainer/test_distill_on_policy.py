@@ -45,10 +45,11 @@ def test_the_prompt_ends_before_the_last_reply_and_the_reply_is_the_only_target(
 class _Loop(SimpleNamespace):
     """What before_step reads of the training loop, for one process."""
 
-    def __init__(self, model, step):
+    def __init__(self, model, step, teacher=None):
         super().__init__(progress=SimpleNamespace(step=step), info=SimpleNamespace(device=torch.device("cpu"),
                                                                                   world_size=1),
-                         engine=SimpleNamespace(module=model, optimizer=SimpleNamespace(finish_param_sync=lambda: 0)))
+                         engine=SimpleNamespace(module=model, optimizer=SimpleNamespace(finish_param_sync=lambda: 0)),
+                         ref_model=teacher)
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +75,7 @@ def test_a_student_step_samples_each_rows_last_reply_from_its_prompt(sft_rows):
     task._stop_ids, task._pad_id = [2], 0
     batch = collate(items)
     [out], skipped = task.before_step(_Loop(student, 3), lambda: ([batch], ["s"]))
-    assert skipped == ["s"] and out["_student"]
+    assert skipped == ["s"] and out["_by"] == "student"
     n_real = batch["attention_mask"].sum(1).tolist()
     for r, n in enumerate(n_real):
         prompt = last_reply_prompt(batch["input_ids"][r], batch["labels"][r], int(n))
@@ -105,6 +106,21 @@ def test_a_student_step_samples_each_rows_last_reply_from_its_prompt(sft_rows):
     task.lmbda = 0.5
     step = next(s for s in range(50) if not replies_from_student(5, s, 0.5))
     assert task.before_step(_Loop(student, step), lambda: ([batch], []))[0] == [batch]
+    # --distill_seq_kd: that step's replies are the teacher's samples, drawn from the same seeds
+    torch.manual_seed(1)
+    teacher = Transformer(ModelConfig(vocab_size=448, dim=48, n_layers=1, n_heads=4, multiple_of=16, max_seq_len=64))
+    task.seq_kd = True
+    [kd], _ = task.before_step(_Loop(student, step, teacher), lambda: ([batch], []))
+    assert kd["_by"] == "teacher"
+    for r, n in enumerate(n_real):
+        prompt = last_reply_prompt(batch["input_ids"][r], batch["labels"][r], int(n))
+        gen = torch.Generator().manual_seed(rollout_seed(5, step, zlib.crc32(batch["input_ids"][r, :int(n)].numpy()
+                                                                             .tobytes())))
+        toks, mask, _ = sample_group(teacher, prompt, 1, 24, temperature=0.9, top_p=1.0, stop_ids=[2], pad_id=0,
+                                     generator=gen)
+        m = int(kd["attention_mask"][r].sum())
+        assert kd["labels"][r, :m].tolist() == ([IGNORE_INDEX] * (len(prompt) - 1)
+                                                + toks[0][mask[0]].tolist()[:65 - len(prompt)])
 
 
 def test_a_reply_is_cut_to_the_rows_length_and_the_metrics_count_the_student_rows(sft_rows):
@@ -127,6 +143,7 @@ def test_a_reply_is_cut_to_the_rows_length_and_the_metrics_count_the_student_row
     _, stats = task.micro_batch_loss(student, teacher, out, torch.device("cpu"))
     _, data = task.micro_batch_loss(student, teacher, batch, torch.device("cpu"))
     assert stats["rows"] == stats["student_rows"] == len(items) and data["student_rows"] == 0.0
+    assert stats["teacher_rows"] == data["teacher_rows"] == 0.0
     units = float((out["labels"] != IGNORE_INDEX).sum())
     per_unit = {k: float(v) / units for k, v in stats.items()}
     got = task.step_metrics(per_unit)

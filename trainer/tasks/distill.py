@@ -22,7 +22,8 @@ assistant reply is replaced by one the student samples from the row's prompt (ev
 replies become context, untrained), sampled as GRPO's rollouts are (trainer/tasks/grpo_rollout.py sample_group, from a
 generator seeded by (seed, step, the row's tokens): the same reply whichever rank or micro-batch holds the row), up to
 --max_completion_length tokens and the row's --max_seq_len; the loss is then the same divergence at the sampled
-tokens: the teacher's whole distribution where the student actually goes.
+tokens: the teacher's whole distribution where the student actually goes. With --distill_seq_kd the other steps'
+replies are the teacher's own samples, drawn alike (sequence-level KD, Kim & Rush 2016; TRL's seq_kd).
 """
 from __future__ import annotations
 
@@ -79,8 +80,9 @@ class DistillTask(SFTTask):
     def __init__(self, cfg: Any) -> None:
         super().__init__(cfg)
         self.lmbda = float(getattr(cfg, "distill_lmbda", 0.0))
-        if self.lmbda > 0:  # the share of rows on the student's replies, and the target tokens per row
-            self.stat_keys = ("kl", "ce", "rows", "student_rows")
+        self.seq_kd = bool(getattr(cfg, "distill_seq_kd", False))
+        if self.lmbda > 0 or self.seq_kd:  # the shares of rows on sampled replies, and the target tokens per row
+            self.stat_keys = ("kl", "ce", "rows", "student_rows", "teacher_rows")
         self._pad_to, self._pad_id, self._stop_ids, self._vocab = None, 0, [], 2**62
 
     def datasets(self, tok_meta, val_ratio, fixed_shape, log):
@@ -88,26 +90,28 @@ class DistillTask(SFTTask):
         self._pad_id = int(tok_meta["special_tokens"]["pad"]["id"])
         self._pad_to = cfg.max_seq_len if fixed_shape else None
         self._vocab = int(tok_meta.get("vocab_size") or self._vocab)
-        if self.lmbda > 0:
+        if self.lmbda > 0 or self.seq_kd:
             from tokenizer import load_tokenizer
             from tokenizer.chat import chat_stop_ids
             self._stop_ids = chat_stop_ids(load_tokenizer(cfg.tokenizer_dir), tok_meta["special_tokens"])
         return super().datasets(tok_meta, val_ratio, fixed_shape, log)
 
     def before_step(self, loop: Any, draw: Callable[[], tuple]) -> tuple[list, list]:
-        """The data's micro-batches, or, on a step drawn for it (--distill_lmbda), the same rows with the student's
-        own last replies."""
+        """The data's micro-batches, or the same rows with the student's own last replies (a step drawn for it,
+        --distill_lmbda) or with the teacher's (the other steps under --distill_seq_kd)."""
         batches, skipped = draw()
-        if not replies_from_student(self.cfg.seed, loop.progress.step, self.lmbda):
+        student = replies_from_student(self.cfg.seed, loop.progress.step, self.lmbda)
+        if not student and not self.seq_kd:
             return batches, skipped
         loop.engine.optimizer.finish_param_sync()  # ZeRO's all-gather of the updated weights has landed
-        model, device = loop.engine.module, loop.info.device
+        model, device = (loop.engine.module if student else loop.ref_model), loop.info.device
         all_done = every_rank_done(loop.engine, device) if loop.info.world_size > 1 else None
-        return [self._student_replies(model, b, loop.progress.step, device, all_done) for b in batches], skipped
+        return [dict(self._sampled_replies(model, b, loop.progress.step, device, all_done),
+                     _by="student" if student else "teacher") for b in batches], skipped
 
-    def _student_replies(self, model, batch: dict, step: int, device, all_done) -> dict:
-        """One micro-batch with each row's last reply sampled by the student (one `sample_group` call per row on
-        every rank, each generating --max_completion_length tokens at most, so that FSDP's ranks forward alike)."""
+    def _sampled_replies(self, model, batch: dict, step: int, device, all_done) -> dict:
+        """One micro-batch with each row's last reply sampled by `model` (one `sample_group` call per row on every
+        rank, each generating --max_completion_length tokens at most, so that FSDP's ranks forward alike)."""
         cfg = self.cfg
         x, y = batch["input_ids"], batch["labels"]
         lengths = batch["attention_mask"].sum(1).tolist() if "attention_mask" in batch else [x.shape[1]] * len(x)
@@ -125,7 +129,7 @@ class DistillTask(SFTTask):
             # an id past the tokenizer's (a vocabulary padded beyond it) is no token: the reply ends before it
             cut = next((k for k, t in enumerate(reply) if t >= self._vocab), len(reply))
             rows.append((prompt, reply[:cut]))
-        return dict(reply_rows(rows, self._pad_id, self._pad_to), _student=True)
+        return reply_rows(rows, self._pad_id, self._pad_to)
 
     def micro_batch_loss(self, model, ref_model, batch, device):
         cfg = self.cfg
@@ -137,14 +141,18 @@ class DistillTask(SFTTask):
                             loss_type=cfg.distill_loss, beta=cfg.distill_beta)
         loss, kl, ce = model(x, head=head, **kw)  # the student's logits chunk by chunk in its head
         stats = {"kl": kl, "ce": ce}
-        if self.lmbda > 0:  # host values
-            stats.update(rows=float(x.shape[0]), student_rows=float(x.shape[0]) if batch.get("_student") else 0.0)
+        if len(self.stat_keys) > 2:  # host values
+            rows, by = float(x.shape[0]), batch.get("_by")
+            stats.update(rows=rows, student_rows=rows if by == "student" else 0.0,
+                         teacher_rows=rows if by == "teacher" else 0.0)
         return loss, stats
 
     def step_metrics(self, per_unit: dict) -> dict:
         out = {"kl": per_unit["kl"], "ce": per_unit["ce"]}
-        if self.lmbda > 0:  # (per_unit: sums over the step's target tokens)
+        if len(self.stat_keys) > 2:  # (per_unit: sums over the step's target tokens)
             out.update(on_policy=per_unit["student_rows"] / per_unit["rows"], reply_length=1.0 / per_unit["rows"])
+            if self.seq_kd:
+                out["teacher_replies"] = per_unit["teacher_rows"] / per_unit["rows"]
         return out
 
     def reference_problem(self, student_cfg, teacher_cfg, vocab: int = 0) -> Optional[str]:
