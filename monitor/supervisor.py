@@ -203,8 +203,8 @@ class Monitor:
             return ("non_retryable", f"exit code {code} is not retryable "
                     "(2 config, 3 data, 4 non-finite loss, 5 checkpoint, 6 run directory in use, 7 disk full)", code)
         if a.cause == "interrupted":
-            return ("interrupted", "the training was interrupted by someone else and saved (exit 75); "
-                    "not restarting over an operator's decision", EXIT_INTERRUPTED)
+            return ("interrupted", "the training stopped and saved (exit 75: a stop signal from someone else, or its "
+                    "--exit_duration_in_mins); not restarting over an operator's decision", EXIT_INTERRUPTED)
         return None
 
     def restart_command(self) -> tuple[list[str], str]:

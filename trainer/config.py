@@ -239,6 +239,10 @@ class TrainConfig(GRPOFlags, ParallelFlags, DPOFlags, OptimizationFlags, Trainab
     eval_iters: int = _f(20, "validation micro-batches per rank per evaluation (>= 1)")
     log_interval: int = _f(10, "log a line every N steps")
     checkpoint_interval: int = _f(100, "checkpoint every N steps (and at the end)")
+    exit_duration_in_mins: float = _f(0.0, "a time budget (Megatron's --exit-duration-in-mins): once this process has "
+                                           "run this many minutes (set-up included), the step in progress finishes, "
+                                           "is saved, and the run exits 75 to be continued by the same command (a "
+                                           "cluster job's time limit); 0 = off")
     keep_last: int = _f(3, "keep this many newest checkpoints (plus the best by validation loss, GRPO: reward)")
     async_checkpoint: bool = _f(False, "save checkpoints in the background: the saving step copies the state to host "
                                 "memory (pinned on a GPU, reused) and goes on; one writer thread writes, verifies, "

@@ -63,10 +63,11 @@ def train(cfg: TrainConfig, info: DistInfo, continues: Optional[bool] = None, ma
     validate_config(cfg, world_size=info.world_size)
     if cfg.deterministic:
         torch.use_deterministic_algorithms(True)
+    t_start = time.time()
     loop, start = _set_up(cfg, info, continues, max_iters_given, log)
     loop.quiet_lines = not log_interval_given
     loop.announce(saved_max_iters=int(start.saved_cfg.get("max_iters") or 0))
-    return _run_steps(loop, start, log)
+    return _run_steps(loop, start, log, t_start)
 
 
 def _set_up(cfg: TrainConfig, info: DistInfo, continues: Optional[bool], max_iters_given: bool, log):
@@ -122,10 +123,11 @@ def _set_up(cfg: TrainConfig, info: DistInfo, continues: Optional[bool], max_ite
     return loop, start
 
 
-def _run_steps(loop: "Loop", start, log) -> int:
-    """The steps until --max_iters (exit 0) or a graceful stop: on SIGTERM/SIGINT, or when the supervisor whose
-    attempt this is has exited (utils/run_lock.py: a run never goes on writing its directory unsupervised), the
-    step finishes, is saved, and the run exits 75."""
+def _run_steps(loop: "Loop", start, log, t_start: float) -> int:
+    """The steps until --max_iters (exit 0) or a graceful stop: on SIGTERM/SIGINT, when the supervisor whose
+    attempt this is has exited (utils/run_lock.py: a run never goes on writing its directory unsupervised), or once
+    --exit_duration_in_mins have passed since `t_start` (train()'s start), the step finishes, is saved, and the run
+    exits 75."""
     cfg, info, progress, engine = loop.cfg, loop.info, loop.progress, loop.engine
     stop = {"requested": False, "why": "signal"}
     supervisor = run_lock.SupervisorWatch()
@@ -148,6 +150,10 @@ def _run_steps(loop: "Loop", start, log) -> int:
             if not stop["requested"] and (gone := supervisor.gone()):
                 log(f"[train] {gone}")
                 stop.update(requested=True, why="the supervisor's exit")
+            if not stop["requested"] and cfg.exit_duration_in_mins and progress.step < cfg.max_iters and \
+                    time.time() - t_start >= 60.0 * cfg.exit_duration_in_mins:
+                stop.update(requested=True, why=f"--exit_duration_in_mins={cfg.exit_duration_in_mins:g} (the same "
+                                                "command continues the run)")
             stop_now = all_reduce_max(1.0 if stop["requested"] else 0.0, info.device) > 0
             save_now = progress.step % cfg.checkpoint_interval == 0 or progress.step == cfg.max_iters or stop_now
             if do_eval or save_now or not loop.may_defer(progress.step):

@@ -263,6 +263,7 @@ def _numbers_and_extras(cfg: TrainConfig, p: _Problems, torch_free: bool) -> Non
     if cfg.warmup_iters < -1:
         p.append(f"--warmup_iters={cfg.warmup_iters}: must be >= 0 (or -1 = auto, see --help)")
     p.number("warmup_ratio", 0.0, 1.0)
+    p.number("exit_duration_in_mins", 0.0)
     if cfg.tensorboard:
         import importlib.util
         if importlib.util.find_spec("tensorboard") is None:  # HF Trainer refuses too, rather than log nothing

@@ -253,6 +253,28 @@ def test_sigterm_saves_and_exits_75(tiny_pretrain_run_args, tmp_path):
     assert saved_step == max(losses(out)) >= 2
 
 
+def test_a_time_budget_saves_the_step_and_exits_75_and_the_same_command_continues(tiny_pretrain_run_args, tmp_path):
+    """--exit_duration_in_mins (a job's time limit): a budget every step overruns stops each invocation after one
+    step, saved, exit 75; the same command continues, and the last one, reaching --max_iters, exits 0. The losses
+    are those of a run never stopped."""
+    ref, out = tmp_path / "ref", tmp_path / "budget"
+    run_cmd(train_cmd([*tiny_pretrain_run_args, f"--out_dir={ref}", "--max_iters=3"]), env=_env())
+    cmd = train_cmd([*tiny_pretrain_run_args, f"--out_dir={out}", "--max_iters=3", "--checkpoint_interval=100",
+                     "--exit_duration_in_mins=1e-6"])
+    for step in (1, 2):
+        proc = run_trainer(cmd, env=_env())
+        assert proc.returncode == EXIT_INTERRUPTED, proc.stderr[-2000:]
+        assert f"stop requested by --exit_duration_in_mins=1e-06 (the same command continues the run): saved step " \
+               f"{step}" in proc.stdout, proc.stdout[-2000:]
+    proc = run_trainer(cmd, env=_env())
+    assert proc.returncode == 0 and "done: 3 steps" in proc.stdout, proc.stdout[-2000:]
+    assert losses(out) == losses(ref) and sorted(losses(out)) == [1, 2, 3]
+    bad = run_trainer(train_cmd([*tiny_pretrain_run_args, f"--out_dir={tmp_path / 'bad'}",
+                                 "--exit_duration_in_mins=-1"]), env=_env())
+    assert bad.returncode == EXIT_BAD_CONFIG and "--exit_duration_in_mins=-1.0: must be a finite number >= 0" \
+        in bad.stderr, bad.stderr[-1000:]
+
+
 def test_fresh_run_refuses_an_out_dir_with_checkpoints(pretrained):
     """--resume=never: a new run must not write into a run directory (the default, auto, continues it)."""
     before = (pretrained["out"] / "metrics.jsonl").read_text()
