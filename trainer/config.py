@@ -237,6 +237,10 @@ class TrainConfig(GRPOFlags, ParallelFlags, DPOFlags, OptimizationFlags, Trainab
     # ---- evaluation, logging, checkpoints
     eval_interval: int = _f(100, "evaluate every N steps (0 = only at the end)")
     eval_iters: int = _f(20, "validation micro-batches per rank per evaluation (>= 1)")
+    early_stopping_patience: int = _f(0, "stop the run, saved (exit 0), once this many evaluations in a row have not "
+                                         "improved the best val_loss (GRPO: val_reward) by more than "
+                                         "--early_stopping_threshold (Hugging Face's EarlyStoppingCallback); 0 = off")
+    early_stopping_threshold: float = _f(0.0, "--early_stopping_patience: the improvement that counts")
     log_interval: int = _f(10, "log a line every N steps")
     checkpoint_interval: int = _f(100, "checkpoint every N steps (and at the end)")
     exit_duration_in_mins: float = _f(0.0, "a time budget (Megatron's --exit-duration-in-mins): once this process has "

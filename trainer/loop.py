@@ -27,6 +27,7 @@ from dataset.prefetch import PrefetchLoader
 from model.flops import flops_per_token, mfu_from, resolve_peak_flops
 from parallel.engine import StepStats
 from trainer.config import TrainConfig, TrainingError, max_iters_for_epochs, one_line, resolve_warmup
+from trainer.early_stop import EarlyStopping
 from trainer.faults import fire_step_faults, fires, save_fault_hook, spike_fault, spiked, step_fault_due
 from trainer.console import line_due, rank0_log
 from trainer.side_losses import SideLosses
@@ -143,7 +144,7 @@ def _run_steps(loop: "Loop", start, log, t_start: float) -> int:
         restore_rng_state(progress.rng, info.device)
     engine.model.train()
     try:
-        while progress.step < cfg.max_iters:
+        while progress.step < cfg.max_iters and not loop.early.due:
             loop.step()  # queues this step, then finishes the one before it if that was left pending
             do_eval = (cfg.eval_interval > 0 and progress.step % cfg.eval_interval == 0) or \
                 progress.step == cfg.max_iters
@@ -158,6 +159,7 @@ def _run_steps(loop: "Loop", start, log, t_start: float) -> int:
             save_now = progress.step % cfg.checkpoint_interval == 0 or progress.step == cfg.max_iters or stop_now
             if do_eval or save_now or not loop.may_defer(progress.step):
                 loop.finish(do_eval)  # read now: evaluation, samples and checkpoints see a finished step
+            save_now = save_now or (do_eval and loop.early.due)  # (then the loop ends)
             if save_now:
                 loop.save(progress.last_val if do_eval else None, loop.last_eval if do_eval else None)
             loop.restart_clock()  # evaluation and checkpoint time is not charged to the next step's tokens/s
@@ -168,6 +170,9 @@ def _run_steps(loop: "Loop", start, log, t_start: float) -> int:
                 loop.close()
                 return EXIT_INTERRUPTED
         loop.finish_saves()
+        if loop.early.due:
+            log(f"[train] early stop at step {progress.step}: {loop.early.describe()} (--early_stopping_patience="
+                f"{cfg.early_stopping_patience})")
     except BaseException:
         loop.write_pending_row()  # a step queued before the failure still gets its metrics row
         loop.finish_saves(failing=True)
@@ -221,6 +226,7 @@ class Loop:
         self.guard = SpikeDetector(cfg.spike_factor, cfg.spike_window) if cfg.spike_guard else None
         if self.guard is not None and progress.saved_guard:
             self.guard.load_state_dict(progress.saved_guard)
+        self.early = EarlyStopping(cfg.early_stopping_patience, cfg.early_stopping_threshold, progress.saved_early_stop)
         self.sampler = build_sampler(cfg)  # --sample_every: prompts and tokenizer checked on every rank
         self.task_eval = build_task_evaluator(cfg) if info.is_main else None  # --eval_tasks: files read now
         self.resumed_from = {"step": progress.step, "data_step": progress.data_step}
@@ -417,6 +423,8 @@ class Loop:
             if ev is not None and "val_loss" in ev:  # a task's own validation may have no loss (GRPO's rewards)
                 p.last_val = ev["val_loss"]
                 p.best_val = min(p.best_val, p.last_val)
+            if ev is not None:
+                self.early.update(ev, step)
             if self.task_eval is not None:  # rank 0, the whole model (validate_config refuses fsdp / pipeline)
                 self.engine.optimizer.finish_param_sync()  # ZeRO's all-gather of the updated weights has landed
                 scores = self.task_eval.run(self.engine.module, self.info.device)
@@ -461,6 +469,8 @@ class Loop:
             state["max_iters_from"] = p.max_iters_from
         if self.guard is not None:  # the running window: a resumed run judges its steps as an uninterrupted one
             state["spike_guard"] = self.guard.state_dict()
+        if self.early.patience:
+            state["early_stopping"] = self.early.state_dict()
         background = self.checkpoints.writer is not None
         fault = save_fault_hook(p.step, background, lambda: os.kill(os.getpid(), signal.SIGKILL))
         t0 = time.perf_counter()

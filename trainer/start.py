@@ -130,6 +130,7 @@ class Progress:
     tokens_seen: int = 0
     skip_steps: set = dataclasses.field(default_factory=set)
     saved_guard: Optional[dict] = None     # the spike guard's window, as saved
+    saved_early_stop: Optional[dict] = None  # --early_stopping_patience's count, as saved
     rng: Optional[dict] = None             # RNG states to restore right before the loop
     max_iters_from: Optional[str] = None   # --num_train_epochs runs: which flag set max_iters
 
@@ -373,6 +374,8 @@ def restore(cfg: TrainConfig, info: DistInfo, engine, checkpoints, train_loader,
         progress.tokens_seen = int(saved.get("tokens_seen", 0))
         if isinstance(saved.get("val_loss"), (int, float)):
             progress.last_val = float(saved["val_loss"])  # resuming a finished run reports its real final loss
+        if isinstance(saved.get("early_stopping"), dict):
+            progress.saved_early_stop = saved["early_stopping"]
         if not new_data:  # the skip list names data steps of this data stream: a new stream starts afresh
             try:
                 progress.data_step = int(saved.get("data_step", progress.step))

@@ -264,6 +264,11 @@ def _numbers_and_extras(cfg: TrainConfig, p: _Problems, torch_free: bool) -> Non
         p.append(f"--warmup_iters={cfg.warmup_iters}: must be >= 0 (or -1 = auto, see --help)")
     p.number("warmup_ratio", 0.0, 1.0)
     p.number("exit_duration_in_mins", 0.0)
+    p.at_least("early_stopping_patience", 0)
+    p.number("early_stopping_threshold", 0.0)
+    if cfg.early_stopping_patience > 0 and cfg.eval_interval <= 0:
+        p.append(f"--early_stopping_patience={cfg.early_stopping_patience} counts evaluations: it needs "
+                 f"--eval_interval > 0 (got {cfg.eval_interval}: one evaluation, at the end)")
     if cfg.tensorboard:
         import importlib.util
         if importlib.util.find_spec("tensorboard") is None:  # HF Trainer refuses too, rather than log nothing
