@@ -13,8 +13,9 @@ summed over the step's target tokens and averaged as SFT's loss is (model/distil
 teacher's final hidden states are taken at the target positions only, and its logits formed from them chunk by chunk
 beside the student's in the student's LM head, --loss_chunk_size tokens at a time, neither side's [N, V] ever whole
 (nor their softmaxes and gradient); under FSDP2, whose teacher's head weight lives only inside its forward, the
-teacher's logits at the targets come whole ([N, V], its boolean logits_to_keep, in its compute dtype). The teacher must share the student's tokenizer, checked at the start (reference_problem: a row
-for each of the tokenizer's ids; vocabularies padded to other sizes are compared over their common rows).
+teacher's logits at the targets come whole ([N, V], its boolean logits_to_keep, in its compute dtype). The teacher
+must share the student's tokenizer, checked at the start (reference_problem: a row for each of the tokenizer's ids;
+vocabularies padded to other sizes are compared over their common rows).
 
 On-policy (GKD, Agarwal et al. 2024; TRL's GKDTrainer lmbda): with --distill_lmbda = l, a step is trained on the
 student's own replies with probability l (a draw from (seed, step), every rank alike): before the step each row's last
