@@ -176,7 +176,7 @@ class OptimizationFlags:
 
 # --dpo_loss's choices (trainer/tasks/dpo.py computes them); the reference-free ones load no reference model
 DPO_LOSSES = ("sigmoid", "ipo", "hinge", "robust", "exo_pair", "nca_pair", "sppo_hard", "apo_zero", "apo_down",
-              "discopop", "simpo", "orpo")
+              "discopop", "aot", "aot_unpaired", "aot_pair", "simpo", "orpo")
 REFERENCE_FREE_LOSSES = ("simpo", "orpo")
 KTO_LOSSES = ("kto", "apo_zero_unpaired")  # --kto_loss's choices (trainer/tasks/kto.py computes them)
 
@@ -188,7 +188,8 @@ class DPOFlags:
     dpo_beta: float = _f(0.1, "DPO temperature (orpo: the odds-ratio term's weight lambda; simpo: its beta, "
                               "2 to 10 in the SimPO paper)")
     dpo_loss: str = _f("sigmoid", "sigmoid | ipo | hinge | robust | exo_pair | nca_pair | sppo_hard | apo_zero | "
-                                  "apo_down | discopop (against the frozen reference model; TRL's loss_type of the "
+                                  "apo_down | discopop | aot | aot_unpaired (= aot_pair; the AOT two sort over each "
+                                  "micro-batch's pairs) (against the frozen reference model; TRL's loss_type of the "
                                   "same name) | simpo | orpo (reference-free: none is loaded)")
     dpo_label_smoothing: float = _f(0.0, "conservative DPO label smoothing (sigmoid and simpo losses)")
     simpo_gamma: float = _f(0.5, "dpo_loss=simpo: the target reward margin gamma (TRL's simpo_gamma)")

@@ -154,6 +154,18 @@ def test_trls_other_dpo_losses_values():
         for kind, value in want.items():
             got = dpo_loss(pc, pr, rc, rr, beta=beta, loss_type=kind, label_smoothing=eps)[0][i].item()
             assert abs(got - value) < 1e-5 * max(1.0, abs(value)), (kind, got, value)
+    # AOT (Melnyk et al. 2024): the log-ratios sorted over the pairs, then sigmoid's loss with label smoothing
+    pc, pr = [-1.0, -3.0, -0.5], [-2.0, -1.0, -0.7]
+    rc, rr = [-1.5, -2.0, -0.4], [-1.2, -2.5, -1.0]
+    pairs = {"aot": (sorted(c - r for c, r in zip(pc, pr)), sorted(c - r for c, r in zip(rc, rr))),
+             "aot_unpaired": (sorted(p - r for p, r in zip(pc, rc)), sorted(p - r for p, r in zip(pr, rr)))}
+    pairs["aot_pair"] = pairs["aot_unpaired"]
+    for kind, (mine, other) in pairs.items():
+        got = dpo_loss(*(torch.tensor(v) for v in (pc, pr, rc, rr)), beta=beta, loss_type=kind, label_smoothing=eps)
+        for i in range(3):
+            z = beta * (mine[i] - other[i])
+            want = -(1 - eps) * ls(z) - eps * ls(-z)
+            assert abs(got[0][i].item() - want) < 1e-5 * max(1.0, abs(want)), (kind, i, got[0][i].item(), want)
 
 
 def test_rpo_adds_the_chosen_replys_per_token_nll():

@@ -40,6 +40,9 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor,
     sppo_hard: (a/beta - 1/(2 beta))^2 + (b/beta + 1/(2 beta))^2  (SPPO, Wu et al. 2024, hard labels)
     apo_zero: 1 - sigma(a) + sigma(b);  apo_down: sigma(a) + 1 - sigma(a - b)   (APO, D'Oosterlinck et al. 2024)
     discopop: -log sigma(beta*h) (1 - m) + exp(-beta*h) m, m = sigma(beta*h / tau)   (DiscoPOP, Chris Lu et al. 2024)
+    aot:     sigmoid's loss of beta*d, d = sort(log pi(c) - log pi(r)) - sort(log ref(c) - log ref(r)) over the
+             micro-batch's pairs; aot_unpaired (TRL's earlier aot_pair): d = sort(a) / beta - sort(b) / beta
+             (AOT, Melnyk et al. 2024: each sorted over the micro-batch, so a pair's loss depends on the others')
     where h = (log pi(c) - log pi(r)) - (log ref(c) - log ref(r)), a = beta (log pi(c) - log ref(c)),
     b = beta (log pi(r) - log ref(r)): TRL's DPOTrainer loss_type of the same name.
     """
@@ -52,6 +55,11 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor,
         losses = (h - 1.0 / (2.0 * beta)) ** 2
     elif loss_type == "hinge":
         losses = torch.relu(1.0 - beta * h)
+    elif loss_type.startswith("aot"):  # distributional: the sorted log-ratios of the micro-batch's pairs
+        mine, other = ((policy_chosen - policy_rejected, ref_chosen - ref_rejected) if loss_type == "aot" else
+                       (policy_chosen - ref_chosen, policy_rejected - ref_rejected))
+        z = beta * (torch.sort(mine).values - torch.sort(other).values)
+        losses = -(1 - label_smoothing) * F.logsigmoid(z) - label_smoothing * F.logsigmoid(-z)
     else:
         losses = _more_losses(loss_type, beta * h, beta * (policy_chosen - ref_chosen),
                               beta * (policy_rejected - ref_rejected), beta, label_smoothing, discopop_tau)
