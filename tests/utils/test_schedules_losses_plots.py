@@ -1,7 +1,6 @@
 """utils/: LR schedules, DPO losses, metrics reading, resplot."""
 import json
 import math
-import os
 
 import pytest
 import torch
