@@ -82,7 +82,8 @@ class DistillTask(SFTTask):
         super().__init__(cfg)
         self.lmbda = float(getattr(cfg, "distill_lmbda", 0.0))
         self.seq_kd = bool(getattr(cfg, "distill_seq_kd", False))
-        if self.lmbda > 0 or self.seq_kd:  # the shares of rows on sampled replies, and the target tokens per row
+        self.samples = self.lmbda > 0 or self.seq_kd  # some steps train on sampled replies
+        if self.samples:  # the shares of rows on sampled replies, and the target tokens per row
             self.stat_keys = ("kl", "ce", "rows", "student_rows", "teacher_rows")
         self._pad_to, self._pad_id, self._stop_ids, self._vocab = None, 0, [], 2**62
 
@@ -91,7 +92,7 @@ class DistillTask(SFTTask):
         self._pad_id = int(tok_meta["special_tokens"]["pad"]["id"])
         self._pad_to = cfg.max_seq_len if fixed_shape else None
         self._vocab = int(tok_meta.get("vocab_size") or self._vocab)
-        if self.lmbda > 0 or self.seq_kd:
+        if self.samples:
             from tokenizer import load_tokenizer
             from tokenizer.chat import chat_stop_ids
             self._stop_ids = chat_stop_ids(load_tokenizer(cfg.tokenizer_dir), tok_meta["special_tokens"])
@@ -142,7 +143,7 @@ class DistillTask(SFTTask):
                             loss_type=cfg.distill_loss, beta=cfg.distill_beta)
         loss, kl, ce = model(x, head=head, **kw)  # the student's logits chunk by chunk in its head
         stats = {"kl": kl, "ce": ce}
-        if len(self.stat_keys) > 2:  # host values
+        if self.samples:  # host values
             rows, by = float(x.shape[0]), batch.get("_by")
             stats.update(rows=rows, student_rows=rows if by == "student" else 0.0,
                          teacher_rows=rows if by == "teacher" else 0.0)
@@ -150,7 +151,7 @@ class DistillTask(SFTTask):
 
     def step_metrics(self, per_unit: dict) -> dict:
         out = {"kl": per_unit["kl"], "ce": per_unit["ce"]}
-        if len(self.stat_keys) > 2:  # (per_unit: sums over the step's target tokens)
+        if self.samples:  # (per_unit: sums over the step's target tokens)
             out.update(on_policy=per_unit["student_rows"] / per_unit["rows"], reply_length=1.0 / per_unit["rows"])
             if self.seq_kd:
                 out["teacher_replies"] = per_unit["teacher_rows"] / per_unit["rows"]
