@@ -137,7 +137,8 @@ def describe_layout(flags: Any, engine: TrainingEngine, world_size: int) -> str:
         parts.append(f"gradients {hook}, buckets of {pc.bucket_size:,} elements, overlap "
                      f"{', '.join(overlap) if overlap else 'off'}")
     if pc.compile:
-        parts.append(f"compile on ({'per block' if compile_transform.per_block(engine, pc) else 'whole model'})")
+        where = "per block" if compile_transform.per_block(engine, pc) else "whole model"
+        parts.append(f"compile on ({where}{'' if pc.compile_backend == 'inductor' else ', ' + pc.compile_backend})")
     else:
         parts.append("compile off")
     parts.append(f"activation checkpointing {'on' if pc.gradient_checkpointing else 'off'}")

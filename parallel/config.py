@@ -28,6 +28,7 @@ DP_ENGINES = ("ddp", "fsdp")
 COMM_HOOKS = ("allreduce", "reduce_scatter", "fp16", "bf16", "powersgd")
 FLOAT8_CHOICES = ("off", "tensorwise", "rowwise")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 
 # What each engine can do: a capability a run asks for that is missing here is refused (`problems`) with the
 # reason given in WHY_NOT (light_checkpoints, no_process_group and state_per_parameter_name are read, not asked for;
@@ -173,6 +174,10 @@ class ParallelFlags:
                               "generated Triton kernel's block sizes and warps are timed on the GPU around the "
                               "heuristic's pick (longer compile; Inductor's CPU kernels are not tuned; the "
                               "max-autotune modes include it)")
+    compile_backend: str = _f("inductor", "with --compile=true: torch.compile's backend (inductor | aot_eager | eager); "
+                              "aot_eager traces forward and backward (Dynamo + AOTAutograd) without Inductor's code "
+                              "generation, eager runs Dynamo's graphs as they are: for telling a numerical "
+                              "difference or a failure of Inductor's kernels from one of the tracing")
 
 
 @dataclass
@@ -312,6 +317,11 @@ class ParallelConfig(ParallelFlags):
             out.append(f"--float8_layers={self.float8_layers!r} (auto | all)")
         if self.compile_mode not in COMPILE_MODES:
             out.append(f"--compile_mode={self.compile_mode!r} ({' | '.join(COMPILE_MODES)})")
+        if self.compile_backend not in COMPILE_BACKENDS:
+            out.append(f"--compile_backend={self.compile_backend!r} ({' | '.join(COMPILE_BACKENDS)})")
+        elif self.compile_backend != "inductor" and (self.compile_mode != "default" or self.compile_tuning):
+            out.append(f"--compile_backend={self.compile_backend}: --compile_mode and --compile_tuning are Inductor's "
+                       "(leave them at their defaults)")
         if out:
             return out
         if world_size is not None:

@@ -45,6 +45,8 @@ TRAIN_ALIASES: dict[str, str] = {
     "lr_scheduler_type": "lr_schedule",
     "gradient_checkpointing_enable": "gradient_checkpointing",
     "torch_compile": "compile",
+    "torch_compile_backend": "compile_backend",                # HF TrainingArguments
+    "torch_compile_mode": "compile_mode",                      # HF TrainingArguments
     "pipeline_parallel_degree": "pipeline_parallel_size",      # torchtitan parallelism.pipeline_parallel_degree
     "pipeline_model_parallel_size": "pipeline_parallel_size",  # Megatron-LM
     "pipeline_parallel_schedule": "pipeline_schedule",         # torchtitan parallelism.pipeline_parallel_schedule

@@ -34,9 +34,14 @@ def _mode(config: Any) -> str:
 
 
 def compile_kwargs(config: Any) -> dict:
-    """torch.compile's keyword arguments for --compile_mode ("default": none) and --compile_tuning. torch.compile
-    takes a mode or an options dict, not both: with tuning the mode's own options (torch._inductor's
-    list_mode_options) are passed with coordinate_descent_tuning added; the max-autotune modes have it already."""
+    """torch.compile's keyword arguments for --compile_mode ("default": none), --compile_tuning and
+    --compile_backend (another than Inductor: {"backend": name}, the mode and tuning refused with it by the flags'
+    checks). torch.compile takes a mode or an options dict, not both: with tuning the mode's own options
+    (torch._inductor's list_mode_options) are passed with coordinate_descent_tuning added; the max-autotune modes
+    have it already."""
+    backend = str(getattr(config, "compile_backend", "inductor") or "inductor")
+    if backend != "inductor":
+        return {"backend": backend}
     mode = _mode(config)
     if not bool(getattr(config, "compile_tuning", False)) or mode.startswith("max-autotune"):
         return {} if mode == "default" else {"mode": mode}

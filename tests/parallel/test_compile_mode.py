@@ -29,6 +29,28 @@ def test_a_bad_compile_mode_is_refused_in_one_line():
                           tensor_parallel_size=2).problems(2) == []
 
 
+def test_another_backend_reaches_torch_compile_and_refuses_inductors_options(monkeypatch):
+    """--compile_backend=aot_eager|eager is torch.compile's backend (HF's --torch_compile_backend names it too); a
+    bad name, and Inductor's mode or tuning beside another backend, are refused in one line each."""
+    from parallel.transforms.compile import compile_kwargs
+    from utils.configurator import parse_config
+    assert compile_kwargs(ParallelConfig()) == {}
+    for backend in ("aot_eager", "eager"):
+        assert compile_kwargs(ParallelConfig(compile_backend=backend)) == {"backend": backend}
+        assert ParallelConfig(compile=True, compile_backend=backend).problems(1) == []
+    assert ParallelConfig(compile_backend="tvm").problems(1) == ["--compile_backend='tvm' (inductor | aot_eager | eager)"]
+    for bad in (dict(compile_mode="max-autotune"), dict(compile_tuning=True)):
+        problems = ParallelConfig(compile_backend="eager", **bad).problems(1)
+        assert len(problems) == 1 and problems[0].startswith("--compile_backend=eager: --compile_mode and"), problems
+    hf = parse_config(TrainConfig(), ["--torch_compile_backend=aot_eager", "--torch_compile_mode=max-autotune"])
+    assert (hf.compile_backend, hf.compile_mode) == ("aot_eager", "max-autotune")
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: (seen.append(kw), model)[1])
+    model = Transformer(ModelConfig(vocab_size=64, dim=32, n_layers=1, n_heads=4, multiple_of=16, max_seq_len=16))
+    build_engine(model, TrainConfig(device="cpu", compile=True, compile_backend="aot_eager"), device=torch.device("cpu"))
+    assert seen == [{"backend": "aot_eager"}]
+
+
 # (mode, --compile_tuning, the marks, torch.compile's keywords): tuning passes the mode's own Inductor options with
 # coordinate-descent tuning added (torch.compile takes a mode or options, not both); max-autotune has it already
 MODE_CASES = [
