@@ -1,5 +1,6 @@
-"""What the LM-head benchmarks share (bench/bench_token_logprobs.py, bench/bench_distill_head.py): each path of a
-head computation (the whole logits vs chunk by chunk) timed and measured in a fresh process of its own, so that its
+"""What the LM-head benchmarks share (bench/bench_token_logprobs.py, bench/bench_distill_head.py; `measure` and
+`in_fresh_processes` also bench/bench_activation_checkpoint.py's): each path of a head computation (the whole logits
+vs chunk by chunk) timed and measured in a fresh process of its own, so that its
 peak memory is its own: on the CPU the rise of the peak resident set over the set-up (ru_maxrss), on CUDA
 torch.cuda.max_memory_allocated over the set-up; the table and the ratios printed alike.
 """
@@ -66,11 +67,11 @@ def child_or_parent(script: str, a: argparse.Namespace, argv: Optional[list],
     return in_fresh_processes(script, argv if argv is not None else sys.argv[1:])
 
 
-def in_fresh_processes(script: str, argv: list[str]) -> dict:
-    """{path: measure's result} of `script` re-run with `argv` + `--one <path>` for each path (the child prints one
-    `RESULT {json}` line)."""
+def in_fresh_processes(script: str, argv: list[str], paths: tuple[str, ...] = PATHS) -> dict:
+    """{path: measure's result} of `script` re-run with `argv` + `--one <path>` for each of `paths` (the child prints
+    one `RESULT {json}` line)."""
     rows = {}
-    for path in PATHS:
+    for path in paths:
         r = subprocess.run([sys.executable, os.path.abspath(script), *argv, "--one", path], capture_output=True,
                            text=True, check=True)
         rows[path] = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])

@@ -84,7 +84,8 @@ class ModelConfig:
     kernel_backend: str = "auto"       # auto | triton | torch: which implementation of the fused ops (model/kernels.py)
 
     # --- memory / speed ---
-    gradient_checkpointing: bool = False  # recompute each layer in backward (torch.utils.checkpoint)
+    gradient_checkpointing: bool = False  # recompute activations in backward (torch.utils.checkpoint) ...
+    checkpoint_policy: str = "full"    # ... of each block (full), selectively per op (op), of every N-th block ("N")
     loss_chunk_size: int = 512         # tokens per chunk of the linear+CE (smaller = less memory; 256-1024 measured alike)
 
     def __post_init__(self) -> None:
@@ -99,6 +100,10 @@ class ModelConfig:
         # linear | dynamic | llama3 | yarn | longrope, completed to its canonical dict (utils/rope_config.py)
         from utils.rope_config import normalize_rope_scaling  # torch-free
         self.rope_scaling = normalize_rope_scaling(self.rope_scaling, self.max_seq_len)
+        from utils.model_bounds import checkpoint_policy_problem  # torch-free
+        problem = checkpoint_policy_problem(self.checkpoint_policy)
+        if problem:
+            raise ValueError(f"checkpoint_policy: {problem}")
         if self.kernel_backend not in ("auto", "triton", "torch"):
             raise ValueError(f"kernel_backend must be auto, triton or torch, got {self.kernel_backend!r}")
         if self.fa4 not in ("auto", "true", "false"):

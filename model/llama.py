@@ -22,10 +22,10 @@ from typing import Callable, Iterable, Optional
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
 
 from model import attention, fa4, kernels
 from model.attention import AttnSpec
+from model.checkpointing import run_block
 from model.config import ModelConfig
 from model.loss import lm_head_loss
 from model.moe import MoEFeedForward
@@ -461,10 +461,8 @@ class Transformer(nn.Module):
         ckpt = self.cfg.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for layer in blocks_of(self.layers):
             c, s = local if local is not None and layer.local_rope else (cos, sin)
-            if ckpt:
-                h = checkpoint(layer, h, c, s, spec, cache, use_reentrant=False)
-            else:
-                h = layer(h, c, s, spec, cache)
+            args = (h, c, s, spec, cache)
+            h = run_block(layer, self.cfg.checkpoint_policy, *args) if ckpt else layer(*args)
         if cache is not None:
             cache.pos += T
         if self.lm_head is None:  # a pruned model without the head: the next part's input

@@ -35,7 +35,7 @@ from parallel.engine_fsdp import wrap_fsdp_engine
 from parallel.engine_pipeline import pipeline_stage_of, wrap_pipeline_engine
 from parallel.fsdp import broadcast_from_first
 from parallel.mesh import build_device_mesh
-from parallel.transforms import ORDER, compile as compile_transform
+from parallel.transforms import ORDER, activation_checkpoint as checkpoint_transform, compile as compile_transform
 from utils.device import parse_dtype
 
 # the outermost engine of a layout (ParallelConfig.engine_kinds()[0]) -> its data-parallel wrap, the "data_parallel"
@@ -141,7 +141,7 @@ def describe_layout(flags: Any, engine: TrainingEngine, world_size: int) -> str:
         parts.append(f"compile on ({where}{'' if pc.compile_backend == 'inductor' else ', ' + pc.compile_backend})")
     else:
         parts.append("compile off")
-    parts.append(f"activation checkpointing {'on' if pc.gradient_checkpointing else 'off'}")
+    parts.append(f"activation checkpointing {checkpoint_transform.describe(checkpoint_transform.checkpoint_policy(pc))}")
     samples = flags.batch_size * flags.gradient_accumulation_steps * engine.dp_size
     parts.append(f"global batch {flags.batch_size} x {flags.gradient_accumulation_steps} x {engine.dp_size} = "
                  f"{samples:,} samples = {samples * flags.max_seq_len:,} tokens per step")

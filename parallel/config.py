@@ -184,7 +184,9 @@ class ParallelFlags:
 class ParallelConfig(ParallelFlags):
     """The parallel section of a run: its flags, plus the values of other sections the engines read."""
     compile: bool = False                  # the compile transform (parallel/transforms/compile.py)
-    gradient_checkpointing: bool = False   # the activation checkpointing transform
+    gradient_checkpointing: bool = False   # the activation checkpointing transform: on (full) ...
+    activation_checkpoint: str = "none"    # ... or none | full | selective ...
+    selective_ac_option: str = "op"        # ... selective's policy (op | N); model/checkpointing.py
     gradient_accumulation_steps: int = 1   # a pipeline's micro-batches per step
     seed: int = 1337                       # PowerSGD's random projections
 

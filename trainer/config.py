@@ -98,7 +98,15 @@ class ModelFlags:
                        "Qwen3ForCausalLM)")
     sliding_window: int = _f(0, "sliding-window attention in every layer: a query sees its last this many positions "
                              "(Mistral v0.1's 4096; exported as MistralForCausalLM); 0 = the whole sequence")
-    gradient_checkpointing: bool = _f(False, "recompute each layer in backward to save activation memory")
+    gradient_checkpointing: bool = _f(False, "recompute each layer in backward to save activation memory (= "
+                                      "--activation_checkpoint=full)")
+    activation_checkpoint: str = _f("none", "none | full | selective: what the blocks recompute in the backward instead "
+                                    "of keeping (torchtitan's activation_checkpoint.mode): full = each block whole, "
+                                    "selective = as --selective_ac_option says")
+    selective_ac_option: str = _f("op", "with --activation_checkpoint=selective: op = inside every block keep the "
+                                  "attention's and every other matmul's outputs and recompute the rest (norms, RoPE, "
+                                  "SwiGLU, the other matmuls); an integer N = recompute every N-th block whole and keep "
+                                  "the others' activations")
     mtp_num_layers: int = _f(0, "multi-token prediction (DeepSeek-V3's MTP, model/mtp.py): this many extra blocks, "
                              "depth k predicting the token k + 1 after the next from the previous depth's hidden "
                              "state and the next token's embedding, trained beside the loss (pretrain, sft); 0 = off")

@@ -162,6 +162,17 @@ def _sampled_replies_checks(cfg: TrainConfig, p: _Problems) -> None:
     p.extend(sampling_problems(cfg))
 
 
+def _checkpointing_checks(cfg: TrainConfig, p: _Problems) -> None:
+    """--activation_checkpoint and its --selective_ac_option (op, or every N-th block)."""
+    p.choice("activation_checkpoint", ("none", "full", "selective"))
+    option = str(cfg.selective_ac_option).strip()
+    if option != "op" and not (option.isdigit() and int(option) >= 1):
+        p.append(f"--selective_ac_option={cfg.selective_ac_option}: op (per operation) or a positive integer N "
+                 "(every N-th block)")
+    elif option != "op" and cfg.activation_checkpoint != "selective":
+        p.append(f"--selective_ac_option={option} is --activation_checkpoint=selective's option: add that flag")
+
+
 def _choices_and_combinations(cfg: TrainConfig, p: _Problems, torch_free: bool) -> None:
     """Choices, required paths, and flags that cannot be combined."""
     from trainer.tasks import TASKS, task_entry  # (torch-free: the registrations only)
@@ -210,6 +221,7 @@ def _choices_and_combinations(cfg: TrainConfig, p: _Problems, torch_free: bool) 
     p.choice("fused_kernels", tuple(KERNEL_CHOICES))
     cfg.fa4 = str(cfg.fa4).lower()
     p.choice("fa4", ("auto", "true", "false"))
+    _checkpointing_checks(cfg, p)
     p.choice("resume", RESUME_CHOICES)
     if cfg.init_from == "resume" and cfg.resume == "never":
         p.append("--init_from=resume (= --resume=always) contradicts --resume=never")

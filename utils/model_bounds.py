@@ -146,3 +146,11 @@ def head_shape_problem(dim: int, n_heads: int, n_kv_heads: Optional[int] = None,
     if (dim // n_heads) % 2:
         return f"head_dim must be even for RoPE (dim={dim} / n_heads={n_heads} = {dim // n_heads})"
     return None
+
+
+def checkpoint_policy_problem(policy: Any) -> Optional[str]:
+    """Why a block checkpointing policy (model/checkpointing.py: full | op | a positive integer N) is not one."""
+    text = str(policy).strip()
+    if text in ("full", "op") or (text.isdigit() and int(text) >= 1):
+        return None
+    return f"{policy!r} is not full, op or a positive integer (every N-th block)"

@@ -1,19 +1,42 @@
-"""Activation checkpointing as a transform: each Transformer block's activations are recomputed in the
-backward instead of kept (the model's own `cfg.gradient_checkpointing` switch, read by
-Transformer.forward per block with torch.utils.checkpoint, so every engine and kernel sees the same
-blocks and the parameter names never change).
+"""Activation checkpointing as a transform: the Transformer blocks' activations are recomputed in the backward
+instead of kept (the model's own `cfg.gradient_checkpointing` switch and `cfg.checkpoint_policy`, read by
+Transformer.forward per block through model/checkpointing.py, so every engine and kernel sees the same blocks and
+the parameter names never change).
 
-Owns: turning the switch on for --gradient_checkpointing=true, whatever the model came from (flags, our
-checkpoint, Hugging Face).
+Owns: `checkpoint_policy` (the flags' policy: --gradient_checkpointing=true or --activation_checkpoint=full is
+`full`; --activation_checkpoint=selective is --selective_ac_option's `op` or N) and setting it on the model,
+whatever the model came from (flags, our checkpoint, Hugging Face).
 Must never: turn off checkpointing a model was built with.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from torch import nn
 
 
+def checkpoint_policy(config: Any) -> Optional[str]:
+    """The policy the flags ask for (model/checkpointing.py: full | op | "N"), None for none."""
+    mode = str(getattr(config, "activation_checkpoint", "none"))
+    if mode == "selective":
+        return str(getattr(config, "selective_ac_option", "op")).strip()
+    if mode == "full" or bool(getattr(config, "gradient_checkpointing", False)):
+        return "full"
+    return None
+
+
+def describe(policy: Optional[str]) -> str:
+    """The policy in words, for the [layout] line."""
+    if policy is None:
+        return "off"
+    if policy in ("full", "op"):
+        return {"full": "full (each block)", "op": "selective per op (attention and every other matmul kept)"}[policy]
+    n = int(policy)
+    return "full (each block)" if n == 1 else f"every {({2: '2nd', 3: '3rd'}).get(n, f'{n}th')} block"
+
+
 def apply(model: nn.Module, mesh: Any, config: Any) -> None:
-    if bool(getattr(config, "gradient_checkpointing", False)) and hasattr(model, "cfg"):
+    policy = checkpoint_policy(config)
+    if policy is not None and hasattr(model, "cfg"):
         model.cfg.gradient_checkpointing = True
+        model.cfg.checkpoint_policy = policy

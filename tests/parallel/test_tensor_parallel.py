@@ -42,16 +42,18 @@ GEMMA3 = dict(sandwich_norms=True, scale_embeddings=True, mlp_act="gelu_tanh", q
               sliding_layers=[0], rope_local_theta=100.0)
 
 
-def _cfg(tied: bool = False, ckpt: bool = False, dropout: float = 0.0, family: str = "llama") -> ModelConfig:
+def _cfg(tied: bool = False, ckpt: bool | str = False, dropout: float = 0.0, family: str = "llama") -> ModelConfig:
     # 4 query heads over 2 key/value heads (GQA), so each tensor rank holds 2 query heads and 1 kv head; qwen3: the
     # heads 8 wide at dim 16 and q / k norms (one weight over the heads, whose gradient each tensor rank has a part of)
+    # ckpt: True (each block recomputed) or a model/checkpointing.py policy ("op": selective per op)
     return ModelConfig(vocab_size=VOCAB, dim=16, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=16,
-                       max_seq_len=16, tie_embeddings=tied, gradient_checkpointing=ckpt, attn_dropout=dropout,
+                       max_seq_len=16, tie_embeddings=tied, gradient_checkpointing=bool(ckpt),
+                       checkpoint_policy=ckpt if isinstance(ckpt, str) else "full", attn_dropout=dropout,
                        resid_dropout=dropout, qk_norm=family != "llama", attn_head_dim=8 if family != "llama" else None,
                        **(GEMMA3 if family == "gemma3" else {}))
 
 
-def _new_model(tied: bool = False, ckpt: bool = False, dropout: float = 0.0, lora: bool = False,
+def _new_model(tied: bool = False, ckpt: bool | str = False, dropout: float = 0.0, lora: bool = False,
                family: str = "llama") -> Transformer:
     torch.manual_seed(0)
     model = Transformer(_cfg(tied, ckpt, dropout, family))
@@ -83,7 +85,7 @@ def _reference(steps: int, dtype: torch.dtype, tied: bool = False,
 
 # ------------------------------------------------------------------------------ in the workers
 
-def _engine(tp: int = 1, rep: int = 1, tied: bool = False, ckpt: bool = False, sp: bool = False,
+def _engine(tp: int = 1, rep: int = 1, tied: bool = False, ckpt: bool | str = False, sp: bool = False,
             dtype: str = "fp32", pp: int = 1, dropout: float = 0.0, lora: bool = False, compile: bool = False,
             cp: int = 1, parallel: str = "fsdp", zero: bool = False, family: str = "llama"):
     from parallel.build import build_engine
@@ -240,7 +242,8 @@ def _world4(rank: int, world: int, out_path: str, root: str, tp2_ckpt: str) -> N
     out["tp2_fsdp2_resumed"] = {"loss": _step(same, STEPS + 1)[0], "params": _full_params(same)}
     del same
     _train(out, "hsdp", STEPS, rep=2)
-    _train(out, "tp2_sp_fsdp2", STEPS, tp=2, sp=True, ckpt=True)
+    # selective per op: sequence parallelism's reduce-scatters kept, its all-gathers run again in the backward
+    _train(out, "tp2_sp_fsdp2", STEPS, tp=2, sp=True, ckpt="op")
     _train(out, "tp2_sp_fsdp2_lora", STEPS, tp=2, sp=True, lora=True)
     for name, tp in (("tp2_to_dp4", 1), ("tp2_to_tp2_dp2", 2)):
         e = _engine(tp=tp)

@@ -326,3 +326,28 @@ def test_a_new_task_is_one_module_and_one_registration_line(tiny_pretrain_run_ar
     assert [r["tokens_seen"] for r in steps] == [4, 8, 12], steps
     monkeypatch.delitem(tasks.TASKS, "last_token")
     assert T.main([*tiny_pretrain_run_args, f"--out_dir={tmp_path / 'x'}", "--task_type=last_token"]) == 2
+
+
+def test_selective_activation_checkpointing_trains_like_none(tiny_pretrain_run_args, tmp_path):
+    """--activation_checkpoint=selective, per op and every 2nd block: the losses and weights of a run that keeps
+    every activation, bit for bit on the CPU (recomputation replays the same operations); the [layout] line names
+    the policy. The policy is the command's, not the checkpoint's: a run saved under one continues under another
+    (here op, then full from step 3) as the uninterrupted run without checkpointing."""
+    args = [*tiny_pretrain_run_args, "--max_iters=5"]
+    plain, op, nth = tmp_path / "plain", tmp_path / "op", tmp_path / "nth"
+    run_cmd(train_cmd([*args, f"--out_dir={plain}"]), env=_env())
+    log = run_cmd(train_cmd([*args, f"--out_dir={op}", "--activation_checkpoint=selective", "--max_iters=3"]),
+                  env=_env()).stdout
+    assert "activation checkpointing selective per op (attention and every other matmul kept)" in log, log[-2000:]
+    log = run_cmd(train_cmd([*args, f"--out_dir={op}", "--activation_checkpoint=full"]), env=_env()).stdout
+    assert "activation checkpointing full (each block)" in log and "[resume]" in log, log[-2000:]
+    log = run_cmd(train_cmd([*args, f"--out_dir={nth}", "--activation_checkpoint=selective",
+                             "--selective_ac_option=2"]), env=_env()).stdout
+    assert "activation checkpointing every 2nd block" in log, log[-2000:]
+    want = losses(plain)
+    assert sorted(want) == [1, 2, 3, 4, 5]
+    assert losses(op) == want and losses(nth) == want
+    ref = final_weights(plain)
+    for run in (op, nth):
+        got = final_weights(run)
+        assert sorted(got) == sorted(ref) and all(torch.equal(got[k], ref[k]) for k in ref), run
