@@ -10,7 +10,8 @@ ModelConfig.gradient_checkpointing is on, by `ModelConfig.checkpoint_policy`:
         whatever the pipeline stages), is recomputed whole; the others keep everything (torchtitan's
         layer-level selective AC). 1 is `full`.
 
-Owns: `run_block` (one block's forward under the policy) and `SAVED_OPS` (what `op` keeps).
+Owns: `run_block` (one block's forward under the policy), `checkpointed` (a forward under it, which the per-block
+compile traces) and `SAVED_OPS` (what `op` keeps).
 Must never: change what a block computes: every policy gives the gradients of no checkpointing, bit for bit on
 the CPU (tests/model/test_checkpointing.py), and the random draws of dropout are replayed (checkpoint's RNG state).
 """
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from functools import partial
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -49,6 +50,10 @@ SAVED_OPS = _MATMULS | _ops(
     "_c10d_functional.all_to_all_single")
 
 
+# set on a block whose (compiled) forward runs the checkpoint itself
+CHECKPOINTS_ITSELF = "checkpoints_itself"
+
+
 def _keep_every_other_matmul(counts: dict, ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     """The `op` policy for one call of a block: the forward and its recomputation count the matmuls apart, so
     both keep the same ones (the 1st, 3rd, ...)."""
@@ -69,12 +74,21 @@ def block_index(block: nn.Module) -> int:
     return int(block.self_attn.layer_idx)
 
 
+def checkpoints(block: nn.Module, policy: str) -> bool:
+    """Whether the policy recomputes anything of this block (full, op: every block; N: every N-th)."""
+    return policy in ("full", "op") or (block_index(block) + 1) % int(policy) == 0
+
+
+def checkpointed(forward: Callable, policy: str) -> Callable:
+    """forward(*args, **kwargs) under the policy's checkpoint (full or N: the whole call; op: selective per op)."""
+    context = {"context_fn": _op_contexts} if policy == "op" else {}
+    return lambda *args, **kwargs: checkpoint(forward, *args, use_reentrant=False, **context, **kwargs)
+
+
 def run_block(block: nn.Module, policy: str, *args: Any) -> Any:
-    """block(*args) under the checkpoint policy (`full`, `op` or an integer N, as the module's docstring says)."""
-    if policy == "full":
-        return checkpoint(block, *args, use_reentrant=False)
-    if policy == "op":
-        return checkpoint(block, *args, use_reentrant=False, context_fn=_op_contexts)
-    if (block_index(block) + 1) % int(policy) == 0:
-        return checkpoint(block, *args, use_reentrant=False)
-    return block(*args)
+    """block(*args) under the checkpoint policy (`full`, `op` or an integer N, as the module's docstring says). A
+    block whose compiled forward holds its checkpoint already (parallel/transforms/compile.py compile_blocks: the
+    policy traced into each block's graph, so that Inductor's partitioner keeps what `op` keeps) is called as is."""
+    if getattr(block, CHECKPOINTS_ITSELF, False) or not checkpoints(block, policy):
+        return block(*args)
+    return checkpointed(block, policy)(*args)

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
+from model.checkpointing import CHECKPOINTS_ITSELF, checkpointed, checkpoints
 from model.llama import blocks_of
 
 
@@ -70,7 +71,10 @@ class _StepMarked(nn.Module):
 
 def compile_blocks(model: nn.Module, **compile_kw: Any) -> None:
     """torch.compile each Transformer block's forward in place (the blocks stay the same modules: only
-    their bound `forward` is replaced).
+    their bound `forward` is replaced). Under activation checkpointing the block's checkpoint is compiled with it
+    (model/checkpointing.py `checkpointed`, as torchtitan compiles its checkpoint-wrapped blocks): the policy's
+    choices are the partitioner's, where a checkpoint around the compiled call would see Inductor's kernels as
+    one and recompute the whole block whatever the policy.
 
     The first block's input is the vocabulary-parallel embedding's all-reduced output, which torch hands
     over as an AsyncCollectiveTensor (the all-reduce not yet waited on); a compiled graph given that
@@ -85,8 +89,16 @@ def compile_blocks(model: nn.Module, **compile_kw: Any) -> None:
             return graph(h, *args, **kwargs)
         return run
 
-    for block in blocks_of(model.layers) + [d.block for d in getattr(getattr(model, "mtp", None), "depths", [])]:
-        block.forward = compiled(block.forward)
+    cfg = getattr(model, "cfg", None)
+    policy = cfg.checkpoint_policy if cfg is not None and cfg.gradient_checkpointing else None
+    for block in blocks_of(model.layers):
+        if policy is not None and checkpoints(block, policy):  # the checkpoint inside the graph, as torchtitan's
+            block.forward = compiled(checkpointed(block.forward, policy))
+            setattr(block, CHECKPOINTS_ITSELF, True)
+        else:
+            block.forward = compiled(block.forward)
+    for depth in getattr(getattr(model, "mtp", None), "depths", []):
+        depth.block.forward = compiled(depth.block.forward)
 
 
 def per_block(engine: Any, config: Any) -> bool:

@@ -164,6 +164,42 @@ def test_op_under_compile_equals_eager():
         assert torch.allclose(p.grad, grads0[n], rtol=1e-5, atol=1e-7), n
 
 
+def test_per_block_compile_traces_each_blocks_checkpoint():
+    """Per-block compile (parallel/transforms/compile.py compile_blocks: tensor parallelism, pipeline stages, our DDP
+    over ranks) compiles each checkpointed block's checkpoint with it (aot_eager here), so the compiled graphs keep
+    what the policy says: bytes kept none > every 2nd block > op > full; the checkpointed blocks are marked as
+    checkpointing themselves (the model's loop calls them as they are), the others not; loss, gradients and a no-grad
+    evaluation as eager no checkpointing's."""
+    from parallel.transforms.compile import compile_blocks
+    x = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(2))
+    loss0, grads0, _, _ = _step(None, x)
+    kept = {}
+    for policy in (None, "full", "op", "2"):
+        torch.manual_seed(0)
+        model = Transformer(_cfg(policy))
+        weights = {w.untyped_storage().data_ptr() for w in model.parameters()}
+        compile_blocks(model, backend="aot_eager")
+        marked = [getattr(b, checkpointing.CHECKPOINTS_ITSELF, False) for b in model.layers]
+        assert marked == {None: [False] * 4, "2": [False, True, False, True]}.get(policy, [True] * 4), policy
+        seen, total = set(weights), [0]
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                total[0] += t.untyped_storage().nbytes()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(x, labels=x)
+        loss.backward()
+        kept[policy] = total[0]
+        assert torch.allclose(loss, loss0, rtol=1e-6, atol=0), policy
+        for n, p in model.named_parameters():
+            assert torch.allclose(p.grad, grads0[n], rtol=1e-5, atol=1e-7), (policy, n)
+        with torch.no_grad():
+            assert torch.allclose(model.eval()(x, labels=x), loss0, rtol=1e-6, atol=0), policy
+    assert kept[None] > kept["2"] > kept["op"] > kept["full"], kept
+
+
 def test_the_flags_choose_the_policy_and_refuse_what_is_not_one():
     from parallel.config import ParallelConfig
     from parallel.transforms.activation_checkpoint import apply, checkpoint_policy, describe
