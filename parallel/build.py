@@ -141,7 +141,7 @@ def describe_layout(flags: Any, engine: TrainingEngine, world_size: int) -> str:
         parts.append(f"compile on ({where}{'' if pc.compile_backend == 'inductor' else ', ' + pc.compile_backend})")
     else:
         parts.append("compile off")
-    parts.append(f"activation checkpointing {checkpoint_transform.describe(checkpoint_transform.checkpoint_policy(pc))}")
+    parts.append(f"activation checkpointing {checkpoint_transform.describe(pc)}")
     samples = flags.batch_size * flags.gradient_accumulation_steps * engine.dp_size
     parts.append(f"global batch {flags.batch_size} x {flags.gradient_accumulation_steps} x {engine.dp_size} = "
                  f"{samples:,} samples = {samples * flags.max_seq_len:,} tokens per step")

@@ -187,6 +187,7 @@ class ParallelConfig(ParallelFlags):
     gradient_checkpointing: bool = False   # the activation checkpointing transform: on (full) ...
     activation_checkpoint: str = "none"    # ... or none | full | selective ...
     selective_ac_option: str = "op"        # ... selective's policy (op | N); model/checkpointing.py
+    activation_memory_budget: float = 0.5  # ... memory_budget's share (the compile transform)
     gradient_accumulation_steps: int = 1   # a pipeline's micro-batches per step
     seed: int = 1337                       # PowerSGD's random projections
 

@@ -100,9 +100,15 @@ class ModelFlags:
                              "(Mistral v0.1's 4096; exported as MistralForCausalLM); 0 = the whole sequence")
     gradient_checkpointing: bool = _f(False, "recompute each layer in backward to save activation memory (= "
                                       "--activation_checkpoint=full)")
-    activation_checkpoint: str = _f("none", "none | full | selective: what the blocks recompute in the backward instead "
-                                    "of keeping (torchtitan's activation_checkpoint.mode): full = each block whole, "
-                                    "selective = as --selective_ac_option says")
+    activation_checkpoint: str = _f("none", "none | full | selective | memory_budget: what the blocks recompute in the "
+                                    "backward instead of keeping (torchtitan's activation_checkpoint.mode): full = each "
+                                    "block whole, selective = as --selective_ac_option says, memory_budget = the "
+                                    "compiled graphs' partitioner keeps --activation_memory_budget of their "
+                                    "activations (needs --compile)")
+    activation_memory_budget: float = _f(0.5, "with --activation_checkpoint=memory_budget: the share of the compiled "
+                                         "graphs' activations to keep, 0 (recompute all it can) to 1 (the compiler's "
+                                         "default); the cheapest to recompute go first (torch._functorch's "
+                                         "activation_memory_budget)")
     selective_ac_option: str = _f("op", "with --activation_checkpoint=selective: op = inside every block keep the "
                                   "attention's and every other matmul's outputs and recompute the rest (norms, RoPE, "
                                   "SwiGLU, the other matmuls); an integer N = recompute every N-th block whole and keep "

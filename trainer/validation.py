@@ -164,7 +164,15 @@ def _sampled_replies_checks(cfg: TrainConfig, p: _Problems) -> None:
 
 def _checkpointing_checks(cfg: TrainConfig, p: _Problems) -> None:
     """--activation_checkpoint and its --selective_ac_option (op, or every N-th block)."""
-    p.choice("activation_checkpoint", ("none", "full", "selective"))
+    p.choice("activation_checkpoint", ("none", "full", "selective", "memory_budget"))
+    if cfg.activation_checkpoint == "memory_budget":
+        p.number("activation_memory_budget", 0.0, 1.0, high_open=False)
+        if not cfg.compile:
+            p.append("--activation_checkpoint=memory_budget needs --compile=true (the compiled graphs' partitioner "
+                     "chooses what to keep; an eager run has no graph)")
+    if cfg.gradient_checkpointing and cfg.activation_checkpoint not in ("none", "full"):
+        p.append(f"--gradient_checkpointing=true (each block recomputed whole) contradicts "
+                 f"--activation_checkpoint={cfg.activation_checkpoint}: keep one of them")
     option = str(cfg.selective_ac_option).strip()
     if option != "op" and not (option.isdigit() and int(option) >= 1):
         p.append(f"--selective_ac_option={cfg.selective_ac_option}: op (per operation) or a positive integer N "

@@ -20,13 +20,22 @@ def checkpoint_policy(config: Any) -> Optional[str]:
     mode = str(getattr(config, "activation_checkpoint", "none"))
     if mode == "selective":
         return str(getattr(config, "selective_ac_option", "op")).strip()
+    if mode == "memory_budget":  # (the compile transform's: no checkpoint in the model)
+        return None
     if mode == "full" or bool(getattr(config, "gradient_checkpointing", False)):
         return "full"
     return None
 
 
-def describe(policy: Optional[str]) -> str:
-    """The policy in words, for the [layout] line."""
+def describe(config: Any) -> str:
+    """The flags' checkpointing in words, for the [layout] line."""
+    if str(getattr(config, "activation_checkpoint", "none")) == "memory_budget":
+        return f"by the compiled graphs' memory budget ({float(config.activation_memory_budget):g})"
+    return describe_policy(checkpoint_policy(config))
+
+
+def describe_policy(policy: Optional[str]) -> str:
+    """A model/checkpointing.py policy in words."""
     if policy is None:
         return "off"
     if policy in ("full", "op"):

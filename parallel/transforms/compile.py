@@ -10,9 +10,10 @@ Must never: change parameter names or module structure (checkpoints and hooks st
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
+import torch._functorch.config  # noqa: F401  (the activation memory budget: `within_budget`)
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
@@ -69,19 +70,53 @@ class _StepMarked(nn.Module):
         return self.compiled(*args, **kwargs)
 
 
-def compile_blocks(model: nn.Module, **compile_kw: Any) -> None:
+def memory_budget(config: Any) -> Optional[float]:
+    """--activation_checkpoint=memory_budget's share of the activations to keep, else None."""
+    if str(getattr(config, "activation_checkpoint", "none")) != "memory_budget":
+        return None
+    return float(getattr(config, "activation_memory_budget", 0.5))
+
+
+def within_budget(fn: Callable, budget: Optional[float]) -> Callable:
+    """fn called with AOTAutograd's activation memory budget set to `budget` for the call (the partitioner reads
+    it at the first call and at each recompile: torchtitan's memory_budget mode) and restored after it, so no other
+    compile in the process sees it. None: fn itself."""
+    if budget is None:
+        return fn
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with torch._functorch.config.patch(activation_memory_budget=budget):
+            return fn(*args, **kwargs)
+    return run
+
+
+class _WithinBudget(nn.Module):
+    """A whole-model compile under --activation_checkpoint=memory_budget (`within_budget` as a module: the engine's
+    forward model)."""
+
+    def __init__(self, compiled: nn.Module, budget: float) -> None:
+        super().__init__()
+        self.compiled = compiled
+        self.run = within_budget(compiled, budget)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.run(*args, **kwargs)
+
+
+def compile_blocks(model: nn.Module, budget: Optional[float] = None, **compile_kw: Any) -> None:
     """torch.compile each Transformer block's forward in place (the blocks stay the same modules: only
     their bound `forward` is replaced). Under activation checkpointing the block's checkpoint is compiled with it
     (model/checkpointing.py `checkpointed`, as torchtitan compiles its checkpoint-wrapped blocks): the policy's
     choices are the partitioner's, where a checkpoint around the compiled call would see Inductor's kernels as
-    one and recompute the whole block whatever the policy.
+    one and recompute the whole block whatever the policy. `budget`: --activation_checkpoint=memory_budget's share
+    (`within_budget`).
 
     The first block's input is the vocabulary-parallel embedding's all-reduced output, which torch hands
     over as an AsyncCollectiveTensor (the all-reduce not yet waited on); a compiled graph given that
     wrapper returns no gradient to the embedding (measured: a zero embedding gradient with torch 2.13),
     so such an input is materialised eagerly first (one copy of the block's input, once per forward)."""
     def compiled(forward):
-        graph = torch.compile(forward, **compile_kw)
+        graph = within_budget(torch.compile(forward, **compile_kw), budget)
 
         def run(h, *args, **kwargs):
             if isinstance(h, AsyncCollectiveTensor):
@@ -121,11 +156,13 @@ def apply(engine: Any, mesh: Any, config: Any) -> None:
     """--compile=true on a built engine (the last transform: see parallel/transforms/__init__.py)."""
     if not bool(getattr(config, "compile", False)):
         return
-    kw = compile_kwargs(config)
+    kw, budget = compile_kwargs(config), memory_budget(config)
     if per_block(engine, config):
-        compile_blocks(engine.module, **kw)  # the forward model stays the module: each block is compiled
+        compile_blocks(engine.module, budget, **kw)  # the forward model stays the module: each block is compiled
     else:
         compiled = torch.compile(engine.model, **kw)
+        if budget is not None:
+            compiled = _WithinBudget(compiled, budget)
         if _mode(config) in CUDA_GRAPH_MODES:
             compiled = _StepMarked(compiled)
         engine.forward_model = compiled

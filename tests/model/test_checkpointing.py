@@ -200,9 +200,50 @@ def test_per_block_compile_traces_each_blocks_checkpoint():
     assert kept[None] > kept["2"] > kept["op"] > kept["full"], kept
 
 
+def _kept_compiled(run, x) -> int:
+    """Bytes the compiled forward leaves for the backward (each storage once, the weights not) of run(x)."""
+    seen, total = set(), [0]
+
+    def pack(t):
+        if not isinstance(t, torch.nn.Parameter) and t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            total[0] += t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = run(x)
+    loss.backward()
+    return total[0]
+
+
+def test_memory_budget_keeps_less_the_smaller_it_is_and_only_inside_the_call():
+    """--activation_checkpoint=memory_budget through the engine (one process: the whole model compiled, aot_eager
+    here, whose partitioner is Inductor's min-cut one): budget 0 keeps less than 0.5, which keeps less than 1 (the
+    compiler's default); the loss is eager's; the budget is set only during the compiled call (torch's global
+    default is what it was after it, so no other compile in the process sees it)."""
+    from parallel.build import build_engine
+    from trainer.config import TrainConfig
+    import torch._functorch.config as functorch_config
+    x = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(2))
+    loss0 = _step(None, x)[0]
+    before = functorch_config.activation_memory_budget
+    kept = {}
+    for budget in (1.0, 0.5, 0.0):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        cfg = TrainConfig(device="cpu", compile=True, compile_backend="aot_eager", activation_checkpoint="memory_budget",
+                          activation_memory_budget=budget)
+        engine = build_engine(Transformer(_cfg()), cfg, device=torch.device("cpu"))
+        losses = []
+        kept[budget] = _kept_compiled(lambda b: losses.append(engine.forward_model(b, labels=b)) or losses[-1], x)
+        assert torch.allclose(losses[0].detach(), loss0, rtol=1e-6, atol=0), budget
+        assert functorch_config.activation_memory_budget == before
+    torch._dynamo.reset()
+    assert kept[1.0] > kept[0.5] > kept[0.0], kept
+
+
 def test_the_flags_choose_the_policy_and_refuse_what_is_not_one():
     from parallel.config import ParallelConfig
-    from parallel.transforms.activation_checkpoint import apply, checkpoint_policy, describe
+    from parallel.transforms.activation_checkpoint import apply, checkpoint_policy, describe, describe_policy
     from trainer.config import TrainConfig
     from trainer.validation import validate_config
     cases = {(False, "none", "op"): None, (True, "none", "op"): "full", (False, "full", "op"): "full",
@@ -213,16 +254,27 @@ def test_the_flags_choose_the_policy_and_refuse_what_is_not_one():
         model = Transformer(_cfg())
         apply(model, None, pc)
         assert (model.cfg.gradient_checkpointing, model.cfg.checkpoint_policy) == (want is not None, want or "full")
-    assert [describe(p) for p in (None, "full", "op", "1", "2", "3", "4")] == [
+    assert checkpoint_policy(ParallelConfig(activation_checkpoint="memory_budget")) is None
+    assert describe(ParallelConfig(activation_checkpoint="memory_budget", activation_memory_budget=0.25)) == \
+        "by the compiled graphs' memory budget (0.25)"
+    assert [describe_policy(p) for p in (None, "full", "op", "1", "2", "3", "4")] == [
         "off", "full (each block)", "selective per op (attention and every other matmul kept)", "full (each block)",
         "every 2nd block", "every 3rd block", "every 4th block"]
     base = dict(data_dir="d", tokenizer_dir="t", device="cpu")
     validate_config(TrainConfig(**base, activation_checkpoint="selective", selective_ac_option="2"), torch_free=True)
-    for bad, words in ((dict(activation_checkpoint="some"), "--activation_checkpoint='some' (none | full | selective)"),
+    validate_config(TrainConfig(**base, activation_checkpoint="memory_budget", compile=True), torch_free=True)
+    for bad, words in ((dict(activation_checkpoint="some"), "--activation_checkpoint='some' (none | full | selective | memory_budget)"),
                        (dict(activation_checkpoint="selective", selective_ac_option="0"),
                         "--selective_ac_option=0: op (per operation) or a positive integer N (every N-th block)"),
                        (dict(selective_ac_option="2"),
-                        "--selective_ac_option=2 is --activation_checkpoint=selective's option: add that flag")):
+                        "--selective_ac_option=2 is --activation_checkpoint=selective's option: add that flag"),
+                       (dict(activation_checkpoint="memory_budget"),
+                        "--activation_checkpoint=memory_budget needs --compile=true"),
+                       (dict(activation_checkpoint="memory_budget", compile=True, activation_memory_budget=1.5),
+                        "--activation_memory_budget=1.5: must be in [0, 1]"),
+                       (dict(gradient_checkpointing=True, activation_checkpoint="selective"),
+                        "--gradient_checkpointing=true (each block recomputed whole) contradicts "
+                        "--activation_checkpoint=selective: keep one of them")):
         with pytest.raises(Exception) as e:
             validate_config(TrainConfig(**base, **bad), torch_free=True)
         assert words in str(e.value), str(e.value)
