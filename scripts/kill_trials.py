@@ -134,6 +134,8 @@ CONFIGS: dict[str, tuple[int, list[str]]] = {
     # GRPO with each token's reverse KL to a frozen model in its advantage (on-policy distillation's term; the
     # reference run, where the policy starts, as the teacher), beside the toy reward, at 2 ranks
     "grpo-teacher-ddp2": (2, [*GRPO, "--batch_size=1", "--teacher_kl_coef=0.5", "@teacher"]),
+    # selective activation checkpointing per op, with dropout (each recompute replays the draws), at 2 ranks
+    "selective-ac-ddp2": (2, ["--batch_size=2", "--activation_checkpoint=selective", "--dropout=0.1"]),
     # multi-token prediction: two depths (their weights and optimizer state in the checkpoints)
     "mtp": (1, ["--mtp_num_layers=2", "--mtp_loss_weight=0.3"]),
     # an MoE model with an MTP depth (an MoE block too) and a capacity factor, experts over 2 ep ranks of our DDP

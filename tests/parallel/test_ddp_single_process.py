@@ -175,7 +175,7 @@ def test_startup_layout_line_names_engine_mesh_communication_and_global_batch():
                            SimpleNamespace(dp_size=2), world_size=4)
     assert "engine pipeline (2 stages, " in line and "over fsdp (FSDP2, ZeRO-2-like)" in line
     assert "world 4 = pipeline 2 x data-parallel 2 x tensor 1" in line and "gradients" not in line
-    assert "activation checkpointing on" in line
+    assert "activation checkpointing full (each block)" in line
     # the whole mesh (parallel/mesh.py): tensor parallel with sequence parallel, HSDP replicas
     line = describe_layout(dataclasses.replace(base, parallel="fsdp", tensor_parallel_size=2, sequence_parallel=True,
                                                dp_replicate_size=2), SimpleNamespace(dp_size=4), world_size=8)
