@@ -167,6 +167,10 @@ class OptimizationFlags:
     beta2: float = _f(0.95, "AdamW beta2")
     eps: float = _f(1e-8, "AdamW epsilon")
     grad_clip: float = _f(1.0, "clip by the global norm over all ranks (0 = off)")
+    neftune_noise_alpha: float = _f(0.0, "NEFTune (HF Trainer's and TRL's neftune_noise_alpha; Jain et al. 2023): in "
+                                    "training forwards, uniform noise in [-a, a], a = alpha / sqrt(row length x dim), "
+                                    "added to the input embeddings (sft, pretrain; 5 is the paper's usual value); "
+                                    "0 = off")
     optimizer: str = _f("adamw", "adamw | muon: Muon on the hidden 2-D matrices of the blocks (q/k/v/o, gate/up/down, "
                         "LoRA adapters; an MoE block's router and each expert's matrices), AdamW (the flags above) on "
                         "embeddings, LM head and norms (docs/optimizer.md)")

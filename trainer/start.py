@@ -16,6 +16,7 @@ from typing import Any, Optional
 import torch
 
 from model import ModelConfig, Transformer
+from model.neftune import add_neftune
 from model.attention import describe_attention
 from model.config import read_model_config
 from model.fa4 import forced_error as fa4_forced_error
@@ -307,6 +308,10 @@ def place_on_engine(cfg: TrainConfig, info: DistInfo, model, ref_model, log, thr
     log(f"[model] {n_params / 1e6:.2f}M parameters ({n_train / 1e6:.2f}M trainable), {model_cfg.n_layers} layers, "
         f"dim {model_cfg.dim}, vocab {model_cfg.vocab_size}, dtype {cfg.dtype}, device {info.device}, "
         f"world {info.world_size}")
+    if cfg.neftune_noise_alpha > 0:  # (on the module: pipeline stages and compile keep it)
+        add_neftune(model, cfg.neftune_noise_alpha)
+        log(f"[neftune] noise alpha {cfg.neftune_noise_alpha:g} on the input embeddings of training forwards (uniform in "
+            f"+-alpha / sqrt(row length x {model_cfg.dim}))")
     try:  # the engine casts the model to its precision policy and moves what this rank runs to the device
         engine = build_engine(model, cfg, device=info.device)
     except ValueError as e:  # a layout that cannot run (e.g. a checkpoint's layers do not split into stages)

@@ -162,6 +162,21 @@ def _sampled_replies_checks(cfg: TrainConfig, p: _Problems) -> None:
     p.extend(sampling_problems(cfg))
 
 
+def _neftune_checks(cfg: TrainConfig, p: _Problems) -> None:
+    """--neftune_noise_alpha: a training-forward noise on the embeddings of the language-model tasks, on layouts where
+    each rank's embedding output is its own rows' whole length."""
+    p.number("neftune_noise_alpha", 0.0)
+    flag = f"--neftune_noise_alpha={cfg.neftune_noise_alpha:g}"
+    if cfg.task_type not in ("sft", "pretrain"):
+        p.append(f"{flag} is supervised training's (--task_type=sft or pretrain; TRL's SFTTrainer), not "
+                 f"--task_type={cfg.task_type}'s")
+    for size, name in ((cfg.tensor_parallel_size, "tensor_parallel_size"),
+                       (cfg.context_parallel_size, "context_parallel_size")):
+        if size > 1:
+            p.append(f"{flag} cannot be combined with --{name}={size} yet (the noise of an embedding output split or "
+                     "replicated over ranks is not built)")
+
+
 def _checkpointing_checks(cfg: TrainConfig, p: _Problems) -> None:
     """--activation_checkpoint and its --selective_ac_option (op, or every N-th block)."""
     p.choice("activation_checkpoint", ("none", "full", "selective", "memory_budget"))
@@ -230,6 +245,8 @@ def _choices_and_combinations(cfg: TrainConfig, p: _Problems, torch_free: bool) 
     cfg.fa4 = str(cfg.fa4).lower()
     p.choice("fa4", ("auto", "true", "false"))
     _checkpointing_checks(cfg, p)
+    if cfg.neftune_noise_alpha != 0:  # (nan too)
+        _neftune_checks(cfg, p)
     p.choice("resume", RESUME_CHOICES)
     if cfg.init_from == "resume" and cfg.resume == "never":
         p.append("--init_from=resume (= --resume=always) contradicts --resume=never")
