@@ -256,6 +256,9 @@ class TrainConfig(GRPOFlags, ParallelFlags, DPOFlags, OptimizationFlags, Trainab
     # ---- evaluation, logging, checkpoints
     eval_interval: int = _f(100, "evaluate every N steps (0 = only at the end)")
     eval_iters: int = _f(20, "validation micro-batches per rank per evaluation (>= 1)")
+    eval_on_start: bool = _f(False, "evaluate the starting weights before the first step of a new run (HF Trainer's "
+                             "eval_on_start): a metrics row at step 0 with the validation values, the curve's baseline "
+                             "(a resumed run has it already); needs --eval_interval > 0")
     early_stopping_patience: int = _f(0, "stop the run, saved (exit 0), once this many evaluations in a row have not "
                                          "improved the best val_loss (GRPO: val_reward) by more than "
                                          "--early_stopping_threshold (Hugging Face's EarlyStoppingCallback); 0 = off")

@@ -34,7 +34,8 @@ from trainer.side_losses import SideLosses
 from trainer.samples import build_sampler
 from trainer.start import (Progress, build_model, choose_trainable, decide_start, dpo_reference, place_on_engine,
                            restore, set_threads)
-from trainer.task import build_data, build_task_evaluator, count_tokens, evaluate, prefetch_depth, task_of
+from trainer.task import (build_data, build_task_evaluator, count_tokens, evaluate, evaluate_start, prefetch_depth,
+                          task_of, values_text)
 from trainer.validation import run_tokenizer_meta, validate_config
 from checkpoint.files import write_run_start
 from checkpoint.manager import CheckpointManager
@@ -42,8 +43,7 @@ from checkpoint.rng import restore_rng_state
 from utils.checkpoint_layout import RUN_CONFIG
 from utils import run_lock
 from utils.configurator import save_config_json
-from utils.constants import (EXIT_BAD_DATA, EXIT_INTERRUPTED, EXIT_LOSS_SPIKE, EXIT_NONFINITE_LOSS,
-                             EXIT_OK)
+from utils.constants import EXIT_BAD_DATA, EXIT_INTERRUPTED, EXIT_LOSS_SPIKE, EXIT_NONFINITE_LOSS, EXIT_OK
 from utils.device import HostCopy, StepTimer, is_accelerator, memory_stats, parse_dtype, seed_everything, synchronize
 from utils.dist import DistInfo, all_reduce_max, barrier
 from utils.lr_schedule import lr_at, schedule_warnings
@@ -94,8 +94,7 @@ def _set_up(cfg: TrainConfig, info: DistInfo, continues: Optional[bool], max_ite
     except (DataError, ValueError, OSError) as e:  # DataError includes StaleIndexError
         raise TrainingError(f"data: {' '.join(str(e).split())}", EXIT_BAD_DATA) from e
     depth = prefetch_depth(cfg, info.device)
-    if depth:  # the next batches drawn (and pinned for a GPU) on a thread while the step runs: same batches,
-        # same cursor
+    if depth:  # the next batches drawn (and pinned for a GPU) on a thread while the step runs: same batches, cursor
         train_loader = PrefetchLoader(train_loader, depth, pin=is_accelerator(info.device), device=info.device)
     # the engine's, the optimizer's and this loop's state in checkpoints (checkpoint/manager.py)
     checkpoints = CheckpointManager(engine, cfg.out_dir, rank=info.rank, world_size=info.world_size,
@@ -142,6 +141,8 @@ def _run_steps(loop: "Loop", start, log, t_start: float) -> int:
         write_run_start(cfg.out_dir, start.run_start)
     if progress.rng is not None:  # last thing before the loop: set-up above may draw random numbers
         restore_rng_state(progress.rng, info.device)
+    if cfg.eval_on_start and progress.step == 0:  # the starting weights' validation: the curve's step-0 row
+        loop.metrics.write({"step": 0, **evaluate_start(loop)})
     engine.model.train()
     try:
         while progress.step < cfg.max_iters and not loop.early.due:
@@ -182,8 +183,7 @@ def _run_steps(loop: "Loop", start, log, t_start: float) -> int:
     synchronize(info.device)
     barrier()  # let the last asynchronous collectives drain before the process group goes away
     if progress.last_val is None and loop.last_eval:  # a task whose validation has no loss (GRPO's rewards)
-        log(f"[train] done: {progress.step} steps, final " + ", ".join(
-            f"{k} {v:.4f}" for k, v in loop.last_eval.items() if isinstance(v, (int, float))))
+        log(f"[train] done: {progress.step} steps, final " + values_text(loop.last_eval))
     else:
         last = progress.last_val if progress.last_val is not None else float("nan")
         log(f"[train] done: {progress.step} steps, final val_loss {last:.4f}, best {progress.best_val:.4f}")

@@ -118,6 +118,22 @@ def evaluate(cfg: TrainConfig, engine, ref_model, make_val_loader, info: DistInf
     return {"val_loss": per_unit["loss"], **{f"val_{k}": per_unit[k] for k in task.val_stat_keys}}
 
 
+def values_text(values: dict) -> str:
+    """`key 0.1234, ...` of a row's numbers (the final line of a run without a validation loss, --eval_on_start's)."""
+    return ", ".join(f"{k} {v:.4f}" for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool))
+
+
+def evaluate_start(loop) -> dict:
+    """--eval_on_start: the validation values of the starting weights of `loop` (trainer/loop.py Loop) and
+    --eval_tasks' scores (rank 0), logged in one line. Not a candidate for the best checkpoint or the early stop: no
+    checkpoint holds step 0."""
+    values = evaluate(loop.cfg, loop.engine, loop.ref_model, loop.make_val_loader, loop.info, loop.task) or {}
+    if loop.task_eval is not None:  # rank 0, the whole model (validate_config refuses fsdp / pipeline)
+        values.update(loop.task_eval.run(loop.engine.module, loop.info.device))
+    loop.log("[eval] step 0 (--eval_on_start): " + values_text(values))
+    return values
+
+
 def build_task_evaluator(cfg: TrainConfig):
     """--eval_tasks: the task files read, checked and encoded (exit 3 naming file:line, exit 2 for a path that is
     no task file or a choice longer than --max_seq_len), the run's tokenizer; else None."""

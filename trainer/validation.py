@@ -245,6 +245,8 @@ def _choices_and_combinations(cfg: TrainConfig, p: _Problems, torch_free: bool) 
     cfg.fa4 = str(cfg.fa4).lower()
     p.choice("fa4", ("auto", "true", "false"))
     _checkpointing_checks(cfg, p)
+    if cfg.eval_on_start and cfg.eval_interval <= 0:
+        p.append("--eval_on_start=true needs --eval_interval > 0 (the run's validation set and evaluations)")
     if cfg.neftune_noise_alpha != 0:  # (nan too)
         _neftune_checks(cfg, p)
     p.choice("resume", RESUME_CHOICES)
