@@ -3,6 +3,7 @@ one forward + backward of a model.
 
     .venv/bin/python bench/bench_activation_checkpoint.py                  # dim 512, 8 layers, 4 x 1024 tokens, CPU
     .venv/bin/python bench/bench_activation_checkpoint.py --device cuda --dim 2048 --layers 16 --dtype bf16
+    .venv/bin/python bench/bench_activation_checkpoint.py --policies none,op     # some of the rows
 
 Policies: none, full (each block recomputed: --activation_checkpoint=full), op (selective per op: the attention's and
 every other matmul's outputs kept: --activation_checkpoint=selective), 2 (every 2nd block recomputed:
@@ -95,12 +96,16 @@ def main(argv=None) -> None:
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--policies", default=",".join(POLICIES), help="which to run, of " + ", ".join(POLICIES))
     p.add_argument("--one", choices=POLICIES, help=argparse.SUPPRESS)  # the child process
     a = p.parse_args(argv)
     if a.one:
         print("RESULT " + __import__("json").dumps(_one(a.one, a)), flush=True)
         return
-    rows = in_fresh_processes(__file__, argv if argv is not None else sys.argv[1:], POLICIES)
+    policies = tuple(x for x in a.policies.split(",") if x)
+    if "none" not in policies or not set(policies) <= set(POLICIES):
+        p.error(f"--policies={a.policies}: a comma-separated subset of {', '.join(POLICIES)} holding none")
+    rows = in_fresh_processes(__file__, argv if argv is not None else sys.argv[1:], policies)
     print(f"dim {a.dim}, {a.layers} layers, {a.heads} heads, {a.batch} x {a.seq} tokens, vocab {a.vocab}, {a.dtype}, "
           f"{a.device}; one forward + backward")
     print("| policy | kept for the backward (MiB) | x none | peak memory over set-up (MiB) | x none | seconds per step "
