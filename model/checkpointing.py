@@ -11,14 +11,14 @@ ModelConfig.gradient_checkpointing is on, by `ModelConfig.checkpoint_policy`:
         layer-level selective AC). 1 is `full`.
 
 Owns: `run_block` (one block's forward under the policy), `checkpointed` (a forward under it, which the per-block
-compile traces) and `SAVED_OPS` (what `op` keeps).
+compile traces) and `saved_ops` (what `op` keeps).
 Must never: change what a block computes: every policy gives the gradients of no checkpointing, bit for bit on
 the CPU (tests/model/test_checkpointing.py), and the random draws of dropout are replayed (checkpoint's RNG state).
 """
 from __future__ import annotations
 
 from collections import defaultdict
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any, Callable
 
 import torch
@@ -39,19 +39,22 @@ def _ops(*names: str) -> set:
 
 # the matmuls counted for "every other": a linear's is mm (addmm with a bias)
 _MATMULS = _ops("aten.mm", "aten.addmm")
-# kept whenever they run: the attention kernels (SDPA's every backend, flash-attention's), the grouped matmul of the
-# routed experts, and sequence parallelism's reduce-scatters and expert parallelism's all-to-alls (a communication
-# not repeated in the backward)
-SAVED_OPS = _MATMULS | _ops(
+# kept whenever they run: the attention kernels (SDPA's every backend, the varlen / FlashAttention-4 entries, the
+# flash-attn package's ops), the grouped matmul of the routed experts, and sequence parallelism's reduce-scatters and
+# expert parallelism's all-to-alls (a communication not repeated in the backward)
+_SAVED_NAMES = (
     "aten._scaled_dot_product_flash_attention", "aten._scaled_dot_product_efficient_attention",
     "aten._scaled_dot_product_cudnn_attention", "aten._scaled_dot_product_flash_attention_for_cpu",
     "aten._scaled_dot_product_fused_attention_overrideable", "aten._flash_attention_forward",
     "aten._efficient_attention_forward", "aten._grouped_mm", "_c10d_functional.reduce_scatter_tensor",
-    "_c10d_functional.all_to_all_single")
+    "_c10d_functional.all_to_all_single", "flash_attn._flash_attn_forward", "flash_attn._flash_attn_varlen_forward")
 
 
-# set on a block whose (compiled) forward runs the checkpoint itself
-CHECKPOINTS_ITSELF = "checkpoints_itself"
+@lru_cache(maxsize=None)
+def saved_ops() -> frozenset:
+    """What `op` keeps, resolved at its first use: the flash-attn package registers its ops when it is imported (on a
+    GPU, by the model's first attention), after this module."""
+    return frozenset(_MATMULS | _ops(*_SAVED_NAMES))
 
 
 def _keep_every_other_matmul(counts: dict, ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -62,11 +65,15 @@ def _keep_every_other_matmul(counts: dict, ctx: Any, func: Any, *args: Any, **kw
         counts[key] += 1
         if counts[key] % 2 == 0:
             return CheckpointPolicy.PREFER_RECOMPUTE
-    return CheckpointPolicy.MUST_SAVE if func in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.MUST_SAVE if func in saved_ops() else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _op_contexts():
     return create_selective_checkpoint_contexts(partial(_keep_every_other_matmul, defaultdict(int)))
+
+
+# set on a block whose (compiled) forward runs the checkpoint itself
+CHECKPOINTS_ITSELF = "checkpoints_itself"
 
 
 def block_index(block: nn.Module) -> int:

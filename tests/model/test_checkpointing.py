@@ -117,6 +117,9 @@ def test_what_each_policy_keeps_and_recomputes(stores):
                 attention = [f for f in kept if "scaled_dot_product" in f]
                 assert len(attention) == 1 and kept[attention[0]] == 1, kept
                 assert kept["aten.mm.default"] == 2 and len(kept) == 2, kept
+    # the GPU's attention kernels and sequence parallelism's reduce-scatters are kept too (this build has their ops)
+    assert {torch.ops.aten._scaled_dot_product_flash_attention.default, torch.ops.aten._flash_attention_forward.default,
+            torch.ops._c10d_functional.reduce_scatter_tensor.default} <= checkpointing.saved_ops()
     (kept0, mm0), (full, mm_full), (op, mm_op), (half, mm_half) = (runs[p] for p in (None, "full", "op", "2"))
     assert kept0 > half > op > full, runs
     extra_full, extra_op, extra_half = mm_full - mm0, mm_op - mm0, mm_half - mm0
