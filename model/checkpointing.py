@@ -40,8 +40,9 @@ def _ops(*names: str) -> set:
 # the matmuls counted for "every other": a linear's is mm (addmm with a bias)
 _MATMULS = _ops("aten.mm", "aten.addmm")
 # kept whenever they run: the attention kernels (SDPA's every backend, the varlen / FlashAttention-4 entries, the
-# flash-attn package's ops), the grouped matmul of the routed experts, and sequence parallelism's reduce-scatters and
-# expert parallelism's all-to-alls (a communication not repeated in the backward)
+# flash-attn package's ops), the grouped matmul of the routed experts, and the functional collectives' reduce-scatters
+# (sequence parallelism's) and all-to-alls (a communication not repeated in the backward; our expert parallelism's
+# all-to-alls are c10d's, not these: they run again in the recompute, as under full checkpointing)
 _SAVED_NAMES = (
     "aten._scaled_dot_product_flash_attention", "aten._scaled_dot_product_efficient_attention",
     "aten._scaled_dot_product_cudnn_attention", "aten._scaled_dot_product_flash_attention_for_cpu",

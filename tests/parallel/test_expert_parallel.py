@@ -90,13 +90,15 @@ def train(starve: bool, **layout) -> dict:
 
 
 # the layouts each world runs: 2 ranks: ep=2 (experts left to the ep sharding; also with activation checkpointing,
-# whose recompute runs the all-to-alls again in the backward, and with FSDP2's CPU offload); 4 ranks: ep=2 with FSDP over the 2
+# whose recompute runs the all-to-alls again in the backward, whole blocks or selective per op, and with FSDP2's CPU
+# offload); 4 ranks: ep=2 with FSDP over the 2
 # ranks that hold the same experts (efsdp=2), and ep=2 under HSDP (2 replicas of dp_shard=2, efsdp=1)
 # Our DDP (2 ranks: ep=2, the experts' group of one rank; ZeRO-1 and ZeRO-2 shard the experts' state over it; 4 ranks:
 # the experts reduced, and ZeRO-1-sharded, over the 2 ranks that hold the same ones; the ZeRO-1 one all-gathers
 # the updated parameters during the next forward)
 DDP, ZERO1 = dict(parallel="ddp"), dict(parallel="ddp", use_distributed_optimizer=True)
 CASES = {2: {"plain": (False, {}), "starved": (True, {}), "recompute": (False, {"gradient_checkpointing": True}),
+             "recompute_op": (False, {"activation_checkpoint": "selective"}),
              "offload": (False, {"cpu_offload": True}), "ddp": (False, DDP), "ddp_starved": (True, DDP),
              "zero1": (False, ZERO1), "zero2": (False, dict(ZERO1, zero_stage=2))},
          4: {"efsdp2": (False, {}), "hsdp": (False, {"dp_replicate_size": 2}), "ddp_edp2": (False, DDP),
@@ -204,8 +206,8 @@ def _close(got: dict, r32: dict, r64: dict, key: str) -> None:
         assert diff <= 10 * noise + 1e-7, (key, n, diff, noise)
 
 
-@pytest.mark.parametrize("case", ["plain", "starved", "recompute", "offload", "efsdp2", "hsdp", "ddp", "ddp_starved",
-                                  "zero1", "zero2", "ddp_edp2", "zero1_edp2", "compiled", "ddp_compiled"])
+@pytest.mark.parametrize("case", ["plain", "starved", "recompute", "recompute_op", "offload", "efsdp2", "hsdp", "ddp",
+                                  "ddp_starved", "zero1", "zero2", "ddp_edp2", "zero1_edp2", "compiled", "ddp_compiled"])
 def test_ep2_follows_one_process(results, case):
     """(compiled: --compile with ep=2 under FSDP2 and our DDP; the all-to-all's host-read split sizes break the
     graph, which compiles in pieces around them)"""
