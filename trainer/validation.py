@@ -179,6 +179,7 @@ def _neftune_checks(cfg: TrainConfig, p: _Problems) -> None:
 
 def _checkpointing_checks(cfg: TrainConfig, p: _Problems) -> None:
     """--activation_checkpoint and its --selective_ac_option (op, or every N-th block)."""
+    from utils.model_bounds import checkpoint_policy_problem
     p.choice("activation_checkpoint", ("none", "full", "selective", "memory_budget"))
     if cfg.activation_checkpoint == "memory_budget":
         p.number("activation_memory_budget", 0.0, 1.0, high_open=False)
@@ -189,7 +190,7 @@ def _checkpointing_checks(cfg: TrainConfig, p: _Problems) -> None:
         p.append(f"--gradient_checkpointing=true (each block recomputed whole) contradicts "
                  f"--activation_checkpoint={cfg.activation_checkpoint}: keep one of them")
     option = str(cfg.selective_ac_option).strip()
-    if option != "op" and not (option.isdigit() and int(option) >= 1):
+    if option == "full" or checkpoint_policy_problem(option):  # (the model's policies but full: op, or N)
         p.append(f"--selective_ac_option={cfg.selective_ac_option}: op (per operation) or a positive integer N "
                  "(every N-th block)")
     elif option != "op" and cfg.activation_checkpoint != "selective":
