@@ -167,6 +167,22 @@ def test_op_under_compile_equals_eager():
         assert torch.allclose(p.grad, grads0[n], rtol=1e-5, atol=1e-7), n
 
 
+def _kept_compiled(run, x, weights) -> tuple[torch.Tensor, int]:
+    """(loss, the bytes run(x)'s forward leaves for the backward: each storage once, not those of `weights`, the
+    model's parameters), after the backward."""
+    seen, total = {w.untyped_storage().data_ptr() for w in weights}, [0]
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            total[0] += t.untyped_storage().nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = run(x)
+    loss.backward()
+    return loss, total[0]
+
+
 def test_per_block_compile_traces_each_blocks_checkpoint():
     """Per-block compile (parallel/transforms/compile.py compile_blocks: tensor parallelism, pipeline stages, our DDP
     over ranks) compiles each checkpointed block's checkpoint with it (aot_eager here), so the compiled graphs keep
@@ -180,42 +196,16 @@ def test_per_block_compile_traces_each_blocks_checkpoint():
     for policy in (None, "full", "op", "2"):
         torch.manual_seed(0)
         model = Transformer(_cfg(policy, n_layers=2))
-        weights = {w.untyped_storage().data_ptr() for w in model.parameters()}
         compile_blocks(model, backend="aot_eager")
         marked = [getattr(b, checkpointing.CHECKPOINTS_ITSELF, False) for b in model.layers]
         assert marked == {None: [False, False], "2": [False, True]}.get(policy, [True, True]), policy
-        seen, total = set(weights), [0]
-
-        def pack(t):
-            if t.untyped_storage().data_ptr() not in seen:
-                seen.add(t.untyped_storage().data_ptr())
-                total[0] += t.untyped_storage().nbytes()
-            return t
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = model(x, labels=x)
-        loss.backward()
-        kept[policy] = total[0]
+        loss, kept[policy] = _kept_compiled(lambda b: model(b, labels=b), x, model.parameters())
         assert torch.allclose(loss, loss0, rtol=1e-6, atol=0), policy
         for n, p in model.named_parameters():
             assert torch.allclose(p.grad, grads0[n], rtol=1e-5, atol=1e-7), (policy, n)
         with torch.no_grad():
             assert torch.allclose(model.eval()(x, labels=x), loss0, rtol=1e-6, atol=0), policy
     assert kept[None] > kept["2"] > kept["op"] > kept["full"], kept
-
-
-def _kept_compiled(run, x) -> int:
-    """Bytes the compiled forward leaves for the backward (each storage once, the weights not) of run(x)."""
-    seen, total = set(), [0]
-
-    def pack(t):
-        if not isinstance(t, torch.nn.Parameter) and t.untyped_storage().data_ptr() not in seen:
-            seen.add(t.untyped_storage().data_ptr())
-            total[0] += t.untyped_storage().nbytes()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = run(x)
-    loss.backward()
-    return total[0]
 
 
 def test_memory_budget_keeps_less_the_smaller_it_is_and_only_inside_the_call():
@@ -236,9 +226,9 @@ def test_memory_budget_keeps_less_the_smaller_it_is_and_only_inside_the_call():
         cfg = TrainConfig(device="cpu", compile=True, compile_backend="aot_eager", activation_checkpoint="memory_budget",
                           activation_memory_budget=budget)
         engine = build_engine(Transformer(_cfg(n_layers=2)), cfg, device=torch.device("cpu"))
-        losses = []
-        kept[budget] = _kept_compiled(lambda b: losses.append(engine.forward_model(b, labels=b)) or losses[-1], x)
-        assert torch.allclose(losses[0].detach(), loss0, rtol=1e-6, atol=0), budget
+        loss, kept[budget] = _kept_compiled(lambda b: engine.forward_model(b, labels=b), x,
+                                            engine.module.parameters())
+        assert torch.allclose(loss.detach(), loss0, rtol=1e-6, atol=0), budget
         assert functorch_config.activation_memory_budget == before
     torch._dynamo.reset()
     assert kept[1.0] > kept[0.5] > kept[0.0], kept
