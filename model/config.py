@@ -70,6 +70,14 @@ class ModelConfig:
     moe_capacity_factor: float = 0.0   # training: rows per expert at most ceil(f N k / E), padded (0 = dropless)
     moe_token_drop_policy: str = "probs"  # past capacity drop the smallest weights (probs) or the latest (position)
 
+    # --- multi-head latent attention (model/mla.py; DeepSeek-V2 / V3's MLA, transformers' DeepseekV3Config names;
+    # utils/mla_flags.py): 0 = grouped-query attention (the Attention above)
+    kv_lora_rank: int = 0              # keys and values from one latent of this width per token (0 = off)
+    q_lora_rank: Optional[int] = None  # queries through a latent of this width (None: one q_proj)
+    qk_nope_head_dim: int = 0          # each head's query / key dimensions without RoPE ...
+    qk_rope_head_dim: int = 0          # ... and with RoPE (the key's shared by the heads)
+    v_head_dim: int = 0                # each head's value width
+
     # --- multi-token prediction (model/mtp.py; DeepSeek-V3's sequential MTP, num_nextn_predict_layers)
     mtp_num_layers: int = 0            # extra blocks, depth k predicting the token k + 1 after the next (0 = off)
 
@@ -92,7 +100,8 @@ class ModelConfig:
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         from utils.model_bounds import head_shape_problem  # torch-free: the trainer's pre-check asks it too
-        problem = head_shape_problem(self.dim, self.n_heads, self.n_kv_heads, self.attn_head_dim)
+        problem = head_shape_problem(self.dim, self.n_heads, self.n_kv_heads, self.attn_head_dim) \
+            if not self.kv_lora_rank or self.n_heads < 1 else None  # (MLA's heads are sized on their own)
         if problem:
             raise ValueError(problem)
         if self.hidden_dim is None:
@@ -126,7 +135,7 @@ class ModelConfig:
         if self.nope_layers is not None and not (isinstance(self.nope_layers, (list, tuple)) and all(
                 isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.n_layers for i in self.nope_layers)):
             raise ValueError(f"nope_layers={self.nope_layers!r} must list layer indices in [0, {self.n_layers})")
-        problem = self._gemma_problem()
+        problem = self._mla_problem() or self._gemma_problem()
         if problem:
             raise ValueError(problem)
         if not 0 <= self.mtp_num_layers <= 16:
@@ -168,6 +177,23 @@ class ModelConfig:
                     "fields or a partial rotary")
         return None
 
+    def _mla_problem(self) -> Optional[str]:
+        """What is wrong with the multi-head latent attention fields (or their mix with the rest), or None."""
+        if not self.kv_lora_rank:
+            named = ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+            odd = [n for n in named if getattr(self, n)]
+            return f"{', '.join(odd)} need kv_lora_rank (multi-head latent attention)" if odd else None
+        from utils.mla_flags import MLA_EXCLUDES, mla_shape_problem  # torch-free
+        problem = mla_shape_problem(self.kv_lora_rank, self.q_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim,
+                                    self.v_head_dim)
+        if problem:
+            return problem
+        odd = [n for n in MLA_EXCLUDES if getattr(self, n) not in (None, False)] + list(self.block_fields)
+        if self.n_kv_heads != self.n_heads:
+            odd.append(f"n_kv_heads={self.n_kv_heads}")
+        return (f"multi-head latent attention (kv_lora_rank) cannot be combined with {', '.join(odd)} (DeepSeek's "
+                "block has its own head sizes and no GQA, biases, q / k norms or window)") if odd else None
+
     @property
     def block_fields(self) -> tuple[str, ...]:
         """The fields set that make the blocks other than Llama's (Gemma's, OLMo's, a partial rotary)."""
@@ -194,11 +220,17 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
+        """A head's query / key width (multi-head latent attention's: nope + rope dimensions)."""
+        if self.kv_lora_rank:
+            return self.qk_nope_head_dim + self.qk_rope_head_dim
         return self.attn_head_dim or self.dim // self.n_heads
 
     @property
     def rotary_dim(self) -> int:
-        """The dimensions of a head RoPE turns (the first ones; transformers' int(head_dim x partial_rotary_factor))."""
+        """The dimensions of a head RoPE turns (the first ones; transformers' int(head_dim x partial_rotary_factor);
+        multi-head latent attention's qk_rope_head_dim, its last ones)."""
+        if self.kv_lora_rank:
+            return self.qk_rope_head_dim
         return int(self.head_dim * self.partial_rotary_factor)
 
     def to_dict(self) -> dict[str, Any]:

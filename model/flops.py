@@ -33,6 +33,7 @@ import torch
 
 from model.config import ModelConfig
 from utils.device import get_peak_flops_override, synchronize
+from utils.mla_flags import mla_attention_params
 from utils.publish import atomic_write_text
 
 _PEAK_CACHE: dict[tuple[str, torch.dtype], float] = {}
@@ -92,6 +93,8 @@ def matmul_params(cfg: ModelConfig) -> int:
     depths (model/mtp.py) count as blocks n_layers.. with their projection, norms and a pass of the LM head each."""
     d, hd, kv = cfg.dim, cfg.head_dim, cfg.n_kv_heads
     attn = d * (cfg.n_heads * hd) * 2 + d * (kv * hd) * 2  # q, o, k, v
+    if getattr(cfg, "kv_lora_rank", 0):  # multi-head latent attention's projections and latent norms instead
+        attn = mla_attention_params(cfg)
     mlp = 3 * d * cfg.hidden_dim
     qk = (cfg.n_heads + kv) * hd if getattr(cfg, "qk_norm_full", False) else 2 * hd  # (OLMo 2's; Qwen3's per head)
     norms = (2 * d if getattr(cfg, "pre_norms", True) else 0) + (qk if getattr(cfg, "qk_norm", False) else 0)
@@ -110,6 +113,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int, causal_half: bool = False) -
     """Training FLOPs per token (forward + backward) of `cfg` at sequence length `seq_len`; causal_half: the
     attention term halved (the masked half of the scores is not computed by a causal kernel)."""
     width = cfg.n_heads * cfg.head_dim  # (dim, unless the heads are sized on their own: Qwen3)
+    if getattr(cfg, "kv_lora_rank", 0):  # (MLA: the scores at the query / key width, the values' product at v's)
+        width = cfg.n_heads * (cfg.head_dim + cfg.v_head_dim) / 2
     attention = (6.0 if causal_half else 12.0) * (cfg.n_layers + getattr(cfg, "mtp_num_layers", 0)) * width * seq_len
     return 6.0 * matmul_params(cfg) + attention
 

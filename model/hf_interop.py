@@ -1,11 +1,10 @@
 """Hugging Face Llama checkpoints, both ways, with no custom code on the HF side (Qwen2 / Qwen3 / SmolLM3-shaped ones
-as their family; Gemma 3, OLMo 2 / 3 and Phi-3 / Phi-4 as theirs: model/hf_gemma3.py, model/hf_olmo.py,
-model/hf_phi3.py; an MoE model as a Mixtral, a Qwen3-MoE or a GLM-4-MoE: `moe_family`, model/hf_mixtral.py,
-model/hf_qwen3_moe.py and model/hf_glm4_moe.py).
+as their family; Gemma 3, OLMo 2 / 3, Phi-3 / Phi-4 and DeepSeek-V3 as theirs: model/hf_gemma3.py, model/hf_olmo.py,
+model/hf_phi3.py, model/hf_deepseek_v3.py; an MoE model as a Mixtral, a Qwen3-MoE or a GLM-4-MoE: `moe_family`).
 
 Owns: the mapping ModelConfig <-> LlamaConfig (config.json) and our parameter names <-> HF names
 (ours + the `model.` prefix, `lm_head.weight` as is). Both use the half-split RoPE layout, so weights
-are copied unpermuted. `export_hf` writes config.json + model.safetensors + generation_config.json (+ tokenizer files) atomically,
+are copied unpermuted (DeepSeek-V3's interleaved RoPE rows are permuted: model/hf_deepseek_v3.py). `export_hf` writes config.json + model.safetensors + generation_config.json (+ tokenizer files) atomically,
 every file with the mode a plain `open` gives it (0644 under umask 022; safetensors alone would write 0600);
 generation_config.json stops at the end ids (</s> and <|im_end|>, or what the caller read from the tokenizer's chat
 template) and samples with sample.py's defaults
@@ -25,8 +24,8 @@ from typing import Optional
 import torch
 from safetensors.torch import load_file, save_file
 
-from model import (hf_gemma3, hf_glm4_moe, hf_ministral3, hf_mixtral, hf_olmo, hf_phi3, hf_qwen3_moe, hf_score,
-                   hf_vision_language)
+from model import (hf_deepseek_v3, hf_gemma3, hf_glm4_moe, hf_ministral3, hf_mixtral, hf_olmo, hf_phi3, hf_qwen3_moe,
+                   hf_score, hf_vision_language)
 from model.hf_window import window_from_hf, window_to_hf
 from model.config import ModelConfig
 from model.llama import Transformer
@@ -71,6 +70,8 @@ def _causal_config_dict(cfg: ModelConfig, torch_dtype: str, special_ids: Optiona
         return _own_family(d, hf_gemma3.config_fields(cfg, rope_parameters), ("hidden_act",), special_ids)
     if hf_olmo.is_olmo(cfg):  # (OLMo 2 / 3: the output norms only)
         return _own_family(d, hf_olmo.config_fields(cfg, rope_parameters), ("head_dim",), special_ids)
+    if hf_deepseek_v3.is_deepseek(cfg):  # (multi-head latent attention: DeepSeek-V3, its experts or dense blocks)
+        return _own_family(d, hf_deepseek_v3.config_fields(cfg), (), special_ids)
     glm = bool(cfg.moe_num_experts) and cfg.moe_score == "sigmoid"  # (GLM-4-MoE: biases, partial rotary too)
     if cfg.query_pos_scale_beta is not None and not cfg.moe_num_experts:  # (Ministral 3's query scale)
         if [f for f in cfg.block_fields if f != "query_pos_scale_beta"] or cfg.qkv_bias or cfg.qk_norm:
@@ -163,6 +164,8 @@ def hf_family(cfg: ModelConfig) -> str:
 
 
 def _causal_family(cfg: ModelConfig) -> str:
+    if hf_deepseek_v3.is_deepseek(cfg):
+        return hf_deepseek_v3.ARCHITECTURE
     if cfg.moe_num_experts:
         return moe_family(cfg)[1]
     if hf_gemma3.is_gemma(cfg):
@@ -180,10 +183,10 @@ def _causal_family(cfg: ModelConfig) -> str:
 
 def config_from_hf(d: dict) -> ModelConfig:
     """A ModelConfig from an HF Llama, Mistral, Phi-3, Qwen2, Qwen3, SmolLM3, Gemma 3 (text), OLMo 2 / 3, Mixtral,
-    Qwen3-MoE or GLM-4-MoE config.json dict (transformers 4.x or 5.x spelling). A Mistral is a Llama whose attention
-    may slide; a Qwen2 a Llama with q/k/v biases; a Qwen3 a Llama with q / k norms and heads sized on their own
-    (head_dim: 16 x 128 at hidden_size 1024); a Gemma 3 or an OLMo our block with their switches (model/hf_gemma3.py,
-    model/hf_olmo.py); a sliding window where one is on (model/hf_window.py)."""
+    Qwen3-MoE, GLM-4-MoE or DeepSeek-V3 config.json dict (transformers 4.x or 5.x spelling). A Mistral is a Llama
+    whose attention may slide; a Qwen2 a Llama with q/k/v biases; a Qwen3 a Llama with q / k norms and heads sized on
+    their own (head_dim: 16 x 128 at hidden_size 1024); a Gemma 3, an OLMo or a DeepSeek-V3 our block with their
+    switches (model/hf_gemma3.py, model/hf_olmo.py, model/hf_deepseek_v3.py); a sliding window where one is on."""
     kind, score = d.get("model_type", "llama"), hf_score.fields_from_hf(d)  # (a *ForSequenceClassification's)
     if hf_vision_language.is_wrapper(d):  # (a vision-language checkpoint: its text model)
         d = hf_vision_language.text_config(d)
@@ -197,7 +200,7 @@ def config_from_hf(d: dict) -> ModelConfig:
         raise ValueError(f"model_type={kind!r}: {REFUSED_TYPES[kind]}")
     if kind not in HF_MODEL_TYPES:
         raise ValueError("only Llama, Mistral, Phi-3, Qwen2, Qwen3, SmolLM3, Gemma 3 (text), OLMo 2 / 3, Mixtral, "
-                         f"Qwen3-MoE and GLM-4-MoE checkpoints are supported, got model_type={kind!r}")
+                         f"Qwen3-MoE, GLM-4-MoE and DeepSeek-V3 checkpoints are supported, got model_type={kind!r}")
     families = {"mixtral": hf_mixtral, "glm4_moe": hf_glm4_moe, "qwen3_moe": hf_qwen3_moe}
     partial = (d.get("rope_parameters") or {}).get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
     moe = families[kind].moe_fields(d) if kind in families else {}
@@ -207,7 +210,7 @@ def config_from_hf(d: dict) -> ModelConfig:
     n_heads = d["num_attention_heads"]
     head_dim = d.get("head_dim") or d["hidden_size"] // n_heads
     if (d.get("attention_bias") and kind != "glm4_moe") or d.get("mlp_bias"):  # (Llama's, Qwen3's: o_proj's too)
-        raise ValueError("Llama checkpoints with biases are not supported")
+        raise ValueError(f"{kind} checkpoints with biases (attention_bias / mlp_bias) are not supported")
     fields = dict(
         vocab_size=d["vocab_size"], dim=d["hidden_size"], n_layers=d["num_hidden_layers"], n_heads=n_heads,
         n_kv_heads=d.get("num_key_value_heads") or n_heads, hidden_dim=d["intermediate_size"],
@@ -227,6 +230,8 @@ def config_from_hf(d: dict) -> ModelConfig:
         fields.update(hf_olmo.fields_from_hf(d, kind))
     else:
         fields.update(window_from_hf(d, kind, d["num_hidden_layers"]), **query_scale)
+    if kind == hf_deepseek_v3.MODEL_TYPE:  # (its latent attention's sizes, its experts)
+        fields.update(hf_deepseek_v3.fields_from_hf(d))
     return ModelConfig(**{**fields, **score})
 
 
@@ -252,16 +257,8 @@ def to_hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
     out: the export is the next-token model, as DeepSeek-V3's MTP is dropped for plain inference."""
     sd = {}
     ours = {k: v for k, v in model.state_dict().items() if not is_mtp_name(k)}
-    if model.cfg.moe_num_experts:
-        family = _moe_export_family(model.cfg, {n: t for n, t in ours.items() if is_expert_bias_name(n)})
-        ours = family.to_hub(ours)
-    if hf_gemma3.is_gemma(model.cfg):
-        ours = hf_gemma3.to_hub(ours)
-    if hf_olmo.is_olmo(model.cfg):
-        ours = hf_olmo.to_hub(ours)
-    if hf_phi3.needs_phi3(model.cfg):
-        ours = hf_phi3.fuse(ours)
-    for name, t in ours.items():
+    family = _moe_export_family(model.cfg, {n: t for n, t in ours.items() if is_expert_bias_name(n)})
+    for name, t in _family_tensors(ours, model.cfg, family).items():
         if name == "lm_head.weight" and model.cfg.tie_embeddings:
             continue  # HF re-ties it from embed_tokens; safetensors refuses shared storage anyway
         sd[hf_score.hub_name(name, model.cfg.num_labels)] = t  # (a reward model's head: score.weight)
@@ -273,9 +270,22 @@ def is_expert_bias_name(name: str) -> bool:
     return name.endswith(".mlp.expert_bias")
 
 
+def _family_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig, family) -> dict[str, torch.Tensor]:
+    """Our tensors (names without `model.`; any group of them) in the names and layout of `cfg`'s family (`family`:
+    an MoE model's, `_moe_export_family`)."""
+    if family is not None:
+        tensors = family.to_hub(tensors, cfg) if family is hf_deepseek_v3 else family.to_hub(tensors)
+    for module, applies in ((hf_gemma3, hf_gemma3.is_gemma), (hf_olmo, hf_olmo.is_olmo)):
+        tensors = module.to_hub(tensors) if applies(cfg) else tensors
+    return hf_phi3.fuse(tensors) if hf_phi3.needs_phi3(cfg) else tensors
+
+
 def _moe_export_family(cfg: ModelConfig, biases: dict[str, torch.Tensor]):
-    """The family module an MoE model is written as (`moe_family`); ValueError naming what it cannot hold."""
-    family = moe_family(cfg)[0]
+    """The family module an MoE model (or one with multi-head latent attention, DeepSeek-V3's) is written as
+    (`moe_family`), None for the others; ValueError naming what it cannot hold."""
+    if not cfg.moe_num_experts and not hf_deepseek_v3.is_deepseek(cfg):
+        return None
+    family = hf_deepseek_v3 if hf_deepseek_v3.is_deepseek(cfg) else moe_family(cfg)[0]
     problems = family.export_problems(cfg, biases)
     if problems:
         raise ValueError(f"this MoE model cannot be written as a Hugging Face {family.LAYOUT.family}: "
@@ -283,9 +293,10 @@ def _moe_export_family(cfg: ModelConfig, biases: dict[str, torch.Tensor]):
     return family
 
 
-def from_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+def from_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig,
+                       rope_interleave: bool = True) -> dict[str, torch.Tensor]:
     """HF names -> ours; Phi-3's fused `qkv_proj` (q, k, v rows) and `gate_up_proj` (gate, up rows) split into the
-    Llama projections they hold."""
+    Llama projections they hold; DeepSeek-V3's RoPE rows, interleaved where `rope_interleave`, in halves."""
     out = {}
     for name, t in hf_phi3.split(sd, cfg).items():
         if name.endswith("rotary_emb.inv_freq"):
@@ -296,7 +307,9 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[st
             out["lm_head.weight"] = t
         else:
             raise ValueError(f"unexpected tensor {name!r} in a Llama checkpoint")
-    if cfg.moe_num_experts:
+    if hf_deepseek_v3.is_deepseek(cfg):
+        out = hf_deepseek_v3.from_hub(out, cfg, rope_interleave)
+    elif cfg.moe_num_experts:
         out = moe_family(cfg)[0].from_hub(out, cfg)
     if hf_gemma3.is_gemma(cfg):
         out = hf_gemma3.from_hub(out)
@@ -395,7 +408,7 @@ def export_hf_streaming(cfg: ModelConfig, specs: dict[str, tuple[tuple[int, ...]
     names = [n for n in specs if not (cfg.tie_embeddings and n == "lm_head.weight") and not is_mtp_name(n)]
     # an MoE model's tensors map one by one onto its family's (split per expert, renamed): each group as it is read
     biases = [n for n in names if is_expert_bias_name(n)]
-    family = _moe_export_family(cfg, load_group(biases) if biases else {}) if cfg.moe_num_experts else None
+    family = _moe_export_family(cfg, load_group(biases) if biases else {})
     if family is not None and not family.LAYOUT.holds_biases():  # (never a shard file with nothing in it)
         names = [n for n in names if not is_expert_bias_name(n)]
     dtypes = {specs[n][1] for n in names if not is_expert_bias_name(n)}  # (the biases: fp32 buffers)
@@ -421,15 +434,7 @@ def export_hf_streaming(cfg: ModelConfig, specs: dict[str, tuple[tuple[int, ...]
         weight_map, total = {}, 0
         for i, group in enumerate(groups):
             fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-            tensors = load_group(group)
-            if family is not None:
-                tensors = family.to_hub(tensors)
-            if hf_gemma3.is_gemma(cfg):
-                tensors = hf_gemma3.to_hub(tensors)
-            if hf_olmo.is_olmo(cfg):
-                tensors = hf_olmo.to_hub(tensors)
-            if hf_phi3.needs_phi3(cfg):
-                tensors = hf_phi3.fuse(tensors)
+            tensors = _family_tensors(load_group(group), cfg, family)
             sd = {hf_score.hub_name(n, cfg.num_labels): t.contiguous() for n, t in tensors.items()}
             total += sum(t.numel() * t.element_size() for t in sd.values())
             save_file(sd, os.path.join(tmp, fname), metadata={"format": "pt"})
@@ -477,7 +482,7 @@ def import_hf(hf_dir: str, dtype: Optional[torch.dtype] = torch.float32, **overr
     weights = _load_weights(hf_dir)
     if hf_vision_language.is_wrapper(raw):  # Gemma 3 4B-27B, Mistral Small 3.x, LLaVA: the text model alone
         weights = hf_vision_language.text_weights(weights)[0]
-    sd = from_hf_state_dict(weights, cfg)
+    sd = from_hf_state_dict(weights, cfg, hf_deepseek_v3.interleaved(raw))
     with torch.device("meta"):
         model = Transformer(cfg)
     model = model.to_empty(device="cpu")

@@ -24,10 +24,12 @@ import torch
 import torch.nn as nn
 
 from model import attention, fa4, kernels
+from model.attend import attend
 from model.attention import AttnSpec
 from model.checkpointing import run_block
 from model.config import ModelConfig
 from model.loss import lm_head_loss
+from model.mla import LatentAttention
 from model.moe import MoEFeedForward
 from model.moe_experts import GroupedExperts
 from model.mtp import MultiTokenPrediction
@@ -148,26 +150,8 @@ class Attention(nn.Module):
             q = q * self.q_scale
         if q_factor is not None:
             q = q * q_factor[:, :, None, None].to(q.dtype)
-        dropout = self.attn_dropout if self.training else 0.0
-        if spec.kind in ("flash", "flash_varlen", "fa4_varlen"):  # flash-attn's [B, T, H, D] layout, GQA native
-            y = attention.flash_attention(q, k, v, spec, dropout)
-        else:
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H(kv), T, D]
-            if cache is not None:
-                k, v = cache.update(self.layer_idx, k, v)
-            # k/v keep n_kv_heads: SDPA's and FlexAttention's enable_gqa share them inside the kernel
-            if spec.kind == "ring":  # context parallel: this rank's chunks against the whole sequence
-                # imported here: its torch.compiler.disable imports torch._dynamo (~2 s), which sample.py and
-                # eval_lm.py should not pay for; a context-parallel run has loaded it when it set the spec up
-                from model.ring_attention import ring_attention
-                y = ring_attention(q, k, v, spec.group, spec.docs)
-            elif spec.kind == "flex":
-                y = attention.flex_attention_(q, k, v, spec)
-            else:
-                y = attention.sdpa_attention(q, k, v, spec, dropout)
-            y = y.transpose(1, 2)
-        y = y.reshape(B, T, -1)
-        return self.resid_dropout(self.o_proj(y))
+        y = attend(q, k, v, spec, self.attn_dropout if self.training else 0.0, cache, self.layer_idx)
+        return self.resid_dropout(self.o_proj(y.reshape(B, T, -1)))
 
 
 # ------------------------------------------------------------------------------------------ MLP
@@ -202,7 +186,8 @@ class TransformerBlock(nn.Module):
         super().__init__()
         if cfg.pre_norms:  # (OLMo 2 has none: its norms are the sublayers' output norms below)
             self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.fused_rmsnorm, cfg.kernel_backend)
-        self.self_attn = Attention(cfg, layer_idx)
+        # DeepSeek's multi-head latent attention where kv_lora_rank is set (model/mla.py)
+        self.self_attn = LatentAttention(cfg, layer_idx, RMSNorm) if cfg.kv_lora_rank else Attention(cfg, layer_idx)
         if cfg.pre_norms:
             self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.fused_rmsnorm, cfg.kernel_backend)
         self.mlp = MoEFeedForward(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg)

@@ -27,7 +27,8 @@ from safetensors.torch import load_file, save_file
 
 from utils.publish import atomic_path, atomic_write_text
 
-ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+              "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")  # (the last four: model/mla.py's)
 
 
 class LoRALinear(nn.Linear):

@@ -21,6 +21,7 @@ from trainer.tasks.grpo_flags import GRPOFlags
 from utils.configurator import flag
 from utils.constants import EXIT_BAD_CONFIG
 from utils.errors import TrainingError, one_line  # noqa: F401  (re-exported: the trainer and tests use them)
+from utils.mla_flags import MLAFlags
 from utils.moe_flags import MoEFlags
 
 
@@ -245,8 +246,8 @@ class DPOFlags:
 
 
 @dataclass
-class TrainConfig(GRPOFlags, ParallelFlags, DPOFlags, OptimizationFlags, TrainableFlags, MoEFlags, ModelFlags,
-                  RunFlags):
+class TrainConfig(GRPOFlags, ParallelFlags, DPOFlags, OptimizationFlags, TrainableFlags, MoEFlags, MLAFlags,
+                  ModelFlags, RunFlags):
     """Every training flag, flat (`--key=value`), composed of typed sections in this order: RunFlags,
     ModelFlags, TrainableFlags, OptimizationFlags, DPOFlags, the parallel engine's (parallel/config.py
     ParallelFlags, declared once there), then evaluation, logging, checkpoints and the guard below."""

@@ -40,6 +40,7 @@ from utils.constants import EXIT_BAD_CHECKPOINT, EXIT_BAD_CONFIG
 from utils.device import low_precision_cpu_warning, parse_dtype
 from utils.dist import DistInfo, barrier
 from utils.model_bounds import fit_problem, param_count
+from utils.mla_flags import mla_model_fields, mla_param_delta
 from utils.moe_flags import moe_model_fields, moe_param_delta
 from utils.rope_config import parse_rope_flag
 from utils.run_config import DATA_KEYS, global_batch_problem, same_value
@@ -58,7 +59,7 @@ def new_model_config(cfg: TrainConfig, tok_meta: dict):
                        kernel_backend=backend, fa4=cfg.fa4, mtp_num_layers=cfg.mtp_num_layers,
                        rope_scaling=parse_rope_flag(cfg.rope_scaling), qkv_bias=cfg.qkv_bias,
                        attn_head_dim=cfg.head_dim or None, qk_norm=cfg.qk_norm,
-                       sliding_window=cfg.sliding_window or None, **moe_model_fields(cfg))
+                       sliding_window=cfg.sliding_window or None, **moe_model_fields(cfg), **mla_model_fields(cfg))
 
 
 
@@ -70,7 +71,7 @@ def _refuse_if_too_big(mcfg, device: str, what: str, code: int) -> None:
                     mcfg.hidden_dim, tie_embeddings=mcfg.tie_embeddings, head_dim=mcfg.head_dim, qk_norm=mcfg.qk_norm,
                     qkv_bias=mcfg.qkv_bias, sandwich_norms=mcfg.sandwich_norms, pre_norms=mcfg.pre_norms,
                     qk_norm_full=mcfg.qk_norm_full)
-    n += moe_param_delta(mcfg)  # (MTP: as blocks)
+    n += moe_param_delta(mcfg) + mla_param_delta(mcfg)  # (MTP: as blocks)
     problem = fit_problem(n, device, what)
     if problem:
         raise TrainingError(problem, code)

@@ -18,6 +18,7 @@ from trainer.config import (DPO_LOSSES, KERNEL_CHOICES, KTO_LOSSES, REFERENCE_FR
 from trainer.tasks.grpo_flags import grpo_problems, sampling_problems
 from utils.constants import DISTILL_LOSSES, EXIT_BAD_CONFIG, MAX_EPOCHS, MAX_STEPS
 from utils.errors import TrainingError
+from utils.mla_flags import mla_problems
 from utils.moe_flags import moe_problems
 from utils.rope_config import parse_rope_flag
 
@@ -142,7 +143,7 @@ def validate_config(cfg: TrainConfig, world_size: Optional[int] = None, torch_fr
     problems.extend(parallel_problems(cfg, world_size))
     _choices_and_combinations(cfg, problems, torch_free)
     _numbers_and_extras(cfg, problems, torch_free)
-    problems.extend(moe_problems(cfg))
+    problems.extend(moe_problems(cfg) + mla_problems(cfg))
     problems.extend(grpo_problems(cfg, resume_policy(cfg)))
     if problems:
         raise TrainingError("bad configuration: " + "; ".join(problems), EXIT_BAD_CONFIG)

@@ -53,6 +53,9 @@ def tensor_parallel_problems(model_cfg: Any, tp: int, sequence_parallel: bool = 
     if getattr(model_cfg, "qk_norm_full", False):
         out.append("the q / k norms run over all the heads' width (OLMo 2's qk_norm_full): each tensor rank holds some "
                    "heads only")
+    if getattr(model_cfg, "kv_lora_rank", 0):
+        out.append("multi-head latent attention (kv_lora_rank) is not split over tensor ranks (its latent projections "
+                   "would stay whole on each; not built): use data, FSDP, pipeline, context or expert parallelism")
     if sequence_parallel and (model_cfg.attn_dropout > 0 or model_cfg.resid_dropout > 0):
         out.append("dropout > 0 is not supported with sequence parallelism yet (each rank's positions would need "
                    "their own random stream); set --dropout=0 or --sequence_parallel=false")

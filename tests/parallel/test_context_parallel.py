@@ -77,7 +77,11 @@ def _ring_check(rank: int, cp: int) -> dict:
     return out
 
 
-def _model_cfg(ckpt: bool) -> ModelConfig:
+def _model_cfg(ckpt: bool, mla: bool = False) -> ModelConfig:
+    if mla:  # multi-head latent attention (model/mla.py): values narrower than the keys, padded for the ring
+        return ModelConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, multiple_of=16, max_seq_len=SEQ,
+                           gradient_checkpointing=ckpt, kv_lora_rank=12, qk_nope_head_dim=6, qk_rope_head_dim=4,
+                           v_head_dim=8)
     return ModelConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=16,
                        max_seq_len=SEQ, gradient_checkpointing=ckpt)
 
@@ -94,7 +98,7 @@ def _masks(kind: str) -> dict:
     """What an SFT batch of the tiny shape carries besides ids and labels: nothing ("plain"); "packed" rows of
     documents (position_ids restarting; documents that cross every cp chunk boundary, one of a single token);
     "padded" rows (attention_mask: the first row right-padded by 5, the second left-padded by 3)."""
-    if kind == "packed":
+    if kind in ("packed", "mla_packed"):
         rows = [[5, 11], [3, 1, 6, 6]]
         return {"position_ids": torch.tensor([[p for n in r for p in range(n)] for r in rows])}
     if kind == "padded":
@@ -109,7 +113,7 @@ def _model_run(dtype, cp_group=None, ckpt: bool = False, kind: str = "plain"):
     """(loss sum, loss mean, {name: gradient of the sum}) of the tiny model, whole batch; with cp_group, this
     rank's part (loss already summed over the group; gradients summed over it here)."""
     torch.manual_seed(0)
-    model = Transformer(_model_cfg(ckpt)).to(dtype)
+    model = Transformer(_model_cfg(ckpt, mla=kind.startswith("mla"))).to(dtype)
     if cp_group is not None:
         model.context_parallel = ContextParallel(cp_group)
     x, y = _model_batch()
@@ -168,7 +172,8 @@ def _train(cp: int, zero: bool = False, parallel: str = "ddp", tp: int = 1, comp
 def _world(rank: int, world: int, out_path: str) -> None:
     out = {"ring": _ring_check(rank, world), "model": _model_check(world, False),
            "model_ckpt": _model_check(world, True), "model_packed": _model_check(world, False, "packed"),
-           "model_padded": _model_check(world, True, "padded")}
+           "model_padded": _model_check(world, True, "padded"),
+           "model_mla_packed": _model_check(world, False, "mla_packed")}
     if world == 2:
         out["engine_cp2"] = _train(2)
         # --compile through the compile transform, traced with the aot_eager backend; the ring and the loss's
@@ -227,13 +232,15 @@ def test_ring_attention_matches_whole_sequence(results, world):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("kind", ["model", "model_ckpt", "model_packed", "model_padded"])
+@pytest.mark.parametrize("kind", ["model", "model_ckpt", "model_packed", "model_padded", "model_mla_packed"])
 def test_model_loss_and_every_gradient_match_one_process(results, world, kind):
     """The tiny model (GQA) at cp = world, with/without activation checkpointing, on whole causal rows, packed
     documents (position_ids) and padded rows (attention_mask, right and left): the loss (sum and mean, every cp
     rank returns the whole sequence's) and every parameter gradient (summed over cp) within 4x the fp32
     one-process reference's distance from fp64 (the reference masks with model/attention.py's own rule); and the
-    per-token losses of reduction='none' (DPO's), gathered over the cp group into whole rows."""
+    per-token losses of reduction='none' (DPO's), gathered over the cp group into whole rows. model_mla_packed:
+    multi-head latent attention (model/mla.py) on packed documents, its values zero-padded to the keys' width in the
+    ring."""
     r = results[world][kind]
     assert r["names"]
     for what, got, ref, size in zip(("sum", "mean", "grads", "per-token"), r["cp"], r["ref"], r["size"]):

@@ -1,0 +1,102 @@
+"""Multi-head latent attention (MLA, DeepSeek-V2 / V3): each token's keys and values come from one small latent.
+
+Per token x: queries q = q_b_proj(norm(q_a_proj(x))) (or q_proj(x) without a query latent), n_heads heads of
+qk_nope_head_dim + qk_rope_head_dim; kv_a_proj_with_mqa(x) gives the latent c (kv_lora_rank values, RMS-normed) and
+one RoPE'd key part k_rot that every head shares; kv_b_proj(c) gives each head's k_nope (qk_nope_head_dim) and value
+(v_head_dim); a head's key is [k_nope, k_rot], its query [q_nope, rotated q_rot]. Scores are q.k / sqrt(nope + rope)
+(times YaRN's mscale(factor, mscale_all_dim)^2 where the RoPE scaling names mscale_all_dim, as transformers scales).
+RoPE is ours (half-split pairs); a Hub checkpoint's interleaved pairs are permuted on import and export
+(model/hf_deepseek_v3.py). The parameter names are transformers' DeepseekV3Attention's.
+
+The attention kernels are model/attention.py's (`attend`), as the grouped-query module's: SDPA takes values
+narrower than the keys; for the kernels that need one width (flash-attn, FlashAttention-4, context parallelism's
+ring, FlexAttention) and for the KV cache the values are zero-padded to the keys' width and the padding cut from the
+output (exact: a padded column's output is 0, its gradient dropped).
+
+Generation caches the expanded keys and values (model/llama.py KVCache: n_heads x (nope + rope) each per token), a
+multi-head model's cache, not MLA's latent one (the absorbed-weight latent cache is not built).
+Must never: import model/llama.py (which builds this class; the norm class comes in as an argument).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from model import kernels
+from model.attend import attend
+from model.attention import AttnSpec
+
+
+def mla_softmax_factor(cfg) -> Optional[float]:
+    """The factor on the scores beyond 1 / sqrt(head width): YaRN's mscale(factor, mscale_all_dim)^2 where the RoPE
+    scaling is YaRN with mscale_all_dim (transformers' yarn_apply_mscale), else None."""
+    s = cfg.rope_scaling or {}
+    if s.get("type") != "yarn" or not s.get("mscale_all_dim"):
+        return None
+    from utils.rope_config import yarn_mscale
+    return yarn_mscale(float(s["factor"]), float(s["mscale_all_dim"])) ** 2
+
+
+# the latents' RMSNorm epsilon: DeepSeek's (and transformers' DeepseekV3RMSNorm default), whatever rms_norm_eps says
+LATENT_NORM_EPS = 1e-6
+
+
+class LatentAttention(nn.Module):
+    def __init__(self, cfg, layer_idx: int, norm_cls):
+        super().__init__()
+        self.layer_idx = layer_idx
+        h, self.q_lora_rank, self.kv_lora_rank = cfg.n_heads, cfg.q_lora_rank, cfg.kv_lora_rank
+        self.nope, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.head_dim = self.nope + self.rope_dim
+        if self.q_lora_rank:
+            self.q_a_proj = nn.Linear(cfg.dim, self.q_lora_rank, bias=False)
+            self.q_a_layernorm = norm_cls(self.q_lora_rank, LATENT_NORM_EPS, cfg.fused_rmsnorm, cfg.kernel_backend)
+            self.q_b_proj = nn.Linear(self.q_lora_rank, h * self.head_dim, bias=False)
+        else:
+            self.q_proj = nn.Linear(cfg.dim, h * self.head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(cfg.dim, self.kv_lora_rank + self.rope_dim, bias=False)
+        self.kv_a_layernorm = norm_cls(self.kv_lora_rank, LATENT_NORM_EPS, cfg.fused_rmsnorm, cfg.kernel_backend)
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, h * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(h * self.v_dim, cfg.dim, bias=False)
+        factor = mla_softmax_factor(cfg)  # (applied to q: every kernel keeps its 1 / sqrt(head width))
+        self.q_scale = factor
+        self.attn_dropout = cfg.attn_dropout
+        self.resid_dropout = nn.Dropout(cfg.resid_dropout)
+        self.fused_rope, self.backend = cfg.fused_rope, cfg.kernel_backend
+        self.fused_qkv = False  # (the grouped-query module's switch; nothing here to concatenate)
+
+    def queries(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, dim] -> [B, T, heads, nope + rope], before RoPE."""
+        q = self.q_proj(x) if not self.q_lora_rank else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        return q.view(x.shape[0], x.shape[1], -1, self.head_dim)
+
+    def keys_values(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[B, T, dim] -> (k_nope [B, T, heads, nope], k_rot [B, T, 1, rope] before RoPE, v [B, T, heads, v_dim])."""
+        B, T, _ = x.shape
+        latent, k_rot = self.kv_a_proj_with_mqa(x).split((self.kv_lora_rank, self.rope_dim), dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(B, T, -1, self.nope + self.v_dim)
+        k_nope, v = kv.split((self.nope, self.v_dim), dim=-1)
+        return k_nope, k_rot.reshape(B, T, 1, self.rope_dim), v
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: AttnSpec,
+                cache=None) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.queries(x)
+        k_nope, k_rot, v = self.keys_values(x)
+        q_nope, q_rot = q.split((self.nope, self.rope_dim), dim=-1)
+        q_rot, k_rot = kernels.apply_rope_qk(q_rot.contiguous(), k_rot.contiguous(), cos, sin,
+                                             fused=self.fused_rope, backend=self.backend)
+        heads = q.shape[2]  # (this rank's, were the heads ever split)
+        q = torch.cat((q_nope, q_rot), dim=-1)
+        k = torch.cat((k_nope, k_rot.expand(B, T, heads, self.rope_dim)), dim=-1)
+        if self.q_scale is not None:
+            q = q * self.q_scale
+        pad = self.head_dim - self.v_dim if (spec.kind != "sdpa" or cache is not None) else 0
+        v = F.pad(v, (0, pad)) if pad else v.contiguous()
+        y = attend(q, k, v, spec, self.attn_dropout if self.training else 0.0, cache, self.layer_idx)
+        if pad:
+            y = y[..., :self.v_dim]
+        return self.resid_dropout(self.o_proj(y.reshape(B, T, -1)))

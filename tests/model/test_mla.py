@@ -1,0 +1,231 @@
+"""Multi-head latent attention (model/mla.py) and its Hugging Face family, DeepSeek-V3 (model/hf_deepseek_v3.py):
+transformers' DeepseekV3ForCausalLM gives our logits and gradients (its interleaved RoPE rows permuted on the way),
+the import gives back the very tensors, transformers' own checkpoints (interleaved or not) read; the KV cache, packed
+documents and the padded-value kernels agree with the plain forward; the parameter and FLOP counts; the refusals;
+a trainer run with the flags resumes exactly and exports."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from model import ModelConfig, Transformer
+from model.hf_interop import config_from_hf, export_hf, import_hf
+from tests.model.hf_family_checks import streamed_export_equals_whole
+
+MLA = dict(kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10)
+MOE = dict(moe_score="sigmoid", moe_num_experts=8, moe_top_k=2, moe_hidden_dim=16, moe_shared_experts=1,
+           moe_first_dense_layers=1, moe_n_groups=2, moe_topk_groups=1, moe_routed_scaling=2.5)
+YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "mscale": 1.0, "mscale_all_dim": 0.7}
+
+
+def _cfg(**kw) -> ModelConfig:
+    d = dict(vocab_size=96, dim=32, n_layers=3, n_heads=4, hidden_dim=48, max_seq_len=64, norm_eps=1e-6, **MLA)
+    d.update(kw)
+    return ModelConfig(**d)
+
+
+def _model(**kw) -> Transformer:
+    torch.manual_seed(0)
+    m = Transformer(_cfg(**kw))
+    for layer in m.layers:
+        if hasattr(layer.mlp, "router"):  # a router sharp enough that the choice is not a near tie, and biases
+            torch.nn.init.normal_(layer.mlp.router.weight, std=0.3)
+            layer.mlp.expert_bias.copy_(torch.randn(m.cfg.moe_num_experts) * 0.2)
+    return m.eval()
+
+
+def _hf(path):
+    from transformers import DeepseekV3ForCausalLM
+    return DeepseekV3ForCausalLM.from_pretrained(path, dtype=torch.float64,
+                                                 experts_implementation="eager").eval()  # (no grouped mm in fp64)
+
+
+def _tol(ours: torch.Tensor) -> float:
+    # transformers routes in fp32 even in an fp64 model: its router weights carry fp32 rounding (no router: exact)
+    return 16 * torch.finfo(torch.float32).eps * float(ours.abs().max())
+
+
+@pytest.mark.parametrize("kw", [{}, {"q_lora_rank": 24, "rope_scaling": YARN, **MOE}],
+                         ids=["dense-q_proj", "moe-q_lora-yarn"])
+def test_round_trip_through_transformers_deepseek_v3(tmp_path, kw):
+    model = _model(**kw)
+    x = torch.randint(0, 96, (2, 40))  # (past the YaRN case's original 16 positions)
+    out = export_hf(model, str(tmp_path / "hf"))
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert cfg["architectures"] == ["DeepseekV3ForCausalLM"] and cfg["rope_interleave"] is True
+    assert (cfg["kv_lora_rank"], cfg["q_lora_rank"], cfg["v_head_dim"]) == (16, kw.get("q_lora_rank"), 10)
+    assert cfg["first_k_dense_replace"] == (1 if kw else 3)  # (a dense model: every block dense)
+    hf = _hf(out)
+    with torch.no_grad():
+        ours = model.double()(x)
+        theirs = hf(x).logits
+    assert torch.allclose(theirs, ours, atol=_tol(ours) if kw else 1e-12, rtol=0), (theirs - ours).abs().max()
+    back = import_hf(out)
+    a, b = model.float().state_dict(), back.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert back.cfg == model.cfg
+    hf.save_pretrained(str(tmp_path / "hf5"))  # transformers' own layout on disk, whichever it writes
+    again = import_hf(str(tmp_path / "hf5"), dtype=torch.float64).eval()
+    with torch.no_grad():
+        assert torch.allclose(again(x), ours, atol=1e-12, rtol=0)
+
+
+def test_the_interleaved_rope_rows_matter_and_a_non_interleaved_checkpoint_reads_as_it_is(tmp_path):
+    """transformers' own random DeepSeek-V3 with rope_interleave false imports unpermuted (logits equal); the same
+    weights read as interleaved (the flag flipped in config.json) give other logits: the permutation is not a no-op."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    torch.manual_seed(1)
+    hc = DeepseekV3Config(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                          num_attention_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=12,
+                          qk_rope_head_dim=8, v_head_dim=10, first_k_dense_replace=2, n_routed_experts=2,
+                          n_group=1, topk_group=1, rope_interleave=False, max_position_embeddings=64)
+    hf = DeepseekV3ForCausalLM(hc).double().eval()
+    hf.save_pretrained(str(tmp_path / "plain"))
+    x = torch.randint(0, 96, (2, 20))
+    with torch.no_grad():
+        ref = hf(x).logits
+        ours = import_hf(str(tmp_path / "plain"), dtype=torch.float64).eval()
+        assert torch.allclose(ours(x), ref, atol=1e-12, rtol=0)
+        raw = json.loads((tmp_path / "plain" / "config.json").read_text())
+        (tmp_path / "plain" / "config.json").write_text(json.dumps(dict(raw, rope_interleave=True)))
+        flipped = import_hf(str(tmp_path / "plain"), dtype=torch.float64).eval()
+        assert not torch.allclose(flipped(x), ref, atol=1e-3)
+
+
+def test_gradients_equal_transformers_through_the_permutation(tmp_path):
+    """One loss and backward through both: every gradient of ours, permuted as its weight is, equals transformers'
+    (fp32 rounding of the two orders: rtol 1e-4 beside 1e-6 of the largest)."""
+    from model.hf_deepseek_v3 import to_hub
+    model = _model(q_lora_rank=24).train()
+    hf = _hf(export_hf(model, str(tmp_path / "hf"))).float().train()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randint(0, 96, (2, 16), generator=g), torch.randint(0, 96, (2, 16), generator=g)
+    loss = model(x, labels=y)
+    ref_loss = torch.nn.functional.cross_entropy(hf(x).logits.flatten(0, 1), y.flatten())
+    assert abs(float(loss.detach()) - float(ref_loss.detach())) < 1e-5
+    loss.backward()
+    ref_loss.backward()
+    grads = to_hub({n: p.grad for n, p in model.named_parameters()}, model.cfg)
+    theirs = {n: p.grad for n, p in hf.named_parameters()}
+    assert any("kv_a_layernorm" in n for n in grads) and any("q_a_layernorm" in n for n in grads)
+    for name, grad in grads.items():
+        ref = theirs[name if name == "lm_head.weight" else "model." + name]
+        assert torch.allclose(grad, ref, atol=1e-6 * float(ref.abs().max()) + 1e-8, rtol=1e-4), name
+
+
+def test_streamed_export_writes_the_whole_exports_tensors(tmp_path):
+    model = _model(q_lora_rank=24, **MOE)
+    config = streamed_export_equals_whole(model, tmp_path, max_shard_bytes=20_000)
+    assert config["model_type"] == "deepseek_v3"
+
+
+def test_the_kv_cache_and_padded_values_give_the_plain_forwards_logits():
+    """Token by token through the KV cache (values zero-padded to the keys' width there) each position's logits are
+    the whole sequence's (fp64: 1e-12); greedy generation with the cache equals it without."""
+    from model.generate import generate
+    from model.llama import KVCache
+    model = _model(q_lora_rank=24).double()
+    x = torch.randint(0, 96, (2, 12))
+    with torch.no_grad():
+        whole = model(x)
+        cache = KVCache(model.cfg, 2, 12, x.device, torch.float64)
+        first = model(x[:, :5], cache=cache)
+        steps = [model(x[:, t:t + 1], cache=cache) for t in range(5, 12)]
+    stepped = torch.cat([first] + steps, dim=1)
+    assert torch.allclose(stepped, whole, atol=1e-12, rtol=0), (stepped - whole).abs().max()
+    a = generate(model, x[:, :4], 8, temperature=0.0, use_cache=True)
+    b = generate(model, x[:, :4], 8, temperature=0.0, use_cache=False)
+    assert torch.equal(a, b)
+
+
+def test_packed_documents_attend_within_themselves():
+    """Two documents packed in a row (position_ids restarting) give each document's logits alone (fp64)."""
+    model = _model().double()
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randint(0, 96, (1, 7), generator=g), torch.randint(0, 96, (1, 9), generator=g)
+    pos = torch.cat((torch.arange(7), torch.arange(9)))[None]
+    with torch.no_grad():
+        packed = model(torch.cat((a, b), dim=1), position_ids=pos)
+        alone = torch.cat((model(a), model(b)), dim=1)
+    assert torch.allclose(packed, alone, atol=1e-12, rtol=0)
+
+
+def test_parameter_and_flop_counts_follow_the_modules():
+    from model.flops import flops_per_token, matmul_params
+    from utils.mla_flags import mla_param_delta
+    from utils.model_bounds import param_count
+    for kw in ({}, {"q_lora_rank": 24}, {"q_lora_rank": 24, "tie_embeddings": True, "mtp_num_layers": 1}):
+        model = _model(**kw)
+        c = model.cfg
+        counted = param_count(c.dim, c.n_layers + c.mtp_num_layers, c.n_heads, c.vocab_size, c.n_kv_heads,
+                              c.hidden_dim, tie_embeddings=c.tie_embeddings, head_dim=c.head_dim)
+        mtp_extra = c.mtp_num_layers * (2 * c.dim * c.dim + 3 * c.dim)  # a depth's eh_proj and three norms
+        assert counted + mla_param_delta(c) + mtp_extra == model.num_params(), kw
+        if not c.mtp_num_layers:  # every parameter but the embedding does a token's matmul work
+            assert matmul_params(c) == model.num_params() - (0 if c.tie_embeddings else c.vocab_size * c.dim), kw
+    c = _cfg()
+    # attention: 6 per layer x (scores at the query / key width 20 + values at 10) x heads x positions
+    assert flops_per_token(c, 64) - 6 * matmul_params(c) == 6 * 3 * 4 * (20 + 10) * 64
+
+
+def test_shapes_and_mixes_that_cannot_be_built_are_refused(tmp_path):
+    for kw, words in (({"qk_norm": True}, "cannot be combined with qk_norm"),
+                      ({"n_kv_heads": 2}, "n_kv_heads=2"),
+                      ({"v_head_dim": 30}, "v_head_dim=30 is wider"),
+                      ({"qk_rope_head_dim": 7}, "qk_rope_head_dim=7 must be even"),
+                      ({"kv_lora_rank": 0}, "qk_nope_head_dim, qk_rope_head_dim, v_head_dim need kv_lora_rank"),
+                      ({"sliding_window": 8}, "sliding_window")):
+        with pytest.raises(ValueError, match=words):
+            _cfg(**kw)
+    from parallel.transforms.tensor_parallel import tensor_parallel_problems
+    assert any("multi-head latent attention" in p for p in tensor_parallel_problems(_cfg(), 2))
+    with pytest.raises(ValueError, match="DeepSeek-V3: moe_score=softmax"):
+        export_hf(Transformer(_cfg(**dict(MOE, moe_score="softmax", moe_n_groups=1))), str(tmp_path / "no"))
+    assert not os.path.exists(tmp_path / "no")
+    with pytest.raises(ValueError, match=r"deepseek_v3 checkpoints with biases \(attention_bias"):
+        config_from_hf({"model_type": "deepseek_v3", "vocab_size": 96, "hidden_size": 32, "intermediate_size": 48,
+                        "num_hidden_layers": 2, "num_attention_heads": 4, "attention_bias": True})
+
+
+def test_the_trainer_flags_build_mla_and_refuse_what_cannot_be():
+    from trainer.config import TrainConfig
+    from trainer.start import new_model_config
+    from trainer.validation import validate_config
+    base = dict(data_dir="d", tokenizer_dir="t", device="cpu", dim=64, n_heads=4)
+    cfg = TrainConfig(**base, kv_lora_rank=32, q_lora_rank=48)
+    validate_config(cfg, torch_free=True)
+    m = new_model_config(cfg, {"vocab_size": 100})
+    # the defaults: nope = dim / heads, rope half of it, v = nope
+    assert (m.kv_lora_rank, m.q_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim) == (32, 48, 16, 8, 16)
+    for bad, words in ((dict(q_lora_rank=8), "--q_lora_rank=8 needs --kv_lora_rank"),
+                       (dict(kv_lora_rank=8, qk_norm=True), "--kv_lora_rank=8 cannot be combined with --qk_norm"),
+                       (dict(kv_lora_rank=8, qk_rope_head_dim=3), "--qk_rope_head_dim=3 must be even"),
+                       (dict(kv_lora_rank=-1), "--kv_lora_rank=-1: must be >= 0"),
+                       (dict(kv_lora_rank=8, parallel="fsdp", tensor_parallel_size=2), "multi-head latent attention")):
+        with pytest.raises(Exception) as e:
+            validate_config(TrainConfig(**base, **bad), torch_free=True)
+        assert words in str(e.value), str(e.value)
+
+
+def test_a_run_with_latent_attention_resumes_exactly_and_exports(tiny_pretrain_run_args, tmp_path):
+    """--kv_lora_rank (with a query latent) through the trainer: stopped at step 3 and continued gives the
+    uninterrupted run's losses exactly; export_hf.py writes a DeepSeek-V3 that transformers runs to our logits."""
+    from tests.conftest import PY, ROOT, run_cmd, train_cmd
+    from utils.metrics import dedupe_by_step, read_metrics
+    flags = ["--kv_lora_rank=16", "--q_lora_rank=24", "--qk_rope_head_dim=4"]
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    run_cmd(train_cmd([*tiny_pretrain_run_args, *flags, f"--out_dir={whole}", "--max_iters=5"]))
+    run_cmd(train_cmd([*tiny_pretrain_run_args, *flags, f"--out_dir={split}", "--max_iters=3"]))
+    run_cmd(train_cmd([*tiny_pretrain_run_args, *flags, f"--out_dir={split}", "--max_iters=5"]))
+    a, b = (dedupe_by_step(read_metrics(os.path.join(d, "metrics.jsonl"))) for d in (whole, split))
+    assert [a[s]["loss"] for s in range(1, 6)] == [b[s]["loss"] for s in range(1, 6)]
+    hf_dir = tmp_path / "hf"
+    run_cmd([PY, os.path.join(ROOT, "export_hf.py"), f"--ckpt={whole}", f"--out_dir={hf_dir}"])
+    ours = import_hf(str(hf_dir), dtype=torch.float64).eval()
+    assert (ours.cfg.kv_lora_rank, ours.cfg.q_lora_rank, ours.cfg.qk_rope_head_dim) == (16, 24, 4)
+    x = torch.randint(0, ours.cfg.vocab_size, (1, 16))
+    with torch.no_grad():
+        assert torch.allclose(_hf(str(hf_dir))(x).logits, ours(x), atol=1e-12, rtol=0)
