@@ -189,16 +189,17 @@ def flex_attention_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Att
 
 # --------------------------------------------------------------------------------------- SDPA
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec,
-                   dropout_p: float = 0.0) -> torch.Tensor:
+                   dropout_p: float = 0.0, scale: Optional[float] = None) -> torch.Tensor:
     """q [B, H, Tq, D], k/v [B, Hkv, Tk, D] -> [B, H, Tq, D] in q's dtype; `enable_gqa` shares each kv head
-    across its query heads inside the kernel (CPU's flash kernel and CUDA's flash backend do it natively)."""
+    across its query heads inside the kernel (CPU's flash kernel and CUDA's flash backend do it natively).
+    scale: the scores' factor where it is not 1 / sqrt(D) (multi-head latent attention's latent cache)."""
     out_dtype = q.dtype
     adt = kernels.sdpa_dtype(q.device, q.dtype, q.shape[-1])
     if spec.kind == "fa4":  # FA4 is the flash backend's kernel: cuDNN or efficient attention must not take it
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
     args = dict(attn_mask=spec.mask, dropout_p=dropout_p, is_causal=spec.is_causal and spec.mask is None,
-                enable_gqa=q.shape[1] != k.shape[1])
+                enable_gqa=q.shape[1] != k.shape[1], scale=scale)
     if dropout_p > 0 and is_accelerator(q.device) and fa4_mod.active():  # FA4 (the flash kernel) has no dropout
         with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
             return F.scaled_dot_product_attention(q.to(adt), k.to(adt), v.to(adt), **args).to(out_dtype)

@@ -8,13 +8,14 @@ one RoPE'd key part k_rot that every head shares; kv_b_proj(c) gives each head's
 RoPE is ours (half-split pairs); a Hub checkpoint's interleaved pairs are permuted on import and export
 (model/hf_deepseek_v3.py). The parameter names are transformers' DeepseekV3Attention's.
 
-The attention kernels are model/attention.py's (`attend`), as the grouped-query module's: SDPA takes values
-narrower than the keys; for the kernels that need one width (flash-attn, FlashAttention-4, context parallelism's
-ring, FlexAttention) and for the KV cache the values are zero-padded to the keys' width and the padding cut from the
-output (exact: a padded column's output is 0, its gradient dropped).
+Training and whole-sequence forwards run model/attend.py's kernels, as the grouped-query module does: SDPA takes
+values narrower than the keys; for the kernels that need one width (flash-attn, FlashAttention-4, context
+parallelism's ring, FlexAttention) the values are zero-padded to the keys' width and the padding cut from the output
+(exact: a padded column's output is 0, its gradient dropped).
 
-Generation caches the expanded keys and values (model/llama.py KVCache: n_heads x (nope + rope) each per token), a
-multi-head model's cache, not MLA's latent one (the absorbed-weight latent cache is not built).
+Generation caches what MLA was made for: each token's normed latent and its shared RoPE key (model/llama.py KVCache:
+kv_lora_rank + qk_rope_head_dim values per token and layer; DeepSeek-V3's 576 against 128 heads x 2 x 192 expanded),
+and attends over it with kv_b_proj absorbed into the query and the output (`latent_attention`).
 Must never: import model/llama.py (which builds this class; the norm class comes in as an argument).
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import kernels
+from model import attention, kernels
 from model.attend import attend
 from model.attention import AttnSpec
 
@@ -73,30 +74,51 @@ class LatentAttention(nn.Module):
         q = self.q_proj(x) if not self.q_lora_rank else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         return q.view(x.shape[0], x.shape[1], -1, self.head_dim)
 
-    def keys_values(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """[B, T, dim] -> (k_nope [B, T, heads, nope], k_rot [B, T, 1, rope] before RoPE, v [B, T, heads, v_dim])."""
-        B, T, _ = x.shape
-        latent, k_rot = self.kv_a_proj_with_mqa(x).split((self.kv_lora_rank, self.rope_dim), dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(B, T, -1, self.nope + self.v_dim)
-        k_nope, v = kv.split((self.nope, self.v_dim), dim=-1)
-        return k_nope, k_rot.reshape(B, T, 1, self.rope_dim), v
-
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, spec: AttnSpec,
                 cache=None) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.queries(x)
-        k_nope, k_rot, v = self.keys_values(x)
+        latent, k_rot = self.kv_a_proj_with_mqa(x).split((self.kv_lora_rank, self.rope_dim), dim=-1)
+        latent = self.kv_a_layernorm(latent)
         q_nope, q_rot = q.split((self.nope, self.rope_dim), dim=-1)
-        q_rot, k_rot = kernels.apply_rope_qk(q_rot.contiguous(), k_rot.contiguous(), cos, sin,
-                                             fused=self.fused_rope, backend=self.backend)
-        heads = q.shape[2]  # (this rank's, were the heads ever split)
-        q = torch.cat((q_nope, q_rot), dim=-1)
-        k = torch.cat((k_nope, k_rot.expand(B, T, heads, self.rope_dim)), dim=-1)
+        q_rot, k_rot = kernels.apply_rope_qk(q_rot.contiguous(), k_rot.reshape(B, T, 1, self.rope_dim).contiguous(),
+                                             cos, sin, fused=self.fused_rope, backend=self.backend)
+        if cache is not None:
+            y = self.latent_attention(q_nope, q_rot, latent, k_rot, spec, cache)
+        else:
+            kv = self.kv_b_proj(latent).view(B, T, -1, self.nope + self.v_dim)
+            k_nope, v = kv.split((self.nope, self.v_dim), dim=-1)
+            heads = q.shape[2]
+            q = torch.cat((q_nope, q_rot), dim=-1)
+            k = torch.cat((k_nope, k_rot.expand(B, T, heads, self.rope_dim)), dim=-1)
+            if self.q_scale is not None:
+                q = q * self.q_scale
+            pad = self.head_dim - self.v_dim if spec.kind not in ("sdpa", "sdpa_masked") else 0
+            v = F.pad(v, (0, pad)) if pad else v.contiguous()
+            y = attend(q, k, v, spec, self.attn_dropout if self.training else 0.0)
+            y = y[..., :self.v_dim] if pad else y
+        return self.resid_dropout(self.o_proj(y.reshape(B, T, -1)))
+
+    def latent_attention(self, q_nope: torch.Tensor, q_rot: torch.Tensor, latent: torch.Tensor, k_rot: torch.Tensor,
+                         spec: AttnSpec, cache) -> torch.Tensor:
+        """Generation over the latent cache (`cache` keeps [latent, k_rot] per token): kv_b_proj's key half absorbed
+        into the query (q_nope W_uk . c = k_nope . q_nope), attention of [q_nope W_uk, q_rot] over [c, k_rot] with c
+        as the values, then its value half applied to the output: [B, T, heads, v_head_dim], the expanded keys and
+        values never built (DeepSeek-V2's inference form). The same scores as `forward`'s, in another order."""
+        heads = q_nope.shape[2]
+        w = _effective_weight(self.kv_b_proj).view(heads, self.nope + self.v_dim, self.kv_lora_rank)
+        q_latent = torch.einsum("bthn,hnr->bhtr", q_nope, w[:, :self.nope].to(q_nope.dtype))
+        q = torch.cat((q_latent, q_rot.transpose(1, 2)), dim=-1)  # [B, heads, T, rank + rope]
         if self.q_scale is not None:
             q = q * self.q_scale
-        pad = self.head_dim - self.v_dim if (spec.kind != "sdpa" or cache is not None) else 0
-        v = F.pad(v, (0, pad)) if pad else v.contiguous()
-        y = attend(q, k, v, spec, self.attn_dropout if self.training else 0.0, cache, self.layer_idx)
-        if pad:
-            y = y[..., :self.v_dim]
-        return self.resid_dropout(self.o_proj(y.reshape(B, T, -1)))
+        step = torch.cat((latent, k_rot.squeeze(2)), dim=-1)[:, None]  # [B, 1, T, rank + rope]
+        keys, _ = cache.update(self.layer_idx, step, step[..., :0])
+        y = attention.sdpa_attention(q, keys, keys[..., :self.kv_lora_rank], spec, 0.0, scale=self.head_dim ** -0.5)
+        return torch.einsum("bhtr,hvr->bthv", y, w[:, self.nope:].to(y.dtype))
+
+
+def _effective_weight(linear: nn.Module) -> torch.Tensor:
+    """The weight a projection applies: a LoRA-wrapped one's (model/lora.py) with its adapter's product added."""
+    if hasattr(linear, "lora_B"):
+        return linear.weight + linear.scaling * (linear.lora_B.weight @ linear.lora_A.weight)
+    return linear.weight

@@ -122,18 +122,27 @@ def test_streamed_export_writes_the_whole_exports_tensors(tmp_path):
     assert config["model_type"] == "deepseek_v3"
 
 
-def test_the_kv_cache_and_padded_values_give_the_plain_forwards_logits():
-    """Token by token through the KV cache (values zero-padded to the keys' width there) each position's logits are
-    the whole sequence's (fp64: 1e-12); greedy generation with the cache equals it without."""
+@pytest.mark.parametrize("lora", [False, True], ids=["plain", "lora-kv_b_proj"])
+def test_the_latent_kv_cache_gives_the_plain_forwards_logits(lora):
+    """Token by token through the latent cache (kv_b_proj absorbed into the query and the output; a LoRA adapter's
+    product with it) each position's logits are the whole sequence's (fp64: 1e-12); the cache holds kv_lora_rank +
+    qk_rope_head_dim values per token and layer; greedy generation with the cache equals it without."""
     from model.generate import generate
     from model.llama import KVCache
-    model = _model(q_lora_rank=24).double()
-    x = torch.randint(0, 96, (2, 12))
+    from model.lora import apply_lora
+    model = _model(q_lora_rank=24, rope_scaling=YARN).double()
+    if lora:
+        apply_lora(model, r=4, target_modules="kv_b_proj,q_b_proj")
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                torch.nn.init.normal_(p, std=0.2)
+    x = torch.randint(0, 96, (2, 40))
     with torch.no_grad():
         whole = model(x)
-        cache = KVCache(model.cfg, 2, 12, x.device, torch.float64)
-        first = model(x[:, :5], cache=cache)
-        steps = [model(x[:, t:t + 1], cache=cache) for t in range(5, 12)]
+        cache = KVCache(model.cfg, 2, 40, x.device, torch.float64)
+        first = model(x[:, :25], cache=cache)
+        steps = [model(x[:, t:t + 1], cache=cache) for t in range(25, 40)]
+    assert cache.k[0].shape == (2, 1, 40, 16 + 8) and cache.v[0].numel() == 0
     stepped = torch.cat([first] + steps, dim=1)
     assert torch.allclose(stepped, whole, atol=1e-12, rtol=0), (stepped - whole).abs().max()
     a = generate(model, x[:, :4], 8, temperature=0.0, use_cache=True)
