@@ -238,3 +238,24 @@ def test_a_run_with_latent_attention_resumes_exactly_and_exports(tiny_pretrain_r
     x = torch.randint(0, ours.cfg.vocab_size, (1, 16))
     with torch.no_grad():
         assert torch.allclose(_hf(str(hf_dir))(x).logits, ours(x), atol=1e-12, rtol=0)
+
+
+def test_the_whole_model_compiles_as_one_graph_and_follows_eager():
+    """torch.compile(fullgraph=True) (aot_eager: the tracing, which a graph break would fail) of an MLA model on
+    packed documents: the loss and every gradient equal eager's (the same operations). (MoE blocks break the graph
+    on the CPU by design: their expert loop runs eagerly, model/eager_region.py.)"""
+    import torch._dynamo
+    model = _model(q_lora_rank=24, rope_scaling=YARN).train()
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randint(0, 96, (2, 16), generator=g), torch.randint(0, 96, (2, 16), generator=g)
+    pos = torch.tensor([list(range(9)) + list(range(7)), list(range(16))])
+
+    def run(m):
+        model.zero_grad(set_to_none=True)
+        loss = m(x, labels=y, position_ids=pos)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    torch._dynamo.reset()
+    (a, ga), (b, gb) = run(model), run(torch.compile(model, backend="aot_eager", fullgraph=True))
+    assert torch.allclose(a, b, rtol=1e-6, atol=0) and ga.keys() == gb.keys()
+    assert all(torch.allclose(ga[n], gb[n], rtol=1e-5, atol=1e-7) for n in ga)
