@@ -13,8 +13,11 @@ the median and the range of the per-pair ratios, the load average before and aft
 (temperature 0 on both) gives the same tokens.
 Must never: assert anything (it prints), download anything, or write files.
 
+--mla: both models with DeepSeek's multi-head latent attention (model/mla.py; HF's DeepseekV3ForCausalLM, every block
+dense): ours decodes over the latent cache with kv_b_proj absorbed, HF's caches the latent and expands it each step.
+
     .venv/bin/python bench/bench_grpo_generate.py [--dim=256] [--n_layers=4] [--vocab=4096] [--group=8]
-        [--prompt_len=32] [--new_tokens=64] [--repeats=5] [--threads=0] [--device=cpu]
+        [--prompt_len=32] [--new_tokens=64] [--repeats=5] [--threads=0] [--device=cpu] [--mla]
 """
 from __future__ import annotations
 
@@ -34,9 +37,10 @@ def main(argv: list[str]) -> int:
                           ("new_tokens", 64), ("repeats", 5), ("threads", 0)):
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--mla", action="store_true", help="multi-head latent attention (DeepSeek-V3's shape, scaled)")
     a = p.parse_args(argv)
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from model import ModelConfig, Transformer
     from model.hf_interop import hf_config_dict, to_hf_state_dict
@@ -45,9 +49,14 @@ def main(argv: list[str]) -> int:
         torch.set_num_threads(a.threads)
     device = torch.device(a.device)
     torch.manual_seed(0)
-    ours = Transformer(ModelConfig(vocab_size=a.vocab, dim=a.dim, n_layers=a.n_layers, n_heads=max(1, a.dim // 64),
-                                   max_seq_len=a.prompt_len + a.new_tokens)).to(device).eval()
-    hf = LlamaForCausalLM(LlamaConfig(**hf_config_dict(ours.cfg))).to(device).eval()
+    heads = max(1, a.dim // 64)
+    # DeepSeek-V3's ratios (7168 wide: latents of 512 and 1536, heads of 128 + 64 and 128 values) at this width
+    mla = dict(kv_lora_rank=max(16, a.dim // 14 // 8 * 8), q_lora_rank=max(16, 3 * a.dim // 14 // 8 * 8),
+               qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64) if a.mla else {}
+    ours = Transformer(ModelConfig(vocab_size=a.vocab, dim=a.dim, n_layers=a.n_layers, n_heads=heads,
+                                   max_seq_len=a.prompt_len + a.new_tokens, **mla)).to(device).eval()
+    d = hf_config_dict(ours.cfg)
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(d.pop("model_type"), **d)).to(device).eval()
     hf.load_state_dict(to_hf_state_dict(ours), strict=False)
     prompt = torch.randint(3, a.vocab, (a.prompt_len,)).tolist()
     x = torch.tensor([prompt] * a.group, device=device)
@@ -76,7 +85,7 @@ def main(argv: list[str]) -> int:
             tps.append(out.numel() / (time.perf_counter() - t0))  # rows x steps decoded
     ratios = sorted(o / h for o, h in zip(tps_ours, tps_hf))
     greedy_same = bool(torch.equal(run_ours(temperature=0.0).cpu(), run_hf(greedy=True).cpu()))
-    print(f"[bench_grpo_generate] dim {a.dim} x {a.n_layers} layers, vocab {a.vocab}, group {a.group}, prompt "
+    print(f"[bench_grpo_generate] {type(hf).__name__}, dim {a.dim} x {a.n_layers} layers, vocab {a.vocab}, group {a.group}, prompt "
           f"{a.prompt_len}, {a.new_tokens} new tokens, {torch.get_num_threads()} threads, {device}, "
           f"{a.repeats} interleaved repeats, load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}")
     print(f"ours (KV cache, logprobs recorded): {statistics.median(tps_ours):,.0f} tokens/s; HF generate: "
