@@ -68,6 +68,9 @@ class LatentAttention(nn.Module):
         self.resid_dropout = nn.Dropout(cfg.resid_dropout)
         self.fused_rope, self.backend = cfg.fused_rope, cfg.kernel_backend
         self.fused_qkv = False  # (the grouped-query module's switch; nothing here to concatenate)
+        # tensor parallelism sets this (parallel/transforms/tensor_parallel.py): the shared RoPE key's gradient summed
+        # over the tensor ranks, each of which used it for its own heads only
+        self.shared_key_grad = None
 
     def queries(self, x: torch.Tensor) -> torch.Tensor:
         """[B, T, dim] -> [B, T, heads, nope + rope], before RoPE."""
@@ -83,6 +86,8 @@ class LatentAttention(nn.Module):
         q_nope, q_rot = q.split((self.nope, self.rope_dim), dim=-1)
         q_rot, k_rot = kernels.apply_rope_qk(q_rot.contiguous(), k_rot.reshape(B, T, 1, self.rope_dim).contiguous(),
                                              cos, sin, fused=self.fused_rope, backend=self.backend)
+        if self.shared_key_grad is not None:
+            k_rot = self.shared_key_grad(k_rot)
         if cache is not None:
             y = self.latent_attention(q_nope, q_rot, latent, k_rot, spec, cache)
         else:
@@ -106,7 +111,8 @@ class LatentAttention(nn.Module):
         as the values, then its value half applied to the output: [B, T, heads, v_head_dim], the expanded keys and
         values never built (DeepSeek-V2's inference form). The same scores as `forward`'s, in another order."""
         heads = q_nope.shape[2]
-        w = _effective_weight(self.kv_b_proj).view(heads, self.nope + self.v_dim, self.kv_lora_rank)
+        w = _effective_weight(self.kv_b_proj)
+        w = (w.to_local() if hasattr(w, "to_local") else w).view(heads, self.nope + self.v_dim, self.kv_lora_rank)
         q_latent = torch.einsum("bthn,hnr->bhtr", q_nope, w[:, :self.nope].to(q_nope.dtype))
         q = torch.cat((q_latent, q_rot.transpose(1, 2)), dim=-1)  # [B, heads, T, rank + rope]
         if self.q_scale is not None:
@@ -118,7 +124,8 @@ class LatentAttention(nn.Module):
 
 
 def _effective_weight(linear: nn.Module) -> torch.Tensor:
-    """The weight a projection applies: a LoRA-wrapped one's (model/lora.py) with its adapter's product added."""
+    """The weight a projection applies: a LoRA-wrapped one's (model/lora.py) with its adapter's product added (a
+    DTensor under tensor parallelism: this rank's heads' rows once made local)."""
     if hasattr(linear, "lora_B"):
         return linear.weight + linear.scaling * (linear.lora_B.weight @ linear.lora_A.weight)
     return linear.weight

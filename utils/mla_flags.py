@@ -81,9 +81,6 @@ def mla_problems(cfg: Any) -> list[str]:
     p.extend(f"--kv_lora_rank={cfg.kv_lora_rank} cannot be combined with --{n}={getattr(cfg, n)} (DeepSeek's "
              "attention has its own head sizes and no GQA, biases, q / k norms or window)" for n, v in given.items()
              if v)
-    if getattr(cfg, "tensor_parallel_size", 1) > 1:
-        p.append(f"--kv_lora_rank={cfg.kv_lora_rank} cannot be combined with --tensor_parallel_size="
-                 f"{cfg.tensor_parallel_size}: multi-head latent attention is not split over tensor ranks (not built)")
     return p
 
 

@@ -53,9 +53,6 @@ def tensor_parallel_problems(model_cfg: Any, tp: int, sequence_parallel: bool = 
     if getattr(model_cfg, "qk_norm_full", False):
         out.append("the q / k norms run over all the heads' width (OLMo 2's qk_norm_full): each tensor rank holds some "
                    "heads only")
-    if getattr(model_cfg, "kv_lora_rank", 0):
-        out.append("multi-head latent attention (kv_lora_rank) is not split over tensor ranks (its latent projections "
-                   "would stay whole on each; not built): use data, FSDP, pipeline, context or expert parallelism")
     if sequence_parallel and (model_cfg.attn_dropout > 0 or model_cfg.resid_dropout > 0):
         out.append("dropout > 0 is not supported with sequence parallelism yet (each rank's positions would need "
                    "their own random stream); set --dropout=0 or --sequence_parallel=false")
@@ -112,7 +109,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: boo
         if not any(block is b for b in blocks):
             continue
         moe = isinstance(block.mlp, MoEFeedForward)
-        plan = {
+        mla = bool(getattr(model.cfg, "kv_lora_rank", 0))
+        plan = _mla_plan(block, tp_mesh, colwise, rowwise, seq) if mla else {
             "self_attn.q_proj": colwise(), "self_attn.k_proj": colwise(),
             "self_attn.v_proj": colwise(), "self_attn.o_proj": rowwise(output_layouts=seq),
         }
@@ -122,8 +120,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: boo
         if sequence_parallel:
             # one all-gather of the normed input per region, kept a DTensor so that the q/k/v (gate/up)
             # input gradients add up as one partial sum, reduce-scattered once in backward
+            # (multi-head latent attention: gathered to a plain tensor, `_mla_plan`)
             plan["self_attn"] = PrepareModuleInput(input_layouts=(Shard(1), None, None, None, None),
-                                                   desired_input_layouts=(Replicate(), None, None, None, None))
+                                                   desired_input_layouts=(Replicate(), None, None, None, None),
+                                                   use_local_output=mla)
             if not moe:
                 plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
         parallelize_module(block, tp_mesh, plan)
@@ -161,13 +161,41 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: boo
             model.register_forward_pre_hook(_sequence_length_check(tp), with_kwargs=True)
         else:  # a later pipeline stage: its hidden input is this rank's slice of the sequence (the previous stage's)
             model.hidden_input_seq_split = tp
-        partial += [n for n, p in model.named_parameters() if ("norm" in n.rsplit(".", 2)[-2] and n not in partial)
+        partial += [n for n, p in model.named_parameters() if ("norm" in n.rsplit(".", 2)[-2] and n not in partial
+                                                                 and not n.endswith(MLA_WHOLE_NORMS))
                     or n.endswith(".eh_proj.weight")]  # (MTP's projection too: each rank saw its positions)
     if partial:
         from optimizer.fsdp_optimizer import TP_PARTIAL_ATTR
         # recorded on the model for the optimizer, which all-reduces these gradients over the tensor group
         setattr(model, TP_PARTIAL_ATTR, (tuple(partial), tp_mesh.get_group()))
     return partial
+
+
+# multi-head latent attention's latent norms: they see every position (its input is gathered), their gradients whole
+MLA_WHOLE_NORMS = (".self_attn.q_a_layernorm.weight", ".self_attn.kv_a_layernorm.weight")
+
+
+def _mla_plan(block: nn.Module, tp_mesh: Any, colwise, rowwise, seq) -> dict:
+    """Multi-head latent attention's split (model/mla.py): the projections to the heads column-parallel (q_b_proj, or
+    q_proj without a query latent, and kv_b_proj: each rank's heads), o_proj row-parallel; the latent projections and
+    their norms whole on every rank, on the whole sequence (under sequence parallelism the block's input is gathered
+    into a plain tensor). The latents' gradients come back whole (the column-parallel layers all-reduce their input
+    gradient), and the RoPE'd key every head shares goes through `whole_gradient`, so every replicated weight's
+    gradient is whole on each rank: no partial sum (torchtitan replicates them too, NoParallel)."""
+    attn = block.self_attn
+    attn.shared_key_grad = _whole_gradient(tp_mesh)
+    q = "self_attn.q_b_proj" if getattr(attn, "q_lora_rank", None) else "self_attn.q_proj"
+    return {q: colwise(), "self_attn.kv_b_proj": colwise(), "self_attn.o_proj": rowwise(output_layouts=seq)}
+
+
+def _whole_gradient(tp_mesh: Any):
+    """Identity forward; backward sums the gradient over the tensor ranks (Megatron's `f`): for a tensor each rank
+    uses with its own heads only."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    def whole(t):
+        return DTensor.from_local(t, tp_mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+    return whole
 
 
 def _styles():

@@ -42,15 +42,21 @@ GEMMA3 = dict(sandwich_norms=True, scale_embeddings=True, mlp_act="gelu_tanh", q
               sliding_layers=[0], rope_local_theta=100.0)
 
 
+# DeepSeek's multi-head latent attention (model/mla.py): a query latent, the heads' projections split, the latents
+# whole on every rank (their gradients whole too: the shared RoPE key's summed over the ranks)
+MLA = dict(kv_lora_rank=8, q_lora_rank=12, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=6)
+
+
 def _cfg(tied: bool = False, ckpt: bool | str = False, dropout: float = 0.0, family: str = "llama") -> ModelConfig:
     # 4 query heads over 2 key/value heads (GQA), so each tensor rank holds 2 query heads and 1 kv head; qwen3: the
     # heads 8 wide at dim 16 and q / k norms (one weight over the heads, whose gradient each tensor rank has a part of)
     # ckpt: True (each block recomputed) or a model/checkpointing.py policy ("op": selective per op)
-    return ModelConfig(vocab_size=VOCAB, dim=16, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=16,
-                       max_seq_len=16, tie_embeddings=tied, gradient_checkpointing=bool(ckpt),
+    qwen = family in ("qwen3", "gemma3")
+    return ModelConfig(vocab_size=VOCAB, dim=16, n_layers=2, n_heads=4, n_kv_heads=4 if family == "mla" else 2,
+                       multiple_of=16, max_seq_len=16, tie_embeddings=tied, gradient_checkpointing=bool(ckpt),
                        checkpoint_policy=ckpt if isinstance(ckpt, str) else "full", attn_dropout=dropout,
-                       resid_dropout=dropout, qk_norm=family != "llama", attn_head_dim=8 if family != "llama" else None,
-                       **(GEMMA3 if family == "gemma3" else {}))
+                       resid_dropout=dropout, qk_norm=qwen, attn_head_dim=8 if qwen else None,
+                       **(GEMMA3 if family == "gemma3" else MLA if family == "mla" else {}))
 
 
 def _new_model(tied: bool = False, ckpt: bool | str = False, dropout: float = 0.0, lora: bool = False,
@@ -95,6 +101,10 @@ def _engine(tp: int = 1, rep: int = 1, tied: bool = False, ckpt: bool | str = Fa
                               pipeline_parallel_size=pp, gradient_accumulation_steps=GAS, compile=compile,
                               context_parallel_size=cp, use_distributed_optimizer=zero, **OPT)
     return build_engine(_new_model(tied, ckpt, dropout, lora, family), cfg, device=torch.device("cpu"))
+
+
+def _prompt() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(4))
 
 
 def _loss_fn(model, batch):
@@ -206,6 +216,12 @@ def _world2(rank: int, world: int, out_path: str, root: str) -> None:
     _train(out, "tp2_sp_compile", STEPS, tp=2, sp=True, compile=True)  # each block torch.compile-d (inductor)
     _train(out, "tp2_qwen3", STEPS, tp=2, family="qwen3")
     _train(out, "tp2_sp_gemma3", STEPS, tp=2, sp=True, family="gemma3")  # (Qwen3's q / k norms as well)
+    from model.generate import generate
+    engine = _engine(tp=2, family="mla")  # the latent cache under tp: each rank absorbs its heads' kv_b_proj rows
+    out["tp2_mla_greedy"] = generate(engine.module, _prompt(), 6, temperature=0.0).tolist()
+    del engine
+    _train(out, "tp2_mla", STEPS, tp=2, family="mla")
+    _train(out, "tp2_sp_mla", STEPS, tp=2, sp=True, family="mla")
     engine = _train(out, "tp2_lora", STEPS, tp=2, lora=True)
     # the tensor dim's placement of each projection's tensors: S(0), S(1) or R
     out["tp2_lora"]["placements"] = {n: str(p.placements[-1]) for n, p in engine.module.named_parameters()
@@ -309,7 +325,7 @@ def reference() -> dict:
     """fp32 and fp64 references for STEPS and STEPS + 1 steps, and the tolerance between them."""
     out = {}
     for tied, lora, family in ((False, False, "llama"), (True, False, "llama"), (False, True, "llama"),
-                               (False, False, "qwen3"), (False, False, "gemma3")):
+                               (False, False, "qwen3"), (False, False, "gemma3"), (False, False, "mla")):
         for steps in (STEPS, STEPS + 1) if not (lora or family != "llama") else (STEPS,):
             p32, l32, n32 = _reference(steps, torch.float32, tied, lora, family)
             p64, l64, n64 = _reference(steps, torch.float64, tied, lora, family)
@@ -343,7 +359,7 @@ def test_vocab_parallel_loss_matches_full_vocabulary(results, reduction):
                                        ("pp2_cp2_ddp", False), ("pp2_cp2_zero1", False),
                                        ("tp2_lora", "lora"), ("tp2_sp_fsdp2_lora", "lora"),
                                        ("tp2_sp_compile", False), ("tp2_qwen3", "qwen3"),
-                                       ("tp2_sp_gemma3", "gemma3")])
+                                       ("tp2_sp_gemma3", "gemma3"), ("tp2_mla", "mla"), ("tp2_sp_mla", "mla")])
 def test_parallel_layouts_match_one_process(results, reference, name, tied):
     ref = reference[(tied, STEPS)]
     rec = results[name]
@@ -351,6 +367,13 @@ def test_parallel_layouts_match_one_process(results, reference, name, tied):
     # the gradient's scale too (AdamW and clipping would hide a factor on every gradient)
     assert max(abs(a - b) for a, b in zip(rec["norms"], ref["norms"])) <= ref["norm_tol"], (rec["norms"], ref["norms"])
     assert _max_param_diff(rec["params"], ref["params"]) <= ref["tol"], name
+
+
+def test_latent_attention_generates_one_process_tokens_under_tp(results):
+    """Greedy generation over multi-head latent attention's latent cache at tp 2 (each rank's heads, the logits
+    gathered) gives the one-process model's tokens."""
+    from model.generate import generate
+    assert results["tp2_mla_greedy"] == generate(_new_model(family="mla").eval(), _prompt(), 6, temperature=0.0).tolist()
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
