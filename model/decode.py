@@ -15,6 +15,8 @@ call). Here, per generation call:
   weight prepacking calls): F.linear's MKL sgemm re-reads the [N, K] weight in its plain layout on every call, which
   for 8 rows costs about twice the packed multiply (the matmuls of a dim-256 decode step: 4.0 ms -> 2.1 ms);
 - RoPE rotates q and k in one pass; RMSNorm in fp32 skips its casts (the same arithmetic); no dropout modules;
+- multi-head latent attention (model/mla.py): its first projections (q_a_proj or q_proj, and kv_a_proj_with_mqa)
+  as one matmul, RoPE on the queries and the shared key in one pass, then its latent cache's attention;
 - under torch.inference_mode (no version counters or autograd metadata per op).
 A prompt shared by every row (GRPO's group) is prefilled once, as one row, and its keys/values copied to the rows.
 
@@ -38,6 +40,7 @@ import torch.nn.functional as F
 from model import attention, kernels
 from model.attention import AttnSpec
 from model.llama import MLP, Attention, KVCache, Transformer, blocks_of, kv_heads_of
+from model.mla import LatentAttention
 
 
 def fast_path_applies(model: nn.Module) -> bool:
@@ -54,8 +57,8 @@ def fast_path_applies(model: nn.Module) -> bool:
     # the model's forward: a window (it masks the cache to it), Gemma's or OLMo's block, longrope's two tables
     if model.cfg.sliding_window or not model.cfg.llama_block or getattr(model, "rotary_long", None) is not None:
         return False
-    return all(type(getattr(b, "self_attn", None)) is Attention and hasattr(b, "post_attention_layernorm")
-               for b in model.layers)
+    return all(type(getattr(b, "self_attn", None)) in (Attention, LatentAttention)
+               and hasattr(b, "post_attention_layernorm") for b in model.layers)
 
 
 # The smallest weight (elements) worth oneDNN's blocked layout. A oneDNN call costs ~15 us more than F.linear's,
@@ -136,7 +139,13 @@ class Decoder:
         block (model/speculative.py)."""
         a, mlp = block.self_attn, block.mlp
         plain_mlp = type(mlp) is MLP
-        return (block, _Projection((a.q_proj, a.k_proj, a.v_proj), self.rows, self.pack),
+        if isinstance(a, LatentAttention):  # (multi-head latent attention: its first projections and q_b_proj)
+            first = (a.q_a_proj if a.q_lora_rank else a.q_proj, a.kv_a_proj_with_mqa)
+            qkv = (_Projection(first, self.rows, self.pack),
+                   _Projection((a.q_b_proj,), self.rows, self.pack) if a.q_lora_rank else None)
+        else:
+            qkv = _Projection((a.q_proj, a.k_proj, a.v_proj), self.rows, self.pack)
+        return (block, qkv,
                 _Projection((a.o_proj,), self.rows, self.pack),
                 _Projection((mlp.gate_proj, mlp.up_proj), self.rows, self.pack) if plain_mlp else None,
                 _Projection((mlp.down_proj,), self.rows, self.pack) if plain_mlp else None)
@@ -209,6 +218,12 @@ class Decoder:
             spec = attention.build_spec(B, T, positions, past=past, head_dim=self.model.cfg.head_dim)
         for i, (block, qkv, o, gate_up, down) in enumerate(layers):
             a = block.self_attn
+            if isinstance(a, LatentAttention):
+                att = self._latent(a, qkv, _rms_norm(block.input_layernorm, h), cos2, sin2, cache, i,
+                                   spec or AttnSpec("sdpa", is_causal=past == 0))
+                h = o(att.reshape(B, T, -1)) + h
+                h = self._mlp(block, gate_up, down, h)
+                continue
             nq, nk, D = a.n_heads, a.n_kv_heads, a.head_dim
             y = qkv(_rms_norm(block.input_layernorm, h)).view(B, T, -1, D)  # q, k, v heads side by side
             # RoPE on q and k in one pass, the model's arithmetic (x1 cos - x2 sin, x2 cos + x1 sin) as
@@ -225,11 +240,29 @@ class Decoder:
             else:  # one new token sees the whole cache; a prefill from position 0 is causal
                 att = F.scaled_dot_product_attention(q, kc, vc, is_causal=past == 0 and T > 1, enable_gqa=nq != nk)
             h = o(att.transpose(1, 2).reshape(B, T, -1)) + h  # the model's order: attn + x
-            x = _rms_norm(block.post_attention_layernorm, h)
-            if gate_up is not None:
-                g, u = gate_up(x).chunk(2, dim=-1)
-                h = h + down(F.silu(g) * u)
-            else:
-                h = h + block.mlp(x)
+            h = self._mlp(block, gate_up, down, h)
         cache.pos += T
         return h
+
+    @staticmethod
+    def _mlp(block: nn.Module, gate_up, down, h: torch.Tensor) -> torch.Tensor:
+        x = _rms_norm(block.post_attention_layernorm, h)
+        if gate_up is not None:
+            g, u = gate_up(x).chunk(2, dim=-1)
+            return h + down(F.silu(g) * u)
+        return h + block.mlp(x)
+
+    @staticmethod
+    def _latent(a: LatentAttention, projections: tuple, x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor,
+                cache: KVCache, layer: int, spec: AttnSpec) -> torch.Tensor:
+        """Multi-head latent attention's step from the normed input x [B, T, D]: its first projections as one matmul,
+        RoPE in one pass as above, then the latent cache's attention (model/mla.py latent_attention) -> [B, T, heads,
+        v_head_dim]."""
+        first, q_b = projections
+        B, T = x.shape[:2]
+        q, latent, k_rot = first(x).split((first.modules[0].out_features, a.kv_lora_rank, a.rope_dim), dim=-1)
+        q = (q_b(_rms_norm(a.q_a_layernorm, q)) if q_b is not None else q).view(B, T, -1, a.head_dim)
+        rot = torch.cat((q[..., a.nope:], k_rot[:, :, None]), dim=2)  # [B, T, heads + 1, rope]
+        rot = rot * cos2 + rot.unflatten(-1, (2, -1)).flip(-2).flatten(-2) * sin2
+        return a.latent_attention(q[..., :a.nope], rot[:, :, :-1], _rms_norm(a.kv_a_layernorm, latent), rot[:, :, -1:],
+                                  spec, cache)

@@ -31,7 +31,8 @@ def _decoded(model, x: torch.Tensor, pack, shared: bool = False) -> torch.Tensor
     """Logits [B, T - PREFILL + 1, V] of positions PREFILL-1 .. T-1: a prefill of the first PREFILL tokens, then one
     step per token."""
     d = Decoder(model, x.shape[0], x.shape[1], x.device, torch.float32, pack=pack)
-    packed = [p.packed is not None for layer in d.layers for p in layer[1:] if p is not None]
+    projections = [p for layer in d.layers for q in layer[1:] for p in (q if isinstance(q, tuple) else (q,))]
+    packed = [p.packed is not None for p in projections if p is not None]
     if pack is False or decode.PACK_MIN > 0:  # (the tiny model's weights are all below PACK_MIN)
         assert not any(packed)
     else:
@@ -101,8 +102,39 @@ def test_lora_projections_moe_blocks_and_dynamic_rope_take_the_fast_path():
         assert 0 < own < 1e-4 and err <= 4 * own, (kw, err, own)
 
 
-def test_several_tokens_over_a_filled_cache_use_the_masked_attention():
-    model = _model()
+MLA = dict(n_kv_heads=None, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10)
+
+
+@pytest.mark.parametrize("kw", [MLA, dict(MLA, q_lora_rank=24, moe_num_experts=4, moe_top_k=2, moe_hidden_dim=32),
+                                dict(MLA, q_lora_rank=24, rope_scaling={"type": "yarn", "factor": 4.0,
+                                                                        "original_max_position_embeddings": 4,
+                                                                        "mscale": 1.0, "mscale_all_dim": 0.8}),
+                                "lora"], ids=["q_proj", "q_lora-moe", "q_lora-yarn", "lora"])
+def test_latent_attention_takes_the_fast_path(monkeypatch, kw):
+    """Multi-head latent attention (model/mla.py): its first projections as one prepared matmul (packed too), RoPE in
+    the decoder's pass, the latent cache's attention: logits within the model's own fp32 error of a float64 forward;
+    LoRA adapters on its projections (kv_b_proj's folded into the absorbed weights)."""
+    from model.lora import apply_lora
+    if kw != "lora":  # (LoRA-wrapped projections are called as their modules: nothing to pack)
+        monkeypatch.setattr(decode, "PACK_MIN", 0)
+    model = _model(**(dict(MLA, q_lora_rank=24) if kw == "lora" else kw))
+    if kw == "lora":
+        apply_lora(model, r=4, target_modules=("q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"))
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.2)
+    assert fast_path_applies(model)
+    x = torch.randint(0, V, (3, T))
+    err, own = _errors(model, x, _decoded(model, x, pack=None))
+    assert 0 < own < 1e-4 and err <= 4 * own, (err, own)
+    shared = _decoded(model, x[:1].expand(3, T), pack=None, shared=True)  # (the latent cache's rows copied)
+    err, own = _errors(model, x[:1].expand(3, T), shared)
+    assert err <= 4 * own, (err, own)
+
+
+@pytest.mark.parametrize("kw", [{}, MLA], ids=["gqa", "mla"])
+def test_several_tokens_over_a_filled_cache_use_the_masked_attention(kw):
+    model = _model(**kw)
     x = torch.randint(0, V, (2, T))
     d = Decoder(model, 2, T, x.device, torch.float32)
     d.prefill(x[:, :4])
