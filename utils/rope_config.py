@@ -58,7 +58,8 @@ def normalize_rope_scaling(rs: Optional[dict], max_seq_len: int) -> Optional[dic
 
     `rs` may spell the kind "type" or "rope_type"; transformers' fill-ins apply: original_max_position_embeddings
     defaults to max_seq_len (llama3, yarn), YaRN's factor to max_seq_len / original_max_position_embeddings,
-    beta_fast / beta_slow to 32 / 1, its attention_factor to yarn_mscale(factor) (or the mscale ratio)."""
+    beta_fast / beta_slow to 32 / 1, its attention_factor to yarn_mscale(factor) (or the mscale ratio); YaRN's
+    mscale_all_dim is kept where given (model/mla.py's softmax factor)."""
     if rs is None:
         return None
     if not isinstance(rs, dict):
@@ -115,6 +116,8 @@ def normalize_rope_scaling(rs: Optional[dict], max_seq_len: int) -> Optional[dic
         attention = yarn_mscale(factor)
     out.update(factor=factor, original_max_position_embeddings=original, beta_fast=beta_fast, beta_slow=beta_slow,
                attention_factor=attention, truncate=truncate)
+    if given.get("mscale_all_dim"):  # (kept: DeepSeek's attention scales its scores by mscale(factor, it)^2 too)
+        out["mscale_all_dim"] = _number(kind, "mscale_all_dim", given["mscale_all_dim"], 0.0, low_open=True)
     return out
 
 

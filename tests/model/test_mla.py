@@ -259,3 +259,44 @@ def test_the_whole_model_compiles_as_one_graph_and_follows_eager():
     (a, ga), (b, gb) = run(model), run(torch.compile(model, backend="aot_eager", fullgraph=True))
     assert torch.allclose(a, b, rtol=1e-6, atol=0) and ga.keys() == gb.keys()
     assert all(torch.allclose(ga[n], gb[n], rtol=1e-5, atol=1e-7) for n in ga)
+
+
+def test_a_deepseek_v3_hub_config_and_its_mtp_layer_import(tmp_path):
+    """What --init_from reads from the Hub (DeepSeek-V3 / R1, Moonlight and Kimi K2 use this family): the config.json
+    as DeepSeek wrote it (transformers 4.x spelling: rope_scaling YaRN with mscale / mscale_all_dim, scoring_func,
+    topk_method, num_nextn_predict_layers) and a checkpoint holding an MTP layer after the model's: the layer is left
+    out, and the logits are transformers' (fp64) past YaRN's original length."""
+    from safetensors.torch import load_file, save_file
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    raw = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 96,
+           "hidden_size": 32, "intermediate_size": 48, "moe_intermediate_size": 16, "num_hidden_layers": 3,
+           "num_nextn_predict_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 4, "n_shared_experts": 1,
+           "n_routed_experts": 8, "ep_size": 1, "routed_scaling_factor": 2.5, "kv_lora_rank": 16, "q_lora_rank": 24,
+           "qk_rope_head_dim": 8, "v_head_dim": 10, "qk_nope_head_dim": 12, "topk_method": "noaux_tc", "n_group": 2,
+           "topk_group": 1, "num_experts_per_tok": 2, "moe_layer_freq": 1, "first_k_dense_replace": 1,
+           "norm_topk_prob": True, "scoring_func": "sigmoid", "hidden_act": "silu", "max_position_embeddings": 64,
+           "rms_norm_eps": 1e-06, "rope_theta": 10000, "tie_word_embeddings": False, "attention_bias": False,
+           "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 4, "mscale": 1.0, "mscale_all_dim": 1.0,
+                            "original_max_position_embeddings": 16, "type": "yarn"}}
+    torch.manual_seed(2)
+    hf = DeepseekV3ForCausalLM(DeepseekV3Config(**raw, experts_implementation="eager")).double().eval()
+    with torch.no_grad():
+        for layer in hf.model.layers[1:]:
+            torch.nn.init.normal_(layer.mlp.gate.weight, std=0.3)
+            layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(8) * 0.2)
+    hf.save_pretrained(str(tmp_path / "hub"))
+    (tmp_path / "hub" / "config.json").write_text(json.dumps(raw))  # DeepSeek's own spelling
+    weights = load_file(str(tmp_path / "hub" / "model.safetensors"))
+    mtp = {f"model.layers.3.{k}": torch.zeros(2, 2) for k in ("eh_proj.weight", "enorm.weight",
+                                                               "self_attn.kv_b_proj.weight", "shared_head.head.weight")}
+    save_file({**weights, **mtp}, str(tmp_path / "hub" / "model.safetensors"), metadata={"format": "pt"})
+    cfg = config_from_hf(raw)
+    assert (cfg.kv_lora_rank, cfg.q_lora_rank, cfg.moe_score, cfg.moe_n_groups, cfg.moe_routed_scaling) == (
+        16, 24, "sigmoid", 2, 2.5)
+    assert cfg.rope_scaling["type"] == "yarn" and cfg.rope_scaling["mscale_all_dim"] == 1.0
+    ours = import_hf(str(tmp_path / "hub"), dtype=torch.float64).eval()
+    assert ours.cfg.mtp_num_layers == 0 and not any(k.startswith("mtp") for k in ours.state_dict())
+    x = torch.randint(0, 96, (2, 40))
+    with torch.no_grad():
+        want, got = hf(x).logits, ours(x)
+    assert torch.allclose(got, want, atol=_tol(want), rtol=0), (got - want).abs().max()
