@@ -24,8 +24,8 @@ from typing import Optional
 import torch
 from safetensors.torch import load_file, save_file
 
-from model import (hf_deepseek_v3, hf_gemma3, hf_glm4_moe, hf_ministral3, hf_mixtral, hf_olmo, hf_phi3, hf_qwen3_moe,
-                   hf_score, hf_vision_language)
+from model import (hf_deepseek_v3, hf_fp8, hf_gemma3, hf_glm4_moe, hf_ministral3, hf_mixtral, hf_olmo, hf_phi3,
+                   hf_qwen3_moe, hf_score, hf_vision_language)
 from model.hf_window import window_from_hf, window_to_hf
 from model.config import ModelConfig
 from model.llama import Transformer
@@ -479,7 +479,7 @@ def import_hf(hf_dir: str, dtype: Optional[torch.dtype] = torch.float32, **overr
         if k not in cfg.to_dict():
             raise ValueError(f"unknown ModelConfig field {k!r}")
         setattr(cfg, k, v)
-    weights = _load_weights(hf_dir)
+    weights = hf_fp8.dequantize(_load_weights(hf_dir), raw)  # (an FP8 checkpoint's weights multiplied out)
     if hf_vision_language.is_wrapper(raw):  # Gemma 3 4B-27B, Mistral Small 3.x, LLaVA: the text model alone
         weights = hf_vision_language.text_weights(weights)[0]
     sd = from_hf_state_dict(weights, cfg, hf_deepseek_v3.interleaved(raw))
