@@ -35,11 +35,11 @@ def _step(model, x, y, dtype):
     return loss.detach().float(), {n: p.grad.float() for n, p in model.named_parameters()}
 
 
-def _batch():
+def _batch(device=CUDA):
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, KW["vocab_size"], (4, 512), generator=g)
     y = torch.cat((x[:, 1:], torch.full((4, 1), -100)), dim=1)
-    return x.to(CUDA), y.to(CUDA)
+    return x.to(device), y.to(device)
 
 
 @pytest.mark.parametrize("switch", SWITCHES)
@@ -102,3 +102,37 @@ def test_trainer_zero_on_nccl_world_1(tmp_path, tiny_pretrain_run_args):
              "--device=cuda", "--dtype=bf16", "--use_distributed_optimizer=true", f"--out_dir={out}",
              "--max_iters=4"])
     assert (out / "checkpoints").is_dir()
+
+
+MLA_KW = dict(KW, n_kv_heads=None, kv_lora_rank=128, q_lora_rank=192, qk_nope_head_dim=64, qk_rope_head_dim=32,
+              v_head_dim=64)  # (DeepSeek-V3's proportions at dim 512: values narrower than the keys)
+
+
+def _mla_step(backend: str, dtype, position_ids=None, device=CUDA):
+    from model import ModelConfig, Transformer
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(**MLA_KW)).to(device)
+    model.attn_backend = backend
+    x, y = _batch(device)
+    model.zero_grad(set_to_none=True)
+    with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+        loss = model(x, labels=y, position_ids=position_ids)
+    loss.backward()
+    return loss.detach().float(), {n: p.grad.float() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("backend,packed", [("auto", False), ("flex", True)], ids=["auto-causal", "flex-packed"])
+def test_latent_attention_through_the_padded_kernels_follows_sdpa_in_bf16(backend, packed, device=CUDA):
+    """Multi-head latent attention (model/mla.py) on the GPU: the kernels that need one head width (FlashAttention-4
+    where `auto` picks it, flash-attn 2, FlexAttention on packed documents) get its values zero-padded; their bf16
+    loss and gradients may be at most 2x SDPA's own bf16 error from the fp32 SDPA model (+ a bf16 floor)."""
+    pos = torch.cat((torch.arange(200), torch.arange(312)))[None].expand(4, 512).to(device) if packed else None
+    l32, g32 = _mla_step("sdpa", torch.float32, pos, device)
+    l_ref, g_ref = _mla_step("sdpa", torch.bfloat16, pos, device)
+    l_k, g_k = _mla_step(backend, torch.bfloat16, pos, device)
+    floor = 2.0 ** -8
+    assert abs(l_k - l32) <= 2 * abs(l_ref - l32) + floor * abs(l32)
+    for n in g32:
+        scale = g32[n].abs().max().item()
+        err_ref, err_k = (g_ref[n] - g32[n]).abs().max().item(), (g_k[n] - g32[n]).abs().max().item()
+        assert err_k <= 2 * err_ref + floor * scale, (backend, n, err_k, err_ref)
