@@ -32,6 +32,8 @@ from utils.device import fp8_matmul_problem, is_accelerator
 log = logging.getLogger(__name__)
 RECIPES = ("tensorwise", "rowwise")
 BLOCK_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# multi-head latent attention's projections (model/mla.py), FP8 in DeepSeek-V3's own training as the rest
+MLA_LINEARS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 
 
 def worth_fp8(recipe: str, out_features: int, in_features: int) -> bool:
@@ -54,7 +56,8 @@ def converts(fqn: str, module: nn.Module, recipe: str = "tensorwise", layers: st
     blocks included (not their eh_proj, not the LM head, not a LoRA adapter), with both dimensions multiples of 16,
     and with layers="auto" large enough (`worth_fp8`)."""
     leaf, path = fqn.rsplit(".", 1)[-1], f".{fqn}"
-    return (type(module) is nn.Linear and leaf in BLOCK_LINEARS and (".layers." in path or ".mtp.depths." in path)
+    return (type(module) is nn.Linear and leaf in BLOCK_LINEARS + MLA_LINEARS
+            and (".layers." in path or ".mtp.depths." in path)
             and module.in_features % 16 == 0 and module.out_features % 16 == 0
             and (layers == "all" or worth_fp8(recipe, module.out_features, module.in_features)))
 

@@ -344,6 +344,24 @@ def test_the_mtp_depths_blocks_are_converted_and_train():
     assert stats[0, 1] > 0 and all(p.grad is not None and torch.isfinite(p.grad).all() for p in depth.parameters())
 
 
+def test_latent_attentions_projections_are_converted_and_train():
+    """Multi-head latent attention (model/mla.py): its four latent projections and o_proj become Float8Linear with the
+    MLP's (DeepSeek-V3 trained them in FP8), its latent norms and the LM head stay; a step's gradients are finite."""
+    from torchao.float8.float8_linear import Float8Linear
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, hidden_dim=64, max_seq_len=16,
+                                    kv_lora_rank=16, q_lora_rank=32, qk_nope_head_dim=8, qk_rope_head_dim=16,
+                                    v_head_dim=8))
+    assert float8.apply(model, None, SimpleNamespace(float8="tensorwise", float8_layers="all"),
+                        device=torch.device("cpu")) == 8 * 2
+    a = model.layers[0].self_attn
+    assert all(type(getattr(a, k)) is Float8Linear for k in float8.MLA_LINEARS + ("o_proj",))
+    assert type(model.lm_head) is nn.Linear and type(a.kv_a_layernorm).__name__ == "RMSNorm"
+    x = torch.randint(0, 64, (2, 12))
+    model(x, labels=torch.roll(x, -1, 1)).backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
 def test_a_layer_whose_dimensions_are_not_multiples_of_16_is_never_converted(caplog):
     """The FP8 matmul needs both dimensions of a weight to be multiples of 16: such a layer is left in full
     precision (skipped, not refused: it is not counted among the candidates either), with --float8_layers=all and
