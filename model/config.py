@@ -67,6 +67,7 @@ class ModelConfig:
     moe_n_groups: int = 1              # DeepSeek-V3's group-limited routing: experts in this many groups (n_group) ...
     moe_topk_groups: int = 1           # ... a token's experts chosen from its best this many groups (topk_group)
     moe_routed_scaling: float = 1.0    # the routed experts' weights times this (routed_scaling_factor)
+    moe_norm_topk: bool = True         # top_k > 1: the chosen weights renormalised to sum 1 (norm_topk_prob); or raw
     moe_capacity_factor: float = 0.0   # training: rows per expert at most ceil(f N k / E), padded (0 = dropless)
     moe_token_drop_policy: str = "probs"  # past capacity drop the smallest weights (probs) or the latest (position)
 

@@ -8,8 +8,8 @@ q/k norms, q/k/v biases and partial rotary are switches, ours too: `qk_norm`, `q
 GLM-4.5's half-rotated heads). DeepSeek-V3's own transformers class needs multi-head latent attention, which our
 model does not have. So every weight of ours maps one to one. What it
 cannot hold is refused in one line: softmax scores (GLM routes on the sigmoid; a softmax model is a Mixtral,
-model/hf_mixtral.py); on import, a renormalisation switch ours does not have (ours renormalises the chosen weights
-when k > 1, never at k = 1).
+model/hf_mixtral.py); on import, norm_topk_prob true at top 1 (the one weight renormalised to 1; ours keep the raw
+score there); norm_topk_prob is our `moe_norm_topk` at k > 1.
 
 The interface of model/hf_mixtral.py (`export_problems`, `config_fields`, `moe_fields`, `to_hub`, `from_hub`, a
 LAYOUT), plus `import_problems`.
@@ -44,19 +44,14 @@ def config_fields(cfg) -> dict:
             "moe_intermediate_size": cfg.moe_hidden_dim or cfg.hidden_dim, "n_shared_experts": cfg.moe_shared_experts,
             "first_k_dense_replace": cfg.moe_first_dense_layers, "n_group": cfg.moe_n_groups,
             "topk_group": cfg.moe_topk_groups, "routed_scaling_factor": float(cfg.moe_routed_scaling),
-            "norm_topk_prob": cfg.moe_top_k > 1, "use_qk_norm": bool(cfg.qk_norm),
+            "norm_topk_prob": hub_layout.norm_topk(cfg), "use_qk_norm": bool(cfg.qk_norm),
             "partial_rotary_factor": float(cfg.partial_rotary_factor), "attention_bias": bool(cfg.qkv_bias),
             "num_mtp_layers": 0, "output_router_logits": False}
 
 
 def import_problems(d: dict) -> list[str]:
     """Why a GLM-4-MoE config.json dict cannot be our model (GLM-4.5's own checkpoints among them)."""
-    p = []
-    k = int(d.get("num_experts_per_tok", 8))
-    if bool(d.get("norm_topk_prob", True)) != (k > 1):
-        p.append(f"norm_topk_prob={d.get('norm_topk_prob', True)} with num_experts_per_tok={k} (ours renormalises "
-                 "the chosen weights exactly when k > 1)")
-    return p
+    return hub_layout.norm_topk_problem(dict(d, norm_topk_prob=d.get("norm_topk_prob", True)))
 
 
 def moe_fields(d: dict) -> dict:
@@ -68,7 +63,8 @@ def moe_fields(d: dict) -> dict:
             "moe_hidden_dim": int(d["moe_intermediate_size"]), "moe_shared_experts": int(d.get("n_shared_experts", 1)),
             "moe_first_dense_layers": int(d.get("first_k_dense_replace", 1)), "moe_score": "sigmoid",
             "moe_n_groups": int(d.get("n_group", 1)), "moe_topk_groups": int(d.get("topk_group", 1)),
-            "moe_routed_scaling": float(d.get("routed_scaling_factor", 1.0))}
+            "moe_routed_scaling": float(d.get("routed_scaling_factor", 1.0)),
+            "moe_norm_topk": hub_layout.norm_topk_of(d, True)}
 
 
 def to_hub(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -165,7 +165,7 @@ def hf_family(cfg: ModelConfig) -> str:
 
 def _causal_family(cfg: ModelConfig) -> str:
     if hf_deepseek_v3.is_deepseek(cfg):
-        return hf_deepseek_v3.ARCHITECTURE
+        return hf_deepseek_v3.architecture(cfg)
     if cfg.moe_num_experts:
         return moe_family(cfg)[1]
     if hf_gemma3.is_gemma(cfg):
@@ -230,7 +230,7 @@ def config_from_hf(d: dict) -> ModelConfig:
         fields.update(hf_olmo.fields_from_hf(d, kind))
     else:
         fields.update(window_from_hf(d, kind, d["num_hidden_layers"]), **query_scale)
-    if kind == hf_deepseek_v3.MODEL_TYPE:  # (its latent attention's sizes, its experts)
+    if kind in hf_deepseek_v3.MODEL_TYPES:  # (its latent attention's sizes, its experts)
         fields.update(hf_deepseek_v3.fields_from_hf(d))
     return ModelConfig(**{**fields, **score})
 

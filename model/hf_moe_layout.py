@@ -33,11 +33,14 @@ class HubLayout:
         return self.bias is not None
 
 
-def softmax_family_problems(cfg, biases: dict[str, torch.Tensor], family: str) -> list[str]:
+def softmax_family_problems(cfg, biases: dict[str, torch.Tensor], family: str, norm_switch: bool = False) -> list[str]:
     """Why an MoE model of config `cfg` and selection biases `biases` cannot be written as `family`, a family that
-    routes on a softmax over every expert, renormalises its top k (> 1) weights and has no shared experts, no routed
-    scaling and no selection bias (Mixtral, Qwen3-MoE)."""
+    routes on a softmax over every expert and has no shared experts, no routed scaling and no selection bias
+    (Mixtral, Qwen3-MoE); `norm_switch`: the family says whether it renormalises its top k weights (Qwen3-MoE's
+    norm_topk_prob), else it always does (Mixtral)."""
     p = []
+    if not norm_switch and not cfg.moe_norm_topk and cfg.moe_top_k > 1:
+        p.append(f"moe_norm_topk=false ({family} renormalises the chosen weights to sum 1)")
     if cfg.moe_shared_experts:
         p.append(f"moe_shared_experts={cfg.moe_shared_experts} ({family} has no shared experts)")
     if cfg.moe_score != "softmax":
@@ -46,12 +49,34 @@ def softmax_family_problems(cfg, biases: dict[str, torch.Tensor], family: str) -
         p.append(f"moe_n_groups={cfg.moe_n_groups} ({family} routes over every expert)")
     if cfg.moe_routed_scaling != 1.0:
         p.append(f"moe_routed_scaling={cfg.moe_routed_scaling} ({family} does not scale the experts' output)")
-    if cfg.moe_top_k < 2:
+    if cfg.moe_top_k < 2 and not norm_switch:
         p.append(f"moe_top_k=1 ({family} renormalises the chosen weights to 1; ours keep the raw score)")
     biased = [name for name, t in biases.items() if bool(t.any())]
     if biased:
         p.append(f"non-zero selection biases ({biased[0]}, ...): {family} has none, its routing would differ")
     return p
+
+
+def norm_topk_problem(d: dict) -> list[str]:
+    """What a config.json's norm_topk_prob holds that ours does not compute: true at top 1 (the one weight renormalised
+    to 1; ours keep the raw score there). norm_topk_prob false reads as moe_norm_topk false (`norm_topk`)."""
+    k = int(d.get("num_experts_per_tok", 8))
+    if d.get("norm_topk_prob") and k == 1:
+        return ["norm_topk_prob=True with num_experts_per_tok=1 (the one weight renormalised to 1; ours keep the raw "
+                "score at k = 1)"]
+    return []
+
+
+def norm_topk_of(d: dict, default: bool) -> bool:
+    """Our moe_norm_topk of a config.json dict (its family's norm_topk_prob `default` where absent); at top 1 the
+    default True (no renormalisation there either way)."""
+    return bool(d.get("norm_topk_prob", default)) or int(d.get("num_experts_per_tok", 8)) == 1
+
+
+def norm_topk(cfg) -> bool:
+    """The norm_topk_prob a config.json gets for `cfg`: whether the chosen weights are renormalised (never at k = 1,
+    where ours keep the raw score)."""
+    return bool(cfg.moe_norm_topk) and cfg.moe_top_k > 1
 
 
 def to_hub(sd: dict[str, torch.Tensor], layout: HubLayout) -> dict[str, torch.Tensor]:

@@ -4,11 +4,10 @@ model_type "qwen3_moe").
 
 Why it maps one to one: Qwen3-MoE is Qwen3's attention (q / k norms, heads sized on their own: model/llama.py with
 `qk_norm`, `attn_head_dim`) over Mixtral's routing (softmax over every expert, the top k, their weights renormalised
-to sum 1: `norm_topk_prob`, what ours does for k > 1), with dense first blocks (`mlp_only_layers` 0 .. k-1, of width
+to sum 1 or not: `norm_topk_prob`, ours `moe_norm_topk`), with dense first blocks (`mlp_only_layers` 0 .. k-1, of width
 `intermediate_size`) and no shared experts. What it cannot hold is refused in one line: shared experts, sigmoid
-scores, group-limited routing, a routed scaling, top_k = 1 (it renormalises the chosen weight to 1, ours keeps the raw
-score), a non-zero selection bias; on import, `norm_topk_prob` false (Qwen1.5 / Qwen2-MoE's raw weights), MoE blocks
-not every layer after the dense ones (`decoder_sparse_step` > 1, `mlp_only_layers` other than a prefix).
+scores, group-limited routing, a routed scaling, a non-zero selection bias; on import, `norm_topk_prob` true at top 1
+(the one weight renormalised to 1, ours keep the raw score), MoE blocks not every layer after the dense ones (`decoder_sparse_step` > 1, `mlp_only_layers` other than a prefix).
 
 The interface of model/hf_mixtral.py (`export_problems`, `config_fields`, `moe_fields`, `to_hub`, `from_hub`, a
 LAYOUT), plus `import_problems`.
@@ -28,7 +27,7 @@ LAYOUT = hub_layout.HubLayout("Qwen3-MoE", block="mlp", bias=None, projections=(
 
 def export_problems(cfg, biases: dict[str, torch.Tensor]) -> list[str]:
     """Why an MoE model of config `cfg` and selection biases `biases` cannot be written as a Qwen3-MoE checkpoint."""
-    p = hub_layout.softmax_family_problems(cfg, biases, "Qwen3-MoE")
+    p = hub_layout.softmax_family_problems(cfg, biases, "Qwen3-MoE", norm_switch=True)
     if cfg.qkv_bias:
         p.append("qkv_bias (Qwen3-MoE's attention has no biases)")
     return p
@@ -36,9 +35,7 @@ def export_problems(cfg, biases: dict[str, torch.Tensor]) -> list[str]:
 
 def import_problems(d: dict) -> list[str]:
     """What a Qwen3-MoE config.json holds that our model does not compute."""
-    p = []
-    if not d.get("norm_topk_prob", False):
-        p.append("norm_topk_prob false (the chosen experts' raw softmax weights; ours renormalise them to sum 1)")
+    p = hub_layout.norm_topk_problem(d)
     if int(d.get("decoder_sparse_step", 1)) != 1:
         p.append(f"decoder_sparse_step={d['decoder_sparse_step']} (ours: every block after the dense ones is MoE)")
     dense = sorted(int(i) for i in d.get("mlp_only_layers") or [])
@@ -51,7 +48,7 @@ def config_fields(cfg) -> dict:
     """The config.json fields that make a Llama dict a Qwen3-MoE one."""
     return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": cfg.moe_num_experts,
             "num_experts_per_tok": cfg.moe_top_k, "moe_intermediate_size": cfg.moe_hidden_dim or cfg.hidden_dim,
-            "intermediate_size": cfg.hidden_dim, "norm_topk_prob": True, "decoder_sparse_step": 1,
+            "intermediate_size": cfg.hidden_dim, "norm_topk_prob": hub_layout.norm_topk(cfg), "decoder_sparse_step": 1,
             "mlp_only_layers": list(range(cfg.moe_first_dense_layers)), "router_aux_loss_coef": 0.0,
             "output_router_logits": False, "use_sliding_window": False, "sliding_window": None,
             "max_window_layers": cfg.n_layers}
@@ -65,7 +62,8 @@ def moe_fields(d: dict) -> dict:
     experts = d.get("num_experts", d.get("num_local_experts"))  # (the Hub's name; transformers 5 saves the other)
     return {"moe_num_experts": int(experts), "moe_top_k": int(d.get("num_experts_per_tok", 8)),
             "moe_hidden_dim": int(d["moe_intermediate_size"]), "moe_score": "softmax",
-            "moe_first_dense_layers": len(d.get("mlp_only_layers") or [])}
+            "moe_first_dense_layers": len(d.get("mlp_only_layers") or []),
+            "moe_norm_topk": hub_layout.norm_topk_of(d, False)}
 
 
 def to_hub(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

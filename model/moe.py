@@ -47,14 +47,15 @@ from utils.moe_flags import MOE_DROP_POLICIES
 
 # ------------------------------------------------------------------------------------------ routing
 def route(x: torch.Tensor, router_weight: torch.Tensor, bias: Optional[torch.Tensor], top_k: int,
-          score: str, n_groups: int = 1, topk_groups: int = 1,
-          scaling: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+          score: str, n_groups: int = 1, topk_groups: int = 1, scaling: float = 1.0,
+          normalize: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [N, D] -> (expert ids [N, k], their weights [N, k], scores [N, E], logits [N, E]; fp32, or fp64 for fp64 x).
     The bias (or None) is added to the scores for the choice only; the weights are the unbiased scores.
     n_groups > 1 (DeepSeek-V3's group-limited routing): the E experts are n_groups consecutive groups, each ranked
     for a token by the sum of its 2 best choice scores; the token's experts come from its best topk_groups groups
     only (the others' scores masked to -inf for the choice). `scaling`: the weights times it
-    (routed_scaling_factor), after the renormalisation."""
+    (routed_scaling_factor), after the renormalisation; `normalize` False: no renormalisation (the chosen raw scores:
+    norm_topk_prob false, Qwen1.5 / Qwen2-MoE's and DeepSeek-V2's)."""
     dtype = torch.promote_types(x.dtype, torch.float32)  # fp32 at least: a bf16 router picks by ties
     logits = F.linear(x.to(dtype), router_weight.to(dtype))
     scores = torch.softmax(logits, dim=-1) if score == "softmax" else torch.sigmoid(logits)
@@ -67,7 +68,7 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, bias: Optional[torch.Ten
         choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(-2)
     idx = torch.topk(choice, top_k, dim=-1, sorted=True).indices
     weights = scores.gather(-1, idx)
-    if top_k > 1:  # Mixtral / Qwen-MoE norm_topk_prob / DeepSeek-V3; at k=1 (Switch) the raw score keeps a gradient
+    if top_k > 1 and normalize:  # Mixtral / Qwen-MoE norm_topk_prob / DeepSeek-V3; at k=1 (Switch) the raw score
         weights = weights / weights.sum(dim=-1, keepdim=True)
     if scaling != 1.0:
         weights = weights * scaling
@@ -213,7 +214,7 @@ class MoEFeedForward(nn.Module):
         super().__init__()
         self.num_experts, self.top_k, self.score = cfg.moe_num_experts, cfg.moe_top_k, cfg.moe_score
         self.n_groups, self.topk_groups = cfg.moe_n_groups, cfg.moe_topk_groups
-        self.routed_scaling = cfg.moe_routed_scaling
+        self.routed_scaling, self.norm_topk = cfg.moe_routed_scaling, cfg.moe_norm_topk
         # training forwards only: evaluation and generation route dropless (as an exported Mixtral does)
         self.capacity_factor, self.drop_policy = cfg.moe_capacity_factor, cfg.moe_token_drop_policy
         hidden = cfg.moe_hidden_dim or cfg.hidden_dim
@@ -251,7 +252,7 @@ class MoEFeedForward(nn.Module):
             flat = take_share(flat, self.token_split_group)
             seq = None if seq is None else share_of(seq, self.token_split_group)
         idx, weights, scores, logits = route(flat, self.router.weight, self.expert_bias, self.top_k, self.score,
-                                             self.n_groups, self.topk_groups, self.routed_scaling)
+                                             self.n_groups, self.topk_groups, self.routed_scaling, self.norm_topk)
         dropped = None
         if self.capacity_factor > 0 and self.training:
             cap = expert_capacity(flat.shape[0], self.top_k, self.num_experts, self.capacity_factor)

@@ -33,6 +33,9 @@ class MoEFlags:
     moe_topk_groups: int = flag(1, "with --moe_n_groups > 1: the groups a token's experts come from (topk_group)")
     moe_routed_scaling: float = flag(1.0, "the routed experts' combined output times this (DeepSeek-V3's "
                                      "routed_scaling_factor, 2.5 there); the shared experts' is not scaled")
+    moe_norm_topk_prob: bool = flag(True, "with --moe_top_k > 1: the chosen experts' weights renormalised to sum 1 "
+                                    "(Mixtral, Qwen3-MoE, DeepSeek-V3); false: their raw scores (transformers' "
+                                    "norm_topk_prob: Qwen1.5 / Qwen2-MoE's, DeepSeek-V2's)")
     moe_capacity_factor: float = flag(0.0, "training: each expert takes at most ceil(factor x tokens x top_k / "
                                       "experts) rows per forward, padded to exactly that (static shapes; GShard, "
                                       "Switch, Megatron's moe_expert_capacity_factor with "
@@ -122,7 +125,7 @@ def moe_model_fields(cfg: Any) -> dict:
             "moe_first_dense_layers": cfg.moe_first_dense_layers, "moe_score": cfg.moe_score,
             "moe_n_groups": cfg.moe_n_groups, "moe_topk_groups": cfg.moe_topk_groups,
             "moe_routed_scaling": cfg.moe_routed_scaling, "moe_capacity_factor": cfg.moe_capacity_factor,
-            "moe_token_drop_policy": cfg.moe_token_drop_policy}
+            "moe_token_drop_policy": cfg.moe_token_drop_policy, "moe_norm_topk": cfg.moe_norm_topk_prob}
 
 
 def moe_param_delta(mcfg: Any) -> int:

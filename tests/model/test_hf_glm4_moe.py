@@ -118,8 +118,9 @@ def test_glm45s_own_attention_reads_and_what_ours_cannot_hold_is_refused():
     glm45 = config_from_hf(_glm45_like(rope_parameters={"rope_type": "default", "rope_theta": 1e6},
                                        attention_bias=True))
     assert glm45.partial_rotary_factor == 0.5 and glm45.rotary_dim == 4 and glm45.qkv_bias
-    with pytest.raises(ValueError, match="norm_topk_prob=False with num_experts_per_tok=2"):
-        config_from_hf(_glm45_like(norm_topk_prob=False))
+    assert config_from_hf(_glm45_like(norm_topk_prob=False)).moe_norm_topk is False  # (raw weights: ours too)
+    with pytest.raises(ValueError, match="norm_topk_prob=True with num_experts_per_tok=1"):
+        config_from_hf(_glm45_like(num_experts_per_tok=1))
 
 
 def test_a_sigmoid_model_without_shared_experts_is_a_glm_and_a_softmax_one_goes_to_mixtral(tmp_path):
@@ -137,7 +138,7 @@ def test_a_sigmoid_model_without_shared_experts_is_a_glm_and_a_softmax_one_goes_
 
 def test_init_from_and_sample_read_the_directory_and_one_ours_cannot_hold_is_one_line(tmp_path):
     """What --init_from, sample.py and eval_lm.py load (trainer/weights.py load_weights_from): the exported
-    directory as the model it came from; one ours cannot hold (no renormalisation at k = 2) refused in one line
+    directory as the model it came from; one ours cannot hold (a renormalised top 1) refused in one line
     (exit 5)."""
     from utils.errors import TrainingError
     from trainer.weights import load_weights_from
@@ -151,9 +152,9 @@ def test_init_from_and_sample_read_the_directory_and_one_ours_cannot_hold_is_one
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     path = tmp_path / "hf" / "config.json"
     d = json.loads(path.read_text())
-    d["norm_topk_prob"] = False
+    d["num_experts_per_tok"] = 1
     path.write_text(json.dumps(d))
-    with pytest.raises(TrainingError, match="norm_topk_prob=False") as e:
+    with pytest.raises(TrainingError, match="norm_topk_prob=True with num_experts_per_tok=1") as e:
         load_weights_from(out, log=lambda m: None)
     assert e.value.code == 5 and "\n" not in str(e.value)
 

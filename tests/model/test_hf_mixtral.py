@@ -80,10 +80,11 @@ def test_transformers5_fused_expert_names_import():
     ({"moe_shared_experts": 1}, "moe_shared_experts=1"),
     ({"moe_first_dense_layers": 1}, "moe_first_dense_layers=1"),
     ({"moe_top_k": 1}, "moe_top_k=1"),
+    ({"moe_norm_topk": False}, "moe_norm_topk=false \\(Mixtral renormalises"),
     ({"moe_n_groups": 2}, "moe_n_groups=2"),
     ({"moe_routed_scaling": 2.5}, "moe_routed_scaling=2.5"),
     ({}, "non-zero selection biases"),
-], ids=["shared", "first_dense", "top1", "groups", "scaling", "bias"])
+], ids=["shared", "first_dense", "top1", "raw-weights", "groups", "scaling", "bias"])
 def test_what_mixtral_cannot_hold_is_refused(tmp_path, kw, needle):
     model = _model(**kw)
     if not kw:

@@ -56,9 +56,28 @@ def test_round_trip_through_transformers_qwen3_moe(tmp_path):
     imports_back(model, out, hf, tmp_path, x, ours)
 
 
+@pytest.mark.parametrize("kw", [{"moe_norm_topk": False}, {"moe_top_k": 1}], ids=["raw-top2", "top1"])
+def test_raw_weights_round_trip_as_norm_topk_prob_false(tmp_path, kw):
+    """--moe_norm_topk_prob=false (Qwen1.5 / Qwen2-MoE's raw softmax weights) and top 1 (where ours keep the raw score)
+    are written as norm_topk_prob false: transformers' logits, and the import gives the same config back; the
+    renormalised model's logits differ (the switch is live)."""
+    from transformers import Qwen3MoeForCausalLM
+    model = _model(**kw)
+    out = export_hf(model, str(tmp_path / "hf"))
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["norm_topk_prob"] is False
+    hf = Qwen3MoeForCausalLM.from_pretrained(out, torch_dtype=torch.float64, experts_implementation="eager").eval()
+    x = torch.randint(0, 96, (2, 12))
+    with torch.no_grad():
+        ours = model.double()(x)
+        assert torch.allclose(hf(x).logits, ours, atol=_tol(ours), rtol=0)
+        if "moe_norm_topk" in kw:
+            assert not torch.allclose(_model().double()(x), ours, atol=1e-3)
+    assert config_from_hf(json.loads((tmp_path / "hf" / "config.json").read_text())).moe_norm_topk == (
+        "moe_top_k" in kw)  # (at top 1 the switch does nothing: written false, read as false)
+
+
 @pytest.mark.parametrize("kw, needle", [
     ({"moe_shared_experts": 1}, "moe_shared_experts=1"),
-    ({"moe_top_k": 1}, "moe_top_k=1"),
     ({"moe_n_groups": 2}, "moe_n_groups=2"),
     ({"moe_routed_scaling": 2.5}, "moe_routed_scaling=2.5"),
 ])
@@ -78,7 +97,7 @@ def _qwen3_moe_config(**kw) -> dict:
 
 
 @pytest.mark.parametrize("kw, needle", [
-    ({"norm_topk_prob": False}, "norm_topk_prob false"),
+    ({"num_experts_per_tok": 1}, "norm_topk_prob=True with num_experts_per_tok=1"),
     ({"decoder_sparse_step": 2}, "decoder_sparse_step=2"),
     ({"mlp_only_layers": [1]}, r"mlp_only_layers=\[1\]"),
 ])

@@ -192,9 +192,12 @@ def test_shapes_and_mixes_that_cannot_be_built_are_refused(tmp_path):
     from parallel.transforms.tensor_parallel import tensor_parallel_problems
     assert tensor_parallel_problems(_cfg(), 2) == [] and "n_heads=4 is not divisible" in tensor_parallel_problems(
         _cfg(), 3)[0]
-    with pytest.raises(ValueError, match="DeepSeek-V3: moe_score=softmax"):
+    with pytest.raises(ValueError, match="moe_norm_topk=true .a softmax router with latent attention is written as "
+                                         "DeepSeek-V2, which transformers never renormalises"):
         export_hf(Transformer(_cfg(**dict(MOE, moe_score="softmax", moe_n_groups=1))), str(tmp_path / "no"))
     assert not os.path.exists(tmp_path / "no")
+    with pytest.raises(ValueError, match="moe_n_groups=2 .DeepSeek-V2 ranks a group by its best score"):
+        export_hf(Transformer(_cfg(**dict(MOE, moe_score="softmax", moe_norm_topk=False))), str(tmp_path / "no"))
     with pytest.raises(ValueError, match=r"deepseek_v3 checkpoints with biases \(attention_bias"):
         config_from_hf({"model_type": "deepseek_v3", "vocab_size": 96, "hidden_size": 32, "intermediate_size": 48,
                         "num_hidden_layers": 2, "num_attention_heads": 4, "attention_bias": True})
@@ -300,3 +303,28 @@ def test_a_deepseek_v3_hub_config_and_its_mtp_layer_import(tmp_path):
     with torch.no_grad():
         want, got = hf(x).logits, ours(x)
     assert torch.allclose(got, want, atol=_tol(want), rtol=0), (got - want).abs().max()
+
+
+def test_a_softmax_router_round_trips_through_transformers_deepseek_v2(tmp_path):
+    """DeepSeek-V2(-Lite)'s routing (softmax over every expert, the chosen raw scores: --moe_norm_topk_prob=false,
+    routed scaling, shared experts, a dense first block) with latent attention is written as DeepseekV2ForCausalLM
+    (its rotary always interleaved): transformers' logits (fp64), the import gives the tensors and config back."""
+    from transformers import DeepseekV2ForCausalLM
+    model = _model(**dict(MOE, moe_score="softmax", moe_norm_topk=False, moe_n_groups=1, moe_topk_groups=1))
+    for layer in model.layers[1:]:
+        layer.mlp.expert_bias.zero_()  # (DeepSeek-V2 has no selection bias)
+    out = export_hf(model, str(tmp_path / "hf"))
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert cfg["architectures"] == ["DeepseekV2ForCausalLM"] and cfg["topk_method"] == "greedy"
+    assert cfg["norm_topk_prob"] is False and cfg["routed_scaling_factor"] == 2.5 and "rope_interleave" not in cfg
+    hf = DeepseekV2ForCausalLM.from_pretrained(out, dtype=torch.float64, experts_implementation="eager").eval()
+    x = torch.randint(0, 96, (2, 24))
+    with torch.no_grad():
+        ours = model.double()(x)
+        assert torch.allclose(hf(x).logits, ours, atol=_tol(ours), rtol=0), (hf(x).logits - ours).abs().max()
+    back = import_hf(out)
+    assert back.cfg == model.cfg
+    a, b = model.float().state_dict(), back.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(ValueError, match="topk_method='group_limited_greedy' over n_group=2 groups"):
+        config_from_hf(dict(cfg, topk_method="group_limited_greedy", n_group=2, topk_group=1))

@@ -342,3 +342,21 @@ def test_compiled_model_equals_eager():
     assert torch.allclose(eager[0], compiled[0], atol=1e-6) and torch.allclose(eager[1], compiled[1], atol=1e-6)
     assert torch.allclose(eager[2], compiled[2], atol=1e-6)
     assert all(torch.equal(a, b) for a, b in zip(eager[3], compiled[3]))
+
+
+def test_raw_weights_without_renormalisation_and_the_flag_that_asks_for_them():
+    """normalize=False (--moe_norm_topk_prob=false; Qwen1.5 / Qwen2-MoE's and DeepSeek-V2's routing): the chosen
+    experts are the same, their weights the raw softmax scores (times the routed scaling), not renormalised."""
+    torch.manual_seed(3)
+    x, w = torch.randn(30, 8), torch.randn(6, 8)
+    idx, weights, scores, _ = route(x, w, None, 3, "softmax", scaling=1.5, normalize=False)
+    ref_idx, ref_weights, _, _ = route(x, w, None, 3, "softmax", scaling=1.5)
+    assert torch.equal(idx, ref_idx)
+    assert torch.allclose(weights, 1.5 * scores.gather(-1, idx))
+    assert torch.allclose(ref_weights, weights / weights.sum(-1, keepdim=True) * 1.5)
+    assert (weights.sum(-1) < 1.5).all() and weights.sum(-1).min() < 1.2  # raw: less than the whole mass
+    from trainer.config import TrainConfig
+    from trainer.start import new_model_config
+    cfg = new_model_config(TrainConfig(data_dir="d", tokenizer_dir="t", moe_num_experts=4, moe_norm_topk_prob=False),
+                           {"vocab_size": 64})
+    assert cfg.moe_norm_topk is False and MoEFeedForward(cfg).norm_topk is False
