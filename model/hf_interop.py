@@ -210,7 +210,7 @@ def config_from_hf(d: dict) -> ModelConfig:
     n_heads = d["num_attention_heads"]
     head_dim = d.get("head_dim") or d["hidden_size"] // n_heads
     if (d.get("attention_bias") and kind != "glm4_moe") or d.get("mlp_bias"):  # (Llama's, Qwen3's: o_proj's too)
-        raise ValueError(f"{kind} checkpoints with biases (attention_bias / mlp_bias) are not supported")
+        raise ValueError(f"{kind} checkpoints with biases are not supported (attention_bias / mlp_bias)")
     fields = dict(
         vocab_size=d["vocab_size"], dim=d["hidden_size"], n_layers=d["num_hidden_layers"], n_heads=n_heads,
         n_kv_heads=d.get("num_key_value_heads") or n_heads, hidden_dim=d["intermediate_size"],

@@ -136,6 +136,10 @@ CONFIGS: dict[str, tuple[int, list[str]]] = {
     "grpo-teacher-ddp2": (2, [*GRPO, "--batch_size=1", "--teacher_kl_coef=0.5", "@teacher"]),
     # selective activation checkpointing per op, with dropout (each recompute replays the draws), at 2 ranks
     "selective-ac-ddp2": (2, ["--batch_size=2", "--activation_checkpoint=selective", "--dropout=0.1"]),
+    # DeepSeek-V3's shape: multi-head latent attention (a query latent too) over the MoE, an MTP depth, under FSDP2
+    # with the experts over 2 ranks
+    "mla-moe-ep2": (2, ["--batch_size=2", "--parallel=fsdp", "--expert_parallel_size=2", "@moe", "--kv_lora_rank=16",
+                        "--q_lora_rank=24", "--mtp_num_layers=1"]),
     # multi-token prediction: two depths (their weights and optimizer state in the checkpoints)
     "mtp": (1, ["--mtp_num_layers=2", "--mtp_loss_weight=0.3"]),
     # an MoE model with an MTP depth (an MoE block too) and a capacity factor, experts over 2 ep ranks of our DDP

@@ -198,7 +198,7 @@ def test_shapes_and_mixes_that_cannot_be_built_are_refused(tmp_path):
     assert not os.path.exists(tmp_path / "no")
     with pytest.raises(ValueError, match="moe_n_groups=2 .DeepSeek-V2 ranks a group by its best score"):
         export_hf(Transformer(_cfg(**dict(MOE, moe_score="softmax", moe_norm_topk=False))), str(tmp_path / "no"))
-    with pytest.raises(ValueError, match=r"deepseek_v3 checkpoints with biases \(attention_bias"):
+    with pytest.raises(ValueError, match=r"deepseek_v3 checkpoints with biases are not supported \(attention_bias"):
         config_from_hf({"model_type": "deepseek_v3", "vocab_size": 96, "hidden_size": 32, "intermediate_size": 48,
                         "num_hidden_layers": 2, "num_attention_heads": 4, "attention_bias": True})
 
