@@ -57,7 +57,7 @@ def _parser():
     p.add_argument("--chat_template_kwargs", default="", help="--chat: a JSON object of extra variables for the "
                    "tokenizer's chat template (Qwen3's '{\"enable_thinking\": false}')")
     from utils import constants as c
-    # the same defaults go into an export's generation_config.json (model/hf_interop.generation_config_dict)
+    # the same defaults go into an export's generation_config.json (model/hf_files.generation_config_dict)
     p.add_argument("--max_new_tokens", type=int, default=c.SAMPLE_MAX_NEW_TOKENS)
     p.add_argument("--temperature", type=float, default=c.SAMPLE_TEMPERATURE, help="0 = greedy")
     p.add_argument("--top_k", type=int, default=c.SAMPLE_TOP_K)

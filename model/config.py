@@ -60,7 +60,9 @@ class ModelConfig:
     # --- mixture of experts (model/moe.py; 0 experts = every block dense)
     moe_num_experts: int = 0           # routed experts per MoE block (HF num_local_experts / num_experts)
     moe_top_k: int = 2                 # experts per token (num_experts_per_tok)
-    moe_shared_experts: int = 0        # always-on experts, merged into one SwiGLU of this many x the expert width
+    moe_shared_experts: int = 0        # always-on experts, merged into one SwiGLU of this many x the expert width ...
+    moe_shared_hidden_dim: Optional[int] = None  # ... or of this width (Qwen2-MoE's shared_expert_intermediate_size)
+    moe_shared_gate: bool = False      # the shared experts' output times sigmoid(x . g) (Qwen2-MoE's shared_expert_gate)
     moe_hidden_dim: Optional[int] = None  # expert width (moe_intermediate_size); None = hidden_dim
     moe_first_dense_layers: int = 0    # the first k blocks keep a dense MLP (DeepSeek's first_k_dense_replace)
     moe_score: str = "softmax"         # router scores: softmax | sigmoid
@@ -136,7 +138,7 @@ class ModelConfig:
         if self.nope_layers is not None and not (isinstance(self.nope_layers, (list, tuple)) and all(
                 isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.n_layers for i in self.nope_layers)):
             raise ValueError(f"nope_layers={self.nope_layers!r} must list layer indices in [0, {self.n_layers})")
-        problem = self._mla_problem() or self._gemma_problem()
+        problem = self._mla_problem() or self._gemma_problem() or self._shared_expert_problem()
         if problem:
             raise ValueError(problem)
         if not 0 <= self.mtp_num_layers <= 16:
@@ -176,6 +178,22 @@ class ModelConfig:
         if self.mtp_num_layers and not self.llama_block:
             return ("multi-token prediction's depths are Llama / DeepSeek blocks: not with Gemma's or OLMo's block "
                     "fields or a partial rotary")
+        return None
+
+    @property
+    def moe_shared_width(self) -> int:
+        """The width of the shared experts' one SwiGLU (0: none)."""
+        if not self.moe_shared_experts:
+            return 0
+        return self.moe_shared_hidden_dim or self.moe_shared_experts * (self.moe_hidden_dim or self.hidden_dim)
+
+    def _shared_expert_problem(self) -> Optional[str]:
+        """What is wrong with the shared experts' own width or gate (they need shared experts), or None."""
+        w = self.moe_shared_hidden_dim
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+            return f"moe_shared_hidden_dim={w!r} must be an integer >= 1 (or None: moe_shared_experts x the expert width)"
+        if (w is not None or self.moe_shared_gate) and not (self.moe_num_experts and self.moe_shared_experts):
+            return "moe_shared_hidden_dim / moe_shared_gate describe the shared experts: they need moe_shared_experts >= 1"
         return None
 
     def _mla_problem(self) -> Optional[str]:

@@ -103,7 +103,8 @@ def matmul_params(cfg: ModelConfig) -> int:
     blocks = cfg.n_layers + mtp
     n_moe = sum(cfg.is_moe_layer(i) for i in range(blocks))
     expert = 3 * d * (cfg.moe_hidden_dim or cfg.hidden_dim)
-    moe = cfg.moe_num_experts * d + (cfg.moe_top_k + cfg.moe_shared_experts) * expert  # router + active experts
+    shared = 3 * d * cfg.moe_shared_width + (d if getattr(cfg, "moe_shared_gate", False) else 0)
+    moe = cfg.moe_num_experts * d + cfg.moe_top_k * expert + shared  # router + active experts + the shared ones
     head = d + (getattr(cfg, "num_labels", 0) or cfg.vocab_size) * d  # a final norm + the LM head (or a score head)
     return (blocks * (attn + norms) + (blocks - n_moe) * mlp + n_moe * moe + head
             + mtp * (2 * d * d + 2 * d + head))  # per depth: eh_proj, enorm + hnorm, its norm and the head

@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from typing import Optional
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from model import (hf_deepseek_v3, hf_fp8, hf_gemma3, hf_glm4_moe, hf_ministral3, hf_mixtral, hf_olmo, hf_phi3,
+from model import (hf_deepseek_v3, hf_files, hf_fp8, hf_gemma3, hf_glm4_moe, hf_ministral3, hf_mixtral, hf_olmo, hf_phi3,
                    hf_qwen3_moe, hf_score, hf_vision_language)
 from model.hf_window import window_from_hf, window_to_hf
 from model.config import ModelConfig
@@ -38,9 +37,6 @@ REFUSED_TYPES = {
     "gemma2": "Gemma 2's attention and final logit soft-capping are not in our model (Gemma 3's text model is read)",
     "gemma": "Gemma 1 is not read (Gemma 3's text model is)",
 }
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
-                   "special_tokens_map.json", "added_tokens.json", "tokenizer_meta.json")
-# not copied from the tokenizer directory (a Hugging Face model's own, say): export writes its own
 
 
 def hf_config_dict(cfg: ModelConfig, torch_dtype: str = "float32", special_ids: Optional[dict] = None) -> dict:
@@ -122,27 +118,6 @@ def _own_family(d: dict, fields: dict, drop: tuple, special_ids: Optional[dict])
     for key in ("mlp_bias", "pretraining_tp") + drop:
         d.pop(key)
     d.update(special_ids or {})
-    return d
-
-
-def generation_config_dict(tokenizer_meta: Optional[dict] = None, stop_ids: Optional[list[int]] = None) -> dict:
-    """generation_config.json: sample.py's sampling defaults and its stop ids, `stop_ids` where the caller read
-    them from the tokenizer (tokenizer.chat.chat_stop_ids: eos and the chat template's end of turn), else </s> and
-    <|im_end|> of a tokenizer_meta.json dict (no ids without one). transformers reads it in from_pretrained."""
-    from utils import constants as c
-    d: dict = {"do_sample": c.SAMPLE_TEMPERATURE > 0, "temperature": c.SAMPLE_TEMPERATURE,
-               "top_k": c.SAMPLE_TOP_K, "top_p": 1.0 if c.SAMPLE_TOP_P is None else c.SAMPLE_TOP_P,
-               "max_new_tokens": c.SAMPLE_MAX_NEW_TOKENS}
-    st = (tokenizer_meta or {}).get("special_tokens") or {}
-    ids = {k: st[k]["id"] for k in ("bos", "eos", "pad", "im_end")
-           if isinstance(st.get(k), dict) and isinstance(st[k].get("id"), int)}
-    if "bos" in ids:
-        d["bos_token_id"] = ids["bos"]
-    stops = [int(i) for i in stop_ids] if stop_ids else [ids[k] for k in ("eos", "im_end") if k in ids]
-    if stops:
-        d["eos_token_id"] = stops if len(stops) > 1 else stops[0]
-    if "pad" in ids:
-        d["pad_token_id"] = ids["pad"]
     return d
 
 
@@ -326,75 +301,22 @@ def export_hf(model: Transformer, out_dir: str, tokenizer_dir: Optional[str] = N
 
     special_ids: optional {"bos_token_id", "eos_token_id", "pad_token_id"}; read from the tokenizer's
     tokenizer_meta.json when omitted and a tokenizer_dir is given. stop_ids: what generation_config.json stops
-    at (`generation_config_dict`).
+    at (model/hf_files.py `generation_config_dict`).
     """
     sd = to_hf_state_dict(model)
     dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[
         next(iter(sd.values())).dtype]
     if special_ids is None:
-        special_ids = _special_ids(tokenizer_dir)
+        special_ids = hf_files.special_ids(tokenizer_dir)
     out_dir = os.path.abspath(out_dir)
     with staged_dir(out_dir, replace=True) as tmp:  # `<out_dir>.tmp/`, renamed over an old export
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(hf_config_dict(model.cfg, dtype, special_ids), f, indent=2)
         save_file(sd, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-        _copy_tokenizer(tokenizer_dir, tmp)
-        _write_generation_config(tokenizer_dir, tmp, stop_ids)
-        _plain_file_modes(tmp)
+        hf_files.copy_tokenizer(tokenizer_dir, tmp)
+        hf_files.write_generation_config(tokenizer_dir, tmp, stop_ids)
+        hf_files.plain_file_modes(tmp)
     return out_dir
-
-
-def _tokenizer_meta(tokenizer_dir: Optional[str]) -> Optional[dict]:
-    path = os.path.join(tokenizer_dir, "tokenizer_meta.json") if tokenizer_dir else ""
-    if path and os.path.exists(path):
-        with open(path) as f:
-            meta = json.load(f)
-        return meta if isinstance(meta, dict) else None
-    return None
-
-
-def _write_generation_config(tokenizer_dir: Optional[str], dst: str, stop_ids: Optional[list[int]]) -> None:
-    with open(os.path.join(dst, "generation_config.json"), "w") as f:
-        json.dump(generation_config_dict(_tokenizer_meta(tokenizer_dir), stop_ids), f, indent=2)
-
-
-def _plain_file_modes(d: str) -> None:
-    """Every file of the export readable as a plain `open` would make it (0666 less the umask): safetensors
-    writes its files 0600, and copy2 keeps the source's mode."""
-    mode = 0o666 & ~_umask()
-    for name in os.listdir(d):
-        path = os.path.join(d, name)
-        if os.path.isfile(path) and not os.path.islink(path):
-            os.chmod(path, mode)
-
-
-def _umask() -> int:
-    try:  # Linux: read without changing it (os.umask sets it, racing other threads)
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    old = os.umask(0o022)
-    os.umask(old)
-    return old
-
-
-def _special_ids(tokenizer_dir: Optional[str]) -> Optional[dict]:
-    meta = _tokenizer_meta(tokenizer_dir)
-    if meta is None:
-        return None
-    st = meta.get("special_tokens", {})
-    return {f"{k}_token_id": st[k]["id"] for k in ("bos", "eos", "pad") if k in st}
-
-
-def _copy_tokenizer(tokenizer_dir: Optional[str], dst: str) -> None:
-    if tokenizer_dir:
-        for fn in TOKENIZER_FILES:
-            src = os.path.join(tokenizer_dir, fn)
-            if os.path.exists(src):
-                shutil.copy2(src, os.path.join(dst, fn))
 
 
 def export_hf_streaming(cfg: ModelConfig, specs: dict[str, tuple[tuple[int, ...], torch.dtype]], load_group,
@@ -430,7 +352,7 @@ def export_hf_streaming(cfg: ModelConfig, specs: dict[str, tuple[tuple[int, ...]
     out_dir = os.path.abspath(out_dir)
     with staged_dir(out_dir, replace=True) as tmp:  # `<out_dir>.tmp/`, renamed over an old export
         with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(hf_config_dict(cfg, dtype, _special_ids(tokenizer_dir)), f, indent=2)
+            json.dump(hf_config_dict(cfg, dtype, hf_files.special_ids(tokenizer_dir)), f, indent=2)
         weight_map, total = {}, 0
         for i, group in enumerate(groups):
             fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
@@ -442,9 +364,9 @@ def export_hf_streaming(cfg: ModelConfig, specs: dict[str, tuple[tuple[int, ...]
             del tensors, sd
         with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-        _copy_tokenizer(tokenizer_dir, tmp)
-        _write_generation_config(tokenizer_dir, tmp, stop_ids)
-        _plain_file_modes(tmp)
+        hf_files.copy_tokenizer(tokenizer_dir, tmp)
+        hf_files.write_generation_config(tokenizer_dir, tmp, stop_ids)
+        hf_files.plain_file_modes(tmp)
     return out_dir, len(groups)
 
 

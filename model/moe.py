@@ -220,8 +220,10 @@ class MoEFeedForward(nn.Module):
         hidden = cfg.moe_hidden_dim or cfg.hidden_dim
         self.router = nn.Linear(cfg.dim, self.num_experts, bias=False)
         self.experts = GroupedExperts(self.num_experts, cfg.dim, hidden)
-        self.shared_experts = SharedExperts(cfg.dim, hidden * cfg.moe_shared_experts, cfg.fused_swiglu,
+        self.shared_experts = SharedExperts(cfg.dim, cfg.moe_shared_width, cfg.fused_swiglu,
                                             cfg.kernel_backend) if cfg.moe_shared_experts else None
+        # Qwen2-MoE: the shared experts' output gated per token by sigmoid(x . g)
+        self.shared_gate = nn.Linear(cfg.dim, 1, bias=False) if cfg.moe_shared_gate else None
         self.resid_dropout = nn.Dropout(cfg.resid_dropout)
         self.register_buffer("expert_bias", torch.zeros(self.num_experts, dtype=torch.float32))
         # the group whose ranks' tokens together are the sequences (context parallelism's, or the tensor-parallel
@@ -264,7 +266,8 @@ class MoEFeedForward(nn.Module):
             rows, counts, order = dispatch(flat, idx, self.num_experts)
             out = combine(self.experts(rows, counts), order, weights)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(flat)
+            shared = self.shared_experts(flat)
+            out = out + (shared if self.shared_gate is None else torch.sigmoid(self.shared_gate(flat)) * shared)
         if self.token_split_group is not None:
             out = gather_shares(out, self.token_split_group, shape[:-1].numel())
         if self.training and torch.is_grad_enabled():

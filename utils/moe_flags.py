@@ -24,6 +24,10 @@ class MoEFlags:
     moe_num_experts: int = flag(0, "routed experts per MoE block (0 = a dense model)")
     moe_top_k: int = flag(2, "experts each token is routed to (their weights renormalised to sum 1 when > 1)")
     moe_shared_experts: int = flag(0, "always-on shared experts per MoE block (DeepSeek), merged into one SwiGLU")
+    moe_shared_hidden_dim: int = flag(0, "the shared experts' SwiGLU width (Qwen2-MoE's shared_expert_intermediate_size; "
+                                      "0 = --moe_shared_experts x the expert width)")
+    moe_shared_gate: bool = flag(False, "the shared experts' output times a per-token sigmoid gate (Qwen2-MoE's "
+                                 "shared_expert_gate)")
     moe_hidden_dim: int = flag(0, "expert width (SwiGLU hidden size of one expert; 0 = --hidden_dim's)")
     moe_first_dense_layers: int = flag(0, "the first k blocks keep a dense MLP (DeepSeek's first_k_dense_replace)")
     moe_score: str = flag("softmax", "router scores: softmax (Mixtral, Qwen-MoE) | sigmoid (DeepSeek-V3)")
@@ -103,6 +107,11 @@ def moe_problems(cfg: Any) -> list[str]:
                                     n_groups=cfg.moe_n_groups, topk_groups=cfg.moe_topk_groups,
                                     routed_scaling=cfg.moe_routed_scaling,
                                     capacity_factor=cfg.moe_capacity_factor, drop_policy=cfg.moe_token_drop_policy))
+        if (cfg.moe_shared_hidden_dim or cfg.moe_shared_gate) and cfg.moe_shared_experts < 1:
+            p.append(f"--moe_shared_hidden_dim={cfg.moe_shared_hidden_dim} / --moe_shared_gate={cfg.moe_shared_gate} "
+                     "describe the shared experts: they need --moe_shared_experts >= 1")
+        if cfg.moe_shared_hidden_dim < 0:
+            p.append(f"--moe_shared_hidden_dim={cfg.moe_shared_hidden_dim}: must be >= 0")
         if cfg.moe_first_dense_layers >= cfg.n_layers:
             p.append(f"--moe_first_dense_layers={cfg.moe_first_dense_layers}: leaves no MoE block of "
                      f"--n_layers={cfg.n_layers}")
@@ -125,7 +134,8 @@ def moe_model_fields(cfg: Any) -> dict:
             "moe_first_dense_layers": cfg.moe_first_dense_layers, "moe_score": cfg.moe_score,
             "moe_n_groups": cfg.moe_n_groups, "moe_topk_groups": cfg.moe_topk_groups,
             "moe_routed_scaling": cfg.moe_routed_scaling, "moe_capacity_factor": cfg.moe_capacity_factor,
-            "moe_token_drop_policy": cfg.moe_token_drop_policy, "moe_norm_topk": cfg.moe_norm_topk_prob}
+            "moe_token_drop_policy": cfg.moe_token_drop_policy, "moe_norm_topk": cfg.moe_norm_topk_prob,
+            "moe_shared_hidden_dim": cfg.moe_shared_hidden_dim or None, "moe_shared_gate": cfg.moe_shared_gate}
 
 
 def moe_param_delta(mcfg: Any) -> int:
@@ -136,5 +146,7 @@ def moe_param_delta(mcfg: Any) -> int:
         return 0
     width = mcfg.moe_hidden_dim or mcfg.hidden_dim
     blocks = max(0, mcfg.n_layers + getattr(mcfg, "mtp_num_layers", 0) - mcfg.moe_first_dense_layers)  # + MTP's
-    per_block = e * mcfg.dim + (e + mcfg.moe_shared_experts) * 3 * mcfg.dim * width - 3 * mcfg.dim * mcfg.hidden_dim
+    shared = mcfg.moe_shared_width if hasattr(mcfg, "moe_shared_width") else mcfg.moe_shared_experts * width
+    per_block = (e * mcfg.dim + e * 3 * mcfg.dim * width + 3 * mcfg.dim * shared
+                 + (mcfg.dim if getattr(mcfg, "moe_shared_gate", False) else 0) - 3 * mcfg.dim * mcfg.hidden_dim)
     return blocks * per_block

@@ -410,7 +410,7 @@ def test_an_export_stops_where_its_chats_end(adopted, toks):
     """generation_config.json of an export: eos and the template's end of turn (Llama 3 base: <|end_of_text|> and
     <|eot_id|>, as the released Instruct models' configs list them), so transformers' generate stops at a reply's end."""
     from export_hf import _stop_ids
-    from model.hf_interop import generation_config_dict
+    from model.hf_files import generation_config_dict
     from tokenizer import load_tokenizer_meta
     for name, want in (("llama3", ["<|end_of_text|>", "<|eot_id|>"]), ("llama3.2", ["<|eot_id|>"]),
                        ("qwen2.5", ["<|im_end|>"])):
