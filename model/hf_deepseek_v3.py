@@ -51,9 +51,9 @@ def is_deepseek(cfg: Any) -> bool:
 
 def export_problems(cfg: Any, biases: dict[str, torch.Tensor]) -> list[str]:
     """Why a model of config `cfg` cannot be written as a DeepSeek-V3 (sigmoid) or DeepSeek-V2 (softmax) checkpoint."""
+    p = hub_layout.shared_expert_problems(cfg, "DeepSeek-V3 / V2") if cfg.moe_num_experts else []
     if not _v2(cfg):
-        return []
-    p = []
+        return p
     if cfg.moe_norm_topk and cfg.moe_top_k > 1:
         p.append("moe_norm_topk=true (a softmax router with latent attention is written as DeepSeek-V2, which "
                  "transformers never renormalises: train with --moe_norm_topk_prob=false)")

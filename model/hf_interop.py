@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from model import (hf_deepseek_v3, hf_files, hf_fp8, hf_gemma3, hf_glm4_moe, hf_ministral3, hf_mixtral, hf_olmo, hf_phi3,
-                   hf_qwen3_moe, hf_score, hf_vision_language)
+                   hf_qwen2_moe, hf_qwen3_moe, hf_score, hf_vision_language)
 from model.hf_window import window_from_hf, window_to_hf
 from model.config import ModelConfig
 from model.llama import Transformer
@@ -84,7 +84,7 @@ def _causal_config_dict(cfg: ModelConfig, torch_dtype: str, special_ids: Optiona
                            special_ids)
     if cfg.partial_rotary_factor != 1.0 and not glm:
         raise ValueError("a partial rotary with MoE blocks is written as GLM-4-MoE (a sigmoid router) only")
-    if cfg.qkv_bias and not glm and (cfg.qk_norm or cfg.moe_num_experts):
+    if cfg.qkv_bias and not glm and (cfg.qk_norm or cfg.moe_num_experts) and not hf_qwen2_moe.is_qwen2_moe(cfg):
         raise ValueError("a model with q/k/v biases and " + ("q / k norms" if cfg.qk_norm else "MoE blocks")
                          + " has no transformers family here (Qwen2 has the biases; Qwen3, Qwen3-MoE the norms; "
                          "Mixtral and GLM-4-MoE no biases)")
@@ -125,6 +125,8 @@ def moe_family(cfg: ModelConfig):
     """The Hugging Face family an MoE model is written as: (its module, its class name); a softmax router's is
     Mixtral (model/hf_mixtral.py), or Qwen3-MoE with q / k norms (model/hf_qwen3_moe.py), a sigmoid router's
     (DeepSeek-V3's) GLM-4-MoE (model/hf_glm4_moe.py)."""
+    if hf_qwen2_moe.is_qwen2_moe(cfg):  # (a gated shared expert: Qwen2-MoE's)
+        return hf_qwen2_moe, hf_qwen2_moe.ARCHITECTURE
     if cfg.moe_score == "sigmoid":
         return hf_glm4_moe, "Glm4MoeForCausalLM"
     if cfg.qk_norm:
@@ -175,8 +177,9 @@ def config_from_hf(d: dict) -> ModelConfig:
         raise ValueError(f"model_type={kind!r}: {REFUSED_TYPES[kind]}")
     if kind not in HF_MODEL_TYPES:
         raise ValueError("only Llama, Mistral, Phi-3, Qwen2, Qwen3, SmolLM3, Gemma 3 (text), OLMo 2 / 3, Mixtral, "
-                         f"Qwen3-MoE, GLM-4-MoE and DeepSeek-V3 checkpoints are supported, got model_type={kind!r}")
-    families = {"mixtral": hf_mixtral, "glm4_moe": hf_glm4_moe, "qwen3_moe": hf_qwen3_moe}
+                         f"Qwen2-MoE, Qwen3-MoE, GLM-4-MoE and DeepSeek-V2 / V3 checkpoints are supported, got "
+                         f"model_type={kind!r}")
+    families = {"mixtral": hf_mixtral, "glm4_moe": hf_glm4_moe, "qwen3_moe": hf_qwen3_moe, "qwen2_moe": hf_qwen2_moe}
     partial = (d.get("rope_parameters") or {}).get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
     moe = families[kind].moe_fields(d) if kind in families else {}
     theta = (d.get("rope_parameters") or {}).get("rope_theta", d.get("rope_theta", 10000.0))
@@ -192,7 +195,8 @@ def config_from_hf(d: dict) -> ModelConfig:
         norm_eps=d.get("rms_norm_eps", 1e-6), max_seq_len=d.get("max_position_embeddings", 2048),
         rope_theta=float(theta), rope_scaling=scaling, tie_embeddings=bool(d.get("tie_word_embeddings", False)),
         initializer_range=d.get("initializer_range", 0.02), attn_dropout=d.get("attention_dropout", 0.0) or 0.0,
-        qkv_bias=kind == "qwen2" or (kind == "glm4_moe" and bool(d.get("attention_bias"))),  # (GLM-4.5's: q/k/v's)
+        qkv_bias=kind == "qwen2" or (kind == "glm4_moe" and bool(d.get("attention_bias")))  # (GLM-4.5's: q/k/v's)
+        or (kind == "qwen2_moe" and bool(d.get("qkv_bias", True))),
         qk_norm=kind in ("qwen3", "qwen3_moe") or bool(d.get("use_qk_norm")),
         partial_rotary_factor=float(partial if kind != "glm4_moe" else  # (transformers' GLM default: 0.5)
                                     (d.get("rope_parameters") or {}).get("partial_rotary_factor",

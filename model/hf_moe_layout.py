@@ -42,7 +42,8 @@ def softmax_family_problems(cfg, biases: dict[str, torch.Tensor], family: str, n
     if not norm_switch and not cfg.moe_norm_topk and cfg.moe_top_k > 1:
         p.append(f"moe_norm_topk=false ({family} renormalises the chosen weights to sum 1)")
     if cfg.moe_shared_experts:
-        p.append(f"moe_shared_experts={cfg.moe_shared_experts} ({family} has no shared experts)")
+        p.append(f"moe_shared_experts={cfg.moe_shared_experts} ({family} has no shared experts; a gated one is "
+                 "Qwen2-MoE's: --moe_shared_gate)")
     if cfg.moe_score != "softmax":
         p.append(f"moe_score={cfg.moe_score} ({family} routes on softmax)")
     if cfg.moe_n_groups != 1:
@@ -54,6 +55,18 @@ def softmax_family_problems(cfg, biases: dict[str, torch.Tensor], family: str, n
     biased = [name for name, t in biases.items() if bool(t.any())]
     if biased:
         p.append(f"non-zero selection biases ({biased[0]}, ...): {family} has none, its routing would differ")
+    return p
+
+
+def shared_expert_problems(cfg, family: str) -> list[str]:
+    """Why the shared experts of `cfg` do not fit a family whose shared experts are n ungated copies of the expert
+    width (DeepSeek-V3 / V2, GLM-4-MoE): a gate (Qwen2-MoE's), or a width of their own."""
+    p = []
+    if getattr(cfg, "moe_shared_gate", False):
+        p.append(f"moe_shared_gate ({family}'s shared experts are not gated; Qwen2-MoE's are)")
+    own = getattr(cfg, "moe_shared_hidden_dim", None)
+    if own and own != cfg.moe_shared_experts * (cfg.moe_hidden_dim or cfg.hidden_dim):
+        p.append(f"moe_shared_hidden_dim={own} ({family}'s shared experts are n_shared_experts x the expert width)")
     return p
 
 

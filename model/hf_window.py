@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-QWEN_TYPES = ("qwen2", "qwen3", "qwen3_moe", "smollm3")  # (a use_sliding_window switch, per-layer types)
+QWEN_TYPES = ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "smollm3")  # (a use_sliding_window switch, per-layer types)
 
 
 def window_from_hf(d: dict, kind: str, n_layers: int) -> dict[str, Any]:
