@@ -33,15 +33,16 @@ class HubLayout:
         return self.bias is not None
 
 
-def softmax_family_problems(cfg, biases: dict[str, torch.Tensor], family: str, norm_switch: bool = False) -> list[str]:
+def softmax_family_problems(cfg, biases: dict[str, torch.Tensor], family: str, norm_switch: bool = False,
+                            gated_shared: bool = False) -> list[str]:
     """Why an MoE model of config `cfg` and selection biases `biases` cannot be written as `family`, a family that
     routes on a softmax over every expert and has no shared experts, no routed scaling and no selection bias
     (Mixtral, Qwen3-MoE); `norm_switch`: the family says whether it renormalises its top k weights (Qwen3-MoE's
-    norm_topk_prob), else it always does (Mixtral)."""
+    norm_topk_prob), else it always does (Mixtral); `gated_shared`: it has one gated shared expert (Qwen2-MoE)."""
     p = []
     if not norm_switch and not cfg.moe_norm_topk and cfg.moe_top_k > 1:
         p.append(f"moe_norm_topk=false ({family} renormalises the chosen weights to sum 1)")
-    if cfg.moe_shared_experts:
+    if cfg.moe_shared_experts and not gated_shared:
         p.append(f"moe_shared_experts={cfg.moe_shared_experts} ({family} has no shared experts; a gated one is "
                  "Qwen2-MoE's: --moe_shared_gate)")
     if cfg.moe_score != "softmax":

@@ -33,19 +33,8 @@ def is_qwen2_moe(cfg) -> bool:
 
 def export_problems(cfg, biases: dict[str, torch.Tensor]) -> list[str]:
     """Why an MoE model of config `cfg` cannot be written as a Qwen2-MoE checkpoint."""
-    p = []
-    if cfg.moe_score != "softmax":
-        p.append(f"moe_score={cfg.moe_score} (Qwen2-MoE routes on a softmax)")
-    if cfg.moe_n_groups != 1:
-        p.append(f"moe_n_groups={cfg.moe_n_groups} (Qwen2-MoE routes over every expert)")
-    if cfg.moe_routed_scaling != 1.0:
-        p.append(f"moe_routed_scaling={cfg.moe_routed_scaling} (Qwen2-MoE does not scale the experts' output)")
-    if cfg.qk_norm:
-        p.append("qk_norm (Qwen2-MoE's attention has no q / k norms)")
-    biased = [name for name, t in biases.items() if bool(t.any())]
-    if biased:
-        p.append(f"non-zero selection biases ({biased[0]}, ...): Qwen2-MoE has none")
-    return p
+    p = hub_layout.softmax_family_problems(cfg, biases, "Qwen2-MoE", norm_switch=True, gated_shared=True)
+    return p + (["qk_norm (Qwen2-MoE's attention has no q / k norms)"] if cfg.qk_norm else [])
 
 
 def config_fields(cfg) -> dict:

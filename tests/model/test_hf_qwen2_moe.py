@@ -59,7 +59,7 @@ def test_round_trip_through_transformers_qwen2_moe(tmp_path):
 
 
 def test_what_the_families_cannot_hold_is_refused(tmp_path):
-    for kw, needle in (({"moe_score": "sigmoid"}, "moe_score=sigmoid .Qwen2-MoE routes on a softmax"),
+    for kw, needle in (({"moe_score": "sigmoid"}, "moe_score=sigmoid .Qwen2-MoE routes on softmax"),
                        ({"moe_score": "sigmoid", "moe_shared_gate": False}, "moe_shared_hidden_dim=40 .GLM-4-MoE"),
                        ({"moe_shared_gate": False, "moe_shared_hidden_dim": None}, "moe_shared_experts=1 .Mixtral "
                                                                                    "has no shared experts; a gated")):
