@@ -229,7 +229,8 @@ def test_a_run_with_latent_attention_resumes_exactly_and_exports(tiny_pretrain_r
     from utils.metrics import dedupe_by_step, read_metrics
     flags = ["--kv_lora_rank=16", "--q_lora_rank=24", "--qk_rope_head_dim=4"]
     whole, split = tmp_path / "whole", tmp_path / "split"
-    run_cmd(train_cmd([*tiny_pretrain_run_args, *flags, f"--out_dir={whole}", "--max_iters=5"]))
+    log = run_cmd(train_cmd([*tiny_pretrain_run_args, *flags, f"--out_dir={whole}", "--max_iters=5"])).stdout
+    assert ", multi-head latent attention (kv latent 16, q latent 24, 4 heads of 8 + 4 RoPE / 8 values)" in log, log
     run_cmd(train_cmd([*tiny_pretrain_run_args, *flags, f"--out_dir={split}", "--max_iters=3"]))
     run_cmd(train_cmd([*tiny_pretrain_run_args, *flags, f"--out_dir={split}", "--max_iters=5"]))
     a, b = (dedupe_by_step(read_metrics(os.path.join(d, "metrics.jsonl"))) for d in (whole, split))
