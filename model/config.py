@@ -67,7 +67,8 @@ class ModelConfig:
     moe_first_dense_layers: int = 0    # the first k blocks keep a dense MLP (DeepSeek's first_k_dense_replace)
     moe_score: str = "softmax"         # router scores: softmax | sigmoid
     moe_n_groups: int = 1              # DeepSeek-V3's group-limited routing: experts in this many groups (n_group) ...
-    moe_topk_groups: int = 1           # ... a token's experts chosen from its best this many groups (topk_group)
+    moe_topk_groups: int = 1           # ... a token's experts chosen from its best this many groups (topk_group), ...
+    moe_group_score: str = "top2"      # ... a group ranked by its 2 best scores (V3) or its best (max: V2's)
     moe_routed_scaling: float = 1.0    # the routed experts' weights times this (routed_scaling_factor)
     moe_norm_topk: bool = True         # top_k > 1: the chosen weights renormalised to sum 1 (norm_topk_prob); or raw
     moe_capacity_factor: float = 0.0   # training: rows per expert at most ceil(f N k / E), padded (0 = dropless)
@@ -116,6 +117,8 @@ class ModelConfig:
         problem = checkpoint_policy_problem(self.checkpoint_policy)
         if problem:
             raise ValueError(f"checkpoint_policy: {problem}")
+        if self.moe_group_score not in ("top2", "max"):
+            raise ValueError(f"moe_group_score must be top2 or max, got {self.moe_group_score!r}")
         if self.kernel_backend not in ("auto", "triton", "torch"):
             raise ValueError(f"kernel_backend must be auto, triton or torch, got {self.kernel_backend!r}")
         if self.fa4 not in ("auto", "true", "false"):

@@ -53,12 +53,13 @@ def export_problems(cfg: Any, biases: dict[str, torch.Tensor]) -> list[str]:
     """Why a model of config `cfg` cannot be written as a DeepSeek-V3 (sigmoid) or DeepSeek-V2 (softmax) checkpoint."""
     p = hub_layout.shared_expert_problems(cfg, "DeepSeek-V3 / V2") if cfg.moe_num_experts else []
     if not _v2(cfg):
-        return p
+        return p + hub_layout.group_score_problem(cfg, "DeepSeek-V3")
     if cfg.moe_norm_topk and cfg.moe_top_k > 1:
         p.append("moe_norm_topk=true (a softmax router with latent attention is written as DeepSeek-V2, which "
                  "transformers never renormalises: train with --moe_norm_topk_prob=false)")
-    if cfg.moe_n_groups != 1:
-        p.append(f"moe_n_groups={cfg.moe_n_groups} (DeepSeek-V2 ranks a group by its best score, ours by its two best)")
+    if cfg.moe_n_groups != 1 and cfg.moe_group_score != "max":
+        p.append(f"moe_n_groups={cfg.moe_n_groups} with moe_group_score={cfg.moe_group_score} (DeepSeek-V2 ranks a "
+                 "group by its best score: --moe_group_score=max)")
     biased = [name for name, t in biases.items() if bool(t.any())]
     if biased:
         p.append(f"non-zero selection biases ({biased[0]}, ...): DeepSeek-V2 has none")
@@ -77,8 +78,10 @@ def config_fields(cfg: Any) -> dict:
                   "n_routed_experts": cfg.moe_num_experts, "num_experts_per_tok": cfg.moe_top_k,
                   "moe_intermediate_size": cfg.moe_hidden_dim or cfg.hidden_dim,
                   "n_shared_experts": cfg.moe_shared_experts, "first_k_dense_replace": cfg.moe_first_dense_layers,
-                  "routed_scaling_factor": float(cfg.moe_routed_scaling), "topk_method": "greedy", "n_group": None,
-                  "topk_group": None, "norm_topk_prob": False})
+                  "routed_scaling_factor": float(cfg.moe_routed_scaling), "norm_topk_prob": False,
+                  "topk_method": "group_limited_greedy" if cfg.moe_n_groups > 1 else "greedy",
+                  "n_group": cfg.moe_n_groups if cfg.moe_n_groups > 1 else None,
+                  "topk_group": cfg.moe_topk_groups if cfg.moe_n_groups > 1 else None})
         for key in ("rope_interleave", "num_mtp_layers"):  # (not DeepSeek-V2's)
             d.pop(key)
     elif cfg.moe_num_experts:
@@ -112,13 +115,18 @@ def fields_from_hf(d: dict) -> dict:
 
 def _v2_moe_fields(d: dict, first_dense: int) -> dict:
     """A DeepSeek-V2 config's MoE as ours: softmax scores, the chosen raw scores times routed_scaling_factor (what
-    transformers computes, whatever norm_topk_prob says); group-limited routing is refused."""
-    if d.get("topk_method", "greedy") != "greedy" and int(d.get("n_group") or 1) > 1:
-        raise ValueError(f"this DeepSeek-V2 checkpoint routes with topk_method={d['topk_method']!r} over "
-                         f"n_group={d['n_group']} groups (ranked by their best score; ours rank by the two best): not "
-                         "built")
-    return {"moe_num_experts": int(d["n_routed_experts"]), "moe_top_k": int(d.get("num_experts_per_tok") or 6),
-            "moe_hidden_dim": int(d["moe_intermediate_size"]), "moe_shared_experts": int(d.get("n_shared_experts", 2)),
+    transformers computes, whatever norm_topk_prob says); `group_limited_greedy` as groups ranked by their best
+    score (`moe_group_score` max)."""
+    method = d.get("topk_method", "greedy")
+    if method not in ("greedy", "group_limited_greedy"):
+        raise ValueError(f"this DeepSeek-V2 checkpoint routes with topk_method={method!r} (greedy or "
+                         "group_limited_greedy are read)")
+    groups = int(d.get("n_group") or 1) if method == "group_limited_greedy" else 1
+    fields = {"moe_n_groups": groups, "moe_topk_groups": int(d.get("topk_group") or 1) if groups > 1 else 1,
+              "moe_group_score": "max" if groups > 1 else "top2"}
+    return {**fields, "moe_num_experts": int(d["n_routed_experts"]),
+            "moe_top_k": int(d.get("num_experts_per_tok") or 6), "moe_hidden_dim": int(d["moe_intermediate_size"]),
+            "moe_shared_experts": int(d.get("n_shared_experts", 2)),
             "moe_first_dense_layers": first_dense, "moe_score": "softmax", "moe_norm_topk": False,
             "moe_routed_scaling": float(d.get("routed_scaling_factor", 1.0))}
 

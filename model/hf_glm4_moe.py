@@ -32,7 +32,7 @@ LAYOUT = hub_layout.HubLayout("GLM-4-MoE", block="mlp", bias="gate.e_score_corre
 
 def export_problems(cfg, biases: dict[str, torch.Tensor]) -> list[str]:
     """Why an MoE model of config `cfg` cannot be written as a GLM-4-MoE checkpoint (any selection biases can)."""
-    p = hub_layout.shared_expert_problems(cfg, "GLM-4-MoE")
+    p = hub_layout.shared_expert_problems(cfg, "GLM-4-MoE") + hub_layout.group_score_problem(cfg, "GLM-4-MoE")
     return p if cfg.moe_score == "sigmoid" else p + [
         f"moe_score={cfg.moe_score} (GLM-4-MoE routes on the sigmoid; a softmax model exports as a Mixtral)"]
 

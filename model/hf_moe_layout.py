@@ -59,6 +59,13 @@ def softmax_family_problems(cfg, biases: dict[str, torch.Tensor], family: str, n
     return p
 
 
+def group_score_problem(cfg, family: str) -> list[str]:
+    """A group ranking the family does not compute: DeepSeek-V3's and GLM-4-MoE's rank a group by its two best."""
+    if cfg.moe_n_groups > 1 and getattr(cfg, "moe_group_score", "top2") != "top2":
+        return [f"moe_group_score={cfg.moe_group_score} ({family} ranks a group by its two best scores)"]
+    return []
+
+
 def shared_expert_problems(cfg, family: str) -> list[str]:
     """Why the shared experts of `cfg` do not fit a family whose shared experts are n ungated copies of the expert
     width (DeepSeek-V3 / V2, GLM-4-MoE): a gate (Qwen2-MoE's), or a width of their own."""

@@ -48,11 +48,13 @@ from utils.moe_flags import MOE_DROP_POLICIES
 # ------------------------------------------------------------------------------------------ routing
 def route(x: torch.Tensor, router_weight: torch.Tensor, bias: Optional[torch.Tensor], top_k: int,
           score: str, n_groups: int = 1, topk_groups: int = 1, scaling: float = 1.0,
-          normalize: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+          normalize: bool = True, group_score: str = "top2") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                      torch.Tensor]:
     """x [N, D] -> (expert ids [N, k], their weights [N, k], scores [N, E], logits [N, E]; fp32, or fp64 for fp64 x).
     The bias (or None) is added to the scores for the choice only; the weights are the unbiased scores.
     n_groups > 1 (DeepSeek-V3's group-limited routing): the E experts are n_groups consecutive groups, each ranked
-    for a token by the sum of its 2 best choice scores; the token's experts come from its best topk_groups groups
+    for a token by the sum of its 2 best choice scores (`group_score` "top2"; "max": by its best one, DeepSeek-V2's
+    group_limited_greedy); the token's experts come from its best topk_groups groups
     only (the others' scores masked to -inf for the choice). `scaling`: the weights times it
     (routed_scaling_factor), after the renormalisation; `normalize` False: no renormalisation (the chosen raw scores:
     norm_topk_prob false, Qwen1.5 / Qwen2-MoE's and DeepSeek-V2's)."""
@@ -62,7 +64,7 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, bias: Optional[torch.Ten
     choice = scores if bias is None else scores + bias.detach().to(dtype)
     if n_groups > 1:
         grouped = choice.detach().unflatten(-1, (n_groups, -1))  # [N, G, E/G]
-        rank = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [N, G]
+        rank = grouped.amax(dim=-1) if group_score == "max" else grouped.topk(2, dim=-1).values.sum(dim=-1)  # [N, G]
         best = rank.topk(topk_groups, dim=-1, sorted=False).indices
         keep = torch.zeros_like(rank, dtype=torch.bool).scatter_(-1, best, True)
         choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(-2)
@@ -214,7 +216,8 @@ class MoEFeedForward(nn.Module):
         super().__init__()
         self.num_experts, self.top_k, self.score = cfg.moe_num_experts, cfg.moe_top_k, cfg.moe_score
         self.n_groups, self.topk_groups = cfg.moe_n_groups, cfg.moe_topk_groups
-        self.routed_scaling, self.norm_topk = cfg.moe_routed_scaling, cfg.moe_norm_topk
+        self.routed_scaling, self.norm_topk, self.group_score = cfg.moe_routed_scaling, cfg.moe_norm_topk, \
+            cfg.moe_group_score
         # training forwards only: evaluation and generation route dropless (as an exported Mixtral does)
         self.capacity_factor, self.drop_policy = cfg.moe_capacity_factor, cfg.moe_token_drop_policy
         hidden = cfg.moe_hidden_dim or cfg.hidden_dim
@@ -254,7 +257,8 @@ class MoEFeedForward(nn.Module):
             flat = take_share(flat, self.token_split_group)
             seq = None if seq is None else share_of(seq, self.token_split_group)
         idx, weights, scores, logits = route(flat, self.router.weight, self.expert_bias, self.top_k, self.score,
-                                             self.n_groups, self.topk_groups, self.routed_scaling, self.norm_topk)
+                                             self.n_groups, self.topk_groups, self.routed_scaling, self.norm_topk,
+                                             self.group_score)
         dropped = None
         if self.capacity_factor > 0 and self.training:
             cap = expert_capacity(flat.shape[0], self.top_k, self.num_experts, self.capacity_factor)

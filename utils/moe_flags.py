@@ -35,6 +35,8 @@ class MoEFlags:
                              "equal groups, each token's top-k chosen only from its best --moe_topk_groups of them "
                              "(a group ranked by its 2 best scores; under expert parallelism: fewer ranks per token)")
     moe_topk_groups: int = flag(1, "with --moe_n_groups > 1: the groups a token's experts come from (topk_group)")
+    moe_group_score: str = flag("top2", "with --moe_n_groups > 1: a group ranked by the sum of its 2 best scores "
+                                "(top2: DeepSeek-V3's) or by its best (max: DeepSeek-V2's group_limited_greedy)")
     moe_routed_scaling: float = flag(1.0, "the routed experts' combined output times this (DeepSeek-V3's "
                                      "routed_scaling_factor, 2.5 there); the shared experts' is not scaled")
     moe_norm_topk_prob: bool = flag(True, "with --moe_top_k > 1: the chosen experts' weights renormalised to sum 1 "
@@ -110,6 +112,8 @@ def moe_problems(cfg: Any) -> list[str]:
         if (cfg.moe_shared_hidden_dim or cfg.moe_shared_gate) and cfg.moe_shared_experts < 1:
             p.append(f"--moe_shared_hidden_dim={cfg.moe_shared_hidden_dim} / --moe_shared_gate={cfg.moe_shared_gate} "
                      "describe the shared experts: they need --moe_shared_experts >= 1")
+        if cfg.moe_group_score not in ("top2", "max"):
+            p.append(f"--moe_group_score={cfg.moe_group_score!r} (top2 | max)")
         if cfg.moe_shared_hidden_dim < 0:
             p.append(f"--moe_shared_hidden_dim={cfg.moe_shared_hidden_dim}: must be >= 0")
         if cfg.moe_first_dense_layers >= cfg.n_layers:
@@ -135,7 +139,8 @@ def moe_model_fields(cfg: Any) -> dict:
             "moe_n_groups": cfg.moe_n_groups, "moe_topk_groups": cfg.moe_topk_groups,
             "moe_routed_scaling": cfg.moe_routed_scaling, "moe_capacity_factor": cfg.moe_capacity_factor,
             "moe_token_drop_policy": cfg.moe_token_drop_policy, "moe_norm_topk": cfg.moe_norm_topk_prob,
-            "moe_shared_hidden_dim": cfg.moe_shared_hidden_dim or None, "moe_shared_gate": cfg.moe_shared_gate}
+            "moe_shared_hidden_dim": cfg.moe_shared_hidden_dim or None, "moe_shared_gate": cfg.moe_shared_gate,
+            "moe_group_score": cfg.moe_group_score}
 
 
 def moe_param_delta(mcfg: Any) -> int:

@@ -196,8 +196,10 @@ def test_shapes_and_mixes_that_cannot_be_built_are_refused(tmp_path):
                                          "DeepSeek-V2, which transformers never renormalises"):
         export_hf(Transformer(_cfg(**dict(MOE, moe_score="softmax", moe_n_groups=1))), str(tmp_path / "no"))
     assert not os.path.exists(tmp_path / "no")
-    with pytest.raises(ValueError, match="moe_n_groups=2 .DeepSeek-V2 ranks a group by its best score"):
+    with pytest.raises(ValueError, match="moe_n_groups=2 with moe_group_score=top2 .DeepSeek-V2 ranks a group by its"):
         export_hf(Transformer(_cfg(**dict(MOE, moe_score="softmax", moe_norm_topk=False))), str(tmp_path / "no"))
+    with pytest.raises(ValueError, match="moe_group_score=max .DeepSeek-V3 ranks a group by its two best scores"):
+        export_hf(Transformer(_cfg(**dict(MOE, moe_group_score="max"))), str(tmp_path / "no"))
     with pytest.raises(ValueError, match=r"deepseek_v3 checkpoints with biases are not supported \(attention_bias"):
         config_from_hf({"model_type": "deepseek_v3", "vocab_size": 96, "hidden_size": 32, "intermediate_size": 48,
                         "num_hidden_layers": 2, "num_attention_heads": 4, "attention_bias": True})
@@ -306,17 +308,21 @@ def test_a_deepseek_v3_hub_config_and_its_mtp_layer_import(tmp_path):
     assert torch.allclose(got, want, atol=_tol(want), rtol=0), (got - want).abs().max()
 
 
-def test_a_softmax_router_round_trips_through_transformers_deepseek_v2(tmp_path):
+@pytest.mark.parametrize("groups", [1, 2], ids=["greedy", "group_limited_greedy"])
+def test_a_softmax_router_round_trips_through_transformers_deepseek_v2(tmp_path, groups):
     """DeepSeek-V2(-Lite)'s routing (softmax over every expert, the chosen raw scores: --moe_norm_topk_prob=false,
-    routed scaling, shared experts, a dense first block) with latent attention is written as DeepseekV2ForCausalLM
-    (its rotary always interleaved): transformers' logits (fp64), the import gives the tensors and config back."""
+    routed scaling, shared experts, a dense first block; DeepSeek-V2's group_limited_greedy: groups ranked by their
+    best score, --moe_group_score=max) with latent attention is written as DeepseekV2ForCausalLM (its rotary always
+    interleaved): transformers' logits (fp64), the import gives the tensors and config back."""
     from transformers import DeepseekV2ForCausalLM
-    model = _model(**dict(MOE, moe_score="softmax", moe_norm_topk=False, moe_n_groups=1, moe_topk_groups=1))
+    model = _model(**dict(MOE, moe_score="softmax", moe_norm_topk=False, moe_n_groups=groups, moe_topk_groups=1,
+                          moe_group_score="max" if groups > 1 else "top2"))
     for layer in model.layers[1:]:
         layer.mlp.expert_bias.zero_()  # (DeepSeek-V2 has no selection bias)
     out = export_hf(model, str(tmp_path / "hf"))
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
-    assert cfg["architectures"] == ["DeepseekV2ForCausalLM"] and cfg["topk_method"] == "greedy"
+    assert cfg["architectures"] == ["DeepseekV2ForCausalLM"]
+    assert cfg["topk_method"] == ("group_limited_greedy" if groups > 1 else "greedy")
     assert cfg["norm_topk_prob"] is False and cfg["routed_scaling_factor"] == 2.5 and "rope_interleave" not in cfg
     hf = DeepseekV2ForCausalLM.from_pretrained(out, dtype=torch.float64, experts_implementation="eager").eval()
     x = torch.randint(0, 96, (2, 24))
@@ -327,5 +333,5 @@ def test_a_softmax_router_round_trips_through_transformers_deepseek_v2(tmp_path)
     assert back.cfg == model.cfg
     a, b = model.float().state_dict(), back.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
-    with pytest.raises(ValueError, match="topk_method='group_limited_greedy' over n_group=2 groups"):
-        config_from_hf(dict(cfg, topk_method="group_limited_greedy", n_group=2, topk_group=1))
+    with pytest.raises(ValueError, match="topk_method='noaux_tc' .greedy or group_limited_greedy are read"):
+        config_from_hf(dict(cfg, topk_method="noaux_tc"))

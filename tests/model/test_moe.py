@@ -360,3 +360,17 @@ def test_raw_weights_without_renormalisation_and_the_flag_that_asks_for_them():
     cfg = new_model_config(TrainConfig(data_dir="d", tokenizer_dir="t", moe_num_experts=4, moe_norm_topk_prob=False),
                            {"vocab_size": 64})
     assert cfg.moe_norm_topk is False and MoEFeedForward(cfg).norm_topk is False
+
+
+def test_groups_ranked_by_their_best_score_as_deepseek_v2():
+    """group_score "max" (DeepSeek-V2's group_limited_greedy) ranks a group by its best score, "top2" (DeepSeek-V3's)
+    by its two best: a token whose best expert sits in a group with nothing else good is routed there by the first
+    and away from it by the second."""
+    # 4 experts in 2 groups; sigmoid scores of logits: group 0 = (high, very low), group 1 = (mid, mid)
+    logits = torch.tensor([[3.0, -6.0, 1.5, 1.5]])
+    w = torch.eye(4)
+    by_max = route(logits, w, None, 1, "sigmoid", n_groups=2, topk_groups=1, group_score="max")[0]
+    by_top2 = route(logits, w, None, 1, "sigmoid", n_groups=2, topk_groups=1)[0]
+    assert by_max.tolist() == [[0]] and by_top2.tolist()[0][0] in (2, 3)
+    with pytest.raises(ValueError, match="moe_group_score must be top2 or max"):
+        ModelConfig(moe_num_experts=4, moe_group_score="mean")
