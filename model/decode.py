@@ -265,4 +265,4 @@ class Decoder:
         rot = torch.cat((q[..., a.nope:], k_rot[:, :, None]), dim=2)  # [B, T, heads + 1, rope]
         rot = rot * cos2 + rot.unflatten(-1, (2, -1)).flip(-2).flatten(-2) * sin2
         return a.latent_attention(q[..., :a.nope], rot[:, :, :-1], _rms_norm(a.kv_a_layernorm, latent), rot[:, :, -1:],
-                                  spec, cache)
+                                  spec, cache, layer)

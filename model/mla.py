@@ -105,11 +105,13 @@ class LatentAttention(nn.Module):
         return self.resid_dropout(self.o_proj(y.reshape(B, T, -1)))
 
     def latent_attention(self, q_nope: torch.Tensor, q_rot: torch.Tensor, latent: torch.Tensor, k_rot: torch.Tensor,
-                         spec: AttnSpec, cache) -> torch.Tensor:
+                         spec: AttnSpec, cache, layer: Optional[int] = None) -> torch.Tensor:
         """Generation over the latent cache (`cache` keeps [latent, k_rot] per token): kv_b_proj's key half absorbed
         into the query (q_nope W_uk . c = k_nope . q_nope), attention of [q_nope W_uk, q_rot] over [c, k_rot] with c
         as the values, then its value half applied to the output: [B, T, heads, v_head_dim], the expanded keys and
-        values never built (DeepSeek-V2's inference form). The same scores as `forward`'s, in another order."""
+        values never built (DeepSeek-V2's inference form). The same scores as `forward`'s, in another order. `layer`:
+        the cache's layer (model/decode.py's own count: a multi-token prediction depth's one-layer cache), else this
+        block's index."""
         heads = q_nope.shape[2]
         w = _effective_weight(self.kv_b_proj)
         w = (w.to_local() if hasattr(w, "to_local") else w).view(heads, self.nope + self.v_dim, self.kv_lora_rank)
@@ -118,7 +120,7 @@ class LatentAttention(nn.Module):
         if self.q_scale is not None:
             q = q * self.q_scale
         step = torch.cat((latent, k_rot.squeeze(2)), dim=-1)[:, None]  # [B, 1, T, rank + rope]
-        keys, _ = cache.update(self.layer_idx, step, step[..., :0])
+        keys, _ = cache.update(self.layer_idx if layer is None else layer, step, step[..., :0])
         y = attention.sdpa_attention(q, keys, keys[..., :self.kv_lora_rank], spec, 0.0, scale=self.head_dim ** -0.5)
         return torch.einsum("bhtr,hvr->bthv", y, w[:, self.nope:].to(y.dtype))
 

@@ -21,6 +21,9 @@ def _model(moe: bool = False, **kw) -> Transformer:
                 mtp_num_layers=1)
     if moe:
         base.update(moe_num_experts=4, moe_top_k=2, moe_first_dense_layers=1)
+    if moe == "mla":  # DeepSeek-V3's shape: multi-head latent attention over the MoE (the depth's cache is a latent one)
+        base.update(n_kv_heads=None, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                    v_head_dim=8)
     torch.manual_seed(0)
     return Transformer(ModelConfig(**{**base, **kw})).eval()
 
@@ -48,7 +51,7 @@ def _min_margin(m: Transformer, out: torch.Tensor, T: int) -> float:
     return float((top2[..., 0] - top2[..., 1]).min())
 
 
-@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+@pytest.mark.parametrize("moe", [False, True, "mla"], ids=["dense", "moe", "mla-moe"])
 def test_greedy_equals_plain_greedy_and_drafts_equal_the_depths_forward(moe, monkeypatch):
     """Drafts made right on every other call (the greedy token after next added to their logits) so that both
     paths run: greedy output equals plain greedy decoding's, drafts stand exactly where they were made right, and
