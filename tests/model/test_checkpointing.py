@@ -88,8 +88,10 @@ def stores(monkeypatch):
 
 
 @pytest.mark.parametrize("extra", [{}, dict(attn_dropout=0.1, resid_dropout=0.1),
-                                   dict(moe_num_experts=4, moe_top_k=2, moe_first_dense_layers=1)],
-                         ids=["plain", "dropout", "moe"])
+                                   dict(moe_num_experts=4, moe_top_k=2, moe_first_dense_layers=1),
+                                   dict(n_kv_heads=None, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8,
+                                        qk_rope_head_dim=8, v_head_dim=8)],
+                         ids=["plain", "dropout", "moe", "latent-attention"])
 def test_every_policy_gives_the_gradients_of_no_checkpointing(stores, extra):
     x = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(2))
     loss0, grads0, _, _ = _step(None, x, **extra)
