@@ -85,8 +85,8 @@ def main(argv: list[str]) -> int:
             tps.append(out.numel() / (time.perf_counter() - t0))  # rows x steps decoded
     ratios = sorted(o / h for o, h in zip(tps_ours, tps_hf))
     greedy_same = bool(torch.equal(run_ours(temperature=0.0).cpu(), run_hf(greedy=True).cpu()))
-    print(f"[bench_grpo_generate] {type(hf).__name__}, dim {a.dim} x {a.n_layers} layers, vocab {a.vocab}, group {a.group}, prompt "
-          f"{a.prompt_len}, {a.new_tokens} new tokens, {torch.get_num_threads()} threads, {device}, "
+    print(f"[bench_grpo_generate] {type(hf).__name__}, dim {a.dim} x {a.n_layers} layers, vocab {a.vocab}, group "
+          f"{a.group}, prompt {a.prompt_len}, {a.new_tokens} new tokens, {torch.get_num_threads()} threads, {device}, "
           f"{a.repeats} interleaved repeats, load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}")
     print(f"ours (KV cache, logprobs recorded): {statistics.median(tps_ours):,.0f} tokens/s; HF generate: "
           f"{statistics.median(tps_hf):,.0f} tokens/s; ratio {statistics.median(ratios):.2f}x (per repeat "

@@ -3,12 +3,12 @@
 #   make demo STEPS=5      # (once) demo_out/tokenizer and demo_out/pretok
 #   python train_my_ddp.py config/moe_deepseek_demo.py --data_dir=demo_out/pretok --tokenizer_dir=demo_out/tokenizer
 # DeepSeek-V3's choices at toy scale: multi-head latent attention (keys and values from a 64-wide latent per token,
-# queries from a 96-wide one; heads of 32 + 16 RoPE'd query / key dimensions and 32 value ones), the first block dense, then 16 fine-grained routed experts (4 per token) and
-# one shared expert per block; sigmoid scores; group-limited routing (4 groups, a token's experts from its best 2);
-# the routed output scaled (2.5); balanced by the selection bias, plus a tiny sequence-wise auxiliary loss; one
-# multi-token prediction depth (an MoE block too) trained beside the loss at weight 0.3 (docs/model.md
-# "Multi-token prediction"; left out of exports).
-# Muon steps the hidden matrices, each expert's apart (docs/optimizer.md). A model of this shape exports to Hugging
+# queries from a 96-wide one; heads of 32 + 16 RoPE'd query / key dimensions and 32 value ones), the first block dense,
+# then 16 fine-grained routed experts (4 per token) and one shared expert per block; sigmoid scores; group-limited
+# routing (4 groups, a token's experts from its best 2); the routed output scaled (2.5); balanced by the selection bias,
+# plus a tiny sequence-wise auxiliary loss; one multi-token prediction depth (an MoE block too) trained beside the loss
+# at weight 0.3 (docs/model.md "Multi-token prediction"; left out of exports). Muon steps the hidden matrices, each
+# expert's apart (docs/optimizer.md). A model of this shape exports to Hugging
 # Face as DeepSeek-V3: python export_hf.py --ckpt=demo_out/moe_deepseek_run --out_dir=demo_out/moe_deepseek_hf, then
 # transformers' DeepseekV3ForCausalLM or sample.py --ckpt=<that dir> read it (without the kv_lora_rank lines below:
 # DeepSeek-V3's MoE on Llama attention, exported as GLM-4-MoE).

@@ -62,7 +62,7 @@ class ModelConfig:
     moe_top_k: int = 2                 # experts per token (num_experts_per_tok)
     moe_shared_experts: int = 0        # always-on experts, merged into one SwiGLU of this many x the expert width ...
     moe_shared_hidden_dim: Optional[int] = None  # ... or of this width (Qwen2-MoE's shared_expert_intermediate_size)
-    moe_shared_gate: bool = False      # the shared experts' output times sigmoid(x . g) (Qwen2-MoE's shared_expert_gate)
+    moe_shared_gate: bool = False      # the shared experts' output times sigmoid(x . g) (Qwen2-MoE's expert gate)
     moe_hidden_dim: Optional[int] = None  # expert width (moe_intermediate_size); None = hidden_dim
     moe_first_dense_layers: int = 0    # the first k blocks keep a dense MLP (DeepSeek's first_k_dense_replace)
     moe_score: str = "softmax"         # router scores: softmax | sigmoid
@@ -194,9 +194,11 @@ class ModelConfig:
         """What is wrong with the shared experts' own width or gate (they need shared experts), or None."""
         w = self.moe_shared_hidden_dim
         if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
-            return f"moe_shared_hidden_dim={w!r} must be an integer >= 1 (or None: moe_shared_experts x the expert width)"
+            return (f"moe_shared_hidden_dim={w!r} must be an integer >= 1 (or None: moe_shared_experts x the expert "
+                    "width)")
         if (w is not None or self.moe_shared_gate) and not (self.moe_num_experts and self.moe_shared_experts):
-            return "moe_shared_hidden_dim / moe_shared_gate describe the shared experts: they need moe_shared_experts >= 1"
+            return ("moe_shared_hidden_dim / moe_shared_gate describe the shared experts: they need moe_shared_experts "
+                    ">= 1")
         return None
 
     def _mla_problem(self) -> Optional[str]:

@@ -7,12 +7,13 @@ chosen raw scores, transformers' `greedy`).
 The attention's names are transformers' (model/mla.py): they map one to one, except that DeepSeek lays the RoPE'd
 dimensions of q (each head's last qk_rope_head_dim rows of q_proj / q_b_proj) and of the shared key
 (kv_a_proj_with_mqa's last rows) out in interleaved pairs (x0, x1), (x2, x3), ... (`rope_interleave`, true in
-DeepSeek-V3's checkpoints and transformers' default), ours in halves (x_i, x_{i + rope/2}): those rows are permuted
-on the way (exact: a permutation of the rows q_rot.k_rot sums over). A DeepSeek-V3 checkpoint with rope_interleave
-false is read as it is (DeepSeek-V2's rotary is always interleaved). The mixture of experts is DeepSeek-V3's, the layout GLM-4-MoE's (model/hf_glm4_moe.py: sigmoid scores,
-selection bias `e_score_correction_bias`, group-limited routing, routed scaling, shared experts, dense first
-blocks); a model without experts is written with every block dense (first_k_dense_replace = its layers). What the
-families cannot hold is refused in one line: for DeepSeek-V2 renormalised weights at k > 1 (transformers' never
+DeepSeek-V3's checkpoints and transformers' default), ours in halves (x_i, x_{i + rope/2}): those rows are permuted on
+the way (exact: a permutation of the rows q_rot.k_rot sums over). A DeepSeek-V3 checkpoint with rope_interleave false is
+read as it is (DeepSeek-V2's rotary is always interleaved). The mixture of experts is DeepSeek-V3's, the layout
+GLM-4-MoE's (model/hf_glm4_moe.py: sigmoid scores, selection bias `e_score_correction_bias`, group-limited routing,
+routed scaling, shared experts, dense first blocks); a model without experts is written with every block dense
+(first_k_dense_replace = its layers). What the families cannot hold is refused in one line: for DeepSeek-V2 renormalised
+weights at k > 1 (transformers' never
 renormalises, whatever norm_topk_prob says), group-limited routing (its `group_limited_greedy` ranks a group by its
 best score, ours by its two best: not built), non-zero selection biases.
 Must never: import transformers (plain dicts and tensors only).
@@ -30,8 +31,8 @@ MODEL_TYPES = (MODEL_TYPE, "deepseek_v2")
 ARCHITECTURE = "DeepseekV3ForCausalLM"
 LAYOUT = hub_layout.HubLayout("DeepSeek-V3", block="mlp", bias="gate.e_score_correction_bias",
                               projections=("gate_proj", "up_proj", "down_proj"), mtp_layers_follow=True)
-LAYOUT_V2 = hub_layout.HubLayout("DeepSeek-V2", block="mlp", bias=None, projections=("gate_proj", "up_proj", "down_proj"),
-                                 mtp_layers_follow=True)
+LAYOUT_V2 = hub_layout.HubLayout("DeepSeek-V2", block="mlp", bias=None,
+                                 projections=("gate_proj", "up_proj", "down_proj"), mtp_layers_follow=True)
 
 
 def _v2(cfg: Any) -> bool:

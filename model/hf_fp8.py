@@ -26,8 +26,9 @@ def block_size(config: dict) -> Optional[tuple[int, int]]:
     q = config["quantization_config"]
     method = q.get("quant_method") if isinstance(q, dict) else None
     if method != "fp8":
-        raise ValueError(f"quantization_config quant_method={method!r}: only fine-grained FP8 checkpoints (quant_method "
-                         "fp8: DeepSeek-V3's, Qwen3-FP8's) are read; dequantize this one with its own tool first")
+        raise ValueError(f"quantization_config quant_method={method!r}: only fine-grained FP8 checkpoints "
+                         "(quant_method fp8: DeepSeek-V3's, Qwen3-FP8's) are read; dequantize this one with its own "
+                         "tool first")
     size = q.get("weight_block_size")
     if size is None:
         return None

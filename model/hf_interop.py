@@ -1,10 +1,12 @@
-"""Hugging Face Llama checkpoints, both ways, with no custom code on the HF side (Qwen2 / Qwen3 / SmolLM3-shaped ones
-as their family; Gemma 3, OLMo 2 / 3, Phi-3 / Phi-4 and DeepSeek-V3 as theirs: model/hf_gemma3.py, model/hf_olmo.py,
-model/hf_phi3.py, model/hf_deepseek_v3.py; an MoE model as a Mixtral, a Qwen3-MoE or a GLM-4-MoE: `moe_family`).
+"""Hugging Face Llama checkpoints, both ways, with no custom code on the HF side (Qwen2 / Qwen3 / SmolLM3-shaped ones as
+their family; Gemma 3, OLMo 2 / 3, Phi-3 / Phi-4 and DeepSeek-V3 / V2 as theirs: model/hf_gemma3.py, model/hf_olmo.py,
+model/hf_phi3.py, model/hf_deepseek_v3.py; an MoE model as a Mixtral, a Qwen3-MoE, a Qwen2-MoE or a GLM-4-MoE:
+`moe_family`; fine-grained FP8 checkpoints read dequantized: model/hf_fp8.py).
 
 Owns: the mapping ModelConfig <-> LlamaConfig (config.json) and our parameter names <-> HF names
 (ours + the `model.` prefix, `lm_head.weight` as is). Both use the half-split RoPE layout, so weights
-are copied unpermuted (DeepSeek-V3's interleaved RoPE rows are permuted: model/hf_deepseek_v3.py). `export_hf` writes config.json + model.safetensors + generation_config.json (+ tokenizer files) atomically,
+are copied unpermuted (DeepSeek's interleaved RoPE rows are permuted: model/hf_deepseek_v3.py). `export_hf` writes
+config.json + model.safetensors + generation_config.json (+ tokenizer files: model/hf_files.py) atomically,
 every file with the mode a plain `open` gives it (0644 under umask 022; safetensors alone would write 0600);
 generation_config.json stops at the end ids (</s> and <|im_end|>, or what the caller read from the tokenizer's chat
 template) and samples with sample.py's defaults
@@ -23,8 +25,8 @@ from typing import Optional
 import torch
 from safetensors.torch import load_file, save_file
 
-from model import (hf_deepseek_v3, hf_files, hf_fp8, hf_gemma3, hf_glm4_moe, hf_ministral3, hf_mixtral, hf_olmo, hf_phi3,
-                   hf_qwen2_moe, hf_qwen3_moe, hf_score, hf_vision_language)
+from model import (hf_deepseek_v3, hf_files, hf_fp8, hf_gemma3, hf_glm4_moe, hf_ministral3, hf_mixtral, hf_olmo,
+                   hf_phi3, hf_qwen2_moe, hf_qwen3_moe, hf_score, hf_vision_language)
 from model.hf_window import window_from_hf, window_to_hf
 from model.config import ModelConfig
 from model.llama import Transformer
@@ -122,9 +124,10 @@ def _own_family(d: dict, fields: dict, drop: tuple, special_ids: Optional[dict])
 
 
 def moe_family(cfg: ModelConfig):
-    """The Hugging Face family an MoE model is written as: (its module, its class name); a softmax router's is
-    Mixtral (model/hf_mixtral.py), or Qwen3-MoE with q / k norms (model/hf_qwen3_moe.py), a sigmoid router's
-    (DeepSeek-V3's) GLM-4-MoE (model/hf_glm4_moe.py)."""
+    """The Hugging Face family an MoE model is written as: (its module, its class name); one with a gated shared expert
+    is Qwen2-MoE (model/hf_qwen2_moe.py); a softmax router's Mixtral (model/hf_mixtral.py), or Qwen3-MoE with q / k
+    norms (model/hf_qwen3_moe.py); a sigmoid router's (DeepSeek-V3's) GLM-4-MoE (model/hf_glm4_moe.py). (With
+    multi-head latent attention: DeepSeek-V3 / V2, model/hf_deepseek_v3.py, whatever the router.)"""
     if hf_qwen2_moe.is_qwen2_moe(cfg):  # (a gated shared expert: Qwen2-MoE's)
         return hf_qwen2_moe, hf_qwen2_moe.ARCHITECTURE
     if cfg.moe_score == "sigmoid":

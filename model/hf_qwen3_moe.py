@@ -5,9 +5,10 @@ model_type "qwen3_moe").
 Why it maps one to one: Qwen3-MoE is Qwen3's attention (q / k norms, heads sized on their own: model/llama.py with
 `qk_norm`, `attn_head_dim`) over Mixtral's routing (softmax over every expert, the top k, their weights renormalised
 to sum 1 or not: `norm_topk_prob`, ours `moe_norm_topk`), with dense first blocks (`mlp_only_layers` 0 .. k-1, of width
-`intermediate_size`) and no shared experts. What it cannot hold is refused in one line: shared experts, sigmoid
-scores, group-limited routing, a routed scaling, a non-zero selection bias; on import, `norm_topk_prob` true at top 1
-(the one weight renormalised to 1, ours keep the raw score), MoE blocks not every layer after the dense ones (`decoder_sparse_step` > 1, `mlp_only_layers` other than a prefix).
+`intermediate_size`) and no shared experts. What it cannot hold is refused in one line: shared experts, sigmoid scores,
+group-limited routing, a routed scaling, a non-zero selection bias; on import, `norm_topk_prob` true at top 1 (the one
+weight renormalised to 1, ours keep the raw score), MoE blocks not every layer after the dense ones
+(`decoder_sparse_step` > 1, `mlp_only_layers` other than a prefix).
 
 The interface of model/hf_mixtral.py (`export_problems`, `config_fields`, `moe_fields`, `to_hub`, `from_hub`, a
 LAYOUT), plus `import_problems`.

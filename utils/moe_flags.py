@@ -24,8 +24,8 @@ class MoEFlags:
     moe_num_experts: int = flag(0, "routed experts per MoE block (0 = a dense model)")
     moe_top_k: int = flag(2, "experts each token is routed to (their weights renormalised to sum 1 when > 1)")
     moe_shared_experts: int = flag(0, "always-on shared experts per MoE block (DeepSeek), merged into one SwiGLU")
-    moe_shared_hidden_dim: int = flag(0, "the shared experts' SwiGLU width (Qwen2-MoE's shared_expert_intermediate_size; "
-                                      "0 = --moe_shared_experts x the expert width)")
+    moe_shared_hidden_dim: int = flag(0, "the shared experts' SwiGLU width (Qwen2-MoE's "
+                                      "shared_expert_intermediate_size; 0 = --moe_shared_experts x the expert width)")
     moe_shared_gate: bool = flag(False, "the shared experts' output times a per-token sigmoid gate (Qwen2-MoE's "
                                  "shared_expert_gate)")
     moe_hidden_dim: int = flag(0, "expert width (SwiGLU hidden size of one expert; 0 = --hidden_dim's)")

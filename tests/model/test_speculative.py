@@ -21,7 +21,7 @@ def _model(moe: bool = False, **kw) -> Transformer:
                 mtp_num_layers=1)
     if moe:
         base.update(moe_num_experts=4, moe_top_k=2, moe_first_dense_layers=1)
-    if moe == "mla":  # DeepSeek-V3's shape: multi-head latent attention over the MoE (the depth's cache is a latent one)
+    if moe == "mla":  # DeepSeek-V3's shape: latent attention over the MoE (the depth's cache is a latent one)
         base.update(n_kv_heads=None, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=8,
                     v_head_dim=8)
     torch.manual_seed(0)
