@@ -180,7 +180,7 @@ def _export_sharded_streaming(found: str, args) -> int | None:
 def _say_mtp_left_out(cfg) -> None:
     if cfg.mtp_num_layers:
         print(f"export_hf: the {cfg.mtp_num_layers} multi-token prediction depth(s) (mtp.*) are left out of the "
-              "Hugging Face checkpoint (transformers runs none in any family): the export is the next-token model")
+              "Hugging Face checkpoint: the export is the next-token model")
 
 
 if __name__ == "__main__":
