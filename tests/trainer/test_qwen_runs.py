@@ -1,6 +1,7 @@
 """Qwen2- and Qwen3-shaped models in the trainer: `--init_from=<Qwen2 dir>` trains its q/k/v biases (also split over
 2 tensor ranks, whose run follows the one-process run) and `--init_from=<Qwen3 dir>` its q / k norms; a Qwen3-MoE
-trains and exports back; `--qkv_bias=true` and `--qk_norm=true --head_dim=N` build new ones."""
+trains and exports back, and so do Qwen2-MoE, DeepSeek-V2 and DeepSeek-V3; `--qkv_bias=true` and `--qk_norm=true
+--head_dim=N` build new ones."""
 from __future__ import annotations
 
 import json
@@ -121,3 +122,31 @@ def test_a_qwen3_moe_trains_and_exports_back_as_one(tiny_pretrain_data, tiny_pre
     with open(tmp_path / "back" / "config.json") as f:
         cfg = json.load(f)
     assert cfg["architectures"] == ["Qwen3MoeForCausalLM"] and cfg["mlp_only_layers"] == [0]
+
+
+_MLA = dict(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
+
+
+@pytest.mark.parametrize("family, shape", [
+    ("Qwen2MoeForCausalLM", dict(n_kv_heads=2, qkv_bias=True, moe_shared_experts=1, moe_shared_hidden_dim=48,
+                                 moe_shared_gate=True, moe_norm_topk=False)),
+    ("DeepseekV2ForCausalLM", dict(_MLA, moe_shared_experts=2, moe_norm_topk=False, moe_routed_scaling=2.0)),
+    ("DeepseekV3ForCausalLM", dict(_MLA, q_lora_rank=24, moe_shared_experts=1, moe_score="sigmoid", moe_n_groups=2,
+                                   moe_topk_groups=1))], ids=["qwen2_moe", "deepseek_v2", "deepseek_v3"])
+def test_a_hub_moe_family_trains_and_exports_back_as_itself(tiny_pretrain_data, tiny_pretrain_run_args, tmp_path,
+                                                            family, shape):
+    """Qwen2-MoE (a gated shared expert of its own width, raw top-k weights), DeepSeek-V2 (latent attention, a
+    softmax router's raw weights) and DeepSeek-V3 (latent attention with a query latent, sigmoid groups): `--init_from`
+    its Hugging Face directory trains it, and export_hf.py writes the same family back, its routing switches kept."""
+    from tests.conftest import run_python
+    hf = released_model(tiny_pretrain_data, tmp_path / "hf", n_layers=2, max_seq_len=64, moe_num_experts=4,
+                        moe_top_k=2, moe_hidden_dim=24, moe_first_dense_layers=1, **shape)
+    out = tmp_path / "run"
+    run_cmd(train_cmd([*from_weights(tiny_pretrain_run_args, hf, "--max_iters=2", "--checkpoint_interval=2"),
+                       f"--out_dir={out}"]), env=_env())
+    saved = read_model_config(find_latest_valid(str(out)))
+    assert {k: getattr(saved, k) for k in shape} == shape
+    r = run_python([sys.executable, "export_hf.py", f"--ckpt={out}", f"--out_dir={tmp_path / 'back'}"])
+    assert r.returncode == 0, r.stderr[-2000:]
+    with open(tmp_path / "back" / "config.json") as f:
+        assert json.load(f)["architectures"] == [family]
