@@ -73,7 +73,9 @@ def config_fields(cfg: Any) -> dict:
     d = {"architectures": [ARCHITECTURE], "model_type": MODEL_TYPE, "kv_lora_rank": cfg.kv_lora_rank,
          "q_lora_rank": cfg.q_lora_rank, "qk_nope_head_dim": cfg.qk_nope_head_dim,
          "qk_rope_head_dim": cfg.qk_rope_head_dim, "v_head_dim": cfg.v_head_dim, "head_dim": cfg.qk_rope_head_dim,
-         "rope_interleave": True, "attention_bias": False, "num_mtp_layers": 0}
+         "attention_bias": False}
+    if not _v2(cfg):  # (DeepSeek-V3's own switches; V2's rotary is always interleaved)
+        d.update({"rope_interleave": True, "num_mtp_layers": 0})
     if _v2(cfg):
         d.update({"architectures": [architecture(cfg)], "model_type": "deepseek_v2",
                   "n_routed_experts": cfg.moe_num_experts, "num_experts_per_tok": cfg.moe_top_k,
@@ -83,8 +85,6 @@ def config_fields(cfg: Any) -> dict:
                   "topk_method": "group_limited_greedy" if cfg.moe_n_groups > 1 else "greedy",
                   "n_group": cfg.moe_n_groups if cfg.moe_n_groups > 1 else None,
                   "topk_group": cfg.moe_topk_groups if cfg.moe_n_groups > 1 else None})
-        for key in ("rope_interleave", "num_mtp_layers"):  # (not DeepSeek-V2's)
-            d.pop(key)
     elif cfg.moe_num_experts:
         moe = hf_glm4_moe.config_fields(cfg)
         d.update({k: moe[k] for k in ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",

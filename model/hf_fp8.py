@@ -57,8 +57,10 @@ def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, block: Optional[tupl
     """q [..., N, K] (FP8) times its block scales [..., ceil(N / bn), ceil(K / bk)] (or one per tensor) in fp32."""
     w = q.to(torch.float32)
     s = scale.to(torch.float32)
-    if block is None or s.numel() == 1:
-        return w * s.reshape(-1)[0] if s.numel() == 1 else w * s
+    if s.numel() == 1:
+        return w * s.reshape(())
+    if block is None:  # (scales that broadcast over the weight as they are)
+        return w * s
     (n, k), (bn, bk) = w.shape[-2:], block
     want = (math.ceil(n / bn), math.ceil(k / bk))
     if tuple(s.shape[-2:]) != want:

@@ -52,7 +52,7 @@ def config_fields(cfg) -> dict:
 
 def import_problems(d: dict) -> list[str]:
     """Why a GLM-4-MoE config.json dict cannot be our model (GLM-4.5's own checkpoints among them)."""
-    return hub_layout.norm_topk_problem(dict(d, norm_topk_prob=d.get("norm_topk_prob", True)))
+    return hub_layout.norm_topk_problem(d, True)
 
 
 def moe_fields(d: dict) -> dict:
@@ -68,7 +68,7 @@ def moe_fields(d: dict) -> dict:
             "moe_norm_topk": hub_layout.norm_topk_of(d, True)}
 
 
-def to_hub(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def to_hub(sd: dict[str, torch.Tensor], cfg=None) -> dict[str, torch.Tensor]:
     """Our state dict (names without `model.`) -> Hub GLM-4-MoE names (without `model.`); other tensors kept."""
     return hub_layout.to_hub(sd, LAYOUT)
 

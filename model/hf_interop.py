@@ -256,7 +256,7 @@ def _family_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig, family) 
     """Our tensors (names without `model.`; any group of them) in the names and layout of `cfg`'s family (`family`:
     an MoE model's, `_moe_export_family`)."""
     if family is not None:
-        tensors = family.to_hub(tensors, cfg) if family is hf_deepseek_v3 else family.to_hub(tensors)
+        tensors = family.to_hub(tensors, cfg)
     for module, applies in ((hf_gemma3, hf_gemma3.is_gemma), (hf_olmo, hf_olmo.is_olmo)):
         tensors = module.to_hub(tensors) if applies(cfg) else tensors
     return hf_phi3.fuse(tensors) if hf_phi3.needs_phi3(cfg) else tensors

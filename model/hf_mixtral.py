@@ -47,8 +47,9 @@ def moe_fields(d: dict) -> dict:
             "moe_hidden_dim": int(d["intermediate_size"]), "moe_score": "softmax"}
 
 
-def to_hub(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Our state dict (names without `model.`) -> Hub Mixtral names (without `model.`); other tensors kept."""
+def to_hub(sd: dict[str, torch.Tensor], cfg=None) -> dict[str, torch.Tensor]:
+    """Our state dict (names without `model.`) -> Hub Mixtral names (without `model.`); other tensors kept. `cfg`: the
+    families' common signature (model/hf_deepseek_v3.py's layout depends on it, this one's does not)."""
     return hub_layout.to_hub(sd, LAYOUT)
 
 

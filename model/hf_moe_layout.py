@@ -78,11 +78,12 @@ def shared_expert_problems(cfg, family: str) -> list[str]:
     return p
 
 
-def norm_topk_problem(d: dict) -> list[str]:
-    """What a config.json's norm_topk_prob holds that ours does not compute: true at top 1 (the one weight renormalised
-    to 1; ours keep the raw score there). norm_topk_prob false reads as moe_norm_topk false (`norm_topk`)."""
+def norm_topk_problem(d: dict, default: bool) -> list[str]:
+    """What a config.json's norm_topk_prob (its family's `default` where absent) holds that ours does not compute: true
+    at top 1 (the one weight renormalised to 1; ours keep the raw score there). norm_topk_prob false reads as
+    moe_norm_topk false (`norm_topk_of`)."""
     k = int(d.get("num_experts_per_tok", 8))
-    if d.get("norm_topk_prob") and k == 1:
+    if d.get("norm_topk_prob", default) and k == 1:
         return ["norm_topk_prob=True with num_experts_per_tok=1 (the one weight renormalised to 1; ours keep the raw "
                 "score at k = 1)"]
     return []

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from model import hf_moe_layout as hub_layout
+from model import hf_moe_layout as hub_layout, hf_qwen3_moe
 
 MODEL_TYPE = "qwen2_moe"
 ARCHITECTURE = "Qwen2MoeForCausalLM"
@@ -50,18 +50,14 @@ def config_fields(cfg) -> dict:
 
 def moe_fields(d: dict) -> dict:
     """The ModelConfig fields of a Qwen2-MoE config.json dict (ValueError naming what ours cannot hold)."""
-    p = hub_layout.norm_topk_problem(dict(d, norm_topk_prob=d.get("norm_topk_prob", False)))
-    if int(d.get("decoder_sparse_step", 1)) != 1:
-        p.append(f"decoder_sparse_step={d['decoder_sparse_step']} (ours: every block after the dense ones is MoE)")
-    dense = sorted(int(i) for i in d.get("mlp_only_layers") or [])
-    if dense != list(range(len(dense))):
-        p.append(f"mlp_only_layers={dense} (ours: the dense blocks are the first ones)")
+    p = hf_qwen3_moe.import_problems(d)  # (the same router switch and dense-block layout as Qwen3-MoE's)
     if p:
         raise ValueError("this Qwen2-MoE checkpoint cannot be read: " + "; ".join(p))
     return {"moe_num_experts": int(d.get("num_experts", 60)), "moe_top_k": int(d.get("num_experts_per_tok", 4)),
             "moe_hidden_dim": int(d["moe_intermediate_size"]), "moe_score": "softmax", "moe_shared_experts": 1,
             "moe_shared_hidden_dim": int(d["shared_expert_intermediate_size"]), "moe_shared_gate": True,
-            "moe_first_dense_layers": len(dense), "moe_norm_topk": hub_layout.norm_topk_of(d, False)}
+            "moe_first_dense_layers": len(d.get("mlp_only_layers") or []),
+            "moe_norm_topk": hub_layout.norm_topk_of(d, False)}
 
 
 def _renamed(sd: dict[str, torch.Tensor], to_hub: bool) -> dict[str, torch.Tensor]:
@@ -76,7 +72,7 @@ def _renamed(sd: dict[str, torch.Tensor], to_hub: bool) -> dict[str, torch.Tenso
     return out
 
 
-def to_hub(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def to_hub(sd: dict[str, torch.Tensor], cfg=None) -> dict[str, torch.Tensor]:
     """Our state dict (names without `model.`) -> Hub Qwen2-MoE names; each tensor on its own."""
     return _renamed(hub_layout.to_hub(sd, LAYOUT), to_hub=True)
 

@@ -36,7 +36,7 @@ def export_problems(cfg, biases: dict[str, torch.Tensor]) -> list[str]:
 
 def import_problems(d: dict) -> list[str]:
     """What a Qwen3-MoE config.json holds that our model does not compute."""
-    p = hub_layout.norm_topk_problem(d)
+    p = hub_layout.norm_topk_problem(d, False)
     if int(d.get("decoder_sparse_step", 1)) != 1:
         p.append(f"decoder_sparse_step={d['decoder_sparse_step']} (ours: every block after the dense ones is MoE)")
     dense = sorted(int(i) for i in d.get("mlp_only_layers") or [])
@@ -67,7 +67,7 @@ def moe_fields(d: dict) -> dict:
             "moe_norm_topk": hub_layout.norm_topk_of(d, False)}
 
 
-def to_hub(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def to_hub(sd: dict[str, torch.Tensor], cfg=None) -> dict[str, torch.Tensor]:
     """Our state dict (names without `model.`) -> Hub Qwen3-MoE names (without `model.`); other tensors kept."""
     return hub_layout.to_hub(sd, LAYOUT)
 

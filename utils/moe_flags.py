@@ -144,14 +144,14 @@ def moe_model_fields(cfg: Any) -> dict:
 
 
 def moe_param_delta(mcfg: Any) -> int:
-    """Parameters an MoE ModelConfig (hidden_dim resolved) has beyond its dense twin: per MoE block the router and
-    E + shared experts of 3 x dim x width in place of the dense SwiGLU (the memory check counts every expert)."""
+    """Parameters an MoE ModelConfig (hidden_dim resolved) has beyond its dense twin: per MoE block the router, E
+    experts of 3 x dim x width and the shared experts' SwiGLU (`moe_shared_width`, and its gate) in place of the dense
+    SwiGLU (the memory check counts every expert)."""
     e = getattr(mcfg, "moe_num_experts", 0)
     if not e:
         return 0
     width = mcfg.moe_hidden_dim or mcfg.hidden_dim
     blocks = max(0, mcfg.n_layers + getattr(mcfg, "mtp_num_layers", 0) - mcfg.moe_first_dense_layers)  # + MTP's
-    shared = mcfg.moe_shared_width if hasattr(mcfg, "moe_shared_width") else mcfg.moe_shared_experts * width
-    per_block = (e * mcfg.dim + e * 3 * mcfg.dim * width + 3 * mcfg.dim * shared
+    per_block = (e * mcfg.dim + e * 3 * mcfg.dim * width + 3 * mcfg.dim * mcfg.moe_shared_width
                  + (mcfg.dim if getattr(mcfg, "moe_shared_gate", False) else 0) - 3 * mcfg.dim * mcfg.hidden_dim)
     return blocks * per_block
