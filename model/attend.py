@@ -13,9 +13,10 @@ from model.attention import AttnSpec
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec, dropout_p: float = 0.0,
-           cache=None, layer_idx: int = 0) -> torch.Tensor:
+           cache=None, layer_idx: int = 0, sinks=None) -> torch.Tensor:
     """q [B, T, H, D], k/v [B, T, Hkv, D] (after RoPE) -> [B, T, H, D]; `cache` (model/llama.py KVCache) takes this
-    step's keys/values for layer `layer_idx` and gives back all so far."""
+    step's keys/values for layer `layer_idx` and gives back all so far; `sinks` [H] (gpt-oss's attention sinks):
+    through SDPA (the model gives such batches an SDPA spec)."""
     if spec.kind in ("flash", "flash_varlen", "fa4_varlen"):  # flash-attn's [B, T, H, D] layout, GQA native
         return attention.flash_attention(q, k, v, spec, dropout_p)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H(kv), T, D]
@@ -27,6 +28,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec, dr
         # eval_lm.py should not pay for; a context-parallel run has loaded it when it set the spec up
         from model.ring_attention import ring_attention
         y = ring_attention(q, k, v, spec.group, spec.docs)
+    elif sinks is not None:
+        if spec.kind not in ("sdpa", "sdpa_masked"):
+            raise ValueError(f"attention sinks run through SDPA, not the {spec.kind!r} kernel")
+        y = attention.sink_attention(q, k, v, spec, sinks, dropout_p)
     elif spec.kind == "flex":
         y = attention.flex_attention_(q, k, v, spec)
     else:

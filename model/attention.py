@@ -206,6 +206,37 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attn
     return F.scaled_dot_product_attention(q.to(adt), k.to(adt), v.to(adt), **args).to(out_dtype)
 
 
+# ----------------------------------------------------------------------------------- sinks
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec, sinks: torch.Tensor,
+                   dropout_p: float = 0.0) -> torch.Tensor:
+    """SDPA with gpt-oss's attention sinks: each query head h adds exp(sinks[h]) to its softmax's denominator (a
+    logit with no value). Exact through SDPA itself, with one extra key: every key gets one more dimension (0), the
+    sink key is 1 there and 0 elsewhere with a zero value, and each query head carries sinks[h] / scale in that
+    dimension, so its score against the sink key is sinks[h] and against the others unchanged; the dimensions are
+    padded with zeros to a multiple of 8 (the kernels' alignment; zeros add nothing to a score). The sink key comes
+    first and is seen by every query: a mask gains a True column, and the causal case a dummy first query (SDPA's
+    is_causal aligns query i with key i from the top left), whose row is dropped. The sinks' gradient flows through
+    the queries' extra dimension. q [B, H, Tq, D], k/v [B, Hkv, Tk, D], sinks [H] -> [B, H, Tq, D]."""
+    B, H, Tq, D = q.shape
+    scale = 1.0 / math.sqrt(D)
+    extra = (D + 1 + 7) // 8 * 8 - D
+    causal = spec.mask is None and spec.is_causal
+    if causal and Tq != k.shape[2]:
+        raise ValueError(f"causal attention with sinks needs as many keys as queries, got {Tq} and {k.shape[2]}")
+    sink_q = (sinks.to(q.dtype) / scale).view(1, H, 1, 1).expand(B, H, Tq, 1)
+    q2 = torch.cat((q, sink_q, q.new_zeros(B, H, Tq, extra - 1)), dim=-1)
+    k2 = F.pad(k, (0, extra))
+    sink_k = k2.new_zeros(B, k.shape[1], 1, D + extra)
+    sink_k[..., D] = 1.0
+    k2 = torch.cat((sink_k, k2), dim=2)
+    v2 = torch.cat((v.new_zeros(B, v.shape[1], 1, v.shape[-1]), v), dim=2)
+    if causal:  # the dummy query (row 0) sees the sink key; query i + 1 sees it and keys 0 .. i
+        q2 = torch.cat((q2.new_zeros(B, H, 1, D + extra), q2), dim=2)
+        return sdpa_attention(q2, k2, v2, spec, dropout_p, scale)[:, :, 1:]
+    mask = None if spec.mask is None else F.pad(spec.mask, (1, 0), value=True)
+    return sdpa_attention(q2, k2, v2, dataclasses.replace(spec, mask=mask, is_causal=False), dropout_p, scale)
+
+
 # ---------------------------------------------------------------------------------- flash-attn
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec,
                     dropout_p: float = 0.0) -> torch.Tensor:
@@ -230,10 +261,12 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Att
 
 
 # ---------------------------------------------------------------------------------- reference
-def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+                  sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The textbook computation in fp32 (fp64 for fp64 inputs) with GQA materialised (repeat_interleave) and an
     explicit mask: what every backend is tested against. q [B, H, Tq, D], k/v [B, Hkv, Tk, D], mask bool
-    broadcastable to [B, H, Tq, Tk] (None = causal)."""
+    broadcastable to [B, H, Tq, Tk] (None = causal); `sinks` [H]: one more logit per head in the softmax, dropped
+    after it (gpt-oss's, as transformers' eager attention computes it)."""
     rep = q.shape[1] // k.shape[1]
     ct = torch.promote_types(q.dtype, torch.float32)
     qf, kf, vf = q.to(ct), k.to(ct).repeat_interleave(rep, dim=1), v.to(ct).repeat_interleave(rep, dim=1)
@@ -241,6 +274,9 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optio
     if mask is None:
         mask = dense_mask(q.shape[2], k.shape[2] - q.shape[2], q.device)
     s = s.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        sink = sinks.to(ct).view(1, -1, 1, 1).expand(*s.shape[:-1], 1)
+        return (torch.cat((s, sink), dim=-1).softmax(-1)[..., :-1] @ vf).to(q.dtype)
     return (s.softmax(-1) @ vf).to(q.dtype)
 
 
@@ -341,6 +377,9 @@ def full_spec(B: int, T: int, positions: torch.Tensor, *, attention_mask: Option
 
 def describe_attention(device: torch.device, cfg: Any, dtype: torch.dtype, compiled: bool = False) -> str:
     """One line for the start-up log: which attention each kind of batch gets on `device`."""
+    if getattr(cfg, "attn_sinks", False):
+        return ("SDPA with gpt-oss's attention sinks as one extra key (sink_attention): unmasked is_causal, "
+                "packed/padded/windowed a dense [B,1,T,T] mask")
     flash = (cfg.flash_attn and dtype in HALF and kernels.flash_attn_functions(device) is not None)
     no_fa4 = fa4_mod.problem(cfg, device, dtype, dropout=cfg.attn_dropout > 0)
     plain = ("FlashAttention-4 (SDPA, flash backend only)" if no_fa4 is None else

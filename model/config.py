@@ -32,6 +32,8 @@ class ModelConfig:
     resid_dropout: float = 0.0         # dropout on each residual branch output (training only)
     tie_embeddings: bool = False       # tie_word_embeddings
     qkv_bias: bool = False             # biases on the q/k/v projections (Qwen2's attention; o_proj has none)
+    o_bias: bool = False               # a bias on o_proj too (gpt-oss: attention_bias sets all four)
+    attn_sinks: bool = False           # gpt-oss's sinks: a learned logit per query head in each softmax's denominator
     attn_head_dim: Optional[int] = None  # head_dim where n_heads x head_dim != dim (Qwen3); None = dim // n_heads
     qk_norm: bool = False              # RMSNorm over each head's q and k before RoPE (Qwen3's q_norm / k_norm)
     sliding_window: Optional[int] = None  # sliding-window attention: a query sees its last this many positions
@@ -73,6 +75,13 @@ class ModelConfig:
     moe_norm_topk: bool = True         # top_k > 1: the chosen weights renormalised to sum 1 (norm_topk_prob); or raw
     moe_capacity_factor: float = 0.0   # training: rows per expert at most ceil(f N k / E), padded (0 = dropless)
     moe_token_drop_policy: str = "probs"  # past capacity drop the smallest weights (probs) or the latest (position)
+    # gpt-oss's MoE (model/hf_gpt_oss.py): a bias in the router's logits, biases on each expert's projections, and
+    # its clamped SwiGLU: min(g, limit) sigmoid(alpha min(g, limit)) (clamp(u, +-limit) + 1)
+    moe_router_bias: bool = False      # the router's logits x W^T + b
+    moe_expert_biases: bool = False    # each expert's gate / up and down projections have biases
+    moe_act: str = "silu"              # the experts' activation: silu (SwiGLU) | gpt_oss (the clamped form above)
+    moe_swiglu_limit: float = 7.0      # gpt_oss: the clamp (swiglu_limit)
+    moe_swiglu_alpha: float = 1.702    # gpt_oss: the sigmoid's slope (swiglu_alpha)
 
     # --- multi-head latent attention (model/mla.py; DeepSeek-V2 / V3's MLA, transformers' DeepseekV3Config names;
     # utils/mla_flags.py): 0 = grouped-query attention (the Attention above)
@@ -141,7 +150,8 @@ class ModelConfig:
         if self.nope_layers is not None and not (isinstance(self.nope_layers, (list, tuple)) and all(
                 isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.n_layers for i in self.nope_layers)):
             raise ValueError(f"nope_layers={self.nope_layers!r} must list layer indices in [0, {self.n_layers})")
-        problem = self._mla_problem() or self._gemma_problem() or self._shared_expert_problem()
+        problem = self._mla_problem() or self._gemma_problem() or self._shared_expert_problem() or \
+            self._gpt_oss_problem()
         if problem:
             raise ValueError(problem)
         if not 0 <= self.mtp_num_layers <= 16:
@@ -199,6 +209,25 @@ class ModelConfig:
         if (w is not None or self.moe_shared_gate) and not (self.moe_num_experts and self.moe_shared_experts):
             return ("moe_shared_hidden_dim / moe_shared_gate describe the shared experts: they need moe_shared_experts "
                     ">= 1")
+        return None
+
+    def _gpt_oss_problem(self) -> Optional[str]:
+        """What is wrong with gpt-oss's attention and MoE fields (or their mix with the rest), or None."""
+        if self.moe_act not in ("silu", "gpt_oss"):
+            return f"moe_act must be silu or gpt_oss, got {self.moe_act!r}"
+        for name in ("moe_swiglu_limit", "moe_swiglu_alpha"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                return f"{name}={v!r} must be a number > 0"
+        moe = [n for n in ("moe_router_bias", "moe_expert_biases") if getattr(self, n)]
+        if self.moe_act != "silu":
+            moe.append(f"moe_act={self.moe_act}")
+        if moe and not self.moe_num_experts:
+            return f"{', '.join(moe)} describe the MoE experts: they need moe_num_experts >= 1"
+        if moe and self.moe_shared_experts:
+            return f"{', '.join(moe)}: gpt-oss's experts, not with shared experts (moe_shared_experts)"
+        if (self.attn_sinks or self.o_bias) and self.kv_lora_rank:
+            return "attn_sinks / o_bias are grouped-query attention's (gpt-oss's): not with kv_lora_rank"
         return None
 
     def _mla_problem(self) -> Optional[str]:

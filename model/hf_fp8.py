@@ -6,7 +6,8 @@ beside it, `<name>_scale_inv` s of shape [ceil(N / bn), ceil(K / bk)] for `weigh
 per tensor without a block size); W = q x s, each scale multiplying its block (the last blocks of a row or column
 may be partial). `dequantize` does that in fp32 for every weight that has a scale beside it and drops the scales
 (and static activation scales, which only an FP8 forward uses); every other tensor passes through. Another
-quantization method is refused in one line naming it (its packed tensors would not load as weights).
+quantization method is refused in one line naming it (its packed tensors would not load as weights), except MXFP4
+(gpt-oss's experts, quant_method "mxfp4"), which `dequantize` hands to model/hf_mxfp4.py.
 Must never: import transformers; change a tensor that has no scale.
 """
 from __future__ import annotations
@@ -15,6 +16,8 @@ import math
 from typing import Optional
 
 import torch
+
+from model import hf_mxfp4
 
 SCALE_SUFFIX = "_scale_inv"
 ACTIVATION_SCALES = (".activation_scale", ".input_scale")  # (static activation quantization's: not weights)
@@ -27,8 +30,8 @@ def block_size(config: dict) -> Optional[tuple[int, int]]:
     method = q.get("quant_method") if isinstance(q, dict) else None
     if method != "fp8":
         raise ValueError(f"quantization_config quant_method={method!r}: only fine-grained FP8 checkpoints "
-                         "(quant_method fp8: DeepSeek-V3's, Qwen3-FP8's) are read; dequantize this one with its own "
-                         "tool first")
+                         "(quant_method fp8: DeepSeek-V3's, Qwen3-FP8's) and MXFP4 ones (quant_method mxfp4: "
+                         "gpt-oss's) are read; dequantize this one with its own tool first")
     size = q.get("weight_block_size")
     if size is None:
         return None
@@ -39,9 +42,12 @@ def block_size(config: dict) -> Optional[tuple[int, int]]:
 
 def dequantize(sd: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors with every FP8 weight that has a `<name>_scale_inv` beside it multiplied out in fp32
-    (the scales and activation scales dropped); `sd` as it is when config.json has no quantization_config."""
+    (the scales and activation scales dropped); `sd` as it is when config.json has no quantization_config. An MXFP4
+    checkpoint (quant_method mxfp4) is read by hf_mxfp4.dequantize instead."""
     if not config.get("quantization_config"):
         return sd
+    if hf_mxfp4.method(config) == "mxfp4":
+        return hf_mxfp4.dequantize(sd, config)
     block = block_size(config)
     out = {}
     for name, t in sd.items():

@@ -1,7 +1,7 @@
 """Hugging Face Llama checkpoints, both ways, with no custom code on the HF side (Qwen2 / Qwen3 / SmolLM3-shaped ones as
 their family; Gemma 3, OLMo 2 / 3, Phi-3 / Phi-4 and DeepSeek-V3 / V2 as theirs: model/hf_gemma3.py, model/hf_olmo.py,
-model/hf_phi3.py, model/hf_deepseek_v3.py; an MoE model as a Mixtral, a Qwen3-MoE, a Qwen2-MoE or a GLM-4-MoE:
-`moe_family`; fine-grained FP8 checkpoints read dequantized: model/hf_fp8.py).
+model/hf_phi3.py, model/hf_deepseek_v3.py; an MoE model as a Mixtral, a Qwen3-MoE, a Qwen2-MoE, a GLM-4-MoE or (with
+attention sinks) a gpt-oss: `moe_family`; fine-grained FP8 and MXFP4 checkpoints read dequantized: model/hf_fp8.py).
 
 Owns: the mapping ModelConfig <-> LlamaConfig (config.json) and our parameter names <-> HF names
 (ours + the `model.` prefix, `lm_head.weight` as is). Both use the half-split RoPE layout, so weights
@@ -25,8 +25,8 @@ from typing import Optional
 import torch
 from safetensors.torch import load_file, save_file
 
-from model import (hf_deepseek_v3, hf_files, hf_fp8, hf_gemma3, hf_glm4_moe, hf_ministral3, hf_mixtral, hf_olmo,
-                   hf_phi3, hf_qwen2_moe, hf_qwen3_moe, hf_score, hf_vision_language)
+from model import (hf_deepseek_v3, hf_files, hf_fp8, hf_gemma3, hf_glm4_moe, hf_gpt_oss, hf_ministral3, hf_mixtral,
+                   hf_olmo, hf_phi3, hf_qwen2_moe, hf_qwen3_moe, hf_score, hf_vision_language)
 from model.hf_window import window_from_hf, window_to_hf
 from model.config import ModelConfig
 from model.llama import Transformer
@@ -70,6 +70,8 @@ def _causal_config_dict(cfg: ModelConfig, torch_dtype: str, special_ids: Optiona
         return _own_family(d, hf_olmo.config_fields(cfg, rope_parameters), ("head_dim",), special_ids)
     if hf_deepseek_v3.is_deepseek(cfg):  # (multi-head latent attention: DeepSeek-V3, its experts or dense blocks)
         return _own_family(d, hf_deepseek_v3.config_fields(cfg), (), special_ids)
+    if hf_gpt_oss.is_gpt_oss(cfg):  # (attention sinks, gpt-oss's experts: checked by the tensors' export)
+        return _own_family(d, hf_gpt_oss.config_fields(cfg), (), special_ids)
     glm = bool(cfg.moe_num_experts) and cfg.moe_score == "sigmoid"  # (GLM-4-MoE: biases, partial rotary too)
     if cfg.query_pos_scale_beta is not None and not cfg.moe_num_experts:  # (Ministral 3's query scale)
         if [f for f in cfg.block_fields if f != "query_pos_scale_beta"] or cfg.qkv_bias or cfg.qk_norm:
@@ -128,6 +130,8 @@ def moe_family(cfg: ModelConfig):
     is Qwen2-MoE (model/hf_qwen2_moe.py); a softmax router's Mixtral (model/hf_mixtral.py), or Qwen3-MoE with q / k
     norms (model/hf_qwen3_moe.py); a sigmoid router's (DeepSeek-V3's) GLM-4-MoE (model/hf_glm4_moe.py). (With
     multi-head latent attention: DeepSeek-V3 / V2, model/hf_deepseek_v3.py, whatever the router.)"""
+    if hf_gpt_oss.is_gpt_oss(cfg):  # (attention sinks, biases, its clamped SwiGLU: gpt-oss's)
+        return hf_gpt_oss, hf_gpt_oss.ARCHITECTURE
     if hf_qwen2_moe.is_qwen2_moe(cfg):  # (a gated shared expert: Qwen2-MoE's)
         return hf_qwen2_moe, hf_qwen2_moe.ARCHITECTURE
     if cfg.moe_score == "sigmoid":
@@ -146,7 +150,7 @@ def hf_family(cfg: ModelConfig) -> str:
 def _causal_family(cfg: ModelConfig) -> str:
     if hf_deepseek_v3.is_deepseek(cfg):
         return hf_deepseek_v3.architecture(cfg)
-    if cfg.moe_num_experts:
+    if cfg.moe_num_experts or hf_gpt_oss.is_gpt_oss(cfg):
         return moe_family(cfg)[1]
     if hf_gemma3.is_gemma(cfg):
         return hf_gemma3.ARCHITECTURE
@@ -180,8 +184,8 @@ def config_from_hf(d: dict) -> ModelConfig:
         raise ValueError(f"model_type={kind!r}: {REFUSED_TYPES[kind]}")
     if kind not in HF_MODEL_TYPES:
         raise ValueError("only Llama, Mistral, Phi-3, Qwen2, Qwen3, SmolLM3, Gemma 3 (text), OLMo 2 / 3, Mixtral, "
-                         f"Qwen2-MoE, Qwen3-MoE, GLM-4-MoE and DeepSeek-V2 / V3 checkpoints are supported, got "
-                         f"model_type={kind!r}")
+                         f"Qwen2-MoE, Qwen3-MoE, GLM-4-MoE, DeepSeek-V2 / V3 and gpt-oss checkpoints are supported, "
+                         f"got model_type={kind!r}")
     families = {"mixtral": hf_mixtral, "glm4_moe": hf_glm4_moe, "qwen3_moe": hf_qwen3_moe, "qwen2_moe": hf_qwen2_moe}
     partial = (d.get("rope_parameters") or {}).get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
     moe = families[kind].moe_fields(d) if kind in families else {}
@@ -190,7 +194,8 @@ def config_from_hf(d: dict) -> ModelConfig:
     scaling = rope_scaling_from_hf(hf_gemma3.full_rope_dict(d) if kind in (hf_gemma3.MODEL_TYPE, "olmo3") else d)
     n_heads = d["num_attention_heads"]
     head_dim = d.get("head_dim") or d["hidden_size"] // n_heads
-    if (d.get("attention_bias") and kind != "glm4_moe") or d.get("mlp_bias"):  # (Llama's, Qwen3's: o_proj's too)
+    if (d.get("attention_bias") and kind not in ("glm4_moe", hf_gpt_oss.MODEL_TYPE)) or d.get("mlp_bias"):
+        # (Llama's, Qwen3's: o_proj's too; gpt-oss's are read)
         raise ValueError(f"{kind} checkpoints with biases are not supported (attention_bias / mlp_bias)")
     fields = dict(
         vocab_size=d["vocab_size"], dim=d["hidden_size"], n_layers=d["num_hidden_layers"], n_heads=n_heads,
@@ -210,6 +215,8 @@ def config_from_hf(d: dict) -> ModelConfig:
         fields.update(hf_gemma3.fields_from_hf(d, n_heads, head_dim))
     elif kind in hf_olmo.MODEL_TYPES:
         fields.update(hf_olmo.fields_from_hf(d, kind))
+    elif kind == hf_gpt_oss.MODEL_TYPE:  # (its experts, biases, sinks and window)
+        fields.update(hf_gpt_oss.fields_from_hf(d))
     else:
         fields.update(window_from_hf(d, kind, d["num_hidden_layers"]), **query_scale)
     if kind in hf_deepseek_v3.MODEL_TYPES:  # (its latent attention's sizes, its experts)

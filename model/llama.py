@@ -95,7 +95,10 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=cfg.o_bias)
+        # gpt-oss's attention sinks: one logit per query head in the softmax's denominator (model/attention.py
+        # sink_attention); 0 at initialisation (an extra exp(0) = 1 beside the keys' terms)
+        self.sinks = nn.Parameter(torch.zeros(cfg.n_heads)) if cfg.attn_sinks else None
         if cfg.qk_norm:  # Qwen3: each head's q and k RMS-normalised (one weight over head_dim, shared by the heads);
             # OLMo 2 (qk_norm_full): one norm over all the heads' q, one over all k, before they split into heads
             q_width, k_width = (cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim) if cfg.qk_norm_full \
@@ -155,7 +158,10 @@ class Attention(nn.Module):
             q = q * self.q_scale
         if q_factor is not None:
             q = q * q_factor[:, :, None, None].to(q.dtype)
-        y = attend(q, k, v, spec, self.attn_dropout if self.training else 0.0, cache, self.layer_idx)
+        sinks = self.sinks
+        if sinks is not None and hasattr(sinks, "to_local"):  # (tensor parallel: this rank's heads' sinks)
+            sinks = sinks.to_local()
+        y = attend(q, k, v, spec, self.attn_dropout if self.training else 0.0, cache, self.layer_idx, sinks)
         return self.resid_dropout(self.o_proj(y.reshape(B, T, -1)))
 
 
@@ -315,6 +321,8 @@ class Transformer(nn.Module):
                 nn.init.zeros_(m.bias)
         elif isinstance(m, GroupedExperts):
             m.init_weights(self.cfg.initializer_range)
+        elif isinstance(m, Attention) and m.sinks is not None:
+            nn.init.zeros_(m.sinks)
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())  # shared (tied) tensors counted once
@@ -335,7 +343,7 @@ class Transformer(nn.Module):
         """This batch's AttnSpec (model/attention.py), decided from which inputs are present and static
         facts (device, compute dtype, training, cache), never from tensor values."""
         device, dtype, cfg = positions.device, self._compute_dtype(positions.device), self.cfg
-        flash = kernels.flash_attn_functions(device) if cfg.flash_attn else None
+        flash = kernels.flash_attn_functions(device) if cfg.flash_attn and not cfg.attn_sinks else None
         if flash is not None and dtype not in attention.HALF:
             flash = None  # flash-attn kernels exist for half precisions only
         dropout = self.training and cfg.attn_dropout > 0
@@ -346,7 +354,9 @@ class Transformer(nn.Module):
             B, T, positions, attention_mask=attention_mask, position_ids_given=position_ids_given,
             doc_ids=doc_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
             past=cache.pos if cache is not None else None, flash=flash, dropout=dropout, head_dim=cfg.head_dim,
-            backend=getattr(self, "attn_backend", "auto"), fa4=fa4.plan(cfg, device, dtype, dropout),
+            # attention sinks: SDPA's kinds only (model/attention.py sink_attention)
+            backend="sdpa" if cfg.attn_sinks else getattr(self, "attn_backend", "auto"),
+            fa4=None if cfg.attn_sinks else fa4.plan(cfg, device, dtype, dropout),
             gqa=cfg.n_kv_heads != cfg.n_heads, window=cfg.sliding_window)
 
     @staticmethod

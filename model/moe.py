@@ -42,14 +42,14 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model.moe_experts import GroupedExperts, SharedExperts
+from model.moe_experts import ExpertAct, GroupedExperts, SharedExperts
 from utils.moe_flags import MOE_DROP_POLICIES
 
 # ------------------------------------------------------------------------------------------ routing
 def route(x: torch.Tensor, router_weight: torch.Tensor, bias: Optional[torch.Tensor], top_k: int,
           score: str, n_groups: int = 1, topk_groups: int = 1, scaling: float = 1.0,
-          normalize: bool = True, group_score: str = "top2") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                      torch.Tensor]:
+          normalize: bool = True, group_score: str = "top2",
+          router_bias: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [N, D] -> (expert ids [N, k], their weights [N, k], scores [N, E], logits [N, E]; fp32, or fp64 for fp64 x).
     The bias (or None) is added to the scores for the choice only; the weights are the unbiased scores.
     n_groups > 1 (DeepSeek-V3's group-limited routing): the E experts are n_groups consecutive groups, each ranked
@@ -57,9 +57,11 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, bias: Optional[torch.Ten
     group_limited_greedy); the token's experts come from its best topk_groups groups
     only (the others' scores masked to -inf for the choice). `scaling`: the weights times it
     (routed_scaling_factor), after the renormalisation; `normalize` False: no renormalisation (the chosen raw scores:
-    norm_topk_prob false, Qwen1.5 / Qwen2-MoE's and DeepSeek-V2's)."""
+    norm_topk_prob false, Qwen1.5 / Qwen2-MoE's and DeepSeek-V2's). `router_bias`: the router's own bias in the
+    logits (gpt-oss's; softmax over every expert then renormalised over the top k is its softmax over the top k's
+    logits)."""
     dtype = torch.promote_types(x.dtype, torch.float32)  # fp32 at least: a bf16 router picks by ties
-    logits = F.linear(x.to(dtype), router_weight.to(dtype))
+    logits = F.linear(x.to(dtype), router_weight.to(dtype), None if router_bias is None else router_bias.to(dtype))
     scores = torch.softmax(logits, dim=-1) if score == "softmax" else torch.sigmoid(logits)
     choice = scores if bias is None else scores + bias.detach().to(dtype)
     if n_groups > 1:
@@ -221,8 +223,9 @@ class MoEFeedForward(nn.Module):
         # training forwards only: evaluation and generation route dropless (as an exported Mixtral does)
         self.capacity_factor, self.drop_policy = cfg.moe_capacity_factor, cfg.moe_token_drop_policy
         hidden = cfg.moe_hidden_dim or cfg.hidden_dim
-        self.router = nn.Linear(cfg.dim, self.num_experts, bias=False)
-        self.experts = GroupedExperts(self.num_experts, cfg.dim, hidden)
+        self.router = nn.Linear(cfg.dim, self.num_experts, bias=cfg.moe_router_bias)
+        self.experts = GroupedExperts(self.num_experts, cfg.dim, hidden, cfg.moe_expert_biases,
+                                      ExpertAct(cfg.moe_act, cfg.moe_swiglu_limit, cfg.moe_swiglu_alpha))
         self.shared_experts = SharedExperts(cfg.dim, cfg.moe_shared_width, cfg.fused_swiglu,
                                             cfg.kernel_backend) if cfg.moe_shared_experts else None
         # Qwen2-MoE: the shared experts' output gated per token by sigmoid(x . g)
@@ -258,7 +261,7 @@ class MoEFeedForward(nn.Module):
             seq = None if seq is None else share_of(seq, self.token_split_group)
         idx, weights, scores, logits = route(flat, self.router.weight, self.expert_bias, self.top_k, self.score,
                                              self.n_groups, self.topk_groups, self.routed_scaling, self.norm_topk,
-                                             self.group_score)
+                                             self.group_score, self.router.bias)
         dropped = None
         if self.capacity_factor > 0 and self.training:
             cap = expert_capacity(flat.shape[0], self.top_k, self.num_experts, self.capacity_factor)

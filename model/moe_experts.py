@@ -11,6 +11,9 @@ with no rows a None gradient (it takes part with an empty matmul: a zero one).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -37,26 +40,57 @@ def grouped_mm_supported(x: torch.Tensor) -> bool:
     return False
 
 
+@dataclass(frozen=True)
+class ExpertAct:
+    """The experts' activation of (gate, up): SwiGLU's silu(g) u, or gpt-oss's clamped form
+    min(g, limit) sigmoid(alpha min(g, limit)) (clamp(u, -limit, limit) + 1)."""
+    kind: str = "silu"
+    limit: float = 7.0
+    alpha: float = 1.702
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.kind == "silu":
+            return F.silu(gate) * up
+        gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        return gate * torch.sigmoid(gate * self.alpha) * (up + 1)
+
+
+SWIGLU = ExpertAct()
+
+
 def experts_grouped(rows: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor,
-                    w_down: torch.Tensor) -> torch.Tensor:
-    """SwiGLU of each expert's rows by the grouped matmul (two launches: gate and up together, then down; no
-    host read).
-    w_gate_up [E, 2I, D] (gate rows, then up rows), w_down [E, D, I] (nn.Linear's [out, in] per expert)."""
+                    w_down: torch.Tensor, act: ExpertAct = SWIGLU, b_gate_up: Optional[torch.Tensor] = None,
+                    b_down: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """SwiGLU (or `act`) of each expert's rows by the grouped matmul (two launches: gate and up together, then down;
+    no host read).
+    w_gate_up [E, 2I, D] (gate rows, then up rows), w_down [E, D, I] (nn.Linear's [out, in] per expert); biases
+    (gpt-oss's) b_gate_up [E, 2I] and b_down [E, D], each row taking its expert's (found from the offsets on the
+    device)."""
     offs = torch.cumsum(counts, dim=0).to(torch.int32)
-    gate, up = _GROUPED_MM(rows, w_gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
-    return _GROUPED_MM(F.silu(gate) * up, w_down.transpose(-2, -1), offs=offs)
+    gate_up = _GROUPED_MM(rows, w_gate_up.transpose(-2, -1), offs=offs)
+    if b_gate_up is not None or b_down is not None:
+        row = torch.arange(rows.shape[0], device=rows.device, dtype=torch.int32)
+        expert = torch.searchsorted(offs, row, right=True).clamp(max=counts.numel() - 1)
+        if b_gate_up is not None:
+            gate_up = gate_up + b_gate_up[expert].to(gate_up.dtype)
+    out = _GROUPED_MM(act(*gate_up.chunk(2, dim=-1)), w_down.transpose(-2, -1), offs=offs)
+    return out if b_down is None else out + b_down[expert].to(out.dtype)
 
 
 def experts_loop(rows: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor,
-                 w_down: torch.Tensor) -> torch.Tensor:
-    """The reference: one SwiGLU per expert on its slice of the rows (reads the counts to the host). An expert
-    with no rows still takes part (an empty matmul), so its weights get a zero gradient, never None."""
+                 w_down: torch.Tensor, act: ExpertAct = SWIGLU, b_gate_up: Optional[torch.Tensor] = None,
+                 b_down: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The reference: one SwiGLU (or `act`, with the biases where given) per expert on its slice of the rows (reads
+    the counts to the host). An expert with no rows still takes part (an empty matmul), so its weights get a zero
+    gradient, never None."""
     outs = []
     # unbind: one backward that stacks the E gradients (w[e] would zero-fill a whole [E, ...] gradient per expert)
-    experts = zip(w_gate_up.unbind(0), w_down.unbind(0))
-    for rows_e, (gu, d) in zip(torch.split(rows, counts.tolist()), experts):
-        gate, up = F.linear(rows_e, gu).chunk(2, dim=-1)
-        outs.append(F.linear(F.silu(gate) * up, d))
+    n = counts.numel()
+    experts = zip(w_gate_up.unbind(0), w_down.unbind(0), (b_gate_up.unbind(0) if b_gate_up is not None else [None] * n),
+                  (b_down.unbind(0) if b_down is not None else [None] * n))
+    for rows_e, (gu, d, bgu, bd) in zip(torch.split(rows, counts.tolist()), experts):
+        gate, up = F.linear(rows_e, gu, bgu).chunk(2, dim=-1)
+        outs.append(F.linear(act(gate, up), d, bd))
     return torch.cat(outs)
 
 
@@ -135,12 +169,16 @@ def experts_fused_loop(rows: torch.Tensor, counts: torch.Tensor, w_gate_up: torc
     return _FusedLoop.apply(rows, w_gate_up, w_down, counts.tolist())
 
 
-def choose_expert_backend(x: torch.Tensor, backend: str) -> str:
+def choose_expert_backend(x: torch.Tensor, backend: str, plain: bool = True) -> str:
     """auto: grouped_mm on an accelerator that runs it; elsewhere the fused loop (on the CPU the three measured the
     same speed, bench/bench_moe.py, and it saves the least for backward), under torch.compile run outside the graph
     (`experts_eager_fused_loop`: traced, every new split of the tokens over the experts recompiled it).
-    "loop" under compile is traced as the graph it is."""
-    if backend == "auto":
+    "loop" under compile is traced as the graph it is. Not `plain` (gpt-oss's experts: biases, another activation):
+    the grouped matmul where it runs, else the loop (the fused loop's backward is SwiGLU's without biases)."""
+    if not plain:
+        if backend in ("auto", "fused_loop"):
+            return "grouped_mm" if grouped_mm_supported(x) else "loop"
+    elif backend == "auto":
         if x.device.type != "cpu" and grouped_mm_supported(x):
             return "grouped_mm"
         return "eager_fused_loop" if torch.compiler.is_compiling() else "fused_loop"
@@ -169,12 +207,19 @@ _EXPERT_FUNCTIONS = {"grouped_mm": experts_grouped, "fused_loop": experts_fused_
 
 class GroupedExperts(nn.Module):
     """E SwiGLU experts as two stacked parameters (EP shards their first dimension): gate and up in one
-    [E, 2I, D] (one matmul for both, as transformers 5 and Megatron's fc1 hold them), down [E, D, I]."""
+    [E, 2I, D] (one matmul for both, as transformers 5 and Megatron's fc1 hold them), down [E, D, I].
+    gpt-oss's experts (`biases`, `act`): biases on both projections, stored flat, `gate_up_proj_bias` [E * 2I] (each
+    expert's gate then up) and `down_proj_bias` [E * D]: one dimension, so that they are treated as every other bias
+    (no weight decay, AdamW beside Muon) while expert parallelism cuts them by expert as the weights (Shard(0) of a
+    flat [E * n] is whole experts); and their clamped activation (`ExpertAct`)."""
 
-    def __init__(self, num_experts: int, dim: int, hidden: int):
+    def __init__(self, num_experts: int, dim: int, hidden: int, biases: bool = False, act: ExpertAct = SWIGLU):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * hidden, dim))
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(num_experts * 2 * hidden)) if biases else None
+        self.down_proj_bias = nn.Parameter(torch.zeros(num_experts * dim)) if biases else None
+        self.act = act
         self.backend = "auto"  # a plain attribute (tests, benchmarks): never in the config or a checkpoint
         # expert parallelism under FSDP2 (parallel/transforms/expert_parallel.py shard_experts): the weights are
         # DTensors over the ep ranks and the forward computes this rank's experts, their local shards. A plain flag
@@ -182,18 +227,29 @@ class GroupedExperts(nn.Module):
         self.weights_on_ep_mesh = False
 
     def init_weights(self, std: float) -> None:
-        """Drawn like the dense linears (normal, std = initializer_range)."""
+        """Drawn like the dense linears (normal, std = initializer_range); biases 0."""
         for p in (self.gate_up_proj, self.down_proj):
             nn.init.normal_(p, mean=0.0, std=std)
+        for p in self.biases():
+            nn.init.zeros_(p)
+
+    def biases(self) -> tuple[torch.Tensor, ...]:
+        return tuple(b for b in (self.gate_up_proj_bias, self.down_proj_bias) if b is not None)
 
     def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        fn = _EXPERT_FUNCTIONS[choose_expert_backend(rows, self.backend)]
+        plain = self.gate_up_proj_bias is None and self.act.kind == "silu"
+        fn = _EXPERT_FUNCTIONS[choose_expert_backend(rows, self.backend, plain)]
         # under expert parallelism this rank computes its own experts (parallel/transforms/expert_parallel.py hands
         # it their rows and counts)
-        weights = (self.gate_up_proj, self.down_proj)
+        weights = (self.gate_up_proj, self.down_proj) + self.biases()
         if self.weights_on_ep_mesh:
             weights = tuple(w.to_local() for w in weights)
-        return fn(rows, counts, *weights)
+        if plain:
+            return fn(rows, counts, *weights)
+        w_gate_up, w_down, *flat = weights
+        n = w_gate_up.shape[0]  # (this rank's experts under expert parallelism)
+        b_gate_up, b_down = (b.view(n, -1) for b in flat) if flat else (None, None)
+        return fn(rows, counts, w_gate_up, w_down, self.act, b_gate_up, b_down)
 
 
 class SharedExperts(nn.Module):

@@ -93,12 +93,17 @@ class ModelFlags:
     dropout: float = _f(0.0, "attention and residual dropout")
     tie_embeddings: bool = _f(False, "share the embedding and LM-head weights")
     qkv_bias: bool = _f(False, "biases on the q/k/v projections (Qwen2's attention; exported as Qwen2ForCausalLM)")
+    o_bias: bool = _f(False, "a bias on the attention's output projection too (gpt-oss's attention_bias)")
+    attn_sinks: bool = _f(False, "gpt-oss's attention sinks: a learned logit per query head in every softmax's "
+                          "denominator (with --moe_act=gpt_oss experts: exported as GptOssForCausalLM)")
     head_dim: int = _f(0, "width of each attention head where n_heads x head_dim is not --dim (Qwen3's 128 at "
                        "--dim=1024 --n_heads=16); 0 = dim / n_heads")
     qk_norm: bool = _f(False, "RMSNorm over each head's q and k before RoPE (Qwen3's attention; exported as "
                        "Qwen3ForCausalLM)")
     sliding_window: int = _f(0, "sliding-window attention in every layer: a query sees its last this many positions "
                              "(Mistral v0.1's 4096; exported as MistralForCausalLM); 0 = the whole sequence")
+    sliding_layers: str = _f("", "with --sliding_window: only these layers slide, as 0,2,4 or every:N:K (every N-th "
+                             "layer from K: gpt-oss's every:2:0); empty = every layer")
     gradient_checkpointing: bool = _f(False, "recompute each layer in backward to save activation memory (= "
                                       "--activation_checkpoint=full)")
     activation_checkpoint: str = _f("none", "none | full | selective | memory_budget: what the blocks recompute in the "

@@ -39,7 +39,7 @@ from utils.errors import CheckpointError, CheckpointMismatchError, one_line
 from utils.constants import EXIT_BAD_CHECKPOINT, EXIT_BAD_CONFIG
 from utils.device import low_precision_cpu_warning, parse_dtype
 from utils.dist import DistInfo, barrier
-from utils.model_bounds import fit_problem, param_count
+from utils.model_bounds import fit_problem, param_count, parse_sliding_layers
 from utils.mla_flags import mla_model_fields, mla_param_delta
 from utils.moe_flags import moe_model_fields, moe_param_delta
 from utils.rope_config import parse_rope_flag
@@ -57,9 +57,12 @@ def new_model_config(cfg: TrainConfig, tok_meta: dict):
                        gradient_checkpointing=cfg.gradient_checkpointing, fused_rmsnorm=fused,
                        fused_rope=fused, fused_swiglu=fused, fused_qkv=fused, fused_cross_entropy=fused,
                        kernel_backend=backend, fa4=cfg.fa4, mtp_num_layers=cfg.mtp_num_layers,
-                       rope_scaling=parse_rope_flag(cfg.rope_scaling), qkv_bias=cfg.qkv_bias,
+                       rope_scaling=parse_rope_flag(cfg.rope_scaling), qkv_bias=cfg.qkv_bias, o_bias=cfg.o_bias,
+                       attn_sinks=cfg.attn_sinks,
                        attn_head_dim=cfg.head_dim or None, qk_norm=cfg.qk_norm,
-                       sliding_window=cfg.sliding_window or None, **moe_model_fields(cfg), **mla_model_fields(cfg))
+                       sliding_window=cfg.sliding_window or None,
+                       sliding_layers=parse_sliding_layers(cfg.sliding_layers, cfg.n_layers) if cfg.sliding_window
+                       else None, **moe_model_fields(cfg), **mla_model_fields(cfg))
 
 
 
@@ -72,6 +75,7 @@ def _refuse_if_too_big(mcfg, device: str, what: str, code: int) -> None:
                     qkv_bias=mcfg.qkv_bias, sandwich_norms=mcfg.sandwich_norms, pre_norms=mcfg.pre_norms,
                     qk_norm_full=mcfg.qk_norm_full)
     n += moe_param_delta(mcfg) + mla_param_delta(mcfg)  # (MTP: as blocks)
+    n += (mcfg.n_layers + mcfg.mtp_num_layers) * (mcfg.n_heads * mcfg.attn_sinks + mcfg.dim * mcfg.o_bias)
     problem = fit_problem(n, device, what)
     if problem:
         raise TrainingError(problem, code)

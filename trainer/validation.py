@@ -19,6 +19,7 @@ from trainer.tasks.grpo_flags import grpo_problems, sampling_problems
 from utils.constants import DISTILL_LOSSES, EXIT_BAD_CONFIG, MAX_EPOCHS, MAX_STEPS
 from utils.errors import TrainingError
 from utils.mla_flags import mla_problems
+from utils.model_bounds import parse_sliding_layers, window_problem
 from utils.moe_flags import moe_problems
 from utils.rope_config import parse_rope_flag
 
@@ -298,6 +299,16 @@ def _numbers_and_extras(cfg: TrainConfig, p: _Problems, torch_free: bool) -> Non
     for name in ("eval_interval", "lr_decay_iters", "n_kv_heads", "hidden_dim", "vocab_size",
                  "lora_rank", "powersgd_start_iter", "head_dim", "sliding_window"):
         p.at_least(name, 0)
+    if cfg.sliding_layers and not cfg.sliding_window:
+        p.append(f"--sliding_layers={cfg.sliding_layers!r} names the layers that slide: it needs --sliding_window")
+    elif cfg.sliding_layers:
+        try:
+            problem = window_problem(cfg.sliding_window, parse_sliding_layers(cfg.sliding_layers, cfg.n_layers),
+                                     cfg.n_layers)
+        except ValueError as e:
+            problem = str(e)
+        if problem:
+            p.append(problem)
     if cfg.sliding_window and cfg.context_parallel_size > 1:
         p.append(f"--sliding_window={cfg.sliding_window}: not in the ring attention of --context_parallel_size="
                  f"{cfg.context_parallel_size}")

@@ -154,3 +154,21 @@ def checkpoint_policy_problem(policy: Any) -> Optional[str]:
     if text in ("full", "op") or (text.isdigit() and int(text) >= 1):
         return None
     return f"{policy!r} is not full, op or a positive integer (every N-th block)"
+
+
+def parse_sliding_layers(text: str, n_layers: int) -> Optional[list]:
+    """The --sliding_layers flag as a list of layer indices (None when empty: every layer slides): "0,2,4", or
+    "every:N:K" for every N-th layer from K. ValueError naming the flag for anything else (the range is ModelConfig's
+    window_problem's)."""
+    text = text.strip()
+    if not text:
+        return None
+    try:
+        if text.startswith("every:"):
+            step, first = (int(v) for v in text[len("every:"):].split(":"))
+            if step < 1:
+                raise ValueError
+            return list(range(first, n_layers, step))
+        return [int(v) for v in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--sliding_layers={text!r}: expected layer indices as 0,2,4 or every:N:K (N >= 1)") from None

@@ -15,6 +15,7 @@ from utils.configurator import flag
 MOE_SCORES = ("softmax", "sigmoid")
 MOE_AUX_LOSS_TYPES = ("batch", "sequence")
 MOE_DROP_POLICIES = ("probs", "position")  # model/moe.py dispatch_capacity's
+MOE_ACTS = ("silu", "gpt_oss")  # model/moe_experts.py ExpertAct's
 MAX_EXPERTS = 4096
 
 
@@ -60,6 +61,12 @@ class MoEFlags:
                                        "step every expert's selection bias moves by this towards balance; e.g. "
                                        "0.001 (0 = off)")
     moe_z_loss_coef: float = flag(0.0, "weight of the router z-loss (ST-MoE: mean logsumexp(logits)^2); e.g. 0.001")
+    moe_router_bias: bool = flag(False, "a learned bias in the router's logits (gpt-oss's)")
+    moe_expert_biases: bool = flag(False, "biases on each expert's gate / up and down projections (gpt-oss's)")
+    moe_act: str = flag("silu", "the experts' activation: silu (SwiGLU) | gpt_oss (gpt-oss's clamped SwiGLU: "
+                        "min(g, limit) sigmoid(alpha min(g, limit)) (clamp(u, -limit, limit) + 1))")
+    moe_swiglu_limit: float = flag(7.0, "with --moe_act=gpt_oss: the clamp (gpt-oss's swiglu_limit)")
+    moe_swiglu_alpha: float = flag(1.702, "with --moe_act=gpt_oss: the sigmoid's slope (gpt-oss's swiglu_alpha)")
 
 
 def moe_shape_problems(num_experts: int, top_k: int, shared: int, hidden: int, first_dense: int,
@@ -114,6 +121,15 @@ def moe_problems(cfg: Any) -> list[str]:
                      "describe the shared experts: they need --moe_shared_experts >= 1")
         if cfg.moe_group_score not in ("top2", "max"):
             p.append(f"--moe_group_score={cfg.moe_group_score!r} (top2 | max)")
+        if cfg.moe_act not in MOE_ACTS:
+            p.append(f"--moe_act={cfg.moe_act!r} ({' | '.join(MOE_ACTS)})")
+        gpt_oss = cfg.moe_router_bias or cfg.moe_expert_biases or cfg.moe_act != "silu"
+        if gpt_oss and cfg.moe_shared_experts:
+            p.append("--moe_router_bias / --moe_expert_biases / --moe_act=gpt_oss are gpt-oss's experts: not with "
+                     f"--moe_shared_experts={cfg.moe_shared_experts}")
+        for name in ("moe_swiglu_limit", "moe_swiglu_alpha"):
+            if not (math.isfinite(getattr(cfg, name)) and getattr(cfg, name) > 0):
+                p.append(f"--{name}={getattr(cfg, name)}: must be a finite number > 0")
         if cfg.moe_shared_hidden_dim < 0:
             p.append(f"--moe_shared_hidden_dim={cfg.moe_shared_hidden_dim}: must be >= 0")
         if cfg.moe_first_dense_layers >= cfg.n_layers:
@@ -140,7 +156,9 @@ def moe_model_fields(cfg: Any) -> dict:
             "moe_routed_scaling": cfg.moe_routed_scaling, "moe_capacity_factor": cfg.moe_capacity_factor,
             "moe_token_drop_policy": cfg.moe_token_drop_policy, "moe_norm_topk": cfg.moe_norm_topk_prob,
             "moe_shared_hidden_dim": cfg.moe_shared_hidden_dim or None, "moe_shared_gate": cfg.moe_shared_gate,
-            "moe_group_score": cfg.moe_group_score}
+            "moe_group_score": cfg.moe_group_score, "moe_router_bias": cfg.moe_router_bias,
+            "moe_expert_biases": cfg.moe_expert_biases, "moe_act": cfg.moe_act,
+            "moe_swiglu_limit": cfg.moe_swiglu_limit, "moe_swiglu_alpha": cfg.moe_swiglu_alpha}
 
 
 def moe_param_delta(mcfg: Any) -> int:
@@ -153,5 +171,7 @@ def moe_param_delta(mcfg: Any) -> int:
     width = mcfg.moe_hidden_dim or mcfg.hidden_dim
     blocks = max(0, mcfg.n_layers + getattr(mcfg, "mtp_num_layers", 0) - mcfg.moe_first_dense_layers)  # + MTP's
     per_block = (e * mcfg.dim + e * 3 * mcfg.dim * width + 3 * mcfg.dim * mcfg.moe_shared_width
+                 + (e if getattr(mcfg, "moe_router_bias", False) else 0)  # (gpt-oss's biases)
+                 + (e * (2 * width + mcfg.dim) if getattr(mcfg, "moe_expert_biases", False) else 0)
                  + (mcfg.dim if getattr(mcfg, "moe_shared_gate", False) else 0) - 3 * mcfg.dim * mcfg.hidden_dim)
     return blocks * per_block

@@ -21,7 +21,7 @@ T = TypeVar("T")
 MODEL_SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "hidden_dim", "multiple_of", "vocab_size",
                     "rope_theta", "tie_embeddings", "lora_rank", "lora_targets", "lora_train_embeddings", "trainable",
                     "mtp_num_layers", "rope_scaling", "qkv_bias", "head_dim", "qk_norm",
-                    "sliding_window")
+                    "sliding_window", "o_bias", "attn_sinks")
 SEQ_KEYS = ("max_seq_len",)
 DATA_KEYS = ("task_type", "data_dir", "data_mix", "tokenizer_dir", "seed", "val_ratio", "sft_packing",
              "chat_template_kwargs")  # (the last: GRPO's prompts, re-encoded on resume)

@@ -78,7 +78,7 @@ def shard_experts(experts: nn.Module, ep_mesh: Any) -> None:
     every rank holds the same full weights here), and the all-to-all hooks around the module's forward."""
     from torch.distributed.tensor import DTensor, Shard
     rank, ep = ep_mesh.get_local_rank(), ep_mesh.size()
-    for name in ("gate_up_proj", "down_proj"):
+    for name in _expert_tensors(experts):
         full = getattr(experts, name)
         local = full.detach().chunk(ep, dim=0)[rank].clone()
         setattr(experts, name, nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False),
@@ -93,7 +93,7 @@ def shard_experts_local(experts: nn.Module, ep_mesh: Any, dp_group: Any = None) 
     differently), each marked with (the full shape, the first element of its slice in the full tensor's flat view:
     Shard(0) of a contiguous tensor is one flat range); the all-to-all hooks around the module's forward."""
     rank, ep = ep_mesh.get_local_rank(), ep_mesh.size()
-    for name in ("gate_up_proj", "down_proj"):
+    for name in _expert_tensors(experts):
         full = getattr(experts, name)
         data = full.detach().clone()
         if dist.is_initialized() and dist.get_world_size(dp_group) > 1:
@@ -104,6 +104,13 @@ def shard_experts_local(experts: nn.Module, ep_mesh: Any, dp_group: Any = None) 
         setattr(param, SHARD_OF_ATTR, (tuple(full.shape), rank * local.numel()))
         setattr(experts, name, param)
     _exchange_around(experts, ep_mesh)
+
+
+def _expert_tensors(experts: nn.Module) -> tuple[str, ...]:
+    """The experts' parameters cut by expert: the stacked weights, and gpt-oss's flat biases (whole experts per
+    chunk: [E * n] in expert order, model/moe_experts.py)."""
+    return ("gate_up_proj", "down_proj") + tuple(n for n in ("gate_up_proj_bias", "down_proj_bias")
+                                                 if getattr(experts, n, None) is not None)
 
 
 def _exchange_around(experts: nn.Module, ep_mesh: Any) -> None:

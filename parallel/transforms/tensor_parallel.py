@@ -127,6 +127,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: boo
             if not moe:
                 plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
         parallelize_module(block, tp_mesh, plan)
+        sinks = getattr(block.self_attn, "sinks", None)
+        if sinks is not None:  # gpt-oss's attention sinks, one per query head: each rank's heads' own
+            from torch.distributed.tensor import distribute_tensor
+            block.self_attn.sinks = nn.Parameter(distribute_tensor(sinks.detach(), tp_mesh, [Shard(0)]),
+                                                 requires_grad=sinks.requires_grad)
         # the fused q/k/v and gate/up matmul concatenates full weights: on shards each projection runs alone
         block.self_attn.fused_qkv = False
         if moe:  # each tensor rank routes and computes its share of the tokens (already its own under SP)

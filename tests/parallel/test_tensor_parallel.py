@@ -45,6 +45,10 @@ GEMMA3 = dict(sandwich_norms=True, scale_embeddings=True, mlp_act="gelu_tanh", q
 # DeepSeek's multi-head latent attention (model/mla.py): a query latent, the heads' projections split, the latents
 # whole on every rank (their gradients whole too: the shared RoPE key's summed over the ranks)
 MLA = dict(kv_lora_rank=8, q_lora_rank=12, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=6)
+# gpt-oss (model/hf_gpt_oss.py): attention sinks (each tensor rank its heads'), q/k/v/o biases, a sliding first layer,
+# MoE blocks with a router bias, expert biases and the clamped SwiGLU (whole on every tensor rank)
+GPT_OSS = dict(attn_sinks=True, qkv_bias=True, o_bias=True, sliding_window=5, sliding_layers=[0], moe_num_experts=4,
+               moe_top_k=2, moe_hidden_dim=8, moe_router_bias=True, moe_expert_biases=True, moe_act="gpt_oss")
 
 
 def _cfg(tied: bool = False, ckpt: bool | str = False, dropout: float = 0.0, family: str = "llama") -> ModelConfig:
@@ -56,7 +60,7 @@ def _cfg(tied: bool = False, ckpt: bool | str = False, dropout: float = 0.0, fam
                        multiple_of=16, max_seq_len=16, tie_embeddings=tied, gradient_checkpointing=bool(ckpt),
                        checkpoint_policy=ckpt if isinstance(ckpt, str) else "full", attn_dropout=dropout,
                        resid_dropout=dropout, qk_norm=qwen, attn_head_dim=8 if qwen else None,
-                       **(GEMMA3 if family == "gemma3" else MLA if family == "mla" else {}))
+                       **{"gemma3": GEMMA3, "mla": MLA, "gpt_oss": GPT_OSS}.get(family, {}))
 
 
 def _new_model(tied: bool = False, ckpt: bool | str = False, dropout: float = 0.0, lora: bool = False,
@@ -222,6 +226,7 @@ def _world2(rank: int, world: int, out_path: str, root: str) -> None:
     del engine
     _train(out, "tp2_mla", STEPS, tp=2, family="mla")
     _train(out, "tp2_sp_mla", STEPS, tp=2, sp=True, family="mla")
+    _train(out, "tp2_sp_gpt_oss", STEPS, tp=2, sp=True, family="gpt_oss")
     engine = _train(out, "tp2_lora", STEPS, tp=2, lora=True)
     # the tensor dim's placement of each projection's tensors: S(0), S(1) or R
     out["tp2_lora"]["placements"] = {n: str(p.placements[-1]) for n, p in engine.module.named_parameters()
@@ -325,7 +330,8 @@ def reference() -> dict:
     """fp32 and fp64 references for STEPS and STEPS + 1 steps, and the tolerance between them."""
     out = {}
     for tied, lora, family in ((False, False, "llama"), (True, False, "llama"), (False, True, "llama"),
-                               (False, False, "qwen3"), (False, False, "gemma3"), (False, False, "mla")):
+                               (False, False, "qwen3"), (False, False, "gemma3"), (False, False, "mla"),
+                               (False, False, "gpt_oss")):
         for steps in (STEPS, STEPS + 1) if not (lora or family != "llama") else (STEPS,):
             p32, l32, n32 = _reference(steps, torch.float32, tied, lora, family)
             p64, l64, n64 = _reference(steps, torch.float64, tied, lora, family)
@@ -359,7 +365,8 @@ def test_vocab_parallel_loss_matches_full_vocabulary(results, reduction):
                                        ("pp2_cp2_ddp", False), ("pp2_cp2_zero1", False),
                                        ("tp2_lora", "lora"), ("tp2_sp_fsdp2_lora", "lora"),
                                        ("tp2_sp_compile", False), ("tp2_qwen3", "qwen3"),
-                                       ("tp2_sp_gemma3", "gemma3"), ("tp2_mla", "mla"), ("tp2_sp_mla", "mla")])
+                                       ("tp2_sp_gemma3", "gemma3"), ("tp2_mla", "mla"), ("tp2_sp_mla", "mla"),
+                                       ("tp2_sp_gpt_oss", "gpt_oss")])
 def test_parallel_layouts_match_one_process(results, reference, name, tied):
     ref = reference[(tied, STEPS)]
     rec = results[name]

@@ -132,15 +132,20 @@ _MLA = dict(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=
                                  moe_shared_gate=True, moe_norm_topk=False)),
     ("DeepseekV2ForCausalLM", dict(_MLA, moe_shared_experts=2, moe_norm_topk=False, moe_routed_scaling=2.0)),
     ("DeepseekV3ForCausalLM", dict(_MLA, q_lora_rank=24, moe_shared_experts=1, moe_score="sigmoid", moe_n_groups=2,
-                                   moe_topk_groups=1))], ids=["qwen2_moe", "deepseek_v2", "deepseek_v3"])
+                                   moe_topk_groups=1)),
+    ("GptOssForCausalLM", dict(n_kv_heads=2, qkv_bias=True, o_bias=True, attn_sinks=True, sliding_window=8,
+                               sliding_layers=[0], moe_first_dense_layers=0, moe_router_bias=True,
+                               moe_expert_biases=True, moe_act="gpt_oss"))],
+    ids=["qwen2_moe", "deepseek_v2", "deepseek_v3", "gpt_oss"])
 def test_a_hub_moe_family_trains_and_exports_back_as_itself(tiny_pretrain_data, tiny_pretrain_run_args, tmp_path,
                                                             family, shape):
     """Qwen2-MoE (a gated shared expert of its own width, raw top-k weights), DeepSeek-V2 (latent attention, a
-    softmax router's raw weights) and DeepSeek-V3 (latent attention with a query latent, sigmoid groups): `--init_from`
-    its Hugging Face directory trains it, and export_hf.py writes the same family back, its routing switches kept."""
+    softmax router's raw weights), DeepSeek-V3 (latent attention with a query latent, sigmoid groups) and gpt-oss
+    (attention sinks, biases, a sliding layer, its experts): `--init_from` its Hugging Face directory trains it, and
+    export_hf.py writes the same family back, its routing switches kept."""
     from tests.conftest import run_python
     hf = released_model(tiny_pretrain_data, tmp_path / "hf", n_layers=2, max_seq_len=64, moe_num_experts=4,
-                        moe_top_k=2, moe_hidden_dim=24, moe_first_dense_layers=1, **shape)
+                        moe_top_k=2, moe_hidden_dim=24, **{"moe_first_dense_layers": 1, **shape})
     out = tmp_path / "run"
     run_cmd(train_cmd([*from_weights(tiny_pretrain_run_args, hf, "--max_iters=2", "--checkpoint_interval=2"),
                        f"--out_dir={out}"]), env=_env())
