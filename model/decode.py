@@ -235,7 +235,9 @@ class Decoder:
                 qk = qk * cos2 + qk.unflatten(-1, (2, -1)).flip(-2).flatten(-2) * sin2
             q, k, v = qk[:, :, :nq].transpose(1, 2), qk[:, :, nq:].transpose(1, 2), y[:, :, nq + nk:].transpose(1, 2)
             kc, vc = cache.update(i, k, v)
-            if spec is not None or not self.sdpa_direct:
+            if a.sinks is not None:  # (gpt-oss's attention sinks: one extra key through SDPA)
+                att = attention.sink_attention(q, kc, vc, spec or AttnSpec("sdpa", is_causal=past == 0), a.sinks)
+            elif spec is not None or not self.sdpa_direct:
                 att = attention.sdpa_attention(q, kc, vc, spec or AttnSpec("sdpa", is_causal=past == 0))
             else:  # one new token sees the whole cache; a prefill from position 0 is causal
                 att = F.scaled_dot_product_attention(q, kc, vc, is_causal=past == 0 and T > 1, enable_gqa=nq != nk)

@@ -251,3 +251,54 @@ def test_context_parallelism_refuses_the_sinks():
     model = _model(sliding_window=None, sliding_layers=None)
     with pytest.raises(ValueError, match="attention sinks"):
         context_parallel.apply(model, None, SimpleNamespace(context_parallel_size=2))
+
+
+def test_the_fast_decoder_computes_the_sinks():
+    """model/decode.py's fast path (a gpt-oss-shaped model without a window takes it): prefill and each step give
+    the whole forward's logits at those positions (fp64), and the sinks are in them (zeroed, the logits move)."""
+    from model.decode import Decoder, fast_path_applies
+    model = _model(sliding_window=None, sliding_layers=None).double()
+    assert fast_path_applies(model)
+    x = torch.randint(0, 128, (2, 12))
+    with torch.no_grad():
+        whole = model(x)
+        d = Decoder(model, 2, 12, x.device, torch.float64, pack=False)
+        got = [d.prefill(x[:, :5])] + [d.step(x[:, t]) for t in range(5, 12)]
+    assert torch.allclose(torch.stack(got, dim=1), whole[:, 4:], atol=1e-12, rtol=0)
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.self_attn.sinks.zero_()
+        assert not torch.allclose(Decoder(model, 2, 12, x.device, torch.float64, pack=False).prefill(x[:, :5]),
+                                  whole[:, 4], atol=1e-3)
+
+
+def test_streamed_export_writes_the_whole_exports_tensors(tmp_path):
+    """A sharded run's export (a few tensors at a time): the same tensors as the whole export, the zero biases of a
+    model without them included."""
+    from tests.model.hf_family_checks import streamed_export_equals_whole
+    config = streamed_export_equals_whole(_model(moe_router_bias=False, o_bias=False), tmp_path, max_shard_bytes=20_000)
+    assert config["model_type"] == "gpt_oss"
+
+
+def test_lora_adapters_in_peft_on_the_gpt_oss_export(tmp_path):
+    """LoRA on the attention projections (which have biases here) saved in the PEFT layout, loaded with
+    `peft.PeftModel` on the exported GptOssForCausalLM: our model's logits."""
+    peft = pytest.importorskip("peft")
+    from model.lora import apply_lora, save_lora
+    model = _model()
+    export_hf(model, str(tmp_path / "base"))
+    model.double()
+    apply_lora(model, r=4, alpha=8, target_modules="q_proj,k_proj,v_proj,o_proj")
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.add_(torch.randn_like(p) * 0.05)
+    x = torch.randint(0, 128, (1, 10))
+    with torch.no_grad():
+        ours, base = model(x), _hf(str(tmp_path / "base"))(x).logits
+    save_lora(model, str(tmp_path / "adapter"))
+    pm = peft.PeftModel.from_pretrained(_hf(str(tmp_path / "base")), str(tmp_path / "adapter")).eval()
+    with torch.no_grad():
+        theirs = pm(input_ids=x).logits
+    assert (ours - base).abs().max() > 100 * _tol(ours)
+    assert torch.allclose(theirs, ours, atol=_tol(ours), rtol=0), ((theirs - ours).abs().max(), _tol(ours))

@@ -57,16 +57,20 @@ def train(starve: bool, **layout) -> dict:
     from parallel.build import build_engine
     from trainer.config import TrainConfig
     moe = dict(MOE, moe_bias_update_rate=0.0) if starve else MOE
+    gpt_oss = layout.pop("gpt_oss", False)
     cfg = dataclasses.replace(TrainConfig(), **{**dict(parallel="fsdp", expert_parallel_size=2, dtype="fp32",
                                                        device="cpu", gradient_accumulation_steps=2, bucket_size=500),
                                                 **OPT, **moe, **layout})
-    engine = build_engine(new_model(starve), cfg, device=torch.device("cpu"))
+    engine = build_engine(new_model(starve, gpt_oss=gpt_oss), cfg, device=torch.device("cpu"))
     ddp = cfg.parallel == "ddp"
     training, loss_fn = moe_loss(cfg, engine)
     rec = {"losses": [], "norms": [], "local_experts": []}
     for layer in training.layers:
         w = layer.experts.gate_up_proj
         rec["local_experts"].append((w if ddp else w.to_local()).shape[0])
+        b = layer.experts.gate_up_proj_bias  # (gpt-oss's flat biases: this rank's experts' part)
+        if b is not None:
+            rec.setdefault("local_bias", []).append((b if ddp else b.to_local()).numel())
     for step in range(1, STEPS + 1):
         mine, units = rank_batches(engine, step)
         engine.optimizer.zero_grad()
@@ -100,7 +104,9 @@ DDP, ZERO1 = dict(parallel="ddp"), dict(parallel="ddp", use_distributed_optimize
 CASES = {2: {"plain": (False, {}), "starved": (True, {}), "recompute": (False, {"gradient_checkpointing": True}),
              "recompute_op": (False, {"activation_checkpoint": "selective"}),
              "offload": (False, {"cpu_offload": True}), "ddp": (False, DDP), "ddp_starved": (True, DDP),
-             "zero1": (False, ZERO1), "zero2": (False, dict(ZERO1, zero_stage=2))},
+             "zero1": (False, ZERO1), "zero2": (False, dict(ZERO1, zero_stage=2)),
+             # gpt-oss's block: its flat expert biases cut by expert with the weights (FSDP2's DTensors, our DDP's)
+             "gpt_oss": (False, {"gpt_oss": True}), "ddp_gpt_oss": (False, dict(DDP, gpt_oss=True))},
          4: {"efsdp2": (False, {}), "hsdp": (False, {"dp_replicate_size": 2}), "ddp_edp2": (False, DDP),
              "zero1_edp2": (False, dict(ZERO1, overlap_param_gather=True))}}
 
@@ -207,17 +213,20 @@ def _close(got: dict, r32: dict, r64: dict, key: str) -> None:
 
 
 @pytest.mark.parametrize("case", ["plain", "starved", "recompute", "recompute_op", "offload", "efsdp2", "hsdp", "ddp",
-                                  "ddp_starved", "zero1", "zero2", "ddp_edp2", "zero1_edp2", "compiled", "ddp_compiled"])
+                                  "ddp_starved", "zero1", "zero2", "ddp_edp2", "zero1_edp2", "compiled", "ddp_compiled",
+                                  "gpt_oss", "ddp_gpt_oss"])
 def test_ep2_follows_one_process(results, case):
     """(compiled: --compile with ep=2 under FSDP2 and our DDP; the all-to-all's host-read split sizes break the
-    graph, which compiles in pieces around them)"""
-    starve = case.endswith("starved")
-    r32, r64 = one_process_reference(torch.float32, starve), one_process_reference(torch.float64, starve)
+    graph, which compiles in pieces around them; gpt_oss: gpt-oss's block, whose expert biases ep cuts by expert)"""
+    starve, gpt_oss = case.endswith("starved"), case.endswith("gpt_oss")
+    r32, r64 = (one_process_reference(dt, starve, gpt_oss=gpt_oss) for dt in (torch.float32, torch.float64))
     rec = results[case]
     if case.endswith("compiled"):
         assert rec["graphs"] >= 1  # compiled, not silently eager
     # E/ep = 2 experts on each rank, FSDP-sharded again over efsdp=2 (one expert's rows per rank)
     assert rec["local_experts"] == ([1, 1] if case == "efsdp2" else [2, 2])
+    if gpt_oss:  # 2 of the 4 experts' gate and up biases (8 wide each)
+        assert rec["local_bias"] == [2 * 2 * 8] * 2
     # the clip matters: every step's norm is above --grad_clip, so a norm that missed the other ranks' experts
     # (or counted them twice) would scale every update differently
     assert min(r32["norms"]) > 1.5 * OPT["grad_clip"]

@@ -26,15 +26,26 @@ OPT = dict(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1
 MOE = dict(moe_aux_loss_coef=0.05, moe_z_loss_coef=0.01, moe_bias_update_rate=0.02)
 
 
-def new_model(starve: bool = False, n_layers: int = 3) -> Transformer:
+# gpt-oss's block (model/hf_gpt_oss.py): attention sinks, q/k/v/o biases, a router bias, expert biases (cut by expert
+# under expert parallelism), its clamped SwiGLU; no shared expert
+GPT_OSS = dict(attn_sinks=True, qkv_bias=True, o_bias=True, moe_router_bias=True, moe_expert_biases=True,
+               moe_act="gpt_oss", moe_shared_experts=0)
+
+
+def new_model(starve: bool = False, n_layers: int = 3, gpt_oss: bool = False) -> Transformer:
     """The tiny MoE model (first layer dense, 4 experts, top 2, one shared); with `starve` every token of the first
     MoE layer goes to experts 0 and 1 (rank 0's at ep=2: tests/parallel/test_expert_parallel.py). 4 layers for
-    pipeline stages (2 + 2)."""
+    pipeline stages (2 + 2). `gpt_oss`: gpt-oss's block (GPT_OSS), its biases drawn away from zero."""
     torch.manual_seed(0)
-    model = Transformer(ModelConfig(vocab_size=VOCAB, dim=16, n_layers=n_layers, n_heads=2, hidden_dim=32,
-                                    max_seq_len=16,
-                                    moe_num_experts=4, moe_top_k=2, moe_shared_experts=1, moe_hidden_dim=8,
-                                    moe_first_dense_layers=1))
+    model = Transformer(ModelConfig(**{**dict(vocab_size=VOCAB, dim=16, n_layers=n_layers, n_heads=2, hidden_dim=32,
+                                              max_seq_len=16, moe_num_experts=4, moe_top_k=2, moe_shared_experts=1,
+                                              moe_hidden_dim=8, moe_first_dense_layers=1),
+                                       **(GPT_OSS if gpt_oss else {})}))
+    if gpt_oss:
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n.endswith(("sinks", "bias")):
+                    p.normal_(0.0, 0.3)
     if starve:
         moe_layers(model)[0].expert_bias.copy_(torch.tensor([10.0, 10.0, 0.0, 0.0]))
     return model
@@ -73,11 +84,11 @@ def rank_batches(engine, step: int) -> tuple[list[dict], int]:
 
 
 def one_process_reference(dtype: torch.dtype, starve: bool = False, n_layers: int = 3,
-                          per_sequence: bool = False) -> dict:
+                          per_sequence: bool = False, gpt_oss: bool = False) -> dict:
     """One process: torch AdamW + clip_grad_norm_, the balancing terms written out, the bias rule applied (with
     `starve` the bias update is off, so the starved experts stay starved); step 1's gradients are kept, and each
     step's tokens per expert and mean balancing loss (the metrics row's)."""
-    model = new_model(starve, n_layers).to(dtype)
+    model = new_model(starve, n_layers, gpt_oss).to(dtype)
     for layer in moe_layers(model):  # --moe_aux_loss_type=sequence (tests/model/test_moe.py checks the function)
         layer.aux_per_sequence = per_sequence
     params = list(model.parameters())
