@@ -208,7 +208,7 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attn
 
 # ----------------------------------------------------------------------------------- sinks
 def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec, sinks: torch.Tensor,
-                   dropout_p: float = 0.0) -> torch.Tensor:
+                   dropout_p: float = 0.0, pad_values: Optional[bool] = None) -> torch.Tensor:
     """SDPA with gpt-oss's attention sinks: each query head h adds exp(sinks[h]) to its softmax's denominator (a
     logit with no value). Exact through SDPA itself, with one extra key: every key gets one more dimension (0), the
     sink key is 1 there and 0 elsewhere with a zero value, and each query head carries sinks[h] / scale in that
@@ -216,7 +216,9 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attn
     padded with zeros to a multiple of 8 (the kernels' alignment; zeros add nothing to a score). The sink key comes
     first and is seen by every query: a mask gains a True column, and the causal case a dummy first query (SDPA's
     is_causal aligns query i with key i from the top left), whose row is dropped. The sinks' gradient flows through
-    the queries' extra dimension. q [B, H, Tq, D], k/v [B, Hkv, Tk, D], sinks [H] -> [B, H, Tq, D]."""
+    the queries' extra dimension. q [B, H, Tq, D], k/v [B, Hkv, Tk, D], sinks [H] -> [B, H, Tq, D].
+    `pad_values` (default: on CUDA) pads the values with zeros to the keys' width too, so that the causal case can
+    take the flash backend (one width for q, k and v; the memory-efficient one takes the masks either way)."""
     B, H, Tq, D = q.shape
     scale = 1.0 / math.sqrt(D)
     extra = (D + 1 + 7) // 8 * 8 - D
@@ -229,12 +231,16 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attn
     sink_k = k2.new_zeros(B, k.shape[1], 1, D + extra)
     sink_k[..., D] = 1.0
     k2 = torch.cat((sink_k, k2), dim=2)
-    v2 = torch.cat((v.new_zeros(B, v.shape[1], 1, v.shape[-1]), v), dim=2)
+    dv = v.shape[-1]
+    v2 = torch.cat((v.new_zeros(B, v.shape[1], 1, dv), v), dim=2)
+    if q.is_cuda if pad_values is None else pad_values:
+        v2 = F.pad(v2, (0, D + extra - dv))
     if causal:  # the dummy query (row 0) sees the sink key; query i + 1 sees it and keys 0 .. i
         q2 = torch.cat((q2.new_zeros(B, H, 1, D + extra), q2), dim=2)
-        return sdpa_attention(q2, k2, v2, spec, dropout_p, scale)[:, :, 1:]
+        return sdpa_attention(q2, k2, v2, spec, dropout_p, scale)[:, :, 1:, :dv]
     mask = None if spec.mask is None else F.pad(spec.mask, (1, 0), value=True)
-    return sdpa_attention(q2, k2, v2, dataclasses.replace(spec, mask=mask, is_causal=False), dropout_p, scale)
+    y = sdpa_attention(q2, k2, v2, dataclasses.replace(spec, mask=mask, is_causal=False), dropout_p, scale)
+    return y[..., :dv]
 
 
 # ---------------------------------------------------------------------------------- flash-attn

@@ -136,3 +136,34 @@ def test_latent_attention_through_the_padded_kernels_follows_sdpa_in_bf16(backen
         scale = g32[n].abs().max().item()
         err_ref, err_k = (g_ref[n] - g32[n]).abs().max().item(), (g_k[n] - g32[n]).abs().max().item()
         assert err_k <= 2 * err_ref + floor * scale, (backend, n, err_k, err_ref)
+
+
+@pytest.mark.parametrize("windowed", [False, True], ids=["causal", "window-128"])
+def test_sink_attention_on_the_gpu_is_as_close_to_fp64_as_plain_sdpa(windowed, device=CUDA):
+    """gpt-oss's attention sinks (model/attention.py sink_attention: one extra key through SDPA, values padded to the
+    keys' width on CUDA) in bf16: its output and gradients (q, k, v, sinks) within 2x plain SDPA's own bf16 error
+    from their fp64 truths (+ a bf16 floor)."""
+    from model.attention import AttnSpec, attention_ref, dense_mask, sdpa_attention, sink_attention
+    g = torch.Generator(device=device).manual_seed(0)
+    B, H, Hkv, T, D = 2, 8, 2, 512, 64
+    q, k, v = (torch.randn(B, h, T, D, generator=g, device=device, dtype=torch.float64) for h in (H, Hkv, Hkv))
+    sinks = torch.randn(H, generator=g, device=device, dtype=torch.float64)
+    mask = dense_mask(T, 0, device, window=128) if windowed else None
+    spec = AttnSpec("sdpa_masked", is_causal=False, mask=mask) if windowed else AttnSpec("sdpa", is_causal=True)
+    w = torch.randn(B, H, T, D, generator=g, device=device, dtype=torch.float64)
+
+    def run(fn, dtype, with_sinks):
+        ins = [t.detach().to(dtype).clone().requires_grad_() for t in (q, k, v)] + [sinks.clone().requires_grad_()]
+        out = fn(*ins) if with_sinks else fn(*ins[:3])
+        (out.double() * w).sum().backward()
+        return [out.double()] + [t.grad.double() for t in ins[:3 + with_sinks]]
+
+    truth = run(lambda a, b, c, s=None: attention_ref(a, b, c, mask, s), torch.float64, True)
+    plain_truth = run(lambda a, b, c: attention_ref(a, b, c, mask), torch.float64, False)
+    got = run(lambda a, b, c, s: sink_attention(a, b, c, spec, s), torch.bfloat16, True)
+    plain = run(lambda a, b, c: sdpa_attention(a, b, c, spec), torch.bfloat16, False)
+    floor = 2.0 ** -8
+    rel = [((p - t).abs().max() / t.abs().max()).item() for p, t in zip(plain, plain_truth)]
+    for i, (t, x) in enumerate(zip(truth, got)):  # (the sinks' gradient: plain SDPA's worst relative error)
+        err, scale = (x - t).abs().max().item(), t.abs().max().item()
+        assert err <= (2 * (rel[i] if i < 4 else max(rel)) + floor) * scale, (i, err, rel, scale)

@@ -48,8 +48,9 @@ def _hf(path):
                                              attn_implementation="eager").eval()
 
 
+@pytest.mark.parametrize("pad_values", [False, True], ids=["values-as-they-are", "values-padded"])
 @pytest.mark.parametrize("case", ["causal", "window", "padded", "one-query-over-a-cache"])
-def test_sink_attention_is_the_softmax_with_one_more_logit(case):
+def test_sink_attention_is_the_softmax_with_one_more_logit(case, pad_values):
     g = torch.Generator(device=CPU).manual_seed(0)
     B, H, Hkv, T, D = 2, 4, 2, 9, 16
     q, k, v = (torch.randn(B, h, T, D, generator=g, dtype=torch.float64, device=CPU) for h in (H, Hkv, Hkv))
@@ -69,7 +70,7 @@ def test_sink_attention_is_the_softmax_with_one_more_logit(case):
         spec, mask = AttnSpec("sdpa", is_causal=False), torch.ones(1, 1, 1, T, dtype=torch.bool, device=CPU)
     ins = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
     ref = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
-    y = sink_attention(*ins[:3], spec, ins[3])
+    y = sink_attention(*ins[:3], spec, ins[3], pad_values=pad_values)  # (padded: CUDA's default)
     r = attention_ref(*ref[:3], mask, ref[3])
     assert torch.allclose(y, r, atol=1e-12, rtol=0), (y - r).abs().max()
     w = torch.randn(y.shape, generator=g, dtype=torch.float64, device=CPU)
