@@ -28,6 +28,9 @@ from model import hf_glm4_moe, hf_moe_layout as hub_layout
 
 MODEL_TYPE = "deepseek_v3"
 MODEL_TYPES = (MODEL_TYPE, "deepseek_v2")
+# checkpoints of DeepSeek-V3's architecture under a name of their own (Kimi K2 / K2-Thinking: config.json model_type
+# "kimi_k2", architectures DeepseekV3ForCausalLM, the same tensors), read as DeepSeek-V3
+ALIASES = {"kimi_k2": MODEL_TYPE}
 ARCHITECTURE = "DeepseekV3ForCausalLM"
 LAYOUT = hub_layout.HubLayout("DeepSeek-V3", block="mlp", bias="gate.e_score_correction_bias",
                               projections=("gate_proj", "up_proj", "down_proj"), mtp_layers_follow=True)

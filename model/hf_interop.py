@@ -175,6 +175,9 @@ def config_from_hf(d: dict) -> ModelConfig:
     if hf_vision_language.is_wrapper(d):  # (a vision-language checkpoint: its text model)
         d = hf_vision_language.text_config(d)
         kind = d["model_type"]
+    if kind in hf_deepseek_v3.ALIASES:  # (Kimi K2: DeepSeek-V3 under its own model_type)
+        kind = hf_deepseek_v3.ALIASES[kind]
+        d = {**d, "model_type": kind}
     if kind == hf_gemma3.MODEL_TYPE:
         d = hf_gemma3.with_defaults(d)
     query_scale = hf_ministral3.fields_from_hf(d) if kind == hf_ministral3.MODEL_TYPE else {}

@@ -268,8 +268,8 @@ def test_the_whole_model_compiles_as_one_graph_and_follows_eager():
 
 
 def test_a_deepseek_v3_hub_config_and_its_mtp_layer_import(tmp_path):
-    """What --init_from reads from the Hub (DeepSeek-V3 / R1, Moonlight and Kimi K2 use this family): the config.json
-    as DeepSeek wrote it (transformers 4.x spelling: rope_scaling YaRN with mscale / mscale_all_dim, scoring_func,
+    """What --init_from reads from the Hub (DeepSeek-V3 / R1, Moonlight and Kimi K2, whose model_type is its own, use
+    this family): the config.json as DeepSeek wrote it (transformers 4.x spelling: rope_scaling YaRN with mscale / mscale_all_dim, scoring_func,
     topk_method, num_nextn_predict_layers) and a checkpoint holding an MTP layer after the model's: the layer is left
     out, and the logits are transformers' (fp64) past YaRN's original length."""
     from safetensors.torch import load_file, save_file
@@ -306,6 +306,12 @@ def test_a_deepseek_v3_hub_config_and_its_mtp_layer_import(tmp_path):
     with torch.no_grad():
         want, got = hf(x).logits, ours(x)
     assert torch.allclose(got, want, atol=_tol(want), rtol=0), (got - want).abs().max()
+    # Kimi K2's config.json names the same architecture model_type "kimi_k2": read as DeepSeek-V3
+    from utils.run_dir import is_hf_dir
+    (tmp_path / "hub" / "config.json").write_text(json.dumps(dict(raw, model_type="kimi_k2")))
+    assert is_hf_dir(str(tmp_path / "hub"))
+    with torch.no_grad():
+        assert torch.equal(import_hf(str(tmp_path / "hub"), dtype=torch.float64).eval()(x), got)
 
 
 @pytest.mark.parametrize("groups", [1, 2], ids=["greedy", "group_limited_greedy"])
