@@ -15,9 +15,12 @@ Must never: assert anything (it prints), download anything, or write files.
 
 --mla: both models with DeepSeek's multi-head latent attention (model/mla.py; HF's DeepseekV3ForCausalLM, every block
 dense): ours decodes over the latent cache with kv_b_proj absorbed, HF's caches the latent and expands it each step.
+--gpt_oss: both models gpt-oss-shaped (model/hf_gpt_oss.py; HF's GptOssForCausalLM as it runs by default): attention
+sinks, q/k/v/o biases, every other layer sliding over 32 positions (the rollout passes it), 4 query heads per key/value
+head, every block an MoE of 8 experts (top 2) with biases and the clamped SwiGLU.
 
     .venv/bin/python bench/bench_grpo_generate.py [--dim=256] [--n_layers=4] [--vocab=4096] [--group=8]
-        [--prompt_len=32] [--new_tokens=64] [--repeats=5] [--threads=0] [--device=cpu] [--mla]
+        [--prompt_len=32] [--new_tokens=64] [--repeats=5] [--threads=0] [--device=cpu] [--mla | --gpt_oss]
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ def main(argv: list[str]) -> int:
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--device", default="cpu")
     p.add_argument("--mla", action="store_true", help="multi-head latent attention (DeepSeek-V3's shape, scaled)")
+    p.add_argument("--gpt_oss", action="store_true", help="gpt-oss's block (sinks, biases, windows, its experts)")
     a = p.parse_args(argv)
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -53,8 +57,11 @@ def main(argv: list[str]) -> int:
     # DeepSeek-V3's ratios (7168 wide: latents of 512 and 1536, heads of 128 + 64 and 128 values) at this width
     mla = dict(kv_lora_rank=max(16, a.dim // 14 // 8 * 8), q_lora_rank=max(16, 3 * a.dim // 14 // 8 * 8),
                qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64) if a.mla else {}
+    gpt_oss = dict(n_kv_heads=max(1, heads // 4), attn_sinks=True, qkv_bias=True, o_bias=True, sliding_window=32,
+                   sliding_layers=list(range(0, a.n_layers, 2)), moe_num_experts=8, moe_top_k=2, moe_hidden_dim=a.dim,
+                   moe_router_bias=True, moe_expert_biases=True, moe_act="gpt_oss") if a.gpt_oss else {}
     ours = Transformer(ModelConfig(vocab_size=a.vocab, dim=a.dim, n_layers=a.n_layers, n_heads=heads,
-                                   max_seq_len=a.prompt_len + a.new_tokens, **mla)).to(device).eval()
+                                   max_seq_len=a.prompt_len + a.new_tokens, **mla, **gpt_oss)).to(device).eval()
     d = hf_config_dict(ours.cfg)
     hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(d.pop("model_type"), **d)).to(device).eval()
     hf.load_state_dict(to_hf_state_dict(ours), strict=False)

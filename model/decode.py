@@ -17,6 +17,8 @@ call). Here, per generation call:
 - RoPE rotates q and k in one pass; RMSNorm in fp32 skips its casts (the same arithmetic); no dropout modules;
 - multi-head latent attention (model/mla.py): its first projections (q_a_proj or q_proj, and kv_a_proj_with_mqa)
   as one matmul, RoPE on the queries and the shared key in one pass, then its latent cache's attention;
+- sliding-window layers (Mistral's, Qwen2's, gpt-oss's) mask the cache to their last `sliding_window` positions (the
+  model's rule, `attention.dense_mask`) once the cache is longer; gpt-oss's sinks through `attention.sink_attention`;
 - under torch.inference_mode (no version counters or autograd metadata per op).
 A prompt shared by every row (GRPO's group) is prefilled once, as one row, and its keys/values copied to the rows.
 
@@ -54,8 +56,8 @@ def fast_path_applies(model: nn.Module) -> bool:
         return False
     if any(hasattr(p, "placements") for p in model.parameters()):  # DTensor: sharded (FSDP2, TP, EP)
         return False
-    # the model's forward: a window (it masks the cache to it), Gemma's or OLMo's block, longrope's two tables
-    if model.cfg.sliding_window or not model.cfg.llama_block or getattr(model, "rotary_long", None) is not None:
+    # the model's forward: Gemma's or OLMo's block, longrope's two tables
+    if not model.cfg.llama_block or getattr(model, "rotary_long", None) is not None:
         return False
     return all(type(getattr(b, "self_attn", None)) in (Attention, LatentAttention)
                and hasattr(b, "post_attention_layernorm") for b in model.layers)
@@ -212,12 +214,17 @@ class Decoder:
         if past + T > cache.max_len:
             raise ValueError(f"KV cache overflow: {past + T} > {cache.max_len}")
         cos2, sin2 = self._rope(past, T, h.device)
-        spec = None
+        spec = windowed = None
         if T > 1 and past > 0:  # several new tokens over a cache: the model's masked attention
             positions = torch.arange(past, past + T, device=h.device)[None].expand(B, T)
             spec = attention.build_spec(B, T, positions, past=past, head_dim=self.model.cfg.head_dim)
+        window = self.model.cfg.sliding_window
+        if window and past + T > window:  # the sliding layers see the cache's last `window` positions
+            windowed = AttnSpec("sdpa_masked", is_causal=False,
+                                mask=attention.dense_mask(T, past, h.device, window=window))
         for i, (block, qkv, o, gate_up, down) in enumerate(layers):
             a = block.self_attn
+            layer_spec = windowed if windowed is not None and getattr(a, "sliding", False) else spec
             if isinstance(a, LatentAttention):
                 att = self._latent(a, qkv, _rms_norm(block.input_layernorm, h), cos2, sin2, cache, i,
                                    spec or AttnSpec("sdpa", is_causal=past == 0))
@@ -236,9 +243,10 @@ class Decoder:
             q, k, v = qk[:, :, :nq].transpose(1, 2), qk[:, :, nq:].transpose(1, 2), y[:, :, nq + nk:].transpose(1, 2)
             kc, vc = cache.update(i, k, v)
             if a.sinks is not None:  # (gpt-oss's attention sinks: one extra key through SDPA)
-                att = attention.sink_attention(q, kc, vc, spec or AttnSpec("sdpa", is_causal=past == 0), a.sinks)
-            elif spec is not None or not self.sdpa_direct:
-                att = attention.sdpa_attention(q, kc, vc, spec or AttnSpec("sdpa", is_causal=past == 0))
+                att = attention.sink_attention(q, kc, vc, layer_spec or AttnSpec("sdpa", is_causal=past == 0),
+                                               a.sinks)
+            elif layer_spec is not None or not self.sdpa_direct:
+                att = attention.sdpa_attention(q, kc, vc, layer_spec or AttnSpec("sdpa", is_causal=past == 0))
             else:  # one new token sees the whole cache; a prefill from position 0 is causal
                 att = F.scaled_dot_product_attention(q, kc, vc, is_causal=past == 0 and T > 1, enable_gqa=nq != nk)
             h = o(att.transpose(1, 2).reshape(B, T, -1)) + h  # the model's order: attn + x

@@ -1,5 +1,6 @@
-"""Checks the Hugging Face family tests share (test_gemma3.py, test_olmo.py, test_phi4_mini.py): a model's gradients
-against transformers' autograd, each block switch moving the logits, a streamed export against the whole one."""
+"""Checks the Hugging Face family tests share (test_gemma3.py, test_olmo.py, test_phi4_mini.py, test_mla.py,
+test_hf_gpt_oss.py): a model's gradients against transformers' autograd, each block switch moving the logits, a
+streamed export against the whole one, the KV cache's logits against the whole forward's."""
 from __future__ import annotations
 
 import json
@@ -60,3 +61,22 @@ def streamed_export_equals_whole(model, tmp_path, max_shard_bytes: int) -> dict:
         config = json.load(f)
         assert config == json.load(g)
     return config
+
+
+def cache_steps_equal_whole(model, x: torch.Tensor, prefill: int):
+    """Token by token through a KV cache (a prefill of `prefill` positions, then one token at a time) each position's
+    logits are the whole sequence's (an fp64 `model`: 1e-12); greedy generation with the cache equals it without.
+    Returns the cache."""
+    from model.generate import generate
+    from model.llama import KVCache
+    B, T = x.shape
+    with torch.no_grad():
+        whole = model(x)
+        cache = KVCache(model.cfg, B, T, x.device, torch.float64)
+        stepped = torch.cat([model(x[:, :prefill], cache=cache)] +
+                            [model(x[:, t:t + 1], cache=cache) for t in range(prefill, T)], dim=1)
+    assert torch.allclose(stepped, whole, atol=1e-12, rtol=0), (stepped - whole).abs().max()
+    a = generate(model, x[:, :4], 8, temperature=0.0, use_cache=True)
+    b = generate(model, x[:, :4], 8, temperature=0.0, use_cache=False)
+    assert torch.equal(a, b)
+    return cache

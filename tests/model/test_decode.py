@@ -1,7 +1,7 @@
 """model/decode.py's Decoder against the model's own forward: the logits of a prefill and of one-token steps differ from
 a whole-sequence forward by rounding only (their error against a float64 forward of the same weights is of the
 order of the model's own fp32 error), with packed and plain weights, GQA, LoRA-wrapped projections, MoE blocks,
-dynamic RoPE and several tokens over a non-empty cache; a prompt shared by every row is prefilled once with the
+dynamic RoPE, sliding windows and several tokens over a non-empty cache; a prompt shared by every row is prefilled once with the
 same result; the sampler draws what torch.multinomial draws (its exponentials, computed faster, are torch's own);
 NaN logits stop a rollout with one line."""
 import pytest
@@ -100,6 +100,22 @@ def test_lora_projections_moe_blocks_and_dynamic_rope_take_the_fast_path():
         x = torch.randint(0, V, (2, T))
         err, own = _errors(model, x, _decoded(model, x, pack=None), cached=kw is dynamic)
         assert 0 < own < 1e-4 and err <= 4 * own, (kw, err, own)
+
+
+@pytest.mark.parametrize("layers", [None, [0]], ids=["every-layer", "first-layer"])
+def test_sliding_windows_take_the_fast_path(layers):
+    """A window of 5 positions (Mistral's in every layer; Qwen2's / gpt-oss's in some): prefill and steps past the
+    window mask the cache to it as the model's forward does (within its own fp32 error of a float64 forward), and
+    the window is in the result (without it the logits move)."""
+    model = _model(sliding_window=5, sliding_layers=layers)
+    assert fast_path_applies(model)
+    x = torch.randint(0, V, (2, T))
+    got = _decoded(model, x, pack=None)
+    err, own = _errors(model, x, got)
+    assert 0 < own < 1e-4 and err <= 4 * own, (err, own)
+    with torch.no_grad():
+        unwindowed = _model()(x)[:, PREFILL - 1:]
+    assert (unwindowed - got).abs().max() > 1e-3
 
 
 MLA = dict(n_kv_heads=None, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10)

@@ -193,20 +193,8 @@ def test_an_mxfp4_checkpoint_imports_as_its_dequantized_weights(tmp_path):
 def test_the_kv_cache_gives_the_whole_forwards_logits():
     """Token by token through the cache (sliding layers masked to their window, the sinks in every softmax) each
     position's logits are the whole sequence's (fp64); greedy generation with the cache equals it without."""
-    from model.generate import generate
-    from model.llama import KVCache
-    model = _model().double()
-    x = torch.randint(0, 128, (2, 20))
-    with torch.no_grad():
-        whole = model(x)
-        cache = KVCache(model.cfg, 2, 20, x.device, torch.float64)
-        first = model(x[:, :7], cache=cache)
-        steps = [model(x[:, t:t + 1], cache=cache) for t in range(7, 20)]
-    stepped = torch.cat([first] + steps, dim=1)
-    assert torch.allclose(stepped, whole, atol=1e-12, rtol=0), (stepped - whole).abs().max()
-    a = generate(model, x[:, :4], 8, temperature=0.0, use_cache=True)
-    b = generate(model, x[:, :4], 8, temperature=0.0, use_cache=False)
-    assert torch.equal(a, b)
+    from tests.model.hf_family_checks import cache_steps_equal_whole
+    cache_steps_equal_whole(_model().double(), torch.randint(0, 128, (2, 20)), prefill=7)
 
 
 def test_packed_documents_attend_within_themselves():
@@ -255,10 +243,10 @@ def test_context_parallelism_refuses_the_sinks():
 
 
 def test_the_fast_decoder_computes_the_sinks():
-    """model/decode.py's fast path (a gpt-oss-shaped model without a window takes it): prefill and each step give
-    the whole forward's logits at those positions (fp64), and the sinks are in them (zeroed, the logits move)."""
+    """model/decode.py's fast path: prefill and each step give the whole forward's logits at those positions (fp64;
+    the sliding layers' window of 4 passed), and the sinks are in them (zeroed, the logits move)."""
     from model.decode import Decoder, fast_path_applies
-    model = _model(sliding_window=None, sliding_layers=None).double()
+    model = _model().double()
     assert fast_path_applies(model)
     x = torch.randint(0, 128, (2, 12))
     with torch.no_grad():

@@ -127,27 +127,16 @@ def test_the_latent_kv_cache_gives_the_plain_forwards_logits(lora):
     """Token by token through the latent cache (kv_b_proj absorbed into the query and the output; a LoRA adapter's
     product with it) each position's logits are the whole sequence's (fp64: 1e-12); the cache holds kv_lora_rank +
     qk_rope_head_dim values per token and layer; greedy generation with the cache equals it without."""
-    from model.generate import generate
-    from model.llama import KVCache
     from model.lora import apply_lora
+    from tests.model.hf_family_checks import cache_steps_equal_whole
     model = _model(q_lora_rank=24, rope_scaling=YARN).double()
     if lora:
         apply_lora(model, r=4, target_modules="kv_b_proj,q_b_proj")
         for n, p in model.named_parameters():
             if "lora_B" in n:
                 torch.nn.init.normal_(p, std=0.2)
-    x = torch.randint(0, 96, (2, 40))
-    with torch.no_grad():
-        whole = model(x)
-        cache = KVCache(model.cfg, 2, 40, x.device, torch.float64)
-        first = model(x[:, :25], cache=cache)
-        steps = [model(x[:, t:t + 1], cache=cache) for t in range(25, 40)]
+    cache = cache_steps_equal_whole(model, torch.randint(0, 96, (2, 40)), prefill=25)
     assert cache.k[0].shape == (2, 1, 40, 16 + 8) and cache.v[0].numel() == 0
-    stepped = torch.cat([first] + steps, dim=1)
-    assert torch.allclose(stepped, whole, atol=1e-12, rtol=0), (stepped - whole).abs().max()
-    a = generate(model, x[:, :4], 8, temperature=0.0, use_cache=True)
-    b = generate(model, x[:, :4], 8, temperature=0.0, use_cache=False)
-    assert torch.equal(a, b)
 
 
 def test_packed_documents_attend_within_themselves():
