@@ -27,6 +27,7 @@ from model import hf_moe_layout as hub_layout
 
 MODEL_TYPE = "gpt_oss"
 ARCHITECTURE = "GptOssForCausalLM"
+# (the family's name in messages, and no selection bias; its stacked tensors are moved here, not by hub_layout)
 LAYOUT = hub_layout.HubLayout("gpt-oss", block="mlp", bias=None, projections=("gate_up_proj", "gate_up_proj",
                                                                              "down_proj"))
 _EXPERTS = re.compile(r"(layers\.\d+\.mlp\.experts\.)(gate_up_proj|down_proj)(_bias)?$")
@@ -86,9 +87,8 @@ def fields_from_hf(d: dict) -> dict:
     return {"moe_num_experts": int(d["num_local_experts"]), "moe_top_k": int(d.get("num_experts_per_tok", 4)),
             "moe_hidden_dim": int(d["intermediate_size"]), "moe_score": "softmax", "moe_norm_topk": True,
             "moe_router_bias": True, "moe_expert_biases": True, "moe_act": "gpt_oss",
-            "moe_swiglu_limit": float(d.get("swiglu_limit", 7.0)), "moe_swiglu_alpha": float(d.get("swiglu_alpha",
-                                                                                                  1.702)),
-            "attn_sinks": True, "qkv_bias": bias, "o_bias": bias,
+            "moe_swiglu_limit": float(d.get("swiglu_limit", 7.0)),
+            "moe_swiglu_alpha": float(d.get("swiglu_alpha", 1.702)), "attn_sinks": True, "qkv_bias": bias, "o_bias": bias,
             "sliding_window": int(window) if sliding else None,
             "sliding_layers": None if not sliding or len(sliding) == n else sliding}
 
@@ -146,6 +146,7 @@ def from_hub(sd: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
             out[name] = (_deinterleave(t) if m.group(2) == "gate_up_proj" else t).reshape(-1)
         else:
             out[name] = (_deinterleave(t) if m.group(2) == "gate_up_proj" else t).transpose(1, 2)
-        if m.group(2) == "down_proj" and not m.group(3):
-            out[f"{m.group(1)[:-len('experts.')]}expert_bias"] = torch.zeros(n)
+        if m.group(2) == "down_proj" and not m.group(3):  # (layers.N.mlp.expert_bias: no selection bias)
+            block = m.group(1)[:-len("experts.")]
+            out[block + "expert_bias"] = torch.zeros(n)
     return {k: v.contiguous() for k, v in out.items()}
