@@ -1,6 +1,7 @@
 """Checks the Hugging Face family tests share (test_gemma3.py, test_olmo.py, test_phi4_mini.py, test_mla.py,
 test_hf_gpt_oss.py): a model's gradients against transformers' autograd, each block switch moving the logits, a
-streamed export against the whole one, the KV cache's logits against the whole forward's."""
+streamed export against the whole one, the KV cache's logits against the whole forward's, packed documents against
+each alone, LoRA adapters loaded by PEFT on an export."""
 from __future__ import annotations
 
 import json
@@ -80,3 +81,36 @@ def cache_steps_equal_whole(model, x: torch.Tensor, prefill: int):
     b = generate(model, x[:, :4], 8, temperature=0.0, use_cache=False)
     assert torch.equal(a, b)
     return cache
+
+
+def packed_documents_attend_alone(model, vocab: int) -> None:
+    """Two documents packed in a row (position_ids restarting) give each document's logits alone (an fp64 `model`)."""
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randint(0, vocab, (1, 7), generator=g), torch.randint(0, vocab, (1, 9), generator=g)
+    pos = torch.cat((torch.arange(7), torch.arange(9)))[None]
+    with torch.no_grad():
+        packed = model(torch.cat((a, b), dim=1), position_ids=pos)
+        alone = torch.cat((model(a), model(b)), dim=1)
+    assert torch.allclose(packed, alone, atol=1e-12, rtol=0)
+
+
+def peft_logits_on_export(model, tmp_path, targets: str, load_hf: Callable, vocab: int):
+    """`model` exported (its base weights), then rank-4 LoRA adapters on `targets` (non-zero B) saved in the PEFT
+    layout and loaded with `peft.PeftModel` on the export (`load_hf(path)`: the family's fp64 transformers model):
+    (our fp64 logits, the base export's, PEFT's) on one batch."""
+    import peft
+    from model.lora import apply_lora, save_lora
+    export_hf(model, str(tmp_path / "base"))
+    model.double()
+    apply_lora(model, r=4, alpha=8, target_modules=targets)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.add_(torch.randn_like(p) * 0.05)
+    x = torch.randint(0, vocab, (1, 10))
+    with torch.no_grad():
+        ours, base = model(x), load_hf(str(tmp_path / "base"))(x).logits
+    save_lora(model, str(tmp_path / "adapter"))
+    pm = peft.PeftModel.from_pretrained(load_hf(str(tmp_path / "base")), str(tmp_path / "adapter")).eval()
+    with torch.no_grad():
+        return ours, base, pm(input_ids=x).logits

@@ -167,24 +167,12 @@ def test_lora_adapters_of_an_moe_model_in_peft_on_the_glm_export(tmp_path, targe
     experts' linears; the routed experts are never adapted) do not: PEFT also wraps the routed experts' stacked
     weights of those names. export_hf.py says so (model/lora.py peft_moe_caveat); when this test's second case
     fails, PEFT has fixed it and the caveat can go."""
-    peft = pytest.importorskip("peft")
-    from model.lora import apply_lora, peft_moe_caveat, save_lora
+    pytest.importorskip("peft")
+    from model.lora import peft_moe_caveat
+    from tests.model.hf_family_checks import peft_logits_on_export
     model = _model()
-    export_hf(model, str(tmp_path / "base"))
-    model.double()
-    apply_lora(model, r=4, alpha=8, target_modules=targets)
+    ours, base, theirs = peft_logits_on_export(model, tmp_path, targets, _hf, 96)
     assert (peft_moe_caveat(model) is None) == (targets == "q_proj,v_proj,o_proj")
-    with torch.no_grad():  # non-trivial adapters
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.add_(torch.randn_like(p) * 0.05)
-    x = torch.randint(0, 96, (1, 10))
-    with torch.no_grad():
-        ours, base = model(x), _hf(str(tmp_path / "base"))(x).logits
-    save_lora(model, str(tmp_path / "adapter"))
-    pm = peft.PeftModel.from_pretrained(_hf(str(tmp_path / "base")), str(tmp_path / "adapter")).eval()
-    with torch.no_grad():
-        theirs = pm(input_ids=x).logits
     assert (ours - base).abs().max() > 100 * _tol(ours)  # the adapters change the logits
     same = torch.allclose(theirs, ours, atol=_tol(ours), rtol=0)
     assert same == (targets == "q_proj,v_proj,o_proj"), ((theirs - ours).abs().max(), _tol(ours))

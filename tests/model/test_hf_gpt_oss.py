@@ -198,14 +198,8 @@ def test_the_kv_cache_gives_the_whole_forwards_logits():
 
 
 def test_packed_documents_attend_within_themselves():
-    model = _model().double()
-    g = torch.Generator().manual_seed(3)
-    a, b = torch.randint(0, 128, (1, 7), generator=g), torch.randint(0, 128, (1, 9), generator=g)
-    pos = torch.cat((torch.arange(7), torch.arange(9)))[None]
-    with torch.no_grad():
-        packed = model(torch.cat((a, b), dim=1), position_ids=pos)
-        alone = torch.cat((model(a), model(b)), dim=1)
-    assert torch.allclose(packed, alone, atol=1e-12, rtol=0)
+    from tests.model.hf_family_checks import packed_documents_attend_alone
+    packed_documents_attend_alone(_model().double(), 128)
 
 
 def test_the_trainer_flags_build_a_gpt_oss_shaped_model_and_refuse_what_cannot_be():
@@ -272,22 +266,8 @@ def test_streamed_export_writes_the_whole_exports_tensors(tmp_path):
 def test_lora_adapters_in_peft_on_the_gpt_oss_export(tmp_path):
     """LoRA on the attention projections (which have biases here) saved in the PEFT layout, loaded with
     `peft.PeftModel` on the exported GptOssForCausalLM: our model's logits."""
-    peft = pytest.importorskip("peft")
-    from model.lora import apply_lora, save_lora
-    model = _model()
-    export_hf(model, str(tmp_path / "base"))
-    model.double()
-    apply_lora(model, r=4, alpha=8, target_modules="q_proj,k_proj,v_proj,o_proj")
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.add_(torch.randn_like(p) * 0.05)
-    x = torch.randint(0, 128, (1, 10))
-    with torch.no_grad():
-        ours, base = model(x), _hf(str(tmp_path / "base"))(x).logits
-    save_lora(model, str(tmp_path / "adapter"))
-    pm = peft.PeftModel.from_pretrained(_hf(str(tmp_path / "base")), str(tmp_path / "adapter")).eval()
-    with torch.no_grad():
-        theirs = pm(input_ids=x).logits
+    pytest.importorskip("peft")
+    from tests.model.hf_family_checks import peft_logits_on_export
+    ours, base, theirs = peft_logits_on_export(_model(), tmp_path, "q_proj,k_proj,v_proj,o_proj", _hf, 128)
     assert (ours - base).abs().max() > 100 * _tol(ours)
     assert torch.allclose(theirs, ours, atol=_tol(ours), rtol=0), ((theirs - ours).abs().max(), _tol(ours))

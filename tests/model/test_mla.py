@@ -141,14 +141,8 @@ def test_the_latent_kv_cache_gives_the_plain_forwards_logits(lora):
 
 def test_packed_documents_attend_within_themselves():
     """Two documents packed in a row (position_ids restarting) give each document's logits alone (fp64)."""
-    model = _model().double()
-    g = torch.Generator().manual_seed(3)
-    a, b = torch.randint(0, 96, (1, 7), generator=g), torch.randint(0, 96, (1, 9), generator=g)
-    pos = torch.cat((torch.arange(7), torch.arange(9)))[None]
-    with torch.no_grad():
-        packed = model(torch.cat((a, b), dim=1), position_ids=pos)
-        alone = torch.cat((model(a), model(b)), dim=1)
-    assert torch.allclose(packed, alone, atol=1e-12, rtol=0)
+    from tests.model.hf_family_checks import packed_documents_attend_alone
+    packed_documents_attend_alone(_model().double(), 96)
 
 
 def test_parameter_and_flop_counts_follow_the_modules():
