@@ -24,8 +24,17 @@ def _model(moe: bool = False, **kw) -> Transformer:
     if moe == "mla":  # DeepSeek-V3's shape: latent attention over the MoE (the depth's cache is a latent one)
         base.update(n_kv_heads=None, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=8,
                     v_head_dim=8)
+    if moe == "gpt_oss":  # gpt-oss's block: sinks, biases, a sliding first layer, biased experts (model/hf_gpt_oss.py)
+        base.update(moe_first_dense_layers=0, attn_sinks=True, qkv_bias=True, o_bias=True, sliding_window=6,
+                    sliding_layers=[0], moe_router_bias=True, moe_expert_biases=True, moe_act="gpt_oss")
     torch.manual_seed(0)
-    return Transformer(ModelConfig(**{**base, **kw})).eval()
+    m = Transformer(ModelConfig(**{**base, **kw})).eval()
+    if moe == "gpt_oss":  # (sinks and biases away from their zero initialisation)
+        with torch.no_grad():
+            for n, p in m.named_parameters():
+                if n.endswith(("sinks", "bias")):
+                    p.normal_(0.0, 0.5)
+    return m
 
 
 def _depth_logits(m: Transformer, seq: torch.Tensor) -> torch.Tensor:
@@ -51,7 +60,7 @@ def _min_margin(m: Transformer, out: torch.Tensor, T: int) -> float:
     return float((top2[..., 0] - top2[..., 1]).min())
 
 
-@pytest.mark.parametrize("moe", [False, True, "mla"], ids=["dense", "moe", "mla-moe"])
+@pytest.mark.parametrize("moe", [False, True, "mla", "gpt_oss"], ids=["dense", "moe", "mla-moe", "gpt-oss"])
 def test_greedy_equals_plain_greedy_and_drafts_equal_the_depths_forward(moe, monkeypatch):
     """Drafts made right on every other call (the greedy token after next added to their logits) so that both
     paths run: greedy output equals plain greedy decoding's, drafts stand exactly where they were made right, and
