@@ -310,7 +310,7 @@ def place_on_engine(cfg: TrainConfig, info: DistInfo, model, ref_model, log, thr
         f"{describe_choice(info.device, model_cfg.kernel_backend, cfg.compile, fused=model_cfg.fused_rmsnorm)}")
     n_params = sum(p.numel() for p in model.parameters())
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    mla = "" if not model_cfg.kv_lora_rank else (
+    arch = "" if not model_cfg.kv_lora_rank else (
         f", multi-head latent attention (kv latent {model_cfg.kv_lora_rank}, q latent {model_cfg.q_lora_rank or 'none'}"
         f", {model_cfg.n_heads} heads of {model_cfg.qk_nope_head_dim} + {model_cfg.qk_rope_head_dim} RoPE / "
         f"{model_cfg.v_head_dim} values)")
@@ -318,9 +318,9 @@ def place_on_engine(cfg: TrainConfig, info: DistInfo, model, ref_model, log, thr
                                      ("router bias", model_cfg.moe_router_bias),
                                      ("expert biases", model_cfg.moe_expert_biases),
                                      ("gpt-oss's clamped SwiGLU experts", model_cfg.moe_act == "gpt_oss")) if on]
-    mla += f", {', '.join(gpt_oss)}" if gpt_oss else ""
+    arch += f", {', '.join(gpt_oss)}" if gpt_oss else ""
     log(f"[model] {n_params / 1e6:.2f}M parameters ({n_train / 1e6:.2f}M trainable), {model_cfg.n_layers} layers, "
-        f"dim {model_cfg.dim}{mla}, vocab {model_cfg.vocab_size}, dtype {cfg.dtype}, device {info.device}, "
+        f"dim {model_cfg.dim}{arch}, vocab {model_cfg.vocab_size}, dtype {cfg.dtype}, device {info.device}, "
         f"world {info.world_size}")
     if cfg.neftune_noise_alpha > 0:  # (on the module: pipeline stages and compile keep it)
         add_neftune(model, cfg.neftune_noise_alpha)

@@ -290,6 +290,19 @@ def _model_size_problems(cfg: TrainConfig, p: _Problems, torch_free: bool) -> No
         p.append(problem)
 
 
+def _sliding_layers_problem(cfg: TrainConfig) -> Optional[str]:
+    """What is wrong with --sliding_layers (it needs --sliding_window; a list or every:N:K of layers in range)."""
+    if not cfg.sliding_layers:
+        return None
+    if not cfg.sliding_window:
+        return f"--sliding_layers={cfg.sliding_layers!r} names the layers that slide: it needs --sliding_window"
+    try:
+        layers = parse_sliding_layers(cfg.sliding_layers, cfg.n_layers)
+    except ValueError as e:
+        return str(e)
+    return window_problem(cfg.sliding_window, layers, cfg.n_layers)
+
+
 def _numbers_and_extras(cfg: TrainConfig, p: _Problems, torch_free: bool) -> None:
     """Ranges of the numeric flags, and the checks of samples, skipped data steps and LoRA targets."""
     for name in ("batch_size", "gradient_accumulation_steps", "max_iters", "max_seq_len", "checkpoint_interval",
@@ -299,16 +312,9 @@ def _numbers_and_extras(cfg: TrainConfig, p: _Problems, torch_free: bool) -> Non
     for name in ("eval_interval", "lr_decay_iters", "n_kv_heads", "hidden_dim", "vocab_size",
                  "lora_rank", "powersgd_start_iter", "head_dim", "sliding_window"):
         p.at_least(name, 0)
-    if cfg.sliding_layers and not cfg.sliding_window:
-        p.append(f"--sliding_layers={cfg.sliding_layers!r} names the layers that slide: it needs --sliding_window")
-    elif cfg.sliding_layers:
-        try:
-            problem = window_problem(cfg.sliding_window, parse_sliding_layers(cfg.sliding_layers, cfg.n_layers),
-                                     cfg.n_layers)
-        except ValueError as e:
-            problem = str(e)
-        if problem:
-            p.append(problem)
+    problem = _sliding_layers_problem(cfg)
+    if problem:
+        p.append(problem)
     if cfg.sliding_window and cfg.context_parallel_size > 1:
         p.append(f"--sliding_window={cfg.sliding_window}: not in the ring attention of --context_parallel_size="
                  f"{cfg.context_parallel_size}")

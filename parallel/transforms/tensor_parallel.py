@@ -127,13 +127,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: boo
             if not moe:
                 plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
         parallelize_module(block, tp_mesh, plan)
-        sinks = getattr(block.self_attn, "sinks", None)
-        if sinks is not None:  # gpt-oss's attention sinks, one per query head: each rank's heads' own
-            from torch.distributed.tensor import distribute_tensor
-            block.self_attn.sinks = nn.Parameter(distribute_tensor(sinks.detach(), tp_mesh, [Shard(0)]),
-                                                 requires_grad=sinks.requires_grad)
-        # the fused q/k/v and gate/up matmul concatenates full weights: on shards each projection runs alone
-        block.self_attn.fused_qkv = False
+        _finish_attention(block.self_attn, tp_mesh)
         if moe:  # each tensor rank routes and computes its share of the tokens (already its own under SP)
             from model import token_shares  # noqa: F401 (loaded before any compile traces the import in forward)
             block.mlp.sequence_group = tp_mesh.get_group()
@@ -174,6 +168,18 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: boo
         # recorded on the model for the optimizer, which all-reduces these gradients over the tensor group
         setattr(model, TP_PARTIAL_ATTR, (tuple(partial), tp_mesh.get_group()))
     return partial
+
+
+def _finish_attention(attn: nn.Module, tp_mesh: Any) -> None:
+    """A block's attention after its plan: the fused q/k/v matmul off (it concatenates full weights: on shards each
+    projection runs alone), and gpt-oss's attention sinks (one per query head, model/llama.py Attention), where the
+    module has them, a DTensor Shard(0) on `tp_mesh`: each rank the sinks of its heads (split contiguously)."""
+    attn.fused_qkv = False
+    sinks = getattr(attn, "sinks", None)
+    if sinks is None:
+        return
+    from torch.distributed.tensor import Shard, distribute_tensor
+    attn.sinks = nn.Parameter(distribute_tensor(sinks.detach(), tp_mesh, [Shard(0)]), requires_grad=sinks.requires_grad)
 
 
 # multi-head latent attention's latent norms: they see every position (its input is gathered), their gradients whole
