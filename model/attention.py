@@ -44,6 +44,7 @@ repeat/expand keys and values for GQA, or create parameters (checkpoints never d
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -54,6 +55,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from model import fa4 as fa4_mod
 from model import kernels
+from model.softcap import softcap
 from utils.device import is_accelerator
 
 try:  # torch >= 2.5; optional like every accelerator path (importing it does not import Dynamo)
@@ -174,8 +176,10 @@ def flex_usable(device: torch.device, head_dim: int = 64) -> bool:
     return FLEX_AVAILABLE and is_accelerator(device) and head_dim >= 16
 
 
-def flex_attention_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec) -> torch.Tensor:
-    """q [B, H, T, D], k/v [B, Hkv, T, D] -> [B, H, T, D]; GQA inside the kernel.
+def flex_attention_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec,
+                    score_mod: Optional[Any] = None) -> torch.Tensor:
+    """q [B, H, T, D], k/v [B, Hkv, T, D] -> [B, H, T, D]; GQA inside the kernel; `score_mod` FlexAttention's
+    (`softcap_score_mod`: Gemma 2's capped scores).
 
     Each input is given the layout torchtitan feeds FlexAttention, a contiguous [B, T, heads, D] tensor
     viewed as [B, heads, T, D] (a no-op for q and k, fresh from RoPE). v, a slice of the fused q/k/v
@@ -184,7 +188,16 @@ def flex_attention_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Att
     on CUDA too (pytorch#146377), so the one [B, T, n_kv_heads, D] copy is paid on every device."""
     q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
     _, flex = _flex_functions(q.device)
-    return flex(q, k, v, block_mask=spec.block_mask, enable_gqa=q.shape[1] != k.shape[1])
+    return flex(q, k, v, score_mod=score_mod, block_mask=spec.block_mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+@functools.lru_cache(maxsize=None)
+def softcap_score_mod(cap: float):
+    """FlexAttention's score_mod capping the scores at `cap` (one function per cap: a compiled FlexAttention
+    specialises on it once)."""
+    def mod(score, b, h, q_idx, kv_idx):
+        return torch.tanh(score / cap) * cap
+    return mod
 
 
 # --------------------------------------------------------------------------------------- SDPA
@@ -243,6 +256,31 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Attn
     return y[..., :dv]
 
 
+# ------------------------------------------------------------------------------------ soft-capping
+def softcap_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec, cap: float,
+                      dropout_p: float = 0.0) -> torch.Tensor:
+    """Attention whose scores are soft-capped before the mask and softmax (Gemma 2's attn_logit_softcapping):
+    softmax(cap tanh(q k^T / (sqrt(D) cap))) v. Where FlexAttention trains (an accelerator, no dropout) the model
+    gives such batches a `flex` spec and this cap as its score_mod (`softcap_score_mod`, fused, no [T, T] scores);
+    elsewhere (CPU, dropout, KV-cache steps) it is this function: written out as transformers' eager attention is: the scores [B, H, Tq, Tk] materialised (O(T^2) memory), capped and softmaxed in fp32. GQA
+    without copies: each kv head's query heads stacked along the rows (q viewed [B, Hkv, rep x Tq, D]). The mask:
+    the spec's (its window, padding and documents), else causal, or none (one query over a cache).
+    q [B, H, Tq, D], k/v [B, Hkv, Tk, D] -> [B, H, Tq, Dv] in q's dtype."""
+    B, H, Tq, D = q.shape
+    hkv, Tk = k.shape[1], k.shape[2]
+    adt = kernels.sdpa_dtype(q.device, q.dtype, D)
+    s = torch.matmul(q.to(adt).reshape(B, hkv, H // hkv * Tq, D), k.to(adt).transpose(-1, -2))
+    s = softcap(s.to(torch.promote_types(s.dtype, torch.float32)) * (1.0 / math.sqrt(D)), cap).view(B, H, Tq, Tk)
+    mask = spec.mask if spec.mask is not None else dense_mask(Tq, Tk - Tq, q.device) if spec.is_causal else None
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    p = s.softmax(-1)
+    if dropout_p > 0:
+        p = F.dropout(p, dropout_p)
+    y = torch.matmul(p.to(adt).view(B, hkv, H // hkv * Tq, Tk), v.to(adt))
+    return y.view(B, H, Tq, v.shape[-1]).to(q.dtype)
+
+
 # ---------------------------------------------------------------------------------- flash-attn
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: AttnSpec,
                     dropout_p: float = 0.0) -> torch.Tensor:
@@ -268,15 +306,15 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Att
 
 # ---------------------------------------------------------------------------------- reference
 def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
-                  sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+                  sinks: Optional[torch.Tensor] = None, cap: Optional[float] = None) -> torch.Tensor:
     """The textbook computation in fp32 (fp64 for fp64 inputs) with GQA materialised (repeat_interleave) and an
     explicit mask: what every backend is tested against. q [B, H, Tq, D], k/v [B, Hkv, Tk, D], mask bool
     broadcastable to [B, H, Tq, Tk] (None = causal); `sinks` [H]: one more logit per head in the softmax, dropped
-    after it (gpt-oss's, as transformers' eager attention computes it)."""
+    after it (gpt-oss's, as transformers' eager attention computes it); `cap`: the scores soft-capped (Gemma 2's)."""
     rep = q.shape[1] // k.shape[1]
     ct = torch.promote_types(q.dtype, torch.float32)
     qf, kf, vf = q.to(ct), k.to(ct).repeat_interleave(rep, dim=1), v.to(ct).repeat_interleave(rep, dim=1)
-    s = qf @ kf.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    s = softcap(qf @ kf.transpose(-1, -2) / math.sqrt(q.shape[-1]), cap)
     if mask is None:
         mask = dense_mask(q.shape[2], k.shape[2] - q.shape[2], q.device)
     s = s.masked_fill(~mask, float("-inf"))
@@ -386,6 +424,12 @@ def describe_attention(device: torch.device, cfg: Any, dtype: torch.dtype, compi
     if getattr(cfg, "attn_sinks", False):
         return ("SDPA with gpt-oss's attention sinks as one extra key (sink_attention): unmasked is_causal, "
                 "packed/padded/windowed a dense [B,1,T,T] mask")
+    if getattr(cfg, "attn_softcap", None) is not None:
+        if flex_usable(device, cfg.head_dim) and not cfg.attn_dropout:
+            return (f"FlexAttention with Gemma 2's soft-capped scores as its score_mod (cap {cfg.attn_softcap:g}; "
+                    "causal / packed / padded / windowed block masks); KV-cache steps written out (softcap_attention)")
+        return (f"written out with Gemma 2's soft-capped scores (softcap_attention, cap {cfg.attn_softcap:g}): the "
+                "[B,H,T,T] scores in fp32, causal / packed / padded / windowed through one dense mask")
     flash = (cfg.flash_attn and dtype in HALF and kernels.flash_attn_functions(device) is not None)
     no_fa4 = fa4_mod.problem(cfg, device, dtype, dropout=cfg.attn_dropout > 0)
     plain = ("FlashAttention-4 (SDPA, flash backend only)" if no_fa4 is None else

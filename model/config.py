@@ -51,6 +51,9 @@ class ModelConfig:
     mlp_act: str = "silu"              # the gated MLP's activation: silu (SwiGLU) | gelu_tanh (GeGLU, Gemma's)
     query_scale: Optional[float] = None  # attention scores are q.k / sqrt(this) (query_pre_attn_scalar); None: head_dim
     rope_local_theta: Optional[float] = None  # the sliding layers' RoPE base, unscaled (rope_local_base_freq)
+    # Gemma 2's logit soft-capping (model/softcap.py: z -> cap tanh(z / cap)); None = off
+    attn_softcap: Optional[float] = None  # on the attention scores (attn_logit_softcapping; a math-path attention)
+    final_softcap: Optional[float] = None  # on the LM head's logits (final_logit_softcapping), in every loss head
     # OLMo 2 / 3's block (model/hf_olmo.py): only the sublayers' output norms, and q / k norms over all the heads
     pre_norms: bool = True             # the RMSNorms before attention and MLP (False: OLMo's, with sandwich_norms)
     qk_norm_full: bool = False         # with qk_norm: one norm over all heads' q (and all k), before the heads split
@@ -170,7 +173,7 @@ class ModelConfig:
             return f"mlp_act must be silu or gelu_tanh, got {self.mlp_act!r}"
         if self.mlp_act != "silu" and self.moe_num_experts:
             return "mlp_act=gelu_tanh: the MoE experts are SwiGLU (no Gemma MoE)"
-        for name in ("query_scale", "rope_local_theta"):
+        for name in ("query_scale", "rope_local_theta", "attn_softcap", "final_softcap"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
                 return f"{name}={v!r} must be a number > 0"
@@ -188,6 +191,12 @@ class ModelConfig:
             return "pre_norms=false leaves the blocks no norm: it needs sandwich_norms (OLMo 2's block)"
         if self.qk_norm_full and not self.qk_norm:
             return "qk_norm_full is the width of the q / k norms: it needs qk_norm"
+        if self.final_softcap is not None and (self.num_labels or self.mtp_num_layers):
+            return "final_softcap caps a language model's logits: not with num_labels (a score head) or mtp_num_layers"
+        if self.attn_softcap is not None and self.kv_lora_rank:
+            return "attn_softcap is grouped-query attention's (Gemma 2's): not with kv_lora_rank"
+        if self.attn_softcap is not None and self.attn_sinks:
+            return "attn_softcap and attn_sinks: no model has both (each has its own attention path)"
         if self.mtp_num_layers and not self.llama_block:
             return ("multi-token prediction's depths are Llama / DeepSeek blocks: not with Gemma's or OLMo's block "
                     "fields or a partial rotary")
@@ -254,7 +263,8 @@ class ModelConfig:
                    "mlp_act": self.mlp_act != "silu", "qk_norm_full": self.qk_norm_full,
                    "query_scale": self.query_scale is not None, "rope_local_theta": self.rope_local_theta is not None,
                    "pre_norms": not self.pre_norms, "partial_rotary_factor": self.partial_rotary_factor != 1.0,
-                   "query_pos_scale_beta": self.query_pos_scale_beta is not None}
+                   "query_pos_scale_beta": self.query_pos_scale_beta is not None,
+                   "attn_softcap": self.attn_softcap is not None, "final_softcap": self.final_softcap is not None}
         return tuple(k for k, v in changed.items() if v)
 
     @property

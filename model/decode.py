@@ -41,7 +41,8 @@ import torch.nn.functional as F
 
 from model import attention, kernels
 from model.attention import AttnSpec
-from model.llama import MLP, Attention, KVCache, Transformer, blocks_of, kv_heads_of
+from model.kv_cache import KVCache, kv_heads_of
+from model.llama import MLP, Attention, Transformer, blocks_of
 from model.mla import LatentAttention
 
 

@@ -13,8 +13,9 @@ post_attention_layernorm, the MLP's input norm in a Llama) and post_feedforward_
 Gemma 3's vision-language checkpoints (model_type `gemma3`: 4B, 12B, 27B) hold the same text model
 (model/hf_vision_language.py reads it), whose `text_config` sets only what differs from transformers'
 Gemma3TextConfig defaults (`with_defaults`).
-What our model lacks is a ValueError naming it: logit soft-capping (Gemma 2), bidirectional attention (EmbeddingGemma),
-biases.
+Soft-capped logits, where a checkpoint sets them (Gemma 2's, model/hf_gemma2.py, which shares this module's names and
+weights), are read and written. What our model lacks is a ValueError naming it: bidirectional attention
+(EmbeddingGemma), biases.
 Must never: import transformers (plain dicts and tensors only).
 """
 from __future__ import annotations
@@ -36,6 +37,7 @@ _RENAMES = (("post_attention_layernorm", "attn_output_norm"), ("pre_feedforward_
             ("post_feedforward_layernorm", "mlp_output_norm"))  # hub -> ours (in this order: no chain)
 _LAYER_NORM = re.compile(r"^(layers\.\d+\.)([a-z_]+_norm|[a-z_]+_layernorm)\.weight$")
 _NORM = re.compile(r"(^norm|_norm|_layernorm)\.weight$")
+SOFTCAPS = (("attn_softcap", "attn_logit_softcapping"), ("final_softcap", "final_logit_softcapping"))  # ours, hub
 
 
 def is_gemma(cfg: Any) -> bool:
@@ -52,8 +54,6 @@ def fields_from_hf(d: dict, n_heads: int, head_dim: int) -> dict[str, Any]:
     """ModelConfig's fields of a gemma3_text config.json dict (transformers 4.x or 5.x spelling) beyond a Llama's;
     ValueError for what our model lacks."""
     problems = []
-    if d.get("final_logit_softcapping") is not None or d.get("attn_logit_softcapping") is not None:
-        problems.append("logit soft-capping (final_logit_softcapping / attn_logit_softcapping: Gemma 2's)")
     if d.get("use_bidirectional_attention"):
         problems.append("use_bidirectional_attention (EmbeddingGemma's)")
     act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
@@ -76,6 +76,7 @@ def fields_from_hf(d: dict, n_heads: int, head_dim: int) -> dict[str, Any]:
         "query_scale": None if scalar == head_dim else float(scalar),
         "rope_theta": float(full.get("rope_theta", d.get("rope_theta", 1_000_000.0))),
         "tie_embeddings": bool(d.get("tie_word_embeddings", True)), "attn_head_dim": head_dim,
+        **{ours: None if d.get(hub) is None else float(d[hub]) for ours, hub in SOFTCAPS},
     }
     if sliding:  # kept even where the window is longer than the positions: the layers' RoPE base follows it
         out.update(sliding_window=int(d.get("sliding_window") or 4096),
@@ -101,15 +102,16 @@ def full_rope_dict(d: dict) -> dict:
     return {"rope_parameters": full, "max_position_embeddings": d.get("max_position_embeddings", 131_072)}
 
 
-def export_problems(cfg: Any) -> list[str]:
-    """What a model with the sublayers' output norms has that Gemma 3 cannot hold, or lacks that it must have."""
+def export_problems(cfg: Any, qk_norm: bool = True) -> list[str]:
+    """What a model with the sublayers' output norms has that Gemma 3 (`qk_norm`; else Gemma 2) cannot hold, or lacks
+    that it must have."""
     p = []
     if not cfg.scale_embeddings:
         p.append("scale_embeddings off")
     if cfg.mlp_act != "gelu_tanh":
         p.append(f"mlp_act={cfg.mlp_act} (Gemma's is gelu_tanh)")
-    if not cfg.qk_norm:
-        p.append("no q / k norms")
+    if cfg.qk_norm != qk_norm:
+        p.append("q / k norms" if cfg.qk_norm else "no q / k norms")
     if cfg.qkv_bias:
         p.append("q/k/v biases")
     if cfg.moe_num_experts:
@@ -136,18 +138,19 @@ def config_fields(cfg: Any, rope_full: dict) -> dict[str, Any]:
     scaling = {k: v for k, v in rope_full.items() if k not in ("rope_type", "rope_theta")}
     return {
         "architectures": [ARCHITECTURE], "model_type": MODEL_TYPE, "hidden_activation": "gelu_pytorch_tanh",
-        "query_pre_attn_scalar": _int_if_whole(cfg.query_scale if cfg.query_scale is not None else cfg.head_dim),
+        "query_pre_attn_scalar": int_if_whole(cfg.query_scale if cfg.query_scale is not None else cfg.head_dim),
         "sliding_window": cfg.sliding_window or cfg.max_seq_len, "layer_types": types,
         "rope_parameters": {"full_attention": dict(rope_full), "sliding_attention": {"rope_type": "default",
                                                                                      "rope_theta": local_theta}},
         "rope_theta": float(cfg.rope_theta), "rope_local_base_freq": local_theta,
         "rope_scaling": {"rope_type": rope_full["rope_type"], **scaling} if scaling else None,
-        "final_logit_softcapping": None, "attn_logit_softcapping": None, "use_bidirectional_attention": False,
+        "final_logit_softcapping": cfg.final_softcap, "attn_logit_softcapping": cfg.attn_softcap,
+        "use_bidirectional_attention": False,
         "attention_bias": False,
     }
 
 
-def _int_if_whole(x: float):
+def int_if_whole(x: float):
     """x as an int where it is one (transformers' Gemma3TextConfig types query_pre_attn_scalar as int)."""
     return int(x) if float(x).is_integer() else float(x)
 

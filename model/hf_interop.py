@@ -25,8 +25,8 @@ from typing import Optional
 import torch
 from safetensors.torch import load_file, save_file
 
-from model import (hf_deepseek_v3, hf_files, hf_fp8, hf_gemma3, hf_glm4_moe, hf_gpt_oss, hf_ministral3, hf_mixtral,
-                   hf_olmo, hf_phi3, hf_qwen2_moe, hf_qwen3_moe, hf_score, hf_vision_language)
+from model import (hf_deepseek_v3, hf_files, hf_fp8, hf_gemma2, hf_gemma3, hf_glm4_moe, hf_gpt_oss, hf_ministral3,
+                   hf_mixtral, hf_olmo, hf_phi3, hf_qwen2_moe, hf_qwen3_moe, hf_score, hf_vision_language)
 from model.hf_window import window_from_hf, window_to_hf
 from model.config import ModelConfig
 from model.llama import Transformer
@@ -36,8 +36,7 @@ from utils.run_dir import HF_MODEL_TYPES
 
 # families transformers has that our model does not hold: why, in the refusal
 REFUSED_TYPES = {
-    "gemma2": "Gemma 2's attention and final logit soft-capping are not in our model (Gemma 3's text model is read)",
-    "gemma": "Gemma 1 is not read (Gemma 3's text model is)",
+    "gemma": "Gemma 1 is not read (Gemma 2 and Gemma 3's text model are)",
 }
 
 
@@ -64,6 +63,8 @@ def _causal_config_dict(cfg: ModelConfig, torch_dtype: str, special_ids: Optiona
         "attention_bias": False, "mlp_bias": False, "attention_dropout": cfg.attn_dropout,
         "pretraining_tp": 1, "use_cache": True, "torch_dtype": torch_dtype, "dtype": torch_dtype,
     }
+    if hf_gemma2.applies(cfg):  # (Gemma's block without q / k norms: Gemma 2, the Llama's sizes and RoPE kept)
+        return _own_family(d, hf_gemma2.config_fields(cfg), ("hidden_act",), special_ids)
     if hf_gemma3.is_gemma(cfg):  # (Gemma 3's block: written as its own family, the Llama's sizes kept)
         return _own_family(d, hf_gemma3.config_fields(cfg, rope_parameters), ("hidden_act",), special_ids)
     if hf_olmo.is_olmo(cfg):  # (OLMo 2 / 3: the output norms only)
@@ -153,7 +154,7 @@ def _causal_family(cfg: ModelConfig) -> str:
     if cfg.moe_num_experts or hf_gpt_oss.is_gpt_oss(cfg):
         return moe_family(cfg)[1]
     if hf_gemma3.is_gemma(cfg):
-        return hf_gemma3.ARCHITECTURE
+        return hf_gemma2.ARCHITECTURE if hf_gemma2.applies(cfg) else hf_gemma3.ARCHITECTURE
     if hf_olmo.is_olmo(cfg):
         return "Olmo3ForCausalLM" if cfg.sliding_window else "Olmo2ForCausalLM"
     if hf_phi3.needs_phi3(cfg):
@@ -180,15 +181,17 @@ def config_from_hf(d: dict) -> ModelConfig:
         d = {**d, "model_type": kind}
     if kind == hf_gemma3.MODEL_TYPE:
         d = hf_gemma3.with_defaults(d)
+    if kind == hf_gemma2.MODEL_TYPE:
+        d = hf_gemma2.with_defaults(d)
     query_scale = hf_ministral3.fields_from_hf(d) if kind == hf_ministral3.MODEL_TYPE else {}
     if kind == hf_ministral3.MODEL_TYPE:
         d = hf_ministral3.rope_dict(d)
     if kind in REFUSED_TYPES:
         raise ValueError(f"model_type={kind!r}: {REFUSED_TYPES[kind]}")
     if kind not in HF_MODEL_TYPES:
-        raise ValueError("only Llama, Mistral, Phi-3, Qwen2, Qwen3, SmolLM3, Gemma 3 (text), OLMo 2 / 3, Mixtral, "
-                         f"Qwen2-MoE, Qwen3-MoE, GLM-4-MoE, DeepSeek-V2 / V3 and gpt-oss checkpoints are supported, "
-                         f"got model_type={kind!r}")
+        raise ValueError("only Llama, Mistral, Phi-3, Qwen2, Qwen3, SmolLM3, Gemma 2, Gemma 3 (text), OLMo 2 / 3, "
+                         "Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4-MoE, DeepSeek-V2 / V3 and gpt-oss checkpoints are "
+                         f"supported, got model_type={kind!r}")
     families = {"mixtral": hf_mixtral, "glm4_moe": hf_glm4_moe, "qwen3_moe": hf_qwen3_moe, "qwen2_moe": hf_qwen2_moe}
     partial = (d.get("rope_parameters") or {}).get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
     moe = families[kind].moe_fields(d) if kind in families else {}
@@ -216,6 +219,8 @@ def config_from_hf(d: dict) -> ModelConfig:
         nope_layers=_nope_layers(d, kind), **moe)
     if kind == hf_gemma3.MODEL_TYPE:
         fields.update(hf_gemma3.fields_from_hf(d, n_heads, head_dim))
+    elif kind == hf_gemma2.MODEL_TYPE:
+        fields.update(hf_gemma2.fields_from_hf(d, head_dim))
     elif kind in hf_olmo.MODEL_TYPES:
         fields.update(hf_olmo.fields_from_hf(d, kind))
     elif kind == hf_gpt_oss.MODEL_TYPE:  # (its experts, biases, sinks and window)

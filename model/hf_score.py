@@ -25,11 +25,12 @@ def is_score_config(d: dict) -> bool:
 
 def fields_from_hf(d: dict) -> dict:
     """The ModelConfig fields a *ForSequenceClassification config sets: num_labels (its id2label's size, else
-    num_labels, else transformers' default 2) and no tied LM head (it has none); {} for a language model."""
+    num_labels, else transformers' default 2), no tied LM head (it has none) and no cap on the LM head's logits
+    (Gemma 2's final_logit_softcapping: its classifier does not cap the scores); {} for a language model."""
     if not is_score_config(d):
         return {}
     n = len(d.get("id2label") or {}) or int(d.get("num_labels") or 2)
-    return {"num_labels": n, "tie_embeddings": False}
+    return {"num_labels": n, "tie_embeddings": False, "final_softcap": None}
 
 
 def architecture(causal: str) -> str:

@@ -355,8 +355,10 @@ def choose(op: str, t: torch.Tensor, backend: str = "auto") -> str:
     return "triton"
 
 
-def describe_choice(device: torch.device, backend: str, compiled: bool, fused: bool = True) -> str:
-    """One line for the start-up log: which implementation each op runs on `device`."""
+def describe_choice(device: torch.device, backend: str, compiled: bool, fused: bool = True,
+                    capped: bool = False) -> str:
+    """One line for the start-up log: which implementation each op runs on `device` (`capped`: the model soft-caps its
+    logits, which the Triton loss does not: model/loss.py lm_head_loss takes the chunked one instead)."""
     if not fused:
         return "reference PyTorch paths (fused kernels off)"
     t = torch.empty(0, device=device)
@@ -371,7 +373,9 @@ def describe_choice(device: torch.device, backend: str, compiled: bool, fused: b
         name = {"triton": "Triton", "torch": "autograd Function" if op != "cross_entropy" else "chunked",
                 "reference": "reference (Inductor-fused)"}[impl]
         if op == "cross_entropy" and impl == "reference":
-            name = "full logits (Inductor-fused) up to 4 GiB of logits, else Triton"
+            name = f"full logits (Inductor-fused) up to 4 GiB of logits, else {'chunked' if capped else 'Triton'}"
+        elif op == "cross_entropy" and impl == "triton" and capped:
+            name = "chunked (soft-capped logits: not the Triton loss)"
         parts.append(f"{op} {name}")
     return ", ".join(parts) + f" [kernel_backend={backend}{', compiled' if compiled else ''}]"
 

@@ -28,12 +28,14 @@ from model.attend import attend
 from model.attention import AttnSpec
 from model.checkpointing import run_block
 from model.config import ModelConfig
+from model.kv_cache import KVCache
 from model.loss import lm_head_loss
 from model.mla import LatentAttention
 from model.moe import MoEFeedForward
 from model.moe_experts import GroupedExperts
 from model.mtp import MultiTokenPrediction
 from model.rotary import RotaryEmbedding
+from model.softcap import softcap
 from model.token_logprobs import token_logprobs
 
 
@@ -53,40 +55,6 @@ class RMSNorm(nn.Module):
 
 
 # ------------------------------------------------------------------------------------ attention
-def kv_heads_of(model: nn.Module) -> int:
-    """The key/value heads of `model`'s attention on this rank (fewer under tensor parallelism)."""
-    return model.cfg.n_kv_heads // int(getattr(model, "tensor_parallel_size", 1))
-
-
-class KVCache:
-    """Preallocated keys/values per layer ([B, n_kv_heads, max_len, head_dim]) for generation; `kv_heads`: this
-    rank's key/value heads when they are fewer (tensor parallelism: n_kv_heads / tp, `kv_heads_of`). Multi-head
-    latent attention's (model/mla.py): each token's latent and shared RoPE key as its one "key" [B, 1, max_len,
-    kv_lora_rank + qk_rope_head_dim], no values. Positions past `pos` are free: moving `pos` back forgets them
-    (speculative decoding's rejected drafts)."""
-
-    def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int, device, dtype: torch.dtype,
-                 kv_heads: Optional[int] = None, n_layers: Optional[int] = None):
-        shape = (batch_size, kv_heads or cfg.n_kv_heads, max_len, cfg.head_dim)
-        if cfg.kv_lora_rank:
-            shape = (batch_size, 1, max_len, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-        n_layers = cfg.n_layers if n_layers is None else n_layers  # fewer: a multi-token prediction depth's own
-        # uninitialised: a position is read only after it is written (attention over [:pos + T])
-        self.k = [torch.empty(shape, device=device, dtype=dtype) for _ in range(n_layers)]
-        v_shape = shape[:-1] + (0,) if cfg.kv_lora_rank else shape
-        self.v = [torch.empty(v_shape, device=device, dtype=dtype) for _ in range(n_layers)]
-        self.pos = 0
-        self.max_len = max_len
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        t = k.shape[2]
-        if self.pos + t > self.max_len:
-            raise ValueError(f"KV cache overflow: {self.pos + t} > {self.max_len}")
-        self.k[layer][:, :, self.pos:self.pos + t] = k
-        self.v[layer][:, :, self.pos:self.pos + t] = v
-        return self.k[layer][:, :, :self.pos + t], self.v[layer][:, :, :self.pos + t]
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
@@ -99,6 +67,7 @@ class Attention(nn.Module):
         # gpt-oss's attention sinks: one logit per query head in the softmax's denominator (model/attention.py
         # sink_attention); 0 at initialisation (an extra exp(0) = 1 beside the keys' terms)
         self.sinks = nn.Parameter(torch.zeros(cfg.n_heads)) if cfg.attn_sinks else None
+        self.softcap = cfg.attn_softcap  # (Gemma 2's cap on the scores: model/attention.py softcap_attention)
         if cfg.qk_norm:  # Qwen3: each head's q and k RMS-normalised (one weight over head_dim, shared by the heads);
             # OLMo 2 (qk_norm_full): one norm over all the heads' q, one over all k, before they split into heads
             q_width, k_width = (cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim) if cfg.qk_norm_full \
@@ -161,7 +130,8 @@ class Attention(nn.Module):
         sinks = self.sinks
         if sinks is not None and hasattr(sinks, "to_local"):  # (tensor parallel: this rank's heads' sinks)
             sinks = sinks.to_local()
-        y = attend(q, k, v, spec, self.attn_dropout if self.training else 0.0, cache, self.layer_idx, sinks)
+        y = attend(q, k, v, spec, self.attn_dropout if self.training else 0.0, cache, self.layer_idx, sinks,
+                   self.softcap)
         return self.resid_dropout(self.o_proj(y.reshape(B, T, -1)))
 
 
@@ -343,7 +313,8 @@ class Transformer(nn.Module):
         """This batch's AttnSpec (model/attention.py), decided from which inputs are present and static
         facts (device, compute dtype, training, cache), never from tensor values."""
         device, dtype, cfg = positions.device, self._compute_dtype(positions.device), self.cfg
-        flash = kernels.flash_attn_functions(device) if cfg.flash_attn and not cfg.attn_sinks else None
+        plain = cfg.attn_sinks or cfg.attn_softcap is not None  # (SDPA's specs only: sinks, soft-capped scores)
+        flash = kernels.flash_attn_functions(device) if cfg.flash_attn and not plain else None
         if flash is not None and dtype not in attention.HALF:
             flash = None  # flash-attn kernels exist for half precisions only
         dropout = self.training and cfg.attn_dropout > 0
@@ -354,10 +325,19 @@ class Transformer(nn.Module):
             B, T, positions, attention_mask=attention_mask, position_ids_given=position_ids_given,
             doc_ids=doc_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
             past=cache.pos if cache is not None else None, flash=flash, dropout=dropout, head_dim=cfg.head_dim,
-            # attention sinks: SDPA's kinds only (model/attention.py sink_attention)
-            backend="sdpa" if cfg.attn_sinks else getattr(self, "attn_backend", "auto"),
-            fa4=None if cfg.attn_sinks else fa4.plan(cfg, device, dtype, dropout),
+            backend=self._backend(cfg, device, dropout, cache),
+            fa4=None if plain else fa4.plan(cfg, device, dtype, dropout),
             gqa=cfg.n_kv_heads != cfg.n_heads, window=cfg.sliding_window)
+
+    def _backend(self, cfg: ModelConfig, device: torch.device, dropout: bool, cache) -> str:
+        """The attention backend asked of build_spec: SDPA's kinds for sinks; for soft-capped scores FlexAttention
+        where it trains (its score_mod caps them), else the written-out path's SDPA specs (a test may force either)."""
+        forced = getattr(self, "attn_backend", "auto")
+        if cfg.attn_softcap is not None:
+            if forced in ("sdpa", "flex") and cache is None:
+                return forced
+            return "flex" if cache is None and not dropout and attention.flex_usable(device, cfg.head_dim) else "sdpa"
+        return "sdpa" if cfg.attn_sinks else forced
 
     @staticmethod
     def _rope(rotary: RotaryEmbedding, positions: torch.Tensor, past: int, T: int, contiguous: bool):
@@ -476,10 +456,14 @@ class Transformer(nn.Module):
         """forward's result from the final normed hidden state: head(h, the LM head's weight, --loss_chunk_size) (a
         loss computed in the head, the weight whole here under FSDP2 too: model/distill_head.py), the chunked
         log-probabilities, the logits or the loss; `cp` the ContextParallel when it splits the sequences."""
+        cap = self.cfg.final_softcap  # (Gemma 2's soft-capped logits: model/softcap.py)
         if head is not None:
+            if cap is not None:
+                raise ValueError("a loss in the head (distillation) does not soft-cap the logits (final_softcap)")
             return head(h, self.lm_head.weight, self.cfg.loss_chunk_size)
         if logprobs_of is not None:
-            logp, entropy = token_logprobs(h, self.lm_head.weight, logprobs_of, temperature, self.cfg.loss_chunk_size)
+            logp, entropy = token_logprobs(h, self.lm_head.weight, logprobs_of, temperature, self.cfg.loss_chunk_size,
+                                           softcap=cap)
             if cp is not None:  # the whole rows' values on every cp rank, gradients through this rank's positions
                 return cp.gather_tokens(logp), cp.gather_tokens(entropy)
             return logp, entropy
@@ -488,7 +472,7 @@ class Transformer(nn.Module):
                 h = h[logits_to_keep]
             elif logits_to_keep:
                 h = h[:, -logits_to_keep:]
-            return self.lm_head(h)
+            return softcap(self.lm_head(h), cap)
         if cp is not None:
             if reduction == "none":  # the whole rows' per-token losses on every cp rank
                 return cp.gather_tokens(lm_head_loss(h, self.lm_head.weight, labels, "none", self.cfg))

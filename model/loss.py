@@ -18,6 +18,11 @@ the fp32 softmax gradient, also the fast one on CPUs without native bf16 matmuls
 gradients formed in the forward are scaled by FP16_GRAD_SCALE, not by 1/n_valid ("mean"), and
 unscaled in backward after the upstream (loss-scaled) gradient: at 1/n_valid they underflowed fp16.
 
+Soft-capped logits (Gemma 2's final_softcap, model/softcap.py): with `softcap` each chunk's logits are capped in
+place, cap * tanh(z / cap), before the softmax statistics, and the gradient with respect to the capped logits is
+multiplied by the cap's derivative 1 - tanh^2 (one more [V, c] buffer per call); the Triton op has no cap, so
+`lm_head_loss` takes the chunked path for a capped model.
+
 Under torch.compile the same code runs as one opaque custom op (`myllm::chunked_linear_cross_entropy`,
 with a fake implementation and a registered autograd formula), so `fullgraph=True` holds and the
 chunking and buffer reuse stay as they are; eagerly it is a plain autograd.Function.
@@ -36,6 +41,7 @@ import torch.nn.functional as F
 from model.kernels import REFERENCE_LOSS_MAX_LOGITS_BYTES, choose, load_triton
 from model.loss_precision import (FP16_GRAD_SCALE, accumulate_fp32_, compute_dtype, fp16_grad_factor,
                                   fp16_grads, scale_, scaled)
+from model.softcap import softcap as softcap_logits
 from utils.constants import IGNORE_INDEX
 
 log = logging.getLogger(__name__)
@@ -60,6 +66,7 @@ class _Workspace:
         self.logits = torch.empty(vocab * c, dtype=f32, device=device)
         self.low = torch.empty(vocab * c, dtype=cdtype, device=device) if self.low_precision else None
         self.w_c = torch.empty(vocab, dim, dtype=cdtype, device=device) if self.low_precision else None
+        self.deriv = None  # the soft-cap's derivative, [V, c] fp32: allocated on the first capped chunk
 
     @staticmethod
     def get(c: int, vocab: int, dim: int, cdtype: torch.dtype, device) -> "_Workspace":
@@ -94,17 +101,35 @@ class _Workspace:
             return g
         return self.low[: g.numel()].view(g.shape).copy_(g)
 
+    def softcap_t_(self, logits_t: torch.Tensor, cap: Optional[float], want_deriv: bool) -> Optional[torch.Tensor]:
+        """logits_t <- cap * tanh(logits_t / cap) in place (model/softcap.py's order of operations); returns the
+        derivative 1 - tanh^2 [V, c] (in a reused buffer) if wanted, else None. Nothing happens without a cap."""
+        if cap is None:
+            return None
+        t = logits_t.div_(cap).tanh_()
+        d = None
+        if want_deriv:
+            if self.deriv is None:
+                self.deriv = torch.empty_like(self.logits)
+            d = torch.mul(t, t, out=self.deriv[: t.numel()].view(t.shape)).neg_().add_(1.0)  # 1 - tanh^2
+        t.mul_(cap)
+        return d
+
 
 _CPU_CACHE: dict = {}
 
-def _softmax_stats_t(logits_t: torch.Tensor, y: torch.Tensor, want_grad: bool):
+def _softmax_stats_t(logits_t: torch.Tensor, y: torch.Tensor, want_grad: bool, ws: Optional[_Workspace] = None,
+                     cap: Optional[float] = None):
     """Per-token loss (0 where ignored), logsumexp, and (if wanted) the unnormalised gradient of one
     chunk of logits^T [V, c], in place.
 
     One exp pass serves logsumexp and the gradient. The gradient is left as G = exp(z - m) - s * onehot
     with s = sum exp(z - m) per token, i.e. s * (softmax - onehot): the per-token factor 1/s (and the
     reduction's scale) is applied to the [c, D] side of the matmuls instead of to the [V, c] matrix.
+    With a soft-cap (`cap`, `ws` holding the derivative's buffer) the logits are capped first and G is
+    multiplied by the cap's derivative: the gradient with respect to the uncapped logits.
     """
+    deriv = ws.softcap_t_(logits_t, cap, want_grad) if cap is not None else None
     c = logits_t.shape[1]
     valid = y != IGNORE_INDEX
     safe_y = torch.where(valid, y, torch.zeros_like(y))
@@ -117,6 +142,8 @@ def _softmax_stats_t(logits_t: torch.Tensor, y: torch.Tensor, want_grad: bool):
     loss = torch.where(valid, lse - target, torch.zeros_like(lse))
     if want_grad:
         e[safe_y, cols] = e[safe_y, cols] - s  # (p - 1) * s at the target, in fp32 before any rounding
+        if deriv is not None:
+            e.mul_(deriv)
     return e, s, lse, loss, valid
 
 
@@ -144,7 +171,8 @@ def _chunk_grads(ws: _Workspace, g_t: torch.Tensor, row_scale: torch.Tensor, h_c
 
 
 def _forward_chunks(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, reduction: str,
-                    chunk_size: int, need_grad: bool, cdtype: torch.dtype, need_w: bool):
+                    chunk_size: int, need_grad: bool, cdtype: torch.dtype, need_w: bool,
+                    cap: Optional[float] = None):
     """The forward of the chunked linear+CE, shared by the autograd Function (eager) and the custom op
     (compiled). hidden [N, D], weight [V, D], labels [N].
 
@@ -152,7 +180,7 @@ def _forward_chunks(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     (hidden's dtype) and d_weight [V, D] fp32 (None for a frozen head) are the gradients for an upstream
     gradient of 1 (in fp16: of the sum, times FP16_GRAD_SCALE, see `fp16_grads`), lses None. For "none"
     with gradients: lses [N] fp32 (backward recomputes each chunk), d_* None. Without gradients all
-    three are None."""
+    three are None. `cap`: the logits' soft-cap (None: none)."""
     n = hidden.shape[0]
     dev = hidden.device
     grads_now = need_grad and reduction in ("mean", "sum")
@@ -179,7 +207,7 @@ def _forward_chunks(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
             lses = torch.empty(n, dtype=torch.float32, device=dev)
         for s in range(0, n, chunk_size):
             e = min(s + chunk_size, n)
-            g_t, sums, lse, loss, valid = _softmax_stats_t(ws.logits_t(h_c[s:e], w_c), labels[s:e], grads_now)
+            g_t, sums, lse, loss, valid = _softmax_stats_t(ws.logits_t(h_c[s:e], w_c), labels[s:e], grads_now, ws, cap)
             losses[s:e] = loss
             if grads_now:
                 _chunk_grads(ws, g_t, (unit * valid) / sums, h_c[s:e], w_c, d_hidden[s:e], d_weight, s == 0)
@@ -198,9 +226,11 @@ def _forward_chunks(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
 
 
 def _backward_chunks(g: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                     lses: torch.Tensor, chunk_size: int, cdtype: torch.dtype, need_w: bool):
+                     lses: torch.Tensor, chunk_size: int, cdtype: torch.dtype, need_w: bool,
+                     cap: Optional[float] = None):
     """Backward of "none": per-token upstream gradient g [N] -> (d_hidden [N, D] in hidden's dtype,
-    d_weight [V, D] fp32 or None), each chunk's logits recomputed from hidden and the saved lses."""
+    d_weight [V, D] fp32 or None), each chunk's logits recomputed from hidden (and soft-capped by `cap`)
+    and the saved lses."""
     n = hidden.shape[0]
     with torch.autocast(hidden.device.type, enabled=False):
         ws = _Workspace.get(min(chunk_size, n), weight.shape[0], weight.shape[1], cdtype, hidden.device)
@@ -214,8 +244,12 @@ def _backward_chunks(g: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor
             valid = y != IGNORE_INDEX
             safe_y = torch.where(valid, y, torch.zeros_like(y))
             cols = torch.arange(e - s, device=y.device)
-            p_t = ws.logits_t(h_c[s:e], w_c).sub_(lses[s:e]).exp_()  # softmax^T (s = 1)
+            p_t = ws.logits_t(h_c[s:e], w_c)
+            deriv = ws.softcap_t_(p_t, cap, True)
+            p_t = p_t.sub_(lses[s:e]).exp_()  # softmax^T (s = 1)
             p_t[safe_y, cols] = p_t[safe_y, cols] - 1.0
+            if deriv is not None:
+                p_t.mul_(deriv)
             _chunk_grads(ws, p_t, g[s:e] * valid, h_c[s:e], w_c, d_hidden[s:e], d_weight, s == 0)
         if d_weight is not None and n == 0:
             d_weight.zero_()
@@ -227,12 +261,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """The eager path: in backward the saved gradients are scaled in place (no new [V, D] tensor)."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                reduction: str, chunk_size: int, need_grad: bool, cdtype: torch.dtype, need_w: bool):
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, reduction: str,
+                chunk_size: int, need_grad: bool, cdtype: torch.dtype, need_w: bool, cap: Optional[float]):
         out, lses, d_hidden, d_weight, n_valid = _forward_chunks(hidden, weight, labels, reduction, chunk_size,
-                                                                 need_grad, cdtype, need_w)
+                                                                 need_grad, cdtype, need_w, cap)
         grads_now = d_hidden is not None
         ctx.reduction, ctx.chunk_size, ctx.cdtype, ctx.grads_now = reduction, chunk_size, cdtype, grads_now
+        ctx.cap = cap
         ctx.weight_dtype = weight.dtype
         ctx.fp16 = fp16_grads(reduction, cdtype)
         ctx.need_w = d_weight is not None if grads_now else bool(weight.requires_grad)
@@ -244,7 +279,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        none6 = (None,) * 6
+        nones = (None,) * 7  # (the non-tensor arguments')
         if ctx.grads_now:
             # the saved gradients are scaled in place (no second [V, D] buffer), so only once
             if getattr(ctx, "used", False):
@@ -258,28 +293,30 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 # the usual upstream gradient is exactly 1 (loss.backward()): skip a pass over [V, D] then
                 # (checked only on CPU, where reading the scalar costs no device sync)
                 if g.device.type == "cpu" and g.item() == 1.0:
-                    return d_hidden, d_weight.to(ctx.weight_dtype) if d_weight is not None else None, *none6
+                    return d_hidden, d_weight.to(ctx.weight_dtype) if d_weight is not None else None, *nones
                 f = g.float()
             d_w = scale_(d_weight, f).to(ctx.weight_dtype) if d_weight is not None else None  # in place
-            return scale_(d_hidden, f), d_w, *none6
+            return scale_(d_hidden, f), d_w, *nones
         hidden, weight, labels, lses = ctx.saved_tensors
-        d_hidden, d_weight = _backward_chunks(g, hidden, weight, labels, lses, ctx.chunk_size, ctx.cdtype, ctx.need_w)
+        d_hidden, d_weight = _backward_chunks(g, hidden, weight, labels, lses, ctx.chunk_size, ctx.cdtype, ctx.need_w,
+                                              ctx.cap)
         d_w = d_weight.to(ctx.weight_dtype) if d_weight is not None else None
-        return d_hidden, d_w, *none6
+        return d_hidden, d_w, *nones
 
 
 # ------------------------------------------------------------------------------ the compiled path
 # The same forward and backward as opaque custom ops: torch.compile(fullgraph=True) sees one node with a
 # fake implementation and an autograd formula, and the chunk loop, its out= matmuls and the CPU buffer
-# reuse run eagerly inside it (Dynamo could trace none of them without a graph break).
+# reuse run eagerly inside it (Dynamo could trace none of them without a graph break). `softcap` is the
+# logits' soft-cap, 0.0 (the default) for none.
 @torch.library.custom_op("myllm::chunked_linear_cross_entropy", mutates_args=())
 def _chunked_lce_op(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, reduction: str,
-                    chunk_size: int, compute_dtype: torch.dtype, need_grad: bool,
-                    need_w: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                    chunk_size: int, compute_dtype: torch.dtype, need_grad: bool, need_w: bool,
+                    softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, lses, d_hidden, d_weight) of `_forward_chunks`, each absent one as an empty ([0]) tensor;
     d_weight fp32."""
     out, lses, d_hidden, d_weight, _ = _forward_chunks(hidden, weight, labels, reduction, chunk_size, need_grad,
-                                                       compute_dtype, need_w)
+                                                       compute_dtype, need_w, softcap or None)
     f32 = torch.float32
     return (out, lses if lses is not None else hidden.new_empty(0, dtype=f32),
             d_hidden if d_hidden is not None else hidden.new_empty(0),
@@ -287,7 +324,7 @@ def _chunked_lce_op(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
 
 
 @_chunked_lce_op.register_fake
-def _chunked_lce_fake(hidden, weight, labels, reduction, chunk_size, compute_dtype, need_grad, need_w):
+def _chunked_lce_fake(hidden, weight, labels, reduction, chunk_size, compute_dtype, need_grad, need_w, softcap=0.0):
     n = hidden.shape[0]
     f32 = torch.float32
     grads_now = need_grad and reduction != "none"
@@ -299,25 +336,26 @@ def _chunked_lce_fake(hidden, weight, labels, reduction, chunk_size, compute_dty
 
 @torch.library.custom_op("myllm::chunked_linear_cross_entropy_backward", mutates_args=())
 def _chunked_lce_backward_op(grad: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                             lses: torch.Tensor, chunk_size: int, compute_dtype: torch.dtype,
-                             need_w: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d_hidden, d_weight fp32 or empty) of `_backward_chunks` (reduction "none")."""
-    d_hidden, d_weight = _backward_chunks(grad, hidden, weight, labels, lses, chunk_size, compute_dtype, need_w)
+                             lses: torch.Tensor, chunk_size: int, compute_dtype: torch.dtype, need_w: bool,
+                             softcap: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d_hidden, d_weight fp32 or empty) of `_backward_chunks` (reduction "none"; softcap 0.0: none)."""
+    d_hidden, d_weight = _backward_chunks(grad, hidden, weight, labels, lses, chunk_size, compute_dtype, need_w,
+                                          softcap or None)
     return d_hidden, d_weight if d_weight is not None else weight.new_empty(0, dtype=torch.float32)
 
 
 @_chunked_lce_backward_op.register_fake
-def _chunked_lce_backward_fake(grad, hidden, weight, labels, lses, chunk_size, compute_dtype, need_w):
+def _chunked_lce_backward_fake(grad, hidden, weight, labels, lses, chunk_size, compute_dtype, need_w, softcap=0.0):
     return (hidden.new_empty(hidden.shape),
             weight.new_empty(weight.shape if need_w else (0,), dtype=torch.float32))
 
 
 def _chunked_lce_setup(ctx, inputs, output):
-    hidden, weight, labels, reduction, chunk_size, cdtype, need_grad, need_w = inputs
+    hidden, weight, labels, reduction, chunk_size, cdtype, need_grad, need_w, cap = inputs
     _, lses, d_hidden, d_weight = output
     ctx.mark_non_differentiable(lses, d_hidden, d_weight)
     ctx.set_materialize_grads(False)
-    ctx.reduction, ctx.chunk_size, ctx.cdtype = reduction, chunk_size, cdtype
+    ctx.reduction, ctx.chunk_size, ctx.cdtype, ctx.cap = reduction, chunk_size, cdtype, cap
     ctx.need_w, ctx.weight_dtype, ctx.fp16 = need_w, weight.dtype, fp16_grads(reduction, cdtype)
     if reduction == "none":
         ctx.save_for_backward(hidden, weight, labels, lses)
@@ -326,36 +364,41 @@ def _chunked_lce_setup(ctx, inputs, output):
 
 
 def _chunked_lce_backward(ctx, g, _g_lses, _g_dh, _g_dw):
-    none6 = (None,) * 6
+    nones = (None,) * 7  # (the non-tensor arguments')
     if g is None:
-        return None, None, *none6
+        return None, None, *nones
     if ctx.reduction == "none":
         hidden, weight, labels, lses = ctx.saved_tensors
         d_h, d_w = torch.ops.myllm.chunked_linear_cross_entropy_backward(g, hidden, weight, labels, lses,
-                                                                         ctx.chunk_size, ctx.cdtype, ctx.need_w)
+                                                                         ctx.chunk_size, ctx.cdtype, ctx.need_w,
+                                                                         ctx.cap)
     else:  # out of place: the saved gradients stay valid for a second backward (retain_graph)
         d_hidden, d_w, labels = ctx.saved_tensors
         f = fp16_grad_factor(g, ctx.reduction, (labels != IGNORE_INDEX).sum()) if ctx.fp16 else g.float()
         d_h = scaled(d_hidden, f, d_hidden.dtype)
         d_w = d_w * f
     d_w = d_w.to(ctx.weight_dtype) if ctx.need_w else None
-    return (d_h if ctx.needs_input_grad[0] else None), (d_w if ctx.needs_input_grad[1] else None), *none6
+    return (d_h if ctx.needs_input_grad[0] else None), (d_w if ctx.needs_input_grad[1] else None), *nones
 
 
 _chunked_lce_op.register_autograd(_chunked_lce_backward, setup_context=_chunked_lce_setup)
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                         reduction: str = "mean", chunk_size: int = 512) -> torch.Tensor:
+                         reduction: str = "mean", chunk_size: int = 512,
+                         softcap: Optional[float] = None) -> torch.Tensor:
     """Cross-entropy of `hidden @ weight.T` against `labels` without the full logits.
 
     hidden [..., D], weight [V, D], labels [...] (already shifted; IGNORE_INDEX = -100 skipped).
     reduction: "mean" over non-ignored tokens (0 if there are none), "sum", or "none" -> loss with the
-    shape of `labels`, 0 at ignored positions. Eagerly an autograd.Function; under torch.compile the
-    custom op `myllm::chunked_linear_cross_entropy` (no graph break, the same numbers).
+    shape of `labels`, 0 at ignored positions. softcap: the logits are cap * tanh(logits / cap) (Gemma
+    2's final_softcap; None: not capped). Eagerly an autograd.Function; under torch.compile the custom
+    op `myllm::chunked_linear_cross_entropy` (no graph break, the same numbers).
     """
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be > 0 (or None), got {softcap!r}")
     shape = labels.shape
     h = hidden.reshape(-1, hidden.shape[-1])
     y = labels.reshape(-1)
@@ -363,10 +406,11 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     cdtype = compute_dtype(hidden)
     if torch.compiler.is_compiling():
         out = torch.ops.myllm.chunked_linear_cross_entropy(h, weight, y, reduction, int(chunk_size), cdtype,
-                                                           need_grad, bool(weight.requires_grad))[0]
+                                                           need_grad, bool(weight.requires_grad),
+                                                           float(softcap) if softcap is not None else 0.0)[0]
     else:
         out = _LinearCrossEntropy.apply(h, weight, y, reduction, int(chunk_size), need_grad, cdtype,
-                                        bool(weight.requires_grad))
+                                        bool(weight.requires_grad), float(softcap) if softcap is not None else None)
     return out.reshape(shape) if reduction == "none" else out
 
 
@@ -380,29 +424,33 @@ def lm_head_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tenso
     """The model's loss head: the implementation `cfg` (a ModelConfig) and the device select
     (model/kernels.py `choose`): the Triton linear+CE custom op, the chunked autograd Function, or the
     full-logits reference; a weight sharded on the vocabulary (a DTensor: tensor parallelism) takes the
-    vocabulary-parallel chunked loss (model/vocab_parallel_loss.py), which never gathers the logits."""
+    vocabulary-parallel chunked loss (model/vocab_parallel_loss.py), which never gathers the logits.
+    `cfg.final_softcap` (absent or None: none) soft-caps the logits in each; the Triton op has no cap, so a
+    capped model takes the chunked path instead."""
+    cap = getattr(cfg, "final_softcap", None)
     if _is_dtensor(weight):
         from model.vocab_parallel_loss import vocab_parallel_lm_head_loss
-        return vocab_parallel_lm_head_loss(hidden, weight, labels, reduction, cfg.loss_chunk_size)
+        return vocab_parallel_lm_head_loss(hidden, weight, labels, reduction, cfg.loss_chunk_size, softcap=cap)
     if not cfg.fused_cross_entropy:
-        return linear_cross_entropy_ref(hidden, weight, labels, reduction)
+        return linear_cross_entropy_ref(hidden, weight, labels, reduction, softcap=cap)
     impl = choose("cross_entropy", hidden, cfg.kernel_backend)
     if impl == "reference":  # auto, compiled on CUDA: the full logits while they fit (model/kernels.py)
         if hidden.numel() // hidden.shape[-1] * weight.shape[0] * 4 <= REFERENCE_LOSS_MAX_LOGITS_BYTES:
-            return linear_cross_entropy_ref(hidden, weight, labels, reduction)
+            return linear_cross_entropy_ref(hidden, weight, labels, reduction, softcap=cap)
         impl = "triton"
-    if impl == "triton":
+    if impl == "triton" and cap is None:
         # on a GPU the op sizes its chunks from (tokens, vocab, dim) (auto_chunk_size); loss_chunk_size is
         # the CPU path's knob (and the interpreter's, where small chunks keep the tests fast)
         chunk = None if hidden.is_cuda else cfg.loss_chunk_size
         return load_triton("triton_loss").linear_cross_entropy_triton(hidden, weight, labels, reduction, chunk)
-    return linear_cross_entropy(hidden, weight, labels, reduction, cfg.loss_chunk_size)
+    return linear_cross_entropy(hidden, weight, labels, reduction, cfg.loss_chunk_size, softcap=cap)
 
 
 def linear_cross_entropy_ref(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                             reduction: str = "mean") -> torch.Tensor:
-    """Reference: full logits in fp32 + F.cross_entropy (what HF Llama does)."""
-    logits = F.linear(hidden, weight).float()
+                             reduction: str = "mean", softcap: Optional[float] = None) -> torch.Tensor:
+    """Reference: full logits in fp32 (soft-capped by `softcap`, None: not) + F.cross_entropy (what HF
+    Llama / Gemma 2 do)."""
+    logits = softcap_logits(F.linear(hidden, weight).float(), softcap)
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
                            ignore_index=IGNORE_INDEX, reduction="none")
     if reduction == "none":

@@ -31,7 +31,8 @@ import torch
 
 from model.decode import Decoder, fast_path_applies
 from model.generate import StopRule, decode_dtype, multinomial_one, sample_next, truncate
-from model.llama import KVCache, Transformer, kv_heads_of
+from model.kv_cache import KVCache, kv_heads_of
+from model.llama import Transformer
 
 
 def why_not(model: torch.nn.Module) -> Optional[str]:

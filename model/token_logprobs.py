@@ -2,8 +2,10 @@
 vocabulary] logits at once, and under tensor parallelism never gathered (RL losses: GRPO's policy, reference and
 old-policy log-probabilities).
 
-Owns: `token_logprobs(hidden, weight, targets, temperature, chunk_size)`, called by model/llama.py's forward
-(`logprobs_of=`), which returns (log p(target), entropy) per token of logits / temperature.
+Owns: `token_logprobs(hidden, weight, targets, temperature, chunk_size, softcap)`, called by model/llama.py's forward
+(`logprobs_of=`), which returns (log p(target), entropy) per token of logits / temperature. With `softcap` (Gemma 2's
+final_softcap, model/softcap.py) the logits are cap * tanh(logits / cap) first (the model's logits), then divided by
+the temperature; the backward multiplies d z by the cap's derivative 1 - tanh^2 (per shard under tensor parallelism).
 
 Each chunk of `chunk_size` tokens: this rank's logits [c, V] (or [c, V/tp] when the weight is a DTensor sharded on
 the vocabulary, parallel/transforms/tensor_parallel.py) in fp32, divided by the temperature; the softmax's max
@@ -28,17 +30,27 @@ import torch
 import torch.distributed as dist
 
 from model.loss_precision import compute_dtype
+from model.softcap import softcap as softcap_logits
 
 
-def _logits(h: torch.Tensor, w: torch.Tensor, temperature: float) -> torch.Tensor:
+def _logits(h: torch.Tensor, w: torch.Tensor, temperature: float, cap: Optional[float] = None,
+            want_deriv: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(z, d): one chunk's logits [c, V] soft-capped by `cap` (if any) then divided by the temperature, in the
+    accumulation dtype, and the cap's derivative d (if a cap and `want_deriv`, else None)."""
     z = torch.mm(h, w.t()).to(torch.promote_types(h.dtype, torch.float32))  # a new tensor: changed in place below
-    return z if temperature == 1.0 else z.div_(temperature)  # x / 1.0 is x: skipping it changes no bit
+    d = None
+    if cap is not None:  # in place, model/softcap.py softcap_'s operations (its derivative in one buffer)
+        t = z.div_(cap).tanh_()
+        d = (t * t).neg_().add_(1.0) if want_deriv else None  # 1 - tanh^2
+        t.mul_(cap)
+    return (z if temperature == 1.0 else z.div_(temperature)), d  # x / 1.0 is x: skipping it changes no bit
 
 
 class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
-                chunk_size: int, vocab_start: int, group: Optional[dist.ProcessGroup], cdtype: torch.dtype):
+                chunk_size: int, vocab_start: int, group: Optional[dist.ProcessGroup], cdtype: torch.dtype,
+                cap: Optional[float]):
         h = hidden.reshape(-1, hidden.shape[-1])
         y = targets.reshape(-1)
         n, v_local = h.shape[0], weight.shape[0]
@@ -46,7 +58,7 @@ class _TokenLogprobs(torch.autograd.Function):
         lse, logp, entropy = (torch.empty(n, dtype=acc, device=h.device) for _ in range(3))
         w = weight.to(cdtype)
         for s in range(0, n, chunk_size):
-            z = _logits(h[s:s + chunk_size].to(cdtype), w, temperature)
+            z, _ = _logits(h[s:s + chunk_size].to(cdtype), w, temperature, cap)
             m = z.amax(dim=1)
             if group is not None:
                 dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
@@ -65,7 +77,7 @@ class _TokenLogprobs(torch.autograd.Function):
             entropy[s:s + chunk_size] = log_s - sums[2] / sums[0]
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.temperature, ctx.chunk_size, ctx.vocab_start, ctx.group = temperature, chunk_size, vocab_start, group
-        ctx.cdtype = cdtype
+        ctx.cdtype, ctx.cap = cdtype, cap
         logp, entropy = logp.reshape(targets.shape), entropy.reshape(targets.shape)
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
@@ -84,28 +96,38 @@ class _TokenLogprobs(torch.autograd.Function):
         c = ctx.chunk_size
         for s in range(0, h.shape[0], c):
             h_c = h[s:s + c].to(ctx.cdtype)
-            grad_z = _logits(h_c, w, ctx.temperature).sub_(lse[s:s + c, None]).exp_().neg_()  # - softmax (shard)
+            grad_z, deriv = _logits(h_c, w, ctx.temperature, ctx.cap, want_deriv=True)
+            grad_z = grad_z.sub_(lse[s:s + c, None]).exp_().neg_()  # - softmax (shard)
             local_y = y[s:s + c] - ctx.vocab_start
             inside = (local_y >= 0) & (local_y < v_local)
             rows = torch.arange(h_c.shape[0], device=h.device)
             grad_z[rows, local_y.clamp(0, v_local - 1)] += inside.to(acc)  # + one-hot where this shard holds it
             grad_z *= g[s:s + c, None]
+            if deriv is not None:  # the gradient with respect to the uncapped logits
+                grad_z *= deriv
             d_h[s:s + c] = (grad_z.to(ctx.cdtype) @ w).to(d_h.dtype)
             d_w += grad_z.t() @ h_c.to(acc)
         if ctx.group is not None:
             dist.all_reduce(d_h, group=ctx.group)  # the replicated hidden state's gradient: the sum over shards
-        return d_h.view_as(hidden), d_w.to(weight.dtype), None, None, None, None, None, None
+        return d_h.view_as(hidden), d_w.to(weight.dtype), None, None, None, None, None, None, None
 
 
 def token_logprobs(hidden: torch.Tensor, weight, targets: torch.Tensor, temperature: float = 1.0,
-                   chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
-    """(log p(targets), entropy), each shaped like `targets`, of softmax(hidden @ weight.T / temperature): hidden
-    [..., D], targets [...] token ids (every one a valid id). `weight` may be a DTensor sharded on the vocabulary
-    (tensor parallelism; hidden replicated over its group): then no rank holds more than its shard's logits."""
+                   chunk_size: int = 1024, softcap: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log p(targets), entropy), each shaped like `targets`, of softmax(z / temperature), z = hidden @ weight.T
+    soft-capped by `softcap` (cap * tanh(z / cap); None: z itself): hidden [..., D], targets [...] token ids (every
+    one a valid id). `weight` may be a DTensor sharded on the vocabulary (tensor parallelism; hidden replicated over
+    its group): then no rank holds more than its shard's logits."""
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be > 0 (or None), got {softcap!r}")
+    cap = float(softcap) if softcap is not None else None
     if torch.compiler.is_compiling():  # traced (--compile of the whole model): the whole logits, which Inductor
-        return token_logprobs_ref(torch.nn.functional.linear(hidden, weight), targets, temperature)  # fuses
+        logits = torch.nn.functional.linear(hidden, weight)  # fuses (capped in fp32, as the chunks are)
+        if cap is not None:
+            logits = softcap_logits(logits.to(torch.promote_types(logits.dtype, torch.float32)), cap)
+        return token_logprobs_ref(logits, targets, temperature)
     from torch.distributed.tensor import DTensor
     if isinstance(weight, DTensor):
         from model.vocab_parallel_loss import shard_bounds
@@ -115,12 +137,13 @@ def token_logprobs(hidden: torch.Tensor, weight, targets: torch.Tensor, temperat
     # the matmuls' dtype: autocast's where it is on (bf16 logits, as the whole-logits path's), in the forward and in
     # the backward's recompute alike (autocast is off there)
     return _TokenLogprobs.apply(hidden, local, targets, float(temperature), max(1, int(chunk_size)), start, group,
-                                compute_dtype(hidden))
+                                compute_dtype(hidden), cap)
 
 
 def token_logprobs_ref(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same from whole logits [..., V] (the reference the chunked function is tested against)."""
+    """The same from whole logits [..., V], already soft-capped where the model caps them (the reference the chunked
+    function is tested against)."""
     z = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if temperature != 1.0:
         z = z / temperature

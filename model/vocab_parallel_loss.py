@@ -1,7 +1,7 @@
 """Linear + cross-entropy over a vocabulary shard (tensor parallelism): the LM head's loss without the
 full logits on any rank, and without gathering them.
 
-Owns: `vocab_parallel_lm_head_loss(hidden, weight, labels, reduction, chunk_size)`, called by
+Owns: `vocab_parallel_lm_head_loss(hidden, weight, labels, reduction, chunk_size, softcap)`, called by
 model/loss.py's `lm_head_loss` when the LM head's weight is a DTensor sharded on the vocabulary
 (parallel/transforms/tensor_parallel.py shards it `Shard(0)` over the tensor-parallel mesh).
 
@@ -12,7 +12,9 @@ target's logit (0 on the ranks whose shard does not hold it) in one all-reduce (
 logsumexp - target logit, identical on every rank of the group. Only per-token lse is kept. Backward
 recomputes each chunk's local logits, forms (softmax - one-hot) for this shard, and returns this
 shard's weight gradient and d hidden, all-reduced over the group: every rank's hidden state is the
-same replicated tensor, so its gradient is the sum over the vocabulary shards.
+same replicated tensor, so its gradient is the sum over the vocabulary shards. A soft-cap (`softcap`, Gemma 2's
+final_softcap: cap * tanh(logit / cap), model/softcap.py) is elementwise: each rank caps its own shard's logits,
+and scales its part of the gradient by the cap's derivative.
 
 Same reductions as the unsharded head ("mean" over target tokens, 0 for none; "sum"; "none" per
 token), IGNORE_INDEX labels ignored. The collectives are torch.distributed's (gloo on CPU, NCCL on
@@ -21,6 +23,8 @@ CUDA); no Triton kernel runs on a shard (the PyTorch chunked path does, on every
 Must never: materialise [tokens x full vocab] logits, or give ranks of one tensor group different losses.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -53,7 +57,7 @@ def _chunk_logits(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, reduction: str,
-                chunk_size: int, vocab_start: int, group: dist.ProcessGroup) -> torch.Tensor:
+                chunk_size: int, vocab_start: int, group: dist.ProcessGroup, cap: Optional[float]) -> torch.Tensor:
         h = hidden.reshape(-1, hidden.shape[-1])
         y = labels.reshape(-1)
         n, v_local = h.shape[0], weight.shape[0]
@@ -62,6 +66,8 @@ class _VocabParallelCE(torch.autograd.Function):
         w = weight.to(h.dtype)
         for s in range(0, n, chunk_size):
             logits = _chunk_logits(h[s:s + chunk_size], w)
+            if cap is not None:  # in place, model/softcap.py's order of operations
+                logits.div_(cap).tanh_().mul_(cap)
             m = logits.amax(dim=1)
             dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
             local_y = y[s:s + chunk_size] - vocab_start
@@ -76,6 +82,7 @@ class _VocabParallelCE(torch.autograd.Function):
         n_valid = valid.sum()
         ctx.save_for_backward(hidden, weight, labels, lse, n_valid)
         ctx.reduction, ctx.chunk_size, ctx.vocab_start, ctx.group = reduction, chunk_size, vocab_start, group
+        ctx.cap = cap
         if reduction == "none":
             return per_token.reshape(labels.shape)
         if reduction == "sum":
@@ -102,23 +109,35 @@ class _VocabParallelCE(torch.autograd.Function):
         c = ctx.chunk_size
         for s in range(0, h.shape[0], c):
             h_c = h[s:s + c]
-            probs = torch.exp(_chunk_logits(h_c, w) - lse[s:s + c, None])  # this shard's softmax columns
+            logits = _chunk_logits(h_c, w)
+            deriv = None
+            if ctx.cap is not None:  # capped in place, as in the forward; the derivative 1 - tanh^2 in one buffer
+                t = logits.div_(ctx.cap).tanh_()
+                deriv = (t * t).neg_().add_(1.0)
+                t.mul_(ctx.cap)
+            probs = torch.exp(logits - lse[s:s + c, None])  # this shard's softmax columns
             local_y = y[s:s + c] - ctx.vocab_start
             inside = (local_y >= 0) & (local_y < v_local)
             rows = torch.arange(h_c.shape[0], device=h.device)
             probs[rows, local_y.clamp(0, v_local - 1)] -= inside.to(acc)  # - one-hot where this shard holds it
             grad_logits = probs * row_scale[s:s + c, None]
+            if deriv is not None:  # the gradient with respect to the uncapped logits
+                grad_logits *= deriv
             d_h[s:s + c] = (grad_logits.to(h.dtype) @ w).to(d_h.dtype)
             d_w += grad_logits.t() @ h_c.to(acc)
         dist.all_reduce(d_h, group=ctx.group)  # the replicated hidden state's gradient: the sum over shards
-        return d_h.view_as(hidden), d_w.to(weight.dtype), None, None, None, None, None
+        return d_h.view_as(hidden), d_w.to(weight.dtype), None, None, None, None, None, None
 
 
 def vocab_parallel_lm_head_loss(hidden: torch.Tensor, weight, labels: torch.Tensor, reduction: str,
-                                chunk_size: int) -> torch.Tensor:
+                                chunk_size: int, softcap: Optional[float] = None) -> torch.Tensor:
     """Loss of the LM head whose `weight` (a DTensor) is sharded on the vocabulary over a tensor group;
-    `hidden` [..., D] is the same (replicated) tensor on every rank of the group."""
+    `hidden` [..., D] is the same (replicated) tensor on every rank of the group. `softcap`: the logits are
+    cap * tanh(logits / cap) (None: not capped)."""
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be mean, sum or none, got {reduction!r}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be > 0 (or None), got {softcap!r}")
     local, start, group = shard_bounds(weight)
-    return _VocabParallelCE.apply(hidden, local, labels, reduction, max(1, int(chunk_size)), start, group)
+    cap = float(softcap) if softcap is not None else None
+    return _VocabParallelCE.apply(hidden, local, labels, reduction, max(1, int(chunk_size)), start, group, cap)

@@ -306,8 +306,9 @@ def place_on_engine(cfg: TrainConfig, info: DistInfo, model, ref_model, log, thr
     forced = fa4_forced_error(model_cfg, info.device, dtype)  # model_config's fa4=true where FA4 cannot run
     if forced:
         raise TrainingError(forced, EXIT_BAD_CONFIG)
-    log(f"[kernels] attention: {describe_attention(info.device, model_cfg, dtype, cfg.compile)}; "
-        f"{describe_choice(info.device, model_cfg.kernel_backend, cfg.compile, fused=model_cfg.fused_rmsnorm)}")
+    ops = describe_choice(info.device, model_cfg.kernel_backend, cfg.compile, fused=model_cfg.fused_rmsnorm,
+                          capped=model_cfg.final_softcap is not None)
+    log(f"[kernels] attention: {describe_attention(info.device, model_cfg, dtype, cfg.compile)}; {ops}")
     n_params = sum(p.numel() for p in model.parameters())
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     arch = "" if not model_cfg.kv_lora_rank else (
@@ -318,6 +319,8 @@ def place_on_engine(cfg: TrainConfig, info: DistInfo, model, ref_model, log, thr
                                      ("router bias", model_cfg.moe_router_bias),
                                      ("expert biases", model_cfg.moe_expert_biases),
                                      ("gpt-oss's clamped SwiGLU experts", model_cfg.moe_act == "gpt_oss")) if on]
+    gpt_oss += [f"{what} soft-capped at {v:g}" for what, v in (("attention scores", model_cfg.attn_softcap),
+                                                              ("logits", model_cfg.final_softcap)) if v is not None]
     arch += f", {', '.join(gpt_oss)}" if gpt_oss else ""
     log(f"[model] {n_params / 1e6:.2f}M parameters ({n_train / 1e6:.2f}M trainable), {model_cfg.n_layers} layers, "
         f"dim {model_cfg.dim}{arch}, vocab {model_cfg.vocab_size}, dtype {cfg.dtype}, device {info.device}, "

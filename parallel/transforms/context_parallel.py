@@ -32,6 +32,9 @@ def apply(model: nn.Module, mesh: Any, config: Any) -> None:
     if getattr(model.cfg, "attn_sinks", False):
         raise ValueError("--context_parallel_size > 1: the model's attention sinks (gpt-oss's) are not in the ring "
                          "attention (model/ring_attention.py)")
+    if getattr(model.cfg, "attn_softcap", None) is not None:
+        raise ValueError("--context_parallel_size > 1: the model's soft-capped attention scores (Gemma 2's "
+                         "attn_softcap) are not in the ring attention (model/ring_attention.py)")
     model.context_parallel = ContextParallel(mesh["cp"].get_group())
     from model.moe import moe_layers
     from parallel.mesh import token_group

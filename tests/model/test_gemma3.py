@@ -133,10 +133,13 @@ def test_transformers_4_configs_and_refusals():
     out = hf_config_dict(c)
     assert out["layer_types"][5] == "full_attention" and out["query_pre_attn_scalar"] == 32
     assert out["rope_parameters"]["sliding_attention"] == {"rope_type": "default", "rope_theta": 10000.0}
-    for bad, why in ((dict(final_logit_softcapping=30.0), "soft-capping"),
-                     (dict(use_bidirectional_attention=True), "bidirectional"),
+    assert (c.attn_softcap, c.final_softcap) == (None, None)
+    capped = config_from_hf({**hub, "final_logit_softcapping": 30, "attn_logit_softcapping": 50})
+    assert (capped.attn_softcap, capped.final_softcap) == (50.0, 30.0)  # (read as Gemma 2's: model/hf_gemma2.py)
+    assert hf_config_dict(capped)["final_logit_softcapping"] == 30.0
+    for bad, why in ((dict(use_bidirectional_attention=True), "bidirectional"),
                      (dict(hidden_activation="gelu"), "hidden_activation='gelu'"),
-                     (dict(model_type="gemma2"), "Gemma 2's attention and final logit soft-capping")):
+                     (dict(model_type="gemma"), "Gemma 1 is not read")):
         with pytest.raises(ValueError, match=why):
             config_from_hf({**hub, **bad})
 

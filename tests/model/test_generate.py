@@ -95,7 +95,7 @@ def test_min_p_and_its_order_after_top_k_and_top_p_are_transformers_warpers(top_
 
 
 def test_min_p_sampling_draws_only_kept_tokens(model):
-    x = torch.randint(0, 128, (3, 4))
+    x = torch.randint(0, 128, (3, 4), generator=torch.Generator().manual_seed(0))  # (not the global generator's)
     g = torch.Generator().manual_seed(5)
     out = generate(model, x, 6, temperature=1.0, min_p=0.999, generator=g)  # only the most probable: greedy
     assert torch.equal(out, generate(model, x, 6, temperature=0.0))

@@ -139,6 +139,38 @@ def test_latent_attention_through_the_padded_kernels_follows_sdpa_in_bf16(backen
 
 
 @pytest.mark.parametrize("windowed", [False, True], ids=["causal", "window-128"])
+def test_soft_capped_flex_attention_on_the_gpu_is_as_close_to_fp64_as_plain_sdpa(windowed, device=CUDA):
+    """Gemma 2's capped scores through FlexAttention's score_mod (compiled once per process, model/attention.py
+    softcap_score_mod), GQA, causal or windowed, in bf16: its output and the gradients of q, k, v within 2x plain
+    SDPA's own bf16 error from their fp64 truths (the scores capped, written out) + a bf16 floor."""
+    from model.attention import AttnSpec, attention_ref, block_mask, dense_mask, flex_attention_, sdpa_attention
+    from model.attention import softcap_score_mod
+    g = torch.Generator(device=device).manual_seed(0)
+    B, H, Hkv, T, D, cap = 2, 8, 2, 512, 64, 1.0
+    q, k, v = (torch.randn(B, h, T, D, generator=g, device=device, dtype=torch.float64) for h in (H, Hkv, Hkv))
+    mask = dense_mask(T, 0, device, window=128 if windowed else 0)
+    flex = AttnSpec("flex", block_mask=block_mask(B, T, device, None, None, 128 if windowed else 0))
+    sdpa = AttnSpec("sdpa_masked", is_causal=False, mask=mask)
+    w = torch.randn(B, H, T, D, generator=g, device=device, dtype=torch.float64)
+
+    def run(fn, dtype):
+        ins = [t.detach().to(dtype).clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*ins)
+        (out.double() * w).sum().backward()
+        return [out.double()] + [t.grad.double() for t in ins]
+
+    truth = run(lambda a, b, c: attention_ref(a, b, c, mask, cap=cap), torch.float64)
+    plain_truth = run(lambda a, b, c: attention_ref(a, b, c, mask), torch.float64)
+    got = run(lambda a, b, c: flex_attention_(a, b, c, flex, softcap_score_mod(cap)), torch.bfloat16)
+    plain = run(lambda a, b, c: sdpa_attention(a, b, c, sdpa), torch.bfloat16)
+    floor = 2.0 ** -8
+    rel = [((p - t).abs().max() / t.abs().max()).item() for p, t in zip(plain, plain_truth)]
+    for i, (t, x) in enumerate(zip(truth, got)):
+        err, scale = (x - t).abs().max().item(), t.abs().max().item()
+        assert err <= (2 * rel[i] + floor) * scale, (i, err, rel, scale)
+
+
+@pytest.mark.parametrize("windowed", [False, True], ids=["causal", "window-128"])
 def test_sink_attention_on_the_gpu_is_as_close_to_fp64_as_plain_sdpa(windowed, device=CUDA):
     """gpt-oss's attention sinks (model/attention.py sink_attention: one extra key through SDPA, values padded to the
     keys' width on CUDA) in bf16: its output and gradients (q, k, v, sinks) within 2x plain SDPA's own bf16 error

@@ -40,6 +40,10 @@ OPT = dict(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1
 # positions' part of their gradients), GeGLU, scaled embeddings and scores, a sliding first layer at its own RoPE base
 GEMMA3 = dict(sandwich_norms=True, scale_embeddings=True, mlp_act="gelu_tanh", query_scale=6.0, sliding_window=5,
               sliding_layers=[0], rope_local_theta=100.0)
+# Gemma 2's: that block without q / k norms or a local RoPE base, its attention scores and logits soft-capped (caps
+# small enough to bind: each rank caps its heads' scores and its shard of the vocabulary's logits)
+GEMMA2 = dict(sandwich_norms=True, scale_embeddings=True, mlp_act="gelu_tanh", query_scale=6.0, sliding_window=5,
+              sliding_layers=[0], attn_softcap=1.0, final_softcap=2.0)
 
 
 # DeepSeek's multi-head latent attention (model/mla.py): a query latent, the heads' projections split, the latents
@@ -59,8 +63,8 @@ def _cfg(tied: bool = False, ckpt: bool | str = False, dropout: float = 0.0, fam
     return ModelConfig(vocab_size=VOCAB, dim=16, n_layers=2, n_heads=4, n_kv_heads=4 if family == "mla" else 2,
                        multiple_of=16, max_seq_len=16, tie_embeddings=tied, gradient_checkpointing=bool(ckpt),
                        checkpoint_policy=ckpt if isinstance(ckpt, str) else "full", attn_dropout=dropout,
-                       resid_dropout=dropout, qk_norm=qwen, attn_head_dim=8 if qwen else None,
-                       **{"gemma3": GEMMA3, "mla": MLA, "gpt_oss": GPT_OSS}.get(family, {}))
+                       resid_dropout=dropout, qk_norm=qwen, attn_head_dim=8 if qwen or family == "gemma2" else None,
+                       **{"gemma3": GEMMA3, "gemma2": GEMMA2, "mla": MLA, "gpt_oss": GPT_OSS}.get(family, {}))
 
 
 def _new_model(tied: bool = False, ckpt: bool | str = False, dropout: float = 0.0, lora: bool = False,
@@ -220,6 +224,7 @@ def _world2(rank: int, world: int, out_path: str, root: str) -> None:
     _train(out, "tp2_sp_compile", STEPS, tp=2, sp=True, compile=True)  # each block torch.compile-d (inductor)
     _train(out, "tp2_qwen3", STEPS, tp=2, family="qwen3")
     _train(out, "tp2_sp_gemma3", STEPS, tp=2, sp=True, family="gemma3")  # (Qwen3's q / k norms as well)
+    _train(out, "tp2_sp_gemma2", STEPS, tp=2, sp=True, family="gemma2")  # (soft-capped scores and logits)
     from model.generate import generate
     engine = _engine(tp=2, family="mla")  # the latent cache under tp: each rank absorbs its heads' kv_b_proj rows
     out["tp2_mla_greedy"] = generate(engine.module, _prompt(), 6, temperature=0.0).tolist()
@@ -330,7 +335,8 @@ def reference() -> dict:
     """fp32 and fp64 references for STEPS and STEPS + 1 steps, and the tolerance between them."""
     out = {}
     for tied, lora, family in ((False, False, "llama"), (True, False, "llama"), (False, True, "llama"),
-                               (False, False, "qwen3"), (False, False, "gemma3"), (False, False, "mla"),
+                               (False, False, "qwen3"), (False, False, "gemma3"), (False, False, "gemma2"),
+                               (False, False, "mla"),
                                (False, False, "gpt_oss")):
         for steps in (STEPS, STEPS + 1) if not (lora or family != "llama") else (STEPS,):
             p32, l32, n32 = _reference(steps, torch.float32, tied, lora, family)
@@ -365,7 +371,8 @@ def test_vocab_parallel_loss_matches_full_vocabulary(results, reduction):
                                        ("pp2_cp2_ddp", False), ("pp2_cp2_zero1", False),
                                        ("tp2_lora", "lora"), ("tp2_sp_fsdp2_lora", "lora"),
                                        ("tp2_sp_compile", False), ("tp2_qwen3", "qwen3"),
-                                       ("tp2_sp_gemma3", "gemma3"), ("tp2_mla", "mla"), ("tp2_sp_mla", "mla"),
+                                       ("tp2_sp_gemma3", "gemma3"), ("tp2_sp_gemma2", "gemma2"), ("tp2_mla", "mla"),
+                                       ("tp2_sp_mla", "mla"),
                                        ("tp2_sp_gpt_oss", "gpt_oss")])
 def test_parallel_layouts_match_one_process(results, reference, name, tied):
     ref = reference[(tied, STEPS)]

@@ -1,4 +1,4 @@
-"""Gemma 3 (text), OLMo 3 and GLM-4.5-style GLM-4-MoE in the trainer: `--init_from=<their directory>` trains the
+"""Gemma 2, Gemma 3 (text), OLMo 3 and GLM-4.5-style GLM-4-MoE in the trainer: `--init_from=<their directory>` trains the
 family's block (its sublayer output norms, or GLM-4.5's q/k/v biases under half-rotated heads, among the trained
 weights), and export_hf.py writes the family back, which transformers loads (with the checkpoint's logits: the dense
 families; the MoE one's fp64 logits are tests/model/test_hf_glm4_moe.py's)."""
@@ -20,6 +20,10 @@ FAMILIES = {  # architecture: (our fields, the trained weights' name endings, ho
     "Gemma3ForCausalLM": (dict(n_kv_heads=2, max_seq_len=64, qk_norm=True, attn_head_dim=16, sandwich_norms=True,
                               scale_embeddings=True, mlp_act="gelu_tanh", query_scale=12.0, sliding_window=5,
                               sliding_layers=[0], rope_local_theta=1000.0, rope_theta=1e5, tie_embeddings=True),
+                          ("attn_output_norm.weight", "mlp_output_norm.weight"), 4),
+    "Gemma2ForCausalLM": (dict(n_kv_heads=2, max_seq_len=64, attn_head_dim=16, sandwich_norms=True,
+                               scale_embeddings=True, mlp_act="gelu_tanh", query_scale=12.0, sliding_window=5,
+                               sliding_layers=[0], attn_softcap=5.0, final_softcap=3.0, tie_embeddings=True),
                           ("attn_output_norm.weight", "mlp_output_norm.weight"), 4),
     "Olmo3ForCausalLM": (dict(n_kv_heads=2, max_seq_len=64, qk_norm=True, qk_norm_full=True, pre_norms=False,
                               sandwich_norms=True, sliding_window=5, sliding_layers=[0], rope_theta=5e5),
