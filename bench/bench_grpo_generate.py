@@ -18,9 +18,13 @@ dense): ours decodes over the latent cache with kv_b_proj absorbed, HF's caches 
 --gpt_oss: both models gpt-oss-shaped (model/hf_gpt_oss.py; HF's GptOssForCausalLM as it runs by default): attention
 sinks, q/k/v/o biases, every other layer sliding over 32 positions (the rollout passes it), 4 query heads per key/value
 head, every block an MoE of 8 experts (top 2) with biases and the clamped SwiGLU.
+--gemma=2 | 3: both models Gemma-shaped (HF's Gemma2ForCausalLM with its eager attention, transformers' only one with
+soft-capping; Gemma3ForCausalLM with SDPA): the scaled embedding, the sublayers' output norms, GeGLU, 2 query heads per
+key/value head; Gemma 2 every other layer sliding over 32 positions with its caps (50 on the scores, 30 on the logits),
+Gemma 3 all but the last layer sliding at their own RoPE base, q / k norms.
 
     .venv/bin/python bench/bench_grpo_generate.py [--dim=256] [--n_layers=4] [--vocab=4096] [--group=8]
-        [--prompt_len=32] [--new_tokens=64] [--repeats=5] [--threads=0] [--device=cpu] [--mla | --gpt_oss]
+        [--prompt_len=32] [--new_tokens=64] [--repeats=5] [--threads=0] [--device=cpu] [--mla | --gpt_oss | --gemma=2|3]
 """
 from __future__ import annotations
 
@@ -42,6 +46,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--mla", action="store_true", help="multi-head latent attention (DeepSeek-V3's shape, scaled)")
     p.add_argument("--gpt_oss", action="store_true", help="gpt-oss's block (sinks, biases, windows, its experts)")
+    p.add_argument("--gemma", type=int, choices=(0, 2, 3), default=0, help="Gemma 2's or Gemma 3's block")
     a = p.parse_args(argv)
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -60,8 +65,15 @@ def main(argv: list[str]) -> int:
     gpt_oss = dict(n_kv_heads=max(1, heads // 4), attn_sinks=True, qkv_bias=True, o_bias=True, sliding_window=32,
                    sliding_layers=list(range(0, a.n_layers, 2)), moe_num_experts=8, moe_top_k=2, moe_hidden_dim=a.dim,
                    moe_router_bias=True, moe_expert_biases=True, moe_act="gpt_oss") if a.gpt_oss else {}
+    gemma = dict(n_kv_heads=max(1, heads // 2), sandwich_norms=True, scale_embeddings=True, mlp_act="gelu_tanh",
+                 tie_embeddings=True, sliding_window=32) if a.gemma else {}
+    if a.gemma == 2:
+        gemma.update(sliding_layers=list(range(0, a.n_layers, 2)), attn_softcap=50.0, final_softcap=30.0)
+    elif a.gemma == 3:
+        gemma.update(sliding_layers=list(range(a.n_layers - 1)), qk_norm=True, rope_local_theta=1e4, rope_theta=1e6)
     ours = Transformer(ModelConfig(vocab_size=a.vocab, dim=a.dim, n_layers=a.n_layers, n_heads=heads,
-                                   max_seq_len=a.prompt_len + a.new_tokens, **mla, **gpt_oss)).to(device).eval()
+                                   max_seq_len=a.prompt_len + a.new_tokens, **mla, **gpt_oss, **gemma))
+    ours = ours.to(device).eval()
     d = hf_config_dict(ours.cfg)
     hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(d.pop("model_type"), **d)).to(device).eval()
     hf.load_state_dict(to_hf_state_dict(ours), strict=False)

@@ -19,6 +19,9 @@ call). Here, per generation call:
   as one matmul, RoPE on the queries and the shared key in one pass, then its latent cache's attention;
 - sliding-window layers (Mistral's, Qwen2's, gpt-oss's) mask the cache to their last `sliding_window` positions (the
   model's rule, `attention.dense_mask`) once the cache is longer; gpt-oss's sinks through `attention.sink_attention`;
+- Gemma 2 / 3's and OLMo 2 / 3's blocks (`BLOCK_FIELDS`): the scaled embedding, the sublayers' output norms (and
+  OLMo's missing input norms), GeGLU, the query scale, Gemma 3's sliding layers' own RoPE table, q / k norms over all
+  the heads, Gemma 2's capped scores (`attention.softcap_attention`) and capped logits;
 - under torch.inference_mode (no version counters or autograd metadata per op).
 A prompt shared by every row (GRPO's group) is prefilled once, as one row, and its keys/values copied to the rows.
 
@@ -27,8 +30,8 @@ matmul blocking and reduction order differ, so values differ from a whole-row fo
 path's contract (docs/grpo.md; tests/model/test_decode.py, tests/trainer/test_grpo_parity.py).
 Falls back to the model's own forward on the same cache where the fast path does not apply (`fast_path_applies`):
 a pruned model, context parallelism, DTensor parameters (FSDP2 / tensor parallel: their all-gathers run in the
-blocks' forward hooks), blocks other than the model's own. A LoRA-wrapped or non-Linear projection is called as
-its module (no concatenation, no packing).
+blocks' forward hooks), blocks other than the model's own, a partial rotary, Ministral 3's query scale, LongRoPE.
+A LoRA-wrapped or non-Linear projection is called as its module (no concatenation, no packing).
 Must never: track gradients, change the model or its parameters, or keep prepared weights past the `Decoder`.
 """
 from __future__ import annotations
@@ -44,6 +47,8 @@ from model.attention import AttnSpec
 from model.kv_cache import KVCache, kv_heads_of
 from model.llama import MLP, Attention, Transformer, blocks_of
 from model.mla import LatentAttention
+from model.moe import MoEFeedForward
+from model.softcap import softcap
 
 
 def fast_path_applies(model: nn.Module) -> bool:
@@ -57,11 +62,16 @@ def fast_path_applies(model: nn.Module) -> bool:
         return False
     if any(hasattr(p, "placements") for p in model.parameters()):  # DTensor: sharded (FSDP2, TP, EP)
         return False
-    # the model's forward: Gemma's or OLMo's block, longrope's two tables
-    if not model.cfg.llama_block or getattr(model, "rotary_long", None) is not None:
+    # the model's forward: a partial rotary, Ministral 3's query scale, longrope's two tables
+    if set(model.cfg.block_fields) - BLOCK_FIELDS or getattr(model, "rotary_long", None) is not None:
         return False
     return all(type(getattr(b, "self_attn", None)) in (Attention, LatentAttention)
-               and hasattr(b, "post_attention_layernorm") for b in model.layers)
+               and type(getattr(b, "mlp", None)) in (MLP, MoEFeedForward) for b in model.layers)
+
+
+# Gemma 2 / 3's and OLMo 2 / 3's block fields (model/config.py block_fields) the fast path computes
+BLOCK_FIELDS = {"scale_embeddings", "sandwich_norms", "mlp_act", "query_scale", "rope_local_theta", "pre_norms",
+                "qk_norm_full", "attn_softcap", "final_softcap"}
 
 
 # The smallest weight (elements) worth oneDNN's blocked layout. A oneDNN call costs ~15 us more than F.linear's,
@@ -130,11 +140,18 @@ class Decoder:
         self.head = _Projection((model.lm_head,), batch_size, self.pack)
         # SDPA in the cache's dtype unless the model's attention casts it (model/kernels.py sdpa_dtype: CPU bf16)
         self.sdpa_direct = kernels.sdpa_dtype(device, dtype, model.cfg.head_dim) == dtype
-        table = model.rotary.table(0, max_len)
-        if table is not None:
-            with torch.no_grad():
-                cos, sin = (t[0, :, 0].to(dtype) for t in table)  # [L, D/2], cast as the model's RoPE casts them
-                self.rope = (torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1))  # [L, D]
+        self.rope = self._table(model.rotary, max_len)
+        # Gemma 3's sliding layers rotate at their own base (the blocks' `local_rope`)
+        self.rope_local = None if model.rotary_local is None else self._table(model.rotary_local, max_len)
+
+    def _table(self, rotary: nn.Module, max_len: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """(cat(cos, cos), cat(-sin, sin)) [L, D] of a RotaryEmbedding's cached table, None where it has none."""
+        table = rotary.table(0, max_len)
+        if table is None:
+            return None
+        with torch.no_grad():
+            cos, sin = (t[0, :, 0].to(self.dtype) for t in table)  # [L, D/2], cast as the model's RoPE casts them
+            return torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)  # [L, D]
 
     def prepare(self, block: nn.Module) -> tuple:
         """A transformer block's weights laid out for decoding (fast path): (block, qkv, o, gate_up, down), the
@@ -187,24 +204,27 @@ class Decoder:
     def _mode(self):
         return torch.inference_mode() if self.fast else torch.no_grad()
 
-    def _rope(self, past: int, T: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cat(cos, cos), cat(-sin, sin)) [T, 1, D] of positions past .. past+T-1."""
-        if self.rope is not None:
-            return self.rope[0][past:past + T, None], self.rope[1][past:past + T, None]
+    def _rope(self, past: int, T: int, device: torch.device, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cat(cos, cos), cat(-sin, sin)) [T, 1, D] of positions past .. past+T-1 (`local`: Gemma 3's sliding
+        layers' table)."""
+        rope = self.rope_local if local else self.rope
+        if rope is not None:
+            return rope[0][past:past + T, None], rope[1][past:past + T, None]
         # dynamic RoPE scaling: the tables depend on the length, computed as the model's forward does
         positions = torch.arange(past, past + T, device=device)[None]
-        cos, sin = (t[0, :, 0].to(self.dtype) for t in self.model.rotary(positions))
+        rotary = self.model.rotary_local if local else self.model.rotary
+        cos, sin = (t[0, :, 0].to(self.dtype) for t in rotary(positions))
         return torch.cat((cos, cos), -1)[:, None], torch.cat((-sin, sin), -1)[:, None]
 
     def _forward(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         if not self.fast:
             return self.model(tokens, cache=cache, logits_to_keep=1)[:, -1]
-        return self.logits(self.hidden(self.model.embed_tokens(tokens), self.layers, cache)[:, -1])
+        return self.logits(self.hidden(self.model.embed(tokens), self.layers, cache)[:, -1])
 
     def logits(self, h: torch.Tensor, norm: Optional[nn.Module] = None) -> torch.Tensor:
         """The LM head's logits [..., V] of hidden states h [..., D] before the final norm (the model's, or
-        `norm`) (fast path)."""
-        return self.head(_rms_norm(self.model.norm if norm is None else norm, h))
+        `norm`), soft-capped where the model caps them (Gemma 2) (fast path)."""
+        return softcap(self.head(_rms_norm(self.model.norm if norm is None else norm, h)), self.model.cfg.final_softcap)
 
     def hidden(self, h: torch.Tensor, layers: list, cache: KVCache) -> torch.Tensor:
         """Embedded inputs h [B, T, D] at positions cache.pos .. + T - 1 through `layers` (`prepare`d blocks, the
@@ -223,45 +243,66 @@ class Decoder:
         if window and past + T > window:  # the sliding layers see the cache's last `window` positions
             windowed = AttnSpec("sdpa_masked", is_causal=False,
                                 mask=attention.dense_mask(T, past, h.device, window=window))
+        local = self._rope(past, T, h.device, local=True) if self.model.rotary_local is not None else None
         for i, (block, qkv, o, gate_up, down) in enumerate(layers):
             a = block.self_attn
-            layer_spec = windowed if windowed is not None and getattr(a, "sliding", False) else spec
+            x = _rms_norm(block.input_layernorm, h) if block.pre_norms else h
             if isinstance(a, LatentAttention):
-                att = self._latent(a, qkv, _rms_norm(block.input_layernorm, h), cos2, sin2, cache, i,
-                                   spec or AttnSpec("sdpa", is_causal=past == 0))
-                h = o(att.reshape(B, T, -1)) + h
-                h = self._mlp(block, gate_up, down, h)
-                continue
-            nq, nk, D = a.n_heads, a.n_kv_heads, a.head_dim
-            y = qkv(_rms_norm(block.input_layernorm, h)).view(B, T, -1, D)  # q, k, v heads side by side
-            # RoPE on q and k in one pass, the model's arithmetic (x1 cos - x2 sin, x2 cos + x1 sin) as
-            # x * cat(cos, cos) + swap_halves(x) * cat(-sin, sin): a + (-b) is a - b exactly
-            qk = y[:, :, :nq + nk]
-            if a.qk_norm:  # (Qwen3: each head's q and k normalised before RoPE)
-                qk = torch.cat((_rms_norm(a.q_norm, qk[:, :, :nq]), _rms_norm(a.k_norm, qk[:, :, nq:])), dim=2)
-            if a.rope:  # (SmolLM3's NoPE layers: none)
-                qk = qk * cos2 + qk.unflatten(-1, (2, -1)).flip(-2).flatten(-2) * sin2
-            q, k, v = qk[:, :, :nq].transpose(1, 2), qk[:, :, nq:].transpose(1, 2), y[:, :, nq + nk:].transpose(1, 2)
-            kc, vc = cache.update(i, k, v)
-            if a.sinks is not None:  # (gpt-oss's attention sinks: one extra key through SDPA)
-                att = attention.sink_attention(q, kc, vc, layer_spec or AttnSpec("sdpa", is_causal=past == 0),
-                                               a.sinks)
-            elif layer_spec is not None or not self.sdpa_direct:
-                att = attention.sdpa_attention(q, kc, vc, layer_spec or AttnSpec("sdpa", is_causal=past == 0))
-            else:  # one new token sees the whole cache; a prefill from position 0 is causal
-                att = F.scaled_dot_product_attention(q, kc, vc, is_causal=past == 0 and T > 1, enable_gqa=nq != nk)
-            h = o(att.transpose(1, 2).reshape(B, T, -1)) + h  # the model's order: attn + x
+                att = self._latent(a, qkv, x, cos2, sin2, cache, i, spec or AttnSpec("sdpa", is_causal=past == 0))
+            else:
+                layer_spec = windowed if windowed is not None and a.sliding else spec
+                att = self._attend(a, qkv, x, local if block.local_rope else (cos2, sin2), cache, i, layer_spec)
+            att = o(att.reshape(B, T, -1))
+            if block.sandwich:  # (Gemma's, OLMo's norm of the attention's output)
+                att = _rms_norm(block.attn_output_norm, att)
+            h = att + h  # the model's order: attn + x
             h = self._mlp(block, gate_up, down, h)
         cache.pos += T
         return h
 
+    def _attend(self, a: Attention, qkv: "_Projection", x: torch.Tensor, rope: tuple, cache: KVCache, layer: int,
+                spec: Optional[AttnSpec]) -> torch.Tensor:
+        """Grouped-query attention's step from its input x [B, T, D] over the cache -> [B, T, heads, D]; `spec` None:
+        causal from position 0, or the new positions seeing the whole cache."""
+        B, T = x.shape[:2]
+        past = cache.pos
+        nq, nk, D = a.n_heads, a.n_kv_heads, a.head_dim
+        y = qkv(x).view(B, T, -1, D)  # q, k, v heads side by side
+        qk = y[:, :, :nq + nk]
+        if a.qk_norm_full:  # (OLMo 2 / 3: one norm over all the heads' q, one over all k)
+            qk = torch.cat((_rms_norm(a.q_norm, qk[:, :, :nq].reshape(B, T, -1)).view(B, T, nq, D),
+                            _rms_norm(a.k_norm, qk[:, :, nq:].reshape(B, T, -1)).view(B, T, nk, D)), dim=2)
+        elif a.qk_norm:  # (Qwen3, Gemma 3: each head's q and k normalised before RoPE)
+            qk = torch.cat((_rms_norm(a.q_norm, qk[:, :, :nq]), _rms_norm(a.k_norm, qk[:, :, nq:])), dim=2)
+        if a.rope:  # (SmolLM3's NoPE layers: none)
+            # RoPE on q and k in one pass, the model's arithmetic (x1 cos - x2 sin, x2 cos + x1 sin) as
+            # x * cat(cos, cos) + swap_halves(x) * cat(-sin, sin): a + (-b) is a - b exactly
+            cos2, sin2 = rope
+            qk = qk * cos2 + qk.unflatten(-1, (2, -1)).flip(-2).flatten(-2) * sin2
+        q, k, v = qk[:, :, :nq].transpose(1, 2), qk[:, :, nq:].transpose(1, 2), y[:, :, nq + nk:].transpose(1, 2)
+        if a.q_scale is not None:  # (Gemma's query_pre_attn_scalar)
+            q = q * a.q_scale
+        kc, vc = cache.update(layer, k, v)
+        plain = AttnSpec("sdpa", is_causal=past == 0)
+        if a.sinks is not None:  # (gpt-oss's attention sinks: one extra key through SDPA)
+            att = attention.sink_attention(q, kc, vc, spec or plain, a.sinks)
+        elif a.softcap is not None:  # (Gemma 2's capped scores, written out)
+            att = attention.softcap_attention(q, kc, vc, spec or plain, a.softcap)
+        elif spec is not None or not self.sdpa_direct:
+            att = attention.sdpa_attention(q, kc, vc, spec or plain)
+        else:  # one new token sees the whole cache; a prefill from position 0 is causal
+            att = F.scaled_dot_product_attention(q, kc, vc, is_causal=past == 0 and T > 1, enable_gqa=nq != nk)
+        return att.transpose(1, 2)
+
     @staticmethod
     def _mlp(block: nn.Module, gate_up, down, h: torch.Tensor) -> torch.Tensor:
-        x = _rms_norm(block.post_attention_layernorm, h)
+        x = _rms_norm(block.post_attention_layernorm, h) if block.pre_norms else h
         if gate_up is not None:
             g, u = gate_up(x).chunk(2, dim=-1)
-            return h + down(F.silu(g) * u)
-        return h + block.mlp(x)
+            y = down(F.silu(g) * u if block.mlp.act == "silu" else kernels.geglu(g, u))
+        else:
+            y = block.mlp(x)
+        return h + (_rms_norm(block.mlp_output_norm, y) if block.sandwich else y)  # (Gemma's, OLMo's output norm)
 
     @staticmethod
     def _latent(a: LatentAttention, projections: tuple, x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor,

@@ -79,7 +79,7 @@ class MTPDraft:
         """h [B, n, D]: the model's hidden states at the next n positions; next_tokens [B, n]: the tokens after
         them -> the draft logits [B, V] of the token after the last one."""
         d = self.depth
-        e = self.dec.model.embed_tokens(next_tokens)
+        e = self.dec.model.embed(next_tokens)
         x = self.proj(torch.cat([self.dec.norm(d.enorm, e), self.dec.norm(d.hnorm, h)], dim=-1))
         return self.dec.logits(self.dec.hidden(x, self.layers, self.cache)[:, -1], d.norm)
 
@@ -128,7 +128,7 @@ def _generate(model, input_ids, max_new_tokens, temperature, cuts, stop_ids, gen
         return max_new_tokens - len(rows.tokens) >= 2
 
     with torch.inference_mode():
-        h = dec.hidden(model.embed_tokens(input_ids), dec.layers, dec.cache)
+        h = dec.hidden(model.embed(input_ids), dec.layers, dec.cache)
         stats.forwards += 1
         last = rows.emit(pick(dec.logits(h[:, -1])))
         if drafts_left():
@@ -136,7 +136,7 @@ def _generate(model, input_ids, max_new_tokens, temperature, cuts, stop_ids, gen
         while len(rows.tokens) < max_new_tokens and not rows.done():
             active = ~rows.finished
             if len(rows.tokens) == max_new_tokens - 1:  # one token left: a plain step
-                h = dec.hidden(model.embed_tokens(last[:, None]), dec.layers, dec.cache)
+                h = dec.hidden(model.embed(last[:, None]), dec.layers, dec.cache)
                 stats.forwards += 1
                 last = rows.emit(pick(dec.logits(h[:, -1])))
                 break
@@ -146,7 +146,7 @@ def _generate(model, input_ids, max_new_tokens, temperature, cuts, stop_ids, gen
             else:
                 q = probs(draft_logits)
                 d = multinomial_one(q, generator)
-            h = dec.hidden(model.embed_tokens(torch.stack([last, d], dim=1)), dec.layers, dec.cache)
+            h = dec.hidden(model.embed(torch.stack([last, d], dim=1)), dec.layers, dec.cache)
             logits = dec.logits(h[:, 0])
             finite &= torch.isfinite(logits).all()
             if temperature == 0:

@@ -1,7 +1,7 @@
 """model/decode.py's Decoder against the model's own forward: the logits of a prefill and of one-token steps differ from
 a whole-sequence forward by rounding only (their error against a float64 forward of the same weights is of the
 order of the model's own fp32 error), with packed and plain weights, GQA, LoRA-wrapped projections, MoE blocks,
-dynamic RoPE, sliding windows and several tokens over a non-empty cache; a prompt shared by every row is prefilled once with the
+dynamic RoPE, sliding windows, Gemma 2 / 3's and OLMo's blocks and several tokens over a non-empty cache; a prompt shared by every row is prefilled once with the
 same result; the sampler draws what torch.multinomial draws (its exponentials, computed faster, are torch's own);
 NaN logits stop a rollout with one line."""
 import pytest
@@ -116,6 +116,30 @@ def test_sliding_windows_take_the_fast_path(layers):
     with torch.no_grad():
         unwindowed = _model()(x)[:, PREFILL - 1:]
     assert (unwindowed - got).abs().max() > 1e-3
+
+
+GEMMA = dict(sandwich_norms=True, scale_embeddings=True, mlp_act="gelu_tanh", query_scale=12.0, attn_head_dim=16,
+             sliding_window=5, sliding_layers=[0])
+BLOCKS = {"gemma2": dict(GEMMA, attn_softcap=0.5, final_softcap=2.0),  # (caps that bind on these scores and logits)
+          "gemma3": dict(GEMMA, qk_norm=True, rope_local_theta=100.0, rope_theta=1e4),
+          "olmo3": dict(sandwich_norms=True, pre_norms=False, qk_norm=True, qk_norm_full=True, sliding_window=5,
+                        sliding_layers=[0])}
+
+
+@pytest.mark.parametrize("family", sorted(BLOCKS))
+def test_gemma_and_olmo_blocks_take_the_fast_path(family):
+    """Gemma 2's (soft-capped scores and logits), Gemma 3's (q / k norms, its sliding layer's own RoPE base) and OLMo
+    3's blocks (output norms only, q / k norms over all the heads), norm weights away from 1 so that each norm shows:
+    prefill and steps past the window within 4x the model's own fp32 error of a float64 forward."""
+    model = _model(**BLOCKS[family])
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.3)
+    assert fast_path_applies(model)
+    x = torch.randint(0, V, (2, T))
+    err, own = _errors(model, x, _decoded(model, x, pack=None))
+    assert 0 < own < 1e-4 and err <= 4 * own, (err, own)
 
 
 MLA = dict(n_kv_heads=None, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8, v_head_dim=10)
