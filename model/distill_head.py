@@ -21,6 +21,10 @@ the weight gradient's sum in fp32. The teacher's side is either its logits [N, V
 under FSDP2) or `TeacherHidden`, its hidden states [N, D'] and head weight, whose logits each chunk forms beside the
 student's (`teacher_hidden` picks).
 
+Soft-capped logits (Gemma 2's final_softcap, model/softcap.py): the model hands its cap to the head (`softcap`), which
+caps each chunk of the student's logits in place and multiplies its gradient by the cap's derivative, and a
+`TeacherHidden` carries the teacher's cap (whole teacher logits come capped from its forward).
+
 Under torch.compile (a whole-model graph) the reference from whole logits is traced instead (the Function's loop would
 not trace), as model/token_logprobs.py does.
 
@@ -37,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from model.loss_precision import accumulate_fp32_, compute_dtype
+from model.softcap import softcap, softcap_
 from utils.constants import DISTILL_LOSSES
 
 
@@ -92,15 +97,17 @@ def _divergence_and_grad(u: torch.Tensor, u_teacher: torch.Tensor, loss_type: st
 
 class TeacherHidden(NamedTuple):
     """The teacher's side as its final normed hidden states at the N target tokens [N, D'] and its LM head's weight
-    [V', D']: its logits hidden @ weight.T formed chunk by chunk beside the student's, never [N, V'] at once."""
+    [V', D']: its logits hidden @ weight.T formed chunk by chunk beside the student's, never [N, V'] at once; `cap` the
+    teacher's soft-cap on them (Gemma 2's; None: none)."""
     hidden: torch.Tensor
     weight: torch.Tensor
+    cap: Optional[float] = None
 
     def logits(self, start: int = 0, end: Optional[int] = None, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        """Rows start..end of the teacher's logits, the matmul in `dtype` (the hidden state's by default)."""
+        """Rows start..end of the teacher's logits, the matmul in `dtype` (the hidden state's by default), capped."""
         h = self.hidden[start:end]
         dtype = dtype or h.dtype
-        return torch.mm(h.to(dtype), self.weight.to(dtype).t())
+        return softcap(torch.mm(h.to(dtype), self.weight.to(dtype).t()), self.cap)
 
 
 def _teacher_rows(teacher, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
@@ -111,18 +118,20 @@ def _teacher_rows(teacher, start: int, end: int, dtype: torch.dtype) -> torch.Te
 class _ChunkedDistill(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, teacher, targets: torch.Tensor,
-                temperature: float, alpha: float, loss_type: str, beta: float, chunk_size: int, cdtype: torch.dtype):
+                temperature: float, alpha: float, loss_type: str, beta: float, chunk_size: int, cdtype: torch.dtype,
+                cap: Optional[float]):
         n = hidden.shape[0]
         acc = torch.promote_types(cdtype, torch.float32)
         w = weight.to(cdtype)
         if isinstance(teacher, TeacherHidden):  # (its weight cast once, as the student's)
-            teacher = TeacherHidden(teacher.hidden, teacher.weight.to(cdtype))
+            teacher = teacher._replace(weight=teacher.weight.to(cdtype))
         d_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
         d_w = torch.zeros(weight.shape, dtype=acc, device=weight.device)
         sums = torch.zeros(3, dtype=acc, device=hidden.device)  # loss, divergence, cross-entropy
         for s in range(0, n, chunk_size):
             h_c = hidden[s:s + chunk_size].to(cdtype)
             z = torch.mm(h_c, w.t()).to(acc)
+            deriv = softcap_(z, cap)  # (the student's capped logits, in place; None without a cap)
             y = targets[s:s + chunk_size, None]
             zt = _teacher_rows(teacher, s, s + chunk_size, cdtype).to(acc)
             div, d_u = _divergence_and_grad(z if temperature == 1.0 else z / temperature,
@@ -134,6 +143,8 @@ class _ChunkedDistill(torch.autograd.Function):
                 d_z.add_(torch.exp(z.sub_(lse[:, None])).scatter_add_(1, y, -torch.ones_like(y, dtype=acc)),
                          alpha=alpha)
             sums += torch.stack([(alpha * ce + (1.0 - alpha) * temperature ** 2 * div).sum(), div.sum(), ce.sum()])
+            if deriv is not None:  # the gradient with respect to the uncapped logits
+                d_z.mul_(deriv)
             g_z = d_z.to(cdtype)  # (the matmuls in the compute dtype, as the logits')
             d_h[s:s + chunk_size] = (g_z @ w).to(d_h.dtype)
             if acc == torch.float32:  # summed in fp32 (one mixed GEMM on an accelerator: model/loss_precision.py)
@@ -150,15 +161,17 @@ class _ChunkedDistill(torch.autograd.Function):
     def backward(ctx, g: torch.Tensor, _g_div, _g_ce):
         d_h, d_w = ctx.saved_tensors
         return (d_h * g.to(d_h.dtype), (d_w * g.to(d_w.dtype)).to(ctx.weight_dtype),
-                None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None, None)
 
 
 def chunked_distill_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher, targets: torch.Tensor, *,
                          temperature: float = 1.0, alpha: float = 0.0, loss_type: str = "forward_kl",
-                         beta: float = 0.5, chunk_size: int = 512) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                         beta: float = 0.5, chunk_size: int = 512,
+                         softcap: Optional[float] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(the loss summed over the N target tokens, D summed, CE summed) of the student's hidden states [N, D] through
-    the head `weight` [V, D] against the teacher's logits [N, V] (or its `TeacherHidden`, of V rows):
-    `distill_loss`'s values, `chunk_size` tokens at a time; D and CE carry no gradient."""
+    the head `weight` [V, D] (its logits soft-capped at `softcap` where given) against the teacher's logits [N, V] (or
+    its `TeacherHidden`, of V rows): `distill_loss`'s values, `chunk_size` tokens at a time; D and CE carry no
+    gradient."""
     if loss_type not in DISTILL_LOSSES:
         raise ValueError(f"unknown distillation loss {loss_type!r}; expected one of {DISTILL_LOSSES}")
     from torch.distributed.tensor import DTensor
@@ -166,23 +179,27 @@ def chunked_distill_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher, ta
         raise ValueError("distillation's loss in the head takes the whole LM head weight (no tensor parallelism)")
     if torch.compiler.is_compiling():  # traced: the whole logits, which Inductor fuses
         whole = teacher.logits(dtype=compute_dtype(hidden)) if isinstance(teacher, TeacherHidden) else teacher
-        losses, div, ce = distill_loss(F.linear(hidden, weight), whole, targets, temperature=temperature,
+        student = F.linear(hidden, weight)
+        student = student if softcap is None else torch.tanh(student / softcap) * softcap
+        losses, div, ce = distill_loss(student, whole, targets, temperature=temperature,
                                        alpha=alpha, loss_type=loss_type, beta=beta)
         return losses.sum(), div.sum(), ce.sum()
     # the matmuls' dtype: autocast's where it is on (the logits as the whole-logits path's)
     return _ChunkedDistill.apply(hidden, weight, teacher, targets, float(temperature), float(alpha), loss_type,
-                                 float(beta), max(1, int(chunk_size)), compute_dtype(hidden))
+                                 float(beta), max(1, int(chunk_size)), compute_dtype(hidden),
+                                 None if softcap is None else float(softcap))
 
 
-def _head(h: torch.Tensor, weight: torch.Tensor, chunk_size: int, *, keep: torch.Tensor, teacher,
-          targets: torch.Tensor, **kw) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _head(h: torch.Tensor, weight: torch.Tensor, chunk_size: int, softcap: Optional[float] = None, *,
+          keep: torch.Tensor, teacher, targets: torch.Tensor, **kw) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if isinstance(teacher, TeacherHidden):  # vocabularies padded differently beyond the tokenizer's ids
         common = min(weight.shape[0], teacher.weight.shape[0])
-        teacher = TeacherHidden(teacher.hidden, teacher.weight[:common])
+        teacher = teacher._replace(weight=teacher.weight[:common])
     else:
         common = min(weight.shape[0], teacher.shape[-1])
         teacher = teacher[:, :common]
-    return chunked_distill_loss(h[keep], weight[:common], teacher, targets, chunk_size=chunk_size, **kw)
+    return chunked_distill_loss(h[keep], weight[:common], teacher, targets, chunk_size=chunk_size, softcap=softcap,
+                                **kw)
 
 
 def distill_head(keep: torch.Tensor, teacher, targets: torch.Tensor, **kw):
@@ -202,4 +219,4 @@ def teacher_hidden(teacher_model, x: torch.Tensor, keep: torch.Tensor, **kw):
     from torch.distributed.tensor import DTensor
     if isinstance(teacher_model.lm_head.weight, DTensor):
         return teacher_model(x, logits_to_keep=keep, **kw)
-    return teacher_model(x, head=lambda h, w, _chunk: TeacherHidden(h[keep], w), **kw)
+    return teacher_model(x, head=lambda h, w, _chunk, cap=None: TeacherHidden(h[keep], w, cap), **kw)

@@ -457,10 +457,8 @@ class Transformer(nn.Module):
         loss computed in the head, the weight whole here under FSDP2 too: model/distill_head.py), the chunked
         log-probabilities, the logits or the loss; `cp` the ContextParallel when it splits the sequences."""
         cap = self.cfg.final_softcap  # (Gemma 2's soft-capped logits: model/softcap.py)
-        if head is not None:
-            if cap is not None:
-                raise ValueError("a loss in the head (distillation) does not soft-cap the logits (final_softcap)")
-            return head(h, self.lm_head.weight, self.cfg.loss_chunk_size)
+        if head is not None:  # (a capped model hands the head its cap)
+            return head(h, self.lm_head.weight, self.cfg.loss_chunk_size, *(() if cap is None else (cap,)))
         if logprobs_of is not None:
             logp, entropy = token_logprobs(h, self.lm_head.weight, logprobs_of, temperature, self.cfg.loss_chunk_size,
                                            softcap=cap)

@@ -71,6 +71,55 @@ def test_the_models_head_hook_equals_its_logits_through_the_reference():
         torch.testing.assert_close(got[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
 
 
+@pytest.mark.parametrize("teacher_form", ["hidden", "logits"])
+def test_soft_capped_student_and_teacher_equal_their_capped_logits_through_the_reference(teacher_form):
+    """Gemma 2's capped logits (final_softcap, caps that bind on these logits): the model hands its cap to the head,
+    the student's chunks are capped with the cap's derivative in their gradient, and the teacher's capped logits come
+    from its TeacherHidden (or its own forward: whole logits); the loss and every gradient as from the capped
+    logits through the reference."""
+    from model.distill_head import teacher_hidden
+    torch.manual_seed(0)
+    base = dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, multiple_of=16, max_seq_len=16,
+                loss_chunk_size=5, initializer_range=0.3)
+    model, teacher_model = (Transformer(ModelConfig(**base, final_softcap=cap)) for cap in (1.5, 2.5))
+    x = torch.randint(0, 61, (3, 12))
+    keep = torch.rand(3, 12) > 0.4
+    y = torch.randint(0, 61, (int(keep.sum()),))
+    with torch.no_grad():
+        teacher = teacher_hidden(teacher_model, x, keep) if teacher_form == "hidden" else \
+            teacher_model(x, logits_to_keep=keep)
+        teacher_logits = teacher_model(x, logits_to_keep=keep)
+    assert teacher_form == "logits" or teacher.cap == 2.5
+    kw = dict(temperature=1.5, alpha=0.25, loss_type="forward_kl")
+    loss, div, ce = model(x, head=distill_head(keep, teacher, y, **kw))
+    loss.backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    want, want_div, want_ce = distill_loss(model(x, logits_to_keep=keep), teacher_logits, y, **kw)
+    want.sum().backward()
+    torch.testing.assert_close(loss, want.sum(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(div, want_div.sum(), rtol=1e-5, atol=1e-6)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(got[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
+    model.cfg.final_softcap = None  # (the caps bind: without the student's the loss moves)
+    assert abs(float(model(x, head=distill_head(keep, teacher, y, **kw))[0]) - float(loss)) > 1e-2
+
+
+def test_the_traced_branch_caps_as_the_chunks_do(monkeypatch):
+    """Under torch.compile (the traced branch, run eagerly here) the whole logits are capped as the chunks are: the
+    same loss and gradients within the chunked path's bound."""
+    torch.manual_seed(2)
+    h, w = torch.randn(23, 16) * 2, torch.randn(50, 16)
+    teacher = TeacherHidden(torch.randn(23, 24), torch.randn(50, 24) * 0.5, 2.0)
+    y = torch.randint(0, 50, (23,))
+    kw = dict(temperature=1.5, alpha=0.2, loss_type="jsd", beta=0.3, softcap=1.5)
+    got = _loss_and_grads(lambda *a: chunked_distill_loss(*a, chunk_size=4, **kw), h, w, teacher, y)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    traced = _loss_and_grads(lambda *a: chunked_distill_loss(*a, chunk_size=4, **kw), h, w, teacher, y)
+    for name, a, b in zip(("loss", "divergence", "cross-entropy", "d hidden", "d weight"), got, traced):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+
+
 def test_bad_arguments_are_refused():
     h, w = torch.randn(4, 8), torch.randn(11, 8)
     teacher, y = torch.randn(4, 11), torch.arange(4)

@@ -160,9 +160,6 @@ def test_refusals_name_the_flag(pretrained, tiny_pretrain_data, tmp_path):
     # the same tokenizer (60 ids) under vocabularies padded differently: compared over the first 64 entries
     assert task.reference_problem(big, small, vocab=60) is None
     assert "has 64 outputs, the student 128 and the tokenizer 100 ids" in task.reference_problem(big, small, 100)
-    capped = dataclasses.replace(small, final_softcap=30.0)  # (Gemma 2's logits: the head does not cap them)
-    assert "the student soft-caps its logits" in task.reference_problem(capped, small)
-    assert "--ref_model (the teacher) soft-caps" in task.reference_problem(small, capped)
     from trainer.tasks.dpo import DPOTask  # the default check (DPO's reference): a row for every tokenizer id
     dpo = DPOTask(TrainConfig(task_type="dpo"))
     assert dpo.reference_problem(big, small, 64) is None

@@ -165,10 +165,5 @@ class DistillTask(SFTTask):
             return (f"--ref_model (the teacher) has {teacher_cfg.num_labels or teacher_cfg.vocab_size} outputs, the "
                     f"student {student_cfg.vocab_size}" + (f" and the tokenizer {vocab} ids" if vocab else "") +
                     ": distillation compares their distributions over one tokenizer's vocabulary")
-        capped = [who for who, c in (("the student", student_cfg), ("--ref_model (the teacher)", teacher_cfg))
-                  if getattr(c, "final_softcap", None) is not None]
-        if capped:
-            return (f"{' and '.join(capped)} soft-caps its logits (Gemma 2's final_logit_softcapping), which "
-                    "distillation's loss in the head does not (model/distill_head.py)")
         return None
 
