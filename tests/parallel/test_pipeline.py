@@ -485,9 +485,9 @@ def test_last_stage_uses_the_model_loss_and_needs_labels(monkeypatch, fused):
     name = "linear_cross_entropy" if fused else "linear_cross_entropy_ref"
     real = getattr(loss_mod, name)
 
-    def spy(hidden, weight, labels, reduction, *rest):
+    def spy(hidden, weight, labels, reduction, *rest, **kw):
         seen.append((name, reduction, weight is model.lm_head.weight))
-        return real(hidden, weight, labels, reduction, *rest)
+        return real(hidden, weight, labels, reduction, *rest, **kw)
     monkeypatch.setattr(loss_mod, name, spy)
     out = last(first(x), labels=y)
     assert seen == [(name, "sum", True)] and out.shape == (1,)
