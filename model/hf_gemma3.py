@@ -155,11 +155,12 @@ def int_if_whole(x: float):
     return int(x) if float(x).is_integer() else float(x)
 
 
-def from_hub(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Gemma's names (without `model.`) and norm weights (1 + w) -> ours, the norms in fp32."""
+def from_hub(sd: dict[str, torch.Tensor], rename: bool = True) -> dict[str, torch.Tensor]:
+    """Gemma's names (without `model.`) and norm weights (1 + w) -> ours, the norms in fp32 (`rename` False: Gemma 1's
+    block, a Llama's norms under a Llama's names, only the weights shifted)."""
     out = {}
     for name, t in sd.items():
-        m = _LAYER_NORM.match(name)
+        m = _LAYER_NORM.match(name) if rename else None
         if m is not None:
             for hub, ours in _RENAMES:
                 if m.group(2) == hub:
@@ -169,13 +170,14 @@ def from_hub(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def to_hub(sd: dict[str, torch.Tensor], dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
+def to_hub(sd: dict[str, torch.Tensor], dtype: Optional[torch.dtype] = None,
+           rename: bool = True) -> dict[str, torch.Tensor]:
     """Ours -> Gemma's names (without `model.`) and norm weights (w - 1, computed in fp32, then in `dtype` or the
-    weight's own)."""
+    weight's own); `rename` False: Gemma 1's (the names as they are)."""
     back = {ours: hub for hub, ours in _RENAMES}
     out = {}
     for name, t in sd.items():
-        m = _LAYER_NORM.match(name)
+        m = _LAYER_NORM.match(name) if rename else None
         if m is not None and m.group(2) in back:
             name = f"{m.group(1)}{back[m.group(2)]}.weight"
         out[name] = (t.float() - 1.0).to(dtype or t.dtype) if _NORM.search(name) else t

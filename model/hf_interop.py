@@ -25,8 +25,9 @@ from typing import Optional
 import torch
 from safetensors.torch import load_file, save_file
 
-from model import (hf_deepseek_v3, hf_files, hf_fp8, hf_gemma2, hf_gemma3, hf_glm4_moe, hf_gpt_oss, hf_ministral3,
-                   hf_mixtral, hf_olmo, hf_phi3, hf_qwen2_moe, hf_qwen3_moe, hf_score, hf_vision_language)
+from model import (hf_deepseek_v3, hf_files, hf_fp8, hf_gemma, hf_gemma2, hf_gemma3, hf_glm4_moe, hf_gpt_oss,
+                   hf_ministral3, hf_mixtral, hf_olmo, hf_phi3, hf_qwen2_moe, hf_qwen3_moe, hf_score,
+                   hf_vision_language)
 from model.hf_window import window_from_hf, window_to_hf
 from model.config import ModelConfig
 from model.llama import Transformer
@@ -36,7 +37,7 @@ from utils.run_dir import HF_MODEL_TYPES
 
 # families transformers has that our model does not hold: why, in the refusal
 REFUSED_TYPES = {
-    "gemma": "Gemma 1 is not read (Gemma 2 and Gemma 3's text model are)",
+    "recurrent_gemma": "RecurrentGemma's recurrent blocks are not in our model (Gemma 1, 2 and 3 are read)",
 }
 
 
@@ -63,6 +64,8 @@ def _causal_config_dict(cfg: ModelConfig, torch_dtype: str, special_ids: Optiona
         "attention_bias": False, "mlp_bias": False, "attention_dropout": cfg.attn_dropout,
         "pretraining_tp": 1, "use_cache": True, "torch_dtype": torch_dtype, "dtype": torch_dtype,
     }
+    if hf_gemma.applies(cfg):  # (a Llama with the scaled embedding and GeGLU: Gemma 1)
+        return _own_family(d, hf_gemma.config_fields(cfg), (), special_ids)
     if hf_gemma2.applies(cfg):  # (Gemma's block without q / k norms: Gemma 2, the Llama's sizes and RoPE kept)
         return _own_family(d, hf_gemma2.config_fields(cfg), ("hidden_act",), special_ids)
     if hf_gemma3.is_gemma(cfg):  # (Gemma 3's block: written as its own family, the Llama's sizes kept)
@@ -155,6 +158,8 @@ def _causal_family(cfg: ModelConfig) -> str:
         return moe_family(cfg)[1]
     if hf_gemma3.is_gemma(cfg):
         return hf_gemma2.ARCHITECTURE if hf_gemma2.applies(cfg) else hf_gemma3.ARCHITECTURE
+    if hf_gemma.applies(cfg):
+        return hf_gemma.ARCHITECTURE
     if hf_olmo.is_olmo(cfg):
         return "Olmo3ForCausalLM" if cfg.sliding_window else "Olmo2ForCausalLM"
     if hf_phi3.needs_phi3(cfg):
@@ -183,13 +188,15 @@ def config_from_hf(d: dict) -> ModelConfig:
         d = hf_gemma3.with_defaults(d)
     if kind == hf_gemma2.MODEL_TYPE:
         d = hf_gemma2.with_defaults(d)
+    if kind == hf_gemma.MODEL_TYPE:
+        d = hf_gemma.with_defaults(d)
     query_scale = hf_ministral3.fields_from_hf(d) if kind == hf_ministral3.MODEL_TYPE else {}
     if kind == hf_ministral3.MODEL_TYPE:
         d = hf_ministral3.rope_dict(d)
     if kind in REFUSED_TYPES:
         raise ValueError(f"model_type={kind!r}: {REFUSED_TYPES[kind]}")
     if kind not in HF_MODEL_TYPES:
-        raise ValueError("only Llama, Mistral, Phi-3, Qwen2, Qwen3, SmolLM3, Gemma 2, Gemma 3 (text), OLMo 2 / 3, "
+        raise ValueError("only Llama, Mistral, Phi-3, Qwen2, Qwen3, SmolLM3, Gemma 1 / 2 / 3, OLMo 2 / 3, "
                          "Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4-MoE, DeepSeek-V2 / V3 and gpt-oss checkpoints are "
                          f"supported, got model_type={kind!r}")
     families = {"mixtral": hf_mixtral, "glm4_moe": hf_glm4_moe, "qwen3_moe": hf_qwen3_moe, "qwen2_moe": hf_qwen2_moe}
@@ -221,6 +228,8 @@ def config_from_hf(d: dict) -> ModelConfig:
         fields.update(hf_gemma3.fields_from_hf(d, n_heads, head_dim))
     elif kind == hf_gemma2.MODEL_TYPE:
         fields.update(hf_gemma2.fields_from_hf(d, head_dim))
+    elif kind == hf_gemma.MODEL_TYPE:
+        fields.update(hf_gemma.fields_from_hf(d, head_dim))
     elif kind in hf_olmo.MODEL_TYPES:
         fields.update(hf_olmo.fields_from_hf(d, kind))
     elif kind == hf_gpt_oss.MODEL_TYPE:  # (its experts, biases, sinks and window)
@@ -274,6 +283,8 @@ def _family_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig, family) 
         tensors = family.to_hub(tensors, cfg)
     for module, applies in ((hf_gemma3, hf_gemma3.is_gemma), (hf_olmo, hf_olmo.is_olmo)):
         tensors = module.to_hub(tensors) if applies(cfg) else tensors
+    if hf_gemma.applies(cfg):  # (Gemma 1: the (1 + w) norms under a Llama's names)
+        tensors = hf_gemma3.to_hub(tensors, rename=False)
     return hf_phi3.fuse(tensors) if hf_phi3.needs_phi3(cfg) else tensors
 
 
@@ -308,8 +319,8 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig,
         out = hf_deepseek_v3.from_hub(out, cfg, rope_interleave)
     elif cfg.moe_num_experts:
         out = moe_family(cfg)[0].from_hub(out, cfg)
-    if hf_gemma3.is_gemma(cfg):
-        out = hf_gemma3.from_hub(out)
+    if hf_gemma3.is_gemma(cfg) or hf_gemma.applies(cfg):
+        out = hf_gemma3.from_hub(out, rename=not hf_gemma.applies(cfg))
     if hf_olmo.is_olmo(cfg):
         out = hf_olmo.from_hub(out)
     if cfg.tie_embeddings or "lm_head.weight" not in out:

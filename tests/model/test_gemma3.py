@@ -139,7 +139,7 @@ def test_transformers_4_configs_and_refusals():
     assert hf_config_dict(capped)["final_logit_softcapping"] == 30.0
     for bad, why in ((dict(use_bidirectional_attention=True), "bidirectional"),
                      (dict(hidden_activation="gelu"), "hidden_activation='gelu'"),
-                     (dict(model_type="gemma"), "Gemma 1 is not read")):
+                     (dict(model_type="recurrent_gemma"), "RecurrentGemma's recurrent blocks")):
         with pytest.raises(ValueError, match=why):
             config_from_hf({**hub, **bad})
 
