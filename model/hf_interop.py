@@ -31,6 +31,7 @@ from model import (hf_deepseek_v3, hf_files, hf_fp8, hf_gemma, hf_gemma2, hf_gem
 from model.hf_window import window_from_hf, window_to_hf
 from model.config import ModelConfig
 from model.llama import Transformer
+from model.rotary import RotaryEmbedding
 from utils.publish import staged_dir
 from utils.rope_config import rope_scaling_from_hf, rope_scaling_to_hf
 from utils.run_dir import HF_MODEL_TYPES
@@ -438,18 +439,39 @@ def import_hf(hf_dir: str, dtype: Optional[torch.dtype] = torch.float32, **overr
     if hf_vision_language.is_wrapper(raw):  # Gemma 3 4B-27B, Mistral Small 3.x, LLaVA: the text model alone
         weights = hf_vision_language.text_weights(weights)[0]
     sd = from_hf_state_dict(weights, cfg, hf_deepseek_v3.interleaved(raw))
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    model = model.to_empty(device="cpu")
-    model.rotary.inv_freq = model.rotary._inv_freq(cfg.rope_theta)  # non-persistent buffer: rebuild
+    del weights  # (what `sd` renamed or replaced is freed as it is converted below)
     if cfg.tie_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
         sd.pop("lm_head.weight", None)
-    missing, unexpected = model.load_state_dict(sd, strict=False)  # copies into the fp32 parameters
-    missing = [m for m in missing if not (cfg.tie_embeddings and m == "lm_head.weight")]
-    if missing or unexpected:
-        raise ValueError(f"checkpoint in {hf_dir} does not match the config: missing={missing} unexpected={unexpected}")
     if dtype is None:
         dtypes = {t.dtype for t in sd.values()}
         dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
-    return model.to(dtype)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    expected = set(model.state_dict()) - ({"lm_head.weight"} if cfg.tie_embeddings else set())
+    missing, unexpected = sorted(expected - set(sd)), sorted(set(sd) - expected)
+    if missing or unexpected:
+        raise ValueError(f"checkpoint in {hf_dir} does not match the config: missing={missing} unexpected={unexpected}")
+    return _take_weights(model, sd, dtype)
+
+
+def _take_weights(model: Transformer, sd: dict[str, torch.Tensor], dtype: torch.dtype) -> Transformer:
+    """A model built on the meta device takes `sd`'s tensors (emptied as it goes), each converted to `dtype` (a
+    copy owning its memory) as its parameters and buffers themselves (`assign`: no second set of weights), the
+    checkpoint's tensor dropped as soon as its copy exists: the peak is the result plus one tensor, not the
+    checkpoint plus the result. The RoPE tables (non-persistent) are built on the CPU; the tied head re-tied."""
+    taken = {}
+    for name in list(sd):
+        t = sd.pop(name)
+        taken[name] = t.to(dtype, copy=True) if t.is_floating_point() else t.clone()
+        del t
+    model.load_state_dict(taken, strict=False, assign=True)
+    del taken
+    if model.cfg.tie_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):  # (its _apply rebuilds the frequencies and tables in fp32)
+            module.to_empty(device="cpu")
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise ValueError(f"the checkpoint left {left[:5]} unset")
+    return model
