@@ -54,6 +54,10 @@ class ModelConfig:
     # Gemma 2's logit soft-capping (model/softcap.py: z -> cap tanh(z / cap)); None = off
     attn_softcap: Optional[float] = None  # on the attention scores (attn_logit_softcapping; a math-path attention)
     final_softcap: Optional[float] = None  # on the LM head's logits (final_logit_softcapping), in every loss head
+    # IBM Granite's multipliers (model/hf_granite.py; its attention_multiplier is query_scale = 1 / multiplier^2)
+    embedding_multiplier: Optional[float] = None  # the embedding's output times this
+    residual_multiplier: Optional[float] = None  # each sublayer's output times this before the residual add
+    logits_scaling: Optional[float] = None  # the LM head's logits divided by this (the normed hidden state, before it)
     # OLMo 2 / 3's block (model/hf_olmo.py): only the sublayers' output norms, and q / k norms over all the heads
     pre_norms: bool = True             # the RMSNorms before attention and MLP (False: OLMo's, with sandwich_norms)
     qk_norm_full: bool = False         # with qk_norm: one norm over all heads' q (and all k), before the heads split
@@ -173,7 +177,8 @@ class ModelConfig:
             return f"mlp_act must be silu or gelu_tanh, got {self.mlp_act!r}"
         if self.mlp_act != "silu" and self.moe_num_experts:
             return "mlp_act=gelu_tanh: the MoE experts are SwiGLU (no Gemma MoE)"
-        for name in ("query_scale", "rope_local_theta", "attn_softcap", "final_softcap"):
+        for name in ("query_scale", "rope_local_theta", "attn_softcap", "final_softcap", "embedding_multiplier",
+                     "residual_multiplier", "logits_scaling"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
                 return f"{name}={v!r} must be a number > 0"
@@ -264,7 +269,9 @@ class ModelConfig:
                    "query_scale": self.query_scale is not None, "rope_local_theta": self.rope_local_theta is not None,
                    "pre_norms": not self.pre_norms, "partial_rotary_factor": self.partial_rotary_factor != 1.0,
                    "query_pos_scale_beta": self.query_pos_scale_beta is not None,
-                   "attn_softcap": self.attn_softcap is not None, "final_softcap": self.final_softcap is not None}
+                   "attn_softcap": self.attn_softcap is not None, "final_softcap": self.final_softcap is not None,
+                   **{k: getattr(self, k) is not None
+                      for k in ("embedding_multiplier", "residual_multiplier", "logits_scaling")}}
         return tuple(k for k, v in changed.items() if v)
 
     @property

@@ -19,9 +19,10 @@ call). Here, per generation call:
   as one matmul, RoPE on the queries and the shared key in one pass, then its latent cache's attention;
 - sliding-window layers (Mistral's, Qwen2's, gpt-oss's) mask the cache to their last `sliding_window` positions (the
   model's rule, `attention.dense_mask`) once the cache is longer; gpt-oss's sinks through `attention.sink_attention`;
-- Gemma 2 / 3's and OLMo 2 / 3's blocks (`BLOCK_FIELDS`): the scaled embedding, the sublayers' output norms (and
-  OLMo's missing input norms), GeGLU, the query scale, Gemma 3's sliding layers' own RoPE table, q / k norms over all
-  the heads, Gemma 2's capped scores (`attention.softcap_attention`) and capped logits;
+- Gemma 2 / 3's, OLMo 2 / 3's and Granite's blocks (`BLOCK_FIELDS`): the scaled embedding, the sublayers' output
+  norms (and OLMo's missing input norms), GeGLU, the query scale, Gemma 3's sliding layers' own RoPE table, q / k
+  norms over all the heads, Gemma 2's capped scores (`attention.softcap_attention`) and capped logits, Granite's
+  multipliers;
 - under torch.inference_mode (no version counters or autograd metadata per op).
 A prompt shared by every row (GRPO's group) is prefilled once, as one row, and its keys/values copied to the rows.
 
@@ -71,7 +72,8 @@ def fast_path_applies(model: nn.Module) -> bool:
 
 # Gemma 2 / 3's and OLMo 2 / 3's block fields (model/config.py block_fields) the fast path computes
 BLOCK_FIELDS = {"scale_embeddings", "sandwich_norms", "mlp_act", "query_scale", "rope_local_theta", "pre_norms",
-                "qk_norm_full", "attn_softcap", "final_softcap"}
+                "qk_norm_full", "attn_softcap", "final_softcap", "embedding_multiplier", "residual_multiplier",
+                "logits_scaling"}
 
 
 # The smallest weight (elements) worth oneDNN's blocked layout. A oneDNN call costs ~15 us more than F.linear's,
@@ -223,8 +225,10 @@ class Decoder:
 
     def logits(self, h: torch.Tensor, norm: Optional[nn.Module] = None) -> torch.Tensor:
         """The LM head's logits [..., V] of hidden states h [..., D] before the final norm (the model's, or
-        `norm`), soft-capped where the model caps them (Gemma 2) (fast path)."""
-        return softcap(self.head(_rms_norm(self.model.norm if norm is None else norm, h)), self.model.cfg.final_softcap)
+        `norm`), soft-capped where the model caps them (Gemma 2), over Granite's logits_scaling (fast path)."""
+        cfg = self.model.cfg
+        h = _rms_norm(self.model.norm if norm is None else norm, h)
+        return softcap(self.head(h if cfg.logits_scaling is None else h / cfg.logits_scaling), cfg.final_softcap)
 
     def hidden(self, h: torch.Tensor, layers: list, cache: KVCache) -> torch.Tensor:
         """Embedded inputs h [B, T, D] at positions cache.pos .. + T - 1 through `layers` (`prepare`d blocks, the
@@ -255,6 +259,8 @@ class Decoder:
             att = o(att.reshape(B, T, -1))
             if block.sandwich:  # (Gemma's, OLMo's norm of the attention's output)
                 att = _rms_norm(block.attn_output_norm, att)
+            if block.residual_scale is not None:  # (Granite's residual_multiplier)
+                att = att * block.residual_scale
             h = att + h  # the model's order: attn + x
             h = self._mlp(block, gate_up, down, h)
         cache.pos += T
@@ -302,7 +308,8 @@ class Decoder:
             y = down(F.silu(g) * u if block.mlp.act == "silu" else kernels.geglu(g, u))
         else:
             y = block.mlp(x)
-        return h + (_rms_norm(block.mlp_output_norm, y) if block.sandwich else y)  # (Gemma's, OLMo's output norm)
+        y = _rms_norm(block.mlp_output_norm, y) if block.sandwich else y  # (Gemma's, OLMo's output norm)
+        return h + (y if block.residual_scale is None else y * block.residual_scale)
 
     @staticmethod
     def _latent(a: LatentAttention, projections: tuple, x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor,

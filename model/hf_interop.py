@@ -26,7 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from model import (hf_deepseek_v3, hf_files, hf_fp8, hf_gemma, hf_gemma2, hf_gemma3, hf_glm4_moe, hf_gpt_oss,
-                   hf_ministral3, hf_mixtral, hf_olmo, hf_phi3, hf_qwen2_moe, hf_qwen3_moe, hf_score,
+                   hf_granite, hf_ministral3, hf_mixtral, hf_olmo, hf_phi3, hf_qwen2_moe, hf_qwen3_moe, hf_score,
                    hf_vision_language)
 from model.hf_window import window_from_hf, window_to_hf
 from model.config import ModelConfig
@@ -65,6 +65,8 @@ def _causal_config_dict(cfg: ModelConfig, torch_dtype: str, special_ids: Optiona
         "attention_bias": False, "mlp_bias": False, "attention_dropout": cfg.attn_dropout,
         "pretraining_tp": 1, "use_cache": True, "torch_dtype": torch_dtype, "dtype": torch_dtype,
     }
+    if hf_granite.applies(cfg):  # (a Llama with Granite's multipliers)
+        return _own_family(d, hf_granite.config_fields(cfg), (), special_ids)
     if hf_gemma.applies(cfg):  # (a Llama with the scaled embedding and GeGLU: Gemma 1)
         return _own_family(d, hf_gemma.config_fields(cfg), (), special_ids)
     if hf_gemma2.applies(cfg):  # (Gemma's block without q / k norms: Gemma 2, the Llama's sizes and RoPE kept)
@@ -161,6 +163,8 @@ def _causal_family(cfg: ModelConfig) -> str:
         return hf_gemma2.ARCHITECTURE if hf_gemma2.applies(cfg) else hf_gemma3.ARCHITECTURE
     if hf_gemma.applies(cfg):
         return hf_gemma.ARCHITECTURE
+    if hf_granite.applies(cfg):
+        return hf_granite.ARCHITECTURE
     if hf_olmo.is_olmo(cfg):
         return "Olmo3ForCausalLM" if cfg.sliding_window else "Olmo2ForCausalLM"
     if hf_phi3.needs_phi3(cfg):
@@ -197,7 +201,7 @@ def config_from_hf(d: dict) -> ModelConfig:
     if kind in REFUSED_TYPES:
         raise ValueError(f"model_type={kind!r}: {REFUSED_TYPES[kind]}")
     if kind not in HF_MODEL_TYPES:
-        raise ValueError("only Llama, Mistral, Phi-3, Qwen2, Qwen3, SmolLM3, Gemma 1 / 2 / 3, OLMo 2 / 3, "
+        raise ValueError("only Llama, Mistral, Phi-3, Qwen2, Qwen3, SmolLM3, Gemma 1 / 2 / 3, Granite, OLMo 2 / 3, "
                          "Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4-MoE, DeepSeek-V2 / V3 and gpt-oss checkpoints are "
                          f"supported, got model_type={kind!r}")
     families = {"mixtral": hf_mixtral, "glm4_moe": hf_glm4_moe, "qwen3_moe": hf_qwen3_moe, "qwen2_moe": hf_qwen2_moe}
@@ -231,6 +235,8 @@ def config_from_hf(d: dict) -> ModelConfig:
         fields.update(hf_gemma2.fields_from_hf(d, head_dim))
     elif kind == hf_gemma.MODEL_TYPE:
         fields.update(hf_gemma.fields_from_hf(d, head_dim))
+    elif kind == hf_granite.MODEL_TYPE:
+        fields.update(hf_granite.fields_from_hf(d, head_dim))
     elif kind in hf_olmo.MODEL_TYPES:
         fields.update(hf_olmo.fields_from_hf(d, kind))
     elif kind == hf_gpt_oss.MODEL_TYPE:  # (its experts, biases, sinks and window)

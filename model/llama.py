@@ -179,17 +179,20 @@ class TransformerBlock(nn.Module):
             self.mlp_output_norm = RMSNorm(cfg.dim, cfg.norm_eps, cfg.fused_rmsnorm, cfg.kernel_backend)
         self.sandwich, self.pre_norms = cfg.sandwich_norms, cfg.pre_norms
         self.local_rope = cfg.rope_local_theta is not None and cfg.slides(layer_idx)  # (Gemma 3: `rotary_local`'s)
+        self.residual_scale = cfg.residual_multiplier  # (Granite's: each sublayer's output times it; None: 1)
 
     def forward(self, x, cos, sin, spec: AttnSpec, cache: Optional[KVCache] = None):
         attn = self.self_attn(self.input_layernorm(x) if self.pre_norms else x, cos, sin, spec, cache)
         if self.sandwich:
             attn = self.attn_output_norm(attn)
+        if self.residual_scale is not None:
+            attn = attn * self.residual_scale
         if self.pre_norms:
             y, x = self.post_attention_layernorm.add_forward(attn, x)  # x + attn, and its norm (one kernel on GPU)
         else:
             x = y = x + attn
-        y = self.mlp(y)
-        return x + (self.mlp_output_norm(y) if self.sandwich else y)
+        y = self.mlp_output_norm(self.mlp(y)) if self.sandwich else self.mlp(y)
+        return x + (y if self.residual_scale is None else y * self.residual_scale)
 
 
 # ---------------------------------------------------------------------------------- transformer
@@ -366,6 +369,8 @@ class Transformer(nn.Module):
         h = self.embed_tokens(input_ids)
         if self.cfg.scale_embeddings:
             h = h * torch.tensor(self.cfg.dim ** 0.5, dtype=h.dtype)
+        if self.cfg.embedding_multiplier is not None:  # (Granite's)
+            h = h * self.cfg.embedding_multiplier
         return h
 
     def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
@@ -457,6 +462,8 @@ class Transformer(nn.Module):
         loss computed in the head, the weight whole here under FSDP2 too: model/distill_head.py), the chunked
         log-probabilities, the logits or the loss; `cp` the ContextParallel when it splits the sequences."""
         cap = self.cfg.final_softcap  # (Gemma 2's soft-capped logits: model/softcap.py)
+        if self.cfg.logits_scaling is not None:  # (Granite's logits / s, as (h / s) W^T: every head the same)
+            h = h / self.cfg.logits_scaling
         if head is not None:  # (a capped model hands the head its cap)
             return head(h, self.lm_head.weight, self.cfg.loss_chunk_size, *(() if cap is None else (cap,)))
         if logprobs_of is not None:
