@@ -262,9 +262,10 @@ def softcap_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: A
     """Attention whose scores are soft-capped before the mask and softmax (Gemma 2's attn_logit_softcapping):
     softmax(cap tanh(q k^T / (sqrt(D) cap))) v. Where FlexAttention trains (an accelerator, no dropout) the model
     gives such batches a `flex` spec and this cap as its score_mod (`softcap_score_mod`, fused, no [T, T] scores);
-    elsewhere (CPU, dropout, KV-cache steps) it is this function: written out as transformers' eager attention is: the scores [B, H, Tq, Tk] materialised (O(T^2) memory), capped and softmaxed in fp32. GQA
-    without copies: each kv head's query heads stacked along the rows (q viewed [B, Hkv, rep x Tq, D]). The mask:
-    the spec's (its window, padding and documents), else causal, or none (one query over a cache).
+    elsewhere (CPU, dropout, KV-cache steps) it is this function, written out as transformers' eager attention is:
+    the scores [B, H, Tq, Tk] materialised (O(T^2) memory), capped and softmaxed in fp32. GQA without copies: each
+    kv head's query heads stacked along the rows (q viewed [B, Hkv, rep x Tq, D]). The mask: the spec's (its window,
+    padding and documents), else causal, or none (one query over a cache).
     q [B, H, Tq, D], k/v [B, Hkv, Tk, D] -> [B, H, Tq, Dv] in q's dtype."""
     B, H, Tq, D = q.shape
     hkv, Tk = k.shape[1], k.shape[2]

@@ -1,5 +1,5 @@
-"""Gemma 2 (transformers' `Gemma2ForCausalLM`, model_type `gemma2`: Gemma 2 2B / 9B / 27B), both ways (model/hf_interop.py
-calls these).
+"""Gemma 2 (transformers' `Gemma2ForCausalLM`, model_type `gemma2`: Gemma 2 2B / 9B / 27B), both ways
+(model/hf_interop.py calls these).
 
 Gemma 2 is Gemma 3's block (model/hf_gemma3.py: the embedding times sqrt(hidden_size), norms on the sublayers' inputs
 and outputs, GeGLU, scores over sqrt(query_pre_attn_scalar), the (1 + w) norm weights and their names) without its
@@ -20,7 +20,8 @@ MODEL_TYPE = "gemma2"
 ARCHITECTURE = "Gemma2ForCausalLM"
 # transformers' Gemma2Config defaults (a config.json that leaves a field out means these)
 DEFAULTS = {"vocab_size": 256_000, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
-            "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+            "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+            "hidden_activation": "gelu_pytorch_tanh",
             "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256, "sliding_window": 4096,
             "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0, "tie_word_embeddings": True,
             "rope_theta": 10_000.0, "initializer_range": 0.02}

@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from model import (hf_deepseek_v3, hf_files, hf_fp8, hf_gemma, hf_gemma2, hf_gemma3, hf_glm4_moe, hf_gpt_oss,
                    hf_granite, hf_ministral3, hf_mixtral, hf_olmo, hf_phi3, hf_qwen2_moe, hf_qwen3_moe, hf_score,
-                   hf_vision_language)
+                   hf_seed_oss, hf_vision_language)
 from model.hf_window import window_from_hf, window_to_hf
 from model.config import ModelConfig
 from model.llama import Transformer
@@ -65,6 +65,8 @@ def _causal_config_dict(cfg: ModelConfig, torch_dtype: str, special_ids: Optiona
         "attention_bias": False, "mlp_bias": False, "attention_dropout": cfg.attn_dropout,
         "pretraining_tp": 1, "use_cache": True, "torch_dtype": torch_dtype, "dtype": torch_dtype,
     }
+    if hf_seed_oss.applies(cfg):  # (a Llama with an o_proj bias, or q/k/v biases on heads of their own width)
+        return _own_family(d, hf_seed_oss.config_fields(cfg), (), special_ids)
     if hf_granite.applies(cfg):  # (a Llama with Granite's multipliers)
         return _own_family(d, hf_granite.config_fields(cfg), (), special_ids)
     if hf_gemma.applies(cfg):  # (a Llama with the scaled embedding and GeGLU: Gemma 1)
@@ -165,6 +167,8 @@ def _causal_family(cfg: ModelConfig) -> str:
         return hf_gemma.ARCHITECTURE
     if hf_granite.applies(cfg):
         return hf_granite.ARCHITECTURE
+    if hf_seed_oss.applies(cfg):
+        return hf_seed_oss.ARCHITECTURE
     if hf_olmo.is_olmo(cfg):
         return "Olmo3ForCausalLM" if cfg.sliding_window else "Olmo2ForCausalLM"
     if hf_phi3.needs_phi3(cfg):
@@ -201,9 +205,9 @@ def config_from_hf(d: dict) -> ModelConfig:
     if kind in REFUSED_TYPES:
         raise ValueError(f"model_type={kind!r}: {REFUSED_TYPES[kind]}")
     if kind not in HF_MODEL_TYPES:
-        raise ValueError("only Llama, Mistral, Phi-3, Qwen2, Qwen3, SmolLM3, Gemma 1 / 2 / 3, Granite, OLMo 2 / 3, "
-                         "Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4-MoE, DeepSeek-V2 / V3 and gpt-oss checkpoints are "
-                         f"supported, got model_type={kind!r}")
+        raise ValueError("only Llama, Mistral, Phi-3, Qwen2, Qwen3, SmolLM3, Gemma 1 / 2 / 3, Granite, Seed-OSS, "
+                         "OLMo 2 / 3, Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4-MoE, DeepSeek-V2 / V3 and gpt-oss "
+                         f"checkpoints are supported, got model_type={kind!r}")
     families = {"mixtral": hf_mixtral, "glm4_moe": hf_glm4_moe, "qwen3_moe": hf_qwen3_moe, "qwen2_moe": hf_qwen2_moe}
     partial = (d.get("rope_parameters") or {}).get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
     moe = families[kind].moe_fields(d) if kind in families else {}
@@ -212,7 +216,8 @@ def config_from_hf(d: dict) -> ModelConfig:
     scaling = rope_scaling_from_hf(hf_gemma3.full_rope_dict(d) if kind in (hf_gemma3.MODEL_TYPE, "olmo3") else d)
     n_heads = d["num_attention_heads"]
     head_dim = d.get("head_dim") or d["hidden_size"] // n_heads
-    if (d.get("attention_bias") and kind not in ("glm4_moe", hf_gpt_oss.MODEL_TYPE)) or d.get("mlp_bias"):
+    if (d.get("attention_bias") and kind not in ("glm4_moe", hf_gpt_oss.MODEL_TYPE, hf_seed_oss.MODEL_TYPE)) \
+            or d.get("mlp_bias"):
         # (Llama's, Qwen3's: o_proj's too; gpt-oss's are read)
         raise ValueError(f"{kind} checkpoints with biases are not supported (attention_bias / mlp_bias)")
     fields = dict(
@@ -237,6 +242,8 @@ def config_from_hf(d: dict) -> ModelConfig:
         fields.update(hf_gemma.fields_from_hf(d, head_dim))
     elif kind == hf_granite.MODEL_TYPE:
         fields.update(hf_granite.fields_from_hf(d, head_dim))
+    elif kind == hf_seed_oss.MODEL_TYPE:
+        fields.update(hf_seed_oss.fields_from_hf(d))
     elif kind in hf_olmo.MODEL_TYPES:
         fields.update(hf_olmo.fields_from_hf(d, kind))
     elif kind == hf_gpt_oss.MODEL_TYPE:  # (its experts, biases, sinks and window)

@@ -83,7 +83,7 @@ def is_checkpoint_dir(path: str) -> bool:
 
 # the transformers model types whose directories our model reads (model/hf_interop.py config_from_hf)
 HF_MODEL_TYPES = ("llama", "mistral", "ministral3", "phi3", "qwen2", "qwen3", "smollm3", "gemma", "gemma2", "granite",
-                  "gemma3_text", "olmo2", "olmo3", "mixtral", "qwen3_moe", "qwen2_moe", "glm4_moe",
+                  "seed_oss", "gemma3_text", "olmo2", "olmo3", "mixtral", "qwen3_moe", "qwen2_moe", "glm4_moe",
                   "deepseek_v3", "deepseek_v2", "kimi_k2", "gpt_oss",
                   "gemma3", "mistral3", "llava")  # (the last: vision-language checkpoints, their text model read)
 

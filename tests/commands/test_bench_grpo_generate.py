@@ -1,6 +1,7 @@
 """bench/bench_grpo_generate.py's plumbing at a tiny shape, in this process: both generators run, the tokens/s and
 ratio come out, and greedy decoding gives HF's tokens for a Llama, with --mla for a DeepSeek-V3 (our latent cache
-with kv_b_proj absorbed against transformers' expanded keys and values) and with --gemma=2 for a Gemma 2 (its caps). The figures themselves are docs/grpo.md's."""
+with kv_b_proj absorbed against transformers' expanded keys and values) and with --gemma=2 for a Gemma 2 (its caps).
+The figures themselves are docs/grpo.md's."""
 import os
 import re
 import sys

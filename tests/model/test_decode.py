@@ -1,9 +1,9 @@
-"""model/decode.py's Decoder against the model's own forward: the logits of a prefill and of one-token steps differ from
-a whole-sequence forward by rounding only (their error against a float64 forward of the same weights is of the
+"""model/decode.py's Decoder against the model's own forward: the logits of a prefill and of one-token steps differ
+from a whole-sequence forward by rounding only (their error against a float64 forward of the same weights is of the
 order of the model's own fp32 error), with packed and plain weights, GQA, LoRA-wrapped projections, MoE blocks,
-dynamic RoPE, sliding windows, Gemma 2 / 3's and OLMo's blocks and several tokens over a non-empty cache; a prompt shared by every row is prefilled once with the
-same result; the sampler draws what torch.multinomial draws (its exponentials, computed faster, are torch's own);
-NaN logits stop a rollout with one line."""
+dynamic RoPE, sliding windows, Gemma 2 / 3's and OLMo's blocks and several tokens over a non-empty cache; a prompt
+shared by every row is prefilled once with the same result; the sampler draws what torch.multinomial draws (its
+exponentials, computed faster, are torch's own); NaN logits stop a rollout with one line."""
 import pytest
 import torch
 

@@ -1,16 +1,17 @@
-"""Gemma 2's final-logit soft-cap (z -> cap * tanh(z / cap), model/softcap.py) in the heads that form their logits
-and gradients by hand: the chunked linear + cross-entropy (model/loss.py, eager and under torch.compile, and
-`lm_head_loss` reading `cfg.final_softcap`), the per-token log-probabilities (model/token_logprobs.py) and, in two gloo
-processes, the vocabulary-parallel loss (model/vocab_parallel_loss.py) and token_logprobs on a vocabulary shard.
+"""Gemma 2's final-logit soft-cap (z -> cap * tanh(z / cap), model/softcap.py) in the heads that form their logits and
+gradients by hand: the chunked linear + cross-entropy (model/loss.py, eager and under torch.compile, and
+`lm_head_loss` reading `cfg.final_softcap`), the per-token log-probabilities (model/token_logprobs.py) and, in two
+gloo processes, the vocabulary-parallel loss (model/vocab_parallel_loss.py) and token_logprobs on a vocabulary
+shard.
 
 The truth is the formula written out in float64 with autograd (whole logits, torch.tanh(z / cap) * cap,
-F.cross_entropy / log_softmax). Heads that accumulate in fp64 for fp64 inputs (token_logprobs, the
-vocabulary-parallel loss) must match it to 1e-12 relative there; otherwise a head may be 10x the error of the same
-formula run in fp32, plus 4 fp32 ulps of the value's scale: the chunked linear + CE keeps its statistics and loss in
-fp32 by design, also for fp64 inputs (its logits rounded to fp32), so it gets that tolerance at both input dtypes. The cap (2.0) is small against the logits (std ~4), so
-the tanh is far from linear: the cap changes the loss, and a gradient missing the cap's derivative differs from the
-truth, by far more than the tolerances (both asserted, so each comparison can fail).
-"""
+F.cross_entropy / log_softmax). Heads that accumulate in fp64 for fp64 inputs (token_logprobs, the vocabulary-
+parallel loss) must match it to 1e-12 relative there; otherwise a head may be 10x the error of the same formula run
+in fp32, plus 4 fp32 ulps of the value's scale: the chunked linear + CE keeps its statistics and loss in fp32 by
+design, also for fp64 inputs (its logits rounded to fp32), so it gets that tolerance at both input dtypes. The cap
+(2.0) is small against the logits (std ~4), so the tanh is far from linear: the cap changes the loss, and a gradient
+missing the cap's derivative differs from the truth, by far more than the tolerances (both asserted, so each
+comparison can fail)."""
 from __future__ import annotations
 
 import json

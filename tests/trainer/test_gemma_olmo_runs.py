@@ -1,5 +1,5 @@
-"""Gemma 2, Gemma 3 (text), OLMo 3 and GLM-4.5-style GLM-4-MoE in the trainer: `--init_from=<their directory>` trains the
-family's block (its sublayer output norms, or GLM-4.5's q/k/v biases under half-rotated heads, among the trained
+"""Gemma 2, Gemma 3 (text), OLMo 3 and GLM-4.5-style GLM-4-MoE in the trainer: `--init_from=<their directory>` trains
+the family's block (its sublayer output norms, or GLM-4.5's q/k/v biases under half-rotated heads, among the trained
 weights), and export_hf.py writes the family back, which transformers loads (with the checkpoint's logits: the dense
 families; the MoE one's fp64 logits are tests/model/test_hf_glm4_moe.py's)."""
 from __future__ import annotations
