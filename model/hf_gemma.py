@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from model import hf_gemma3
+
 MODEL_TYPE = "gemma"
 ARCHITECTURE = "GemmaForCausalLM"
 # transformers' GemmaConfig defaults (Gemma 7B's shape: a config.json that leaves a field out means these)
@@ -35,10 +37,7 @@ def with_defaults(d: dict) -> dict:
 def fields_from_hf(d: dict, head_dim: int) -> dict[str, Any]:
     """ModelConfig's fields of a gemma config.json dict (`with_defaults` applied) beyond a Llama's; ValueError for
     what our model lacks."""
-    act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
-    problems = [f"hidden_act={act!r} (ours: gelu_pytorch_tanh)"] if act not in GELU_TANH else []
-    if d.get("use_bidirectional_attention"):
-        problems.append("use_bidirectional_attention")
+    problems = hf_gemma3.block_problems(d, GELU_TANH)
     if problems:
         raise ValueError("this Gemma checkpoint has what our model does not: " + "; ".join(problems))
     return {"scale_embeddings": True, "mlp_act": "gelu_tanh", "attn_head_dim": head_dim,

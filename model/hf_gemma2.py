@@ -40,12 +40,7 @@ def with_defaults(d: dict) -> dict:
 def fields_from_hf(d: dict, head_dim: int) -> dict[str, Any]:
     """ModelConfig's fields of a gemma2 config.json dict (`with_defaults` applied) beyond a Llama's; ValueError for
     what our model lacks."""
-    problems = []
-    if d.get("use_bidirectional_attention"):
-        problems.append("use_bidirectional_attention")
-    act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
-    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
-        problems.append(f"hidden_activation={act!r} (ours: gelu_pytorch_tanh)")
+    problems = hf_gemma3.block_problems(d)
     if problems:
         raise ValueError("this Gemma 2 checkpoint has what our model does not: " + "; ".join(problems))
     n = d["num_hidden_layers"]

@@ -50,15 +50,22 @@ def with_defaults(d: dict) -> dict:
     return {**TEXT_DEFAULTS, **d}
 
 
-def fields_from_hf(d: dict, n_heads: int, head_dim: int) -> dict[str, Any]:
-    """ModelConfig's fields of a gemma3_text config.json dict (transformers 4.x or 5.x spelling) beyond a Llama's;
-    ValueError for what our model lacks."""
+def block_problems(d: dict, acts: tuple = ("gelu_pytorch_tanh", "gelu_tanh")) -> list[str]:
+    """What a Gemma config.json (1, 2 or 3) sets that our model lacks: bidirectional attention (EmbeddingGemma's), an
+    activation other than `acts` (the tanh GELU's spellings)."""
     problems = []
     if d.get("use_bidirectional_attention"):
         problems.append("use_bidirectional_attention (EmbeddingGemma's)")
     act = d.get("hidden_activation") or d.get("hidden_act") or "gelu_pytorch_tanh"
-    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+    if act not in acts:
         problems.append(f"hidden_activation={act!r} (ours: gelu_pytorch_tanh)")
+    return problems
+
+
+def fields_from_hf(d: dict, n_heads: int, head_dim: int) -> dict[str, Any]:
+    """ModelConfig's fields of a gemma3_text config.json dict (transformers 4.x or 5.x spelling) beyond a Llama's;
+    ValueError for what our model lacks."""
+    problems = block_problems(d)
     full, local = _rope_dicts(d)
     if local.get("rope_type", "default") != "default":
         problems.append(f"a scaled RoPE on the sliding layers ({local.get('rope_type')!r})")

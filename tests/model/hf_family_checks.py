@@ -1,5 +1,6 @@
 """Checks the Hugging Face family tests share (test_gemma3.py, test_olmo.py, test_phi4_mini.py, test_mla.py,
-test_hf_gpt_oss.py): a model's gradients against transformers' autograd, each block switch moving the logits, a
+test_hf_gpt_oss.py, test_gemma.py, test_granite.py, test_seed_oss.py): a tiny transformers model saved, fp64 logits
+both ways, a model's gradients against transformers' autograd, each block switch moving the logits, a
 streamed export against the whole one, the KV cache's logits against the whole forward's, packed documents against
 each alone, LoRA adapters loaded by PEFT on an export."""
 from __future__ import annotations
@@ -10,6 +11,36 @@ from typing import Callable
 import torch
 
 from model.hf_interop import export_hf, export_hf_streaming, import_hf
+
+
+def saved_hf(model_cls, config, tmp_path, name: str, init: Callable[[str, torch.Tensor], None]):
+    """A tiny transformers `model_cls(config)` drawn at seed 0, each parameter then given `init(name, p)` (under
+    no_grad: transformers starts norms and biases at 0 or 1, a released model's are not), saved under tmp_path/name
+    -> (the model in eval mode, its directory)."""
+    torch.manual_seed(0)
+    hf = model_cls(config).eval()
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            init(n, p)
+    hf.save_pretrained(tmp_path / name)
+    return hf, str(tmp_path / name)
+
+
+def fp64_logits_both_ways(hf, ours, load_back: Callable[[str], torch.nn.Module], tmp_path, x: torch.Tensor) -> dict:
+    """Ours (imported from transformers' `hf`) in fp64 gives hf's fp64 logits on `x`, and so does its export loaded back
+    by `load_back(directory)`, within 16 fp32 eps of the largest logit (transformers' RMSNorm computes in fp32 in an
+    fp64 model: the only fp32 step on either side). Returns the export's config.json."""
+    import copy
+    with torch.no_grad():
+        ref = hf.double()(x).logits
+        logits = copy.deepcopy(ours).double()(x)
+        tol = 16 * torch.finfo(torch.float32).eps * float(ref.abs().max())
+        assert torch.allclose(logits, ref, atol=tol, rtol=0), (logits - ref).abs().max()
+        export_hf(ours, str(tmp_path / "out"))
+        back = load_back(str(tmp_path / "out")).double().eval()
+        assert torch.allclose(back(x).logits, ref, atol=tol, rtol=0)
+    with open(tmp_path / "out" / "config.json") as f:
+        return json.load(f)
 
 
 def gradients_equal_transformers(hf, ours, to_hub: Callable[[dict], dict], vocab: int) -> None:

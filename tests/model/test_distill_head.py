@@ -57,18 +57,25 @@ def test_the_models_head_hook_equals_its_logits_through_the_reference():
     keep = torch.rand(3, 12) > 0.4
     teacher = torch.randn(int(keep.sum()), 61)
     y = torch.randint(0, 61, (int(keep.sum()),))
-    kw = dict(temperature=1.5, alpha=0.25, loss_type="reverse_kl")
+    _head_equals_the_logits_through_the_reference(model, x, keep, teacher, teacher, y,
+                                                  dict(temperature=1.5, alpha=0.25, loss_type="reverse_kl"))
+
+
+def _head_equals_the_logits_through_the_reference(model, x, keep, teacher, teacher_logits, y, kw) -> torch.Tensor:
+    """model(x, head=distill_head(keep, teacher, ...)): its loss, divergence, cross-entropy and every parameter's
+    gradient as from the model's logits at `keep` through `distill_loss` against `teacher_logits`; returns the loss."""
     loss, div, ce = model(x, head=distill_head(keep, teacher, y, **kw))
     loss.backward()
     got = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
-    want, want_div, want_ce = distill_loss(model(x, logits_to_keep=keep), teacher, y, **kw)
+    want, want_div, want_ce = distill_loss(model(x, logits_to_keep=keep), teacher_logits, y, **kw)
     want.sum().backward()
     torch.testing.assert_close(loss, want.sum(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(div, want_div.sum(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(ce, want_ce.sum(), rtol=1e-5, atol=1e-6)
     for n, p in model.named_parameters():
         torch.testing.assert_close(got[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
+    return loss.detach()
 
 
 @pytest.mark.parametrize("teacher_form", ["hidden", "logits"])
@@ -91,16 +98,7 @@ def test_soft_capped_student_and_teacher_equal_their_capped_logits_through_the_r
         teacher_logits = teacher_model(x, logits_to_keep=keep)
     assert teacher_form == "logits" or teacher.cap == 2.5
     kw = dict(temperature=1.5, alpha=0.25, loss_type="forward_kl")
-    loss, div, ce = model(x, head=distill_head(keep, teacher, y, **kw))
-    loss.backward()
-    got = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    want, want_div, want_ce = distill_loss(model(x, logits_to_keep=keep), teacher_logits, y, **kw)
-    want.sum().backward()
-    torch.testing.assert_close(loss, want.sum(), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(div, want_div.sum(), rtol=1e-5, atol=1e-6)
-    for n, p in model.named_parameters():
-        torch.testing.assert_close(got[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
+    loss = _head_equals_the_logits_through_the_reference(model, x, keep, teacher, teacher_logits, y, kw)
     model.cfg.final_softcap = None  # (the caps bind: without the student's the loss moves)
     assert abs(float(model(x, head=distill_head(keep, teacher, y, **kw))[0]) - float(loss)) > 1e-2
 

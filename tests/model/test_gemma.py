@@ -5,13 +5,13 @@ cache and the fast decoder, and exports back as one; the releases' legacy `hidde
 form (as transformers reads it); what our model lacks is refused by name."""
 import copy
 import dataclasses
-import json
 
 import pytest
 import torch
 
-from model.hf_interop import config_from_hf, export_hf, hf_config_dict, import_hf
-from tests.model.hf_family_checks import cache_steps_equal_whole, gradients_equal_transformers
+from model.hf_interop import config_from_hf, hf_config_dict, import_hf
+from tests.model.hf_family_checks import (cache_steps_equal_whole, fp64_logits_both_ways, gradients_equal_transformers,
+                                          saved_hf)
 
 transformers = pytest.importorskip("transformers")
 
@@ -23,14 +23,8 @@ SHAPE = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_
 
 def _gemma(tmp_path, tie: bool = True):
     from transformers import GemmaConfig, GemmaForCausalLM
-    torch.manual_seed(0)
-    hf = GemmaForCausalLM(GemmaConfig(**SHAPE, tie_word_embeddings=tie)).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.normal_(0.0, 0.3)
-    hf.save_pretrained(tmp_path / "gemma")
-    return hf, str(tmp_path / "gemma")
+    return saved_hf(GemmaForCausalLM, GemmaConfig(**SHAPE, tie_word_embeddings=tie), tmp_path, "gemma",
+                    lambda name, p: p.normal_(0.0, 0.3) if "norm" in name else None)
 
 
 def test_a_gemma_imports_with_transformers_logits_and_exports_as_a_gemma(tmp_path):
@@ -43,17 +37,7 @@ def test_a_gemma_imports_with_transformers_logits_and_exports_as_a_gemma(tmp_pat
     hub_norm = hf.model.layers[1].post_attention_layernorm.weight  # (a Llama's name: the MLP's input norm)
     assert torch.equal(ours.layers[1].post_attention_layernorm.weight, hub_norm + 1)
     x = torch.randint(0, VOCAB, (2, 12))
-    with torch.no_grad():
-        ref = hf.double()(x).logits
-        logits = copy.deepcopy(ours).double()(x)
-        # transformers' Gemma RMSNorm runs in fp32 in an fp64 model (the only fp32 step on either side)
-        tol = 16 * torch.finfo(torch.float32).eps * float(ref.abs().max())
-        assert torch.allclose(logits, ref, atol=tol, rtol=0), (logits - ref).abs().max()
-        export_hf(ours, str(tmp_path / "out"))
-        back = GemmaForCausalLM.from_pretrained(str(tmp_path / "out")).double().eval()
-        assert torch.allclose(back(x).logits, ref, atol=tol, rtol=0)
-    with open(tmp_path / "out" / "config.json") as f:
-        d = json.load(f)
+    d = fp64_logits_both_ways(hf, ours, GemmaForCausalLM.from_pretrained, tmp_path, x)
     assert d["architectures"] == ["GemmaForCausalLM"] and d["hidden_act"] == "gelu_pytorch_tanh"
     assert config_from_hf(d) == c
     cache_steps_equal_whole(copy.deepcopy(ours).double(), x, prefill=5)  # (greedy: the fast decoder)
@@ -70,7 +54,7 @@ def test_the_legacy_activation_reads_and_what_gemma_cannot_hold_is_refused():
     hub = {**SHAPE, "model_type": "gemma", "hidden_act": "gelu", "hidden_activation": None}
     c = config_from_hf(hub)  # (Gemma 1's releases: "gelu", meant as the tanh approximation)
     assert c.mlp_act == "gelu_tanh" and c.tie_embeddings
-    with pytest.raises(ValueError, match="hidden_act='relu'"):
+    with pytest.raises(ValueError, match="hidden_activation='relu'"):
         config_from_hf({**hub, "hidden_act": "relu"})
     with pytest.raises(ValueError, match="written as Gemma 1, which it does not fit: q / k norms"):
         hf_config_dict(dataclasses.replace(c, qk_norm=True))

@@ -4,14 +4,13 @@ from 1 imports with transformers' logits, loss and gradients, decodes through th
 exports back as one; each multiplier moves the logits; what Granite cannot hold is refused by name."""
 import copy
 import dataclasses
-import json
 
 import pytest
 import torch
 
-from model.hf_interop import config_from_hf, export_hf, hf_config_dict, import_hf
-from tests.model.hf_family_checks import (cache_steps_equal_whole, each_switch_moves_the_logits,
-                                          gradients_equal_transformers)
+from model.hf_interop import config_from_hf, hf_config_dict, import_hf
+from tests.model.hf_family_checks import (cache_steps_equal_whole, each_switch_moves_the_logits, fp64_logits_both_ways,
+                                          gradients_equal_transformers, saved_hf)
 
 transformers = pytest.importorskip("transformers")
 
@@ -26,13 +25,8 @@ SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_
 
 def _granite(tmp_path, tie: bool = True):
     from transformers import GraniteConfig, GraniteForCausalLM
-    torch.manual_seed(0)
-    hf = GraniteForCausalLM(GraniteConfig(**SHAPE, tie_word_embeddings=tie)).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            p.normal_(1.0 if "norm" in name else 0.0, 0.3 if "norm" in name else 0.1)
-    hf.save_pretrained(tmp_path / "granite")
-    return hf, str(tmp_path / "granite")
+    return saved_hf(GraniteForCausalLM, GraniteConfig(**SHAPE, tie_word_embeddings=tie), tmp_path, "granite",
+                    lambda name, p: p.normal_(1.0 if "norm" in name else 0.0, 0.3 if "norm" in name else 0.1))
 
 
 def test_a_granite_imports_with_transformers_logits_and_exports_as_a_granite(tmp_path):
@@ -43,18 +37,8 @@ def test_a_granite_imports_with_transformers_logits_and_exports_as_a_granite(tmp
     assert (c.embedding_multiplier, c.residual_multiplier, c.logits_scaling, c.query_scale) == (12.0, 0.22, 8.0,
                                                                                                 64.0 ** 2)
     x = torch.randint(0, VOCAB, (2, 12))
-    with torch.no_grad():
-        ref = hf.double()(x).logits
-        logits = copy.deepcopy(ours).double()(x)
-        # transformers' Llama RMSNorm computes in fp32 in an fp64 model (the only fp32 step on either side)
-        tol = 16 * torch.finfo(torch.float32).eps * float(ref.abs().max())
-        assert torch.allclose(logits, ref, atol=tol, rtol=0), (logits - ref).abs().max()
-        export_hf(ours, str(tmp_path / "out"))
-        back = GraniteForCausalLM.from_pretrained(str(tmp_path / "out")).double().eval()
-        assert back.config.attention_multiplier == pytest.approx(1 / 64, rel=1e-12)
-        assert torch.allclose(back(x).logits, ref, atol=tol, rtol=0)
-    with open(tmp_path / "out" / "config.json") as f:
-        d = json.load(f)
+    d = fp64_logits_both_ways(hf, ours, GraniteForCausalLM.from_pretrained, tmp_path, x)
+    assert d["attention_multiplier"] == pytest.approx(1 / 64, rel=1e-12)
     assert d["architectures"] == ["GraniteForCausalLM"] and config_from_hf(d) == c
     from model.decode import fast_path_applies
     assert fast_path_applies(ours)

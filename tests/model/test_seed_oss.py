@@ -4,13 +4,13 @@ kinds of bias imports with transformers' logits, loss and gradients, decodes thr
 as one; its dropout rates are read; what it cannot hold is refused by name."""
 import copy
 import dataclasses
-import json
 
 import pytest
 import torch
 
-from model.hf_interop import config_from_hf, export_hf, hf_config_dict, import_hf
-from tests.model.hf_family_checks import cache_steps_equal_whole, gradients_equal_transformers
+from model.hf_interop import config_from_hf, hf_config_dict, import_hf
+from tests.model.hf_family_checks import (cache_steps_equal_whole, fp64_logits_both_ways, gradients_equal_transformers,
+                                          saved_hf)
 
 transformers = pytest.importorskip("transformers")
 
@@ -24,14 +24,8 @@ SHAPE = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_
 
 def _seed_oss(tmp_path, tie: bool = False):
     from transformers import SeedOssConfig, SeedOssForCausalLM
-    torch.manual_seed(0)
-    hf = SeedOssForCausalLM(SeedOssConfig(**SHAPE, tie_word_embeddings=tie)).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith("bias"):  # (transformers starts them at 0: a released model's are not)
-                p.normal_(0.0, 0.5)
-    hf.save_pretrained(tmp_path / "seed_oss")
-    return hf, str(tmp_path / "seed_oss")
+    return saved_hf(SeedOssForCausalLM, SeedOssConfig(**SHAPE, tie_word_embeddings=tie), tmp_path, "seed_oss",
+                    lambda name, p: p.normal_(0.0, 0.5) if name.endswith("bias") else None)
 
 
 def test_a_seed_oss_imports_with_transformers_logits_and_exports_as_one(tmp_path):
@@ -41,17 +35,7 @@ def test_a_seed_oss_imports_with_transformers_logits_and_exports_as_one(tmp_path
     c = ours.cfg
     assert (c.qkv_bias, c.o_bias, c.attn_head_dim, c.attn_dropout, c.resid_dropout) == (True, True, 16, 0.0, 0.0)
     x = torch.randint(0, VOCAB, (2, 12))
-    with torch.no_grad():
-        ref = hf.double()(x).logits
-        logits = copy.deepcopy(ours).double()(x)
-        # transformers' Llama RMSNorm computes in fp32 in an fp64 model (the only fp32 step on either side)
-        tol = 16 * torch.finfo(torch.float32).eps * float(ref.abs().max())
-        assert torch.allclose(logits, ref, atol=tol, rtol=0), (logits - ref).abs().max()
-        export_hf(ours, str(tmp_path / "out"))
-        back = SeedOssForCausalLM.from_pretrained(str(tmp_path / "out")).double().eval()
-        assert torch.allclose(back(x).logits, ref, atol=tol, rtol=0)
-    with open(tmp_path / "out" / "config.json") as f:
-        d = json.load(f)
+    d = fp64_logits_both_ways(hf, ours, SeedOssForCausalLM.from_pretrained, tmp_path, x)
     assert d["architectures"] == ["SeedOssForCausalLM"] and config_from_hf(d) == c
     cache_steps_equal_whole(copy.deepcopy(ours).double(), x, prefill=5)
 
