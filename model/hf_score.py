@@ -15,7 +15,7 @@ CAUSAL, SCORE = "ForCausalLM", "ForSequenceClassification"
 HUB_HEAD = "score.weight"
 # a causal family whose reward model has another name, or none in transformers
 RENAMED = {"Gemma3ForCausalLM": "Gemma3TextForSequenceClassification"}
-NO_SCORE_CLASS = ("Glm4MoeForCausalLM",)
+NO_SCORE_CLASS = ("Glm4MoeForCausalLM", "GraniteForCausalLM")
 
 
 def is_score_config(d: dict) -> bool:
@@ -26,11 +26,12 @@ def is_score_config(d: dict) -> bool:
 def fields_from_hf(d: dict) -> dict:
     """The ModelConfig fields a *ForSequenceClassification config sets: num_labels (its id2label's size, else
     num_labels, else transformers' default 2), no tied LM head (it has none) and no cap on the LM head's logits
-    (Gemma 2's final_logit_softcapping: its classifier does not cap the scores); {} for a language model."""
+    (Gemma 2's final_logit_softcapping) or divisor (Granite's logits_scaling): the classifiers apply neither to their
+    scores; {} for a language model."""
     if not is_score_config(d):
         return {}
     n = len(d.get("id2label") or {}) or int(d.get("num_labels") or 2)
-    return {"num_labels": n, "tie_embeddings": False, "final_softcap": None}
+    return {"num_labels": n, "tie_embeddings": False, "final_softcap": None, "logits_scaling": None}
 
 
 def architecture(causal: str) -> str:

@@ -32,7 +32,8 @@ def add_score_head(model: nn.Module, num_labels: int = 1) -> nn.Module:
     nn.init.normal_(head.weight, mean=0.0, std=cfg.initializer_range)
     model.lm_head = head
     cfg.num_labels, cfg.tie_embeddings = num_labels, False
-    cfg.final_softcap = None  # (the LM head's cap: a score head has none, as transformers' Gemma 2 classifier)
+    # the LM head's cap and divisor (Gemma 2's, Granite's): a score head has neither, as transformers' classifiers
+    cfg.final_softcap = cfg.logits_scaling = None
     return model
 
 

@@ -70,3 +70,9 @@ def test_what_granite_cannot_hold_is_refused():
         config_from_hf({**SHAPE, "model_type": "granite", "attention_multiplier": 0.0})
     with pytest.raises(ValueError, match="logits_scaling=-1.0 must be a number > 0"):
         dataclasses.replace(c, logits_scaling=-1.0)
+    from model import Transformer
+    from model.score_head import add_score_head
+    rm = add_score_head(Transformer(dataclasses.replace(c, vocab_size=VOCAB)))  # (a reward model: no logits divisor)
+    assert rm.cfg.logits_scaling is None and rm.cfg.embedding_multiplier == 12.0
+    with pytest.raises(ValueError, match="no sequence-classification class for GraniteForCausalLM"):
+        hf_config_dict(rm.cfg)
