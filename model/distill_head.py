@@ -41,7 +41,8 @@ import torch
 import torch.nn.functional as F
 
 from model.loss_precision import accumulate_fp32_, compute_dtype
-from model.softcap import softcap, softcap_
+from model.softcap import softcap as softcap_logits
+from model.softcap import softcap_
 from utils.constants import DISTILL_LOSSES
 
 
@@ -107,7 +108,7 @@ class TeacherHidden(NamedTuple):
         """Rows start..end of the teacher's logits, the matmul in `dtype` (the hidden state's by default), capped."""
         h = self.hidden[start:end]
         dtype = dtype or h.dtype
-        return softcap(torch.mm(h.to(dtype), self.weight.to(dtype).t()), self.cap)
+        return softcap_logits(torch.mm(h.to(dtype), self.weight.to(dtype).t()), self.cap)
 
 
 def _teacher_rows(teacher, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
@@ -179,10 +180,8 @@ def chunked_distill_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher, ta
         raise ValueError("distillation's loss in the head takes the whole LM head weight (no tensor parallelism)")
     if torch.compiler.is_compiling():  # traced: the whole logits, which Inductor fuses
         whole = teacher.logits(dtype=compute_dtype(hidden)) if isinstance(teacher, TeacherHidden) else teacher
-        student = F.linear(hidden, weight)
-        student = student if softcap is None else torch.tanh(student / softcap) * softcap
-        losses, div, ce = distill_loss(student, whole, targets, temperature=temperature,
-                                       alpha=alpha, loss_type=loss_type, beta=beta)
+        losses, div, ce = distill_loss(softcap_logits(F.linear(hidden, weight), softcap), whole, targets,
+                                       temperature=temperature, alpha=alpha, loss_type=loss_type, beta=beta)
         return losses.sum(), div.sum(), ce.sum()
     # the matmuls' dtype: autocast's where it is on (the logits as the whole-logits path's)
     return _ChunkedDistill.apply(hidden, weight, teacher, targets, float(temperature), float(alpha), loss_type,

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from model.kernels import REFERENCE_LOSS_MAX_LOGITS_BYTES, choose, load_triton
 from model.loss_precision import (FP16_GRAD_SCALE, accumulate_fp32_, compute_dtype, fp16_grad_factor,
                                   fp16_grads, scale_, scaled)
+from model.softcap import cap_value, softcap_
 from model.softcap import softcap as softcap_logits
 from utils.constants import IGNORE_INDEX
 
@@ -104,16 +105,10 @@ class _Workspace:
     def softcap_t_(self, logits_t: torch.Tensor, cap: Optional[float], want_deriv: bool) -> Optional[torch.Tensor]:
         """logits_t <- cap * tanh(logits_t / cap) in place (model/softcap.py's order of operations); returns the
         derivative 1 - tanh^2 [V, c] (in a reused buffer) if wanted, else None. Nothing happens without a cap."""
-        if cap is None:
-            return None
-        t = logits_t.div_(cap).tanh_()
-        d = None
-        if want_deriv:
-            if self.deriv is None:
-                self.deriv = torch.empty_like(self.logits)
-            d = torch.mul(t, t, out=self.deriv[: t.numel()].view(t.shape)).neg_().add_(1.0)  # 1 - tanh^2
-        t.mul_(cap)
-        return d
+        if cap is not None and want_deriv and self.deriv is None:
+            self.deriv = torch.empty_like(self.logits)
+        out = self.deriv[: logits_t.numel()].view(logits_t.shape) if cap is not None and want_deriv else None
+        return softcap_(logits_t, cap, want_deriv, out)
 
 
 _CPU_CACHE: dict = {}
@@ -397,8 +392,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     """
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"softcap must be > 0 (or None), got {softcap!r}")
+    cap = cap_value(softcap)
     shape = labels.shape
     h = hidden.reshape(-1, hidden.shape[-1])
     y = labels.reshape(-1)
@@ -406,11 +400,10 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     cdtype = compute_dtype(hidden)
     if torch.compiler.is_compiling():
         out = torch.ops.myllm.chunked_linear_cross_entropy(h, weight, y, reduction, int(chunk_size), cdtype,
-                                                           need_grad, bool(weight.requires_grad),
-                                                           float(softcap) if softcap is not None else 0.0)[0]
+                                                           need_grad, bool(weight.requires_grad), cap or 0.0)[0]
     else:
         out = _LinearCrossEntropy.apply(h, weight, y, reduction, int(chunk_size), need_grad, cdtype,
-                                        bool(weight.requires_grad), float(softcap) if softcap is not None else None)
+                                        bool(weight.requires_grad), cap)
     return out.reshape(shape) if reduction == "none" else out
 
 

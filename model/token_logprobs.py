@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from model.loss_precision import compute_dtype
+from model.softcap import cap_value, softcap_
 from model.softcap import softcap as softcap_logits
 
 
@@ -38,11 +39,7 @@ def _logits(h: torch.Tensor, w: torch.Tensor, temperature: float, cap: Optional[
     """(z, d): one chunk's logits [c, V] soft-capped by `cap` (if any) then divided by the temperature, in the
     accumulation dtype, and the cap's derivative d (if a cap and `want_deriv`, else None)."""
     z = torch.mm(h, w.t()).to(torch.promote_types(h.dtype, torch.float32))  # a new tensor: changed in place below
-    d = None
-    if cap is not None:  # in place, model/softcap.py softcap_'s operations (its derivative in one buffer)
-        t = z.div_(cap).tanh_()
-        d = (t * t).neg_().add_(1.0) if want_deriv else None  # 1 - tanh^2
-        t.mul_(cap)
+    d = softcap_(z, cap, want_deriv)  # (in place; None without a cap)
     return (z if temperature == 1.0 else z.div_(temperature)), d  # x / 1.0 is x: skipping it changes no bit
 
 
@@ -120,9 +117,7 @@ def token_logprobs(hidden: torch.Tensor, weight, targets: torch.Tensor, temperat
     its group): then no rank holds more than its shard's logits."""
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"softcap must be > 0 (or None), got {softcap!r}")
-    cap = float(softcap) if softcap is not None else None
+    cap = cap_value(softcap)
     if torch.compiler.is_compiling():  # traced (--compile of the whole model): the whole logits, which Inductor
         logits = torch.nn.functional.linear(hidden, weight)  # fuses (capped in fp32, as the chunks are)
         if cap is not None:

@@ -29,6 +29,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from model.softcap import cap_value, softcap_
 from utils.constants import IGNORE_INDEX
 
 
@@ -66,8 +67,7 @@ class _VocabParallelCE(torch.autograd.Function):
         w = weight.to(h.dtype)
         for s in range(0, n, chunk_size):
             logits = _chunk_logits(h[s:s + chunk_size], w)
-            if cap is not None:  # in place, model/softcap.py's order of operations
-                logits.div_(cap).tanh_().mul_(cap)
+            softcap_(logits, cap, want_deriv=False)  # (in place; nothing without a cap)
             m = logits.amax(dim=1)
             dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
             local_y = y[s:s + chunk_size] - vocab_start
@@ -110,11 +110,7 @@ class _VocabParallelCE(torch.autograd.Function):
         for s in range(0, h.shape[0], c):
             h_c = h[s:s + c]
             logits = _chunk_logits(h_c, w)
-            deriv = None
-            if ctx.cap is not None:  # capped in place, as in the forward; the derivative 1 - tanh^2 in one buffer
-                t = logits.div_(ctx.cap).tanh_()
-                deriv = (t * t).neg_().add_(1.0)
-                t.mul_(ctx.cap)
+            deriv = softcap_(logits, ctx.cap)  # capped in place as in the forward, and its derivative (None: no cap)
             probs = torch.exp(logits - lse[s:s + c, None])  # this shard's softmax columns
             local_y = y[s:s + c] - ctx.vocab_start
             inside = (local_y >= 0) & (local_y < v_local)
@@ -136,8 +132,6 @@ def vocab_parallel_lm_head_loss(hidden: torch.Tensor, weight, labels: torch.Tens
     cap * tanh(logits / cap) (None: not capped)."""
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be mean, sum or none, got {reduction!r}")
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"softcap must be > 0 (or None), got {softcap!r}")
+    cap = cap_value(softcap)
     local, start, group = shard_bounds(weight)
-    cap = float(softcap) if softcap is not None else None
     return _VocabParallelCE.apply(hidden, local, labels, reduction, max(1, int(chunk_size)), start, group, cap)
