@@ -138,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sample.py: --prompt: {e}", file=sys.stderr)
         return 2  # bad configuration (utils.constants.EXIT_BAD_CONFIG)
     try:
-        model, _ = load_for_inference(args.ckpt, device, args.checkpoint)
+        model, _ = load_for_inference(args.ckpt, device, args.checkpoint,
+                                      mtp_layers=1 if args.speculative == "mtp" else 0)  # (a Hub model's MTP layer)
     except Exception as e:  # noqa: BLE001 - named errors end the command with their code; others re-raise
         code = fail(e)
         if code is None:

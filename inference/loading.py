@@ -29,15 +29,17 @@ def select_for_inference(ckpt_path: str, which: str, log: Callable[[str], None])
         raise TrainingError(one_line(e), selection_exit_code(e, ckpt_path, which)) from e
 
 
-def load_for_inference(ckpt_path: str, device: torch.device, which: str = "latest", reward: bool = False):
+def load_for_inference(ckpt_path: str, device: torch.device, which: str = "latest", reward: bool = False,
+                       mtp_layers: int = 0):
     """(language model in eval mode on `device`, info) from a HF directory, or a run's `which` checkpoint; a reward
-    model (model/score_head.py) with `reward`. TrainingError (with its exit code: 2 for the other kind of model) or
-    CheckpointError (exit 5, naming the file) when it cannot."""
+    model (model/score_head.py) with `reward`; up to `mtp_layers` of an HF model's multi-token prediction layers
+    (model/hf_mtp.py). TrainingError (with its exit code: 2 for the other kind of model) or CheckpointError (exit 5,
+    naming the file) when it cannot."""
     from trainer.config import TrainingError
     from trainer.weights import load_weights_from
     from utils.constants import EXIT_BAD_CONFIG
     log = lambda m: print(m, file=sys.stderr)  # noqa: E731
-    model, info = load_weights_from(select_for_inference(ckpt_path, which, log), log=log)
+    model, info = load_weights_from(select_for_inference(ckpt_path, which, log), log=log, mtp_layers=mtp_layers)
     if reward and not model.cfg.num_labels:
         raise TrainingError(f"{ckpt_path} is a language model: --preferences scores pairs with a reward model "
                             "(--task_type=reward's, or a Hugging Face *ForSequenceClassification)", EXIT_BAD_CONFIG)

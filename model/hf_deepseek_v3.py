@@ -78,7 +78,7 @@ def config_fields(cfg: Any) -> dict:
          "qk_rope_head_dim": cfg.qk_rope_head_dim, "v_head_dim": cfg.v_head_dim, "head_dim": cfg.qk_rope_head_dim,
          "attention_bias": False}
     if not _v2(cfg):  # (DeepSeek-V3's own switches; V2's rotary is always interleaved)
-        d.update({"rope_interleave": True, "num_mtp_layers": 0})
+        d.update({"rope_interleave": True, "num_nextn_predict_layers": cfg.mtp_num_layers})  # (model/hf_mtp.py)
     if _v2(cfg):
         d.update({"architectures": [architecture(cfg)], "model_type": "deepseek_v2",
                   "n_routed_experts": cfg.moe_num_experts, "num_experts_per_tok": cfg.moe_top_k,
@@ -95,7 +95,8 @@ def config_fields(cfg: Any) -> dict:
                                       "routed_scaling_factor", "norm_topk_prob")})
     else:  # every block dense (the MoE sizes unused: the smallest transformers accepts)
         d.update({"n_routed_experts": 2, "num_experts_per_tok": 1, "moe_intermediate_size": cfg.hidden_dim,
-                  "n_shared_experts": 0, "first_k_dense_replace": cfg.n_layers, "n_group": 1, "topk_group": 1,
+                  "n_shared_experts": 0, "first_k_dense_replace": cfg.n_layers + cfg.mtp_num_layers,  # (+ MTP's)
+                  "n_group": 1, "topk_group": 1,
                   "routed_scaling_factor": 1.0, "norm_topk_prob": False})
     return d
 
@@ -169,12 +170,12 @@ def to_hub(sd: dict[str, torch.Tensor], cfg: Any) -> dict[str, torch.Tensor]:
 
 
 def from_hub(sd: dict[str, torch.Tensor], cfg: Any, rope_interleave: bool = True) -> dict[str, torch.Tensor]:
-    """DeepSeek-V3's names (without `model.`) -> ours; its layers past the model's (MTP) left out, as transformers
-    leaves them."""
+    """DeepSeek-V3's names (without `model.`) -> ours; its layers past the model's and its MTP depths' (the MTP
+    layers a run did not ask for: model/hf_mtp.py) left out, as transformers leaves them."""
     if cfg.moe_num_experts:
         sd = hub_layout.from_hub(sd, cfg, LAYOUT_V2 if _v2(cfg) else LAYOUT)
     else:
-        sd = {n: t for n, t in sd.items() if not _past_layers(n, cfg.n_layers)}
+        sd = {n: t for n, t in sd.items() if not _past_layers(n, cfg.n_layers + cfg.mtp_num_layers)}
     return _permute(sd, cfg, to_hub=False) if rope_interleave else sd
 
 

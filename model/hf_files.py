@@ -1,6 +1,7 @@
 """The files of a Hugging Face export beside its weights: generation_config.json (sample.py's sampling defaults and
 its stop ids), the tokenizer's files copied, the special ids config.json gets from tokenizer_meta.json, and every
-file's mode as a plain `open` would make it (model/hf_interop.py export_hf and export_hf_streaming call these).
+file's mode as a plain `open` would make it (model/hf_interop.py export_hf and export_hf_streaming call these);
+`load_weights`, every tensor of a directory (import_hf's read).
 Must never: write outside the directory it is given.
 """
 from __future__ import annotations
@@ -87,3 +88,24 @@ def copy_tokenizer(tokenizer_dir: Optional[str], dst: str) -> None:
             src = os.path.join(tokenizer_dir, fn)
             if os.path.exists(src):
                 shutil.copy2(src, os.path.join(dst, fn))
+
+
+def load_weights(d: str) -> dict:
+    """Every tensor of an HF directory: model.safetensors, sharded safetensors (its index) or pytorch_model.bin."""
+    import torch
+    from safetensors.torch import load_file
+    single = os.path.join(d, "model.safetensors")
+    index = os.path.join(d, "model.safetensors.index.json")
+    if os.path.exists(single):
+        return load_file(single)
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        sd = {}
+        for fn in files:
+            sd.update(load_file(os.path.join(d, fn)))
+        return sd
+    binf = os.path.join(d, "pytorch_model.bin")
+    if os.path.exists(binf):
+        return torch.load(binf, map_location="cpu", weights_only=True)
+    raise FileNotFoundError(f"no model.safetensors, sharded safetensors index or pytorch_model.bin in {d}")

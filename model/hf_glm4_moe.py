@@ -47,7 +47,7 @@ def config_fields(cfg) -> dict:
             "topk_group": cfg.moe_topk_groups, "routed_scaling_factor": float(cfg.moe_routed_scaling),
             "norm_topk_prob": hub_layout.norm_topk(cfg), "use_qk_norm": bool(cfg.qk_norm),
             "partial_rotary_factor": float(cfg.partial_rotary_factor), "attention_bias": bool(cfg.qkv_bias),
-            "num_mtp_layers": 0, "output_router_logits": False}
+            "num_nextn_predict_layers": cfg.mtp_num_layers, "output_router_logits": False}  # (model/hf_mtp.py)
 
 
 def import_problems(d: dict) -> list[str]:
@@ -75,5 +75,6 @@ def to_hub(sd: dict[str, torch.Tensor], cfg=None) -> dict[str, torch.Tensor]:
 
 def from_hub(sd: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
     """Hub or transformers-5 GLM-4-MoE names (without `model.`) -> ours. A checkpoint's layers past the model's
-    (GLM-4.5 keeps its MTP layer as layer `num_hidden_layers`) are left out, as transformers leaves them."""
+    (GLM-4.5 keeps its MTP layer as layer `num_hidden_layers`) are left out, as transformers leaves them, but for
+    the MTP depths a run asked for (model/hf_mtp.py)."""
     return hub_layout.from_hub(sd, cfg, LAYOUT)

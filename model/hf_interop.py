@@ -18,16 +18,17 @@ directory in place (a `<out_dir>.tmp` directory published by utils/publish.py), 
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Optional
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from model import (hf_deepseek_v3, hf_files, hf_fp8, hf_gemma, hf_gemma2, hf_gemma3, hf_glm4_moe, hf_gpt_oss,
-                   hf_granite, hf_ministral3, hf_mixtral, hf_olmo, hf_phi3, hf_qwen2_moe, hf_qwen3_moe, hf_score,
-                   hf_seed_oss, hf_vision_language)
+                   hf_granite, hf_ministral3, hf_mixtral, hf_mtp, hf_olmo, hf_phi3, hf_qwen2_moe, hf_qwen3_moe,
+                   hf_score, hf_seed_oss, hf_vision_language)
 from model.hf_window import window_from_hf, window_to_hf
 from model.config import ModelConfig
 from model.llama import Transformer
@@ -267,16 +268,28 @@ def _nope_layers(d: dict, kind: str) -> Optional[list]:
 
 
 def is_mtp_name(name: str) -> bool:
-    """Whether a state-dict name is one of multi-token prediction's (left out of a Hugging Face export)."""
+    """Whether a state-dict name is one of multi-token prediction's (left out of a Hugging Face export but for the
+    families that keep MTP layers: `writes_mtp`)."""
     return name.startswith("mtp.")
+
+
+def writes_mtp(cfg: ModelConfig) -> bool:
+    """Whether an export of `cfg` keeps its multi-token prediction depths, as the MTP layers of DeepSeek-V3 and
+    GLM-4.5 checkpoints (model/hf_mtp.py); the other families have no place for them."""
+    if not cfg.mtp_num_layers:
+        return False
+    if hf_deepseek_v3.is_deepseek(cfg):
+        return hf_deepseek_v3.architecture(cfg) == hf_deepseek_v3.ARCHITECTURE
+    return bool(cfg.moe_num_experts) and moe_family(cfg)[0] is hf_glm4_moe
 
 
 def to_hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
     """HF names -> tensors; an MoE model in the Hub's Mixtral, Qwen3-MoE or GLM-4-MoE layout (`moe_family`;
-    ValueError naming what that family cannot hold). Multi-token prediction's depths (`mtp.*`, model/mtp.py) are left
-    out: the export is the next-token model, as DeepSeek-V3's MTP is dropped for plain inference."""
+    ValueError naming what that family cannot hold). Multi-token prediction's depths (`mtp.*`, model/mtp.py) are
+    written as DeepSeek-V3's / GLM-4.5's MTP layers (`writes_mtp`), else left out: the next-token model."""
     sd = {}
-    ours = {k: v for k, v in model.state_dict().items() if not is_mtp_name(k)}
+    keep_mtp = writes_mtp(model.cfg)
+    ours = {k: v for k, v in model.state_dict().items() if keep_mtp or not is_mtp_name(k)}
     family = _moe_export_family(model.cfg, {n: t for n, t in ours.items() if is_expert_bias_name(n)})
     for name, t in _family_tensors(ours, model.cfg, family).items():
         if name == "lm_head.weight" and model.cfg.tie_embeddings:
@@ -293,6 +306,8 @@ def is_expert_bias_name(name: str) -> bool:
 def _family_tensors(tensors: dict[str, torch.Tensor], cfg: ModelConfig, family) -> dict[str, torch.Tensor]:
     """Our tensors (names without `model.`; any group of them) in the names and layout of `cfg`'s family (`family`:
     an MoE model's, `_moe_export_family`)."""
+    if writes_mtp(cfg):  # (the depths as layers after the model's, converted below as any layer)
+        tensors = hf_mtp.to_hub(tensors, cfg)
     if family is not None:
         tensors = family.to_hub(tensors, cfg)
     for module, applies in ((hf_gemma3, hf_gemma3.is_gemma), (hf_olmo, hf_olmo.is_olmo)):
@@ -339,7 +354,7 @@ def from_hf_state_dict(sd: dict[str, torch.Tensor], cfg: ModelConfig,
         out = hf_olmo.from_hub(out)
     if cfg.tie_embeddings or "lm_head.weight" not in out:
         out["lm_head.weight"] = out["embed_tokens.weight"]
-    return out
+    return hf_mtp.from_hub(out, cfg) if cfg.mtp_num_layers else out
 
 
 def export_hf(model: Transformer, out_dir: str, tokenizer_dir: Optional[str] = None,
@@ -374,7 +389,8 @@ def export_hf_streaming(cfg: ModelConfig, specs: dict[str, tuple[tuple[int, ...]
     names, `specs` {name: (shape, dtype)}. Peak memory is one shard (<= max_shard_bytes, or one
     tensor larger than that), never the whole model. An MoE model is written as its family (`moe_family`), each
     tensor of a group renamed or split per expert as it is read. Returns (out_dir, number of shards)."""
-    names = [n for n in specs if not (cfg.tie_embeddings and n == "lm_head.weight") and not is_mtp_name(n)]
+    names = [n for n in specs if not (cfg.tie_embeddings and n == "lm_head.weight")
+             and (writes_mtp(cfg) or not is_mtp_name(n))]
     # an MoE model's tensors map one by one onto its family's (split per expert, renamed): each group as it is read
     biases = [n for n in names if is_expert_bias_name(n)]
     family = _moe_export_family(cfg, load_group(biases) if biases else {})
@@ -417,30 +433,15 @@ def export_hf_streaming(cfg: ModelConfig, specs: dict[str, tuple[tuple[int, ...]
     return out_dir, len(groups)
 
 
-def _load_weights(d: str) -> dict[str, torch.Tensor]:
-    single = os.path.join(d, "model.safetensors")
-    index = os.path.join(d, "model.safetensors.index.json")
-    if os.path.exists(single):
-        return load_file(single)
-    if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-        sd = {}
-        for fn in files:
-            sd.update(load_file(os.path.join(d, fn)))
-        return sd
-    binf = os.path.join(d, "pytorch_model.bin")
-    if os.path.exists(binf):
-        return torch.load(binf, map_location="cpu", weights_only=True)
-    raise FileNotFoundError(f"no model.safetensors, sharded safetensors index or pytorch_model.bin in {d}")
-
-
-def import_hf(hf_dir: str, dtype: Optional[torch.dtype] = torch.float32, **overrides) -> Transformer:
+def import_hf(hf_dir: str, dtype: Optional[torch.dtype] = torch.float32, mtp_layers: int = 0,
+              **overrides) -> Transformer:
     """Load an HF Llama directory into our Transformer.
 
     dtype: parameter dtype of the result (fp32 by default, the usual master-weight precision; None keeps
-    the checkpoint's dtype). `overrides` set non-architectural ModelConfig fields (kernel switches,
-    gradient_checkpointing, loss_chunk_size)."""
+    the checkpoint's dtype). mtp_layers: up to this many of the checkpoint's multi-token prediction layers
+    (DeepSeek-V3's, GLM-4.5's: model/hf_mtp.py) become the model's MTP depths; 0 leaves them out, as transformers
+    does. `overrides` set non-architectural ModelConfig fields (kernel switches, gradient_checkpointing,
+    loss_chunk_size)."""
     with open(os.path.join(hf_dir, "config.json")) as f:
         raw = json.load(f)
     cfg = config_from_hf(raw)
@@ -448,9 +449,11 @@ def import_hf(hf_dir: str, dtype: Optional[torch.dtype] = torch.float32, **overr
         if k not in cfg.to_dict():
             raise ValueError(f"unknown ModelConfig field {k!r}")
         setattr(cfg, k, v)
-    weights = hf_fp8.dequantize(_load_weights(hf_dir), raw)  # (an FP8 checkpoint's weights multiplied out)
+    weights = hf_fp8.dequantize(hf_files.load_weights(hf_dir), raw)  # (an FP8 checkpoint's weights multiplied out)
     if hf_vision_language.is_wrapper(raw):  # Gemma 3 4B-27B, Mistral Small 3.x, LLaVA: the text model alone
         weights = hf_vision_language.text_weights(weights)[0]
+    if mtp_layers:
+        cfg = dataclasses.replace(cfg, mtp_num_layers=min(mtp_layers, hf_mtp.held(raw, weights, cfg.n_layers)))
     sd = from_hf_state_dict(weights, cfg, hf_deepseek_v3.interleaved(raw))
     del weights  # (what `sd` renamed or replaced is freed as it is converted below)
     if cfg.tie_embeddings:

@@ -27,7 +27,7 @@ class HubLayout:
     block: str  # the MoE module's name on the Hub: layers.N.<block>
     bias: Optional[str]  # the selection bias's name under the block (None: the family has none; a zero one is left out)
     projections: tuple[str, str, str]  # the per-expert gate, up and down weights' names
-    mtp_layers_follow: bool = False  # the checkpoint may hold MTP layers numbered after the model's (left out)
+    mtp_layers_follow: bool = False  # the checkpoint may hold MTP layers numbered after the model's (model/hf_mtp.py)
 
     def holds_biases(self) -> bool:
         return self.bias is not None
@@ -136,8 +136,9 @@ def from_hub(sd: dict[str, torch.Tensor], cfg, layout: HubLayout) -> dict[str, t
     blocks = "|".join(sorted({re.escape(layout.block), "mlp"}))
     for name, t in sd.items():
         layer = re.match(r"layers\.(\d+)\.", name)
-        if layout.mtp_layers_follow and layer is not None and int(layer.group(1)) >= cfg.n_layers:
-            continue  # (transformers leaves them out too)
+        if layout.mtp_layers_follow and layer is not None and \
+                int(layer.group(1)) >= cfg.n_layers + getattr(cfg, "mtp_num_layers", 0):
+            continue  # (transformers leaves them out too; the depths asked for are model/hf_mtp.py's)
         m = re.match(rf"layers\.(\d+)\.(?:{blocks})\.(.+)$", name)
         rest = m.group(2) if m is not None else ""
         e = per_expert.match(rest)

@@ -81,8 +81,7 @@ class Attention(nn.Module):
         # Gemma's query_pre_attn_scalar: scores q.k / sqrt(query_scale), as q x sqrt(head_dim / query_scale) before the
         # kernels' 1 / sqrt(head_dim) (every attention path unchanged)
         self.q_scale = (cfg.head_dim / cfg.query_scale) ** 0.5 if cfg.query_scale not in (None, cfg.head_dim) else None
-        self.attn_dropout = cfg.attn_dropout
-        self.resid_dropout = nn.Dropout(cfg.resid_dropout)
+        self.attn_dropout, self.resid_dropout = cfg.attn_dropout, nn.Dropout(cfg.resid_dropout)
         self.fused_rope, self.fused_qkv, self.backend = cfg.fused_rope, cfg.fused_qkv, cfg.kernel_backend
 
     def _qkv(self, x: torch.Tensor):
@@ -243,13 +242,28 @@ class Transformer(nn.Module):
             kernels.detect_flash_attn()
         fa4.prepare(cfg)  # FlashAttention-4 activated once per process where this model would use it
         self.apply(self._init_weights)
-        # multi-token prediction's extra blocks (model/mtp.py), built and initialised after the rest, so that a seed
-        # gives the model the same weights with and without them; absent without them (no `mtp.*` state dict keys)
+        # multi-token prediction's blocks (model/mtp.py; no `mtp.*` keys without), built last: a seed, the same weights
         if cfg.mtp_num_layers:
             self.mtp = MultiTokenPrediction(cfg, RMSNorm, TransformerBlock)
             self.mtp.apply(self._init_weights)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def add_mtp_depths(self, n: int) -> int:
+        """Grow to n multi-token prediction depths, keeping the model's, the new ones initialised as a new model's
+        (on its device, in its dtype; buffers such as expert biases keep theirs); returns how many were added."""
+        have = len(self.mtp.depths) if getattr(self, "mtp", None) is not None else 0
+        if n <= have:
+            return 0
+        self.cfg = dataclasses.replace(self.cfg, mtp_num_layers=n)
+        grown = MultiTokenPrediction(self.cfg, RMSNorm, TransformerBlock).to(self.embed_tokens.weight.device)
+        grown.apply(self._init_weights)
+        for p in grown.parameters():
+            p.data = p.data.to(self.embed_tokens.weight.dtype)
+        for k in range(have):
+            grown.depths[k] = self.mtp.depths[k]
+        self.mtp = grown
+        return n - have
 
     def _apply(self, fn, recurse=True):
         """After a move or cast: FA4 is checked (and activated) once the model is on a GPU (model/fa4.py)."""
@@ -452,9 +466,10 @@ class Transformer(nn.Module):
             cache.pos += T
         if self.lm_head is None:  # a pruned model without the head: the next part's input
             return h
+        h = self.norm(h)
         if mtp is not None:  # records its losses for the trainer (the returned loss stays the next-token one)
             mtp(h, self.embed_tokens, self.lm_head.weight, cos, sin, spec, shifted, ckpt, mtp_embedded)
-        return self._outputs(self.norm(h), labels, reduction, logits_to_keep, logprobs_of, temperature, head,
+        return self._outputs(h, labels, reduction, logits_to_keep, logprobs_of, temperature, head,
                              cp if cp_on else None)
 
     def _outputs(self, h: torch.Tensor, labels, reduction, logits_to_keep, logprobs_of, temperature, head, cp):

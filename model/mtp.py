@@ -2,11 +2,13 @@
 --mtp-num-layers; HF's num_nextn_predict_layers), trained beside the next-token loss.
 
 Depth k (1..D) is one more transformer block after the model's. At position i it combines the previous depth's
-hidden state there (the model's last block output for k = 1, before the final norm) with the embedding of token
-i + k, and predicts token i + k + 1:
+hidden state there (for k = 1 the model's final hidden state, after its final norm, as DeepSeek-V3's and GLM-4.5's
+released MTP layers read it in transformers, vLLM and Megatron) with the embedding of token i + k, and predicts token
+i + k + 1:
     x_i = eh_proj([enorm(embed(t[i + k])); hnorm(h_i^(k-1))])      (a [2D -> D] projection, HF's order)
-    h^k = block_k(x)                                               (causal attention over the same sequence)
-    loss_k = cross-entropy(lm_head(norm_k(h_i^k)), t[i + k + 1])   (the model's embedding and LM head, shared)
+    h^k = norm_k(block_k(x))                                       (causal attention over the same sequence; the
+                                                                    depth's own final norm, `shared_head.norm`)
+    loss_k = cross-entropy(lm_head(h_i^k), t[i + k + 1])           (the model's embedding and LM head, shared)
 The causal chain is kept: h_i^k sees tokens up to i + k, never its target. A target is trained on only where the
 next-token loss trains on it (its label is not ignored) and it lies in the same sample as position i (packed
 samples: the same document, from position_ids restarting or doc_ids; padding: the attention mask); the shifted
@@ -85,10 +87,10 @@ class MTPDepth(nn.Module):
 
     def forward(self, h: torch.Tensor, e: torch.Tensor, head_weight: torch.Tensor, cos, sin, spec,
                 labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this depth's hidden state, its summed loss) from the previous depth's hidden state h and the embedded
-        shifted tokens e (one module call: FSDP2 gathers a depth's parameters around it)."""
-        h = self.block(self.eh_proj(torch.cat([self.enorm(e), self.hnorm(h)], dim=-1)), cos, sin, spec, None)
-        return h, lm_head_loss(self.norm(h), head_weight, labels, "sum", self.cfg)
+        """(this depth's normed hidden state, its summed loss) from the previous depth's (normed) hidden state h and
+        the embedded shifted tokens e (one module call: FSDP2 gathers a depth's parameters around it)."""
+        h = self.norm(self.block(self.eh_proj(torch.cat([self.enorm(e), self.hnorm(h)], dim=-1)), cos, sin, spec, None))
+        return h, lm_head_loss(h, head_weight, labels, "sum", self.cfg)
 
 
 class MultiTokenPrediction(nn.Module):
@@ -99,6 +101,9 @@ class MultiTokenPrediction(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.depths = nn.ModuleList(MTPDepth(cfg, k, norm_cls, block_cls) for k in range(cfg.mtp_num_layers))
+        # (this rank, the ranks) under sequence parallelism, set by parallel/transforms/tensor_parallel.py: the normed
+        # hidden states arrive gathered (the LM heads read whole sequences), each depth takes its rank's positions
+        self.sequence_shard: Optional[tuple[int, int]] = None
         self._loss: Optional[torch.Tensor] = None   # sum over forwards of the depths' summed losses, with grad
         self._stats: Optional[torch.Tensor] = None  # [D, 2] fp64: (summed loss, targets) per depth, detached
 
@@ -108,12 +113,16 @@ class MultiTokenPrediction(nn.Module):
     def forward(self, h: torch.Tensor, embed: Optional[nn.Module], head_weight: torch.Tensor, cos, sin, spec,
                 shifted: list[tuple[Optional[torch.Tensor], torch.Tensor]], checkpointing: bool = False,
                 embedded: Optional[list[torch.Tensor]] = None) -> torch.Tensor:
-        """h: the model's hidden state after its blocks (before the final norm), this rank's positions; `shifted`:
+        """h: the model's hidden state after its blocks and its final norm, this rank's positions; `shifted`:
         `targets` (split like h under context parallelism); `embedded`: the depths' inputs already embedded
         (`shifted_embeddings`, a pipeline's first stage), else embed(ids). Records and returns the summed loss over
         depths (this rank's positions' part)."""
         total, stats = None, []
         for k, (depth, (ids, lab)) in enumerate(zip(self.depths, shifted)):
+            if self.sequence_shard is not None:  # (the gathered sequence's gradient is this rank's slice's)
+                rank, ranks = self.sequence_shard
+                n = h.shape[1] // ranks
+                h = h[:, rank * n:(rank + 1) * n]
             args = (h, embed(ids) if embedded is None else embedded[k], head_weight, cos, sin, spec, lab)
             h, loss = checkpoint(depth, *args, use_reentrant=False) if checkpointing else depth(*args)
             total = loss if total is None else total + loss

@@ -65,8 +65,8 @@ class SpecStats:
 
 class MTPDraft:
     """The first MTP depth (model/mtp.py MTPDepth) over its own one-layer KV cache: position i holds the model's
-    hidden state h_i (before its final norm) and the embedding of token i + 1; its logits at i are the draft of
-    token i + 2. Shares the decoder's prepared layout and RoPE tables."""
+    hidden state h_i (after its final norm, model/mtp.py) and the embedding of token i + 1; its logits at i are the
+    draft of token i + 2. Shares the decoder's prepared layout and RoPE tables."""
 
     def __init__(self, decoder: Decoder, max_len: int, device: torch.device):
         model = decoder.model
@@ -80,6 +80,7 @@ class MTPDraft:
         them -> the draft logits [B, V] of the token after the last one."""
         d = self.depth
         e = self.dec.model.embed(next_tokens)
+        h = self.dec.norm(self.dec.model.norm, h)
         x = self.proj(torch.cat([self.dec.norm(d.enorm, e), self.dec.norm(d.hnorm, h)], dim=-1))
         return self.dec.logits(self.dec.hidden(x, self.layers, self.cache)[:, -1], d.norm)
 

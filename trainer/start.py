@@ -182,9 +182,10 @@ def build_model(cfg: TrainConfig, info: DistInfo, start: Start, tok_meta: dict, 
                                EXIT_BAD_CHECKPOINT)
             model = Transformer(mcfg)
     elif start.init_from != "scratch":
+        which = cfg.init_checkpoint if start.init_flag == "--init_from" else "latest"
         model, init_info = load_weights_from(start.init_from, log, flag=start.init_flag,
-                                             tokenizer_dir=cfg.tokenizer_dir,
-                                             which=cfg.init_checkpoint if start.init_flag == "--init_from" else "latest")
+                                             tokenizer_dir=cfg.tokenizer_dir, which=which,
+                                             mtp_layers=cfg.mtp_num_layers)
         if cfg.rope_scaling:  # context extension of the loaded weights
             apply_rope_flag(model, cfg.rope_scaling, cfg.max_seq_len, log)
     else:
@@ -200,17 +201,32 @@ def build_model(cfg: TrainConfig, info: DistInfo, start: Start, tok_meta: dict, 
         start.run_start = {"init_from": init_info["source"], "requested_init_from": start.init_from,
                            "kind": init_info["kind"], "task_type": cfg.task_type, "started_at": time.time()}
     _score_head_for(cfg, model, start, init_info, log)
-    depths = getattr(model.cfg, "mtp_num_layers", 0)
-    if depths and depths != cfg.mtp_num_layers:  # the weights brought depths the flags did not ask for
-        problems = loaded_mtp_problems(cfg, depths, start.resume_dir or start.init_from)
-        if problems:
-            raise TrainingError("bad configuration: " + "; ".join(problems), EXIT_BAD_CONFIG)
+    _mtp_depths_for(cfg, model, start, log)
     if model.cfg.vocab_size < int(tok_meta["vocab_size"]):
         hint = ("; to grow the vocabulary to an extended tokenizer, start from a Hugging Face directory holding the "
                 "model's own tokenizer (export this one with export_hf.py)" if init_info["kind"] == "ours" else "")
         raise TrainingError(f"model vocab {model.cfg.vocab_size} < tokenizer vocab {tok_meta['vocab_size']}{hint}",
                             EXIT_BAD_CONFIG)
     return model, init_info
+
+
+def _mtp_depths_for(cfg: TrainConfig, model, start: Start, log) -> None:
+    """The multi-token prediction depths of the run: those the weights brought (--mtp_num_layers left at 0: the run
+    trains them, where its layout can hold them), grown to --mtp_num_layers with new depths where the weights have
+    fewer (a model pretrained without MTP, or a Hub model with fewer MTP layers); fewer than they have is refused
+    (exit 2: the others would be dropped)."""
+    depths, source = getattr(model.cfg, "mtp_num_layers", 0), start.resume_dir or start.init_from
+    if depths and not cfg.mtp_num_layers:  # the weights brought depths the flags did not ask for
+        problems = loaded_mtp_problems(cfg, depths, source)
+        if problems:
+            raise TrainingError("bad configuration: " + "; ".join(problems), EXIT_BAD_CONFIG)
+    elif depths > cfg.mtp_num_layers:
+        raise TrainingError(f"bad configuration: --mtp_num_layers={cfg.mtp_num_layers}: the model of {source} has "
+                            f"{depths} multi-token prediction depths (ask for {depths}, or leave the flag at 0 to "
+                            "train them as they are)", EXIT_BAD_CONFIG)
+    elif start.resume_dir is None and model.add_mtp_depths(cfg.mtp_num_layers):
+        log(f"[init] {cfg.mtp_num_layers - depths} new multi-token prediction depth(s) (initialised as a new "
+            f"model's) after the {depths} of {source}")
 
 
 def _score_head_for(cfg: TrainConfig, model, start: Start, init_info: dict, log) -> None:

@@ -110,25 +110,33 @@ def check_lora_base(model, lora_base: dict, where: str) -> None:
                               "trained on (its fingerprint changed); restore that base, or re-train the adapters")
 
 
-def load_weights_from(path: str, log, flag: str = "--init_from",
-                      tokenizer_dir: Optional[str] = None, which: str = "latest") -> tuple[Any, dict]:
+def load_weights_from(path: str, log, flag: str = "--init_from", tokenizer_dir: Optional[str] = None,
+                      which: str = "latest", mtp_layers: int = 0) -> tuple[Any, dict]:
     """A model from an HF directory, our run directory, or one of our checkpoint directories.
 
     `flag` names where the path came from in error messages (exit 2 when nothing is there, exit 5
     when what is there cannot be loaded). With `tokenizer_dir`, an HF model is checked against that
     tokenizer and grown to it when it extends the model's own tokenizer (model/resize.py; exit 2 when
     it is not an extension). `which`: the checkpoint of a run directory (latest | best | step_N:
-    --init_checkpoint)."""
+    --init_checkpoint). `mtp_layers`: an HF model's multi-token prediction layers to keep (DeepSeek-V3's, GLM-4.5's;
+    model/hf_mtp.py), up to this many; our checkpoints bring the depths they have."""
     where = f"{flag}={path}" if flag.startswith("--") else f"{flag} {path}"
     # which load the log line is (DPO loads the policy and the reference; a resume names its recorded start)
     role = "" if flag == "--init_from" else f" ({flag.rstrip(':')})"
     if os.path.isdir(path) and is_hf_dir(path):
         from model.hf_interop import import_hf
+        from model.hf_mtp import held_in_dir
         try:
-            model = import_hf(path)
+            model = import_hf(path, mtp_layers=mtp_layers)
+            held = held_in_dir(path)
         except (ValueError, OSError, KeyError) as e:
             raise TrainingError(f"{where}: cannot import the Hugging Face model ({e})", EXIT_BAD_CHECKPOINT) from e
         log(f"[init] imported Hugging Face model from {path}{role}")
+        if held:
+            kept = model.cfg.mtp_num_layers
+            log(f"[init] its {held} multi-token prediction layer(s): "
+                + (f"{kept} kept as the model's MTP depths" if kept else
+                   "left out (a run's --mtp_num_layers or sample.py's --speculative=mtp keeps them)"))
         info = {"source": path, "kind": "hf"}
         if tokenizer_dir:
             from model.resize import VocabMismatch, resize_to_tokenizer

@@ -141,9 +141,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: boo
     }
     if sequence_parallel:  # the LM head (and its vocabulary-parallel loss) reads the whole sequence
         root["norm"] = PrepareModuleOutput(output_layouts=Shard(1), desired_output_layouts=Replicate())
-        for k in range(len(depths)):  # so do the depths' (their projection and norms work on the local positions)
-            root[f"mtp.depths.{k}.norm"] = PrepareModuleOutput(output_layouts=Shard(1),
+        for k in range(len(depths)):  # so do the depths' (their projection and norms work on the local positions,
+            root[f"mtp.depths.{k}.norm"] = PrepareModuleOutput(output_layouts=Shard(1),  # which they slice out)
                                                                desired_output_layouts=Replicate())
+        if depths:
+            model.mtp.sequence_shard = (tp_mesh.get_local_rank(), tp)
     # a pipeline stage holds the embedding only on the first stage, norm + head only on the last
     root = {name: style for name, style in root.items() if name.startswith("mtp.") or
             getattr(model, name, None) is not None}

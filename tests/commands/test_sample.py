@@ -56,7 +56,8 @@ def test_main_chat_feeds_the_model_no_injected_control_ids(tok_dir, monkeypatch,
         return torch.cat([x, torch.full((x.shape[0], 1), kw["stop_ids"][0], dtype=x.dtype, device=x.device)], 1)
 
     monkeypatch.setattr(sample, "precheck", lambda args: None)  # no checkpoint here: the prompt is the point
-    monkeypatch.setattr(sample, "load_for_inference", lambda path, device, which="latest": (torch.nn.Identity(), {}))
+    monkeypatch.setattr(sample, "load_for_inference",
+                        lambda path, device, which="latest", **kw: (torch.nn.Identity(), {}))
     monkeypatch.setattr(model.generate, "generate", fake_generate)
     assert sample.main(["--ckpt", "unused", "--tokenizer_dir", tok_dir, "--prompt", INJECTION, "--chat",
                         "--device", "cpu"]) == 0
@@ -141,7 +142,8 @@ def test_the_repetition_penalty_reaches_generate(tok_dir, monkeypatch, capsys):
         return x
 
     monkeypatch.setattr(sample, "precheck", lambda args: None)
-    monkeypatch.setattr(sample, "load_for_inference", lambda path, device, which="latest": (torch.nn.Identity(), {}))
+    monkeypatch.setattr(sample, "load_for_inference",
+                        lambda path, device, which="latest", **kw: (torch.nn.Identity(), {}))
     monkeypatch.setattr(model.generate, "generate", fake_generate)
     assert sample.main(["--ckpt", "unused", "--tokenizer_dir", tok_dir, "--prompt", "hi", "--device", "cpu",
                         "--repetition_penalty=1.3"]) == 0

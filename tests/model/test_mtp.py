@@ -73,16 +73,16 @@ def _rms(x, w, eps):
 
 def _written_out(model, x, y):
     """The next-token loss and each depth's summed loss in plain torch: the trunk's output captured before the
-    final norm, then per depth eh_proj([rms(E[t_i+k]); rms(h_i)]) -> its block -> rms -> the LM head ->
-    cross-entropy against t_i+k+1 (labels from the loop above)."""
+    final norm and normed, then per depth eh_proj([rms(E[t_i+k]); rms(h_i)]) -> its block -> rms (the next depth's
+    h) -> the LM head -> cross-entropy against t_i+k+1 (labels from the loop above)."""
     seen = {}
     hook = model.norm.register_forward_pre_hook(lambda mod, args: seen.setdefault("h", args[0]))
     model(x, labels=y, reduction="sum")
     hook.remove()
     model.mtp.take()  # the model's own MTP forward, dropped
     h, eps, W, E = seen["h"], model.cfg.norm_eps, model.lm_head.weight, model.embed_tokens.weight
-    main = F.cross_entropy((_rms(h, model.norm.weight, eps) @ W.T).reshape(-1, V), y.reshape(-1),
-                           ignore_index=IGNORE_INDEX, reduction="sum")
+    h = _rms(h, model.norm.weight, eps)
+    main = F.cross_entropy((h @ W.T).reshape(-1, V), y.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum")
     T = x.shape[1]
     cos, sin = model.rotary.table(0, T)
     from model.attention import build_spec
@@ -91,8 +91,8 @@ def _written_out(model, x, y):
     for k, depth in enumerate(model.mtp.depths, start=1):
         ids, lab = _targets_by_loop(k, x, y)
         inp = torch.cat([_rms(E[ids], depth.enorm.weight, eps), _rms(h, depth.hnorm.weight, eps)], dim=-1)
-        h = depth.block(inp @ depth.eh_proj.weight.T, cos, sin, spec, None)
-        logits = _rms(h, depth.norm.weight, eps) @ W.T
+        h = _rms(depth.block(inp @ depth.eh_proj.weight.T, cos, sin, spec, None), depth.norm.weight, eps)
+        logits = h @ W.T
         per_depth.append(F.cross_entropy(logits.reshape(-1, V), lab.reshape(-1), ignore_index=IGNORE_INDEX,
                                          reduction="sum"))
     return main, per_depth
@@ -207,17 +207,21 @@ def test_an_moe_model_has_moe_depths_numbered_after_its_blocks():
 
 def test_a_compiled_model_records_the_same_losses_and_gradients():
     """The whole model traced (aot_eager: the graph capture and its backward, without Inductor's compile time):
-    the depths' recorded losses and every gradient are the eager model's."""
+    the depths' recorded losses are the eager model's and every gradient is as close to the float64 truth (the
+    model without the chunked loss head, which keeps fp32 statistics by design) as the eager model's, within 2x."""
     x, y = _batch()
     runs = []
-    for compiled in (False, True):
-        model = _model(n_layers=1, mtp_num_layers=1)
+    for compiled, fused in ((False, True), (True, True), (False, False)):
+        model = _model(n_layers=1, mtp_num_layers=1, fused_cross_entropy=fused)
         if compiled:
             model.compile(backend="aot_eager")  # in place: model.mtp is the traced model's own
         main = model(x, labels=y, reduction="sum")
         total, stats = model.mtp.take()
         (main + total).backward()
         runs.append((stats, {n: p.grad.clone() for n, p in model.named_parameters()}))
-    (s0, g0), (s1, g1) = runs
+    (s0, g0), (s1, g1), (_, truth) = runs
     assert torch.allclose(s0, s1, rtol=1e-12)
-    assert g0.keys() == g1.keys() and all(torch.allclose(g0[n], g1[n], rtol=1e-10, atol=1e-14) for n in g0)
+    assert g0.keys() == g1.keys() == truth.keys()
+    for n, t in truth.items():
+        eager_err = float((g0[n] - t).abs().max())
+        assert float((g1[n] - t).abs().max()) <= 2 * eager_err + 1e-12 * float(t.abs().max()), n

@@ -38,15 +38,15 @@ def _model(moe: bool = False, **kw) -> Transformer:
 
 
 def _depth_logits(m: Transformer, seq: torch.Tensor) -> torch.Tensor:
-    """[B, L - 1, V]: at i the first depth's logits of token i + 2 (the model's hidden state at i and token i + 1),
-    the model's own modules over the whole sequence (model/mtp.py's formula)."""
+    """[B, L - 1, V]: at i the first depth's logits of token i + 2 (the model's normed hidden state at i and token
+    i + 1), the model's own modules over the whole sequence (model/mtp.py's formula)."""
     got = {}
     hook = m.norm.register_forward_pre_hook(lambda mod, args: got.__setitem__("h", args[0]))
     with torch.no_grad():
         m(seq)
         hook.remove()
         d = m.mtp.depths[0]
-        x = d.eh_proj(torch.cat([d.enorm(m.embed_tokens(seq[:, 1:])), d.hnorm(got["h"][:, :-1])], dim=-1))
+        x = d.eh_proj(torch.cat([d.enorm(m.embed_tokens(seq[:, 1:])), d.hnorm(m.norm(got["h"][:, :-1]))], dim=-1))
         B, T = x.shape[:2]
         positions = torch.arange(T)[None].expand(B, T)
         cos, sin = m.rotary(positions)

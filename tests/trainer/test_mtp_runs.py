@@ -276,3 +276,49 @@ def test_tensor_parallelism_splits_the_depths_blocks(tmp_path):
     assert got["partial"] == ["mtp.depths.1.block.input_layernorm.weight", "mtp.depths.1.block.post_attention_layernorm"
                               ".weight", "mtp.depths.1.eh_proj.weight", "mtp.depths.1.enorm.weight",
                               "mtp.depths.1.hnorm.weight", "mtp.depths.1.norm.weight"]
+
+
+def _run(argv, capsys) -> tuple[int, str]:
+    import train_my_ddp
+    code = train_my_ddp.main(argv)
+    out, err = capsys.readouterr()
+    return code, out + err
+
+
+def test_a_hub_models_mtp_layer_is_kept_when_asked_and_depths_grow_to_the_flag(tiny_pretrain_run_args, tmp_path,
+                                                                                capsys):
+    """A DeepSeek-V3-shaped run (latent attention) with one depth, exported (the depth as the Hub's MTP layer,
+    model/hf_mtp.py): --init_from=<the export> --mtp_num_layers=1 logs the first step of --init_from=<the run>
+    exactly, loss and MTP loss (the depth came back as it was); without the flag the layer is left out (said; no MTP
+    loss); --mtp_num_layers=2 adds one new depth after it; a model without depths grows the one asked for; fewer than
+    the weights have is one line, exit 2."""
+    import export_hf
+    base = [*tiny_pretrain_run_args, "--max_iters=1", "--kv_lora_rank=16", "--mtp_loss_weight=0.3"]
+    src, hf = tmp_path / "src", tmp_path / "hf"
+    assert _run([*base, f"--out_dir={src}", "--mtp_num_layers=1"], capsys)[0] == 0
+    assert export_hf.main([f"--ckpt={src}", f"--out_dir={hf}"]) == 0
+    capsys.readouterr()
+    said = {}
+
+    def run(name, init, *extra):
+        code, said[name] = _run([*base, f"--out_dir={tmp_path / name}", f"--init_from={init}", *extra], capsys)
+        assert code == 0, said[name][-3000:]
+        return _rows(tmp_path / name)[1]
+
+    ours, hub = run("ours", src), run("hub", hf, "--mtp_num_layers=1")
+    assert "its 1 multi-token prediction layer(s): 1 kept as the model's MTP depths" in said["hub"]
+    assert (hub["loss"], hub["mtp_loss"]) == (ours["loss"], ours["mtp_loss"])
+    left = run("left", hf)
+    assert "its 1 multi-token prediction layer(s): left out" in said["left"] and "mtp_loss" not in left
+    assert left["loss"] == ours["loss"]
+    more = run("more", hf, "--mtp_num_layers=2")
+    assert "[init] 1 new multi-token prediction depth(s)" in said["more"] and "mtp_loss_2" in more
+    assert more["mtp_loss_1"] == ours["mtp_loss"]  # the kept depth first, as it was
+    grown = run("grown", tmp_path / "left", "--mtp_num_layers=1")
+    assert "[init] 1 new multi-token prediction depth(s) (initialised as a new model's) after the 0" in said["grown"]
+    assert "mtp_loss" in grown
+    code, err = _run([*base, f"--out_dir={tmp_path / 'fewer'}", f"--init_from={tmp_path / 'more'}",
+                      "--mtp_num_layers=1"], capsys)
+    assert code == EXIT_BAD_CONFIG
+    assert_one_error_line(err, "--mtp_num_layers=1: the model of")
+    assert "has 2 multi-token prediction depths" in err
