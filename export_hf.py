@@ -178,9 +178,13 @@ def _export_sharded_streaming(found: str, args) -> int | None:
 
 
 def _say_mtp_left_out(cfg) -> None:
-    if cfg.mtp_num_layers:
+    from model.hf_interop import writes_mtp
+    if writes_mtp(cfg):
+        print(f"export_hf: the {cfg.mtp_num_layers} multi-token prediction depth(s) written as the MTP layers "
+              f"model.layers.{cfg.n_layers}.. (num_nextn_predict_layers, as DeepSeek-V3 / GLM-4.5 keep them)")
+    elif cfg.mtp_num_layers:
         print(f"export_hf: the {cfg.mtp_num_layers} multi-token prediction depth(s) (mtp.*) are left out of the "
-              "Hugging Face checkpoint: the export is the next-token model")
+              "Hugging Face checkpoint (its family has no MTP layers): the export is the next-token model")
 
 
 if __name__ == "__main__":

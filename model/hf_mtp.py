@@ -95,9 +95,9 @@ def to_hub(sd: dict[str, torch.Tensor], cfg: Any) -> dict[str, torch.Tensor]:
             out[name] = t
             if name in _COPIES:
                 for k in range(cfg.mtp_num_layers):
-                    out[f"layers.{cfg.n_layers + k}.{_COPIES[name]}"] = t
+                    out[f"layers.{cfg.n_layers + k}.{_COPIES[name]}"] = t.clone()  # (safetensors: no shared memory)
                     if name == "embed_tokens.weight" and cfg.tie_embeddings:
-                        out[f"layers.{cfg.n_layers + k}.{_COPIES['lm_head.weight']}"] = t
+                        out[f"layers.{cfg.n_layers + k}.{_COPIES['lm_head.weight']}"] = t.clone()
             continue
         k, rest = int(m.group(1)), m.group(2)
         layer = f"layers.{cfg.n_layers + k}"

@@ -168,3 +168,33 @@ def test_a_family_without_mtp_layers_leaves_the_depths_out_and_a_model_grows_new
     fresh = grown["mtp.depths.2.block.self_attn.q_proj.weight"]
     assert 0.5 * 0.02 < float(fresh.std()) < 2 * 0.02  # as a new model's (N(0, 0.02))
     assert not torch.equal(fresh, grown["mtp.depths.1.block.self_attn.q_proj.weight"])
+
+
+def test_a_streamed_export_writes_the_same_mtp_layers(tmp_path):
+    """export_hf_streaming (an FSDP run's shards, a group of tensors at a time; shards of ~8 KB here, so the
+    embedding, the head and the depths land in different groups) writes every tensor the whole export writes."""
+    from model.hf_interop import export_hf_streaming
+    model = _sharpened(MODELS["glm"]())
+    export_hf(model, str(tmp_path / "whole"))
+    sd = model.state_dict()
+    specs = {n: (tuple(t.shape), t.dtype) for n, t in sd.items()}
+    _, shards = export_hf_streaming(model.cfg, specs, lambda names: {n: sd[n] for n in names}, str(tmp_path / "hf"),
+                                    max_shard_bytes=8192)
+    assert shards > 4
+    streamed = {}
+    for f in (tmp_path / "hf").glob("model-*.safetensors"):
+        streamed.update(load_file(str(f)))
+    whole = load_file(str(tmp_path / "whole" / "model.safetensors"))
+    assert streamed.keys() == whole.keys() and all(torch.equal(streamed[k], whole[k]) for k in whole)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_nextn_predict_layers"] == 2
+
+
+def test_tied_embeddings_give_each_depth_the_embedding_as_its_head(tmp_path):
+    model = _sharpened(glm._model(n_layers=2, mtp_num_layers=1, tie_embeddings=True, moe_top_k=1, moe_n_groups=1,
+                                  moe_topk_groups=1))
+    export_hf(model, str(tmp_path / "hf"))
+    t = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert "lm_head.weight" not in t
+    assert torch.equal(t["model.layers.2.shared_head.head.weight"], t["model.embed_tokens.weight"])
+    ours, back = model.state_dict(), import_hf(str(tmp_path / "hf"), mtp_layers=1).state_dict()
+    assert back.keys() == ours.keys() and all(torch.equal(back[k], ours[k]) for k in ours)

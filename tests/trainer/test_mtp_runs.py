@@ -291,7 +291,8 @@ def test_a_hub_models_mtp_layer_is_kept_when_asked_and_depths_grow_to_the_flag(t
     model/hf_mtp.py): --init_from=<the export> --mtp_num_layers=1 logs the first step of --init_from=<the run>
     exactly, loss and MTP loss (the depth came back as it was); without the flag the layer is left out (said; no MTP
     loss); --mtp_num_layers=2 adds one new depth after it; a model without depths grows the one asked for; fewer than
-    the weights have is one line, exit 2."""
+    the weights have is one line, exit 2. sample.py --speculative=mtp drafts with the export's MTP layer (greedy: the
+    text without it)."""
     import export_hf
     base = [*tiny_pretrain_run_args, "--max_iters=1", "--kv_lora_rank=16", "--mtp_loss_weight=0.3"]
     src, hf = tmp_path / "src", tmp_path / "hf"
@@ -322,3 +323,11 @@ def test_a_hub_models_mtp_layer_is_kept_when_asked_and_depths_grow_to_the_flag(t
     assert code == EXIT_BAD_CONFIG
     assert_one_error_line(err, "--mtp_num_layers=1: the model of")
     assert "has 2 multi-token prediction depths" in err
+    import sample
+    args = [f"--ckpt={hf}", "--prompt=the", "--temperature=0", "--max_new_tokens=10", "--device=cpu"]
+    assert sample.main([*args, "--speculative=mtp"]) == 0
+    spec_out, spec_err = capsys.readouterr()
+    assert sample.main(args) == 0
+    plain_out, plain_err = capsys.readouterr()
+    assert spec_out == plain_out and "speculative decoding (multi-token prediction depth 1):" in spec_err
+    assert "1 kept as the model's MTP depths" in spec_err and "sample.py's --speculative=mtp keeps them" in plain_err
