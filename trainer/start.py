@@ -224,9 +224,17 @@ def _mtp_depths_for(cfg: TrainConfig, model, start: Start, log) -> None:
         raise TrainingError(f"bad configuration: --mtp_num_layers={cfg.mtp_num_layers}: the model of {source} has "
                             f"{depths} multi-token prediction depths (ask for {depths}, or leave the flag at 0 to "
                             "train them as they are)", EXIT_BAD_CONFIG)
-    elif start.resume_dir is None and model.add_mtp_depths(cfg.mtp_num_layers):
+    elif start.resume_dir is None and _grown(model, cfg.mtp_num_layers, source):
         log(f"[init] {cfg.mtp_num_layers - depths} new multi-token prediction depth(s) (initialised as a new "
             f"model's) after the {depths} of {source}")
+
+
+def _grown(model, depths: int, source: str) -> int:
+    try:
+        return model.add_mtp_depths(depths)
+    except ValueError as e:  # (a model that cannot have depths: Gemma 2's capped logits, a reward model)
+        raise TrainingError(f"bad configuration: --mtp_num_layers={depths} on the model of {source}: {e}",
+                            EXIT_BAD_CONFIG) from e
 
 
 def _score_head_for(cfg: TrainConfig, model, start: Start, init_info: dict, log) -> None:

@@ -144,7 +144,6 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: boo
         for k in range(len(depths)):  # so do the depths' (their projection and norms work on the local positions,
             root[f"mtp.depths.{k}.norm"] = PrepareModuleOutput(output_layouts=Shard(1),  # which they slice out)
                                                                desired_output_layouts=Replicate())
-        if depths:
             model.mtp.sequence_shard = (tp_mesh.get_local_rank(), tp)
     # a pipeline stage holds the embedding only on the first stage, norm + head only on the last
     root = {name: style for name, style in root.items() if name.startswith("mtp.") or

@@ -168,6 +168,10 @@ def test_a_family_without_mtp_layers_leaves_the_depths_out_and_a_model_grows_new
     fresh = grown["mtp.depths.2.block.self_attn.q_proj.weight"]
     assert 0.5 * 0.02 < float(fresh.std()) < 2 * 0.02  # as a new model's (N(0, 0.02))
     assert not torch.equal(fresh, grown["mtp.depths.1.block.self_attn.q_proj.weight"])
+    capped = Transformer(ModelConfig(**cfg, final_softcap=30.0))  # (Gemma 2's capped logits: no depths; the trainer
+    with pytest.raises(ValueError, match="final_softcap"):  # turns this into one line, exit 2)
+        capped.add_mtp_depths(1)
+    assert not hasattr(capped, "mtp") and capped.cfg.mtp_num_layers == 0
 
 
 def test_a_streamed_export_writes_the_same_mtp_layers(tmp_path):
