@@ -3,7 +3,7 @@
 
 Depth k (1..D) is one more transformer block after the model's. At position i it combines the previous depth's
 hidden state there (for k = 1 the model's final hidden state, after its final norm, as DeepSeek-V3's and GLM-4.5's
-released MTP layers read it in transformers, vLLM and Megatron) with the embedding of token i + k, and predicts token
+released MTP layers read it in transformers' MtpLayer and vLLM) with the embedding of token i + k, and predicts token
 i + k + 1:
     x_i = eh_proj([enorm(embed(t[i + k])); hnorm(h_i^(k-1))])      (a [2D -> D] projection, HF's order)
     h^k = norm_k(block_k(x))                                       (causal attention over the same sequence; the
