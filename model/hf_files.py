@@ -1,7 +1,7 @@
 """The files of a Hugging Face export beside its weights: generation_config.json (sample.py's sampling defaults and
 its stop ids), the tokenizer's files copied, the special ids config.json gets from tokenizer_meta.json, and every
 file's mode as a plain `open` would make it (model/hf_interop.py export_hf and export_hf_streaming call these);
-`load_weights`, every tensor of a directory (import_hf's read).
+`read_tensors` / `tensor_names`, a directory's tensors or their names (import_hf's read).
 Must never: write outside the directory it is given.
 """
 from __future__ import annotations
@@ -90,22 +90,42 @@ def copy_tokenizer(tokenizer_dir: Optional[str], dst: str) -> None:
                 shutil.copy2(src, os.path.join(dst, fn))
 
 
-def load_weights(d: str) -> dict:
-    """Every tensor of an HF directory: model.safetensors, sharded safetensors (its index) or pytorch_model.bin."""
-    import torch
-    from safetensors.torch import load_file
+def _weight_files(d: str) -> list[str]:
+    """The files holding an HF directory's tensors: model.safetensors, the shards its index names, or
+    pytorch_model.bin (FileNotFoundError naming the directory when there are none)."""
     single = os.path.join(d, "model.safetensors")
     index = os.path.join(d, "model.safetensors.index.json")
     if os.path.exists(single):
-        return load_file(single)
+        return [single]
     if os.path.exists(index):
         with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-        sd = {}
-        for fn in files:
-            sd.update(load_file(os.path.join(d, fn)))
-        return sd
+            return [os.path.join(d, fn) for fn in sorted(set(json.load(f)["weight_map"].values()))]
     binf = os.path.join(d, "pytorch_model.bin")
     if os.path.exists(binf):
-        return torch.load(binf, map_location="cpu", weights_only=True)
+        return [binf]
     raise FileNotFoundError(f"no model.safetensors, sharded safetensors index or pytorch_model.bin in {d}")
+
+
+def read_tensors(d: str) -> dict:
+    """Every tensor of an HF directory (`_weight_files`)."""
+    import torch
+    from safetensors.torch import load_file
+    sd = {}
+    for path in _weight_files(d):
+        sd.update(load_file(path) if path.endswith(".safetensors") else
+                  torch.load(path, map_location="cpu", weights_only=True))
+    return sd
+
+
+def tensor_names(d: str) -> list[str]:
+    """The names of an HF directory's tensors, nothing loaded (safetensors headers; a .bin memory-mapped)."""
+    import torch
+    from safetensors import safe_open
+    names = []
+    for path in _weight_files(d):
+        if path.endswith(".safetensors"):
+            with safe_open(path, framework="pt") as f:
+                names += list(f.keys())
+        else:
+            names += list(torch.load(path, map_location="cpu", weights_only=True, mmap=True))
+    return names

@@ -449,7 +449,7 @@ def import_hf(hf_dir: str, dtype: Optional[torch.dtype] = torch.float32, mtp_lay
         if k not in cfg.to_dict():
             raise ValueError(f"unknown ModelConfig field {k!r}")
         setattr(cfg, k, v)
-    weights = hf_fp8.dequantize(hf_files.load_weights(hf_dir), raw)  # (an FP8 checkpoint's weights multiplied out)
+    weights = hf_fp8.dequantize(hf_files.read_tensors(hf_dir), raw)  # (an FP8 checkpoint's weights multiplied out)
     if hf_vision_language.is_wrapper(raw):  # Gemma 3 4B-27B, Mistral Small 3.x, LLaVA: the text model alone
         weights = hf_vision_language.text_weights(weights)[0]
     if mtp_layers:

@@ -24,6 +24,7 @@ _DEPTH = re.compile(r"mtp\.depths\.(\d+)\.(.+)$")
 _OWN = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
         "norm.weight": "shared_head.norm.weight"}  # ours (under mtp.depths.k.) -> the Hub's (under layers.L+k.)
 _COPIES = {"embed_tokens.weight": "embed_tokens.weight", "lm_head.weight": "shared_head.head.weight"}
+_HUB_OWN, _HUB_COPIES = ({hub: ours for ours, hub in d.items()} for d in (_OWN, _COPIES))
 CONFIG_KEY = "num_nextn_predict_layers"  # the released configs' name (transformers 5: num_mtp_layers, an alias)
 
 
@@ -42,21 +43,11 @@ def held_in_dir(hf_dir: str) -> int:
     """`held` of an HF directory, from its config.json and its tensor names (nothing loaded)."""
     import json
     import os
+
+    from model.hf_files import tensor_names
     with open(os.path.join(hf_dir, "config.json")) as f:
         raw = json.load(f)
-    if not raw.get(CONFIG_KEY):
-        return 0
-    index = os.path.join(hf_dir, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            names = list(json.load(f)["weight_map"])
-    elif os.path.exists(os.path.join(hf_dir, "model.safetensors")):
-        from safetensors import safe_open
-        with safe_open(os.path.join(hf_dir, "model.safetensors"), framework="pt") as f:
-            names = list(f.keys())
-    else:
-        return 0
-    return held(raw, names, int(raw["num_hidden_layers"]))
+    return held(raw, tensor_names(hf_dir), int(raw["num_hidden_layers"])) if raw.get(CONFIG_KEY) else 0
 
 
 def from_hub(sd: dict[str, torch.Tensor], cfg: Any) -> dict[str, torch.Tensor]:
@@ -70,15 +61,13 @@ def from_hub(sd: dict[str, torch.Tensor], cfg: Any) -> dict[str, torch.Tensor]:
             out[name] = t
             continue
         rest = m.group(2)
-        hub_own = {hub: ours for ours, hub in _OWN.items()}
-        hub_copy = {hub: ours for ours, hub in _COPIES.items()}
-        if rest in hub_own:
-            out[f"mtp.depths.{k}.{hub_own[rest]}"] = t
-        elif rest in hub_copy:
-            main = sd.get(hub_copy[rest], sd.get("embed_tokens.weight"))
+        if rest in _HUB_OWN:
+            out[f"mtp.depths.{k}.{_HUB_OWN[rest]}"] = t
+        elif rest in _HUB_COPIES:  # (from_hf_state_dict has set lm_head.weight, tied or not)
+            main = sd.get(_HUB_COPIES[rest])
             if main is None or main.shape != t.shape or not torch.equal(main, t.to(main.dtype)):
                 raise ValueError(f"the MTP layer model.layers.{cfg.n_layers + k}.{rest} is not the model's "
-                                 f"{hub_copy[rest]}: our MTP depths share the model's embedding and head")
+                                 f"{_HUB_COPIES[rest]}: our MTP depths share the model's embedding and head")
         else:
             out[f"mtp.depths.{k}.block.{rest}"] = t
     return out

@@ -202,3 +202,26 @@ def test_tied_embeddings_give_each_depth_the_embedding_as_its_head(tmp_path):
     assert torch.equal(t["model.layers.2.shared_head.head.weight"], t["model.embed_tokens.weight"])
     ours, back = model.state_dict(), import_hf(str(tmp_path / "hf"), mtp_layers=1).state_dict()
     assert back.keys() == ours.keys() and all(torch.equal(back[k], ours[k]) for k in ours)
+
+
+def test_every_weight_layout_gives_its_tensor_names_without_loading(tmp_path):
+    """model/hf_files.py: a single safetensors file, shards named by an index, a pytorch_model.bin: `tensor_names`
+    lists what `read_tensors` reads; nothing there is one error naming the directory."""
+    from model.hf_files import read_tensors, tensor_names
+    t = {f"model.layers.{i}.w": torch.full((2,), float(i)) for i in range(3)}
+    (tmp_path / "one").mkdir()
+    save_file(t, str(tmp_path / "one" / "model.safetensors"))
+    (tmp_path / "shards").mkdir()
+    save_file({k: t[k] for k in list(t)[:2]}, str(tmp_path / "shards" / "a.safetensors"))
+    save_file({k: t[k] for k in list(t)[2:]}, str(tmp_path / "shards" / "b.safetensors"))
+    (tmp_path / "shards" / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {k: "a.safetensors" if i < 2 else "b.safetensors" for i, k in enumerate(t)}}))
+    (tmp_path / "bin").mkdir()
+    torch.save(t, str(tmp_path / "bin" / "pytorch_model.bin"))
+    for d in ("one", "shards", "bin"):
+        got = read_tensors(str(tmp_path / d))
+        assert sorted(tensor_names(str(tmp_path / d))) == sorted(t) == sorted(got), d
+        assert all(torch.equal(got[k], t[k]) for k in t)
+    (tmp_path / "none").mkdir()
+    with pytest.raises(FileNotFoundError, match="no model.safetensors"):
+        tensor_names(str(tmp_path / "none"))
