@@ -93,13 +93,13 @@ def fields_from_hf(d: dict) -> dict:
             "sliding_layers": None if not sliding or len(sliding) == n else sliding}
 
 
-def _interleave(t: torch.Tensor) -> torch.Tensor:
+def interleave_gate_up(t: torch.Tensor) -> torch.Tensor:
     """[..., 2I] as gate then up -> gate and up interleaved (gate at the even places)."""
     gate, up = t.chunk(2, dim=-1)
     return torch.stack((gate, up), dim=-1).flatten(-2)
 
 
-def _deinterleave(t: torch.Tensor) -> torch.Tensor:
+def deinterleave_gate_up(t: torch.Tensor) -> torch.Tensor:
     return torch.cat((t[..., 0::2], t[..., 1::2]), dim=-1)
 
 
@@ -116,10 +116,10 @@ def to_hub(sd: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
             out[name] = t
         elif m.group(3):  # biases: flat [E * n] -> [E, n] (gate_up's interleaved)
             b = t.view(cfg.moe_num_experts, -1)
-            out[name] = _interleave(b) if m.group(2) == "gate_up_proj" else b
+            out[name] = interleave_gate_up(b) if m.group(2) == "gate_up_proj" else b
         else:
             w = t.transpose(1, 2)  # [E, out, in] -> [E, in, out]
-            out[name] = _interleave(w) if m.group(2) == "gate_up_proj" else w
+            out[name] = interleave_gate_up(w) if m.group(2) == "gate_up_proj" else w
             if not cfg.moe_expert_biases:
                 out[name + "_bias"] = t.new_zeros(t.shape[0], t.shape[1])
         attn, router = _ATTN_WEIGHT.match(name), _ROUTER.match(name)
@@ -143,9 +143,9 @@ def from_hub(sd: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
         if t.shape[0] != n:
             raise ValueError(f"{name}: {tuple(t.shape)}, expected {n} experts first")
         if m.group(3):
-            out[name] = (_deinterleave(t) if m.group(2) == "gate_up_proj" else t).reshape(-1)
+            out[name] = (deinterleave_gate_up(t) if m.group(2) == "gate_up_proj" else t).reshape(-1)
         else:
-            out[name] = (_deinterleave(t) if m.group(2) == "gate_up_proj" else t).transpose(1, 2)
+            out[name] = (deinterleave_gate_up(t) if m.group(2) == "gate_up_proj" else t).transpose(1, 2)
         if m.group(2) == "down_proj" and not m.group(3):  # (layers.N.mlp.expert_bias: no selection bias)
             block = m.group(1)[:-len("experts.")]
             out[block + "expert_bias"] = torch.zeros(n)

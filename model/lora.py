@@ -8,7 +8,9 @@ with PEFT key names, loadable by `peft.PeftModel.from_pretrained` on the model w
 model.hf_interop.export_hf) and `load_lora`.
 
 A wrapped layer keeps its base parameter as `<name>.weight` (so the base checkpoint keys are unchanged)
-and adds `<name>.lora_A.weight` [r, in] and `<name>.lora_B.weight` [out, r], as in PEFT.
+and adds `<name>.lora_A.weight` [r, in] and `<name>.lora_B.weight` [out, r], as in PEFT. The routed experts of an
+MoE model (targets `experts`, `experts.gate_up_proj`, `experts.down_proj`) take per-expert adapters beside their
+stacked weights (model/lora_experts.py), saved as PEFT's `target_parameters` adapters.
 
 Must never: change the base weights before merge_lora, or save base weights into the adapter file
 (except the explicitly trained embedding / LM head, as PEFT's modules_to_save).
@@ -25,6 +27,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from model.lora_experts import (add_expert_adapters, expert_targets, expert_tensors_from_peft, grouped_experts,
+                                is_expert_target, merge_expert_adapters, peft_expert_tensors)
 from utils.publish import atomic_path, atomic_write_text
 
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
@@ -55,27 +59,34 @@ class LoRALinear(nn.Linear):
         lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
                         device=self.weight.device, dtype=self.weight.dtype)
         with torch.no_grad():
-            delta = (self.lora_B.weight.float() @ self.lora_A.weight.float()) * self.scaling
-            lin.weight.copy_(self.weight.float() + delta)
+            ct = torch.promote_types(self.weight.dtype, torch.float32)  # (fp32 at least; an fp64 model in fp64)
+            delta = (self.lora_B.weight.to(ct) @ self.lora_A.weight.to(ct)) * self.scaling
+            lin.weight.copy_(self.weight.to(ct) + delta)
             if self.bias is not None:
                 lin.bias.copy_(self.bias)
         return lin
 
 
 def _targets(target_modules: Union[str, Iterable[str]]) -> tuple[str, ...]:
-    if target_modules == "all":
-        return ALL_LINEAR
+    """The names, `all` standing for every linear projection (`all,experts`: those and the routed experts)."""
     if isinstance(target_modules, str):
-        return tuple(t.strip() for t in target_modules.split(",") if t.strip())
-    return tuple(target_modules)
+        target_modules = [t.strip() for t in target_modules.split(",") if t.strip()]
+    out = []
+    for t in target_modules:
+        out.extend(ALL_LINEAR if t == "all" else (t,))
+    return tuple(out)
 
 
 def apply_lora(model: nn.Module, r: int = 8, alpha: float = 16.0, dropout: float = 0.0,
                target_modules: Union[str, Iterable[str]] = ("q_proj", "v_proj"),
                train_embeddings: bool = False, train_lm_head: bool = False) -> nn.Module:
-    """Wrap the linears whose name ends with one of `target_modules` ("all" = every projection of the
-    layers), freeze every other parameter, and record the setup on `model.lora_config`."""
+    """Wrap the linears whose name ends with one of `target_modules` ("all" = every linear projection of the
+    layers) and give the routed experts adapters where named (`experts`: both projections, or
+    `experts.gate_up_proj` / `experts.down_proj`), freeze every other parameter, and record the setup on
+    `model.lora_config`."""
     targets = _targets(target_modules)
+    on_experts = expert_targets(targets)
+    targets = tuple(t for t in targets if not is_expert_target(t))
     for p in model.parameters():
         p.requires_grad_(False)
     wrapped = []
@@ -85,7 +96,9 @@ def apply_lora(model: nn.Module, r: int = 8, alpha: float = 16.0, dropout: float
             if type(child) is nn.Linear and child_name in targets and full != "lm_head":
                 setattr(module, child_name, LoRALinear(child, r, alpha, dropout))
                 wrapped.append(full)
-    if not wrapped:
+    if on_experts:
+        _adapt_experts(model, on_experts, r, alpha, dropout)
+    elif not wrapped:
         raise ValueError(f"no linear layer matches target_modules={targets}")
     modules_to_save = []
     if train_embeddings:
@@ -98,8 +111,20 @@ def apply_lora(model: nn.Module, r: int = 8, alpha: float = 16.0, dropout: float
             and len(modules_to_save) == 1:
         raise ValueError("with tied embeddings, train the embedding and the LM head together or neither")
     model.lora_config = {"r": r, "lora_alpha": alpha, "lora_dropout": dropout,
-                         "target_modules": sorted(set(targets)), "modules_to_save": modules_to_save or None}
+                         "target_modules": sorted(set(targets)), "modules_to_save": modules_to_save or None,
+                         "target_parameters": [f"experts.{p}" for p in on_experts]}
     return model
+
+
+def _adapt_experts(model: nn.Module, projections: tuple[str, ...], r: int, alpha: float, dropout: float) -> None:
+    experts = grouped_experts(model)
+    if not experts:
+        raise ValueError("the LoRA targets name the routed experts, but the model has no MoE layers")
+    if dropout:
+        raise ValueError(f"lora_dropout={dropout} with the routed experts as targets: their adapters update the "
+                         "weights (as PEFT's target_parameters), where an input dropout has no place; use 0")
+    for _, m in experts:
+        add_expert_adapters(m, projections, r, alpha)
 
 
 def train_only_embeddings(model: nn.Module) -> nn.Module:
@@ -146,6 +171,8 @@ def trainable_parameters(model: nn.Module) -> dict:
 
 def merge_lora(model: nn.Module) -> nn.Module:
     """Fold every adapter into its base weight and put plain nn.Linear layers back (keys unchanged)."""
+    for _, experts in grouped_experts(model):
+        merge_expert_adapters(experts)
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, LoRALinear):
@@ -180,9 +207,29 @@ def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     for name, t in model.state_dict().items():
         if ".lora_A." in name or ".lora_B." in name:
             out[_peft_prefix(name)] = t
+    rows = _gate_up_rows(model.cfg, to_hub=True)
+    for name, experts in grouped_experts(model):
+        out.update(peft_expert_tensors(experts, _peft_prefix(name), rows))
     for mod in cfg["modules_to_save"] or []:
         out[_peft_prefix(f"{mod}.weight", score)] = model.state_dict()[f"{mod}.weight"]
     return {k: v.detach().contiguous().clone() for k, v in out.items()}
+
+
+def _gate_up_rows(cfg, to_hub: bool):
+    """The family's order of the experts' gate/up rows from ours, or back (None: the same order)."""
+    from model.hf_gpt_oss import deinterleave_gate_up, interleave_gate_up, is_gpt_oss
+    if not is_gpt_oss(cfg):
+        return None
+    return interleave_gate_up if to_hub else deinterleave_gate_up
+
+
+def _peft_targets(cfg: dict) -> dict:
+    """adapter_config.json's target fields: the linears' names, and the experts' parameters (PEFT's
+    target_parameters, named under the MoE block `mlp.`)."""
+    params = [f"mlp.{t}" for t in cfg.get("target_parameters") or []]
+    if not params:
+        return {"target_modules": cfg["target_modules"]}
+    return {"target_modules": cfg["target_modules"] or None, "target_parameters": params}
 
 
 def peft_moe_caveat(model: nn.Module) -> Optional[str]:
@@ -205,7 +252,7 @@ def save_lora(model: nn.Module, out_dir: str, base_model_name_or_path: Optional[
     score = bool(getattr(model.cfg, "num_labels", 0))  # a reward model: PEFT's sequence-classification adapters
     adapter_cfg = {
         "peft_type": "LORA", "task_type": "SEQ_CLS" if score else "CAUSAL_LM", "r": cfg["r"],
-        "lora_alpha": cfg["lora_alpha"], "lora_dropout": cfg["lora_dropout"], "target_modules": cfg["target_modules"],
+        "lora_alpha": cfg["lora_alpha"], "lora_dropout": cfg["lora_dropout"], **_peft_targets(cfg),
         "bias": "none", "modules_to_save": _peft_modules(cfg["modules_to_save"] or [], score) or None,
         "fan_in_fan_out": False, "inference_mode": True,
         "init_lora_weights": True, "use_rslora": False, "use_dora": False,
@@ -222,11 +269,16 @@ def load_lora(model: nn.Module, adapter_dir: str) -> nn.Module:
     with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
         c = json.load(f)
     mts = c.get("modules_to_save") or []
+    on_experts = [t[len("mlp."):] if t.startswith("mlp.") else t for t in c.get("target_parameters") or []]
     apply_lora(model, r=c["r"], alpha=c["lora_alpha"], dropout=c.get("lora_dropout", 0.0),
-               target_modules=c["target_modules"], train_embeddings="embed_tokens" in mts,
-               train_lm_head="lm_head" in mts or "score" in mts)
+               target_modules=list(c.get("target_modules") or []) + on_experts,
+               train_embeddings="embed_tokens" in mts, train_lm_head="lm_head" in mts or "score" in mts)
     sd = load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
     ours = {}
+    rows = _gate_up_rows(model.cfg, to_hub=False)
+    for name, experts in grouped_experts(model):
+        ours.update(expert_tensors_from_peft(sd, _peft_prefix(name), name, expert_targets(on_experts),
+                                             experts.gate_up_proj.shape[0], rows))
     for k, v in sd.items():
         name = k[len("base_model.model."):] if k.startswith("base_model.model.") else k
         name = name[len("model."):] if name.startswith("model.") else name

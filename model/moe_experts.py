@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from model import kernels
+from model.lora_experts import adapted_weights
 
 EXPERT_BACKENDS = ("auto", "grouped_mm", "fused_loop", "loop")
 
@@ -225,6 +226,10 @@ class GroupedExperts(nn.Module):
         # DTensors over the ep ranks and the forward computes this rank's experts, their local shards. A plain flag
         # (not a type test of the weights): torch.compile traces it, and sample.py never imports DTensor
         self.weights_on_ep_mesh = False
+        self.lora_scaling: Optional[float] = None  # alpha / r with LoRA adapters (model/lora_experts.py), else None
+
+    def _local(self, w: torch.Tensor) -> torch.Tensor:
+        return w.to_local() if self.weights_on_ep_mesh else w
 
     def init_weights(self, std: float) -> None:
         """Drawn like the dense linears (normal, std = initializer_range); biases 0."""
@@ -241,9 +246,9 @@ class GroupedExperts(nn.Module):
         fn = _EXPERT_FUNCTIONS[choose_expert_backend(rows, self.backend, plain)]
         # under expert parallelism this rank computes its own experts (parallel/transforms/expert_parallel.py hands
         # it their rows and counts)
-        weights = (self.gate_up_proj, self.down_proj) + self.biases()
-        if self.weights_on_ep_mesh:
-            weights = tuple(w.to_local() for w in weights)
+        weights = tuple(self._local(w) for w in (self.gate_up_proj, self.down_proj) + self.biases())
+        if self.lora_scaling is not None:  # LoRA on the experts (model/lora_experts.py): W + s B A per expert
+            weights = adapted_weights(self, weights[0], weights[1], self._local) + weights[2:]
         if plain:
             return fn(rows, counts, *weights)
         w_gate_up, w_down, *flat = weights

@@ -145,7 +145,9 @@ class TrainableFlags:
     lora_rank: int = _f(0, "0 = full fine-tuning; >0 = LoRA adapters of this rank, base frozen")
     lora_alpha: float = _f(16.0, "LoRA scaling numerator")
     lora_dropout: float = _f(0.0, "dropout on the LoRA input")
-    lora_targets: str = _f("q_proj,v_proj", "comma-separated linear names, or 'all'")
+    lora_targets: str = _f("q_proj,v_proj", "comma-separated linear names, 'all' (every linear), and on an "
+                                         "MoE model 'experts' (the routed experts' stacked weights; or one of "
+                                         "experts.gate_up_proj / experts.down_proj)")
     lora_train_embeddings: bool = _f(False, "also train the embedding and LM head (continued pretraining)")
 
 

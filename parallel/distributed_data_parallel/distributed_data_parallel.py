@@ -312,7 +312,8 @@ class DistributedDataParallel(nn.Module):
         """Make every rank start from rank 0's parameters AND buffers: the trainable parameters
         flat (one broadcast per buffer), then every other tensor (frozen parameters such as a
         LoRA base, module buffers such as running stats or rope caches) in registration order,
-        packed per dtype into chunks of at most `coalesce_bytes`."""
+        packed per dtype into chunks of at most `coalesce_bytes`. Expert-parallel shards come from
+        the first rank holding the same ones (over their expert group), frozen ones too."""
         if self.world_size == 1:
             return
         src = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
@@ -321,9 +322,11 @@ class DistributedDataParallel(nn.Module):
                 first = dist.get_global_rank(buf.group, 0) if buf.group is not None else src
                 dist.broadcast(buf.param_data, src=first, group=buf.group)
         rest = [p for p in self.module.parameters() if p not in self.param_to_bucket]
-        if any(self.shard_of(p) is not None for p in rest):
-            raise ValueError("frozen expert-parallel shards are not broadcast (each rank holds its own)")
-        rest += list(self.module.buffers())
+        frozen_shards = [p.data for p in rest if self.shard_of(p) is not None]  # (LoRA on the experts: their weights)
+        if frozen_shards and comm.group_rank_and_size(self.expert_group)[1] > 1:
+            first = dist.get_global_rank(self.expert_group, 0) if self.expert_group is not None else src
+            _broadcast_coalesced(frozen_shards, first, self.expert_group, coalesce_bytes)
+        rest = [p for p in rest if self.shard_of(p) is None] + list(self.module.buffers())
         _broadcast_coalesced([t.data for t in rest], src, self.process_group, coalesce_bytes)
 
     def grad_buffer_bytes(self) -> int:

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from model.lora_experts import adapter_names
 from model.moe import moe_layers
 from parallel.distributed_data_parallel import SHARD_OF_ATTR
 
@@ -107,10 +108,10 @@ def shard_experts_local(experts: nn.Module, ep_mesh: Any, dp_group: Any = None) 
 
 
 def _expert_tensors(experts: nn.Module) -> tuple[str, ...]:
-    """The experts' parameters cut by expert: the stacked weights, and gpt-oss's flat biases (whole experts per
-    chunk: [E * n] in expert order, model/moe_experts.py)."""
+    """The experts' parameters cut by expert: the stacked weights, gpt-oss's flat biases (whole experts per
+    chunk: [E * n] in expert order, model/moe_experts.py), and LoRA adapters on them (model/lora_experts.py)."""
     return ("gate_up_proj", "down_proj") + tuple(n for n in ("gate_up_proj_bias", "down_proj_bias")
-                                                 if getattr(experts, n, None) is not None)
+                                                 if getattr(experts, n, None) is not None) + adapter_names(experts)
 
 
 def _exchange_around(experts: nn.Module, ep_mesh: Any) -> None:

@@ -263,11 +263,14 @@ def test_streamed_export_writes_the_whole_exports_tensors(tmp_path):
     assert config["model_type"] == "gpt_oss"
 
 
-def test_lora_adapters_in_peft_on_the_gpt_oss_export(tmp_path):
-    """LoRA on the attention projections (which have biases here) saved in the PEFT layout, loaded with
-    `peft.PeftModel` on the exported GptOssForCausalLM: our model's logits."""
+@pytest.mark.parametrize("targets", ["q_proj,k_proj,v_proj,o_proj", "q_proj,experts", "experts.gate_up_proj"],
+                         ids=["attention", "attention-and-experts", "experts-gate-up"])
+def test_lora_adapters_in_peft_on_the_gpt_oss_export(tmp_path, targets):
+    """LoRA on the attention projections (which have biases here), and on the routed experts (PEFT's
+    target_parameters on the stacked [E, D, 2I] weight, gate and up interleaved along 2I: B's rows follow), saved in
+    the PEFT layout, loaded with `peft.PeftModel` on the exported GptOssForCausalLM: our model's logits."""
     pytest.importorskip("peft")
     from tests.model.hf_family_checks import peft_logits_on_export
-    ours, base, theirs = peft_logits_on_export(_model(), tmp_path, "q_proj,k_proj,v_proj,o_proj", _hf, 128)
+    ours, base, theirs = peft_logits_on_export(_model(), tmp_path, targets, _hf, 128)
     assert (ours - base).abs().max() > 100 * _tol(ours)
     assert torch.allclose(theirs, ours, atol=_tol(ours), rtol=0), ((theirs - ours).abs().max(), _tol(ours))

@@ -4,7 +4,8 @@ the experts reduced over the 2 ranks holding the same ones) follows one process:
 (expert gradients gathered from their ep shards), each step's loss and gradient norm, the parameters after 3 steps, within 10x the one-process reference's own fp32 rounding (its fp32
 run against its fp64 run), the selection biases exactly. A second model whose selection bias sends every token to
 rank 0's experts: rank 1's experts receive no rows (zero gradients, never None) and the run still follows one
-process. Our DDP's plain checkpoints resume across ep sizes (and cross to FSDP2 and back). Bad flags:
+process. LoRA on the routed experts (FSDP2 and our DDP): the adapters are cut by expert with the frozen weights, only
+they train, and the frozen weights end as they began. Our DDP's plain checkpoints resume across ep sizes (and cross to FSDP2 and back). Bad flags:
 parallel/config.py's lines (checked at 8 ranks without a process group) and the trainer's one
 line, exit 2."""
 from __future__ import annotations
@@ -50,18 +51,18 @@ def _ddp_grads(engine) -> dict:
             lo, hi = opt.owned_range(b)
             comm.all_gather(b.grad_data, b.grad_data[lo:hi].clone(), b.buffer.group, b.buffer.world_size,
                             async_op=False)
-    return {n: _ddp_full(engine, p, p.main_grad) for n, p in engine.module.named_parameters()}
+    return {n: _ddp_full(engine, p, p.main_grad) for n, p in engine.module.named_parameters() if p.requires_grad}
 
 
 def train(starve: bool, **layout) -> dict:
     from parallel.build import build_engine
     from trainer.config import TrainConfig
     moe = dict(MOE, moe_bias_update_rate=0.0) if starve else MOE
-    gpt_oss = layout.pop("gpt_oss", False)
+    gpt_oss, lora = layout.pop("gpt_oss", False), layout.pop("lora", False)
     cfg = dataclasses.replace(TrainConfig(), **{**dict(parallel="fsdp", expert_parallel_size=2, dtype="fp32",
                                                        device="cpu", gradient_accumulation_steps=2, bucket_size=500),
                                                 **OPT, **moe, **layout})
-    engine = build_engine(new_model(starve, gpt_oss=gpt_oss), cfg, device=torch.device("cpu"))
+    engine = build_engine(new_model(starve, gpt_oss=gpt_oss, lora=lora), cfg, device=torch.device("cpu"))
     ddp = cfg.parallel == "ddp"
     training, loss_fn = moe_loss(cfg, engine)
     rec = {"losses": [], "norms": [], "local_experts": []}
@@ -71,13 +72,16 @@ def train(starve: bool, **layout) -> dict:
         b = layer.experts.gate_up_proj_bias  # (gpt-oss's flat biases: this rank's experts' part)
         if b is not None:
             rec.setdefault("local_bias", []).append((b if ddp else b.to_local()).numel())
+        a = getattr(layer.experts, "down_proj_lora_A", None)  # (LoRA on the experts: this rank's experts' adapters)
+        if a is not None:
+            rec.setdefault("local_adapters", []).append(list((a if ddp else a.to_local()).shape))
     for step in range(1, STEPS + 1):
         mine, units = rank_batches(engine, step)
         engine.optimizer.zero_grad()
         total = engine.sum_over_data(engine.forward_backward(mine, loss_fn, units), torch.device("cpu"))
         if step == 1 and not (ddp and cfg.zero_stage == 2):  # (ZeRO-2 frees what it does not own)
             rec["grads"] = _ddp_grads(engine) if ddp else \
-                {n: _full(p.grad) for n, p in engine.module.named_parameters()}
+                {n: _full(p.grad) for n, p in engine.module.named_parameters() if p.requires_grad}
         stepped, norm = engine.optimizer.step()
         training.after_step(engine, torch.device("cpu"))
         rec["losses"].append(float(total[0]) / units)
@@ -106,7 +110,9 @@ CASES = {2: {"plain": (False, {}), "starved": (True, {}), "recompute": (False, {
              "offload": (False, {"cpu_offload": True}), "ddp": (False, DDP), "ddp_starved": (True, DDP),
              "zero1": (False, ZERO1), "zero2": (False, dict(ZERO1, zero_stage=2)),
              # gpt-oss's block: its flat expert biases cut by expert with the weights (FSDP2's DTensors, our DDP's)
-             "gpt_oss": (False, {"gpt_oss": True}), "ddp_gpt_oss": (False, dict(DDP, gpt_oss=True))},
+             "gpt_oss": (False, {"gpt_oss": True}), "ddp_gpt_oss": (False, dict(DDP, gpt_oss=True)),
+             # LoRA on the routed experts: the adapters cut by expert with the frozen weights they update
+             "lora": (False, {"lora": True}), "ddp_lora": (False, dict(DDP, lora=True))},
          4: {"efsdp2": (False, {}), "hsdp": (False, {"dp_replicate_size": 2}), "ddp_edp2": (False, DDP),
              "zero1_edp2": (False, dict(ZERO1, overlap_param_gather=True))}}
 
@@ -214,12 +220,12 @@ def _close(got: dict, r32: dict, r64: dict, key: str) -> None:
 
 @pytest.mark.parametrize("case", ["plain", "starved", "recompute", "recompute_op", "offload", "efsdp2", "hsdp", "ddp",
                                   "ddp_starved", "zero1", "zero2", "ddp_edp2", "zero1_edp2", "compiled", "ddp_compiled",
-                                  "gpt_oss", "ddp_gpt_oss"])
+                                  "gpt_oss", "ddp_gpt_oss", "lora", "ddp_lora"])
 def test_ep2_follows_one_process(results, case):
     """(compiled: --compile with ep=2 under FSDP2 and our DDP; the all-to-all's host-read split sizes break the
     graph, which compiles in pieces around them; gpt_oss: gpt-oss's block, whose expert biases ep cuts by expert)"""
-    starve, gpt_oss = case.endswith("starved"), case.endswith("gpt_oss")
-    r32, r64 = (one_process_reference(dt, starve, gpt_oss=gpt_oss) for dt in (torch.float32, torch.float64))
+    starve, gpt_oss, lora = case.endswith("starved"), case.endswith("gpt_oss"), case.endswith("lora")
+    r32, r64 = (one_process_reference(dt, starve, gpt_oss=gpt_oss, lora=lora) for dt in (torch.float32, torch.float64))
     rec = results[case]
     if case.endswith("compiled"):
         assert rec["graphs"] >= 1  # compiled, not silently eager
@@ -227,9 +233,12 @@ def test_ep2_follows_one_process(results, case):
     assert rec["local_experts"] == ([1, 1] if case == "efsdp2" else [2, 2])
     if gpt_oss:  # 2 of the 4 experts' gate and up biases (8 wide each)
         assert rec["local_bias"] == [2 * 2 * 8] * 2
+    if lora:  # 2 of the 4 experts' down adapters A [2, r=2, I=8]; only the adapters (and q's) train
+        assert rec["local_adapters"] == [[2, 2, 8]] * 2
+        assert all("lora_" in n for n in rec["grads"]) and any("experts.gate_up_proj_lora_A" in n for n in rec["grads"])
     # the clip matters: every step's norm is above --grad_clip, so a norm that missed the other ranks' experts
     # (or counted them twice) would scale every update differently
-    assert min(r32["norms"]) > 1.5 * OPT["grad_clip"]
+    assert min(r32["norms"]) > (1.1 if lora else 1.5) * OPT["grad_clip"]  # (LoRA: the adapters' norm falls faster)
     for key in ("losses", "norms"):
         tol = 10 * max(abs(a - b) for a, b in zip(r32[key], r64[key])) + 1e-6
         assert max(abs(a - b) for a, b in zip(rec[key], r32[key])) <= tol, (key, rec[key], r32[key])

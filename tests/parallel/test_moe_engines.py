@@ -32,10 +32,11 @@ GPT_OSS = dict(attn_sinks=True, qkv_bias=True, o_bias=True, moe_router_bias=True
                moe_act="gpt_oss", moe_shared_experts=0)
 
 
-def new_model(starve: bool = False, n_layers: int = 3, gpt_oss: bool = False) -> Transformer:
+def new_model(starve: bool = False, n_layers: int = 3, gpt_oss: bool = False, lora: bool = False) -> Transformer:
     """The tiny MoE model (first layer dense, 4 experts, top 2, one shared); with `starve` every token of the first
     MoE layer goes to experts 0 and 1 (rank 0's at ep=2: tests/parallel/test_expert_parallel.py). 4 layers for
-    pipeline stages (2 + 2). `gpt_oss`: gpt-oss's block (GPT_OSS), its biases drawn away from zero."""
+    pipeline stages (2 + 2). `gpt_oss`: gpt-oss's block (GPT_OSS), its biases drawn away from zero. `lora`: rank-2
+    adapters on q_proj and the routed experts (model/lora_experts.py), B drawn away from zero, the rest frozen."""
     torch.manual_seed(0)
     model = Transformer(ModelConfig(**{**dict(vocab_size=VOCAB, dim=16, n_layers=n_layers, n_heads=2, hidden_dim=32,
                                               max_seq_len=16, moe_num_experts=4, moe_top_k=2, moe_shared_experts=1,
@@ -48,6 +49,13 @@ def new_model(starve: bool = False, n_layers: int = 3, gpt_oss: bool = False) ->
                     p.normal_(0.0, 0.3)
     if starve:
         moe_layers(model)[0].expert_bias.copy_(torch.tensor([10.0, 10.0, 0.0, 0.0]))
+    if lora:
+        from model.lora import apply_lora
+        apply_lora(model, r=2, alpha=64.0, target_modules="q_proj,experts")
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0.0, 0.5)
     return model
 
 
@@ -84,14 +92,14 @@ def rank_batches(engine, step: int) -> tuple[list[dict], int]:
 
 
 def one_process_reference(dtype: torch.dtype, starve: bool = False, n_layers: int = 3,
-                          per_sequence: bool = False, gpt_oss: bool = False) -> dict:
+                          per_sequence: bool = False, gpt_oss: bool = False, lora: bool = False) -> dict:
     """One process: torch AdamW + clip_grad_norm_, the balancing terms written out, the bias rule applied (with
     `starve` the bias update is off, so the starved experts stay starved); step 1's gradients are kept, and each
     step's tokens per expert and mean balancing loss (the metrics row's)."""
-    model = new_model(starve, n_layers, gpt_oss).to(dtype)
+    model = new_model(starve, n_layers, gpt_oss, lora).to(dtype)
     for layer in moe_layers(model):  # --moe_aux_loss_type=sequence (tests/model/test_moe.py checks the function)
         layer.aux_per_sequence = per_sequence
-    params = list(model.parameters())
+    params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW([{"params": [p for p in params if p.ndim >= 2], "weight_decay": OPT["weight_decay"]},
                              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}],
                             lr=OPT["learning_rate"], betas=(OPT["beta1"], OPT["beta2"]), eps=OPT["eps"],
@@ -113,7 +121,7 @@ def one_process_reference(dtype: torch.dtype, starve: bool = False, n_layers: in
             aux_sum += float(aux[:, 0].detach().sum())
         rec["aux_loss"].append(aux_sum / (len(chunks) * len(layers)))
         if step == 1:
-            rec["grads"] = {n: p.grad.detach().double().clone() for n, p in model.named_parameters()}
+            rec["grads"] = {n: p.grad.detach().double().clone() for n, p in model.named_parameters() if p.requires_grad}
         rec["norms"].append(float(torch.nn.utils.clip_grad_norm_(params, OPT["grad_clip"])))
         opt.step()
         counts = [layer.take_counts() for layer in layers]
