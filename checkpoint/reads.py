@@ -20,7 +20,7 @@ from torch import nn
 
 from checkpoint.files import first_nonfinite, load_rank_file, load_tensor_file
 from checkpoint.rng import rng_state_problem
-from parallel.engine import trainable_state
+from parallel.engine import trainable_names
 from utils.checkpoint_json import read_json
 from utils.checkpoint_layout import (DCP_FILES_DESCRIPTION, DCP_MANIFEST, MODEL_FILE, PIPELINE_META,
                                      STAGE_FILES_DESCRIPTION, extra_file, optimizer_file)
@@ -206,7 +206,7 @@ def load_weights(module: nn.Module, state: dict[str, torch.Tensor], partial: boo
                 raise
             raise mismatch(f"checkpoint {source}: {where} does not fit the model ({one_line(e)[:300]})") from e
         return
-    want = set(trainable_state(module))
+    want = trainable_names(module)
     have = set(state)
     if want != have:
         raise mismatch(f"checkpoint {source}: its tensors are not this run's trainable parameters "

@@ -92,8 +92,6 @@ TP_REFUSES: dict[str, str] = {
 EP_DDP_REFUSES: dict[str, str] = {
     "whole_model_on_one_rank": "samples and task evaluation run the model on rank 0 alone; each rank holds only "
                                "its experts and every forward exchanges tokens with the other expert-parallel ranks",
-    "frozen_parameters": "frozen expert shards (LoRA, --trainable) are not built under our DDP yet: use "
-                         "--parallel=fsdp",
     "overlap_optim_step": "its per-bucket step clips by a norm per bucket; the experts' norm is summed over the "
                           "expert-parallel ranks",
     "low_precision_optimizer_states": "the bf16 moments live in the one-launch AdamW, which does not step "

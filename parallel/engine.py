@@ -114,11 +114,18 @@ class StateSpec:
                                      # n_microbatches, dp_engine, sharded_optimizer; stage_index, dp_rank, tp_rank
 
 
+def trainable_names(module: nn.Module) -> set[str]:
+    """The state-dict names of the trainable parameters (a tied one under each of its names)."""
+    return {n for n, p in module.named_parameters(remove_duplicate=False) if p.requires_grad}
+
+
 def trainable_state(module: nn.Module) -> dict[str, torch.Tensor]:
     """The tensors a LoRA run changes: its trainable parameters (adapters, and the embedding / LM head
-    when they train). Everything else is the frozen base, which a light checkpoint references instead."""
-    trainable = {id(p) for p in module.parameters() if p.requires_grad}
-    return {k: v for k, v in module.state_dict(keep_vars=True).items() if id(v) in trainable}
+    when they train). Everything else is the frozen base, which a light checkpoint references instead.
+    By name: a module whose state is not its parameters (parallel/expert_state.py: expert-parallel shards
+    gathered whole) hands out other tensors under the same names."""
+    names = trainable_names(module)
+    return {k: v for k, v in module.state_dict(keep_vars=True).items() if k in names}
 
 
 class TrainingEngine(Protocol):

@@ -397,9 +397,11 @@ def _numbers_and_extras(cfg: TrainConfig, p: _Problems, torch_free: bool) -> Non
                  "use --trainable=embeddings)")
     if cfg.lora_rank > 0 and not torch_free:
         from model.lora import ALL_LINEAR
+        from model.lora_experts import EXPERT_TARGETS
         targets = [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]
-        unknown = [t for t in targets if t not in ALL_LINEAR]
-        if cfg.lora_targets != "all" and (unknown or not targets):
+        unknown = [t for t in targets if t not in ALL_LINEAR + EXPERT_TARGETS + ("all", "experts")]
+        if unknown or not targets:
             p.append(f"--lora_targets={cfg.lora_targets}: unknown module name(s) "
                      f"{','.join(unknown) or '(none)'}; use a comma-separated subset of "
-                     f"{','.join(ALL_LINEAR)}, or all")
+                     f"{','.join(ALL_LINEAR)}, or all; on an MoE model also experts (or "
+                     f"{' / '.join(EXPERT_TARGETS)})")

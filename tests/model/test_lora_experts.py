@@ -159,3 +159,14 @@ def test_what_cannot_be_adapted_is_refused():
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     assert any(".o_proj.lora_A" in n for n in names) and any("experts.down_proj_lora_B" in n for n in names)
     assert not any(n.endswith(("experts.gate_up_proj", "router.weight")) for n in names)
+
+
+def test_the_trainer_refuses_expert_targets_it_cannot_adapt_in_one_line(tiny_pretrain_run_args, tmp_path, capsys):
+    from tests.trainer.test_errors import assert_one_error_line, run_main
+    base = [*tiny_pretrain_run_args, f"--out_dir={tmp_path / 'run'}", "--max_iters=1", "--lora_rank=2"]
+    code, err = run_main([*base, "--lora_targets=q_proj,experts"], capsys)  # a dense model
+    assert code == 2
+    assert_one_error_line(err, "--lora_*: the LoRA targets name the routed experts, but the model has no MoE layers")
+    code, err = run_main([*base, "--moe_num_experts=4", "--lora_targets=experts", "--lora_dropout=0.1"], capsys)
+    assert code == 2
+    assert_one_error_line(err, "lora_dropout=0.1 with the routed experts as targets")

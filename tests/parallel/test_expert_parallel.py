@@ -328,8 +328,44 @@ def test_ddp_refuses_what_needs_the_whole_model_on_one_rank():
     lines = ParallelConfig(expert_parallel_size=2).problems(4, needs={"--sample_every=10": "whole_model_on_one_rank",
                                                                       "--lora_rank=8": "frozen_parameters"})
     assert [line.split(" (")[0] for line in lines] == [
-        "--sample_every=10 cannot be combined with --expert_parallel_size=2 under --parallel=ddp",
-        "--lora_rank=8 cannot be combined with --expert_parallel_size=2 under --parallel=ddp"]
+        "--sample_every=10 cannot be combined with --expert_parallel_size=2 under --parallel=ddp"]
+
+
+def test_lora_on_the_experts_under_our_ddp_at_ep2_saves_whole_adapters_and_resumes_exactly(tiny_pretrain_run_args,
+                                                                                              tmp_path):
+    """LoRA on q_proj and the routed experts under --parallel=ddp --expert_parallel_size=2 (2 ranks): its light
+    checkpoint holds each adapter whole (all 4 experts, gathered from the ep shards) and no base weight; crashed at
+    step 3 and resumed, its losses equal the uninterrupted run's exactly (the same layout)."""
+    import os
+
+    from checkpoint.files import load_model_state
+    from checkpoint.verify import find_latest_valid
+    from tests.conftest import run_cmd, run_trainer, train_cmd
+    from utils.metrics import dedupe_by_step, read_metrics
+    moe = ["--moe_num_experts=4", "--moe_top_k=2", "--moe_hidden_dim=16", "--moe_first_dense_layers=1", "--n_layers=3"]
+    base = tmp_path / "base"
+    run_cmd(train_cmd([*tiny_pretrain_run_args, *moe, f"--out_dir={base}", "--max_iters=2", "--checkpoint_interval=2"]))
+    args = [*tiny_pretrain_run_args, *moe, f"--init_from={base}", "--lora_rank=2", "--lora_alpha=8",
+            "--lora_targets=q_proj,experts", "--expert_parallel_size=2", "--batch_size=2", "--max_iters=4",
+            "--checkpoint_interval=2"]
+
+    def losses(d):
+        return {s: r["loss"] for s, r in dedupe_by_step(read_metrics(os.path.join(d, "metrics.jsonl"))).items()}
+
+    ref, moved = tmp_path / "ref", tmp_path / "moved"
+    run_cmd(train_cmd([*args, f"--out_dir={ref}"], 2))
+    saved = load_model_state(find_latest_valid(str(ref)))
+    assert saved["layers.1.mlp.experts.gate_up_proj_lora_A"].shape == (4, 2, 32)
+    assert saved["layers.2.mlp.experts.down_proj_lora_B"].shape == (4, 32, 2)
+    assert not any(k.endswith(("experts.gate_up_proj", "experts.down_proj")) for k in saved)
+    once = tmp_path / "fired"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MYLLM_FAULT="crash@3",
+               MYLLM_FAULT_ONCE_FILE=str(once))
+    proc = run_trainer(train_cmd([*args, f"--out_dir={moved}"], 2), env=env)
+    assert proc.returncode != 0 and once.exists(), proc.stderr[-2000:]
+    run_cmd(train_cmd([*args, f"--out_dir={moved}", "--init_from=resume"], 2))
+    want, got = losses(ref), losses(moved)
+    assert sorted(want) == [1, 2, 3, 4] and got == want
 
 
 def test_trainer_refuses_in_one_line_exit_2(tiny_pretrain_run_args, tmp_path, capsys):

@@ -106,9 +106,10 @@ def _chat_args(tiny_pretrain_data, init, out, *extra):
 
 
 def test_sft_lora_and_dpo_on_an_moe_model(moe_run, tiny_pretrain_data, tmp_path):
-    """SFT (full, bias update on) trains the experts; LoRA (targets all: the attention projections and the dense
-    block's MLP get adapters, the stacked experts and the router stay frozen) leaves them bit-identical; DPO
-    starts at reward accuracy 0 (policy = reference) and logs the loads of chosen and rejected forwards."""
+    """SFT (full, bias update on) trains the experts; LoRA (targets all,experts: the attention projections, the dense
+    block's MLP and the routed experts get adapters, the stacked expert weights and the router stay frozen) saves
+    only adapters, and the merged model's experts are W + s B A of the base's; DPO starts at reward accuracy 0
+    (policy = reference) and logs the loads of chosen and rejected forwards."""
     sft_data = os.path.join(ROOT, "data", "sft")
     base = load_model_state(find_latest_valid(str(moe_run)))
     sft = tmp_path / "sft"
@@ -123,11 +124,20 @@ def test_sft_lora_and_dpo_on_an_moe_model(moe_run, tiny_pretrain_data, tmp_path)
 
     lora = tmp_path / "lora"
     run_cmd(train_cmd(_chat_args(tiny_pretrain_data, moe_run, lora, "--task_type=sft", f"--data_dir={sft_data}",
-                                 "--max_iters=2", "--checkpoint_interval=2", "--lora_rank=2", "--lora_targets=all")))
+                                 "--max_iters=2", "--checkpoint_interval=2", "--lora_rank=2", "--lora_alpha=4",
+                                 "--lora_targets=all,experts")))
     saved = load_model_state(find_latest_valid(str(lora)))
     assert any("self_attn.q_proj.lora_A" in k for k in saved) and any("layers.0.mlp.gate_proj.lora_A" in k
                                                                        for k in saved)
-    assert not any(".experts." in k or ".router." in k for k in saved)  # frozen: only adapters are saved
+    assert not any(k.endswith(("experts.gate_up_proj", "experts.down_proj")) or ".router." in k for k in saved)
+    from trainer.weights import load_weights_from
+    merged, _ = load_weights_from(str(lora), lambda m: None)  # the base rebuilt, the adapters merged
+    for proj in ("gate_up_proj", "down_proj"):
+        a, b = (saved[f"layers.2.mlp.experts.{proj}_lora_{x}"] for x in "AB")
+        assert b.abs().max() > 0  # trained away from zero
+        want = base[f"layers.2.mlp.experts.{proj}"] + 4 / 2 * torch.bmm(b, a)
+        got = merged.state_dict()[f"layers.2.mlp.experts.{proj}"]
+        assert torch.allclose(got, want, rtol=0, atol=8 * torch.finfo(torch.float32).eps * float(want.abs().max()))
 
     dpo, toy = tmp_path / "dpo", tmp_path / "toy_prefs.jsonl"
     with open(os.path.join(ROOT, "data", "dpo", "dpo_pairs.jsonl"), encoding="utf-8") as f:
