@@ -12,15 +12,19 @@ the first dimension, as the weights: expert parallelism cuts them alike). PEFT's
 [E r, in] (expert-major) and `lora_B` [out, r E] (expert-minor), under `mlp.experts` when one parameter is adapted;
 when both are, PEFT nests its wrappers in the parameters' order, so gate/up's sit under `mlp.experts.base_layer`.
 
-The update is formed in weight space in each forward (one batched matmul per projection, as PEFT does): every expert
-backend (grouped matmul, the loops), expert parallelism and torch.compile run unchanged. The cost: each MoE layer keeps
-one more copy of its experts' weights for the backward (activation checkpointing recomputes it instead). There is no
-dropout on this path (PEFT's ParamWrapper has none either: an input dropout has no place in a weight update).
+Where the experts run on the grouped matmul (CUDA's default in bf16; `backend="grouped_mm"`), the update is added to each projection's
+output, s (x A_e^T) B_e^T by two more grouped matmuls (`ExpertLoRA.add`): nothing the size of the weights is formed.
+Under the loops (the CPU's default), and on the grouped matmul with a rank whose rows are not 16-byte aligned, it is
+formed in weight space, W + s B A per expert (one batched matmul per projection, as PEFT does), and the loop runs on
+the adapted weights: each MoE layer then keeps one more copy of its experts' weights for the backward (activation
+checkpointing recomputes it instead). Expert parallelism and torch.compile run unchanged either way. No dropout
+(PEFT's ParamWrapper has none either: the update is the same whichever side of the matmul it is applied on).
 Must never: let a frozen expert weight take a gradient, or write gate/up rows in another order than the family's.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
 import torch
@@ -67,17 +71,43 @@ def adapter_names(experts: nn.Module) -> tuple[str, ...]:
                  is not None)
 
 
-def adapted_weights(experts: nn.Module, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-                    local: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(gate/up, down) with each adapted projection's update added: W + s B A per expert (`local`: this rank's
-    shard of a parameter under expert parallelism, else the parameter)."""
+@dataclass(frozen=True)
+class ExpertLoRA:
+    """One GroupedExperts' adapters as its forward uses them: {projection: (A [E, r, in], B [E, out, r])} (this
+    rank's experts' under expert parallelism) and the scaling alpha / r."""
+    pairs: dict
+    scaling: float
+
+    def grouped_ok(self, x: torch.Tensor) -> bool:
+        """Whether the grouped matmul can take the rank-r operands: it needs 16-byte aligned rows (r a multiple of 8
+        in bf16, of 4 in fp32)."""
+        r = next(iter(self.pairs.values()))[0].shape[1]
+        return (r * x.element_size()) % 16 == 0
+
+    def add(self, proj: str, x: torch.Tensor, y: torch.Tensor, mm: Callable) -> torch.Tensor:
+        """y + s (x A_e^T) B_e^T for each row's expert e (`mm`: the per-expert matmul of the rows), or y."""
+        pair = self.pairs.get(proj)
+        if pair is None:
+            return y
+        a, b = (t.to(x.dtype) for t in pair)
+        return y + self.scaling * mm(mm(x, a), b)
+
+
+def adapters_of(experts: nn.Module, local: Callable[[torch.Tensor], torch.Tensor]) -> ExpertLoRA:
+    """The adapters of one GroupedExperts with adapters (`local`: this rank's shard of a parameter under expert
+    parallelism, else the parameter)."""
+    pairs = {p: (local(getattr(experts, f"{p}_lora_A")), local(getattr(experts, f"{p}_lora_B")))
+             for p in _PROJECTIONS if getattr(experts, f"{p}_lora_A", None) is not None}
+    return ExpertLoRA(pairs, experts.lora_scaling)
+
+
+def adapted_weights(lora: ExpertLoRA, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(gate/up, down) with each adapted projection's update added in weight space: W + s B A per expert."""
     out = []
     for proj, w in zip(_PROJECTIONS, (w_gate_up, w_down)):
-        a = getattr(experts, f"{proj}_lora_A", None)
-        if a is not None:
-            b = local(getattr(experts, f"{proj}_lora_B"))
-            a = local(a)
-            w = torch.baddbmm(w, b.to(w.dtype), a.to(w.dtype), alpha=experts.lora_scaling)
+        if proj in lora.pairs:
+            a, b = lora.pairs[proj]
+            w = torch.baddbmm(w, b.to(w.dtype), a.to(w.dtype), alpha=lora.scaling)
         out.append(w)
     return out[0], out[1]
 

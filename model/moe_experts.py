@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from model import kernels
-from model.lora_experts import adapted_weights
+from model.lora_experts import ExpertLoRA, adapted_weights, adapters_of
 
 EXPERT_BACKENDS = ("auto", "grouped_mm", "fused_loop", "loop")
 
@@ -61,20 +61,29 @@ SWIGLU = ExpertAct()
 
 def experts_grouped(rows: torch.Tensor, counts: torch.Tensor, w_gate_up: torch.Tensor,
                     w_down: torch.Tensor, act: ExpertAct = SWIGLU, b_gate_up: Optional[torch.Tensor] = None,
-                    b_down: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    b_down: Optional[torch.Tensor] = None, lora: Optional[ExpertLoRA] = None) -> torch.Tensor:
     """SwiGLU (or `act`) of each expert's rows by the grouped matmul (two launches: gate and up together, then down;
     no host read).
     w_gate_up [E, 2I, D] (gate rows, then up rows), w_down [E, D, I] (nn.Linear's [out, in] per expert); biases
     (gpt-oss's) b_gate_up [E, 2I] and b_down [E, D], each row taking its expert's (found from the offsets on the
-    device)."""
+    device); `lora`: LoRA adapters on the experts, added to each projection's output as s (x A_e^T) B_e^T by two
+    more grouped matmuls each (model/lora_experts.py)."""
     offs = torch.cumsum(counts, dim=0).to(torch.int32)
-    gate_up = _GROUPED_MM(rows, w_gate_up.transpose(-2, -1), offs=offs)
+
+    def mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return _GROUPED_MM(x, w.transpose(-2, -1), offs=offs)
+    gate_up = mm(rows, w_gate_up)
+    if lora is not None:
+        gate_up = lora.add("gate_up_proj", rows, gate_up, mm)
     if b_gate_up is not None or b_down is not None:
         row = torch.arange(rows.shape[0], device=rows.device, dtype=torch.int32)
         expert = torch.searchsorted(offs, row, right=True).clamp(max=counts.numel() - 1)
         if b_gate_up is not None:
             gate_up = gate_up + b_gate_up[expert].to(gate_up.dtype)
-    out = _GROUPED_MM(act(*gate_up.chunk(2, dim=-1)), w_down.transpose(-2, -1), offs=offs)
+    hidden = act(*gate_up.chunk(2, dim=-1))
+    out = mm(hidden, w_down)
+    if lora is not None:
+        out = lora.add("down_proj", hidden, out, mm)
     return out if b_down is None else out + b_down[expert].to(out.dtype)
 
 
@@ -247,13 +256,18 @@ class GroupedExperts(nn.Module):
         # under expert parallelism this rank computes its own experts (parallel/transforms/expert_parallel.py hands
         # it their rows and counts)
         weights = tuple(self._local(w) for w in (self.gate_up_proj, self.down_proj) + self.biases())
-        if self.lora_scaling is not None:  # LoRA on the experts (model/lora_experts.py): W + s B A per expert
-            weights = adapted_weights(self, weights[0], weights[1], self._local) + weights[2:]
-        if plain:
+        lora = None
+        if self.lora_scaling is not None:  # LoRA on the experts (model/lora_experts.py)
+            lora = adapters_of(self, self._local)
+            if fn is not experts_grouped or not lora.grouped_ok(rows):  # the update in weight space: W + s B A
+                weights, lora = adapted_weights(lora, weights[0], weights[1]) + weights[2:], None
+        if plain and lora is None:
             return fn(rows, counts, *weights)
         w_gate_up, w_down, *flat = weights
         n = w_gate_up.shape[0]  # (this rank's experts under expert parallelism)
         b_gate_up, b_down = (b.view(n, -1) for b in flat) if flat else (None, None)
+        if lora is not None:  # (the grouped matmul: the update on the activations, s (x A^T) B^T)
+            return experts_grouped(rows, counts, w_gate_up, w_down, self.act, b_gate_up, b_down, lora)
         return fn(rows, counts, w_gate_up, w_down, self.act, b_gate_up, b_down)
 
 

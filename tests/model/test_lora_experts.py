@@ -67,9 +67,10 @@ def _batch():
 
 
 def test_the_adapted_experts_are_the_written_out_weights_under_every_backend():
+    """(rank 4: the grouped matmul takes fp32 rows of 16 bytes, and adds the update to the outputs)"""
     x, y = _batch()
     base = _model().double()
-    model = _adapted(copy.deepcopy(base))
+    model = _adapted(copy.deepcopy(base), r=4)
     plain = _written_out(base, model)
     eps64 = torch.finfo(torch.float64).eps
     with torch.no_grad():
@@ -99,6 +100,38 @@ def test_the_adapted_experts_are_the_written_out_weights_under_every_backend():
         for n, g in loop.items():
             bound = 2 * (ref32[n].double() - g).abs().max() + 8 * torch.finfo(torch.float32).eps * g.abs().max()
             assert (grouped[n].double() - g).abs().max() <= bound, n
+
+
+def _copies_kept(model: Transformer, x: torch.Tensor) -> int:
+    """How many tensors the forward keeps for backward whose storage is an expert weight's size but no parameter's:
+    adapted copies of the weights."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    sizes = {ex.gate_up_proj.untyped_storage().nbytes() for _, ex in grouped_experts(model)} | \
+        {ex.down_proj.untyped_storage().nbytes() for _, ex in grouped_experts(model)}
+    copies = set()
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params and st.nbytes() in sizes:
+            copies.add(st.data_ptr())
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x).sum()
+    return len(copies)
+
+
+@pytest.mark.skipif(not grouped_mm_supported(torch.zeros(1)), reason="torch without the grouped matmul")
+def test_on_the_grouped_matmul_no_adapted_copy_of_the_expert_weights_is_kept():
+    """The loops run on W + s B A formed per forward (a copy of both weights kept for backward in each MoE layer);
+    the grouped matmul adds s (x A^T) B^T to the outputs instead, and keeps none (rank 4: fp32 rows of 16 bytes;
+    at rank 2 it falls back to the weights' update, and keeps them)."""
+    x, _ = _batch()
+    layers = sum(1 for _ in grouped_experts(_model()))
+    for r, backend, kept in ((4, "loop", 2 * layers), (4, "grouped_mm", 0), (2, "grouped_mm", 2 * layers)):
+        model = _adapted(_model(), r=r)
+        for _, ex in grouped_experts(model):
+            ex.backend = backend
+        assert _copies_kept(model, x) == kept, (r, backend)
 
 
 def test_merged_is_the_written_out_model_and_has_its_keys():
@@ -170,3 +203,36 @@ def test_the_trainer_refuses_expert_targets_it_cannot_adapt_in_one_line(tiny_pre
     code, err = run_main([*base, "--moe_num_experts=4", "--lora_targets=experts", "--lora_dropout=0.1"], capsys)
     assert code == 2
     assert_one_error_line(err, "lora_dropout=0.1 with the routed experts as targets")
+
+
+@pytest.mark.skipif(not grouped_mm_supported(torch.zeros(1)), reason="torch without the grouped matmul")
+def test_the_grouped_update_compiles_as_one_graph_in_bf16():
+    """torch.compile(fullgraph=True) (aot_eager) of the bf16 model whose experts run the grouped matmul with the
+    update on the outputs (rank 8: bf16 rows of 16 bytes, CUDA's default path): one graph; the loss and the adapters'
+    gradients within 2x the eager bf16 model's own error against the fp64 model (+ 8 bf16 ulps)."""
+    x, y = _batch()
+    truth_model = _adapted(_model(), r=8).double().eval()
+    model = copy.deepcopy(truth_model).bfloat16()
+    for _, ex in grouped_experts(model):
+        ex.backend = "grouped_mm"
+
+    def loss_and_grads(m, params_of=None):
+        params_of = params_of or m
+        params_of.zero_grad(set_to_none=True)
+        loss = m(x, labels=y)
+        loss.backward()
+        return {"loss": loss.detach().double(), **{n: p.grad.double() for n, p in params_of.named_parameters()
+                                                   if p.requires_grad}}
+    truth, eager = loss_and_grads(truth_model), loss_and_grads(model)
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+    torch._dynamo.reset()
+    got = loss_and_grads(torch.compile(model, backend=counting, fullgraph=True), params_of=model)
+    assert len(graphs) == 1
+    ulp = torch.finfo(torch.bfloat16).eps
+    for n, t in truth.items():
+        bound = 2 * (eager[n] - t).abs().max() + 8 * ulp * t.abs().max()
+        assert (got[n] - t).abs().max() <= bound, n
