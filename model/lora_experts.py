@@ -3,8 +3,9 @@ of its gate/up weight and of its down weight, W_e + (alpha / r) B_e A_e, as PEFT
 them on transformers 5's stacked experts (its `lora.ParamWrapper`).
 
 Owns: the target names (`EXPERT_TARGETS`, `expert_targets`), `add_expert_adapters` (the adapters of one
-GroupedExperts), `adapted_weights` (the weights its forward uses), `merge_expert_adapters`, and the PEFT layout both
-ways (`peft_expert_tensors`, `expert_tensors_from_peft`).
+GroupedExperts), what its forward uses (`adapters_of` -> `ExpertLoRA`, whose `add` updates a grouped matmul's
+outputs; `adapted_weights`, the weight-space update), `merge_expert_adapters`, and the PEFT layout both ways
+(`peft_expert_tensors`, `expert_tensors_from_peft`).
 
 Ours, beside the frozen `gate_up_proj` [E, 2I, D] and `down_proj` [E, D, I]: `gate_up_proj_lora_A` [E, r, D],
 `gate_up_proj_lora_B` [E, 2I, r], `down_proj_lora_A` [E, r, I], `down_proj_lora_B` [E, D, r] (whole experts along
@@ -12,13 +13,14 @@ the first dimension, as the weights: expert parallelism cuts them alike). PEFT's
 [E r, in] (expert-major) and `lora_B` [out, r E] (expert-minor), under `mlp.experts` when one parameter is adapted;
 when both are, PEFT nests its wrappers in the parameters' order, so gate/up's sit under `mlp.experts.base_layer`.
 
-Where the experts run on the grouped matmul (CUDA's default in bf16; `backend="grouped_mm"`), the update is added to each projection's
-output, s (x A_e^T) B_e^T by two more grouped matmuls (`ExpertLoRA.add`): nothing the size of the weights is formed.
-Under the loops (the CPU's default), and on the grouped matmul with a rank whose rows are not 16-byte aligned, it is
-formed in weight space, W + s B A per expert (one batched matmul per projection, as PEFT does), and the loop runs on
-the adapted weights: each MoE layer then keeps one more copy of its experts' weights for the backward (activation
-checkpointing recomputes it instead). Expert parallelism and torch.compile run unchanged either way. No dropout
-(PEFT's ParamWrapper has none either: the update is the same whichever side of the matmul it is applied on).
+Where the grouped matmul runs (CUDA in bf16, the CPU outside torch.compile: `auto` takes it for adapted experts), the
+update is added to each projection's output, s (x A_e^T) B_e^T by two more grouped matmuls (`ExpertLoRA.add`): nothing
+the size of the weights is formed. Under the loops (the CPU under compile, or asked for), and with a rank whose rows
+are not 16-byte aligned, it is formed in weight space, W + s B A per expert (one batched matmul per projection, as
+PEFT does), and the loop runs on the adapted weights: each MoE layer then keeps one more copy of its experts' weights
+for the backward (activation checkpointing recomputes it instead). Expert parallelism and torch.compile run unchanged
+either way. No dropout (PEFT's ParamWrapper has none either: the update is the same whichever side of the matmul it is
+applied on).
 Must never: let a frozen expert weight take a gradient, or write gate/up rows in another order than the family's.
 """
 from __future__ import annotations

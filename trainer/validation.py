@@ -303,6 +303,18 @@ def _sliding_layers_problem(cfg: TrainConfig) -> Optional[str]:
     return window_problem(cfg.sliding_window, layers, cfg.n_layers)
 
 
+def _lora_target_problems(lora_targets: str) -> list[str]:
+    from model.lora import ALL_LINEAR
+    from model.lora_experts import EXPERT_TARGETS
+    targets = [t.strip() for t in lora_targets.split(",") if t.strip()]
+    unknown = [t for t in targets if t not in ALL_LINEAR + EXPERT_TARGETS + ("all", "experts")]
+    if not unknown and targets:
+        return []
+    return [f"--lora_targets={lora_targets}: unknown module name(s) {','.join(unknown) or '(none)'}; use a "
+            f"comma-separated subset of {','.join(ALL_LINEAR)}, or all; on an MoE model also experts (or "
+            f"{' / '.join(EXPERT_TARGETS)})"]
+
+
 def _numbers_and_extras(cfg: TrainConfig, p: _Problems, torch_free: bool) -> None:
     """Ranges of the numeric flags, and the checks of samples, skipped data steps and LoRA targets."""
     for name in ("batch_size", "gradient_accumulation_steps", "max_iters", "max_seq_len", "checkpoint_interval",
@@ -396,12 +408,4 @@ def _numbers_and_extras(cfg: TrainConfig, p: _Problems, torch_free: bool) -> Non
         p.append("--lora_train_embeddings=true needs --lora_rank>0 (to train only the embedding and LM head, "
                  "use --trainable=embeddings)")
     if cfg.lora_rank > 0 and not torch_free:
-        from model.lora import ALL_LINEAR
-        from model.lora_experts import EXPERT_TARGETS
-        targets = [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]
-        unknown = [t for t in targets if t not in ALL_LINEAR + EXPERT_TARGETS + ("all", "experts")]
-        if unknown or not targets:
-            p.append(f"--lora_targets={cfg.lora_targets}: unknown module name(s) "
-                     f"{','.join(unknown) or '(none)'}; use a comma-separated subset of "
-                     f"{','.join(ALL_LINEAR)}, or all; on an MoE model also experts (or "
-                     f"{' / '.join(EXPERT_TARGETS)})")
+        p.extend(_lora_target_problems(cfg.lora_targets))

@@ -124,10 +124,11 @@ def _copies_kept(model: Transformer, x: torch.Tensor) -> int:
 def test_on_the_grouped_matmul_no_adapted_copy_of_the_expert_weights_is_kept():
     """The loops run on W + s B A formed per forward (a copy of both weights kept for backward in each MoE layer);
     the grouped matmul adds s (x A^T) B^T to the outputs instead, and keeps none (rank 4: fp32 rows of 16 bytes;
-    at rank 2 it falls back to the weights' update, and keeps them)."""
+    at rank 2 it falls back to the weights' update, and keeps them); `auto` takes it wherever it runs."""
     x, _ = _batch()
     layers = sum(1 for _ in grouped_experts(_model()))
-    for r, backend, kept in ((4, "loop", 2 * layers), (4, "grouped_mm", 0), (2, "grouped_mm", 2 * layers)):
+    for r, backend, kept in ((4, "loop", 2 * layers), (4, "grouped_mm", 0), (4, "auto", 0),
+                             (2, "grouped_mm", 2 * layers), (2, "auto", 2 * layers)):
         model = _adapted(_model(), r=r)
         for _, ex in grouped_experts(model):
             ex.backend = backend

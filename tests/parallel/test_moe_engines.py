@@ -32,11 +32,12 @@ GPT_OSS = dict(attn_sinks=True, qkv_bias=True, o_bias=True, moe_router_bias=True
                moe_act="gpt_oss", moe_shared_experts=0)
 
 
-def new_model(starve: bool = False, n_layers: int = 3, gpt_oss: bool = False, lora: bool = False) -> Transformer:
+def new_model(starve: bool = False, n_layers: int = 3, gpt_oss: bool = False, lora: int = 0) -> Transformer:
     """The tiny MoE model (first layer dense, 4 experts, top 2, one shared); with `starve` every token of the first
     MoE layer goes to experts 0 and 1 (rank 0's at ep=2: tests/parallel/test_expert_parallel.py). 4 layers for
-    pipeline stages (2 + 2). `gpt_oss`: gpt-oss's block (GPT_OSS), its biases drawn away from zero. `lora`: rank-2
-    adapters on q_proj and the routed experts (model/lora_experts.py), B drawn away from zero, the rest frozen."""
+    pipeline stages (2 + 2). `gpt_oss`: gpt-oss's block (GPT_OSS), its biases drawn away from zero. `lora`: adapters of
+    that rank on q_proj and the routed experts (model/lora_experts.py), B drawn away from zero, the rest frozen (rank
+    4 runs the CPU's grouped matmul, the update on its outputs; rank 2 the weight-space update on the fused loop)."""
     torch.manual_seed(0)
     model = Transformer(ModelConfig(**{**dict(vocab_size=VOCAB, dim=16, n_layers=n_layers, n_heads=2, hidden_dim=32,
                                               max_seq_len=16, moe_num_experts=4, moe_top_k=2, moe_shared_experts=1,
@@ -51,7 +52,7 @@ def new_model(starve: bool = False, n_layers: int = 3, gpt_oss: bool = False, lo
         moe_layers(model)[0].expert_bias.copy_(torch.tensor([10.0, 10.0, 0.0, 0.0]))
     if lora:
         from model.lora import apply_lora
-        apply_lora(model, r=2, alpha=64.0, target_modules="q_proj,experts")
+        apply_lora(model, r=lora, alpha=16.0 if lora == 4 else 64.0, target_modules="q_proj,experts")
         with torch.no_grad():
             for n, p in model.named_parameters():
                 if "lora_B" in n:
@@ -92,7 +93,7 @@ def rank_batches(engine, step: int) -> tuple[list[dict], int]:
 
 
 def one_process_reference(dtype: torch.dtype, starve: bool = False, n_layers: int = 3,
-                          per_sequence: bool = False, gpt_oss: bool = False, lora: bool = False) -> dict:
+                          per_sequence: bool = False, gpt_oss: bool = False, lora: int = 0) -> dict:
     """One process: torch AdamW + clip_grad_norm_, the balancing terms written out, the bias rule applied (with
     `starve` the bias update is off, so the starved experts stay starved); step 1's gradients are kept, and each
     step's tokens per expert and mean balancing loss (the metrics row's)."""
