@@ -340,7 +340,9 @@ def test_lora_on_the_experts_under_our_ddp_at_ep2_saves_whole_adapters_and_resum
                                                                                               tmp_path):
     """LoRA on q_proj and the routed experts under --parallel=ddp --expert_parallel_size=2 (2 ranks): its light
     checkpoint holds each adapter whole (all 4 experts, gathered from the ep shards) and no base weight; crashed at
-    step 3 and resumed, its losses equal the uninterrupted run's exactly (the same layout)."""
+    step 3 and resumed, its losses equal the uninterrupted run's exactly (the same layout). Tensor parallel at 2
+    (the MoE layers whole on each rank, each its share of the tokens) follows one process within 10x the ep run's
+    own difference from it."""
     import os
 
     from checkpoint.files import load_model_state
@@ -371,6 +373,13 @@ def test_lora_on_the_experts_under_our_ddp_at_ep2_saves_whole_adapters_and_resum
     run_cmd(train_cmd([*args, f"--out_dir={moved}", "--init_from=resume"], 2))
     want, got = losses(ref), losses(moved)
     assert sorted(want) == [1, 2, 3, 4] and got == want
+    one, tp = tmp_path / "one", tmp_path / "tp2"
+    single = [a for a in args if a not in ("--expert_parallel_size=2", "--batch_size=2")]
+    run_cmd(train_cmd([*single, f"--out_dir={one}"]))
+    run_cmd(train_cmd([*single, "--tensor_parallel_size=2", f"--out_dir={tp}"], 2))
+    ref1, tp2 = losses(one), losses(tp)
+    tol = 10 * max(abs(want[s] - ref1[s]) for s in want) + 1e-7
+    assert sorted(tp2) == [1, 2, 3, 4] and max(abs(tp2[s] - ref1[s]) for s in ref1) <= tol, (tp2, ref1, tol)
 
 
 def test_trainer_refuses_in_one_line_exit_2(tiny_pretrain_run_args, tmp_path, capsys):
