@@ -1,7 +1,8 @@
 """A DeepSeek-V3-style MoE model of ours (sigmoid scores, selection biases, group-limited routing, routed scaling,
 a shared expert, a dense first block) to a Hugging Face GLM-4-MoE directory and back (model/hf_glm4_moe.py through
 model/hf_interop.py): transformers' Glm4MoeForCausalLM gives our logits (float64: equal to its fp32 routing), the
-import gives back the very tensors, transformers' own saved layout imports too; what ours cannot hold is refused."""
+import gives back the very tensors, transformers' own saved layout imports too; what ours cannot hold is refused. LoRA
+adapters (attention, the routed experts' target_parameters) both ways with PEFT."""
 import json
 import os
 
@@ -179,3 +180,29 @@ def test_lora_adapters_of_an_moe_model_in_peft_on_the_glm_export(tmp_path, targe
     assert (ours - base).abs().max() > 100 * _tol(ours)  # the adapters change the logits
     same = torch.allclose(theirs, ours, atol=_tol(ours), rtol=0)
     assert same == (not mlp), ((theirs - ours).abs().max(), _tol(ours))
+
+
+def test_peft_made_expert_adapters_load_into_our_model(tmp_path):
+    """The other way: adapters PEFT itself makes on the exported Glm4MoeForCausalLM (q_proj and both stacked expert
+    weights as target_parameters, B drawn away from zero), saved by PEFT and read by model/lora.py load_lora onto our
+    model: PEFT's logits."""
+    peft = pytest.importorskip("peft")
+    from model.lora import load_lora
+    model = _model()
+    export_hf(model, str(tmp_path / "base"))
+    pm = peft.get_peft_model(_hf(str(tmp_path / "base")), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj"],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0.0, 0.05)
+    pm.save_pretrained(str(tmp_path / "adapter"))
+    x = torch.randint(0, 96, (1, 10))
+    load_lora(model.double().eval(), str(tmp_path / "adapter"))
+    assert any("experts.gate_up_proj_lora_B" in n for n, _ in model.named_parameters())
+    with torch.no_grad():
+        theirs, ours, base = pm.eval()(input_ids=x).logits, model(x), _hf(str(tmp_path / "base"))(x).logits
+    assert (theirs - base).abs().max() > 100 * _tol(ours)  # the adapters change the logits
+    assert torch.allclose(theirs, ours, atol=_tol(ours), rtol=0), ((theirs - ours).abs().max(), _tol(ours))
