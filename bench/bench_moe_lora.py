@@ -7,7 +7,7 @@ Both blocks hold the same weights and the same adapters (ours exported with mode
 with model/lora.py save_lora and read by peft.PeftModel.from_pretrained, the outputs compared first); both get the
 same hidden states and output gradient. Ours runs its grouped-matmul path (the update added to the outputs,
 s (x A^T) B^T) and its fused-loop path (the update formed in weight space, as PEFT does); transformers' block runs its
-default experts implementation and its grouped matmul. Rows are interleaved round by round; medians are reported.
+eager experts and its grouped matmul (`experts_implementation`). Rows are interleaved round by round; medians are reported.
 "Kept" counts each tensor the forward saves for backward once (by storage), parameters excluded.
 
     .venv/bin/python bench/bench_moe_lora.py                 # defaults below, ~1 min on 2 cores
