@@ -7,9 +7,9 @@ Owns: the command-line wrapper around model.generate (KV cache, temperature / to
 sampling, the repetition penalty, stop at eos or the chat's end of turn) and `build_prompt_ids`. `--chat` wraps
 the prompt in the tokenizer's chat template as a user turn (for SFT/DPO models; ChatML for ours).
 `--speculative=mtp`: a model trained with multi-token prediction drafts the token after next with its first depth
-and verifies it in the next forward (model/speculative.py; greedy output unchanged, sampling the same distribution;
-it pays only where the drafts are mostly right). The checkpoint, the model and the recorded tokenizer are loaded by
-inference/loading.py (shared with eval_lm.py).
+and verifies it in the next forward (model/speculative.py; greedy output unchanged, sampling the same distribution,
+the repetition penalty included; it pays only where the drafts are mostly right). The checkpoint, the model and the
+recorded tokenizer are loaded by inference/loading.py (shared with eval_lm.py).
 Exit 2 for a bad flag or a --checkpoint that names nothing, 5 for a damaged checkpoint (one line naming the file;
 docs/errors.md). Flags, a --ckpt that is not there and a --checkpoint that names nothing are answered before torch
 is imported. Must never modify the checkpoint, or turn text the user typed (`<|im_end|>`, `</s>`, ...) into special
@@ -81,8 +81,6 @@ def _flag_problem(args) -> Optional[str]:
         return f"--min_p={args.min_p}: must be in [0, 1]"
     if not 0 < args.repetition_penalty < float("inf"):
         return f"--repetition_penalty={args.repetition_penalty}: must be a finite number > 0"
-    if args.speculative == "mtp" and args.repetition_penalty != 1:
-        return "--repetition_penalty is not applied by --speculative=mtp (use --speculative=off)"
     if args.system and not args.chat:
         return "--system is a chat turn: give --chat too"
     from tokenizer.chat_template import parse_template_kwargs  # (torch-free)
@@ -159,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     knobs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
                  top_p=args.top_p, min_p=args.min_p, stop_ids=stop_ids)
     if args.speculative == "mtp":
-        out, stats = generate_mtp(model, x, **knobs)
+        out, stats = generate_mtp(model, x, repetition_penalty=args.repetition_penalty, **knobs)
         print(f"sample.py: {stats.summary()}", file=sys.stderr)
     else:
         out = generate(model, x, use_cache=True, repetition_penalty=args.repetition_penalty, **knobs)

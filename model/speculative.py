@@ -17,6 +17,9 @@ One step, for the last emitted token t_P (not yet in the model's cache) and the 
 A batch moves together (one cache position for every row): a second token is emitted only where every unfinished
 row's draft stood. Only the first depth drafts (as DeepSeek-V3 evaluated it); further depths would chain drafts.
 
+The repetition penalty (`repetition_penalty`) applies where plain decoding applies it: to the logits of each
+position over the ids before it (the verified position's over the emitted ids, the draft's over those and the last
+token), so the rule above compares the penalized distributions.
 Numerics: greedy decoding emits plain greedy's tokens up to argmax ties within rounding (the verifying forward
 multiplies two rows where plain decoding multiplies one); sampling draws the same distribution with other random
 numbers (not plain sampling's tokens for a seed).
@@ -30,7 +33,7 @@ from typing import Iterable, Optional
 import torch
 
 from model.decode import Decoder, fast_path_applies
-from model.generate import StopRule, decode_dtype, multinomial_one, sample_next, truncate
+from model.generate import StopRule, decode_dtype, multinomial_one, penalize_repeats, sample_next, truncate
 from model.kv_cache import KVCache, kv_heads_of
 from model.llama import Transformer
 
@@ -89,24 +92,27 @@ class MTPDraft:
 def generate_mtp(model: Transformer, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: Optional[int] = None, top_p: Optional[float] = None,
                  stop_ids: Optional[Iterable[int]] = None, generator: Optional[torch.Generator] = None,
-                 pack: Optional[bool] = None, min_p: Optional[float] = None) -> tuple[torch.Tensor, SpecStats]:
+                 pack: Optional[bool] = None, min_p: Optional[float] = None,
+                 repetition_penalty: float = 1.0) -> tuple[torch.Tensor, SpecStats]:
     """`model/generate.py generate`'s contract (a batch of equal-length prompts [B, T] -> [B, T + n], n <=
-    max_new_tokens, stop ids) with the first MTP depth drafting the token after next; returns the tokens and
-    what the drafts saved. ValueError where `why_not` names a reason."""
+    max_new_tokens, stop ids, the repetition penalty) with the first MTP depth drafting the token after next;
+    returns the tokens and what the drafts saved. ValueError where `why_not` names a reason."""
     problem = why_not(model)
     if problem:
         raise ValueError(f"speculative decoding: {problem}")
+    if not repetition_penalty > 0:
+        raise ValueError(f"generate: repetition_penalty must be > 0, got {repetition_penalty}")
     was_training = model.training
     model.eval()
     try:
-        return _generate(model, input_ids, max_new_tokens, temperature, (top_k, top_p, min_p), stop_ids, generator,
-                         pack)
+        return _generate(model, input_ids, max_new_tokens, temperature, (top_k, top_p, min_p, repetition_penalty),
+                         stop_ids, generator, pack)
     finally:
         model.train(was_training)
 
 
 def _generate(model, input_ids, max_new_tokens, temperature, cuts, stop_ids, generator, pack):
-    top_k, top_p, min_p = cuts
+    top_k, top_p, min_p, penalty = cuts
     B, T = input_ids.shape
     device = input_ids.device
     stats = SpecStats()
@@ -117,10 +123,18 @@ def _generate(model, input_ids, max_new_tokens, temperature, cuts, stop_ids, gen
     rows = StopRule(B, device, stop_ids)
     finite = torch.ones((), dtype=torch.bool, device=device)  # read once at the end, as generate does
 
+    def penalized(logits: torch.Tensor) -> torch.Tensor:
+        """The logits of the position after the ids so far (the prompt and every emitted token), with the
+        repetition penalty over those ids, as plain decoding penalizes them."""
+        if penalty == 1.0:
+            return logits
+        seen = torch.cat([input_ids, torch.stack(rows.tokens, dim=1)], dim=1) if rows.tokens else input_ids
+        return penalize_repeats(logits, seen, penalty)
+
     def pick(logits: torch.Tensor) -> torch.Tensor:
         nonlocal finite
         finite &= torch.isfinite(logits).all()
-        return sample_next(logits, temperature, top_k, top_p, generator, min_p)
+        return sample_next(penalized(logits), temperature, top_k, top_p, generator, min_p)
 
     def probs(logits: torch.Tensor) -> torch.Tensor:
         return truncate(logits.float() / temperature, top_k, top_p, min_p).softmax(dim=-1)
@@ -142,6 +156,7 @@ def _generate(model, input_ids, max_new_tokens, temperature, cuts, stop_ids, gen
                 last = rows.emit(pick(dec.logits(h[:, -1])))
                 break
             finite &= torch.isfinite(draft_logits).all()  # a broken depth must not pick tokens
+            draft_logits = penalized(draft_logits)  # (the draft's position is the verified one's below)
             if temperature == 0:
                 d = draft_logits.argmax(dim=-1)
             else:
@@ -150,6 +165,7 @@ def _generate(model, input_ids, max_new_tokens, temperature, cuts, stop_ids, gen
             h = dec.hidden(model.embed(torch.stack([last, d], dim=1)), dec.layers, dec.cache)
             logits = dec.logits(h[:, 0])
             finite &= torch.isfinite(logits).all()
+            logits = penalized(logits)
             if temperature == 0:
                 nxt = logits.argmax(dim=-1)
                 stood = nxt == d

@@ -53,24 +53,34 @@ def _depth_logits(m: Transformer, seq: torch.Tensor) -> torch.Tensor:
         return m.lm_head(d.norm(d.block(x, cos, sin, m._attn_spec(B, T, positions, None, False, None), None)))
 
 
-def _min_margin(m: Transformer, out: torch.Tensor, T: int) -> float:
-    """The smallest gap between the best and second-best logit where greedy decoding chose a token."""
+def _min_margin(m: Transformer, out: torch.Tensor, T: int, penalty: float = 1.0) -> float:
+    """The smallest gap between the best and second-best logit (penalized over the ids before it) where greedy
+    decoding chose a token."""
+    from model.generate import penalize_repeats
     with torch.no_grad():
-        top2 = m(out[:, :-1])[:, T - 1:].topk(2, dim=-1).values
+        logits = m(out[:, :-1])[:, T - 1:]
+        if penalty != 1.0:
+            logits = torch.stack([penalize_repeats(logits[:, i], out[:, :T + i], penalty)
+                                  for i in range(logits.shape[1])], dim=1)
+        top2 = logits.topk(2, dim=-1).values
     return float((top2[..., 0] - top2[..., 1]).min())
 
 
-@pytest.mark.parametrize("moe", [False, True, "mla", "gpt_oss"], ids=["dense", "moe", "mla-moe", "gpt-oss"])
-def test_greedy_equals_plain_greedy_and_drafts_equal_the_depths_forward(moe, monkeypatch):
+@pytest.mark.parametrize("moe, penalty", [(False, 1.0), (True, 1.0), ("mla", 1.0), ("gpt_oss", 1.0), (False, 1.3)],
+                         ids=["dense", "moe", "mla-moe", "gpt-oss", "dense-repetition-penalty"])
+def test_greedy_equals_plain_greedy_and_drafts_equal_the_depths_forward(moe, penalty, monkeypatch):
     """Drafts made right on every other call (the greedy token after next added to their logits) so that both
-    paths run: greedy output equals plain greedy decoding's, drafts stand exactly where they were made right, and
+    paths run: greedy output equals plain greedy decoding's (with the repetition penalty too: each position's logits
+    penalized over the ids before it, as plain decoding does), drafts stand exactly where they were made right, and
     every draft the decoder computed equals the depth's forward over the final sequence (in float64) within 8x the
     model's own fp32 error: after a rejected draft the depth's cache must not hold it."""
     m = _model(moe)
     x = torch.randint(0, V, (3, 5), generator=torch.Generator().manual_seed(1))
     n = 17
-    ref = generate(m, x, n, temperature=0)
-    assert _min_margin(m, ref, x.shape[1]) > 1e-4  # no argmax tie within rounding on this path
+    ref = generate(m, x, n, temperature=0, repetition_penalty=penalty)
+    if penalty != 1.0:  # the penalty changes what greedy decoding emits here
+        assert not torch.equal(ref, generate(m, x, n, temperature=0))
+    assert _min_margin(m, ref, x.shape[1], penalty) > 1e-4  # no argmax tie within rounding on this path
     seen, made_right = [], []
     extend = MTPDraft.extend
 
@@ -84,7 +94,7 @@ def test_greedy_equals_plain_greedy_and_drafts_equal_the_depths_forward(moe, mon
         return logits
 
     monkeypatch.setattr(MTPDraft, "extend", spy)
-    out, stats = generate_mtp(m, x, n, temperature=0, pack=False)
+    out, stats = generate_mtp(m, x, n, temperature=0, pack=False, repetition_penalty=penalty)
     assert torch.equal(out, ref)
     assert 0 < stats.accepted < stats.steps and stats.accepted == len(made_right)
     assert stats.forwards == 1 + stats.steps + (n - 1 - stats.steps - stats.accepted)
@@ -120,24 +130,25 @@ def test_stops_and_budget_follow_plain_decoding(n, monkeypatch):
     assert stats.accepted == stats.steps
 
 
-def test_sampling_draws_the_models_distribution():
+@pytest.mark.parametrize("penalty", [1.0, 2.0], ids=["plain", "repetition-penalty"])
+def test_sampling_draws_the_models_distribution(penalty):
     """20,000 rows, temperature 0.9 and top-k 5 over a 6-token vocabulary: the second new token passes the
     speculative rule (an untrained depth drafts from a distribution far from the model's), and the frequencies of
-    the first two new tokens match the model's joint probabilities, p(a) p(b | a) from full forwards, within 5
-    standard deviations per cell. Accepting every draft (the rule left out) puts the second token at the draft's
-    distribution and fails this."""
+    the first two new tokens match the model's joint probabilities, p(a) p(b | a) from full forwards (each with the
+    repetition penalty over the ids before it), within 5 standard deviations per cell. Accepting every draft (the
+    rule left out) puts the second token at the draft's distribution and fails this."""
+    from model.generate import penalize_repeats, truncate
     m = _model(vocab_size=6, dim=16, n_layers=1, n_heads=2, n_kv_heads=1, hidden_dim=32, initializer_range=0.5)
     N, temp, k = 20000, 0.9, 5
     prompt = torch.tensor([[1, 2, 3]])
     out, stats = generate_mtp(m, prompt.expand(N, 3), 3, temperature=temp, top_k=k,
-                              generator=torch.Generator().manual_seed(0))
+                              generator=torch.Generator().manual_seed(0), repetition_penalty=penalty)
     assert stats.steps == 1 and 0.05 < stats.row_accepted / stats.row_drafts < 0.95  # the rule decides
     with torch.no_grad():
-        scaled = lambda logits: logits / temp  # noqa: E731
-        from model.generate import truncate
-        pa = truncate(scaled(m(prompt)[:, -1]), k).softmax(-1)[0]                              # [6]
-        seqs = torch.cat([prompt.expand(6, 3), torch.arange(6)[:, None]], dim=1)
-        pb = truncate(scaled(m(seqs)[:, -1]), k).softmax(-1)                                   # [6, 6]
+        def dist(seqs):  # the next token's sampling distribution after each of `seqs`
+            return truncate(penalize_repeats(m(seqs)[:, -1], seqs, penalty) / temp, k).softmax(-1)
+        pa = dist(prompt)[0]                                                                   # [6]
+        pb = dist(torch.cat([prompt.expand(6, 3), torch.arange(6)[:, None]], dim=1))            # [6, 6]
     joint = (pa[:, None] * pb).double()
     counts = torch.zeros(6, 6, dtype=torch.float64)
     counts.index_put_((out[:, 3], out[:, 4]), torch.ones(N, dtype=torch.float64), accumulate=True)

@@ -120,8 +120,8 @@ def test_export_leaves_the_depths_out(mtp_runs, tmp_path, capsys):
 
 def test_sample_drafts_with_the_depth(mtp_runs, capsys):
     """sample.py on an MTP run: greedy text with the depth drafting (`--speculative=mtp`) is the text without it
-    (the default, which says the depths are there), with a line saying how many drafts stood; `--speculative=mtp` on
-    a run without depths is one line, exit 2."""
+    (the default, which says the depths are there), with a line saying how many drafts stood, with the repetition
+    penalty too; `--speculative=mtp` on a run without depths is one line, exit 2."""
     import sample
     args = [f"--ckpt={mtp_runs['w3']}", "--prompt=the", "--temperature=0", "--max_new_tokens=12", "--device=cpu"]
     assert sample.main([*args, "--speculative=mtp"]) == 0
@@ -131,6 +131,11 @@ def test_sample_drafts_with_the_depth(mtp_runs, capsys):
     assert spec_out == plain_out and len(spec_out) > len("---\nthe\n"), (spec_out, plain_out)
     assert "speculative decoding (multi-token prediction depth 1):" in spec_err
     assert "the model has 2 multi-token prediction depth(s): --speculative=mtp drafts" in plain_err
+    outs = []
+    for extra in (["--speculative=mtp"], []):  # with the repetition penalty: the same text, other than without it
+        assert sample.main([*args, "--repetition_penalty=1.5", *extra]) == 0
+        outs.append(capsys.readouterr().out)
+    assert outs[0] == outs[1] != plain_out, (outs, plain_out)
     code = sample.main([f"--ckpt={mtp_runs['plain']}", "--prompt=the", "--speculative=mtp", "--device=cpu"])
     err = capsys.readouterr().err
     assert code == EXIT_BAD_CONFIG and "Traceback" not in err, err
