@@ -67,6 +67,12 @@ def penalize_repeats(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -
     return logits.scatter(1, seen, torch.where(got < 0, got * penalty, got / penalty))
 
 
+def check_repetition_penalty(penalty: float) -> None:
+    """ValueError unless the penalty is > 0 (generate's and model/speculative.py generate_mtp's check)."""
+    if not penalty > 0:
+        raise ValueError(f"generate: repetition_penalty must be > 0, got {penalty}")
+
+
 def multinomial_one(probs: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """One draw per row of probs [B, V] -> [B]: the draws of torch.multinomial(probs, 1, generator=generator),
     computed as torch computes one sample (argmax(probs / q), q ~ Exp(1) from the generator: the exponential race;
@@ -149,8 +155,7 @@ def generate(model: Transformer, input_ids: torch.Tensor, max_new_tokens: int, t
     A row that emits one of `stop_ids` is finished: its later positions repeat that stop id. Generation
     ends early once every row has finished. repetition_penalty != 1: `penalize_repeats` over each row's ids so far.
     """
-    if not repetition_penalty > 0:
-        raise ValueError(f"generate: repetition_penalty must be > 0, got {repetition_penalty}")
+    check_repetition_penalty(repetition_penalty)
     was_training = model.training
     model.eval()
     try:

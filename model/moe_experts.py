@@ -259,9 +259,10 @@ class GroupedExperts(nn.Module):
         lora = None
         if self.lora_scaling is not None:  # LoRA on the experts (model/lora_experts.py)
             lora = adapters_of(self, self._local)
-            if self.backend == "auto" and grouped_mm_supported(rows) and lora.grouped_ok(rows):
-                fn = experts_grouped  # (where it runs: no adapted copy of the weights, bench/bench_moe_lora.py)
-            if fn is not experts_grouped or not lora.grouped_ok(rows):  # the update in weight space: W + s B A
+            # the grouped matmul where it was asked for or (auto) runs: no adapted copy of the weights
+            # (bench/bench_moe_lora.py); else the update in weight space, W + s B A
+            grouped = fn is experts_grouped or (self.backend == "auto" and grouped_mm_supported(rows))
+            if not (grouped and lora.grouped_ok(rows)):
                 weights, lora = adapted_weights(lora, weights[0], weights[1]) + weights[2:], None
         if plain and lora is None:
             return fn(rows, counts, *weights)

@@ -17,9 +17,9 @@ One step, for the last emitted token t_P (not yet in the model's cache) and the 
 A batch moves together (one cache position for every row): a second token is emitted only where every unfinished
 row's draft stood. Only the first depth drafts (as DeepSeek-V3 evaluated it); further depths would chain drafts.
 
-The repetition penalty (`repetition_penalty`) applies where plain decoding applies it: to the logits of each
-position over the ids before it (the verified position's over the emitted ids, the draft's over those and the last
-token), so the rule above compares the penalized distributions.
+The repetition penalty (`repetition_penalty`) applies where plain decoding applies it: to the logits of a position
+over the ids before it (the prompt and every emitted token; the draft's and the verified logits are of the same
+position), so the rule above compares the penalized distributions.
 Numerics: greedy decoding emits plain greedy's tokens up to argmax ties within rounding (the verifying forward
 multiplies two rows where plain decoding multiplies one); sampling draws the same distribution with other random
 numbers (not plain sampling's tokens for a seed).
@@ -33,7 +33,8 @@ from typing import Iterable, Optional
 import torch
 
 from model.decode import Decoder, fast_path_applies
-from model.generate import StopRule, decode_dtype, multinomial_one, penalize_repeats, sample_next, truncate
+from model.generate import (StopRule, check_repetition_penalty, decode_dtype, multinomial_one, penalize_repeats,
+                            sample_next, truncate)
 from model.kv_cache import KVCache, kv_heads_of
 from model.llama import Transformer
 
@@ -100,8 +101,7 @@ def generate_mtp(model: Transformer, input_ids: torch.Tensor, max_new_tokens: in
     problem = why_not(model)
     if problem:
         raise ValueError(f"speculative decoding: {problem}")
-    if not repetition_penalty > 0:
-        raise ValueError(f"generate: repetition_penalty must be > 0, got {repetition_penalty}")
+    check_repetition_penalty(repetition_penalty)
     was_training = model.training
     model.eval()
     try:
