@@ -25,6 +25,10 @@ Gemma 3 all but the last layer sliding at their own RoPE base, q / k norms.
 
     .venv/bin/python bench/bench_grpo_generate.py [--dim=256] [--n_layers=4] [--vocab=4096] [--group=8]
         [--prompt_len=32] [--new_tokens=64] [--repeats=5] [--threads=0] [--device=cpu] [--mla | --gpt_oss | --gemma=2|3]
+        [--prompts=K]
+
+--prompts=K (> 1): K prompts of different lengths, their groups decoded one at a time (--rollout_batch_prompts=1, K
+calls) and together (one call of K x G rows, the prompts left-padded), beside HF generate on the same rows left-padded.
 """
 from __future__ import annotations
 
@@ -47,6 +51,9 @@ def main(argv: list[str]) -> int:
     p.add_argument("--mla", action="store_true", help="multi-head latent attention (DeepSeek-V3's shape, scaled)")
     p.add_argument("--gpt_oss", action="store_true", help="gpt-oss's block (sinks, biases, windows, its experts)")
     p.add_argument("--gemma", type=int, choices=(0, 2, 3), default=0, help="Gemma 2's or Gemma 3's block")
+    p.add_argument("--prompts", type=int, default=1, help="K > 1: K prompts of different lengths (--prompt_len down "
+                   "to half of it), decoded one group at a time and together (--rollout_batch_prompts), beside HF "
+                   "generate on the K x G rows left-padded")
     a = p.parse_args(argv)
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -82,6 +89,8 @@ def main(argv: list[str]) -> int:
     eos = hf.generation_config.eos_token_id
     stop_ids = [eos] if isinstance(eos, int) else list(eos or [])
     load_before = os.getloadavg()[0]
+    if a.prompts > 1:
+        return _batched(a, ours, hf, stop_ids, device, load_before)
 
     def run_ours(temperature: float = 1.0):
         g = torch.Generator(device=device).manual_seed(1)
@@ -110,6 +119,60 @@ def main(argv: list[str]) -> int:
     print(f"ours (KV cache, logprobs recorded): {statistics.median(tps_ours):,.0f} tokens/s; HF generate: "
           f"{statistics.median(tps_hf):,.0f} tokens/s; ratio {statistics.median(ratios):.2f}x (per repeat "
           f"{ratios[0]:.2f}-{ratios[-1]:.2f}); near-greedy (T=1e-6) tokens equal to HF greedy: {greedy_same}")
+    return 0
+
+
+def _batched(a, ours, hf, stop_ids: list, device, load_before: float) -> int:
+    """--prompts K: K groups one at a time (K sample_groups calls), together (one call, the prompts left-padded) and
+    HF generate on the K x G rows left-padded, interleaved --repeats times after a warm-up; tokens/s count the rows x
+    steps each decoded."""
+    import torch
+
+    from trainer.tasks.grpo_rollout import sample_groups
+    g = torch.Generator().manual_seed(2)
+    lengths = [a.prompt_len - (a.prompt_len // 2) * k // max(1, a.prompts - 1) for k in range(a.prompts)]
+    prompts = [torch.randint(3, a.vocab, (n,), generator=g).tolist() for n in lengths]
+    P = max(lengths)
+    x = torch.tensor([[0] * (P - len(p)) + p for p in prompts for _ in range(a.group)], device=device)
+    mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts for _ in range(a.group)], device=device)
+
+    def ours_call(batch: list, temperature: float = 1.0) -> list:
+        gens = [torch.Generator(device=device).manual_seed(1 + k) for k in range(len(batch))]
+        return sample_groups(ours, batch, a.group, a.new_tokens, temperature=temperature, top_p=1.0,
+                             stop_ids=stop_ids, pad_id=0, generators=gens)
+
+    def one_by_one() -> int:
+        return sum(t.numel() for p in prompts for t, _, _ in ours_call([p]))
+
+    def together() -> int:
+        return sum(t.numel() for t, _, _ in ours_call(prompts))
+
+    def hf_run(greedy: bool = False):
+        kw = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0)
+        with torch.no_grad():
+            out = hf.generate(x, attention_mask=mask, max_new_tokens=a.new_tokens, eos_token_id=stop_ids,
+                              pad_token_id=0, **kw)
+        return out[:, P:] if greedy else out[:, P:].numel()
+
+    runs = {"ours, one group at a time": one_by_one, "ours, together": together, "HF generate": hf_run}
+    for run in runs.values():
+        run()  # warm-up
+    tps: dict = {name: [] for name in runs}
+    for _ in range(a.repeats):
+        for name, run in runs.items():
+            t0 = time.perf_counter()
+            n = run()
+            tps[name].append(n / (time.perf_counter() - t0))
+    med = {name: statistics.median(v) for name, v in tps.items()}
+    print(f"[bench_grpo_generate] {type(hf).__name__}, dim {a.dim} x {a.n_layers} layers, vocab {a.vocab}, "
+          f"{a.prompts} prompts of {min(lengths)}-{P} tokens x group {a.group}, {a.new_tokens} new tokens, "
+          f"{torch.get_num_threads()} threads, {device}, {a.repeats} interleaved repeats, load average "
+          f"{load_before:.1f} -> {os.getloadavg()[0]:.1f}")
+    base = med["ours, one group at a time"]
+    print("; ".join(f"{name}: {v:,.0f} tokens/s ({v / base:.2f}x)" for name, v in med.items()))
+    greedy = torch.cat([t for t, _, _ in ours_call(prompts, temperature=1e-6)]).cpu()
+    print(f"near-greedy (T=1e-6) tokens decoded together equal to HF greedy on the left-padded rows: "
+          f"{bool(torch.equal(greedy, hf_run(greedy=True).cpu()))}")
     return 0
 
 

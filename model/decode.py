@@ -2,7 +2,7 @@
 projection weights laid out once per generation call for few-row matmuls.
 
 Owns: `Decoder` (a model, its `KVCache`, the weights prepared for decoding; `prefill`, `step`), `fast_path_applies`.
-Used by model/generate.py `generate` and trainer/tasks/grpo_rollout.py `sample_group`.
+Used by model/generate.py `generate` and trainer/tasks/grpo_rollout.py `sample_groups`.
 
 Why a second forward: a decode step multiplies a few rows ([G, dim], G ~ 8) by every weight, so per-op overhead and
 the matmuls' handling of the weight dominate, not arithmetic; the model's forward pays there for what training
@@ -24,7 +24,9 @@ call). Here, per generation call:
   norms over all the heads, Gemma 2's capped scores (`attention.softcap_attention`) and capped logits, Granite's
   multipliers;
 - under torch.inference_mode (no version counters or autograd metadata per op).
-A prompt shared by every row (GRPO's group) is prefilled once, as one row, and its keys/values copied to the rows.
+A prompt shared by every row (GRPO's group) is prefilled once, as one row, and its keys/values copied to the rows;
+several groups' prompts (`prefill_groups`) are left-padded to the longest, each row's positions counted from its
+first real token and its pads masked out of every attention (the model's own padding rule, `attention.allowed`).
 
 Numerics: the model's operations in the same dtypes (RoPE, SwiGLU, the residual adds, SDPA over the cache), but
 matmul blocking and reduction order differ, so values differ from a whole-row forward by rounding: the KV-cache
@@ -123,15 +125,16 @@ def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 class Decoder:
     """A model's generation state: its KV cache for `batch_size` rows of up to `max_len` positions, and (fast path)
-    its projection weights prepared once. `prefill` / `prefill_shared` run the prompt, `step` one token per row; each
-    returns the logits of the last position [B, V]. pack: None = oneDNN packing where it applies (CPU, fp32,
-    weights of PACK_MIN elements or more); False = never (tests). The fast path runs under torch.inference_mode
-    (~10% of a small model's step); the fallback under no_grad: FSDP2 keeps buffers its forward allocates, which
-    inference mode would make unusable in training."""
+    its projection weights prepared once. `prefill` / `prefill_shared` / `prefill_groups` run the prompts, `step`
+    one token per row; each returns the logits of the last position [B, V]. pack: None = oneDNN packing where it
+    applies (CPU, fp32, weights of PACK_MIN elements or more); False = never (tests). The fast path runs under
+    torch.inference_mode (~10% of a small model's step); the fallback under no_grad: FSDP2 keeps buffers its forward
+    allocates, which inference mode would make unusable in training."""
 
     def __init__(self, model: nn.Module, batch_size: int, max_len: int, device: torch.device, dtype: torch.dtype,
                  pack: Optional[bool] = None):
         self.model, self.rows, self.max_len, self.dtype = model, batch_size, max_len, dtype
+        self.pads: Optional[torch.Tensor] = None  # [B] left pads of the rows (prefill_groups), None: none
         self.cache = KVCache(model.cfg, batch_size, max_len, device, dtype, kv_heads_of(model))
         self.fast = fast_path_applies(model)
         self.layers, self.rope = [], None
@@ -183,45 +186,78 @@ class Decoder:
 
     def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [B, T] (B = batch_size) from position 0 -> logits [B, V] of the last position."""
+        self.pads = None
         with self._mode():
             return self._forward(tokens, self.cache)
 
     def prefill_shared(self, prompt: torch.Tensor) -> torch.Tensor:
         """One prompt [T] for every row: computed once, as one row, its keys/values copied to every row of the
-        cache -> logits [B, V] (the one row's, expanded)."""
-        T = prompt.shape[0]
+        cache -> logits [B, V] (the one row's, repeated)."""
+        return self.prefill_groups([prompt.tolist()], self.rows)
+
+    def prefill_groups(self, prompts: Sequence[Sequence[int]], group: int) -> torch.Tensor:
+        """Several prompts, each shared by `group` consecutive rows (batch_size = len(prompts) x group): each prompt
+        computed once (one row each, left-padded to the longest), its keys/values copied to its rows -> logits
+        [B, V]. A padded row's positions count from its first real token and its pads are masked out of every later
+        attention (`step` too), so each row computes what it would alone, up to rounding. Prompts of one length
+        need no padding."""
+        K, P = len(prompts), max(len(p) for p in prompts)
+        if K * group != self.rows or min(len(p) for p in prompts) < 1:
+            raise ValueError(f"prefill_groups: {K} non-empty prompts x {group} rows each for {self.rows} rows")
+        device = self.cache.k[0].device
+        pads = torch.tensor([P - len(p) for p in prompts], device=device)
+        # the pads hold the prompt's first token: any id would do (masked), this one is already in the row
+        tokens = torch.tensor([[p[0]] * (P - len(p)) + list(p) for p in prompts], dtype=torch.long, device=device)
+        padded = pads if bool(pads.any()) else None
         with self._mode():
-            one = KVCache(self.model.cfg, 1, T, prompt.device, self.dtype, kv_heads_of(self.model))
-            logits = self._forward(prompt[None], one)
-            for dst, src in zip(self.cache.k + self.cache.v, one.k + one.v):
-                dst[:, :, :T] = src
-        self.cache.pos = T
-        return logits.expand(self.rows, -1)
+            part = KVCache(self.model.cfg, K, P, device, self.dtype, kv_heads_of(self.model))
+            logits = self._forward(tokens, part, padded)
+            for dst, src in zip(self.cache.k + self.cache.v, part.k + part.v):
+                dst[:, :, :P] = src.repeat_interleave(group, dim=0)
+        self.cache.pos = P
+        self.pads = None if padded is None else padded.repeat_interleave(group)
+        return logits.repeat_interleave(group, dim=0)
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [B] (one new token per row) -> logits [B, V]."""
         with self._mode():
-            return self._forward(tokens[:, None], self.cache)
+            return self._forward(tokens[:, None], self.cache, self.pads)
 
     def _mode(self):
         return torch.inference_mode() if self.fast else torch.no_grad()
 
-    def _rope(self, past: int, T: int, device: torch.device, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cat(cos, cos), cat(-sin, sin)) [T, 1, D] of positions past .. past+T-1 (`local`: Gemma 3's sliding
-        layers' table)."""
+    def _rope(self, past: int, T: int, device: torch.device, local: bool = False,
+              positions: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cat(cos, cos), cat(-sin, sin)) [T, 1, D] of positions past .. past+T-1, or [B, T, 1, D] of each row's
+        `positions` [B, T] (`local`: Gemma 3's sliding layers' table)."""
         rope = self.rope_local if local else self.rope
         if rope is not None:
+            if positions is not None:
+                return rope[0][positions][:, :, None], rope[1][positions][:, :, None]
             return rope[0][past:past + T, None], rope[1][past:past + T, None]
         # dynamic RoPE scaling: the tables depend on the length, computed as the model's forward does
-        positions = torch.arange(past, past + T, device=device)[None]
         rotary = self.model.rotary_local if local else self.model.rotary
-        cos, sin = (t[0, :, 0].to(self.dtype) for t in rotary(positions))
-        return torch.cat((cos, cos), -1)[:, None], torch.cat((-sin, sin), -1)[:, None]
+        if positions is None:
+            cos, sin = (t[0, :, 0].to(self.dtype) for t in rotary(torch.arange(past, past + T, device=device)[None]))
+        else:
+            cos, sin = (t[:, :, 0].to(self.dtype) for t in rotary(positions))
+        return torch.cat((cos, cos), -1)[..., None, :], torch.cat((-sin, sin), -1)[..., None, :]
 
-    def _forward(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    @staticmethod
+    def padded(pads: torch.Tensor, past: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions [B, T] of cache positions past .. past+T-1, counted from each row's first real token; which of
+        the keys [B, past + T] are real) of rows left-padded by `pads` [B]."""
+        idx = torch.arange(past + T, device=pads.device)
+        return (idx[None, past:] - pads[:, None]).clamp_min(0), idx[None] >= pads[:, None]
+
+    def _forward(self, tokens: torch.Tensor, cache: KVCache, pads: Optional[torch.Tensor] = None) -> torch.Tensor:
         if not self.fast:
-            return self.model(tokens, cache=cache, logits_to_keep=1)[:, -1]
-        return self.logits(self.hidden(self.model.embed(tokens), self.layers, cache)[:, -1])
+            kw = {}
+            if pads is not None:  # the model's own padding: a key mask and each row's positions
+                positions, real = self.padded(pads, cache.pos, tokens.shape[1])
+                kw = dict(attention_mask=real, position_ids=positions)
+            return self.model(tokens, cache=cache, logits_to_keep=1, **kw)[:, -1]
+        return self.logits(self.hidden(self.model.embed(tokens), self.layers, cache, pads)[:, -1])
 
     def logits(self, h: torch.Tensor, norm: Optional[nn.Module] = None) -> torch.Tensor:
         """The LM head's logits [..., V] of hidden states h [..., D] before the final norm (the model's, or
@@ -230,24 +266,29 @@ class Decoder:
         h = _rms_norm(self.model.norm if norm is None else norm, h)
         return softcap(self.head(h if cfg.logits_scaling is None else h / cfg.logits_scaling), cfg.final_softcap)
 
-    def hidden(self, h: torch.Tensor, layers: list, cache: KVCache) -> torch.Tensor:
+    def hidden(self, h: torch.Tensor, layers: list, cache: KVCache, pads: Optional[torch.Tensor] = None
+               ) -> torch.Tensor:
         """Embedded inputs h [B, T, D] at positions cache.pos .. + T - 1 through `layers` (`prepare`d blocks, the
         cache's layer i for the i-th) -> their hidden states [B, T, D] (before any final norm); advances
-        cache.pos (fast path)."""
+        cache.pos (fast path). pads [B]: rows left-padded by that many positions (`prefill_groups`)."""
         B, T = h.shape[:2]
         past = cache.pos
         if past + T > cache.max_len:
             raise ValueError(f"KV cache overflow: {past + T} > {cache.max_len}")
-        cos2, sin2 = self._rope(past, T, h.device)
-        spec = windowed = None
-        if T > 1 and past > 0:  # several new tokens over a cache: the model's masked attention
-            positions = torch.arange(past, past + T, device=h.device)[None].expand(B, T)
-            spec = attention.build_spec(B, T, positions, past=past, head_dim=self.model.cfg.head_dim)
         window = self.model.cfg.sliding_window
+        spec = windowed = real = positions = None
+        if pads is not None:  # every step masked: the pads are no keys
+            positions, real = self.padded(pads, past, T)
+            spec = AttnSpec("sdpa_masked", is_causal=False, mask=attention.dense_mask(T, past, h.device, None, real))
+        elif T > 1 and past > 0:  # several new tokens over a cache: the model's masked attention
+            spec = attention.build_spec(B, T, torch.arange(past, past + T, device=h.device)[None].expand(B, T),
+                                        past=past, head_dim=self.model.cfg.head_dim)
         if window and past + T > window:  # the sliding layers see the cache's last `window` positions
             windowed = AttnSpec("sdpa_masked", is_causal=False,
-                                mask=attention.dense_mask(T, past, h.device, window=window))
-        local = self._rope(past, T, h.device, local=True) if self.model.rotary_local is not None else None
+                                mask=attention.dense_mask(T, past, h.device, None, real, window))
+        cos2, sin2 = self._rope(past, T, h.device, positions=positions)
+        local = self._rope(past, T, h.device, local=True, positions=positions) \
+            if self.model.rotary_local is not None else None
         for i, (block, qkv, o, gate_up, down) in enumerate(layers):
             a = block.self_attn
             x = _rms_norm(block.input_layernorm, h) if block.pre_norms else h

@@ -20,8 +20,9 @@ vocabularies padded to other sizes are compared over their common rows).
 On-policy (GKD, Agarwal et al. 2024; TRL's GKDTrainer lmbda): with --distill_lmbda = l, a step is trained on the
 student's own replies with probability l (a draw from (seed, step), every rank alike): before the step each row's last
 assistant reply is replaced by one the student samples from the row's prompt (everything before that reply; earlier
-replies become context, untrained), sampled as GRPO's rollouts are (trainer/tasks/grpo_rollout.py sample_group, from a
-generator seeded by (seed, step, the row's tokens): the same reply whichever rank or micro-batch holds the row), up to
+replies become context, untrained), sampled as GRPO's rollouts are (trainer/tasks/grpo_rollout.py sample_groups, from a
+generator seeded by (seed, step, the row's tokens): the same reply whichever rank or micro-batch holds the row, bit for
+bit with --rollout_batch_prompts=1, else up to the rounding of the rows decoded together), up to
 --max_completion_length tokens and the row's --max_seq_len; the loss is then the same divergence at the sampled
 tokens: the teacher's whole distribution where the student actually goes. With --distill_seq_kd the other steps'
 replies are the teacher's own samples, drawn alike (sequence-level KD, Kim & Rush 2016; TRL's seq_kd).
@@ -37,7 +38,7 @@ import torch
 from dataset.chat_dataset import right_pad
 from model.distill_head import distill_head, teacher_hidden
 from trainer.tasks.base import lm_inputs
-from trainer.tasks.grpo_rollout import every_rank_done, rollout_seed, sample_group
+from trainer.tasks.grpo_rollout import every_rank_done, rollout_seed, sample_groups, seeded_generator
 from trainer.tasks.sft import SFTTask
 from utils.constants import IGNORE_INDEX
 
@@ -112,25 +113,30 @@ class DistillTask(SFTTask):
                      _by="student" if student else "teacher") for b in batches], skipped
 
     def _sampled_replies(self, model, batch: dict, step: int, device, all_done) -> dict:
-        """One micro-batch with each row's last reply sampled by `model` (one `sample_group` call per row on every
-        rank, each generating --max_completion_length tokens at most, so that FSDP's ranks forward alike)."""
+        """One micro-batch with each row's last reply sampled by `model` (--rollout_batch_prompts rows per
+        `sample_groups` call, each row from its own generator, as many calls on every rank, each generating
+        --max_completion_length tokens at most, so that FSDP's ranks forward alike)."""
         cfg = self.cfg
         x, y = batch["input_ids"], batch["labels"]
         lengths = batch["attention_mask"].sum(1).tolist() if "attention_mask" in batch else [x.shape[1]] * len(x)
         room = min(cfg.max_seq_len, model.cfg.max_seq_len)  # a training row's positions
+        prompts = [last_reply_prompt(x[r], y[r], int(n)) for r, n in enumerate(lengths)]
+        seeds = [rollout_seed(cfg.seed, step, zlib.crc32(x[r, :int(n)].numpy().tobytes()))
+                 for r, n in enumerate(lengths)]
+        k = cfg.rollout_batch_prompts or len(prompts)
         rows = []
-        for r, n in enumerate(lengths):
-            prompt = last_reply_prompt(x[r], y[r], int(n))
-            gen = torch.Generator(device=device)
-            gen.manual_seed(rollout_seed(cfg.seed, step, zlib.crc32(x[r, :int(n)].numpy().tobytes())))
-            toks, mask, _ = sample_group(model, prompt, 1, cfg.max_completion_length, temperature=cfg.temperature,
-                                         top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p,
-                                         repetition_penalty=cfg.repetition_penalty, stop_ids=self._stop_ids,
-                                         pad_id=self._pad_id, generator=gen, all_done=all_done)
-            reply = toks[0][mask[0]].tolist()[:room + 1 - len(prompt)]
-            # an id past the tokenizer's (a vocabulary padded beyond it) is no token: the reply ends before it
-            cut = next((k for k, t in enumerate(reply) if t >= self._vocab), len(reply))
-            rows.append((prompt, reply[:cut]))
+        for c in range(0, len(prompts), k):
+            part = prompts[c:c + k]
+            outs = sample_groups(model, part, 1, cfg.max_completion_length, temperature=cfg.temperature,
+                                 top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p,
+                                 repetition_penalty=cfg.repetition_penalty, stop_ids=self._stop_ids,
+                                 pad_id=self._pad_id, all_done=all_done,
+                                 generators=[seeded_generator(device, s) for s in seeds[c:c + k]])
+            for prompt, (toks, mask, _) in zip(part, outs):
+                reply = toks[0][mask[0]].tolist()[:room + 1 - len(prompt)]
+                # an id past the tokenizer's (a vocabulary padded beyond it) is no token: the reply ends before it
+                cut = next((j for j, t in enumerate(reply) if t >= self._vocab), len(reply))
+                rows.append((prompt, reply[:cut]))
         return reply_rows(rows, self._pad_id, self._pad_to)
 
     def micro_batch_loss(self, model, ref_model, batch, device):

@@ -123,6 +123,12 @@ class GRPOFlags:
     generation_kv_cache: bool = _f(True, "grpo: rollouts decode with the KV cache (fast); false = each new token from "
                                    "a whole-row forward of the training shape: the recorded log-probabilities then "
                                    "equal the trainer's bit for bit in fp32 on the CPU (docs/grpo.md)")
+    rollout_batch_prompts: int = _f(1, "grpo, --distill_lmbda: prompts whose completions decode together, K x G "
+                                    "rows of one batch, the prompts left-padded (model/decode.py prefill_groups): "
+                                    "fewer, fuller decode steps; 0 = every prompt of the micro-batch. 1 = one group at "
+                                    "a time: its tokens are then a function of (seed, step, prompt) bit for bit in any "
+                                    "layout; with K > 1 each group still draws from its own generator, but its logits "
+                                    "round as the batch they share does (docs/grpo.md)")
     chunked_logprobs: bool = _f(False, "grpo: the trainer's per-token log-probabilities and entropies (policy, "
                                 "reference, old policy) computed --loss_chunk_size tokens at a time from the LM head, "
                                 "never the whole [rows x tokens x vocabulary] logits; under tensor parallelism on "
@@ -172,7 +178,8 @@ def sampling_problems(cfg: Any) -> list[str]:
             (cfg.top_k >= 0, "top_k", "must be >= 0 (0 = off)"),
             (math.isfinite(cfg.min_p) and 0 <= cfg.min_p <= 1, "min_p", "must be in [0, 1] (0 = off)"),
             (math.isfinite(cfg.repetition_penalty) and cfg.repetition_penalty > 0, "repetition_penalty",
-             "must be a finite number > 0 (1 = off)")):
+             "must be a finite number > 0 (1 = off)"),
+            (cfg.rollout_batch_prompts >= 0, "rollout_batch_prompts", "must be >= 0 (0 = the whole micro-batch)")):
         if not ok:
             out.append(f"--{name}={getattr(cfg, name)}: {rule}")
     return out

@@ -1,21 +1,25 @@
-"""GRPO's rollouts: G completions of one prompt sampled from the current policy with the model's KV cache (or, for
+"""GRPO's rollouts: G completions of each prompt sampled from the current policy with the model's KV cache (or, for
 exact parity, whole-row forwards of the training shape), the log-probability of every sampled token recorded.
 
 Owns: `rollout_seed` (a completion group is a function of (seed, step, prompt index) only: never of the rank, the
-number of ranks or the micro-batch layout), `sample_group` (one prompt's G completions, a private generator), and
-`Group` (what the task builds training rows from).
+number of ranks or the micro-batch layout), `sample_groups` (the G completions of one or several prompts decoded
+together, each group from its own generator; `sample_group`: one prompt's), and `Group` (what the task builds
+training rows from).
 Must never: touch the training's random number generators, track gradients, or leave the model in eval mode.
 
-Why one group at a time: every rank then runs the same shapes for the same prompt, so the numbers, and the tokens
-drawn, do not depend on which rank holds the prompt or which prompts share its batch. The log-probabilities are
-those of logits / temperature (the distribution before top-k / top-p / min-p truncation), as the trainer computes them.
+Why one group at a time by default (--rollout_batch_prompts=1): every rank then runs the same shapes for the same
+prompt, so the numbers, and the tokens drawn, do not depend on which rank holds the prompt or which prompts share its
+batch. Several prompts per call (K > 1: K x G rows, the prompts left-padded, model/decode.py prefill_groups) decode in
+fewer, fuller steps; each group still draws from its own generator, but its logits round as the batch does, so a
+token drawn near a tie may differ from the one-group run's (and with the layout). The log-probabilities are those of
+logits / temperature (the distribution before top-k / top-p / min-p truncation), as the trainer computes them.
 
 Parity (docs/grpo.md): with the KV cache the new token's logits come from model/decode.py's Decoder (the prompt
 prefilled once for the group, then one-row matmuls and attention over the cache), a different summation order than
 the trainer's whole-row forward; in fp32 they differ by rounding (~1e-7).
-With generation_kv_cache=False each step runs the whole [G, max_prompt + max_completion] row, the training shape;
-a position's value does not depend on the tokens after it (causal mask, same kernel blocking for the same shape),
-so the recorded values equal the trainer's bit for bit on the CPU.
+With generation_kv_cache=False each step runs the whole [K x G, max_prompt + max_completion] rows, the training
+shape at K = 1; a position's value does not depend on the tokens after it (causal mask, same kernel blocking for the
+same shape), so the recorded values equal the trainer's bit for bit on the CPU.
 """
 from __future__ import annotations
 
@@ -37,6 +41,13 @@ def rollout_seed(seed: int, step: int, prompt_index: int) -> int:
     return x & 0x7FFF_FFFF_FFFF_FFFF
 
 
+def seeded_generator(device: Any, seed: int) -> torch.Generator:
+    """A generator on `device` seeded with `seed` (one per group: `rollout_seed`)."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    return gen
+
+
 @dataclass
 class Group:
     """One prompt's G completions: tokens [G, n] (after a row's stop token: the pad id), mask [G, n] (1 on the
@@ -48,15 +59,25 @@ class Group:
     logps: torch.Tensor
 
 
+def sample_group(model, prompt_ids: Sequence[int], group_size: int, max_new_tokens: int, *, generator: torch.Generator,
+                 **kw) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens [G, n], mask [G, n], logps [G, n]) with n <= max_new_tokens: G completions of one prompt
+    (`sample_groups` with one prompt; its keywords)."""
+    return sample_groups(model, [prompt_ids], group_size, max_new_tokens, generators=[generator], **kw)[0]
+
+
 @torch.no_grad()
-def sample_group(model, prompt_ids: Sequence[int], group_size: int, max_new_tokens: int, *, temperature: float,
-                 top_p: float, stop_ids: Sequence[int], pad_id: int, generator: torch.Generator,
-                 top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0,
-                 use_cache: bool = True, row_len: int = 0, all_done: Optional[Callable[[bool], bool]] = None
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(tokens [G, n], mask [G, n], logps [G, n]) with n <= max_new_tokens: G completions of one prompt.
+def sample_groups(model, prompts: Sequence[Sequence[int]], group_size: int, max_new_tokens: int, *, temperature: float,
+                  top_p: float, stop_ids: Sequence[int], pad_id: int, generators: Sequence[torch.Generator],
+                  top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0,
+                  use_cache: bool = True, row_len: int = 0, all_done: Optional[Callable[[bool], bool]] = None
+                  ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """[(tokens [G, n], mask [G, n], logps [G, n])] per prompt, n <= max_new_tokens: G completions of each prompt,
+    all decoded together (K prompts: K x G rows, the prompts left-padded to the longest: model/decode.py
+    prefill_groups), each group's tokens drawn from its own generator (`generators`, one per prompt), so a group
+    draws what it draws alone up to the rounding of the batched arithmetic.
     row_len (use_cache=False): the length of the whole-row forward (the training rows' length).
-    all_done(this group is done) -> whether every rank's group is (several ranks: a forward that all-gathers, FSDP's,
+    all_done(these groups are done) -> whether every rank's are (several ranks: a forward that all-gathers, FSDP's,
     must run as often on every rank); a group that finished first decodes on with its rows masked, the same tokens.
     repetition_penalty != 1 penalises the draws (model/generate.py penalize_repeats over the prompt and the row's
     completion so far), not the recorded log-probabilities (TRL's)."""
@@ -64,56 +85,66 @@ def sample_group(model, prompt_ids: Sequence[int], group_size: int, max_new_toke
     was_training = model.training
     model.eval()
     try:
-        G, P = group_size, len(prompt_ids)
-        prompt = torch.tensor(list(prompt_ids), dtype=torch.long, device=device)
+        K, G = len(prompts), group_size
+        B, lengths = K * G, [len(p) for p in prompts]
+        if len(generators) != K:
+            raise ValueError(f"sample_groups: {len(generators)} generators for {K} prompts")
+        P = max(lengths)
+        # each prompt left-padded with its own first token (the repetition penalty's `seen`: an id already there)
+        left = torch.tensor([[p[0]] * (P - len(p)) + list(p) for p in prompts], dtype=torch.long, device=device)
         stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
-        finished = torch.zeros(G, dtype=torch.bool, device=device)
+        finished = torch.zeros(B, dtype=torch.bool, device=device)
         # preallocated outputs, column t written at step t; `ended` (the row had finished before step t) masks the
         # log-probabilities and gives the mask once, at the end
-        toks = torch.full((G, max_new_tokens), pad_id, dtype=torch.long, device=device)
-        ended = torch.ones((G, max_new_tokens), dtype=torch.bool, device=device)
-        lps = torch.zeros((G, max_new_tokens), dtype=torch.float32, device=device)
+        toks = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
+        ended = torch.ones((B, max_new_tokens), dtype=torch.bool, device=device)
+        lps = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=device)
         if use_cache:
-            decoder = Decoder(model, G, P + max_new_tokens, device, decode_dtype(model, device))
-        else:
-            row = torch.full((G, max(row_len, P + max_new_tokens)), pad_id, dtype=torch.long, device=device)
-            row[:, :P] = prompt
+            decoder = Decoder(model, B, P + max_new_tokens, device, decode_dtype(model, device))
+        else:  # each row: its prompt from position 0, then its completion (the training rows' layout)
+            row = torch.full((B, max(row_len, P + max_new_tokens)), pad_id, dtype=torch.long, device=device)
+            for k, p in enumerate(prompts):
+                row[k * G:(k + 1) * G, :len(p)] = torch.tensor(list(p), dtype=torch.long, device=device)
+            at = torch.tensor(lengths, device=device).repeat_interleave(G) - 1  # each row's last prompt position
+            rows_idx = torch.arange(B, device=device)
         def by_temperature(x: torch.Tensor) -> torch.Tensor:
             return x / temperature if temperature != 1.0 else x  # x / 1.0 is x: skipping it changes no bit
 
         n = 0
         for t in range(max_new_tokens):
             if use_cache:
-                logits = decoder.prefill_shared(prompt) if t == 0 else decoder.step(toks[:, t - 1])
+                logits = decoder.prefill_groups(prompts, G) if t == 0 else decoder.step(toks[:, t - 1])
             else:
-                logits = model(row)[:, P + t - 1]
+                logits = model(row)[rows_idx, at + t]
             scaled = by_temperature(logits.float())
             logp_all = torch.log_softmax(scaled, dim=-1)
             draw = scaled
             if repetition_penalty != 1.0:  # the draws only: the recorded log-probabilities stay logits / temperature's
-                seen = torch.cat((prompt.expand(G, P), toks[:, :t]), dim=1)
+                seen = torch.cat((left.repeat_interleave(G, dim=0), toks[:, :t]), dim=1)
                 draw = by_temperature(penalize_repeats(logits, seen, repetition_penalty))
-            nxt = sample_scaled(draw, top_k or None, top_p if top_p < 1.0 else None, generator, min_p or None)
+            nxt = torch.cat([sample_scaled(draw[k * G:(k + 1) * G], top_k or None, top_p if top_p < 1.0 else None,
+                                           gen, min_p or None) for k, gen in enumerate(generators)])
             toks[:, t] = nxt.masked_fill(finished, pad_id)
             ended[:, t] = finished
             lps[:, t] = logp_all.gather(1, nxt[:, None])[:, 0]
             finished |= torch.isin(nxt, stops)
             if not use_cache:
-                row[:, P + t] = toks[:, t]
+                row[rows_idx, at + t + 1] = toks[:, t]
             n = t + 1
             done = bool(finished.all()) if stops.numel() else False  # without stop ids no row ever finishes
             if all_done(done) if all_done is not None else done:
                 break
         lps.masked_fill_(ended, 0.0)
-        if not bool(torch.isfinite(lps).all()):  # torch.multinomial's check, once per group (model/generate.py)
+        if not bool(torch.isfinite(lps).all()):  # torch.multinomial's check, once per call (model/generate.py)
             raise ValueError("sampling a rollout: the policy's logits are not finite (NaN or inf): the model diverged")
-        return toks[:, :n].contiguous(), ~ended[:, :n], lps[:, :n].contiguous()
+        return [(toks[k * G:(k + 1) * G, :n].contiguous(), ~ended[k * G:(k + 1) * G, :n],
+                 lps[k * G:(k + 1) * G, :n].contiguous()) for k in range(K)]
     finally:
         model.train(was_training)
 
 
 def every_rank_done(engine: Any, device: Any) -> Callable[[bool], bool]:
-    """`sample_group`'s all_done over the data-parallel ranks: whether every rank's group is done (one all-reduce
+    """`sample_groups`' all_done over the data-parallel ranks: whether every rank's groups are done (one all-reduce
     per generated token)."""
     return lambda done: float(engine.sum_over_data([0.0 if done else 1.0], device)[0]) == 0.0
 
