@@ -118,15 +118,16 @@ def final_weights_start(pretrained) -> dict:
     return final_weights(pretrained["out"])
 
 
-def test_crash_and_resume_draws_the_same_completions(pretrained, tmp_path):
+@pytest.mark.parametrize("batch_prompts", ["1", "0"])
+def test_crash_and_resume_draws_the_same_completions(pretrained, tmp_path, batch_prompts):
     """A crash at step 3 resumed from the step-2 checkpoint: the same losses, rewards and weights, bit for bit
-    (the rollouts of step 3 and 4 are a function of seed, step and prompt; nothing about them is saved). The
-    length is --num_train_epochs: each rollout trains --num_iterations=2 steps, so an epoch is twice the prompt
-    batches (TRL's count), 1/3 of an epoch 4 steps."""
+    (the rollouts of step 3 and 4 are a function of seed, step and prompt; nothing about them is saved), one group
+    at a time or the micro-batch's groups decoded together. The length is --num_train_epochs: each rollout trains
+    --num_iterations=2 steps, so an epoch is twice the prompt batches (TRL's count), 1/3 of an epoch 4 steps."""
     ref, crashed = tmp_path / "ref", tmp_path / "crashed"
     base = _args(pretrained, tmp_path, "--num_train_epochs=0.3333333", "--num_iterations=2", "--temperature=0.8",
                  "--top_p=0.9", "--min_p=0.001", "--repetition_penalty=1.1", "--beta=0.05", "--loss_type=grpo",
-                 "--mask_truncated_completions=true")
+                 "--mask_truncated_completions=true", f"--rollout_batch_prompts={batch_prompts}")
     proc = run_cmd(train_cmd([*base, f"--out_dir={ref}"]), env=child_env())
     assert ("--num_train_epochs=0.333333: 1 epoch = 12 steps of 2 samples, each trained on for 2 steps (12 training "
             "samples) -> max_iters=4") in proc.stdout, proc.stdout[-3000:]
