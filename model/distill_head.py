@@ -17,9 +17,10 @@ The loss is a sum over tokens, so its gradients are computed in the forward, chu
 are live (two matmuls per chunk besides the logits', as the chunked cross-entropy's "sum", model/loss.py), and the
 backward only scales them: the fp32 weight-gradient accumulator [V, D] and the hidden state's gradient [N, D] are
 what is kept. The matmuls run in the compute dtype (autocast's: bf16 on a GPU), the softmaxes, the divergence and
-the weight gradient's sum in fp32. The teacher's side is either its logits [N, V] (whole: its own forward made them,
-under FSDP2) or `TeacherHidden`, its hidden states [N, D'] and head weight, whose logits each chunk forms beside the
-student's (`teacher_hidden` picks).
+the weight gradient's sum in fp32. The teacher's side is either `TeacherHidden`, its hidden states [N, D'] and head
+weight, whose logits each chunk forms beside the student's, or its logits [N, V] (whole: its own forward made them,
+under FSDP2 when fewer target tokens than its width make them smaller than a copy of its gathered weight);
+`teacher_hidden` picks.
 
 Soft-capped logits (Gemma 2's final_softcap, model/softcap.py): the model hands its cap to the head (`softcap`), which
 caps each chunk of the student's logits in place and multiplies its gradient by the cap's derivative, and a
@@ -212,10 +213,22 @@ def distill_head(keep: torch.Tensor, teacher, targets: torch.Tensor, **kw):
 
 def teacher_hidden(teacher_model, x: torch.Tensor, keep: torch.Tensor, **kw):
     """The teacher's side of the loss at the True positions of `keep`: `TeacherHidden` (its final normed hidden
-    states there and its LM head's weight, so that its logits are formed chunk by chunk beside the student's) where
-    that weight is a plain tensor that outlives the forward; its logits [N, V'] (`logits_to_keep`) where FSDP2 shards
-    it (its forward gathers the weight and frees it after). Call under no_grad."""
+    states there and its LM head's weight, so that its logits are formed chunk by chunk beside the student's), or its
+    logits [N, V'] (`logits_to_keep`). Where FSDP2 shards the weight (its forward gathers it and frees it after), the
+    weight is copied out of the forward when the copy [V', D'] is smaller than the logits it spares [N, V'] (more
+    target tokens than the teacher's width: `copy_weight_pays`), else the logits are formed whole. Call under
+    no_grad."""
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
-    if isinstance(teacher_model.lm_head.weight, DTensor):
+    # (the module, not the weight's type: an FSDP2 root may hold its weight unsharded between forwards)
+    sharded = isinstance(teacher_model, FSDPModule) or isinstance(teacher_model.lm_head.weight, DTensor)
+    if sharded and not copy_weight_pays(int(keep.sum()), teacher_model.lm_head.weight.shape[1]):
         return teacher_model(x, logits_to_keep=keep, **kw)
-    return teacher_model(x, head=lambda h, w, _chunk, cap=None: TeacherHidden(h[keep], w, cap), **kw)
+    return teacher_model(x, head=lambda h, w, _chunk, cap=None: TeacherHidden(h[keep], w.clone() if sharded else w,
+                                                                              cap), **kw)
+
+
+def copy_weight_pays(n_tokens: int, dim: int) -> bool:
+    """Whether a copy of a sharded teacher's head weight [V', dim] takes less memory than its logits at n_tokens
+    positions [n_tokens, V'] (the same dtype: more tokens than width)."""
+    return n_tokens > dim

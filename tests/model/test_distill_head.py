@@ -188,3 +188,61 @@ def test_vocabularies_padded_differently_are_compared_over_their_common_rows(tea
     torch.testing.assert_close(loss, want.sum(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got, model.lm_head.weight.grad, rtol=1e-4, atol=1e-6)
     assert float(got[common:].abs().sum()) == 0.0
+
+
+def _sharded_teacher(rank: int, world: int, out_path: str) -> None:
+    """2 ranks: an FSDP2-sharded fp64 teacher's side both ways (its weight copied out of the forward, its logits
+    whole) through the chunked loss, against the same teacher unsharded; rank 0 writes the relative differences."""
+    import json
+
+    import copy
+
+    from torch.distributed.fsdp import fully_shard
+
+    import model.distill_head as dh
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=64, dim=24, n_layers=2, n_heads=4, multiple_of=16, max_seq_len=16)
+    plain = Transformer(cfg).double()
+    # FSDP2 as the trainer lays a reference out (parallel/engine_fsdp.py place_reference): each block, then the root,
+    # every one resharded after its forward (the root too: asked explicitly, FSDP2 frees its gathered weights)
+    sharded = copy.deepcopy(plain)
+    for block in sharded.layers:
+        fully_shard(block, reshard_after_forward=True)
+    fully_shard(sharded, reshard_after_forward=True)
+    torch.manual_seed(1)
+    student = Transformer(cfg).double()
+    x = torch.randint(0, 61, (3, 12))
+    y = torch.randint(0, 61, (3, 12))
+    keep = torch.rand(3, 12) > 0.4
+    y[~keep] = -100
+
+    def loss(teacher_model):
+        with torch.no_grad():
+            side = dh.teacher_hidden(teacher_model, x, keep)
+        head = dh.distill_head(keep, side, y[keep], temperature=2.0, alpha=0.3, loss_type="forward_kl", beta=0.5)
+        return float(student(x, head=head)[0]), type(side).__name__
+    want, form = loss(plain)
+    out = {"plain_form": form}
+    for pays in (True, False):  # the copy of the weight, then the whole logits
+        dh.copy_weight_pays = (lambda n, d, pays=pays: pays)
+        got, form = loss(sharded)
+        out[str(pays)] = [form, abs(got - want) / abs(want)]
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(out, f)
+
+
+def test_an_fsdp2_sharded_teachers_weight_is_copied_out_when_it_is_smaller_than_its_logits(tmp_path):
+    """FSDP2 frees a gathered weight after its forward: the teacher's side is then its logits, or (more target tokens
+    than its width) its hidden states with the weight copied out of the forward; either gives the unsharded teacher's
+    loss (fp64: within 1e-12)."""
+    import json
+
+    from model.distill_head import copy_weight_pays
+    from tests.dist_helpers import spawn
+    assert copy_weight_pays(25, 24) and not copy_weight_pays(24, 24)
+    spawn(_sharded_teacher, 2, str(tmp_path / "out.json"))
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert out["plain_form"] == "TeacherHidden"
+    assert out["True"][0] == "TeacherHidden" and out["False"][0] == "Tensor"
+    assert out["True"][1] <= 1e-12 and out["False"][1] <= 1e-12, out
