@@ -7,10 +7,11 @@ by chunk in its LM head.
 "whole": the student's logits at the N target tokens [N, V] and model/distill_head.py `distill_loss` on them (how the
 task computed it before the head did); "chunked": `chunked_distill_loss`, `--loss_chunk_size` tokens at a time (what
 the task runs). --teacher=logits (default): both get the teacher's logits [N, V] (fp32 here) in their set-up, so the
-figures are the student side's (the task's path under FSDP2, whose teacher's head weight is sharded); --teacher=hidden:
-both get the teacher's final hidden states [N, dim] and head weight [V, dim], "whole" forms its logits [N, V] in the
-call, "chunked" hands them over as `TeacherHidden` (chunk by chunk beside the student's: the task's path where the
-teacher is whole on the rank), so the figures are both sides'. One forward + backward of the head and the loss. Each
+figures are the student side's (the task's path under FSDP2 with fewer target tokens than the teacher's width);
+--teacher=hidden: both get the teacher's final hidden states [N, dim] and head weight [V, dim], "whole" forms its logits
+[N, V] in the call, "chunked" hands them over as `TeacherHidden` (chunk by chunk beside the student's: the task's path
+where the teacher is whole on the rank, and under FSDP2 with more target tokens than its width, its gathered weight
+copied), so the figures are both sides'. One forward + backward of the head and the loss. Each
 path runs in a fresh process of its own (bench/head_paths.py). Prints both paths' peak memory and seconds per call
 (median of --iters), and the ratios. Nothing is asserted.
 """
