@@ -171,3 +171,31 @@ def test_a_reply_ends_before_an_id_past_the_tokenizers(sft_rows):
         k = next((i for i, t in enumerate(a) if t >= 200), len(a))
         assert b == a[:k], (a, b)  # the same draw, up to the first id past the tokenizer's
     assert any(t >= 200 for t in whole["labels"][whole["labels"] != IGNORE_INDEX].tolist())
+
+
+def test_on_policy_distillation_replies_decoded_together_equal_one_row_at_a_time(sft_rows):
+    """--distill_lmbda's replies (G = 1 per row): the micro-batch's rows decoded together (their prompts of different
+    lengths padded) build the same training rows as one row at a time (fp64 student: no draw flips by rounding)."""
+    from model import ModelConfig, Transformer
+    from trainer.config import TrainConfig
+    from trainer.tasks.distill import DistillTask
+    items, collate = sft_rows
+    torch.manual_seed(0)
+    student = Transformer(ModelConfig(vocab_size=448, dim=32, n_layers=1, n_heads=4, multiple_of=16,
+                                      max_seq_len=64)).double()
+    batch = collate(items)
+    outs = {}
+    for k in (1, 0, 3):  # one row at a time, the whole micro-batch, 3 + 1
+        cfg = TrainConfig(task_type="distill", distill_lmbda=1.0, max_seq_len=64, max_completion_length=24,
+                          temperature=0.9, seed=5, rollout_batch_prompts=k)
+        task = DistillTask(cfg)
+        task._stop_ids, task._pad_id = [2], 0
+        [outs[k]], _ = task.before_step(_Loop(student, 3), lambda: ([batch], []))
+    from trainer.tasks.distill import last_reply_prompt
+    prompts = [last_reply_prompt(batch["input_ids"][r], batch["labels"][r], int(n))
+               for r, n in enumerate(batch["attention_mask"].sum(1).tolist())]
+    assert len({len(p) for p in prompts}) > 1  # prompts of different lengths: padded together
+    for k in (0, 3):
+        assert outs[k].keys() == outs[1].keys()
+        for key, v in outs[1].items():
+            assert v == outs[k][key] if not torch.is_tensor(v) else torch.equal(v, outs[k][key]), (k, key)

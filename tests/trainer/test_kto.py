@@ -88,9 +88,10 @@ def test_the_micro_batch_kl_is_the_mean_log_ratio_of_the_mismatched_rows():
     ref = Transformer(ModelConfig(vocab_size=32, dim=16, n_layers=1, n_heads=2, multiple_of=16, max_seq_len=16))
     cfg = TrainConfig(task_type="kto", dpo_beta=0.5, kto_desirable_weight=1.2)
 
-    def logps(model, prefix=""):
-        logits = model(batch[f"{prefix}input_ids"], attention_mask=batch[f"{prefix}attention_mask"]).float()
-        y = batch[f"{prefix}labels"]
+    def logps(model, prefix="", b=None):
+        b = batch if b is None else b
+        logits = model(b[f"{prefix}input_ids"], attention_mask=b[f"{prefix}attention_mask"]).float()
+        y = b[f"{prefix}labels"]
         lp = torch.log_softmax(logits, -1).gather(-1, y.clamp(min=0)[..., None])[..., 0]
         return (lp * (y != IGNORE_INDEX)).sum(-1)
 
@@ -102,6 +103,30 @@ def test_the_micro_batch_kl_is_the_mean_log_ratio_of_the_mismatched_rows():
                            desirable_weight=1.2)
     assert abs(float(loss) - float(want.sum())) < 1e-5 and abs(float(stats["kl"]) / 6 - z) < 1e-5
     assert float(stats["desirable"]) == 3
+    # a training step: z is the step's, the mean over every micro-batch's KL rows (before_step), which each
+    # micro-batch's loss then uses; here two micro-batches whose own estimates differ
+    other = kto_collate(pad_id=0, max_seq_len=6)(items[1:])
+    with torch.no_grad():
+        kl_rows = [logps(policy, "kl_", b) - logps(ref, "kl_", b) for b in (batch, other)]
+    step_z = max(0.0, float(torch.cat(kl_rows).mean()))
+    assert abs(step_z - z) > 1e-3  # (the second micro-batch moves it)
+
+    class _Engine:
+        module = policy
+        optimizer = type("O", (), {"finish_param_sync": staticmethod(lambda: None)})
+
+        @staticmethod
+        def sum_over_data(values, device):
+            return torch.tensor(values, dtype=torch.float64)
+    loop = type("L", (), {"engine": _Engine, "ref_model": ref, "info": type("I", (), {"device": torch.device("cpu")})})
+    marked, skipped = KTOTask(cfg).before_step(loop, lambda: ([batch, other], ["s"]))
+    assert skipped == ["s"] and [b["_kto_kl"] for b in marked] == [marked[0]["_kto_kl"]] * 2
+    assert abs(marked[0]["_kto_kl"] - step_z) < 1e-6
+    loss, stats = KTOTask(cfg).micro_batch_loss(policy, ref, marked[0], torch.device("cpu"))
+    with torch.no_grad():
+        want, _ = kto_loss(logps(policy), logps(ref), batch["desirable"], torch.tensor(step_z), beta=0.5,
+                           desirable_weight=1.2)
+    assert abs(float(loss) - float(want.sum())) < 1e-5 and abs(float(stats["kl"]) / 6 - step_z) < 1e-5
 
 
 def _toy(tmp_path, n: int):
@@ -132,7 +157,8 @@ def test_kto_learns_the_preferences(pretrained, tiny_pretrain_data, tmp_path):
 @pytest.mark.parametrize("loss,engines", [("kto", ("ddp", "fsdp")), ("apo_zero_unpaired", ("ddp",))])
 def test_two_ranks_follow_one_process(pretrained, tiny_pretrain_data, tmp_path, loss, engines):
     """Our DDP (and FSDP2) at 2 ranks of 2 pairs each against one process accumulating the same two micro-batches:
-    the KL estimate is each micro-batch's, so the steps are the same (to fp32 summation order)."""
+    the KL estimate is the step's (every micro-batch's rows, summed over the ranks), so the steps are the same (to
+    fp32 summation order)."""
     toy = _toy(tmp_path, 12)
     common = ["--max_iters=3", "--batch_size=2", "--checkpoint_interval=100", f"--kto_loss={loss}"]
     one = tmp_path / "one"

@@ -3,7 +3,8 @@ model/decode.py prefill_groups): prompts of different lengths left-padded in one
 group draws alone (its own generator), with the same log-probabilities up to rounding, for every block the decoder
 computes itself (GQA, sliding windows, latent attention, Gemma 2's capped scores, Gemma 3's local RoPE, sinks, MoE)
 and for the model's own forward (the fallback: FSDP2 / tensor-parallel models), with the KV cache and with whole-row
-forwards; the trainer's GRPO and on-policy distillation runs take the flag (one process, and FSDP2 at 2 ranks)."""
+forwards; the trainer's GRPO runs take the flag (one process, and FSDP2 at 2 ranks); on-policy distillation's replies:
+tests/trainer/test_distill_on_policy.py."""
 from __future__ import annotations
 
 import json
@@ -13,7 +14,6 @@ import torch
 
 import model.decode as decode
 from model import ModelConfig, Transformer
-from tests.trainer.test_distill_on_policy import _Loop, sft_rows  # noqa: F401 (a module fixture, shared)
 from trainer.tasks.grpo_rollout import sample_group, sample_groups
 
 PROMPTS = [[1, 5, 9, 3], [7, 2], [4, 4, 8, 1, 6, 2, 3], [9]]  # lengths 4, 2, 7, 1: three rows padded
@@ -134,30 +134,3 @@ def test_grpo_batched_rollouts_follow_one_group_at_a_time(pretrained, tmp_path):
                 assert abs(a[k] - b[k]) <= 1e-12 * max(1.0, abs(a[k])), (name, s, k)
             assert abs(a["loss"] - b["loss"]) < 1e-6, (name, s)
 
-
-def test_on_policy_distillation_replies_decoded_together_equal_one_row_at_a_time(sft_rows):
-    """--distill_lmbda's replies (G = 1 per row): the micro-batch's rows decoded together (their prompts of different
-    lengths padded) build the same training rows as one row at a time (fp64 student: no draw flips by rounding)."""
-    from model import ModelConfig, Transformer
-    from trainer.config import TrainConfig
-    from trainer.tasks.distill import DistillTask
-    items, collate = sft_rows
-    torch.manual_seed(0)
-    student = Transformer(ModelConfig(vocab_size=448, dim=32, n_layers=1, n_heads=4, multiple_of=16,
-                                      max_seq_len=64)).double()
-    batch = collate(items)
-    outs = {}
-    for k in (1, 0, 3):  # one row at a time, the whole micro-batch, 3 + 1
-        cfg = TrainConfig(task_type="distill", distill_lmbda=1.0, max_seq_len=64, max_completion_length=24,
-                          temperature=0.9, seed=5, rollout_batch_prompts=k)
-        task = DistillTask(cfg)
-        task._stop_ids, task._pad_id = [2], 0
-        [outs[k]], _ = task.before_step(_Loop(student, 3), lambda: ([batch], []))
-    from trainer.tasks.distill import last_reply_prompt
-    prompts = [last_reply_prompt(batch["input_ids"][r], batch["labels"][r], int(n))
-               for r, n in enumerate(batch["attention_mask"].sum(1).tolist())]
-    assert len({len(p) for p in prompts}) > 1  # prompts of different lengths: padded together
-    for k in (0, 3):
-        assert outs[k].keys() == outs[1].keys()
-        for key, v in outs[1].items():
-            assert v == outs[k][key] if not torch.is_tensor(v) else torch.equal(v, outs[k][key]), (k, key)

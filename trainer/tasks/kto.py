@@ -2,13 +2,15 @@
 and undesirable examples (dataset/dataset_kto.py), each judged alone against the frozen reference model.
 
 Per example, with r = log pi(y|x) - log ref(y|x) (summed over the reply's tokens) and z the KL estimate of the
-micro-batch, the mean over its mismatched rows (prompt of one example, reply of the next) of
-log pi - log ref, clamped at 0 and detached:
+step, the mean over the mismatched rows (prompt of one example, reply of the next) of every micro-batch and
+data-parallel rank of log pi - log ref, clamped at 0 and detached:
   kto:                desirable  lambda_D (1 - sigma(beta (r - z)));  undesirable  lambda_U (1 - sigma(beta (z - r)))
   apo_zero_unpaired:  desirable  1 - sigma(beta r);                   undesirable  sigma(beta r)   (no KL rows)
-averaged over the step's examples (TRL's loss is their mean). TRL averages z over every process's micro-batch; here
-z is each micro-batch's own, so that data-parallel ranks and gradient accumulation over the same micro-batches give
-the same steps. The loss is pure tensor math (`kto_loss`).
+averaged over the step's examples (TRL's loss is their mean). z is computed before the step from every micro-batch's
+KL rows (`before_step`: the same forwards, no gradient) and summed over the ranks, so it does not depend on how the
+step's examples are laid out over ranks and micro-batches; TRL averages each process's micro-batch mean over the
+processes, which is the same value with one micro-batch of equal size per process. A validation micro-batch uses its
+own rows' estimate. The loss is pure tensor math (`kto_loss`).
 """
 from __future__ import annotations
 
@@ -41,6 +43,15 @@ def kto_loss(policy: torch.Tensor, ref: torch.Tensor, desirable: torch.Tensor, k
         good, bad = 1 - torch.sigmoid(beta * r), torch.sigmoid(beta * r)
     losses = torch.where(desirable, desirable_weight * good, undesirable_weight * bad)
     return losses, beta * r.detach()
+
+
+def kl_rows_sum(model, ref_model, batch: dict, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of log pi - log ref over a batch's KL rows, how many rows count): a row whose prompt alone filled it has
+    no reply token and is left out. Call under no_grad."""
+    kl_policy, n = sequence_logps(model, batch, device, "kl_")
+    kl_ref, _ = sequence_logps(ref_model, batch, device, "kl_")
+    has = n > 0
+    return ((kl_policy - kl_ref).double() * has).sum(), has.sum().double()
 
 
 class KTOTask(Task):
@@ -84,17 +95,31 @@ class KTOTask(Task):
         return (f"[data] kto: {good} desirable and {bad} undesirable examples; --kto_desirable_weight x desirable / "
                 f"(--kto_undesirable_weight x undesirable) = {ratio} (the KTO paper and TRL advise 1 to 4/3)")
 
+    def before_step(self, loop, draw):
+        """The step's micro-batches, each carrying the step's KL estimate z (`_kto_kl`): every micro-batch's KL rows
+        forwarded by the policy and the reference (no gradient, as TRL's), summed over the data-parallel ranks."""
+        batches, skipped = draw()
+        if self.cfg.kto_loss != "kto":
+            return batches, skipped
+        engine, device = loop.engine, loop.info.device
+        engine.optimizer.finish_param_sync()  # ZeRO's all-gather of the updated weights has landed
+        with torch.no_grad():
+            sums = [kl_rows_sum(engine.module, loop.ref_model, b, device) for b in batches]
+        total, rows = (float(x) for x in engine.sum_over_data([sum(s for s, _ in sums), sum(n for _, n in sums)],
+                                                               device))
+        z = max(0.0, total / max(rows, 1.0))
+        return [dict(b, _kto_kl=z) for b in batches], skipped
+
     def micro_batch_loss(self, model, ref_model, batch, device):
         cfg = self.cfg
         policy, _ = sequence_logps(model, batch, device)
         with torch.no_grad():
             ref, _ = sequence_logps(ref_model, batch, device)
-            if cfg.kto_loss == "kto":  # the KL estimate on the mismatched rows (no gradient, as TRL's)
-                kl_policy, n = sequence_logps(model, batch, device, "kl_")
-                kl_ref, _ = sequence_logps(ref_model, batch, device, "kl_")
-                has = n > 0  # (a row whose prompt alone filled it has no reply token: left out)
-                kl = ((kl_policy - kl_ref) * has).sum() / has.sum().clamp(min=1)
-                kl = kl.clamp(min=0)
+            if cfg.kto_loss == "kto" and "_kto_kl" in batch:  # the step's (before_step)
+                kl = torch.tensor(batch["_kto_kl"], dtype=policy.dtype, device=policy.device)
+            elif cfg.kto_loss == "kto":  # (validation) this micro-batch's own rows
+                total, rows = kl_rows_sum(model, ref_model, batch, device)
+                kl = (total / rows.clamp(min=1)).clamp(min=0).to(policy.dtype)
             else:
                 kl = torch.zeros((), device=policy.device)
         desirable = to_device(batch["desirable"], device)
