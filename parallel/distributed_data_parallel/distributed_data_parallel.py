@@ -316,16 +316,14 @@ class DistributedDataParallel(nn.Module):
         the first rank holding the same ones (over their expert group), frozen ones too."""
         if self.world_size == 1:
             return
-        src = dist.get_global_rank(self.process_group, 0) if self.process_group is not None else 0
+        src = _first_rank(self.process_group, 0)
         for buf in self.buffers_:  # expert shards: from the first rank holding the same ones
             if buf.world_size > 1:
-                first = dist.get_global_rank(buf.group, 0) if buf.group is not None else src
-                dist.broadcast(buf.param_data, src=first, group=buf.group)
+                dist.broadcast(buf.param_data, src=_first_rank(buf.group, src), group=buf.group)
         rest = [p for p in self.module.parameters() if p not in self.param_to_bucket]
         frozen_shards = [p.data for p in rest if self.shard_of(p) is not None]  # (LoRA on the experts: their weights)
         if frozen_shards and comm.group_rank_and_size(self.expert_group)[1] > 1:
-            first = dist.get_global_rank(self.expert_group, 0) if self.expert_group is not None else src
-            _broadcast_coalesced(frozen_shards, first, self.expert_group, coalesce_bytes)
+            _broadcast_coalesced(frozen_shards, _first_rank(self.expert_group, src), self.expert_group, coalesce_bytes)
         rest = [p for p in rest if self.shard_of(p) is None] + list(self.module.buffers())
         _broadcast_coalesced([t.data for t in rest], src, self.process_group, coalesce_bytes)
 
@@ -458,6 +456,11 @@ def _run_pre_forward_callbacks(ddp: DistributedDataParallel, compiled: bool) -> 
 # every run of a compiled forward (a graph break before the module) with the runtime `ddp`, so
 # waits can neither be traced away nor taken from another instance whose graph this one reuses.
 _PRE_FORWARD_RUNNER: Optional[Callable[[DistributedDataParallel, bool], None]] = None
+
+
+def _first_rank(group: Optional[dist.ProcessGroup], default: int) -> int:
+    """The global rank of `group`'s first member (`default` for the default group: None)."""
+    return dist.get_global_rank(group, 0) if group is not None else default
 
 
 def _broadcast_coalesced(tensors: list[torch.Tensor], src: int, group: Optional[dist.ProcessGroup],
