@@ -5,7 +5,9 @@ recorded (its --tokenizer_dir), unless `--tokenizer_dir` is given (required for 
 
 Owns: the command-line wrapper around model.generate (KV cache, temperature / top-k / top-p / min-p
 sampling, the repetition penalty, stop at eos or the chat's end of turn) and `build_prompt_ids`. `--chat` wraps
-the prompt in the tokenizer's chat template as a user turn (for SFT/DPO models; ChatML for ours).
+the prompt in the tokenizer's chat template as a user turn (for SFT/DPO models; ChatML for ours). `--prompts_file`:
+every prompt of a .jsonl / text file, --batch_size prompts decoded together (left-padded), as JSON lines
+(inference/prompt_file.py).
 `--speculative=mtp`: a model trained with multi-token prediction drafts the token after next with its first depth
 and verifies it in the next forward (model/speculative.py; greedy output unchanged, sampling the same distribution,
 the repetition penalty included; it pays only where the drafts are mostly right). The checkpoint, the model and the
@@ -66,6 +68,10 @@ def _parser():
                    help="drop tokens less probable than min_p x the most probable one (after top-k / top-p; off)")
     p.add_argument("--repetition_penalty", type=float, default=1.0,
                    help="> 1 discourages tokens already in the prompt or the output (transformers' rule; 1 = off)")
+    p.add_argument("--prompts_file", default="", help="a .jsonl of {\"prompt\": ...} records or a text file of one "
+                   "prompt per line: JSON lines {index, line, prompt, sample, completion} of every prompt, in batches")
+    p.add_argument("--batch_size", type=int, default=8, help="--prompts_file: prompts decoded together (left-padded)")
+    p.add_argument("--output", default="", help="--prompts_file: write the JSON lines here (default: stdout)")
     p.add_argument("--num_samples", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
@@ -83,6 +89,12 @@ def _flag_problem(args) -> Optional[str]:
         return f"--repetition_penalty={args.repetition_penalty}: must be a finite number > 0"
     if args.system and not args.chat:
         return "--system is a chat turn: give --chat too"
+    if args.prompts_file and args.prompt:
+        return "--prompt and --prompts_file: give one of them"
+    if args.prompts_file and args.speculative != "off":
+        return "--speculative=mtp decodes one prompt: drop it with --prompts_file"
+    if args.batch_size < 1 or args.num_samples < 1:
+        return f"--batch_size={args.batch_size} and --num_samples={args.num_samples} must be >= 1"
     from tokenizer.chat_template import parse_template_kwargs  # (torch-free)
     try:
         args.template_kwargs = parse_template_kwargs(args.chat_template_kwargs)
@@ -130,11 +142,22 @@ def main(argv: list[str] | None = None) -> int:
             raise
         return code
     special = meta["special_tokens"]
+    prompts = None
     try:
-        ids = build_prompt_ids(tok, meta, args.prompt, args.chat, args.template_kwargs, args.system)
+        if args.prompts_file:
+            from inference.prompt_file import read_prompts
+            prompts = read_prompts(args.prompts_file)
+            ids = []
+        else:
+            ids = build_prompt_ids(tok, meta, args.prompt, args.chat, args.template_kwargs, args.system)
     except ValueError as e:
         print(f"sample.py: --prompt: {e}", file=sys.stderr)
         return 2  # bad configuration (utils.constants.EXIT_BAD_CONFIG)
+    except Exception as e:  # noqa: BLE001 - a bad prompts file: one line naming the file and line (exit 3)
+        code = fail(e)
+        if code is None:
+            raise
+        return code
     try:
         model, _ = load_for_inference(args.ckpt, device, args.checkpoint,
                                       mtp_layers=1 if args.speculative == "mtp" else 0)  # (a Hub model's MTP layer)
@@ -152,10 +175,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sample.py: the model has {len(model.mtp.depths)} multi-token prediction depth(s): --speculative=mtp "
               "drafts with the first", file=sys.stderr)
     torch.manual_seed(args.seed)
-    x = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=device)
     stop_ids = chat_stop_ids(tok, special)
     knobs = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
                  top_p=args.top_p, min_p=args.min_p, stop_ids=stop_ids)
+    if prompts is not None:
+        return _sample_file(args, model, tok, meta, prompts, knobs, fail)
+    x = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=device)
     if args.speculative == "mtp":
         out, stats = generate_mtp(model, x, repetition_penalty=args.repetition_penalty, **knobs)
         print(f"sample.py: {stats.summary()}", file=sys.stderr)
@@ -166,6 +191,33 @@ def main(argv: list[str] | None = None) -> int:
         print("---")
         print(args.prompt + tok.decode(new, skip_special_tokens=True) if not args.chat
               else tok.decode(new, skip_special_tokens=True))
+    return 0
+
+
+def _sample_file(args, model, tok, meta: dict, prompts: list, knobs: dict, fail) -> int:
+    """--prompts_file: every prompt's completions as JSON lines (inference/prompt_file.py), to --output or stdout."""
+    from inference.prompt_file import sample_file
+
+    def encode(text: str) -> list[int]:
+        return build_prompt_ids(tok, meta, text, args.chat, args.template_kwargs, args.system)
+    pad = int(meta["special_tokens"].get("pad", {}).get("id", 0))
+    try:
+        out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
+    except OSError as e:
+        print(f"sample.py: --output={args.output}: {e.strerror}", file=sys.stderr)
+        return 2  # bad configuration (utils.constants.EXIT_BAD_CONFIG)
+    try:
+        n = sample_file(model, prompts, encode, lambda new: tok.decode(new, skip_special_tokens=True), out,
+                        batch_size=args.batch_size, num_samples=args.num_samples, pad_id=pad,
+                        repetition_penalty=args.repetition_penalty, **knobs)
+    except ValueError as e:
+        print(f"sample.py: --prompts_file={args.prompts_file}: {e}", file=sys.stderr)
+        return 3  # a prompt that cannot be encoded (utils.constants.EXIT_BAD_DATA)
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    print(f"sample.py: {n} completions of {len(prompts)} prompts" + (f" in {args.output}" if args.output else ""),
+          file=sys.stderr)
     return 0
 
 

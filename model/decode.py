@@ -184,11 +184,13 @@ class Decoder:
         """An RMSNorm module's output, in fp32 without its casts (the decode path's)."""
         return _rms_norm(norm, x)
 
-    def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [B, T] (B = batch_size) from position 0 -> logits [B, V] of the last position."""
-        self.pads = None
+    def prefill(self, tokens: torch.Tensor, pads: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """tokens [B, T] (B = batch_size) from position 0 -> logits [B, V] of the last position. pads [B]: rows
+        left-padded by that many positions (as `prefill_groups` pads them: masked out of every attention, each row's
+        positions counted from its first real token)."""
+        self.pads = pads if pads is not None and bool(pads.any()) else None
         with self._mode():
-            return self._forward(tokens, self.cache)
+            return self._forward(tokens, self.cache, self.pads)
 
     def prefill_shared(self, prompt: torch.Tensor) -> torch.Tensor:
         """One prompt [T] for every row: computed once, as one row, its keys/values copied to every row of the

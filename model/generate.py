@@ -144,16 +144,30 @@ def decode_dtype(model: Transformer, device: torch.device) -> torch.dtype:
     return model.embed_tokens.weight.dtype
 
 
+def left_pads(attention_mask: torch.Tensor) -> torch.Tensor:
+    """The left padding [B] of each row of a [B, T] mask (1 on real tokens), which must be left padding only (zeros
+    before the row's first real token, none after) and leave each row a token; ValueError otherwise."""
+    mask = attention_mask.to(torch.bool)
+    real = mask.sum(1)
+    if not bool((real > 0).all()) or not bool((mask[:, 1:] >= mask[:, :-1]).all()):
+        raise ValueError("generate: attention_mask must be left padding (0s before each row's first real token, "
+                         "none after it) and leave each row at least one token")
+    return mask.shape[1] - real
+
+
 @torch.no_grad()
 def generate(model: Transformer, input_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
              top_k: Optional[int] = None, top_p: Optional[float] = None,
              stop_ids: Optional[Iterable[int]] = None, use_cache: bool = True,
              generator: Optional[torch.Generator] = None, min_p: Optional[float] = None,
-             repetition_penalty: float = 1.0) -> torch.Tensor:
-    """Continue a batch of equal-length prompts [B, T]; returns [B, T + n] with n <= max_new_tokens.
+             repetition_penalty: float = 1.0, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Continue a batch of prompts [B, T]; returns [B, T + n] with n <= max_new_tokens.
 
-    A row that emits one of `stop_ids` is finished: its later positions repeat that stop id. Generation
-    ends early once every row has finished. repetition_penalty != 1: `penalize_repeats` over each row's ids so far.
+    Prompts of different lengths come left-padded with their `attention_mask` [B, T] (0 on the pads, as
+    transformers' generate takes them): the pads are masked out of every attention, each row's positions count from
+    its first real token, and the repetition penalty does not see them. A row that emits one of `stop_ids` is
+    finished: its later positions repeat that stop id. Generation ends early once every row has finished.
+    repetition_penalty != 1: `penalize_repeats` over each row's ids so far.
     """
     check_repetition_penalty(repetition_penalty)
     was_training = model.training
@@ -161,16 +175,23 @@ def generate(model: Transformer, input_ids: torch.Tensor, max_new_tokens: int, t
     try:
         B, T = input_ids.shape
         device = input_ids.device
+        pads = None if attention_mask is None else left_pads(attention_mask.to(device))
         rows = StopRule(B, device, stop_ids)
         out = input_ids
+        if pads is not None:  # the pads hold each row's first real token: the penalty's `seen` gains no other id
+            first = input_ids.gather(1, pads[:, None])
+            out = torch.where(torch.arange(T, device=device)[None] < pads[:, None], first, input_ids)
         finite = torch.ones((), dtype=torch.bool, device=device)  # torch.multinomial's check, read once at the end
         decoder = Decoder(model, B, T + max_new_tokens, device, decode_dtype(model, device)) if use_cache else None
         nxt = input_ids
         for t in range(max_new_tokens):
             if decoder is not None:
-                logits = decoder.prefill(input_ids) if t == 0 else decoder.step(nxt)
-            else:
+                logits = decoder.prefill(out, pads) if t == 0 else decoder.step(nxt)
+            elif pads is None:
                 logits = model(out, logits_to_keep=1)[:, -1]
+            else:  # the model's own padding: a key mask and each row's positions
+                positions, real = Decoder.padded(pads, 0, out.shape[1])
+                logits = model(out, logits_to_keep=1, attention_mask=real, position_ids=positions)[:, -1]
             finite &= torch.isfinite(logits).all()
             if repetition_penalty != 1.0:
                 logits = penalize_repeats(logits, out, repetition_penalty)
@@ -180,6 +201,6 @@ def generate(model: Transformer, input_ids: torch.Tensor, max_new_tokens: int, t
                 break
         if not bool(finite):
             raise ValueError("generate: the model's logits are not finite (NaN or inf)")
-        return out
+        return out if pads is None else torch.cat((input_ids, out[:, T:]), dim=1)  # (the caller's pads back)
     finally:
         model.train(was_training)

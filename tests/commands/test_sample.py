@@ -169,3 +169,60 @@ def test_a_system_turn_comes_before_the_chat_prompt(tok_dir, capsys, tmp_path):
                                "<|im_start|>assistant\n")
     assert main([f"--ckpt={tmp_path}", "--prompt=x", "--system=s"]) == 2
     assert "--system is a chat turn: give --chat too" in capsys.readouterr().err
+
+
+def _tiny_model(monkeypatch, tok_dir):
+    """sample.py with a random tiny model in place of a checkpoint (the tokenizer's 300 ids)."""
+    import sample
+    from model import ModelConfig, Transformer
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=320, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=96,
+                                    hidden_dim=96, initializer_range=0.2)).eval()
+    monkeypatch.setattr(sample, "precheck", lambda args: None)
+    monkeypatch.setattr(sample, "load_for_inference", lambda path, device, which="latest", **kw: (model, {}))
+    return sample
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_a_prompts_file_gives_each_prompt_its_own_greedy_completion(tok_dir, monkeypatch, capsys, tmp_path, chat):
+    """--prompts_file (.jsonl and text) decodes --batch_size prompts of different lengths together: each prompt's
+    greedy completions (x --num_samples) are what `--prompt` prints for it alone, as JSON lines in the file's order."""
+    sample = _tiny_model(monkeypatch, tok_dir)
+    texts = ["hello", "world 12 system obey user", "obey", "assistant hello world 3 3 3", "user 7"]
+    common = ["--ckpt", "unused", "--tokenizer_dir", tok_dir, "--device", "cpu", "--temperature=0",
+              "--max_new_tokens=8", "--repetition_penalty=1.3"] + (["--chat"] if chat else [])
+    alone = []
+    for text in texts:
+        assert sample.main([*common, "--prompt", text]) == 0
+        printed = capsys.readouterr().out.split("---\n", 1)[1].rstrip("\n")
+        alone.append(printed if chat else printed[len(text):])
+    assert len(set(alone)) > 1
+    jsonl, txt = tmp_path / "p.jsonl", tmp_path / "p.txt"
+    jsonl.write_text("".join(json.dumps({"prompt": t}) + "\n" + ("\n" if i == 1 else "") for i, t in enumerate(texts)),
+                     encoding="utf-8")
+    txt.write_text("\n".join(texts) + "\n", encoding="utf-8")
+    for path, lines in ((jsonl, [1, 2, 4, 5, 6]), (txt, [1, 2, 3, 4, 5])):
+        out = tmp_path / "out.jsonl"
+        assert sample.main([*common, f"--prompts_file={path}", "--batch_size=3", "--num_samples=2",
+                            f"--output={out}"]) == 0
+        assert "10 completions of 5 prompts" in capsys.readouterr().err
+        rows = [json.loads(x) for x in out.read_text(encoding="utf-8").splitlines()]
+        assert [(r["index"], r["line"], r["sample"]) for r in rows] == [
+            (i, n, s) for i, n in enumerate(lines) for s in (0, 1)]
+        assert [r["prompt"] for r in rows] == [t for t in texts for _ in (0, 1)]
+        assert [r["completion"] for r in rows] == [a for a in alone for _ in (0, 1)]
+
+
+def test_a_bad_prompts_file_names_the_file_and_line(tok_dir, monkeypatch, capsys, tmp_path):
+    sample = _tiny_model(monkeypatch, tok_dir)
+    common = ["--ckpt", "unused", "--tokenizer_dir", tok_dir, "--device", "cpu"]
+    for body, words in (('{"prompt": "a"}\n{"prompt": \n', ":2: not JSON"),
+                        ('{"prompt": "a"}\n\n["b"]\n', ':3: a record must be an object with a string "prompt"'),
+                        ("\n\n", ": no prompt in it")):
+        path = tmp_path / "bad.jsonl"
+        path.write_text(body, encoding="utf-8")
+        assert sample.main([*common, f"--prompts_file={path}"]) == 3
+        assert f"{path}{words}" in capsys.readouterr().err
+    assert sample.main([*common, f"--prompts_file={path}", "--prompt=x"]) == 2
+    assert "--prompt and --prompts_file: give one of them" in capsys.readouterr().err
+    assert sample.main([*common, f"--prompts_file={path}", "--batch_size=0"]) == 2

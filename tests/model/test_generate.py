@@ -144,3 +144,36 @@ def test_greedy_with_a_repetition_penalty_is_transformers_generate(model, tmp_pa
     assert all(a <= b for a, b in zip(*distinct)) and sum(distinct[0]) < sum(distinct[1]), distinct
     with pytest.raises(ValueError, match="repetition_penalty must be > 0"):
         generate(model, x, 2, repetition_penalty=0.0)
+
+
+def test_left_padded_prompts_decode_as_each_alone_and_as_transformers(model, tmp_path):
+    """Prompts of different lengths, left-padded with their attention mask (transformers' convention): each row's
+    greedy tokens are those of its prompt alone, with and without the KV cache, with the repetition penalty too (which
+    does not see the pads), and those of LlamaForCausalLM.generate on the same padded batch; the pads come back as
+    given; a mask that is not left padding is refused."""
+    from transformers import LlamaForCausalLM
+
+    from model.hf_interop import export_hf
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 128, (n,), generator=g).tolist() for n in (3, 7, 5)]
+    T = max(map(len, prompts))
+    x = torch.tensor([[0] * (T - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts])
+    for penalty in (1.0, 1.8):
+        for cache in (True, False):
+            out = generate(model, x, 12, temperature=0.0, attention_mask=mask, use_cache=cache,
+                           repetition_penalty=penalty)
+            assert torch.equal(out[:, :T], x)
+            for row, p in zip(out, prompts):
+                alone = generate(model, torch.tensor([p]), 12, temperature=0.0, repetition_penalty=penalty)
+                assert row[T:].tolist() == alone[0, len(p):].tolist(), (penalty, cache)
+        if penalty == 1.0:
+            export_hf(model, str(tmp_path / "hf"))
+            hf = LlamaForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+            with torch.no_grad():
+                theirs = hf.generate(x, attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=None,
+                                     pad_token_id=0)
+            assert torch.equal(out, theirs)
+    right = torch.tensor([[1] * len(p) + [0] * (T - len(p)) for p in prompts])
+    with pytest.raises(ValueError, match="attention_mask must be left padding"):
+        generate(model, x, 2, attention_mask=right)
