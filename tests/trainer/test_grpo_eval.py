@@ -81,7 +81,7 @@ def test_the_tasks_evaluate_splits_the_prompts_over_ranks_and_sums_them(monkeypa
     forwards = []  # the decode forwards (generate's prefill and each step through model/decode.py's Decoder)
     for name in ("prefill", "step"):
         real = getattr(Decoder, name)
-        monkeypatch.setattr(Decoder, name, lambda self, x, _real=real: forwards.append(1) or _real(self, x))
+        monkeypatch.setattr(Decoder, name, lambda self, *a, _real=real: forwards.append(1) or _real(self, *a))
 
     def evaluate(rank: int, world: int, total=None) -> dict:
         task = GRPOTask(cfg)
@@ -115,14 +115,31 @@ def test_the_tasks_evaluate_splits_the_prompts_over_ranks_and_sums_them(monkeypa
     assert one_rank < 3 * 5  # one process stops early once every row of a batch has stopped
 
 
-def test_the_plan_deals_equal_length_batches_to_every_rank_alike():
-    lengths = [4, 3, 4, 5, 3, 4]
-    assert eval_plan(lengths, rows=2) == [([1, 4], True), ([0, 2], True), ([5], True), ([3], True)]
+def test_the_plan_deals_batches_of_neighbouring_lengths_to_every_rank_alike():
+    lengths = [4, 3, 4, 5, 3, 4, 6]  # (length, index) order: 1 4 0 2 5 3 6
+    assert eval_plan(lengths, rows=2) == [([1, 4], True), ([0, 2], True), ([5, 3], True), ([6], True)]
     r0, r1, r2 = (eval_plan(lengths, rows=2, rank=r, world=3) for r in range(3))
-    assert r0 == [([1, 4], True), ([3], True)] and r1 == [([0, 2], True), ([1, 4], False)]
-    assert r2 == [([5], True), ([1, 4], False)]
-    assert sorted(i for plan in (r0, r1, r2) for b, counted in plan if counted for i in b) == list(range(6))
+    assert r0 == [([1, 4], True), ([6], True)] and r1 == [([0, 2], True), ([1, 4], False)]
+    assert r2 == [([5, 3], True), ([1, 4], False)]
+    assert sorted(i for plan in (r0, r1, r2) for b, counted in plan if counted for i in b) == list(range(7))
     assert eval_plan([], rows=2) == []
+
+
+def test_prompts_of_different_lengths_decoded_together_answer_as_each_alone():
+    """A random fp64 model (its answers depend on every prompt token): a batch of every prompt, left-padded, gives
+    each prompt the greedy answer it gets in a batch of its own."""
+    torch.manual_seed(1)
+    model = Transformer(ModelConfig(vocab_size=V, dim=64, n_layers=2, n_heads=4, multiple_of=16, max_seq_len=32,
+                                    initializer_range=0.2)).double()
+    ps = prompts(RECORDS + [("1234567=", "7"), ("?", "5")])
+    assert len({len(p.ids) for p in ps}) > 2
+    got = {}
+    for rows in (1, 8):
+        answers: list = []
+        held_out_sums(model, ps, rewards(), decode, rows=rows, max_new_tokens=6, stop_ids=[STOP],
+                      device=torch.device("cpu"), answers=answers)
+        got[rows] = sorted(answers)
+    assert got[8] == got[1] and len({a[1] for a in got[1]}) > 3
 
 
 def test_sampled_answers_are_a_function_of_seed_and_prompt_and_their_best_is_logged():

@@ -5,16 +5,16 @@ reward such as exact_match, `val_reward` is the greedy pass@1. With --eval_num_g
 the rollouts' --temperature / --top_p (TRL samples its eval completions so): the means over each prompt's k, and
 `val_reward_best`, the mean over prompts of the best of their k (pass@k for a 0/1 reward).
 
-Owns: `eval_plan` (the prompts in batches of equal length, dealt to the data-parallel ranks), `held_out_sums` (one
-rank's sums), `held_out_metrics` (the sums of every rank as the row's values), `batch_seed`.
+Owns: `eval_plan` (the prompts in batches, dealt to the data-parallel ranks), `held_out_sums` (one rank's sums),
+`held_out_metrics` (the sums of every rank as the row's values), `batch_seed`.
 Must never: draw from the training's random generators (greedy decoding draws nothing; sampling draws from its own
 generator per batch, seeded by the run's seed and the batch's first prompt: the same answers at any number of ranks,
 at every evaluation, and a run trains the same with or without evaluation), or let one rank run fewer forwards than
 another (FSDP all-gathers in every forward).
 
-Why batches of equal length: `generate` continues equal-length prompts (no padding, no attention mask). The batches
-are made from the whole held-out set in (length, index) order and dealt round-robin, so a prompt is decoded in the
-same batch, with the same numbers, at any number of ranks. With several ranks every batch decodes the full
+The batches: up to `rows` answers of prompts next to each other in (length, index) order over the whole held-out
+set (so little padding: `generate` takes them left-padded with their attention mask), dealt round-robin, so a prompt
+is decoded in the same batch, with the same numbers, at any number of ranks. With several ranks every batch decodes the full
 --max_completion_length tokens (no early stop at the stop ids: every rank then runs the same forwards) and a rank
 short of a batch decodes a filler batch it does not count; the tokens before a row's first stop id are those a
 single process, which stops early, decodes (a sampled step draws for every row, finished or not).
@@ -29,14 +29,11 @@ from model.generate import generate
 
 
 def eval_plan(lengths: Sequence[int], rows: int, rank: int = 0, world: int = 1) -> list[tuple[list[int], bool]]:
-    """This rank's batches as (prompt indices, counted): at most `rows` prompts of one length each; a rank short of
-    a batch ends with a filler batch (the first one, not counted) so that every rank decodes as many."""
-    batches: list[list[int]] = []
-    for i in sorted(range(len(lengths)), key=lambda i: (lengths[i], i)):
-        if batches and len(batches[-1]) < rows and lengths[batches[-1][0]] == lengths[i]:
-            batches[-1].append(i)
-        else:
-            batches.append([i])
+    """This rank's batches as (prompt indices, counted): at most `rows` prompts each, taken in (length, index) order;
+    a rank short of a batch ends with a filler batch (the first one, not counted) so that every rank decodes as
+    many."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    batches = [order[i:i + rows] for i in range(0, len(order), rows)]
     mine = [(b, True) for b in batches[rank::world]]
     return mine + [(batches[0], False)] * (-(-len(batches) // world) - len(mine)) if batches else []
 
@@ -69,15 +66,17 @@ def held_out_sums(model: Any, prompts: Sequence[Any], rewards: Any, decode: Any,
     k = max(1, samples)
     sums = [0.0] * (4 + len(rewards.names))
     for batch, counted in eval_plan([len(p.ids) for p in prompts], max(1, rows // k), rank, world):
-        P = len(prompts[batch[0]].ids)
-        x = torch.tensor([list(prompts[i].ids) for i in batch for _ in range(k)], dtype=torch.long, device=device)
+        ids = [list(prompts[i].ids) for i in batch for _ in range(k)]
+        P = max(len(r) for r in ids)  # left-padded to the longest (the pads: the row's first token, masked)
+        x = torch.tensor([[r[0]] * (P - len(r)) + r for r in ids], dtype=torch.long, device=device)
+        mask = torch.tensor([[0] * (P - len(r)) + [1] * len(r) for r in ids], dtype=torch.long, device=device)
         stop = stops if world == 1 else None
         if samples:
             g = torch.Generator(device=device).manual_seed(batch_seed(seed, batch[0]))
             out = generate(model, x, max_new_tokens, temperature=temperature, top_p=top_p, stop_ids=stop, generator=g,
-                           **(cuts or {}))
+                           attention_mask=mask, **(cuts or {}))
         else:
-            out = generate(model, x, max_new_tokens, temperature=0.0, stop_ids=stop)
+            out = generate(model, x, max_new_tokens, temperature=0.0, stop_ids=stop, attention_mask=mask)
         if not counted:
             continue
         done = out[:, P:].tolist()
