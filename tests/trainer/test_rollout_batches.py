@@ -3,8 +3,8 @@ model/decode.py prefill_groups): prompts of different lengths left-padded in one
 group draws alone (its own generator), with the same log-probabilities up to rounding, for every block the decoder
 computes itself (GQA, sliding windows, latent attention, Gemma 2's capped scores, Gemma 3's local RoPE, sinks, MoE)
 and for the model's own forward (the fallback: FSDP2 / tensor-parallel models), with the KV cache and with whole-row
-forwards; the trainer's GRPO runs take the flag (one process, and FSDP2 at 2 ranks); on-policy distillation's replies:
-tests/trainer/test_distill_on_policy.py."""
+forwards; the trainer's GRPO runs take the flag (one process, FSDP2 and tensor parallelism at 2 ranks); on-policy
+distillation's replies: tests/trainer/test_distill_on_policy.py."""
 from __future__ import annotations
 
 import json
@@ -112,22 +112,26 @@ def _samples(out) -> list:
 def test_grpo_batched_rollouts_follow_one_group_at_a_time(pretrained, tmp_path):
     """One process, 2 prompts a micro-batch: decoded together (0 = the micro-batch) or one group at a time, the
     same completions and rewards, losses within fp32 rounding; FSDP2 at 2 ranks (its forward all-gathers: the
-    model's own forward decodes, every rank as many steps) with 2 prompts a rank follows the one-process run."""
+    model's own forward decodes, every rank as many steps) with 2 prompts a rank, and tensor parallelism at 2 (each
+    rank decoding with its share of the heads), follow the one-process run."""
     from tests.conftest import child_env, run_cmd, train_cmd
     from tests.trainer.test_grpo_runs import _rows
+    two = ["--rollout_batch_prompts=0", "--parallel=fsdp"]
     runs = {"one_by_one": ["--rollout_batch_prompts=1"], "together": ["--rollout_batch_prompts=0"],
-            "fsdp2": ["--rollout_batch_prompts=0", "--parallel=fsdp", "--batch_size=2"]}
+            "fsdp2": [*two, "--batch_size=2"],  # (2 prompts a rank)
+            "tp2": [*two, "--tensor_parallel_size=2"]}  # (one data-parallel rank: the decode of each tensor rank)
     rows = {}
     for name, flags in runs.items():
         out = tmp_path / name
         batch = [] if name == "fsdp2" else ["--batch_size=2", "--gradient_accumulation_steps=2"]
         run_cmd(train_cmd(_grpo(pretrained, tmp_path, out, "--num_completions_to_print=32", *batch, *flags),
-                          nproc=2 if name == "fsdp2" else 1), env=child_env())
+                          nproc=1 if name in ("one_by_one", "together") else 2), env=child_env())
         rows[name] = _rows(out)
         if name != "fsdp2":
             rows[name + "_samples"] = _samples(out)
     assert rows["together_samples"] == rows["one_by_one_samples"] and len(rows["together_samples"]) == 2 * 16
-    for name in ("together", "fsdp2"):
+    assert rows["tp2_samples"] == rows["one_by_one_samples"]
+    for name in ("together", "fsdp2", "tp2"):
         for s in (1, 2):
             a, b = rows["one_by_one"][s], rows[name][s]
             for k in ("reward", "reward_std", "completion_length"):
