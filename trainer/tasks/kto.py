@@ -105,8 +105,8 @@ class KTOTask(Task):
         engine.optimizer.finish_param_sync()  # ZeRO's all-gather of the updated weights has landed
         with torch.no_grad():
             sums = [kl_rows_sum(engine.module, loop.ref_model, b, device) for b in batches]
-        total, rows = (float(x) for x in engine.sum_over_data([sum(s for s, _ in sums), sum(n for _, n in sums)],
-                                                               device))
+        local = [float(sum(s for s, _ in sums)), float(sum(n for _, n in sums))]  # (host values: one sync)
+        total, rows = (float(x) for x in engine.sum_over_data(local, device))
         z = max(0.0, total / max(rows, 1.0))
         return [dict(b, _kto_kl=z) for b in batches], skipped
 
