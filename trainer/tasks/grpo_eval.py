@@ -12,12 +12,12 @@ generator per batch, seeded by the run's seed and the batch's first prompt: the 
 at every evaluation, and a run trains the same with or without evaluation), or let one rank run fewer forwards than
 another (FSDP all-gathers in every forward).
 
-The batches: up to `rows` answers of prompts next to each other in (length, index) order over the whole held-out
-set (so little padding: `generate` takes them left-padded with their attention mask), dealt round-robin, so a prompt
-is decoded in the same batch, with the same numbers, at any number of ranks. With several ranks every batch decodes the full
---max_completion_length tokens (no early stop at the stop ids: every rank then runs the same forwards) and a rank
-short of a batch decodes a filler batch it does not count; the tokens before a row's first stop id are those a
-single process, which stops early, decodes (a sampled step draws for every row, finished or not).
+The batches: up to `rows` answers of prompts next to each other in (length, index) order over the whole held-out set
+(so little padding: `generate` takes them left-padded with their attention mask), dealt round-robin, so a prompt is
+decoded in the same batch, with the same numbers, at any number of ranks. With several ranks every batch decodes the
+full --max_completion_length tokens (no early stop at the stop ids: every rank then runs the same forwards) and a rank
+short of a batch decodes a filler batch it does not count; the tokens before a row's first stop id are those a single
+process, which stops early, decodes (a sampled step draws for every row, finished or not).
 """
 from __future__ import annotations
 
