@@ -200,7 +200,6 @@ def _sample_file(args, model, tok, meta: dict, prompts: list, knobs: dict, fail)
 
     def encode(text: str) -> list[int]:
         return build_prompt_ids(tok, meta, text, args.chat, args.template_kwargs, args.system)
-    pad = int(meta["special_tokens"].get("pad", {}).get("id", 0))
     try:
         out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
     except OSError as e:
@@ -208,7 +207,7 @@ def _sample_file(args, model, tok, meta: dict, prompts: list, knobs: dict, fail)
         return 2  # bad configuration (utils.constants.EXIT_BAD_CONFIG)
     try:
         n = sample_file(model, prompts, encode, lambda new: tok.decode(new, skip_special_tokens=True), out,
-                        batch_size=args.batch_size, num_samples=args.num_samples, pad_id=pad,
+                        batch_size=args.batch_size, num_samples=args.num_samples,
                         repetition_penalty=args.repetition_penalty, **knobs)
     except ValueError as e:
         print(f"sample.py: --prompts_file={args.prompts_file}: {e}", file=sys.stderr)

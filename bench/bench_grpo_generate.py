@@ -128,13 +128,13 @@ def _batched(a, ours, hf, stop_ids: list, device, load_before: float) -> int:
     steps each decoded."""
     import torch
 
+    from model.decode import left_pad
     from trainer.tasks.grpo_rollout import sample_groups
     g = torch.Generator().manual_seed(2)
     lengths = [a.prompt_len - (a.prompt_len // 2) * k // max(1, a.prompts - 1) for k in range(a.prompts)]
     prompts = [torch.randint(3, a.vocab, (n,), generator=g).tolist() for n in lengths]
     P = max(lengths)
-    x = torch.tensor([[0] * (P - len(p)) + p for p in prompts for _ in range(a.group)], device=device)
-    mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts for _ in range(a.group)], device=device)
+    x, mask = left_pad([p for p in prompts for _ in range(a.group)], device)
 
     def ours_call(batch: list, temperature: float = 1.0) -> list:
         gens = [torch.Generator(device=device).manual_seed(1 + k) for k in range(len(batch))]

@@ -52,20 +52,17 @@ def _batches(items: list, size: int) -> Iterator[list]:
 
 def sample_file(model: Any, prompts: list[tuple[int, str]], encode: Callable[[str], list[int]],
                 decode: Callable[[list[int]], str], out: TextIO, *, batch_size: int, num_samples: int,
-                stop_ids: list[int], pad_id: int, **knobs) -> int:
+                stop_ids: list[int], **knobs) -> int:
     """Write every prompt's `num_samples` completions to `out` as JSON lines (`knobs`: model/generate.py generate's
     sampling arguments); returns how many lines were written."""
-    import torch
-
+    from model.decode import left_pad
     from model.generate import generate
     device = next(model.parameters()).device
     written = 0
     for index_base, chunk in enumerate(_batches(prompts, batch_size)):
         ids = [encode(text) for _, text in chunk]
-        T = max(len(x) for x in ids)
-        rows = [x for x in ids for _ in range(num_samples)]
-        x = torch.tensor([[pad_id] * (T - len(r)) + r for r in rows], dtype=torch.long, device=device)
-        mask = torch.tensor([[0] * (T - len(r)) + [1] * len(r) for r in rows], dtype=torch.long, device=device)
+        x, mask = left_pad([r for r in ids for _ in range(num_samples)], device)
+        T = x.shape[1]
         gen = generate(model, x, attention_mask=mask, stop_ids=stop_ids, **knobs)
         for r, row in enumerate(gen[:, T:].tolist()):
             k, s = divmod(r, num_samples)

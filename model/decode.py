@@ -123,6 +123,16 @@ def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return norm(x)
 
 
+def left_pad(prompts: Sequence[Sequence[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [B, P], attention mask [B, P]: 1 on the real tokens) of prompts left-padded to the longest. A pad holds its
+    row's first token: any id would do (the pads are masked), and this one is already in the row, so a repetition
+    penalty over the row's ids sees no other."""
+    P = max(len(p) for p in prompts)
+    ids = torch.tensor([[p[0]] * (P - len(p)) + list(p) for p in prompts], dtype=torch.long, device=device)
+    mask = torch.tensor([[0] * (P - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long, device=device)
+    return ids, mask
+
+
 class Decoder:
     """A model's generation state: its KV cache for `batch_size` rows of up to `max_len` positions, and (fast path)
     its projection weights prepared once. `prefill` / `prefill_shared` / `prefill_groups` run the prompts, `step`
@@ -203,13 +213,13 @@ class Decoder:
         [B, V]. A padded row's positions count from its first real token and its pads are masked out of every later
         attention (`step` too), so each row computes what it would alone, up to rounding. Prompts of one length
         need no padding."""
-        K, P = len(prompts), max(len(p) for p in prompts)
+        K = len(prompts)
         if K * group != self.rows or min(len(p) for p in prompts) < 1:
             raise ValueError(f"prefill_groups: {K} non-empty prompts x {group} rows each for {self.rows} rows")
         device = self.cache.k[0].device
-        pads = torch.tensor([P - len(p) for p in prompts], device=device)
-        # the pads hold the prompt's first token: any id would do (masked), this one is already in the row
-        tokens = torch.tensor([[p[0]] * (P - len(p)) + list(p) for p in prompts], dtype=torch.long, device=device)
+        tokens, mask = left_pad(prompts, device)
+        P = tokens.shape[1]
+        pads = P - mask.sum(1)
         padded = pads if bool(pads.any()) else None
         with self._mode():
             part = KVCache(self.model.cfg, K, P, device, self.dtype, kv_heads_of(self.model))

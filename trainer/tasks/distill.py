@@ -38,7 +38,7 @@ import torch
 from dataset.chat_dataset import right_pad
 from model.distill_head import distill_head, teacher_hidden
 from trainer.tasks.base import lm_inputs
-from trainer.tasks.grpo_rollout import every_rank_done, rollout_seed, sample_groups, seeded_generator
+from trainer.tasks.grpo_rollout import every_rank_done, rollout_seed, sample_in_calls
 from trainer.tasks.sft import SFTTask
 from utils.constants import IGNORE_INDEX
 
@@ -113,8 +113,8 @@ class DistillTask(SFTTask):
                      _by="student" if student else "teacher") for b in batches], skipped
 
     def _sampled_replies(self, model, batch: dict, step: int, device, all_done) -> dict:
-        """One micro-batch with each row's last reply sampled by `model` (--rollout_batch_prompts rows per
-        `sample_groups` call, each row from its own generator, as many calls on every rank, each generating
+        """One micro-batch with each row's last reply sampled by `model` (`sample_in_calls`: --rollout_batch_prompts
+        rows a call, each row from its own generator, as many calls on every rank, each generating
         --max_completion_length tokens at most, so that FSDP's ranks forward alike)."""
         cfg = self.cfg
         x, y = batch["input_ids"], batch["labels"]
@@ -123,20 +123,16 @@ class DistillTask(SFTTask):
         prompts = [last_reply_prompt(x[r], y[r], int(n)) for r, n in enumerate(lengths)]
         seeds = [rollout_seed(cfg.seed, step, zlib.crc32(x[r, :int(n)].numpy().tobytes()))
                  for r, n in enumerate(lengths)]
-        k = cfg.rollout_batch_prompts or len(prompts)
+        outs = sample_in_calls(model, prompts, seeds, cfg.rollout_batch_prompts, 1, cfg.max_completion_length,
+                               device=device, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                               min_p=cfg.min_p, repetition_penalty=cfg.repetition_penalty, stop_ids=self._stop_ids,
+                               pad_id=self._pad_id, all_done=all_done)
         rows = []
-        for c in range(0, len(prompts), k):
-            part = prompts[c:c + k]
-            outs = sample_groups(model, part, 1, cfg.max_completion_length, temperature=cfg.temperature,
-                                 top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p,
-                                 repetition_penalty=cfg.repetition_penalty, stop_ids=self._stop_ids,
-                                 pad_id=self._pad_id, all_done=all_done,
-                                 generators=[seeded_generator(device, s) for s in seeds[c:c + k]])
-            for prompt, (toks, mask, _) in zip(part, outs):
-                reply = toks[0][mask[0]].tolist()[:room + 1 - len(prompt)]
-                # an id past the tokenizer's (a vocabulary padded beyond it) is no token: the reply ends before it
-                cut = next((j for j, t in enumerate(reply) if t >= self._vocab), len(reply))
-                rows.append((prompt, reply[:cut]))
+        for prompt, (toks, mask, _) in zip(prompts, outs):
+            reply = toks[0][mask[0]].tolist()[:room + 1 - len(prompt)]
+            # an id past the tokenizer's (a vocabulary padded beyond it) is no token: the reply ends before it
+            cut = next((j for j, t in enumerate(reply) if t >= self._vocab), len(reply))
+            rows.append((prompt, reply[:cut]))
         return reply_rows(rows, self._pad_id, self._pad_to)
 
     def micro_batch_loss(self, model, ref_model, batch, device):

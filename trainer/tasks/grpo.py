@@ -29,8 +29,8 @@ from trainer.tasks.grpo_data import PromptSet, read_prompts_file
 from trainer.tasks.grpo_loss import (MICRO_BATCH_MEAN, TOKEN_AVERAGED, aggregate, batch_std, group_advantages,
                                      high_entropy_mask, per_token_terms, units_of)
 from trainer.tasks.grpo_rewards import build_rewards
-from trainer.tasks.grpo_rollout import (Group, drop_truncated, every_rank_done, rollout_seed, sample_groups,
-                                        seeded_generator, token_logps, training_rows)
+from trainer.tasks.grpo_rollout import (Group, drop_truncated, every_rank_done, rollout_seed, sample_in_calls,
+                                        token_logps, training_rows)
 from utils.constants import EXIT_BAD_CONFIG
 from utils.device import is_accelerator, parse_dtype, to_device
 from utils.errors import TrainingError
@@ -173,17 +173,13 @@ class GRPOTask(Task):
         pad = int(sp["pad"]["id"])
         groups, values = [], []
         items = list(zip(batch["prompt_index"].tolist(), batch["prompts"]))
-        k = cfg.rollout_batch_prompts or len(items)  # prompts decoded together (every rank: as many calls)
-        rolled = []
-        for c in range(0, len(items), k):
-            chunk = items[c:c + k]
-            rolled += zip(chunk, sample_groups(
-                model, [prompt.ids for _, prompt in chunk], cfg.num_generations, cfg.max_completion_length,
-                temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p,
-                repetition_penalty=cfg.repetition_penalty, stop_ids=stop_ids, pad_id=pad,
-                generators=[seeded_generator(device, rollout_seed(cfg.seed, step, idx)) for idx, _ in chunk],
-                use_cache=cfg.generation_kv_cache, row_len=self.row_len, all_done=all_done))
-        for (idx, prompt), (toks, mask, lps) in rolled:
+        rolled = sample_in_calls(
+            model, [prompt.ids for _, prompt in items], [rollout_seed(cfg.seed, step, idx) for idx, _ in items],
+            cfg.rollout_batch_prompts, cfg.num_generations, cfg.max_completion_length, device=device,
+            temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p,
+            repetition_penalty=cfg.repetition_penalty, stop_ids=stop_ids, pad_id=pad,
+            use_cache=cfg.generation_kv_cache, row_len=self.row_len, all_done=all_done)
+        for (idx, prompt), (toks, mask, lps) in zip(items, rolled):
             trained = drop_truncated(toks, mask, stop_ids) if cfg.mask_truncated_completions else mask
             groups.append(Group(idx, toks, trained, lps))
             kept = [[t for t, keep in zip(row, m) if keep] for row, m in zip(toks.tolist(), mask.tolist())]

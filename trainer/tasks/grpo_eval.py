@@ -25,6 +25,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from model.decode import left_pad
 from model.generate import generate
 
 
@@ -66,10 +67,8 @@ def held_out_sums(model: Any, prompts: Sequence[Any], rewards: Any, decode: Any,
     k = max(1, samples)
     sums = [0.0] * (4 + len(rewards.names))
     for batch, counted in eval_plan([len(p.ids) for p in prompts], max(1, rows // k), rank, world):
-        ids = [list(prompts[i].ids) for i in batch for _ in range(k)]
-        P = max(len(r) for r in ids)  # left-padded to the longest (the pads: the row's first token, masked)
-        x = torch.tensor([[r[0]] * (P - len(r)) + r for r in ids], dtype=torch.long, device=device)
-        mask = torch.tensor([[0] * (P - len(r)) + [1] * len(r) for r in ids], dtype=torch.long, device=device)
+        x, mask = left_pad([prompts[i].ids for i in batch for _ in range(k)], device)  # (to the batch's longest)
+        P = x.shape[1]
         stop = stops if world == 1 else None
         if samples:
             g = torch.Generator(device=device).manual_seed(batch_seed(seed, batch[0]))

@@ -3,8 +3,8 @@ exact parity, whole-row forwards of the training shape), the log-probability of 
 
 Owns: `rollout_seed` (a completion group is a function of (seed, step, prompt index) only: never of the rank, the
 number of ranks or the micro-batch layout), `sample_groups` (the G completions of one or several prompts decoded
-together, each group from its own generator; `sample_group`: one prompt's), and `Group` (what the task builds
-training rows from).
+together, each group from its own generator; `sample_group`: one prompt's; `sample_in_calls`: a micro-batch's prompts
+in calls of --rollout_batch_prompts), and `Group` (what the task builds training rows from).
 Must never: touch the training's random number generators, track gradients, or leave the model in eval mode.
 
 Why one group at a time by default (--rollout_batch_prompts=1): every rank then runs the same shapes for the same
@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from model.decode import Decoder
+from model.decode import Decoder, left_pad
 from model.generate import decode_dtype, penalize_repeats, sample_scaled
 
 _MIX = 0x9E3779B97F4A7C15  # splitmix64's constant: distinct (seed, step, prompt) give unrelated streams
@@ -39,13 +39,6 @@ def rollout_seed(seed: int, step: int, prompt_index: int) -> int:
     x = (int(seed) * 1_000_003 + int(step)) * _MIX + int(prompt_index) * 0xBF58476D1CE4E5B9
     x ^= x >> 31
     return x & 0x7FFF_FFFF_FFFF_FFFF
-
-
-def seeded_generator(device: Any, seed: int) -> torch.Generator:
-    """A generator on `device` seeded with `seed` (one per group: `rollout_seed`)."""
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed)
-    return gen
 
 
 @dataclass
@@ -64,6 +57,19 @@ def sample_group(model, prompt_ids: Sequence[int], group_size: int, max_new_toke
     """(tokens [G, n], mask [G, n], logps [G, n]) with n <= max_new_tokens: G completions of one prompt
     (`sample_groups` with one prompt; its keywords)."""
     return sample_groups(model, [prompt_ids], group_size, max_new_tokens, generators=[generator], **kw)[0]
+
+
+def sample_in_calls(model, prompts: Sequence[Sequence[int]], seeds: Sequence[int], per_call: int, group_size: int,
+                    max_new_tokens: int, *, device: Any, **kw) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """`sample_groups` over `prompts`, `per_call` of them a call (--rollout_batch_prompts; 0: all in one call), prompt
+    k's group drawn from a generator seeded with seeds[k] (`rollout_seed`): [(tokens, mask, logps)] in the prompts'
+    order. Ranks holding as many prompts make as many calls (`kw`: sample_groups' keywords, all_done included)."""
+    per_call = per_call or max(1, len(prompts))
+    out = []
+    for c in range(0, len(prompts), per_call):
+        generators = [torch.Generator(device=device).manual_seed(s) for s in seeds[c:c + per_call]]
+        out += sample_groups(model, prompts[c:c + per_call], group_size, max_new_tokens, generators=generators, **kw)
+    return out
 
 
 @torch.no_grad()
@@ -89,9 +95,8 @@ def sample_groups(model, prompts: Sequence[Sequence[int]], group_size: int, max_
         B, lengths = K * G, [len(p) for p in prompts]
         if len(generators) != K:
             raise ValueError(f"sample_groups: {len(generators)} generators for {K} prompts")
-        P = max(lengths)
-        # each prompt left-padded with its own first token (the repetition penalty's `seen`: an id already there)
-        left = torch.tensor([[p[0]] * (P - len(p)) + list(p) for p in prompts], dtype=torch.long, device=device)
+        left, _ = left_pad(prompts, device)  # (the repetition penalty's `seen`: its pads are ids already there)
+        P = left.shape[1]
         stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
         finished = torch.zeros(B, dtype=torch.bool, device=device)
         # preallocated outputs, column t written at step t; `ended` (the row had finished before step t) masks the
