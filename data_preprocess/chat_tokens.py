@@ -38,6 +38,7 @@ class ChatKind:
     meta_kind_required: bool  # the readers refuse a meta whose "kind" is not this kind
     format_version: int = 1
     tags: int = 0             # integer columns a row holds after its spans (KTO: 1 = desirable, 0 = undesirable)
+    values: tuple[str, ...] = ()  # optional float columns a record may carry (DPO: its margin), kept in VALUES_NAME
 
     @property
     def cols(self) -> int:
@@ -56,10 +57,13 @@ class ChatKind:
 SFT = ChatKind("sft", "sft_meta.json", "samples.npy", "num_samples", "first_sample", "SFT sample", "records", 1,
                meta_kind_required=False)
 DPO = ChatKind("dpo", "dpo_meta.json", "pairs.npy", "num_pairs", "first_pair", "DPO pair", "pairs", 2,
-               meta_kind_required=True)
+               meta_kind_required=True, values=("margin",))
 KTO = ChatKind("kto", "kto_meta.json", "examples.npy", "num_examples", "first_example", "KTO example",
                "labelled examples", 1, meta_kind_required=True, tags=1)
 KINDS = (SFT, DPO, KTO)
+# float64 [n, len(kind.values)] beside the index, written only when a kept row's record carried one of the values
+# (0.0 where a record did not); the meta then lists them ("values_columns") and counts the rows that carried one
+VALUES_NAME = "values.npy"
 
 
 @dataclass
@@ -71,6 +75,7 @@ class ChatTokens:
     ids: np.ndarray       # int64, every row's tokens back to back
     labels: np.ndarray    # int32, aligned with ids (unshifted), -100 where nothing is learned
     index: np.ndarray     # int64 [n, kind.cols]
+    values: "np.ndarray | None" = None  # float64 [n, len(kind.values)] where a record carried one, else None
 
 
 def is_pretokenized(path: str, kind: ChatKind) -> bool:
@@ -85,14 +90,18 @@ def check_not_other_kind(path: str, kind: ChatKind) -> None:
 
 
 def write_tokenized(out: str, kind: ChatKind, ids: np.ndarray, labels: np.ndarray, dtype: np.dtype,
-                    index: np.ndarray, meta: dict) -> None:
-    """ids (dtype), labels (int32), the int64 index and the meta JSON, each atomically, meta last:
-    its presence marks a complete folder, so it is removed first when the arrays are replaced."""
+                    index: np.ndarray, meta: dict, values: "np.ndarray | None" = None) -> None:
+    """ids (dtype), labels (int32), the int64 index, the rows' float values (VALUES_NAME, where there are any)
+    and the meta JSON, each atomically, meta last: its presence marks a complete folder, so it is removed first
+    when the arrays are replaced (and an earlier write's values file with it)."""
     os.makedirs(out, exist_ok=True)
     remove_temp_files(out)
     meta_path = os.path.join(out, kind.meta_name)
-    if os.path.exists(meta_path):
-        os.remove(meta_path)
+    for stale in (meta_path, os.path.join(out, VALUES_NAME)):
+        if os.path.exists(stale):
+            os.remove(stale)
+    if values is not None:
+        atomic_save_npy(os.path.join(out, VALUES_NAME), np.ascontiguousarray(values, dtype=np.float64))
     atomic_write_bytes(os.path.join(out, "input_ids.bin"), memoryview(ids.astype(dtype)).cast("B"))
     atomic_write_bytes(os.path.join(out, "labels.bin"), memoryview(labels.astype("<i4")).cast("B"))
     atomic_save_npy(os.path.join(out, kind.index_name), index)

@@ -10,6 +10,8 @@ pair, and the pretokenized DPO format, written atomically:
   <out>/pairs.npy       int64 [n, 6]: chosen offset, chosen length, rejected offset, rejected length,
                         file id, position in that file (1-based line of a .jsonl, 0-based record of a
                         .json array / row of a .parquet)
+  <out>/values.npy      float64 [n, 1], only where a kept pair's record carried "margin" (0.0 for a pair
+                        without one): the margin a reward model's loss subtracts (trainer/tasks/reward.py)
   <out>/dpo_meta.json   written last: format version, dtype, vocab/pad ids, tokenizer fingerprint,
                         max_seq_len, overlong policy, counts, files [{path, file_id, first_pair, ...}]
 `tokenize_dpo_records` makes the same arrays in memory (`chat_tokens.ChatTokens`) from raw records:
@@ -29,17 +31,18 @@ from typing import Any, Optional
 
 from data_preprocess.chat_tokens import DPO, drop_totals
 from data_preprocess.pretokenize_sft_data import ChatTask, chat_pretokenize_cli
-from data_preprocess.sft_format import dpo_messages, last_run_only
+from data_preprocess.sft_format import TaggedConversations, dpo_margin, dpo_messages, last_run_only
 
 log = logging.getLogger("pretokenize_dpo")
 DPO_FORMAT_VERSION = DPO.format_version
 
 
-def dpo_conversations(rec: Any) -> list[list[dict[str, str]]]:
-    """[prompt + chosen reply, prompt + rejected reply]; RecordError for a bad record."""
+def dpo_conversations(rec: Any) -> TaggedConversations:
+    """[prompt + chosen reply, prompt + rejected reply], with the record's margin (NaN: none); RecordError for a bad
+    record."""
     prompt, chosen, rejected = dpo_messages(rec)
-    return [prompt + [{"role": "assistant", "content": chosen}],
-            prompt + [{"role": "assistant", "content": rejected}]]
+    return TaggedConversations([prompt + [{"role": "assistant", "content": chosen}],
+                                prompt + [{"role": "assistant", "content": rejected}]], values=(dpo_margin(rec),))
 
 
 # DPO: labels on the final reply only; a pair whose branch is over-long is truncated (the reply's tail; kept when
@@ -55,7 +58,8 @@ tokenize_dpo_records = DPO_TASK.tokenize_records  # what dataset_dpo.DPODataset 
 
 HELP_EPILOG = """\
 records: {"prompt": str | "conversations": [{"role"|"from", "content"|"value"}], "chosen", "rejected",
-  "system"?}; chosen/rejected a string or an assistant message (or a list ending with one). Each
+  "system"?, "margin"?}; chosen/rejected a string or an assistant message (or a list ending with one);
+  margin a number (a reward model's loss subtracts it; kept in values.npy where any record has one). Each
   branch is prompt + reply rendered with the chat template; labels are the ids of the final reply
   and its <|im_end|>, -100 on every prompt token (earlier assistant turns included).
 over-long policy (--overlong): a branch may hold max_seq_len+1 tokens. truncate (default) cuts the

@@ -50,11 +50,20 @@ from utils.writable import check_writable_dir
 log = logging.getLogger("pretokenize_sft")
 SFT_FORMAT_VERSION = SFT.format_version
 # (ids int64, labels int32, index int64 [n, kind.cols], per-file stats) of a kind's records
-Tokenized = tuple[np.ndarray, np.ndarray, np.ndarray, list[dict]]
+Tokenized = tuple[np.ndarray, np.ndarray, np.ndarray, list[dict], Optional[np.ndarray]]
 
 
 def as_renderer(encode: "Encode | ChatRenderer") -> ChatRenderer:
     return encode if isinstance(encode, ChatRenderer) else ChatRenderer(encode=encode)
+
+
+def values_meta(kind: ChatKind, values: Optional[np.ndarray], stats: list[dict]) -> dict:
+    """The meta fields of the rows' float values: the columns and how many rows' records carried each ({} without
+    a values file)."""
+    if values is None:
+        return {}
+    return {"values_columns": list(kind.values),
+            **{f"num_with_{n}": sum(int(f.get(f"num_with_{n}", 0)) for f in stats) for n in kind.values}}
 
 
 def check_vocab(ids: np.ndarray, vocab: int) -> None:
@@ -103,7 +112,8 @@ class ChatTask:
 
     def tokenize_files(self, files: Sequence[str], encode: "Encode | ChatRenderer", max_seq_len: int,
                        overlong: str = "truncate", strict: bool = False) -> Tokenized:
-        """(ids int64, labels int32, index int64 [n, kind.cols], per-file stats) for the records of `files`.
+        """(ids int64, labels int32, index int64 [n, kind.cols], per-file stats, values) for the records of `files`;
+        values: float64 [n, len(kind.values)] where a kept row's record carried one (0.0 where not), else None.
 
         A row whose branch is over-long (> max_seq_len+1 tokens) is truncated (kept while every branch keeps
         a target token) or dropped ("drop"); a dropped row counts as dropped_overlong when a branch was
@@ -117,6 +127,7 @@ class ChatTask:
         id_chunks: list[np.ndarray] = []
         lab_chunks: list[np.ndarray] = []
         rows: list[tuple[int, ...]] = []
+        row_values: list[tuple[float, ...]] = []
         stats: list[dict] = []
         failed: dict[str, list[str]] = {}
         offset = 0
@@ -126,7 +137,7 @@ class ChatTask:
                   "truncated": 0, "dropped_overlong": 0}
             st.setdefault(no_target_key, 0)
             try:
-                for _, recno, branches, tags in encode_file_records(path, skips, self.to_convs, renderer):
+                for _, recno, branches, tags, values in encode_file_records(path, skips, self.to_convs, renderer):
                     kept = [(ids, apply_overlong(ids, labels_from_mask(ids, self.label_mask(mask)), max_seq_len,
                                                  overlong)) for ids, mask in branches]
                     if any(k is None for _, k in kept):
@@ -142,6 +153,10 @@ class ChatTask:
                         lab_chunks.append(labels)
                         offset += ids.size
                     rows.append((*row, *tags, file_id, recno))
+                    row_values.append(values)
+                    for name, v in zip(kind.values, values):  # counted per file where a record carries one
+                        if v == v:
+                            st[f"num_with_{name}"] = st.get(f"num_with_{name}", 0) + 1
                     st[kind.count_key] += 1
             except FileFailed as e:
                 failed[path] = e.errors
@@ -161,7 +176,18 @@ class ChatTask:
         index = np.asarray(rows, dtype=np.int64).reshape(-1, kind.cols)
         ids = np.concatenate(id_chunks) if id_chunks else np.empty(0, np.int64)
         labels = np.concatenate(lab_chunks) if lab_chunks else np.empty(0, np.int32)
-        return ids, labels, index, stats
+        return ids, labels, index, stats, self.row_values(row_values)
+
+    def row_values(self, rows: list[tuple[float, ...]]) -> Optional[np.ndarray]:
+        """The kept rows' float values [n, len(kind.values)] (NaN, a record without the value, as 0.0), or None
+        when no kept row's record carried one."""
+        width = len(self.kind.values)
+        if not width:
+            return None
+        values = np.asarray(rows, dtype=np.float64).reshape(-1, width)
+        if np.isnan(values).all():
+            return None
+        return np.nan_to_num(values, nan=0.0)
 
     def pretokenize(self, data_dir: Union[None, str, Sequence[str]], tokenizer_dir: str, max_seq_len: int,
                     output_dir: Optional[str] = None, overlong: str = "truncate", strict: bool = False,
@@ -177,7 +203,7 @@ class ChatTask:
         sp = special_ids(tmeta, ("pad", "eos"), f"the {kind.kind} files' layout")  # before any input is read
         with ChatRenderer(tokenizer_dir, num_workers, encode=encode if num_workers <= 1 and encode_fn is None else None,
                           encode_fn=encode_fn) as renderer:
-            ids, labels, index, stats = self.tokenize_files(files, renderer, max_seq_len, overlong, strict)
+            ids, labels, index, stats, values = self.tokenize_files(files, renderer, max_seq_len, overlong, strict)
         if len(index) == 0:
             raise DataError(f"{', '.join(input_paths(data_dir)) or hf_dataset}: no usable {kind.unit} ({self.empty_detail(stats)})")
         vocab = int(tmeta["vocab_size"])
@@ -189,9 +215,9 @@ class ChatTask:
             "eos_id": sp["eos"], "tokenizer_fingerprint": tmeta.get("fingerprint", ""),
             "max_seq_len": int(max_seq_len), "overlong": overlong, kind.count_key: int(len(index)),
             "num_tokens": int(ids.size), "num_target_tokens": int((labels != -100).sum()), **self.extra_meta,
-            "files": stats,
+            **values_meta(kind, values, stats), "files": stats,
         }
-        write_tokenized(out, kind, ids, labels, dtype, index, meta)
+        write_tokenized(out, kind, ids, labels, dtype, index, meta, values)
         return dict(meta, out_dir=out)
 
     def tokenize_records(self, path: str, tokenizer_dir: Optional[str], max_seq_len: Optional[int],
@@ -208,10 +234,10 @@ class ChatTask:
             raise DataError(f"{path}: no {kind.meta_name}; raw records need tokenizer_dir and max_seq_len")
         encode, tmeta = make_chat_encoder(tokenizer_dir)
         files = find_input_files(path, kinds=RECORD_KINDS, what=kind.kind.upper())
-        ids, labels, index, stats = self.tokenize_files(files, encode, int(max_seq_len), overlong, strict)
+        ids, labels, index, stats, values = self.tokenize_files(files, encode, int(max_seq_len), overlong, strict)
         meta = {"pad_id": int(tmeta["special_tokens"]["pad"]["id"]), "files": stats, kind.count_key: len(index),
-                "max_seq_len": int(max_seq_len)}
-        return ChatTokens(kind, path, meta, ids, labels, index)
+                "max_seq_len": int(max_seq_len), **values_meta(kind, values, stats)}
+        return ChatTokens(kind, path, meta, ids, labels, index, values)
 
 
 # SFT: labels on every assistant turn; an over-long sample is truncated or dropped, one left without a target dropped

@@ -25,6 +25,8 @@ token that is not assistant content / its <|im_end|>.
 """
 from __future__ import annotations
 
+import math
+import numbers
 import os
 from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -129,6 +131,18 @@ def dpo_messages(rec: Any) -> tuple[list[dict[str, str]], str, str]:
     """(prompt messages, chosen reply, rejected reply) of a DPO record."""
     prompt = _prompt_messages(rec)
     return prompt, _reply(rec, "chosen"), _reply(rec, "rejected")
+
+
+def dpo_margin(rec: dict) -> float:
+    """A DPO record's optional "margin" (how much better chosen is than rejected: a reward model's loss is
+    -log sigma(r_c - r_r - margin), Llama 2's and TRL's RewardTrainer's): a finite number, NaN where the record has
+    none (absent or null); RecordError for anything else."""
+    v = rec.get("margin")
+    if v is None:
+        return math.nan
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(float(v)):
+        raise RecordError("'margin' must be a finite number (or absent / null)")
+    return float(v)
 
 
 def _prompt_messages(rec: Any) -> list[dict[str, str]]:
@@ -301,29 +315,32 @@ class ChatRenderer:
 
 
 class TaggedConversations(list):
-    """A record's conversations with integer tags the row keeps beside its token spans (KTO's desirable flag)."""
+    """A record's conversations with integer tags the row keeps beside its token spans (KTO's desirable flag) and
+    float values kept beside the rows (a DPO pair's margin; NaN where the record has none)."""
 
-    def __init__(self, convs: list, tags: tuple[int, ...]):
+    def __init__(self, convs: list, tags: tuple[int, ...] = (), values: tuple[float, ...] = ()):
         super().__init__(convs)
         self.tags = tuple(int(t) for t in tags)
+        self.values = tuple(float(v) for v in values)
 
 
 def encode_file_records(path: str, skips: SkipCounter, to_convs: Callable[[Any], list[list[dict]]],
-                        renderer: ChatRenderer) -> Iterator[tuple[str, int, list[tuple[np.ndarray, np.ndarray]], tuple]]:
-    """Yield (location, position, [(ids, assistant mask) per conversation], tags) for every record of
-    `path` that `to_convs` accepts, in file order (tags: what a `TaggedConversations` carries, else ()).
+                        renderer: ChatRenderer) -> Iterator[tuple[str, int, list[tuple[np.ndarray, np.ndarray]],
+                                                                  tuple, tuple]]:
+    """Yield (location, position, [(ids, assistant mask) per conversation], tags, values) for every record of
+    `path` that `to_convs` accepts, in file order (tags, values: what a `TaggedConversations` carries, else ()).
     `to_convs` raises RecordError for a bad record: a counted skip (error under strict). A failed batch
     (worker exception) is collected; once one failed, nothing more of the file is yielded and FileFailed
     lists every failure at the end."""
     errors: list[str] = []
     pending: deque = deque()
     convs: list[list[dict]] = []
-    where_n: list[tuple[str, int, int, tuple]] = []
+    where_n: list[tuple[str, int, int, tuple, tuple]] = []
 
-    def span(items: list[tuple[str, int, int, tuple]]) -> str:
+    def span(items: list[tuple[str, int, int, tuple, tuple]]) -> str:
         return items[0][0] if len(items) == 1 else f"{items[0][0]} .. {items[-1][0].rsplit(':', 1)[-1]}"
 
-    def results(limit: int) -> Iterator[tuple[str, int, list[tuple[np.ndarray, np.ndarray]], tuple]]:
+    def results(limit: int) -> Iterator[tuple[str, int, list[tuple[np.ndarray, np.ndarray]], tuple, tuple]]:
         while len(pending) > limit:
             items, fut = pending.popleft()
             result = worker_result(fut, span(items), errors)
@@ -332,9 +349,9 @@ def encode_file_records(path: str, skips: SkipCounter, to_convs: Callable[[Any],
             flat_ids, flat_mask, lengths = result
             bounds = np.concatenate([[0], np.cumsum(lengths)])
             k = 0
-            for where, recno, n, tags in items:
+            for where, recno, n, tags, values in items:
                 yield where, recno, [(flat_ids[bounds[j]:bounds[j + 1]], flat_mask[bounds[j]:bounds[j + 1]])
-                                     for j in range(k, k + n)], tags
+                                     for j in range(k, k + n)], tags, values
                 k += n
 
     for where, recno, rec in iter_records(path, skips):
@@ -344,7 +361,8 @@ def encode_file_records(path: str, skips: SkipCounter, to_convs: Callable[[Any],
             skips.skip(where, str(e))
             continue
         convs.extend(rec_convs)
-        where_n.append((where, recno, len(rec_convs), getattr(rec_convs, "tags", ())))
+        where_n.append((where, recno, len(rec_convs), getattr(rec_convs, "tags", ()),
+                        getattr(rec_convs, "values", ())))
         if len(convs) >= BATCH_CONVERSATIONS:
             pending.append((where_n, renderer.submit(convs)))
             convs, where_n = [], []

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from data_preprocess.chat_tokens import ChatKind, ChatTokens, check_not_other_kind, is_pretokenized
+from data_preprocess.chat_tokens import VALUES_NAME, ChatKind, ChatTokens, check_not_other_kind, is_pretokenized
 from data_preprocess.shard_format import DataError, int_field, read_json_object, token_dtype_field
 from utils.constants import IGNORE_INDEX
 
@@ -66,6 +66,31 @@ def load_rows(path: str, name: str, cols: int, rows: int, spans: tuple[tuple[int
     return arr
 
 
+def load_values(path: str, kind: ChatKind, meta: dict) -> Optional[np.ndarray]:
+    """The rows' float values (VALUES_NAME: float64 [n, len(kind.values)], every one finite) where the meta lists
+    them ("values_columns"), else None; a damaged file is a DataError naming it (and the row)."""
+    cols = meta.get("values_columns")
+    if cols is None:
+        return None
+    fpath, rows = os.path.join(path, VALUES_NAME), int(meta[kind.count_key])
+    if cols != list(kind.values):
+        raise DataError(f"{os.path.join(path, kind.meta_name)}: values_columns {cols!r}, this version reads "
+                        f"{list(kind.values)!r}; re-run the pretokenizer")
+    try:
+        arr = np.load(fpath)
+    except (OSError, ValueError, EOFError) as e:
+        raise DataError(f"{fpath}: unreadable ({type(e).__name__}: {' '.join(str(e).split())[:160]}); "
+                        "re-run the pretokenizer") from e
+    if arr.dtype != np.float64 or arr.shape != (rows, len(cols)):
+        raise DataError(f"{fpath}: expected float64 [{rows}, {len(cols)}] (the meta's count), found {arr.dtype} "
+                        f"{list(arr.shape)}; re-run the pretokenizer")
+    bad = ~np.isfinite(arr).all(axis=1)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise DataError(f"{fpath}: row {i} {arr[i].tolist()} is not finite; re-run the pretokenizer")
+    return arr
+
+
 def token_files(path: str, meta: dict, meta_name: str) -> dict[str, tuple[str, np.dtype]]:
     """The ids / labels files of a pretokenized SFT or DPO folder, checked against its meta's token count."""
     meta_path = os.path.join(path, meta_name)
@@ -81,7 +106,7 @@ def token_files(path: str, meta: dict, meta_name: str) -> dict[str, tuple[str, n
 class ChatTokenDataset(Dataset):
     """Rows of pretokenized `kind` data: `source` a pretokenized folder (its meta file present) or
     `ChatTokens` in memory. `max_seq_len`: a folder made for a longer one is refused. Sets `meta`,
-    `index` (int64 [n, kind.cols]), `pad_id`, `path`."""
+    `index` (int64 [n, kind.cols]), `values` (float64 [n, len(kind.values)] or None), `pad_id`, `path`."""
     kind: ChatKind
 
     def __init__(self, source: "str | ChatTokens", max_seq_len: Optional[int] = None):
@@ -93,6 +118,7 @@ class ChatTokenDataset(Dataset):
                 raise DataError(f"{source.path}: {source.kind.units} given where {kind.units} are read")
             self.path, self.meta, self.index = source.path, source.meta, source.index
             self._ids, self._labels = source.ids, source.labels
+            self.values = source.values
         else:
             self.path = path = source
             if not is_pretokenized(path, kind):
@@ -110,6 +136,7 @@ class ChatTokenDataset(Dataset):
             self._files = token_files(path, self.meta, kind.meta_name)
             self.index = load_rows(path, kind.index_name, kind.cols, self.meta[kind.count_key],
                                    kind.spans, self.meta["num_tokens"], len(self.meta["files"]))
+            self.values = load_values(path, kind, self.meta)
         self.pad_id = int(self.meta["pad_id"])
 
     def _arrays(self) -> tuple[np.ndarray, np.ndarray]:

@@ -5,7 +5,8 @@ memmaps) or from the same arrays in memory (`tokenize_dpo_records` there renders
 "conversations", "chosen", "rejected"} records into two chat branches, prompt + assistant reply each,
 with labels only on the final reply: its content and <|im_end|>; -100 on every prompt token, including
 earlier assistant turns of a multi-turn prompt), both through `dataset.chat_dataset.ChatTokenDataset`;
-each branch shifted like the SFT items; the pairs' counts (over-long pairs truncated or dropped,
+each branch shifted like the SFT items, and the pair's "margin" where the data has margins (0.0 where its record
+had none: what a reward model's loss subtracts; batches carry it where asked); the pairs' counts (over-long pairs truncated or dropped,
 skipped records, as the pretokenizer counted them per file) totalled in `self.stats` and logged.
 
 Must never: tokenize raw records (that is `data_preprocess/`'s), label prompt tokens, or pad with an
@@ -45,16 +46,25 @@ class DPODataset(ChatTokenDataset):
     def sources(self) -> list[tuple[str, int]]:
         return [self.source(i) for i in range(len(self))]
 
+    @property
+    def num_with_margin(self) -> int:
+        """Pairs whose record carried a "margin" (0 without a values file)."""
+        return int(self.meta.get("num_with_margin", 0)) if self.values is not None else 0
+
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
         for side, (x, y) in zip(("chosen", "rejected"), self.branches(i)):
             out[f"{side}_input_ids"], out[f"{side}_labels"] = x, y
+        if self.values is not None:
+            out["margin"] = torch.tensor(float(self.values[i, 0]), dtype=torch.float64)
         return out
 
 
-def dpo_collate(pad_id: int, pad_to: Optional[int] = None) -> Callable[[list[dict]], dict[str, torch.Tensor]]:
+def dpo_collate(pad_id: int, pad_to: Optional[int] = None,
+                margins: bool = False) -> Callable[[list[dict]], dict[str, torch.Tensor]]:
     """Pad chosen and rejected to one common length T (so they can be concatenated into one
-    forward pass), at least `pad_to`: *_input_ids with pad_id, *_labels with -100, *_attention_mask 1/0."""
+    forward pass), at least `pad_to`: *_input_ids with pad_id, *_labels with -100, *_attention_mask 1/0;
+    with `margins`, "margin" [B] float32 (the pairs' margins, 0.0 where a record had none: a reward model's)."""
     def collate(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         T = max(max(it["chosen_input_ids"].numel(), it["rejected_input_ids"].numel()) for it in items)
         T = max(T, pad_to or 0)
@@ -62,14 +72,20 @@ def dpo_collate(pad_id: int, pad_to: Optional[int] = None) -> Callable[[list[dic
         for side in ("chosen", "rejected"):
             out[f"{side}_input_ids"], out[f"{side}_labels"], out[f"{side}_attention_mask"] = right_pad(
                 [it[f"{side}_input_ids"] for it in items], [it[f"{side}_labels"] for it in items], pad_id, T)
+        if margins:
+            out["margin"] = torch.tensor([float(it.get("margin", 0.0)) for it in items], dtype=torch.float32)
         return out
     return collate
 
 
 def build_dpo_splits(data: "str | ChatTokens", max_seq_len: int, val_ratio: float = 0.01,
-                     seed: int = 0, pad_to: Optional[int] = None) -> tuple[Dataset, Dataset, Callable]:
+                     seed: int = 0, pad_to: Optional[int] = None,
+                     margins: bool = False) -> tuple[Dataset, Dataset, Callable]:
     """(train, val, collate_fn) for the trainer; `data` a pretokenized folder or in-memory `ChatTokens`; rows
-    padded to at least `pad_to`."""
+    padded to at least `pad_to`; `margins`: batches carry the pairs' margins (dpo_collate)."""
     ds = DPODataset(data, max_seq_len)
+    if ds.num_with_margin:
+        log.info("%s: %d of %d DPO pairs carry a margin%s", ds.path, ds.num_with_margin, len(ds),
+                 "" if margins else " (used by --task_type=reward only)")
     tr, va = split_indices(len(ds), val_ratio, seed)
-    return IndexedSubset(ds, tr), IndexedSubset(ds, va), dpo_collate(ds.pad_id, pad_to)
+    return IndexedSubset(ds, tr), IndexedSubset(ds, va), dpo_collate(ds.pad_id, pad_to, margins)

@@ -21,14 +21,16 @@ from utils.constants import IGNORE_INDEX
 from utils.metrics import dedupe_by_step, read_metrics
 
 
-def test_reward_loss_is_bradley_terry_with_the_centring_term():
+def test_reward_loss_is_bradley_terry_with_the_centring_term_and_the_margin():
     from trainer.tasks.reward import reward_loss
-    chosen, rejected = [1.5, -0.25, 0.0, 2.0], [0.5, 0.75, -1.0, 2.0]
+    chosen, rejected, margin = [1.5, -0.25, 0.0, 2.0], [0.5, 0.75, -1.0, 2.0], [1.0, 0.0, -0.5, 3.0]
     for coef in (0.0, 0.01):
-        got = reward_loss(torch.tensor(chosen, dtype=torch.float64), torch.tensor(rejected, dtype=torch.float64), coef)
-        for i, (c, r) in enumerate(zip(chosen, rejected)):
-            want = -math.log(1 / (1 + math.exp(-(c - r)))) + coef * (c + r) ** 2
-            assert abs(float(got[i]) - want) < 1e-12
+        for m in (None, margin):
+            got = reward_loss(torch.tensor(chosen, dtype=torch.float64), torch.tensor(rejected, dtype=torch.float64),
+                              coef, None if m is None else torch.tensor(m, dtype=torch.float64))
+            for i, (c, r) in enumerate(zip(chosen, rejected)):
+                want = -math.log(1 / (1 + math.exp(-(c - r - (m[i] if m else 0.0))))) + coef * (c + r) ** 2
+                assert abs(float(got[i]) - want) < 1e-12
 
 
 def _pairs():
@@ -95,6 +97,13 @@ def test_a_micro_batch_scores_each_sequence_as_the_model_run_on_it_alone():
     assert abs(float(loss.detach()) - float(reward_loss(c, r, 0.05).sum())) < 1e-5
     assert abs(float(stats["reward_margin"]) - float((c - r).sum())) < 1e-5
     assert float(stats["reward_acc"]) == float((c > r).sum())
+    # the pairs' margins (their records'), where the data has them, are subtracted inside the sigmoid
+    m = [2.0, -1.0, 0.5]
+    batch = dpo_collate(pad_id=0, margins=True)([dict(it, margin=torch.tensor(v)) for it, v in zip(items, m)])
+    loss_m, _ = RewardTask(cfg).micro_batch_loss(model, None, batch, torch.device("cpu"))
+    want = sum(-math.log(1 / (1 + math.exp(-(float(ci) - float(ri) - mi)))) + 0.05 * float(ci + ri) ** 2
+               for ci, ri, mi in zip(c, r, m))
+    assert abs(float(loss_m.detach()) - want) < 1e-5 and abs(want - float(loss.detach())) > 0.1
 
 
 def test_lora_keeps_the_new_score_head_trainable():
@@ -207,6 +216,24 @@ def test_a_reward_model_learns_the_preferences_and_exports(pretrained, tiny_pret
             margins.append(c - r)
     assert got["n"] == len(train) == 16 and got["acc"] == sum(m > 0 for m in margins) / 16, (got, margins)
     assert abs(got["margin"] - sum(margins) / 16) < 1e-4, (got, margins)
+
+
+def test_a_run_on_pairs_with_margins_subtracts_them(pretrained, tiny_pretrain_data, tmp_path):
+    """Pairs whose records carry "margin": 1.5 (one a step): each step's loss is -log sigma(r_c - r_r - 1.5) of the
+    scores it logs, and the start says how many pairs carry one."""
+    toy = tmp_path / "margins.jsonl"
+    lines = _toy(tmp_path, 4).read_text(encoding="utf-8").splitlines()
+    toy.write_text("".join(json.dumps(dict(json.loads(x), margin=1.5)) + "\n" for x in lines), encoding="utf-8")
+    out = tmp_path / "rm"
+    r = run_cmd(train_cmd(_args(tiny_pretrain_data, toy, pretrained["out"], out, "--max_iters=2", "--batch_size=1",
+                                "--checkpoint_interval=100")), env=_env())
+    assert "4 of 4 DPO pairs carry a margin" in r.stdout + r.stderr
+    recs = dedupe_by_step(read_metrics(os.path.join(out, "metrics.jsonl")))
+    assert sorted(recs) == [1, 2]
+    for s, x in recs.items():
+        d = x["chosen_reward"] - x["rejected_reward"]
+        assert abs(x["loss"] - math.log1p(math.exp(-(d - 1.5)))) < 1e-5 * max(1.0, x["loss"]), (s, x)
+        assert abs(x["loss"] - math.log1p(math.exp(-d))) > 1e-3
 
 
 @pytest.mark.parametrize("engine", ["ddp", "fsdp"])

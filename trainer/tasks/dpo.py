@@ -126,16 +126,16 @@ def sequence_logps(model, batch: dict, device, prefix: str = "") -> tuple[torch.
     return -per_token.float().sum(dim=-1), (y != -100).sum(dim=-1)
 
 
-def preference_data(cfg, tok_meta: dict, val_ratio: float, fixed_shape: bool, log) -> TaskData:
+def preference_data(cfg, tok_meta: dict, val_ratio: float, fixed_shape: bool, log, margins: bool = False) -> TaskData:
     """The preference pairs of --data_dir (raw records or a pretokenized DPO folder) and their validation split
-    or --eval_data_dir: DPO's and the reward model's data."""
+    or --eval_data_dir: DPO's and the reward model's data (`margins`: batches carry the pairs' margins)."""
     data = chat_data(cfg, cfg.data_dir, tokenize_dpo_records, DPO, tok_meta, "train", log)
     # fixed_shape: rows of --max_seq_len (context parallel's whole chunks; pipeline stages' one shape)
     train, val, collate = build_dpo_splits(data, cfg.max_seq_len, val_ratio=val_ratio, seed=cfg.seed,
-                                           pad_to=cfg.max_seq_len if fixed_shape else None)
+                                           pad_to=cfg.max_seq_len if fixed_shape else None, margins=margins)
     if cfg.eval_data_dir:
         ev = chat_data(cfg, cfg.eval_data_dir, tokenize_dpo_records, DPO, tok_meta, "validation", log)
-        val = build_dpo_splits(ev, cfg.max_seq_len, val_ratio=0.0, seed=cfg.seed)[0]
+        val = build_dpo_splits(ev, cfg.max_seq_len, val_ratio=0.0, seed=cfg.seed, margins=margins)[0]
     return TaskData(train, val, collate, DPO.units, *chat_val_words(cfg))
 
 
