@@ -136,9 +136,9 @@ def dpo_messages(rec: Any) -> tuple[list[dict[str, str]], str, str]:
 def dpo_margin(rec: dict) -> float:
     """A DPO record's optional "margin" (how much better chosen is than rejected: a reward model's loss is
     -log sigma(r_c - r_r - margin), Llama 2's and TRL's RewardTrainer's): a finite number, NaN where the record has
-    none (absent or null); RecordError for anything else."""
+    none (absent, null, or NaN: pandas' missing value in a parquet column); RecordError for anything else."""
     v = rec.get("margin")
-    if v is None:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
         return math.nan
     if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(float(v)):
         raise RecordError("'margin' must be a finite number (or absent / null)")

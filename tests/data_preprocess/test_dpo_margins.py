@@ -1,5 +1,5 @@
 """A DPO pair's optional "margin" (Llama 2's reward-model margin, TRL's RewardTrainer column): read from the records
-(absent or null = none; anything but a finite number a counted skip naming file:line), kept beside the pairs
+(absent, null or NaN = none; anything else but a finite number a counted skip naming file:line), kept beside the pairs
 (values.npy, only where a record carried one), the same from a pretokenized folder as from the raw records, in the
 batches that ask for it, and a damaged values file refused naming it."""
 from __future__ import annotations
@@ -37,8 +37,8 @@ def with_margins(tmp_path):
         _pair(4, margin=-1),                                                     # 4 an integer
         _pair(5, margin="big"),                                                  # 5 skipped
         _pair(6, margin=True),                                                   # 6 skipped
-        b'{"prompt": "q", "chosen": "a", "rejected": "b", "margin": NaN}',       # 7 skipped
-        b'{"prompt": "q", "chosen": "a", "rejected": "b", "margin": 1e400}',     # 8 skipped (inf)
+        b'{"prompt": "q", "chosen": "a", "rejected": "b", "margin": 1e400}',     # 7 skipped (inf)
+        b'{"prompt": "q", "chosen": "a", "rejected": "b", "margin": NaN}',       # 8 none (pandas' missing value)
     ])
     _write(src / "q.jsonl", [_pair(9), _pair(10)])  # a file without any margin
     return src
@@ -49,14 +49,14 @@ def test_margins_are_kept_beside_the_pairs_and_read_as_from_the_records(tmp_path
     out = tmp_path / "out"
     meta = pretokenize_dpo(str(with_margins), tok, 48, str(out))
     p, q = meta["files"]
-    assert p["skipped"] == {BAD: 4} and p["num_pairs"] == 4 and q["num_pairs"] == 2
+    assert p["skipped"] == {BAD: 3} and p["num_pairs"] == 5 and q["num_pairs"] == 2
     assert meta["values_columns"] == ["margin"] and meta["num_with_margin"] == 2 == p["num_with_margin"]
     assert "num_with_margin" not in q
     assert sorted(os.listdir(out)) == ["dpo_meta.json", "input_ids.bin", "labels.bin", "pairs.npy", "values.npy"]
-    want = [2.5, 0.0, 0.0, -1.0, 0.0, 0.0]
+    want = [2.5, 0.0, 0.0, -1.0, 0.0, 0.0, 0.0]
     pre, raw = DPODataset(str(out), 48), DPODataset(tokenize_dpo_records(str(with_margins), tok, 48), 48)
     for ds in (pre, raw):
-        assert [r for _, r in ds.sources] == [1, 2, 3, 4, 1, 2] and ds.num_with_margin == 2
+        assert [r for _, r in ds.sources] == [1, 2, 3, 4, 8, 1, 2] and ds.num_with_margin == 2
         assert [float(ds[i]["margin"]) for i in range(len(ds))] == want
     # the reward model's batches carry them (float32); DPO's do not
     items = [pre[i] for i in range(len(pre))]
@@ -94,7 +94,7 @@ def test_a_damaged_values_file_is_refused_naming_it(tmp_path, with_margins, tiny
     vpath = str(out / "values.npy")
     bad_row = good.copy()
     bad_row[3, 0] = np.inf
-    for arr, msg in ((good[:-1], r"expected float64 \[6, 1\]"), (good.astype(np.float32), "expected float64"),
+    for arr, msg in ((good[:-1], r"expected float64 \[7, 1\]"), (good.astype(np.float32), "expected float64"),
                      (bad_row, r"row 3 \[inf\] is not finite")):
         np.save(vpath, arr)
         with pytest.raises(DataError, match=msg) as e:
