@@ -202,7 +202,7 @@ class OptimizationFlags:
 
 # --dpo_loss's choices (trainer/tasks/dpo.py computes them); the reference-free ones load no reference model
 DPO_LOSSES = ("sigmoid", "ipo", "hinge", "robust", "exo_pair", "nca_pair", "sppo_hard", "apo_zero", "apo_down",
-              "discopop", "aot", "aot_unpaired", "aot_pair", "simpo", "orpo")
+              "discopop", "aot", "aot_unpaired", "aot_pair", "bco_pair", "simpo", "orpo")
 REFERENCE_FREE_LOSSES = ("simpo", "orpo")
 KTO_LOSSES = ("kto", "apo_zero_unpaired")  # --kto_loss's choices (trainer/tasks/kto.py computes them)
 
@@ -215,7 +215,8 @@ class DPOFlags:
                               "2 to 10 in the SimPO paper)")
     dpo_loss: str = _f("sigmoid", "sigmoid | ipo | hinge | robust | exo_pair | nca_pair | sppo_hard | apo_zero | "
                                   "apo_down | discopop | aot | aot_unpaired (= aot_pair; the AOT two sort over each "
-                                  "micro-batch's pairs) (against the frozen reference model; TRL's loss_type of the "
+                                  "micro-batch's pairs) | bco_pair (BCO: the rewards shifted by their running "
+                                  "mean, kept in checkpoints) (against the frozen reference model; TRL's loss_type of the "
                                   "same name) | simpo | orpo (reference-free: none is loaded)")
     dpo_label_smoothing: float = _f(0.0, "conservative DPO label smoothing (sigmoid and simpo losses)")
     simpo_gamma: float = _f(0.5, "dpo_loss=simpo: the target reward margin gamma (TRL's simpo_gamma)")

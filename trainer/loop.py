@@ -33,7 +33,7 @@ from trainer.console import line_due, rank0_log
 from trainer.side_losses import SideLosses
 from trainer.samples import build_sampler
 from trainer.start import (Progress, build_model, choose_trainable, decide_start, dpo_reference, place_on_engine,
-                           restore, set_threads)
+                           restore, set_threads, trainer_state)
 from trainer.task import (build_data, build_task_evaluator, count_tokens, evaluate, evaluate_start, prefetch_depth,
                           task_of, values_text)
 from trainer.validation import run_tokenizer_meta, validate_config
@@ -100,7 +100,7 @@ def _set_up(cfg: TrainConfig, info: DistInfo, continues: Optional[bool], max_ite
     checkpoints = CheckpointManager(engine, cfg.out_dir, rank=info.rank, world_size=info.world_size,
                                     device=info.device, keep_last=cfg.keep_last, async_writes=cfg.async_checkpoint,
                                     log=log, barrier=barrier)
-    progress = restore(cfg, info, engine, checkpoints, train_loader, start, log)
+    progress = restore(cfg, info, engine, checkpoints, train_loader, start, log, task)
     if cfg.num_train_epochs > 0:  # max_iters from the epochs, unless --max_iters was given (now or when the run began)
         given = max_iters_given or start.saved_state.get("max_iters_from") == "max_iters"
         cfg.max_iters, line = max_iters_for_epochs(cfg.num_train_epochs, train_loader.num_samples,
@@ -309,8 +309,9 @@ class Loop:
         # gradients are those of (all ranks' loss sums) / global_units
         sums = engine.forward_backward(batches, spiked(self.loss_fn, *spike) if spike else self.loss_fn,
                                        global_units, poison=poison)
-        # the step's sums, reduced and copied to the host behind the backward, read in `finish`
-        sums_copy = HostCopy(engine.sum_over_data(sums, info.device, to_host=False))
+        step_sums = engine.sum_over_data(sums, info.device, to_host=False)  # the step's sums over the ranks
+        self.task.after_step(step_sums, engine.stat_keys, global_units)  # (bco_pair's running mean, on the device)
+        sums_copy = HostCopy(step_sums)  # copied to the host behind the backward, read in `finish`
         verdict = engine.optimizer.step()  # clips, skips and steps on the device; its verdict is read in `finish`
         side = self.side.after_step(engine, info.device) if self.side is not None else None
         p.step += 1
@@ -458,19 +459,8 @@ class Loop:
         this step's validation values; a held-out reward among them is saved too (`best` of a run without a
         validation loss, checkpoint/verify.py selection_score)."""
         cfg, p = self.cfg, self.progress
-        state = {"data_cursor": self.train_loader.state_dict(),
-                 "best_val_loss": None if p.best_val == float("inf") else p.best_val,
-                 "val_loss": val_loss, "tokens_seen": p.tokens_seen, "init_info": self.init_info,
-                 "lr": lr_at(max(0, p.step - 1), **self.lr_kw), "task_type": cfg.task_type,
-                 "data_step": p.data_step, "skip_data_steps": sorted(p.skip_steps)}  # a resume skips them too
-        if evaluated and isinstance(evaluated.get("val_reward"), (int, float)):
-            state["val_reward"] = float(evaluated["val_reward"])
-        if p.max_iters_from is not None:  # which flag set max_iters: a resume decides the same way
-            state["max_iters_from"] = p.max_iters_from
-        if self.guard is not None:  # the running window: a resumed run judges its steps as an uninterrupted one
-            state["spike_guard"] = self.guard.state_dict()
-        if self.early.patience:
-            state["early_stopping"] = self.early.state_dict()
+        state = trainer_state(cfg, p, self.train_loader.state_dict(), val_loss, self.init_info,
+                              lr_at(max(0, p.step - 1), **self.lr_kw), evaluated, self.guard, self.early, self.task)
         background = self.checkpoints.writer is not None
         fault = save_fault_hook(p.step, background, lambda: os.kill(os.getpid(), signal.SIGKILL))
         t0 = time.perf_counter()

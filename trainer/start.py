@@ -372,9 +372,31 @@ def place_on_engine(cfg: TrainConfig, info: DistInfo, model, ref_model, log, thr
     return engine, ref_model
 
 
-def restore(cfg: TrainConfig, info: DistInfo, engine, checkpoints, train_loader, start: Start, log) -> Progress:
-    """A continued run's weights, optimizer (sharded under ZeRO), comm-hook state, data cursor and the
-    loop's counters; a new run's counters at zero. --skip_data_steps joins the saved skip list."""
+def trainer_state(cfg: TrainConfig, p: Progress, data_cursor: dict, val_loss: Optional[float], init_info: dict,
+                  lr: float, evaluated: Optional[dict], guard, early, task) -> dict:
+    """A checkpoint's trainer_state.json (what `restore` reads back): the loop's counters, the data cursor, the
+    validation values, the spike guard's window, the early stop's count and the task's own state."""
+    state = {"data_cursor": data_cursor, "best_val_loss": None if p.best_val == float("inf") else p.best_val,
+             "val_loss": val_loss, "tokens_seen": p.tokens_seen, "init_info": init_info, "lr": lr,
+             "task_type": cfg.task_type, "data_step": p.data_step,
+             "skip_data_steps": sorted(p.skip_steps)}  # a resume skips them too
+    if evaluated and isinstance(evaluated.get("val_reward"), (int, float)):
+        state["val_reward"] = float(evaluated["val_reward"])
+    if p.max_iters_from is not None:  # which flag set max_iters: a resume decides the same way
+        state["max_iters_from"] = p.max_iters_from
+    if guard is not None:  # the running window: a resumed run judges its steps as an uninterrupted one
+        state["spike_guard"] = guard.state_dict()
+    if early.patience:
+        state["early_stopping"] = early.state_dict()
+    if task is not None and (task_state := task.state_dict()) is not None:  # (bco_pair's running mean)
+        state["task"] = task_state
+    return state
+
+
+def restore(cfg: TrainConfig, info: DistInfo, engine, checkpoints, train_loader, start: Start, log,
+            task=None) -> Progress:
+    """A continued run's weights, optimizer (sharded under ZeRO), comm-hook state, data cursor, the loop's counters
+    and `task`'s own state; a new run's counters at zero. --skip_data_steps joins the saved skip list."""
     progress = Progress()
     if start.resume_dir is not None:
         resume_dir, saved = start.resume_dir, start.saved_state
@@ -422,6 +444,11 @@ def restore(cfg: TrainConfig, info: DistInfo, engine, checkpoints, train_loader,
             progress.last_val = float(saved["val_loss"])  # resuming a finished run reports its real final loss
         if isinstance(saved.get("early_stopping"), dict):
             progress.saved_early_stop = saved["early_stopping"]
+        if "task" in saved and task is not None:  # the task's own state (Task.state_dict: bco_pair's running mean)
+            if not isinstance(saved["task"], dict):
+                raise TrainingError(f"checkpoint {resume_dir}: trainer_state.json: 'task' is not an object",
+                                    EXIT_BAD_CHECKPOINT)
+            task.load_state_dict(saved["task"], f"checkpoint {resume_dir}: trainer_state.json")
         if not new_data:  # the skip list names data steps of this data stream: a new stream starts afresh
             try:
                 progress.data_step = int(saved.get("data_step", progress.step))

@@ -9,7 +9,7 @@ stay on the device as sums; the loop reads a step's row once).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Optional
+from typing import Any, Callable, ClassVar, Optional, Sequence
 
 import torch
 
@@ -68,6 +68,20 @@ class Task:
         does it here, with the loop's engine, progress and metrics. Every rank must make the same number of forward
         calls here (FSDP all-gathers in forward). By default: the data drawn."""
         return draw()
+
+    def after_step(self, step_sums: torch.Tensor, stat_keys: Sequence[str], global_units: float) -> None:
+        """After a step's forwards and backwards: `step_sums` its statistics summed over the data-parallel ranks (a
+        float64 row on the device, parallel/engine.py stat_row's order: loss, stat_keys, units; every rank holds the
+        same), `global_units` its units (host). A task with state that moves with the steps (bco_pair's running
+        mean) updates it here, on the device, without reading it. By default: nothing."""
+
+    def state_dict(self) -> Optional[dict]:
+        """The task's own state for trainer_state.json (plain JSON numbers; read on the host at a save), or None."""
+        return None
+
+    def load_state_dict(self, state: dict, where: str) -> None:
+        """Restore `state_dict()`'s value saved in `where` (a checkpoint's trainer_state.json); a TrainingError naming
+        it when it is not what this task saves."""
 
     def steps_per_draw(self) -> int:
         """How many optimizer steps train on each data step's batches (`before_step` draws every that many

@@ -5,6 +5,7 @@ log-probabilities. The loss functions are pure tensor math (`dpo_loss`, `referen
 from __future__ import annotations
 
 import math
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -12,7 +13,8 @@ import torch.nn.functional as F
 from data_preprocess.chat_tokens import DPO
 from data_preprocess.pretokenize_dpo_data import tokenize_dpo_records
 from dataset.dataset_dpo import build_dpo_splits
-from trainer.config import DPO_LOSSES, REFERENCE_FREE_LOSSES
+from trainer.config import DPO_LOSSES, REFERENCE_FREE_LOSSES, TrainingError
+from utils.constants import EXIT_BAD_CHECKPOINT
 from trainer.tasks.base import Task, TaskData
 from trainer.tasks.data import chat_data
 from trainer.tasks.sft import chat_val_words
@@ -25,7 +27,7 @@ REFERENCE_FREE = REFERENCE_FREE_LOSSES  # no reference model: the policy's mean 
 def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor,
              ref_chosen: torch.Tensor, ref_rejected: torch.Tensor, *, beta: float = 0.1,
              loss_type: str = "sigmoid", label_smoothing: float = 0.0, discopop_tau: float = 0.05,
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             bco_delta: "torch.Tensor | float" = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-pair losses and the implicit rewards beta * (log pi - log pi_ref).
 
     Inputs are summed log-probabilities of the reply tokens, shape [P]. Returns
@@ -40,6 +42,8 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor,
     sppo_hard: (a/beta - 1/(2 beta))^2 + (b/beta + 1/(2 beta))^2  (SPPO, Wu et al. 2024, hard labels)
     apo_zero: 1 - sigma(a) + sigma(b);  apo_down: sigma(a) + 1 - sigma(a - b)   (APO, D'Oosterlinck et al. 2024)
     discopop: -log sigma(beta*h) (1 - m) + exp(-beta*h) m, m = sigma(beta*h / tau)   (DiscoPOP, Chris Lu et al. 2024)
+    bco_pair: -log sigma(a - delta) - log sigma(-(b - delta)), delta = `bco_delta` (the running mean of the rewards
+             (a + b) / 2 over the pairs seen: BCORunningMean)          (BCO, Jung et al. 2024)
     aot:     sigmoid's loss of beta*d, d = sort(log pi(c) - log pi(r)) - sort(log ref(c) - log ref(r)) over the
              micro-batch's pairs; aot_unpaired (TRL's earlier aot_pair): d = sort(a) / beta - sort(b) / beta
              (AOT, Melnyk et al. 2024: each sorted over the micro-batch, so a pair's loss depends on the others')
@@ -55,6 +59,9 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor,
         losses = (h - 1.0 / (2.0 * beta)) ** 2
     elif loss_type == "hinge":
         losses = torch.relu(1.0 - beta * h)
+    elif loss_type == "bco_pair":
+        a, b = beta * (policy_chosen - ref_chosen), beta * (policy_rejected - ref_rejected)
+        losses = -F.logsigmoid(a - bco_delta) - F.logsigmoid(-(b - bco_delta))
     elif loss_type.startswith("aot"):  # distributional: the sorted log-ratios of the micro-batch's pairs
         mine, other = ((policy_chosen - policy_rejected, ref_chosen - ref_rejected) if loss_type == "aot" else
                        (policy_chosen - ref_chosen, policy_rejected - ref_rejected))
@@ -139,6 +146,54 @@ def preference_data(cfg, tok_meta: dict, val_ratio: float, fixed_shape: bool, lo
     return TaskData(train, val, collate, DPO.units, *chat_val_words(cfg))
 
 
+class BCORunningMean:
+    """bco_pair's reward shift delta (BCO, Jung et al. 2024; TRL's `RunningMoments`): the mean of the implicit rewards
+    (a + b) / 2 (a, b: beta x the chosen / rejected log-ratio) over every pair of the steps before this one, all
+    ranks, and the micro-batch's own, which TRL's also counts (so one process with one micro-batch a step draws TRL's
+    delta). The running sums live on the device (updated after each step from the ranks' summed statistics, a step
+    whose rewards are not finite left out) and in trainer_state.json (read at a save), so a resume continues them
+    exactly and two ranks of a micro-batch each give one process accumulating the same two."""
+
+    def __init__(self) -> None:
+        self.total: Optional[torch.Tensor] = None  # float64 on the device: the rewards' sum, and the pairs counted
+        self.pairs: Optional[torch.Tensor] = None
+        self._saved = (0.0, 0.0)
+
+    def _on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.total is None or self.total.device != device:
+            t, n = self._saved if self.total is None else (float(self.total), float(self.pairs))
+            self.total, self.pairs = (torch.tensor(v, dtype=torch.float64, device=device) for v in (t, n))
+        return self.total, self.pairs
+
+    def delta(self, reward_sum: torch.Tensor, pairs: int) -> torch.Tensor:
+        """delta for a micro-batch whose pairs' (a + b) / 2 sum to `reward_sum`."""
+        total, n = self._on(reward_sum.device)
+        return ((total + reward_sum.double()) / (n + pairs)).to(reward_sum.dtype)
+
+    def update(self, reward_sum: torch.Tensor, pairs: float) -> None:
+        """Add a step's summed (a + b) / 2 over its `pairs` pairs, unless it is not finite."""
+        total, n = self._on(reward_sum.device)
+        ok = torch.isfinite(reward_sum)
+        self.total = torch.where(ok, total + reward_sum, total)
+        self.pairs = torch.where(ok, n + pairs, n)
+
+    def state_dict(self) -> dict:
+        t, n = self._saved if self.total is None else (float(self.total), float(self.pairs))
+        return {"reward_sum": t, "pairs": n}
+
+    def load_state_dict(self, state: Any, where: str) -> None:
+        try:
+            t, n = float(state["reward_sum"]), float(state["pairs"])
+        except (TypeError, KeyError, ValueError) as e:
+            raise TrainingError(f"{where}: task.bco_pair is not {{reward_sum, pairs}} ({e!r})",
+                                EXIT_BAD_CHECKPOINT) from e
+        if not (math.isfinite(t) and math.isfinite(n) and n >= 0):
+            raise TrainingError(f"{where}: task.bco_pair {state!r} is not a finite sum over pairs >= 0",
+                                EXIT_BAD_CHECKPOINT)
+        self.total = self.pairs = None
+        self._saved = (t, n)
+
+
 class DPOTask(Task):
     name = "dpo"
     units = "preference pairs"
@@ -150,6 +205,7 @@ class DPOTask(Task):
     def __init__(self, cfg) -> None:
         super().__init__(cfg)
         self.needs_reference = cfg.dpo_loss not in REFERENCE_FREE  # (SimPO, ORPO: no reference model is loaded)
+        self.bco = BCORunningMean() if cfg.dpo_loss == "bco_pair" else None
 
     def datasets(self, tok_meta, val_ratio, fixed_shape, log):
         return preference_data(self.cfg, tok_meta, val_ratio, fixed_shape, log)
@@ -164,13 +220,29 @@ class DPOTask(Task):
         else:
             with torch.no_grad():
                 rc, rr = (sequence_logps(ref_model, batch, device, p)[0] for p in ("chosen_", "rejected_"))
+            delta = 0.0
+            if self.bco is not None:  # the running mean, with this micro-batch's rewards
+                delta = self.bco.delta((cfg.dpo_beta * ((pc - rc) + (pr - rr)) / 2).detach().sum(), len(pc))
             losses, ch_r, rj_r = dpo_loss(pc, pr, rc, rr, beta=cfg.dpo_beta, loss_type=cfg.dpo_loss,
-                                          label_smoothing=cfg.dpo_label_smoothing, discopop_tau=cfg.discopop_tau)
+                                          label_smoothing=cfg.dpo_label_smoothing, discopop_tau=cfg.discopop_tau,
+                                          bco_delta=delta)
             if cfg.rpo_alpha:  # RPO (Pang et al. 2024): the chosen reply's per-token NLL beside the preference loss
                 losses = losses + cfg.rpo_alpha * (-pc / tokens[0].clamp(min=1))
         stats = {"chosen_reward": ch_r.detach().sum(), "rejected_reward": rj_r.detach().sum(),  # on the device
                  "reward_acc": (ch_r > rj_r).float().sum()}
         return losses.sum(), stats
+
+    def after_step(self, step_sums, stat_keys, global_units):
+        if self.bco is not None:  # the step's (a + b) / 2 over all ranks: chosen + rejected reward sums, halved
+            i, j = 1 + stat_keys.index("chosen_reward"), 1 + stat_keys.index("rejected_reward")
+            self.bco.update((step_sums[i] + step_sums[j]) / 2, global_units)
+
+    def state_dict(self):
+        return None if self.bco is None else {"bco_pair": self.bco.state_dict()}
+
+    def load_state_dict(self, state, where):
+        if self.bco is not None and "bco_pair" in state:
+            self.bco.load_state_dict(state["bco_pair"], where)
 
     def count_units(self, batch):
         return int(batch["chosen_input_ids"].shape[0])

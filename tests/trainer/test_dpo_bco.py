@@ -1,0 +1,126 @@
+"""DPO's bco_pair loss (BCO, Jung et al. 2024; TRL's DPOTrainer loss_type="bco_pair"): the formula on hand values in
+Python floats, the running mean against TRL's RunningMoments update written out in Python floats, and runs: each
+step's loss is the formula of the rewards the run logged with the running mean over its steps, a crash and resume
+continue the running mean exactly, and two ranks give one process accumulating the same micro-batches."""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from tests.conftest import run_cmd, run_trainer, toy_dpo_pairs, train_cmd
+from tests.trainer.test_end_to_end import _env
+from utils.metrics import dedupe_by_step, read_metrics
+
+
+def _logsig(x: float) -> float:
+    return -math.log1p(math.exp(-x)) if x > -30 else x
+
+
+def _bco(a: float, b: float, delta: float) -> float:
+    return -_logsig(a - delta) - _logsig(-(b - delta))
+
+
+def test_the_loss_is_bco_of_the_rewards_shifted_by_delta():
+    from trainer.tasks.dpo import dpo_loss
+    pc, pr = torch.tensor([-3.0, -5.5, -2.0], dtype=torch.float64), torch.tensor([-4.0, -5.0, -7.0], dtype=torch.float64)
+    rc, rr = torch.tensor([-3.5, -5.0, -2.5], dtype=torch.float64), torch.tensor([-3.0, -6.0, -6.0], dtype=torch.float64)
+    beta, delta = 0.5, 0.125
+    losses, ch, rj = dpo_loss(pc, pr, rc, rr, beta=beta, loss_type="bco_pair", bco_delta=delta)
+    for i in range(3):
+        a, b = beta * float(pc[i] - rc[i]), beta * float(pr[i] - rr[i])
+        assert abs(float(losses[i]) - _bco(a, b, delta)) < 1e-12
+        assert float(ch[i]) == a and float(rj[i]) == b
+
+
+def test_the_running_mean_is_trls_running_moments_at_one_process():
+    """TRL's RunningMoments (mean 0, var 1, count 1e-24; each call adds one batch mean: delta = x - mean, count + 1,
+    mean += delta / count) fed each micro-batch's mean reward, one micro-batch a step: the same delta as ours, which
+    adds the micro-batch's own rewards to the sums of the steps before."""
+    from trainer.tasks.dpo import BCORunningMean
+    g = torch.Generator().manual_seed(0)
+    ours = BCORunningMean()
+    mean, var, count = 0.0, 1.0, 1e-24
+    for step in range(6):
+        rewards = torch.randn(4, generator=g, dtype=torch.float64) * (step + 1)  # (a + b) / 2 of 4 pairs
+        x = float(rewards.mean())
+        d, tot = x - mean, count + 1
+        old_sum = var * count + d * d * count * 1 / tot
+        mean += d * 1 / tot
+        var, count = old_sum / tot, tot
+        got = ours.delta(rewards.sum(), len(rewards))
+        assert abs(float(got) - mean) < 1e-12 * max(1.0, abs(mean)), (step, float(got), mean)
+        ours.update(rewards.sum(), len(rewards))
+    # a step whose rewards are not finite is left out; the state round-trips through JSON numbers
+    state = ours.state_dict()
+    ours.update(torch.tensor(float("nan"), dtype=torch.float64), 4)
+    assert ours.state_dict() == state and state["pairs"] == 24
+    again = BCORunningMean()
+    again.load_state_dict(state, "here")
+    assert float(again.delta(torch.tensor(1.0, dtype=torch.float64), 1)) == float(
+        ours.delta(torch.tensor(1.0, dtype=torch.float64), 1))
+    from trainer.config import TrainingError
+    for bad in ({"reward_sum": "x", "pairs": 1}, {"pairs": 1}, {"reward_sum": 1.0, "pairs": -1}):
+        with pytest.raises(TrainingError, match="here: task.bco_pair"):
+            again.load_state_dict(bad, "here")
+
+
+def _args(tiny_pretrain_data, toy, init, out, *extra):
+    return [f"--tokenizer_dir={tiny_pretrain_data['tokenizer_dir']}", "--max_seq_len=96", "--device=cpu",
+            "--progress=false", "--peak_flops=1e11", "--log_interval=1", "--eval_interval=0", "--warmup_iters=1",
+            "--seed=3", "--val_ratio=0.0", "--task_type=dpo", "--dpo_loss=bco_pair", "--dpo_beta=0.5",
+            f"--data_dir={toy}", f"--init_from={init}", f"--out_dir={out}", "--learning_rate=3e-3", *extra]
+
+
+def test_each_steps_loss_is_bco_with_the_running_mean_of_the_rewards_logged(pretrained, tiny_pretrain_data,
+                                                                           tmp_path):
+    """One pair a step: step s's loss is bco of its logged rewards a_s, b_s with delta = the mean of (a_t + b_t) / 2
+    over steps 1..s (step 1: policy = reference, every reward 0, loss 2 log 2); a crash at step 4 resumes from step
+    2's checkpoint and logs the uninterrupted run's rows."""
+    toy = toy_dpo_pairs(tmp_path / "toy.jsonl", 8)
+    whole = tmp_path / "whole"
+    common = ["--max_iters=5", "--batch_size=1", "--checkpoint_interval=2"]
+    run_cmd(train_cmd(_args(tiny_pretrain_data, toy, pretrained["out"], whole, *common)), env=_env())
+    recs = dedupe_by_step(read_metrics(os.path.join(whole, "metrics.jsonl")))
+    assert sorted(recs) == [1, 2, 3, 4, 5]
+    halves = []
+    for s in range(1, 6):
+        a, b = recs[s]["chosen_reward"], recs[s]["rejected_reward"]
+        halves.append((a + b) / 2)
+        want = _bco(a, b, sum(halves) / len(halves))
+        assert abs(recs[s]["loss"] - want) < 1e-5 * max(1.0, want), (s, recs[s], want)
+    assert abs(recs[1]["loss"] - 2 * math.log(2)) < 1e-6 and any(abs(h) > 1e-3 for h in halves[1:])
+    from checkpoint.verify import find_latest_valid
+    state = json.loads(open(os.path.join(find_latest_valid(str(whole)), "trainer_state.json")).read())
+    assert state["task"]["bco_pair"]["pairs"] == 5.0  # the final checkpoint: the pairs of 5 steps
+    once, crashed = tmp_path / "once", tmp_path / "crashed"
+    proc = run_trainer(train_cmd(_args(tiny_pretrain_data, toy, pretrained["out"], crashed, *common)),
+                       env=_env(MYLLM_FAULT="crash@4", MYLLM_FAULT_ONCE_FILE=str(once)))
+    assert proc.returncode != 0 and once.exists()
+    run_cmd(train_cmd(_args(tiny_pretrain_data, toy, pretrained["out"], crashed, *common, "--init_from=resume")),
+            env=_env())
+    again = dedupe_by_step(read_metrics(os.path.join(crashed, "metrics.jsonl")))
+    for s in (3, 4, 5):
+        assert again[s]["loss"] == recs[s]["loss"] and again[s]["chosen_reward"] == recs[s]["chosen_reward"], s
+
+
+@pytest.mark.parametrize("layout", ["ddp", "pp2"])
+def test_two_ranks_follow_one_process(pretrained, tiny_pretrain_data, tmp_path, layout):
+    """2 data-parallel ranks of one pair each, or 2 pipeline stages running the same two micro-batches (the loss on the
+    last stage), against one process accumulating them: the same steps (to fp32 summation order): each micro-batch's
+    delta counts its own pair and every earlier step's pairs, not the other micro-batch's."""
+    toy = toy_dpo_pairs(tmp_path / "toy.jsonl", 12)
+    common = ["--max_iters=4", "--batch_size=1", "--checkpoint_interval=100"]
+    one, two = tmp_path / "one", tmp_path / layout
+    run_cmd(train_cmd(_args(tiny_pretrain_data, toy, pretrained["out"], one, *common,
+                            "--gradient_accumulation_steps=2")), env=_env())
+    extra = ["--pipeline_parallel_size=2", "--gradient_accumulation_steps=2"] if layout == "pp2" else []
+    run_cmd(train_cmd(_args(tiny_pretrain_data, toy, pretrained["out"], two, *common, *extra), 2), env=_env())
+    a, b = (dedupe_by_step(read_metrics(os.path.join(d, "metrics.jsonl"))) for d in (one, two))
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    for s in a:
+        for key in ("loss", "chosen_reward", "rejected_reward"):
+            assert abs(a[s][key] - b[s][key]) <= 1e-5 * max(1.0, abs(a[s][key])), (s, key, a[s][key], b[s][key])
