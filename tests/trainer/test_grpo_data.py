@@ -76,6 +76,25 @@ def test_builtin_rewards():
     assert rs.score_many("p", ["seven"], {}, "7", "f:1") == [[0.0, 0.0]]
 
 
+def test_soft_overlong_is_dapos_length_penalty():
+    """TRL's get_soft_overlong_punishment written out: 0 up to max - cache tokens, (max - cache - L) / cache above,
+    -1 past max; it reads the completions' token ids (through the stop token), and needs a buffer within the length."""
+    def trl(length: int, max_len: int, cache: int) -> float:
+        if length <= max_len - cache:
+            return 0.0
+        return (max_len - cache - length) / cache if length <= max_len else -1.0
+    rs = build_rewards(_cfg(reward_funcs="soft_overlong,format", soft_punish_cache=3, format_regex=".*"))
+    assert rs.names == ["soft_overlong", "format"] and not rs.needs_answer
+    ids = [[7] * n for n in range(0, 11)]
+    got = rs.score_many("p", ["x"] * len(ids), {}, None, "f:1", [1, 2], ids)
+    assert [v[0] for v in got] == [trl(n, 8, 3) for n in range(0, 11)] and [v[1] for v in got] == [1.0] * 11
+    assert got[5][0] == 0.0 and got[6][0] == -1 / 3 and got[8][0] == -1.0 and got[10][0] == -1.0
+    for cache in (0, 9):
+        with pytest.raises(TrainingError, match="soft_overlong needs 0 < --soft_punish_cache <= "
+                                                "--max_completion_length"):
+            validate_config(_cfg(reward_funcs="soft_overlong", soft_punish_cache=cache))
+
+
 def _user_rewards(tmp_path, monkeypatch):
     (tmp_path / "my_rewards.py").write_text(
         "def length(prompt, completion, record):\n    return len(completion) / 10\n"

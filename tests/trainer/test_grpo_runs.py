@@ -62,6 +62,21 @@ def test_grpo_run_logs_rewards_parity_and_samples(pretrained, tmp_path):
     assert all(s["prompt"] in PROMPTS and isinstance(s["reward"], float) for s in samples)
 
 
+def test_soft_overlong_rewards_each_completions_length(pretrained, tmp_path):
+    """--reward_funcs=soft_overlong with a buffer of the whole length (8): each completion scores -L / 8, so a step's
+    mean soft_overlong reward is minus its mean completion length (through the stop token) over 8; the total adds the
+    other reward."""
+    out = tmp_path / "run"
+    run_cmd(train_cmd(_args(pretrained, tmp_path, "--max_iters=2", f"--out_dir={out}", "--reward_funcs=soft_overlong",
+                            "--soft_punish_cache=8")), env=child_env())
+    rows = _rows(out)
+    assert sorted(rows) == [1, 2]
+    for r in rows.values():
+        assert abs(r["reward_soft_overlong"] + r["completion_length"] / 8) < 1e-12, r
+        vowels = r["reward_tests.trainer.grpo_toy_rewards.vowels"]
+        assert abs(r["reward"] - (r["reward_soft_overlong"] + vowels)) < 1e-12 and r["reward_soft_overlong"] < 0
+
+
 def greedy_reference(out, pretrained) -> float:
     """The mean vowels reward of each prompt's greedy completion by the run's final weights, one prompt at a time
     (the evaluation batches prompts of equal length): tokens up to the first stop id, at most 8."""

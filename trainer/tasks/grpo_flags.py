@@ -13,7 +13,7 @@ from typing import Any
 
 from utils.configurator import flag as _f
 
-BUILTIN_REWARDS = ("exact_match", "numeric_match", "format")
+BUILTIN_REWARDS = ("exact_match", "numeric_match", "format", "soft_overlong")
 MODEL_REWARD = "reward_model"  # --reward_model's reward (trainer/tasks/grpo_reward_model.py)
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo")  # (trainer/tasks/grpo_loss.py reads these three)
 IS_LEVELS = ("token", "sequence")
@@ -85,7 +85,8 @@ class GRPOFlags:
     reward_funcs: str = _f("exact_match", "grpo: comma-separated rewards: exact_match (the text after "
                            "--answer_marker equals the record's answer) | numeric_match (the first number after the "
                            "marker within --numeric_tolerance of the answer) | format (--format_regex matches the "
-                           "completion) | module:function (your own, see --reward_fn)")
+                           "completion) | soft_overlong (DAPO's length penalty, see --soft_punish_cache) | "
+                           "module:function (your own, see --reward_fn)")
     reward_weights: str = _f("", "grpo: comma-separated weight per reward function, in order (default: 1 each); the "
                              "reward is their weighted sum")
     reward_model: str = _f("", "grpo: a reward model scoring each prompt + completion (a --task_type=reward run or "
@@ -95,6 +96,9 @@ class GRPOFlags:
                         "fn(prompt=str, completion=str, record=dict) and returning a finite number; appended to "
                         "--reward_funcs. A reward that raises or returns a non-number stops the run (exit 3) with "
                         "one line naming the function and the record")
+    soft_punish_cache: int = _f(0, "grpo: the soft_overlong reward's buffer L_cache (DAPO, Yu et al. 2025; TRL's "
+                                "soft_punish_cache): a completion of L tokens (through its stop token) scores 0 up to "
+                                "--max_completion_length - L_cache, then falls linearly to -1 at the maximum")
     answer_marker: str = _f("####", "grpo: exact_match / numeric_match read the text after the last occurrence of "
                             "this in the completion (empty: the whole completion)")
     numeric_tolerance: float = _f(1e-6, "grpo: numeric_match accepts |x - answer| <= tolerance x max(1, |answer|)")
@@ -263,6 +267,9 @@ def grpo_problems(cfg: Any, resume_policy: str) -> list[str]:
                 r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", name):
             out.append(f"--reward_funcs: {name!r} is neither a built-in reward ({' | '.join(BUILTIN_REWARDS)}) nor "
                        "module:function")
+    if any(n == "soft_overlong" for n, _ in specs) and not 0 < cfg.soft_punish_cache <= cfg.max_completion_length:
+        out.append(f"--reward_funcs=soft_overlong needs 0 < --soft_punish_cache <= --max_completion_length "
+                   f"({cfg.max_completion_length}), not {cfg.soft_punish_cache}")
     if any(n == "format" for n, _ in specs):
         try:
             re.compile(cfg.format_regex)

@@ -1,5 +1,5 @@
 """GRPO's rewards: the built-in verifiable ones (exact match after a marker, numeric match with a tolerance, a format
-regex), a user's own `module:function`, a reward model's score (--reward_model), and their weighted sum.
+regex), DAPO's soft length penalty, a user's own `module:function`, a reward model's score (--reward_model), and their weighted sum.
 
 Owns: `build_rewards` (the flags' functions, imported and checked once at the start), `RewardSet.score_many` (every
 function on a prompt's completions, each value checked), `RewardError` (a reward that raised or gave a non-number:
@@ -80,6 +80,25 @@ def load_reward_fn(spec: str) -> Callable:
 
 
 @dataclass
+class SoftOverlong:
+    """DAPO's soft overlong punishment (Yu et al. 2025; TRL's get_soft_overlong_punishment): a completion of L tokens
+    (through its stop token) scores 0 while L <= max_len - cache, (max_len - cache - L) / cache above that (-1 at
+    max_len), and -1 past it."""
+    max_len: int
+    cache: int
+
+    def value(self, length: int) -> float:
+        free = self.max_len - self.cache
+        if length <= free:
+            return 0.0
+        return (free - length) / self.cache if length <= self.max_len else -1.0
+
+    def many(self, prompt: str, completions: Sequence[str], record: dict, prompt_ids: Sequence[int],
+             completion_ids: Sequence[Sequence[int]]) -> list[float]:
+        return [self.value(len(ids)) for ids in completion_ids]
+
+
+@dataclass
 class RewardSet:
     """The run's reward functions in order, with their weights. A function is fn(prompt, completion, record, answer)
     on decoded text, or an object with `many(prompt, completions, record, prompt_ids, completion_ids) -> [value]`
@@ -128,6 +147,8 @@ def build_rewards(cfg: Any, model_reward: Any = None) -> RewardSet:
         elif spec == "format":
             pattern = re.compile(cfg.format_regex)
             fn = lambda p, c, r, a, pattern=pattern: format_reward(c, pattern)  # noqa: E731
+        elif spec == "soft_overlong":
+            fn = SoftOverlong(int(cfg.max_completion_length), int(cfg.soft_punish_cache))
         elif spec == MODEL_REWARD:
             if model_reward is None:
                 raise ValueError("--reward_model: its scorer was not loaded")
