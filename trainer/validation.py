@@ -13,8 +13,9 @@ import math
 from typing import Optional
 
 from optimizer.optimizer_config import bf16_state_conflicts
-from trainer.config import (DPO_LOSSES, KERNEL_CHOICES, KTO_LOSSES, REFERENCE_FREE_LOSSES, RESUME_CHOICES, TrainConfig,
+from trainer.config import (KERNEL_CHOICES, KTO_LOSSES, REFERENCE_FREE_LOSSES, RESUME_CHOICES, TrainConfig,
                             engine_needs, eval_task_paths, parallel_section, resume_policy)
+from trainer.tasks.dpo_terms import dpo_loss_terms
 from trainer.tasks.grpo_flags import grpo_problems, sampling_problems
 from utils.constants import DISTILL_LOSSES, EXIT_BAD_CONFIG, MAX_EPOCHS, MAX_STEPS
 from utils.errors import TrainingError
@@ -213,7 +214,10 @@ def _choices_and_combinations(cfg: TrainConfig, p: _Problems, torch_free: bool) 
         p.append("--tokenizer_dir is required")
     p.choice("dtype", ("fp32", "bf16", "fp16"))
     p.choice("lr_schedule", ("cosine", "linear", "wsd", "constant"))
-    p.choice("dpo_loss", DPO_LOSSES)
+    try:
+        dpo_loss_terms(cfg.dpo_loss, cfg.dpo_loss_weights)
+    except ValueError as e:
+        p.append(str(e))
     p.choice("kto_loss", KTO_LOSSES)
     p.choice("distill_loss", DISTILL_LOSSES)
     if cfg.distill_loss == "jsd":

@@ -22,7 +22,7 @@ from tests.dist_helpers import computed_once, spawn
 from tests.parallel.test_pipeline import GAS, OPT, VOCAB, _new_model, _pc
 
 STEPS, PAIRS = 3, 4
-CFG = SimpleNamespace(task_type="dpo", dpo_beta=0.5, dpo_loss="sigmoid", dpo_label_smoothing=0.0,
+CFG = SimpleNamespace(task_type="dpo", dpo_beta=0.5, dpo_loss="sigmoid", dpo_loss_weights="", dpo_label_smoothing=0.0,
                       discopop_tau=0.05, rpo_alpha=0.0, simpo_gamma=0.5)
 
 

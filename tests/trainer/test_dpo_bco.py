@@ -124,3 +124,45 @@ def test_two_ranks_follow_one_process(pretrained, tiny_pretrain_data, tmp_path, 
     for s in a:
         for key in ("loss", "chosen_reward", "rejected_reward"):
             assert abs(a[s][key] - b[s][key]) <= 1e-5 * max(1.0, abs(a[s][key])), (s, key, a[s][key], b[s][key])
+
+
+def test_mpo_sums_its_terms_with_their_weights():
+    """--dpo_loss=sigmoid,bco_pair,sft --dpo_loss_weights=0.8,0.2,1 (MPO): the micro-batch loss is the weighted sum of
+    each loss computed alone (sft: the chosen reply's per-token NLL per pair); the flags are checked in one line."""
+    from trainer.config import TrainConfig
+    from trainer.tasks.dpo import DPOTask
+    from trainer.tasks.dpo_terms import dpo_loss_terms
+    torch.manual_seed(0)
+    from model import ModelConfig, Transformer
+    model = Transformer(ModelConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, multiple_of=16, max_seq_len=16))
+    ref = Transformer(ModelConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, multiple_of=16, max_seq_len=16))
+    g = torch.Generator().manual_seed(1)
+    batch = {}
+    for side in ("chosen", "rejected"):
+        x = torch.randint(0, 32, (3, 9), generator=g)
+        y = torch.randint(0, 32, (3, 9), generator=g)
+        y[:, :3] = -100
+        batch.update({f"{side}_input_ids": x, f"{side}_labels": y})
+    cpu = torch.device("cpu")
+
+    def loss_of(loss: str, weights: str = "") -> float:
+        cfg = TrainConfig(task_type="dpo", dpo_loss=loss, dpo_loss_weights=weights, dpo_beta=0.5)
+        return float(DPOTask(cfg).micro_batch_loss(model, ref, batch, cpu)[0].detach())
+    with torch.no_grad():
+        nll = sum(float(model(batch["chosen_input_ids"][i:i + 1], labels=batch["chosen_labels"][i:i + 1]))
+                  for i in range(3))  # each pair's mean per-token NLL
+    assert abs(loss_of("sft") - nll) < 1e-5
+    want = 0.8 * loss_of("sigmoid") + 0.2 * loss_of("bco_pair") + 1.0 * nll
+    assert abs(loss_of("sigmoid,bco_pair,sft", "0.8,0.2,1") - want) < 1e-5
+    assert abs(loss_of("sigmoid,sft") - (loss_of("sigmoid") + nll)) < 1e-5
+    assert dpo_loss_terms("ipo") == [("ipo", 1.0)]
+    for loss, weights, msg in (("sigmoid,simpo", "", "reference-free"), ("sigmoid,bogus", "", "'bogus' is not one"),
+                               ("sigmoid,sigmoid", "", "named twice"), ("sigmoid,sft", "1", "one per --dpo_loss"),
+                               ("sigmoid,sft", "1,nan", "finite")):
+        with pytest.raises(ValueError, match=msg):
+            dpo_loss_terms(loss, weights)
+    from trainer.config import TrainingError
+    from trainer.validation import validate_config
+    with pytest.raises(TrainingError, match="--dpo_loss='sigmoid,orpo': simpo and orpo are reference-free"):
+        validate_config(TrainConfig(task_type="dpo", data_dir="x", tokenizer_dir="y", init_from="z",
+                                    dpo_loss="sigmoid,orpo"))

@@ -182,7 +182,8 @@ def test_rpo_adds_the_chosen_replys_per_token_nll():
     labels[1, 8:] = -100
     batch = {"chosen_input_ids": ids, "chosen_labels": labels, "rejected_input_ids": ids.flip(1),
              "rejected_labels": labels.flip(1)}
-    cfg = dict(dpo_beta=0.1, dpo_loss="sigmoid", dpo_label_smoothing=0.0, discopop_tau=0.05, simpo_gamma=0.5)
+    cfg = dict(dpo_beta=0.1, dpo_loss="sigmoid", dpo_loss_weights="", dpo_label_smoothing=0.0, discopop_tau=0.05,
+               simpo_gamma=0.5)
     plain, _ = DPOTask(SimpleNamespace(**cfg, rpo_alpha=0.0)).micro_batch_loss(model, model, batch, "cpu")
     rpo, _ = DPOTask(SimpleNamespace(**cfg, rpo_alpha=2.0)).micro_batch_loss(model, model, batch, "cpu")
     with torch.no_grad():

@@ -17,6 +17,7 @@ from trainer.config import DPO_LOSSES, REFERENCE_FREE_LOSSES, TrainingError
 from utils.constants import EXIT_BAD_CHECKPOINT
 from trainer.tasks.base import Task, TaskData
 from trainer.tasks.data import chat_data
+from trainer.tasks.dpo_terms import SFT_TERM, dpo_loss_terms
 from trainer.tasks.sft import chat_val_words
 from utils.device import to_device
 
@@ -205,7 +206,8 @@ class DPOTask(Task):
     def __init__(self, cfg) -> None:
         super().__init__(cfg)
         self.needs_reference = cfg.dpo_loss not in REFERENCE_FREE  # (SimPO, ORPO: no reference model is loaded)
-        self.bco = BCORunningMean() if cfg.dpo_loss == "bco_pair" else None
+        self.terms = dpo_loss_terms(cfg.dpo_loss, cfg.dpo_loss_weights)  # [(loss, weight)]: one, or MPO's sum
+        self.bco = BCORunningMean() if any(n == "bco_pair" for n, _ in self.terms) else None
 
     def datasets(self, tok_meta, val_ratio, fixed_shape, log):
         return preference_data(self.cfg, tok_meta, val_ratio, fixed_shape, log)
@@ -223,11 +225,19 @@ class DPOTask(Task):
             delta = 0.0
             if self.bco is not None:  # the running mean, with this micro-batch's rewards
                 delta = self.bco.delta((cfg.dpo_beta * ((pc - rc) + (pr - rr)) / 2).detach().sum(), len(pc))
-            losses, ch_r, rj_r = dpo_loss(pc, pr, rc, rr, beta=cfg.dpo_beta, loss_type=cfg.dpo_loss,
-                                          label_smoothing=cfg.dpo_label_smoothing, discopop_tau=cfg.discopop_tau,
-                                          bco_delta=delta)
+            nll = -pc / tokens[0].clamp(min=1)  # the chosen reply's per-token NLL, per pair
+            losses = torch.zeros_like(pc)
+            for name, weight in self.terms:  # (one loss, or a weighted sum: MPO's sigmoid,bco_pair,sft)
+                if name == SFT_TERM:
+                    term = nll
+                else:
+                    term = dpo_loss(pc, pr, rc, rr, beta=cfg.dpo_beta, loss_type=name,
+                                    label_smoothing=cfg.dpo_label_smoothing, discopop_tau=cfg.discopop_tau,
+                                    bco_delta=delta)[0]
+                losses = losses + weight * term
+            ch_r, rj_r = cfg.dpo_beta * (pc - rc).detach(), cfg.dpo_beta * (pr - rr).detach()  # (every loss's rewards)
             if cfg.rpo_alpha:  # RPO (Pang et al. 2024): the chosen reply's per-token NLL beside the preference loss
-                losses = losses + cfg.rpo_alpha * (-pc / tokens[0].clamp(min=1))
+                losses = losses + cfg.rpo_alpha * nll
         stats = {"chosen_reward": ch_r.detach().sum(), "rejected_reward": rj_r.detach().sum(),  # on the device
                  "reward_acc": (ch_r > rj_r).float().sum()}
         return losses.sum(), stats
