@@ -9,3 +9,10 @@ def vowels(prompt, completion, record):
 
 def broken(prompt, completion, record):
     raise ZeroDivisionError("no score for " + record.get("prompt", "?"))
+
+
+def trl_vowels(completions, **kwargs):
+    """`vowels` written for TRL's GRPOTrainer: all of a prompt's completions at once (strings, or a chat prompt's
+    [{"role": "assistant", "content": ...}])."""
+    texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
+    return [vowels(None, t, None) for t in texts]

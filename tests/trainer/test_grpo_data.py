@@ -4,6 +4,7 @@ a reward that raises or returns a non-number stopping with one line naming it an
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import pytest
@@ -119,6 +120,41 @@ def test_user_reward_function_and_its_failures(tmp_path, monkeypatch):
         assert e.value.exit_code == 3
     with pytest.raises(ValueError, match="cannot import it"):
         build_rewards(_cfg(reward_fn="my_rewards:missing"))
+
+
+def test_a_reward_written_for_trl_gets_its_batched_arguments(tmp_path, monkeypatch):
+    """A function with a `completions` parameter is called as TRL's GRPOTrainer calls it: prompts, completions,
+    completion_ids and every other field of the record as lists of G; a chat prompt's messages and assistant
+    messages; only the named arguments without **kwargs; a wrong-length answer or None is one line naming it."""
+    (tmp_path / "trl_rewards.py").write_text(
+        "seen = []\n"
+        "def spy(prompts, completions, completion_ids, **kwargs):\n"
+        "    seen.append(dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs))\n"
+        "    return [float(len(ids)) for ids in completion_ids]\n"
+        "def named(completions, answer):\n    return [float(c == a) for c, a in zip(completions, answer)]\n"
+        "def short(completions, **kw):\n    return [1.0]\n"
+        "def none(completions, **kw):\n    return [None] * len(completions)\n", encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("trl_rewards", None)
+    import trl_rewards
+    rs = build_rewards(_cfg(reward_funcs="", reward_fn="trl_rewards:spy"))
+    rec = {"prompt": "2+2?", "answer": "4", "level": 1}
+    got = rs.score_many("2+2?", ["4", "five"], rec, "4", "f:1", [5, 6], [[7, 2], [8, 9, 2]])
+    assert got == [[2.0], [3.0]]
+    assert trl_rewards.seen[-1] == {"prompts": ["2+2?"] * 2, "completions": ["4", "five"],
+                                    "completion_ids": [[7, 2], [8, 9, 2]], "answer": ["4"] * 2, "level": [1] * 2}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "answer": "4"}
+    rs.score_many("hi", ["yo"], chat, "4", "f:2", [5], [[3, 2]])
+    assert trl_rewards.seen[-1]["prompts"] == [chat["messages"]]
+    assert trl_rewards.seen[-1]["completions"] == [[{"role": "assistant", "content": "yo"}]]
+    assert "messages" not in trl_rewards.seen[-1]
+    named = build_rewards(_cfg(reward_funcs="", reward_fn="trl_rewards:named"))
+    assert named.score_many("2+2?", ["4", "5"], rec, "4", "f:1", [5], [[1], [2]]) == [[1.0], [0.0]]
+    for fn, said in (("short", "raised ValueError (a TRL-style reward returns one number per completion: 2 "
+                               "expected, got list of 1)"), ("none", "returned None (NoneType), not a finite number")):
+        with pytest.raises(RewardError, match=re.escape(f"reward trl_rewards.{fn} {said}")):
+            build_rewards(_cfg(reward_funcs="", reward_fn=f"trl_rewards:{fn}")).score_many(
+                "2+2?", ["4", "5"], rec, "4", "f:9", [5], [[1], [2]])
 
 
 def test_flag_checks():

@@ -77,6 +77,21 @@ def test_soft_overlong_rewards_each_completions_length(pretrained, tmp_path):
         assert abs(r["reward"] - (r["reward_soft_overlong"] + vowels)) < 1e-12 and r["reward_soft_overlong"] < 0
 
 
+def test_a_reward_written_for_trl_trains_as_ours(pretrained, tmp_path):
+    """The vowels reward written for TRL's GRPOTrainer (all completions at once) gives the run of ours: the same
+    rewards, losses and gradient norms step by step."""
+    rows = {}
+    for name in ("vowels", "trl_vowels"):
+        out = tmp_path / name
+        run_cmd(train_cmd(_args(pretrained, tmp_path, "--max_iters=2", f"--out_dir={out}",
+                                f"--reward_fn=tests.trainer.grpo_toy_rewards:{name}")), env=child_env())
+        rows[name] = _rows(out)
+    for s in (1, 2):
+        a, b = rows["vowels"][s], rows["trl_vowels"][s]
+        assert (a["reward"], a["loss"], a["grad_norm"]) == (b["reward"], b["loss"], b["grad_norm"]), (a, b)
+        assert b["reward_tests.trainer.grpo_toy_rewards.trl_vowels"] == a["reward"] and a["reward_std"] > 0
+
+
 def greedy_reference(out, pretrained) -> float:
     """The mean vowels reward of each prompt's greedy completion by the run's final weights, one prompt at a time
     (the evaluation batches prompts of equal length): tokens up to the first stop id, at most 8."""

@@ -1,5 +1,6 @@
 """GRPO's rewards: the built-in verifiable ones (exact match after a marker, numeric match with a tolerance, a format
-regex), DAPO's soft length penalty, a user's own `module:function`, a reward model's score (--reward_model), and their weighted sum.
+regex), DAPO's soft length penalty, a user's own `module:function` (ours, or one written for TRL's GRPOTrainer), a
+reward model's score (--reward_model), and their weighted sum.
 
 Owns: `build_rewards` (the flags' functions, imported and checked once at the start), `RewardSet.score_many` (every
 function on a prompt's completions, each value checked), `RewardError` (a reward that raised or gave a non-number:
@@ -9,6 +10,7 @@ Must never: turn a failing reward into a silent 0, or import torch (rewards are 
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 import numbers
 import re
@@ -99,6 +101,46 @@ class SoftOverlong:
 
 
 @dataclass
+class TRLReward:
+    """A reward function written for TRL's GRPOTrainer (a parameter named `completions`): called once for a prompt's
+    G completions as fn(prompts=[...] * G, completions=[...], completion_ids=[...], <each other field of the record>=
+    [value] * G), returning G numbers. A chat prompt (the record's --messages_field) comes as its messages and each
+    completion as [{"role": "assistant", "content": text}], TRL's conversational shapes; a plain prompt and the
+    completions as strings. A function without **kwargs gets only the arguments it names."""
+    fn: Callable
+    messages_field: str
+    prompt_field: str
+
+    def many(self, prompt: str, completions: Sequence[str], record: dict, prompt_ids: Sequence[int],
+             completion_ids: Sequence[Sequence[int]]) -> list:
+        g = len(completions)
+        chat = record.get(self.messages_field) is not None
+        shown = record[self.messages_field] if chat else record.get(self.prompt_field, prompt)
+        kwargs = {"prompts": [shown] * g, "completion_ids": [list(ids) for ids in completion_ids],
+                  "completions": [[{"role": "assistant", "content": c}] for c in completions] if chat
+                  else list(completions)}
+        skip = {self.messages_field, self.prompt_field, "completion", *kwargs}
+        kwargs.update({k: [v] * g for k, v in record.items() if k not in skip})
+        params = inspect.signature(self.fn).parameters
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            kwargs = {k: v for k, v in kwargs.items() if k in params}
+        out = self.fn(**kwargs)
+        if not isinstance(out, (list, tuple)) or len(out) != g:
+            raise ValueError(f"a TRL-style reward returns one number per completion: {g} expected, got "
+                             f"{type(out).__name__}{f' of {len(out)}' if isinstance(out, (list, tuple)) else ''}")
+        return list(out)
+
+
+def is_trl_reward(fn: Callable) -> bool:
+    """Whether `fn` takes TRL's batched arguments (a parameter named `completions`) rather than ours (prompt,
+    completion, record)."""
+    try:
+        return "completions" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+@dataclass
 class RewardSet:
     """The run's reward functions in order, with their weights. A function is fn(prompt, completion, record, answer)
     on decoded text, or an object with `many(prompt, completions, record, prompt_ids, completion_ids) -> [value]`
@@ -155,7 +197,10 @@ def build_rewards(cfg: Any, model_reward: Any = None) -> RewardSet:
             fn = model_reward
         else:
             user = load_reward_fn(spec)
-            fn = lambda p, c, r, a, user=user: user(prompt=p, completion=c, record=r)  # noqa: E731
+            if is_trl_reward(user):
+                fn = TRLReward(user, cfg.messages_field, cfg.prompt_field)
+            else:
+                fn = lambda p, c, r, a, user=user: user(prompt=p, completion=c, record=r)  # noqa: E731
         names.append(spec if spec in BUILTIN_REWARDS or spec == MODEL_REWARD else spec.replace(":", "."))
         weights.append(float(w))
         fns.append(fn)
