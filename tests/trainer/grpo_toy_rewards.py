@@ -16,3 +16,9 @@ def trl_vowels(completions, **kwargs):
     [{"role": "assistant", "content": ...}])."""
     texts = [c if isinstance(c, str) else c[0]["content"] for c in completions]
     return [vowels(None, t, None) for t in texts]
+
+
+def trl_odd_only(prompts, completions, **kwargs):
+    """A TRL-style reward of one task among several: `trl_vowels` for prompts whose first number is odd, None (not
+    applicable) for the others."""
+    return [v if int(str(p).split()[0]) % 2 else None for p, v in zip(prompts, trl_vowels(completions))]

@@ -4,6 +4,7 @@ a reward that raises or returns a non-number stopping with one line naming it an
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 
@@ -150,11 +151,15 @@ def test_a_reward_written_for_trl_gets_its_batched_arguments(tmp_path, monkeypat
     assert "messages" not in trl_rewards.seen[-1]
     named = build_rewards(_cfg(reward_funcs="", reward_fn="trl_rewards:named"))
     assert named.score_many("2+2?", ["4", "5"], rec, "4", "f:1", [5], [[1], [2]]) == [[1.0], [0.0]]
-    for fn, said in (("short", "raised ValueError (a TRL-style reward returns one number per completion: 2 "
-                               "expected, got list of 1)"), ("none", "returned None (NoneType), not a finite number")):
-        with pytest.raises(RewardError, match=re.escape(f"reward trl_rewards.{fn} {said}")):
-            build_rewards(_cfg(reward_funcs="", reward_fn=f"trl_rewards:{fn}")).score_many(
-                "2+2?", ["4", "5"], rec, "4", "f:9", [5], [[1], [2]])
+    with pytest.raises(RewardError, match=re.escape("reward trl_rewards.short raised ValueError (a TRL-style reward "
+                                                    "returns one number per completion: 2 expected, got list of 1)")):
+        build_rewards(_cfg(reward_funcs="", reward_fn="trl_rewards:short")).score_many(
+            "2+2?", ["4", "5"], rec, "4", "f:9", [5], [[1], [2]])
+    # None: not applicable (TRL's multi-task rewards): NaN here, left out of the weighted total
+    rs = build_rewards(_cfg(reward_funcs="format,trl_rewards:none", reward_weights="0.5,2", format_regex="4"))
+    vals = rs.score_many("2+2?", ["4", "5"], rec, "4", "f:9", [5], [[1], [2]])
+    assert [v[0] for v in vals] == [1.0, 0.0] and all(math.isnan(v[1]) for v in vals)
+    assert [rs.total(v) for v in vals] == [0.5, 0.0]
 
 
 def test_flag_checks():

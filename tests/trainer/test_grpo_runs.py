@@ -92,7 +92,34 @@ def test_a_reward_written_for_trl_trains_as_ours(pretrained, tmp_path):
         assert b["reward_tests.trainer.grpo_toy_rewards.trl_vowels"] == a["reward"] and a["reward_std"] > 0
 
 
-def greedy_reference(out, pretrained) -> float:
+def test_a_reward_not_applicable_to_a_completion_is_left_out(pretrained, tmp_path):
+    """A TRL-style reward returning None for half the prompts (one task of several): every completion's reward is
+    the others' sum plus it where it applies (samples.jsonl holds every completion here), its logged mean is over the
+    completions it applied to, and the held-out evaluation does the same."""
+    out = tmp_path / "run"
+    odd, vow = "reward_tests.trainer.grpo_toy_rewards.trl_odd_only", "reward_tests.trainer.grpo_toy_rewards.vowels"
+    run_cmd(train_cmd(_args(pretrained, tmp_path, "--max_iters=2", f"--out_dir={out}", "--num_completions_to_print=8",
+                            "--reward_funcs=tests.trainer.grpo_toy_rewards:trl_odd_only", "--reward_weights=2,1",
+                            f"--eval_data_dir={tmp_path / 'prompts.jsonl'}", "--eval_interval=2")), env=child_env())
+    rows, samples = _rows(out), [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+    assert {x[odd] is None for x in samples} == {True, False}  # both kinds of prompt were drawn
+    for s in (1, 2):
+        mine = [x for x in samples if x["step"] == s]
+        assert len(mine) == 8
+        for x in mine:
+            applies = int(x["prompt"].split()[0]) % 2 == 1
+            assert (x[odd] is not None) == applies and (not applies or x[odd] == x[vow]), x
+            assert abs(x["reward"] - (x[vow] + (2 * x[odd] if applies else 0.0))) < 1e-12, x
+        applied = [x[odd] for x in mine if x[odd] is not None]
+        assert abs(rows[s][odd] - sum(applied) / len(applied)) < 1e-12, (rows[s], applied)
+        assert abs(rows[s]["reward"] - sum(x["reward"] for x in mine) / 8) < 1e-12
+    # held out: the greedy answers of the odd prompts score their vowels; the mean is over them
+    odd_prompts = [p for p in PROMPTS if int(p.split()[0]) % 2]
+    assert abs(rows[2][f"val_{odd}"] - greedy_reference(out, pretrained, odd_prompts)) < 1e-12, rows[2]
+    assert rows[2]["val_prompts"] == len(PROMPTS)
+
+
+def greedy_reference(out, pretrained, prompts=PROMPTS) -> float:
     """The mean vowels reward of each prompt's greedy completion by the run's final weights, one prompt at a time
     (the evaluation batches prompts of equal length): tokens up to the first stop id, at most 8."""
     from model.generate import generate
@@ -104,12 +131,12 @@ def greedy_reference(out, pretrained) -> float:
     tok, sp = load_tokenizer(tok_dir), load_tokenizer_meta(tok_dir)["special_tokens"]
     stops = [int(sp["eos"]["id"]), int(sp["im_end"]["id"])]
     total = 0.0
-    for p in PROMPTS:
+    for p in prompts:
         ids = [int(sp["bos"]["id"])] + encode_texts(tok, [p])[0]
         new = generate(model, torch.tensor([ids]), 8, temperature=0.0, stop_ids=stops)[0, len(ids):].tolist()
         new = new[:next((j for j, t in enumerate(new) if t in stops), len(new))]
         total += vowels(p, tok.decode(new, skip_special_tokens=True), {})
-    return total / len(PROMPTS)
+    return total / len(prompts)
 
 
 def _losses(out) -> dict:

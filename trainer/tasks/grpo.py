@@ -50,7 +50,8 @@ class GRPOTask(Task):
         self.reward_names = [n if ":" not in n else n.replace(":", ".") for n, _ in reward_specs(cfg)]
         self.units = ("completion tokens" if cfg.loss_type in TOKEN_AVERAGED else
                       "micro-batches" if cfg.loss_type in MICRO_BATCH_MEAN else "completions")
-        self.stat_keys = _STEP_KEYS + tuple(f"{k}_{n}" for n in self.reward_names for k in ("reward", "reward_sq"))
+        self.stat_keys = _STEP_KEYS + tuple(f"{k}_{n}" for n in self.reward_names
+                                           for k in ("reward", "reward_sq", "reward_count"))
         self.teacher_kl = getattr(cfg, "teacher_kl_coef", 0.0) > 0  # on-policy distillation: the reference teaches
         if self.teacher_kl:
             self.stat_keys += ("teacher_kl",)
@@ -190,10 +191,11 @@ class GRPOTask(Task):
                 if len(samples) < cfg.num_completions_to_print:
                     samples.append({"step": step + 1, "prompt": prompt.text, "completion": text,
                                     "reward": self._rewards.total(vals),
-                                    **{f"reward_{n}": v for n, v in zip(self.reward_names, vals)}})
+                                    **{f"reward_{n}": v if v == v else None for n, v in zip(self.reward_names, vals)}})
         rows = training_rows([pr.ids for pr in batch["prompts"]], groups, self.row_len, pad)
-        per_fn = torch.tensor(values, dtype=torch.float64)
-        total = (per_fn * torch.tensor(self._rewards.weights, dtype=torch.float64)).sum(1)
+        per_fn = torch.tensor(values, dtype=torch.float64)  # (NaN: a reward not applicable to that completion)
+        weighted = per_fn * torch.tensor(self._rewards.weights, dtype=torch.float64)
+        total = torch.where(per_fn.isnan(), torch.zeros_like(weighted), weighted).sum(1)
         rows["rewards"], rows["reward"] = per_fn, total
         lengths = torch.tensor([len(pr.ids) for pr in batch["prompts"] for _ in range(cfg.num_generations)])
         real = rows["completion_mask"].sum(1) + lengths  # prompt + completion tokens: what count_tokens counts
@@ -294,9 +296,11 @@ class GRPOTask(Task):
                  "entropy": (entropy * mask).sum(), "lp_diff_sum": diff.sum(), "lp_diff_max": 0.0, "one": 0.0}
         if self.teacher_kl:
             stats["teacher_kl"] = batch["teacher_kl"].sum().item()  # a host value
-        for k, n in enumerate(self.reward_names):  # host values: no device read
-            stats[f"reward_{n}"] = batch["rewards"][:, k].sum().item()
-            stats[f"reward_sq_{n}"] = (batch["rewards"][:, k] ** 2).sum().item()
+        for k, n in enumerate(self.reward_names):  # host values: no device read; a reward not applicable left out
+            col = batch["rewards"][:, k]
+            stats[f"reward_{n}"] = col.nan_to_num(nan=0.0).sum().item()
+            stats[f"reward_sq_{n}"] = (col ** 2).nan_to_num(nan=0.0).sum().item()
+            stats[f"reward_count_{n}"] = float((~col.isnan()).sum())
         if batch.get("_last", True):
             mx = self._lp_max.detach().float().reshape(1)
             self._lp_max = None
@@ -317,10 +321,12 @@ class GRPOTask(Task):
         n, t = max(per_unit["completions"], 1e-30), max(per_unit["completion_tokens"], 1e-30)
         mean = per_unit["reward"] / n
         out = {"reward": mean, "reward_std": math.sqrt(max(0.0, per_unit["reward_sq"] / n - mean * mean))}
-        for k in self.reward_names:
-            m = per_unit[f"reward_{k}"] / n
-            out[f"reward_{k}"] = m
-            out[f"reward_{k}_std"] = math.sqrt(max(0.0, per_unit[f"reward_sq_{k}"] / n - m * m))
+        for k in self.reward_names:  # over the completions it applied to (all, unless a function returned None)
+            c = per_unit[f"reward_count_{k}"]
+            if c > 0:
+                m = per_unit[f"reward_{k}"] / c
+                out[f"reward_{k}"] = m
+                out[f"reward_{k}_std"] = math.sqrt(max(0.0, per_unit[f"reward_sq_{k}"] / c - m * m))
         out.update(completion_length=per_unit["completion_tokens"] / n, clip_ratio=per_unit["clipped"] / t,
                    entropy=per_unit["entropy"] / t, logprob_diff_mean=per_unit["lp_diff_sum"] / t,
                    logprob_diff_max=per_unit["lp_diff_max"] / per_unit["one"] if per_unit["one"] else float("nan"))

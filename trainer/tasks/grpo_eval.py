@@ -65,7 +65,8 @@ def held_out_sums(model: Any, prompts: Sequence[Any], rewards: Any, decode: Any,
     reward]) per answer. `cuts`: the sampled answers' other truncations (generate's top_k, min_p), as the rollouts'."""
     stops = [int(s) for s in stop_ids]
     k = max(1, samples)
-    sums = [0.0] * (4 + len(rewards.names))
+    F = len(rewards.names)
+    sums = [0.0] * (4 + 2 * F)  # prompts, total, each function's values and its applicable answers, length, best
     for batch, counted in eval_plan([len(p.ids) for p in prompts], max(1, rows // k), rank, world):
         x, mask = left_pad([prompts[i].ids for i in batch for _ in range(k)], device)  # (to the batch's longest)
         P = x.shape[1]
@@ -81,21 +82,23 @@ def held_out_sums(model: Any, prompts: Sequence[Any], rewards: Any, decode: Any,
         done = out[:, P:].tolist()
         for n, i in enumerate(batch):
             p = prompts[i]
-            totals, per_function, length = [], [0.0] * len(rewards.names), 0.0
+            totals, per_function, applied, length = [], [0.0] * F, [0.0] * F, 0.0
             ends = [first_stop(row, stops) for row in done[n * k:(n + 1) * k]]
             kept = [row[:end + 1] if end is not None else row for row, end in zip(done[n * k:(n + 1) * k], ends)]
             texts = [decode(c[:-1] if end is not None else c) for c, end in zip(kept, ends)]
             for text, c, vals in zip(texts, kept, rewards.score_many(p.text, texts, p.record, p.answer, p.where,
                                                                      p.ids, kept)):
                 totals.append(rewards.total(vals))
-                per_function = [a + v for a, v in zip(per_function, vals)]
+                per_function = [a + v if v == v else a for a, v in zip(per_function, vals)]  # (NaN: None)
+                applied = [a + 1.0 if v == v else a for a, v in zip(applied, vals)]
                 length += float(len(c))  # (through the stop token, which counts as in training)
                 if answers is not None:
                     answers.append((i, text, vals))
             sums[0] += 1.0
             sums[1] += sum(totals) / k
-            for f, v in enumerate(per_function):
+            for f, (v, c) in enumerate(zip(per_function, applied)):
                 sums[2 + f] += v / k
+                sums[2 + F + f] += c / k
             sums[-2] += length / k
             sums[-1] += max(totals)
     return sums
@@ -105,8 +108,10 @@ def held_out_metrics(sums: Sequence[float], reward_names: Sequence[str], samples
     """The row's values from the sums of every rank (`held_out_sums`, summed); `val_reward_best` with samples."""
     n = max(float(sums[0]), 1e-30)
     out = {"val_reward": float(sums[1]) / n}
-    for k, name in enumerate(reward_names):
-        out[f"val_reward_{name}"] = float(sums[2 + k]) / n
+    F = len(reward_names)
+    for k, name in enumerate(reward_names):  # over the answers it applied to (all, unless it returned None)
+        if float(sums[2 + F + k]) > 0:
+            out[f"val_reward_{name}"] = float(sums[2 + k]) / float(sums[2 + F + k])
     out["val_completion_length"] = float(sums[-2]) / n
     out["val_prompts"] = float(sums[0])
     if samples:

@@ -153,8 +153,10 @@ class RewardSet:
     def score_many(self, prompt: str, completions: Sequence[str], record: dict, answer: Any, where: str,
                    prompt_ids: Sequence[int] = (), completion_ids: Sequence[Sequence[int]] = ()) -> list[list[float]]:
         """Each function's value on each of a prompt's completions (text, and token ids through the stop token for a
-        model's reward); RewardError naming the function and `where` (file:line of the record) when one raises or
-        returns anything but a finite real number."""
+        model's reward); a user function's None ("not applicable" to this completion, TRL's convention for rewards of
+        one task among several) is NaN here and left out of the total and of that function's mean; RewardError
+        naming the function and `where` (file:line of the record) when one raises or returns anything else but a
+        finite real number."""
         out: list[list[float]] = [[] for _ in completions]
         for name, fn in zip(self.names, self.fns):
             try:
@@ -166,6 +168,9 @@ class RewardSet:
                 msg = " ".join(str(e).split())[:200]
                 raise RewardError(f"reward {name} raised {type(e).__name__} ({msg}) on the record at {where}") from e
             for row, v in zip(out, values):
+                if v is None and name not in BUILTIN_REWARDS:  # "not applicable" (TRL's None): left out, as NaN
+                    row.append(math.nan)
+                    continue
                 if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(float(v)):
                     raise RewardError(f"reward {name} returned {v!r:.80} ({type(v).__name__}), not a finite number, "
                                       f"on the record at {where}")
@@ -173,7 +178,8 @@ class RewardSet:
         return out
 
     def total(self, values: list[float]) -> float:
-        return sum(w * v for w, v in zip(self.weights, values))
+        """The weighted sum of a completion's values, those not applicable (NaN) left out (TRL's nansum)."""
+        return sum(w * v for w, v in zip(self.weights, values) if v == v)
 
 
 def build_rewards(cfg: Any, model_reward: Any = None) -> RewardSet:
