@@ -59,7 +59,9 @@ tokenize_dpo_records = DPO_TASK.tokenize_records  # what dataset_dpo.DPODataset 
 HELP_EPILOG = """\
 records: {"prompt": str | "conversations": [{"role"|"from", "content"|"value"}], "chosen", "rejected",
   "system"?, "margin"?}; chosen/rejected a string or an assistant message (or a list ending with one);
-  margin a number (a reward model's loss subtracts it; kept in values.npy where any record has one). Each
+  margin a number (a reward model's loss subtracts it; kept in values.npy where any record has one). Or TRL's
+  implicit prompt: {"chosen": [messages], "rejected": [messages]} sharing all but their last (assistant)
+  message, or two texts sharing a prefix: the shared part is the prompt. Each
   branch is prompt + reply rendered with the chat template; labels are the ids of the final reply
   and its <|im_end|>, -100 on every prompt token (earlier assistant turns included).
 over-long policy (--overlong): a branch may hold max_seq_len+1 tokens. truncate (default) cuts the

@@ -128,9 +128,47 @@ def sft_messages(rec: Any) -> list[dict[str, str]]:
 
 
 def dpo_messages(rec: Any) -> tuple[list[dict[str, str]], str, str]:
-    """(prompt messages, chosen reply, rejected reply) of a DPO record."""
+    """(prompt messages, chosen reply, rejected reply) of a DPO record: an explicit prompt ("prompt" or
+    "conversations"), or TRL's implicit one (chosen and rejected whole conversations or texts sharing it)."""
+    if isinstance(rec, dict) and "prompt" not in rec and "conversations" not in rec and "chosen" in rec:
+        return _implicit_prompt(rec)
     prompt = _prompt_messages(rec)
     return prompt, _reply(rec, "chosen"), _reply(rec, "rejected")
+
+
+def _implicit_prompt(rec: dict) -> tuple[list[dict[str, str]], str, str]:
+    """TRL's implicit-prompt preference record (trl-lib/ultrafeedback_binarized, Anthropic's hh-rlhf): "chosen" and
+    "rejected" each the whole conversation, prompt included. As message lists: their common first messages are the
+    prompt and each one's last message, the assistant's, the reply (they must differ only there). As texts (TRL's
+    extract_prompt): their common prefix is the prompt (a space before the first difference goes to the replies),
+    one user turn."""
+    chosen, rejected = rec.get("chosen"), rec.get("rejected")
+    if isinstance(chosen, list) and isinstance(rejected, list):
+        c, r = _messages_from_list(chosen), _messages_from_list(rejected)
+        n = 0
+        while n < min(len(c), len(r)) and c[n] == r[n]:
+            n += 1
+        if n == 0 or n != len(c) - 1 or n != len(r) - 1:
+            raise RecordError("implicit prompt: 'chosen' and 'rejected' must share every message but their last "
+                              "(the reply), or give 'prompt'")
+        if c[-1]["role"] != "assistant" or r[-1]["role"] != "assistant" or not c[-1]["content"] or not r[-1]["content"]:
+            raise RecordError("implicit prompt: the last message of 'chosen' and 'rejected' must be a non-empty "
+                              "assistant reply")
+        return _with_system(rec, c[:n]), c[-1]["content"], r[-1]["content"]
+    if isinstance(chosen, str) and isinstance(rejected, str):
+        n = 0
+        while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+            n += 1
+        if 0 < n < len(chosen) and chosen[n - 1] == " ":
+            n -= 1
+        if not chosen[:n].strip() or n >= len(chosen) or n >= len(rejected):
+            raise RecordError("implicit prompt: 'chosen' and 'rejected' must share a prompt and then differ, or give "
+                              "'prompt'")
+        prompt = _encodable(chosen[:n], "'chosen'")
+        return (_with_system(rec, [{"role": "user", "content": prompt}]), _encodable(chosen[n:], "'chosen'"),
+                _encodable(rejected[n:], "'rejected'"))
+    raise RecordError("missing field 'prompt' (or 'chosen' and 'rejected' both whole conversations or texts: an "
+                      "implicit prompt)")
 
 
 def dpo_margin(rec: dict) -> float:

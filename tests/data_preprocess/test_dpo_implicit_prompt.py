@@ -1,0 +1,64 @@
+"""TRL's implicit-prompt preference records (trl-lib/ultrafeedback_binarized's shape; Anthropic hh-rlhf's as texts):
+"chosen" and "rejected" each the whole conversation. They tokenize exactly as the same pairs with an explicit prompt
+(the shared messages, or the shared text up to the space before the first difference, as TRL's extract_prompt cuts
+it), and records that do not share a prompt this way are counted skips naming the rule."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from data_preprocess.pretokenize_dpo_data import tokenize_dpo_records
+from data_preprocess.sft_format import RecordError, dpo_messages
+from dataset.dataset_dpo import DPODataset
+
+U = {"role": "user", "content": "What is 2+2?"}
+A1 = {"role": "assistant", "content": "It is 4."}
+U2 = {"role": "user", "content": "And 3+3?"}
+
+
+def _asst(text: str) -> dict:
+    return {"role": "assistant", "content": text}
+
+
+IMPLICIT = [
+    {"chosen": [U, _asst("4")], "rejected": [U, _asst("5")]},
+    {"chosen": [U, A1, U2, _asst("6")], "rejected": [U, A1, U2, _asst("7")], "score_chosen": 8.0},
+    {"chosen": "Human: hi there. Assistant: hello!", "rejected": "Human: hi there. Assistant: go away."},
+]
+EXPLICIT = [
+    {"prompt": [U], "chosen": [_asst("4")], "rejected": [_asst("5")]},
+    {"prompt": [U, A1, U2], "chosen": [_asst("6")], "rejected": [_asst("7")]},
+    {"prompt": "Human: hi there. Assistant:", "chosen": " hello!", "rejected": " go away."},
+]
+
+
+def test_the_shared_messages_or_text_are_the_prompt():
+    for imp, exp in zip(IMPLICIT, EXPLICIT):
+        assert dpo_messages(imp) == dpo_messages(exp)
+    assert dpo_messages(IMPLICIT[2])[1:] == (" hello!", " go away.")  # the space goes to the replies, as in TRL
+    with_system = dict(IMPLICIT[0], system="Be brief.")
+    assert dpo_messages(with_system)[0] == [{"role": "system", "content": "Be brief."}, U]
+    for bad, said in (({"chosen": [U, A1, _asst("x")], "rejected": [U, _asst("y")]}, "share every message but"),
+                      ({"chosen": [_asst("x")], "rejected": [_asst("y")]}, "share every message but"),
+                      ({"chosen": [U, U2], "rejected": [U, {"role": "user", "content": "?"}]}, "assistant reply"),
+                      ({"chosen": "same", "rejected": "same"}, "share a prompt and then differ"),
+                      ({"chosen": "abc", "rejected": "xyz"}, "share a prompt and then differ"),
+                      ({"chosen": [U, _asst("x")], "rejected": "y"}, "implicit prompt")):
+        with pytest.raises(RecordError, match=said):
+            dpo_messages(bad)
+
+
+def test_implicit_records_tokenize_as_explicit_ones(tmp_path, tiny_pretrain_data):
+    tok = tiny_pretrain_data["tokenizer_dir"]
+    for name, recs in (("implicit", IMPLICIT + [{"chosen": "abc", "rejected": "xyz"}]), ("explicit", EXPLICIT)):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs), encoding="utf-8")
+    imp = DPODataset(tokenize_dpo_records(str(tmp_path / "implicit"), tok, 64), 64)
+    exp = DPODataset(tokenize_dpo_records(str(tmp_path / "explicit"), tok, 64), 64)
+    assert len(imp) == len(exp) == 3 and imp.stats["skipped"] == {
+        "implicit prompt: 'chosen' and 'rejected' must share a prompt and then differ, or give 'prompt'": 1}
+    for i in range(3):
+        a, b = imp[i], exp[i]
+        assert a.keys() == b.keys() and all(a[k].tolist() == b[k].tolist() for k in a), i
