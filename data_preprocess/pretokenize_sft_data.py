@@ -250,7 +250,8 @@ tokenize_sft_records = SFT_TASK.tokenize_records  # what dataset_sft.SFTDataset 
 
 HELP_EPILOG = """\
 records: {"instruction","input"?,"output","system"?} or {"conversations"|"messages": [{"role"|"from",
-  "content"|"value", "reasoning_content"?}], "system"?}; human->user, gpt->assistant; reasoning becomes a
+  "content"|"value", "reasoning_content"?}], "system"?} or TRL's {"prompt", "completion"} (texts or
+  messages); human->user, gpt->assistant; reasoning becomes a
   <think> block before the content. Labels are the ids of what the assistant says (its content
   and the token closing its turn, <|im_end|> in ChatML; the tokenizer's own chat template where it has
   one); everything else is -100.

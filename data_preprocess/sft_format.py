@@ -114,17 +114,30 @@ def sft_messages(rec: Any) -> list[dict[str, str]]:
         raise RecordError("record is not an object")
     if "conversations" in rec or "messages" in rec:
         msgs = _messages_from_list(rec.get("conversations", rec.get("messages")))
+    elif "prompt" in rec and "completion" in rec:  # TRL's prompt-completion shape (texts, or lists of messages)
+        msgs = _prompt_completion(rec)
     elif "instruction" in rec or "output" in rec:
         instruction, output = _str(rec, "instruction"), _str(rec, "output")
         inp = _str(rec, "input", required=False)
         user = instruction + "\n" + inp if inp else instruction
         msgs = [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
     else:
-        raise RecordError("neither 'conversations' nor 'instruction'/'output'")
+        raise RecordError("neither 'conversations' nor 'instruction'/'output' nor 'prompt'/'completion'")
     msgs = _with_system(rec, msgs)
     if not any(m["role"] == "assistant" and m["content"] for m in msgs):
         raise RecordError("no non-empty assistant turn")
     return msgs
+
+
+def _prompt_completion(rec: dict) -> list[dict[str, str]]:
+    """TRL's prompt-completion SFT record: "prompt" a text (one user turn) or messages, "completion" a text (the
+    assistant's reply) or messages (the assistant's turns, continuing the conversation)."""
+    prompt, completion = rec["prompt"], rec["completion"]
+    msgs = (_messages_from_list(prompt) if isinstance(prompt, list) else
+            [{"role": "user", "content": _str(rec, "prompt")}])
+    if isinstance(completion, list):
+        return msgs + _messages_from_list(completion)
+    return msgs + [{"role": "assistant", "content": _str(rec, "completion")}]
 
 
 def dpo_messages(rec: Any) -> tuple[list[dict[str, str]], str, str]:

@@ -1,4 +1,5 @@
-"""TRL's implicit-prompt preference records (trl-lib/ultrafeedback_binarized's shape; Anthropic hh-rlhf's as texts):
+"""TRL's record shapes. Its prompt-completion SFT records are the conversation they spell. Its implicit-prompt
+preference records (trl-lib/ultrafeedback_binarized's shape; Anthropic hh-rlhf's as texts):
 "chosen" and "rejected" each the whole conversation. They tokenize exactly as the same pairs with an explicit prompt
 (the shared messages, or the shared text up to the space before the first difference, as TRL's extract_prompt cuts
 it), and records that do not share a prompt this way are counted skips naming the rule."""
@@ -62,3 +63,18 @@ def test_implicit_records_tokenize_as_explicit_ones(tmp_path, tiny_pretrain_data
     for i in range(3):
         a, b = imp[i], exp[i]
         assert a.keys() == b.keys() and all(a[k].tolist() == b[k].tolist() for k in a), i
+
+
+def test_trls_prompt_completion_sft_records_are_the_conversation():
+    """SFT's prompt-completion records (TRL's shape), as texts or as messages, give the conversation they spell."""
+    from data_preprocess.sft_format import sft_messages
+    conv = {"conversations": [U, _asst("4")]}
+    assert sft_messages({"prompt": U["content"], "completion": "4"}) == sft_messages(conv)
+    assert sft_messages({"prompt": [U], "completion": [_asst("4")]}) == sft_messages(conv)
+    assert sft_messages({"prompt": [U, A1, U2], "completion": [_asst("6")], "system": "Be brief."}) == sft_messages(
+        {"conversations": [U, A1, U2, _asst("6")], "system": "Be brief."})
+    for bad, said in (({"prompt": "q", "completion": 3}, "'completion' is int"),
+                      ({"prompt": "q", "completion": [{"role": "robot", "content": "x"}]}, "unknown role"),
+                      ({"prompt": "q", "completion": ""}, "no non-empty assistant turn")):
+        with pytest.raises(RecordError, match=said):
+            sft_messages(bad)
