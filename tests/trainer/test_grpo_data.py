@@ -46,6 +46,11 @@ def test_prompts_file_counts_and_names_bad_records(tiny_pretrain_data, tmp_path)
     # field names by flag; without an answer reward a record without an answer is kept
     other = read_prompts_file(str(f), _cfg(prompt_field="question"), tok, meta, needs_answer=False, log=None)
     assert [p.text for p in other] == ["1+1?", "wrong field"]
+    # TRL's conversational prompt: the messages under "prompt" read as under "messages"
+    trl = tmp_path / "trl.jsonl"
+    trl.write_text(json.dumps({"prompt": rows[1]["messages"], "answer": "2"}) + "\n", encoding="utf-8")
+    got = read_prompts_file(str(trl), _cfg(), tok, meta, needs_answer=True, log=None)
+    assert [(p.ids, p.text) for p in got] == [(prompts[1].ids, "1+1?")]
 
 
 def test_a_saved_datasets_folder_reads_as_its_jsonl(tiny_pretrain_data, tmp_path):
@@ -145,10 +150,11 @@ def test_a_reward_written_for_trl_gets_its_batched_arguments(tmp_path, monkeypat
     assert trl_rewards.seen[-1] == {"prompts": ["2+2?"] * 2, "completions": ["4", "five"],
                                     "completion_ids": [[7, 2], [8, 9, 2]], "answer": ["4"] * 2, "level": [1] * 2}
     chat = {"messages": [{"role": "user", "content": "hi"}], "answer": "4"}
-    rs.score_many("hi", ["yo"], chat, "4", "f:2", [5], [[3, 2]])
-    assert trl_rewards.seen[-1]["prompts"] == [chat["messages"]]
-    assert trl_rewards.seen[-1]["completions"] == [[{"role": "assistant", "content": "yo"}]]
-    assert "messages" not in trl_rewards.seen[-1]
+    for record in (chat, {"prompt": chat["messages"], "answer": "4"}):  # ours, and TRL's conversational prompt
+        rs.score_many("hi", ["yo"], record, "4", "f:2", [5], [[3, 2]])
+        assert trl_rewards.seen[-1]["prompts"] == [chat["messages"]]
+        assert trl_rewards.seen[-1]["completions"] == [[{"role": "assistant", "content": "yo"}]]
+        assert "messages" not in trl_rewards.seen[-1] and trl_rewards.seen[-1]["answer"] == ["4"]
     named = build_rewards(_cfg(reward_funcs="", reward_fn="trl_rewards:named"))
     assert named.score_many("2+2?", ["4", "5"], rec, "4", "f:1", [5], [[1], [2]]) == [[1.0], [0.0]]
     with pytest.raises(RewardError, match=re.escape("reward trl_rewards.short raised ValueError (a TRL-style reward "

@@ -92,6 +92,8 @@ def read_prompts_file(path: str, cfg: Any, tok: Any, tok_meta: dict, needs_answe
                 continue
             msgs = rec.get(cfg.messages_field)
             text = rec.get(cfg.prompt_field)
+            if msgs is None and isinstance(text, list):  # TRL's conversational prompt: "prompt" holds the messages
+                msgs = text
             if msgs is not None and not chat_checked:  # a tokenizer that cannot render chats: one line, exit 2
                 check_chat(tok)
                 chat_checked = True

@@ -104,7 +104,8 @@ class GRPOFlags:
     numeric_tolerance: float = _f(1e-6, "grpo: numeric_match accepts |x - answer| <= tolerance x max(1, |answer|)")
     format_regex: str = _f(r"(?s).*####\s*-?\d+.*", "grpo: the format reward is 1 when this regex matches the whole "
                            "completion (re.fullmatch), else 0")
-    prompt_field: str = _f("prompt", "grpo: the record's field holding the prompt as plain text (encoded after <s>)")
+    prompt_field: str = _f("prompt", "grpo: the record's field holding the prompt as plain text (encoded after <s>), "
+                           "or as chat messages (TRL's conversational prompt)")
     messages_field: str = _f("messages", "grpo: the record's field holding the prompt as chat messages (chat template "
                              "applied as in SFT, ending with the assistant's header); used when present")
     chat_template_kwargs: str = _f("", "grpo: a JSON object of extra variables for the tokenizer's chat template "

@@ -114,8 +114,10 @@ class TRLReward:
     def many(self, prompt: str, completions: Sequence[str], record: dict, prompt_ids: Sequence[int],
              completion_ids: Sequence[Sequence[int]]) -> list:
         g = len(completions)
-        chat = record.get(self.messages_field) is not None
-        shown = record[self.messages_field] if chat else record.get(self.prompt_field, prompt)
+        shown = record.get(self.messages_field)
+        if shown is None:
+            shown = record.get(self.prompt_field, prompt)
+        chat = isinstance(shown, list)  # (a chat prompt's messages: --messages_field, or TRL's "prompt" list)
         kwargs = {"prompts": [shown] * g, "completion_ids": [list(ids) for ids in completion_ids],
                   "completions": [[{"role": "assistant", "content": c}] for c in completions] if chat
                   else list(completions)}
