@@ -3,6 +3,7 @@ ones named and counted, prompts encoded as SFT / sample.py encode them, the buil
 a reward that raises or returns a non-number stopping with one line naming it and the record."""
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import re
@@ -102,18 +103,20 @@ def test_soft_overlong_is_dapos_length_penalty():
             validate_config(_cfg(reward_funcs="soft_overlong", soft_punish_cache=cache))
 
 
-def _user_rewards(tmp_path, monkeypatch):
-    (tmp_path / "my_rewards.py").write_text(
-        "def length(prompt, completion, record):\n    return len(completion) / 10\n"
-        "def boom(prompt, completion, record):\n    raise KeyError('score')\n"
-        "def text(prompt, completion, record):\n    return 'high'\n"
-        "def nan(prompt, completion, record):\n    return float('nan')\n", encoding="utf-8")
+def _user_module(tmp_path, monkeypatch, name: str, source: str):
+    """`source` importable as module `name` (a fresh import)."""
+    (tmp_path / f"{name}.py").write_text(source, encoding="utf-8")
     monkeypatch.syspath_prepend(str(tmp_path))
-    sys.modules.pop("my_rewards", None)
+    sys.modules.pop(name, None)
+    return importlib.import_module(name)
 
 
 def test_user_reward_function_and_its_failures(tmp_path, monkeypatch):
-    _user_rewards(tmp_path, monkeypatch)
+    _user_module(tmp_path, monkeypatch, "my_rewards",
+                 "def length(prompt, completion, record):\n    return len(completion) / 10\n"
+                 "def boom(prompt, completion, record):\n    raise KeyError('score')\n"
+                 "def text(prompt, completion, record):\n    return 'high'\n"
+                 "def nan(prompt, completion, record):\n    return float('nan')\n")
     rs = build_rewards(_cfg(reward_funcs="", reward_fn="my_rewards:length"))
     assert rs.names == ["my_rewards.length"] and rs.score_many("p", ["abcde"], {}, None, "f:3") == [[0.5]]
     assert not rs.needs_answer
@@ -132,17 +135,15 @@ def test_a_reward_written_for_trl_gets_its_batched_arguments(tmp_path, monkeypat
     """A function with a `completions` parameter is called as TRL's GRPOTrainer calls it: prompts, completions,
     completion_ids and every other field of the record as lists of G; a chat prompt's messages and assistant
     messages; only the named arguments without **kwargs; a wrong-length answer or None is one line naming it."""
-    (tmp_path / "trl_rewards.py").write_text(
+    trl_rewards = _user_module(
+        tmp_path, monkeypatch, "trl_rewards",
         "seen = []\n"
         "def spy(prompts, completions, completion_ids, **kwargs):\n"
         "    seen.append(dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **kwargs))\n"
         "    return [float(len(ids)) for ids in completion_ids]\n"
         "def named(completions, answer):\n    return [float(c == a) for c, a in zip(completions, answer)]\n"
         "def short(completions, **kw):\n    return [1.0]\n"
-        "def none(completions, **kw):\n    return [None] * len(completions)\n", encoding="utf-8")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    sys.modules.pop("trl_rewards", None)
-    import trl_rewards
+        "def none(completions, **kw):\n    return [None] * len(completions)\n")
     rs = build_rewards(_cfg(reward_funcs="", reward_fn="trl_rewards:spy"))
     rec = {"prompt": "2+2?", "answer": "4", "level": 1}
     got = rs.score_many("2+2?", ["4", "five"], rec, "4", "f:1", [5, 6], [[7, 2], [8, 9, 2]])
