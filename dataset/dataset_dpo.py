@@ -6,8 +6,9 @@ memmaps) or from the same arrays in memory (`tokenize_dpo_records` there renders
 with labels only on the final reply: its content and <|im_end|>; -100 on every prompt token, including
 earlier assistant turns of a multi-turn prompt), both through `dataset.chat_dataset.ChatTokenDataset`;
 each branch shifted like the SFT items, and the pair's "margin" where the data has margins (0.0 where its record
-had none: what a reward model's loss subtracts; batches carry it where asked); the pairs' counts (over-long pairs truncated or dropped,
-skipped records, as the pretokenizer counted them per file) totalled in `self.stats` and logged.
+had none: what a reward model's loss subtracts; batches carry it where asked); the pairs' counts (over-long pairs
+truncated or dropped, skipped records, as the pretokenizer counted them per file) totalled in `self.stats` and
+logged.
 
 Must never: tokenize raw records (that is `data_preprocess/`'s), label prompt tokens, or pad with an
 id that is not the tokenizer's pad id.
