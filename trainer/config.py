@@ -216,8 +216,8 @@ class DPOFlags:
     dpo_loss: str = _f("sigmoid", "sigmoid | ipo | hinge | robust | exo_pair | nca_pair | sppo_hard | apo_zero | "
                                   "apo_down | discopop | aot | aot_unpaired (= aot_pair; the AOT two sort over each "
                                   "micro-batch's pairs) | bco_pair (BCO: the rewards shifted by their running "
-                                  "mean, kept in checkpoints) (against the frozen reference model; TRL's loss_type of the "
-                                  "same name) | simpo | orpo (reference-free: none is loaded); or a sum: "
+                                  "mean, kept in checkpoints) (against the frozen reference model; TRL's loss_type "
+                                  "of the same name) | simpo | orpo (reference-free: none is loaded); or a sum: "
                                   "comma-separated reference-based losses and sft (the chosen reply's NLL), e.g. "
                                   "MPO's sigmoid,bco_pair,sft with --dpo_loss_weights=0.8,0.2,1")
     dpo_loss_weights: str = _f("", "comma-separated weight per --dpo_loss term (TRL's loss_weights; default 1 each)")

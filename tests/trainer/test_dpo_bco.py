@@ -26,8 +26,8 @@ def _bco(a: float, b: float, delta: float) -> float:
 
 def test_the_loss_is_bco_of_the_rewards_shifted_by_delta():
     from trainer.tasks.dpo import dpo_loss
-    pc, pr = torch.tensor([-3.0, -5.5, -2.0], dtype=torch.float64), torch.tensor([-4.0, -5.0, -7.0], dtype=torch.float64)
-    rc, rr = torch.tensor([-3.5, -5.0, -2.5], dtype=torch.float64), torch.tensor([-3.0, -6.0, -6.0], dtype=torch.float64)
+    pc, pr, rc, rr = (torch.tensor(v, dtype=torch.float64) for v in
+                      ([-3.0, -5.5, -2.0], [-4.0, -5.0, -7.0], [-3.5, -5.0, -2.5], [-3.0, -6.0, -6.0]))
     beta, delta = 0.5, 0.125
     losses, ch, rj = dpo_loss(pc, pr, rc, rr, beta=beta, loss_type="bco_pair", bco_delta=delta)
     for i in range(3):
