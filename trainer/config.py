@@ -204,7 +204,7 @@ class OptimizationFlags:
 DPO_LOSSES = ("sigmoid", "ipo", "hinge", "robust", "exo_pair", "nca_pair", "sppo_hard", "apo_zero", "apo_down",
               "discopop", "aot", "aot_unpaired", "aot_pair", "bco_pair", "simpo", "orpo")
 REFERENCE_FREE_LOSSES = ("simpo", "orpo")
-KTO_LOSSES = ("kto", "apo_zero_unpaired")  # --kto_loss's choices (trainer/tasks/kto.py computes them)
+KTO_LOSSES = ("kto", "apo_zero_unpaired", "bco")  # --kto_loss's choices (trainer/tasks/kto.py computes them)
 
 
 @dataclass
@@ -228,7 +228,8 @@ class DPOFlags:
                           "reference-based losses); 0 = off")
     # ---- KTO (--task_type=kto; its beta is --dpo_beta)
     kto_loss: str = _f("kto", "kto (with the KL estimate of each micro-batch's mismatched rows) | apo_zero_unpaired "
-                              "(TRL's loss_type of the same name)")
+                              "(TRL's loss_type of the same name) | bco (TRL's BCOTrainer: rewards shifted by their "
+                              "running mean)")
     kto_desirable_weight: float = _f(1.0, "KTO's lambda_D: the desirable (chosen) examples' weight")
     kto_undesirable_weight: float = _f(1.0, "KTO's lambda_U: the undesirable (rejected) examples' weight")
     # ---- distillation (--task_type=distill; the teacher is --ref_model)

@@ -69,19 +69,30 @@ class Task:
         calls here (FSDP all-gathers in forward). By default: the data drawn."""
         return draw()
 
+    def stateful(self) -> dict:
+        """The task's parts whose state moves with the steps, by name (BCO's running mean: trainer/tasks/bco.py), each
+        with after_step(step_sums, stat_keys, global_units), state_dict() and load_state_dict(state, where). None by
+        default."""
+        return {}
+
     def after_step(self, step_sums: torch.Tensor, stat_keys: Sequence[str], global_units: float) -> None:
         """After a step's forwards and backwards: `step_sums` its statistics summed over the data-parallel ranks (a
         float64 row on the device, parallel/engine.py stat_row's order: loss, stat_keys, units; every rank holds the
-        same), `global_units` its units (host). A task with state that moves with the steps (bco_pair's running
-        mean) updates it here, on the device, without reading it. By default: nothing."""
+        same), `global_units` its units (host). Each stateful part updates itself, on the device, without reading."""
+        for part in self.stateful().values():
+            part.after_step(step_sums, stat_keys, global_units)
 
     def state_dict(self) -> Optional[dict]:
-        """The task's own state for trainer_state.json (plain JSON numbers; read on the host at a save), or None."""
-        return None
+        """The stateful parts' state for trainer_state.json (plain JSON numbers; read on the host at a save), or None
+        without any."""
+        return {name: part.state_dict() for name, part in self.stateful().items()} or None
 
     def load_state_dict(self, state: dict, where: str) -> None:
         """Restore `state_dict()`'s value saved in `where` (a checkpoint's trainer_state.json); a TrainingError naming
         it when it is not what this task saves."""
+        for name, part in self.stateful().items():
+            if name in state:
+                part.load_state_dict(state[name], where)
 
     def steps_per_draw(self) -> int:
         """How many optimizer steps train on each data step's batches (`before_step` draws every that many

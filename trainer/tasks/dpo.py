@@ -5,7 +5,6 @@ log-probabilities. The loss functions are pure tensor math (`dpo_loss`, `referen
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -13,9 +12,9 @@ import torch.nn.functional as F
 from data_preprocess.chat_tokens import DPO
 from data_preprocess.pretokenize_dpo_data import tokenize_dpo_records
 from dataset.dataset_dpo import build_dpo_splits
-from trainer.config import DPO_LOSSES, REFERENCE_FREE_LOSSES, TrainingError
-from utils.constants import EXIT_BAD_CHECKPOINT
+from trainer.config import DPO_LOSSES, REFERENCE_FREE_LOSSES
 from trainer.tasks.base import Task, TaskData
+from trainer.tasks.bco import BCORunningMean
 from trainer.tasks.data import chat_data
 from trainer.tasks.dpo_terms import SFT_TERM, dpo_loss_terms
 from trainer.tasks.sft import chat_val_words
@@ -44,7 +43,7 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor,
     apo_zero: 1 - sigma(a) + sigma(b);  apo_down: sigma(a) + 1 - sigma(a - b)   (APO, D'Oosterlinck et al. 2024)
     discopop: -log sigma(beta*h) (1 - m) + exp(-beta*h) m, m = sigma(beta*h / tau)   (DiscoPOP, Chris Lu et al. 2024)
     bco_pair: -log sigma(a - delta) - log sigma(-(b - delta)), delta = `bco_delta` (the running mean of the rewards
-             (a + b) / 2 over the pairs seen: BCORunningMean)          (BCO, Jung et al. 2024)
+             (a + b) / 2 over the pairs seen: trainer/tasks/bco.py)   (BCO, Jung et al. 2024)
     aot:     sigmoid's loss of beta*d, d = sort(log pi(c) - log pi(r)) - sort(log ref(c) - log ref(r)) over the
              micro-batch's pairs; aot_unpaired (TRL's earlier aot_pair): d = sort(a) / beta - sort(b) / beta
              (AOT, Melnyk et al. 2024: each sorted over the micro-batch, so a pair's loss depends on the others')
@@ -147,54 +146,6 @@ def preference_data(cfg, tok_meta: dict, val_ratio: float, fixed_shape: bool, lo
     return TaskData(train, val, collate, DPO.units, *chat_val_words(cfg))
 
 
-class BCORunningMean:
-    """bco_pair's reward shift delta (BCO, Jung et al. 2024; TRL's `RunningMoments`): the mean of the implicit rewards
-    (a + b) / 2 (a, b: beta x the chosen / rejected log-ratio) over every pair of the steps before this one, all
-    ranks, and the micro-batch's own, which TRL's also counts (so one process with one micro-batch a step draws TRL's
-    delta). The running sums live on the device (updated after each step from the ranks' summed statistics, a step
-    whose rewards are not finite left out) and in trainer_state.json (read at a save), so a resume continues them
-    exactly and two ranks of a micro-batch each give one process accumulating the same two."""
-
-    def __init__(self) -> None:
-        self.total: Optional[torch.Tensor] = None  # float64 on the device: the rewards' sum, and the pairs counted
-        self.pairs: Optional[torch.Tensor] = None
-        self._saved = (0.0, 0.0)
-
-    def _on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.total is None or self.total.device != device:
-            t, n = self._saved if self.total is None else (float(self.total), float(self.pairs))
-            self.total, self.pairs = (torch.tensor(v, dtype=torch.float64, device=device) for v in (t, n))
-        return self.total, self.pairs
-
-    def delta(self, reward_sum: torch.Tensor, pairs: int) -> torch.Tensor:
-        """delta for a micro-batch whose pairs' (a + b) / 2 sum to `reward_sum`."""
-        total, n = self._on(reward_sum.device)
-        return ((total + reward_sum.double()) / (n + pairs)).to(reward_sum.dtype)
-
-    def update(self, reward_sum: torch.Tensor, pairs: float) -> None:
-        """Add a step's summed (a + b) / 2 over its `pairs` pairs, unless it is not finite."""
-        total, n = self._on(reward_sum.device)
-        ok = torch.isfinite(reward_sum)
-        self.total = torch.where(ok, total + reward_sum, total)
-        self.pairs = torch.where(ok, n + pairs, n)
-
-    def state_dict(self) -> dict:
-        t, n = self._saved if self.total is None else (float(self.total), float(self.pairs))
-        return {"reward_sum": t, "pairs": n}
-
-    def load_state_dict(self, state: Any, where: str) -> None:
-        try:
-            t, n = float(state["reward_sum"]), float(state["pairs"])
-        except (TypeError, KeyError, ValueError) as e:
-            raise TrainingError(f"{where}: task.bco_pair is not {{reward_sum, pairs}} ({e!r})",
-                                EXIT_BAD_CHECKPOINT) from e
-        if not (math.isfinite(t) and math.isfinite(n) and n >= 0):
-            raise TrainingError(f"{where}: task.bco_pair {state!r} is not a finite sum over pairs >= 0",
-                                EXIT_BAD_CHECKPOINT)
-        self.total = self.pairs = None
-        self._saved = (t, n)
-
-
 class DPOTask(Task):
     name = "dpo"
     units = "preference pairs"
@@ -207,7 +158,9 @@ class DPOTask(Task):
         super().__init__(cfg)
         self.needs_reference = cfg.dpo_loss not in REFERENCE_FREE  # (SimPO, ORPO: no reference model is loaded)
         self.terms = dpo_loss_terms(cfg.dpo_loss, cfg.dpo_loss_weights)  # [(loss, weight)]: one, or MPO's sum
-        self.bco = BCORunningMean() if any(n == "bco_pair" for n, _ in self.terms) else None
+        # bco_pair's delta: the running mean of (a + b) / 2, the step's chosen and rejected reward sums halved
+        self.bco = (BCORunningMean(("chosen_reward", "rejected_reward"), scale=0.5)
+                    if any(n == "bco_pair" for n, _ in self.terms) else None)
 
     def datasets(self, tok_meta, val_ratio, fixed_shape, log):
         return preference_data(self.cfg, tok_meta, val_ratio, fixed_shape, log)
@@ -242,17 +195,8 @@ class DPOTask(Task):
                  "reward_acc": (ch_r > rj_r).float().sum()}
         return losses.sum(), stats
 
-    def after_step(self, step_sums, stat_keys, global_units):
-        if self.bco is not None:  # the step's (a + b) / 2 over all ranks: chosen + rejected reward sums, halved
-            i, j = 1 + stat_keys.index("chosen_reward"), 1 + stat_keys.index("rejected_reward")
-            self.bco.update((step_sums[i] + step_sums[j]) / 2, global_units)
-
-    def state_dict(self):
-        return None if self.bco is None else {"bco_pair": self.bco.state_dict()}
-
-    def load_state_dict(self, state, where):
-        if self.bco is not None and "bco_pair" in state:
-            self.bco.load_state_dict(state["bco_pair"], where)
+    def stateful(self):
+        return {} if self.bco is None else {"bco": self.bco}
 
     def count_units(self, batch):
         return int(batch["chosen_input_ids"].shape[0])

@@ -6,6 +6,9 @@ step, the mean over the mismatched rows (prompt of one example, reply of the nex
 data-parallel rank of log pi - log ref, clamped at 0 and detached:
   kto:                desirable  lambda_D (1 - sigma(beta (r - z)));  undesirable  lambda_U (1 - sigma(beta (z - r)))
   apo_zero_unpaired:  desirable  1 - sigma(beta r);                   undesirable  sigma(beta r)   (no KL rows)
+  bco:                desirable  -log sigma(beta r - delta);         undesirable  -log sigma(delta - beta r)
+                      (BCO, Jung et al. 2024; TRL's BCOTrainer without its density-ratio classifier; delta the
+                      running mean of beta r over the examples seen: trainer/tasks/bco.py; no KL rows)
 averaged over the step's examples (TRL's loss is their mean). z is computed before the step from every micro-batch's
 KL rows (`before_step`: the same forwards, no gradient) and summed over the ranks, so it does not depend on how the
 step's examples are laid out over ranks and micro-batches; TRL averages each process's micro-batch mean over the
@@ -15,6 +18,7 @@ own rows' estimate. The loss is pure tensor math (`kto_loss`).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from data_preprocess.chat_tokens import DPO, KTO
 from data_preprocess.pretokenize_dpo_data import tokenize_dpo_records
@@ -22,6 +26,7 @@ from data_preprocess.pretokenize_kto_data import holds_pairs, tokenize_kto_recor
 from dataset.dataset_kto import build_kto_splits
 from trainer.config import KTO_LOSSES
 from trainer.tasks.base import Task, TaskData
+from trainer.tasks.bco import BCORunningMean
 from trainer.tasks.data import chat_data
 from trainer.tasks.dpo import sequence_logps
 from trainer.tasks.sft import chat_val_words
@@ -29,16 +34,20 @@ from utils.device import to_device
 
 
 def kto_loss(policy: torch.Tensor, ref: torch.Tensor, desirable: torch.Tensor, kl: torch.Tensor, *, beta: float,
-             loss_type: str = "kto", desirable_weight: float = 1.0, undesirable_weight: float = 1.0
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+             loss_type: str = "kto", desirable_weight: float = 1.0, undesirable_weight: float = 1.0,
+             bco_delta: "torch.Tensor | float" = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-example losses [N] and rewards beta * (log pi - log ref) [N] (detached) of summed reply log-probabilities
-    `policy`, `ref` [N], `desirable` [N] bool, `kl` the micro-batch's estimate (a 0-d tensor; unused by
-    apo_zero_unpaired)."""
+    `policy`, `ref` [N], `desirable` [N] bool, `kl` the micro-batch's estimate (a 0-d tensor; used by kto),
+    `bco_delta` the running mean of the rewards (bco: -log sigma(beta r - delta) desirable, -log sigma(delta - beta
+    r) undesirable; TRL's BCOTrainer without its density-ratio classifier)."""
     if loss_type not in KTO_LOSSES:
         raise ValueError(f"unknown kto loss {loss_type!r}; expected one of {KTO_LOSSES}")
     r = policy - ref
     if loss_type == "kto":
         good, bad = 1 - torch.sigmoid(beta * (r - kl)), 1 - torch.sigmoid(beta * (kl - r))
+    elif loss_type == "bco":
+        z = beta * r - bco_delta
+        good, bad = -F.logsigmoid(z), -F.logsigmoid(-z)
     else:
         good, bad = 1 - torch.sigmoid(beta * r), torch.sigmoid(beta * r)
     losses = torch.where(desirable, desirable_weight * good, undesirable_weight * bad)
@@ -60,6 +69,15 @@ class KTOTask(Task):
     stat_keys = ("desirable", "desirable_reward", "undesirable_reward", "kl")
     needs_reference = True
     chat = True
+
+    def __init__(self, cfg) -> None:
+        super().__init__(cfg)
+        # bco's delta: the running mean of the examples' rewards (the step's desirable + undesirable reward sums)
+        self.bco = (BCORunningMean(("desirable_reward", "undesirable_reward"))
+                    if getattr(cfg, "kto_loss", "kto") == "bco" else None)
+
+    def stateful(self):
+        return {} if self.bco is None else {"bco": self.bco}
 
     def datasets(self, tok_meta, val_ratio, fixed_shape, log):
         cfg = self.cfg
@@ -123,9 +141,12 @@ class KTOTask(Task):
             else:
                 kl = torch.zeros((), device=policy.device)
         desirable = to_device(batch["desirable"], device)
+        delta = 0.0
+        if self.bco is not None:  # the running mean, with this micro-batch's rewards
+            delta = self.bco.delta((cfg.dpo_beta * (policy - ref)).detach().sum(), len(policy))
         losses, rewards = kto_loss(policy, ref, desirable, kl, beta=cfg.dpo_beta, loss_type=cfg.kto_loss,
                                    desirable_weight=cfg.kto_desirable_weight,
-                                   undesirable_weight=cfg.kto_undesirable_weight)
+                                   undesirable_weight=cfg.kto_undesirable_weight, bco_delta=delta)
         good = desirable.float()
         stats = {"desirable": good.sum(), "desirable_reward": (rewards * good).sum(),  # on the device
                  "undesirable_reward": (rewards * (1 - good)).sum(), "kl": kl.detach() * len(good)}

@@ -1,7 +1,8 @@
-"""DPO's bco_pair loss (BCO, Jung et al. 2024; TRL's DPOTrainer loss_type="bco_pair"): the formula on hand values in
-Python floats, the running mean against TRL's RunningMoments update written out in Python floats, and runs: each
-step's loss is the formula of the rewards the run logged with the running mean over its steps, a crash and resume
-continue the running mean exactly, and two ranks give one process accumulating the same micro-batches."""
+"""BCO (Jung et al. 2024): DPO's bco_pair loss (TRL's DPOTrainer loss_type="bco_pair") and KTO's bco (TRL's
+BCOTrainer on unpaired examples): the formulas on hand values in Python floats, the running mean against TRL's
+RunningMoments update written out in Python floats, and runs: each step's loss is the formula of the rewards the run
+logged with the running mean over its steps, a crash and resume continue the running mean exactly, and two ranks give
+one process accumulating the same micro-batches; DPO's weighted sums of losses (MPO)."""
 from __future__ import annotations
 
 import json
@@ -40,9 +41,9 @@ def test_the_running_mean_is_trls_running_moments_at_one_process():
     """TRL's RunningMoments (mean 0, var 1, count 1e-24; each call adds one batch mean: delta = x - mean, count + 1,
     mean += delta / count) fed each micro-batch's mean reward, one micro-batch a step: the same delta as ours, which
     adds the micro-batch's own rewards to the sums of the steps before."""
-    from trainer.tasks.dpo import BCORunningMean
+    from trainer.tasks.bco import BCORunningMean
     g = torch.Generator().manual_seed(0)
-    ours = BCORunningMean()
+    ours = BCORunningMean(("chosen_reward", "rejected_reward"), 0.5)
     mean, var, count = 0.0, 1.0, 1e-24
     for step in range(6):
         rewards = torch.randn(4, generator=g, dtype=torch.float64) * (step + 1)  # (a + b) / 2 of 4 pairs
@@ -57,14 +58,14 @@ def test_the_running_mean_is_trls_running_moments_at_one_process():
     # a step whose rewards are not finite is left out; the state round-trips through JSON numbers
     state = ours.state_dict()
     ours.update(torch.tensor(float("nan"), dtype=torch.float64), 4)
-    assert ours.state_dict() == state and state["pairs"] == 24
-    again = BCORunningMean()
+    assert ours.state_dict() == state and state["count"] == 24
+    again = BCORunningMean(("chosen_reward", "rejected_reward"), 0.5)
     again.load_state_dict(state, "here")
     assert float(again.delta(torch.tensor(1.0, dtype=torch.float64), 1)) == float(
         ours.delta(torch.tensor(1.0, dtype=torch.float64), 1))
     from trainer.config import TrainingError
-    for bad in ({"reward_sum": "x", "pairs": 1}, {"pairs": 1}, {"reward_sum": 1.0, "pairs": -1}):
-        with pytest.raises(TrainingError, match="here: task.bco_pair"):
+    for bad in ({"reward_sum": "x", "count": 1}, {"count": 1}, {"reward_sum": 1.0, "count": -1}):
+        with pytest.raises(TrainingError, match="here: task.bco"):
             again.load_state_dict(bad, "here")
 
 
@@ -95,7 +96,7 @@ def test_each_steps_loss_is_bco_with_the_running_mean_of_the_rewards_logged(pret
     assert abs(recs[1]["loss"] - 2 * math.log(2)) < 1e-6 and any(abs(h) > 1e-3 for h in halves[1:])
     from checkpoint.verify import find_latest_valid
     state = json.loads(open(os.path.join(find_latest_valid(str(whole)), "trainer_state.json")).read())
-    assert state["task"]["bco_pair"]["pairs"] == 5.0  # the final checkpoint: the pairs of 5 steps
+    assert state["task"]["bco"]["count"] == 5.0  # the final checkpoint: the pairs of 5 steps
     once, crashed = tmp_path / "once", tmp_path / "crashed"
     proc = run_trainer(train_cmd(_args(tiny_pretrain_data, toy, pretrained["out"], crashed, *common)),
                        env=_env(MYLLM_FAULT="crash@4", MYLLM_FAULT_ONCE_FILE=str(once)))
@@ -166,3 +167,29 @@ def test_mpo_sums_its_terms_with_their_weights():
     with pytest.raises(TrainingError, match="--dpo_loss='sigmoid,orpo': simpo and orpo are reference-free"):
         validate_config(TrainConfig(task_type="dpo", data_dir="x", tokenizer_dir="y", init_from="z",
                                     dpo_loss="sigmoid,orpo"))
+
+
+def test_kto_bco_is_bco_of_each_example_with_the_running_mean(pretrained, tiny_pretrain_data, tmp_path):
+    """--task_type=kto --kto_loss=bco on DPO pairs (a desirable and an undesirable example each), one pair a step:
+    the formula on hand values, and step s's loss the mean of -log sigma(a_s - delta) and -log sigma(delta - b_s) of
+    its logged rewards, delta the mean of the rewards of every example of steps 1..s."""
+    from trainer.tasks.kto import kto_loss
+    policy, ref = torch.tensor([-3.0, -5.0], dtype=torch.float64), torch.tensor([-4.0, -4.5], dtype=torch.float64)
+    losses, _ = kto_loss(policy, ref, torch.tensor([True, False]), torch.zeros(()), beta=0.5, loss_type="bco",
+                         bco_delta=0.2)
+    assert abs(float(losses[0]) + _logsig(0.5 - 0.2)) < 1e-12 and abs(float(losses[1]) + _logsig(0.2 + 0.25)) < 1e-12
+    toy = toy_dpo_pairs(tmp_path / "toy.jsonl", 8)
+    out = tmp_path / "kto"
+    args = [a for a in _args(tiny_pretrain_data, toy, pretrained["out"], out, "--max_iters=4", "--batch_size=1",
+                             "--checkpoint_interval=100") if not a.startswith(("--task_type", "--dpo_loss"))]
+    run_cmd(train_cmd([*args, "--task_type=kto", "--kto_loss=bco"]), env=_env())
+    recs = dedupe_by_step(read_metrics(os.path.join(out, "metrics.jsonl")))
+    assert sorted(recs) == [1, 2, 3, 4]
+    seen = []
+    for s in range(1, 5):
+        a, b = recs[s]["desirable_reward"], recs[s]["undesirable_reward"]
+        seen += [a, b]
+        delta = sum(seen) / len(seen)
+        want = (-_logsig(a - delta) - _logsig(delta - b)) / 2
+        assert abs(recs[s]["loss"] - want) < 1e-5 * max(1.0, want), (s, recs[s], want)
+    assert any(abs(x) > 1e-3 for x in seen)
