@@ -218,6 +218,9 @@ def _choices_and_combinations(cfg: TrainConfig, p: _Problems, torch_free: bool) 
         dpo_loss_terms(cfg.dpo_loss, cfg.dpo_loss_weights)
     except ValueError as e:
         p.append(str(e))
+    p.number("ld_alpha", 0.0, 1.0, high_open=False)
+    if cfg.ld_alpha != 1.0 and cfg.dpo_loss in REFERENCE_FREE_LOSSES:
+        p.append(f"--ld_alpha: --dpo_loss={cfg.dpo_loss} is reference-free (LD-DPO weighs DPO's policy log-ratios)")
     p.choice("kto_loss", KTO_LOSSES)
     p.choice("distill_loss", DISTILL_LOSSES)
     if cfg.distill_loss == "jsd":

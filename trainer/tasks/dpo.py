@@ -122,15 +122,28 @@ def reference_free_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tens
     return losses, beta * c.detach(), beta * r.detach()
 
 
-def sequence_logps(model, batch: dict, device, prefix: str = "") -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed log-probability of each row's labelled tokens [N], their count [N]) of a batch's `<prefix>input_ids` /
-    `<prefix>labels` rows (with `<prefix>attention_mask` where the batch has one): DPO's chosen / rejected rows, KTO's
-    examples and KL rows."""
+def token_nll(model, batch: dict, device, prefix: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+    """(-log p of each position's label [N, T] in fp32, 0 where it is ignored; the labels [N, T]) of a batch's
+    `<prefix>input_ids` / `<prefix>labels` rows (with `<prefix>attention_mask` where the batch has one)."""
     y = to_device(batch[f"{prefix}labels"], device)
     mask = f"{prefix}attention_mask"
     kw = {"attention_mask": to_device(batch[mask], device)} if mask in batch else {}
-    per_token = model(to_device(batch[f"{prefix}input_ids"], device), labels=y, reduction="none", **kw)  # -log p
-    return -per_token.float().sum(dim=-1), (y != -100).sum(dim=-1)
+    return model(to_device(batch[f"{prefix}input_ids"], device), labels=y, reduction="none", **kw).float(), y
+
+
+def sequence_logps(model, batch: dict, device, prefix: str = "") -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed log-probability of each row's labelled tokens [N], their count [N]) of a batch's `<prefix>` rows
+    (token_nll): DPO's chosen / rejected rows, KTO's examples and KL rows."""
+    per_token, y = token_nll(model, batch, device, prefix)
+    return -per_token.sum(dim=-1), (y != -100).sum(dim=-1)
+
+
+def ld_logps(per_token: torch.Tensor, labels: torch.Tensor, public: torch.Tensor, alpha: float) -> torch.Tensor:
+    """LD-DPO's log-probability of each row's reply (Liu et al. 2024; TRL's ld_alpha): its first `public` [N] labelled
+    tokens whole, the ones after x alpha (`per_token`: token_nll's -log p)."""
+    place = (labels != -100).cumsum(dim=-1)  # each token's place in its reply, from 1
+    weight = torch.where(place <= public[:, None].to(place.device), 1.0, float(alpha))
+    return -(per_token * weight).sum(dim=-1)
 
 
 def preference_data(cfg, tok_meta: dict, val_ratio: float, fixed_shape: bool, log, margins: bool = False) -> TaskData:
@@ -167,8 +180,13 @@ class DPOTask(Task):
 
     def micro_batch_loss(self, model, ref_model, batch, device):
         cfg = self.cfg
-        (pc, chosen_n), (pr, rejected_n) = (sequence_logps(model, batch, device, p) for p in ("chosen_", "rejected_"))
-        tokens = [chosen_n, rejected_n]
+        (tc, yc), (tr, yr) = (token_nll(model, batch, device, p) for p in ("chosen_", "rejected_"))
+        tokens = [(yc != -100).sum(dim=-1), (yr != -100).sum(dim=-1)]
+        pc, pr = -tc.sum(dim=-1), -tr.sum(dim=-1)
+        nll = -pc / tokens[0].clamp(min=1)  # the chosen reply's per-token NLL, per pair
+        if getattr(cfg, "ld_alpha", 1.0) != 1.0:  # LD-DPO: the policy's replies past the shorter one's length x alpha
+            public = torch.minimum(*tokens)
+            pc, pr = ld_logps(tc, yc, public, cfg.ld_alpha), ld_logps(tr, yr, public, cfg.ld_alpha)
         if cfg.dpo_loss in REFERENCE_FREE:
             losses, ch_r, rj_r = reference_free_loss(pc, pr, *tokens, beta=cfg.dpo_beta, loss_type=cfg.dpo_loss,
                                                      label_smoothing=cfg.dpo_label_smoothing, gamma=cfg.simpo_gamma)
@@ -178,7 +196,6 @@ class DPOTask(Task):
             delta = 0.0
             if self.bco is not None:  # the running mean, with this micro-batch's rewards
                 delta = self.bco.delta((cfg.dpo_beta * ((pc - rc) + (pr - rr)) / 2).detach().sum(), len(pc))
-            nll = -pc / tokens[0].clamp(min=1)  # the chosen reply's per-token NLL, per pair
             losses = torch.zeros_like(pc)
             for name, weight in self.terms:  # (one loss, or a weighted sum: MPO's sigmoid,bco_pair,sft)
                 if name == SFT_TERM:

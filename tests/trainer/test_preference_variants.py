@@ -1,13 +1,15 @@
-"""BCO (Jung et al. 2024): DPO's bco_pair loss (TRL's DPOTrainer loss_type="bco_pair") and KTO's bco (TRL's
-BCOTrainer on unpaired examples): the formulas on hand values in Python floats, the running mean against TRL's
-RunningMoments update written out in Python floats, and runs: each step's loss is the formula of the rewards the run
-logged with the running mean over its steps, a crash and resume continue the running mean exactly, and two ranks give
-one process accumulating the same micro-batches; DPO's weighted sums of losses (MPO)."""
+"""Preference-loss variants. BCO (Jung et al. 2024): DPO's bco_pair loss (TRL's DPOTrainer loss_type="bco_pair") and
+KTO's bco (TRL's BCOTrainer on unpaired examples): the formulas on hand values in Python floats, the running mean
+against TRL's RunningMoments update written out in Python floats, and runs: each step's loss is the formula of the
+rewards the run logged with the running mean over its steps, a crash and resume continue the running mean exactly, and
+two ranks give one process accumulating the same micro-batches. DPO's weighted sums of losses (MPO) and LD-DPO's
+length-desensitised log-probabilities against the formulas."""
 from __future__ import annotations
 
 import json
 import math
 import os
+import re
 
 import pytest
 import torch
@@ -193,3 +195,50 @@ def test_kto_bco_is_bco_of_each_example_with_the_running_mean(pretrained, tiny_p
         want = (-_logsig(a - delta) - _logsig(delta - b)) / 2
         assert abs(recs[s]["loss"] - want) < 1e-5 * max(1.0, want), (s, recs[s], want)
     assert any(abs(x) > 1e-3 for x in seen)
+
+
+def test_ld_dpo_weighs_the_policys_tokens_past_the_shorter_reply():
+    """--ld_alpha (LD-DPO): the loss is sigmoid DPO of the policy's reply log-probabilities with every token past the
+    shorter reply's length (counted from each reply's first labelled token) x alpha, the reference's whole; alpha 1 is
+    plain DPO; the flag is checked in one line."""
+    from trainer.config import TrainConfig, TrainingError
+    from trainer.tasks.dpo import DPOTask
+    from trainer.validation import validate_config
+    from model import ModelConfig, Transformer
+    torch.manual_seed(0)
+    model, ref = (Transformer(ModelConfig(vocab_size=32, dim=16, n_layers=2, n_heads=2, multiple_of=16,
+                                          max_seq_len=16)) for _ in range(2))
+    g = torch.Generator().manual_seed(2)
+    batch = {}
+    starts, ends = {"chosen": (3, 9), "rejected": (2, 6)}, {}  # replies of 6 and 4 labelled tokens
+    for side, (a, b) in starts.items():
+        x = torch.randint(0, 32, (2, 10), generator=g)
+        y = torch.randint(0, 32, (2, 10), generator=g)
+        y[:, :a], y[:, b:] = -100, -100
+        batch.update({f"{side}_input_ids": x, f"{side}_labels": y})
+        ends[side] = b - a
+    cpu = torch.device("cpu")
+
+    def token_logps(m, side):
+        with torch.no_grad():
+            nll = m(batch[f"{side}_input_ids"], labels=batch[f"{side}_labels"], reduction="none")
+        return -nll.double()
+
+    alpha, beta = 0.3, 0.5
+    public = min(ends.values())
+    lp = {}
+    for side, (a, _) in starts.items():
+        t = token_logps(model, side)
+        lp[side] = t[:, a:a + public].sum(-1) + alpha * t[:, a + public:].sum(-1)  # the reply: from its first label
+    rc, rr = (token_logps(ref, s).sum(-1) for s in ("chosen", "rejected"))
+    h = (lp["chosen"] - lp["rejected"]) - (rc - rr)
+    want = float(-torch.nn.functional.logsigmoid(beta * h).sum())
+
+    def loss_of(a: float) -> float:
+        cfg = TrainConfig(task_type="dpo", dpo_beta=beta, ld_alpha=a)
+        return float(DPOTask(cfg).micro_batch_loss(model, ref, batch, cpu)[0].detach())
+    assert abs(loss_of(alpha) - want) < 1e-5 and abs(loss_of(1.0) - want) > 1e-3
+    for bad, said in ((dict(ld_alpha=1.5), "--ld_alpha=1.5: must be in [0, 1]"),
+                      (dict(ld_alpha=0.5, dpo_loss="simpo"), "--ld_alpha: --dpo_loss=simpo is reference-free")):
+        with pytest.raises(TrainingError, match=re.escape(said)):
+            validate_config(TrainConfig(task_type="dpo", data_dir="x", tokenizer_dir="y", init_from="z", **bad))
