@@ -221,9 +221,9 @@ class DPOFlags:
                                   "comma-separated reference-based losses and sft (the chosen reply's NLL), e.g. "
                                   "MPO's sigmoid,bco_pair,sft with --dpo_loss_weights=0.8,0.2,1")
     dpo_loss_weights: str = _f("", "comma-separated weight per --dpo_loss term (TRL's loss_weights; default 1 each)")
-    ld_alpha: float = _f(1.0, "LD-DPO (Liu et al. 2024; TRL's ld_alpha): the policy's log-probability of a reply counts "
-                              "its first min(chosen, rejected length) tokens whole and the rest x ld_alpha, against "
-                              "verbosity (0..1; 1 = off)")
+    ld_alpha: float = _f(1.0, "LD-DPO (Liu et al. 2024; TRL's ld_alpha): the policy's log-probability of a reply "
+                              "counts its first min(chosen, rejected length) tokens whole and the rest x ld_alpha, "
+                              "against verbosity (0..1; 1 = off)")
     dpo_label_smoothing: float = _f(0.0, "conservative DPO label smoothing (sigmoid and simpo losses)")
     simpo_gamma: float = _f(0.5, "dpo_loss=simpo: the target reward margin gamma (TRL's simpo_gamma)")
     discopop_tau: float = _f(0.05, "dpo_loss=discopop: its temperature tau (TRL's discopop_tau)")
