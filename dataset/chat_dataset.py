@@ -39,17 +39,22 @@ def read_pretokenized_meta(path: str, meta_name: str, count_key: str) -> dict:
     return meta
 
 
+def load_npy(fpath: str, mmap_mode: Optional[str] = None) -> np.ndarray:
+    """A pretokenized folder's .npy file; a DataError naming it when it cannot be read."""
+    try:
+        return np.load(fpath, mmap_mode=mmap_mode)
+    except (OSError, ValueError, EOFError) as e:
+        raise DataError(f"{fpath}: unreadable ({type(e).__name__}: {' '.join(str(e).split())[:160]}); "
+                        "re-run the pretokenizer") from e
+
+
 def load_rows(path: str, name: str, cols: int, rows: int, spans: tuple[tuple[int, int], ...],
               num_tokens: int, n_files: int) -> np.ndarray:
     """`name` (samples.npy / pairs.npy: int64 [rows, cols]) memory-mapped and checked once: every
     (offset, length) column pair in `spans` inside the `num_tokens` tokens, lengths >= 2, and the file
     id column (cols - 2) one of the meta's files. A damaged row is a DataError naming the file and row."""
     fpath = os.path.join(path, name)
-    try:
-        arr = np.load(fpath, mmap_mode="r")
-    except (OSError, ValueError, EOFError) as e:
-        raise DataError(f"{fpath}: unreadable ({type(e).__name__}: {' '.join(str(e).split())[:160]}); "
-                        "re-run the pretokenizer") from e
+    arr = load_npy(fpath, mmap_mode="r")
     if arr.dtype != np.int64 or arr.shape != (rows, cols):
         raise DataError(f"{fpath}: expected int64 [{rows}, {cols}] (the meta's count), found {arr.dtype} "
                         f"{list(arr.shape)}")
@@ -76,11 +81,7 @@ def load_values(path: str, kind: ChatKind, meta: dict) -> Optional[np.ndarray]:
     if cols != list(kind.values):
         raise DataError(f"{os.path.join(path, kind.meta_name)}: values_columns {cols!r}, this version reads "
                         f"{list(kind.values)!r}; re-run the pretokenizer")
-    try:
-        arr = np.load(fpath)
-    except (OSError, ValueError, EOFError) as e:
-        raise DataError(f"{fpath}: unreadable ({type(e).__name__}: {' '.join(str(e).split())[:160]}); "
-                        "re-run the pretokenizer") from e
+    arr = load_npy(fpath)
     if arr.dtype != np.float64 or arr.shape != (rows, len(cols)):
         raise DataError(f"{fpath}: expected float64 [{rows}, {len(cols)}] (the meta's count), found {arr.dtype} "
                         f"{list(arr.shape)}; re-run the pretokenizer")

@@ -111,6 +111,11 @@ class TRLReward:
     messages_field: str
     prompt_field: str
 
+    def __post_init__(self) -> None:  # the arguments it takes: read once, not per prompt
+        params = inspect.signature(self.fn).parameters
+        self.named = (None if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+                      else frozenset(params))  # None: it takes **kwargs, so every argument
+
     def many(self, prompt: str, completions: Sequence[str], record: dict, prompt_ids: Sequence[int],
              completion_ids: Sequence[Sequence[int]]) -> list:
         g = len(completions)
@@ -123,9 +128,8 @@ class TRLReward:
                   else list(completions)}
         skip = {self.messages_field, self.prompt_field, "completion", *kwargs}
         kwargs.update({k: [v] * g for k, v in record.items() if k not in skip})
-        params = inspect.signature(self.fn).parameters
-        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-            kwargs = {k: v for k, v in kwargs.items() if k in params}
+        if self.named is not None:
+            kwargs = {k: v for k, v in kwargs.items() if k in self.named}
         out = self.fn(**kwargs)
         if not isinstance(out, (list, tuple)) or len(out) != g:
             raise ValueError(f"a TRL-style reward returns one number per completion: {g} expected, got "

@@ -95,8 +95,9 @@ def sample_groups(model, prompts: Sequence[Sequence[int]], group_size: int, max_
         B, lengths = K * G, [len(p) for p in prompts]
         if len(generators) != K:
             raise ValueError(f"sample_groups: {len(generators)} generators for {K} prompts")
-        left, _ = left_pad(prompts, device)  # (the repetition penalty's `seen`: its pads are ids already there)
-        P = left.shape[1]
+        P = max(lengths)
+        if repetition_penalty != 1.0:  # the penalty's `seen` prompt rows, once (their pads are ids already there)
+            seen_prompts = left_pad(prompts, device)[0].repeat_interleave(G, dim=0)
         stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
         finished = torch.zeros(B, dtype=torch.bool, device=device)
         # preallocated outputs, column t written at step t; `ended` (the row had finished before step t) masks the
@@ -125,7 +126,7 @@ def sample_groups(model, prompts: Sequence[Sequence[int]], group_size: int, max_
             logp_all = torch.log_softmax(scaled, dim=-1)
             draw = scaled
             if repetition_penalty != 1.0:  # the draws only: the recorded log-probabilities stay logits / temperature's
-                seen = torch.cat((left.repeat_interleave(G, dim=0), toks[:, :t]), dim=1)
+                seen = torch.cat((seen_prompts, toks[:, :t]), dim=1)
                 draw = by_temperature(penalize_repeats(logits, seen, repetition_penalty))
             nxt = torch.cat([sample_scaled(draw[k * G:(k + 1) * G], top_k or None, top_p if top_p < 1.0 else None,
                                            gen, min_p or None) for k, gen in enumerate(generators)])
