@@ -78,8 +78,24 @@ def _messages_from_list(turns: Any) -> list[dict[str, str]]:
         if not isinstance(content, str):
             raise RecordError(f"turn content is {type(content).__name__}, not a string")
         _encodable(content, "a conversation turn")
-        out.append({"role": ROLE_MAP[role.lower()], "content": _with_reasoning(t, content)})
+        msg = {"role": ROLE_MAP[role.lower()], "content": _with_reasoning(t, content)}
+        if _weight(t, msg["role"]) == 0:
+            msg["weight"] = 0
+        out.append(msg)
     return out
+
+
+def _weight(turn: dict, role: str) -> int:
+    """A turn's `weight` (OpenAI's fine-tuning format: 0 = this assistant turn is context, not learned; 1 or absent =
+    learned), checked."""
+    w = turn.get("weight")
+    if w is None:
+        return 1
+    if type(w) is not int or w not in (0, 1):
+        raise RecordError(f"turn 'weight' must be 0 or 1, got {w!r}")
+    if role != "assistant":
+        raise RecordError(f"'weight' on a {role} turn (only an assistant turn is learned or not)")
+    return w
 
 
 REASONING_FIELDS = ("reasoning_content", "reasoning", "thinking")  # a turn's reasoning, as transformers reads them
@@ -124,17 +140,18 @@ def sft_messages(rec: Any) -> list[dict[str, str]]:
     else:
         raise RecordError("neither 'conversations' nor 'instruction'/'output' nor 'prompt'/'completion'")
     msgs = _with_system(rec, msgs)
-    if not any(m["role"] == "assistant" and m["content"] for m in msgs):
-        raise RecordError("no non-empty assistant turn")
+    if not any(m["role"] == "assistant" and m["content"] and m.get("weight", 1) for m in msgs):
+        raise RecordError("no non-empty assistant turn to learn (none, or each one has 'weight': 0)")
     return msgs
 
 
 def _prompt_completion(rec: dict) -> list[dict[str, str]]:
     """TRL's prompt-completion SFT record: "prompt" a text (one user turn) or messages, "completion" a text (the
-    assistant's reply) or messages (the assistant's turns, continuing the conversation)."""
+    assistant's reply) or messages (the assistant's turns, continuing the conversation). As TRL's completion-only
+    loss: the prompt's own assistant turns are context (weight 0), only the completion's are learned."""
     prompt, completion = rec["prompt"], rec["completion"]
-    msgs = (_messages_from_list(prompt) if isinstance(prompt, list) else
-            [{"role": "user", "content": _str(rec, "prompt")}])
+    msgs = ([dict(m, weight=0) if m["role"] == "assistant" else m for m in _messages_from_list(prompt)]
+            if isinstance(prompt, list) else [{"role": "user", "content": _str(rec, "prompt")}])
     if isinstance(completion, list):
         return msgs + _messages_from_list(completion)
     return msgs + [{"role": "assistant", "content": _str(rec, "completion")}]

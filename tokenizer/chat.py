@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional, Sequence
 
-from tokenizer.chat_template import TemplateChat, template_chat
+from tokenizer.chat_template import TemplateChat, is_trained, template_chat
 from tokenizer.contract import CHATML_TEMPLATE, MissingSpecialTokenError
 from tokenizer.loading import safe_backend
 
@@ -67,7 +67,8 @@ def chat_stop_ids(tok: Any, special: Mapping[str, Mapping[str, Any]]) -> list[in
 def encode_chat(tok: Any, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = False,
                 train_roles: Sequence[str] = ("assistant",), template_kwargs: Optional[Mapping[str, Any]] = None
                 ) -> tuple[list[int], list[int]]:
-    """Return (input_ids, assistant_mask), mask 1 on content tokens of ``train_roles`` and what closes their turns.
+    """Return (input_ids, assistant_mask), mask 1 on content tokens of ``train_roles`` and what closes their turns
+    (a message with ``"weight": 0`` is not learned).
     `template_kwargs`: extra variables for a tokenizer's own template (Qwen3's enable_thinking; ChatML reads none).
 
     ChatML, directly: role header and content are encoded as ONE segment ("{role}\\n{content}", exactly the text the
@@ -89,7 +90,7 @@ def encode_chat(tok: Any, messages: Sequence[Mapping[str, str]], add_generation_
     ids: list[int] = []
     mask: list[int] = []
     for m, header, enc in zip(messages, headers, encs):
-        trained = m["role"] in train_roles
+        trained = is_trained(m, train_roles)
         hlen = len(header)
         ids.append(im_start)
         mask.append(0)

@@ -72,6 +72,12 @@ def compile_template(source: str) -> Any:
     return env.from_string(source)
 
 
+def is_trained(message: Mapping[str, Any], train_roles: Sequence[str]) -> bool:
+    """Whether a message's tokens are learned: its role is one of `train_roles` and it does not carry `"weight": 0`
+    (OpenAI's fine-tuning format; the SFT readers set it on a prompt's earlier assistant turns, data_preprocess/)."""
+    return message["role"] in train_roles and message.get("weight", 1) != 0
+
+
 class TemplateChat:
     """One tokenizer's chat template, ready to encode conversations (see the module docstring)."""
 
@@ -208,7 +214,7 @@ class TemplateChat:
                 ids.append(tid)
                 owner_of.append(_owner(start, end, sp))
                 ends.append(at + end)
-        trained = [i for i, m in enumerate(messages) if m["role"] in train_roles]
+        trained = [i for i, m in enumerate(messages) if is_trained(m, train_roles)]
         return ids, self._mask(messages, real, ids, owner_of, ends, trained, extra)
 
     def _mask(self, messages: Sequence[Mapping[str, Any]], real: str, ids: list[int], owner_of: list[int],

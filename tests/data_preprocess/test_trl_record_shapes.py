@@ -66,15 +66,49 @@ def test_implicit_records_tokenize_as_explicit_ones(tmp_path, tiny_pretrain_data
 
 
 def test_trls_prompt_completion_sft_records_are_the_conversation():
-    """SFT's prompt-completion records (TRL's shape), as texts or as messages, give the conversation they spell."""
+    """SFT's prompt-completion records (TRL's shape), as texts or as messages, give the conversation they spell; the
+    prompt's own assistant turns are context (TRL's completion-only loss): OpenAI's `"weight": 0` on them."""
     from data_preprocess.sft_format import sft_messages
     conv = {"conversations": [U, _asst("4")]}
     assert sft_messages({"prompt": U["content"], "completion": "4"}) == sft_messages(conv)
     assert sft_messages({"prompt": [U], "completion": [_asst("4")]}) == sft_messages(conv)
     assert sft_messages({"prompt": [U, A1, U2], "completion": [_asst("6")], "system": "Be brief."}) == sft_messages(
-        {"conversations": [U, A1, U2, _asst("6")], "system": "Be brief."})
+        {"conversations": [U, dict(A1, weight=0), U2, _asst("6")], "system": "Be brief."})
     for bad, said in (({"prompt": "q", "completion": 3}, "'completion' is int"),
                       ({"prompt": "q", "completion": [{"role": "robot", "content": "x"}]}, "unknown role"),
                       ({"prompt": "q", "completion": ""}, "no non-empty assistant turn")):
         with pytest.raises(RecordError, match=said):
             sft_messages(bad)
+
+
+def test_a_turns_weight_0_is_context_and_not_learned(tmp_path, tiny_pretrain_data):
+    """OpenAI's fine-tuning format: an assistant turn with `"weight": 0` is tokenized as before and not learned; so
+    is a TRL prompt-completion record's earlier reply. The labels are the whole conversation's with that reply's span
+    (what its prefix alone learns) set to -100."""
+    from data_preprocess.pretokenize_sft_data import tokenize_sft_records
+    from data_preprocess.sft_format import sft_messages
+    from dataset.dataset_sft import SFTDataset
+    recs = [{"conversations": [U, A1, U2, _asst("6")]}, {"conversations": [U, A1]},
+            {"conversations": [U, dict(A1, weight=0), U2, dict(_asst("6"), weight=1)]},
+            {"prompt": [U, A1, U2], "completion": [_asst("6")]}]
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs), encoding="utf-8")
+    ds = SFTDataset(tokenize_sft_records(str(tmp_path / "s"), tiny_pretrain_data["tokenizer_dir"], 64))
+    (whole, prefix, weighted, trl) = [ds[i] for i in range(4)]
+    n = len(prefix["labels"])
+    expect = whole["labels"].clone()
+    learned_first = prefix["labels"] != -100
+    assert learned_first.any() and (whole["labels"][:n] == prefix["labels"]).all()
+    expect[:n][learned_first] = -100
+    for got in (weighted, trl):
+        assert got["input_ids"].tolist() == whole["input_ids"].tolist()
+        assert got["labels"].tolist() == expect.tolist()
+    assert (expect != -100).sum() > 0
+    for bad, said in (({"weight": 0.5}, "must be 0 or 1"), ({"weight": True}, "must be 0 or 1"),
+                      ({"weight": "0"}, "must be 0 or 1")):
+        with pytest.raises(RecordError, match=said):
+            sft_messages({"conversations": [U, dict(A1, **bad)]})
+    with pytest.raises(RecordError, match="'weight' on a user turn"):
+        sft_messages({"conversations": [dict(U, weight=0), A1]})
+    with pytest.raises(RecordError, match="each one has 'weight': 0"):
+        sft_messages({"conversations": [U, dict(A1, weight=0)]})

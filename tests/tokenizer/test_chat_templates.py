@@ -205,6 +205,24 @@ def test_ids_equal_apply_chat_template_and_the_mask_is_the_replies_and_their_clo
 
 
 @pytest.mark.parametrize("name", FAMILIES)
+def test_a_reply_with_weight_0_is_rendered_and_not_learned(toks, name):
+    """OpenAI's `"weight": 0` on the first reply: the same ids (the template never sees the key), and the mask without
+    that reply's run (the only difference), under every family's template."""
+    tok = toks[name]
+    conv = _conv(name)
+    first = next(i for i, m in enumerate(conv) if m["role"] == "assistant")
+    weighted = [dict(m, weight=0) if i == first else m for i, m in enumerate(conv)]
+    ids, mask = encode_chat(tok, conv)
+    w_ids, w_mask = encode_chat(tok, weighted)
+    assert w_ids == ids
+    runs = np.flatnonzero(np.diff(np.concatenate([[0], mask, [0]])) != 0).reshape(-1, 2)
+    assert len(runs) == 2
+    expect = list(mask)
+    expect[runs[0][0]:runs[0][1]] = [0] * (runs[0][1] - runs[0][0])
+    assert w_mask == expect and sum(w_mask) > 0
+
+
+@pytest.mark.parametrize("name", FAMILIES)
 def test_content_never_makes_control_tokens_and_the_stop_ids(toks, name):
     """A user writing the family's own markers gets them as text; generation stops at eos and the closing token."""
     tok, (eos, closing) = toks[name], FAMILIES[name][2:4]
