@@ -250,9 +250,10 @@ tokenize_sft_records = SFT_TASK.tokenize_records  # what dataset_sft.SFTDataset 
 
 HELP_EPILOG = """\
 records: {"instruction","input"?,"output","system"?} or {"conversations"|"messages": [{"role"|"from",
-  "content"|"value", "reasoning_content"?}], "system"?} or TRL's {"prompt", "completion"} (texts or
-  messages); human->user, gpt->assistant; reasoning becomes a
-  <think> block before the content. Labels are the ids of what the assistant says (its content
+  "content"|"value", "reasoning_content"?, "weight"?, "tool_calls"?}], "system"?, "tools"?} or TRL's
+  {"prompt", "completion"} (texts or messages); human->user, gpt->assistant; reasoning becomes a
+  <think> block before the content; "weight": 0 keeps an assistant turn as context (not learned);
+  tool calls, "tool" turns and "tools" need a tokenizer whose chat template writes them. Labels are the ids of what the assistant says (its content
   and the token closing its turn, <|im_end|> in ChatML; the tokenizer's own chat template where it has
   one); everything else is -100.
 over-long policy (--overlong): a sample may hold max_seq_len+1 tokens (the model sees len-1 after the

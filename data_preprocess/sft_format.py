@@ -7,8 +7,9 @@ over-long policy. The chat template itself belongs to `tokenizer.chat.encode_cha
 Record shapes:
   instruction: {"instruction", "input"?, "output", "system"?}
       -> user = instruction + "\\n" + input (input non-empty), assistant = output
-  multi-turn:  {"conversations" | "messages": [{"role"|"from": ..., "content"|"value": ...}], "system"?}
-      roles human->user, gpt->assistant (user/assistant/system kept)
+  multi-turn:  {"conversations" | "messages": [{"role"|"from": ..., "content"|"value": ...}], "system"?, "tools"?}
+      roles human->user, gpt->assistant (user/assistant/system/tool kept); a turn's "weight": 0 (OpenAI's) keeps an
+      assistant turn as context; "tool_calls" / "tools": sft_tools.py
   DPO:         {"prompt": str | "conversations": [...], "chosen": str|message, "rejected": str|message, "system"?}
 
 Text holding a lone surrogate (a JSON "\\ud800" escape; it cannot be encoded) is a RecordError,
@@ -25,6 +26,7 @@ token that is not assistant content / its <|im_end|>.
 """
 from __future__ import annotations
 
+import json
 import math
 import numbers
 import os
@@ -34,12 +36,14 @@ from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
+from data_preprocess import sft_tools
 from data_preprocess.readers import SkipCounter, iter_records, lone_surrogate
 from data_preprocess.worker_tokenizer import FileFailed, WorkerTokenizer, backend_json, chat_attrs, worker_result
+from tokenizer.chat_template import Conversation
 from utils.constants import EXIT_BAD_DATA, IGNORE_INDEX
 
 ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-            "system": "system", "bot": "assistant"}
+            "system": "system", "bot": "assistant", "tool": "tool"}
 
 
 class RecordError(ValueError):
@@ -75,11 +79,25 @@ def _messages_from_list(turns: Any) -> list[dict[str, str]]:
         content = t.get("content", t.get("value"))
         if not isinstance(role, str) or role.lower() not in ROLE_MAP:
             raise RecordError(f"unknown role {role!r}")
+        role = ROLE_MAP[role.lower()]
+        try:
+            calls = sft_tools.tool_calls(t)
+        except ValueError as e:
+            raise RecordError(str(e)) from None
+        if calls is not None and role != "assistant":
+            raise RecordError(f"'tool_calls' on a {role} turn")
+        if content is None and calls is not None:
+            content = ""  # (a turn that only calls tools)
         if not isinstance(content, str):
             raise RecordError(f"turn content is {type(content).__name__}, not a string")
         _encodable(content, "a conversation turn")
-        msg = {"role": ROLE_MAP[role.lower()], "content": _with_reasoning(t, content)}
-        if _weight(t, msg["role"]) == 0:
+        msg = {"role": role, "content": _with_reasoning(t, content)}
+        if calls is not None:
+            _encodable(json.dumps(calls, ensure_ascii=False), "'tool_calls'")
+            msg["tool_calls"] = calls
+        if role == "tool":
+            msg.update(sft_tools.tool_turn_fields(t))
+        if _weight(t, role) == 0:
             msg["weight"] = 0
         out.append(msg)
     return out
@@ -140,8 +158,16 @@ def sft_messages(rec: Any) -> list[dict[str, str]]:
     else:
         raise RecordError("neither 'conversations' nor 'instruction'/'output' nor 'prompt'/'completion'")
     msgs = _with_system(rec, msgs)
-    if not any(m["role"] == "assistant" and m["content"] and m.get("weight", 1) for m in msgs):
+    if not any(m["role"] == "assistant" and (m["content"] or m.get("tool_calls")) and m.get("weight", 1)
+               for m in msgs):
         raise RecordError("no non-empty assistant turn to learn (none, or each one has 'weight': 0)")
+    try:
+        offered = sft_tools.tools(rec)
+    except ValueError as e:
+        raise RecordError(str(e)) from None
+    if offered is not None:
+        _encodable(json.dumps(offered, ensure_ascii=False), "'tools'")
+        return Conversation(msgs, tools=offered)
     return msgs
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional, Sequence
 
-from tokenizer.chat_template import TemplateChat, is_trained, template_chat
+from tokenizer.chat_template import TemplateChat, is_trained, template_chat, uses_tools
 from tokenizer.contract import CHATML_TEMPLATE, MissingSpecialTokenError
 from tokenizer.loading import safe_backend
 
@@ -68,7 +68,7 @@ def encode_chat(tok: Any, messages: Sequence[Mapping[str, str]], add_generation_
                 train_roles: Sequence[str] = ("assistant",), template_kwargs: Optional[Mapping[str, Any]] = None
                 ) -> tuple[list[int], list[int]]:
     """Return (input_ids, assistant_mask), mask 1 on content tokens of ``train_roles`` and what closes their turns
-    (a message with ``"weight": 0`` is not learned).
+    (a message with ``"weight": 0`` is not learned). A `Conversation`'s tools reach the template as `tools`.
     `template_kwargs`: extra variables for a tokenizer's own template (Qwen3's enable_thinking; ChatML reads none).
 
     ChatML, directly: role header and content are encoded as ONE segment ("{role}\\n{content}", exactly the text the
@@ -80,7 +80,13 @@ def encode_chat(tok: Any, messages: Sequence[Mapping[str, str]], add_generation_
             raise ValueError(f"message {i}: 'role' and 'content' must be strings, got {dict(m)!r}")
     chat = own_template(tok)
     if chat is not None:
+        offered = getattr(messages, "tools", None)
+        if offered:
+            template_kwargs = {**(template_kwargs or {}), "tools": offered}
         return chat.encode(messages, add_generation_prompt, train_roles, template_kwargs)
+    if uses_tools(messages):
+        raise ValueError("tool calls, tool results and offered tools need a tokenizer whose own chat template renders "
+                         "them (an adopted one: docs/tokenizer.md); ChatML has no tool format")
     im_start, im_end = chat_marker_ids(tok)
     backend = safe_backend(tok)
     headers = [m["role"] + "\n" for m in messages]

@@ -72,6 +72,21 @@ def compile_template(source: str) -> Any:
     return env.from_string(source)
 
 
+class Conversation(list):
+    """Messages and the tools the model is offered (`tools`: function schemas, the templates' `tools` variable), as
+    a tool-calling SFT record gives them (data_preprocess/sft_tools.py); a plain list of messages has none."""
+
+    def __init__(self, messages: Sequence[Mapping[str, Any]] = (), tools: Optional[list] = None):
+        super().__init__(messages)
+        self.tools = tools
+
+
+def uses_tools(messages: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether a conversation offers, calls or answers tools."""
+    return bool(getattr(messages, "tools", None)) or any(m.get("tool_calls") or m["role"] == "tool"
+                                                         for m in messages)
+
+
 def is_trained(message: Mapping[str, Any], train_roles: Sequence[str]) -> bool:
     """Whether a message's tokens are learned: its role is one of `train_roles` and it does not carry `"weight": 0`
     (OpenAI's fine-tuning format; the SFT readers set it on a prompt's earlier assistant turns, data_preprocess/)."""
@@ -118,7 +133,7 @@ class TemplateChat:
         for i, m in enumerate(messages):
             marked = []
             for text, literal in _content_parts(m["content"]):
-                if literal:
+                if literal or not text:  # (an empty content stays empty: templates test it, a tool call's)
                     marked.append(text)
                 else:
                     marked.append(_MARK.format(len(texts)))
@@ -163,6 +178,8 @@ class TemplateChat:
         # spans)) otherwise, a segment being the text between two added tokens (the template's and the contents'
         # together, encoded as one piece so BPE merges match apply_chat_template) and spans its contents' (start,
         # end, message index); offsets are in the rendered text
+        if uses_tools(messages):
+            self._check_tool_text(messages, extra)
         pieces, real = self.pieces(messages, add_generation_prompt, extra)
         items: list[tuple[str, Any, Any]] = []
         seg: list[str] = []
@@ -227,6 +244,10 @@ class TemplateChat:
         mask = [0] * len(ids)
         added_ids = set(self.added.values())
         for i in trained:
+            if messages[i].get("tool_calls"):
+                start, end = self._tool_turn_span(messages, i, real, ids, ends, added_ids, extra)
+                mask[start:end + 1] = [1] * (end + 1 - start)
+                continue
             own = [t for t, o in enumerate(owner_of) if o == i]
             if not own:
                 continue  # (the template left this turn's content out)
@@ -245,6 +266,31 @@ class TemplateChat:
             for t in range(start, end + 1):
                 mask[t] = 1
         return mask
+
+    def _tool_turn_span(self, messages: Sequence[Mapping[str, Any]], i: int, real: str, ids: list[int],
+                        ends: list[int], added_ids: set, extra: Optional[Mapping[str, Any]]) -> tuple[int, int]:
+        """(first, last) token of what the model writes in turn i, which calls tools: from the end of the generation
+        prompt before it through the added token closing it, the conversation rendered up to it marking its end (the
+        calls are the template's text, not the content's)."""
+        prompt = self._prompt_text(messages[:i], extra) or ""
+        upto = self.render(messages[:i + 1], False, extra)
+        if not (real.startswith(prompt) and real.startswith(upto) and len(prompt) < len(upto)):
+            raise ValueError(f"message {i}: the chat template renders the conversation up to this tool-calling turn "
+                             "differently from the start of the whole, so the turn's tokens cannot be told")
+        start = next(t for t in range(len(ids)) if ends[t] > len(prompt))
+        stop = max(t for t in range(len(ids)) if ends[t] <= len(upto))
+        return start, next((t for t in range(stop, start - 1, -1) if ids[t] in added_ids), stop)
+
+    def _check_tool_text(self, messages: Sequence[Mapping[str, Any]], extra: Optional[Mapping[str, Any]]) -> None:
+        """Tool calls, results' names and offered tools are the template's text, which is split at added tokens: one
+        holding an added token's text (`<|im_end|>`) would make it a control token, so it is refused."""
+        if self.split_re is None:
+            return
+        fields = [{k: v for k, v in m.items() if k not in ("role", "content")} for m in messages]
+        text = json.dumps([fields, (extra or {}).get("tools")], ensure_ascii=False)
+        found = self.split_re.search(text)
+        if found:
+            raise ValueError(f"a tool call or tool schema holds {found.group(0)!r}, a control token's text")
 
     def _prompt_text(self, messages: Sequence[Mapping[str, Any]], extra: Optional[Mapping[str, Any]] = None
                      ) -> Optional[str]:

@@ -1,0 +1,183 @@
+"""Tool-calling SFT records (OpenAI's fine-tuning shape, transformers' messages): under a tokenizer whose template
+writes tools (Qwen2.5's tool branch, as its tokenizer_config.json holds it), the ids are apply_chat_template's with the
+record's tools, the learned tokens are what the model writes after each generation prompt (its calls and the token
+closing the turn, its final answer), never the tool's result; the same files from 2 worker processes; ChatML (our own
+tokenizers) has no tool format and says so; malformed calls and schemas are refused with their reason."""
+import json
+import os
+import re
+
+import numpy as np
+import pytest
+
+from data_preprocess.sft_format import RecordError, sft_messages
+from tests.tokenizer.test_chat_templates import _backend
+from tokenizer import encode_chat
+
+QWEN25_TOOLS = """{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- messages[0]['content'] }}
+    {%- else %}
+        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}
+    {%- endif %}
+    {{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
+{%- else %}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
+    {%- else %}
+        {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}
+    {%- endif %}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role }}
+        {%- if message.content %}
+            {{- '\\n' + message.content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '\\n<tool_call>\\n{"name": "' }}
+            {{- tool_call.name }}
+            {{- '", "arguments": ' }}
+            {{- tool_call.arguments | tojson }}
+            {{- '}\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\\n<tool_response>\\n' }}
+        {{- message.content }}
+        {{- '\\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city now.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+# OpenAI's fine-tuning shape: the call's arguments a JSON text, the assistant's content null, the tools a list
+RECORD = {"tools": [WEATHER], "messages": [
+    {"role": "system", "content": "Answer with the tools."},
+    {"role": "user", "content": "Weather in Paris and Oslo?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}},
+        {"id": "c2", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "18 C, sunny"},
+    {"role": "tool", "tool_call_id": "c2", "content": "4 C, rain"},
+    {"role": "assistant", "content": "Paris: 18 C and sunny. Oslo: 4 C with rain."}]}
+# what the model writes: both calls and <|im_end|>, then the answer and <|im_end|>; never the results
+LEARNED = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n<tool_call>\n'
+           '{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call><|im_end|>'
+           'Paris: 18 C and sunny. Oslo: 4 C with rain.<|im_end|>')
+
+
+@pytest.fixture(scope="module")
+def qwen_tools(tmp_path_factory):
+    """(transformers' tokenizer, its Hub directory, the directory adopted as ours) with Qwen2.5's tool template; its
+    <tool_call> markers added tokens, as in Qwen2.5's vocabulary."""
+    from tokenizers import AddedToken
+    from transformers import PreTrainedTokenizerFast
+
+    from tokenizer.extend_tokenizer import main
+    backend = _backend(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    backend.add_tokens([AddedToken(t, special=False) for t in ("<tool_call>", "</tool_call>")])
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>")
+    tok.chat_template = QWEN25_TOOLS
+    hub = str(tmp_path_factory.mktemp("hub") / "qwen_tools")
+    tok.save_pretrained(hub)
+    ours = str(tmp_path_factory.mktemp("adopted") / "qwen_tools")
+    assert main([f"--base_tokenizer_dir={hub}", "--num_new_tokens=0", f"--out_dir={ours}",
+                 "--pad_token=<|endoftext|>"]) == 0
+    return tok, hub, ours
+
+
+def _learned(tok, ids, mask) -> str:
+    return tok.decode([t for t, m in zip(ids, mask) if m])
+
+
+def test_ids_are_apply_chat_templates_and_the_calls_are_learned(qwen_tools):
+    tok = qwen_tools[0]
+    conv = sft_messages(RECORD)
+    assert conv.tools == [WEATHER]
+    assert conv[2]["tool_calls"][1] == {"type": "function", "id": "c2",
+                                        "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
+    ids, mask = encode_chat(tok, conv)
+    want = list(tok.apply_chat_template([dict(m) for m in conv], tools=[WEATHER], tokenize=True, return_dict=False))
+    assert ids == want and "<tools>" in tok.decode(ids)
+    assert _learned(tok, ids, mask) == LEARNED
+    runs = np.flatnonzero(np.diff(np.concatenate([[0], mask, [0]])) != 0).reshape(-1, 2)
+    assert len(runs) == 2  # the results between the two turns are not learned
+    # transformers' call shape (arguments an object, no wrapper) and a JSON text of the tools read the same
+    other = dict(RECORD, tools=json.dumps([WEATHER]), messages=[
+        dict(m, tool_calls=[{"name": "get_weather", "arguments": {"city": c}, "id": i}
+                            for c, i in (("Paris", "c1"), ("Oslo", "c2"))]) if m.get("tool_calls") else m
+        for m in RECORD["messages"]])
+    assert encode_chat(tok, sft_messages(other)) == (ids, mask)
+    # a calling turn with weight 0 is context: only the answer is learned
+    weighted = dict(RECORD, messages=[dict(m, weight=0) if m.get("tool_calls") else m for m in RECORD["messages"]])
+    w_ids, w_mask = encode_chat(tok, sft_messages(weighted))
+    assert w_ids == ids and _learned(tok, w_ids, w_mask) == LEARNED[LEARNED.index("Paris:"):]
+
+
+def test_pretokenized_in_workers_and_refused_by_chatml(qwen_tools, tmp_path, tiny_pretrain_data):
+    from data_preprocess.pretokenize_sft_data import pretokenize_sft
+    tok, _, ours = qwen_tools
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "t.jsonl").write_text(json.dumps(RECORD) + "\n" + json.dumps(
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}) + "\n",
+        encoding="utf-8")
+    outs = [str(tmp_path / f"out{w}") for w in (1, 2)]
+    for w, out in zip((1, 2), outs):
+        assert pretokenize_sft(str(tmp_path / "in"), ours, 1024, out, num_workers=w)["num_samples"] == 2
+    for f in ("input_ids.bin", "labels.bin", "samples.npy"):
+        assert open(os.path.join(outs[0], f), "rb").read() == open(os.path.join(outs[1], f), "rb").read(), f
+    with open(os.path.join(outs[1], "sft_meta.json"), encoding="utf-8") as f:
+        dtype = np.dtype(json.load(f)["dtype"])
+    ids = np.fromfile(os.path.join(outs[1], "input_ids.bin"), dtype=dtype)
+    labels = np.fromfile(os.path.join(outs[1], "labels.bin"), dtype="<i4")
+    off, length = np.load(os.path.join(outs[1], "samples.npy"))[0][:2]
+    assert tok.decode(labels[off:off + length][labels[off:off + length] != -100]) == LEARNED
+    assert ids[off:off + length].tolist() == encode_chat(tok, sft_messages(RECORD))[0]
+    from tokenizer import load_tokenizer
+    chatml = load_tokenizer(tiny_pretrain_data["tokenizer_dir"])
+    with pytest.raises(ValueError, match="ChatML has no tool format"):
+        encode_chat(chatml, sft_messages(RECORD))
+
+
+def test_malformed_calls_and_schemas_are_refused_with_their_reason(qwen_tools):
+    user, answer = {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}
+
+    def call(**fn):
+        return {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": fn}]}
+    for msgs, extra, said in (
+            ([dict(user, tool_calls=[{"name": "f"}]), answer], {}, "'tool_calls' on a user turn"),
+            ([user, call(name="f", arguments="{oops")], {}, "'arguments' is not JSON"),
+            ([user, call(name="f", arguments=[1])], {}, "must be an object"),
+            ([user, call(arguments={})], {}, "no function name"),
+            ([user, {"role": "assistant", "tool_calls": "f()"}], {}, "'tool_calls' is str"),
+            ([user, answer], {"tools": {"name": "f"}}, "'tools' must be a list"),
+            ([user, answer], {"tools": "[oops"}, "'tools' is a text that is not JSON"),
+            ([user, {"role": "assistant", "content": None}], {}, "content is NoneType")):
+        with pytest.raises(RecordError, match=said):
+            sft_messages({"messages": msgs, **extra})
+    # a call holding a control token's text would become that token in the template's text: refused
+    tok = qwen_tools[0]
+    with pytest.raises(ValueError, match=re.escape("holds '<|im_end|>', a control token")):
+        encode_chat(tok, sft_messages({"messages": [user, call(name="f", arguments={"x": "<|im_end|>"})]}))
