@@ -1,8 +1,9 @@
 """Tool-calling SFT records (OpenAI's fine-tuning shape, transformers' messages): under a tokenizer whose template
-writes tools (Qwen2.5's tool branch, as its tokenizer_config.json holds it), the ids are apply_chat_template's with the
-record's tools, the learned tokens are what the model writes after each generation prompt (its calls and the token
-closing the turn, its final answer), never the tool's result; the same files from 2 worker processes; ChatML (our own
-tokenizers) has no tool format and says so; malformed calls and schemas are refused with their reason."""
+writes tools (Qwen2.5's tool branch, as its tokenizer_config.json holds it; Llama 3.1's, abridged: the tools in the
+first user turn, one call a turn), the ids are apply_chat_template's with the record's tools, the learned tokens are
+what the model writes after each generation prompt (its calls and the token closing the turn, its final answer), never
+the tool's result; the same files from 2 worker processes; ChatML (our own tokenizers) has no tool format and says
+so; malformed calls and schemas are refused with their reason."""
 import json
 import os
 import re
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 from data_preprocess.sft_format import RecordError, sft_messages
-from tests.tokenizer.test_chat_templates import _backend
+from tests.tokenizer.test_chat_templates import DATE, _backend
 from tokenizer import encode_chat
 
 QWEN25_TOOLS = """{%- if tools %}
@@ -69,6 +70,62 @@ QWEN25_TOOLS = """{%- if tools %}
     {{- '<|im_start|>assistant\\n' }}
 {%- endif %}
 """
+LLAMA31_TOOLS = """{{- bos_token }}
+{%- if not tools is defined %}
+    {%- set tools = none %}
+{%- endif %}
+{%- if messages[0]['role'] == 'system' %}
+    {%- set system_message = messages[0]['content']|trim %}
+    {%- set messages = messages[1:] %}
+{%- else %}
+    {%- set system_message = "" %}
+{%- endif %}
+{{- "<|start_header_id|>system<|end_header_id|>\\n\\n" }}
+{%- if tools is not none %}
+    {{- "Environment: ipython\\n" }}
+{%- endif %}
+{{- "Cutting Knowledge Date: December 2023\\n" }}
+{{- "Today Date: " + date_string + "\\n\\n" }}
+{{- system_message }}
+{{- "<|eot_id|>" }}
+{%- if tools is not none %}
+    {%- set first_user_message = messages[0]['content']|trim %}
+    {%- set messages = messages[1:] %}
+    {{- '<|start_header_id|>user<|end_header_id|>\\n\\n' -}}
+    {{- "Given the following functions, please respond with a JSON for a function call " }}
+    {{- "with its proper arguments that best answers the given prompt.\\n\\n" }}
+    {{- 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.' }}
+    {{- "Do not use variables.\\n\\n" }}
+    {%- for t in tools %}
+        {{- t | tojson(indent=4) }}
+        {{- "\\n\\n" }}
+    {%- endfor %}
+    {{- first_user_message + "<|eot_id|>"}}
+{%- endif %}
+{%- for message in messages %}
+    {%- if not (message.role == 'ipython' or message.role == 'tool' or 'tool_calls' in message) %}
+        {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim + '<|eot_id|>' }}
+    {%- elif 'tool_calls' in message %}
+        {%- if not message.tool_calls|length == 1 %}
+            {{- raise_exception("This model only supports single tool-calls at once!") }}
+        {%- endif %}
+        {%- set tool_call = message.tool_calls[0].function %}
+        {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}
+        {{- '{"name": "' + tool_call.name + '", ' }}
+        {{- '"parameters": ' }}
+        {{- tool_call.arguments | tojson }}
+        {{- "}" }}
+        {{- "<|eot_id|>" }}
+    {%- elif message.role == "tool" or message.role == "ipython" %}
+        {{- "<|start_header_id|>ipython<|end_header_id|>\\n\\n" }}
+        {{- message.content }}
+        {{- "<|eot_id|>" }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
+{%- endif %}
+"""
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city now.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
@@ -88,20 +145,51 @@ LEARNED = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}
            'Paris: 18 C and sunny. Oslo: 4 C with rain.<|im_end|>')
 
 
-@pytest.fixture(scope="module")
-def qwen_tools(tmp_path_factory):
-    """(transformers' tokenizer, its Hub directory, the directory adopted as ours) with Qwen2.5's tool template; its
-    <tool_call> markers added tokens, as in Qwen2.5's vocabulary."""
+ONE_CALL = dict(RECORD, messages=RECORD["messages"][:2] + [
+    dict(RECORD["messages"][2], tool_calls=RECORD["messages"][2]["tool_calls"][:1]), RECORD["messages"][3],
+    dict(RECORD["messages"][5], content="Paris: 18 C and sunny.")])
+LLAMA_LEARNED = ('{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>'
+                 'Paris: 18 C and sunny.<|eot_id|>')
+
+LLAMA_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+                  "<|finetune_right_pad_id|>"]
+# name: (template, added tokens, bos, eos, pad, the record (Llama 3.1 calls one tool a turn), what the model writes)
+FAMILIES = {
+    "qwen2.5": (QWEN25_TOOLS, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], None, "<|im_end|>", "<|endoftext|>",
+                RECORD, LEARNED),
+    "llama3.1": (LLAMA31_TOOLS, LLAMA_SPECIALS, "<|begin_of_text|>", "<|eot_id|>", "<|finetune_right_pad_id|>",
+                 ONE_CALL, LLAMA_LEARNED),
+}
+
+
+def _hub_tokenizer(name: str, path: str):
     from tokenizers import AddedToken
     from transformers import PreTrainedTokenizerFast
+    template, specials, bos, eos = FAMILIES[name][:4]
+    backend = _backend(specials)
+    if name == "qwen2.5":  # (its <tool_call> markers are added tokens in Qwen2.5's vocabulary)
+        backend.add_tokens([AddedToken(t, special=False) for t in ("<tool_call>", "</tool_call>")])
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=bos, eos_token=eos)
+    tok.chat_template = template
+    tok.save_pretrained(path)
+    return tok
 
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory):
+    """name -> (transformers' tokenizer with the family's tool template, its Hub directory)."""
+    out = {}
+    for name in FAMILIES:
+        hub = str(tmp_path_factory.mktemp("hub") / name)
+        out[name] = (_hub_tokenizer(name, hub), hub)
+    return out
+
+
+@pytest.fixture(scope="module")
+def qwen_tools(families, tmp_path_factory):
+    """(transformers' tokenizer, its Hub directory, the directory adopted as ours) of the Qwen2.5 family."""
     from tokenizer.extend_tokenizer import main
-    backend = _backend(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
-    backend.add_tokens([AddedToken(t, special=False) for t in ("<tool_call>", "</tool_call>")])
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>")
-    tok.chat_template = QWEN25_TOOLS
-    hub = str(tmp_path_factory.mktemp("hub") / "qwen_tools")
-    tok.save_pretrained(hub)
+    tok, hub = families["qwen2.5"]
     ours = str(tmp_path_factory.mktemp("adopted") / "qwen_tools")
     assert main([f"--base_tokenizer_dir={hub}", "--num_new_tokens=0", f"--out_dir={ours}",
                  "--pad_token=<|endoftext|>"]) == 0
@@ -112,28 +200,31 @@ def _learned(tok, ids, mask) -> str:
     return tok.decode([t for t, m in zip(ids, mask) if m])
 
 
-def test_ids_are_apply_chat_templates_and_the_calls_are_learned(qwen_tools):
-    tok = qwen_tools[0]
-    conv = sft_messages(RECORD)
+@pytest.mark.parametrize("name", FAMILIES)
+def test_ids_are_apply_chat_templates_and_the_calls_are_learned(families, name):
+    tok = families[name][0]
+    record, learned = FAMILIES[name][5:]
+    conv = sft_messages(record)
     assert conv.tools == [WEATHER]
-    assert conv[2]["tool_calls"][1] == {"type": "function", "id": "c2",
-                                        "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
+    assert conv[2]["tool_calls"][-1] == {"type": "function", "id": "c2" if name == "qwen2.5" else "c1", "function": {
+        "name": "get_weather", "arguments": {"city": "Oslo" if name == "qwen2.5" else "Paris"}}}
     ids, mask = encode_chat(tok, conv)
-    want = list(tok.apply_chat_template([dict(m) for m in conv], tools=[WEATHER], tokenize=True, return_dict=False))
-    assert ids == want and "<tools>" in tok.decode(ids)
-    assert _learned(tok, ids, mask) == LEARNED
+    want = list(tok.apply_chat_template([dict(m) for m in conv], tools=[WEATHER], tokenize=True, return_dict=False,
+                                        date_string=DATE))
+    assert ids == want and '"get_weather"' in tok.decode(ids)
+    assert _learned(tok, ids, mask) == learned
     runs = np.flatnonzero(np.diff(np.concatenate([[0], mask, [0]])) != 0).reshape(-1, 2)
     assert len(runs) == 2  # the results between the two turns are not learned
     # transformers' call shape (arguments an object, no wrapper) and a JSON text of the tools read the same
-    other = dict(RECORD, tools=json.dumps([WEATHER]), messages=[
-        dict(m, tool_calls=[{"name": "get_weather", "arguments": {"city": c}, "id": i}
-                            for c, i in (("Paris", "c1"), ("Oslo", "c2"))]) if m.get("tool_calls") else m
-        for m in RECORD["messages"]])
+    other = dict(record, tools=json.dumps([WEATHER]), messages=[
+        dict(m, tool_calls=[{"name": c["function"]["name"], "id": c["id"],
+                             "arguments": json.loads(c["function"]["arguments"])} for c in m["tool_calls"]])
+        if m.get("tool_calls") else m for m in record["messages"]])
     assert encode_chat(tok, sft_messages(other)) == (ids, mask)
     # a calling turn with weight 0 is context: only the answer is learned
-    weighted = dict(RECORD, messages=[dict(m, weight=0) if m.get("tool_calls") else m for m in RECORD["messages"]])
+    weighted = dict(record, messages=[dict(m, weight=0) if m.get("tool_calls") else m for m in record["messages"]])
     w_ids, w_mask = encode_chat(tok, sft_messages(weighted))
-    assert w_ids == ids and _learned(tok, w_ids, w_mask) == LEARNED[LEARNED.index("Paris:"):]
+    assert w_ids == ids and _learned(tok, w_ids, w_mask) == learned[learned.index("Paris:"):]
 
 
 def test_pretokenized_in_workers_and_refused_by_chatml(qwen_tools, tmp_path, tiny_pretrain_data):
