@@ -225,6 +225,11 @@ def test_ids_are_apply_chat_templates_and_the_calls_are_learned(families, name):
     weighted = dict(record, messages=[dict(m, weight=0) if m.get("tool_calls") else m for m in record["messages"]])
     w_ids, w_mask = encode_chat(tok, sft_messages(weighted))
     assert w_ids == ids and _learned(tok, w_ids, w_mask) == learned[learned.index("Paris:"):]
+    # trying the model: sample.py --chat --chat_template_kwargs='{"tools": [...]}' offers them in the prompt
+    from sample import build_prompt_ids
+    user = record["messages"][1]
+    assert build_prompt_ids(tok, {}, user["content"], True, {"tools": [WEATHER]}) == list(tok.apply_chat_template(
+        [user], tools=[WEATHER], add_generation_prompt=True, tokenize=True, return_dict=False, date_string=DATE))
 
 
 def test_pretokenized_in_workers_and_refused_by_chatml(qwen_tools, tmp_path, tiny_pretrain_data):
