@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional, Sequence
 
 from tokenizer.chat_template import TemplateChat, is_trained, template_chat, uses_tools
-from tokenizer.contract import CHATML_TEMPLATE, MissingSpecialTokenError
+from tokenizer.contract import CHATML_TEMPLATE, CHATML_TEMPLATE_BEFORE_TOOLS, MissingSpecialTokenError, chatml_turns
 from tokenizer.loading import safe_backend
 
 
@@ -31,7 +31,7 @@ def chat_marker_ids(tok: Any) -> tuple[int, int]:
 def own_template(tok: Any) -> Optional[TemplateChat]:
     """The tokenizer's template to render with, or None where ChatML is written directly (ours, or no template)."""
     source = getattr(tok, "chat_template", None)
-    if source is None or source == CHATML_TEMPLATE:
+    if source is None or source in (CHATML_TEMPLATE, CHATML_TEMPLATE_BEFORE_TOOLS):
         return None
     return template_chat(tok, safe_backend(tok))
 
@@ -69,7 +69,8 @@ def encode_chat(tok: Any, messages: Sequence[Mapping[str, str]], add_generation_
                 ) -> tuple[list[int], list[int]]:
     """Return (input_ids, assistant_mask), mask 1 on content tokens of ``train_roles`` and what closes their turns
     (a message with ``"weight": 0`` is not learned). A `Conversation`'s tools reach the template as `tools`.
-    `template_kwargs`: extra variables for a tokenizer's own template (Qwen3's enable_thinking; ChatML reads none).
+    `template_kwargs`: extra variables for a tokenizer's own template (Qwen3's enable_thinking; ChatML reads only
+    `tools`). Tool calls under ChatML: Qwen2.5's format (tokenizer/contract.py CHATML_TEMPLATE, `chatml_turns`).
 
     ChatML, directly: role header and content are encoded as ONE segment ("{role}\\n{content}", exactly the text the
     template puts between the markers) so BPE merges match apply_chat_template; token offsets then
@@ -84,19 +85,25 @@ def encode_chat(tok: Any, messages: Sequence[Mapping[str, str]], add_generation_
         if offered:
             template_kwargs = {**(template_kwargs or {}), "tools": offered}
         return chat.encode(messages, add_generation_prompt, train_roles, template_kwargs)
-    if uses_tools(messages):
-        raise ValueError("tool calls, tool results and offered tools need a tokenizer whose own chat template renders "
-                         "them (an adopted one: docs/tokenizer.md); ChatML has no tool format")
+    offered = getattr(messages, "tools", None) or (template_kwargs or {}).get("tools")
+    trained_turns = [is_trained(m, train_roles) for m in messages]
+    if offered or uses_tools(messages):
+        if getattr(tok, "chat_template", None) != CHATML_TEMPLATE:
+            raise ValueError("tool calls, tool results and offered tools need a chat template that writes them: this "
+                             "tokenizer's ChatML template predates tool calling (one trained by this version writes "
+                             "them, Qwen2.5's format)")
+        turns = chatml_turns(messages, offered, trained_turns)
+    else:
+        turns = [(m["role"], m["content"], t) for m, t in zip(messages, trained_turns)]
     im_start, im_end = chat_marker_ids(tok)
     backend = safe_backend(tok)
-    headers = [m["role"] + "\n" for m in messages]
-    segments = [h + m["content"] for h, m in zip(headers, messages)] + ["\n", "assistant\n"]
+    headers = [role + "\n" for role, _, _ in turns]
+    segments = [h + text for h, (_, text, _) in zip(headers, turns)] + ["\n", "assistant\n"]
     encs = backend.encode_batch(segments, add_special_tokens=False)
-    newline = encs[len(messages)].ids
+    newline = encs[len(turns)].ids
     ids: list[int] = []
     mask: list[int] = []
-    for m, header, enc in zip(messages, headers, encs):
-        trained = is_trained(m, train_roles)
+    for (_, _, trained), header, enc in zip(turns, headers, encs):
         hlen = len(header)
         ids.append(im_start)
         mask.append(0)

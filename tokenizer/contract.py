@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Any
+from typing import Any, Mapping, Optional, Sequence
 
 # (meta key, token string) in id order; ids start right after the learned vocabulary.
 SPECIAL_TOKENS: tuple[tuple[str, str], ...] = (
@@ -26,13 +26,87 @@ VOCAB_MULTIPLE = 64
 META_FILENAME = "tokenizer_meta.json"
 TOKENIZER_TYPES = ("hf_bbpe", "sp_bbpe")
 
-# Exactly `<|im_start|>{role}\n{content}<|im_end|>\n` per message; one line so jinja adds no whitespace.
-CHATML_TEMPLATE = (
+# Exactly `<|im_start|>{role}\n{content}<|im_end|>\n` per message; one line so jinja adds no whitespace. Tokenizers
+# trained before tool calling hold this one (still ChatML, written directly; no tools).
+CHATML_TEMPLATE_BEFORE_TOOLS = (
     "{%- for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
 )
+# Tool calling in Qwen2.5's ChatML format (what vLLM's / SGLang's "hermes" tool parsers read), without its default
+# system prompt: the offered tools in a system turn (after the record's own system text), each call a
+# `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>` line of the assistant's turn, consecutive results
+# one user turn of `<tool_response>` blocks. Without tools the text is CHATML_TEMPLATE_BEFORE_TOOLS's. `chatml_turns`
+# is the same rendering in Python, for the direct encoder (tokenizer/chat.py).
+TOOLS_HEAD = ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with "
+              "function signatures within <tools></tools> XML tags:\n<tools>")
+TOOLS_TAIL = ("\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+              "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+              "<args-json-object>}\n</tool_call>")
+
+
+def _jinja_text(text: str) -> str:
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n") + "'"
+
+
+CHATML_TEMPLATE = (
+    "{%- if tools %}{{ '<|im_start|>system\\n' }}"
+    "{%- if messages and messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{ " + _jinja_text(TOOLS_HEAD) + " }}{%- for tool in tools %}{{ '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{ " + _jinja_text(TOOLS_TAIL) + " + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if tools and loop.first and message['role'] == 'system' %}"
+    "{%- elif message['role'] == 'assistant' and message['tool_calls'] is defined and message['tool_calls'] %}"
+    "{{ '<|im_start|>assistant\\n' + (message['content'] or '') }}"
+    "{%- for call in message['tool_calls'] %}"
+    "{%- set fn = call['function'] if call['function'] is defined else call %}"
+    "{%- if message['content'] or not loop.first %}{{ '\\n' }}{%- endif %}"
+    "{{ '<tool_call>\\n{\"name\": \"' + fn['name'] + '\", \"arguments\": ' + (fn['arguments'] | tojson) + "
+    "'}\\n</tool_call>' }}"
+    "{%- endfor %}{{ '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{ '<|im_start|>user\\n' }}"
+    "{%- else %}{{ '\\n' }}{%- endif %}"
+    "{{ '<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{ '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def chatml_turns(messages: Sequence[Mapping[str, Any]], tools: Optional[list], trained: Sequence[bool]
+                 ) -> list[tuple[str, str, bool]]:
+    """(role, text, learned) of each `<|im_start|>{role}\n{text}<|im_end|>` turn CHATML_TEMPLATE writes for
+    `messages` (`trained[i]`: whether message i is learned) and the offered `tools`."""
+    turns: list[tuple[str, str, bool]] = []
+    start = 0
+    if tools:
+        system = messages[0]["content"] + "\n\n" if messages and messages[0]["role"] == "system" else ""
+        start = 1 if system else 0
+        schemas = "".join("\n" + json.dumps(t, ensure_ascii=False) for t in tools)
+        turns.append(("system", system + TOOLS_HEAD + schemas + TOOLS_TAIL, False))
+    for i in range(start, len(messages)):
+        m = messages[i]
+        if m["role"] == "tool":
+            block = "<tool_response>\n" + m["content"] + "\n</tool_response>"
+            if turns and i > 0 and messages[i - 1]["role"] == "tool":
+                turns[-1] = (turns[-1][0], turns[-1][1] + "\n" + block, False)
+            else:
+                turns.append(("user", block, False))
+        elif m["role"] == "assistant" and m.get("tool_calls"):
+            text = m["content"]
+            for k, call in enumerate(m["tool_calls"]):
+                fn = call.get("function", call)
+                text += ("\n" if m["content"] or k else "") + '<tool_call>\n{"name": "' + fn["name"] + \
+                    '", "arguments": ' + json.dumps(fn["arguments"], ensure_ascii=False) + "}\n</tool_call>"
+            turns.append(("assistant", text, trained[i]))
+        else:
+            turns.append((m["role"], m["content"], trained[i]))
+    return turns
 
 
 class MissingSpecialTokenError(ValueError):

@@ -2,8 +2,8 @@
 writes tools (Qwen2.5's tool branch, as its tokenizer_config.json holds it; Llama 3.1's, abridged: the tools in the
 first user turn, one call a turn), the ids are apply_chat_template's with the record's tools, the learned tokens are
 what the model writes after each generation prompt (its calls and the token closing the turn, its final answer), never
-the tool's result; the same files from 2 worker processes; ChatML (our own tokenizers) has no tool format and says
-so; malformed calls and schemas are refused with their reason."""
+the tool's result; the same files from 2 worker processes; our own tokenizers' ChatML writes Qwen2.5's tool format
+(one trained before it says it has none); malformed calls and schemas are refused with their reason."""
 import json
 import os
 import re
@@ -232,16 +232,22 @@ def test_ids_are_apply_chat_templates_and_the_calls_are_learned(families, name):
         [user], tools=[WEATHER], add_generation_prompt=True, tokenize=True, return_dict=False, date_string=DATE))
 
 
-def test_pretokenized_in_workers_and_refused_by_chatml(qwen_tools, tmp_path, tiny_pretrain_data):
+@pytest.mark.parametrize("which", ["qwen2.5", "ours"])
+def test_pretokenized_in_workers_as_apply_chat_template_writes_them(qwen_tools, tmp_path, tiny_pretrain_data, which):
+    """Also our own tokenizers: their ChatML template writes tools in Qwen2.5's format (the same learned text), and the
+    direct encoder gives its ids."""
+    from transformers import AutoTokenizer
+
     from data_preprocess.pretokenize_sft_data import pretokenize_sft
-    tok, _, ours = qwen_tools
+    tok_dir = qwen_tools[2] if which == "qwen2.5" else tiny_pretrain_data["tokenizer_dir"]
+    tok = qwen_tools[0] if which == "qwen2.5" else AutoTokenizer.from_pretrained(tok_dir)
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "t.jsonl").write_text(json.dumps(RECORD) + "\n" + json.dumps(
         {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}) + "\n",
         encoding="utf-8")
     outs = [str(tmp_path / f"out{w}") for w in (1, 2)]
     for w, out in zip((1, 2), outs):
-        assert pretokenize_sft(str(tmp_path / "in"), ours, 1024, out, num_workers=w)["num_samples"] == 2
+        assert pretokenize_sft(str(tmp_path / "in"), tok_dir, 1024, out, num_workers=w)["num_samples"] == 2
     for f in ("input_ids.bin", "labels.bin", "samples.npy"):
         assert open(os.path.join(outs[0], f), "rb").read() == open(os.path.join(outs[1], f), "rb").read(), f
     with open(os.path.join(outs[1], "sft_meta.json"), encoding="utf-8") as f:
@@ -250,11 +256,26 @@ def test_pretokenized_in_workers_and_refused_by_chatml(qwen_tools, tmp_path, tin
     labels = np.fromfile(os.path.join(outs[1], "labels.bin"), dtype="<i4")
     off, length = np.load(os.path.join(outs[1], "samples.npy"))[0][:2]
     assert tok.decode(labels[off:off + length][labels[off:off + length] != -100]) == LEARNED
-    assert ids[off:off + length].tolist() == encode_chat(tok, sft_messages(RECORD))[0]
+    conv = sft_messages(RECORD)
     from tokenizer import load_tokenizer
-    chatml = load_tokenizer(tiny_pretrain_data["tokenizer_dir"])
-    with pytest.raises(ValueError, match="ChatML has no tool format"):
-        encode_chat(chatml, sft_messages(RECORD))
+    want = list(tok.apply_chat_template([dict(m) for m in conv], tools=[WEATHER], tokenize=True, return_dict=False))
+    assert encode_chat(load_tokenizer(tok_dir), conv)[0] == want
+    sample = ids[off:off + length].tolist()  # (the sample ends at the last learned token: ChatML's "\n" after it cut)
+    assert sample == want[:len(sample)] and len(sample) >= len(want) - 1
+
+
+def test_a_chatml_template_from_before_tool_calling_refuses_them(tiny_pretrain_data):
+    import copy
+
+    from tokenizer import load_tokenizer
+    from tokenizer.contract import CHATML_TEMPLATE_BEFORE_TOOLS
+    ours = load_tokenizer(tiny_pretrain_data["tokenizer_dir"])
+    old = copy.copy(ours)
+    old.chat_template = CHATML_TEMPLATE_BEFORE_TOOLS
+    plain = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    assert encode_chat(old, plain) == encode_chat(ours, plain)  # (still ChatML, written directly)
+    with pytest.raises(ValueError, match="predates tool calling"):
+        encode_chat(old, sft_messages(RECORD))
 
 
 def test_malformed_calls_and_schemas_are_refused_with_their_reason(qwen_tools):
