@@ -298,3 +298,27 @@ def test_malformed_calls_and_schemas_are_refused_with_their_reason(qwen_tools):
     tok = qwen_tools[0]
     with pytest.raises(ValueError, match=re.escape("holds '<|im_end|>', a control token")):
         encode_chat(tok, sft_messages({"messages": [user, call(name="f", arguments={"x": "<|im_end|>"})]}))
+
+
+def test_grpo_prompts_offer_the_records_tools(tiny_pretrain_data, tmp_path):
+    """A GRPO prompt record's `tools` are offered in its prompt (tool-use RL: the reward reads the call); bad ones
+    are the record's counted skip."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from tokenizer import load_tokenizer, load_tokenizer_meta
+    from trainer.tasks.grpo_data import read_prompts_file
+    tok_dir = tiny_pretrain_data["tokenizer_dir"]
+    user = [{"role": "user", "content": "Weather in Paris?"}]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (
+        {"messages": user, "tools": [WEATHER]}, {"messages": user}, {"messages": user, "tools": "[oops"})),
+        encoding="utf-8")
+    cfg = SimpleNamespace(messages_field="messages", prompt_field="prompt", answer_field="answer",
+                          max_prompt_length=1024)
+    got = read_prompts_file(str(tmp_path / "p.jsonl"), cfg, load_tokenizer(tok_dir), load_tokenizer_meta(tok_dir),
+                            needs_answer=False, log=None)
+    ref = AutoTokenizer.from_pretrained(tok_dir)
+    with_tools, plain = (list(ref.apply_chat_template(user, tools=t, add_generation_prompt=True, tokenize=True,
+                                                      return_dict=False)) for t in ([WEATHER], None))
+    assert [p.ids for p in got] == [with_tools, plain] and with_tools != plain

@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional
 
 from data_preprocess.readers import RECORD_KINDS, find_input_files, iter_records, lone_surrogate, skip_counter
 from data_preprocess.sft_format import ROLE_MAP
+from data_preprocess.sft_tools import tools
 from data_preprocess.shard_format import DataError
 
 
@@ -53,7 +54,7 @@ def prompt_messages(turns: Any) -> list:
         role = t.get("role", t.get("from")) if isinstance(t, dict) else None
         content = t.get("content", t.get("value")) if isinstance(t, dict) else None
         if not isinstance(role, str) or role.lower() not in ROLE_MAP or not isinstance(content, str):
-            raise ValueError("a message is not {\"role\": user|assistant|system, \"content\": str}")
+            raise ValueError("a message is not {\"role\": user|assistant|system|tool, \"content\": str}")
         out.append({"role": ROLE_MAP[role.lower()], "content": content})
     return out
 
@@ -102,7 +103,9 @@ def read_prompts_file(path: str, cfg: Any, tok: Any, tok_meta: dict, needs_answe
                     messages = prompt_messages(msgs)
                     if any(lone_surrogate(m["content"]) is not None for m in messages):
                         raise ValueError("holds a lone surrogate (cannot be encoded)")
-                    ids = list(encode_chat(tok, messages, add_generation_prompt=True, template_kwargs=extra)[0])
+                    offered = tools(rec)  # (the record's function schemas, offered in the prompt as SFT's are)
+                    kwargs = {**extra, "tools": offered} if offered else extra
+                    ids = list(encode_chat(tok, messages, add_generation_prompt=True, template_kwargs=kwargs)[0])
                     shown = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
                 elif isinstance(text, str) and text.strip():
                     if lone_surrogate(text) is not None:
