@@ -56,6 +56,8 @@ def _parser():
     p.add_argument("--prompt", default="")
     add_bool(p, "chat", False, "render the prompt as a user turn of the chat template")
     p.add_argument("--system", default="", help="--chat: a system turn before the prompt")
+    p.add_argument("--tools", default="", help="--chat: a JSON file of function schemas (a list, OpenAI's / "
+                   "transformers' shape) offered in the prompt, for a model trained on tool calls")
     p.add_argument("--chat_template_kwargs", default="", help="--chat: a JSON object of extra variables for the "
                    "tokenizer's chat template (Qwen3's '{\"enable_thinking\": false}')")
     from utils import constants as c
@@ -100,7 +102,29 @@ def _flag_problem(args) -> Optional[str]:
         args.template_kwargs = parse_template_kwargs(args.chat_template_kwargs)
     except ValueError as e:
         return str(e)
+    if args.tools:
+        if not args.chat:
+            return "--tools are offered in a chat prompt: give --chat too"
+        problem = _read_tools(args)
+        if problem:
+            return problem
     return precheck(args)
+
+
+def _read_tools(args) -> str:
+    """--tools: the file's function schemas into the template's `tools` variable; a problem's line, or ''."""
+    import json
+
+    from data_preprocess.sft_tools import tools
+    try:
+        with open(args.tools, encoding="utf-8") as f:
+            offered = tools({"tools": json.load(f)})
+    except (OSError, ValueError) as e:
+        return f"--tools={args.tools}: {e}"
+    if not offered:
+        return f"--tools={args.tools}: no function schemas (a JSON list of them)"
+    args.template_kwargs = {**args.template_kwargs, "tools": offered}
+    return ""
 
 
 def main(argv: list[str] | None = None) -> int:

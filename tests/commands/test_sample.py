@@ -150,6 +150,37 @@ def test_the_repetition_penalty_reaches_generate(tok_dir, monkeypatch, capsys):
     assert seen["repetition_penalty"] == 1.3
 
 
+def test_tools_are_offered_in_the_chat_prompt(tok_dir, monkeypatch, capsys, tmp_path):
+    """--tools FILE: its function schemas in the chat prompt as apply_chat_template writes them with `tools` (our
+    ChatML: Qwen2.5's format); a bad file or a missing --chat is one line, exit 2."""
+    import torch
+    from transformers import AutoTokenizer
+
+    import model.generate
+    import sample
+    schema = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    (tmp_path / "tools.json").write_text(json.dumps([schema]), encoding="utf-8")
+    seen = []
+    monkeypatch.setattr(sample, "precheck", lambda args: None)
+    monkeypatch.setattr(sample, "load_for_inference",
+                        lambda path, device, which="latest", **kw: (torch.nn.Identity(), {}))
+    monkeypatch.setattr(model.generate, "generate", lambda model, x, max_new_tokens, **kw: seen.append(x) or x)
+    assert sample.main(["--ckpt", "unused", "--tokenizer_dir", tok_dir, "--prompt", "hello", "--device", "cpu",
+                        "--chat", f"--tools={tmp_path / 'tools.json'}"]) == 0
+    want = AutoTokenizer.from_pretrained(tok_dir).apply_chat_template(
+        [{"role": "user", "content": "hello"}], tools=[schema], add_generation_prompt=True, tokenize=True,
+        return_dict=False)
+    assert seen[0][0].tolist() == list(want) and len(want) > 40
+    (tmp_path / "bad.json").write_text('{"name": "f"}', encoding="utf-8")
+    for flags, line in (([f"--tools={tmp_path / 'tools.json'}"], "--tools are offered in a chat prompt"),
+                        (["--chat", f"--tools={tmp_path / 'bad.json'}"], "'tools' must be a list"),
+                        (["--chat", f"--tools={tmp_path / 'none.json'}"], "No such file")):
+        capsys.readouterr()
+        assert sample.main([f"--ckpt={tmp_path}", "--prompt=x", *flags]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("sample.py: ") and line in err and len(err.splitlines()) == 1, err
+
+
 @pytest.mark.parametrize("flags, line", [
     (["--repetition_penalty=0"], "--repetition_penalty=0.0: must be a finite number > 0"),
     (["--repetition_penalty=-1.5"], "--repetition_penalty=-1.5: must be a finite number > 0"),
