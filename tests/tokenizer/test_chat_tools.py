@@ -15,6 +15,8 @@ from data_preprocess.sft_format import RecordError, sft_messages
 from tests.tokenizer.test_chat_templates import DATE, _backend
 from tokenizer import encode_chat
 
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 QWEN25_TOOLS = """{%- if tools %}
     {{- '<|im_start|>system\\n' }}
     {%- if messages[0]['role'] == 'system' %}
@@ -322,3 +324,28 @@ def test_grpo_prompts_offer_the_records_tools(tiny_pretrain_data, tmp_path):
     with_tools, plain = (list(ref.apply_chat_template(user, tools=t, add_generation_prompt=True, tokenize=True,
                                                       return_dict=False)) for t in ([WEATHER], None))
     assert [p.ids for p in got] == [with_tools, plain] and with_tools != plain
+
+
+def test_the_bundled_tool_calls_read_whole_and_learn_calls_and_answers_only(tiny_pretrain_data):
+    """data/sft_tools: every record kept (as the trainer reads raw records), each sample learning its calls and its
+    final answer, never a tool's result, and the calling turn with weight 0 not learned."""
+    from data_preprocess.pretokenize_sft_data import tokenize_sft_records
+    from dataset.dataset_sft import SFTDataset
+    from tokenizer import load_tokenizer
+    path = os.path.join(ROOT, "data", "sft_tools")
+    with open(os.path.join(path, "tool_calls.jsonl"), encoding="utf-8") as f:
+        recs = [json.loads(line) for line in f]
+    tokens = tokenize_sft_records(path, tiny_pretrain_data["tokenizer_dir"], 1024)
+    assert tokens.meta["num_samples"] == len(recs) == 8 and tokens.meta["files"][0]["skipped"] == {}
+    ds, tok = SFTDataset(tokens), load_tokenizer(tiny_pretrain_data["tokenizer_dir"])
+    for i, rec in enumerate(recs):
+        labels = ds[i]["labels"]
+        learned = tok.decode(labels[labels != -100].tolist())
+        msgs = rec["messages"]
+        assert learned.endswith(msgs[-1]["content"] + "<|im_end|>")
+        assert "<tool_response>" not in learned and "# Tools" not in learned  # (the results, the offered schemas)
+        for m in msgs:
+            for call in m.get("tool_calls") or []:
+                name = f'"name": "{call["function"]["name"]}"'
+                assert (name in learned) == (m.get("weight", 1) == 1), (i, learned)
+    assert "Let me compute that." not in tok.decode(ds[5]["labels"][ds[5]["labels"] != -100].tolist())
