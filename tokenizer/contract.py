@@ -34,8 +34,8 @@ CHATML_TEMPLATE_BEFORE_TOOLS = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
 )
-# Tool calling in Qwen2.5's ChatML format (what vLLM's / SGLang's "hermes" tool parsers read), without its default
-# system prompt: the offered tools in a system turn (after the record's own system text), each call a
+# Tool calling in Qwen2.5's ChatML format (served by vLLM with its "hermes" tool parser; not tried here), without its
+# default system prompt: the offered tools in a system turn (after the record's own system text), each call a
 # `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>` line of the assistant's turn, consecutive results
 # one user turn of `<tool_response>` blocks. Without tools the text is CHATML_TEMPLATE_BEFORE_TOOLS's. `chatml_turns`
 # is the same rendering in Python, for the direct encoder (tokenizer/chat.py).
