@@ -31,7 +31,7 @@ from typing import Any, Optional
 
 from data_preprocess.chat_tokens import DPO, drop_totals
 from data_preprocess.pretokenize_sft_data import ChatTask, chat_pretokenize_cli
-from data_preprocess.sft_format import TaggedConversations, dpo_margin, dpo_messages, last_run_only
+from data_preprocess.sft_format import TaggedConversations, dpo_margin, dpo_messages, last_run_only, with_tools
 
 log = logging.getLogger("pretokenize_dpo")
 DPO_FORMAT_VERSION = DPO.format_version
@@ -41,8 +41,8 @@ def dpo_conversations(rec: Any) -> TaggedConversations:
     """[prompt + chosen reply, prompt + rejected reply], with the record's margin (NaN: none); RecordError for a bad
     record."""
     prompt, chosen, rejected = dpo_messages(rec)
-    return TaggedConversations([prompt + [{"role": "assistant", "content": chosen}],
-                                prompt + [{"role": "assistant", "content": rejected}]], values=(dpo_margin(rec),))
+    return TaggedConversations([with_tools(rec, prompt + [chosen]), with_tools(rec, prompt + [rejected])],
+                               values=(dpo_margin(rec),))
 
 
 # DPO: labels on the final reply only; a pair whose branch is over-long is truncated (the reply's tail; kept when

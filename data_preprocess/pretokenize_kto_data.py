@@ -23,7 +23,7 @@ from data_preprocess.chat_tokens import DPO, KTO, drop_totals, is_pretokenized
 from data_preprocess.pretokenize_sft_data import ChatTask, chat_pretokenize_cli
 from data_preprocess.readers import RECORD_KINDS, find_input_files, iter_records, skip_counter
 from data_preprocess.shard_format import DataError
-from data_preprocess.sft_format import TaggedConversations, kto_messages, last_run_only
+from data_preprocess.sft_format import TaggedConversations, kto_messages, last_run_only, with_tools
 
 log = logging.getLogger("pretokenize_kto")
 
@@ -31,7 +31,7 @@ log = logging.getLogger("pretokenize_kto")
 def kto_conversations(rec: Any) -> TaggedConversations:
     """[prompt + completion], tagged with the label (1 desirable, 0 undesirable); RecordError for a bad record."""
     prompt, completion, desirable = kto_messages(rec)
-    return TaggedConversations([prompt + [{"role": "assistant", "content": completion}]], (int(desirable),))
+    return TaggedConversations([with_tools(rec, prompt + [completion])], (int(desirable),))
 
 
 KTO_TASK = ChatTask(KTO, kto_conversations, last_run_only, "dropped_overlong",

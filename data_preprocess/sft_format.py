@@ -161,14 +161,7 @@ def sft_messages(rec: Any) -> list[dict[str, str]]:
     if not any(m["role"] == "assistant" and (m["content"] or m.get("tool_calls")) and m.get("weight", 1)
                for m in msgs):
         raise RecordError("no non-empty assistant turn to learn (none, or each one has 'weight': 0)")
-    try:
-        offered = sft_tools.tools(rec)
-    except ValueError as e:
-        raise RecordError(str(e)) from None
-    if offered is not None:
-        _encodable(json.dumps(offered, ensure_ascii=False), "'tools'")
-        return Conversation(msgs, tools=offered)
-    return msgs
+    return with_tools(rec, msgs)
 
 
 def _prompt_completion(rec: dict) -> list[dict[str, str]]:
@@ -183,8 +176,8 @@ def _prompt_completion(rec: dict) -> list[dict[str, str]]:
     return msgs + [{"role": "assistant", "content": _str(rec, "completion")}]
 
 
-def dpo_messages(rec: Any) -> tuple[list[dict[str, str]], str, str]:
-    """(prompt messages, chosen reply, rejected reply) of a DPO record: an explicit prompt ("prompt" or
+def dpo_messages(rec: Any) -> tuple[list[dict[str, str]], dict[str, Any], dict[str, Any]]:
+    """(prompt messages, chosen reply, rejected reply: assistant messages, tool calls kept) of a DPO record: an explicit prompt ("prompt" or
     "conversations"), or TRL's implicit one (chosen and rejected whole conversations or texts sharing it)."""
     if isinstance(rec, dict) and "prompt" not in rec and "conversations" not in rec and "chosen" in rec:
         return _implicit_prompt(rec)
@@ -192,7 +185,7 @@ def dpo_messages(rec: Any) -> tuple[list[dict[str, str]], str, str]:
     return prompt, _reply(rec, "chosen"), _reply(rec, "rejected")
 
 
-def _implicit_prompt(rec: dict) -> tuple[list[dict[str, str]], str, str]:
+def _implicit_prompt(rec: dict) -> tuple[list[dict[str, str]], dict[str, Any], dict[str, Any]]:
     """TRL's implicit-prompt preference record (trl-lib/ultrafeedback_binarized, Anthropic's hh-rlhf): "chosen" and
     "rejected" each the whole conversation, prompt included. As message lists: their common first messages are the
     prompt and each one's last message, the assistant's, the reply (they must differ only there). As texts (TRL's
@@ -207,10 +200,10 @@ def _implicit_prompt(rec: dict) -> tuple[list[dict[str, str]], str, str]:
         if n == 0 or n != len(c) - 1 or n != len(r) - 1:
             raise RecordError("implicit prompt: 'chosen' and 'rejected' must share every message but their last "
                               "(the reply), or give 'prompt'")
-        if c[-1]["role"] != "assistant" or r[-1]["role"] != "assistant" or not c[-1]["content"] or not r[-1]["content"]:
+        if any(m["role"] != "assistant" or not (m["content"] or m.get("tool_calls")) for m in (c[-1], r[-1])):
             raise RecordError("implicit prompt: the last message of 'chosen' and 'rejected' must be a non-empty "
                               "assistant reply")
-        return _with_system(rec, c[:n]), c[-1]["content"], r[-1]["content"]
+        return _with_system(rec, c[:n]), _unweighted(c[-1]), _unweighted(r[-1])
     if isinstance(chosen, str) and isinstance(rejected, str):
         n = 0
         while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
@@ -221,10 +214,15 @@ def _implicit_prompt(rec: dict) -> tuple[list[dict[str, str]], str, str]:
             raise RecordError("implicit prompt: 'chosen' and 'rejected' must share a prompt and then differ, or give "
                               "'prompt'")
         prompt = _encodable(chosen[:n], "'chosen'")
-        return (_with_system(rec, [{"role": "user", "content": prompt}]), _encodable(chosen[n:], "'chosen'"),
-                _encodable(rejected[n:], "'rejected'"))
+        return (_with_system(rec, [{"role": "user", "content": prompt}]),
+                {"role": "assistant", "content": _encodable(chosen[n:], "'chosen'")},
+                {"role": "assistant", "content": _encodable(rejected[n:], "'rejected'")})
     raise RecordError("missing field 'prompt' (or 'chosen' and 'rejected' both whole conversations or texts: an "
                       "implicit prompt)")
+
+
+def _unweighted(message: dict) -> dict:
+    return {k: v for k, v in message.items() if k != "weight"}
 
 
 def dpo_margin(rec: dict) -> float:
@@ -253,20 +251,40 @@ def _prompt_messages(rec: Any) -> list[dict[str, str]]:
     return _with_system(rec, prompt)
 
 
-def _reply(rec: dict, key: str) -> str:
-    """A record's reply field: a string, an assistant message, or a list of messages ending with one."""
+def _reply(rec: dict, key: str) -> dict[str, Any]:
+    """A record's reply field as the assistant's message: a string, an assistant message (its tool calls kept), or a
+    list of messages ending with one."""
     v = rec.get(key)
     if isinstance(v, list) and v:
         v = v[-1]
-    if isinstance(v, dict):
-        v = v.get("content", v.get("value"))
-    if not isinstance(v, str) or not v:
-        raise RecordError(f"'{key}' must be a non-empty string (or assistant message)")
-    return _encodable(v, f"'{key}'")
+    if isinstance(v, str) and v:
+        return {"role": "assistant", "content": _encodable(v, f"'{key}'")}
+    if isinstance(v, dict) and isinstance(v.get("content", v.get("value")), (str, type(None))):
+        msg = _messages_from_list([{k: x for k, x in v.items() if k not in ("from", "weight")} | {"role": "assistant"}])
+        if msg[0]["content"] or msg[0].get("tool_calls"):
+            return msg[0]
+    raise RecordError(f"'{key}' must be a non-empty string (or assistant message)")
 
 
-def kto_messages(rec: Any) -> tuple[list[dict[str, str]], str, bool]:
-    """(prompt messages, completion, desirable) of a KTO record (TRL's unpaired preference shape: "prompt" or
+def record_tools(rec: dict) -> Optional[list]:
+    """A record's offered tools (function schemas: sft_tools.tools), or None; RecordError for bad ones."""
+    try:
+        offered = sft_tools.tools(rec)
+    except ValueError as e:
+        raise RecordError(str(e)) from None
+    if offered is not None:
+        _encodable(json.dumps(offered, ensure_ascii=False), "'tools'")
+    return offered
+
+
+def with_tools(rec: dict, messages: list) -> list:
+    """`messages` as a Conversation offering the record's tools, where it has some."""
+    offered = record_tools(rec)
+    return messages if offered is None else Conversation(messages, tools=offered)
+
+
+def kto_messages(rec: Any) -> tuple[list[dict[str, str]], dict[str, Any], bool]:
+    """(prompt messages, the completion as the assistant's message, desirable) of a KTO record (TRL's unpaired preference shape: "prompt" or
     "conversations", "completion" a string or an assistant message, "label" a bool)."""
     prompt = _prompt_messages(rec)
     reply = _reply(rec, "completion")

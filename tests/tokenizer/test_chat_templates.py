@@ -376,9 +376,9 @@ def test_sft_and_dpo_files_hold_the_templates_ids_in_worker_processes_too(adopte
     for rec, row in zip(pairs, index):
         prompt, chosen, rejected = dpo_messages(rec)
         for (off, length), reply in zip(((row[0], row[1]), (row[2], row[3])), (chosen, rejected)):
-            assert ids[off:off + length].tolist() == _reference(tok, prompt + [{"role": "assistant", "content": reply}])
-            learned = labels[off:off + length]
-            assert tok.decode(learned[learned != -100]) == (reply.strip() if name != "qwen2.5" else reply) + closing
+            assert ids[off:off + length].tolist() == _reference(tok, prompt + [reply])
+            learned, text = labels[off:off + length], reply["content"]
+            assert tok.decode(learned[learned != -100]) == (text.strip() if name != "qwen2.5" else text) + closing
 
 
 @pytest.mark.parametrize("name", ["llama3.2", "qwen2.5"])

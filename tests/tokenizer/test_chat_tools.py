@@ -349,3 +349,36 @@ def test_the_bundled_tool_calls_read_whole_and_learn_calls_and_answers_only(tiny
                 name = f'"name": "{call["function"]["name"]}"'
                 assert (name in learned) == (m.get("weight", 1) == 1), (i, learned)
     assert "Let me compute that." not in tok.decode(ds[5]["labels"][ds[5]["labels"] != -100].tolist())
+
+
+@pytest.mark.parametrize("which", ["qwen2.5", "ours"])
+def test_preference_pairs_over_tool_calls(qwen_tools, tiny_pretrain_data, tmp_path, which):
+    """DPO pairs whose replies call tools (TRL's DPO with `tools`; the explicit shape and the implicit one): each
+    branch is apply_chat_template's text with the record's tools, and learns its own reply only, the call of one and
+    the refusal of the other."""
+    from transformers import AutoTokenizer
+
+    from data_preprocess.pretokenize_dpo_data import tokenize_dpo_records
+    from dataset.dataset_dpo import DPODataset
+    tok_dir = qwen_tools[2] if which == "qwen2.5" else tiny_pretrain_data["tokenizer_dir"]
+    ref = qwen_tools[0] if which == "qwen2.5" else AutoTokenizer.from_pretrained(tok_dir)
+    user = {"role": "user", "content": "Weather in Paris?"}
+    chosen = {"role": "assistant", "content": None, "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]}
+    rejected = {"role": "assistant", "content": "I cannot check the weather."}
+    records = [{"tools": [WEATHER], "prompt": [user], "chosen": [chosen], "rejected": [rejected]},
+               {"tools": [WEATHER], "chosen": [user, chosen], "rejected": [user, rejected]}]
+    (tmp_path / "p").mkdir()
+    (tmp_path / "p" / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    ds = DPODataset(tokenize_dpo_records(str(tmp_path / "p"), tok_dir, 1024), 1024)
+    assert len(ds) == 2
+    normal = {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>'
+    for i in range(2):
+        for side, reply, learned in (("chosen", normal, call), ("rejected", rejected,
+                                                                  "I cannot check the weather.<|im_end|>")):
+            x, y = ds[i][f"{side}_input_ids"].tolist(), ds[i][f"{side}_labels"]
+            want = list(ref.apply_chat_template([user, reply], tools=[WEATHER], tokenize=True, return_dict=False))
+            assert x == want[:len(x)] and len(x) >= len(want) - 2 and "# Tools" in ref.decode(x)
+            assert ref.decode(y[y != -100].tolist()) == learned
