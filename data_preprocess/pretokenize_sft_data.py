@@ -253,9 +253,9 @@ records: {"instruction","input"?,"output","system"?} or {"conversations"|"messag
   "content"|"value", "reasoning_content"?, "weight"?, "tool_calls"?}], "system"?, "tools"?} or TRL's
   {"prompt", "completion"} (texts or messages); human->user, gpt->assistant; reasoning becomes a
   <think> block before the content; "weight": 0 keeps an assistant turn as context (not learned);
-  tool calls, "tool" turns and "tools" need a tokenizer whose chat template writes them. Labels are the ids of what the assistant says (its content
-  and the token closing its turn, <|im_end|> in ChatML; the tokenizer's own chat template where it has
-  one); everything else is -100.
+  tool calls, "tool" turns and "tools" are written by the chat template (ChatML: Qwen2.5's format).
+  Labels are the ids of what the assistant says (its content, its tool calls, and the token closing its
+  turn, <|im_end|> in ChatML; the tokenizer's own chat template where it has one); everything else is -100.
 over-long policy (--overlong): a sample may hold max_seq_len+1 tokens (the model sees len-1 after the
   shift). truncate (default) keeps the first max_seq_len+1 tokens; drop drops the sample. Samples with
   no target token left are dropped. All are counted per file in sft_meta.json and the log.

@@ -177,8 +177,9 @@ def _prompt_completion(rec: dict) -> list[dict[str, str]]:
 
 
 def dpo_messages(rec: Any) -> tuple[list[dict[str, str]], dict[str, Any], dict[str, Any]]:
-    """(prompt messages, chosen reply, rejected reply: assistant messages, tool calls kept) of a DPO record: an explicit prompt ("prompt" or
-    "conversations"), or TRL's implicit one (chosen and rejected whole conversations or texts sharing it)."""
+    """(prompt messages, chosen reply, rejected reply: assistant messages, tool calls kept) of a DPO record: an
+    explicit prompt ("prompt" or "conversations"), or TRL's implicit one (chosen and rejected whole conversations or
+    texts sharing it)."""
     if isinstance(rec, dict) and "prompt" not in rec and "conversations" not in rec and "chosen" in rec:
         return _implicit_prompt(rec)
     prompt = _prompt_messages(rec)
@@ -284,8 +285,8 @@ def with_tools(rec: dict, messages: list) -> list:
 
 
 def kto_messages(rec: Any) -> tuple[list[dict[str, str]], dict[str, Any], bool]:
-    """(prompt messages, the completion as the assistant's message, desirable) of a KTO record (TRL's unpaired preference shape: "prompt" or
-    "conversations", "completion" a string or an assistant message, "label" a bool)."""
+    """(prompt messages, the completion as the assistant's message, desirable) of a KTO record (TRL's unpaired
+    preference shape: "prompt" or "conversations", "completion" a string or an assistant message, "label" a bool)."""
     prompt = _prompt_messages(rec)
     reply = _reply(rec, "completion")
     label = rec.get("label")
