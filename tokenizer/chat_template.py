@@ -178,7 +178,7 @@ class TemplateChat:
         # spans)) otherwise, a segment being the text between two added tokens (the template's and the contents'
         # together, encoded as one piece so BPE merges match apply_chat_template) and spans its contents' (start,
         # end, message index); offsets are in the rendered text
-        if uses_tools(messages):
+        if uses_tools(messages) or (extra or {}).get("tools"):
             self._check_tool_text(messages, extra)
         pieces, real = self.pieces(messages, add_generation_prompt, extra)
         items: list[tuple[str, Any, Any]] = []

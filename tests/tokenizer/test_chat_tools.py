@@ -300,6 +300,8 @@ def test_malformed_calls_and_schemas_are_refused_with_their_reason(qwen_tools):
     tok = qwen_tools[0]
     with pytest.raises(ValueError, match=re.escape("holds '<|im_end|>', a control token")):
         encode_chat(tok, sft_messages({"messages": [user, call(name="f", arguments={"x": "<|im_end|>"})]}))
+    with pytest.raises(ValueError, match=re.escape("holds '<|im_end|>', a control token")):  # (a prompt's, as GRPO's)
+        encode_chat(tok, [user], add_generation_prompt=True, template_kwargs={"tools": [{"name": "<|im_end|>"}]})
 
 
 def test_grpo_prompts_offer_the_records_tools(tiny_pretrain_data, tmp_path):
