@@ -276,6 +276,16 @@ def test_a_chatml_template_from_before_tool_calling_refuses_them(tiny_pretrain_d
     old.chat_template = CHATML_TEMPLATE_BEFORE_TOOLS
     plain = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     assert encode_chat(old, plain) == encode_chat(ours, plain)  # (still ChatML, written directly)
+    # without tools, the template writes the old one's text, so the old exports and the new read alike
+    from transformers import AutoTokenizer
+    from tokenizer.contract import CHATML_TEMPLATE
+    ref = AutoTokenizer.from_pretrained(tiny_pretrain_data["tokenizer_dir"])
+    assert ref.chat_template == CHATML_TEMPLATE != CHATML_TEMPLATE_BEFORE_TOOLS
+    for conv in (plain, [{"role": "system", "content": "S"}] + plain + [{"role": "user", "content": "more\n"}]):
+        for gen in (False, True):
+            texts = [ref.apply_chat_template(conv, chat_template=t, tokenize=False, add_generation_prompt=gen)
+                     for t in (ref.chat_template, CHATML_TEMPLATE_BEFORE_TOOLS)]
+            assert texts[0] == texts[1] and "<|im_start|>user\nhi<|im_end|>\n" in texts[0]
     with pytest.raises(ValueError, match="predates tool calling"):
         encode_chat(old, sft_messages(RECORD))
 
