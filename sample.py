@@ -115,10 +115,10 @@ def _read_tools(args) -> str:
     """--tools: the file's function schemas into the template's `tools` variable; a problem's line, or ''."""
     import json
 
-    from data_preprocess.sft_tools import tools
+    from data_preprocess.sft_format import record_tools
     try:
         with open(args.tools, encoding="utf-8") as f:
-            offered = tools({"tools": json.load(f)})
+            offered = record_tools({"tools": json.load(f)})
     except (OSError, ValueError) as e:
         return f"--tools={args.tools}: {e}"
     if not offered:

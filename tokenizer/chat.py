@@ -79,13 +79,12 @@ def encode_chat(tok: Any, messages: Sequence[Mapping[str, str]], add_generation_
     for i, m in enumerate(messages):
         if not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise ValueError(f"message {i}: 'role' and 'content' must be strings, got {dict(m)!r}")
+    if getattr(messages, "tools", None):  # (a Conversation's tools: the template's `tools` variable)
+        template_kwargs = {**(template_kwargs or {}), "tools": messages.tools}
+    offered = (template_kwargs or {}).get("tools")
     chat = own_template(tok)
     if chat is not None:
-        offered = getattr(messages, "tools", None)
-        if offered:
-            template_kwargs = {**(template_kwargs or {}), "tools": offered}
         return chat.encode(messages, add_generation_prompt, train_roles, template_kwargs)
-    offered = getattr(messages, "tools", None) or (template_kwargs or {}).get("tools")
     trained_turns = [is_trained(m, train_roles) for m in messages]
     if offered or uses_tools(messages):
         if getattr(tok, "chat_template", None) != CHATML_TEMPLATE:

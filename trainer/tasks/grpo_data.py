@@ -14,8 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from data_preprocess.readers import RECORD_KINDS, find_input_files, iter_records, lone_surrogate, skip_counter
-from data_preprocess.sft_format import ROLE_MAP
-from data_preprocess.sft_tools import tools
+from data_preprocess.sft_format import ROLE_MAP, record_tools
 from data_preprocess.shard_format import DataError
 
 
@@ -103,7 +102,7 @@ def read_prompts_file(path: str, cfg: Any, tok: Any, tok_meta: dict, needs_answe
                     messages = prompt_messages(msgs)
                     if any(lone_surrogate(m["content"]) is not None for m in messages):
                         raise ValueError("holds a lone surrogate (cannot be encoded)")
-                    offered = tools(rec)  # (the record's function schemas, offered in the prompt as SFT's are)
+                    offered = record_tools(rec)  # (the function schemas, offered in the prompt, checked as SFT's)
                     kwargs = {**extra, "tools": offered} if offered else extra
                     ids = list(encode_chat(tok, messages, add_generation_prompt=True, template_kwargs=kwargs)[0])
                     shown = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
