@@ -29,8 +29,8 @@ from trainer.tasks.grpo_data import PromptSet, read_prompts_file
 from trainer.tasks.grpo_loss import (MICRO_BATCH_MEAN, TOKEN_AVERAGED, aggregate, batch_std, group_advantages,
                                      high_entropy_mask, per_token_terms, units_of)
 from trainer.tasks.grpo_rewards import build_rewards
-from trainer.tasks.grpo_rollout import (Group, drop_truncated, every_rank_done, rollout_seed, sample_in_calls,
-                                        token_logps, training_rows)
+from trainer.tasks.grpo_rollout import (Group, completion_lengths, drop_truncated, every_rank_done, rollout_seed,
+                                        sample_in_calls, token_logps, training_rows)
 from utils.constants import EXIT_BAD_CONFIG
 from utils.device import is_accelerator, parse_dtype, to_device
 from utils.errors import TrainingError
@@ -55,6 +55,10 @@ class GRPOTask(Task):
         self.teacher_kl = getattr(cfg, "teacher_kl_coef", 0.0) > 0  # on-policy distillation: the reference teaches
         if self.teacher_kl:
             self.stat_keys += ("teacher_kl",)
+        self._tools = None  # --tools: name -> grpo_tools.Tool, imported by `datasets`
+        self._with_tools = bool(str(getattr(cfg, "tools", "")).strip())
+        if self._with_tools:
+            self.stat_keys += ("tool_calls", "tool_failures")
         self.needs_reference = cfg.beta > 0 or self.teacher_kl
         self.row_len = cfg.max_prompt_length + cfg.max_completion_length
         cp = int(getattr(cfg, "context_parallel_size", 1))
@@ -75,7 +79,9 @@ class GRPOTask(Task):
         self._log = log or self._log
         # the reward functions imported and checked now, at the start (--reward_model's loads with the tools)
         answers = build_rewards(cfg, model_reward=_LOADED_LATER).needs_answer
-        prompts = read_prompts_file(cfg.data_dir, cfg, load_tokenizer(cfg.tokenizer_dir), tok_meta, answers, log)
+        run_tools = self._check_tools(load_tokenizer(cfg.tokenizer_dir)) if str(cfg.tools).strip() else None
+        prompts = read_prompts_file(cfg.data_dir, cfg, load_tokenizer(cfg.tokenizer_dir), tok_meta, answers, log,
+                                    run_tools)
         train = PromptSet(prompts)
         if not cfg.eval_data_dir:
             return TaskData(train, PromptSet([]), train.collate, "prompts",
@@ -84,6 +90,26 @@ class GRPOTask(Task):
         return TaskData(train, PromptSet(held), train.collate, "prompts",
                         f"--eval_data_dir={cfg.eval_data_dir}, answered greedily: val_reward",
                         "give more held-out prompts in --eval_data_dir")
+
+    def _check_tools(self, tok) -> dict:
+        """--tools imported, and the template's results turn rendered once for a call of the first: a tokenizer that
+        cannot feed results back stops the run now, in one line (grpo_tools.ToolsError). name -> schema."""
+        from tokenizer import load_tokenizer_meta
+        from tokenizer.chat import chat_stop_ids
+        from tokenizer.chat_template import parse_template_kwargs
+        from trainer.tasks.grpo_tools import ToolRunner, ToolsError, check_tool_template, load_tools
+        self._tools = load_tools(self.cfg.tools)
+        check_tool_template(tok)
+        schemas = [t.schema for t in self._tools.values()]
+        stops = chat_stop_ids(tok, load_tokenizer_meta(self.cfg.tokenizer_dir)["special_tokens"])
+        runner = ToolRunner(tok, self._tools, [schemas], stops, parse_template_kwargs(str(self.cfg.chat_template_kwargs)))
+        call = {"type": "function", "function": {"name": schemas[0]["function"]["name"], "arguments": {}}}
+        try:
+            runner.results_ids({"role": "assistant", "content": "", "tool_calls": [call]},
+                               [{"role": "tool", "name": call["function"]["name"], "content": "0"}])
+        except ValueError as e:
+            raise ToolsError(f"--tools: the chat template cannot feed a call's results back: {e}") from None
+        return {name: t.schema for name, t in self._tools.items()}
 
     def evaluate(self, engine, val, info):
         """The held-out prompts answered (greedily, or --eval_num_generations samples each), scored by the run's
@@ -172,24 +198,41 @@ class GRPOTask(Task):
         cfg, sp = self.cfg, self._special
         stop_ids = self._stop_ids
         pad = int(sp["pad"]["id"])
-        groups, values = [], []
+        groups, values, lengths, tool_counts = [], [], [], []
         items = list(zip(batch["prompt_index"].tolist(), batch["prompts"]))
+        runner = None
+        if self._tools:  # the policy's calls run as it writes them (trainer/tasks/grpo_tools.py)
+            from tokenizer.chat_template import parse_template_kwargs
+            from trainer.tasks.grpo_tools import ToolRunner
+            runner = ToolRunner(self._tok, self._tools, [p.tools for _, p in items], stop_ids,
+                                parse_template_kwargs(str(cfg.chat_template_kwargs)), cfg.max_tool_calling_iterations)
         rolled = sample_in_calls(
             model, [prompt.ids for _, prompt in items], [rollout_seed(cfg.seed, step, idx) for idx, _ in items],
             cfg.rollout_batch_prompts, cfg.num_generations, cfg.max_completion_length, device=device,
             temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p,
             repetition_penalty=cfg.repetition_penalty, stop_ids=stop_ids, pad_id=pad,
-            use_cache=cfg.generation_kv_cache, row_len=self.row_len, all_done=all_done)
-        for (idx, prompt), (toks, mask, lps) in zip(items, rolled):
+            use_cache=cfg.generation_kv_cache, row_len=self.row_len, all_done=all_done,
+            turn_end=runner.turn_end if runner is not None else None)
+        for k, ((idx, prompt), (toks, mask, lps)) in enumerate(zip(items, rolled)):
             trained = drop_truncated(toks, mask, stop_ids) if cfg.mask_truncated_completions else mask
             groups.append(Group(idx, toks, trained, lps))
-            kept = [[t for t, keep in zip(row, m) if keep] for row, m in zip(toks.tolist(), mask.tolist())]
-            texts = [self._tok.decode([t for t in c if t not in stop_ids], skip_special_tokens=True) for c in kept]
-            for text, vals in zip(texts, self._rewards.score_many(prompt.text, texts, prompt.record, prompt.answer,
-                                                                  prompt.where, prompt.ids, kept)):
+            lengths.append(completion_lengths(trained))
+            kept = [row[:n] for row, n in zip(toks.tolist(), completion_lengths(mask).tolist())]  # through the stop
+            messages = shown = None
+            if runner is None:
+                texts = [self._tok.decode([t for t in c if t not in stop_ids], skip_special_tokens=True) for c in kept]
+            else:  # the rewards read the last turn's text (ours) or the transcript (TRL's); the samples the whole
+                done = [runner.finish(k, j, c) for j, c in enumerate(kept)]
+                texts, messages = [d[0] for d in done], [d[1] for d in done]
+                tool_counts += [(d[2].calls, d[2].failures) for d in done]
+                shown = [self._tok.decode(c, skip_special_tokens=False) for c in kept]
+            scores = self._rewards.score_many(prompt.text, texts, prompt.record, prompt.answer, prompt.where,
+                                              prompt.ids, kept, messages)
+            for j, (text, vals) in enumerate(zip(texts, scores)):
                 values.append(vals)
                 if len(samples) < cfg.num_completions_to_print:
-                    samples.append({"step": step + 1, "prompt": prompt.text, "completion": text,
+                    samples.append({"step": step + 1, "prompt": prompt.text,
+                                    "completion": text if shown is None else shown[j],
                                     "reward": self._rewards.total(vals),
                                     **{f"reward_{n}": v if v == v else None for n, v in zip(self.reward_names, vals)}})
         rows = training_rows([pr.ids for pr in batch["prompts"]], groups, self.row_len, pad)
@@ -197,9 +240,11 @@ class GRPOTask(Task):
         weighted = per_fn * torch.tensor(self._rewards.weights, dtype=torch.float64)
         total = torch.where(per_fn.isnan(), torch.zeros_like(weighted), weighted).sum(1)
         rows["rewards"], rows["reward"] = per_fn, total
-        lengths = torch.tensor([len(pr.ids) for pr in batch["prompts"] for _ in range(cfg.num_generations)])
-        real = rows["completion_mask"].sum(1) + lengths  # prompt + completion tokens: what count_tokens counts
+        prompt_lengths = torch.tensor([len(pr.ids) for pr in batch["prompts"] for _ in range(cfg.num_generations)])
+        real = torch.cat(lengths).cpu() + prompt_lengths  # prompt + completion tokens: what count_tokens counts
         rows["attention_mask"] = (torch.arange(self.row_len)[None] < real[:, None]).long()
+        if runner is not None:  # each completion's calls run and how many failed (the step's tool statistics)
+            rows["tool_calls"], rows["tool_failures"] = torch.tensor(tool_counts, dtype=torch.float64).T
         return rows
 
     def _advantages(self, rollout: list, loop: Any, device) -> None:
@@ -296,6 +341,9 @@ class GRPOTask(Task):
                  "entropy": (entropy * mask).sum(), "lp_diff_sum": diff.sum(), "lp_diff_max": 0.0, "one": 0.0}
         if self.teacher_kl:
             stats["teacher_kl"] = batch["teacher_kl"].sum().item()  # a host value
+        if self._with_tools:
+            stats["tool_calls"], stats["tool_failures"] = (float(batch[k].sum()) for k in ("tool_calls",
+                                                                                          "tool_failures"))
         for k, n in enumerate(self.reward_names):  # host values: no device read; a reward not applicable left out
             col = batch["rewards"][:, k]
             stats[f"reward_{n}"] = col.nan_to_num(nan=0.0).sum().item()
@@ -334,4 +382,7 @@ class GRPOTask(Task):
             out["kl"] = per_unit["kl"] / t
         if self.teacher_kl:  # the mean per-token reverse KL to the teacher on the rollouts (sampled estimate)
             out["teacher_kl"] = per_unit["teacher_kl"] / t
+        if self._with_tools:  # TRL's tools/call_frequency (calls per completion) and tools/failure_frequency (per call)
+            out["tool_call_frequency"] = per_unit["tool_calls"] / n
+            out["tool_failure_frequency"] = per_unit["tool_failures"] / max(per_unit["tool_calls"], 1e-30)
         return out

@@ -10,7 +10,7 @@ Must never: drop a record without counting it, or tokenize a prompt differently 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from data_preprocess.readers import RECORD_KINDS, find_input_files, iter_records, lone_surrogate, skip_counter
@@ -25,6 +25,7 @@ class Prompt:
     answer: Any        # the record's reference answer (None when it has none)
     record: dict       # the whole record (a user reward function gets it)
     where: str         # file:line, for errors that name the record
+    tools: list = field(default_factory=list)  # the tool schemas offered in the prompt (--tools: those it may call)
 
 
 class PromptSet:
@@ -70,11 +71,26 @@ def _inputs(path: str) -> list:
     return find_input_files(path, kinds=RECORD_KINDS, what="GRPO prompt")
 
 
+def offered_tools(rec: dict, run_tools: Optional[dict]) -> Optional[list]:
+    """The tool schemas a chat prompt offers: the record's `tools` (checked as SFT's), or with --tools (`run_tools`,
+    name -> schema) the run's, a record's own then naming only functions the run defines (ValueError otherwise)."""
+    own = record_tools(rec)
+    if not run_tools:
+        return own
+    if not own:
+        return list(run_tools.values())
+    unknown = [s.get("function", s).get("name") for s in own if s.get("function", s).get("name") not in run_tools]
+    if unknown:
+        raise ValueError(f"its 'tools' name {unknown[0]!r}, which --tools does not define")
+    return [run_tools[s.get("function", s)["name"]] for s in own]
+
+
 def read_prompts_file(path: str, cfg: Any, tok: Any, tok_meta: dict, needs_answer: bool,
-                      log: Optional[Callable[[str], None]]) -> list:
+                      log: Optional[Callable[[str], None]], run_tools: Optional[dict] = None) -> list:
     """Every usable record of `path` as a Prompt, in file order. A record without the prompt field(s), with a
     prompt longer than --max_prompt_length tokens, or (when a built-in answer reward runs) without an answer is
-    a counted skip, the first ones named in the log; the account is one [data] line."""
+    a counted skip, the first ones named in the log; the account is one [data] line. `run_tools` (--tools: name ->
+    schema): every prompt must be a chat, offering them (`offered_tools`)."""
     from tokenizer import encode_chat, encode_prompts
     from tokenizer.chat import check_chat
     from tokenizer.chat_template import parse_template_kwargs
@@ -102,11 +118,13 @@ def read_prompts_file(path: str, cfg: Any, tok: Any, tok_meta: dict, needs_answe
                     messages = prompt_messages(msgs)
                     if any(lone_surrogate(m["content"]) is not None for m in messages):
                         raise ValueError("holds a lone surrogate (cannot be encoded)")
-                    offered = record_tools(rec)  # (the function schemas, offered in the prompt, checked as SFT's)
+                    offered = offered_tools(rec, run_tools)  # (the function schemas offered in the prompt)
                     kwargs = {**extra, "tools": offered} if offered else extra
                     ids = list(encode_chat(tok, messages, add_generation_prompt=True, template_kwargs=kwargs)[0])
                     shown = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
                 elif isinstance(text, str) and text.strip():
+                    if run_tools:
+                        raise ValueError("a plain-text prompt; --tools needs chat messages (the template offers them)")
                     if lone_surrogate(text) is not None:
                         raise ValueError("holds a lone surrogate (cannot be encoded)")
                     ids, shown = encode_prompts(tok, tok_meta, [text])[0], text
@@ -122,7 +140,7 @@ def read_prompts_file(path: str, cfg: Any, tok: Any, tok_meta: dict, needs_answe
             if len(ids) > cfg.max_prompt_length:
                 skips.skip(where, "prompt too long", f"{len(ids)} tokens > --max_prompt_length={cfg.max_prompt_length}")
                 continue
-            out.append(Prompt(ids, shown, answer, rec, where))
+            out.append(Prompt(ids, shown, answer, rec, where, list(offered or []) if msgs is not None else []))
     if log is not None:
         reasons = ", ".join(f"{k} {v}" for k, v in sorted(skips.counts.items()))
         log(f"[data] grpo {path}: {read} records -> {len(out)} prompts, skipped {skips.total}"

@@ -140,6 +140,12 @@ class GRPOFlags:
                                 "each rank's vocabulary shard, never gathered (model/token_logprobs.py). Equal to "
                                 "the whole-logits values within fp32 rounding, so not bit-equal to the sampler's "
                                 "with --generation_kv_cache=false")
+    tools: str = _f("", "grpo: Python functions the policy may call during its rollouts (TRL's tools), comma-separated "
+                    "module:function: each offered in every chat prompt with the schema its type hints and docstring "
+                    "give (transformers' get_json_schema), its calls (<tool_call> JSON blocks, the Qwen2.5 / Hermes "
+                    "format our ChatML writes) run and their results fed back, never trained on (docs/grpo.md)")
+    max_tool_calling_iterations: int = _f(0, "grpo, --tools: calling turns run per completion at most (TRL's name); "
+                                          "0 = as many as --max_completion_length holds")
     log_completions: bool = _f(True, "grpo: write prompts, completions and rewards to <out_dir>/samples.jsonl every "
                                "--log_interval steps (rank 0's first --num_completions_to_print)")
     num_completions_to_print: int = _f(4, "grpo: completions written per logged step")
@@ -276,6 +282,22 @@ def grpo_problems(cfg: Any, resume_policy: str) -> list[str]:
             re.compile(cfg.format_regex)
         except re.error as e:
             out.append(f"--format_regex={cfg.format_regex!r}: not a regular expression ({e})")
+    out += tool_problems(cfg)
     if cfg.init_from == "scratch" and resume_policy != "always":
         out.append("--task_type=grpo starts from pretrained (SFT) weights: pass --init_from=<run dir>")
+    return out
+
+
+def tool_problems(cfg: Any) -> list[str]:
+    """--tools / --max_tool_calling_iterations' checks (the functions are imported at the start: grpo_tools.py)."""
+    out = []
+    if cfg.max_tool_calling_iterations < 0:
+        out.append(f"--max_tool_calling_iterations={cfg.max_tool_calling_iterations}: must be >= 0 (0 = no limit)")
+    items = [s.strip() for s in str(cfg.tools).split(",") if s.strip()]
+    for item in items:
+        if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", item):
+            out.append(f"--tools: {item!r} is not module:function")
+    if items and cfg.eval_data_dir:
+        out.append(f"--eval_data_dir={cfg.eval_data_dir} with --tools: the held-out answers are decoded without running "
+                   "tools (not supported yet); watch the rollouts' rewards instead")
     return out

@@ -105,8 +105,9 @@ class TRLReward:
     """A reward function written for TRL's GRPOTrainer (a parameter named `completions`): called once for a prompt's
     G completions as fn(prompts=[...] * G, completions=[...], completion_ids=[...], <each other field of the record>=
     [value] * G), returning G numbers. A chat prompt (the record's --messages_field) comes as its messages and each
-    completion as [{"role": "assistant", "content": text}], TRL's conversational shapes; a plain prompt and the
-    completions as strings. A function without **kwargs gets only the arguments it names."""
+    completion as [{"role": "assistant", "content": text}], TRL's conversational shapes (with --tools its transcript:
+    each calling turn with its tool_calls, the tool results, the last turn); a plain prompt and the completions as
+    strings. A function without **kwargs gets only the arguments it names."""
     fn: Callable
     messages_field: str
     prompt_field: str
@@ -117,14 +118,15 @@ class TRLReward:
                       else frozenset(params))  # None: it takes **kwargs, so every argument
 
     def many(self, prompt: str, completions: Sequence[str], record: dict, prompt_ids: Sequence[int],
-             completion_ids: Sequence[Sequence[int]]) -> list:
+             completion_ids: Sequence[Sequence[int]], messages: Optional[Sequence[list]] = None) -> list:
         g = len(completions)
         shown = record.get(self.messages_field)
         if shown is None:
             shown = record.get(self.prompt_field, prompt)
         chat = isinstance(shown, list)  # (a chat prompt's messages: --messages_field, or TRL's "prompt" list)
         kwargs = {"prompts": [shown] * g, "completion_ids": [list(ids) for ids in completion_ids],
-                  "completions": [[{"role": "assistant", "content": c}] for c in completions] if chat
+                  "completions": ([list(m) for m in messages] if messages is not None else
+                                  [[{"role": "assistant", "content": c}] for c in completions]) if chat
                   else list(completions)}
         skip = {self.messages_field, self.prompt_field, "completion", *kwargs}
         kwargs.update({k: [v] * g for k, v in record.items() if k not in skip})
@@ -157,16 +159,20 @@ class RewardSet:
     needs_answer: bool
 
     def score_many(self, prompt: str, completions: Sequence[str], record: dict, answer: Any, where: str,
-                   prompt_ids: Sequence[int] = (), completion_ids: Sequence[Sequence[int]] = ()) -> list[list[float]]:
+                   prompt_ids: Sequence[int] = (), completion_ids: Sequence[Sequence[int]] = (),
+                   messages: Optional[Sequence[list]] = None) -> list[list[float]]:
         """Each function's value on each of a prompt's completions (text, and token ids through the stop token for a
         model's reward); a user function's None ("not applicable" to this completion, TRL's convention for rewards of
         one task among several) is NaN here and left out of the total and of that function's mean; RewardError
         naming the function and `where` (file:line of the record) when one raises or returns anything else but a
-        finite real number."""
+        finite real number. `messages` (--tools): each completion's transcript, for the functions written for TRL
+        (the others read the text of the last turn, `completions`)."""
         out: list[list[float]] = [[] for _ in completions]
         for name, fn in zip(self.names, self.fns):
             try:
-                if hasattr(fn, "many"):
+                if isinstance(fn, TRLReward):
+                    values = fn.many(prompt, completions, record, prompt_ids, completion_ids, messages)
+                elif hasattr(fn, "many"):
                     values = list(fn.many(prompt, completions, record, prompt_ids, completion_ids))
                 else:
                     values = [fn(prompt, c, record, answer) for c in completions]

@@ -41,6 +41,53 @@ def rollout_seed(seed: int, step: int, prompt_index: int) -> int:
     return x & 0x7FFF_FFFF_FFFF_FFFF
 
 
+# turn_end(prompt k of the call, row j of its group, the turn's ids through its stop id, tokens left) -> ids to feed
+TurnEnd = Callable[[int, int, list, int], Optional[Sequence[int]]]
+
+
+class _Feed:
+    """`sample_groups`' tool-use state: the ids still to feed to each row (a tool's result), where each row's current
+    turn started, and which positions were fed (`forced`, [B, n])."""
+
+    def __init__(self, rows: int, n: int, device: Any, turn_end: Optional[TurnEnd], group_size: int) -> None:
+        self.pending: dict[int, list[int]] = {}
+        self.start = [0] * rows
+        self.forced = torch.zeros((rows, n), dtype=torch.bool, device=device) if turn_end is not None else None
+        self.turn_end, self.G, self.device = turn_end, group_size, device
+
+    def force(self, nxt: torch.Tensor, t: int) -> torch.Tensor:
+        """`nxt` with each fed row's next id in place of its draw (the draw is still made: the group's generator
+        advances as without tools)."""
+        if not self.pending:
+            return nxt
+        rows = sorted(self.pending)
+        ids = [self.pending[r].pop(0) for r in rows]
+        at = torch.tensor(rows, dtype=torch.long, device=self.device)
+        nxt = nxt.clone()
+        nxt[at] = torch.tensor(ids, dtype=nxt.dtype, device=self.device)
+        self.forced[at, t] = True
+        for r in rows:
+            if not self.pending[r]:
+                del self.pending[r]
+                self.start[r] = t + 1  # the next turn starts after the generation prompt fed
+        return nxt
+
+    def turns_ended(self, toks: torch.Tensor, t: int, hit: torch.Tensor, room: int) -> torch.Tensor:
+        """The rows that end at step t: those that drew a stop id (`hit`, fed ids never count) and whose turn_end
+        fed nothing more."""
+        hit = hit & ~self.forced[:, t]
+        if not bool(hit.any()):
+            return hit
+        for r in hit.nonzero()[:, 0].tolist():
+            more = self.turn_end(r // self.G, r % self.G, toks[r, self.start[r]:t + 1].tolist(), room)
+            if more:
+                if len(more) >= room:
+                    raise ValueError(f"turn_end fed {len(more)} ids with {room} tokens left: at most {room - 1}")
+                self.pending[r] = [int(i) for i in more]
+                hit[r] = False
+        return hit
+
+
 @dataclass
 class Group:
     """One prompt's G completions: tokens [G, n] (after a row's stop token: the pad id), mask [G, n] (1 on the
@@ -63,11 +110,14 @@ def sample_in_calls(model, prompts: Sequence[Sequence[int]], seeds: Sequence[int
                     max_new_tokens: int, *, device: Any, **kw) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """`sample_groups` over `prompts`, `per_call` of them a call (--rollout_batch_prompts; 0: all in one call), prompt
     k's group drawn from a generator seeded with seeds[k] (`rollout_seed`): [(tokens, mask, logps)] in the prompts'
-    order. Ranks holding as many prompts make as many calls (`kw`: sample_groups' keywords, all_done included)."""
+    order. Ranks holding as many prompts make as many calls (`kw`: sample_groups' keywords, all_done included;
+    turn_end gets the prompt's index in `prompts`)."""
     per_call = per_call or max(1, len(prompts))
-    out = []
+    out, turn_end = [], kw.pop("turn_end", None)
     for c in range(0, len(prompts), per_call):
         generators = [torch.Generator(device=device).manual_seed(s) for s in seeds[c:c + per_call]]
+        if turn_end is not None:  # (its prompt index: the micro-batch's, not the call's)
+            kw["turn_end"] = lambda k, j, turn, room, c=c: turn_end(c + k, j, turn, room)
         out += sample_groups(model, prompts[c:c + per_call], group_size, max_new_tokens, generators=generators, **kw)
     return out
 
@@ -76,8 +126,8 @@ def sample_in_calls(model, prompts: Sequence[Sequence[int]], seeds: Sequence[int
 def sample_groups(model, prompts: Sequence[Sequence[int]], group_size: int, max_new_tokens: int, *, temperature: float,
                   top_p: float, stop_ids: Sequence[int], pad_id: int, generators: Sequence[torch.Generator],
                   top_k: int = 0, min_p: float = 0.0, repetition_penalty: float = 1.0,
-                  use_cache: bool = True, row_len: int = 0, all_done: Optional[Callable[[bool], bool]] = None
-                  ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+                  use_cache: bool = True, row_len: int = 0, all_done: Optional[Callable[[bool], bool]] = None,
+                  turn_end: Optional[TurnEnd] = None) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """[(tokens [G, n], mask [G, n], logps [G, n])] per prompt, n <= max_new_tokens: G completions of each prompt,
     all decoded together (K prompts: K x G rows, the prompts left-padded to the longest: model/decode.py
     prefill_groups), each group's tokens drawn from its own generator (`generators`, one per prompt), so a group
@@ -86,7 +136,11 @@ def sample_groups(model, prompts: Sequence[Sequence[int]], group_size: int, max_
     all_done(these groups are done) -> whether every rank's are (several ranks: a forward that all-gathers, FSDP's,
     must run as often on every rank); a group that finished first decodes on with its rows masked, the same tokens.
     repetition_penalty != 1 penalises the draws (model/generate.py penalize_repeats over the prompt and the row's
-    completion so far), not the recorded log-probabilities (TRL's)."""
+    completion so far), not the recorded log-probabilities (TRL's).
+    turn_end(k, j, turn, room) (tool use, trainer/tasks/grpo_tools.py): called when row j of prompt k emits a stop id,
+    with the ids of its turn (through the stop) and the tokens left; the ids it returns (a tool's result and the next
+    generation prompt, fewer than `room`) are fed to the row one a step, recorded with mask 0 and log-probability 0,
+    and the row samples on; None ends the row. Without it a stop id ends the row."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
@@ -105,6 +159,7 @@ def sample_groups(model, prompts: Sequence[Sequence[int]], group_size: int, max_
         toks = torch.full((B, max_new_tokens), pad_id, dtype=torch.long, device=device)
         ended = torch.ones((B, max_new_tokens), dtype=torch.bool, device=device)
         lps = torch.zeros((B, max_new_tokens), dtype=torch.float32, device=device)
+        feed = _Feed(B, max_new_tokens, device, turn_end, G)
         if use_cache:
             decoder = Decoder(model, B, P + max_new_tokens, device, decode_dtype(model, device))
         else:  # each row: its prompt from position 0, then its completion (the training rows' layout)
@@ -130,16 +185,23 @@ def sample_groups(model, prompts: Sequence[Sequence[int]], group_size: int, max_
                 draw = by_temperature(penalize_repeats(logits, seen, repetition_penalty))
             nxt = torch.cat([sample_scaled(draw[k * G:(k + 1) * G], top_k or None, top_p if top_p < 1.0 else None,
                                            gen, min_p or None) for k, gen in enumerate(generators)])
+            if turn_end is not None:
+                nxt = feed.force(nxt, t)  # rows being fed a tool's result take its next id, not the drawn one
             toks[:, t] = nxt.masked_fill(finished, pad_id)
             ended[:, t] = finished
             lps[:, t] = logp_all.gather(1, nxt[:, None])[:, 0]
-            finished |= torch.isin(nxt, stops)
+            if turn_end is None:
+                finished |= torch.isin(nxt, stops)
+            else:
+                finished |= feed.turns_ended(toks, t, torch.isin(nxt, stops) & ~finished, max_new_tokens - t - 1)
             if not use_cache:
                 row[rows_idx, at + t + 1] = toks[:, t]
             n = t + 1
             done = bool(finished.all()) if stops.numel() else False  # without stop ids no row ever finishes
             if all_done(done) if all_done is not None else done:
                 break
+        if turn_end is not None:  # a tool's result is context, not the policy's: not trained on
+            ended |= feed.forced
         lps.masked_fill_(ended, 0.0)
         if not bool(torch.isfinite(lps).all()):  # torch.multinomial's check, once per call (model/generate.py)
             raise ValueError("sampling a rollout: the policy's logits are not finite (NaN or inf): the model diverged")
@@ -155,11 +217,22 @@ def every_rank_done(engine: Any, device: Any) -> Callable[[bool], bool]:
     return lambda done: float(engine.sum_over_data([0.0 if done else 1.0], device)[0]) == 0.0
 
 
+def completion_lengths(mask: torch.Tensor) -> torch.Tensor:
+    """Each row's completion length [R]: through its last position of mask 1 (0 for none). Without tools the mask is
+    a run from 0, so this is its sum; with tools it spans the results fed between the turns."""
+    on = mask.bool()
+    at = torch.arange(1, on.shape[1] + 1, device=on.device)
+    return torch.where(on, at, torch.zeros_like(at)).amax(dim=1) if on.shape[1] else on.sum(1)
+
+
 def drop_truncated(tokens: torch.Tensor, mask: torch.Tensor, stop_ids: Sequence[int]) -> torch.Tensor:
-    """The mask with the rows that never emitted a stop id (cut at max_completion_length) zeroed: DAPO's overlong
-    filtering, a truncated completion is no evidence of a bad answer."""
+    """The mask with the rows whose last sampled token is not a stop id (cut at max_completion_length) zeroed: DAPO's
+    overlong filtering, a truncated completion is no evidence of a bad answer. (With tools an earlier turn's stop id
+    does not count: the last turn was cut.)"""
     stops = torch.tensor(sorted(set(stop_ids)), dtype=tokens.dtype, device=tokens.device)
-    ended = (torch.isin(tokens, stops) & mask.bool()).any(dim=1, keepdim=True)
+    n = completion_lengths(mask)
+    last = tokens.gather(1, (n - 1).clamp(min=0)[:, None])
+    ended = torch.isin(last, stops) & (n > 0)[:, None]
     return mask & ended if mask.dtype == torch.bool else mask * ended.to(mask.dtype)
 
 

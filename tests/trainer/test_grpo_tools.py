@@ -1,0 +1,304 @@
+"""GRPO with tools (--tools, trainer/tasks/grpo_tools.py): the rollout feeds a tool's results to the row that called
+it and samples on, the fed ids recorded as context (mask 0, log-probability 0) while the sampled ones keep the
+trainer's values (bit for bit from whole rows, within rounding from the KV cache); the results' ids are the
+template's own (the whole row equals apply_chat_template of the transcript, Qwen2.5's template and our ChatML); a
+tool's failure is the result the model reads; the task assembles rows, rewards (TRL's read the transcript) and tool
+statistics from a scripted policy."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.trainer.test_grpo_data import _cfg, _user_module
+from tests.trainer.test_grpo_parity import PAD, PROMPTS, _model, _trainer_logps
+from trainer.tasks.grpo_rollout import Group, rollout_seed, sample_group, token_logps, training_rows
+from trainer.tasks.grpo_tools import ToolRunner, ToolsError, load_tools, parse_calls, run_call
+
+FED = [50, 51, 52]  # what a "tool" feeds back: 50 and 51 are stop ids too (a result's closing token must not end it)
+STOPS = list(range(51, 96))  # (a random model then ends its turns often)
+MAX_NEW = 24
+
+
+def _feeding(rounds: int, log: list):
+    """A turn_end feeding FED after each of a row's first `rounds` turns (when it fits), logging what it saw."""
+    seen: dict = {}
+
+    def turn_end(k, j, turn, room):
+        log.append((k, j, list(turn), room))
+        seen[(k, j)] = seen.get((k, j), 0) + 1
+        return FED if seen[(k, j)] <= rounds and len(FED) < room else None
+    return turn_end
+
+
+def _rollout(model, use_cache: bool, log: list) -> list:
+    out = []
+    for i, ids in enumerate(PROMPTS):
+        g = torch.Generator().manual_seed(rollout_seed(3, 0, i))
+        toks, mask, lps = sample_group(model, ids, 4, MAX_NEW, temperature=0.9, top_p=1.0, stop_ids=STOPS,
+                                       pad_id=PAD, generator=g, use_cache=use_cache, row_len=7 + MAX_NEW,
+                                       turn_end=_feeding(2, log))
+        out.append(Group(i, toks, mask, lps))
+    return out
+
+
+@pytest.mark.parametrize("use_cache", [False, True])
+def test_fed_results_are_context_and_the_sampled_tokens_keep_the_trainers_values(use_cache):
+    model = _model()
+    log: list = []
+    groups = _rollout(model, use_cache, log)
+    fed_spans = 0
+    for g in groups:
+        for row, m, lp in zip(g.tokens.tolist(), g.mask.tolist(), g.logps.tolist()):
+            t = 0
+            while t < len(row) and (m[t] or row[t] == FED[0]):
+                if not m[t]:  # a fed span: right after a stop id the model drew, all of FED, then sampling again
+                    assert row[t - 1] in STOPS and m[t - 1] and row[t:t + 3] == FED and lp[t:t + 3] == [0.0] * 3
+                    assert m[t + 3] == 1, "the row samples on after its results"
+                    fed_spans += 1
+                    t += 3
+                    continue
+                t += 1
+            assert not any(m[t:]), "after the row's end nothing is trained on"
+    assert fed_spans >= 8 and len(log) > fed_spans  # (rows fed twice, then ended by their next stop)
+    assert all(turn[-1] in STOPS and FED[0] not in turn[:1] for _, _, turn, _ in log)
+    rows = training_rows(PROMPTS, groups, 7 + MAX_NEW, PAD)
+    on = rows["completion_mask"] > 0
+    with torch.no_grad():
+        trainer = _trainer_logps(model, rows)
+    if not use_cache:  # whole rows: the sampler's values are the training forward's, bit for bit
+        assert torch.equal(trainer[on], rows["gen_logps"][on])
+    else:  # KV cache: rounding only (a result not fed to the cache would put the later tokens far off)
+        exact = token_logps(_model().double()(rows["input_ids"]), rows["input_ids"], 0.9)[0][on]
+        err_trainer = (trainer[on].double() - exact).abs().max().item()
+        err_decode = (rows["gen_logps"][on].double() - exact).abs().max().item()
+        assert 0 < err_trainer < 1e-4 and err_decode <= 4 * err_trainer, (err_decode, err_trainer)
+    # the draws are the group's generator's as without tools: the tokens before the first feed are the same
+    plain = sample_group(model, PROMPTS[0], 4, MAX_NEW, temperature=0.9, top_p=1.0, stop_ids=STOPS, pad_id=PAD,
+                         generator=torch.Generator().manual_seed(rollout_seed(3, 0, 0)), use_cache=use_cache,
+                         row_len=7 + MAX_NEW)
+    for row, ref in zip(groups[0].tokens.tolist(), plain[0].tolist()):
+        first = next(i for i, t in enumerate(ref) if t in STOPS)
+        assert row[:first + 1] == ref[:first + 1]
+
+
+def test_calls_are_parsed_run_and_their_failures_fed_back(tmp_path, monkeypatch):
+    _user_module(tmp_path, monkeypatch, "my_tools", '''
+def get_weather(city: str) -> str:
+    """The weather in a city now.
+
+    Args:
+        city: The city's name.
+    """
+    if city == "Atlantis":
+        raise KeyError(city)
+    return {"Paris": "18 C, sunny"}.get(city, "unknown")
+
+
+def add(a: int, b: int) -> dict:
+    """Adds two numbers.
+
+    Args:
+        a: The first.
+        b: The second.
+    """
+    return {"sum": a + b}
+
+
+def undocumented(x):
+    return x
+''')
+    tools = load_tools("my_tools:get_weather, my_tools:add")
+    assert list(tools) == ["get_weather", "add"]
+    fn = tools["add"].schema["function"]  # (transformers' get_json_schema: what apply_chat_template offers)
+    assert (fn["name"], fn["description"], fn["parameters"]["required"]) == ("add", "Adds two numbers.", ["a", "b"])
+    assert fn["parameters"]["properties"]["a"] == {"type": "integer", "description": "The first."}
+    for spec, said in (("my_tools:undocumented", "no JSON schema"), ("my_tools:nothing", "cannot import it"),
+                       ("my_tools:add,my_tools:add", "two functions named 'add'")):
+        with pytest.raises(ToolsError, match=said) as e:
+            load_tools(spec)
+        assert e.value.exit_code == 2
+    text = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "add", "arguments": "{\\"a\\": 2, \\"b\\": 3}"}\n</tool_call>')
+    content, calls, problem = parse_calls(text)
+    assert (content, problem) == ("Let me look.", None)
+    assert calls == [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+                     {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]
+    for bad, said in (("<tool_call>{oops}</tool_call>", "not JSON"), ('<tool_call>["x"]</tool_call>', "not {"),
+                      ('<tool_call>{"name": "add"', "unclosed")):
+        got = parse_calls(bad)
+        assert got[:2] == (bad, []) and said in got[2], got
+    assert parse_calls("just an answer") == ("just an answer", [], None)
+    offered = ["get_weather", "add"]
+    assert [run_call(tools, offered, c) for c in calls] == [("18 C, sunny", False), ('{"sum": 5}', False)]
+
+    def call(name, **args):
+        return {"type": "function", "function": {"name": name, "arguments": args}}
+    assert run_call(tools, offered, call("get_weather", city="Atlantis")) == ('{"error": "KeyError: \'Atlantis\'"}',
+                                                                             True)
+    text, failed = run_call(tools, offered, call("add", a=1))
+    assert failed and "missing 1 required" in text
+    assert run_call(tools, ["add"], call("get_weather", city="Paris")) == (
+        '{"error": "no tool named \'get_weather\'"}', True)
+
+
+WEATHER_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+@pytest.fixture
+def weather_tools(tmp_path, monkeypatch):
+    _user_module(tmp_path, monkeypatch, "weather_tools", '''
+def get_weather(city: str) -> str:
+    """The weather in a city now.
+
+    Args:
+        city: The city's name.
+    """
+    if city != "Paris":
+        raise KeyError(city)
+    return "18 C, sunny"
+''')
+    return load_tools("weather_tools:get_weather")
+
+
+@pytest.mark.parametrize("which", ["qwen2.5", "ours"])
+def test_the_fed_ids_are_the_templates_so_the_row_is_apply_chat_templates(which, weather_tools, tiny_pretrain_data,
+                                                                          tmp_path):
+    """A scripted turn calling the tool: prompt + the call turn + the ids fed + the answer is transformers'
+    apply_chat_template of the transcript (up to its last "\\n"); the transcript is the rewards' messages."""
+    from transformers import AutoTokenizer
+
+    from tests.tokenizer.test_chat_tools import _hub_tokenizer
+    from tokenizer import load_tokenizer
+    if which == "ours":
+        tok_dir = tiny_pretrain_data["tokenizer_dir"]
+        ref, tok = AutoTokenizer.from_pretrained(tok_dir), load_tokenizer(tok_dir)
+    else:
+        ref = _hub_tokenizer("qwen2.5", str(tmp_path / "hub"))
+        tok = ref
+    schemas = [weather_tools["get_weather"].schema]
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    stops = [end, ref.convert_tokens_to_ids("<|endoftext|>")]
+    user = [{"role": "user", "content": "Weather in Paris?"}]
+    prompt = list(ref.apply_chat_template(user, tools=schemas, add_generation_prompt=True, tokenize=True,
+                                          return_dict=False))
+    turn = ref.encode(WEATHER_CALL, add_special_tokens=False) + [end]
+    answer = ref.encode("It is 18 C and sunny.", add_special_tokens=False) + [end]
+    runner = ToolRunner(tok, weather_tools, [schemas], stops, max_rounds=0)
+    fed = runner.turn_end(0, 0, turn, 200)
+    said = {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    convo = user + [said, {"role": "tool", "name": "get_weather", "content": "18 C, sunny"},
+                    {"role": "assistant", "content": "It is 18 C and sunny."}]
+    want = list(ref.apply_chat_template(convo, tools=schemas, tokenize=True, return_dict=False))
+    row = prompt + turn + fed + answer
+    assert row == want[:len(row)] and len(want) - len(row) <= 1, ref.decode(row)
+    last, messages, counts = runner.finish(0, 0, turn + fed + answer)
+    assert last == "It is 18 C and sunny." and messages == convo[1:] and (counts.calls, counts.failures) == (1, 0)
+    # no room for the results and a token after them: the row ends at its call, nothing logged
+    late = ToolRunner(tok, weather_tools, [schemas], stops)
+    assert late.turn_end(0, 1, turn, len(fed)) is None and late.finish(0, 1, turn)[1] == [
+        {"role": "assistant", "content": "", "tool_calls": said["tool_calls"]}]
+    # --max_tool_calling_iterations=1: the second calling turn is not run
+    once = ToolRunner(tok, weather_tools, [schemas], stops, max_rounds=1)
+    assert once.turn_end(0, 0, turn, 200) == fed and once.turn_end(0, 0, turn, 200) is None
+    # a failing call: the model reads the error
+    bad = ref.encode(WEATHER_CALL.replace("Paris", "Oslo"), add_special_tokens=False) + [end]
+    fails = ToolRunner(tok, weather_tools, [schemas], stops)
+    got = fails.turn_end(0, 0, bad, 200)
+    assert '{"error": "KeyError: \'Oslo\'"}' in ref.decode(got) and fails.rows[(0, 0)].failures == 1
+
+
+def test_a_template_without_tool_call_blocks_is_refused(weather_tools):
+    from tests.tokenizer.test_chat_tools import FAMILIES
+    from trainer.tasks.grpo_tools import check_tool_template
+
+    class Tok:
+        chat_template = FAMILIES["llama3.1"][0]
+    with pytest.raises(ToolsError, match="does not write tool calls as <tool_call> JSON blocks"):
+        check_tool_template(Tok())
+    Tok.chat_template = FAMILIES["qwen2.5"][0]
+    check_tool_template(Tok())
+
+
+def test_flag_checks():
+    from trainer.tasks.grpo_flags import tool_problems
+    assert tool_problems(_cfg(tools="a.b:c,d:e")) == []
+    assert tool_problems(_cfg(tools="a.b:c", max_tool_calling_iterations=-1)) == [
+        "--max_tool_calling_iterations=-1: must be >= 0 (0 = no limit)"]
+    assert tool_problems(_cfg(tools="a.b")) == ["--tools: 'a.b' is not module:function"]
+    assert "held-out answers are decoded without running tools" in tool_problems(
+        _cfg(tools="a:b", eval_data_dir="held"))[0]
+
+
+class _Scripted(torch.nn.Module):
+    """A policy that writes scripts[b] from the completion's first position: logits 40 on the script's next id (the
+    draw at temperature 1 is that id up to e^-40), whatever the row holds (fed positions are overwritten anyway)."""
+
+    def __init__(self, vocab: int, prompt_len: int, scripts: list) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+        self.vocab, self.p, self.scripts = vocab, prompt_len, scripts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(x.shape[0], x.shape[1], self.vocab)
+        for b in range(x.shape[0]):
+            script = self.scripts[b % len(self.scripts)]
+            for t in range(self.p - 1, min(x.shape[1], self.p - 1 + len(script))):
+                out[b, t, script[t - self.p + 1]] = 40.0
+        return out + self.w * 0
+
+
+def test_the_task_trains_the_models_turns_and_rewards_the_transcript(weather_tools, tiny_pretrain_data, tmp_path,
+                                                                    monkeypatch):
+    """GRPOTask's rollout with --tools from a scripted policy (ours ChatML): row 0 calls the tool and answers, row 1
+    answers at once, row 2 calls a tool that fails and answers; a TRL reward gets each transcript, numeric_match the
+    last turn; only the model's turns are trained on; the step's tool statistics."""
+    from tokenizer import load_tokenizer, load_tokenizer_meta
+    from trainer.tasks.grpo import GRPOTask
+    _user_module(tmp_path, monkeypatch, "transcript_reward", '''
+SEEN = []
+def reward(completions, **kw):
+    SEEN.extend(completions)
+    return [float(sum(m["role"] == "tool" for m in c)) for c in completions]
+''')
+    tok_dir = tiny_pretrain_data["tokenizer_dir"]
+    (tmp_path / "p.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "Weather in Paris?"}],
+                                                  "answer": "18"}) + "\n", encoding="utf-8")
+    cfg = _cfg(data_dir=str(tmp_path / "p.jsonl"), tokenizer_dir=tok_dir, tools="weather_tools:get_weather",
+               reward_funcs="numeric_match,transcript_reward:reward", answer_marker="", num_generations=3,
+               max_prompt_length=700, max_completion_length=300, max_seq_len=1000, generation_kv_cache=False,
+               temperature=1.0)
+    task = GRPOTask(cfg)
+    data = task.datasets(load_tokenizer_meta(tok_dir), 0.0, True, None)
+    task._load_tools("cpu")
+    tok = load_tokenizer(tok_dir)
+    prompt = data.train.prompts[0]
+    assert '"get_weather"' in tok.decode(prompt.ids)  # the tool offered in the prompt
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    call = enc(WEATHER_CALL) + [end]
+    fail = enc(WEATHER_CALL.replace("Paris", "Rome")) + [end]
+    fed = ToolRunner(tok, weather_tools, [prompt.tools], [end]).turn_end(0, 0, call, 500)
+    fed_fail = ToolRunner(tok, weather_tools, [prompt.tools], [end]).turn_end(0, 0, fail, 500)
+    answer = enc("It is 18 C.") + [end]
+    scripts = [call + fed + answer, enc("Sunny, 20") + [end], fail + fed_fail + answer]
+    model = _Scripted(len(tok), len(prompt.ids), scripts)
+    rows = task._roll(model, torch.device("cpu"), data.collate([0]), 0, samples := [])
+    P = len(prompt.ids)
+    for r, script in enumerate(scripts):
+        assert rows["input_ids"][r, P:P + len(script)].tolist() == script
+        trained = rows["completion_mask"][r, P - 1:P - 1 + len(script)].tolist()
+        fed_here = fed if r == 0 else fed_fail if r == 2 else []
+        head = len(script) - (len(fed_here) + len(answer) if fed_here else 0)
+        assert trained == [1.0] * head + [0.0] * len(fed_here) + [1.0] * (len(script) - head - len(fed_here)), r
+        assert rows["attention_mask"][r].sum() == P + len(script)
+    assert rows["rewards"].tolist() == [[1.0, 1.0], [0.0, 0.0], [1.0, 1.0]]  # numeric_match on the last turn
+    from transcript_reward import SEEN
+    assert [m["role"] for m in SEEN[0]] == ["assistant", "tool", "assistant"] and SEEN[0][1]["content"] == \
+        "18 C, sunny" and SEEN[2][1]["content"] == '{"error": "KeyError: \'Rome\'"}' and len(SEEN[1]) == 1
+    assert rows["tool_calls"].tolist() == [1.0, 0.0, 1.0] and rows["tool_failures"].tolist() == [0.0, 0.0, 1.0]
+    assert "<tool_response>" in samples[0]["completion"]
+    assert task.step_metrics({**{k: 0.0 for k in task.stat_keys}, "completions": 3.0, "tool_calls": 2.0,
+                              "tool_failures": 1.0})["tool_failure_frequency"] == 0.5
