@@ -212,6 +212,11 @@ def test_a_reward_that_raises_stops_the_run_with_one_line(pretrained, tmp_path):
     want = ("reward tests.trainer.grpo_toy_rewards.broken raised ZeroDivisionError (no score for "
             f"{PROMPTS[0]}) on the record at")
     assert want in proc.stderr + proc.stdout, proc.stderr[-2000:]
+    # --tools naming a function without a schema (no type hints): one line at the start, exit 2
+    proc = run_trainer(train_cmd(_args(pretrained, tmp_path, "--max_iters=2", f"--out_dir={tmp_path / 't'}",
+                                       "--tools=tests.trainer.grpo_toy_rewards:vowels")), env=child_env())
+    assert proc.returncode == 2 and "--tools 'tests.trainer.grpo_toy_rewards:vowels': no JSON schema from " \
+        "its signature and docstring" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_lora_and_zero_at_two_ranks(pretrained, tmp_path):

@@ -116,9 +116,8 @@ def undocumented(x):
     assert fn["parameters"]["properties"]["a"] == {"type": "integer", "description": "The first."}
     for spec, said in (("my_tools:undocumented", "no JSON schema"), ("my_tools:nothing", "cannot import it"),
                        ("my_tools:add,my_tools:add", "two functions named 'add'")):
-        with pytest.raises(ToolsError, match=said) as e:
+        with pytest.raises(ToolsError, match=said):
             load_tools(spec)
-        assert e.value.exit_code == 2
     text = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
             '<tool_call>\n{"name": "add", "arguments": "{\\"a\\": 2, \\"b\\": 3}"}\n</tool_call>')
     content, calls, problem = parse_calls(text)

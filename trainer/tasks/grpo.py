@@ -93,22 +93,27 @@ class GRPOTask(Task):
 
     def _check_tools(self, tok) -> dict:
         """--tools imported, and the template's results turn rendered once for a call of the first: a tokenizer that
-        cannot feed results back stops the run now, in one line (grpo_tools.ToolsError). name -> schema."""
+        cannot feed results back stops the run now, in one line (exit 2). name -> schema."""
         from tokenizer import load_tokenizer_meta
         from tokenizer.chat import chat_stop_ids
         from tokenizer.chat_template import parse_template_kwargs
         from trainer.tasks.grpo_tools import ToolRunner, ToolsError, check_tool_template, load_tools
-        self._tools = load_tools(self.cfg.tools)
-        check_tool_template(tok)
+        try:
+            self._tools = load_tools(self.cfg.tools)
+            check_tool_template(tok)
+        except ToolsError as e:
+            raise TrainingError(str(e), EXIT_BAD_CONFIG) from None
         schemas = [t.schema for t in self._tools.values()]
         stops = chat_stop_ids(tok, load_tokenizer_meta(self.cfg.tokenizer_dir)["special_tokens"])
-        runner = ToolRunner(tok, self._tools, [schemas], stops, parse_template_kwargs(str(self.cfg.chat_template_kwargs)))
+        kwargs = parse_template_kwargs(str(self.cfg.chat_template_kwargs))
+        runner = ToolRunner(tok, self._tools, [schemas], stops, kwargs)
         call = {"type": "function", "function": {"name": schemas[0]["function"]["name"], "arguments": {}}}
         try:
             runner.results_ids({"role": "assistant", "content": "", "tool_calls": [call]},
                                [{"role": "tool", "name": call["function"]["name"], "content": "0"}])
         except ValueError as e:
-            raise ToolsError(f"--tools: the chat template cannot feed a call's results back: {e}") from None
+            raise TrainingError(f"--tools: the chat template cannot feed a call's results back: {e}",
+                                EXIT_BAD_CONFIG) from None
         return {name: t.schema for name, t in self._tools.items()}
 
     def evaluate(self, engine, val, info):

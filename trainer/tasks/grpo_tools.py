@@ -18,15 +18,14 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-from utils.constants import EXIT_BAD_CONFIG
 
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 CALL_MARK = "<tool_call>"
 
 
 class ToolsError(ValueError):
-    """--tools cannot be used (not importable, no schema, a template that writes calls otherwise): one line, exit 2."""
-    exit_code, exit_prefix = EXIT_BAD_CONFIG, "config: "
+    """--tools cannot be used (not importable, no schema, a template that writes calls otherwise): the trainer's one
+    line, exit 2 (trainer/tasks/grpo.py)."""
 
 
 @dataclass
