@@ -2,8 +2,8 @@
 it and samples on, the fed ids recorded as context (mask 0, log-probability 0) while the sampled ones keep the
 trainer's values (bit for bit from whole rows, within rounding from the KV cache); the results' ids are the
 template's own (the whole row equals apply_chat_template of the transcript, Qwen2.5's template and our ChatML); a
-tool's failure is the result the model reads; the task assembles rows, rewards (TRL's read the transcript) and tool
-statistics from a scripted policy."""
+tool's failure is the result the model reads; the task assembles rows, rewards (TRL's read the transcript), tool
+statistics and held-out answers from a scripted policy."""
 from __future__ import annotations
 
 import json
@@ -227,8 +227,6 @@ def test_flag_checks():
     assert tool_problems(_cfg(tools="a.b:c", max_tool_calling_iterations=-1)) == [
         "--max_tool_calling_iterations=-1: must be >= 0 (0 = no limit)"]
     assert tool_problems(_cfg(tools="a.b")) == ["--tools: 'a.b' is not module:function"]
-    assert "held-out answers are decoded without running tools" in tool_problems(
-        _cfg(tools="a:b", eval_data_dir="held"))[0]
 
 
 class _Scripted(torch.nn.Module):
@@ -301,3 +299,12 @@ def reward(completions, **kw):
     assert "<tool_response>" in samples[0]["completion"]
     assert task.step_metrics({**{k: 0.0 for k in task.stat_keys}, "completions": 3.0, "tool_calls": 2.0,
                               "tool_failures": 1.0})["tool_failure_frequency"] == 0.5
+    # held out (--eval_data_dir): the greedy answer is decoded with the calls run, scored as the rollouts are; at 2
+    # ranks rank 1 decodes a filler batch (the full length, uncounted) and the sums are rank 0's
+    from trainer.tasks.grpo_eval import held_out_sums
+    kw = dict(rows=3, max_new_tokens=cfg.max_completion_length, stop_ids=[end], device=torch.device("cpu"),
+              tools=task._runner, use_cache=False)
+    one = held_out_sums(model, data.train.prompts, task._rewards, tok.decode, **kw)
+    assert one == [1.0, 2.0, 1.0, 1.0, 1.0, 1.0, float(len(scripts[0])), 2.0]
+    two = [held_out_sums(model, data.train.prompts, task._rewards, tok.decode, rank=r, world=2, **kw) for r in (0, 1)]
+    assert [a + b for a, b in zip(*two)] == one

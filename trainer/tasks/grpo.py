@@ -86,7 +86,8 @@ class GRPOTask(Task):
         if not cfg.eval_data_dir:
             return TaskData(train, PromptSet([]), train.collate, "prompts",
                             "none (the reward of each step's rollouts; --eval_data_dir: greedy rewards)", "")
-        held = read_prompts_file(cfg.eval_data_dir, cfg, load_tokenizer(cfg.tokenizer_dir), tok_meta, answers, log)
+        held = read_prompts_file(cfg.eval_data_dir, cfg, load_tokenizer(cfg.tokenizer_dir), tok_meta, answers, log,
+                                 run_tools)
         return TaskData(train, PromptSet(held), train.collate, "prompts",
                         f"--eval_data_dir={cfg.eval_data_dir}, answered greedily: val_reward",
                         "give more held-out prompts in --eval_data_dir")
@@ -116,6 +117,14 @@ class GRPOTask(Task):
                                 EXIT_BAD_CONFIG) from None
         return {name: t.schema for name, t in self._tools.items()}
 
+    def _runner(self, prompts: list):
+        """A grpo_tools.ToolRunner for a call's prompts (--tools): each may call the tools its prompt offers."""
+        from tokenizer.chat_template import parse_template_kwargs
+        from trainer.tasks.grpo_tools import ToolRunner
+        cfg = self.cfg
+        return ToolRunner(self._tok, self._tools, [p.tools for p in prompts], self._stop_ids,
+                          parse_template_kwargs(str(cfg.chat_template_kwargs)), cfg.max_tool_calling_iterations)
+
     def evaluate(self, engine, val, info):
         """The held-out prompts answered (greedily, or --eval_num_generations samples each), scored by the run's
         rewards (trainer/tasks/grpo_eval.py): the prompts dealt to the data-parallel ranks, their sums added over the
@@ -133,7 +142,9 @@ class GRPOTask(Task):
                                  rank=engine.dp_rank, world=engine.dp_size, samples=samples,
                                  temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed,
                                  cuts=dict(top_k=cfg.top_k or None, min_p=cfg.min_p or None,
-                                           repetition_penalty=cfg.repetition_penalty))
+                                           repetition_penalty=cfg.repetition_penalty),
+                                 tools=self._runner if self._tools else None,
+                                 use_cache=getattr(cfg, "generation_kv_cache", True))
         if engine.dp_size > 1:
             sums = engine.sum_over_data(sums, info.device).tolist()
         return held_out_metrics(sums, self.reward_names, samples)
@@ -205,12 +216,7 @@ class GRPOTask(Task):
         pad = int(sp["pad"]["id"])
         groups, values, lengths, tool_counts = [], [], [], []
         items = list(zip(batch["prompt_index"].tolist(), batch["prompts"]))
-        runner = None
-        if self._tools:  # the policy's calls run as it writes them (trainer/tasks/grpo_tools.py)
-            from tokenizer.chat_template import parse_template_kwargs
-            from trainer.tasks.grpo_tools import ToolRunner
-            runner = ToolRunner(self._tok, self._tools, [p.tools for _, p in items], stop_ids,
-                                parse_template_kwargs(str(cfg.chat_template_kwargs)), cfg.max_tool_calling_iterations)
+        runner = self._runner([p for _, p in items]) if self._tools else None  # (the calls run as the model writes)
         rolled = sample_in_calls(
             model, [prompt.ids for _, prompt in items], [rollout_seed(cfg.seed, step, idx) for idx, _ in items],
             cfg.rollout_batch_prompts, cfg.num_generations, cfg.max_completion_length, device=device,

@@ -21,7 +21,7 @@ process, which stops early, decodes (a sampled step draws for every row, finishe
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -54,7 +54,8 @@ def batch_seed(seed: int, first_prompt: int) -> int:
 def held_out_sums(model: Any, prompts: Sequence[Any], rewards: Any, decode: Any, *, rows: int, max_new_tokens: int,
                   stop_ids: Sequence[int], device: Any, rank: int = 0, world: int = 1,
                   answers: Optional[list] = None, samples: int = 0, temperature: float = 1.0, top_p: float = 1.0,
-                  seed: int = 0, cuts: Optional[dict] = None) -> list[float]:
+                  seed: int = 0, cuts: Optional[dict] = None, tools: Optional[Callable] = None,
+                  use_cache: bool = True) -> list[float]:
     """[prompts scored, sum of the weighted rewards, sum of each function's reward..., sum of completion tokens, sum
     of the best weighted reward] over this rank's share of `prompts` (grpo_data.Prompt: ids, text, answer, record,
     where); with `samples` = k >= 1 each prompt's values are the means over its k sampled answers (the best: their
@@ -62,32 +63,27 @@ def held_out_sums(model: Any, prompts: Sequence[Any], rewards: Any, decode: Any,
     max(1, rows // k) prompts). `rewards`: a grpo_rewards.RewardSet; `decode(ids) -> text`. A completion is its tokens
     before the first stop id (the stop token counts in its length, as in training); one without a stop id is the
     whole max_new_tokens. `answers`, when given a list, gets (prompt index, completion text, [each function's
-    reward]) per answer. `cuts`: the sampled answers' other truncations (generate's top_k, min_p), as the rollouts'."""
+    reward]) per answer. `cuts`: the sampled answers' other truncations (generate's top_k, min_p), as the rollouts'.
+    `tools(the batch's prompts) -> grpo_tools.ToolRunner` (--tools): the answers are decoded by the rollouts' sampler
+    with the calls run (`_tool_answers`; `use_cache` as the rollouts'), and scored as the rollouts are."""
     stops = [int(s) for s in stop_ids]
     k = max(1, samples)
     F = len(rewards.names)
     sums = [0.0] * (4 + 2 * F)  # prompts, total, each function's values and its applicable answers, length, best
     for batch, counted in eval_plan([len(p.ids) for p in prompts], max(1, rows // k), rank, world):
-        x, mask = left_pad([prompts[i].ids for i in batch for _ in range(k)], device)  # (to the batch's longest)
-        P = x.shape[1]
-        stop = stops if world == 1 else None
-        if samples:
-            g = torch.Generator(device=device).manual_seed(batch_seed(seed, batch[0]))
-            out = generate(model, x, max_new_tokens, temperature=temperature, top_p=top_p, stop_ids=stop, generator=g,
-                           attention_mask=mask, **(cuts or {}))
+        if tools is not None:
+            got = _tool_answers(model, [prompts[i] for i in batch], batch, tools, k, max_new_tokens, stops, device,
+                                world, samples, temperature, top_p, seed, cuts, use_cache)
         else:
-            out = generate(model, x, max_new_tokens, temperature=0.0, stop_ids=stop, attention_mask=mask)
+            got = _answers(model, [prompts[i].ids for i in batch], k, max_new_tokens, stops, device, world, samples,
+                           temperature, top_p, batch_seed(seed, batch[0]), cuts, decode)
         if not counted:
             continue
-        done = out[:, P:].tolist()
-        for n, i in enumerate(batch):
+        for i, (texts, kept, messages) in zip(batch, got):
             p = prompts[i]
             totals, per_function, applied, length = [], [0.0] * F, [0.0] * F, 0.0
-            ends = [first_stop(row, stops) for row in done[n * k:(n + 1) * k]]
-            kept = [row[:end + 1] if end is not None else row for row, end in zip(done[n * k:(n + 1) * k], ends)]
-            texts = [decode(c[:-1] if end is not None else c) for c, end in zip(kept, ends)]
             for text, c, vals in zip(texts, kept, rewards.score_many(p.text, texts, p.record, p.answer, p.where,
-                                                                     p.ids, kept)):
+                                                                     p.ids, kept, messages)):
                 totals.append(rewards.total(vals))
                 per_function = [a + v if v == v else a for a, v in zip(per_function, vals)]  # (NaN: None)
                 applied = [a + 1.0 if v == v else a for a, v in zip(applied, vals)]
@@ -102,6 +98,50 @@ def held_out_sums(model: Any, prompts: Sequence[Any], rewards: Any, decode: Any,
             sums[-2] += length / k
             sums[-1] += max(totals)
     return sums
+
+
+def _answers(model: Any, ids: list, k: int, max_new_tokens: int, stops: list, device: Any, world: int, samples: int,
+             temperature: float, top_p: float, seed: int, cuts: Optional[dict], decode: Any) -> list[tuple]:
+    """[(texts, token ids through the stop, None)] per prompt of a batch, k answers each, from `generate`."""
+    x, mask = left_pad([p for p in ids for _ in range(k)], device)  # (to the batch's longest)
+    P = x.shape[1]
+    stop = stops if world == 1 else None
+    if samples:
+        g = torch.Generator(device=device).manual_seed(seed)
+        out = generate(model, x, max_new_tokens, temperature=temperature, top_p=top_p, stop_ids=stop, generator=g,
+                       attention_mask=mask, **(cuts or {}))
+    else:
+        out = generate(model, x, max_new_tokens, temperature=0.0, stop_ids=stop, attention_mask=mask)
+    done, got = out[:, P:].tolist(), []
+    for n in range(len(ids)):
+        ends = [first_stop(row, stops) for row in done[n * k:(n + 1) * k]]
+        kept = [row[:end + 1] if end is not None else row for row, end in zip(done[n * k:(n + 1) * k], ends)]
+        got.append(([decode(c[:-1] if end is not None else c) for c, end in zip(kept, ends)], kept, None))
+    return got
+
+
+def _tool_answers(model: Any, prompts: list, batch: list, tools: Callable, k: int, max_new_tokens: int, stops: list,
+                  device: Any, world: int, samples: int, temperature: float, top_p: float, seed: int,
+                  cuts: Optional[dict], use_cache: bool) -> list[tuple]:
+    """[(the last turns' texts, token ids through the last one's stop, transcripts)] per prompt of a batch, k
+    answers each, decoded as the rollouts are (grpo_rollout.sample_groups with the calls run), each prompt's
+    generator seeded by `batch_seed(seed, its index)`; several ranks decode the full length (FSDP's forwards)."""
+    from trainer.tasks.grpo_rollout import completion_lengths, sample_groups
+    runner = tools(prompts)
+    cuts = cuts or {}
+    out = sample_groups(model, [p.ids for p in prompts], k, max_new_tokens, temperature=temperature if samples else 0.0,
+                        top_p=top_p if samples else 1.0, top_k=int(cuts.get("top_k") or 0) if samples else 0,
+                        min_p=float(cuts.get("min_p") or 0.0) if samples else 0.0,
+                        repetition_penalty=float(cuts.get("repetition_penalty") or 1.0) if samples else 1.0,
+                        stop_ids=stops, pad_id=0, use_cache=use_cache,
+                        generators=[torch.Generator(device=device).manual_seed(batch_seed(seed, i)) for i in batch],
+                        all_done=(lambda done: False) if world > 1 else None, turn_end=runner.turn_end)
+    got = []
+    for n, (toks, mask, _) in enumerate(out):
+        kept = [row[:m] for row, m in zip(toks.tolist(), completion_lengths(mask).tolist())]
+        done = [runner.finish(n, j, c) for j, c in enumerate(kept)]
+        got.append(([d[0] for d in done], kept, [d[1] for d in done]))
+    return got
 
 
 def held_out_metrics(sums: Sequence[float], reward_names: Sequence[str], samples: int = 0) -> dict:

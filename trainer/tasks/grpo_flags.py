@@ -297,7 +297,4 @@ def tool_problems(cfg: Any) -> list[str]:
     for item in items:
         if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", item):
             out.append(f"--tools: {item!r} is not module:function")
-    if items and cfg.eval_data_dir:
-        out.append(f"--eval_data_dir={cfg.eval_data_dir} with --tools: the held-out answers are decoded without "
-                   "running tools (not supported yet); watch the rollouts' rewards instead")
     return out

@@ -136,7 +136,8 @@ def sample_groups(model, prompts: Sequence[Sequence[int]], group_size: int, max_
     all_done(these groups are done) -> whether every rank's are (several ranks: a forward that all-gathers, FSDP's,
     must run as often on every rank); a group that finished first decodes on with its rows masked, the same tokens.
     repetition_penalty != 1 penalises the draws (model/generate.py penalize_repeats over the prompt and the row's
-    completion so far), not the recorded log-probabilities (TRL's).
+    completion so far), not the recorded log-probabilities (TRL's). temperature 0: greedy (held-out answers; the
+    log-probabilities recorded are then the logits' own).
     turn_end(k, j, turn, room) (tool use, trainer/tasks/grpo_tools.py): called when row j of prompt k emits a stop id,
     with the ids of its turn (through the stop) and the tokens left; the ids it returns (a tool's result and the next
     generation prompt, fewer than `room`) are fed to the row one a step, recorded with mask 0 and log-probability 0,
@@ -169,7 +170,7 @@ def sample_groups(model, prompts: Sequence[Sequence[int]], group_size: int, max_
             at = torch.tensor(lengths, device=device).repeat_interleave(G) - 1  # each row's last prompt position
             rows_idx = torch.arange(B, device=device)
         def by_temperature(x: torch.Tensor) -> torch.Tensor:
-            return x / temperature if temperature != 1.0 else x  # x / 1.0 is x: skipping it changes no bit
+            return x / temperature if temperature not in (0.0, 1.0) else x  # x / 1.0 is x: skipping it changes no bit
 
         n = 0
         for t in range(max_new_tokens):
@@ -183,8 +184,11 @@ def sample_groups(model, prompts: Sequence[Sequence[int]], group_size: int, max_
             if repetition_penalty != 1.0:  # the draws only: the recorded log-probabilities stay logits / temperature's
                 seen = torch.cat((seen_prompts, toks[:, :t]), dim=1)
                 draw = by_temperature(penalize_repeats(logits, seen, repetition_penalty))
-            nxt = torch.cat([sample_scaled(draw[k * G:(k + 1) * G], top_k or None, top_p if top_p < 1.0 else None,
-                                           gen, min_p or None) for k, gen in enumerate(generators)])
+            if temperature == 0:
+                nxt = draw.argmax(dim=-1)
+            else:
+                nxt = torch.cat([sample_scaled(draw[k * G:(k + 1) * G], top_k or None, top_p if top_p < 1.0 else None,
+                                               gen, min_p or None) for k, gen in enumerate(generators)])
             if turn_end is not None:
                 nxt = feed.force(nxt, t)  # rows being fed a tool's result take its next id, not the drawn one
             toks[:, t] = nxt.masked_fill(finished, pad_id)
