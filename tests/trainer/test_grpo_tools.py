@@ -161,28 +161,32 @@ def get_weather(city: str) -> str:
     return load_tools("weather_tools:get_weather")
 
 
-@pytest.mark.parametrize("which", ["qwen2.5", "ours"])
+@pytest.mark.parametrize("which", ["qwen2.5", "ours", "llama3.1"])
 def test_the_fed_ids_are_the_templates_so_the_row_is_apply_chat_templates(which, weather_tools, tiny_pretrain_data,
                                                                           tmp_path):
     """A scripted turn calling the tool: prompt + the call turn + the ids fed + the answer is transformers'
-    apply_chat_template of the transcript (up to its last "\\n"); the transcript is the rewards' messages."""
+    apply_chat_template of the transcript (up to its last "\\n"), under Qwen2.5's template and ours (<tool_call>
+    blocks) and Llama 3.1's (the turn one JSON object, the result an ipython turn); the transcript is the rewards'
+    messages."""
     from transformers import AutoTokenizer
 
+    from tests.tokenizer.test_chat_templates import DATE
     from tests.tokenizer.test_chat_tools import _hub_tokenizer
     from tokenizer import load_tokenizer
     if which == "ours":
         tok_dir = tiny_pretrain_data["tokenizer_dir"]
         ref, tok = AutoTokenizer.from_pretrained(tok_dir), load_tokenizer(tok_dir)
     else:
-        ref = _hub_tokenizer("qwen2.5", str(tmp_path / "hub"))
+        ref = _hub_tokenizer(which, str(tmp_path / "hub"))
         tok = ref
     schemas = [weather_tools["get_weather"].schema]
-    end = tok.convert_tokens_to_ids("<|im_end|>")
-    stops = [end, ref.convert_tokens_to_ids("<|endoftext|>")]
+    end = tok.convert_tokens_to_ids("<|eot_id|>" if which == "llama3.1" else "<|im_end|>")
+    stops = [end, ref.eos_token_id]
     user = [{"role": "user", "content": "Weather in Paris?"}]
     prompt = list(ref.apply_chat_template(user, tools=schemas, add_generation_prompt=True, tokenize=True,
-                                          return_dict=False))
-    turn = ref.encode(WEATHER_CALL, add_special_tokens=False) + [end]
+                                          return_dict=False, date_string=DATE))
+    written = '{"name": "get_weather", "parameters": {"city": "Paris"}}' if which == "llama3.1" else WEATHER_CALL
+    turn = ref.encode(written, add_special_tokens=False) + [end]
     answer = ref.encode("It is 18 C and sunny.", add_special_tokens=False) + [end]
     runner = ToolRunner(tok, weather_tools, [schemas], stops, max_rounds=0)
     fed = runner.turn_end(0, 0, turn, 200)
@@ -190,7 +194,7 @@ def test_the_fed_ids_are_the_templates_so_the_row_is_apply_chat_templates(which,
         {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
     convo = user + [said, {"role": "tool", "name": "get_weather", "content": "18 C, sunny"},
                     {"role": "assistant", "content": "It is 18 C and sunny."}]
-    want = list(ref.apply_chat_template(convo, tools=schemas, tokenize=True, return_dict=False))
+    want = list(ref.apply_chat_template(convo, tools=schemas, tokenize=True, return_dict=False, date_string=DATE))
     row = prompt + turn + fed + answer
     assert row == want[:len(row)] and len(want) - len(row) <= 1, ref.decode(row)
     last, messages, counts = runner.finish(0, 0, turn + fed + answer)
@@ -203,22 +207,32 @@ def test_the_fed_ids_are_the_templates_so_the_row_is_apply_chat_templates(which,
     once = ToolRunner(tok, weather_tools, [schemas], stops, max_rounds=1)
     assert once.turn_end(0, 0, turn, 200) == fed and once.turn_end(0, 0, turn, 200) is None
     # a failing call: the model reads the error
-    bad = ref.encode(WEATHER_CALL.replace("Paris", "Oslo"), add_special_tokens=False) + [end]
+    bad = ref.encode(written.replace("Paris", "Oslo"), add_special_tokens=False) + [end]
     fails = ToolRunner(tok, weather_tools, [schemas], stops)
     got = fails.turn_end(0, 0, bad, 200)
     assert '{"error": "KeyError: \'Oslo\'"}' in ref.decode(got) and fails.rows[(0, 0)].failures == 1
 
 
-def test_a_template_without_tool_call_blocks_is_refused(weather_tools):
+def test_the_call_format_is_the_templates_and_one_without_calls_is_refused():
     from tests.tokenizer.test_chat_tools import FAMILIES
-    from trainer.tasks.grpo_tools import check_tool_template
+    from trainer.tasks.grpo_tools import call_format
 
     class Tok:
-        chat_template = FAMILIES["llama3.1"][0]
-    with pytest.raises(ToolsError, match="does not write tool calls as <tool_call> JSON blocks"):
-        check_tool_template(Tok())
-    Tok.chat_template = FAMILIES["qwen2.5"][0]
-    check_tool_template(Tok())
+        chat_template = FAMILIES["qwen2.5"][0]
+    assert call_format(Tok()) == "hermes"
+    Tok.chat_template = FAMILIES["llama3.1"][0]
+    assert call_format(Tok()) == "llama"
+    Tok.chat_template = "{% for m in messages %}{{ m.content }}{% endfor %}"
+    with pytest.raises(ToolsError, match="writes tool calls neither as <tool_call> JSON blocks"):
+        call_format(Tok())
+    # Llama 3.1's call is the whole turn: one JSON object with "parameters" (after an optional <|python_tag|>)
+    want = [{"type": "function", "function": {"name": "add", "arguments": {"a": 2}}}]
+    assert parse_calls('{"name": "add", "parameters": {"a": 2}}', "llama") == ("", want, None)
+    assert parse_calls('<|python_tag|>{"name": "add", "parameters": "{\\"a\\": 2}"}', "llama") == ("", want, None)
+    assert parse_calls("The sum is 4.", "llama") == ("The sum is 4.", [], None)
+    assert parse_calls('{"name": "add", "parameters": [2]}', "llama")[2] == (
+        'a JSON call that is not {"name": str, "parameters": object}')
+    assert parse_calls('{"name": "add", ', "llama")[2] == "a JSON call that does not parse"
 
 
 def test_flag_checks():

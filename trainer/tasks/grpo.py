@@ -98,10 +98,10 @@ class GRPOTask(Task):
         from tokenizer import load_tokenizer_meta
         from tokenizer.chat import chat_stop_ids
         from tokenizer.chat_template import parse_template_kwargs
-        from trainer.tasks.grpo_tools import ToolRunner, ToolsError, check_tool_template, load_tools
+        from trainer.tasks.grpo_tools import ToolRunner, ToolsError, call_format, load_tools
         try:
             self._tools = load_tools(self.cfg.tools)
-            check_tool_template(tok)
+            call_format(tok)
         except ToolsError as e:
             raise TrainingError(str(e), EXIT_BAD_CONFIG) from None
         schemas = [t.schema for t in self._tools.values()]

@@ -142,8 +142,9 @@ class GRPOFlags:
                                 "with --generation_kv_cache=false")
     tools: str = _f("", "grpo: Python functions the policy may call during its rollouts (TRL's tools), comma-separated "
                     "module:function: each offered in every chat prompt with the schema its type hints and docstring "
-                    "give (transformers' get_json_schema), its calls (<tool_call> JSON blocks, the Qwen2.5 / Hermes "
-                    "format our ChatML writes) run and their results fed back, never trained on (docs/grpo.md)")
+                    "give (transformers' get_json_schema), its calls (<tool_call> JSON blocks: Qwen2.5 / Qwen3 / "
+                    "Hermes and our ChatML; or Llama 3.1's JSON turn) run and their results fed back, never trained "
+                    "on (docs/grpo.md)")
     max_tool_calling_iterations: int = _f(0, "grpo, --tools: calling turns run per completion at most (TRL's name); "
                                           "0 = as many as --max_completion_length holds")
     log_completions: bool = _f(True, "grpo: write prompts, completions and rewards to <out_dir>/samples.jsonl every "

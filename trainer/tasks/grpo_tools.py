@@ -4,9 +4,10 @@ id, and between them the results fed back (the template's tool turn and the next
 never trained on, log-probability 0, all of it within --max_completion_length.
 
 Owns: `load_tools` (--tools' functions imported once, each with the JSON schema transformers' get_json_schema writes
-from its signature and docstring, what apply_chat_template(tools=[fn]) offers), `parse_calls` (a turn's <tool_call>
-blocks: the Qwen2.5 / Hermes format our ChatML writes), `ToolRunner` (one rollout call's tool use: grpo_rollout's
-turn_end, each row's transcript as messages).
+from its signature and docstring, what apply_chat_template(tools=[fn]) offers), `call_format` and `parse_calls` (a
+turn's calls: <tool_call> JSON blocks, the Qwen2.5 / Qwen3 / Hermes format our ChatML writes, or Llama 3.1's one JSON
+object with "parameters"), `ToolRunner` (one rollout call's tool use: grpo_rollout's turn_end, each row's transcript as
+messages).
 Must never: let a tool's failure stop the run (its error is the result the model reads, counted), feed a result that
 does not fit in what is left of the completion (the row then ends at its call, TRL's rule), or import torch.
 """
@@ -60,24 +61,60 @@ def load_tools(spec: str) -> dict[str, Tool]:
     return out
 
 
-def parse_calls(text: str) -> tuple[str, list[dict], Optional[str]]:
-    """(content, calls, problem) of a turn's text: the text before its first <tool_call> block, and each block's JSON
-    {"name": str, "arguments": object (or a JSON text of one)} in transformers' call shape. A malformed block makes
-    the turn's problem (its calls are then not run: the turn is an answer, as TRL parses it)."""
+def call_format(tok: Any) -> str:
+    """How the tokenizer's chat template writes a call: "hermes" (<tool_call> JSON blocks: Qwen2.5, Qwen3, Hermes, our
+    ChatML) or "llama" (Llama 3.1 / 3.2's one JSON object {"name", "parameters"} as the turn, results in an ipython
+    turn); ToolsError for any other."""
+    source = str(getattr(tok, "chat_template", "") or "")
+    if CALL_MARK in source:
+        return "hermes"
+    if '"parameters": ' in source and "ipython" in source:
+        return "llama"
+    raise ToolsError("--tools: this tokenizer's chat template writes tool calls neither as <tool_call> JSON blocks "
+                     "(Qwen2.5 / Qwen3 / Hermes, our own ChatML) nor as Llama 3.1's JSON turn; rollouts with tools "
+                     "read those formats only")
+
+
+def _call(obj: Any, args_key: str) -> Optional[dict]:
+    """transformers' call shape of one parsed JSON call, None when it is not {"name": str, args_key: object (or a
+    JSON text of one)}."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get(args_key, {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    return {"type": "function", "function": {"name": obj["name"], "arguments": args}} if isinstance(args, dict) else None
+
+
+def parse_calls(text: str, fmt: str = "hermes") -> tuple[str, list[dict], Optional[str]]:
+    """(content, calls, problem) of a turn's text. hermes: the text before its first <tool_call> block, and each
+    block's JSON {"name": str, "arguments": object}; llama: a turn that is one JSON object {"name": str, "parameters":
+    object} (after an optional <|python_tag|>) is one call with no content, any other turn an answer. A malformed
+    block makes the turn's problem (its calls are then not run: the turn is an answer, as TRL parses it)."""
+    if fmt == "llama":
+        body = text.strip().removeprefix("<|python_tag|>").strip()
+        if not body.startswith("{"):
+            return text, [], None
+        try:
+            call = _call(json.loads(body), "parameters")
+        except ValueError:
+            return text, [], "a JSON call that does not parse"
+        return ("", [call], None) if call else (text, [], 'a JSON call that is not {"name": str, "parameters": object}')
     blocks = list(_CALL.finditer(text))
     if not blocks:
         return text, [], ("an unclosed <tool_call> block" if CALL_MARK in text else None)
     calls = []
     for m in blocks:
         try:
-            obj = json.loads(m.group(1))
-            args = obj.get("arguments", {}) if isinstance(obj, dict) else None
-            args = json.loads(args) if isinstance(args, str) else args
+            call = _call(json.loads(m.group(1)), "arguments")
         except ValueError:
             return text, [], "a <tool_call> block that is not JSON"
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(args, dict):
+        if call is None:
             return text, [], 'a <tool_call> block that is not {"name": str, "arguments": object}'
-        calls.append({"type": "function", "function": {"name": obj["name"], "arguments": args}})
+        calls.append(call)
     return text[:blocks[0].start()].strip(), calls, None
 
 
@@ -110,13 +147,6 @@ class Transcript:
     failures: int = 0
 
 
-def check_tool_template(tok: Any) -> None:
-    """ToolsError unless the tokenizer's chat template writes calls as <tool_call> blocks (what `parse_calls` reads)."""
-    if CALL_MARK not in str(getattr(tok, "chat_template", "") or ""):
-        raise ToolsError("--tools: this tokenizer's chat template does not write tool calls as <tool_call> JSON blocks "
-                         "(Qwen2.5 / Qwen3 / Hermes, and our own ChatML); rollouts with tools read only that format")
-
-
 class ToolRunner:
     """One rollout call's tool use. `turn_end` (grpo_rollout.sample_groups') runs the calls of a row's turn and
     returns the ids that follow its stop id: the template's tool turn holding the results and the next generation
@@ -126,6 +156,7 @@ class ToolRunner:
     def __init__(self, tok: Any, tools: dict[str, Tool], offered: Sequence[Sequence[dict]], stop_ids: Sequence[int],
                  template_kwargs: Optional[dict] = None, max_rounds: int = 0) -> None:
         self.tok, self.tools, self.stop_ids = tok, tools, set(int(s) for s in stop_ids)
+        self.format = call_format(tok)
         self.offered = [[s["function"]["name"] for s in schemas] for schemas in offered]
         self.schemas = list(offered)
         self.kwargs = dict(template_kwargs or {})
@@ -139,7 +170,7 @@ class ToolRunner:
 
     def turn_end(self, k: int, j: int, turn: list, room: int) -> Optional[list[int]]:
         row = self.rows.setdefault((k, j), Transcript())
-        content, calls, problem = parse_calls(self.text(turn, raw=True))
+        content, calls, problem = parse_calls(self.text(turn, raw=True), self.format)
         if problem or not calls or (self.max_rounds and self._rounds(row) >= self.max_rounds):
             return None
         results = [run_call(self.tools, self.offered[k], c) for c in calls]
@@ -179,6 +210,6 @@ class ToolRunner:
         tokens are `ids` (through its last sampled one)."""
         row = self.rows.get((k, j), Transcript())
         last = self.text(ids[row.consumed:])
-        content, calls, _ = parse_calls(self.text(ids[row.consumed:], raw=True))
+        content, calls, _ = parse_calls(self.text(ids[row.consumed:], raw=True), self.format)
         final = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
         return last, row.messages + [final], row
