@@ -107,8 +107,8 @@ def measure(run_dir: str, tok_dir: str, records: str, max_new: int, work: str) -
         runners.append(task._runner(prompts))
         return runners[-1]
     tok = load_tokenizer(tok_dir)
-    sums = held_out_sums(model, data.train.prompts, task._rewards, lambda ids: tok.decode(ids, skip_special_tokens=True),
-                         rows=64, max_new_tokens=max_new, stop_ids=task._stop_ids, device=torch.device("cpu"),
+    sums = held_out_sums(model, data.train.prompts, task._rewards,
+                         lambda ids: tok.decode(ids, skip_special_tokens=True), rows=64, max_new_tokens=max_new, stop_ids=task._stop_ids, device=torch.device("cpu"),
                          tools=tools)
     called = sum(t.calls > 0 for r in runners for t in r.rows.values()) / max(1.0, sums[0])
     return held_out_metrics(sums, task.reward_names)["val_reward"], called

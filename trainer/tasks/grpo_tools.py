@@ -86,7 +86,9 @@ def _call(obj: Any, args_key: str) -> Optional[dict]:
             args = json.loads(args)
         except ValueError:
             return None
-    return {"type": "function", "function": {"name": obj["name"], "arguments": args}} if isinstance(args, dict) else None
+    if not isinstance(args, dict):
+        return None
+    return {"type": "function", "function": {"name": obj["name"], "arguments": args}}
 
 
 def parse_calls(text: str, fmt: str = "hermes") -> tuple[str, list[dict], Optional[str]]:
