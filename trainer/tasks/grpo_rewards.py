@@ -69,15 +69,15 @@ def format_reward(completion: str, pattern: "re.Pattern") -> float:
     return 1.0 if pattern.fullmatch(completion) else 0.0
 
 
-def load_reward_fn(spec: str) -> Callable:
-    """`module:function` imported (ValueError naming it when it cannot be)."""
+def load_reward_fn(spec: str, flag: str = "--reward_fn / --reward_funcs") -> Callable:
+    """`module:function` imported (ValueError naming `flag` and it when it cannot be; --tools' functions too)."""
     module, _, name = spec.partition(":")
     try:
         fn = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
-        raise ValueError(f"--reward_fn / --reward_funcs {spec!r}: cannot import it ({type(e).__name__}: {e})") from e
+        raise ValueError(f"{flag} {spec!r}: cannot import it ({type(e).__name__}: {e})") from e
     if not callable(fn):
-        raise ValueError(f"--reward_fn / --reward_funcs {spec!r}: {type(fn).__name__}, not a function")
+        raise ValueError(f"{flag} {spec!r}: {type(fn).__name__}, not a function")
     return fn
 
 

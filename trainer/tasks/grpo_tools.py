@@ -13,11 +13,12 @@ does not fit in what is left of the completion (the row then ends at its call, T
 """
 from __future__ import annotations
 
-import importlib
 import json
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
+
+from trainer.tasks.grpo_rewards import load_reward_fn
 
 
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
@@ -40,13 +41,10 @@ def load_tools(spec: str) -> dict[str, Tool]:
     from transformers.utils import get_json_schema
     out: dict[str, Tool] = {}
     for item in [s.strip() for s in str(spec).split(",") if s.strip()]:
-        module, _, name = item.partition(":")
         try:
-            fn = getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError) as e:
-            raise ToolsError(f"--tools {item!r}: cannot import it ({type(e).__name__}: {e})") from None
-        if not callable(fn):
-            raise ToolsError(f"--tools {item!r}: {type(fn).__name__}, not a function")
+            fn = load_reward_fn(item, "--tools")
+        except ValueError as e:
+            raise ToolsError(str(e)) from None
         try:
             schema = get_json_schema(fn)
         except Exception as e:  # noqa: BLE001 - transformers' own exception types vary by release
