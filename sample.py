@@ -57,7 +57,11 @@ def _parser():
     add_bool(p, "chat", False, "render the prompt as a user turn of the chat template")
     p.add_argument("--system", default="", help="--chat: a system turn before the prompt")
     p.add_argument("--tools", default="", help="--chat: a JSON file of function schemas (a list, OpenAI's / "
-                   "transformers' shape) offered in the prompt, for a model trained on tool calls")
+                   "transformers' shape) offered in the prompt, for a model trained on tool calls; or Python "
+                   "functions, module:function[,module:function]: offered, and the model's calls run and their "
+                   "results fed back before it answers (GRPO's --tools)")
+    p.add_argument("--max_tool_calling_iterations", type=int, default=0,
+                   help="--tools functions: calling turns run at most (0 = as many as --max_new_tokens holds)")
     p.add_argument("--chat_template_kwargs", default="", help="--chat: a JSON object of extra variables for the "
                    "tokenizer's chat template (Qwen3's '{\"enable_thinking\": false}')")
     from utils import constants as c
@@ -108,14 +112,27 @@ def _flag_problem(args) -> Optional[str]:
         problem = _read_tools(args)
         if problem:
             return problem
+        if args.run_tools and (args.prompts_file or args.speculative != "off"):
+            return "--tools functions run for one --prompt: drop --prompts_file / --speculative"
     return precheck(args)
 
 
 def _read_tools(args) -> str:
-    """--tools: the file's function schemas into the template's `tools` variable; a problem's line, or ''."""
+    """--tools: the file's function schemas, or the functions' (`args.run_tools`, name -> grpo_tools.Tool), into the
+    template's `tools` variable; a problem's line, or ''."""
     import json
+    import re
 
     from data_preprocess.sft_format import record_tools
+    args.run_tools = None
+    if not os.path.exists(args.tools) and re.fullmatch(r"[\w.]+:\w+(\s*,\s*[\w.]+:\w+)*", args.tools.strip()):
+        from trainer.tasks.grpo_tools import ToolsError, load_tools
+        try:
+            args.run_tools = load_tools(args.tools)
+        except ToolsError as e:
+            return str(e)
+        args.template_kwargs = {**args.template_kwargs, "tools": [t.schema for t in args.run_tools.values()]}
+        return ""
     try:
         with open(args.tools, encoding="utf-8") as f:
             offered = record_tools({"tools": json.load(f)})
@@ -204,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
                  top_p=args.top_p, min_p=args.min_p, stop_ids=stop_ids)
     if prompts is not None:
         return _sample_file(args, model, tok, meta, prompts, knobs, fail)
+    if getattr(args, "run_tools", None):
+        return _sample_with_tools(args, model, tok, special, ids, stop_ids, device)
     x = torch.tensor([ids] * args.num_samples, dtype=torch.long, device=device)
     if args.speculative == "mtp":
         out, stats = generate_mtp(model, x, repetition_penalty=args.repetition_penalty, **knobs)
@@ -215,6 +234,34 @@ def main(argv: list[str] | None = None) -> int:
         print("---")
         print(args.prompt + tok.decode(new, skip_special_tokens=True) if not args.chat
               else tok.decode(new, skip_special_tokens=True))
+    return 0
+
+
+def _sample_with_tools(args, model, tok, special: dict, ids: list, stop_ids: list, device) -> int:
+    """--tools functions: the completions decoded as GRPO's rollouts are (trainer/tasks/grpo_rollout.py), each call
+    the model writes run and its results fed back (trainer/tasks/grpo_tools.py); each printed whole, special tokens,
+    calls and results included."""
+    import torch
+
+    from trainer.tasks.grpo_rollout import completion_lengths, sample_groups
+    from trainer.tasks.grpo_tools import ToolRunner, ToolsError
+    try:
+        runner = ToolRunner(tok, args.run_tools, [args.template_kwargs["tools"]], stop_ids, args.template_kwargs,
+                            args.max_tool_calling_iterations)
+    except ToolsError as e:
+        print(f"sample.py: {e}", file=sys.stderr)
+        return 2  # bad configuration (utils.constants.EXIT_BAD_CONFIG)
+    pad = int(special["pad"]["id"]) if "pad" in special else stop_ids[0]
+    toks, mask, _ = sample_groups(
+        model, [ids], args.num_samples, args.max_new_tokens, temperature=args.temperature,
+        top_p=1.0 if args.top_p is None else args.top_p, top_k=args.top_k or 0, min_p=args.min_p or 0.0, repetition_penalty=args.repetition_penalty, stop_ids=stop_ids,
+        pad_id=pad, generators=[torch.Generator(device=device).manual_seed(args.seed)], turn_end=runner.turn_end)[0]
+    for row, n in zip(toks.tolist(), completion_lengths(mask).tolist()):
+        print("---")
+        print(tok.decode(row[:n], skip_special_tokens=False))
+    calls = sum(t.calls for t in runner.rows.values())
+    print(f"sample.py: {calls} tool call(s) run, {sum(t.failures for t in runner.rows.values())} failed",
+          file=sys.stderr)
     return 0
 
 

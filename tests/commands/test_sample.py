@@ -257,3 +257,54 @@ def test_a_bad_prompts_file_names_the_file_and_line(tok_dir, monkeypatch, capsys
     assert sample.main([*common, f"--prompts_file={path}", "--prompt=x"]) == 2
     assert "--prompt and --prompts_file: give one of them" in capsys.readouterr().err
     assert sample.main([*common, f"--prompts_file={path}", "--batch_size=0"]) == 2
+
+
+def test_tool_functions_run_and_their_results_are_fed_back(tok_dir, monkeypatch, capsys, tmp_path):
+    """--tools module:function: offered as apply_chat_template(tools=[fn]) offers a function (its schema from the type
+    hints and docstring), and the model's call runs and its result is fed back before it answers (the rollouts'
+    sampler, trainer/tasks/grpo_rollout.py, here standing in for a model that calls the tool: it writes the call,
+    takes what turn_end feeds, then answers)."""
+    from transformers import AutoTokenizer
+
+    import sample
+    import trainer.tasks.grpo_rollout as rollout
+    from tests.trainer.test_grpo_data import _user_module
+    mod = _user_module(tmp_path, monkeypatch, "sample_tools", '''
+def get_weather(city: str) -> str:
+    """The weather in a city now.
+
+    Args:
+        city: The city's name.
+    """
+    return "18 C, sunny"
+''')
+    ref = AutoTokenizer.from_pretrained(tok_dir)
+    end = ref.convert_tokens_to_ids("<|im_end|>")
+    call = ref.encode('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+                      add_special_tokens=False) + [end]
+    answer = ref.encode("Sunny.", add_special_tokens=False) + [end]
+    seen = {}
+
+    def scripted(model, prompts, group_size, max_new_tokens, *, turn_end, **kw):
+        seen.update(prompt=prompts[0], n=group_size, **kw)
+        fed = turn_end(0, 0, call, max_new_tokens - len(call))
+        row = call + fed + answer
+        mask = torch.tensor([[1] * len(call) + [0] * len(fed) + [1] * len(answer)], dtype=torch.bool)
+        return [(torch.tensor([row]), mask, torch.zeros(1, len(row)))]
+    monkeypatch.setattr(sample, "precheck", lambda args: None)
+    monkeypatch.setattr(sample, "load_for_inference", lambda path, device, which="latest", **kw: (None, {}))
+    monkeypatch.setattr(rollout, "sample_groups", scripted)
+    assert sample.main(["--ckpt", "unused", "--tokenizer_dir", tok_dir, "--prompt", "Paris?", "--device", "cpu",
+                        "--chat", "--tools=sample_tools:get_weather", "--temperature=0", "--max_new_tokens=500"]) == 0
+    out = capsys.readouterr()
+    want = ref.apply_chat_template([{"role": "user", "content": "Paris?"}], tools=[mod.get_weather],
+                                   add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert seen["prompt"] == list(want) and seen["n"] == 1 and seen["temperature"] == 0.0
+    assert "<tool_response>\n18 C, sunny\n</tool_response>" in out.out and out.out.rstrip().endswith("Sunny.<|im_end|>")
+    assert "sample.py: 1 tool call(s) run, 0 failed" in out.err
+    for flags, line in ((["--tools=sample_tools:nothing"], "--tools 'sample_tools:nothing': cannot import it"),
+                        (["--tools=sample_tools:get_weather", "--prompts_file=p.txt", "--prompt="],
+                         "--tools functions run for one --prompt")):
+        assert sample.main([f"--ckpt={tmp_path}", "--prompt=x", "--chat", *flags]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("sample.py: ") and line in err and len(err.splitlines()) == 1, err
