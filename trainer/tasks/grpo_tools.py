@@ -150,8 +150,8 @@ class Transcript:
 class ToolRunner:
     """One rollout call's tool use. `turn_end` (grpo_rollout.sample_groups') runs the calls of a row's turn and
     returns the ids that follow its stop id: the template's tool turn holding the results and the next generation
-    prompt, cut from a render of [user, the calling turn, the results] at the calling turn's closing stop id (the
-    results are never re-tokenized with what the model wrote)."""
+    prompt, cut from a render of [user, the calling turn, the results] after the calling turn's closing stop id (as
+    TRL cuts them; the results are never re-tokenized with what the model wrote)."""
 
     def __init__(self, tok: Any, tools: dict[str, Tool], offered: Sequence[Sequence[dict]], stop_ids: Sequence[int],
                  template_kwargs: Optional[dict] = None, max_rounds: int = 0) -> None:
@@ -197,13 +197,15 @@ class ToolRunner:
         from tokenizer import encode_chat
         kwargs = {**self.kwargs, "tools": self.schemas[k]} if self.schemas[k] else self.kwargs
         head = [{"role": "user", "content": "."}, said]
-        before = encode_chat(self.tok, head, template_kwargs=kwargs)[0]
-        after = encode_chat(self.tok, head + fed, add_generation_prompt=True, template_kwargs=kwargs)[0]
-        end = max((i for i, t in enumerate(before) if t in self.stop_ids), default=None)
-        if end is None or after[:end + 1] != before[:end + 1]:
-            raise ValueError("the chat template does not close a calling turn with a stop id, or renders it "
-                             "differently once results follow")
-        return list(after[end + 1:])
+        before = encode_chat(self.tok, head, train_roles=(), template_kwargs=kwargs)[0]  # (ids only: no turn's mask)
+        after = encode_chat(self.tok, head + fed, add_generation_prompt=True, train_roles=(), template_kwargs=kwargs)[0]
+        # the calling turn closes at the n-th stop id of both renders (the last of `before`): a template may write
+        # the turn itself otherwise once results follow (Qwen3 drops an empty reasoning block), never its end
+        n = sum(1 for t in before if t in self.stop_ids)
+        ends = [i for i, t in enumerate(after) if t in self.stop_ids]
+        if n == 0 or len(ends) < n:
+            raise ValueError("the chat template does not close a calling turn with a stop id")
+        return list(after[ends[n - 1] + 1:])
 
     def finish(self, k: int, j: int, ids: Sequence[int]) -> tuple[str, list, Transcript]:
         """(the last turn's text, the transcript's messages, its counts) of row j of prompt k, whose completion
