@@ -254,7 +254,8 @@ def _sample_with_tools(args, model, tok, special: dict, ids: list, stop_ids: lis
     pad = int(special["pad"]["id"]) if "pad" in special else stop_ids[0]
     toks, mask, _ = sample_groups(
         model, [ids], args.num_samples, args.max_new_tokens, temperature=args.temperature,
-        top_p=1.0 if args.top_p is None else args.top_p, top_k=args.top_k or 0, min_p=args.min_p or 0.0, repetition_penalty=args.repetition_penalty, stop_ids=stop_ids,
+        top_p=1.0 if args.top_p is None else args.top_p, top_k=args.top_k or 0, min_p=args.min_p or 0.0,
+        repetition_penalty=args.repetition_penalty, stop_ids=stop_ids,
         pad_id=pad, generators=[torch.Generator(device=device).manual_seed(args.seed)], turn_end=runner.turn_end)[0]
     for row, n in zip(toks.tolist(), completion_lengths(mask).tolist()):
         print("---")
