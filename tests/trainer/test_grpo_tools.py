@@ -381,17 +381,25 @@ def reward(completions, **kw):
     return [float(sum(m["role"] == "tool" for m in c)) for c in completions]
 ''')
     tok_dir = tiny_pretrain_data["tokenizer_dir"]
-    (tmp_path / "p.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "Weather in Paris?"}],
-                                                  "answer": "18"}) + "\n", encoding="utf-8")
+    user = [{"role": "user", "content": "Weather in Paris?"}]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (
+        {"messages": user, "answer": "18"},
+        {"prompt": "Weather in Paris?", "answer": "18"},  # plain text: tools need a chat (a counted skip)
+        {"messages": user, "answer": "18", "tools": [{"type": "function", "function": {"name": "get_time"}}]},
+        {"messages": user, "answer": "18", "tools": [{"name": "get_weather"}]})), encoding="utf-8")
     cfg = _cfg(data_dir=str(tmp_path / "p.jsonl"), tokenizer_dir=tok_dir, tools="weather_tools:get_weather",
                reward_funcs="numeric_match,transcript_reward:reward", answer_marker="", num_generations=3,
                max_prompt_length=700, max_completion_length=300, max_seq_len=1000, generation_kv_cache=False,
                temperature=1.0)
     task = GRPOTask(cfg)
-    data = task.datasets(load_tokenizer_meta(tok_dir), 0.0, True, None)
+    lines = []
+    data = task.datasets(load_tokenizer_meta(tok_dir), 0.0, True, lines.append)
     task._load_tools("cpu")
     tok = load_tokenizer(tok_dir)
-    prompt = data.train.prompts[0]
+    # a record's own tools choose among --tools' (the run's schema offered); one naming another tool is a skip
+    assert any("4 records -> 2 prompts, skipped 2 (bad prompt 2)" in ln for ln in lines), lines
+    prompt, chosen = data.train.prompts
+    assert prompt.tools == chosen.tools == [weather_tools["get_weather"].schema] and prompt.ids == chosen.ids
     assert '"get_weather"' in tok.decode(prompt.ids)  # the tool offered in the prompt
     end = tok.convert_tokens_to_ids("<|im_end|>")
     enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
@@ -424,7 +432,7 @@ def reward(completions, **kw):
     from trainer.tasks.grpo_eval import held_out_sums
     kw = dict(rows=3, max_new_tokens=cfg.max_completion_length, stop_ids=[end], device=torch.device("cpu"),
               tools=task._runner, use_cache=False)
-    one = held_out_sums(model, data.train.prompts, task._rewards, tok.decode, **kw)
+    one = held_out_sums(model, [prompt], task._rewards, tok.decode, **kw)
     assert one == [1.0, 2.0, 1.0, 1.0, 1.0, 1.0, float(len(scripts[0])), 2.0]
-    two = [held_out_sums(model, data.train.prompts, task._rewards, tok.decode, rank=r, world=2, **kw) for r in (0, 1)]
+    two = [held_out_sums(model, [prompt], task._rewards, tok.decode, rank=r, world=2, **kw) for r in (0, 1)]
     assert [a + b for a, b in zip(*two)] == one
