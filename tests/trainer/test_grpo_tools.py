@@ -83,6 +83,34 @@ def test_fed_results_are_context_and_the_sampled_tokens_keep_the_trainers_values
         assert row[:first + 1] == ref[:first + 1]
 
 
+def test_prompts_decoded_together_feed_each_row_its_own_results():
+    """--rollout_batch_prompts (sample_in_calls): one prompt a call or both in one left-padded call, turn_end hears
+    each row's prompt index in the micro-batch; decoded together, the sampled tokens keep the trainer's values within
+    its fp32 rounding."""
+    from trainer.tasks.grpo_rollout import sample_in_calls
+    model = _model()
+    for per_call in (1, 2):
+        log: list = []
+        rolled = sample_in_calls(model, PROMPTS, [rollout_seed(3, 0, i) for i in range(2)], per_call, 4, MAX_NEW,
+                                 device=torch.device("cpu"), temperature=0.9, top_p=1.0, stop_ids=STOPS, pad_id=PAD,
+                                 turn_end=_feeding(1, log))
+        assert {k for k, _, _, _ in log} == {0, 1}, per_call
+        groups = [Group(i, *r) for i, r in enumerate(rolled)]
+        for k, j, turn, _ in log:  # each logged turn is that row's own tokens, through the stop id it drew
+            row = groups[k].tokens[j].tolist()
+            assert any(row[s:s + len(turn)] == turn for s in range(len(row))), (per_call, k, j)
+    resumed = sum(int((~m[:-1] & m[1:]).sum()) for g in groups for m in g.mask)  # sampling again after a feed
+    assert resumed >= 4
+    rows = training_rows(PROMPTS, groups, 7 + MAX_NEW, PAD)
+    on = rows["completion_mask"] > 0
+    with torch.no_grad():
+        trainer = _trainer_logps(model, rows)
+        exact = token_logps(_model().double()(rows["input_ids"]), rows["input_ids"], 0.9)[0][on]
+    err_trainer = (trainer[on].double() - exact).abs().max().item()
+    err_decode = (rows["gen_logps"][on].double() - exact).abs().max().item()
+    assert 0 < err_trainer < 1e-4 and err_decode <= 4 * err_trainer, (err_decode, err_trainer)
+
+
 def test_calls_are_parsed_run_and_their_failures_fed_back(tmp_path, monkeypatch):
     _user_module(tmp_path, monkeypatch, "my_tools", '''
 def get_weather(city: str) -> str:
