@@ -121,11 +121,11 @@ def _read_tools(args) -> str:
     """--tools: the file's function schemas, or the functions' (`args.run_tools`, name -> grpo_tools.Tool), into the
     template's `tools` variable; a problem's line, or ''."""
     import json
-    import re
 
     from data_preprocess.sft_format import record_tools
+    from trainer.tasks.grpo_flags import FUNCTION_SPEC
     args.run_tools = None
-    if not os.path.exists(args.tools) and re.fullmatch(r"[\w.]+:\w+(\s*,\s*[\w.]+:\w+)*", args.tools.strip()):
+    if not os.path.exists(args.tools) and all(FUNCTION_SPEC.fullmatch(s.strip()) for s in args.tools.split(",")):
         from trainer.tasks.grpo_tools import ToolsError, load_tools
         try:
             args.run_tools = load_tools(args.tools)

@@ -44,10 +44,15 @@ def lookup(key: str) -> int:
 '''
 
 
-def tool() -> Any:
-    scope: dict = {}
-    exec(TOOL_MODULE, scope)  # noqa: S102 - the demo's own tool, written above
-    return scope["lookup"]
+def tool(work: str) -> Any:
+    """The tool, written to `work`/demo_tools.py (what the trainer's --tools imports) and imported from there."""
+    import importlib
+    with open(os.path.join(work, "demo_tools.py"), "w", encoding="utf-8") as f:
+        f.write(TOOL_MODULE)
+    if work not in sys.path:
+        sys.path.insert(0, work)
+    sys.modules.pop("demo_tools", None)
+    return importlib.import_module("demo_tools").lookup
 
 
 def question(key: str) -> str:
@@ -75,7 +80,8 @@ def write_task(work: str, a: argparse.Namespace) -> dict:
     keys = [x + y for x in "abcdefghijklmnopqrstuvwxyz" for y in "abcdefghijklmnopqrstuvwxyz"]
     rng.shuffle(keys)
     held, train = keys[:a.held_out], keys[a.held_out:]
-    lookup, tools = tool(), [get_json_schema(tool())]
+    lookup = tool(work)
+    tools = [get_json_schema(lookup)]
     paths = {k: os.path.join(work, f"{k}.jsonl") for k in ("grpo", "heldout", "sft", "pre")}
     for key, subset in (("grpo", train), ("heldout", held)):
         with open(paths[key], "w", encoding="utf-8") as f:
@@ -90,8 +96,6 @@ def write_task(work: str, a: argparse.Namespace) -> dict:
                 for _ in range(a.copy_copies):  # (always a call, a random value: only copying answers)
                     pre.write(json.dumps({"tools": tools, "messages": conversation(k, rng.randrange(100), True, rng)})
                               + "\n")
-    with open(os.path.join(work, "demo_tools.py"), "w", encoding="utf-8") as f:
-        f.write(TOOL_MODULE)
     return paths
 
 

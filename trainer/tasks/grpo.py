@@ -79,23 +79,21 @@ class GRPOTask(Task):
         self._log = log or self._log
         # the reward functions imported and checked now, at the start (--reward_model's loads with the tools)
         answers = build_rewards(cfg, model_reward=_LOADED_LATER).needs_answer
-        run_tools = self._check_tools(load_tokenizer(cfg.tokenizer_dir)) if str(cfg.tools).strip() else None
-        prompts = read_prompts_file(cfg.data_dir, cfg, load_tokenizer(cfg.tokenizer_dir), tok_meta, answers, log,
-                                    run_tools)
+        tok = load_tokenizer(cfg.tokenizer_dir)
+        run_tools = self._check_tools(tok, tok_meta) if str(cfg.tools).strip() else None
+        prompts = read_prompts_file(cfg.data_dir, cfg, tok, tok_meta, answers, log, run_tools)
         train = PromptSet(prompts)
         if not cfg.eval_data_dir:
             return TaskData(train, PromptSet([]), train.collate, "prompts",
                             "none (the reward of each step's rollouts; --eval_data_dir: greedy rewards)", "")
-        held = read_prompts_file(cfg.eval_data_dir, cfg, load_tokenizer(cfg.tokenizer_dir), tok_meta, answers, log,
-                                 run_tools)
+        held = read_prompts_file(cfg.eval_data_dir, cfg, tok, tok_meta, answers, log, run_tools)
         return TaskData(train, PromptSet(held), train.collate, "prompts",
                         f"--eval_data_dir={cfg.eval_data_dir}, answered greedily: val_reward",
                         "give more held-out prompts in --eval_data_dir")
 
-    def _check_tools(self, tok) -> dict:
+    def _check_tools(self, tok, tok_meta: dict) -> dict:
         """--tools imported, and the template's results turn rendered once for a call of the first: a tokenizer that
         cannot feed results back stops the run now, in one line (exit 2). name -> schema."""
-        from tokenizer import load_tokenizer_meta
         from tokenizer.chat import chat_stop_ids
         from tokenizer.chat_template import parse_template_kwargs
         from trainer.tasks.grpo_tools import ToolRunner, ToolsError, call_format, load_tools
@@ -105,7 +103,7 @@ class GRPOTask(Task):
         except ToolsError as e:
             raise TrainingError(str(e), EXIT_BAD_CONFIG) from None
         schemas = [t.schema for t in self._tools.values()]
-        stops = chat_stop_ids(tok, load_tokenizer_meta(self.cfg.tokenizer_dir)["special_tokens"])
+        stops = chat_stop_ids(tok, tok_meta["special_tokens"])
         kwargs = parse_template_kwargs(str(self.cfg.chat_template_kwargs))
         runner = ToolRunner(tok, self._tools, [schemas], stops, kwargs)
         call = {"type": "function", "function": {"name": schemas[0]["function"]["name"], "arguments": {}}}

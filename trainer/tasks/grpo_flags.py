@@ -18,6 +18,7 @@ MODEL_REWARD = "reward_model"  # --reward_model's reward (trainer/tasks/grpo_rew
 LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo")  # (trainer/tasks/grpo_loss.py reads these three)
 IS_LEVELS = ("token", "sequence")
 SCALE_REWARDS = ("group", "batch", "none")
+FUNCTION_SPEC = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")  # module:function (--reward_funcs, --tools)
 
 
 @dataclass
@@ -271,8 +272,7 @@ def grpo_problems(cfg: Any, resume_policy: str) -> list[str]:
     for k, (name, _) in enumerate(specs):
         if name == MODEL_REWARD and (not model or k < len(specs) - 1):  # (only the flag's, appended last)
             out.append(f"--reward_funcs: {MODEL_REWARD} is --reward_model's reward: pass --reward_model=<dir> alone")
-        elif name not in BUILTIN_REWARDS and name != MODEL_REWARD and not re.fullmatch(
-                r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", name):
+        elif name not in BUILTIN_REWARDS and name != MODEL_REWARD and not FUNCTION_SPEC.fullmatch(name):
             out.append(f"--reward_funcs: {name!r} is neither a built-in reward ({' | '.join(BUILTIN_REWARDS)}) nor "
                        "module:function")
     if any(n == "soft_overlong" for n, _ in specs) and not 0 < cfg.soft_punish_cache <= cfg.max_completion_length:
@@ -296,6 +296,6 @@ def tool_problems(cfg: Any) -> list[str]:
         out.append(f"--max_tool_calling_iterations={cfg.max_tool_calling_iterations}: must be >= 0 (0 = no limit)")
     items = [s.strip() for s in str(cfg.tools).split(",") if s.strip()]
     for item in items:
-        if not re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", item):
+        if not FUNCTION_SPEC.fullmatch(item):
             out.append(f"--tools: {item!r} is not module:function")
     return out
